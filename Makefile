@@ -1,0 +1,27 @@
+# The two commands a fresh machine needs: `make train` and `make test`.
+# Both first make sure a Vulkan driver is present (installing Mesa's software
+# driver on Debian/Ubuntu when run as root).
+
+CARGO ?= cargo
+# Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
+export XDG_RUNTIME_DIR ?= /tmp
+
+.PHONY: train test bench driver adapters
+
+driver:
+	@bash scripts/ensure-vulkan.sh
+
+train: driver
+	$(CARGO) run --release --bin wgrad -- adapters
+	$(CARGO) run --release --bin wgrad -- matmul --n 1024
+
+test: driver
+	$(CARGO) build --release --bin wgrad
+	./target/release/wgrad adapters
+	$(CARGO) test --release
+
+bench: driver
+	$(CARGO) bench --bench matmul
+
+adapters: driver
+	$(CARGO) run --release --bin wgrad -- adapters

@@ -1,0 +1,118 @@
+// Losses, reduced with PyTorch's default reduction="mean".
+//   mse_forward:            loss[1] = Σ (pred - target)² / n
+//   mse_backward:           dpred[n] = 2 (pred - target) / n · dloss[0]
+//   cross_entropy_forward:  loss[1] = Σ_r (logsumexp(logits[r, :]) - logits[r, label[r]]) / rows
+//   cross_entropy_backward: dlogits[rows, cols] = (softmax(logits[r, :]) - onehot(label[r])) / rows · dloss[0]
+// A label ≥ cols makes the loss NaN (the GPU cannot raise an error; a NaN
+// loss is caught where the loss is read).
+
+struct LossParams {
+    rows: u32,
+    cols: u32,
+    n: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<storage, read> pred: array<f32>;
+@group(0) @binding(1) var<storage, read> targets: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<uniform> p: LossParams;
+@group(0) @binding(4) var<storage, read> labels: array<u32>;
+@group(0) @binding(5) var<storage, read> dloss: array<f32>;
+
+const WG: u32 = 256u;
+var<workgroup> partial: array<f32, 256>;
+
+fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.y * nwg.x + wid.x) * WG + lid.x;
+}
+
+fn tree_sum(t: u32, value: f32) -> f32 {
+    partial[t] = value;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if t < stride {
+            partial[t] += partial[t + stride];
+        }
+        workgroupBarrier();
+    }
+    return partial[0];
+}
+
+@compute @workgroup_size(256)
+fn mse_forward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    for (var i = t; i < p.n; i += WG) {
+        let d = pred[i] - targets[i];
+        acc += d * d;
+    }
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.n);
+    }
+}
+
+@compute @workgroup_size(256)
+fn mse_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    if i < p.n {
+        out[i] = 2.0 * (pred[i] - targets[i]) / f32(p.n) * dloss[0];
+    }
+}
+
+fn quiet_nan() -> f32 {
+    return bitcast<f32>(0x7fc00000u);
+}
+
+// Stable log-sum-exp of row r: max + log Σ exp(x - max).
+fn row_max(r: u32) -> f32 {
+    var m = pred[r * p.cols];
+    for (var c = 1u; c < p.cols; c++) {
+        m = max(m, pred[r * p.cols + c]);
+    }
+    return m;
+}
+
+fn row_sum_exp(r: u32, m: f32) -> f32 {
+    var s = 0.0;
+    for (var c = 0u; c < p.cols; c++) {
+        s += exp(pred[r * p.cols + c] - m);
+    }
+    return s;
+}
+
+@compute @workgroup_size(256)
+fn cross_entropy_forward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    for (var r = t; r < p.rows; r += WG) {
+        let label = labels[r];
+        let m = row_max(r);
+        let lse = m + log(row_sum_exp(r, m));
+        let picked = pred[r * p.cols + min(label, p.cols - 1u)];
+        acc += select(quiet_nan(), lse - picked, label < p.cols);
+    }
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.rows);
+    }
+}
+
+// One invocation per row: softmax recomputed from the logits (fused, no
+// stored probabilities).
+@compute @workgroup_size(256)
+fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let r = flat_index(wid, nwg, lid);
+    if r >= p.rows {
+        return;
+    }
+    let label = labels[r];
+    let m = row_max(r);
+    let inv_sum = 1.0 / row_sum_exp(r, m);
+    let scale = dloss[0] / f32(p.rows);
+    let bad = select(0.0, quiet_nan(), label >= p.cols);
+    for (var c = 0u; c < p.cols; c++) {
+        let prob = exp(pred[r * p.cols + c] - m) * inv_sum;
+        let onehot = select(0.0, 1.0, c == label);
+        out[r * p.cols + c] = (prob - onehot) * scale + bad;
+    }
+}

@@ -1,0 +1,106 @@
+// Reductions over f32 arrays.
+//   sum_rows_forward:    out[cols] = Σ_r x[rows, cols]      (bias gradient)
+//   sum_forward:         out[1]    = Σ_i x[n]
+//   mean_forward:        out[1]    = Σ_i x[n] / n
+//   max_rows_forward:    out[rows] = max_c x[rows, cols]
+//   argmax_rows_forward: idx[rows] = first c with x[r, c] = max_c x[r, c]
+// Whole-array reductions run in one workgroup with a fixed summation order,
+// so their result is deterministic on a given adapter.
+
+struct ReduceParams {
+    rows: u32,
+    cols: u32,
+    n: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<uniform> p: ReduceParams;
+@group(0) @binding(4) var<storage, read_write> idx: array<u32>;
+
+const WG: u32 = 256u;
+var<workgroup> partial: array<f32, 256>;
+
+fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.y * nwg.x + wid.x) * WG + lid.x;
+}
+
+// One thread per column; rows summed in order.
+@compute @workgroup_size(256)
+fn sum_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let c = flat_index(wid, nwg, lid);
+    if c >= p.cols {
+        return;
+    }
+    var acc = 0.0;
+    for (var r = 0u; r < p.rows; r++) {
+        acc += x[r * p.cols + c];
+    }
+    out[c] = acc;
+}
+
+// Strided partial sums, then a tree in workgroup memory.
+fn workgroup_sum(t: u32) -> f32 {
+    var acc = 0.0;
+    for (var i = t; i < p.n; i += WG) {
+        acc += x[i];
+    }
+    partial[t] = acc;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if t < stride {
+            partial[t] += partial[t + stride];
+        }
+        workgroupBarrier();
+    }
+    return partial[0];
+}
+
+@compute @workgroup_size(256)
+fn sum_forward(@builtin(local_invocation_index) t: u32) {
+    let total = workgroup_sum(t);
+    if t == 0u {
+        out[0] = total;
+    }
+}
+
+@compute @workgroup_size(256)
+fn mean_forward(@builtin(local_invocation_index) t: u32) {
+    let total = workgroup_sum(t);
+    if t == 0u {
+        out[0] = total / f32(p.n);
+    }
+}
+
+// One thread per row.
+@compute @workgroup_size(256)
+fn max_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let r = flat_index(wid, nwg, lid);
+    if r >= p.rows {
+        return;
+    }
+    var best = x[r * p.cols];
+    for (var c = 1u; c < p.cols; c++) {
+        best = max(best, x[r * p.cols + c]);
+    }
+    out[r] = best;
+}
+
+@compute @workgroup_size(256)
+fn argmax_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let r = flat_index(wid, nwg, lid);
+    if r >= p.rows {
+        return;
+    }
+    var best = x[r * p.cols];
+    var best_c = 0u;
+    for (var c = 1u; c < p.cols; c++) {
+        let v = x[r * p.cols + c];
+        if v > best {
+            best = v;
+            best_c = c;
+        }
+    }
+    idx[r] = best_c;
+}

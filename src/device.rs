@@ -1,0 +1,405 @@
+//! Adapter discovery and selection across every backend compiled in, and one
+//! long-lived `Device` per adapter that turns wgpu's error reporting
+//! (error scopes, uncaptured errors, device loss) into `wgrad::Error` values.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+
+/// Environment variable: adapter index (as `wgrad adapters` numbers them) or a
+/// case-insensitive substring of the adapter's name.
+pub const ENV_ADAPTER: &str = "WGRAD_ADAPTER";
+/// Environment variable: `vulkan`, `metal`, `dx12` or `gl`.
+pub const ENV_BACKEND: &str = "WGRAD_BACKEND";
+
+/// The features wgrad reports and requests when an adapter offers them.
+pub const REPORTED_FEATURES: [(wgpu::Features, &str); 4] = [
+    (wgpu::Features::SHADER_F16, "SHADER_F16"),
+    (wgpu::Features::SUBGROUP, "SUBGROUP"),
+    (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
+    (wgpu::Features::SHADER_F64, "SHADER_F64"),
+];
+
+/// One process-wide instance: creating a GL instance initialises EGL, which is
+/// slow and gains nothing when repeated.
+fn instance() -> &'static wgpu::Instance {
+    static INSTANCE: OnceLock<wgpu::Instance> = OnceLock::new();
+    INSTANCE.get_or_init(|| {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = wgpu::Backends::all();
+        desc.flags = wgpu::InstanceFlags::from_build_config();
+        wgpu::Instance::new(desc)
+    })
+}
+
+/// Parses a backend name as accepted by `WGRAD_BACKEND` and `--backend`.
+pub fn parse_backend(name: &str) -> Result<wgpu::Backends> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "vulkan" | "vk" => Ok(wgpu::Backends::VULKAN),
+        "metal" | "mtl" => Ok(wgpu::Backends::METAL),
+        "dx12" | "d3d12" => Ok(wgpu::Backends::DX12),
+        "gl" | "gles" | "opengl" => Ok(wgpu::Backends::GL),
+        other => Err(Error::UnknownBackend(other.to_string())),
+    }
+}
+
+/// Which adapter to open. `Default` means "the best one by policy".
+#[derive(Clone, Debug, Default)]
+pub struct DeviceOptions {
+    /// Restrict the search to these backends (all when `None`).
+    pub backends: Option<wgpu::Backends>,
+    /// An adapter index (as listed by [`list_adapters`]) or a name substring.
+    pub adapter: Option<String>,
+}
+
+impl DeviceOptions {
+    /// Reads `WGRAD_BACKEND` and `WGRAD_ADAPTER`.
+    pub fn from_env() -> Result<Self> {
+        let backends = match std::env::var(ENV_BACKEND) {
+            Ok(name) if !name.trim().is_empty() => Some(parse_backend(&name)?),
+            _ => None,
+        };
+        let adapter = std::env::var(ENV_ADAPTER)
+            .ok()
+            .filter(|s| !s.trim().is_empty());
+        Ok(DeviceOptions { backends, adapter })
+    }
+}
+
+/// What `wgrad adapters` prints for one adapter.
+#[derive(Clone, Debug)]
+pub struct AdapterReport {
+    pub index: usize,
+    pub info: wgpu::AdapterInfo,
+    pub limits: wgpu::Limits,
+    pub features: wgpu::Features,
+}
+
+impl fmt::Display for AdapterReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &self.info;
+        let l = &self.limits;
+        writeln!(f, "[{}] {}", self.index, i.name)?;
+        writeln!(f, "    backend: {:?}, type: {:?}", i.backend, i.device_type)?;
+        writeln!(f, "    driver: {} {}", i.driver, i.driver_info)?;
+        writeln!(
+            f,
+            "    limits: storage binding {} MiB, buffer {} MiB, workgroup storage {} KiB, \
+             invocations/workgroup {}, workgroups/dimension {}, storage buffers/stage {}",
+            l.max_storage_buffer_binding_size / (1 << 20),
+            l.max_buffer_size / (1 << 20),
+            l.max_compute_workgroup_storage_size / 1024,
+            l.max_compute_invocations_per_workgroup,
+            l.max_compute_workgroups_per_dimension,
+            l.max_storage_buffers_per_shader_stage,
+        )?;
+        let feats: Vec<String> = REPORTED_FEATURES
+            .iter()
+            .map(|(flag, name)| {
+                let mark = if self.features.contains(*flag) { "yes" } else { "no" };
+                format!("{name}={mark}")
+            })
+            .collect();
+        write!(f, "    features: {}", feats.join(" "))?;
+        if self.features.contains(wgpu::Features::SUBGROUP) {
+            write!(
+                f,
+                " (subgroup size {}..{})",
+                i.subgroup_min_size, i.subgroup_max_size
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Every adapter, enumerated once per process. Enumerating again while
+/// another thread drives a GL device makes EGL's make-current fail inside
+/// wgpu (a panic), so the list is taken once and reused.
+fn all_adapters() -> &'static [wgpu::Adapter] {
+    static ADAPTERS: OnceLock<Vec<wgpu::Adapter>> = OnceLock::new();
+    ADAPTERS.get_or_init(|| pollster::block_on(instance().enumerate_adapters(wgpu::Backends::all())))
+}
+
+fn report(index: usize, adapter: &wgpu::Adapter) -> AdapterReport {
+    AdapterReport {
+        index,
+        info: adapter.get_info(),
+        limits: adapter.limits(),
+        features: adapter.features(),
+    }
+}
+
+/// Every adapter on every backend compiled in, in the order `WGRAD_ADAPTER`
+/// indexes them.
+pub fn list_adapters() -> Vec<AdapterReport> {
+    all_adapters()
+        .iter()
+        .enumerate()
+        .map(|(i, a)| report(i, a))
+        .collect()
+}
+
+/// Lower is better: discrete > integrated > virtual > CPU, then native APIs
+/// before GL (GL lacks subgroups and f16 and compiles shaders lazily).
+fn policy_rank(info: &wgpu::AdapterInfo) -> (u8, u8) {
+    let kind = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    };
+    let api = match info.backend {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        _ => 1,
+    };
+    (kind, api)
+}
+
+/// Picks an adapter: by index or name substring when `options.adapter` is
+/// set, otherwise the best by policy. Indexes refer to the full list (all
+/// backends) so they match `wgrad adapters` whatever `backends` says.
+pub fn select_adapter(options: &DeviceOptions) -> Result<wgpu::Adapter> {
+    let all = all_adapters();
+    let backends = options.backends.unwrap_or(wgpu::Backends::all());
+    let in_backend =
+        |a: &wgpu::Adapter| backends.contains(wgpu::Backends::from(a.get_info().backend));
+    let describe = |list: &[wgpu::Adapter]| {
+        list.iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let info = a.get_info();
+                format!("[{i}] {} ({:?})", info.name, info.backend)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !all.iter().any(in_backend) {
+        let filter = match options.backends {
+            Some(b) => format!(" for backends {b:?}"),
+            None => String::new(),
+        };
+        return Err(Error::NoAdapter { filter });
+    }
+    let mut candidates: Vec<(usize, &wgpu::Adapter)> = match options.adapter.as_deref() {
+        Some(sel) => {
+            let sel = sel.trim();
+            if let Ok(index) = sel.parse::<usize>() {
+                all.get(index).map(|a| vec![(index, a)]).unwrap_or_default()
+            } else {
+                let needle = sel.to_ascii_lowercase();
+                all.iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.get_info().name.to_ascii_lowercase().contains(&needle))
+                    .collect()
+            }
+        }
+        None => all.iter().enumerate().collect(),
+    };
+    candidates.retain(|(_, a)| in_backend(a));
+    candidates.sort_by_key(|(i, a)| (policy_rank(&a.get_info()), *i));
+    match candidates.first() {
+        Some((_, adapter)) => Ok((*adapter).clone()),
+        None => Err(Error::AdapterNotFound {
+            selector: format!(
+                "{}{}",
+                options.adapter.as_deref().unwrap_or("<best>"),
+                options
+                    .backends
+                    .map(|b| format!(" on {b:?}"))
+                    .unwrap_or_default()
+            ),
+            available: describe(all),
+        }),
+    }
+}
+
+/// One opened device with its queue, plus the error state wgpu reports
+/// asynchronously. Long-lived: create one per adapter and share it.
+pub struct Device {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    limits: wgpu::Limits,
+    features: wgpu::Features,
+    lost: Arc<Mutex<Option<String>>>,
+    uncaptured: Arc<Mutex<Vec<String>>>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("adapter", &self.info.name)
+            .field("backend", &self.info.backend)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Opens the adapter chosen by `options`.
+    pub fn open(options: &DeviceOptions) -> Result<Self> {
+        let adapter = select_adapter(options)?;
+        Self::from_adapter(&adapter)
+    }
+
+    /// Opens the adapter chosen by `WGRAD_BACKEND` / `WGRAD_ADAPTER`, or the
+    /// best one by policy.
+    pub fn open_default() -> Result<Self> {
+        Self::open(&DeviceOptions::from_env()?)
+    }
+
+    /// Opens one device on every adapter present (one per backend and GPU).
+    pub fn open_all() -> Result<Vec<Self>> {
+        all_adapters().iter().map(Self::from_adapter)
+            .collect()
+    }
+
+    /// Opens a device on `adapter`, requesting the adapter's full limits (the
+    /// defaults cap storage bindings at 128 MiB) and the optional features it
+    /// has that wgrad can use.
+    pub fn from_adapter(adapter: &wgpu::Adapter) -> Result<Self> {
+        let info = adapter.get_info();
+        let offered = adapter.features();
+        let wanted = REPORTED_FEATURES
+            .iter()
+            .fold(wgpu::Features::empty(), |acc, (f, _)| acc | *f);
+        let features = offered & wanted;
+        let limits = adapter.limits();
+        let desc = wgpu::DeviceDescriptor {
+            label: Some("wgrad device"),
+            required_features: features,
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) =
+            pollster::block_on(adapter.request_device(&desc)).map_err(|source| {
+                Error::RequestDevice {
+                    adapter: info.name.clone(),
+                    source,
+                }
+            })?;
+
+        let lost = Arc::new(Mutex::new(None));
+        let lost_slot = Arc::clone(&lost);
+        device.set_device_lost_callback(move |reason, message| {
+            if let Ok(mut slot) = lost_slot.lock() {
+                *slot = Some(format!("{reason:?}: {message}"));
+            }
+        });
+        // wgpu's default handler panics; keep errors that escape a scope so
+        // the next checked operation can report them.
+        let uncaptured = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&uncaptured);
+        device.on_uncaptured_error(Arc::new(move |error: wgpu::Error| {
+            if let Ok(mut errors) = sink.lock() {
+                errors.push(error.to_string());
+            }
+        }));
+        Ok(Device {
+            device,
+            queue,
+            info,
+            limits,
+            features,
+            lost,
+            uncaptured,
+        })
+    }
+
+    pub fn wgpu_device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    pub fn info(&self) -> &wgpu::AdapterInfo {
+        &self.info
+    }
+
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.limits
+    }
+
+    pub fn features(&self) -> wgpu::Features {
+        self.features
+    }
+
+    /// A short name for messages: adapter name and backend.
+    pub fn label(&self) -> String {
+        format!("{} ({:?})", self.info.name, self.info.backend)
+    }
+
+    /// True for software rasterisers (lavapipe, llvmpipe, WARP).
+    pub fn is_cpu(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    fn lost_error(&self) -> Option<Error> {
+        let reason = self.lost.lock().ok().and_then(|slot| slot.clone())?;
+        Some(Error::DeviceLost {
+            adapter: self.label(),
+            reason,
+        })
+    }
+
+    /// A validation failure, unless it was caused by the device being lost:
+    /// loss is reported through a callback that runs on the next poll.
+    fn validation_or_lost(&self, op: &str, message: String) -> Error {
+        let _ = self.device.poll(wgpu::PollType::Poll);
+        self.lost_error().unwrap_or(Error::Validation {
+            op: op.to_string(),
+            message,
+        })
+    }
+
+    /// `Err(DeviceLost)` once the device has been lost, and any error that
+    /// escaped an error scope since the last check.
+    pub fn check(&self, op: &str) -> Result<()> {
+        if let Some(lost) = self.lost_error() {
+            return Err(lost);
+        }
+        let escaped: Vec<String> = match self.uncaptured.lock() {
+            Ok(mut errors) => errors.drain(..).collect(),
+            Err(_) => Vec::new(),
+        };
+        if !escaped.is_empty() {
+            return Err(self.validation_or_lost(op, escaped.join("; ")));
+        }
+        Ok(())
+    }
+
+    /// Runs `work` inside validation and out-of-memory error scopes, so a
+    /// wgpu error becomes an `Error` naming `op` instead of a panic.
+    pub fn scoped<T>(&self, op: &str, work: impl FnOnce() -> T) -> Result<T> {
+        self.check(op)?;
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let value = work();
+        let validation_error = pollster::block_on(validation.pop());
+        let oom_error = pollster::block_on(oom.pop());
+        if let Some(e) = oom_error {
+            return Err(Error::OutOfMemory {
+                op: op.to_string(),
+                message: e.to_string(),
+            });
+        }
+        if let Some(e) = validation_error {
+            return Err(self.validation_or_lost(op, e.to_string()));
+        }
+        self.check(op)?;
+        Ok(value)
+    }
+
+    /// Blocks until the queue is idle.
+    pub fn wait_idle(&self, op: &str) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;
+        self.check(op)
+    }
+}

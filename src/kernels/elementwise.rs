@@ -1,0 +1,167 @@
+//! `elementwise.wgsl`: binary ops, scale, bias add, activations and their
+//! backward forms.
+//!
+//! Backward forms of the linear ops are other forward kernels: for
+//! `out = x + y`, dx = dy and dy_y = dy; for `x - y`, dy_y = scale(dy, -1);
+//! for `x * y`, dx = mul(dy, y); for `alpha * x`, dx = scale(dy, alpha); for
+//! bias add, dx = dy and dbias = sum_rows(dy).
+
+use super::registry::*;
+use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Binary {
+    Add,
+    Sub,
+    Mul,
+}
+
+impl Binary {
+    pub const ALL: [Binary; 3] = [Binary::Add, Binary::Sub, Binary::Mul];
+
+    fn kernel(self) -> Kernel {
+        match self {
+            Binary::Add => ADD_FORWARD,
+            Binary::Sub => SUB_FORWARD,
+            Binary::Mul => MUL_FORWARD,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    Relu,
+    /// The tanh approximation (PyTorch `GELU(approximate="tanh")`).
+    Gelu,
+    Sigmoid,
+    Tanh,
+}
+
+impl Activation {
+    pub const ALL: [Activation; 4] = [
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::Sigmoid,
+        Activation::Tanh,
+    ];
+
+    fn kernels(self) -> (Kernel, Kernel) {
+        match self {
+            Activation::Relu => (RELU_FORWARD, RELU_BACKWARD),
+            Activation::Gelu => (GELU_FORWARD, GELU_BACKWARD),
+            Activation::Sigmoid => (SIGMOID_FORWARD, SIGMOID_BACKWARD),
+            Activation::Tanh => (TANH_FORWARD, TANH_BACKWARD),
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct ElementwiseParams {
+    n: u32,
+    cols: u32,
+    alpha: f32,
+    _pad: u32,
+}
+
+fn same_len(op: &'static str, names: &[(&str, &View<'_>)]) -> Result<()> {
+    let n = names[0].1.len;
+    if names.iter().any(|(_, v)| v.len != n) {
+        let detail: Vec<String> = names.iter().map(|(k, v)| format!("{k}={}", v.len)).collect();
+        let shapes: Vec<Vec<usize>> = names.iter().map(|(_, v)| vec![v.len]).collect();
+        return Err(Error::Shape {
+            op,
+            reason: format!("operands must have equal length ({})", detail.join(", ")),
+            shapes,
+        });
+    }
+    Ok(())
+}
+
+impl Kernels {
+    fn flat(
+        &self,
+        kernel: Kernel,
+        out: View<'_>,
+        x: View<'_>,
+        y: Option<View<'_>>,
+        cols: usize,
+        alpha: f32,
+    ) -> Result<Dispatch> {
+        let op = kernel.entry;
+        let params = ElementwiseParams {
+            n: dim(op, out.len)?,
+            cols: dim(op, cols)?,
+            alpha,
+            _pad: 0,
+        };
+        let mut bindings = vec![bind(0, "x", x), bind(2, "out", out)];
+        if let Some(y) = y {
+            bindings.push(bind(1, "y", y));
+        }
+        self.prepare(kernel, &[], &bindings, 3, &params, flat_groups(out.len))
+    }
+
+    /// out = x ∘ y elementwise; all three the same length.
+    pub fn binary(&self, op: Binary, out: View<'_>, x: View<'_>, y: View<'_>) -> Result<Dispatch> {
+        let kernel = op.kernel();
+        same_len(kernel.entry, &[("out", &out), ("x", &x), ("y", &y)])?;
+        self.flat(kernel, out, x, Some(y), 1, 0.0)
+    }
+
+    /// out = alpha · x.
+    pub fn scale(&self, out: View<'_>, x: View<'_>, alpha: f32) -> Result<Dispatch> {
+        same_len(SCALE_FORWARD.entry, &[("out", &out), ("x", &x)])?;
+        self.flat(SCALE_FORWARD, out, x, None, 1, alpha)
+    }
+
+    /// out += x (gradient accumulation).
+    pub fn add_assign(&self, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
+        same_len(ADD_ASSIGN.entry, &[("out", &out), ("x", &x)])?;
+        self.flat(ADD_ASSIGN, out, x, None, 1, 0.0)
+    }
+
+    /// out[rows, cols] = x[rows, cols] + bias[cols].
+    pub fn bias_add(
+        &self,
+        out: View<'_>,
+        x: View<'_>,
+        bias: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        let op = BIAS_ADD_FORWARD.entry;
+        if rows.checked_mul(cols) != Some(x.len) || out.len != x.len || bias.len != cols || cols == 0 {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "x and out must be rows×cols = {rows}×{cols} and bias cols; got x {}, out {}, bias {}",
+                    x.len, out.len, bias.len
+                ),
+                &[&[rows, cols], &[bias.len], &[out.len]],
+            ));
+        }
+        self.flat(BIAS_ADD_FORWARD, out, x, Some(bias), cols, 0.0)
+    }
+
+    /// out = f(x).
+    pub fn activation_forward(&self, act: Activation, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
+        let kernel = act.kernels().0;
+        same_len(kernel.entry, &[("out", &out), ("x", &x)])?;
+        self.flat(kernel, out, x, None, 1, 0.0)
+    }
+
+    /// dx = f'(x) · dy, where x is the forward input.
+    pub fn activation_backward(
+        &self,
+        act: Activation,
+        dx: View<'_>,
+        x: View<'_>,
+        dy: View<'_>,
+    ) -> Result<Dispatch> {
+        let kernel = act.kernels().1;
+        same_len(kernel.entry, &[("dx", &dx), ("x", &x), ("dy", &dy)])?;
+        self.flat(kernel, dx, x, Some(dy), 1, 0.0)
+    }
+}

@@ -1,0 +1,149 @@
+//! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
+
+use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_SHARED};
+use super::{bind, dim, Dispatch, Kernels, View};
+use crate::error::{Error, Result};
+
+/// Which operand is transposed. Shapes are row-major as stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatmulForm {
+    /// C[M,N] = A[M,K] · B[K,N] (forward pass).
+    AB,
+    /// C[M,N] = A[K,M]ᵀ · B[K,N] (weight gradient, Xᵀ·dY).
+    AtB,
+    /// C[M,N] = A[M,K] · B[N,K]ᵀ (input gradient, dY·Wᵀ).
+    ABt,
+}
+
+impl MatmulForm {
+    pub const ALL: [MatmulForm; 3] = [MatmulForm::AB, MatmulForm::AtB, MatmulForm::ABt];
+
+    /// Stored shapes of A and B for an M×N×K product.
+    pub fn operand_shapes(self, m: usize, n: usize, k: usize) -> ([usize; 2], [usize; 2]) {
+        match self {
+            MatmulForm::AB => ([m, k], [k, n]),
+            MatmulForm::AtB => ([k, m], [k, n]),
+            MatmulForm::ABt => ([m, k], [n, k]),
+        }
+    }
+
+    fn transposes(self) -> (bool, bool) {
+        match self {
+            MatmulForm::AB => (false, false),
+            MatmulForm::AtB => (true, false),
+            MatmulForm::ABt => (false, true),
+        }
+    }
+}
+
+/// The kernel shape: register-blocked (CPU adapters, where workgroup memory
+/// and barriers are slow) or workgroup-memory tiled (real GPUs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatmulVariant {
+    Register,
+    Shared,
+}
+
+impl MatmulVariant {
+    pub const ALL: [MatmulVariant; 2] = [MatmulVariant::Register, MatmulVariant::Shared];
+}
+
+const TILE: usize = 64;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct MatmulParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    tiles_n: u32,
+    tiles_total: u32,
+    _pad: [u32; 3],
+}
+
+impl Kernels {
+    /// The variant used by [`Kernels::matmul`] on this adapter.
+    pub fn matmul_variant(&self) -> MatmulVariant {
+        if self.device().is_cpu() {
+            MatmulVariant::Register
+        } else {
+            MatmulVariant::Shared
+        }
+    }
+
+    /// C[m,n] = op(A)·op(B) with the variant best for this adapter.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        form: MatmulForm,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        self.matmul_with(self.matmul_variant(), form, c, a, b, m, n, k)
+    }
+
+    /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_with(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        let kernel = match variant {
+            MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
+            MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
+        };
+        let op = kernel.entry;
+        let (a_shape, b_shape) = form.operand_shapes(m, n, k);
+        let shapes: [&[usize]; 3] = [&a_shape, &b_shape, &[m, n]];
+        if m == 0 || n == 0 || k == 0 {
+            return Err(Error::shape(op, format!("{form:?}: every dimension must be at least 1"), &shapes));
+        }
+        let sizes_ok = m.checked_mul(k) == Some(a.len)
+            && k.checked_mul(n) == Some(b.len)
+            && m.checked_mul(n) == Some(c.len);
+        if !sizes_ok {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{form:?} with m={m} n={n} k={k} needs A, B, C of {}, {}, {} elements; got {}, {}, {}",
+                    m * k, k * n, m * n, a.len, b.len, c.len
+                ),
+                &shapes,
+            ));
+        }
+        let tiles_n = n.div_ceil(TILE);
+        let tiles_total = tiles_n * m.div_ceil(TILE);
+        let params = MatmulParams {
+            m: dim(op, m)?,
+            n: dim(op, n)?,
+            k: dim(op, k)?,
+            tiles_n: dim(op, tiles_n)?,
+            tiles_total: dim(op, tiles_total)?,
+            _pad: [0; 3],
+        };
+        let (trans_a, trans_b) = form.transposes();
+        let constants = [
+            ("TRANS_A", f64::from(u8::from(trans_a))),
+            ("TRANS_B", f64::from(u8::from(trans_b))),
+        ];
+        self.prepare(
+            kernel,
+            &constants,
+            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c)],
+            3,
+            &params,
+            tiles_total as u64,
+        )
+    }
+}

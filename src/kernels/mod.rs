@@ -1,0 +1,516 @@
+//! Typed entries for every WGSL kernel, a pipeline cache keyed by
+//! (entry point, override constants), and the buffer plumbing they need.
+//!
+//! Each typed entry (`Kernels::matmul`, `Kernels::activation_forward`, ...)
+//! checks shapes and limits in Rust, then returns a [`Dispatch`]: a pipeline,
+//! a bind group and a workgroup count, created once and recordable into any
+//! number of command encoders. [`Kernels::run`] records a list of dispatches
+//! into one compute pass and submits it once.
+
+mod elementwise;
+mod loss;
+mod matmul;
+mod optim;
+mod reduce;
+pub mod registry;
+
+pub use elementwise::{Activation, Binary};
+pub use matmul::{MatmulForm, MatmulVariant};
+pub use optim::{AdamConfig, OptimizerConfig, SgdConfig};
+pub use registry::{Family, Kernel, KERNELS};
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use wgpu::util::DeviceExt;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+/// Invocations per workgroup of the one-element-per-invocation kernels.
+pub(crate) const FLAT_WORKGROUP: u64 = 256;
+
+const ELEMENT_BYTES: u64 = 4;
+
+/// A range of 4-byte elements (f32 or u32) inside a GPU buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    /// Offset in bytes.
+    pub offset: u64,
+    /// Length in elements.
+    pub len: usize,
+}
+
+impl View<'_> {
+    pub fn bytes(&self) -> u64 {
+        self.len as u64 * ELEMENT_BYTES
+    }
+}
+
+/// A GPU buffer of `len` 4-byte elements, usable as storage, copy source and
+/// copy destination.
+#[derive(Debug)]
+pub struct GpuTensor {
+    buffer: wgpu::Buffer,
+    len: usize,
+}
+
+impl GpuTensor {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn buffer(&self) -> &wgpu::Buffer {
+        &self.buffer
+    }
+
+    /// The whole buffer.
+    pub fn view(&self) -> View<'_> {
+        View {
+            buffer: &self.buffer,
+            offset: 0,
+            len: self.len,
+        }
+    }
+
+    /// Elements `start..start + len`.
+    pub fn slice(&self, start: usize, len: usize) -> Result<View<'_>> {
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::shape(
+                "GpuTensor::slice",
+                format!("elements {start}..{} outside a tensor of {}", start + len, self.len),
+                &[&[self.len]],
+            ));
+        }
+        Ok(View {
+            buffer: &self.buffer,
+            offset: start as u64 * ELEMENT_BYTES,
+            len,
+        })
+    }
+}
+
+/// One recorded-once kernel launch: pipeline, bind group and grid.
+#[derive(Debug)]
+pub struct Dispatch {
+    kernel: Kernel,
+    pipeline: wgpu::ComputePipeline,
+    bind_group: wgpu::BindGroup,
+    workgroups: [u32; 3],
+    /// The uniform parameter buffer, kept so per-step values (optimizer step
+    /// counts) can be rewritten without rebuilding the bind group.
+    params: wgpu::Buffer,
+}
+
+impl Dispatch {
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    pub fn workgroups(&self) -> [u32; 3] {
+        self.workgroups
+    }
+
+    /// Records this dispatch into an open compute pass.
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind_group, &[]);
+        let [x, y, z] = self.workgroups;
+        pass.dispatch_workgroups(x, y, z);
+    }
+}
+
+/// A storage binding: its slot in the WGSL file, a name for messages, and the
+/// range it binds.
+pub(crate) struct Binding<'a> {
+    pub slot: u32,
+    pub name: &'static str,
+    pub view: View<'a>,
+}
+
+pub(crate) fn bind<'a>(slot: u32, name: &'static str, view: View<'a>) -> Binding<'a> {
+    Binding { slot, name, view }
+}
+
+type PipelineKey = (Kernel, Vec<(&'static str, u64)>);
+
+/// The kernels of one device: shader modules and pipelines are compiled on
+/// first use and cached for the life of the device.
+pub struct Kernels {
+    device: Device,
+    modules: Mutex<HashMap<Family, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// Reused for every readback; grown on demand.
+    staging: Mutex<Option<wgpu::Buffer>>,
+    submits: AtomicU64,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernels").field("device", &self.device).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the maps
+    // half-written (inserts are single calls), so poisoning is ignored.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Kernels {
+    pub fn new(device: Device) -> Self {
+        Kernels {
+            device,
+            modules: Mutex::new(HashMap::new()),
+            pipelines: Mutex::new(HashMap::new()),
+            staging: Mutex::new(None),
+            submits: AtomicU64::new(0),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Queue submits made through this object so far.
+    pub fn submit_count(&self) -> u64 {
+        self.submits.load(Ordering::Relaxed)
+    }
+
+    fn module(&self, family: Family) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = lock(&self.modules).get(&family) {
+            return Ok(m.clone());
+        }
+        let module = self.device.scoped(family.file_name(), || {
+            self.device
+                .wgpu_device()
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(family.file_name()),
+                    source: wgpu::ShaderSource::Wgsl(family.source().into()),
+                })
+        })?;
+        lock(&self.modules).insert(family, module.clone());
+        Ok(module)
+    }
+
+    /// The pipeline for `kernel` specialised with `constants` (WGSL
+    /// `override`s), compiled once.
+    pub fn pipeline(
+        &self,
+        kernel: Kernel,
+        constants: &[(&'static str, f64)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let key: PipelineKey = (
+            kernel,
+            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
+        );
+        if let Some(p) = lock(&self.pipelines).get(&key) {
+            return Ok(p.clone());
+        }
+        let module = self.module(kernel.family)?;
+        let pipeline = self.device.scoped(kernel.entry, || {
+            self.device
+                .wgpu_device()
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(kernel.entry),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some(kernel.entry),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants,
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                })
+        })?;
+        lock(&self.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Spreads `groups` workgroups over x and y so that neither exceeds the
+    /// per-dimension limit; kernels rebuild the linear index as
+    /// `wid.y * num_workgroups.x + wid.x` and ignore the overshoot.
+    pub fn grid(&self, op: &'static str, groups: u64) -> Result<[u32; 3]> {
+        let max = u64::from(self.device.limits().max_compute_workgroups_per_dimension).max(1);
+        let groups = groups.max(1);
+        if groups <= max {
+            return Ok([groups as u32, 1, 1]);
+        }
+        let y = groups.div_ceil(max);
+        if y > max {
+            return Err(Error::TooLarge {
+                op,
+                operand: "workgroup grid",
+                bytes: groups,
+                limit: max * max,
+                limit_name: "max_compute_workgroups_per_dimension squared",
+            });
+        }
+        Ok([max as u32, y as u32, 1])
+    }
+
+    fn check_binding(&self, op: &'static str, b: &Binding<'_>) -> Result<()> {
+        let limits = self.device.limits();
+        if b.view.len == 0 {
+            return Err(Error::shape(op, format!("`{}` is empty", b.name), &[&[0]]));
+        }
+        let max = u64::from(limits.max_storage_buffer_binding_size);
+        if b.view.bytes() > max {
+            return Err(Error::TooLarge {
+                op,
+                operand: b.name,
+                bytes: b.view.bytes(),
+                limit: max,
+                limit_name: "max_storage_buffer_binding_size",
+            });
+        }
+        let align = u64::from(limits.min_storage_buffer_offset_alignment);
+        if b.view.offset % align != 0 {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "`{}` starts at byte {}, not a multiple of the adapter's storage offset \
+                     alignment {align}",
+                    b.name, b.view.offset
+                ),
+                &[&[b.view.len]],
+            ));
+        }
+        if b.view.offset + b.view.bytes() > b.view.buffer.size() {
+            return Err(Error::shape(
+                op,
+                format!("`{}` runs past the end of its buffer", b.name),
+                &[&[b.view.len]],
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds a dispatch: checks every binding against the adapter's limits,
+    /// uploads the parameter block and creates the bind group.
+    pub(crate) fn prepare<P: bytemuck::Pod>(
+        &self,
+        kernel: Kernel,
+        constants: &[(&'static str, f64)],
+        bindings: &[Binding<'_>],
+        params_slot: u32,
+        params: &P,
+        groups: u64,
+    ) -> Result<Dispatch> {
+        for b in bindings {
+            self.check_binding(kernel.entry, b)?;
+        }
+        let workgroups = self.grid(kernel.entry, groups)?;
+        let pipeline = self.pipeline(kernel, constants)?;
+        let device = self.device.wgpu_device();
+        self.device.scoped(kernel.entry, || {
+            let params_buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(kernel.entry),
+                contents: bytemuck::bytes_of(params),
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            });
+            let mut entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
+                .iter()
+                .map(|b| wgpu::BindGroupEntry {
+                    binding: b.slot,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: b.view.buffer,
+                        offset: b.view.offset,
+                        size: wgpu::BufferSize::new(b.view.bytes()),
+                    }),
+                })
+                .collect();
+            entries.push(wgpu::BindGroupEntry {
+                binding: params_slot,
+                resource: params_buffer.as_entire_binding(),
+            });
+            let layout = pipeline.get_bind_group_layout(0);
+            let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(kernel.entry),
+                layout: &layout,
+                entries: &entries,
+            });
+            Dispatch {
+                kernel,
+                pipeline: pipeline.clone(),
+                bind_group,
+                workgroups,
+                params: params_buffer,
+            }
+        })
+    }
+
+    /// Rewrites a dispatch's parameter block (same type it was built with),
+    /// e.g. the step-dependent scalars of an optimizer update.
+    pub(crate) fn rewrite_params<P: bytemuck::Pod>(&self, dispatch: &Dispatch, params: &P) {
+        self.device
+            .queue()
+            .write_buffer(&dispatch.params, 0, bytemuck::bytes_of(params));
+    }
+
+    /// Records `dispatches` in order into one compute pass and submits once.
+    /// Does not wait for the GPU.
+    pub fn run(&self, dispatches: &[&Dispatch]) -> Result<()> {
+        let op = dispatches.first().map(|d| d.kernel.entry).unwrap_or("run");
+        let device = self.device.wgpu_device();
+        self.device.scoped(op, || {
+            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("wgrad run"),
+            });
+            {
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("wgrad run"),
+                    timestamp_writes: None,
+                });
+                for d in dispatches {
+                    d.record(&mut pass);
+                }
+            }
+            self.device.queue().submit([encoder.finish()]);
+        })?;
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn create_buffer(&self, op: &'static str, len: usize) -> Result<wgpu::Buffer> {
+        let bytes = (len as u64).max(1) * ELEMENT_BYTES;
+        let limit = self.device.limits().max_buffer_size;
+        if bytes > limit {
+            return Err(Error::TooLarge {
+                op,
+                operand: "buffer",
+                bytes,
+                limit,
+                limit_name: "max_buffer_size",
+            });
+        }
+        self.device.scoped(op, || {
+            self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+                label: Some(op),
+                size: bytes,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })
+    }
+
+    /// A zero-filled tensor of `len` elements.
+    pub fn zeros(&self, len: usize) -> Result<GpuTensor> {
+        let buffer = self.create_buffer("zeros", len)?;
+        Ok(GpuTensor { buffer, len })
+    }
+
+    /// Uploads f32 or u32 data (any 4-byte `Pod`).
+    pub fn upload<T: bytemuck::Pod>(&self, data: &[T]) -> Result<GpuTensor> {
+        if std::mem::size_of::<T>() != ELEMENT_BYTES as usize {
+            return Err(Error::shape(
+                "upload",
+                format!("elements must be 4 bytes, not {}", std::mem::size_of::<T>()),
+                &[&[data.len()]],
+            ));
+        }
+        let buffer = self.create_buffer("upload", data.len())?;
+        self.device.scoped("upload", || {
+            self.device
+                .queue()
+                .write_buffer(&buffer, 0, bytemuck::cast_slice(data))
+        })?;
+        Ok(GpuTensor {
+            buffer,
+            len: data.len(),
+        })
+    }
+
+    /// Overwrites `view` with `data` (queued; ordered before later submits).
+    pub fn write<T: bytemuck::Pod>(&self, view: View<'_>, data: &[T]) -> Result<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if bytes.len() as u64 != view.bytes() {
+            return Err(Error::shape(
+                "write",
+                format!("{} bytes of data for a view of {} bytes", bytes.len(), view.bytes()),
+                &[&[view.len]],
+            ));
+        }
+        self.device.scoped("write", || {
+            self.device.queue().write_buffer(view.buffer, view.offset, bytes)
+        })
+    }
+
+    /// Copies `view` back to the host, waiting for all submitted work.
+    pub fn read<T: bytemuck::Pod>(&self, view: View<'_>) -> Result<Vec<T>> {
+        let bytes = view.bytes();
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let mut staging_slot = lock(&self.staging);
+        if staging_slot.as_ref().is_none_or(|s| s.size() < bytes) {
+            let size = bytes.next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
+            *staging_slot = Some(self.device.scoped("read", || {
+                self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("readback staging"),
+                    size,
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })?);
+        }
+        let staging = staging_slot.as_ref().ok_or_else(|| Error::Readback {
+            op: "read",
+            message: "no staging buffer".into(),
+        })?;
+        let device = self.device.wgpu_device();
+        self.device.scoped("read", || {
+            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("readback"),
+            });
+            encoder.copy_buffer_to_buffer(view.buffer, view.offset, staging, 0, bytes);
+            self.device.queue().submit([encoder.finish()]);
+        })?;
+        let (sender, receiver) = futures::channel::oneshot::channel();
+        staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
+            let _ = sender.send(result);
+        });
+        self.device.wait_idle("read")?;
+        let mapped: Result<()> = pollster::block_on(receiver)
+            .map_err(|_| Error::Readback {
+                op: "read",
+                message: "the map callback never ran".into(),
+            })?
+            .map_err(|e| Error::Readback {
+                op: "read",
+                message: e.to_string(),
+            });
+        mapped?;
+        let data = {
+            let range = staging
+                .slice(0..bytes)
+                .get_mapped_range()
+                .map_err(|e| Error::Readback {
+                    op: "read",
+                    message: e.to_string(),
+                })?;
+            bytemuck::pod_collect_to_vec::<u8, T>(&range)
+        };
+        staging.unmap();
+        Ok(data)
+    }
+}
+
+/// Number of 256-wide workgroups covering `n` elements.
+pub(crate) fn flat_groups(n: usize) -> u64 {
+    (n as u64).div_ceil(FLAT_WORKGROUP)
+}
+
+/// Dimension to `u32` for a parameter block; every dimension has already
+/// been checked to fit a binding, so this only fails on absurd inputs.
+pub(crate) fn dim(op: &'static str, value: usize) -> Result<u32> {
+    u32::try_from(value).map_err(|_| Error::shape(op, format!("dimension {value} exceeds u32"), &[&[value]]))
+}

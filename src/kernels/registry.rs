@@ -1,0 +1,118 @@
+//! The kernel sources and the table of entry points. A new WGSL entry gets one
+//! line in `KERNELS`; a test checks the table against the WGSL files.
+
+/// One WGSL file, embedded at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Matmul,
+    Elementwise,
+    Reduce,
+    Loss,
+    Optim,
+}
+
+impl Family {
+    pub const ALL: [Family; 5] = [
+        Family::Matmul,
+        Family::Elementwise,
+        Family::Reduce,
+        Family::Loss,
+        Family::Optim,
+    ];
+
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Family::Matmul => "matmul.wgsl",
+            Family::Elementwise => "elementwise.wgsl",
+            Family::Reduce => "reduce.wgsl",
+            Family::Loss => "loss.wgsl",
+            Family::Optim => "optim.wgsl",
+        }
+    }
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
+            Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
+            Family::Reduce => include_str!("../../shaders/reduce.wgsl"),
+            Family::Loss => include_str!("../../shaders/loss.wgsl"),
+            Family::Optim => include_str!("../../shaders/optim.wgsl"),
+        }
+    }
+}
+
+/// A WGSL entry point and the file it lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    pub family: Family,
+    pub entry: &'static str,
+}
+
+const fn kernel(family: Family, entry: &'static str) -> Kernel {
+    Kernel { family, entry }
+}
+
+pub const MATMUL_FORWARD_REGISTER: Kernel = kernel(Family::Matmul, "matmul_forward_register");
+pub const MATMUL_FORWARD_SHARED: Kernel = kernel(Family::Matmul, "matmul_forward_shared");
+
+pub const ADD_FORWARD: Kernel = kernel(Family::Elementwise, "add_forward");
+pub const SUB_FORWARD: Kernel = kernel(Family::Elementwise, "sub_forward");
+pub const MUL_FORWARD: Kernel = kernel(Family::Elementwise, "mul_forward");
+pub const SCALE_FORWARD: Kernel = kernel(Family::Elementwise, "scale_forward");
+pub const ADD_ASSIGN: Kernel = kernel(Family::Elementwise, "add_assign");
+pub const BIAS_ADD_FORWARD: Kernel = kernel(Family::Elementwise, "bias_add_forward");
+pub const RELU_FORWARD: Kernel = kernel(Family::Elementwise, "relu_forward");
+pub const RELU_BACKWARD: Kernel = kernel(Family::Elementwise, "relu_backward");
+pub const GELU_FORWARD: Kernel = kernel(Family::Elementwise, "gelu_forward");
+pub const GELU_BACKWARD: Kernel = kernel(Family::Elementwise, "gelu_backward");
+pub const SIGMOID_FORWARD: Kernel = kernel(Family::Elementwise, "sigmoid_forward");
+pub const SIGMOID_BACKWARD: Kernel = kernel(Family::Elementwise, "sigmoid_backward");
+pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
+pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
+
+pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
+pub const SUM_FORWARD: Kernel = kernel(Family::Reduce, "sum_forward");
+pub const MEAN_FORWARD: Kernel = kernel(Family::Reduce, "mean_forward");
+pub const MAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "max_rows_forward");
+pub const ARGMAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "argmax_rows_forward");
+
+pub const MSE_FORWARD: Kernel = kernel(Family::Loss, "mse_forward");
+pub const MSE_BACKWARD: Kernel = kernel(Family::Loss, "mse_backward");
+pub const CROSS_ENTROPY_FORWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward");
+pub const CROSS_ENTROPY_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_backward");
+
+pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
+pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
+pub const ADAMW_UPDATE: Kernel = kernel(Family::Optim, "adamw_update");
+
+/// Every entry point wgrad dispatches.
+pub const KERNELS: &[Kernel] = &[
+    MATMUL_FORWARD_REGISTER,
+    MATMUL_FORWARD_SHARED,
+    ADD_FORWARD,
+    SUB_FORWARD,
+    MUL_FORWARD,
+    SCALE_FORWARD,
+    ADD_ASSIGN,
+    BIAS_ADD_FORWARD,
+    RELU_FORWARD,
+    RELU_BACKWARD,
+    GELU_FORWARD,
+    GELU_BACKWARD,
+    SIGMOID_FORWARD,
+    SIGMOID_BACKWARD,
+    TANH_FORWARD,
+    TANH_BACKWARD,
+    SUM_ROWS_FORWARD,
+    SUM_FORWARD,
+    MEAN_FORWARD,
+    MAX_ROWS_FORWARD,
+    ARGMAX_ROWS_FORWARD,
+    MSE_FORWARD,
+    MSE_BACKWARD,
+    CROSS_ENTROPY_FORWARD,
+    CROSS_ENTROPY_BACKWARD,
+    SGD_UPDATE,
+    ADAM_UPDATE,
+    ADAMW_UPDATE,
+];

@@ -1,0 +1,16 @@
+//! wgrad: train and run neural networks on any GPU vendor. Every numeric
+//! kernel is a WGSL compute shader dispatched through wgpu (Vulkan, Metal,
+//! DX12, GL), including software adapters such as Mesa's lavapipe.
+//!
+//! Layers, each depending only on those above it:
+//! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
+//! twin of every kernel that the tests compare against.
+
+pub mod cpu;
+pub mod device;
+pub mod error;
+pub mod kernels;
+
+pub use device::{Device, DeviceOptions};
+pub use error::{Error, Result};
+pub use kernels::{GpuTensor, Kernels, View};

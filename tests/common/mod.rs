@@ -1,0 +1,72 @@
+//! Shared test support: one long-lived `Kernels` per adapter present, a
+//! runner that executes one test body on each, and tolerance checks.
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use wgrad::{Device, Kernels};
+
+/// Every adapter on the machine (on a CPU-only machine: lavapipe through
+/// Vulkan and llvmpipe through GL). `WGRAD_TEST_BACKEND=vulkan|gl|...`
+/// restricts the set.
+pub fn adapters() -> &'static [Kernels] {
+    static ALL: OnceLock<Vec<Kernels>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        let only = std::env::var("WGRAD_TEST_BACKEND")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
+        wgrad::device::list_adapters()
+            .iter()
+            .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
+            .map(|r| {
+                let opts = wgrad::DeviceOptions { backends: None, adapter: Some(r.index.to_string()) };
+                Kernels::new(Device::open(&opts).expect("open adapter"))
+            })
+            .collect()
+    })
+}
+
+/// Runs `body` once per adapter; prints why when there is none.
+pub fn for_each_adapter(test: &str, body: impl Fn(&Kernels) -> wgrad::Result<()>) {
+    let all = adapters();
+    if all.is_empty() {
+        eprintln!(
+            "SKIP {test}: no GPU adapter on this machine (install mesa-vulkan-drivers for lavapipe)"
+        );
+        return;
+    }
+    for k in all {
+        if let Err(e) = body(k) {
+            panic!("{test} on {}: {e}", k.device().label());
+        }
+    }
+}
+
+/// `|got - want| <= atol + rtol * |want|` elementwise, NaN only where NaN is wanted.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0usize, 0.0f32);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+            continue;
+        }
+        let err = (g - w).abs();
+        let bound = atol + rtol * w.abs();
+        assert!(err <= bound, "{what}[{i}]: got {g}, want {w} (|err| {err} > {bound})");
+        if err > worst.1 {
+            worst = (i, err);
+        }
+    }
+}
+
+pub fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+pub fn random_vec(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
