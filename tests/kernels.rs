@@ -1,0 +1,387 @@
+//! Every kernel against its plain-Rust twin in `wgrad::cpu`, on every adapter
+//! present, over seeded random data and shapes that include 1, primes and
+//! non-multiples of the 64×64 matmul tile and the 256-wide workgroup.
+//! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
+
+mod common;
+
+use common::{assert_close, for_each_adapter, random_vec, rng};
+use proptest::prelude::*;
+use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulForm, MatmulVariant, SgdConfig};
+use wgrad::{cpu, Error, Kernels};
+
+const MATMUL_SHAPES: [(usize, usize, usize); 12] = [
+    (1, 1, 1),
+    (1, 7, 1),
+    (7, 1, 13),
+    (2, 3, 5),
+    (13, 17, 19),
+    (64, 64, 64),
+    (65, 63, 67),
+    (127, 129, 31),
+    (31, 200, 257),
+    (257, 1, 3),
+    (1, 300, 130),
+    (96, 160, 1),
+];
+
+fn check_matmul(k: &Kernels, variant: MatmulVariant, form: MatmulForm, m: usize, n: usize, kk: usize, seed: u64) -> wgrad::Result<()> {
+    let mut r = rng(seed);
+    let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let b_host = random_vec(&mut r, kk * n, -1.0, 1.0);
+    let a = k.upload(&a_host)?;
+    let b = k.upload(&b_host)?;
+    let c = k.zeros(m * n)?;
+    k.run(&[&k.matmul_with(variant, form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    let got = k.read::<f32>(c.view())?;
+    let want = cpu::matmul(form, &a_host, &b_host, m, n, kk);
+    // f32 accumulation over k terms of magnitude ≤ 1 vs an f64 reference:
+    // the error grows at most linearly in k; 1e-6·k leaves a wide margin.
+    let atol = 1e-6 * kk as f32 + 1e-6;
+    assert_close(&format!("{variant:?} {form:?} m={m} n={n} k={kk}"), &got, &want, atol, 1e-5);
+    Ok(())
+}
+
+#[test]
+fn matmul_every_form_and_variant_matches_the_cpu() {
+    for_each_adapter("matmul", |k| {
+        for variant in MatmulVariant::ALL {
+            for form in MatmulForm::ALL {
+                for (i, &(m, n, kk)) in MATMUL_SHAPES.iter().enumerate() {
+                    check_matmul(k, variant, form, m, n, kk, i as u64)?;
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+    #[test]
+    fn matmul_random_shapes_match_the_cpu(m in 1usize..=128, n in 1usize..=128, kk in 1usize..=128, form in 0usize..3, seed in 0u64..1000) {
+        for_each_adapter("matmul_random", |k| {
+            check_matmul(k, k.matmul_variant(), MatmulForm::ALL[form], m, n, kk, seed)
+        });
+    }
+}
+
+#[test]
+fn matmul_rejects_wrong_shapes_naming_the_kernel() {
+    for_each_adapter("matmul_shapes", |k| {
+        let a = k.zeros(6)?;
+        let b = k.zeros(12)?;
+        let c = k.zeros(8)?;
+        // A is 2×3 and B 3×4, so C must be 2×4 = 8; claim k=4 instead.
+        let err = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4).unwrap_err();
+        match &err {
+            Error::Shape { op, shapes, .. } => {
+                assert!(op.starts_with("matmul_forward"), "{err}");
+                assert_eq!(shapes, &vec![vec![2, 4], vec![4, 4], vec![2, 4]]);
+            }
+            other => panic!("expected a shape error, got {other}"),
+        }
+        assert!(k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 3).is_ok());
+        assert!(matches!(k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 0, 4, 3), Err(Error::Shape { .. })));
+        Ok(())
+    });
+}
+
+const FLAT_SIZES: [usize; 6] = [1, 2, 255, 256, 257, 10_007];
+
+#[test]
+fn binary_scale_and_accumulate_match_the_cpu() {
+    for_each_adapter("binary", |k| {
+        for (i, &n) in FLAT_SIZES.iter().enumerate() {
+            let mut r = rng(100 + i as u64);
+            let x_host = random_vec(&mut r, n, -3.0, 3.0);
+            let y_host = random_vec(&mut r, n, -3.0, 3.0);
+            let x = k.upload(&x_host)?;
+            let y = k.upload(&y_host)?;
+            let out = k.zeros(n)?;
+            for op in Binary::ALL {
+                k.run(&[&k.binary(op, out.view(), x.view(), y.view())?])?;
+                // One f32 rounding on each side: exact up to 1 ulp.
+                assert_close(&format!("{op:?} n={n}"), &k.read::<f32>(out.view())?, &cpu::binary(op, &x_host, &y_host), 1e-6, 1e-6);
+            }
+            k.run(&[&k.scale(out.view(), x.view(), -0.37)?])?;
+            assert_close(&format!("scale n={n}"), &k.read::<f32>(out.view())?, &cpu::scale(&x_host, -0.37), 1e-6, 1e-6);
+            // out already holds -0.37·x; adding x twice gives 1.63·x.
+            let acc = k.add_assign(out.view(), x.view())?;
+            k.run(&[&acc, &acc])?;
+            let want: Vec<f32> = x_host.iter().map(|v| -0.37 * v + v + v).collect();
+            assert_close(&format!("add_assign n={n}"), &k.read::<f32>(out.view())?, &want, 1e-5, 1e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn bias_add_broadcasts_over_rows() {
+    for_each_adapter("bias_add", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 5), (7, 1), (13, 17), (300, 3), (2, 1000)] {
+            let mut r = rng((rows * 1000 + cols) as u64);
+            let x_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
+            let b_host = random_vec(&mut r, cols, -2.0, 2.0);
+            let (x, b, out) = (k.upload(&x_host)?, k.upload(&b_host)?, k.zeros(rows * cols)?);
+            k.run(&[&k.bias_add(out.view(), x.view(), b.view(), rows, cols)?])?;
+            // Exact up to one rounding.
+            assert_close(&format!("bias_add {rows}×{cols}"), &k.read::<f32>(out.view())?, &cpu::bias_add(&x_host, &b_host, cols), 1e-6, 1e-6);
+        }
+        let (x, b, out) = (k.zeros(12)?, k.zeros(5)?, k.zeros(12)?);
+        assert!(matches!(k.bias_add(out.view(), x.view(), b.view(), 3, 4), Err(Error::Shape { op: "bias_add_forward", .. })));
+        Ok(())
+    });
+}
+
+#[test]
+fn activations_and_their_backward_forms_match_the_cpu() {
+    for_each_adapter("activations", |k| {
+        for (i, &n) in FLAT_SIZES.iter().enumerate() {
+            let mut r = rng(200 + i as u64);
+            // Wide range, with exact zeros and large magnitudes (tanh/sigmoid saturation).
+            let mut x_host = random_vec(&mut r, n, -8.0, 8.0);
+            x_host[0] = 0.0;
+            if n > 3 {
+                x_host[1] = 60.0;
+                x_host[2] = -60.0;
+            }
+            let dy_host = random_vec(&mut r, n, -1.0, 1.0);
+            let (x, dy, out) = (k.upload(&x_host)?, k.upload(&dy_host)?, k.zeros(n)?);
+            for act in Activation::ALL {
+                k.run(&[&k.activation_forward(act, out.view(), x.view())?])?;
+                // Transcendentals (exp, tanh) on GPUs are accurate to a few ulp.
+                assert_close(&format!("{act:?} forward n={n}"), &k.read::<f32>(out.view())?, &cpu::activation_forward(act, &x_host), 1e-5, 1e-4);
+                k.run(&[&k.activation_backward(act, out.view(), x.view(), dy.view())?])?;
+                assert_close(&format!("{act:?} backward n={n}"), &k.read::<f32>(out.view())?, &cpu::activation_backward(act, &x_host, &dy_host), 1e-5, 1e-4);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn reductions_match_the_cpu() {
+    for_each_adapter("reductions", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255)] {
+            let mut r = rng((rows * 7 + cols) as u64);
+            let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
+            let x = k.upload(&x_host)?;
+            let what = format!("{rows}×{cols}");
+            let col_out = k.zeros(cols)?;
+            k.run(&[&k.sum_rows(col_out.view(), x.view(), rows, cols)?])?;
+            // Sums of `rows` terms of magnitude ≤ 1 in f32.
+            let atol = 1e-6 * rows as f32 + 1e-6;
+            assert_close(&format!("sum_rows {what}"), &k.read::<f32>(col_out.view())?, &cpu::sum_rows(&x_host, rows, cols), atol, 1e-5);
+            let scalar = k.zeros(1)?;
+            let n = rows * cols;
+            k.run(&[&k.sum(scalar.view(), x.view())?])?;
+            assert_close(&format!("sum {what}"), &k.read::<f32>(scalar.view())?, &[cpu::sum(&x_host)], 1e-6 * n as f32 + 1e-6, 1e-5);
+            k.run(&[&k.mean(scalar.view(), x.view())?])?;
+            assert_close(&format!("mean {what}"), &k.read::<f32>(scalar.view())?, &[cpu::mean(&x_host)], 1e-6, 1e-5);
+            let row_out = k.zeros(rows)?;
+            k.run(&[&k.max_rows(row_out.view(), x.view(), rows, cols)?])?;
+            // max is exact.
+            assert_eq!(k.read::<f32>(row_out.view())?, cpu::max_rows(&x_host, rows, cols), "max_rows {what}");
+            k.run(&[&k.argmax_rows(row_out.view(), x.view(), rows, cols)?])?;
+            assert_eq!(k.read::<u32>(row_out.view())?, cpu::argmax_rows(&x_host, rows, cols), "argmax_rows {what}");
+        }
+        // Ties resolve to the first index, as torch.argmax.
+        let x = k.upload(&[1.0f32, 3.0, 3.0, 2.0, 5.0, 5.0])?;
+        let idx = k.zeros(2)?;
+        k.run(&[&k.argmax_rows(idx.view(), x.view(), 2, 3)?])?;
+        assert_eq!(k.read::<u32>(idx.view())?, vec![1, 1]);
+        Ok(())
+    });
+}
+
+#[test]
+fn mse_forward_and_backward_match_the_cpu() {
+    for_each_adapter("mse", |k| {
+        for (i, &n) in FLAT_SIZES.iter().enumerate() {
+            let mut r = rng(300 + i as u64);
+            let p_host = random_vec(&mut r, n, -2.0, 2.0);
+            let t_host = random_vec(&mut r, n, -2.0, 2.0);
+            let (p, t) = (k.upload(&p_host)?, k.upload(&t_host)?);
+            let loss = k.zeros(1)?;
+            k.run(&[&k.mse_forward(loss.view(), p.view(), t.view())?])?;
+            // A mean of n squares, each ≤ 16: f32 summation error relative 1e-5.
+            assert_close(&format!("mse n={n}"), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
+            let dloss = k.upload(&[0.5f32])?;
+            let dp = k.zeros(n)?;
+            k.run(&[&k.mse_backward(dp.view(), p.view(), t.view(), dloss.view())?])?;
+            assert_close(&format!("mse backward n={n}"), &k.read::<f32>(dp.view())?, &cpu::mse_backward(&p_host, &t_host, 0.5), 1e-7, 1e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn cross_entropy_forward_and_backward_match_the_cpu() {
+    for_each_adapter("cross_entropy", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000)] {
+            let mut r = rng((rows * 31 + cols) as u64);
+            // Large logits check the log-sum-exp is stable.
+            let mut logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
+            logits_host[0] = 80.0;
+            let labels_host: Vec<u32> = (0..rows).map(|i| ((i * 7 + 3) % cols) as u32).collect();
+            let logits = k.upload(&logits_host)?;
+            let labels = k.upload(&labels_host)?;
+            let loss = k.zeros(1)?;
+            k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), rows, cols)?])?;
+            let want = cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols);
+            // exp/log accurate to a few ulp; the mean of rows terms in f32.
+            assert_close(&format!("ce {rows}×{cols}"), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
+            let dloss = k.upload(&[2.0f32])?;
+            let dlogits = k.zeros(rows * cols)?;
+            k.run(&[&k.cross_entropy_backward(dlogits.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
+            let want = cpu::cross_entropy_backward(&logits_host, &labels_host, 2.0, rows, cols);
+            assert_close(&format!("ce backward {rows}×{cols}"), &k.read::<f32>(dlogits.view())?, &want, 1e-6, 1e-4);
+        }
+        // A label out of range makes the loss NaN rather than reading out of bounds.
+        let logits = k.upload(&[0.0f32, 1.0, 2.0, 3.0])?;
+        let labels = k.upload(&[1u32, 9])?;
+        let loss = k.zeros(1)?;
+        k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 2, 2)?])?;
+        assert!(k.read::<f32>(loss.view())?[0].is_nan());
+        Ok(())
+    });
+}
+
+#[test]
+fn sgd_matches_pytorch_formulas_over_several_steps() {
+    let configs = [
+        SgdConfig { lr: 0.1, ..SgdConfig::default() },
+        SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() },
+        SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false },
+        SgdConfig { lr: 0.05, momentum: 0.8, dampening: 0.0, weight_decay: 0.001, nesterov: true },
+    ];
+    for_each_adapter("sgd", |k| {
+        for (ci, cfg) in configs.iter().enumerate() {
+            for &n in &[1usize, 257, 1000] {
+                let mut r = rng(400 + ci as u64 * 10 + n as u64);
+                let mut p_host = random_vec(&mut r, n, -1.0, 1.0);
+                let mut buf_host = vec![0.0f32; n];
+                let (p, g, buf) = (k.upload(&p_host)?, k.zeros(n)?, k.zeros(n)?);
+                let update = k.sgd_update(p.view(), g.view(), buf.view(), cfg, 1)?;
+                for step in 1..=5u64 {
+                    let g_host = random_vec(&mut r, n, -1.0, 1.0);
+                    k.write(g.view(), &g_host)?;
+                    k.set_optimizer_step(&update, n, &wgrad::kernels::OptimizerConfig::Sgd(*cfg), step)?;
+                    k.run(&[&update])?;
+                    cpu::sgd_update(&mut p_host, &g_host, &mut buf_host, cfg, step);
+                }
+                // Same f32 operations in the same order; FMA contraction may differ by an ulp per step.
+                assert_close(&format!("sgd {cfg:?} n={n}"), &k.read::<f32>(p.view())?, &p_host, 1e-6, 1e-5);
+                assert_close(&format!("sgd buffer {cfg:?} n={n}"), &k.read::<f32>(buf.view())?, &buf_host, 1e-6, 1e-5);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn plain_sgd_is_the_textbook_update() {
+    for_each_adapter("sgd_textbook", |k| {
+        let (p, g, buf) = (k.upload(&[1.0f32, -2.0, 0.5])?, k.upload(&[0.5f32, 0.25, -1.0])?, k.zeros(3)?);
+        let cfg = SgdConfig { lr: 0.5, ..SgdConfig::default() };
+        k.run(&[&k.sgd_update(p.view(), g.view(), buf.view(), &cfg, 1)?])?;
+        // p - lr·g, exactly representable.
+        assert_eq!(k.read::<f32>(p.view())?, vec![0.75, -2.125, 1.0]);
+        Ok(())
+    });
+}
+
+#[test]
+fn adam_and_adamw_match_pytorch_formulas_over_several_steps() {
+    let configs = [
+        AdamConfig::adam(),
+        AdamConfig { lr: 0.01, weight_decay: 0.1, ..AdamConfig::adam() },
+        AdamConfig::adamw(),
+        AdamConfig { lr: 0.02, betas: (0.8, 0.99), eps: 1e-6, weight_decay: 0.05, decoupled_weight_decay: true },
+    ];
+    for_each_adapter("adam", |k| {
+        for (ci, cfg) in configs.iter().enumerate() {
+            for &n in &[1usize, 257, 1000] {
+                let mut r = rng(500 + ci as u64 * 10 + n as u64);
+                let mut p_host = random_vec(&mut r, n, -1.0, 1.0);
+                let (mut m_host, mut v_host) = (vec![0.0f32; n], vec![0.0f32; n]);
+                let (p, g, m, v) = (k.upload(&p_host)?, k.zeros(n)?, k.zeros(n)?, k.zeros(n)?);
+                let update = k.adam_update(p.view(), g.view(), m.view(), v.view(), cfg, 1)?;
+                for step in 1..=6u64 {
+                    let g_host = random_vec(&mut r, n, -1.0, 1.0);
+                    k.write(g.view(), &g_host)?;
+                    k.set_optimizer_step(&update, n, &wgrad::kernels::OptimizerConfig::Adam(*cfg), step)?;
+                    k.run(&[&update])?;
+                    cpu::adam_update(&mut p_host, &g_host, &mut m_host, &mut v_host, cfg, step);
+                }
+                // Same formula in f32; sqrt and division are correctly rounded,
+                // FMA contraction may differ by an ulp per operation.
+                assert_close(&format!("adam {cfg:?} n={n}"), &k.read::<f32>(p.view())?, &p_host, 1e-6, 1e-5);
+                assert_close(&format!("adam m {cfg:?} n={n}"), &k.read::<f32>(m.view())?, &m_host, 1e-6, 1e-5);
+                assert_close(&format!("adam v {cfg:?} n={n}"), &k.read::<f32>(v.view())?, &v_host, 1e-7, 1e-5);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn optimizer_arguments_are_checked_like_pytorch() {
+    for_each_adapter("optim_args", |k| {
+        let (p, g, s) = (k.zeros(4)?, k.zeros(4)?, k.zeros(4)?);
+        let bad_lr = SgdConfig { lr: -1.0, ..SgdConfig::default() };
+        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &bad_lr, 1), Err(Error::InvalidArgument { .. })));
+        let bad_nesterov = SgdConfig { nesterov: true, ..SgdConfig::default() };
+        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &bad_nesterov, 1), Err(Error::InvalidArgument { .. })));
+        let bad_beta = AdamConfig { betas: (1.0, 0.999), ..AdamConfig::adam() };
+        assert!(matches!(k.adam_update(p.view(), g.view(), s.view(), s.view(), &bad_beta, 1), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &SgdConfig::default(), 0), Err(Error::InvalidArgument { .. })));
+        let short = k.zeros(3)?;
+        assert!(matches!(k.sgd_update(p.view(), short.view(), s.view(), &SgdConfig::default(), 1), Err(Error::Shape { op: "sgd_update", .. })));
+        Ok(())
+    });
+}
+
+#[test]
+fn tensors_over_the_binding_limit_are_errors_and_the_largest_allowed_works() {
+    for_each_adapter("limits", |k| {
+        let limit = u64::from(k.device().limits().max_storage_buffer_binding_size);
+        // A view claiming one element past the limit is refused before wgpu sees it.
+        let small = k.zeros(4)?;
+        let over = wgrad::View { buffer: small.buffer(), offset: 0, len: (limit / 4 + 1) as usize };
+        let err = k.scale(over, over, 1.0).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { op: "scale_forward", limit: l, .. } if l == limit), "{err}");
+        // The largest binding (capped at 128 MiB to stay quick) runs, and needs
+        // more than 65,535 workgroups in x: the 2-D grid.
+        let n = (limit.min(128 << 20) / 4) as usize;
+        let x = k.upload(&vec![1.5f32; n])?;
+        let out = k.zeros(n)?;
+        let d = k.scale(out.view(), x.view(), 2.0)?;
+        assert!(d.workgroups()[1] > 1 || n <= 65_535 * 256, "{:?}", d.workgroups());
+        k.run(&[&d])?;
+        let back = k.read::<f32>(out.view())?;
+        assert_eq!(back.len(), n);
+        assert!(back.iter().all(|&v| v == 3.0), "every element, including the last workgroups, is written");
+        Ok(())
+    });
+}
+
+#[test]
+fn views_into_one_buffer_respect_offsets() {
+    for_each_adapter("offsets", |k| {
+        let align = k.device().limits().min_storage_buffer_offset_alignment as usize / 4;
+        let data: Vec<f32> = (0..align * 3).map(|i| i as f32).collect();
+        let arena = k.upload(&data)?;
+        let out = k.zeros(align)?;
+        k.run(&[&k.binary(Binary::Add, out.view(), arena.slice(align, align)?, arena.slice(2 * align, align)?)?])?;
+        let want: Vec<f32> = (0..align).map(|i| (align + i) as f32 + (2 * align + i) as f32).collect();
+        assert_eq!(k.read::<f32>(out.view())?, want);
+        if align > 1 {
+            let err = k.scale(out.view(), arena.slice(1, align)?, 1.0).unwrap_err();
+            assert!(matches!(err, Error::Shape { .. }), "misaligned offset: {err}");
+        }
+        assert!(arena.slice(align * 2, align + 1).is_err());
+        Ok(())
+    });
+}

@@ -1,0 +1,118 @@
+//! Every WGSL file parses and validates with naga and translates to the
+//! shading language of each backend (SPIR-V for Vulkan, MSL for Metal, HLSL
+//! for DX12, GLSL for GL), per entry point and per override combination, so a
+//! shader one backend would reject fails here, not on a user's machine.
+
+use naga::back::PipelineConstants;
+use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
+use naga::ShaderStage;
+use wgrad::kernels::{Family, KERNELS};
+
+fn parse(family: Family) -> (naga::Module, ModuleInfo) {
+    let src = family.source();
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{}: {}", family.file_name(), e.emit_to_string(src)));
+    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: {}", family.file_name(), e.emit_to_string(src)));
+    (module, info)
+}
+
+/// Every assignment of the module's boolean overrides (matmul's transposes).
+fn override_combinations(module: &naga::Module) -> Vec<PipelineConstants> {
+    let names: Vec<String> = module.overrides.iter().filter_map(|(_, o)| o.name.clone()).collect();
+    (0..1u32 << names.len())
+        .map(|bits| {
+            let mut constants = PipelineConstants::default();
+            for (i, name) in names.iter().enumerate() {
+                constants.insert(name.clone(), f64::from((bits >> i) & 1));
+            }
+            constants
+        })
+        .collect()
+}
+
+fn translate_everywhere(family: Family, module: &naga::Module, info: &ModuleInfo, entry: &str, constants: &PipelineConstants) {
+    let what = format!("{}::{entry} with {constants:?}", family.file_name());
+    let (module, info) = naga::back::pipeline_constants::process_overrides(
+        module,
+        info,
+        Some((ShaderStage::Compute, entry)),
+        constants,
+    )
+    .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
+
+    let spv_pipeline = naga::back::spv::PipelineOptions {
+        shader_stage: ShaderStage::Compute,
+        entry_point: entry.to_string(),
+    };
+    let words = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), Some(&spv_pipeline))
+        .unwrap_or_else(|e| panic!("{what}: SPIR-V: {e}"));
+    assert!(words.len() > 5, "{what}: empty SPIR-V");
+
+    let msl_pipeline = naga::back::msl::PipelineOptions {
+        entry_point: Some((ShaderStage::Compute, entry.to_string())),
+        ..Default::default()
+    };
+    let (msl, _) = naga::back::msl::write_string(&module, &info, &naga::back::msl::Options::default(), &msl_pipeline)
+        .unwrap_or_else(|e| panic!("{what}: MSL: {e}"));
+    assert!(msl.contains("kernel"), "{what}: MSL has no kernel");
+
+    let hlsl_options = naga::back::hlsl::Options::default();
+    let hlsl_pipeline = naga::back::hlsl::PipelineOptions {
+        entry_point: Some((ShaderStage::Compute, entry.to_string())),
+    };
+    let mut hlsl = String::new();
+    naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
+        .write(&module, &info, None)
+        .unwrap_or_else(|e| panic!("{what}: HLSL: {e}"));
+    assert!(hlsl.contains("numthreads"), "{what}: HLSL has no compute entry");
+
+    let glsl_options = naga::back::glsl::Options::default();
+    let glsl_pipeline = naga::back::glsl::PipelineOptions {
+        shader_stage: ShaderStage::Compute,
+        entry_point: entry.to_string(),
+        multiview: None,
+    };
+    let mut glsl = String::new();
+    naga::back::glsl::Writer::new(
+        &mut glsl,
+        &module,
+        &info,
+        &glsl_options,
+        &glsl_pipeline,
+        naga::proc::BoundsCheckPolicies::default(),
+    )
+    .and_then(|mut w| w.write())
+    .unwrap_or_else(|e| panic!("{what}: GLSL: {e}"));
+    assert!(glsl.contains("local_size_x"), "{what}: GLSL has no compute layout");
+}
+
+#[test]
+fn every_shader_validates_and_translates_to_spirv_msl_hlsl_and_glsl() {
+    for family in Family::ALL {
+        let (module, info) = parse(family);
+        assert!(!module.entry_points.is_empty(), "{}: no entry points", family.file_name());
+        for ep in &module.entry_points {
+            assert_eq!(ep.stage, ShaderStage::Compute, "{}::{}", family.file_name(), ep.name);
+            for constants in override_combinations(&module) {
+                translate_everywhere(family, &module, &info, &ep.name, &constants);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_registry_and_the_wgsl_files_list_the_same_entry_points() {
+    for family in Family::ALL {
+        let (module, _) = parse(family);
+        let in_wgsl: Vec<&str> = module.entry_points.iter().map(|e| e.name.as_str()).collect();
+        let registered: Vec<&str> = KERNELS.iter().filter(|k| k.family == family).map(|k| k.entry).collect();
+        for name in &in_wgsl {
+            assert!(registered.contains(name), "{}::{name} is not in registry::KERNELS", family.file_name());
+        }
+        for name in &registered {
+            assert!(in_wgsl.contains(name), "registry lists {name}, missing from {}", family.file_name());
+        }
+    }
+}
