@@ -40,6 +40,14 @@ pub enum Error {
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
 
+    /// `backward` reached an op that has no gradient rule for that input.
+    #[error("backward: `{op}` has no gradient with respect to its input `{input}`")]
+    NoGradient { op: &'static str, input: String },
+
+    /// A loss read back from the GPU was NaN or infinite.
+    #[error("the loss became {value} at step {step}; lower the learning rate or check the data")]
+    NonFiniteLoss { value: f32, step: u64 },
+
     /// A tensor bigger than the adapter can bind in one storage binding.
     #[error(
         "{op}: `{operand}` needs {bytes} bytes, over this adapter's limit of {limit} bytes \
@@ -66,6 +74,66 @@ pub enum Error {
 
     #[error("{op}: reading a buffer back from the GPU failed: {message}")]
     Readback { op: &'static str, message: String },
+
+    /// A data file could not be opened, read or decompressed.
+    #[error("{op}: cannot read `{}`: {source}", path.display())]
+    DataIo {
+        op: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A text data file (CSV) has a bad line; `line` counts from 1.
+    #[error("{op}: `{file}` line {line}: {reason}")]
+    DataParse {
+        op: &'static str,
+        file: String,
+        line: usize,
+        reason: String,
+    },
+
+    /// A binary data file (IDX) whose header or size is wrong, or two files
+    /// that do not belong together.
+    #[error("{op}: `{file}`: {reason}")]
+    DataFormat {
+        op: &'static str,
+        file: String,
+        reason: String,
+    },
+
+    /// None of the accepted names for a data file exists.
+    #[error("{op}: file not found; tried {tried}")]
+    DataNotFound { op: &'static str, tried: String },
+
+    /// Reading or writing a checkpoint file failed at the OS level.
+    #[error("checkpoint `{}`: could not {action}: {source}", .path.display())]
+    CheckpointIo {
+        path: std::path::PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A file that is not a readable checkpoint (truncated, corrupt header,
+    /// a dtype other than F32).
+    #[error("checkpoint `{}`: {reason}", .path.display())]
+    CheckpointFormat {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+
+    /// The model expects a tensor the checkpoint does not have.
+    #[error("checkpoint has no tensor `{name}` (the model expects shape {expected:?})")]
+    CheckpointMissing { name: String, expected: Vec<usize> },
+
+    /// A checkpoint tensor whose shape differs from the model's.
+    #[error("checkpoint tensor `{name}` has shape {found:?}, but the model expects {expected:?}")]
+    CheckpointMismatch {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
 }
 
 impl Error {

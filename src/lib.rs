@@ -6,10 +6,17 @@
 //! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
 //! twin of every kernel that the tests compare against.
 
+pub mod checkpoint;
 pub mod cpu;
+pub mod data;
 pub mod device;
 pub mod error;
+pub mod graph;
 pub mod kernels;
+pub mod trainer;
+pub mod optim;
+pub mod plot;
+pub mod nn;
 
 pub use device::{Device, DeviceOptions};
 pub use error::{Error, Result};

@@ -1,10 +1,17 @@
 //! The `wgrad` command line.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand};
-use wgrad::kernels::MatmulForm;
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use wgrad::data::{self, Dataset, Sampler};
+use wgrad::kernels::{MatmulForm, OptimizerConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
+use wgrad::optim::{Adam, AdamW, SGD};
+use wgrad::trainer::{accuracy, Predictor, Targets, Trainer};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
@@ -24,6 +31,20 @@ struct Cli {
 enum Command {
     /// List every adapter on every backend with its limits and features.
     Adapters,
+    /// Train an MLP classifier (default: the shipped UCI digits) and write a
+    /// checkpoint and a loss-curve PNG.
+    Train(TrainArgs),
+    /// Load a checkpoint, predict the test split and report accuracy.
+    Infer {
+        #[arg(long, default_value = "out/digits.safetensors")]
+        checkpoint: PathBuf,
+        /// Read MNIST IDX files from this folder instead of the digits set.
+        #[arg(long)]
+        mnist: Option<PathBuf>,
+        /// How many predictions to print.
+        #[arg(long, default_value_t = 10)]
+        show: usize,
+    },
     /// Multiply two random n×n matrices on the GPU, check the result against
     /// the CPU and print the speed.
     Matmul {
@@ -33,6 +54,188 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         reps: usize,
     },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum OptimizerName {
+    Adam,
+    Adamw,
+    Sgd,
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    #[arg(long, default_value_t = 40)]
+    epochs: usize,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Hidden layer widths.
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    hidden: Vec<usize>,
+    #[arg(long, value_enum, default_value_t = OptimizerName::Adam)]
+    optimizer: OptimizerName,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f32,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Share of the data held out for testing.
+    #[arg(long, default_value_t = 0.2)]
+    test_fraction: f64,
+    /// Read the loss back every this many steps (others never wait for the GPU).
+    #[arg(long, default_value_t = 10)]
+    loss_every: u64,
+    #[arg(long, default_value = "out/digits.safetensors")]
+    checkpoint: PathBuf,
+    #[arg(long, default_value = "out/loss.png")]
+    plot: PathBuf,
+    /// Continue from this checkpoint (parameters, optimizer state, step).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Train on MNIST IDX files in this folder instead of the digits set.
+    #[arg(long)]
+    mnist: Option<PathBuf>,
+}
+
+/// The train/test split every command agrees on.
+fn load_data(mnist: Option<&PathBuf>, test_fraction: f64, seed: u64) -> wgrad::Result<(Dataset, Dataset, String)> {
+    match mnist {
+        Some(dir) => {
+            let (train, test) = data::mnist(dir)?;
+            Ok((train, test, format!("mnist:{}", dir.display())))
+        }
+        None => {
+            let (train, test) = data::digits()?.split(test_fraction, seed)?;
+            Ok((train, test, "digits".to_string()))
+        }
+    }
+}
+
+fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
+    Ok(Arc::new(Kernels::new(Device::open(opts)?)))
+}
+
+fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
+    let (train_set, test_set, data_name) = load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?;
+    let kernels = open_kernels(opts)?;
+    let mut widths = vec![train_set.features()];
+    widths.extend(&args.hidden);
+    widths.push(train_set.classes());
+    nn::manual_seed(args.seed);
+    let model = Sequential::mlp(&widths, Layer::ReLU)?;
+    let optimizer: OptimizerConfig = match args.optimizer {
+        OptimizerName::Adam => Adam::new(args.lr).into(),
+        OptimizerName::Adamw => AdamW::new(args.lr).into(),
+        OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
+    };
+    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, args.batch_size)?;
+    if let Some(path) = &args.resume {
+        trainer.load(path)?;
+        println!("resumed from {} at step {}", path.display(), trainer.executor().step_count());
+    }
+    let exec = trainer.executor();
+    println!("adapter: {}", kernels.device().label());
+    println!(
+        "model: {} | {} | batch {} | {} dispatches/step | GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
+        model.describe(),
+        wgrad::optim::describe(&optimizer),
+        args.batch_size,
+        exec.dispatches_per_step(),
+        exec.peak_bytes() / 1024,
+        exec.plan().slot_bytes / 1024,
+        exec.plan().naive_intermediate_bytes / 1024,
+    );
+    println!("data: {data_name}, {} train / {} test rows", train_set.len(), test_set.len());
+
+    let mut sampler = Sampler::new(train_set.len(), args.batch_size, args.seed, true)?;
+    let steps = (sampler.num_batches() * args.epochs) as u64;
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut x = vec![0.0f32; args.batch_size * train_set.features()];
+    let mut y = vec![0u32; args.batch_size];
+    let mut curve: Vec<(u64, f32)> = Vec::new();
+    let start = Instant::now();
+    let mut done = 0u64;
+    for _ in 0..args.epochs {
+        for b in 0..sampler.num_batches() {
+            let Some(indices) = sampler.batch(b) else { break };
+            train_set.fill_batch(indices, &mut x, &mut y)?;
+            trainer.zero_grad();
+            trainer.forward(&x)?;
+            trainer.loss(Targets::Classes(&y))?;
+            trainer.backward()?;
+            done += 1;
+            if done % args.loss_every.max(1) == 0 || done == steps {
+                let loss = trainer.step_reading_loss()?;
+                curve.push((trainer.executor().step_count(), loss));
+                let rate = (done * args.batch_size as u64) as f64 / start.elapsed().as_secs_f64();
+                bar.set_message(format!("loss {loss:.4} | {rate:.0} samples/s"));
+            } else {
+                trainer.step()?;
+            }
+            bar.inc(1);
+        }
+        sampler.next_epoch();
+    }
+    kernels.device().wait_idle("train")?;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish();
+    let predictions = trainer.predict(test_set.x())?;
+    let test_accuracy = accuracy(&predictions, test_set.labels());
+    let train_accuracy = accuracy(&trainer.predict(train_set.x())?, train_set.labels());
+    println!(
+        "trained {done} steps in {seconds:.1} s ({:.0} samples/s); train accuracy {:.2}%, test accuracy {:.2}%",
+        (done * args.batch_size as u64) as f64 / seconds,
+        100.0 * train_accuracy,
+        100.0 * test_accuracy
+    );
+    let mut ckpt = trainer.checkpoint()?;
+    ckpt.set_meta("data", data_name);
+    ckpt.set_meta("split_seed", args.seed.to_string());
+    ckpt.set_meta("test_fraction", args.test_fraction.to_string());
+    ckpt.set_meta("test_accuracy", format!("{test_accuracy:.6}"));
+    if let Some(dir) = args.checkpoint.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| wgrad::Error::CheckpointIo {
+            path: dir.to_path_buf(),
+            action: "create the directory",
+            source,
+        })?;
+    }
+    wgrad::checkpoint::save(&args.checkpoint, &ckpt)?;
+    println!("checkpoint: {}", args.checkpoint.display());
+    let title = format!("{} — test accuracy {:.2}%", model.describe(), 100.0 * test_accuracy);
+    wgrad::plot::loss_curve(&args.plot, &title, &curve)?;
+    println!("loss curve: {}", args.plot.display());
+    Ok(())
+}
+
+fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: usize) -> wgrad::Result<()> {
+    let kernels = open_kernels(opts)?;
+    let (mut predictor, ckpt) = Predictor::from_checkpoint(kernels.clone(), path, 256)?;
+    let seed = ckpt.meta("split_seed").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let fraction = ckpt.meta("test_fraction").and_then(|s| s.parse().ok()).unwrap_or(0.2);
+    let (_, test_set, data_name) = load_data(mnist, fraction, seed)?;
+    if test_set.features() != predictor.in_features() {
+        return Err(wgrad::Error::shape(
+            "infer",
+            format!("the model takes {} features, {data_name} has {}", predictor.in_features(), test_set.features()),
+            &[&[predictor.in_features()], &[test_set.features()]],
+        ));
+    }
+    println!("adapter: {}", kernels.device().label());
+    println!("model: {} (step {})", predictor.model().describe(), ckpt.meta("step").unwrap_or("?"));
+    let predictions = predictor.predict(test_set.x())?;
+    for (i, (p, l)) in predictions.iter().zip(test_set.labels()).take(show).enumerate() {
+        println!("  sample {i:4}: predicted {p}, label {l}{}", if p == l { "" } else { "  (wrong)" });
+    }
+    let acc = accuracy(&predictions, test_set.labels());
+    println!("test accuracy {:.2}% on {} rows of {data_name}", 100.0 * acc, test_set.len());
+    Ok(())
 }
 
 fn device_options(cli: &Cli) -> wgrad::Result<DeviceOptions> {
@@ -106,9 +309,11 @@ fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> {
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn,wgpu_hal::gles::egl=off")).init();
     let cli = Cli::parse();
-    let result = device_options(&cli).and_then(|opts| match cli.command {
+    let result = device_options(&cli).and_then(|opts| match &cli.command {
         Command::Adapters => adapters(),
-        Command::Matmul { n, reps } => matmul(&opts, n, reps),
+        Command::Train(args) => train(&opts, args),
+        Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
+        Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

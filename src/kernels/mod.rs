@@ -149,6 +149,7 @@ pub struct Kernels {
     /// Reused for every readback; grown on demand.
     staging: Mutex<Option<wgpu::Buffer>>,
     submits: AtomicU64,
+    buffers: AtomicU64,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -171,6 +172,7 @@ impl Kernels {
             pipelines: Mutex::new(HashMap::new()),
             staging: Mutex::new(None),
             submits: AtomicU64::new(0),
+            buffers: AtomicU64::new(0),
         }
     }
 
@@ -309,6 +311,7 @@ impl Kernels {
         let workgroups = self.grid(kernel.entry, groups)?;
         let pipeline = self.pipeline(kernel, constants)?;
         let device = self.device.wgpu_device();
+        self.buffers.fetch_add(1, Ordering::Relaxed);
         self.device.scoped(kernel.entry, || {
             let params_buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(kernel.entry),
@@ -354,12 +357,64 @@ impl Kernels {
             .write_buffer(&dispatch.params, 0, bytemuck::bytes_of(params));
     }
 
+    /// Submits a finished encoder, counting the submit.
+    pub fn submit(&self, op: &str, encoder: wgpu::CommandEncoder) -> Result<()> {
+        self.device.scoped(op, || {
+            self.device.queue().submit([encoder.finish()]);
+        })?;
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Buffers created through this object so far (a training step must not
+    /// add any).
+    pub fn buffers_created(&self) -> u64 {
+        self.buffers.load(Ordering::Relaxed)
+    }
+
+    /// Maps a 4-byte MAP_READ buffer that a submitted copy has written and
+    /// returns its value (waits for the GPU).
+    pub fn map_read_scalar(&self, staging: &wgpu::Buffer) -> Result<f32> {
+        let values: Vec<f32> = self.map_read(staging, 4)?;
+        values.first().copied().ok_or_else(|| Error::Readback { op: "read", message: "empty".into() })
+    }
+
+    fn map_read<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
+        let (sender, receiver) = futures::channel::oneshot::channel();
+        staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
+            let _ = sender.send(result);
+        });
+        self.device.wait_idle("read")?;
+        let mapped: Result<()> = pollster::block_on(receiver)
+            .map_err(|_| Error::Readback {
+                op: "read",
+                message: "the map callback never ran".into(),
+            })?
+            .map_err(|e| Error::Readback {
+                op: "read",
+                message: e.to_string(),
+            });
+        mapped?;
+        let data = {
+            let range = staging
+                .slice(0..bytes)
+                .get_mapped_range()
+                .map_err(|e| Error::Readback {
+                    op: "read",
+                    message: e.to_string(),
+                })?;
+            bytemuck::pod_collect_to_vec::<u8, T>(&range)
+        };
+        staging.unmap();
+        Ok(data)
+    }
+
     /// Records `dispatches` in order into one compute pass and submits once.
     /// Does not wait for the GPU.
     pub fn run(&self, dispatches: &[&Dispatch]) -> Result<()> {
         let op = dispatches.first().map(|d| d.kernel.entry).unwrap_or("run");
         let device = self.device.wgpu_device();
-        self.device.scoped(op, || {
+        let encoder = self.device.scoped(op, || {
             let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("wgrad run"),
             });
@@ -372,10 +427,9 @@ impl Kernels {
                     d.record(&mut pass);
                 }
             }
-            self.device.queue().submit([encoder.finish()]);
+            encoder
         })?;
-        self.submits.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        self.submit(op, encoder)
     }
 
     fn create_buffer(&self, op: &'static str, len: usize) -> Result<wgpu::Buffer> {
@@ -390,6 +444,7 @@ impl Kernels {
                 limit_name: "max_buffer_size",
             });
         }
+        self.buffers.fetch_add(1, Ordering::Relaxed);
         self.device.scoped(op, || {
             self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
                 label: Some(op),
@@ -474,33 +529,7 @@ impl Kernels {
             encoder.copy_buffer_to_buffer(view.buffer, view.offset, staging, 0, bytes);
             self.device.queue().submit([encoder.finish()]);
         })?;
-        let (sender, receiver) = futures::channel::oneshot::channel();
-        staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
-            let _ = sender.send(result);
-        });
-        self.device.wait_idle("read")?;
-        let mapped: Result<()> = pollster::block_on(receiver)
-            .map_err(|_| Error::Readback {
-                op: "read",
-                message: "the map callback never ran".into(),
-            })?
-            .map_err(|e| Error::Readback {
-                op: "read",
-                message: e.to_string(),
-            });
-        mapped?;
-        let data = {
-            let range = staging
-                .slice(0..bytes)
-                .get_mapped_range()
-                .map_err(|e| Error::Readback {
-                    op: "read",
-                    message: e.to_string(),
-                })?;
-            bytemuck::pod_collect_to_vec::<u8, T>(&range)
-        };
-        staging.unmap();
-        Ok(data)
+        self.map_read(staging, bytes)
     }
 }
 

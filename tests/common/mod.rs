@@ -2,7 +2,7 @@
 //! runner that executes one test body on each, and tolerance checks.
 #![allow(dead_code)]
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -11,8 +11,8 @@ use wgrad::{Device, Kernels};
 /// Every adapter on the machine (on a CPU-only machine: lavapipe through
 /// Vulkan and llvmpipe through GL). `WGRAD_TEST_BACKEND=vulkan|gl|...`
 /// restricts the set.
-pub fn adapters() -> &'static [Kernels] {
-    static ALL: OnceLock<Vec<Kernels>> = OnceLock::new();
+pub fn adapters() -> &'static [Arc<Kernels>] {
+    static ALL: OnceLock<Vec<Arc<Kernels>>> = OnceLock::new();
     ALL.get_or_init(|| {
         let only = std::env::var("WGRAD_TEST_BACKEND")
             .ok()
@@ -23,14 +23,25 @@ pub fn adapters() -> &'static [Kernels] {
             .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
             .map(|r| {
                 let opts = wgrad::DeviceOptions { backends: None, adapter: Some(r.index.to_string()) };
-                Kernels::new(Device::open(&opts).expect("open adapter"))
+                Arc::new(Kernels::new(Device::open(&opts).expect("open adapter")))
             })
             .collect()
     })
 }
 
+/// A new device on the same adapter as `k`, for tests that count what
+/// happens on a device and must not see other tests' work.
+pub fn private_kernels(k: &Kernels) -> Arc<Kernels> {
+    let index = wgrad::device::list_adapters()
+        .iter()
+        .position(|r| r.info == *k.device().info())
+        .expect("adapter still listed");
+    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
+    Arc::new(Kernels::new(Device::open(&opts).expect("open adapter")))
+}
+
 /// Runs `body` once per adapter; prints why when there is none.
-pub fn for_each_adapter(test: &str, body: impl Fn(&Kernels) -> wgrad::Result<()>) {
+pub fn for_each_adapter(test: &str, body: impl Fn(&Arc<Kernels>) -> wgrad::Result<()>) {
     let all = adapters();
     if all.is_empty() {
         eprintln!(

@@ -1,0 +1,117 @@
+//! Reverse-mode autodiff: `Graph::backward(loss)` appends gradient nodes.
+//! Every op's rule is in the one `match` of `input_gradients`.
+
+use std::collections::HashMap;
+
+use super::builder::{DType, Graph, Op, Tensor};
+use crate::error::{Error, Result};
+use crate::kernels::{Binary, MatmulForm};
+
+/// The gradient node of each parameter after `backward`.
+#[derive(Clone, Debug)]
+pub struct Gradients {
+    pub loss: Tensor,
+    by_param: HashMap<Tensor, Tensor>,
+}
+
+impl Gradients {
+    /// The gradient of `param`, if the loss depends on it.
+    pub fn get(&self, param: Tensor) -> Option<Tensor> {
+        self.by_param.get(&param).copied()
+    }
+
+    /// (parameter, gradient) pairs in parameter order.
+    pub fn pairs(&self) -> Vec<(Tensor, Tensor)> {
+        let mut v: Vec<_> = self.by_param.iter().map(|(&p, &g)| (p, g)).collect();
+        v.sort();
+        v
+    }
+}
+
+impl Graph {
+    /// Appends the nodes computing d loss / d parameter for every parameter
+    /// the scalar `loss` depends on. Gradients accumulate (`+=`) into each
+    /// parameter's gradient buffer; zeroing it is an explicit step.
+    pub fn backward(&mut self, loss: Tensor) -> Result<Gradients> {
+        if loss.0 >= self.nodes.len() {
+            return Err(Error::InvalidArgument { op: "backward", reason: format!("tensor #{} is not in this graph", loss.0) });
+        }
+        if self.shape(loss) != [1] || self.node(loss).dtype != DType::F32 {
+            return Err(Error::shape("backward", "the loss must be an f32 scalar of shape [1]", &[self.shape(loss)]));
+        }
+        let count = loss.0 + 1;
+        let mut requires_grad = vec![false; count];
+        for i in 0..count {
+            requires_grad[i] = match self.nodes[i].op {
+                Op::Parameter { .. } => true,
+                Op::Input | Op::Constant { .. } => false,
+                _ => self.nodes[i].inputs.iter().any(|t| requires_grad[t.0]),
+            };
+        }
+        let seed = self.constant("dloss", &[1], vec![1.0])?;
+        let mut grads: HashMap<usize, Tensor> = HashMap::from([(loss.0, seed)]);
+        let mut by_param = HashMap::new();
+        for i in (0..count).rev() {
+            let Some(dy) = grads.remove(&i) else { continue };
+            if !requires_grad[i] {
+                continue;
+            }
+            if matches!(self.nodes[i].op, Op::Parameter { .. }) {
+                continue;
+            }
+            let inputs = self.nodes[i].inputs.clone();
+            for (slot, &input) in inputs.iter().enumerate() {
+                if !requires_grad[input.0] {
+                    continue;
+                }
+                let contribution = self.input_gradient(Tensor(i), slot, dy)?;
+                if matches!(self.nodes[input.0].op, Op::Parameter { .. }) {
+                    let shape = self.shape(input).to_vec();
+                    let name = format!("{}.grad", self.nodes[input.0].name);
+                    let g = self.push(Op::AccumulateGrad { param: input }, vec![contribution], shape, DType::F32, name);
+                    by_param.insert(input, g);
+                } else {
+                    let total = match grads.get(&input.0) {
+                        Some(&previous) => self.add(previous, contribution)?,
+                        None => contribution,
+                    };
+                    grads.insert(input.0, total);
+                }
+            }
+        }
+        Ok(Gradients { loss, by_param })
+    }
+
+    /// d loss / d (input `slot` of `node`), given dy = d loss / d node.
+    fn input_gradient(&mut self, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+        let n = self.node(node).clone();
+        let input = |k: usize| n.inputs[k];
+        match (&n.op, slot) {
+            (Op::MatMul(MatmulForm::AB), 0) => self.matmul_form(MatmulForm::ABt, dy, input(1)),
+            (Op::MatMul(MatmulForm::AB), 1) => self.matmul_form(MatmulForm::AtB, input(0), dy),
+            (Op::MatMul(MatmulForm::AtB), 0) => self.matmul_form(MatmulForm::ABt, input(1), dy),
+            (Op::MatMul(MatmulForm::AtB), 1) => self.matmul_form(MatmulForm::AB, input(0), dy),
+            (Op::MatMul(MatmulForm::ABt), 0) => self.matmul_form(MatmulForm::AB, dy, input(1)),
+            (Op::MatMul(MatmulForm::ABt), 1) => self.matmul_form(MatmulForm::AtB, dy, input(0)),
+            (Op::Binary(Binary::Add), _) => Ok(dy),
+            (Op::Binary(Binary::Sub), 0) => Ok(dy),
+            (Op::Binary(Binary::Sub), 1) => self.scale(dy, -1.0),
+            (Op::Binary(Binary::Mul), 0) => self.mul(dy, input(1)),
+            (Op::Binary(Binary::Mul), 1) => self.mul(dy, input(0)),
+            (Op::Scale(alpha), 0) => self.scale(dy, *alpha),
+            (Op::BiasAdd, 0) => Ok(dy),
+            (Op::BiasAdd, 1) => self.sum_rows(dy),
+            (Op::Activation(act), 0) => {
+                let shape = n.shape.clone();
+                let name = format!("d{}", n.name);
+                Ok(self.push(Op::ActivationBackward(*act), vec![input(0), dy], shape, DType::F32, name))
+            }
+            (Op::Loss(kind), 0) => {
+                let shape = self.shape(input(0)).to_vec();
+                let name = format!("d{}", self.node(input(0)).name);
+                Ok(self.push(Op::LossBackward(*kind), vec![input(0), input(1), dy], shape, DType::F32, name))
+            }
+            _ => Err(Error::NoGradient { op: n.op.name(), input: self.node(n.inputs[slot]).name.clone() }),
+        }
+    }
+}

@@ -1,0 +1,483 @@
+//! Runs a planned graph. Every buffer, pipeline and bind group is created in
+//! `Executor::new`; a run writes the inputs, records every dispatch into one
+//! compute pass and submits once. Values come back only when asked for.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::autodiff::Gradients;
+use super::builder::{DType, Graph, LossKind, Op, Tensor};
+use super::plan::{Plan, Storage};
+use crate::error::{Error, Result};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig, View};
+
+/// The optimizer state arenas each optimizer keeps (same layout as the parameters).
+fn state_arenas(optimizer: &OptimizerConfig) -> usize {
+    match optimizer {
+        OptimizerConfig::Sgd(_) => 1,
+        OptimizerConfig::Adam(_) => 2,
+    }
+}
+
+pub struct Executor {
+    kernels: Arc<Kernels>,
+    graph: Graph,
+    plan: Plan,
+    params: GpuTensor,
+    grads: Option<GpuTensor>,
+    state: Vec<GpuTensor>,
+    inputs: Vec<GpuTensor>,
+    constants: Vec<GpuTensor>,
+    slots: Vec<GpuTensor>,
+    dispatches: Vec<Option<Dispatch>>,
+    optimizer: Option<(OptimizerConfig, Dispatch)>,
+    /// Optimizer steps taken (PyTorch's `step`, from 1).
+    step: u64,
+    /// Node lists for each set of requested outputs, computed once.
+    run_orders: HashMap<Vec<Tensor>, Vec<usize>>,
+    train_order: Vec<usize>,
+    gradients: Option<Gradients>,
+    /// Where a scalar read back at the end of a training run lands.
+    scalar_staging: wgpu::Buffer,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("step", &self.step).finish()
+    }
+}
+
+impl Executor {
+    /// Plans `graph` for `outputs` (and, when training, the gradients and the
+    /// optimizer), then allocates every buffer and builds every dispatch.
+    pub fn new(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Option<Gradients>,
+        optimizer: Option<OptimizerConfig>,
+    ) -> Result<Self> {
+        if optimizer.is_some() && gradients.is_none() {
+            return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
+        }
+        for t in outputs {
+            if t.0 >= graph.len() {
+                return Err(Error::InvalidArgument { op: "Executor::new", reason: format!("output #{} is not in the graph", t.0) });
+            }
+        }
+        let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
+        let plan = Plan::new(&graph, outputs, gradients.as_ref(), align);
+
+        let arena_len = plan.param_arena_len.max(1);
+        let mut initial = vec![0.0f32; arena_len];
+        for &(p, offset) in &plan.param_offsets {
+            if let Op::Parameter { init } = &graph.node(p).op {
+                initial[offset..offset + init.len()].copy_from_slice(init);
+            }
+        }
+        let params = kernels.upload(&initial)?;
+        let training = gradients.is_some();
+        let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
+        let state = match &optimizer {
+            Some(o) => (0..state_arenas(o)).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        let mut inputs = Vec::with_capacity(plan.input_count);
+        let mut constants = Vec::with_capacity(plan.constant_count);
+        for &i in &plan.order {
+            let node = graph.node(Tensor(i));
+            match (&node.op, plan.storage[i]) {
+                (Op::Input, Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
+                (Op::Constant { values }, Storage::Constant { .. }) => constants.push(kernels.upload(values)?),
+                _ => {}
+            }
+        }
+        let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
+        let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("scalar readback"),
+            size: 4,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+
+        let train_order = if training { plan.order.clone() } else { Vec::new() };
+        let mut exec = Executor {
+            kernels,
+            graph,
+            plan,
+            params,
+            grads,
+            state,
+            inputs,
+            constants,
+            slots,
+            dispatches: Vec::new(),
+            optimizer: None,
+            step: 0,
+            run_orders: HashMap::new(),
+            train_order,
+            gradients,
+            scalar_staging,
+        };
+        let mut dispatches = Vec::with_capacity(exec.graph.len());
+        for i in 0..exec.graph.len() {
+            let needs_kernel = !matches!(exec.plan.storage[i], Storage::Unused)
+                && !matches!(exec.graph.node(Tensor(i)).op, Op::Input | Op::Parameter { .. } | Op::Constant { .. });
+            dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
+        }
+        exec.dispatches = dispatches;
+        if let Some(cfg) = optimizer {
+            let d = exec.build_optimizer(&cfg)?;
+            exec.optimizer = Some((cfg, d));
+        }
+        Ok(exec)
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn kernels(&self) -> &Arc<Kernels> {
+        &self.kernels
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// GPU bytes held: parameters, gradients, optimizer state, intermediates.
+    pub fn peak_bytes(&self) -> u64 {
+        self.plan.peak_bytes(self.grads.is_some(), self.state.len())
+    }
+
+    /// Dispatches recorded by one training step (forward, backward, optimizer).
+    pub fn dispatches_per_step(&self) -> usize {
+        self.train_order.iter().filter(|&&i| self.dispatches[i].is_some()).count() + usize::from(self.optimizer.is_some())
+    }
+
+    fn view(&self, t: Tensor) -> Result<View<'_>> {
+        let len = self.graph.node(t).len();
+        match self.plan.storage[t.0] {
+            Storage::Param { offset } => self.params.slice(offset, len),
+            Storage::Grad { offset } => match &self.grads {
+                Some(g) => g.slice(offset, len),
+                None => Err(self.not_stored(t)),
+            },
+            Storage::Input { index } => Ok(self.inputs[index].view()),
+            Storage::Constant { index } => Ok(self.constants[index].view()),
+            Storage::Slot { index } => self.slots[index].slice(0, len),
+            Storage::Unused => Err(self.not_stored(t)),
+        }
+    }
+
+    fn not_stored(&self, t: Tensor) -> Error {
+        Error::InvalidArgument {
+            op: "Executor",
+            reason: format!("`{}` is not computed by this executor (not needed by its outputs)", self.graph.node(t).name),
+        }
+    }
+
+    fn build_dispatch(&self, i: usize) -> Result<Dispatch> {
+        let node = self.graph.node(Tensor(i));
+        let k = &self.kernels;
+        let out = self.view(Tensor(i))?;
+        let input = |j: usize| self.view(node.inputs[j]);
+        let shape = |j: usize| self.graph.shape(node.inputs[j]).to_vec();
+        match &node.op {
+            Op::MatMul(form) => {
+                let a = shape(0);
+                let (m, n) = (node.shape[0], node.shape[1]);
+                let kk = match form {
+                    MatmulForm::AtB => a[0],
+                    _ => a[1],
+                };
+                k.matmul(*form, out, input(0)?, input(1)?, m, n, kk)
+            }
+            Op::Binary(op) => k.binary(*op, out, input(0)?, input(1)?),
+            Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
+            Op::BiasAdd => k.bias_add(out, input(0)?, input(1)?, node.shape[0], node.shape[1]),
+            Op::Activation(act) => k.activation_forward(*act, out, input(0)?),
+            Op::ActivationBackward(act) => k.activation_backward(*act, out, input(0)?, input(1)?),
+            Op::SumRows => {
+                let s = shape(0);
+                k.sum_rows(out, input(0)?, s[0], s[1])
+            }
+            Op::Sum => k.sum(out, input(0)?),
+            Op::Mean => k.mean(out, input(0)?),
+            Op::Loss(LossKind::Mse) => k.mse_forward(out, input(0)?, input(1)?),
+            Op::Loss(LossKind::CrossEntropy) => {
+                let s = shape(0);
+                k.cross_entropy_forward(out, input(0)?, input(1)?, s[0], s[1])
+            }
+            Op::LossBackward(LossKind::Mse) => k.mse_backward(out, input(0)?, input(1)?, input(2)?),
+            Op::LossBackward(LossKind::CrossEntropy) => {
+                let s = shape(0);
+                k.cross_entropy_backward(out, input(0)?, input(1)?, input(2)?, s[0], s[1])
+            }
+            Op::Argmax => {
+                let s = shape(0);
+                k.argmax_rows(out, input(0)?, s[0], s[1])
+            }
+            Op::AccumulateGrad { .. } => k.add_assign(out, input(0)?),
+            Op::Input | Op::Parameter { .. } | Op::Constant { .. } => Err(Error::InvalidArgument {
+                op: "Executor",
+                reason: format!("`{}` has no kernel", node.name),
+            }),
+        }
+    }
+
+    /// One update over the whole parameter arena: parameters are contiguous,
+    /// and the alignment gaps hold zeros that every optimizer keeps at zero.
+    fn build_optimizer(&self, cfg: &OptimizerConfig) -> Result<Dispatch> {
+        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op: "Executor::new",
+            reason: "an optimizer needs gradients".into(),
+        })?;
+        match cfg {
+            OptimizerConfig::Sgd(c) => self.kernels.sgd_update(self.params.view(), grads.view(), self.state[0].view(), c, 1),
+            OptimizerConfig::Adam(c) => {
+                self.kernels.adam_update(self.params.view(), grads.view(), self.state[0].view(), self.state[1].view(), c, 1)
+            }
+        }
+    }
+
+    fn input_storage(&self, t: Tensor, dtype: DType, len: usize) -> Result<&GpuTensor> {
+        if t.0 >= self.graph.len() {
+            return Err(Error::InvalidArgument { op: "set_input", reason: format!("tensor #{} is not in the graph", t.0) });
+        }
+        let node = self.graph.node(t);
+        let Storage::Input { index } = self.plan.storage[t.0] else {
+            return Err(Error::InvalidArgument { op: "set_input", reason: format!("`{}` is not an input of this executor", node.name) });
+        };
+        if node.dtype != dtype || node.len() != len {
+            return Err(Error::shape(
+                "set_input",
+                format!("`{}` takes {} {:?} values, got {len} {dtype:?}", node.name, node.len(), node.dtype),
+                &[&node.shape, &[len]],
+            ));
+        }
+        Ok(&self.inputs[index])
+    }
+
+    /// Queues f32 data for an input; it takes effect at the next run.
+    pub fn set_input(&self, t: Tensor, data: &[f32]) -> Result<()> {
+        let buf = self.input_storage(t, DType::F32, data.len())?;
+        self.kernels.write(buf.view(), data)
+    }
+
+    /// Queues u32 class labels for a labels input.
+    pub fn set_labels(&self, t: Tensor, labels: &[u32]) -> Result<()> {
+        let buf = self.input_storage(t, DType::U32, labels.len())?;
+        self.kernels.write(buf.view(), labels)
+    }
+
+    /// One training step in one submission: optionally zero the gradients,
+    /// run forward and backward, apply the optimizer (when given), and copy
+    /// the loss for reading when `read_loss`. Returns the loss when read.
+    pub fn train_step(&mut self, zero_grad: bool, apply_optimizer: bool, read_loss: bool) -> Result<Option<f32>> {
+        let Some(grads) = &self.grads else {
+            return Err(Error::InvalidArgument { op: "train_step", reason: "this executor was built without backward()".into() });
+        };
+        let loss = self.gradients.as_ref().map(|g| g.loss).ok_or_else(|| Error::InvalidArgument {
+            op: "train_step",
+            reason: "no loss".into(),
+        })?;
+        if apply_optimizer {
+            let Some((cfg, dispatch)) = &self.optimizer else {
+                return Err(Error::InvalidArgument { op: "train_step", reason: "no optimizer was given".into() });
+            };
+            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        }
+        let loss_view = self.view(loss)?;
+        let device = self.kernels.device();
+        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("train step") });
+        if zero_grad {
+            encoder.clear_buffer(grads.buffer(), 0, None);
+        }
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("train step"), timestamp_writes: None });
+            for &i in &self.train_order {
+                if let Some(d) = &self.dispatches[i] {
+                    d.record(&mut pass);
+                }
+            }
+            if apply_optimizer {
+                if let Some((_, d)) = &self.optimizer {
+                    d.record(&mut pass);
+                }
+            }
+        }
+        if read_loss {
+            encoder.copy_buffer_to_buffer(loss_view.buffer, loss_view.offset, &self.scalar_staging, 0, 4);
+        }
+        self.kernels.submit("train_step", encoder)?;
+        if apply_optimizer {
+            self.step += 1;
+        }
+        if !read_loss {
+            return Ok(None);
+        }
+        let value = self.kernels.map_read_scalar(&self.scalar_staging)?;
+        if !value.is_finite() {
+            return Err(Error::NonFiniteLoss { value, step: self.step });
+        }
+        Ok(Some(value))
+    }
+
+    /// Runs only what `outputs` need (no backward, no optimizer) in one
+    /// submission. Read the results with [`Executor::read`].
+    pub fn run(&mut self, outputs: &[Tensor]) -> Result<()> {
+        if !self.run_orders.contains_key(outputs) {
+            let order = self.order_for(outputs)?;
+            self.run_orders.insert(outputs.to_vec(), order);
+        }
+        let order = &self.run_orders[outputs];
+        let device = self.kernels.device();
+        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("run") });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("run"), timestamp_writes: None });
+            for &i in order {
+                if let Some(d) = &self.dispatches[i] {
+                    d.record(&mut pass);
+                }
+            }
+        }
+        self.kernels.submit("run", encoder)
+    }
+
+    fn order_for(&self, outputs: &[Tensor]) -> Result<Vec<usize>> {
+        let mut needed = vec![false; self.graph.len()];
+        for t in outputs {
+            if t.0 >= self.graph.len() || self.plan.storage[t.0] == Storage::Unused {
+                return Err(Error::InvalidArgument {
+                    op: "run",
+                    reason: format!("tensor #{} was not planned as an output of this executor", t.0),
+                });
+            }
+            needed[t.0] = true;
+        }
+        for i in (0..self.graph.len()).rev() {
+            if needed[i] {
+                for t in &self.graph.node(Tensor(i)).inputs {
+                    needed[t.0] = true;
+                }
+            }
+        }
+        Ok(self.plan.order.iter().copied().filter(|&i| needed[i]).collect())
+    }
+
+    /// Reads a planned tensor (waits for the GPU).
+    pub fn read(&self, t: Tensor) -> Result<Vec<f32>> {
+        self.kernels.read(self.view(t)?)
+    }
+
+    /// Reads a u32 tensor (labels, argmax).
+    pub fn read_u32(&self, t: Tensor) -> Result<Vec<u32>> {
+        self.kernels.read(self.view(t)?)
+    }
+
+    /// The gradient of `param` accumulated so far.
+    pub fn read_grad(&self, param: Tensor) -> Result<Vec<f32>> {
+        let g = self.gradients.as_ref().and_then(|g| g.get(param)).ok_or_else(|| Error::InvalidArgument {
+            op: "read_grad",
+            reason: "no gradient for this tensor (not a parameter the loss depends on, or no backward)".into(),
+        })?;
+        self.read(g)
+    }
+
+    /// Host copies of every parameter: (name, shape, values).
+    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+        let all: Vec<f32> = self.kernels.read(self.params.view())?;
+        Ok(self
+            .plan
+            .param_offsets
+            .iter()
+            .map(|&(p, offset)| {
+                let node = self.graph.node(p);
+                (node.name.clone(), node.shape.clone(), all[offset..offset + node.len()].to_vec())
+            })
+            .collect())
+    }
+
+    /// (name, shape) of every parameter, in arena order.
+    pub fn parameters_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.plan.param_offsets.iter().map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone())).collect()
+    }
+
+    /// Optimizer state as (parameter name, state name, values).
+    pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
+        let names: &[&'static str] = match self.optimizer.as_ref().map(|(c, _)| c) {
+            Some(OptimizerConfig::Sgd(_)) => &["momentum_buffer"],
+            Some(OptimizerConfig::Adam(_)) => &["exp_avg", "exp_avg_sq"],
+            None => &[],
+        };
+        let mut out = Vec::new();
+        for (arena, &state_name) in self.state.iter().zip(names) {
+            let all: Vec<f32> = self.kernels.read(arena.view())?;
+            for &(p, offset) in &self.plan.param_offsets {
+                let node = self.graph.node(p);
+                out.push((node.name.clone(), state_name, all[offset..offset + node.len()].to_vec()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces parameters (by name) and, when given, the optimizer state
+    /// and step count. Checks every name and shape before writing anything.
+    pub fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        optimizer_state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
+        let arena_len = self.plan.param_arena_len.max(1);
+        let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
+        let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
+        for (name, shape, values) in params {
+            let (p, offset) = find(name).ok_or_else(|| Error::InvalidArgument {
+                op: "load_state",
+                reason: format!("the model has no parameter `{name}`"),
+            })?;
+            let node = self.graph.node(p);
+            if &node.shape != shape || values.len() != node.len() {
+                return Err(Error::shape("load_state", format!("parameter `{name}`: model has {:?}, checkpoint {shape:?}", node.shape), &[&node.shape, shape]));
+            }
+            host[offset..offset + values.len()].copy_from_slice(values);
+        }
+        let names: Vec<&str> = match self.optimizer.as_ref().map(|(c, _)| c) {
+            Some(OptimizerConfig::Sgd(_)) => vec!["momentum_buffer"],
+            Some(OptimizerConfig::Adam(_)) => vec!["exp_avg", "exp_avg_sq"],
+            None => vec![],
+        };
+        let mut state_host: Vec<Vec<f32>> = vec![vec![0.0; arena_len]; self.state.len()];
+        for (param_name, state_name, values) in optimizer_state {
+            let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {
+                op: "load_state",
+                reason: format!("this optimizer has no state `{state_name}`"),
+            })?;
+            let (p, offset) = find(param_name).ok_or_else(|| Error::InvalidArgument {
+                op: "load_state",
+                reason: format!("optimizer state for unknown parameter `{param_name}`"),
+            })?;
+            if values.len() != self.graph.node(p).len() {
+                return Err(Error::shape("load_state", format!("state `{param_name}.{state_name}` has {} values", values.len()), &[&self.graph.node(p).shape]));
+            }
+            state_host[k][offset..offset + values.len()].copy_from_slice(values);
+        }
+        self.kernels.write(self.params.view(), &host)?;
+        if !optimizer_state.is_empty() {
+            for (arena, values) in self.state.iter().zip(&state_host) {
+                self.kernels.write(arena.view(), values)?;
+            }
+        }
+        if let Some(s) = step {
+            self.step = s;
+        }
+        Ok(())
+    }
+}

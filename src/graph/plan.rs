@@ -1,0 +1,176 @@
+//! The memory plan: which nodes run, in what order, and where each tensor
+//! lives. Parameters, their gradients and the optimizer state share one
+//! layout in a few large buffers addressed by offset (so a gradient
+//! all-reduce is one copy per device). Intermediates are assigned to slots
+//! by liveness: tensors whose lifetimes don't overlap share a slot.
+//!
+//! Each slot is its own buffer rather than a range of one arena: wgpu
+//! rejects a dispatch that binds one buffer both read-only and writable, and
+//! a node always reads one intermediate while writing another.
+
+use super::autodiff::Gradients;
+use super::builder::{Graph, Op, Tensor};
+
+/// Where a node's output lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// In the parameter arena at this element offset.
+    Param { offset: usize },
+    /// In the gradient arena, at its parameter's offset.
+    Grad { offset: usize },
+    /// Its own buffer, written by the host before a run.
+    Input { index: usize },
+    /// Its own buffer, uploaded once.
+    Constant { index: usize },
+    /// An intermediate in a reusable slot.
+    Slot { index: usize },
+    /// Not needed by any output: never computed.
+    Unused,
+}
+
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Every node that runs, in a topological order.
+    pub order: Vec<usize>,
+    pub storage: Vec<Storage>,
+    /// Size of each slot in elements.
+    pub slot_len: Vec<usize>,
+    /// (parameter, element offset) in parameter order.
+    pub param_offsets: Vec<(Tensor, usize)>,
+    /// Length of the parameter (and gradient, and each state) arena in elements.
+    pub param_arena_len: usize,
+    pub input_count: usize,
+    pub constant_count: usize,
+    /// Bytes of intermediates if every one had its own buffer.
+    pub naive_intermediate_bytes: u64,
+    /// Bytes of the slots actually allocated.
+    pub slot_bytes: u64,
+}
+
+const BYTES: u64 = 4;
+
+impl Plan {
+    /// Plans the nodes needed for `outputs` (and every gradient in `grads`).
+    /// `align` is the storage-offset alignment in elements.
+    pub fn new(graph: &Graph, outputs: &[Tensor], grads: Option<&Gradients>, align: usize) -> Plan {
+        let nodes = graph.nodes();
+        let count = nodes.len();
+        let mut roots: Vec<usize> = outputs.iter().map(|t| t.0).collect();
+        if let Some(g) = grads {
+            roots.push(g.loss.0);
+            // Every accumulation, not just the last per parameter.
+            roots.extend((0..count).filter(|&i| matches!(nodes[i].op, Op::AccumulateGrad { .. })));
+        }
+        let mut needed = vec![false; count];
+        for &r in &roots {
+            needed[r] = true;
+        }
+        for i in (0..count).rev() {
+            if needed[i] {
+                for t in &nodes[i].inputs {
+                    needed[t.0] = true;
+                }
+            }
+        }
+
+        // Parameters and their gradients: one layout, aligned offsets.
+        let align = align.max(1);
+        let mut param_offsets = Vec::new();
+        let mut arena = 0usize;
+        let mut storage = vec![Storage::Unused; count];
+        for (i, node) in nodes.iter().enumerate() {
+            if matches!(node.op, Op::Parameter { .. }) {
+                param_offsets.push((Tensor(i), arena));
+                storage[i] = Storage::Param { offset: arena };
+                arena += node.len().div_ceil(align) * align;
+            }
+        }
+
+        // Last use of each needed node; outputs and the loss live to the end.
+        let mut last_use = vec![None::<usize>; count];
+        for i in (0..count).filter(|&i| needed[i]) {
+            for t in &nodes[i].inputs {
+                last_use[t.0] = Some(i);
+            }
+        }
+        for &r in &roots {
+            last_use[r] = Some(usize::MAX);
+        }
+
+        let order: Vec<usize> = (0..count).filter(|&i| needed[i]).collect();
+        let mut slot_len: Vec<usize> = Vec::new();
+        let mut free: Vec<usize> = Vec::new();
+        let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
+        let (mut inputs, mut constants) = (0, 0);
+        let mut naive = 0u64;
+        for &i in &order {
+            let node = &nodes[i];
+            match &node.op {
+                Op::Parameter { .. } => {}
+                Op::Input => {
+                    storage[i] = Storage::Input { index: inputs };
+                    inputs += 1;
+                }
+                Op::Constant { .. } => {
+                    storage[i] = Storage::Constant { index: constants };
+                    constants += 1;
+                }
+                Op::AccumulateGrad { param } => {
+                    if let Storage::Param { offset } = storage[param.0] {
+                        storage[i] = Storage::Grad { offset };
+                    }
+                }
+                _ => {
+                    let len = node.len();
+                    naive += len as u64 * BYTES;
+                    // Best fit among free slots, else grow the largest free
+                    // one, else a new slot.
+                    let best = free
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &s)| slot_len[s] >= len)
+                        .min_by_key(|(_, &s)| slot_len[s])
+                        .map(|(k, _)| k)
+                        .or_else(|| (0..free.len()).max_by_key(|&k| slot_len[free[k]]));
+                    let slot = match best {
+                        Some(k) => free.swap_remove(k),
+                        None => {
+                            slot_len.push(0);
+                            slot_len.len() - 1
+                        }
+                    };
+                    slot_len[slot] = slot_len[slot].max(len);
+                    storage[i] = Storage::Slot { index: slot };
+                    match last_use[i] {
+                        Some(u) if u != usize::MAX => release_at[u].push(slot),
+                        Some(_) => {}
+                        // Computed for its side effect only; free right after.
+                        None => release_at[i].push(slot),
+                    }
+                }
+            }
+            // Inputs of node i whose last use is i may now be overwritten.
+            free.extend(release_at[i].drain(..));
+        }
+        let slot_bytes = slot_len.iter().map(|&l| l as u64 * BYTES).sum();
+        Plan {
+            order,
+            storage,
+            slot_len,
+            param_offsets,
+            param_arena_len: arena,
+            input_count: inputs,
+            constant_count: constants,
+            naive_intermediate_bytes: naive,
+            slot_bytes,
+        }
+    }
+
+    /// Bytes of GPU memory the plan uses for parameters, `state_arenas`
+    /// optimizer-state copies, gradients (when training), and intermediates.
+    pub fn peak_bytes(&self, training: bool, state_arenas: usize) -> u64 {
+        let arena = self.param_arena_len as u64 * BYTES;
+        let copies = 1 + u64::from(training) + state_arenas as u64;
+        arena * copies + self.slot_bytes
+    }
+}

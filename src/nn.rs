@@ -1,0 +1,202 @@
+//! Layers and losses with PyTorch's names, built from graph ops so users
+//! never touch buffers. Initial weights follow PyTorch's defaults and come
+//! from a seeded generator ([`manual_seed`]).
+
+use std::cell::RefCell;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::{Activation, MatmulForm};
+
+thread_local! {
+    static INIT_RNG: RefCell<ChaCha8Rng> = RefCell::new(ChaCha8Rng::seed_from_u64(0));
+}
+
+/// Seeds the generator that layer constructors draw their initial weights
+/// from (per thread), like `torch.manual_seed`.
+pub fn manual_seed(seed: u64) {
+    INIT_RNG.with(|r| *r.borrow_mut() = ChaCha8Rng::seed_from_u64(seed));
+}
+
+fn uniform(n: usize, bound: f32) -> Vec<f32> {
+    INIT_RNG.with(|r| {
+        let mut rng = r.borrow_mut();
+        (0..n).map(|_| rng.random_range(-bound..=bound)).collect()
+    })
+}
+
+/// y = x·Wᵀ + b with W [out_features, in_features], as torch.nn.Linear.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Linear {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub weight: Vec<f32>,
+    pub bias: Vec<f32>,
+}
+
+impl Linear {
+    /// PyTorch's default init: kaiming_uniform(a=√5) for the weight and
+    /// U(-1/√in, 1/√in) for the bias — both U(-1/√in, 1/√in).
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        let bound = 1.0 / (in_features.max(1) as f32).sqrt();
+        let weight = uniform(in_features * out_features, bound);
+        let bias = uniform(out_features, bound);
+        Linear { in_features, out_features, weight, bias }
+    }
+
+    /// Adds the layer to `g`; parameters are named `{prefix}weight` and `{prefix}bias`.
+    pub fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let w = g.parameter(&format!("{prefix}weight"), &[self.out_features, self.in_features], self.weight.clone())?;
+        let b = g.parameter(&format!("{prefix}bias"), &[self.out_features], self.bias.clone())?;
+        let xw = g.matmul_form(MatmulForm::ABt, x, w)?;
+        g.bias_add(xw, b)
+    }
+}
+
+/// One element of a [`Sequential`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Layer {
+    Linear(Linear),
+    ReLU,
+    /// tanh approximation, torch.nn.GELU(approximate="tanh")
+    GELU,
+    Tanh,
+    Sigmoid,
+}
+
+impl Layer {
+    fn describe(&self) -> String {
+        match self {
+            Layer::Linear(l) => format!("Linear({}, {})", l.in_features, l.out_features),
+            Layer::ReLU => "ReLU".into(),
+            Layer::GELU => "GELU".into(),
+            Layer::Tanh => "Tanh".into(),
+            Layer::Sigmoid => "Sigmoid".into(),
+        }
+    }
+
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        match self {
+            Layer::Linear(l) => l.forward(g, x, prefix),
+            Layer::ReLU => g.activation(Activation::Relu, x),
+            Layer::GELU => g.activation(Activation::Gelu, x),
+            Layer::Tanh => g.activation(Activation::Tanh, x),
+            Layer::Sigmoid => g.activation(Activation::Sigmoid, x),
+        }
+    }
+}
+
+/// torch.nn.Sequential: parameters are named by position, `0.weight`,
+/// `0.bias`, `2.weight`, … as in a PyTorch state_dict.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Sequential {
+    pub layers: Vec<Layer>,
+}
+
+impl Sequential {
+    pub fn new(layers: Vec<Layer>) -> Self {
+        Sequential { layers }
+    }
+
+    /// Linear layers of the given widths with `activation` between them
+    /// (none after the last).
+    pub fn mlp(widths: &[usize], activation: Layer) -> Result<Self> {
+        if widths.len() < 2 || widths.contains(&0) {
+            return Err(Error::InvalidArgument { op: "Sequential::mlp", reason: format!("needs at least two non-zero widths, got {widths:?}") });
+        }
+        let mut layers = Vec::new();
+        for (i, pair) in widths.windows(2).enumerate() {
+            if i > 0 {
+                layers.push(activation.clone());
+            }
+            layers.push(Layer::Linear(Linear::new(pair[0], pair[1])));
+        }
+        Ok(Sequential { layers })
+    }
+
+    pub fn forward(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &format!("{i}.")))
+    }
+
+    /// Input width of the first Linear.
+    pub fn in_features(&self) -> Option<usize> {
+        self.layers.iter().find_map(|l| match l {
+            Layer::Linear(l) => Some(l.in_features),
+            _ => None,
+        })
+    }
+
+    /// Output width of the last Linear.
+    pub fn out_features(&self) -> Option<usize> {
+        self.layers.iter().rev().find_map(|l| match l {
+            Layer::Linear(l) => Some(l.out_features),
+            _ => None,
+        })
+    }
+
+    /// e.g. `Linear(64, 128) ReLU Linear(128, 10)`; stored in checkpoints.
+    pub fn describe(&self) -> String {
+        self.layers.iter().map(Layer::describe).collect::<Vec<_>>().join(" ")
+    }
+
+    /// Parses [`Sequential::describe`]'s output (weights are placeholders,
+    /// to be loaded from a checkpoint).
+    pub fn from_description(text: &str) -> Result<Self> {
+        let bad = |what: &str| Error::InvalidArgument { op: "Sequential::from_description", reason: format!("cannot parse `{what}` in `{text}`") };
+        let mut layers = Vec::new();
+        let mut rest = text.trim();
+        while !rest.is_empty() {
+            if let Some(after) = rest.strip_prefix("Linear(") {
+                let close = after.find(')').ok_or_else(|| bad(rest))?;
+                let dims: Vec<usize> = after[..close]
+                    .split(',')
+                    .map(|d| d.trim().parse::<usize>().map_err(|_| bad(&after[..close])))
+                    .collect::<Result<_>>()?;
+                let [i, o] = dims[..] else { return Err(bad(&after[..close])) };
+                layers.push(Layer::Linear(Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: vec![0.0; o] }));
+                rest = after[close + 1..].trim_start();
+            } else {
+                let word_end = rest.find(' ').unwrap_or(rest.len());
+                layers.push(match &rest[..word_end] {
+                    "ReLU" => Layer::ReLU,
+                    "GELU" => Layer::GELU,
+                    "Tanh" => Layer::Tanh,
+                    "Sigmoid" => Layer::Sigmoid,
+                    other => return Err(bad(other)),
+                });
+                rest = rest[word_end..].trim_start();
+            }
+        }
+        Ok(Sequential { layers })
+    }
+}
+
+/// torch.nn.MSELoss (mean reduction).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MSELoss;
+
+/// torch.nn.CrossEntropyLoss over logits and class indices (mean reduction).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CrossEntropyLoss;
+
+/// Either loss, for code that takes one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Criterion {
+    Mse,
+    CrossEntropy,
+}
+
+impl From<MSELoss> for Criterion {
+    fn from(_: MSELoss) -> Self {
+        Criterion::Mse
+    }
+}
+
+impl From<CrossEntropyLoss> for Criterion {
+    fn from(_: CrossEntropyLoss) -> Self {
+        Criterion::CrossEntropy
+    }
+}

@@ -1,0 +1,400 @@
+//! The training loop as PyTorch users write it, over a define-then-run graph:
+//!
+//! ```no_run
+//! # fn main() -> wgrad::Result<()> {
+//! use std::sync::Arc;
+//! use wgrad::nn::{Layer, Linear, MSELoss, Sequential};
+//! use wgrad::optim::SGD;
+//! use wgrad::trainer::{Targets, Trainer};
+//! let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
+//! let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
+//! let mut trainer = Trainer::new(kernels, &model, MSELoss, SGD::new(0.01), 64)?;
+//! # let (x, y) = (vec![0.0f32; 640], vec![0.0f32; 64]);
+//! trainer.zero_grad();
+//! trainer.forward(&x)?;
+//! trainer.loss(Targets::Values(&y))?;
+//! trainer.backward()?;
+//! trainer.step()?; // everything above runs here, as one GPU submission
+//! # Ok(()) }
+//! ```
+//!
+//! Each call records what the step should do; `step()` submits forward,
+//! backward and the optimizer update as one command buffer.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::error::{Error, Result};
+use crate::graph::{Executor, Graph, Tensor};
+use crate::kernels::{Kernels, OptimizerConfig};
+use crate::nn::{Criterion, Sequential};
+use crate::optim;
+
+/// What the loss compares the model's output with.
+#[derive(Clone, Copy, Debug)]
+pub enum Targets<'a> {
+    /// Regression targets, [batch, out_features].
+    Values(&'a [f32]),
+    /// Class indices, [batch].
+    Classes(&'a [u32]),
+}
+
+pub struct Trainer {
+    exec: Executor,
+    input: Tensor,
+    target: Tensor,
+    output: Tensor,
+    loss: Tensor,
+    prediction: Tensor,
+    batch_size: usize,
+    in_features: usize,
+    out_features: usize,
+    criterion: Criterion,
+    model_description: String,
+    optimizer: OptimizerConfig,
+    zero_grad_pending: bool,
+    forward_done: bool,
+    targets_done: bool,
+    backward_done: bool,
+}
+
+fn widths(model: &Sequential) -> Result<(usize, usize)> {
+    match (model.in_features(), model.out_features()) {
+        (Some(i), Some(o)) => Ok((i, o)),
+        _ => Err(Error::InvalidArgument { op: "Trainer::new", reason: "the model has no Linear layer".into() }),
+    }
+}
+
+impl Trainer {
+    /// Builds the graph `model → criterion`, its backward pass and the
+    /// optimizer update, plans memory and allocates everything once.
+    pub fn new(
+        kernels: Arc<Kernels>,
+        model: &Sequential,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch_size: usize,
+    ) -> Result<Self> {
+        let criterion = criterion.into();
+        let optimizer = optimizer.into();
+        let (in_features, out_features) = widths(model)?;
+        let mut g = Graph::new();
+        let input = g.input("input", &[batch_size, in_features])?;
+        let output = model.forward(&mut g, input)?;
+        let (target, loss) = match criterion {
+            Criterion::Mse => {
+                let t = g.input("target", &[batch_size, out_features])?;
+                (t, g.mse_loss(output, t)?)
+            }
+            Criterion::CrossEntropy => {
+                let t = g.labels("target", batch_size)?;
+                (t, g.cross_entropy_loss(output, t)?)
+            }
+        };
+        let prediction = g.argmax(output)?;
+        let grads = g.backward(loss)?;
+        let exec = Executor::new(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer))?;
+        Ok(Trainer {
+            exec,
+            input,
+            target,
+            output,
+            loss,
+            prediction,
+            batch_size,
+            in_features,
+            out_features,
+            criterion,
+            model_description: model.describe(),
+            optimizer,
+            zero_grad_pending: false,
+            forward_done: false,
+            targets_done: false,
+            backward_done: false,
+        })
+    }
+
+    pub fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    pub fn model_description(&self) -> &str {
+        &self.model_description
+    }
+
+    pub fn optimizer(&self) -> &OptimizerConfig {
+        &self.optimizer
+    }
+
+    /// Clears the gradients at the start of the next step (`optimizer.zero_grad()`).
+    /// Without it gradients accumulate across steps, as in PyTorch.
+    pub fn zero_grad(&mut self) {
+        self.zero_grad_pending = true;
+    }
+
+    /// Sets the batch, [batch_size, in_features] row-major (`model(x)`).
+    pub fn forward(&mut self, x: &[f32]) -> Result<()> {
+        self.exec.set_input(self.input, x)?;
+        self.forward_done = true;
+        Ok(())
+    }
+
+    /// Sets what the loss compares against (`criterion(output, y)`).
+    pub fn loss(&mut self, targets: Targets<'_>) -> Result<()> {
+        match (self.criterion, targets) {
+            (Criterion::Mse, Targets::Values(v)) => self.exec.set_input(self.target, v)?,
+            (Criterion::CrossEntropy, Targets::Classes(c)) => {
+                if let Some(&bad) = c.iter().find(|&&c| c as usize >= self.out_features) {
+                    return Err(Error::InvalidArgument {
+                        op: "CrossEntropyLoss",
+                        reason: format!("class {bad} is out of range for {} outputs", self.out_features),
+                    });
+                }
+                self.exec.set_labels(self.target, c)?
+            }
+            (c, _) => {
+                return Err(Error::InvalidArgument { op: "Trainer::loss", reason: format!("{c:?} loss got the other kind of targets") });
+            }
+        }
+        self.targets_done = true;
+        Ok(())
+    }
+
+    /// Marks the backward pass for this step (`loss.backward()`).
+    pub fn backward(&mut self) -> Result<()> {
+        if !(self.forward_done && self.targets_done) {
+            return Err(Error::InvalidArgument { op: "backward", reason: "call forward() and loss() first".into() });
+        }
+        self.backward_done = true;
+        Ok(())
+    }
+
+    fn submit(&mut self, read_loss: bool) -> Result<Option<f32>> {
+        if !self.backward_done {
+            return Err(Error::InvalidArgument { op: "step", reason: "call backward() before step()".into() });
+        }
+        let loss = self.exec.train_step(self.zero_grad_pending, true, read_loss)?;
+        self.zero_grad_pending = false;
+        self.forward_done = false;
+        self.targets_done = false;
+        self.backward_done = false;
+        Ok(loss)
+    }
+
+    /// Runs the recorded step — forward, backward, optimizer update — as one
+    /// GPU submission (`optimizer.step()`). Does not wait for the GPU.
+    pub fn step(&mut self) -> Result<()> {
+        self.submit(false).map(|_| ())
+    }
+
+    /// As [`Trainer::step`], also copying the loss back in the same
+    /// submission; waits for it. A NaN or infinite loss is an error.
+    pub fn step_reading_loss(&mut self) -> Result<f32> {
+        self.submit(true)?.ok_or_else(|| Error::Readback { op: "step", message: "no loss came back".into() })
+    }
+
+    /// The loss of the last step (`loss.item()`); waits for the GPU.
+    pub fn loss_item(&self) -> Result<f32> {
+        let v = self.exec.read(self.loss)?;
+        let value = v.first().copied().unwrap_or(f32::NAN);
+        if !value.is_finite() {
+            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+        }
+        Ok(value)
+    }
+
+    /// Model outputs for any number of rows of features (run in
+    /// batch-sized chunks, the last one padded).
+    pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
+        let (input, output, width) = (self.input, self.output, self.out_features);
+        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
+            exec.run(&[output])?;
+            Ok(exec.read(output)?[..n * width].to_vec())
+        })
+    }
+
+    /// The class with the largest output for each row (argmax).
+    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        let (input, prediction) = (self.input, self.prediction);
+        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
+            exec.run(&[prediction])?;
+            Ok(exec.read_u32(prediction)?[..n].to_vec())
+        })
+    }
+
+    /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
+    /// and metadata (model, optimizer, criterion, step).
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
+        let mut ckpt = Checkpoint::new();
+        for (name, shape, data) in self.exec.parameters()? {
+            ckpt.push(NamedTensor::new(name, shape, data)?);
+        }
+        let shapes: Vec<(String, Vec<usize>)> = self.exec.parameters_shapes();
+        for (param, state, data) in self.exec.optimizer_state()? {
+            let shape = shapes.iter().find(|(n, _)| *n == param).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![data.len()]);
+            ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
+        }
+        ckpt.set_meta("format", "wgrad");
+        ckpt.set_meta("model", self.model_description.clone());
+        ckpt.set_meta("criterion", format!("{:?}", self.criterion));
+        ckpt.set_meta("optimizer", optim::describe(&self.optimizer));
+        ckpt.set_meta("step", self.exec.step_count().to_string());
+        Ok(ckpt)
+    }
+
+    /// Writes [`Trainer::checkpoint`] atomically as safetensors.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        checkpoint::save(path, &self.checkpoint()?)
+    }
+
+    /// Restores parameters, optimizer state (when the checkpoint's optimizer
+    /// is the same kind) and the step count. Every name and shape is checked
+    /// before anything on the GPU changes.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let ckpt = checkpoint::load(path)?;
+        check_model(&ckpt, &self.model_description)?;
+        let params = checked_parameters(&ckpt, &self.exec)?;
+        let kind = |d: &str| d.split_whitespace().next().unwrap_or_default().to_string();
+        let ours = optim::describe(&self.optimizer);
+        let same_optimizer = ckpt.meta("optimizer").map(kind) == Some(kind(&ours));
+        let mut state = Vec::new();
+        if same_optimizer {
+            for t in ckpt.tensors.iter().filter(|t| t.name.starts_with("optim.")) {
+                let rest = &t.name["optim.".len()..];
+                let Some((param, state_name)) = rest.rsplit_once('.') else { continue };
+                state.push((param.to_string(), state_name.to_string(), t.data.clone()));
+            }
+        } else {
+            log::warn!("checkpoint optimizer {:?} differs from {ours:?}: loading parameters only", ckpt.meta("optimizer"));
+        }
+        let step = ckpt.meta("step").and_then(|s| s.parse::<u64>().ok());
+        self.exec.load_state(&params, &state, if same_optimizer { step } else { None })
+    }
+}
+
+/// Runs `run_chunk` over batch-sized chunks of `features` (the last one
+/// zero-padded) and concatenates what it returns for the real rows.
+fn in_chunks<T>(
+    exec: &mut Executor,
+    input: Tensor,
+    batch_size: usize,
+    in_features: usize,
+    features: &[f32],
+    mut run_chunk: impl FnMut(&mut Executor, usize) -> Result<Vec<T>>,
+) -> Result<Vec<T>> {
+    if features.is_empty() || features.len() % in_features != 0 {
+        return Err(Error::shape("predict", format!("features must be rows × {in_features}"), &[&[features.len()]]));
+    }
+    let rows = features.len() / in_features;
+    let mut out = Vec::with_capacity(rows);
+    let mut chunk = vec![0.0f32; batch_size * in_features];
+    for start in (0..rows).step_by(batch_size) {
+        let n = (rows - start).min(batch_size);
+        chunk.fill(0.0);
+        chunk[..n * in_features].copy_from_slice(&features[start * in_features..(start + n) * in_features]);
+        exec.set_input(input, &chunk)?;
+        out.extend(run_chunk(exec, n)?);
+    }
+    Ok(out)
+}
+
+fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
+    match ckpt.meta("model") {
+        Some(m) if m != description => Err(Error::InvalidArgument {
+            op: "load checkpoint",
+            reason: format!("the checkpoint holds `{m}`, the model is `{description}`"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn checked_parameters(ckpt: &Checkpoint, exec: &Executor) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    exec.parameters_shapes()
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = ckpt.get_checked(&name, &shape)?;
+            Ok((name, shape, t.data.clone()))
+        })
+        .collect()
+}
+
+/// A forward-only model for inference: no gradient or optimizer buffers.
+pub struct Predictor {
+    exec: Executor,
+    input: Tensor,
+    output: Tensor,
+    prediction: Tensor,
+    batch_size: usize,
+    in_features: usize,
+    out_features: usize,
+    model: Sequential,
+}
+
+impl Predictor {
+    pub fn new(kernels: Arc<Kernels>, model: &Sequential, batch_size: usize) -> Result<Self> {
+        let (in_features, out_features) = widths(model)?;
+        let mut g = Graph::new();
+        let input = g.input("input", &[batch_size, in_features])?;
+        let output = model.forward(&mut g, input)?;
+        let prediction = g.argmax(output)?;
+        let exec = Executor::new(kernels, g, &[output, prediction], None, None)?;
+        Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model: model.clone() })
+    }
+
+    /// Rebuilds the model described in a checkpoint and loads its weights.
+    pub fn from_checkpoint(kernels: Arc<Kernels>, path: impl AsRef<Path>, batch_size: usize) -> Result<(Self, Checkpoint)> {
+        let path = path.as_ref();
+        let ckpt = checkpoint::load(path)?;
+        let description = ckpt.meta("model").ok_or_else(|| Error::CheckpointFormat {
+            path: path.to_path_buf(),
+            reason: "no `model` entry in the metadata: not written by wgrad".into(),
+        })?;
+        let model = Sequential::from_description(description)?;
+        let mut predictor = Predictor::new(kernels, &model, batch_size)?;
+        let params = checked_parameters(&ckpt, &predictor.exec)?;
+        predictor.exec.load_state(&params, &[], None)?;
+        Ok((predictor, ckpt))
+    }
+
+    pub fn model(&self) -> &Sequential {
+        &self.model
+    }
+
+    pub fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
+        let (input, output, width) = (self.input, self.output, self.out_features);
+        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
+            exec.run(&[output])?;
+            Ok(exec.read(output)?[..n * width].to_vec())
+        })
+    }
+
+    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        let (input, prediction) = (self.input, self.prediction);
+        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
+            exec.run(&[prediction])?;
+            Ok(exec.read_u32(prediction)?[..n].to_vec())
+        })
+    }
+}
+
+/// Fraction of `predictions` equal to `labels`.
+pub fn accuracy(predictions: &[u32], labels: &[u32]) -> f32 {
+    if labels.is_empty() {
+        return 0.0;
+    }
+    let right = predictions.iter().zip(labels).filter(|(p, l)| p == l).count();
+    right as f32 / labels.len() as f32
+}

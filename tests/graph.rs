@@ -1,0 +1,377 @@
+//! The graph, autodiff, memory plan and executor: gradients against f64
+//! central differences, one submit per step, no allocation per step,
+//! determinism, memory reuse, and a golden MLP run against a hand-written
+//! CPU implementation.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{assert_close, for_each_adapter, random_vec, rng};
+use wgrad::graph::{Executor, Graph, LossKind, Op, Tensor};
+use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
+use wgrad::optim::{Adam, SGD};
+use wgrad::trainer::{Targets, Trainer};
+use wgrad::{cpu, Error, Kernels};
+
+/// A plain f64 forward evaluator for the graph ops, independent of the
+/// kernels and of autodiff: the reference for central differences.
+fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>)]) -> Vec<Vec<f64>> {
+    let mut v: Vec<Vec<f64>> = Vec::new();
+    for (i, node) in g.nodes().iter().enumerate() {
+        let x = |k: usize| &v[node.inputs[k].index()];
+        let shape = |k: usize| g.shape(node.inputs[k]).to_vec();
+        let out = match &node.op {
+            Op::Input => feeds.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.clone()).unwrap_or_else(|| {
+                labels.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.iter().map(|&l| f64::from(l)).collect()).expect("feed")
+            }),
+            Op::Parameter { init } => init.iter().map(|&p| f64::from(p)).collect(),
+            Op::Constant { values } => values.iter().map(|&p| f64::from(p)).collect(),
+            Op::MatMul(form) => {
+                let (m, n) = (node.shape[0], node.shape[1]);
+                let sa = shape(0);
+                let k = if *form == MatmulForm::AtB { sa[0] } else { sa[1] };
+                let (a, b) = (x(0), x(1));
+                let mut c = vec![0.0; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        for p in 0..k {
+                            let av = if *form == MatmulForm::AtB { a[p * m + i] } else { a[i * k + p] };
+                            let bv = if *form == MatmulForm::ABt { b[j * k + p] } else { b[p * n + j] };
+                            c[i * n + j] += av * bv;
+                        }
+                    }
+                }
+                c
+            }
+            Op::Binary(op) => x(0).iter().zip(x(1)).map(|(a, b)| match op { Binary::Add => a + b, Binary::Sub => a - b, Binary::Mul => a * b }).collect(),
+            Op::Scale(alpha) => x(0).iter().map(|a| f64::from(*alpha) * a).collect(),
+            Op::BiasAdd => { let cols = node.shape[1]; x(0).iter().enumerate().map(|(i, a)| a + x(1)[i % cols]).collect() }
+            Op::Activation(act) => x(0).iter().map(|&a| cpu::activation_value(*act, a)).collect(),
+            Op::Loss(LossKind::Mse) => vec![x(0).iter().zip(x(1)).map(|(p, t)| (p - t).powi(2)).sum::<f64>() / x(0).len() as f64],
+            Op::Loss(LossKind::CrossEntropy) => {
+                let s = shape(0);
+                let (rows, cols) = (s[0], s[1]);
+                let mut total = 0.0;
+                for r in 0..rows {
+                    let row = &x(0)[r * cols..(r + 1) * cols];
+                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let lse = m + row.iter().map(|a| (a - m).exp()).sum::<f64>().ln();
+                    total += lse - row[x(1)[r] as usize];
+                }
+                vec![total / rows as f64]
+            }
+            Op::SumRows => { let s = shape(0); (0..s[1]).map(|c| (0..s[0]).map(|r| x(0)[r * s[1] + c]).sum()).collect() }
+            _ => vec![0.0; node.len()], // backward nodes: not needed for the forward value
+        };
+        v.push(out);
+    }
+    v
+}
+
+/// Checks d loss / d param from the GPU against f64 central differences.
+fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Vec<(Tensor, Vec<f32>)>, labels: Vec<(Tensor, Vec<u32>)>) -> wgrad::Result<()> {
+    let grads = g.backward(loss)?;
+    let params = g.parameters();
+    let reference = g.clone();
+    let mut exec = Executor::new(k.clone(), g, &[loss], Some(grads), None)?;
+    for (t, d) in &feeds {
+        exec.set_input(*t, d)?;
+    }
+    for (t, l) in &labels {
+        exec.set_labels(*t, l)?;
+    }
+    exec.train_step(true, false, false)?;
+    let feeds64: Vec<(Tensor, Vec<f64>)> = feeds.iter().map(|(t, d)| (*t, d.iter().map(|&v| f64::from(v)).collect())).collect();
+    for p in params {
+        let got = exec.read_grad(p)?;
+        let mut want = Vec::with_capacity(got.len());
+        let eps = 1e-4;
+        for i in 0..got.len() {
+            let mut plus = reference.clone();
+            let mut minus = reference.clone();
+            let a = plus.parameter_init_mut(p).expect("parameter");
+            a[i] += eps as f32;
+            let up = a[i];
+            let b = minus.parameter_init_mut(p).expect("parameter");
+            b[i] -= eps as f32;
+            // The perturbation is applied in f32; divide by the actual step.
+            let step = f64::from(up) - f64::from(b[i]);
+            let lp = eval_f64(&plus, &feeds64, &labels)[loss.index()][0];
+            let lm = eval_f64(&minus, &feeds64, &labels)[loss.index()][0];
+            want.push(((lp - lm) / step) as f32);
+        }
+        // f32 GPU gradient vs f64 differences of an f32-perturbed parameter:
+        // the difference quotient carries ~1e-4 relative error.
+        assert_close(&format!("{what}: d/d {}", reference.node(p).name), &got, &want, 2e-3, 1e-2);
+    }
+    Ok(())
+}
+
+fn param(g: &mut Graph, name: &str, shape: &[usize], seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    g.parameter(name, shape, random_vec(&mut rng(seed), n, -1.0, 1.0)).unwrap()
+}
+
+#[test]
+fn every_op_backward_matches_central_differences() {
+    for_each_adapter("gradcheck", |k| {
+        // matmul in each form, into an MSE loss.
+        for form in MatmulForm::ALL {
+            let (m, n, kk) = (3, 5, 4);
+            let (sa, sb) = form.operand_shapes(m, n, kk);
+            let mut g = Graph::new();
+            let a = param(&mut g, "a", &sa, 1);
+            let b = param(&mut g, "b", &sb, 2);
+            let c = g.matmul_form(form, a, b)?;
+            let t = g.input("t", &[m, n])?;
+            let loss = g.mse_loss(c, t)?;
+            gradcheck(k, &format!("matmul {form:?}"), g, loss, vec![(t, random_vec(&mut rng(3), m * n, -1.0, 1.0))], vec![])?;
+        }
+        // Binary ops, scale and bias add, each with both operands trainable.
+        for op in Binary::ALL {
+            let mut g = Graph::new();
+            let a = param(&mut g, "a", &[4, 3], 4);
+            let b = param(&mut g, "b", &[4, 3], 5);
+            let c = match op { Binary::Add => g.add(a, b)?, Binary::Sub => g.sub(a, b)?, Binary::Mul => g.mul(a, b)? };
+            let s = g.scale(c, 0.7)?;
+            let bias = param(&mut g, "bias", &[3], 6);
+            let y = g.bias_add(s, bias)?;
+            let t = g.input("t", &[4, 3])?;
+            let loss = g.mse_loss(y, t)?;
+            gradcheck(k, &format!("{op:?}/scale/bias_add"), g, loss, vec![(t, random_vec(&mut rng(7), 12, -1.0, 1.0))], vec![])?;
+        }
+        // Activations, and a parameter used twice (gradients accumulate).
+        for act in Activation::ALL {
+            let mut g = Graph::new();
+            let a = param(&mut g, "a", &[5, 2], 8);
+            let h = g.activation(act, a)?;
+            let y = g.mul(h, a)?;
+            let t = g.input("t", &[5, 2])?;
+            let loss = g.mse_loss(y, t)?;
+            gradcheck(k, &format!("{act:?}"), g, loss, vec![(t, random_vec(&mut rng(9), 10, -1.0, 1.0))], vec![])?;
+        }
+        // Cross-entropy over a linear layer.
+        let mut g = Graph::new();
+        let x = g.input("x", &[6, 4])?;
+        let w = param(&mut g, "w", &[3, 4], 10);
+        let logits = g.matmul_form(MatmulForm::ABt, x, w)?;
+        let labels = g.labels("y", 6)?;
+        let loss = g.cross_entropy_loss(logits, labels)?;
+        gradcheck(k, "cross_entropy", g, loss, vec![(x, random_vec(&mut rng(11), 24, -2.0, 2.0))], vec![(labels, vec![0, 2, 1, 1, 0, 2])])?;
+        Ok(())
+    });
+}
+
+#[test]
+fn bad_shapes_are_errors_at_build_time_naming_the_op_and_shapes() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[4, 3]).unwrap();
+    let w = g.input("w", &[5, 2]).unwrap();
+    match g.matmul(x, w).unwrap_err() {
+        Error::Shape { op, shapes, .. } => {
+            assert_eq!(op, "matmul");
+            assert_eq!(shapes, vec![vec![4, 3], vec![5, 2]]);
+        }
+        other => panic!("{other}"),
+    }
+    let b = g.input("b", &[4]).unwrap();
+    assert!(matches!(g.bias_add(x, b), Err(Error::Shape { op: "bias_add", .. })));
+    assert!(matches!(g.add(x, w), Err(Error::Shape { op: "add", .. })));
+    let labels = g.labels("y", 3).unwrap();
+    assert!(matches!(g.cross_entropy_loss(x, labels), Err(Error::Shape { op: "cross_entropy_loss", .. })));
+    assert!(g.input("empty", &[0, 3]).is_err());
+}
+
+#[test]
+fn a_gradient_without_a_rule_is_an_error() {
+    let mut g = Graph::new();
+    let p = g.parameter("p", &[2, 2], vec![1.0; 4]).unwrap();
+    let m = g.mean(p).unwrap();
+    match g.backward(m) {
+        Err(Error::NoGradient { op, .. }) => assert_eq!(op, "mean"),
+        other => panic!("expected NoGradient, got {other:?}"),
+    }
+    let x = g.input("x", &[2, 2]).unwrap();
+    assert!(matches!(g.backward(x), Err(Error::Shape { .. })), "a non-scalar loss is refused");
+}
+
+fn digits_like(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
+    let mut r = rng(seed);
+    let x = random_vec(&mut r, rows * 16, 0.0, 1.0);
+    // A learnable rule: the class is the argmax of four feature sums.
+    let y = (0..rows)
+        .map(|i| {
+            let s: Vec<f32> = (0..4).map(|c| x[i * 16 + c * 4..i * 16 + c * 4 + 4].iter().sum()).collect();
+            cpu::argmax_rows(&s, 1, 4)[0]
+        })
+        .collect();
+    (x, y)
+}
+
+fn mlp_trainer(k: &Arc<Kernels>, seed: u64, batch: usize) -> wgrad::Result<Trainer> {
+    nn::manual_seed(seed);
+    let model = Sequential::mlp(&[16, 32, 4], Layer::ReLU)?;
+    Trainer::new(k.clone(), &model, CrossEntropyLoss, Adam::new(1e-2), batch)
+}
+
+#[test]
+fn a_training_step_is_one_submit_and_allocates_nothing() {
+    for_each_adapter("one_submit", |shared| {
+        let k = &common::private_kernels(shared);
+        let (x, y) = digits_like(32, 1);
+        let mut t = mlp_trainer(k, 1, 32)?;
+        let buffers_before = k.buffers_created();
+        for step in 0..200 {
+            let submits = k.submit_count();
+            t.zero_grad();
+            t.forward(&x)?;
+            t.loss(Targets::Classes(&y))?;
+            t.backward()?;
+            t.step()?;
+            assert_eq!(k.submit_count() - submits, 1, "step {step}");
+        }
+        assert_eq!(k.buffers_created(), buffers_before, "buffers created during 200 steps");
+        let submits = k.submit_count();
+        t.zero_grad();
+        t.forward(&x)?;
+        t.loss(Targets::Classes(&y))?;
+        t.backward()?;
+        let loss = t.step_reading_loss()?;
+        assert_eq!(k.submit_count() - submits, 1, "a step that reads its loss is still one submit");
+        assert!(loss < 1.0, "the rule is learnable: loss {loss}");
+        Ok(())
+    });
+}
+
+#[test]
+fn the_memory_plan_reuses_intermediate_slots() {
+    nn::manual_seed(0);
+    let model = Sequential::mlp(&[64, 128, 128, 128, 10], Layer::ReLU).unwrap();
+    let mut g = Graph::new();
+    let x = g.input("x", &[256, 64]).unwrap();
+    let out = model.forward(&mut g, x).unwrap();
+    let y = g.labels("y", 256).unwrap();
+    let loss = g.cross_entropy_loss(out, y).unwrap();
+    let grads = g.backward(loss).unwrap();
+    let plan = wgrad::graph::Plan::new(&g, &[loss], Some(&grads), 64);
+    assert!(plan.slot_bytes < plan.naive_intermediate_bytes / 2, "slots {} vs naive {}", plan.slot_bytes, plan.naive_intermediate_bytes);
+    // Every parameter offset is aligned and they do not overlap.
+    let mut end = 0;
+    for &(p, offset) in &plan.param_offsets {
+        assert_eq!(offset % 64, 0);
+        assert!(offset >= end);
+        end = offset + g.node(p).len();
+    }
+    eprintln!("plan: {} slots, {} B vs naive {} B", plan.slot_len.len(), plan.slot_bytes, plan.naive_intermediate_bytes);
+}
+
+#[test]
+fn same_seed_same_adapter_gives_bit_identical_weights() {
+    for_each_adapter("determinism", |k| {
+        let (x, y) = digits_like(32, 2);
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let mut t = mlp_trainer(k, 7, 32)?;
+            for _ in 0..10 {
+                t.zero_grad();
+                t.forward(&x)?;
+                t.loss(Targets::Classes(&y))?;
+                t.backward()?;
+                t.step()?;
+            }
+            let params: Vec<Vec<u32>> = t.executor().parameters()?.into_iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect();
+            runs.push(params);
+        }
+        assert_eq!(runs[0], runs[1]);
+        Ok(())
+    });
+}
+
+#[test]
+fn without_zero_grad_gradients_accumulate() {
+    for_each_adapter("accumulate", |k| {
+        let (x, y) = digits_like(8, 3);
+        nn::manual_seed(3);
+        let model = Sequential::mlp(&[16, 4], Layer::ReLU)?;
+        // lr = 0 keeps the weights fixed so both backward passes see the same function.
+        let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, SGD::new(0.0), 8)?;
+        let p = t.executor().graph().parameters()[0];
+        t.zero_grad();
+        t.forward(&x)?;
+        t.loss(Targets::Classes(&y))?;
+        t.backward()?;
+        t.step()?;
+        let once = t.executor().read_grad(p)?;
+        t.forward(&x)?;
+        t.loss(Targets::Classes(&y))?;
+        t.backward()?;
+        t.step()?;
+        let twice = t.executor().read_grad(p)?;
+        let doubled: Vec<f32> = once.iter().map(|v| 2.0 * v).collect();
+        assert_close("accumulated gradient", &twice, &doubled, 1e-6, 1e-5);
+        Ok(())
+    });
+}
+
+/// A 2-layer MLP with forward, backward and SGD written out by hand with the
+/// CPU twins: the golden reference for the GPU engine.
+struct CpuMlp {
+    w1: Vec<f32>,
+    b1: Vec<f32>,
+    w2: Vec<f32>,
+    b2: Vec<f32>,
+}
+
+impl CpuMlp {
+    fn step(&mut self, x: &[f32], y: &[u32], dims: (usize, usize, usize, usize), lr: f32) -> f32 {
+        let (batch, input, hidden, classes) = dims;
+        let h_pre = cpu::bias_add(&cpu::matmul(MatmulForm::ABt, x, &self.w1, batch, hidden, input), &self.b1, hidden);
+        let h = cpu::activation_forward(Activation::Relu, &h_pre);
+        let logits = cpu::bias_add(&cpu::matmul(MatmulForm::ABt, &h, &self.w2, batch, classes, hidden), &self.b2, classes);
+        let loss = cpu::cross_entropy_forward(&logits, y, batch, classes);
+        let dlogits = cpu::cross_entropy_backward(&logits, y, 1.0, batch, classes);
+        let dw2 = cpu::matmul(MatmulForm::AtB, &dlogits, &h, classes, hidden, batch);
+        let db2 = cpu::sum_rows(&dlogits, batch, classes);
+        let dh = cpu::matmul(MatmulForm::AB, &dlogits, &self.w2, batch, hidden, classes);
+        let dh_pre = cpu::activation_backward(Activation::Relu, &h_pre, &dh);
+        let dw1 = cpu::matmul(MatmulForm::AtB, &dh_pre, x, hidden, input, batch);
+        let db1 = cpu::sum_rows(&dh_pre, batch, hidden);
+        let cfg = SgdConfig { lr, ..SgdConfig::default() };
+        for (p, g) in [(&mut self.w1, &dw1), (&mut self.b1, &db1), (&mut self.w2, &dw2), (&mut self.b2, &db2)] {
+            let mut unused = vec![0.0; p.len()];
+            cpu::sgd_update(p, g, &mut unused, &cfg, 1);
+        }
+        loss
+    }
+}
+
+#[test]
+fn golden_mlp_losses_match_a_hand_written_cpu_mlp_for_20_steps() {
+    for_each_adapter("golden", |k| {
+        let dims = (24, 16, 20, 4);
+        let (x, y) = digits_like(dims.0, 4);
+        nn::manual_seed(11);
+        let model = Sequential::mlp(&[16, 20, 4], Layer::ReLU)?;
+        let weights = |i: usize| match &model.layers[i] { Layer::Linear(l) => l.clone(), _ => unreachable!() };
+        let (l0, l2) = (weights(0), weights(2));
+        let mut reference = CpuMlp { w1: l0.weight, b1: l0.bias, w2: l2.weight, b2: l2.bias };
+        let lr = 0.5;
+        let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, OptimizerConfig::Sgd(SgdConfig { lr, ..SgdConfig::default() }), dims.0)?;
+        for step in 0..20 {
+            t.zero_grad();
+            t.forward(&x)?;
+            t.loss(Targets::Classes(&y))?;
+            t.backward()?;
+            let gpu = t.step_reading_loss()?;
+            let want = reference.step(&x, &y, dims, lr);
+            // f32 GPU vs f64-accumulating CPU twins; differences compound over
+            // steps but stay far below 1e-3 for this small, well-scaled net.
+            assert!((gpu - want).abs() <= 1e-4 + 1e-3 * want.abs(), "step {step}: gpu {gpu} cpu {want}");
+        }
+        let params = t.executor().parameters()?;
+        assert_close("final 0.weight", &params[0].2, &reference.w1, 1e-3, 1e-2);
+        Ok(())
+    });
+}
