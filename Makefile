@@ -12,13 +12,13 @@ driver:
 	@bash scripts/ensure-vulkan.sh
 
 train: driver
-	$(CARGO) run --release --bin wgrad -- adapters
-	$(CARGO) run --release --bin wgrad -- matmul --n 1024
+	$(CARGO) run --release --bin wgrad -- train
 
 test: driver
 	$(CARGO) build --release --bin wgrad
 	./target/release/wgrad adapters
 	$(CARGO) test --release
+	$(CARGO) run --release --example linear_regression
 
 bench: driver
 	$(CARGO) bench --bench matmul

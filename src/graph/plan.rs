@@ -125,13 +125,18 @@ impl Plan {
                     naive += len as u64 * BYTES;
                     // Best fit among free slots, else grow the largest free
                     // one, else a new slot.
+                    // Outputs get slots of their own: they are read after a
+                    // run, possibly after a different run (a prediction)
+                    // has executed other nodes that share freed slots.
+                    let is_root = last_use[i] == Some(usize::MAX);
                     let best = free
                         .iter()
+                        .filter(|_| !is_root)
                         .enumerate()
                         .filter(|(_, &s)| slot_len[s] >= len)
                         .min_by_key(|(_, &s)| slot_len[s])
                         .map(|(k, _)| k)
-                        .or_else(|| (0..free.len()).max_by_key(|&k| slot_len[free[k]]));
+                        .or_else(|| (0..free.len()).filter(|_| !is_root).max_by_key(|&k| slot_len[free[k]]));
                     let slot = match best {
                         Some(k) => free.swap_remove(k),
                         None => {
