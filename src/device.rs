@@ -142,7 +142,7 @@ pub fn list_adapters() -> Vec<AdapterReport> {
 
 /// Lower is better: discrete > integrated > virtual > CPU, then native APIs
 /// before GL (GL lacks subgroups and f16 and compiles shaders lazily).
-fn policy_rank(info: &wgpu::AdapterInfo) -> (u8, u8) {
+pub(crate) fn policy_rank(info: &wgpu::AdapterInfo) -> (u8, u8) {
     let kind = match info.device_type {
         wgpu::DeviceType::DiscreteGpu => 0,
         wgpu::DeviceType::IntegratedGpu => 1,
@@ -213,6 +213,13 @@ pub fn select_adapter(options: &DeviceOptions) -> Result<wgpu::Adapter> {
             available: describe(all),
         }),
     }
+}
+
+/// How long a wait for the GPU may take before it is an error:
+/// `WGRAD_TIMEOUT_S` seconds, default 300.
+pub fn wait_timeout() -> std::time::Duration {
+    let seconds = std::env::var("WGRAD_TIMEOUT_S").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0);
+    std::time::Duration::from_secs_f64(seconds.unwrap_or(300.0))
 }
 
 /// One opened device with its queue, plus the error state wgpu reports
@@ -395,10 +402,11 @@ impl Device {
         Ok(value)
     }
 
-    /// Blocks until the queue is idle.
+    /// Blocks until the queue is idle, at most [`wait_timeout`] (so a hung
+    /// device becomes an error, not a hang).
     pub fn wait_idle(&self, op: &str) -> Result<()> {
         self.device
-            .poll(wgpu::PollType::wait_indefinitely())
+            .poll(wgpu::PollType::Wait { submission_index: None, timeout: Some(wait_timeout()) })
             .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;
         self.check(op)
     }

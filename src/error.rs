@@ -40,6 +40,10 @@ pub enum Error {
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
 
+    /// An error on one device of a group, naming it.
+    #[error("device {device}: {source}")]
+    OnDevice { device: String, source: Box<Error> },
+
     /// `backward` reached an op that has no gradient rule for that input.
     #[error("backward: `{op}` has no gradient with respect to its input `{input}`")]
     NoGradient { op: &'static str, input: String },

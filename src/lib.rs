@@ -15,6 +15,7 @@ pub mod graph;
 pub mod kernels;
 pub mod trainer;
 pub mod optim;
+pub mod parallel;
 pub mod plot;
 pub mod nn;
 

@@ -186,6 +186,25 @@ impl Trainer {
         Ok(loss)
     }
 
+    /// Forward and backward only, gradients zeroed first, no optimizer
+    /// update (data parallel all-reduces the gradients in between). Returns
+    /// the loss when `read_loss`.
+    pub fn forward_backward(&mut self, read_loss: bool) -> Result<Option<f32>> {
+        if !(self.forward_done && self.targets_done) {
+            return Err(Error::InvalidArgument { op: "forward_backward", reason: "call forward() and loss() first".into() });
+        }
+        let loss = self.exec.train_step(true, false, read_loss)?;
+        self.forward_done = false;
+        self.targets_done = false;
+        self.backward_done = false;
+        self.zero_grad_pending = false;
+        Ok(loss)
+    }
+
+    pub fn executor_mut(&mut self) -> &mut Executor {
+        &mut self.exec
+    }
+
     /// Runs the recorded step — forward, backward, optimizer update — as one
     /// GPU submission (`optimizer.step()`). Does not wait for the GPU.
     pub fn step(&mut self) -> Result<()> {

@@ -329,6 +329,34 @@ impl Executor {
         Ok(Some(value))
     }
 
+    /// Applies the optimizer to the gradients as they stand, in one
+    /// submission (data parallel: after the gradients were all-reduced).
+    pub fn optimizer_step(&mut self) -> Result<()> {
+        let Some((cfg, dispatch)) = &self.optimizer else {
+            return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
+        };
+        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        let device = self.kernels.device();
+        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("optimizer step") });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("optimizer step"), timestamp_writes: None });
+            dispatch.record(&mut pass);
+        }
+        self.kernels.submit("optimizer_step", encoder)?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The whole gradient arena (every parameter's gradient, contiguous).
+    pub fn gradient_arena(&self) -> Option<View<'_>> {
+        self.grads.as_ref().map(|g| g.view())
+    }
+
+    /// The whole parameter arena.
+    pub fn parameter_arena(&self) -> View<'_> {
+        self.params.view()
+    }
+
     /// Runs only what `outputs` need (no backward, no optimizer) in one
     /// submission. Read the results with [`Executor::read`].
     pub fn run(&mut self, outputs: &[Tensor]) -> Result<()> {

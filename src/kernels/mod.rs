@@ -384,6 +384,10 @@ impl Kernels {
         staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
             let _ = sender.send(result);
         });
+        self.finish_map(staging, bytes, receiver)
+    }
+
+    fn finish_map<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64, receiver: MapReceiver) -> Result<Vec<T>> {
         self.device.wait_idle("read")?;
         let mapped: Result<()> = pollster::block_on(receiver)
             .map_err(|_| Error::Readback {
@@ -501,13 +505,18 @@ impl Kernels {
 
     /// Copies `view` back to the host, waiting for all submitted work.
     pub fn read<T: bytemuck::Pod>(&self, view: View<'_>) -> Result<Vec<T>> {
+        self.begin_read(view)?.finish()
+    }
+
+    /// Starts copying `view` to the reused staging buffer and requests the
+    /// mapping, without waiting. Start reads on several devices, then
+    /// finish them, and no device idles while another is waited on.
+    pub fn begin_read(&self, view: View<'_>) -> Result<PendingRead<'_>> {
         let bytes = view.bytes();
-        if bytes == 0 {
-            return Ok(Vec::new());
-        }
         let mut staging_slot = lock(&self.staging);
-        if staging_slot.as_ref().is_none_or(|s| s.size() < bytes) {
-            let size = bytes.next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
+        if staging_slot.as_ref().is_none_or(|s| s.size() < bytes.max(4)) {
+            let size = bytes.max(4).next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
+            self.buffers.fetch_add(1, Ordering::Relaxed);
             *staging_slot = Some(self.device.scoped("read", || {
                 self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
                     label: Some("readback staging"),
@@ -521,15 +530,71 @@ impl Kernels {
             op: "read",
             message: "no staging buffer".into(),
         })?;
-        let device = self.device.wgpu_device();
-        self.device.scoped("read", || {
-            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("readback"),
+        let receiver = if bytes == 0 {
+            None
+        } else {
+            let device = self.device.wgpu_device();
+            let encoder = self.device.scoped("read", || {
+                let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("readback"),
+                });
+                encoder.copy_buffer_to_buffer(view.buffer, view.offset, staging, 0, bytes);
+                encoder
+            })?;
+            self.submit("read", encoder)?;
+            let (sender, receiver) = futures::channel::oneshot::channel();
+            staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
+                let _ = sender.send(result);
             });
-            encoder.copy_buffer_to_buffer(view.buffer, view.offset, staging, 0, bytes);
-            self.device.queue().submit([encoder.finish()]);
-        })?;
-        self.map_read(staging, bytes)
+            Some(receiver)
+        };
+        Ok(PendingRead { kernels: self, staging: staging_slot, bytes, receiver })
+    }
+}
+
+type MapReceiver = futures::channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>;
+
+/// A readback started by [`Kernels::begin_read`]; holds the device's staging
+/// buffer until finished.
+pub struct PendingRead<'a> {
+    kernels: &'a Kernels,
+    staging: std::sync::MutexGuard<'a, Option<wgpu::Buffer>>,
+    bytes: u64,
+    receiver: Option<MapReceiver>,
+}
+
+impl PendingRead<'_> {
+    /// Polls the device without blocking; true once the data has arrived
+    /// (finishing is then immediate).
+    pub fn is_ready(&mut self) -> Result<bool> {
+        let Some(receiver) = self.receiver.as_mut() else {
+            return Ok(true);
+        };
+        let device = self.kernels.device();
+        device
+            .wgpu_device()
+            .poll(wgpu::PollType::Poll)
+            .map_err(|e| Error::Readback { op: "read", message: e.to_string() })?;
+        device.check("read")?;
+        match receiver.try_recv() {
+            Ok(Some(result)) => {
+                // Hand the result on to `finish` through a fresh channel.
+                let (sender, fresh) = futures::channel::oneshot::channel();
+                let _ = sender.send(result);
+                self.receiver = Some(fresh);
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(_) => Err(Error::Readback { op: "read", message: "the map callback was dropped".into() }),
+        }
+    }
+
+    /// Waits for the copy and returns the values.
+    pub fn finish<T: bytemuck::Pod>(self) -> Result<Vec<T>> {
+        let (Some(receiver), Some(staging)) = (self.receiver, self.staging.as_ref()) else {
+            return Ok(Vec::new());
+        };
+        self.kernels.finish_map(staging, self.bytes, receiver)
     }
 }
 

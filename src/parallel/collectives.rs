@@ -1,0 +1,152 @@
+//! Collectives between devices, through the host: all-reduce (sum or
+//! weighted), broadcast, all-gather, send. Every copy to the host is started
+//! on all devices before any is waited on, and devices are polled in turn,
+//! so a slow device never holds up the copies of the others. Staging buffers
+//! are each device's reused readback buffer.
+
+use std::time::{Duration, Instant};
+
+use super::on_device;
+use crate::device::wait_timeout;
+use crate::error::{Error, Result};
+use crate::kernels::{Kernels, View};
+
+/// A range on one device.
+#[derive(Clone, Copy)]
+pub struct Part<'a> {
+    pub kernels: &'a Kernels,
+    pub view: View<'a>,
+}
+
+impl<'a> Part<'a> {
+    pub fn new(kernels: &'a Kernels, view: View<'a>) -> Self {
+        Part { kernels, view }
+    }
+
+    /// Elements `start..start + len` of this part.
+    fn sub(&self, start: usize, len: usize) -> View<'a> {
+        View { buffer: self.view.buffer, offset: self.view.offset + start as u64 * 4, len }
+    }
+}
+
+fn same_lengths(op: &'static str, parts: &[Part<'_>]) -> Result<usize> {
+    let n = parts.first().map(|p| p.view.len).unwrap_or(0);
+    if parts.iter().any(|p| p.view.len != n) {
+        let shapes: Vec<Vec<usize>> = parts.iter().map(|p| vec![p.view.len]).collect();
+        return Err(Error::Shape { op, reason: "every device's part must have the same length".into(), shapes });
+    }
+    Ok(n)
+}
+
+/// Copies `views[i]` from each device to the host. Returns the values and
+/// how long after `since` each device's data arrived (its compute plus copy
+/// time when the copy was queued behind a step).
+pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Vec<f32>>, Vec<Duration>)> {
+    let mut pending = Vec::with_capacity(parts.len());
+    for (i, (k, view)) in parts.iter().enumerate() {
+        pending.push(k.begin_read(*view).map_err(|e| on_device(i, k, e))?);
+    }
+    let mut arrived: Vec<Option<Duration>> = vec![None; parts.len()];
+    let deadline = Instant::now() + wait_timeout();
+    while arrived.iter().any(Option::is_none) {
+        let mut progressed = false;
+        for (i, p) in pending.iter_mut().enumerate() {
+            if arrived[i].is_none() && p.is_ready().map_err(|e| on_device(i, parts[i].0, e))? {
+                arrived[i] = Some(since.elapsed());
+                progressed = true;
+            }
+        }
+        if !progressed {
+            if Instant::now() > deadline {
+                let i = arrived.iter().position(Option::is_none).unwrap_or(0);
+                return Err(on_device(i, parts[i].0, Error::Readback {
+                    op: "collective",
+                    message: format!("no data after {:?} (WGRAD_TIMEOUT_S)", wait_timeout()),
+                }));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    let mut values = Vec::with_capacity(parts.len());
+    for (i, p) in pending.into_iter().enumerate() {
+        values.push(p.finish::<f32>().map_err(|e| on_device(i, parts[i].0, e))?);
+    }
+    Ok((values, arrived.into_iter().map(|d| d.unwrap_or_default()).collect()))
+}
+
+fn write_all(parts: &[Part<'_>], views: &[View<'_>], values: &[f32]) -> Result<()> {
+    for (i, (p, v)) in parts.iter().zip(views).enumerate() {
+        p.kernels.write(*v, values).map_err(|e| on_device(i, p.kernels, e))?;
+    }
+    Ok(())
+}
+
+/// Every part becomes Σ_i weights[i]·part_i (plain sum without weights),
+/// accumulated in f64 in device order, so every device gets the same bits.
+/// Works through the parts `bucket` elements at a time (0: all at once),
+/// keeping host buffers small. Returns when each device's first bucket
+/// arrived, measured from `since`.
+pub fn all_reduce(parts: &[Part<'_>], weights: Option<&[f64]>, bucket: usize, since: Instant) -> Result<Vec<Duration>> {
+    let n = same_lengths("all_reduce", parts)?;
+    if let Some(w) = weights {
+        if w.len() != parts.len() {
+            return Err(Error::InvalidArgument { op: "all_reduce", reason: format!("{} weights for {} devices", w.len(), parts.len()) });
+        }
+    }
+    let bucket = if bucket == 0 { n.max(1) } else { bucket };
+    let mut first_arrival = Vec::new();
+    let mut sum = vec![0.0f64; bucket.min(n)];
+    let mut out = vec![0.0f32; bucket.min(n)];
+    let mut start = 0;
+    while start < n {
+        let len = bucket.min(n - start);
+        let views: Vec<View<'_>> = parts.iter().map(|p| p.sub(start, len)).collect();
+        let pairs: Vec<(&Kernels, View<'_>)> = parts.iter().zip(&views).map(|(p, v)| (p.kernels, *v)).collect();
+        let (values, arrived) = to_host(&pairs, since)?;
+        if first_arrival.is_empty() {
+            first_arrival = arrived;
+        }
+        sum[..len].fill(0.0);
+        for (i, v) in values.iter().enumerate() {
+            let w = weights.map_or(1.0, |w| w[i]);
+            for (s, x) in sum[..len].iter_mut().zip(v) {
+                *s += w * f64::from(*x);
+            }
+        }
+        for (o, s) in out[..len].iter_mut().zip(&sum[..len]) {
+            *o = *s as f32;
+        }
+        write_all(parts, &views, &out[..len])?;
+        start += len;
+    }
+    Ok(first_arrival)
+}
+
+/// Copies `src` to every part of `dsts`.
+pub fn broadcast(src: Part<'_>, dsts: &[Part<'_>]) -> Result<()> {
+    let n = src.view.len;
+    if let Some(bad) = dsts.iter().find(|d| d.view.len != n) {
+        return Err(Error::shape("broadcast", "destination and source lengths differ", &[&[n], &[bad.view.len]]));
+    }
+    let (values, _) = to_host(&[(src.kernels, src.view)], Instant::now())?;
+    let views: Vec<View<'_>> = dsts.iter().map(|d| d.view).collect();
+    write_all(dsts, &views, &values[0])
+}
+
+/// Every destination receives the concatenation of all sources, in order.
+pub fn all_gather(srcs: &[Part<'_>], dsts: &[Part<'_>]) -> Result<()> {
+    let total: usize = srcs.iter().map(|s| s.view.len).sum();
+    if let Some(bad) = dsts.iter().find(|d| d.view.len != total) {
+        return Err(Error::shape("all_gather", "each destination must hold every source", &[&[total], &[bad.view.len]]));
+    }
+    let pairs: Vec<(&Kernels, View<'_>)> = srcs.iter().map(|s| (s.kernels, s.view)).collect();
+    let (values, _) = to_host(&pairs, Instant::now())?;
+    let joined: Vec<f32> = values.concat();
+    let views: Vec<View<'_>> = dsts.iter().map(|d| d.view).collect();
+    write_all(dsts, &views, &joined)
+}
+
+/// Copies `src` (one device) to `dst` (another, or the same).
+pub fn send(src: Part<'_>, dst: Part<'_>) -> Result<()> {
+    broadcast(src, &[dst])
+}

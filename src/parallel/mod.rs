@@ -1,0 +1,119 @@
+//! Several devices working on one model. wgpu has no peer-to-peer copies or
+//! collectives, so data moves through host staging buffers
+//! ([`collectives`]). Strategies: [`data`] parallel so far.
+
+pub mod collectives;
+pub mod data;
+
+use std::sync::Arc;
+
+use crate::device::{list_adapters, Device, DeviceOptions};
+use crate::error::{Error, Result};
+use crate::kernels::Kernels;
+
+/// Environment variable read by [`DeviceGroup::from_env`]: a count (`3`),
+/// `all`, or a comma-separated list of adapter indexes or names (`0,1,1`).
+pub const ENV_DEVICES: &str = "WGRAD_DEVICES";
+
+/// Which devices a group opens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceSelection {
+    /// N devices: every distinct adapter in policy order first (on a CPU-only
+    /// machine lavapipe-Vulkan, then llvmpipe-GL), then round again.
+    Count(usize),
+    /// One device per adapter present.
+    All,
+    /// One device per entry: an adapter index or name substring (repeats open
+    /// several devices on one adapter).
+    Adapters(Vec<String>),
+}
+
+impl DeviceSelection {
+    pub fn parse(text: &str) -> Result<Self> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("all") {
+            return Ok(DeviceSelection::All);
+        }
+        if let Ok(n) = text.parse::<usize>() {
+            if n == 0 {
+                return Err(Error::InvalidArgument { op: "devices", reason: "a group needs at least one device".into() });
+            }
+            return Ok(DeviceSelection::Count(n));
+        }
+        let list: Vec<String> = text.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        if list.is_empty() {
+            return Err(Error::InvalidArgument { op: "devices", reason: format!("cannot read `{text}`: use N, all, or a list like 0,1") });
+        }
+        Ok(DeviceSelection::Adapters(list))
+    }
+}
+
+/// The devices of one job, each with its kernels and pipeline cache.
+pub struct DeviceGroup {
+    members: Vec<Arc<Kernels>>,
+}
+
+impl DeviceGroup {
+    pub fn open(selection: &DeviceSelection) -> Result<Self> {
+        let reports = list_adapters();
+        if reports.is_empty() {
+            return Err(Error::NoAdapter { filter: String::new() });
+        }
+        let open = |selector: String| -> Result<Arc<Kernels>> {
+            let device = Device::open(&DeviceOptions { backends: None, adapter: Some(selector) })?;
+            Ok(Arc::new(Kernels::new(device)))
+        };
+        let selectors: Vec<String> = match selection {
+            DeviceSelection::All => (0..reports.len()).map(|i| i.to_string()).collect(),
+            DeviceSelection::Adapters(list) => list.clone(),
+            DeviceSelection::Count(n) => {
+                let mut by_policy: Vec<usize> = (0..reports.len()).collect();
+                by_policy.sort_by_key(|&i| (crate::device::policy_rank(&reports[i].info), i));
+                (0..*n).map(|k| by_policy[k % by_policy.len()].to_string()).collect()
+            }
+        };
+        let members = selectors.into_iter().map(open).collect::<Result<Vec<_>>>()?;
+        Ok(DeviceGroup { members })
+    }
+
+    /// `WGRAD_DEVICES`, or `default` when unset.
+    pub fn from_env(default: DeviceSelection) -> Result<Self> {
+        match std::env::var(ENV_DEVICES) {
+            Ok(text) if !text.trim().is_empty() => Self::open(&DeviceSelection::parse(&text)?),
+            _ => Self::open(&default),
+        }
+    }
+
+    /// A group of already opened devices.
+    pub fn from_kernels(members: Vec<Arc<Kernels>>) -> Result<Self> {
+        if members.is_empty() {
+            return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });
+        }
+        Ok(DeviceGroup { members })
+    }
+
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    pub fn members(&self) -> &[Arc<Kernels>] {
+        &self.members
+    }
+
+    /// `#i name (backend)` for each device.
+    pub fn labels(&self) -> Vec<String> {
+        self.members.iter().enumerate().map(|(i, k)| format!("#{i} {}", k.device().label())).collect()
+    }
+}
+
+/// Wraps an error with the device it happened on.
+pub(crate) fn on_device(index: usize, kernels: &Kernels, error: Error) -> Error {
+    match error {
+        Error::OnDevice { .. } => error,
+        other => Error::OnDevice { device: format!("#{index} {}", kernels.device().label()), source: Box::new(other) },
+    }
+}

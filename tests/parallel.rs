@@ -1,0 +1,201 @@
+//! Several devices on one model: collectives against host computations, and
+//! data-parallel training against single-device training on the same global
+//! batch. On a CPU-only machine the groups mix lavapipe (Vulkan) and
+//! llvmpipe (GL), and repeat an adapter for a third device.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_close, random_vec, rng};
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
+use wgrad::optim::SGD;
+use wgrad::parallel::collectives::{all_gather, all_reduce, broadcast, send, Part};
+use wgrad::parallel::data::{proportional_split, DataParallel, Split};
+use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::trainer::{Targets, Trainer};
+use wgrad::Error;
+
+fn groups() -> Vec<DeviceGroup> {
+    if wgrad::device::list_adapters().is_empty() {
+        eprintln!("SKIP: no GPU adapter on this machine (install mesa-vulkan-drivers)");
+        return Vec::new();
+    }
+    vec![
+        DeviceGroup::open(&DeviceSelection::Count(2)).unwrap(),
+        DeviceGroup::open(&DeviceSelection::Adapters(vec!["0".into(), "0".into()])).unwrap(),
+        DeviceGroup::open(&DeviceSelection::Count(3)).unwrap(),
+    ]
+}
+
+#[test]
+fn device_selections_parse() {
+    assert_eq!(DeviceSelection::parse("3").unwrap(), DeviceSelection::Count(3));
+    assert_eq!(DeviceSelection::parse("all").unwrap(), DeviceSelection::All);
+    assert_eq!(DeviceSelection::parse("0, 1,1").unwrap(), DeviceSelection::Adapters(vec!["0".into(), "1".into(), "1".into()]));
+    assert!(DeviceSelection::parse("0").is_err());
+    assert!(DeviceSelection::parse(" ").is_err());
+}
+
+#[test]
+fn proportional_split_gives_everyone_a_row_and_sums_to_the_batch() {
+    assert_eq!(proportional_split(10, &[1.0, 1.0]).unwrap(), vec![5, 5]);
+    assert_eq!(proportional_split(10, &[3.0, 1.0]).unwrap().iter().sum::<usize>(), 10);
+    assert_eq!(proportional_split(3, &[1000.0, 1.0, 1.0]).unwrap(), vec![1, 1, 1]);
+    assert_eq!(proportional_split(100, &[3.0, 1.0]).unwrap(), vec![75, 25]);
+    assert_eq!(proportional_split(7, &[f64::NAN, 0.0]).unwrap().iter().sum::<usize>(), 7);
+    assert!(proportional_split(1, &[1.0, 1.0]).is_err());
+}
+
+#[test]
+fn collectives_match_host_computations() {
+    for group in groups() {
+        let labels = group.labels().join(", ");
+        let n = 1000;
+        let data: Vec<Vec<f32>> = (0..group.len()).map(|i| random_vec(&mut rng(i as u64), n, -1.0, 1.0)).collect();
+        let tensors: Vec<_> = group.members().iter().zip(&data).map(|(k, d)| k.upload(d).unwrap()).collect();
+        let parts: Vec<Part<'_>> = group.members().iter().zip(&tensors).map(|(k, t)| Part::new(k, t.view())).collect();
+        // Weighted all-reduce in small buckets (exercises the bucket edges).
+        let weights: Vec<f64> = (0..group.len()).map(|i| (i + 1) as f64 / 10.0).collect();
+        all_reduce(&parts, Some(&weights), 333, Instant::now()).unwrap();
+        let want: Vec<f32> = (0..n).map(|j| data.iter().zip(&weights).map(|(d, w)| w * f64::from(d[j])).sum::<f64>() as f32).collect();
+        for (k, t) in group.members().iter().zip(&tensors) {
+            let got: Vec<f32> = k.read(t.view()).unwrap();
+            // Accumulated in f64 then rounded once: exact to the rounding.
+            assert_close(&format!("weighted all_reduce on [{labels}]"), &got, &want, 0.0, 0.0);
+        }
+        // Plain sum.
+        all_reduce(&parts, None, 0, Instant::now()).unwrap();
+        let sum: Vec<f32> = want.iter().map(|v| (f64::from(*v) * group.len() as f64) as f32).collect();
+        let got: Vec<f32> = group.members()[0].read(tensors[0].view()).unwrap();
+        assert_close(&format!("sum all_reduce on [{labels}]"), &got, &sum, 1e-6, 1e-6);
+        // Broadcast from the last device.
+        let last = group.len() - 1;
+        let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        group.members()[last].write(tensors[last].view(), &src).unwrap();
+        broadcast(parts[last], &parts).unwrap();
+        for (k, t) in group.members().iter().zip(&tensors) {
+            assert_eq!(k.read::<f32>(t.view()).unwrap(), src, "broadcast on [{labels}]");
+        }
+        // All-gather: every device gets all parts, in order.
+        let small: Vec<_> = group.members().iter().enumerate().map(|(i, k)| k.upload(&[i as f32; 3]).unwrap()).collect();
+        let big: Vec<_> = group.members().iter().map(|k| k.zeros(3 * group.len()).unwrap()).collect();
+        let srcs: Vec<Part<'_>> = group.members().iter().zip(&small).map(|(k, t)| Part::new(k, t.view())).collect();
+        let dsts: Vec<Part<'_>> = group.members().iter().zip(&big).map(|(k, t)| Part::new(k, t.view())).collect();
+        all_gather(&srcs, &dsts).unwrap();
+        let joined: Vec<f32> = (0..group.len()).flat_map(|i| [i as f32; 3]).collect();
+        for (k, t) in group.members().iter().zip(&big) {
+            assert_eq!(k.read::<f32>(t.view()).unwrap(), joined, "all_gather on [{labels}]");
+        }
+        // Send between two devices.
+        send(srcs[0], srcs[1]).unwrap();
+        assert_eq!(group.members()[1].read::<f32>(small[1].view()).unwrap(), vec![0.0; 3]);
+        // Mismatched lengths are refused.
+        assert!(matches!(all_reduce(&[parts[0], srcs[1]], None, 0, Instant::now()), Err(Error::Shape { .. })));
+    }
+}
+
+const IN: usize = 12;
+const CLASSES: usize = 4;
+
+fn batch(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
+    let mut r = rng(seed);
+    let x = random_vec(&mut r, rows * IN, -1.0, 1.0);
+    let y = (0..rows).map(|i| (x[i * IN] > 0.0) as u32 + 2 * (x[i * IN + 1] > 0.0) as u32).collect();
+    (x, y)
+}
+
+fn model() -> Sequential {
+    nn::manual_seed(21);
+    Sequential::mlp(&[IN, 24, CLASSES], Layer::ReLU).unwrap()
+}
+
+fn optimizer() -> SGD {
+    SGD::new(0.1).momentum(0.9)
+}
+
+#[test]
+fn data_parallel_matches_single_device_training() {
+    const GLOBAL: usize = 16;
+    const STEPS: u64 = 8;
+    for group in groups() {
+        let labels = group.labels().join(", ");
+        // Single-device reference on the same global batches.
+        let mut single = Trainer::new(group.members()[0].clone(), &model(), CrossEntropyLoss, optimizer(), GLOBAL).unwrap();
+        for s in 0..STEPS {
+            let (x, y) = batch(GLOBAL, s);
+            single.zero_grad();
+            single.forward(&x).unwrap();
+            single.loss(Targets::Classes(&y)).unwrap();
+            single.backward().unwrap();
+            single.step().unwrap();
+        }
+        let want = single.executor().parameters().unwrap();
+        // An uneven split with a one-row shard, and the measured split.
+        let uneven: Vec<usize> = match group.len() {
+            2 => vec![1, GLOBAL - 1],
+            n => {
+                let mut v = vec![1; n];
+                v[n - 1] = GLOBAL - (n - 1);
+                v[0] = 5;
+                v[n - 1] -= 4;
+                v
+            }
+        };
+        for split in [Split::Rows(uneven.clone()), Split::Measured { every: 3 }] {
+            let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, split.clone()).unwrap();
+            for s in 0..STEPS {
+                let (x, y) = batch(GLOBAL, s);
+                let loss = dp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
+                if let Some(l) = loss {
+                    assert!(l.is_finite() && l > 0.0);
+                }
+            }
+            for (r, replica) in dp.replicas().iter().enumerate() {
+                let got = replica.executor().parameters().unwrap();
+                for ((name, _, g), (_, _, w)) in got.iter().zip(&want) {
+                    // Same math; only the summation order of the batch differs
+                    // (shards summed separately, then weighted): f32 rounding
+                    // compounded over 8 momentum steps.
+                    assert_close(&format!("{name} on replica {r} of [{labels}] with {split:?}"), g, w, 1e-5, 1e-4);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn replicas_stay_bit_identical() {
+    for group in groups() {
+        let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 10, Split::Measured { every: 2 }).unwrap();
+        for s in 0..6 {
+            let (x, y) = batch(10, 100 + s);
+            dp.step(&x, Targets::Classes(&y), false).unwrap();
+        }
+        let bits: Vec<Vec<Vec<u32>>> = dp
+            .replicas()
+            .iter()
+            .map(|r| r.executor().parameters().unwrap().into_iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect())
+            .collect();
+        for (i, b) in bits.iter().enumerate().skip(1) {
+            assert_eq!(b, &bits[0], "replica {i} of [{}]", group.labels().join(", "));
+        }
+        assert_eq!(dp.shares().iter().sum::<usize>(), 10);
+    }
+}
+
+#[test]
+fn a_device_failing_mid_training_is_an_error_naming_it() {
+    let Some(group) = groups().into_iter().next() else { return };
+    let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
+    let (x, y) = batch(8, 1);
+    dp.step(&x, Targets::Classes(&y), false).unwrap();
+    group.members()[1].device().wgpu_device().destroy();
+    let start = Instant::now();
+    let err = dp.step(&x, Targets::Classes(&y), true).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(30), "failed fast");
+    match &err {
+        Error::OnDevice { device, .. } => assert!(device.starts_with("#1 "), "{err}"),
+        other => panic!("expected an error naming device #1, got {other}"),
+    }
+}
