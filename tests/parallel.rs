@@ -199,3 +199,101 @@ fn a_device_failing_mid_training_is_an_error_naming_it() {
         other => panic!("expected an error naming device #1, got {other}"),
     }
 }
+
+use wgrad::parallel::pipeline::{balance_by_parameters, Pipeline};
+use wgrad::parallel::tensor::TensorParallel;
+
+fn single_device_reference(k: &std::sync::Arc<wgrad::Kernels>, model: &Sequential, global: usize, steps: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut single = Trainer::new(k.clone(), model, CrossEntropyLoss, optimizer(), global).unwrap();
+    for s in 0..steps {
+        let (x, y) = batch(global, s);
+        single.zero_grad();
+        single.forward(&x).unwrap();
+        single.loss(Targets::Classes(&y)).unwrap();
+        single.backward().unwrap();
+        single.step().unwrap();
+    }
+    single.executor().parameters().unwrap()
+}
+
+fn assert_same_parameters(what: &str, got: &[(String, Vec<usize>, Vec<f32>)], want: &[(String, Vec<usize>, Vec<f32>)]) {
+    assert_eq!(got.len(), want.len(), "{what}: parameter count");
+    for (name, shape, w) in want {
+        let (_, gshape, g) = got.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what}: no {name}"));
+        assert_eq!(gshape, shape, "{what}: {name} shape");
+        // Same math, different f32 summation order (micro-batches / shards),
+        // compounded over the momentum steps.
+        assert_close(&format!("{what}: {name}"), g, w, 1e-5, 1e-4);
+    }
+}
+
+#[test]
+fn balanced_partitions_cover_every_layer() {
+    nn::manual_seed(0);
+    let m = Sequential::mlp(&[64, 256, 32, 32, 10], Layer::ReLU).unwrap();
+    let counts = balance_by_parameters(&m.layers, 2).unwrap();
+    assert_eq!(counts.iter().sum::<usize>(), m.layers.len());
+    assert_eq!(counts, vec![2, 5], "the big first layer stands alone");
+    let three = balance_by_parameters(&m.layers, 3).unwrap();
+    assert_eq!(three.len(), 3);
+    assert!(three.iter().all(|&c| c > 0));
+    assert!(balance_by_parameters(&m.layers, 5).is_err());
+}
+
+#[test]
+fn pipeline_parallel_matches_single_device_training() {
+    const GLOBAL: usize = 16;
+    const STEPS: u64 = 6;
+    nn::manual_seed(31);
+    let m = Sequential::mlp(&[IN, 20, 16, CLASSES], Layer::Tanh).unwrap();
+    for group in groups() {
+        let labels = group.labels().join(", ");
+        let want = single_device_reference(&group.members()[0], &m, GLOBAL, STEPS);
+        for micro in [1, 4] {
+            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, None).unwrap();
+            let mut last = None;
+            for s in 0..STEPS {
+                let (x, y) = batch(GLOBAL, s);
+                last = p.step(&x, Targets::Classes(&y), true).unwrap();
+            }
+            assert!(last.is_some_and(|l| l.is_finite()));
+            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.layer_counts()), &p.parameters().unwrap(), &want);
+            let ideal = p.ideal_bubble_fraction();
+            assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12);
+            let measured = p.measured_bubble_fraction();
+            assert!((0.0..=1.0).contains(&measured));
+            // Predictions flow through every stage.
+            let (x, _) = batch(7, 99);
+            assert_eq!(p.predict(&x).unwrap().len(), 7);
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_matches_single_device_training() {
+    const BATCH: usize = 12;
+    const STEPS: u64 = 6;
+    nn::manual_seed(41);
+    let with_pre = Sequential::new(vec![
+        Layer::Linear(nn::Linear::new(IN, 8)),
+        Layer::ReLU,
+        Layer::Linear(nn::Linear::new(8, 24)),
+        Layer::Tanh,
+        Layer::Linear(nn::Linear::new(24, CLASSES)),
+    ]);
+    let block_only = Sequential::mlp(&[IN, 25, CLASSES], Layer::GELU).unwrap();
+    let with_post = Sequential::mlp(&[IN, 9, 6, CLASSES], Layer::ReLU).unwrap();
+    for group in groups() {
+        let labels = group.labels().join(", ");
+        for (what, m, block) in [("pre+block", &with_pre, 2), ("block", &block_only, 0), ("block+post", &with_post, 0)] {
+            let want = single_device_reference(&group.members()[0], m, BATCH, STEPS);
+            let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH, block).unwrap();
+            assert_eq!(tp.hidden_split().len(), group.len());
+            for s in 0..STEPS {
+                let (x, y) = batch(BATCH, s);
+                tp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
+            }
+            assert_same_parameters(&format!("tensor {what} on [{labels}] split {:?}", tp.hidden_split()), &tp.parameters().unwrap(), &want);
+        }
+    }
+}

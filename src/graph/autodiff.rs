@@ -10,14 +10,29 @@ use crate::kernels::{Binary, MatmulForm};
 /// The gradient node of each parameter after `backward`.
 #[derive(Clone, Debug)]
 pub struct Gradients {
+    /// The tensor differentiated (a scalar loss, or a stage's output).
     pub loss: Tensor,
     by_param: HashMap<Tensor, Tensor>,
+    by_input: HashMap<Tensor, Tensor>,
 }
 
 impl Gradients {
     /// The gradient of `param`, if the loss depends on it.
     pub fn get(&self, param: Tensor) -> Option<Tensor> {
         self.by_param.get(&param).copied()
+    }
+
+    /// The gradient with respect to an input asked for in
+    /// [`Graph::backward_from`] (what a pipeline stage sends back).
+    pub fn input(&self, input: Tensor) -> Option<Tensor> {
+        self.by_input.get(&input).copied()
+    }
+
+    /// Every input gradient node (they must survive the run).
+    pub fn input_gradients(&self) -> Vec<Tensor> {
+        let mut v: Vec<Tensor> = self.by_input.values().copied().collect();
+        v.sort();
+        v
     }
 
     /// (parameter, gradient) pairs in parameter order.
@@ -39,28 +54,54 @@ impl Graph {
         if self.shape(loss) != [1] || self.node(loss).dtype != DType::F32 {
             return Err(Error::shape("backward", "the loss must be an f32 scalar of shape [1]", &[self.shape(loss)]));
         }
-        let count = loss.0 + 1;
+        let seed = self.constant("dloss", &[1], vec![1.0])?;
+        self.backward_from(loss, seed, &[])
+    }
+
+    /// Reverse mode from `output` with a given gradient `seed` (same shape:
+    /// a stage's output receiving d loss / d output from the next stage, or
+    /// a loss with a scale). Also returns the gradients with respect to the
+    /// listed `inputs` (what a stage sends to the previous one).
+    pub fn backward_from(&mut self, output: Tensor, seed: Tensor, inputs: &[Tensor]) -> Result<Gradients> {
+        for &t in [output, seed].iter().chain(inputs) {
+            if t.0 >= self.nodes.len() {
+                return Err(Error::InvalidArgument { op: "backward", reason: format!("tensor #{} is not in this graph", t.0) });
+            }
+        }
+        if self.shape(seed) != self.shape(output) {
+            return Err(Error::shape("backward", "the seed gradient must have the output's shape", &[self.shape(output), self.shape(seed)]));
+        }
+        if let Some(&bad) = inputs.iter().find(|t| self.node(**t).op != Op::Input || self.node(**t).dtype != DType::F32) {
+            return Err(Error::InvalidArgument { op: "backward", reason: format!("`{}` is not an f32 input", self.node(bad).name) });
+        }
+        let count = output.0 + 1;
         let mut requires_grad = vec![false; count];
         for i in 0..count {
             requires_grad[i] = match self.nodes[i].op {
                 Op::Parameter { .. } => true,
-                Op::Input | Op::Constant { .. } => false,
+                Op::Input => inputs.contains(&Tensor(i)),
+                Op::Constant { .. } => false,
                 _ => self.nodes[i].inputs.iter().any(|t| requires_grad[t.0]),
             };
         }
-        let seed = self.constant("dloss", &[1], vec![1.0])?;
-        let mut grads: HashMap<usize, Tensor> = HashMap::from([(loss.0, seed)]);
+        let mut grads: HashMap<usize, Tensor> = HashMap::from([(output.0, seed)]);
         let mut by_param = HashMap::new();
+        let mut by_input = HashMap::new();
         for i in (0..count).rev() {
             let Some(dy) = grads.remove(&i) else { continue };
             if !requires_grad[i] {
                 continue;
             }
-            if matches!(self.nodes[i].op, Op::Parameter { .. }) {
-                continue;
+            match self.nodes[i].op {
+                Op::Parameter { .. } => continue,
+                Op::Input => {
+                    by_input.insert(Tensor(i), dy);
+                    continue;
+                }
+                _ => {}
             }
-            let inputs = self.nodes[i].inputs.clone();
-            for (slot, &input) in inputs.iter().enumerate() {
+            let node_inputs = self.nodes[i].inputs.clone();
+            for (slot, &input) in node_inputs.iter().enumerate() {
                 if !requires_grad[input.0] {
                     continue;
                 }
@@ -79,7 +120,7 @@ impl Graph {
                 }
             }
         }
-        Ok(Gradients { loss, by_param })
+        Ok(Gradients { loss: output, by_param, by_input })
     }
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node.

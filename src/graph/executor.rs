@@ -347,6 +347,21 @@ impl Executor {
         Ok(())
     }
 
+    /// Where the gradient with respect to `input` lands (after a backward
+    /// run), for sending to the previous pipeline stage.
+    pub fn input_gradient(&self, input: Tensor) -> Result<View<'_>> {
+        let g = self.gradients.as_ref().and_then(|g| g.input(input)).ok_or_else(|| Error::InvalidArgument {
+            op: "input_gradient",
+            reason: "this input's gradient was not requested in backward_from".into(),
+        })?;
+        self.view(g)
+    }
+
+    /// Where a planned tensor lives, for collectives.
+    pub fn tensor_view(&self, t: Tensor) -> Result<View<'_>> {
+        self.view(t)
+    }
+
     /// The whole gradient arena (every parameter's gradient, contiguous).
     pub fn gradient_arena(&self) -> Option<View<'_>> {
         self.grads.as_ref().map(|g| g.view())

@@ -58,6 +58,7 @@ impl Plan {
         let mut roots: Vec<usize> = outputs.iter().map(|t| t.0).collect();
         if let Some(g) = grads {
             roots.push(g.loss.0);
+            roots.extend(g.input_gradients().iter().map(|t| t.0));
             // Every accumulation, not just the last per parameter.
             roots.extend((0..count).filter(|&i| matches!(nodes[i].op, Op::AccumulateGrad { .. })));
         }

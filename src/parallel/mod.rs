@@ -1,9 +1,13 @@
 //! Several devices working on one model. wgpu has no peer-to-peer copies or
 //! collectives, so data moves through host staging buffers
-//! ([`collectives`]). Strategies: [`data`] parallel so far.
+//! ([`collectives`]). Strategies: [`data`] parallel, [`pipeline`] (model)
+//! parallel, [`tensor`] parallel; the last two are built from [`stage`]s.
 
 pub mod collectives;
 pub mod data;
+pub mod pipeline;
+pub mod stage;
+pub mod tensor;
 
 use std::sync::Arc;
 
