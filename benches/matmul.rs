@@ -116,6 +116,15 @@ fn cpu_matmul(form: MatmulForm, n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
+/// The 1-minute load average, printed beside the results: on a shared
+/// 2-core machine other processes easily halve the numbers.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "n/a".into())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|x, y| x.total_cmp(y));
     v[v.len() / 2]
@@ -155,9 +164,10 @@ fn main() {
     let kernels = Kernels::new(device);
     let variant = kernels.matmul_variant();
     println!(
-        "matmul bench on {label}, variant {variant:?}, LP_NUM_THREADS={}, MATMUL_NUM_THREADS={}",
+        "matmul bench on {label}, variant {variant:?}, LP_NUM_THREADS={}, MATMUL_NUM_THREADS={}, load average {}",
         std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "<unset>".into()),
         std::env::var("MATMUL_NUM_THREADS").unwrap_or_else(|_| "<unset>".into()),
+        load_average(),
     );
 
     let mut criterion = Criterion::default()
@@ -257,7 +267,10 @@ fn main() {
     }
     criterion.final_summary();
 
-    println!("\nsummary ({label}, variant {variant:?}):");
+    println!(
+        "\nsummary ({label}, variant {variant:?}, load average now {}):",
+        load_average()
+    );
     for s in &summaries {
         println!("{}", s.line());
     }

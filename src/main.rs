@@ -11,7 +11,9 @@ use wgrad::data::{self, Dataset, Sampler};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, SGD};
-use wgrad::trainer::{accuracy, Predictor, Targets, Trainer};
+use wgrad::parallel::engine::{Engine, Strategy};
+use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::trainer::{accuracy, Predictor, Targets};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
@@ -97,6 +99,19 @@ struct TrainArgs {
     /// Train on MNIST IDX files in this folder instead of the digits set.
     #[arg(long)]
     mnist: Option<PathBuf>,
+    /// Spread training over several devices: data, pipeline or tensor.
+    #[arg(long)]
+    parallel: Option<String>,
+    /// Devices for --parallel: a count, `all`, or adapter indexes like 0,1,1
+    /// (env WGRAD_DEVICES; default 2).
+    #[arg(long)]
+    devices: Option<String>,
+    /// Pipeline micro-batches per step.
+    #[arg(long, default_value_t = 4)]
+    micro_batches: usize,
+    /// Data parallel: fixed rows per device (e.g. 24,8) instead of the measured split.
+    #[arg(long, value_delimiter = ',')]
+    split: Option<Vec<usize>>,
 }
 
 /// The train/test split every command agrees on.
@@ -119,7 +134,15 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let (train_set, test_set, data_name) = load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?;
-    let kernels = open_kernels(opts)?;
+    let strategy = match &args.parallel {
+        Some(name) => Strategy::parse(name)?,
+        None => Strategy::Single,
+    };
+    let group = match (&args.devices, strategy) {
+        (Some(d), _) => DeviceGroup::open(&DeviceSelection::parse(d)?)?,
+        (None, Strategy::Single) => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
+        (None, _) => DeviceGroup::from_env(DeviceSelection::Count(2))?,
+    };
     let mut widths = vec![train_set.features()];
     widths.extend(&args.hidden);
     widths.push(train_set.classes());
@@ -130,23 +153,36 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         OptimizerName::Adamw => AdamW::new(args.lr).into(),
         OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
     };
-    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, args.batch_size)?;
+    let mut engine = Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?;
     if let Some(path) = &args.resume {
-        trainer.load(path)?;
-        println!("resumed from {} at step {}", path.display(), trainer.executor().step_count());
+        match &mut engine {
+            Engine::Single(t) => t.load(path)?,
+            Engine::Data(d) => {
+                for t in d.replicas_mut() {
+                    t.load(path)?;
+                }
+            }
+            _ => {
+                return Err(wgrad::Error::InvalidArgument {
+                    op: "train --resume",
+                    reason: "resuming is supported for single-device and data-parallel runs".into(),
+                })
+            }
+        }
+        println!("resumed from {}", path.display());
     }
-    let exec = trainer.executor();
-    println!("adapter: {}", kernels.device().label());
-    println!(
-        "model: {} | {} | batch {} | {} dispatches/step | GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
-        model.describe(),
-        wgrad::optim::describe(&optimizer),
-        args.batch_size,
-        exec.dispatches_per_step(),
-        exec.peak_bytes() / 1024,
-        exec.plan().slot_bytes / 1024,
-        exec.plan().naive_intermediate_bytes / 1024,
-    );
+    println!("devices: {}", group.labels().join(", "));
+    if let Engine::Single(t) = &engine {
+        let exec = t.executor();
+        println!(
+            "GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
+            exec.peak_bytes() / 1024,
+            exec.plan().slot_bytes / 1024,
+            exec.plan().naive_intermediate_bytes / 1024,
+        );
+    }
+    println!("model: {} | {} | batch {}", model.describe(), wgrad::optim::describe(&optimizer), args.batch_size);
+    println!("{}", engine.describe());
     println!("data: {data_name}, {} train / {} test rows", train_set.len(), test_set.len());
 
     let mut sampler = Sampler::new(train_set.len(), args.batch_size, args.seed, true)?;
@@ -161,40 +197,47 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let mut curve: Vec<(u64, f32)> = Vec::new();
     let start = Instant::now();
     let mut done = 0u64;
+    let mut last_split = engine.describe();
     for _ in 0..args.epochs {
         for b in 0..sampler.num_batches() {
             let Some(indices) = sampler.batch(b) else { break };
             train_set.fill_batch(indices, &mut x, &mut y)?;
-            trainer.zero_grad();
-            trainer.forward(&x)?;
-            trainer.loss(Targets::Classes(&y))?;
-            trainer.backward()?;
             done += 1;
-            if done % args.loss_every.max(1) == 0 || done == steps {
-                let loss = trainer.step_reading_loss()?;
-                curve.push((trainer.executor().step_count(), loss));
+            let read = done % args.loss_every.max(1) == 0 || done == steps;
+            if let Some(loss) = engine.step(&x, Targets::Classes(&y), read)? {
+                curve.push((done, loss));
                 let rate = (done * args.batch_size as u64) as f64 / start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {loss:.4} | {rate:.0} samples/s"));
-            } else {
-                trainer.step()?;
+            }
+            if let Engine::Data(_) = engine {
+                let now = engine.describe();
+                if now != last_split {
+                    bar.println(format!("step {done}: {now}"));
+                    last_split = now;
+                }
             }
             bar.inc(1);
         }
         sampler.next_epoch();
     }
-    kernels.device().wait_idle("train")?;
+    for k in group.members() {
+        k.device().wait_idle("train")?;
+    }
     let seconds = start.elapsed().as_secs_f64();
     bar.finish();
-    let predictions = trainer.predict(test_set.x())?;
-    let test_accuracy = accuracy(&predictions, test_set.labels());
-    let train_accuracy = accuracy(&trainer.predict(train_set.x())?, train_set.labels());
+    let test_accuracy = accuracy(&engine.predict(test_set.x())?, test_set.labels());
+    let train_accuracy = accuracy(&engine.predict(train_set.x())?, train_set.labels());
     println!(
         "trained {done} steps in {seconds:.1} s ({:.0} samples/s); train accuracy {:.2}%, test accuracy {:.2}%",
         (done * args.batch_size as u64) as f64 / seconds,
         100.0 * train_accuracy,
         100.0 * test_accuracy
     );
-    let mut ckpt = trainer.checkpoint()?;
+    let report = engine.report();
+    if !report.is_empty() {
+        println!("{report}");
+    }
+    let mut ckpt = engine.checkpoint(&model, &optimizer)?;
     ckpt.set_meta("data", data_name);
     ckpt.set_meta("split_seed", args.seed.to_string());
     ckpt.set_meta("test_fraction", args.test_fraction.to_string());

@@ -5,6 +5,7 @@
 
 pub mod collectives;
 pub mod data;
+pub mod engine;
 pub mod pipeline;
 pub mod stage;
 pub mod tensor;

@@ -55,6 +55,11 @@ fn sum_on_host(views: &[(&Kernels, View<'_>)], since: Instant) -> Result<Vec<f32
 }
 
 impl TensorParallel {
+    /// True for `Linear, activation, Linear`, the block this splits.
+    pub fn is_block(layers: &[Layer]) -> bool {
+        matches!(layers, [Layer::Linear(_), act, Layer::Linear(_)] if !matches!(act, Layer::Linear(_)))
+    }
+
     /// Splits the block whose first Linear is `model.layers[block_start]`
     /// over every device of `group`.
     pub fn new(

@@ -1,0 +1,164 @@
+//! One front for every strategy, so a training loop (the CLI's, an
+//! example's) is written once: step, predict, checkpoint.
+
+use super::data::{DataParallel, Split};
+use super::pipeline::Pipeline;
+use super::tensor::TensorParallel;
+use super::DeviceGroup;
+use crate::checkpoint::{Checkpoint, NamedTensor};
+use crate::error::{Error, Result};
+use crate::kernels::OptimizerConfig;
+use crate::nn::{Criterion, Sequential};
+use crate::optim;
+use crate::trainer::{Targets, Trainer};
+
+/// How the work is spread over devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    Single,
+    Data,
+    Pipeline,
+    Tensor,
+}
+
+impl Strategy {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "none" | "single" => Ok(Strategy::Single),
+            "data" => Ok(Strategy::Data),
+            "pipeline" | "model" => Ok(Strategy::Pipeline),
+            "tensor" => Ok(Strategy::Tensor),
+            other => Err(Error::InvalidArgument { op: "parallel", reason: format!("unknown strategy `{other}`: use data, pipeline or tensor") }),
+        }
+    }
+}
+
+pub enum Engine {
+    Single(Box<Trainer>),
+    Data(DataParallel),
+    Pipeline(Pipeline),
+    Tensor(TensorParallel),
+}
+
+impl Engine {
+    /// Builds `strategy` over `group` (Single uses its first device).
+    /// `micro_batches` is for the pipeline; `split` fixes data-parallel
+    /// shares (otherwise measured); the tensor-parallel block is the first
+    /// Linear-activation-Linear of the model.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        strategy: Strategy,
+        group: &DeviceGroup,
+        model: &Sequential,
+        criterion: Criterion,
+        optimizer: OptimizerConfig,
+        batch: usize,
+        micro_batches: usize,
+        split: Option<Vec<usize>>,
+    ) -> Result<Self> {
+        Ok(match strategy {
+            Strategy::Single => Engine::Single(Box::new(Trainer::new(group.members()[0].clone(), model, criterion, optimizer, batch)?)),
+            Strategy::Data => {
+                let split = split.map_or(Split::Measured { every: 20 }, Split::Rows);
+                Engine::Data(DataParallel::new(group, model, criterion, optimizer, batch, split)?)
+            }
+            Strategy::Pipeline => Engine::Pipeline(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, None)?),
+            Strategy::Tensor => {
+                let block = (0..model.layers.len().saturating_sub(2))
+                    .find(|&i| TensorParallel::is_block(&model.layers[i..i + 3]))
+                    .ok_or_else(|| Error::InvalidArgument { op: "tensor parallel", reason: "the model has no Linear-activation-Linear block".into() })?;
+                Engine::Tensor(TensorParallel::new(group, model, criterion, optimizer, batch, block)?)
+            }
+        })
+    }
+
+    /// One optimizer step on a batch; the mean loss when `read_loss`.
+    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        match self {
+            Engine::Single(t) => {
+                t.zero_grad();
+                t.forward(x)?;
+                t.loss(targets)?;
+                t.backward()?;
+                if read_loss {
+                    t.step_reading_loss().map(Some)
+                } else {
+                    t.step().map(|_| None)
+                }
+            }
+            Engine::Data(d) => d.step(x, targets, read_loss),
+            Engine::Pipeline(p) => p.step(x, targets, read_loss),
+            Engine::Tensor(t) => t.step(x, targets, read_loss),
+        }
+    }
+
+    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        match self {
+            Engine::Single(t) => t.predict(features),
+            Engine::Data(d) => d.predict(features),
+            Engine::Pipeline(p) => p.predict(features),
+            Engine::Tensor(t) => t.predict(features),
+        }
+    }
+
+    /// Parameters under their single-device names (gathered from stages or
+    /// shards), optimizer state where one replica holds all of it, and
+    /// metadata, so `wgrad infer` loads any of them the same way.
+    pub fn checkpoint(&self, model: &Sequential, optimizer: &OptimizerConfig) -> Result<Checkpoint> {
+        let (mut ckpt, steps) = match self {
+            Engine::Single(t) => return t.checkpoint(),
+            Engine::Data(d) => return d.replicas()[0].checkpoint(),
+            Engine::Pipeline(p) => (Checkpoint::new(), p.stats().steps),
+            Engine::Tensor(t) => (Checkpoint::new(), t.stats().steps),
+        };
+        let params = match self {
+            Engine::Pipeline(p) => p.parameters()?,
+            Engine::Tensor(t) => t.parameters()?,
+            _ => Vec::new(),
+        };
+        for (name, shape, data) in params {
+            ckpt.push(NamedTensor::new(name, shape, data)?);
+        }
+        ckpt.set_meta("format", "wgrad");
+        ckpt.set_meta("model", model.describe());
+        ckpt.set_meta("optimizer", optim::describe(optimizer));
+        ckpt.set_meta("step", steps.to_string());
+        Ok(ckpt)
+    }
+
+    /// One line on how the work is spread.
+    pub fn describe(&self) -> String {
+        match self {
+            Engine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
+            Engine::Data(d) => {
+                let shares: Vec<String> = d.devices().iter().zip(d.shares()).enumerate()
+                    .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+                format!("data parallel, batch split {}", shares.join(", "))
+            }
+            Engine::Pipeline(p) => format!(
+                "pipeline parallel, {} stages of {:?} layers, ideal bubble {:.0}%",
+                p.stages().len(), p.layer_counts(), 100.0 * p.ideal_bubble_fraction()
+            ),
+            Engine::Tensor(t) => format!("tensor parallel, hidden units per device {:?}", t.hidden_split()),
+        }
+    }
+
+    /// What the run cost, for the end of training.
+    pub fn report(&self) -> String {
+        fn share(part: std::time::Duration, whole: std::time::Duration) -> f64 {
+            100.0 * part.as_secs_f64() / whole.as_secs_f64().max(1e-9)
+        }
+        match self {
+            Engine::Single(_) => String::new(),
+            Engine::Data(d) => {
+                let s = d.stats();
+                format!("{}; communication {:.0}% of step time; {} re-splits", self.describe(), share(s.communication, s.compute + s.communication), s.resplits)
+            }
+            Engine::Pipeline(p) => format!(
+                "{}; measured bubble {:.0}%; communication {:.0}% of step time",
+                self.describe(), 100.0 * p.measured_bubble_fraction(), share(p.stats().communication, p.stats().wall)
+            ),
+            Engine::Tensor(t) => format!("{}; communication {:.0}% of step time", self.describe(), share(t.stats().communication, t.stats().wall)),
+        }
+    }
+}
