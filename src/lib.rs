@@ -6,6 +6,7 @@
 //! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
 //! twin of every kernel that the tests compare against.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cpu;
 pub mod data;

@@ -47,6 +47,13 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         show: usize,
     },
+    /// Measure matmul GFLOPS (beside a CPU sgemm), the MLP and Linear(10,1)
+    /// training steps on the chosen adapter; ends with `bench ...` lines.
+    Bench {
+        /// Fewer repetitions and sizes.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Multiply two random n×n matrices on the GPU, check the result against
     /// the CPU and print the speed.
     Matmul {
@@ -281,6 +288,34 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     Ok(())
 }
 
+fn bench(opts: &DeviceOptions, quick: bool) -> wgrad::Result<()> {
+    let kernels = open_kernels(opts)?;
+    let threads = std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "unset".into());
+    println!("adapter: {} (LP_NUM_THREADS={threads})", kernels.device().label());
+    let sizes: &[usize] = if quick { &[256, 512] } else { &[256, 512, 1024, 2048] };
+    let reps = if quick { 3 } else { 5 };
+    let mut lines = Vec::new();
+    for &n in sizes {
+        lines.push(wgrad::bench::matmul(&kernels, n, reps)?);
+        println!("{}", lines[lines.len() - 1]);
+    }
+    lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
+    println!("{}", lines[lines.len() - 1]);
+    lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
+    println!("{}", lines[lines.len() - 1]);
+    println!();
+    println!("{:<32} {}", "case", "measurements");
+    for l in &lines {
+        let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        println!("{:<32} {}", l.case, values.join(", "));
+    }
+    println!();
+    for l in &lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
 fn device_options(cli: &Cli) -> wgrad::Result<DeviceOptions> {
     let mut opts = DeviceOptions::from_env()?;
     if let Some(b) = &cli.backend {
@@ -357,6 +392,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&opts, args),
         Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
+        Command::Bench { quick } => bench(&opts, *quick),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

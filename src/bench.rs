@@ -1,0 +1,156 @@
+//! `wgrad bench`: the measurements that matter for training speed on one
+//! adapter, each beside a reference measured in the same run.
+//! Output lines read `bench <case> key=value ...` so scripts can parse them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::Result;
+use crate::kernels::{Kernels, MatmulForm};
+use crate::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
+use crate::optim::{Adam, SGD};
+use crate::trainer::{Targets, Trainer};
+
+/// One measured case: its name and (key, value) pairs.
+#[derive(Clone, Debug)]
+pub struct BenchLine {
+    pub case: String,
+    pub values: Vec<(&'static str, String)>,
+}
+
+impl std::fmt::Display for BenchLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "bench {}", self.case)?;
+        for (k, v) in &self.values {
+            write!(f, " {k}={v}")?;
+        }
+        Ok(())
+    }
+}
+
+fn random(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Median of `reps` timings of `run`, after one warm-up call.
+fn median_time(reps: usize, mut run: impl FnMut() -> Result<()>) -> Result<Duration> {
+    run()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        run()?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+fn cpu_sgemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let n_i = n as isize;
+    // SAFETY: a, b, c hold n·n elements each, row-major with the given strides.
+    unsafe {
+        matrixmultiply::sgemm(n, n, n, 1.0, a.as_ptr(), n_i, 1, b.as_ptr(), n_i, 1, 0.0, c.as_mut_ptr(), n_i, 1);
+    }
+}
+
+/// GPU matmul GFLOPS for an n×n×n product beside the CPU sgemm.
+pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> Result<BenchLine> {
+    let mut rng = ChaCha8Rng::seed_from_u64(n as u64);
+    let (a_host, b_host) = (random(n * n, &mut rng), random(n * n, &mut rng));
+    let (a, b, c) = (kernels.upload(&a_host)?, kernels.upload(&b_host)?, kernels.zeros(n * n)?);
+    let dispatch = kernels.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), n, n, n)?;
+    // Several launches per timing so the submit-and-wait cost is amortised.
+    let per = if n <= 256 { 8 } else { 2 };
+    let gpu = median_time(reps, || {
+        for _ in 0..per {
+            kernels.run(&[&dispatch])?;
+        }
+        kernels.device().wait_idle("bench")
+    })? / per as u32;
+    let mut c_host = vec![0.0f32; n * n];
+    let cpu = median_time(reps, || {
+        for _ in 0..per {
+            cpu_sgemm(n, &a_host, &b_host, &mut c_host);
+        }
+        Ok(())
+    })? / per as u32;
+    let flops = 2.0 * (n as f64).powi(3);
+    let (g, c) = (flops / gpu.as_secs_f64() / 1e9, flops / cpu.as_secs_f64() / 1e9);
+    Ok(BenchLine {
+        case: "matmul".into(),
+        values: vec![
+            ("n", n.to_string()),
+            ("gflops", format!("{g:.2}")),
+            ("cpu_gflops", format!("{c:.2}")),
+            ("ratio", format!("{:.3}", g / c)),
+        ],
+    })
+}
+
+/// Milliseconds per training step of `trainer` on fixed data, measured
+/// over `steps` steps after a warm-up, waiting once at the end.
+fn time_steps(kernels: &Kernels, trainer: &mut Trainer, x: &[f32], targets: Targets<'_>, steps: usize) -> Result<f64> {
+    let one = |t: &mut Trainer| -> Result<()> {
+        t.zero_grad();
+        t.forward(x)?;
+        t.loss(targets)?;
+        t.backward()?;
+        t.step()
+    };
+    for _ in 0..3 {
+        one(trainer)?;
+    }
+    kernels.device().wait_idle("bench")?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        one(trainer)?;
+    }
+    kernels.device().wait_idle("bench")?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
+}
+
+/// One training step of a 784-512-512-10 ReLU MLP, cross-entropy, Adam,
+/// batch 256, seeded random data.
+pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
+    let batch = 256;
+    nn::manual_seed(0);
+    let model = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU)?;
+    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(1e-3), batch)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let x = random(batch * 784, &mut rng);
+    let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+    let ms = time_steps(kernels, &mut trainer, &x, Targets::Classes(&y), steps)?;
+    let exec = trainer.executor();
+    Ok(BenchLine {
+        case: "mlp_784_512_512_10_b256_adam".into(),
+        values: vec![
+            ("ms_per_step", format!("{ms:.2}")),
+            ("samples_per_s", format!("{:.0}", batch as f64 * 1e3 / ms)),
+            ("dispatches", exec.dispatches_per_step().to_string()),
+            ("peak_gpu_bytes", exec.peak_bytes().to_string()),
+            ("naive_intermediate_bytes", exec.plan().naive_intermediate_bytes.to_string()),
+            ("planned_intermediate_bytes", exec.plan().slot_bytes.to_string()),
+        ],
+    })
+}
+
+/// One step of the tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
+pub fn linear_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
+    let batch = 64;
+    nn::manual_seed(0);
+    let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
+    let mut trainer = Trainer::new(kernels.clone(), &model, MSELoss, SGD::new(0.01), batch)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let (x, y) = (random(batch * 10, &mut rng), random(batch, &mut rng));
+    let ms = time_steps(kernels, &mut trainer, &x, Targets::Values(&y), steps)?;
+    Ok(BenchLine {
+        case: "linear_10_1_b64_sgd".into(),
+        values: vec![
+            ("ms_per_step", format!("{ms:.3}")),
+            ("dispatches", trainer.executor().dispatches_per_step().to_string()),
+        ],
+    })
+}
