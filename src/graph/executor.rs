@@ -161,6 +161,9 @@ impl Executor {
     }
 
     fn view(&self, t: Tensor) -> Result<View<'_>> {
+        if t.0 >= self.graph.len() {
+            return Err(Error::InvalidArgument { op: "Executor", reason: format!("tensor #{} is not in this executor's graph", t.0) });
+        }
         let len = self.graph.node(t).len();
         match self.plan.storage[t.0] {
             Storage::Param { offset } => self.params.slice(offset, len),
