@@ -44,19 +44,23 @@ fn b_at(kk: u32, col: u32) -> f32 {
 }
 
 // Register-blocked form, no workgroup memory and no barriers: fastest on CPU
-// adapters (llvmpipe/lavapipe), where barriers are expensive, every storage
-// load is issued lane by lane, and the only lever is the number of
-// multiply-adds per load. One workgroup = 8 invocations = one 8-wide SIMD
-// row of llvmpipe = one 64×64 tile of C. Invocation x owns a 32×16 block:
-// rows 32·(x / 4) + 0..31 (contiguous), columns x % 4 + 4·j for j in 0..15
-// (interleaved, so neighbouring invocations read neighbouring columns of B).
-// Per step of k it makes 32 + 16 loads and 512 multiply-adds, kept in 32
-// mat4x4 accumulators (row i of the block = columns of acc_i). Rows and
-// columns past the edge are clamped on load, so every load stays in bounds
-// with no branch in the k loop, and masked on store.
-// Measured on lavapipe, 2 threads, n=1024: 8×8 per invocation ≈ 4 GFLOPS,
-// 16×16 ≈ 1.3× less than this 32×16; 64×16 spills badly; unrolling k by 2
-// loses. Larger blocks also compile slower (≈ 3–5 s per pipeline here).
+// adapters (llvmpipe/lavapipe), where barriers are expensive and every
+// storage load is issued lane by lane, so what counts is multiply-adds per
+// load. llvmpipe runs the x dimension of a workgroup as 8-wide SIMD rows,
+// so the workgroup is exactly one such row: 8 invocations, one 64×64 tile
+// of C (the TILE the Rust side grids by). Invocation x owns a 32×16 block:
+// rows 32·(x / 4) + 0..31 (contiguous) and columns x % 4 + 4·j, j in 0..15
+// (interleaved, so neighbouring invocations read neighbouring columns of
+// B). Each step of k makes 32 + 16 loads and 512 multiply-adds into 32
+// mat4x4 accumulators (acc_i holds row i: columns 4·q + r in acc_i[q][r]).
+// Rows and columns past the edge are clamped on load, so every load is in
+// bounds with no branch in the k loop, and masked on store.
+// Same-run comparisons on lavapipe, 2 threads, n=1024 (absolute numbers
+// swing ±40% on a shared machine): 8×8 per invocation in loops over
+// private arrays ≈ 3.5 GFLOPS, 8×8 unrolled ≈ 7, 16×16 ≈ 11, this 32×16
+// ≈ 15. 64×8 and 64×16 spill and lose, unrolling k by 2 loses, and
+// workgroups narrower than 8 in x idle SIMD lanes. The cost is compile
+// time: ≈ 3–5 s per pipeline on a cold Mesa shader cache (16×16: ≈ 1 s).
 fn mm_row_fma(acc: mat4x4<f32>, x: f32, bm: mat4x4<f32>) -> mat4x4<f32> {
     let s = vec4<f32>(x);
     return mat4x4<f32>(fma(s, bm[0], acc[0]), fma(s, bm[1], acc[1]), fma(s, bm[2], acc[2]), fma(s, bm[3], acc[3]));
