@@ -9,6 +9,9 @@
 
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
+// C += op(A)·op(B) instead of C = …: a gradient accumulated straight into
+// its parameter's gradient buffer, with no separate add.
+override ACCUMULATE: bool = false;
 
 struct MatmulParams {
     m: u32,
@@ -28,6 +31,14 @@ struct MatmulParams {
 @group(0) @binding(3) var<uniform> p: MatmulParams;
 
 const TILE: u32 = 64u;
+
+fn write_c(i: u32, v: f32) {
+    if ACCUMULATE {
+        c[i] = c[i] + v;
+    } else {
+        c[i] = v;
+    }
+}
 
 fn a_at(row: u32, kk: u32) -> f32 {
     if TRANS_A {
@@ -75,7 +86,7 @@ fn mm_store_row(row: u32, col0: u32, acc: mat4x4<f32>) {
     for (var j = 0u; j < 16u; j++) {
         let col = col0 + 4u * j;
         if col < p.n {
-            c[row * p.n + col] = acc[j / 4u][j % 4u];
+            write_c(row * p.n + col, acc[j / 4u][j % 4u]);
         }
     }
 }
@@ -317,7 +328,7 @@ fn matmul_forward_shared(
         for (var j = 0u; j < 4u; j++) {
             let col = col0 + lid.x + 16u * j;
             if row < p.m && col < p.n {
-                c[row * p.n + col] = acc[i * 4u + j];
+                write_c(row * p.n + col, acc[i * 4u + j]);
             }
         }
     }

@@ -7,6 +7,10 @@
 // Whole-array reductions run in one workgroup with a fixed summation order,
 // so their result is deterministic on a given adapter.
 
+// sum_rows_forward adds into `out` instead of overwriting it (a bias
+// gradient accumulated straight into its parameter's gradient buffer).
+override ACCUMULATE: bool = false;
+
 struct ReduceParams {
     rows: u32,
     cols: u32,
@@ -37,7 +41,11 @@ fn sum_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     for (var r = 0u; r < p.rows; r++) {
         acc += x[r * p.cols + c];
     }
-    out[c] = acc;
+    if ACCUMULATE {
+        out[c] = out[c] + acc;
+    } else {
+        out[c] = acc;
+    }
 }
 
 // Strided partial sums, then a tree in workgroup memory.

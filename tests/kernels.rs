@@ -385,3 +385,34 @@ fn views_into_one_buffer_respect_offsets() {
         Ok(())
     });
 }
+
+#[test]
+fn accumulating_matmul_and_column_sums_add_into_their_output() {
+    for_each_adapter("accumulate", |k| {
+        for form in MatmulForm::ALL {
+            for &(m, n, kk) in &[(1, 1, 1), (13, 17, 19), (65, 63, 67)] {
+                let mut r = rng((m * n * kk) as u64);
+                let (sa, sb) = form.operand_shapes(m, n, kk);
+                let a_host = random_vec(&mut r, sa[0] * sa[1], -1.0, 1.0);
+                let b_host = random_vec(&mut r, sb[0] * sb[1], -1.0, 1.0);
+                let c_host = random_vec(&mut r, m * n, -1.0, 1.0);
+                let (a, b, c) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&c_host)?);
+                let d = k.matmul_accumulate(form, c.view(), a.view(), b.view(), m, n, kk)?;
+                k.run(&[&d, &d])?;
+                let product = cpu::matmul(form, &a_host, &b_host, m, n, kk);
+                let want: Vec<f32> = c_host.iter().zip(&product).map(|(c, p)| c + 2.0 * p).collect();
+                // Two accumulations of k-term f32 sums onto a value of magnitude ≤ 1.
+                assert_close(&format!("accumulate {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-5);
+            }
+        }
+        let (rows, cols) = (37, 11);
+        let mut r = rng(77);
+        let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
+        let out_host = random_vec(&mut r, cols, -1.0, 1.0);
+        let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
+        k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
+        let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
+        assert_close("sum_rows accumulate", &k.read::<f32>(out.view())?, &want, 1e-5, 1e-5);
+        Ok(())
+    });
+}

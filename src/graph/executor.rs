@@ -122,6 +122,7 @@ impl Executor {
         let mut dispatches = Vec::with_capacity(exec.graph.len());
         for i in 0..exec.graph.len() {
             let needs_kernel = !matches!(exec.plan.storage[i], Storage::Unused)
+                && !exec.plan.fused_away[i]
                 && !matches!(exec.graph.node(Tensor(i)).op, Op::Input | Op::Parameter { .. } | Op::Constant { .. });
             dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
         }
@@ -199,13 +200,18 @@ impl Executor {
                     MatmulForm::AtB => a[0],
                     _ => a[1],
                 };
-                k.matmul(*form, out, input(0)?, input(1)?, m, n, kk)
+                let variant = k.matmul_variant();
+                k.matmul_impl(variant, *form, self.plan.accumulate[i], out, input(0)?, input(1)?, m, n, kk)
             }
             Op::Binary(op) => k.binary(*op, out, input(0)?, input(1)?),
             Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
             Op::BiasAdd => k.bias_add(out, input(0)?, input(1)?, node.shape[0], node.shape[1]),
             Op::Activation(act) => k.activation_forward(*act, out, input(0)?),
             Op::ActivationBackward(act) => k.activation_backward(*act, out, input(0)?, input(1)?),
+            Op::SumRows if self.plan.accumulate[i] => {
+                let s = shape(0);
+                k.sum_rows_accumulate(out, input(0)?, s[0], s[1])
+            }
             Op::SumRows => {
                 let s = shape(0);
                 k.sum_rows(out, input(0)?, s[0], s[1])

@@ -41,6 +41,11 @@ pub struct Plan {
     pub param_arena_len: usize,
     pub input_count: usize,
     pub constant_count: usize,
+    /// Nodes that add their result into their output (a matmul or column
+    /// sum writing straight into a parameter's gradient).
+    pub accumulate: Vec<bool>,
+    /// `AccumulateGrad` nodes whose producer accumulates itself: no dispatch.
+    pub fused_away: Vec<bool>,
     /// Bytes of intermediates if every one had its own buffer.
     pub naive_intermediate_bytes: u64,
     /// Bytes of the slots actually allocated.
@@ -99,6 +104,29 @@ impl Plan {
         }
 
         let order: Vec<usize> = (0..count).filter(|&i| needed[i]).collect();
+
+        // A gradient contribution made by a matmul or column sum that nothing
+        // else reads is computed straight into the gradient arena in
+        // accumulate mode, saving the add and the intermediate.
+        let mut consumers = vec![0usize; count];
+        for &i in &order {
+            for t in &nodes[i].inputs {
+                consumers[t.0] += 1;
+            }
+        }
+        let mut accumulate = vec![false; count];
+        let mut fused_away = vec![false; count];
+        for &i in &order {
+            if let Op::AccumulateGrad { param } = nodes[i].op {
+                let j = nodes[i].inputs[0].0;
+                let fusable = matches!(nodes[j].op, Op::MatMul(_) | Op::SumRows) && consumers[j] == 1 && !roots.contains(&j);
+                if let (true, Storage::Param { offset }) = (fusable, storage[param.0]) {
+                    accumulate[j] = true;
+                    fused_away[i] = true;
+                    storage[j] = Storage::Grad { offset };
+                }
+            }
+        }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
@@ -107,6 +135,8 @@ impl Plan {
         for &i in &order {
             let node = &nodes[i];
             match &node.op {
+                // Writes into the gradient arena: no slot.
+                _ if accumulate[i] => {}
                 Op::Parameter { .. } => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
@@ -165,6 +195,8 @@ impl Plan {
             slot_len,
             param_offsets,
             param_arena_len: arena,
+            accumulate,
+            fused_away,
             input_count: inputs,
             constant_count: constants,
             naive_intermediate_bytes: naive,

@@ -86,12 +86,44 @@ impl Kernels {
         self.matmul_with(self.matmul_variant(), form, c, a, b, m, n, k)
     }
 
+    /// C[m,n] += op(A)·op(B): accumulates into C (gradients).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_accumulate(
+        &self,
+        form: MatmulForm,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        self.matmul_impl(self.matmul_variant(), form, true, c, a, b, m, n, k)
+    }
+
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_with(
         &self,
         variant: MatmulVariant,
         form: MatmulForm,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        self.matmul_impl(variant, form, false, c, a, b, m, n, k)
+    }
+
+    /// The one place the matmul dispatch is built.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_impl(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        accumulate: bool,
         c: View<'_>,
         a: View<'_>,
         b: View<'_>,
@@ -136,6 +168,7 @@ impl Kernels {
         let constants = [
             ("TRANS_A", f64::from(u8::from(trans_a))),
             ("TRANS_B", f64::from(u8::from(trans_b))),
+            ("ACCUMULATE", f64::from(u8::from(accumulate))),
         ];
         self.prepare(
             kernel,

@@ -30,10 +30,20 @@ fn check_matrix(op: &'static str, x: &View<'_>, rows: usize, cols: usize, out_le
 impl Kernels {
     /// out[cols] = Σ_r x[rows, cols] (the bias gradient).
     pub fn sum_rows(&self, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        self.sum_rows_impl(false, out, x, rows, cols)
+    }
+
+    /// out[cols] += Σ_r x[rows, cols] (accumulating a bias gradient).
+    pub fn sum_rows_accumulate(&self, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        self.sum_rows_impl(true, out, x, rows, cols)
+    }
+
+    fn sum_rows_impl(&self, accumulate: bool, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = SUM_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, out.len, cols)?;
         let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, _pad: 0 };
-        self.prepare(SUM_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, flat_groups(cols))
+        let constants = [("ACCUMULATE", f64::from(u8::from(accumulate)))];
+        self.prepare(SUM_ROWS_FORWARD, &constants, &[bind(0, "x", x), bind(2, "out", out)], 3, &params, flat_groups(cols))
     }
 
     fn whole(&self, kernel: Kernel, out: View<'_>, x: View<'_>) -> Result<Dispatch> {

@@ -1,0 +1,294 @@
+//! Step time of each multi-device strategy against one device, for the
+//! digits-sized MLP `Linear(64, 128) ReLU Linear(128, 10)` at batch 64 on
+//! seeded random data (Adam, cross-entropy):
+//!
+//! - `single`: one device, a plain `Trainer` (devices = 1);
+//! - `data`: `DataParallel`, split measured (as `wgrad train --parallel data`);
+//! - `pipeline`: `Pipeline` with 4 micro-batches (a 2-Linear model fills at
+//!   most 2 stages, so 3 devices are reported as skipped);
+//! - `tensor`: `TensorParallel` over the hidden layer;
+//!
+//! each on 1, 2 and 3 devices (`DeviceSelection::Count`; on a CPU-only
+//! machine: lavapipe, llvmpipe-GL, then lavapipe again). One measured step
+//! is the engine's `step` followed by waiting until every device is idle,
+//! so work queued behind the step (the optimizer update) is counted.
+//!
+//! Besides criterion's output, a separate timed run of each case prints
+//!
+//! ```text
+//! bench parallel strategy=data devices=2 ms_per_step=3.71 comm_share=0.16
+//! ```
+//!
+//! where `comm_share` is the share of step time spent moving data between
+//! devices, from the engine's own stats over that run:
+//! `DataParallelStats.communication / (compute + communication)`,
+//! `PipelineStats.communication / wall`, `TensorParallelStats.communication
+//! / wall` (0 for a single device). All lines are repeated at the end.
+//!
+//! Environment:
+//! - `WGRAD_BENCH_QUICK=1`: devices 1 and 2 only, shorter measurements.
+//! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
+//!
+//! Run: `cargo bench --bench parallel` (a couple of minutes on 2 cores).
+
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, SamplingMode};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
+use wgrad::optim::Adam;
+use wgrad::parallel::data::{DataParallel, Split};
+use wgrad::parallel::pipeline::Pipeline;
+use wgrad::parallel::tensor::TensorParallel;
+use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::trainer::{Targets, Trainer};
+
+const BATCH: usize = 64;
+const FEATURES: usize = 64;
+const CLASSES: usize = 10;
+const MICRO_BATCHES: usize = 4;
+
+fn quick() -> bool {
+    std::env::var("WGRAD_BENCH_QUICK")
+        .map(|v| !v.trim().is_empty() && v.trim() != "0")
+        .unwrap_or(false)
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// One strategy, built and ready to step.
+enum Runner {
+    Single(Box<Trainer>),
+    Data(Box<DataParallel>),
+    Pipeline(Box<Pipeline>),
+    Tensor(Box<TensorParallel>),
+}
+
+/// (communication, whole step) seconds accumulated so far by the engine.
+fn time_split(runner: &Runner) -> (f64, f64) {
+    match runner {
+        Runner::Single(_) => (0.0, 0.0),
+        Runner::Data(d) => {
+            let s = d.stats();
+            (
+                s.communication.as_secs_f64(),
+                (s.compute + s.communication).as_secs_f64(),
+            )
+        }
+        Runner::Pipeline(p) => (
+            p.stats().communication.as_secs_f64(),
+            p.stats().wall.as_secs_f64(),
+        ),
+        Runner::Tensor(t) => (
+            t.stats().communication.as_secs_f64(),
+            t.stats().wall.as_secs_f64(),
+        ),
+    }
+}
+
+impl Runner {
+    fn new(strategy: &str, group: &DeviceGroup, model: &Sequential) -> wgrad::Result<Self> {
+        let opt = Adam::new(2e-3);
+        Ok(match strategy {
+            "single" => Runner::Single(Box::new(Trainer::new(
+                group.members()[0].clone(),
+                model,
+                CrossEntropyLoss,
+                opt,
+                BATCH,
+            )?)),
+            "data" => Runner::Data(Box::new(DataParallel::new(
+                group,
+                model,
+                CrossEntropyLoss,
+                opt,
+                BATCH,
+                Split::Measured { every: 20 },
+            )?)),
+            "pipeline" => Runner::Pipeline(Box::new(Pipeline::new(
+                group,
+                model,
+                CrossEntropyLoss,
+                opt,
+                BATCH,
+                MICRO_BATCHES,
+                None,
+            )?)),
+            "tensor" => Runner::Tensor(Box::new(TensorParallel::new(
+                group,
+                model,
+                CrossEntropyLoss,
+                opt,
+                BATCH,
+                0,
+            )?)),
+            other => unreachable!("unknown strategy {other}"),
+        })
+    }
+
+    /// One training step, then wait until every device of `group` is idle.
+    fn step(&mut self, group: &DeviceGroup, x: &[f32], y: &[u32]) -> wgrad::Result<()> {
+        let targets = Targets::Classes(y);
+        match self {
+            Runner::Single(t) => {
+                t.zero_grad();
+                t.forward(x)?;
+                t.loss(targets)?;
+                t.backward()?;
+                t.step()?;
+            }
+            Runner::Data(d) => {
+                d.step(x, targets, false)?;
+            }
+            Runner::Pipeline(p) => {
+                p.step(x, targets, false)?;
+            }
+            Runner::Tensor(t) => {
+                t.step(x, targets, false)?;
+            }
+        }
+        for k in group.members() {
+            k.device().wait_idle("bench parallel")?;
+        }
+        Ok(())
+    }
+
+    /// What the strategy chose, for the summary line.
+    fn detail(&self) -> String {
+        match self {
+            Runner::Single(_) => String::new(),
+            Runner::Data(d) => format!(" split={:?} resplits={}", d.shares(), d.stats().resplits)
+                .replace(", ", ","),
+            Runner::Pipeline(p) => format!(
+                " layers={:?} bubble={:.2} ideal_bubble={:.2}",
+                p.layer_counts(),
+                p.measured_bubble_fraction(),
+                p.ideal_bubble_fraction()
+            )
+            .replace(", ", ","),
+            Runner::Tensor(t) => format!(" hidden={:?}", t.hidden_split()).replace(", ", ","),
+        }
+    }
+}
+
+fn main() {
+    if wgrad::device::list_adapters().is_empty() {
+        println!(
+            "parallel bench skipped: wgpu found no adapter (no Vulkan, Metal, DX12 or GL driver)"
+        );
+        return;
+    }
+    let quick = quick();
+    let (warm_up, measure, timed_steps, settle_steps) = if quick {
+        (
+            Duration::from_millis(200),
+            Duration::from_millis(600),
+            20,
+            10,
+        )
+    } else {
+        (Duration::from_millis(500), Duration::from_secs(2), 100, 40)
+    };
+    let counts: &[usize] = if quick { &[1, 2] } else { &[1, 2, 3] };
+    println!(
+        "parallel bench: MLP 64-128-10, batch {BATCH}, LP_NUM_THREADS={}, load average {}{}",
+        std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "<unset>".into()),
+        load_average(),
+        if quick { ", quick mode" } else { "" }
+    );
+
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let x: Vec<f32> = (0..BATCH * FEATURES)
+        .map(|_| rng.random_range(0.0f32..1.0))
+        .collect();
+    let y: Vec<u32> = (0..BATCH)
+        .map(|_| rng.random_range(0..CLASSES as u32))
+        .collect();
+    nn::manual_seed(0);
+    let model = Sequential::mlp(&[FEATURES, 128, CLASSES], Layer::ReLU).expect("model");
+
+    let mut criterion = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(warm_up)
+        .measurement_time(measure)
+        .without_plots()
+        .configure_from_args();
+    let mut lines = Vec::new();
+
+    for &devices in counts {
+        let group = match DeviceGroup::open(&DeviceSelection::Count(devices)) {
+            Ok(g) => g,
+            Err(e) => {
+                let line = format!(
+                    "bench parallel devices={devices} skipped: cannot open the devices ({e})"
+                );
+                println!("{line}");
+                lines.push(line);
+                continue;
+            }
+        };
+        println!("\n{devices} device(s): {}", group.labels().join(", "));
+        let mut bench_group = criterion.benchmark_group(format!("parallel_{devices}dev"));
+        bench_group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat);
+        let strategies: &[&str] = if devices == 1 {
+            &["single", "data", "pipeline", "tensor"]
+        } else {
+            &["data", "pipeline", "tensor"]
+        };
+        for &strategy in strategies {
+            let mut runner = match Runner::new(strategy, &group, &model) {
+                Ok(r) => r,
+                Err(e) => {
+                    let line = format!(
+                        "bench parallel strategy={strategy} devices={devices} skipped: {e}"
+                    );
+                    println!("{line}");
+                    lines.push(line);
+                    continue;
+                }
+            };
+            // Compile pipelines and let a measured data-parallel split settle.
+            for _ in 0..settle_steps {
+                runner.step(&group, &x, &y).expect("warm-up step");
+            }
+            bench_group.bench_function(BenchmarkId::new(strategy, devices), |b| {
+                b.iter(|| runner.step(&group, &x, &y).expect("step"))
+            });
+
+            // Own timing, with the engine's stats over the same steps.
+            let (comm0, whole0) = time_split(&runner);
+            let start = Instant::now();
+            for _ in 0..timed_steps {
+                runner.step(&group, &x, &y).expect("timed step");
+            }
+            let ms = start.elapsed().as_secs_f64() * 1e3 / timed_steps as f64;
+            let (comm1, whole1) = time_split(&runner);
+            let share = if whole1 > whole0 {
+                (comm1 - comm0) / (whole1 - whole0)
+            } else {
+                0.0
+            };
+            let line = format!(
+                "bench parallel strategy={strategy} devices={devices} ms_per_step={ms:.2} comm_share={share:.2}{}",
+                runner.detail()
+            );
+            println!("{line}");
+            lines.push(line);
+        }
+        bench_group.finish();
+    }
+    criterion.final_summary();
+
+    println!("\nsummary (load average now {}):", load_average());
+    for line in &lines {
+        println!("{line}");
+    }
+}
