@@ -204,7 +204,11 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let mut curve: Vec<(u64, f32)> = Vec::new();
     let start = Instant::now();
     let mut done = 0u64;
-    let mut last_split = engine.describe();
+    let shares_of = |e: &Engine| match e {
+        Engine::Data(d) => d.shares().to_vec(),
+        _ => Vec::new(),
+    };
+    let mut last_shares = shares_of(&engine);
     for _ in 0..args.epochs {
         for b in 0..sampler.num_batches() {
             let Some(indices) = sampler.batch(b) else { break };
@@ -216,12 +220,10 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
                 let rate = (done * args.batch_size as u64) as f64 / start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {loss:.4} | {rate:.0} samples/s"));
             }
-            if let Engine::Data(_) = engine {
-                let now = engine.describe();
-                if now != last_split {
-                    bar.println(format!("step {done}: {now}"));
-                    last_split = now;
-                }
+            let shares = shares_of(&engine);
+            if shares != last_shares {
+                bar.println(format!("step {done}: {}", engine.describe()));
+                last_shares = shares;
             }
             bar.inc(1);
         }

@@ -297,3 +297,18 @@ fn tensor_parallel_matches_single_device_training() {
         }
     }
 }
+
+#[test]
+fn the_balanced_split_evens_out_finishing_times() {
+    use wgrad::parallel::data::{balanced_split, Cost};
+    let same = Cost { fixed: 0.001, per_row: 0.0001 };
+    assert_eq!(balanced_split(32, &[same, same]).unwrap(), vec![16, 16]);
+    // A device twice as slow per row gets about a third of the rows.
+    let slow = Cost { fixed: 0.001, per_row: 0.0002 };
+    let split = balanced_split(30, &[same, slow]).unwrap();
+    assert_eq!(split.iter().sum::<usize>(), 30);
+    assert!((19..=21).contains(&split[0]), "{split:?}");
+    // A large fixed cost shifts rows to the other device, never below one.
+    let laggy = Cost { fixed: 1.0, per_row: 0.0001 };
+    assert_eq!(balanced_split(10, &[same, laggy]).unwrap(), vec![9, 1]);
+}

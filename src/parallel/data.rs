@@ -4,6 +4,8 @@
 //! on every replica, so replicas stay identical.
 
 use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 use super::collectives::{all_reduce, Part};
@@ -16,8 +18,9 @@ use crate::trainer::{Targets, Trainer};
 /// How the global batch is divided among devices.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Split {
-    /// Start even, then follow each device's measured rows per second,
-    /// re-estimated every `every` steps.
+    /// Calibrate each device's step time (fixed + per row) at start, split
+    /// so all finish together, and re-estimate from the step times every
+    /// `every` steps (0: never).
     Measured { every: u64 },
     /// Fixed rows per device (must sum to the global batch).
     Rows(Vec<usize>),
@@ -43,13 +46,71 @@ pub struct DataParallel {
     in_features: usize,
     out_features: usize,
     criterion: Criterion,
-    /// Rows per second per device, smoothed.
-    rates: Vec<Option<f64>>,
+    /// Per device, seconds per step ≈ fixed + per_row · rows (measured).
+    costs: Vec<Option<Cost>>,
     split: Split,
     bucket: usize,
     model: Sequential,
     optimizer: OptimizerConfig,
     stats: DataParallelStats,
+}
+
+/// A device's measured step time: `fixed + per_row · rows` seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    pub fixed: f64,
+    pub per_row: f64,
+}
+
+impl Cost {
+    fn at(&self, rows: f64) -> f64 {
+        self.fixed + self.per_row * rows
+    }
+}
+
+/// Divides `total` rows so every device finishes at about the same time
+/// given its cost (≥ 1 row each): a fast device with a high fixed cost per
+/// dispatch gets fewer rows than its per-row speed alone would suggest.
+pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
+    if costs.is_empty() || total < costs.len() {
+        return Err(Error::InvalidArgument {
+            op: "data parallel split",
+            reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
+        });
+    }
+    let rows_by = |t: f64| -> Vec<f64> { costs.iter().map(|c| ((t - c.fixed) / c.per_row.max(1e-12)).max(1.0)).collect() };
+    let (mut lo, mut hi) = (0.0f64, costs.iter().map(|c| c.at(total as f64)).fold(0.0, f64::max));
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        if rows_by(mid).iter().sum::<f64>() < total as f64 {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let exact = rows_by(hi);
+    // Round to whole rows summing to `total`, at least one each.
+    let mut rows: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
+    while rows.iter().sum::<usize>() > total {
+        let (i, _) = rows.iter().enumerate().filter(|(_, &r)| r > 1).max_by_key(|(_, &r)| r).ok_or_else(|| Error::InvalidArgument {
+            op: "data parallel split",
+            reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
+        })?;
+        rows[i] -= 1;
+    }
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by(|&a, &b| (exact[b] - rows[b] as f64).total_cmp(&(exact[a] - rows[a] as f64)).then(a.cmp(&b)));
+    let mut k = 0;
+    while rows.iter().sum::<usize>() < total {
+        rows[order[k % order.len()]] += 1;
+        k += 1;
+    }
+    Ok(rows)
+}
+
+/// The predicted step time of a split: its slowest device.
+fn makespan(costs: &[Cost], shares: &[usize]) -> f64 {
+    costs.iter().zip(shares).map(|(c, &n)| c.at(n as f64)).fold(0.0, f64::max)
 }
 
 /// Divides `total` rows in proportion to `weights`, at least one row each
@@ -117,7 +178,7 @@ impl DataParallel {
             _ => return Err(Error::InvalidArgument { op: "DataParallel", reason: "the model has no Linear layer".into() }),
         };
         let mut dp = DataParallel {
-            rates: vec![None; devices.len()],
+            costs: vec![None; devices.len()],
             devices,
             replicas: Vec::new(),
             shares: Vec::new(),
@@ -131,8 +192,64 @@ impl DataParallel {
             optimizer: optimizer.into(),
             stats: DataParallelStats::default(),
         };
-        dp.build_replicas(shares, None)?;
+        if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
+            dp.calibrate()?;
+            let costs: Vec<Cost> = dp.costs.iter().flatten().copied().collect();
+            let balanced = balanced_split(global_batch, &costs)?;
+            let shares = if makespan(&costs, &balanced) < 0.9 * makespan(&costs, &shares) { balanced } else { shares };
+            dp.build_replicas(shares, None)?;
+        } else {
+            dp.build_replicas(shares, None)?;
+        }
         Ok(dp)
+    }
+
+    /// Times forward+backward on each device alone at two batch sizes, to
+    /// separate its fixed cost per step from its cost per row.
+    fn calibrate(&mut self) -> Result<()> {
+        let n = self.global_batch;
+        let small = (n / (2 * self.devices.len())).max(1);
+        let large = n.max(small + 1);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+        let x: Vec<f32> = (0..large * self.in_features).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let values: Vec<f32> = (0..large * self.out_features).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let classes: Vec<u32> = (0..large).map(|i| (i % self.out_features) as u32).collect();
+        for (i, k) in self.devices.iter().enumerate() {
+            let time_at = |rows: usize| -> Result<f64> {
+                let mut t = Trainer::new(k.clone(), &self.model, self.criterion, self.optimizer, rows)?;
+                let targets = match self.criterion {
+                    Criterion::Mse => Targets::Values(&values[..rows * self.out_features]),
+                    Criterion::CrossEntropy => Targets::Classes(&classes[..rows]),
+                };
+                let run = |t: &mut Trainer| -> Result<()> {
+                    t.forward(&x[..rows * self.in_features])?;
+                    t.loss(targets)?;
+                    t.forward_backward(false)?;
+                    k.device().wait_idle("calibrate")
+                };
+                run(&mut t)?;
+                let reps = 3;
+                let start = Instant::now();
+                for _ in 0..reps {
+                    run(&mut t)?;
+                }
+                Ok(start.elapsed().as_secs_f64() / reps as f64)
+            };
+            let (t_small, t_large) = (time_at(small).map_err(|e| on_device(i, k, e))?, time_at(large).map_err(|e| on_device(i, k, e))?);
+            // Small models are latency-bound and the difference is noise;
+            // attributing at least 5% of the step to its rows keeps the
+            // split well-conditioned.
+            let per_row = ((t_large - t_small) / (large - small) as f64).max(0.05 * t_large / large as f64).max(1e-9);
+            let fixed = (t_small - per_row * small as f64).max(0.0);
+            self.costs[i] = Some(Cost { fixed, per_row });
+        }
+        log::info!("data parallel calibration: {:?}", self.costs);
+        Ok(())
+    }
+
+    /// The measured cost model of each device (after calibration).
+    pub fn costs(&self) -> Vec<Option<Cost>> {
+        self.costs.clone()
     }
 
     /// (Re)creates one trainer per device with `shares` rows, loading
@@ -237,9 +354,15 @@ impl DataParallel {
         self.stats.steps += 1;
         self.stats.compute += slowest;
         self.stats.communication += start.elapsed().saturating_sub(slowest);
+        // Devices that ran slower (or faster) than their model predicts get
+        // their cost scaled, smoothed over steps.
         for (i, d) in arrivals.iter().enumerate() {
-            let rate = self.shares[i] as f64 / d.as_secs_f64().max(1e-6);
-            self.rates[i] = Some(self.rates[i].map_or(rate, |old| 0.7 * old + 0.3 * rate));
+            if let Some(c) = &mut self.costs[i] {
+                let ratio = d.as_secs_f64() / c.at(self.shares[i] as f64).max(1e-9);
+                let scale = 0.8 + 0.2 * ratio.clamp(0.25, 4.0);
+                c.fixed *= scale;
+                c.per_row *= scale;
+            }
         }
         let loss = if read_loss {
             let mut total = 0.0f64;
@@ -259,17 +382,17 @@ impl DataParallel {
     /// parameters and optimizer state over through the host).
     fn maybe_resplit(&mut self) -> Result<()> {
         let Split::Measured { every } = self.split else { return Ok(()) };
-        if every == 0 || self.stats.steps % every != 0 || self.rates.iter().any(Option::is_none) {
+        if every == 0 || self.stats.steps % every != 0 || self.costs.iter().any(Option::is_none) {
             return Ok(());
         }
-        let rates: Vec<f64> = self.rates.iter().map(|r| r.unwrap_or(1.0)).collect();
-        let proposal = proportional_split(self.global_batch, &rates)?;
-        let moved: usize = proposal.iter().zip(&self.shares).map(|(a, b)| a.abs_diff(*b)).sum::<usize>() / 2;
-        if moved * 20 <= self.global_batch {
+        let costs: Vec<Cost> = self.costs.iter().flatten().copied().collect();
+        let proposal = balanced_split(self.global_batch, &costs)?;
+        // Move only for a clear gain: a predicted step 10% shorter.
+        if makespan(&costs, &proposal) >= 0.9 * makespan(&costs, &self.shares) {
             return Ok(());
         }
         let state = host_state(&self.replicas[0])?;
-        log::info!("data parallel: split {:?} -> {:?} (rows/s {:?})", self.shares, proposal, rates);
+        log::info!("data parallel: split {:?} -> {:?} (costs {:?})", self.shares, proposal, costs);
         self.build_replicas(proposal, Some(state))?;
         self.stats.resplits += 1;
         Ok(())

@@ -133,7 +133,14 @@ impl Engine {
             Engine::Data(d) => {
                 let shares: Vec<String> = d.devices().iter().zip(d.shares()).enumerate()
                     .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
-                format!("data parallel, batch split {}", shares.join(", "))
+                let costs: Vec<String> = d.costs().iter().enumerate().filter_map(|(i, c)| {
+                    c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))
+                }).collect();
+                if costs.is_empty() {
+                    format!("data parallel, batch split {}", shares.join(", "))
+                } else {
+                    format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
+                }
             }
             Engine::Pipeline(p) => format!(
                 "pipeline parallel, {} stages of {:?} layers, ideal bubble {:.0}%",

@@ -29,7 +29,8 @@ use crate::trainer::Targets;
 pub struct TensorParallelStats {
     pub steps: u64,
     pub wall: Duration,
-    /// Time in the two all-reduces (host transfers and sums).
+    /// Host transfers: writes of activations and gradients to the shards,
+    /// and the two all-reduces after the slowest shard finished.
     pub communication: Duration,
 }
 
@@ -48,10 +49,15 @@ pub struct TensorParallel {
     stats: TensorParallelStats,
 }
 
-fn sum_on_host(views: &[(&Kernels, View<'_>)], since: Instant) -> Result<Vec<f32>> {
-    let (values, _) = to_host(views, since)?;
+/// Sums the views on the host; also returns the time spent after the
+/// slowest device's data arrived (the transfer and sum, not the compute).
+fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
+    let start = Instant::now();
+    let (values, arrived) = to_host(views, start)?;
     let n = values.first().map_or(0, Vec::len);
-    Ok((0..n).map(|j| values.iter().map(|v| f64::from(v[j])).sum::<f64>() as f32).collect())
+    let sum = (0..n).map(|j| values.iter().map(|v| f64::from(v[j])).sum::<f64>() as f32).collect();
+    let slowest = arrived.into_iter().max().unwrap_or_default();
+    Ok((sum, start.elapsed().saturating_sub(slowest)))
 }
 
 impl TensorParallel {
@@ -171,16 +177,19 @@ impl TensorParallel {
     /// Forward through the shards: the summed partial outputs (the forward
     /// all-reduce, on the host).
     fn block_forward(&mut self, block_x: &[f32]) -> Result<Vec<f32>> {
+        let writes = Instant::now();
+        for (d, shard) in self.shards.iter().enumerate() {
+            shard.set_input(block_x).map_err(|e| on_device(d, &shard.kernels, e))?;
+        }
+        self.stats.communication += writes.elapsed();
         for (d, shard) in self.shards.iter_mut().enumerate() {
             let k = shard.kernels.clone();
-            shard.set_input(block_x).map_err(|e| on_device(d, &k, e))?;
             shard.forward().map_err(|e| on_device(d, &k, e))?;
         }
-        let start = Instant::now();
         let views: Vec<(&Kernels, View<'_>)> =
             self.shards.iter().map(|s| Ok((&*s.kernels, s.output_view()?))).collect::<Result<_>>()?;
-        let y = sum_on_host(&views, start)?;
-        self.stats.communication += start.elapsed();
+        let (y, transfer) = sum_on_host(&views)?;
+        self.stats.communication += transfer;
         Ok(y)
     }
 
@@ -200,15 +209,18 @@ impl TensorParallel {
             Some(v) => k0.read(v?).map_err(|e| on_device(0, &k0, e))?,
             None => return Err(Error::InvalidArgument { op: "TensorParallel", reason: "post stage without input gradient".into() }),
         };
+        let writes = Instant::now();
+        for (d, shard) in self.shards.iter().enumerate() {
+            shard.set_input(&block_x).map_err(|e| on_device(d, &shard.kernels, e))?;
+            shard.set_output_gradient(&dy).map_err(|e| on_device(d, &shard.kernels, e))?;
+        }
+        self.stats.communication += writes.elapsed();
         for (d, shard) in self.shards.iter_mut().enumerate() {
             let k = shard.kernels.clone();
-            shard.set_input(&block_x).map_err(|e| on_device(d, &k, e))?;
-            shard.set_output_gradient(&dy).map_err(|e| on_device(d, &k, e))?;
             shard.backward(true).map_err(|e| on_device(d, &k, e))?;
         }
         if self.pre.is_some() {
             // The backward all-reduce: partial input gradients summed.
-            let start = Instant::now();
             let views: Vec<(&Kernels, View<'_>)> = self
                 .shards
                 .iter()
@@ -217,8 +229,8 @@ impl TensorParallel {
                     None => Err(Error::InvalidArgument { op: "TensorParallel", reason: "shard without input gradient".into() }),
                 })
                 .collect::<Result<_>>()?;
-            let dx = sum_on_host(&views, start)?;
-            self.stats.communication += start.elapsed();
+            let (dx, transfer) = sum_on_host(&views)?;
+            self.stats.communication += transfer;
             if let Some(pre) = &mut self.pre {
                 pre.set_input(x).map_err(|e| on_device(0, &k0, e))?;
                 pre.set_output_gradient(&dx).map_err(|e| on_device(0, &k0, e))?;
