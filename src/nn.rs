@@ -156,6 +156,10 @@ impl Sequential {
                     .map(|d| d.trim().parse::<usize>().map_err(|_| bad(&after[..close])))
                     .collect::<Result<_>>()?;
                 let [i, o] = dims[..] else { return Err(bad(&after[..close])) };
+                // Sizes come from a file: refuse absurd ones before allocating.
+                if i == 0 || o == 0 || i.checked_mul(o).is_none_or(|n| n > 1 << 31) {
+                    return Err(bad(&after[..close]));
+                }
                 layers.push(Layer::Linear(Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: vec![0.0; o] }));
                 rest = after[close + 1..].trim_start();
             } else {

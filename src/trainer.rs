@@ -148,15 +148,7 @@ impl Trainer {
     pub fn loss(&mut self, targets: Targets<'_>) -> Result<()> {
         match (self.criterion, targets) {
             (Criterion::Mse, Targets::Values(v)) => self.exec.set_input(self.target, v)?,
-            (Criterion::CrossEntropy, Targets::Classes(c)) => {
-                if let Some(&bad) = c.iter().find(|&&c| c as usize >= self.out_features) {
-                    return Err(Error::InvalidArgument {
-                        op: "CrossEntropyLoss",
-                        reason: format!("class {bad} is out of range for {} outputs", self.out_features),
-                    });
-                }
-                self.exec.set_labels(self.target, c)?
-            }
+            (Criterion::CrossEntropy, Targets::Classes(c)) => self.exec.set_labels(self.target, c)?,
             (c, _) => {
                 return Err(Error::InvalidArgument { op: "Trainer::loss", reason: format!("{c:?} loss got the other kind of targets") });
             }
@@ -291,8 +283,16 @@ impl Trainer {
         } else {
             log::warn!("checkpoint optimizer {:?} differs from {ours:?}: loading parameters only", ckpt.meta("optimizer"));
         }
+        // The step count only means something with the moments it belongs
+        // to: without complete state, start the optimizer afresh.
+        let names = self.exec.optimizer_state_names();
+        let complete = same_optimizer
+            && params.iter().all(|(p, _, _)| names.iter().all(|n| state.iter().any(|(sp, sn, _)| sp == p && sn == n)));
+        if !complete {
+            state.clear();
+        }
         let step = ckpt.meta("step").and_then(|s| s.parse::<u64>().ok());
-        self.exec.load_state(&params, &state, if same_optimizer { step } else { None })
+        self.exec.load_state(&params, &state, if complete { step } else { None })
     }
 }
 

@@ -375,3 +375,75 @@ fn golden_mlp_losses_match_a_hand_written_cpu_mlp_for_20_steps() {
         Ok(())
     });
 }
+
+#[test]
+fn a_parameter_feeding_two_matmuls_gets_both_gradients() {
+    for_each_adapter("shared_weight", |k| {
+        // y = (x·W)·W with W square: two fused accumulations into one gradient.
+        let mut g = Graph::new();
+        let x = g.input("x", &[3, 4])?;
+        let w = param(&mut g, "w", &[4, 4], 12);
+        let h = g.matmul(x, w)?;
+        let y = g.matmul(h, w)?;
+        let t = g.input("t", &[3, 4])?;
+        let loss = g.mse_loss(y, t)?;
+        gradcheck(k, "shared weight", g, loss, vec![(x, random_vec(&mut rng(13), 12, -1.0, 1.0)), (t, random_vec(&mut rng(14), 12, -1.0, 1.0))], vec![])
+    });
+}
+
+#[test]
+fn input_gradients_from_backward_from_match_central_differences() {
+    for_each_adapter("input_gradient", |k| {
+        let mut g = Graph::new();
+        let x = g.input("x", &[2, 3])?;
+        let w = param(&mut g, "w", &[4, 3], 15);
+        let h = g.matmul_form(MatmulForm::ABt, x, w)?;
+        let y = g.tanh(h)?;
+        let seed = g.input("dy", &[2, 4])?;
+        let reference = g.clone();
+        let grads = g.backward_from(y, seed, &[x])?;
+        let dx = grads.input(x).expect("input gradient");
+        let mut exec = Executor::new(k.clone(), g, &[y], Some(grads), None)?;
+        let x_host = random_vec(&mut rng(16), 6, -1.0, 1.0);
+        let dy_host = random_vec(&mut rng(17), 8, -1.0, 1.0);
+        exec.set_input(x, &x_host)?;
+        exec.set_input(seed, &dy_host)?;
+        exec.train_step(true, false, false)?;
+        let got = exec.read(dx)?;
+        // d/dx of Σ dy ⊙ y(x), by central differences in f64.
+        let objective = |xv: &[f32]| -> f64 {
+            let feeds = vec![(x, xv.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>()), (seed, vec![0.0; 8])];
+            let values = eval_f64(&reference, &feeds, &[]);
+            values[y.index()].iter().zip(&dy_host).map(|(a, b)| a * f64::from(*b)).sum()
+        };
+        let want: Vec<f32> = (0..6)
+            .map(|i| {
+                let (mut p, mut m) = (x_host.clone(), x_host.clone());
+                p[i] += 1e-3;
+                m[i] -= 1e-3;
+                ((objective(&p) - objective(&m)) / (f64::from(p[i]) - f64::from(m[i]))) as f32
+            })
+            .collect();
+        assert_close("d/dx", &got, &want, 2e-3, 1e-2);
+        Ok(())
+    });
+}
+
+#[test]
+fn only_outputs_can_be_read_back() {
+    for_each_adapter("outputs_only", |k| {
+        let mut g = Graph::new();
+        let x = g.input("x", &[2, 3])?;
+        let w = param(&mut g, "w", &[3, 3], 18);
+        let h = g.matmul(x, w)?; // shares its slot once the ReLU has read it
+        let r = g.relu(h)?;
+        let y = g.sigmoid(r)?;
+        let mut exec = Executor::new(k.clone(), g, &[y], None, None)?;
+        exec.set_input(x, &[1.0; 6])?;
+        exec.run(&[y])?;
+        assert_eq!(exec.read(y)?.len(), 6);
+        assert!(matches!(exec.read(h), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(exec.run(&[r]), Err(Error::InvalidArgument { .. })));
+        Ok(())
+    });
+}

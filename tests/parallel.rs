@@ -167,7 +167,10 @@ fn data_parallel_matches_single_device_training() {
 #[test]
 fn replicas_stay_bit_identical() {
     for group in groups() {
-        let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 10, Split::Measured { every: 2 }).unwrap();
+        // Fixed rows, and fewer steps than the periodic synchronisation, so
+        // nothing copies replica 0 over the others.
+        let rows = if group.len() == 2 { vec![3, 7] } else { vec![3, 3, 4] };
+        let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 10, Split::Rows(rows)).unwrap();
         for s in 0..6 {
             let (x, y) = batch(10, 100 + s);
             dp.step(&x, Targets::Classes(&y), false).unwrap();
@@ -311,4 +314,16 @@ fn the_balanced_split_evens_out_finishing_times() {
     // A large fixed cost shifts rows to the other device, never below one.
     let laggy = Cost { fixed: 1.0, per_row: 0.0001 };
     assert_eq!(balanced_split(10, &[same, laggy]).unwrap(), vec![9, 1]);
+}
+
+#[test]
+fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
+    let Some(group) = groups().into_iter().next() else { return };
+    let k = group.members()[0].clone();
+    assert!(DeviceGroup::from_kernels(vec![k.clone(), k.clone()]).is_err());
+    assert!(DeviceGroup::open(&DeviceSelection::Adapters(vec![])).is_err());
+    let t = k.zeros(4).unwrap();
+    let u = k.zeros(4).unwrap();
+    let parts = [Part::new(&k, t.view()), Part::new(&k, u.view())];
+    assert!(matches!(all_reduce(&parts, None, 0, Instant::now()), Err(Error::InvalidArgument { .. })));
 }

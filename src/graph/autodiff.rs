@@ -14,6 +14,8 @@ pub struct Gradients {
     pub loss: Tensor,
     by_param: HashMap<Tensor, Tensor>,
     by_input: HashMap<Tensor, Tensor>,
+    /// Every accumulation node this backward pass added, in order.
+    accumulations: Vec<Tensor>,
 }
 
 impl Gradients {
@@ -26,6 +28,12 @@ impl Gradients {
     /// [`Graph::backward_from`] (what a pipeline stage sends back).
     pub fn input(&self, input: Tensor) -> Option<Tensor> {
         self.by_input.get(&input).copied()
+    }
+
+    /// Every node adding into a parameter's gradient (a parameter used
+    /// twice has two).
+    pub fn accumulations(&self) -> &[Tensor] {
+        &self.accumulations
     }
 
     /// Every input gradient node (they must survive the run).
@@ -87,6 +95,7 @@ impl Graph {
         let mut grads: HashMap<usize, Tensor> = HashMap::from([(output.0, seed)]);
         let mut by_param = HashMap::new();
         let mut by_input = HashMap::new();
+        let mut accumulations = Vec::new();
         for i in (0..count).rev() {
             let Some(dy) = grads.remove(&i) else { continue };
             if !requires_grad[i] {
@@ -111,6 +120,7 @@ impl Graph {
                     let name = format!("{}.grad", self.nodes[input.0].name);
                     let g = self.push(Op::AccumulateGrad { param: input }, vec![contribution], shape, DType::F32, name);
                     by_param.insert(input, g);
+                    accumulations.push(g);
                 } else {
                     let total = match grads.get(&input.0) {
                         Some(&previous) => self.add(previous, contribution)?,
@@ -120,7 +130,8 @@ impl Graph {
                 }
             }
         }
-        Ok(Gradients { loss: output, by_param, by_input })
+        accumulations.sort();
+        Ok(Gradients { loss: output, by_param, by_input, accumulations })
     }
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node.

@@ -134,9 +134,9 @@ impl Graph {
     }
 
     /// The initial values of a parameter, to edit before the graph runs.
-    pub fn parameter_init_mut(&mut self, t: Tensor) -> Option<&mut Vec<f32>> {
+    pub fn parameter_init_mut(&mut self, t: Tensor) -> Option<&mut [f32]> {
         match self.nodes.get_mut(t.0).map(|n| &mut n.op) {
-            Some(Op::Parameter { init }) => Some(init),
+            Some(Op::Parameter { init }) => Some(init.as_mut_slice()),
             _ => None,
         }
     }

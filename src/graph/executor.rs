@@ -60,10 +60,12 @@ impl Executor {
         if optimizer.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
         }
-        for t in outputs {
-            if t.0 >= graph.len() {
-                return Err(Error::InvalidArgument { op: "Executor::new", reason: format!("output #{} is not in the graph", t.0) });
-            }
+        let foreign = |t: &Tensor| t.0 >= graph.len();
+        let grads_foreign = gradients.as_ref().is_some_and(|g| {
+            foreign(&g.loss) || g.accumulations().iter().any(foreign) || g.input_gradients().iter().any(foreign)
+        });
+        if outputs.iter().any(foreign) || grads_foreign {
+            return Err(Error::InvalidArgument { op: "Executor::new", reason: "an output or gradient is not in this graph".into() });
         }
         let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
         let plan = Plan::new(&graph, outputs, gradients.as_ref(), align);
@@ -100,7 +102,17 @@ impl Executor {
             mapped_at_creation: false,
         });
 
-        let train_order = if training { plan.order.clone() } else { Vec::new() };
+        // A training step runs what the loss and the gradients need, not
+        // other outputs (predictions) the caller runs separately.
+        let train_order = match &gradients {
+            Some(g) => {
+                let mut targets = vec![g.loss];
+                targets.extend(g.accumulations());
+                targets.extend(g.input_gradients());
+                order_for(&graph, &plan, &targets)?
+            }
+            None => Vec::new(),
+        };
         let mut exec = Executor {
             kernels,
             graph,
@@ -279,9 +291,22 @@ impl Executor {
         self.kernels.write(buf.view(), data)
     }
 
-    /// Queues u32 class labels for a labels input.
+    /// Queues u32 class labels for a labels input. A label outside the
+    /// classes of the cross-entropy reading it is an error here, before it
+    /// can reach the GPU.
     pub fn set_labels(&self, t: Tensor, labels: &[u32]) -> Result<()> {
         let buf = self.input_storage(t, DType::U32, labels.len())?;
+        for node in self.graph.nodes() {
+            if matches!(node.op, Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy)) && node.inputs.get(1) == Some(&t) {
+                let classes = self.graph.shape(node.inputs[0]).get(1).copied().unwrap_or(0);
+                if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
+                    return Err(Error::InvalidArgument {
+                        op: "CrossEntropyLoss",
+                        reason: format!("class {bad} is out of range for {classes} outputs"),
+                    });
+                }
+            }
+        }
         self.kernels.write(buf.view(), labels)
     }
 
@@ -366,14 +391,28 @@ impl Executor {
         self.view(g)
     }
 
-    /// Where a planned tensor lives, for collectives.
+    /// Where an output lives, for collectives. Only outputs: other
+    /// intermediates share slots and would read another tensor's values.
     pub fn tensor_view(&self, t: Tensor) -> Result<View<'_>> {
+        let readable = t.0 < self.graph.len()
+            && (self.plan.is_output[t.0] || matches!(self.plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. } | Storage::Constant { .. }));
+        if !readable {
+            return Err(Error::InvalidArgument {
+                op: "Executor",
+                reason: format!("tensor #{} was not planned as an output of this executor: its memory is shared", t.0),
+            });
+        }
         self.view(t)
     }
 
     /// The whole gradient arena (every parameter's gradient, contiguous).
     pub fn gradient_arena(&self) -> Option<View<'_>> {
         self.grads.as_ref().map(|g| g.view())
+    }
+
+    /// The optimizer's state arenas (same layout as the parameters).
+    pub fn state_arenas(&self) -> Vec<View<'_>> {
+        self.state.iter().map(|s| s.view()).collect()
     }
 
     /// The whole parameter arena.
@@ -385,7 +424,7 @@ impl Executor {
     /// submission. Read the results with [`Executor::read`].
     pub fn run(&mut self, outputs: &[Tensor]) -> Result<()> {
         if !self.run_orders.contains_key(outputs) {
-            let order = self.order_for(outputs)?;
+            let order = order_for(&self.graph, &self.plan, outputs)?;
             self.run_orders.insert(outputs.to_vec(), order);
         }
         let order = &self.run_orders[outputs];
@@ -402,35 +441,14 @@ impl Executor {
         self.kernels.submit("run", encoder)
     }
 
-    fn order_for(&self, outputs: &[Tensor]) -> Result<Vec<usize>> {
-        let mut needed = vec![false; self.graph.len()];
-        for t in outputs {
-            if t.0 >= self.graph.len() || self.plan.storage[t.0] == Storage::Unused {
-                return Err(Error::InvalidArgument {
-                    op: "run",
-                    reason: format!("tensor #{} was not planned as an output of this executor", t.0),
-                });
-            }
-            needed[t.0] = true;
-        }
-        for i in (0..self.graph.len()).rev() {
-            if needed[i] {
-                for t in &self.graph.node(Tensor(i)).inputs {
-                    needed[t.0] = true;
-                }
-            }
-        }
-        Ok(self.plan.order.iter().copied().filter(|&i| needed[i]).collect())
-    }
-
-    /// Reads a planned tensor (waits for the GPU).
+    /// Reads an output (waits for the GPU).
     pub fn read(&self, t: Tensor) -> Result<Vec<f32>> {
-        self.kernels.read(self.view(t)?)
+        self.kernels.read(self.tensor_view(t)?)
     }
 
-    /// Reads a u32 tensor (labels, argmax).
+    /// Reads a u32 output (argmax).
     pub fn read_u32(&self, t: Tensor) -> Result<Vec<u32>> {
-        self.kernels.read(self.view(t)?)
+        self.kernels.read(self.tensor_view(t)?)
     }
 
     /// The gradient of `param` accumulated so far.
@@ -461,13 +479,18 @@ impl Executor {
         self.plan.param_offsets.iter().map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone())).collect()
     }
 
-    /// Optimizer state as (parameter name, state name, values).
-    pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
-        let names: &[&'static str] = match self.optimizer.as_ref().map(|(c, _)| c) {
+    /// PyTorch's names for the optimizer's per-parameter state, in arena order.
+    pub fn optimizer_state_names(&self) -> &'static [&'static str] {
+        match self.optimizer.as_ref().map(|(c, _)| c) {
             Some(OptimizerConfig::Sgd(_)) => &["momentum_buffer"],
             Some(OptimizerConfig::Adam(_)) => &["exp_avg", "exp_avg_sq"],
             None => &[],
-        };
+        }
+    }
+
+    /// Optimizer state as (parameter name, state name, values).
+    pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
+        let names = self.optimizer_state_names();
         let mut out = Vec::new();
         for (arena, &state_name) in self.state.iter().zip(names) {
             let all: Vec<f32> = self.kernels.read(arena.view())?;
@@ -501,11 +524,7 @@ impl Executor {
             }
             host[offset..offset + values.len()].copy_from_slice(values);
         }
-        let names: Vec<&str> = match self.optimizer.as_ref().map(|(c, _)| c) {
-            Some(OptimizerConfig::Sgd(_)) => vec!["momentum_buffer"],
-            Some(OptimizerConfig::Adam(_)) => vec!["exp_avg", "exp_avg_sq"],
-            None => vec![],
-        };
+        let names = self.optimizer_state_names();
         let mut state_host: Vec<Vec<f32>> = vec![vec![0.0; arena_len]; self.state.len()];
         for (param_name, state_name, values) in optimizer_state {
             let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {
@@ -532,4 +551,28 @@ impl Executor {
         }
         Ok(())
     }
+}
+
+/// The planned nodes `outputs` need, in plan order. Only planned outputs
+/// (and inputs, parameters) can be asked for.
+fn order_for(graph: &Graph, plan: &Plan, outputs: &[Tensor]) -> Result<Vec<usize>> {
+    let mut needed = vec![false; graph.len()];
+    for t in outputs {
+        let known = t.0 < graph.len() && plan.storage[t.0] != Storage::Unused;
+        if !known || !(plan.is_output[t.0] || matches!(plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. })) {
+            return Err(Error::InvalidArgument {
+                op: "run",
+                reason: format!("tensor #{} was not planned as an output of this executor", t.0),
+            });
+        }
+        needed[t.0] = true;
+    }
+    for i in (0..graph.len()).rev() {
+        if needed[i] {
+            for t in &graph.node(Tensor(i)).inputs {
+                needed[t.0] = true;
+            }
+        }
+    }
+    Ok(plan.order.iter().copied().filter(|&i| needed[i]).collect())
 }

@@ -41,6 +41,9 @@ pub struct Plan {
     pub param_arena_len: usize,
     pub input_count: usize,
     pub constant_count: usize,
+    /// Tensors that survive a run and may be read after it; every other
+    /// intermediate shares its slot with later tensors.
+    pub is_output: Vec<bool>,
     /// Nodes that add their result into their output (a matmul or column
     /// sum writing straight into a parameter's gradient).
     pub accumulate: Vec<bool>,
@@ -64,12 +67,18 @@ impl Plan {
         if let Some(g) = grads {
             roots.push(g.loss.0);
             roots.extend(g.input_gradients().iter().map(|t| t.0));
-            // Every accumulation, not just the last per parameter.
-            roots.extend((0..count).filter(|&i| matches!(nodes[i].op, Op::AccumulateGrad { .. })));
+            // Every accumulation of this backward pass, not just the last
+            // per parameter (and none of an earlier backward call).
+            roots.extend(g.accumulations().iter().map(|t| t.0));
         }
+        roots.retain(|&r| r < count);
         let mut needed = vec![false; count];
         for &r in &roots {
             needed[r] = true;
+        }
+        let mut is_output = vec![false; count];
+        for &r in &roots {
+            is_output[r] = true;
         }
         for i in (0..count).rev() {
             if needed[i] {
@@ -179,9 +188,9 @@ impl Plan {
                     storage[i] = Storage::Slot { index: slot };
                     match last_use[i] {
                         Some(u) if u != usize::MAX => release_at[u].push(slot),
-                        Some(_) => {}
-                        // Computed for its side effect only; free right after.
-                        None => release_at[i].push(slot),
+                        // Outputs keep their slot; a node nothing reads is
+                        // not planned.
+                        _ => {}
                     }
                 }
             }
@@ -195,6 +204,7 @@ impl Plan {
             slot_len,
             param_offsets,
             param_arena_len: arena,
+            is_output,
             accumulate,
             fused_away,
             input_count: inputs,

@@ -489,6 +489,10 @@ impl Kernels {
     }
 
     /// Overwrites `view` with `data` (queued; ordered before later submits).
+    /// Runs on every training step, so it skips error scopes (a pair costs
+    /// about as much as the write): with the size checked here, the one
+    /// failure left is a destroyed buffer, which the uncaptured-error
+    /// handler records and the next submit reports.
     pub fn write<T: bytemuck::Pod>(&self, view: View<'_>, data: &[T]) -> Result<()> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         if bytes.len() as u64 != view.bytes() {
@@ -498,9 +502,9 @@ impl Kernels {
                 &[&[view.len]],
             ));
         }
-        self.device.scoped("write", || {
-            self.device.queue().write_buffer(view.buffer, view.offset, bytes)
-        })
+        self.device.check("write")?;
+        self.device.queue().write_buffer(view.buffer, view.offset, bytes);
+        Ok(())
     }
 
     /// Copies `view` back to the host, waiting for all submitted work.

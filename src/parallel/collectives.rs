@@ -42,6 +42,13 @@ fn same_lengths(op: &'static str, parts: &[Part<'_>]) -> Result<usize> {
 /// how long after `since` each device's data arrived (its compute plus copy
 /// time when the copy was queued behind a step).
 pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Vec<f32>>, Vec<Duration>)> {
+    // Each pending read holds its device's staging buffer: two parts on one
+    // device would wait on each other.
+    for (i, (a, _)) in parts.iter().enumerate() {
+        if parts[..i].iter().any(|(b, _)| std::ptr::eq(*a, *b)) {
+            return Err(Error::InvalidArgument { op: "collective", reason: format!("part {i} is on the same device as an earlier part") });
+        }
+    }
     let mut pending = Vec::with_capacity(parts.len());
     for (i, (k, view)) in parts.iter().enumerate() {
         pending.push(k.begin_read(*view).map_err(|e| on_device(i, k, e))?);

@@ -55,6 +55,9 @@ pub struct DataParallel {
     stats: DataParallelStats,
 }
 
+/// Steps between copies of replica 0's state to the others.
+const SYNC_EVERY: u64 = 50;
+
 /// A device's measured step time: `fixed + per_row · rows` seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Cost {
@@ -364,6 +367,9 @@ impl DataParallel {
                 c.per_row *= scale;
             }
         }
+        if self.stats.steps % SYNC_EVERY == 0 {
+            self.synchronise()?;
+        }
         let loss = if read_loss {
             let mut total = 0.0f64;
             for (i, t) in self.replicas.iter().enumerate() {
@@ -375,6 +381,32 @@ impl DataParallel {
         };
         self.maybe_resplit()?;
         Ok(loss)
+    }
+
+    /// Copies replica 0's parameters and optimizer state to the others.
+    /// Replicas on one kind of device stay bit-identical without it; on
+    /// different backends, division and square roots may round differently
+    /// (WGSL allows a few ulp), and this stops the drift accumulating.
+    pub fn synchronise(&mut self) -> Result<()> {
+        if self.replicas.len() < 2 {
+            return Ok(());
+        }
+        fn arenas(t: &Trainer) -> Vec<crate::kernels::View<'_>> {
+            let e = t.executor();
+            let mut v = vec![e.parameter_arena()];
+            v.extend(e.state_arenas());
+            v
+        }
+        let source = arenas(&self.replicas[0]);
+        for (a, src) in source.iter().enumerate() {
+            let dsts: Vec<Part<'_>> = self.replicas[1..]
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Part::new(&self.devices[i + 1], arenas(t)[a]))
+                .collect();
+            super::collectives::broadcast(Part::new(&self.devices[0], *src), &dsts)?;
+        }
+        Ok(())
     }
 
     /// Follows the measured speeds when they call for a split that moves

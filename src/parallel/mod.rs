@@ -77,6 +77,9 @@ impl DeviceGroup {
                 (0..*n).map(|k| by_policy[k % by_policy.len()].to_string()).collect()
             }
         };
+        if selectors.is_empty() {
+            return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });
+        }
         let members = selectors.into_iter().map(open).collect::<Result<Vec<_>>>()?;
         Ok(DeviceGroup { members })
     }
@@ -93,6 +96,13 @@ impl DeviceGroup {
     pub fn from_kernels(members: Vec<Arc<Kernels>>) -> Result<Self> {
         if members.is_empty() {
             return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });
+        }
+        // Collectives hold each device's staging buffer while they wait: the
+        // same device twice would wait on itself.
+        for (i, a) in members.iter().enumerate() {
+            if members[..i].iter().any(|b| Arc::ptr_eq(a, b)) {
+                return Err(Error::InvalidArgument { op: "DeviceGroup", reason: format!("device #{i} appears twice; open a second device instead") });
+            }
         }
         Ok(DeviceGroup { members })
     }

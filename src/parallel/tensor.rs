@@ -96,6 +96,18 @@ impl TensorParallel {
         let post_layers = &indexed[block_start + 3..];
         let block_in = width_after(pre_layers, in_features);
         let block_out = second.out_features;
+        let consistent = first.in_features == block_in
+            && second.in_features == hidden
+            && first.weight.len() == hidden * block_in
+            && first.bias.len() == hidden
+            && second.weight.len() == block_out * hidden
+            && second.bias.len() == block_out;
+        if !consistent {
+            return Err(bad(format!(
+                "the block's Linear layers do not fit together: Linear({}, {}) after width {block_in}, then Linear({}, {})",
+                first.in_features, hidden, second.in_features, block_out
+            )));
+        }
         let k0 = group.members()[0].clone();
 
         let pre = if pre_layers.is_empty() {
