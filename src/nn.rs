@@ -78,7 +78,8 @@ impl Layer {
         }
     }
 
-    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+    /// Adds the layer to `g`; a Linear's parameters are named `{prefix}weight`, `{prefix}bias`.
+    pub fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         match self {
             Layer::Linear(l) => l.forward(g, x, prefix),
             Layer::ReLU => g.activation(Activation::Relu, x),

@@ -222,20 +222,12 @@ impl Trainer {
     /// Model outputs for any number of rows of features (run in
     /// batch-sized chunks, the last one padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (input, output, width) = (self.input, self.output, self.out_features);
-        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
-            exec.run(&[output])?;
-            Ok(exec.read(output)?[..n * width].to_vec())
-        })
+        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), features)
     }
 
     /// The class with the largest output for each row (argmax).
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let (input, prediction) = (self.input, self.prediction);
-        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
-            exec.run(&[prediction])?;
-            Ok(exec.read_u32(prediction)?[..n].to_vec())
-        })
+        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
     }
 
     /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
@@ -322,6 +314,22 @@ fn in_chunks<T>(
     Ok(out)
 }
 
+/// Outputs of `output` for every row of `features`, batch by batch.
+fn chunked_outputs(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[f32]) -> Result<Vec<f32>> {
+    in_chunks(exec, input, batch, in_features, features, |exec, n| {
+        exec.run(&[output])?;
+        Ok(exec.read(output)?[..n * width].to_vec())
+    })
+}
+
+/// The argmax node's value for every row of `features`, batch by batch.
+fn chunked_predictions(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), features: &[f32]) -> Result<Vec<u32>> {
+    in_chunks(exec, input, batch, in_features, features, |exec, n| {
+        exec.run(&[prediction])?;
+        Ok(exec.read_u32(prediction)?[..n].to_vec())
+    })
+}
+
 fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
     match ckpt.meta("model") {
         Some(m) if m != description => Err(Error::InvalidArgument {
@@ -393,19 +401,11 @@ impl Predictor {
     }
 
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (input, output, width) = (self.input, self.output, self.out_features);
-        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
-            exec.run(&[output])?;
-            Ok(exec.read(output)?[..n * width].to_vec())
-        })
+        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), features)
     }
 
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let (input, prediction) = (self.input, self.prediction);
-        in_chunks(&mut self.exec, input, self.batch_size, self.in_features, features, |exec, n| {
-            exec.run(&[prediction])?;
-            Ok(exec.read_u32(prediction)?[..n].to_vec())
-        })
+        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
     }
 }
 

@@ -246,7 +246,7 @@ impl Pipeline {
         }
         // Forward: stage s works on micro-batch t - s at tick t. The last
         // stage's forward happens inside its backward run.
-        for t in 0..(m_count + s_count - 2).max(0) {
+        for t in 0..m_count + s_count - 2 {
             let active: Vec<(usize, usize)> =
                 (0..s_count - 1).filter(|&s| t >= s && t - s < m_count).map(|s| (s, t - s)).collect();
             if active.is_empty() {

@@ -46,13 +46,7 @@ pub fn width_after(layers: &[(usize, Layer)], width: usize) -> usize {
 /// Adds `layers` to `g`; each keeps its position in the whole model as its
 /// parameter prefix (`2.weight`), so names match the single-device model.
 pub fn add_layers(g: &mut Graph, layers: &[(usize, Layer)], x: Tensor) -> Result<Tensor> {
-    layers.iter().try_fold(x, |h, (index, layer)| match layer {
-        Layer::Linear(l) => l.forward(g, h, &format!("{index}.")),
-        Layer::ReLU => g.relu(h),
-        Layer::GELU => g.gelu(h),
-        Layer::Tanh => g.tanh(h),
-        Layer::Sigmoid => g.sigmoid(h),
-    })
+    layers.iter().try_fold(x, |h, (index, layer)| layer.forward(g, h, &format!("{index}.")))
 }
 
 impl Stage {

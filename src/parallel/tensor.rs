@@ -81,7 +81,7 @@ impl TensorParallel {
         let layers = &model.layers;
         let bad = |reason: String| Error::InvalidArgument { op: "TensorParallel", reason };
         let (first, act, second) = match layers.get(block_start..block_start + 3) {
-            Some([Layer::Linear(a), act, Layer::Linear(b)]) if !matches!(act, Layer::Linear(_)) => (a, act.clone(), b),
+            Some(block @ [Layer::Linear(a), act, Layer::Linear(b)]) if Self::is_block(block) => (a, act.clone(), b),
             _ => return Err(bad(format!("layers {block_start}..{} must be Linear, activation, Linear", block_start + 3))),
         };
         let p = group.len();
