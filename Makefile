@@ -17,7 +17,10 @@ train: driver
 test: driver
 	$(CARGO) build --release --bin wgrad
 	./target/release/wgrad adapters
-	$(CARGO) test --release
+	# One test thread: wgpu 30's GL backend can panic when several threads
+	# drive one EGL context at once (make-current fails), and every test
+	# runs on the GL adapter too.
+	$(CARGO) test --release -- --test-threads=1
 	$(CARGO) run --release --example linear_regression
 
 bench: driver

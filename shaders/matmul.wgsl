@@ -1,4 +1,4 @@
-// Matrix multiply, row-major f32: C[M,N] = op(A) · op(B).
+// Matrix multiply, row-major f32: C[M,N] = op(A) · op(B) (+ bias[N]) (+= C).
 //   op(A) = A [M,K], or Aᵀ with A stored [K,M] when TRANS_A;
 //   op(B) = B [K,N], or Bᵀ with B stored [N,K] when TRANS_B.
 // The three forms training needs are (TRANS_A, TRANS_B) = (false, false)
@@ -12,6 +12,9 @@ override TRANS_B: bool = false;
 // C += op(A)·op(B) instead of C = …: a gradient accumulated straight into
 // its parameter's gradient buffer, with no separate add.
 override ACCUMULATE: bool = false;
+// C = op(A)·op(B) + bias[N] broadcast over rows: a Linear layer's forward
+// in one dispatch. Without it `bias` is bound to a placeholder and unread.
+override HAS_BIAS: bool = false;
 
 struct MatmulParams {
     m: u32,
@@ -29,10 +32,16 @@ struct MatmulParams {
 @group(0) @binding(1) var<storage, read> b: array<f32>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<uniform> p: MatmulParams;
+@group(0) @binding(4) var<storage, read> bias: array<f32>;
 
 const TILE: u32 = 64u;
 
-fn write_c(i: u32, v: f32) {
+fn write_c(row: u32, col: u32, product: f32) {
+    let i = row * p.n + col;
+    var v = product;
+    if HAS_BIAS {
+        v += bias[col];
+    }
     if ACCUMULATE {
         c[i] = c[i] + v;
     } else {
@@ -86,7 +95,7 @@ fn mm_store_row(row: u32, col0: u32, acc: mat4x4<f32>) {
     for (var j = 0u; j < 16u; j++) {
         let col = col0 + 4u * j;
         if col < p.n {
-            write_c(row * p.n + col, acc[j / 4u][j % 4u]);
+            write_c(row, col, acc[j / 4u][j % 4u]);
         }
     }
 }
@@ -328,7 +337,7 @@ fn matmul_forward_shared(
         for (var j = 0u; j < 4u; j++) {
             let col = col0 + lid.x + 16u * j;
             if row < p.m && col < p.n {
-                write_c(row * p.n + col, acc[i * 4u + j]);
+                write_c(row, col, acc[i * 4u + j]);
             }
         }
     }

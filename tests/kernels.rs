@@ -416,3 +416,26 @@ fn accumulating_matmul_and_column_sums_add_into_their_output() {
         Ok(())
     });
 }
+
+#[test]
+fn matmul_with_bias_matches_matmul_then_bias_add() {
+    for_each_adapter("matmul_bias", |k| {
+        for form in MatmulForm::ALL {
+            for &(m, n, kk) in &[(1, 1, 1), (7, 13, 5), (65, 130, 67)] {
+                let mut r = rng((m + n + kk) as u64);
+                let (sa, sb) = form.operand_shapes(m, n, kk);
+                let a_host = random_vec(&mut r, sa[0] * sa[1], -1.0, 1.0);
+                let b_host = random_vec(&mut r, sb[0] * sb[1], -1.0, 1.0);
+                let bias_host = random_vec(&mut r, n, -1.0, 1.0);
+                let (a, b, bias, c) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&bias_host)?, k.zeros(m * n)?);
+                k.run(&[&k.matmul_bias(form, c.view(), a.view(), b.view(), bias.view(), m, n, kk)?])?;
+                let want = cpu::bias_add(&cpu::matmul(form, &a_host, &b_host, m, n, kk), &bias_host, n);
+                // k-term f32 sums plus one rounding for the bias.
+                assert_close(&format!("matmul+bias {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 1e-6 * kk as f32 + 2e-6, 1e-5);
+            }
+        }
+        let (a, b, c, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(3)?);
+        assert!(matches!(k.matmul_bias(MatmulForm::AB, c.view(), a.view(), b.view(), short.view(), 2, 4, 3), Err(Error::Shape { .. })));
+        Ok(())
+    });
+}

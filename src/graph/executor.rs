@@ -213,7 +213,11 @@ impl Executor {
                     _ => a[1],
                 };
                 let variant = k.matmul_variant();
-                k.matmul_impl(variant, *form, self.plan.accumulate[i], out, input(0)?, input(1)?, m, n, kk)
+                let bias = match self.plan.bias_into[i] {
+                    Some(b) => Some(self.view(self.graph.node(Tensor(b)).inputs[1])?),
+                    None => None,
+                };
+                k.matmul_impl(variant, *form, self.plan.accumulate[i], bias, out, input(0)?, input(1)?, m, n, kk)
             }
             Op::Binary(op) => k.binary(*op, out, input(0)?, input(1)?),
             Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),

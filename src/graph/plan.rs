@@ -47,8 +47,11 @@ pub struct Plan {
     /// Nodes that add their result into their output (a matmul or column
     /// sum writing straight into a parameter's gradient).
     pub accumulate: Vec<bool>,
-    /// `AccumulateGrad` nodes whose producer accumulates itself: no dispatch.
+    /// Nodes computed by another node's dispatch (an accumulation done by
+    /// its producer, a bias add done by its matmul): no dispatch of their own.
     pub fused_away: Vec<bool>,
+    /// For a matmul that also adds a bias: the bias add it computes.
+    pub bias_into: Vec<Option<usize>>,
     /// Bytes of intermediates if every one had its own buffer.
     pub naive_intermediate_bytes: u64,
     /// Bytes of the slots actually allocated.
@@ -136,6 +139,18 @@ impl Plan {
                 }
             }
         }
+        // A matmul read only by a bias add writes the biased result itself
+        // (one dispatch for a Linear layer), into the bias add's storage.
+        let mut bias_into: Vec<Option<usize>> = vec![None; count];
+        for &i in &order {
+            if nodes[i].op == Op::BiasAdd {
+                let j = nodes[i].inputs[0].0;
+                if matches!(nodes[j].op, Op::MatMul(_)) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
+                    bias_into[j] = Some(i);
+                    fused_away[i] = true;
+                }
+            }
+        }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
@@ -146,6 +161,8 @@ impl Plan {
             match &node.op {
                 // Writes into the gradient arena: no slot.
                 _ if accumulate[i] => {}
+                // Its matmul already placed it.
+                Op::BiasAdd if fused_away[i] => {}
                 Op::Parameter { .. } => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
@@ -161,14 +178,16 @@ impl Plan {
                     }
                 }
                 _ => {
-                    let len = node.len();
+                    // A fused matmul allocates for the bias add it stands in for.
+                    let owner = bias_into[i].unwrap_or(i);
+                    let len = nodes[owner].len();
                     naive += len as u64 * BYTES;
                     // Best fit among free slots, else grow the largest free
                     // one, else a new slot.
                     // Outputs get slots of their own: they are read after a
                     // run, possibly after a different run (a prediction)
                     // has executed other nodes that share freed slots.
-                    let is_root = last_use[i] == Some(usize::MAX);
+                    let is_root = last_use[owner] == Some(usize::MAX);
                     let best = free
                         .iter()
                         .filter(|_| !is_root)
@@ -186,7 +205,8 @@ impl Plan {
                     };
                     slot_len[slot] = slot_len[slot].max(len);
                     storage[i] = Storage::Slot { index: slot };
-                    match last_use[i] {
+                    storage[owner] = Storage::Slot { index: slot };
+                    match last_use[owner] {
                         Some(u) if u != usize::MAX => release_at[u].push(slot),
                         // Outputs keep their slot; a node nothing reads is
                         // not planned.
@@ -207,6 +227,7 @@ impl Plan {
             is_output,
             accumulate,
             fused_away,
+            bias_into,
             input_count: inputs,
             constant_count: constants,
             naive_intermediate_bytes: naive,

@@ -98,7 +98,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant(), form, true, c, a, b, m, n, k)
+        self.matmul_impl(self.matmul_variant(), form, true, None, c, a, b, m, n, k)
     }
 
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
@@ -114,7 +114,23 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(variant, form, false, c, a, b, m, n, k)
+        self.matmul_impl(variant, form, false, None, c, a, b, m, n, k)
+    }
+
+    /// C[m,n] = op(A)·op(B) + bias[n] (a Linear layer's forward).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_bias(
+        &self,
+        form: MatmulForm,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        bias: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        self.matmul_impl(self.matmul_variant(), form, false, Some(bias), c, a, b, m, n, k)
     }
 
     /// The one place the matmul dispatch is built.
@@ -124,6 +140,7 @@ impl Kernels {
         variant: MatmulVariant,
         form: MatmulForm,
         accumulate: bool,
+        bias: Option<View<'_>>,
         c: View<'_>,
         a: View<'_>,
         b: View<'_>,
@@ -154,6 +171,11 @@ impl Kernels {
                 &shapes,
             ));
         }
+        if let Some(bias) = &bias {
+            if bias.len != n {
+                return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&a_shape, &b_shape, &[bias.len]]));
+            }
+        }
         let tiles_n = n.div_ceil(TILE);
         let tiles_total = tiles_n * m.div_ceil(TILE);
         let params = MatmulParams {
@@ -169,11 +191,15 @@ impl Kernels {
             ("TRANS_A", f64::from(u8::from(trans_a))),
             ("TRANS_B", f64::from(u8::from(trans_b))),
             ("ACCUMULATE", f64::from(u8::from(accumulate))),
+            ("HAS_BIAS", f64::from(u8::from(bias.is_some()))),
         ];
+        // The bias slot is in the layout whatever HAS_BIAS says; without a
+        // bias it holds a placeholder the kernel never reads.
+        let bias_view = bias.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 1 });
         self.prepare(
             kernel,
             &constants,
-            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c)],
+            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c), bind(4, "bias", bias_view)],
             3,
             &params,
             tiles_total as u64,

@@ -150,6 +150,8 @@ pub struct Kernels {
     staging: Mutex<Option<wgpu::Buffer>>,
     submits: AtomicU64,
     buffers: AtomicU64,
+    /// Bound where a kernel's layout has a slot the dispatch does not use.
+    placeholder: wgpu::Buffer,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -166,7 +168,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Kernels {
     pub fn new(device: Device) -> Self {
+        let placeholder = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("placeholder"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         Kernels {
+            placeholder,
             device,
             modules: Mutex::new(HashMap::new()),
             pipelines: Mutex::new(HashMap::new()),
@@ -178,6 +187,10 @@ impl Kernels {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    pub(crate) fn placeholder(&self) -> &wgpu::Buffer {
+        &self.placeholder
     }
 
     /// Queue submits made through this object so far.
