@@ -299,13 +299,9 @@ fn bench(opts: &DeviceOptions, quick: bool) -> wgrad::Result<()> {
     let mut lines = Vec::new();
     for &n in sizes {
         lines.push(wgrad::bench::matmul(&kernels, n, reps)?);
-        println!("{}", lines[lines.len() - 1]);
     }
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
-    println!("{}", lines[lines.len() - 1]);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
-    println!("{}", lines[lines.len() - 1]);
-    println!();
     println!("{:<32} {}", "case", "measurements");
     for l in &lines {
         let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();
