@@ -21,7 +21,7 @@ fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>
     let mut v: Vec<Vec<f64>> = Vec::new();
     for (i, node) in g.nodes().iter().enumerate() {
         let x = |k: usize| &v[node.inputs[k].index()];
-        let shape = |k: usize| g.shape(node.inputs[k]).to_vec();
+        let shape = |k: usize| g.shape_of(node.inputs[k]).expect("own tensor").to_vec();
         let out = match &node.op {
             Op::Input => feeds.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.clone()).unwrap_or_else(|| {
                 labels.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.iter().map(|&l| f64::from(l)).collect()).expect("feed")
@@ -104,7 +104,7 @@ fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Ve
         }
         // f32 GPU gradient vs f64 differences of an f32-perturbed parameter:
         // the difference quotient carries ~1e-4 relative error.
-        assert_close(&format!("{what}: d/d {}", reference.node(p).name), &got, &want, 2e-3, 1e-2);
+        assert_close(&format!("{what}: d/d {}", reference.get(p).expect("parameter").name), &got, &want, 2e-3, 1e-2);
     }
     Ok(())
 }
@@ -264,7 +264,7 @@ fn the_memory_plan_reuses_intermediate_slots() {
     for &(p, offset) in &plan.param_offsets {
         assert_eq!(offset % 64, 0);
         assert!(offset >= end);
-        end = offset + g.node(p).len();
+        end = offset + g.get(p).expect("parameter").len();
     }
     eprintln!("plan: {} slots, {} B vs naive {} B", plan.slot_len.len(), plan.slot_bytes, plan.naive_intermediate_bytes);
 }

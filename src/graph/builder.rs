@@ -129,7 +129,13 @@ impl Graph {
         &self.nodes
     }
 
-    pub fn node(&self, t: Tensor) -> &Node {
+    /// The node behind `t`, if `t` belongs to this graph.
+    pub fn get(&self, t: Tensor) -> Option<&Node> {
+        self.nodes.get(t.0)
+    }
+
+    /// Internal: `t` has been checked to belong to this graph.
+    pub(crate) fn node(&self, t: Tensor) -> &Node {
         &self.nodes[t.0]
     }
 
@@ -141,7 +147,13 @@ impl Graph {
         }
     }
 
-    pub fn shape(&self, t: Tensor) -> &[usize] {
+    /// The shape of `t`, if `t` belongs to this graph.
+    pub fn shape_of(&self, t: Tensor) -> Option<&[usize]> {
+        self.nodes.get(t.0).map(|n| n.shape.as_slice())
+    }
+
+    /// Internal: `t` has been checked to belong to this graph.
+    pub(crate) fn shape(&self, t: Tensor) -> &[usize] {
         &self.nodes[t.0].shape
     }
 
