@@ -3,6 +3,8 @@
 //   mse_backward:           dpred[n] = 2 (pred - target) / n · dloss[0]
 //   cross_entropy_forward:  loss[1] = Σ_r (logsumexp(logits[r, :]) - logits[r, label[r]]) / rows
 //   cross_entropy_backward: dlogits[rows, cols] = (softmax(logits[r, :]) - onehot(label[r])) / rows · dloss[0]
+//   mse_forward_backward, cross_entropy_forward_backward: both of the above
+//   in one single-workgroup dispatch: loss[1] and the gradient (`grad`).
 // A label ≥ cols makes the loss NaN (the GPU cannot raise an error; a NaN
 // loss is caught where the loss is read).
 
@@ -19,6 +21,7 @@ struct LossParams {
 @group(0) @binding(3) var<uniform> p: LossParams;
 @group(0) @binding(4) var<storage, read> labels: array<u32>;
 @group(0) @binding(5) var<storage, read> dloss: array<f32>;
+@group(0) @binding(6) var<storage, read_write> grad: array<f32>;
 
 const WG: u32 = 256u;
 var<workgroup> partial: array<f32, 256>;
@@ -114,5 +117,43 @@ fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_wo
         let prob = exp(pred[r * p.cols + c] - m) * inv_sum;
         let onehot = select(0.0, 1.0, c == label);
         out[r * p.cols + c] = (prob - onehot) * scale + bad;
+    }
+}
+
+@compute @workgroup_size(256)
+fn mse_forward_backward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    for (var i = t; i < p.n; i += WG) {
+        let d = pred[i] - targets[i];
+        acc += d * d;
+        grad[i] = 2.0 * d / f32(p.n) * dloss[0];
+    }
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.n);
+    }
+}
+
+@compute @workgroup_size(256)
+fn cross_entropy_forward_backward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    let scale = dloss[0] / f32(p.rows);
+    for (var r = t; r < p.rows; r += WG) {
+        let label = labels[r];
+        let m = row_max(r);
+        let sum = row_sum_exp(r, m);
+        let picked = pred[r * p.cols + min(label, p.cols - 1u)];
+        acc += select(quiet_nan(), m + log(sum) - picked, label < p.cols);
+        let inv_sum = 1.0 / sum;
+        let bad = select(0.0, quiet_nan(), label >= p.cols);
+        for (var c = 0u; c < p.cols; c++) {
+            let prob = exp(pred[r * p.cols + c] - m) * inv_sum;
+            let onehot = select(0.0, 1.0, c == label);
+            grad[r * p.cols + c] = (prob - onehot) * scale + bad;
+        }
+    }
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.rows);
     }
 }

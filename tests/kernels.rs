@@ -439,3 +439,25 @@ fn matmul_with_bias_matches_matmul_then_bias_add() {
         Ok(())
     });
 }
+
+#[test]
+fn fused_loss_forward_backward_matches_the_separate_kernels_twins() {
+    for_each_adapter("fused_loss", |k| {
+        for &(rows, cols) in &[(1, 1), (7, 3), (64, 10), (300, 17)] {
+            let mut r = rng((rows * 13 + cols) as u64);
+            let logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
+            let labels_host: Vec<u32> = (0..rows).map(|i| ((i * 5 + 1) % cols) as u32).collect();
+            let target_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
+            let (logits, labels, target) = (k.upload(&logits_host)?, k.upload(&labels_host)?, k.upload(&target_host)?);
+            let (loss, grad, dloss) = (k.zeros(1)?, k.zeros(rows * cols)?, k.upload(&[0.5f32])?);
+            k.run(&[&k.cross_entropy_forward_backward(loss.view(), grad.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
+            // Same tolerances as the separate kernels' tests.
+            assert_close("fused ce loss", &k.read::<f32>(loss.view())?, &[cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols)], 1e-5, 1e-5);
+            assert_close("fused ce grad", &k.read::<f32>(grad.view())?, &cpu::cross_entropy_backward(&logits_host, &labels_host, 0.5, rows, cols), 1e-6, 1e-4);
+            k.run(&[&k.mse_forward_backward(loss.view(), grad.view(), logits.view(), target.view(), dloss.view())?])?;
+            assert_close("fused mse loss", &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&logits_host, &target_host)], 1e-6, 1e-5);
+            assert_close("fused mse grad", &k.read::<f32>(grad.view())?, &cpu::mse_backward(&logits_host, &target_host, 0.5), 1e-7, 1e-5);
+        }
+        Ok(())
+    });
+}

@@ -234,6 +234,17 @@ impl Executor {
             }
             Op::Sum => k.sum(out, input(0)?),
             Op::Mean => k.mean(out, input(0)?),
+            Op::Loss(kind) if self.plan.loss_with_grad[i].is_some() => {
+                let b = Tensor(self.plan.loss_with_grad[i].unwrap_or(i));
+                let (grad, dloss) = (self.view(b)?, self.view(self.graph.node(b).inputs[2])?);
+                match kind {
+                    LossKind::Mse => k.mse_forward_backward(out, grad, input(0)?, input(1)?, dloss),
+                    LossKind::CrossEntropy => {
+                        let s = shape(0);
+                        k.cross_entropy_forward_backward(out, grad, input(0)?, input(1)?, dloss, s[0], s[1])
+                    }
+                }
+            }
             Op::Loss(LossKind::Mse) => k.mse_forward(out, input(0)?, input(1)?),
             Op::Loss(LossKind::CrossEntropy) => {
                 let s = shape(0);

@@ -52,6 +52,8 @@ pub struct Plan {
     pub fused_away: Vec<bool>,
     /// For a matmul that also adds a bias: the bias add it computes.
     pub bias_into: Vec<Option<usize>>,
+    /// For a loss computed with its gradient: the backward node it fills.
+    pub loss_with_grad: Vec<Option<usize>>,
     /// Bytes of intermediates if every one had its own buffer.
     pub naive_intermediate_bytes: u64,
     /// Bytes of the slots actually allocated.
@@ -59,6 +61,10 @@ pub struct Plan {
 }
 
 const BYTES: u64 = 4;
+
+/// Largest prediction (elements) whose loss and gradient run as one
+/// single-workgroup dispatch.
+const FUSED_LOSS_MAX: usize = 1 << 16;
 
 impl Plan {
     /// Plans the nodes needed for `outputs` (and every gradient in `grads`).
@@ -151,6 +157,21 @@ impl Plan {
                 }
             }
         }
+        // A loss and its backward over the same prediction and target run
+        // as one dispatch at the loss; the gradient's slot is taken there.
+        // The fused kernel is one workgroup, so only for small predictions.
+        let mut loss_with_grad: Vec<Option<usize>> = vec![None; count];
+        for &i in &order {
+            if let Op::LossBackward(kind) = nodes[i].op {
+                let (pred, target) = (nodes[i].inputs[0], nodes[i].inputs[1]);
+                let small = nodes[pred.0].len() <= FUSED_LOSS_MAX;
+                let forward = order.iter().copied().find(|&j| nodes[j].op == Op::Loss(kind) && nodes[j].inputs == [pred, target]);
+                if let (true, Some(j)) = (small, forward) {
+                    loss_with_grad[j] = Some(i);
+                    fused_away[i] = true;
+                }
+            }
+        }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
@@ -161,8 +182,8 @@ impl Plan {
             match &node.op {
                 // Writes into the gradient arena: no slot.
                 _ if accumulate[i] => {}
-                // Its matmul already placed it.
-                Op::BiasAdd if fused_away[i] => {}
+                // Its matmul (or its loss) already placed it.
+                Op::BiasAdd | Op::LossBackward(_) if fused_away[i] => {}
                 Op::Parameter { .. } => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
@@ -178,39 +199,41 @@ impl Plan {
                     }
                 }
                 _ => {
-                    // A fused matmul allocates for the bias add it stands in for.
+                    // A fused matmul allocates for the bias add it stands in
+                    // for; a fused loss also for its gradient.
                     let owner = bias_into[i].unwrap_or(i);
-                    let len = nodes[owner].len();
-                    naive += len as u64 * BYTES;
-                    // Best fit among free slots, else grow the largest free
-                    // one, else a new slot.
-                    // Outputs get slots of their own: they are read after a
-                    // run, possibly after a different run (a prediction)
-                    // has executed other nodes that share freed slots.
-                    let is_root = last_use[owner] == Some(usize::MAX);
-                    let best = free
-                        .iter()
-                        .filter(|_| !is_root)
-                        .enumerate()
-                        .filter(|(_, &s)| slot_len[s] >= len)
-                        .min_by_key(|(_, &s)| slot_len[s])
-                        .map(|(k, _)| k)
-                        .or_else(|| (0..free.len()).filter(|_| !is_root).max_by_key(|&k| slot_len[free[k]]));
-                    let slot = match best {
-                        Some(k) => free.swap_remove(k),
-                        None => {
-                            slot_len.push(0);
-                            slot_len.len() - 1
+                    let mut owners = vec![owner];
+                    owners.extend(loss_with_grad[i]);
+                    for (k, &o) in owners.iter().enumerate() {
+                        let len = nodes[o].len();
+                        naive += len as u64 * BYTES;
+                        // Outputs get slots of their own: they are read after a
+                        // run, possibly after a different run (a prediction)
+                        // has executed other nodes that share freed slots.
+                        let is_root = last_use[o] == Some(usize::MAX);
+                        let best = free
+                            .iter()
+                            .filter(|_| !is_root)
+                            .enumerate()
+                            .filter(|(_, &s)| slot_len[s] >= len)
+                            .min_by_key(|(_, &s)| slot_len[s])
+                            .map(|(k, _)| k)
+                            .or_else(|| (0..free.len()).filter(|_| !is_root).max_by_key(|&k| slot_len[free[k]]));
+                        let slot = match best {
+                            Some(k) => free.swap_remove(k),
+                            None => {
+                                slot_len.push(0);
+                                slot_len.len() - 1
+                            }
+                        };
+                        slot_len[slot] = slot_len[slot].max(len);
+                        storage[o] = Storage::Slot { index: slot };
+                        if k == 0 {
+                            storage[i] = Storage::Slot { index: slot };
                         }
-                    };
-                    slot_len[slot] = slot_len[slot].max(len);
-                    storage[i] = Storage::Slot { index: slot };
-                    storage[owner] = Storage::Slot { index: slot };
-                    match last_use[owner] {
-                        Some(u) if u != usize::MAX => release_at[u].push(slot),
-                        // Outputs keep their slot; a node nothing reads is
-                        // not planned.
-                        _ => {}
+                        if let Some(u) = last_use[o].filter(|&u| u != usize::MAX) {
+                            release_at[u].push(slot);
+                        }
                     }
                 }
             }
@@ -228,6 +251,7 @@ impl Plan {
             accumulate,
             fused_away,
             bias_into,
+            loss_with_grad,
             input_count: inputs,
             constant_count: constants,
             naive_intermediate_bytes: naive,

@@ -141,4 +141,75 @@ impl Kernels {
             flat_groups(rows),
         )
     }
+
+    /// `mse_forward` and `mse_backward` in one dispatch (one workgroup:
+    /// meant for the small tensors a loss sees).
+    pub fn mse_forward_backward(
+        &self,
+        loss: View<'_>,
+        dpred: View<'_>,
+        pred: View<'_>,
+        target: View<'_>,
+        dloss: View<'_>,
+    ) -> Result<Dispatch> {
+        let op = MSE_FORWARD_BACKWARD.entry;
+        check_mse(op, loss.len, 1, &pred, &target)?;
+        if dloss.len != 1 || dpred.len != pred.len {
+            return Err(Error::shape(op, "dpred must match pred and dloss hold one value", &[&[dpred.len], &[pred.len], &[dloss.len]]));
+        }
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, _pad: 0 };
+        self.prepare(
+            MSE_FORWARD_BACKWARD,
+            &[],
+            &[
+                bind(0, "pred", pred),
+                bind(1, "target", target),
+                bind(2, "loss", loss),
+                bind(5, "dloss", dloss),
+                bind(6, "dpred", dpred),
+            ],
+            3,
+            &params,
+            1,
+        )
+    }
+
+    /// `cross_entropy_forward` and `cross_entropy_backward` in one dispatch
+    /// (one workgroup).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_forward_backward(
+        &self,
+        loss: View<'_>,
+        dlogits: View<'_>,
+        logits: View<'_>,
+        labels: View<'_>,
+        dloss: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        let op = CROSS_ENTROPY_FORWARD_BACKWARD.entry;
+        check_ce(op, &logits, &labels, rows, cols)?;
+        if loss.len != 1 || dloss.len != 1 || dlogits.len != logits.len {
+            return Err(Error::shape(
+                op,
+                "loss and dloss hold one value, dlogits matches logits",
+                &[&[loss.len], &[dlogits.len], &[logits.len], &[dloss.len]],
+            ));
+        }
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, _pad: 0 };
+        self.prepare(
+            CROSS_ENTROPY_FORWARD_BACKWARD,
+            &[],
+            &[
+                bind(0, "logits", logits),
+                bind(4, "labels", labels),
+                bind(2, "loss", loss),
+                bind(5, "dloss", dloss),
+                bind(6, "dlogits", dlogits),
+            ],
+            3,
+            &params,
+            1,
+        )
+    }
 }

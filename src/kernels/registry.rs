@@ -80,6 +80,8 @@ pub const MSE_FORWARD: Kernel = kernel(Family::Loss, "mse_forward");
 pub const MSE_BACKWARD: Kernel = kernel(Family::Loss, "mse_backward");
 pub const CROSS_ENTROPY_FORWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward");
 pub const CROSS_ENTROPY_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_backward");
+pub const MSE_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_forward_backward");
+pub const CROSS_ENTROPY_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward_backward");
 
 pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
@@ -112,6 +114,8 @@ pub const KERNELS: &[Kernel] = &[
     MSE_BACKWARD,
     CROSS_ENTROPY_FORWARD,
     CROSS_ENTROPY_BACKWARD,
+    MSE_FORWARD_BACKWARD,
+    CROSS_ENTROPY_FORWARD_BACKWARD,
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,
