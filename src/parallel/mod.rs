@@ -132,3 +132,29 @@ pub(crate) fn on_device(index: usize, kernels: &Kernels, error: Error) -> Error 
         other => Error::OnDevice { device: format!("#{index} {}", kernels.device().label()), source: Box::new(other) },
     }
 }
+
+/// Runs `forward` over batch-sized, zero-padded chunks of `features` (rows
+/// of `in_features`) and keeps each chunk's real rows of output.
+pub(crate) fn outputs_in_chunks(
+    op: &'static str,
+    features: &[f32],
+    in_features: usize,
+    batch: usize,
+    out_features: usize,
+    mut forward: impl FnMut(&[f32]) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    if features.is_empty() || features.len() % in_features != 0 {
+        return Err(Error::shape(op, format!("features must be rows × {in_features}"), &[&[features.len()]]));
+    }
+    let total = features.len() / in_features;
+    let mut out = Vec::with_capacity(total * out_features);
+    let mut chunk = vec![0.0f32; batch * in_features];
+    for start in (0..total).step_by(batch) {
+        let n = (total - start).min(batch);
+        chunk.fill(0.0);
+        chunk[..n * in_features].copy_from_slice(&features[start * in_features..(start + n) * in_features]);
+        let o = forward(&chunk)?;
+        out.extend_from_slice(&o[..n * out_features]);
+    }
+    Ok(out)
+}

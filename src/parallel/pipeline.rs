@@ -314,27 +314,18 @@ impl Pipeline {
     /// Model outputs for any number of rows, micro-batch by micro-batch
     /// through the stages (the last chunk zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let f = self.in_features;
-        if features.is_empty() || features.len() % f != 0 {
-            return Err(Error::shape("Pipeline::outputs", format!("features must be rows × {f}"), &[&[features.len()]]));
-        }
-        let total = features.len() / f;
-        let rows = self.micro_rows;
-        let mut out = Vec::with_capacity(total * self.out_features);
-        for start in (0..total).step_by(rows) {
-            let n = (total - start).min(rows);
-            let mut h = vec![0.0f32; rows * f];
-            h[..n * f].copy_from_slice(&features[start * f..(start + n) * f]);
-            for s in 0..self.stages.len() {
-                let k = self.stages[s].kernels.clone();
-                let stage = &mut self.stages[s];
+        let (f, rows, width) = (self.in_features, self.micro_rows, self.out_features);
+        let stages = &mut self.stages;
+        super::outputs_in_chunks("Pipeline::outputs", features, f, rows, width, |chunk| {
+            let mut h = chunk.to_vec();
+            for (s, stage) in stages.iter_mut().enumerate() {
+                let k = stage.kernels.clone();
                 stage.set_input(&h).map_err(|e| on_device(s, &k, e))?;
                 stage.forward().map_err(|e| on_device(s, &k, e))?;
                 h = k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?;
             }
-            out.extend_from_slice(&h[..n * self.out_features]);
-        }
-        Ok(out)
+            Ok(h)
+        })
     }
 
     /// Argmax of [`Pipeline::outputs`].

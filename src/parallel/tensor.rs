@@ -271,25 +271,15 @@ impl TensorParallel {
 
     /// Model outputs for any number of rows (batch-sized chunks, padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let f = self.in_features;
-        if features.is_empty() || features.len() % f != 0 {
-            return Err(Error::shape("TensorParallel::outputs", format!("features must be rows × {f}"), &[&[features.len()]]));
-        }
-        let total = features.len() / f;
-        let mut out = Vec::with_capacity(total * self.out_features);
-        for start in (0..total).step_by(self.batch) {
-            let n = (total - start).min(self.batch);
-            let mut chunk = vec![0.0f32; self.batch * f];
-            chunk[..n * f].copy_from_slice(&features[start * f..(start + n) * f]);
-            let block_x = self.block_input(&chunk)?;
+        let (f, batch, width) = (self.in_features, self.batch, self.out_features);
+        super::outputs_in_chunks("TensorParallel::outputs", features, f, batch, width, |chunk| {
+            let block_x = self.block_input(chunk)?;
             let y = self.block_forward(&block_x)?;
             let k0 = self.post.kernels.clone();
             self.post.set_input(&y).map_err(|e| on_device(0, &k0, e))?;
             self.post.forward().map_err(|e| on_device(0, &k0, e))?;
-            let o = k0.read(self.post.output_view()?).map_err(|e| on_device(0, &k0, e))?;
-            out.extend_from_slice(&o[..n * self.out_features]);
-        }
-        Ok(out)
+            k0.read(self.post.output_view()?).map_err(|e| on_device(0, &k0, e))
+        })
     }
 
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
