@@ -343,28 +343,23 @@ impl Executor {
             self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
         }
         let loss_view = self.view(loss)?;
-        let device = self.kernels.device();
-        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("train step") });
-        if zero_grad {
-            encoder.clear_buffer(grads.buffer(), 0, None);
-        }
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("train step"), timestamp_writes: None });
-            for &i in &self.train_order {
-                if let Some(d) = &self.dispatches[i] {
-                    d.record(&mut pass);
+        let steps = self.train_order.iter().filter_map(|&i| self.dispatches[i].as_ref());
+        let update = self.optimizer.as_ref().filter(|_| apply_optimizer).map(|(_, d)| d);
+        let staging = &self.scalar_staging;
+        self.kernels.submit_pass(
+            "train_step",
+            steps.chain(update),
+            |encoder| {
+                if zero_grad {
+                    encoder.clear_buffer(grads.buffer(), 0, None);
                 }
-            }
-            if apply_optimizer {
-                if let Some((_, d)) = &self.optimizer {
-                    d.record(&mut pass);
+            },
+            |encoder| {
+                if read_loss {
+                    encoder.copy_buffer_to_buffer(loss_view.buffer, loss_view.offset, staging, 0, 4);
                 }
-            }
-        }
-        if read_loss {
-            encoder.copy_buffer_to_buffer(loss_view.buffer, loss_view.offset, &self.scalar_staging, 0, 4);
-        }
-        self.kernels.submit("train_step", encoder)?;
+            },
+        )?;
         if apply_optimizer {
             self.step += 1;
         }
@@ -385,13 +380,7 @@ impl Executor {
             return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
         };
         self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        let device = self.kernels.device();
-        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("optimizer step") });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("optimizer step"), timestamp_writes: None });
-            dispatch.record(&mut pass);
-        }
-        self.kernels.submit("optimizer_step", encoder)?;
+        self.kernels.submit_pass("optimizer_step", [dispatch], |_| {}, |_| {})?;
         self.step += 1;
         Ok(())
     }
@@ -443,17 +432,8 @@ impl Executor {
             self.run_orders.insert(outputs.to_vec(), order);
         }
         let order = &self.run_orders[outputs];
-        let device = self.kernels.device();
-        let mut encoder = device.wgpu_device().create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("run") });
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("run"), timestamp_writes: None });
-            for &i in order {
-                if let Some(d) = &self.dispatches[i] {
-                    d.record(&mut pass);
-                }
-            }
-        }
-        self.kernels.submit("run", encoder)
+        let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
+        self.kernels.submit_pass("run", dispatches, |_| {}, |_| {})
     }
 
     /// Reads an output (waits for the GPU).

@@ -430,22 +430,32 @@ impl Kernels {
     /// Does not wait for the GPU.
     pub fn run(&self, dispatches: &[&Dispatch]) -> Result<()> {
         let op = dispatches.first().map(|d| d.kernel.entry).unwrap_or("run");
-        let device = self.device.wgpu_device();
-        let encoder = self.device.scoped(op, || {
-            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("wgrad run"),
-            });
-            {
-                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("wgrad run"),
-                    timestamp_writes: None,
-                });
-                for d in dispatches {
-                    d.record(&mut pass);
-                }
+        self.submit_pass(op, dispatches.iter().copied(), |_| {}, |_| {})
+    }
+
+    /// The one way work reaches the queue: `before` (clears), one compute
+    /// pass recording `dispatches`, `after` (copies), one submit. Recording
+    /// errors surface when the encoder is finished inside the submit's
+    /// error scope.
+    pub fn submit_pass<'d>(
+        &self,
+        op: &str,
+        dispatches: impl IntoIterator<Item = &'d Dispatch>,
+        before: impl FnOnce(&mut wgpu::CommandEncoder),
+        after: impl FnOnce(&mut wgpu::CommandEncoder),
+    ) -> Result<()> {
+        let mut encoder = self
+            .device
+            .wgpu_device()
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
+        before(&mut encoder);
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
+            for d in dispatches {
+                d.record(&mut pass);
             }
-            encoder
-        })?;
+        }
+        after(&mut encoder);
         self.submit(op, encoder)
     }
 
