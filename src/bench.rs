@@ -9,9 +9,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::Result;
-use crate::kernels::{Kernels, MatmulForm};
-use crate::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
+use crate::kernels::{Kernels, MatmulForm, OptimizerConfig};
+use crate::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use crate::optim::{Adam, SGD};
+use crate::parallel::data::{DataParallel, Split};
+use crate::parallel::DeviceGroup;
 use crate::trainer::{Targets, Trainer};
 
 /// One measured case: its name and (key, value) pairs.
@@ -90,16 +92,101 @@ pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> Result<BenchLine> {
     })
 }
 
+/// The regression or classification targets a [`StepCase`] owns.
+#[derive(Clone, Debug)]
+pub enum CaseTargets {
+    Values(Vec<f32>),
+    Classes(Vec<u32>),
+}
+
+/// A training-step benchmark case without its device: model, loss,
+/// optimizer, batch and seeded data. `wgrad bench` and the criterion benches
+/// (`benches/steps.rs`) build from the same definition, so their figures
+/// describe the same step.
+#[derive(Clone, Debug)]
+pub struct StepCase {
+    /// The case name `wgrad bench` prints.
+    pub name: &'static str,
+    pub model: Sequential,
+    pub criterion: Criterion,
+    pub optimizer: OptimizerConfig,
+    pub batch: usize,
+    /// [batch, in_features], row-major.
+    pub x: Vec<f32>,
+    pub targets: CaseTargets,
+}
+
+impl StepCase {
+    /// 784-512-512-10 ReLU MLP, cross-entropy, Adam(1e-3), batch 256.
+    pub fn mlp() -> Result<Self> {
+        let batch = 256;
+        nn::manual_seed(0);
+        let model = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let x = random(batch * 784, &mut rng);
+        let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+        Ok(StepCase {
+            name: "mlp_784_512_512_10_b256_adam",
+            model,
+            criterion: CrossEntropyLoss.into(),
+            optimizer: Adam::new(1e-3).into(),
+            batch,
+            x,
+            targets: CaseTargets::Classes(y),
+        })
+    }
+
+    /// The tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
+    pub fn linear() -> Self {
+        let batch = 64;
+        nn::manual_seed(0);
+        let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let (x, y) = (random(batch * 10, &mut rng), random(batch, &mut rng));
+        StepCase {
+            name: "linear_10_1_b64_sgd",
+            model,
+            criterion: MSELoss.into(),
+            optimizer: SGD::new(0.01).into(),
+            batch,
+            x,
+            targets: CaseTargets::Values(y),
+        }
+    }
+
+    pub fn targets(&self) -> Targets<'_> {
+        match &self.targets {
+            CaseTargets::Values(v) => Targets::Values(v),
+            CaseTargets::Classes(c) => Targets::Classes(c),
+        }
+    }
+
+    /// A single-device trainer for this case.
+    pub fn trainer(&self, kernels: &Arc<Kernels>) -> Result<Trainer> {
+        Trainer::new(kernels.clone(), &self.model, self.criterion, self.optimizer, self.batch)
+    }
+
+    /// A data-parallel trainer for this case over `group`, the global batch
+    /// split as given.
+    pub fn data_parallel(&self, group: &DeviceGroup, split: Split) -> Result<DataParallel> {
+        DataParallel::new(group, &self.model, self.criterion, self.optimizer, self.batch, split)
+    }
+}
+
+/// One full training step as `wgrad bench` times it: zero_grad, forward,
+/// loss, backward, optimizer step (queued; does not wait for the GPU).
+pub fn train_step(trainer: &mut Trainer, x: &[f32], targets: Targets<'_>) -> Result<()> {
+    trainer.zero_grad();
+    trainer.forward(x)?;
+    trainer.loss(targets)?;
+    trainer.backward()?;
+    trainer.step()
+}
+
 /// Milliseconds per training step of `trainer` on fixed data, measured
 /// over `steps` steps after a warm-up, waiting once at the end.
 fn time_steps(kernels: &Kernels, trainer: &mut Trainer, x: &[f32], targets: Targets<'_>, steps: usize) -> Result<f64> {
-    let one = |t: &mut Trainer| -> Result<()> {
-        t.zero_grad();
-        t.forward(x)?;
-        t.loss(targets)?;
-        t.backward()?;
-        t.step()
-    };
+    let one = |t: &mut Trainer| train_step(t, x, targets);
     for _ in 0..3 {
         one(trainer)?;
     }
@@ -115,17 +202,13 @@ fn time_steps(kernels: &Kernels, trainer: &mut Trainer, x: &[f32], targets: Targ
 /// One training step of a 784-512-512-10 ReLU MLP, cross-entropy, Adam,
 /// batch 256, seeded random data.
 pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
-    let batch = 256;
-    nn::manual_seed(0);
-    let model = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU)?;
-    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(1e-3), batch)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let x = random(batch * 784, &mut rng);
-    let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
-    let ms = time_steps(kernels, &mut trainer, &x, Targets::Classes(&y), steps)?;
+    let case = StepCase::mlp()?;
+    let batch = case.batch;
+    let mut trainer = case.trainer(kernels)?;
+    let ms = time_steps(kernels, &mut trainer, &case.x, case.targets(), steps)?;
     let exec = trainer.executor();
     Ok(BenchLine {
-        case: "mlp_784_512_512_10_b256_adam".into(),
+        case: case.name.into(),
         values: vec![
             ("ms_per_step", format!("{ms:.2}")),
             ("samples_per_s", format!("{:.0}", batch as f64 * 1e3 / ms)),
@@ -139,15 +222,11 @@ pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
 
 /// One step of the tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
 pub fn linear_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
-    let batch = 64;
-    nn::manual_seed(0);
-    let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
-    let mut trainer = Trainer::new(kernels.clone(), &model, MSELoss, SGD::new(0.01), batch)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let (x, y) = (random(batch * 10, &mut rng), random(batch, &mut rng));
-    let ms = time_steps(kernels, &mut trainer, &x, Targets::Values(&y), steps)?;
+    let case = StepCase::linear();
+    let mut trainer = case.trainer(kernels)?;
+    let ms = time_steps(kernels, &mut trainer, &case.x, case.targets(), steps)?;
     Ok(BenchLine {
-        case: "linear_10_1_b64_sgd".into(),
+        case: case.name.into(),
         values: vec![
             ("ms_per_step", format!("{ms:.3}")),
             ("dispatches", trainer.executor().dispatches_per_step().to_string()),
