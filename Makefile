@@ -25,6 +25,9 @@ test: driver
 
 bench: driver
 	$(CARGO) bench --bench matmul
+	$(CARGO) bench --bench kernels
+	$(CARGO) bench --bench steps
+	$(CARGO) bench --bench parallel
 
 adapters: driver
 	$(CARGO) run --release --bin wgrad -- adapters
