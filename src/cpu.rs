@@ -215,3 +215,20 @@ pub fn adam_update(param: &mut [f32], grad: &[f32], exp_avg: &mut [f32], exp_avg
         param[i] -= step_size * (exp_avg[i] / denom);
     }
 }
+
+/// Twin of `f32_to_f16`: round to nearest, ties to even.
+pub fn to_f16(x: &[f32]) -> Vec<half::f16> {
+    x.iter().map(|&v| half::f16::from_f32(v)).collect()
+}
+
+/// Twin of `f16_to_f32` (exact).
+pub fn from_f16(x: &[half::f16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// Twin of `matmul_f16_forward`: the f16 operands widened (exactly) and
+/// multiplied with f64 accumulation. `matmul_subgroup_forward`'s twin is
+/// [`matmul`] itself.
+pub fn matmul_f16(form: MatmulForm, a: &[half::f16], b: &[half::f16], m: usize, n: usize, k: usize) -> Vec<f32> {
+    matmul(form, &from_f16(a), &from_f16(b), m, n, k)
+}

@@ -65,6 +65,15 @@ pub enum Error {
         limit_name: &'static str,
     },
 
+    /// An opt-in kernel needs a device feature (or a subgroup size) this
+    /// adapter does not offer.
+    #[error("{op}: needs {feature}, which adapter `{adapter}` does not offer; use the f32 kernels there")]
+    Unsupported {
+        op: &'static str,
+        feature: String,
+        adapter: String,
+    },
+
     /// wgpu reported a validation error for this operation. This is a bug in
     /// wgrad if it happens on a path that passed the shape checks.
     #[error("{op}: GPU validation error: {message}")]

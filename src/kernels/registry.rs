@@ -9,16 +9,32 @@ pub enum Family {
     Reduce,
     Loss,
     Optim,
+    /// Opt-in: needs SHADER_F16 (see [`Family::required_features`]).
+    MatmulF16,
+    /// Opt-in: needs SUBGROUP.
+    MatmulSubgroup,
 }
 
 impl Family {
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 7] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
         Family::Loss,
         Family::Optim,
+        Family::MatmulF16,
+        Family::MatmulSubgroup,
     ];
+
+    /// Device features the file needs to compile at all; its typed entries
+    /// check them first and return `Error::Unsupported` without them.
+    pub fn required_features(self) -> wgpu::Features {
+        match self {
+            Family::MatmulF16 => wgpu::Features::SHADER_F16,
+            Family::MatmulSubgroup => wgpu::Features::SUBGROUP,
+            _ => wgpu::Features::empty(),
+        }
+    }
 
     pub fn file_name(self) -> &'static str {
         match self {
@@ -27,6 +43,8 @@ impl Family {
             Family::Reduce => "reduce.wgsl",
             Family::Loss => "loss.wgsl",
             Family::Optim => "optim.wgsl",
+            Family::MatmulF16 => "matmul_f16.wgsl",
+            Family::MatmulSubgroup => "matmul_subgroup.wgsl",
         }
     }
 
@@ -37,6 +55,8 @@ impl Family {
             Family::Reduce => include_str!("../../shaders/reduce.wgsl"),
             Family::Loss => include_str!("../../shaders/loss.wgsl"),
             Family::Optim => include_str!("../../shaders/optim.wgsl"),
+            Family::MatmulF16 => include_str!("../../shaders/matmul_f16.wgsl"),
+            Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
         }
     }
 }
@@ -87,6 +107,11 @@ pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
 pub const ADAMW_UPDATE: Kernel = kernel(Family::Optim, "adamw_update");
 
+pub const MATMUL_F16_FORWARD: Kernel = kernel(Family::MatmulF16, "matmul_f16_forward");
+pub const F32_TO_F16: Kernel = kernel(Family::MatmulF16, "f32_to_f16");
+pub const F16_TO_F32: Kernel = kernel(Family::MatmulF16, "f16_to_f32");
+pub const MATMUL_SUBGROUP_FORWARD: Kernel = kernel(Family::MatmulSubgroup, "matmul_subgroup_forward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -119,4 +144,8 @@ pub const KERNELS: &[Kernel] = &[
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,
+    MATMUL_F16_FORWARD,
+    F32_TO_F16,
+    F16_TO_F32,
+    MATMUL_SUBGROUP_FORWARD,
 ];

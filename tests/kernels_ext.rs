@@ -1,0 +1,415 @@
+//! The opt-in kernels of `matmul_ext`: f16-storage matmul (f32
+//! accumulation), the f32 <-> f16 conversions and the subgroup matmul,
+//! against their CPU twins on every adapter that has the feature, and the
+//! `Error::Unsupported` path on every adapter that lacks it (on a CPU-only
+//! machine: llvmpipe through GL has neither SHADER_F16 nor SUBGROUP).
+//! Tolerances are stated beside each check.
+
+mod common;
+
+use common::{assert_close, for_each_adapter, random_vec, rng};
+use half::f16;
+use wgrad::kernels::{F16View, MatmulForm};
+use wgrad::{cpu, Error, Kernels};
+
+/// 1, primes, and non-multiples of the 64×64 tile.
+const SHAPES: [(usize, usize, usize); 11] = [
+    (1, 1, 1),
+    (1, 7, 1),
+    (7, 1, 13),
+    (2, 3, 5),
+    (13, 17, 19),
+    (64, 64, 64),
+    (65, 63, 67),
+    (127, 129, 31),
+    (31, 200, 257),
+    (257, 1, 3),
+    (1, 300, 130),
+];
+
+/// f32 accumulation over k terms of magnitude ≤ 1 against an f64
+/// reference: the error grows at most linearly in k; 1e-6·k leaves a wide
+/// margin (as tests/kernels.rs for the f32 matmul).
+fn f32_atol(k: usize) -> f32 {
+    1e-6 * k as f32 + 1e-6
+}
+
+fn check_f16_matmul(
+    k: &Kernels,
+    form: MatmulForm,
+    m: usize,
+    n: usize,
+    kk: usize,
+    seed: u64,
+) -> wgrad::Result<()> {
+    let mut r = rng(seed);
+    let a_host = cpu::to_f16(&random_vec(&mut r, m * kk, -1.0, 1.0));
+    let b_host = cpu::to_f16(&random_vec(&mut r, kk * n, -1.0, 1.0));
+    let a = k.upload_f16(&a_host)?;
+    let b = k.upload_f16(&b_host)?;
+    let c = k.zeros(m * n)?;
+    k.run(&[&k.matmul_f16(form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    let got = k.read::<f32>(c.view())?;
+    // Same f16 inputs on both sides, products exact in f32: what is left is
+    // f32 accumulation, so the f32 matmul's tolerance applies.
+    let want = cpu::matmul_f16(form, &a_host, &b_host, m, n, kk);
+    assert_close(
+        &format!("f16 {form:?} m={m} n={n} k={kk}"),
+        &got,
+        &want,
+        f32_atol(kk),
+        1e-5,
+    );
+    Ok(())
+}
+
+#[test]
+fn f16_matmul_matches_its_twin_in_every_form_and_shape() {
+    for_each_adapter("matmul_f16", |k| {
+        if !k.supports_f16() {
+            return Ok(());
+        }
+        for form in MatmulForm::ALL {
+            for (i, &(m, n, kk)) in SHAPES.iter().enumerate() {
+                check_f16_matmul(k, form, m, n, kk, 100 + i as u64)?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Per element of C = A·B (row-major [m,k]·[k,n]), in f64: the exact
+/// product of the f32 inputs and S = Σ|a||b|.
+fn reference_and_scale(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut exact = vec![0.0; m * n];
+    let mut scale = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            for p in 0..k {
+                let (x, y) = (f64::from(a[i * k + p]), f64::from(b[p * n + j]));
+                exact[i * n + j] += x * y;
+                scale[i * n + j] += (x * y).abs();
+            }
+        }
+    }
+    (exact, scale)
+}
+
+/// The stated error bound of the f16 matmul against the exact product of
+/// the f32 inputs, per element, for inputs with |x| ≤ 1 rounded to nearest
+/// f16 on the host:
+/// - each input off by ≤ u = 2⁻¹¹ relative, so each product by ≤ 2u + u²
+///   relative: (2u + u²)·S, independent of K;
+/// - f32 accumulation (products are exact in f32): ≤ γ·S with
+///   γ = K·2⁻²⁴ / (1 − K·2⁻²⁴), 2.4e-4 at K = 4096, below the first term;
+/// - inputs below f16's smallest normal 2⁻¹⁴ are subnormal (absolute
+///   error ≤ 2⁻²⁵ each), at most 2·2⁻²⁵ per product with |x| ≤ 1: K·2⁻²⁴.
+/// An f16 accumulator would add ≈ K·2⁻¹¹·S in the worst case instead of γ·S.
+fn f16_matmul_bound(k: usize, scale: f64) -> f64 {
+    let u = 2f64.powi(-11);
+    let eps32 = 2f64.powi(-24);
+    let gamma = k as f64 * eps32 / (1.0 - k as f64 * eps32);
+    (2.0 * u + u * u) * scale + gamma * scale + k as f64 * eps32
+}
+
+/// CPU model of what the kernel avoids: the same f16 inputs summed in an
+/// f16 accumulator (each step rounded to f16).
+fn f16_accumulated(a: &[f16], b: &[f16], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = f16::from_f32(0.0);
+            for p in 0..k {
+                acc = f16::from_f32(acc.to_f32() + a[i * k + p].to_f32() * b[p * n + j].to_f32());
+            }
+            c[i * n + j] = f64::from(acc.to_f32());
+        }
+    }
+    c
+}
+
+#[test]
+fn f16_matmul_error_is_input_rounding_and_does_not_grow_like_f16_accumulation() {
+    for_each_adapter("matmul_f16_error", |k| {
+        if !k.supports_f16() {
+            return Ok(());
+        }
+        let (m, n) = (3, 67);
+        // Non-negative inputs: no cancellation, so C ≈ S and an f16
+        // accumulator stalls once the sum's spacing exceeds the terms.
+        // Signed inputs: the usual case, C ≪ S.
+        for (lo, signs) in [(0.0f32, "non-negative"), (-1.0, "signed")] {
+            for (i, kk) in [1usize, 7, 257, 1031, 4096].into_iter().enumerate() {
+                let mut r = rng(200 + i as u64);
+                let a_host = random_vec(&mut r, m * kk, lo, 1.0);
+                let b_host = random_vec(&mut r, kk * n, lo, 1.0);
+                let (a16, b16) = (cpu::to_f16(&a_host), cpu::to_f16(&b_host));
+                let a = k.upload_f16(&a16)?;
+                let b = k.upload_f16(&b16)?;
+                let c = k.zeros(m * n)?;
+                k.run(&[&k.matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk)?])?;
+                let got = k.read::<f32>(c.view())?;
+                let (exact, scale) = reference_and_scale(&a_host, &b_host, m, n, kk);
+                let mut worst_relative = 0.0f64;
+                for e in 0..m * n {
+                    let err = (f64::from(got[e]) - exact[e]).abs();
+                    let bound = f16_matmul_bound(kk, scale[e]);
+                    assert!(
+                        err <= bound,
+                        "{signs} k={kk} C[{e}]: got {}, exact {}, |err| {err:e} > bound {bound:e}",
+                        got[e],
+                        exact[e]
+                    );
+                    worst_relative = worst_relative.max(err / scale[e]);
+                }
+                eprintln!(
+                    "{}: f16 matmul {signs} k={kk}: max |err|/S = {worst_relative:.2e} (bound ≈ {:.2e})",
+                    k.device().label(),
+                    f16_matmul_bound(kk, 1.0)
+                );
+                // The bound separates f32 from f16 accumulation: the model
+                // of an f16 accumulator breaks it where there is no
+                // cancellation and K is large.
+                if lo == 0.0 && kk == 4096 {
+                    let f16_acc = f16_accumulated(&a16, &b16, m, n, kk);
+                    let breaks = (0..m * n)
+                        .any(|e| (f16_acc[e] - exact[e]).abs() > f16_matmul_bound(kk, scale[e]));
+                    assert!(
+                        breaks,
+                        "the bound does not tell f16 accumulation apart at k={kk}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Inputs for the conversions: random values plus the edges of f16 —
+/// signed zero, the largest finite, the smallest normal, subnormals, a
+/// value that underflows to 0 and an exact tie (1 + 2⁻¹¹ rounds to even: 1).
+fn conversion_inputs(len: usize, seed: u64) -> Vec<f32> {
+    let specials = [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        65504.0,
+        -65504.0,
+        6.103_515_6e-5,
+        3.0e-7,
+        -5.960_464_5e-8,
+        1.0e-9,
+        1.0 + 2f32.powi(-11),
+        0.1,
+    ];
+    let mut values = random_vec(&mut rng(seed), len, -4.0, 4.0);
+    for (v, s) in values.iter_mut().zip(specials) {
+        *v = s;
+    }
+    values
+}
+
+/// f16 values one unit in the last place apart or less (same sign).
+fn within_one_ulp(x: f16, y: f16) -> bool {
+    let (a, b) = (x.to_bits() as i32, y.to_bits() as i32);
+    (a - b).abs() <= 1 && (a ^ b) & 0x8000 == 0 || x.to_f32() == y.to_f32()
+}
+
+#[test]
+fn conversions_round_to_f16_and_widen_exactly() {
+    for_each_adapter("f16_conversions", |k| {
+        if !k.supports_f16() {
+            return Ok(());
+        }
+        for (i, len) in [1usize, 2, 7, 12, 257, 4099].into_iter().enumerate() {
+            let host = conversion_inputs(len, 300 + i as u64);
+            let src = k.upload(&host)?;
+            let half = k.zeros_f16(len)?;
+            let back = k.zeros(len)?;
+            k.run(&[
+                &k.to_f16(half.view(), src.view())?,
+                &k.from_f16(back.view(), half.view())?,
+            ])?;
+            let got = k.read_f16(half.view())?;
+            let want = cpu::to_f16(&host);
+            // WGSL lets an inexact f32 -> f16 conversion take either
+            // neighbour: at most one ulp from round-to-nearest-even.
+            let exact = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() == w.to_bits())
+                .count();
+            for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    within_one_ulp(*g, *w),
+                    "to_f16 len={len} [{e}] of {}: got {g}, want {w}",
+                    host[e]
+                );
+            }
+            if exact != len {
+                eprintln!(
+                    "{}: to_f16 len={len}: {exact}/{len} bit-exact (the rest one ulp off)",
+                    k.device().label()
+                );
+            }
+            // Widening is exact, subnormals included.
+            let widened = k.read::<f32>(back.view())?;
+            assert_eq!(widened, cpu::from_f16(&got), "from_f16 len={len}");
+            // An odd length leaves the last word's high half 0.
+            if len % 2 == 1 {
+                let words = k.read::<u32>(half.view().words())?;
+                assert_eq!(words[len / 2] >> 16, 0, "spare half of len={len}");
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_views_and_conversions_check_lengths() {
+    for_each_adapter("f16_lengths", |k| {
+        let words = k.zeros(3)?;
+        // 3 words hold 5 or 6 values, not 4 or 7.
+        assert!(F16View::new(words.view(), 6).is_ok());
+        assert!(F16View::new(words.view(), 5).is_ok());
+        for bad in [4, 7] {
+            assert!(
+                matches!(F16View::new(words.view(), bad), Err(Error::Shape { .. })),
+                "len {bad}"
+            );
+        }
+        if !k.supports_f16() {
+            return Ok(());
+        }
+        let half = k.zeros_f16(5)?;
+        let f = k.zeros(6)?;
+        match k.to_f16(half.view(), f.view()) {
+            Err(Error::Shape { op, .. }) => assert_eq!(op, "f32_to_f16"),
+            other => panic!("to_f16 with 6 -> 5 values: {other:?}"),
+        }
+        match k.from_f16(f.view(), half.view()) {
+            Err(Error::Shape { op, .. }) => assert_eq!(op, "f16_to_f32"),
+            other => panic!("from_f16 with 5 -> 6 values: {other:?}"),
+        }
+        // A is 2×3 and B 3×4 (12 values), C 2×4; claim k = 4.
+        let (a, b, c) = (k.zeros_f16(6)?, k.zeros_f16(12)?, k.zeros(8)?);
+        match k.matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4) {
+            Err(Error::Shape { op, shapes, .. }) => {
+                assert_eq!(op, "matmul_f16_forward");
+                assert_eq!(shapes, vec![vec![2, 4], vec![4, 4], vec![2, 4]]);
+            }
+            other => panic!("matmul_f16 with k=4: {other:?}"),
+        }
+        assert!(k
+            .matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 3)
+            .is_ok());
+        Ok(())
+    });
+}
+
+#[test]
+fn subgroup_matmul_matches_the_cpu_in_every_form_and_shape() {
+    for_each_adapter("matmul_subgroup", |k| {
+        if !k.supports_subgroup_matmul() {
+            return Ok(());
+        }
+        for form in MatmulForm::ALL {
+            for (i, &(m, n, kk)) in SHAPES.iter().enumerate() {
+                let mut r = rng(400 + i as u64);
+                let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+                let b_host = random_vec(&mut r, kk * n, -1.0, 1.0);
+                let a = k.upload(&a_host)?;
+                let b = k.upload(&b_host)?;
+                let c = k.zeros(m * n)?;
+                k.run(&[&k.matmul_subgroup(form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+                let got = k.read::<f32>(c.view())?;
+                let want = cpu::matmul(form, &a_host, &b_host, m, n, kk);
+                assert_close(
+                    &format!("subgroup {form:?} m={m} n={n} k={kk}"),
+                    &got,
+                    &want,
+                    f32_atol(kk),
+                    1e-5,
+                );
+            }
+        }
+        let (a, b, c) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?);
+        match k.matmul_subgroup(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4) {
+            Err(Error::Shape { op, .. }) => assert_eq!(op, "matmul_subgroup_forward"),
+            other => panic!("matmul_subgroup with k=4: {other:?}"),
+        }
+        Ok(())
+    });
+}
+
+fn assert_unsupported(
+    result: wgrad::Result<wgrad::kernels::Dispatch>,
+    k: &Kernels,
+    op: &str,
+    feature: &str,
+) {
+    match result {
+        Err(Error::Unsupported {
+            op: got_op,
+            feature: got_feature,
+            adapter,
+        }) => {
+            assert_eq!(got_op, op);
+            assert!(
+                got_feature.contains(feature),
+                "{op}: feature `{got_feature}` should name {feature}"
+            );
+            assert_eq!(adapter, k.device().label());
+        }
+        other => panic!(
+            "{op} on {}: want Error::Unsupported, got {other:?}",
+            k.device().label()
+        ),
+    }
+}
+
+#[test]
+fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
+    for_each_adapter("opt_in_unsupported", |k| {
+        let f = k.zeros(6)?;
+        let half = k.zeros_f16(6)?;
+        if !k.supports_f16() {
+            assert!(!k.device().features().contains(wgpu::Features::SHADER_F16));
+            assert_unsupported(
+                k.to_f16(half.view(), f.view()),
+                k,
+                "f32_to_f16",
+                "SHADER_F16",
+            );
+            assert_unsupported(
+                k.from_f16(f.view(), half.view()),
+                k,
+                "f16_to_f32",
+                "SHADER_F16",
+            );
+            let c = k.zeros(4)?;
+            let err = k.matmul_f16(MatmulForm::AB, c.view(), half.view(), half.view(), 2, 2, 3);
+            assert_unsupported(err, k, "matmul_f16_forward", "SHADER_F16");
+            // Packing and readback need no feature.
+            let values = cpu::to_f16(&[1.5, -2.0, 0.25]);
+            assert_eq!(k.read_f16(k.upload_f16(&values)?.view())?, values);
+        }
+        if !k.supports_subgroup_matmul() {
+            let feature = if k.device().features().contains(wgpu::Features::SUBGROUP) {
+                "subgroups of exactly 8"
+            } else {
+                "SUBGROUP"
+            };
+            let c = k.zeros(4)?;
+            assert_unsupported(
+                k.matmul_subgroup(MatmulForm::AB, c.view(), f.view(), f.view(), 2, 2, 3),
+                k,
+                "matmul_subgroup_forward",
+                feature,
+            );
+        }
+        // Refusing compiled nothing, so nothing reached wgpu's validation.
+        k.device().check("after the refusals")
+    });
+}
