@@ -25,6 +25,37 @@ pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usi
     c
 }
 
+/// Host-side description of a fused matmul epilogue (twin of
+/// `kernels::MatmulEpilogue`).
+#[derive(Clone, Copy, Default)]
+pub struct Epilogue<'a> {
+    /// C before the product is added (accumulate), or None for C = result.
+    pub accumulate_onto: Option<&'a [f32]>,
+    pub bias: Option<&'a [f32]>,
+    pub activation: Option<Activation>,
+    /// The activation and its forward input x [m, n].
+    pub activation_grad: Option<(Activation, &'a [f32])>,
+}
+
+/// C = epilogue(op(A)·op(B)), returned with the pre-activation values (the
+/// product plus bias, before any activation). The product is rounded to f32
+/// first, as the kernel stores it, then the same steps as the unfused twins.
+pub fn matmul_epilogue(form: MatmulForm, e: Epilogue<'_>, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut pre = matmul(form, a, b, m, n, k);
+    if let Some(bias) = e.bias {
+        pre = bias_add(&pre, bias, n);
+    }
+    let mut result = match (e.activation, e.activation_grad) {
+        (Some(act), _) => activation_forward(act, &pre),
+        (None, Some((act, x))) => activation_backward(act, x, &pre),
+        (None, None) => pre.clone(),
+    };
+    if let Some(c) = e.accumulate_onto {
+        result.iter_mut().zip(c).for_each(|(r, c)| *r += c);
+    }
+    (result, pre)
+}
+
 pub fn binary(op: Binary, x: &[f32], y: &[f32]) -> Vec<f32> {
     x.iter()
         .zip(y)

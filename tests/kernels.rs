@@ -7,7 +7,7 @@ mod common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use proptest::prelude::*;
-use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulForm, MatmulVariant, SgdConfig};
+use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulEpilogue, MatmulForm, MatmulVariant, SgdConfig};
 use wgrad::{cpu, Error, Kernels};
 
 const MATMUL_SHAPES: [(usize, usize, usize); 12] = [
@@ -436,6 +436,145 @@ fn matmul_with_bias_matches_matmul_then_bias_add() {
         }
         let (a, b, c, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(3)?);
         assert!(matches!(k.matmul_bias(MatmulForm::AB, c.view(), a.view(), b.view(), short.view(), 2, 4, 3), Err(Error::Shape { .. })));
+        Ok(())
+    });
+}
+
+/// One fused-epilogue case: which activation, which direction, and which of
+/// the optional parts (bias, pre-activation store, accumulation) it uses.
+#[derive(Clone, Copy, Debug)]
+struct EpilogueCase {
+    act: Activation,
+    backward: bool,
+    bias: bool,
+    store_pre: bool,
+    accumulate: bool,
+}
+
+/// Every activation in both directions. The optional parts vary with the
+/// form (each combination is a pipeline to compile, seconds on llvmpipe;
+/// the activation itself is a uniform, so it adds none).
+fn epilogue_cases(form_index: usize) -> Vec<EpilogueCase> {
+    let (bias, store_pre, forward_accumulate, backward_accumulate) = match form_index {
+        0 => (true, true, false, false),
+        1 => (false, true, false, true),
+        _ => (true, false, true, false),
+    };
+    Activation::ALL
+        .into_iter()
+        .flat_map(|act| {
+            [
+                EpilogueCase { act, backward: false, bias, store_pre, accumulate: forward_accumulate },
+                EpilogueCase { act, backward: true, bias: false, store_pre: false, accumulate: backward_accumulate },
+            ]
+        })
+        .collect()
+}
+
+fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, case: EpilogueCase, (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<()> {
+    let mut r = rng(seed);
+    let (sa, sb) = form.operand_shapes(m, n, kk);
+    let a_host = random_vec(&mut r, sa[0] * sa[1], -1.0, 1.0);
+    let b_host = random_vec(&mut r, sb[0] * sb[1], -1.0, 1.0);
+    let bias_host = random_vec(&mut r, n, -1.0, 1.0);
+    let c_host = random_vec(&mut r, m * n, -1.0, 1.0);
+    // The activation's forward input, with exact zeros (ReLU's kink) and
+    // saturating magnitudes.
+    let mut x_host = random_vec(&mut r, m * n, -4.0, 4.0);
+    x_host[0] = 0.0;
+    if x_host.len() > 2 {
+        x_host[1] = 40.0;
+        x_host[2] = -40.0;
+    }
+    let (a, b, bias, c, x, pre) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&bias_host)?, k.upload(&c_host)?, k.upload(&x_host)?, k.zeros(m * n)?);
+    let epilogue = MatmulEpilogue {
+        accumulate: case.accumulate,
+        bias: case.bias.then(|| bias.view()),
+        activation: (!case.backward).then(|| (case.act, case.store_pre.then(|| pre.view()))),
+        activation_grad: case.backward.then(|| (case.act, x.view())),
+    };
+    k.run(&[&k.matmul_epilogue_with(variant, form, epilogue, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    let twin = cpu::Epilogue {
+        accumulate_onto: case.accumulate.then_some(&c_host[..]),
+        bias: case.bias.then_some(&bias_host[..]),
+        activation: (!case.backward).then_some(case.act),
+        activation_grad: case.backward.then_some((case.act, &x_host[..])),
+    };
+    let (want, want_pre) = cpu::matmul_epilogue(form, twin, &a_host, &b_host, m, n, kk);
+    let what = format!("{variant:?} {form:?} {case:?} {m}×{n}×{kk}");
+    // The product's f32 error (≤ 1e-6·k, as in check_matmul) passes through
+    // an activation or derivative of slope ≤ 1.2, plus a few ulp from the
+    // transcendentals (as in the activation test) and one rounding for the
+    // bias or the accumulation.
+    assert_close(&what, &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-4);
+    if case.store_pre && !case.backward {
+        assert_close(&format!("{what} pre-activation"), &k.read::<f32>(pre.view())?, &want_pre, 1e-6 * kk as f32 + 2e-6, 1e-5);
+    }
+    Ok(())
+}
+
+#[test]
+fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_variant() {
+    for_each_adapter("matmul_epilogue", |k| {
+        for variant in MatmulVariant::ALL {
+            for (f, form) in MatmulForm::ALL.into_iter().enumerate() {
+                for case in epilogue_cases(f) {
+                    for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67)].iter().enumerate() {
+                        check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn fused_epilogue_agrees_with_the_unfused_kernels() {
+    for_each_adapter("matmul_epilogue_unfused", |k| {
+        let (m, n, kk) = (37, 70, 29);
+        let mut r = rng(404);
+        let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+        let b_host = random_vec(&mut r, kk * n, -1.0, 1.0);
+        let x_host = random_vec(&mut r, m * n, -4.0, 4.0);
+        let (a, b, x) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&x_host)?);
+        let (fused, product, unfused) = (k.zeros(m * n)?, k.zeros(m * n)?, k.zeros(m * n)?);
+        k.run(&[&k.matmul(MatmulForm::AB, product.view(), a.view(), b.view(), m, n, kk)?])?;
+        for act in Activation::ALL {
+            let forward = MatmulEpilogue { activation: Some((act, None)), ..MatmulEpilogue::default() };
+            k.run(&[
+                &k.matmul_epilogue(MatmulForm::AB, forward, fused.view(), a.view(), b.view(), m, n, kk)?,
+                &k.activation_forward(act, unfused.view(), product.view())?,
+            ])?;
+            // Same f32 formulas on the same product: equal up to the
+            // compiler's freedom to contract a multiply-add (an ulp or two).
+            assert_close(&format!("{act:?} forward"), &k.read::<f32>(fused.view())?, &k.read::<f32>(unfused.view())?, 1e-7, 1e-6);
+            let backward = MatmulEpilogue { activation_grad: Some((act, x.view())), ..MatmulEpilogue::default() };
+            k.run(&[
+                &k.matmul_epilogue(MatmulForm::AB, backward, fused.view(), a.view(), b.view(), m, n, kk)?,
+                &k.activation_backward(act, unfused.view(), x.view(), product.view())?,
+            ])?;
+            assert_close(&format!("{act:?} backward"), &k.read::<f32>(fused.view())?, &k.read::<f32>(unfused.view())?, 1e-7, 1e-6);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn matmul_epilogue_rejects_bad_combinations_and_shapes() {
+    for_each_adapter("matmul_epilogue_errors", |k| {
+        let (a, b, c, bias, x, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(4)?, k.zeros(8)?, k.zeros(7)?);
+        let run = |e: MatmulEpilogue<'_>| k.matmul_epilogue(MatmulForm::AB, e, c.view(), a.view(), b.view(), 2, 4, 3);
+        let grad = Some((Activation::Relu, x.view()));
+        let with_bias = MatmulEpilogue { bias: Some(bias.view()), activation_grad: grad, ..MatmulEpilogue::default() };
+        assert!(matches!(run(with_bias), Err(Error::InvalidArgument { .. })));
+        let with_act = MatmulEpilogue { activation: Some((Activation::Tanh, None)), activation_grad: grad, ..MatmulEpilogue::default() };
+        assert!(matches!(run(with_act), Err(Error::InvalidArgument { .. })));
+        let short_x = MatmulEpilogue { activation_grad: Some((Activation::Relu, short.view())), ..MatmulEpilogue::default() };
+        assert!(matches!(run(short_x), Err(Error::Shape { .. })));
+        let short_pre = MatmulEpilogue { activation: Some((Activation::Gelu, Some(short.view()))), ..MatmulEpilogue::default() };
+        assert!(matches!(run(short_pre), Err(Error::Shape { .. })));
+        assert!(run(MatmulEpilogue { activation_grad: grad, accumulate: true, ..MatmulEpilogue::default() }).is_ok());
         Ok(())
     });
 }

@@ -1,5 +1,6 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
+use super::elementwise::Activation;
 use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_SHARED};
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
@@ -48,6 +49,34 @@ impl MatmulVariant {
     pub const ALL: [MatmulVariant; 2] = [MatmulVariant::Register, MatmulVariant::Shared];
 }
 
+/// What happens to each product element before it is stored.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct MatmulEpilogue<'a> {
+    /// C += result instead of C = result.
+    pub accumulate: bool,
+    /// result = product + bias[col].
+    pub bias: Option<View<'a>>,
+    /// Forward: result = act(product [+ bias]); when the view is given, the
+    /// pre-activation value (product [+ bias]) is also stored there ([m, n],
+    /// same indexing as C), because the activation's backward needs it.
+    pub activation: Option<(Activation, Option<View<'a>>)>,
+    /// Backward: result = product · act'(x[row, col]) where x is the
+    /// activation's forward input ([m, n]); exactly what
+    /// `Kernels::activation_backward(act, dx, x, dy)` computes with dy = the
+    /// product. Cannot be combined with `activation` or `bias`.
+    pub activation_grad: Option<(Activation, View<'a>)>,
+}
+
+/// The WGSL `p.activation` code.
+fn activation_code(act: Activation) -> u32 {
+    match act {
+        Activation::Relu => 1,
+        Activation::Gelu => 2,
+        Activation::Sigmoid => 3,
+        Activation::Tanh => 4,
+    }
+}
+
 const TILE: usize = 64;
 
 #[repr(C)]
@@ -58,7 +87,8 @@ struct MatmulParams {
     k: u32,
     tiles_n: u32,
     tiles_total: u32,
-    _pad: [u32; 3],
+    activation: u32,
+    _pad: [u32; 2],
 }
 
 impl Kernels {
@@ -133,7 +163,25 @@ impl Kernels {
         self.matmul_impl(self.matmul_variant(), form, false, Some(bias), c, a, b, m, n, k)
     }
 
-    /// The one place the matmul dispatch is built.
+    /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
+    /// adapter: bias, activation (forward or backward) and accumulation fused
+    /// into the matmul's store.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_epilogue(
+        &self,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        self.matmul_epilogue_with(self.matmul_variant(), form, epilogue, c, a, b, m, n, k)
+    }
+
+    /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_impl(
         &self,
@@ -141,6 +189,24 @@ impl Kernels {
         form: MatmulForm,
         accumulate: bool,
         bias: Option<View<'_>>,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        let epilogue = MatmulEpilogue { accumulate, bias, ..MatmulEpilogue::default() };
+        self.matmul_epilogue_with(variant, form, epilogue, c, a, b, m, n, k)
+    }
+
+    /// The one place the matmul dispatch is built.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_epilogue_with(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
         c: View<'_>,
         a: View<'_>,
         b: View<'_>,
@@ -171,11 +237,32 @@ impl Kernels {
                 &shapes,
             ));
         }
+        let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
         if let Some(bias) = &bias {
             if bias.len != n {
                 return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&a_shape, &b_shape, &[bias.len]]));
             }
         }
+        if activation_grad.is_some() && (activation.is_some() || bias.is_some()) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "an activation gradient epilogue cannot be combined with a bias or a forward activation".into(),
+            });
+        }
+        let pre = activation.and_then(|(_, pre)| pre);
+        let act_input = activation_grad.map(|(_, x)| x);
+        for (name, view) in [("pre-activation output", pre), ("activation input", act_input)] {
+            if let Some(view) = view {
+                if view.len != c.len {
+                    return Err(Error::shape(
+                        op,
+                        format!("the {name} must be m×n = {m}×{n} like C, got {} elements", view.len),
+                        &[&a_shape, &b_shape, &[m, n], &[view.len]],
+                    ));
+                }
+            }
+        }
+        let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
         let tiles_n = n.div_ceil(TILE);
         let tiles_total = tiles_n * m.div_ceil(TILE);
         let params = MatmulParams {
@@ -184,22 +271,36 @@ impl Kernels {
             k: dim(op, k)?,
             tiles_n: dim(op, tiles_n)?,
             tiles_total: dim(op, tiles_total)?,
-            _pad: [0; 3],
+            activation: act.map_or(0, activation_code),
+            _pad: [0; 2],
         };
         let (trans_a, trans_b) = form.transposes();
+        let flag = |on: bool| f64::from(u8::from(on));
         let constants = [
-            ("TRANS_A", f64::from(u8::from(trans_a))),
-            ("TRANS_B", f64::from(u8::from(trans_b))),
-            ("ACCUMULATE", f64::from(u8::from(accumulate))),
-            ("HAS_BIAS", f64::from(u8::from(bias.is_some()))),
+            ("TRANS_A", flag(trans_a)),
+            ("TRANS_B", flag(trans_b)),
+            ("ACCUMULATE", flag(accumulate)),
+            ("HAS_BIAS", flag(bias.is_some())),
+            ("ACTIVATION_FORWARD", flag(activation.is_some())),
+            ("ACTIVATION_BACKWARD", flag(activation_grad.is_some())),
+            ("STORE_PRE", flag(pre.is_some())),
         ];
-        // The bias slot is in the layout whatever HAS_BIAS says; without a
-        // bias it holds a placeholder the kernel never reads.
-        let bias_view = bias.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 1 });
+        // Every slot is in the layout whatever the overrides say; unused
+        // read-only slots hold a placeholder the kernel never reads, and an
+        // unused `pre` holds C itself (a writable slot may not share a buffer
+        // with a read-only one), which the kernel never writes through it.
+        let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
         self.prepare(
             kernel,
             &constants,
-            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c), bind(4, "bias", bias_view)],
+            &[
+                bind(0, "a", a),
+                bind(1, "b", b),
+                bind(2, "c", c),
+                bind(4, "bias", bias.unwrap_or(placeholder)),
+                bind(5, "pre", pre.unwrap_or(c)),
+                bind(6, "act_input", act_input.unwrap_or(placeholder)),
+            ],
             3,
             &params,
             tiles_total as u64,
