@@ -4,15 +4,28 @@
 //   cross_entropy_forward:  loss[1] = Σ_r (logsumexp(logits[r, :]) - logits[r, label[r]]) / rows
 //   cross_entropy_backward: dlogits[rows, cols] = (softmax(logits[r, :]) - onehot(label[r])) / rows · dloss[0]
 //   mse_forward_backward, cross_entropy_forward_backward: both of the above
-//   in one single-workgroup dispatch: loss[1] and the gradient (`grad`).
+//   in one single-workgroup dispatch: loss[1] and the gradient (`grad`);
+//   with BIAS_GRAD also bias_grad[cols] += Σ_r grad[r, :] (the bias gradient
+//   of the Linear layer that produced the prediction, saving a column-sum
+//   dispatch).
+//   mse_linear_forward_backward, cross_entropy_linear_forward_backward: the
+//   same, but the prediction is first computed here from a small Linear
+//   layer, pred_out[rows, cols] = x[rows, inner] · weight[cols, inner]ᵀ
+//   (+ bias[cols] with HAS_BIAS), and weight_grad[cols, inner] += gradᵀ · x:
+//   a whole small last layer's forward and backward in one dispatch.
 // A label ≥ cols makes the loss NaN (the GPU cannot raise an error; a NaN
 // loss is caught where the loss is read).
+
+// Gradients accumulate: they are added into the parameter gradients.
+override BIAS_GRAD: bool = false;
+override HAS_BIAS: bool = false;
 
 struct LossParams {
     rows: u32,
     cols: u32,
     n: u32,
-    _pad: u32,
+    // Input features of the fused Linear layer.
+    inner: u32,
 }
 
 @group(0) @binding(0) var<storage, read> pred: array<f32>;
@@ -22,6 +35,12 @@ struct LossParams {
 @group(0) @binding(4) var<storage, read> labels: array<u32>;
 @group(0) @binding(5) var<storage, read> dloss: array<f32>;
 @group(0) @binding(6) var<storage, read_write> grad: array<f32>;
+@group(0) @binding(7) var<storage, read> x: array<f32>;
+@group(0) @binding(8) var<storage, read> weight: array<f32>;
+@group(0) @binding(9) var<storage, read> bias: array<f32>;
+@group(0) @binding(10) var<storage, read_write> pred_out: array<f32>;
+@group(0) @binding(11) var<storage, read_write> weight_grad: array<f32>;
+@group(0) @binding(12) var<storage, read_write> bias_grad: array<f32>;
 
 const WG: u32 = 256u;
 var<workgroup> partial: array<f32, 256>;
@@ -128,6 +147,7 @@ fn mse_forward_backward(@builtin(local_invocation_index) t: u32) {
         acc += d * d;
         grad[i] = 2.0 * d / f32(p.n) * dloss[0];
     }
+    accumulate_bias_grad(t);
     let total = tree_sum(t, acc);
     if t == 0u {
         out[0] = total / f32(p.n);
@@ -152,6 +172,104 @@ fn cross_entropy_forward_backward(@builtin(local_invocation_index) t: u32) {
             grad[r * p.cols + c] = (prob - onehot) * scale + bad;
         }
     }
+    accumulate_bias_grad(t);
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.rows);
+    }
+}
+
+// Column sums of `grad` added into bias_grad, once every invocation's grad
+// writes are visible (the storage barrier). Rows summed in order.
+fn accumulate_bias_grad(t: u32) {
+    storageBarrier();
+    if BIAS_GRAD {
+        for (var c = t; c < p.cols; c += WG) {
+            var s = 0.0;
+            for (var r = 0u; r < p.rows; r++) {
+                s += grad[r * p.cols + c];
+            }
+            bias_grad[c] = bias_grad[c] + s;
+        }
+    }
+}
+
+// weight_grad += gradᵀ · x, then the bias gradient.
+fn accumulate_linear_grads(t: u32) {
+    storageBarrier();
+    for (var i = t; i < p.cols * p.inner; i += WG) {
+        let c = i / p.inner;
+        let j = i % p.inner;
+        var s = 0.0;
+        for (var r = 0u; r < p.rows; r++) {
+            s += grad[r * p.cols + c] * x[r * p.inner + j];
+        }
+        weight_grad[i] = weight_grad[i] + s;
+    }
+    accumulate_bias_grad(t);
+}
+
+// One output of the Linear layer: the product, then the bias (the order
+// the matmul kernel adds them in).
+fn linear_value(r: u32, c: u32) -> f32 {
+    var z = 0.0;
+    for (var j = 0u; j < p.inner; j++) {
+        z += x[r * p.inner + j] * weight[c * p.inner + j];
+    }
+    if HAS_BIAS {
+        z += bias[c];
+    }
+    return z;
+}
+
+@compute @workgroup_size(256)
+fn mse_linear_forward_backward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    for (var i = t; i < p.n; i += WG) {
+        let z = linear_value(i / p.cols, i % p.cols);
+        pred_out[i] = z;
+        let d = z - targets[i];
+        acc += d * d;
+        grad[i] = 2.0 * d / f32(p.n) * dloss[0];
+    }
+    accumulate_linear_grads(t);
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.n);
+    }
+}
+
+// One invocation per row: the row's logits are computed and stored, then
+// read back for the softmax.
+@compute @workgroup_size(256)
+fn cross_entropy_linear_forward_backward(@builtin(local_invocation_index) t: u32) {
+    var acc = 0.0;
+    let scale = dloss[0] / f32(p.rows);
+    for (var r = t; r < p.rows; r += WG) {
+        let row = r * p.cols;
+        var m = linear_value(r, 0u);
+        pred_out[row] = m;
+        for (var c = 1u; c < p.cols; c++) {
+            let z = linear_value(r, c);
+            pred_out[row + c] = z;
+            m = max(m, z);
+        }
+        var sum = 0.0;
+        for (var c = 0u; c < p.cols; c++) {
+            sum += exp(pred_out[row + c] - m);
+        }
+        let label = labels[r];
+        let picked = pred_out[row + min(label, p.cols - 1u)];
+        acc += select(quiet_nan(), m + log(sum) - picked, label < p.cols);
+        let inv_sum = 1.0 / sum;
+        let bad = select(0.0, quiet_nan(), label >= p.cols);
+        for (var c = 0u; c < p.cols; c++) {
+            let prob = exp(pred_out[row + c] - m) * inv_sum;
+            let onehot = select(0.0, 1.0, c == label);
+            grad[row + c] = (prob - onehot) * scale + bad;
+        }
+    }
+    accumulate_linear_grads(t);
     let total = tree_sum(t, acc);
     if t == 0u {
         out[0] = total / f32(p.rows);

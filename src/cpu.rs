@@ -206,6 +206,56 @@ pub fn cross_entropy_backward(logits: &[f32], labels: &[u32], dloss: f32, rows: 
     d
 }
 
+/// What a loss compares with (twin of `kernels::LossTargets`).
+#[derive(Clone, Copy, Debug)]
+pub enum LossTargets<'a> {
+    Values(&'a [f32]),
+    Labels(&'a [u32]),
+}
+
+/// Everything `Kernels::loss_forward_backward_fused` computes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FusedLoss {
+    pub loss: f32,
+    pub pred: Vec<f32>,
+    pub dpred: Vec<f32>,
+    /// d loss / d weight [cols, inner] (empty without a Linear layer).
+    pub weight_grad: Vec<f32>,
+    /// Column sums of dpred [cols].
+    pub bias_grad: Vec<f32>,
+}
+
+/// Twin of the fused loss kernels, built from the unfused twins: the
+/// Linear layer pred = x·weightᵀ + bias when `linear` is (x, weight, bias,
+/// inner), else `pred` as given; the loss and its gradient; the weight
+/// gradient dpredᵀ·x and the bias gradient (column sums of dpred).
+pub fn loss_forward_backward_fused(
+    targets: LossTargets<'_>,
+    pred: &[f32],
+    linear: Option<(&[f32], &[f32], Option<&[f32]>, usize)>,
+    dloss: f32,
+    rows: usize,
+    cols: usize,
+) -> FusedLoss {
+    let pred = match linear {
+        Some((x, weight, bias, inner)) => {
+            let product = matmul(MatmulForm::ABt, x, weight, rows, cols, inner);
+            bias.map_or(product.clone(), |b| bias_add(&product, b, cols))
+        }
+        None => pred.to_vec(),
+    };
+    let (loss, dpred) = match targets {
+        LossTargets::Values(t) => (mse_forward(&pred, t), mse_backward(&pred, t, dloss)),
+        LossTargets::Labels(l) => (cross_entropy_forward(&pred, l, rows, cols), cross_entropy_backward(&pred, l, dloss, rows, cols)),
+    };
+    let weight_grad = match linear {
+        Some((x, _, _, inner)) => matmul(MatmulForm::AtB, &dpred, x, cols, inner, rows),
+        None => Vec::new(),
+    };
+    let bias_grad = sum_rows(&dpred, rows, cols);
+    FusedLoss { loss, pred, dpred, weight_grad, bias_grad }
+}
+
 /// torch.optim.SGD, one step (counted from 1), in f32 as PyTorch computes it.
 pub fn sgd_update(param: &mut [f32], grad: &[f32], momentum_buf: &mut [f32], cfg: &SgdConfig, step: u64) {
     for i in 0..param.len() {

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, Tensor};
+use crate::graph::{Executor, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{Criterion, Sequential};
 use crate::optim;
@@ -76,6 +76,19 @@ impl Trainer {
         optimizer: impl Into<OptimizerConfig>,
         batch_size: usize,
     ) -> Result<Self> {
+        Self::with_options(kernels, model, criterion, optimizer, batch_size, PlanOptions::default())
+    }
+
+    /// [`Trainer::new`] with explicit planning options (fusion off gives the
+    /// one-dispatch-per-node reference the fused step is tested against).
+    pub fn with_options(
+        kernels: Arc<Kernels>,
+        model: &Sequential,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch_size: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
         let criterion = criterion.into();
         let optimizer = optimizer.into();
         let (in_features, out_features) = widths(model)?;
@@ -94,7 +107,7 @@ impl Trainer {
         };
         let prediction = g.argmax(output)?;
         let grads = g.backward(loss)?;
-        let exec = Executor::new(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer))?;
+        let exec = Executor::with_options(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer), options)?;
         Ok(Trainer {
             exec,
             input,

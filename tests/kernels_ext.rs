@@ -103,13 +103,15 @@ fn reference_and_scale(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> (V
 /// - f32 accumulation (products are exact in f32): ≤ γ·S with
 ///   γ = K·2⁻²⁴ / (1 − K·2⁻²⁴), 2.4e-4 at K = 4096, below the first term;
 /// - inputs below f16's smallest normal 2⁻¹⁴ are subnormal (absolute
-///   error ≤ 2⁻²⁵ each), at most 2·2⁻²⁵ per product with |x| ≤ 1: K·2⁻²⁴.
+///   error η ≤ 2⁻²⁵ each), adding at most 2η(1 + u) + η² per product with
+///   |x| ≤ 1: under K·2⁻²³.
+///
 /// An f16 accumulator would add ≈ K·2⁻¹¹·S in the worst case instead of γ·S.
 fn f16_matmul_bound(k: usize, scale: f64) -> f64 {
     let u = 2f64.powi(-11);
     let eps32 = 2f64.powi(-24);
     let gamma = k as f64 * eps32 / (1.0 - k as f64 * eps32);
-    (2.0 * u + u * u) * scale + gamma * scale + k as f64 * eps32
+    (2.0 * u + u * u) * scale + gamma * scale + k as f64 * 2.0 * eps32
 }
 
 /// CPU model of what the kernel avoids: the same f16 inputs summed in an

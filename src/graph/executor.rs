@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, LossKind, Op, Tensor};
-use super::plan::{Plan, Storage};
+use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig, View};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulForm, OptimizerConfig, View};
 
 /// The optimizer state arenas each optimizer keeps (same layout as the parameters).
 fn state_arenas(optimizer: &OptimizerConfig) -> usize {
@@ -30,6 +30,9 @@ pub struct Executor {
     constants: Vec<GpuTensor>,
     slots: Vec<GpuTensor>,
     dispatches: Vec<Option<Dispatch>>,
+    /// A training step's dispatch for a loss that also does its last
+    /// layer's work (the plan's `loss_fusion`); runs use `dispatches`.
+    train_loss_dispatches: Vec<Option<Dispatch>>,
     optimizer: Option<(OptimizerConfig, Dispatch)>,
     /// Optimizer steps taken (PyTorch's `step`, from 1).
     step: u64,
@@ -57,6 +60,19 @@ impl Executor {
         gradients: Option<Gradients>,
         optimizer: Option<OptimizerConfig>,
     ) -> Result<Self> {
+        Self::with_options(kernels, graph, outputs, gradients, optimizer, PlanOptions::default())
+    }
+
+    /// [`Executor::new`] with explicit planning options (fusion off gives
+    /// the one-dispatch-per-node reference).
+    pub fn with_options(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Option<Gradients>,
+        optimizer: Option<OptimizerConfig>,
+        options: PlanOptions,
+    ) -> Result<Self> {
         if optimizer.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
         }
@@ -68,7 +84,7 @@ impl Executor {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an output or gradient is not in this graph".into() });
         }
         let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
-        let plan = Plan::new(&graph, outputs, gradients.as_ref(), align);
+        let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
 
         let arena_len = plan.param_arena_len.max(1);
         let mut initial = vec![0.0f32; arena_len];
@@ -109,7 +125,9 @@ impl Executor {
                 let mut targets = vec![g.loss];
                 targets.extend(g.accumulations());
                 targets.extend(g.input_gradients());
-                order_for(&graph, &plan, &targets)?
+                let mut order = order_for(&graph, &plan, &targets)?;
+                order.retain(|&i| !plan.in_loss_dispatch[i]);
+                order
             }
             None => Vec::new(),
         };
@@ -124,6 +142,7 @@ impl Executor {
             constants,
             slots,
             dispatches: Vec::new(),
+            train_loss_dispatches: Vec::new(),
             optimizer: None,
             step: 0,
             run_orders: HashMap::new(),
@@ -139,6 +158,14 @@ impl Executor {
             dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
         }
         exec.dispatches = dispatches;
+        let mut train_loss_dispatches = Vec::with_capacity(exec.graph.len());
+        for i in 0..exec.graph.len() {
+            train_loss_dispatches.push(match exec.plan.loss_fusion[i] {
+                Some(fusion) if exec.train_order.contains(&i) => Some(exec.build_loss_fusion(i, &fusion)?),
+                _ => None,
+            });
+        }
+        exec.train_loss_dispatches = train_loss_dispatches;
         if let Some(cfg) = optimizer {
             let d = exec.build_optimizer(&cfg)?;
             exec.optimizer = Some((cfg, d));
@@ -163,14 +190,20 @@ impl Executor {
         self.step
     }
 
-    /// GPU bytes held: parameters, gradients, optimizer state, intermediates.
+    /// GPU bytes held: parameters, gradients, optimizer state, inputs,
+    /// constants and intermediates.
     pub fn peak_bytes(&self) -> u64 {
         self.plan.peak_bytes(self.grads.is_some(), self.state.len())
     }
 
     /// Dispatches recorded by one training step (forward, backward, optimizer).
     pub fn dispatches_per_step(&self) -> usize {
-        self.train_order.iter().filter(|&&i| self.dispatches[i].is_some()).count() + usize::from(self.optimizer.is_some())
+        self.train_dispatches().count() + usize::from(self.optimizer.is_some())
+    }
+
+    /// A training step's forward and backward dispatches, in order.
+    fn train_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
+        self.train_order.iter().filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))
     }
 
     fn view(&self, t: Tensor) -> Result<View<'_>> {
@@ -267,6 +300,48 @@ impl Executor {
         }
     }
 
+    /// The training dispatch of loss node `i`: the loss, its gradient and
+    /// the last layer's work `fusion` names.
+    fn build_loss_fusion(&self, i: usize, fusion: &LossFusion) -> Result<Dispatch> {
+        let node = self.graph.node(Tensor(i));
+        let backward = self.plan.loss_with_grad[i].map(Tensor).ok_or_else(|| Error::InvalidArgument {
+            op: "Executor",
+            reason: format!("`{}` is not computed with its gradient", node.name),
+        })?;
+        let (pred, target) = (node.inputs[0], node.inputs[1]);
+        let targets = match node.op {
+            Op::Loss(LossKind::Mse) => LossTargets::Values(self.view(target)?),
+            _ => LossTargets::Labels(self.view(target)?),
+        };
+        let (rows, cols) = match self.graph.shape(pred) {
+            [rows, cols] => (*rows, *cols),
+            other => (1, other.iter().product()),
+        };
+        let linear = match fusion.linear {
+            Some(l) => Some(LossLinear {
+                x: self.view(l.x)?,
+                weight: self.view(l.weight)?,
+                bias: l.bias.map(|b| self.view(b)).transpose()?,
+                inner: self.graph.shape(l.weight).get(1).copied().unwrap_or(0),
+                weight_grad: self.view(Tensor(l.weight_grad))?,
+            }),
+            None => None,
+        };
+        let bias_grad = fusion.bias_grad.map(|j| self.view(Tensor(j))).transpose()?;
+        let dloss = self.view(self.graph.node(backward).inputs[2])?;
+        self.kernels.loss_forward_backward_fused(
+            targets,
+            self.view(Tensor(i))?,
+            self.view(backward)?,
+            self.view(pred)?,
+            dloss,
+            rows,
+            cols,
+            linear,
+            bias_grad,
+        )
+    }
+
     /// One update over the whole parameter arena: parameters are contiguous,
     /// and the alignment gaps hold zeros that every optimizer keeps at zero.
     fn build_optimizer(&self, cfg: &OptimizerConfig) -> Result<Dispatch> {
@@ -343,7 +418,7 @@ impl Executor {
             self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
         }
         let loss_view = self.view(loss)?;
-        let steps = self.train_order.iter().filter_map(|&i| self.dispatches[i].as_ref());
+        let steps = self.train_dispatches();
         let update = self.optimizer.as_ref().filter(|_| apply_optimizer).map(|(_, d)| d);
         let staging = &self.scalar_staging;
         self.kernels.submit_pass(

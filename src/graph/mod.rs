@@ -9,4 +9,4 @@ mod plan;
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, LossKind, Node, Op, Tensor};
 pub use executor::Executor;
-pub use plan::{Plan, Storage};
+pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

@@ -10,6 +10,7 @@
 
 use super::autodiff::Gradients;
 use super::builder::{Graph, Op, Tensor};
+use crate::kernels::MatmulForm;
 
 /// Where a node's output lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,10 +55,58 @@ pub struct Plan {
     pub bias_into: Vec<Option<usize>>,
     /// For a loss computed with its gradient: the backward node it fills.
     pub loss_with_grad: Vec<Option<usize>>,
+    /// For such a loss: the last layer's work its training-step dispatch
+    /// also does (a training step only; runs dispatch those nodes alone).
+    pub loss_fusion: Vec<Option<LossFusion>>,
+    /// Nodes a training step does not dispatch because their loss's fused
+    /// dispatch computes them (see [`LossFusion`]).
+    pub in_loss_dispatch: Vec<bool>,
     /// Bytes of intermediates if every one had its own buffer.
     pub naive_intermediate_bytes: u64,
     /// Bytes of the slots actually allocated.
     pub slot_bytes: u64,
+    /// Bytes of the inputs and constants (each its own buffer).
+    pub input_bytes: u64,
+}
+
+/// The Linear layer `pred = x·weightᵀ (+ bias)` computed inside a loss's
+/// training dispatch, with its weight gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearInLoss {
+    /// The matmul node (the forward moves into the loss in a training step).
+    pub matmul: usize,
+    pub x: Tensor,
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    /// The node accumulating d loss / d weight (dpredᵀ·x).
+    pub weight_grad: usize,
+}
+
+/// Work a loss's single-workgroup training dispatch does besides the loss
+/// and its gradient, each saving a dispatch: a small last Linear layer's
+/// forward and weight gradient, and its bias gradient (a column sum of the
+/// loss gradient, whatever the layer's size).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LossFusion {
+    pub linear: Option<LinearInLoss>,
+    /// The column-sum node accumulating the bias gradient.
+    pub bias_grad: Option<usize>,
+}
+
+/// How a graph is planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Combine nodes into fewer dispatches (bias add and gradient
+    /// accumulation inside matmuls, a loss with its gradient and the last
+    /// layer's work). Off: one dispatch per node, the reference that fused
+    /// results are tested against.
+    pub fuse: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { fuse: true }
+    }
 }
 
 const BYTES: u64 = 4;
@@ -66,10 +115,21 @@ const BYTES: u64 = 4;
 /// single-workgroup dispatch.
 const FUSED_LOSS_MAX: usize = 1 << 16;
 
+/// Largest Linear layer (rows·outputs·inputs multiply-adds, done once
+/// forward and once for the weight gradient) computed inside the loss's
+/// single-workgroup dispatch. One workgroup runs on one core; below this
+/// it finishes well within the ~50–80 µs a dispatch costs on lavapipe.
+const LINEAR_IN_LOSS_MAX_MACS: usize = 1 << 15;
+
 impl Plan {
     /// Plans the nodes needed for `outputs` (and every gradient in `grads`).
     /// `align` is the storage-offset alignment in elements.
     pub fn new(graph: &Graph, outputs: &[Tensor], grads: Option<&Gradients>, align: usize) -> Plan {
+        Plan::with_options(graph, outputs, grads, align, PlanOptions::default())
+    }
+
+    /// [`Plan::new`] with explicit options (fusion off, for reference runs).
+    pub fn with_options(graph: &Graph, outputs: &[Tensor], grads: Option<&Gradients>, align: usize, options: PlanOptions) -> Plan {
         let nodes = graph.nodes();
         let count = nodes.len();
         let mut roots: Vec<usize> = outputs.iter().map(|t| t.0).collect();
@@ -134,7 +194,7 @@ impl Plan {
         }
         let mut accumulate = vec![false; count];
         let mut fused_away = vec![false; count];
-        for &i in &order {
+        for &i in order.iter().filter(|_| options.fuse) {
             if let Op::AccumulateGrad { param } = nodes[i].op {
                 let j = nodes[i].inputs[0].0;
                 let fusable = matches!(nodes[j].op, Op::MatMul(_) | Op::SumRows) && consumers[j] == 1 && !roots.contains(&j);
@@ -148,7 +208,7 @@ impl Plan {
         // A matmul read only by a bias add writes the biased result itself
         // (one dispatch for a Linear layer), into the bias add's storage.
         let mut bias_into: Vec<Option<usize>> = vec![None; count];
-        for &i in &order {
+        for &i in order.iter().filter(|_| options.fuse) {
             if nodes[i].op == Op::BiasAdd {
                 let j = nodes[i].inputs[0].0;
                 if matches!(nodes[j].op, Op::MatMul(_)) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
@@ -161,7 +221,7 @@ impl Plan {
         // as one dispatch at the loss; the gradient's slot is taken there.
         // The fused kernel is one workgroup, so only for small predictions.
         let mut loss_with_grad: Vec<Option<usize>> = vec![None; count];
-        for &i in &order {
+        for &i in order.iter().filter(|_| options.fuse) {
             if let Op::LossBackward(kind) = nodes[i].op {
                 let (pred, target) = (nodes[i].inputs[0], nodes[i].inputs[1]);
                 let small = nodes[pred.0].len() <= FUSED_LOSS_MAX;
@@ -172,11 +232,44 @@ impl Plan {
                 }
             }
         }
+        // The training step's nodes: what the loss and the gradients need
+        // (not predictions), to know who else reads a loss's prediction.
+        let mut in_training = vec![false; count];
+        if let Some(g) = grads {
+            in_training[g.loss.0] = true;
+            for t in g.accumulations().iter().chain(&g.input_gradients()) {
+                in_training[t.0] = true;
+            }
+        }
+        for i in (0..count).rev() {
+            if in_training[i] {
+                for t in &nodes[i].inputs {
+                    in_training[t.0] = true;
+                }
+            }
+        }
+        let mut loss_fusion: Vec<Option<LossFusion>> = vec![None; count];
+        let mut in_loss_dispatch = vec![false; count];
+        for &i in &order {
+            let Some(backward) = loss_with_grad[i] else { continue };
+            let fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage);
+            if let Some(l) = fusion.linear {
+                in_loss_dispatch[l.matmul] = true;
+                in_loss_dispatch[l.weight_grad] = true;
+            }
+            if let Some(b) = fusion.bias_grad {
+                in_loss_dispatch[b] = true;
+            }
+            if fusion != LossFusion::default() {
+                loss_fusion[i] = Some(fusion);
+            }
+        }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         let (mut inputs, mut constants) = (0, 0);
         let mut naive = 0u64;
+        let mut input_bytes = 0u64;
         for &i in &order {
             let node = &nodes[i];
             match &node.op {
@@ -188,10 +281,12 @@ impl Plan {
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
                     inputs += 1;
+                    input_bytes += node.len() as u64 * BYTES;
                 }
                 Op::Constant { .. } => {
                     storage[i] = Storage::Constant { index: constants };
                     constants += 1;
+                    input_bytes += node.len() as u64 * BYTES;
                 }
                 Op::AccumulateGrad { param } => {
                     if let Storage::Param { offset } = storage[param.0] {
@@ -252,18 +347,79 @@ impl Plan {
             fused_away,
             bias_into,
             loss_with_grad,
+            loss_fusion,
+            in_loss_dispatch,
             input_count: inputs,
             constant_count: constants,
             naive_intermediate_bytes: naive,
             slot_bytes,
+            input_bytes,
         }
     }
 
+    /// What loss `loss` (computed with its gradient `backward`) can also do
+    /// in its training dispatch. The moved work reads only what is already
+    /// computed when the loss runs (x, parameters) and writes the loss's
+    /// prediction and gradient arena entries nothing else in the step reads
+    /// before the loss, so moving it to the loss keeps every value.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_fusion(
+        graph: &Graph,
+        order: &[usize],
+        loss: usize,
+        backward: usize,
+        in_training: &[bool],
+        accumulate: &[bool],
+        bias_into: &[Option<usize>],
+        storage: &[Storage],
+    ) -> LossFusion {
+        let nodes = graph.nodes();
+        let pred = nodes[loss].inputs[0].0;
+        let dpred = Tensor(backward);
+        // A gradient contribution of dpred accumulated straight into the
+        // gradient arena by a node of `op` reading `inputs`.
+        let accumulating = |op: Op, inputs: &[Tensor]| {
+            order.iter().copied().find(|&j| nodes[j].op == op && nodes[j].inputs == inputs && accumulate[j] && matches!(storage[j], Storage::Grad { .. }))
+        };
+        let pred_shape = &nodes[pred].shape;
+        let bias_grad = match pred_shape.len() {
+            2 => accumulating(Op::SumRows, &[dpred]),
+            _ => None,
+        };
+        // The prediction: a matmul, alone or with the bias add it computes.
+        let (matmul, bias) = match nodes[pred].op {
+            Op::BiasAdd if bias_into[nodes[pred].inputs[0].0] == Some(pred) => (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1])),
+            Op::MatMul(_) if !accumulate[pred] => (pred, None),
+            _ => return LossFusion { linear: None, bias_grad },
+        };
+        let (x, weight) = (nodes[matmul].inputs[0], nodes[matmul].inputs[1]);
+        let is_param = |t: Tensor| matches!(storage[t.0], Storage::Param { .. });
+        let only_the_loss_reads_pred = order
+            .iter()
+            .filter(|&&j| in_training[j] && ![loss, backward, pred].contains(&j))
+            .all(|&j| !nodes[j].inputs.iter().any(|t| t.0 == pred || t.0 == matmul));
+        let (rows, cols) = (pred_shape[0], pred_shape.get(1).copied().unwrap_or(1));
+        let inner = graph.node(weight).shape.get(1).copied().unwrap_or(0);
+        let small = rows.saturating_mul(cols).saturating_mul(inner) <= LINEAR_IN_LOSS_MAX_MACS;
+        let weight_grad = accumulating(Op::MatMul(MatmulForm::AtB), &[dpred, x]);
+        let linear = match (&nodes[matmul].op, weight_grad) {
+            (Op::MatMul(MatmulForm::ABt), Some(weight_grad))
+                if pred_shape.len() == 2 && small && is_param(weight) && bias.is_none_or(is_param) && only_the_loss_reads_pred =>
+            {
+                Some(LinearInLoss { matmul, x, weight, bias, weight_grad })
+            }
+            _ => None,
+        };
+        LossFusion { linear, bias_grad }
+    }
+
     /// Bytes of GPU memory the plan uses for parameters, `state_arenas`
-    /// optimizer-state copies, gradients (when training), and intermediates.
+    /// optimizer-state copies, gradients (when training), inputs, constants
+    /// and intermediates. Every buffer is allocated once, so this is also
+    /// the peak (readback staging aside).
     pub fn peak_bytes(&self, training: bool, state_arenas: usize) -> u64 {
         let arena = self.param_arena_len as u64 * BYTES;
         let copies = 1 + u64::from(training) + state_arenas as u64;
-        arena * copies + self.slot_bytes
+        arena * copies + self.input_bytes + self.slot_bytes
     }
 }

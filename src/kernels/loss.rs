@@ -1,4 +1,5 @@
-//! `loss.wgsl`: mean squared error and softmax cross-entropy (mean reduction).
+//! `loss.wgsl`: mean squared error and softmax cross-entropy (mean reduction),
+//! alone or fused with their gradient and the last Linear layer's work.
 
 use super::registry::*;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
@@ -10,7 +11,31 @@ struct LossParams {
     rows: u32,
     cols: u32,
     n: u32,
-    _pad: u32,
+    inner: u32,
+}
+
+/// What a loss compares its prediction with; the variant picks the loss.
+#[derive(Clone, Copy, Debug)]
+pub enum LossTargets<'a> {
+    /// f32 values shaped like the prediction: mean squared error.
+    Values(View<'a>),
+    /// u32 class indices, one per row: softmax cross-entropy.
+    Labels(View<'a>),
+}
+
+/// A Linear layer whose forward and weight gradient run inside a fused
+/// loss dispatch: pred = x·weightᵀ (+ bias), weight_grad += dpredᵀ·x.
+#[derive(Clone, Copy, Debug)]
+pub struct LossLinear<'a> {
+    /// [rows, inner]
+    pub x: View<'a>,
+    /// [cols, inner], torch.nn.Linear's layout.
+    pub weight: View<'a>,
+    /// [cols]
+    pub bias: Option<View<'a>>,
+    pub inner: usize,
+    /// [cols, inner], added into.
+    pub weight_grad: View<'a>,
 }
 
 fn check_mse(op: &'static str, out_len: usize, want_out: usize, pred: &View<'_>, target: &View<'_>) -> Result<()> {
@@ -40,7 +65,7 @@ impl Kernels {
     pub fn mse_forward(&self, loss: View<'_>, pred: View<'_>, target: View<'_>) -> Result<Dispatch> {
         let op = MSE_FORWARD.entry;
         check_mse(op, loss.len, 1, &pred, &target)?;
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, _pad: 0 };
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
         self.prepare(
             MSE_FORWARD,
             &[],
@@ -64,7 +89,7 @@ impl Kernels {
         if dloss.len != 1 {
             return Err(Error::shape(op, "dloss must hold one value", &[&[dloss.len]]));
         }
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, _pad: 0 };
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
         self.prepare(
             MSE_BACKWARD,
             &[],
@@ -95,7 +120,7 @@ impl Kernels {
         if loss.len != 1 {
             return Err(Error::shape(op, "loss must hold one value", &[&[loss.len]]));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, _pad: 0 };
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
         self.prepare(
             CROSS_ENTROPY_FORWARD,
             &[],
@@ -126,7 +151,7 @@ impl Kernels {
                 &[&[dlogits.len], &[logits.len], &[dloss.len]],
             ));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, _pad: 0 };
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
         self.prepare(
             CROSS_ENTROPY_BACKWARD,
             &[],
@@ -157,7 +182,7 @@ impl Kernels {
         if dloss.len != 1 || dpred.len != pred.len {
             return Err(Error::shape(op, "dpred must match pred and dloss hold one value", &[&[dpred.len], &[pred.len], &[dloss.len]]));
         }
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, _pad: 0 };
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
         self.prepare(
             MSE_FORWARD_BACKWARD,
             &[],
@@ -167,6 +192,7 @@ impl Kernels {
                 bind(2, "loss", loss),
                 bind(5, "dloss", dloss),
                 bind(6, "dpred", dpred),
+                bind(12, "bias_grad", self.unused_slot()),
             ],
             3,
             &params,
@@ -196,7 +222,7 @@ impl Kernels {
                 &[&[loss.len], &[dlogits.len], &[logits.len], &[dloss.len]],
             ));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, _pad: 0 };
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
         self.prepare(
             CROSS_ENTROPY_FORWARD_BACKWARD,
             &[],
@@ -206,10 +232,112 @@ impl Kernels {
                 bind(2, "loss", loss),
                 bind(5, "dloss", dloss),
                 bind(6, "dlogits", dlogits),
+                bind(12, "bias_grad", self.unused_slot()),
             ],
             3,
             &params,
             1,
         )
+    }
+
+    /// A loss and its gradient in one single-workgroup dispatch, with more
+    /// of the last layer's work folded in (each saves a dispatch):
+    /// - `linear`: the prediction is computed here from a Linear layer and
+    ///   written to `pred`, and the layer's weight gradient accumulated;
+    ///   otherwise `pred` is read;
+    /// - `bias_grad[cols] +=` the column sums of `dpred`.
+    ///
+    /// Everything runs on one workgroup: meant for small layers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_forward_backward_fused(
+        &self,
+        targets: LossTargets<'_>,
+        loss: View<'_>,
+        dpred: View<'_>,
+        pred: View<'_>,
+        dloss: View<'_>,
+        rows: usize,
+        cols: usize,
+        linear: Option<LossLinear<'_>>,
+        bias_grad: Option<View<'_>>,
+    ) -> Result<Dispatch> {
+        let kernel = match (targets, linear.is_some()) {
+            (LossTargets::Values(_), false) => MSE_FORWARD_BACKWARD,
+            (LossTargets::Labels(_), false) => CROSS_ENTROPY_FORWARD_BACKWARD,
+            (LossTargets::Values(_), true) => MSE_LINEAR_FORWARD_BACKWARD,
+            (LossTargets::Labels(_), true) => CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD,
+        };
+        let op = kernel.entry;
+        let n = rows.checked_mul(cols).filter(|&n| n > 0 && n == pred.len);
+        let targets_ok = match targets {
+            LossTargets::Values(t) => t.len == pred.len,
+            LossTargets::Labels(l) => l.len == rows,
+        };
+        if n.is_none() || !targets_ok || loss.len != 1 || dloss.len != 1 || dpred.len != pred.len {
+            let target_len = match targets {
+                LossTargets::Values(t) | LossTargets::Labels(t) => t.len,
+            };
+            return Err(Error::shape(
+                op,
+                format!("pred and dpred must be rows×cols = {rows}×{cols}, targets match them (labels: one per row), loss and dloss one value"),
+                &[&[pred.len], &[dpred.len], &[target_len], &[loss.len], &[dloss.len]],
+            ));
+        }
+        if let Some(b) = &bias_grad {
+            if b.len != cols {
+                return Err(Error::shape(op, format!("bias_grad must hold cols = {cols} values"), &[&[b.len]]));
+            }
+        }
+        let inner = linear.map_or(0, |l| l.inner);
+        if let Some(l) = &linear {
+            let bias_ok = l.bias.is_none_or(|b| b.len == cols);
+            let ok = inner > 0
+                && rows.checked_mul(inner) == Some(l.x.len)
+                && cols.checked_mul(inner) == Some(l.weight.len)
+                && l.weight_grad.len == l.weight.len
+                && bias_ok;
+            if !ok {
+                return Err(Error::shape(
+                    op,
+                    format!("linear: x must be {rows}×{inner}, weight and weight_grad {cols}×{inner}, bias {cols}"),
+                    &[&[l.x.len], &[l.weight.len], &[l.weight_grad.len], &[l.bias.map_or(0, |b| b.len)]],
+                ));
+            }
+        }
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, pred.len)?, inner: dim(op, inner)? };
+        let constants = [
+            ("BIAS_GRAD", f64::from(u8::from(bias_grad.is_some()))),
+            ("HAS_BIAS", f64::from(u8::from(linear.is_some_and(|l| l.bias.is_some())))),
+        ];
+        let mut bindings = vec![bind(2, "loss", loss), bind(5, "dloss", dloss), bind(6, "dpred", dpred)];
+        bindings.push(match targets {
+            LossTargets::Values(t) => bind(1, "target", t),
+            LossTargets::Labels(l) => bind(4, "labels", l),
+        });
+        match linear {
+            None => {
+                bindings.push(bind(0, "pred", pred));
+                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(self.unused_slot())));
+            }
+            Some(l) => {
+                bindings.push(bind(10, "pred", pred));
+                bindings.push(bind(7, "x", l.x));
+                bindings.push(bind(8, "weight", l.weight));
+                // Unused slots: a read-only one gets the placeholder; a
+                // writable one another view of the weight gradient's buffer
+                // (the placeholder cannot be bound read-only and writable in
+                // one dispatch). The kernel touches neither.
+                bindings.push(bind(9, "bias", l.bias.unwrap_or(self.unused_slot())));
+                bindings.push(bind(11, "weight_grad", l.weight_grad));
+                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(l.weight_grad)));
+            }
+        }
+        self.prepare(kernel, &constants, &bindings, 3, &params, 1)
+    }
+
+    /// A one-element view of the placeholder buffer, for a slot the
+    /// dispatch's constants tell the kernel not to touch.
+    fn unused_slot(&self) -> View<'_> {
+        View { buffer: self.placeholder(), offset: 0, len: 1 }
     }
 }

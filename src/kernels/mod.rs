@@ -16,6 +16,7 @@ mod reduce;
 pub mod registry;
 
 pub use elementwise::{Activation, Binary};
+pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulForm, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use optim::{AdamConfig, OptimizerConfig, SgdConfig};

@@ -102,6 +102,8 @@ pub const CROSS_ENTROPY_FORWARD: Kernel = kernel(Family::Loss, "cross_entropy_fo
 pub const CROSS_ENTROPY_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_backward");
 pub const MSE_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_forward_backward");
 pub const CROSS_ENTROPY_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward_backward");
+pub const MSE_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_linear_forward_backward");
+pub const CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_linear_forward_backward");
 
 pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
@@ -141,6 +143,8 @@ pub const KERNELS: &[Kernel] = &[
     CROSS_ENTROPY_BACKWARD,
     MSE_FORWARD_BACKWARD,
     CROSS_ENTROPY_FORWARD_BACKWARD,
+    MSE_LINEAR_FORWARD_BACKWARD,
+    CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD,
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,
