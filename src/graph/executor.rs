@@ -9,7 +9,7 @@ use super::autodiff::Gradients;
 use super::builder::{DType, Graph, LossKind, Op, Tensor};
 use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulForm, OptimizerConfig, View};
+use crate::kernels::{Activation, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig, View};
 
 /// The optimizer state arenas each optimizer keeps (same layout as the parameters).
 fn state_arenas(optimizer: &OptimizerConfig) -> usize {
@@ -235,8 +235,9 @@ impl Executor {
         let node = self.graph.node(Tensor(i));
         let k = &self.kernels;
         let out = self.view(Tensor(i))?;
-        let input = |j: usize| self.view(node.inputs[j]);
-        let shape = |j: usize| self.graph.shape(node.inputs[j]).to_vec();
+        let reads = &self.plan.reads[i];
+        let input = |j: usize| self.view(reads[j]);
+        let shape = |j: usize| self.graph.shape(reads[j]).to_vec();
         match &node.op {
             Op::MatMul(form) => {
                 let a = shape(0);
@@ -245,12 +246,22 @@ impl Executor {
                     MatmulForm::AtB => a[0],
                     _ => a[1],
                 };
-                let variant = k.matmul_variant();
-                let bias = match self.plan.bias_into[i] {
-                    Some(b) => Some(self.view(self.graph.node(Tensor(b)).inputs[1])?),
+                let plan = &self.plan;
+                let bias = plan.bias_into[i].map(|b| self.view(plan.reads[b][1])).transpose()?;
+                // The pre-activation is stored only where the plan kept it.
+                let activation = match plan.activation_into[i] {
+                    Some(y) => {
+                        let pre = plan.bias_into[i].filter(|&z| plan.storage[z] != Storage::Unused);
+                        Some((self.activation_of(y)?, pre.map(|z| self.view(Tensor(z))).transpose()?))
+                    }
                     None => None,
                 };
-                k.matmul_impl(variant, *form, self.plan.accumulate[i], bias, out, input(0)?, input(1)?, m, n, kk)
+                let activation_grad = match plan.activation_grad_into[i] {
+                    Some(dx) => Some((self.activation_of(dx)?, self.view(plan.reads[dx][0])?)),
+                    None => None,
+                };
+                let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
+                k.matmul_epilogue(*form, epilogue, out, input(0)?, input(1)?, m, n, kk)
             }
             Op::Binary(op) => k.binary(*op, out, input(0)?, input(1)?),
             Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
@@ -297,6 +308,14 @@ impl Executor {
                 op: "Executor",
                 reason: format!("`{}` has no kernel", node.name),
             }),
+        }
+    }
+
+    /// The activation of an activation (or activation-backward) node.
+    fn activation_of(&self, i: usize) -> Result<Activation> {
+        match self.graph.node(Tensor(i)).op {
+            Op::Activation(act) | Op::ActivationBackward(act) => Ok(act),
+            _ => Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` is not an activation", self.graph.node(Tensor(i)).name) }),
         }
     }
 
@@ -639,7 +658,7 @@ fn order_for(graph: &Graph, plan: &Plan, outputs: &[Tensor]) -> Result<Vec<usize
     }
     for i in (0..graph.len()).rev() {
         if needed[i] {
-            for t in &graph.node(Tensor(i)).inputs {
+            for t in &plan.reads[i] {
                 needed[t.0] = true;
             }
         }

@@ -10,7 +10,7 @@
 
 use super::autodiff::Gradients;
 use super::builder::{Graph, Op, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{Activation, MatmulForm};
 
 /// Where a node's output lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +53,18 @@ pub struct Plan {
     pub fused_away: Vec<bool>,
     /// For a matmul that also adds a bias: the bias add it computes.
     pub bias_into: Vec<Option<usize>>,
+    /// For a matmul that also applies an activation: the activation node
+    /// whose output it writes. The pre-activation (the bias add) is stored
+    /// too when something still reads it, else it has no storage.
+    pub activation_into: Vec<Option<usize>>,
+    /// For a matmul whose product is an activation's incoming gradient:
+    /// the activation-backward node whose output (product · f'(x)) it writes.
+    pub activation_grad_into: Vec<Option<usize>>,
+    /// The tensors each node reads: its graph inputs, except that a ReLU's
+    /// backward reads the ReLU's output instead of its input (f'(x) is the
+    /// same where relu(x) > 0 and where x > 0), so a fused Linear + ReLU
+    /// need not keep the pre-activation.
+    pub reads: Vec<Vec<Tensor>>,
     /// For a loss computed with its gradient: the backward node it fills.
     pub loss_with_grad: Vec<Option<usize>>,
     /// For such a loss: the last layer's work its training-step dispatch
@@ -170,18 +182,8 @@ impl Plan {
             }
         }
 
-        // Last use of each needed node; outputs and the loss live to the end.
-        let mut last_use = vec![None::<usize>; count];
-        for i in (0..count).filter(|&i| needed[i]) {
-            for t in &nodes[i].inputs {
-                last_use[t.0] = Some(i);
-            }
-        }
-        for &r in &roots {
-            last_use[r] = Some(usize::MAX);
-        }
-
         let order: Vec<usize> = (0..count).filter(|&i| needed[i]).collect();
+        let mut reads: Vec<Vec<Tensor>> = nodes.iter().map(|n| n.inputs.clone()).collect();
 
         // A gradient contribution made by a matmul or column sum that nothing
         // else reads is computed straight into the gradient arena in
@@ -213,6 +215,53 @@ impl Plan {
                 let j = nodes[i].inputs[0].0;
                 if matches!(nodes[j].op, Op::MatMul(_)) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
                     bias_into[j] = Some(i);
+                    fused_away[i] = true;
+                }
+            }
+        }
+        // A matmul (with its bias add) read only by an activation applies it
+        // and writes the activation's output: a Linear layer and its
+        // activation in one dispatch. The pre-activation is kept only if
+        // still read; a ReLU's backward reads the ReLU output instead.
+        let mut activation_into: Vec<Option<usize>> = vec![None; count];
+        let mut keeps_pre_activation = vec![false; count];
+        for &y in order.iter().filter(|_| options.fuse) {
+            let Op::Activation(act) = nodes[y].op else { continue };
+            let z = nodes[y].inputs[0].0;
+            let matmul = match nodes[z].op {
+                Op::BiasAdd if bias_into[nodes[z].inputs[0].0] == Some(z) => nodes[z].inputs[0].0,
+                Op::MatMul(_) if !accumulate[z] && bias_into[z].is_none() => z,
+                _ => continue,
+            };
+            if activation_into[matmul].is_some() {
+                continue;
+            }
+            if act == Activation::Relu {
+                for &j in &order {
+                    if nodes[j].op == Op::ActivationBackward(Activation::Relu) && reads[j][0].0 == z {
+                        reads[j][0] = Tensor(y);
+                    }
+                }
+            }
+            let pre_read = roots.contains(&z) || order.iter().any(|&j| j != y && reads[j].iter().any(|t| t.0 == z));
+            // Without a bias add the matmul node is the pre-activation and
+            // has no storage of its own to keep it in.
+            if pre_read && matmul == z {
+                continue;
+            }
+            activation_into[matmul] = Some(y);
+            keeps_pre_activation[matmul] = pre_read;
+            fused_away[y] = true;
+        }
+        // An activation's backward whose incoming gradient is a matmul read
+        // by nothing else is done by that matmul (dY·Wᵀ · f'(x)).
+        let mut activation_grad_into: Vec<Option<usize>> = vec![None; count];
+        for &i in order.iter().filter(|_| options.fuse) {
+            if let Op::ActivationBackward(_) = nodes[i].op {
+                let g = reads[i][1].0;
+                let plain = bias_into[g].is_none() && activation_into[g].is_none() && activation_grad_into[g].is_none();
+                if matches!(nodes[g].op, Op::MatMul(_)) && consumers[g] == 1 && !accumulate[g] && !roots.contains(&g) && plain {
+                    activation_grad_into[g] = Some(i);
                     fused_away[i] = true;
                 }
             }
@@ -264,6 +313,16 @@ impl Plan {
                 loss_fusion[i] = Some(fusion);
             }
         }
+        // Last use of each needed node; outputs and the loss live to the end.
+        let mut last_use = vec![None::<usize>; count];
+        for &i in &order {
+            for t in &reads[i] {
+                last_use[t.0] = Some(i);
+            }
+        }
+        for &r in &roots {
+            last_use[r] = Some(usize::MAX);
+        }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
@@ -276,7 +335,7 @@ impl Plan {
                 // Writes into the gradient arena: no slot.
                 _ if accumulate[i] => {}
                 // Its matmul (or its loss) already placed it.
-                Op::BiasAdd | Op::LossBackward(_) if fused_away[i] => {}
+                Op::BiasAdd | Op::Activation(_) | Op::ActivationBackward(_) | Op::LossBackward(_) if fused_away[i] => {}
                 Op::Parameter { .. } => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
@@ -294,10 +353,14 @@ impl Plan {
                     }
                 }
                 _ => {
-                    // A fused matmul allocates for the bias add it stands in
-                    // for; a fused loss also for its gradient.
-                    let owner = bias_into[i].unwrap_or(i);
-                    let mut owners = vec![owner];
+                    // A fused matmul allocates for the node whose output it
+                    // writes (and a pre-activation still read); a fused loss
+                    // also for its gradient.
+                    let written = activation_grad_into[i].or(activation_into[i]).or(bias_into[i]).unwrap_or(i);
+                    let mut owners = vec![written];
+                    if let (true, Some(pre)) = (keeps_pre_activation[i], bias_into[i]) {
+                        owners.push(pre);
+                    }
                     owners.extend(loss_with_grad[i]);
                     for (k, &o) in owners.iter().enumerate() {
                         let len = nodes[o].len();
@@ -346,6 +409,9 @@ impl Plan {
             accumulate,
             fused_away,
             bias_into,
+            activation_into,
+            activation_grad_into,
+            reads,
             loss_with_grad,
             loss_fusion,
             in_loss_dispatch,
