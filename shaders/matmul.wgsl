@@ -355,6 +355,388 @@ fn matmul_forward_register(
     mm_store_row(row0 + 31u, col0, acc31);
 }
 
+// Register-blocked form with vec4 loads, for M, N and K all multiples of 4
+// (the Rust side checks, and picks `matmul_forward_register` otherwise).
+// Same 64×64 tile and 8-wide workgroup as above, but invocation x owns rows
+// 32·(x / 4) + 0..31 and 16 *contiguous* columns 16·(x % 4) + 0..15, so
+// every operand read is a vec4 along its stored rows: per 4 steps of k,
+// 32 vec4 loads of op(A) and 16 of op(B) instead of 192 scalar loads (loads
+// are issued lane by lane on llvmpipe, so this is what decides speed).
+// Per form: AB reads A rows along k and B rows along n; AtB reads Aᵀ as rows
+// of A along m (8 vec4 per step, transposed in registers); ABt reads B
+// rows along k (one vec4 per column, transposed in registers). Edge rows and
+// columns are clamped once before the k loop (no branch inside it) and
+// masked on store.
+@group(0) @binding(0) var<storage, read> a4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> b4: array<vec4<f32>>;
+
+// Four steps of k for one row: acc += av[t] · bt for t in 0..3.
+fn mm_row_fma4(acc: mat4x4<f32>, av: vec4<f32>, b0: mat4x4<f32>, b1: mat4x4<f32>, b2: mat4x4<f32>, b3: mat4x4<f32>) -> mat4x4<f32> {
+    return mm_row_fma(mm_row_fma(mm_row_fma(mm_row_fma(acc, av.x, b0), av.y, b1), av.z, b2), av.w, b3);
+}
+
+// Stores row `row` of an invocation's block: columns col0 + j, j in 0..15,
+// held as acc[j / 4][j % 4].
+fn mm_store_row_contiguous(row: u32, col0: u32, acc: mat4x4<f32>) {
+    if row >= p.m {
+        return;
+    }
+    for (var j = 0u; j < 16u; j++) {
+        let col = col0 + j;
+        if col < p.n {
+            write_c(row, col, acc[j / 4u][j % 4u]);
+        }
+    }
+}
+
+@compute @workgroup_size(8, 1, 1)
+fn matmul_forward_register_vec4(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * TILE + (lid.x / 4u) * 32u;
+    let col0 = (tile % p.tiles_n) * TILE + (lid.x % 4u) * 16u;
+    if row0 >= p.m || col0 >= p.n {
+        return;
+    }
+    let m4 = p.m / 4u;
+    let n4 = p.n / 4u;
+    let k4 = p.k / 4u;
+    let last_row = p.m - 1u;
+    let last_col = p.n - 1u;
+    // op(A) row offsets in vec4 units: row·k4 (AB, ABt: A rows along k), or
+    // row-group indices (AtB: A stored [K,M], 8 groups of 4 rows).
+    let ra0 = min(row0 + 0u, last_row) * k4;
+    let ra1 = min(row0 + 1u, last_row) * k4;
+    let ra2 = min(row0 + 2u, last_row) * k4;
+    let ra3 = min(row0 + 3u, last_row) * k4;
+    let ra4 = min(row0 + 4u, last_row) * k4;
+    let ra5 = min(row0 + 5u, last_row) * k4;
+    let ra6 = min(row0 + 6u, last_row) * k4;
+    let ra7 = min(row0 + 7u, last_row) * k4;
+    let ra8 = min(row0 + 8u, last_row) * k4;
+    let ra9 = min(row0 + 9u, last_row) * k4;
+    let ra10 = min(row0 + 10u, last_row) * k4;
+    let ra11 = min(row0 + 11u, last_row) * k4;
+    let ra12 = min(row0 + 12u, last_row) * k4;
+    let ra13 = min(row0 + 13u, last_row) * k4;
+    let ra14 = min(row0 + 14u, last_row) * k4;
+    let ra15 = min(row0 + 15u, last_row) * k4;
+    let ra16 = min(row0 + 16u, last_row) * k4;
+    let ra17 = min(row0 + 17u, last_row) * k4;
+    let ra18 = min(row0 + 18u, last_row) * k4;
+    let ra19 = min(row0 + 19u, last_row) * k4;
+    let ra20 = min(row0 + 20u, last_row) * k4;
+    let ra21 = min(row0 + 21u, last_row) * k4;
+    let ra22 = min(row0 + 22u, last_row) * k4;
+    let ra23 = min(row0 + 23u, last_row) * k4;
+    let ra24 = min(row0 + 24u, last_row) * k4;
+    let ra25 = min(row0 + 25u, last_row) * k4;
+    let ra26 = min(row0 + 26u, last_row) * k4;
+    let ra27 = min(row0 + 27u, last_row) * k4;
+    let ra28 = min(row0 + 28u, last_row) * k4;
+    let ra29 = min(row0 + 29u, last_row) * k4;
+    let ra30 = min(row0 + 30u, last_row) * k4;
+    let ra31 = min(row0 + 31u, last_row) * k4;
+    let rg0 = min(row0 / 4u + 0u, m4 - 1u);
+    let rg1 = min(row0 / 4u + 1u, m4 - 1u);
+    let rg2 = min(row0 / 4u + 2u, m4 - 1u);
+    let rg3 = min(row0 / 4u + 3u, m4 - 1u);
+    let rg4 = min(row0 / 4u + 4u, m4 - 1u);
+    let rg5 = min(row0 / 4u + 5u, m4 - 1u);
+    let rg6 = min(row0 / 4u + 6u, m4 - 1u);
+    let rg7 = min(row0 / 4u + 7u, m4 - 1u);
+    // op(B) column offsets: column-group indices (AB, AtB: B rows along n),
+    // or column·k4 (ABt: B stored [N,K], rows along k).
+    let cg0 = min(col0 / 4u + 0u, n4 - 1u);
+    let cg1 = min(col0 / 4u + 1u, n4 - 1u);
+    let cg2 = min(col0 / 4u + 2u, n4 - 1u);
+    let cg3 = min(col0 / 4u + 3u, n4 - 1u);
+    let cb0 = min(col0 + 0u, last_col) * k4;
+    let cb1 = min(col0 + 1u, last_col) * k4;
+    let cb2 = min(col0 + 2u, last_col) * k4;
+    let cb3 = min(col0 + 3u, last_col) * k4;
+    let cb4 = min(col0 + 4u, last_col) * k4;
+    let cb5 = min(col0 + 5u, last_col) * k4;
+    let cb6 = min(col0 + 6u, last_col) * k4;
+    let cb7 = min(col0 + 7u, last_col) * k4;
+    let cb8 = min(col0 + 8u, last_col) * k4;
+    let cb9 = min(col0 + 9u, last_col) * k4;
+    let cb10 = min(col0 + 10u, last_col) * k4;
+    let cb11 = min(col0 + 11u, last_col) * k4;
+    let cb12 = min(col0 + 12u, last_col) * k4;
+    let cb13 = min(col0 + 13u, last_col) * k4;
+    let cb14 = min(col0 + 14u, last_col) * k4;
+    let cb15 = min(col0 + 15u, last_col) * k4;
+    var acc0: mat4x4<f32>;
+    var acc1: mat4x4<f32>;
+    var acc2: mat4x4<f32>;
+    var acc3: mat4x4<f32>;
+    var acc4: mat4x4<f32>;
+    var acc5: mat4x4<f32>;
+    var acc6: mat4x4<f32>;
+    var acc7: mat4x4<f32>;
+    var acc8: mat4x4<f32>;
+    var acc9: mat4x4<f32>;
+    var acc10: mat4x4<f32>;
+    var acc11: mat4x4<f32>;
+    var acc12: mat4x4<f32>;
+    var acc13: mat4x4<f32>;
+    var acc14: mat4x4<f32>;
+    var acc15: mat4x4<f32>;
+    var acc16: mat4x4<f32>;
+    var acc17: mat4x4<f32>;
+    var acc18: mat4x4<f32>;
+    var acc19: mat4x4<f32>;
+    var acc20: mat4x4<f32>;
+    var acc21: mat4x4<f32>;
+    var acc22: mat4x4<f32>;
+    var acc23: mat4x4<f32>;
+    var acc24: mat4x4<f32>;
+    var acc25: mat4x4<f32>;
+    var acc26: mat4x4<f32>;
+    var acc27: mat4x4<f32>;
+    var acc28: mat4x4<f32>;
+    var acc29: mat4x4<f32>;
+    var acc30: mat4x4<f32>;
+    var acc31: mat4x4<f32>;
+    var av0: vec4<f32>;
+    var av1: vec4<f32>;
+    var av2: vec4<f32>;
+    var av3: vec4<f32>;
+    var av4: vec4<f32>;
+    var av5: vec4<f32>;
+    var av6: vec4<f32>;
+    var av7: vec4<f32>;
+    var av8: vec4<f32>;
+    var av9: vec4<f32>;
+    var av10: vec4<f32>;
+    var av11: vec4<f32>;
+    var av12: vec4<f32>;
+    var av13: vec4<f32>;
+    var av14: vec4<f32>;
+    var av15: vec4<f32>;
+    var av16: vec4<f32>;
+    var av17: vec4<f32>;
+    var av18: vec4<f32>;
+    var av19: vec4<f32>;
+    var av20: vec4<f32>;
+    var av21: vec4<f32>;
+    var av22: vec4<f32>;
+    var av23: vec4<f32>;
+    var av24: vec4<f32>;
+    var av25: vec4<f32>;
+    var av26: vec4<f32>;
+    var av27: vec4<f32>;
+    var av28: vec4<f32>;
+    var av29: vec4<f32>;
+    var av30: vec4<f32>;
+    var av31: vec4<f32>;
+    var bm0: mat4x4<f32>;
+    var bm1: mat4x4<f32>;
+    var bm2: mat4x4<f32>;
+    var bm3: mat4x4<f32>;
+    for (var kc = 0u; kc < k4; kc++) {
+        if TRANS_A {
+            let oa = 4u * kc * m4;
+            let a0_0 = a4[oa + 0u * m4 + rg0];
+            let a0_1 = a4[oa + 0u * m4 + rg1];
+            let a0_2 = a4[oa + 0u * m4 + rg2];
+            let a0_3 = a4[oa + 0u * m4 + rg3];
+            let a0_4 = a4[oa + 0u * m4 + rg4];
+            let a0_5 = a4[oa + 0u * m4 + rg5];
+            let a0_6 = a4[oa + 0u * m4 + rg6];
+            let a0_7 = a4[oa + 0u * m4 + rg7];
+            let a1_0 = a4[oa + 1u * m4 + rg0];
+            let a1_1 = a4[oa + 1u * m4 + rg1];
+            let a1_2 = a4[oa + 1u * m4 + rg2];
+            let a1_3 = a4[oa + 1u * m4 + rg3];
+            let a1_4 = a4[oa + 1u * m4 + rg4];
+            let a1_5 = a4[oa + 1u * m4 + rg5];
+            let a1_6 = a4[oa + 1u * m4 + rg6];
+            let a1_7 = a4[oa + 1u * m4 + rg7];
+            let a2_0 = a4[oa + 2u * m4 + rg0];
+            let a2_1 = a4[oa + 2u * m4 + rg1];
+            let a2_2 = a4[oa + 2u * m4 + rg2];
+            let a2_3 = a4[oa + 2u * m4 + rg3];
+            let a2_4 = a4[oa + 2u * m4 + rg4];
+            let a2_5 = a4[oa + 2u * m4 + rg5];
+            let a2_6 = a4[oa + 2u * m4 + rg6];
+            let a2_7 = a4[oa + 2u * m4 + rg7];
+            let a3_0 = a4[oa + 3u * m4 + rg0];
+            let a3_1 = a4[oa + 3u * m4 + rg1];
+            let a3_2 = a4[oa + 3u * m4 + rg2];
+            let a3_3 = a4[oa + 3u * m4 + rg3];
+            let a3_4 = a4[oa + 3u * m4 + rg4];
+            let a3_5 = a4[oa + 3u * m4 + rg5];
+            let a3_6 = a4[oa + 3u * m4 + rg6];
+            let a3_7 = a4[oa + 3u * m4 + rg7];
+            av0 = vec4<f32>(a0_0.x, a1_0.x, a2_0.x, a3_0.x);
+            av1 = vec4<f32>(a0_0.y, a1_0.y, a2_0.y, a3_0.y);
+            av2 = vec4<f32>(a0_0.z, a1_0.z, a2_0.z, a3_0.z);
+            av3 = vec4<f32>(a0_0.w, a1_0.w, a2_0.w, a3_0.w);
+            av4 = vec4<f32>(a0_1.x, a1_1.x, a2_1.x, a3_1.x);
+            av5 = vec4<f32>(a0_1.y, a1_1.y, a2_1.y, a3_1.y);
+            av6 = vec4<f32>(a0_1.z, a1_1.z, a2_1.z, a3_1.z);
+            av7 = vec4<f32>(a0_1.w, a1_1.w, a2_1.w, a3_1.w);
+            av8 = vec4<f32>(a0_2.x, a1_2.x, a2_2.x, a3_2.x);
+            av9 = vec4<f32>(a0_2.y, a1_2.y, a2_2.y, a3_2.y);
+            av10 = vec4<f32>(a0_2.z, a1_2.z, a2_2.z, a3_2.z);
+            av11 = vec4<f32>(a0_2.w, a1_2.w, a2_2.w, a3_2.w);
+            av12 = vec4<f32>(a0_3.x, a1_3.x, a2_3.x, a3_3.x);
+            av13 = vec4<f32>(a0_3.y, a1_3.y, a2_3.y, a3_3.y);
+            av14 = vec4<f32>(a0_3.z, a1_3.z, a2_3.z, a3_3.z);
+            av15 = vec4<f32>(a0_3.w, a1_3.w, a2_3.w, a3_3.w);
+            av16 = vec4<f32>(a0_4.x, a1_4.x, a2_4.x, a3_4.x);
+            av17 = vec4<f32>(a0_4.y, a1_4.y, a2_4.y, a3_4.y);
+            av18 = vec4<f32>(a0_4.z, a1_4.z, a2_4.z, a3_4.z);
+            av19 = vec4<f32>(a0_4.w, a1_4.w, a2_4.w, a3_4.w);
+            av20 = vec4<f32>(a0_5.x, a1_5.x, a2_5.x, a3_5.x);
+            av21 = vec4<f32>(a0_5.y, a1_5.y, a2_5.y, a3_5.y);
+            av22 = vec4<f32>(a0_5.z, a1_5.z, a2_5.z, a3_5.z);
+            av23 = vec4<f32>(a0_5.w, a1_5.w, a2_5.w, a3_5.w);
+            av24 = vec4<f32>(a0_6.x, a1_6.x, a2_6.x, a3_6.x);
+            av25 = vec4<f32>(a0_6.y, a1_6.y, a2_6.y, a3_6.y);
+            av26 = vec4<f32>(a0_6.z, a1_6.z, a2_6.z, a3_6.z);
+            av27 = vec4<f32>(a0_6.w, a1_6.w, a2_6.w, a3_6.w);
+            av28 = vec4<f32>(a0_7.x, a1_7.x, a2_7.x, a3_7.x);
+            av29 = vec4<f32>(a0_7.y, a1_7.y, a2_7.y, a3_7.y);
+            av30 = vec4<f32>(a0_7.z, a1_7.z, a2_7.z, a3_7.z);
+            av31 = vec4<f32>(a0_7.w, a1_7.w, a2_7.w, a3_7.w);
+        } else {
+            av0 = a4[ra0 + kc];
+            av1 = a4[ra1 + kc];
+            av2 = a4[ra2 + kc];
+            av3 = a4[ra3 + kc];
+            av4 = a4[ra4 + kc];
+            av5 = a4[ra5 + kc];
+            av6 = a4[ra6 + kc];
+            av7 = a4[ra7 + kc];
+            av8 = a4[ra8 + kc];
+            av9 = a4[ra9 + kc];
+            av10 = a4[ra10 + kc];
+            av11 = a4[ra11 + kc];
+            av12 = a4[ra12 + kc];
+            av13 = a4[ra13 + kc];
+            av14 = a4[ra14 + kc];
+            av15 = a4[ra15 + kc];
+            av16 = a4[ra16 + kc];
+            av17 = a4[ra17 + kc];
+            av18 = a4[ra18 + kc];
+            av19 = a4[ra19 + kc];
+            av20 = a4[ra20 + kc];
+            av21 = a4[ra21 + kc];
+            av22 = a4[ra22 + kc];
+            av23 = a4[ra23 + kc];
+            av24 = a4[ra24 + kc];
+            av25 = a4[ra25 + kc];
+            av26 = a4[ra26 + kc];
+            av27 = a4[ra27 + kc];
+            av28 = a4[ra28 + kc];
+            av29 = a4[ra29 + kc];
+            av30 = a4[ra30 + kc];
+            av31 = a4[ra31 + kc];
+        }
+        if TRANS_B {
+            let bc0 = b4[cb0 + kc];
+            let bc1 = b4[cb1 + kc];
+            let bc2 = b4[cb2 + kc];
+            let bc3 = b4[cb3 + kc];
+            let bc4 = b4[cb4 + kc];
+            let bc5 = b4[cb5 + kc];
+            let bc6 = b4[cb6 + kc];
+            let bc7 = b4[cb7 + kc];
+            let bc8 = b4[cb8 + kc];
+            let bc9 = b4[cb9 + kc];
+            let bc10 = b4[cb10 + kc];
+            let bc11 = b4[cb11 + kc];
+            let bc12 = b4[cb12 + kc];
+            let bc13 = b4[cb13 + kc];
+            let bc14 = b4[cb14 + kc];
+            let bc15 = b4[cb15 + kc];
+            bm0 = mat4x4<f32>(vec4<f32>(bc0.x, bc1.x, bc2.x, bc3.x), vec4<f32>(bc4.x, bc5.x, bc6.x, bc7.x), vec4<f32>(bc8.x, bc9.x, bc10.x, bc11.x), vec4<f32>(bc12.x, bc13.x, bc14.x, bc15.x));
+            bm1 = mat4x4<f32>(vec4<f32>(bc0.y, bc1.y, bc2.y, bc3.y), vec4<f32>(bc4.y, bc5.y, bc6.y, bc7.y), vec4<f32>(bc8.y, bc9.y, bc10.y, bc11.y), vec4<f32>(bc12.y, bc13.y, bc14.y, bc15.y));
+            bm2 = mat4x4<f32>(vec4<f32>(bc0.z, bc1.z, bc2.z, bc3.z), vec4<f32>(bc4.z, bc5.z, bc6.z, bc7.z), vec4<f32>(bc8.z, bc9.z, bc10.z, bc11.z), vec4<f32>(bc12.z, bc13.z, bc14.z, bc15.z));
+            bm3 = mat4x4<f32>(vec4<f32>(bc0.w, bc1.w, bc2.w, bc3.w), vec4<f32>(bc4.w, bc5.w, bc6.w, bc7.w), vec4<f32>(bc8.w, bc9.w, bc10.w, bc11.w), vec4<f32>(bc12.w, bc13.w, bc14.w, bc15.w));
+        } else {
+            let ob = 4u * kc * n4;
+            bm0 = mat4x4<f32>(b4[ob + 0u * n4 + cg0], b4[ob + 0u * n4 + cg1], b4[ob + 0u * n4 + cg2], b4[ob + 0u * n4 + cg3]);
+            bm1 = mat4x4<f32>(b4[ob + 1u * n4 + cg0], b4[ob + 1u * n4 + cg1], b4[ob + 1u * n4 + cg2], b4[ob + 1u * n4 + cg3]);
+            bm2 = mat4x4<f32>(b4[ob + 2u * n4 + cg0], b4[ob + 2u * n4 + cg1], b4[ob + 2u * n4 + cg2], b4[ob + 2u * n4 + cg3]);
+            bm3 = mat4x4<f32>(b4[ob + 3u * n4 + cg0], b4[ob + 3u * n4 + cg1], b4[ob + 3u * n4 + cg2], b4[ob + 3u * n4 + cg3]);
+        }
+        acc0 = mm_row_fma4(acc0, av0, bm0, bm1, bm2, bm3);
+        acc1 = mm_row_fma4(acc1, av1, bm0, bm1, bm2, bm3);
+        acc2 = mm_row_fma4(acc2, av2, bm0, bm1, bm2, bm3);
+        acc3 = mm_row_fma4(acc3, av3, bm0, bm1, bm2, bm3);
+        acc4 = mm_row_fma4(acc4, av4, bm0, bm1, bm2, bm3);
+        acc5 = mm_row_fma4(acc5, av5, bm0, bm1, bm2, bm3);
+        acc6 = mm_row_fma4(acc6, av6, bm0, bm1, bm2, bm3);
+        acc7 = mm_row_fma4(acc7, av7, bm0, bm1, bm2, bm3);
+        acc8 = mm_row_fma4(acc8, av8, bm0, bm1, bm2, bm3);
+        acc9 = mm_row_fma4(acc9, av9, bm0, bm1, bm2, bm3);
+        acc10 = mm_row_fma4(acc10, av10, bm0, bm1, bm2, bm3);
+        acc11 = mm_row_fma4(acc11, av11, bm0, bm1, bm2, bm3);
+        acc12 = mm_row_fma4(acc12, av12, bm0, bm1, bm2, bm3);
+        acc13 = mm_row_fma4(acc13, av13, bm0, bm1, bm2, bm3);
+        acc14 = mm_row_fma4(acc14, av14, bm0, bm1, bm2, bm3);
+        acc15 = mm_row_fma4(acc15, av15, bm0, bm1, bm2, bm3);
+        acc16 = mm_row_fma4(acc16, av16, bm0, bm1, bm2, bm3);
+        acc17 = mm_row_fma4(acc17, av17, bm0, bm1, bm2, bm3);
+        acc18 = mm_row_fma4(acc18, av18, bm0, bm1, bm2, bm3);
+        acc19 = mm_row_fma4(acc19, av19, bm0, bm1, bm2, bm3);
+        acc20 = mm_row_fma4(acc20, av20, bm0, bm1, bm2, bm3);
+        acc21 = mm_row_fma4(acc21, av21, bm0, bm1, bm2, bm3);
+        acc22 = mm_row_fma4(acc22, av22, bm0, bm1, bm2, bm3);
+        acc23 = mm_row_fma4(acc23, av23, bm0, bm1, bm2, bm3);
+        acc24 = mm_row_fma4(acc24, av24, bm0, bm1, bm2, bm3);
+        acc25 = mm_row_fma4(acc25, av25, bm0, bm1, bm2, bm3);
+        acc26 = mm_row_fma4(acc26, av26, bm0, bm1, bm2, bm3);
+        acc27 = mm_row_fma4(acc27, av27, bm0, bm1, bm2, bm3);
+        acc28 = mm_row_fma4(acc28, av28, bm0, bm1, bm2, bm3);
+        acc29 = mm_row_fma4(acc29, av29, bm0, bm1, bm2, bm3);
+        acc30 = mm_row_fma4(acc30, av30, bm0, bm1, bm2, bm3);
+        acc31 = mm_row_fma4(acc31, av31, bm0, bm1, bm2, bm3);
+    }
+    mm_store_row_contiguous(row0 + 0u, col0, acc0);
+    mm_store_row_contiguous(row0 + 1u, col0, acc1);
+    mm_store_row_contiguous(row0 + 2u, col0, acc2);
+    mm_store_row_contiguous(row0 + 3u, col0, acc3);
+    mm_store_row_contiguous(row0 + 4u, col0, acc4);
+    mm_store_row_contiguous(row0 + 5u, col0, acc5);
+    mm_store_row_contiguous(row0 + 6u, col0, acc6);
+    mm_store_row_contiguous(row0 + 7u, col0, acc7);
+    mm_store_row_contiguous(row0 + 8u, col0, acc8);
+    mm_store_row_contiguous(row0 + 9u, col0, acc9);
+    mm_store_row_contiguous(row0 + 10u, col0, acc10);
+    mm_store_row_contiguous(row0 + 11u, col0, acc11);
+    mm_store_row_contiguous(row0 + 12u, col0, acc12);
+    mm_store_row_contiguous(row0 + 13u, col0, acc13);
+    mm_store_row_contiguous(row0 + 14u, col0, acc14);
+    mm_store_row_contiguous(row0 + 15u, col0, acc15);
+    mm_store_row_contiguous(row0 + 16u, col0, acc16);
+    mm_store_row_contiguous(row0 + 17u, col0, acc17);
+    mm_store_row_contiguous(row0 + 18u, col0, acc18);
+    mm_store_row_contiguous(row0 + 19u, col0, acc19);
+    mm_store_row_contiguous(row0 + 20u, col0, acc20);
+    mm_store_row_contiguous(row0 + 21u, col0, acc21);
+    mm_store_row_contiguous(row0 + 22u, col0, acc22);
+    mm_store_row_contiguous(row0 + 23u, col0, acc23);
+    mm_store_row_contiguous(row0 + 24u, col0, acc24);
+    mm_store_row_contiguous(row0 + 25u, col0, acc25);
+    mm_store_row_contiguous(row0 + 26u, col0, acc26);
+    mm_store_row_contiguous(row0 + 27u, col0, acc27);
+    mm_store_row_contiguous(row0 + 28u, col0, acc28);
+    mm_store_row_contiguous(row0 + 29u, col0, acc29);
+    mm_store_row_contiguous(row0 + 30u, col0, acc30);
+    mm_store_row_contiguous(row0 + 31u, col0, acc31);
+}
+
 // Workgroup-memory tiled form: the usual choice on real GPUs. 16×16 threads
 // stage 64×16 slices of op(A) and 16×64 slices of op(B) in workgroup memory;
 // each thread accumulates a 4×4 register block (rows and columns interleaved

@@ -85,6 +85,8 @@ pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> Result<BenchLine> {
         case: "matmul".into(),
         values: vec![
             ("n", n.to_string()),
+            ("variant", format!("{:?}", kernels.matmul_variant_for(MatmulForm::AB))),
+            ("tuning", kernels.matmul_tuning().source.split(' ').next().unwrap_or("").to_string()),
             ("gflops", format!("{g:.2}")),
             ("cpu_gflops", format!("{c:.2}")),
             ("ratio", format!("{:.3}", g / c)),

@@ -47,6 +47,9 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         show: usize,
     },
+    /// Time every matmul kernel variant per form on this adapter, keep the
+    /// fastest and cache the choice (see `wgrad::kernels::autotune`).
+    Tune,
     /// Measure matmul GFLOPS (beside a CPU sgemm), the MLP and Linear(10,1)
     /// training steps on the chosen adapter; ends with `bench ...` lines.
     Bench {
@@ -133,6 +136,18 @@ fn load_data(mnist: Option<&PathBuf>, test_fraction: f64, seed: u64) -> wgrad::R
             Ok((train, test, "digits".to_string()))
         }
     }
+}
+
+fn tune(opts: &DeviceOptions) -> wgrad::Result<()> {
+    let kernels = open_kernels(opts)?;
+    println!("tuning matmul on {}", kernels.device().label());
+    let table = kernels.autotune()?;
+    print!("{}", table.table());
+    match wgrad::kernels::autotune::cache_path() {
+        Some(path) => println!("cached in {}", path.display()),
+        None => println!("no cache directory (set WGRAD_CACHE_DIR); kept for this run only"),
+    }
+    Ok(())
 }
 
 fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
@@ -391,6 +406,7 @@ fn main() -> ExitCode {
         Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Bench { quick } => bench(&opts, *quick),
+        Command::Tune => tune(&opts),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,7 +10,10 @@ use proptest::prelude::*;
 use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulEpilogue, MatmulForm, MatmulVariant, SgdConfig};
 use wgrad::{cpu, Error, Kernels};
 
-const MATMUL_SHAPES: [(usize, usize, usize); 12] = [
+// The last three are multiples of 4 in every dimension, so
+// `MatmulVariant::RegisterVec4` runs its vec4 kernel on them (edge tiles
+// included); on the others it runs the scalar register kernel.
+const MATMUL_SHAPES: [(usize, usize, usize); 15] = [
     (1, 1, 1),
     (1, 7, 1),
     (7, 1, 13),
@@ -23,6 +26,9 @@ const MATMUL_SHAPES: [(usize, usize, usize); 12] = [
     (257, 1, 3),
     (1, 300, 130),
     (96, 160, 1),
+    (4, 4, 4),
+    (68, 132, 20),
+    (132, 64, 12),
 ];
 
 fn check_matmul(k: &Kernels, variant: MatmulVariant, form: MatmulForm, m: usize, n: usize, kk: usize, seed: u64) -> wgrad::Result<()> {
@@ -519,7 +525,7 @@ fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_varia
         for variant in MatmulVariant::ALL {
             for (f, form) in MatmulForm::ALL.into_iter().enumerate() {
                 for case in epilogue_cases(f) {
-                    for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67)].iter().enumerate() {
+                    for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), (20, 68, 36)].iter().enumerate() {
                         check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
                     }
                 }

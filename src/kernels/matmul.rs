@@ -1,12 +1,12 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::elementwise::Activation;
-use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_SHARED};
+use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED};
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 
 /// Which operand is transposed. Shapes are row-major as stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum MatmulForm {
     /// C[M,N] = A[M,K] · B[K,N] (forward pass).
     AB,
@@ -39,14 +39,34 @@ impl MatmulForm {
 
 /// The kernel shape: register-blocked (CPU adapters, where workgroup memory
 /// and barriers are slow) or workgroup-memory tiled (real GPUs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum MatmulVariant {
     Register,
     Shared,
+    /// Register-blocked with vec4 loads (contiguous 16-column blocks) where
+    /// M, N, K are multiples of 4 and every operand starts 16-byte aligned;
+    /// other shapes run [`MatmulVariant::Register`].
+    RegisterVec4,
 }
 
 impl MatmulVariant {
-    pub const ALL: [MatmulVariant; 2] = [MatmulVariant::Register, MatmulVariant::Shared];
+    pub const ALL: [MatmulVariant; 3] = [MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4];
+
+    /// The entry point this variant runs for these operands.
+    fn kernel(self, m: usize, n: usize, k: usize, views: [&View<'_>; 3]) -> super::Kernel {
+        match self {
+            MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
+            MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
+            MatmulVariant::RegisterVec4 => {
+                let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && views.iter().all(|v| v.offset % 16 == 0);
+                if aligned {
+                    MATMUL_FORWARD_REGISTER_VEC4
+                } else {
+                    MATMUL_FORWARD_REGISTER
+                }
+            }
+        }
+    }
 }
 
 /// What happens to each product element before it is stored.
@@ -92,13 +112,10 @@ struct MatmulParams {
 }
 
 impl Kernels {
-    /// The variant used by [`Kernels::matmul`] on this adapter.
+    /// The variant [`Kernels::matmul`] uses for the forward form on this
+    /// adapter; see [`Kernels::matmul_variant_for`] for the others.
     pub fn matmul_variant(&self) -> MatmulVariant {
-        if self.device().is_cpu() {
-            MatmulVariant::Register
-        } else {
-            MatmulVariant::Shared
-        }
+        self.matmul_variant_for(MatmulForm::AB)
     }
 
     /// C[m,n] = op(A)·op(B) with the variant best for this adapter.
@@ -113,7 +130,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_with(self.matmul_variant(), form, c, a, b, m, n, k)
+        self.matmul_with(self.matmul_variant_for(form), form, c, a, b, m, n, k)
     }
 
     /// C[m,n] += op(A)·op(B): accumulates into C (gradients).
@@ -128,7 +145,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant(), form, true, None, c, a, b, m, n, k)
+        self.matmul_impl(self.matmul_variant_for(form), form, true, None, c, a, b, m, n, k)
     }
 
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
@@ -160,7 +177,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant(), form, false, Some(bias), c, a, b, m, n, k)
+        self.matmul_impl(self.matmul_variant_for(form), form, false, Some(bias), c, a, b, m, n, k)
     }
 
     /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
@@ -178,7 +195,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_epilogue_with(self.matmul_variant(), form, epilogue, c, a, b, m, n, k)
+        self.matmul_epilogue_with(self.matmul_variant_for(form), form, epilogue, c, a, b, m, n, k)
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -214,10 +231,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let kernel = match variant {
-            MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
-            MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
-        };
+        let kernel = variant.kernel(m, n, k, [&a, &b, &c]);
         let op = kernel.entry;
         let (a_shape, b_shape) = form.operand_shapes(m, n, k);
         let shapes: [&[usize]; 3] = [&a_shape, &b_shape, &[m, n]];

@@ -7,6 +7,7 @@
 //! number of command encoders. [`Kernels::run`] records a list of dispatches
 //! into one compute pass and submits it once.
 
+pub mod autotune;
 mod elementwise;
 mod loss;
 mod matmul;

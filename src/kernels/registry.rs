@@ -74,6 +74,7 @@ const fn kernel(family: Family, entry: &'static str) -> Kernel {
 
 pub const MATMUL_FORWARD_REGISTER: Kernel = kernel(Family::Matmul, "matmul_forward_register");
 pub const MATMUL_FORWARD_SHARED: Kernel = kernel(Family::Matmul, "matmul_forward_shared");
+pub const MATMUL_FORWARD_REGISTER_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_register_vec4");
 
 pub const ADD_FORWARD: Kernel = kernel(Family::Elementwise, "add_forward");
 pub const SUB_FORWARD: Kernel = kernel(Family::Elementwise, "sub_forward");
@@ -118,6 +119,7 @@ pub const MATMUL_SUBGROUP_FORWARD: Kernel = kernel(Family::MatmulSubgroup, "matm
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
     MATMUL_FORWARD_SHARED,
+    MATMUL_FORWARD_REGISTER_VEC4,
     ADD_FORWARD,
     SUB_FORWARD,
     MUL_FORWARD,

@@ -1,0 +1,358 @@
+//! Matmul autotuning: which [`MatmulVariant`] each [`MatmulForm`] runs on
+//! this adapter.
+//!
+//! Tuning runs **only when asked** (`wgrad tune`, or [`Kernels::autotune`]):
+//! on llvmpipe compiling one register-blocked pipeline alone takes 3–5 s, so
+//! tuning at first use would hold a first training step up for tens of
+//! seconds (Burn spends 84 s). Every other run reads the table:
+//!
+//! 1. `WGRAD_AUTOTUNE=0|off|false`: the fallback table, nothing read.
+//! 2. Otherwise the cached result for this adapter, if one exists: a JSON
+//!    file `matmul-tune.json` in `$WGRAD_CACHE_DIR`, else
+//!    `$XDG_CACHE_HOME/wgrad/`, else `~/.cache/wgrad/`, keyed by adapter
+//!    name, backend, driver, driver info, the wgrad version and a hash of
+//!    `matmul.wgsl` (a new driver or kernel source tunes afresh).
+//! 3. Otherwise the fallback table: CPU adapters (llvmpipe, WARP, SwiftShader)
+//!    get [`MatmulVariant::Register`], every other adapter
+//!    [`MatmulVariant::Shared`]. (On lavapipe the vec4 kernel measured no
+//!    faster inside the MLP training step for AB and ABᵀ, and 2.5–5× slower
+//!    for AᵀB, although AᵀB timed alone is on par; see BENCHMARKS.md.)
+//!
+//! A tuning run times every candidate variant on one training-sized shape
+//! per form (an MLP layer 784→512 at batch 256) within a time budget
+//! (`WGRAD_TUNE_BUDGET_MS`, default 3000 ms of timed runs; pipeline
+//! compilation is reported separately), checks each candidate's result
+//! against the CPU twin before timing it (a wrong kernel is never chosen),
+//! and writes the winners to the cache. [`MatmulVariant::RegisterVec4`] is a
+//! candidate for AB and ABᵀ only, because of that AᵀB slowdown in training
+//! steps which a single timed AᵀB does not show.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::matmul::{MatmulForm, MatmulVariant};
+use super::registry::Family;
+use super::Kernels;
+use crate::error::{Error, Result};
+
+const CACHE_FILE: &str = "matmul-tune.json";
+
+/// The variant chosen for each form, and where the choice came from.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MatmulTuning {
+    pub ab: MatmulVariant,
+    pub atb: MatmulVariant,
+    pub abt: MatmulVariant,
+    /// "fallback" or "tuned <unix seconds>".
+    pub source: String,
+    /// What the tuning measured: one row per (form, variant).
+    #[serde(default)]
+    pub measurements: Vec<TuneMeasurement>,
+}
+
+/// One timed candidate.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TuneMeasurement {
+    pub form: MatmulForm,
+    pub variant: MatmulVariant,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub gflops: f64,
+    pub compile_ms: f64,
+}
+
+impl MatmulTuning {
+    pub fn variant(&self, form: MatmulForm) -> MatmulVariant {
+        match form {
+            MatmulForm::AB => self.ab,
+            MatmulForm::AtB => self.atb,
+            MatmulForm::ABt => self.abt,
+        }
+    }
+
+    fn set(&mut self, form: MatmulForm, variant: MatmulVariant) {
+        match form {
+            MatmulForm::AB => self.ab = variant,
+            MatmulForm::AtB => self.atb = variant,
+            MatmulForm::ABt => self.abt = variant,
+        }
+    }
+
+    /// The table used with no cache: see the module documentation.
+    pub fn fallback(device_type: wgpu::DeviceType) -> Self {
+        let v = match device_type {
+            wgpu::DeviceType::Cpu => MatmulVariant::Register,
+            _ => MatmulVariant::Shared,
+        };
+        MatmulTuning { ab: v, atb: v, abt: v, source: "fallback".into(), measurements: Vec::new() }
+    }
+
+    /// One line per form, then the measurements.
+    pub fn table(&self) -> String {
+        let mut out = format!("matmul tuning ({}):\n", self.source);
+        for form in MatmulForm::ALL {
+            out += &format!("  {form:?}: {:?}\n", self.variant(form));
+        }
+        for t in &self.measurements {
+            out += &format!(
+                "  measured {:?} {:?} {}x{}x{}: {:.2} GFLOPS (compile {:.0} ms)\n",
+                t.form, t.variant, t.m, t.n, t.k, t.gflops, t.compile_ms
+            );
+        }
+        out
+    }
+}
+
+/// FNV-1a: a hash that stays the same across Rust releases, for the cache key.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Cache key of an adapter: name, backend, driver, wgrad version, shader hash.
+pub fn cache_key(info: &wgpu::AdapterInfo) -> String {
+    format!(
+        "{} | {:?} | {} {} | wgrad {} | matmul.wgsl {:016x}",
+        info.name,
+        info.backend,
+        info.driver,
+        info.driver_info,
+        env!("CARGO_PKG_VERSION"),
+        fnv1a(Family::Matmul.source())
+    )
+}
+
+/// The cache file's path, or None when no cache directory can be named.
+pub fn cache_path() -> Option<PathBuf> {
+    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let dir = non_empty("WGRAD_CACHE_DIR")
+        .or_else(|| non_empty("XDG_CACHE_HOME").map(|d| d.join("wgrad")))
+        .or_else(|| non_empty("HOME").map(|d| d.join(".cache").join("wgrad")))?;
+    Some(dir.join(CACHE_FILE))
+}
+
+fn autotune_disabled() -> bool {
+    std::env::var("WGRAD_AUTOTUNE")
+        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"))
+        .unwrap_or(false)
+}
+
+type CacheFile = BTreeMap<String, MatmulTuning>;
+
+/// An unreadable or malformed cache is treated as empty: it only holds
+/// measurements, and the next `wgrad tune` rewrites it.
+fn read_cache(path: &PathBuf) -> CacheFile {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default()
+}
+
+/// Tables already resolved in this process, by cache key.
+fn resolved() -> &'static Mutex<BTreeMap<String, MatmulTuning>> {
+    static TABLES: OnceLock<Mutex<BTreeMap<String, MatmulTuning>>> = OnceLock::new();
+    TABLES.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+fn lock_resolved() -> std::sync::MutexGuard<'static, BTreeMap<String, MatmulTuning>> {
+    resolved().lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The table for an adapter (see the module documentation for the order);
+/// reads the cache file at most once per adapter and process.
+pub fn tuning_for(info: &wgpu::AdapterInfo) -> MatmulTuning {
+    if autotune_disabled() {
+        return MatmulTuning::fallback(info.device_type);
+    }
+    let key = cache_key(info);
+    if let Some(t) = lock_resolved().get(&key) {
+        return t.clone();
+    }
+    let table = cache_path()
+        .and_then(|path| read_cache(&path).remove(&key))
+        .unwrap_or_else(|| MatmulTuning::fallback(info.device_type));
+    lock_resolved().insert(key, table.clone());
+    table
+}
+
+/// One training-sized shape per form: an MLP layer 784→512 at batch 256
+/// (forward, weight gradient, input gradient).
+pub const TUNE_SHAPES: [(MatmulForm, usize, usize, usize); 3] = [
+    (MatmulForm::AB, 256, 512, 784),
+    (MatmulForm::AtB, 784, 512, 256),
+    (MatmulForm::ABt, 256, 784, 512),
+];
+
+/// The variants tuning times for a form (see the module documentation for
+/// why AtB leaves out the vec4 kernel).
+pub fn candidates_for(form: MatmulForm) -> Vec<MatmulVariant> {
+    MatmulVariant::ALL.into_iter().filter(|&v| !(form == MatmulForm::AtB && v == MatmulVariant::RegisterVec4)).collect()
+}
+
+fn budget() -> Duration {
+    let ms = std::env::var("WGRAD_TUNE_BUDGET_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(3000);
+    Duration::from_millis(ms.max(1))
+}
+
+impl Kernels {
+    /// The matmul variant for `form` on this adapter (tuned, cached or
+    /// fallback).
+    pub fn matmul_variant_for(&self, form: MatmulForm) -> MatmulVariant {
+        tuning_for(self.device().info()).variant(form)
+    }
+
+    /// The table the matmul entries use on this adapter.
+    pub fn matmul_tuning(&self) -> MatmulTuning {
+        tuning_for(self.device().info())
+    }
+
+    /// Times every variant on [`TUNE_SHAPES`] (each first checked against
+    /// the CPU twin), keeps the fastest per form for this process, and
+    /// writes it to the cache file when one can be named. Returns the table.
+    /// The candidates of a form are timed in turns (one run each per round,
+    /// median over rounds), so load from other processes hits them alike.
+    pub fn autotune(&self) -> Result<MatmulTuning> {
+        let info = self.device().info();
+        let mut table = MatmulTuning::fallback(info.device_type);
+        let per_form = budget() / TUNE_SHAPES.len() as u32;
+        for (form, m, n, k) in TUNE_SHAPES {
+            let (sa, sb) = form.operand_shapes(m, n, k);
+            // Small integers, so every product and sum is exact in f32 and
+            // the check can demand equality with the f64 twin.
+            let pattern = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + seed) % 5) as f32 - 2.0).collect() };
+            let a_host = pattern(sa[0] * sa[1], 1);
+            let b_host = pattern(sb[0] * sb[1], 3);
+            let want = crate::cpu::matmul(form, &a_host, &b_host, m, n, k);
+            let (a, b) = (self.upload(&a_host)?, self.upload(&b_host)?);
+            let mut candidates = Vec::new();
+            for variant in candidates_for(form) {
+                let c = self.zeros(m * n)?;
+                let started = Instant::now();
+                // Weight gradients (AtB) accumulate into their buffer in a
+                // training step, so they are timed that way (C starts at
+                // zero, so the first result is still the plain product).
+                let accumulate = form == MatmulForm::AtB;
+                let dispatch = self.matmul_impl(variant, form, accumulate, None, c.view(), a.view(), b.view(), m, n, k)?;
+                self.run(&[&dispatch])?;
+                let got: Vec<f32> = self.read(c.view())?;
+                let compile_ms = started.elapsed().as_secs_f64() * 1e3;
+                if got != want {
+                    return Err(Error::InvalidArgument {
+                        op: "autotune",
+                        reason: format!("{variant:?} {form:?} {m}x{n}x{k} disagrees with the CPU twin; not tuning with it"),
+                    });
+                }
+                candidates.push((variant, dispatch, compile_ms, Vec::new()));
+            }
+            let deadline = Instant::now() + per_form;
+            let mut rounds = 0;
+            while rounds < 3 || (Instant::now() < deadline && rounds < 30) {
+                for (_, dispatch, _, runs) in candidates.iter_mut() {
+                    let t = Instant::now();
+                    self.run(&[&*dispatch])?;
+                    self.device().wait_idle("autotune")?;
+                    runs.push(t.elapsed().as_secs_f64());
+                }
+                rounds += 1;
+            }
+            let flops = 2.0 * (m * n * k) as f64;
+            let mut best: Option<(f64, MatmulVariant)> = None;
+            for (variant, _, compile_ms, mut runs) in candidates {
+                runs.sort_by(f64::total_cmp);
+                let gflops = flops / runs[runs.len() / 2] / 1e9;
+                if best.is_none_or(|(g, _)| gflops > g) {
+                    best = Some((gflops, variant));
+                }
+                table.measurements.push(TuneMeasurement { form, variant, m, n, k, gflops, compile_ms });
+            }
+            if let Some((_, variant)) = best {
+                table.set(form, variant);
+            }
+        }
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        table.source = format!("tuned {since_epoch}");
+        let key = cache_key(info);
+        lock_resolved().insert(key.clone(), table.clone());
+        if let Some(path) = cache_path() {
+            let mut cache = read_cache(&path);
+            cache.insert(key, table.clone());
+            write_cache(&path, &cache)?;
+        }
+        Ok(table)
+    }
+}
+
+fn write_cache(path: &PathBuf, cache: &CacheFile) -> Result<()> {
+    let io = |e: std::io::Error| Error::InvalidArgument {
+        op: "autotune",
+        reason: format!("cannot write the tuning cache {}: {e}", path.display()),
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let text = serde_json::to_string_pretty(cache).map_err(|e| Error::InvalidArgument {
+        op: "autotune",
+        reason: format!("cannot encode the tuning cache: {e}"),
+    })?;
+    // Write then rename, so a concurrent reader never sees half a file.
+    let tmp = path.with_extension(format!("json.{}", std::process::id()));
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fallback_table_picks_register_kernels_on_cpu_adapters_and_shared_elsewhere() {
+        let cpu = MatmulTuning::fallback(wgpu::DeviceType::Cpu);
+        let gpu = MatmulTuning::fallback(wgpu::DeviceType::DiscreteGpu);
+        for form in MatmulForm::ALL {
+            assert_eq!(cpu.variant(form), MatmulVariant::Register);
+            assert_eq!(gpu.variant(form), MatmulVariant::Shared);
+        }
+    }
+
+    #[test]
+    fn a_tuning_survives_the_json_cache_and_keys_name_the_adapter_and_version() {
+        let mut table = MatmulTuning::fallback(wgpu::DeviceType::Cpu);
+        table.set(MatmulForm::AtB, MatmulVariant::Register);
+        table.measurements.push(TuneMeasurement {
+            form: MatmulForm::AtB,
+            variant: MatmulVariant::Register,
+            m: 784,
+            n: 512,
+            k: 256,
+            gflops: 9.5,
+            compile_ms: 1200.0,
+        });
+        let dir = std::env::temp_dir().join(format!("wgrad-tune-test-{}", std::process::id()));
+        let path = dir.join(CACHE_FILE);
+        let mut cache = CacheFile::new();
+        cache.insert("adapter".into(), table.clone());
+        write_cache(&path, &cache).expect("write");
+        assert_eq!(read_cache(&path).remove("adapter"), Some(table));
+        std::fs::write(&path, "{ not json").expect("write");
+        assert!(read_cache(&path).is_empty(), "a malformed cache reads as empty");
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let info = wgpu::AdapterInfo {
+            name: "llvmpipe (LLVM 15.0.6, 256 bits)".into(),
+            driver: "llvmpipe".into(),
+            driver_info: "Mesa 22.3.6".into(),
+            ..wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan)
+        };
+        let key = cache_key(&info);
+        for part in ["llvmpipe (LLVM 15.0.6, 256 bits)", "Vulkan", "Mesa 22.3.6", env!("CARGO_PKG_VERSION")] {
+            assert!(key.contains(part), "{key} lacks {part}");
+        }
+        let other_driver = wgpu::AdapterInfo { driver_info: "Mesa 24.0".into(), ..info };
+        assert_ne!(cache_key(&other_driver), key);
+    }
+}
