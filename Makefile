@@ -22,6 +22,14 @@ test: driver
 	# runs on the GL adapter too.
 	$(CARGO) test --release -- --test-threads=1
 	$(CARGO) run --release --example linear_regression
+	# Training across processes (the optional `mpi` feature), when MPI is
+	# installed (scripts/ensure-mpi.sh installs it on Debian as root).
+	@if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && \
+		ldconfig -p 2>/dev/null | grep -q libclang; then \
+		$(CARGO) test --release --features mpi --test mpi -- --test-threads=1; \
+	else \
+		echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)"; \
+	fi
 
 bench: driver
 	$(CARGO) bench --bench matmul

@@ -44,6 +44,15 @@ pub enum Error {
     #[error("device {device}: {source}")]
     OnDevice { device: String, source: Box<Error> },
 
+    /// A failure between the processes of a distributed run (MPI), naming
+    /// the rank that saw it.
+    #[error("rank {rank} of {size}: {op}: {message}")]
+    Distributed { op: &'static str, rank: usize, size: usize, message: String },
+
+    /// An error on one process of a distributed run, naming its rank.
+    #[error("rank {rank}: {source}")]
+    OnRank { rank: usize, source: Box<Error> },
+
     /// `backward` reached an op that has no gradient rule for that input.
     #[error("backward: `{op}` has no gradient with respect to its input `{input}`")]
     NoGradient { op: &'static str, input: String },

@@ -11,6 +11,7 @@ use wgrad::data::{self, Dataset, Sampler};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, SGD};
+use wgrad::parallel::distributed::{DistributedDataParallel, InjectedFailure, ProcessGroup};
 use wgrad::parallel::engine::{Engine, Strategy};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{accuracy, Predictor, Targets};
@@ -56,6 +57,17 @@ enum Command {
         /// Fewer repetitions and sizes.
         #[arg(long)]
         quick: bool,
+    },
+    /// Under mpirun: time the cross-process gradient all-reduce (f64 sums in
+    /// the buckets training uses) for several gradient sizes; rank 0 prints
+    /// a table. Needs a build with `--features mpi`.
+    Allreduce {
+        /// Gradient sizes in parameters.
+        #[arg(long, value_delimiter = ',', default_value = "1000,16000,262144,1048576,4194304,16777216")]
+        sizes: Vec<usize>,
+        /// Timed repetitions per size after one warm-up.
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
     },
     /// Multiply two random n×n matrices on the GPU, check the result against
     /// the CPU and print the speed.
@@ -119,9 +131,22 @@ struct TrainArgs {
     /// Pipeline micro-batches per step.
     #[arg(long, default_value_t = 4)]
     micro_batches: usize,
-    /// Data parallel: fixed rows per device (e.g. 24,8) instead of the measured split.
+    /// Data parallel: fixed rows per device (e.g. 24,8) instead of the
+    /// measured split; with --distributed, rows per process.
     #[arg(long, value_delimiter = ',')]
     split: Option<Vec<usize>>,
+    /// Train across the processes of an MPI job (`mpi`; run under mpirun or
+    /// srun; needs a build with `--features mpi`). Each process uses its own
+    /// --devices (default: one adapter per process).
+    #[arg(long)]
+    distributed: Option<String>,
+    /// Stop after this many steps (default: all epochs).
+    #[arg(long)]
+    max_steps: Option<u64>,
+    /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
+    /// that step (an error, or a panic).
+    #[arg(long, hide = true)]
+    fail_at: Option<String>,
 }
 
 /// The train/test split every command agrees on.
@@ -155,15 +180,108 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 }
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
-    let (train_set, test_set, data_name) = load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?;
-    let strategy = match &args.parallel {
-        Some(name) => Strategy::parse(name)?,
-        None => Strategy::Single,
+    match args.distributed.as_deref() {
+        None => run_training(opts, args, None),
+        Some("mpi") => train_mpi(opts, args),
+        Some(other) => Err(wgrad::Error::InvalidArgument {
+            op: "train --distributed",
+            reason: format!("unknown transport `{other}`: use mpi"),
+        }),
+    }
+}
+
+/// Under MPI every way out of a rank is an explicit one: a clean finalise
+/// after success, MPI_Abort after an error (returning would finalise and
+/// hang the ranks still waiting in a collective).
+#[cfg(feature = "mpi")]
+fn train_mpi(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
+    use wgrad::parallel::distributed::ProcessGroup;
+    let group = Arc::new(wgrad::parallel::mpi::MpiGroup::init()?);
+    let shared: Box<dyn ProcessGroup> = Box::new(group.clone());
+    match run_training(opts, args, Some(shared)) {
+        Ok(()) => match Arc::try_unwrap(group) {
+            Ok(group) => {
+                group.finalize();
+                Ok(())
+            }
+            Err(group) => group.abort(1),
+        },
+        Err(e) => {
+            eprintln!("error: rank {} of {}: {e}; aborting the MPI job", group.rank(), group.size());
+            group.abort(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn train_mpi(_opts: &DeviceOptions, _args: &TrainArgs) -> wgrad::Result<()> {
+    train_mpi_missing("train --distributed mpi")
+}
+
+#[cfg(not(feature = "mpi"))]
+fn train_mpi_missing(op: &'static str) -> wgrad::Result<()> {
+    Err(wgrad::Error::InvalidArgument {
+        op,
+        reason: "this wgrad was built without MPI: build with `cargo build --release --features mpi` \
+                 (needs an MPI library, e.g. Debian's libopenmpi-dev, and libclang)"
+            .into(),
+    })
+}
+
+/// Rank 0's data on every rank: only rank 0 reads files.
+fn share_data(group: &dyn ProcessGroup, loaded: Option<(Dataset, Dataset, String)>) -> wgrad::Result<(Dataset, Dataset, String)> {
+    use wgrad::parallel::distributed::{broadcast_f32, broadcast_u64};
+    let root = group.rank() == 0;
+    let (train, test, name) = match loaded {
+        Some((train, test, name)) => (Some(train), Some(test), name),
+        None => (None, None, String::new()),
     };
-    let group = match (&args.devices, strategy) {
-        (Some(d), _) => DeviceGroup::open(&DeviceSelection::parse(d)?)?,
-        (None, Strategy::Single) => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
-        (None, _) => DeviceGroup::from_env(DeviceSelection::Count(2))?,
+    let mut name_bytes = name.into_bytes();
+    group.broadcast_bytes(0, &mut name_bytes)?;
+    let share = |set: Option<Dataset>| -> wgrad::Result<Dataset> {
+        let (mut x, labels, features, classes) = match set {
+            Some(d) if root => d.into_parts(),
+            _ => (Vec::new(), Vec::new(), 0, 0),
+        };
+        let mut meta = vec![features as u64, classes as u64];
+        let mut labels: Vec<u64> = labels.into_iter().map(u64::from).collect();
+        broadcast_u64(group, 0, &mut meta)?;
+        broadcast_f32(group, 0, &mut x)?;
+        broadcast_u64(group, 0, &mut labels)?;
+        let labels = labels.into_iter().map(|l| l as u32).collect();
+        Dataset::new(x, labels, meta[0] as usize, meta[1] as usize)
+    };
+    let train = share(train)?;
+    let test = share(test)?;
+    Ok((train, test, String::from_utf8_lossy(&name_bytes).into_owned()))
+}
+
+fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Box<dyn ProcessGroup>>) -> wgrad::Result<()> {
+    let rank = process_group.as_ref().map_or(0, |g| g.rank());
+    let root = rank == 0;
+    let (train_set, test_set, data_name) = match &process_group {
+        None => load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?,
+        Some(g) => {
+            let loaded = if root { Some(load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?) } else { None };
+            share_data(g.as_ref(), loaded)?
+        }
+    };
+    log::info!("rank {rank}: data ready");
+    let strategy = match (&args.parallel, &process_group) {
+        (Some(name), _) => Strategy::parse(name)?,
+        (None, Some(_)) => Strategy::Data,
+        (None, None) => Strategy::Single,
+    };
+    if process_group.is_some() && strategy != Strategy::Data {
+        return Err(wgrad::Error::InvalidArgument {
+            op: "train --distributed",
+            reason: "across processes wgrad trains data parallel: use --parallel data".into(),
+        });
+    }
+    let group = match (&args.devices, strategy, &process_group) {
+        (Some(d), _, _) => DeviceGroup::open(&DeviceSelection::parse(d)?)?,
+        (None, Strategy::Single, _) | (None, _, Some(_)) => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
+        (None, _, None) => DeviceGroup::from_env(DeviceSelection::Count(2))?,
     };
     let mut widths = vec![train_set.features()];
     widths.extend(&args.hidden);
@@ -175,7 +293,15 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         OptimizerName::Adamw => AdamW::new(args.lr).into(),
         OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
     };
-    let mut engine = Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?;
+    log::info!("rank {rank}: devices open");
+    let mut engine = match process_group {
+        Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
+        None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
+    };
+    if let (Some(spec), Engine::Distributed(d)) = (&args.fail_at, &mut engine) {
+        let (fail_rank, step, how) = parse_fail_at(spec)?;
+        d.inject_failure(fail_rank, step, how);
+    }
     if let Some(path) = &args.resume {
         match &mut engine {
             Engine::Single(t) => t.load(path)?,
@@ -184,6 +310,16 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
                     t.load(path)?;
                 }
             }
+            // Rank 0 reads the checkpoint and every rank takes its state,
+            // whatever the number of processes that wrote it.
+            Engine::Distributed(d) => {
+                if root {
+                    for t in d.local_mut().replicas_mut() {
+                        t.load(path)?;
+                    }
+                }
+                d.sync_from_root()?;
+            }
             _ => {
                 return Err(wgrad::Error::InvalidArgument {
                     op: "train --resume",
@@ -191,25 +327,32 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
                 })
             }
         }
-        println!("resumed from {}", path.display());
+        if root {
+            println!("resumed from {}", path.display());
+        }
     }
-    println!("devices: {}", group.labels().join(", "));
+    // Rank 0 speaks for the job; other ranks only report errors.
+    macro_rules! say {
+        ($($arg:tt)*) => { if root { println!($($arg)*); } };
+    }
+    say!("devices: {}", group.labels().join(", "));
     if let Engine::Single(t) = &engine {
         let exec = t.executor();
-        println!(
+        say!(
             "GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
             exec.peak_bytes() / 1024,
             exec.plan().slot_bytes / 1024,
             exec.plan().naive_intermediate_bytes / 1024,
         );
     }
-    println!("model: {} | {} | batch {}", model.describe(), wgrad::optim::describe(&optimizer), args.batch_size);
-    println!("{}", engine.describe());
-    println!("data: {data_name}, {} train / {} test rows", train_set.len(), test_set.len());
+    say!("model: {} | {} | batch {}", model.describe(), wgrad::optim::describe(&optimizer), args.batch_size);
+    say!("{}", engine.describe());
+    say!("data: {data_name}, {} train / {} test rows", train_set.len(), test_set.len());
 
     let mut sampler = Sampler::new(train_set.len(), args.batch_size, args.seed, true)?;
-    let steps = (sampler.num_batches() * args.epochs) as u64;
-    let bar = ProgressBar::new(steps);
+    let all_steps = (sampler.num_batches() * args.epochs) as u64;
+    let steps = args.max_steps.map_or(all_steps, |m| m.min(all_steps));
+    let bar = if root { ProgressBar::new(steps) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -221,11 +364,15 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let mut done = 0u64;
     let shares_of = |e: &Engine| match e {
         Engine::Data(d) => d.shares().to_vec(),
+        Engine::Distributed(d) => d.process_shares().to_vec(),
         _ => Vec::new(),
     };
     let mut last_shares = shares_of(&engine);
-    for _ in 0..args.epochs {
+    'epochs: for _ in 0..args.epochs {
         for b in 0..sampler.num_batches() {
+            if done >= steps {
+                break 'epochs;
+            }
             let Some(indices) = sampler.batch(b) else { break };
             train_set.fill_batch(indices, &mut x, &mut y)?;
             done += 1;
@@ -237,7 +384,9 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
             }
             let shares = shares_of(&engine);
             if shares != last_shares {
-                bar.println(format!("step {done}: {}", engine.describe()));
+                if root {
+                    bar.println(format!("step {done}: {}", engine.describe()));
+                }
                 last_shares = shares;
             }
             bar.inc(1);
@@ -249,6 +398,9 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     }
     let seconds = start.elapsed().as_secs_f64();
     bar.finish();
+    if !root {
+        return Ok(());
+    }
     let test_accuracy = accuracy(&engine.predict(test_set.x())?, test_set.labels());
     let train_accuracy = accuracy(&engine.predict(train_set.x())?, train_set.labels());
     println!(
@@ -279,6 +431,65 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     wgrad::plot::loss_curve(&args.plot, &title, &curve)?;
     println!("loss curve: {}", args.plot.display());
     Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
+    use wgrad::parallel::distributed::ProcessGroup;
+    let group = wgrad::parallel::mpi::MpiGroup::init()?;
+    // Training reduces the gradient bucket by bucket: 2^18 f64 sums each.
+    const BUCKET: usize = 1 << 18;
+    let mut rows = Vec::new();
+    for &n in sizes {
+        let mut values = vec![1.0f64; n];
+        let mut times = Vec::with_capacity(reps.max(1));
+        for rep in 0..=reps.max(1) {
+            let start = Instant::now();
+            for chunk in values.chunks_mut(BUCKET) {
+                if let Err(e) = group.all_reduce_sum(chunk) {
+                    eprintln!("error: rank {}: {e}", group.rank());
+                    group.abort(1);
+                }
+            }
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        rows.push((n, times[times.len() / 2], times[0]));
+    }
+    if group.rank() == 0 {
+        println!("{}", group.describe());
+        println!("{:>12} {:>12} {:>12} {:>12} {:>10}", "parameters", "f32 MiB", "median ms", "min ms", "GB/s f64");
+        for (n, median, min) in &rows {
+            let bytes = 8.0 * *n as f64;
+            println!("{n:>12} {:>12.2} {:>12.3} {:>12.3} {:>10.2}", 4.0 * *n as f64 / (1 << 20) as f64, 1e3 * median, 1e3 * min, bytes / median / 1e9);
+        }
+        for (n, median, _) in &rows {
+            println!("bench allreduce processes={} parameters={n} ms={:.3}", group.size(), 1e3 * median);
+        }
+    }
+    group.finalize();
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
+    train_mpi_missing("allreduce")
+}
+
+/// `RANK:STEP[:panic|error]` for --fail-at.
+fn parse_fail_at(spec: &str) -> wgrad::Result<(usize, u64, InjectedFailure)> {
+    let bad = || wgrad::Error::InvalidArgument { op: "train --fail-at", reason: format!("`{spec}` is not RANK:STEP[:panic|error]") };
+    let mut fields = spec.split(':');
+    let rank = fields.next().and_then(|r| r.trim().parse().ok()).ok_or_else(bad)?;
+    let step = fields.next().and_then(|s| s.trim().parse().ok()).ok_or_else(bad)?;
+    let how = match fields.next().map(str::trim) {
+        None | Some("error") => InjectedFailure::Error,
+        Some("panic") => InjectedFailure::Panic,
+        Some(_) => return Err(bad()),
+    };
+    Ok((rank, step, how))
 }
 
 fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: usize) -> wgrad::Result<()> {
@@ -407,6 +618,7 @@ fn main() -> ExitCode {
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Bench { quick } => bench(&opts, *quick),
         Command::Tune => tune(&opts),
+        Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -327,3 +327,77 @@ fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
     let parts = [Part::new(&k, t.view()), Part::new(&k, u.view())];
     assert!(matches!(all_reduce(&parts, None, 0, Instant::now()), Err(Error::InvalidArgument { .. })));
 }
+
+use wgrad::parallel::data::Cost;
+use wgrad::parallel::distributed::{broadcast_f32, broadcast_u64, DistributedDataParallel, ProcessGroup, SingleProcess};
+
+#[test]
+fn combined_cost_finishes_every_device_together() {
+    let costs = [Cost { fixed: 1e-3, per_row: 1e-4 }, Cost { fixed: 3e-3, per_row: 3e-4 }];
+    let c = Cost::combined(&costs);
+    // At the combined time T for R rows, the devices' rows (T − fixed)/per_row sum to R.
+    let rows = 400.0;
+    let t = c.fixed + c.per_row * rows;
+    let sum: f64 = costs.iter().map(|d| (t - d.fixed) / d.per_row).sum();
+    assert!((sum - rows).abs() < 1e-9, "{sum} rows at T={t}");
+    let one = Cost::combined(&costs[..1]);
+    assert!((one.fixed - costs[0].fixed).abs() < 1e-15 && (one.per_row - costs[0].per_row).abs() < 1e-15, "{one:?}");
+}
+
+#[test]
+fn the_single_process_group_is_the_identity() {
+    let g = SingleProcess;
+    let mut v = vec![1.5f64, -2.0];
+    g.all_reduce_sum(&mut v).unwrap();
+    assert_eq!(v, [1.5, -2.0]);
+    assert_eq!(g.all_gather(&[4.0, 5.0]).unwrap(), [4.0, 5.0]);
+    let mut f = vec![0.25f32, 7.0];
+    broadcast_f32(&g, 0, &mut f).unwrap();
+    assert_eq!(f, [0.25, 7.0]);
+    let mut u = vec![u64::MAX, 3];
+    broadcast_u64(&g, 0, &mut u).unwrap();
+    assert_eq!(u, [u64::MAX, 3]);
+    assert!(g.broadcast_bytes(1, &mut Vec::new()).is_err(), "rank 1 does not exist");
+}
+
+/// The distributed engine in a job of one process (no MPI needed): the
+/// hierarchical path — local all-reduce, the cross-process stage, a
+/// re-split of the process's rows — gives single-device training.
+#[test]
+fn distributed_data_parallel_in_one_process_matches_single_device_training() {
+    const GLOBAL: usize = 16;
+    const STEPS: u64 = 8;
+    for group in groups().into_iter().take(2) {
+        let labels = group.labels().join(", ");
+        let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
+        let mut ddp = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+        assert_eq!(ddp.process_shares(), [GLOBAL]);
+        for s in 0..STEPS {
+            let (x, y) = batch(GLOBAL, s);
+            if s == 4 {
+                // What a cross-process re-split does to this process: other
+                // rows, same state.
+                ddp.local_mut().set_global_batch(GLOBAL - 3).unwrap();
+                ddp.local_mut().set_global_batch(GLOBAL).unwrap();
+            }
+            let loss = ddp.step(&x, Targets::Classes(&y), true).unwrap();
+            assert!(loss.is_some_and(|l| l.is_finite() && l > 0.0));
+        }
+        for (r, replica) in ddp.local().replicas().iter().enumerate() {
+            assert_same_parameters(&format!("replica {r} of [{labels}]"), &replica.executor().parameters().unwrap(), &want);
+        }
+        // Wrong batch shapes are errors that name the op.
+        let (x, y) = batch(GLOBAL - 1, 0);
+        let err = ddp.step(&x, Targets::Classes(&y), false).unwrap_err().to_string();
+        assert!(err.contains("DistributedDataParallel::step"), "{err}");
+    }
+}
+
+#[test]
+fn a_bad_process_split_is_refused() {
+    let Some(group) = groups().into_iter().next() else { return };
+    for rows in [vec![10, 6], vec![15], vec![0]] {
+        let err = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
+        assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
+    }
+}

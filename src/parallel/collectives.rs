@@ -94,6 +94,20 @@ fn write_all(parts: &[Part<'_>], views: &[View<'_>], values: &[f32]) -> Result<(
 /// keeping host buffers small. Returns when each device's first bucket
 /// arrived, measured from `since`.
 pub fn all_reduce(parts: &[Part<'_>], weights: Option<&[f64]>, bucket: usize, since: Instant) -> Result<Vec<Duration>> {
+    all_reduce_then(parts, weights, bucket, since, &mut |_| Ok(()))
+}
+
+/// [`all_reduce`] with a second stage: each bucket's weighted local sum
+/// (f64, on the host) goes through `across` before it is written back —
+/// where a multi-process run sums it over processes, making the reduction
+/// hierarchical (devices, then hosts) with one host round trip per bucket.
+pub fn all_reduce_then(
+    parts: &[Part<'_>],
+    weights: Option<&[f64]>,
+    bucket: usize,
+    since: Instant,
+    across: &mut dyn FnMut(&mut [f64]) -> Result<()>,
+) -> Result<Vec<Duration>> {
     let n = same_lengths("all_reduce", parts)?;
     if let Some(w) = weights {
         if w.len() != parts.len() {
@@ -120,6 +134,7 @@ pub fn all_reduce(parts: &[Part<'_>], weights: Option<&[f64]>, bucket: usize, si
                 *s += w * f64::from(*x);
             }
         }
+        across(&mut sum[..len])?;
         for (o, s) in out[..len].iter_mut().zip(&sum[..len]) {
             *o = *s as f32;
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
-use super::collectives::{all_reduce, Part};
+use super::collectives::{all_reduce_then, Part};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{Kernels, OptimizerConfig};
@@ -68,6 +68,18 @@ pub struct Cost {
 impl Cost {
     fn at(&self, rows: f64) -> f64 {
         self.fixed + self.per_row * rows
+    }
+
+    /// The cost of several devices working together on a balanced split:
+    /// with every device busy until T, Σ (T − fixed_d) / per_row_d = rows,
+    /// so T = (rows + Σ fixed_d/per_row_d) / Σ 1/per_row_d.
+    pub fn combined(costs: &[Cost]) -> Cost {
+        let speed: f64 = costs.iter().map(|c| 1.0 / c.per_row.max(1e-12)).sum();
+        let offset: f64 = costs.iter().map(|c| c.fixed / c.per_row.max(1e-12)).sum();
+        if speed <= 0.0 {
+            return Cost { fixed: 0.0, per_row: 1.0 };
+        }
+        Cost { fixed: offset / speed, per_row: 1.0 / speed }
     }
 }
 
@@ -250,6 +262,37 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Each device's cost model, calibrating first when it was not measured
+    /// yet (a single device, or a fixed split).
+    pub fn calibrated_costs(&mut self) -> Result<Vec<Cost>> {
+        if self.costs.iter().any(Option::is_none) {
+            self.calibrate()?;
+        }
+        Ok(self.costs.iter().flatten().copied().collect())
+    }
+
+    /// Takes `rows` rows per step from now on (a new share of a larger
+    /// job), split over the devices by their costs when measured; the
+    /// replicas keep their parameters, optimizer state and step.
+    pub fn set_global_batch(&mut self, rows: usize) -> Result<()> {
+        if rows == self.global_batch {
+            return Ok(());
+        }
+        let shares = match (&self.split, self.costs.iter().all(Option::is_some)) {
+            (Split::Rows(_), _) => {
+                return Err(Error::InvalidArgument {
+                    op: "data parallel split",
+                    reason: format!("the rows per device are fixed ({:?}); the batch cannot become {rows}", self.shares),
+                })
+            }
+            (Split::Measured { .. }, true) => balanced_split(rows, &self.costs.iter().flatten().copied().collect::<Vec<_>>())?,
+            (Split::Measured { .. }, false) => proportional_split(rows, &vec![1.0; self.devices.len()])?,
+        };
+        let state = host_state(&self.replicas[0])?;
+        self.global_batch = rows;
+        self.build_replicas(shares, Some(state))
+    }
+
     /// The measured cost model of each device (after calibration).
     pub fn costs(&self) -> Vec<Option<Cost>> {
         self.costs.clone()
@@ -307,6 +350,22 @@ impl DataParallel {
     /// takes the same optimizer step. Returns the global mean loss when
     /// `read_loss`.
     pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        self.step_across(x, targets, read_loss, 1.0, &mut |_| Ok(()))
+    }
+
+    /// [`DataParallel::step`] as one process of several: the gradient is
+    /// weighted by `scale` (this process's share of the job's batch) and
+    /// each bucket of the local sum goes through `across` (a sum over
+    /// processes) before it reaches the devices. The loss returned is this
+    /// process's own mean, unscaled.
+    pub fn step_across(
+        &mut self,
+        x: &[f32],
+        targets: Targets<'_>,
+        read_loss: bool,
+        scale: f64,
+        across: &mut dyn FnMut(&mut [f64]) -> Result<()>,
+    ) -> Result<Option<f32>> {
         let f = self.in_features;
         let width = match targets {
             Targets::Values(v) => {
@@ -339,6 +398,7 @@ impl DataParallel {
             row += n;
         }
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
+        let scaled: Vec<f64> = weights.iter().map(|w| w * scale).collect();
         let arrivals = {
             let mut parts = Vec::with_capacity(self.replicas.len());
             for (i, t) in self.replicas.iter().enumerate() {
@@ -348,7 +408,7 @@ impl DataParallel {
                 })?;
                 parts.push(Part::new(&self.devices[i], view));
             }
-            all_reduce(&parts, Some(&weights), self.bucket, start)?
+            all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?
         };
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().optimizer_step().map_err(|e| on_device(i, &self.devices[i], e))?;

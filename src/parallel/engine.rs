@@ -2,6 +2,7 @@
 //! example's) is written once: step, predict, checkpoint.
 
 use super::data::{DataParallel, Split};
+use super::distributed::{DistributedDataParallel, ProcessGroup};
 use super::pipeline::Pipeline;
 use super::tensor::TensorParallel;
 use super::DeviceGroup;
@@ -38,6 +39,9 @@ pub enum Engine {
     Data(DataParallel),
     Pipeline(Pipeline),
     Tensor(TensorParallel),
+    /// Data parallel over the processes of a job (MPI) and, inside each,
+    /// over its local devices.
+    Distributed(DistributedDataParallel<Box<dyn ProcessGroup>>),
 }
 
 impl Engine {
@@ -89,6 +93,7 @@ impl Engine {
             Engine::Data(d) => d.step(x, targets, read_loss),
             Engine::Pipeline(p) => p.step(x, targets, read_loss),
             Engine::Tensor(t) => t.step(x, targets, read_loss),
+            Engine::Distributed(d) => d.step(x, targets, read_loss),
         }
     }
 
@@ -98,6 +103,7 @@ impl Engine {
             Engine::Data(d) => d.predict(features),
             Engine::Pipeline(p) => p.predict(features),
             Engine::Tensor(t) => t.predict(features),
+            Engine::Distributed(d) => d.predict(features),
         }
     }
 
@@ -108,6 +114,7 @@ impl Engine {
         let (mut ckpt, steps) = match self {
             Engine::Single(t) => return t.checkpoint(),
             Engine::Data(d) => return d.replicas()[0].checkpoint(),
+            Engine::Distributed(d) => return d.replica().checkpoint(),
             Engine::Pipeline(p) => (Checkpoint::new(), p.stats().steps),
             Engine::Tensor(t) => (Checkpoint::new(), t.stats().steps),
         };
@@ -130,23 +137,34 @@ impl Engine {
     pub fn describe(&self) -> String {
         match self {
             Engine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
-            Engine::Data(d) => {
-                let shares: Vec<String> = d.devices().iter().zip(d.shares()).enumerate()
-                    .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
-                let costs: Vec<String> = d.costs().iter().enumerate().filter_map(|(i, c)| {
-                    c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))
-                }).collect();
-                if costs.is_empty() {
-                    format!("data parallel, batch split {}", shares.join(", "))
-                } else {
-                    format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
-                }
-            }
+            Engine::Data(d) => Engine::describe_data(d),
             Engine::Pipeline(p) => format!(
                 "pipeline parallel, {} stages of {:?} layers, ideal bubble {:.0}%",
                 p.stages().len(), p.layer_counts(), 100.0 * p.ideal_bubble_fraction()
             ),
             Engine::Tensor(t) => format!("tensor parallel, hidden units per device {:?}", t.hidden_split()),
+            Engine::Distributed(d) => {
+                let costs: Vec<String> = d.process_costs().iter().enumerate()
+                    .map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
+                let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+                format!(
+                    "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
+                    d.group().size(), d.process_shares(), d.group().describe(), Engine::describe_data(d.local())
+                )
+            }
+        }
+    }
+
+    fn describe_data(d: &DataParallel) -> String {
+        let shares: Vec<String> = d.devices().iter().zip(d.shares()).enumerate()
+            .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let costs: Vec<String> = d.costs().iter().enumerate().filter_map(|(i, c)| {
+            c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))
+        }).collect();
+        if costs.is_empty() {
+            format!("data parallel, batch split {}", shares.join(", "))
+        } else {
+            format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
         }
     }
 
@@ -166,6 +184,13 @@ impl Engine {
                 self.describe(), 100.0 * p.measured_bubble_fraction(), share(p.stats().communication, p.stats().wall)
             ),
             Engine::Tensor(t) => format!("{}; communication {:.0}% of step time", self.describe(), share(t.stats().communication, t.stats().wall)),
+            Engine::Distributed(d) => {
+                let s = d.stats();
+                format!(
+                    "{}; cross-process reductions {:.0}% of step time; {} process re-splits",
+                    self.describe(), share(s.across, s.local + s.across), s.resplits
+                )
+            }
         }
     }
 }

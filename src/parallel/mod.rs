@@ -5,7 +5,10 @@
 
 pub mod collectives;
 pub mod data;
+pub mod distributed;
 pub mod engine;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod pipeline;
 pub mod stage;
 pub mod tensor;

@@ -1,0 +1,461 @@
+//! Data parallel training across processes — and so across hosts. Each
+//! process drives its own [`DataParallel`] over its local devices; a
+//! [`ProcessGroup`] (MPI under the `mpi` feature, see [`super::mpi`]) joins
+//! them. A step is a hierarchical all-reduce: the local devices' gradients
+//! are summed on the host (the existing collectives), each bucket of that
+//! sum goes through one cross-process all-reduce, and the result is written
+//! back to every local device, so every replica on every host takes the same
+//! optimizer step.
+//!
+//! The global batch is split across processes and, inside each, across
+//! devices. Both splits follow measured step costs: a slower host gets a
+//! smaller share. Every rank starts from rank 0's parameters and optimizer
+//! state (broadcast), and rank 0's state is broadcast again every
+//! [`SYNC_EVERY`] steps, so hosts whose drivers round differently cannot
+//! drift apart.
+
+use std::time::{Duration, Instant};
+
+use super::collectives::to_host;
+use super::data::{balanced_split, proportional_split, Cost, DataParallel, Split};
+use super::DeviceGroup;
+use crate::error::{Error, Result};
+use crate::kernels::{OptimizerConfig, View};
+use crate::nn::{Criterion, Sequential};
+use crate::trainer::{Targets, Trainer};
+
+/// The processes of one job, and the few collectives data parallel
+/// training needs between them. Every call is collective: every rank must
+/// make it, in the same order.
+pub trait ProcessGroup {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Element-wise sum over all processes, in place.
+    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()>;
+    /// Makes every rank's `bytes` a copy of `root`'s (lengths may differ
+    /// before the call).
+    fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()>;
+    /// Every rank's `values` (the same length on each), concatenated in rank order.
+    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>>;
+    /// Ends the whole job now with `code` (every rank, not just this one):
+    /// the way out of any error once ranks may be waiting in a collective.
+    fn abort(&self, code: i32) -> !;
+    /// One line: implementation, rank, size, host.
+    fn describe(&self) -> String;
+}
+
+/// A job of one process: every collective is the identity. Lets the
+/// distributed engine run (and be tested) without MPI.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleProcess;
+
+impl ProcessGroup for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, _values: &mut [f64]) -> Result<()> {
+        Ok(())
+    }
+    fn broadcast_bytes(&self, root: usize, _bytes: &mut Vec<u8>) -> Result<()> {
+        if root != 0 {
+            return Err(Error::Distributed { op: "broadcast", rank: 0, size: 1, message: format!("no rank {root} in a job of 1") });
+        }
+        Ok(())
+    }
+    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
+        Ok(values.to_vec())
+    }
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
+    fn describe(&self) -> String {
+        "single process".into()
+    }
+}
+
+/// `root`'s `values` on every rank (lengths may differ before the call).
+pub fn broadcast_f32(group: &dyn ProcessGroup, root: usize, values: &mut Vec<f32>) -> Result<()> {
+    let mut bytes = if group.rank() == root { bytemuck::cast_slice::<f32, u8>(values).to_vec() } else { Vec::new() };
+    group.broadcast_bytes(root, &mut bytes)?;
+    *values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Ok(())
+}
+
+/// `root`'s `values` on every rank.
+pub fn broadcast_u64(group: &dyn ProcessGroup, root: usize, values: &mut Vec<u64>) -> Result<()> {
+    let mut bytes: Vec<u8> = if group.rank() == root { values.iter().flat_map(|v| v.to_le_bytes()).collect() } else { Vec::new() };
+    group.broadcast_bytes(root, &mut bytes)?;
+    *values = bytes.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+    Ok(())
+}
+
+/// Steps between broadcasts of rank 0's state to every replica.
+pub const SYNC_EVERY: u64 = 50;
+
+/// What a test asks a rank to do at a step, to prove a failing rank stops
+/// the whole job instead of hanging it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InjectedFailure {
+    /// The step returns an error (as a lost device would).
+    Error,
+    /// The step panics (as a bug would).
+    Panic,
+}
+
+/// Time spent per step, for the training report.
+#[derive(Clone, Debug, Default)]
+pub struct DistributedStats {
+    pub steps: u64,
+    /// This process's local forward, backward and device all-reduce.
+    pub local: Duration,
+    /// Waiting for and running the cross-process reductions.
+    pub across: Duration,
+    /// How many times the split between processes changed.
+    pub resplits: u64,
+}
+
+/// One model trained by every process of a [`ProcessGroup`], each over its
+/// local devices. Every rank calls every method in the same order.
+pub struct DistributedDataParallel<G: ProcessGroup> {
+    group: G,
+    local: DataParallel,
+    global_batch: usize,
+    /// Rows of the global batch per process, in rank order.
+    process_shares: Vec<usize>,
+    process_costs: Vec<Cost>,
+    resplit_every: u64,
+    fixed_split: bool,
+    window: (Duration, u64),
+    stats: DistributedStats,
+    failure: Option<(usize, u64, InjectedFailure)>,
+}
+
+impl<G: ProcessGroup> DistributedDataParallel<G> {
+    /// Replicas of `model` on every local device of every process;
+    /// `global_batch` rows per step over the whole job. `process_rows`
+    /// fixes the rows per process (rank order); otherwise each process
+    /// measures its step cost and the batch is split so all finish together.
+    /// Every replica then starts from rank 0's parameters.
+    pub fn new(
+        group: G,
+        local_devices: &DeviceGroup,
+        model: &Sequential,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        process_rows: Option<Vec<usize>>,
+    ) -> Result<Self> {
+        let (rank, size) = (group.rank(), group.size());
+        let fixed_split = process_rows.is_some();
+        let shares = match process_rows {
+            Some(rows) => {
+                if rows.len() != size || rows.iter().sum::<usize>() != global_batch || rows.contains(&0) {
+                    return Err(Error::InvalidArgument {
+                        op: "distributed split",
+                        reason: format!("rows {rows:?} must give each of {size} processes ≥ 1 row and sum to {global_batch}"),
+                    });
+                }
+                rows
+            }
+            None => proportional_split(global_batch, &vec![1.0; size])?,
+        };
+        let devices = local_devices.members().len();
+        if shares[rank] < devices {
+            return Err(Error::InvalidArgument {
+                op: "distributed split",
+                reason: format!("rank {rank} gets {} rows for {devices} local devices; use a larger batch", shares[rank]),
+            });
+        }
+        let local = DataParallel::new(local_devices, model, criterion, optimizer, shares[rank], Split::Measured { every: 20 })?;
+        log::info!("rank {rank}: replicas built");
+        let mut ddp = DistributedDataParallel {
+            group,
+            local,
+            global_batch,
+            process_shares: shares,
+            process_costs: Vec::new(),
+            resplit_every: 20,
+            fixed_split,
+            window: (Duration::ZERO, 0),
+            stats: DistributedStats::default(),
+            failure: None,
+        };
+        if !fixed_split && size > 1 {
+            let own = ddp.on_rank(|d| d.local.calibrated_costs())?;
+            ddp.process_costs = ddp.gather_costs(Cost::combined(&own))?;
+            let balanced = balanced_split(global_batch, &ddp.process_costs)?;
+            ddp.adopt_if_better(balanced)?;
+        }
+        ddp.sync_from_root()?;
+        Ok(ddp)
+    }
+
+    fn on_rank<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let rank = self.group.rank();
+        f(self).map_err(|e| match e {
+            e @ (Error::Distributed { .. } | Error::OnRank { .. }) => e,
+            e => Error::OnRank { rank, source: Box::new(e) },
+        })
+    }
+
+    /// Every process's cost, in rank order.
+    fn gather_costs(&self, own: Cost) -> Result<Vec<Cost>> {
+        let all = self.group.all_gather(&[own.fixed, own.per_row])?;
+        Ok(all.chunks_exact(2).map(|c| Cost { fixed: c[0], per_row: c[1] }).collect())
+    }
+
+    /// Moves to `proposal` when rank 0 predicts a step at least 10% shorter
+    /// (rank 0 decides, so every rank agrees even if their floating point
+    /// would not).
+    fn adopt_if_better(&mut self, proposal: Vec<usize>) -> Result<()> {
+        let makespan = |shares: &[usize]| -> f64 {
+            self.process_costs.iter().zip(shares).map(|(c, &n)| c.fixed + c.per_row * n as f64).fold(0.0, f64::max)
+        };
+        let mut chosen: Vec<u64> = if makespan(&proposal) < 0.9 * makespan(&self.process_shares) {
+            proposal.iter().map(|&n| n as u64).collect()
+        } else {
+            self.process_shares.iter().map(|&n| n as u64).collect()
+        };
+        broadcast_u64(&self.group, 0, &mut chosen)?;
+        let chosen: Vec<usize> = chosen.into_iter().map(|n| n as usize).collect();
+        if chosen.len() != self.group.size() || chosen.iter().sum::<usize>() != self.global_batch {
+            return Err(self.error("split", format!("rank 0 sent the split {chosen:?}")));
+        }
+        if chosen != self.process_shares {
+            let rank = self.group.rank();
+            log::info!("rank {rank}: process split {:?} -> {chosen:?} (costs {:?})", self.process_shares, self.process_costs);
+            let rows = chosen[rank];
+            self.on_rank(|d| d.local.set_global_batch(rows))?;
+            self.process_shares = chosen;
+            self.stats.resplits += 1;
+        }
+        Ok(())
+    }
+
+    fn error(&self, op: &'static str, message: String) -> Error {
+        Error::Distributed { op, rank: self.group.rank(), size: self.group.size(), message }
+    }
+
+    /// Copies rank 0's replica-0 parameters, optimizer state and step count
+    /// to every replica of every process.
+    pub fn sync_from_root(&mut self) -> Result<()> {
+        let root = self.group.rank() == 0;
+        let replica0 = &self.local.replicas()[0];
+        let exec = replica0.executor();
+        let mut arenas: Vec<View<'_>> = vec![exec.parameter_arena()];
+        arenas.extend(exec.state_arenas());
+        let mut step = vec![exec.step_count()];
+        let device0 = &self.local.devices()[0];
+        let mut host: Vec<Vec<f32>> = Vec::with_capacity(arenas.len());
+        for view in &arenas {
+            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
+            broadcast_f32(&self.group, 0, &mut values)?;
+            if values.len() != view.len {
+                return Err(self.error("broadcast state", format!("rank 0 sent {} values for an arena of {}: are the models the same?", values.len(), view.len)));
+            }
+            host.push(values);
+        }
+        broadcast_u64(&self.group, 0, &mut step)?;
+        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
+        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
+            let kernels = t.executor().kernels().clone();
+            let exec = t.executor();
+            let mut views = vec![exec.parameter_arena()];
+            views.extend(exec.state_arenas());
+            for (view, values) in views.iter().zip(&host) {
+                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
+            }
+            t.executor_mut().load_state(&[], &[], Some(step))?;
+        }
+        Ok(())
+    }
+
+    /// A test hook: make `rank` fail at `step` (1-based) with `how`.
+    pub fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
+        self.failure = Some((rank, step, how));
+    }
+
+    /// One optimizer step on the global batch (`x` and `targets` hold all
+    /// of it, in the same order on every rank; each process takes its rows).
+    /// Returns the global mean loss when `read_loss`.
+    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        let (rank, size) = (self.group.rank(), self.group.size());
+        if let Some((r, s, how)) = self.failure {
+            if r == rank && s == self.stats.steps + 1 {
+                match how {
+                    InjectedFailure::Error => return Err(self.error("step", format!("failure injected at step {s}"))),
+                    InjectedFailure::Panic => panic!("rank {rank}: failure injected at step {s}"),
+                }
+            }
+        }
+        let n = self.global_batch;
+        let f = x.len() / n.max(1);
+        if f == 0 || x.len() != n * f {
+            return Err(Error::shape("DistributedDataParallel::step", format!("x must be {n} rows"), &[&[x.len()]]));
+        }
+        let start: usize = self.process_shares[..rank].iter().sum();
+        let rows = self.process_shares[rank];
+        let own_targets = match targets {
+            Targets::Values(v) => {
+                let w = v.len() / n;
+                if v.len() != n * w {
+                    return Err(Error::shape("DistributedDataParallel::step", "targets must be batch × outputs", &[&[v.len()]]));
+                }
+                Targets::Values(&v[start * w..(start + rows) * w])
+            }
+            Targets::Classes(c) => {
+                if c.len() != n {
+                    return Err(Error::shape("DistributedDataParallel::step", "one label per row", &[&[c.len()]]));
+                }
+                Targets::Classes(&c[start..start + rows])
+            }
+        };
+        let own_x = &x[start * f..(start + rows) * f];
+        let scale = rows as f64 / n as f64;
+        let began = Instant::now();
+        let mut across = Duration::ZERO;
+        let group = &self.group;
+        let mut reduce = |values: &mut [f64]| -> Result<()> {
+            let t = Instant::now();
+            let result = group.all_reduce_sum(values);
+            across += t.elapsed();
+            result
+        };
+        let local_loss = self
+            .local
+            .step_across(own_x, own_targets, read_loss, scale, &mut reduce)
+            .map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+        let loss = match local_loss {
+            Some(l) => {
+                let t = Instant::now();
+                let mut weighted = [scale * f64::from(l)];
+                self.group.all_reduce_sum(&mut weighted)?;
+                across += t.elapsed();
+                Some(weighted[0] as f32)
+            }
+            None => None,
+        };
+        let local_time = began.elapsed().saturating_sub(across);
+        self.stats.steps += 1;
+        self.stats.local += local_time;
+        self.stats.across += across;
+        self.window.0 += local_time;
+        self.window.1 += 1;
+        if size > 1 && self.stats.steps % SYNC_EVERY == 0 {
+            let t = Instant::now();
+            self.sync_from_root()?;
+            self.stats.across += t.elapsed();
+        }
+        if size > 1 && !self.fixed_split && self.resplit_every > 0 && self.stats.steps % self.resplit_every == 0 {
+            self.follow_measured_speeds()?;
+        }
+        Ok(loss)
+    }
+
+    /// Rescales each process's cost model to its measured local step time
+    /// over the last window, then re-splits when that clearly pays.
+    fn follow_measured_speeds(&mut self) -> Result<()> {
+        let rank = self.group.rank();
+        let mean = self.window.0.as_secs_f64() / self.window.1.max(1) as f64;
+        self.window = (Duration::ZERO, 0);
+        let own = match self.process_costs.get(rank) {
+            Some(c) => {
+                let predicted = c.fixed + c.per_row * self.process_shares[rank] as f64;
+                let s = mean / predicted.max(1e-9);
+                Cost { fixed: c.fixed * s, per_row: c.per_row * s }
+            }
+            None => Cost { fixed: 0.0, per_row: mean / self.process_shares[rank].max(1) as f64 },
+        };
+        self.process_costs = self.gather_costs(own)?;
+        let proposal = balanced_split(self.global_batch, &self.process_costs)?;
+        self.adopt_if_better(proposal)
+    }
+
+    pub fn group(&self) -> &G {
+        &self.group
+    }
+
+    pub fn local(&self) -> &DataParallel {
+        &self.local
+    }
+
+    pub fn local_mut(&mut self) -> &mut DataParallel {
+        &mut self.local
+    }
+
+    /// Rows of the global batch per process, in rank order.
+    pub fn process_shares(&self) -> &[usize] {
+        &self.process_shares
+    }
+
+    /// Measured cost of a step per process (empty with a fixed split).
+    pub fn process_costs(&self) -> &[Cost] {
+        &self.process_costs
+    }
+
+    pub fn stats(&self) -> &DistributedStats {
+        &self.stats
+    }
+
+    /// This process's replica 0 (every replica holds the same weights).
+    pub fn replica(&self) -> &Trainer {
+        &self.local.replicas()[0]
+    }
+
+    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        self.local.predict(features)
+    }
+}
+
+/// A shared group: the caller keeps a handle to end the job (finalise or
+/// abort) after the engine that used it is gone.
+impl<T: ProcessGroup + ?Sized> ProcessGroup for std::sync::Arc<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
+        (**self).all_reduce_sum(values)
+    }
+    fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
+        (**self).broadcast_bytes(root, bytes)
+    }
+    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
+        (**self).all_gather(values)
+    }
+    fn abort(&self, code: i32) -> ! {
+        (**self).abort(code)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+impl<T: ProcessGroup + ?Sized> ProcessGroup for Box<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
+        (**self).all_reduce_sum(values)
+    }
+    fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
+        (**self).broadcast_bytes(root, bytes)
+    }
+    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
+        (**self).all_gather(values)
+    }
+    fn abort(&self, code: i32) -> ! {
+        (**self).abort(code)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}

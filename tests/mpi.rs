@@ -1,0 +1,154 @@
+//! Training across processes with MPI: `mpirun -n 2` and `-n 3` against
+//! single-process training on the same global batch, resuming with a
+//! different number of processes, and a failing rank stopping the job.
+//! Runs with `--features mpi` when `mpirun` is installed (`make test` does).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const WGRAD: &str = env!("CARGO_BIN_EXE_wgrad");
+
+/// Every launch is bounded: a hung job fails the test instead of CI.
+const JOB_LIMIT: Duration = Duration::from_secs(240);
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgrad-mpi-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `program args` under `timeout`, with the environment OpenMPI needs
+/// as root on a small machine, and returns its output and wall time.
+fn run(program: &str, args: &[&str]) -> (Output, Duration) {
+    let start = Instant::now();
+    let output = Command::new("timeout")
+        .arg("--kill-after=10")
+        .arg(JOB_LIMIT.as_secs().to_string())
+        .arg(program)
+        .args(args)
+        // Root in CI; more ranks than cores; waiting ranks yield the CPU
+        // to the working ones (each rank's lavapipe gets one thread).
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("OMPI_MCA_mpi_yield_when_idle", "1")
+        .env("LP_NUM_THREADS", "1")
+        .env("XDG_RUNTIME_DIR", std::env::var("XDG_RUNTIME_DIR").unwrap_or_else(|_| "/tmp".into()))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run timeout/mpirun");
+    (output, start.elapsed())
+}
+
+fn text(o: &Output) -> String {
+    format!("--- stdout\n{}\n--- stderr\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// The training flags every run here shares: SGD with momentum (no
+/// division by a tiny second moment to magnify rounding differences),
+/// digits MLP, batch 32, a fixed seed.
+fn train_args<'a>(checkpoint: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a str> {
+    vec![
+        "train", "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "32", "--seed", "3",
+        "--max-steps", steps, "--checkpoint", checkpoint, "--plot", plot,
+    ]
+}
+
+fn mpirun(ranks: usize, extra: &[&str], args: &[&str]) -> (Output, Duration) {
+    let n = ranks.to_string();
+    let mut all = vec!["-n", n.as_str(), WGRAD];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--parallel", "data", "--distributed", "mpi"]);
+    all.extend_from_slice(extra);
+    run("mpirun", &all)
+}
+
+/// max |a − b| over every parameter (not optimizer state) of two checkpoints.
+fn max_parameter_difference(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (wgrad::checkpoint::load(a).unwrap(), wgrad::checkpoint::load(b).unwrap());
+    let params: Vec<_> = a.tensors.iter().filter(|t| !t.name.starts_with("optim.")).collect();
+    assert!(!params.is_empty());
+    let mut worst = 0.0f32;
+    for t in params {
+        let other = b.get(&t.name).unwrap_or_else(|| panic!("{} missing", t.name));
+        assert_eq!(t.shape, other.shape, "{}", t.name);
+        for (x, y) in t.data.iter().zip(&other.data) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    worst
+}
+
+fn mpi_available() -> bool {
+    Command::new("mpirun").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+/// 2 processes × 2 local devices (a hierarchical all-reduce), then 3
+/// processes × 1 device resuming from that checkpoint, each against one
+/// process on one device taking the same steps on the same global batches.
+#[test]
+fn mpi_training_matches_single_process_and_resumes_with_another_process_count() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("equivalence");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (single_a, single_b, plot) = (p("single_a.safetensors"), p("single_b.safetensors"), p("loss.png"));
+    let (mpi_a, mpi_b) = (p("mpi_a.safetensors"), p("mpi_b.safetensors"));
+
+    let (o, _) = run(WGRAD, &train_args(&single_a, &plot, "20"));
+    assert!(o.status.success(), "{}", text(&o));
+    let (o, _) = mpirun(2, &["--devices", "0,0"], &train_args(&mpi_a, &plot, "20"));
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("over 2 processes"), "{stdout}");
+    assert_eq!(stdout.matches("trained 20 steps").count(), 1, "only rank 0 reports: {stdout}");
+    // Tolerance: the same f32 arithmetic summed in a different order (per
+    // device, per process, in f64) — a few ulp per step over 20 steps.
+    let diff = max_parameter_difference(Path::new(&single_a), Path::new(&mpi_a));
+    assert!(diff <= 1e-4, "mpirun -n 2 vs single process: max |Δparam| = {diff}");
+
+    let mut resumed_single = train_args(&single_b, &plot, "20");
+    resumed_single.extend_from_slice(&["--resume", &single_a]);
+    let (o, _) = run(WGRAD, &resumed_single);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut resumed_mpi = train_args(&mpi_b, &plot, "20");
+    resumed_mpi.extend_from_slice(&["--resume", &mpi_a]);
+    let (o, _) = mpirun(3, &[], &resumed_mpi);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("over 3 processes"), "{}", text(&o));
+    let ckpt = wgrad::checkpoint::load(&mpi_b).unwrap();
+    assert_eq!(ckpt.meta("step"), Some("40"), "the step count continues across process counts");
+    let diff = max_parameter_difference(Path::new(&single_b), Path::new(&mpi_b));
+    assert!(diff <= 2e-4, "resumed under mpirun -n 3 vs single process: max |Δparam| = {diff}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A rank that errors or panics mid-training ends the whole job promptly
+/// (MPI_Abort), with a message naming it, instead of hanging the others in
+/// their next collective.
+#[test]
+fn a_failing_rank_stops_the_job() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("failure");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (ckpt, plot) = (p("never.safetensors"), p("never.png"));
+    for (ranks, fail_at, expect) in [(3, "1:5", "rank 1 of 3"), (2, "1:3:panic", "rank 1 of 2 panicked")] {
+        let (o, took) = mpirun(ranks, &["--fail-at", fail_at], &train_args(&ckpt, &plot, "200"));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "the job must fail: {}", text(&o));
+        assert_ne!(o.status.code(), Some(124), "the job hung until the timeout: {}", text(&o));
+        assert!(err.contains(expect), "stderr should name the failing rank ({expect}): {}", text(&o));
+        // Start-up (two or three processes compiling shaders on two cores)
+        // dominates; the abort itself takes about a second.
+        assert!(took < Duration::from_secs(120), "took {took:?} to stop");
+        assert!(!Path::new(&ckpt).exists(), "no checkpoint from a failed job");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
