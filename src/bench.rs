@@ -9,6 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::Result;
+use crate::graph::PlanOptions;
 use crate::kernels::{Kernels, MatmulForm, OptimizerConfig};
 use crate::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use crate::optim::{Adam, SGD};
@@ -209,17 +210,31 @@ pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
     let mut trainer = case.trainer(kernels)?;
     let ms = time_steps(kernels, &mut trainer, &case.x, case.targets(), steps)?;
     let exec = trainer.executor();
+    let plan = exec.plan();
+    // Parameters, gradients and optimizer state share one arena layout.
+    let arena_copies = 2 + exec.state_arenas().len() as u64;
     Ok(BenchLine {
         case: case.name.into(),
         values: vec![
             ("ms_per_step", format!("{ms:.2}")),
             ("samples_per_s", format!("{:.0}", batch as f64 * 1e3 / ms)),
             ("dispatches", exec.dispatches_per_step().to_string()),
+            ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
             ("peak_gpu_bytes", exec.peak_bytes().to_string()),
-            ("naive_intermediate_bytes", exec.plan().naive_intermediate_bytes.to_string()),
-            ("planned_intermediate_bytes", exec.plan().slot_bytes.to_string()),
+            ("parameter_and_state_bytes", (plan.param_arena_len as u64 * 4 * arena_copies).to_string()),
+            ("input_bytes", plan.input_bytes.to_string()),
+            ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
+            ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
         ],
     })
+}
+
+/// Dispatches per step of `case` planned without fusion (one per node):
+/// what fusion saves. Built, never run.
+fn unfused_dispatches(kernels: &Arc<Kernels>, case: &StepCase) -> Result<usize> {
+    let options = PlanOptions { fuse: false };
+    let trainer = Trainer::with_options(kernels.clone(), &case.model, case.criterion, case.optimizer, case.batch, options)?;
+    Ok(trainer.executor().dispatches_per_step())
 }
 
 /// One step of the tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
@@ -232,6 +247,7 @@ pub fn linear_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
         values: vec![
             ("ms_per_step", format!("{ms:.3}")),
             ("dispatches", trainer.executor().dispatches_per_step().to_string()),
+            ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
         ],
     })
 }
