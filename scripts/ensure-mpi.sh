@@ -9,18 +9,11 @@ if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 &&
     exit 0
 fi
 packages="libopenmpi-dev openmpi-bin libclang-dev"
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "ensure-mpi: installing $packages" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    if ! apt-get install -y --no-install-recommends $packages >/dev/null 2>&1; then
-        apt-get update >/dev/null 2>&1 || true
-        apt-get install -y --no-install-recommends $packages >/dev/null || {
-            echo "ensure-mpi: apt-get install $packages failed" >&2
-            exit 1
-        }
-    fi
-    exit 0
-fi
+bash "$(dirname "$0")/apt-install.sh" ensure-mpi $packages
+case $? in
+    0) exit 0 ;;
+    1) exit 1 ;;
+esac
 echo "ensure-mpi: MPI not found and cannot install it here (needs apt-get and root):" \
     "install $packages (or your platform's MPI and libclang) for the MPI tests" >&2
 exit 0

@@ -17,18 +17,11 @@ if has_vulkan_icd && has_egl; then
 fi
 
 packages="mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri"
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "ensure-vulkan: no Vulkan/GL driver found; installing $packages" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    if ! apt-get install -y --no-install-recommends $packages >/dev/null 2>&1; then
-        apt-get update >/dev/null 2>&1 || true
-        apt-get install -y --no-install-recommends $packages >/dev/null || {
-            echo "ensure-vulkan: apt-get install $packages failed" >&2
-            exit 1
-        }
-    fi
-    exit 0
-fi
+bash "$(dirname "$0")/apt-install.sh" ensure-vulkan $packages
+case $? in
+    0) exit 0 ;;
+    1) exit 1 ;;
+esac
 
 cat >&2 <<MSG
 ensure-vulkan: no Vulkan driver found, and this script cannot install one

@@ -197,7 +197,7 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
 fn train_mpi(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     use wgrad::parallel::distributed::ProcessGroup;
     let group = Arc::new(wgrad::parallel::mpi::MpiGroup::init()?);
-    let shared: Box<dyn ProcessGroup> = Box::new(group.clone());
+    let shared: Arc<dyn ProcessGroup> = group.clone();
     match run_training(opts, args, Some(shared)) {
         Ok(()) => match Arc::try_unwrap(group) {
             Ok(group) => {
@@ -256,7 +256,7 @@ fn share_data(group: &dyn ProcessGroup, loaded: Option<(Dataset, Dataset, String
     Ok((train, test, String::from_utf8_lossy(&name_bytes).into_owned()))
 }
 
-fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Box<dyn ProcessGroup>>) -> wgrad::Result<()> {
+fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
     let rank = process_group.as_ref().map_or(0, |g| g.rank());
     let root = rank == 0;
     let (train_set, test_set, data_name) = match &process_group {

@@ -411,32 +411,9 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
 }
 
 /// A shared group: the caller keeps a handle to end the job (finalise or
-/// abort) after the engine that used it is gone.
+/// abort) after the engine that used it is gone. `Arc<dyn ProcessGroup>`
+/// is how the CLI's engine holds one.
 impl<T: ProcessGroup + ?Sized> ProcessGroup for std::sync::Arc<T> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn size(&self) -> usize {
-        (**self).size()
-    }
-    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
-        (**self).all_reduce_sum(values)
-    }
-    fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
-        (**self).broadcast_bytes(root, bytes)
-    }
-    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
-        (**self).all_gather(values)
-    }
-    fn abort(&self, code: i32) -> ! {
-        (**self).abort(code)
-    }
-    fn describe(&self) -> String {
-        (**self).describe()
-    }
-}
-
-impl<T: ProcessGroup + ?Sized> ProcessGroup for Box<T> {
     fn rank(&self) -> usize {
         (**self).rank()
     }

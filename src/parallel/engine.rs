@@ -1,6 +1,8 @@
 //! One front for every strategy, so a training loop (the CLI's, an
 //! example's) is written once: step, predict, checkpoint.
 
+use std::sync::Arc;
+
 use super::data::{DataParallel, Split};
 use super::distributed::{DistributedDataParallel, ProcessGroup};
 use super::pipeline::Pipeline;
@@ -41,7 +43,7 @@ pub enum Engine {
     Tensor(TensorParallel),
     /// Data parallel over the processes of a job (MPI) and, inside each,
     /// over its local devices.
-    Distributed(DistributedDataParallel<Box<dyn ProcessGroup>>),
+    Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
 }
 
 impl Engine {
