@@ -1,7 +1,15 @@
-// Subgroup matrix multiply, f32: C[M,N] = op(A) · op(B), the forms of
-// matmul.wgsl (TRANS_A / TRANS_B). Needs the SUBGROUP feature and a
+// Subgroup matrix multiply, f32: C[M,N] = epilogue(op(A) · op(B)), the
+// forms and epilogues of matmul.wgsl. Needs the SUBGROUP feature and a
 // subgroup of exactly 8 invocations: the Rust side checks the adapter's
 // subgroup size range before this file is ever compiled.
+//
+// This file is not a module on its own: the registry (Family::source)
+// appends it to matmul.wgsl, so the overrides (TRANS_A, TRANS_B,
+// ACCUMULATE, HAS_BIAS, ACTIVATION_*, STORE_PRE), the MatmulParams block,
+// the bindings and write_c are matmul.wgsl's own, and one binding layout
+// and one MatmulEpilogue serve every matmul variant. matmul.wgsl itself
+// never sees a subgroup builtin, so it still validates without SUBGROUP
+// (e.g. on GL).
 //
 // Why: in matmul.wgsl's register kernel every invocation loads each A and B
 // value it multiplies, so the 8 invocations of a workgroup load the same A
@@ -16,27 +24,6 @@
 // Edge rows and columns are clamped on load and masked on store; no lane
 // returns before the k loop ends, so every broadcast has all 8 lanes.
 
-override TRANS_A: bool = false;
-override TRANS_B: bool = false;
-
-struct MatmulParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    // Number of 64-wide column tiles, and all tiles (guards grid overshoot).
-    tiles_n: u32,
-    tiles_total: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read_write> c: array<f32>;
-@group(0) @binding(3) var<uniform> p: MatmulParams;
-
-const TILE: u32 = 64u;
 // Lanes per subgroup this kernel is written for.
 const LANES: u32 = 8u;
 
@@ -54,7 +41,7 @@ fn sg_store_row(row: u32, col0: u32, acc: mat2x4<f32>) {
     for (var j = 0u; j < 8u; j++) {
         let col = col0 + LANES * j;
         if col < p.n {
-            c[row * p.n + col] = acc[j / 4u][j % 4u];
+            write_c(row, col, acc[j / 4u][j % 4u]);
         }
     }
 }

@@ -51,7 +51,9 @@ fn check_matmul(k: &Kernels, variant: MatmulVariant, form: MatmulForm, m: usize,
 #[test]
 fn matmul_every_form_and_variant_matches_the_cpu() {
     for_each_adapter("matmul", |k| {
-        for variant in MatmulVariant::ALL {
+        // Subgroup runs only on adapters with 8-lane subgroups; its refusal
+        // elsewhere is checked in matmul_variants_an_adapter_cannot_run_are_refused.
+        for variant in MatmulVariant::ALL.into_iter().filter(|&v| k.supports_matmul_variant(v)) {
             for form in MatmulForm::ALL {
                 for (i, &(m, n, kk)) in MATMUL_SHAPES.iter().enumerate() {
                     check_matmul(k, variant, form, m, n, kk, i as u64)?;
@@ -522,7 +524,7 @@ fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, 
 #[test]
 fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_variant() {
     for_each_adapter("matmul_epilogue", |k| {
-        for variant in MatmulVariant::ALL {
+        for variant in MatmulVariant::ALL.into_iter().filter(|&v| k.supports_matmul_variant(v)) {
             for (f, form) in MatmulForm::ALL.into_iter().enumerate() {
                 for case in epilogue_cases(f) {
                     for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), (20, 68, 36)].iter().enumerate() {
@@ -532,6 +534,38 @@ fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_varia
             }
         }
         Ok(())
+    });
+}
+
+#[test]
+fn matmul_variants_an_adapter_cannot_run_are_refused_and_never_chosen() {
+    for_each_adapter("matmul_variant_support", |k| {
+        let sized_8 = {
+            let info = k.device().info();
+            info.subgroup_min_size == 8 && info.subgroup_max_size == 8
+        };
+        let has_subgroup = k.device().features().contains(wgpu::Features::SUBGROUP);
+        assert_eq!(k.supports_matmul_variant(MatmulVariant::Subgroup), has_subgroup && sized_8);
+        for form in MatmulForm::ALL {
+            let chosen = k.matmul_variant_for(form);
+            assert!(k.supports_matmul_variant(chosen), "{form:?} runs {chosen:?}, which this adapter cannot run");
+        }
+        if k.supports_matmul_variant(MatmulVariant::Subgroup) {
+            return Ok(());
+        }
+        let (a, b, c, x) = (k.zeros(6)?, k.zeros(6)?, k.zeros(4)?, k.zeros(4)?);
+        for form in MatmulForm::ALL {
+            let epilogue = MatmulEpilogue { activation_grad: Some((Activation::Relu, x.view())), ..MatmulEpilogue::default() };
+            match k.matmul_epilogue_with(MatmulVariant::Subgroup, form, epilogue, c.view(), a.view(), b.view(), 2, 2, 3) {
+                Err(Error::Unsupported { op, feature, .. }) => {
+                    assert_eq!(op, "matmul_subgroup_forward");
+                    assert!(feature.contains(if has_subgroup { "subgroups of exactly 8" } else { "SUBGROUP" }), "{feature}");
+                }
+                other => panic!("Subgroup {form:?} on {}: want Error::Unsupported, got {other:?}", k.device().label()),
+            }
+        }
+        // Refusing compiled nothing, so nothing reached wgpu's validation.
+        k.device().check("after the refusals")
     });
 }
 

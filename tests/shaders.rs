@@ -109,12 +109,39 @@ fn translate_everywhere(family: Family, module: &naga::Module, info: &ModuleInfo
     assert!(glsl.contains("local_size_x"), "{what}: GLSL has no compute layout");
 }
 
+/// Entry points a composed family's source holds because it starts with its
+/// base family's file (see `Family::base`); they are registered, and
+/// translated, under the base family.
+fn inherited_entries(family: Family) -> Vec<String> {
+    family.base().map_or_else(Vec::new, |base| parse(base).0.entry_points.iter().map(|e| e.name.clone()).collect())
+}
+
+#[test]
+fn a_composed_family_starts_with_its_base_file_and_only_it_uses_subgroups() {
+    for family in Family::ALL {
+        if let Some(base) = family.base() {
+            assert!(family.source().starts_with(base.source()), "{} does not start with {}", family.file_name(), base.file_name());
+        }
+    }
+    // matmul.wgsl must validate without SUBGROUP (GL runs it); the subgroup
+    // family's extra part is what needs the capability.
+    let base_src = Family::Matmul.source();
+    let module = naga::front::wgsl::parse_str(base_src).expect("matmul.wgsl parses");
+    Validator::new(ValidationFlags::all(), Capabilities::default()).validate(&module).expect("matmul.wgsl validates without SUBGROUP");
+    let composed = naga::front::wgsl::parse_str(Family::MatmulSubgroup.source()).expect("the subgroup family parses");
+    assert!(
+        Validator::new(ValidationFlags::all(), Capabilities::default()).validate(&composed).is_err(),
+        "the subgroup family should need the SUBGROUP capability"
+    );
+}
+
 #[test]
 fn every_shader_validates_and_translates_to_spirv_msl_hlsl_and_glsl() {
     for family in Family::ALL {
         let (module, info) = parse(family);
         assert!(!module.entry_points.is_empty(), "{}: no entry points", family.file_name());
-        for ep in &module.entry_points {
+        let inherited = inherited_entries(family);
+        for ep in module.entry_points.iter().filter(|ep| !inherited.contains(&ep.name)) {
             assert_eq!(ep.stage, ShaderStage::Compute, "{}::{}", family.file_name(), ep.name);
             for constants in override_combinations(&module) {
                 translate_everywhere(family, &module, &info, &ep.name, &constants);
@@ -127,7 +154,9 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl_and_glsl() {
 fn the_registry_and_the_wgsl_files_list_the_same_entry_points() {
     for family in Family::ALL {
         let (module, _) = parse(family);
-        let in_wgsl: Vec<&str> = module.entry_points.iter().map(|e| e.name.as_str()).collect();
+        let inherited = inherited_entries(family);
+        let in_wgsl: Vec<&str> =
+            module.entry_points.iter().map(|e| e.name.as_str()).filter(|name| !inherited.iter().any(|i| i == name)).collect();
         let registered: Vec<&str> = KERNELS.iter().filter(|k| k.family == family).map(|k| k.entry).collect();
         for name in &in_wgsl {
             assert!(registered.contains(name), "{}::{name} is not in registry::KERNELS", family.file_name());

@@ -200,7 +200,14 @@ impl Kernels {
     /// The matmul variant for `form` on this adapter (tuned, cached or
     /// fallback).
     pub fn matmul_variant_for(&self, form: MatmulForm) -> MatmulVariant {
-        tuning_for(self.device().info()).variant(form)
+        let chosen = tuning_for(self.device().info()).variant(form);
+        // A cached table names a variant this device may not run, e.g. one
+        // tuned on a device that requested SUBGROUP: fall back rather than fail.
+        if self.supports_matmul_variant(chosen) {
+            chosen
+        } else {
+            MatmulTuning::fallback(self.device().info().device_type).variant(form)
+        }
     }
 
     /// The table the matmul entries use on this adapter.
@@ -227,7 +234,7 @@ impl Kernels {
             let want = crate::cpu::matmul(form, &a_host, &b_host, m, n, k);
             let (a, b) = (self.upload(&a_host)?, self.upload(&b_host)?);
             let mut candidates = Vec::new();
-            for variant in candidates_for(form) {
+            for variant in candidates_for(form).into_iter().filter(|&v| self.supports_matmul_variant(v)) {
                 let c = self.zeros(m * n)?;
                 let started = Instant::now();
                 // Weight gradients (AtB) accumulate into their buffer in a

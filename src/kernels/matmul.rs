@@ -1,7 +1,7 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::elementwise::Activation;
-use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED};
+use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_SUBGROUP_FORWARD};
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 
@@ -47,16 +47,26 @@ pub enum MatmulVariant {
     /// M, N, K are multiples of 4 and every operand starts 16-byte aligned;
     /// other shapes run [`MatmulVariant::Register`].
     RegisterVec4,
+    /// Register-blocked with the A values shared between the 8 lanes of a
+    /// subgroup (`matmul_subgroup.wgsl`): a third of Register's storage
+    /// loads. Only where the device has SUBGROUP and every subgroup has
+    /// exactly 8 lanes ([`Kernels::supports_matmul_variant`]); elsewhere it
+    /// is never chosen and asking for it gives `Error::Unsupported`.
+    Subgroup,
 }
 
 impl MatmulVariant {
-    pub const ALL: [MatmulVariant; 3] = [MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4];
+    /// Every variant, including those an adapter may not run (see
+    /// [`Kernels::supports_matmul_variant`]).
+    pub const ALL: [MatmulVariant; 4] =
+        [MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4, MatmulVariant::Subgroup];
 
     /// The entry point this variant runs for these operands.
     fn kernel(self, m: usize, n: usize, k: usize, views: [&View<'_>; 3]) -> super::Kernel {
         match self {
             MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
             MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
+            MatmulVariant::Subgroup => MATMUL_SUBGROUP_FORWARD,
             MatmulVariant::RegisterVec4 => {
                 let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && views.iter().all(|v| v.offset % 16 == 0);
                 if aligned {
@@ -112,6 +122,15 @@ struct MatmulParams {
 }
 
 impl Kernels {
+    /// True when `variant` can run on this device: every variant but
+    /// [`MatmulVariant::Subgroup`] runs everywhere.
+    pub fn supports_matmul_variant(&self, variant: MatmulVariant) -> bool {
+        match variant {
+            MatmulVariant::Subgroup => self.supports_subgroup_matmul(),
+            MatmulVariant::Register | MatmulVariant::Shared | MatmulVariant::RegisterVec4 => true,
+        }
+    }
+
     /// The variant [`Kernels::matmul`] uses for the forward form on this
     /// adapter; see [`Kernels::matmul_variant_for`] for the others.
     pub fn matmul_variant(&self) -> MatmulVariant {
@@ -233,6 +252,9 @@ impl Kernels {
     ) -> Result<Dispatch> {
         let kernel = variant.kernel(m, n, k, [&a, &b, &c]);
         let op = kernel.entry;
+        // Before anything else, so a missing feature is always reported as
+        // Unsupported and never reaches wgpu as a validation error.
+        self.require_family(kernel)?;
         let (a_shape, b_shape) = form.operand_shapes(m, n, k);
         let shapes: [&[usize]; 3] = [&a_shape, &b_shape, &[m, n]];
         if m == 0 || n == 0 || k == 0 {

@@ -15,7 +15,10 @@ use half::f16;
 use super::registry::{
     Family, F16_TO_F32, F32_TO_F16, MATMUL_F16_FORWARD, MATMUL_SUBGROUP_FORWARD,
 };
-use super::{bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulForm, View};
+use super::{
+    bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulEpilogue, MatmulForm,
+    MatmulVariant, View,
+};
 use crate::error::{Error, Result};
 
 /// The subgroup size `matmul_subgroup_forward` is written for: one 8-wide
@@ -206,7 +209,7 @@ impl Kernels {
     }
 
     /// `Error::Unsupported` unless the device has what `kernel`'s file needs.
-    fn require_family(&self, kernel: Kernel) -> Result<()> {
+    pub(crate) fn require_family(&self, kernel: Kernel) -> Result<()> {
         let device = self.device();
         let needed = kernel.family.required_features();
         let unsupported = |feature: String| Error::Unsupported {
@@ -338,7 +341,8 @@ impl Kernels {
 
     /// C[m,n] = op(A)·op(B) in f32, sharing loaded A values between the
     /// lanes of a subgroup (`subgroupBroadcast`) so each lane issues a third
-    /// of the register kernel's storage loads. Needs SUBGROUP with
+    /// of the register kernel's storage loads: `matmul_epilogue_with`
+    /// with [`MatmulVariant::Subgroup`] and no epilogue. Needs SUBGROUP with
     /// [`SUBGROUP_MATMUL_LANES`]-lane subgroups; [`Error::Unsupported`]
     /// elsewhere.
     #[allow(clippy::too_many_arguments)]
@@ -352,14 +356,16 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let kernel = MATMUL_SUBGROUP_FORWARD;
-        self.require_family(kernel)?;
-        let params = matmul_params(kernel.entry, form, (a.len, b.len, c.len), m, n, k)?;
-        self.matmul_ext_dispatch(
-            kernel,
+        self.matmul_epilogue_with(
+            MatmulVariant::Subgroup,
             form,
-            params,
-            [bind(0, "a", a), bind(1, "b", b), bind(2, "c", c)],
+            MatmulEpilogue::default(),
+            c,
+            a,
+            b,
+            m,
+            n,
+            k,
         )
     }
 

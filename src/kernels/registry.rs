@@ -11,7 +11,9 @@ pub enum Family {
     Optim,
     /// Opt-in: needs SHADER_F16 (see [`Family::required_features`]).
     MatmulF16,
-    /// Opt-in: needs SUBGROUP.
+    /// Needs SUBGROUP with 8-lane subgroups; `MatmulVariant::Subgroup` of
+    /// the training matmul. Its source is matmul.wgsl followed by
+    /// matmul_subgroup.wgsl (see [`Family::base`]).
     MatmulSubgroup,
 }
 
@@ -36,6 +38,20 @@ impl Family {
         }
     }
 
+    /// The family whose file this one's source starts with. WGSL has no
+    /// includes; the subgroup matmul shares matmul.wgsl's overrides,
+    /// bindings and epilogue (`write_c`) by being appended to it, so the
+    /// two cannot drift apart, while matmul.wgsl alone stays free of
+    /// subgroup builtins (a module using them does not validate on an
+    /// adapter without SUBGROUP). The composed module also holds the base
+    /// file's entry points; they are registered under the base family only.
+    pub fn base(self) -> Option<Family> {
+        match self {
+            Family::MatmulSubgroup => Some(Family::Matmul),
+            _ => None,
+        }
+    }
+
     pub fn file_name(self) -> &'static str {
         match self {
             Family::Matmul => "matmul.wgsl",
@@ -56,7 +72,10 @@ impl Family {
             Family::Loss => include_str!("../../shaders/loss.wgsl"),
             Family::Optim => include_str!("../../shaders/optim.wgsl"),
             Family::MatmulF16 => include_str!("../../shaders/matmul_f16.wgsl"),
-            Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
+            // Keep in step with `Family::base`.
+            Family::MatmulSubgroup => {
+                concat!(include_str!("../../shaders/matmul.wgsl"), "\n", include_str!("../../shaders/matmul_subgroup.wgsl"))
+            }
         }
     }
 }
