@@ -84,7 +84,8 @@ fn matmul_rejects_wrong_shapes_naming_the_kernel() {
         let err = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4).unwrap_err();
         match &err {
             Error::Shape { op, shapes, .. } => {
-                assert!(op.starts_with("matmul_forward"), "{err}");
+                // The entry of whichever variant this adapter's table runs.
+                assert!(op.starts_with("matmul_forward") || *op == "matmul_subgroup_forward", "{err}");
                 assert_eq!(shapes, &vec![vec![2, 4], vec![4, 4], vec![2, 4]]);
             }
             other => panic!("expected a shape error, got {other}"),

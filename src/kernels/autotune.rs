@@ -13,10 +13,16 @@
 //!    name, backend, driver, driver info, the wgrad version and a hash of
 //!    `matmul.wgsl` (a new driver or kernel source tunes afresh).
 //! 3. Otherwise the fallback table: CPU adapters (llvmpipe, WARP, SwiftShader)
-//!    get [`MatmulVariant::Register`], every other adapter
-//!    [`MatmulVariant::Shared`]. (On lavapipe the vec4 kernel measured no
-//!    faster inside the MLP training step for AB and ABᵀ, and 2.5–5× slower
-//!    for AᵀB, although AᵀB timed alone is on par; see BENCHMARKS.md.)
+//!    get [`MatmulVariant::Subgroup`] where it runs (SUBGROUP with 8-lane
+//!    subgroups: lavapipe), else [`MatmulVariant::Register`]; every other
+//!    adapter gets [`MatmulVariant::Shared`]. On lavapipe the subgroup kernel
+//!    timed 1.5–2.1× Register on every form at the MLP's shapes and took the
+//!    MLP step from 95–122 to 75–79 ms (same-run figures in BENCHMARKS.md).
+//!    It stays off GPUs untuned: 512 accumulators per lane would spill
+//!    there, where workgroup-memory tiling is the known good shape. (The
+//!    vec4 kernel measured no faster inside the MLP training step for AB
+//!    and ABᵀ, and 2.5–5× slower for AᵀB, although AᵀB timed alone is on
+//!    par; see BENCHMARKS.md.)
 //!
 //! A tuning run times every candidate variant on one training-sized shape
 //! per form (an MLP layer 784→512 at batch 256) within a time budget
@@ -25,7 +31,8 @@
 //! against the CPU twin before timing it (a wrong kernel is never chosen),
 //! and writes the winners to the cache. [`MatmulVariant::RegisterVec4`] is a
 //! candidate for AB and ABᵀ only, because of that AᵀB slowdown in training
-//! steps which a single timed AᵀB does not show.
+//! steps which a single timed AᵀB does not show; [`MatmulVariant::Subgroup`]
+//! only on adapters that can run it.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -82,8 +89,11 @@ impl MatmulTuning {
     }
 
     /// The table used with no cache: see the module documentation.
-    pub fn fallback(device_type: wgpu::DeviceType) -> Self {
+    /// `subgroup_matmul`: whether the device runs [`MatmulVariant::Subgroup`]
+    /// ([`Kernels::supports_subgroup_matmul`]).
+    pub fn fallback(device_type: wgpu::DeviceType, subgroup_matmul: bool) -> Self {
         let v = match device_type {
+            wgpu::DeviceType::Cpu if subgroup_matmul => MatmulVariant::Subgroup,
             wgpu::DeviceType::Cpu => MatmulVariant::Register,
             _ => MatmulVariant::Shared,
         };
@@ -111,16 +121,17 @@ fn fnv1a(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Cache key of an adapter: name, backend, driver, wgrad version, shader hash.
+/// Cache key of an adapter: name, backend, driver, wgrad version, shader hash
+/// (of the subgroup family's source, which holds matmul.wgsl too).
 pub fn cache_key(info: &wgpu::AdapterInfo) -> String {
     format!(
-        "{} | {:?} | {} {} | wgrad {} | matmul.wgsl {:016x}",
+        "{} | {:?} | {} {} | wgrad {} | matmul kernels {:016x}",
         info.name,
         info.backend,
         info.driver,
         info.driver_info,
         env!("CARGO_PKG_VERSION"),
-        fnv1a(Family::Matmul.source())
+        fnv1a(Family::MatmulSubgroup.source())
     )
 }
 
@@ -162,18 +173,25 @@ fn lock_resolved() -> std::sync::MutexGuard<'static, BTreeMap<String, MatmulTuni
 
 /// The table for an adapter (see the module documentation for the order);
 /// reads the cache file at most once per adapter and process.
-pub fn tuning_for(info: &wgpu::AdapterInfo) -> MatmulTuning {
+/// The in-process table's key: two devices on one adapter may differ in the
+/// features they requested, hence in their fallback.
+fn resolved_key(cache_key: &str, subgroup_matmul: bool) -> String {
+    format!("{cache_key} | subgroup matmul {subgroup_matmul}")
+}
+
+/// `subgroup_matmul` as in [`MatmulTuning::fallback`].
+pub fn tuning_for(info: &wgpu::AdapterInfo, subgroup_matmul: bool) -> MatmulTuning {
+    let fallback = || MatmulTuning::fallback(info.device_type, subgroup_matmul);
     if autotune_disabled() {
-        return MatmulTuning::fallback(info.device_type);
+        return fallback();
     }
     let key = cache_key(info);
-    if let Some(t) = lock_resolved().get(&key) {
+    let resolved_key = resolved_key(&key, subgroup_matmul);
+    if let Some(t) = lock_resolved().get(&resolved_key) {
         return t.clone();
     }
-    let table = cache_path()
-        .and_then(|path| read_cache(&path).remove(&key))
-        .unwrap_or_else(|| MatmulTuning::fallback(info.device_type));
-    lock_resolved().insert(key, table.clone());
+    let table = cache_path().and_then(|path| read_cache(&path).remove(&key)).unwrap_or_else(fallback);
+    lock_resolved().insert(resolved_key, table.clone());
     table
 }
 
@@ -200,19 +218,19 @@ impl Kernels {
     /// The matmul variant for `form` on this adapter (tuned, cached or
     /// fallback).
     pub fn matmul_variant_for(&self, form: MatmulForm) -> MatmulVariant {
-        let chosen = tuning_for(self.device().info()).variant(form);
+        let chosen = self.matmul_tuning().variant(form);
         // A cached table names a variant this device may not run, e.g. one
         // tuned on a device that requested SUBGROUP: fall back rather than fail.
         if self.supports_matmul_variant(chosen) {
             chosen
         } else {
-            MatmulTuning::fallback(self.device().info().device_type).variant(form)
+            MatmulTuning::fallback(self.device().info().device_type, self.supports_subgroup_matmul()).variant(form)
         }
     }
 
     /// The table the matmul entries use on this adapter.
     pub fn matmul_tuning(&self) -> MatmulTuning {
-        tuning_for(self.device().info())
+        tuning_for(self.device().info(), self.supports_subgroup_matmul())
     }
 
     /// Times every variant on [`TUNE_SHAPES`] (each first checked against
@@ -222,7 +240,7 @@ impl Kernels {
     /// median over rounds), so load from other processes hits them alike.
     pub fn autotune(&self) -> Result<MatmulTuning> {
         let info = self.device().info();
-        let mut table = MatmulTuning::fallback(info.device_type);
+        let mut table = MatmulTuning::fallback(info.device_type, self.supports_subgroup_matmul());
         let per_form = budget() / TUNE_SHAPES.len() as u32;
         for (form, m, n, k) in TUNE_SHAPES {
             let (sa, sb) = form.operand_shapes(m, n, k);
@@ -284,7 +302,7 @@ impl Kernels {
             .unwrap_or(0);
         table.source = format!("tuned {since_epoch}");
         let key = cache_key(info);
-        lock_resolved().insert(key.clone(), table.clone());
+        lock_resolved().insert(resolved_key(&key, self.supports_subgroup_matmul()), table.clone());
         if let Some(path) = cache_path() {
             let mut cache = read_cache(&path);
             cache.insert(key, table.clone());
@@ -317,18 +335,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_fallback_table_picks_register_kernels_on_cpu_adapters_and_shared_elsewhere() {
-        let cpu = MatmulTuning::fallback(wgpu::DeviceType::Cpu);
-        let gpu = MatmulTuning::fallback(wgpu::DeviceType::DiscreteGpu);
+    fn the_fallback_table_picks_subgroup_or_register_kernels_on_cpu_adapters_and_shared_elsewhere() {
+        let cpu_subgroup = MatmulTuning::fallback(wgpu::DeviceType::Cpu, true);
+        let cpu = MatmulTuning::fallback(wgpu::DeviceType::Cpu, false);
+        for subgroup_matmul in [false, true] {
+            let gpu = MatmulTuning::fallback(wgpu::DeviceType::DiscreteGpu, subgroup_matmul);
+            for form in MatmulForm::ALL {
+                assert_eq!(gpu.variant(form), MatmulVariant::Shared);
+            }
+        }
         for form in MatmulForm::ALL {
+            assert_eq!(cpu_subgroup.variant(form), MatmulVariant::Subgroup);
             assert_eq!(cpu.variant(form), MatmulVariant::Register);
-            assert_eq!(gpu.variant(form), MatmulVariant::Shared);
         }
     }
 
     #[test]
     fn a_tuning_survives_the_json_cache_and_keys_name_the_adapter_and_version() {
-        let mut table = MatmulTuning::fallback(wgpu::DeviceType::Cpu);
+        let mut table = MatmulTuning::fallback(wgpu::DeviceType::Cpu, false);
         table.set(MatmulForm::AtB, MatmulVariant::Register);
         table.measurements.push(TuneMeasurement {
             form: MatmulForm::AtB,
