@@ -16,8 +16,9 @@
 //!    get [`MatmulVariant::Subgroup`] where it runs (SUBGROUP with 8-lane
 //!    subgroups: lavapipe), else [`MatmulVariant::Register`]; every other
 //!    adapter gets [`MatmulVariant::Shared`]. On lavapipe the subgroup kernel
-//!    timed 1.5–2.1× Register on every form at the MLP's shapes and took the
-//!    MLP step from 95–122 to 75–79 ms (same-run figures in BENCHMARKS.md).
+//!    timed 1.3–2.1× Register on every form at the MLP's shapes, and the
+//!    MLP step took 0.6–0.8× the time in 7 of 8 alternating pairs
+//!    (BENCHMARKS.md).
 //!    It stays off GPUs untuned: 512 accumulators per lane would spill
 //!    there, where workgroup-memory tiling is the known good shape. (The
 //!    vec4 kernel measured no faster inside the MLP training step for AB
