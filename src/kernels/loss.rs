@@ -177,27 +177,7 @@ impl Kernels {
         target: View<'_>,
         dloss: View<'_>,
     ) -> Result<Dispatch> {
-        let op = MSE_FORWARD_BACKWARD.entry;
-        check_mse(op, loss.len, 1, &pred, &target)?;
-        if dloss.len != 1 || dpred.len != pred.len {
-            return Err(Error::shape(op, "dpred must match pred and dloss hold one value", &[&[dpred.len], &[pred.len], &[dloss.len]]));
-        }
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
-        self.prepare(
-            MSE_FORWARD_BACKWARD,
-            &[],
-            &[
-                bind(0, "pred", pred),
-                bind(1, "target", target),
-                bind(2, "loss", loss),
-                bind(5, "dloss", dloss),
-                bind(6, "dpred", dpred),
-                bind(12, "bias_grad", self.unused_slot()),
-            ],
-            3,
-            &params,
-            1,
-        )
+        self.loss_forward_backward_fused(LossTargets::Values(target), loss, dpred, pred, dloss, 1, pred.len, None, None)
     }
 
     /// `cross_entropy_forward` and `cross_entropy_backward` in one dispatch
@@ -213,31 +193,7 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Result<Dispatch> {
-        let op = CROSS_ENTROPY_FORWARD_BACKWARD.entry;
-        check_ce(op, &logits, &labels, rows, cols)?;
-        if loss.len != 1 || dloss.len != 1 || dlogits.len != logits.len {
-            return Err(Error::shape(
-                op,
-                "loss and dloss hold one value, dlogits matches logits",
-                &[&[loss.len], &[dlogits.len], &[logits.len], &[dloss.len]],
-            ));
-        }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
-        self.prepare(
-            CROSS_ENTROPY_FORWARD_BACKWARD,
-            &[],
-            &[
-                bind(0, "logits", logits),
-                bind(4, "labels", labels),
-                bind(2, "loss", loss),
-                bind(5, "dloss", dloss),
-                bind(6, "dlogits", dlogits),
-                bind(12, "bias_grad", self.unused_slot()),
-            ],
-            3,
-            &params,
-            1,
-        )
+        self.loss_forward_backward_fused(LossTargets::Labels(labels), loss, dlogits, logits, dloss, rows, cols, None, None)
     }
 
     /// A loss and its gradient in one single-workgroup dispatch, with more
