@@ -9,25 +9,28 @@
 
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
-// C += op(A)·op(B) instead of C = …: a gradient accumulated straight into
-// its parameter's gradient buffer, with no separate add.
-override ACCUMULATE: bool = false;
-// C = op(A)·op(B) + bias[N] broadcast over rows: a Linear layer's forward
-// in one dispatch. Without it `bias` is bound to a placeholder and unread.
-override HAS_BIAS: bool = false;
-// Fused activation epilogue, so a Linear + activation forward and the
-// activation's backward inside the input-gradient matmul cost no extra
-// dispatch. Forward (ACTIVATION_FORWARD): result = act(product [+ bias]);
-// with STORE_PRE the pre-activation value is also written to `pre` ([M,N]),
-// which the backward needs. Backward (ACTIVATION_BACKWARD): result =
-// product · act'(act_input[i]), act_input being the forward's input [M,N].
-// Which activation is a uniform (`p.activation`), not an override: the
-// branch runs once per stored element, noise beside k multiply-adds, and it
-// saves compiling a multi-second pipeline per activation. The formulas are
-// copied from elementwise.wgsl so fused and unfused results agree.
-override ACTIVATION_FORWARD: bool = false;
-override ACTIVATION_BACKWARD: bool = false;
-override STORE_PRE: bool = false;
+// The epilogue (what happens to each product before it is stored) is a
+// bit set in the uniform `p.epilogue`, not overrides: it runs once per
+// stored element, noise beside k multiply-adds, and as overrides each
+// combination was its own pipeline (≈ 1–2 s of LLVM each on lavapipe, warm).
+// Only the transposes, which shape the k loop, stay overrides.
+// EPILOGUE_ACCUMULATE: C += op(A)·op(B) instead of C = …: a gradient
+// accumulated straight into its parameter's gradient buffer.
+const EPILOGUE_ACCUMULATE: u32 = 1u;
+// EPILOGUE_BIAS: + bias[N] broadcast over rows: a Linear layer's forward in
+// one dispatch. Without it `bias` is bound to a placeholder and unread.
+const EPILOGUE_BIAS: u32 = 2u;
+// Fused activation, so a Linear + activation forward and the activation's
+// backward inside the input-gradient matmul cost no extra dispatch.
+// Forward: result = act(product [+ bias]); with EPILOGUE_STORE_PRE the
+// pre-activation value is also written to `pre` ([M,N]), which the backward
+// needs. Backward: result = product · act'(act_input[i]), act_input being
+// the forward's input [M,N]. Which activation is `p.activation`. The
+// formulas are copied from elementwise.wgsl so fused and unfused results
+// agree.
+const EPILOGUE_ACTIVATION_FORWARD: u32 = 4u;
+const EPILOGUE_ACTIVATION_BACKWARD: u32 = 8u;
+const EPILOGUE_STORE_PRE: u32 = 16u;
 
 struct MatmulParams {
     m: u32,
@@ -38,8 +41,9 @@ struct MatmulParams {
     tiles_total: u32,
     // 1 ReLU, 2 GELU (tanh), 3 sigmoid, 4 tanh; read only by the epilogue.
     activation: u32,
-    _pad1: u32,
-    _pad2: u32,
+    // EPILOGUE_* bits.
+    epilogue: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
@@ -103,20 +107,21 @@ fn activation_backward(v: f32, dy: f32) -> f32 {
 
 fn write_c(row: u32, col: u32, product: f32) {
     let i = row * p.n + col;
+    let e = p.epilogue;
     var v = product;
-    if HAS_BIAS {
+    if (e & EPILOGUE_BIAS) != 0u {
         v += bias[col];
     }
-    if ACTIVATION_BACKWARD {
+    if (e & EPILOGUE_ACTIVATION_BACKWARD) != 0u {
         v = activation_backward(act_input[i], v);
     }
-    if STORE_PRE {
+    if (e & EPILOGUE_STORE_PRE) != 0u {
         pre[i] = v;
     }
-    if ACTIVATION_FORWARD {
+    if (e & EPILOGUE_ACTIVATION_FORWARD) != 0u {
         v = activation_forward(v);
     }
-    if ACCUMULATE {
+    if (e & EPILOGUE_ACCUMULATE) != 0u {
         c[i] = c[i] + v;
     } else {
         c[i] = v;
@@ -135,6 +140,91 @@ fn b_at(kk: u32, col: u32) -> f32 {
         return b[col * p.k + kk];
     }
     return b[kk * p.n + col];
+}
+
+// Small-shape form, for products of at most 2^20 multiply-adds (the Rust
+// side picks it by shape): a workgroup of 8×8 invocations computes one
+// 64×64 tile of C, invocation (x, y) the 8×8 block of rows 8·y + 0..7 and
+// columns x + 8·j, j in 0..7 (interleaved, so neighbouring invocations read
+// neighbouring columns of B): 16 loads for 64 multiply-adds per step of k,
+// in 8 mat2x4 accumulators. LLVM compiles it in tens of milliseconds,
+// where the 32×16 register kernel below takes seconds per pipeline, and at
+// these sizes a dispatch costs as much as the arithmetic. Edges are clamped
+// on load and masked on store.
+fn sm_row_fma(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x4<f32> {
+    let s = vec4<f32>(x);
+    return mat2x4<f32>(fma(s, b_lo, acc[0]), fma(s, b_hi, acc[1]));
+}
+
+@compute @workgroup_size(8, 8, 1)
+fn matmul_forward_small(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * TILE + lid.y * 8u;
+    let col0 = (tile % p.tiles_n) * TILE + lid.x;
+    if row0 >= p.m || col0 >= p.n {
+        return;
+    }
+    let sa_row = select(p.k, 1u, TRANS_A);
+    let sa_k = select(1u, p.m, TRANS_A);
+    let sb_col = select(1u, p.k, TRANS_B);
+    let sb_k = select(p.n, 1u, TRANS_B);
+    let last_row = vec4<u32>(p.m - 1u);
+    let last_col = vec4<u32>(p.n - 1u);
+    let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * sa_row;
+    let ra_hi = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), last_row) * sa_row;
+    let cb_lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last_col) * sb_col;
+    let cb_hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last_col) * sb_col;
+    // acc_i[j / 4][j % 4]: row row0 + i, column col0 + 8·j.
+    var acc0 = mat2x4<f32>();
+    var acc1 = mat2x4<f32>();
+    var acc2 = mat2x4<f32>();
+    var acc3 = mat2x4<f32>();
+    var acc4 = mat2x4<f32>();
+    var acc5 = mat2x4<f32>();
+    var acc6 = mat2x4<f32>();
+    var acc7 = mat2x4<f32>();
+    for (var kk = 0u; kk < p.k; kk++) {
+        let ka = kk * sa_k;
+        let kb = kk * sb_k;
+        let b_lo = vec4<f32>(b[cb_lo.x + kb], b[cb_lo.y + kb], b[cb_lo.z + kb], b[cb_lo.w + kb]);
+        let b_hi = vec4<f32>(b[cb_hi.x + kb], b[cb_hi.y + kb], b[cb_hi.z + kb], b[cb_hi.w + kb]);
+        acc0 = sm_row_fma(acc0, a[ra_lo.x + ka], b_lo, b_hi);
+        acc1 = sm_row_fma(acc1, a[ra_lo.y + ka], b_lo, b_hi);
+        acc2 = sm_row_fma(acc2, a[ra_lo.z + ka], b_lo, b_hi);
+        acc3 = sm_row_fma(acc3, a[ra_lo.w + ka], b_lo, b_hi);
+        acc4 = sm_row_fma(acc4, a[ra_hi.x + ka], b_lo, b_hi);
+        acc5 = sm_row_fma(acc5, a[ra_hi.y + ka], b_lo, b_hi);
+        acc6 = sm_row_fma(acc6, a[ra_hi.z + ka], b_lo, b_hi);
+        acc7 = sm_row_fma(acc7, a[ra_hi.w + ka], b_lo, b_hi);
+    }
+    sm_store_row(row0 + 0u, col0, acc0);
+    sm_store_row(row0 + 1u, col0, acc1);
+    sm_store_row(row0 + 2u, col0, acc2);
+    sm_store_row(row0 + 3u, col0, acc3);
+    sm_store_row(row0 + 4u, col0, acc4);
+    sm_store_row(row0 + 5u, col0, acc5);
+    sm_store_row(row0 + 6u, col0, acc6);
+    sm_store_row(row0 + 7u, col0, acc7);
+}
+
+// Stores row `row` of a small-kernel block: columns col0 + 8·j, j in 0..7.
+fn sm_store_row(row: u32, col0: u32, acc: mat2x4<f32>) {
+    if row >= p.m {
+        return;
+    }
+    for (var j = 0u; j < 8u; j++) {
+        let col = col0 + 8u * j;
+        if col < p.n {
+            write_c(row, col, acc[j / 4u][j % 4u]);
+        }
+    }
 }
 
 // Register-blocked form, no workgroup memory and no barriers: fastest on CPU

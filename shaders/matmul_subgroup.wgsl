@@ -4,8 +4,8 @@
 // subgroup size range before this file is ever compiled.
 //
 // This file is not a module on its own: the registry (Family::source)
-// appends it to matmul.wgsl, so the overrides (TRANS_A, TRANS_B,
-// ACCUMULATE, HAS_BIAS, ACTIVATION_*, STORE_PRE), the MatmulParams block,
+// appends it to matmul.wgsl, so the overrides (TRANS_A, TRANS_B), the
+// EPILOGUE_* bits, the MatmulParams block,
 // the bindings and write_c are matmul.wgsl's own, and one binding layout
 // and one MatmulEpilogue serve every matmul variant. matmul.wgsl itself
 // never sees a subgroup builtin, so it still validates without SUBGROUP

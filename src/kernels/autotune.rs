@@ -207,7 +207,11 @@ pub const TUNE_SHAPES: [(MatmulForm, usize, usize, usize); 3] = [
 /// The variants tuning times for a form (see the module documentation for
 /// why AtB leaves out the vec4 kernel).
 pub fn candidates_for(form: MatmulForm) -> Vec<MatmulVariant> {
-    MatmulVariant::ALL.into_iter().filter(|&v| !(form == MatmulForm::AtB && v == MatmulVariant::RegisterVec4)).collect()
+    // Small is chosen by shape, never by tuning (it is slow at the tuned sizes).
+    MatmulVariant::ALL
+        .into_iter()
+        .filter(|&v| v != MatmulVariant::Small && !(form == MatmulForm::AtB && v == MatmulVariant::RegisterVec4))
+        .collect()
 }
 
 fn budget() -> Duration {

@@ -1,7 +1,9 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::elementwise::Activation;
-use super::registry::{MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_SUBGROUP_FORWARD};
+use super::registry::{
+    MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
+};
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 
@@ -53,13 +55,30 @@ pub enum MatmulVariant {
     /// exactly 8 lanes ([`Kernels::supports_matmul_variant`]); elsewhere it
     /// is never chosen and asking for it gives `Error::Unsupported`.
     Subgroup,
+    /// One 8×8 block per invocation, 64 invocations: the kernel for products of
+    /// at most [`SMALL_MATMUL_WORK`] multiply-adds, whatever the tuning says.
+    /// It compiles in milliseconds where the register-blocked kernels take
+    /// 1–2 s of LLVM per pipeline on lavapipe, and at these sizes the
+    /// dispatch costs more than the arithmetic, so small layers (the digits
+    /// MLP, Linear(10,1)) start at once and lose nothing per step.
+    Small,
 }
+
+/// Products up to this many multiply-adds (m·n·k) run [`MatmulVariant::Small`].
+/// The digits MLP's largest is 32·128·64 = 2^18; the benchmark MLP's
+/// smallest is 256·10·512 ≈ 1.3·2^20, which stays on the tuned kernel.
+pub const SMALL_MATMUL_WORK: usize = 1 << 20;
 
 impl MatmulVariant {
     /// Every variant, including those an adapter may not run (see
     /// [`Kernels::supports_matmul_variant`]).
-    pub const ALL: [MatmulVariant; 4] =
-        [MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4, MatmulVariant::Subgroup];
+    pub const ALL: [MatmulVariant; 5] = [
+        MatmulVariant::Register,
+        MatmulVariant::Shared,
+        MatmulVariant::RegisterVec4,
+        MatmulVariant::Subgroup,
+        MatmulVariant::Small,
+    ];
 
     /// The entry point this variant runs for these operands.
     fn kernel(self, m: usize, n: usize, k: usize, views: [&View<'_>; 3]) -> super::Kernel {
@@ -67,6 +86,7 @@ impl MatmulVariant {
             MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
             MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
             MatmulVariant::Subgroup => MATMUL_SUBGROUP_FORWARD,
+            MatmulVariant::Small => MATMUL_FORWARD_SMALL,
             MatmulVariant::RegisterVec4 => {
                 let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && views.iter().all(|v| v.offset % 16 == 0);
                 if aligned {
@@ -109,6 +129,13 @@ fn activation_code(act: Activation) -> u32 {
 
 const TILE: usize = 64;
 
+// The WGSL `EPILOGUE_*` bits.
+const EPILOGUE_ACCUMULATE: u32 = 1;
+const EPILOGUE_BIAS: u32 = 2;
+const EPILOGUE_ACTIVATION_FORWARD: u32 = 4;
+const EPILOGUE_ACTIVATION_BACKWARD: u32 = 8;
+const EPILOGUE_STORE_PRE: u32 = 16;
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct MatmulParams {
@@ -118,7 +145,8 @@ struct MatmulParams {
     tiles_n: u32,
     tiles_total: u32,
     activation: u32,
-    _pad: [u32; 2],
+    epilogue: u32,
+    _pad: u32,
 }
 
 impl Kernels {
@@ -127,7 +155,19 @@ impl Kernels {
     pub fn supports_matmul_variant(&self, variant: MatmulVariant) -> bool {
         match variant {
             MatmulVariant::Subgroup => self.supports_subgroup_matmul(),
-            MatmulVariant::Register | MatmulVariant::Shared | MatmulVariant::RegisterVec4 => true,
+            MatmulVariant::Register | MatmulVariant::Shared | MatmulVariant::RegisterVec4 | MatmulVariant::Small => true,
+        }
+    }
+
+    /// The variant the shape-agnostic entries ([`Kernels::matmul`], ...)
+    /// run for an m×n×k product: [`MatmulVariant::Small`] for small ones,
+    /// else the tuned variant for the form.
+    pub fn matmul_variant_for_shape(&self, form: MatmulForm, m: usize, n: usize, k: usize) -> MatmulVariant {
+        let work = m.saturating_mul(n).saturating_mul(k);
+        if work <= SMALL_MATMUL_WORK {
+            MatmulVariant::Small
+        } else {
+            self.matmul_variant_for(form)
         }
     }
 
@@ -149,7 +189,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_with(self.matmul_variant_for(form), form, c, a, b, m, n, k)
+        self.matmul_with(self.matmul_variant_for_shape(form, m, n, k), form, c, a, b, m, n, k)
     }
 
     /// C[m,n] += op(A)·op(B): accumulates into C (gradients).
@@ -164,7 +204,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant_for(form), form, true, None, c, a, b, m, n, k)
+        self.matmul_impl(self.matmul_variant_for_shape(form, m, n, k), form, true, None, c, a, b, m, n, k)
     }
 
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
@@ -196,7 +236,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant_for(form), form, false, Some(bias), c, a, b, m, n, k)
+        self.matmul_impl(self.matmul_variant_for_shape(form, m, n, k), form, false, Some(bias), c, a, b, m, n, k)
     }
 
     /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
@@ -214,7 +254,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_epilogue_with(self.matmul_variant_for(form), form, epilogue, c, a, b, m, n, k)
+        self.matmul_epilogue_with(self.matmul_variant_for_shape(form, m, n, k), form, epilogue, c, a, b, m, n, k)
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -301,6 +341,12 @@ impl Kernels {
         let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
         let tiles_n = n.div_ceil(TILE);
         let tiles_total = tiles_n * m.div_ceil(TILE);
+        let bit = |on: bool, bit: u32| if on { bit } else { 0 };
+        let epilogue_bits = bit(accumulate, EPILOGUE_ACCUMULATE)
+            | bit(bias.is_some(), EPILOGUE_BIAS)
+            | bit(activation.is_some(), EPILOGUE_ACTIVATION_FORWARD)
+            | bit(activation_grad.is_some(), EPILOGUE_ACTIVATION_BACKWARD)
+            | bit(pre.is_some(), EPILOGUE_STORE_PRE);
         let params = MatmulParams {
             m: dim(op, m)?,
             n: dim(op, n)?,
@@ -308,19 +354,12 @@ impl Kernels {
             tiles_n: dim(op, tiles_n)?,
             tiles_total: dim(op, tiles_total)?,
             activation: act.map_or(0, activation_code),
-            _pad: [0; 2],
+            epilogue: epilogue_bits,
+            _pad: 0,
         };
         let (trans_a, trans_b) = form.transposes();
         let flag = |on: bool| f64::from(u8::from(on));
-        let constants = [
-            ("TRANS_A", flag(trans_a)),
-            ("TRANS_B", flag(trans_b)),
-            ("ACCUMULATE", flag(accumulate)),
-            ("HAS_BIAS", flag(bias.is_some())),
-            ("ACTIVATION_FORWARD", flag(activation.is_some())),
-            ("ACTIVATION_BACKWARD", flag(activation_grad.is_some())),
-            ("STORE_PRE", flag(pre.is_some())),
-        ];
+        let constants = [("TRANS_A", flag(trans_a)), ("TRANS_B", flag(trans_b))];
         // Every slot is in the layout whatever the overrides say; unused
         // read-only slots hold a placeholder the kernel never reads, and an
         // unused `pre` holds C itself (a writable slot may not share a buffer

@@ -233,6 +233,7 @@ impl Kernels {
             return Ok(p.clone());
         }
         let module = self.module(kernel.family)?;
+        let started = std::time::Instant::now();
         let pipeline = self.device.scoped(kernel.entry, || {
             self.device
                 .wgpu_device()
@@ -248,6 +249,7 @@ impl Kernels {
                     cache: None,
                 })
         })?;
+        log::debug!("pipeline {} {:?}: {:.1} ms", kernel.entry, constants, started.elapsed().as_secs_f64() * 1e3);
         lock(&self.pipelines).insert(key, pipeline.clone());
         Ok(pipeline)
     }
