@@ -7,30 +7,33 @@
 // numbered linearly and spread over a 2-D grid so huge matrices never exceed
 // the 65,535 workgroups-per-dimension limit.
 
+// Only matmul_forward_shared and matmul_forward_register_vec4 read these;
+// the other kernels take the form from the strides in MatmulParams.
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
-// The epilogue (what happens to each product before it is stored) is a
-// bit set in the uniform `p.epilogue`, not overrides: it runs once per
-// stored element, noise beside k multiply-adds, and as overrides each
-// combination was its own pipeline (≈ 1–2 s of LLVM each on lavapipe, warm).
-// Only the transposes, which shape the k loop, stay overrides.
-// EPILOGUE_ACCUMULATE: C += op(A)·op(B) instead of C = …: a gradient
-// accumulated straight into its parameter's gradient buffer.
-const EPILOGUE_ACCUMULATE: u32 = 1u;
-// EPILOGUE_BIAS: + bias[N] broadcast over rows: a Linear layer's forward in
-// one dispatch. Without it `bias` is bound to a placeholder and unread.
-const EPILOGUE_BIAS: u32 = 2u;
-// Fused activation, so a Linear + activation forward and the activation's
-// backward inside the input-gradient matmul cost no extra dispatch.
-// Forward: result = act(product [+ bias]); with EPILOGUE_STORE_PRE the
-// pre-activation value is also written to `pre` ([M,N]), which the backward
-// needs. Backward: result = product · act'(act_input[i]), act_input being
-// the forward's input [M,N]. Which activation is `p.activation`. The
-// formulas are copied from elementwise.wgsl so fused and unfused results
-// agree.
-const EPILOGUE_ACTIVATION_FORWARD: u32 = 4u;
-const EPILOGUE_ACTIVATION_BACKWARD: u32 = 8u;
-const EPILOGUE_STORE_PRE: u32 = 16u;
+// The epilogue: what happens to each product before it is stored. These are
+// overrides, not uniform flags: the register kernels inline the store at
+// each of their 512 outputs per invocation, and the general store compiled
+// into every pipeline made the training step ~20-30% slower on lavapipe.
+// C += op(A)·op(B) instead of C = …: a gradient accumulated straight into
+// its parameter's gradient buffer, with no separate add.
+override ACCUMULATE: bool = false;
+// C = op(A)·op(B) + bias[N] broadcast over rows: a Linear layer's forward
+// in one dispatch. Without it `bias` is bound to a placeholder and unread.
+override HAS_BIAS: bool = false;
+// Fused activation epilogue, so a Linear + activation forward and the
+// activation's backward inside the input-gradient matmul cost no extra
+// dispatch. Forward (ACTIVATION_FORWARD): result = act(product [+ bias]);
+// with STORE_PRE the pre-activation value is also written to `pre` ([M,N]),
+// which the backward needs. Backward (ACTIVATION_BACKWARD): result =
+// product · act'(act_input[i]), act_input being the forward's input [M,N].
+// Which activation is a uniform (`p.activation`), not an override: the
+// branch runs once per stored element, noise beside k multiply-adds, and it
+// saves compiling a multi-second pipeline per activation. The formulas are
+// copied from elementwise.wgsl so fused and unfused results agree.
+override ACTIVATION_FORWARD: bool = false;
+override ACTIVATION_BACKWARD: bool = false;
+override STORE_PRE: bool = false;
 
 struct MatmulParams {
     m: u32,
@@ -41,9 +44,18 @@ struct MatmulParams {
     tiles_total: u32,
     // 1 ReLU, 2 GELU (tanh), 3 sigmoid, 4 tanh; read only by the epilogue.
     activation: u32,
-    // EPILOGUE_* bits.
-    epilogue: u32,
-    _pad: u32,
+    _pad1: u32,
+    _pad2: u32,
+    // Strides of the stored operands, which say the form to the kernels that
+    // take it at run time (small, register, subgroup: one pipeline for all
+    // three forms, since each costs seconds of LLVM on a CPU adapter):
+    // element (row, kk) of op(A) is a[row * sa_row + kk * sa_k], element
+    // (kk, col) of op(B) is b[col * sb_col + kk * sb_k]. The workgroup-memory
+    // and vec4 kernels, whose loops differ per form, take TRANS_A / TRANS_B.
+    sa_row: u32,
+    sa_k: u32,
+    sb_col: u32,
+    sb_k: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
@@ -107,21 +119,20 @@ fn activation_backward(v: f32, dy: f32) -> f32 {
 
 fn write_c(row: u32, col: u32, product: f32) {
     let i = row * p.n + col;
-    let e = p.epilogue;
     var v = product;
-    if (e & EPILOGUE_BIAS) != 0u {
+    if HAS_BIAS {
         v += bias[col];
     }
-    if (e & EPILOGUE_ACTIVATION_BACKWARD) != 0u {
+    if ACTIVATION_BACKWARD {
         v = activation_backward(act_input[i], v);
     }
-    if (e & EPILOGUE_STORE_PRE) != 0u {
+    if STORE_PRE {
         pre[i] = v;
     }
-    if (e & EPILOGUE_ACTIVATION_FORWARD) != 0u {
+    if ACTIVATION_FORWARD {
         v = activation_forward(v);
     }
-    if (e & EPILOGUE_ACCUMULATE) != 0u {
+    if ACCUMULATE {
         c[i] = c[i] + v;
     } else {
         c[i] = v;
@@ -171,10 +182,10 @@ fn matmul_forward_small(
     if row0 >= p.m || col0 >= p.n {
         return;
     }
-    let sa_row = select(p.k, 1u, TRANS_A);
-    let sa_k = select(1u, p.m, TRANS_A);
-    let sb_col = select(1u, p.k, TRANS_B);
-    let sb_k = select(p.n, 1u, TRANS_B);
+    let sa_row = p.sa_row;
+    let sa_k = p.sa_k;
+    let sb_col = p.sb_col;
+    let sb_k = p.sb_k;
     let last_row = vec4<u32>(p.m - 1u);
     let last_col = vec4<u32>(p.n - 1u);
     let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * sa_row;
@@ -281,10 +292,10 @@ fn matmul_forward_register(
     }
     // Element (row, kk) of op(A) is a[row * sa_row + kk * sa_k]; element
     // (kk, col) of op(B) is b[col * sb_col + kk * sb_k].
-    let sa_row = select(p.k, 1u, TRANS_A);
-    let sa_k = select(1u, p.m, TRANS_A);
-    let sb_col = select(1u, p.k, TRANS_B);
-    let sb_k = select(p.n, 1u, TRANS_B);
+    let sa_row = p.sa_row;
+    let sa_k = p.sa_k;
+    let sb_col = p.sb_col;
+    let sb_k = p.sb_k;
     let last_row = p.m - 1u;
     let last_col = p.n - 1u;
     let ra0 = min(row0 + 0u, last_row) * sa_row;

@@ -4,8 +4,8 @@
 // subgroup size range before this file is ever compiled.
 //
 // This file is not a module on its own: the registry (Family::source)
-// appends it to matmul.wgsl, so the overrides (TRANS_A, TRANS_B), the
-// EPILOGUE_* bits, the MatmulParams block,
+// appends it to matmul.wgsl, so the epilogue overrides (ACCUMULATE,
+// HAS_BIAS, ACTIVATION_*, STORE_PRE), the MatmulParams block with its strides,
 // the bindings and write_c are matmul.wgsl's own, and one binding layout
 // and one MatmulEpilogue serve every matmul variant. matmul.wgsl itself
 // never sees a subgroup builtin, so it still validates without SUBGROUP
@@ -63,10 +63,10 @@ fn matmul_subgroup_forward(
     let row_own = row0 + LANES * lane;
     // Element (row, kk) of op(A) is a[row * sa_row + kk * sa_k]; element
     // (kk, col) of op(B) is b[col * sb_col + kk * sb_k].
-    let sa_row = select(p.k, 1u, TRANS_A);
-    let sa_k = select(1u, p.m, TRANS_A);
-    let sb_col = select(1u, p.k, TRANS_B);
-    let sb_k = select(p.n, 1u, TRANS_B);
+    let sa_row = p.sa_row;
+    let sa_k = p.sa_k;
+    let sb_col = p.sb_col;
+    let sb_k = p.sb_k;
     let last_row = p.m - 1u;
     let last_col = p.n - 1u;
     let ra0 = min(row_own + 0u, last_row) * sa_row;

@@ -139,6 +139,30 @@ impl StepCase {
         })
     }
 
+    /// `make train`'s digits MLP shape: 64-128-10 ReLU, cross-entropy,
+    /// Adam(2e-3), batch 32, random data.
+    pub fn digits_mlp() -> Self {
+        let batch = 32;
+        nn::manual_seed(0);
+        let model = Sequential::new(vec![
+            Layer::Linear(Linear::new(64, 128)),
+            Layer::ReLU,
+            Layer::Linear(Linear::new(128, 10)),
+        ]);
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let x = random(batch * 64, &mut rng);
+        let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+        StepCase {
+            name: "digits_mlp_64_128_10_b32_adam",
+            model,
+            criterion: CrossEntropyLoss.into(),
+            optimizer: Adam::new(2e-3).into(),
+            batch,
+            x,
+            targets: CaseTargets::Classes(y),
+        }
+    }
+
     /// The tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
     pub fn linear() -> Self {
         let batch = 64;
@@ -250,4 +274,81 @@ pub fn linear_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
             ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
         ],
     })
+}
+
+/// Milliseconds since `start`.
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
+}
+
+/// Where start-up goes: for each matmul variant and form this adapter runs
+/// (64×64×64), and for a few of the small kernels, the time to create the
+/// pipeline (`create_ms`), the first run with its wait (`first_ms`), and a
+/// later run (`steady_ms`). `compile_ms` = create + first − steady: lavapipe
+/// compiles at creation, llvmpipe-GL at the first dispatch, so only the sum
+/// compares across backends. Run once with an empty Mesa shader cache
+/// (`MESA_SHADER_CACHE_DIR=$(mktemp -d)`) and once warm. Then the digits
+/// MLP (64-128-10, batch 32, Adam): building its trainer, its first and a
+/// later training step.
+pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
+    use crate::kernels::{Activation, MatmulEpilogue, MatmulVariant};
+    let n = 64;
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (a, b, c) = (kernels.upload(&random(n * n, &mut rng))?, kernels.upload(&random(n * n, &mut rng))?, kernels.zeros(n * n)?);
+    let mut lines = Vec::new();
+    let mut time_first_runs = |name: String, build: &dyn Fn() -> Result<crate::kernels::Dispatch>| -> Result<()> {
+        let start = Instant::now();
+        let dispatch = build()?;
+        let create = ms_since(start);
+        let start = Instant::now();
+        kernels.run(&[&dispatch])?;
+        kernels.device().wait_idle("bench")?;
+        let first = ms_since(start);
+        let start = Instant::now();
+        kernels.run(&[&dispatch])?;
+        kernels.device().wait_idle("bench")?;
+        let steady = ms_since(start);
+        lines.push(BenchLine {
+            case: format!("compile_{name}"),
+            values: vec![
+                ("create_ms", format!("{create:.1}")),
+                ("first_ms", format!("{first:.1}")),
+                ("steady_ms", format!("{steady:.2}")),
+                ("compile_ms", format!("{:.1}", create + first - steady)),
+            ],
+        });
+        Ok(())
+    };
+    for variant in MatmulVariant::ALL.into_iter().filter(|&v| kernels.supports_matmul_variant(v)) {
+        for form in MatmulForm::ALL {
+            let epilogue = MatmulEpilogue::default();
+            time_first_runs(format!("matmul_{variant:?}_{form:?}").to_lowercase(), &|| {
+                kernels.matmul_epilogue_with(variant, form, epilogue, c.view(), a.view(), b.view(), n, n, n)
+            })?;
+        }
+    }
+    time_first_runs("relu_forward".into(), &|| kernels.activation_forward(Activation::Relu, c.view(), a.view()))?;
+    time_first_runs("sum_rows_forward".into(), &|| kernels.sum_rows(c.slice(0, n)?, a.view(), n, n))?;
+
+    let case = StepCase::digits_mlp();
+    let start = Instant::now();
+    let mut trainer = case.trainer(kernels)?;
+    let build = ms_since(start);
+    let mut step_ms = || -> Result<f64> {
+        let start = Instant::now();
+        train_step(&mut trainer, &case.x, case.targets())?;
+        kernels.device().wait_idle("bench")?;
+        Ok(ms_since(start))
+    };
+    let first = step_ms()?;
+    let steady = step_ms()?;
+    lines.push(BenchLine {
+        case: case.name.into(),
+        values: vec![
+            ("build_ms", format!("{build:.1}")),
+            ("first_step_ms", format!("{first:.1}")),
+            ("steady_step_ms", format!("{steady:.2}")),
+        ],
+    });
+    Ok(lines)
 }

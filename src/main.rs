@@ -57,6 +57,10 @@ enum Command {
         /// Fewer repetitions and sizes.
         #[arg(long)]
         quick: bool,
+        /// Only the start-up costs: per-pipeline compile times and the
+        /// digits MLP's build and first step (see `wgrad::bench::compile_times`).
+        #[arg(long)]
+        compile: bool,
     },
     /// Under mpirun: time the cross-process gradient all-reduce (f64 sums in
     /// the buckets training uses) for several gradient sizes; rank 0 prints
@@ -173,6 +177,15 @@ fn tune(opts: &DeviceOptions) -> wgrad::Result<()> {
         None => println!("no cache directory (set WGRAD_CACHE_DIR); kept for this run only"),
     }
     Ok(())
+}
+
+/// A ticking spinner with a message, for waits of unknown length.
+fn spinner(message: &'static str) -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    bar.set_message(message);
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
 }
 
 fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
@@ -294,6 +307,10 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
     };
     log::info!("rank {rank}: devices open");
+    // Pipelines compile while the engine is built (lavapipe) or at their
+    // first dispatch (llvmpipe-GL, and lavapipe with a cold shader cache):
+    // both can take seconds, so neither happens in silence.
+    let preparing = if root { spinner("preparing kernels") } else { ProgressBar::hidden() };
     let mut engine = match process_group {
         Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
         None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
@@ -335,6 +352,7 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
     macro_rules! say {
         ($($arg:tt)*) => { if root { println!($($arg)*); } };
     }
+    preparing.finish_and_clear();
     say!("devices: {}", group.labels().join(", "));
     if let Engine::Single(t) = &engine {
         let exec = t.executor();
@@ -354,9 +372,13 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
     let steps = args.max_steps.map_or(all_steps, |m| m.min(all_steps));
     let bar = if root { ProgressBar::new(steps) } else { ProgressBar::hidden() };
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
+        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    // Ticks on its own thread, so a first step that waits on a shader
+    // compile still shows the run is alive.
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar.set_message("first steps compile kernels (cached for later runs)");
     let mut x = vec![0.0f32; args.batch_size * train_set.features()];
     let mut y = vec![0u32; args.batch_size];
     let mut curve: Vec<(u64, f32)> = Vec::new();
@@ -507,7 +529,9 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     }
     println!("adapter: {}", kernels.device().label());
     println!("model: {} (step {})", predictor.model().describe(), ckpt.meta("step").unwrap_or("?"));
+    let predicting = spinner("predicting (a first run on this adapter compiles kernels)");
     let predictions = predictor.predict(test_set.x())?;
+    predicting.finish_and_clear();
     for (i, (p, l)) in predictions.iter().zip(test_set.labels()).take(show).enumerate() {
         println!("  sample {i:4}: predicted {p}, label {l}{}", if p == l { "" } else { "  (wrong)" });
     }
@@ -516,10 +540,16 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     Ok(())
 }
 
-fn bench(opts: &DeviceOptions, quick: bool) -> wgrad::Result<()> {
+fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> {
     let kernels = open_kernels(opts)?;
     let threads = std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "unset".into());
     println!("adapter: {} (LP_NUM_THREADS={threads})", kernels.device().label());
+    if compile {
+        for l in wgrad::bench::compile_times(&kernels)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
     let sizes: &[usize] = if quick { &[256, 512] } else { &[256, 512, 1024, 2048] };
     let reps = if quick { 3 } else { 5 };
     let mut lines = Vec::new();
@@ -616,7 +646,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&opts, args),
         Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
-        Command::Bench { quick } => bench(&opts, *quick),
+        Command::Bench { quick, compile } => bench(&opts, *quick, *compile),
         Command::Tune => tune(&opts),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),
     });

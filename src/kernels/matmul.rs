@@ -80,6 +80,12 @@ impl MatmulVariant {
         MatmulVariant::Small,
     ];
 
+    /// Whether the kernel is compiled once per form (TRANS_A / TRANS_B
+    /// overrides) rather than reading the form's strides at run time.
+    fn specialised_by_form(self) -> bool {
+        matches!(self, MatmulVariant::Shared | MatmulVariant::RegisterVec4)
+    }
+
     /// The entry point this variant runs for these operands.
     fn kernel(self, m: usize, n: usize, k: usize, views: [&View<'_>; 3]) -> super::Kernel {
         match self {
@@ -129,13 +135,6 @@ fn activation_code(act: Activation) -> u32 {
 
 const TILE: usize = 64;
 
-// The WGSL `EPILOGUE_*` bits.
-const EPILOGUE_ACCUMULATE: u32 = 1;
-const EPILOGUE_BIAS: u32 = 2;
-const EPILOGUE_ACTIVATION_FORWARD: u32 = 4;
-const EPILOGUE_ACTIVATION_BACKWARD: u32 = 8;
-const EPILOGUE_STORE_PRE: u32 = 16;
-
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct MatmulParams {
@@ -145,8 +144,11 @@ struct MatmulParams {
     tiles_n: u32,
     tiles_total: u32,
     activation: u32,
-    epilogue: u32,
-    _pad: u32,
+    _pad: [u32; 2],
+    sa_row: u32,
+    sa_k: u32,
+    sb_col: u32,
+    sb_k: u32,
 }
 
 impl Kernels {
@@ -339,14 +341,10 @@ impl Kernels {
             }
         }
         let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
+        let (trans_a, trans_b) = form.transposes();
         let tiles_n = n.div_ceil(TILE);
         let tiles_total = tiles_n * m.div_ceil(TILE);
-        let bit = |on: bool, bit: u32| if on { bit } else { 0 };
-        let epilogue_bits = bit(accumulate, EPILOGUE_ACCUMULATE)
-            | bit(bias.is_some(), EPILOGUE_BIAS)
-            | bit(activation.is_some(), EPILOGUE_ACTIVATION_FORWARD)
-            | bit(activation_grad.is_some(), EPILOGUE_ACTIVATION_BACKWARD)
-            | bit(pre.is_some(), EPILOGUE_STORE_PRE);
+
         let params = MatmulParams {
             m: dim(op, m)?,
             n: dim(op, n)?,
@@ -354,12 +352,25 @@ impl Kernels {
             tiles_n: dim(op, tiles_n)?,
             tiles_total: dim(op, tiles_total)?,
             activation: act.map_or(0, activation_code),
-            epilogue: epilogue_bits,
-            _pad: 0,
+            _pad: [0; 2],
+            sa_row: dim(op, if trans_a { 1 } else { k })?,
+            sa_k: dim(op, if trans_a { m } else { 1 })?,
+            sb_col: dim(op, if trans_b { k } else { 1 })?,
+            sb_k: dim(op, if trans_b { 1 } else { n })?,
         };
-        let (trans_a, trans_b) = form.transposes();
         let flag = |on: bool| f64::from(u8::from(on));
-        let constants = [("TRANS_A", flag(trans_a)), ("TRANS_B", flag(trans_b))];
+        // The epilogue overrides first, then the form's for the kernels
+        // compiled per form.
+        let constants = [
+            ("ACCUMULATE", flag(accumulate)),
+            ("HAS_BIAS", flag(bias.is_some())),
+            ("ACTIVATION_FORWARD", flag(activation.is_some())),
+            ("ACTIVATION_BACKWARD", flag(activation_grad.is_some())),
+            ("STORE_PRE", flag(pre.is_some())),
+            ("TRANS_A", flag(trans_a)),
+            ("TRANS_B", flag(trans_b)),
+        ];
+        let constants = if variant.specialised_by_form() { &constants[..] } else { &constants[..5] };
         // Every slot is in the layout whatever the overrides say; unused
         // read-only slots hold a placeholder the kernel never reads, and an
         // unused `pre` holds C itself (a writable slot may not share a buffer
@@ -367,7 +378,7 @@ impl Kernels {
         let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
         self.prepare(
             kernel,
-            &constants,
+            constants,
             &[
                 bind(0, "a", a),
                 bind(1, "b", b),
