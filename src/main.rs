@@ -278,16 +278,27 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
             reason: "across processes wgrad trains data parallel: use --parallel data".into(),
         });
     }
-    let group = match (&args.devices, strategy, &process_group) {
-        (Some(d), _, _) => DeviceGroup::open(&DeviceSelection::parse(d)?)?,
-        (None, Strategy::Single, _) | (None, _, Some(_)) => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
-        (None, _, None) => DeviceGroup::from_env(DeviceSelection::Count(2))?,
+    let selection = match (&args.devices, strategy, &process_group) {
+        (Some(d), _, _) => Some(DeviceSelection::parse(d)?),
+        (None, Strategy::Single, _) | (None, _, Some(_)) => None,
+        (None, _, None) => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
     };
     let mut widths = vec![train_set.features()];
     widths.extend(&args.hidden);
     widths.push(train_set.classes());
     nn::manual_seed(args.seed);
     let model = Sequential::mlp(&widths, Layer::ReLU)?;
+    // A device count that cannot work fails here, before devices open one
+    // by one (minutes for a large count). Across processes --split holds
+    // rows per process, not per device.
+    if let Some(selection) = &selection {
+        let split = if process_group.is_some() { None } else { args.split.as_deref() };
+        strategy.check_devices(selection.check()?, &model, args.batch_size, split)?;
+    }
+    let group = match &selection {
+        Some(selection) => DeviceGroup::open(selection)?,
+        None => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
+    };
     let optimizer: OptimizerConfig = match args.optimizer {
         OptimizerName::Adam => Adam::new(args.lr).into(),
         OptimizerName::Adamw => AdamW::new(args.lr).into(),
