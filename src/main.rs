@@ -11,7 +11,9 @@ use wgrad::data::{self, Dataset, Sampler};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, SGD};
-use wgrad::parallel::distributed::{DistributedDataParallel, InjectedFailure, ProcessGroup};
+use wgrad::parallel::distributed::{DistributedDataParallel, ProcessGroup};
+#[cfg(feature = "fault-injection")]
+use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::engine::{Engine, Strategy};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{accuracy, Predictor, Targets};
@@ -144,7 +146,8 @@ struct TrainArgs {
     #[arg(long)]
     max_steps: Option<u64>,
     /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
-    /// that step (an error, or a panic).
+    /// that step (an error, or a panic). Only in `fault-injection` builds.
+    #[cfg(feature = "fault-injection")]
     #[arg(long, hide = true)]
     fail_at: Option<String>,
 }
@@ -309,6 +312,7 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
         None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
     };
+    #[cfg(feature = "fault-injection")]
     if let (Some(spec), Engine::Distributed(d)) = (&args.fail_at, &mut engine) {
         let (fail_rank, step, how) = parse_fail_at(spec)?;
         d.inject_failure(fail_rank, step, how);
@@ -490,6 +494,7 @@ fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
 }
 
 /// `RANK:STEP[:panic|error]` for --fail-at.
+#[cfg(feature = "fault-injection")]
 fn parse_fail_at(spec: &str) -> wgrad::Result<(usize, u64, InjectedFailure)> {
     let bad = || wgrad::Error::InvalidArgument { op: "train --fail-at", reason: format!("`{spec}` is not RANK:STEP[:panic|error]") };
     let mut fields = spec.split(':');
