@@ -16,7 +16,7 @@ train: driver
 
 test: driver
 	$(CARGO) build --release --bin wgrad
-	./target/release/wgrad adapters
+	$(CARGO) run --release --bin wgrad -- adapters
 	# One test thread: wgpu 30's GL backend can panic when several threads
 	# drive one EGL context at once (make-current fails), and every test
 	# runs on the GL adapter too.
