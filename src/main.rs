@@ -38,7 +38,7 @@ enum Command {
     Adapters,
     /// Train an MLP classifier (default: the shipped UCI digits) and write a
     /// checkpoint and a loss-curve PNG.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -544,7 +544,7 @@ fn bench(opts: &DeviceOptions, quick: bool) -> wgrad::Result<()> {
     }
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
-    println!("{:<32} {}", "case", "measurements");
+    println!("{:<32} measurements", "case");
     for l in &lines {
         let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();
         println!("{:<32} {}", l.case, values.join(", "));

@@ -97,7 +97,8 @@ pub enum Engine {
     Single(Box<Trainer>),
     Data(DataParallel),
     Pipeline(Pipeline),
-    Tensor(TensorParallel),
+    /// Boxed: it is several times the size of the other variants.
+    Tensor(Box<TensorParallel>),
     /// Data parallel over the processes of a job (MPI) and, inside each,
     /// over its local devices.
     Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
@@ -126,7 +127,7 @@ impl Engine {
                 Engine::Data(DataParallel::new(group, model, criterion, optimizer, batch, split)?)
             }
             Strategy::Pipeline => Engine::Pipeline(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, None)?),
-            Strategy::Tensor => Engine::Tensor(TensorParallel::new(group, model, criterion, optimizer, batch, tensor_block(model)?)?),
+            Strategy::Tensor => Engine::Tensor(Box::new(TensorParallel::new(group, model, criterion, optimizer, batch, tensor_block(model)?)?)),
         })
     }
 
