@@ -16,7 +16,7 @@ train: driver
 
 test: driver
 	$(CARGO) build --release --bin wgrad
-	./target/release/wgrad adapters
+	$(CARGO) run --release --bin wgrad -- adapters
 	# One test thread: wgpu 30's GL backend can panic when several threads
 	# drive one EGL context at once (make-current fails), and every test
 	# runs on the GL adapter too.
@@ -26,7 +26,7 @@ test: driver
 	# installed (scripts/ensure-mpi.sh installs it on Debian as root).
 	@if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && \
 		ldconfig -p 2>/dev/null | grep -q libclang; then \
-		$(CARGO) test --release --features mpi --test mpi -- --test-threads=1; \
+		$(CARGO) test --release --features mpi,fault-injection --test mpi -- --test-threads=1; \
 	else \
 		echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)"; \
 	fi

@@ -11,7 +11,9 @@ use wgrad::data::{self, Dataset, Sampler};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, SGD};
-use wgrad::parallel::distributed::{DistributedDataParallel, InjectedFailure, ProcessGroup};
+use wgrad::parallel::distributed::{DistributedDataParallel, ProcessGroup};
+#[cfg(feature = "fault-injection")]
+use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::engine::{Engine, Strategy};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{accuracy, Predictor, Targets};
@@ -36,7 +38,7 @@ enum Command {
     Adapters,
     /// Train an MLP classifier (default: the shipped UCI digits) and write a
     /// checkpoint and a loss-curve PNG.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -148,7 +150,8 @@ struct TrainArgs {
     #[arg(long)]
     max_steps: Option<u64>,
     /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
-    /// that step (an error, or a panic).
+    /// that step (an error, or a panic). Only in `fault-injection` builds.
+    #[cfg(feature = "fault-injection")]
     #[arg(long, hide = true)]
     fail_at: Option<String>,
 }
@@ -291,16 +294,27 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
             reason: "across processes wgrad trains data parallel: use --parallel data".into(),
         });
     }
-    let group = match (&args.devices, strategy, &process_group) {
-        (Some(d), _, _) => DeviceGroup::open(&DeviceSelection::parse(d)?)?,
-        (None, Strategy::Single, _) | (None, _, Some(_)) => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
-        (None, _, None) => DeviceGroup::from_env(DeviceSelection::Count(2))?,
+    let selection = match (&args.devices, strategy, &process_group) {
+        (Some(d), _, _) => Some(DeviceSelection::parse(d)?),
+        (None, Strategy::Single, _) | (None, _, Some(_)) => None,
+        (None, _, None) => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
     };
     let mut widths = vec![train_set.features()];
     widths.extend(&args.hidden);
     widths.push(train_set.classes());
     nn::manual_seed(args.seed);
     let model = Sequential::mlp(&widths, Layer::ReLU)?;
+    // A device count that cannot work fails here, before devices open one
+    // by one (minutes for a large count). Across processes --split holds
+    // rows per process, not per device.
+    if let Some(selection) = &selection {
+        let split = if process_group.is_some() { None } else { args.split.as_deref() };
+        strategy.check_devices(selection.check()?, &model, args.batch_size, split)?;
+    }
+    let group = match &selection {
+        Some(selection) => DeviceGroup::open(selection)?,
+        None => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
+    };
     let optimizer: OptimizerConfig = match args.optimizer {
         OptimizerName::Adam => Adam::new(args.lr).into(),
         OptimizerName::Adamw => AdamW::new(args.lr).into(),
@@ -315,6 +329,7 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
         None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
     };
+    #[cfg(feature = "fault-injection")]
     if let (Some(spec), Engine::Distributed(d)) = (&args.fail_at, &mut engine) {
         let (fail_rank, step, how) = parse_fail_at(spec)?;
         d.inject_failure(fail_rank, step, how);
@@ -501,6 +516,7 @@ fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
 }
 
 /// `RANK:STEP[:panic|error]` for --fail-at.
+#[cfg(feature = "fault-injection")]
 fn parse_fail_at(spec: &str) -> wgrad::Result<(usize, u64, InjectedFailure)> {
     let bad = || wgrad::Error::InvalidArgument { op: "train --fail-at", reason: format!("`{spec}` is not RANK:STEP[:panic|error]") };
     let mut fields = spec.split(':');
@@ -558,7 +574,7 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> 
     }
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
-    println!("{:<32} {}", "case", "measurements");
+    println!("{:<32} measurements", "case");
     for l in &lines {
         let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();
         println!("{:<32} {}", l.case, values.join(", "));

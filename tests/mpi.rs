@@ -1,7 +1,8 @@
 //! Training across processes with MPI: `mpirun -n 2` and `-n 3` against
 //! single-process training on the same global batch, resuming with a
 //! different number of processes, and a failing rank stopping the job.
-//! Runs with `--features mpi` when `mpirun` is installed (`make test` does).
+//! Runs with `--features mpi` when `mpirun` is installed; the failure test
+//! also needs `fault-injection` (`make test` passes both).
 #![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
@@ -129,7 +130,9 @@ fn mpi_training_matches_single_process_and_resumes_with_another_process_count() 
 
 /// A rank that errors or panics mid-training ends the whole job promptly
 /// (MPI_Abort), with a message naming it, instead of hanging the others in
-/// their next collective.
+/// their next collective. Needs `--fail-at`, which only a
+/// `fault-injection` build has.
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_failing_rank_stops_the_job() {
     if !mpi_available() {

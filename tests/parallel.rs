@@ -12,7 +12,8 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::SGD;
 use wgrad::parallel::collectives::{all_gather, all_reduce, broadcast, send, Part};
 use wgrad::parallel::data::{proportional_split, DataParallel, Split};
-use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 
@@ -35,6 +36,55 @@ fn device_selections_parse() {
     assert_eq!(DeviceSelection::parse("0, 1,1").unwrap(), DeviceSelection::Adapters(vec!["0".into(), "1".into(), "1".into()]));
     assert!(DeviceSelection::parse("0").is_err());
     assert!(DeviceSelection::parse(" ").is_err());
+}
+
+/// A device count that cannot work is an error naming the numbers before
+/// any device opens (no adapter needed): opening 100000 devices one by one
+/// used to block for minutes.
+#[test]
+fn impossible_device_counts_are_errors_before_opening() {
+    let count = |n| DeviceSelection::Count(n).check();
+    assert_eq!(count(MAX_DEVICES).unwrap(), MAX_DEVICES);
+    let err = count(100_000).unwrap_err().to_string();
+    assert!(err.contains("100000") && err.contains(&MAX_DEVICES.to_string()), "{err}");
+    let list = DeviceSelection::Adapters(vec!["0".into(), "0".into(), "999".into()]);
+    assert!(list.check().is_err());
+
+    nn::manual_seed(0);
+    let model = Sequential::mlp(&[64, 16, 10], Layer::ReLU).unwrap();
+    let reason = |s: Strategy, devices, split: Option<&[usize]>| s.check_devices(devices, &model, 32, split).unwrap_err().to_string();
+    let err = reason(Strategy::Data, 40, None);
+    assert!(err.contains("40 devices") && err.contains("32 rows"), "{err}");
+    let err = reason(Strategy::Data, 2, Some(&[10, 10, 12]));
+    assert!(err.contains("3 devices") && err.contains("2 devices"), "{err}");
+    let err = reason(Strategy::Pipeline, 3, None);
+    assert!(err.contains("3 devices") && err.contains("2 Linear layers"), "{err}");
+    let err = reason(Strategy::Tensor, 17, None);
+    assert!(err.contains("17 devices") && err.contains("has 16"), "{err}");
+    let err = reason(Strategy::Single, 65, None);
+    assert!(err.contains("65"), "{err}");
+    for s in [Strategy::Data, Strategy::Pipeline, Strategy::Tensor] {
+        s.check_devices(2, &model, 32, None).unwrap();
+    }
+}
+
+/// The CLI runs those checks before it opens a device.
+#[test]
+fn wgrad_train_with_100000_devices_fails_at_once() {
+    let dir = std::env::temp_dir().join(format!("wgrad-devices-{}", std::process::id()));
+    let (ckpt, plot) = (dir.join("never.safetensors"), dir.join("never.png"));
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .args(["train", "--parallel", "data", "--devices", "100000", "--max-steps", "1"])
+        .arg("--checkpoint")
+        .arg(&ckpt)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{err}");
+    assert!(err.contains("100000") && err.contains(&MAX_DEVICES.to_string()), "{err}");
+    assert!(!ckpt.exists());
 }
 
 #[test]

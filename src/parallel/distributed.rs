@@ -105,7 +105,9 @@ pub const RESPLIT_EVERY: u64 = 100;
 const RESPLIT_GAIN: f64 = 0.15;
 
 /// What a test asks a rank to do at a step, to prove a failing rank stops
-/// the whole job instead of hanging it.
+/// the whole job instead of hanging it. Only in builds with the
+/// `fault-injection` feature, so a default build has no way to panic here.
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InjectedFailure {
     /// The step returns an error (as a lost device would).
@@ -139,6 +141,7 @@ pub struct DistributedDataParallel<G: ProcessGroup> {
     fixed_split: bool,
     window: (Duration, u64),
     stats: DistributedStats,
+    #[cfg(feature = "fault-injection")]
     failure: Option<(usize, u64, InjectedFailure)>,
 }
 
@@ -190,6 +193,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
             fixed_split,
             window: (Duration::ZERO, 0),
             stats: DistributedStats::default(),
+            #[cfg(feature = "fault-injection")]
             failure: None,
         };
         if !fixed_split && size > 1 {
@@ -283,6 +287,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     }
 
     /// A test hook: make `rank` fail at `step` (1-based) with `how`.
+    #[cfg(feature = "fault-injection")]
     pub fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
         self.failure = Some((rank, step, how));
     }
@@ -292,6 +297,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     /// Returns the global mean loss when `read_loss`.
     pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         let (rank, size) = (self.group.rank(), self.group.size());
+        #[cfg(feature = "fault-injection")]
         if let Some((r, s, how)) = self.failure {
             if r == rank && s == self.stats.steps + 1 {
                 match how {

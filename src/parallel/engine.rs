@@ -11,7 +11,7 @@ use super::DeviceGroup;
 use crate::checkpoint::{Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
-use crate::nn::{Criterion, Sequential};
+use crate::nn::{Criterion, Layer, Sequential};
 use crate::optim;
 use crate::trainer::{Targets, Trainer};
 
@@ -34,13 +34,71 @@ impl Strategy {
             other => Err(Error::InvalidArgument { op: "parallel", reason: format!("unknown strategy `{other}`: use data, pipeline or tensor") }),
         }
     }
+
+    /// Whether `devices` devices can share `model` this way, checked before
+    /// any is opened (the constructors check again on the opened group):
+    /// data parallel needs a row of the `batch` per device (and one entry
+    /// per device in a fixed `split`), the pipeline a Linear layer per
+    /// stage, tensor parallel a hidden unit of the split block per device.
+    pub fn check_devices(self, devices: usize, model: &Sequential, batch: usize, split: Option<&[usize]>) -> Result<()> {
+        super::check_limit(devices)?;
+        match self {
+            Strategy::Single => Ok(()),
+            Strategy::Data => {
+                if devices > batch {
+                    return Err(Error::InvalidArgument {
+                        op: "data parallel",
+                        reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
+                    });
+                }
+                match split {
+                    Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
+                        op: "data parallel split",
+                        reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
+                    }),
+                    _ => Ok(()),
+                }
+            }
+            Strategy::Pipeline => {
+                let linears = model.layers.iter().filter(|l| matches!(l, Layer::Linear(_))).count();
+                if devices > linears {
+                    return Err(Error::InvalidArgument {
+                        op: "pipeline parallel",
+                        reason: format!("{devices} devices need a stage with a Linear layer each, but the model has {linears} Linear layers: use at most {linears} devices or more layers"),
+                    });
+                }
+                Ok(())
+            }
+            Strategy::Tensor => {
+                let hidden = match &model.layers[tensor_block(model)?] {
+                    Layer::Linear(l) => l.out_features,
+                    _ => 0,
+                };
+                if devices > hidden {
+                    return Err(Error::InvalidArgument {
+                        op: "tensor parallel",
+                        reason: format!("{devices} devices need at least one hidden unit each, but the split block has {hidden}: use at most {hidden} devices or a wider layer"),
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The block tensor parallel splits: the first Linear-activation-Linear.
+fn tensor_block(model: &Sequential) -> Result<usize> {
+    (0..model.layers.len().saturating_sub(2))
+        .find(|&i| TensorParallel::is_block(&model.layers[i..i + 3]))
+        .ok_or_else(|| Error::InvalidArgument { op: "tensor parallel", reason: "the model has no Linear-activation-Linear block".into() })
 }
 
 pub enum Engine {
     Single(Box<Trainer>),
     Data(DataParallel),
     Pipeline(Pipeline),
-    Tensor(TensorParallel),
+    /// Boxed: it is several times the size of the other variants.
+    Tensor(Box<TensorParallel>),
     /// Data parallel over the processes of a job (MPI) and, inside each,
     /// over its local devices.
     Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
@@ -69,12 +127,7 @@ impl Engine {
                 Engine::Data(DataParallel::new(group, model, criterion, optimizer, batch, split)?)
             }
             Strategy::Pipeline => Engine::Pipeline(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, None)?),
-            Strategy::Tensor => {
-                let block = (0..model.layers.len().saturating_sub(2))
-                    .find(|&i| TensorParallel::is_block(&model.layers[i..i + 3]))
-                    .ok_or_else(|| Error::InvalidArgument { op: "tensor parallel", reason: "the model has no Linear-activation-Linear block".into() })?;
-                Engine::Tensor(TensorParallel::new(group, model, criterion, optimizer, batch, block)?)
-            }
+            Strategy::Tensor => Engine::Tensor(Box::new(TensorParallel::new(group, model, criterion, optimizer, batch, tensor_block(model)?)?)),
         })
     }
 

@@ -23,6 +23,23 @@ use crate::kernels::Kernels;
 /// `all`, or a comma-separated list of adapter indexes or names (`0,1,1`).
 pub const ENV_DEVICES: &str = "WGRAD_DEVICES";
 
+/// Most devices one group opens. Devices open one after another, each a
+/// full wgpu device with its own kernels (a fraction of a second on
+/// lavapipe), and the largest machines hold 8–16 GPUs, so a larger count is
+/// a typo that would otherwise block for minutes before failing.
+pub const MAX_DEVICES: usize = 64;
+
+/// An error naming `n` when it is over [`MAX_DEVICES`].
+pub(crate) fn check_limit(n: usize) -> Result<()> {
+    if n > MAX_DEVICES {
+        return Err(Error::InvalidArgument {
+            op: "devices",
+            reason: format!("{n} devices requested, over the limit of {MAX_DEVICES} per process (wgrad::parallel::MAX_DEVICES)"),
+        });
+    }
+    Ok(())
+}
+
 /// Which devices a group opens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceSelection {
@@ -54,6 +71,53 @@ impl DeviceSelection {
         }
         Ok(DeviceSelection::Adapters(list))
     }
+
+    /// `WGRAD_DEVICES`, or `default` when unset.
+    pub fn from_env(default: DeviceSelection) -> Result<Self> {
+        match std::env::var(ENV_DEVICES) {
+            Ok(text) if !text.trim().is_empty() => Self::parse(&text),
+            _ => Ok(default),
+        }
+    }
+
+    /// How many devices this selection opens, checked without opening any:
+    /// at most [`MAX_DEVICES`], and every listed adapter index or name
+    /// present. [`DeviceGroup::open`] runs it first, so a bad selection
+    /// fails at once instead of after the devices before it opened.
+    pub fn check(&self) -> Result<usize> {
+        let n = match self {
+            DeviceSelection::Count(n) => *n,
+            DeviceSelection::Adapters(list) => list.len(),
+            DeviceSelection::All => list_adapters().len(),
+        };
+        if n == 0 {
+            return match self {
+                DeviceSelection::All => Err(Error::NoAdapter { filter: String::new() }),
+                _ => Err(Error::InvalidArgument { op: "devices", reason: "a group needs at least one device".into() }),
+            };
+        }
+        check_limit(n)?;
+        if let DeviceSelection::Adapters(list) = self {
+            let reports = list_adapters();
+            if reports.is_empty() {
+                return Err(Error::NoAdapter { filter: String::new() });
+            }
+            // The same matching as `Device::open`: an index into the full
+            // list, or a case-insensitive name substring.
+            let present = |entry: &str| match entry.parse::<usize>() {
+                Ok(index) => index < reports.len(),
+                Err(_) => {
+                    let needle = entry.to_ascii_lowercase();
+                    reports.iter().any(|r| r.info.name.to_ascii_lowercase().contains(&needle))
+                }
+            };
+            if let Some(missing) = list.iter().find(|e| !present(e.trim())) {
+                let available = reports.iter().enumerate().map(|(i, r)| format!("[{i}] {} ({:?})", r.info.name, r.info.backend)).collect::<Vec<_>>().join(", ");
+                return Err(Error::AdapterNotFound { selector: missing.clone(), available });
+            }
+        }
+        Ok(n)
+    }
 }
 
 /// The devices of one job, each with its kernels and pipeline cache.
@@ -62,7 +126,9 @@ pub struct DeviceGroup {
 }
 
 impl DeviceGroup {
+    /// Opens the devices of `selection` after [`DeviceSelection::check`].
     pub fn open(selection: &DeviceSelection) -> Result<Self> {
+        selection.check()?;
         let reports = list_adapters();
         if reports.is_empty() {
             return Err(Error::NoAdapter { filter: String::new() });
@@ -89,10 +155,7 @@ impl DeviceGroup {
 
     /// `WGRAD_DEVICES`, or `default` when unset.
     pub fn from_env(default: DeviceSelection) -> Result<Self> {
-        match std::env::var(ENV_DEVICES) {
-            Ok(text) if !text.trim().is_empty() => Self::open(&DeviceSelection::parse(&text)?),
-            _ => Self::open(&default),
-        }
+        Self::open(&DeviceSelection::from_env(default)?)
     }
 
     /// A group of already opened devices.
