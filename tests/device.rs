@@ -3,7 +3,7 @@
 mod common;
 
 use wgrad::device::{list_adapters, parse_backend, select_adapter, DeviceOptions};
-use wgrad::{Device, Error, Kernels};
+use wgrad::Error;
 
 #[test]
 fn backend_names_parse_and_unknown_ones_are_errors() {
@@ -108,19 +108,16 @@ fn a_gpu_validation_error_is_an_error_not_a_panic() {
 
 #[test]
 fn a_lost_device_is_reported_as_device_lost() {
-    let list = list_adapters();
-    if list.is_empty() {
-        eprintln!("SKIP: no adapter");
-        return;
-    }
-    for r in &list {
-        let device = Device::open(&DeviceOptions { backends: None, adapter: Some(r.index.to_string()) }).unwrap();
-        device.wgpu_device().destroy();
-        let k = Kernels::new(device);
+    common::for_each_adapter("device_lost", |shared| {
+        // A device of its own: destroying the shared one would break the
+        // other tests.
+        let k = common::private_kernels(shared);
+        k.device().wgpu_device().destroy();
         let err = k.upload(&[1.0f32]).and_then(|t| k.read::<f32>(t.view()));
         match err {
-            Err(Error::DeviceLost { adapter, .. }) => assert!(adapter.contains(&r.info.name)),
-            other => panic!("{}: expected DeviceLost, got {other:?}", r.info.name),
+            Err(Error::DeviceLost { adapter, .. }) => assert!(adapter.contains(&shared.device().info().name)),
+            other => panic!("{}: expected DeviceLost, got {other:?}", shared.device().label()),
         }
-    }
+        Ok(())
+    });
 }

@@ -16,16 +16,59 @@ use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 
-fn groups() -> Vec<DeviceGroup> {
+/// The device groups the tests run on, holding wgrad's GL lock (when a GL
+/// adapter is among them) until the last group is dropped: the tests drop
+/// tensors and devices and destroy a device outside wgrad's own locked calls,
+/// and on GL those must not wait on wgpu's context while another test
+/// thread's submit holds it (wgpu panics after 6 s).
+struct Groups {
+    list: Vec<DeviceGroup>,
+    // Declared last: dropped after the groups.
+    _gl: Option<wgrad::device::GlGuard>,
+}
+
+impl std::ops::Deref for Groups {
+    type Target = [DeviceGroup];
+    fn deref(&self) -> &[DeviceGroup] {
+        &self.list
+    }
+}
+
+/// Iterates over the groups, still holding the GL lock.
+struct GroupsIter {
+    list: std::vec::IntoIter<DeviceGroup>,
+    _gl: Option<wgrad::device::GlGuard>,
+}
+
+impl Iterator for GroupsIter {
+    type Item = DeviceGroup;
+    fn next(&mut self) -> Option<DeviceGroup> {
+        self.list.next()
+    }
+}
+
+impl IntoIterator for Groups {
+    type Item = DeviceGroup;
+    type IntoIter = GroupsIter;
+    fn into_iter(self) -> GroupsIter {
+        GroupsIter { list: self.list.into_iter(), _gl: self._gl }
+    }
+}
+
+/// Two devices on two adapters, one adapter twice, and three devices; none
+/// without an adapter.
+fn groups() -> Groups {
     if wgrad::device::list_adapters().is_empty() {
         eprintln!("SKIP: no GPU adapter on this machine (install mesa-vulkan-drivers)");
-        return Vec::new();
+        return Groups { list: Vec::new(), _gl: None };
     }
-    vec![
+    let gl = common::lock_gl_if_any();
+    let list = vec![
         DeviceGroup::open(&DeviceSelection::Count(2)).unwrap(),
         DeviceGroup::open(&DeviceSelection::Adapters(vec!["0".into(), "0".into()])).unwrap(),
         DeviceGroup::open(&DeviceSelection::Count(3)).unwrap(),
-    ]
+    ];
+    Groups { list, _gl: gl }
 }
 
 #[test]
@@ -189,8 +232,9 @@ fn replicas_stay_bit_identical() {
 
 #[test]
 fn a_device_failing_mid_training_is_an_error_naming_it() {
-    let Some(group) = groups().into_iter().next() else { return };
-    let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
+    let groups = groups();
+    let Some(group) = groups.first() else { return };
+    let mut dp = DataParallel::new(group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
     let (x, y) = batch(8, 1);
     dp.step(&x, Targets::Classes(&y), false).unwrap();
     group.members()[1].device().wgpu_device().destroy();
@@ -318,7 +362,8 @@ fn the_balanced_split_evens_out_finishing_times() {
 
 #[test]
 fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
-    let Some(group) = groups().into_iter().next() else { return };
+    let groups = groups();
+    let Some(group) = groups.first() else { return };
     let k = group.members()[0].clone();
     assert!(DeviceGroup::from_kernels(vec![k.clone(), k.clone()]).is_err());
     assert!(DeviceGroup::open(&DeviceSelection::Adapters(vec![])).is_err());
@@ -395,9 +440,10 @@ fn distributed_data_parallel_in_one_process_matches_single_device_training() {
 
 #[test]
 fn a_bad_process_split_is_refused() {
-    let Some(group) = groups().into_iter().next() else { return };
+    let groups = groups();
+    let Some(group) = groups.first() else { return };
     for rows in [vec![10, 6], vec![15], vec![0]] {
-        let err = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
+        let err = DistributedDataParallel::new(SingleProcess, group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
         assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
     }
 }
