@@ -9,6 +9,43 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::device::{AdapterReport, GlGuard};
 use wgrad::{Device, Kernels};
 
+/// What to install when there is no adapter (as scripts/ensure-vulkan.sh).
+pub const INSTALL_HINT: &str = "on Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers libvulkan1 \
+     libegl1 libegl-mesa0 libgl1-mesa-dri (or run scripts/ensure-vulkan.sh as root)";
+
+fn truthy(name: &str) -> Option<bool> {
+    let value = std::env::var(name).ok()?;
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// True when a machine without an adapter must fail the tests instead of
+/// skipping them: `WGRAD_REQUIRE_ADAPTER=1`, or `CI=true`/`1` unless
+/// `WGRAD_REQUIRE_ADAPTER=0` says otherwise. A CI runner that lost its
+/// drivers would otherwise pass every GPU test without running one.
+pub fn adapter_required() -> bool {
+    truthy("WGRAD_REQUIRE_ADAPTER").or_else(|| truthy("CI")).unwrap_or(false)
+}
+
+/// Reports that `test` has no adapter to run on: panics with what to install
+/// when an adapter is required, otherwise prints SKIP.
+pub fn no_adapter(test: &str) {
+    let filter = match std::env::var("WGRAD_TEST_BACKEND") {
+        Ok(b) if !b.is_empty() => format!(" for WGRAD_TEST_BACKEND={b}"),
+        _ => String::new(),
+    };
+    if adapter_required() {
+        panic!(
+            "{test}: no GPU adapter{filter}, and CI / WGRAD_REQUIRE_ADAPTER require one. \
+             Install the software adapters (lavapipe, llvmpipe) {INSTALL_HINT}"
+        );
+    }
+    eprintln!("SKIP {test}: no GPU adapter{filter} on this machine; install {INSTALL_HINT}");
+}
+
 /// The adapters the tests use: every one listed, or those of
 /// `WGRAD_TEST_BACKEND=vulkan|gl|...`.
 pub fn reports() -> Vec<AdapterReport> {
@@ -20,6 +57,16 @@ pub fn reports() -> Vec<AdapterReport> {
         .into_iter()
         .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
         .collect()
+}
+
+/// True when there is an adapter to test; otherwise fails or skips `test`
+/// (see [`no_adapter`]).
+pub fn any_adapter(test: &str) -> bool {
+    if reports().is_empty() {
+        no_adapter(test);
+        return false;
+    }
+    true
 }
 
 /// wgrad's GL lock when any adapter the tests use is a GL one, for tests
@@ -60,17 +107,15 @@ pub fn private_kernels(k: &Kernels) -> Arc<Kernels> {
     open_kernels(index)
 }
 
-/// Runs `body` once per adapter; prints why when there is none. On a GL
-/// adapter the body holds wgrad's GL lock throughout, so what it does
-/// outside wgrad's own locked calls (drops of tensors and devices, direct
-/// wgpu calls) never waits on wgpu's GL context while another test thread
-/// holds it.
+/// Runs `body` once per adapter; without one, fails in CI and skips
+/// elsewhere (see [`no_adapter`]). On a GL adapter the body holds wgrad's
+/// GL lock throughout, so what it does outside wgrad's own locked calls
+/// (drops of tensors and devices, direct wgpu calls) never waits on wgpu's
+/// GL context while another test thread holds it.
 pub fn for_each_adapter(test: &str, body: impl Fn(&Arc<Kernels>) -> wgrad::Result<()>) {
     let all = adapters();
     if all.is_empty() {
-        eprintln!(
-            "SKIP {test}: no GPU adapter on this machine (install mesa-vulkan-drivers for lavapipe)"
-        );
+        no_adapter(test);
         return;
     }
     for k in all {
