@@ -3,7 +3,9 @@
 //! (error scopes, uncaptured errors, device loss) into `wgrad::Error` values.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::marker::PhantomData;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 
 use crate::error::{Error, Result};
 
@@ -31,6 +33,104 @@ fn instance() -> &'static wgpu::Instance {
         desc.flags = wgpu::InstanceFlags::from_build_config();
         wgpu::Instance::new(desc)
     })
+}
+
+/// wgpu's GL backend gives all devices on a GL adapter one EGL context behind
+/// a mutex, and panics ("Could not lock adapter context. This is most-likely
+/// a deadlock.") when a thread waits more than 6 s for it. One call can hold
+/// it far longer with no deadlock: llvmpipe JIT-compiles each shader at its
+/// first dispatch, inside the queue submit, and with a cold Mesa shader cache
+/// one training-step submit held it for 50 s on a 2-core machine. So GL work
+/// first queues here, without a time limit, and reaches wgpu's mutex only
+/// when no other thread holds it. Re-entrant, because work inside
+/// [`Device::scoped`] calls other methods that take it. Process-wide, not
+/// per adapter: wgrad has one instance, and a GL instance has one context.
+struct GlLock {
+    /// The holding thread and how many times it has taken the lock.
+    owner: Mutex<(Option<ThreadId>, usize)>,
+    released: Condvar,
+}
+
+static GL_LOCK: GlLock = GlLock {
+    owner: Mutex::new((None, 0)),
+    released: Condvar::new(),
+};
+
+impl GlLock {
+    fn owner(&self) -> MutexGuard<'_, (Option<ThreadId>, usize)> {
+        // Updates are single assignments, so a poisoned state is still valid.
+        self.owner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Held while this thread may use the GL context; see [`lock_gl`]. Not
+/// `Send`: it must be released by the thread that took it.
+#[must_use = "the GL lock is released when the guard is dropped"]
+pub struct GlGuard {
+    held: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for GlGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GlGuard").field("held", &self.held).finish()
+    }
+}
+
+impl Drop for GlGuard {
+    fn drop(&mut self) {
+        if !self.held {
+            return;
+        }
+        let mut owner = GL_LOCK.owner();
+        owner.1 = owner.1.saturating_sub(1);
+        if owner.1 == 0 {
+            owner.0 = None;
+            GL_LOCK.released.notify_one();
+        }
+    }
+}
+
+/// Takes wgrad's process-wide GL lock (re-entrant, no time limit). wgrad
+/// takes it itself in [`Device::open`], [`Device::scoped`],
+/// [`Device::check`] and [`Device::wait_idle`] on GL devices. Hold it around
+/// other wgpu calls on a GL device (`write_buffer`, `poll`, `unmap`, dropping
+/// buffers or devices) when other threads may be using a GL device at the
+/// same time; otherwise wgpu can panic after waiting 6 s for the GL context
+/// (see [`Device::lock_gl`] for the per-device form). Do not hold it while
+/// waiting for another thread that uses a GL device.
+pub fn lock_gl() -> GlGuard {
+    let me = std::thread::current().id();
+    let mut owner = GL_LOCK.owner();
+    loop {
+        match owner.0 {
+            None => {
+                *owner = (Some(me), 1);
+                break;
+            }
+            Some(holder) if holder == me => {
+                owner.1 += 1;
+                break;
+            }
+            Some(_) => {
+                owner = GL_LOCK
+                    .released
+                    .wait(owner)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+        }
+    }
+    GlGuard { held: true, _not_send: PhantomData }
+}
+
+/// [`lock_gl`] for GL adapters, nothing for the others (their drivers lock
+/// internally without a time limit).
+fn lock_gl_for(backend: wgpu::Backend) -> GlGuard {
+    if backend == wgpu::Backend::Gl {
+        lock_gl()
+    } else {
+        GlGuard { held: false, _not_send: PhantomData }
+    }
 }
 
 /// Parses a backend name as accepted by `WGRAD_BACKEND` and `--backend`.
@@ -281,6 +381,7 @@ impl Device {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         };
+        let gl = lock_gl_for(info.backend);
         let (device, queue) =
             pollster::block_on(adapter.request_device(&desc)).map_err(|source| {
                 Error::RequestDevice {
@@ -296,6 +397,7 @@ impl Device {
                 *slot = Some(format!("{reason:?}: {message}"));
             }
         });
+        drop(gl);
         // wgpu's default handler panics; keep errors that escape a scope so
         // the next checked operation can report them.
         let uncaptured = Arc::new(Mutex::new(Vec::new()));
@@ -336,6 +438,12 @@ impl Device {
         self.features
     }
 
+    /// [`lock_gl`] when this is a GL device; otherwise a guard that holds
+    /// nothing.
+    pub fn lock_gl(&self) -> GlGuard {
+        lock_gl_for(self.info.backend)
+    }
+
     /// A short name for messages: adapter name and backend.
     pub fn label(&self) -> String {
         format!("{} ({:?})", self.info.name, self.info.backend)
@@ -367,6 +475,7 @@ impl Device {
     /// `Err(DeviceLost)` once the device has been lost, and any error that
     /// escaped an error scope since the last check.
     pub fn check(&self, op: &str) -> Result<()> {
+        let _gl = self.lock_gl();
         if let Some(lost) = self.lost_error() {
             return Err(lost);
         }
@@ -383,6 +492,7 @@ impl Device {
     /// Runs `work` inside validation and out-of-memory error scopes, so a
     /// wgpu error becomes an `Error` naming `op` instead of a panic.
     pub fn scoped<T>(&self, op: &str, work: impl FnOnce() -> T) -> Result<T> {
+        let _gl = self.lock_gl();
         self.check(op)?;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -405,6 +515,7 @@ impl Device {
     /// Blocks until the queue is idle, at most [`wait_timeout`] (so a hung
     /// device becomes an error, not a hang).
     pub fn wait_idle(&self, op: &str) -> Result<()> {
+        let _gl = self.lock_gl();
         self.device
             .poll(wgpu::PollType::Wait { submission_index: None, timeout: Some(wait_timeout()) })
             .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;

@@ -3,7 +3,7 @@
 mod common;
 
 use wgrad::device::{list_adapters, parse_backend, select_adapter, DeviceOptions};
-use wgrad::{Device, Error, Kernels};
+use wgrad::Error;
 
 #[test]
 fn backend_names_parse_and_unknown_ones_are_errors() {
@@ -17,11 +17,10 @@ fn backend_names_parse_and_unknown_ones_are_errors() {
 
 #[test]
 fn listing_numbers_adapters_and_reports_limits() {
-    let list = list_adapters();
-    if list.is_empty() {
-        eprintln!("SKIP: no adapter; the listing is empty as expected");
+    if !common::any_adapter("listing") {
         return;
     }
+    let list = list_adapters();
     for (i, r) in list.iter().enumerate() {
         assert_eq!(r.index, i);
         let text = r.to_string();
@@ -37,7 +36,7 @@ fn a_name_that_matches_nothing_is_an_error_listing_what_exists() {
     let opts = DeviceOptions { backends: None, adapter: Some("no-such-gpu-xyz".into()) };
     match select_adapter(&opts) {
         Err(Error::AdapterNotFound { selector, .. }) => assert!(selector.contains("no-such-gpu-xyz")),
-        Err(Error::NoAdapter { .. }) => eprintln!("SKIP: no adapter at all"),
+        Err(Error::NoAdapter { .. }) => common::no_adapter("selection_miss"),
         other => panic!("expected AdapterNotFound, got {:?}", other.map(|a| a.get_info().name)),
     }
     let opts = DeviceOptions { backends: None, adapter: Some("999".into()) };
@@ -46,11 +45,11 @@ fn a_name_that_matches_nothing_is_an_error_listing_what_exists() {
 
 #[test]
 fn selection_by_index_name_and_backend() {
-    let list = list_adapters();
-    let Some(first) = list.first() else {
-        eprintln!("SKIP: no adapter");
+    if !common::any_adapter("selection") {
         return;
-    };
+    }
+    let list = list_adapters();
+    let Some(first) = list.first() else { return };
     let by_index = select_adapter(&DeviceOptions { backends: None, adapter: Some("0".into()) }).unwrap();
     assert_eq!(by_index.get_info().name, first.info.name);
     assert_eq!(by_index.get_info().backend, first.info.backend);
@@ -66,11 +65,11 @@ fn selection_by_index_name_and_backend() {
 
 #[test]
 fn the_policy_prefers_native_apis_over_gl_for_the_same_kind() {
-    let list = list_adapters();
-    let Ok(best) = select_adapter(&DeviceOptions::default()) else {
-        eprintln!("SKIP: no adapter");
+    if !common::any_adapter("policy") {
         return;
-    };
+    }
+    let list = list_adapters();
+    let best = select_adapter(&DeviceOptions::default()).unwrap();
     let info = best.get_info();
     let rank = |t: wgpu::DeviceType| match t {
         wgpu::DeviceType::DiscreteGpu => 0,
@@ -108,19 +107,16 @@ fn a_gpu_validation_error_is_an_error_not_a_panic() {
 
 #[test]
 fn a_lost_device_is_reported_as_device_lost() {
-    let list = list_adapters();
-    if list.is_empty() {
-        eprintln!("SKIP: no adapter");
-        return;
-    }
-    for r in &list {
-        let device = Device::open(&DeviceOptions { backends: None, adapter: Some(r.index.to_string()) }).unwrap();
-        device.wgpu_device().destroy();
-        let k = Kernels::new(device);
+    common::for_each_adapter("device_lost", |shared| {
+        // A device of its own: destroying the shared one would break the
+        // other tests.
+        let k = common::private_kernels(shared);
+        k.device().wgpu_device().destroy();
         let err = k.upload(&[1.0f32]).and_then(|t| k.read::<f32>(t.view()));
         match err {
-            Err(Error::DeviceLost { adapter, .. }) => assert!(adapter.contains(&r.info.name)),
-            other => panic!("{}: expected DeviceLost, got {other:?}", r.info.name),
+            Err(Error::DeviceLost { adapter, .. }) => assert!(adapter.contains(&shared.device().info().name)),
+            other => panic!("{}: expected DeviceLost, got {other:?}", shared.device().label()),
         }
-    }
+        Ok(())
+    });
 }

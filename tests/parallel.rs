@@ -17,16 +17,58 @@ use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 
-fn groups() -> Vec<DeviceGroup> {
-    if wgrad::device::list_adapters().is_empty() {
-        eprintln!("SKIP: no GPU adapter on this machine (install mesa-vulkan-drivers)");
-        return Vec::new();
+/// The device groups the tests run on, holding wgrad's GL lock (when a GL
+/// adapter is among them) until the last group is dropped: the tests drop
+/// tensors and devices and destroy a device outside wgrad's own locked calls,
+/// and on GL those must not wait on wgpu's context while another test
+/// thread's submit holds it (wgpu panics after 6 s).
+struct Groups {
+    list: Vec<DeviceGroup>,
+    // Declared last: dropped after the groups.
+    _gl: Option<wgrad::device::GlGuard>,
+}
+
+impl std::ops::Deref for Groups {
+    type Target = [DeviceGroup];
+    fn deref(&self) -> &[DeviceGroup] {
+        &self.list
     }
-    vec![
+}
+
+/// Iterates over the groups, still holding the GL lock.
+struct GroupsIter {
+    list: std::vec::IntoIter<DeviceGroup>,
+    _gl: Option<wgrad::device::GlGuard>,
+}
+
+impl Iterator for GroupsIter {
+    type Item = DeviceGroup;
+    fn next(&mut self) -> Option<DeviceGroup> {
+        self.list.next()
+    }
+}
+
+impl IntoIterator for Groups {
+    type Item = DeviceGroup;
+    type IntoIter = GroupsIter;
+    fn into_iter(self) -> GroupsIter {
+        GroupsIter { list: self.list.into_iter(), _gl: self._gl }
+    }
+}
+
+/// Two devices on two adapters, one adapter twice, and three devices; none
+/// (failing in CI, see `common::no_adapter`) without an adapter.
+fn groups(test: &str) -> Groups {
+    if !common::any_adapter(test) {
+        return Groups { list: Vec::new(), _gl: None };
+    }
+    let gl = common::lock_gl_if_any();
+    let list = vec![
         DeviceGroup::open(&DeviceSelection::Count(2)).unwrap(),
         DeviceGroup::open(&DeviceSelection::Adapters(vec!["0".into(), "0".into()])).unwrap(),
         DeviceGroup::open(&DeviceSelection::Count(3)).unwrap(),
-    ]
+    ];
+    Groups { list, _gl: gl }
 }
 
 #[test]
@@ -99,7 +141,7 @@ fn proportional_split_gives_everyone_a_row_and_sums_to_the_batch() {
 
 #[test]
 fn collectives_match_host_computations() {
-    for group in groups() {
+    for group in groups("collectives_match_host_computations") {
         let labels = group.labels().join(", ");
         let n = 1000;
         let data: Vec<Vec<f32>> = (0..group.len()).map(|i| random_vec(&mut rng(i as u64), n, -1.0, 1.0)).collect();
@@ -168,7 +210,7 @@ fn optimizer() -> SGD {
 fn data_parallel_matches_single_device_training() {
     const GLOBAL: usize = 16;
     const STEPS: u64 = 8;
-    for group in groups() {
+    for group in groups("data_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
         // Single-device reference on the same global batches.
         let mut single = Trainer::new(group.members()[0].clone(), &model(), CrossEntropyLoss, optimizer(), GLOBAL).unwrap();
@@ -216,7 +258,7 @@ fn data_parallel_matches_single_device_training() {
 
 #[test]
 fn replicas_stay_bit_identical() {
-    for group in groups() {
+    for group in groups("replicas_stay_bit_identical") {
         // Fixed rows, and fewer steps than the periodic synchronisation, so
         // nothing copies replica 0 over the others.
         let rows = if group.len() == 2 { vec![3, 7] } else { vec![3, 3, 4] };
@@ -239,8 +281,9 @@ fn replicas_stay_bit_identical() {
 
 #[test]
 fn a_device_failing_mid_training_is_an_error_naming_it() {
-    let Some(group) = groups().into_iter().next() else { return };
-    let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
+    let groups = groups("a_device_failing_mid_training_is_an_error_naming_it");
+    let Some(group) = groups.first() else { return };
+    let mut dp = DataParallel::new(group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
     let (x, y) = batch(8, 1);
     dp.step(&x, Targets::Classes(&y), false).unwrap();
     group.members()[1].device().wgpu_device().destroy();
@@ -299,7 +342,7 @@ fn pipeline_parallel_matches_single_device_training() {
     const STEPS: u64 = 6;
     nn::manual_seed(31);
     let m = Sequential::mlp(&[IN, 20, 16, CLASSES], Layer::Tanh).unwrap();
-    for group in groups() {
+    for group in groups("pipeline_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &m, GLOBAL, STEPS);
         for micro in [1, 4] {
@@ -336,7 +379,7 @@ fn tensor_parallel_matches_single_device_training() {
     ]);
     let block_only = Sequential::mlp(&[IN, 25, CLASSES], Layer::GELU).unwrap();
     let with_post = Sequential::mlp(&[IN, 9, 6, CLASSES], Layer::ReLU).unwrap();
-    for group in groups() {
+    for group in groups("tensor_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
         for (what, m, block) in [("pre+block", &with_pre, 2), ("block", &block_only, 0), ("block+post", &with_post, 0)] {
             let want = single_device_reference(&group.members()[0], m, BATCH, STEPS);
@@ -368,7 +411,8 @@ fn the_balanced_split_evens_out_finishing_times() {
 
 #[test]
 fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
-    let Some(group) = groups().into_iter().next() else { return };
+    let groups = groups("one_device_twice_in_a_group_or_a_collective_is_an_error");
+    let Some(group) = groups.first() else { return };
     let k = group.members()[0].clone();
     assert!(DeviceGroup::from_kernels(vec![k.clone(), k.clone()]).is_err());
     assert!(DeviceGroup::open(&DeviceSelection::Adapters(vec![])).is_err());
@@ -417,7 +461,7 @@ fn the_single_process_group_is_the_identity() {
 fn distributed_data_parallel_in_one_process_matches_single_device_training() {
     const GLOBAL: usize = 16;
     const STEPS: u64 = 8;
-    for group in groups().into_iter().take(2) {
+    for group in groups("distributed_data_parallel_in_one_process_matches_single_device_training").into_iter().take(2) {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
         let mut ddp = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
@@ -445,9 +489,10 @@ fn distributed_data_parallel_in_one_process_matches_single_device_training() {
 
 #[test]
 fn a_bad_process_split_is_refused() {
-    let Some(group) = groups().into_iter().next() else { return };
+    let groups = groups("a_bad_process_split_is_refused");
+    let Some(group) = groups.first() else { return };
     for rows in [vec![10, 6], vec![15], vec![0]] {
-        let err = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
+        let err = DistributedDataParallel::new(SingleProcess, group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
         assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
     }
 }

@@ -6,50 +6,120 @@ use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use wgrad::device::{AdapterReport, GlGuard};
 use wgrad::{Device, Kernels};
+
+/// What to install when there is no adapter (as scripts/ensure-vulkan.sh).
+pub const INSTALL_HINT: &str = "on Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers libvulkan1 \
+     libegl1 libegl-mesa0 libgl1-mesa-dri (or run scripts/ensure-vulkan.sh as root)";
+
+fn truthy(name: &str) -> Option<bool> {
+    let value = std::env::var(name).ok()?;
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// True when a machine without an adapter must fail the tests instead of
+/// skipping them: `WGRAD_REQUIRE_ADAPTER=1`, or `CI=true`/`1` unless
+/// `WGRAD_REQUIRE_ADAPTER=0` says otherwise. A CI runner that lost its
+/// drivers would otherwise pass every GPU test without running one.
+pub fn adapter_required() -> bool {
+    truthy("WGRAD_REQUIRE_ADAPTER").or_else(|| truthy("CI")).unwrap_or(false)
+}
+
+/// Reports that `test` has no adapter to run on: panics with what to install
+/// when an adapter is required, otherwise prints SKIP.
+pub fn no_adapter(test: &str) {
+    let filter = match std::env::var("WGRAD_TEST_BACKEND") {
+        Ok(b) if !b.is_empty() => format!(" for WGRAD_TEST_BACKEND={b}"),
+        _ => String::new(),
+    };
+    if adapter_required() {
+        panic!(
+            "{test}: no GPU adapter{filter}, and CI / WGRAD_REQUIRE_ADAPTER require one. \
+             Install the software adapters (lavapipe, llvmpipe) {INSTALL_HINT}"
+        );
+    }
+    eprintln!("SKIP {test}: no GPU adapter{filter} on this machine; install {INSTALL_HINT}");
+}
+
+/// The adapters the tests use: every one listed, or those of
+/// `WGRAD_TEST_BACKEND=vulkan|gl|...`.
+pub fn reports() -> Vec<AdapterReport> {
+    let only = std::env::var("WGRAD_TEST_BACKEND")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
+    wgrad::device::list_adapters()
+        .into_iter()
+        .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
+        .collect()
+}
+
+/// True when there is an adapter to test; otherwise fails or skips `test`
+/// (see [`no_adapter`]).
+pub fn any_adapter(test: &str) -> bool {
+    if reports().is_empty() {
+        no_adapter(test);
+        return false;
+    }
+    true
+}
+
+/// wgrad's GL lock when any adapter the tests use is a GL one, for tests
+/// that drive several devices: it keeps their drops and direct wgpu calls
+/// from waiting on wgpu's GL context while another test's submit holds it
+/// (see `wgrad::device::lock_gl`).
+pub fn lock_gl_if_any() -> Option<GlGuard> {
+    reports()
+        .iter()
+        .any(|r| r.info.backend == wgpu::Backend::Gl)
+        .then(wgrad::device::lock_gl)
+}
+
+fn open_kernels(index: usize) -> Arc<Kernels> {
+    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
+    let device = Device::open(&opts).expect("open adapter");
+    // Kernels::new creates a buffer directly on the device.
+    let _gl = device.lock_gl();
+    Arc::new(Kernels::new(device))
+}
 
 /// Every adapter on the machine (on a CPU-only machine: lavapipe through
 /// Vulkan and llvmpipe through GL). `WGRAD_TEST_BACKEND=vulkan|gl|...`
 /// restricts the set.
 pub fn adapters() -> &'static [Arc<Kernels>] {
     static ALL: OnceLock<Vec<Arc<Kernels>>> = OnceLock::new();
-    ALL.get_or_init(|| {
-        let only = std::env::var("WGRAD_TEST_BACKEND")
-            .ok()
-            .filter(|s| !s.is_empty())
-            .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
-        wgrad::device::list_adapters()
-            .iter()
-            .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
-            .map(|r| {
-                let opts = wgrad::DeviceOptions { backends: None, adapter: Some(r.index.to_string()) };
-                Arc::new(Kernels::new(Device::open(&opts).expect("open adapter")))
-            })
-            .collect()
-    })
+    ALL.get_or_init(|| reports().iter().map(|r| open_kernels(r.index)).collect())
 }
 
 /// A new device on the same adapter as `k`, for tests that count what
-/// happens on a device and must not see other tests' work.
+/// happens on a device and must not see other tests' work. Call it inside
+/// [`for_each_adapter`], which holds the GL lock the new device needs.
 pub fn private_kernels(k: &Kernels) -> Arc<Kernels> {
     let index = wgrad::device::list_adapters()
         .iter()
         .position(|r| r.info == *k.device().info())
         .expect("adapter still listed");
-    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
-    Arc::new(Kernels::new(Device::open(&opts).expect("open adapter")))
+    open_kernels(index)
 }
 
-/// Runs `body` once per adapter; prints why when there is none.
+/// Runs `body` once per adapter; without one, fails in CI and skips
+/// elsewhere (see [`no_adapter`]). On a GL adapter the body holds wgrad's
+/// GL lock throughout, so what it does outside wgrad's own locked calls
+/// (drops of tensors and devices, direct wgpu calls) never waits on wgpu's
+/// GL context while another test thread holds it.
 pub fn for_each_adapter(test: &str, body: impl Fn(&Arc<Kernels>) -> wgrad::Result<()>) {
     let all = adapters();
     if all.is_empty() {
-        eprintln!(
-            "SKIP {test}: no GPU adapter on this machine (install mesa-vulkan-drivers for lavapipe)"
-        );
+        no_adapter(test);
         return;
     }
     for k in all {
+        let _gl = k.device().lock_gl();
         if let Err(e) = body(k) {
             panic!("{test} on {}: {e}", k.device().label());
         }
