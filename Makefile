@@ -15,12 +15,8 @@ train: driver
 	$(CARGO) run --release --bin wgrad -- train
 
 test: driver
-	$(CARGO) build --release --bin wgrad
 	$(CARGO) run --release --bin wgrad -- adapters
-	# One test thread: wgpu 30's GL backend can panic when several threads
-	# drive one EGL context at once (make-current fails), and every test
-	# runs on the GL adapter too.
-	$(CARGO) test --release -- --test-threads=1
+	$(CARGO) test --release
 	$(CARGO) run --release --example linear_regression
 	# Training across processes (the optional `mpi` feature), when MPI is
 	# installed (scripts/ensure-mpi.sh installs it on Debian as root).
