@@ -438,6 +438,11 @@ impl Device {
         self.features
     }
 
+    /// Whether this device runs on wgpu's GL backend (one shared context).
+    pub fn is_gl(&self) -> bool {
+        self.info().backend == wgpu::Backend::Gl
+    }
+
     /// [`lock_gl`] when this is a GL device; otherwise a guard that holds
     /// nothing.
     pub fn lock_gl(&self) -> GlGuard {

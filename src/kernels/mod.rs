@@ -57,8 +57,20 @@ impl View<'_> {
 /// copy destination.
 #[derive(Debug)]
 pub struct GpuTensor {
-    buffer: wgpu::Buffer,
+    buffer: std::mem::ManuallyDrop<wgpu::Buffer>,
     len: usize,
+    /// On a GL device: destroying the buffer takes wgpu's one GL context,
+    /// so the drop queues on wgrad's GL lock (see `device::lock_gl`).
+    gl: bool,
+}
+
+impl Drop for GpuTensor {
+    fn drop(&mut self) {
+        let _gl = self.gl.then(crate::device::lock_gl);
+        // SAFETY: the buffer is dropped exactly once, here; `self` is not
+        // used afterwards.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.buffer) };
+    }
 }
 
 impl GpuTensor {
@@ -109,7 +121,17 @@ pub struct Dispatch {
     workgroups: [u32; 3],
     /// The uniform parameter buffer, kept so per-step values (optimizer step
     /// counts) can be rewritten without rebuilding the bind group.
-    params: wgpu::Buffer,
+    params: std::mem::ManuallyDrop<wgpu::Buffer>,
+    /// See [`GpuTensor`]'s `gl`.
+    gl: bool,
+}
+
+impl Drop for Dispatch {
+    fn drop(&mut self) {
+        let _gl = self.gl.then(crate::device::lock_gl);
+        // SAFETY: as in `GpuTensor`'s drop.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.params) };
+    }
 }
 
 impl Dispatch {
@@ -172,6 +194,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Kernels {
     pub fn new(device: Device) -> Self {
+        let _gl = device.lock_gl();
         let placeholder = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("placeholder"),
             size: 16,
@@ -363,7 +386,8 @@ impl Kernels {
                 pipeline: pipeline.clone(),
                 bind_group,
                 workgroups,
-                params: params_buffer,
+                params: std::mem::ManuallyDrop::new(params_buffer),
+                gl: self.device.is_gl(),
             }
         })
     }
@@ -371,6 +395,7 @@ impl Kernels {
     /// Rewrites a dispatch's parameter block (same type it was built with),
     /// e.g. the step-dependent scalars of an optimizer update.
     pub(crate) fn rewrite_params<P: bytemuck::Pod>(&self, dispatch: &Dispatch, params: &P) {
+        let _gl = self.device.lock_gl();
         self.device
             .queue()
             .write_buffer(&dispatch.params, 0, bytemuck::bytes_of(params));
@@ -408,6 +433,7 @@ impl Kernels {
 
     fn finish_map<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64, receiver: MapReceiver) -> Result<Vec<T>> {
         self.device.wait_idle("read")?;
+        let _gl = self.device.lock_gl();
         let mapped: Result<()> = pollster::block_on(receiver)
             .map_err(|_| Error::Readback {
                 op: "read",
@@ -493,7 +519,7 @@ impl Kernels {
     /// A zero-filled tensor of `len` elements.
     pub fn zeros(&self, len: usize) -> Result<GpuTensor> {
         let buffer = self.create_buffer("zeros", len)?;
-        Ok(GpuTensor { buffer, len })
+        Ok(GpuTensor { buffer: std::mem::ManuallyDrop::new(buffer), len, gl: self.device.is_gl() })
     }
 
     /// Uploads f32 or u32 data (any 4-byte `Pod`).
@@ -512,8 +538,9 @@ impl Kernels {
                 .write_buffer(&buffer, 0, bytemuck::cast_slice(data))
         })?;
         Ok(GpuTensor {
-            buffer,
+            buffer: std::mem::ManuallyDrop::new(buffer),
             len: data.len(),
+            gl: self.device.is_gl(),
         })
     }
 
@@ -532,6 +559,7 @@ impl Kernels {
             ));
         }
         self.device.check("write")?;
+        let _gl = self.device.lock_gl();
         self.device.queue().write_buffer(view.buffer, view.offset, bytes);
         Ok(())
     }
@@ -604,6 +632,7 @@ impl PendingRead<'_> {
             return Ok(true);
         };
         let device = self.kernels.device();
+        let _gl = device.lock_gl();
         device
             .wgpu_device()
             .poll(wgpu::PollType::Poll)
