@@ -313,3 +313,162 @@ pub fn from_f16(x: &[half::f16]) -> Vec<f32> {
 pub fn matmul_f16(form: MatmulForm, a: &[half::f16], b: &[half::f16], m: usize, n: usize, k: usize) -> Vec<f32> {
     matmul(form, &from_f16(a), &from_f16(b), m, n, k)
 }
+
+// Row-wise ops (rowwise.wgsl). Out-of-range targets and ids behave as the
+// kernels do: NaN where the kernel writes NaN, nothing where it skips.
+
+/// Twin of `softmax_forward`: softmax over each row of x[rows, cols]; with
+/// `causal = Some(t)` row r keeps columns ≤ r % t and is 0 after them.
+pub fn softmax_forward(x: &[f32], rows: usize, cols: usize, causal: Option<usize>) -> Vec<f32> {
+    let mut y = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let live = causal.map_or(cols, |t| r % t + 1);
+        let row: Vec<f64> = x[r * cols..r * cols + live].iter().map(|&v| f64::from(v)).collect();
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row.iter().map(|v| (v - m).exp()).sum();
+        for (c, v) in row.iter().enumerate() {
+            y[r * cols + c] = ((v - m).exp() / sum) as f32;
+        }
+    }
+    y
+}
+
+/// Twin of `softmax_backward`: dx = y · (dy − Σ_c dy·y) per row.
+pub fn softmax_backward(y: &[f32], dy: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut dx = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let span = r * cols..(r + 1) * cols;
+        let dot: f64 = y[span.clone()].iter().zip(&dy[span.clone()]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+        for i in span {
+            dx[i] = (f64::from(y[i]) * (f64::from(dy[i]) - dot)) as f32;
+        }
+    }
+    dx
+}
+
+/// What [`layernorm_forward`] returns: y[rows, cols], mean[rows], rstd[rows].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormForward {
+    pub y: Vec<f32>,
+    pub mean: Vec<f32>,
+    pub rstd: Vec<f32>,
+}
+
+/// Twin of `layernorm_forward` (torch.nn.LayerNorm over the last dimension,
+/// biased variance).
+pub fn layernorm_forward(x: &[f32], weight: &[f32], bias: &[f32], rows: usize, cols: usize, eps: f32) -> LayerNormForward {
+    let mut out = LayerNormForward { y: vec![0.0; rows * cols], mean: vec![0.0; rows], rstd: vec![0.0; rows] };
+    for r in 0..rows {
+        let row: Vec<f64> = x[r * cols..(r + 1) * cols].iter().map(|&v| f64::from(v)).collect();
+        let mean = row.iter().sum::<f64>() / cols as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
+        let rstd = 1.0 / (var + f64::from(eps)).sqrt();
+        for (c, v) in row.iter().enumerate() {
+            out.y[r * cols + c] = ((v - mean) * rstd * f64::from(weight[c]) + f64::from(bias[c])) as f32;
+        }
+        out.mean[r] = mean as f32;
+        out.rstd[r] = rstd as f32;
+    }
+    out
+}
+
+/// What [`layernorm_backward`] returns: dx[rows, cols] and the gradients of
+/// weight and bias [cols] (to be added into theirs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormBackward {
+    pub dx: Vec<f32>,
+    pub dweight: Vec<f32>,
+    pub dbias: Vec<f32>,
+}
+
+/// Twin of `layernorm_backward` and `layernorm_backward_params`, from the
+/// forward's mean and rstd as the kernels take them.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(dy: &[f32], x: &[f32], weight: &[f32], mean: &[f32], rstd: &[f32], rows: usize, cols: usize) -> LayerNormBackward {
+    let mut out = LayerNormBackward { dx: vec![0.0; rows * cols], dweight: vec![0.0; cols], dbias: vec![0.0; cols] };
+    let mut dweight = vec![0.0f64; cols];
+    let mut dbias = vec![0.0f64; cols];
+    for r in 0..rows {
+        let (mu, rs) = (f64::from(mean[r]), f64::from(rstd[r]));
+        let span = r * cols..(r + 1) * cols;
+        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| (f64::from(v) - mu) * rs).collect();
+        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| f64::from(d) * f64::from(w)).collect();
+        let mean_g = g.iter().sum::<f64>() / cols as f64;
+        let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            out.dx[r * cols + c] = ((g[c] - mean_g - xhat[c] * mean_gx) * rs) as f32;
+            dweight[c] += f64::from(dy[r * cols + c]) * xhat[c];
+            dbias[c] += f64::from(dy[r * cols + c]);
+        }
+    }
+    out.dweight = dweight.iter().map(|&v| v as f32).collect();
+    out.dbias = dbias.iter().map(|&v| v as f32).collect();
+    out
+}
+
+/// Per-row softmax cross-entropy in f64: logsumexp(logits[r]) −
+/// logits[r, targets[r]], NaN for a target ≥ vocab. The loss the
+/// cross-entropy kernel's gradient is checked against by central
+/// differences.
+pub fn cross_entropy_rows_loss(logits: &[f64], targets: &[u32], rows: usize, vocab: usize) -> Vec<f64> {
+    (0..rows)
+        .map(|r| {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let target = targets[r] as usize;
+            if target >= vocab {
+                return f64::NAN;
+            }
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln() - row[target]
+        })
+        .collect()
+}
+
+/// Twin of `cross_entropy_rows_forward_backward`: (losses[rows],
+/// dlogits[rows, vocab] = (softmax − onehot) · scale); a target ≥ vocab
+/// gives a NaN loss and a NaN gradient row.
+pub fn cross_entropy_rows_forward_backward(logits: &[f32], targets: &[u32], rows: usize, vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let wide: Vec<f64> = logits.iter().map(|&v| f64::from(v)).collect();
+    let losses = cross_entropy_rows_loss(&wide, targets, rows, vocab);
+    let mut dlogits = vec![0.0f32; rows * vocab];
+    for r in 0..rows {
+        let row = &wide[r * vocab..(r + 1) * vocab];
+        let bad = if (targets[r] as usize) < vocab { 0.0 } else { f64::NAN };
+        let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row.iter().map(|v| (v - m).exp()).sum();
+        for (c, v) in row.iter().enumerate() {
+            let onehot = if c == targets[r] as usize { 1.0 } else { 0.0 };
+            dlogits[r * vocab + c] = (((v - m).exp() / sum - onehot) * f64::from(scale) + bad) as f32;
+        }
+    }
+    (losses.iter().map(|&l| l as f32).collect(), dlogits)
+}
+
+/// Twin of `embedding_forward`: out[n, channels] = table[ids[n], :]; a row
+/// of NaN for an id ≥ vocab.
+pub fn embedding_forward(table: &[f32], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&id| {
+            let id = id as usize;
+            (0..channels).map(move |c| if id < vocab { table[id * channels + c] } else { f32::NAN })
+        })
+        .collect()
+}
+
+/// Twin of `embedding_backward_sort` + `embedding_backward`: the gradient
+/// of the table [vocab, channels], Σ of dout[n, :] over the positions with
+/// ids[n] = v (to be added into dtable); positions with an id ≥ vocab add
+/// nothing.
+pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
+    let mut dtable = vec![0.0f64; vocab * channels];
+    for (n, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        if id >= vocab {
+            continue;
+        }
+        for c in 0..channels {
+            dtable[id * channels + c] += f64::from(dout[n * channels + c]);
+        }
+    }
+    dtable.iter().map(|&v| v as f32).collect()
+}

@@ -15,6 +15,7 @@ mod matmul_ext;
 mod optim;
 mod reduce;
 pub mod registry;
+mod rowwise;
 
 pub use elementwise::{Activation, Binary};
 pub use loss::{LossLinear, LossTargets};
@@ -22,6 +23,7 @@ pub use matmul::{MatmulEpilogue, MatmulForm, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use optim::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use registry::{Family, Kernel, KERNELS};
+pub use rowwise::check_token_ids;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

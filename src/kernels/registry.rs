@@ -15,10 +15,13 @@ pub enum Family {
     /// the training matmul. Its source is matmul.wgsl followed by
     /// matmul_subgroup.wgsl (see [`Family::base`]).
     MatmulSubgroup,
+    /// One workgroup per row: softmax, layernorm, cross-entropy over long
+    /// rows, embedding lookup.
+    Rowwise,
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -26,6 +29,7 @@ impl Family {
         Family::Optim,
         Family::MatmulF16,
         Family::MatmulSubgroup,
+        Family::Rowwise,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -61,6 +65,7 @@ impl Family {
             Family::Optim => "optim.wgsl",
             Family::MatmulF16 => "matmul_f16.wgsl",
             Family::MatmulSubgroup => "matmul_subgroup.wgsl",
+            Family::Rowwise => "rowwise.wgsl",
         }
     }
 
@@ -76,6 +81,7 @@ impl Family {
             Family::MatmulSubgroup => {
                 concat!(include_str!("../../shaders/matmul.wgsl"), "\n", include_str!("../../shaders/matmul_subgroup.wgsl"))
             }
+            Family::Rowwise => include_str!("../../shaders/rowwise.wgsl"),
         }
     }
 }
@@ -135,6 +141,16 @@ pub const F32_TO_F16: Kernel = kernel(Family::MatmulF16, "f32_to_f16");
 pub const F16_TO_F32: Kernel = kernel(Family::MatmulF16, "f16_to_f32");
 pub const MATMUL_SUBGROUP_FORWARD: Kernel = kernel(Family::MatmulSubgroup, "matmul_subgroup_forward");
 
+pub const SOFTMAX_FORWARD: Kernel = kernel(Family::Rowwise, "softmax_forward");
+pub const SOFTMAX_BACKWARD: Kernel = kernel(Family::Rowwise, "softmax_backward");
+pub const LAYERNORM_FORWARD: Kernel = kernel(Family::Rowwise, "layernorm_forward");
+pub const LAYERNORM_BACKWARD: Kernel = kernel(Family::Rowwise, "layernorm_backward");
+pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
+pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward");
+pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward");
+pub const EMBEDDING_BACKWARD_SORT: Kernel = kernel(Family::Rowwise, "embedding_backward_sort");
+pub const EMBEDDING_BACKWARD: Kernel = kernel(Family::Rowwise, "embedding_backward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -175,4 +191,13 @@ pub const KERNELS: &[Kernel] = &[
     F32_TO_F16,
     F16_TO_F32,
     MATMUL_SUBGROUP_FORWARD,
+    SOFTMAX_FORWARD,
+    SOFTMAX_BACKWARD,
+    LAYERNORM_FORWARD,
+    LAYERNORM_BACKWARD,
+    LAYERNORM_BACKWARD_PARAMS,
+    CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
+    EMBEDDING_FORWARD,
+    EMBEDDING_BACKWARD_SORT,
+    EMBEDDING_BACKWARD,
 ];

@@ -1,0 +1,384 @@
+//! `rowwise.wgsl`: the transformer's row-wise ops. Softmax (optionally with
+//! a causal mask), layernorm, cross-entropy with its gradient over long rows,
+//! each with one workgroup per row; embedding lookup with a deterministic
+//! backward (a stable counting sort of the ids, then a gather).
+//!
+//! None of these kernels has a row-length limit: a workgroup strides over
+//! its row. Rows are spread over a 2-D grid, so the row count is bounded
+//! only by `max_compute_workgroups_per_dimension`² (an `Error::TooLarge`).
+
+use super::registry::*;
+use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
+use crate::error::{Error, Result};
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct RowParams {
+    rows: u32,
+    cols: u32,
+    causal: u32,
+    vocab: u32,
+    eps: f32,
+    scale: f32,
+    _pad: [u32; 2],
+}
+
+impl RowParams {
+    fn new(op: &'static str, rows: usize, cols: usize) -> Result<Self> {
+        Ok(RowParams { rows: dim(op, rows)?, cols: dim(op, cols)?, causal: 0, vocab: 0, eps: 0.0, scale: 0.0, _pad: [0; 2] })
+    }
+}
+
+/// Checks that no dimension is zero and that each operand holds what the
+/// dimensions ask for: `operands` are (name, length, wanted length; None
+/// when the product overflows). The error lists the dimensions first, then
+/// every operand's length in argument order.
+fn check_lengths(op: &'static str, dims: &[(&str, usize)], operands: &[(&str, usize, Option<usize>)]) -> Result<()> {
+    let shape: Vec<usize> = dims.iter().map(|&(_, d)| d).collect();
+    let mut shapes: Vec<&[usize]> = vec![shape.as_slice()];
+    let lens: Vec<[usize; 1]> = operands.iter().map(|&(_, len, _)| [len]).collect();
+    shapes.extend(lens.iter().map(|l| &l[..]));
+    let named = || dims.iter().map(|(name, d)| format!("{name} = {d}")).collect::<Vec<_>>().join(", ");
+    if let Some((name, _)) = dims.iter().find(|&&(_, d)| d == 0) {
+        return Err(Error::shape(op, format!("{name} must not be 0 ({})", named()), &shapes));
+    }
+    let wrong: Vec<String> = operands
+        .iter()
+        .filter(|&&(_, len, want)| Some(len) != want)
+        .map(|&(name, len, want)| match want {
+            Some(w) => format!("`{name}` has {len} elements, want {w}"),
+            None => format!("`{name}`: the size overflows"),
+        })
+        .collect();
+    if !wrong.is_empty() {
+        return Err(Error::shape(op, format!("{} ({})", wrong.join("; "), named()), &shapes));
+    }
+    Ok(())
+}
+
+fn finite(op: &'static str, name: &str, value: f32) -> Result<()> {
+    if !value.is_finite() {
+        return Err(Error::InvalidArgument { op, reason: format!("{name} must be finite, got {value}") });
+    }
+    Ok(())
+}
+
+/// Checks token ids on the host before they are written to the GPU: every
+/// id must be < `vocab`. The kernels cannot raise an error; with a bad id
+/// `embedding_forward` writes a row of NaN and the backward drops that
+/// position's gradient, so callers that hold the ids on the host should
+/// check them here first.
+pub fn check_token_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().position(|&id| id as usize >= vocab) {
+        Some(n) => Err(Error::InvalidArgument {
+            op,
+            reason: format!("id {} at position {n} is outside the vocabulary of {vocab}", ids[n]),
+        }),
+        None => Ok(()),
+    }
+}
+
+impl Kernels {
+    /// One workgroup per row over `rows` rows.
+    fn per_row<P: bytemuck::Pod>(&self, kernel: Kernel, bindings: &[super::Binding<'_>], params: &P, rows: usize) -> Result<Dispatch> {
+        self.prepare(kernel, &[], bindings, 3, params, rows as u64)
+    }
+
+    /// y[rows, cols] = softmax(x[rows, cols]) over each row. With
+    /// `causal = Some(t)` the rows are attention scores [batch·heads·t, t]:
+    /// row r is query position r % t, columns after it get probability 0.
+    pub fn softmax_forward(&self, y: View<'_>, x: View<'_>, rows: usize, cols: usize, causal: Option<usize>) -> Result<Dispatch> {
+        let op = SOFTMAX_FORWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(op, &[("rows", rows), ("cols", cols)], &[("y", y.len, n), ("x", x.len, n)])?;
+        let mut params = RowParams::new(op, rows, cols)?;
+        if let Some(t) = causal {
+            if t != cols || rows % t != 0 {
+                return Err(Error::shape(
+                    op,
+                    format!("a causal mask over T = {t} positions needs scores [batch·heads·T, T]; got rows {rows}, cols {cols}"),
+                    &[&[rows, cols], &[t]],
+                ));
+            }
+            params.causal = dim(op, t)?;
+        }
+        self.per_row(SOFTMAX_FORWARD, &[bind(0, "x", x), bind(2, "y", y)], &params, rows)
+    }
+
+    /// dx[rows, cols] = y · (dy − Σ_c dy·y) per row, from the forward's
+    /// output y (a causal mask needs nothing more: masked y are 0).
+    pub fn softmax_backward(&self, dx: View<'_>, y: View<'_>, dy: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        let op = SOFTMAX_BACKWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(op, &[("rows", rows), ("cols", cols)], &[("dx", dx.len, n), ("y", y.len, n), ("dy", dy.len, n)])?;
+        let params = RowParams::new(op, rows, cols)?;
+        self.per_row(SOFTMAX_BACKWARD, &[bind(1, "y", y), bind(4, "dy", dy), bind(2, "dx", dx)], &params, rows)
+    }
+
+    /// y[rows, cols] = (x − mean) / sqrt(var + eps) · weight[cols] +
+    /// bias[cols] over each row (torch.nn.LayerNorm over the last
+    /// dimension), keeping mean[rows] and rstd[rows] = 1 / sqrt(var + eps)
+    /// for the backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_forward(
+        &self,
+        y: View<'_>,
+        mean: View<'_>,
+        rstd: View<'_>,
+        x: View<'_>,
+        weight: View<'_>,
+        bias: View<'_>,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<Dispatch> {
+        let op = LAYERNORM_FORWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[
+                ("y", y.len, n),
+                ("mean", mean.len, Some(rows)),
+                ("rstd", rstd.len, Some(rows)),
+                ("x", x.len, n),
+                ("weight", weight.len, Some(cols)),
+                ("bias", bias.len, Some(cols)),
+            ],
+        )?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(Error::InvalidArgument { op, reason: format!("eps must be finite and ≥ 0, got {eps}") });
+        }
+        let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
+        self.per_row(
+            LAYERNORM_FORWARD,
+            &[
+                bind(0, "x", x),
+                bind(5, "weight", weight),
+                bind(6, "bias", bias),
+                bind(2, "y", y),
+                bind(7, "mean", mean),
+                bind(8, "rstd", rstd),
+            ],
+            &params,
+            rows,
+        )
+    }
+
+    /// dx[rows, cols] of layernorm from dy, the forward input x, weight and
+    /// the forward's mean and rstd. The parameter gradients come from
+    /// [`Kernels::layernorm_backward_params`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_backward(
+        &self,
+        dx: View<'_>,
+        dy: View<'_>,
+        x: View<'_>,
+        weight: View<'_>,
+        mean: View<'_>,
+        rstd: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        let op = LAYERNORM_BACKWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[
+                ("dx", dx.len, n),
+                ("dy", dy.len, n),
+                ("x", x.len, n),
+                ("weight", weight.len, Some(cols)),
+                ("mean", mean.len, Some(rows)),
+                ("rstd", rstd.len, Some(rows)),
+            ],
+        )?;
+        let params = RowParams::new(op, rows, cols)?;
+        self.per_row(
+            LAYERNORM_BACKWARD,
+            &[
+                bind(4, "dy", dy),
+                bind(0, "x", x),
+                bind(5, "weight", weight),
+                bind(9, "mean", mean),
+                bind(10, "rstd", rstd),
+                bind(2, "dx", dx),
+            ],
+            &params,
+            rows,
+        )
+    }
+
+    /// dweight[cols] += Σ_r dy · x̂ and dbias[cols] += Σ_r dy, with
+    /// x̂ = (x − mean)·rstd: one invocation per column adds the rows in
+    /// order, so the result is deterministic.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_backward_params(
+        &self,
+        dweight: View<'_>,
+        dbias: View<'_>,
+        dy: View<'_>,
+        x: View<'_>,
+        mean: View<'_>,
+        rstd: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        let op = LAYERNORM_BACKWARD_PARAMS.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[
+                ("dweight", dweight.len, Some(cols)),
+                ("dbias", dbias.len, Some(cols)),
+                ("dy", dy.len, n),
+                ("x", x.len, n),
+                ("mean", mean.len, Some(rows)),
+                ("rstd", rstd.len, Some(rows)),
+            ],
+        )?;
+        let params = RowParams::new(op, rows, cols)?;
+        self.prepare(
+            LAYERNORM_BACKWARD_PARAMS,
+            &[],
+            &[
+                bind(4, "dy", dy),
+                bind(0, "x", x),
+                bind(9, "mean", mean),
+                bind(10, "rstd", rstd),
+                bind(11, "dweight", dweight),
+                bind(12, "dbias", dbias),
+            ],
+            3,
+            &params,
+            flat_groups(cols),
+        )
+    }
+
+    /// Softmax cross-entropy of logits[rows, vocab] against u32
+    /// targets[rows], fused with its gradient in one pass per row:
+    /// losses[rows] = logsumexp(logits[r]) − logits[r, targets[r]] and
+    /// dlogits[rows, vocab] = (softmax(logits[r]) − onehot(targets[r])) ·
+    /// scale. For the mean loss pass scale = 1/rows and reduce `losses`
+    /// with [`Kernels::mean`]. A target ≥ vocab makes its row's loss and
+    /// dlogits NaN (the kernel reads no element out of bounds).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_rows_forward_backward(
+        &self,
+        losses: View<'_>,
+        dlogits: View<'_>,
+        logits: View<'_>,
+        targets: View<'_>,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+    ) -> Result<Dispatch> {
+        let op = CROSS_ENTROPY_ROWS_FORWARD_BACKWARD.entry;
+        let n = rows.checked_mul(vocab);
+        check_lengths(
+            op,
+            &[("rows", rows), ("vocab", vocab)],
+            &[
+                ("losses", losses.len, Some(rows)),
+                ("dlogits", dlogits.len, n),
+                ("logits", logits.len, n),
+                ("targets", targets.len, Some(rows)),
+            ],
+        )?;
+        finite(op, "scale", scale)?;
+        let params = RowParams { scale, ..RowParams::new(op, rows, vocab)? };
+        self.per_row(
+            CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
+            &[bind(0, "logits", logits), bind(13, "targets", targets), bind(14, "losses", losses), bind(2, "dlogits", dlogits)],
+            &params,
+            rows,
+        )
+    }
+
+    /// out[n, channels] = table[ids[n], :] for table[vocab, channels] and
+    /// u32 ids[n]. An id ≥ vocab gives a row of NaN; check ids on the host
+    /// with [`check_token_ids`] where they are at hand.
+    pub fn embedding_forward(&self, out: View<'_>, table: View<'_>, ids: View<'_>, n: usize, vocab: usize, channels: usize) -> Result<Dispatch> {
+        let op = EMBEDDING_FORWARD.entry;
+        check_lengths(
+            op,
+            &[("n", n), ("vocab", vocab), ("channels", channels)],
+            &[("out", out.len, n.checked_mul(channels)), ("table", table.len, vocab.checked_mul(channels)), ("ids", ids.len, Some(n))],
+        )?;
+        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, channels)? };
+        self.prepare(
+            EMBEDDING_FORWARD,
+            &[],
+            &[bind(16, "table", table), bind(15, "ids", ids), bind(2, "out", out)],
+            3,
+            &params,
+            flat_groups(out.len),
+        )
+    }
+
+    /// The first half of the embedding backward: order[n] (u32) = the
+    /// positions sorted by id, stably, using cursor[vocab + 1] (u32) as
+    /// scratch. One workgroup. Record [`Kernels::embedding_backward`]
+    /// after it (the same pass is fine); both buffers are plain scratch a
+    /// step may reuse afterwards.
+    pub fn embedding_backward_sort(&self, order: View<'_>, cursor: View<'_>, ids: View<'_>, n: usize, vocab: usize) -> Result<Dispatch> {
+        let op = EMBEDDING_BACKWARD_SORT.entry;
+        check_lengths(
+            op,
+            &[("n", n), ("vocab", vocab)],
+            &[("order", order.len, Some(n)), ("cursor", cursor.len, vocab.checked_add(1)), ("ids", ids.len, Some(n))],
+        )?;
+        // vocab + 1 buckets must be countable in u32.
+        dim(op, vocab + 1)?;
+        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, 1)? };
+        self.prepare(
+            EMBEDDING_BACKWARD_SORT,
+            &[],
+            &[bind(15, "ids", ids), bind(18, "cursor", cursor), bind(19, "order", order)],
+            3,
+            &params,
+            1,
+        )
+    }
+
+    /// dtable[vocab, channels] += Σ over positions with ids[n] = v of
+    /// dout[n, :], each row summed in position order, from the `order` that
+    /// [`Kernels::embedding_backward_sort`] wrote: deterministic, bit for
+    /// bit, however often a token repeats. Positions with an id ≥ vocab
+    /// add nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_backward(
+        &self,
+        dtable: View<'_>,
+        dout: View<'_>,
+        ids: View<'_>,
+        order: View<'_>,
+        n: usize,
+        vocab: usize,
+        channels: usize,
+    ) -> Result<Dispatch> {
+        let op = EMBEDDING_BACKWARD.entry;
+        let rows_out = n.checked_mul(channels);
+        check_lengths(
+            op,
+            &[("n", n), ("vocab", vocab), ("channels", channels)],
+            &[
+                ("dtable", dtable.len, vocab.checked_mul(channels)),
+                ("dout", dout.len, rows_out),
+                ("ids", ids.len, Some(n)),
+                ("order", order.len, Some(n)),
+            ],
+        )?;
+        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, channels)? };
+        self.prepare(
+            EMBEDDING_BACKWARD,
+            &[],
+            &[bind(4, "dout", dout), bind(15, "ids", ids), bind(19, "order", order), bind(17, "dtable", dtable)],
+            3,
+            &params,
+            flat_groups(dout.len),
+        )
+    }
+}
