@@ -14,18 +14,19 @@ driver:
 train: driver
 	$(CARGO) run --release --bin wgrad -- train
 
+# With MPI installed (scripts/ensure-mpi.sh installs it on Debian as root),
+# the suite is built once with the `mpi` and `fault-injection` features, so
+# the multi-process tests run too, without a second build of the crate.
+comma := ,
+MPI_READY := $(shell command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && \
+	ldconfig -p 2>/dev/null | grep -q libclang && echo yes)
+TEST_FEATURES := $(if $(MPI_READY),--features mpi$(comma)fault-injection)
+
 test: driver
-	$(CARGO) run --release --bin wgrad -- adapters
-	$(CARGO) test --release
-	$(CARGO) run --release --example linear_regression
-	# Training across processes (the optional `mpi` feature), when MPI is
-	# installed (scripts/ensure-mpi.sh installs it on Debian as root).
-	@if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && \
-		ldconfig -p 2>/dev/null | grep -q libclang; then \
-		$(CARGO) test --release --features mpi,fault-injection --test mpi -- --test-threads=1; \
-	else \
-		echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)"; \
-	fi
+	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
+	$(CARGO) run --release $(TEST_FEATURES) --bin wgrad -- adapters
+	$(CARGO) test --release $(TEST_FEATURES)
+	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 
 bench: driver
 	$(CARGO) bench --bench matmul

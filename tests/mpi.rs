@@ -23,6 +23,10 @@ fn out_dir(name: &str) -> PathBuf {
 /// Runs `program args` under `timeout`, with the environment OpenMPI needs
 /// as root on a small machine, and returns its output and wall time.
 fn run(program: &str, args: &[&str]) -> (Output, Duration) {
+    // One MPI job at a time, whatever libtest's thread count: two jobs of
+    // several ranks on a 2-core machine would only starve each other.
+    static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_JOB.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let start = Instant::now();
     let output = Command::new("timeout")
         .arg("--kill-after=10")
