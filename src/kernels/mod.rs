@@ -16,11 +16,12 @@ mod optim;
 mod reduce;
 pub mod registry;
 
-pub use elementwise::{Activation, Binary};
 pub use loss::{LossLinear, LossTargets};
-pub use matmul::{MatmulEpilogue, MatmulForm, MatmulVariant};
+pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
-pub use optim::{AdamConfig, OptimizerConfig, SgdConfig};
+// The op vocabulary, defined below the kernels and the CPU twins; kept
+// here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
+pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig};
 pub use registry::{Family, Kernel, KERNELS};
 
 use std::collections::HashMap;
