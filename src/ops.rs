@@ -188,3 +188,16 @@ pub enum OptimizerConfig {
     Sgd(SgdConfig),
     Adam(AdamConfig),
 }
+
+impl OptimizerConfig {
+    /// PyTorch's names for the per-parameter state this optimizer keeps
+    /// (its `state_dict`), one state arena each, in the order the update
+    /// kernel binds them. The executor allocates and names its state arenas
+    /// from this list, so it need not know any optimizer.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            OptimizerConfig::Sgd(_) => &["momentum_buffer"],
+            OptimizerConfig::Adam(_) => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+}
