@@ -22,7 +22,7 @@ pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig};
-pub use registry::{Family, Kernel, KERNELS};
+pub use registry::{Family, Kernel, Shared, KERNELS};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
