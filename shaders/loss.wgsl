@@ -50,7 +50,7 @@ var<workgroup> shared_params: LossParams;
 @group(0) @binding(11) var<storage, read_write> weight_grad: array<f32>;
 @group(0) @binding(12) var<storage, read_write> bias_grad: array<f32>;
 
-const WG: u32 = 256u;
+// WG (256) and flat_index come from common.wgsl (Family::source).
 var<workgroup> partial: array<f32, 256>;
 
 // Barrier: call from uniform control flow, before any use of `p`.
@@ -59,10 +59,6 @@ fn load_params_not_inlined(t: u32) {
         shared_params = params;
     }
     p = workgroupUniformLoad(&shared_params);
-}
-
-fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid.x;
 }
 
 fn tree_sum(t: u32, value: f32) -> f32 {

@@ -30,7 +30,8 @@ override HAS_BIAS: bool = false;
 // Which activation is a uniform (`p.activation`), not an override: the
 // branch runs once per stored element, noise beside k multiply-adds, and it
 // saves compiling a multi-second pipeline per activation. The formulas are
-// copied from elementwise.wgsl so fused and unfused results agree.
+// activations.wgsl's, which Family::source composes into this family and
+// the elementwise one alike, so fused and unfused results agree bit for bit.
 override ACTIVATION_FORWARD: bool = false;
 override ACTIVATION_BACKWARD: bool = false;
 override STORE_PRE: bool = false;
@@ -42,7 +43,8 @@ struct MatmulParams {
     // Number of 64-wide column tiles, and all tiles (guards grid overshoot).
     tiles_n: u32,
     tiles_total: u32,
-    // 1 ReLU, 2 GELU (tanh), 3 sigmoid, 4 tanh; read only by the epilogue.
+    // An ACT_* code of activations.wgsl (ops::Activation::code); read only
+    // by the epilogue.
     activation: u32,
     _pad1: u32,
     _pad2: u32,
@@ -70,53 +72,6 @@ struct MatmulParams {
 
 const TILE: u32 = 64u;
 
-// tanh overflows to NaN on some drivers for large |x|; f32 tanh is ±1 past 15.
-fn safe_tanh(v: f32) -> f32 {
-    return tanh(clamp(v, -15.0, 15.0));
-}
-
-fn sigmoid(v: f32) -> f32 {
-    // exp of a non-positive argument only, so it never overflows.
-    let e = exp(-abs(v));
-    return select(e / (1.0 + e), 1.0 / (1.0 + e), v >= 0.0);
-}
-
-const GELU_C: f32 = 0.7978845608028654; // sqrt(2 / pi)
-const GELU_A: f32 = 0.044715;
-
-// act(v), as the elementwise *_forward kernels compute it.
-fn activation_forward(v: f32) -> f32 {
-    switch p.activation {
-        case 1u: { return max(v, 0.0); }
-        case 2u: { return 0.5 * v * (1.0 + safe_tanh(GELU_C * (v + GELU_A * v * v * v))); }
-        case 3u: { return sigmoid(v); }
-        case 4u: { return safe_tanh(v); }
-        default: { return v; }
-    }
-}
-
-// dy · act'(v), as the elementwise *_backward kernels compute it (same
-// operation order, so the fused result matches the unfused one).
-fn activation_backward(v: f32, dy: f32) -> f32 {
-    switch p.activation {
-        case 1u: { return select(0.0, dy, v > 0.0); }
-        case 2u: {
-            let t = safe_tanh(GELU_C * (v + GELU_A * v * v * v));
-            let dinner = GELU_C * (1.0 + 3.0 * GELU_A * v * v);
-            return dy * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dinner);
-        }
-        case 3u: {
-            let s = sigmoid(v);
-            return dy * s * (1.0 - s);
-        }
-        case 4u: {
-            let t = safe_tanh(v);
-            return dy * (1.0 - t * t);
-        }
-        default: { return dy; }
-    }
-}
-
 fn write_c(row: u32, col: u32, product: f32) {
     let i = row * p.n + col;
     var v = product;
@@ -124,13 +79,13 @@ fn write_c(row: u32, col: u32, product: f32) {
         v += bias[col];
     }
     if ACTIVATION_BACKWARD {
-        v = activation_backward(act_input[i], v);
+        v = activation_backward(p.activation, act_input[i], v);
     }
     if STORE_PRE {
         pre[i] = v;
     }
     if ACTIVATION_FORWARD {
-        v = activation_forward(v);
+        v = activation_forward(p.activation, v);
     }
     if ACCUMULATE {
         c[i] = c[i] + v;

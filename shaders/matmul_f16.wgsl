@@ -258,7 +258,8 @@ struct ConvertParams {
 @group(0) @binding(7) var<storage, read_write> convert_dst_f32: array<f32>;
 @group(0) @binding(8) var<uniform> cp: ConvertParams;
 
-const CONVERT_WORKGROUP: u32 = 256u;
+// The conversions index words with flat_index (common.wgsl, composed after
+// this file by Family::source so `enable f16` stays first).
 
 // One invocation per 4-byte word (two values), so no two invocations write
 // the same word. f32 -> f16 rounds as the driver's conversion does (WGSL
@@ -270,7 +271,7 @@ fn f32_to_f16(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
 ) {
-    let w = (wid.y * nwg.x + wid.x) * CONVERT_WORKGROUP + lid.x;
+    let w = flat_index(wid, nwg, lid);
     if w >= cp.words {
         return;
     }
@@ -287,7 +288,7 @@ fn f16_to_f32(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
 ) {
-    let w = (wid.y * nwg.x + wid.x) * CONVERT_WORKGROUP + lid.x;
+    let w = flat_index(wid, nwg, lid);
     if w >= cp.words {
         return;
     }

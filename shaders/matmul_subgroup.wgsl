@@ -4,7 +4,8 @@
 // subgroup size range before this file is ever compiled.
 //
 // This file is not a module on its own: the registry (Family::source)
-// appends it to matmul.wgsl, so the epilogue overrides (ACCUMULATE,
+// appends it to the matmul family's source (matmul.wgsl and the shared
+// activations.wgsl), so the epilogue overrides (ACCUMULATE,
 // HAS_BIAS, ACTIVATION_*, STORE_PRE), the MatmulParams block with its strides,
 // the bindings and write_c are matmul.wgsl's own, and one binding layout
 // and one MatmulEpilogue serve every matmul variant. matmul.wgsl itself

@@ -36,11 +36,7 @@ struct AdamParams {
 @group(0) @binding(4) var<storage, read_write> exp_avg_sq: array<f32>;
 @group(0) @binding(5) var<uniform> adam: AdamParams;
 
-const WG: u32 = 256u;
-
-fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid.x;
-}
+// WG (256) and flat_index come from common.wgsl (Family::source).
 
 // The momentum buffer is `exp_avg` (binding 2) for SGD.
 @compute @workgroup_size(256)

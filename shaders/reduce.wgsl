@@ -23,12 +23,8 @@ struct ReduceParams {
 @group(0) @binding(3) var<uniform> p: ReduceParams;
 @group(0) @binding(4) var<storage, read_write> idx: array<u32>;
 
-const WG: u32 = 256u;
+// WG (256) and flat_index come from common.wgsl (Family::source).
 var<workgroup> partial: array<f32, 256>;
-
-fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
-    return (wid.y * nwg.x + wid.x) * WG + lid.x;
-}
 
 // One thread per column; rows summed in order.
 @compute @workgroup_size(256)

@@ -49,7 +49,7 @@ struct RowParams {
 @group(0) @binding(18) var<storage, read_write> cursor: array<atomic<u32>>;
 @group(0) @binding(19) var<storage, read_write> order: array<u32>;
 
-const WG: u32 = 256u;
+// WG (256 invocations per workgroup) comes from common.wgsl.
 // The lowest finite f32: the running maximum before any element is seen
 // (its exp-weight is then 0, so it never shows in a result).
 const LOWEST: f32 = -3.40282347e38;

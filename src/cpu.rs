@@ -3,18 +3,12 @@
 //! so the reference is more accurate than the f32 kernels it checks.
 //! Shapes are row-major and follow the kernels' argument conventions.
 
-use crate::kernels::{Activation, AdamConfig, Binary, MatmulForm, SgdConfig};
+use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, SgdConfig};
 
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
 pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
-    let a_at = |i: usize, p: usize| match form {
-        MatmulForm::AtB => a[p * m + i],
-        _ => a[i * k + p],
-    };
-    let b_at = |p: usize, j: usize| match form {
-        MatmulForm::ABt => b[j * k + p],
-        _ => b[p * n + j],
-    };
+    let a_at = |i: usize, p: usize| a[form.a_index(m, k, i, p)];
+    let b_at = |p: usize, j: usize| b[form.b_index(n, k, p, j)];
     let mut c = vec![0.0f32; m * n];
     for i in 0..m {
         for j in 0..n {

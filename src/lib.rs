@@ -4,7 +4,9 @@
 //!
 //! Layers, each depending only on those above it:
 //! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
-//! twin of every kernel that the tests compare against.
+//! twin of every kernel that the tests compare against. Both take their op
+//! vocabulary (matmul forms, activations, optimizer settings) from [`ops`],
+//! so neither imports the other.
 
 pub mod bench;
 pub mod checkpoint;
@@ -19,6 +21,7 @@ pub mod optim;
 pub mod parallel;
 pub mod plot;
 pub mod nn;
+pub mod ops;
 
 pub use device::{Device, DeviceOptions};
 pub use error::{Error, Result};

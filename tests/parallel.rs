@@ -358,9 +358,12 @@ fn pipeline_parallel_matches_single_device_training() {
             assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12);
             let measured = p.measured_bubble_fraction();
             assert!((0.0..=1.0).contains(&measured));
-            // Predictions flow through every stage.
+            // Predictions flow through every stage; the last stage's GPU
+            // argmax picks what the outputs say (exact: same values, ties
+            // to the first index on both sides).
             let (x, _) = batch(7, 99);
-            assert_eq!(p.predict(&x).unwrap().len(), 7);
+            let predictions = p.predict(&x).unwrap();
+            assert_eq!(predictions, wgrad::cpu::argmax_rows(&p.outputs(&x).unwrap(), 7, CLASSES));
         }
     }
 }
@@ -390,6 +393,10 @@ fn tensor_parallel_matches_single_device_training() {
                 tp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
             }
             assert_same_parameters(&format!("tensor {what} on [{labels}] split {:?}", tp.hidden_split()), &tp.parameters().unwrap(), &want);
+            // More rows than a batch, so the last chunk is padded; the GPU
+            // argmax must agree exactly with the outputs it reads.
+            let (x, _) = batch(BATCH + 5, 98);
+            assert_eq!(tp.predict(&x).unwrap(), wgrad::cpu::argmax_rows(&tp.outputs(&x).unwrap(), BATCH + 5, CLASSES));
         }
     }
 }

@@ -6,7 +6,9 @@
 use naga::back::PipelineConstants;
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 use naga::ShaderStage;
-use wgrad::kernels::{Family, KERNELS};
+use std::collections::BTreeSet;
+
+use wgrad::kernels::{Activation, Family, Shared, KERNELS};
 
 /// What naga may accept in a family: the baseline every adapter has, plus
 /// what its required device features enable (so an f16 or subgroup
@@ -164,5 +166,122 @@ fn the_registry_and_the_wgsl_files_list_the_same_entry_points() {
         for name in &registered {
             assert!(in_wgsl.contains(name), "registry lists {name}, missing from {}", family.file_name());
         }
+    }
+}
+
+/// Identifiers a WGSL text mentions outside comments.
+fn identifiers(src: &str) -> BTreeSet<String> {
+    let mut code = String::new();
+    let mut rest = src;
+    // Block comments first (WGSL nests them; none of ours do), then line comments.
+    while let Some(start) = rest.find("/*") {
+        code.push_str(&rest[..start]);
+        rest = rest[start..].find("*/").map_or("", |end| &rest[start + end + 2..]);
+    }
+    code.push_str(rest);
+    code.lines()
+        .map(|line| line.split("//").next().unwrap_or(""))
+        .flat_map(|line| line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')))
+        .filter(|word| word.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// What a shared file declares at module scope (functions and constants).
+fn declared_names(shared: Shared) -> BTreeSet<String> {
+    let src = shared.source();
+    let module = naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{}: {}", shared.file_name(), e.emit_to_string(src)));
+    let functions = module.functions.iter().filter_map(|(_, f)| f.name.clone());
+    let constants = module.constants.iter().filter_map(|(_, c)| c.name.clone());
+    functions.chain(constants).collect()
+}
+
+fn shaders_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders")
+}
+
+#[test]
+fn each_family_source_is_its_base_its_own_file_and_its_shared_files() {
+    for family in Family::ALL {
+        let mut expected = family.base().map_or_else(String::new, |b| b.source().to_string());
+        expected.push_str(family.own_source());
+        for shared in family.shared() {
+            expected.push_str(shared.source());
+        }
+        assert!(family.source() == expected, "{}: Family::source is out of step with Family::base / Family::shared", family.file_name());
+        let on_disk = std::fs::read_to_string(shaders_dir().join(family.file_name())).expect("family file");
+        assert_eq!(family.own_source(), format!("{on_disk}\n"), "{}: own_source embeds another file", family.file_name());
+    }
+    // Every .wgsl file is a family or a shared file, so none is forgotten.
+    let known: BTreeSet<&str> = Family::ALL.iter().map(|f| f.file_name()).chain(Shared::ALL.iter().map(|s| s.file_name())).collect();
+    for entry in std::fs::read_dir(shaders_dir()).expect("shaders/") {
+        let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
+        if name.ends_with(".wgsl") {
+            assert!(known.contains(name.as_str()), "shaders/{name} is neither a Family nor a Shared file");
+        }
+    }
+}
+
+#[test]
+fn shared_wgsl_has_one_source_composed_where_it_is_used() {
+    for shared in Shared::ALL {
+        let src = shared.source();
+        let module = naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{}: {}", shared.file_name(), e.emit_to_string(src)));
+        Validator::new(ValidationFlags::all(), Capabilities::default())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{}: {}", shared.file_name(), e.emit_to_string(src)));
+        assert!(module.entry_points.is_empty(), "{} is shared and must have no entry points", shared.file_name());
+    }
+    for family in Family::ALL {
+        let used = identifiers(family.own_source());
+        let composed: Vec<Shared> = family.shared().iter().chain(family.base().map_or(&[][..], |b| b.shared())).copied().collect();
+        for shared in Shared::ALL {
+            let names = declared_names(shared);
+            let mentioned: Vec<&String> = names.iter().filter(|n| used.contains(*n)).collect();
+            // A family file that names a shared function or constant without
+            // composing its file holds a copy of it (or would not compile).
+            assert!(
+                mentioned.is_empty() || composed.contains(&shared),
+                "{} uses {mentioned:?} of {} but does not compose it (list it in Family::shared and Family::source; do not copy it)",
+                family.file_name(),
+                shared.file_name()
+            );
+        }
+        // And nothing is composed that the family (or one built on it) never uses.
+        for shared in family.shared() {
+            let names = declared_names(*shared);
+            let users: Vec<Family> = Family::ALL.iter().copied().filter(|f| *f == family || f.base() == Some(family)).collect();
+            assert!(
+                users.iter().any(|f| identifiers(f.own_source()).iter().any(|id| names.contains(id))),
+                "{} composes {} but uses none of it",
+                family.file_name(),
+                shared.file_name()
+            );
+        }
+    }
+}
+
+#[test]
+fn activation_codes_agree_between_rust_and_activations_wgsl() {
+    let src = Shared::Activations.source();
+    let module = naga::front::wgsl::parse_str(src).expect("activations.wgsl parses");
+    let codes: Vec<(String, u32)> = module
+        .constants
+        .iter()
+        .filter_map(|(_, c)| {
+            let name = c.name.clone()?;
+            let value = match module.global_expressions[c.init] {
+                naga::Expression::Literal(naga::Literal::U32(v)) => v,
+                _ => return None,
+            };
+            name.starts_with("ACT_").then_some((name, value))
+        })
+        .collect();
+    assert_eq!(codes.len(), Activation::ALL.len(), "one ACT_* constant per Activation: {codes:?}");
+    for act in Activation::ALL {
+        let name = format!("ACT_{act:?}").to_uppercase();
+        let wgsl = codes.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("activations.wgsl has no {name}"));
+        assert_eq!(wgsl.1, act.code(), "{name}: activations.wgsl and Activation::code disagree");
+        assert_ne!(act.code(), 0, "code 0 is the identity");
     }
 }

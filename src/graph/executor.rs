@@ -11,14 +11,6 @@ use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{Activation, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig, View};
 
-/// The optimizer state arenas each optimizer keeps (same layout as the parameters).
-fn state_arenas(optimizer: &OptimizerConfig) -> usize {
-    match optimizer {
-        OptimizerConfig::Sgd(_) => 1,
-        OptimizerConfig::Adam(_) => 2,
-    }
-}
-
 pub struct Executor {
     kernels: Arc<Kernels>,
     graph: Graph,
@@ -97,7 +89,7 @@ impl Executor {
         let training = gradients.is_some();
         let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
         let state = match &optimizer {
-            Some(o) => (0..state_arenas(o)).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?,
+            Some(o) => (0..o.state_names().len()).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?,
             None => Vec::new(),
         };
         let mut inputs = Vec::with_capacity(plan.input_count);
@@ -568,13 +560,10 @@ impl Executor {
         self.plan.param_offsets.iter().map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone())).collect()
     }
 
-    /// PyTorch's names for the optimizer's per-parameter state, in arena order.
+    /// PyTorch's names for the optimizer's per-parameter state, in arena
+    /// order (as the optimizer names them; empty without one).
     pub fn optimizer_state_names(&self) -> &'static [&'static str] {
-        match self.optimizer.as_ref().map(|(c, _)| c) {
-            Some(OptimizerConfig::Sgd(_)) => &["momentum_buffer"],
-            Some(OptimizerConfig::Adam(_)) => &["exp_avg", "exp_avg_sq"],
-            None => &[],
-        }
+        self.optimizer.as_ref().map_or(&[], |(c, _)| c.state_names())
     }
 
     /// Optimizer state as (parameter name, state name, values).

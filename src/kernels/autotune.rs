@@ -29,7 +29,7 @@
 //! per form (an MLP layer 784→512 at batch 256) within a time budget
 //! (`WGRAD_TUNE_BUDGET_MS`, default 3000 ms of timed runs; pipeline
 //! compilation is reported separately), checks each candidate's result
-//! against the CPU twin before timing it (a wrong kernel is never chosen),
+//! against an exact host product before timing it (a wrong kernel is never chosen),
 //! and writes the winners to the cache. [`MatmulVariant::RegisterVec4`] is a
 //! candidate for AB and ABᵀ only, because of that AᵀB slowdown in training
 //! steps which a single timed AᵀB does not show; [`MatmulVariant::Subgroup`]
@@ -40,10 +40,11 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::matmul::{MatmulForm, MatmulVariant};
+use super::matmul::MatmulVariant;
 use super::registry::Family;
 use super::Kernels;
 use crate::error::{Error, Result};
+use crate::ops::MatmulForm;
 
 const CACHE_FILE: &str = "matmul-tune.json";
 
@@ -115,6 +116,20 @@ impl MatmulTuning {
         }
         out
     }
+}
+
+/// op(A)·op(B) on the host for tuning's check. The operands are small
+/// integers, so every sum is exact in f32 in any order; this is its own
+/// loop rather than `cpu::matmul`, which is for tests (the kernels do not
+/// import the CPU twins), and indexes through `MatmulForm` like the twin.
+fn exact_product(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut c = vec![0.0f32; m * n];
+    for (i, row) in c.chunks_mut(n).enumerate() {
+        for (j, out) in row.iter_mut().enumerate() {
+            *out = (0..k).map(|p| a[form.a_index(m, k, i, p)] * b[form.b_index(n, k, p, j)]).sum();
+        }
+    }
+    c
 }
 
 /// FNV-1a: a hash that stays the same across Rust releases, for the cache key.
@@ -239,7 +254,7 @@ impl Kernels {
     }
 
     /// Times every variant on [`TUNE_SHAPES`] (each first checked against
-    /// the CPU twin), keeps the fastest per form for this process, and
+    /// an exact host product), keeps the fastest per form for this process, and
     /// writes it to the cache file when one can be named. Returns the table.
     /// The candidates of a form are timed in turns (one run each per round,
     /// median over rounds), so load from other processes hits them alike.
@@ -250,11 +265,11 @@ impl Kernels {
         for (form, m, n, k) in TUNE_SHAPES {
             let (sa, sb) = form.operand_shapes(m, n, k);
             // Small integers, so every product and sum is exact in f32 and
-            // the check can demand equality with the f64 twin.
+            // the check can demand equality with the reference.
             let pattern = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + seed) % 5) as f32 - 2.0).collect() };
             let a_host = pattern(sa[0] * sa[1], 1);
             let b_host = pattern(sb[0] * sb[1], 3);
-            let want = crate::cpu::matmul(form, &a_host, &b_host, m, n, k);
+            let want = exact_product(form, &a_host, &b_host, m, n, k);
             let (a, b) = (self.upload(&a_host)?, self.upload(&b_host)?);
             let mut candidates = Vec::new();
             for variant in candidates_for(form).into_iter().filter(|&v| self.supports_matmul_variant(v)) {
@@ -271,7 +286,7 @@ impl Kernels {
                 if got != want {
                     return Err(Error::InvalidArgument {
                         op: "autotune",
-                        reason: format!("{variant:?} {form:?} {m}x{n}x{k} disagrees with the CPU twin; not tuning with it"),
+                        reason: format!("{variant:?} {form:?} {m}x{n}x{k} disagrees with the exact product; not tuning with it"),
                     });
                 }
                 candidates.push((variant, dispatch, compile_ms, Vec::new()));

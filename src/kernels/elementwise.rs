@@ -9,17 +9,10 @@
 use super::registry::*;
 use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
+use crate::ops::{Activation, Binary};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Binary {
-    Add,
-    Sub,
-    Mul,
-}
-
+// The op vocabulary lives in `crate::ops`; here only which entry runs each op.
 impl Binary {
-    pub const ALL: [Binary; 3] = [Binary::Add, Binary::Sub, Binary::Mul];
-
     fn kernel(self) -> Kernel {
         match self {
             Binary::Add => ADD_FORWARD,
@@ -29,23 +22,7 @@ impl Binary {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Activation {
-    Relu,
-    /// The tanh approximation (PyTorch `GELU(approximate="tanh")`).
-    Gelu,
-    Sigmoid,
-    Tanh,
-}
-
 impl Activation {
-    pub const ALL: [Activation; 4] = [
-        Activation::Relu,
-        Activation::Gelu,
-        Activation::Sigmoid,
-        Activation::Tanh,
-    ];
-
     fn kernels(self) -> (Kernel, Kernel) {
         match self {
             Activation::Relu => (RELU_FORWARD, RELU_BACKWARD),

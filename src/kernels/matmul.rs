@@ -1,43 +1,11 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
-use super::elementwise::Activation;
 use super::registry::{
     MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
 };
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
-
-/// Which operand is transposed. Shapes are row-major as stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum MatmulForm {
-    /// C[M,N] = A[M,K] · B[K,N] (forward pass).
-    AB,
-    /// C[M,N] = A[K,M]ᵀ · B[K,N] (weight gradient, Xᵀ·dY).
-    AtB,
-    /// C[M,N] = A[M,K] · B[N,K]ᵀ (input gradient, dY·Wᵀ).
-    ABt,
-}
-
-impl MatmulForm {
-    pub const ALL: [MatmulForm; 3] = [MatmulForm::AB, MatmulForm::AtB, MatmulForm::ABt];
-
-    /// Stored shapes of A and B for an M×N×K product.
-    pub fn operand_shapes(self, m: usize, n: usize, k: usize) -> ([usize; 2], [usize; 2]) {
-        match self {
-            MatmulForm::AB => ([m, k], [k, n]),
-            MatmulForm::AtB => ([k, m], [k, n]),
-            MatmulForm::ABt => ([m, k], [n, k]),
-        }
-    }
-
-    fn transposes(self) -> (bool, bool) {
-        match self {
-            MatmulForm::AB => (false, false),
-            MatmulForm::AtB => (true, false),
-            MatmulForm::ABt => (false, true),
-        }
-    }
-}
+use crate::ops::{Activation, MatmulForm};
 
 /// The kernel shape: register-blocked (CPU adapters, where workgroup memory
 /// and barriers are slow) or workgroup-memory tiled (real GPUs).
@@ -121,16 +89,6 @@ pub struct MatmulEpilogue<'a> {
     /// `Kernels::activation_backward(act, dx, x, dy)` computes with dy = the
     /// product. Cannot be combined with `activation` or `bias`.
     pub activation_grad: Option<(Activation, View<'a>)>,
-}
-
-/// The WGSL `p.activation` code.
-fn activation_code(act: Activation) -> u32 {
-    match act {
-        Activation::Relu => 1,
-        Activation::Gelu => 2,
-        Activation::Sigmoid => 3,
-        Activation::Tanh => 4,
-    }
 }
 
 const TILE: usize = 64;
@@ -351,7 +309,7 @@ impl Kernels {
             k: dim(op, k)?,
             tiles_n: dim(op, tiles_n)?,
             tiles_total: dim(op, tiles_total)?,
-            activation: act.map_or(0, activation_code),
+            activation: act.map_or(0, Activation::code),
             _pad: [0; 2],
             sa_row: dim(op, if trans_a { 1 } else { k })?,
             sa_k: dim(op, if trans_a { m } else { 1 })?,

@@ -118,15 +118,6 @@ struct ConvertParams {
     _pad: [u32; 2],
 }
 
-/// (TRANS_A, TRANS_B) overrides for a form.
-fn transposes(form: MatmulForm) -> (bool, bool) {
-    match form {
-        MatmulForm::AB => (false, false),
-        MatmulForm::AtB => (true, false),
-        MatmulForm::ABt => (false, true),
-    }
-}
-
 fn pack_f16(values: &[f16]) -> Vec<u32> {
     values
         .chunks(2)
@@ -376,7 +367,7 @@ impl Kernels {
         params: MatmulParams,
         bindings: [super::Binding<'_>; 3],
     ) -> Result<Dispatch> {
-        let (trans_a, trans_b) = transposes(form);
+        let (trans_a, trans_b) = form.transposes();
         let constants = [
             ("TRANS_A", f64::from(u8::from(trans_a))),
             ("TRANS_B", f64::from(u8::from(trans_b))),

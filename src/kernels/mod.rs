@@ -17,12 +17,13 @@ mod reduce;
 pub mod registry;
 mod rowwise;
 
-pub use elementwise::{Activation, Binary};
 pub use loss::{LossLinear, LossTargets};
-pub use matmul::{MatmulEpilogue, MatmulForm, MatmulVariant};
+pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
-pub use optim::{AdamConfig, OptimizerConfig, SgdConfig};
-pub use registry::{Family, Kernel, KERNELS};
+// The op vocabulary, defined below the kernels and the CPU twins; kept
+// here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
+pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::check_token_ids;
 
 use std::collections::HashMap;

@@ -4,83 +4,7 @@
 use super::registry::*;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
-
-/// torch.optim.SGD's hyper-parameters and defaults (lr has no default there;
-/// 0.01 here).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SgdConfig {
-    pub lr: f32,
-    pub momentum: f32,
-    pub dampening: f32,
-    pub weight_decay: f32,
-    pub nesterov: bool,
-}
-
-impl Default for SgdConfig {
-    fn default() -> Self {
-        SgdConfig { lr: 0.01, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
-    }
-}
-
-impl SgdConfig {
-    /// The same checks torch.optim.SGD makes.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "sgd_update", reason });
-        if !(self.lr >= 0.0) {
-            return bad(format!("invalid learning rate {}", self.lr));
-        }
-        if !(self.momentum >= 0.0) {
-            return bad(format!("invalid momentum {}", self.momentum));
-        }
-        if !(self.weight_decay >= 0.0) {
-            return bad(format!("invalid weight_decay {}", self.weight_decay));
-        }
-        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return bad("Nesterov momentum requires a momentum and zero dampening".into());
-        }
-        Ok(())
-    }
-}
-
-/// torch.optim.Adam / AdamW hyper-parameters. Use [`AdamConfig::adam`] or
-/// [`AdamConfig::adamw`] for PyTorch's defaults (they differ in weight decay).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamConfig {
-    pub lr: f32,
-    pub betas: (f32, f32),
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// AdamW (decay applied to the parameter) instead of Adam (L2 added to the gradient).
-    pub decoupled_weight_decay: bool,
-}
-
-impl AdamConfig {
-    pub fn adam() -> Self {
-        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled_weight_decay: false }
-    }
-
-    pub fn adamw() -> Self {
-        AdamConfig { weight_decay: 1e-2, decoupled_weight_decay: true, ..Self::adam() }
-    }
-
-    /// The same checks torch.optim.Adam makes.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "adam_update", reason });
-        if !(self.lr >= 0.0) {
-            return bad(format!("invalid learning rate {}", self.lr));
-        }
-        if !(self.eps >= 0.0) {
-            return bad(format!("invalid epsilon {}", self.eps));
-        }
-        if !(0.0..1.0).contains(&self.betas.0) || !(0.0..1.0).contains(&self.betas.1) {
-            return bad(format!("invalid betas {:?}: each must be in [0, 1)", self.betas));
-        }
-        if !(self.weight_decay >= 0.0) {
-            return bad(format!("invalid weight_decay {}", self.weight_decay));
-        }
-        Ok(())
-    }
-}
+use crate::ops::{AdamConfig, OptimizerConfig, SgdConfig};
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -237,11 +161,4 @@ impl Kernels {
         }
         Ok(())
     }
-}
-
-/// Either optimizer, for code that holds one without knowing which.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OptimizerConfig {
-    Sgd(SgdConfig),
-    Adam(AdamConfig),
 }

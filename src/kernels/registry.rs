@@ -1,5 +1,47 @@
 //! The kernel sources and the table of entry points. A new WGSL entry gets one
 //! line in `KERNELS`; a test checks the table against the WGSL files.
+//!
+//! WGSL has no includes, so WGSL that several families need (index helpers,
+//! activation formulas) lives once in a [`Shared`] file and is concatenated
+//! into each family that uses it by [`Family::source`]; tests/shaders.rs
+//! checks that every family composing a shared name lists its file in
+//! [`Family::shared`] and that no family file defines one of its own.
+
+/// `include_str!` of files under shaders/, each followed by a newline.
+macro_rules! wgsl {
+    ($($file:literal),+) => {
+        concat!($(include_str!(concat!("../../shaders/", $file)), "\n"),+)
+    };
+}
+
+/// A WGSL file with no entry points, composed into the families that use
+/// it (see [`Family::shared`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Shared {
+    /// `WG` and `flat_index`, for one-invocation-per-element kernels.
+    Common,
+    /// Each activation's forward and backward formula by code, for the
+    /// elementwise kernels and the matmul epilogue.
+    Activations,
+}
+
+impl Shared {
+    pub const ALL: [Shared; 2] = [Shared::Common, Shared::Activations];
+
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Shared::Common => "common.wgsl",
+            Shared::Activations => "activations.wgsl",
+        }
+    }
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Shared::Common => wgsl!("common.wgsl"),
+            Shared::Activations => wgsl!("activations.wgsl"),
+        }
+    }
+}
 
 /// One WGSL file, embedded at compile time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -12,7 +54,7 @@ pub enum Family {
     /// Opt-in: needs SHADER_F16 (see [`Family::required_features`]).
     MatmulF16,
     /// Needs SUBGROUP with 8-lane subgroups; `MatmulVariant::Subgroup` of
-    /// the training matmul. Its source is matmul.wgsl followed by
+    /// the training matmul. Its source is the matmul family's followed by
     /// matmul_subgroup.wgsl (see [`Family::base`]).
     MatmulSubgroup,
     /// One workgroup per row: softmax, layernorm, cross-entropy over long
@@ -56,6 +98,19 @@ impl Family {
         }
     }
 
+    /// The shared files this family's source adds after its own file
+    /// (module-scope WGSL may be declared in any order, and a file's
+    /// `enable` directive must stay first). A family with a base has them
+    /// through the base.
+    pub fn shared(self) -> &'static [Shared] {
+        match self {
+            Family::Matmul => &[Shared::Activations],
+            Family::Elementwise => &[Shared::Common, Shared::Activations],
+            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise => &[Shared::Common],
+            Family::MatmulSubgroup => &[],
+        }
+    }
+
     pub fn file_name(self) -> &'static str {
         match self {
             Family::Matmul => "matmul.wgsl",
@@ -69,19 +124,34 @@ impl Family {
         }
     }
 
+    /// The family's own file alone (not a valid module where it uses
+    /// shared or base WGSL).
+    pub fn own_source(self) -> &'static str {
+        match self {
+            Family::Matmul => wgsl!("matmul.wgsl"),
+            Family::Elementwise => wgsl!("elementwise.wgsl"),
+            Family::Reduce => wgsl!("reduce.wgsl"),
+            Family::Loss => wgsl!("loss.wgsl"),
+            Family::Optim => wgsl!("optim.wgsl"),
+            Family::MatmulF16 => wgsl!("matmul_f16.wgsl"),
+            Family::MatmulSubgroup => wgsl!("matmul_subgroup.wgsl"),
+            Family::Rowwise => wgsl!("rowwise.wgsl"),
+        }
+    }
+
+    /// The module compiled for this family: the base family's source (if
+    /// any), then its own file, then its [`Family::shared`] files. Keep in
+    /// step with `base` and `shared`; tests/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
-            Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
-            Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
-            Family::Reduce => include_str!("../../shaders/reduce.wgsl"),
-            Family::Loss => include_str!("../../shaders/loss.wgsl"),
-            Family::Optim => include_str!("../../shaders/optim.wgsl"),
-            Family::MatmulF16 => include_str!("../../shaders/matmul_f16.wgsl"),
-            // Keep in step with `Family::base`.
-            Family::MatmulSubgroup => {
-                concat!(include_str!("../../shaders/matmul.wgsl"), "\n", include_str!("../../shaders/matmul_subgroup.wgsl"))
-            }
-            Family::Rowwise => include_str!("../../shaders/rowwise.wgsl"),
+            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl"),
+            Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
+            Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
+            Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
+            Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
+            Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl"),
+            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matmul_subgroup.wgsl"),
+            Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
         }
     }
 }

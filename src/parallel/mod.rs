@@ -200,15 +200,16 @@ pub(crate) fn on_device(index: usize, kernels: &Kernels, error: Error) -> Error 
 }
 
 /// Runs `forward` over batch-sized, zero-padded chunks of `features` (rows
-/// of `in_features`) and keeps each chunk's real rows of output.
-pub(crate) fn outputs_in_chunks(
+/// of `in_features`) and keeps each chunk's real rows of output (values, or
+/// one class index per row).
+pub(crate) fn outputs_in_chunks<T: Copy>(
     op: &'static str,
     features: &[f32],
     in_features: usize,
     batch: usize,
     out_features: usize,
-    mut forward: impl FnMut(&[f32]) -> Result<Vec<f32>>,
-) -> Result<Vec<f32>> {
+    mut forward: impl FnMut(&[f32]) -> Result<Vec<T>>,
+) -> Result<Vec<T>> {
     if features.is_empty() || features.len() % in_features != 0 {
         return Err(Error::shape(op, format!("features must be rows × {in_features}"), &[&[features.len()]]));
     }

@@ -317,21 +317,25 @@ impl Pipeline {
         let (f, rows, width) = (self.in_features, self.micro_rows, self.out_features);
         let stages = &mut self.stages;
         super::outputs_in_chunks("Pipeline::outputs", features, f, rows, width, |chunk| {
-            let mut h = chunk.to_vec();
-            for (s, stage) in stages.iter_mut().enumerate() {
-                let k = stage.kernels.clone();
-                stage.set_input(&h).map_err(|e| on_device(s, &k, e))?;
-                stage.forward().map_err(|e| on_device(s, &k, e))?;
-                h = k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?;
-            }
-            Ok(h)
+            let last = feed_last_stage(stages, chunk)?;
+            let stage = &mut stages[last];
+            let k = stage.kernels.clone();
+            stage.forward().map_err(|e| on_device(last, &k, e))?;
+            k.read(stage.output_view()?).map_err(|e| on_device(last, &k, e))
         })
     }
 
-    /// Argmax of [`Pipeline::outputs`].
+    /// Argmax of [`Pipeline::outputs`], computed by the last stage's device,
+    /// which reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let out = self.outputs(features)?;
-        Ok(crate::cpu::argmax_rows(&out, out.len() / self.out_features, self.out_features))
+        let (f, rows) = (self.in_features, self.micro_rows);
+        let stages = &mut self.stages;
+        super::outputs_in_chunks("Pipeline::predict", features, f, rows, 1, |chunk| {
+            let last = feed_last_stage(stages, chunk)?;
+            let stage = &mut stages[last];
+            let k = stage.kernels.clone();
+            stage.predictions().map_err(|e| on_device(last, &k, e))
+        })
     }
 
     /// Every stage's parameters, with their whole-model names.
@@ -342,4 +346,22 @@ impl Pipeline {
         }
         Ok(all)
     }
+}
+
+/// Feeds one chunk forward through every stage but the last and sets the
+/// last one's input; returns the last stage's index.
+fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
+    let Some(last) = stages.len().checked_sub(1) else {
+        return Err(Error::InvalidArgument { op: "Pipeline", reason: "no stages".into() });
+    };
+    let mut h = chunk.to_vec();
+    for (s, stage) in stages[..last].iter_mut().enumerate() {
+        let k = stage.kernels.clone();
+        stage.set_input(&h).map_err(|e| on_device(s, &k, e))?;
+        stage.forward().map_err(|e| on_device(s, &k, e))?;
+        h = k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?;
+    }
+    let stage = &stages[last];
+    stage.set_input(&h).map_err(|e| on_device(last, &stage.kernels, e))?;
+    Ok(last)
 }

@@ -29,6 +29,8 @@ pub struct Stage {
     input_grad: Option<Tensor>,
     target: Option<Tensor>,
     loss: Option<Tensor>,
+    /// Last stage: argmax of the output per row, computed on the device.
+    prediction: Option<Tensor>,
     criterion: Option<Criterion>,
     pub rows: usize,
     pub in_features: usize,
@@ -83,11 +85,11 @@ impl Stage {
         out_features: usize,
     ) -> Result<Self> {
         let wanted: Vec<Tensor> = if input_grad { vec![input] } else { vec![] };
-        let (target, loss, seed, grads, criterion) = match end {
+        let (target, loss, seed, grads, criterion, prediction) = match end {
             StageEnd::Middle => {
                 let seed = g.input("d_output", &[rows, out_features])?;
                 let grads = g.backward_from(output, seed, &wanted)?;
-                (None, None, seed, grads, None)
+                (None, None, seed, grads, None, None)
             }
             StageEnd::Last(criterion) => {
                 let (t, loss) = match criterion {
@@ -102,14 +104,18 @@ impl Stage {
                 };
                 let seed = g.input("loss_scale", &[1])?;
                 let grads = g.backward_from(loss, seed, &wanted)?;
-                (Some(t), Some(loss), seed, grads, Some(criterion))
+                // Not part of a training step (the executor runs only what
+                // the loss and gradients need); `predictions` runs it.
+                let prediction = g.argmax(output)?;
+                (Some(t), Some(loss), seed, grads, Some(criterion), Some(prediction))
             }
         };
         let input_grad = if input_grad { grads.input(input) } else { None };
         let mut outputs = vec![output];
         outputs.extend(loss);
+        outputs.extend(prediction);
         let exec = Executor::new(kernels.clone(), g, &outputs, Some(grads), Some(optimizer))?;
-        Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, criterion, rows, in_features, out_features })
+        Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, prediction, criterion, rows, in_features, out_features })
     }
 
     pub fn executor(&self) -> &Executor {
@@ -132,6 +138,14 @@ impl Stage {
 
     pub fn output_view(&self) -> Result<View<'_>> {
         self.exec.tensor_view(self.output)
+    }
+
+    /// Last stage: runs the forward pass and the argmax of each output row
+    /// on the device and reads back only the class indices (waits).
+    pub fn predictions(&mut self) -> Result<Vec<u32>> {
+        let prediction = self.prediction.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage predicts".into() })?;
+        self.exec.run(&[prediction])?;
+        self.exec.read_u32(prediction)
     }
 
     /// Middle stages: the gradient of the output.

@@ -273,18 +273,31 @@ impl TensorParallel {
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
         let (f, batch, width) = (self.in_features, self.batch, self.out_features);
         super::outputs_in_chunks("TensorParallel::outputs", features, f, batch, width, |chunk| {
-            let block_x = self.block_input(chunk)?;
-            let y = self.block_forward(&block_x)?;
+            self.feed_post(chunk)?;
             let k0 = self.post.kernels.clone();
-            self.post.set_input(&y).map_err(|e| on_device(0, &k0, e))?;
             self.post.forward().map_err(|e| on_device(0, &k0, e))?;
             k0.read(self.post.output_view()?).map_err(|e| on_device(0, &k0, e))
         })
     }
 
+    /// Argmax of [`TensorParallel::outputs`], computed on device 0 after the
+    /// last layers, which reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let out = self.outputs(features)?;
-        Ok(crate::cpu::argmax_rows(&out, out.len() / self.out_features, self.out_features))
+        let (f, batch) = (self.in_features, self.batch);
+        super::outputs_in_chunks("TensorParallel::predict", features, f, batch, 1, |chunk| {
+            self.feed_post(chunk)?;
+            let k0 = self.post.kernels.clone();
+            self.post.predictions().map_err(|e| on_device(0, &k0, e))
+        })
+    }
+
+    /// Runs one chunk through the layers before and in the split block and
+    /// sets the result as the last layers' input.
+    fn feed_post(&mut self, chunk: &[f32]) -> Result<()> {
+        let block_x = self.block_input(chunk)?;
+        let y = self.block_forward(&block_x)?;
+        let k0 = self.post.kernels.clone();
+        self.post.set_input(&y).map_err(|e| on_device(0, &k0, e))
     }
 
     /// The whole model's parameters with single-device names and shapes:
