@@ -117,7 +117,8 @@ fn b_at(kk: u32, col: u32) -> f32 {
 // where the 32×16 register kernel below takes seconds per pipeline, and at
 // these sizes a dispatch costs as much as the arithmetic. Edges are clamped
 // on load and masked on store.
-fn sm_row_fma(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x4<f32> {
+// acc += x · (b_lo, b_hi): one row of 8 columns (also matmul_subgroup.wgsl's).
+fn fma_row8(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x4<f32> {
     let s = vec4<f32>(x);
     return mat2x4<f32>(fma(s, b_lo, acc[0]), fma(s, b_hi, acc[1]));
 }
@@ -161,27 +162,28 @@ fn matmul_forward_small(
         let kb = kk * sb_k;
         let b_lo = vec4<f32>(b[cb_lo.x + kb], b[cb_lo.y + kb], b[cb_lo.z + kb], b[cb_lo.w + kb]);
         let b_hi = vec4<f32>(b[cb_hi.x + kb], b[cb_hi.y + kb], b[cb_hi.z + kb], b[cb_hi.w + kb]);
-        acc0 = sm_row_fma(acc0, a[ra_lo.x + ka], b_lo, b_hi);
-        acc1 = sm_row_fma(acc1, a[ra_lo.y + ka], b_lo, b_hi);
-        acc2 = sm_row_fma(acc2, a[ra_lo.z + ka], b_lo, b_hi);
-        acc3 = sm_row_fma(acc3, a[ra_lo.w + ka], b_lo, b_hi);
-        acc4 = sm_row_fma(acc4, a[ra_hi.x + ka], b_lo, b_hi);
-        acc5 = sm_row_fma(acc5, a[ra_hi.y + ka], b_lo, b_hi);
-        acc6 = sm_row_fma(acc6, a[ra_hi.z + ka], b_lo, b_hi);
-        acc7 = sm_row_fma(acc7, a[ra_hi.w + ka], b_lo, b_hi);
+        acc0 = fma_row8(acc0, a[ra_lo.x + ka], b_lo, b_hi);
+        acc1 = fma_row8(acc1, a[ra_lo.y + ka], b_lo, b_hi);
+        acc2 = fma_row8(acc2, a[ra_lo.z + ka], b_lo, b_hi);
+        acc3 = fma_row8(acc3, a[ra_lo.w + ka], b_lo, b_hi);
+        acc4 = fma_row8(acc4, a[ra_hi.x + ka], b_lo, b_hi);
+        acc5 = fma_row8(acc5, a[ra_hi.y + ka], b_lo, b_hi);
+        acc6 = fma_row8(acc6, a[ra_hi.z + ka], b_lo, b_hi);
+        acc7 = fma_row8(acc7, a[ra_hi.w + ka], b_lo, b_hi);
     }
-    sm_store_row(row0 + 0u, col0, acc0);
-    sm_store_row(row0 + 1u, col0, acc1);
-    sm_store_row(row0 + 2u, col0, acc2);
-    sm_store_row(row0 + 3u, col0, acc3);
-    sm_store_row(row0 + 4u, col0, acc4);
-    sm_store_row(row0 + 5u, col0, acc5);
-    sm_store_row(row0 + 6u, col0, acc6);
-    sm_store_row(row0 + 7u, col0, acc7);
+    store_row8(row0 + 0u, col0, acc0);
+    store_row8(row0 + 1u, col0, acc1);
+    store_row8(row0 + 2u, col0, acc2);
+    store_row8(row0 + 3u, col0, acc3);
+    store_row8(row0 + 4u, col0, acc4);
+    store_row8(row0 + 5u, col0, acc5);
+    store_row8(row0 + 6u, col0, acc6);
+    store_row8(row0 + 7u, col0, acc7);
 }
 
-// Stores row `row` of a small-kernel block: columns col0 + 8·j, j in 0..7.
-fn sm_store_row(row: u32, col0: u32, acc: mat2x4<f32>) {
+// Stores row `row` of a block whose columns are col0 + 8·j, j in 0..7, held
+// as acc[j / 4][j % 4] (the small kernel's; also matmul_subgroup.wgsl's).
+fn store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
     if row >= p.m {
         return;
     }

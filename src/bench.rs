@@ -141,18 +141,14 @@ impl StepCase {
 
     /// `make train`'s digits MLP shape: 64-128-10 ReLU, cross-entropy,
     /// Adam(2e-3), batch 32, random data.
-    pub fn digits_mlp() -> Self {
+    pub fn digits_mlp() -> Result<Self> {
         let batch = 32;
         nn::manual_seed(0);
-        let model = Sequential::new(vec![
-            Layer::Linear(Linear::new(64, 128)),
-            Layer::ReLU,
-            Layer::Linear(Linear::new(128, 10)),
-        ]);
+        let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
         let mut rng = ChaCha8Rng::seed_from_u64(4);
         let x = random(batch * 64, &mut rng);
         let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
-        StepCase {
+        Ok(StepCase {
             name: "digits_mlp_64_128_10_b32_adam",
             model,
             criterion: CrossEntropyLoss.into(),
@@ -160,7 +156,7 @@ impl StepCase {
             batch,
             x,
             targets: CaseTargets::Classes(y),
-        }
+        })
     }
 
     /// The tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
@@ -330,7 +326,7 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
     time_first_runs("relu_forward".into(), &|| kernels.activation_forward(Activation::Relu, c.view(), a.view()))?;
     time_first_runs("sum_rows_forward".into(), &|| kernels.sum_rows(c.slice(0, n)?, a.view(), n, n))?;
 
-    let case = StepCase::digits_mlp();
+    let case = StepCase::digits_mlp()?;
     let start = Instant::now();
     let mut trainer = case.trainer(kernels)?;
     let build = ms_since(start);
