@@ -329,6 +329,8 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
         None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
     };
+    // Cleared before anything below prints.
+    preparing.finish_and_clear();
     #[cfg(feature = "fault-injection")]
     if let (Some(spec), Engine::Distributed(d)) = (&args.fail_at, &mut engine) {
         let (fail_rank, step, how) = parse_fail_at(spec)?;
@@ -367,7 +369,6 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
     macro_rules! say {
         ($($arg:tt)*) => { if root { println!($($arg)*); } };
     }
-    preparing.finish_and_clear();
     say!("devices: {}", group.labels().join(", "));
     if let Engine::Single(t) = &engine {
         let exec = t.executor();

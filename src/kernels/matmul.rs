@@ -25,10 +25,11 @@ pub enum MatmulVariant {
     Subgroup,
     /// One 8×8 block per invocation, 64 invocations: the kernel for products of
     /// at most [`SMALL_MATMUL_WORK`] multiply-adds, whatever the tuning says.
-    /// It compiles in milliseconds where the register-blocked kernels take
-    /// 1–2 s of LLVM per pipeline on lavapipe, and at these sizes the
-    /// dispatch costs more than the arithmetic, so small layers (the digits
-    /// MLP, Linear(10,1)) start at once and lose nothing per step.
+    /// It compiles in tens of milliseconds where the register-blocked
+    /// kernels take ~1.7 s (warm) to 5–9 s (cold shader cache) per pipeline
+    /// on lavapipe, and at these sizes a dispatch costs about as much as the
+    /// arithmetic, so small layers (the digits MLP, Linear(10,1)) start at
+    /// once (`wgrad bench --compile`, BENCHMARKS.md).
     Small,
 }
 
