@@ -28,7 +28,7 @@ use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Sequential};
+use crate::nn::{Criterion, Module, Sequential};
 use crate::optim;
 
 /// What the loss compares the model's output with.
@@ -94,7 +94,7 @@ impl Trainer {
         let (in_features, out_features) = widths(model)?;
         let mut g = Graph::new();
         let input = g.input("input", &[batch_size, in_features])?;
-        let output = model.forward(&mut g, input)?;
+        let output = model.forward(&mut g, input, "")?;
         let (target, loss) = match criterion {
             Criterion::Mse => {
                 let t = g.input("target", &[batch_size, out_features])?;
@@ -380,7 +380,7 @@ impl Predictor {
         let (in_features, out_features) = widths(model)?;
         let mut g = Graph::new();
         let input = g.input("input", &[batch_size, in_features])?;
-        let output = model.forward(&mut g, input)?;
+        let output = model.forward(&mut g, input, "")?;
         let prediction = g.argmax(output)?;
         let exec = Executor::new(kernels, g, &[output, prediction], None, None)?;
         Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model: model.clone() })

@@ -567,7 +567,7 @@ fn the_mlp_step_peak_memory_is_parameters_state_and_the_live_activations() {
     let model = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU).unwrap();
     let mut g = Graph::new();
     let x = g.input("x", &[256, 784]).unwrap();
-    let out = model.forward(&mut g, x).unwrap();
+    let out = nn::Module::forward(&model, &mut g, x, "").unwrap();
     let y = g.labels("y", 256).unwrap();
     let loss = g.cross_entropy_loss(out, y).unwrap();
     let prediction = g.argmax(out).unwrap();

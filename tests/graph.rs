@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph, LossKind, Op, Tensor};
-use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
@@ -45,9 +45,100 @@ fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>
                 }
                 c
             }
-            Op::Binary(op) => x(0).iter().zip(x(1)).map(|(a, b)| match op { Binary::Add => a + b, Binary::Sub => a - b, Binary::Mul => a * b }).collect(),
+            Op::Binary(op) => {
+                let (sa, sb) = (shape(0), shape(1));
+                (0..node.len())
+                    .map(|o| {
+                        let (a, b) = (x(0)[broadcast_source(&node.shape, &sa, o)], x(1)[broadcast_source(&node.shape, &sb, o)]);
+                        match op {
+                            Binary::Add => a + b,
+                            Binary::Sub => a - b,
+                            Binary::Mul => a * b,
+                            Binary::Div => a / b,
+                        }
+                    })
+                    .collect()
+            }
+            Op::Unary(Unary::Exp) => x(0).iter().map(|a| a.exp()).collect(),
+            Op::Unary(Unary::Rsqrt) => x(0).iter().map(|a| 1.0 / a.sqrt()).collect(),
+            Op::Reshape => x(0).clone(),
+            Op::Permute(perm) => {
+                let sx = shape(0);
+                (0..node.len())
+                    .map(|o| {
+                        // Output coordinates -> the input's flat index.
+                        let out_coord = coords(&node.shape, o);
+                        let mut in_coord = vec![0; sx.len()];
+                        for (i, &p) in perm.iter().enumerate() {
+                            in_coord[p] = out_coord[i];
+                        }
+                        flat(&sx, &in_coord)
+                    })
+                    .map(|i| x(0)[i])
+                    .collect()
+            }
+            Op::SliceLast { start } => {
+                let cols = *shape(0).last().unwrap();
+                let width = *node.shape.last().unwrap();
+                (0..node.len()).map(|o| x(0)[(o / width) * cols + start + o % width]).collect()
+            }
+            Op::ConcatLast => {
+                let (ac, bc) = (*shape(0).last().unwrap(), *shape(1).last().unwrap());
+                (0..node.len()).map(|o| { let (r, c) = (o / (ac + bc), o % (ac + bc)); if c < ac { x(0)[r * ac + c] } else { x(1)[r * bc + c - ac] } }).collect()
+            }
+            Op::BatchMatMul(form) => {
+                let rank = node.shape.len();
+                let (m, n) = (node.shape[rank - 2], node.shape[rank - 1]);
+                let sa = shape(0);
+                let k = if *form == MatmulForm::AtB { sa[rank - 2] } else { sa[rank - 1] };
+                let batch: usize = node.shape[..rank - 2].iter().product();
+                let mut c = vec![0.0; batch * m * n];
+                for bi in 0..batch {
+                    let (a, b) = (&x(0)[bi * m * k..], &x(1)[bi * k * n..]);
+                    for i in 0..m {
+                        for j in 0..n {
+                            for p in 0..k {
+                                let av = if *form == MatmulForm::AtB { a[p * m + i] } else { a[i * k + p] };
+                                let bv = if *form == MatmulForm::ABt { b[j * k + p] } else { b[p * n + j] };
+                                c[bi * m * n + i * n + j] += av * bv;
+                            }
+                        }
+                    }
+                }
+                c
+            }
+            Op::Softmax { causal } => {
+                let cols = *node.shape.last().unwrap();
+                let mut out = x(0).clone();
+                for (r, row) in out.chunks_mut(cols).enumerate() {
+                    let visible = if *causal { r % cols + 1 } else { cols };
+                    let m = row[..visible].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let total: f64 = row[..visible].iter().map(|a| (a - m).exp()).sum();
+                    for (j, v) in row.iter_mut().enumerate() {
+                        *v = if j < visible { (*v - m).exp() / total } else { 0.0 };
+                    }
+                }
+                out
+            }
+            Op::LayerNorm { eps } => {
+                let cols = *node.shape.last().unwrap();
+                let mut out = x(0).clone();
+                for row in out.chunks_mut(cols) {
+                    let mean = row.iter().sum::<f64>() / cols as f64;
+                    let var = row.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / cols as f64;
+                    let rstd = 1.0 / (var + f64::from(*eps)).sqrt();
+                    for (j, v) in row.iter_mut().enumerate() {
+                        *v = (*v - mean) * rstd * x(1)[j] + x(2)[j];
+                    }
+                }
+                out
+            }
+            Op::Embedding => {
+                let c = shape(0)[1];
+                x(1).iter().flat_map(|&id| x(0)[id as usize * c..(id as usize + 1) * c].to_vec()).collect()
+            }
             Op::Scale(alpha) => x(0).iter().map(|a| f64::from(*alpha) * a).collect(),
-            Op::BiasAdd => { let cols = node.shape[1]; x(0).iter().enumerate().map(|(i, a)| a + x(1)[i % cols]).collect() }
+            Op::BiasAdd => { let cols = *node.shape.last().unwrap(); x(0).iter().enumerate().map(|(i, a)| a + x(1)[i % cols]).collect() }
             Op::Activation(act) => x(0).iter().map(|&a| cpu::activation_value(*act, a)).collect(),
             Op::Loss(LossKind::Mse) => vec![x(0).iter().zip(x(1)).map(|(p, t)| (p - t).powi(2)).sum::<f64>() / x(0).len() as f64],
             Op::Loss(LossKind::CrossEntropy) => {
@@ -62,12 +153,35 @@ fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>
                 }
                 vec![total / rows as f64]
             }
-            Op::SumRows => { let s = shape(0); (0..s[1]).map(|c| (0..s[0]).map(|r| x(0)[r * s[1] + c]).sum()).collect() }
+            Op::SumRows => { let cols = *shape(0).last().unwrap(); let rows = x(0).len() / cols; (0..cols).map(|c| (0..rows).map(|r| x(0)[r * cols + c]).sum()).collect() }
             _ => vec![0.0; node.len()], // backward nodes: not needed for the forward value
         };
         v.push(out);
     }
     v
+}
+
+/// Row-major coordinates of flat index `i` in `shape`.
+fn coords(shape: &[usize], mut i: usize) -> Vec<usize> {
+    let mut c = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        c[d] = i % shape[d];
+        i /= shape[d];
+    }
+    c
+}
+
+fn flat(shape: &[usize], coord: &[usize]) -> usize {
+    coord.iter().zip(shape).fold(0, |acc, (&c, &d)| acc * d + c)
+}
+
+/// The element of an operand of shape `operand` that broadcasts to flat
+/// index `o` of `out` (NumPy rules, trailing alignment).
+fn broadcast_source(out: &[usize], operand: &[usize], o: usize) -> usize {
+    let oc = coords(out, o);
+    let skip = out.len() - operand.len();
+    let c: Vec<usize> = operand.iter().enumerate().map(|(d, &n)| if n == 1 { 0 } else { oc[skip + d] }).collect();
+    flat(operand, &c)
 }
 
 /// Checks d loss / d param from the GPU against f64 central differences.
@@ -131,10 +245,14 @@ fn every_op_backward_matches_central_differences() {
         }
         // Binary ops, scale and bias add, each with both operands trainable.
         for op in Binary::ALL {
+            // Division is checked below, with divisors kept away from 0.
+            if op == Binary::Div {
+                continue;
+            }
             let mut g = Graph::new();
             let a = param(&mut g, "a", &[4, 3], 4);
             let b = param(&mut g, "b", &[4, 3], 5);
-            let c = match op { Binary::Add => g.add(a, b)?, Binary::Sub => g.sub(a, b)?, Binary::Mul => g.mul(a, b)? };
+            let c = match op { Binary::Add => g.add(a, b)?, Binary::Sub => g.sub(a, b)?, Binary::Mul => g.mul(a, b)?, Binary::Div => g.div(a, b)? };
             let s = g.scale(c, 0.7)?;
             let bias = param(&mut g, "bias", &[3], 6);
             let y = g.bias_add(s, bias)?;
@@ -160,6 +278,111 @@ fn every_op_backward_matches_central_differences() {
         let labels = g.labels("y", 6)?;
         let loss = g.cross_entropy_loss(logits, labels)?;
         gradcheck(k, "cross_entropy", g, loss, vec![(x, random_vec(&mut rng(11), 24, -2.0, 2.0))], vec![(labels, vec![0, 2, 1, 1, 0, 2])])?;
+        Ok(())
+    });
+}
+
+fn param_in(g: &mut Graph, name: &str, shape: &[usize], seed: u64, low: f32, high: f32) -> Tensor {
+    let n = shape.iter().product();
+    g.parameter(name, shape, random_vec(&mut rng(seed), n, low, high)).unwrap()
+}
+
+/// An MSE loss of `y` against random targets, and its feed.
+fn mse_to_random(g: &mut Graph, y: Tensor, seed: u64) -> wgrad::Result<(Tensor, Vec<(Tensor, Vec<f32>)>)> {
+    let shape = g.shape_of(y).expect("own tensor").to_vec();
+    let n = shape.iter().product();
+    let t = g.input("t", &shape)?;
+    let loss = g.mse_loss(y, t)?;
+    Ok((loss, vec![(t, random_vec(&mut rng(seed), n, -1.0, 1.0))]))
+}
+
+#[test]
+fn tensor_ops_backward_match_central_differences() {
+    for_each_adapter("gradcheck tensors", |k| {
+        // Broadcasting binary ops along trailing dimensions, ranks 3 and 1–2.
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 5], 20);
+        let bias = param(&mut g, "bias", &[5], 21);
+        let col = param(&mut g, "col", &[3, 1], 22);
+        let den = param_in(&mut g, "den", &[1, 5], 23, 1.0, 2.0);
+        let lead = param(&mut g, "lead", &[2, 1, 5], 24);
+        let y = g.add(x, bias)?;
+        let y = g.mul(y, col)?;
+        let y = g.div(y, den)?;
+        let y = g.sub(y, lead)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 25)?;
+        gradcheck(k, "broadcast add/mul/div/sub", g, loss, feeds, vec![])?;
+
+        // exp and rsqrt (rsqrt on positive values).
+        let mut g = Graph::new();
+        let a = param_in(&mut g, "a", &[3, 7], 26, 0.5, 2.0);
+        let e = g.exp(a)?;
+        let r = g.rsqrt(a)?;
+        let y = g.add(e, r)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 27)?;
+        gradcheck(k, "exp/rsqrt", g, loss, feeds, vec![])?;
+
+        // Reshape, permute (rank 4), split and concat along the last axis.
+        let mut g = Graph::new();
+        let p = param(&mut g, "p", &[2, 3, 2, 5], 28);
+        let q = g.permute(p, &[0, 2, 1, 3])?;
+        let q = g.reshape(q, &[4, 15])?;
+        let parts = g.split_last(q, &[2, 13])?;
+        let y = g.concat_last(&[parts[1], parts[0]])?;
+        let y = g.transpose(y, 0, 1)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 29)?;
+        gradcheck(k, "reshape/permute/split/concat", g, loss, feeds, vec![])?;
+
+        // Batched matmul, ranks 3 and 4, every form.
+        for (lead, form) in [(vec![3], MatmulForm::AB), (vec![2, 2], MatmulForm::ABt), (vec![1, 3], MatmulForm::AtB)] {
+            let (m, n, kk) = (3, 5, 4);
+            let (sa, sb) = form.operand_shapes(m, n, kk);
+            let mut g = Graph::new();
+            let a = param(&mut g, "a", &[lead.clone(), sa.to_vec()].concat(), 30);
+            let b = param(&mut g, "b", &[lead.clone(), sb.to_vec()].concat(), 31);
+            let c = g.matmul_form(form, a, b)?;
+            let (loss, feeds) = mse_to_random(&mut g, c, 32)?;
+            gradcheck(k, &format!("batched matmul {form:?} over {lead:?}"), g, loss, feeds, vec![])?;
+        }
+
+        // Softmax, causal over [.., T, T] and plain over odd rows.
+        for (shape, causal) in [(vec![2, 2, 5, 5], true), (vec![3, 7], false)] {
+            let mut g = Graph::new();
+            let s = param_in(&mut g, "s", &shape, 33, -2.0, 2.0);
+            let y = g.softmax(s, causal)?;
+            let (loss, feeds) = mse_to_random(&mut g, y, 34)?;
+            gradcheck(k, &format!("softmax causal={causal}"), g, loss, feeds, vec![])?;
+        }
+
+        // LayerNorm over the last dimension of a rank-3 tensor.
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 7], 35);
+        let w = param_in(&mut g, "w", &[7], 36, 0.5, 1.5);
+        let b = param(&mut g, "b", &[7], 37);
+        let y = g.layer_norm(x, w, b, 1e-5)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 38)?;
+        gradcheck(k, "layer_norm", g, loss, feeds, vec![])?;
+
+        // Embedding with repeated ids, then cross-entropy over rank-3 logits.
+        let mut g = Graph::new();
+        let table = param(&mut g, "wte", &[11, 4], 39);
+        let ids = g.ids("ids", &[2, 5])?;
+        let h = g.embedding(table, ids)?;
+        let w = param(&mut g, "head", &[4, 6], 40);
+        let logits = g.matmul(h, w)?;
+        let targets = g.ids("targets", &[2, 5])?;
+        let loss = g.cross_entropy_loss(logits, targets)?;
+        let feeds_ids = vec![(ids, vec![3, 3, 0, 10, 3, 7, 7, 1, 3, 0]), (targets, vec![0, 5, 2, 2, 1, 3, 4, 0, 5, 1])];
+        gradcheck(k, "embedding + rank-3 cross-entropy", g, loss, vec![], feeds_ids)?;
+
+        // The attention module end to end: two heads over [2, 5, 8].
+        nn::manual_seed(41);
+        let attn = nn::CausalSelfAttention::new(8, 2)?;
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 5, 8], 42);
+        let y = nn::Module::forward(&attn, &mut g, x, "attn.")?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 43)?;
+        gradcheck(k, "CausalSelfAttention", g, loss, feeds, vec![])?;
         Ok(())
     });
 }
@@ -251,7 +474,7 @@ fn the_memory_plan_reuses_intermediate_slots() {
     let model = Sequential::mlp(&[64, 128, 128, 128, 10], Layer::ReLU).unwrap();
     let mut g = Graph::new();
     let x = g.input("x", &[256, 64]).unwrap();
-    let out = model.forward(&mut g, x).unwrap();
+    let out = nn::Module::forward(&model, &mut g, x, "").unwrap();
     let y = g.labels("y", 256).unwrap();
     let loss = g.cross_entropy_loss(out, y).unwrap();
     let grads = g.backward(loss).unwrap();

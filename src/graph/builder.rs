@@ -2,7 +2,7 @@
 //! added, so a bad shape is an `Error` at build time naming the op.
 
 use crate::error::{Error, Result};
-use crate::kernels::{Activation, Binary, MatmulForm};
+use crate::kernels::{Activation, Binary, MatmulForm, Unary};
 
 /// A handle to a node's output. Cheap to copy; only meaningful for the graph
 /// that made it.
@@ -59,6 +59,58 @@ pub enum Op {
     /// inputs (x): adds x into the gradient of a parameter; the result is
     /// that gradient. Emitted by autodiff only.
     AccumulateGrad { param: Tensor },
+    /// The input's elements under a new shape: no kernel, the output shares
+    /// the input's storage.
+    Reshape,
+    /// A copy with axes reordered: output dim i is input dim perm[i].
+    Permute(Vec<usize>),
+    /// Columns `start..start + width` of the last dimension (width is the
+    /// output's last dimension).
+    SliceLast { start: usize },
+    /// The input placed at columns `start..` of a zero tensor (the
+    /// gradient of [`Op::SliceLast`]).
+    PadLast { start: usize },
+    /// inputs (a, b): [.., a_cols] and [.., b_cols] side by side.
+    ConcatLast,
+    /// A matmul per leading index of rank-3/4 operands with equal leading
+    /// dimensions.
+    BatchMatMul(MatmulForm),
+    Unary(Unary),
+    /// Sums the input down to this node's shape (the gradient of a
+    /// broadcast).
+    SumTo,
+    /// Softmax over the last dimension; `causal` masks column j > row i of
+    /// each trailing [T, T] block.
+    Softmax { causal: bool },
+    /// inputs (y, dy) of a softmax.
+    SoftmaxBackward,
+    /// inputs (x, weight, bias): torch.nn.LayerNorm over the last
+    /// dimension. Its dispatch also fills the [`Op::LayerNormStats`] node
+    /// added right after it.
+    LayerNorm { eps: f32 },
+    /// inputs (y of the layernorm): mean[rows], then rstd[rows] at element
+    /// [`stats_offset`]`(rows)`, written by the layernorm's dispatch.
+    LayerNormStats,
+    /// inputs (dy, x, weight, stats) -> dx.
+    LayerNormBackward,
+    /// inputs (dy, x, stats) -> dweight, then dbias at
+    /// [`stats_offset`]`(cols)`.
+    LayerNormParamsBackward,
+    /// inputs (table [V, C], u32 ids [..]) -> [.., C].
+    Embedding,
+    /// inputs (u32 ids): order[n] then cursor[vocab + 1] at
+    /// [`stats_offset`]`(n)`: the positions sorted by id (u32 scratch).
+    EmbeddingSort { vocab: usize },
+    /// inputs (dy, ids, sort) -> the table's gradient, added into the
+    /// parameter's gradient (always computed there).
+    EmbeddingBackward,
+}
+
+/// Where the second part of a node holding two vectors starts (elements):
+/// `len` rounded up to 64 elements = 256 bytes, the largest storage offset
+/// alignment an adapter may require, so each part binds on its own.
+pub fn stats_offset(len: usize) -> usize {
+    len.div_ceil(64) * 64
 }
 
 impl Op {
@@ -83,6 +135,25 @@ impl Op {
             Op::LossBackward(_) => "loss_backward",
             Op::Argmax => "argmax",
             Op::AccumulateGrad { .. } => "accumulate_grad",
+            Op::Binary(Binary::Div) => "div",
+            Op::Reshape => "reshape",
+            Op::Permute(_) => "permute",
+            Op::SliceLast { .. } => "slice",
+            Op::PadLast { .. } => "pad",
+            Op::ConcatLast => "concat",
+            Op::BatchMatMul(_) => "batch_matmul",
+            Op::Unary(Unary::Exp) => "exp",
+            Op::Unary(Unary::Rsqrt) => "rsqrt",
+            Op::SumTo => "sum_to",
+            Op::Softmax { .. } => "softmax",
+            Op::SoftmaxBackward => "softmax_backward",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::LayerNormStats => "layer_norm_stats",
+            Op::LayerNormBackward => "layer_norm_backward",
+            Op::LayerNormParamsBackward => "layer_norm_params_backward",
+            Op::Embedding => "embedding",
+            Op::EmbeddingSort { .. } => "embedding_sort",
+            Op::EmbeddingBackward => "embedding_backward",
         }
     }
 }
@@ -113,11 +184,32 @@ pub struct Graph {
     pub(crate) nodes: Vec<Node>,
 }
 
-fn matrix(op: &'static str, shape: &[usize], all: &[&[usize]]) -> Result<(usize, usize)> {
-    match shape {
-        [r, c] => Ok((*r, *c)),
-        _ => Err(Error::shape(op, "expects 2-D tensors", all)),
+
+/// The largest rank a tensor may have.
+pub const MAX_RANK: usize = 4;
+
+/// A tensor of rank ≥ 2 seen as [rows, last dimension] (row-wise ops,
+/// biases, losses).
+fn rows_cols(op: &'static str, shape: &[usize], all: &[&[usize]]) -> Result<(usize, usize)> {
+    match shape.split_last() {
+        Some((&cols, lead)) if !lead.is_empty() => Ok((lead.iter().product(), cols)),
+        _ => Err(Error::shape(op, "expects a tensor of rank 2 or more", all)),
     }
+}
+
+/// NumPy's broadcast of two shapes aligned at their last dimension, or
+/// None when a pair of dimensions differs and neither is 1.
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let dim = |s: &[usize], i: usize| if i + s.len() >= rank { s[i + s.len() - rank] } else { 1 };
+    (0..rank)
+        .map(|i| match (dim(a, i), dim(b, i)) {
+            (x, y) if x == y => Some(x),
+            (1, y) => Some(y),
+            (x, 1) => Some(x),
+            _ => None,
+        })
+        .collect()
 }
 
 impl Graph {
@@ -197,6 +289,12 @@ impl Graph {
         if shape.is_empty() || shape.contains(&0) {
             return Err(Error::shape(op, "every dimension must be at least 1", &[shape]));
         }
+        if shape.len() > MAX_RANK {
+            return Err(Error::shape(op, format!("tensors have at most {MAX_RANK} dimensions"), &[shape]));
+        }
+        if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).is_none_or(|n| n > u32::MAX as usize) {
+            return Err(Error::shape(op, "more than 2^32 elements", &[shape]));
+        }
         Ok(())
     }
 
@@ -208,8 +306,14 @@ impl Graph {
 
     /// A tensor of u32 class labels fed before each run.
     pub fn labels(&mut self, name: &str, len: usize) -> Result<Tensor> {
-        Self::non_empty("labels", &[len])?;
-        Ok(self.push(Op::Input, vec![], vec![len], DType::U32, name.to_string()))
+        self.ids(name, &[len])
+    }
+
+    /// A u32 input of any shape fed before each run: token ids for an
+    /// embedding, or class labels.
+    pub fn ids(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Self::non_empty("ids", shape)?;
+        Ok(self.push(Op::Input, vec![], shape.to_vec(), DType::U32, name.to_string()))
     }
 
     /// A trainable tensor; `name` is its state_dict key (e.g. `0.weight`).
@@ -232,14 +336,22 @@ impl Graph {
         Ok(self.push(Op::Constant { values }, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
-    /// op(a)·op(b) for a `MatmulForm` (stored shapes as the form says).
+    /// op(a)·op(b) for a `MatmulForm` (stored shapes as the form says):
+    /// 2-D operands, or rank-3/4 operands with equal leading dimensions (a
+    /// product per leading index).
     pub fn matmul_form(&mut self, form: MatmulForm, a: Tensor, b: Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
         self.f32_inputs(OP, &[a, b])?;
         let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
         let all: [&[usize]; 2] = [&sa, &sb];
-        let (ar, ac) = matrix(OP, &sa, &all)?;
-        let (br, bc) = matrix(OP, &sb, &all)?;
+        if sa.len() != sb.len() || !(2..=MAX_RANK).contains(&sa.len()) {
+            return Err(Error::shape(OP, "operands must both be 2-D, or both rank 3 or 4", &all));
+        }
+        let lead = sa.len() - 2;
+        if sa[..lead] != sb[..lead] {
+            return Err(Error::shape(OP, "batched operands must have equal leading dimensions", &all));
+        }
+        let (ar, ac, br, bc) = (sa[lead], sa[lead + 1], sb[lead], sb[lead + 1]);
         let (m, ka, kb, n) = match form {
             MatmulForm::AB => (ar, ac, br, bc),
             MatmulForm::AtB => (ac, ar, br, bc),
@@ -248,34 +360,70 @@ impl Graph {
         if ka != kb {
             return Err(Error::shape(OP, format!("{form:?}: inner dimensions differ ({ka} vs {kb})"), &all));
         }
-        Ok(self.push(Op::MatMul(form), vec![a, b], vec![m, n], DType::F32, format!("{OP}{}", self.nodes.len())))
+        let mut shape = sa[..lead].to_vec();
+        shape.extend([m, n]);
+        let op = if lead == 0 { Op::MatMul(form) } else { Op::BatchMatMul(form) };
+        Ok(self.push(op, vec![a, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
-    /// a·b
+    /// a·b, as torch.matmul for the cases a transformer uses: 2-D by 2-D,
+    /// batched by batched (equal leading dimensions), and [.., K] by a 2-D
+    /// [K, N] (a Linear layer over every position).
     pub fn matmul(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        self.check_handle("matmul", a)?;
+        self.check_handle("matmul", b)?;
+        let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
+        if sa.len() > 2 && sb.len() == 2 {
+            return self.rows_matmul(MatmulForm::AB, a, b);
+        }
         self.matmul_form(MatmulForm::AB, a, b)
     }
 
-    fn same_shape_binary(&mut self, op: Binary, a: Tensor, b: Tensor) -> Result<Tensor> {
+    /// x[.., K] · op(w) for a 2-D w (AB: w is [K, N]; ABt: w is [N, K]),
+    /// done as one 2-D product over all rows: -> [.., N].
+    pub fn rows_matmul(&mut self, form: MatmulForm, x: Tensor, w: Tensor) -> Result<Tensor> {
+        const OP: &str = "matmul";
+        self.f32_inputs(OP, &[x, w])?;
+        let (sx, sw) = (self.shape(x).to_vec(), self.shape(w).to_vec());
+        let (rows, k) = rows_cols(OP, &sx, &[&sx, &sw])?;
+        if sx.len() == 2 {
+            return self.matmul_form(form, x, w);
+        }
+        let flat = self.reshape(x, &[rows, k])?;
+        let y = self.matmul_form(form, flat, w)?;
+        let mut shape = sx[..sx.len() - 1].to_vec();
+        shape.push(self.shape(y)[1]);
+        self.reshape(y, &shape)
+    }
+
+    /// An elementwise op with NumPy broadcasting over trailing dimensions
+    /// (a `[C]` bias over `[B, T, C]`, a `[T, T]` mask over `[B, H, T, T]`).
+    fn broadcast_binary(&mut self, op: Binary, a: Tensor, b: Tensor) -> Result<Tensor> {
         let name = Op::Binary(op).name();
         self.f32_inputs(name, &[a, b])?;
-        if self.shape(a) != self.shape(b) {
-            return Err(Error::shape(name, "operands must have the same shape", &[self.shape(a), self.shape(b)]));
+        let shape = broadcast_shape(self.shape(a), self.shape(b))
+            .ok_or_else(|| Error::shape(name, "shapes do not broadcast (trailing dimensions must be equal or 1)", &[self.shape(a), self.shape(b)]))?;
+        if shape.len() > MAX_RANK {
+            return Err(Error::shape(name, format!("tensors have at most {MAX_RANK} dimensions"), &[self.shape(a), self.shape(b)]));
         }
-        let shape = self.shape(a).to_vec();
         Ok(self.push(Op::Binary(op), vec![a, b], shape, DType::F32, format!("{name}{}", self.nodes.len())))
     }
 
     pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
-        self.same_shape_binary(Binary::Add, a, b)
+        self.broadcast_binary(Binary::Add, a, b)
     }
 
     pub fn sub(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
-        self.same_shape_binary(Binary::Sub, a, b)
+        self.broadcast_binary(Binary::Sub, a, b)
     }
 
     pub fn mul(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
-        self.same_shape_binary(Binary::Mul, a, b)
+        self.broadcast_binary(Binary::Mul, a, b)
+    }
+
+    /// a / b, broadcasting.
+    pub fn div(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        self.broadcast_binary(Binary::Div, a, b)
     }
 
     pub fn scale(&mut self, x: Tensor, alpha: f32) -> Result<Tensor> {
@@ -284,12 +432,12 @@ impl Graph {
         Ok(self.push(Op::Scale(alpha), vec![x], shape, DType::F32, format!("scale{}", self.nodes.len())))
     }
 
-    /// x[rows, cols] + bias[cols], broadcast over rows.
+    /// x[.., cols] + bias[cols], broadcast over every row.
     pub fn bias_add(&mut self, x: Tensor, bias: Tensor) -> Result<Tensor> {
         const OP: &str = "bias_add";
         self.f32_inputs(OP, &[x, bias])?;
         let (sx, sb) = (self.shape(x).to_vec(), self.shape(bias).to_vec());
-        let (_, cols) = matrix(OP, &sx, &[&sx, &sb])?;
+        let (_, cols) = rows_cols(OP, &sx, &[&sx, &sb])?;
         if sb != [cols] {
             return Err(Error::shape(OP, format!("bias must be [{cols}]"), &[&sx, &sb]));
         }
@@ -319,11 +467,11 @@ impl Graph {
         self.activation(Activation::Tanh, x)
     }
 
-    /// Column sums: [rows, cols] -> [cols].
+    /// Column sums: [.., cols] -> [cols].
     pub fn sum_rows(&mut self, x: Tensor) -> Result<Tensor> {
         self.f32_inputs("sum_rows", &[x])?;
         let sx = self.shape(x).to_vec();
-        let (_, cols) = matrix("sum_rows", &sx, &[&sx])?;
+        let (_, cols) = rows_cols("sum_rows", &sx, &[&sx])?;
         Ok(self.push(Op::SumRows, vec![x], vec![cols], DType::F32, format!("sum_rows{}", self.nodes.len())))
     }
 
@@ -349,26 +497,234 @@ impl Graph {
         Ok(self.push(Op::Loss(LossKind::Mse), vec![pred, target], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
-    /// Softmax cross-entropy of logits [rows, classes] against u32 labels
-    /// [rows], mean over rows -> [1].
+    /// Softmax cross-entropy of logits [.., classes] against u32 labels
+    /// [..] (the logits' leading shape), mean over rows -> [1].
     pub fn cross_entropy_loss(&mut self, logits: Tensor, labels: Tensor) -> Result<Tensor> {
         const OP: &str = "cross_entropy_loss";
         self.f32_inputs(OP, &[logits])?;
         self.check_handle(OP, labels)?;
         let (sl, st) = (self.shape(logits).to_vec(), self.shape(labels).to_vec());
-        let (rows, _) = matrix(OP, &sl, &[&sl, &st])?;
-        if self.node(labels).dtype != DType::U32 || st != [rows] {
-            return Err(Error::shape(OP, format!("labels must be u32 class indices of shape [{rows}]"), &[&sl, &st]));
+        let (rows, classes) = rows_cols(OP, &sl, &[&sl, &st])?;
+        if self.node(labels).dtype != DType::U32 || st.iter().product::<usize>() != rows {
+            return Err(Error::shape(OP, format!("labels must be u32 class indices of shape {:?}", &sl[..sl.len() - 1]), &[&sl, &st]));
+        }
+        if sl.len() > 2 {
+            // Rows are rows whatever the leading shape: the 2-D loss serves.
+            let flat_logits = self.reshape(logits, &[rows, classes])?;
+            let flat_labels = self.reshape(labels, &[rows])?;
+            return self.cross_entropy_loss(flat_logits, flat_labels);
         }
         Ok(self.push(Op::Loss(LossKind::CrossEntropy), vec![logits, labels], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
-    /// Index of each row's maximum: [rows, cols] -> u32 [rows].
+    /// Index of each row's maximum: [.., cols] -> u32 [..].
     pub fn argmax(&mut self, x: Tensor) -> Result<Tensor> {
         self.f32_inputs("argmax", &[x])?;
         let sx = self.shape(x).to_vec();
-        let (rows, _) = matrix("argmax", &sx, &[&sx])?;
-        Ok(self.push(Op::Argmax, vec![x], vec![rows], DType::U32, format!("argmax{}", self.nodes.len())))
+        rows_cols("argmax", &sx, &[&sx])?;
+        Ok(self.push(Op::Argmax, vec![x], sx[..sx.len() - 1].to_vec(), DType::U32, format!("argmax{}", self.nodes.len())))
+    }
+
+    /// The same elements under a new shape (same count): no copy.
+    pub fn reshape(&mut self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
+        const OP: &str = "reshape";
+        self.check_handle(OP, x)?;
+        Self::non_empty(OP, shape)?;
+        let sx = self.shape(x).to_vec();
+        if shape.iter().product::<usize>() != sx.iter().product::<usize>() {
+            return Err(Error::shape(OP, "the element count must not change", &[&sx, shape]));
+        }
+        let dtype = self.node(x).dtype;
+        Ok(self.push(Op::Reshape, vec![x], shape.to_vec(), dtype, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Axes reordered (a copy): output dimension i is input dimension perm[i].
+    pub fn permute(&mut self, x: Tensor, perm: &[usize]) -> Result<Tensor> {
+        const OP: &str = "permute";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        let mut seen = vec![false; sx.len()];
+        for &p in perm {
+            if p >= sx.len() || std::mem::replace(&mut seen[p], true) {
+                return Err(Error::shape(OP, format!("{perm:?} is not a permutation of the input's axes"), &[&sx, perm]));
+            }
+        }
+        if perm.len() != sx.len() {
+            return Err(Error::shape(OP, format!("{perm:?} is not a permutation of the input's axes"), &[&sx, perm]));
+        }
+        let shape: Vec<usize> = perm.iter().map(|&p| sx[p]).collect();
+        Ok(self.push(Op::Permute(perm.to_vec()), vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Swaps two axes (a copy).
+    pub fn transpose(&mut self, x: Tensor, dim0: usize, dim1: usize) -> Result<Tensor> {
+        self.check_handle("transpose", x)?;
+        let rank = self.shape(x).len();
+        if dim0 >= rank || dim1 >= rank {
+            return Err(Error::shape("transpose", format!("axes {dim0} and {dim1} of a rank-{rank} tensor"), &[self.shape(x)]));
+        }
+        let mut perm: Vec<usize> = (0..rank).collect();
+        perm.swap(dim0, dim1);
+        self.permute(x, &perm)
+    }
+
+    /// Columns `start..start + width` of the last dimension (a copy).
+    pub fn slice_last(&mut self, x: Tensor, start: usize, width: usize) -> Result<Tensor> {
+        const OP: &str = "slice";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        let (_, cols) = rows_cols(OP, &sx, &[&sx])?;
+        if width == 0 || start.checked_add(width).is_none_or(|end| end > cols) {
+            return Err(Error::shape(OP, format!("columns {start}..{} of {cols}", start.saturating_add(width)), &[&sx]));
+        }
+        let mut shape = sx.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = width;
+        }
+        Ok(self.push(Op::SliceLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Splits the last dimension into pieces of the given widths (q, k and
+    /// v from one projection), like torch.split.
+    pub fn split_last(&mut self, x: Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        self.check_handle("split", x)?;
+        let sx = self.shape(x).to_vec();
+        if widths.iter().sum::<usize>() != sx.last().copied().unwrap_or(0) {
+            return Err(Error::shape("split", format!("widths {widths:?} do not add up to the last dimension"), &[&sx, widths]));
+        }
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&w| {
+                let piece = self.slice_last(x, start, w);
+                start += w;
+                piece
+            })
+            .collect()
+    }
+
+    /// x[.., width] placed at columns `start..` of a zero [.., cols] tensor.
+    pub(crate) fn pad_last(&mut self, x: Tensor, start: usize, cols: usize) -> Result<Tensor> {
+        const OP: &str = "pad";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        let (_, width) = rows_cols(OP, &sx, &[&sx])?;
+        if start.checked_add(width).is_none_or(|end| end > cols) {
+            return Err(Error::shape(OP, format!("columns {start}..{} of {cols}", start + width), &[&sx]));
+        }
+        let mut shape = sx.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = cols;
+        }
+        Ok(self.push(Op::PadLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Tensors side by side along the last dimension (equal leading shapes),
+    /// like torch.cat(.., dim=-1).
+    pub fn concat_last(&mut self, parts: &[Tensor]) -> Result<Tensor> {
+        const OP: &str = "concat";
+        let (&first, rest) = parts.split_first().ok_or_else(|| Error::InvalidArgument { op: OP, reason: "nothing to concatenate".into() })?;
+        self.f32_inputs(OP, parts)?;
+        rest.iter().try_fold(first, |acc, &b| {
+            let (sa, sb) = (self.shape(acc).to_vec(), self.shape(b).to_vec());
+            rows_cols(OP, &sa, &[&sa, &sb])?;
+            rows_cols(OP, &sb, &[&sa, &sb])?;
+            if sa.len() != sb.len() || sa[..sa.len() - 1] != sb[..sb.len() - 1] {
+                return Err(Error::shape(OP, "leading dimensions must be equal", &[&sa, &sb]));
+            }
+            let mut shape = sa.clone();
+            if let Some(last) = shape.last_mut() {
+                *last += sb[sb.len() - 1];
+            }
+            Ok(self.push(Op::ConcatLast, vec![acc, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        })
+    }
+
+    fn unary(&mut self, op: Unary, x: Tensor) -> Result<Tensor> {
+        let name = Op::Unary(op).name();
+        self.f32_inputs(name, &[x])?;
+        let shape = self.shape(x).to_vec();
+        Ok(self.push(Op::Unary(op), vec![x], shape, DType::F32, format!("{name}{}", self.nodes.len())))
+    }
+
+    pub fn exp(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Unary::Exp, x)
+    }
+
+    /// 1 / sqrt(x) (inf at 0, NaN below, as IEEE).
+    pub fn rsqrt(&mut self, x: Tensor) -> Result<Tensor> {
+        self.unary(Unary::Rsqrt, x)
+    }
+
+    /// Sums `x` down to `shape`, a shape `x`'s broadcasts from.
+    pub(crate) fn sum_to(&mut self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
+        const OP: &str = "sum_to";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        if sx == shape {
+            return Ok(x);
+        }
+        if broadcast_shape(&sx, shape).as_deref() != Some(sx.as_slice()) {
+            return Err(Error::shape(OP, "the target does not broadcast to the input", &[&sx, shape]));
+        }
+        Ok(self.push(Op::SumTo, vec![x], shape.to_vec(), DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Softmax over the last dimension. `causal`: scores [.., T, T] where
+    /// query i sees keys 0..=i only (the rest get probability 0).
+    pub fn softmax(&mut self, x: Tensor, causal: bool) -> Result<Tensor> {
+        const OP: &str = "softmax";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        rows_cols(OP, &sx, &[&sx])?;
+        if causal && sx[sx.len() - 2] != sx[sx.len() - 1] {
+            return Err(Error::shape(OP, "a causal mask needs square [.., T, T] scores", &[&sx]));
+        }
+        Ok(self.push(Op::Softmax { causal }, vec![x], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// torch.nn.functional.layer_norm over the last dimension, with
+    /// weight and bias [C].
+    pub fn layer_norm(&mut self, x: Tensor, weight: Tensor, bias: Tensor, eps: f32) -> Result<Tensor> {
+        const OP: &str = "layer_norm";
+        self.f32_inputs(OP, &[x, weight, bias])?;
+        let (sx, sw, sb) = (self.shape(x).to_vec(), self.shape(weight).to_vec(), self.shape(bias).to_vec());
+        let (rows, cols) = rows_cols(OP, &sx, &[&sx, &sw, &sb])?;
+        if sw != [cols] || sb != [cols] {
+            return Err(Error::shape(OP, format!("weight and bias must be [{cols}]"), &[&sx, &sw, &sb]));
+        }
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("eps must be positive and finite, got {eps}") });
+        }
+        let y = self.push(Op::LayerNorm { eps }, vec![x, weight, bias], sx, DType::F32, format!("{OP}{}", self.nodes.len()));
+        let stats_len = stats_offset(rows) + rows;
+        self.push(Op::LayerNormStats, vec![y], vec![stats_len], DType::F32, format!("{OP}{}.stats", y.0));
+        Ok(y)
+    }
+
+    /// Rows of `table` [V, C] picked by u32 `ids` [..] -> [.., C]
+    /// (torch.nn.functional.embedding).
+    pub fn embedding(&mut self, table: Tensor, ids: Tensor) -> Result<Tensor> {
+        const OP: &str = "embedding";
+        self.f32_inputs(OP, &[table])?;
+        self.check_handle(OP, ids)?;
+        let (st, si) = (self.shape(table).to_vec(), self.shape(ids).to_vec());
+        let [_, channels] = st[..] else {
+            return Err(Error::shape(OP, "the table must be [vocab, channels]", &[&st, &si]));
+        };
+        if self.node(ids).dtype != DType::U32 {
+            return Err(Error::shape(OP, "ids must be u32", &[&st, &si]));
+        }
+        let mut shape = si.clone();
+        shape.push(channels);
+        Self::non_empty(OP, &shape)?;
+        Ok(self.push(Op::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// The layernorm-statistics node of layernorm `y`.
+    pub(crate) fn layer_norm_stats(&self, y: Tensor) -> Option<Tensor> {
+        let s = Tensor(y.0 + 1);
+        (self.get(s).is_some_and(|n| n.op == Op::LayerNormStats && n.inputs == [y])).then_some(s)
     }
 
     /// Every parameter, in the order added.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::autodiff::Gradients;
-use super::builder::{DType, Graph, LossKind, Op, Tensor};
+use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
 use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{Activation, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig, View};
@@ -146,7 +146,10 @@ impl Executor {
         for i in 0..exec.graph.len() {
             let needs_kernel = !matches!(exec.plan.storage[i], Storage::Unused)
                 && !exec.plan.fused_away[i]
-                && !matches!(exec.graph.node(Tensor(i)).op, Op::Input | Op::Parameter { .. } | Op::Constant { .. });
+                && !matches!(
+                    exec.graph.node(Tensor(i)).op,
+                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats
+                );
             dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
         }
         exec.dispatches = dispatches;
@@ -255,18 +258,22 @@ impl Executor {
                 let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
                 k.matmul_epilogue(*form, epilogue, out, input(0)?, input(1)?, m, n, kk)
             }
-            Op::Binary(op) => k.binary(*op, out, input(0)?, input(1)?),
+            Op::Binary(op) if shape(0) == shape(1) => k.binary(*op, out, input(0)?, input(1)?),
+            Op::Binary(op) => k.binary_broadcast(*op, out, input(0)?, input(1)?, &shape(0), &shape(1)),
             Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
-            Op::BiasAdd => k.bias_add(out, input(0)?, input(1)?, node.shape[0], node.shape[1]),
+            Op::BiasAdd => {
+                let (rows, cols) = rows_cols(&node.shape);
+                k.bias_add(out, input(0)?, input(1)?, rows, cols)
+            }
             Op::Activation(act) => k.activation_forward(*act, out, input(0)?),
             Op::ActivationBackward(act) => k.activation_backward(*act, out, input(0)?, input(1)?),
             Op::SumRows if self.plan.accumulate[i] => {
-                let s = shape(0);
-                k.sum_rows_accumulate(out, input(0)?, s[0], s[1])
+                let (rows, cols) = rows_cols(&shape(0));
+                k.sum_rows_accumulate(out, input(0)?, rows, cols)
             }
             Op::SumRows => {
-                let s = shape(0);
-                k.sum_rows(out, input(0)?, s[0], s[1])
+                let (rows, cols) = rows_cols(&shape(0));
+                k.sum_rows(out, input(0)?, rows, cols)
             }
             Op::Sum => k.sum(out, input(0)?),
             Op::Mean => k.mean(out, input(0)?),
@@ -292,15 +299,96 @@ impl Executor {
                 k.cross_entropy_backward(out, input(0)?, input(1)?, input(2)?, s[0], s[1])
             }
             Op::Argmax => {
-                let s = shape(0);
-                k.argmax_rows(out, input(0)?, s[0], s[1])
+                let (rows, cols) = rows_cols(&shape(0));
+                k.argmax_rows(out, input(0)?, rows, cols)
             }
             Op::AccumulateGrad { .. } => k.add_assign(out, input(0)?),
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } => Err(Error::InvalidArgument {
+            Op::Permute(perm) => k.permute(out, input(0)?, &shape(0), perm),
+            Op::SliceLast { start } => {
+                let (rows, cols) = rows_cols(&shape(0));
+                k.slice_last(out, input(0)?, rows, cols, *start, node.shape[node.shape.len() - 1])
+            }
+            Op::PadLast { start } => {
+                let (rows, cols) = rows_cols(&node.shape);
+                let width = shape(0)[shape(0).len() - 1];
+                k.pad_last(false, out, input(0)?, rows, cols, *start, width)
+            }
+            Op::ConcatLast => {
+                let (rows, a_cols) = rows_cols(&shape(0));
+                let b_cols = shape(1)[shape(1).len() - 1];
+                k.concat_last(out, input(0)?, input(1)?, rows, a_cols, b_cols)
+            }
+            Op::BatchMatMul(form) => {
+                let a = shape(0);
+                let rank = node.shape.len();
+                let batch = node.shape[..rank - 2].iter().product();
+                let (m, n) = (node.shape[rank - 2], node.shape[rank - 1]);
+                let kk = match form {
+                    MatmulForm::AtB => a[rank - 2],
+                    _ => a[rank - 1],
+                };
+                k.matmul_batched(*form, self.plan.accumulate[i], out, input(0)?, input(1)?, batch, m, n, kk)
+            }
+            Op::Unary(op) => k.unary(*op, out, input(0)?),
+            Op::SumTo => k.reduce_to_shape(false, out, input(0)?, &shape(0), &node.shape),
+            Op::Softmax { causal } => {
+                let (rows, cols) = rows_cols(&node.shape);
+                k.softmax_forward(out, input(0)?, rows, cols, causal.then_some(cols))
+            }
+            Op::SoftmaxBackward => {
+                let (rows, cols) = rows_cols(&node.shape);
+                k.softmax_backward(out, input(0)?, input(1)?, rows, cols)
+            }
+            Op::LayerNorm { eps } => {
+                let (rows, cols) = rows_cols(&node.shape);
+                let stats = self.graph.layer_norm_stats(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
+                let (mean, rstd) = self.halves(stats, rows)?;
+                k.layernorm_forward(out, mean, rstd, input(0)?, input(1)?, input(2)?, rows, cols, *eps)
+            }
+            Op::LayerNormBackward => {
+                let (rows, cols) = rows_cols(&node.shape);
+                let (mean, rstd) = self.halves(reads[3], rows)?;
+                k.layernorm_backward(out, input(0)?, input(1)?, input(2)?, mean, rstd, rows, cols)
+            }
+            Op::LayerNormParamsBackward => {
+                let (rows, cols) = rows_cols(&shape(1));
+                let (mean, rstd) = self.halves(reads[2], rows)?;
+                let (dweight, dbias) = self.halves(Tensor(i), cols)?;
+                k.layernorm_backward_params(dweight, dbias, input(0)?, input(1)?, mean, rstd, rows, cols)
+            }
+            Op::Embedding => {
+                let (vocab, channels) = (shape(0)[0], shape(0)[1]);
+                k.embedding_forward(out, input(0)?, input(1)?, self.graph.node(reads[1]).len(), vocab, channels)
+            }
+            Op::EmbeddingSort { vocab } => {
+                let n = self.graph.node(reads[0]).len();
+                let (order, cursor) = self.halves(Tensor(i), n)?;
+                k.embedding_backward_sort(order, cursor, input(0)?, n, *vocab)
+            }
+            Op::EmbeddingBackward if self.plan.accumulate[i] => {
+                let (vocab, channels) = (node.shape[0], node.shape[1]);
+                let n = self.graph.node(reads[1]).len();
+                let (order, _) = self.halves(reads[2], n)?;
+                k.embedding_backward(out, input(0)?, input(1)?, order, n, vocab, channels)
+            }
+            Op::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
+            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats => Err(Error::InvalidArgument {
                 op: "Executor",
                 reason: format!("`{}` has no kernel", node.name),
             }),
         }
+    }
+
+    /// The two parts of a node holding two vectors of `len` elements, the
+    /// second at [`stats_offset`]`(len)` (layernorm statistics, the
+    /// layernorm parameter gradients, an embedding's sort scratch).
+    fn halves(&self, t: Tensor, len: usize) -> Result<(View<'_>, View<'_>)> {
+        let whole = self.view(t)?;
+        let second = stats_offset(len);
+        if whole.len <= second {
+            return Err(Error::shape("Executor", format!("`{}` is too short to hold two parts of {len}", self.graph.node(t).name), &[&[whole.len]]));
+        }
+        Ok((View { len, ..whole }, View { offset: whole.offset + second as u64 * 4, len: whole.len - second, ..whole }))
     }
 
     /// The activation of an activation (or activation-backward) node.
@@ -397,15 +485,29 @@ impl Executor {
     /// can reach the GPU.
     pub fn set_labels(&self, t: Tensor, labels: &[u32]) -> Result<()> {
         let buf = self.input_storage(t, DType::U32, labels.len())?;
+        // The input itself, or a reshape of it, feeding a loss or a lookup.
+        let reads_t = |u: Tensor| {
+            let mut u = u;
+            while self.graph.node(u).op == Op::Reshape {
+                u = self.graph.node(u).inputs[0];
+            }
+            u == t
+        };
         for node in self.graph.nodes() {
-            if matches!(node.op, Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy)) && node.inputs.get(1) == Some(&t) {
-                let classes = self.graph.shape(node.inputs[0]).get(1).copied().unwrap_or(0);
-                if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
-                    return Err(Error::InvalidArgument {
-                        op: "CrossEntropyLoss",
-                        reason: format!("class {bad} is out of range for {classes} outputs"),
-                    });
+            match node.op {
+                Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) if reads_t(node.inputs[1]) => {
+                    let classes = self.graph.shape(node.inputs[0]).last().copied().unwrap_or(0);
+                    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
+                        return Err(Error::InvalidArgument {
+                            op: "CrossEntropyLoss",
+                            reason: format!("class {bad} is out of range for {classes} outputs"),
+                        });
+                    }
                 }
+                Op::Embedding if reads_t(node.inputs[1]) => {
+                    crate::kernels::check_token_ids("Embedding", labels, self.graph.shape(node.inputs[0])[0])?;
+                }
+                _ => {}
             }
         }
         self.kernels.write(buf.view(), labels)
@@ -628,6 +730,14 @@ impl Executor {
             self.step = s;
         }
         Ok(())
+    }
+}
+
+/// A tensor of rank ≥ 1 as [rows, last dimension].
+fn rows_cols(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&cols, lead)) => (lead.iter().product(), cols),
+        None => (1, 1),
     }
 }
 

@@ -153,6 +153,16 @@ impl Plan {
             roots.extend(g.accumulations().iter().map(|t| t.0));
         }
         roots.retain(|&r| r < count);
+        // A reshape shares its input's storage: the tensor that owns it is
+        // what must live as long as any of its reshapes is read.
+        let mut owner: Vec<usize> = (0..count).collect();
+        for (i, node) in nodes.iter().enumerate() {
+            if node.op == Op::Reshape {
+                owner[i] = owner[node.inputs[0].0];
+            }
+        }
+        let aliased_roots: Vec<usize> = roots.iter().map(|&r| owner[r]).filter(|o| !roots.contains(o)).collect();
+        roots.extend(aliased_roots);
         let mut needed = vec![false; count];
         for &r in &roots {
             needed[r] = true;
@@ -165,6 +175,16 @@ impl Plan {
             if needed[i] {
                 for t in &nodes[i].inputs {
                     needed[t.0] = true;
+                }
+            }
+        }
+        // A layernorm's dispatch always writes its statistics.
+        let mut companion: Vec<Option<usize>> = vec![None; count];
+        for i in 0..count {
+            if matches!(nodes[i].op, Op::LayerNorm { .. }) {
+                if let Some(s) = graph.layer_norm_stats(Tensor(i)) {
+                    companion[i] = Some(s.0);
+                    needed[s.0] |= needed[i];
                 }
             }
         }
@@ -196,10 +216,17 @@ impl Plan {
         }
         let mut accumulate = vec![false; count];
         let mut fused_away = vec![false; count];
-        for &i in order.iter().filter(|_| options.fuse) {
+        for &i in &order {
             if let Op::AccumulateGrad { param } = nodes[i].op {
                 let j = nodes[i].inputs[0].0;
-                let fusable = matches!(nodes[j].op, Op::MatMul(_) | Op::SumRows) && consumers[j] == 1 && !roots.contains(&j);
+                // The embedding backward only adds into its output, so it
+                // is always computed in the gradient arena, fused or not.
+                let op_fuses = match nodes[j].op {
+                    Op::MatMul(_) | Op::SumRows => options.fuse,
+                    Op::EmbeddingBackward => true,
+                    _ => false,
+                };
+                let fusable = op_fuses && consumers[j] == 1 && !roots.contains(&j);
                 if let (true, Storage::Param { offset }) = (fusable, storage[param.0]) {
                     accumulate[j] = true;
                     fused_away[i] = true;
@@ -317,11 +344,11 @@ impl Plan {
         let mut last_use = vec![None::<usize>; count];
         for &i in &order {
             for t in &reads[i] {
-                last_use[t.0] = Some(i);
+                last_use[owner[t.0]] = Some(i);
             }
         }
         for &r in &roots {
-            last_use[r] = Some(usize::MAX);
+            last_use[owner[r]] = Some(usize::MAX);
         }
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
@@ -337,6 +364,9 @@ impl Plan {
                 // Its matmul (or its loss) already placed it.
                 Op::BiasAdd | Op::Activation(_) | Op::ActivationBackward(_) | Op::LossBackward(_) if fused_away[i] => {}
                 Op::Parameter { .. } => {}
+                // Shares its input's storage (set below); the layernorm
+                // placed its statistics.
+                Op::Reshape | Op::LayerNormStats => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
                     inputs += 1;
@@ -362,6 +392,7 @@ impl Plan {
                         owners.push(pre);
                     }
                     owners.extend(loss_with_grad[i]);
+                    owners.extend(companion[i]);
                     for (k, &o) in owners.iter().enumerate() {
                         let len = nodes[o].len();
                         naive += len as u64 * BYTES;
@@ -389,14 +420,23 @@ impl Plan {
                         if k == 0 {
                             storage[i] = Storage::Slot { index: slot };
                         }
-                        if let Some(u) = last_use[o].filter(|&u| u != usize::MAX) {
-                            release_at[u].push(slot);
+                        match last_use[o] {
+                            Some(usize::MAX) => {}
+                            Some(u) => release_at[u].push(slot),
+                            // Written but never read (statistics of an
+                            // inference run): free once the writer ran.
+                            None => release_at[i].push(slot),
                         }
                     }
                 }
             }
             // Inputs of node i whose last use is i may now be overwritten.
             free.extend(release_at[i].drain(..));
+        }
+        for &i in &order {
+            if nodes[i].op == Op::Reshape {
+                storage[i] = storage[owner[i]];
+            }
         }
         let slot_bytes = slot_len.iter().map(|&l| l as u64 * BYTES).sum();
         Plan {

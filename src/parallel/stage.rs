@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::nn::{Criterion, Layer};
+use crate::nn::{Criterion, Layer, Module};
 use crate::trainer::Targets;
 
 /// What ends a stage.

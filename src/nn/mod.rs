@@ -1,6 +1,14 @@
-//! Layers and losses with PyTorch's names, built from graph ops so users
-//! never touch buffers. Initial weights follow PyTorch's defaults and come
-//! from a seeded generator ([`manual_seed`]).
+//! Modules and losses with PyTorch's names, built from graph ops so users
+//! never touch buffers. A [`Module`] declares its parameters under a
+//! hierarchical prefix (`h.0.attn.c_attn.weight`, as a `state_dict` names
+//! them) and adds its forward to a [`Graph`]. Initial weights follow
+//! PyTorch's defaults and come from a seeded generator ([`manual_seed`]).
+
+mod layers;
+mod transformer;
+
+pub use layers::{Embedding, LayerNorm};
+pub use transformer::{Block, CausalSelfAttention, Mlp};
 
 use std::cell::RefCell;
 
@@ -28,6 +36,54 @@ fn uniform(n: usize, bound: f32) -> Vec<f32> {
     })
 }
 
+/// N(0, std²) samples (Box–Muller), like torch.nn.init.normal_.
+fn normal(n: usize, std: f32) -> Vec<f32> {
+    INIT_RNG.with(|r| {
+        let mut rng = r.borrow_mut();
+        let mut out = Vec::with_capacity(n + 1);
+        while out.len() < n {
+            let u1: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+            let u2: f64 = rng.random_range(0.0..1.0);
+            let radius = (-2.0 * u1.ln()).sqrt();
+            let angle = std::f64::consts::TAU * u2;
+            out.push((radius * angle.cos()) as f32 * std);
+            out.push((radius * angle.sin()) as f32 * std);
+        }
+        out.truncate(n);
+        out
+    })
+}
+
+/// A building block of a model, as torch.nn.Module: it adds its forward on
+/// `x` to a graph and declares its parameters there, named `{prefix}{name}`
+/// (a submodule's prefix extends its parent's: `h.0.` + `attn.`).
+pub trait Module {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor>;
+
+    /// (name, shape) of every parameter, relative to this module, in the
+    /// order `forward` declares them.
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)>;
+
+    /// One line naming the module and its sizes; checkpoints store it and
+    /// loading compares it.
+    fn describe(&self) -> String;
+
+    /// Parameter count.
+    fn num_parameters(&self) -> usize {
+        self.named_parameters().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    }
+}
+
+/// Declares a parameter `{prefix}{name}`; `decay: false` keeps it out of
+/// weight decay (biases, norms, embeddings).
+pub(crate) fn parameter(g: &mut Graph, prefix: &str, name: &str, shape: &[usize], init: &[f32], decay: bool) -> Result<Tensor> {
+    let t = g.parameter(&format!("{prefix}{name}"), shape, init.to_vec())?;
+    if !decay {
+        g.exclude_from_weight_decay(t)?;
+    }
+    Ok(t)
+}
+
 /// y = x·Wᵀ + b with W [out_features, in_features], as torch.nn.Linear.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Linear {
@@ -47,12 +103,28 @@ impl Linear {
         Linear { in_features, out_features, weight, bias }
     }
 
-    /// Adds the layer to `g`; parameters are named `{prefix}weight` and `{prefix}bias`.
-    pub fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let w = g.parameter(&format!("{prefix}weight"), &[self.out_features, self.in_features], self.weight.clone())?;
-        let b = g.parameter(&format!("{prefix}bias"), &[self.out_features], self.bias.clone())?;
-        let xw = g.matmul_form(MatmulForm::ABt, x, w)?;
+    /// GPT-2's init: weight N(0, std²), bias zero.
+    pub fn normal(in_features: usize, out_features: usize, std: f32) -> Self {
+        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: vec![0.0; out_features] }
+    }
+}
+
+impl Module for Linear {
+    /// Over the last dimension of x [.., in_features]; parameters are named
+    /// `{prefix}weight` and `{prefix}bias`.
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let w = parameter(g, prefix, "weight", &[self.out_features, self.in_features], &self.weight, true)?;
+        let b = parameter(g, prefix, "bias", &[self.out_features], &self.bias, false)?;
+        let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
         g.bias_add(xw, b)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        vec![("weight".into(), vec![self.out_features, self.in_features]), ("bias".into(), vec![self.out_features])]
+    }
+
+    fn describe(&self) -> String {
+        format!("Linear({}, {})", self.in_features, self.out_features)
     }
 }
 
@@ -67,25 +139,32 @@ pub enum Layer {
     Sigmoid,
 }
 
-impl Layer {
-    fn describe(&self) -> String {
-        match self {
-            Layer::Linear(l) => format!("Linear({}, {})", l.in_features, l.out_features),
-            Layer::ReLU => "ReLU".into(),
-            Layer::GELU => "GELU".into(),
-            Layer::Tanh => "Tanh".into(),
-            Layer::Sigmoid => "Sigmoid".into(),
-        }
-    }
-
-    /// Adds the layer to `g`; a Linear's parameters are named `{prefix}weight`, `{prefix}bias`.
-    pub fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+impl Module for Layer {
+    /// A Linear's parameters are named `{prefix}weight`, `{prefix}bias`.
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         match self {
             Layer::Linear(l) => l.forward(g, x, prefix),
             Layer::ReLU => g.activation(Activation::Relu, x),
             Layer::GELU => g.activation(Activation::Gelu, x),
             Layer::Tanh => g.activation(Activation::Tanh, x),
             Layer::Sigmoid => g.activation(Activation::Sigmoid, x),
+        }
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        match self {
+            Layer::Linear(l) => l.named_parameters(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Layer::Linear(l) => l.describe(),
+            Layer::ReLU => "ReLU".into(),
+            Layer::GELU => "GELU".into(),
+            Layer::Tanh => "Tanh".into(),
+            Layer::Sigmoid => "Sigmoid".into(),
         }
     }
 }
@@ -118,8 +197,9 @@ impl Sequential {
         Ok(Sequential { layers })
     }
 
-    pub fn forward(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
-        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &format!("{i}.")))
+    /// e.g. `Linear(64, 128) ReLU Linear(128, 10)` ([`Module::describe`]).
+    pub fn describe(&self) -> String {
+        Module::describe(self)
     }
 
     /// Input width of the first Linear.
@@ -138,10 +218,6 @@ impl Sequential {
         })
     }
 
-    /// e.g. `Linear(64, 128) ReLU Linear(128, 10)`; stored in checkpoints.
-    pub fn describe(&self) -> String {
-        self.layers.iter().map(Layer::describe).collect::<Vec<_>>().join(" ")
-    }
 
     /// Parses [`Sequential::describe`]'s output (weights are placeholders,
     /// to be loaded from a checkpoint).
@@ -176,6 +252,26 @@ impl Sequential {
             }
         }
         Ok(Sequential { layers })
+    }
+}
+
+impl Module for Sequential {
+    /// Layer i's parameters are named `{prefix}{i}.weight`, `{prefix}{i}.bias`.
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &format!("{prefix}{i}.")))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let mut all = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            all.extend(layer.named_parameters().into_iter().map(|(n, s)| (format!("{i}.{n}"), s)));
+        }
+        all
+    }
+
+    /// e.g. `Linear(64, 128) ReLU Linear(128, 10)`; stored in checkpoints.
+    fn describe(&self) -> String {
+        self.layers.iter().map(Layer::describe).collect::<Vec<_>>().join(" ")
     }
 }
 

@@ -1,0 +1,188 @@
+//! The pieces of a GPT block with GPT-2's parameter names: causal
+//! multi-head self-attention, the MLP, and the pre-norm residual block.
+
+use super::{Layer, LayerNorm, Linear, Module};
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::MatmulForm;
+
+/// Causal multi-head self-attention over x [B, T, C]: one projection to q,
+/// k, v (`c_attn`), softmax(q·kᵀ/√d) with a causal mask per head, and an
+/// output projection (`c_proj`), as nanoGPT's CausalSelfAttention.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CausalSelfAttention {
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub c_attn: Linear,
+    pub c_proj: Linear,
+}
+
+impl CausalSelfAttention {
+    /// PyTorch's default Linear init.
+    pub fn new(n_embd: usize, n_head: usize) -> Result<Self> {
+        Self::check(n_embd, n_head)?;
+        Ok(CausalSelfAttention { n_embd, n_head, c_attn: Linear::new(n_embd, 3 * n_embd), c_proj: Linear::new(n_embd, n_embd) })
+    }
+
+    /// GPT-2's init: N(0, 0.02²) weights, and `proj_std` for the output
+    /// projection (0.02/√(2·layers) in GPT-2).
+    pub fn normal(n_embd: usize, n_head: usize, proj_std: f32) -> Result<Self> {
+        Self::check(n_embd, n_head)?;
+        Ok(CausalSelfAttention {
+            n_embd,
+            n_head,
+            c_attn: Linear::normal(n_embd, 3 * n_embd, 0.02),
+            c_proj: Linear::normal(n_embd, n_embd, proj_std),
+        })
+    }
+
+    fn check(n_embd: usize, n_head: usize) -> Result<()> {
+        if n_head == 0 || n_embd == 0 || n_embd % n_head != 0 {
+            return Err(Error::InvalidArgument {
+                op: "CausalSelfAttention",
+                reason: format!("n_embd {n_embd} must be a positive multiple of n_head {n_head}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Module for CausalSelfAttention {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let [b, t, c] = shape[..] else {
+            return Err(Error::shape("CausalSelfAttention", "expects x [batch, time, channels]", &[&shape]));
+        };
+        if c != self.n_embd {
+            return Err(Error::shape("CausalSelfAttention", format!("expects {} channels", self.n_embd), &[&shape]));
+        }
+        let (h, d) = (self.n_head, c / self.n_head);
+        let qkv = self.c_attn.forward(g, x, &format!("{prefix}c_attn."))?;
+        let parts = g.split_last(qkv, &[c, c, c])?;
+        // [B, T, C] -> [B, H, T, d]
+        let mut heads = Vec::with_capacity(3);
+        for part in parts {
+            let split = g.reshape(part, &[b, t, h, d])?;
+            heads.push(g.permute(split, &[0, 2, 1, 3])?);
+        }
+        let scores = g.matmul_form(MatmulForm::ABt, heads[0], heads[1])?;
+        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
+        let att = g.softmax(scores, true)?;
+        let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
+        let y = g.permute(y, &[0, 2, 1, 3])?;
+        let y = g.reshape(y, &[b, t, c])?;
+        self.c_proj.forward(g, y, &format!("{prefix}c_proj."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        prefixed(&[("c_attn.", &self.c_attn as &dyn Module), ("c_proj.", &self.c_proj)])
+    }
+
+    fn describe(&self) -> String {
+        format!("CausalSelfAttention(n_embd={}, n_head={})", self.n_embd, self.n_head)
+    }
+}
+
+/// The transformer MLP: `c_fc` to 4·C, GELU (tanh), `c_proj` back to C.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mlp {
+    pub c_fc: Linear,
+    pub c_proj: Linear,
+}
+
+impl Mlp {
+    pub fn new(n_embd: usize) -> Self {
+        Mlp { c_fc: Linear::new(n_embd, 4 * n_embd), c_proj: Linear::new(4 * n_embd, n_embd) }
+    }
+
+    /// GPT-2's init (see [`CausalSelfAttention::normal`]).
+    pub fn normal(n_embd: usize, proj_std: f32) -> Self {
+        Mlp { c_fc: Linear::normal(n_embd, 4 * n_embd, 0.02), c_proj: Linear::normal(4 * n_embd, n_embd, proj_std) }
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let hidden = self.c_fc.forward(g, x, &format!("{prefix}c_fc."))?;
+        let hidden = Layer::GELU.forward(g, hidden, prefix)?;
+        self.c_proj.forward(g, hidden, &format!("{prefix}c_proj."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        prefixed(&[("c_fc.", &self.c_fc as &dyn Module), ("c_proj.", &self.c_proj)])
+    }
+
+    fn describe(&self) -> String {
+        format!("Mlp({}, {})", self.c_fc.in_features, self.c_fc.out_features)
+    }
+}
+
+/// A pre-norm GPT block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Without
+/// `attn` it is an MLP-only block (a baseline that cannot look at other
+/// positions).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Block {
+    pub ln_1: LayerNorm,
+    pub attn: Option<CausalSelfAttention>,
+    pub ln_2: LayerNorm,
+    pub mlp: Mlp,
+}
+
+impl Block {
+    pub fn new(n_embd: usize, n_head: usize) -> Result<Self> {
+        Ok(Block { ln_1: LayerNorm::new(n_embd), attn: Some(CausalSelfAttention::new(n_embd, n_head)?), ln_2: LayerNorm::new(n_embd), mlp: Mlp::new(n_embd) })
+    }
+
+    /// GPT-2's init for a model of `n_layer` blocks.
+    pub fn gpt2(n_embd: usize, n_head: usize, n_layer: usize) -> Result<Self> {
+        let proj_std = 0.02 / (2.0 * n_layer.max(1) as f32).sqrt();
+        Ok(Block {
+            ln_1: LayerNorm::new(n_embd),
+            attn: Some(CausalSelfAttention::normal(n_embd, n_head, proj_std)?),
+            ln_2: LayerNorm::new(n_embd),
+            mlp: Mlp::normal(n_embd, proj_std),
+        })
+    }
+
+    /// A block with no attention: each position on its own.
+    pub fn mlp_only(n_embd: usize) -> Self {
+        Block { ln_1: LayerNorm::new(n_embd), attn: None, ln_2: LayerNorm::new(n_embd), mlp: Mlp::new(n_embd) }
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let mut x = x;
+        if let Some(attn) = &self.attn {
+            let normed = self.ln_1.forward(g, x, &format!("{prefix}ln_1."))?;
+            let attended = attn.forward(g, normed, &format!("{prefix}attn."))?;
+            x = g.add(x, attended)?;
+        }
+        let normed = self.ln_2.forward(g, x, &format!("{prefix}ln_2."))?;
+        let transformed = self.mlp.forward(g, normed, &format!("{prefix}mlp."))?;
+        g.add(x, transformed)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let mut parts: Vec<(&str, &dyn Module)> = Vec::new();
+        if let Some(attn) = &self.attn {
+            parts.push(("ln_1.", &self.ln_1));
+            parts.push(("attn.", attn));
+        }
+        parts.push(("ln_2.", &self.ln_2));
+        parts.push(("mlp.", &self.mlp));
+        prefixed(&parts)
+    }
+
+    fn describe(&self) -> String {
+        match &self.attn {
+            Some(a) => format!("Block({}, {})", a.describe(), self.mlp.describe()),
+            None => format!("Block({})", self.mlp.describe()),
+        }
+    }
+}
+
+/// Submodules' parameters under their names.
+pub(crate) fn prefixed(parts: &[(&str, &dyn Module)]) -> Vec<(String, Vec<usize>)> {
+    parts.iter().flat_map(|(p, m)| m.named_parameters().into_iter().map(move |(n, s)| (format!("{p}{n}"), s))).collect()
+}
