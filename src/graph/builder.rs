@@ -71,6 +71,7 @@ impl Op {
             Op::Binary(Binary::Add) => "add",
             Op::Binary(Binary::Sub) => "sub",
             Op::Binary(Binary::Mul) => "mul",
+            Op::Binary(Binary::Div) => "div",
             Op::Scale(_) => "scale",
             Op::BiasAdd => "bias_add",
             Op::Activation(_) => "activation",
