@@ -38,6 +38,12 @@ fn mul_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if i < p.n { out[i] = x[i] * y[i]; }
 }
 
+@compute @workgroup_size(256)
+fn div_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    if i < p.n { out[i] = x[i] / y[i]; }
+}
+
 // out = alpha · x
 @compute @workgroup_size(256)
 fn scale_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {

@@ -5,7 +5,9 @@
 // for the forward pass, (true, false) for dW = Xᵀ·dY, (false, true) for
 // dX = dY·Wᵀ. Each workgroup computes one 64×64 tile of C; tiles are
 // numbered linearly and spread over a 2-D grid so huge matrices never exceed
-// the 65,535 workgroups-per-dimension limit.
+// the 65,535 workgroups-per-dimension limit. A batch of products (the
+// attention's [B·H] matrices) runs as workgroup_id.z: each operand is
+// `batch` contiguous matrices, `p.batch_*` elements apart (see set_batch).
 
 // Only matmul_forward_shared and matmul_forward_register_vec4 read these;
 // the other kernels take the form from the strides in MatmulParams.
@@ -58,6 +60,12 @@ struct MatmulParams {
     sa_k: u32,
     sb_col: u32,
     sb_k: u32,
+    // Elements between consecutive matrices of a batch (m·k, k·n, m·n);
+    // multiplied by workgroup_id.z, which is 0 when the batch is 1.
+    batch_a: u32,
+    batch_b: u32,
+    batch_c: u32,
+    _pad3: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
@@ -72,8 +80,24 @@ struct MatmulParams {
 
 const TILE: u32 = 64u;
 
+// Where this invocation's matrices of the batch start in a, b and c (in
+// f32 elements). Private (per invocation) so write_c, a_at and b_at see
+// them without every store helper taking three more arguments; the
+// kernels fold a_off / b_off into offsets computed once before the k loop.
+var<private> a_off: u32;
+var<private> b_off: u32;
+var<private> c_off: u32;
+
+// Every entry point calls this first with workgroup_id.z.
+fn set_batch(z: u32) {
+    a_off = z * p.batch_a;
+    b_off = z * p.batch_b;
+    c_off = z * p.batch_c;
+}
+
+// pre and act_input are [batch, M, N] like C.
 fn write_c(row: u32, col: u32, product: f32) {
-    let i = row * p.n + col;
+    let i = c_off + row * p.n + col;
     var v = product;
     if HAS_BIAS {
         v += bias[col];
@@ -96,16 +120,16 @@ fn write_c(row: u32, col: u32, product: f32) {
 
 fn a_at(row: u32, kk: u32) -> f32 {
     if TRANS_A {
-        return a[kk * p.m + row];
+        return a[a_off + kk * p.m + row];
     }
-    return a[row * p.k + kk];
+    return a[a_off + row * p.k + kk];
 }
 
 fn b_at(kk: u32, col: u32) -> f32 {
     if TRANS_B {
-        return b[col * p.k + kk];
+        return b[b_off + col * p.k + kk];
     }
-    return b[kk * p.n + col];
+    return b[b_off + kk * p.n + col];
 }
 
 // Small-shape form, for products of at most 2^20 multiply-adds (the Rust
@@ -133,6 +157,7 @@ fn matmul_forward_small(
     if tile >= p.tiles_total {
         return;
     }
+    set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE + lid.y * 8u;
     let col0 = (tile % p.tiles_n) * TILE + lid.x;
     if row0 >= p.m || col0 >= p.n {
@@ -144,10 +169,10 @@ fn matmul_forward_small(
     let sb_k = p.sb_k;
     let last_row = vec4<u32>(p.m - 1u);
     let last_col = vec4<u32>(p.n - 1u);
-    let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * sa_row;
-    let ra_hi = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), last_row) * sa_row;
-    let cb_lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last_col) * sb_col;
-    let cb_hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last_col) * sb_col;
+    let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * sa_row + vec4<u32>(a_off);
+    let ra_hi = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), last_row) * sa_row + vec4<u32>(a_off);
+    let cb_lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last_col) * sb_col + vec4<u32>(b_off);
+    let cb_hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last_col) * sb_col + vec4<u32>(b_off);
     // acc_i[j / 4][j % 4]: row row0 + i, column col0 + 8·j.
     var acc0 = mat2x4<f32>();
     var acc1 = mat2x4<f32>();
@@ -242,6 +267,7 @@ fn matmul_forward_register(
     if tile >= p.tiles_total {
         return;
     }
+    set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE + (lid.x / 4u) * 32u;
     let col0 = (tile % p.tiles_n) * TILE + lid.x % 4u;
     if row0 >= p.m || col0 >= p.n {
@@ -335,8 +361,8 @@ fn matmul_forward_register(
     var acc29: mat4x4<f32>;
     var acc30: mat4x4<f32>;
     var acc31: mat4x4<f32>;
-    var oa = 0u;
-    var ob = 0u;
+    var oa = a_off;
+    var ob = b_off;
     for (var kk = 0u; kk < p.k; kk++) {
         let bm = mat4x4<f32>(
             vec4<f32>(b[cb0 + ob], b[cb1 + ob], b[cb2 + ob], b[cb3 + ob]),
@@ -457,6 +483,7 @@ fn matmul_forward_register_vec4(
     if tile >= p.tiles_total {
         return;
     }
+    set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE + (lid.x / 4u) * 32u;
     let col0 = (tile % p.tiles_n) * TILE + (lid.x % 4u) * 16u;
     if row0 >= p.m || col0 >= p.n {
@@ -465,6 +492,9 @@ fn matmul_forward_register_vec4(
     let m4 = p.m / 4u;
     let n4 = p.n / 4u;
     let k4 = p.k / 4u;
+    // The batch offsets in vec4 units (m, n, k are multiples of 4 here).
+    let a4_off = a_off / 4u;
+    let b4_off = b_off / 4u;
     let last_row = p.m - 1u;
     let last_col = p.n - 1u;
     // op(A) row offsets in vec4 units: row·k4 (AB, ABt: A rows along k), or
@@ -600,8 +630,10 @@ fn matmul_forward_register_vec4(
     var bm2: mat4x4<f32>;
     var bm3: mat4x4<f32>;
     for (var kc = 0u; kc < k4; kc++) {
+        let kca = a4_off + kc;
+        let kcb = b4_off + kc;
         if TRANS_A {
-            let oa = 4u * kc * m4;
+            let oa = a4_off + 4u * kc * m4;
             let a0_0 = a4[oa + 0u * m4 + rg0];
             let a0_1 = a4[oa + 0u * m4 + rg1];
             let a0_2 = a4[oa + 0u * m4 + rg2];
@@ -667,62 +699,62 @@ fn matmul_forward_register_vec4(
             av30 = vec4<f32>(a0_7.z, a1_7.z, a2_7.z, a3_7.z);
             av31 = vec4<f32>(a0_7.w, a1_7.w, a2_7.w, a3_7.w);
         } else {
-            av0 = a4[ra0 + kc];
-            av1 = a4[ra1 + kc];
-            av2 = a4[ra2 + kc];
-            av3 = a4[ra3 + kc];
-            av4 = a4[ra4 + kc];
-            av5 = a4[ra5 + kc];
-            av6 = a4[ra6 + kc];
-            av7 = a4[ra7 + kc];
-            av8 = a4[ra8 + kc];
-            av9 = a4[ra9 + kc];
-            av10 = a4[ra10 + kc];
-            av11 = a4[ra11 + kc];
-            av12 = a4[ra12 + kc];
-            av13 = a4[ra13 + kc];
-            av14 = a4[ra14 + kc];
-            av15 = a4[ra15 + kc];
-            av16 = a4[ra16 + kc];
-            av17 = a4[ra17 + kc];
-            av18 = a4[ra18 + kc];
-            av19 = a4[ra19 + kc];
-            av20 = a4[ra20 + kc];
-            av21 = a4[ra21 + kc];
-            av22 = a4[ra22 + kc];
-            av23 = a4[ra23 + kc];
-            av24 = a4[ra24 + kc];
-            av25 = a4[ra25 + kc];
-            av26 = a4[ra26 + kc];
-            av27 = a4[ra27 + kc];
-            av28 = a4[ra28 + kc];
-            av29 = a4[ra29 + kc];
-            av30 = a4[ra30 + kc];
-            av31 = a4[ra31 + kc];
+            av0 = a4[ra0 + kca];
+            av1 = a4[ra1 + kca];
+            av2 = a4[ra2 + kca];
+            av3 = a4[ra3 + kca];
+            av4 = a4[ra4 + kca];
+            av5 = a4[ra5 + kca];
+            av6 = a4[ra6 + kca];
+            av7 = a4[ra7 + kca];
+            av8 = a4[ra8 + kca];
+            av9 = a4[ra9 + kca];
+            av10 = a4[ra10 + kca];
+            av11 = a4[ra11 + kca];
+            av12 = a4[ra12 + kca];
+            av13 = a4[ra13 + kca];
+            av14 = a4[ra14 + kca];
+            av15 = a4[ra15 + kca];
+            av16 = a4[ra16 + kca];
+            av17 = a4[ra17 + kca];
+            av18 = a4[ra18 + kca];
+            av19 = a4[ra19 + kca];
+            av20 = a4[ra20 + kca];
+            av21 = a4[ra21 + kca];
+            av22 = a4[ra22 + kca];
+            av23 = a4[ra23 + kca];
+            av24 = a4[ra24 + kca];
+            av25 = a4[ra25 + kca];
+            av26 = a4[ra26 + kca];
+            av27 = a4[ra27 + kca];
+            av28 = a4[ra28 + kca];
+            av29 = a4[ra29 + kca];
+            av30 = a4[ra30 + kca];
+            av31 = a4[ra31 + kca];
         }
         if TRANS_B {
-            let bc0 = b4[cb0 + kc];
-            let bc1 = b4[cb1 + kc];
-            let bc2 = b4[cb2 + kc];
-            let bc3 = b4[cb3 + kc];
-            let bc4 = b4[cb4 + kc];
-            let bc5 = b4[cb5 + kc];
-            let bc6 = b4[cb6 + kc];
-            let bc7 = b4[cb7 + kc];
-            let bc8 = b4[cb8 + kc];
-            let bc9 = b4[cb9 + kc];
-            let bc10 = b4[cb10 + kc];
-            let bc11 = b4[cb11 + kc];
-            let bc12 = b4[cb12 + kc];
-            let bc13 = b4[cb13 + kc];
-            let bc14 = b4[cb14 + kc];
-            let bc15 = b4[cb15 + kc];
+            let bc0 = b4[cb0 + kcb];
+            let bc1 = b4[cb1 + kcb];
+            let bc2 = b4[cb2 + kcb];
+            let bc3 = b4[cb3 + kcb];
+            let bc4 = b4[cb4 + kcb];
+            let bc5 = b4[cb5 + kcb];
+            let bc6 = b4[cb6 + kcb];
+            let bc7 = b4[cb7 + kcb];
+            let bc8 = b4[cb8 + kcb];
+            let bc9 = b4[cb9 + kcb];
+            let bc10 = b4[cb10 + kcb];
+            let bc11 = b4[cb11 + kcb];
+            let bc12 = b4[cb12 + kcb];
+            let bc13 = b4[cb13 + kcb];
+            let bc14 = b4[cb14 + kcb];
+            let bc15 = b4[cb15 + kcb];
             bm0 = mat4x4<f32>(vec4<f32>(bc0.x, bc1.x, bc2.x, bc3.x), vec4<f32>(bc4.x, bc5.x, bc6.x, bc7.x), vec4<f32>(bc8.x, bc9.x, bc10.x, bc11.x), vec4<f32>(bc12.x, bc13.x, bc14.x, bc15.x));
             bm1 = mat4x4<f32>(vec4<f32>(bc0.y, bc1.y, bc2.y, bc3.y), vec4<f32>(bc4.y, bc5.y, bc6.y, bc7.y), vec4<f32>(bc8.y, bc9.y, bc10.y, bc11.y), vec4<f32>(bc12.y, bc13.y, bc14.y, bc15.y));
             bm2 = mat4x4<f32>(vec4<f32>(bc0.z, bc1.z, bc2.z, bc3.z), vec4<f32>(bc4.z, bc5.z, bc6.z, bc7.z), vec4<f32>(bc8.z, bc9.z, bc10.z, bc11.z), vec4<f32>(bc12.z, bc13.z, bc14.z, bc15.z));
             bm3 = mat4x4<f32>(vec4<f32>(bc0.w, bc1.w, bc2.w, bc3.w), vec4<f32>(bc4.w, bc5.w, bc6.w, bc7.w), vec4<f32>(bc8.w, bc9.w, bc10.w, bc11.w), vec4<f32>(bc12.w, bc13.w, bc14.w, bc15.w));
         } else {
-            let ob = 4u * kc * n4;
+            let ob = b4_off + 4u * kc * n4;
             bm0 = mat4x4<f32>(b4[ob + 0u * n4 + cg0], b4[ob + 0u * n4 + cg1], b4[ob + 0u * n4 + cg2], b4[ob + 0u * n4 + cg3]);
             bm1 = mat4x4<f32>(b4[ob + 1u * n4 + cg0], b4[ob + 1u * n4 + cg1], b4[ob + 1u * n4 + cg2], b4[ob + 1u * n4 + cg3]);
             bm2 = mat4x4<f32>(b4[ob + 2u * n4 + cg0], b4[ob + 2u * n4 + cg1], b4[ob + 2u * n4 + cg2], b4[ob + 2u * n4 + cg3]);
@@ -815,6 +847,7 @@ fn matmul_forward_shared(
     if tile >= p.tiles_total {
         return;
     }
+    set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE;
     let col0 = (tile % p.tiles_n) * TILE;
     var acc: array<f32, 16>;

@@ -7,7 +7,7 @@
 // appends it to the matmul family's source (matmul.wgsl and the shared
 // activations.wgsl), so the epilogue overrides (ACCUMULATE,
 // HAS_BIAS, ACTIVATION_*, STORE_PRE), the MatmulParams block with its strides,
-// the bindings and write_c are matmul.wgsl's own, and one binding layout
+// the bindings, the batch offsets (set_batch) and write_c are matmul.wgsl's own, and one binding layout
 // and one MatmulEpilogue serve every matmul variant. matmul.wgsl itself
 // never sees a subgroup builtin, so it still validates without SUBGROUP
 // (e.g. on GL).
@@ -43,6 +43,7 @@ fn matmul_subgroup_forward(
     if tile >= p.tiles_total {
         return;
     }
+    set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE;
     let col0 = (tile % p.tiles_n) * TILE + lane;
     let row_own = row0 + LANES * lane;
@@ -134,8 +135,8 @@ fn matmul_subgroup_forward(
     var acc61: mat2x4<f32>;
     var acc62: mat2x4<f32>;
     var acc63: mat2x4<f32>;
-    var oa = 0u;
-    var ob = 0u;
+    var oa = a_off;
+    var ob = b_off;
     for (var kk = 0u; kk < p.k; kk++) {
         let b_lo = vec4<f32>(b[cb0 + ob], b[cb1 + ob], b[cb2 + ob], b[cb3 + ob]);
         let b_hi = vec4<f32>(b[cb4 + ob], b[cb5 + ob], b[cb6 + ob], b[cb7 + ob]);

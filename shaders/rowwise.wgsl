@@ -24,7 +24,9 @@ struct RowParams {
     eps: f32,
     // cross_entropy_rows_forward_backward: dlogits factor (1/rows for a mean).
     scale: f32,
-    _pad0: u32,
+    // layernorm_backward_params: 1 adds into dweight/dbias, 0 overwrites
+    // them (an intermediate that holds stale values).
+    accumulate: u32,
     _pad1: u32,
 }
 
@@ -239,7 +241,7 @@ fn layernorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
-// layernorm_backward_params: dweight[cols] += Σ_r dy·x̂, dbias[cols] += Σ_r dy,
+// layernorm_backward_params: dweight[cols] (+)= Σ_r dy·x̂, dbias[cols] (+)= Σ_r dy,
 // from dy[rows, cols], x[rows, cols], mean[rows], rstd[rows]. Sums over rows
 // cannot come from the one-workgroup-per-row kernel without float atomics,
 // so one invocation per column adds the rows in order (deterministic; reads
@@ -259,8 +261,12 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
         dw += dy[i] * xhat;
         db += dy[i];
     }
-    dweight[c] = dweight[c] + dw;
-    dbias[c] = dbias[c] + db;
+    if q.accumulate != 0u {
+        dw += dweight[c];
+        db += dbias[c];
+    }
+    dweight[c] = dw;
+    dbias[c] = db;
 }
 
 // cross_entropy_rows_forward_backward: logits x[rows, V], targets[rows] (u32)

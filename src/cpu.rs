@@ -3,7 +3,8 @@
 //! so the reference is more accurate than the f32 kernels it checks.
 //! Shapes are row-major and follow the kernels' argument conventions.
 
-use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, SgdConfig};
+use crate::error::{Error, Result};
+use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, MatmulForm, SgdConfig, Unary};
 
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
 pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
@@ -53,11 +54,7 @@ pub fn matmul_epilogue(form: MatmulForm, e: Epilogue<'_>, a: &[f32], b: &[f32], 
 pub fn binary(op: Binary, x: &[f32], y: &[f32]) -> Vec<f32> {
     x.iter()
         .zip(y)
-        .map(|(&a, &b)| match op {
-            Binary::Add => a + b,
-            Binary::Sub => a - b,
-            Binary::Mul => a * b,
-        })
+        .map(|(&a, &b)| op.apply(a, b))
         .collect()
 }
 
@@ -465,4 +462,130 @@ pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usi
         }
     }
     dtable.iter().map(|&v| v as f32).collect()
+}
+
+// Tensor ops (matmul_batched in matmul.wgsl, the rest in tensor.wgsl) on
+// contiguous row-major tensors of rank 1..4. The GPU entries' `accumulate`
+// is "add the returned values into out"; the twins return the values. The
+// broadcasting twins index by coordinates, not by the kernels' strides, and
+// check their shapes (Error::Shape) as the entries do.
+
+/// out[b] = op(a[b])·op(b[b]) for b in 0..batch, each operand `batch`
+/// contiguous matrices stored as `form` says.
+pub fn matmul_batched(form: MatmulForm, a: &[f32], b: &[f32], batch: usize, m: usize, n: usize, k: usize) -> Vec<f32> {
+    (0..batch)
+        .flat_map(|i| matmul(form, &a[i * m * k..(i + 1) * m * k], &b[i * k * n..(i + 1) * k * n], m, n, k))
+        .collect()
+}
+
+/// The row-major coordinates of element `i` of `shape`.
+fn coords(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut c = vec![0; shape.len()];
+    for (axis, &d) in shape.iter().enumerate().rev() {
+        c[axis] = i % d;
+        i /= d;
+    }
+    c
+}
+
+/// Element of `shape` (aligned at the trailing axis with `at`, a
+/// coordinate of a shape of rank ≥ its own) that `at` reads under
+/// broadcasting: coordinate 0 on its size-1 axes.
+fn broadcast_index(shape: &[usize], at: &[usize]) -> usize {
+    let skip = at.len() - shape.len();
+    shape.iter().zip(&at[skip..]).fold(0, |acc, (&d, &c)| acc * d + if d == 1 { 0 } else { c })
+}
+
+fn check_len(op: &'static str, name: &str, data: &[f32], shape: &[usize]) -> Result<()> {
+    if shape.is_empty() || shape.len() > 4 || shape.iter().product::<usize>() != data.len() {
+        return Err(Error::shape(op, format!("{name} has {} elements for a shape {shape:?} (rank 1..=4)", data.len()), &[shape]));
+    }
+    Ok(())
+}
+
+/// Twin of `binary_broadcast`: a ∘ b with NumPy broadcasting; the result
+/// has `ops::broadcast_shape(a_shape, b_shape)`.
+pub fn binary_broadcast(op: Binary, a: &[f32], b: &[f32], a_shape: &[usize], b_shape: &[usize]) -> Result<Vec<f32>> {
+    check_len("binary_broadcast", "a", a, a_shape)?;
+    check_len("binary_broadcast", "b", b, b_shape)?;
+    let out_shape = broadcast_shape(a_shape, b_shape)
+        .ok_or_else(|| Error::shape("binary_broadcast", "shapes do not broadcast", &[a_shape, b_shape]))?;
+    let n: usize = out_shape.iter().product();
+    Ok((0..n)
+        .map(|i| {
+            let at = coords(i, &out_shape);
+            op.apply(a[broadcast_index(a_shape, &at)], b[broadcast_index(b_shape, &at)])
+        })
+        .collect())
+}
+
+/// Twin of `unary` (IEEE at x ≤ 0 for Rsqrt: +inf at 0, NaN below).
+pub fn unary(op: Unary, x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| {
+            let v = f64::from(v);
+            (match op {
+                Unary::Exp => v.exp(),
+                Unary::Rsqrt => 1.0 / v.sqrt(),
+            }) as f32
+        })
+        .collect()
+}
+
+/// Twin of `reduce_to_shape`: x summed (in f64) down to `out_shape`, of
+/// which `x_shape` is a broadcast.
+pub fn reduce_to_shape(x: &[f32], x_shape: &[usize], out_shape: &[usize]) -> Result<Vec<f32>> {
+    check_len("reduce_to_shape", "x", x, x_shape)?;
+    if out_shape.is_empty() || out_shape.len() > 4 || broadcast_shape(x_shape, out_shape).as_deref() != Some(x_shape) {
+        return Err(Error::shape("reduce_to_shape", "x is not a broadcast of out", &[x_shape, out_shape]));
+    }
+    let mut out = vec![0.0f64; out_shape.iter().product()];
+    for (i, &v) in x.iter().enumerate() {
+        out[broadcast_index(out_shape, &coords(i, x_shape))] += f64::from(v);
+    }
+    Ok(out.into_iter().map(|v| v as f32).collect())
+}
+
+/// Twin of `permute`: out has shape[perm[i]] on axis i.
+pub fn permute(x: &[f32], shape: &[usize], perm: &[usize]) -> Result<Vec<f32>> {
+    check_len("permute", "x", x, shape)?;
+    let mut sorted = perm.to_vec();
+    sorted.sort_unstable();
+    if sorted != (0..shape.len()).collect::<Vec<_>>() {
+        return Err(Error::shape("permute", "not a permutation of the axes", &[shape, perm]));
+    }
+    let out_shape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+    Ok((0..x.len())
+        .map(|i| {
+            let at = coords(i, &out_shape);
+            // x's coordinate on axis perm[j] is out's on axis j.
+            let mut xc = vec![0; shape.len()];
+            for (j, &p) in perm.iter().enumerate() {
+                xc[p] = at[j];
+            }
+            x[xc.iter().zip(shape).fold(0, |acc, (&c, &d)| acc * d + c)]
+        })
+        .collect())
+}
+
+/// Twin of `slice_last`: x[rows, cols][:, start..start + width].
+pub fn slice_last(x: &[f32], rows: usize, cols: usize, start: usize, width: usize) -> Vec<f32> {
+    (0..rows).flat_map(|r| x[r * cols + start..r * cols + start + width].iter().copied()).collect()
+}
+
+/// Twin of `pad_last` (not accumulating): x[rows, width] in columns
+/// start..start + width of a zero [rows, cols].
+pub fn pad_last(x: &[f32], rows: usize, cols: usize, start: usize, width: usize) -> Vec<f32> {
+    let mut out = vec![0.0; rows * cols];
+    for r in 0..rows {
+        out[r * cols + start..r * cols + start + width].copy_from_slice(&x[r * width..(r + 1) * width]);
+    }
+    out
+}
+
+/// Twin of `concat_last`: [a | b] row by row.
+pub fn concat_last(a: &[f32], b: &[f32], rows: usize, a_cols: usize, b_cols: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| a[r * a_cols..(r + 1) * a_cols].iter().chain(&b[r * b_cols..(r + 1) * b_cols]).copied())
+        .collect()
 }

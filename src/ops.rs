@@ -63,10 +63,58 @@ pub enum Binary {
     Add,
     Sub,
     Mul,
+    /// IEEE division on the host; on the GPU WGSL's (2.5 ulp where the
+    /// divisor is normal, inf/NaN where the adapter gives them at 0).
+    Div,
 }
 
 impl Binary {
-    pub const ALL: [Binary; 3] = [Binary::Add, Binary::Sub, Binary::Mul];
+    pub const ALL: [Binary; 4] = [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div];
+
+    /// The op's code in shaders/tensor.wgsl (`BIN_*`); tests/tensor.rs
+    /// checks the two agree.
+    pub fn code(self) -> u32 {
+        match self {
+            Binary::Add => 0,
+            Binary::Sub => 1,
+            Binary::Mul => 2,
+            Binary::Div => 3,
+        }
+    }
+
+    /// One element, in f32 as the kernels compute it.
+    pub fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            Binary::Add => a + b,
+            Binary::Sub => a - b,
+            Binary::Mul => a * b,
+            Binary::Div => a / b,
+        }
+    }
+}
+
+/// Elementwise functions without a backward kernel of their own (their
+/// gradients compose from other ops: d exp(x) = exp(x)·dy, d rsqrt(x) =
+/// -0.5·rsqrt(x)³·dy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unary {
+    Exp,
+    /// 1/√x. For x > 0 only is the result specified: WGSL's `inverseSqrt`
+    /// of x ≤ 0 is whatever the adapter gives (IEEE: +inf at +0, NaN below;
+    /// lavapipe and llvmpipe do that). The CPU twin returns IEEE's.
+    Rsqrt,
+}
+
+impl Unary {
+    pub const ALL: [Unary; 2] = [Unary::Exp, Unary::Rsqrt];
+
+    /// The op's code in shaders/tensor.wgsl (`UN_*`).
+    pub fn code(self) -> u32 {
+        match self {
+            Unary::Exp => 0,
+            Unary::Rsqrt => 1,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -200,4 +248,21 @@ impl OptimizerConfig {
             OptimizerConfig::Adam(_) => &["exp_avg", "exp_avg_sq"],
         }
     }
+}
+
+/// The NumPy broadcast of two shapes aligned at their trailing dimension:
+/// each pair of dimensions must be equal or one of them 1. None when they
+/// are incompatible. Shared by the broadcasting kernels, their CPU twins
+/// and the graph's shape inference.
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let at = |s: &[usize], i: usize| if i + s.len() >= rank { s[i + s.len() - rank] } else { 1 };
+    (0..rank)
+        .map(|i| match (at(a, i), at(b, i)) {
+            (x, y) if x == y => Some(x),
+            (1, y) => Some(y),
+            (x, 1) => Some(x),
+            _ => None,
+        })
+        .collect()
 }

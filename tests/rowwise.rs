@@ -142,7 +142,7 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
             let (dx, dw, db) = (k.zeros(rows * cols)?, k.upload(&dw0)?, k.upload(&db0)?);
             k.run(&[
                 &k.layernorm_backward(dx.view(), dy.view(), x.view(), w.view(), mean.view(), rstd.view(), rows, cols)?,
-                &k.layernorm_backward_params(dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?,
+                &k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?,
             ])?;
             let want = cpu::layernorm_backward(&dy_host, &x_host, &w_host, &fwd.mean, &fwd.rstd, rows, cols);
             let what = format!("layernorm_backward {rows}×{cols}");
@@ -370,7 +370,7 @@ fn wrong_shapes_are_errors_naming_the_kernel() {
         assert!(k.layernorm_forward(a, s, s, a, p, p, 2, 3, 1e-5).is_ok());
         assert!(matches!(k.layernorm_forward(a, s, s, a, p, p, 2, 3, f32::NAN), Err(Error::InvalidArgument { .. })));
         assert_eq!(shape_op(k.layernorm_backward(a, a, a, p, p, s, 2, 3)), "layernorm_backward");
-        assert_eq!(shape_op(k.layernorm_backward_params(s, p, a, a, s, s, 2, 3)), "layernorm_backward_params");
+        assert_eq!(shape_op(k.layernorm_backward_params(false, s, p, a, a, s, s, 2, 3)), "layernorm_backward_params");
         assert_eq!(shape_op(k.cross_entropy_rows_forward_backward(s, a, a, p, 2, 3, 0.5)), "cross_entropy_rows_forward_backward");
         assert!(matches!(
             k.cross_entropy_rows_forward_backward(s, a, a, s, 2, 3, f32::INFINITY),

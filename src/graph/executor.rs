@@ -354,7 +354,7 @@ impl Executor {
                 let (rows, cols) = rows_cols(&shape(1));
                 let (mean, rstd) = self.halves(reads[2], rows)?;
                 let (dweight, dbias) = self.halves(Tensor(i), cols)?;
-                k.layernorm_backward_params(dweight, dbias, input(0)?, input(1)?, mean, rstd, rows, cols)
+                k.layernorm_backward_params(false, dweight, dbias, input(0)?, input(1)?, mean, rstd, rows, cols)
             }
             Op::Embedding => {
                 let (vocab, channels) = (shape(0)[0], shape(0)[1]);

@@ -3,7 +3,8 @@
 //!
 //! Backward forms of the linear ops are other forward kernels: for
 //! `out = x + y`, dx = dy and dy_y = dy; for `x - y`, dy_y = scale(dy, -1);
-//! for `x * y`, dx = mul(dy, y); for `alpha * x`, dx = scale(dy, alpha); for
+//! for `x * y`, dx = mul(dy, y); for `x / y`, dx = div(dy, y)
+//! and dy_y = -dx·x/y; for `alpha * x`, dx = scale(dy, alpha); for
 //! bias add, dx = dy and dbias = sum_rows(dy).
 
 use super::registry::*;
@@ -18,6 +19,7 @@ impl Binary {
             Binary::Add => ADD_FORWARD,
             Binary::Sub => SUB_FORWARD,
             Binary::Mul => MUL_FORWARD,
+            Binary::Div => DIV_FORWARD,
         }
     }
 }

@@ -108,6 +108,10 @@ struct MatmulParams {
     sa_k: u32,
     sb_col: u32,
     sb_k: u32,
+    batch_a: u32,
+    batch_b: u32,
+    batch_c: u32,
+    _pad3: u32,
 }
 
 impl Kernels {
@@ -237,7 +241,51 @@ impl Kernels {
         self.matmul_epilogue_with(variant, form, epilogue, c, a, b, m, n, k)
     }
 
-    /// The one place the matmul dispatch is built.
+    /// out[b] = op(a[b])·op(b[b]) for b in 0..batch: each operand is
+    /// `batch` contiguous matrices stored as `form` says (batch strides m·k
+    /// for A, k·n for B, m·n for C). `accumulate` adds into out instead of
+    /// overwriting. The variant is the one [`Kernels::matmul`] picks for one
+    /// m×n×k product; the batch is the grid's z, at most the adapter's
+    /// `max_compute_workgroups_per_dimension`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_batched(
+        &self,
+        form: MatmulForm,
+        accumulate: bool,
+        out: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        let variant = self.matmul_variant_for_shape(form, m, n, k);
+        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        self.matmul_dispatch(variant, form, epilogue, out, a, b, batch, m, n, k)
+    }
+
+    /// [`Kernels::matmul_batched`] with an explicit kernel variant (tests,
+    /// autotuning).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_batched_with(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        accumulate: bool,
+        out: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        self.matmul_dispatch(variant, form, epilogue, out, a, b, batch, m, n, k)
+    }
+
+    /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_epilogue_with(
         &self,
@@ -251,25 +299,47 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
+        self.matmul_dispatch(variant, form, epilogue, c, a, b, 1, m, n, k)
+    }
+
+    /// The one place the matmul dispatch is built; `batch` products of
+    /// m×n×k, contiguous in each operand.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dispatch(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         let kernel = variant.kernel(m, n, k, [&a, &b, &c]);
         let op = kernel.entry;
         // Before anything else, so a missing feature is always reported as
         // Unsupported and never reaches wgpu as a validation error.
         self.require_family(kernel)?;
         let (a_shape, b_shape) = form.operand_shapes(m, n, k);
-        let shapes: [&[usize]; 3] = [&a_shape, &b_shape, &[m, n]];
-        if m == 0 || n == 0 || k == 0 {
-            return Err(Error::shape(op, format!("{form:?}: every dimension must be at least 1"), &shapes));
+        let batched = |s: &[usize]| -> Vec<usize> { if batch == 1 { s.to_vec() } else { [&[batch][..], s].concat() } };
+        let (a_full, b_full, c_full) = (batched(&a_shape), batched(&b_shape), batched(&[m, n]));
+        let shapes: [&[usize]; 3] = [&a_full, &b_full, &c_full];
+        if batch == 0 || m == 0 || n == 0 || k == 0 {
+            return Err(Error::shape(op, format!("{form:?}: every dimension must be at least 1 (batch {batch})"), &shapes));
         }
-        let sizes_ok = m.checked_mul(k) == Some(a.len)
-            && k.checked_mul(n) == Some(b.len)
-            && m.checked_mul(n) == Some(c.len);
+        let len = |x: usize, y: usize| x.checked_mul(y).and_then(|v| v.checked_mul(batch));
+        let sizes_ok = len(m, k) == Some(a.len) && len(k, n) == Some(b.len) && len(m, n) == Some(c.len);
         if !sizes_ok {
+            let want = |x: usize, y: usize| len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string());
+            let of = if batch == 1 { String::new() } else { format!(" batch={batch}") };
             return Err(Error::shape(
                 op,
                 format!(
-                    "{form:?} with m={m} n={n} k={k} needs A, B, C of {}, {}, {} elements; got {}, {}, {}",
-                    m * k, k * n, m * n, a.len, b.len, c.len
+                    "{form:?} with{of} m={m} n={n} k={k} needs A, B, C of {}, {}, {} elements; got {}, {}, {}",
+                    want(m, k), want(k, n), want(m, n), a.len, b.len, c.len
                 ),
                 &shapes,
             ));
@@ -316,6 +386,10 @@ impl Kernels {
             sa_k: dim(op, if trans_a { m } else { 1 })?,
             sb_col: dim(op, if trans_b { k } else { 1 })?,
             sb_k: dim(op, if trans_b { 1 } else { n })?,
+            batch_a: dim(op, m * k)?,
+            batch_b: dim(op, k * n)?,
+            batch_c: dim(op, m * n)?,
+            _pad3: 0,
         };
         let flag = |on: bool| f64::from(u8::from(on));
         // The epilogue overrides first, then the form's for the kernels
@@ -335,7 +409,17 @@ impl Kernels {
         // unused `pre` holds C itself (a writable slot may not share a buffer
         // with a read-only one), which the kernel never writes through it.
         let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
-        self.prepare(
+        // Tiles of one product over x and y, the batch over z.
+        let [x, y, _] = self.grid(op, tiles_total as u64)?;
+        let max_z = self.device().limits().max_compute_workgroups_per_dimension;
+        let z = u32::try_from(batch).ok().filter(|&z| z <= max_z).ok_or_else(|| {
+            Error::shape(
+                op,
+                format!("a batch of {batch} products is over this adapter's max_compute_workgroups_per_dimension ({max_z}); split the batch"),
+                &shapes,
+            )
+        })?;
+        self.prepare_grid(
             kernel,
             constants,
             &[
@@ -348,7 +432,7 @@ impl Kernels {
             ],
             3,
             &params,
-            tiles_total as u64,
+            [x, y, z],
         )
     }
 }

@@ -16,13 +16,14 @@ mod optim;
 mod reduce;
 pub mod registry;
 mod rowwise;
+mod tensor;
 
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::check_token_ids;
 
@@ -354,6 +355,35 @@ impl Kernels {
             self.check_binding(kernel.entry, b)?;
         }
         let workgroups = self.grid(kernel.entry, groups)?;
+        self.build_dispatch(kernel, constants, bindings, params_slot, params, workgroups)
+    }
+
+    /// [`Kernels::prepare`] with the workgroup grid given (a batched kernel's
+    /// z); the caller has checked it against the adapter's limits.
+    pub(crate) fn prepare_grid<P: bytemuck::Pod>(
+        &self,
+        kernel: Kernel,
+        constants: &[(&'static str, f64)],
+        bindings: &[Binding<'_>],
+        params_slot: u32,
+        params: &P,
+        workgroups: [u32; 3],
+    ) -> Result<Dispatch> {
+        for b in bindings {
+            self.check_binding(kernel.entry, b)?;
+        }
+        self.build_dispatch(kernel, constants, bindings, params_slot, params, workgroups)
+    }
+
+    fn build_dispatch<P: bytemuck::Pod>(
+        &self,
+        kernel: Kernel,
+        constants: &[(&'static str, f64)],
+        bindings: &[Binding<'_>],
+        params_slot: u32,
+        params: &P,
+        workgroups: [u32; 3],
+    ) -> Result<Dispatch> {
         let pipeline = self.pipeline(kernel, constants)?;
         let device = self.device.wgpu_device();
         self.buffers.fetch_add(1, Ordering::Relaxed);

@@ -60,10 +60,14 @@ pub enum Family {
     /// One workgroup per row: softmax, layernorm, cross-entropy over long
     /// rows, embedding lookup.
     Rowwise,
+    /// Rank-1..4 layout ops, one invocation per output element:
+    /// broadcasting binary ops, unary ops, reduction to a broadcast
+    /// operand's shape, permute, and slice / pad / concat of the last axis.
+    Tensor,
 }
 
 impl Family {
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -72,6 +76,7 @@ impl Family {
         Family::MatmulF16,
         Family::MatmulSubgroup,
         Family::Rowwise,
+        Family::Tensor,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -106,7 +111,7 @@ impl Family {
         match self {
             Family::Matmul => &[Shared::Activations],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
-            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise => &[Shared::Common],
+            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor => &[Shared::Common],
             Family::MatmulSubgroup => &[],
         }
     }
@@ -121,6 +126,7 @@ impl Family {
             Family::MatmulF16 => "matmul_f16.wgsl",
             Family::MatmulSubgroup => "matmul_subgroup.wgsl",
             Family::Rowwise => "rowwise.wgsl",
+            Family::Tensor => "tensor.wgsl",
         }
     }
 
@@ -136,6 +142,7 @@ impl Family {
             Family::MatmulF16 => wgsl!("matmul_f16.wgsl"),
             Family::MatmulSubgroup => wgsl!("matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl"),
+            Family::Tensor => wgsl!("tensor.wgsl"),
         }
     }
 
@@ -152,6 +159,7 @@ impl Family {
             Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl"),
             Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
+            Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
         }
     }
 }
@@ -175,6 +183,7 @@ pub const MATMUL_FORWARD_SMALL: Kernel = kernel(Family::Matmul, "matmul_forward_
 pub const ADD_FORWARD: Kernel = kernel(Family::Elementwise, "add_forward");
 pub const SUB_FORWARD: Kernel = kernel(Family::Elementwise, "sub_forward");
 pub const MUL_FORWARD: Kernel = kernel(Family::Elementwise, "mul_forward");
+pub const DIV_FORWARD: Kernel = kernel(Family::Elementwise, "div_forward");
 pub const SCALE_FORWARD: Kernel = kernel(Family::Elementwise, "scale_forward");
 pub const ADD_ASSIGN: Kernel = kernel(Family::Elementwise, "add_assign");
 pub const BIAS_ADD_FORWARD: Kernel = kernel(Family::Elementwise, "bias_add_forward");
@@ -221,6 +230,14 @@ pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward
 pub const EMBEDDING_BACKWARD_SORT: Kernel = kernel(Family::Rowwise, "embedding_backward_sort");
 pub const EMBEDDING_BACKWARD: Kernel = kernel(Family::Rowwise, "embedding_backward");
 
+pub const BINARY_BROADCAST_FORWARD: Kernel = kernel(Family::Tensor, "binary_broadcast_forward");
+pub const UNARY_FORWARD: Kernel = kernel(Family::Tensor, "unary_forward");
+pub const REDUCE_TO_SHAPE_FORWARD: Kernel = kernel(Family::Tensor, "reduce_to_shape_forward");
+pub const PERMUTE_FORWARD: Kernel = kernel(Family::Tensor, "permute_forward");
+pub const SLICE_LAST_FORWARD: Kernel = kernel(Family::Tensor, "slice_last_forward");
+pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
+pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -230,6 +247,7 @@ pub const KERNELS: &[Kernel] = &[
     ADD_FORWARD,
     SUB_FORWARD,
     MUL_FORWARD,
+    DIV_FORWARD,
     SCALE_FORWARD,
     ADD_ASSIGN,
     BIAS_ADD_FORWARD,
@@ -270,4 +288,11 @@ pub const KERNELS: &[Kernel] = &[
     EMBEDDING_FORWARD,
     EMBEDDING_BACKWARD_SORT,
     EMBEDDING_BACKWARD,
+    BINARY_BROADCAST_FORWARD,
+    UNARY_FORWARD,
+    REDUCE_TO_SHAPE_FORWARD,
+    PERMUTE_FORWARD,
+    SLICE_LAST_FORWARD,
+    PAD_LAST_FORWARD,
+    CONCAT_LAST_FORWARD,
 ];

@@ -20,12 +20,13 @@ struct RowParams {
     vocab: u32,
     eps: f32,
     scale: f32,
-    _pad: [u32; 2],
+    accumulate: u32,
+    _pad: u32,
 }
 
 impl RowParams {
     fn new(op: &'static str, rows: usize, cols: usize) -> Result<Self> {
-        Ok(RowParams { rows: dim(op, rows)?, cols: dim(op, cols)?, causal: 0, vocab: 0, eps: 0.0, scale: 0.0, _pad: [0; 2] })
+        Ok(RowParams { rows: dim(op, rows)?, cols: dim(op, cols)?, causal: 0, vocab: 0, eps: 0.0, scale: 0.0, accumulate: 0, _pad: 0 })
     }
 }
 
@@ -210,12 +211,13 @@ impl Kernels {
         )
     }
 
-    /// dweight[cols] += Σ_r dy · x̂ and dbias[cols] += Σ_r dy, with
-    /// x̂ = (x − mean)·rstd: one invocation per column adds the rows in
-    /// order, so the result is deterministic.
+    /// dweight[cols] = Σ_r dy · x̂ and dbias[cols] = Σ_r dy, with
+    /// x̂ = (x − mean)·rstd, or `+=` both when `accumulate`: one invocation
+    /// per column adds the rows in order, so the result is deterministic.
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_backward_params(
         &self,
+        accumulate: bool,
         dweight: View<'_>,
         dbias: View<'_>,
         dy: View<'_>,
@@ -239,7 +241,7 @@ impl Kernels {
                 ("rstd", rstd.len, Some(rows)),
             ],
         )?;
-        let params = RowParams::new(op, rows, cols)?;
+        let params = RowParams { accumulate: u32::from(accumulate), ..RowParams::new(op, rows, cols)? };
         self.prepare(
             LAYERNORM_BACKWARD_PARAMS,
             &[],
