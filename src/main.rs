@@ -545,7 +545,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
         ));
     }
     println!("adapter: {}", kernels.device().label());
-    println!("model: {} (step {})", predictor.model().describe(), ckpt.meta("step").unwrap_or("?"));
+    println!("model: {} (step {})", predictor.model_description(), ckpt.meta("step").unwrap_or("?"));
     let predicting = spinner("predicting (a first run on this adapter compiles kernels)");
     let predictions = predictor.predict(test_set.x())?;
     predicting.finish_and_clear();

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, PlanOptions, Tensor};
+use crate::graph::{DType, Executor, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{Criterion, Module, Sequential};
 use crate::optim;
@@ -48,7 +48,9 @@ pub struct Trainer {
     loss: Tensor,
     prediction: Tensor,
     batch_size: usize,
+    /// Input values per example (features, or token ids of a sequence).
     in_features: usize,
+    /// Output values per example.
     out_features: usize,
     criterion: Criterion,
     model_description: String,
@@ -59,11 +61,22 @@ pub struct Trainer {
     backward_done: bool,
 }
 
-fn widths(model: &Sequential) -> Result<(usize, usize)> {
-    match (model.in_features(), model.out_features()) {
-        (Some(i), Some(o)) => Ok((i, o)),
-        _ => Err(Error::InvalidArgument { op: "Trainer::new", reason: "the model has no Linear layer".into() }),
+/// The model's input, output and its per-example widths.
+struct Built {
+    input: Tensor,
+    output: Tensor,
+    in_per_example: usize,
+    out_per_example: usize,
+}
+
+fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+    if batch_size == 0 {
+        return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
     }
+    let input = model.input(g, batch_size)?;
+    let output = model.forward(g, input, "")?;
+    let len = |t: Tensor| g.shape_of(t).map_or(0, |s| s.iter().product::<usize>());
+    Ok(Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size })
 }
 
 impl Trainer {
@@ -71,7 +84,7 @@ impl Trainer {
     /// optimizer update, plans memory and allocates everything once.
     pub fn new(
         kernels: Arc<Kernels>,
-        model: &Sequential,
+        model: &dyn Module,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         batch_size: usize,
@@ -83,7 +96,7 @@ impl Trainer {
     /// one-dispatch-per-node reference the fused step is tested against).
     pub fn with_options(
         kernels: Arc<Kernels>,
-        model: &Sequential,
+        model: &dyn Module,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         batch_size: usize,
@@ -91,20 +104,10 @@ impl Trainer {
     ) -> Result<Self> {
         let criterion = criterion.into();
         let optimizer = optimizer.into();
-        let (in_features, out_features) = widths(model)?;
         let mut g = Graph::new();
-        let input = g.input("input", &[batch_size, in_features])?;
-        let output = model.forward(&mut g, input, "")?;
-        let (target, loss) = match criterion {
-            Criterion::Mse => {
-                let t = g.input("target", &[batch_size, out_features])?;
-                (t, g.mse_loss(output, t)?)
-            }
-            Criterion::CrossEntropy => {
-                let t = g.labels("target", batch_size)?;
-                (t, g.cross_entropy_loss(output, t)?)
-            }
-        };
+        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
+        let target = criterion.targets(&mut g, output)?;
+        let loss = criterion.loss(&mut g, output, target)?;
         let prediction = g.argmax(output)?;
         let grads = g.backward(loss)?;
         let exec = Executor::with_options(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer), options)?;
@@ -153,6 +156,14 @@ impl Trainer {
     /// Sets the batch, [batch_size, in_features] row-major (`model(x)`).
     pub fn forward(&mut self, x: &[f32]) -> Result<()> {
         self.exec.set_input(self.input, x)?;
+        self.forward_done = true;
+        Ok(())
+    }
+
+    /// Sets a batch of token ids, [batch_size, sequence] row-major, for a
+    /// model whose input is u32 ids (`model(idx)`).
+    pub fn forward_ids(&mut self, ids: &[u32]) -> Result<()> {
+        self.exec.set_labels(self.input, ids)?;
         self.forward_done = true;
         Ok(())
     }
@@ -243,6 +254,12 @@ impl Trainer {
         chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
     }
 
+    /// The argmax over the last output dimension for every position of
+    /// every sequence of token `ids` (run in batch-sized chunks).
+    pub fn predict_ids(&mut self, ids: &[u32]) -> Result<Vec<u32>> {
+        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), ids)
+    }
+
     /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
     /// and metadata (model, optimizer, criterion, step).
     pub fn checkpoint(&self) -> Result<Checkpoint> {
@@ -301,27 +318,32 @@ impl Trainer {
     }
 }
 
-/// Runs `run_chunk` over batch-sized chunks of `features` (the last one
+/// Runs `run_chunk` over batch-sized chunks of `examples` (the last one
 /// zero-padded) and concatenates what it returns for the real rows.
-fn in_chunks<T>(
+fn in_chunks<T: bytemuck::Pod + Default, R>(
     exec: &mut Executor,
     input: Tensor,
     batch_size: usize,
     in_features: usize,
-    features: &[f32],
-    mut run_chunk: impl FnMut(&mut Executor, usize) -> Result<Vec<T>>,
-) -> Result<Vec<T>> {
-    if features.is_empty() || features.len() % in_features != 0 {
-        return Err(Error::shape("predict", format!("features must be rows × {in_features}"), &[&[features.len()]]));
+    examples: &[T],
+    mut run_chunk: impl FnMut(&mut Executor, usize) -> Result<Vec<R>>,
+) -> Result<Vec<R>> {
+    if examples.is_empty() || examples.len() % in_features != 0 {
+        return Err(Error::shape("predict", format!("inputs must be rows × {in_features}"), &[&[examples.len()]]));
     }
-    let rows = features.len() / in_features;
+    let rows = examples.len() / in_features;
     let mut out = Vec::with_capacity(rows);
-    let mut chunk = vec![0.0f32; batch_size * in_features];
+    let mut chunk = vec![T::default(); batch_size * in_features];
+    let is_ids = exec.graph().get(input).is_some_and(|n| n.dtype == DType::U32);
     for start in (0..rows).step_by(batch_size) {
         let n = (rows - start).min(batch_size);
-        chunk.fill(0.0);
-        chunk[..n * in_features].copy_from_slice(&features[start * in_features..(start + n) * in_features]);
-        exec.set_input(input, &chunk)?;
+        chunk.fill(T::default());
+        chunk[..n * in_features].copy_from_slice(&examples[start * in_features..(start + n) * in_features]);
+        if is_ids {
+            exec.set_labels(input, bytemuck::cast_slice(&chunk))?;
+        } else {
+            exec.set_input(input, bytemuck::cast_slice(&chunk))?;
+        }
         out.extend(run_chunk(exec, n)?);
     }
     Ok(out)
@@ -335,11 +357,12 @@ fn chunked_outputs(exec: &mut Executor, (input, output): (Tensor, Tensor), (batc
     })
 }
 
-/// The argmax node's value for every row of `features`, batch by batch.
-fn chunked_predictions(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), features: &[f32]) -> Result<Vec<u32>> {
-    in_chunks(exec, input, batch, in_features, features, |exec, n| {
+/// The argmax node's values for every example, batch by batch.
+fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), examples: &[T]) -> Result<Vec<u32>> {
+    let per_example = exec.graph().get(prediction).map_or(0, |n| n.len()) / batch.max(1);
+    in_chunks(exec, input, batch, in_features, examples, |exec, n| {
         exec.run(&[prediction])?;
-        Ok(exec.read_u32(prediction)?[..n].to_vec())
+        Ok(exec.read_u32(prediction)?[..n * per_example].to_vec())
     })
 }
 
@@ -372,18 +395,16 @@ pub struct Predictor {
     batch_size: usize,
     in_features: usize,
     out_features: usize,
-    model: Sequential,
+    model_description: String,
 }
 
 impl Predictor {
-    pub fn new(kernels: Arc<Kernels>, model: &Sequential, batch_size: usize) -> Result<Self> {
-        let (in_features, out_features) = widths(model)?;
+    pub fn new(kernels: Arc<Kernels>, model: &dyn Module, batch_size: usize) -> Result<Self> {
         let mut g = Graph::new();
-        let input = g.input("input", &[batch_size, in_features])?;
-        let output = model.forward(&mut g, input, "")?;
+        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
         let prediction = g.argmax(output)?;
         let exec = Executor::new(kernels, g, &[output, prediction], None, None)?;
-        Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model: model.clone() })
+        Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model_description: model.describe() })
     }
 
     /// Rebuilds the model described in a checkpoint and loads its weights.
@@ -401,8 +422,9 @@ impl Predictor {
         Ok((predictor, ckpt))
     }
 
-    pub fn model(&self) -> &Sequential {
-        &self.model
+    /// The model's [`Module::describe`] line.
+    pub fn model_description(&self) -> &str {
+        &self.model_description
     }
 
     pub fn executor(&self) -> &Executor {
@@ -419,6 +441,11 @@ impl Predictor {
 
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
         chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
+    }
+
+    /// See [`Trainer::predict_ids`].
+    pub fn predict_ids(&mut self, ids: &[u32]) -> Result<Vec<u32>> {
+        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), ids)
     }
 }
 

@@ -68,6 +68,14 @@ pub trait Module {
     /// loading compares it.
     fn describe(&self) -> String;
 
+    /// Declares the input a whole model reads for `batch` examples: f32
+    /// features for an MLP, u32 token ids ([`Graph::ids`]) for a language
+    /// model. Trainer and Predictor call it; parts of a model need not.
+    fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
+        let _ = (g, batch);
+        Err(Error::InvalidArgument { op: "Module::input", reason: format!("`{}` does not declare its input: it is not a whole model", self.describe()) })
+    }
+
     /// Parameter count.
     fn num_parameters(&self) -> usize {
         self.named_parameters().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
@@ -269,6 +277,12 @@ impl Module for Sequential {
         all
     }
 
+    /// f32 features [batch, in_features of the first Linear].
+    fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
+        let width = self.in_features().ok_or_else(|| Error::InvalidArgument { op: "Sequential", reason: "the model has no Linear layer".into() })?;
+        g.input("input", &[batch, width])
+    }
+
     /// e.g. `Linear(64, 128) ReLU Linear(128, 10)`; stored in checkpoints.
     fn describe(&self) -> String {
         self.layers.iter().map(Layer::describe).collect::<Vec<_>>().join(" ")
@@ -288,6 +302,26 @@ pub struct CrossEntropyLoss;
 pub enum Criterion {
     Mse,
     CrossEntropy,
+}
+
+impl Criterion {
+    /// Declares the targets input this loss compares `output` with: f32
+    /// values of the output's shape, or u32 classes of its leading shape.
+    pub fn targets(&self, g: &mut Graph, output: Tensor) -> Result<Tensor> {
+        let shape = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
+        match self {
+            Criterion::Mse => g.input("target", &shape),
+            Criterion::CrossEntropy => g.ids("target", &shape[..shape.len().saturating_sub(1)]),
+        }
+    }
+
+    /// The scalar loss of `output` against `targets`.
+    pub fn loss(&self, g: &mut Graph, output: Tensor, targets: Tensor) -> Result<Tensor> {
+        match self {
+            Criterion::Mse => g.mse_loss(output, targets),
+            Criterion::CrossEntropy => g.cross_entropy_loss(output, targets),
+        }
+    }
 }
 
 impl From<MSELoss> for Criterion {
