@@ -111,6 +111,8 @@ impl Node {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     pub(crate) nodes: Vec<Node>,
+    /// Parameters the optimizer applies no weight decay to (sorted).
+    no_weight_decay: Vec<Tensor>,
 }
 
 fn matrix(op: &'static str, shape: &[usize], all: &[&[usize]]) -> Result<(usize, usize)> {
@@ -382,5 +384,28 @@ impl Graph {
     /// Every input (data fed per run), in the order added.
     pub fn inputs(&self) -> Vec<Tensor> {
         (0..self.nodes.len()).filter(|&i| self.nodes[i].op == Op::Input).map(Tensor).collect()
+    }
+
+    /// Puts `param` in the group without weight decay (biases, norm gains,
+    /// embeddings, as nanoGPT's `configure_optimizers` does). Every optimizer
+    /// honours it; the executor lays decayed parameters out first so the
+    /// update needs only the boundary.
+    pub fn exclude_from_weight_decay(&mut self, param: Tensor) -> Result<()> {
+        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Parameter { .. })) {
+            return Err(Error::InvalidArgument {
+                op: "exclude_from_weight_decay",
+                reason: format!("tensor #{} is not a parameter of this graph", param.0),
+            });
+        }
+        if let Err(at) = self.no_weight_decay.binary_search(&param) {
+            self.no_weight_decay.insert(at, param);
+        }
+        Ok(())
+    }
+
+    /// Whether the optimizer's weight decay applies to `param` (true unless
+    /// excluded by [`Graph::exclude_from_weight_decay`]).
+    pub fn weight_decay_applies(&self, param: Tensor) -> bool {
+        self.no_weight_decay.binary_search(&param).is_err()
     }
 }

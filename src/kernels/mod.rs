@@ -20,9 +20,10 @@ mod rowwise;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
+pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+pub use crate::ops::{Activation, AdamConfig, Binary, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig};
 pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::check_token_ids;
 
