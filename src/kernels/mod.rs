@@ -396,8 +396,9 @@ impl Kernels {
         })
     }
 
-    /// Rewrites a dispatch's parameter block (same type it was built with),
-    /// e.g. the step-dependent scalars of an optimizer update.
+    /// Rewrites a dispatch's parameter block (the type it was built with, or
+    /// a prefix of it: the bytes past `params` stay), e.g. the
+    /// step-dependent scalars of an optimizer update.
     pub(crate) fn rewrite_params<P: bytemuck::Pod>(&self, dispatch: &Dispatch, params: &P) {
         let _gl = self.device.lock_gl();
         self.device
