@@ -3,7 +3,13 @@
 //   sgd_update:   param[n], grad[n], momentum_buf[n]
 //   adam_update:  param[n], grad[n], exp_avg[n], exp_avg_sq[n]  (L2 weight decay)
 //   adamw_update: same buffers                                   (decoupled weight decay)
-// Step-dependent scalars (bias corrections) are computed on the host in f64.
+// Step-dependent scalars (bias corrections, the scheduled lr) are computed on
+// the host in f64. Weight decay applies to elements below `decay_end` only
+// (the executor lays the decayed parameter group out first). With `clip` set
+// the gradients are scaled by grad_norm[1], which the two grad_norm kernels
+// below compute on the GPU in the same submission:
+//   grad_norm_partials: grad[n] -> partials[groups]  (Σ grad² per chunk)
+//   grad_norm_finish:   partials[groups] -> norm_out[2] = [‖grad‖₂, clip scale]
 
 struct SgdParams {
     n: u32,
@@ -15,6 +21,10 @@ struct SgdParams {
     // 1 on the first step: PyTorch initialises the buffer to the gradient.
     first_step: u32,
     _pad: u32,
+    decay_end: u32,
+    clip: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 struct AdamParams {
@@ -27,6 +37,19 @@ struct AdamParams {
     // lr / (1 - beta1^t) and sqrt(1 - beta2^t)
     step_size: f32,
     bias_correction2_sqrt: f32,
+    decay_end: u32,
+    clip: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+struct NormParams {
+    n: u32,
+    // Elements per workgroup of grad_norm_partials.
+    chunk: u32,
+    // Workgroups of grad_norm_partials (entries of `partials`).
+    groups: u32,
+    max_norm: f32,
 }
 
 @group(0) @binding(0) var<storage, read_write> param: array<f32>;
@@ -35,6 +58,21 @@ struct AdamParams {
 @group(0) @binding(3) var<uniform> sgd: SgdParams;
 @group(0) @binding(4) var<storage, read_write> exp_avg_sq: array<f32>;
 @group(0) @binding(5) var<uniform> adam: AdamParams;
+// [total norm, clip scale], written by grad_norm_finish (as `norm_out`).
+@group(0) @binding(6) var<storage, read> grad_norm: array<f32>;
+@group(0) @binding(7) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(8) var<uniform> norm: NormParams;
+@group(0) @binding(9) var<storage, read_write> norm_out: array<f32>;
+
+var<workgroup> scratch: array<f32, 256>;
+
+// The factor clip_grad_norm_ multiplies every gradient by (1 when off).
+fn clip_scale(clip: u32) -> f32 {
+    if clip != 0u {
+        return grad_norm[1];
+    }
+    return 1.0;
+}
 
 // WG (256) and flat_index come from common.wgsl (Family::source).
 
@@ -45,8 +83,8 @@ fn sgd_update(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if i >= sgd.n {
         return;
     }
-    var d_p = grad[i];
-    if sgd.weight_decay != 0.0 {
+    var d_p = grad[i] * clip_scale(sgd.clip);
+    if sgd.weight_decay != 0.0 && i < sgd.decay_end {
         d_p = d_p + sgd.weight_decay * param[i];
     }
     if sgd.momentum != 0.0 {
@@ -80,8 +118,8 @@ fn adam_update(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if i >= adam.n {
         return;
     }
-    var g = grad[i];
-    if adam.weight_decay != 0.0 {
+    var g = grad[i] * clip_scale(adam.clip);
+    if adam.weight_decay != 0.0 && i < adam.decay_end {
         g = g + adam.weight_decay * param[i];
     }
     param[i] = param[i] - adam_moments(i, g);
@@ -93,6 +131,56 @@ fn adamw_update(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if i >= adam.n {
         return;
     }
-    let decayed = param[i] * (1.0 - adam.lr * adam.weight_decay);
-    param[i] = decayed - adam_moments(i, grad[i]);
+    var p = param[i];
+    if i < adam.decay_end {
+        p = p * (1.0 - adam.lr * adam.weight_decay);
+    }
+    param[i] = p - adam_moments(i, grad[i] * clip_scale(adam.clip));
+}
+
+// Sum of scratch[0..WG] into scratch[0], in a fixed tree order (so the norm
+// is the same bits every run).
+fn reduce_scratch(lid: u32) {
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if lid < s {
+            scratch[lid] = scratch[lid] + scratch[lid + s];
+        }
+        workgroupBarrier();
+    }
+}
+
+// grad[n] -> partials[groups]: workgroup w sums the squares of
+// grad[w·chunk .. min((w+1)·chunk, n)].
+@compute @workgroup_size(256)
+fn grad_norm_partials(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let start = wid.x * norm.chunk;
+    let end = min(start + norm.chunk, norm.n);
+    var acc = 0.0;
+    for (var i = start + lid.x; i < end; i = i + WG) {
+        let g = grad[i];
+        acc = acc + g * g;
+    }
+    scratch[lid.x] = acc;
+    reduce_scratch(lid.x);
+    if lid.x == 0u {
+        partials[wid.x] = scratch[0];
+    }
+}
+
+// partials[groups] -> norm_out[2]: the L2 norm of all gradients and
+// clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)). One workgroup.
+@compute @workgroup_size(256)
+fn grad_norm_finish(@builtin(local_invocation_id) lid: vec3<u32>) {
+    var acc = 0.0;
+    for (var i = lid.x; i < norm.groups; i = i + WG) {
+        acc = acc + partials[i];
+    }
+    scratch[lid.x] = acc;
+    reduce_scratch(lid.x);
+    if lid.x == 0u {
+        let total = sqrt(scratch[0]);
+        norm_out[0] = total;
+        norm_out[1] = min(1.0, norm.max_norm / (total + 1e-6));
+    }
 }

@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, MatmulForm, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
 pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
@@ -249,6 +249,7 @@ pub fn loss_forward_backward_fused(
 
 /// torch.optim.SGD, one step (counted from 1), in f32 as PyTorch computes it.
 pub fn sgd_update(param: &mut [f32], grad: &[f32], momentum_buf: &mut [f32], cfg: &SgdConfig, step: u64) {
+    let lr = cfg.schedule.lr_at(cfg.lr, step);
     for i in 0..param.len() {
         let mut d_p = grad[i];
         if cfg.weight_decay != 0.0 {
@@ -263,7 +264,7 @@ pub fn sgd_update(param: &mut [f32], grad: &[f32], momentum_buf: &mut [f32], cfg
             momentum_buf[i] = buf;
             d_p = if cfg.nesterov { d_p + cfg.momentum * buf } else { buf };
         }
-        param[i] -= cfg.lr * d_p;
+        param[i] -= lr * d_p;
     }
 }
 
@@ -272,12 +273,13 @@ pub fn sgd_update(param: &mut [f32], grad: &[f32], momentum_buf: &mut [f32], cfg
 pub fn adam_update(param: &mut [f32], grad: &[f32], exp_avg: &mut [f32], exp_avg_sq: &mut [f32], cfg: &AdamConfig, step: u64) {
     let (beta1, beta2) = cfg.betas;
     let t = step as i32;
-    let step_size = (f64::from(cfg.lr) / (1.0 - f64::from(beta1).powi(t))) as f32;
+    let lr = cfg.schedule.lr_at(cfg.lr, step);
+    let step_size = (f64::from(lr) / (1.0 - f64::from(beta1).powi(t))) as f32;
     let bias_correction2_sqrt = (1.0 - f64::from(beta2).powi(t)).sqrt() as f32;
     for i in 0..param.len() {
         let mut g = grad[i];
         if cfg.decoupled_weight_decay {
-            param[i] *= 1.0 - cfg.lr * cfg.weight_decay;
+            param[i] *= 1.0 - lr * cfg.weight_decay;
         } else if cfg.weight_decay != 0.0 {
             g += cfg.weight_decay * param[i];
         }
@@ -588,4 +590,50 @@ pub fn concat_last(a: &[f32], b: &[f32], rows: usize, a_cols: usize, b_cols: usi
     (0..rows)
         .flat_map(|r| a[r * a_cols..(r + 1) * a_cols].iter().chain(&b[r * b_cols..(r + 1) * b_cols]).copied())
         .collect()
+
+// Optimizer steps over separate parameter tensors, as PyTorch takes them:
+// the reference for the executor, which works on one arena with the
+// gradient norm reduced on the GPU and the decay group as a boundary.
+
+/// torch.nn.utils.clip_grad_norm_(max_norm, norm_type=2) over all of
+/// `grads`: the total L2 norm (accumulated in f64) and the factor
+/// `min(1, max_norm / (norm + 1e-6))` every gradient is multiplied by.
+pub fn clip_grad_norm(grads: &[&[f32]], max_norm: f32) -> (f32, f32) {
+    let squares: f64 = grads.iter().flat_map(|g| g.iter()).map(|&v| f64::from(v) * f64::from(v)).sum();
+    let norm = squares.sqrt() as f32;
+    (norm, (max_norm / (norm + 1e-6)).min(1.0))
+}
+
+/// One step of `cfg` over parameter tensors `params` with gradients
+/// `grads` and per-tensor state `state[tensor][state_names index]` (zeros
+/// before the first step): gradients clipped when `cfg.clip_grad_norm` is
+/// set, then each tensor updated at the scheduled rate with weight decay
+/// only where `decays[tensor]` (PyTorch's two param groups, the second
+/// with `weight_decay=0`). Returns the total gradient norm when clipping.
+pub fn optimizer_step(
+    params: &mut [Vec<f32>],
+    grads: &[Vec<f32>],
+    state: &mut [Vec<Vec<f32>>],
+    decays: &[bool],
+    cfg: &OptimizerConfig,
+    step: u64,
+) -> Option<f32> {
+    let clip = cfg.clip_grad_norm().map(|max_norm| clip_grad_norm(&grads.iter().map(|g| g.as_slice()).collect::<Vec<_>>(), max_norm));
+    let factor = clip.map_or(1.0, |(_, f)| f);
+    for (i, param) in params.iter_mut().enumerate() {
+        let grad: Vec<f32> = grads[i].iter().map(|&g| g * factor).collect();
+        let s = &mut state[i];
+        match *cfg {
+            OptimizerConfig::Sgd(c) => {
+                let c = SgdConfig { weight_decay: if decays[i] { c.weight_decay } else { 0.0 }, ..c };
+                sgd_update(param, &grad, &mut s[0], &c, step);
+            }
+            OptimizerConfig::Adam(c) => {
+                let c = AdamConfig { weight_decay: if decays[i] { c.weight_decay } else { 0.0 }, ..c };
+                let (m, v) = s.split_at_mut(1);
+                adam_update(param, &grad, &mut m[0], &mut v[0], &c, step);
+            }
+        }
+    }
+    clip.map(|(norm, _)| norm)
 }

@@ -153,8 +153,76 @@ fn non_negative(v: f32) -> bool {
     v >= 0.0
 }
 
+/// How the learning rate changes from step to step. Optimizer step `t`
+/// (PyTorch's `step`, counted from 1) runs at [`LrSchedule::lr_at`]`(lr, t)`,
+/// computed on the host and written with the step's other scalars, so a
+/// schedule rebuilds nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum LrSchedule {
+    /// `lr` at every step.
+    #[default]
+    Constant,
+    /// nanoGPT's and llm.c's `get_lr(it)`, with `it = t - 1` the zero-based
+    /// index of the step: `lr·(it+1)/warmup_steps` while `it < warmup_steps`
+    /// (linear warmup from near 0), then cosine decay from `lr` to `min_lr`
+    /// reached at `it = total_steps`, and `min_lr` from there on.
+    WarmupCosine { warmup_steps: u64, total_steps: u64, min_lr: f32 },
+}
+
+impl LrSchedule {
+    /// Refuses a NaN or negative `min_lr` and `warmup_steps > total_steps`.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        match *self {
+            LrSchedule::Constant => Ok(()),
+            LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } => {
+                let bad = |reason: String| Err(Error::InvalidArgument { op, reason });
+                if !non_negative(min_lr) || min_lr.is_infinite() {
+                    return bad(format!("invalid min_lr {min_lr}"));
+                }
+                if warmup_steps > total_steps {
+                    return bad(format!("warmup_steps {warmup_steps} exceeds total_steps {total_steps}"));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The learning rate of step `step` (counted from 1; 0 is read as 1) for
+    /// base rate `lr`, in f64 and rounded once to f32.
+    pub fn lr_at(&self, lr: f32, step: u64) -> f32 {
+        let LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } = *self else {
+            return lr;
+        };
+        let it = step.saturating_sub(1);
+        let (lr, min_lr) = (f64::from(lr), f64::from(min_lr));
+        if it < warmup_steps {
+            return (lr * (it + 1) as f64 / warmup_steps as f64) as f32;
+        }
+        // At it == total_steps the cosine is exactly min_lr, so `>=` agrees
+        // with nanoGPT's `>` and avoids 0/0 when warmup_steps == total_steps.
+        if it >= total_steps {
+            return min_lr as f32;
+        }
+        let ratio = (it - warmup_steps) as f64 / (total_steps - warmup_steps) as f64;
+        let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+        (min_lr + coeff * (lr - min_lr)) as f32
+    }
+}
+
+/// torch.nn.utils.clip_grad_norm_'s check: `max_norm` may be 0 or infinite
+/// (infinite only measures the norm), not NaN or negative.
+fn validate_clip(op: &'static str, clip: Option<f32>) -> Result<()> {
+    match clip {
+        Some(max_norm) if !non_negative(max_norm) => {
+            Err(Error::InvalidArgument { op, reason: format!("invalid clip_grad_norm max_norm {max_norm}") })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// torch.optim.SGD's hyper-parameters and defaults (lr has no default there;
-/// 0.01 here).
+/// 0.01 here), plus what every optimizer here shares: the learning-rate
+/// schedule, gradient-norm clipping and nanoGPT's weight-decay groups.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdConfig {
     pub lr: f32,
@@ -162,11 +230,30 @@ pub struct SgdConfig {
     pub dampening: f32,
     pub weight_decay: f32,
     pub nesterov: bool,
+    pub schedule: LrSchedule,
+    /// `Some(max_norm)`: before each step, scale every gradient by
+    /// `min(1, max_norm / (total_norm + 1e-6))`, with `total_norm` the L2
+    /// norm of all gradients together (torch.nn.utils.clip_grad_norm_).
+    pub clip_grad_norm: Option<f32>,
+    /// Weight decay only on parameters with two or more dimensions (matmul
+    /// weights, embeddings), not on biases or norm gains: nanoGPT's
+    /// `configure_optimizers` groups. The executor marks the others with
+    /// `Graph::exclude_from_weight_decay`, which also takes any parameter.
+    pub decay_matrices_only: bool,
 }
 
 impl Default for SgdConfig {
     fn default() -> Self {
-        SgdConfig { lr: 0.01, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+        SgdConfig {
+            lr: 0.01,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            schedule: LrSchedule::Constant,
+            clip_grad_norm: None,
+            decay_matrices_only: false,
+        }
     }
 }
 
@@ -186,12 +273,14 @@ impl SgdConfig {
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             return bad("Nesterov momentum requires a momentum and zero dampening".into());
         }
-        Ok(())
+        self.schedule.validate("sgd_update")?;
+        validate_clip("sgd_update", self.clip_grad_norm)
     }
 }
 
 /// torch.optim.Adam / AdamW hyper-parameters. Use [`AdamConfig::adam`] or
 /// [`AdamConfig::adamw`] for PyTorch's defaults (they differ in weight decay).
+/// The last three fields are [`SgdConfig`]'s.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamConfig {
     pub lr: f32,
@@ -200,11 +289,23 @@ pub struct AdamConfig {
     pub weight_decay: f32,
     /// AdamW (decay applied to the parameter) instead of Adam (L2 added to the gradient).
     pub decoupled_weight_decay: bool,
+    pub schedule: LrSchedule,
+    pub clip_grad_norm: Option<f32>,
+    pub decay_matrices_only: bool,
 }
 
 impl AdamConfig {
     pub fn adam() -> Self {
-        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled_weight_decay: false }
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+            schedule: LrSchedule::Constant,
+            clip_grad_norm: None,
+            decay_matrices_only: false,
+        }
     }
 
     pub fn adamw() -> Self {
@@ -226,7 +327,8 @@ impl AdamConfig {
         if !non_negative(self.weight_decay) {
             return bad(format!("invalid weight_decay {}", self.weight_decay));
         }
-        Ok(())
+        self.schedule.validate("adam_update")?;
+        validate_clip("adam_update", self.clip_grad_norm)
     }
 }
 
@@ -247,6 +349,77 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd(_) => &["momentum_buffer"],
             OptimizerConfig::Adam(_) => &["exp_avg", "exp_avg_sq"],
         }
+    }
+
+    /// The optimizer's own checks ([`SgdConfig::validate`], [`AdamConfig::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            OptimizerConfig::Sgd(c) => c.validate(),
+            OptimizerConfig::Adam(c) => c.validate(),
+        }
+    }
+
+    /// The base learning rate (before the schedule).
+    pub fn lr(&self) -> f32 {
+        match self {
+            OptimizerConfig::Sgd(c) => c.lr,
+            OptimizerConfig::Adam(c) => c.lr,
+        }
+    }
+
+    pub fn schedule(&self) -> LrSchedule {
+        match self {
+            OptimizerConfig::Sgd(c) => c.schedule,
+            OptimizerConfig::Adam(c) => c.schedule,
+        }
+    }
+
+    pub fn clip_grad_norm(&self) -> Option<f32> {
+        match self {
+            OptimizerConfig::Sgd(c) => c.clip_grad_norm,
+            OptimizerConfig::Adam(c) => c.clip_grad_norm,
+        }
+    }
+
+    pub fn decay_matrices_only(&self) -> bool {
+        match self {
+            OptimizerConfig::Sgd(c) => c.decay_matrices_only,
+            OptimizerConfig::Adam(c) => c.decay_matrices_only,
+        }
+    }
+
+    /// The learning rate of step `step` (from 1): the schedule applied to `lr`.
+    pub fn lr_at(&self, step: u64) -> f32 {
+        self.schedule().lr_at(self.lr(), step)
+    }
+
+    /// This optimizer with learning-rate schedule `schedule`.
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd(c) => c.schedule = schedule,
+            OptimizerConfig::Adam(c) => c.schedule = schedule,
+        }
+        self
+    }
+
+    /// This optimizer clipping the global gradient norm to `max_norm`
+    /// (`None`: no clipping). See [`SgdConfig::clip_grad_norm`].
+    pub fn with_clip_grad_norm(mut self, max_norm: Option<f32>) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd(c) => c.clip_grad_norm = max_norm,
+            OptimizerConfig::Adam(c) => c.clip_grad_norm = max_norm,
+        }
+        self
+    }
+
+    /// This optimizer decaying only parameters of two or more dimensions.
+    /// See [`SgdConfig::decay_matrices_only`].
+    pub fn with_decay_matrices_only(mut self, on: bool) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd(c) => c.decay_matrices_only = on,
+            OptimizerConfig::Adam(c) => c.decay_matrices_only = on,
+        }
+        self
     }
 }
 

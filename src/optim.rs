@@ -1,13 +1,45 @@
 //! Optimizers with PyTorch's names and defaults. They run as GPU kernels over
 //! the parameter arena; their state lives on the GPU.
 //!
+//! Every optimizer also takes a learning-rate schedule, global gradient-norm
+//! clipping and nanoGPT's weight-decay groups, all applied on the GPU
+//! inside the training step:
+//!
 //! ```
-//! use wgrad::optim::{Adam, SGD};
+//! use wgrad::optim::{Adam, AdamW, LrSchedule, SGD};
 //! let sgd = SGD::new(0.01).momentum(0.9).weight_decay(1e-4);
 //! let adam = Adam::new(1e-3);
+//! let gpt = AdamW::new(6e-4)
+//!     .weight_decay(0.1)
+//!     .decay_matrices_only() // no decay on biases and norm gains
+//!     .clip_grad_norm(1.0)
+//!     .schedule(LrSchedule::WarmupCosine { warmup_steps: 700, total_steps: 19_073, min_lr: 6e-5 });
 //! ```
 
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
+pub use crate::ops::LrSchedule;
+
+/// The builder methods every optimizer shares (the last three fields of
+/// [`SgdConfig`] and [`AdamConfig`]).
+macro_rules! shared_settings {
+    () => {
+        /// Learning-rate schedule (default [`LrSchedule::Constant`]).
+        pub fn schedule(mut self, schedule: LrSchedule) -> Self {
+            self.0.schedule = schedule;
+            self
+        }
+        /// torch.nn.utils.clip_grad_norm_(max_norm) before every step.
+        pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+            self.0.clip_grad_norm = Some(max_norm);
+            self
+        }
+        /// Weight decay only on parameters of two or more dimensions.
+        pub fn decay_matrices_only(mut self) -> Self {
+            self.0.decay_matrices_only = true;
+            self
+        }
+    };
+}
 
 /// torch.optim.SGD(lr, momentum=0, dampening=0, weight_decay=0, nesterov=False)
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -33,6 +65,7 @@ impl SGD {
         self.0.nesterov = nesterov;
         self
     }
+    shared_settings!();
 }
 
 /// torch.optim.Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
@@ -55,6 +88,7 @@ impl Adam {
         self.0.weight_decay = weight_decay;
         self
     }
+    shared_settings!();
 }
 
 impl Default for Adam {
@@ -83,6 +117,7 @@ impl AdamW {
         self.0.weight_decay = weight_decay;
         self
     }
+    shared_settings!();
 }
 
 impl Default for AdamW {
@@ -107,8 +142,23 @@ impl From<AdamW> for OptimizerConfig {
     }
 }
 
-/// A short description for checkpoints and logs, e.g. `adam lr=0.001`.
+/// A short description for checkpoints and logs, e.g. `adam lr=0.001`,
+/// followed by the schedule, clipping and groups when set.
 pub fn describe(cfg: &OptimizerConfig) -> String {
+    let mut text = describe_update(cfg);
+    if let LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } = cfg.schedule() {
+        text += &format!(" schedule=warmup_cosine(warmup_steps={warmup_steps}, total_steps={total_steps}, min_lr={min_lr})");
+    }
+    if let Some(max_norm) = cfg.clip_grad_norm() {
+        text += &format!(" clip_grad_norm={max_norm}");
+    }
+    if cfg.decay_matrices_only() {
+        text += " decay_matrices_only";
+    }
+    text
+}
+
+fn describe_update(cfg: &OptimizerConfig) -> String {
     match cfg {
         OptimizerConfig::Sgd(c) => format!(
             "sgd lr={} momentum={} dampening={} weight_decay={} nesterov={}",

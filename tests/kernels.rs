@@ -262,8 +262,8 @@ fn sgd_matches_pytorch_formulas_over_several_steps() {
     let configs = [
         SgdConfig { lr: 0.1, ..SgdConfig::default() },
         SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() },
-        SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false },
-        SgdConfig { lr: 0.05, momentum: 0.8, dampening: 0.0, weight_decay: 0.001, nesterov: true },
+        SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false, ..SgdConfig::default() },
+        SgdConfig { lr: 0.05, momentum: 0.8, dampening: 0.0, weight_decay: 0.001, nesterov: true, ..SgdConfig::default() },
     ];
     for_each_adapter("sgd", |k| {
         for (ci, cfg) in configs.iter().enumerate() {
@@ -307,7 +307,7 @@ fn adam_and_adamw_match_pytorch_formulas_over_several_steps() {
         AdamConfig::adam(),
         AdamConfig { lr: 0.01, weight_decay: 0.1, ..AdamConfig::adam() },
         AdamConfig::adamw(),
-        AdamConfig { lr: 0.02, betas: (0.8, 0.99), eps: 1e-6, weight_decay: 0.05, decoupled_weight_decay: true },
+        AdamConfig { lr: 0.02, betas: (0.8, 0.99), eps: 1e-6, weight_decay: 0.05, decoupled_weight_decay: true, ..AdamConfig::adam() },
     ];
     for_each_adapter("adam", |k| {
         for (ci, cfg) in configs.iter().enumerate() {

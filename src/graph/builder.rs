@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{Activation, Binary, MatmulForm, Unary};
+use crate::ops::broadcast_shape;
 
 /// A handle to a node's output. Cheap to copy; only meaningful for the graph
 /// that made it.
@@ -182,6 +183,8 @@ impl Node {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     pub(crate) nodes: Vec<Node>,
+    /// Parameters the optimizer applies no weight decay to (sorted).
+    no_weight_decay: Vec<Tensor>,
 }
 
 
@@ -197,20 +200,6 @@ fn rows_cols(op: &'static str, shape: &[usize], all: &[&[usize]]) -> Result<(usi
     }
 }
 
-/// NumPy's broadcast of two shapes aligned at their last dimension, or
-/// None when a pair of dimensions differs and neither is 1.
-pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
-    let rank = a.len().max(b.len());
-    let dim = |s: &[usize], i: usize| if i + s.len() >= rank { s[i + s.len() - rank] } else { 1 };
-    (0..rank)
-        .map(|i| match (dim(a, i), dim(b, i)) {
-            (x, y) if x == y => Some(x),
-            (1, y) => Some(y),
-            (x, 1) => Some(x),
-            _ => None,
-        })
-        .collect()
-}
 
 impl Graph {
     pub fn new() -> Self {
@@ -739,11 +728,27 @@ impl Graph {
     pub fn inputs(&self) -> Vec<Tensor> {
         (0..self.nodes.len()).filter(|&i| self.nodes[i].op == Op::Input).map(Tensor).collect()
     }
-}
 
-// TEMPORARY until the optimizer branch lands its parameter groups.
-impl Graph {
-    pub fn exclude_from_weight_decay(&mut self, _param: Tensor) -> Result<()> {
+    /// Puts `param` in the group without weight decay (biases, norm gains,
+    /// embeddings, as nanoGPT's `configure_optimizers` does). Every optimizer
+    /// honours it; the executor lays decayed parameters out first so the
+    /// update needs only the boundary.
+    pub fn exclude_from_weight_decay(&mut self, param: Tensor) -> Result<()> {
+        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Parameter { .. })) {
+            return Err(Error::InvalidArgument {
+                op: "exclude_from_weight_decay",
+                reason: format!("tensor #{} is not a parameter of this graph", param.0),
+            });
+        }
+        if let Err(at) = self.no_weight_decay.binary_search(&param) {
+            self.no_weight_decay.insert(at, param);
+        }
         Ok(())
+    }
+
+    /// Whether the optimizer's weight decay applies to `param` (true unless
+    /// excluded by [`Graph::exclude_from_weight_decay`]).
+    pub fn weight_decay_applies(&self, param: Tensor) -> bool {
+        self.no_weight_decay.binary_search(&param).is_err()
     }
 }

@@ -9,7 +9,10 @@ use super::autodiff::Gradients;
 use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
 use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{Activation, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig, View};
+use crate::kernels::{
+    grad_norm_groups, Activation, ArenaGroups, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
+    View,
+};
 
 pub struct Executor {
     kernels: Arc<Kernels>,
@@ -26,6 +29,9 @@ pub struct Executor {
     /// layer's work (the plan's `loss_fusion`); runs use `dispatches`.
     train_loss_dispatches: Vec<Option<Dispatch>>,
     optimizer: Option<(OptimizerConfig, Dispatch)>,
+    /// With `clip_grad_norm`: the global gradient norm, computed on the GPU
+    /// before each update.
+    clip: Option<ClipNorm>,
     /// Optimizer steps taken (PyTorch's `step`, from 1).
     step: u64,
     /// Node lists for each set of requested outputs, computed once.
@@ -34,6 +40,15 @@ pub struct Executor {
     gradients: Option<Gradients>,
     /// Where a scalar read back at the end of a training run lands.
     scalar_staging: wgpu::Buffer,
+}
+
+/// Buffers and dispatches of the gradient-norm reduction.
+struct ClipNorm {
+    /// Per-workgroup sums of squares.
+    partials: GpuTensor,
+    /// [total norm, clip factor], read by the update.
+    norm: GpuTensor,
+    dispatches: Option<[Dispatch; 2]>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -67,6 +82,20 @@ impl Executor {
     ) -> Result<Self> {
         if optimizer.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
+        }
+        if let Some(cfg) = &optimizer {
+            cfg.validate()?;
+        }
+        // nanoGPT's groups: parameters of fewer than 2 dimensions (biases,
+        // norm gains) get no weight decay. Before planning, which lays the
+        // groups out.
+        let mut graph = graph;
+        if optimizer.is_some_and(|o| o.decay_matrices_only()) {
+            for p in graph.parameters() {
+                if graph.shape(p).len() < 2 {
+                    graph.exclude_from_weight_decay(p)?;
+                }
+            }
         }
         let foreign = |t: &Tensor| t.0 >= graph.len();
         let grads_foreign = gradients.as_ref().is_some_and(|g| {
@@ -103,6 +132,10 @@ impl Executor {
             }
         }
         let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
+        let clip = match optimizer.and_then(|o| o.clip_grad_norm()) {
+            Some(_) => Some(ClipNorm { partials: kernels.zeros(grad_norm_groups(arena_len))?, norm: kernels.zeros(2)?, dispatches: None }),
+            None => None,
+        };
         let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("scalar readback"),
             size: 4,
@@ -136,6 +169,7 @@ impl Executor {
             dispatches: Vec::new(),
             train_loss_dispatches: Vec::new(),
             optimizer: None,
+            clip,
             step: 0,
             run_orders: HashMap::new(),
             train_order,
@@ -164,6 +198,12 @@ impl Executor {
         if let Some(cfg) = optimizer {
             let d = exec.build_optimizer(&cfg)?;
             exec.optimizer = Some((cfg, d));
+            if let (Some(max_norm), Some(c), Some(grads)) = (cfg.clip_grad_norm(), &exec.clip, &exec.grads) {
+                let d = exec.kernels.grad_norm(c.norm.view(), c.partials.view(), grads.view(), max_norm)?;
+                if let Some(c) = &mut exec.clip {
+                    c.dispatches = Some(d);
+                }
+            }
         }
         Ok(exec)
     }
@@ -191,9 +231,35 @@ impl Executor {
         self.plan.peak_bytes(self.grads.is_some(), self.state.len())
     }
 
-    /// Dispatches recorded by one training step (forward, backward, optimizer).
+    /// Dispatches recorded by one training step (forward, backward, the
+    /// gradient norm when clipping, optimizer).
     pub fn dispatches_per_step(&self) -> usize {
-        self.train_dispatches().count() + usize::from(self.optimizer.is_some())
+        self.train_dispatches().count() + self.update_dispatches().count()
+    }
+
+    /// The optimizer's dispatches in order: the gradient norm (when
+    /// clipping), then the update. Empty without an optimizer.
+    fn update_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
+        let norm = self.clip.as_ref().and_then(|c| c.dispatches.as_ref()).into_iter().flatten();
+        norm.chain(self.optimizer.as_ref().map(|(_, d)| d))
+    }
+
+    /// The learning rate the last optimizer step used (before any step,
+    /// the first step's): the schedule at [`Executor::step_count`].
+    /// `None` without an optimizer.
+    pub fn learning_rate(&self) -> Option<f32> {
+        self.optimizer.as_ref().map(|(c, _)| c.lr_at(self.step.max(1)))
+    }
+
+    /// The global L2 norm of the gradients the last optimizer step clipped
+    /// (before clipping: torch.nn.utils.clip_grad_norm_'s return value).
+    /// Steps never wait for it; this call waits for the GPU. `None` when
+    /// the optimizer does not clip or no step was taken.
+    pub fn read_grad_norm(&self) -> Result<Option<f32>> {
+        match &self.clip {
+            Some(c) if self.step > 0 => Ok(self.kernels.read::<f32>(c.norm.slice(0, 1)?)?.first().copied()),
+            _ => Ok(None),
+        }
     }
 
     /// A training step's forward and backward dispatches, in order.
@@ -443,17 +509,15 @@ impl Executor {
 
     /// One update over the whole parameter arena: parameters are contiguous,
     /// and the alignment gaps hold zeros that every optimizer keeps at zero.
+    /// The weight-decayed group is the arena's first `decay_len` elements.
     fn build_optimizer(&self, cfg: &OptimizerConfig) -> Result<Dispatch> {
         let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument {
             op: "Executor::new",
             reason: "an optimizer needs gradients".into(),
         })?;
-        match cfg {
-            OptimizerConfig::Sgd(c) => self.kernels.sgd_update(self.params.view(), grads.view(), self.state[0].view(), c, 1),
-            OptimizerConfig::Adam(c) => {
-                self.kernels.adam_update(self.params.view(), grads.view(), self.state[0].view(), self.state[1].view(), c, 1)
-            }
-        }
+        let state: Vec<View<'_>> = self.state.iter().map(|s| s.view()).collect();
+        let arena = ArenaGroups { decay_len: self.plan.decay_len, grad_norm: self.clip.as_ref().map(|c| c.norm.view()) };
+        self.kernels.optimizer_update(cfg, self.params.view(), grads.view(), &state, arena, 1)
     }
 
     fn input_storage(&self, t: Tensor, dtype: DType, len: usize) -> Result<&GpuTensor> {
@@ -532,7 +596,7 @@ impl Executor {
         }
         let loss_view = self.view(loss)?;
         let steps = self.train_dispatches();
-        let update = self.optimizer.as_ref().filter(|_| apply_optimizer).map(|(_, d)| d);
+        let update = self.update_dispatches().filter(|_| apply_optimizer);
         let staging = &self.scalar_staging;
         self.kernels.submit_pass(
             "train_step",
@@ -568,7 +632,7 @@ impl Executor {
             return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
         };
         self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        self.kernels.submit_pass("optimizer_step", [dispatch], |_| {}, |_| {})?;
+        self.kernels.submit_pass("optimizer_step", self.update_dispatches(), |_| {}, |_| {})?;
         self.step += 1;
         Ok(())
     }

@@ -40,6 +40,10 @@ pub struct Plan {
     pub param_offsets: Vec<(Tensor, usize)>,
     /// Length of the parameter (and gradient, and each state) arena in elements.
     pub param_arena_len: usize,
+    /// Elements `0..decay_len` of the arena hold the parameters weight decay
+    /// applies to; the rest hold those excluded from it
+    /// (`Graph::exclude_from_weight_decay`).
+    pub decay_len: usize,
     pub input_count: usize,
     pub constant_count: usize,
     /// Tensors that survive a run and may be read after it; every other
@@ -190,17 +194,27 @@ impl Plan {
         }
 
         // Parameters and their gradients: one layout, aligned offsets.
+        // Weight-decayed parameters come first, so an optimizer update
+        // tells the two groups apart by one boundary (`decay_len`);
+        // `param_offsets` stays in graph order.
         let align = align.max(1);
         let mut param_offsets = Vec::new();
         let mut arena = 0usize;
         let mut storage = vec![Storage::Unused; count];
-        for (i, node) in nodes.iter().enumerate() {
-            if matches!(node.op, Op::Parameter { .. }) {
-                param_offsets.push((Tensor(i), arena));
-                storage[i] = Storage::Param { offset: arena };
-                arena += node.len().div_ceil(align) * align;
+        let mut decay_len = 0;
+        for decayed in [true, false] {
+            for (i, node) in nodes.iter().enumerate() {
+                if matches!(node.op, Op::Parameter { .. }) && graph.weight_decay_applies(Tensor(i)) == decayed {
+                    param_offsets.push((Tensor(i), arena));
+                    storage[i] = Storage::Param { offset: arena };
+                    arena += node.len().div_ceil(align) * align;
+                }
+            }
+            if decayed {
+                decay_len = arena;
             }
         }
+        param_offsets.sort_by_key(|&(t, _)| t);
 
         let order: Vec<usize> = (0..count).filter(|&i| needed[i]).collect();
         let mut reads: Vec<Vec<Tensor>> = nodes.iter().map(|n| n.inputs.clone()).collect();
@@ -445,6 +459,7 @@ impl Plan {
             slot_len,
             param_offsets,
             param_arena_len: arena,
+            decay_len,
             is_output,
             accumulate,
             fused_away,

@@ -21,9 +21,10 @@ mod tensor;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
+pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+pub use crate::ops::{Activation, AdamConfig, Binary, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::check_token_ids;
 
@@ -425,8 +426,9 @@ impl Kernels {
         })
     }
 
-    /// Rewrites a dispatch's parameter block (same type it was built with),
-    /// e.g. the step-dependent scalars of an optimizer update.
+    /// Rewrites a dispatch's parameter block (the type it was built with, or
+    /// a prefix of it: the bytes past `params` stay), e.g. the
+    /// step-dependent scalars of an optimizer update.
     pub(crate) fn rewrite_params<P: bytemuck::Pod>(&self, dispatch: &Dispatch, params: &P) {
         let _gl = self.device.lock_gl();
         self.device

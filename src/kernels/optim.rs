@@ -1,14 +1,21 @@
 //! `optim.wgsl`: SGD (momentum, Nesterov, weight decay), Adam and AdamW,
-//! updating parameters and state in place with PyTorch's formulas.
+//! updating parameters and state in place with PyTorch's formulas; the
+//! global gradient norm for clipping, reduced on the GPU.
 
 use super::registry::*;
-use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
+use super::{bind, dim, flat_groups, Dispatch, Kernels, View, FLAT_WORKGROUP};
 use crate::error::{Error, Result};
 use crate::ops::{AdamConfig, OptimizerConfig, SgdConfig};
 
+/// Most workgroups `grad_norm_partials` uses: enough to fill a large GPU;
+/// `grad_norm_finish` (one workgroup) then sums at most this many partials.
+const NORM_GROUPS_MAX: usize = 1024;
+
+/// The scalars a step changes: the first bytes of a dispatch's parameter
+/// block, so `set_optimizer_step` rewrites them and leaves [`Groups`].
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct SgdParams {
+struct SgdStep {
     n: u32,
     lr: f32,
     momentum: f32,
@@ -21,7 +28,7 @@ struct SgdParams {
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct AdamParams {
+struct AdamStep {
     n: u32,
     lr: f32,
     beta1: f32,
@@ -30,6 +37,56 @@ struct AdamParams {
     weight_decay: f32,
     step_size: f32,
     bias_correction2_sqrt: f32,
+}
+
+/// The tail of an update's parameter block, fixed when it is built.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Groups {
+    decay_end: u32,
+    clip: u32,
+    _pad: [u32; 2],
+}
+
+/// A whole parameter block: step scalars first (see [`SgdStep`]).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct SgdParams {
+    step: SgdStep,
+    groups: Groups,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct AdamParams {
+    step: AdamStep,
+    groups: Groups,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct NormParams {
+    n: u32,
+    chunk: u32,
+    groups: u32,
+    max_norm: f32,
+}
+
+/// What an update over a whole parameter arena needs besides the
+/// hyper-parameters: where the weight-decayed group ends and, when the
+/// optimizer clips, the gradient norm computed by [`Kernels::grad_norm`].
+#[derive(Clone, Copy, Debug)]
+pub struct ArenaGroups<'a> {
+    /// Elements `0..decay_len` get weight decay, the rest none.
+    pub decay_len: usize,
+    /// `[total norm, clip scale]` from [`Kernels::grad_norm`]; needed when
+    /// the config's `clip_grad_norm` is set.
+    pub grad_norm: Option<View<'a>>,
+}
+
+/// Workgroups (and partial sums) of `grad_norm_partials` for `n` gradients.
+pub fn grad_norm_groups(n: usize) -> usize {
+    (n.div_ceil(FLAT_WORKGROUP as usize)).clamp(1, NORM_GROUPS_MAX)
 }
 
 fn check_step(op: &'static str, step: u64) -> Result<()> {
@@ -53,12 +110,12 @@ fn check_state(op: &'static str, param: &View<'_>, others: &[(&str, &View<'_>)])
     Ok(())
 }
 
-fn sgd_params(op: &'static str, n: usize, cfg: &SgdConfig, step: u64) -> Result<SgdParams> {
+fn sgd_step(op: &'static str, n: usize, cfg: &SgdConfig, step: u64) -> Result<SgdStep> {
     cfg.validate()?;
     check_step(op, step)?;
-    Ok(SgdParams {
+    Ok(SgdStep {
         n: dim(op, n)?,
-        lr: cfg.lr,
+        lr: cfg.schedule.lr_at(cfg.lr, step),
         momentum: cfg.momentum,
         dampening: cfg.dampening,
         weight_decay: cfg.weight_decay,
@@ -68,28 +125,51 @@ fn sgd_params(op: &'static str, n: usize, cfg: &SgdConfig, step: u64) -> Result<
     })
 }
 
-fn adam_params(op: &'static str, n: usize, cfg: &AdamConfig, step: u64) -> Result<AdamParams> {
+fn adam_step(op: &'static str, n: usize, cfg: &AdamConfig, step: u64) -> Result<AdamStep> {
     cfg.validate()?;
     check_step(op, step)?;
     // Bias corrections in f64 on the host, as PyTorch computes them in Python floats.
     let t = step.min(i32::MAX as u64) as i32;
     let bias_correction1 = 1.0 - f64::from(cfg.betas.0).powi(t);
     let bias_correction2 = 1.0 - f64::from(cfg.betas.1).powi(t);
-    Ok(AdamParams {
+    let lr = cfg.schedule.lr_at(cfg.lr, step);
+    Ok(AdamStep {
         n: dim(op, n)?,
-        lr: cfg.lr,
+        lr,
         beta1: cfg.betas.0,
         beta2: cfg.betas.1,
         eps: cfg.eps,
         weight_decay: cfg.weight_decay,
-        step_size: (f64::from(cfg.lr) / bias_correction1) as f32,
+        step_size: (f64::from(lr) / bias_correction1) as f32,
         bias_correction2_sqrt: bias_correction2.sqrt() as f32,
     })
+}
+
+/// The fixed tail of an update over `n` elements: checks the decay
+/// boundary and that a clipping config has its norm.
+fn groups(op: &'static str, n: usize, clip: Option<f32>, arena: &ArenaGroups<'_>) -> Result<Groups> {
+    if arena.decay_len > n {
+        return Err(Error::shape(op, format!("decay_len {} exceeds the {n} parameters", arena.decay_len), &[&[arena.decay_len], &[n]]));
+    }
+    if let (Some(_), None) = (clip, arena.grad_norm) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "clip_grad_norm needs the norm of all gradients: build the update with Kernels::optimizer_update and \
+                     a grad_norm buffer (as the executor does)"
+                .into(),
+        });
+    }
+    if let Some(v) = arena.grad_norm.filter(|v| v.len < 2) {
+        return Err(Error::shape(op, "grad_norm holds [norm, scale]: 2 elements", &[&[v.len]]));
+    }
+    Ok(Groups { decay_end: dim(op, arena.decay_len)?, clip: u32::from(clip.is_some()), _pad: [0; 2] })
 }
 
 impl Kernels {
     /// One SGD step (step counts from 1) on `param` in place; `momentum_buf`
     /// is the optimizer state (unused without momentum, but still bound).
+    /// Weight decay applies to every element; clipping is refused here (it
+    /// needs [`Kernels::optimizer_update`]).
     pub fn sgd_update(
         &self,
         param: View<'_>,
@@ -98,20 +178,12 @@ impl Kernels {
         cfg: &SgdConfig,
         step: u64,
     ) -> Result<Dispatch> {
-        let op = SGD_UPDATE.entry;
-        check_state(op, &param, &[("grad", &grad), ("momentum_buf", &momentum_buf)])?;
-        let params = sgd_params(op, param.len, cfg, step)?;
-        self.prepare(
-            SGD_UPDATE,
-            &[],
-            &[bind(0, "param", param), bind(1, "grad", grad), bind(2, "momentum_buf", momentum_buf)],
-            3,
-            &params,
-            flat_groups(param.len),
-        )
+        let all = ArenaGroups { decay_len: param.len, grad_norm: None };
+        self.optimizer_update(&OptimizerConfig::Sgd(*cfg), param, grad, &[momentum_buf], all, step)
     }
 
-    /// One Adam or AdamW step (by `cfg.decoupled_weight_decay`).
+    /// One Adam or AdamW step (by `cfg.decoupled_weight_decay`), weight
+    /// decay on every element, no clipping (see [`Kernels::sgd_update`]).
     #[allow(clippy::too_many_arguments)]
     pub fn adam_update(
         &self,
@@ -122,35 +194,98 @@ impl Kernels {
         cfg: &AdamConfig,
         step: u64,
     ) -> Result<Dispatch> {
-        let kernel = if cfg.decoupled_weight_decay { ADAMW_UPDATE } else { ADAM_UPDATE };
-        let op = kernel.entry;
-        check_state(op, &param, &[("grad", &grad), ("exp_avg", &exp_avg), ("exp_avg_sq", &exp_avg_sq)])?;
-        let params = adam_params(op, param.len, cfg, step)?;
-        self.prepare(
-            kernel,
-            &[],
-            &[
-                bind(0, "param", param),
-                bind(1, "grad", grad),
-                bind(2, "exp_avg", exp_avg),
-                bind(4, "exp_avg_sq", exp_avg_sq),
-            ],
-            5,
-            &params,
-            flat_groups(param.len),
-        )
+        let all = ArenaGroups { decay_len: param.len, grad_norm: None };
+        self.optimizer_update(&OptimizerConfig::Adam(*cfg), param, grad, &[exp_avg, exp_avg_sq], all, step)
     }
 
-    /// Points a prepared update at another step number, so one dispatch
-    /// serves every step of a training run.
+    /// One step of `optimizer` over a parameter arena: `state` holds its
+    /// arenas in `state_names()` order; weight decay applies below
+    /// `arena.decay_len`; with `clip_grad_norm` set the gradients are scaled
+    /// by the factor in `arena.grad_norm` (written earlier in the same
+    /// submission by [`Kernels::grad_norm`]). The groups and clipping are
+    /// fixed here; [`Kernels::set_optimizer_step`] changes only the step.
+    pub fn optimizer_update(
+        &self,
+        optimizer: &OptimizerConfig,
+        param: View<'_>,
+        grad: View<'_>,
+        state: &[View<'_>],
+        arena: ArenaGroups<'_>,
+        step: u64,
+    ) -> Result<Dispatch> {
+        let kernel = match optimizer {
+            OptimizerConfig::Sgd(_) => SGD_UPDATE,
+            OptimizerConfig::Adam(c) if c.decoupled_weight_decay => ADAMW_UPDATE,
+            OptimizerConfig::Adam(_) => ADAM_UPDATE,
+        };
+        let op = kernel.entry;
+        let names = optimizer.state_names();
+        if state.len() != names.len() {
+            return Err(Error::InvalidArgument { op, reason: format!("takes {} state arenas ({names:?}), got {}", names.len(), state.len()) });
+        }
+        let mut others: Vec<(&str, &View<'_>)> = vec![("grad", &grad)];
+        others.extend(names.iter().copied().zip(state));
+        check_state(op, &param, &others)?;
+        let groups = groups(op, param.len, optimizer.clip_grad_norm(), &arena)?;
+        // Bound even when not clipping: the shader's layout has the slot.
+        let norm = arena.grad_norm.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 2 });
+        let mut bindings = vec![bind(0, "param", param), bind(1, "grad", grad), bind(6, "grad_norm", norm)];
+        match optimizer {
+            OptimizerConfig::Sgd(cfg) => {
+                bindings.push(bind(2, "momentum_buf", state[0]));
+                let params = SgdParams { step: sgd_step(op, param.len, cfg, step)?, groups };
+                self.prepare(kernel, &[], &bindings, 3, &params, flat_groups(param.len))
+            }
+            OptimizerConfig::Adam(cfg) => {
+                bindings.extend([bind(2, "exp_avg", state[0]), bind(4, "exp_avg_sq", state[1])]);
+                let params = AdamParams { step: adam_step(op, param.len, cfg, step)?, groups };
+                self.prepare(kernel, &[], &bindings, 5, &params, flat_groups(param.len))
+            }
+        }
+    }
+
+    /// The L2 norm of all of `grad` and clip_grad_norm_'s factor
+    /// `min(1, max_norm / (norm + 1e-6))`, written to `norm_out` = [norm,
+    /// factor] by two dispatches (per-chunk sums of squares into `partials`,
+    /// [`grad_norm_groups`] long, then their sum) in a fixed order, so the
+    /// result is deterministic. Run them before the update that reads it.
+    pub fn grad_norm(&self, norm_out: View<'_>, partials: View<'_>, grad: View<'_>, max_norm: f32) -> Result<[Dispatch; 2]> {
+        let op = GRAD_NORM_PARTIALS.entry;
+        if max_norm.is_nan() || max_norm < 0.0 {
+            return Err(Error::InvalidArgument { op, reason: format!("invalid max_norm {max_norm}") });
+        }
+        let groups = grad_norm_groups(grad.len);
+        if partials.len != groups || norm_out.len != 2 {
+            return Err(Error::shape(
+                op,
+                format!("{} gradients need {groups} partials and a norm_out of 2", grad.len),
+                &[&[grad.len], &[partials.len], &[norm_out.len]],
+            ));
+        }
+        let params = NormParams {
+            n: dim(op, grad.len)?,
+            chunk: dim(op, grad.len.div_ceil(groups))?,
+            groups: dim(op, groups)?,
+            max_norm,
+        };
+        let sums = self.prepare(GRAD_NORM_PARTIALS, &[], &[bind(1, "grad", grad), bind(7, "partials", partials)], 8, &params, groups as u64)?;
+        let finish = self.prepare(GRAD_NORM_FINISH, &[], &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)], 8, &params, 1)?;
+        Ok([sums, finish])
+    }
+
+    /// Points a prepared update at another step number (its learning rate
+    /// from the schedule, its bias corrections), so one dispatch serves
+    /// every step of a training run. Only the step's scalars are rewritten:
+    /// the decay group and clipping stay as built.
     pub fn set_optimizer_step(&self, dispatch: &Dispatch, n: usize, optimizer: &OptimizerConfig, step: u64) -> Result<()> {
         let kernel = dispatch.kernel();
+        // The step scalars are the block's first bytes (`SgdParams`, `AdamParams`).
         match optimizer {
             OptimizerConfig::Sgd(cfg) if kernel == SGD_UPDATE => {
-                self.rewrite_params(dispatch, &sgd_params(kernel.entry, n, cfg, step)?)
+                self.rewrite_params(dispatch, &sgd_step(kernel.entry, n, cfg, step)?)
             }
             OptimizerConfig::Adam(cfg) if kernel == ADAM_UPDATE || kernel == ADAMW_UPDATE => {
-                self.rewrite_params(dispatch, &adam_params(kernel.entry, n, cfg, step)?)
+                self.rewrite_params(dispatch, &adam_step(kernel.entry, n, cfg, step)?)
             }
             _ => {
                 return Err(Error::InvalidArgument {

@@ -214,6 +214,8 @@ pub const CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "
 pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
 pub const ADAMW_UPDATE: Kernel = kernel(Family::Optim, "adamw_update");
+pub const GRAD_NORM_PARTIALS: Kernel = kernel(Family::Optim, "grad_norm_partials");
+pub const GRAD_NORM_FINISH: Kernel = kernel(Family::Optim, "grad_norm_finish");
 
 pub const MATMUL_F16_FORWARD: Kernel = kernel(Family::MatmulF16, "matmul_f16_forward");
 pub const F32_TO_F16: Kernel = kernel(Family::MatmulF16, "f32_to_f16");
@@ -275,6 +277,8 @@ pub const KERNELS: &[Kernel] = &[
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,
+    GRAD_NORM_PARTIALS,
+    GRAD_NORM_FINISH,
     MATMUL_F16_FORWARD,
     F32_TO_F16,
     F16_TO_F32,

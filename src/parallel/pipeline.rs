@@ -104,6 +104,11 @@ impl Pipeline {
     ) -> Result<Self> {
         let criterion = criterion.into();
         let optimizer = optimizer.into();
+        if optimizer.clip_grad_norm().is_some() {
+            // Each device would clip by the norm of its own share of the
+            // parameters, not torch's global norm.
+            return Err(Error::InvalidArgument { op: "Pipeline", reason: "clip_grad_norm is not supported here (data parallel only)".into() });
+        }
         let s = group.len();
         if micro_batches == 0 || global_batch % micro_batches != 0 {
             return Err(Error::InvalidArgument {

@@ -78,6 +78,11 @@ impl TensorParallel {
     ) -> Result<Self> {
         let criterion = criterion.into();
         let optimizer = optimizer.into();
+        if optimizer.clip_grad_norm().is_some() {
+            // Each device would clip by the norm of its own share of the
+            // parameters, not torch's global norm.
+            return Err(Error::InvalidArgument { op: "TensorParallel", reason: "clip_grad_norm is not supported here (data parallel only)".into() });
+        }
         let layers = &model.layers;
         let bad = |reason: String| Error::InvalidArgument { op: "TensorParallel", reason };
         let (first, act, second) = match layers.get(block_start..block_start + 3) {
