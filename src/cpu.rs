@@ -590,6 +590,7 @@ pub fn concat_last(a: &[f32], b: &[f32], rows: usize, a_cols: usize, b_cols: usi
     (0..rows)
         .flat_map(|r| a[r * a_cols..(r + 1) * a_cols].iter().chain(&b[r * b_cols..(r + 1) * b_cols]).copied())
         .collect()
+}
 
 // Optimizer steps over separate parameter tensors, as PyTorch takes them:
 // the reference for the executor, which works on one arena with the
