@@ -122,7 +122,7 @@ fn across_processes_only_data_parallel_is_accepted() {
     let group: Arc<dyn ProcessGroup> = Arc::new(SingleProcess);
     let mut cfg = config(1, out_dir("refused").join("never.safetensors"));
     cfg.strategy = Some(Strategy::Tensor);
-    let err = training::train(&DeviceOptions::default(), cfg.clone(), Some(group), &mut ()).err().expect("tensor parallel across processes");
+    let err = training::train(&DeviceOptions::default(), cfg.clone(), Some(group), &mut ()).expect_err("tensor parallel across processes");
     assert!(matches!(&err, Error::InvalidArgument { op: "train --distributed", .. }), "{err}");
     assert!(!cfg.checkpoint.unwrap().exists());
 }
