@@ -22,9 +22,19 @@ MPI_READY := $(shell command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev
 	ldconfig -p 2>/dev/null | grep -q libclang && echo yes)
 TEST_FEATURES := $(if $(MPI_READY),--features mpi$(comma)fault-injection)
 
+# Where cargo puts builds (CARGO_TARGET_DIR, a config's target-dir, or
+# target/); asked only when a recipe uses it.
+TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+
+# The workspace's default members: the library (with its tests, examples and
+# benches) and the CLI (cli/, with the tests that run the binary). The
+# adapters are listed by the binary the test build made: `cargo run` would
+# build the library a second time, without the features the
+# dev-dependencies turn on in shared crates (proptest's getrandom).
 test: driver
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
-	$(CARGO) run --release $(TEST_FEATURES) --bin wgrad -- adapters
+	$(CARGO) test --release $(TEST_FEATURES) --no-run
+	"$(TARGET_DIR)/release/wgrad" adapters
 	$(CARGO) test --release $(TEST_FEATURES)
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 

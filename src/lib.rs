@@ -6,7 +6,12 @@
 //! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
 //! twin of every kernel that the tests compare against. Both take their op
 //! vocabulary (matmul forms, activations, optimizer settings) from [`ops`],
-//! so neither imports the other.
+//! so neither imports the other. [`training`] runs a whole training run
+//! (data, devices, strategy, resume, loop, checkpoint) over [`parallel`].
+//!
+//! The `wgrad` command line is a separate package (`cli/`), so depending
+//! on this library compiles none of its argument parsing, progress bars or
+//! plotting.
 
 pub mod bench;
 pub mod checkpoint;
@@ -19,9 +24,9 @@ pub mod kernels;
 pub mod trainer;
 pub mod optim;
 pub mod parallel;
-pub mod plot;
 pub mod nn;
 pub mod ops;
+pub mod training;
 
 pub use device::{Device, DeviceOptions};
 pub use error::{Error, Result};

@@ -1,5 +1,8 @@
 //! The `wgrad` command line.
 
+mod bench;
+mod plot;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -7,16 +10,15 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use wgrad::data::{self, Dataset, Sampler};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
-use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, SGD};
-use wgrad::parallel::distributed::{DistributedDataParallel, ProcessGroup};
+use wgrad::parallel::distributed::ProcessGroup;
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
-use wgrad::parallel::engine::{Engine, Strategy};
-use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{accuracy, Predictor, Targets};
+use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::DeviceSelection;
+use wgrad::trainer::{accuracy, Predictor};
+use wgrad::training::{self, Progress, RunInfo, TrainConfig};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
@@ -156,20 +158,6 @@ struct TrainArgs {
     fail_at: Option<String>,
 }
 
-/// The train/test split every command agrees on.
-fn load_data(mnist: Option<&PathBuf>, test_fraction: f64, seed: u64) -> wgrad::Result<(Dataset, Dataset, String)> {
-    match mnist {
-        Some(dir) => {
-            let (train, test) = data::mnist(dir)?;
-            Ok((train, test, format!("mnist:{}", dir.display())))
-        }
-        None => {
-            let (train, test) = data::digits()?.split(test_fraction, seed)?;
-            Ok((train, test, "digits".to_string()))
-        }
-    }
-}
-
 fn tune(opts: &DeviceOptions) -> wgrad::Result<()> {
     let kernels = open_kernels(opts)?;
     println!("tuning matmul on {}", kernels.device().label());
@@ -211,7 +199,6 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
 /// hang the ranks still waiting in a collective).
 #[cfg(feature = "mpi")]
 fn train_mpi(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
-    use wgrad::parallel::distributed::ProcessGroup;
     let group = Arc::new(wgrad::parallel::mpi::MpiGroup::init()?);
     let shared: Arc<dyn ProcessGroup> = group.clone();
     match run_training(opts, args, Some(shared)) {
@@ -244,236 +231,133 @@ fn train_mpi_missing(op: &'static str) -> wgrad::Result<()> {
     })
 }
 
-/// Rank 0's data on every rank: only rank 0 reads files.
-fn share_data(group: &dyn ProcessGroup, loaded: Option<(Dataset, Dataset, String)>) -> wgrad::Result<(Dataset, Dataset, String)> {
-    use wgrad::parallel::distributed::{broadcast_f32, broadcast_u64};
-    let root = group.rank() == 0;
-    let (train, test, name) = match loaded {
-        Some((train, test, name)) => (Some(train), Some(test), name),
-        None => (None, None, String::new()),
-    };
-    let mut name_bytes = name.into_bytes();
-    group.broadcast_bytes(0, &mut name_bytes)?;
-    let share = |set: Option<Dataset>| -> wgrad::Result<Dataset> {
-        let (mut x, labels, features, classes) = match set {
-            Some(d) if root => d.into_parts(),
-            _ => (Vec::new(), Vec::new(), 0, 0),
-        };
-        let mut meta = vec![features as u64, classes as u64];
-        let mut labels: Vec<u64> = labels.into_iter().map(u64::from).collect();
-        broadcast_u64(group, 0, &mut meta)?;
-        broadcast_f32(group, 0, &mut x)?;
-        broadcast_u64(group, 0, &mut labels)?;
-        let labels = labels.into_iter().map(|l| l as u32).collect();
-        Dataset::new(x, labels, meta[0] as usize, meta[1] as usize)
-    };
-    let train = share(train)?;
-    let test = share(test)?;
-    Ok((train, test, String::from_utf8_lossy(&name_bytes).into_owned()))
-}
-
-fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
-    let rank = process_group.as_ref().map_or(0, |g| g.rank());
-    let root = rank == 0;
-    let (train_set, test_set, data_name) = match &process_group {
-        None => load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?,
-        Some(g) => {
-            let loaded = if root { Some(load_data(args.mnist.as_ref(), args.test_fraction, args.seed)?) } else { None };
-            share_data(g.as_ref(), loaded)?
-        }
-    };
-    log::info!("rank {rank}: data ready");
-    let strategy = match (&args.parallel, &process_group) {
-        (Some(name), _) => Strategy::parse(name)?,
-        (None, Some(_)) => Strategy::Data,
-        (None, None) => Strategy::Single,
-    };
-    if process_group.is_some() && strategy != Strategy::Data {
-        return Err(wgrad::Error::InvalidArgument {
-            op: "train --distributed",
-            reason: "across processes wgrad trains data parallel: use --parallel data".into(),
-        });
-    }
-    let selection = match (&args.devices, strategy, &process_group) {
-        (Some(d), _, _) => Some(DeviceSelection::parse(d)?),
-        (None, Strategy::Single, _) | (None, _, Some(_)) => None,
-        (None, _, None) => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
-    };
-    let mut widths = vec![train_set.features()];
-    widths.extend(&args.hidden);
-    widths.push(train_set.classes());
-    nn::manual_seed(args.seed);
-    let model = Sequential::mlp(&widths, Layer::ReLU)?;
-    // A device count that cannot work fails here, before devices open one
-    // by one (minutes for a large count). Across processes --split holds
-    // rows per process, not per device.
-    if let Some(selection) = &selection {
-        let split = if process_group.is_some() { None } else { args.split.as_deref() };
-        strategy.check_devices(selection.check()?, &model, args.batch_size, split)?;
-    }
-    let group = match &selection {
-        Some(selection) => DeviceGroup::open(selection)?,
-        None => DeviceGroup::from_kernels(vec![open_kernels(opts)?])?,
-    };
+/// The flags as the library's run configuration.
+fn train_config(args: &TrainArgs) -> wgrad::Result<TrainConfig> {
     let optimizer: OptimizerConfig = match args.optimizer {
         OptimizerName::Adam => Adam::new(args.lr).into(),
         OptimizerName::Adamw => AdamW::new(args.lr).into(),
         OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
     };
-    log::info!("rank {rank}: devices open");
-    // Pipelines compile while the engine is built (lavapipe) or at their
-    // first dispatch (llvmpipe-GL, and lavapipe with a cold shader cache):
-    // both can take seconds, so neither happens in silence.
-    let preparing = if root { spinner("preparing kernels") } else { ProgressBar::hidden() };
-    let mut engine = match process_group {
-        Some(g) => Engine::Distributed(DistributedDataParallel::new(g, &group, &model, CrossEntropyLoss, optimizer, args.batch_size, args.split.clone())?),
-        None => Engine::new(strategy, &group, &model, CrossEntropyLoss.into(), optimizer, args.batch_size, args.micro_batches, args.split.clone())?,
-    };
-    // Cleared before anything below prints.
-    preparing.finish_and_clear();
-    #[cfg(feature = "fault-injection")]
-    if let (Some(spec), Engine::Distributed(d)) = (&args.fail_at, &mut engine) {
-        let (fail_rank, step, how) = parse_fail_at(spec)?;
-        d.inject_failure(fail_rank, step, how);
+    Ok(TrainConfig {
+        epochs: args.epochs,
+        batch_size: args.batch_size,
+        hidden: args.hidden.clone(),
+        optimizer,
+        seed: args.seed,
+        test_fraction: args.test_fraction,
+        mnist: args.mnist.clone(),
+        loss_every: args.loss_every,
+        max_steps: args.max_steps,
+        resume: args.resume.clone(),
+        checkpoint: Some(args.checkpoint.clone()),
+        strategy: args.parallel.as_deref().map(Strategy::parse).transpose()?,
+        devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
+        micro_batches: args.micro_batches,
+        split: args.split.clone(),
+        #[cfg(feature = "fault-injection")]
+        fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
+    })
+}
+
+/// A spinner while kernels are prepared, then a bar over the steps. The
+/// library reports only on rank 0, so other ranks draw nothing.
+#[derive(Default)]
+struct Bars {
+    preparing: Option<ProgressBar>,
+    steps: Option<ProgressBar>,
+}
+
+impl Progress for Bars {
+    fn preparing(&mut self) {
+        // Pipelines compile while the engine is built (lavapipe) or at
+        // their first dispatch (llvmpipe-GL, and lavapipe with a cold
+        // shader cache): both can take seconds, so neither happens in silence.
+        self.preparing = Some(spinner("preparing kernels"));
     }
-    if let Some(path) = &args.resume {
-        match &mut engine {
-            Engine::Single(t) => t.load(path)?,
-            Engine::Data(d) => {
-                for t in d.replicas_mut() {
-                    t.load(path)?;
-                }
-            }
-            // Rank 0 reads the checkpoint and every rank takes its state,
-            // whatever the number of processes that wrote it.
-            Engine::Distributed(d) => {
-                if root {
-                    for t in d.local_mut().replicas_mut() {
-                        t.load(path)?;
-                    }
-                }
-                d.sync_from_root()?;
-            }
-            _ => {
-                return Err(wgrad::Error::InvalidArgument {
-                    op: "train --resume",
-                    reason: "resuming is supported for single-device and data-parallel runs".into(),
-                })
-            }
+
+    fn started(&mut self, info: &RunInfo) {
+        // Cleared before anything below prints.
+        if let Some(s) = self.preparing.take() {
+            s.finish_and_clear();
         }
-        if root {
+        if let Some(path) = &info.resumed_from {
             println!("resumed from {}", path.display());
         }
-    }
-    // Rank 0 speaks for the job; other ranks only report errors.
-    macro_rules! say {
-        ($($arg:tt)*) => { if root { println!($($arg)*); } };
-    }
-    say!("devices: {}", group.labels().join(", "));
-    if let Engine::Single(t) = &engine {
-        let exec = t.executor();
-        say!(
-            "GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
-            exec.peak_bytes() / 1024,
-            exec.plan().slot_bytes / 1024,
-            exec.plan().naive_intermediate_bytes / 1024,
+        println!("devices: {}", info.devices.join(", "));
+        if let Some(m) = &info.memory {
+            println!(
+                "GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
+                m.peak_bytes / 1024,
+                m.planned_intermediate_bytes / 1024,
+                m.naive_intermediate_bytes / 1024,
+            );
+        }
+        println!("model: {} | {} | batch {}", info.model, info.optimizer, info.batch_size);
+        println!("{}", info.engine);
+        println!("data: {}, {} train / {} test rows", info.data, info.train_rows, info.test_rows);
+        let bar = ProgressBar::new(info.steps);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
+        // Ticks on its own thread, so a first step that waits on a shader
+        // compile still shows the run is alive.
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        bar.set_message("first steps compile kernels (cached for later runs)");
+        self.steps = Some(bar);
     }
-    say!("model: {} | {} | batch {}", model.describe(), wgrad::optim::describe(&optimizer), args.batch_size);
-    say!("{}", engine.describe());
-    say!("data: {data_name}, {} train / {} test rows", train_set.len(), test_set.len());
 
-    let mut sampler = Sampler::new(train_set.len(), args.batch_size, args.seed, true)?;
-    let all_steps = (sampler.num_batches() * args.epochs) as u64;
-    let steps = args.max_steps.map_or(all_steps, |m| m.min(all_steps));
-    let bar = if root { ProgressBar::new(steps) } else { ProgressBar::hidden() };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    // Ticks on its own thread, so a first step that waits on a shader
-    // compile still shows the run is alive.
-    bar.enable_steady_tick(std::time::Duration::from_millis(120));
-    bar.set_message("first steps compile kernels (cached for later runs)");
-    let mut x = vec![0.0f32; args.batch_size * train_set.features()];
-    let mut y = vec![0u32; args.batch_size];
-    let mut curve: Vec<(u64, f32)> = Vec::new();
-    let start = Instant::now();
-    let mut done = 0u64;
-    let shares_of = |e: &Engine| match e {
-        Engine::Data(d) => d.shares().to_vec(),
-        Engine::Distributed(d) => d.process_shares().to_vec(),
-        _ => Vec::new(),
-    };
-    let mut last_shares = shares_of(&engine);
-    'epochs: for _ in 0..args.epochs {
-        for b in 0..sampler.num_batches() {
-            if done >= steps {
-                break 'epochs;
-            }
-            let Some(indices) = sampler.batch(b) else { break };
-            train_set.fill_batch(indices, &mut x, &mut y)?;
-            done += 1;
-            let read = done % args.loss_every.max(1) == 0 || done == steps;
-            if let Some(loss) = engine.step(&x, Targets::Classes(&y), read)? {
-                curve.push((done, loss));
-                let rate = (done * args.batch_size as u64) as f64 / start.elapsed().as_secs_f64();
-                bar.set_message(format!("loss {loss:.4} | {rate:.0} samples/s"));
-            }
-            let shares = shares_of(&engine);
-            if shares != last_shares {
-                if root {
-                    bar.println(format!("step {done}: {}", engine.describe()));
-                }
-                last_shares = shares;
-            }
+    fn loss(&mut self, _step: u64, loss: f32, samples_per_s: f64) {
+        if let Some(bar) = &self.steps {
+            bar.set_message(format!("loss {loss:.4} | {samples_per_s:.0} samples/s"));
+        }
+    }
+
+    fn rebalanced(&mut self, step: u64, engine: &str) {
+        if let Some(bar) = &self.steps {
+            bar.println(format!("step {step}: {engine}"));
+        }
+    }
+
+    fn step(&mut self, _step: u64) {
+        if let Some(bar) = &self.steps {
             bar.inc(1);
         }
-        sampler.next_epoch();
     }
-    for k in group.members() {
-        k.device().wait_idle("train")?;
+
+    fn trained(&mut self) {
+        if let Some(bar) = &self.steps {
+            bar.finish();
+        }
     }
-    let seconds = start.elapsed().as_secs_f64();
-    bar.finish();
-    if !root {
-        return Ok(());
-    }
-    let test_accuracy = accuracy(&engine.predict(test_set.x())?, test_set.labels());
-    let train_accuracy = accuracy(&engine.predict(train_set.x())?, train_set.labels());
+}
+
+fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
+    let config = train_config(args)?;
+    let mut bars = Bars::default();
+    let Some(summary) = training::train(opts, config, process_group, &mut bars)? else { return Ok(()) };
     println!(
-        "trained {done} steps in {seconds:.1} s ({:.0} samples/s); train accuracy {:.2}%, test accuracy {:.2}%",
-        (done * args.batch_size as u64) as f64 / seconds,
-        100.0 * train_accuracy,
-        100.0 * test_accuracy
+        "trained {} steps in {:.1} s ({:.0} samples/s); train accuracy {:.2}%, test accuracy {:.2}%",
+        summary.steps,
+        summary.seconds,
+        summary.samples_per_s,
+        100.0 * summary.train_accuracy,
+        100.0 * summary.test_accuracy
     );
-    let report = engine.report();
-    if !report.is_empty() {
-        println!("{report}");
+    if !summary.report.is_empty() {
+        println!("{}", summary.report);
     }
-    let mut ckpt = engine.checkpoint(&model, &optimizer)?;
-    ckpt.set_meta("data", data_name);
-    ckpt.set_meta("split_seed", args.seed.to_string());
-    ckpt.set_meta("test_fraction", args.test_fraction.to_string());
-    ckpt.set_meta("test_accuracy", format!("{test_accuracy:.6}"));
-    if let Some(dir) = args.checkpoint.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| wgrad::Error::CheckpointIo {
-            path: dir.to_path_buf(),
-            action: "create the directory",
-            source,
-        })?;
+    if let Some(path) = &summary.checkpoint {
+        println!("checkpoint: {}", path.display());
     }
-    wgrad::checkpoint::save(&args.checkpoint, &ckpt)?;
-    println!("checkpoint: {}", args.checkpoint.display());
-    let title = format!("{} — test accuracy {:.2}%", model.describe(), 100.0 * test_accuracy);
-    wgrad::plot::loss_curve(&args.plot, &title, &curve)?;
+    let title = format!("{} — test accuracy {:.2}%", summary.model, 100.0 * summary.test_accuracy);
+    plot::loss_curve(&args.plot, &title, &summary.curve)?;
     println!("loss curve: {}", args.plot.display());
     Ok(())
 }
 
 #[cfg(feature = "mpi")]
 fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
-    use wgrad::parallel::distributed::ProcessGroup;
     let group = wgrad::parallel::mpi::MpiGroup::init()?;
     // Training reduces the gradient bucket by bucket: 2^18 f64 sums each.
     const BUCKET: usize = 1 << 18;
@@ -536,7 +420,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     let (mut predictor, ckpt) = Predictor::from_checkpoint(kernels.clone(), path, 256)?;
     let seed = ckpt.meta("split_seed").and_then(|s| s.parse().ok()).unwrap_or(0);
     let fraction = ckpt.meta("test_fraction").and_then(|s| s.parse().ok()).unwrap_or(0.2);
-    let (_, test_set, data_name) = load_data(mnist, fraction, seed)?;
+    let training::DataSplit { test: test_set, name: data_name, .. } = training::load_data(mnist.map(PathBuf::as_path), fraction, seed)?;
     if test_set.features() != predictor.in_features() {
         return Err(wgrad::Error::shape(
             "infer",
@@ -571,7 +455,7 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> 
     let reps = if quick { 3 } else { 5 };
     let mut lines = Vec::new();
     for &n in sizes {
-        lines.push(wgrad::bench::matmul(&kernels, n, reps)?);
+        lines.push(bench::matmul(&kernels, n, reps)?);
     }
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);

@@ -5,7 +5,7 @@ use std::sync::Once;
 
 use plotters::prelude::*;
 
-use crate::error::{Error, Result};
+use wgrad::{Error, Result};
 
 static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSansMono.ttf");
 
