@@ -349,8 +349,8 @@ fn in_chunks<T: bytemuck::Pod + Default, R>(
     Ok(out)
 }
 
-/// Outputs of `output` for every row of `features`, batch by batch.
-fn chunked_outputs(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[f32]) -> Result<Vec<f32>> {
+/// Outputs of `output` for every example, batch by batch.
+fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[T]) -> Result<Vec<f32>> {
     in_chunks(exec, input, batch, in_features, features, |exec, n| {
         exec.run(&[output])?;
         Ok(exec.read(output)?[..n * width].to_vec())
@@ -441,6 +441,11 @@ impl Predictor {
 
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
         chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
+    }
+
+    /// Model outputs (logits) for sequences of token `ids`, batch by batch.
+    pub fn outputs_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), ids)
     }
 
     /// See [`Trainer::predict_ids`].

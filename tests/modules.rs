@@ -1,0 +1,161 @@
+//! Modules end to end: determinism with embeddings, causality of the
+//! attention block, ragged last batches, fused vs unfused masking, and
+//! tensors over an adapter's limits.
+
+mod common;
+
+use common::{assert_close, for_each_adapter, random_vec, rng};
+use wgrad::graph::{Executor, Graph, Tensor};
+use wgrad::nn::{self, Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
+use wgrad::optim::AdamW;
+use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::Error;
+
+const VOCAB: usize = 13;
+const SEQ: usize = 7;
+
+/// Token + position embeddings, one attention block, a head.
+struct Tiny {
+    wte: Embedding,
+    wpe: Embedding,
+    block: Block,
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+impl Tiny {
+    fn new(seed: u64) -> Tiny {
+        nn::manual_seed(seed);
+        Tiny {
+            wte: Embedding::normal(VOCAB, 16, 0.2),
+            wpe: Embedding::normal(SEQ, 16, 0.2),
+            block: Block::new(16, 2).expect("16 channels, 2 heads"),
+            ln_f: LayerNorm::new(16),
+            head: Linear::new(16, VOCAB),
+        }
+    }
+}
+
+impl Module for Tiny {
+    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
+        g.ids("idx", &[batch, SEQ])
+    }
+
+    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
+        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
+        let positions = self.wpe.table(g, &format!("{prefix}wpe."))?;
+        let x = g.add(tokens, positions)?;
+        let x = self.block.forward(g, x, &format!("{prefix}h.0."))?;
+        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
+        self.head.forward(g, x, &format!("{prefix}lm_head."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        Vec::new()
+    }
+
+    fn describe(&self) -> String {
+        "Tiny".into()
+    }
+}
+
+/// Batches where most positions hold the same few tokens, so the
+/// embedding gradient adds many rows into the same table row.
+fn repetitive_batch(batch: usize, step: u64) -> (Vec<u32>, Vec<u32>) {
+    let ids: Vec<u32> = (0..batch * SEQ).map(|i| if (i as u64 + step) % 5 == 0 { (i % VOCAB) as u32 } else { (step % 3) as u32 }).collect();
+    let targets = ids.iter().map(|&t| (t + 1) % VOCAB as u32).collect();
+    (ids, targets)
+}
+
+#[test]
+fn the_same_seed_gives_bit_identical_weights_with_repeated_tokens() {
+    for_each_adapter("determinism", |k| {
+        let run = || -> wgrad::Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+            let model = Tiny::new(7);
+            let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, AdamW::new(1e-2), 6)?;
+            for step in 0..20 {
+                let (x, y) = repetitive_batch(6, step);
+                t.zero_grad();
+                t.forward_ids(&x)?;
+                t.loss(Targets::Classes(&y))?;
+                t.backward()?;
+                t.step()?;
+            }
+            t.executor().parameters()
+        };
+        let (first, second) = (run()?, run()?);
+        let start = Tiny::new(7);
+        assert_ne!(first.iter().find(|(n, _, _)| n == "wte.weight").map(|p| &p.2), Some(&start.wte.weight), "the embedding trained");
+        for ((name, _, a), (_, _, b)) in first.iter().zip(&second) {
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{name} differs between two runs with the same seed");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn an_output_depends_on_no_later_token_and_a_ragged_last_batch_needs_no_rebuild() {
+    for_each_adapter("causality", |k| {
+        let model = Tiny::new(3);
+        // A graph built for batch 4 serves 5 sequences: the last chunk is
+        // padded, nothing is rebuilt.
+        let mut p = Predictor::new(k.clone(), &model, 4)?;
+        let ids: Vec<u32> = random_vec(&mut rng(5), 5 * SEQ, 0.0, VOCAB as f32).iter().map(|&v| (v as u32).min(VOCAB as u32 - 1)).collect();
+        let all = p.predict_ids(&ids)?;
+        assert_eq!(all.len(), 5 * SEQ);
+        let alone = p.predict_ids(&ids[4 * SEQ..])?;
+        assert_eq!(&all[4 * SEQ..], &alone[..], "a sequence's predictions do not depend on its batch");
+        // Changing the tokens after position t changes nothing up to t:
+        // a generator can run a full-length graph on a prefix.
+        let outputs = p.outputs_ids(&ids[..SEQ])?;
+        for t in 0..SEQ {
+            let mut changed = ids[..SEQ].to_vec();
+            for v in &mut changed[t + 1..] {
+                *v = (*v + 1) % VOCAB as u32;
+            }
+            let other = p.outputs_ids(&changed)?;
+            let upto = (t + 1) * VOCAB;
+            assert_eq!(&outputs[..upto], &other[..upto], "logits up to position {t} saw a later token");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn the_fused_causal_softmax_matches_a_mask_added_before_a_plain_softmax() {
+    for_each_adapter("causal softmax vs mask", |k| {
+        let (b, h, t) = (2, 3, 11);
+        let values = random_vec(&mut rng(8), b * h * t * t, -3.0, 3.0);
+        let mut g = Graph::new();
+        let scores = g.constant("scores", &[b, h, t, t], values)?;
+        let fused = g.softmax(scores, true)?;
+        // The unfused reference: −1e9 above the diagonal, broadcast over
+        // batch and heads.
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+        let mask = g.constant("mask", &[t, t], mask)?;
+        let masked = g.add(scores, mask)?;
+        let reference = g.softmax(masked, false)?;
+        let mut exec = Executor::new(k.clone(), g, &[fused, reference], None, None)?;
+        exec.run(&[fused, reference])?;
+        // exp(−1e9 − max) is exactly 0 in f32; the visible terms are the
+        // same sums, up to the reduction order.
+        assert_close("causal softmax", &exec.read(fused)?, &exec.read(reference)?, 1e-6, 1e-5);
+        Ok(())
+    });
+}
+
+#[test]
+fn a_tensor_over_the_adapters_binding_limit_is_an_error() {
+    for_each_adapter("over the limit", |k| {
+        let limit = k.device().limits().max_storage_buffer_binding_size as usize / 4;
+        let mut g = Graph::new();
+        let x = g.input("x", &[2, limit / 2 + 7])?;
+        let y = g.relu(x)?;
+        match Executor::new(k.clone(), g, &[y], None, None) {
+            Err(Error::TooLarge { .. }) => Ok(()),
+            Err(other) => panic!("expected a limit error, got {other}"),
+            Ok(_) => panic!("a tensor over max_storage_buffer_binding_size was accepted"),
+        }
+    });
+}
