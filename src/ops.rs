@@ -235,9 +235,11 @@ pub struct SgdConfig {
     /// `min(1, max_norm / (total_norm + 1e-6))`, with `total_norm` the L2
     /// norm of all gradients together (torch.nn.utils.clip_grad_norm_).
     pub clip_grad_norm: Option<f32>,
-    /// Weight decay only on parameters with two or more dimensions (matmul
-    /// weights, embeddings), not on biases or norm gains: nanoGPT's
-    /// `configure_optimizers` groups. The executor marks the others with
+    /// Parameter groups: weight decay only on weight matrices, not on
+    /// biases or norm gains (fewer than 2 dimensions) nor on what a module
+    /// put in the no-decay group (`Graph::mark_no_decay_group`: embedding
+    /// tables), as nanoGPT's `configure_optimizers` groups with embeddings
+    /// left out. The executor marks the others with
     /// `Graph::exclude_from_weight_decay`, which also takes any parameter.
     pub decay_matrices_only: bool,
 }

@@ -40,6 +40,82 @@ pub enum Targets<'a> {
     Classes(&'a [u32]),
 }
 
+/// A batch of examples as a model reads them: f32 features or u32 token
+/// ids, row-major, examples one after another.
+#[derive(Clone, Copy, Debug)]
+pub enum Examples<'a> {
+    Features(&'a [f32]),
+    Ids(&'a [u32]),
+}
+
+impl<'a> Examples<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Examples::Features(x) => x.len(),
+            Examples::Ids(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values `start..end` (not examples: the caller multiplies by the
+    /// values per example).
+    pub fn slice(&self, start: usize, end: usize) -> Examples<'a> {
+        match *self {
+            Examples::Features(x) => Examples::Features(&x[start..end]),
+            Examples::Ids(x) => Examples::Ids(&x[start..end]),
+        }
+    }
+}
+
+impl<'a> From<&'a [f32]> for Examples<'a> {
+    fn from(x: &'a [f32]) -> Self {
+        Examples::Features(x)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for Examples<'a> {
+    fn from(x: &'a Vec<f32>) -> Self {
+        Examples::Features(x)
+    }
+}
+
+impl<'a> From<&'a [u32]> for Examples<'a> {
+    fn from(x: &'a [u32]) -> Self {
+        Examples::Ids(x)
+    }
+}
+
+impl<'a> From<&'a Vec<u32>> for Examples<'a> {
+    fn from(x: &'a Vec<u32>) -> Self {
+        Examples::Ids(x)
+    }
+}
+
+/// Per-example widths of a model: the values it reads, the values it
+/// outputs, and the rows of its output (1 for an MLP, the sequence length
+/// for a language model: the class labels per example).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelWidths {
+    pub inputs: usize,
+    pub outputs: usize,
+    pub output_rows: usize,
+    pub reads_ids: bool,
+}
+
+impl ModelWidths {
+    /// Builds `model` for one example in a scratch graph (no GPU work).
+    pub fn of(model: &dyn Module) -> Result<Self> {
+        let mut g = Graph::new();
+        let Built { input, output, in_per_example, out_per_example } = build_model(&mut g, model, 1)?;
+        let last = g.shape_of(output).and_then(|s| s.last().copied()).unwrap_or(1).max(1);
+        let reads_ids = g.get(input).is_some_and(|n| n.dtype == DType::U32);
+        Ok(ModelWidths { inputs: in_per_example, outputs: out_per_example, output_rows: out_per_example / last, reads_ids })
+    }
+}
+
 pub struct Trainer {
     exec: Executor,
     input: Tensor,
@@ -160,6 +236,15 @@ impl Trainer {
         Ok(())
     }
 
+    /// Sets the batch, features or ids ([`Trainer::forward`] or
+    /// [`Trainer::forward_ids`]).
+    pub fn forward_examples(&mut self, x: Examples<'_>) -> Result<()> {
+        match x {
+            Examples::Features(f) => self.forward(f),
+            Examples::Ids(ids) => self.forward_ids(ids),
+        }
+    }
+
     /// Sets a batch of token ids, [batch_size, sequence] row-major, for a
     /// model whose input is u32 ids (`model(idx)`).
     pub fn forward_ids(&mut self, ids: &[u32]) -> Result<()> {
@@ -252,6 +337,14 @@ impl Trainer {
     /// The class with the largest output for each row (argmax).
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
         chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
+    }
+
+    /// [`Trainer::predict`] or [`Trainer::predict_ids`].
+    pub fn predict_examples(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        match x {
+            Examples::Features(f) => self.predict(f),
+            Examples::Ids(ids) => self.predict_ids(ids),
+        }
     }
 
     /// The argmax over the last output dimension for every position of

@@ -482,9 +482,12 @@ fn the_memory_plan_reuses_intermediate_slots() {
     assert!(plan.slot_bytes * 4 < plan.naive_intermediate_bytes * 3, "slots {} vs naive {}", plan.slot_bytes, plan.naive_intermediate_bytes);
     let in_slots = plan.storage.iter().filter(|s| matches!(s, wgrad::graph::Storage::Slot { .. })).count();
     assert!(plan.slot_len.len() * 2 <= in_slots, "{} slots hold {in_slots} tensors", plan.slot_len.len());
-    // Every parameter offset is aligned and they do not overlap.
+    // Every parameter offset is aligned and they do not overlap (the arena
+    // holds the decayed group first, so sort by offset).
     let mut end = 0;
-    for &(p, offset) in &plan.param_offsets {
+    let mut by_offset = plan.param_offsets.clone();
+    by_offset.sort_by_key(|&(_, offset)| offset);
+    for &(p, offset) in &by_offset {
         assert_eq!(offset % 64, 0);
         assert!(offset >= end);
         end = offset + g.get(p).expect("parameter").len();

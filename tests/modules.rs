@@ -9,12 +9,14 @@ use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::nn::{self, Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
 use wgrad::optim::AdamW;
 use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::parallel::{DataParallel, DeviceGroup, DeviceSelection, Split};
 use wgrad::Error;
 
 const VOCAB: usize = 13;
 const SEQ: usize = 7;
 
 /// Token + position embeddings, one attention block, a head.
+#[derive(Clone)]
 struct Tiny {
     wte: Embedding,
     wpe: Embedding,
@@ -158,4 +160,34 @@ fn a_tensor_over_the_adapters_binding_limit_is_an_error() {
             Ok(_) => panic!("a tensor over max_storage_buffer_binding_size was accepted"),
         }
     });
+}
+
+#[test]
+fn data_parallel_trains_an_attention_model_as_one_device_does() {
+    if !common::any_adapter("data parallel attention") {
+        return;
+    }
+    let _gl = common::lock_gl_if_any();
+    let group = DeviceGroup::open(&DeviceSelection::Count(2)).expect("two devices");
+    let model = Tiny::new(11);
+    let global = 6;
+    let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, AdamW::new(5e-3), global).expect("trainer");
+    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, AdamW::new(5e-3), global, Split::Rows(vec![2, 4])).expect("data parallel");
+    for step in 0..4 {
+        let (x, y) = repetitive_batch(global, step);
+        single.zero_grad();
+        single.forward_ids(&x).expect("forward");
+        single.loss(Targets::Classes(&y)).expect("loss");
+        single.backward().expect("backward");
+        single.step().expect("step");
+        dp.step(&x, Targets::Classes(&y), false).expect("data parallel step");
+    }
+    let want = single.executor().parameters().expect("parameters");
+    for (r, replica) in dp.replicas().iter().enumerate() {
+        for ((name, _, got), (_, _, w)) in replica.executor().parameters().expect("parameters").iter().zip(&want) {
+            // The same math with the batch summed in two shards, then
+            // weighted: f32 rounding through 4 Adam steps.
+            assert_close(&format!("{name} on replica {r}"), got, w, 1e-5, 1e-3);
+        }
+    }
 }

@@ -185,6 +185,9 @@ pub struct Graph {
     pub(crate) nodes: Vec<Node>,
     /// Parameters the optimizer applies no weight decay to (sorted).
     no_weight_decay: Vec<Tensor>,
+    /// Parameters their module says belong in the no-decay group
+    /// (embedding tables), honoured when the optimizer uses groups.
+    no_decay_group: Vec<Tensor>,
 }
 
 
@@ -744,6 +747,29 @@ impl Graph {
             self.no_weight_decay.insert(at, param);
         }
         Ok(())
+    }
+
+    /// Marks `param` for the no-decay group, which an optimizer with
+    /// parameter groups (`decay_matrices_only`) leaves undecayed along with
+    /// every parameter of fewer than 2 dimensions: for a matrix that is not
+    /// a weight, such as an embedding table. Without groups it decays like
+    /// any other parameter (PyTorch's default).
+    pub fn mark_no_decay_group(&mut self, param: Tensor) -> Result<()> {
+        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Parameter { .. })) {
+            return Err(Error::InvalidArgument {
+                op: "mark_no_decay_group",
+                reason: format!("tensor #{} is not a parameter of this graph", param.0),
+            });
+        }
+        if let Err(at) = self.no_decay_group.binary_search(&param) {
+            self.no_decay_group.insert(at, param);
+        }
+        Ok(())
+    }
+
+    /// Whether `param`'s module put it in the no-decay group.
+    pub fn in_no_decay_group(&self, param: Tensor) -> bool {
+        self.no_decay_group.binary_search(&param).is_ok()
     }
 
     /// Whether the optimizer's weight decay applies to `param` (true unless

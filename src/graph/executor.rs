@@ -87,12 +87,13 @@ impl Executor {
             cfg.validate()?;
         }
         // nanoGPT's groups: parameters of fewer than 2 dimensions (biases,
-        // norm gains) get no weight decay. Before planning, which lays the
+        // norm gains), and those their module put in the no-decay group
+        // (embeddings), get no weight decay. Before planning, which lays the
         // groups out.
         let mut graph = graph;
         if optimizer.is_some_and(|o| o.decay_matrices_only()) {
             for p in graph.parameters() {
-                if graph.shape(p).len() < 2 {
+                if graph.shape(p).len() < 2 || graph.in_no_decay_group(p) {
                     graph.exclude_from_weight_decay(p)?;
                 }
             }

@@ -82,12 +82,13 @@ pub trait Module {
     }
 }
 
-/// Declares a parameter `{prefix}{name}`; `decay: false` keeps it out of
-/// weight decay (biases, norms, embeddings).
+/// Declares a parameter `{prefix}{name}`; `decay: false` puts a matrix in
+/// the no-decay group (an embedding table), which an optimizer with
+/// parameter groups leaves undecayed together with biases and norm gains.
 pub(crate) fn parameter(g: &mut Graph, prefix: &str, name: &str, shape: &[usize], init: &[f32], decay: bool) -> Result<Tensor> {
     let t = g.parameter(&format!("{prefix}{name}"), shape, init.to_vec())?;
     if !decay {
-        g.exclude_from_weight_decay(t)?;
+        g.mark_no_decay_group(t)?;
     }
     Ok(t)
 }

@@ -12,8 +12,8 @@ use super::collectives::{all_reduce_then, Part};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Sequential};
-use crate::trainer::{Targets, Trainer};
+use crate::nn::{Criterion, Module};
+use crate::trainer::{Examples, ModelWidths, Targets, Trainer};
 
 /// How the global batch is divided among devices.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,14 +43,13 @@ pub struct DataParallel {
     replicas: Vec<Trainer>,
     shares: Vec<usize>,
     global_batch: usize,
-    in_features: usize,
-    out_features: usize,
+    widths: ModelWidths,
     criterion: Criterion,
     /// Per device, seconds per step ≈ fixed + per_row · rows (measured).
     costs: Vec<Option<Cost>>,
     split: Split,
     bucket: usize,
-    model: Sequential,
+    model: Arc<dyn Module + Send + Sync>,
     optimizer: OptimizerConfig,
     stats: DataParallelStats,
 }
@@ -167,9 +166,9 @@ fn host_state(t: &Trainer) -> Result<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(
 
 impl DataParallel {
     /// A replica of `model` on every device of `group`; `global_batch` rows per step.
-    pub fn new(
+    pub fn new<M: Module + Clone + Send + Sync + 'static>(
         group: &DeviceGroup,
-        model: &Sequential,
+        model: &M,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
@@ -188,22 +187,18 @@ impl DataParallel {
             }
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
-        let (in_features, out_features) = match (model.in_features(), model.out_features()) {
-            (Some(i), Some(o)) => (i, o),
-            _ => return Err(Error::InvalidArgument { op: "DataParallel", reason: "the model has no Linear layer".into() }),
-        };
+        let widths = ModelWidths::of(model)?;
         let mut dp = DataParallel {
             costs: vec![None; devices.len()],
             devices,
             replicas: Vec::new(),
             shares: Vec::new(),
             global_batch,
-            in_features,
-            out_features,
+            widths,
             criterion: criterion.into(),
             split,
             bucket: 1 << 18,
-            model: model.clone(),
+            model: Arc::new(model.clone()),
             optimizer: optimizer.into(),
             stats: DataParallelStats::default(),
         };
@@ -226,18 +221,26 @@ impl DataParallel {
         let small = (n / (2 * self.devices.len())).max(1);
         let large = n.max(small + 1);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-        let x: Vec<f32> = (0..large * self.in_features).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let values: Vec<f32> = (0..large * self.out_features).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let classes: Vec<u32> = (0..large).map(|i| (i % self.out_features) as u32).collect();
+        let w = self.widths;
+        let x: Vec<f32> = (0..large * w.inputs).map(|_| rng.random_range(-1.0..1.0)).collect();
+        // Id 0 exists in every vocabulary.
+        let ids = vec![0u32; large * w.inputs];
+        let values: Vec<f32> = (0..large * w.outputs).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let classes_per_row = (w.outputs / w.output_rows.max(1)).max(1);
+        let classes: Vec<u32> = (0..large * w.output_rows).map(|i| (i % classes_per_row) as u32).collect();
         for (i, k) in self.devices.iter().enumerate() {
             let time_at = |rows: usize| -> Result<f64> {
-                let mut t = Trainer::new(k.clone(), &self.model, self.criterion, self.optimizer, rows)?;
+                let mut t = Trainer::new(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows)?;
                 let targets = match self.criterion {
-                    Criterion::Mse => Targets::Values(&values[..rows * self.out_features]),
-                    Criterion::CrossEntropy => Targets::Classes(&classes[..rows]),
+                    Criterion::Mse => Targets::Values(&values[..rows * w.outputs]),
+                    Criterion::CrossEntropy => Targets::Classes(&classes[..rows * w.output_rows]),
                 };
                 let run = |t: &mut Trainer| -> Result<()> {
-                    t.forward(&x[..rows * self.in_features])?;
+                    if w.reads_ids {
+                        t.forward_ids(&ids[..rows * w.inputs])?;
+                    } else {
+                        t.forward(&x[..rows * w.inputs])?;
+                    }
                     t.loss(targets)?;
                     t.forward_backward(false)?;
                     k.device().wait_idle("calibrate")
@@ -307,7 +310,7 @@ impl DataParallel {
     ) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
-            let mut t = Trainer::new(k.clone(), &self.model, self.criterion, self.optimizer, rows).map_err(|e| on_device(i, k, e))?;
+            let mut t = Trainer::new(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows).map_err(|e| on_device(i, k, e))?;
             if let Some((params, opt, step)) = &state {
                 t.executor_mut().load_state(params, opt, Some(*step)).map_err(|e| on_device(i, k, e))?;
             }
@@ -349,7 +352,8 @@ impl DataParallel {
     /// gradients are all-reduced weighted by shard size, and every replica
     /// takes the same optimizer step. Returns the global mean loss when
     /// `read_loss`.
-    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    /// `x`: f32 features or u32 token ids ([`Examples`]), as the model reads.
+    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         self.step_across(x, targets, read_loss, 1.0, &mut |_| Ok(()))
     }
 
@@ -358,27 +362,31 @@ impl DataParallel {
     /// each bucket of the local sum goes through `across` (a sum over
     /// processes) before it reaches the devices. The loss returned is this
     /// process's own mean, unscaled.
-    pub fn step_across(
+    pub fn step_across<'x>(
         &mut self,
-        x: &[f32],
+        x: impl Into<Examples<'x>>,
         targets: Targets<'_>,
         read_loss: bool,
         scale: f64,
         across: &mut dyn FnMut(&mut [f64]) -> Result<()>,
     ) -> Result<Option<f32>> {
-        let f = self.in_features;
+        let x = x.into();
+        let f = self.widths.inputs;
+        if x.is_empty() || matches!(x, Examples::Ids(_)) != self.widths.reads_ids {
+            return Err(Error::InvalidArgument { op: "DataParallel::step", reason: "the model reads the other kind of input (features or token ids)".into() });
+        }
         let width = match targets {
             Targets::Values(v) => {
-                if v.len() != self.global_batch * self.out_features {
+                if v.len() != self.global_batch * self.widths.outputs {
                     return Err(Error::shape("DataParallel::step", "targets must be batch × outputs", &[&[v.len()]]));
                 }
-                self.out_features
+                self.widths.outputs
             }
             Targets::Classes(c) => {
-                if c.len() != self.global_batch {
-                    return Err(Error::shape("DataParallel::step", "one label per row", &[&[c.len()]]));
+                if c.len() != self.global_batch * self.widths.output_rows {
+                    return Err(Error::shape("DataParallel::step", "one label per output row", &[&[c.len()]]));
                 }
-                1
+                self.widths.output_rows
             }
         };
         if x.len() != self.global_batch * f {
@@ -390,9 +398,9 @@ impl DataParallel {
             let k = &self.devices[i];
             let shard_targets = match targets {
                 Targets::Values(v) => Targets::Values(&v[row * width..(row + n) * width]),
-                Targets::Classes(c) => Targets::Classes(&c[row..row + n]),
+                Targets::Classes(c) => Targets::Classes(&c[row * width..(row + n) * width]),
             };
-            t.forward(&x[row * f..(row + n) * f]).map_err(|e| on_device(i, k, e))?;
+            t.forward_examples(x.slice(row * f, (row + n) * f)).map_err(|e| on_device(i, k, e))?;
             t.loss(shard_targets).map_err(|e| on_device(i, k, e))?;
             t.forward_backward(false).map_err(|e| on_device(i, k, e))?;
             row += n;
@@ -491,7 +499,7 @@ impl DataParallel {
     }
 
     /// Predictions from replica 0 (all replicas hold the same weights).
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        self.replicas[0].predict(features)
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        self.replicas[0].predict_examples(x.into())
     }
 }

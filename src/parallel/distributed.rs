@@ -21,8 +21,8 @@ use super::data::{balanced_split, proportional_split, Cost, DataParallel, Split}
 use super::DeviceGroup;
 use crate::error::{Error, Result};
 use crate::kernels::{OptimizerConfig, View};
-use crate::nn::{Criterion, Sequential};
-use crate::trainer::{Targets, Trainer};
+use crate::nn::{Criterion, Module};
+use crate::trainer::{Examples, Targets, Trainer};
 
 /// The processes of one job, and the few collectives data parallel
 /// training needs between them. Every call is collective: every rank must
@@ -151,10 +151,10 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     /// fixes the rows per process (rank order); otherwise each process
     /// measures its step cost and the batch is split so all finish together.
     /// Every replica then starts from rank 0's parameters.
-    pub fn new(
+    pub fn new<M: Module + Clone + Send + Sync + 'static>(
         group: G,
         local_devices: &DeviceGroup,
-        model: &Sequential,
+        model: &M,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
@@ -295,7 +295,8 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     /// One optimizer step on the global batch (`x` and `targets` hold all
     /// of it, in the same order on every rank; each process takes its rows).
     /// Returns the global mean loss when `read_loss`.
-    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        let x = x.into();
         let (rank, size) = (self.group.rank(), self.group.size());
         #[cfg(feature = "fault-injection")]
         if let Some((r, s, how)) = self.failure {
@@ -322,13 +323,14 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
                 Targets::Values(&v[start * w..(start + rows) * w])
             }
             Targets::Classes(c) => {
-                if c.len() != n {
-                    return Err(Error::shape("DistributedDataParallel::step", "one label per row", &[&[c.len()]]));
+                let w = c.len() / n;
+                if w == 0 || c.len() != n * w {
+                    return Err(Error::shape("DistributedDataParallel::step", "the same labels per example", &[&[c.len()]]));
                 }
-                Targets::Classes(&c[start..start + rows])
+                Targets::Classes(&c[start * w..(start + rows) * w])
             }
         };
-        let own_x = &x[start * f..(start + rows) * f];
+        let own_x = x.slice(start * f, (start + rows) * f);
         let scale = rows as f64 / n as f64;
         let began = Instant::now();
         let mut across = Duration::ZERO;
@@ -420,8 +422,8 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         &self.local.replicas()[0]
     }
 
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        self.local.predict(features)
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        self.local.predict(x)
     }
 }
 
