@@ -9,7 +9,8 @@ use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::nn::{self, Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
 use wgrad::optim::AdamW;
 use wgrad::trainer::{Predictor, Targets, Trainer};
-use wgrad::parallel::{DataParallel, DeviceGroup, DeviceSelection, Split};
+use wgrad::parallel::data::{DataParallel, Split};
+use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::Error;
 
 const VOCAB: usize = 13;
