@@ -26,7 +26,7 @@ const EMBD: usize = 48;
 const HEADS: usize = 4;
 const LAYERS: usize = 2;
 const BATCH: usize = 32;
-const STEPS: usize = 800;
+const STEPS: usize = 400;
 
 /// Token and position embeddings, blocks, a final norm and the head, named
 /// as GPT-2 names them (`wte`, `wpe`, `h.0.attn.c_attn.weight`, …).
@@ -116,7 +116,7 @@ fn train(kernels: &Arc<wgrad::Kernels>, model: &TinyTransformer, test: &(Vec<u32
         trainer.forward_ids(&x)?;
         trainer.loss(Targets::Classes(&y))?;
         trainer.backward()?;
-        if step % 200 == 0 {
+        if step % 100 == 0 {
             println!("  step {step:4}: loss {:.4}", trainer.step_reading_loss()?);
         } else {
             trainer.step()?;

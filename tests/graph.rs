@@ -133,6 +133,17 @@ fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>
                 }
                 out
             }
+            Op::Mean => vec![x(0).iter().sum::<f64>() / x(0).len() as f64],
+            Op::CrossEntropyRows => {
+                let cols = shape(0)[1];
+                x(0).chunks(cols)
+                    .zip(x(1))
+                    .map(|(row, &target)| {
+                        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        m + row.iter().map(|a| (a - m).exp()).sum::<f64>().ln() - row[target as usize]
+                    })
+                    .collect()
+            }
             Op::Embedding => {
                 let c = shape(0)[1];
                 x(1).iter().flat_map(|&id| x(0)[id as usize * c..(id as usize + 1) * c].to_vec()).collect()
@@ -375,6 +386,19 @@ fn tensor_ops_backward_match_central_differences() {
         let feeds_ids = vec![(ids, vec![3, 3, 0, 10, 3, 7, 7, 1, 3, 0]), (targets, vec![0, 5, 2, 2, 1, 3, 4, 0, 5, 1])];
         gradcheck(k, "embedding + rank-3 cross-entropy", g, loss, vec![], feeds_ids)?;
 
+        // Cross-entropy over logits too large for one workgroup: one
+        // workgroup per row, then the mean (257 rows of 256 classes).
+        let (rows, vocab) = (257, 256);
+        let mut g = Graph::new();
+        let x = g.input("x", &[rows, 3])?;
+        let w = param(&mut g, "w", &[3, vocab], 44);
+        let logits = g.matmul(x, w)?;
+        let targets = g.labels("targets", rows)?;
+        let loss = g.cross_entropy_loss(logits, targets)?;
+        assert!(g.nodes().iter().any(|n| n.op == Op::CrossEntropyRows), "the row-wise loss serves large logits");
+        let labels: Vec<u32> = (0..rows as u32).map(|r| (r * 37) % vocab as u32).collect();
+        gradcheck(k, "row-wise cross-entropy", g, loss, vec![(x, random_vec(&mut rng(45), rows * 3, -1.0, 1.0))], vec![(targets, labels)])?;
+
         // The attention module end to end: two heads over [2, 5, 8].
         nn::manual_seed(41);
         let attn = nn::CausalSelfAttention::new(8, 2)?;
@@ -411,9 +435,11 @@ fn bad_shapes_are_errors_at_build_time_naming_the_op_and_shapes() {
 fn a_gradient_without_a_rule_is_an_error() {
     let mut g = Graph::new();
     let p = g.parameter("p", &[2, 2], vec![1.0; 4]).unwrap();
-    let m = g.mean(p).unwrap();
+    // Column sums have no gradient rule (only autodiff emits them).
+    let columns = g.sum_rows(p).unwrap();
+    let m = g.mean(columns).unwrap();
     match g.backward(m) {
-        Err(Error::NoGradient { op, .. }) => assert_eq!(op, "mean"),
+        Err(Error::NoGradient { op, .. }) => assert_eq!(op, "sum_rows"),
         other => panic!("expected NoGradient, got {other:?}"),
     }
     let x = g.input("x", &[2, 2]).unwrap();

@@ -7,7 +7,7 @@ mod common;
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::nn::{self, Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
-use wgrad::optim::AdamW;
+use wgrad::optim::{AdamW, SGD};
 use wgrad::trainer::{Predictor, Targets, Trainer};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
@@ -172,8 +172,11 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
     let group = DeviceGroup::open(&DeviceSelection::Count(2)).expect("two devices");
     let model = Tiny::new(11);
     let global = 6;
-    let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, AdamW::new(5e-3), global).expect("trainer");
-    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, AdamW::new(5e-3), global, Split::Rows(vec![2, 4])).expect("data parallel");
+    // SGD, whose step is linear in the gradient: Adam would turn the
+    // rounding noise of gradients that are zero in exact arithmetic (the
+    // key bias: softmax ignores a shift of every score) into full steps.
+    let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, SGD::new(0.1), global).expect("trainer");
+    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, SGD::new(0.1), global, Split::Rows(vec![2, 4])).expect("data parallel");
     for step in 0..4 {
         let (x, y) = repetitive_batch(global, step);
         single.zero_grad();
@@ -187,8 +190,8 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
     for (r, replica) in dp.replicas().iter().enumerate() {
         for ((name, _, got), (_, _, w)) in replica.executor().parameters().expect("parameters").iter().zip(&want) {
             // The same math with the batch summed in two shards, then
-            // weighted: f32 rounding through 4 Adam steps.
-            assert_close(&format!("{name} on replica {r}"), got, w, 1e-5, 1e-3);
+            // weighted: f32 rounding through 4 SGD steps.
+            assert_close(&format!("{name} on replica {r}"), got, w, 1e-5, 1e-4);
         }
     }
 }

@@ -215,7 +215,7 @@ impl Graph {
                 Ok(self.push(Op::SoftmaxBackward, vec![node, dy], n.shape.clone(), DType::F32, name))
             }
             (Op::LayerNorm { .. }, _) => {
-                let stats = self.layer_norm_stats(node).ok_or_else(|| Error::NoGradient { op: "layer_norm", input: n.name.clone() })?;
+                let stats = self.companion(node).ok_or_else(|| Error::NoGradient { op: "layer_norm", input: n.name.clone() })?;
                 let x = input(0);
                 if slot == 0 {
                     let inputs = vec![dy, x, input(1), stats];
@@ -251,6 +251,20 @@ impl Graph {
                 };
                 let name = format!("d{}", self.node(table).name);
                 Ok(self.push(Op::EmbeddingBackward, vec![dy, ids, sort], in_shape, DType::F32, name))
+            }
+            // The mean's gradient dy/N at every element: dy broadcast by a
+            // multiply with ones.
+            (Op::Mean, 0) => {
+                let count = self.node(input(0)).len();
+                let ones = self.constant(&format!("{}.ones", n.name), &in_shape, vec![1.0; count])?;
+                let spread = self.mul(ones, dy)?;
+                self.scale(spread, 1.0 / count as f32)
+            }
+            (Op::CrossEntropyRows, 0) => {
+                let grad = self.companion(node).ok_or_else(|| Error::NoGradient { op: "cross_entropy_rows", input: n.name.clone() })?;
+                let rows = n.shape[0];
+                let per_row = self.reshape(dy, &[rows, 1])?;
+                self.mul(grad, per_row)
             }
             _ => Err(Error::NoGradient { op: n.op.name(), input: self.node(n.inputs[slot]).name.clone() }),
         }

@@ -105,6 +105,22 @@ pub enum Op {
     /// inputs (dy, ids, sort) -> the table's gradient, added into the
     /// parameter's gradient (always computed there).
     EmbeddingBackward,
+    /// inputs (logits [rows, V], u32 targets [rows]) -> per-row losses
+    /// [rows], one workgroup per row (any vocabulary). Its dispatch also
+    /// fills the [`Op::CrossEntropyRowsGrad`] node added right after it
+    /// with d loss_r / d logits (llm.c's fused logits, loss and gradient).
+    CrossEntropyRows,
+    /// inputs (the per-row losses): softmax(logits) − onehot(target),
+    /// written by the cross-entropy's dispatch.
+    CrossEntropyRowsGrad,
+}
+
+impl Op {
+    /// A node another node's dispatch writes (it has no kernel of its own
+    /// and follows its writer).
+    pub fn is_companion(&self) -> bool {
+        matches!(self, Op::LayerNormStats | Op::CrossEntropyRowsGrad)
+    }
 }
 
 /// Where the second part of a node holding two vectors starts (elements):
@@ -155,6 +171,8 @@ impl Op {
             Op::Embedding => "embedding",
             Op::EmbeddingSort { .. } => "embedding_sort",
             Op::EmbeddingBackward => "embedding_backward",
+            Op::CrossEntropyRows => "cross_entropy_rows",
+            Op::CrossEntropyRowsGrad => "cross_entropy_rows_grad",
         }
     }
 }
@@ -193,6 +211,11 @@ pub struct Graph {
 
 /// The largest rank a tensor may have.
 pub const MAX_RANK: usize = 4;
+
+/// Largest logits (elements) whose cross-entropy runs as the loss
+/// family's single-workgroup kernels, which the plan fuses with the last
+/// layer; above it, one workgroup per row.
+pub const SINGLE_WORKGROUP_LOSS_MAX: usize = 1 << 16;
 
 /// A tensor of rank ≥ 2 seen as [rows, last dimension] (row-wise ops,
 /// biases, losses).
@@ -500,11 +523,17 @@ impl Graph {
         if self.node(labels).dtype != DType::U32 || st.iter().product::<usize>() != rows {
             return Err(Error::shape(OP, format!("labels must be u32 class indices of shape {:?}", &sl[..sl.len() - 1]), &[&sl, &st]));
         }
-        if sl.len() > 2 {
+        if sl.len() > 2 || st.len() > 1 {
             // Rows are rows whatever the leading shape: the 2-D loss serves.
             let flat_logits = self.reshape(logits, &[rows, classes])?;
             let flat_labels = self.reshape(labels, &[rows])?;
             return self.cross_entropy_loss(flat_logits, flat_labels);
+        }
+        if rows * classes > SINGLE_WORKGROUP_LOSS_MAX {
+            // Too large for one workgroup: a workgroup per row, then the mean.
+            let losses = self.push(Op::CrossEntropyRows, vec![logits, labels], vec![rows], DType::F32, format!("{OP}{}.rows", self.nodes.len()));
+            self.push(Op::CrossEntropyRowsGrad, vec![losses], sl.clone(), DType::F32, format!("{OP}{}.grad", losses.0));
+            return self.mean(losses);
         }
         Ok(self.push(Op::Loss(LossKind::CrossEntropy), vec![logits, labels], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
@@ -713,10 +742,11 @@ impl Graph {
         Ok(self.push(Op::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
-    /// The layernorm-statistics node of layernorm `y`.
-    pub(crate) fn layer_norm_stats(&self, y: Tensor) -> Option<Tensor> {
+    /// The node `y`'s dispatch also writes (a layernorm's statistics, a
+    /// cross-entropy's gradient), added right after it.
+    pub(crate) fn companion(&self, y: Tensor) -> Option<Tensor> {
         let s = Tensor(y.0 + 1);
-        (self.get(s).is_some_and(|n| n.op == Op::LayerNormStats && n.inputs == [y])).then_some(s)
+        (self.get(s).is_some_and(|n| n.op.is_companion() && n.inputs == [y])).then_some(s)
     }
 
     /// Every parameter, in the order added.

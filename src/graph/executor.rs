@@ -183,7 +183,7 @@ impl Executor {
                 && !exec.plan.fused_away[i]
                 && !matches!(
                     exec.graph.node(Tensor(i)).op,
-                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats
+                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
                 );
             dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
         }
@@ -408,7 +408,7 @@ impl Executor {
             }
             Op::LayerNorm { eps } => {
                 let (rows, cols) = rows_cols(&node.shape);
-                let stats = self.graph.layer_norm_stats(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
+                let stats = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
                 let (mean, rstd) = self.halves(stats, rows)?;
                 k.layernorm_forward(out, mean, rstd, input(0)?, input(1)?, input(2)?, rows, cols, *eps)
             }
@@ -439,7 +439,12 @@ impl Executor {
                 k.embedding_backward(out, input(0)?, input(1)?, order, n, vocab, channels)
             }
             Op::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats => Err(Error::InvalidArgument {
+            Op::CrossEntropyRows => {
+                let (rows, vocab) = (shape(0)[0], shape(0)[1]);
+                let grad = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
+                k.cross_entropy_rows_forward_backward(out, self.view(grad)?, input(0)?, input(1)?, rows, vocab, 1.0)
+            }
+            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
                 op: "Executor",
                 reason: format!("`{}` has no kernel", node.name),
             }),
@@ -560,7 +565,7 @@ impl Executor {
         };
         for node in self.graph.nodes() {
             match node.op {
-                Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) if reads_t(node.inputs[1]) => {
+                Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) | Op::CrossEntropyRows if reads_t(node.inputs[1]) => {
                     let classes = self.graph.shape(node.inputs[0]).last().copied().unwrap_or(0);
                     if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
                         return Err(Error::InvalidArgument {

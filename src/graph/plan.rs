@@ -182,14 +182,13 @@ impl Plan {
                 }
             }
         }
-        // A layernorm's dispatch always writes its statistics.
+        // A layernorm's dispatch always writes its statistics, a row-wise
+        // cross-entropy its gradient.
         let mut companion: Vec<Option<usize>> = vec![None; count];
         for i in 0..count {
-            if matches!(nodes[i].op, Op::LayerNorm { .. }) {
-                if let Some(s) = graph.layer_norm_stats(Tensor(i)) {
-                    companion[i] = Some(s.0);
-                    needed[s.0] |= needed[i];
-                }
+            if let Some(s) = graph.companion(Tensor(i)) {
+                companion[i] = Some(s.0);
+                needed[s.0] |= needed[i];
             }
         }
 
@@ -380,7 +379,7 @@ impl Plan {
                 Op::Parameter { .. } => {}
                 // Shares its input's storage (set below); the layernorm
                 // placed its statistics.
-                Op::Reshape | Op::LayerNormStats => {}
+                Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
                     inputs += 1;
