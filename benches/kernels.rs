@@ -13,7 +13,9 @@
 //!   (batch 32, seq 12, 48 channels, 4 heads: 384 token rows, 1536 score
 //!   rows of 12), each as 1 and as 8 dispatches in one pass (the difference
 //!   over 7 is the kernel's own time without the submit), and a whole
-//!   training step of that model (`transformer/step`).
+//!   training step of that model (`transformer/step`); and softmax /
+//!   layernorm at 2048 rows of SHORT_ROW_MAX and SHORT_ROW_MAX + 3 columns
+//!   (`threshold_*`: the two row-wise paths side by side).
 //!
 //! Each family runs at a tiny size (the time is the dispatch + submit + wait
 //! overhead) and at large sizes (the time is the kernel's own work;
@@ -501,6 +503,20 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     time_kernel(&mut group, b, "layernorm_backward", &size, &d);
     let d = k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), bt, ch).expect("ln params");
     time_kernel(&mut group, b, "layernorm_backward_params", &size, &d);
+
+    // Each side of SHORT_ROW_MAX (128: one invocation per row, 131: one
+    // workgroup per row), at 2048 rows: where the threshold sits.
+    for cols in [wgrad::kernels::SHORT_ROW_MAX, wgrad::kernels::SHORT_ROW_MAX + 3] {
+        let rows = 2048;
+        let (x, w, bias) = (b.tensor(rows * cols), b.tensor(cols), b.tensor(cols));
+        let k = &b.kernels;
+        let (y, mean, rstd) = (k.zeros(rows * cols).expect("zeros"), k.zeros(rows).expect("zeros"), k.zeros(rows).expect("zeros"));
+        let size = format!("{rows}x{cols}");
+        let d = k.softmax_forward(y.view(), x.view(), rows, cols, None).expect("softmax");
+        b.time(&mut group, "threshold_softmax_forward", &size, None, &[&d]);
+        let d = k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), bias.view(), rows, cols, 1e-5).expect("ln");
+        b.time(&mut group, "threshold_layernorm_forward", &size, None, &[&d]);
+    }
 
     // Heads: [B, T, H, D] -> [B, H, T, D], and the attention products.
     let d_head = ch / h;
