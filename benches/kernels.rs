@@ -8,7 +8,14 @@
 //! - `reduce`: sum_rows, sum, max_rows, argmax_rows;
 //! - `loss`: MSE and cross-entropy forward, backward and the fused
 //!   single-workgroup forward_backward;
-//! - `optim`: SGD, SGD with momentum and Adam over a flat parameter arena.
+//! - `optim`: SGD, SGD with momentum and Adam over a flat parameter arena;
+//! - `transformer`: every kernel at the shapes of `examples/attention.rs`
+//!   (batch 32, seq 12, 48 channels, 4 heads: 384 token rows, 1536 score
+//!   rows of 12), each as 1 and as 8 dispatches in one pass (the difference
+//!   over 7 is the kernel's own time without the submit), and a whole
+//!   training step of that model (`transformer/step`); and softmax /
+//!   layernorm at 2048 rows of SHORT_ROW_MAX and SHORT_ROW_MAX + 3 columns
+//!   (`threshold_*`: the two row-wise paths side by side).
 //!
 //! Each family runs at a tiny size (the time is the dispatch + submit + wait
 //! overhead) and at large sizes (the time is the kernel's own work;
@@ -30,7 +37,13 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, SgdConfig};
+use std::sync::Arc;
+
+use wgrad::graph::{Graph, Tensor};
+use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, MatmulForm, SgdConfig};
+use wgrad::nn::{Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
+use wgrad::optim::Adam;
+use wgrad::trainer::{Targets, Trainer};
 use wgrad::{Device, GpuTensor, Kernels};
 
 const F32: u64 = 4;
@@ -58,7 +71,7 @@ fn random(rng: &mut ChaCha8Rng, len: usize, bound: f32) -> Vec<f32> {
 
 /// Buffers with seeded random contents, and one way to time a dispatch list.
 struct Bench {
-    kernels: Kernels,
+    kernels: Arc<Kernels>,
     rng: ChaCha8Rng,
 }
 
@@ -393,6 +406,192 @@ fn optim(c: &mut Criterion, b: &mut Bench) {
     group.finish();
 }
 
+/// The model of `examples/attention.rs` (attention variant), copied: the
+/// bench must not depend on the example.
+const T_VOCAB: usize = 16;
+const T_SEQ: usize = 12;
+const T_EMBD: usize = 48;
+const T_HEADS: usize = 4;
+const T_LAYERS: usize = 2;
+const T_BATCH: usize = 32;
+
+struct TinyTransformer {
+    wte: Embedding,
+    wpe: Embedding,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: Linear,
+}
+
+impl TinyTransformer {
+    fn new() -> wgrad::Result<Self> {
+        Ok(TinyTransformer {
+            wte: Embedding::normal(T_VOCAB, T_EMBD, 0.1),
+            wpe: Embedding::normal(T_SEQ, T_EMBD, 0.1),
+            h: (0..T_LAYERS).map(|_| Block::new(T_EMBD, T_HEADS)).collect::<wgrad::Result<_>>()?,
+            ln_f: LayerNorm::new(T_EMBD),
+            lm_head: Linear::new(T_EMBD, T_VOCAB),
+        })
+    }
+}
+
+impl Module for TinyTransformer {
+    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
+        g.ids("idx", &[batch, T_SEQ])
+    }
+
+    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
+        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
+        let positions = self.wpe.table(g, &format!("{prefix}wpe."))?;
+        let mut x = g.add(tokens, positions)?;
+        for (i, block) in self.h.iter().enumerate() {
+            x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
+        }
+        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
+        self.lm_head.forward(g, x, &format!("{prefix}lm_head."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let mut all: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut add = |prefix: String, m: &dyn Module| all.extend(m.named_parameters().into_iter().map(|(n, s)| (format!("{prefix}{n}"), s)));
+        add("wte.".into(), &self.wte);
+        add("wpe.".into(), &self.wpe);
+        for (i, block) in self.h.iter().enumerate() {
+            add(format!("h.{i}."), block);
+        }
+        add("ln_f.".into(), &self.ln_f);
+        add("lm_head.".into(), &self.lm_head);
+        all
+    }
+
+    fn describe(&self) -> String {
+        "TinyTransformer (benches/kernels.rs)".into()
+    }
+}
+
+/// One dispatch, and 8 of it in one pass.
+fn time_kernel(group: &mut BenchmarkGroup<'_, WallTime>, b: &Bench, name: &str, size: &str, d: &Dispatch) {
+    b.time(group, format!("{name}_x1"), size, None, &[d]);
+    b.time(group, format!("{name}_x8"), size, None, &[d; 8]);
+}
+
+fn transformer(c: &mut Criterion, b: &mut Bench) {
+    let mut group = family(c, "transformer");
+    let (bt, ch, t, h) = (T_BATCH * T_SEQ, T_EMBD, T_SEQ, T_HEADS);
+    let score_rows = T_BATCH * h * t;
+    let scores = b.tensor(score_rows * t);
+    let dscores = b.tensor(score_rows * t);
+    let probs = b.kernels.zeros(score_rows * t).expect("zeros");
+    let k = &b.kernels;
+    let size = format!("{score_rows}x{t}");
+    let d = k.softmax_forward(probs.view(), scores.view(), score_rows, t, Some(t)).expect("softmax");
+    time_kernel(&mut group, b, "softmax_forward_causal", &size, &d);
+    let d = k.softmax_backward(dscores.view(), probs.view(), scores.view(), score_rows, t).expect("softmax_backward");
+    time_kernel(&mut group, b, "softmax_backward", &size, &d);
+
+    let x = b.tensor(bt * ch);
+    let w = b.tensor(ch);
+    let bias = b.tensor(ch);
+    let dy = b.tensor(bt * ch);
+    let k = &b.kernels;
+    let (y, mean, rstd) = (k.zeros(bt * ch).expect("zeros"), k.zeros(bt).expect("zeros"), k.zeros(bt).expect("zeros"));
+    let (dw, db, dx) = (k.zeros(ch).expect("zeros"), k.zeros(ch).expect("zeros"), k.zeros(bt * ch).expect("zeros"));
+    let size = format!("{bt}x{ch}");
+    let d = k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), bias.view(), bt, ch, 1e-5).expect("ln");
+    time_kernel(&mut group, b, "layernorm_forward", &size, &d);
+    let d = k.layernorm_backward(dx.view(), dy.view(), x.view(), w.view(), mean.view(), rstd.view(), bt, ch).expect("ln bw");
+    time_kernel(&mut group, b, "layernorm_backward", &size, &d);
+    let d = k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), bt, ch).expect("ln params");
+    time_kernel(&mut group, b, "layernorm_backward_params", &size, &d);
+
+    // Each side of SHORT_ROW_MAX (128: one invocation per row, 131: one
+    // workgroup per row), at 2048 rows: where the threshold sits.
+    for cols in [wgrad::kernels::SHORT_ROW_MAX, wgrad::kernels::SHORT_ROW_MAX + 3] {
+        let rows = 2048;
+        let (x, w, bias) = (b.tensor(rows * cols), b.tensor(cols), b.tensor(cols));
+        let k = &b.kernels;
+        let (y, mean, rstd) = (k.zeros(rows * cols).expect("zeros"), k.zeros(rows).expect("zeros"), k.zeros(rows).expect("zeros"));
+        let size = format!("{rows}x{cols}");
+        let d = k.softmax_forward(y.view(), x.view(), rows, cols, None).expect("softmax");
+        b.time(&mut group, "threshold_softmax_forward", &size, None, &[&d]);
+        let d = k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), bias.view(), rows, cols, 1e-5).expect("ln");
+        b.time(&mut group, "threshold_layernorm_forward", &size, None, &[&d]);
+    }
+
+    // Heads: [B, T, H, D] -> [B, H, T, D], and the attention products.
+    let d_head = ch / h;
+    let qkv = b.kernels.zeros(bt * ch).expect("zeros");
+    let d = b.kernels.permute(qkv.view(), x.view(), &[T_BATCH, t, h, d_head], &[0, 2, 1, 3]).expect("permute");
+    time_kernel(&mut group, b, "permute_heads", &format!("{T_BATCH}x{t}x{h}x{d_head}"), &d);
+    let batch = T_BATCH * h;
+    let k = &b.kernels;
+    let d = k.matmul_batched(MatmulForm::ABt, false, scores.view(), x.view(), dy.view(), batch, t, t, d_head).expect("qk");
+    time_kernel(&mut group, b, "matmul_batched_qkT", &format!("{batch}x{t}x{t}x{d_head}"), &d);
+    let d = k.matmul_batched(MatmulForm::AB, false, qkv.view(), probs.view(), x.view(), batch, t, d_head, t).expect("av");
+    time_kernel(&mut group, b, "matmul_batched_av", &format!("{batch}x{t}x{d_head}x{t}"), &d);
+
+    // Token-row matmuls: c_attn (48 -> 144) and the MLP (48 -> 192).
+    let wide = b.tensor(bt * 4 * ch);
+    let w_attn = b.tensor(ch * 3 * ch);
+    let w_fc = b.tensor(ch * 4 * ch);
+    let k = &b.kernels;
+    let out3 = k.zeros(bt * 3 * ch).expect("zeros");
+    let d = k.matmul(MatmulForm::AB, out3.view(), x.view(), w_attn.view(), bt, 3 * ch, ch).expect("c_attn");
+    time_kernel(&mut group, b, "matmul_c_attn", &format!("{bt}x{}x{ch}", 3 * ch), &d);
+    let d = k.matmul(MatmulForm::AB, wide.view(), x.view(), w_fc.view(), bt, 4 * ch, ch).expect("fc");
+    time_kernel(&mut group, b, "matmul_fc", &format!("{bt}x{}x{ch}", 4 * ch), &d);
+    let d = k.slice_last(y.view(), out3.view(), bt, 3 * ch, ch, ch).expect("slice");
+    time_kernel(&mut group, b, "slice_last", &format!("{bt}x{}", 3 * ch), &d);
+    let pos_grad = k.zeros(t * ch).expect("zeros");
+    let d = k
+        .binary_broadcast(Binary::Add, y.view(), x.view(), pos_grad.view(), &[T_BATCH, t, ch], &[t, ch])
+        .expect("broadcast");
+    time_kernel(&mut group, b, "binary_broadcast_add", &format!("{T_BATCH}x{t}x{ch}"), &d);
+    let d = k.reduce_to_shape(true, pos_grad.view(), dy.view(), &[T_BATCH, t, ch], &[t, ch]).expect("reduce_to_shape");
+    time_kernel(&mut group, b, "reduce_to_shape", &format!("{T_BATCH}x{t}x{ch}"), &d);
+
+    // Embedding and loss.
+    let ids = b.labels(bt, T_VOCAB);
+    let table = b.tensor(T_VOCAB * ch);
+    let k = &b.kernels;
+    let (order, cursor, dtable) = (k.zeros(bt).expect("zeros"), k.zeros(T_VOCAB + 1).expect("zeros"), k.zeros(T_VOCAB * ch).expect("zeros"));
+    let d = k.embedding_forward(y.view(), table.view(), ids.view(), bt, T_VOCAB, ch).expect("emb");
+    time_kernel(&mut group, b, "embedding_forward", &format!("{bt}x{ch}"), &d);
+    let d = k.embedding_backward_sort(order.view(), cursor.view(), ids.view(), bt, T_VOCAB).expect("sort");
+    time_kernel(&mut group, b, "embedding_backward_sort", &format!("{bt}"), &d);
+    let d = k.embedding_backward(dtable.view(), dy.view(), ids.view(), order.view(), bt, T_VOCAB, ch).expect("emb bw");
+    time_kernel(&mut group, b, "embedding_backward", &format!("{bt}x{ch}"), &d);
+    let logits = b.tensor(bt * T_VOCAB);
+    let k = &b.kernels;
+    let (losses, dlogits) = (k.zeros(bt).expect("zeros"), k.zeros(bt * T_VOCAB).expect("zeros"));
+    let d = k
+        .cross_entropy_rows_forward_backward(losses.view(), dlogits.view(), logits.view(), ids.view(), bt, T_VOCAB, 1.0 / bt as f32)
+        .expect("ce rows");
+    time_kernel(&mut group, b, "cross_entropy_rows", &format!("{bt}x{T_VOCAB}"), &d);
+
+    // The whole step, as the example runs it.
+    let kernels = b.kernels.clone();
+    wgrad::nn::manual_seed(0);
+    let model = TinyTransformer::new().expect("model");
+    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(3e-3), T_BATCH).expect("trainer");
+    let inputs: Vec<u32> = (0..bt).map(|_| b.rng.random_range(0..T_VOCAB as u32)).collect();
+    let targets: Vec<u32> = (0..bt).map(|i| if i % T_SEQ >= 3 { inputs[i - 3] } else { inputs[i] }).collect();
+    let mut step = || {
+        trainer.zero_grad();
+        trainer.forward_ids(&inputs).expect("forward");
+        trainer.loss(Targets::Classes(&targets)).expect("loss");
+        trainer.backward().expect("backward");
+        trainer.step().expect("step");
+        kernels.device().wait_idle("bench transformer").expect("wait");
+    };
+    for _ in 0..3 {
+        step();
+    }
+    group.bench_function(BenchmarkId::new("step", T_BATCH), |bench| bench.iter(&mut step));
+    group.finish();
+    println!("transformer step: {} dispatches per step", trainer.executor().dispatches_per_step());
+}
+
 fn main() {
     let device = match Device::open_default() {
         Ok(d) => d,
@@ -408,7 +607,7 @@ fn main() {
         load_average(),
     );
     let mut bench = Bench {
-        kernels: Kernels::new(device),
+        kernels: Arc::new(Kernels::new(device)),
         rng: ChaCha8Rng::seed_from_u64(0x5eed),
     };
     let mut criterion = Criterion::default()
@@ -422,6 +621,7 @@ fn main() {
     reduce(&mut criterion, &mut bench);
     loss(&mut criterion, &mut bench);
     optim(&mut criterion, &mut bench);
+    transformer(&mut criterion, &mut bench);
     criterion.final_summary();
     println!("kernels bench done, load average now {}", load_average());
 }

@@ -8,6 +8,16 @@
 // workgroups (row = wid.y · nwg.x + wid.x, as `Kernels::grid` lays them
 // out); workgroups past the last row leave at once.
 //
+// Short rows (softmax, layernorm, cross-entropy with cols ≤ SHORT_ROW_MAX
+// in rowwise.rs) take the `_short` twin of each kernel instead: ONE
+// INVOCATION PER ROW, a serial loop over the row and no barrier but the one
+// that loads the parameters. On llvmpipe/lavapipe a workgroup barrier
+// switches between the workgroup's fibers, so 1536 workgroups of 256 with a
+// dozen barriers each cost ~80 ms for rows of 12, where one invocation per
+// row needs ~0.3 ms. Rows are then laid out like elements (row =
+// (wid.y · nwg.x + wid.x) · WG + t), and the serial sums run in column
+// order, so results are deterministic too.
+//
 // Input gradients (dx, dlogits) are written; parameter gradients (dweight,
 // dbias, dtable) are added into (+=), like the rest of the engine.
 
@@ -178,6 +188,56 @@ fn softmax_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     }
 }
 
+// softmax_forward with one invocation per row (see the top of the file).
+// Two passes over the live columns (max, then Σ exp), then the outputs.
+@compute @workgroup_size(256)
+fn softmax_forward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    var live = q.cols;
+    if q.causal != 0u {
+        live = r % q.causal + 1u;
+    }
+    var m = LOWEST;
+    for (var c = 0u; c < live; c++) {
+        m = max(m, x[base + c]);
+    }
+    var s = 0.0;
+    for (var c = 0u; c < live; c++) {
+        s += exp(x[base + c] - m);
+    }
+    let inv = 1.0 / s;
+    for (var c = 0u; c < q.cols; c++) {
+        var v = 0.0;
+        if c < live {
+            v = exp(x[base + c] - m) * inv;
+        }
+        out[base + c] = v;
+    }
+}
+
+// softmax_backward with one invocation per row.
+@compute @workgroup_size(256)
+fn softmax_backward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    var dot = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        dot += dy[base + c] * y[base + c];
+    }
+    for (var c = 0u; c < q.cols; c++) {
+        out[base + c] = y[base + c] * (dy[base + c] - dot);
+    }
+}
+
 // layernorm_forward: out[rows, cols] = (x − mean) · rstd · weight[cols] +
 // bias[cols], mean_out[rows] and rstd_out[rows] = 1 / sqrt(var + eps) with
 // the biased variance (PyTorch's). Two passes for the variance (mean, then
@@ -241,11 +301,75 @@ fn layernorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     }
 }
 
+// layernorm_forward with one invocation per row: the same two passes.
+@compute @workgroup_size(256)
+fn layernorm_forward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    let n = f32(q.cols);
+    var s = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        s += x[base + c];
+    }
+    let mu = s / n;
+    var v = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        let d = x[base + c] - mu;
+        v += d * d;
+    }
+    // Not inverseSqrt: as layernorm_forward.
+    let rs = 1.0 / sqrt(v / n + q.eps);
+    mean_out[r] = mu;
+    rstd_out[r] = rs;
+    for (var c = 0u; c < q.cols; c++) {
+        out[base + c] = (x[base + c] - mu) * rs * weight[c] + bias[c];
+    }
+}
+
+// layernorm_backward with one invocation per row.
+@compute @workgroup_size(256)
+fn layernorm_backward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    let mu = mean[r];
+    let rs = rstd[r];
+    var acc = vec2<f32>(0.0, 0.0);
+    for (var c = 0u; c < q.cols; c++) {
+        let xhat = (x[base + c] - mu) * rs;
+        let g = dy[base + c] * weight[c];
+        acc += vec2<f32>(g, g * xhat);
+    }
+    let sums = acc / f32(q.cols);
+    for (var c = 0u; c < q.cols; c++) {
+        let xhat = (x[base + c] - mu) * rs;
+        let g = dy[base + c] * weight[c];
+        out[base + c] = (g - sums.x - xhat * sums.y) * rs;
+    }
+}
+
 // layernorm_backward_params: dweight[cols] (+)= Σ_r dy·x̂, dbias[cols] (+)= Σ_r dy,
 // from dy[rows, cols], x[rows, cols], mean[rows], rstd[rows]. Sums over rows
 // cannot come from the one-workgroup-per-row kernel without float atomics,
 // so one invocation per column adds the rows in order (deterministic; reads
 // are coalesced across neighbouring columns, as in sum_rows_forward).
+// acc + (dy·x̂, dy) of row r, column c; rows past the last add nothing.
+fn ln_param_row(acc: vec2<f32>, r: u32, c: u32, q: RowParams) -> vec2<f32> {
+    if r >= q.rows {
+        return acc;
+    }
+    let i = r * q.cols + c;
+    let xhat = (x[i] - mean[r]) * rstd[r];
+    return vec2<f32>(acc.x + dy[i] * xhat, acc.y + dy[i]);
+}
+
 @compute @workgroup_size(256)
 fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let q = uniform_params(t);
@@ -253,14 +377,23 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
     if c >= q.cols {
         return;
     }
-    var dw = 0.0;
-    var db = 0.0;
-    for (var r = 0u; r < q.rows; r++) {
-        let i = r * q.cols + c;
-        let xhat = (x[i] - mean[r]) * rstd[r];
-        dw += dy[i] * xhat;
-        db += dy[i];
+    // Eight rows per iteration, added in row order: llvmpipe (gallivm)
+    // ends an invocation's loops after 65,535 iterations in all (one
+    // limiter shared by every loop), which silently dropped the rows past
+    // 65,535; unrolled, rows up to 8·65,535 are summed.
+    var acc = vec2<f32>(0.0, 0.0);
+    for (var r = 0u; r < q.rows; r += 8u) {
+        acc = ln_param_row(acc, r, c, q);
+        acc = ln_param_row(acc, r + 1u, c, q);
+        acc = ln_param_row(acc, r + 2u, c, q);
+        acc = ln_param_row(acc, r + 3u, c, q);
+        acc = ln_param_row(acc, r + 4u, c, q);
+        acc = ln_param_row(acc, r + 5u, c, q);
+        acc = ln_param_row(acc, r + 6u, c, q);
+        acc = ln_param_row(acc, r + 7u, c, q);
     }
+    var dw = acc.x;
+    var db = acc.y;
     if q.accumulate != 0u {
         dw += dweight[c];
         db += dbias[c];
@@ -296,6 +429,36 @@ fn cross_entropy_rows_forward_backward(@builtin(workgroup_id) wid: vec3<u32>, @b
     let inv = 1.0 / ms.y;
     for (var c = t; c < q.cols; c += WG) {
         let prob = exp(x[base + c] - ms.x) * inv;
+        let onehot = select(0.0, 1.0, c == label);
+        out[base + c] = (prob - onehot) * q.scale + bad;
+    }
+}
+
+// cross_entropy_rows_forward_backward with one invocation per row (a small
+// vocabulary): max, then Σ exp, then the loss and dlogits; the same NaN
+// for a target ≥ V.
+@compute @workgroup_size(256)
+fn cross_entropy_rows_forward_backward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    var m = LOWEST;
+    for (var c = 0u; c < q.cols; c++) {
+        m = max(m, x[base + c]);
+    }
+    var s = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        s += exp(x[base + c] - m);
+    }
+    let label = targets[r];
+    let bad = select(quiet_nan(), 0.0, label < q.cols);
+    losses[r] = m + log(s) - x[base + min(label, q.cols - 1u)] + bad;
+    let inv = 1.0 / s;
+    for (var c = 0u; c < q.cols; c++) {
+        let prob = exp(x[base + c] - m) * inv;
         let onehot = select(0.0, 1.0, c == label);
         out[base + c] = (prob - onehot) * q.scale + bad;
     }

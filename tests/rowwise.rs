@@ -9,10 +9,34 @@ mod common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use rand::Rng;
+use wgrad::kernels::SHORT_ROW_MAX;
 use wgrad::{cpu, Error, Kernels};
 
-/// (rows, cols): 1, primes, around the workgroup size, a long row.
-const ROW_SHAPES: [(usize, usize); 9] = [(1, 1), (1, 7), (3, 1), (5, 13), (4, 255), (3, 256), (7, 257), (2, 1031), (2, 50_257)];
+/// (rows, cols): 1, primes, around the workgroup size, a long row; the
+/// attention example's scores (1536×12) and token rows (384×48); both sides
+/// of SHORT_ROW_MAX (128: one invocation per row; 131, a prime: one
+/// workgroup per row).
+const ROW_SHAPES: [(usize, usize); 13] = [
+    (1, 1),
+    (1, 7),
+    (3, 1),
+    (5, 13),
+    (1536, 12),
+    (384, 48),
+    (9, 128),
+    (5, 131),
+    (4, 255),
+    (3, 256),
+    (7, 257),
+    (2, 1031),
+    (2, 50_257),
+];
+
+#[test]
+fn the_shapes_exercise_both_row_paths() {
+    assert_eq!(SHORT_ROW_MAX, 128, "update the shapes at the SHORT_ROW_MAX boundary (128 and the prime 131)");
+    assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX + 3));
+}
 
 fn read(k: &Kernels, t: &wgrad::GpuTensor) -> wgrad::Result<Vec<f32>> {
     k.read::<f32>(t.view())
@@ -39,7 +63,8 @@ fn softmax_forward_matches_the_cpu() {
 fn causal_softmax_masks_the_future_of_each_query() {
     for_each_adapter("softmax_causal", |k| {
         // [batch·heads·T, T] with batch·heads = 2·3 and T prime (and 1).
-        for (i, t) in [1usize, 2, 7, 13, 257].into_iter().enumerate() {
+        // 12: the attention example; 128 / 131: each side of SHORT_ROW_MAX.
+        for (i, t) in [1usize, 2, 7, 12, 13, 128, 131, 257].into_iter().enumerate() {
             let rows = 6 * t;
             let x_host = random_vec(&mut rng(50 + i as u64), rows * t, -5.0, 5.0);
             let x = k.upload(&x_host)?;
@@ -64,16 +89,50 @@ fn causal_softmax_masks_the_future_of_each_query() {
 #[test]
 fn softmax_over_more_rows_than_one_grid_dimension_holds() {
     for_each_adapter("softmax_2d_grid", |k| {
-        let (rows, cols) = (65_537, 3);
-        let x_host = random_vec(&mut rng(7), rows * cols, -5.0, 5.0);
+        // Rows longer than SHORT_ROW_MAX take one workgroup each: 65,631
+        // rows fold the grid into 2-D. Causal (T = 131) so the mask's
+        // query position r % T is checked in the grid's second row too.
+        let t = SHORT_ROW_MAX + 3;
+        let rows = t * 501;
+        let x_host = random_vec(&mut rng(7), rows * t, -5.0, 5.0);
         let x = k.upload(&x_host)?;
-        let y = k.zeros(rows * cols)?;
-        let d = k.softmax_forward(y.view(), x.view(), rows, cols, None)?;
+        let y = k.zeros(rows * t)?;
+        let d = k.softmax_forward(y.view(), x.view(), rows, t, Some(t))?;
         assert!(d.workgroups()[1] > 1, "expected a 2-D grid, got {:?}", d.workgroups());
         k.run(&[&d])?;
-        // As softmax_forward_matches_the_cpu; the last rows sit in the
-        // grid's second row.
-        assert_close("softmax 65537×3", &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, None), 1e-8, 2e-5);
+        // As softmax_forward_matches_the_cpu.
+        assert_close(&format!("causal softmax {rows}×{t}"), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, t, Some(t)), 1e-8, 2e-5);
+
+        // Short rows, one invocation each: more than 65,535 rows, causal
+        // (T = 12, as in the attention example) and plain.
+        for (i, (rows, cols, causal)) in [(12 * 5462, 12, Some(12)), (65_537, 3, None)].into_iter().enumerate() {
+            let x_host = random_vec(&mut rng(8 + i as u64), rows * cols, -5.0, 5.0);
+            let x = k.upload(&x_host)?;
+            let y = k.zeros(rows * cols)?;
+            k.run(&[&k.softmax_forward(y.view(), x.view(), rows, cols, causal)?])?;
+            // As softmax_forward_matches_the_cpu.
+            assert_close(&format!("softmax {rows}×{cols}"), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, causal), 1e-8, 2e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn short_rows_fold_the_grid_past_65535_workgroups() {
+    for_each_adapter("softmax_short_2d_grid", |k| {
+        // 256 rows per workgroup: 65,535·256 + 1 rows of one column need a
+        // second grid row. softmax of one value is exactly 1; a row the
+        // grid missed would stay 0.
+        let rows = 65_535 * 256 + 1;
+        let x = k.zeros(rows)?;
+        let y = k.zeros(rows)?;
+        let d = k.softmax_forward(y.view(), x.view(), rows, 1, None)?;
+        assert!(d.workgroups()[1] > 1, "expected a 2-D grid, got {:?}", d.workgroups());
+        k.run(&[&d])?;
+        let got = read(k, &y)?;
+        if let Some(r) = got.iter().position(|&v| v != 1.0) {
+            panic!("row {r} of {rows}: {} instead of 1", got[r]);
+        }
         Ok(())
     });
 }
@@ -97,8 +156,25 @@ fn softmax_backward_matches_the_cpu() {
 
 /// Layernorm shapes: the row shapes plus many rows (the parameter
 /// gradients sum over rows).
-const LAYERNORM_SHAPES: [(usize, usize); 10] =
-    [(1, 1), (1, 7), (3, 1), (5, 13), (4, 255), (3, 256), (7, 257), (2, 1031), (1, 50_257), (301, 37)];
+/// Includes the attention example's 384×48, both sides of SHORT_ROW_MAX, and
+/// more rows than one grid dimension holds on the short path.
+const LAYERNORM_SHAPES: [(usize, usize); 15] = [
+    (1, 1),
+    (1, 7),
+    (3, 1),
+    (5, 13),
+    (384, 48),
+    (9, 128),
+    (5, 131),
+    (4, 255),
+    (3, 256),
+    (7, 257),
+    (2, 1031),
+    (1, 50_257),
+    (301, 37),
+    (70_001, 5),
+    (300, 12),
+];
 
 #[test]
 fn layernorm_forward_matches_the_cpu() {
@@ -150,7 +226,7 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
             // and rstd ≲ 1.5 (cols = 1 gives exactly 0): f32 sums of ≤ 197
             // terms per invocation, a few roundings of O(1) values.
             assert_close(&format!("{what} dx"), &read(k, &dx)?, &want.dx, 2e-6, 2e-5);
-            // Added into the initial values; sums over ≤ 301 rows in order.
+            // Added into the initial values; sums over ≤ 70,001 rows in order (atol grows with the rows).
             let add = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<f32>>();
             let atol = 1e-6 * rows as f32 + 1e-6;
             assert_close(&format!("{what} dweight"), &read(k, &dw)?, &add(&dw0, &want.dweight), atol, 1e-5);
@@ -162,7 +238,8 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
 
 /// (rows, vocab) for cross-entropy: 1, primes, a digits-sized and a
 /// GPT-2-sized vocabulary.
-const CE_SHAPES: [(usize, usize); 7] = [(1, 1), (1, 2), (3, 7), (5, 257), (64, 65), (2, 1031), (4, 50_257)];
+/// Also the attention example's 384×16 and both sides of SHORT_ROW_MAX.
+const CE_SHAPES: [(usize, usize); 10] = [(1, 1), (1, 2), (3, 7), (384, 16), (3, 128), (3, 131), (5, 257), (64, 65), (2, 1031), (4, 50_257)];
 
 #[test]
 fn cross_entropy_rows_matches_the_cpu() {

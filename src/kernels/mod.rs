@@ -26,7 +26,7 @@ pub use optim::{grad_norm_groups, ArenaGroups};
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::{Activation, AdamConfig, Binary, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Family, Kernel, Shared, KERNELS};
-pub use rowwise::check_token_ids;
+pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

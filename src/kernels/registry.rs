@@ -226,6 +226,11 @@ pub const SOFTMAX_FORWARD: Kernel = kernel(Family::Rowwise, "softmax_forward");
 pub const SOFTMAX_BACKWARD: Kernel = kernel(Family::Rowwise, "softmax_backward");
 pub const LAYERNORM_FORWARD: Kernel = kernel(Family::Rowwise, "layernorm_forward");
 pub const LAYERNORM_BACKWARD: Kernel = kernel(Family::Rowwise, "layernorm_backward");
+pub const SOFTMAX_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "softmax_forward_short");
+pub const SOFTMAX_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "softmax_backward_short");
+pub const LAYERNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_forward_short");
+pub const LAYERNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_backward_short");
+pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward_short");
 pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward");
 pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward");
@@ -289,6 +294,11 @@ pub const KERNELS: &[Kernel] = &[
     LAYERNORM_BACKWARD,
     LAYERNORM_BACKWARD_PARAMS,
     CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
+    SOFTMAX_FORWARD_SHORT,
+    SOFTMAX_BACKWARD_SHORT,
+    LAYERNORM_FORWARD_SHORT,
+    LAYERNORM_BACKWARD_SHORT,
+    CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT,
     EMBEDDING_FORWARD,
     EMBEDDING_BACKWARD_SORT,
     EMBEDDING_BACKWARD,

@@ -1,6 +1,7 @@
 //! `rowwise.wgsl`: the transformer's row-wise ops. Softmax (optionally with
-//! a causal mask), layernorm, cross-entropy with its gradient over long rows,
-//! each with one workgroup per row; embedding lookup with a deterministic
+//! a causal mask), layernorm, cross-entropy with its gradient, each with one
+//! workgroup per row, or one invocation per row for rows of at most
+//! [`SHORT_ROW_MAX`] columns; embedding lookup with a deterministic
 //! backward (a stable counting sort of the ids, then a gather).
 //!
 //! None of these kernels has a row-length limit: a workgroup strides over
@@ -79,10 +80,31 @@ pub fn check_token_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()
     }
 }
 
+/// The longest row the `_short` kernels take: one invocation per row with a
+/// serial loop, instead of one 256-wide workgroup per row with barrier
+/// trees. On lavapipe (benches/kernels.rs, `transformer` and `rowwise`
+/// families) the serial path is ~100× faster at 12 and 48 columns and
+/// still faster at 128, where a row is 128 serial steps against the tree's
+/// 8 barriers; long rows (a vocabulary) keep a workgroup each so a few
+/// rows still spread over the whole device.
+pub const SHORT_ROW_MAX: usize = 128;
+
 impl Kernels {
-    /// One workgroup per row over `rows` rows.
-    fn per_row<P: bytemuck::Pod>(&self, kernel: Kernel, bindings: &[super::Binding<'_>], params: &P, rows: usize) -> Result<Dispatch> {
-        self.prepare(kernel, &[], bindings, 3, params, rows as u64)
+    /// `short` with one invocation per row when `cols` ≤ [`SHORT_ROW_MAX`],
+    /// else `long` with one workgroup per row; both over a folded 2-D grid.
+    fn per_row<P: bytemuck::Pod>(
+        &self,
+        (long, short): (Kernel, Kernel),
+        bindings: &[super::Binding<'_>],
+        params: &P,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        if cols <= SHORT_ROW_MAX {
+            self.prepare(short, &[], bindings, 3, params, flat_groups(rows))
+        } else {
+            self.prepare(long, &[], bindings, 3, params, rows as u64)
+        }
     }
 
     /// y[rows, cols] = softmax(x[rows, cols]) over each row. With
@@ -103,7 +125,7 @@ impl Kernels {
             }
             params.causal = dim(op, t)?;
         }
-        self.per_row(SOFTMAX_FORWARD, &[bind(0, "x", x), bind(2, "y", y)], &params, rows)
+        self.per_row((SOFTMAX_FORWARD, SOFTMAX_FORWARD_SHORT), &[bind(0, "x", x), bind(2, "y", y)], &params, rows, cols)
     }
 
     /// dx[rows, cols] = y · (dy − Σ_c dy·y) per row, from the forward's
@@ -113,7 +135,7 @@ impl Kernels {
         let n = rows.checked_mul(cols);
         check_lengths(op, &[("rows", rows), ("cols", cols)], &[("dx", dx.len, n), ("y", y.len, n), ("dy", dy.len, n)])?;
         let params = RowParams::new(op, rows, cols)?;
-        self.per_row(SOFTMAX_BACKWARD, &[bind(1, "y", y), bind(4, "dy", dy), bind(2, "dx", dx)], &params, rows)
+        self.per_row((SOFTMAX_BACKWARD, SOFTMAX_BACKWARD_SHORT), &[bind(1, "y", y), bind(4, "dy", dy), bind(2, "dx", dx)], &params, rows, cols)
     }
 
     /// y[rows, cols] = (x − mean) / sqrt(var + eps) · weight[cols] +
@@ -152,7 +174,7 @@ impl Kernels {
         }
         let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
         self.per_row(
-            LAYERNORM_FORWARD,
+            (LAYERNORM_FORWARD, LAYERNORM_FORWARD_SHORT),
             &[
                 bind(0, "x", x),
                 bind(5, "weight", weight),
@@ -163,6 +185,7 @@ impl Kernels {
             ],
             &params,
             rows,
+            cols,
         )
     }
 
@@ -197,7 +220,7 @@ impl Kernels {
         )?;
         let params = RowParams::new(op, rows, cols)?;
         self.per_row(
-            LAYERNORM_BACKWARD,
+            (LAYERNORM_BACKWARD, LAYERNORM_BACKWARD_SHORT),
             &[
                 bind(4, "dy", dy),
                 bind(0, "x", x),
@@ -208,6 +231,7 @@ impl Kernels {
             ],
             &params,
             rows,
+            cols,
         )
     }
 
@@ -292,10 +316,11 @@ impl Kernels {
         finite(op, "scale", scale)?;
         let params = RowParams { scale, ..RowParams::new(op, rows, vocab)? };
         self.per_row(
-            CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
+            (CROSS_ENTROPY_ROWS_FORWARD_BACKWARD, CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT),
             &[bind(0, "logits", logits), bind(13, "targets", targets), bind(14, "losses", losses), bind(2, "dlogits", dlogits)],
             &params,
             rows,
+            vocab,
         )
     }
 
