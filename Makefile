@@ -26,8 +26,9 @@ TEST_FEATURES := $(if $(MPI_READY),--features mpi$(comma)fault-injection)
 # target/); asked only when a recipe uses it.
 TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 
-# The workspace's default members: the library (with its tests, examples and
-# benches) and the CLI (cli/, with the tests that run the binary). The
+# The workspace's default members: the library (with its tests and examples;
+# the benches are the bench-suite member) and the CLI (cli/, with the tests
+# that run the binary). The
 # adapters are listed by the binary the test build made: `cargo run` would
 # build the library a second time, without the features the
 # dev-dependencies turn on in shared crates (proptest's getrandom).
@@ -39,10 +40,10 @@ test: driver
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 
 bench: driver
-	$(CARGO) bench --bench matmul
-	$(CARGO) bench --bench kernels
-	$(CARGO) bench --bench steps
-	$(CARGO) bench --bench parallel
+	$(CARGO) bench -p wgrad-benches --bench matmul
+	$(CARGO) bench -p wgrad-benches --bench kernels
+	$(CARGO) bench -p wgrad-benches --bench steps
+	$(CARGO) bench -p wgrad-benches --bench parallel
 
 adapters: driver
 	$(CARGO) run --release --bin wgrad -- adapters

@@ -71,7 +71,7 @@ pub enum Binary {
 impl Binary {
     pub const ALL: [Binary; 4] = [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div];
 
-    /// The op's code in shaders/tensor.wgsl (`BIN_*`); tests/tensor.rs
+    /// The op's code in shaders/tensor.wgsl (`BIN_*`); tests/suite/tensor.rs
     /// checks the two agree.
     pub fn code(self) -> u32 {
         match self {
@@ -136,7 +136,7 @@ impl Activation {
 
     /// The activation's code in shaders/activations.wgsl (its `ACT_*`
     /// constant), which the matmul epilogue receives as `p.activation`;
-    /// tests/shaders.rs checks the two agree. 0 there is the identity.
+    /// tests/suite/shaders.rs checks the two agree. 0 there is the identity.
     pub fn code(self) -> u32 {
         match self {
             Activation::Relu => 1,

@@ -3,7 +3,7 @@
 //!
 //! WGSL has no includes, so WGSL that several families need (index helpers,
 //! activation formulas) lives once in a [`Shared`] file and is concatenated
-//! into each family that uses it by [`Family::source`]; tests/shaders.rs
+//! into each family that uses it by [`Family::source`]; tests/suite/shaders.rs
 //! checks that every family composing a shared name lists its file in
 //! [`Family::shared`] and that no family file defines one of its own.
 
@@ -148,7 +148,7 @@ impl Family {
 
     /// The module compiled for this family: the base family's source (if
     /// any), then its own file, then its [`Family::shared`] files. Keep in
-    /// step with `base` and `shared`; tests/shaders.rs checks it.
+    /// step with `base` and `shared`; tests/suite/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
             Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl"),

@@ -3,7 +3,7 @@
 //! determinism, memory reuse, and a golden MLP run against a hand-written
 //! CPU implementation.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

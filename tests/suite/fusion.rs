@@ -3,7 +3,7 @@
 //! (`PlanOptions { fuse: false }`), the dispatch counts fusion buys, and the
 //! planned memory of the MLP step against its liveness bound.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 //! tensors the way PyTorch does, on every adapter present.
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph, Tensor};

@@ -5,7 +5,7 @@
 //! vocabulary, and more rows than one grid dimension holds.
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use rand::Rng;

@@ -3,7 +3,7 @@
 //! batch. On a CPU-only machine the groups mix lavapipe (Vulkan) and
 //! llvmpipe (GL), and repeat an adapter for a third device.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

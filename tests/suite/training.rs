@@ -2,7 +2,7 @@
 //! calls), its progress reports, its checkpoint and resuming from it; the
 //! data sharing and the refusals that need no device.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! The adapter layer: discovery, selection, and wgpu errors as `Error`s.
 
-mod common;
+use crate::common;
 
 use wgrad::device::{list_adapters, parse_backend, select_adapter, DeviceOptions};
 use wgrad::Error;

@@ -2,7 +2,7 @@
 //! forward-only predictor reproduces the trainer's predictions, bad
 //! checkpoints are clear errors that change nothing, NaN losses are errors.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

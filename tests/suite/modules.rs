@@ -2,7 +2,7 @@
 //! attention block, ragged last batches, fused vs unfused masking, and
 //! tensors over an adapter's limits.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph, Tensor};

@@ -3,7 +3,7 @@
 //! non-multiples of the 64×64 matmul tile and the 256-wide workgroup.
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use proptest::prelude::*;
@@ -53,7 +53,7 @@ fn matmul_every_form_and_variant_matches_the_cpu() {
     for_each_adapter("matmul", |k| {
         // Subgroup runs only on adapters with 8-lane subgroups; its refusal
         // elsewhere is checked in matmul_variants_an_adapter_cannot_run_are_refused.
-        for variant in MatmulVariant::ALL.into_iter().filter(|&v| k.supports_matmul_variant(v)) {
+        for variant in common::variants_to_test(k) {
             for form in MatmulForm::ALL {
                 for (i, &(m, n, kk)) in MATMUL_SHAPES.iter().enumerate() {
                     check_matmul(k, variant, form, m, n, kk, i as u64)?;
@@ -542,7 +542,7 @@ fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, 
 #[test]
 fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_variant() {
     for_each_adapter("matmul_epilogue", |k| {
-        for variant in MatmulVariant::ALL.into_iter().filter(|&v| k.supports_matmul_variant(v)) {
+        for variant in common::variants_to_test(k) {
             let slow_to_compile = !matches!(variant, MatmulVariant::Small | MatmulVariant::Shared);
             // The vec4 kernel is compiled once per form; its per-form load
             // paths are checked by matmul_every_form_and_variant_matches_the_cpu,

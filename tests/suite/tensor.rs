@@ -5,7 +5,7 @@
 //! of the 64-wide matmul tile, ranks 3 and 4, and every matmul form.
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::kernels::{Binary, Family, MatmulForm, MatmulVariant, Unary};
@@ -83,11 +83,7 @@ fn every_matmul_variant_offsets_each_batch() {
         // n past one tile. AtB and ABt between them take every load path
         // (transposed and not) of the kernels compiled per form.
         let (m, n, k_) = (68, 72, 20);
-        for variant in MatmulVariant::ALL {
-            if !k.supports_matmul_variant(variant) {
-                eprintln!("{variant:?} not supported on {}: skipped", k.device().label());
-                continue;
-            }
+        for variant in common::variants_to_test(k) {
             for (i, form) in [MatmulForm::AtB, MatmulForm::ABt].into_iter().enumerate() {
                 check_batched(k, Some(variant), form, false, 3, m, n, k_, 200 + i as u64)?;
             }

@@ -5,7 +5,7 @@
 //! machine: llvmpipe through GL has neither SHADER_F16 nor SUBGROUP).
 //! Tolerances are stated beside each check.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use half::f16;

@@ -1,0 +1,23 @@
+//! The test suite as one binary. One process shares each adapter's
+//! `Kernels` (and so its compiled pipelines) across every file, links once,
+//! and runs tests of different files side by side; each file is a module.
+//!
+//! Run one file's tests with a filter: `cargo test --release --test suite rowwise::`.
+
+mod common;
+
+mod checkpoint;
+mod data;
+mod device;
+mod fusion;
+mod graph;
+mod kernels;
+mod kernels_ext;
+mod modules;
+mod optim;
+mod parallel;
+mod rowwise;
+mod shaders;
+mod tensor;
+mod train;
+mod training;
