@@ -39,9 +39,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
-use wgrad::graph::{Graph, Tensor};
 use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, MatmulForm, SgdConfig};
-use wgrad::nn::{Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
+use wgrad::nn::{CrossEntropyLoss, Gpt, GptConfig};
 use wgrad::optim::Adam;
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{Device, GpuTensor, Kernels};
@@ -406,8 +405,8 @@ fn optim(c: &mut Criterion, b: &mut Bench) {
     group.finish();
 }
 
-/// The model of `examples/attention.rs` (attention variant), copied: the
-/// bench must not depend on the example.
+/// The model of `examples/attention.rs` (attention variant): a
+/// `wgrad::nn::Gpt` of these sizes.
 const T_VOCAB: usize = 16;
 const T_SEQ: usize = 12;
 const T_EMBD: usize = 48;
@@ -415,59 +414,6 @@ const T_HEADS: usize = 4;
 const T_LAYERS: usize = 2;
 const T_BATCH: usize = 32;
 
-struct TinyTransformer {
-    wte: Embedding,
-    wpe: Embedding,
-    h: Vec<Block>,
-    ln_f: LayerNorm,
-    lm_head: Linear,
-}
-
-impl TinyTransformer {
-    fn new() -> wgrad::Result<Self> {
-        Ok(TinyTransformer {
-            wte: Embedding::normal(T_VOCAB, T_EMBD, 0.1),
-            wpe: Embedding::normal(T_SEQ, T_EMBD, 0.1),
-            h: (0..T_LAYERS).map(|_| Block::new(T_EMBD, T_HEADS)).collect::<wgrad::Result<_>>()?,
-            ln_f: LayerNorm::new(T_EMBD),
-            lm_head: Linear::new(T_EMBD, T_VOCAB),
-        })
-    }
-}
-
-impl Module for TinyTransformer {
-    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
-        g.ids("idx", &[batch, T_SEQ])
-    }
-
-    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
-        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
-        let positions = self.wpe.table(g, &format!("{prefix}wpe."))?;
-        let mut x = g.add(tokens, positions)?;
-        for (i, block) in self.h.iter().enumerate() {
-            x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
-        }
-        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
-        self.lm_head.forward(g, x, &format!("{prefix}lm_head."))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let mut all: Vec<(String, Vec<usize>)> = Vec::new();
-        let mut add = |prefix: String, m: &dyn Module| all.extend(m.named_parameters().into_iter().map(|(n, s)| (format!("{prefix}{n}"), s)));
-        add("wte.".into(), &self.wte);
-        add("wpe.".into(), &self.wpe);
-        for (i, block) in self.h.iter().enumerate() {
-            add(format!("h.{i}."), block);
-        }
-        add("ln_f.".into(), &self.ln_f);
-        add("lm_head.".into(), &self.lm_head);
-        all
-    }
-
-    fn describe(&self) -> String {
-        "TinyTransformer (benches/kernels.rs)".into()
-    }
-}
 
 /// One dispatch, and 8 of it in one pass.
 fn time_kernel(group: &mut BenchmarkGroup<'_, WallTime>, b: &Bench, name: &str, size: &str, d: &Dispatch) {
@@ -572,7 +518,8 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     // The whole step, as the example runs it.
     let kernels = b.kernels.clone();
     wgrad::nn::manual_seed(0);
-    let model = TinyTransformer::new().expect("model");
+    let config = GptConfig { vocab_size: T_VOCAB, block_size: T_SEQ, n_layer: T_LAYERS, n_head: T_HEADS, n_embd: T_EMBD };
+    let model = Gpt::new(config).expect("model");
     let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(3e-3), T_BATCH).expect("trainer");
     let inputs: Vec<u32> = (0..bt).map(|_| b.rng.random_range(0..T_VOCAB as u32)).collect();
     let targets: Vec<u32> = (0..bt).map(|i| if i % T_SEQ >= 3 { inputs[i - 3] } else { inputs[i] }).collect();

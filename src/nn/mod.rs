@@ -4,9 +4,11 @@
 //! them) and adds its forward to a [`Graph`]. Initial weights follow
 //! PyTorch's defaults and come from a seeded generator ([`manual_seed`]).
 
+mod gpt;
 mod layers;
 mod transformer;
 
+pub use gpt::{Gpt, GptConfig};
 pub use layers::{Embedding, LayerNorm};
 pub use transformer::{Block, CausalSelfAttention, Mlp};
 

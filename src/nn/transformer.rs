@@ -148,6 +148,12 @@ impl Block {
     pub fn mlp_only(n_embd: usize) -> Self {
         Block { ln_1: LayerNorm::new(n_embd), attn: None, ln_2: LayerNorm::new(n_embd), mlp: Mlp::new(n_embd) }
     }
+
+    /// [`Block::mlp_only`] with GPT-2's init for a model of `n_layer` blocks.
+    pub fn mlp_only_gpt2(n_embd: usize, n_layer: usize) -> Self {
+        let proj_std = 0.02 / (2.0 * n_layer.max(1) as f32).sqrt();
+        Block { ln_1: LayerNorm::new(n_embd), attn: None, ln_2: LayerNorm::new(n_embd), mlp: Mlp::normal(n_embd, proj_std) }
+    }
 }
 
 impl Module for Block {

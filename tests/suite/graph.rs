@@ -399,6 +399,17 @@ fn tensor_ops_backward_match_central_differences() {
         let labels: Vec<u32> = (0..rows as u32).map(|r| (r * 37) % vocab as u32).collect();
         gradcheck(k, "row-wise cross-entropy", g, loss, vec![(x, random_vec(&mut rng(45), rows * 3, -1.0, 1.0))], vec![(targets, labels)])?;
 
+        // A whole one-block GPT on sequences shorter than its block (the
+        // position table is sliced), into a rank-3 cross-entropy.
+        nn::manual_seed(46);
+        let gpt = nn::Gpt::new(nn::GptConfig { vocab_size: 5, block_size: 4, n_layer: 1, n_head: 2, n_embd: 4 })?;
+        let mut g = Graph::new();
+        let idx = g.ids("idx", &[2, 3])?;
+        let logits = nn::Module::forward(&gpt, &mut g, idx, "")?;
+        let targets = g.ids("targets", &[2, 3])?;
+        let loss = g.cross_entropy_loss(logits, targets)?;
+        gradcheck(k, "Gpt", g, loss, vec![], vec![(idx, vec![1, 4, 1, 0, 2, 2]), (targets, vec![4, 1, 0, 2, 2, 3])])?;
+
         // The attention module end to end: two heads over [2, 5, 8].
         nn::manual_seed(41);
         let attn = nn::CausalSelfAttention::new(8, 2)?;

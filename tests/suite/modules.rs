@@ -5,8 +5,8 @@
 use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
-use wgrad::graph::{Executor, Graph, Tensor};
-use wgrad::nn::{self, Block, CrossEntropyLoss, Embedding, LayerNorm, Linear, Module};
+use wgrad::graph::{Executor, Graph};
+use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::trainer::{Predictor, Targets, Trainer};
 use wgrad::parallel::data::{DataParallel, Split};
@@ -16,50 +16,10 @@ use wgrad::Error;
 const VOCAB: usize = 13;
 const SEQ: usize = 7;
 
-/// Token + position embeddings, one attention block, a head.
-#[derive(Clone)]
-struct Tiny {
-    wte: Embedding,
-    wpe: Embedding,
-    block: Block,
-    ln_f: LayerNorm,
-    head: Linear,
-}
-
-impl Tiny {
-    fn new(seed: u64) -> Tiny {
-        nn::manual_seed(seed);
-        Tiny {
-            wte: Embedding::normal(VOCAB, 16, 0.2),
-            wpe: Embedding::normal(SEQ, 16, 0.2),
-            block: Block::new(16, 2).expect("16 channels, 2 heads"),
-            ln_f: LayerNorm::new(16),
-            head: Linear::new(16, VOCAB),
-        }
-    }
-}
-
-impl Module for Tiny {
-    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
-        g.ids("idx", &[batch, SEQ])
-    }
-
-    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
-        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
-        let positions = self.wpe.table(g, &format!("{prefix}wpe."))?;
-        let x = g.add(tokens, positions)?;
-        let x = self.block.forward(g, x, &format!("{prefix}h.0."))?;
-        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
-        self.head.forward(g, x, &format!("{prefix}lm_head."))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        Vec::new()
-    }
-
-    fn describe(&self) -> String {
-        "Tiny".into()
-    }
+/// A one-block GPT (token and position embeddings, attention, MLP, head).
+fn tiny(seed: u64) -> Gpt {
+    nn::manual_seed(seed);
+    Gpt::new(GptConfig { vocab_size: VOCAB, block_size: SEQ, n_layer: 1, n_head: 2, n_embd: 16 }).expect("a valid config")
 }
 
 /// Batches where most positions hold the same few tokens, so the
@@ -74,7 +34,7 @@ fn repetitive_batch(batch: usize, step: u64) -> (Vec<u32>, Vec<u32>) {
 fn the_same_seed_gives_bit_identical_weights_with_repeated_tokens() {
     for_each_adapter("determinism", |k| {
         let run = || -> wgrad::Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-            let model = Tiny::new(7);
+            let model = tiny(7);
             let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, AdamW::new(1e-2), 6)?;
             for step in 0..20 {
                 let (x, y) = repetitive_batch(6, step);
@@ -87,7 +47,7 @@ fn the_same_seed_gives_bit_identical_weights_with_repeated_tokens() {
             t.executor().parameters()
         };
         let (first, second) = (run()?, run()?);
-        let start = Tiny::new(7);
+        let start = tiny(7);
         assert_ne!(first.iter().find(|(n, _, _)| n == "wte.weight").map(|p| &p.2), Some(&start.wte.weight), "the embedding trained");
         for ((name, _, a), (_, _, b)) in first.iter().zip(&second) {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -100,7 +60,7 @@ fn the_same_seed_gives_bit_identical_weights_with_repeated_tokens() {
 #[test]
 fn an_output_depends_on_no_later_token_and_a_ragged_last_batch_needs_no_rebuild() {
     for_each_adapter("causality", |k| {
-        let model = Tiny::new(3);
+        let model = tiny(3);
         // A graph built for batch 4 serves 5 sequences: the last chunk is
         // padded, nothing is rebuilt.
         let mut p = Predictor::new(k.clone(), &model, 4)?;
@@ -170,7 +130,7 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
     }
     let _gl = common::lock_gl_if_any();
     let group = DeviceGroup::open(&DeviceSelection::Count(2)).expect("two devices");
-    let model = Tiny::new(11);
+    let model = tiny(11);
     let global = 6;
     // SGD, whose step is linear in the gradient: Adam would turn the
     // rounding noise of gradients that are zero in exact arithmetic (the

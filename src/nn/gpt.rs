@@ -1,0 +1,120 @@
+//! A GPT as nanoGPT writes it, with GPT-2's parameter names: token and
+//! position embeddings (`wte`, `wpe`), pre-norm blocks (`h.0.…`), a final
+//! norm (`ln_f`) and the head (`lm_head`, not tied to `wte`).
+
+use super::{Block, Embedding, LayerNorm, Linear, Module};
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+
+/// The sizes of a [`Gpt`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// The longest sequence (the position table's rows).
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+}
+
+impl GptConfig {
+    fn check(&self) -> Result<()> {
+        let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd];
+        if sizes.contains(&0) || self.n_embd % self.n_head != 0 {
+            return Err(Error::InvalidArgument {
+                op: "GptConfig",
+                reason: format!("every size must be positive and n_embd a multiple of n_head: {self:?}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A decoder-only transformer over u32 token ids [batch, block_size],
+/// returning logits [batch, block_size, vocab_size].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpt {
+    pub config: GptConfig,
+    pub wte: Embedding,
+    pub wpe: Embedding,
+    pub h: Vec<Block>,
+    pub ln_f: LayerNorm,
+    pub lm_head: Linear,
+}
+
+impl Gpt {
+    /// GPT-2's initialisation (nanoGPT's `_init_weights`): weights and
+    /// embeddings N(0, 0.02²), biases zero, the residual projections
+    /// N(0, (0.02/√(2·n_layer))²), norms one and zero.
+    pub fn new(config: GptConfig) -> Result<Self> {
+        config.check()?;
+        let h = (0..config.n_layer).map(|_| Block::gpt2(config.n_embd, config.n_head, config.n_layer)).collect::<Result<_>>()?;
+        Ok(Self::assemble(config, h))
+    }
+
+    /// The same model with every block's attention removed: each position
+    /// is transformed on its own, a baseline that cannot look at others.
+    pub fn without_attention(config: GptConfig) -> Result<Self> {
+        config.check()?;
+        let h = (0..config.n_layer).map(|_| Block::mlp_only_gpt2(config.n_embd, config.n_layer)).collect();
+        Ok(Self::assemble(config, h))
+    }
+
+    fn assemble(config: GptConfig, h: Vec<Block>) -> Self {
+        Gpt {
+            config,
+            wte: Embedding::normal(config.vocab_size, config.n_embd, 0.02),
+            wpe: Embedding::normal(config.block_size, config.n_embd, 0.02),
+            h,
+            ln_f: LayerNorm::new(config.n_embd),
+            lm_head: Linear::normal(config.n_embd, config.vocab_size, 0.02),
+        }
+    }
+}
+
+impl Module for Gpt {
+    fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
+        g.ids("idx", &[batch, self.config.block_size])
+    }
+
+    /// `idx`: u32 [batch, T] with T ≤ block_size.
+    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
+        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
+        let (block, channels) = (self.config.block_size, self.config.n_embd);
+        let t = match shape[..] {
+            [_, t] if t <= block => t,
+            _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
+        };
+        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
+        let table = self.wpe.table(g, &format!("{prefix}wpe."))?;
+        // The first T rows of the position table, broadcast over the batch.
+        let positions = if t == block {
+            table
+        } else {
+            let flat = g.reshape(table, &[1, block * channels])?;
+            let first = g.slice_last(flat, 0, t * channels)?;
+            g.reshape(first, &[t, channels])?
+        };
+        let mut x = g.add(tokens, positions)?;
+        for (i, block) in self.h.iter().enumerate() {
+            x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
+        }
+        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
+        self.lm_head.forward(g, x, &format!("{prefix}lm_head."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let blocks: Vec<String> = (0..self.h.len()).map(|i| format!("h.{i}.")).collect();
+        let mut parts: Vec<(&str, &dyn Module)> = vec![("wte.", &self.wte), ("wpe.", &self.wpe)];
+        parts.extend(blocks.iter().zip(&self.h).map(|(p, b)| (p.as_str(), b as &dyn Module)));
+        parts.push(("ln_f.", &self.ln_f));
+        parts.push(("lm_head.", &self.lm_head));
+        super::transformer::prefixed(&parts)
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.config;
+        let attention = if self.h.iter().all(|b| b.attn.is_some()) { "" } else { ", no attention" };
+        format!("Gpt(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_embd={}{attention})", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd)
+    }
+}
