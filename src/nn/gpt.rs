@@ -1,10 +1,12 @@
 //! A GPT as nanoGPT writes it, with GPT-2's parameter names: token and
 //! position embeddings (`wte`, `wpe`), pre-norm blocks (`h.0.…`), a final
-//! norm (`ln_f`) and the head (`lm_head`, not tied to `wte`).
+//! norm (`ln_f`), and a head tied to the token embedding (logits = x·wteᵀ,
+//! no bias), so `wte.weight` gets the gradients of both uses.
 
-use super::{Block, Embedding, LayerNorm, Linear, Module};
+use super::{Block, Embedding, LayerNorm, Module};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
+use crate::kernels::MatmulForm;
 
 /// The sizes of a [`Gpt`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +41,6 @@ pub struct Gpt {
     pub wpe: Embedding,
     pub h: Vec<Block>,
     pub ln_f: LayerNorm,
-    pub lm_head: Linear,
 }
 
 impl Gpt {
@@ -67,7 +68,6 @@ impl Gpt {
             wpe: Embedding::normal(config.block_size, config.n_embd, 0.02),
             h,
             ln_f: LayerNorm::new(config.n_embd),
-            lm_head: Linear::normal(config.n_embd, config.vocab_size, 0.02),
         }
     }
 }
@@ -85,7 +85,8 @@ impl Module for Gpt {
             [_, t] if t <= block => t,
             _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
         };
-        let tokens = self.wte.forward(g, idx, &format!("{prefix}wte."))?;
+        let wte = self.wte.table(g, &format!("{prefix}wte."))?;
+        let tokens = g.embedding(wte, idx)?;
         let table = self.wpe.table(g, &format!("{prefix}wpe."))?;
         // The first T rows of the position table, broadcast over the batch.
         let positions = if t == block {
@@ -100,7 +101,8 @@ impl Module for Gpt {
             x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
         }
         let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
-        self.lm_head.forward(g, x, &format!("{prefix}lm_head."))
+        // The head is the token embedding, transposed.
+        g.rows_matmul(MatmulForm::ABt, x, wte)
     }
 
     fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
@@ -108,7 +110,6 @@ impl Module for Gpt {
         let mut parts: Vec<(&str, &dyn Module)> = vec![("wte.", &self.wte), ("wpe.", &self.wpe)];
         parts.extend(blocks.iter().zip(&self.h).map(|(p, b)| (p.as_str(), b as &dyn Module)));
         parts.push(("ln_f.", &self.ln_f));
-        parts.push(("lm_head.", &self.lm_head));
         super::transformer::prefixed(&parts)
     }
 
