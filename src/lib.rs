@@ -26,6 +26,7 @@ pub mod optim;
 pub mod parallel;
 pub mod nn;
 pub mod ops;
+pub mod text;
 pub mod training;
 
 pub use device::{Device, DeviceOptions};

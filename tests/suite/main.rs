@@ -19,5 +19,6 @@ mod parallel;
 mod rowwise;
 mod shaders;
 mod tensor;
+mod text;
 mod train;
 mod training;

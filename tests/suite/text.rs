@@ -1,0 +1,54 @@
+//! The shipped Shakespeare, the character tokenizer, the held-out split and
+//! the training windows.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use wgrad::text::{held_out_split, random_windows, shakespeare, CharTokenizer};
+use wgrad::Error;
+
+#[test]
+fn the_shipped_shakespeare_is_the_documented_text() {
+    let text = shakespeare().expect("embedded text");
+    // data/README.md: 5,057,323 bytes of ASCII, 84 distinct bytes.
+    assert_eq!(text.len(), 5_057_323);
+    assert!(text.is_ascii());
+    let tokenizer = CharTokenizer::from_text(&text).expect("tokenizer");
+    assert_eq!(tokenizer.vocab_size(), 84);
+}
+
+#[test]
+fn characters_round_trip_and_unknown_ones_are_errors_naming_them() {
+    let tokenizer = CharTokenizer::from_text("ROMEO: hello\n").expect("tokenizer");
+    let ids = tokenizer.encode("hello ROMEO").expect("known characters");
+    assert_eq!(tokenizer.decode(&ids).expect("known ids"), "hello ROMEO");
+    // Sorted vocabulary: ' ' < ':' < 'E' < 'M' ...
+    assert_eq!(tokenizer.vocabulary(), "\n :EMORehlo");
+    let again = CharTokenizer::from_vocabulary(&tokenizer.vocabulary()).expect("stored vocabulary");
+    assert_eq!(again, tokenizer);
+    match tokenizer.encode("hi!") {
+        Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("'i'") && reason.contains("position 1"), "{reason}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    assert!(tokenizer.decode(&[99]).is_err());
+    assert!(CharTokenizer::from_vocabulary("aa").is_err());
+    assert!(CharTokenizer::from_text("").is_err());
+}
+
+#[test]
+fn validation_is_the_end_of_the_text_and_windows_shift_by_one() {
+    let tokens: Vec<u32> = (0..1000).collect();
+    let (train, val) = held_out_split(&tokens, 0.1).expect("split");
+    assert_eq!((train.len(), val.len()), (900, 100));
+    assert_eq!(val[0], 900, "the held-out part is the end, whole");
+    assert!(held_out_split(&tokens, 1.0).is_err());
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (x, y) = random_windows(train, 4, 16, &mut rng).expect("windows");
+    assert_eq!((x.len(), y.len()), (64, 64));
+    for (row_x, row_y) in x.chunks(16).zip(y.chunks(16)) {
+        for t in 0..16 {
+            assert_eq!(row_y[t], row_x[t] + 1, "targets are the next token");
+        }
+        assert!(row_y[15] < 900, "a training window never reaches validation text");
+    }
+    assert!(random_windows(&tokens[..10], 1, 10, &mut rng).is_err());
+}
