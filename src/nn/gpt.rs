@@ -20,6 +20,49 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// GPT-2 (124M): the released `gpt2` checkpoint's sizes.
+    pub const fn gpt2() -> Self {
+        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 12, n_head: 12, n_embd: 768 }
+    }
+
+    /// GPT-2 medium (350M).
+    pub const fn gpt2_medium() -> Self {
+        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 24, n_head: 16, n_embd: 1024 }
+    }
+
+    /// GPT-2 large (774M).
+    pub const fn gpt2_large() -> Self {
+        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 36, n_head: 20, n_embd: 1280 }
+    }
+
+    /// GPT-2 XL (1558M).
+    pub const fn gpt2_xl() -> Self {
+        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 48, n_head: 25, n_embd: 1600 }
+    }
+
+    /// A preset by its Hugging Face name: `gpt2`, `gpt2-medium`,
+    /// `gpt2-large`, `gpt2-xl`.
+    pub fn preset(name: &str) -> Result<Self> {
+        match name {
+            "gpt2" => Ok(Self::gpt2()),
+            "gpt2-medium" => Ok(Self::gpt2_medium()),
+            "gpt2-large" => Ok(Self::gpt2_large()),
+            "gpt2-xl" => Ok(Self::gpt2_xl()),
+            other => Err(Error::InvalidArgument {
+                op: "GptConfig::preset",
+                reason: format!("unknown preset `{other}`; known: gpt2, gpt2-medium, gpt2-large, gpt2-xl"),
+            }),
+        }
+    }
+
+    /// Parameters of a [`Gpt`] of this size (head tied to the token
+    /// embedding), without building it: 124,439,808 for [`GptConfig::gpt2`].
+    pub fn num_parameters(&self) -> usize {
+        let c = self.n_embd;
+        let block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
+        self.vocab_size * c + self.block_size * c + self.n_layer * block + 2 * c
+    }
+
     fn check(&self) -> Result<()> {
         let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd];
         if sizes.contains(&0) || self.n_embd % self.n_head != 0 {

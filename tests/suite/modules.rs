@@ -6,7 +6,7 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph};
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::trainer::{Predictor, Targets, Trainer};
 use wgrad::parallel::data::{DataParallel, Split};
@@ -154,4 +154,15 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
             assert_close(&format!("{name} on replica {r}"), got, w, 1e-5, 1e-4);
         }
     }
+}
+
+#[test]
+fn gpt_presets_have_gpt2s_sizes_and_the_count_matches_the_module() {
+    // The released GPT-2 small has 124,439,808 parameters (tied head).
+    assert_eq!(GptConfig::gpt2().num_parameters(), 124_439_808);
+    assert_eq!(GptConfig::preset("gpt2-xl").expect("known preset").n_embd, 1600);
+    assert!(GptConfig::preset("gpt5").is_err());
+    let small = GptConfig { vocab_size: 11, block_size: 5, n_layer: 2, n_head: 3, n_embd: 6 };
+    assert_eq!(Gpt::new(small).expect("valid").num_parameters(), small.num_parameters());
+    assert!(Gpt::new(GptConfig { n_head: 4, ..small }).is_err(), "n_embd must be a multiple of n_head");
 }
