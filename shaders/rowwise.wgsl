@@ -18,8 +18,9 @@
 // (wid.y · nwg.x + wid.x) · WG + t), and the serial sums run in column
 // order, so results are deterministic too.
 //
-// Input gradients (dx, dlogits) are written; parameter gradients (dweight,
-// dbias, dtable) are added into (+=), like the rest of the engine.
+// Input gradients (dx, dlogits) are written; the embedding's dtable is added
+// into (+=), like the rest of the engine's parameter gradients, and dweight,
+// dbias of layernorm_backward_params either (its `accumulate` parameter).
 
 struct RowParams {
     // Rows; embedding: positions n.

@@ -252,13 +252,12 @@ impl Graph {
                 let name = format!("d{}", self.node(table).name);
                 Ok(self.push(Op::EmbeddingBackward, vec![dy, ids, sort], in_shape, DType::F32, name))
             }
-            // The mean's gradient dy/N at every element: dy broadcast by a
-            // multiply with ones.
+            // The mean's gradient dy/N at every element: a constant of 1/N
+            // times dy, broadcast (one dispatch).
             (Op::Mean, 0) => {
                 let count = self.node(input(0)).len();
-                let ones = self.constant(&format!("{}.ones", n.name), &in_shape, vec![1.0; count])?;
-                let spread = self.mul(ones, dy)?;
-                self.scale(spread, 1.0 / count as f32)
+                let share = self.constant(&format!("{}.share", n.name), &in_shape, vec![1.0 / count as f32; count])?;
+                self.mul(share, dy)
             }
             (Op::CrossEntropyRows, 0) => {
                 let grad = self.companion(node).ok_or_else(|| Error::NoGradient { op: "cross_entropy_rows", input: n.name.clone() })?;

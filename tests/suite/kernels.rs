@@ -13,7 +13,7 @@ use wgrad::{cpu, Error, Kernels};
 // The last three are multiples of 4 in every dimension, so
 // `MatmulVariant::RegisterVec4` runs its vec4 kernel on them (edge tiles
 // included); on the others it runs the scalar register kernel.
-const MATMUL_SHAPES: [(usize, usize, usize); 15] = [
+pub(crate) const MATMUL_SHAPES: [(usize, usize, usize); 15] = [
     (1, 1, 1),
     (1, 7, 1),
     (7, 1, 13),

@@ -12,20 +12,9 @@ use half::f16;
 use wgrad::kernels::{F16View, MatmulForm};
 use wgrad::{cpu, Error, Kernels};
 
-/// 1, primes, and non-multiples of the 64×64 tile.
-const SHAPES: [(usize, usize, usize); 11] = [
-    (1, 1, 1),
-    (1, 7, 1),
-    (7, 1, 13),
-    (2, 3, 5),
-    (13, 17, 19),
-    (64, 64, 64),
-    (65, 63, 67),
-    (127, 129, 31),
-    (31, 200, 257),
-    (257, 1, 3),
-    (1, 300, 130),
-];
+/// 1, primes, and non-multiples of the 64×64 tile: the f32 matmul test's
+/// shapes before its vec4-friendly ones.
+const SHAPES: &[(usize, usize, usize)] = super::kernels::MATMUL_SHAPES.split_at(11).0;
 
 /// f32 accumulation over k terms of magnitude ≤ 1 against an f64
 /// reference: the error grows at most linearly in k; 1e-6·k leaves a wide

@@ -7,7 +7,7 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
+use common::{assert_close, for_each_adapter, random_vec, read, rng};
 use rand::Rng;
 use wgrad::kernels::SHORT_ROW_MAX;
 use wgrad::{cpu, Error, Kernels};
@@ -36,10 +36,6 @@ const ROW_SHAPES: [(usize, usize); 13] = [
 fn the_shapes_exercise_both_row_paths() {
     assert_eq!(SHORT_ROW_MAX, 128, "update the shapes at the SHORT_ROW_MAX boundary (128 and the prime 131)");
     assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX + 3));
-}
-
-fn read(k: &Kernels, t: &wgrad::GpuTensor) -> wgrad::Result<Vec<f32>> {
-    k.read::<f32>(t.view())
 }
 
 #[test]

@@ -7,13 +7,9 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
+use common::{assert_close, for_each_adapter, random_vec, read, rng};
 use wgrad::kernels::{Binary, Family, MatmulForm, MatmulVariant, Unary};
 use wgrad::{cpu, Error, Kernels};
-
-fn read(k: &Kernels, t: &wgrad::GpuTensor) -> wgrad::Result<Vec<f32>> {
-    k.read::<f32>(t.view())
-}
 
 fn is_shape_error<T>(r: wgrad::Result<T>) -> bool {
     matches!(r, Err(Error::Shape { .. }))

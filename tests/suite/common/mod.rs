@@ -165,3 +165,8 @@ pub fn variants_to_test(k: &Kernels) -> Vec<wgrad::kernels::MatmulVariant> {
     let defaults: Vec<wgrad::kernels::MatmulVariant> = wgrad::kernels::MatmulForm::ALL.iter().map(|&f| k.matmul_variant_for(f)).collect();
     all.filter(|v| *v == wgrad::kernels::MatmulVariant::Small || defaults.contains(v)).collect()
 }
+
+/// A whole tensor's values (waits for the GPU).
+pub fn read(k: &Kernels, t: &wgrad::GpuTensor) -> wgrad::Result<Vec<f32>> {
+    k.read::<f32>(t.view())
+}
