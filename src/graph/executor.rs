@@ -631,6 +631,27 @@ impl Executor {
         Ok(Some(value))
     }
 
+    /// A training step's dispatches (forward, backward and the update), each
+    /// submitted alone and waited for: (node or update name, kernel entry,
+    /// wall time) in order. Gradients accumulate and the parameters are
+    /// updated as by [`Executor::train_step`] without zeroing, so profile
+    /// on a copy of the state you care about.
+    pub fn profile_train_step(&mut self) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+        let mut times = Vec::new();
+        if let Some((cfg, dispatch)) = &self.optimizer {
+            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        }
+        for &i in &self.train_order {
+            if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
+                times.push((self.graph.node(Tensor(i)).name.clone(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+            }
+        }
+        for d in self.update_dispatches() {
+            times.push(("update".to_string(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+        }
+        Ok(times)
+    }
+
     /// Applies the optimizer to the gradients as they stand, in one
     /// submission (data parallel: after the gradients were all-reduced).
     pub fn optimizer_step(&mut self) -> Result<()> {

@@ -260,7 +260,9 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let variant = self.matmul_variant_for_shape(form, m, n, k);
+        // The batch's total work picks the kernel: 64 heads of 128×128×32
+        // are small one by one but too much for the small kernel together.
+        let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
         let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
         self.matmul_dispatch(variant, form, epilogue, out, a, b, batch, m, n, k)
     }

@@ -436,6 +436,15 @@ impl Kernels {
             .write_buffer(&dispatch.params, 0, bytemuck::bytes_of(params));
     }
 
+    /// Runs one dispatch alone and waits for it: its wall time, for
+    /// profiling (a step's timing would otherwise hide each kernel's share).
+    pub fn time_dispatch(&self, dispatch: &Dispatch) -> Result<std::time::Duration> {
+        let start = std::time::Instant::now();
+        self.run(&[dispatch])?;
+        self.device.wait_idle(dispatch.kernel.entry)?;
+        Ok(start.elapsed())
+    }
+
     /// Submits a finished encoder, counting the submit.
     pub fn submit(&self, op: &str, encoder: wgpu::CommandEncoder) -> Result<()> {
         self.device.scoped(op, || {
