@@ -28,6 +28,7 @@ pub mod nn;
 pub mod ops;
 pub mod text;
 pub mod training;
+pub mod lm_training;
 
 pub use device::{Device, DeviceOptions};
 pub use error::{Error, Result};

@@ -128,3 +128,143 @@ pub fn random_windows(tokens: &[u32], batch: usize, block_size: usize, rng: &mut
     }
     Ok((inputs, targets))
 }
+
+/// GPT-2's byte-level BPE (`r50k_base`, 50,257 tokens) through tiktoken-rs,
+/// whose ranks ship inside the crate: nothing is downloaded.
+#[derive(Clone)]
+pub struct Gpt2Bpe {
+    bpe: tiktoken_rs::CoreBPE,
+}
+
+impl std::fmt::Debug for Gpt2Bpe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gpt2Bpe(r50k_base)")
+    }
+}
+
+impl Gpt2Bpe {
+    /// GPT-2's vocabulary: 50,000 merges, 256 bytes and `<|endoftext|>`.
+    pub const VOCAB_SIZE: usize = 50257;
+    /// `<|endoftext|>`.
+    pub const END_OF_TEXT: u32 = 50256;
+
+    pub fn new() -> Result<Self> {
+        let bpe = tiktoken_rs::r50k_base()
+            .map_err(|e| Error::InvalidArgument { op: "Gpt2Bpe", reason: format!("the r50k_base ranks do not load: {e}") })?;
+        Ok(Gpt2Bpe { bpe })
+    }
+
+    /// Token ids of `text`; `<|endoftext|>` in the text is ordinary text,
+    /// as GPT-2's tokenizer treats it by default.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        self.bpe.encode_ordinary(text)
+    }
+
+    /// The bytes of `ids`: a token can hold part of a UTF-8 character, so
+    /// streaming output joins bytes before turning them into text.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= Self::VOCAB_SIZE) {
+            return Err(Error::InvalidArgument {
+                op: "Gpt2Bpe::decode",
+                reason: format!("id {bad} is outside the vocabulary of {}", Self::VOCAB_SIZE),
+            });
+        }
+        self.bpe.decode_bytes(ids).map_err(|e| Error::InvalidArgument { op: "Gpt2Bpe::decode", reason: e.to_string() })
+    }
+}
+
+/// Which tokenizer a language model uses, and its vocabulary where it is
+/// not built in.
+#[derive(Clone, Debug)]
+pub enum Tokenizer {
+    Char(CharTokenizer),
+    Gpt2(Gpt2Bpe),
+}
+
+impl Tokenizer {
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Char(t) => t.vocab_size(),
+            Tokenizer::Gpt2(_) => Gpt2Bpe::VOCAB_SIZE,
+        }
+    }
+
+    /// `char` or `gpt2`, as `--tokenizer` takes it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Tokenizer::Char(_) => "char",
+            Tokenizer::Gpt2(_) => "gpt2",
+        }
+    }
+
+    /// Token ids; with the char tokenizer a character outside its
+    /// vocabulary is an error naming it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Char(t) => t.encode(text),
+            Tokenizer::Gpt2(t) => Ok(t.encode(text)),
+        }
+    }
+
+    /// The bytes of `ids` (UTF-8 once whole characters are joined).
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        match self {
+            Tokenizer::Char(t) => Ok(t.decode(ids)?.into_bytes()),
+            Tokenizer::Gpt2(t) => t.decode_bytes(ids),
+        }
+    }
+
+    /// The text of `ids`; bytes that are not whole UTF-8 characters become
+    /// U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+}
+
+/// Turns a stream of token bytes into text as soon as characters are whole:
+/// a BPE token may end inside a multi-byte character.
+#[derive(Clone, Debug, Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// The text that `bytes` completes; an incomplete character waits for
+    /// the next call, and an invalid sequence comes out as U+FFFD.
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(text) => {
+                    out.push_str(text);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+                    match e.error_len() {
+                        // Incomplete at the end: keep it for the next token.
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                        Some(len) => {
+                            out.push('\u{FFFD}');
+                            self.pending.drain(..valid + len);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is left at the end of the stream (an incomplete character as
+    /// U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        rest
+    }
+}

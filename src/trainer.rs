@@ -302,6 +302,23 @@ impl Trainer {
         Ok(loss)
     }
 
+    /// The loss of one batch without training on it (`model.eval()` with
+    /// `torch.no_grad()`): forward and loss only, in one submission, then
+    /// read back. Between steps only: it replaces a batch set with
+    /// [`Trainer::forward`] and [`Trainer::loss`] and not yet stepped.
+    pub fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        self.forward_examples(x)?;
+        self.loss(targets)?;
+        self.forward_done = false;
+        self.targets_done = false;
+        self.exec.run(&[self.loss])?;
+        let value = self.exec.read(self.loss)?.first().copied().unwrap_or(f32::NAN);
+        if !value.is_finite() {
+            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+        }
+        Ok(value)
+    }
+
     pub fn executor_mut(&mut self) -> &mut Executor {
         &mut self.exec
     }

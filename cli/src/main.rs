@@ -1,6 +1,7 @@
 //! The `wgrad` command line.
 
 mod bench;
+mod gpt;
 mod plot;
 
 use std::path::PathBuf;
@@ -95,19 +96,36 @@ enum OptimizerName {
     Sgd,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelKind {
+    /// A GPT on text (default: the shipped Shakespeare).
+    Gpt,
+    /// An MLP classifier on the digits (or MNIST).
+    Mlp,
+}
+
 #[derive(clap::Args)]
 struct TrainArgs {
+    /// What to train.
+    #[arg(long, value_enum, default_value_t = ModelKind::Gpt)]
+    model: ModelKind,
+    #[command(flatten)]
+    gpt: gpt::GptArgs,
+    /// MLP: passes over the training set.
     #[arg(long, default_value_t = 40)]
     epochs: usize,
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
+    /// Examples (MLP) or sequences (GPT) per step; default 32 (MLP), 16 (GPT).
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Hidden layer widths.
     #[arg(long, value_delimiter = ',', default_value = "128")]
     hidden: Vec<usize>,
+    /// MLP's optimizer (the GPT always uses AdamW).
     #[arg(long, value_enum, default_value_t = OptimizerName::Adam)]
     optimizer: OptimizerName,
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f32,
+    /// Learning rate (GPT: the peak of the schedule); default 2e-3 (MLP), 1e-3 (GPT).
+    #[arg(long)]
+    lr: Option<f32>,
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
@@ -148,7 +166,7 @@ struct TrainArgs {
     /// --devices (default: one adapter per process).
     #[arg(long)]
     distributed: Option<String>,
-    /// Stop after this many steps (default: all epochs).
+    /// Stop after this many steps (MLP default: all epochs; GPT default: 240).
     #[arg(long)]
     max_steps: Option<u64>,
     /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
@@ -184,6 +202,9 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 }
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
+    if args.model == ModelKind::Gpt {
+        return gpt::train(opts, args);
+    }
     match args.distributed.as_deref() {
         None => run_training(opts, args, None),
         Some("mpi") => train_mpi(opts, args),
@@ -233,14 +254,15 @@ fn train_mpi_missing(op: &'static str) -> wgrad::Result<()> {
 
 /// The flags as the library's run configuration.
 fn train_config(args: &TrainArgs) -> wgrad::Result<TrainConfig> {
+    let lr = args.lr.unwrap_or(2e-3);
     let optimizer: OptimizerConfig = match args.optimizer {
-        OptimizerName::Adam => Adam::new(args.lr).into(),
-        OptimizerName::Adamw => AdamW::new(args.lr).into(),
-        OptimizerName::Sgd => SGD::new(args.lr).momentum(args.momentum).into(),
+        OptimizerName::Adam => Adam::new(lr).into(),
+        OptimizerName::Adamw => AdamW::new(lr).into(),
+        OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
     };
     Ok(TrainConfig {
         epochs: args.epochs,
-        batch_size: args.batch_size,
+        batch_size: args.batch_size.unwrap_or(32),
         hidden: args.hidden.clone(),
         optimizer,
         seed: args.seed,
@@ -315,7 +337,7 @@ impl Progress for Bars {
 
     fn rebalanced(&mut self, step: u64, engine: &str) {
         if let Some(bar) = &self.steps {
-            bar.println(format!("step {step}: {engine}"));
+            bar.suspend(|| println!("step {step}: {engine}"));
         }
     }
 

@@ -16,7 +16,14 @@ fn plot_error(path: &Path, e: impl std::fmt::Display) -> Error {
 /// Draws `points` (step, loss) as a line on a log-scaled loss axis, with
 /// `title` above it, into a PNG at `path`.
 pub fn loss_curve(path: impl AsRef<Path>, title: &str, points: &[(u64, f32)]) -> Result<()> {
+    loss_curves(path, title, &[("train", points)])
+}
+
+/// [`loss_curve`] with several named curves (train and validation) on one
+/// axis, with a legend.
+pub fn loss_curves(path: impl AsRef<Path>, title: &str, curves: &[(&str, &[(u64, f32)])]) -> Result<()> {
     let path = path.as_ref();
+    let points: Vec<(u64, f32)> = curves.iter().flat_map(|c| c.1.iter().copied()).collect();
     if points.is_empty() {
         return Err(plot_error(path, "no loss values to plot"));
     }
@@ -47,9 +54,23 @@ pub fn loss_curve(path: impl AsRef<Path>, title: &str, points: &[(u64, f32)]) ->
         .y_desc("loss")
         .draw()
         .map_err(|e| plot_error(path, e))?;
-    chart
-        .draw_series(LineSeries::new(points.iter().filter(|p| p.1.is_finite() && p.1 > 0.0).map(|&(s, l)| (s, l)), &BLUE))
-        .map_err(|e| plot_error(path, e))?;
+    let colors = [BLUE, RED, GREEN, MAGENTA];
+    for (i, (name, series)) in curves.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(series.iter().filter(|p| p.1.is_finite() && p.1 > 0.0).map(|&(s, l)| (s, l)), color.stroke_width(2)))
+            .map_err(|e| plot_error(path, e))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    if curves.len() > 1 {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| plot_error(path, e))?;
+    }
     root.present().map_err(|e| plot_error(path, e))?;
     Ok(())
 }

@@ -11,7 +11,7 @@ fn wgrad_train_with_100000_devices_fails_at_once() {
     let dir = std::env::temp_dir().join(format!("wgrad-devices-{}", std::process::id()));
     let (ckpt, plot) = (dir.join("never.safetensors"), dir.join("never.png"));
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"))
-        .args(["train", "--parallel", "data", "--devices", "100000", "--max-steps", "1"])
+        .args(["train", "--model", "mlp", "--parallel", "data", "--devices", "100000", "--max-steps", "1"])
         .arg("--checkpoint")
         .arg(&ckpt)
         .arg("--plot")
@@ -22,4 +22,32 @@ fn wgrad_train_with_100000_devices_fails_at_once() {
     assert!(!output.status.success(), "{err}");
     assert!(err.contains("100000") && err.contains(&MAX_DEVICES.to_string()), "{err}");
     assert!(!ckpt.exists());
+}
+
+/// `wgrad train --model gpt` end to end on a tiny model and text: the
+/// validation losses, the final one, and the PNG with both curves.
+#[test]
+fn wgrad_train_gpt_prints_validation_losses_and_plots() {
+    let dir = std::env::temp_dir().join(format!("wgrad-gpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (text, plot, out) = (dir.join("text.txt"), dir.join("loss.png"), dir.join("gpt"));
+    std::fs::write(&text, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .args(["train", "--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16"])
+        .args(["--batch-size", "4", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "20"])
+        .arg("--text")
+        .arg(&text)
+        .arg("--plot")
+        .arg(&plot)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("step 3: validation loss") && stdout.contains("step 6: validation loss"), "{stdout}");
+    assert!(stdout.contains("final validation loss"), "{stdout}");
+    assert!(std::fs::metadata(&plot).map(|m| m.len() > 0).unwrap_or(false), "no plot at {}", plot.display());
+    let _ = std::fs::remove_dir_all(&dir);
 }

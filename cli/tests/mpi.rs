@@ -56,7 +56,7 @@ fn text(o: &Output) -> String {
 /// digits MLP, batch 32, a fixed seed.
 fn train_args<'a>(checkpoint: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "32", "--seed", "3",
+        "train", "--model", "mlp", "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "32", "--seed", "3",
         "--max-steps", steps, "--checkpoint", checkpoint, "--plot", plot,
     ]
 }

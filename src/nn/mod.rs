@@ -126,8 +126,23 @@ impl Module for Linear {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let w = parameter(g, prefix, "weight", &[self.out_features, self.in_features], &self.weight, true)?;
         let b = parameter(g, prefix, "bias", &[self.out_features], &self.bias, false)?;
-        let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
-        g.bias_add(xw, b)
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        if shape.len() <= 2 {
+            let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
+            return g.bias_add(xw, b);
+        }
+        // Rows of a [.., in] tensor as a matrix, so the bias add follows
+        // the matmul directly and the plan fuses it into the matmul's
+        // epilogue.
+        let rows = shape[..shape.len() - 1].iter().product();
+        let flat = g.reshape(x, &[rows, self.in_features])?;
+        let xw = g.matmul_form(MatmulForm::ABt, flat, w)?;
+        let y = g.bias_add(xw, b)?;
+        let mut out_shape = shape;
+        if let Some(last) = out_shape.last_mut() {
+            *last = self.out_features;
+        }
+        g.reshape(y, &out_shape)
     }
 
     fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {

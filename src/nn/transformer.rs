@@ -103,9 +103,15 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let hidden = self.c_fc.forward(g, x, &format!("{prefix}c_fc."))?;
+        // On rows as a matrix, so the plan fuses bias and GELU into c_fc's
+        // matmul and GELU's backward into the matmul feeding it.
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>();
+        let flat = if shape.len() > 2 { g.reshape(x, &[rows, self.c_fc.in_features])? } else { x };
+        let hidden = self.c_fc.forward(g, flat, &format!("{prefix}c_fc."))?;
         let hidden = Layer::GELU.forward(g, hidden, prefix)?;
-        self.c_proj.forward(g, hidden, &format!("{prefix}c_proj."))
+        let y = self.c_proj.forward(g, hidden, &format!("{prefix}c_proj."))?;
+        if shape.len() > 2 { g.reshape(y, &shape) } else { Ok(y) }
     }
 
     fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {

@@ -13,6 +13,7 @@ mod fusion;
 mod graph;
 mod kernels;
 mod kernels_ext;
+mod lm_training;
 mod modules;
 mod optim;
 mod parallel;

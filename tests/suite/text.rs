@@ -3,7 +3,7 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::text::{held_out_split, random_windows, shakespeare, CharTokenizer};
+use wgrad::text::{held_out_split, random_windows, shakespeare, CharTokenizer, Gpt2Bpe, Tokenizer, Utf8Stream};
 use wgrad::Error;
 
 #[test]
@@ -51,4 +51,31 @@ fn validation_is_the_end_of_the_text_and_windows_shift_by_one() {
         assert!(row_y[15] < 900, "a training window never reaches validation text");
     }
     assert!(random_windows(&tokens[..10], 1, 10, &mut rng).is_err());
+}
+
+#[test]
+fn gpt2_bpe_gives_gpt2s_ids_and_round_trips() {
+    let bpe = Gpt2Bpe::new().expect("r50k_base ships in the crate");
+    // GPT-2's tokenizer (transformers' GPT2TokenizerFast) on this text.
+    assert_eq!(bpe.encode("Hello world"), vec![15496, 995]);
+    let tokenizer = Tokenizer::Gpt2(bpe);
+    assert_eq!(tokenizer.vocab_size(), 50257);
+    let text = "ROMEO: But, soft! what light through yonder window breaks? — café";
+    let ids = tokenizer.encode(text).expect("any text encodes");
+    assert_eq!(tokenizer.decode(&ids).expect("ids decode"), text);
+    match tokenizer.decode(&[50257]) {
+        Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("50257"), "{reason}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_character_split_across_tokens_streams_once_whole() {
+    let mut stream = Utf8Stream::default();
+    let bytes = "é!".as_bytes();
+    assert_eq!(stream.push(&bytes[..1]), "");
+    assert_eq!(stream.push(&bytes[1..]), "é!");
+    assert_eq!(stream.push(&[0xff, b'a']), "\u{FFFD}a");
+    assert_eq!(stream.push(&[0xc3]), "");
+    assert_eq!(stream.finish(), "\u{FFFD}");
 }
