@@ -79,6 +79,10 @@ const HEAD: &str = "lm_head.weight";
 /// GPT-2's BPE (tiktoken's `r50k_base`, the same as its `gpt2`) has this
 /// many tokens, the last being `<|endoftext|>`.
 const GPT2_BPE_TOKENS: usize = 50257;
+/// Sizes config.json may give, far above any GPT-2, so a corrupt file
+/// cannot make the loader allocate for an absurd model.
+const MAX_LAYERS: usize = 1 << 16;
+const MAX_PARAMETERS: usize = 1 << 40;
 /// Metadata keys of `optimizer.safetensors` that [`OptimizerState`] owns.
 const OPTIMIZER_KEYS: [&str; 5] = ["format", "optimizer", "step", "state_names", "layout"];
 
@@ -132,23 +136,21 @@ impl TokenizerSpec {
         }
     }
 
-    /// The tokenizer's ids must all index the model's embedding.
-    fn check_fits(&self, vocab_size: usize, path: &Path) -> Result<()> {
-        if let TokenizerSpec::Char { vocabulary } = self {
-            CharTokenizer::from_vocabulary(vocabulary).map_err(|e| Error::CheckpointFormat { path: path.to_path_buf(), reason: e.to_string() })?;
-        }
-        if let TokenizerSpec::Gpt2Bpe { encoding } = self {
-            if encoding.is_empty() {
-                return Err(Error::CheckpointFormat { path: path.to_path_buf(), reason: "the BPE encoding has no name".into() });
+    /// Why this tokenizer cannot go with a model of `vocab_size` tokens
+    /// (its ids must all index the embedding), if it cannot.
+    fn misfit(&self, vocab_size: usize) -> Option<String> {
+        match self {
+            TokenizerSpec::Char { vocabulary } => {
+                if let Err(e) = CharTokenizer::from_vocabulary(vocabulary) {
+                    return Some(e.to_string());
+                }
             }
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding.is_empty() => return Some("the BPE encoding has no name".into()),
+            TokenizerSpec::Gpt2Bpe { .. } => {}
         }
-        match self.token_count() {
-            Some(n) if n > vocab_size => Err(Error::CheckpointFormat {
-                path: path.to_path_buf(),
-                reason: format!("the tokenizer has {n} tokens, more than the model's vocab_size {vocab_size}"),
-            }),
-            _ => Ok(()),
-        }
+        self.token_count()
+            .filter(|&n| n > vocab_size)
+            .map(|n| format!("the tokenizer has {n} tokens, more than the model's vocab_size {vocab_size}"))
     }
 }
 
@@ -162,6 +164,9 @@ impl From<&CharTokenizer> for TokenizerSpec {
 /// moments under wgrad's parameter names and layouts, as
 /// `Executor::optimizer_state` gives them and `Executor::load_state` takes
 /// them, the step count and the optimizer's settings.
+///
+/// An optimizer without state (SGD without momentum) has an empty `state`:
+/// the step count still places the learning-rate schedule.
 ///
 /// From a trainer: `OptimizerState::from_checkpoint(&trainer.checkpoint()?)`.
 /// Back into a trainer built from the loaded model (which already holds the
@@ -369,6 +374,17 @@ fn hf_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
     all
 }
 
+/// Parameters of a model of `config`; `None` when the count overflows
+/// (sizes from a file may be absurd).
+fn parameter_count(config: &GptConfig) -> Option<usize> {
+    let c = config.n_embd;
+    let c2 = c.checked_mul(c)?;
+    // ln_1, ln_2: 4c; c_attn: 3c² + 3c; c_proj: c² + c; c_fc: 4c² + 4c; mlp c_proj: 4c² + c.
+    let block = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+    let tables = config.vocab_size.checked_add(config.block_size)?.checked_mul(c)?;
+    block.checked_mul(config.n_layer)?.checked_add(tables)?.checked_add(2 * c)
+}
+
 /// The shape wgrad holds for a parameter stored as `hf_shape`.
 fn wgrad_shape(name: &str, hf_shape: &[usize]) -> Vec<usize> {
     match hf_shape {
@@ -406,7 +422,9 @@ impl FolderFiles {
         if model.h.iter().any(|b| b.ln_1.eps != eps || b.ln_2.eps != eps) {
             return Err(bad("GPT-2 has one layer_norm_epsilon, but the model's LayerNorms differ".into()));
         }
-        tokenizer.check_fits(config.vocab_size, &dir.join(TOKENIZER_FILE)).map_err(|e| bad(e.to_string()))?;
+        if let Some(reason) = tokenizer.misfit(config.vocab_size) {
+            return Err(bad(reason));
+        }
 
         // The model's own sizes must be the ones config.json will state.
         let values = model.parameter_values();
@@ -486,15 +504,12 @@ fn pretty_json(value: &impl serde::Serialize) -> Result<Vec<u8>> {
 fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoint> {
     let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder (optimizer state)", reason };
     let names = state.state_names();
-    if names.is_empty() {
-        return Err(bad("no state tensors".into()));
-    }
     let params: HashMap<String, Vec<usize>> = model.named_parameters().into_iter().collect();
     let mut ckpt = Checkpoint::new();
     let mut seen = BTreeSet::new();
     for (param, name, data) in &state.state {
-        if name.is_empty() || name.contains('.') {
-            return Err(bad(format!("state name `{name}` must be non-empty and have no `.`")));
+        if name.is_empty() || name.contains(['.', ',']) {
+            return Err(bad(format!("state name `{name}` must be non-empty, without `.` or `,`")));
         }
         let shape = params.get(param).ok_or_else(|| bad(format!("`{param}` is not a parameter of the model")))?;
         if data.len() != shape.iter().product::<usize>() {
@@ -686,9 +701,11 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
     };
     // Sizes come from a file: refuse ones whose tables would not fit before
     // anything is allocated for them.
-    let fits = hf_shapes(&config).iter().try_fold(0usize, |sum, (_, s)| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).and_then(|n| sum.checked_add(n)));
-    if [config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd].contains(&0) || config.n_embd % config.n_head != 0 || fits.is_none_or(|n| n > 1 << 40) {
-        return Err(bad(format!("sizes {config:?}: every size must be positive, n_embd a multiple of n_head, and the model of a possible size")));
+    let positive = ![config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd].contains(&0);
+    if !positive || config.n_embd % config.n_head != 0 || config.n_layer > MAX_LAYERS || parameter_count(&config).is_none_or(|n| n > MAX_PARAMETERS) {
+        return Err(bad(format!(
+            "sizes {config:?}: every size must be positive, n_embd a multiple of n_head, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
+        )));
     }
 
     let layer_norm_epsilon = match map.get("layer_norm_epsilon") {
@@ -878,7 +895,9 @@ fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<TokenizerSpec>
         path: path.clone(),
         reason: format!("not a tokenizer description ({{\"kind\":\"char\",\"vocabulary\":…}} or {{\"kind\":\"gpt2-bpe\",\"encoding\":…}}): {e}"),
     })?;
-    spec.check_fits(vocab_size, &path)?;
+    if let Some(reason) = spec.misfit(vocab_size) {
+        return Err(Error::CheckpointFormat { path, reason });
+    }
     Ok(Some(spec))
 }
 
@@ -894,9 +913,6 @@ fn read_optimizer(dir: &Path, model: &Gpt) -> Result<Option<OptimizerState>> {
     let step_text = meta("step")?;
     let step = step_text.parse().map_err(|_| bad(format!("step `{step_text}` is not a count")))?;
     let names: Vec<&str> = meta("state_names")?.split(',').filter(|n| !n.is_empty()).collect();
-    if names.is_empty() {
-        return Err(bad("`state_names` lists no state".into()));
-    }
 
     let params = model.named_parameters();
     let by_name: HashMap<&str, &Vec<usize>> = params.iter().map(|(n, s)| (n.as_str(), s)).collect();
@@ -954,5 +970,7 @@ mod tests {
         let model = Gpt::new(config).unwrap();
         let ours: Vec<(String, Vec<usize>)> = hf_shapes(&config).into_iter().map(|(n, s)| (n.clone(), wgrad_shape(&n, &s))).collect();
         assert_eq!(ours, model.named_parameters());
+        assert_eq!(parameter_count(&config), Some(config.num_parameters()));
+        assert_eq!(parameter_count(&GptConfig::gpt2()), Some(124_439_808));
     }
 }

@@ -194,6 +194,11 @@ fn a_saved_folder_loads_back_bit_identically_with_its_tokenizer_and_optimizer_st
     assert_same_parameters(&reloaded.model, &other);
     assert!(reloaded.optimizer.is_none(), "the previous optimizer.safetensors went with the previous folder");
     assert_eq!(tmp.entries(), ["model"]);
+
+    // An optimizer without state keeps its step.
+    let sgd = OptimizerState { optimizer: "SGD lr=0.1".into(), step: 7, ..OptimizerState::default() };
+    save_gpt_folder(&dir, &other, &TokenizerSpec::Char { vocabulary: "ab".into() }, Some(&sgd)).unwrap();
+    assert_eq!(load_gpt_folder(&dir).unwrap().optimizer, Some(sgd));
 }
 
 #[test]
@@ -373,6 +378,10 @@ fn each_broken_folder_is_a_clear_error() {
 
     let err = load_broken("hf-tiny-gpt2", |d| edit_config(d, |c| { c.insert("n_head".into(), "three".into()); }));
     assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("n_head")), "{err}");
+
+    // Absurd sizes are refused before anything is allocated for them.
+    let err = load_broken("hf-tiny-gpt2", |d| edit_config(d, |c| { c.insert("n_layer".into(), 1_000_000_000.into()); }));
+    assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("layers")), "{err}");
 
     let err = load_broken("hf-tiny-gpt2", |d| fs::write(d.join("config.json"), b"{\"n_embd\": 24,").unwrap());
     assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("JSON")), "{err}");
