@@ -233,7 +233,7 @@ pub struct LoadedGpt {
 pub fn save_gpt_folder(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<()> {
     let dir = dir.as_ref();
     // Everything is built and checked in memory before the disk is touched.
-    let files = FolderFiles::new(model, tokenizer, optimizer, dir)?;
+    let files = FolderFiles::new(model, tokenizer, optimizer)?;
     let name = dir.file_name().ok_or_else(|| Error::InvalidArgument {
         op: "save_gpt_folder",
         reason: format!("`{}` does not name a folder", dir.display()),
@@ -412,7 +412,7 @@ struct FolderFiles {
 }
 
 impl FolderFiles {
-    fn new(model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>, dir: &Path) -> Result<Self> {
+    fn new(model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<Self> {
         let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder", reason };
         let config = model.config;
         if model.h.iter().any(|b| b.attn.is_none()) {
