@@ -401,6 +401,11 @@ fn from_bytes(bytes: &[u8], path: &Path) -> Result<Checkpoint> {
     Ok(Checkpoint { tensors, metadata })
 }
 
+/// [`describe`] for other readers of safetensors files in the crate.
+pub(crate) fn describe_safetensors_error(e: &SafeTensorError, len: usize) -> String {
+    describe(e, len)
+}
+
 /// A reason a user can act on, with the crate's own wording after it.
 fn describe(e: &SafeTensorError, len: usize) -> String {
     use SafeTensorError as E;

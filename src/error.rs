@@ -156,6 +156,18 @@ pub enum Error {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+
+    /// A model folder's weights lack a tensor its config.json implies.
+    #[error("`{}` has no tensor `{name}` (config.json implies shape {expected:?})", .path.display())]
+    FolderTensorMissing { path: std::path::PathBuf, name: String, expected: Vec<usize> },
+
+    /// A tensor in a model folder that the model has no parameter for.
+    #[error("`{}` holds tensor `{name}` {shape:?}, which this model has no parameter for", .path.display())]
+    FolderTensorUnexpected { path: std::path::PathBuf, name: String, shape: Vec<usize> },
+
+    /// A tensor in a model folder whose shape disagrees with config.json.
+    #[error("`{}`: tensor `{name}` has shape {found:?}, but config.json implies {expected:?}", .path.display())]
+    FolderTensorShape { path: std::path::PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
 }
 
 impl Error {

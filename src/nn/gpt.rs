@@ -3,7 +3,7 @@
 //! norm (`ln_f`), and a head tied to the token embedding (logits = x·wteᵀ,
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
-use super::{Block, Embedding, LayerNorm, Module};
+use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -102,6 +102,78 @@ impl Gpt {
         config.check()?;
         let h = (0..config.n_layer).map(|_| Block::mlp_only_gpt2(config.n_embd, config.n_layer)).collect();
         Ok(Self::assemble(config, h))
+    }
+
+    /// A model of `config` whose parameters come from `take(name, shape)`,
+    /// called once per parameter in [`Module::named_parameters`] order; it
+    /// returns exactly `shape`'s element count of values, or the error to
+    /// report. Draws nothing from the init generator.
+    pub fn from_parameters(config: GptConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+        config.check()?;
+        let (c, v, p) = (config.n_embd, config.vocab_size, config.block_size);
+        let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let values = take(name, shape)?;
+            if values.len() != shape.iter().product::<usize>() {
+                return Err(Error::shape("Gpt::from_parameters", format!("`{name}` needs {shape:?}, got {} values", values.len()), &[shape]));
+            }
+            Ok(values)
+        };
+        fn linear(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, in_features: usize, out_features: usize) -> Result<Linear> {
+            let weight = get(&format!("{name}.weight"), &[out_features, in_features])?;
+            let bias = get(&format!("{name}.bias"), &[out_features])?;
+            Ok(Linear { in_features, out_features, weight, bias })
+        }
+        fn norm(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, c: usize) -> Result<LayerNorm> {
+            let weight = get(&format!("{name}.weight"), &[c])?;
+            let bias = get(&format!("{name}.bias"), &[c])?;
+            Ok(LayerNorm { weight, bias, ..LayerNorm::new(c) })
+        }
+        // In named_parameters order, so `take` sees names as a state_dict lists them.
+        let wte = Embedding { num_embeddings: v, embedding_dim: c, weight: get("wte.weight", &[v, c])? };
+        let wpe = Embedding { num_embeddings: p, embedding_dim: c, weight: get("wpe.weight", &[p, c])? };
+        let mut h = Vec::with_capacity(config.n_layer);
+        for i in 0..config.n_layer {
+            let ln_1 = norm(&mut get, &format!("h.{i}.ln_1"), c)?;
+            let c_attn = linear(&mut get, &format!("h.{i}.attn.c_attn"), c, 3 * c)?;
+            let c_proj = linear(&mut get, &format!("h.{i}.attn.c_proj"), c, c)?;
+            let ln_2 = norm(&mut get, &format!("h.{i}.ln_2"), c)?;
+            let c_fc = linear(&mut get, &format!("h.{i}.mlp.c_fc"), c, 4 * c)?;
+            let mlp_proj = linear(&mut get, &format!("h.{i}.mlp.c_proj"), 4 * c, c)?;
+            let attn = CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn, c_proj };
+            h.push(Block { ln_1, attn: Some(attn), ln_2, mlp: Mlp { c_fc, c_proj: mlp_proj } });
+        }
+        let ln_f = norm(&mut get, "ln_f", c)?;
+        Ok(Gpt { config, wte, wpe, h, ln_f })
+    }
+
+    /// Every parameter as (name, shape, values), in
+    /// [`Module::named_parameters`] order; shapes as `forward` declares
+    /// them (Linear weights [out, in]).
+    pub fn parameter_values(&self) -> Vec<(String, Vec<usize>, &[f32])> {
+        type Entry<'a> = (String, Vec<usize>, &'a [f32]);
+        fn linear<'a>(name: &str, l: &'a Linear) -> [Entry<'a>; 2] {
+            [(format!("{name}.weight"), vec![l.out_features, l.in_features], &l.weight), (format!("{name}.bias"), vec![l.out_features], &l.bias)]
+        }
+        fn norm<'a>(name: &str, n: &'a LayerNorm) -> [Entry<'a>; 2] {
+            [(format!("{name}.weight"), vec![n.normalized_shape], &n.weight), (format!("{name}.bias"), vec![n.normalized_shape], &n.bias)]
+        }
+        let (wte, wpe) = (&self.wte, &self.wpe);
+        let mut all: Vec<Entry> = vec![
+            ("wte.weight".into(), vec![wte.num_embeddings, wte.embedding_dim], &wte.weight),
+            ("wpe.weight".into(), vec![wpe.num_embeddings, wpe.embedding_dim], &wpe.weight),
+        ];
+        for (i, block) in self.h.iter().enumerate() {
+            if let Some(attn) = &block.attn {
+                all.extend(norm(&format!("h.{i}.ln_1"), &block.ln_1));
+                all.extend(linear(&format!("h.{i}.attn.c_attn"), &attn.c_attn));
+                all.extend(linear(&format!("h.{i}.attn.c_proj"), &attn.c_proj));
+            }
+            all.extend(norm(&format!("h.{i}.ln_2"), &block.ln_2));
+            all.extend(linear(&format!("h.{i}.mlp.c_fc"), &block.mlp.c_fc));
+            all.extend(linear(&format!("h.{i}.mlp.c_proj"), &block.mlp.c_proj));
+        }
+        all.extend(norm("ln_f", &self.ln_f));
+        all
     }
 
     fn assemble(config: GptConfig, h: Vec<Block>) -> Self {

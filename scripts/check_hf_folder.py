@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Opens a wgrad model folder with Hugging Face transformers and compares
+its logits with the ones wgrad computed (examples/gpt_folder.rs writes both).
+
+    cargo run --release --example gpt_folder -- out/gpt-folder
+    /work/venv/bin/python scripts/check_hf_folder.py out/gpt-folder [LOGITS] [--atol 1e-4]
+
+LOGITS defaults to DIR.logits.safetensors (tensors `ids` [N, T] as float32
+and `logits` [N, T, V]). Exits 1 when any logit differs by more than atol.
+"""
+
+import argparse
+import sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir")
+    parser.add_argument("logits", nargs="?")
+    parser.add_argument("--atol", type=float, default=1e-4)
+    args = parser.parse_args()
+
+    # output_loading_info lists missing or unexpected weights: a folder that
+    # needed any of them initialised at random would not be wgrad's model.
+    model, info = GPT2LMHeadModel.from_pretrained(args.dir, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        print(f"loading reported {problems}")
+        return 1
+    model.eval()
+    wgrad = load_file(args.logits or args.dir.rstrip("/") + ".logits.safetensors")
+    ids = wgrad["ids"].long()
+    with torch.no_grad():
+        logits = model(ids).logits
+    diff = (logits - wgrad["logits"]).abs().max().item()
+    print(f"{args.dir}: {tuple(logits.shape)} logits, max |transformers - wgrad| = {diff:.3g} (atol {args.atol:g})")
+    return 0 if diff <= args.atol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

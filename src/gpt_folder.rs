@@ -1,0 +1,976 @@
+//! GPT model folders as Hugging Face shares them: a [`Gpt`] saved here is a
+//! folder `transformers.GPT2LMHeadModel.from_pretrained` opens, and a GPT-2
+//! folder written by `save_pretrained` (or downloaded from the Hub) loads
+//! into a [`Gpt`].
+//!
+//! A folder holds:
+//!
+//! - `config.json`: `transformers.GPT2Config`'s fields (`model_type: gpt2`,
+//!   `n_positions`, `n_embd`, `n_layer`, `n_head`, `vocab_size`,
+//!   `layer_norm_epsilon`, `activation_function: gelu_new`, dropouts 0,
+//!   `tie_word_embeddings: true`, …).
+//! - `model.safetensors`: the weights under the names `save_pretrained`
+//!   writes for GPT2LMHeadModel in transformers 5 (`transformer.wte.weight`,
+//!   `transformer.h.0.attn.c_attn.weight`, …; no `lm_head.weight`, since
+//!   the head is the token embedding), F32, metadata `format: pt`. GPT-2's
+//!   attention and MLP projections are `Conv1D`s, stored [in, out]; wgrad's
+//!   `Linear` holds [out, in], so those weights are transposed both ways.
+//! - `wgrad_tokenizer.json`: the [`TokenizerSpec`] (`{"kind":"char",
+//!   "vocabulary":"…"}` or `{"kind":"gpt2-bpe","encoding":"r50k_base"}`).
+//! - optionally `optimizer.safetensors`: an [`OptimizerState`], each moment
+//!   under its parameter's name and layout in `model.safetensors` plus
+//!   `.exp_avg` (etc.), with the step count and the optimizer's settings in
+//!   the metadata, so training resumes exactly where it stopped.
+//!
+//! Loading also takes what Hugging Face writes elsewhere: names with or
+//! without the `transformer.` prefix; `lm_head.weight`, accepted only when
+//! it equals `wte.weight` bit for bit (wgrad's head is tied to the token
+//! embedding, so a different head cannot run) and then ignored; the
+//! attention-mask buffers `attn.bias` / `attn.masked_bias` of older
+//! checkpoints, dropped; F16, BF16 and F64 tensors, converted to f32 (F64
+//! rounded to nearest, as `tensor.float()` does); weights sharded over
+//! `model-0000N-of-0000M.safetensors` with `model.safetensors.index.json`.
+//! Other dtypes (integers, bool, F8) are refused. `layer_norm_epsilon` is
+//! carried into every LayerNorm; the activation must be GPT-2's tanh GELU
+//! (`gelu_new`, `gelu_pytorch_tanh`, or `gelu_fast`), the attention GPT-2's
+//! plain scaled dot product.
+//!
+//! Saving is atomic: everything goes into a temporary sibling folder, each
+//! file fsynced, and only then does the folder take the target's name. An
+//! existing target is moved aside first and deleted once the new folder is
+//! in place (a crash between the two renames leaves it, whole, under a
+//! `.NAME.old-…` name beside the target). Every check runs before the disk is
+//! touched, and a failure leaves the previous folder as it was. A target
+//! folder holding anything that is not part of a model folder is refused
+//! rather than replaced, so saving cannot delete unrelated files.
+//!
+//! This module works on host copies only; it knows no devices.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::io::{ErrorKind, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
+use serde_json::{json, Value};
+
+use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::error::{Error, Result};
+use crate::nn::{Gpt, GptConfig, Module};
+use crate::text::CharTokenizer;
+
+/// The model's sizes, in `transformers.GPT2Config`'s names.
+pub const CONFIG_FILE: &str = "config.json";
+/// The weights in one file.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// Which shard holds which tensor, when the weights are sharded.
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+/// The [`TokenizerSpec`].
+pub const TOKENIZER_FILE: &str = "wgrad_tokenizer.json";
+/// The optional [`OptimizerState`].
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+/// `save_pretrained`'s prefix for GPT2LMHeadModel's body.
+const BODY_PREFIX: &str = "transformer.";
+/// The head's name; tied to `wte.weight`, so it is never written.
+const HEAD: &str = "lm_head.weight";
+/// GPT-2's BPE (tiktoken's `r50k_base`, the same as its `gpt2`) has this
+/// many tokens, the last being `<|endoftext|>`.
+const GPT2_BPE_TOKENS: usize = 50257;
+/// Sizes config.json may give, far above any GPT-2, so a corrupt file
+/// cannot make the loader allocate for an absurd model.
+const MAX_LAYERS: usize = 1 << 16;
+const MAX_PARAMETERS: usize = 1 << 40;
+/// Metadata keys of `optimizer.safetensors` that [`OptimizerState`] owns.
+const OPTIMIZER_KEYS: [&str; 5] = ["format", "optimizer", "step", "state_names", "layout"];
+
+/// What turns text into token ids for a saved model. The CLI makes the
+/// tokenizer from it: [`TokenizerSpec::char_tokenizer`], or GPT-2's BPE by
+/// its tiktoken name.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", deny_unknown_fields)]
+pub enum TokenizerSpec {
+    /// One token per character, ids in this order ([`CharTokenizer::vocabulary`]).
+    #[serde(rename = "char")]
+    Char { vocabulary: String },
+    /// GPT-2's byte-pair encoding, by tiktoken's name (`r50k_base`).
+    #[serde(rename = "gpt2-bpe")]
+    Gpt2Bpe { encoding: String },
+}
+
+impl TokenizerSpec {
+    /// GPT-2's BPE, `r50k_base`.
+    pub fn gpt2() -> Self {
+        TokenizerSpec::Gpt2Bpe { encoding: "r50k_base".into() }
+    }
+
+    /// The character tokenizer this spec describes; an error for BPE.
+    pub fn char_tokenizer(&self) -> Result<CharTokenizer> {
+        match self {
+            TokenizerSpec::Char { vocabulary } => CharTokenizer::from_vocabulary(vocabulary),
+            TokenizerSpec::Gpt2Bpe { encoding } => Err(Error::InvalidArgument {
+                op: "TokenizerSpec::char_tokenizer",
+                reason: format!("the folder's tokenizer is GPT-2 BPE `{encoding}`, not a character tokenizer"),
+            }),
+        }
+    }
+
+    /// Tokens the tokenizer produces ids for, when known here.
+    fn token_count(&self) -> Option<usize> {
+        match self {
+            TokenizerSpec::Char { vocabulary } => Some(vocabulary.chars().count()),
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding == "r50k_base" || encoding == "gpt2" => Some(GPT2_BPE_TOKENS),
+            TokenizerSpec::Gpt2Bpe { .. } => None,
+        }
+    }
+
+    /// The id config.json names as bos/eos: `<|endoftext|>` for GPT-2's
+    /// BPE; for characters, the model's last id (a char model has no
+    /// special token, and transformers wants one).
+    fn end_of_text(&self, vocab_size: usize) -> usize {
+        match self {
+            TokenizerSpec::Char { .. } => vocab_size - 1,
+            TokenizerSpec::Gpt2Bpe { .. } => GPT2_BPE_TOKENS - 1,
+        }
+    }
+
+    /// Why this tokenizer cannot go with a model of `vocab_size` tokens
+    /// (its ids must all index the embedding), if it cannot.
+    fn misfit(&self, vocab_size: usize) -> Option<String> {
+        match self {
+            TokenizerSpec::Char { vocabulary } => {
+                if let Err(e) = CharTokenizer::from_vocabulary(vocabulary) {
+                    return Some(e.to_string());
+                }
+            }
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding.is_empty() => return Some("the BPE encoding has no name".into()),
+            TokenizerSpec::Gpt2Bpe { .. } => {}
+        }
+        self.token_count()
+            .filter(|&n| n > vocab_size)
+            .map(|n| format!("the tokenizer has {n} tokens, more than the model's vocab_size {vocab_size}"))
+    }
+}
+
+impl From<&CharTokenizer> for TokenizerSpec {
+    fn from(t: &CharTokenizer) -> Self {
+        TokenizerSpec::Char { vocabulary: t.vocabulary() }
+    }
+}
+
+/// An optimizer's per-parameter state, for resuming training exactly: the
+/// moments under wgrad's parameter names and layouts, as
+/// `Executor::optimizer_state` gives them and `Executor::load_state` takes
+/// them, the step count and the optimizer's settings.
+///
+/// An optimizer without state (SGD without momentum) has an empty `state`:
+/// the step count still places the learning-rate schedule.
+///
+/// From a trainer: `OptimizerState::from_checkpoint(&trainer.checkpoint()?)`.
+/// Back into a trainer built from the loaded model (which already holds the
+/// weights): `trainer.executor_mut().load_state(&[], &state.state, Some(state.step))`
+/// after checking `state.optimizer` against `optim::describe` of its optimizer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OptimizerState {
+    /// `optim::describe` of the optimizer that wrote the state.
+    pub optimizer: String,
+    /// Optimizer steps taken (the learning-rate schedule's position).
+    pub step: u64,
+    /// (parameter name, state name, values) for every parameter and every
+    /// state name, e.g. (`h.0.attn.c_attn.weight`, `exp_avg`, …).
+    pub state: Vec<(String, String, Vec<f32>)>,
+    /// Anything else the caller needs to resume (a data position, a seed),
+    /// stored in the file's metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl OptimizerState {
+    /// The optimizer part of `Trainer::checkpoint`: its `optim.<param>.<state>`
+    /// tensors and its `step` and `optimizer` metadata.
+    pub fn from_checkpoint(ckpt: &Checkpoint) -> Result<Self> {
+        let missing = |key: &str| Error::InvalidArgument { op: "OptimizerState::from_checkpoint", reason: format!("the checkpoint has no `{key}` metadata") };
+        let optimizer = ckpt.meta("optimizer").ok_or_else(|| missing("optimizer"))?.to_string();
+        let step = ckpt.meta("step").ok_or_else(|| missing("step"))?;
+        let step = step.parse().map_err(|_| Error::InvalidArgument { op: "OptimizerState::from_checkpoint", reason: format!("step `{step}` is not a count") })?;
+        let mut state = Vec::new();
+        for t in &ckpt.tensors {
+            if let Some((param, name)) = t.name.strip_prefix("optim.").and_then(|rest| rest.rsplit_once('.')) {
+                state.push((param.to_string(), name.to_string(), t.data.clone()));
+            }
+        }
+        Ok(OptimizerState { optimizer, step, state, metadata: BTreeMap::new() })
+    }
+
+    /// The distinct state names, in first-seen order (`exp_avg`, `exp_avg_sq`).
+    pub fn state_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for (_, name, _) in &self.state {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        names
+    }
+}
+
+/// What [`load_gpt_folder`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedGpt {
+    pub model: Gpt,
+    /// From `wgrad_tokenizer.json`; without that file, GPT-2's BPE when
+    /// `vocab_size` is GPT-2's 50257 (a Hugging Face GPT-2 folder), else
+    /// `None`.
+    pub tokenizer: Option<TokenizerSpec>,
+    /// From `optimizer.safetensors`, when the folder has one.
+    pub optimizer: Option<OptimizerState>,
+}
+
+/// Saves `model` as a model folder at `dir` (see the module docs), with its
+/// tokenizer and, for resuming, its optimizer state. Atomic: `dir` is
+/// either the previous folder or the complete new one.
+pub fn save_gpt_folder(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<()> {
+    let dir = dir.as_ref();
+    // Everything is built and checked in memory before the disk is touched.
+    let files = FolderFiles::new(model, tokenizer, optimizer)?;
+    let name = dir.file_name().ok_or_else(|| Error::InvalidArgument {
+        op: "save_gpt_folder",
+        reason: format!("`{}` does not name a folder", dir.display()),
+    })?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let existing = match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => {
+            check_replaceable(dir)?;
+            true
+        }
+        Ok(_) => {
+            return Err(Error::InvalidArgument {
+                op: "save_gpt_folder",
+                reason: format!("`{}` exists and is not a folder; refusing to replace it", dir.display()),
+            })
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => false,
+        Err(e) => return Err(io_err(dir, "inspect the target folder", e)),
+    };
+    fs::create_dir_all(&parent).map_err(|e| io_err(&parent, "create the parent folder", e))?;
+
+    let temp = TempDir::create(&parent, name, "tmp", dir)?;
+    files.write(&temp.0)?;
+    sync_dir(&temp.0);
+
+    if existing {
+        let old = unique_sibling(&parent, name, "old");
+        fs::rename(dir, &old).map_err(|e| io_err(dir, "move the previous folder aside", e))?;
+        if let Err(e) = fs::rename(&temp.0, dir) {
+            // Put the previous folder back; the new one is still removed by the guard.
+            if let Err(back) = fs::rename(&old, dir) {
+                log::error!("save_gpt_folder: could not move `{}` back to `{}`: {back}", old.display(), dir.display());
+            }
+            return Err(io_err(dir, "move the new folder into place", e));
+        }
+        temp.disarm();
+        sync_dir(&parent);
+        if let Err(e) = fs::remove_dir_all(&old) {
+            log::warn!("save_gpt_folder: the new folder is in place, but the previous one at `{}` could not be removed: {e}", old.display());
+        }
+    } else {
+        fs::rename(&temp.0, dir).map_err(|e| io_err(dir, "move the new folder into place", e))?;
+        temp.disarm();
+        sync_dir(&parent);
+    }
+    Ok(())
+}
+
+/// Reads a model folder written by [`save_gpt_folder`] or by Hugging Face
+/// (see the module docs for what is accepted). Every tensor is checked
+/// against config.json before the model is built.
+pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
+    let dir = dir.as_ref();
+    let spec = read_config(dir)?;
+    let config = spec.config;
+    let expected: HashMap<String, Vec<usize>> = hf_shapes(&config).into_iter().collect();
+    let mut weights = read_weights(dir, &expected)?;
+
+    let weights_path = weights.source.clone();
+    for (name, shape) in hf_shapes(&config) {
+        if !weights.tensors.contains_key(&name) {
+            return Err(Error::FolderTensorMissing { path: weights_path, name: hf_name(&name), expected: shape });
+        }
+    }
+    check_head(&weights, &config, spec.tied, dir)?;
+
+    let mut model = Gpt::from_parameters(config, |name, shape| {
+        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: weights_path.clone(), name: hf_name(name), expected: shape.to_vec() })?;
+        Ok(if is_conv1d(name, shape) { transpose(&tensor.data, shape[1], shape[0]) } else { tensor.data })
+    })?;
+    let eps = spec.layer_norm_epsilon;
+    for block in &mut model.h {
+        block.ln_1.eps = eps;
+        block.ln_2.eps = eps;
+    }
+    model.ln_f.eps = eps;
+
+    let tokenizer = read_tokenizer(dir, config.vocab_size)?;
+    let optimizer = read_optimizer(dir, &model)?;
+    Ok(LoadedGpt { model, tokenizer, optimizer })
+}
+
+/// The sizes config.json gives, without reading the weights.
+pub fn read_gpt_config(dir: impl AsRef<Path>) -> Result<GptConfig> {
+    Ok(read_config(dir.as_ref())?.config)
+}
+
+// ---------------------------------------------------------------- names
+
+/// wgrad's parameter name as `model.safetensors` holds it.
+fn hf_name(name: &str) -> String {
+    format!("{BODY_PREFIX}{name}")
+}
+
+/// The blocks' matrices are GPT-2 Conv1Ds ([in, out]); wgrad's Linear
+/// holds [out, in]. Every other matrix (the embeddings) is the same both ways.
+fn is_conv1d(name: &str, wgrad_shape: &[usize]) -> bool {
+    name.starts_with("h.") && wgrad_shape.len() == 2
+}
+
+/// Row-major [rows, cols] → [cols, rows].
+fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; data.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = data[r * cols + c];
+        }
+    }
+    out
+}
+
+/// Every parameter's (wgrad name, shape in model.safetensors) for `config`,
+/// in state_dict order. The one list both saving and loading check against.
+fn hf_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
+    let c = config.n_embd;
+    let mut all = vec![("wte.weight".to_string(), vec![config.vocab_size, c]), ("wpe.weight".to_string(), vec![config.block_size, c])];
+    for i in 0..config.n_layer {
+        let p = format!("h.{i}.");
+        all.extend([
+            (format!("{p}ln_1.weight"), vec![c]),
+            (format!("{p}ln_1.bias"), vec![c]),
+            (format!("{p}attn.c_attn.weight"), vec![c, 3 * c]),
+            (format!("{p}attn.c_attn.bias"), vec![3 * c]),
+            (format!("{p}attn.c_proj.weight"), vec![c, c]),
+            (format!("{p}attn.c_proj.bias"), vec![c]),
+            (format!("{p}ln_2.weight"), vec![c]),
+            (format!("{p}ln_2.bias"), vec![c]),
+            (format!("{p}mlp.c_fc.weight"), vec![c, 4 * c]),
+            (format!("{p}mlp.c_fc.bias"), vec![4 * c]),
+            (format!("{p}mlp.c_proj.weight"), vec![4 * c, c]),
+            (format!("{p}mlp.c_proj.bias"), vec![c]),
+        ]);
+    }
+    all.extend([("ln_f.weight".to_string(), vec![c]), ("ln_f.bias".to_string(), vec![c])]);
+    all
+}
+
+/// Parameters of a model of `config`; `None` when the count overflows
+/// (sizes from a file may be absurd).
+fn parameter_count(config: &GptConfig) -> Option<usize> {
+    let c = config.n_embd;
+    let c2 = c.checked_mul(c)?;
+    // ln_1, ln_2: 4c; c_attn: 3c² + 3c; c_proj: c² + c; c_fc: 4c² + 4c; mlp c_proj: 4c² + c.
+    let block = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+    let tables = config.vocab_size.checked_add(config.block_size)?.checked_mul(c)?;
+    block.checked_mul(config.n_layer)?.checked_add(tables)?.checked_add(2 * c)
+}
+
+/// The shape wgrad holds for a parameter stored as `hf_shape`.
+fn wgrad_shape(name: &str, hf_shape: &[usize]) -> Vec<usize> {
+    match hf_shape {
+        [rows, cols] if name.starts_with("h.") => vec![*cols, *rows],
+        _ => hf_shape.to_vec(),
+    }
+}
+
+/// GPT-2's causal-mask buffers (`h.N.attn.bias`, `h.N.attn.masked_bias`):
+/// constants older transformers saved with the weights.
+fn is_mask_buffer(name: &str) -> bool {
+    name.strip_prefix("h.").and_then(|rest| rest.split_once('.')).is_some_and(|(layer, rest)| {
+        layer.bytes().all(|b| b.is_ascii_digit()) && (rest == "attn.bias" || rest == "attn.masked_bias")
+    })
+}
+
+// ---------------------------------------------------------------- saving
+
+/// A folder's files, built and checked in memory.
+struct FolderFiles {
+    config: Vec<u8>,
+    tokenizer: Vec<u8>,
+    weights: Checkpoint,
+    optimizer: Option<Checkpoint>,
+}
+
+impl FolderFiles {
+    fn new(model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<Self> {
+        let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder", reason };
+        let config = model.config;
+        if model.h.iter().any(|b| b.attn.is_none()) {
+            return Err(bad("a block without attention has no GPT-2 equivalent".into()));
+        }
+        let eps = model.ln_f.eps;
+        if model.h.iter().any(|b| b.ln_1.eps != eps || b.ln_2.eps != eps) {
+            return Err(bad("GPT-2 has one layer_norm_epsilon, but the model's LayerNorms differ".into()));
+        }
+        if let Some(reason) = tokenizer.misfit(config.vocab_size) {
+            return Err(bad(reason));
+        }
+
+        // The model's own sizes must be the ones config.json will state.
+        let values = model.parameter_values();
+        let expected = hf_shapes(&config);
+        if values.len() != expected.len() {
+            return Err(bad(format!("the model has {} parameters, its config {config:?} implies {}", values.len(), expected.len())));
+        }
+        let mut weights = Checkpoint::new();
+        weights.set_meta("format", "pt");
+        for ((name, shape, data), (want_name, hf_shape)) in values.iter().zip(&expected) {
+            if name != want_name || *shape != wgrad_shape(name, hf_shape) || data.len() != shape.iter().product::<usize>() {
+                return Err(bad(format!(
+                    "parameter `{name}` {shape:?} with {} values; its config {config:?} implies `{want_name}` {:?}",
+                    data.len(),
+                    wgrad_shape(want_name, hf_shape)
+                )));
+            }
+            let stored = if is_conv1d(name, shape) { transpose(data, shape[0], shape[1]) } else { data.to_vec() };
+            weights.push(NamedTensor::new(hf_name(name), hf_shape.clone(), stored)?);
+        }
+
+        let end = tokenizer.end_of_text(config.vocab_size);
+        let config_json = json!({
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": config.vocab_size,
+            "n_positions": config.block_size,
+            "n_ctx": config.block_size,
+            "n_embd": config.n_embd,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "n_inner": null,
+            "activation_function": "gelu_new",
+            // The shortest decimal that reads back as `eps` (1e-05, not
+            // the f64 widening 9.999999747378752e-06).
+            "layer_norm_epsilon": eps.to_string().parse::<f64>().unwrap_or(f64::from(eps)),
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": true,
+            "scale_attn_by_inverse_layer_idx": false,
+            "reorder_and_upcast_attn": false,
+            "tie_word_embeddings": true,
+            "bos_token_id": end,
+            "eos_token_id": end,
+            "dtype": "float32",
+        });
+        let config_bytes = pretty_json(&config_json)?;
+        let tokenizer_bytes = pretty_json(tokenizer)?;
+
+        let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state)).transpose()?;
+        Ok(FolderFiles { config: config_bytes, tokenizer: tokenizer_bytes, weights, optimizer })
+    }
+
+    fn write(&self, dir: &Path) -> Result<()> {
+        write_synced(&dir.join(CONFIG_FILE), &self.config)?;
+        write_synced(&dir.join(TOKENIZER_FILE), &self.tokenizer)?;
+        checkpoint::save(dir.join(WEIGHTS_FILE), &self.weights)?;
+        if let Some(opt) = &self.optimizer {
+            checkpoint::save(dir.join(OPTIMIZER_FILE), opt)?;
+        }
+        Ok(())
+    }
+}
+
+/// Pretty JSON with a final newline, as `save_pretrained` writes it.
+fn pretty_json(value: &impl serde::Serialize) -> Result<Vec<u8>> {
+    let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| Error::InvalidArgument { op: "save_gpt_folder", reason: format!("could not write JSON: {e}") })?;
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// `optimizer.safetensors`: each moment under `model.safetensors`'s name
+/// and layout of its parameter, plus `.STATE`. Refuses state that does not
+/// cover every parameter with every state name, since resuming from it
+/// would not be exact.
+fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoint> {
+    let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder (optimizer state)", reason };
+    let names = state.state_names();
+    let params: HashMap<String, Vec<usize>> = model.named_parameters().into_iter().collect();
+    let mut ckpt = Checkpoint::new();
+    let mut seen = BTreeSet::new();
+    for (param, name, data) in &state.state {
+        if name.is_empty() || name.contains(['.', ',']) {
+            return Err(bad(format!("state name `{name}` must be non-empty, without `.` or `,`")));
+        }
+        let shape = params.get(param).ok_or_else(|| bad(format!("`{param}` is not a parameter of the model")))?;
+        if data.len() != shape.iter().product::<usize>() {
+            return Err(bad(format!("`{param}.{name}` has {} values; the parameter's shape is {shape:?}", data.len())));
+        }
+        if !seen.insert((param.as_str(), name.as_str())) {
+            return Err(bad(format!("`{param}.{name}` appears twice")));
+        }
+        let (stored, stored_shape) = if is_conv1d(param, shape) { (transpose(data, shape[0], shape[1]), vec![shape[1], shape[0]]) } else { (data.clone(), shape.clone()) };
+        ckpt.push(NamedTensor::new(format!("{}.{name}", hf_name(param)), stored_shape, stored)?);
+    }
+    if seen.len() != params.len() * names.len() {
+        let absent = params.keys().flat_map(|p| names.iter().map(move |n| (p.as_str(), *n))).find(|k| !seen.contains(k));
+        if let Some((p, n)) = absent {
+            return Err(bad(format!("no `{n}` for `{p}`: resuming from partial state would not be exact")));
+        }
+    }
+    for (key, value) in &state.metadata {
+        if OPTIMIZER_KEYS.contains(&key.as_str()) {
+            return Err(bad(format!("metadata key `{key}` is reserved for the optimizer state itself")));
+        }
+        ckpt.set_meta(key.clone(), value.clone());
+    }
+    ckpt.set_meta("format", "wgrad-optimizer");
+    ckpt.set_meta("optimizer", state.optimizer.clone());
+    ckpt.set_meta("step", state.step.to_string());
+    ckpt.set_meta("state_names", names.join(","));
+    ckpt.set_meta("layout", "names and layouts of model.safetensors, plus .STATE");
+    Ok(ckpt)
+}
+
+/// Only a folder whose every entry a model folder may hold is replaced
+/// (what wgrad writes, and what Hugging Face puts beside the weights), so a
+/// mistyped path cannot delete someone's files.
+fn check_replaceable(dir: &Path) -> Result<()> {
+    const KNOWN: [&str; 12] = [
+        CONFIG_FILE,
+        WEIGHTS_FILE,
+        WEIGHTS_INDEX_FILE,
+        TOKENIZER_FILE,
+        OPTIMIZER_FILE,
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+    ];
+    let entries = fs::read_dir(dir).map_err(|e| io_err(dir, "list the target folder", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_err(dir, "list the target folder", e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+        let shard = name.starts_with("model-") && name.ends_with(".safetensors");
+        if !is_file || !(KNOWN.contains(&name.as_ref()) || shard) {
+            return Err(Error::InvalidArgument {
+                op: "save_gpt_folder",
+                reason: format!(
+                    "refusing to replace `{}`: it holds `{name}`, which is not part of a model folder; move it away or save elsewhere",
+                    dir.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {
+    Error::CheckpointIo { path: path.to_path_buf(), action, source }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut file = File::create(path).map_err(|e| io_err(path, "create", e))?;
+    file.write_all(bytes).map_err(|e| io_err(path, "write", e))?;
+    file.sync_all().map_err(|e| io_err(path, "fsync", e))
+}
+
+/// Makes renames and new entries durable. Best effort: some filesystems
+/// refuse fsync on a folder, and the files themselves are already synced.
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+        log::warn!("save_gpt_folder: could not fsync folder {}: {e}", dir.display());
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+}
+
+/// `.NAME.KIND-PID-N-NANOS` beside the target: hidden, and unique per
+/// process and call.
+fn unique_sibling(parent: &Path, name: &std::ffi::OsStr, kind: &str) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let mut sibling = std::ffi::OsString::from(".");
+    sibling.push(name);
+    sibling.push(format!(".{kind}-{}-{n}-{nanos}", std::process::id()));
+    parent.join(sibling)
+}
+
+/// The temporary folder, removed with its contents when dropped unless
+/// disarmed after the rename.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn create(parent: &Path, name: &std::ffi::OsStr, kind: &str, target: &Path) -> Result<Self> {
+        for _ in 0..16 {
+            let path = unique_sibling(parent, name, kind);
+            match fs::create_dir(&path) {
+                Ok(()) => return Ok(TempDir(path)),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(target, "create a temporary folder beside it", e)),
+            }
+        }
+        Err(io_err(target, "create a temporary folder with a unique name", std::io::Error::new(ErrorKind::AlreadyExists, "name collision")))
+    }
+
+    fn disarm(mut self) {
+        self.0 = PathBuf::new();
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            // Best effort: the original error is what the caller needs.
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- loading
+
+/// What config.json says, checked.
+struct ConfigSpec {
+    config: GptConfig,
+    layer_norm_epsilon: f32,
+    tied: bool,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = fs::read(path).map_err(|e| io_err(path, "read", e))?;
+    serde_json::from_slice(&text).map_err(|e| Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("not valid JSON: {e}") })
+}
+
+fn read_config(dir: &Path) -> Result<ConfigSpec> {
+    let path = dir.join(CONFIG_FILE);
+    let value = read_json(&path)?;
+    let bad = |reason: String| Error::CheckpointFormat { path: path.clone(), reason };
+    let map = value.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
+
+    let size = |key: &str| -> Result<Option<usize>> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| bad(format!("`{key}` is {v}, not a size"))),
+        }
+    };
+    let required = |key: &str| size(key)?.ok_or_else(|| bad(format!("no `{key}` field (GPT2Config needs it)")));
+    let text = |key: &str| -> Result<Option<&str>> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| bad(format!("`{key}` is {v}, not a string"))),
+        }
+    };
+    let flag = |key: &str, default: bool| -> Result<bool> {
+        match map.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| bad(format!("`{key}` is {v}, not true or false"))),
+        }
+    };
+
+    if let Some(kind) = text("model_type")? {
+        if kind != "gpt2" {
+            return Err(bad(format!("model_type `{kind}`: wgrad reads GPT-2 (`gpt2`) folders")));
+        }
+    }
+    let block_size = match (size("n_positions")?, size("n_ctx")?) {
+        (Some(n), _) | (None, Some(n)) => n,
+        (None, None) => return Err(bad("no `n_positions` (nor `n_ctx`) field (GPT2Config needs it)".into())),
+    };
+    let config = GptConfig {
+        vocab_size: required("vocab_size")?,
+        block_size,
+        n_layer: required("n_layer")?,
+        n_head: required("n_head")?,
+        n_embd: required("n_embd")?,
+    };
+    // Sizes come from a file: refuse ones whose tables would not fit before
+    // anything is allocated for them.
+    let positive = ![config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd].contains(&0);
+    if !positive || config.n_embd % config.n_head != 0 || config.n_layer > MAX_LAYERS || parameter_count(&config).is_none_or(|n| n > MAX_PARAMETERS) {
+        return Err(bad(format!(
+            "sizes {config:?}: every size must be positive, n_embd a multiple of n_head, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
+        )));
+    }
+
+    let layer_norm_epsilon = match map.get("layer_norm_epsilon") {
+        None | Some(Value::Null) => 1e-5,
+        Some(v) => match v.as_f64() {
+            Some(e) if e > 0.0 && e.is_finite() => e as f32,
+            _ => return Err(bad(format!("`layer_norm_epsilon` is {v}, not a positive number"))),
+        },
+    };
+    match text("activation_function")? {
+        None | Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => {}
+        Some(other) => {
+            return Err(bad(format!("activation_function `{other}`: wgrad's GPT uses GPT-2's tanh GELU (gelu_new, gelu_pytorch_tanh)")));
+        }
+    }
+    if let Some(inner) = size("n_inner")? {
+        if inner != 4 * config.n_embd {
+            return Err(bad(format!("n_inner {inner}: wgrad's MLP is 4 × n_embd = {}", 4 * config.n_embd)));
+        }
+    }
+    if !flag("scale_attn_weights", true)? || flag("scale_attn_by_inverse_layer_idx", false)? || flag("add_cross_attention", false)? {
+        return Err(bad("attention other than GPT-2's (scale_attn_weights true, scale_attn_by_inverse_layer_idx and add_cross_attention false)".into()));
+    }
+    let tied = flag("tie_word_embeddings", true)?;
+    Ok(ConfigSpec { config, layer_norm_epsilon, tied })
+}
+
+/// One tensor read from a weights file, converted to f32.
+struct LoadedTensor {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+/// The weights by wgrad name (no prefix), the head if present, and the
+/// file errors about the whole set name (the single file or the index).
+struct Weights {
+    tensors: HashMap<String, LoadedTensor>,
+    head: Option<(PathBuf, LoadedTensor)>,
+    source: PathBuf,
+}
+
+fn read_weights(dir: &Path, expected: &HashMap<String, Vec<usize>>) -> Result<Weights> {
+    let single = dir.join(WEIGHTS_FILE);
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    if single.is_file() {
+        let mut weights = Weights { tensors: HashMap::new(), head: None, source: single.clone() };
+        read_weights_file(&single, expected, &mut weights, None)?;
+        return Ok(weights);
+    }
+    if !index.is_file() {
+        let reason = if dir.join("pytorch_model.bin").exists() {
+            format!("no {WEIGHTS_FILE}, only pytorch_model.bin: save the model with safe_serialization (the default in transformers) to get safetensors")
+        } else {
+            format!("no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
+        };
+        return Err(Error::CheckpointFormat { path: dir.to_path_buf(), reason });
+    }
+
+    let value = read_json(&index)?;
+    let bad = |reason: String| Error::CheckpointFormat { path: index.clone(), reason };
+    let map = value.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut shards: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
+        // The index comes with the folder: it may only name files in it.
+        if file.is_empty() || file == "." || file == ".." || file.contains(['/', '\\']) {
+            return Err(bad(format!("`{name}` maps to `{file}`, which is not a file name in the folder")));
+        }
+        shards.entry(file).or_default().push(name);
+    }
+    let mut weights = Weights { tensors: HashMap::new(), head: None, source: index.clone() };
+    for (file, names) in shards {
+        let path = dir.join(file);
+        if !path.exists() {
+            return Err(io_err(&path, "read the shard model.safetensors.index.json lists", std::io::Error::new(ErrorKind::NotFound, "missing shard")));
+        }
+        read_weights_file(&path, expected, &mut weights, Some(&names))?;
+    }
+    Ok(weights)
+}
+
+/// Reads one safetensors file into `weights`, checking each tensor's name
+/// and shape against `expected` (wgrad name → shape in the file). A shard
+/// must hold every name the index lists for it (`listed`).
+fn read_weights_file(path: &Path, expected: &HashMap<String, Vec<usize>>, weights: &mut Weights, listed: Option<&[&str]>) -> Result<()> {
+    let bytes = fs::read(path).map_err(|e| io_err(path, "read", e))?;
+    let bad = |reason: String| Error::CheckpointFormat { path: path.to_path_buf(), reason };
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(checkpoint::describe_safetensors_error(&e, bytes.len())))?;
+    if let Some(listed) = listed {
+        let held: BTreeSet<&str> = st.names().into_iter().collect();
+        if let Some(absent) = listed.iter().find(|n| !held.contains(**n)) {
+            return Err(bad(format!("{WEIGHTS_INDEX_FILE} lists `{absent}` in this shard, which does not hold it")));
+        }
+    }
+    for (file_name, view) in st.tensors() {
+        let name = file_name.strip_prefix(BODY_PREFIX).unwrap_or(&file_name);
+        if is_mask_buffer(name) {
+            continue;
+        }
+        let shape = view.shape().to_vec();
+        if name == HEAD {
+            let data = decode(&file_name, &view, path)?;
+            weights.head = Some((path.to_path_buf(), LoadedTensor { shape, data }));
+            continue;
+        }
+        let want = expected.get(name).ok_or_else(|| Error::FolderTensorUnexpected { path: path.to_path_buf(), name: file_name.clone(), shape: shape.clone() })?;
+        if *want != shape {
+            return Err(Error::FolderTensorShape { path: path.to_path_buf(), name: file_name.clone(), expected: want.clone(), found: shape });
+        }
+        if weights.tensors.contains_key(name) {
+            return Err(bad(format!("`{name}` appears twice (with and without the `{BODY_PREFIX}` prefix, or in two shards)")));
+        }
+        let data = decode(&file_name, &view, path)?;
+        weights.tensors.insert(name.to_string(), LoadedTensor { shape, data });
+    }
+    Ok(())
+}
+
+/// A tensor's values as f32: F32 as is, F16 and BF16 exactly, F64 rounded
+/// to nearest.
+fn decode(name: &str, view: &safetensors::tensor::TensorView<'_>, path: &Path) -> Result<Vec<f32>> {
+    let raw = view.data();
+    let width = match view.dtype() {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        Dtype::F64 => 8,
+        other => {
+            return Err(Error::CheckpointFormat {
+                path: path.to_path_buf(),
+                reason: format!("tensor `{name}` has dtype {other}; wgrad reads F32, F16, BF16 and F64 weights"),
+            })
+        }
+    };
+    let count = view.shape().iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    // safetensors checked the offsets against shape × dtype; re-check so a
+    // bug there cannot become silently short data.
+    if count.and_then(|n| n.checked_mul(width)) != Some(raw.len()) {
+        return Err(Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("tensor `{name}`: {} data bytes do not fit shape {:?}", raw.len(), view.shape()) });
+    }
+    // The data may sit at any byte offset, so decode element-wise.
+    Ok(match view.dtype() {
+        Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F64 => raw.chunks_exact(8).map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32).collect(),
+        _ => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+    })
+}
+
+/// wgrad's head is the token embedding: a stored `lm_head.weight` must be
+/// that same table, and an untied model must store it.
+fn check_head(weights: &Weights, config: &GptConfig, tied: bool, dir: &Path) -> Result<()> {
+    let wte = weights.tensors.get("wte.weight");
+    match (&weights.head, wte) {
+        (Some((path, head)), Some(wte)) => {
+            let want = vec![config.vocab_size, config.n_embd];
+            if head.shape != want {
+                return Err(Error::FolderTensorShape { path: path.clone(), name: HEAD.into(), expected: want, found: head.shape.clone() });
+            }
+            let same = head.data.iter().zip(&wte.data).all(|(a, b)| a.to_bits() == b.to_bits());
+            if !same {
+                return Err(Error::CheckpointFormat {
+                    path: path.clone(),
+                    reason: format!("`{HEAD}` differs from `{BODY_PREFIX}wte.weight`: an untied head, which wgrad's GPT (head tied to the token embedding) cannot run"),
+                });
+            }
+            Ok(())
+        }
+        (None, _) if !tied => Err(Error::CheckpointFormat {
+            path: dir.join(CONFIG_FILE),
+            reason: format!("tie_word_embeddings is false but the weights hold no `{HEAD}`; wgrad's GPT ties its head to the token embedding"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<TokenizerSpec>> {
+    let path = dir.join(TOKENIZER_FILE);
+    let text = match fs::read(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            // A Hugging Face GPT-2 folder: its tokenizer is GPT-2's BPE.
+            return Ok((vocab_size == GPT2_BPE_TOKENS).then(TokenizerSpec::gpt2));
+        }
+        Err(e) => return Err(io_err(&path, "read", e)),
+    };
+    let spec: TokenizerSpec = serde_json::from_slice(&text).map_err(|e| Error::CheckpointFormat {
+        path: path.clone(),
+        reason: format!("not a tokenizer description ({{\"kind\":\"char\",\"vocabulary\":…}} or {{\"kind\":\"gpt2-bpe\",\"encoding\":…}}): {e}"),
+    })?;
+    if let Some(reason) = spec.misfit(vocab_size) {
+        return Err(Error::CheckpointFormat { path, reason });
+    }
+    Ok(Some(spec))
+}
+
+fn read_optimizer(dir: &Path, model: &Gpt) -> Result<Option<OptimizerState>> {
+    let path = dir.join(OPTIMIZER_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let ckpt = checkpoint::load(&path)?;
+    let bad = |reason: String| Error::CheckpointFormat { path: path.clone(), reason };
+    let meta = |key: &str| ckpt.meta(key).ok_or_else(|| bad(format!("no `{key}` in the metadata")));
+    let optimizer = meta("optimizer")?.to_string();
+    let step_text = meta("step")?;
+    let step = step_text.parse().map_err(|_| bad(format!("step `{step_text}` is not a count")))?;
+    let names: Vec<&str> = meta("state_names")?.split(',').filter(|n| !n.is_empty()).collect();
+
+    let params = model.named_parameters();
+    let by_name: HashMap<&str, &Vec<usize>> = params.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let mut state = Vec::with_capacity(params.len() * names.len());
+    let mut used = 0;
+    // The executor's order: every parameter of the first state, then the next.
+    for name in &names {
+        for (param, shape) in &params {
+            let stored = format!("{}.{name}", hf_name(param));
+            let hf = if is_conv1d(param, shape) { vec![shape[1], shape[0]] } else { shape.clone() };
+            let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing { path: path.clone(), name: stored.clone(), expected: hf.clone() })?;
+            if t.shape != hf {
+                return Err(Error::FolderTensorShape { path: path.clone(), name: stored, expected: hf, found: t.shape.clone() });
+            }
+            let data = if is_conv1d(param, shape) { transpose(&t.data, hf[0], hf[1]) } else { t.data.clone() };
+            state.push((param.clone(), name.to_string(), data));
+            used += 1;
+        }
+    }
+    if used != ckpt.tensors.len() {
+        let extra = ckpt.tensors.iter().find(|t| {
+            let known = t.name.strip_prefix(BODY_PREFIX).and_then(|n| n.rsplit_once('.'));
+            !known.is_some_and(|(p, s)| by_name.contains_key(p) && names.contains(&s))
+        });
+        if let Some(t) = extra {
+            return Err(Error::FolderTensorUnexpected { path: path.clone(), name: t.name.clone(), shape: t.shape.clone() });
+        }
+    }
+    let metadata = ckpt.metadata.iter().filter(|(k, _)| !OPTIMIZER_KEYS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+    Ok(Some(OptimizerState { optimizer, step, state, metadata }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_buffers_are_recognised_and_nothing_else() {
+        assert!(is_mask_buffer("h.0.attn.bias"));
+        assert!(is_mask_buffer("h.11.attn.masked_bias"));
+        assert!(!is_mask_buffer("h.0.attn.c_attn.bias"));
+        assert!(!is_mask_buffer("h.x.attn.bias"));
+        assert!(!is_mask_buffer("wte.weight"));
+    }
+
+    #[test]
+    fn transpose_swaps_rows_and_columns() {
+        // [2, 3] → [3, 2]
+        assert_eq!(transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+    }
+
+    #[test]
+    fn expected_shapes_cover_every_parameter_of_the_model() {
+        let config = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 2, n_embd: 4 };
+        let model = Gpt::new(config).unwrap();
+        let ours: Vec<(String, Vec<usize>)> = hf_shapes(&config).into_iter().map(|(n, s)| (n.clone(), wgrad_shape(&n, &s))).collect();
+        assert_eq!(ours, model.named_parameters());
+        assert_eq!(parameter_count(&config), Some(config.num_parameters()));
+        assert_eq!(parameter_count(&GptConfig::gpt2()), Some(124_439_808));
+    }
+}
