@@ -11,6 +11,7 @@ mod data;
 mod device;
 mod fusion;
 mod gpt_folder;
+mod gpt_reference;
 mod graph;
 mod kernels;
 mod kernels_ext;
