@@ -59,7 +59,7 @@ use serde_json::{json, Value};
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::nn::{Gpt, GptConfig, Module};
-use crate::text::CharTokenizer;
+use crate::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
 
 /// The model's sizes, in `transformers.GPT2Config`'s names.
 pub const CONFIG_FILE: &str = "config.json";
@@ -151,6 +151,29 @@ impl TokenizerSpec {
         self.token_count()
             .filter(|&n| n > vocab_size)
             .map(|n| format!("the tokenizer has {n} tokens, more than the model's vocab_size {vocab_size}"))
+    }
+}
+
+impl TokenizerSpec {
+    /// The tokenizer this spec describes.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            TokenizerSpec::Char { .. } => Ok(Tokenizer::Char(self.char_tokenizer()?)),
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding == "r50k_base" => Ok(Tokenizer::Gpt2(Gpt2Bpe::new()?)),
+            TokenizerSpec::Gpt2Bpe { encoding } => Err(Error::InvalidArgument {
+                op: "TokenizerSpec::tokenizer",
+                reason: format!("unknown BPE encoding `{encoding}`: wgrad knows GPT-2's r50k_base"),
+            }),
+        }
+    }
+}
+
+impl From<&Tokenizer> for TokenizerSpec {
+    fn from(t: &Tokenizer) -> Self {
+        match t {
+            Tokenizer::Char(c) => c.into(),
+            Tokenizer::Gpt2(_) => TokenizerSpec::gpt2(),
+        }
     }
 }
 

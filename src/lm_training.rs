@@ -19,6 +19,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::device::{Device, DeviceOptions};
 use crate::error::{Error, Result};
+use crate::gpt_folder::{self, OptimizerState, TokenizerSpec};
 use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
 use crate::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
 use crate::optim::AdamW;
@@ -77,6 +78,10 @@ pub struct LmTrainConfig {
     pub loss_every: u64,
     /// Seeds the parameters and the training windows.
     pub seed: u64,
+    /// Continue from this model folder (written by [`LmTrainingRun::save`]):
+    /// its model, optimizer state and step; the training windows continue
+    /// where they stopped, so a resumed run equals an uninterrupted one.
+    pub resume: Option<PathBuf>,
 }
 
 impl Default for LmTrainConfig {
@@ -101,6 +106,7 @@ impl Default for LmTrainConfig {
             validation_fraction: 0.1,
             loss_every: 10,
             seed: 0,
+            resume: None,
         }
     }
 }
@@ -184,6 +190,8 @@ pub struct LmRunInfo {
     pub train_tokens: usize,
     pub validation_tokens: usize,
     pub steps: u64,
+    /// 1, or the step after a resumed folder's.
+    pub first_step: u64,
     pub tokens_per_step: usize,
     pub dispatches_per_step: usize,
     pub peak_gpu_bytes: u64,
@@ -259,9 +267,33 @@ impl LmTrainingRun {
             });
         }
         nn::manual_seed(config.seed);
-        let model = Gpt::new(gpt_config)?;
+        let (model, resumed) = match &config.resume {
+            None => (Gpt::new(gpt_config)?, None),
+            Some(dir) => {
+                let loaded = gpt_folder::load_gpt_folder(dir)?;
+                let state = loaded.optimizer.ok_or_else(|| Error::InvalidArgument {
+                    op: "train --resume",
+                    reason: format!("`{}` has no optimizer state to resume from", dir.display()),
+                })?;
+                let spec = TokenizerSpec::from(&data.tokenizer);
+                if loaded.model.config != gpt_config || loaded.tokenizer.as_ref() != Some(&spec) {
+                    return Err(Error::InvalidArgument {
+                        op: "train --resume",
+                        reason: format!(
+                            "`{}` holds {:?} with another tokenizer or size than this run's {gpt_config:?}",
+                            dir.display(),
+                            loaded.model.config
+                        ),
+                    });
+                }
+                (loaded.model, Some(state))
+            }
+        };
         progress.preparing();
-        let trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, config.optimizer(), config.batch_size)?;
+        let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, config.optimizer(), config.batch_size)?;
+        if let Some(state) = &resumed {
+            trainer.executor_mut().load_state(&[], &state.state, Some(state.step))?;
+        }
         let info = LmRunInfo {
             device: kernels.device().label(),
             model: model.describe(),
@@ -271,6 +303,7 @@ impl LmTrainingRun {
             train_tokens: data.train.len(),
             validation_tokens: data.validation.len(),
             steps: config.max_steps,
+            first_step: resumed.as_ref().map_or(1, |s| s.step + 1),
             tokens_per_step: config.batch_size * config.block_size,
             dispatches_per_step: trainer.executor().dispatches_per_step(),
             peak_gpu_bytes: trainer.executor().peak_bytes(),
@@ -295,6 +328,24 @@ impl LmTrainingRun {
         &self.trainer
     }
 
+    /// The model with the parameters trained so far.
+    pub fn trained_model(&self) -> Result<Gpt> {
+        let params = self.trainer.executor().parameters()?;
+        Gpt::from_parameters(self.model.config, |name, shape| {
+            params.iter().find(|p| p.0 == name).map(|p| p.2.clone()).ok_or_else(|| Error::InvalidArgument {
+                op: "LmTrainingRun::trained_model",
+                reason: format!("the trainer has no parameter `{name}` {shape:?}"),
+            })
+        })
+    }
+
+    /// Writes the model folder (atomically): the trained model with GPT-2's
+    /// names, the tokenizer and the optimizer state to resume from.
+    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        let state = OptimizerState::from_checkpoint(&self.trainer.checkpoint()?)?;
+        gpt_folder::save_gpt_folder(dir, &self.trained_model()?, &TokenizerSpec::from(&self.data.tokenizer), Some(&state))
+    }
+
     /// The mean loss over the fixed validation windows.
     pub fn validation_loss(&mut self) -> Result<f32> {
         let per_batch = self.config.batch_size * self.config.block_size;
@@ -315,7 +366,13 @@ impl LmTrainingRun {
         let mut train_seconds = 0.0f64;
         let tokens_per_step = config.batch_size * config.block_size;
         let mut final_validation = f32::NAN;
-        for step in 1..=config.max_steps {
+        // A resumed run draws the windows the first run already trained on
+        // first, so it continues the same sequence.
+        for _ in 1..self.info.first_step {
+            text::random_windows(&self.data.train, config.batch_size, config.block_size, &mut rng)?;
+        }
+        let first = self.info.first_step;
+        for step in first..=config.max_steps {
             let started = Instant::now();
             let (x, y) = text::random_windows(&self.data.train, config.batch_size, config.block_size, &mut rng)?;
             self.trainer.zero_grad();
@@ -327,7 +384,7 @@ impl LmTrainingRun {
                 let loss = self.trainer.step_reading_loss()?;
                 train_seconds += started.elapsed().as_secs_f64();
                 train_curve.push((step, loss));
-                progress.loss(step, loss, (step as usize * tokens_per_step) as f64 / train_seconds.max(1e-9));
+                progress.loss(step, loss, ((step + 1 - first) as usize * tokens_per_step) as f64 / train_seconds.max(1e-9));
             } else {
                 self.trainer.step()?;
                 train_seconds += started.elapsed().as_secs_f64();
@@ -339,11 +396,12 @@ impl LmTrainingRun {
                 final_validation = loss;
             }
         }
+        let steps = (config.max_steps + 1).saturating_sub(first);
         Ok(LmSummary {
-            steps: config.max_steps,
+            steps,
             train_seconds,
-            tokens_per_s: (config.max_steps as usize * tokens_per_step) as f64 / train_seconds.max(1e-9),
-            ms_per_step: 1e3 * train_seconds / config.max_steps as f64,
+            tokens_per_s: (steps as usize * tokens_per_step) as f64 / train_seconds.max(1e-9),
+            ms_per_step: 1e3 * train_seconds / steps.max(1) as f64,
             train_curve,
             validation_curve,
             final_validation_loss: final_validation,

@@ -106,6 +106,7 @@ fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
         validation_fraction: defaults.validation_fraction,
         loss_every: args.loss_every,
         seed: args.seed,
+        resume: args.resume.clone(),
     })
 }
 
@@ -179,6 +180,8 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         summary.steps, summary.train_seconds, summary.ms_per_step, summary.tokens_per_s
     );
     println!("final validation loss {:.4}", summary.final_validation_loss);
+    run.save(&args.gpt.out)?;
+    println!("model folder: {}", args.gpt.out.display());
     let title = format!("{} — validation loss {:.4}", run.info().model, summary.final_validation_loss);
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());

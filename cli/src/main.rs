@@ -141,7 +141,7 @@ struct TrainArgs {
     checkpoint: PathBuf,
     #[arg(long, default_value = "out/loss.png")]
     plot: PathBuf,
-    /// Continue from this checkpoint (parameters, optimizer state, step).
+    /// Continue from this checkpoint (MLP) or model folder (GPT): parameters, optimizer state, step.
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Train on MNIST IDX files in this folder instead of the digits set.

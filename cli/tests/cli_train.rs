@@ -49,5 +49,8 @@ fn wgrad_train_gpt_prints_validation_losses_and_plots() {
     assert!(stdout.contains("step 3: validation loss") && stdout.contains("step 6: validation loss"), "{stdout}");
     assert!(stdout.contains("final validation loss"), "{stdout}");
     assert!(std::fs::metadata(&plot).map(|m| m.len() > 0).unwrap_or(false), "no plot at {}", plot.display());
+    for file in ["config.json", "model.safetensors", "optimizer.safetensors", "wgrad_tokenizer.json"] {
+        assert!(out.join(file).is_file(), "the model folder lacks {file}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -95,3 +95,36 @@ fn bad_settings_are_refused_before_any_work() {
         Ok(())
     });
 }
+
+/// A run saved half way and resumed from its folder ends where an
+/// uninterrupted run ends: parameters, optimizer state, schedule and
+/// training windows all continue.
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one() {
+    common::for_each_adapter("lm_training::a_resumed_run", |k| {
+        let dir = std::env::temp_dir().join(format!("wgrad-lm-resume-{}-{}", std::process::id(), k.device().is_gl()));
+        let config = LmTrainConfig { max_steps: 10, eval_every: 10, ..tiny_config() };
+        let mut whole = LmTrainingRun::with_kernels(k.clone(), config.clone(), &mut ())?;
+        whole.fit(&mut ())?;
+
+        let mut first = LmTrainingRun::with_kernels(k.clone(), LmTrainConfig { max_steps: 4, ..config.clone() }, &mut ())?;
+        first.fit(&mut ())?;
+        first.save(&dir)?;
+        let mut second = LmTrainingRun::with_kernels(k.clone(), LmTrainConfig { resume: Some(dir.clone()), ..config.clone() }, &mut ())?;
+        assert_eq!(second.info().first_step, 5);
+        let summary = second.fit(&mut ())?;
+        assert_eq!(summary.steps, 6);
+        let (a, b) = (whole.trained_model()?, second.trained_model()?);
+        assert!(a == b, "the resumed run's parameters differ from the uninterrupted run's");
+
+        // A folder of another size is refused, naming both.
+        let other = LmTrainConfig { n_embd: 24, n_head: 2, resume: Some(dir.clone()), ..config };
+        match LmTrainingRun::with_kernels(k.clone(), other, &mut ()) {
+            Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("n_embd: 16") && reason.contains("n_embd: 24"), "{reason}"),
+            Err(e) => panic!("expected a refusal naming the sizes, got {e}"),
+            Ok(_) => panic!("a folder of another size was accepted"),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    });
+}
