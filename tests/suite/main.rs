@@ -10,6 +10,7 @@ mod checkpoint;
 mod data;
 mod device;
 mod fusion;
+mod generate;
 mod graph;
 mod kernels;
 mod kernels_ext;
