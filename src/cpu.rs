@@ -484,9 +484,9 @@ pub fn cached_attention(
     let (mut keys, mut values) = (k_cache.to_vec(), v_cache.to_vec());
     let cache_row = |s: usize, h: usize, p: usize| ((s * heads + h) * context + p) * d;
     let qkv_row = |s: usize, t: usize| (s * rows + t) * 3 * c;
-    for s in 0..seqs {
+    for (s, &start) in starts.iter().enumerate().take(seqs) {
         for t in 0..rows {
-            let p = starts[s] as usize + t;
+            let p = start as usize + t;
             if p >= context {
                 continue;
             }
@@ -499,9 +499,9 @@ pub fn cached_attention(
     }
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = vec![f32::NAN; seqs * rows * c];
-    for s in 0..seqs {
+    for (s, &start) in starts.iter().enumerate().take(seqs) {
         for t in 0..rows {
-            let p = starts[s] as usize + t;
+            let p = start as usize + t;
             if p >= context {
                 continue;
             }

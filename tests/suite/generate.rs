@@ -22,7 +22,9 @@ use wgrad::{cpu, Error};
 /// different positions, a prompt's rows after cached ones (rows > 1,
 /// start > 0), a whole prompt, GPT-2's 12 heads of 64, and more
 /// invocations than a 256-wide workgroup.
-const ATTENTION_CASES: [(usize, usize, usize, usize, usize, &[u32]); 9] = [
+type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);
+
+const ATTENTION_CASES: [AttentionCase; 9] = [
     (1, 1, 1, 1, 1, &[0]),
     (1, 1, 3, 1, 5, &[4]),
     (2, 1, 5, 7, 11, &[0, 10]),
