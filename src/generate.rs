@@ -29,18 +29,21 @@
 //! Each attention layer has two caches, keys and values, each
 //! `[sequences, n_head, block_size, head_dim]` f32, allocated for the
 //! model's whole context: 2 · n_layer · sequences · block_size · n_embd
-//! floats in all (75 MiB for GPT-2 small with one sequence). A head's rows
+//! floats in all (72 MiB for GPT-2 small with one sequence). A head's rows
 //! are contiguous, so attending reads one block per head.
 //!
-//! One graph holds two forward passes over the same parameters and caches:
+//! One graph holds the forward passes, all over the same parameters and
+//! caches:
 //!
-//! - **prefill**, a whole prompt in one submission: ids `[sequences,
-//!   block_size]` (a shorter prompt is padded), the usual causal forward
-//!   whose attention also writes every position's keys and values into the
-//!   caches; only each sequence's last prompt row goes through the final
-//!   norm and the head. Padded rows write cache rows past the prompt, which
-//!   nothing reads before a decode step overwrites them. Its cost is a
-//!   forward over block_size positions whatever the prompt's length.
+//! - **prefill**, a whole prompt in one submission: the usual causal
+//!   forward, whose attention also writes every position's keys and values
+//!   into the caches; only each sequence's last prompt row goes through the
+//!   final norm and the head. A pass is built for each of a few lengths
+//!   (powers of two from 8, then block_size) and a prompt runs in the
+//!   shortest that holds it, padded: at most twice its own work, and a
+//!   handful of passes for any context (8 for GPT-2's 1024). Padded rows
+//!   write cache rows past the prompt, which nothing reads before a decode
+//!   step overwrites them.
 //! - **decode**, one token per sequence: embeddings, projections, MLP,
 //!   norms and head on one row per sequence, and
 //!   `cached_attention_forward`, which writes the new key and value at the
@@ -144,7 +147,8 @@ pub struct Generator {
     exec: Executor,
     config: GptConfig,
     sequences: usize,
-    prefill: PrefillPass,
+    /// Whole-prompt passes by length, shortest first.
+    prefill: Vec<PrefillPass>,
     decode: DecodePass,
     /// The tokens whose keys and values each sequence's cache holds, in
     /// position order.
@@ -158,11 +162,12 @@ impl std::fmt::Debug for Generator {
     }
 }
 
-/// Inputs and output of the whole-prompt pass.
+/// Inputs and output of a whole-prompt pass over `rows` positions.
 struct PrefillPass {
-    /// [S, block_size] token ids, each prompt padded with zeros.
+    rows: usize,
+    /// [S, rows] token ids, each prompt padded with zeros.
     ids: Tensor,
-    /// [S] flat row of each sequence's last prompt position in [S·block_size].
+    /// [S] flat row of each sequence's last prompt position in [S·rows].
     last: Tensor,
     /// [S, vocab].
     logits: Tensor,
@@ -286,6 +291,29 @@ impl Weights {
         Ok(x)
     }
 
+    /// The whole-prompt pass over `rows` positions of each of `sequences`
+    /// sequences: Gpt's forward, whose attention also fills the caches,
+    /// with only each sequence's last prompt row going through the head.
+    fn prefill(&self, g: &mut Graph, starts: Tensor, (sequences, rows, context, channels): (usize, usize, usize, usize)) -> Result<PrefillPass> {
+        let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
+        let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
+        let tokens = g.embedding(self.wte, ids)?;
+        // The first `rows` rows of the position table, as Gpt::forward.
+        let positions = if rows == context {
+            self.wpe
+        } else {
+            let flat = g.reshape(self.wpe, &[1, context * channels])?;
+            let first = g.slice_last(flat, 0, rows * channels)?;
+            g.reshape(first, &[rows, channels])?
+        };
+        let x = g.add(tokens, positions)?;
+        let x = g.reshape(x, &[sequences * rows, channels])?;
+        let x = self.blocks(g, x, starts, (sequences, rows, channels))?;
+        let x = g.embedding(x, last)?;
+        let logits = self.head(g, x)?;
+        Ok(PrefillPass { rows, ids, last, logits })
+    }
+
     /// The final norm and the head tied to the token embedding: x [rows, C]
     /// -> logits [rows, vocab].
     fn head(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
@@ -294,8 +322,18 @@ impl Weights {
     }
 }
 
+/// The prompt lengths a prefill pass is built for: powers of two from 8
+/// below the context, then the context. A prompt runs in the shortest
+/// that holds it, so it costs at most twice its length (at least 8
+/// positions), and a handful of passes cover any context.
+fn prefill_lengths(context: usize) -> Vec<usize> {
+    let mut lengths: Vec<usize> = std::iter::successors(Some(8usize), |&n| n.checked_mul(2)).take_while(|&n| n < context).collect();
+    lengths.push(context);
+    lengths
+}
+
 impl Generator {
-    /// Builds both passes for `sequences` sequences and allocates
+    /// Builds the passes for `sequences` sequences and allocates
     /// everything once: parameters (the model's current weights), caches,
     /// activations, dispatches.
     pub fn new(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> Result<Self> {
@@ -307,17 +345,12 @@ impl Generator {
         let mut g = Graph::new();
         let weights = Weights::declare(&mut g, model, sequences)?;
 
-        let prefill_ids = g.ids("prefill.idx", &[sequences, context])?;
         // Prompts start at position 0: the input stays zero.
         let prefill_starts = g.ids("prefill.starts", &[sequences])?;
-        let last = g.ids("prefill.last", &[sequences])?;
-        let tokens = g.embedding(weights.wte, prefill_ids)?;
-        let x = g.add(tokens, weights.wpe)?;
-        let x = g.reshape(x, &[sequences * context, channels])?;
-        let x = weights.blocks(&mut g, x, prefill_starts, (sequences, context, channels))?;
-        // Only the last prompt row of each sequence reaches the head.
-        let x = g.embedding(x, last)?;
-        let prefill_logits = weights.head(&mut g, x)?;
+        let prefill = prefill_lengths(context)
+            .into_iter()
+            .map(|rows| weights.prefill(&mut g, prefill_starts, (sequences, rows, context, channels)))
+            .collect::<Result<Vec<_>>>()?;
 
         let decode_ids = g.ids("decode.idx", &[sequences])?;
         let positions = g.ids("decode.positions", &[sequences])?;
@@ -327,7 +360,9 @@ impl Generator {
         let x = weights.blocks(&mut g, x, positions, (sequences, 1, channels))?;
         let decode_logits = weights.head(&mut g, x)?;
 
-        let exec = Executor::new(kernels, g, &[prefill_logits, decode_logits], None, None)?;
+        let mut outputs: Vec<Tensor> = prefill.iter().map(|p| p.logits).collect();
+        outputs.push(decode_logits);
+        let exec = Executor::new(kernels, g, &outputs, None, None)?;
         let mut declared = exec.parameters_shapes();
         let mut expected = model.named_parameters();
         declared.sort();
@@ -342,7 +377,7 @@ impl Generator {
             exec,
             config,
             sequences,
-            prefill: PrefillPass { ids: prefill_ids, last, logits: prefill_logits },
+            prefill,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits },
             cached: vec![Vec::new(); sequences],
         };
@@ -403,15 +438,21 @@ impl Generator {
             }
             self.check_ids(OP, prompt)?;
         }
-        let mut ids = vec![0u32; self.sequences * context];
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
+        let pass = self.prefill.iter().find(|p| p.rows >= longest).ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            reason: format!("no prefill pass holds {longest} positions"),
+        })?;
+        let rows = pass.rows;
+        let mut ids = vec![0u32; self.sequences * rows];
         let mut last = Vec::with_capacity(self.sequences);
         for (s, prompt) in prompts.iter().enumerate() {
-            ids[s * context..s * context + prompt.len()].copy_from_slice(prompt);
-            last.push((s * context + prompt.len() - 1) as u32);
+            ids[s * rows..s * rows + prompt.len()].copy_from_slice(prompt);
+            last.push((s * rows + prompt.len() - 1) as u32);
         }
-        self.exec.set_labels(self.prefill.ids, &ids)?;
-        self.exec.set_labels(self.prefill.last, &last)?;
-        let logits = self.exec.run_and_read(&[self.prefill.logits], self.prefill.logits)?;
+        self.exec.set_labels(pass.ids, &ids)?;
+        self.exec.set_labels(pass.last, &last)?;
+        let logits = self.exec.run_and_read(&[pass.logits], pass.logits)?;
         for (cached, prompt) in self.cached.iter_mut().zip(prompts) {
             cached.clear();
             cached.extend_from_slice(prompt);
