@@ -406,6 +406,23 @@ impl Generator {
         &self.exec
     }
 
+    /// A decode step's dispatches at the current positions, each submitted
+    /// alone and waited for: (node, kernel entry, wall time). The caches
+    /// get the step's keys and values as by [`Generator::decode`] with
+    /// `tokens`, but the positions do not advance.
+    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+        const OP: &str = "Generator::profile_decode";
+        if tokens.len() != self.sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });
+        }
+        self.check_ids(OP, tokens)?;
+        let context = self.config.block_size;
+        let positions: Vec<u32> = self.cached.iter().map(|c| c.len().min(context - 1) as u32).collect();
+        self.exec.set_labels(self.decode.ids, tokens)?;
+        self.exec.set_labels(self.decode.positions, &positions)?;
+        self.exec.profile_run(&[self.decode.logits])
+    }
+
     /// Empties every sequence's cache (zeroes it on the GPU).
     pub fn reset(&mut self) -> Result<()> {
         self.exec.clear_caches()?;

@@ -669,6 +669,19 @@ impl Executor {
         Ok(times)
     }
 
+    /// What [`Executor::run`] of `outputs` dispatches, each submitted alone
+    /// and waited for: (node name, kernel entry, wall time) in order.
+    pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+        let order = order_for(&self.graph, &self.plan, outputs)?;
+        let mut times = Vec::new();
+        for i in order {
+            if let Some(d) = &self.dispatches[i] {
+                times.push((self.graph.node(Tensor(i)).name.clone(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+            }
+        }
+        Ok(times)
+    }
+
     /// Applies the optimizer to the gradients as they stand, in one
     /// submission (data parallel: after the gradients were all-reduced).
     pub fn optimizer_step(&mut self) -> Result<()> {

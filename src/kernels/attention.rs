@@ -6,6 +6,11 @@ use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::CachedAttentionShape;
 
+/// The largest head dimension `cached_attention_forward` takes: each
+/// invocation keeps its query and output row in private arrays of this
+/// size (attention.wgsl's `MAX_HEAD_DIM`). GPT-2's heads have 64 channels.
+pub const MAX_HEAD_DIM: usize = 256;
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct AttentionParams {
@@ -40,6 +45,9 @@ impl Kernels {
         let dims = [seqs, rows, heads, head_dim, context];
         if dims.contains(&0) {
             return Err(Error::shape(op, format!("every size must be at least 1: {shape:?}"), &[&dims]));
+        }
+        if head_dim > MAX_HEAD_DIM {
+            return Err(Error::shape(op, format!("head_dim {head_dim} is over the largest this kernel takes, {MAX_HEAD_DIM}"), &[&dims]));
         }
         let (want_qkv, want_out, want_cache) =
             shape.lengths().ok_or_else(|| Error::shape(op, format!("{shape:?} overflows"), &[&dims]))?;

@@ -19,6 +19,7 @@ pub mod registry;
 mod rowwise;
 mod tensor;
 
+pub use attention::MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};

@@ -12,7 +12,7 @@ use common::{assert_close, for_each_adapter, random_vec, read, rng};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::generate::{Generator, Sampling};
-use wgrad::kernels::CachedAttentionShape;
+use wgrad::kernels::{CachedAttentionShape, MAX_HEAD_DIM};
 use wgrad::nn::{self, Gpt, GptConfig};
 use wgrad::trainer::Predictor;
 use wgrad::{cpu, Error};
@@ -20,11 +20,11 @@ use wgrad::{cpu, Error};
 /// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
 /// head counts and dims, position 0 and context − 1, several sequences at
 /// different positions, a prompt's rows after cached ones (rows > 1,
-/// start > 0), a whole prompt, GPT-2's 12 heads of 64, and more
-/// invocations than a 256-wide workgroup.
+/// start > 0), a whole prompt, GPT-2's 12 heads of 64, more invocations
+/// than a 256-wide workgroup, and the largest head dimension.
 type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);
 
-const ATTENTION_CASES: [AttentionCase; 9] = [
+const ATTENTION_CASES: [AttentionCase; 10] = [
     (1, 1, 1, 1, 1, &[0]),
     (1, 1, 3, 1, 5, &[4]),
     (2, 1, 5, 7, 11, &[0, 10]),
@@ -34,6 +34,7 @@ const ATTENTION_CASES: [AttentionCase; 9] = [
     (4, 1, 12, 64, 40, &[39, 0, 17, 5]),
     (3, 30, 7, 3, 37, &[0, 7, 2]),
     (2, 3, 1, 2, 3, &[0, 0]),
+    (1, 2, 2, MAX_HEAD_DIM, 6, &[3]),
 ];
 
 #[test]
@@ -52,7 +53,7 @@ fn cached_attention_matches_the_cpu() {
             k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), qkv.view(), starts_gpu.view(), shape)?])?;
             let (want_out, want_k, want_v) = cpu::cached_attention(&qkv_host, starts, &k_host, &v_host, shape);
             let what = format!("{shape:?} starts {starts:?}");
-            // f32 sums of ≤ 64 products over ≤ 40 positions against f64.
+            // f32 sums of ≤ 256 products over ≤ 40 positions against f64.
             assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
             // Copies: exact, and rows not written keep their values.
             assert_close(&format!("k_cache {what}"), &read(k, &k_cache)?, &want_k, 0.0, 0.0);
@@ -75,6 +76,12 @@ fn cached_attention_checks_its_operands() {
         let zero_heads = CachedAttentionShape { heads: 0, ..shape };
         let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), zero_heads).unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
+        let wide = CachedAttentionShape { seqs: 1, rows: 1, heads: 1, head_dim: MAX_HEAD_DIM + 1, context: 1 };
+        let (qkv_len, out_len, cache_len) = wide.lengths().expect("small shape");
+        let (qkv, starts, out) = (k.zeros(qkv_len)?, k.zeros(1)?, k.zeros(out_len)?);
+        let (cache, cache2) = (k.zeros(cache_len)?, k.zeros(cache_len)?);
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), wide).unwrap_err();
+        assert!(err.to_string().contains(&format!("{}", MAX_HEAD_DIM + 1)), "{err}");
         Ok(())
     });
 }
