@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
 pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
@@ -464,6 +464,66 @@ pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usi
         }
     }
     dtable.iter().map(|&v| v as f32).collect()
+}
+
+/// Twin of `cached_attention_forward`: writes each new row's k and v into
+/// copies of the caches at position starts[s] + t, then attends over
+/// positions 0..=p with the caches' keys and values (the rows just written
+/// included) — the plain definition, without the kernel's split between
+/// cached rows and this step's rows. Returns (out, k_cache, v_cache); a
+/// position ≥ context gives a NaN output row and no cache write.
+pub fn cached_attention(
+    qkv: &[f32],
+    starts: &[u32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    shape: CachedAttentionShape,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let CachedAttentionShape { seqs, rows, heads, head_dim: d, context } = shape;
+    let c = heads * d;
+    let (mut keys, mut values) = (k_cache.to_vec(), v_cache.to_vec());
+    let cache_row = |s: usize, h: usize, p: usize| ((s * heads + h) * context + p) * d;
+    let qkv_row = |s: usize, t: usize| (s * rows + t) * 3 * c;
+    for (s, &start) in starts.iter().enumerate().take(seqs) {
+        for t in 0..rows {
+            let p = start as usize + t;
+            if p >= context {
+                continue;
+            }
+            for h in 0..heads {
+                let (at, from) = (cache_row(s, h, p), qkv_row(s, t) + h * d);
+                keys[at..at + d].copy_from_slice(&qkv[from + c..from + c + d]);
+                values[at..at + d].copy_from_slice(&qkv[from + 2 * c..from + 2 * c + d]);
+            }
+        }
+    }
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![f32::NAN; seqs * rows * c];
+    for (s, &start) in starts.iter().enumerate().take(seqs) {
+        for t in 0..rows {
+            let p = start as usize + t;
+            if p >= context {
+                continue;
+            }
+            for h in 0..heads {
+                let q = &qkv[qkv_row(s, t) + h * d..][..d];
+                let scores: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        let k = &keys[cache_row(s, h, j)..][..d];
+                        q.iter().zip(k).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() * scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|&v| (v - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for e in 0..d {
+                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * f64::from(values[cache_row(s, h, j) + e])).sum();
+                    out[(s * rows + t) * c + h * d + e] = (y / total) as f32;
+                }
+            }
+        }
+    }
+    (out, keys, values)
 }
 
 // Tensor ops (matmul_batched in matmul.wgsl, the rest in tensor.wgsl) on

@@ -19,6 +19,7 @@ pub mod cpu;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod generate;
 pub mod gpt_folder;
 pub mod graph;
 pub mod kernels;

@@ -425,6 +425,32 @@ impl OptimizerConfig {
     }
 }
 
+/// The sizes of attention over a KV cache (`Kernels::cached_attention_forward`
+/// and its CPU twin `cpu::cached_attention`): `seqs` sequences
+/// of `rows` new positions each, `heads` heads of `head_dim` channels, and
+/// caches of `context` positions per (sequence, head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttentionShape {
+    pub seqs: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub context: usize,
+}
+
+impl CachedAttentionShape {
+    /// Elements of qkv [S, T, 3·H·d], of out [S, T, H·d], of each cache
+    /// [S, H, P, d]; None when a product overflows.
+    pub fn lengths(&self) -> Option<(usize, usize, usize)> {
+        let channels = self.heads.checked_mul(self.head_dim)?;
+        let positions = self.seqs.checked_mul(self.rows)?;
+        let qkv = positions.checked_mul(channels)?.checked_mul(3)?;
+        let out = positions.checked_mul(channels)?;
+        let cache = self.seqs.checked_mul(channels)?.checked_mul(self.context)?;
+        Some((qkv, out, cache))
+    }
+}
+
 /// The NumPy broadcast of two shapes aligned at their trailing dimension:
 /// each pair of dimensions must be equal or one of them 1. None when they
 /// are incompatible. Shared by the broadcasting kernels, their CPU twins

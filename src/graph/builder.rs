@@ -39,6 +39,11 @@ pub enum Op {
     Parameter { init: Vec<f32> },
     /// A fixed tensor uploaded once (the seed gradient 1.0 of a loss).
     Constant { values: Vec<f32> },
+    /// A tensor that keeps its values from run to run (a KV cache): zero
+    /// when the executor is built and after `Executor::clear_caches`, and
+    /// written only by the ops that update it in place
+    /// ([`Op::CachedAttention`]). Not trainable.
+    Cache,
     MatMul(MatmulForm),
     Binary(Binary),
     Scale(f32),
@@ -113,6 +118,12 @@ pub enum Op {
     /// inputs (the per-row losses): softmax(logits) − onehot(target),
     /// written by the cross-entropy's dispatch.
     CrossEntropyRowsGrad,
+    /// inputs (qkv [S, T, 3·C], u32 starts [S], k cache, v cache, each
+    /// [S, heads, P, C/heads]) -> [S, T, C]: writes the rows' keys and
+    /// values into the caches at positions starts[s] + t, then attends
+    /// over positions 0..=starts[s] + t (see
+    /// `Kernels::cached_attention_forward`). No gradient.
+    CachedAttention { heads: usize },
 }
 
 impl Op {
@@ -136,6 +147,7 @@ impl Op {
             Op::Input => "input",
             Op::Parameter { .. } => "parameter",
             Op::Constant { .. } => "constant",
+            Op::Cache => "cache",
             Op::MatMul(_) => "matmul",
             Op::Binary(Binary::Add) => "add",
             Op::Binary(Binary::Sub) => "sub",
@@ -173,6 +185,7 @@ impl Op {
             Op::EmbeddingBackward => "embedding_backward",
             Op::CrossEntropyRows => "cross_entropy_rows",
             Op::CrossEntropyRowsGrad => "cross_entropy_rows_grad",
+            Op::CachedAttention { .. } => "cached_attention",
         }
     }
 }
@@ -341,6 +354,13 @@ impl Graph {
             return Err(Error::InvalidArgument { op: "parameter", reason: format!("a parameter named `{name}` already exists") });
         }
         Ok(self.push(Op::Parameter { init }, vec![], shape.to_vec(), DType::F32, name.to_string()))
+    }
+
+    /// A tensor that keeps its values between runs, zero at first (see
+    /// [`Op::Cache`]): the keys or values of a KV cache.
+    pub fn cache(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Self::non_empty("cache", shape)?;
+        Ok(self.push(Op::Cache, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
     pub fn constant(&mut self, name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
@@ -740,6 +760,46 @@ impl Graph {
         shape.push(channels);
         Self::non_empty(OP, &shape)?;
         Ok(self.push(Op::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// Causal self-attention of `qkv` [S, T, 3·C] (q | k | v of T new
+    /// positions per sequence, `heads` heads) over KV caches `k_cache`,
+    /// `v_cache` [S, heads, P, C/heads] ([`Graph::cache`] tensors): row t
+    /// of sequence s is position starts[s] + t (u32 `starts` [S]); its key
+    /// and value are written into the caches there, and it attends over
+    /// positions 0 ..= starts[s] + t, the earlier ones from the caches.
+    /// -> [S, T, C], heads side by side. Positions must stay below P (the
+    /// caller checks the starts it writes). No gradient.
+    pub fn cached_attention(&mut self, qkv: Tensor, starts: Tensor, k_cache: Tensor, v_cache: Tensor, heads: usize) -> Result<Tensor> {
+        const OP: &str = "cached_attention";
+        self.f32_inputs(OP, &[qkv, k_cache, v_cache])?;
+        self.check_handle(OP, starts)?;
+        let (sq, ss, sk, sv) = (self.shape(qkv).to_vec(), self.shape(starts).to_vec(), self.shape(k_cache).to_vec(), self.shape(v_cache).to_vec());
+        let all: [&[usize]; 4] = [&sq, &ss, &sk, &sv];
+        let [seqs, rows, width] = sq[..] else {
+            return Err(Error::shape(OP, "qkv must be [sequences, rows, 3·channels]", &all));
+        };
+        if heads == 0 || width % 3 != 0 || (width / 3) % heads != 0 {
+            return Err(Error::shape(OP, format!("qkv's last dimension must be 3·channels with channels a multiple of {heads} heads"), &all));
+        }
+        let head_dim = width / 3 / heads;
+        if self.node(starts).dtype != DType::U32 || ss != [seqs] {
+            return Err(Error::shape(OP, format!("starts must be u32 [{seqs}]"), &all));
+        }
+        let cache_ok = |shape: &[usize]| shape.len() == 4 && shape[0] == seqs && shape[1] == heads && shape[3] == head_dim;
+        if !cache_ok(&sk) || sk != sv {
+            return Err(Error::shape(OP, format!("the caches must both be [{seqs}, {heads}, context, {head_dim}]"), &all));
+        }
+        for cache in [k_cache, v_cache] {
+            if self.node(cache).op != Op::Cache {
+                return Err(Error::InvalidArgument { op: OP, reason: format!("`{}` is not a cache tensor (Graph::cache)", self.node(cache).name) });
+            }
+        }
+        if k_cache == v_cache {
+            return Err(Error::InvalidArgument { op: OP, reason: "keys and values need two different caches".into() });
+        }
+        let shape = vec![seqs, rows, width / 3];
+        Ok(self.push(Op::CachedAttention { heads }, vec![qkv, starts, k_cache, v_cache], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// The node `y`'s dispatch also writes (a layernorm's statistics, a

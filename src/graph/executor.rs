@@ -10,7 +10,7 @@ use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
 use super::plan::{LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{
-    grad_norm_groups, Activation, ArenaGroups, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
+    grad_norm_groups, Activation, ArenaGroups, CachedAttentionShape, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
     View,
 };
 
@@ -23,6 +23,8 @@ pub struct Executor {
     state: Vec<GpuTensor>,
     inputs: Vec<GpuTensor>,
     constants: Vec<GpuTensor>,
+    /// Tensors kept from run to run (KV caches), zero at first.
+    caches: Vec<GpuTensor>,
     slots: Vec<GpuTensor>,
     dispatches: Vec<Option<Dispatch>>,
     /// A training step's dispatch for a loss that also does its last
@@ -124,11 +126,13 @@ impl Executor {
         };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
+        let mut caches = Vec::with_capacity(plan.cache_count);
         for &i in &plan.order {
             let node = graph.node(Tensor(i));
             match (&node.op, plan.storage[i]) {
                 (Op::Input, Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
                 (Op::Constant { values }, Storage::Constant { .. }) => constants.push(kernels.upload(values)?),
+                (Op::Cache, Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
                 _ => {}
             }
         }
@@ -166,6 +170,7 @@ impl Executor {
             state,
             inputs,
             constants,
+            caches,
             slots,
             dispatches: Vec::new(),
             train_loss_dispatches: Vec::new(),
@@ -183,7 +188,7 @@ impl Executor {
                 && !exec.plan.fused_away[i]
                 && !matches!(
                     exec.graph.node(Tensor(i)).op,
-                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
+                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
                 );
             dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
         }
@@ -281,6 +286,7 @@ impl Executor {
             },
             Storage::Input { index } => Ok(self.inputs[index].view()),
             Storage::Constant { index } => Ok(self.constants[index].view()),
+            Storage::Cache { index } => Ok(self.caches[index].view()),
             Storage::Slot { index } => self.slots[index].slice(0, len),
             Storage::Unused => Err(self.not_stored(t)),
         }
@@ -444,7 +450,18 @@ impl Executor {
                 let grad = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
                 k.cross_entropy_rows_forward_backward(out, self.view(grad)?, input(0)?, input(1)?, rows, vocab, 1.0)
             }
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
+            Op::CachedAttention { heads } => {
+                let (sq, sk) = (shape(0), shape(2));
+                let (&[seqs, rows, width], &[_, _, context, head_dim]) = (sq.as_slice(), sk.as_slice()) else {
+                    return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[&shape(0), &shape(2)]));
+                };
+                let sizes = CachedAttentionShape { seqs, rows, heads: *heads, head_dim, context };
+                if width != 3 * heads * head_dim {
+                    return Err(Error::shape("Executor", "cached_attention's qkv does not match its caches", &[&shape(0), &shape(2)]));
+                }
+                k.cached_attention_forward(out, input(2)?, input(3)?, input(0)?, input(1)?, sizes)
+            }
+            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
                 op: "Executor",
                 reason: format!("`{}` has no kernel", node.name),
             }),
@@ -652,6 +669,19 @@ impl Executor {
         Ok(times)
     }
 
+    /// What [`Executor::run`] of `outputs` dispatches, each submitted alone
+    /// and waited for: (node name, kernel entry, wall time) in order.
+    pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+        let order = order_for(&self.graph, &self.plan, outputs)?;
+        let mut times = Vec::new();
+        for i in order {
+            if let Some(d) = &self.dispatches[i] {
+                times.push((self.graph.node(Tensor(i)).name.clone(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+            }
+        }
+        Ok(times)
+    }
+
     /// Applies the optimizer to the gradients as they stand, in one
     /// submission (data parallel: after the gradients were all-reduced).
     pub fn optimizer_step(&mut self) -> Result<()> {
@@ -678,7 +708,8 @@ impl Executor {
     /// intermediates share slots and would read another tensor's values.
     pub fn tensor_view(&self, t: Tensor) -> Result<View<'_>> {
         let readable = t.0 < self.graph.len()
-            && (self.plan.is_output[t.0] || matches!(self.plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. } | Storage::Constant { .. }));
+            && (self.plan.is_output[t.0]
+                || matches!(self.plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. } | Storage::Constant { .. } | Storage::Cache { .. }));
         if !readable {
             return Err(Error::InvalidArgument {
                 op: "Executor",
@@ -713,6 +744,38 @@ impl Executor {
         let order = &self.run_orders[outputs];
         let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
         self.kernels.submit_pass("run", dispatches, |_| {}, |_| {})
+    }
+
+    /// [`Executor::run`] that also reads `read` (one of `outputs`) back, in
+    /// the same submission; waits for the GPU.
+    pub fn run_and_read(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<f32>> {
+        if !outputs.contains(&read) {
+            return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("tensor #{} is not among the outputs run", read.0) });
+        }
+        if !self.run_orders.contains_key(outputs) {
+            let order = order_for(&self.graph, &self.plan, outputs)?;
+            self.run_orders.insert(outputs.to_vec(), order);
+        }
+        let view = self.tensor_view(read)?;
+        let order = &self.run_orders[outputs];
+        let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
+        self.kernels.submit_pass_and_read("run", dispatches, |_| {}, view)
+    }
+
+    /// Clears every cache tensor ([`Graph::cache`]) to zero, in one
+    /// submission.
+    pub fn clear_caches(&mut self) -> Result<()> {
+        let caches = &self.caches;
+        self.kernels.submit_pass(
+            "clear_caches",
+            std::iter::empty(),
+            |encoder| {
+                for cache in caches {
+                    encoder.clear_buffer(cache.buffer(), 0, None);
+                }
+            },
+            |_| {},
+        )
     }
 
     /// Reads an output (waits for the GPU).

@@ -23,6 +23,8 @@ pub enum Storage {
     Input { index: usize },
     /// Its own buffer, uploaded once.
     Constant { index: usize },
+    /// Its own buffer, kept from run to run ([`Op::Cache`]).
+    Cache { index: usize },
     /// An intermediate in a reusable slot.
     Slot { index: usize },
     /// Not needed by any output: never computed.
@@ -46,6 +48,7 @@ pub struct Plan {
     pub decay_len: usize,
     pub input_count: usize,
     pub constant_count: usize,
+    pub cache_count: usize,
     /// Tensors that survive a run and may be read after it; every other
     /// intermediate shares its slot with later tensors.
     pub is_output: Vec<bool>,
@@ -81,7 +84,7 @@ pub struct Plan {
     pub naive_intermediate_bytes: u64,
     /// Bytes of the slots actually allocated.
     pub slot_bytes: u64,
-    /// Bytes of the inputs and constants (each its own buffer).
+    /// Bytes of the inputs, constants and caches (each its own buffer).
     pub input_bytes: u64,
 }
 
@@ -366,7 +369,7 @@ impl Plan {
         let mut slot_len: Vec<usize> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
-        let (mut inputs, mut constants) = (0, 0);
+        let (mut inputs, mut constants, mut caches) = (0, 0, 0);
         let mut naive = 0u64;
         let mut input_bytes = 0u64;
         for &i in &order {
@@ -388,6 +391,11 @@ impl Plan {
                 Op::Constant { .. } => {
                     storage[i] = Storage::Constant { index: constants };
                     constants += 1;
+                    input_bytes += node.len() as u64 * BYTES;
+                }
+                Op::Cache => {
+                    storage[i] = Storage::Cache { index: caches };
+                    caches += 1;
                     input_bytes += node.len() as u64 * BYTES;
                 }
                 Op::AccumulateGrad { param } => {
@@ -471,6 +479,7 @@ impl Plan {
             in_loss_dispatch,
             input_count: inputs,
             constant_count: constants,
+            cache_count: caches,
             naive_intermediate_bytes: naive,
             slot_bytes,
             input_bytes,

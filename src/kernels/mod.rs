@@ -7,6 +7,7 @@
 //! number of command encoders. [`Kernels::run`] records a list of dispatches
 //! into one compute pass and submits it once.
 
+mod attention;
 pub mod autotune;
 mod elementwise;
 mod loss;
@@ -18,13 +19,14 @@ pub mod registry;
 mod rowwise;
 mod tensor;
 
+pub use attention::MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
 
@@ -618,19 +620,7 @@ impl Kernels {
     /// finish them, and no device idles while another is waited on.
     pub fn begin_read(&self, view: View<'_>) -> Result<PendingRead<'_>> {
         let bytes = view.bytes();
-        let mut staging_slot = lock(&self.staging);
-        if staging_slot.as_ref().is_none_or(|s| s.size() < bytes.max(4)) {
-            let size = bytes.max(4).next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
-            self.buffers.fetch_add(1, Ordering::Relaxed);
-            *staging_slot = Some(self.device.scoped("read", || {
-                self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
-                    label: Some("readback staging"),
-                    size,
-                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                    mapped_at_creation: false,
-                })
-            })?);
-        }
+        let staging_slot = self.staging_for(bytes)?;
         let staging = staging_slot.as_ref().ok_or_else(|| Error::Readback {
             op: "read",
             message: "no staging buffer".into(),
@@ -647,14 +637,65 @@ impl Kernels {
                 encoder
             })?;
             self.submit("read", encoder)?;
-            let (sender, receiver) = futures::channel::oneshot::channel();
-            staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
-                let _ = sender.send(result);
-            });
-            Some(receiver)
+            Some(request_map(staging, bytes))
         };
         Ok(PendingRead { kernels: self, staging: staging_slot, bytes, receiver })
     }
+
+    /// [`Kernels::submit_pass`] with a copy of `view` to the staging buffer
+    /// recorded after the pass, in the same submission; waits for it and
+    /// returns the values. A step whose result the host needs at once (a
+    /// generation step's logits) then costs one submit, not two.
+    pub fn submit_pass_and_read<'d, T: bytemuck::Pod>(
+        &self,
+        op: &str,
+        dispatches: impl IntoIterator<Item = &'d Dispatch>,
+        before: impl FnOnce(&mut wgpu::CommandEncoder),
+        view: View<'_>,
+    ) -> Result<Vec<T>> {
+        let bytes = view.bytes();
+        let staging_slot = self.staging_for(bytes)?;
+        let staging = staging_slot.as_ref().ok_or_else(|| Error::Readback {
+            op: "read",
+            message: "no staging buffer".into(),
+        })?;
+        self.submit_pass(op, dispatches, before, |encoder| {
+            if bytes > 0 {
+                encoder.copy_buffer_to_buffer(view.buffer, view.offset, staging, 0, bytes);
+            }
+        })?;
+        let receiver = (bytes > 0).then(|| request_map(staging, bytes));
+        PendingRead { kernels: self, staging: staging_slot, bytes, receiver }.finish()
+    }
+
+    /// The reused readback staging buffer, grown to hold `bytes`; held
+    /// until the read finishes.
+    fn staging_for(&self, bytes: u64) -> Result<std::sync::MutexGuard<'_, Option<wgpu::Buffer>>> {
+        let mut staging_slot = lock(&self.staging);
+        if staging_slot.as_ref().is_none_or(|s| s.size() < bytes.max(4)) {
+            let size = bytes.max(4).next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
+            self.buffers.fetch_add(1, Ordering::Relaxed);
+            *staging_slot = Some(self.device.scoped("read", || {
+                self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("readback staging"),
+                    size,
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })?);
+        }
+        Ok(staging_slot)
+    }
+}
+
+/// Requests the mapping of a staging buffer's first `bytes` once the copies
+/// submitted before it are done.
+fn request_map(staging: &wgpu::Buffer, bytes: u64) -> MapReceiver {
+    let (sender, receiver) = futures::channel::oneshot::channel();
+    staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
+        let _ = sender.send(result);
+    });
+    receiver
 }
 
 type MapReceiver = futures::channel::oneshot::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>;

@@ -64,10 +64,13 @@ pub enum Family {
     /// broadcasting binary ops, unary ops, reduction to a broadcast
     /// operand's shape, permute, and slice / pad / concat of the last axis.
     Tensor,
+    /// Attention over a KV cache (generation): one invocation per
+    /// (sequence, row, head).
+    Attention,
 }
 
 impl Family {
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -77,6 +80,7 @@ impl Family {
         Family::MatmulSubgroup,
         Family::Rowwise,
         Family::Tensor,
+        Family::Attention,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -111,7 +115,7 @@ impl Family {
         match self {
             Family::Matmul => &[Shared::Activations],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
-            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor => &[Shared::Common],
+            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::MatmulSubgroup => &[],
         }
     }
@@ -127,6 +131,7 @@ impl Family {
             Family::MatmulSubgroup => "matmul_subgroup.wgsl",
             Family::Rowwise => "rowwise.wgsl",
             Family::Tensor => "tensor.wgsl",
+            Family::Attention => "attention.wgsl",
         }
     }
 
@@ -143,6 +148,7 @@ impl Family {
             Family::MatmulSubgroup => wgsl!("matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl"),
+            Family::Attention => wgsl!("attention.wgsl"),
         }
     }
 
@@ -160,6 +166,7 @@ impl Family {
             Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
+            Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
         }
     }
 }
@@ -245,6 +252,8 @@ pub const SLICE_LAST_FORWARD: Kernel = kernel(Family::Tensor, "slice_last_forwar
 pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
 pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forward");
 
+pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -309,4 +318,5 @@ pub const KERNELS: &[Kernel] = &[
     SLICE_LAST_FORWARD,
     PAD_LAST_FORWARD,
     CONCAT_LAST_FORWARD,
+    CACHED_ATTENTION_FORWARD,
 ];

@@ -10,6 +10,7 @@ mod checkpoint;
 mod data;
 mod device;
 mod fusion;
+mod generate;
 mod gpt_folder;
 mod gpt_reference;
 mod graph;

@@ -1,0 +1,546 @@
+//! Text generation from a [`Gpt`] with a KV cache, as llm.c, ratchet and
+//! llama.cpp do it: after the prompt, each new token costs one position's
+//! work instead of a re-run of the whole sequence.
+//!
+//! ```no_run
+//! # fn main() -> wgrad::Result<()> {
+//! use std::sync::Arc;
+//! use wgrad::generate::{Generator, Sampling};
+//! use wgrad::nn::{Gpt, GptConfig};
+//! let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
+//! let model = Gpt::new(GptConfig { vocab_size: 65, block_size: 64, n_layer: 2, n_head: 2, n_embd: 32 })?;
+//! let mut generator = Generator::new(kernels, &model, 1)?;
+//! let sampling = Sampling { temperature: 0.8, top_k: Some(20), seed: 1 };
+//! let tokens = generator.generate(&[0, 1, 2], 100, &sampling, |token| {
+//!     print!("{token} ");
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Where the cache lives
+//!
+//! The [`Executor`] owns every GPU buffer, the cache included: the graph
+//! has a kind of tensor that keeps its values from run to run
+//! ([`Graph::cache`], zero when built and after [`Generator::reset`]), and
+//! one op that writes into it, [`Graph::cached_attention`]. So the
+//! generator is an ordinary graph, planned, fused and allocated once like
+//! a training step, rather than a second engine of hand-built dispatches.
+//! Each attention layer has two caches, keys and values, each
+//! `[sequences, n_head, block_size, head_dim]` f32, allocated for the
+//! model's whole context: 2 · n_layer · sequences · block_size · n_embd
+//! floats in all (72 MiB for GPT-2 small with one sequence). A head's rows
+//! are contiguous, so attending reads one block per head.
+//!
+//! One graph holds the forward passes, all over the same parameters and
+//! caches:
+//!
+//! - **prefill**, a whole prompt in one submission: the usual causal
+//!   forward, whose attention also writes every position's keys and values
+//!   into the caches; only each sequence's last prompt row goes through the
+//!   final norm and the head. A pass is built for each of a few lengths
+//!   (powers of two from 8, then block_size) and a prompt runs in the
+//!   shortest that holds it, padded: at most twice its own work, and a
+//!   handful of passes for any context (8 for GPT-2's 1024). Padded rows
+//!   write cache rows past the prompt, which nothing reads before a decode
+//!   step overwrites them.
+//! - **decode**, one token per sequence: embeddings, projections, MLP,
+//!   norms and head on one row per sequence, and
+//!   `cached_attention_forward`, which writes the new key and value at the
+//!   sequence's position and attends over cache rows 0..=pos. The position
+//!   is a u32 input written before the step (it also picks the position
+//!   embedding), so the graph is never rebuilt. Per token this is about
+//!   nine dispatches per layer and five more, one submission, and work
+//!   O(n_layer · (n_embd² + pos · n_embd)) per sequence: the projections,
+//!   plus attention linear in the position instead of quadratic.
+//!
+//! Only what sampling needs comes back: each sequence's logits
+//! `[vocab_size]`, copied in the step's own submission.
+//!
+//! # Past the context
+//!
+//! The cache holds `block_size` positions. When [`Generator::generate`]
+//! needs one more, it keeps the last `block_size / 2` tokens (at least
+//! one), prefills them again from position 0 and carries on: one prefill
+//! every `block_size / 2` tokens. nanoGPT instead crops the sequence to
+//! `block_size` and recomputes it for every token, which gives each token
+//! a full window at `block_size` times the work. [`Generator::decode`]
+//! itself refuses to go past the context.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{Error, Result};
+use crate::graph::{Executor, Graph, Tensor};
+use crate::kernels::{check_token_ids, Activation, Kernels, MatmulForm};
+use crate::nn::{Gpt, GptConfig, LayerNorm, Linear, Module};
+
+/// How the next token is picked from the logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy, the most likely token (deterministic). Above 0: sample
+    /// from softmax(logits / temperature).
+    pub temperature: f32,
+    /// Sample only among the `k` most likely tokens (ties broken by the
+    /// lower id); None for all.
+    pub top_k: Option<usize>,
+    /// Seeds the ChaCha8 generator the samples are drawn with.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// The most likely token every time.
+    pub fn greedy() -> Self {
+        Sampling { temperature: 0.0, top_k: None, seed: 0 }
+    }
+
+    fn check(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::InvalidArgument { op: "Sampling", reason: format!("the temperature must be finite and ≥ 0, got {}", self.temperature) });
+        }
+        if self.top_k == Some(0) {
+            return Err(Error::InvalidArgument { op: "Sampling", reason: "top_k must be at least 1".into() });
+        }
+        Ok(())
+    }
+
+    /// A token id drawn from one position's `logits` [vocab]: the first
+    /// maximum at temperature 0, else a sample from softmax(logits / T)
+    /// over the `top_k` largest, using `rng`.
+    pub fn sample(&self, logits: &[f32], rng: &mut ChaCha8Rng) -> Result<u32> {
+        self.check()?;
+        if logits.is_empty() {
+            return Err(Error::InvalidArgument { op: "Sampling::sample", reason: "no logits".into() });
+        }
+        if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
+            return Err(Error::InvalidArgument { op: "Sampling::sample", reason: format!("logit {} of token {bad} is not finite", logits[bad]) });
+        }
+        // Most likely first; equal logits in id order.
+        let mut ranked: Vec<usize> = (0..logits.len()).collect();
+        ranked.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if self.temperature == 0.0 {
+            return Ok(ranked[0] as u32);
+        }
+        ranked.truncate(self.top_k.unwrap_or(logits.len()).min(logits.len()));
+        let top = f64::from(logits[ranked[0]]);
+        let temperature = f64::from(self.temperature);
+        let weights: Vec<f64> = ranked.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut target = rng.random::<f64>() * total;
+        for (&id, &w) in ranked.iter().zip(&weights) {
+            if target < w {
+                return Ok(id as u32);
+            }
+            target -= w;
+        }
+        // Rounding left the draw past the last weight: the last candidate.
+        Ok(ranked[ranked.len() - 1] as u32)
+    }
+}
+
+/// A [`Gpt`]'s forward for generation, with a KV cache on the GPU for
+/// `sequences` sequences over the model's whole context (see the module
+/// documentation).
+pub struct Generator {
+    exec: Executor,
+    config: GptConfig,
+    sequences: usize,
+    /// Whole-prompt passes by length, shortest first.
+    prefill: Vec<PrefillPass>,
+    decode: DecodePass,
+    /// The tokens whose keys and values each sequence's cache holds, in
+    /// position order.
+    cached: Vec<Vec<u32>>,
+}
+
+impl std::fmt::Debug for Generator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let positions: Vec<usize> = self.cached.iter().map(Vec::len).collect();
+        f.debug_struct("Generator").field("config", &self.config).field("positions", &positions).finish()
+    }
+}
+
+/// Inputs and output of a whole-prompt pass over `rows` positions.
+struct PrefillPass {
+    rows: usize,
+    /// [S, rows] token ids, each prompt padded with zeros.
+    ids: Tensor,
+    /// [S] flat row of each sequence's last prompt position in [S·rows].
+    last: Tensor,
+    /// [S, vocab].
+    logits: Tensor,
+}
+
+/// Inputs and output of the one-token pass.
+struct DecodePass {
+    /// [S] the new token of each sequence.
+    ids: Tensor,
+    /// [S] its position: the position embedding's row and where the
+    /// attention writes its key and value.
+    positions: Tensor,
+    /// [S, vocab].
+    logits: Tensor,
+}
+
+/// A Linear layer's parameters.
+struct LinearWeights {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+struct NormWeights {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f32,
+}
+
+struct AttentionWeights {
+    ln_1: NormWeights,
+    c_attn: LinearWeights,
+    c_proj: LinearWeights,
+    heads: usize,
+    k_cache: Tensor,
+    v_cache: Tensor,
+}
+
+struct BlockWeights {
+    attn: Option<AttentionWeights>,
+    ln_2: NormWeights,
+    c_fc: LinearWeights,
+    mlp_proj: LinearWeights,
+}
+
+/// The model's parameters, declared once under [`Gpt`]'s names, and its
+/// caches: both passes read them.
+struct Weights {
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<BlockWeights>,
+    ln_f: NormWeights,
+}
+
+fn linear(g: &mut Graph, layer: &Linear, prefix: &str) -> Result<LinearWeights> {
+    let weight = g.parameter(&format!("{prefix}weight"), &[layer.out_features, layer.in_features], layer.weight.clone())?;
+    let bias = g.parameter(&format!("{prefix}bias"), &[layer.out_features], layer.bias.clone())?;
+    Ok(LinearWeights { weight, bias })
+}
+
+fn norm(g: &mut Graph, layer: &LayerNorm, prefix: &str) -> Result<NormWeights> {
+    let c = layer.normalized_shape;
+    let weight = g.parameter(&format!("{prefix}weight"), &[c], layer.weight.clone())?;
+    let bias = g.parameter(&format!("{prefix}bias"), &[c], layer.bias.clone())?;
+    Ok(NormWeights { weight, bias, eps: layer.eps })
+}
+
+impl Weights {
+    fn declare(g: &mut Graph, model: &Gpt, sequences: usize) -> Result<Self> {
+        let context = model.config.block_size;
+        let wte = model.wte.table(g, "wte.")?;
+        let wpe = model.wpe.table(g, "wpe.")?;
+        let mut blocks = Vec::with_capacity(model.h.len());
+        for (i, block) in model.h.iter().enumerate() {
+            let prefix = format!("h.{i}.");
+            let attn = match &block.attn {
+                Some(a) => {
+                    let ln_1 = norm(g, &block.ln_1, &format!("{prefix}ln_1."))?;
+                    let c_attn = linear(g, &a.c_attn, &format!("{prefix}attn.c_attn."))?;
+                    let c_proj = linear(g, &a.c_proj, &format!("{prefix}attn.c_proj."))?;
+                    let cache_shape = [sequences, a.n_head, context, a.n_embd / a.n_head];
+                    let k_cache = g.cache(&format!("{prefix}attn.k_cache"), &cache_shape)?;
+                    let v_cache = g.cache(&format!("{prefix}attn.v_cache"), &cache_shape)?;
+                    Some(AttentionWeights { ln_1, c_attn, c_proj, heads: a.n_head, k_cache, v_cache })
+                }
+                None => None,
+            };
+            let ln_2 = norm(g, &block.ln_2, &format!("{prefix}ln_2."))?;
+            let c_fc = linear(g, &block.mlp.c_fc, &format!("{prefix}mlp.c_fc."))?;
+            let mlp_proj = linear(g, &block.mlp.c_proj, &format!("{prefix}mlp.c_proj."))?;
+            blocks.push(BlockWeights { attn, ln_2, c_fc, mlp_proj });
+        }
+        let ln_f = norm(g, &model.ln_f, "ln_f.")?;
+        Ok(Weights { wte, wpe, blocks, ln_f })
+    }
+
+    fn apply_linear(g: &mut Graph, x: Tensor, w: &LinearWeights) -> Result<Tensor> {
+        let y = g.rows_matmul(MatmulForm::ABt, x, w.weight)?;
+        g.bias_add(y, w.bias)
+    }
+
+    /// Gpt's blocks over x [S·T, C], rows in sequence order; row t of
+    /// sequence s is position starts[s] + t.
+    fn blocks(&self, g: &mut Graph, x: Tensor, starts: Tensor, (sequences, rows, channels): (usize, usize, usize)) -> Result<Tensor> {
+        let mut x = x;
+        for block in &self.blocks {
+            if let Some(a) = &block.attn {
+                let normed = g.layer_norm(x, a.ln_1.weight, a.ln_1.bias, a.ln_1.eps)?;
+                let qkv = Self::apply_linear(g, normed, &a.c_attn)?;
+                let qkv = g.reshape(qkv, &[sequences, rows, 3 * channels])?;
+                let attended = g.cached_attention(qkv, starts, a.k_cache, a.v_cache, a.heads)?;
+                let attended = g.reshape(attended, &[sequences * rows, channels])?;
+                let projected = Self::apply_linear(g, attended, &a.c_proj)?;
+                x = g.add(x, projected)?;
+            }
+            let normed = g.layer_norm(x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)?;
+            let hidden = Self::apply_linear(g, normed, &block.c_fc)?;
+            let hidden = g.activation(Activation::Gelu, hidden)?;
+            let transformed = Self::apply_linear(g, hidden, &block.mlp_proj)?;
+            x = g.add(x, transformed)?;
+        }
+        Ok(x)
+    }
+
+    /// The whole-prompt pass over `rows` positions of each of `sequences`
+    /// sequences: Gpt's forward, whose attention also fills the caches,
+    /// with only each sequence's last prompt row going through the head.
+    fn prefill(&self, g: &mut Graph, starts: Tensor, (sequences, rows, context, channels): (usize, usize, usize, usize)) -> Result<PrefillPass> {
+        let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
+        let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
+        let tokens = g.embedding(self.wte, ids)?;
+        // The first `rows` rows of the position table, as Gpt::forward.
+        let positions = if rows == context {
+            self.wpe
+        } else {
+            let flat = g.reshape(self.wpe, &[1, context * channels])?;
+            let first = g.slice_last(flat, 0, rows * channels)?;
+            g.reshape(first, &[rows, channels])?
+        };
+        let x = g.add(tokens, positions)?;
+        let x = g.reshape(x, &[sequences * rows, channels])?;
+        let x = self.blocks(g, x, starts, (sequences, rows, channels))?;
+        let x = g.embedding(x, last)?;
+        let logits = self.head(g, x)?;
+        Ok(PrefillPass { rows, ids, last, logits })
+    }
+
+    /// The final norm and the head tied to the token embedding: x [rows, C]
+    /// -> logits [rows, vocab].
+    fn head(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        let x = g.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)?;
+        g.rows_matmul(MatmulForm::ABt, x, self.wte)
+    }
+}
+
+/// The prompt lengths a prefill pass is built for: powers of two from 8
+/// below the context, then the context. A prompt runs in the shortest
+/// that holds it, so it costs at most twice its length (at least 8
+/// positions), and a handful of passes cover any context.
+fn prefill_lengths(context: usize) -> Vec<usize> {
+    let mut lengths: Vec<usize> = std::iter::successors(Some(8usize), |&n| n.checked_mul(2)).take_while(|&n| n < context).collect();
+    lengths.push(context);
+    lengths
+}
+
+impl Generator {
+    /// Builds the passes for `sequences` sequences and allocates
+    /// everything once: parameters (the model's current weights), caches,
+    /// activations, dispatches.
+    pub fn new(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> Result<Self> {
+        if sequences == 0 {
+            return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
+        }
+        let config = model.config;
+        let (context, channels) = (config.block_size, config.n_embd);
+        let mut g = Graph::new();
+        let weights = Weights::declare(&mut g, model, sequences)?;
+
+        // Prompts start at position 0: the input stays zero.
+        let prefill_starts = g.ids("prefill.starts", &[sequences])?;
+        let prefill = prefill_lengths(context)
+            .into_iter()
+            .map(|rows| weights.prefill(&mut g, prefill_starts, (sequences, rows, context, channels)))
+            .collect::<Result<Vec<_>>>()?;
+
+        let decode_ids = g.ids("decode.idx", &[sequences])?;
+        let positions = g.ids("decode.positions", &[sequences])?;
+        let tokens = g.embedding(weights.wte, decode_ids)?;
+        let position_rows = g.embedding(weights.wpe, positions)?;
+        let x = g.add(tokens, position_rows)?;
+        let x = weights.blocks(&mut g, x, positions, (sequences, 1, channels))?;
+        let decode_logits = weights.head(&mut g, x)?;
+
+        let mut outputs: Vec<Tensor> = prefill.iter().map(|p| p.logits).collect();
+        outputs.push(decode_logits);
+        let exec = Executor::new(kernels, g, &outputs, None, None)?;
+        let mut declared = exec.parameters_shapes();
+        let mut expected = model.named_parameters();
+        declared.sort();
+        expected.sort();
+        if declared != expected {
+            return Err(Error::InvalidArgument {
+                op: "Generator::new",
+                reason: format!("the generation graph's parameters {declared:?} are not the model's {expected:?}"),
+            });
+        }
+        let generator = Generator {
+            exec,
+            config,
+            sequences,
+            prefill,
+            decode: DecodePass { ids: decode_ids, positions, logits: decode_logits },
+            cached: vec![Vec::new(); sequences],
+        };
+        // (A model without attention has no cache and leaves it unused.)
+        if weights.blocks.iter().any(|b| b.attn.is_some()) {
+            generator.exec.set_labels(prefill_starts, &vec![0; sequences])?;
+        }
+        Ok(generator)
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The tokens whose keys and values `sequence`'s cache holds (its next
+    /// position is their count).
+    pub fn cached_tokens(&self, sequence: usize) -> Option<&[u32]> {
+        self.cached.get(sequence).map(Vec::as_slice)
+    }
+
+    pub fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
+    /// A decode step's dispatches at the current positions, each submitted
+    /// alone and waited for: (node, kernel entry, wall time). The caches
+    /// get the step's keys and values as by [`Generator::decode`] with
+    /// `tokens`, but the positions do not advance.
+    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+        const OP: &str = "Generator::profile_decode";
+        if tokens.len() != self.sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });
+        }
+        self.check_ids(OP, tokens)?;
+        let context = self.config.block_size;
+        let positions: Vec<u32> = self.cached.iter().map(|c| c.len().min(context - 1) as u32).collect();
+        self.exec.set_labels(self.decode.ids, tokens)?;
+        self.exec.set_labels(self.decode.positions, &positions)?;
+        self.exec.profile_run(&[self.decode.logits])
+    }
+
+    /// Empties every sequence's cache (zeroes it on the GPU).
+    pub fn reset(&mut self) -> Result<()> {
+        self.exec.clear_caches()?;
+        self.cached.iter_mut().for_each(Vec::clear);
+        Ok(())
+    }
+
+    fn check_ids(&self, op: &'static str, ids: &[u32]) -> Result<()> {
+        check_token_ids(op, ids, self.config.vocab_size)
+    }
+
+    /// Runs each sequence's prompt from position 0 in one submission,
+    /// replacing what its cache held; returns the logits after each
+    /// prompt's last token, [sequences, vocab_size].
+    pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
+        const OP: &str = "Generator::prefill";
+        let context = self.config.block_size;
+        if prompts.len() != self.sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} prompts for {} sequences", prompts.len(), self.sequences) });
+        }
+        for (s, prompt) in prompts.iter().enumerate() {
+            if prompt.is_empty() {
+                return Err(Error::InvalidArgument { op: OP, reason: format!("prompt {s} is empty; give at least one token") });
+            }
+            if prompt.len() > context {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("prompt {s} has {} tokens, more than the model's context of {context}", prompt.len()),
+                });
+            }
+            self.check_ids(OP, prompt)?;
+        }
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
+        let pass = self.prefill.iter().find(|p| p.rows >= longest).ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            reason: format!("no prefill pass holds {longest} positions"),
+        })?;
+        let rows = pass.rows;
+        let mut ids = vec![0u32; self.sequences * rows];
+        let mut last = Vec::with_capacity(self.sequences);
+        for (s, prompt) in prompts.iter().enumerate() {
+            ids[s * rows..s * rows + prompt.len()].copy_from_slice(prompt);
+            last.push((s * rows + prompt.len() - 1) as u32);
+        }
+        self.exec.set_labels(pass.ids, &ids)?;
+        self.exec.set_labels(pass.last, &last)?;
+        let logits = self.exec.run_and_read(&[pass.logits], pass.logits)?;
+        for (cached, prompt) in self.cached.iter_mut().zip(prompts) {
+            cached.clear();
+            cached.extend_from_slice(prompt);
+        }
+        Ok(logits)
+    }
+
+    /// Feeds one token per sequence at its next position, in one
+    /// submission; returns the logits after it, [sequences, vocab_size].
+    /// A sequence whose cache is full (block_size tokens) is an error:
+    /// prefill it again with its last tokens ([`Generator::generate`]
+    /// does).
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        const OP: &str = "Generator::decode";
+        let context = self.config.block_size;
+        if tokens.len() != self.sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences; give one per sequence", tokens.len(), self.sequences) });
+        }
+        self.check_ids(OP, tokens)?;
+        if let Some(s) = self.cached.iter().position(|c| c.len() >= context) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!("sequence {s} has filled its context of {context} positions; prefill it again with its last tokens"),
+            });
+        }
+        let positions: Vec<u32> = self.cached.iter().map(|c| c.len() as u32).collect();
+        self.exec.set_labels(self.decode.ids, tokens)?;
+        self.exec.set_labels(self.decode.positions, &positions)?;
+        let logits = self.exec.run_and_read(&[self.decode.logits], self.decode.logits)?;
+        for (cached, &token) in self.cached.iter_mut().zip(tokens) {
+            cached.push(token);
+        }
+        Ok(logits)
+    }
+
+    /// Continues `prompt` by `max_new_tokens` tokens picked by `sampling`,
+    /// passing each to `on_token` as soon as it is chosen (an error from
+    /// it stops generation and is returned). Returns the new tokens, the
+    /// prompt not included. Past the context the cache keeps the last
+    /// block_size / 2 tokens (see the module documentation). Needs a
+    /// generator of one sequence.
+    pub fn generate(&mut self, prompt: &[u32], max_new_tokens: usize, sampling: &Sampling, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Vec<u32>> {
+        const OP: &str = "Generator::generate";
+        if self.sequences != 1 {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("generates one sequence; this generator was built for {}", self.sequences) });
+        }
+        if max_new_tokens == 0 {
+            return Err(Error::InvalidArgument { op: OP, reason: "max_new_tokens must be at least 1".into() });
+        }
+        sampling.check()?;
+        let context = self.config.block_size;
+        let keep = (context / 2).max(1);
+        let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
+        // Logits are read back whole: the vocabularies here are small.
+        // Issue 15 keeps top-k on the GPU for 50k-token vocabularies.
+        let mut logits = self.prefill(&[prompt])?;
+        let mut new_tokens = Vec::with_capacity(max_new_tokens);
+        loop {
+            let token = sampling.sample(&logits, &mut rng)?;
+            on_token(token)?;
+            new_tokens.push(token);
+            if new_tokens.len() == max_new_tokens {
+                return Ok(new_tokens);
+            }
+            logits = if self.cached[0].len() < context {
+                self.decode(&[token])?
+            } else {
+                let mut window = self.cached[0][self.cached[0].len() + 1 - keep..].to_vec();
+                window.push(token);
+                self.prefill(&[&window])?
+            };
+        }
+    }
+}

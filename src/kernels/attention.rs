@@ -1,0 +1,73 @@
+//! `attention.wgsl`: attention over a KV cache, the per-token step of
+//! generation (and the prompt's, which fills the cache).
+
+use super::registry::CACHED_ATTENTION_FORWARD;
+use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
+use crate::error::{Error, Result};
+use crate::ops::CachedAttentionShape;
+
+/// The largest head dimension `cached_attention_forward` takes: each
+/// invocation keeps its query and output row in private arrays of this
+/// size (attention.wgsl's `MAX_HEAD_DIM`). GPT-2's heads have 64 channels.
+pub const MAX_HEAD_DIM: usize = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct AttentionParams {
+    seqs: u32,
+    rows: u32,
+    heads: u32,
+    head_dim: u32,
+    context: u32,
+    scale: f32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+impl Kernels {
+    /// For each sequence s and new row t (position p = starts[s] + t):
+    /// writes row t's k and v (columns C.. and 2C.. of qkv) into the caches
+    /// at p, then out[s, t] = softmax(q·kᵀ/√d over positions 0..=p)·v per
+    /// head. Positions before starts[s] are read from the caches, so a
+    /// decode step (rows = 1) costs one position's attention. The caller
+    /// keeps every p < context (a larger one writes NaN to its output).
+    pub fn cached_attention_forward(
+        &self,
+        out: View<'_>,
+        k_cache: View<'_>,
+        v_cache: View<'_>,
+        qkv: View<'_>,
+        starts: View<'_>,
+        shape: CachedAttentionShape,
+    ) -> Result<Dispatch> {
+        let op = CACHED_ATTENTION_FORWARD.entry;
+        let CachedAttentionShape { seqs, rows, heads, head_dim, context } = shape;
+        let dims = [seqs, rows, heads, head_dim, context];
+        if dims.contains(&0) {
+            return Err(Error::shape(op, format!("every size must be at least 1: {shape:?}"), &[&dims]));
+        }
+        if head_dim > MAX_HEAD_DIM {
+            return Err(Error::shape(op, format!("head_dim {head_dim} is over the largest this kernel takes, {MAX_HEAD_DIM}"), &[&dims]));
+        }
+        let (want_qkv, want_out, want_cache) =
+            shape.lengths().ok_or_else(|| Error::shape(op, format!("{shape:?} overflows"), &[&dims]))?;
+        let operands = [("out", out.len, want_out), ("k_cache", k_cache.len, want_cache), ("v_cache", v_cache.len, want_cache), ("qkv", qkv.len, want_qkv), ("starts", starts.len, seqs)];
+        if let Some((name, len, want)) = operands.iter().find(|(_, len, want)| len != want) {
+            return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
+        }
+        let invocations = seqs.checked_mul(rows).and_then(|n| n.checked_mul(heads)).filter(|&n| n <= u32::MAX as usize);
+        let invocations = invocations.ok_or_else(|| Error::shape(op, format!("more than 2^32 (sequence, row, head) triples: {shape:?}"), &[&dims]))?;
+        let params = AttentionParams {
+            seqs: dim(op, seqs)?,
+            rows: dim(op, rows)?,
+            heads: dim(op, heads)?,
+            head_dim: dim(op, head_dim)?,
+            context: dim(op, context)?,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            _pad0: 0,
+            _pad1: 0,
+        };
+        let bindings = [bind(0, "qkv", qkv), bind(1, "starts", starts), bind(2, "k_cache", k_cache), bind(3, "v_cache", v_cache), bind(4, "out", out)];
+        self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 5, &params, flat_groups(invocations))
+    }
+}

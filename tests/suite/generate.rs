@@ -1,0 +1,403 @@
+//! Generation with a KV cache (`wgrad::generate`): the cached attention
+//! kernel against its CPU twin, the cached logits against a full-sequence
+//! forward (`Predictor`), greedy and sampled generation against a full
+//! recompute at every step (past the context too), and each error.
+//! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
+
+use std::sync::Arc;
+
+use crate::common;
+
+use common::{assert_close, for_each_adapter, random_vec, read, rng};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use wgrad::generate::{Generator, Sampling};
+use wgrad::kernels::{CachedAttentionShape, MAX_HEAD_DIM};
+use wgrad::nn::{self, Gpt, GptConfig};
+use wgrad::trainer::Predictor;
+use wgrad::{cpu, Error};
+
+/// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
+/// head counts and dims, position 0 and context − 1, several sequences at
+/// different positions, a prompt's rows after cached ones (rows > 1,
+/// start > 0), a whole prompt, GPT-2's 12 heads of 64, more invocations
+/// than a 256-wide workgroup, and the largest head dimension.
+type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);
+
+const ATTENTION_CASES: [AttentionCase; 10] = [
+    (1, 1, 1, 1, 1, &[0]),
+    (1, 1, 3, 1, 5, &[4]),
+    (2, 1, 5, 7, 11, &[0, 10]),
+    (3, 1, 2, 13, 17, &[3, 16, 8]),
+    (2, 4, 3, 5, 13, &[0, 6]),
+    (1, 13, 3, 8, 13, &[0]),
+    (4, 1, 12, 64, 40, &[39, 0, 17, 5]),
+    (3, 30, 7, 3, 37, &[0, 7, 2]),
+    (2, 3, 1, 2, 3, &[0, 0]),
+    (1, 2, 2, MAX_HEAD_DIM, 6, &[3]),
+];
+
+#[test]
+fn cached_attention_matches_the_cpu() {
+    for_each_adapter("cached_attention_forward", |k| {
+        for (i, &(seqs, rows, heads, head_dim, context, starts)) in ATTENTION_CASES.iter().enumerate() {
+            let shape = CachedAttentionShape { seqs, rows, heads, head_dim, context };
+            let (qkv_len, out_len, cache_len) = shape.lengths().expect("small shape");
+            let mut r = rng(900 + i as u64);
+            let qkv_host = random_vec(&mut r, qkv_len, -2.0, 2.0);
+            // Earlier positions' keys and values, as a previous step left them.
+            let k_host = random_vec(&mut r, cache_len, -2.0, 2.0);
+            let v_host = random_vec(&mut r, cache_len, -2.0, 2.0);
+            let (qkv, starts_gpu) = (k.upload(&qkv_host)?, k.upload(starts)?);
+            let (k_cache, v_cache, out) = (k.upload(&k_host)?, k.upload(&v_host)?, k.upload(&vec![f32::NAN; out_len])?);
+            k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), qkv.view(), starts_gpu.view(), shape)?])?;
+            let (want_out, want_k, want_v) = cpu::cached_attention(&qkv_host, starts, &k_host, &v_host, shape);
+            let what = format!("{shape:?} starts {starts:?}");
+            // f32 sums of ≤ 256 products over ≤ 40 positions against f64.
+            assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
+            // Copies: exact, and rows not written keep their values.
+            assert_close(&format!("k_cache {what}"), &read(k, &k_cache)?, &want_k, 0.0, 0.0);
+            assert_close(&format!("v_cache {what}"), &read(k, &v_cache)?, &want_v, 0.0, 0.0);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn cached_attention_checks_its_operands() {
+    for_each_adapter("cached_attention_forward errors", |k| {
+        let shape = CachedAttentionShape { seqs: 2, rows: 1, heads: 3, head_dim: 4, context: 5 };
+        let (qkv_len, out_len, cache_len) = shape.lengths().expect("small shape");
+        let (qkv, starts, cache, out) = (k.zeros(qkv_len)?, k.zeros(2)?, k.zeros(cache_len)?, k.zeros(out_len)?);
+        let cache2 = k.zeros(cache_len)?;
+        let short = k.zeros(cache_len - 1)?;
+        let err = k.cached_attention_forward(out.view(), short.view(), cache2.view(), qkv.view(), starts.view(), shape).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("want {cache_len}")), "{err}");
+        let zero_heads = CachedAttentionShape { heads: 0, ..shape };
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), zero_heads).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
+        let wide = CachedAttentionShape { seqs: 1, rows: 1, heads: 1, head_dim: MAX_HEAD_DIM + 1, context: 1 };
+        let (qkv_len, out_len, cache_len) = wide.lengths().expect("small shape");
+        let (qkv, starts, out) = (k.zeros(qkv_len)?, k.zeros(1)?, k.zeros(out_len)?);
+        let (cache, cache2) = (k.zeros(cache_len)?, k.zeros(cache_len)?);
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), wide).unwrap_err();
+        assert!(err.to_string().contains(&format!("{}", MAX_HEAD_DIM + 1)), "{err}");
+        Ok(())
+    });
+}
+
+const CONFIG: GptConfig = GptConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_embd: 24 };
+
+/// A random GPT whose attention is far from uniform and whose logits are
+/// of order 1: GPT-2's init (std 0.02) gives near-equal attention weights
+/// and logits near 0, against which a wrong mask or position would show
+/// only in the fifth decimal.
+fn sharp_model(seed: u64) -> Gpt {
+    nn::manual_seed(seed);
+    let mut model = Gpt::new(CONFIG).expect("valid config");
+    for w in model.wte.weight.iter_mut().chain(model.wpe.weight.iter_mut()) {
+        *w *= 25.0;
+    }
+    for block in &mut model.h {
+        if let Some(attn) = &mut block.attn {
+            attn.c_attn.weight.iter_mut().for_each(|w| *w *= 10.0);
+        }
+    }
+    model
+}
+
+fn random_tokens(r: &mut ChaCha8Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| r.random_range(0..CONFIG.vocab_size as u32)).collect()
+}
+
+/// The logits at every position of `tokens` (≤ block_size) from a
+/// full-sequence forward: the ids padded to block_size, which a causal
+/// model's earlier positions never see. [len][vocab].
+fn full_logits(predictor: &mut Predictor, tokens: &[u32]) -> wgrad::Result<Vec<Vec<f32>>> {
+    let (block, vocab) = (CONFIG.block_size, CONFIG.vocab_size);
+    let mut padded = tokens.to_vec();
+    padded.resize(block, 0);
+    let all = predictor.outputs_ids(&padded)?;
+    Ok((0..tokens.len()).map(|p| all[p * vocab..(p + 1) * vocab].to_vec()).collect())
+}
+
+// The cached path (cached_attention, one row per step) and the full one
+// (batched matmuls, causal softmax) sum in different orders in f32, on
+// logits of order 1.
+const LOGITS_ATOL: f32 = 1e-4;
+const LOGITS_RTOL: f32 = 1e-4;
+
+#[test]
+fn kv_cache_logits_equal_the_full_sequence_logits() {
+    for_each_adapter("generate: cached logits", |k| {
+        let model = sharp_model(11);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let sequence = random_tokens(&mut rng(12), CONFIG.block_size);
+        let full = full_logits(&mut predictor, &sequence)?;
+        // A prompt of one token, of several, and of the whole context.
+        for prompt_len in [1, 5, CONFIG.block_size] {
+            let logits = generator.prefill(&[&sequence[..prompt_len]])?;
+            assert_close(&format!("prefill of {prompt_len}"), &logits, &full[prompt_len - 1], LOGITS_ATOL, LOGITS_RTOL);
+            for p in prompt_len..CONFIG.block_size {
+                let logits = generator.decode(&[sequence[p]])?;
+                assert_close(&format!("prompt {prompt_len}, decode at {p}"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+            }
+            assert_eq!(generator.cached_tokens(0), Some(&sequence[..]));
+        }
+        // From an empty cache, decoding alone is the same forward.
+        generator.reset()?;
+        for (p, &token) in sequence.iter().enumerate() {
+            let logits = generator.decode(&[token])?;
+            assert_close(&format!("decode from empty at {p}"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn several_sequences_keep_their_own_caches() {
+    for_each_adapter("generate: several sequences", |k| {
+        let model = sharp_model(13);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 3)?;
+        let vocab = CONFIG.vocab_size;
+        let mut r = rng(14);
+        let sequences: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
+        let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+        // Prompts of different lengths, then steps in lockstep, each
+        // sequence at its own position.
+        let lens = [1, 6, 4];
+        let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
+        let logits = generator.prefill(&prompts)?;
+        for s in 0..3 {
+            assert_close(&format!("prefill, sequence {s}"), &logits[s * vocab..(s + 1) * vocab], &full[s][lens[s] - 1], LOGITS_ATOL, LOGITS_RTOL);
+        }
+        for step in 0..CONFIG.block_size - 6 {
+            let tokens: Vec<u32> = (0..3).map(|s| sequences[s][lens[s] + step]).collect();
+            let logits = generator.decode(&tokens)?;
+            for s in 0..3 {
+                let p = lens[s] + step;
+                assert_close(&format!("step {step}, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p], LOGITS_ATOL, LOGITS_RTOL);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_decode_step_is_one_submit_and_allocates_nothing() {
+    for_each_adapter("generate: one submit per token", |shared| {
+        let k = &common::private_kernels(shared);
+        let model = sharp_model(15);
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let submits = k.submit_count();
+        generator.prefill(&[&[1, 2, 3]])?;
+        assert_eq!(k.submit_count() - submits, 1, "prefill");
+        generator.decode(&[4])?;
+        let buffers = k.buffers_created();
+        for token in 5..12 {
+            let submits = k.submit_count();
+            generator.decode(&[token])?;
+            assert_eq!(k.submit_count() - submits, 1, "decode of {token}");
+        }
+        assert_eq!(k.buffers_created(), buffers, "buffers created by decode steps");
+        Ok(())
+    });
+}
+
+/// The argmax of `logits` up to `tolerance`: whether `token`'s logit is
+/// within it of the largest (two logits closer than the cached and full
+/// paths agree may pick either).
+fn is_argmax(logits: &[f32], token: u32, tolerance: f32) -> bool {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    logits[token as usize] >= max - tolerance
+}
+
+/// Whether `token` is among the `k` largest `logits`, up to `tolerance`.
+fn in_top_k(logits: &[f32], token: u32, k: usize, tolerance: f32) -> bool {
+    let mut sorted = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    logits[token as usize] >= sorted[k - 1] - tolerance
+}
+
+/// Checks each generated token against a full recompute of the window the
+/// generator's cache holds, which follows the documented rule: grow to
+/// block_size tokens, then keep the last block_size / 2 and continue.
+fn check_against_recompute(predictor: &mut Predictor, prompt: &[u32], generated: &[u32], picked_right: impl Fn(&[f32], u32) -> bool) -> wgrad::Result<()> {
+    let (block, keep) = (CONFIG.block_size, CONFIG.block_size / 2);
+    let mut window = prompt.to_vec();
+    for (i, &token) in generated.iter().enumerate() {
+        let full = full_logits(predictor, &window)?;
+        let logits = full.last().expect("non-empty window");
+        assert!(picked_right(logits, token), "token {i} = {token} with a window of {} tokens; logits {logits:?}", window.len());
+        window.push(token);
+        if window.len() > block {
+            window.drain(..window.len() - keep);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn greedy_generation_is_deterministic_and_equals_a_full_recompute() {
+    for_each_adapter("generate: greedy", |k| {
+        let model = sharp_model(16);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let prompt = [3, 1, 4];
+        // Fills the context exactly: no shift.
+        let max_new = CONFIG.block_size - prompt.len();
+        let mut streamed = Vec::new();
+        let first = generator.generate(&prompt, max_new, &Sampling::greedy(), |t| {
+            streamed.push(t);
+            Ok(())
+        })?;
+        assert_eq!(first.len(), max_new);
+        assert_eq!(streamed, first, "each token streams as it is produced");
+        let second = generator.generate(&prompt, max_new, &Sampling::greedy(), |_| Ok(()))?;
+        assert_eq!(first, second, "greedy generation twice");
+        check_against_recompute(&mut predictor, &prompt, &first, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))
+    });
+}
+
+#[test]
+fn generation_past_the_context_shifts_and_goes_on() {
+    for_each_adapter("generate: past block_size", |k| {
+        let model = sharp_model(17);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let prompt = [5, 9, 2, 7, 30];
+        // Three shifts' worth with a context of 13.
+        let max_new = 3 * CONFIG.block_size;
+        let mut count = 0;
+        let greedy = generator.generate(&prompt, max_new, &Sampling::greedy(), |_| {
+            count += 1;
+            Ok(())
+        })?;
+        assert_eq!((greedy.len(), count), (max_new, max_new));
+        assert!(generator.cached_tokens(0).is_some_and(|c| c.len() <= CONFIG.block_size));
+        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+
+        let sampling = Sampling { temperature: 0.9, top_k: Some(4), seed: 99 };
+        let sampled = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
+        assert_eq!(sampled, generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
+        check_against_recompute(&mut predictor, &prompt, &sampled, |logits, t| in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL))
+    });
+}
+
+#[test]
+fn a_callback_error_stops_generation() {
+    for_each_adapter("generate: callback error", |k| {
+        let mut generator = Generator::new(k.clone(), &sharp_model(18), 1)?;
+        let mut seen = 0;
+        let err = generator
+            .generate(&[1], 10, &Sampling::greedy(), |_| {
+                seen += 1;
+                if seen == 3 {
+                    return Err(Error::InvalidArgument { op: "caller", reason: "stop".into() });
+                }
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("stop") && seen == 3, "{err} after {seen}");
+        Ok(())
+    });
+}
+
+/// Expects an `InvalidArgument` whose message holds every one of `parts`.
+fn expect_error<T: std::fmt::Debug>(what: &str, result: wgrad::Result<T>, parts: &[&str]) {
+    let err = result.expect_err(what);
+    let message = err.to_string();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{what}: {message}");
+    for part in parts {
+        assert!(message.contains(part), "{what}: `{message}` does not mention {part}");
+    }
+}
+
+#[test]
+fn bad_requests_are_errors_that_lose_nothing() {
+    for_each_adapter("generate: errors", |k| {
+        let model = sharp_model(19);
+        expect_error("no sequences", Generator::new(k.clone(), &model, 0), &["sequences"]);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let sequence = random_tokens(&mut rng(20), CONFIG.block_size);
+        let full = full_logits(&mut predictor, &sequence)?;
+        generator.prefill(&[&sequence[..4]])?;
+
+        let too_long = vec![1u32; CONFIG.block_size + 1];
+        let greedy = Sampling::greedy();
+        expect_error("empty prompt", generator.prefill(&[&[]]), &["empty"]);
+        expect_error("long prompt", generator.prefill(&[&too_long]), &["14", "13"]);
+        expect_error("token past the vocabulary", generator.prefill(&[&[1, 37]]), &["37", "vocabulary"]);
+        expect_error("two prompts for one sequence", generator.prefill(&[&[1], &[2]]), &["2 prompts", "1 sequences"]);
+        expect_error("no decode token", generator.decode(&[]), &["0 tokens", "1 sequences"]);
+        expect_error("two decode tokens", generator.decode(&[1, 2]), &["2 tokens"]);
+        expect_error("decode token past the vocabulary", generator.decode(&[40]), &["40", "37"]);
+        expect_error("max_new_tokens 0", generator.generate(&[1], 0, &greedy, |_| Ok(())), &["max_new_tokens"]);
+        expect_error("generate, empty prompt", generator.generate(&[], 3, &greedy, |_| Ok(())), &["empty"]);
+        expect_error("generate, long prompt", generator.generate(&too_long, 3, &greedy, |_| Ok(())), &["14", "13"]);
+        expect_error("generate, bad id", generator.generate(&[99], 3, &greedy, |_| Ok(())), &["99"]);
+        let negative = Sampling { temperature: -1.0, ..greedy };
+        expect_error("negative temperature", generator.generate(&[1], 3, &negative, |_| Ok(())), &["-1"]);
+        let nan = Sampling { temperature: f32::NAN, ..greedy };
+        expect_error("NaN temperature", generator.generate(&[1], 3, &nan, |_| Ok(())), &["NaN"]);
+        let top_0 = Sampling { top_k: Some(0), ..greedy };
+        expect_error("top_k 0", generator.generate(&[1], 3, &top_0, |_| Ok(())), &["top_k"]);
+
+        // Nothing above touched the cache: decoding goes on from position 4.
+        assert_eq!(generator.cached_tokens(0), Some(&sequence[..4]));
+        for p in 4..CONFIG.block_size {
+            let logits = generator.decode(&[sequence[p]])?;
+            assert_close(&format!("decode at {p} after the errors"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+        }
+        expect_error("decode past the context", generator.decode(&[1]), &["13 positions"]);
+
+        let mut two = Generator::new(k.clone(), &model, 2)?;
+        expect_error("generate with two sequences", two.generate(&[1], 3, &greedy, |_| Ok(())), &["one sequence", "2"]);
+        Ok(())
+    });
+}
+
+#[test]
+fn sampling_picks_from_the_top_k_and_repeats_with_its_seed() {
+    let logits = [0.5, 3.0, -1.0, 3.0, 2.5, 0.0];
+    let greedy = Sampling::greedy();
+    let mut r = ChaCha8Rng::seed_from_u64(0);
+    assert_eq!(greedy.sample(&logits, &mut r).unwrap(), 1, "the first of two maxima");
+    let top_3 = Sampling { temperature: 2.0, top_k: Some(3), seed: 5 };
+    let draw = |s: &Sampling| {
+        let mut r = ChaCha8Rng::seed_from_u64(s.seed);
+        (0..400).map(|_| s.sample(&logits, &mut r).unwrap()).collect::<Vec<u32>>()
+    };
+    let draws = draw(&top_3);
+    assert!(draws.iter().all(|t| [1, 3, 4].contains(t)), "{draws:?}");
+    // Each of the three has probability ≥ 0.25 at temperature 2: all appear.
+    assert!([1, 3, 4].iter().all(|t| draws.contains(t)), "{draws:?}");
+    assert_eq!(draws, draw(&top_3), "the same seed");
+    let top_1 = Sampling { temperature: 5.0, top_k: Some(1), seed: 1 };
+    assert!(draw(&top_1).iter().all(|&t| t == 1));
+    let mut bad = logits;
+    bad[2] = f32::NAN;
+    let err = top_3.sample(&bad, &mut r).unwrap_err();
+    assert!(err.to_string().contains("token 2"), "{err}");
+}
+
+#[test]
+fn a_model_without_attention_generates_too() {
+    for_each_adapter("generate: no attention", |k| {
+        nn::manual_seed(21);
+        let model = Gpt::without_attention(CONFIG)?;
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(Arc::clone(k), &model, 1)?;
+        let sequence = random_tokens(&mut rng(22), 6);
+        let full = full_logits(&mut predictor, &sequence)?;
+        let logits = generator.prefill(&[&sequence[..2]])?;
+        assert_close("prefill", &logits, &full[1], LOGITS_ATOL, LOGITS_RTOL);
+        for p in 2..6 {
+            assert_close(&format!("decode at {p}"), &generator.decode(&[sequence[p]])?, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+        }
+        Ok(())
+    });
+}
