@@ -306,3 +306,70 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
     });
     Ok(lines)
 }
+
+/// The GPT `wgrad bench` times: the Burn/PyTorch reference shape of issue
+/// 13 (L4, H4, C128, T128, vocabulary 84 as the char-level Shakespeare),
+/// which is also `make train`'s default model, at batch 16.
+pub fn gpt_bench_config() -> crate::nn::GptConfig {
+    crate::nn::GptConfig { vocab_size: 84, block_size: 128, n_layer: 4, n_head: 4, n_embd: 128 }
+}
+
+/// Model FLOPs of one training step (forward and backward) on `tokens`
+/// tokens of context `config.block_size`: 6 per parameter per token (the
+/// position table excluded, as it does no multiply) plus attention's
+/// 12·L·C·T per token (PaLM's appendix B, nanoGPT's `estimate_mfu`).
+pub fn gpt_train_flops(config: &crate::nn::GptConfig, tokens: usize) -> f64 {
+    let params = (config.num_parameters() - config.block_size * config.n_embd) as f64;
+    let attention = 12.0 * (config.n_layer * config.n_embd * config.block_size) as f64;
+    (6.0 * params + attention) * tokens as f64
+}
+
+/// Training steps of a GPT (AdamW, warmup-cosine, clipping at 1.0, as
+/// `wgrad train --model gpt`) on seeded random tokens: step time, tokens/s
+/// and model-FLOPs utilisation against `matmul_gflops`, the adapter's best
+/// matmul rate measured in the same run.
+pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
+    crate::nn::manual_seed(0);
+    let model = crate::nn::Gpt::new(config)?;
+    let optimizer = crate::lm_training::LmTrainConfig { max_steps: (steps + 3) as u64, ..Default::default() }.optimizer();
+    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let tokens = batch * config.block_size;
+    let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let (x, y) = (&ids[..tokens], &ids[1..]);
+    let one = |t: &mut Trainer| -> Result<()> {
+        t.zero_grad();
+        t.forward_ids(x)?;
+        t.loss(Targets::Classes(y))?;
+        t.backward()?;
+        t.step()
+    };
+    for _ in 0..3 {
+        one(&mut trainer)?;
+    }
+    kernels.device().wait_idle("bench")?;
+    let start = Instant::now();
+    for _ in 0..steps.max(1) {
+        one(&mut trainer)?;
+    }
+    kernels.device().wait_idle("bench")?;
+    let seconds = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+    let flops = gpt_train_flops(&config, tokens);
+    let exec = trainer.executor();
+    let plan = exec.plan();
+    Ok(BenchLine {
+        case: "gpt_train".into(),
+        values: vec![
+            ("config", format!("L{}-H{}-C{}-T{}-V{}-B{batch}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            ("tokens_per_s", format!("{:.0}", tokens as f64 / seconds)),
+            ("ms_per_step", format!("{:.1}", seconds * 1e3)),
+            ("model_gflops_per_s", format!("{:.2}", flops / seconds / 1e9)),
+            ("matmul_gflops", format!("{matmul_gflops:.2}")),
+            ("mfu", format!("{:.3}", flops / seconds / 1e9 / matmul_gflops.max(1e-9))),
+            ("dispatches", exec.dispatches_per_step().to_string()),
+            ("peak_gpu_bytes", exec.peak_bytes().to_string()),
+            ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
+            ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
+        ],
+    })
+}

@@ -328,6 +328,15 @@ impl LmTrainingRun {
         &self.trainer
     }
 
+    /// Where the sample at the end of a run starts: a newline (nanoGPT's
+    /// default), or the text's first token when the vocabulary has none.
+    pub fn sample_prompt(&self) -> Result<String> {
+        if self.data.tokenizer.encode("\n").is_ok_and(|ids| ids.len() == 1) {
+            return Ok("\n".into());
+        }
+        self.data.tokenizer.decode(&self.data.train[..1])
+    }
+
     /// The model with the parameters trained so far.
     pub fn trained_model(&self) -> Result<Gpt> {
         let params = self.trainer.executor().parameters()?;

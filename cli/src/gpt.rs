@@ -2,11 +2,15 @@
 //! validation loss, both curves in the PNG, the model folder and a sample.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
-use wgrad::DeviceOptions;
+use wgrad::generate::{Generator, Sampling};
+use wgrad::nn::Gpt;
+use wgrad::text::{Tokenizer, Utf8Stream};
+use wgrad::{DeviceOptions, Kernels};
 
 use crate::{plot, spinner, TrainArgs};
 
@@ -182,8 +186,95 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     println!("final validation loss {:.4}", summary.final_validation_loss);
     run.save(&args.gpt.out)?;
     println!("model folder: {}", args.gpt.out.display());
+    if args.gpt.sample_tokens > 0 {
+        println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
+        let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
+        let model = run.trained_model()?;
+        let mut generator = prepared_generator(run.kernels().clone(), &model)?;
+        let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
+        println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
+    }
     let title = format!("{} — validation loss {:.4}", run.info().model, summary.final_validation_loss);
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
+    Ok(())
+}
+
+/// `wgrad generate`'s flags.
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// A model folder (`wgrad train --model gpt` writes out/gpt).
+    #[arg(long, default_value = "out/gpt")]
+    model: PathBuf,
+    /// The text to continue.
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// 0: greedy (the most likely token, deterministic).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// Streams `max_new_tokens` tokens after `prompt` to stdout as they are
+/// produced; returns the tokens generated and the seconds they took, the
+/// prompt's prefill included.
+fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+    use std::io::Write;
+    let ids = tokenizer.encode(prompt)?;
+    let mut text = Utf8Stream::default();
+    let mut out = std::io::stdout().lock();
+    let write = |out: &mut std::io::StdoutLock, s: &str| {
+        out.write_all(s.as_bytes())
+            .and_then(|_| out.flush())
+            .map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("writing to stdout: {e}") })
+    };
+    let start = std::time::Instant::now();
+    let mut wrote_prompt = false;
+    let tokens = generator.generate(&ids, max_new_tokens, sampling, |token| {
+        // The prompt prints once it was accepted (it fits the context).
+        if !wrote_prompt {
+            write(&mut out, prompt)?;
+            wrote_prompt = true;
+        }
+        let piece = text.push(&tokenizer.decode_bytes(&[token])?);
+        write(&mut out, &piece)
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    let rest = text.finish();
+    write(&mut out, &format!("{rest}\n"))?;
+    Ok((tokens.len(), seconds))
+}
+
+/// A generator for `model`, behind a spinner while its pipelines compile.
+fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt) -> wgrad::Result<Generator> {
+    let bar = spinner("preparing kernels");
+    let generator = Generator::new(kernels, model, 1);
+    bar.finish_and_clear();
+    generator
+}
+
+pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> {
+    if args.max_new_tokens == 0 {
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--max-new-tokens must be at least 1".into() });
+    }
+    let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
+    let spec = loaded.tokenizer.clone().ok_or_else(|| wgrad::Error::InvalidArgument {
+        op: "generate",
+        reason: format!("`{}` names no tokenizer (no wgrad_tokenizer.json, and not GPT-2's vocabulary size)", args.model.display()),
+    })?;
+    let tokenizer = spec.tokenizer()?;
+    // Checked before any device work: characters outside a char vocabulary.
+    tokenizer.encode(&args.prompt)?;
+    let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
+    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+    let (count, seconds) = stream(&mut generator, &tokenizer, &args.prompt, args.max_new_tokens, &sampling)?;
+    eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
     Ok(())
 }

@@ -42,6 +42,9 @@ enum Command {
     /// Train an MLP classifier (default: the shipped UCI digits) and write a
     /// checkpoint and a loss-curve PNG.
     Train(Box<TrainArgs>),
+    /// Continue a prompt with a GPT model folder, streaming the text; tokens/s
+    /// on stderr.
+    Generate(Box<gpt::GenerateArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -479,7 +482,9 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> 
     for &n in sizes {
         lines.push(bench::matmul(&kernels, n, reps)?);
     }
+    let best_gflops = lines.iter().filter_map(|l| l.values.iter().find(|v| v.0 == "gflops")).filter_map(|v| v.1.parse::<f64>().ok()).fold(0.0, f64::max);
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
+    lines.push(wgrad::bench::gpt_train_step(&kernels, wgrad::bench::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
     println!("{:<32} measurements", "case");
     for l in &lines {
@@ -569,6 +574,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&opts, args),
         Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
+        Command::Generate(args) => gpt::generate(&opts, args),
         Command::Bench { quick, compile } => bench(&opts, *quick, *compile),
         Command::Tune => tune(&opts),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),

@@ -52,5 +52,31 @@ fn wgrad_train_gpt_prints_validation_losses_and_plots() {
     for file in ["config.json", "model.safetensors", "optimizer.safetensors", "wgrad_tokenizer.json"] {
         assert!(out.join(file).is_file(), "the model folder lacks {file}");
     }
+    assert!(stdout.contains("(20 tokens at"), "no sample at the end: {stdout}");
+
+    // `wgrad generate` on the folder: the prompt and 30 new characters of
+    // the text's alphabet, greedy twice the same, tokens/s on stderr.
+    let generate = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("generate").arg("--model").arg(&out).args(extra).output().unwrap()
+    };
+    let greedy = ["--prompt", "to be", "--max-new-tokens", "30", "--temperature", "0"];
+    let (first, second) = (generate(&greedy), generate(&greedy));
+    let text = String::from_utf8_lossy(&first.stdout).into_owned();
+    assert!(first.status.success(), "{text}\n{}", String::from_utf8_lossy(&first.stderr));
+    assert!(text.starts_with("to be") && text.trim_end_matches('\n').chars().count() == 35, "{text:?}");
+    assert!(text.chars().all(|c| "to be or n,thaiqus.\n".contains(c)), "{text:?}");
+    assert_eq!(first.stdout, second.stdout, "greedy generation is deterministic");
+    assert!(String::from_utf8_lossy(&first.stderr).contains("tokens/s"));
+    // Bad input: each a clear error, no text.
+    for (args, says) in [
+        (vec!["--prompt", "to be!", "--max-new-tokens", "5"], "'!'"),
+        (vec!["--prompt", "to be", "--max-new-tokens", "0"], "max-new-tokens"),
+        (vec!["--prompt", &"to be ".repeat(4), "--max-new-tokens", "5"], "context of 16"),
+    ] {
+        let output = generate(&args);
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && err.contains(says), "{args:?}: {err}");
+        assert!(output.stdout.is_empty(), "{args:?} printed {:?}", String::from_utf8_lossy(&output.stdout));
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
