@@ -373,3 +373,38 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batc
         ],
     })
 }
+
+/// Generation with the KV cache on the GPU: a `config` GPT with random
+/// weights, a prompt of half the context, then `new_tokens` decode steps
+/// (one token each, greedy). Prefill and decode tokens/s.
+pub fn gpt_generate(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, new_tokens: usize) -> Result<BenchLine> {
+    crate::nn::manual_seed(0);
+    let model = crate::nn::Gpt::new(config)?;
+    let mut generator = crate::generate::Generator::new(kernels.clone(), &model, 1)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
+    // Warm-up: every pipeline of both passes compiles and runs once.
+    generator.prefill(&[&prompt])?;
+    generator.decode(&[0])?;
+    let start = Instant::now();
+    let mut logits = generator.prefill(&[&prompt])?;
+    let prefill = start.elapsed().as_secs_f64();
+    let greedy = crate::generate::Sampling::greedy();
+    let start = Instant::now();
+    for _ in 0..new_tokens {
+        let token = greedy.sample(&logits, &mut rng)?;
+        logits = generator.decode(&[token])?;
+    }
+    let decode = start.elapsed().as_secs_f64();
+    Ok(BenchLine {
+        case: "gpt_generate".into(),
+        values: vec![
+            ("config", format!("L{}-H{}-C{}-T{}-V{}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            ("tokens_per_s", format!("{:.1}", new_tokens as f64 / decode)),
+            ("ms_per_token", format!("{:.2}", 1e3 * decode / new_tokens as f64)),
+            ("prefill_tokens", prompt.len().to_string()),
+            ("prefill_tokens_per_s", format!("{:.0}", prompt.len() as f64 / prefill)),
+        ],
+    })
+}

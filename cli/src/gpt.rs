@@ -194,7 +194,8 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
-    let title = format!("{} — validation loss {:.4}", run.info().model, summary.final_validation_loss);
+    let c = &args.gpt;
+    let title = format!("GPT L{} H{} C{} T{}: validation loss {:.4}", c.n_layer, c.n_head, c.n_embd, c.block_size, summary.final_validation_loss);
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
     Ok(())

@@ -117,7 +117,7 @@ struct TrainArgs {
     /// MLP: passes over the training set.
     #[arg(long, default_value_t = 40)]
     epochs: usize,
-    /// Examples (MLP) or sequences (GPT) per step; default 32 (MLP), 16 (GPT).
+    /// Examples (MLP) or sequences (GPT) per step; default 32 (MLP), 8 (GPT).
     #[arg(long)]
     batch_size: Option<usize>,
     /// Hidden layer widths.
@@ -126,7 +126,7 @@ struct TrainArgs {
     /// MLP's optimizer (the GPT always uses AdamW).
     #[arg(long, value_enum, default_value_t = OptimizerName::Adam)]
     optimizer: OptimizerName,
-    /// Learning rate (GPT: the peak of the schedule); default 2e-3 (MLP), 1e-3 (GPT).
+    /// Learning rate (GPT: the peak of the schedule); default 2e-3 (MLP), 3e-3 (GPT).
     #[arg(long)]
     lr: Option<f32>,
     /// SGD momentum.
@@ -169,7 +169,7 @@ struct TrainArgs {
     /// --devices (default: one adapter per process).
     #[arg(long)]
     distributed: Option<String>,
-    /// Stop after this many steps (MLP default: all epochs; GPT default: 240).
+    /// Stop after this many steps (MLP default: all epochs; GPT default: 750).
     #[arg(long)]
     max_steps: Option<u64>,
     /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
@@ -485,6 +485,7 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> 
     let best_gflops = lines.iter().filter_map(|l| l.values.iter().find(|v| v.0 == "gflops")).filter_map(|v| v.1.parse::<f64>().ok()).fold(0.0, f64::max);
     lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
     lines.push(wgrad::bench::gpt_train_step(&kernels, wgrad::bench::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
+    lines.push(wgrad::bench::gpt_generate(&kernels, wgrad::bench::gpt_bench_config(), if quick { 16 } else { 48 })?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
     println!("{:<32} measurements", "case");
     for l in &lines {

@@ -41,13 +41,26 @@ pub fn loss_curves(path: impl AsRef<Path>, title: &str, curves: &[(&str, &[(u64,
     let hi = finite.iter().copied().fold(0.0f32, f32::max).max(lo * 1.01);
     let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_error(path, e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0u64..max_step, (lo * 0.9..hi * 1.1).log_scale())
-        .map_err(|e| plot_error(path, e))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.caption(title, ("sans-serif", 18)).margin(15).x_label_area_size(40).y_label_area_size(60);
+    // A log axis shows a loss falling by decades (an MLP to 1e-3); over
+    // less than a decade (a language model's 4.4 → 2.2) it would have no
+    // labelled tick, so the axis is linear there.
+    if hi / lo > 10.0 {
+        let mut chart = builder.build_cartesian_2d(0u64..max_step, (lo * 0.9..hi * 1.1).log_scale()).map_err(|e| plot_error(path, e))?;
+        draw_curves(path, &mut chart, curves)?;
+    } else {
+        let mut chart = builder.build_cartesian_2d(0u64..max_step, lo * 0.95..hi * 1.05).map_err(|e| plot_error(path, e))?;
+        draw_curves(path, &mut chart, curves)?;
+    }
+    root.present().map_err(|e| plot_error(path, e))?;
+    Ok(())
+}
+
+fn draw_curves<'a, Y>(path: &Path, chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<plotters::coord::types::RangedCoordu64, Y>>, curves: &[(&str, &[(u64, f32)])]) -> Result<()>
+where
+    Y: Ranged<ValueType = f32> + plotters::coord::ranged1d::ValueFormatter<f32>,
+{
     chart
         .configure_mesh()
         .x_desc("step")
@@ -71,6 +84,5 @@ pub fn loss_curves(path: impl AsRef<Path>, title: &str, curves: &[(&str, &[(u64,
             .draw()
             .map_err(|e| plot_error(path, e))?;
     }
-    root.present().map_err(|e| plot_error(path, e))?;
     Ok(())
 }
