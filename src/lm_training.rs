@@ -317,6 +317,11 @@ impl LmTrainingRun {
         Ok(LmTrainingRun { config, data, model, trainer, kernels, info, validation })
     }
 
+    /// The model's sizes (the vocabulary is the tokenizer's).
+    pub fn config(&self) -> GptConfig {
+        self.model.config
+    }
+
     pub fn info(&self) -> &LmRunInfo {
         &self.info
     }

@@ -25,6 +25,11 @@ pub enum TokenizerName {
 /// The GPT's flags; the defaults are `make train`'s run ([`LmTrainConfig`]).
 #[derive(clap::Args)]
 pub struct GptArgs {
+    /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
+    /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd/--block-size;
+    /// for a real GPU.
+    #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd", "block_size"])]
+    preset: Option<String>,
     /// GPT: transformer blocks.
     #[arg(long, default_value_t = LmTrainConfig::default().n_layer)]
     n_layer: usize,
@@ -87,16 +92,23 @@ fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
     }
     let g = &args.gpt;
     let defaults = LmTrainConfig::default();
+    let (n_layer, n_head, n_embd, block_size) = match &g.preset {
+        Some(name) => {
+            let p = wgrad::nn::GptConfig::preset(name)?;
+            (p.n_layer, p.n_head, p.n_embd, p.block_size)
+        }
+        None => (g.n_layer, g.n_head, g.n_embd, g.block_size),
+    };
     Ok(LmTrainConfig {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
         tokenizer: match g.tokenizer {
             TokenizerName::Char => TokenizerKind::Char,
             TokenizerName::Gpt2 => TokenizerKind::Gpt2,
         },
-        n_layer: g.n_layer,
-        n_head: g.n_head,
-        n_embd: g.n_embd,
-        block_size: g.block_size,
+        n_layer,
+        n_head,
+        n_embd,
+        block_size,
         batch_size: args.batch_size.unwrap_or(defaults.batch_size),
         max_steps: args.max_steps.unwrap_or(defaults.max_steps),
         lr: args.lr.unwrap_or(defaults.lr),
@@ -194,7 +206,7 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
-    let c = &args.gpt;
+    let c = run.config();
     let title = format!("GPT L{} H{} C{} T{}: validation loss {:.4}", c.n_layer, c.n_head, c.n_embd, c.block_size, summary.final_validation_loss);
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
