@@ -27,9 +27,9 @@ struct ReduceParams {
 var<workgroup> partial: array<f32, 256>;
 
 // One thread per column; rows summed in order.
-@compute @workgroup_size(256)
+@compute @workgroup_size(64)
 fn sum_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let c = flat_index(wid, nwg, lid);
+    let c = column_index(wid, nwg, lid);
     if c >= p.cols {
         return;
     }

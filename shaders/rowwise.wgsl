@@ -371,10 +371,10 @@ fn ln_param_row(acc: vec2<f32>, r: u32, c: u32, q: RowParams) -> vec2<f32> {
     return vec2<f32>(acc.x + dy[i] * xhat, acc.y + dy[i]);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(64)
 fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
     let q = uniform_params(t);
-    let c = row_index(wid, nwg) * WG + t;
+    let c = row_index(wid, nwg) * COLUMN_WG + t;
     if c >= q.cols {
         return;
     }

@@ -745,6 +745,15 @@ impl PendingRead<'_> {
     }
 }
 
+/// Invocations per workgroup of the column-sum kernels (`COLUMN_WG` in
+/// common.wgsl).
+pub(crate) const COLUMN_WORKGROUP: u64 = 64;
+
+/// Number of column-kernel workgroups covering `cols` columns.
+pub(crate) fn column_groups(cols: usize) -> u64 {
+    (cols as u64).div_ceil(COLUMN_WORKGROUP)
+}
+
 /// Number of 256-wide workgroups covering `n` elements.
 pub(crate) fn flat_groups(n: usize) -> u64 {
     (n as u64).div_ceil(FLAT_WORKGROUP)

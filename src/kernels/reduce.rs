@@ -1,7 +1,7 @@
 //! `reduce.wgsl`: column sums, whole-array sum and mean, row max and argmax.
 
 use super::registry::*;
-use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
+use super::{bind, column_groups, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
 
 #[repr(C)]
@@ -43,7 +43,7 @@ impl Kernels {
         check_matrix(op, &x, rows, cols, out.len, cols)?;
         let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, _pad: 0 };
         let constants = [("ACCUMULATE", f64::from(u8::from(accumulate)))];
-        self.prepare(SUM_ROWS_FORWARD, &constants, &[bind(0, "x", x), bind(2, "out", out)], 3, &params, flat_groups(cols))
+        self.prepare(SUM_ROWS_FORWARD, &constants, &[bind(0, "x", x), bind(2, "out", out)], 3, &params, column_groups(cols))
     }
 
     fn whole(&self, kernel: Kernel, out: View<'_>, x: View<'_>) -> Result<Dispatch> {

@@ -9,7 +9,7 @@
 //! only by `max_compute_workgroups_per_dimension`² (an `Error::TooLarge`).
 
 use super::registry::*;
-use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
+use super::{bind, column_groups, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
 
 #[repr(C)]
@@ -279,7 +279,7 @@ impl Kernels {
             ],
             3,
             &params,
-            flat_groups(cols),
+            column_groups(cols),
         )
     }
 
