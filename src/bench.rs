@@ -167,17 +167,22 @@ pub fn train_step(trainer: &mut Trainer, x: &[f32], targets: Targets<'_>) -> Res
 /// Milliseconds per training step of `trainer` on fixed data, measured
 /// over `steps` steps after a warm-up, waiting once at the end.
 fn time_steps(kernels: &Kernels, trainer: &mut Trainer, x: &[f32], targets: Targets<'_>, steps: usize) -> Result<f64> {
-    let one = |t: &mut Trainer| train_step(t, x, targets);
+    time_queued(kernels, steps, || train_step(trainer, x, targets))
+}
+
+/// Milliseconds per call of `one` (which queues GPU work without waiting),
+/// over `calls` calls after 3 warm-up calls, waiting once at the end.
+fn time_queued(kernels: &Kernels, calls: usize, mut one: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..3 {
-        one(trainer)?;
+        one()?;
     }
     kernels.device().wait_idle("bench")?;
     let start = Instant::now();
-    for _ in 0..steps {
-        one(trainer)?;
+    for _ in 0..calls.max(1) {
+        one()?;
     }
     kernels.device().wait_idle("bench")?;
-    Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
+    Ok(start.elapsed().as_secs_f64() * 1e3 / calls.max(1) as f64)
 }
 
 /// One training step of a 784-512-512-10 ReLU MLP, cross-entropy, Adam,
@@ -337,23 +342,14 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batc
     let tokens = batch * config.block_size;
     let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
     let (x, y) = (&ids[..tokens], &ids[1..]);
-    let one = |t: &mut Trainer| -> Result<()> {
-        t.zero_grad();
-        t.forward_ids(x)?;
-        t.loss(Targets::Classes(y))?;
-        t.backward()?;
-        t.step()
-    };
-    for _ in 0..3 {
-        one(&mut trainer)?;
-    }
-    kernels.device().wait_idle("bench")?;
-    let start = Instant::now();
-    for _ in 0..steps.max(1) {
-        one(&mut trainer)?;
-    }
-    kernels.device().wait_idle("bench")?;
-    let seconds = start.elapsed().as_secs_f64() / steps.max(1) as f64;
+    let ms = time_queued(kernels, steps, || {
+        trainer.zero_grad();
+        trainer.forward_ids(x)?;
+        trainer.loss(Targets::Classes(y))?;
+        trainer.backward()?;
+        trainer.step()
+    })?;
+    let seconds = ms / 1e3;
     let flops = gpt_train_flops(&config, tokens);
     let exec = trainer.executor();
     let plan = exec.plan();

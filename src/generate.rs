@@ -410,7 +410,7 @@ impl Generator {
     /// alone and waited for: (node, kernel entry, wall time). The caches
     /// get the step's keys and values as by [`Generator::decode`] with
     /// `tokens`, but the positions do not advance.
-    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<crate::graph::DispatchTimes> {
         const OP: &str = "Generator::profile_decode";
         if tokens.len() != self.sequences {
             return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });

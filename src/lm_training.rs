@@ -350,8 +350,13 @@ impl LmTrainingRun {
     /// The model with the parameters trained so far.
     pub fn trained_model(&self) -> Result<Gpt> {
         let params = self.trainer.executor().parameters()?;
+        self.model_with(|name| params.iter().find(|p| p.0 == name).map(|p| p.2.clone()))
+    }
+
+    /// This run's model with the parameters `values` gives by name.
+    fn model_with(&self, values: impl Fn(&str) -> Option<Vec<f32>>) -> Result<Gpt> {
         Gpt::from_parameters(self.model.config, |name, shape| {
-            params.iter().find(|p| p.0 == name).map(|p| p.2.clone()).ok_or_else(|| Error::InvalidArgument {
+            values(name).ok_or_else(|| Error::InvalidArgument {
                 op: "LmTrainingRun::trained_model",
                 reason: format!("the trainer has no parameter `{name}` {shape:?}"),
             })
@@ -359,10 +364,14 @@ impl LmTrainingRun {
     }
 
     /// Writes the model folder (atomically): the trained model with GPT-2's
-    /// names, the tokenizer and the optimizer state to resume from.
-    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
-        let state = OptimizerState::from_checkpoint(&self.trainer.checkpoint()?)?;
-        gpt_folder::save_gpt_folder(dir, &self.trained_model()?, &TokenizerSpec::from(&self.data.tokenizer), Some(&state))
+    /// names, the tokenizer and the optimizer state to resume from. Returns
+    /// the trained model, read back from the GPU once for both.
+    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<Gpt> {
+        let checkpoint = self.trainer.checkpoint()?;
+        let model = self.model_with(|name| checkpoint.get(name).map(|t| t.data.clone()))?;
+        let state = OptimizerState::from_checkpoint(&checkpoint)?;
+        gpt_folder::save_gpt_folder(dir, &model, &TokenizerSpec::from(&self.data.tokenizer), Some(&state))?;
+        Ok(model)
     }
 
     /// The mean loss over the fixed validation windows.

@@ -196,12 +196,11 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         summary.steps, summary.train_seconds, summary.ms_per_step, summary.tokens_per_s
     );
     println!("final validation loss {:.4}", summary.final_validation_loss);
-    run.save(&args.gpt.out)?;
+    let model = run.save(&args.gpt.out)?;
     println!("model folder: {}", args.gpt.out.display());
     if args.gpt.sample_tokens > 0 {
         println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
         let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
-        let model = run.trained_model()?;
         let mut generator = prepared_generator(run.kernels().clone(), &model)?;
         let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));

@@ -14,6 +14,10 @@ use crate::kernels::{
     View,
 };
 
+/// Per-dispatch wall times from the profiling runs: (node name, kernel
+/// entry, time), in dispatch order.
+pub type DispatchTimes = Vec<(String, &'static str, std::time::Duration)>;
+
 pub struct Executor {
     kernels: Arc<Kernels>,
     graph: Graph,
@@ -653,33 +657,38 @@ impl Executor {
     /// wall time) in order. Gradients accumulate and the parameters are
     /// updated as by [`Executor::train_step`] without zeroing, so profile
     /// on a copy of the state you care about.
-    pub fn profile_train_step(&mut self) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+    pub fn profile_train_step(&mut self) -> Result<DispatchTimes> {
         let mut times = Vec::new();
         if let Some((cfg, dispatch)) = &self.optimizer {
             self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
         }
         for &i in &self.train_order {
             if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
-                times.push((self.graph.node(Tensor(i)).name.clone(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+                times.push(self.time_dispatch(&self.graph.node(Tensor(i)).name, d)?);
             }
         }
         for d in self.update_dispatches() {
-            times.push(("update".to_string(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+            times.push(self.time_dispatch("update", d)?);
         }
         Ok(times)
     }
 
     /// What [`Executor::run`] of `outputs` dispatches, each submitted alone
     /// and waited for: (node name, kernel entry, wall time) in order.
-    pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<Vec<(String, &'static str, std::time::Duration)>> {
+    pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<DispatchTimes> {
         let order = order_for(&self.graph, &self.plan, outputs)?;
         let mut times = Vec::new();
         for i in order {
             if let Some(d) = &self.dispatches[i] {
-                times.push((self.graph.node(Tensor(i)).name.clone(), d.kernel().entry, self.kernels.time_dispatch(d)?));
+                times.push(self.time_dispatch(&self.graph.node(Tensor(i)).name, d)?);
             }
         }
         Ok(times)
+    }
+
+    /// One profile entry: `d` run alone and waited for.
+    fn time_dispatch(&self, name: &str, d: &Dispatch) -> Result<(String, &'static str, std::time::Duration)> {
+        Ok((name.to_string(), d.kernel().entry, self.kernels.time_dispatch(d)?))
     }
 
     /// Applies the optimizer to the gradients as they stand, in one

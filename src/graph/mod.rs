@@ -8,5 +8,5 @@ mod plan;
 
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, LossKind, Node, Op, Tensor};
-pub use executor::Executor;
+pub use executor::{DispatchTimes, Executor};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};
