@@ -272,6 +272,70 @@ impl Executor {
         }
     }
 
+    /// The optimizer this executor steps with, if any.
+    pub fn optimizer_config(&self) -> Option<&OptimizerConfig> {
+        self.optimizer.as_ref().map(|(c, _)| c)
+    }
+
+    /// The squared L2 norm of the gradients as they stand: the clipping
+    /// norm's kernels run alone and the norm is read back (waits). A model
+    /// spread over several executors (tensor-parallel shards, pipeline
+    /// stages) sums these into its global norm and passes it to
+    /// [`Executor::optimizer_step_with_grad_norm`], so every part clips by
+    /// the whole model's norm, as torch.nn.utils.clip_grad_norm_ does.
+    pub fn grad_norm_squared(&mut self) -> Result<f64> {
+        let clip = self.clip.as_ref().and_then(|c| c.dispatches.as_ref().map(|d| (c, d))).ok_or_else(|| Error::InvalidArgument {
+            op: "grad_norm_squared",
+            reason: "the optimizer does not clip (clip_grad_norm), so no norm kernels were built".into(),
+        })?;
+        let (c, dispatches) = clip;
+        self.kernels.submit_pass("grad_norm", dispatches.iter(), |_| {}, |_| {})?;
+        let norm = self.kernels.read::<f32>(c.norm.slice(0, 1)?)?;
+        Ok(norm.first().map_or(f64::NAN, |&n| f64::from(n) * f64::from(n)))
+    }
+
+    /// The optimizer step with clip_grad_norm_'s factor computed from
+    /// `total_norm`, the norm of a whole model's gradients gathered from
+    /// several executors, instead of this executor's own.
+    pub fn optimizer_step_with_grad_norm(&mut self, total_norm: f32) -> Result<()> {
+        let (Some((cfg, dispatch)), Some(c)) = (&self.optimizer, &self.clip) else {
+            return Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() });
+        };
+        let max_norm = cfg.clip_grad_norm().unwrap_or(f32::INFINITY);
+        if !total_norm.is_finite() || total_norm < 0.0 {
+            return Err(Error::NonFiniteLoss { value: total_norm, step: self.step + 1 });
+        }
+        // The same f32 arithmetic as grad_norm_finish in optim.wgsl.
+        let factor = (max_norm / (total_norm + 1e-6)).min(1.0);
+        self.kernels.write(c.norm.view(), &[total_norm, factor])?;
+        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        self.kernels.submit_pass("optimizer_step", std::iter::once(dispatch), |_| {}, |_| {})?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// Where the parameter `name`'s gradient lives in the gradient arena.
+    fn grad_slice(&self, op: &'static str, name: &str) -> Result<View<'_>> {
+        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument { op, reason: "this executor has no gradients".into() })?;
+        let (p, offset) = self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied().ok_or_else(|| {
+            Error::InvalidArgument { op, reason: format!("no parameter named `{name}`") }
+        })?;
+        grads.slice(offset, self.graph.node(p).len())
+    }
+
+    /// The gradient of the parameter `name` as accumulated so far (waits).
+    pub fn read_grad_named(&self, name: &str) -> Result<Vec<f32>> {
+        self.kernels.read(self.grad_slice("read_grad_named", name)?)
+    }
+
+    /// Replaces the gradient of the parameter `name`: a parameter held by
+    /// several executors (a tied embedding on two pipeline stages, a norm
+    /// replicated over tensor-parallel shards) gets the sum of every
+    /// copy's contribution before the optimizer step.
+    pub fn write_grad_named(&self, name: &str, values: &[f32]) -> Result<()> {
+        self.kernels.write(self.grad_slice("write_grad_named", name)?, values)
+    }
+
     /// A training step's forward and backward dispatches, in order.
     fn train_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
         self.train_order.iter().filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))

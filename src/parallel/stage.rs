@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::on_device;
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
@@ -85,23 +86,18 @@ impl Stage {
         out_features: usize,
     ) -> Result<Self> {
         let wanted: Vec<Tensor> = if input_grad { vec![input] } else { vec![] };
+        let output_shape = g.shape(output).to_vec();
         let (target, loss, seed, grads, criterion, prediction) = match end {
             StageEnd::Middle => {
-                let seed = g.input("d_output", &[rows, out_features])?;
+                let seed = g.input("d_output", &output_shape)?;
                 let grads = g.backward_from(output, seed, &wanted)?;
                 (None, None, seed, grads, None, None)
             }
             StageEnd::Last(criterion) => {
-                let (t, loss) = match criterion {
-                    Criterion::Mse => {
-                        let t = g.input("target", &[rows, out_features])?;
-                        (t, g.mse_loss(output, t)?)
-                    }
-                    Criterion::CrossEntropy => {
-                        let t = g.labels("target", rows)?;
-                        (t, g.cross_entropy_loss(output, t)?)
-                    }
-                };
+                // Values of the output's shape, or one class per output
+                // row ([B, T] token targets for [B, T, vocab] logits).
+                let t = criterion.targets(&mut g, output)?;
+                let loss = criterion.loss(&mut g, output, t)?;
                 let seed = g.input("loss_scale", &[1])?;
                 let grads = g.backward_from(loss, seed, &wanted)?;
                 // Not part of a training step (the executor runs only what
@@ -128,6 +124,12 @@ impl Stage {
 
     pub fn set_input(&self, x: &[f32]) -> Result<()> {
         self.exec.set_input(self.input, x)
+    }
+
+    /// A first stage reading token ids (its input declared with
+    /// [`Graph::ids`]).
+    pub fn set_input_ids(&self, ids: &[u32]) -> Result<()> {
+        self.exec.set_labels(self.input, ids)
     }
 
     /// Submits the forward pass (no wait).
@@ -190,4 +192,72 @@ impl Stage {
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.exec.optimizer_step()
     }
+}
+
+/// A parameter held by several stages: the tied token embedding on the
+/// first and last pipeline stage, or a norm or embedding replicated over
+/// tensor-parallel shards. Each copy's backward yields only its own
+/// contribution to the gradient.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedParameter {
+    pub name: String,
+    /// Indexes of the stages holding a copy.
+    pub holders: Vec<usize>,
+}
+
+/// Ends a step of a model spread over `stages` (on devices `devices[i]`,
+/// for error messages): every shared parameter's copies get the sum of
+/// all copies' gradients (added on the host in f64, in holder order, so
+/// every copy takes the same optimizer step and the copies stay equal),
+/// then every stage steps. When the optimizer clips, it clips by the
+/// whole model's gradient norm, each shared parameter counted once, as
+/// torch.nn.utils.clip_grad_norm_ over the single-device model would;
+/// that norm is returned.
+pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[SharedParameter]) -> Result<Option<f32>> {
+    if devices.len() != stages.len() {
+        return Err(Error::InvalidArgument { op: "reduce_and_step", reason: format!("{} stages but {} device indexes", stages.len(), devices.len()) });
+    }
+    let fail = |i: usize, stage: &Stage, e: Error| on_device(devices[i], &stage.kernels, e);
+    // Σ over shared parameters of (copies - 1)·‖sum‖²: what the per-stage
+    // norms count more than once.
+    let mut counted_twice = 0.0f64;
+    for parameter in shared {
+        let mut sum: Vec<f64> = Vec::new();
+        for &h in &parameter.holders {
+            let stage = stages.get(h).ok_or_else(|| Error::InvalidArgument {
+                op: "reduce_and_step",
+                reason: format!("`{}` names stage {h} of {}", parameter.name, devices.len()),
+            })?;
+            let grad = stage.exec.read_grad_named(&parameter.name).map_err(|e| fail(h, stage, e))?;
+            if sum.is_empty() {
+                sum = grad.iter().map(|&v| f64::from(v)).collect();
+            } else if sum.len() == grad.len() {
+                sum.iter_mut().zip(&grad).for_each(|(s, &v)| *s += f64::from(v));
+            } else {
+                return Err(Error::shape("reduce_and_step", format!("copies of `{}` differ in size", parameter.name), &[&[sum.len()], &[grad.len()]]));
+            }
+        }
+        let total: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
+        for &h in &parameter.holders {
+            stages[h].exec.write_grad_named(&parameter.name, &total).map_err(|e| fail(h, stages[h], e))?;
+        }
+        let squared: f64 = total.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        counted_twice += parameter.holders.len().saturating_sub(1) as f64 * squared;
+    }
+    let clips = stages.first().and_then(|s| s.exec.optimizer_config()).is_some_and(|c| c.clip_grad_norm().is_some());
+    if !clips {
+        for (i, stage) in stages.iter_mut().enumerate() {
+            stage.exec.optimizer_step().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        }
+        return Ok(None);
+    }
+    let mut squared = -counted_twice;
+    for (i, stage) in stages.iter_mut().enumerate() {
+        squared += stage.exec.grad_norm_squared().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+    }
+    let norm = squared.max(0.0).sqrt() as f32;
+    for (i, stage) in stages.iter_mut().enumerate() {
+        stage.exec.optimizer_step_with_grad_norm(norm).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+    }
+    Ok(Some(norm))
 }
