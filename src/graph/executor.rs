@@ -186,15 +186,18 @@ impl Executor {
             gradients,
             scalar_staging,
         };
-        let mut dispatches = Vec::with_capacity(exec.graph.len());
-        for i in 0..exec.graph.len() {
-            let needs_kernel = !matches!(exec.plan.storage[i], Storage::Unused)
+        let needs_kernel = |i: usize| {
+            !matches!(exec.plan.storage[i], Storage::Unused)
                 && !exec.plan.fused_away[i]
                 && !matches!(
                     exec.graph.node(Tensor(i)).op,
                     Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
-                );
-            dispatches.push(if needs_kernel { Some(exec.build_dispatch(i)?) } else { None });
+                )
+        };
+        let nodes: Vec<usize> = (0..exec.graph.len()).filter(|&i| needs_kernel(i)).collect();
+        let mut dispatches: Vec<Option<Dispatch>> = (0..exec.graph.len()).map(|_| None).collect();
+        for (i, d) in nodes.iter().zip(exec.build_dispatches(&nodes)?) {
+            dispatches[*i] = Some(d);
         }
         exec.dispatches = dispatches;
         let mut train_loss_dispatches = Vec::with_capacity(exec.graph.len());
@@ -365,6 +368,40 @@ impl Executor {
             op: "Executor",
             reason: format!("`{}` is not computed by this executor (not needed by its outputs)", self.graph.node(t).name),
         }
+    }
+
+    /// The dispatches of `nodes`, in order. Compiling pipelines is what
+    /// costs here (a software adapter's LLVM spends seconds on each large
+    /// matmul variant), so off GL several threads build at once: each
+    /// compiles a different pipeline, and one needing a pipeline another is
+    /// compiling waits for it (`Kernels::pipeline`). GL compiles at a
+    /// pipeline's first use, on one context, so it builds on this thread.
+    fn build_dispatches(&self, nodes: &[usize]) -> Result<Vec<Dispatch>> {
+        let threads = match self.kernels.device().info().backend {
+            wgpu::Backend::Gl => 1,
+            _ => std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(nodes.len()),
+        };
+        if threads <= 1 {
+            return nodes.iter().map(|&i| self.build_dispatch(i)).collect();
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let mut built: Vec<(usize, Result<Dispatch>)> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        while let Some(&i) = nodes.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                            mine.push((i, self.build_dispatch(i)));
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            // A worker can only panic on a bug; its panic goes on as it was.
+            workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))).collect()
+        });
+        built.sort_by_key(|(i, _)| *i);
+        built.into_iter().map(|(_, d)| d).collect()
     }
 
     fn build_dispatch(&self, i: usize) -> Result<Dispatch> {

@@ -32,7 +32,7 @@ pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use wgpu::util::DeviceExt;
 
@@ -178,7 +178,10 @@ type PipelineKey = (Kernel, Vec<(&'static str, u64)>);
 pub struct Kernels {
     device: Device,
     modules: Mutex<HashMap<Family, wgpu::ShaderModule>>,
-    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// One slot per pipeline, locked while it compiles: threads building
+    /// different pipelines compile them at once, a second thread asking
+    /// for one being compiled waits for it instead of compiling it again.
+    pipelines: Mutex<HashMap<PipelineKey, Arc<Mutex<Option<wgpu::ComputePipeline>>>>>,
     /// Reused for every readback; grown on demand.
     staging: Mutex<Option<wgpu::Buffer>>,
     submits: AtomicU64,
@@ -259,7 +262,9 @@ impl Kernels {
             kernel,
             constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
         );
-        if let Some(p) = lock(&self.pipelines).get(&key) {
+        let slot = lock(&self.pipelines).entry(key).or_default().clone();
+        let mut compiled = lock(&slot);
+        if let Some(p) = compiled.as_ref() {
             return Ok(p.clone());
         }
         let module = self.module(kernel.family)?;
@@ -280,7 +285,7 @@ impl Kernels {
                 })
         })?;
         log::debug!("pipeline {} {:?}: {:.1} ms", kernel.entry, constants, started.elapsed().as_secs_f64() * 1e3);
-        lock(&self.pipelines).insert(key, pipeline.clone());
+        *compiled = Some(pipeline.clone());
         Ok(pipeline)
     }
 
