@@ -63,7 +63,7 @@ fn digits_shape_range_and_balance() {
 #[test]
 fn csv_from_path_plain_and_gz_match_embedded() {
     let dir = TempDir::new("csv");
-    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits.csv.gz");
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/digits.csv.gz");
     let from_gz = data::load_csv(shipped, CsvSpec::DIGITS).unwrap();
     assert_eq!(from_gz, data::digits().unwrap());
 

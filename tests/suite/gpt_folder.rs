@@ -25,7 +25,7 @@ use wgrad::Error;
 const TINY: GptConfig = GptConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 3, n_embd: 24 };
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
 }
 
 /// A fresh folder per test, removed afterwards.

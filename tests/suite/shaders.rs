@@ -197,7 +197,7 @@ fn declared_names(shared: Shared) -> BTreeSet<String> {
 }
 
 fn shaders_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shaders")
 }
 
 #[test]

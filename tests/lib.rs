@@ -1,0 +1,1 @@
+//! Nothing here: the tests are `suite/`, a test target of this package.
