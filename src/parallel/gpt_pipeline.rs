@@ -113,13 +113,15 @@ pub struct GptPipelineStats {
     /// submits), reading results after the slowest stage finished, and the
     /// tied embedding's gradient sum.
     pub communication: Duration,
-    /// Per stage: the most micro-batches whose input the stage held at
-    /// once between ticks (received, backward not yet run; the first stage
-    /// counts those forwarded, whose token ids it reads again from the
-    /// caller's batch).
+    /// Per stage: the most micro-batches forwarded and not yet backwarded
+    /// at once, between ticks: the stash 1F1B bounds by S − s and GPipe
+    /// fills with all M. The last stage, whose forward runs inside its
+    /// backward, counts the inputs it received; the first re-reads its
+    /// token ids from the caller's batch, so its stash costs no copy.
     pub peak_in_flight: Vec<usize>,
-    /// Per stage: the most host bytes held at once for later ticks (input
-    /// activations and output gradients).
+    /// Per stage: the most host bytes held at once for later ticks: the
+    /// inputs of those micro-batches, inputs received ahead of their
+    /// forward, and output gradients waiting for the backward.
     pub peak_stash_bytes: Vec<u64>,
     /// The whole model's gradient norm before clipping, of the last step
     /// (`None` when the optimizer does not clip).
@@ -149,31 +151,24 @@ pub struct GptPipeline {
     stats: GptPipelineStats,
 }
 
-/// Forward multiply-adds per token of the embedding, each block and the
+/// Forward multiply-adds per token of the embedding, one block and the
 /// head with its loss: what [`balance_blocks`] evens out.
-fn costs(model: &Gpt) -> (f64, Vec<f64>, f64) {
-    let GptConfig { vocab_size, block_size, n_embd, .. } = model.config;
-    let (c, t, v) = (n_embd as f64, block_size as f64, vocab_size as f64);
-    let blocks = model
-        .h
-        .iter()
-        .map(|b| match b.attn {
-            // q, k, v and the output projection, the MLP's two matmuls,
-            // and the scores and their weighted sum.
-            Some(_) => 12.0 * c * c + 2.0 * t * c,
-            None => 8.0 * c * c,
-        })
-        .collect();
-    (2.0 * c, blocks, v * c + 3.0 * v + 4.0 * c)
+fn costs(config: &GptConfig) -> (f64, f64, f64) {
+    let (c, t, v) = (config.n_embd as f64, config.block_size as f64, config.vocab_size as f64);
+    // q, k, v and the output projection, the MLP's two matmuls, and the
+    // attention scores and their weighted sum.
+    let block = 12.0 * c * c + 2.0 * t * c;
+    (2.0 * c, block, v * c + 3.0 * v + 4.0 * c)
 }
 
 /// Blocks per stage that even out the stages' work (see [`costs`]): the
 /// embedding counts on the first stage and the head with its loss on the
 /// last, so a GPT with a large vocabulary gets fewer blocks on its last
-/// stage. Every middle stage gets at least one block; the first may hold
-/// only the embedding and the last only the head.
-pub fn balance_blocks(model: &Gpt, stages: usize) -> Result<Vec<usize>> {
-    let layers = model.h.len();
+/// stage (GPT-2 on two stages: 8 and 4). Every middle stage gets at least
+/// one block; the first may hold only the embedding and the last only the
+/// head.
+pub fn balance_blocks(config: &GptConfig, stages: usize) -> Result<Vec<usize>> {
+    let layers = config.n_layer;
     if stages == 0 || stages > layers + 2 {
         return Err(Error::InvalidArgument {
             op: "GptPipeline",
@@ -183,8 +178,8 @@ pub fn balance_blocks(model: &Gpt, stages: usize) -> Result<Vec<usize>> {
             ),
         });
     }
-    let (embedding, blocks, head) = costs(model);
-    let units: Vec<f64> = std::iter::once(embedding).chain(blocks).chain(std::iter::once(head)).collect();
+    let (embedding, block, head) = costs(config);
+    let units: Vec<f64> = std::iter::once(embedding).chain(std::iter::repeat_n(block, layers)).chain(std::iter::once(head)).collect();
     let n = units.len();
     let mut prefix = vec![0.0; n + 1];
     for (i, w) in units.iter().enumerate() {
@@ -252,6 +247,9 @@ impl GptPipeline {
     ) -> Result<Self> {
         let s_count = group.len();
         let layers = model.h.len();
+        if layers != model.config.n_layer {
+            return Err(Error::InvalidArgument { op: "GptPipeline", reason: format!("the model has {layers} blocks but its config says n_layer = {}", model.config.n_layer) });
+        }
         if micro_batches == 0 || global_batch == 0 || global_batch % micro_batches != 0 {
             return Err(Error::InvalidArgument {
                 op: "GptPipeline",
@@ -259,7 +257,7 @@ impl GptPipeline {
             });
         }
         let blocks = match blocks_per_stage {
-            None => balance_blocks(model, s_count)?,
+            None => balance_blocks(&model.config, s_count)?,
             Some(counts) => {
                 let middle_empty = counts.len() > 2 && counts[1..counts.len() - 1].contains(&0);
                 if counts.len() != s_count || counts.iter().sum::<usize>() != layers || middle_empty {
@@ -553,9 +551,11 @@ impl GptPipeline {
             }
             if training {
                 for s in 0..s_count {
-                    let in_flight = if s == 0 {
-                        (0..m_count).filter(|&m| forwarded[0][m] && !backwarded[0][m]).count()
+                    let in_flight = if s + 1 < s_count {
+                        (0..m_count).filter(|&m| forwarded[s][m] && !backwarded[s][m]).count()
                     } else {
+                        // The last stage's forward runs inside its backward:
+                        // what it holds is the inputs received.
                         self.activations[s].iter().flatten().count()
                     };
                     let bytes: usize = self.activations[s].iter().chain(&self.gradients[s]).flatten().map(|v| 4 * v.len()).sum();
