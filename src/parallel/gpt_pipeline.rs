@@ -40,6 +40,9 @@ use crate::trainer::Targets;
 /// The tied token embedding, held by the first and the last stage.
 const TIED: &str = "wte.weight";
 
+/// Parameters as (name, shape, values), as [`crate::graph::Executor::parameters`].
+type NamedParameters = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// The order micro-batches go through the stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
@@ -109,9 +112,9 @@ pub struct GptPipelineStats {
     pub wall: Duration,
     /// Per stage: time from each tick's start until its results arrived.
     pub busy: Vec<Duration>,
-    /// Host transfers between stages: writing each tick's inputs (with the
-    /// submits), reading results after the slowest stage finished, and the
-    /// tied embedding's gradient sum.
+    /// Host transfers between stages: writing each tick's inputs, reading
+    /// results after the slowest stage finished, and the tied embedding's
+    /// gradient sum (with clipping, the norms' waits too).
     pub communication: Duration,
     /// Per stage: the most micro-batches forwarded and not yet backwarded
     /// at once, between ticks: the stash 1F1B bounds by S − s and GPipe
@@ -304,7 +307,7 @@ impl GptPipeline {
             start += count;
         }
         let shared = if s_count > 1 { vec![SharedParameter { name: TIED.into(), holders: vec![0, last] }] } else { Vec::new() };
-        Ok(GptPipeline {
+        let mut pipeline = GptPipeline {
             stages,
             config: model.config,
             schedule,
@@ -319,13 +322,10 @@ impl GptPipeline {
             work: training_work(schedule, s_count, micro_batches),
             activations: vec![vec![None; micro_batches]; s_count],
             gradients: vec![vec![None; micro_batches]; s_count],
-            stats: GptPipelineStats {
-                busy: vec![Duration::ZERO; s_count],
-                peak_in_flight: vec![0; s_count],
-                peak_stash_bytes: vec![0; s_count],
-                ..GptPipelineStats::default()
-            },
-        })
+            stats: GptPipelineStats::default(),
+        };
+        pipeline.reset_stats();
+        Ok(pipeline)
     }
 
     pub fn stages(&self) -> &[Stage] {
@@ -359,6 +359,17 @@ impl GptPipeline {
 
     pub fn stats(&self) -> &GptPipelineStats {
         &self.stats
+    }
+
+    /// Starts the stats afresh (after warm-up steps, which compile).
+    pub fn reset_stats(&mut self) {
+        let s_count = self.stages.len();
+        self.stats = GptPipelineStats {
+            busy: vec![Duration::ZERO; s_count],
+            peak_in_flight: vec![0; s_count],
+            peak_stash_bytes: vec![0; s_count],
+            ..GptPipelineStats::default()
+        };
     }
 
     /// Optimizer steps taken (every stage takes each).
@@ -574,7 +585,12 @@ impl GptPipeline {
         let last = self.stages.len() - 1;
         let tokens = self.micro_rows * self.config.block_size;
         let scale = self.micro_rows as f32 / self.global_batch as f32;
-        for &(s, w) in active {
+        let mut writing = Duration::ZERO;
+        // A GL device runs its work inside the submit, on this thread: the
+        // others submit first, so their work overlaps it.
+        let mut order: Vec<usize> = (0..active.len()).collect();
+        order.sort_by_key(|&k| self.stages[active[k].0].kernels.device().is_gl());
+        for (s, w) in order.into_iter().map(|k| active[k]) {
             let m = w.micro();
             let batch = m * tokens..(m + 1) * tokens;
             let input = if s == 0 { StageInput::Ids(&ids[batch.clone()]) } else { StageInput::Activations(stashed(&self.activations[s][m], "input", s, m)?) };
@@ -583,14 +599,16 @@ impl GptPipeline {
                 _ => None,
             };
             let stage = &mut self.stages[s];
-            submit(stage, w, input, gradient, &targets[batch], scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            let wrote = Instant::now();
+            write_inputs(stage, w, input, gradient, &targets[batch], scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            writing += wrote.elapsed();
+            launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
                 // Written to the device: the stash is free.
                 self.activations[s][m] = None;
                 self.gradients[s][m] = None;
             }
         }
-        let submitted = start.elapsed();
         let mut views: Vec<(&Kernels, View<'_>)> = Vec::new();
         let mut owners = Vec::new();
         for (k, &(s, w)) in active.iter().enumerate() {
@@ -622,7 +640,7 @@ impl GptPipeline {
             for (k, &(s, _)) in active.iter().enumerate() {
                 self.stats.busy[s] += owners.iter().position(|&o| o == k).map_or(elapsed, |i| arrived[i]);
             }
-            self.stats.communication += submitted + arrived.iter().max().map_or(Duration::ZERO, |slowest| elapsed.saturating_sub(*slowest));
+            self.stats.communication += writing + arrived.iter().max().map_or(Duration::ZERO, |slowest| elapsed.saturating_sub(*slowest));
         }
         let mut results: Vec<Option<Vec<f32>>> = vec![None; active.len()];
         for (k, v) in owners.into_iter().zip(values) {
@@ -633,7 +651,7 @@ impl GptPipeline {
 
     /// Every parameter with the single-device [`Gpt`]'s names, in its order
     /// (`wte.weight` once: the copies are equal).
-    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn parameters(&self) -> Result<NamedParameters> {
         let mut all = Vec::new();
         for (s, stage) in self.stages.iter().enumerate() {
             all.extend(stage.executor().parameters().map_err(|e| on_device(s, &stage.kernels, e))?);
@@ -742,25 +760,26 @@ fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Re
     slot.as_deref().ok_or_else(|| Error::InvalidArgument { op: "GptPipeline", reason: format!("stage {s} has no {what} for micro-batch {m}: the schedule ran out of order") })
 }
 
-/// Sets a stage's inputs for `work` and submits it (no wait).
-fn submit(stage: &mut Stage, work: Work, input: StageInput<'_>, gradient: Option<&[f32]>, targets: &[u32], scale: f32) -> Result<()> {
+/// Writes what a stage reads for `work`: its input, and the gradient of
+/// its output or its targets.
+fn write_inputs(stage: &mut Stage, work: Work, input: StageInput<'_>, gradient: Option<&[f32]>, targets: &[u32], scale: f32) -> Result<()> {
     match input {
         StageInput::Ids(ids) => stage.set_input_ids(ids)?,
         StageInput::Activations(x) => stage.set_input(x)?,
     }
+    match (work, gradient) {
+        (Work::Forward(_), _) => Ok(()),
+        (Work::Backward(_), Some(g)) => stage.set_output_gradient(g),
+        (Work::Backward(_) | Work::Loss(_), None) | (Work::Loss(_), Some(_)) => stage.set_targets(Targets::Classes(targets), scale),
+    }
+}
+
+/// Submits `work` on a stage whose inputs are written (no wait).
+fn launch(stage: &mut Stage, work: Work) -> Result<()> {
     match work {
         Work::Forward(_) => stage.forward(),
-        Work::Backward(m) => {
-            match gradient {
-                Some(g) => stage.set_output_gradient(g)?,
-                None => stage.set_targets(Targets::Classes(targets), scale)?,
-            }
-            stage.backward(m == 0)
-        }
-        Work::Loss(_) => {
-            stage.set_targets(Targets::Classes(targets), scale)?;
-            stage.forward_loss()
-        }
+        Work::Backward(m) => stage.backward(m == 0),
+        Work::Loss(_) => stage.forward_loss(),
     }
 }
 
