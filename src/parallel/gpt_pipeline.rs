@@ -770,7 +770,8 @@ fn write_inputs(stage: &mut Stage, work: Work, input: StageInput<'_>, gradient: 
     match (work, gradient) {
         (Work::Forward(_), _) => Ok(()),
         (Work::Backward(_), Some(g)) => stage.set_output_gradient(g),
-        (Work::Backward(_) | Work::Loss(_), None) | (Work::Loss(_), Some(_)) => stage.set_targets(Targets::Classes(targets), scale),
+        // The last stage: backward or evaluation from its loss.
+        (Work::Backward(_) | Work::Loss(_), _) => stage.set_targets(Targets::Classes(targets), scale),
     }
 }
 

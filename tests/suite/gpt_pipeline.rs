@@ -184,6 +184,8 @@ fn gpt_pipeline_matches_single_device_training() {
                 let ideal = p.ideal_bubble_fraction();
                 assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12, "{what}");
                 assert!((0.0..=1.0).contains(&p.measured_bubble_fraction()), "{what}");
+                let report = p.report();
+                assert!(report.starts_with("10 steps") && report.contains(&format!("{:?} micro-batches", p.stats().peak_in_flight)), "{report}");
                 by_schedule.push((bits(&got), p));
             }
             // Both schedules run the same backward passes in the same
