@@ -25,20 +25,39 @@
 //! `PipelineStats.communication / wall`, `TensorParallelStats.communication
 //! / wall` (0 for a single device). All lines are repeated at the end.
 //!
+//! Then the GPT `wgrad train --model gpt` trains by default (L4 H4 C128
+//! T64, batch 8, 65 characters; AdamW with clipping) on one device (a
+//! `Trainer`) against `GptPipeline` on 2 devices (the Vulkan and the GL
+//! adapter) with GPipe and 1F1B over 4 and 8 micro-batches, timed by hand
+//! (a step takes about a second on a software adapter, too long for
+//! criterion's samples):
+//!
+//! ```text
+//! bench parallel gpt=pipeline devices=2 schedule=1F1B micro=4 ms_per_step=… busy_ms=[…] bubble=… ideal_bubble=0.20 comm_share=… blocks=[2,2] peak_in_flight=[2,1] peak_stash_kib=[…] gpu_mib=[…]
+//! ```
+//!
+//! `busy_ms` is each stage's time per step from its ticks' starts until its
+//! results arrived, `bubble` the measured idle share of the stages, `ideal_bubble`
+//! (S−1)/(M+S−1); `peak_in_flight` the most micro-batches each stage held
+//! for its backward, and `peak_stash_kib` the host memory that took.
+//!
 //! Environment:
 //! - `WGRAD_BENCH_QUICK=1`: devices 1 and 2 only, shorter measurements.
+//! - `WGRAD_BENCH_PARALLEL=mlp` or `gpt`: only that part.
 //! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
 //!
-//! Run: `cargo bench --bench parallel` (a couple of minutes on 2 cores).
+//! Run: `cargo bench --bench parallel` (a few minutes on 2 cores).
 
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
+use wgrad::lm_training::LmTrainConfig;
+use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::data::{DataParallel, Split};
+use wgrad::parallel::gpt_pipeline::{GptPipeline, Schedule};
 use wgrad::parallel::pipeline::Pipeline;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
@@ -177,6 +196,136 @@ impl Runner {
     }
 }
 
+/// The part `WGRAD_BENCH_PARALLEL` selects (`mlp`, `gpt`), or both.
+fn runs(part: &str) -> bool {
+    std::env::var("WGRAD_BENCH_PARALLEL")
+        .map(|v| v.trim().is_empty() || v.trim().eq_ignore_ascii_case(part))
+        .unwrap_or(true)
+}
+
+/// Waits until every device of `group` is idle.
+fn wait_all(group: &DeviceGroup) -> wgrad::Result<()> {
+    for k in group.members() {
+        k.device().wait_idle("bench parallel gpt")?;
+    }
+    Ok(())
+}
+
+/// Mean milliseconds of `timed` calls of `step` after `warm_up` (which
+/// compile the pipelines).
+fn time_steps(
+    warm_up: usize,
+    timed: usize,
+    mut step: impl FnMut() -> wgrad::Result<()>,
+) -> wgrad::Result<f64> {
+    for _ in 0..warm_up {
+        step()?;
+    }
+    let start = Instant::now();
+    for _ in 0..timed {
+        step()?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / timed as f64)
+}
+
+/// The default GPT on one device and as a 2-stage pipeline.
+fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
+    let run = LmTrainConfig::default();
+    let config = GptConfig {
+        vocab_size: 65,
+        block_size: run.block_size,
+        n_layer: run.n_layer,
+        n_head: run.n_head,
+        n_embd: run.n_embd,
+    };
+    let batch = run.batch_size;
+    let (warm_up, timed) = if quick { (2, 3) } else { (2, 8) };
+    let mut rng = ChaCha8Rng::seed_from_u64(0x9e7);
+    let tokens = batch * config.block_size;
+    let ids: Vec<u32> = (0..tokens)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
+    let targets: Vec<u32> = (0..tokens)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
+    nn::manual_seed(0);
+    let model = Gpt::new(config)?;
+    println!(
+        "\nGPT L{} H{} C{} T{} batch {batch}, vocab {}: one device, then a 2-stage pipeline",
+        config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size
+    );
+
+    let one = DeviceGroup::open(&DeviceSelection::Count(1))?;
+    let mut trainer = Trainer::new(
+        one.members()[0].clone(),
+        &model,
+        CrossEntropyLoss,
+        run.optimizer(),
+        batch,
+    )?;
+    let ms = time_steps(warm_up, timed, || {
+        trainer.zero_grad();
+        trainer.forward_ids(&ids)?;
+        trainer.loss(Targets::Classes(&targets))?;
+        trainer.backward()?;
+        trainer.step()?;
+        wait_all(&one)
+    })?;
+    let line = format!(
+        "bench parallel gpt=single devices=1 ms_per_step={ms:.0} device=\"{}\"",
+        one.labels().join(", ")
+    );
+    println!("{line}");
+    lines.push(line);
+    drop(trainer);
+    drop(one);
+
+    let two = DeviceGroup::open(&DeviceSelection::Count(2))?;
+    println!("2 devices: {}", two.labels().join(", "));
+    for micro in [4, 8] {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            let mut p = GptPipeline::new(&two, &model, run.optimizer(), batch, micro, schedule)?;
+            time_steps(warm_up, 0, || p.step(&ids, &targets, false).map(|_| ()))?;
+            p.reset_stats();
+            let ms = time_steps(0, timed, || {
+                p.step(&ids, &targets, false)?;
+                wait_all(&two)
+            })?;
+            let stats = p.stats();
+            let kib: Vec<String> = stats
+                .peak_stash_bytes
+                .iter()
+                .map(|b| format!("{:.0}", *b as f64 / 1024.0))
+                .collect();
+            let mib: Vec<String> = p
+                .stage_gpu_bytes()
+                .iter()
+                .map(|b| format!("{:.1}", *b as f64 / (1024.0 * 1024.0)))
+                .collect();
+            let busy: Vec<String> = stats
+                .busy
+                .iter()
+                .map(|b| format!("{:.0}", b.as_secs_f64() * 1e3 / timed as f64))
+                .collect();
+            let line = format!(
+                "bench parallel gpt=pipeline devices=2 schedule={schedule} micro={micro} ms_per_step={ms:.0} busy_ms=[{}] bubble={:.2} ideal_bubble={:.2} comm_share={:.2} blocks={:?} peak_in_flight={:?} peak_stash_kib=[{}] gpu_mib=[{}]",
+                busy.join(","),
+                p.measured_bubble_fraction(),
+                p.ideal_bubble_fraction(),
+                p.communication_share(),
+                p.blocks_per_stage(),
+                stats.peak_in_flight,
+                kib.join(","),
+                mib.join(",")
+            )
+            .replace(", ", ",");
+            println!("{line}");
+            lines.push(line);
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     if wgrad::device::list_adapters().is_empty() {
         println!(
@@ -185,6 +334,17 @@ fn main() {
         return;
     }
     let quick = quick();
+    if !runs("mlp") {
+        let mut lines = Vec::new();
+        if let Err(e) = gpt_cases(quick, &mut lines) {
+            println!("bench parallel gpt failed: {e}");
+        }
+        println!("\nsummary (load average now {}):", load_average());
+        for line in &lines {
+            println!("{line}");
+        }
+        return;
+    }
     let (warm_up, measure, timed_steps, settle_steps) = if quick {
         (
             Duration::from_millis(200),
@@ -286,6 +446,13 @@ fn main() {
         bench_group.finish();
     }
     criterion.final_summary();
+    if runs("gpt") {
+        if let Err(e) = gpt_cases(quick, &mut lines) {
+            let line = format!("bench parallel gpt failed: {e}");
+            println!("{line}");
+            lines.push(line);
+        }
+    }
 
     println!("\nsummary (load average now {}):", load_average());
     for line in &lines {

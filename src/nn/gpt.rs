@@ -176,6 +176,39 @@ impl Gpt {
         all
     }
 
+    /// The input of the first block, x [batch, T, C]: the token
+    /// embeddings of `idx` (u32 [batch, T ≤ block_size]) looked up in
+    /// `wte` (the table [`Embedding::table`] declared, which the head
+    /// reuses) plus the first T position embeddings (`{prefix}wpe.weight`).
+    /// Pipeline stages build the model in parts with it and [`Gpt::head`].
+    pub fn embed(&self, g: &mut Graph, wte: Tensor, idx: Tensor, prefix: &str) -> Result<Tensor> {
+        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
+        let (block, channels) = (self.config.block_size, self.config.n_embd);
+        let t = match shape[..] {
+            [_, t] if t <= block => t,
+            _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
+        };
+        let tokens = g.embedding(wte, idx)?;
+        let table = self.wpe.table(g, &format!("{prefix}wpe."))?;
+        // The first T rows of the position table, broadcast over the batch.
+        let positions = if t == block {
+            table
+        } else {
+            let flat = g.reshape(table, &[1, block * channels])?;
+            let first = g.slice_last(flat, 0, t * channels)?;
+            g.reshape(first, &[t, channels])?
+        };
+        g.add(tokens, positions)
+    }
+
+    /// The final norm (`{prefix}ln_f.`) and the head tied to the token
+    /// table `wte`: logits [.., vocab_size] of x [.., C].
+    pub fn head(&self, g: &mut Graph, wte: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
+        // The head is the token embedding, transposed.
+        g.rows_matmul(MatmulForm::ABt, x, wte)
+    }
+
     fn assemble(config: GptConfig, h: Vec<Block>) -> Self {
         Gpt {
             config,
@@ -194,30 +227,12 @@ impl Module for Gpt {
 
     /// `idx`: u32 [batch, T] with T ≤ block_size.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
-        let (block, channels) = (self.config.block_size, self.config.n_embd);
-        let t = match shape[..] {
-            [_, t] if t <= block => t,
-            _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
-        };
         let wte = self.wte.table(g, &format!("{prefix}wte."))?;
-        let tokens = g.embedding(wte, idx)?;
-        let table = self.wpe.table(g, &format!("{prefix}wpe."))?;
-        // The first T rows of the position table, broadcast over the batch.
-        let positions = if t == block {
-            table
-        } else {
-            let flat = g.reshape(table, &[1, block * channels])?;
-            let first = g.slice_last(flat, 0, t * channels)?;
-            g.reshape(first, &[t, channels])?
-        };
-        let mut x = g.add(tokens, positions)?;
+        let mut x = self.embed(g, wte, idx, prefix)?;
         for (i, block) in self.h.iter().enumerate() {
             x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
         }
-        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
-        // The head is the token embedding, transposed.
-        g.rows_matmul(MatmulForm::ABt, x, wte)
+        self.head(g, wte, x, prefix)
     }
 
     fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {

@@ -189,6 +189,19 @@ impl Stage {
         Ok(v.first().copied().unwrap_or(f32::NAN))
     }
 
+    /// Last stage: submits the forward pass up to the loss only, for the
+    /// input and targets set (evaluation: no gradients; no wait).
+    pub fn forward_loss(&mut self) -> Result<()> {
+        let loss = self.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        self.exec.run(&[loss])
+    }
+
+    /// Last stage: where its loss lands, to copy to the host together with
+    /// other stages' results.
+    pub fn loss_view(&self) -> Option<Result<View<'_>>> {
+        self.loss.map(|l| self.exec.tensor_view(l))
+    }
+
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.exec.optimizer_step()
     }

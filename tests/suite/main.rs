@@ -12,6 +12,7 @@ mod device;
 mod fusion;
 mod generate;
 mod gpt_folder;
+mod gpt_pipeline;
 mod gpt_reference;
 mod graph;
 mod kernels;
