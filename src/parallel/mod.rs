@@ -1,12 +1,14 @@
 //! Several devices working on one model. wgpu has no peer-to-peer copies or
 //! collectives, so data moves through host staging buffers
 //! ([`collectives`]). Strategies: [`data`] parallel, [`pipeline`] (model)
-//! parallel, [`tensor`] parallel; the last two are built from [`stage`]s.
+//! parallel, [`tensor`] parallel (and [`gpt_tensor`], the GPT's); the
+//! last ones are built from [`stage`]s.
 
 pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod gpt_tensor;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;
