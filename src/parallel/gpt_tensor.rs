@@ -52,6 +52,9 @@ use crate::trainer::Targets;
 
 const OP: &str = "GptTensorParallel";
 
+/// (name, shape, values) of each parameter, as `Executor::parameters`.
+type NamedValues = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 fn invalid(reason: String) -> Error {
     Error::InvalidArgument { op: OP, reason }
 }
@@ -160,14 +163,22 @@ fn even_split(total: usize, devices: usize) -> Vec<usize> {
 /// built.
 struct Shares(HashMap<String, Vec<Option<Vec<f32>>>>);
 
-impl Shares {
-    fn take(&self, name: &str, device: usize) -> Result<Vec<f32>> {
-        self.0.get(name).and_then(|s| s.get(device).cloned().flatten()).ok_or_else(|| invalid(format!("device #{device} holds no share of `{name}`")))
+/// One device's view of [`Shares`].
+#[derive(Clone, Copy)]
+struct DeviceShares<'a> {
+    all: &'a Shares,
+    device: usize,
+}
+
+impl DeviceShares<'_> {
+    fn take(&self, name: &str) -> Result<Vec<f32>> {
+        let device = self.device;
+        self.all.0.get(name).and_then(|s| s.get(device).cloned().flatten()).ok_or_else(|| invalid(format!("device #{device} holds no share of `{name}`")))
     }
 
     /// A norm with the model's eps and this device's copy of its values.
-    fn norm(&self, model: &LayerNorm, prefix: &str, device: usize) -> Result<LayerNorm> {
-        Ok(LayerNorm { weight: self.take(&format!("{prefix}weight"), device)?, bias: self.take(&format!("{prefix}bias"), device)?, ..model.clone() })
+    fn norm(&self, model: &LayerNorm, prefix: &str) -> Result<LayerNorm> {
+        Ok(LayerNorm { weight: self.take(&format!("{prefix}weight"))?, bias: self.take(&format!("{prefix}bias"))?, ..model.clone() })
     }
 }
 
@@ -183,16 +194,17 @@ struct Dims {
 /// this device's columns of `{prefix}weight` [C, width], then, on device 0
 /// only, the bias and the residual `x` — so the devices' outputs sum to
 /// x + y·Wᵀ + b.
-fn row_parallel(g: &mut Graph, y: Tensor, x: Tensor, prefix: &str, width: usize, dims: Dims, shares: &Shares, device: usize) -> Result<Tensor> {
+fn row_parallel(g: &mut Graph, y: Tensor, x: Tensor, prefix: &str, width: usize, dims: Dims, own: DeviceShares<'_>) -> Result<Tensor> {
     let Dims { batch, time, channels } = dims;
-    let weight = parameter(g, prefix, "weight", &[channels, width], &shares.take(&format!("{prefix}weight"), device)?, true)?;
+    let first = own.device == 0;
+    let weight = parameter(g, prefix, "weight", &[channels, width], &own.take(&format!("{prefix}weight"))?, true)?;
     let mut partial = g.matmul_form(MatmulForm::ABt, y, weight)?;
-    if device == 0 {
-        let bias = parameter(g, prefix, "bias", &[channels], &shares.take(&format!("{prefix}bias"), device)?, false)?;
+    if first {
+        let bias = parameter(g, prefix, "bias", &[channels], &own.take(&format!("{prefix}bias"))?, false)?;
         partial = g.bias_add(partial, bias)?;
     }
     let partial = g.reshape(partial, &[batch, time, channels])?;
-    if device == 0 {
+    if first {
         g.add(x, partial)
     } else {
         Ok(partial)
@@ -201,18 +213,17 @@ fn row_parallel(g: &mut Graph, y: Tensor, x: Tensor, prefix: &str, width: usize,
 
 /// Device `device`'s share of block `i`'s attention on x [B, T, C]:
 /// `heads` heads of `head_dim` channels.
-#[allow(clippy::too_many_arguments)]
-fn attention_share(g: &mut Graph, x: Tensor, i: usize, block: &Block, heads: usize, head_dim: usize, dims: Dims, shares: &Shares, device: usize) -> Result<Tensor> {
+fn attention_share(g: &mut Graph, x: Tensor, (i, block): (usize, &Block), heads: usize, head_dim: usize, dims: Dims, own: DeviceShares<'_>) -> Result<Tensor> {
     let Dims { batch, time, channels } = dims;
     let prefix = format!("h.{i}.");
-    let normed = shares.norm(&block.ln_1, &format!("{prefix}ln_1."), device)?.forward(g, x, &format!("{prefix}ln_1."))?;
+    let normed = own.norm(&block.ln_1, &format!("{prefix}ln_1."))?.forward(g, x, &format!("{prefix}ln_1."))?;
     let width = heads * head_dim;
     let c_attn = format!("{prefix}attn.c_attn.");
     let c_attn = Linear {
         in_features: channels,
         out_features: 3 * width,
-        weight: shares.take(&format!("{c_attn}weight"), device)?,
-        bias: shares.take(&format!("{c_attn}bias"), device)?,
+        weight: own.take(&format!("{c_attn}weight"))?,
+        bias: own.take(&format!("{c_attn}bias"))?,
     }
     .forward(g, normed, &c_attn)?;
     // As CausalSelfAttention, over this device's heads only.
@@ -228,22 +239,22 @@ fn attention_share(g: &mut Graph, x: Tensor, i: usize, block: &Block, heads: usi
     let y = g.matmul_form(MatmulForm::AB, att, qkv[2])?;
     let y = g.permute(y, &[0, 2, 1, 3])?;
     let y = g.reshape(y, &[batch * time, width])?;
-    row_parallel(g, y, x, &format!("{prefix}attn.c_proj."), width, dims, shares, device)
+    row_parallel(g, y, x, &format!("{prefix}attn.c_proj."), width, dims, own)
 }
 
 /// Device `device`'s share of block `i`'s MLP on x [B, T, C]: `hidden`
 /// hidden units.
-fn mlp_share(g: &mut Graph, x: Tensor, i: usize, block: &Block, hidden: usize, dims: Dims, shares: &Shares, device: usize) -> Result<Tensor> {
+fn mlp_share(g: &mut Graph, x: Tensor, (i, block): (usize, &Block), hidden: usize, dims: Dims, own: DeviceShares<'_>) -> Result<Tensor> {
     let Dims { batch, time, channels } = dims;
     let prefix = format!("h.{i}.");
-    let normed = shares.norm(&block.ln_2, &format!("{prefix}ln_2."), device)?.forward(g, x, &format!("{prefix}ln_2."))?;
+    let normed = own.norm(&block.ln_2, &format!("{prefix}ln_2."))?.forward(g, x, &format!("{prefix}ln_2."))?;
     // Rows as a matrix, as Mlp does, so bias and GELU fuse into c_fc's matmul.
     let flat = g.reshape(normed, &[batch * time, channels])?;
     let c_fc = format!("{prefix}mlp.c_fc.");
-    let h = Linear { in_features: channels, out_features: hidden, weight: shares.take(&format!("{c_fc}weight"), device)?, bias: shares.take(&format!("{c_fc}bias"), device)? }
+    let h = Linear { in_features: channels, out_features: hidden, weight: own.take(&format!("{c_fc}weight"))?, bias: own.take(&format!("{c_fc}bias"))? }
         .forward(g, flat, &c_fc)?;
     let h = g.activation(Activation::Gelu, h)?;
-    row_parallel(g, h, x, &format!("{prefix}mlp.c_proj."), hidden, dims, shares, device)
+    row_parallel(g, h, x, &format!("{prefix}mlp.c_proj."), hidden, dims, own)
 }
 
 /// The single-device model's parameters, (name, shape), in
@@ -401,14 +412,15 @@ impl GptTensorParallel {
         for (d, kernels) in group.members().iter().enumerate() {
             let mut chain = Vec::with_capacity(parts.len());
             for (k, &(i, half)) in parts.iter().enumerate() {
-                let stage = Self::segment(kernels, model, k, (i, half), (head_split[d], head_dim, hidden_split[d]), dims, &shares, d, optimizer)
+                let own = DeviceShares { all: &shares, device: d };
+                let stage = Self::segment(kernels, model, k, (i, half), (head_split[d], head_dim, hidden_split[d]), dims, own, optimizer)
                     .map_err(|e| on_device(d, kernels, e))?;
                 chain.push(stage);
             }
             segments.push(chain);
         }
         let k0 = &group.members()[0];
-        let head = Self::head(k0, model, dims, &shares, optimizer).map_err(|e| on_device(0, k0, e))?;
+        let head = Self::head(k0, model, dims, DeviceShares { all: &shares, device: 0 }, optimizer).map_err(|e| on_device(0, k0, e))?;
 
         let n_seg = parts.len();
         let head_index = devices * n_seg;
@@ -454,8 +466,7 @@ impl GptTensorParallel {
         part: (usize, Half),
         units: (usize, usize, usize),
         dims: Dims,
-        shares: &Shares,
-        device: usize,
+        own: DeviceShares<'_>,
         optimizer: OptimizerConfig,
     ) -> Result<Stage> {
         let Dims { batch, time, channels } = dims;
@@ -464,9 +475,9 @@ impl GptTensorParallel {
         let (input, x) = if k == 0 {
             // Token and position embeddings, as Gpt::forward (T = block_size).
             let ids = g.ids("idx", &[batch, time])?;
-            let wte = parameter(&mut g, "wte.", "weight", &[config.vocab_size, channels], &shares.take("wte.weight", device)?, false)?;
+            let wte = parameter(&mut g, "wte.", "weight", &[config.vocab_size, channels], &own.take("wte.weight")?, false)?;
             let tokens = g.embedding(wte, ids)?;
-            let wpe = parameter(&mut g, "wpe.", "weight", &[config.block_size, channels], &shares.take("wpe.weight", device)?, false)?;
+            let wpe = parameter(&mut g, "wpe.", "weight", &[config.block_size, channels], &own.take("wpe.weight")?, false)?;
             (ids, g.add(tokens, wpe)?)
         } else {
             let x = g.input("segment_input", &[batch, time, channels])?;
@@ -476,21 +487,21 @@ impl GptTensorParallel {
         let block = model.h.get(i).ok_or_else(|| invalid(format!("no block {i}")))?;
         let (heads, head_dim, hidden) = units;
         let output = match half {
-            Half::Attention => attention_share(&mut g, x, i, block, heads, head_dim, dims, shares, device)?,
-            Half::Mlp => mlp_share(&mut g, x, i, block, hidden, dims, shares, device)?,
+            Half::Attention => attention_share(&mut g, x, (i, block), heads, head_dim, dims, own)?,
+            Half::Mlp => mlp_share(&mut g, x, (i, block), hidden, dims, own)?,
         };
         let in_features = if k == 0 { time } else { channels };
         Stage::from_graph(kernels.clone(), g, input, output, k > 0, StageEnd::Middle, optimizer, batch * time, in_features, channels)
     }
 
     /// The final norm, the head tied to its own copy of `wte`, and the loss.
-    fn head(kernels: &std::sync::Arc<Kernels>, model: &Gpt, dims: Dims, shares: &Shares, optimizer: OptimizerConfig) -> Result<Stage> {
+    fn head(kernels: &std::sync::Arc<Kernels>, model: &Gpt, dims: Dims, own: DeviceShares<'_>, optimizer: OptimizerConfig) -> Result<Stage> {
         let Dims { batch, time, channels } = dims;
         let vocab = model.config.vocab_size;
         let mut g = Graph::new();
         let x = g.input("segment_input", &[batch, time, channels])?;
-        let normed = shares.norm(&model.ln_f, "ln_f.", 0)?.forward(&mut g, x, "ln_f.")?;
-        let wte = parameter(&mut g, "wte.", "weight", &[vocab, channels], &shares.take("wte.weight", 0)?, false)?;
+        let normed = own.norm(&model.ln_f, "ln_f.")?.forward(&mut g, x, "ln_f.")?;
+        let wte = parameter(&mut g, "wte.", "weight", &[vocab, channels], &own.take("wte.weight")?, false)?;
         let logits = g.rows_matmul(MatmulForm::ABt, normed, wte)?;
         Stage::from_graph(kernels.clone(), g, x, logits, true, StageEnd::Last(Criterion::CrossEntropy), optimizer, batch * time, channels, vocab)
     }
@@ -671,7 +682,7 @@ impl GptTensorParallel {
 
     /// Every parameter of the single-device model, in its order, from the
     /// devices' shares that `lookup(stage, name)` finds.
-    fn gather<'a>(&self, lookup: impl Fn(usize, &str) -> Option<&'a Vec<f32>>) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    fn gather<'a>(&self, lookup: impl Fn(usize, &str) -> Option<&'a Vec<f32>>) -> Result<NamedValues> {
         self.placements
             .iter()
             .map(|p| {
@@ -684,7 +695,7 @@ impl GptTensorParallel {
 
     /// The whole model's parameters with the single-device [`Gpt`]'s names,
     /// shapes and order (shares gathered, `wte` once).
-    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn parameters(&self) -> Result<NamedValues> {
         let per_stage: Vec<HashMap<String, Vec<f32>>> = self
             .stages()
             .map(|(d, s)| s.executor().parameters().map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect()).map_err(|e| on_device(d, &s.kernels, e)))

@@ -13,6 +13,7 @@ mod fusion;
 mod generate;
 mod gpt_folder;
 mod gpt_reference;
+mod gpt_tensor;
 mod graph;
 mod kernels;
 mod kernels_ext;
