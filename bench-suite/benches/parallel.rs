@@ -41,9 +41,22 @@
 //! (S−1)/(M+S−1); `peak_in_flight` the most micro-batches each stage held
 //! for its backward, and `peak_stash_kib` the host memory that took.
 //!
+//! And the same GPT (vocabulary 84 as in `wgrad bench`) on one device
+//! (`Trainer`) against `GptTensorParallel` on 2 (`DeviceSelection::Count(2)`: lavapipe and
+//! llvmpipe-GL), timed by the same loop (no criterion: a step takes most of
+//! a second on a CPU adapter), printing
+//!
+//! ```text
+//! bench parallel model=gpt strategy=tensor devices=2 ms_per_step=… comm_share=… heads=[2,2] host_mb_per_step=…
+//! ```
+//!
+//! where `comm_share` is `TensorParallelStats.communication / wall` and
+//! `host_mb_per_step` what one step moves through the host
+//! (`GptTensorParallel::floats_moved_per_step`).
+//!
 //! Environment:
 //! - `WGRAD_BENCH_QUICK=1`: devices 1 and 2 only, shorter measurements.
-//! - `WGRAD_BENCH_PARALLEL=mlp` or `gpt`: only that part.
+//! - `WGRAD_BENCH_PARALLEL=mlp` or `gpt`: only that model's cases.
 //! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
 //!
 //! Run: `cargo bench --bench parallel` (a few minutes on 2 cores).
@@ -55,9 +68,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::lm_training::LmTrainConfig;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Layer, Sequential};
-use wgrad::optim::Adam;
+use wgrad::optim::{Adam, AdamW, LrSchedule};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::gpt_pipeline::{GptPipeline, Schedule};
+use wgrad::parallel::gpt_tensor::GptTensorParallel;
 use wgrad::parallel::pipeline::Pipeline;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
@@ -339,6 +353,7 @@ fn main() {
         if let Err(e) = gpt_cases(quick, &mut lines) {
             println!("bench parallel gpt failed: {e}");
         }
+        lines.extend(gpt_tensor_lines(quick));
         println!("\nsummary (load average now {}):", load_average());
         for line in &lines {
             println!("{line}");
@@ -355,7 +370,11 @@ fn main() {
     } else {
         (Duration::from_millis(500), Duration::from_secs(2), 100, 40)
     };
-    let counts: &[usize] = if quick { &[1, 2] } else { &[1, 2, 3] };
+    let counts: &[usize] = match (runs("mlp"), quick) {
+        (false, _) => &[],
+        (true, true) => &[1, 2],
+        (true, false) => &[1, 2, 3],
+    };
     println!(
         "parallel bench: MLP 64-128-10, batch {BATCH}, LP_NUM_THREADS={}, load average {}{}",
         std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "<unset>".into()),
@@ -452,10 +471,115 @@ fn main() {
             println!("{line}");
             lines.push(line);
         }
+        lines.extend(gpt_tensor_lines(quick));
     }
 
     println!("\nsummary (load average now {}):", load_average());
     for line in &lines {
         println!("{line}");
     }
+}
+
+/// `make train`'s GPT: L4 H4 C128 T64, the char-level vocabulary's 84
+/// rows as in `wgrad bench`, batch 8.
+const GPT: GptConfig = GptConfig {
+    vocab_size: 84,
+    block_size: 64,
+    n_layer: 4,
+    n_head: 4,
+    n_embd: 128,
+};
+const GPT_BATCH: usize = 8;
+
+/// The GPT on one device against tensor parallel on two; one line each.
+fn gpt_tensor_lines(quick: bool) -> Vec<String> {
+    let (warm_up, timed) = if quick { (2, 5) } else { (3, 20) };
+    let optimizer = AdamW::new(3e-3)
+        .betas(0.9, 0.99)
+        .weight_decay(0.1)
+        .decay_matrices_only()
+        .clip_grad_norm(1.0)
+        .schedule(LrSchedule::WarmupCosine {
+            warmup_steps: 5,
+            total_steps: 1000,
+            min_lr: 3e-4,
+        });
+    let tokens = GPT_BATCH * GPT.block_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(0x6e7);
+    let stream: Vec<u32> = (0..tokens + 1)
+        .map(|_| rng.random_range(0..GPT.vocab_size as u32))
+        .collect();
+    let (x, y) = (&stream[..tokens], &stream[1..]);
+    nn::manual_seed(0);
+    let model = Gpt::new(GPT).expect("GPT");
+    let config = format!(
+        "L{}-H{}-C{}-T{}-V{}-B{GPT_BATCH}",
+        GPT.n_layer, GPT.n_head, GPT.n_embd, GPT.block_size, GPT.vocab_size
+    );
+    println!("\nGPT {config}, {timed} timed steps after {warm_up}");
+    let mut lines = Vec::new();
+    let mut report = |line: String| {
+        println!("{line}");
+        lines.push(line);
+    };
+
+    match DeviceGroup::open(&DeviceSelection::Count(1)).and_then(|group| {
+        let k = group.members()[0].clone();
+        let mut trainer = Trainer::new(k.clone(), &model, CrossEntropyLoss, optimizer, GPT_BATCH)?;
+        let mut step = || -> wgrad::Result<()> {
+            trainer.zero_grad();
+            trainer.forward_ids(x)?;
+            trainer.loss(Targets::Classes(y))?;
+            trainer.backward()?;
+            trainer.step()?;
+            k.device().wait_idle("bench parallel gpt")
+        };
+        for _ in 0..warm_up {
+            step()?;
+        }
+        let start = Instant::now();
+        for _ in 0..timed {
+            step()?;
+        }
+        Ok((group.labels(), start.elapsed().as_secs_f64() * 1e3 / timed as f64))
+    }) {
+        Ok((labels, ms)) => report(format!(
+            "bench parallel model=gpt strategy=single devices=1 ms_per_step={ms:.1} comm_share=0.00 config={config} device={}",
+            labels.join(",").replace(' ', "_")
+        )),
+        Err(e) => report(format!("bench parallel model=gpt strategy=single devices=1 skipped: {e}")),
+    }
+
+    match DeviceGroup::open(&DeviceSelection::Count(2)).and_then(|group| {
+        let mut tp = GptTensorParallel::new(&group, &model, optimizer, GPT_BATCH)?;
+        let step = |tp: &mut GptTensorParallel| -> wgrad::Result<()> {
+            tp.step(x, y, false)?;
+            for k in group.members() {
+                k.device().wait_idle("bench parallel gpt")?;
+            }
+            Ok(())
+        };
+        for _ in 0..warm_up {
+            step(&mut tp)?;
+        }
+        let (comm0, wall0) = (tp.stats().communication, tp.stats().wall);
+        let start = Instant::now();
+        for _ in 0..timed {
+            step(&mut tp)?;
+        }
+        let ms = start.elapsed().as_secs_f64() * 1e3 / timed as f64;
+        let share = (tp.stats().communication - comm0).as_secs_f64()
+            / (tp.stats().wall - wall0).as_secs_f64().max(1e-9);
+        println!("{}", tp.report());
+        Ok(format!(
+            "bench parallel model=gpt strategy=tensor devices=2 ms_per_step={ms:.1} comm_share={share:.2} heads={:?} host_mb_per_step={:.1} config={config}",
+            tp.head_split(),
+            tp.floats_moved_per_step() as f64 * 4.0 / 1e6
+        )
+        .replace(", ", ","))
+    }) {
+        Ok(line) => report(line),
+        Err(e) => report(format!("bench parallel model=gpt strategy=tensor devices=2 skipped: {e}")),
+    }
+    lines
 }

@@ -1,14 +1,16 @@
 //! Several devices working on one model. wgpu has no peer-to-peer copies or
 //! collectives, so data moves through host staging buffers
 //! ([`collectives`]). Strategies: [`data`] parallel, [`pipeline`] (model)
-//! parallel (a GPT's in [`gpt_pipeline`]), [`tensor`] parallel; the
-//! pipelines and tensor parallel are built from [`stage`]s.
+//! parallel (a GPT's in [`gpt_pipeline`]), [`tensor`] parallel (a GPT's,
+//! Megatron-style, in [`gpt_tensor`]); the pipelines and tensor parallel
+//! are built from [`stage`]s.
 
 pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
 pub mod gpt_pipeline;
+pub mod gpt_tensor;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;

@@ -205,6 +205,18 @@ impl Stage {
     pub fn optimizer_step(&mut self) -> Result<()> {
         self.exec.optimizer_step()
     }
+
+    /// Last stage: the mean loss of its current input against `targets`,
+    /// forward only (evaluation: no backward, gradients untouched); waits.
+    pub fn evaluate_loss(&mut self, targets: Targets<'_>) -> Result<f32> {
+        let loss = self.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        self.set_targets(targets, 1.0)?;
+        let value = self.exec.run_and_read(&[loss], loss)?.first().copied().unwrap_or(f32::NAN);
+        if !value.is_finite() {
+            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+        }
+        Ok(value)
+    }
 }
 
 /// A parameter held by several stages: the tied token embedding on the

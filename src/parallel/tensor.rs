@@ -51,7 +51,7 @@ pub struct TensorParallel {
 
 /// Sums the views on the host; also returns the time spent after the
 /// slowest device's data arrived (the transfer and sum, not the compute).
-fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
+pub(super) fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
     let start = Instant::now();
     let (values, arrived) = to_host(views, start)?;
     let n = values.first().map_or(0, Vec::len);

@@ -14,6 +14,7 @@ mod generate;
 mod gpt_folder;
 mod gpt_pipeline;
 mod gpt_reference;
+mod gpt_tensor;
 mod graph;
 mod kernels;
 mod kernels_ext;

@@ -22,7 +22,7 @@ use wgrad::Error;
 /// tensors and devices and destroy a device outside wgrad's own locked calls,
 /// and on GL those must not wait on wgpu's context while another test
 /// thread's submit holds it (wgpu panics after 6 s).
-struct Groups {
+pub(crate) struct Groups {
     list: Vec<DeviceGroup>,
     // Declared last: dropped after the groups.
     _gl: Option<wgrad::device::GlGuard>,
@@ -36,7 +36,7 @@ impl std::ops::Deref for Groups {
 }
 
 /// Iterates over the groups, still holding the GL lock.
-struct GroupsIter {
+pub(crate) struct GroupsIter {
     list: std::vec::IntoIter<DeviceGroup>,
     _gl: Option<wgrad::device::GlGuard>,
 }
@@ -59,15 +59,17 @@ impl IntoIterator for Groups {
 /// Two devices on two adapters, one adapter twice, and three devices; none
 /// (failing in CI, see `common::no_adapter`) without an adapter.
 fn groups(test: &str) -> Groups {
+    open_groups(test, &[DeviceSelection::Count(2), DeviceSelection::Adapters(vec!["0".into(), "0".into()]), DeviceSelection::Count(3)])
+}
+
+/// A group for each selection, holding the GL lock as [`Groups`] says;
+/// none without an adapter.
+pub(crate) fn open_groups(test: &str, selections: &[DeviceSelection]) -> Groups {
     if !common::any_adapter(test) {
         return Groups { list: Vec::new(), _gl: None };
     }
     let gl = common::lock_gl_if_any();
-    let list = vec![
-        DeviceGroup::open(&DeviceSelection::Count(2)).unwrap(),
-        DeviceGroup::open(&DeviceSelection::Adapters(vec!["0".into(), "0".into()])).unwrap(),
-        DeviceGroup::open(&DeviceSelection::Count(3)).unwrap(),
-    ];
+    let list = selections.iter().map(|s| DeviceGroup::open(s).unwrap()).collect();
     Groups { list, _gl: gl }
 }
 
