@@ -22,7 +22,7 @@ use wgrad::Error;
 /// tensors and devices and destroy a device outside wgrad's own locked calls,
 /// and on GL those must not wait on wgpu's context while another test
 /// thread's submit holds it (wgpu panics after 6 s).
-struct Groups {
+pub(crate) struct Groups {
     list: Vec<DeviceGroup>,
     // Declared last: dropped after the groups.
     _gl: Option<wgrad::device::GlGuard>,
@@ -36,7 +36,7 @@ impl std::ops::Deref for Groups {
 }
 
 /// Iterates over the groups, still holding the GL lock.
-struct GroupsIter {
+pub(crate) struct GroupsIter {
     list: std::vec::IntoIter<DeviceGroup>,
     _gl: Option<wgrad::device::GlGuard>,
 }
@@ -58,7 +58,7 @@ impl IntoIterator for Groups {
 
 /// Two devices on two adapters, one adapter twice, and three devices; none
 /// (failing in CI, see `common::no_adapter`) without an adapter.
-fn groups(test: &str) -> Groups {
+pub(crate) fn groups(test: &str) -> Groups {
     if !common::any_adapter(test) {
         return Groups { list: Vec::new(), _gl: None };
     }
