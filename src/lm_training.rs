@@ -3,7 +3,9 @@
 //! held-out split, random windows, AdamW with nanoGPT's parameter groups,
 //! warmup and cosine decay, gradient clipping, the validation loss every
 //! few steps and at the end. The caller prints: progress comes back through
-//! [`LmProgress`], the result as an [`LmSummary`].
+//! [`LmProgress`], the result as an [`LmSummary`]. The run is one device's,
+//! or data parallel over several devices and over the processes of an MPI
+//! job ([`LmTrainConfig::strategy`], [`LmTrainingRun::distributed`]).
 //!
 //! The validation loss is the mean over a fixed set of windows of the
 //! held-out text, `eval_batches × batch_size` windows evenly spaced from
@@ -295,6 +297,9 @@ pub struct LmSummary {
     pub report: String,
 }
 
+/// (name, shape, values) of each parameter, as `Executor::parameters` gives them.
+type NamedParameters = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// How a run's steps are computed: one trainer, or a strategy spreading
 /// the GPT over devices (and processes). Every method is one short arm per
 /// strategy, so another strategy (tensor or pipeline parallel for the GPT)
@@ -374,7 +379,7 @@ impl LmEngine {
 
     /// The parameters under the GPT's names (replicas hold the same ones:
     /// replica 0's).
-    fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    fn parameters(&self) -> Result<NamedParameters> {
         match self {
             LmEngine::Single(t) => t.executor().parameters(),
             LmEngine::Data(d) => d.replicas()[0].executor().parameters(),
