@@ -3,7 +3,9 @@
 //! held-out split, random windows, AdamW with nanoGPT's parameter groups,
 //! warmup and cosine decay, gradient clipping, the validation loss every
 //! few steps and at the end. The caller prints: progress comes back through
-//! [`LmProgress`], the result as an [`LmSummary`].
+//! [`LmProgress`], the result as an [`LmSummary`]. The run is one device's,
+//! or data parallel over several devices and over the processes of an MPI
+//! job ([`LmTrainConfig::strategy`], [`LmTrainingRun::distributed`]).
 //!
 //! The validation loss is the mean over a fixed set of windows of the
 //! held-out text, `eval_batches × batch_size` windows evenly spaced from
@@ -22,7 +24,13 @@ use crate::error::{Error, Result};
 use crate::gpt_folder::{self, OptimizerState, TokenizerSpec};
 use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
 use crate::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
-use crate::optim::AdamW;
+use crate::optim::{self, AdamW};
+use crate::parallel::data::{DataParallel, Split};
+#[cfg(feature = "fault-injection")]
+use crate::parallel::distributed::InjectedFailure;
+use crate::parallel::distributed::{DistributedDataParallel, ProcessGroup};
+use crate::parallel::engine::Strategy;
+use crate::parallel::{DeviceGroup, DeviceSelection};
 use crate::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::trainer::{Examples, Targets, Trainer};
 
@@ -81,7 +89,24 @@ pub struct LmTrainConfig {
     /// Continue from this model folder (written by [`LmTrainingRun::save`]):
     /// its model, optimizer state and step; the training windows continue
     /// where they stopped, so a resumed run equals an uninterrupted one.
+    /// Across processes only rank 0 reads it.
     pub resume: Option<PathBuf>,
+    /// How the work is spread over devices: `Single` (the default) or
+    /// `Data` (a replica per device, the batch split among them; the only
+    /// strategy across processes). Tensor and pipeline parallel are refused
+    /// for the GPT until they are built.
+    pub strategy: Strategy,
+    /// The devices [`LmTrainingRun::new`] opens: `None` gives the default
+    /// device for a single device, `WGRAD_DEVICES` or 2 devices for data
+    /// parallel, and one device per process across processes.
+    pub devices: Option<DeviceSelection>,
+    /// Data parallel: fixed rows per device (summing to `batch_size`)
+    /// instead of the measured split; across processes, rows per process.
+    pub split: Option<Vec<usize>>,
+    /// Testing the failure path: (rank, step, how) fails that rank at that
+    /// step of a run across processes.
+    #[cfg(feature = "fault-injection")]
+    pub fail_at: Option<(usize, u64, InjectedFailure)>,
 }
 
 impl Default for LmTrainConfig {
@@ -112,6 +137,11 @@ impl Default for LmTrainConfig {
             loss_every: 10,
             seed: 0,
             resume: None,
+            strategy: Strategy::Single,
+            devices: None,
+            split: None,
+            #[cfg(feature = "fault-injection")]
+            fail_at: None,
         }
     }
 }
@@ -137,7 +167,23 @@ impl LmTrainConfig {
         if self.eval_every == 0 || self.eval_batches == 0 || self.loss_every == 0 {
             return bad("eval_every, eval_batches and loss_every must be positive".into());
         }
-        Ok(())
+        match self.strategy {
+            Strategy::Single | Strategy::Data => Ok(()),
+            strategy @ (Strategy::Tensor | Strategy::Pipeline) => Err(not_built(strategy)),
+        }
+    }
+
+    /// Whether `devices` devices can share this run's GPT, checked before
+    /// any is opened: data parallel needs a row of the batch per device and
+    /// one entry per device in a fixed split. `across_processes`: the split
+    /// holds rows per process, which the engine checks once the job's size
+    /// is known.
+    pub fn check_devices(&self, devices: usize, across_processes: bool) -> Result<()> {
+        match self.strategy {
+            Strategy::Data => Strategy::check_data_devices(devices, self.batch_size, if across_processes { None } else { self.split.as_deref() }),
+            // Refused by `check` before devices matter.
+            Strategy::Single | Strategy::Tensor | Strategy::Pipeline => crate::parallel::check_limit(devices),
+        }
     }
 }
 
@@ -152,16 +198,25 @@ pub struct TokenizedText {
 /// Reads and tokenizes the text: the char vocabulary is every character of
 /// the whole text, sorted (nanoGPT's `prepare.py`).
 pub fn tokenize(source: &TextSource, kind: TokenizerKind, validation_fraction: f64) -> Result<TokenizedText> {
-    let text = match source {
-        TextSource::Shakespeare => text::shakespeare()?,
-        TextSource::Text(text) => text.clone(),
-        TextSource::File(path) => std::fs::read_to_string(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source })?,
-    };
+    tokenize_text(&read_text(source)?, kind, validation_fraction)
+}
+
+/// The text `source` names.
+pub fn read_text(source: &TextSource) -> Result<String> {
+    match source {
+        TextSource::Shakespeare => text::shakespeare(),
+        TextSource::Text(text) => Ok(text.clone()),
+        TextSource::File(path) => std::fs::read_to_string(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source }),
+    }
+}
+
+/// [`tokenize`] of a text already read.
+pub fn tokenize_text(text: &str, kind: TokenizerKind, validation_fraction: f64) -> Result<TokenizedText> {
     let tokenizer = match kind {
-        TokenizerKind::Char => Tokenizer::Char(CharTokenizer::from_text(&text)?),
+        TokenizerKind::Char => Tokenizer::Char(CharTokenizer::from_text(text)?),
         TokenizerKind::Gpt2 => Tokenizer::Gpt2(Gpt2Bpe::new()?),
     };
-    let tokens = tokenizer.encode(&text)?;
+    let tokens = tokenizer.encode(text)?;
     let (train, validation) = text::held_out_split(&tokens, validation_fraction)?;
     Ok(TokenizedText { tokenizer, train: train.to_vec(), validation: validation.to_vec() })
 }
@@ -187,7 +242,11 @@ pub fn validation_windows(tokens: &[u32], count: usize, block_size: usize) -> Re
 /// What a prepared run is about to do, for the caller to print.
 #[derive(Clone, Debug)]
 pub struct LmRunInfo {
-    pub device: String,
+    /// This process's devices, `#i name (backend)` each.
+    pub devices: Vec<String>,
+    /// How the work is spread ([`Strategy`] and, for data parallel, the
+    /// rows per device).
+    pub engine: String,
     pub model: String,
     pub parameters: usize,
     pub tokenizer: &'static str,
@@ -198,6 +257,8 @@ pub struct LmRunInfo {
     /// 1, or the step after a resumed folder's.
     pub first_step: u64,
     pub tokens_per_step: usize,
+    /// On each device (the first one's for data parallel, whose replicas
+    /// differ only in their rows).
     pub dispatches_per_step: usize,
     pub peak_gpu_bytes: u64,
 }
@@ -231,32 +292,267 @@ pub struct LmSummary {
     /// (step, loss) of every validation.
     pub validation_curve: Vec<(u64, f32)>,
     pub final_validation_loss: f32,
+    /// What the engine's parallelism cost (the split, the communication's
+    /// share of step time); empty for a single device.
+    pub report: String,
 }
 
-/// A run with its text tokenized, device open and trainer built, ready to
+/// (name, shape, values) of each parameter, as `Executor::parameters` gives them.
+type NamedParameters = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// How a run's steps are computed: one trainer, or a strategy spreading
+/// the GPT over devices (and processes). Every method is one short arm per
+/// strategy, so another strategy (tensor or pipeline parallel for the GPT)
+/// is a variant and one arm in each.
+enum LmEngine {
+    Single(Box<Trainer>),
+    /// A replica per device, the batch split among them.
+    Data(DataParallel),
+    /// Data parallel over the processes of a job (MPI) and, inside each,
+    /// over its local devices.
+    Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
+}
+
+/// The error for a strategy the GPT's run does not have yet.
+fn not_built(strategy: Strategy) -> Error {
+    let (op, missing) = match strategy {
+        Strategy::Tensor => ("train --model gpt --parallel tensor", "tensor parallel is not built for the GPT yet (issue 14: Megatron-style splits of its attention heads and MLP across devices)"),
+        Strategy::Pipeline => ("train --model gpt --parallel pipeline", "pipeline parallel is not built for the GPT yet (issue 14: its blocks as pipeline stages that read token ids and end in the sequence loss)"),
+        // Built: never refused.
+        Strategy::Single | Strategy::Data => ("train --model gpt", "no strategy is missing"),
+    };
+    Error::InvalidArgument { op, reason: format!("{missing}; use --parallel data") }
+}
+
+impl LmEngine {
+    /// `config.strategy` over `devices` (Single uses the first), across
+    /// the processes of `process_group` when given (data parallel only).
+    fn new(config: &LmTrainConfig, devices: &DeviceGroup, process_group: Option<Arc<dyn ProcessGroup>>, model: &Gpt) -> Result<Self> {
+        let (optimizer, batch) = (config.optimizer(), config.batch_size);
+        Ok(match (config.strategy, process_group) {
+            (Strategy::Single, None) => LmEngine::Single(Box::new(Trainer::new(devices.members()[0].clone(), model, CrossEntropyLoss, optimizer, batch)?)),
+            (Strategy::Data, None) => {
+                let split = config.split.clone().map_or(Split::Measured { every: 20 }, Split::Rows);
+                LmEngine::Data(DataParallel::new(devices, model, CrossEntropyLoss, optimizer, batch, split)?)
+            }
+            (Strategy::Data, Some(group)) => {
+                LmEngine::Distributed(DistributedDataParallel::new(group, devices, model, CrossEntropyLoss, optimizer, batch, config.split.clone())?)
+            }
+            (Strategy::Single, Some(_)) => {
+                return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() })
+            }
+            (strategy @ (Strategy::Tensor | Strategy::Pipeline), _) => return Err(not_built(strategy)),
+        })
+    }
+
+    /// One optimizer step on a global batch of token ids and the tokens
+    /// that follow them; the mean loss when `read_loss`.
+    fn step(&mut self, ids: &[u32], targets: &[u32], read_loss: bool) -> Result<Option<f32>> {
+        let targets = Targets::Classes(targets);
+        match self {
+            LmEngine::Single(t) => {
+                t.zero_grad();
+                t.forward_ids(ids)?;
+                t.loss(targets)?;
+                t.backward()?;
+                if read_loss {
+                    t.step_reading_loss().map(Some)
+                } else {
+                    t.step().map(|()| None)
+                }
+            }
+            LmEngine::Data(d) => d.step(ids, targets, read_loss),
+            LmEngine::Distributed(d) => d.step(ids, targets, read_loss),
+        }
+    }
+
+    /// The mean loss of one global batch, without training on it
+    /// (collective across processes).
+    fn evaluate_loss(&mut self, ids: &[u32], targets: &[u32]) -> Result<f32> {
+        let targets = Targets::Classes(targets);
+        match self {
+            LmEngine::Single(t) => t.evaluate_loss(Examples::Ids(ids), targets),
+            LmEngine::Data(d) => d.evaluate_loss(ids, targets),
+            LmEngine::Distributed(d) => d.evaluate_loss(ids, targets),
+        }
+    }
+
+    /// The parameters under the GPT's names (replicas hold the same ones:
+    /// replica 0's).
+    fn parameters(&self) -> Result<NamedParameters> {
+        match self {
+            LmEngine::Single(t) => t.executor().parameters(),
+            LmEngine::Data(d) => d.replicas()[0].executor().parameters(),
+            LmEngine::Distributed(d) => d.replica().executor().parameters(),
+        }
+    }
+
+    /// (parameter, state name, values) of the optimizer, replica 0's.
+    fn optimizer_state(&self) -> Result<Vec<(String, String, Vec<f32>)>> {
+        let state = match self {
+            LmEngine::Single(t) => t.executor().optimizer_state()?,
+            LmEngine::Data(d) => d.replicas()[0].executor().optimizer_state()?,
+            LmEngine::Distributed(d) => d.replica().executor().optimizer_state()?,
+        };
+        Ok(state.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect())
+    }
+
+    /// Optimizer steps taken (a resumed run's included).
+    fn step_count(&self) -> u64 {
+        match self {
+            LmEngine::Single(t) => t.executor().step_count(),
+            LmEngine::Data(d) => d.replicas()[0].executor().step_count(),
+            LmEngine::Distributed(d) => d.replica().executor().step_count(),
+        }
+    }
+
+    /// Loads a resumed folder's optimizer state and step into every
+    /// replica. Across processes only rank 0 has `state`, and every rank
+    /// then takes rank 0's parameters, state and step (collective).
+    fn resume(&mut self, state: Option<&OptimizerState>) -> Result<()> {
+        match (self, state) {
+            (LmEngine::Single(t), Some(s)) => t.executor_mut().load_state(&[], &s.state, Some(s.step)),
+            (LmEngine::Data(d), Some(s)) => d.load_state(&[], &s.state, Some(s.step)),
+            (LmEngine::Distributed(d), state) => {
+                if let Some(s) = state {
+                    d.local_mut().load_state(&[], &s.state, Some(s.step))?;
+                }
+                d.sync_from_root()
+            }
+            (_, None) => Err(Error::InvalidArgument { op: "train --resume", reason: "no optimizer state was read to resume from".into() }),
+        }
+    }
+
+    /// Dispatches and GPU bytes of one device's step (replica 0's).
+    fn footprint(&self) -> (usize, u64) {
+        let exec = match self {
+            LmEngine::Single(t) => t.executor(),
+            LmEngine::Data(d) => d.replicas()[0].executor(),
+            LmEngine::Distributed(d) => d.replica().executor(),
+        };
+        (exec.dispatches_per_step(), exec.peak_bytes())
+    }
+
+    /// One line on how the work is spread.
+    fn describe(&self) -> String {
+        match self {
+            LmEngine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
+            LmEngine::Data(d) => d.describe(),
+            LmEngine::Distributed(d) => d.describe(),
+        }
+    }
+
+    /// What the parallelism cost, for the end of a run (empty for one device).
+    fn report(&self) -> String {
+        match self {
+            LmEngine::Single(_) => String::new(),
+            LmEngine::Data(d) => d.report(),
+            LmEngine::Distributed(d) => d.report(),
+        }
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn inject_failure(&mut self, at: Option<(usize, u64, InjectedFailure)>) {
+        if let (Some((rank, step, how)), LmEngine::Distributed(d)) = (at, self) {
+            d.inject_failure(rank, step, how);
+        }
+    }
+}
+
+/// Opens the devices `config` asks for (see [`LmTrainConfig::devices`]),
+/// after checking their number against the strategy and the batch, so an
+/// impossible count fails at once instead of after devices open one by one.
+fn open_devices(device: &DeviceOptions, config: &LmTrainConfig, across_processes: bool) -> Result<DeviceGroup> {
+    config.check()?;
+    let selection = match (&config.devices, config.strategy) {
+        (Some(selection), _) => Some(selection.clone()),
+        (None, Strategy::Data) if !across_processes => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
+        (None, _) => None,
+    };
+    match selection {
+        Some(selection) => {
+            config.check_devices(selection.check()?, across_processes)?;
+            DeviceGroup::open(&selection)
+        }
+        None => DeviceGroup::from_kernels(vec![Arc::new(Kernels::new(Device::open(device)?))]),
+    }
+}
+
+/// Rank 0's text on every rank, so only rank 0 reads a file (another host
+/// may not have it). Collective.
+fn shared_text(group: &dyn ProcessGroup, source: &TextSource) -> Result<String> {
+    let mut bytes = if group.rank() == 0 { read_text(source)?.into_bytes() } else { Vec::new() };
+    group.broadcast_bytes(0, &mut bytes)?;
+    String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "train --text", reason: format!("rank 0 sent a text that is not UTF-8: {e}") })
+}
+
+/// The model and optimizer state of the folder a run resumes from, checked
+/// against this run's sizes and tokenizer.
+fn load_resumed(dir: &std::path::Path, tokenizer: &Tokenizer, gpt_config: GptConfig) -> Result<(Gpt, OptimizerState)> {
+    let loaded = gpt_folder::load_gpt_folder(dir)?;
+    let state = loaded.optimizer.ok_or_else(|| Error::InvalidArgument {
+        op: "train --resume",
+        reason: format!("`{}` has no optimizer state to resume from", dir.display()),
+    })?;
+    let spec = TokenizerSpec::from(tokenizer);
+    if loaded.model.config != gpt_config || loaded.tokenizer.as_ref() != Some(&spec) {
+        return Err(Error::InvalidArgument {
+            op: "train --resume",
+            reason: format!("`{}` holds {:?} with another tokenizer or size than this run's {gpt_config:?}", dir.display(), loaded.model.config),
+        });
+    }
+    Ok((loaded.model, state))
+}
+
+/// A run with its text tokenized, devices open and engine built, ready to
 /// [`fit`](Self::fit).
 pub struct LmTrainingRun {
     config: LmTrainConfig,
     data: TokenizedText,
     model: Gpt,
-    trainer: Trainer,
-    kernels: Arc<Kernels>,
+    engine: LmEngine,
+    devices: DeviceGroup,
+    /// Rank 0 of a job across processes, or the only process: the one
+    /// that reports progress.
+    root: bool,
     info: LmRunInfo,
     validation: (Vec<u32>, Vec<u32>),
 }
 
 impl LmTrainingRun {
-    /// Tokenizes the text, opens the device and builds the trainer.
+    /// Tokenizes the text, opens the devices (`config.devices`, checked
+    /// first) and builds the engine of `config.strategy`.
     pub fn new(device: &DeviceOptions, config: LmTrainConfig, progress: &mut dyn LmProgress) -> Result<Self> {
-        config.check()?;
-        let kernels = Arc::new(Kernels::new(Device::open(device)?));
-        Self::with_kernels(kernels, config, progress)
+        let devices = open_devices(device, &config, false)?;
+        Self::with_devices(devices, config, None, progress)
+    }
+
+    /// One process of a job across processes (MPI): data parallel over the
+    /// devices of every process (`config.devices`, default one per process,
+    /// `device`). Every rank calls this and then [`fit`](Self::fit); only
+    /// rank 0 reads the text and the folder resumed from, and reports
+    /// progress.
+    pub fn distributed(device: &DeviceOptions, config: LmTrainConfig, process_group: Arc<dyn ProcessGroup>, progress: &mut dyn LmProgress) -> Result<Self> {
+        let devices = open_devices(device, &config, true)?;
+        Self::with_devices(devices, config, Some(process_group), progress)
     }
 
     /// [`LmTrainingRun::new`] on a device already open.
     pub fn with_kernels(kernels: Arc<Kernels>, config: LmTrainConfig, progress: &mut dyn LmProgress) -> Result<Self> {
+        Self::with_devices(DeviceGroup::from_kernels(vec![kernels])?, config, None, progress)
+    }
+
+    /// On devices already open: `config.strategy` over `devices` (a single
+    /// device uses the first), across the processes of `process_group`
+    /// when given.
+    pub fn with_devices(devices: DeviceGroup, config: LmTrainConfig, process_group: Option<Arc<dyn ProcessGroup>>, progress: &mut dyn LmProgress) -> Result<Self> {
         config.check()?;
-        let data = tokenize(&config.text, config.tokenizer, config.validation_fraction)?;
+        config.check_devices(devices.len(), process_group.is_some())?;
+        let root = process_group.as_ref().is_none_or(|g| g.rank() == 0);
+        let data = match &process_group {
+            None => tokenize(&config.text, config.tokenizer, config.validation_fraction)?,
+            Some(group) => tokenize_text(&shared_text(group.as_ref(), &config.text)?, config.tokenizer, config.validation_fraction)?,
+        };
         let gpt_config = GptConfig {
             vocab_size: data.tokenizer.vocab_size(),
             block_size: config.block_size,
@@ -272,35 +568,29 @@ impl LmTrainingRun {
             });
         }
         nn::manual_seed(config.seed);
+        // Across processes rank 0 reads the folder; the other ranks take
+        // its parameters and state when the engine starts and resumes.
         let (model, resumed) = match &config.resume {
-            None => (Gpt::new(gpt_config)?, None),
-            Some(dir) => {
-                let loaded = gpt_folder::load_gpt_folder(dir)?;
-                let state = loaded.optimizer.ok_or_else(|| Error::InvalidArgument {
-                    op: "train --resume",
-                    reason: format!("`{}` has no optimizer state to resume from", dir.display()),
-                })?;
-                let spec = TokenizerSpec::from(&data.tokenizer);
-                if loaded.model.config != gpt_config || loaded.tokenizer.as_ref() != Some(&spec) {
-                    return Err(Error::InvalidArgument {
-                        op: "train --resume",
-                        reason: format!(
-                            "`{}` holds {:?} with another tokenizer or size than this run's {gpt_config:?}",
-                            dir.display(),
-                            loaded.model.config
-                        ),
-                    });
-                }
-                (loaded.model, Some(state))
+            Some(dir) if root => {
+                let (model, state) = load_resumed(dir, &data.tokenizer, gpt_config)?;
+                (model, Some(state))
             }
+            _ => (Gpt::new(gpt_config)?, None),
         };
-        progress.preparing();
-        let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, config.optimizer(), config.batch_size)?;
-        if let Some(state) = &resumed {
-            trainer.executor_mut().load_state(&[], &state.state, Some(state.step))?;
+        if root {
+            progress.preparing();
         }
+        #[allow(unused_mut)]
+        let mut engine = LmEngine::new(&config, &devices, process_group, &model)?;
+        #[cfg(feature = "fault-injection")]
+        engine.inject_failure(config.fail_at);
+        if config.resume.is_some() {
+            engine.resume(resumed.as_ref())?;
+        }
+        let (dispatches_per_step, peak_gpu_bytes) = engine.footprint();
         let info = LmRunInfo {
-            device: kernels.device().label(),
+            devices: devices.labels(),
+            engine: engine.describe(),
             model: model.describe(),
             parameters: model.num_parameters(),
             tokenizer: data.tokenizer.kind(),
@@ -308,13 +598,15 @@ impl LmTrainingRun {
             train_tokens: data.train.len(),
             validation_tokens: data.validation.len(),
             steps: config.max_steps,
-            first_step: resumed.as_ref().map_or(1, |s| s.step + 1),
+            first_step: engine.step_count() + 1,
             tokens_per_step: config.batch_size * config.block_size,
-            dispatches_per_step: trainer.executor().dispatches_per_step(),
-            peak_gpu_bytes: trainer.executor().peak_bytes(),
+            dispatches_per_step,
+            peak_gpu_bytes,
         };
-        progress.started(&info);
-        Ok(LmTrainingRun { config, data, model, trainer, kernels, info, validation })
+        if root {
+            progress.started(&info);
+        }
+        Ok(LmTrainingRun { config, data, model, engine, devices, root, info, validation })
     }
 
     /// The model's sizes (the vocabulary is the tokenizer's).
@@ -330,12 +622,15 @@ impl LmTrainingRun {
         &self.data.tokenizer
     }
 
+    /// The first device (where the CLI generates its sample).
     pub fn kernels(&self) -> &Arc<Kernels> {
-        &self.kernels
+        &self.devices.members()[0]
     }
 
-    pub fn trainer(&self) -> &Trainer {
-        &self.trainer
+    /// Whether this process reports and saves: rank 0 of a job across
+    /// processes, or the only process.
+    pub fn is_root(&self) -> bool {
+        self.root
     }
 
     /// Where the sample at the end of a run starts: a newline (nanoGPT's
@@ -349,7 +644,7 @@ impl LmTrainingRun {
 
     /// The model with the parameters trained so far.
     pub fn trained_model(&self) -> Result<Gpt> {
-        let params = self.trainer.executor().parameters()?;
+        let params = self.engine.parameters()?;
         self.model_with(|name| params.iter().find(|p| p.0 == name).map(|p| p.2.clone()))
     }
 
@@ -367,28 +662,35 @@ impl LmTrainingRun {
     /// names, the tokenizer and the optimizer state to resume from. Returns
     /// the trained model, read back from the GPU once for both.
     pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<Gpt> {
-        let checkpoint = self.trainer.checkpoint()?;
-        let model = self.model_with(|name| checkpoint.get(name).map(|t| t.data.clone()))?;
-        let state = OptimizerState::from_checkpoint(&checkpoint)?;
+        let model = self.trained_model()?;
+        let state = OptimizerState {
+            optimizer: optim::describe(&self.config.optimizer()),
+            step: self.engine.step_count(),
+            state: self.engine.optimizer_state()?,
+            metadata: Default::default(),
+        };
         gpt_folder::save_gpt_folder(dir, &model, &TokenizerSpec::from(&self.data.tokenizer), Some(&state))?;
         Ok(model)
     }
 
-    /// The mean loss over the fixed validation windows.
+    /// The mean loss over the fixed validation windows (across processes a
+    /// collective: every rank calls it).
     pub fn validation_loss(&mut self) -> Result<f32> {
         let per_batch = self.config.batch_size * self.config.block_size;
         let (inputs, targets) = &self.validation;
         let mut total = 0.0f64;
         for (x, y) in inputs.chunks(per_batch).zip(targets.chunks(per_batch)) {
-            total += f64::from(self.trainer.evaluate_loss(Examples::Ids(x), Targets::Classes(y))?);
+            total += f64::from(self.engine.evaluate_loss(x, y)?);
         }
         Ok((total / self.config.eval_batches as f64) as f32)
     }
 
     /// Trains for `max_steps`, with the validation loss every `eval_every`
-    /// steps and at the end.
+    /// steps and at the end. Across processes every rank calls it; only
+    /// rank 0 reports progress.
     pub fn fit(&mut self, progress: &mut dyn LmProgress) -> Result<LmSummary> {
         let config = self.config.clone();
+        let root = self.root;
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
         let (mut train_curve, mut validation_curve) = (Vec::new(), Vec::new());
         let mut train_seconds = 0.0f64;
@@ -403,24 +705,24 @@ impl LmTrainingRun {
         for step in first..=config.max_steps {
             let started = Instant::now();
             let (x, y) = text::random_windows(&self.data.train, config.batch_size, config.block_size, &mut rng)?;
-            self.trainer.zero_grad();
-            self.trainer.forward_ids(&x)?;
-            self.trainer.loss(Targets::Classes(&y))?;
-            self.trainer.backward()?;
-            progress.step(step);
-            if step % config.loss_every == 0 || step == config.max_steps {
-                let loss = self.trainer.step_reading_loss()?;
-                train_seconds += started.elapsed().as_secs_f64();
+            let read = step % config.loss_every == 0 || step == config.max_steps;
+            let loss = self.engine.step(&x, &y, read)?;
+            train_seconds += started.elapsed().as_secs_f64();
+            if root {
+                progress.step(step);
+            }
+            if let Some(loss) = loss {
                 train_curve.push((step, loss));
-                progress.loss(step, loss, ((step + 1 - first) as usize * tokens_per_step) as f64 / train_seconds.max(1e-9));
-            } else {
-                self.trainer.step()?;
-                train_seconds += started.elapsed().as_secs_f64();
+                if root {
+                    progress.loss(step, loss, ((step + 1 - first) as usize * tokens_per_step) as f64 / train_seconds.max(1e-9));
+                }
             }
             if step % config.eval_every == 0 || step == config.max_steps {
                 let loss = self.validation_loss()?;
                 validation_curve.push((step, loss));
-                progress.validation(step, loss);
+                if root {
+                    progress.validation(step, loss);
+                }
                 final_validation = loss;
             }
         }
@@ -433,6 +735,7 @@ impl LmTrainingRun {
             train_curve,
             validation_curve,
             final_validation_loss: final_validation,
+            report: self.engine.report(),
         })
     }
 }

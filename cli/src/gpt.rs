@@ -9,6 +9,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
 use wgrad::generate::{Generator, Sampling};
 use wgrad::nn::Gpt;
+use wgrad::parallel::distributed::ProcessGroup;
+use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::DeviceSelection;
 use wgrad::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};
 
@@ -75,18 +78,6 @@ pub struct GptArgs {
 }
 
 fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
-    let refuse = |flag: &str| {
-        Err(wgrad::Error::InvalidArgument {
-            op: "train --model gpt",
-            reason: format!("{flag} is not supported for the GPT yet (GPT data, tensor and pipeline parallel is issue 14); use --model mlp"),
-        })
-    };
-    if args.parallel.is_some() {
-        return refuse("--parallel");
-    }
-    if args.distributed.is_some() {
-        return refuse("--distributed");
-    }
     if args.mnist.is_some() {
         return Err(wgrad::Error::InvalidArgument { op: "train --model gpt", reason: "--mnist is for --model mlp; the GPT takes --text".into() });
     }
@@ -123,6 +114,16 @@ fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
         loss_every: args.loss_every,
         seed: args.seed,
         resume: args.resume.clone(),
+        // Across processes the GPT trains data parallel, as the MLP does.
+        strategy: match (args.parallel.as_deref(), args.distributed.is_some()) {
+            (Some(name), _) => Strategy::parse(name)?,
+            (None, true) => Strategy::Data,
+            (None, false) => Strategy::Single,
+        },
+        devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
+        split: args.split.clone(),
+        #[cfg(feature = "fault-injection")]
+        fail_at: args.fail_at.as_deref().map(crate::parse_fail_at).transpose()?,
     })
 }
 
@@ -143,7 +144,8 @@ impl LmProgress for Bars {
         if let Some(s) = self.preparing.take() {
             s.finish_and_clear();
         }
-        println!("device: {}", info.device);
+        println!("devices: {}", info.devices.join(", "));
+        println!("{}", info.engine);
         println!("model: {} | {} parameters", info.model, info.parameters);
         println!(
             "data: {} tokenizer, vocabulary {}, {} train / {} validation tokens | {} tokens per step",
@@ -183,11 +185,19 @@ impl LmProgress for Bars {
     }
 }
 
-pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
+/// The GPT's run; across the processes of `process_group` when given,
+/// where only rank 0 prints, saves and samples.
+pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
     let config = config(args)?;
     let mut bars = Bars::default();
-    let mut run = LmTrainingRun::new(opts, config, &mut bars)?;
+    let mut run = match process_group {
+        None => LmTrainingRun::new(opts, config, &mut bars)?,
+        Some(group) => LmTrainingRun::distributed(opts, config, group, &mut bars)?,
+    };
     let summary = run.fit(&mut bars)?;
+    if !run.is_root() {
+        return Ok(());
+    }
     if let Some(bar) = bars.steps.take() {
         bar.finish();
     }
@@ -195,6 +205,9 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         "trained {} steps in {:.1} s: {:.0} ms/step, {:.0} tokens/s",
         summary.steps, summary.train_seconds, summary.ms_per_step, summary.tokens_per_s
     );
+    if !summary.report.is_empty() {
+        println!("{}", summary.report);
+    }
     println!("final validation loss {:.4}", summary.final_validation_loss);
     let model = run.save(&args.gpt.out)?;
     println!("model folder: {}", args.gpt.out.display());

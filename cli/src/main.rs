@@ -150,7 +150,8 @@ struct TrainArgs {
     /// Train on MNIST IDX files in this folder instead of the digits set.
     #[arg(long)]
     mnist: Option<PathBuf>,
-    /// Spread training over several devices: data, pipeline or tensor.
+    /// Spread training over several devices: data, pipeline or tensor (the
+    /// GPT: data).
     #[arg(long)]
     parallel: Option<String>,
     /// Devices for --parallel: a count, `all`, or adapter indexes like 0,1,1
@@ -205,12 +206,13 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 }
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
-    if args.model == ModelKind::Gpt {
-        return gpt::train(opts, args);
-    }
+    let run = |process_group: Option<Arc<dyn ProcessGroup>>| match args.model {
+        ModelKind::Gpt => gpt::train(opts, args, process_group),
+        ModelKind::Mlp => run_training(opts, args, process_group),
+    };
     match args.distributed.as_deref() {
-        None => run_training(opts, args, None),
-        Some("mpi") => train_mpi(opts, args),
+        None => run(None),
+        Some("mpi") => train_mpi(run),
         Some(other) => Err(wgrad::Error::InvalidArgument {
             op: "train --distributed",
             reason: format!("unknown transport `{other}`: use mpi"),
@@ -218,14 +220,15 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     }
 }
 
-/// Under MPI every way out of a rank is an explicit one: a clean finalise
-/// after success, MPI_Abort after an error (returning would finalise and
-/// hang the ranks still waiting in a collective).
+/// Runs `run` as one rank of an MPI job. Every way out of a rank is an
+/// explicit one: a clean finalise after success, MPI_Abort after an error
+/// (returning would finalise and hang the ranks still waiting in a
+/// collective).
 #[cfg(feature = "mpi")]
-fn train_mpi(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
+fn train_mpi(run: impl FnOnce(Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()>) -> wgrad::Result<()> {
     let group = Arc::new(wgrad::parallel::mpi::MpiGroup::init()?);
     let shared: Arc<dyn ProcessGroup> = group.clone();
-    match run_training(opts, args, Some(shared)) {
+    match run(Some(shared)) {
         Ok(()) => match Arc::try_unwrap(group) {
             Ok(group) => {
                 group.finalize();
@@ -241,7 +244,7 @@ fn train_mpi(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn train_mpi(_opts: &DeviceOptions, _args: &TrainArgs) -> wgrad::Result<()> {
+fn train_mpi(_run: impl FnOnce(Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()>) -> wgrad::Result<()> {
     train_mpi_missing("train --distributed mpi")
 }
 

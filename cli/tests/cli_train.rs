@@ -1,6 +1,7 @@
-//! `wgrad train` failing before it does any work. (The library's checks
-//! themselves are in tests/parallel.rs; cli/tests/mpi.rs runs the binary
-//! under mpirun.)
+//! `wgrad train`: failing before it does any work, the GPT end to end, and
+//! the GPT data parallel against one device. (The library's checks
+//! themselves are in tests/suite/parallel.rs and gpt_data_parallel.rs;
+//! cli/tests/mpi.rs runs the binary under mpirun.)
 
 use wgrad::parallel::MAX_DEVICES;
 
@@ -79,4 +80,75 @@ fn wgrad_train_gpt_prints_validation_losses_and_plots() {
         assert!(output.stdout.is_empty(), "{args:?} printed {:?}", String::from_utf8_lossy(&output.stdout));
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The flags of a tiny GPT run on `text` (quick: L1 H2 C16 T16, batch 4).
+fn tiny_gpt_args(text: &std::path::Path, dir: &std::path::Path, name: &str) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = [
+        "train", "--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--max-steps", "8", "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "0", "--text",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    args.push(text.into());
+    args.extend(["--plot".into(), dir.join(format!("{name}.png")).into_os_string(), "--out".into(), dir.join(name).into_os_string()]);
+    args
+}
+
+/// The number after `final validation loss` in the output.
+fn final_validation_loss(stdout: &str) -> f32 {
+    let line = stdout.lines().find(|l| l.starts_with("final validation loss")).unwrap_or_else(|| panic!("no final validation loss in {stdout}"));
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("cannot read {line:?}"))
+}
+
+/// `wgrad train --model gpt --parallel data --devices 2` ends with the
+/// single-device run's validation loss and reports its split and
+/// communication.
+#[test]
+fn wgrad_train_gpt_data_parallel_ends_where_one_device_ends() {
+    let dir = std::env::temp_dir().join(format!("wgrad-gpt-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, name)).args(extra).output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+        stdout
+    };
+    let single = run("single", &[]);
+    let data = run("data", &["--parallel", "data", "--devices", "2"]);
+    assert!(data.contains("data parallel, batch split #0") && data.contains("#1 "), "{data}");
+    assert!(data.contains("communication") && data.contains("% of step time"), "no report at the end: {data}");
+    let (want, got) = (final_validation_loss(&single), final_validation_loss(&data));
+    // The same training up to the f32 summation order of the batch
+    // (tests/suite/gpt_data_parallel.rs): relative 1e-3.
+    assert!((got - want).abs() <= 1e-3 * want, "data parallel {got} against one device {want}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A GPT run with more devices than it can use, or a strategy the GPT does
+/// not have yet, fails before any device opens, naming the numbers.
+#[test]
+fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
+    let dir = std::env::temp_dir().join(format!("wgrad-gpt-devices-{}", std::process::id()));
+    let text = dir.join("never-read.txt");
+    for (extra, says) in [
+        (vec!["--parallel", "data", "--devices", "100000"], vec!["100000".to_string(), MAX_DEVICES.to_string()]),
+        (vec!["--parallel", "data", "--devices", "5"], vec!["5 devices".into(), "4 rows".into()]),
+        (vec!["--parallel", "tensor", "--devices", "2"], vec!["issue 14".into()]),
+    ] {
+        let start = std::time::Instant::now();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, "never")).args(&extra).output().unwrap();
+        let took = start.elapsed();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{extra:?}: {err}");
+        assert!(says.iter().all(|s| err.contains(s.as_str())), "{extra:?} should say {says:?}: {err}");
+        // Not a speed measurement: opening devices one by one (or reading
+        // the text, which does not exist) would take far longer, or fail
+        // with another message.
+        assert!(took < std::time::Duration::from_secs(5), "{extra:?} took {took:?}");
+        assert!(!dir.join("never").exists());
+    }
 }

@@ -1,6 +1,7 @@
 //! Training across processes with MPI: `mpirun -n 2` and `-n 3` against
 //! single-process training on the same global batch, resuming with a
-//! different number of processes, and a failing rank stopping the job.
+//! different number of processes, and a failing rank stopping the job —
+//! for the MLP and for the GPT.
 //! Runs with `--features mpi` when `mpirun` is installed; the failure test
 //! also needs `fault-injection` (`make test` passes both).
 #![cfg(feature = "mpi")]
@@ -157,5 +158,101 @@ fn a_failing_rank_stops_the_job() {
         assert!(took < Duration::from_secs(120), "took {took:?} to stop");
         assert!(!Path::new(&ckpt).exists(), "no checkpoint from a failed job");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The flags of a tiny GPT run (L1 H2 C16 T16, batch 4) on `text`,
+/// writing its folder to `out`.
+fn gpt_args<'a>(text: &'a str, out: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a str> {
+    vec![
+        "train", "--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--max-steps", steps, "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "0", "--seed", "3",
+        "--text", text, "--out", out, "--plot", plot,
+    ]
+}
+
+/// The number after `final validation loss` in a run's output.
+fn final_validation_loss(o: &Output) -> f32 {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let line = stdout.lines().find(|l| l.starts_with("final validation loss")).unwrap_or_else(|| panic!("no final validation loss: {}", text(o)));
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("cannot read {line:?}"))
+}
+
+/// Checks two GPT model folders' parameters: the same training up to the
+/// f32 summation order of the batch, |Δ| ≤ 1e-5 + 1e-4·|p|. Returns max |Δ|.
+fn assert_same_gpt(what: &str, a: &str, b: &str) -> f32 {
+    let (a, b) = (wgrad::gpt_folder::load_gpt_folder(a).unwrap().model, wgrad::gpt_folder::load_gpt_folder(b).unwrap().model);
+    let mut worst = 0.0f32;
+    for ((name, _, x), (_, _, y)) in a.parameter_values().into_iter().zip(b.parameter_values()) {
+        for (p, q) in x.iter().zip(y) {
+            assert!((p - q).abs() <= 1e-5 + 1e-4 * q.abs(), "{what}: {name} {p} against {q}");
+            worst = worst.max((p - q).abs());
+        }
+    }
+    worst
+}
+
+/// `mpirun -n 2 wgrad train --model gpt --parallel data --distributed mpi`
+/// against one process on one device, then both resumed from the
+/// single-process folder (rank 0 reads it; rank 1 takes its state).
+#[test]
+fn mpi_gpt_training_matches_single_process_and_resumes() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("gpt");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot) = (p("text.txt"), p("loss.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let (single_a, single_b, mpi_a, mpi_b) = (p("single_a"), p("single_b"), p("mpi_a"), p("mpi_b"));
+
+    let (single, _) = run(WGRAD, &gpt_args(&text_file, &single_a, &plot, "8"));
+    assert!(single.status.success(), "{}", text(&single));
+    let (o, _) = mpirun(2, &[], &gpt_args(&text_file, &mpi_a, &plot, "8"));
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("over 2 processes") && stdout.contains("cross-process reductions"), "{stdout}");
+    assert_eq!(stdout.matches("trained 8 steps").count(), 1, "only rank 0 reports: {stdout}");
+    let (want, got) = (final_validation_loss(&single), final_validation_loss(&o));
+    // Relative 1e-3: summation order only (printed to 4 decimals).
+    assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2: validation loss {got} against one process's {want}");
+    let diff = assert_same_gpt("mpirun -n 2 vs one process", &mpi_a, &single_a);
+    eprintln!("gpt mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
+
+    let mut resumed_single = gpt_args(&text_file, &single_b, &plot, "12");
+    resumed_single.extend_from_slice(&["--resume", &single_a]);
+    let (o, _) = run(WGRAD, &resumed_single);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut resumed_mpi = gpt_args(&text_file, &mpi_b, &plot, "12");
+    resumed_mpi.extend_from_slice(&["--resume", &single_a]);
+    let (o, _) = mpirun(2, &[], &resumed_mpi);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process", &mpi_b, &single_b);
+    eprintln!("gpt resumed under mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A rank failing mid-way through a GPT run ends the job with a message
+/// naming it, as for the MLP.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_failing_rank_stops_a_gpt_job() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("gpt-failure");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, out, plot) = (p("text.txt"), p("never"), p("never.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let (o, took) = mpirun(2, &["--fail-at", "1:3"], &gpt_args(&text_file, &out, &plot, "200"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the job must fail: {}", text(&o));
+    assert_ne!(o.status.code(), Some(124), "the job hung until the timeout: {}", text(&o));
+    assert!(err.contains("rank 1 of 2") && err.contains("failure injected at step 3"), "stderr should name the failing rank: {}", text(&o));
+    assert!(took < Duration::from_secs(120), "took {took:?} to stop");
+    assert!(!Path::new(&out).exists(), "no model folder from a failed job");
     std::fs::remove_dir_all(&dir).ok();
 }

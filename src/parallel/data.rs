@@ -157,6 +157,14 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
     Ok(shares)
 }
 
+/// Rows `row..row + n` of `targets`, `width` values per row.
+fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize) -> Targets<'t> {
+    match targets {
+        Targets::Values(v) => Targets::Values(&v[row * width..(row + n) * width]),
+        Targets::Classes(c) => Targets::Classes(&c[row * width..(row + n) * width]),
+    }
+}
+
 fn host_state(t: &Trainer) -> Result<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(String, String, Vec<f32>)>, u64)> {
     let exec = t.executor();
     let params = exec.parameters()?;
@@ -347,6 +355,34 @@ impl DataParallel {
         self.bucket = elements;
     }
 
+    /// Checks that `x` and `targets` hold `global_batch` rows of what the
+    /// model reads and compares against; returns the values per row of
+    /// `x` and of the targets.
+    fn check_batch(&self, op: &'static str, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
+        let f = self.widths.inputs;
+        if x.is_empty() || matches!(x, Examples::Ids(_)) != self.widths.reads_ids {
+            return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
+        }
+        let width = match targets {
+            Targets::Values(v) => {
+                if v.len() != self.global_batch * self.widths.outputs {
+                    return Err(Error::shape(op, "targets must be batch × outputs", &[&[v.len()]]));
+                }
+                self.widths.outputs
+            }
+            Targets::Classes(c) => {
+                if c.len() != self.global_batch * self.widths.output_rows {
+                    return Err(Error::shape(op, "one label per output row", &[&[c.len()]]));
+                }
+                self.widths.output_rows
+            }
+        };
+        if x.len() != self.global_batch * f {
+            return Err(Error::shape(op, format!("x must be {} × {f}", self.global_batch), &[&[x.len()]]));
+        }
+        Ok((f, width))
+    }
+
     /// One step on `global_batch` rows: each device runs forward and
     /// backward on its shard (one submit each, all in flight together), the
     /// gradients are all-reduced weighted by shard size, and every replica
@@ -371,37 +407,13 @@ impl DataParallel {
         across: &mut dyn FnMut(&mut [f64]) -> Result<()>,
     ) -> Result<Option<f32>> {
         let x = x.into();
-        let f = self.widths.inputs;
-        if x.is_empty() || matches!(x, Examples::Ids(_)) != self.widths.reads_ids {
-            return Err(Error::InvalidArgument { op: "DataParallel::step", reason: "the model reads the other kind of input (features or token ids)".into() });
-        }
-        let width = match targets {
-            Targets::Values(v) => {
-                if v.len() != self.global_batch * self.widths.outputs {
-                    return Err(Error::shape("DataParallel::step", "targets must be batch × outputs", &[&[v.len()]]));
-                }
-                self.widths.outputs
-            }
-            Targets::Classes(c) => {
-                if c.len() != self.global_batch * self.widths.output_rows {
-                    return Err(Error::shape("DataParallel::step", "one label per output row", &[&[c.len()]]));
-                }
-                self.widths.output_rows
-            }
-        };
-        if x.len() != self.global_batch * f {
-            return Err(Error::shape("DataParallel::step", format!("x must be {} × {f}", self.global_batch), &[&[x.len()]]));
-        }
+        let (f, width) = self.check_batch("DataParallel::step", x, targets)?;
         let start = Instant::now();
         let mut row = 0;
         for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
             let k = &self.devices[i];
-            let shard_targets = match targets {
-                Targets::Values(v) => Targets::Values(&v[row * width..(row + n) * width]),
-                Targets::Classes(c) => Targets::Classes(&c[row * width..(row + n) * width]),
-            };
             t.forward_examples(x.slice(row * f, (row + n) * f)).map_err(|e| on_device(i, k, e))?;
-            t.loss(shard_targets).map_err(|e| on_device(i, k, e))?;
+            t.loss(shard(targets, row, n, width)).map_err(|e| on_device(i, k, e))?;
             t.forward_backward(false).map_err(|e| on_device(i, k, e))?;
             row += n;
         }
@@ -496,6 +508,57 @@ impl DataParallel {
         self.build_replicas(proposal, Some(state))?;
         self.stats.resplits += 1;
         Ok(())
+    }
+
+    /// The mean loss of one global batch without training on it: each
+    /// replica evaluates its rows (the same split as a step), and the shard
+    /// means are weighted by their rows, as the loss a step reads is.
+    pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
+        let x = x.into();
+        let (f, width) = self.check_batch("DataParallel::evaluate_loss", x, targets)?;
+        let mut total = 0.0f64;
+        let mut row = 0;
+        for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
+            let loss = t.evaluate_loss(x.slice(row * f, (row + n) * f), shard(targets, row, n, width)).map_err(|e| on_device(i, &self.devices[i], e))?;
+            total += n as f64 / self.global_batch as f64 * f64::from(loss);
+            row += n;
+        }
+        Ok(total as f32)
+    }
+
+    /// Loads parameters (by name), optimizer state and the step count into
+    /// every replica (resuming a run), each checked as
+    /// [`Executor::load_state`](crate::graph::Executor::load_state) checks.
+    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        for (i, t) in self.replicas.iter_mut().enumerate() {
+            t.executor_mut().load_state(params, optimizer_state, step).map_err(|e| on_device(i, &self.devices[i], e))?;
+        }
+        Ok(())
+    }
+
+    /// One line: the rows each device takes and, once measured, each
+    /// device's step cost.
+    pub fn describe(&self) -> String {
+        let shares: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let costs: Vec<String> = self
+            .costs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)))
+            .collect();
+        if costs.is_empty() {
+            format!("data parallel, batch split {}", shares.join(", "))
+        } else {
+            format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
+        }
+    }
+
+    /// [`DataParallel::describe`] with the share of step time spent on
+    /// communication and the re-splits, for the end of a run.
+    pub fn report(&self) -> String {
+        let s = &self.stats;
+        let communication = 100.0 * s.communication.as_secs_f64() / (s.compute + s.communication).as_secs_f64().max(1e-9);
+        format!("{}; communication {communication:.0}% of step time; {} re-splits", self.describe(), s.resplits)
     }
 
     /// Predictions from replica 0 (all replicas hold the same weights).

@@ -292,6 +292,36 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         self.failure = Some((rank, step, how));
     }
 
+    /// This process's rows of a global batch (`x` and `targets` hold all of
+    /// it, in the same order on every rank) and its share of the batch.
+    fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Examples<'x>, Targets<'t>, f64)> {
+        let rank = self.group.rank();
+        let n = self.global_batch;
+        let f = x.len() / n.max(1);
+        if f == 0 || x.len() != n * f {
+            return Err(Error::shape(op, format!("x must be {n} rows"), &[&[x.len()]]));
+        }
+        let start: usize = self.process_shares[..rank].iter().sum();
+        let rows = self.process_shares[rank];
+        let own_targets = match targets {
+            Targets::Values(v) => {
+                let w = v.len() / n;
+                if v.len() != n * w {
+                    return Err(Error::shape(op, "targets must be batch × outputs", &[&[v.len()]]));
+                }
+                Targets::Values(&v[start * w..(start + rows) * w])
+            }
+            Targets::Classes(c) => {
+                let w = c.len() / n;
+                if w == 0 || c.len() != n * w {
+                    return Err(Error::shape(op, "the same labels per example", &[&[c.len()]]));
+                }
+                Targets::Classes(&c[start * w..(start + rows) * w])
+            }
+        };
+        Ok((x.slice(start * f, (start + rows) * f), own_targets, rows as f64 / n as f64))
+    }
+
     /// One optimizer step on the global batch (`x` and `targets` hold all
     /// of it, in the same order on every rank; each process takes its rows).
     /// Returns the global mean loss when `read_loss`.
@@ -307,31 +337,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
                 }
             }
         }
-        let n = self.global_batch;
-        let f = x.len() / n.max(1);
-        if f == 0 || x.len() != n * f {
-            return Err(Error::shape("DistributedDataParallel::step", format!("x must be {n} rows"), &[&[x.len()]]));
-        }
-        let start: usize = self.process_shares[..rank].iter().sum();
-        let rows = self.process_shares[rank];
-        let own_targets = match targets {
-            Targets::Values(v) => {
-                let w = v.len() / n;
-                if v.len() != n * w {
-                    return Err(Error::shape("DistributedDataParallel::step", "targets must be batch × outputs", &[&[v.len()]]));
-                }
-                Targets::Values(&v[start * w..(start + rows) * w])
-            }
-            Targets::Classes(c) => {
-                let w = c.len() / n;
-                if w == 0 || c.len() != n * w {
-                    return Err(Error::shape("DistributedDataParallel::step", "the same labels per example", &[&[c.len()]]));
-                }
-                Targets::Classes(&c[start * w..(start + rows) * w])
-            }
-        };
-        let own_x = x.slice(start * f, (start + rows) * f);
-        let scale = rows as f64 / n as f64;
+        let (own_x, own_targets, scale) = self.own_rows("DistributedDataParallel::step", x, targets)?;
         let began = Instant::now();
         let mut across = Duration::ZERO;
         let group = &self.group;
@@ -389,6 +395,40 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         self.process_costs = self.gather_costs(own)?;
         let proposal = balanced_split(self.global_batch, &self.process_costs)?;
         self.adopt_if_better(proposal)
+    }
+
+    /// The mean loss of one global batch without training on it: each
+    /// process evaluates its rows over its devices, and one cross-process
+    /// sum weights them by rows. Collective: every rank calls it.
+    pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
+        let rank = self.group.rank();
+        let (own_x, own_targets, scale) = self.own_rows("DistributedDataParallel::evaluate_loss", x.into(), targets)?;
+        let local = self.local.evaluate_loss(own_x, own_targets).map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+        let mut weighted = [scale * f64::from(local)];
+        self.group.all_reduce_sum(&mut weighted)?;
+        Ok(weighted[0] as f32)
+    }
+
+    /// One line: rows per process, each process's measured step cost, and
+    /// this process's own devices.
+    pub fn describe(&self) -> String {
+        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
+        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        format!(
+            "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
+            self.group.size(),
+            self.process_shares,
+            self.group.describe(),
+            self.local.describe()
+        )
+    }
+
+    /// [`DistributedDataParallel::describe`] with the share of step time
+    /// spent in cross-process reductions and the re-splits.
+    pub fn report(&self) -> String {
+        let s = &self.stats;
+        let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
+        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
     }
 
     pub fn group(&self) -> &G {

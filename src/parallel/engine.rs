@@ -35,6 +35,27 @@ impl Strategy {
         }
     }
 
+    /// Whether `devices` devices can split a global batch of `batch` rows
+    /// (one row each at least, and one entry per device in a fixed
+    /// `split`), for any model: [`Strategy::check_devices`] for a
+    /// Sequential, and the GPT's run, use it.
+    pub fn check_data_devices(devices: usize, batch: usize, split: Option<&[usize]>) -> Result<()> {
+        super::check_limit(devices)?;
+        if devices > batch {
+            return Err(Error::InvalidArgument {
+                op: "data parallel",
+                reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
+            });
+        }
+        match split {
+            Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
+                op: "data parallel split",
+                reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether `devices` devices can share `model` this way, checked before
     /// any is opened (the constructors check again on the opened group):
     /// data parallel needs a row of the `batch` per device (and one entry
@@ -44,21 +65,7 @@ impl Strategy {
         super::check_limit(devices)?;
         match self {
             Strategy::Single => Ok(()),
-            Strategy::Data => {
-                if devices > batch {
-                    return Err(Error::InvalidArgument {
-                        op: "data parallel",
-                        reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
-                    });
-                }
-                match split {
-                    Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
-                        op: "data parallel split",
-                        reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
-                    }),
-                    _ => Ok(()),
-                }
-            }
+            Strategy::Data => Self::check_data_devices(devices, batch, split),
             Strategy::Pipeline => {
                 let linears = model.layers.iter().filter(|l| matches!(l, Layer::Linear(_))).count();
                 if devices > linears {
@@ -192,34 +199,13 @@ impl Engine {
     pub fn describe(&self) -> String {
         match self {
             Engine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
-            Engine::Data(d) => Engine::describe_data(d),
+            Engine::Data(d) => d.describe(),
             Engine::Pipeline(p) => format!(
                 "pipeline parallel, {} stages of {:?} layers, ideal bubble {:.0}%",
                 p.stages().len(), p.layer_counts(), 100.0 * p.ideal_bubble_fraction()
             ),
             Engine::Tensor(t) => format!("tensor parallel, hidden units per device {:?}", t.hidden_split()),
-            Engine::Distributed(d) => {
-                let costs: Vec<String> = d.process_costs().iter().enumerate()
-                    .map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
-                let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
-                format!(
-                    "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
-                    d.group().size(), d.process_shares(), d.group().describe(), Engine::describe_data(d.local())
-                )
-            }
-        }
-    }
-
-    fn describe_data(d: &DataParallel) -> String {
-        let shares: Vec<String> = d.devices().iter().zip(d.shares()).enumerate()
-            .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
-        let costs: Vec<String> = d.costs().iter().enumerate().filter_map(|(i, c)| {
-            c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))
-        }).collect();
-        if costs.is_empty() {
-            format!("data parallel, batch split {}", shares.join(", "))
-        } else {
-            format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
+            Engine::Distributed(d) => d.describe(),
         }
     }
 
@@ -230,22 +216,13 @@ impl Engine {
         }
         match self {
             Engine::Single(_) => String::new(),
-            Engine::Data(d) => {
-                let s = d.stats();
-                format!("{}; communication {:.0}% of step time; {} re-splits", self.describe(), share(s.communication, s.compute + s.communication), s.resplits)
-            }
+            Engine::Data(d) => d.report(),
             Engine::Pipeline(p) => format!(
                 "{}; measured bubble {:.0}%; communication {:.0}% of step time",
                 self.describe(), 100.0 * p.measured_bubble_fraction(), share(p.stats().communication, p.stats().wall)
             ),
             Engine::Tensor(t) => format!("{}; communication {:.0}% of step time", self.describe(), share(t.stats().communication, t.stats().wall)),
-            Engine::Distributed(d) => {
-                let s = d.stats();
-                format!(
-                    "{}; cross-process reductions {:.0}% of step time; {} process re-splits",
-                    self.describe(), share(s.across, s.local + s.across), s.resplits
-                )
-            }
+            Engine::Distributed(d) => d.report(),
         }
     }
 }

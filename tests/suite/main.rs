@@ -11,6 +11,7 @@ mod data;
 mod device;
 mod fusion;
 mod generate;
+mod gpt_data_parallel;
 mod gpt_folder;
 mod gpt_pipeline;
 mod gpt_reference;

@@ -58,7 +58,7 @@ impl IntoIterator for Groups {
 
 /// Two devices on two adapters, one adapter twice, and three devices; none
 /// (failing in CI, see `common::no_adapter`) without an adapter.
-fn groups(test: &str) -> Groups {
+pub(crate) fn groups(test: &str) -> Groups {
     open_groups(test, &[DeviceSelection::Count(2), DeviceSelection::Adapters(vec!["0".into(), "0".into()]), DeviceSelection::Count(3)])
 }
 
