@@ -30,6 +30,8 @@ use crate::parallel::data::{DataParallel, Split};
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::parallel::engine::Strategy;
+use crate::parallel::gpt_pipeline::{GptPipeline, Schedule};
+use crate::parallel::gpt_tensor::GptTensorParallel;
 use crate::parallel::{DeviceGroup, DeviceSelection};
 use crate::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::trainer::{Examples, Targets, Trainer};
@@ -91,10 +93,11 @@ pub struct LmTrainConfig {
     /// where they stopped, so a resumed run equals an uninterrupted one.
     /// Across processes only rank 0 reads it.
     pub resume: Option<PathBuf>,
-    /// How the work is spread over devices: `Single` (the default) or
-    /// `Data` (a replica per device, the batch split among them; the only
-    /// strategy across processes). Tensor and pipeline parallel are refused
-    /// for the GPT until they are built.
+    /// How the work is spread over devices: `Single` (the default), `Data`
+    /// (a replica per device, the batch split among them; the only strategy
+    /// across processes), `Tensor` (Megatron: each device holds some heads
+    /// and MLP units of every block, [`GptTensorParallel`]) or `Pipeline`
+    /// (whole blocks per device, micro-batches, [`GptPipeline`]).
     pub strategy: Strategy,
     /// The devices [`LmTrainingRun::new`] opens: `None` gives the default
     /// device for a single device, `WGRAD_DEVICES` or 2 devices for data
@@ -103,6 +106,10 @@ pub struct LmTrainConfig {
     /// Data parallel: fixed rows per device (summing to `batch_size`)
     /// instead of the measured split; across processes, rows per process.
     pub split: Option<Vec<usize>>,
+    /// Pipeline parallel: micro-batches per step (dividing `batch_size`).
+    pub micro_batches: usize,
+    /// Pipeline parallel: GPipe or 1F1B.
+    pub schedule: Schedule,
     /// Testing the failure path: (rank, step, how) fails that rank at that
     /// step of a run across processes.
     #[cfg(feature = "fault-injection")]
@@ -140,6 +147,8 @@ impl Default for LmTrainConfig {
             strategy: Strategy::Single,
             devices: None,
             split: None,
+            micro_batches: 4,
+            schedule: Schedule::OneFOneB,
             #[cfg(feature = "fault-injection")]
             fail_at: None,
         }
@@ -167,10 +176,13 @@ impl LmTrainConfig {
         if self.eval_every == 0 || self.eval_batches == 0 || self.loss_every == 0 {
             return bad("eval_every, eval_batches and loss_every must be positive".into());
         }
-        match self.strategy {
-            Strategy::Single | Strategy::Data => Ok(()),
-            strategy @ (Strategy::Tensor | Strategy::Pipeline) => Err(not_built(strategy)),
+        if self.strategy == Strategy::Pipeline && (self.micro_batches == 0 || self.batch_size % self.micro_batches != 0) {
+            return Err(Error::InvalidArgument {
+                op: "train --parallel pipeline",
+                reason: format!("the batch of {} rows must split into {} equal micro-batches (--micro-batches)", self.batch_size, self.micro_batches),
+            });
         }
+        Ok(())
     }
 
     /// Whether `devices` devices can share this run's GPT, checked before
@@ -179,10 +191,20 @@ impl LmTrainConfig {
     /// holds rows per process, which the engine checks once the job's size
     /// is known.
     pub fn check_devices(&self, devices: usize, across_processes: bool) -> Result<()> {
+        crate::parallel::check_limit(devices)?;
+        let refuse = |op: &'static str, reason: String| Err(Error::InvalidArgument { op, reason });
         match self.strategy {
             Strategy::Data => Strategy::check_data_devices(devices, self.batch_size, if across_processes { None } else { self.split.as_deref() }),
-            // Refused by `check` before devices matter.
-            Strategy::Single | Strategy::Tensor | Strategy::Pipeline => crate::parallel::check_limit(devices),
+            Strategy::Tensor if devices > self.n_head => {
+                refuse("tensor parallel", format!("{devices} devices need at least one attention head each, but the model has {} heads: use at most {} devices", self.n_head, self.n_head))
+            }
+            // Middle stages hold a block each; the first may hold only the
+            // embedding and the last only the head.
+            Strategy::Pipeline if devices > self.n_layer + 2 => refuse(
+                "pipeline parallel",
+                format!("{devices} stages asked for, but a model of {} block(s) fills at most {} (the embedding's, one per block, the head's): use fewer devices", self.n_layer, self.n_layer + 2),
+            ),
+            Strategy::Single | Strategy::Tensor | Strategy::Pipeline => Ok(()),
         }
     }
 }
@@ -311,17 +333,10 @@ enum LmEngine {
     /// Data parallel over the processes of a job (MPI) and, inside each,
     /// over its local devices.
     Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
-}
-
-/// The error for a strategy the GPT's run does not have yet.
-fn not_built(strategy: Strategy) -> Error {
-    let (op, missing) = match strategy {
-        Strategy::Tensor => ("train --model gpt --parallel tensor", "tensor parallel is not built for the GPT yet (issue 14: Megatron-style splits of its attention heads and MLP across devices)"),
-        Strategy::Pipeline => ("train --model gpt --parallel pipeline", "pipeline parallel is not built for the GPT yet (issue 14: its blocks as pipeline stages that read token ids and end in the sequence loss)"),
-        // Built: never refused.
-        Strategy::Single | Strategy::Data => ("train --model gpt", "no strategy is missing"),
-    };
-    Error::InvalidArgument { op, reason: format!("{missing}; use --parallel data") }
+    /// Megatron: heads and MLP units of every block split over devices.
+    Tensor(Box<GptTensorParallel>),
+    /// Whole blocks per device, micro-batches through the stages.
+    Pipeline(Box<GptPipeline>),
 }
 
 impl LmEngine {
@@ -341,14 +356,18 @@ impl LmEngine {
             (Strategy::Single, Some(_)) => {
                 return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() })
             }
-            (strategy @ (Strategy::Tensor | Strategy::Pipeline), _) => return Err(not_built(strategy)),
+            (Strategy::Tensor, None) => LmEngine::Tensor(Box::new(GptTensorParallel::new(devices, model, optimizer, batch)?)),
+            (Strategy::Pipeline, None) => LmEngine::Pipeline(Box::new(GptPipeline::new(devices, model, optimizer, batch, config.micro_batches, config.schedule)?)),
+            (Strategy::Tensor | Strategy::Pipeline, Some(_)) => {
+                return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() })
+            }
         })
     }
 
     /// One optimizer step on a global batch of token ids and the tokens
     /// that follow them; the mean loss when `read_loss`.
-    fn step(&mut self, ids: &[u32], targets: &[u32], read_loss: bool) -> Result<Option<f32>> {
-        let targets = Targets::Classes(targets);
+    fn step(&mut self, ids: &[u32], next: &[u32], read_loss: bool) -> Result<Option<f32>> {
+        let targets = Targets::Classes(next);
         match self {
             LmEngine::Single(t) => {
                 t.zero_grad();
@@ -363,17 +382,21 @@ impl LmEngine {
             }
             LmEngine::Data(d) => d.step(ids, targets, read_loss),
             LmEngine::Distributed(d) => d.step(ids, targets, read_loss),
+            LmEngine::Tensor(t) => t.step(ids, next, read_loss),
+            LmEngine::Pipeline(p) => p.step(ids, next, read_loss),
         }
     }
 
     /// The mean loss of one global batch, without training on it
     /// (collective across processes).
-    fn evaluate_loss(&mut self, ids: &[u32], targets: &[u32]) -> Result<f32> {
-        let targets = Targets::Classes(targets);
+    fn evaluate_loss(&mut self, ids: &[u32], next: &[u32]) -> Result<f32> {
+        let targets = Targets::Classes(next);
         match self {
             LmEngine::Single(t) => t.evaluate_loss(Examples::Ids(ids), targets),
             LmEngine::Data(d) => d.evaluate_loss(ids, targets),
             LmEngine::Distributed(d) => d.evaluate_loss(ids, targets),
+            LmEngine::Tensor(t) => t.evaluate_loss(ids, next),
+            LmEngine::Pipeline(p) => p.evaluate_loss(ids, next),
         }
     }
 
@@ -384,6 +407,8 @@ impl LmEngine {
             LmEngine::Single(t) => t.executor().parameters(),
             LmEngine::Data(d) => d.replicas()[0].executor().parameters(),
             LmEngine::Distributed(d) => d.replica().executor().parameters(),
+            LmEngine::Tensor(t) => t.parameters(),
+            LmEngine::Pipeline(p) => p.parameters(),
         }
     }
 
@@ -393,6 +418,8 @@ impl LmEngine {
             LmEngine::Single(t) => t.executor().optimizer_state()?,
             LmEngine::Data(d) => d.replicas()[0].executor().optimizer_state()?,
             LmEngine::Distributed(d) => d.replica().executor().optimizer_state()?,
+            LmEngine::Tensor(t) => return Ok(t.optimizer_state()?.state),
+            LmEngine::Pipeline(p) => p.optimizer_state()?,
         };
         Ok(state.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect())
     }
@@ -403,6 +430,8 @@ impl LmEngine {
             LmEngine::Single(t) => t.executor().step_count(),
             LmEngine::Data(d) => d.replicas()[0].executor().step_count(),
             LmEngine::Distributed(d) => d.replica().executor().step_count(),
+            LmEngine::Tensor(t) => t.step_count(),
+            LmEngine::Pipeline(p) => p.step_count(),
         }
     }
 
@@ -413,6 +442,8 @@ impl LmEngine {
         match (self, state) {
             (LmEngine::Single(t), Some(s)) => t.executor_mut().load_state(&[], &s.state, Some(s.step)),
             (LmEngine::Data(d), Some(s)) => d.load_state(&[], &s.state, Some(s.step)),
+            (LmEngine::Tensor(t), Some(s)) => t.load_state(s),
+            (LmEngine::Pipeline(p), Some(s)) => p.load_state(&[], &s.state, Some(s.step)),
             (LmEngine::Distributed(d), state) => {
                 if let Some(s) = state {
                     d.local_mut().load_state(&[], &s.state, Some(s.step))?;
@@ -424,11 +455,29 @@ impl LmEngine {
     }
 
     /// Dispatches and GPU bytes of one device's step (replica 0's).
+    /// For a model split over devices: the dispatches of all its stages,
+    /// and the GPU bytes of the device holding the most.
     fn footprint(&self) -> (usize, u64) {
         let exec = match self {
             LmEngine::Single(t) => t.executor(),
             LmEngine::Data(d) => d.replicas()[0].executor(),
             LmEngine::Distributed(d) => d.replica().executor(),
+            LmEngine::Tensor(t) => {
+                let mut per_device: Vec<u64> = Vec::new();
+                let mut dispatches = 0;
+                for (device, stage) in t.stages() {
+                    if per_device.len() <= device {
+                        per_device.resize(device + 1, 0);
+                    }
+                    per_device[device] += stage.executor().peak_bytes();
+                    dispatches += stage.executor().dispatches_per_step();
+                }
+                return (dispatches, per_device.into_iter().max().unwrap_or(0));
+            }
+            LmEngine::Pipeline(p) => {
+                let dispatches = p.stages().iter().map(|s| s.executor().dispatches_per_step()).sum();
+                return (dispatches, p.stage_gpu_bytes().into_iter().max().unwrap_or(0));
+            }
         };
         (exec.dispatches_per_step(), exec.peak_bytes())
     }
@@ -439,6 +488,8 @@ impl LmEngine {
             LmEngine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
             LmEngine::Data(d) => d.describe(),
             LmEngine::Distributed(d) => d.describe(),
+            LmEngine::Tensor(t) => t.describe(),
+            LmEngine::Pipeline(p) => p.describe(),
         }
     }
 
@@ -448,6 +499,8 @@ impl LmEngine {
             LmEngine::Single(_) => String::new(),
             LmEngine::Data(d) => d.report(),
             LmEngine::Distributed(d) => d.report(),
+            LmEngine::Tensor(t) => t.report(),
+            LmEngine::Pipeline(p) => p.report(),
         }
     }
 
@@ -466,7 +519,7 @@ fn open_devices(device: &DeviceOptions, config: &LmTrainConfig, across_processes
     config.check()?;
     let selection = match (&config.devices, config.strategy) {
         (Some(selection), _) => Some(selection.clone()),
-        (None, Strategy::Data) if !across_processes => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
+        (None, Strategy::Data | Strategy::Tensor | Strategy::Pipeline) if !across_processes => Some(DeviceSelection::from_env(DeviceSelection::Count(2))?),
         (None, _) => None,
     };
     match selection {

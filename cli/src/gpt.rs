@@ -11,6 +11,7 @@ use wgrad::generate::{Generator, Sampling};
 use wgrad::nn::Gpt;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::gpt_pipeline::Schedule;
 use wgrad::parallel::DeviceSelection;
 use wgrad::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};
@@ -75,6 +76,10 @@ pub struct GptArgs {
     /// GPT: tokens of the sample generated at the end (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
+    /// GPT with --parallel pipeline: gpipe (every forward, then every
+    /// backward) or 1f1b (one forward, one backward: fewer activations held).
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
 }
 
 fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
@@ -122,6 +127,8 @@ fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
         },
         devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
         split: args.split.clone(),
+        micro_batches: args.micro_batches,
+        schedule: Schedule::parse(&g.schedule)?,
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(crate::parse_fail_at).transpose()?,
     })

@@ -150,8 +150,7 @@ struct TrainArgs {
     /// Train on MNIST IDX files in this folder instead of the digits set.
     #[arg(long)]
     mnist: Option<PathBuf>,
-    /// Spread training over several devices: data, pipeline or tensor (the
-    /// GPT: data).
+    /// Spread training over several devices: data, pipeline or tensor.
     #[arg(long)]
     parallel: Option<String>,
     /// Devices for --parallel: a count, `all`, or adapter indexes like 0,1,1

@@ -102,11 +102,11 @@ fn final_validation_loss(stdout: &str) -> f32 {
     line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("cannot read {line:?}"))
 }
 
-/// `wgrad train --model gpt --parallel data --devices 2` ends with the
-/// single-device run's validation loss and reports its split and
-/// communication.
+/// `wgrad train --model gpt --parallel data|tensor|pipeline --devices 2`
+/// each end with the single-device run's validation loss and report how
+/// the work was spread and what communication cost.
 #[test]
-fn wgrad_train_gpt_data_parallel_ends_where_one_device_ends() {
+fn wgrad_train_gpt_in_parallel_ends_where_one_device_ends() {
     let dir = std::env::temp_dir().join(format!("wgrad-gpt-dp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let text = dir.join("text.txt");
@@ -121,15 +121,24 @@ fn wgrad_train_gpt_data_parallel_ends_where_one_device_ends() {
     let data = run("data", &["--parallel", "data", "--devices", "2"]);
     assert!(data.contains("data parallel, batch split #0") && data.contains("#1 "), "{data}");
     assert!(data.contains("communication") && data.contains("% of step time"), "no report at the end: {data}");
-    let (want, got) = (final_validation_loss(&single), final_validation_loss(&data));
-    // The same training up to the f32 summation order of the batch
-    // (tests/suite/gpt_data_parallel.rs): relative 1e-3.
-    assert!((got - want).abs() <= 1e-3 * want, "data parallel {got} against one device {want}");
+    let tensor = run("tensor", &["--parallel", "tensor", "--devices", "2"]);
+    assert!(tensor.contains("heads") && tensor.contains("communication"), "{tensor}");
+    let pipeline = run("pipeline", &["--parallel", "pipeline", "--devices", "2", "--micro-batches", "2", "--schedule", "gpipe"]);
+    assert!(pipeline.contains("GPipe") && pipeline.contains("bubble"), "{pipeline}");
+    let want = final_validation_loss(&single);
+    for (strategy, output) in [("data", &data), ("tensor", &tensor), ("pipeline", &pipeline)] {
+        let got = final_validation_loss(output);
+        // The same training up to the f32 summation order of the batch and
+        // of the split matmuls (tests/suite/gpt_data_parallel.rs,
+        // gpt_tensor.rs, gpt_pipeline.rs): relative 1e-3.
+        assert!((got - want).abs() <= 1e-3 * want, "{strategy} parallel {got} against one device {want}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A GPT run with more devices than it can use, or a strategy the GPT does
-/// not have yet, fails before any device opens, naming the numbers.
+/// A GPT run with more devices than its strategy can use, or a batch the
+/// pipeline cannot cut into micro-batches, fails before any device opens,
+/// naming the numbers.
 #[test]
 fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
     let dir = std::env::temp_dir().join(format!("wgrad-gpt-devices-{}", std::process::id()));
@@ -137,7 +146,9 @@ fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
     for (extra, says) in [
         (vec!["--parallel", "data", "--devices", "100000"], vec!["100000".to_string(), MAX_DEVICES.to_string()]),
         (vec!["--parallel", "data", "--devices", "5"], vec!["5 devices".into(), "4 rows".into()]),
-        (vec!["--parallel", "tensor", "--devices", "2"], vec!["issue 14".into()]),
+        (vec!["--parallel", "tensor", "--devices", "3"], vec!["3 devices".into(), "2 heads".into()]),
+        (vec!["--parallel", "pipeline", "--devices", "4"], vec!["4 stages".into(), "at most 3".into()]),
+        (vec!["--parallel", "pipeline", "--micro-batches", "3"], vec!["4 rows".into(), "3 equal micro-batches".into()]),
     ] {
         let start = std::time::Instant::now();
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, "never")).args(&extra).output().unwrap();

@@ -52,6 +52,17 @@ pub enum Schedule {
     OneFOneB,
 }
 
+impl Schedule {
+    /// `gpipe` or `1f1b` (any case).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(Schedule::GPipe),
+            "1f1b" | "onefoneb" => Ok(Schedule::OneFOneB),
+            other => Err(Error::InvalidArgument { op: "pipeline schedule", reason: format!("unknown schedule `{other}`: use gpipe or 1f1b") }),
+        }
+    }
+}
+
 impl std::fmt::Display for Schedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -231,9 +231,9 @@ fn a_resumed_data_parallel_gpt_run_equals_an_uninterrupted_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Device counts that cannot work, and the strategies the GPT does not
-/// have yet, are errors naming the numbers before any device opens (no
-/// adapter needed).
+/// Device counts no strategy can use, and a batch the pipeline cannot cut
+/// into micro-batches, are errors naming the numbers before any device
+/// opens (no adapter needed).
 #[test]
 fn impossible_gpt_device_counts_fail_before_opening() {
     let data = LmTrainConfig { strategy: Strategy::Data, ..config() };
@@ -248,8 +248,10 @@ fn impossible_gpt_device_counts_fail_before_opening() {
     assert!(reason.contains("7 devices") && reason.contains("6 rows"), "{reason}");
     let reason = refusal(LmTrainConfig { devices: Some(DeviceSelection::Count(2)), split: Some(vec![2, 2, 2]), ..data });
     assert!(reason.contains("3 devices") && reason.contains("2 devices"), "{reason}");
-    for strategy in [Strategy::Tensor, Strategy::Pipeline] {
-        let reason = refusal(LmTrainConfig { strategy, devices: Some(DeviceSelection::Count(2)), ..config() });
-        assert!(reason.contains("issue 14") && reason.contains("--parallel data"), "{strategy:?}: {reason}");
-    }
+    let reason = refusal(LmTrainConfig { strategy: Strategy::Tensor, devices: Some(DeviceSelection::Count(3)), ..config() });
+    assert!(reason.contains("3 devices") && reason.contains("2 heads"), "{reason}");
+    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, devices: Some(DeviceSelection::Count(5)), ..config() });
+    assert!(reason.contains("5 stages") && reason.contains("at most 4"), "{reason}");
+    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, micro_batches: 4, ..config() });
+    assert!(reason.contains(&format!("{BATCH} rows")) && reason.contains("4 equal micro-batches"), "{reason}");
 }
