@@ -250,7 +250,7 @@ fn impossible_gpt_device_counts_fail_before_opening() {
     assert!(reason.contains("3 devices") && reason.contains("2 devices"), "{reason}");
     let reason = refusal(LmTrainConfig { strategy: Strategy::Tensor, devices: Some(DeviceSelection::Count(3)), ..config() });
     assert!(reason.contains("3 devices") && reason.contains("2 heads"), "{reason}");
-    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, devices: Some(DeviceSelection::Count(5)), ..config() });
+    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, devices: Some(DeviceSelection::Count(5)), micro_batches: 2, ..config() });
     assert!(reason.contains("5 stages") && reason.contains("at most 4"), "{reason}");
     let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, micro_batches: 4, ..config() });
     assert!(reason.contains(&format!("{BATCH} rows")) && reason.contains("4 equal micro-batches"), "{reason}");
