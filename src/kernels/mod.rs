@@ -254,7 +254,7 @@ impl Kernels {
     pub fn with_limits(device: Device, overrides: LimitOverrides) -> Result<Self> {
         let limits = device.limits();
         let checks = [
-            ("max_storage_buffer_binding_size", overrides.max_storage_buffer_binding_size, u64::from(limits.max_storage_buffer_binding_size)),
+            ("max_storage_buffer_binding_size", overrides.max_storage_buffer_binding_size, limits.max_storage_buffer_binding_size),
             ("max_buffer_size", overrides.max_buffer_size, limits.max_buffer_size),
         ];
         for (name, wanted, adapter) in checks {
@@ -295,7 +295,7 @@ impl Kernels {
     /// The most bytes one storage binding holds: the adapter's
     /// `max_storage_buffer_binding_size`, or the lower override.
     pub fn binding_limit(&self) -> u64 {
-        let adapter = u64::from(self.device.limits().max_storage_buffer_binding_size);
+        let adapter = self.device.limits().max_storage_buffer_binding_size;
         self.overrides.max_storage_buffer_binding_size.map_or(adapter, |o| o.min(adapter))
     }
 

@@ -16,6 +16,7 @@ mod gpt_reference;
 mod graph;
 mod kernels;
 mod kernels_ext;
+mod large_operands;
 mod lm_training;
 mod modules;
 mod optim;
