@@ -48,8 +48,12 @@ struct MatmulParams {
     // An ACT_* code of activations.wgsl (ops::Activation::code); read only
     // by the epilogue.
     activation: u32,
-    _pad1: u32,
-    _pad2: u32,
+    // Elements between rows of C (and of pre, act_input): n, or the whole
+    // product's n when this launch computes a block of its columns (an
+    // operand too large for one storage binding splits the product).
+    ldc: u32,
+    // The block's first column in the whole product: where it reads bias.
+    bias_base: u32,
     // Strides of the stored operands, which say the form to the kernels that
     // take it at run time (small, register, subgroup: one pipeline for all
     // three forms, since each costs seconds of LLVM on a CPU adapter):
@@ -65,7 +69,14 @@ struct MatmulParams {
     batch_a: u32,
     batch_b: u32,
     batch_c: u32,
-    _pad3: u32,
+    // Where this launch's matrices start in its a, b and c bindings (in
+    // f32 elements): a block of a large operand is bound from the nearest
+    // storage-offset-aligned element before it. 0 when nothing is split.
+    a_base: u32,
+    b_base: u32,
+    c_base: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
@@ -90,17 +101,17 @@ var<private> c_off: u32;
 
 // Every entry point calls this first with workgroup_id.z.
 fn set_batch(z: u32) {
-    a_off = z * p.batch_a;
-    b_off = z * p.batch_b;
-    c_off = z * p.batch_c;
+    a_off = p.a_base + z * p.batch_a;
+    b_off = p.b_base + z * p.batch_b;
+    c_off = p.c_base + z * p.batch_c;
 }
 
-// pre and act_input are [batch, M, N] like C.
+// pre and act_input are [batch, M, N] like C, bound like C.
 fn write_c(row: u32, col: u32, product: f32) {
-    let i = c_off + row * p.n + col;
+    let i = c_off + row * p.ldc + col;
     var v = product;
     if HAS_BIAS {
-        v += bias[col];
+        v += bias[p.bias_base + col];
     }
     if ACTIVATION_BACKWARD {
         v = activation_backward(p.activation, act_input[i], v);

@@ -39,6 +39,15 @@ struct RowParams {
     // them (an intermediate that holds stale values).
     accumulate: u32,
     _pad1: u32,
+    // embedding: the table rows (ids) row_start..row_end this launch
+    // reads or writes, which start at element table_base of its `table` /
+    // `dtable` binding. The whole vocabulary unless the table is too large
+    // for one storage binding, which splits the lookup into launches over
+    // row ranges, each skipping the ids outside its own.
+    row_start: u32,
+    row_end: u32,
+    table_base: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
@@ -467,7 +476,8 @@ fn cross_entropy_rows_forward_backward_short(@builtin(workgroup_id) wid: vec3<u3
 
 // embedding_forward: out[n, C] = table[ids[n], :] for table[V, C], ids[n]
 // (u32); one invocation per output element. An id ≥ V writes a row of NaN
-// (no out-of-bounds read; the NaN reaches the loss, where it is caught).
+// (no out-of-bounds read; the NaN reaches the loss, where it is caught),
+// in the launch that covers the table's last rows.
 // The Rust side checks ids on the host where it has them (check_token_ids).
 @compute @workgroup_size(256)
 fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -478,8 +488,16 @@ fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     }
     let id = ids[i / q.cols];
     let c = i % q.cols;
-    let value = table[min(id, q.vocab - 1u) * q.cols + c];
-    out[i] = select(quiet_nan(), value, id < q.vocab);
+    if id >= q.vocab {
+        if q.row_end == q.vocab {
+            out[i] = quiet_nan();
+        }
+        return;
+    }
+    if id < q.row_start || id >= q.row_end {
+        return;
+    }
+    out[i] = table[q.table_base + (id - q.row_start) * q.cols + c];
 }
 
 // The embedding backward is a deterministic counting sort of the ids, then
@@ -591,7 +609,7 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let slot = i / q.cols;
     let c = i % q.cols;
     let v = bucket(ids[order[slot]], q.vocab);
-    if v == q.vocab || (slot > 0u && bucket(ids[order[slot - 1u]], q.vocab) == v) {
+    if v == q.vocab || v < q.row_start || v >= q.row_end || (slot > 0u && bucket(ids[order[slot - 1u]], q.vocab) == v) {
         return;
     }
     var acc = 0.0;
@@ -602,5 +620,6 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         }
         acc += dy[n * q.cols + c];
     }
-    dtable[v * q.cols + c] = dtable[v * q.cols + c] + acc;
+    let at = q.table_base + (v - q.row_start) * q.cols + c;
+    dtable[at] = dtable[at] + acc;
 }

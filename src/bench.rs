@@ -404,3 +404,91 @@ pub fn gpt_generate(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, new_to
         ],
     })
 }
+
+/// Bytes of the copy that measures the adapter's memory bandwidth.
+const COPY_BYTES: usize = 64 << 20;
+
+/// The adapter's copy bandwidth in GB/s (bytes read plus bytes written per
+/// second): a [`COPY_BYTES`] buffer copied by a shader (`scale_forward`
+/// with α = 1, one read and one write per element, spread over the
+/// adapter's threads like every kernel) and by `copy_buffer_to_buffer`,
+/// the faster of the two, each the median of `reps` waited runs.
+pub fn copy_gbps(kernels: &Kernels, reps: usize) -> Result<f64> {
+    let n = COPY_BYTES / 4;
+    let (src, dst) = (kernels.upload(&vec![1.0f32; n])?, kernels.zeros(n)?);
+    let shader = kernels.scale(dst.view(), src.view(), 1.0)?;
+    let by_shader = median_time(reps, || {
+        kernels.run(&[&shader])?;
+        kernels.device().wait_idle("bench copy")
+    })?;
+    let by_copy = median_time(reps, || {
+        kernels.submit_pass("bench copy", std::iter::empty(), |_| {}, |encoder| encoder.copy_buffer_to_buffer(src.buffer(), 0, dst.buffer(), 0, COPY_BYTES as u64))?;
+        kernels.device().wait_idle("bench copy")
+    })?;
+    let fastest = by_shader.min(by_copy).as_secs_f64();
+    Ok(2.0 * COPY_BYTES as f64 / fastest / 1e9)
+}
+
+/// Bytes a decode step of a `config` GPT reads at position `position`:
+/// every parameter once (the head reads all of wte), except that the
+/// position table gives one row, plus the keys and values of positions
+/// 0..=position in every layer's cache.
+pub fn decode_bytes_per_token(config: &crate::nn::GptConfig, position: usize) -> u64 {
+    let c = config.n_embd;
+    let parameters = config.num_parameters() - config.block_size * c + c;
+    let cache = 2 * config.n_layer * (position + 1) * c;
+    ((parameters + cache) * 4) as u64
+}
+
+/// Generation with GPT-2 124M's shape and random weights the bench draws
+/// itself: `prompt_tokens` prefilled (tokens/s), then `new_tokens` greedy
+/// decode steps, one token each, with the bytes each reads
+/// ([`decode_bytes_per_token`], averaged over the steps), the adapter's
+/// copy bandwidth measured in the same run ([`copy_gbps`]), and the share
+/// of it the decode reaches: bytes_per_token · tokens_per_s / copy rate.
+pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
+    let config = crate::nn::GptConfig::gpt2();
+    crate::generate::check_fits(kernels, &config, 1)?;
+    crate::nn::manual_seed(0);
+    let model = crate::nn::Gpt::new(config)?;
+    let mut generator = crate::generate::Generator::new(kernels.clone(), &model, 1)?;
+    drop(model);
+    let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);
+    let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    // Warm-up: the pipelines of both passes compile and run once.
+    generator.prefill(&[&prompt])?;
+    generator.decode(&[0])?;
+    let start = Instant::now();
+    let mut logits = generator.prefill(&[&prompt])?;
+    let prefill = start.elapsed().as_secs_f64();
+    let greedy = crate::generate::Sampling::greedy();
+    let start = Instant::now();
+    for _ in 0..new_tokens {
+        let token = greedy.sample(&logits, &mut rng)?;
+        logits = generator.decode(&[token])?;
+    }
+    let decode = start.elapsed().as_secs_f64();
+    drop(generator);
+    let tokens_per_s = new_tokens as f64 / decode;
+    let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token(&config, p)).sum::<u64>() / new_tokens as u64;
+    let copy = copy_gbps(kernels, 5)?;
+    Ok(vec![
+        BenchLine {
+            case: "gpt2_124m_prefill".into(),
+            values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+        },
+        BenchLine {
+            case: "gpt2_124m_decode".into(),
+            values: vec![
+                ("dtype", "f32".into()),
+                ("tokens_per_s", format!("{tokens_per_s:.2}")),
+                ("bytes_per_token", bytes.to_string()),
+                ("copy_gbps", format!("{copy:.2}")),
+                ("bandwidth_share", format!("{:.4}", bytes as f64 * tokens_per_s / (copy * 1e9))),
+                ("new_tokens", new_tokens.to_string()),
+            ],
+        },
+    ])
+}

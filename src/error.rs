@@ -74,6 +74,14 @@ pub enum Error {
         limit_name: &'static str,
     },
 
+    /// A model (or other set of buffers) larger than the memory the
+    /// adapter has, found before anything was allocated.
+    #[error(
+        "{op}: needs {needed} bytes of GPU memory ({parts}), more than the {available} bytes of {memory}; \
+         use a smaller model, fewer sequences or an adapter with more memory"
+    )]
+    MemoryTooSmall { op: &'static str, needed: u64, available: u64, memory: String, parts: String },
+
     /// An opt-in kernel needs a device feature (or a subgroup size) this
     /// adapter does not offer.
     #[error("{op}: needs {feature}, which adapter `{adapter}` does not offer; use the f32 kernels there")]

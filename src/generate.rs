@@ -332,6 +332,21 @@ fn prefill_lengths(context: usize) -> Vec<usize> {
     lengths
 }
 
+/// Checks that a model of `config` with caches for `sequences` sequences
+/// can fit the adapter, from the sizes alone: its parameters (one buffer)
+/// and its KV caches against the buffer limit and the adapter's memory.
+/// Run it before reading a model's weights from disk, so a model too large
+/// for the adapter is refused before gigabytes are read; [`Generator::new`]
+/// checks the whole plan, activations included, before allocating.
+pub fn check_fits(kernels: &Kernels, config: &GptConfig, sequences: usize) -> Result<()> {
+    const BYTES: u64 = 4;
+    let parameters = config.num_parameters() as u64 * BYTES;
+    // Keys and values per layer, [sequences, heads, context, head_dim] each.
+    let one_cache = (sequences * config.block_size * config.n_embd) as u64 * BYTES;
+    let caches = 2 * config.n_layer as u64 * one_cache;
+    kernels.check_allocation("Generator", &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)])
+}
+
 impl Generator {
     /// Builds the passes for `sequences` sequences and allocates
     /// everything once: parameters (the model's current weights), caches,

@@ -235,12 +235,21 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<d
 /// `wgrad generate`'s flags.
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// A model folder (`wgrad train --model gpt` writes out/gpt).
+    /// A model folder (`wgrad train --model gpt` writes out/gpt; a Hugging
+    /// Face GPT-2 folder works too).
     #[arg(long, default_value = "out/gpt")]
     model: PathBuf,
     /// The text to continue.
     #[arg(long, default_value = "\n")]
     prompt: String,
+    /// Token ids to continue instead of --prompt's text, separated by
+    /// commas or spaces (a folder without a tokenizer needs --print-ids).
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_ids: Option<String>,
+    /// Print token ids instead of text: a line `prompt_ids …`, then
+    /// `new_ids …` with each new token as it comes.
+    #[arg(long)]
+    print_ids: bool,
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
     /// 0: greedy (the most likely token, deterministic).
@@ -253,34 +262,67 @@ pub struct GenerateArgs {
     seed: u64,
 }
 
+fn write_out(out: &mut std::io::StdoutLock, s: &str) -> wgrad::Result<()> {
+    use std::io::Write;
+    out.write_all(s.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("writing to stdout: {e}") })
+}
+
 /// Streams `max_new_tokens` tokens after `prompt` to stdout as they are
 /// produced; returns the tokens generated and the seconds they took, the
 /// prompt's prefill included.
 fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
-    use std::io::Write;
     let ids = tokenizer.encode(prompt)?;
     let mut text = Utf8Stream::default();
     let mut out = std::io::stdout().lock();
-    let write = |out: &mut std::io::StdoutLock, s: &str| {
-        out.write_all(s.as_bytes())
-            .and_then(|_| out.flush())
-            .map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("writing to stdout: {e}") })
-    };
     let start = std::time::Instant::now();
     let mut wrote_prompt = false;
     let tokens = generator.generate(&ids, max_new_tokens, sampling, |token| {
         // The prompt prints once it was accepted (it fits the context).
         if !wrote_prompt {
-            write(&mut out, prompt)?;
+            write_out(&mut out, prompt)?;
             wrote_prompt = true;
         }
         let piece = text.push(&tokenizer.decode_bytes(&[token])?);
-        write(&mut out, &piece)
+        write_out(&mut out, &piece)
     })?;
     let seconds = start.elapsed().as_secs_f64();
     let rest = text.finish();
-    write(&mut out, &format!("{rest}\n"))?;
+    write_out(&mut out, &format!("{rest}\n"))?;
     Ok((tokens.len(), seconds))
+}
+
+/// [`stream`] for `--print-ids`: the prompt's ids on one line, then the
+/// new ones on the next as they come.
+fn stream_ids(generator: &mut Generator, ids: &[u32], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+    let mut out = std::io::stdout().lock();
+    let start = std::time::Instant::now();
+    let mut wrote_prompt = false;
+    let tokens = generator.generate(ids, max_new_tokens, sampling, |token| {
+        if !wrote_prompt {
+            let prompt: Vec<String> = ids.iter().map(u32::to_string).collect();
+            write_out(&mut out, &format!("prompt_ids {}\nnew_ids", prompt.join(" ")))?;
+            wrote_prompt = true;
+        }
+        write_out(&mut out, &format!(" {token}"))
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    write_out(&mut out, "\n")?;
+    Ok((tokens.len(), seconds))
+}
+
+/// `--prompt-ids`: ids separated by commas or white space.
+fn parse_ids(text: &str) -> wgrad::Result<Vec<u32>> {
+    let ids = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>().map_err(|_| wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompt-ids: `{s}` is not a token id") }))
+        .collect::<wgrad::Result<Vec<u32>>>()?;
+    if ids.is_empty() {
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids holds no ids".into() });
+    }
+    Ok(ids)
 }
 
 /// A generator for `model`, behind a spinner while its pipelines compile.
@@ -295,18 +337,41 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     if args.max_new_tokens == 0 {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--max-new-tokens must be at least 1".into() });
     }
-    let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
-    let spec = loaded.tokenizer.clone().ok_or_else(|| wgrad::Error::InvalidArgument {
-        op: "generate",
-        reason: format!("`{}` names no tokenizer (no wgrad_tokenizer.json, and not GPT-2's vocabulary size)", args.model.display()),
-    })?;
-    let tokenizer = spec.tokenizer()?;
-    // Checked before any device work: characters outside a char vocabulary.
-    tokenizer.encode(&args.prompt)?;
+    let prompt_ids = args.prompt_ids.as_deref().map(parse_ids).transpose()?;
+    if prompt_ids.is_some() && !args.print_ids {
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids goes with --print-ids".into() });
+    }
+    // The sizes first: a model the adapter cannot hold is refused before
+    // its weights are read.
+    let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
+    wgrad::generate::check_fits(&kernels, &config, 1)?;
+    let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
-    let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
-    let (count, seconds) = stream(&mut generator, &tokenizer, &args.prompt, args.max_new_tokens, &sampling)?;
+    let (count, seconds) = if args.print_ids {
+        let ids = match prompt_ids {
+            Some(ids) => ids,
+            None => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
+        };
+        wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+        stream_ids(&mut generator, &ids, args.max_new_tokens, &sampling)?
+    } else {
+        let tokenizer = folder_tokenizer(&loaded, args)?;
+        // Checked before any device work: characters outside a char vocabulary.
+        tokenizer.encode(&args.prompt)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+        stream(&mut generator, &tokenizer, &args.prompt, args.max_new_tokens, &sampling)?
+    };
     eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
     Ok(())
+}
+
+/// The tokenizer the folder names (GPT-2's BPE for GPT-2's vocabulary).
+fn folder_tokenizer(loaded: &wgrad::gpt_folder::LoadedGpt, args: &GenerateArgs) -> wgrad::Result<Tokenizer> {
+    let spec = loaded.tokenizer.clone().ok_or_else(|| wgrad::Error::InvalidArgument {
+        op: "generate",
+        reason: format!("`{}` names no tokenizer (no wgrad_tokenizer.json, and not GPT-2's vocabulary size); give --prompt-ids with --print-ids", args.model.display()),
+    })?;
+    spec.tokenizer()
 }

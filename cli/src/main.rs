@@ -489,6 +489,9 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool) -> wgrad::Result<()> 
     lines.push(wgrad::bench::gpt_train_step(&kernels, wgrad::bench::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
     lines.push(wgrad::bench::gpt_generate(&kernels, wgrad::bench::gpt_bench_config(), if quick { 16 } else { 48 })?);
     lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
+    // GPT-2 124M's shape: a 16-token prompt and 8 decoded tokens when quick.
+    let (prompt, decoded) = if quick { (16, 8) } else { (64, 32) };
+    lines.extend(wgrad::bench::gpt2_124m_generate(&kernels, prompt, decoded)?);
     println!("{:<32} measurements", "case");
     for l in &lines {
         let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();

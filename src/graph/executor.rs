@@ -113,6 +113,7 @@ impl Executor {
         }
         let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
+        check_memory(&kernels, &graph, &plan, gradients.is_some(), optimizer.map_or(0, |o| o.state_names().len()))?;
 
         let arena_len = plan.param_arena_len.max(1);
         let mut initial = vec![0.0f32; arena_len];
@@ -995,6 +996,26 @@ impl Executor {
         }
         Ok(())
     }
+}
+
+/// A model too large for the adapter is one clear error, with the numbers,
+/// before anything is allocated (host copies included).
+fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, state_arenas: usize) -> Result<()> {
+    const BYTES: u64 = 4;
+    let arena = plan.param_arena_len.max(1) as u64 * BYTES;
+    let own_buffers = |i: &usize| matches!(plan.storage[*i], Storage::Input { .. } | Storage::Constant { .. } | Storage::Cache { .. });
+    let largest_input = plan.order.iter().filter(|i| own_buffers(i)).map(|&i| graph.node(Tensor(i)).len() as u64 * BYTES).max().unwrap_or(0);
+    let largest_slot = plan.slot_len.iter().max().map_or(0, |&len| len as u64 * BYTES);
+    kernels.check_allocation(
+        "Executor::new",
+        &[
+            ("parameters", arena, arena),
+            ("gradients", if training { arena } else { 0 }, if training { arena } else { 0 }),
+            ("optimizer state", arena * state_arenas as u64, if state_arenas > 0 { arena } else { 0 }),
+            ("inputs, constants and caches", plan.input_bytes, largest_input),
+            ("intermediates", plan.slot_bytes, largest_slot),
+        ],
+    )
 }
 
 /// A tensor of rank ≥ 1 as [rows, last dimension].

@@ -55,15 +55,16 @@ impl MatmulVariant {
         matches!(self, MatmulVariant::Shared | MatmulVariant::RegisterVec4)
     }
 
-    /// The entry point this variant runs for these operands.
-    fn kernel(self, m: usize, n: usize, k: usize, views: [&View<'_>; 3]) -> super::Kernel {
+    /// The entry point this variant runs for these operands, each a
+    /// binding and the element its matrix starts at in it.
+    fn kernel(self, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3]) -> super::Kernel {
         match self {
             MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
             MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
             MatmulVariant::Subgroup => MATMUL_SUBGROUP_FORWARD,
             MatmulVariant::Small => MATMUL_FORWARD_SMALL,
             MatmulVariant::RegisterVec4 => {
-                let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && views.iter().all(|v| v.offset % 16 == 0);
+                let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && operands.iter().all(|(v, base)| v.offset % 16 == 0 && base % 4 == 0);
                 if aligned {
                     MATMUL_FORWARD_REGISTER_VEC4
                 } else {
@@ -103,7 +104,8 @@ struct MatmulParams {
     tiles_n: u32,
     tiles_total: u32,
     activation: u32,
-    _pad: [u32; 2],
+    ldc: u32,
+    bias_base: u32,
     sa_row: u32,
     sa_k: u32,
     sb_col: u32,
@@ -111,7 +113,21 @@ struct MatmulParams {
     batch_a: u32,
     batch_b: u32,
     batch_c: u32,
-    _pad3: u32,
+    a_base: u32,
+    b_base: u32,
+    c_base: u32,
+    _pad: [u32; 2],
+}
+
+/// The block of the product one launch computes: rows m0..m0 + rows and
+/// columns n0..n0 + cols. The whole product unless an operand exceeds one
+/// storage binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Block {
+    m0: usize,
+    rows: usize,
+    n0: usize,
+    cols: usize,
 }
 
 impl Kernels {
@@ -320,7 +336,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let kernel = variant.kernel(m, n, k, [&a, &b, &c]);
+        let kernel = variant.kernel(m, n, k, [(&a, 0), (&b, 0), (&c, 0)]);
         let op = kernel.entry;
         // Before anything else, so a missing feature is always reported as
         // Unsupported and never reaches wgpu as a validation error.
@@ -346,7 +362,7 @@ impl Kernels {
                 &shapes,
             ));
         }
-        let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
+        let MatmulEpilogue { bias, activation, activation_grad, .. } = epilogue;
         if let Some(bias) = &bias {
             if bias.len != n {
                 return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&a_shape, &b_shape, &[bias.len]]));
@@ -371,19 +387,135 @@ impl Kernels {
                 }
             }
         }
-        let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
-        let (trans_a, trans_b) = form.transposes();
-        let tiles_n = n.div_ceil(TILE);
-        let tiles_total = tiles_n * m.div_ceil(TILE);
+        let over = |v: &View<'_>| v.bytes() > self.binding_limit();
+        let oversize = [&a, &b, &c].into_iter().chain(pre.as_ref()).chain(act_input.as_ref()).any(over);
+        if batch == 1 && oversize {
+            let (rows, cols) = self.matmul_blocks(op, form, m, n, k)?;
+            let mut launches = Vec::new();
+            for m0 in (0..m).step_by(rows) {
+                for n0 in (0..n).step_by(cols) {
+                    let block = Block { m0, rows: rows.min(m - m0), n0, cols: cols.min(n - n0) };
+                    launches.push(self.matmul_launch(variant, form, epilogue, c, a, b, 1, (m, n, k), block)?);
+                }
+            }
+            return Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no blocks", &shapes));
+        }
+        let whole = Block { m0: 0, rows: m, n0: 0, cols: n };
+        self.matmul_launch(variant, form, epilogue, c, a, b, batch, (m, n, k), whole)
+    }
 
+    /// The block sizes (rows, columns) that split an m×n×k product so that
+    /// every launch's part of A, B and C (and of the epilogue's pre and
+    /// act_input, indexed like C) fits one storage binding. Rows split
+    /// where op(A)'s rows are contiguous (A not transposed), columns where
+    /// op(B)'s are (B transposed, as the LM head's x·wteᵀ). What cannot fit
+    /// that way is an [`Error::TooLarge`] naming the operand: splitting k
+    /// would need the partial products summed, which no kernel does.
+    fn matmul_blocks(&self, op: &'static str, form: MatmulForm, m: usize, n: usize, k: usize) -> Result<(usize, usize)> {
+        let cap = self.part_capacity();
+        let (trans_a, trans_b) = form.transposes();
+        let too_large = |operand: &'static str, elements: usize| Err(self.binding_too_large(op, operand, elements as u64 * 4));
+        let mut rows = m;
+        if trans_a {
+            if m * k > cap {
+                return too_large("a (stored [k, m] for AtB, so it does not split by rows)", m * k);
+            }
+        } else {
+            rows = rows.min(cap / k);
+            if rows == 0 {
+                return too_large("a (one row of it)", k);
+            }
+        }
+        let mut cols = n;
+        if trans_b {
+            cols = cols.min(cap / k);
+            if cols == 0 {
+                return too_large("b (one row of it)", k);
+            }
+        } else if k * n > cap {
+            return too_large("b (stored [k, n], which would split along k)", k * n);
+        }
+        // C's part is rows whole rows of n, less what the last row leaves out.
+        if (rows - 1) * n + cols > cap {
+            if cols == n && n <= cap {
+                rows = cap / n;
+            } else if cols == n {
+                if !trans_b {
+                    return too_large("c (one row of it, and B does not split by columns)", n);
+                }
+                rows = 1;
+                cols = cap;
+            } else {
+                rows = rows.min((cap - cols) / n + 1);
+            }
+        }
+        if trans_a && rows < m {
+            return too_large("c (A is stored [k, m] for AtB, so the rows do not split)", m * n);
+        }
+        // Whole 64-wide tiles per launch where there are several.
+        let tiled = |d: usize| if d > TILE { d / TILE * TILE } else { d };
+        Ok((tiled(rows), tiled(cols)))
+    }
+
+    /// One launch over `block` of an m×n×k product (`batch` products when
+    /// the block is the whole product).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_launch<'v>(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'v>,
+        c: View<'v>,
+        a: View<'v>,
+        b: View<'v>,
+        batch: usize,
+        (m, n, k): (usize, usize, usize),
+        block: Block,
+    ) -> Result<Dispatch> {
+        let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
+        let (trans_a, trans_b) = form.transposes();
+        let pre = activation.and_then(|(_, pre)| pre);
+        let act_input = activation_grad.map(|(_, x)| x);
+        let whole = block == Block { m0: 0, rows: m, n0: 0, cols: n };
+        // Each operand's binding and where its block starts in it.
+        let (a_bind, b_bind, c_bind, pre_bind, act_bind) = if whole {
+            ((a, 0), (b, 0), (c, 0), pre.map(|v| (v, 0)), act_input.map(|v| (v, 0)))
+        } else {
+            let a_part = if trans_a { (a, 0) } else { self.bind_part(a, block.m0 * k, block.rows * k) };
+            let b_part = if trans_b { self.bind_part(b, block.n0 * k, block.cols * k) } else { (b, 0) };
+            let c_range = (block.m0 * n + block.n0, (block.rows - 1) * n + block.cols);
+            let c_part = self.bind_part(c, c_range.0, c_range.1);
+            let like_c = |v: View<'v>| -> Result<(View<'v>, usize)> {
+                let part = self.bind_part(v, c_range.0, c_range.1);
+                // One index serves C, pre and act_input in the kernel.
+                if part.1 != c_part.1 {
+                    return Err(Error::InvalidArgument {
+                        op: "matmul",
+                        reason: "the epilogue's tensors and C sit at different storage alignments, so a split product cannot index them alike".into(),
+                    });
+                }
+                Ok(part)
+            };
+            (a_part, b_part, c_part, pre.map(like_c).transpose()?, act_input.map(like_c).transpose()?)
+        };
+        let (rows, cols) = (block.rows, block.cols);
+        let kernel = variant.kernel(rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]);
+        let op = kernel.entry;
+        let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
+        let tiles_n = cols.div_ceil(TILE);
+        let tiles_total = tiles_n * rows.div_ceil(TILE);
         let params = MatmulParams {
-            m: dim(op, m)?,
-            n: dim(op, n)?,
+            m: dim(op, rows)?,
+            n: dim(op, cols)?,
             k: dim(op, k)?,
             tiles_n: dim(op, tiles_n)?,
             tiles_total: dim(op, tiles_total)?,
             activation: act.map_or(0, Activation::code),
-            _pad: [0; 2],
+            ldc: dim(op, n)?,
+            bias_base: dim(op, block.n0)?,
+            // The strides of the whole operands: a block splits only
+            // dimensions that are not strides (rows of A when A is not
+            // transposed, columns of B when B is).
             sa_row: dim(op, if trans_a { 1 } else { k })?,
             sa_k: dim(op, if trans_a { m } else { 1 })?,
             sb_col: dim(op, if trans_b { k } else { 1 })?,
@@ -391,7 +523,10 @@ impl Kernels {
             batch_a: dim(op, m * k)?,
             batch_b: dim(op, k * n)?,
             batch_c: dim(op, m * n)?,
-            _pad3: 0,
+            a_base: dim(op, a_bind.1)?,
+            b_base: dim(op, b_bind.1)?,
+            c_base: dim(op, c_bind.1)?,
+            _pad: [0; 2],
         };
         let flag = |on: bool| f64::from(u8::from(on));
         // The epilogue overrides first, then the form's for the kernels
@@ -418,19 +553,19 @@ impl Kernels {
             Error::shape(
                 op,
                 format!("a batch of {batch} products is over this adapter's max_compute_workgroups_per_dimension ({max_z}); split the batch"),
-                &shapes,
+                &[&[batch, m, k], &[batch, k, n]],
             )
         })?;
         self.prepare_grid(
             kernel,
             constants,
             &[
-                bind(0, "a", a),
-                bind(1, "b", b),
-                bind(2, "c", c),
+                bind(0, "a", a_bind.0),
+                bind(1, "b", b_bind.0),
+                bind(2, "c", c_bind.0),
                 bind(4, "bias", bias.unwrap_or(placeholder)),
-                bind(5, "pre", pre.unwrap_or(c)),
-                bind(6, "act_input", act_input.unwrap_or(placeholder)),
+                bind(5, "pre", pre_bind.map_or(c_bind.0, |p| p.0)),
+                bind(6, "act_input", act_bind.map_or(placeholder, |p| p.0)),
             ],
             3,
             &params,

@@ -119,7 +119,10 @@ impl GpuTensor {
     }
 }
 
-/// One recorded-once kernel launch: pipeline, bind group and grid.
+/// One recorded-once kernel launch: pipeline, bind group and grid; or,
+/// for an op whose operand exceeds one storage binding, several launches
+/// recorded one after the other, each binding a part that fits (see
+/// [`Dispatch::launches`]).
 #[derive(Debug)]
 pub struct Dispatch {
     kernel: Kernel,
@@ -131,6 +134,9 @@ pub struct Dispatch {
     params: std::mem::ManuallyDrop<wgpu::Buffer>,
     /// See [`GpuTensor`]'s `gl`.
     gl: bool,
+    /// The op's other launches when its work is split over bindings,
+    /// recorded right after this one.
+    rest: Vec<Dispatch>,
 }
 
 impl Drop for Dispatch {
@@ -146,17 +152,50 @@ impl Dispatch {
         self.kernel
     }
 
+    /// The first launch's grid.
     pub fn workgroups(&self) -> [u32; 3] {
         self.workgroups
     }
 
-    /// Records this dispatch into an open compute pass.
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        pass.set_pipeline(&self.pipeline);
-        pass.set_bind_group(0, &self.bind_group, &[]);
-        let [x, y, z] = self.workgroups;
-        pass.dispatch_workgroups(x, y, z);
+    /// Kernel launches this dispatch records: 1, or the number of parts of
+    /// an op split because an operand exceeds the storage binding limit.
+    pub fn launches(&self) -> usize {
+        1 + self.rest.len()
     }
+
+    /// The split op's launches as one dispatch; `None` for no parts.
+    pub(crate) fn chain(parts: Vec<Dispatch>) -> Option<Dispatch> {
+        let mut parts = parts.into_iter();
+        let mut first = parts.next()?;
+        first.rest.extend(parts);
+        Some(first)
+    }
+
+    /// Records this dispatch (every launch) into an open compute pass.
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        for launch in std::iter::once(self).chain(&self.rest) {
+            pass.set_pipeline(&launch.pipeline);
+            pass.set_bind_group(0, &launch.bind_group, &[]);
+            let [x, y, z] = launch.workgroups;
+            pass.dispatch_workgroups(x, y, z);
+        }
+    }
+}
+
+/// Limits below the adapter's, so that tests can run the paths taken by
+/// tensors too large for the adapter (split bindings, memory checks) on
+/// small tensors: [`Kernels::with_limits`]. `None` keeps the adapter's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitOverrides {
+    /// Bytes one storage binding may hold, at most the adapter's
+    /// `max_storage_buffer_binding_size`.
+    pub max_storage_buffer_binding_size: Option<u64>,
+    /// Bytes one buffer may hold, at most the adapter's `max_buffer_size`.
+    pub max_buffer_size: Option<u64>,
+    /// GPU memory a model may use, in bytes: the host's available memory
+    /// by default on a CPU adapter (whose buffers live there), and no
+    /// check elsewhere (wgpu does not report a GPU's memory).
+    pub memory_bytes: Option<u64>,
 }
 
 /// A storage binding: its slot in the WGSL file, a name for messages, and the
@@ -188,6 +227,7 @@ pub struct Kernels {
     buffers: AtomicU64,
     /// Bound where a kernel's layout has a slot the dispatch does not use.
     placeholder: wgpu::Buffer,
+    overrides: LimitOverrides,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -204,6 +244,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Kernels {
     pub fn new(device: Device) -> Self {
+        Self::build(device, LimitOverrides::default())
+    }
+
+    /// Kernels that act as if the adapter's limits were `overrides`: ops
+    /// split their work over smaller bindings and executors refuse models
+    /// over the lowered memory, on tensors small enough for a test. An
+    /// override above the adapter's own limit is an error.
+    pub fn with_limits(device: Device, overrides: LimitOverrides) -> Result<Self> {
+        let limits = device.limits();
+        let checks = [
+            ("max_storage_buffer_binding_size", overrides.max_storage_buffer_binding_size, limits.max_storage_buffer_binding_size),
+            ("max_buffer_size", overrides.max_buffer_size, limits.max_buffer_size),
+        ];
+        for (name, wanted, adapter) in checks {
+            match wanted {
+                Some(w) if w > adapter || w < 16 => {
+                    return Err(Error::InvalidArgument { op: "Kernels::with_limits", reason: format!("{name} {w} is outside 16..={adapter} (the adapter's)") });
+                }
+                _ => {}
+            }
+        }
+        Ok(Self::build(device, overrides))
+    }
+
+    fn build(device: Device, overrides: LimitOverrides) -> Self {
         let _gl = device.lock_gl();
         let placeholder = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("placeholder"),
@@ -219,11 +284,92 @@ impl Kernels {
             staging: Mutex::new(None),
             submits: AtomicU64::new(0),
             buffers: AtomicU64::new(0),
+            overrides,
         }
     }
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The most bytes one storage binding holds: the adapter's
+    /// `max_storage_buffer_binding_size`, or the lower override.
+    pub fn binding_limit(&self) -> u64 {
+        let adapter = self.device.limits().max_storage_buffer_binding_size;
+        self.overrides.max_storage_buffer_binding_size.map_or(adapter, |o| o.min(adapter))
+    }
+
+    /// The most bytes one buffer holds: the adapter's `max_buffer_size`,
+    /// or the lower override.
+    pub fn buffer_limit(&self) -> u64 {
+        let adapter = self.device.limits().max_buffer_size;
+        self.overrides.max_buffer_size.map_or(adapter, |o| o.min(adapter))
+    }
+
+    /// GPU memory a model may take, in bytes, and what the figure is: the
+    /// override, else on a CPU adapter the host's available memory (its
+    /// buffers are host memory). `None` where nothing tells: wgpu does not
+    /// report a GPU's memory, and running out there is an
+    /// `Error::OutOfMemory` from the allocation itself.
+    pub fn memory_budget(&self) -> Option<(u64, &'static str)> {
+        if let Some(bytes) = self.overrides.memory_bytes {
+            return Some((bytes, "the memory limit set for these kernels"));
+        }
+        if self.device.is_cpu() {
+            return host_available_memory().map(|bytes| (bytes, "the host's available memory, which this CPU adapter allocates from"));
+        }
+        None
+    }
+
+    /// Checks, before any is allocated, that the buffers a model needs fit
+    /// this adapter: `parts` are (what, bytes in all, bytes of its largest
+    /// buffer); each buffer within the buffer limit, all together within
+    /// [`Kernels::memory_budget`]. `op` names the caller.
+    pub fn check_allocation(&self, op: &'static str, parts: &[(&'static str, u64, u64)]) -> Result<()> {
+        let buffer_limit = self.buffer_limit();
+        if let Some(&(name, _, bytes)) = parts.iter().find(|(_, _, largest)| *largest > buffer_limit) {
+            return Err(Error::TooLarge { op, operand: name, bytes, limit: buffer_limit, limit_name: self.limit_name(LimitKind::Buffer) });
+        }
+        let total: u64 = parts.iter().map(|(_, b, _)| b).sum();
+        if let Some((available, source)) = self.memory_budget() {
+            if total > available {
+                let parts: Vec<String> = parts.iter().filter(|(_, b, _)| *b > 0).map(|(name, b, _)| format!("{name} {b}")).collect();
+                return Err(Error::MemoryTooSmall { op, needed: total, available, memory: source.to_string(), parts: parts.join(", ") });
+            }
+        }
+        Ok(())
+    }
+
+    fn limit_name(&self, kind: LimitKind) -> &'static str {
+        match kind {
+            LimitKind::Binding if self.overrides.max_storage_buffer_binding_size.is_some() => "max_storage_buffer_binding_size, lowered by Kernels::with_limits",
+            LimitKind::Binding => "max_storage_buffer_binding_size",
+            LimitKind::Buffer if self.overrides.max_buffer_size.is_some() => "max_buffer_size, lowered by Kernels::with_limits",
+            LimitKind::Buffer => "max_buffer_size",
+        }
+    }
+
+    /// [`Error::TooLarge`] for `operand` of `bytes` over the binding limit.
+    pub(crate) fn binding_too_large(&self, op: &'static str, operand: &'static str, bytes: u64) -> Error {
+        Error::TooLarge { op, operand, bytes, limit: self.binding_limit(), limit_name: self.limit_name(LimitKind::Binding) }
+    }
+
+    /// Where a part `start..start + len` (elements) of `view` can be bound:
+    /// the binding starts at the nearest storage-offset-aligned element at
+    /// or before it; returns the binding and the part's first element in
+    /// it. The binding may reach before `view` (inside its buffer).
+    pub(crate) fn bind_part<'a>(&self, view: View<'a>, start: usize, len: usize) -> (View<'a>, usize) {
+        let align = (u64::from(self.device.limits().min_storage_buffer_offset_alignment) / ELEMENT_BYTES).max(1);
+        let absolute = view.offset / ELEMENT_BYTES + start as u64;
+        let base = (absolute % align) as usize;
+        (View { buffer: view.buffer, offset: (absolute - base as u64) * ELEMENT_BYTES, len: base + len }, base)
+    }
+
+    /// Elements a part may hold so that [`Kernels::bind_part`]'s binding
+    /// fits the binding limit wherever the part starts.
+    pub(crate) fn part_capacity(&self) -> usize {
+        let align = (u64::from(self.device.limits().min_storage_buffer_offset_alignment) / ELEMENT_BYTES).max(1);
+        (self.binding_limit() / ELEMENT_BYTES).saturating_sub(align - 1) as usize
     }
 
     pub(crate) fn placeholder(&self) -> &wgpu::Buffer {
@@ -316,15 +462,8 @@ impl Kernels {
         if b.view.len == 0 {
             return Err(Error::shape(op, format!("`{}` is empty", b.name), &[&[0]]));
         }
-        let max = u64::from(limits.max_storage_buffer_binding_size);
-        if b.view.bytes() > max {
-            return Err(Error::TooLarge {
-                op,
-                operand: b.name,
-                bytes: b.view.bytes(),
-                limit: max,
-                limit_name: "max_storage_buffer_binding_size",
-            });
+        if b.view.bytes() > self.binding_limit() {
+            return Err(self.binding_too_large(op, b.name, b.view.bytes()));
         }
         let align = u64::from(limits.min_storage_buffer_offset_alignment);
         if b.view.offset % align != 0 {
@@ -429,6 +568,7 @@ impl Kernels {
                 workgroups,
                 params: std::mem::ManuallyDrop::new(params_buffer),
                 gl: self.device.is_gl(),
+                rest: Vec::new(),
             }
         })
     }
@@ -544,14 +684,14 @@ impl Kernels {
 
     fn create_buffer(&self, op: &'static str, len: usize) -> Result<wgpu::Buffer> {
         let bytes = (len as u64).max(1) * ELEMENT_BYTES;
-        let limit = self.device.limits().max_buffer_size;
+        let limit = self.buffer_limit();
         if bytes > limit {
             return Err(Error::TooLarge {
                 op,
                 operand: "buffer",
                 bytes,
                 limit,
-                limit_name: "max_buffer_size",
+                limit_name: self.limit_name(LimitKind::Buffer),
             });
         }
         self.buffers.fetch_add(1, Ordering::Relaxed);
@@ -691,6 +831,20 @@ impl Kernels {
         }
         Ok(staging_slot)
     }
+}
+
+#[derive(Clone, Copy)]
+enum LimitKind {
+    Binding,
+    Buffer,
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes (Linux); `None` elsewhere.
+fn host_available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// Requests the mapping of a staging buffer's first `bytes` once the copies

@@ -23,11 +23,28 @@ struct RowParams {
     scale: f32,
     accumulate: u32,
     _pad: u32,
+    row_start: u32,
+    row_end: u32,
+    table_base: u32,
+    _pad2: u32,
 }
 
 impl RowParams {
     fn new(op: &'static str, rows: usize, cols: usize) -> Result<Self> {
-        Ok(RowParams { rows: dim(op, rows)?, cols: dim(op, cols)?, causal: 0, vocab: 0, eps: 0.0, scale: 0.0, accumulate: 0, _pad: 0 })
+        Ok(RowParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            causal: 0,
+            vocab: 0,
+            eps: 0.0,
+            scale: 0.0,
+            accumulate: 0,
+            _pad: 0,
+            row_start: 0,
+            row_end: 0,
+            table_base: 0,
+            _pad2: 0,
+        })
     }
 }
 
@@ -334,15 +351,36 @@ impl Kernels {
             &[("n", n), ("vocab", vocab), ("channels", channels)],
             &[("out", out.len, n.checked_mul(channels)), ("table", table.len, vocab.checked_mul(channels)), ("ids", ids.len, Some(n))],
         )?;
-        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, channels)? };
-        self.prepare(
-            EMBEDDING_FORWARD,
-            &[],
-            &[bind(16, "table", table), bind(15, "ids", ids), bind(2, "out", out)],
-            3,
-            &params,
-            flat_groups(out.len),
-        )
+        let launches = self
+            .table_parts(op, "table", table, vocab, channels)?
+            .into_iter()
+            .map(|part| {
+                let params = RowParams { vocab: dim(op, vocab)?, ..part.params(op, n, channels)? };
+                self.prepare(EMBEDDING_FORWARD, &[], &[bind(16, "table", part.binding), bind(15, "ids", ids), bind(2, "out", out)], 3, &params, flat_groups(out.len))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &[&[vocab, channels]]))
+    }
+
+    /// The launches over a table [vocab, channels] that fits one storage
+    /// binding (one, binding it whole) or does not (one per range of rows
+    /// whose part fits, each bound from the nearest aligned element).
+    fn table_parts<'a>(&self, op: &'static str, name: &'static str, table: View<'a>, vocab: usize, channels: usize) -> Result<Vec<TablePart<'a>>> {
+        if table.bytes() <= self.binding_limit() {
+            return Ok(vec![TablePart { rows: (0, vocab), binding: table, base: 0 }]);
+        }
+        let rows_per_part = self.part_capacity() / channels;
+        if rows_per_part == 0 {
+            return Err(self.binding_too_large(op, name, channels as u64 * 4));
+        }
+        Ok((0..vocab)
+            .step_by(rows_per_part)
+            .map(|start| {
+                let end = (start + rows_per_part).min(vocab);
+                let (binding, base) = self.bind_part(table, start * channels, (end - start) * channels);
+                TablePart { rows: (start, end), binding, base }
+            })
+            .collect())
     }
 
     /// The first half of the embedding backward: order[n] (u32) = the
@@ -398,14 +436,29 @@ impl Kernels {
                 ("order", order.len, Some(n)),
             ],
         )?;
-        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, channels)? };
-        self.prepare(
-            EMBEDDING_BACKWARD,
-            &[],
-            &[bind(4, "dout", dout), bind(15, "ids", ids), bind(19, "order", order), bind(17, "dtable", dtable)],
-            3,
-            &params,
-            flat_groups(dout.len),
-        )
+        let launches = self
+            .table_parts(op, "dtable", dtable, vocab, channels)?
+            .into_iter()
+            .map(|part| {
+                let params = RowParams { vocab: dim(op, vocab)?, ..part.params(op, n, channels)? };
+                let bindings = [bind(4, "dout", dout), bind(15, "ids", ids), bind(19, "order", order), bind(17, "dtable", part.binding)];
+                self.prepare(EMBEDDING_BACKWARD, &[], &bindings, 3, &params, flat_groups(dout.len))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &[&[vocab, channels]]))
+    }
+}
+
+/// One embedding launch's rows of the table: ids rows.0..rows.1, whose
+/// first element is element `base` of `binding`.
+struct TablePart<'a> {
+    rows: (usize, usize),
+    binding: View<'a>,
+    base: usize,
+}
+
+impl TablePart<'_> {
+    fn params(&self, op: &'static str, n: usize, channels: usize) -> Result<RowParams> {
+        Ok(RowParams { row_start: dim(op, self.rows.0)?, row_end: dim(op, self.rows.1)?, table_base: dim(op, self.base)?, ..RowParams::new(op, n, channels)? })
     }
 }

@@ -401,3 +401,27 @@ fn a_model_without_attention_generates_too() {
         Ok(())
     });
 }
+
+/// A Hugging Face GPT-2 folder (random weights, vocabulary 96, 32
+/// positions, L2 H2 C16) and transformers' greedy continuation of a fixed
+/// prompt, made by
+/// `scripts/make_gpt2_folder.py tests/fixtures/hf-greedy-gpt2 --vocab-size 96 --n-positions 32 --n-embd 16 --n-layer 2 --n-head 2 --init-std 1.0 --seed 2`
+/// and `scripts/check_greedy.py tests/fixtures/hf-greedy-gpt2 --prompt-ids 5,17,42,3,88,60 --max-new-tokens 20 --write tests/fixtures/hf-greedy-gpt2-ids.json`.
+/// Along transformers' path the best logit leads the second by at least
+/// `min_gap` (0.061), far above f32 rounding, so the ids must agree exactly.
+#[test]
+fn greedy_ids_equal_transformers_greedy_generate() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let expected: serde_json::Value = serde_json::from_slice(&std::fs::read(fixtures.join("hf-greedy-gpt2-ids.json")).unwrap()).unwrap();
+    let ids = |key: &str| -> Vec<u32> { expected[key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let (prompt, greedy) = (ids("prompt"), ids("greedy"));
+    assert_eq!(greedy.len(), 20);
+    assert!(expected["min_gap"].as_f64().unwrap() > 1e-2, "the fixture's path has near-ties");
+    let loaded = wgrad::gpt_folder::load_gpt_folder(fixtures.join("hf-greedy-gpt2")).unwrap();
+    for_each_adapter("generate: greedy ids against transformers", |k| {
+        let mut generator = Generator::new(k.clone(), &loaded.model, 1)?;
+        let ours = generator.generate(&prompt, greedy.len(), &Sampling::greedy(), |_| Ok(()))?;
+        assert_eq!(ours, greedy, "wgrad's greedy ids against transformers' generate");
+        Ok(())
+    });
+}

@@ -19,6 +19,7 @@ mod gpt_tensor;
 mod graph;
 mod kernels;
 mod kernels_ext;
+mod large_operands;
 mod lm_training;
 mod modules;
 mod optim;

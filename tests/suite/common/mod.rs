@@ -107,6 +107,21 @@ pub fn private_kernels(k: &Kernels) -> Arc<Kernels> {
     open_kernels(index)
 }
 
+/// A new device on the same adapter as `k` whose kernels act as if the
+/// adapter's limits were `overrides` (split bindings, memory checks on
+/// small tensors). Call it inside [`for_each_adapter`], like
+/// [`private_kernels`].
+pub fn limited_kernels(k: &Kernels, overrides: wgrad::kernels::LimitOverrides) -> Arc<Kernels> {
+    let index = wgrad::device::list_adapters()
+        .iter()
+        .position(|r| r.info == *k.device().info())
+        .expect("adapter still listed");
+    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
+    let device = Device::open(&opts).expect("open adapter");
+    let _gl = device.lock_gl();
+    Arc::new(Kernels::with_limits(device, overrides).expect("limits below the adapter's"))
+}
+
 /// Runs `body` once per adapter; without one, fails in CI and skips
 /// elsewhere (see [`no_adapter`]). On a GL adapter the body holds wgrad's
 /// GL lock throughout, so what it does outside wgrad's own locked calls

@@ -1,0 +1,62 @@
+//! `wgrad generate` on a Hugging Face GPT-2 folder: with `--prompt-ids` and
+//! `--print-ids`, the greedy ids transformers' `generate` gives
+//! (tests/fixtures/hf-greedy-gpt2, see tests/suite/generate.rs).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+/// The numbers of the JSON array `key` holds in `json` (a flat file of
+/// arrays of integers, as scripts/check_greedy.py writes it).
+fn json_ids(json: &str, key: &str) -> Vec<u32> {
+    let start = json.find(&format!("\"{key}\"")).expect("key") + key.len() + 2;
+    let open = start + json[start..].find('[').expect("[") + 1;
+    let close = open + json[open..].find(']').expect("]");
+    json[open..close].split(',').map(|s| s.trim().parse().expect("an id")).collect()
+}
+
+#[test]
+fn greedy_ids_printed_equal_transformers() {
+    let json = std::fs::read_to_string(fixtures().join("hf-greedy-gpt2-ids.json")).unwrap();
+    let (prompt, greedy) = (json_ids(&json, "prompt"), json_ids(&json, "greedy"));
+    let prompt_arg: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let output = Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .arg("generate")
+        .arg("--model")
+        .arg(fixtures().join("hf-greedy-gpt2"))
+        .args(["--prompt-ids", &prompt_arg.join(","), "--temperature", "0", "--max-new-tokens", &greedy.len().to_string(), "--print-ids"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let line = |tag: &str| -> Vec<u32> {
+        let found = stdout.lines().find(|l| l.starts_with(tag)).unwrap_or_else(|| panic!("no {tag} line: {stdout}"));
+        found[tag.len()..].split_whitespace().map(|t| t.parse().unwrap()).collect()
+    };
+    assert_eq!(line("prompt_ids"), prompt);
+    assert_eq!(line("new_ids"), greedy, "wgrad's greedy ids against transformers'");
+    assert!(stderr.contains("20 tokens in"), "{stderr}");
+}
+
+#[test]
+fn prompt_ids_without_print_ids_and_bad_ids_are_errors() {
+    let run = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("generate").arg("--model").arg(fixtures().join("hf-greedy-gpt2")).args(args).output().unwrap();
+        assert!(!output.status.success() && output.stdout.is_empty(), "{args:?} succeeded or printed");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let err = run(&["--prompt-ids", "1,2"]);
+    assert!(err.contains("--print-ids"), "{err}");
+    let err = run(&["--prompt-ids", "1,x", "--print-ids"]);
+    assert!(err.contains("`x`"), "{err}");
+    // The fixture's vocabulary is 96.
+    let err = run(&["--prompt-ids", "1,96", "--print-ids"]);
+    assert!(err.contains("96") && err.contains("vocabulary"), "{err}");
+    // No tokenizer for a 96-token vocabulary: text needs one.
+    let err = run(&["--prompt", "hello"]);
+    assert!(err.contains("no tokenizer"), "{err}");
+}
