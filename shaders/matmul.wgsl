@@ -900,3 +900,183 @@ fn matmul_forward_shared(
         }
     }
 }
+
+// Matrix-vector form for decoding: C[M,N] = A[M,K] · B[N,K]ᵀ (ABt) with
+// M ≤ 4 rows (one new token per sequence), K a multiple of 4 and the
+// operands 16-byte aligned (the Rust side checks, and picks the tiled
+// kernels otherwise). The tiled kernels compute 32 or 64 rows per block
+// and would repeat one row's work 32 times; here each weight is read once.
+// A workgroup of MATVEC_WG lanes owns MATVEC_COLS columns of C: lane l
+// sums the vec4s k4 = l, l + MATVEC_WG, … of its columns' rows of B
+// against the same of each row of A, so the lanes read consecutive vec4s
+// of a row at a time (whole vectors on a CPU adapter, coalesced on a GPU);
+// then, row by row, a tree over the lanes in workgroup memory sums them in
+// a fixed order, and lane c stores column c through write_c (the
+// epilogue). MATVEC_ROWS (M) and MATVEC_WG are overrides: a pipeline per
+// row count, and 8 lanes (one SIMD row) on a CPU adapter, where more lanes
+// along k leave each so few steps that the tree costs more than the loads,
+// 64 on a GPU. The accumulators are unrolled by hand: a private array
+// indexed in a loop becomes per-lane memory on llvmpipe.
+override MATVEC_ROWS: u32 = 1u;
+override MATVEC_WG: u32 = 64u;
+const MATVEC_COLS: u32 = 8u;
+// [MATVEC_COLS][MATVEC_WG], MATVEC_WG ≤ 64.
+var<workgroup> matvec_partial: array<vec4<f32>, 512>;
+var<workgroup> matvec_sizes: vec2<u32>;
+
+@compute @workgroup_size(MATVEC_WG, 1, 1)
+fn matmul_forward_matvec(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    // n, k through workgroup memory: lavapipe inlines uniform values that
+    // bound loops and re-optimizes the shader on every dispatch (loss.wgsl);
+    // a value from workgroupUniformLoad is not inlined.
+    if lid.x == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
+    }
+    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let n = sizes.x;
+    let k4 = sizes.y / 4u;
+    set_batch(0u);
+    let col0 = (wid.y * nwg.x + wid.x) * MATVEC_COLS;
+    if col0 >= n {
+        return;
+    }
+    let lane = lid.x;
+    // Offsets in vec4 units; rows of A past M clamped (never stored).
+    let last_col = n - 1u;
+    let b4o = b_off / 4u;
+    let last_row = MATVEC_ROWS - 1u;
+    let rb0 = b4o + min(col0 + 0u, last_col) * k4;
+    let rb1 = b4o + min(col0 + 1u, last_col) * k4;
+    let rb2 = b4o + min(col0 + 2u, last_col) * k4;
+    let rb3 = b4o + min(col0 + 3u, last_col) * k4;
+    let rb4 = b4o + min(col0 + 4u, last_col) * k4;
+    let rb5 = b4o + min(col0 + 5u, last_col) * k4;
+    let rb6 = b4o + min(col0 + 6u, last_col) * k4;
+    let rb7 = b4o + min(col0 + 7u, last_col) * k4;
+    let ra0 = a_off / 4u + min(0u, last_row) * k4;
+    let ra1 = a_off / 4u + min(1u, last_row) * k4;
+    let ra2 = a_off / 4u + min(2u, last_row) * k4;
+    let ra3 = a_off / 4u + min(3u, last_row) * k4;
+    var acc00 = vec4<f32>(0.0);
+    var acc01 = vec4<f32>(0.0);
+    var acc02 = vec4<f32>(0.0);
+    var acc03 = vec4<f32>(0.0);
+    var acc04 = vec4<f32>(0.0);
+    var acc05 = vec4<f32>(0.0);
+    var acc06 = vec4<f32>(0.0);
+    var acc07 = vec4<f32>(0.0);
+    var acc10 = vec4<f32>(0.0);
+    var acc11 = vec4<f32>(0.0);
+    var acc12 = vec4<f32>(0.0);
+    var acc13 = vec4<f32>(0.0);
+    var acc14 = vec4<f32>(0.0);
+    var acc15 = vec4<f32>(0.0);
+    var acc16 = vec4<f32>(0.0);
+    var acc17 = vec4<f32>(0.0);
+    var acc20 = vec4<f32>(0.0);
+    var acc21 = vec4<f32>(0.0);
+    var acc22 = vec4<f32>(0.0);
+    var acc23 = vec4<f32>(0.0);
+    var acc24 = vec4<f32>(0.0);
+    var acc25 = vec4<f32>(0.0);
+    var acc26 = vec4<f32>(0.0);
+    var acc27 = vec4<f32>(0.0);
+    var acc30 = vec4<f32>(0.0);
+    var acc31 = vec4<f32>(0.0);
+    var acc32 = vec4<f32>(0.0);
+    var acc33 = vec4<f32>(0.0);
+    var acc34 = vec4<f32>(0.0);
+    var acc35 = vec4<f32>(0.0);
+    var acc36 = vec4<f32>(0.0);
+    var acc37 = vec4<f32>(0.0);
+    for (var kk = lane; kk < k4; kk += MATVEC_WG) {
+        let w0 = b4[rb0 + kk];
+        let w1 = b4[rb1 + kk];
+        let w2 = b4[rb2 + kk];
+        let w3 = b4[rb3 + kk];
+        let w4 = b4[rb4 + kk];
+        let w5 = b4[rb5 + kk];
+        let w6 = b4[rb6 + kk];
+        let w7 = b4[rb7 + kk];
+        let x0 = a4[ra0 + kk];
+        acc00 = fma(w0, x0, acc00);
+        acc01 = fma(w1, x0, acc01);
+        acc02 = fma(w2, x0, acc02);
+        acc03 = fma(w3, x0, acc03);
+        acc04 = fma(w4, x0, acc04);
+        acc05 = fma(w5, x0, acc05);
+        acc06 = fma(w6, x0, acc06);
+        acc07 = fma(w7, x0, acc07);
+        if MATVEC_ROWS > 1u {
+            let x1 = a4[ra1 + kk];
+            acc10 = fma(w0, x1, acc10);
+            acc11 = fma(w1, x1, acc11);
+            acc12 = fma(w2, x1, acc12);
+            acc13 = fma(w3, x1, acc13);
+            acc14 = fma(w4, x1, acc14);
+            acc15 = fma(w5, x1, acc15);
+            acc16 = fma(w6, x1, acc16);
+            acc17 = fma(w7, x1, acc17);
+        }
+        if MATVEC_ROWS > 2u {
+            let x2 = a4[ra2 + kk];
+            acc20 = fma(w0, x2, acc20);
+            acc21 = fma(w1, x2, acc21);
+            acc22 = fma(w2, x2, acc22);
+            acc23 = fma(w3, x2, acc23);
+            acc24 = fma(w4, x2, acc24);
+            acc25 = fma(w5, x2, acc25);
+            acc26 = fma(w6, x2, acc26);
+            acc27 = fma(w7, x2, acc27);
+        }
+        if MATVEC_ROWS > 3u {
+            let x3 = a4[ra3 + kk];
+            acc30 = fma(w0, x3, acc30);
+            acc31 = fma(w1, x3, acc31);
+            acc32 = fma(w2, x3, acc32);
+            acc33 = fma(w3, x3, acc33);
+            acc34 = fma(w4, x3, acc34);
+            acc35 = fma(w5, x3, acc35);
+            acc36 = fma(w6, x3, acc36);
+            acc37 = fma(w7, x3, acc37);
+        }
+    }
+    matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
+    if MATVEC_ROWS > 1u {
+        matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+    }
+    if MATVEC_ROWS > 2u {
+        matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    }
+    if MATVEC_ROWS > 3u {
+        matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
+    }
+}
+
+// Row `row` of a matvec workgroup's block: each lane's sums into workgroup
+// memory, the tree over the lanes, lane c stores column col0 + c. Called
+// from uniform control flow (MATVEC_ROWS is an override).
+fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
+    // The previous row's sums have been read.
+    workgroupBarrier();
+    for (var c = 0u; c < MATVEC_COLS; c++) {
+        matvec_partial[c * MATVEC_WG + lane] = acc[c];
+    }
+    for (var stride = MATVEC_WG / 2u; stride > 0u; stride /= 2u) {
+        workgroupBarrier();
+        if lane < stride {
+            for (var c = 0u; c < MATVEC_COLS; c++) {
+                matvec_partial[c * MATVEC_WG + lane] += matvec_partial[c * MATVEC_WG + lane + stride];
+            }
+        }
+    }
+    workgroupBarrier();
+    let col = col0 + lane;
+    if lane < MATVEC_COLS && col < n {
+        write_c(row, col, dot(matvec_partial[lane * MATVEC_WG], vec4<f32>(1.0)));
+    }
+}

@@ -1,7 +1,7 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::registry::{
-    MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
+    MATMUL_FORWARD_MATVEC, MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
 };
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
@@ -94,6 +94,8 @@ pub struct MatmulEpilogue<'a> {
 }
 
 const TILE: usize = 64;
+/// Columns per workgroup of `matmul_forward_matvec` (MATVEC_COLS).
+const MATVEC_COLUMNS: usize = 8;
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -122,6 +124,19 @@ struct MatmulParams {
 /// The block of the product one launch computes: rows m0..m0 + rows and
 /// columns n0..n0 + cols. The whole product unless an operand exceeds one
 /// storage binding.
+/// The rows up to which the shape-selected entries run an ABt product on
+/// the matrix-vector kernel (`matmul_forward_matvec`): decoding, one new
+/// token per sequence.
+pub const MATVEC_MAX_ROWS: usize = 4;
+
+/// Which kernel a matmul dispatch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pick {
+    Variant(MatmulVariant),
+    /// `matmul_forward_matvec` with this many lanes per workgroup.
+    Matvec { lanes: u32 },
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Block {
     m0: usize,
@@ -170,7 +185,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_with(self.matmul_variant_for_shape(form, m, n, k), form, c, a, b, m, n, k)
+        self.matmul_by_shape(form, MatmulEpilogue::default(), c, a, b, m, n, k)
     }
 
     /// C[m,n] += op(A)·op(B): accumulates into C (gradients).
@@ -185,7 +200,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant_for_shape(form, m, n, k), form, true, None, c, a, b, m, n, k)
+        self.matmul_by_shape(form, MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() }, c, a, b, m, n, k)
     }
 
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
@@ -217,7 +232,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_impl(self.matmul_variant_for_shape(form, m, n, k), form, false, Some(bias), c, a, b, m, n, k)
+        self.matmul_by_shape(form, MatmulEpilogue { bias: Some(bias), ..MatmulEpilogue::default() }, c, a, b, m, n, k)
     }
 
     /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
@@ -235,7 +250,7 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_epilogue_with(self.matmul_variant_for_shape(form, m, n, k), form, epilogue, c, a, b, m, n, k)
+        self.matmul_by_shape(form, epilogue, c, a, b, m, n, k)
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -280,7 +295,7 @@ impl Kernels {
         // are small one by one but too much for the small kernel together.
         let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
         let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        self.matmul_dispatch(variant, form, epilogue, out, a, b, batch, m, n, k)
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
     }
 
     /// [`Kernels::matmul_batched`] with an explicit kernel variant (tests,
@@ -300,7 +315,7 @@ impl Kernels {
         k: usize,
     ) -> Result<Dispatch> {
         let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        self.matmul_dispatch(variant, form, epilogue, out, a, b, batch, m, n, k)
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -317,7 +332,58 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_dispatch(variant, form, epilogue, c, a, b, 1, m, n, k)
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a, b, 1, m, n, k)
+    }
+
+    /// The entries that pick the kernel by shape: the matrix-vector kernel
+    /// for an ABt product of at most [`MATVEC_MAX_ROWS`] rows where it
+    /// runs ([`Kernels::matvec_runs`]), else [`Kernels::matmul_variant_for_shape`].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_by_shape(&self, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+        let pick = if self.matvec_runs(form, m, k, &a, &b) { Pick::Matvec { lanes: self.matvec_lanes() } } else { Pick::Variant(self.matmul_variant_for_shape(form, m, n, k)) };
+        self.matmul_dispatch(pick, form, epilogue, c, a, b, 1, m, n, k)
+    }
+
+    /// Whether the matrix-vector kernel takes this product: ABt, 1 to
+    /// [`MATVEC_MAX_ROWS`] rows, k a multiple of 4, A and B 16-byte
+    /// aligned (it reads vec4s), on an adapter whose storage offsets are
+    /// too, so every part of a split product stays aligned.
+    pub fn matvec_runs(&self, form: MatmulForm, m: usize, k: usize, a: &View<'_>, b: &View<'_>) -> bool {
+        let offsets_aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0;
+        form == MatmulForm::ABt && (1..=MATVEC_MAX_ROWS).contains(&m) && k % 4 == 0 && a.offset % 16 == 0 && b.offset % 16 == 0 && offsets_aligned
+    }
+
+    /// Lanes per workgroup the shape-selected entries give the
+    /// matrix-vector kernel: 8 on a CPU adapter (one SIMD row of llvmpipe:
+    /// with more lanes along k each has so few steps that the sum over the
+    /// lanes costs more than the loads; 8 lanes took 0.5–0.6× the CPU time
+    /// of 64 on lavapipe for GPT-2's layers), 64 on a GPU.
+    pub fn matvec_lanes(&self) -> u32 {
+        if self.device().is_cpu() {
+            8
+        } else {
+            64
+        }
+    }
+
+    /// C[m,n] = epilogue(A·Bᵀ) on the matrix-vector kernel with `lanes`
+    /// (a power of two from 8 to 64) per workgroup, for products
+    /// [`Kernels::matvec_runs`] accepts (an error otherwise). The
+    /// shape-selected entries pick it by themselves.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_matvec(&self, lanes: u32, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+        // Lane c stores column c of the workgroup's 8.
+        if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {
+            return Err(Error::InvalidArgument { op: MATMUL_FORWARD_MATVEC.entry, reason: format!("{lanes} lanes: a power of two from 8 to 64") });
+        }
+        if !self.matvec_runs(MatmulForm::ABt, m, k, &a, &b) {
+            return Err(Error::shape(
+                MATMUL_FORWARD_MATVEC.entry,
+                format!("takes ABt products of 1 to {MATVEC_MAX_ROWS} rows, k a multiple of 4 and 16-byte aligned operands; got m={m} k={k}, A at byte {}, B at byte {}", a.offset, b.offset),
+                &[&[m, k], &[n, k]],
+            ));
+        }
+        self.matmul_dispatch(Pick::Matvec { lanes }, MatmulForm::ABt, epilogue, c, a, b, 1, m, n, k)
     }
 
     /// The one place the matmul dispatch is built; `batch` products of
@@ -325,7 +391,7 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     fn matmul_dispatch(
         &self,
-        variant: MatmulVariant,
+        pick: Pick,
         form: MatmulForm,
         epilogue: MatmulEpilogue<'_>,
         c: View<'_>,
@@ -336,7 +402,10 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let kernel = variant.kernel(m, n, k, [(&a, 0), (&b, 0), (&c, 0)]);
+        let kernel = match pick {
+            Pick::Variant(variant) => variant.kernel(m, n, k, [(&a, 0), (&b, 0), (&c, 0)]),
+            Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
+        };
         let op = kernel.entry;
         // Before anything else, so a missing feature is always reported as
         // Unsupported and never reaches wgpu as a validation error.
@@ -395,13 +464,13 @@ impl Kernels {
             for m0 in (0..m).step_by(rows) {
                 for n0 in (0..n).step_by(cols) {
                     let block = Block { m0, rows: rows.min(m - m0), n0, cols: cols.min(n - n0) };
-                    launches.push(self.matmul_launch(variant, form, epilogue, c, a, b, 1, (m, n, k), block)?);
+                    launches.push(self.matmul_launch(pick, form, epilogue, c, a, b, 1, (m, n, k), block)?);
                 }
             }
             return Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no blocks", &shapes));
         }
         let whole = Block { m0: 0, rows: m, n0: 0, cols: n };
-        self.matmul_launch(variant, form, epilogue, c, a, b, batch, (m, n, k), whole)
+        self.matmul_launch(pick, form, epilogue, c, a, b, batch, (m, n, k), whole)
     }
 
     /// The block sizes (rows, columns) that split an m×n×k product so that
@@ -462,7 +531,7 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     fn matmul_launch<'v>(
         &self,
-        variant: MatmulVariant,
+        pick: Pick,
         form: MatmulForm,
         epilogue: MatmulEpilogue<'v>,
         c: View<'v>,
@@ -499,7 +568,10 @@ impl Kernels {
             (a_part, b_part, c_part, pre.map(like_c).transpose()?, act_input.map(like_c).transpose()?)
         };
         let (rows, cols) = (block.rows, block.cols);
-        let kernel = variant.kernel(rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]);
+        let kernel = match pick {
+            Pick::Variant(variant) => variant.kernel(rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
+            Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
+        };
         let op = kernel.entry;
         let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
         let tiles_n = cols.div_ceil(TILE);
@@ -540,14 +612,30 @@ impl Kernels {
             ("TRANS_A", flag(trans_a)),
             ("TRANS_B", flag(trans_b)),
         ];
-        let constants = if variant.specialised_by_form() { &constants[..] } else { &constants[..5] };
+        let specialised = matches!(pick, Pick::Variant(v) if v.specialised_by_form());
+        // The matrix-vector kernel is compiled per row count instead.
+        let lanes = match pick {
+            Pick::Matvec { lanes } => f64::from(lanes),
+            Pick::Variant(_) => 0.0,
+        };
+        let with_rows = [&constants[..5], &[("MATVEC_ROWS", rows as f64), ("MATVEC_WG", lanes)]].concat();
+        let constants = match pick {
+            Pick::Matvec { .. } => &with_rows[..],
+            Pick::Variant(_) if specialised => &constants[..],
+            Pick::Variant(_) => &constants[..5],
+        };
         // Every slot is in the layout whatever the overrides say; unused
         // read-only slots hold a placeholder the kernel never reads, and an
         // unused `pre` holds C itself (a writable slot may not share a buffer
         // with a read-only one), which the kernel never writes through it.
         let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
-        // Tiles of one product over x and y, the batch over z.
-        let [x, y, _] = self.grid(op, tiles_total as u64)?;
+        // Tiles of one product over x and y, the batch over z; the
+        // matrix-vector kernel has a workgroup per 8 columns.
+        let groups = match pick {
+            Pick::Variant(_) => tiles_total as u64,
+            Pick::Matvec { .. } => cols.div_ceil(MATVEC_COLUMNS) as u64,
+        };
+        let [x, y, _] = self.grid(op, groups)?;
         let max_z = self.device().limits().max_compute_workgroups_per_dimension;
         let z = u32::try_from(batch).ok().filter(|&z| z <= max_z).ok_or_else(|| {
             Error::shape(

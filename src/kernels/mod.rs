@@ -21,7 +21,7 @@ mod tensor;
 
 pub use attention::MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets};
-pub use matmul::{MatmulEpilogue, MatmulVariant};
+pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept

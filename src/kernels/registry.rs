@@ -185,6 +185,7 @@ const fn kernel(family: Family, entry: &'static str) -> Kernel {
 pub const MATMUL_FORWARD_REGISTER: Kernel = kernel(Family::Matmul, "matmul_forward_register");
 pub const MATMUL_FORWARD_SHARED: Kernel = kernel(Family::Matmul, "matmul_forward_shared");
 pub const MATMUL_FORWARD_REGISTER_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_register_vec4");
+pub const MATMUL_FORWARD_MATVEC: Kernel = kernel(Family::Matmul, "matmul_forward_matvec");
 pub const MATMUL_FORWARD_SMALL: Kernel = kernel(Family::Matmul, "matmul_forward_small");
 
 pub const ADD_FORWARD: Kernel = kernel(Family::Elementwise, "add_forward");
@@ -259,6 +260,7 @@ pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
     MATMUL_FORWARD_SHARED,
     MATMUL_FORWARD_REGISTER_VEC4,
+    MATMUL_FORWARD_MATVEC,
     MATMUL_FORWARD_SMALL,
     ADD_FORWARD,
     SUB_FORWARD,

@@ -21,6 +21,7 @@ mod kernels;
 mod kernels_ext;
 mod large_operands;
 mod lm_training;
+mod matvec;
 mod modules;
 mod optim;
 mod parallel;

@@ -35,9 +35,12 @@ fn parse(family: Family) -> (naga::Module, ModuleInfo) {
     (module, info)
 }
 
-/// Every assignment of the module's boolean overrides (matmul's transposes).
+/// Every assignment of the module's boolean overrides (matmul's transposes);
+/// numeric ones (the matrix-vector kernel's rows and lanes) keep their
+/// defaults.
 fn override_combinations(module: &naga::Module) -> Vec<PipelineConstants> {
-    let names: Vec<String> = module.overrides.iter().filter_map(|(_, o)| o.name.clone()).collect();
+    let is_bool = |ty: naga::Handle<naga::Type>| matches!(module.types[ty].inner, naga::TypeInner::Scalar(naga::Scalar { kind: naga::ScalarKind::Bool, .. }));
+    let names: Vec<String> = module.overrides.iter().filter(|(_, o)| is_bool(o.ty)).filter_map(|(_, o)| o.name.clone()).collect();
     (0..1u32 << names.len())
         .map(|bits| {
             let mut constants = PipelineConstants::default();
