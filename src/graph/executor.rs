@@ -999,7 +999,7 @@ impl Executor {
 }
 
 /// A model too large for the adapter is one clear error, with the numbers,
-/// before anything is allocated (host copies included).
+/// before any buffer is allocated or the arena's host copy is built.
 fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, state_arenas: usize) -> Result<()> {
     const BYTES: u64 = 4;
     let arena = plan.param_arena_len.max(1) as u64 * BYTES;
