@@ -401,18 +401,12 @@ impl GptPipeline {
     /// The idle share of an ideal pipeline, (S−1)/(M+S−1), for both
     /// schedules.
     pub fn ideal_bubble_fraction(&self) -> f64 {
-        let s = self.stages.len() as f64;
-        (s - 1.0) / (self.micro_batches as f64 + s - 1.0)
+        super::pipeline::ideal_bubble(self.stages.len(), self.micro_batches)
     }
 
     /// The measured idle share: 1 − busy time / (stages × step time).
     pub fn measured_bubble_fraction(&self) -> f64 {
-        let wall = self.stats.wall.as_secs_f64() * self.stages.len() as f64;
-        if wall <= 0.0 {
-            return 0.0;
-        }
-        let busy: f64 = self.stats.busy.iter().map(Duration::as_secs_f64).sum();
-        (1.0 - busy / wall).clamp(0.0, 1.0)
+        super::pipeline::measured_bubble(self.stats.wall, &self.stats.busy)
     }
 
     /// The share of step time spent moving data between devices.

@@ -171,18 +171,12 @@ impl Pipeline {
     /// The measured figure runs higher: here the last stage's forward runs
     /// inside its backward, so it idles through the forward ticks.
     pub fn ideal_bubble_fraction(&self) -> f64 {
-        let s = self.stages.len() as f64;
-        (s - 1.0) / (self.micro_batches as f64 + s - 1.0)
+        ideal_bubble(self.stages.len(), self.micro_batches)
     }
 
     /// The measured idle share: 1 - busy time / (stages × wall time).
     pub fn measured_bubble_fraction(&self) -> f64 {
-        let wall = self.stats.wall.as_secs_f64() * self.stages.len() as f64;
-        if wall <= 0.0 {
-            return 0.0;
-        }
-        let busy: f64 = self.stats.busy.iter().map(Duration::as_secs_f64).sum();
-        (1.0 - busy / wall).clamp(0.0, 1.0)
+        measured_bubble(self.stats.wall, &self.stats.busy)
     }
 
     fn device(&self, s: usize) -> &Kernels {
@@ -369,4 +363,22 @@ fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
     let stage = &stages[last];
     stage.set_input(&h).map_err(|e| on_device(last, &stage.kernels, e))?;
     Ok(last)
+}
+
+/// GPipe's idle share with `stages` stages and `micro_batches`
+/// micro-batches: (S−1)/(M+S−1).
+pub(crate) fn ideal_bubble(stages: usize, micro_batches: usize) -> f64 {
+    let s = stages as f64;
+    (s - 1.0) / (micro_batches as f64 + s - 1.0)
+}
+
+/// The measured idle share: 1 − Σ busy / (stages × wall), `busy` holding
+/// one entry per stage.
+pub(crate) fn measured_bubble(wall: Duration, busy: &[Duration]) -> f64 {
+    let wall = wall.as_secs_f64() * busy.len() as f64;
+    if wall <= 0.0 {
+        return 0.0;
+    }
+    let busy: f64 = busy.iter().map(Duration::as_secs_f64).sum();
+    (1.0 - busy / wall).clamp(0.0, 1.0)
 }
