@@ -28,8 +28,8 @@
 //! Environment: `WGRAD_ADAPTER` / `WGRAD_BACKEND` (adapter choice, see
 //! `Device::open_default`), `LP_NUM_THREADS` (llvmpipe/lavapipe threads).
 //!
-//! Run: `LP_NUM_THREADS=2 cargo bench --bench kernels` (about 2 minutes on
-//! 2 cores); one family: `cargo bench --bench kernels -- optim`.
+//! Run: `LP_NUM_THREADS=2 cargo bench -p wgrad-benches --bench kernels` (about 2 minutes on
+//! 2 cores); one family: `cargo bench -p wgrad-benches --bench kernels -- optim`.
 
 use std::time::Duration;
 

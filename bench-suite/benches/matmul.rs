@@ -22,7 +22,7 @@
 //! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
 //! - `MATMUL_NUM_THREADS`: threads of the CPU reference (default: physical cores, max 4).
 //!
-//! Run: `LP_NUM_THREADS=2 cargo bench --bench matmul`
+//! Run: `LP_NUM_THREADS=2 cargo bench -p wgrad-benches --bench matmul`
 
 use std::time::{Duration, Instant};
 

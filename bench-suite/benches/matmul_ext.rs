@@ -18,7 +18,7 @@
 //! (sizes, default 256,512,1024), `WGRAD_BENCH_TRIALS` (default 5),
 //! `LP_NUM_THREADS` (llvmpipe threads).
 //!
-//! Run: `LP_NUM_THREADS=2 cargo bench --bench matmul_ext`
+//! Run: `LP_NUM_THREADS=2 cargo bench -p wgrad-benches --bench matmul_ext`
 
 use std::time::Instant;
 

@@ -54,12 +54,23 @@
 //! `host_mb_per_step` what one step moves through the host
 //! (`GptTensorParallel::floats_moved_per_step`).
 //!
+//! Then data parallel on the same 2 devices with 8 rows per device (weak
+//! scaling), split evenly and as measured:
+//!
+//! ```text
+//! bench parallel model=gpt strategy=data split=even devices=2 rows=[8,8] ms_per_step=… weak_scaling_efficiency=… comm_share=…
+//! ```
+//!
+//! where `weak_scaling_efficiency` is the single device's step time at 8
+//! rows over this step time, and `comm_share` is
+//! `DataParallelStats.communication / (compute + communication)`.
+//!
 //! Environment:
 //! - `WGRAD_BENCH_QUICK=1`: devices 1 and 2 only, shorter measurements.
 //! - `WGRAD_BENCH_PARALLEL=mlp` or `gpt`: only that model's cases.
 //! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
 //!
-//! Run: `cargo bench --bench parallel` (a few minutes on 2 cores).
+//! Run: `cargo bench -p wgrad-benches --bench parallel` (a few minutes on 2 cores).
 
 use std::time::{Duration, Instant};
 
@@ -518,6 +529,7 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
     );
     println!("\nGPT {config}, {timed} timed steps after {warm_up}");
     let mut lines = Vec::new();
+    let mut single_ms: Option<f64> = None;
     let mut report = |line: String| {
         println!("{line}");
         lines.push(line);
@@ -543,11 +555,58 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
         }
         Ok((group.labels(), start.elapsed().as_secs_f64() * 1e3 / timed as f64))
     }) {
-        Ok((labels, ms)) => report(format!(
-            "bench parallel model=gpt strategy=single devices=1 ms_per_step={ms:.1} comm_share=0.00 config={config} device={}",
-            labels.join(",").replace(' ', "_")
-        )),
+        Ok((labels, ms)) => {
+            single_ms = Some(ms);
+            report(format!(
+                "bench parallel model=gpt strategy=single devices=1 ms_per_step={ms:.1} comm_share=0.00 config={config} device={}",
+                labels.join(",").replace(' ', "_")
+            ))
+        }
         Err(e) => report(format!("bench parallel model=gpt strategy=single devices=1 skipped: {e}")),
+    }
+
+    // Weak scaling: GPT_BATCH rows per device, split evenly and as measured.
+    let weak_tokens = 2 * tokens;
+    let weak_stream: Vec<u32> = (0..weak_tokens + 1)
+        .map(|_| rng.random_range(0..GPT.vocab_size as u32))
+        .collect();
+    let (wx, wy) = (&weak_stream[..weak_tokens], &weak_stream[1..]);
+    for (name, split) in [
+        ("even", Split::Rows(vec![GPT_BATCH, GPT_BATCH])),
+        ("measured", Split::Measured { every: 0 }),
+    ] {
+        match DeviceGroup::open(&DeviceSelection::Count(2)).and_then(|group| {
+            let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, optimizer, 2 * GPT_BATCH, split)?;
+            let step = |dp: &mut DataParallel| -> wgrad::Result<()> {
+                dp.step(wx, Targets::Classes(wy), false)?;
+                for k in group.members() {
+                    k.device().wait_idle("bench parallel gpt data")?;
+                }
+                Ok(())
+            };
+            for _ in 0..warm_up {
+                step(&mut dp)?;
+            }
+            let (compute0, comm0) = (dp.stats().compute, dp.stats().communication);
+            let start = Instant::now();
+            for _ in 0..timed {
+                step(&mut dp)?;
+            }
+            let ms = start.elapsed().as_secs_f64() * 1e3 / timed as f64;
+            let (compute, comm) = (dp.stats().compute - compute0, dp.stats().communication - comm0);
+            let share = comm.as_secs_f64() / (compute + comm).as_secs_f64().max(1e-9);
+            // Weak-scaling efficiency: one device's step time at GPT_BATCH
+            // rows over this step time at GPT_BATCH rows per device.
+            let efficiency = single_ms.map_or(f64::NAN, |single| single / ms);
+            Ok(format!(
+                "bench parallel model=gpt strategy=data split={name} devices=2 rows={:?} ms_per_step={ms:.1} weak_scaling_efficiency={efficiency:.2} comm_share={share:.2} config={config}",
+                dp.shares()
+            )
+            .replace(", ", ","))
+        }) {
+            Ok(line) => report(line),
+            Err(e) => report(format!("bench parallel model=gpt strategy=data split={name} devices=2 skipped: {e}")),
+        }
     }
 
     match DeviceGroup::open(&DeviceSelection::Count(2)).and_then(|group| {

@@ -20,7 +20,7 @@
 //! No adapter: prints why and exits successfully; only one device: the
 //! data-parallel cases are reported as skipped.
 //!
-//! Run: `LP_NUM_THREADS=2 cargo bench --bench steps` (a few minutes on 2
+//! Run: `LP_NUM_THREADS=2 cargo bench -p wgrad-benches --bench steps` (a few minutes on 2
 //! cores; the GL adapter compiles its shaders at the first step).
 
 use std::time::Duration;
