@@ -370,6 +370,23 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batc
     })
 }
 
+/// Seconds for one prefill of `prompt` and for `new_tokens` greedy decode
+/// steps after it, once every pipeline of both passes has compiled and run.
+fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> {
+    generator.prefill(&[prompt])?;
+    generator.decode(&[0])?;
+    let start = Instant::now();
+    let mut logits = generator.prefill(&[prompt])?;
+    let prefill = start.elapsed().as_secs_f64();
+    let greedy = crate::generate::Sampling::greedy();
+    let start = Instant::now();
+    for _ in 0..new_tokens {
+        let token = greedy.sample(&logits, rng)?;
+        logits = generator.decode(&[token])?;
+    }
+    Ok((prefill, start.elapsed().as_secs_f64()))
+}
+
 /// Generation with the KV cache on the GPU: a `config` GPT with random
 /// weights, a prompt of half the context, then `new_tokens` decode steps
 /// (one token each, greedy). Prefill and decode tokens/s.
@@ -380,19 +397,7 @@ pub fn gpt_generate(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, new_to
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
-    // Warm-up: every pipeline of both passes compiles and runs once.
-    generator.prefill(&[&prompt])?;
-    generator.decode(&[0])?;
-    let start = Instant::now();
-    let mut logits = generator.prefill(&[&prompt])?;
-    let prefill = start.elapsed().as_secs_f64();
-    let greedy = crate::generate::Sampling::greedy();
-    let start = Instant::now();
-    for _ in 0..new_tokens {
-        let token = greedy.sample(&logits, &mut rng)?;
-        logits = generator.decode(&[token])?;
-    }
-    let decode = start.elapsed().as_secs_f64();
+    let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
     Ok(BenchLine {
         case: "gpt_generate".into(),
         values: vec![
@@ -460,19 +465,7 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
-    // Warm-up: the pipelines of both passes compile and run once.
-    generator.prefill(&[&prompt])?;
-    generator.decode(&[0])?;
-    let start = Instant::now();
-    let mut logits = generator.prefill(&[&prompt])?;
-    let prefill = start.elapsed().as_secs_f64();
-    let greedy = crate::generate::Sampling::greedy();
-    let start = Instant::now();
-    for _ in 0..new_tokens {
-        let token = greedy.sample(&logits, &mut rng)?;
-        logits = generator.decode(&[token])?;
-    }
-    let decode = start.elapsed().as_secs_f64();
+    let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
     drop(generator);
     let tokens_per_s = new_tokens as f64 / decode;
     let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token(&config, p)).sum::<u64>() / new_tokens as u64;

@@ -425,3 +425,23 @@ fn greedy_ids_equal_transformers_greedy_generate() {
         Ok(())
     });
 }
+
+#[test]
+fn the_generation_bench_times_a_prompt_and_its_decode_steps() {
+    // A context of 7: the prompt takes 3 tokens and the decode is capped at
+    // the 4 positions left, however many tokens are asked for.
+    let config = GptConfig { vocab_size: 13, block_size: 7, n_layer: 1, n_head: 1, n_embd: 8 };
+    for_each_adapter("generation bench", |k| {
+        let line = wgrad::bench::gpt_generate(k, config, 100)?;
+        let value = |key: &str| -> f64 {
+            let found = line.values.iter().find(|(name, _)| *name == key);
+            found.and_then(|(_, v)| v.parse().ok()).unwrap_or(f64::NAN)
+        };
+        assert_eq!(line.case, "gpt_generate");
+        assert_eq!(value("prefill_tokens"), 3.0);
+        assert!(value("tokens_per_s") > 0.0 && value("prefill_tokens_per_s") > 0.0, "{line}");
+        let per_token_ms = value("ms_per_token");
+        assert!((per_token_ms - 1e3 / value("tokens_per_s")).abs() < 0.02 * per_token_ms.max(0.5), "{line}");
+        Ok(())
+    });
+}
