@@ -579,20 +579,11 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
             let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, optimizer, 2 * GPT_BATCH, split)?;
             let step = |dp: &mut DataParallel| -> wgrad::Result<()> {
                 dp.step(wx, Targets::Classes(wy), false)?;
-                for k in group.members() {
-                    k.device().wait_idle("bench parallel gpt data")?;
-                }
-                Ok(())
+                wait_all(&group)
             };
-            for _ in 0..warm_up {
-                step(&mut dp)?;
-            }
+            time_steps(warm_up, 0, || step(&mut dp))?;
             let (compute0, comm0) = (dp.stats().compute, dp.stats().communication);
-            let start = Instant::now();
-            for _ in 0..timed {
-                step(&mut dp)?;
-            }
-            let ms = start.elapsed().as_secs_f64() * 1e3 / timed as f64;
+            let ms = time_steps(0, timed, || step(&mut dp))?;
             let (compute, comm) = (dp.stats().compute - compute0, dp.stats().communication - comm0);
             let share = comm.as_secs_f64() / (compute + comm).as_secs_f64().max(1e-9);
             // Weak-scaling efficiency: one device's step time at GPT_BATCH
@@ -613,20 +604,11 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
         let mut tp = GptTensorParallel::new(&group, &model, optimizer, GPT_BATCH)?;
         let step = |tp: &mut GptTensorParallel| -> wgrad::Result<()> {
             tp.step(x, y, false)?;
-            for k in group.members() {
-                k.device().wait_idle("bench parallel gpt")?;
-            }
-            Ok(())
+            wait_all(&group)
         };
-        for _ in 0..warm_up {
-            step(&mut tp)?;
-        }
+        time_steps(warm_up, 0, || step(&mut tp))?;
         let (comm0, wall0) = (tp.stats().communication, tp.stats().wall);
-        let start = Instant::now();
-        for _ in 0..timed {
-            step(&mut tp)?;
-        }
-        let ms = start.elapsed().as_secs_f64() * 1e3 / timed as f64;
+        let ms = time_steps(0, timed, || step(&mut tp))?;
         let share = (tp.stats().communication - comm0).as_secs_f64()
             / (tp.stats().wall - wall0).as_secs_f64().max(1e-9);
         println!("{}", tp.report());
