@@ -114,3 +114,26 @@ fn tanh_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let i = flat_index(wid, nwg, lid);
     if i < p.n { out[i] = activation_backward(ACT_TANH, x[i], y[i]); }
 }
+
+// out[n] = x[n] in vec4s: each invocation copies COPY_VEC4S consecutive
+// vec4s. The bandwidth bench's copy (bench::copy_gbps): on llvmpipe a
+// 16-byte load per invocation moves about 4× the bytes per second of the
+// f32 kernels above, which issue one 4-byte load each. The length goes
+// through workgroup memory (as in matmul_forward_matvec): lavapipe
+// specializes a shader on the uniform values that bound its loops.
+@group(0) @binding(0) var<storage, read> x4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> out4: array<vec4<f32>>;
+const COPY_VEC4S: u32 = 4u;
+var<workgroup> copy_len: u32;
+@compute @workgroup_size(64)
+fn copy_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let first = ((wid.y * nwg.x + wid.x) * 64u + lid.x) * COPY_VEC4S;
+    if lid.x == 0u {
+        copy_len = p.n;
+    }
+    let n = workgroupUniformLoad(&copy_len);
+    for (var j = 0u; j < COPY_VEC4S; j++) {
+        let i = first + j;
+        if i < n { out4[i] = x4[i]; }
+    }
+}

@@ -95,6 +95,22 @@ impl Kernels {
         self.flat(SCALE_FORWARD, out, x, None, 1, alpha)
     }
 
+    /// out = x, in 16-byte loads and stores: lengths a multiple of 4 and
+    /// offsets 16-byte aligned (an error otherwise). What the bandwidth
+    /// bench copies with ([`crate::bench::copy_gbps`]).
+    pub fn copy_vec4(&self, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
+        const PER_INVOCATION: usize = 4;
+        const WORKGROUP: usize = 64;
+        let op = COPY_VEC4.entry;
+        same_len(op, &[("out", &out), ("x", &x)])?;
+        if x.len % 4 != 0 || x.offset % 16 != 0 || out.offset % 16 != 0 {
+            return Err(Error::shape(op, format!("copies whole vec4s: needs a length that is a multiple of 4 and 16-byte aligned offsets; got {} floats, x at byte {}, out at byte {}", x.len, x.offset, out.offset), &[&[x.len], &[out.len]]));
+        }
+        let params = ElementwiseParams { n: dim(op, x.len / 4)?, cols: 1, alpha: 1.0, _pad: 0 };
+        let groups = (x.len / 4).div_ceil(PER_INVOCATION * WORKGROUP) as u64;
+        self.prepare(COPY_VEC4, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, groups)
+    }
+
     /// out += x (gradient accumulation).
     pub fn add_assign(&self, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
         same_len(ADD_ASSIGN.entry, &[("out", &out), ("x", &x)])?;

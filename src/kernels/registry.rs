@@ -194,6 +194,7 @@ pub const MUL_FORWARD: Kernel = kernel(Family::Elementwise, "mul_forward");
 pub const DIV_FORWARD: Kernel = kernel(Family::Elementwise, "div_forward");
 pub const SCALE_FORWARD: Kernel = kernel(Family::Elementwise, "scale_forward");
 pub const ADD_ASSIGN: Kernel = kernel(Family::Elementwise, "add_assign");
+pub const COPY_VEC4: Kernel = kernel(Family::Elementwise, "copy_vec4");
 pub const BIAS_ADD_FORWARD: Kernel = kernel(Family::Elementwise, "bias_add_forward");
 pub const RELU_FORWARD: Kernel = kernel(Family::Elementwise, "relu_forward");
 pub const RELU_BACKWARD: Kernel = kernel(Family::Elementwise, "relu_backward");
@@ -268,6 +269,7 @@ pub const KERNELS: &[Kernel] = &[
     DIV_FORWARD,
     SCALE_FORWARD,
     ADD_ASSIGN,
+    COPY_VEC4,
     BIAS_ADD_FORWARD,
     RELU_FORWARD,
     RELU_BACKWARD,

@@ -99,6 +99,31 @@ fn matmul_rejects_wrong_shapes_naming_the_kernel() {
 const FLAT_SIZES: [usize; 6] = [1, 2, 255, 256, 257, 10_007];
 
 #[test]
+fn copy_vec4_copies_exactly_and_refuses_partial_vectors() {
+    for_each_adapter("copy_vec4", |k| {
+        // 1 vec4, a prime number of them, and lengths around the
+        // 256-vec4 block one workgroup copies.
+        for (i, vec4s) in [1usize, 7, 255, 256, 257, 1031].into_iter().enumerate() {
+            let n = 4 * vec4s;
+            let x_host = random_vec(&mut rng(90 + i as u64), n, -3.0, 3.0);
+            let x = k.upload(&x_host)?;
+            let out = k.upload(&vec![f32::NAN; n + 4])?;
+            k.run(&[&k.copy_vec4(out.slice(0, n)?, x.view())?])?;
+            let copied = k.read::<f32>(out.view())?;
+            // A copy is exact: its reference is the input itself.
+            assert_eq!(&copied[..n], &x_host[..], "copy of {n} floats");
+            assert!(copied[n..].iter().all(|v| v.is_nan()), "wrote past the end at n={n}");
+        }
+        let x = k.zeros(8)?;
+        let err = k.copy_vec4(x.slice(0, 6)?, x.slice(0, 6)?).unwrap_err();
+        assert!(err.to_string().contains("multiple of 4"), "{err}");
+        let err = k.copy_vec4(x.slice(4, 4)?, x.slice(1, 4)?).unwrap_err();
+        assert!(err.to_string().contains("aligned"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
 fn binary_scale_and_accumulate_match_the_cpu() {
     for_each_adapter("binary", |k| {
         for (i, &n) in FLAT_SIZES.iter().enumerate() {
