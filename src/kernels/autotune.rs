@@ -14,16 +14,19 @@
 //!    `matmul.wgsl` (a new driver or kernel source tunes afresh).
 //! 3. Otherwise the fallback table: CPU adapters (llvmpipe, WARP, SwiftShader)
 //!    get [`MatmulVariant::Subgroup`] where it runs (SUBGROUP with 8-lane
-//!    subgroups: lavapipe), else [`MatmulVariant::Register`]; every other
-//!    adapter gets [`MatmulVariant::Shared`]. On lavapipe the subgroup kernel
-//!    timed 1.3–2.1× Register on every form at the MLP's shapes, and the
-//!    MLP step took 0.6–0.8× the time in 7 of 8 alternating pairs
-//!    (BENCHMARKS.md).
+//!    subgroups: lavapipe), else [`MatmulVariant::RegisterVec4`] for AB
+//!    and ABᵀ and [`MatmulVariant::Register`] for AᵀB (llvmpipe-GL, which
+//!    has no subgroups); every other adapter gets [`MatmulVariant::Shared`].
+//!    On lavapipe the subgroup kernel timed 1.3–2.1× Register on every form
+//!    at the MLP's shapes, and the MLP step took 0.6–0.8× the time in 7 of
+//!    8 alternating pairs (BENCHMARKS.md).
 //!    It stays off GPUs untuned: 512 accumulators per lane would spill
-//!    there, where workgroup-memory tiling is the known good shape. (The
-//!    vec4 kernel measured no faster inside the MLP training step for AB
-//!    and ABᵀ, and 2.5–5× slower for AᵀB, although AᵀB timed alone is on
-//!    par; see BENCHMARKS.md.)
+//!    there, where workgroup-memory tiling is the known good shape. On
+//!    llvmpipe-GL the vec4 kernel for AB and ABᵀ made the default GPT's
+//!    training step 1.35–1.65× faster than Register everywhere, and the
+//!    MLP step no slower (alternating runs, BENCHMARKS.md); it is not used
+//!    for AᵀB, which it made 2.5–5× slower inside the MLP step although
+//!    AᵀB timed alone is on par.
 //!
 //! A tuning run times every candidate variant on one training-sized shape
 //! per form (an MLP layer 784→512 at batch 256) within a time budget
@@ -94,12 +97,12 @@ impl MatmulTuning {
     /// `subgroup_matmul`: whether the device runs [`MatmulVariant::Subgroup`]
     /// ([`Kernels::supports_subgroup_matmul`]).
     pub fn fallback(device_type: wgpu::DeviceType, subgroup_matmul: bool) -> Self {
-        let v = match device_type {
-            wgpu::DeviceType::Cpu if subgroup_matmul => MatmulVariant::Subgroup,
-            wgpu::DeviceType::Cpu => MatmulVariant::Register,
-            _ => MatmulVariant::Shared,
+        let (ab, atb, abt) = match device_type {
+            wgpu::DeviceType::Cpu if subgroup_matmul => (MatmulVariant::Subgroup, MatmulVariant::Subgroup, MatmulVariant::Subgroup),
+            wgpu::DeviceType::Cpu => (MatmulVariant::RegisterVec4, MatmulVariant::Register, MatmulVariant::RegisterVec4),
+            _ => (MatmulVariant::Shared, MatmulVariant::Shared, MatmulVariant::Shared),
         };
-        MatmulTuning { ab: v, atb: v, abt: v, source: "fallback".into(), measurements: Vec::new() }
+        MatmulTuning { ab, atb, abt, source: "fallback".into(), measurements: Vec::new() }
     }
 
     /// One line per form, then the measurements.
@@ -356,6 +359,7 @@ mod tests {
 
     #[test]
     fn the_fallback_table_picks_subgroup_or_register_kernels_on_cpu_adapters_and_shared_elsewhere() {
+        use MatmulVariant::{Register, RegisterVec4};
         let cpu_subgroup = MatmulTuning::fallback(wgpu::DeviceType::Cpu, true);
         let cpu = MatmulTuning::fallback(wgpu::DeviceType::Cpu, false);
         for subgroup_matmul in [false, true] {
@@ -366,8 +370,9 @@ mod tests {
         }
         for form in MatmulForm::ALL {
             assert_eq!(cpu_subgroup.variant(form), MatmulVariant::Subgroup);
-            assert_eq!(cpu.variant(form), MatmulVariant::Register);
         }
+        // Without subgroups: vec4 loads except for AᵀB (module documentation).
+        assert_eq!([cpu.variant(MatmulForm::AB), cpu.variant(MatmulForm::AtB), cpu.variant(MatmulForm::ABt)], [RegisterVec4, Register, RegisterVec4]);
     }
 
     #[test]
