@@ -1,0 +1,189 @@
+//! Token sampling on the GPU (`Kernels::sample_rows`) against its CPU
+//! twin (`cpu::sample_rows`). Greedy picks and errors must agree exactly;
+//! a sampled pick must agree wherever the draw is not within rounding of a
+//! boundary between two candidates: the GPU sums the weights in f32, the
+//! twin in f64.
+
+use crate::common;
+
+use common::{for_each_adapter, rng};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use wgrad::kernels::NO_TOKEN;
+use wgrad::{cpu, Error, Kernels};
+
+/// How close (relative to Σw) a draw's target u·Σw may come to a boundary
+/// between two candidates' cumulative weights before the f32 and f64 sums
+/// may disagree on the side it falls: f32 exp and sums over ≤ 50257 terms
+/// in chunks of ≤ 197 err by ~1e-6 relative.
+const BOUNDARY_MARGIN: f64 = 1e-5;
+
+/// Whether u·Σw lies within [`BOUNDARY_MARGIN`]·Σw of a boundary between
+/// two candidates of `logits` (cumulative weights in id order, in f64).
+fn near_a_boundary(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> bool {
+    let candidates = cpu::sampling_candidates(logits, temperature, top_k);
+    let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
+    let target = f64::from(u) * total;
+    let mut running = 0.0;
+    candidates[..candidates.len() - 1].iter().any(|&(_, w)| {
+        running += w;
+        (running - target).abs() <= BOUNDARY_MARGIN * total
+    })
+}
+
+/// The kernel on `logits` [rows, vocab] with (u, temperature) per row and
+/// top_k per row: out [rows, 2].
+fn sample_on_gpu(k: &Kernels, logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> wgrad::Result<Vec<u32>> {
+    let (logits_gpu, draws_gpu, top_k_gpu) = (k.upload(logits)?, k.upload(draws)?, k.upload(top_k)?);
+    let out = k.upload(&vec![7u32; 2 * rows])?;
+    k.run(&[&k.sample_rows(out.view(), logits_gpu.view(), draws_gpu.view(), top_k_gpu.view(), rows, vocab)?])?;
+    k.read::<u32>(out.view())
+}
+
+/// Logits from `levels` distinct values (many ties) when given, else
+/// continuous in [-4, 4).
+fn random_logits(r: &mut ChaCha8Rng, n: usize, levels: Option<u32>) -> Vec<f32> {
+    match levels {
+        Some(levels) => (0..n).map(|_| r.random_range(0..levels) as f32 * 0.75 - 2.0).collect(),
+        None => (0..n).map(|_| r.random_range(-4.0..4.0)).collect(),
+    }
+}
+
+#[test]
+fn greedy_picks_equal_the_twin_exactly_ties_included() {
+    for_each_adapter("sample_rows greedy", |k| {
+        for (case, &vocab) in [1usize, 2, 7, 97, 1000, 50257].iter().enumerate() {
+            for rows in [1usize, 3] {
+                let mut r = rng(100 + case as u64 * 2 + rows as u64);
+                // Few levels: the maximum is shared by several ids, in
+                // different lanes' chunks for the long rows.
+                let mut logits = random_logits(&mut r, rows * vocab, Some(4));
+                if rows == 3 && vocab > 1 {
+                    // A row of zeros of both signs: −0 and +0 are equal, so
+                    // its first id is the first maximum.
+                    logits[vocab..2 * vocab].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 0.0 });
+                }
+                // Temperature 0, or any temperature with k = 1 (greedy too).
+                let draws: Vec<f32> = (0..rows).flat_map(|row| [r.random::<f32>(), if row == 1 { 1.5 } else { 0.0 }]).collect();
+                let top_k: Vec<u32> = (0..rows).map(|row| if row == 1 { 1 } else { r.random_range(0..vocab as u32 + 2) }).collect();
+                let got = sample_on_gpu(k, &logits, &draws, &top_k, rows, vocab)?;
+                let want = cpu::sample_rows(&logits, &draws, &top_k, rows, vocab);
+                // Exact: the first maximum is an integer.
+                assert_eq!(got, want, "vocab {vocab}, rows {rows}");
+                assert_eq!(want[1], NO_TOKEN);
+            }
+        }
+        Ok(())
+    });
+}
+
+/// (vocab, rows, logit levels or continuous, top_k values): k of 1, 2, 5
+/// and the whole vocabulary, and with few levels k past the number of
+/// distinct values, which cuts a group of equal logits at the boundary.
+const SAMPLED_CASES: [(usize, usize, Option<u32>, &[u32]); 6] = [
+    (2, 64, None, &[1, 2]),
+    (7, 64, Some(3), &[1, 2, 5, 7]),
+    (97, 48, None, &[2, 5, 97]),
+    (97, 48, Some(5), &[2, 7, 40, 97]),
+    (1000, 32, Some(6), &[5, 300, 1000]),
+    (50257, 4, None, &[5, 40, 50257]),
+];
+
+#[test]
+fn sampled_picks_equal_the_twin_away_from_boundaries() {
+    for_each_adapter("sample_rows sampled", |k| {
+        let (mut draws_checked, mut skipped, mut expected_skips) = (0usize, 0usize, 0.0f64);
+        for (case, &(vocab, rows, levels, ks)) in SAMPLED_CASES.iter().enumerate() {
+            for &top_k in ks {
+                let mut r = rng(200 + case as u64 * 10 + u64::from(top_k));
+                let logits = random_logits(&mut r, rows * vocab, levels);
+                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(0.3..3.0)]).collect();
+                let ks = vec![top_k; rows];
+                let got = sample_on_gpu(k, &logits, &draws, &ks, rows, vocab)?;
+                let want = cpu::sample_rows(&logits, &draws, &ks, rows, vocab);
+                for row in 0..rows {
+                    let what = format!("vocab {vocab}, k {top_k}, row {row}, draw {:?}", &draws[2 * row..2 * row + 2]);
+                    assert_eq!(got[2 * row + 1], NO_TOKEN, "{what}: no logit is bad");
+                    let logits_row = &logits[row * vocab..(row + 1) * vocab];
+                    // u·Σw is uniform over [0, Σw): each interior boundary
+                    // catches 2·BOUNDARY_MARGIN of the draws.
+                    expected_skips += 2.0 * BOUNDARY_MARGIN * (top_k.min(vocab as u32) - 1) as f64;
+                    if near_a_boundary(logits_row, draws[2 * row], draws[2 * row + 1], top_k) {
+                        skipped += 1;
+                        continue;
+                    }
+                    draws_checked += 1;
+                    // Exact away from a boundary (BOUNDARY_MARGIN).
+                    assert_eq!(got[2 * row], want[2 * row], "{what}");
+                }
+            }
+        }
+        assert!(
+            (skipped as f64) <= 3.0 * expected_skips + 2.0 && draws_checked > 700,
+            "{skipped} draws near a boundary skipped (about {expected_skips:.1} expected), {draws_checked} checked"
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn draws_hit_every_top_k_candidate_and_nothing_else() {
+    // Ids 1 and 3 share the maximum, 4 and 6 the next value: k = 3 takes
+    // id 4 but not 6.
+    let logits = [0.5, 3.0, -1.0, 3.0, 2.5, 0.0, 2.5];
+    let (vocab, rows) = (logits.len(), 2000);
+    for_each_adapter("sample_rows distribution", |k| {
+        for (top_k, temperature, candidates) in [(3u32, 2.0f32, vec![1u32, 3, 4]), (5, 0.7, vec![0, 1, 3, 4, 6]), (7, 4.0, (0..7).collect())] {
+            let mut r = rng(300 + u64::from(top_k));
+            let all: Vec<f32> = logits.iter().copied().cycle().take(rows * vocab).collect();
+            let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature]).collect();
+            let got = sample_on_gpu(k, &all, &draws, &vec![top_k; rows], rows, vocab)?;
+            let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i as usize]) - 3.0) / f64::from(temperature)).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for (&id, &w) in candidates.iter().zip(&weights) {
+                let share = got.chunks(2).filter(|pick| pick[0] == id).count() as f64 / rows as f64;
+                // 2000 draws: the share's standard deviation is ≤ 0.012.
+                assert!((share - w / total).abs() < 0.05, "k {top_k}: id {id} drawn {share}, probability {}", w / total);
+            }
+            let strays: Vec<u32> = got.chunks(2).map(|pick| pick[0]).filter(|id| !candidates.contains(id)).collect();
+            assert!(strays.is_empty(), "k {top_k}: non-candidates drawn: {strays:?}");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_logit_that_is_not_finite_is_reported_by_its_first_column() {
+    for_each_adapter("sample_rows non-finite", |k| {
+        let vocab = 1000;
+        // (columns made bad, in that order; the first by id is reported).
+        let rows_bad: [&[(usize, f32)]; 5] = [&[(2, f32::NAN)], &[(700, f32::INFINITY), (300, f32::NEG_INFINITY)], &[(999, f32::NAN)], &[], &[(0, f32::INFINITY)]];
+        let rows = rows_bad.len();
+        let mut logits = random_logits(&mut rng(400), rows * vocab, None);
+        for (row, bad) in rows_bad.iter().enumerate() {
+            for &(column, value) in *bad {
+                logits[row * vocab + column] = value;
+            }
+        }
+        let draws: Vec<f32> = (0..rows).flat_map(|row| [0.5, if row % 2 == 0 { 1.0 } else { 0.0 }]).collect();
+        let got = sample_on_gpu(k, &logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab)?;
+        let want: Vec<[u32; 2]> = vec![[NO_TOKEN, 2], [NO_TOKEN, 300], [NO_TOKEN, 999], [cpu::sample_row(&logits[3 * vocab..4 * vocab], 0.5, 0.0, 10).0, NO_TOKEN], [NO_TOKEN, 0]];
+        assert_eq!(got, want.concat());
+        assert_eq!(got, cpu::sample_rows(&logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab));
+        Ok(())
+    });
+}
+
+#[test]
+fn the_kernel_checks_its_operands() {
+    for_each_adapter("sample_rows errors", |k| {
+        let (logits, draws, top_k, out) = (k.zeros(3 * 5)?, k.zeros(6)?, k.zeros(3)?, k.zeros(6)?);
+        let short = k.zeros(5)?;
+        let err = k.sample_rows(out.view(), logits.view(), short.view(), top_k.view(), 3, 5).unwrap_err();
+        assert!(matches!(err, Error::Shape { op: "sample_rows_forward", .. }) && err.to_string().contains("`draws` has 5 elements, want 6"), "{err}");
+        let err = k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 3, 4).unwrap_err();
+        assert!(err.to_string().contains("`logits` has 15 elements, want 12"), "{err}");
+        assert!(k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5).is_err());
+        Ok(())
+    });
+}
