@@ -1,14 +1,17 @@
-//! Token sampling on the GPU (`Kernels::sample_rows`) against its CPU
-//! twin (`cpu::sample_rows`). Greedy picks and errors must agree exactly;
-//! a sampled pick must agree wherever the draw is not within rounding of a
-//! boundary between two candidates: the GPU sums the weights in f32, the
-//! twin in f64.
+//! Token sampling on the GPU (`Kernels::sample_rows`, `Graph::sample_tokens`)
+//! against its CPU twin (`cpu::sample_rows`). Greedy picks and errors must
+//! agree exactly; a sampled pick must agree wherever the draw is not within
+//! rounding of a boundary between two candidates: the GPU sums the weights
+//! in f32, the twin in f64.
+
+use std::sync::Arc;
 
 use crate::common;
 
 use common::{for_each_adapter, rng};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use wgrad::graph::{Executor, Graph};
 use wgrad::kernels::NO_TOKEN;
 use wgrad::{cpu, Error, Kernels};
 
@@ -186,4 +189,69 @@ fn the_kernel_checks_its_operands() {
         assert!(k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5).is_err());
         Ok(())
     });
+}
+
+#[test]
+fn the_graph_op_samples_through_an_executor_without_rebuilding() {
+    for_each_adapter("sample_tokens in a graph", |k| {
+        let (rows, vocab) = (3, 37);
+        let mut g = Graph::new();
+        let logits = g.input("logits", &[rows, 1, vocab])?;
+        let draws = g.input("draws", &[rows, 2])?;
+        let top_k = g.ids("top_k", &[rows])?;
+        let tokens = g.sample_tokens(logits, draws, top_k)?;
+        assert_eq!(g.shape_of(tokens), Some(&[rows, 2][..]));
+        let mut exec = Executor::new(Arc::clone(k), g, &[tokens], None, None)?;
+        let mut r = rng(600);
+        let values = random_logits(&mut r, rows * vocab, Some(8));
+        exec.set_input(logits, &values)?;
+        // Different settings each run, from inputs: the graph is built once.
+        for (run, (temperature, ks)) in [(0.0, [37, 37, 37]), (1.0, [1, 5, 37]), (0.5, [3, 2, 36])].into_iter().enumerate() {
+            let host_draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature]).collect();
+            exec.set_input(draws, &host_draws)?;
+            exec.set_labels(top_k, &ks)?;
+            exec.run(&[tokens])?;
+            let got = exec.read_u32(tokens)?;
+            let want = cpu::sample_rows(&values, &host_draws, &ks, rows, vocab);
+            for row in 0..rows {
+                let row_logits = &values[row * vocab..(row + 1) * vocab];
+                if !near_a_boundary(row_logits, host_draws[2 * row], temperature, ks[row]) {
+                    assert_eq!(got[2 * row..2 * row + 2], want[2 * row..2 * row + 2], "run {run}, row {row}");
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn the_graph_op_checks_shapes_and_has_no_gradient() {
+    let mut g = Graph::new();
+    let logits = g.input("logits", &[4, 10]).unwrap();
+    let draws = g.input("draws", &[4, 2]).unwrap();
+    let top_k = g.ids("top_k", &[4]).unwrap();
+    let shape_error = |result: wgrad::Result<_>, shapes: &[&[usize]]| match result {
+        Err(Error::Shape { op, shapes: got, .. }) => {
+            assert_eq!(op, "sample_tokens");
+            assert_eq!(got, shapes.iter().map(|s| s.to_vec()).collect::<Vec<_>>());
+        }
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    let wide = g.input("wide draws", &[4, 3]).unwrap();
+    shape_error(g.sample_tokens(logits, wide, top_k), &[&[4, 10], &[4, 3], &[4]]);
+    let few = g.ids("few", &[3]).unwrap();
+    shape_error(g.sample_tokens(logits, draws, few), &[&[4, 10], &[4, 2], &[3]]);
+    let float_k = g.input("float k", &[4]).unwrap();
+    shape_error(g.sample_tokens(logits, draws, float_k), &[&[4, 10], &[4, 2], &[4]]);
+    let flat = g.input("flat", &[10]).unwrap();
+    shape_error(g.sample_tokens(flat, draws, top_k), &[&[10], &[4, 2], &[4]]);
+    assert!(g.sample_tokens(logits, top_k, top_k).is_err(), "u32 draws");
+
+    let weights = g.parameter("w", &[4, 10], vec![0.0; 40]).unwrap();
+    let tokens = g.sample_tokens(weights, draws, top_k).unwrap();
+    let seed = g.constant("seed", &[4, 2], vec![1.0; 8]).unwrap();
+    match g.backward_from(tokens, seed, &[]) {
+        Err(Error::NoGradient { op, .. }) => assert_eq!(op, "sample_tokens"),
+        other => panic!("expected NoGradient, got {other:?}"),
+    }
 }
