@@ -106,9 +106,16 @@ impl Sampling {
         Ok(())
     }
 
-    /// A token id drawn from one position's `logits` [vocab]: the first
-    /// maximum at temperature 0, else a sample from softmax(logits / T)
-    /// over the `top_k` largest, using `rng`.
+    /// A token id drawn from one position's `logits` [vocab], using one
+    /// draw u of `rng` whatever the settings (so a seed gives the same
+    /// stream for any mix of settings, as on the GPU): the first maximum
+    /// at temperature 0; else the `top_k` largest logits (ties at the
+    /// boundary to the lower id) are the candidates, each weighing
+    /// w = exp((logit − max) / T), and the token is the first candidate in
+    /// id order whose running sum of w exceeds u·Σw. This is what
+    /// `Kernels::sample_rows` computes on the GPU (in f32 there, f64 here,
+    /// so a draw within rounding of a boundary between two candidates may
+    /// pick either).
     pub fn sample(&self, logits: &[f32], rng: &mut ChaCha8Rng) -> Result<u32> {
         self.check()?;
         if logits.is_empty() {
@@ -117,26 +124,29 @@ impl Sampling {
         if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
             return Err(Error::InvalidArgument { op: "Sampling::sample", reason: format!("logit {} of token {bad} is not finite", logits[bad]) });
         }
+        let u = rng.random::<f32>();
         // Most likely first; equal logits in id order.
         let mut ranked: Vec<usize> = (0..logits.len()).collect();
-        ranked.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if self.temperature == 0.0 {
+        ranked.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+        let k = self.top_k.unwrap_or(logits.len()).min(logits.len());
+        if self.temperature == 0.0 || k == 1 {
             return Ok(ranked[0] as u32);
         }
-        ranked.truncate(self.top_k.unwrap_or(logits.len()).min(logits.len()));
         let top = f64::from(logits[ranked[0]]);
         let temperature = f64::from(self.temperature);
-        let weights: Vec<f64> = ranked.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
-        let total: f64 = weights.iter().sum();
-        let mut target = rng.random::<f64>() * total;
-        for (&id, &w) in ranked.iter().zip(&weights) {
-            if target < w {
+        let mut candidates = ranked[..k].to_vec();
+        candidates.sort_unstable();
+        let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
+        let target = f64::from(u) * weights.iter().sum::<f64>();
+        let mut running = 0.0;
+        for (&id, &w) in candidates.iter().zip(&weights) {
+            running += w;
+            if running > target {
                 return Ok(id as u32);
             }
-            target -= w;
         }
         // Rounding left the draw past the last weight: the last candidate.
-        Ok(ranked[ranked.len() - 1] as u32)
+        Ok(candidates[k - 1] as u32)
     }
 }
 

@@ -1,8 +1,9 @@
 //! Token sampling on the GPU (`Kernels::sample_rows`, `Graph::sample_tokens`)
-//! against its CPU twin (`cpu::sample_rows`). Greedy picks and errors must
-//! agree exactly; a sampled pick must agree wherever the draw is not within
-//! rounding of a boundary between two candidates: the GPU sums the weights
-//! in f32, the twin in f64.
+//! against its CPU twin (`cpu::sample_rows`) and the host sampler
+//! (`Sampling::sample`). Greedy picks and errors must agree exactly; a
+//! sampled pick must agree wherever the draw is not within rounding of a
+//! boundary between two candidates: the GPU sums the weights in f32, the
+//! twin in f64.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use crate::common;
 use common::{for_each_adapter, rng};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use wgrad::generate::Sampling;
 use wgrad::graph::{Executor, Graph};
 use wgrad::kernels::NO_TOKEN;
 use wgrad::{cpu, Error, Kernels};
@@ -189,6 +191,25 @@ fn the_kernel_checks_its_operands() {
         assert!(k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5).is_err());
         Ok(())
     });
+}
+
+#[test]
+fn the_host_sampler_is_the_twin() {
+    // Sampling::sample draws one f32 per call and computes in f64 as the
+    // twin does: the same pick, exactly, on every draw.
+    let mut r = rng(500);
+    for case in 0..300 {
+        let vocab = r.random_range(1..60);
+        let logits = random_logits(&mut r, vocab, (case % 2 == 0).then_some(4));
+        let temperature = if case % 5 == 0 { 0.0 } else { r.random_range(0.2..3.0) };
+        let top_k = if case % 3 == 0 { None } else { Some(r.random_range(1..vocab + 3)) };
+        let sampling = Sampling { temperature, top_k, seed: case };
+        let mut draws = rng(case);
+        let u: f32 = draws.clone().random();
+        let picked = sampling.sample(&logits, &mut draws).expect("finite logits");
+        let k = top_k.unwrap_or(vocab).min(vocab) as u32;
+        assert_eq!(picked, cpu::sample_row(&logits, u, temperature, k).0, "case {case}: {sampling:?} on {logits:?}");
+    }
 }
 
 #[test]
