@@ -747,7 +747,7 @@ pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> (u32,
 
 /// Twin of `sample_rows_forward`: [`sample_row`] of each row of
 /// logits[rows, vocab] with draws[rows, 2] = (u, temperature) and
-/// top_k[rows] -> [rows, 2].
+/// `top_k[rows]` -> [rows, 2].
 pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> Vec<u32> {
     (0..rows)
         .flat_map(|r| {

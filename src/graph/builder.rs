@@ -811,7 +811,7 @@ impl Graph {
     /// product of the leading dimensions), drawn on the GPU with each
     /// row's settings read from inputs, so that changing them rebuilds
     /// nothing: `draws` f32 [rows, 2] holds (u, temperature) with u
-    /// uniform in [0, 1), `top_k` u32 [rows] the number of largest logits
+    /// uniform in `[0, 1)`, `top_k` (u32 `[rows]`) the number of largest logits
     /// to sample among (clamped to 1..=vocab). -> u32 [rows, 2]: (token,
     /// first column whose logit is not finite, or
     /// [`NO_TOKEN`](crate::ops::NO_TOKEN) when all are). Temperature 0 is

@@ -17,19 +17,19 @@ struct SampleParams {
 }
 
 impl Kernels {
-    /// A token per row of logits[rows, vocab] (f32), one workgroup per row:
-    /// out[rows, 2] (u32) = (token, first column whose logit is not
+    /// A token per row of `logits[rows, vocab]` (f32), one workgroup per
+    /// row: `out[rows, 2]` (u32) = (token, first column whose logit is not
     /// finite). A row whose logits are all finite has
     /// [`NO_TOKEN`](crate::ops::NO_TOKEN) as its second value, a row with
-    /// one has it as its token. Row r's settings are draws[r] = (u in [0, 1), temperature) (f32
-    /// [rows, 2]) and top_k[r] (u32 [rows], clamped to 1..=vocab), inputs
-    /// rather than pipeline constants so that changing them rebuilds
-    /// nothing. Temperature 0 (or k = 1): the first maximum. Above 0: the
-    /// k largest logits are the candidates (ties at the boundary to the
-    /// lower id), w_i = exp((l_i − max) / temperature), and the token is
-    /// the first candidate in id order whose running sum of w exceeds
-    /// u·Σw (the last candidate if rounding leaves none).
-    /// `cpu::sample_rows` is the twin.
+    /// one has it as its token. Row r's settings are `draws[r]` = (u in
+    /// `[0, 1)`, temperature) (f32 [rows, 2]) and `top_k[r]` (u32 `[rows]`,
+    /// clamped to 1..=vocab), inputs rather than pipeline constants so that
+    /// changing them rebuilds nothing. Temperature 0 (or k = 1): the first
+    /// maximum. Above 0: the k largest logits are the candidates (ties at
+    /// the boundary to the lower id), w_i = exp((l_i − max) /
+    /// temperature), and the token is the first candidate in id order
+    /// whose running sum of w exceeds u·Σw (the last candidate if rounding
+    /// leaves none). `cpu::sample_rows` is the twin.
     pub fn sample_rows(&self, out: View<'_>, logits: View<'_>, draws: View<'_>, top_k: View<'_>, rows: usize, vocab: usize) -> Result<Dispatch> {
         let op = SAMPLE_ROWS_FORWARD.entry;
         let pairs = rows.checked_mul(2);
