@@ -1,9 +1,9 @@
-//! Token sampling on the GPU (`Kernels::sample_rows`, `Graph::sample_tokens`)
-//! against its CPU twin (`cpu::sample_rows`) and the host sampler
-//! (`Sampling::sample`). Greedy picks and errors must agree exactly; a
-//! sampled pick must agree wherever the draw is not within rounding of a
-//! boundary between two candidates: the GPU sums the weights in f32, the
-//! twin in f64.
+//! Token sampling on the GPU (`Kernels::sample_rows`, `Graph::sample_tokens`,
+//! `Generator::decode_and_sample`) against its CPU twin (`cpu::sample_rows`)
+//! and the host sampler (`Sampling::sample`). Greedy picks and errors must
+//! agree exactly; a sampled pick must agree wherever the draw is not within
+//! rounding of a boundary between two candidates: the GPU sums the weights
+//! in f32, the twin in f64.
 
 use std::sync::Arc;
 
@@ -12,9 +12,10 @@ use crate::common;
 use common::{for_each_adapter, rng};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::generate::Sampling;
+use wgrad::generate::{Generator, Sampling};
 use wgrad::graph::{Executor, Graph};
 use wgrad::kernels::NO_TOKEN;
+use wgrad::nn::{self, Gpt, GptConfig};
 use wgrad::{cpu, Error, Kernels};
 
 /// How close (relative to Σw) a draw's target u·Σw may come to a boundary
@@ -275,4 +276,111 @@ fn the_graph_op_checks_shapes_and_has_no_gradient() {
         Err(Error::NoGradient { op, .. }) => assert_eq!(op, "sample_tokens"),
         other => panic!("expected NoGradient, got {other:?}"),
     }
+}
+
+const CONFIG: GptConfig = GptConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_embd: 24 };
+
+/// A GPT whose logits are spread over several units, so that a top-k
+/// draw at temperature 1 has more than one likely candidate.
+fn model(seed: u64) -> Gpt {
+    nn::manual_seed(seed);
+    let mut model = Gpt::new(CONFIG).expect("valid config");
+    model.wte.weight.iter_mut().for_each(|w| *w *= 4.0);
+    model
+}
+
+/// What `Generator::generate` does, step by step, with the logits read
+/// back and each token picked by `Sampling::sample` from the same seed.
+/// Where the pick differs from `generated` (whose tokens it feeds on, so
+/// both see the same logits), the draw must have been within rounding of
+/// a boundary; returns how many were.
+fn replay_on_the_host(generator: &mut Generator, prompt: &[u32], generated: &[u32], sampling: &Sampling) -> wgrad::Result<usize> {
+    let (context, keep) = (CONFIG.block_size, CONFIG.block_size / 2);
+    let mut draws = rng(sampling.seed);
+    let mut logits = generator.prefill(&[prompt])?;
+    let mut near_boundaries = 0;
+    for (i, &token) in generated.iter().enumerate() {
+        let u: f32 = draws.clone().random();
+        let picked = sampling.sample(&logits, &mut draws)?;
+        if picked != token {
+            let k = sampling.top_k.unwrap_or(CONFIG.vocab_size) as u32;
+            assert!(near_a_boundary(&logits, u, sampling.temperature, k), "token {i}: the GPU picked {token}, the host {picked}; logits {logits:?}");
+            near_boundaries += 1;
+        }
+        let cached = generator.cached_tokens(0).map_or(0, <[u32]>::len);
+        logits = if cached < context {
+            generator.decode(&[token])?
+        } else {
+            let held = generator.cached_tokens(0).unwrap_or(&[]);
+            let mut window = held[held.len() + 1 - keep..].to_vec();
+            window.push(token);
+            generator.prefill(&[&window])?
+        };
+    }
+    Ok(near_boundaries)
+}
+
+#[test]
+fn generate_picks_on_the_gpu_what_the_host_sampler_picks() {
+    for_each_adapter("generate with GPU sampling", |k| {
+        let mut generator = Generator::new(Arc::clone(k), &model(30), 1)?;
+        let prompt = [3, 1, 4, 1, 5];
+        // Past the context (13): decode steps and the shifts' prefills.
+        let max_new = 2 * CONFIG.block_size;
+        for sampling in [Sampling::greedy(), Sampling { temperature: 1.0, top_k: Some(5), seed: 31 }, Sampling { temperature: 0.7, top_k: None, seed: 32 }] {
+            let generated = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
+            assert_eq!(generated.len(), max_new);
+            let near = replay_on_the_host(&mut generator, &prompt, &generated, &sampling)?;
+            // ~2e-5 of draws per boundary come that close.
+            assert!(near <= 1, "{sampling:?}: {near} draws within rounding of a boundary");
+            if sampling.temperature > 0.0 {
+                let distinct: std::collections::BTreeSet<u32> = generated.iter().copied().collect();
+                assert!(distinct.len() > 2, "{sampling:?} sampled only {distinct:?}");
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
+    for_each_adapter("decode_and_sample", |k| {
+        let vocab = CONFIG.vocab_size;
+        // Two generators of one model, fed the same tokens: one reads the
+        // logits back, one picks on the GPU (the logits are the same bits).
+        let mut reads_logits = Generator::new(Arc::clone(k), &model(33), 3)?;
+        let mut picks = Generator::new(Arc::clone(k), &model(33), 3)?;
+        let sampling = Sampling { temperature: 1.2, top_k: Some(6), seed: 34 };
+        let prompts: [&[u32]; 3] = [&[1, 2], &[7], &[9, 9, 9, 9]];
+        let (mut gpu_draws, mut host_draws) = (rng(34), rng(34));
+        let mut logits = reads_logits.prefill(&prompts)?;
+        let mut tokens = picks.prefill_and_sample(&prompts, &sampling, &mut gpu_draws)?;
+        for step in 0..6 {
+            // One draw per sequence, in sequence order, on both sides.
+            for (s, &token) in tokens.iter().enumerate() {
+                let row = &logits[s * vocab..(s + 1) * vocab];
+                let u: f32 = host_draws.clone().random();
+                let picked = sampling.sample(row, &mut host_draws)?;
+                assert!(picked == token || near_a_boundary(row, u, 1.2, 6), "step {step}, sequence {s}: GPU {token}, host {picked}");
+            }
+            logits = reads_logits.decode(&tokens)?;
+            tokens = picks.decode_and_sample(&tokens, &sampling, &mut gpu_draws)?;
+        }
+
+        let mut broken = model(33);
+        // Token 5's logit is NaN (5 is never an input here).
+        let channels = CONFIG.n_embd;
+        broken.wte.weight[5 * channels..6 * channels].iter_mut().for_each(|w| *w = f32::NAN);
+        let mut bad = Generator::new(Arc::clone(k), &broken, 3)?;
+        let host_error = Sampling::greedy().sample(&bad.prefill(&prompts)?[..vocab], &mut rng(0)).unwrap_err().to_string();
+        assert!(host_error.contains("logit NaN of token 5 is not finite"), "{host_error}");
+        let err = bad.prefill_and_sample(&prompts, &Sampling::greedy(), &mut rng(0)).unwrap_err().to_string();
+        assert!(err.contains("logit NaN of token 5 in sequence 0 is not finite"), "{err}");
+        let err = bad.decode_and_sample(&[1, 2, 3], &sampling, &mut rng(0)).unwrap_err().to_string();
+        assert!(err.contains("token 5 in sequence 0"), "{err}");
+        let mut one = Generator::new(Arc::clone(k), &broken, 1)?;
+        let err = one.generate(&[1, 2], 3, &sampling, |_| Ok(())).unwrap_err().to_string();
+        assert!(err.contains("logit NaN of token 5 is not finite"), "{err}");
+        Ok(())
+    });
 }
