@@ -372,17 +372,18 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batc
 
 /// Seconds for one prefill of `prompt` and for `new_tokens` greedy decode
 /// steps after it, once every pipeline of both passes has compiled and run.
+/// Each step picks its token on the GPU and reads back only that, as
+/// `Generator::generate` does.
 fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> {
-    generator.prefill(&[prompt])?;
-    generator.decode(&[0])?;
-    let start = Instant::now();
-    let mut logits = generator.prefill(&[prompt])?;
-    let prefill = start.elapsed().as_secs_f64();
     let greedy = crate::generate::Sampling::greedy();
+    generator.prefill_and_sample(&[prompt], &greedy, rng)?;
+    generator.decode_and_sample(&[0], &greedy, rng)?;
+    let start = Instant::now();
+    let mut tokens = generator.prefill_and_sample(&[prompt], &greedy, rng)?;
+    let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 0..new_tokens {
-        let token = greedy.sample(&logits, rng)?;
-        logits = generator.decode(&[token])?;
+        tokens = generator.decode_and_sample(&tokens, &greedy, rng)?;
     }
     Ok((prefill, start.elapsed().as_secs_f64()))
 }

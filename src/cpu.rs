@@ -698,3 +698,61 @@ pub fn optimizer_step(
     }
     clip.map(|(norm, _)| norm)
 }
+
+// Token sampling (sampling.wgsl).
+
+/// The candidates of a sampled token with their weights, in id order:
+/// the `top_k` largest `logits` (k clamped to 1..=len; among equal logits
+/// at the boundary the lower ids), each weighing exp((l − max) /
+/// temperature) in f64. The logits must be finite. A temperature not
+/// above 0 leaves the first maximum alone (weight 1).
+pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32) -> Vec<(u32, f64)> {
+    if logits.is_empty() {
+        return Vec::new();
+    }
+    // Most likely first, equal logits (−0 and +0 too) in id order.
+    let mut ranked: Vec<usize> = (0..logits.len()).collect();
+    ranked.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+    let k = if temperature > 0.0 { (top_k as usize).clamp(1, logits.len()) } else { 1 };
+    let mut candidates: Vec<usize> = ranked[..k].to_vec();
+    candidates.sort_unstable();
+    let max = f64::from(logits[ranked[0]]);
+    let weight = |i: usize| if temperature > 0.0 { ((f64::from(logits[i]) - max) / f64::from(temperature)).exp() } else { 1.0 };
+    candidates.into_iter().map(|i| (i as u32, weight(i))).collect()
+}
+
+/// Twin of one row of `sample_rows_forward`: (token, first column whose
+/// logit is not finite), with [`NO_TOKEN`](crate::ops::NO_TOKEN) for the
+/// token when there is one, and for the column when there is none. The
+/// token is the first of [`sampling_candidates`] whose running sum of
+/// weights, in id order, exceeds u·Σw (u clamped into [0, 1], NaN as 0),
+/// or the last candidate when none does.
+pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> (u32, u32) {
+    if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
+        return (crate::ops::NO_TOKEN, bad as u32);
+    }
+    let candidates = sampling_candidates(logits, temperature, top_k);
+    let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
+    let u = if u > 0.0 { u.min(1.0) } else { 0.0 };
+    let target = f64::from(u) * total;
+    let mut running = 0.0;
+    for &(id, w) in &candidates {
+        running += w;
+        if running > target {
+            return (id, crate::ops::NO_TOKEN);
+        }
+    }
+    (candidates.last().map_or(crate::ops::NO_TOKEN, |&(id, _)| id), crate::ops::NO_TOKEN)
+}
+
+/// Twin of `sample_rows_forward`: [`sample_row`] of each row of
+/// logits[rows, vocab] with draws[rows, 2] = (u, temperature) and
+/// `top_k[rows]` -> [rows, 2].
+pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> Vec<u32> {
+    (0..rows)
+        .flat_map(|r| {
+            let (token, bad) = sample_row(&logits[r * vocab..(r + 1) * vocab], draws[2 * r], draws[2 * r + 1], top_k[r]);
+            [token, bad]
+        })
+        .collect()
+}

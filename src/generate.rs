@@ -54,8 +54,16 @@
 //!   O(n_layer · (n_embd² + pos · n_embd)) per sequence: the projections,
 //!   plus attention linear in the position instead of quadratic.
 //!
-//! Only what sampling needs comes back: each sequence's logits
-//! `[vocab_size]`, copied in the step's own submission.
+//! Only the tokens come back. Each pass ends in [`Graph::sample_tokens`],
+//! which picks every sequence's next token on the GPU in the step's own
+//! submission, so a step reads back two u32 per sequence (the token, and
+//! the first logit that is not finite, for the error) instead of its
+//! `vocab_size` logits (201 KB for GPT-2). The sampler's settings and its
+//! uniform draw, one per sequence per step from a ChaCha8 generator on the
+//! host, are inputs written before the step, so changing them rebuilds
+//! nothing; [`Sampling::sample`] is the same sampler on the host.
+//! [`Generator::prefill`] and [`Generator::decode`] still return all the
+//! logits, for callers who want them.
 //!
 //! # Past the context
 //!
@@ -74,7 +82,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
-use crate::kernels::{check_token_ids, Activation, Kernels, MatmulForm};
+use crate::kernels::{check_token_ids, Activation, Kernels, MatmulForm, View};
 use crate::nn::{Gpt, GptConfig, LayerNorm, Linear, Module};
 
 /// How the next token is picked from the logits.
@@ -106,9 +114,16 @@ impl Sampling {
         Ok(())
     }
 
-    /// A token id drawn from one position's `logits` [vocab]: the first
-    /// maximum at temperature 0, else a sample from softmax(logits / T)
-    /// over the `top_k` largest, using `rng`.
+    /// A token id drawn from one position's `logits` (`[vocab]`), using one
+    /// draw u of `rng` whatever the settings (so a seed gives the same
+    /// stream for any mix of settings, as on the GPU): the first maximum
+    /// at temperature 0; else the `top_k` largest logits (ties at the
+    /// boundary to the lower id) are the candidates, each weighing
+    /// w = exp((logit − max) / T), and the token is the first candidate in
+    /// id order whose running sum of w exceeds u·Σw. This is what
+    /// [`Generator::decode_and_sample`] computes on the GPU (in f32 there,
+    /// f64 here, so a draw within rounding of a boundary between two
+    /// candidates may pick either).
     pub fn sample(&self, logits: &[f32], rng: &mut ChaCha8Rng) -> Result<u32> {
         self.check()?;
         if logits.is_empty() {
@@ -117,26 +132,36 @@ impl Sampling {
         if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
             return Err(Error::InvalidArgument { op: "Sampling::sample", reason: format!("logit {} of token {bad} is not finite", logits[bad]) });
         }
+        let u = rng.random::<f32>();
         // Most likely first; equal logits in id order.
         let mut ranked: Vec<usize> = (0..logits.len()).collect();
-        ranked.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if self.temperature == 0.0 {
+        ranked.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+        let k = self.top_k.unwrap_or(logits.len()).min(logits.len());
+        if self.temperature == 0.0 || k == 1 {
             return Ok(ranked[0] as u32);
         }
-        ranked.truncate(self.top_k.unwrap_or(logits.len()).min(logits.len()));
         let top = f64::from(logits[ranked[0]]);
         let temperature = f64::from(self.temperature);
-        let weights: Vec<f64> = ranked.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
-        let total: f64 = weights.iter().sum();
-        let mut target = rng.random::<f64>() * total;
-        for (&id, &w) in ranked.iter().zip(&weights) {
-            if target < w {
+        let mut candidates = ranked[..k].to_vec();
+        candidates.sort_unstable();
+        let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
+        let target = f64::from(u) * weights.iter().sum::<f64>();
+        let mut running = 0.0;
+        for (&id, &w) in candidates.iter().zip(&weights) {
+            running += w;
+            if running > target {
                 return Ok(id as u32);
             }
-            target -= w;
         }
         // Rounding left the draw past the last weight: the last candidate.
-        Ok(ranked[ranked.len() - 1] as u32)
+        Ok(candidates[k - 1] as u32)
+    }
+
+    /// The settings as the GPU sampler takes them for one row: (u drawn
+    /// from `rng`, temperature) and k.
+    fn row_settings(&self, rng: &mut ChaCha8Rng, vocab: usize) -> ([f32; 2], u32) {
+        let k = self.top_k.unwrap_or(vocab).min(vocab);
+        ([rng.random::<f32>(), self.temperature], u32::try_from(k).unwrap_or(u32::MAX))
     }
 }
 
@@ -150,6 +175,7 @@ pub struct Generator {
     /// Whole-prompt passes by length, shortest first.
     prefill: Vec<PrefillPass>,
     decode: DecodePass,
+    sampler: SamplerInputs,
     /// The tokens whose keys and values each sequence's cache holds, in
     /// position order.
     cached: Vec<Vec<u32>>,
@@ -171,6 +197,8 @@ struct PrefillPass {
     last: Tensor,
     /// [S, vocab].
     logits: Tensor,
+    /// [S, 2] u32: each sequence's next token, sampled from `logits`.
+    tokens: Tensor,
 }
 
 /// Inputs and output of the one-token pass.
@@ -182,6 +210,17 @@ struct DecodePass {
     positions: Tensor,
     /// [S, vocab].
     logits: Tensor,
+    /// [S, 2] u32: each sequence's next token, sampled from `logits`.
+    tokens: Tensor,
+}
+
+/// The sampler's settings, inputs of every pass's `sample_tokens`.
+#[derive(Clone, Copy)]
+struct SamplerInputs {
+    /// [S, 2] f32: each sequence's uniform draw and temperature.
+    draws: Tensor,
+    /// [S] u32.
+    top_k: Tensor,
 }
 
 /// A Linear layer's parameters.
@@ -294,7 +333,7 @@ impl Weights {
     /// The whole-prompt pass over `rows` positions of each of `sequences`
     /// sequences: Gpt's forward, whose attention also fills the caches,
     /// with only each sequence's last prompt row going through the head.
-    fn prefill(&self, g: &mut Graph, starts: Tensor, (sequences, rows, context, channels): (usize, usize, usize, usize)) -> Result<PrefillPass> {
+    fn prefill(&self, g: &mut Graph, starts: Tensor, sampler: SamplerInputs, (sequences, rows, context, channels): (usize, usize, usize, usize)) -> Result<PrefillPass> {
         let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
         let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
         let tokens = g.embedding(self.wte, ids)?;
@@ -311,7 +350,8 @@ impl Weights {
         let x = self.blocks(g, x, starts, (sequences, rows, channels))?;
         let x = g.embedding(x, last)?;
         let logits = self.head(g, x)?;
-        Ok(PrefillPass { rows, ids, last, logits })
+        let tokens = g.sample_tokens(logits, sampler.draws, sampler.top_k)?;
+        Ok(PrefillPass { rows, ids, last, logits, tokens })
     }
 
     /// The final norm and the head tied to the token embedding: x [rows, C]
@@ -360,11 +400,12 @@ impl Generator {
         let mut g = Graph::new();
         let weights = Weights::declare(&mut g, model, sequences)?;
 
+        let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
         // Prompts start at position 0: the input stays zero.
         let prefill_starts = g.ids("prefill.starts", &[sequences])?;
         let prefill = prefill_lengths(context)
             .into_iter()
-            .map(|rows| weights.prefill(&mut g, prefill_starts, (sequences, rows, context, channels)))
+            .map(|rows| weights.prefill(&mut g, prefill_starts, sampler, (sequences, rows, context, channels)))
             .collect::<Result<Vec<_>>>()?;
 
         let decode_ids = g.ids("decode.idx", &[sequences])?;
@@ -374,9 +415,10 @@ impl Generator {
         let x = g.add(tokens, position_rows)?;
         let x = weights.blocks(&mut g, x, positions, (sequences, 1, channels))?;
         let decode_logits = weights.head(&mut g, x)?;
+        let decode_tokens = g.sample_tokens(decode_logits, sampler.draws, sampler.top_k)?;
 
-        let mut outputs: Vec<Tensor> = prefill.iter().map(|p| p.logits).collect();
-        outputs.push(decode_logits);
+        let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
+        outputs.extend([decode_logits, decode_tokens]);
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
         let mut declared = exec.parameters_shapes();
         let mut expected = model.named_parameters();
@@ -393,7 +435,8 @@ impl Generator {
             config,
             sequences,
             prefill,
-            decode: DecodePass { ids: decode_ids, positions, logits: decode_logits },
+            decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
+            sampler,
             cached: vec![Vec::new(); sequences],
         };
         // (A model without attention has no cache and leaves it unused.)
@@ -449,32 +492,31 @@ impl Generator {
         check_token_ids(op, ids, self.config.vocab_size)
     }
 
-    /// Runs each sequence's prompt from position 0 in one submission,
-    /// replacing what its cache held; returns the logits after each
-    /// prompt's last token, [sequences, vocab_size].
-    pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
-        const OP: &str = "Generator::prefill";
+    /// Checks `prompts` (one per sequence) and writes them into the
+    /// shortest prefill pass that holds them; returns that pass's index.
+    fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
         let context = self.config.block_size;
         if prompts.len() != self.sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} prompts for {} sequences", prompts.len(), self.sequences) });
+            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", prompts.len(), self.sequences) });
         }
         for (s, prompt) in prompts.iter().enumerate() {
             if prompt.is_empty() {
-                return Err(Error::InvalidArgument { op: OP, reason: format!("prompt {s} is empty; give at least one token") });
+                return Err(Error::InvalidArgument { op, reason: format!("prompt {s} is empty; give at least one token") });
             }
             if prompt.len() > context {
                 return Err(Error::InvalidArgument {
-                    op: OP,
+                    op,
                     reason: format!("prompt {s} has {} tokens, more than the model's context of {context}", prompt.len()),
                 });
             }
-            self.check_ids(OP, prompt)?;
+            self.check_ids(op, prompt)?;
         }
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
-        let pass = self.prefill.iter().find(|p| p.rows >= longest).ok_or_else(|| Error::InvalidArgument {
-            op: OP,
+        let index = self.prefill.iter().position(|p| p.rows >= longest).ok_or_else(|| Error::InvalidArgument {
+            op,
             reason: format!("no prefill pass holds {longest} positions"),
         })?;
+        let pass = &self.prefill[index];
         let rows = pass.rows;
         let mut ids = vec![0u32; self.sequences * rows];
         let mut last = Vec::with_capacity(self.sequences);
@@ -484,40 +526,139 @@ impl Generator {
         }
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.last, &last)?;
-        let logits = self.exec.run_and_read(&[pass.logits], pass.logits)?;
+        Ok(index)
+    }
+
+    /// What each sequence's cache holds after a prefill of `prompts`.
+    fn prompts_cached(&mut self, prompts: &[&[u32]]) {
         for (cached, prompt) in self.cached.iter_mut().zip(prompts) {
             cached.clear();
             cached.extend_from_slice(prompt);
         }
-        Ok(logits)
     }
 
-    /// Feeds one token per sequence at its next position, in one
-    /// submission; returns the logits after it, [sequences, vocab_size].
-    /// A sequence whose cache is full (block_size tokens) is an error:
-    /// prefill it again with its last tokens ([`Generator::generate`]
-    /// does).
-    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        const OP: &str = "Generator::decode";
+    /// Checks `tokens` (one per sequence, each with room in its cache) and
+    /// writes them and their positions into the decode pass.
+    fn set_decode(&self, op: &'static str, tokens: &[u32]) -> Result<()> {
         let context = self.config.block_size;
         if tokens.len() != self.sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences; give one per sequence", tokens.len(), self.sequences) });
+            return Err(Error::InvalidArgument { op, reason: format!("got {} tokens for {} sequences; give one per sequence", tokens.len(), self.sequences) });
         }
-        self.check_ids(OP, tokens)?;
+        self.check_ids(op, tokens)?;
         if let Some(s) = self.cached.iter().position(|c| c.len() >= context) {
             return Err(Error::InvalidArgument {
-                op: OP,
+                op,
                 reason: format!("sequence {s} has filled its context of {context} positions; prefill it again with its last tokens"),
             });
         }
         let positions: Vec<u32> = self.cached.iter().map(|c| c.len() as u32).collect();
         self.exec.set_labels(self.decode.ids, tokens)?;
-        self.exec.set_labels(self.decode.positions, &positions)?;
+        self.exec.set_labels(self.decode.positions, &positions)
+    }
+
+    /// Writes the sampler's inputs for the next step: `sampling`'s
+    /// settings for every sequence, and one uniform draw of `rng` per
+    /// sequence, in sequence order (as [`Sampling::sample`] draws).
+    fn set_sampling(&self, sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        let mut draws = Vec::with_capacity(2 * self.sequences);
+        let mut top_k = Vec::with_capacity(self.sequences);
+        for _ in 0..self.sequences {
+            let (draw, k) = sampling.row_settings(rng, vocab);
+            draws.extend(draw);
+            top_k.push(k);
+        }
+        self.exec.set_input(self.sampler.draws, &draws)?;
+        self.exec.set_labels(self.sampler.top_k, &top_k)
+    }
+
+    /// The tokens in the sampler's output `picks` [S, 2], or the error
+    /// [`Sampling::sample`] gives for a logit that is not finite (its value
+    /// read back from `logits`, the one logit that comes back).
+    fn sampled_tokens(&self, op: &'static str, picks: &[u32], logits: Tensor) -> Result<Vec<u32>> {
+        let vocab = self.config.vocab_size;
+        let mut tokens = Vec::with_capacity(self.sequences);
+        for (s, pick) in picks.chunks_exact(2).enumerate() {
+            let (token, bad) = (pick[0], pick[1]);
+            if bad != crate::ops::NO_TOKEN {
+                let all = self.exec.tensor_view(logits)?;
+                let at = s * vocab + bad as usize;
+                let one = View { offset: all.offset + at as u64 * 4, len: 1, ..all };
+                let value = if at < all.len { self.exec.kernels().read::<f32>(one)?.first().map(f32::to_string) } else { None };
+                let value = value.unwrap_or_else(|| "?".into());
+                let sequence = if self.sequences > 1 { format!(" in sequence {s}") } else { String::new() };
+                return Err(Error::InvalidArgument { op, reason: format!("logit {value} of token {bad}{sequence} is not finite") });
+            }
+            if token as usize >= vocab {
+                return Err(Error::InvalidArgument { op, reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}") });
+            }
+            tokens.push(token);
+        }
+        Ok(tokens)
+    }
+
+    /// Runs each sequence's prompt from position 0 in one submission,
+    /// replacing what its cache held; returns the logits after each
+    /// prompt's last token, [sequences, vocab_size], all read back (to
+    /// pick the next token, [`Generator::prefill_and_sample`] reads back
+    /// only the token).
+    pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
+        let pass = self.set_prompts("Generator::prefill", prompts)?;
+        let logits = self.prefill[pass].logits;
+        let values = self.exec.run_and_read(&[logits], logits)?;
+        self.prompts_cached(prompts);
+        Ok(values)
+    }
+
+    /// [`Generator::prefill`] that also picks each sequence's next token
+    /// by `sampling` on the GPU, in the same submission, with one draw of
+    /// `rng` per sequence: only the tokens come back, one per sequence. The
+    /// tokens are those [`Sampling::sample`] picks from the logits with
+    /// the same `rng`, up to f32 rounding at the boundaries between
+    /// candidates (see `Kernels::sample_rows`).
+    pub fn prefill_and_sample(&mut self, prompts: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+        const OP: &str = "Generator::prefill_and_sample";
+        sampling.check()?;
+        let pass = self.set_prompts(OP, prompts)?;
+        self.set_sampling(sampling, rng)?;
+        let PrefillPass { logits, tokens, .. } = self.prefill[pass];
+        let picks = self.exec.run_and_read_u32(&[tokens], tokens)?;
+        self.prompts_cached(prompts);
+        self.sampled_tokens(OP, &picks, logits)
+    }
+
+    /// Feeds one token per sequence at its next position, in one
+    /// submission; returns the logits after it, [sequences, vocab_size],
+    /// all read back ([`Generator::decode_and_sample`] reads back only the
+    /// next tokens). A sequence whose cache is full (block_size tokens) is
+    /// an error: prefill it again with its last tokens
+    /// ([`Generator::generate`] does).
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.set_decode("Generator::decode", tokens)?;
         let logits = self.exec.run_and_read(&[self.decode.logits], self.decode.logits)?;
         for (cached, &token) in self.cached.iter_mut().zip(tokens) {
             cached.push(token);
         }
         Ok(logits)
+    }
+
+    /// [`Generator::decode`] that also picks each sequence's next token by
+    /// `sampling` on the GPU, in the same submission, with one draw of
+    /// `rng` per sequence (in sequence order): only the tokens come back,
+    /// one per sequence, two u32 each instead of a vocabulary of logits. The
+    /// tokens are those [`Sampling::sample`] picks from the logits with
+    /// the same `rng`, up to f32 rounding at the boundaries between
+    /// candidates (see `Kernels::sample_rows`).
+    pub fn decode_and_sample(&mut self, tokens: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+        const OP: &str = "Generator::decode_and_sample";
+        sampling.check()?;
+        self.set_decode(OP, tokens)?;
+        self.set_sampling(sampling, rng)?;
+        let picks = self.exec.run_and_read_u32(&[self.decode.tokens], self.decode.tokens)?;
+        for (cached, &token) in self.cached.iter_mut().zip(tokens) {
+            cached.push(token);
+        }
+        self.sampled_tokens(OP, &picks, self.decode.logits)
     }
 
     /// Continues `prompt` by `max_new_tokens` tokens picked by `sampling`,
@@ -538,24 +679,28 @@ impl Generator {
         let context = self.config.block_size;
         let keep = (context / 2).max(1);
         let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
-        // Logits are read back whole: the vocabularies here are small.
-        // Issue 15 keeps top-k on the GPU for 50k-token vocabularies.
-        let mut logits = self.prefill(&[prompt])?;
+        // Each step picks its token on the GPU: the logits never come back.
+        let mut token = first_token(self.prefill_and_sample(&[prompt], sampling, &mut rng)?)?;
         let mut new_tokens = Vec::with_capacity(max_new_tokens);
         loop {
-            let token = sampling.sample(&logits, &mut rng)?;
             on_token(token)?;
             new_tokens.push(token);
             if new_tokens.len() == max_new_tokens {
                 return Ok(new_tokens);
             }
-            logits = if self.cached[0].len() < context {
-                self.decode(&[token])?
+            let next = if self.cached[0].len() < context {
+                self.decode_and_sample(&[token], sampling, &mut rng)?
             } else {
                 let mut window = self.cached[0][self.cached[0].len() + 1 - keep..].to_vec();
                 window.push(token);
-                self.prefill(&[&window])?
+                self.prefill_and_sample(&[&window], sampling, &mut rng)?
             };
+            token = first_token(next)?;
         }
     }
+}
+
+/// The one sequence's token of a sampling step.
+fn first_token(tokens: Vec<u32>) -> Result<u32> {
+    tokens.first().copied().ok_or_else(|| Error::InvalidArgument { op: "Generator::generate", reason: "the sampler returned no token".into() })
 }

@@ -451,6 +451,11 @@ impl CachedAttentionShape {
     }
 }
 
+/// The token a sampler returns for a row with a logit that is not finite,
+/// and the "first non-finite column" of a row without one
+/// (`Kernels::sample_rows`, `cpu::sample_rows`).
+pub const NO_TOKEN: u32 = u32::MAX;
+
 /// The NumPy broadcast of two shapes aligned at their trailing dimension:
 /// each pair of dimensions must be equal or one of them 1. None when they
 /// are incompatible. Shared by the broadcasting kernels, their CPU twins

@@ -124,6 +124,10 @@ pub enum Op {
     /// over positions 0..=starts[s] + t (see
     /// `Kernels::cached_attention_forward`). No gradient.
     CachedAttention { heads: usize },
+    /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
+    /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
+    /// non-finite logit (see `Kernels::sample_rows`). No gradient.
+    SampleTokens,
 }
 
 impl Op {
@@ -186,6 +190,7 @@ impl Op {
             Op::CrossEntropyRows => "cross_entropy_rows",
             Op::CrossEntropyRowsGrad => "cross_entropy_rows_grad",
             Op::CachedAttention { .. } => "cached_attention",
+            Op::SampleTokens => "sample_tokens",
         }
     }
 }
@@ -800,6 +805,31 @@ impl Graph {
         }
         let shape = vec![seqs, rows, width / 3];
         Ok(self.push(Op::CachedAttention { heads }, vec![qkv, starts, k_cache, v_cache], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// The next token of each row of `logits` [.., vocab] (rows: the
+    /// product of the leading dimensions), drawn on the GPU with each
+    /// row's settings read from inputs, so that changing them rebuilds
+    /// nothing: `draws` f32 [rows, 2] holds (u, temperature) with u
+    /// uniform in `[0, 1)`, `top_k` (u32 `[rows]`) the number of largest logits
+    /// to sample among (clamped to 1..=vocab). -> u32 [rows, 2]: (token,
+    /// first column whose logit is not finite, or
+    /// [`NO_TOKEN`](crate::ops::NO_TOKEN) when all are). Temperature 0 is
+    /// the first maximum; see `Kernels::sample_rows`. No gradient.
+    pub fn sample_tokens(&mut self, logits: Tensor, draws: Tensor, top_k: Tensor) -> Result<Tensor> {
+        const OP: &str = "sample_tokens";
+        self.f32_inputs(OP, &[logits, draws])?;
+        self.check_handle(OP, top_k)?;
+        let (sl, sd, sk) = (self.shape(logits).to_vec(), self.shape(draws).to_vec(), self.shape(top_k).to_vec());
+        let all: [&[usize]; 3] = [&sl, &sd, &sk];
+        let (rows, _) = rows_cols(OP, &sl, &all)?;
+        if sd != [rows, 2] {
+            return Err(Error::shape(OP, format!("draws must be [{rows}, 2]: (u, temperature) for each of the logits' {rows} rows"), &all));
+        }
+        if self.node(top_k).dtype != DType::U32 || sk != [rows] {
+            return Err(Error::shape(OP, format!("top_k must be u32 [{rows}], one k for each of the logits' {rows} rows"), &all));
+        }
+        Ok(self.push(Op::SampleTokens, vec![logits, draws, top_k], vec![rows, 2], DType::U32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// The node `y`'s dispatch also writes (a layernorm's statistics, a

@@ -567,6 +567,10 @@ impl Executor {
                 }
                 k.cached_attention_forward(out, input(2)?, input(3)?, input(0)?, input(1)?, sizes)
             }
+            Op::SampleTokens => {
+                let (rows, vocab) = rows_cols(&shape(0));
+                k.sample_rows(out, input(0)?, input(1)?, input(2)?, rows, vocab)
+            }
             Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
                 op: "Executor",
                 reason: format!("`{}` has no kernel", node.name),
@@ -860,6 +864,15 @@ impl Executor {
     /// [`Executor::run`] that also reads `read` (one of `outputs`) back, in
     /// the same submission; waits for the GPU.
     pub fn run_and_read(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<f32>> {
+        self.run_and_read_as(outputs, read)
+    }
+
+    /// [`Executor::run_and_read`] of a u32 output (sampled tokens).
+    pub fn run_and_read_u32(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<u32>> {
+        self.run_and_read_as(outputs, read)
+    }
+
+    fn run_and_read_as<T: bytemuck::Pod>(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<T>> {
         if !outputs.contains(&read) {
             return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("tensor #{} is not among the outputs run", read.0) });
         }

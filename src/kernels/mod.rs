@@ -17,6 +17,7 @@ mod optim;
 mod reduce;
 pub mod registry;
 mod rowwise;
+mod sampling;
 mod tensor;
 
 pub use attention::MAX_HEAD_DIM;
@@ -29,6 +30,7 @@ pub use optim::{grad_norm_groups, ArenaGroups};
 pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
+pub use crate::ops::NO_TOKEN;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -67,10 +67,13 @@ pub enum Family {
     /// Attention over a KV cache (generation): one invocation per
     /// (sequence, row, head).
     Attention,
+    /// The next token of each row of logits (generation): one workgroup
+    /// per row.
+    Sampling,
 }
 
 impl Family {
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -81,6 +84,7 @@ impl Family {
         Family::Rowwise,
         Family::Tensor,
         Family::Attention,
+        Family::Sampling,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -116,6 +120,7 @@ impl Family {
             Family::Matmul => &[Shared::Activations],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
+            Family::Sampling => &[Shared::Common],
             Family::MatmulSubgroup => &[],
         }
     }
@@ -132,6 +137,7 @@ impl Family {
             Family::Rowwise => "rowwise.wgsl",
             Family::Tensor => "tensor.wgsl",
             Family::Attention => "attention.wgsl",
+            Family::Sampling => "sampling.wgsl",
         }
     }
 
@@ -149,6 +155,7 @@ impl Family {
             Family::Rowwise => wgsl!("rowwise.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl"),
             Family::Attention => wgsl!("attention.wgsl"),
+            Family::Sampling => wgsl!("sampling.wgsl"),
         }
     }
 
@@ -167,6 +174,7 @@ impl Family {
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
+            Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
         }
     }
 }
@@ -256,6 +264,8 @@ pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forw
 
 pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
 
+pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_forward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -323,4 +333,5 @@ pub const KERNELS: &[Kernel] = &[
     PAD_LAST_FORWARD,
     CONCAT_LAST_FORWARD,
     CACHED_ATTENTION_FORWARD,
+    SAMPLE_ROWS_FORWARD,
 ];

@@ -52,7 +52,7 @@ impl RowParams {
 /// dimensions ask for: `operands` are (name, length, wanted length; None
 /// when the product overflows). The error lists the dimensions first, then
 /// every operand's length in argument order.
-fn check_lengths(op: &'static str, dims: &[(&str, usize)], operands: &[(&str, usize, Option<usize>)]) -> Result<()> {
+pub(super) fn check_lengths(op: &'static str, dims: &[(&str, usize)], operands: &[(&str, usize, Option<usize>)]) -> Result<()> {
     let shape: Vec<usize> = dims.iter().map(|&(_, d)| d).collect();
     let mut shapes: Vec<&[usize]> = vec![shape.as_slice()];
     let lens: Vec<[usize; 1]> = operands.iter().map(|&(_, len, _)| [len]).collect();

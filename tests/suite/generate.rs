@@ -201,6 +201,14 @@ fn a_decode_step_is_one_submit_and_allocates_nothing() {
             generator.decode(&[token])?;
             assert_eq!(k.submit_count() - submits, 1, "decode of {token}");
         }
+        // Picking the token on the GPU too: still one submit, whose only
+        // readback is the [S, 2] u32 picks.
+        let (sampling, mut draws) = (Sampling { temperature: 0.8, top_k: Some(5), seed: 3 }, ChaCha8Rng::seed_from_u64(3));
+        for token in 12..14 {
+            let submits = k.submit_count();
+            generator.decode_and_sample(&[token], &sampling, &mut draws)?;
+            assert_eq!(k.submit_count() - submits, 1, "decode_and_sample of {token}");
+        }
         assert_eq!(k.buffers_created(), buffers, "buffers created by decode steps");
         Ok(())
     });

@@ -26,6 +26,7 @@ mod modules;
 mod optim;
 mod parallel;
 mod rowwise;
+mod sampling;
 mod shaders;
 mod tensor;
 mod text;
