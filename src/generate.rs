@@ -666,11 +666,36 @@ impl Generator {
     /// it stops generation and is returned). Returns the new tokens, the
     /// prompt not included. Past the context the cache keeps the last
     /// block_size / 2 tokens (see the module documentation). Needs a
-    /// generator of one sequence.
+    /// generator of one sequence; [`Generator::generate_batch`] runs
+    /// several.
     pub fn generate(&mut self, prompt: &[u32], max_new_tokens: usize, sampling: &Sampling, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Vec<u32>> {
         const OP: &str = "Generator::generate";
         if self.sequences != 1 {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("generates one sequence; this generator was built for {}", self.sequences) });
+            return Err(Error::InvalidArgument { op: OP, reason: format!("generates one sequence; this generator was built for {} (use generate_batch)", self.sequences) });
+        }
+        let mut new_tokens = self.generate_batch(&[prompt], max_new_tokens, sampling, |tokens| on_token(tokens[0]))?;
+        Ok(new_tokens.pop().unwrap_or_default())
+    }
+
+    /// Continues each of `prompts`, one per sequence of this generator, by
+    /// `max_new_tokens` tokens, all in the same steps: one prefill of every
+    /// prompt, then one decode step per token that feeds every sequence's
+    /// last token at its own position, each step one submission that reads
+    /// back only the picks. `on_tokens` gets each step's tokens, one per
+    /// sequence, as soon as they are chosen (an error from it stops
+    /// generation and is returned). Returns each sequence's new tokens.
+    ///
+    /// The draws come from one ChaCha8 stream seeded with `sampling.seed`,
+    /// one per sequence per step in sequence order, so one prompt gives
+    /// what [`Generator::generate`] gives. When a sequence fills its
+    /// context, every sequence is prefilled again with its last
+    /// block_size / 2 tokens (all of them when it has fewer), as
+    /// [`Generator::generate`] does for one: a sequence shorter than the
+    /// longest may then lose context it would have kept alone.
+    pub fn generate_batch(&mut self, prompts: &[&[u32]], max_new_tokens: usize, sampling: &Sampling, mut on_tokens: impl FnMut(&[u32]) -> Result<()>) -> Result<Vec<Vec<u32>>> {
+        const OP: &str = "Generator::generate_batch";
+        if prompts.len() != self.sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} prompts for a generator of {} sequences", prompts.len(), self.sequences) });
         }
         if max_new_tokens == 0 {
             return Err(Error::InvalidArgument { op: OP, reason: "max_new_tokens must be at least 1".into() });
@@ -679,28 +704,33 @@ impl Generator {
         let context = self.config.block_size;
         let keep = (context / 2).max(1);
         let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
-        // Each step picks its token on the GPU: the logits never come back.
-        let mut token = first_token(self.prefill_and_sample(&[prompt], sampling, &mut rng)?)?;
-        let mut new_tokens = Vec::with_capacity(max_new_tokens);
+        // Each step picks its tokens on the GPU: the logits never come back.
+        let mut tokens = self.prefill_and_sample(prompts, sampling, &mut rng)?;
+        let mut new_tokens = vec![Vec::with_capacity(max_new_tokens); self.sequences];
         loop {
-            on_token(token)?;
-            new_tokens.push(token);
-            if new_tokens.len() == max_new_tokens {
+            on_tokens(&tokens)?;
+            for (sequence, &token) in new_tokens.iter_mut().zip(&tokens) {
+                sequence.push(token);
+            }
+            if new_tokens[0].len() == max_new_tokens {
                 return Ok(new_tokens);
             }
-            let next = if self.cached[0].len() < context {
-                self.decode_and_sample(&[token], sampling, &mut rng)?
+            tokens = if self.cached.iter().all(|c| c.len() < context) {
+                self.decode_and_sample(&tokens, sampling, &mut rng)?
             } else {
-                let mut window = self.cached[0][self.cached[0].len() + 1 - keep..].to_vec();
-                window.push(token);
-                self.prefill_and_sample(&[&window], sampling, &mut rng)?
+                let windows: Vec<Vec<u32>> = self
+                    .cached
+                    .iter()
+                    .zip(&tokens)
+                    .map(|(cached, &token)| {
+                        let mut window = cached[cached.len().saturating_sub(keep - 1)..].to_vec();
+                        window.push(token);
+                        window
+                    })
+                    .collect();
+                let windows: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
+                self.prefill_and_sample(&windows, sampling, &mut rng)?
             };
-            token = first_token(next)?;
         }
     }
-}
-
-/// The one sequence's token of a sampling step.
-fn first_token(tokens: Vec<u32>) -> Result<u32> {
-    tokens.first().copied().ok_or_else(|| Error::InvalidArgument { op: "Generator::generate", reason: "the sampler returned no token".into() })
 }

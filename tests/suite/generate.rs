@@ -295,6 +295,61 @@ fn generation_past_the_context_shifts_and_goes_on() {
 }
 
 #[test]
+fn a_batch_of_prompts_generates_what_each_prompt_generates_alone() {
+    for_each_adapter("generate: batch", |k| {
+        let model = sharp_model(19);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        // Prompts of different lengths: each sequence decodes at its own position.
+        let prompts: [&[u32]; 3] = [&[3, 1, 4, 1, 5], &[9], &[2, 6, 5]];
+        let mut batch = Generator::new(k.clone(), &model, prompts.len())?;
+        // The longest prompt fills the context exactly: no shift yet.
+        let max_new = CONFIG.block_size - prompts[0].len();
+        let mut steps = Vec::new();
+        let greedy = batch.generate_batch(&prompts, max_new, &Sampling::greedy(), |tokens| {
+            steps.push(tokens.to_vec());
+            Ok(())
+        })?;
+        assert_eq!(steps.len(), max_new, "one callback per step");
+        let mut alone = Generator::new(k.clone(), &model, 1)?;
+        for (s, prompt) in prompts.iter().enumerate() {
+            assert_eq!(greedy[s].len(), max_new);
+            assert!(steps.iter().zip(&greedy[s]).all(|(step, &t)| step[s] == t), "sequence {s} streams its tokens in step order");
+            // Each row's sums run in the same order in a batch as alone.
+            assert_eq!(greedy[s], alone.generate(prompt, max_new, &Sampling::greedy(), |_| Ok(()))?, "sequence {s} against the prompt alone");
+            check_against_recompute(&mut predictor, prompt, &greedy[s], |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+        }
+
+        // Past the context with prompts of one length: every sequence shifts
+        // when the generator's one does, so each follows the documented rule.
+        let same_length: [&[u32]; 3] = [&[5, 9, 2], &[7, 30, 1], &[0, 0, 36]];
+        let sampling = Sampling { temperature: 0.9, top_k: Some(4), seed: 7 };
+        let max_new = 2 * CONFIG.block_size;
+        let sampled = batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?;
+        assert_eq!(sampled, batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
+        for (prompt, tokens) in same_length.iter().zip(&sampled) {
+            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL))?;
+        }
+        let greedy = batch.generate_batch(&same_length, max_new, &Sampling::greedy(), |_| Ok(()))?;
+        for (prompt, tokens) in same_length.iter().zip(&greedy) {
+            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+        }
+
+        // A prompt past the context stops the batch before any step runs.
+        let long = vec![1u32; CONFIG.block_size + 1];
+        let mut called = false;
+        expect_error("a prompt past the context", batch.generate_batch(&[&[1], &long, &[2]], 3, &Sampling::greedy(), |_| {
+            called = true;
+            Ok(())
+        }), &["prompt 1", "context"]);
+        assert!(!called, "no tokens before the error");
+        expect_error("two prompts for three sequences", batch.generate_batch(&[&[1], &[2]], 3, &Sampling::greedy(), |_| Ok(())), &["2 prompts", "3 sequences"]);
+        expect_error("an empty prompt", batch.generate_batch(&[&[1], &[], &[2]], 3, &Sampling::greedy(), |_| Ok(())), &["prompt 1", "empty"]);
+        expect_error("no new tokens", batch.generate_batch(&prompts, 0, &Sampling::greedy(), |_| Ok(())), &["at least 1"]);
+        Ok(())
+    });
+}
+
+#[test]
 fn a_callback_error_stops_generation() {
     for_each_adapter("generate: callback error", |k| {
         let mut generator = Generator::new(k.clone(), &sharp_model(18), 1)?;
