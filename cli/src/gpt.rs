@@ -221,7 +221,7 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<d
     if args.gpt.sample_tokens > 0 {
         println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
         let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
-        let mut generator = prepared_generator(run.kernels().clone(), &model)?;
+        let mut generator = prepared_generator(run.kernels().clone(), &model, 1)?;
         let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
@@ -250,6 +250,15 @@ pub struct GenerateArgs {
     /// `new_ids …` with each new token as it comes.
     #[arg(long)]
     print_ids: bool,
+    /// Several prompts at once, one per line (blank lines skipped; token
+    /// ids with --print-ids), generated together in the same steps, each
+    /// with its own KV cache. Each sequence prints when all are done.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids"])]
+    prompts_file: Option<PathBuf>,
+    /// Continue the prompt this many times at once (with a temperature
+    /// above 0, as many different samples).
+    #[arg(long, default_value_t = 1, conflicts_with = "prompts_file")]
+    batch: usize,
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
     /// 0: greedy (the most likely token, deterministic).
@@ -325,10 +334,10 @@ fn parse_ids(text: &str) -> wgrad::Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// A generator for `model`, behind a spinner while its pipelines compile.
-fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt) -> wgrad::Result<Generator> {
+/// A generator of `sequences` sequences for `model`, behind a spinner while its pipelines compile.
+fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
-    let generator = Generator::new(kernels, model, 1);
+    let generator = Generator::new(kernels, model, sequences);
     bar.finish_and_clear();
     generator
 }
@@ -337,34 +346,101 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     if args.max_new_tokens == 0 {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--max-new-tokens must be at least 1".into() });
     }
+    if args.batch == 0 {
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--batch must be at least 1".into() });
+    }
     let prompt_ids = args.prompt_ids.as_deref().map(parse_ids).transpose()?;
     if prompt_ids.is_some() && !args.print_ids {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids goes with --print-ids".into() });
     }
+    let file_prompts = args.prompts_file.as_deref().map(read_prompts).transpose()?;
     // The sizes first: a model the adapter cannot hold is refused before
     // its weights are read.
     let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    wgrad::generate::check_fits(&kernels, &config, 1)?;
+    let sequences = file_prompts.as_ref().map_or(args.batch, Vec::len);
+    wgrad::generate::check_fits(&kernels, &config, sequences)?;
     let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
-    let (count, seconds) = if args.print_ids {
-        let ids = match prompt_ids {
-            Some(ids) => ids,
-            None => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
+    let (count, seconds) = if sequences > 1 {
+        // Texts (or ids) and their token ids, all checked before any device work.
+        let texts: Vec<String> = file_prompts.unwrap_or_else(|| vec![args.prompt_ids.clone().unwrap_or_else(|| args.prompt.clone()); args.batch]);
+        let tokenizer = if args.print_ids { None } else { Some(folder_tokenizer(&loaded, args)?) };
+        let prompts = texts
+            .iter()
+            .map(|text| match &tokenizer {
+                Some(t) => t.encode(text),
+                None => parse_ids(text),
+            })
+            .collect::<wgrad::Result<Vec<Vec<u32>>>>()?;
+        for ids in &prompts {
+            wgrad::kernels::check_token_ids("generate", ids, config.vocab_size)?;
+        }
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, prompts.len())?;
+        generate_batch(&mut generator, tokenizer.as_ref(), &texts, &prompts, args.max_new_tokens, &sampling)?
+    } else if args.print_ids {
+        let ids = match (prompt_ids, file_prompts) {
+            (Some(ids), _) => ids,
+            (None, Some(lines)) => parse_ids(&lines[0])?,
+            (None, None) => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
         };
         wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1)?;
         stream_ids(&mut generator, &ids, args.max_new_tokens, &sampling)?
     } else {
         let tokenizer = folder_tokenizer(&loaded, args)?;
+        let prompt = file_prompts.map_or_else(|| args.prompt.clone(), |lines| lines[0].clone());
         // Checked before any device work: characters outside a char vocabulary.
-        tokenizer.encode(&args.prompt)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
-        stream(&mut generator, &tokenizer, &args.prompt, args.max_new_tokens, &sampling)?
+        tokenizer.encode(&prompt)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1)?;
+        stream(&mut generator, &tokenizer, &prompt, args.max_new_tokens, &sampling)?
     };
     eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
     Ok(())
+}
+
+/// `--prompts-file`: its non-blank lines, at least one.
+fn read_prompts(path: &std::path::Path) -> wgrad::Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompts-file {}: {e}", path.display()) })?;
+    let prompts: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
+    if prompts.is_empty() {
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompts-file {} holds no prompt (one per line)", path.display()) });
+    }
+    Ok(prompts)
+}
+
+/// Several prompts in the same steps ([`Generator::generate_batch`]);
+/// a progress bar counts the steps, and each sequence prints when all are
+/// done: its prompt and continuation as text, or `prompt_ids S …` and
+/// `new_ids S …` lines without a tokenizer. Returns the tokens generated
+/// (all sequences) and the seconds they took, the prefill included.
+fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, texts: &[String], prompts: &[Vec<u32>], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+    let bar = ProgressBar::new(max_new_tokens as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps of {msg} sequences {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_message(prompts.len().to_string());
+    let start = std::time::Instant::now();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let new_tokens = generator.generate_batch(&refs, max_new_tokens, sampling, |_| {
+        bar.inc(1);
+        Ok(())
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    for (s, (tokens, (text, ids))) in new_tokens.iter().zip(texts.iter().zip(prompts)).enumerate() {
+        match tokenizer {
+            Some(t) => {
+                let mut decoded = Utf8Stream::default();
+                let continuation = decoded.push(&t.decode_bytes(tokens)?) + &decoded.finish();
+                write_out(&mut out, &format!("=== sequence {s} ===\n{text}{continuation}\n"))?;
+            }
+            None => {
+                let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+                write_out(&mut out, &format!("prompt_ids {s} {}\nnew_ids {s} {}\n", join(ids), join(tokens)))?;
+            }
+        }
+    }
+    Ok((new_tokens.iter().map(Vec::len).sum(), seconds))
 }
 
 /// The tokenizer the folder names (GPT-2's BPE for GPT-2's vocabulary).

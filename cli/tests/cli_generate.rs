@@ -40,6 +40,23 @@ fn greedy_ids_printed_equal_transformers() {
     assert_eq!(line("prompt_ids"), prompt);
     assert_eq!(line("new_ids"), greedy, "wgrad's greedy ids against transformers'");
     assert!(stderr.contains("20 tokens in"), "{stderr}");
+
+    // The same prompt three times in one batch: three sequences, each transformers' ids.
+    let output = Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .arg("generate")
+        .arg("--model")
+        .arg(fixtures().join("hf-greedy-gpt2"))
+        .args(["--prompt-ids", &prompt_arg.join(","), "--temperature", "0", "--max-new-tokens", &greedy.len().to_string(), "--print-ids", "--batch", "3"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    for s in 0..3 {
+        let tag = format!("new_ids {s} ");
+        let found = stdout.lines().find(|l| l.starts_with(&tag)).unwrap_or_else(|| panic!("no {tag} line: {stdout}"));
+        let ids: Vec<u32> = found[tag.len()..].split_whitespace().map(|t| t.parse().unwrap()).collect();
+        assert_eq!(ids, greedy, "sequence {s} of the batch against transformers'");
+    }
 }
 
 #[test]

@@ -68,11 +68,22 @@ fn wgrad_train_gpt_prints_validation_losses_and_plots() {
     assert!(text.chars().all(|c| "to be or n,thaiqus.\n".contains(c)), "{text:?}");
     assert_eq!(first.stdout, second.stdout, "greedy generation is deterministic");
     assert!(String::from_utf8_lossy(&first.stderr).contains("tokens/s"));
+    // Several prompts in one batch: each sequence as it comes alone.
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "to be\n\nthat is\n").unwrap();
+    let batch = generate(&["--prompts-file", prompts.to_str().unwrap(), "--max-new-tokens", "30", "--temperature", "0"]);
+    let batch_text = String::from_utf8_lossy(&batch.stdout).into_owned();
+    assert!(batch.status.success(), "{batch_text}\n{}", String::from_utf8_lossy(&batch.stderr));
+    assert_eq!(batch_text.matches("=== sequence ").count(), 2, "{batch_text}");
+    assert!(batch_text.contains(&format!("=== sequence 0 ===\n{text}")), "the batch's first sequence against the prompt alone: {batch_text:?} vs {text:?}");
+    assert!(batch_text.contains("=== sequence 1 ===\nthat is"), "{batch_text}");
     // Bad input: each a clear error, no text.
     for (args, says) in [
         (vec!["--prompt", "to be!", "--max-new-tokens", "5"], "'!'"),
         (vec!["--prompt", "to be", "--max-new-tokens", "0"], "max-new-tokens"),
         (vec!["--prompt", &"to be ".repeat(4), "--max-new-tokens", "5"], "context of 16"),
+        (vec!["--prompt", "to be", "--batch", "0"], "--batch"),
+        (vec!["--prompts-file", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
     ] {
         let output = generate(&args);
         let err = String::from_utf8_lossy(&output.stderr);
