@@ -10,6 +10,7 @@
 mod attention;
 pub mod autotune;
 mod elementwise;
+mod f16_weights;
 mod loss;
 mod matmul;
 mod matmul_ext;
@@ -20,6 +21,7 @@ mod rowwise;
 mod tensor;
 
 pub use attention::MAX_HEAD_DIM;
+pub use f16_weights::F16WeightsKernel;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};

@@ -67,10 +67,13 @@ pub enum Family {
     /// Attention over a KV cache (generation): one invocation per
     /// (sequence, row, head).
     Attention,
+    /// Opt-in: needs SHADER_F16. Generation with f16 weights and f32
+    /// activations: matrix-vector, matmul and embedding lookup.
+    F16Weights,
 }
 
 impl Family {
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -81,13 +84,14 @@ impl Family {
         Family::Rowwise,
         Family::Tensor,
         Family::Attention,
+        Family::F16Weights,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
     /// check them first and return `Error::Unsupported` without them.
     pub fn required_features(self) -> wgpu::Features {
         match self {
-            Family::MatmulF16 => wgpu::Features::SHADER_F16,
+            Family::MatmulF16 | Family::F16Weights => wgpu::Features::SHADER_F16,
             Family::MatmulSubgroup => wgpu::Features::SUBGROUP,
             _ => wgpu::Features::empty(),
         }
@@ -117,6 +121,7 @@ impl Family {
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::MatmulSubgroup => &[],
+            Family::F16Weights => &[Shared::Common, Shared::Activations],
         }
     }
 
@@ -132,6 +137,7 @@ impl Family {
             Family::Rowwise => "rowwise.wgsl",
             Family::Tensor => "tensor.wgsl",
             Family::Attention => "attention.wgsl",
+            Family::F16Weights => "f16_weights.wgsl",
         }
     }
 
@@ -149,6 +155,7 @@ impl Family {
             Family::Rowwise => wgsl!("rowwise.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl"),
             Family::Attention => wgsl!("attention.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl"),
         }
     }
 
@@ -167,6 +174,7 @@ impl Family {
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl"),
         }
     }
 }
@@ -255,6 +263,11 @@ pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forw
 
 pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
 
+pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
+pub const MATMUL_F16W_FORWARD_SMALL: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_small");
+pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_register");
+pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
+
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
@@ -321,4 +334,8 @@ pub const KERNELS: &[Kernel] = &[
     PAD_LAST_FORWARD,
     CONCAT_LAST_FORWARD,
     CACHED_ATTENTION_FORWARD,
+    MATVEC_F16W_FORWARD,
+    MATMUL_F16W_FORWARD_SMALL,
+    MATMUL_F16W_FORWARD_REGISTER,
+    EMBEDDING_F16W_FORWARD,
 ];

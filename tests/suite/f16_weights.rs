@@ -1,0 +1,220 @@
+//! `f16_weights.wgsl`: products with f32 activations and f16 weights
+//! (matrix-vector, small and register-blocked tiles) and the lookup from
+//! an f16 table, against their CPU twins, on every adapter with
+//! SHADER_F16; split over small bindings; and `Error::Unsupported` where
+//! the adapter lacks SHADER_F16 (llvmpipe through GL). The twins take the
+//! same f16 weights widened to f32 (exact), so what is left to tolerate is
+//! the f32 summation order against the twins' f64, as for the f32 kernels.
+//! Tolerance: `|gpu - cpu| <= atol + rtol·|cpu|`, beside each check.
+
+use crate::common;
+
+use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
+use half::f16;
+use rand::Rng;
+use wgrad::kernels::{Activation, F16WeightsKernel, LimitOverrides, MatmulEpilogue, MATVEC_MAX_ROWS};
+use wgrad::{cpu, Error, Kernels};
+
+/// What a case fuses into its store: decode's Linear layers take a bias
+/// (and GELU for the MLP's first); the head takes nothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    Plain,
+    Bias,
+    /// Bias, GELU and the pre-activation kept.
+    BiasGeluPre,
+}
+
+/// f32 sums of ≤ 768 products of values in [-1, 1] (sums of order 10)
+/// against f64, then GELU (slope ≤ 1.13): as tests/suite/matvec.rs.
+const ATOL: f32 = 1e-4;
+const RTOL: f32 = 1e-5;
+
+fn skip(k: &Kernels, test: &str) -> bool {
+    if k.supports_f16() {
+        return false;
+    }
+    eprintln!("SKIP {test} on {}: no SHADER_F16 (the Unsupported path is tested in f16_weights_are_unsupported_without_shader_f16)", k.device().label());
+    true
+}
+
+/// Runs one product on `k` with `kernel` (the shape-selected one when
+/// None) and checks C (and pre) against the twin; returns the dispatch's
+/// entry and launches.
+fn check_product(k: &Kernels, kernel: Option<F16WeightsKernel>, store: Store, (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<(&'static str, usize)> {
+    let mut r = rng(seed);
+    let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let b_host = cpu::to_f16(&random_vec(&mut r, n * kk, -1.0, 1.0));
+    let bias_host = random_vec(&mut r, n, -1.0, 1.0);
+    let (a, b, c, pre, bias) = (k.upload(&a_host)?, k.upload_f16(&b_host)?, k.upload(&vec![f32::NAN; m * n])?, k.zeros(m * n)?, k.upload(&bias_host)?);
+    let epilogue = match store {
+        Store::Plain => MatmulEpilogue::default(),
+        Store::Bias => MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() },
+        Store::BiasGeluPre => MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() },
+    };
+    let d = match kernel {
+        Some(kernel) => k.matmul_f16_weights_with(kernel, epilogue, c.view(), a.view(), b.view(), m, n, kk)?,
+        None => k.matmul_f16_weights(epilogue, c.view(), a.view(), b.view(), m, n, kk)?,
+    };
+    k.run(&[&d])?;
+    let e = cpu::Epilogue {
+        bias: (store != Store::Plain).then_some(&bias_host[..]),
+        activation: (store == Store::BiasGeluPre).then_some(Activation::Gelu),
+        ..cpu::Epilogue::default()
+    };
+    let (want, want_pre) = cpu::matmul_f16_weights(e, &a_host, &b_host, m, n, kk);
+    let what = format!("{} m={m} n={n} k={kk} {store:?}", d.kernel().entry);
+    assert_close(&what, &read(k, &c)?, &want, ATOL, RTOL);
+    if store == Store::BiasGeluPre {
+        assert_close(&format!("{what} pre"), &read(k, &pre)?, &want_pre, ATOL, RTOL);
+    }
+    Ok((d.kernel().entry, d.launches()))
+}
+
+#[test]
+fn f16_weight_products_match_the_cpu_on_each_kernel() {
+    for_each_adapter("f16 weights: products", |k| {
+        if skip(k, "f16 weights: products") {
+            return Ok(());
+        }
+        // Matrix-vector: (n, k) of one column, fewer columns than a
+        // workgroup's 8, a prime n, k of one vec4 and k not a multiple of
+        // the lanes' stride, and GPT-2's k = 768; every row count.
+        for (case, &(n, kk)) in [(1, 4), (7, 12), (71, 260), (13, 768)].iter().enumerate() {
+            for m in 1..=MATVEC_MAX_ROWS {
+                for (lanes, store) in [(8, Store::Plain), (64, Store::BiasGeluPre), (16, Store::Bias)] {
+                    let kernel = F16WeightsKernel::Matvec { lanes };
+                    check_product(k, Some(kernel), store, (m, n, kk), 1600 + case as u64 * 10 + m as u64)?;
+                }
+            }
+        }
+        // Small tiles: 1, primes and non-multiples of the 64×64 tile, odd k
+        // (rows of B starting on an odd f16), and each epilogue.
+        for (case, &(m, n, kk)) in [(1, 1, 1), (5, 3, 7), (13, 70, 31), (67, 65, 9), (2, 129, 33)].iter().enumerate() {
+            for store in [Store::Plain, Store::Bias, Store::BiasGeluPre] {
+                check_product(k, Some(F16WeightsKernel::Small), store, (m, n, kk), 1700 + case as u64)?;
+            }
+        }
+        // Register-blocked tiles: one pipeline (every epilogue step on),
+        // several tiles with ragged edges in both directions.
+        for (case, &(m, n, kk)) in [(1, 1, 1), (70, 130, 33), (33, 67, 64)].iter().enumerate() {
+            check_product(k, Some(F16WeightsKernel::Register), Store::BiasGeluPre, (m, n, kk), 1800 + case as u64)?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_weight_products_pick_their_kernel_by_shape() {
+    for_each_adapter("f16 weights: selection", |k| {
+        if skip(k, "f16 weights: selection") {
+            return Ok(());
+        }
+        let entry = |m: usize, n: usize, kk: usize| -> wgrad::Result<&'static str> {
+            let (a, b, c) = (k.zeros(m * kk)?, k.zeros_f16(n * kk)?, k.zeros(m * n)?);
+            let kernel = k.f16_weights_kernel_for(m, n, kk, &a.view(), &b.view());
+            Ok(k.matmul_f16_weights_with(kernel, MatmulEpilogue::default(), c.view(), a.view(), b.view(), m, n, kk)?.kernel().entry)
+        };
+        assert_eq!(entry(1, 50, 16)?, "matvec_f16w_forward");
+        assert_eq!(entry(MATVEC_MAX_ROWS, 50, 16)?, "matvec_f16w_forward");
+        assert_eq!(entry(MATVEC_MAX_ROWS + 1, 50, 16)?, "matmul_f16w_forward_small", "too many rows");
+        assert_eq!(entry(1, 50, 18)?, "matmul_f16w_forward_small", "k not a multiple of 4");
+        assert_eq!(
+            k.f16_weights_kernel_for(64, 1024, 32, &k.zeros(1)?.view(), &k.zeros_f16(2)?.view()),
+            F16WeightsKernel::Register,
+            "past 2^20 multiply-adds"
+        );
+        // The explicit matrix-vector entry refuses what it cannot run, and
+        // training's epilogues are refused.
+        let (a, b, c) = (k.zeros(6)?, k.zeros_f16(18)?, k.zeros(3)?);
+        let err = k.matmul_f16_weights_with(F16WeightsKernel::Matvec { lanes: 8 }, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 6).unwrap_err();
+        assert!(err.to_string().contains("k=6"), "{err}");
+        let accumulate = MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() };
+        let err = k.matmul_f16_weights(accumulate, c.view(), a.view(), b.view(), 1, 3, 6).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        let err = k.matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 5).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("m=1 n=3 k=5"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_embedding_matches_the_cpu() {
+    for_each_adapter("f16 weights: embedding", |k| {
+        if skip(k, "f16 weights: embedding") {
+            return Ok(());
+        }
+        // (n, vocab, channels): one of each, odd channels (rows starting
+        // on odd f16 values), more outputs than a workgroup.
+        for (case, &(n, vocab, channels)) in [(1, 1, 1), (5, 7, 3), (40, 11, 13), (3, 50, 768)].iter().enumerate() {
+            let mut r = rng(1900 + case as u64);
+            let table = cpu::to_f16(&random_vec(&mut r, vocab * channels, -2.0, 2.0));
+            let mut ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+            // An id past the vocabulary gives a row of NaN, as in f32.
+            ids[n - 1] = vocab as u32 + 3;
+            let (t, i, out) = (k.upload_f16(&table)?, k.upload(&ids)?, k.zeros(n * channels)?);
+            k.run(&[&k.embedding_f16_weights(out.view(), t.view(), i.view(), n, vocab, channels)?])?;
+            // A copy: exact.
+            assert_close(&format!("embedding n={n} vocab={vocab} channels={channels}"), &read(k, &out)?, &cpu::embedding_f16_weights(&table, &ids, vocab, channels), 0.0, 0.0);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_weights_over_small_bindings_equal_the_twins() {
+    for_each_adapter("f16 weights: split bindings", |k| {
+        if skip(k, "f16 weights: split bindings") {
+            return Ok(());
+        }
+        // 1 KiB bindings: 512 f16 values, so B, the table and (for many
+        // rows) C take several launches.
+        let lim = limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(1024), ..LimitOverrides::default() });
+        // The head at decode (B by blocks of rows), an odd k (blocks
+        // starting on odd values), and C split with B.
+        for (i, &(kernel, store, shape)) in [
+            (F16WeightsKernel::Matvec { lanes: 8 }, Store::Plain, (1, 300, 8)),
+            (F16WeightsKernel::Small, Store::BiasGeluPre, (3, 90, 7)),
+            (F16WeightsKernel::Small, Store::Bias, (2, 200, 9)),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let (_, launches) = check_product(&lim, Some(kernel), store, shape, 2000 + i as u64)?;
+            assert!(launches > 1, "{kernel:?} {shape:?} ran in one launch");
+        }
+        let (n, vocab, channels) = (9, 100, 13);
+        let mut r = rng(2010);
+        let table = cpu::to_f16(&random_vec(&mut r, vocab * channels, -2.0, 2.0));
+        let ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
+        let (t, i, out) = (lim.upload_f16(&table)?, lim.upload(&ids)?, lim.zeros(ids.len() * channels)?);
+        let d = lim.embedding_f16_weights(out.view(), t.view(), i.view(), ids.len(), vocab, channels)?;
+        assert!(d.launches() > 1, "the table in one launch");
+        lim.run(&[&d])?;
+        assert_close("split embedding", &read(&lim, &out)?, &cpu::embedding_f16_weights(&table, &ids, vocab, channels), 0.0, 0.0);
+        // What cannot split is a clear error: the activations, a table row.
+        let (a, b, c) = (lim.zeros(600)?, lim.zeros_f16(1200)?, lim.zeros(2)?);
+        let err = lim.matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 2, 600).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"), "{err}");
+        let (t, i, out) = (lim.zeros_f16(1200)?, lim.zeros(1)?, lim.zeros(600)?);
+        let err = lim.embedding_f16_weights(out.view(), t.view(), i.view(), 1, 2, 600).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_weights_are_unsupported_without_shader_f16() {
+    for_each_adapter("f16 weights: unsupported", |k| {
+        if k.supports_f16() {
+            return Ok(());
+        }
+        let (a, b, c, ids) = (k.zeros(4)?, k.upload_f16(&[f16::ONE; 8])?, k.zeros(2)?, k.zeros(1)?);
+        let err = k.matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 2, 4).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }) && err.to_string().contains("SHADER_F16"), "{err}");
+        let out = k.zeros(4)?;
+        let err = k.embedding_f16_weights(out.view(), b.view(), ids.view(), 1, 2, 4).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+        Ok(())
+    });
+}
