@@ -2,7 +2,10 @@
 //! (matrix-vector, small and register-blocked tiles) and the lookup from
 //! an f16 table, against their CPU twins, on every adapter with
 //! SHADER_F16; split over small bindings; and `Error::Unsupported` where
-//! the adapter lacks SHADER_F16 (llvmpipe through GL). The twins take the
+//! the adapter lacks SHADER_F16 (llvmpipe through GL). Then a tiny GPT's
+//! f16 generator against an f32 one on the same weights rounded to f16,
+//! the fallback to f32 without SHADER_F16, and f16 parameters refused in
+//! training. The twins take the
 //! same f16 weights widened to f32 (exact), so what is left to tolerate is
 //! the f32 summation order against the twins' f64, as for the f32 kernels.
 //! Tolerance: `|gpu - cpu| <= atol + rtol·|cpu|`, beside each check.
@@ -12,7 +15,10 @@ use crate::common;
 use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
 use half::f16;
 use rand::Rng;
-use wgrad::kernels::{Activation, F16WeightsKernel, LimitOverrides, MatmulEpilogue, MATVEC_MAX_ROWS};
+use wgrad::generate::{Generator, WeightDtype};
+use wgrad::graph::{Executor, Graph};
+use wgrad::kernels::{Activation, F16WeightsKernel, LimitOverrides, MatmulEpilogue, MatmulForm, MATVEC_MAX_ROWS};
+use wgrad::nn::{self, Gpt, GptConfig};
 use wgrad::{cpu, Error, Kernels};
 
 /// What a case fuses into its store: decode's Linear layers take a bias
@@ -215,6 +221,138 @@ fn f16_weights_are_unsupported_without_shader_f16() {
         let out = k.zeros(4)?;
         let err = k.embedding_f16_weights(out.view(), b.view(), ids.view(), 1, 2, 4).unwrap_err();
         assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+        Ok(())
+    });
+}
+
+const CONFIG: GptConfig = GptConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_embd: 24 };
+
+/// A random GPT with sharp attention and logits of order 1 (as
+/// tests/suite/generate.rs's), and the same model with the weights an f16
+/// generator stores rounded to f16: the token embedding and every block's
+/// four projection weights.
+fn models(seed: u64) -> (Gpt, Gpt) {
+    nn::manual_seed(seed);
+    let mut model = Gpt::new(CONFIG).expect("valid config");
+    for w in model.wte.weight.iter_mut().chain(model.wpe.weight.iter_mut()) {
+        *w *= 25.0;
+    }
+    for block in &mut model.h {
+        if let Some(attn) = &mut block.attn {
+            attn.c_attn.weight.iter_mut().for_each(|w| *w *= 10.0);
+        }
+    }
+    let mut rounded = model.clone();
+    let round = |w: &mut Vec<f32>| *w = cpu::from_f16(&cpu::to_f16(w));
+    round(&mut rounded.wte.weight);
+    for block in &mut rounded.h {
+        if let Some(attn) = &mut block.attn {
+            round(&mut attn.c_attn.weight);
+            round(&mut attn.c_proj.weight);
+        }
+        round(&mut block.mlp.c_fc.weight);
+        round(&mut block.mlp.c_proj.weight);
+    }
+    (model, rounded)
+}
+
+/// The f16 generator and the f32 one on the rounded weights hold the same
+/// weight values and run the same f32 arithmetic in kernels of the same
+/// shape (the f16 matrix-vector and small kernels are the f32 ones with B
+/// widened on load), so they differ only where the compiler orders f32
+/// operations differently: a few ulps of logits of order 1-10. 1e-4 (the
+/// bound generate.rs allows between two summation orders) leaves a wide
+/// margin, and is far below what the rounding itself changes (checked).
+const SAME_WEIGHTS_ATOL: f32 = 1e-4;
+const SAME_WEIGHTS_RTOL: f32 = 1e-4;
+
+fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn an_f16_generator_equals_an_f32_one_on_the_rounded_weights() {
+    for_each_adapter("f16 weights: generator", |k| {
+        if skip(k, "f16 weights: generator") {
+            return Ok(());
+        }
+        let (model, rounded) = models(31);
+        let mut half = Generator::new_with_dtype(k.clone(), &model, 2, WeightDtype::F16)?;
+        let mut reference = Generator::new(k.clone(), &rounded, 2)?;
+        let mut unrounded = Generator::new(k.clone(), &model, 2)?;
+        assert_eq!((half.dtype(), reference.dtype()), (WeightDtype::F16, WeightDtype::F32));
+        // The stored weights are the rounded ones, read back widened.
+        let mut stored = half.executor().parameters()?;
+        let mut want = reference.executor().parameters()?;
+        stored.sort_by(|a, b| a.0.cmp(&b.0));
+        want.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(stored, want, "the f16 generator's parameters against the rounded model's");
+        let (half_bytes, full_bytes) = (half.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
+        assert!(half_bytes * 10 < full_bytes * 6, "f16 arena {half_bytes} words against f32 {full_bytes}");
+
+        let mut r = rng(32);
+        let sequences: Vec<Vec<u32>> = (0..2).map(|_| (0..CONFIG.block_size).map(|_| r.random_range(0..CONFIG.vocab_size as u32)).collect()).collect();
+        let lens = [5, 2];
+        let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
+        let (got, want, far) = (half.prefill(&prompts)?, reference.prefill(&prompts)?, unrounded.prefill(&prompts)?);
+        assert_close("prefill", &got, &want, SAME_WEIGHTS_ATOL, SAME_WEIGHTS_RTOL);
+        let mut rounding_shows = max_difference(&got, &far);
+        let mut worst = max_difference(&got, &want);
+        for step in 0..CONFIG.block_size - lens[0] {
+            let tokens: Vec<u32> = (0..2).map(|s| sequences[s][lens[s] + step]).collect();
+            let (got, want, far) = (half.decode(&tokens)?, reference.decode(&tokens)?, unrounded.decode(&tokens)?);
+            assert_close(&format!("decode step {step}"), &got, &want, SAME_WEIGHTS_ATOL, SAME_WEIGHTS_RTOL);
+            rounding_shows = rounding_shows.max(max_difference(&got, &far));
+            worst = worst.max(max_difference(&got, &want));
+        }
+        eprintln!("{}: f16 generator vs f32 on rounded weights: max |diff| {worst:e}; vs unrounded weights {rounding_shows:e}", k.device().label());
+        // The f16 path is in use: the rounding moves the logits well past
+        // the tolerance.
+        assert!(rounding_shows > 10.0 * SAME_WEIGHTS_ATOL, "rounding the weights changed the logits by only {rounding_shows}");
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_generation_falls_back_to_f32_without_shader_f16() {
+    for_each_adapter("f16 weights: fallback", |k| {
+        let (model, _) = models(33);
+        let mut asked = Generator::new_with_dtype(k.clone(), &model, 1, WeightDtype::F16)?;
+        let want = if k.supports_f16() { WeightDtype::F16 } else { WeightDtype::F32 };
+        assert_eq!(asked.dtype(), want);
+        assert_eq!(WeightDtype::F16.on(k), want);
+        if k.supports_f16() {
+            return Ok(());
+        }
+        // Without SHADER_F16 it is the f32 generator, bit for bit.
+        let mut plain = Generator::new(k.clone(), &model, 1)?;
+        let prompt = [3, 1, 4, 1, 5];
+        assert_close("fallback prefill", &asked.prefill(&[&prompt])?, &plain.prefill(&[&prompt])?, 0.0, 0.0);
+        assert_close("fallback decode", &asked.decode(&[9])?, &plain.decode(&[9])?, 0.0, 0.0);
+        Ok(())
+    });
+}
+
+#[test]
+fn f16_parameters_are_for_inference_only() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[2, 4]).unwrap();
+    let w = g.parameter_f16("w", &[3, 4], vec![0.5; 12]).unwrap();
+    // Only an ABt product's B and an embedding's table take f16.
+    let err = g.matmul_form(MatmulForm::AB, x, w).unwrap_err();
+    assert!(err.to_string().contains("f16"), "{err}");
+    let err = g.add(w, w).unwrap_err();
+    assert!(err.to_string().contains("f16"), "{err}");
+    let y = g.rows_matmul(MatmulForm::ABt, x, w).unwrap();
+    let loss = g.mean(y).unwrap();
+    for_each_adapter("f16 weights: no training", |k| {
+        let mut g = g.clone();
+        // Refused by backward (no rule reads f16) or by the executor.
+        let err = match g.backward(loss) {
+            Ok(grads) => Executor::new(k.clone(), g, &[loss], Some(grads), None).unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(err.to_string().contains("f16"), "{err}");
         Ok(())
     });
 }
