@@ -48,7 +48,8 @@ struct F16wParams {
 @group(0) @binding(0) var<storage, read> a: array<f32>;
 @group(0) @binding(0) var<storage, read> a4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> b: array<f16>;
-@group(0) @binding(1) var<storage, read> b4: array<vec4<f16>>;
+// The matrix-vector kernel's view of B: 8 f16 values per element.
+@group(0) @binding(1) var<storage, read> b8: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<uniform> p: F16wParams;
 // Unused slots hold placeholders (`pre` C itself: a writable slot cannot
@@ -75,16 +76,22 @@ fn f16w_store(row: u32, col: u32, product: f32) {
 }
 
 // Decode's products: M ≤ 4 rows (one new token per sequence), K a multiple
-// of 4, A and B starting 16-byte aligned (the Rust side checks, and picks
+// of 8, A and B starting 16-byte aligned (the Rust side checks, and picks
 // the tiled kernels otherwise). matmul.wgsl's matmul_forward_matvec with B
-// read as vec4<f16>, 8 bytes per 4 weights instead of 16: a workgroup of
-// F16W_MATVEC_WG lanes owns F16W_MATVEC_COLS columns of C; lane l sums the
-// vec4s k4 = l, l + F16W_MATVEC_WG, … of its columns' rows of B against the
-// same of each row of A; a fixed tree over the lanes in workgroup memory
-// sums them, and lane c stores column c. Rows and lanes are overrides (a
-// pipeline per row count; 8 lanes on a CPU adapter, 64 on a GPU); the
-// accumulators are unrolled by hand (a private array indexed in a loop
-// becomes per-lane memory on llvmpipe).
+// read 8 weights per load, a vec4<u32> of packed pairs widened by
+// unpack2x16float: lavapipe issues storage loads lane by lane, so a step
+// costs what its loads do, and this halves them per weight against the f32
+// kernel's vec4<f32> (vec4<f16> loads, 4 weights each, measured no faster
+// than f32 there; bitcast<vec2<f16>> of the words gave wrong values on
+// lavapipe, Mesa 22.3). unpack2x16float needs wgpu's SHADER_F16_IN_F32,
+// which every backend offering SHADER_F16 has. A workgroup of F16W_MATVEC_WG lanes owns
+// F16W_MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
+// l + F16W_MATVEC_WG, … of its columns' rows of B against the same of each
+// row of A; a fixed tree over the lanes in workgroup memory sums them, and
+// lane c stores column c. Rows and lanes are overrides (a pipeline per row
+// count; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
+// unrolled by hand (a private array indexed in a loop becomes per-lane
+// memory on llvmpipe).
 override F16W_MATVEC_ROWS: u32 = 1u;
 override F16W_MATVEC_WG: u32 = 64u;
 const F16W_MATVEC_COLS: u32 = 8u;
@@ -106,24 +113,25 @@ fn matvec_f16w_forward(
     let sizes = workgroupUniformLoad(&f16w_sizes);
     let n = sizes.x;
     let k4 = sizes.y / 4u;
+    let k8 = sizes.y / 8u;
     let col0 = (wid.y * nwg.x + wid.x) * F16W_MATVEC_COLS;
     if col0 >= n {
         return;
     }
     let lane = lid.x;
-    // Offsets in vec4 units; columns past n and rows past M are clamped
-    // (read, never stored).
+    // Offsets of B in 8-value units, of A in vec4s; columns past n and rows
+    // past M are clamped (read, never stored).
     let last_col = n - 1u;
-    let b4o = p.b_base / 4u;
+    let b8o = p.b_base / 8u;
     let last_row = F16W_MATVEC_ROWS - 1u;
-    let rb0 = b4o + min(col0 + 0u, last_col) * k4;
-    let rb1 = b4o + min(col0 + 1u, last_col) * k4;
-    let rb2 = b4o + min(col0 + 2u, last_col) * k4;
-    let rb3 = b4o + min(col0 + 3u, last_col) * k4;
-    let rb4 = b4o + min(col0 + 4u, last_col) * k4;
-    let rb5 = b4o + min(col0 + 5u, last_col) * k4;
-    let rb6 = b4o + min(col0 + 6u, last_col) * k4;
-    let rb7 = b4o + min(col0 + 7u, last_col) * k4;
+    let rb0 = b8o + min(col0 + 0u, last_col) * k8;
+    let rb1 = b8o + min(col0 + 1u, last_col) * k8;
+    let rb2 = b8o + min(col0 + 2u, last_col) * k8;
+    let rb3 = b8o + min(col0 + 3u, last_col) * k8;
+    let rb4 = b8o + min(col0 + 4u, last_col) * k8;
+    let rb5 = b8o + min(col0 + 5u, last_col) * k8;
+    let rb6 = b8o + min(col0 + 6u, last_col) * k8;
+    let rb7 = b8o + min(col0 + 7u, last_col) * k8;
     let ra0 = min(0u, last_row) * k4;
     let ra1 = min(1u, last_row) * k4;
     let ra2 = min(2u, last_row) * k4;
@@ -160,56 +168,76 @@ fn matvec_f16w_forward(
     var acc35 = vec4<f32>(0.0);
     var acc36 = vec4<f32>(0.0);
     var acc37 = vec4<f32>(0.0);
-    for (var kk = lane; kk < k4; kk += F16W_MATVEC_WG) {
-        let w0 = vec4<f32>(b4[rb0 + kk]);
-        let w1 = vec4<f32>(b4[rb1 + kk]);
-        let w2 = vec4<f32>(b4[rb2 + kk]);
-        let w3 = vec4<f32>(b4[rb3 + kk]);
-        let w4 = vec4<f32>(b4[rb4 + kk]);
-        let w5 = vec4<f32>(b4[rb5 + kk]);
-        let w6 = vec4<f32>(b4[rb6 + kk]);
-        let w7 = vec4<f32>(b4[rb7 + kk]);
-        let x0 = a4[ra0 + kk];
-        acc00 = fma(w0, x0, acc00);
-        acc01 = fma(w1, x0, acc01);
-        acc02 = fma(w2, x0, acc02);
-        acc03 = fma(w3, x0, acc03);
-        acc04 = fma(w4, x0, acc04);
-        acc05 = fma(w5, x0, acc05);
-        acc06 = fma(w6, x0, acc06);
-        acc07 = fma(w7, x0, acc07);
+    for (var kk = lane; kk < k8; kk += F16W_MATVEC_WG) {
+        let p0 = b8[rb0 + kk];
+        let w0l = vec4<f32>(unpack2x16float(p0.x), unpack2x16float(p0.y));
+        let w0h = vec4<f32>(unpack2x16float(p0.z), unpack2x16float(p0.w));
+        let p1 = b8[rb1 + kk];
+        let w1l = vec4<f32>(unpack2x16float(p1.x), unpack2x16float(p1.y));
+        let w1h = vec4<f32>(unpack2x16float(p1.z), unpack2x16float(p1.w));
+        let p2 = b8[rb2 + kk];
+        let w2l = vec4<f32>(unpack2x16float(p2.x), unpack2x16float(p2.y));
+        let w2h = vec4<f32>(unpack2x16float(p2.z), unpack2x16float(p2.w));
+        let p3 = b8[rb3 + kk];
+        let w3l = vec4<f32>(unpack2x16float(p3.x), unpack2x16float(p3.y));
+        let w3h = vec4<f32>(unpack2x16float(p3.z), unpack2x16float(p3.w));
+        let p4 = b8[rb4 + kk];
+        let w4l = vec4<f32>(unpack2x16float(p4.x), unpack2x16float(p4.y));
+        let w4h = vec4<f32>(unpack2x16float(p4.z), unpack2x16float(p4.w));
+        let p5 = b8[rb5 + kk];
+        let w5l = vec4<f32>(unpack2x16float(p5.x), unpack2x16float(p5.y));
+        let w5h = vec4<f32>(unpack2x16float(p5.z), unpack2x16float(p5.w));
+        let p6 = b8[rb6 + kk];
+        let w6l = vec4<f32>(unpack2x16float(p6.x), unpack2x16float(p6.y));
+        let w6h = vec4<f32>(unpack2x16float(p6.z), unpack2x16float(p6.w));
+        let p7 = b8[rb7 + kk];
+        let w7l = vec4<f32>(unpack2x16float(p7.x), unpack2x16float(p7.y));
+        let w7h = vec4<f32>(unpack2x16float(p7.z), unpack2x16float(p7.w));
+        let x0l = a4[ra0 + 2u * kk];
+        let x0h = a4[ra0 + 2u * kk + 1u];
+        acc00 = fma(w0h, x0h, fma(w0l, x0l, acc00));
+        acc01 = fma(w1h, x0h, fma(w1l, x0l, acc01));
+        acc02 = fma(w2h, x0h, fma(w2l, x0l, acc02));
+        acc03 = fma(w3h, x0h, fma(w3l, x0l, acc03));
+        acc04 = fma(w4h, x0h, fma(w4l, x0l, acc04));
+        acc05 = fma(w5h, x0h, fma(w5l, x0l, acc05));
+        acc06 = fma(w6h, x0h, fma(w6l, x0l, acc06));
+        acc07 = fma(w7h, x0h, fma(w7l, x0l, acc07));
         if F16W_MATVEC_ROWS > 1u {
-            let x1 = a4[ra1 + kk];
-            acc10 = fma(w0, x1, acc10);
-            acc11 = fma(w1, x1, acc11);
-            acc12 = fma(w2, x1, acc12);
-            acc13 = fma(w3, x1, acc13);
-            acc14 = fma(w4, x1, acc14);
-            acc15 = fma(w5, x1, acc15);
-            acc16 = fma(w6, x1, acc16);
-            acc17 = fma(w7, x1, acc17);
+            let x1l = a4[ra1 + 2u * kk];
+            let x1h = a4[ra1 + 2u * kk + 1u];
+            acc10 = fma(w0h, x1h, fma(w0l, x1l, acc10));
+            acc11 = fma(w1h, x1h, fma(w1l, x1l, acc11));
+            acc12 = fma(w2h, x1h, fma(w2l, x1l, acc12));
+            acc13 = fma(w3h, x1h, fma(w3l, x1l, acc13));
+            acc14 = fma(w4h, x1h, fma(w4l, x1l, acc14));
+            acc15 = fma(w5h, x1h, fma(w5l, x1l, acc15));
+            acc16 = fma(w6h, x1h, fma(w6l, x1l, acc16));
+            acc17 = fma(w7h, x1h, fma(w7l, x1l, acc17));
         }
         if F16W_MATVEC_ROWS > 2u {
-            let x2 = a4[ra2 + kk];
-            acc20 = fma(w0, x2, acc20);
-            acc21 = fma(w1, x2, acc21);
-            acc22 = fma(w2, x2, acc22);
-            acc23 = fma(w3, x2, acc23);
-            acc24 = fma(w4, x2, acc24);
-            acc25 = fma(w5, x2, acc25);
-            acc26 = fma(w6, x2, acc26);
-            acc27 = fma(w7, x2, acc27);
+            let x2l = a4[ra2 + 2u * kk];
+            let x2h = a4[ra2 + 2u * kk + 1u];
+            acc20 = fma(w0h, x2h, fma(w0l, x2l, acc20));
+            acc21 = fma(w1h, x2h, fma(w1l, x2l, acc21));
+            acc22 = fma(w2h, x2h, fma(w2l, x2l, acc22));
+            acc23 = fma(w3h, x2h, fma(w3l, x2l, acc23));
+            acc24 = fma(w4h, x2h, fma(w4l, x2l, acc24));
+            acc25 = fma(w5h, x2h, fma(w5l, x2l, acc25));
+            acc26 = fma(w6h, x2h, fma(w6l, x2l, acc26));
+            acc27 = fma(w7h, x2h, fma(w7l, x2l, acc27));
         }
         if F16W_MATVEC_ROWS > 3u {
-            let x3 = a4[ra3 + kk];
-            acc30 = fma(w0, x3, acc30);
-            acc31 = fma(w1, x3, acc31);
-            acc32 = fma(w2, x3, acc32);
-            acc33 = fma(w3, x3, acc33);
-            acc34 = fma(w4, x3, acc34);
-            acc35 = fma(w5, x3, acc35);
-            acc36 = fma(w6, x3, acc36);
-            acc37 = fma(w7, x3, acc37);
+            let x3l = a4[ra3 + 2u * kk];
+            let x3h = a4[ra3 + 2u * kk + 1u];
+            acc30 = fma(w0h, x3h, fma(w0l, x3l, acc30));
+            acc31 = fma(w1h, x3h, fma(w1l, x3l, acc31));
+            acc32 = fma(w2h, x3h, fma(w2l, x3l, acc32));
+            acc33 = fma(w3h, x3h, fma(w3l, x3l, acc33));
+            acc34 = fma(w4h, x3h, fma(w4l, x3l, acc34));
+            acc35 = fma(w5h, x3h, fma(w5l, x3l, acc35));
+            acc36 = fma(w6h, x3h, fma(w6l, x3l, acc36));
+            acc37 = fma(w7h, x3h, fma(w7l, x3l, acc37));
         }
     }
     f16w_matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));

@@ -77,14 +77,15 @@ fn f16_part<'a>(k: &Kernels, words: View<'a>, start: usize, len: usize) -> (View
 impl Kernels {
     /// The kernel [`Kernels::matmul_f16_weights`] runs for an m×n×k
     /// product: the matrix-vector one for 1 to [`MATVEC_MAX_ROWS`] rows
-    /// when k is a multiple of 4 and A and B start 16-byte aligned (it
-    /// reads vec4s) on an adapter whose storage offsets are too (as
-    /// [`Kernels::matvec_runs`] for f32), else the small tiled kernel up to
-    /// [`SMALL_MATMUL_WORK`] multiply-adds and the register one above.
+    /// when k is a multiple of 8 and A and B start 16-byte aligned (it
+    /// reads 16 bytes at a time, 8 weights) on an adapter whose storage
+    /// offsets are too (as [`Kernels::matvec_runs`] for f32), else the
+    /// small tiled kernel up to [`SMALL_MATMUL_WORK`] multiply-adds and the
+    /// register one above.
     pub fn f16_weights_kernel_for(&self, m: usize, n: usize, k: usize, a: &View<'_>, b: &F16View<'_>) -> F16WeightsKernel {
         let offsets_aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0;
         let aligned = a.offset % 16 == 0 && b.words().offset % 16 == 0 && offsets_aligned;
-        if (1..=MATVEC_MAX_ROWS).contains(&m) && k % 4 == 0 && aligned {
+        if (1..=MATVEC_MAX_ROWS).contains(&m) && k % 8 == 0 && aligned {
             F16WeightsKernel::Matvec { lanes: self.matvec_lanes() }
         } else if m.saturating_mul(n).saturating_mul(k) <= SMALL_MATMUL_WORK {
             F16WeightsKernel::Small
@@ -164,7 +165,7 @@ impl Kernels {
             if !matches!(self.f16_weights_kernel_for(m, n, k, &a, &b), F16WeightsKernel::Matvec { .. }) {
                 return Err(Error::shape(
                     op,
-                    format!("takes 1 to {MATVEC_MAX_ROWS} rows, k a multiple of 4 and 16-byte aligned operands; got m={m} k={k}, A at byte {}, B at byte {}", a.offset, b.words().offset),
+                    format!("takes 1 to {MATVEC_MAX_ROWS} rows, k a multiple of 8 and 16-byte aligned operands; got m={m} k={k}, A at byte {}, B at byte {}", a.offset, b.words().offset),
                     &shapes,
                 ));
             }

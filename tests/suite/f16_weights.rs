@@ -84,9 +84,10 @@ fn f16_weight_products_match_the_cpu_on_each_kernel() {
             return Ok(());
         }
         // Matrix-vector: (n, k) of one column, fewer columns than a
-        // workgroup's 8, a prime n, k of one vec4 and k not a multiple of
-        // the lanes' stride, and GPT-2's k = 768; every row count.
-        for (case, &(n, kk)) in [(1, 4), (7, 12), (71, 260), (13, 768)].iter().enumerate() {
+        // workgroup's 8, a prime n, k of one 8-value step, k not a
+        // multiple of the lanes' stride, and GPT-2's k = 768; every row
+        // count.
+        for (case, &(n, kk)) in [(1, 8), (7, 24), (71, 264), (13, 768)].iter().enumerate() {
             for m in 1..=MATVEC_MAX_ROWS {
                 for (lanes, store) in [(8, Store::Plain), (64, Store::BiasGeluPre), (16, Store::Bias)] {
                     let kernel = F16WeightsKernel::Matvec { lanes };
@@ -124,7 +125,7 @@ fn f16_weight_products_pick_their_kernel_by_shape() {
         assert_eq!(entry(1, 50, 16)?, "matvec_f16w_forward");
         assert_eq!(entry(MATVEC_MAX_ROWS, 50, 16)?, "matvec_f16w_forward");
         assert_eq!(entry(MATVEC_MAX_ROWS + 1, 50, 16)?, "matmul_f16w_forward_small", "too many rows");
-        assert_eq!(entry(1, 50, 18)?, "matmul_f16w_forward_small", "k not a multiple of 4");
+        assert_eq!(entry(1, 50, 12)?, "matmul_f16w_forward_small", "k not a multiple of 8");
         assert_eq!(
             k.f16_weights_kernel_for(64, 1024, 32, &k.zeros(1)?.view(), &k.zeros_f16(2)?.view()),
             F16WeightsKernel::Register,
