@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
-use wgrad::generate::{Generator, Sampling};
+use wgrad::generate::{Generator, Sampling, WeightDtype};
 use wgrad::nn::Gpt;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
@@ -260,6 +260,27 @@ pub struct GenerateArgs {
     top_k: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the weights are stored: f16 halves the bytes each token reads
+    /// (the projections and the token embedding; computed in f32), where
+    /// the adapter has SHADER_F16; elsewhere f32, with a notice.
+    #[arg(long, value_enum, default_value_t = DtypeName::F32)]
+    dtype: DtypeName,
+}
+
+/// `--dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DtypeName {
+    F32,
+    F16,
+}
+
+impl DtypeName {
+    fn weights(self) -> WeightDtype {
+        match self {
+            DtypeName::F32 => WeightDtype::F32,
+            DtypeName::F16 => WeightDtype::F16,
+        }
+    }
 }
 
 fn write_out(out: &mut std::io::StdoutLock, s: &str) -> wgrad::Result<()> {
@@ -327,10 +348,21 @@ fn parse_ids(text: &str) -> wgrad::Result<Vec<u32>> {
 
 /// A generator for `model`, behind a spinner while its pipelines compile.
 fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt) -> wgrad::Result<Generator> {
+    prepared_generator_with(kernels, model, WeightDtype::F32)
+}
+
+/// [`prepared_generator`] with the weights stored as `dtype`; a notice on
+/// stderr when the adapter cannot, and f32 is used.
+fn prepared_generator_with(kernels: Arc<Kernels>, model: &Gpt, dtype: WeightDtype) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
-    let generator = Generator::new(kernels, model, 1);
+    let label = kernels.device().label();
+    let generator = Generator::new_with_dtype(kernels, model, 1, dtype);
     bar.finish_and_clear();
-    generator
+    let generator = generator?;
+    if generator.dtype() != dtype {
+        eprintln!("note: --dtype {} needs SHADER_F16, which {label} lacks; generating with {} weights", dtype.name(), generator.dtype().name());
+    }
+    Ok(generator)
 }
 
 pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> {
@@ -345,7 +377,8 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     // its weights are read.
     let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    wgrad::generate::check_fits(&kernels, &config, 1)?;
+    let dtype = args.dtype.weights();
+    wgrad::generate::check_fits_with_dtype(&kernels, &config, 1, dtype)?;
     let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
     let (count, seconds) = if args.print_ids {
@@ -354,13 +387,13 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             None => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
         };
         wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+        let mut generator = prepared_generator_with(kernels.clone(), &loaded.model, dtype)?;
         stream_ids(&mut generator, &ids, args.max_new_tokens, &sampling)?
     } else {
         let tokenizer = folder_tokenizer(&loaded, args)?;
         // Checked before any device work: characters outside a char vocabulary.
         tokenizer.encode(&args.prompt)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model)?;
+        let mut generator = prepared_generator_with(kernels.clone(), &loaded.model, dtype)?;
         stream(&mut generator, &tokenizer, &args.prompt, args.max_new_tokens, &sampling)?
     };
     eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
