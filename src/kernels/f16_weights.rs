@@ -182,7 +182,7 @@ impl Kernels {
             // B's block: cols·k values in ≤ cols·k / 2 + 1 words; C's:
             // (m − 1)·n + cols values from its first column.
             let by_b = (2 * cap).saturating_sub(2) / k;
-            let by_c = cap.checked_sub((m - 1) * n).unwrap_or(0);
+            let by_c = cap.saturating_sub((m - 1) * n);
             let cols = by_b.min(by_c).min(n);
             if cols == 0 {
                 let (operand, bytes) = if by_b == 0 { ("b (one row of it)", k as u64 * 2) } else { ("c (its rows do not split)", c.bytes()) };

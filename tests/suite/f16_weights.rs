@@ -357,3 +357,26 @@ fn f16_parameters_are_for_inference_only() {
         Ok(())
     });
 }
+
+#[test]
+fn f16_weights_are_counted_at_two_bytes() {
+    let config = GptConfig::gpt2();
+    let (c, halved) = (config.n_embd as u64, (config.vocab_size * config.n_embd + config.n_layer * 12 * config.n_embd * config.n_embd) as u64);
+    for position in [0, 100] {
+        let f32_bytes = wgrad::bench::decode_bytes_per_token(&config, position);
+        assert_eq!(wgrad::bench::decode_bytes_per_token_with(&config, position, WeightDtype::F32), f32_bytes);
+        assert_eq!(wgrad::bench::decode_bytes_per_token_with(&config, position, WeightDtype::F16), f32_bytes - 2 * halved);
+    }
+    // GPT-2 124M: 498 MB of f32 parameters and 75 MB of caches; in f16
+    // 251 MB of parameters. A 400 MB budget holds the f16 generator only.
+    assert_eq!(halved, 50_257 * c + 12 * 12 * c * c);
+    for_each_adapter("f16 weights: check_fits", |k| {
+        let budget = common::limited_kernels(k, LimitOverrides { memory_bytes: Some(400 << 20), ..LimitOverrides::default() });
+        let err = wgrad::generate::check_fits(&budget, &config, 1).unwrap_err();
+        assert!(matches!(err, Error::MemoryTooSmall { .. }), "{err}");
+        let f16 = wgrad::generate::check_fits_with_dtype(&budget, &config, 1, WeightDtype::F16);
+        // Without SHADER_F16 the generator would be f32, and so is the check.
+        assert_eq!(f16.is_ok(), k.supports_f16(), "{f16:?}");
+        Ok(())
+    });
+}
