@@ -443,10 +443,21 @@ pub fn copy_gbps(kernels: &Kernels, reps: usize) -> Result<(f64, f64)> {
 /// position table gives one row, plus the keys and values of positions
 /// 0..=position in every layer's cache.
 pub fn decode_bytes_per_token(config: &crate::nn::GptConfig, position: usize) -> u64 {
+    decode_bytes_per_token_with(config, position, crate::generate::WeightDtype::F32)
+}
+
+/// [`decode_bytes_per_token`] for a generator storing its weights as
+/// `dtype`: with f16, 2 bytes for each value of the token table and the
+/// blocks' projection weights (what `WeightDtype::F16` stores in f16).
+pub fn decode_bytes_per_token_with(config: &crate::nn::GptConfig, position: usize, dtype: crate::generate::WeightDtype) -> u64 {
     let c = config.n_embd;
     let parameters = config.num_parameters() - config.block_size * c + c;
     let cache = 2 * config.n_layer * (position + 1) * c;
-    ((parameters + cache) * 4) as u64
+    let halved = match dtype {
+        crate::generate::WeightDtype::F32 => 0,
+        crate::generate::WeightDtype::F16 => config.vocab_size * c + config.n_layer * 12 * c * c,
+    };
+    ((parameters + cache) * 4 - halved * 2) as u64
 }
 
 /// Generation with GPT-2 124M's shape and random weights the bench draws
@@ -456,32 +467,45 @@ pub fn decode_bytes_per_token(config: &crate::nn::GptConfig, position: usize) ->
 /// copy bandwidth measured in the same run ([`copy_gbps`]: by a copy
 /// kernel, and by the driver's buffer copy as `memcpy_gbps`), and the
 /// share of each the decode reaches: bytes_per_token · tokens_per_s / rate.
+/// Where the adapter has SHADER_F16, the same decode again with the
+/// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
+/// the bytes counted at 2 per f16 weight.
 pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
+    use crate::generate::WeightDtype;
     let config = crate::nn::GptConfig::gpt2();
     crate::generate::check_fits(kernels, &config, 1)?;
     crate::nn::manual_seed(0);
     let model = crate::nn::Gpt::new(config)?;
-    let mut generator = crate::generate::Generator::new(kernels.clone(), &model, 1)?;
-    drop(model);
     let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
-    let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
-    drop(generator);
-    let tokens_per_s = new_tokens as f64 / decode;
-    let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token(&config, p)).sum::<u64>() / new_tokens as u64;
+    let dtypes: &[WeightDtype] = if kernels.supports_f16() { &[WeightDtype::F32, WeightDtype::F16] } else { &[WeightDtype::F32] };
+    // (dtype, prefill seconds, decode seconds), one generator at a time.
+    let mut timings = Vec::new();
+    for &dtype in dtypes {
+        crate::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
+        let mut generator = crate::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?;
+        let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
+        timings.push((generator.dtype(), prefill, decode));
+    }
+    drop(model);
     let (copy, memcpy) = copy_gbps(kernels, 5)?;
-    let read_gbps = bytes as f64 * tokens_per_s / 1e9;
-    Ok(vec![
-        BenchLine {
-            case: "gpt2_124m_prefill".into(),
-            values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
-        },
-        BenchLine {
+    let mut lines = Vec::new();
+    for (dtype, prefill, decode) in timings {
+        if dtype == WeightDtype::F32 {
+            lines.push(BenchLine {
+                case: "gpt2_124m_prefill".into(),
+                values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+            });
+        }
+        let tokens_per_s = new_tokens as f64 / decode;
+        let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token_with(&config, p, dtype)).sum::<u64>() / new_tokens as u64;
+        let read_gbps = bytes as f64 * tokens_per_s / 1e9;
+        lines.push(BenchLine {
             case: "gpt2_124m_decode".into(),
             values: vec![
-                ("dtype", "f32".into()),
+                ("dtype", dtype.name().into()),
                 ("tokens_per_s", format!("{tokens_per_s:.2}")),
                 ("bytes_per_token", bytes.to_string()),
                 ("copy_gbps", format!("{copy:.2}")),
@@ -490,6 +514,7 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
                 ("memcpy_share", format!("{:.4}", read_gbps / memcpy)),
                 ("new_tokens", new_tokens.to_string()),
             ],
-        },
-    ])
+        });
+    }
+    Ok(lines)
 }

@@ -307,6 +307,20 @@ pub fn matmul_f16(form: MatmulForm, a: &[half::f16], b: &[half::f16], m: usize, 
     matmul(form, &from_f16(a), &from_f16(b), m, n, k)
 }
 
+/// Twin of `f16_weights.wgsl`'s products (`matvec_f16w_forward`,
+/// `matmul_f16w_forward_small`, `_register`): C = epilogue(A·Bᵀ) with A
+/// [m, k] f32 and B [n, k] f16, widened exactly; f64 accumulation. Returns
+/// C and the pre-activation, as [`matmul_epilogue`].
+pub fn matmul_f16_weights(e: Epilogue<'_>, a: &[f32], b: &[half::f16], m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+    matmul_epilogue(MatmulForm::ABt, e, a, &from_f16(b), m, n, k)
+}
+
+/// Twin of `embedding_f16w_forward`: out[n, channels] = table[ids[n], :]
+/// widened from f16; a row of NaN for an id ≥ vocab.
+pub fn embedding_f16_weights(table: &[half::f16], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
+    embedding_forward(&from_f16(table), ids, vocab, channels)
+}
+
 // Row-wise ops (rowwise.wgsl). Out-of-range targets and ids behave as the
 // kernels do: NaN where the kernel writes NaN, nothing where it skips.
 

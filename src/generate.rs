@@ -74,6 +74,18 @@
 //! `block_size` and recomputes it for every token, which gives each token
 //! a full window at `block_size` times the work. [`Generator::decode`]
 //! itself refuses to go past the context.
+//!
+//! # Weights in f16
+//!
+//! [`Generator::new_with_dtype`] with [`WeightDtype::F16`] stores the
+//! weights a decode step reads most of, the four projections of every
+//! block and the tied token embedding (which the head reads whole), in f16
+//! ([`Graph::parameter_f16`]), and reads them in f32 with f32 accumulation
+//! (`f16_weights.wgsl`): a decode step then moves about half the bytes.
+//! Biases, norms, the position table, activations and the KV caches stay
+//! f32. The results are the f32 generator's on the weights rounded to
+//! f16. Where the adapter lacks SHADER_F16 the generator is f32 and
+//! [`Generator::dtype`] says so.
 
 use std::sync::Arc;
 
@@ -165,6 +177,36 @@ impl Sampling {
     }
 }
 
+/// How a [`Generator`] stores the model's weights (see the module
+/// documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightDtype {
+    #[default]
+    F32,
+    /// The blocks' projection weights and the tied token embedding in f16,
+    /// read in f32; needs SHADER_F16 (f32 elsewhere).
+    F16,
+}
+
+impl WeightDtype {
+    /// `f32` or `f16`, as `wgrad generate --dtype` and the bench name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::F16 => "f16",
+        }
+    }
+
+    /// What a generator asking for `self` gets on `kernels`' adapter: f16
+    /// only where the adapter has SHADER_F16.
+    pub fn on(self, kernels: &Kernels) -> WeightDtype {
+        match self {
+            WeightDtype::F16 if !kernels.supports_f16() => WeightDtype::F32,
+            other => other,
+        }
+    }
+}
+
 /// A [`Gpt`]'s forward for generation, with a KV cache on the GPU for
 /// `sequences` sequences over the model's whole context (see the module
 /// documentation).
@@ -172,6 +214,9 @@ pub struct Generator {
     exec: Executor,
     config: GptConfig,
     sequences: usize,
+    /// How the weights are stored (f32 where f16 was asked for but the
+    /// adapter lacks SHADER_F16).
+    dtype: WeightDtype,
     /// Whole-prompt passes by length, shortest first.
     prefill: Vec<PrefillPass>,
     decode: DecodePass,
@@ -260,8 +305,12 @@ struct Weights {
     ln_f: NormWeights,
 }
 
-fn linear(g: &mut Graph, layer: &Linear, prefix: &str) -> Result<LinearWeights> {
-    let weight = g.parameter(&format!("{prefix}weight"), &[layer.out_features, layer.in_features], layer.weight.clone())?;
+fn linear(g: &mut Graph, layer: &Linear, prefix: &str, dtype: WeightDtype) -> Result<LinearWeights> {
+    let (name, shape) = (format!("{prefix}weight"), [layer.out_features, layer.in_features]);
+    let weight = match dtype {
+        WeightDtype::F32 => g.parameter(&name, &shape, layer.weight.clone())?,
+        WeightDtype::F16 => g.parameter_f16(&name, &shape, layer.weight.clone())?,
+    };
     let bias = g.parameter(&format!("{prefix}bias"), &[layer.out_features], layer.bias.clone())?;
     Ok(LinearWeights { weight, bias })
 }
@@ -274,9 +323,12 @@ fn norm(g: &mut Graph, layer: &LayerNorm, prefix: &str) -> Result<NormWeights> {
 }
 
 impl Weights {
-    fn declare(g: &mut Graph, model: &Gpt, sequences: usize) -> Result<Self> {
+    fn declare(g: &mut Graph, model: &Gpt, sequences: usize, dtype: WeightDtype) -> Result<Self> {
         let context = model.config.block_size;
-        let wte = model.wte.table(g, "wte.")?;
+        let wte = match dtype {
+            WeightDtype::F32 => model.wte.table(g, "wte.")?,
+            WeightDtype::F16 => g.parameter_f16("wte.weight", &[model.wte.num_embeddings, model.wte.embedding_dim], model.wte.weight.clone())?,
+        };
         let wpe = model.wpe.table(g, "wpe.")?;
         let mut blocks = Vec::with_capacity(model.h.len());
         for (i, block) in model.h.iter().enumerate() {
@@ -284,8 +336,8 @@ impl Weights {
             let attn = match &block.attn {
                 Some(a) => {
                     let ln_1 = norm(g, &block.ln_1, &format!("{prefix}ln_1."))?;
-                    let c_attn = linear(g, &a.c_attn, &format!("{prefix}attn.c_attn."))?;
-                    let c_proj = linear(g, &a.c_proj, &format!("{prefix}attn.c_proj."))?;
+                    let c_attn = linear(g, &a.c_attn, &format!("{prefix}attn.c_attn."), dtype)?;
+                    let c_proj = linear(g, &a.c_proj, &format!("{prefix}attn.c_proj."), dtype)?;
                     let cache_shape = [sequences, a.n_head, context, a.n_embd / a.n_head];
                     let k_cache = g.cache(&format!("{prefix}attn.k_cache"), &cache_shape)?;
                     let v_cache = g.cache(&format!("{prefix}attn.v_cache"), &cache_shape)?;
@@ -294,8 +346,8 @@ impl Weights {
                 None => None,
             };
             let ln_2 = norm(g, &block.ln_2, &format!("{prefix}ln_2."))?;
-            let c_fc = linear(g, &block.mlp.c_fc, &format!("{prefix}mlp.c_fc."))?;
-            let mlp_proj = linear(g, &block.mlp.c_proj, &format!("{prefix}mlp.c_proj."))?;
+            let c_fc = linear(g, &block.mlp.c_fc, &format!("{prefix}mlp.c_fc."), dtype)?;
+            let mlp_proj = linear(g, &block.mlp.c_proj, &format!("{prefix}mlp.c_proj."), dtype)?;
             blocks.push(BlockWeights { attn, ln_2, c_fc, mlp_proj });
         }
         let ln_f = norm(g, &model.ln_f, "ln_f.")?;
@@ -379,8 +431,21 @@ fn prefill_lengths(context: usize) -> Vec<usize> {
 /// for the adapter is refused before gigabytes are read; [`Generator::new`]
 /// checks the whole plan, activations included, before allocating.
 pub fn check_fits(kernels: &Kernels, config: &GptConfig, sequences: usize) -> Result<()> {
+    check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
+}
+
+/// [`check_fits`] for a generator whose weights are stored as `dtype`
+/// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
+/// each value of the blocks' projection weights and the token embedding.
+pub fn check_fits_with_dtype(kernels: &Kernels, config: &GptConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
-    let parameters = config.num_parameters() as u64 * BYTES;
+    let c = config.n_embd as u64;
+    let halved = match dtype.on(kernels) {
+        WeightDtype::F32 => 0,
+        // wte, then per block c_attn (3C·C), attn.c_proj, mlp.c_fc and mlp.c_proj (C·C, 4C·C, 4C·C).
+        WeightDtype::F16 => config.vocab_size as u64 * c + config.n_layer as u64 * 12 * c * c,
+    };
+    let parameters = config.num_parameters() as u64 * BYTES - halved * 2;
     // Keys and values per layer, [sequences, heads, context, head_dim] each.
     let one_cache = (sequences * config.block_size * config.n_embd) as u64 * BYTES;
     let caches = 2 * config.n_layer as u64 * one_cache;
@@ -392,13 +457,20 @@ impl Generator {
     /// everything once: parameters (the model's current weights), caches,
     /// activations, dispatches.
     pub fn new(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> Result<Self> {
+        Self::new_with_dtype(kernels, model, sequences, WeightDtype::F32)
+    }
+
+    /// [`Generator::new`] with the weights stored as `dtype`: f16 where the
+    /// adapter has SHADER_F16, else f32 ([`Generator::dtype`] tells which).
+    pub fn new_with_dtype(kernels: Arc<Kernels>, model: &Gpt, sequences: usize, dtype: WeightDtype) -> Result<Self> {
+        let dtype = dtype.on(&kernels);
         if sequences == 0 {
             return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
         }
         let config = model.config;
         let (context, channels) = (config.block_size, config.n_embd);
         let mut g = Graph::new();
-        let weights = Weights::declare(&mut g, model, sequences)?;
+        let weights = Weights::declare(&mut g, model, sequences, dtype)?;
 
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
         // Prompts start at position 0: the input stays zero.
@@ -434,6 +506,7 @@ impl Generator {
             exec,
             config,
             sequences,
+            dtype,
             prefill,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
             sampler,
@@ -448,6 +521,12 @@ impl Generator {
 
     pub fn sequences(&self) -> usize {
         self.sequences
+    }
+
+    /// How the weights are stored: what was asked for, except f32 where
+    /// f16 was asked for on an adapter without SHADER_F16.
+    pub fn dtype(&self) -> WeightDtype {
+        self.dtype
     }
 
     pub fn config(&self) -> &GptConfig {

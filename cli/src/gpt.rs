@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
-use wgrad::generate::{Generator, Sampling};
+use wgrad::generate::{Generator, Sampling, WeightDtype};
 use wgrad::nn::Gpt;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
@@ -221,7 +221,7 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<d
     if args.gpt.sample_tokens > 0 {
         println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
         let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
-        let mut generator = prepared_generator(run.kernels().clone(), &model, 1)?;
+        let mut generator = prepared_generator(run.kernels().clone(), &model, 1, WeightDtype::F32)?;
         let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
@@ -269,6 +269,27 @@ pub struct GenerateArgs {
     top_k: Option<usize>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How the weights are stored: f16 halves the bytes each token reads
+    /// (the projections and the token embedding; computed in f32), where
+    /// the adapter has SHADER_F16; elsewhere f32, with a notice.
+    #[arg(long, value_enum, default_value_t = DtypeName::F32)]
+    dtype: DtypeName,
+}
+
+/// `--dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DtypeName {
+    F32,
+    F16,
+}
+
+impl DtypeName {
+    fn weights(self) -> WeightDtype {
+        match self {
+            DtypeName::F32 => WeightDtype::F32,
+            DtypeName::F16 => WeightDtype::F16,
+        }
+    }
 }
 
 fn write_out(out: &mut std::io::StdoutLock, s: &str) -> wgrad::Result<()> {
@@ -334,12 +355,19 @@ fn parse_ids(text: &str) -> wgrad::Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// A generator of `sequences` sequences for `model`, behind a spinner while its pipelines compile.
-fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> wgrad::Result<Generator> {
+/// A generator of `sequences` sequences for `model` with its weights
+/// stored as `dtype`, behind a spinner while its pipelines compile; a
+/// notice on stderr when the adapter cannot store them so and f32 is used.
+fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt, sequences: usize, dtype: WeightDtype) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
-    let generator = Generator::new(kernels, model, sequences);
+    let label = kernels.device().label();
+    let generator = Generator::new_with_dtype(kernels, model, sequences, dtype);
     bar.finish_and_clear();
-    generator
+    let generator = generator?;
+    if generator.dtype() != dtype {
+        eprintln!("note: --dtype {} needs SHADER_F16, which {label} lacks; generating with {} weights", dtype.name(), generator.dtype().name());
+    }
+    Ok(generator)
 }
 
 pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> {
@@ -358,8 +386,9 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     // its weights are read.
     let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
+    let dtype = args.dtype.weights();
     let sequences = file_prompts.as_ref().map_or(args.batch, Vec::len);
-    wgrad::generate::check_fits(&kernels, &config, sequences)?;
+    wgrad::generate::check_fits_with_dtype(&kernels, &config, sequences, dtype)?;
     let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
     let (count, seconds) = if sequences > 1 {
@@ -376,7 +405,7 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
         for ids in &prompts {
             wgrad::kernels::check_token_ids("generate", ids, config.vocab_size)?;
         }
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, prompts.len())?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, prompts.len(), dtype)?;
         generate_batch(&mut generator, tokenizer.as_ref(), &texts, &prompts, args.max_new_tokens, &sampling)?
     } else if args.print_ids {
         let ids = match (prompt_ids, file_prompts) {
@@ -385,14 +414,14 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             (None, None) => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
         };
         wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1, dtype)?;
         stream_ids(&mut generator, &ids, args.max_new_tokens, &sampling)?
     } else {
         let tokenizer = folder_tokenizer(&loaded, args)?;
         let prompt = file_prompts.map_or_else(|| args.prompt.clone(), |lines| lines[0].clone());
         // Checked before any device work: characters outside a char vocabulary.
         tokenizer.encode(&prompt)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1)?;
+        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1, dtype)?;
         stream(&mut generator, &tokenizer, &prompt, args.max_new_tokens, &sampling)?
     };
     eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());

@@ -22,6 +22,11 @@ impl Tensor {
 pub enum DType {
     F32,
     U32,
+    /// A parameter stored in f16, two values per 4-byte word of the
+    /// parameter arena ([`Graph::parameter_f16`]): generation's weights.
+    /// Only an ABt matmul (as B) and an embedding (as the table) read it,
+    /// in f32; an executor with gradients or an optimizer refuses it.
+    F16,
 }
 
 /// The loss functions, with PyTorch's default "mean" reduction.
@@ -309,13 +314,21 @@ impl Graph {
         for &t in inputs {
             self.check_handle(op, t)?;
             if self.node(t).dtype != DType::F32 {
+                let held = if self.node(t).dtype == DType::F16 { "f16 weights (only an ABt matmul's B or an embedding table)" } else { "u32 values" };
                 return Err(Error::InvalidArgument {
                     op,
-                    reason: format!("`{}` holds u32 values; {op} needs f32", self.node(t).name),
+                    reason: format!("`{}` holds {held}; {op} needs f32", self.node(t).name),
                 });
             }
         }
         Ok(())
+    }
+
+    /// Whether `b` is an f16 parameter read as the weight of an ABt
+    /// product, the one matmul f16 weights take (generation's Linear layers
+    /// and tied head, stored [out, in]).
+    fn f16_weight(&self, form: MatmulForm, b: Tensor) -> bool {
+        form == MatmulForm::ABt && self.get(b).is_some_and(|n| n.dtype == DType::F16)
     }
 
     fn non_empty(op: &'static str, shape: &[usize]) -> Result<()> {
@@ -361,6 +374,17 @@ impl Graph {
         Ok(self.push(Op::Parameter { init }, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
+    /// A parameter stored in f16 ([`DType::F16`]): `init` is rounded to
+    /// the nearest f16 when the executor uploads it, and the arena holds
+    /// two values per word, half the bytes of an f32 parameter. For
+    /// inference only (generation's weights with `WeightDtype::F16`); it
+    /// may be the B of an ABt matmul or an embedding's table.
+    pub fn parameter_f16(&mut self, name: &str, shape: &[usize], init: Vec<f32>) -> Result<Tensor> {
+        let t = self.parameter(name, shape, init)?;
+        self.nodes[t.0].dtype = DType::F16;
+        Ok(t)
+    }
+
     /// A tensor that keeps its values between runs, zero at first (see
     /// [`Op::Cache`]): the keys or values of a KV cache.
     pub fn cache(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -381,11 +405,16 @@ impl Graph {
     /// product per leading index).
     pub fn matmul_form(&mut self, form: MatmulForm, a: Tensor, b: Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
-        self.f32_inputs(OP, &[a, b])?;
+        let f16_weight = self.f16_weight(form, b);
+        let pair = [a, b];
+        self.f32_inputs(OP, &pair[..if f16_weight { 1 } else { 2 }])?;
         let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
         let all: [&[usize]; 2] = [&sa, &sb];
         if sa.len() != sb.len() || !(2..=MAX_RANK).contains(&sa.len()) {
             return Err(Error::shape(OP, "operands must both be 2-D, or both rank 3 or 4", &all));
+        }
+        if f16_weight && sa.len() != 2 {
+            return Err(Error::shape(OP, "f16 weights take 2-D products only", &all));
         }
         let lead = sa.len() - 2;
         if sa[..lead] != sb[..lead] {
@@ -423,7 +452,9 @@ impl Graph {
     /// done as one 2-D product over all rows: -> [.., N].
     pub fn rows_matmul(&mut self, form: MatmulForm, x: Tensor, w: Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
-        self.f32_inputs(OP, &[x, w])?;
+        let f16_weight = self.f16_weight(form, w);
+        let pair = [x, w];
+        self.f32_inputs(OP, &pair[..if f16_weight { 1 } else { 2 }])?;
         let (sx, sw) = (self.shape(x).to_vec(), self.shape(w).to_vec());
         let (rows, k) = rows_cols(OP, &sx, &[&sx, &sw])?;
         if sx.len() == 2 {
@@ -752,7 +783,10 @@ impl Graph {
     /// (torch.nn.functional.embedding).
     pub fn embedding(&mut self, table: Tensor, ids: Tensor) -> Result<Tensor> {
         const OP: &str = "embedding";
-        self.f32_inputs(OP, &[table])?;
+        // An f16 table (generation's tied token embedding) is read in f32.
+        if self.get(table).is_none_or(|n| n.dtype != DType::F16) {
+            self.f32_inputs(OP, &[table])?;
+        }
         self.check_handle(OP, ids)?;
         let (st, si) = (self.shape(table).to_vec(), self.shape(ids).to_vec());
         let [_, channels] = st[..] else {

@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use super::autodiff::Gradients;
 use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
-use super::plan::{LossFusion, Plan, PlanOptions, Storage};
+use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{
-    grad_norm_groups, Activation, ArenaGroups, CachedAttentionShape, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
+    grad_norm_groups, Activation, ArenaGroups, CachedAttentionShape, Dispatch, F16View, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
     View,
 };
 
@@ -111,6 +111,16 @@ impl Executor {
         if outputs.iter().any(foreign) || grads_foreign {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an output or gradient is not in this graph".into() });
         }
+        // The gradient and state arenas share the parameters' layout, and
+        // nothing computes a gradient or an update in f16.
+        if gradients.is_some() {
+            if let Some(p) = graph.parameters().into_iter().find(|&p| graph.node(p).dtype == DType::F16) {
+                return Err(Error::InvalidArgument {
+                    op: "Executor::new",
+                    reason: format!("parameter `{}` is stored in f16, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name),
+                });
+            }
+        }
         let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
         check_memory(&kernels, &graph, &plan, gradients.is_some(), optimizer.map_or(0, |o| o.state_names().len()))?;
@@ -119,7 +129,7 @@ impl Executor {
         let mut initial = vec![0.0f32; arena_len];
         for &(p, offset) in &plan.param_offsets {
             if let Op::Parameter { init } = &graph.node(p).op {
-                initial[offset..offset + init.len()].copy_from_slice(init);
+                put_parameter(&mut initial[offset..], graph.node(p).dtype, init);
             }
         }
         let params = kernels.upload(&initial)?;
@@ -349,7 +359,8 @@ impl Executor {
         if t.0 >= self.graph.len() {
             return Err(Error::InvalidArgument { op: "Executor", reason: format!("tensor #{} is not in this executor's graph", t.0) });
         }
-        let len = self.graph.node(t).len();
+        let node = self.graph.node(t);
+        let len = stored_words(node.dtype, node.len());
         match self.plan.storage[t.0] {
             Storage::Param { offset } => self.params.slice(offset, len),
             Storage::Grad { offset } => match &self.grads {
@@ -435,6 +446,10 @@ impl Executor {
                     None => None,
                 };
                 let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
+                if self.graph.node(reads[1]).dtype == DType::F16 {
+                    // Weights stored in f16 (the builder allows them as an ABt's B).
+                    return k.matmul_f16_weights(epilogue, out, input(0)?, F16View::new(input(1)?, n * kk)?, m, n, kk);
+                }
                 k.matmul_epilogue(*form, epilogue, out, input(0)?, input(1)?, m, n, kk)
             }
             Op::Binary(op) if shape(0) == shape(1) => k.binary(*op, out, input(0)?, input(1)?),
@@ -537,7 +552,11 @@ impl Executor {
             }
             Op::Embedding => {
                 let (vocab, channels) = (shape(0)[0], shape(0)[1]);
-                k.embedding_forward(out, input(0)?, input(1)?, self.graph.node(reads[1]).len(), vocab, channels)
+                let n = self.graph.node(reads[1]).len();
+                if self.graph.node(reads[0]).dtype == DType::F16 {
+                    return k.embedding_f16_weights(out, F16View::new(input(0)?, vocab * channels)?, input(1)?, n, vocab, channels);
+                }
+                k.embedding_forward(out, input(0)?, input(1)?, n, vocab, channels)
             }
             Op::EmbeddingSort { vocab } => {
                 let n = self.graph.node(reads[0]).len();
@@ -904,11 +923,22 @@ impl Executor {
 
     /// Reads an output (waits for the GPU).
     pub fn read(&self, t: Tensor) -> Result<Vec<f32>> {
+        self.not_f16("read", t)?;
         self.kernels.read(self.tensor_view(t)?)
+    }
+
+    /// An f16 parameter's words are not f32 values: read it through
+    /// [`Executor::parameters`], which widens them.
+    fn not_f16(&self, op: &'static str, t: Tensor) -> Result<()> {
+        match self.graph.get(t) {
+            Some(node) if node.dtype == DType::F16 => Err(Error::InvalidArgument { op, reason: format!("`{}` is stored in f16; read it with Executor::parameters", node.name) }),
+            _ => Ok(()),
+        }
     }
 
     /// Reads a u32 output (argmax).
     pub fn read_u32(&self, t: Tensor) -> Result<Vec<u32>> {
+        self.not_f16("read_u32", t)?;
         self.kernels.read(self.tensor_view(t)?)
     }
 
@@ -921,7 +951,8 @@ impl Executor {
         self.read(g)
     }
 
-    /// Host copies of every parameter: (name, shape, values).
+    /// Host copies of every parameter: (name, shape, values); an f16
+    /// parameter's values widened to f32 (exact).
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
         let all: Vec<f32> = self.kernels.read(self.params.view())?;
         Ok(self
@@ -930,7 +961,7 @@ impl Executor {
             .iter()
             .map(|&(p, offset)| {
                 let node = self.graph.node(p);
-                (node.name.clone(), node.shape.clone(), all[offset..offset + node.len()].to_vec())
+                (node.name.clone(), node.shape.clone(), take_parameter(&all[offset..], node.dtype, node.len()))
             })
             .collect())
     }
@@ -980,7 +1011,7 @@ impl Executor {
             if &node.shape != shape || values.len() != node.len() {
                 return Err(Error::shape("load_state", format!("parameter `{name}`: model has {:?}, checkpoint {shape:?}", node.shape), &[&node.shape, shape]));
             }
-            host[offset..offset + values.len()].copy_from_slice(values);
+            put_parameter(&mut host[offset..], node.dtype, values);
         }
         let names = self.optimizer_state_names();
         let mut state_host: Vec<Vec<f32>> = vec![vec![0.0; arena_len]; self.state.len()];
@@ -1008,6 +1039,32 @@ impl Executor {
             self.step = s;
         }
         Ok(())
+    }
+}
+
+/// Writes a parameter's `values` at the start of `arena` as `dtype` stores
+/// them: f32 as is, f16 rounded to nearest and packed two per word (the
+/// words' bits carried in the f32 arena's host copy).
+fn put_parameter(arena: &mut [f32], dtype: DType, values: &[f32]) {
+    match dtype {
+        DType::F16 => {
+            let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+            for (slot, word) in arena.iter_mut().zip(crate::kernels::pack_f16(&halves)) {
+                *slot = f32::from_bits(word);
+            }
+        }
+        DType::F32 | DType::U32 => arena[..values.len()].copy_from_slice(values),
+    }
+}
+
+/// The `len` values of a `dtype` parameter at the start of `arena`, as f32.
+fn take_parameter(arena: &[f32], dtype: DType, len: usize) -> Vec<f32> {
+    match dtype {
+        DType::F16 => {
+            let words: Vec<u32> = arena[..stored_words(dtype, len)].iter().map(|v| v.to_bits()).collect();
+            crate::kernels::unpack_f16(&words, len).iter().map(|h| h.to_f32()).collect()
+        }
+        DType::F32 | DType::U32 => arena[..len].to_vec(),
     }
 }
 

@@ -9,7 +9,7 @@
 //! a node always reads one intermediate while writing another.
 
 use super::autodiff::Gradients;
-use super::builder::{Graph, Op, Tensor};
+use super::builder::{DType, Graph, Op, Tensor};
 use crate::kernels::{Activation, MatmulForm};
 
 /// Where a node's output lives.
@@ -38,7 +38,8 @@ pub struct Plan {
     pub storage: Vec<Storage>,
     /// Size of each slot in elements.
     pub slot_len: Vec<usize>,
-    /// (parameter, element offset) in parameter order.
+    /// (parameter, element offset) in parameter order; offsets and lengths
+    /// count 4-byte words, two values of an f16 parameter to a word.
     pub param_offsets: Vec<(Tensor, usize)>,
     /// Length of the parameter (and gradient, and each state) arena in elements.
     pub param_arena_len: usize,
@@ -130,6 +131,15 @@ impl Default for PlanOptions {
 
 const BYTES: u64 = 4;
 
+/// 4-byte words that `len` values of `dtype` take in storage: an f16
+/// parameter packs two values per word (the first in the low half).
+pub fn stored_words(dtype: DType, len: usize) -> usize {
+    match dtype {
+        DType::F16 => len.div_ceil(2),
+        DType::F32 | DType::U32 => len,
+    }
+}
+
 /// Largest prediction (elements) whose loss and gradient run as one
 /// single-workgroup dispatch.
 const FUSED_LOSS_MAX: usize = 1 << 16;
@@ -209,7 +219,7 @@ impl Plan {
                 if matches!(node.op, Op::Parameter { .. }) && graph.weight_decay_applies(Tensor(i)) == decayed {
                     param_offsets.push((Tensor(i), arena));
                     storage[i] = Storage::Param { offset: arena };
-                    arena += node.len().div_ceil(align) * align;
+                    arena += stored_words(node.dtype, node.len()).div_ceil(align) * align;
                 }
             }
             if decayed {

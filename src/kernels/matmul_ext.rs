@@ -118,7 +118,7 @@ struct ConvertParams {
     _pad: [u32; 2],
 }
 
-fn pack_f16(values: &[f16]) -> Vec<u32> {
+pub(crate) fn pack_f16(values: &[f16]) -> Vec<u32> {
     values
         .chunks(2)
         .map(|pair| {
@@ -129,7 +129,7 @@ fn pack_f16(values: &[f16]) -> Vec<u32> {
         .collect()
 }
 
-fn unpack_f16(words: &[u32], len: usize) -> Vec<f16> {
+pub(crate) fn unpack_f16(words: &[u32], len: usize) -> Vec<f16> {
     words
         .iter()
         .flat_map(|&w| [f16::from_bits(w as u16), f16::from_bits((w >> 16) as u16)])

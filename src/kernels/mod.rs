@@ -10,6 +10,7 @@
 mod attention;
 pub mod autotune;
 mod elementwise;
+mod f16_weights;
 mod loss;
 mod matmul;
 mod matmul_ext;
@@ -21,9 +22,11 @@ mod sampling;
 mod tensor;
 
 pub use attention::MAX_HEAD_DIM;
+pub use f16_weights::F16WeightsKernel;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
+pub(crate) use matmul_ext::{pack_f16, unpack_f16};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.

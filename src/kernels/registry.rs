@@ -70,10 +70,13 @@ pub enum Family {
     /// The next token of each row of logits (generation): one workgroup
     /// per row.
     Sampling,
+    /// Opt-in: needs SHADER_F16. Generation with f16 weights and f32
+    /// activations: matrix-vector, matmul and embedding lookup.
+    F16Weights,
 }
 
 impl Family {
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -85,13 +88,14 @@ impl Family {
         Family::Tensor,
         Family::Attention,
         Family::Sampling,
+        Family::F16Weights,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
     /// check them first and return `Error::Unsupported` without them.
     pub fn required_features(self) -> wgpu::Features {
         match self {
-            Family::MatmulF16 => wgpu::Features::SHADER_F16,
+            Family::MatmulF16 | Family::F16Weights => wgpu::Features::SHADER_F16,
             Family::MatmulSubgroup => wgpu::Features::SUBGROUP,
             _ => wgpu::Features::empty(),
         }
@@ -122,6 +126,7 @@ impl Family {
             Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::Sampling => &[Shared::Common],
             Family::MatmulSubgroup => &[],
+            Family::F16Weights => &[Shared::Common, Shared::Activations],
         }
     }
 
@@ -138,6 +143,7 @@ impl Family {
             Family::Tensor => "tensor.wgsl",
             Family::Attention => "attention.wgsl",
             Family::Sampling => "sampling.wgsl",
+            Family::F16Weights => "f16_weights.wgsl",
         }
     }
 
@@ -156,6 +162,7 @@ impl Family {
             Family::Tensor => wgsl!("tensor.wgsl"),
             Family::Attention => wgsl!("attention.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl"),
         }
     }
 
@@ -175,6 +182,7 @@ impl Family {
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl"),
         }
     }
 }
@@ -265,6 +273,10 @@ pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forw
 pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
 
 pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_forward");
+pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
+pub const MATMUL_F16W_FORWARD_SMALL: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_small");
+pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_register");
+pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
 
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
@@ -334,4 +346,8 @@ pub const KERNELS: &[Kernel] = &[
     CONCAT_LAST_FORWARD,
     CACHED_ATTENTION_FORWARD,
     SAMPLE_ROWS_FORWARD,
+    MATVEC_F16W_FORWARD,
+    MATMUL_F16W_FORWARD_SMALL,
+    MATMUL_F16W_FORWARD_REGISTER,
+    EMBEDDING_F16W_FORWARD,
 ];

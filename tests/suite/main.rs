@@ -9,6 +9,7 @@ mod common;
 mod checkpoint;
 mod data;
 mod device;
+mod f16_weights;
 mod fusion;
 mod generate;
 mod gpt_data_parallel;

@@ -17,7 +17,10 @@ fn capabilities(family: Family) -> Capabilities {
     let features = family.required_features();
     let mut caps = Capabilities::default();
     if features.contains(wgpu::Features::SHADER_F16) {
-        caps |= Capabilities::SHADER_FLOAT16;
+        // unpack2x16float too: wgpu grants it (DownlevelFlags::SHADER_F16_IN_F32)
+        // on every backend that offers SHADER_F16 (Vulkan, lavapipe only
+        // with SHADER_F16; DX12; Metal).
+        caps |= Capabilities::SHADER_FLOAT16 | Capabilities::SHADER_FLOAT16_IN_FLOAT32;
     }
     if features.contains(wgpu::Features::SUBGROUP) {
         caps |= Capabilities::SUBGROUP;
