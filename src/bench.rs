@@ -12,7 +12,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::Result;
 use crate::graph::PlanOptions;
-use crate::kernels::{Kernels, MatmulForm, OptimizerConfig};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig};
 use crate::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use crate::optim::{Adam, SGD};
 use crate::parallel::data::{DataParallel, Split};
@@ -371,21 +371,42 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batc
 }
 
 /// Seconds for one prefill of `prompt` and for `new_tokens` greedy decode
-/// steps after it, once every pipeline of both passes has compiled and run.
-/// Each step picks its token on the GPU and reads back only that, as
-/// `Generator::generate` does.
-fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> {
+/// steps after it (the median step, as seconds per token), once every
+/// pipeline of both passes has compiled and run. Each step picks its token
+/// on the GPU and reads back only that, as `Generator::generate` does.
+/// `between_steps` runs after each timed step, outside the timing: the
+/// 124M bench times its copy kernel there, so the decode and the bandwidth
+/// it is divided by are measured in the same moments of a noisy machine.
+fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng, mut between_steps: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     let greedy = crate::generate::Sampling::greedy();
+    // A few steps first: on a CPU adapter the first passes over the weights
+    // run slower (memory first touched), which is not a token's cost.
     generator.prefill_and_sample(&[prompt], &greedy, rng)?;
-    generator.decode_and_sample(&[0], &greedy, rng)?;
+    for _ in 0..3 {
+        generator.decode_and_sample(&[0], &greedy, rng)?;
+    }
     let start = Instant::now();
     let mut tokens = generator.prefill_and_sample(&[prompt], &greedy, rng)?;
     let prefill = start.elapsed().as_secs_f64();
-    let start = Instant::now();
+    let mut steps = Vec::with_capacity(new_tokens);
     for _ in 0..new_tokens {
+        let start = Instant::now();
         tokens = generator.decode_and_sample(&tokens, &greedy, rng)?;
+        steps.push(start.elapsed().as_secs_f64());
+        between_steps()?;
     }
-    Ok((prefill, start.elapsed().as_secs_f64()))
+    Ok((prefill, median(&mut steps)))
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// Generation with the KV cache on the GPU: a `config` GPT with random
@@ -398,7 +419,8 @@ pub fn gpt_generate(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, new_to
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
-    let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
+    let (prefill, seconds_per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || Ok(()))?;
+    let decode = seconds_per_token * new_tokens as f64;
     Ok(BenchLine {
         case: "gpt_generate".into(),
         values: vec![
@@ -415,27 +437,62 @@ pub fn gpt_generate(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, new_to
 const COPY_BYTES: usize = 64 << 20;
 
 /// The adapter's copy bandwidth in GB/s (bytes read plus bytes written per
-/// second), each the median of `reps` waited runs over [`COPY_BYTES`]:
-/// (by a copy kernel, by `copy_buffer_to_buffer`). The kernel is
-/// `copy_vec4`, 16-byte loads and stores, four per invocation: on
-/// lavapipe about 4× the rate of the one-f32-per-invocation kernels, so
-/// the bound a kernel reading memory is measured against is the best a
-/// shader moves, not a slow one's. The buffer copy is the driver's own (a
-/// memcpy on a CPU adapter), which no shader on lavapipe comes near.
+/// second) over [`COPY_BYTES`], two ways: a copy kernel, and
+/// `copy_buffer_to_buffer`. The kernel is `copy_vec4`, 16-byte loads and
+/// stores, four per invocation: on lavapipe about 4× the rate of the
+/// one-f32-per-invocation kernels, so the bound a kernel reading memory is
+/// measured against is the best a shader moves, not a slow one's. The
+/// buffer copy is the driver's own (a memcpy on a CPU adapter), which no
+/// shader on lavapipe comes near. Each [`CopyBandwidth::sample`] times one
+/// of each, waited; the rates are the medians.
+pub struct CopyBandwidth<'a> {
+    kernels: &'a Kernels,
+    src: GpuTensor,
+    dst: GpuTensor,
+    shader: Dispatch,
+    shader_times: Vec<f64>,
+    memcpy_times: Vec<f64>,
+}
+
+impl<'a> CopyBandwidth<'a> {
+    pub fn new(kernels: &'a Kernels) -> Result<Self> {
+        let n = COPY_BYTES / 4;
+        let (src, dst) = (kernels.upload(&vec![1.0f32; n])?, kernels.zeros(n)?);
+        let shader = kernels.copy_vec4(dst.view(), src.view())?;
+        Ok(CopyBandwidth { kernels, src, dst, shader, shader_times: Vec::new(), memcpy_times: Vec::new() })
+    }
+
+    /// Times one copy by the kernel and one by the driver.
+    pub fn sample(&mut self) -> Result<()> {
+        let start = Instant::now();
+        self.kernels.run(&[&self.shader])?;
+        self.kernels.device().wait_idle("bench copy")?;
+        self.shader_times.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let (src, dst) = (self.src.buffer(), self.dst.buffer());
+        self.kernels.submit_pass("bench copy", std::iter::empty(), |_| {}, |encoder| encoder.copy_buffer_to_buffer(src, 0, dst, 0, COPY_BYTES as u64))?;
+        self.kernels.device().wait_idle("bench copy")?;
+        self.memcpy_times.push(start.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// (by the kernel, by the driver) in GB/s: medians of the samples.
+    pub fn gbps(&mut self) -> (f64, f64) {
+        let rate = |seconds: f64| if seconds > 0.0 { 2.0 * COPY_BYTES as f64 / seconds / 1e9 } else { 0.0 };
+        (rate(median(&mut self.shader_times)), rate(median(&mut self.memcpy_times)))
+    }
+}
+
+/// [`CopyBandwidth`] over `reps` samples, after one untimed run.
 pub fn copy_gbps(kernels: &Kernels, reps: usize) -> Result<(f64, f64)> {
-    let n = COPY_BYTES / 4;
-    let (src, dst) = (kernels.upload(&vec![1.0f32; n])?, kernels.zeros(n)?);
-    let shader = kernels.copy_vec4(dst.view(), src.view())?;
-    let by_shader = median_time(reps, || {
-        kernels.run(&[&shader])?;
-        kernels.device().wait_idle("bench copy")
-    })?;
-    let by_copy = median_time(reps, || {
-        kernels.submit_pass("bench copy", std::iter::empty(), |_| {}, |encoder| encoder.copy_buffer_to_buffer(src.buffer(), 0, dst.buffer(), 0, COPY_BYTES as u64))?;
-        kernels.device().wait_idle("bench copy")
-    })?;
-    let gbps = |t: Duration| 2.0 * COPY_BYTES as f64 / t.as_secs_f64() / 1e9;
-    Ok((gbps(by_shader), gbps(by_copy)))
+    let mut copy = CopyBandwidth::new(kernels)?;
+    copy.sample()?;
+    copy.shader_times.clear();
+    copy.memcpy_times.clear();
+    for _ in 0..reps.max(1) {
+        copy.sample()?;
+    }
+    Ok(copy.gbps())
 }
 
 /// Bytes a decode step of a `config` GPT reads at position `position`:
@@ -481,25 +538,33 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
     let dtypes: &[WeightDtype] = if kernels.supports_f16() { &[WeightDtype::F32, WeightDtype::F16] } else { &[WeightDtype::F32] };
-    // (dtype, prefill seconds, decode seconds), one generator at a time.
-    let mut timings = Vec::new();
+    let mut generators = Vec::new();
     for &dtype in dtypes {
         crate::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
-        let mut generator = crate::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?;
-        let (prefill, decode) = time_generation(&mut generator, &prompt, new_tokens, &mut rng)?;
-        timings.push((generator.dtype(), prefill, decode));
+        generators.push(crate::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?);
     }
+    // The host copy of the weights (500 MB) goes before anything is timed.
     drop(model);
-    let (copy, memcpy) = copy_gbps(kernels, 5)?;
+    // A copy after each decode step: the bandwidth the decode is divided
+    // by is measured in the same moments (see time_generation).
+    let mut bandwidth = CopyBandwidth::new(kernels)?;
+    bandwidth.sample()?;
+    // (dtype, prefill seconds, seconds per decoded token), one generator at a time.
+    let mut timings = Vec::new();
+    for mut generator in generators {
+        let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
+        timings.push((generator.dtype(), prefill, per_token));
+    }
+    let (copy, memcpy) = bandwidth.gbps();
     let mut lines = Vec::new();
-    for (dtype, prefill, decode) in timings {
+    for (dtype, prefill, per_token) in timings {
         if dtype == WeightDtype::F32 {
             lines.push(BenchLine {
                 case: "gpt2_124m_prefill".into(),
                 values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
             });
         }
-        let tokens_per_s = new_tokens as f64 / decode;
+        let tokens_per_s = 1.0 / per_token;
         let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token_with(&config, p, dtype)).sum::<u64>() / new_tokens as u64;
         let read_gbps = bytes as f64 * tokens_per_s / 1e9;
         lines.push(BenchLine {
