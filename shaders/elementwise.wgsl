@@ -116,7 +116,7 @@ fn tanh_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 }
 
 // out[n] = x[n] in vec4s: each invocation copies COPY_VEC4S consecutive
-// vec4s. The bandwidth bench's copy (bench::copy_gbps): on llvmpipe a
+// vec4s. The bandwidth bench's copy (bench::CopyBandwidth): on llvmpipe a
 // 16-byte load per invocation moves about 4× the bytes per second of the
 // f32 kernels above, which issue one 4-byte load each. The length goes
 // through workgroup memory (as in matmul_forward_matvec): lavapipe

@@ -302,8 +302,9 @@ fn sample_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         shared_state.last_candidate = atomicLoad(&last_candidate);
     }
     let walk = workgroupUniformLoad(&shared_state);
-    if walk.draw_target >= walk.total {
-        // Past the end by rounding (or u = 1): the last candidate.
+    if !(walk.draw_target < walk.total) {
+        // Past the end by rounding (or u = 1), or a sum that is not a
+        // number (infinite weights): the last candidate, never no pick.
         if t == 0u {
             out[2u * row] = walk.last_candidate - 1u;
             out[2u * row + 1u] = NONE;

@@ -382,7 +382,7 @@ fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], n
     // A few steps first: on a CPU adapter the first passes over the weights
     // run slower (memory first touched), which is not a token's cost.
     generator.prefill_and_sample(&[prompt], &greedy, rng)?;
-    for _ in 0..3 {
+    for _ in 0..3.min(generator.config().block_size.saturating_sub(prompt.len())) {
         generator.decode_and_sample(&[0], &greedy, rng)?;
     }
     let start = Instant::now();
@@ -483,18 +483,6 @@ impl<'a> CopyBandwidth<'a> {
     }
 }
 
-/// [`CopyBandwidth`] over `reps` samples, after one untimed run.
-pub fn copy_gbps(kernels: &Kernels, reps: usize) -> Result<(f64, f64)> {
-    let mut copy = CopyBandwidth::new(kernels)?;
-    copy.sample()?;
-    copy.shader_times.clear();
-    copy.memcpy_times.clear();
-    for _ in 0..reps.max(1) {
-        copy.sample()?;
-    }
-    Ok(copy.gbps())
-}
-
 /// Bytes a decode step of a `config` GPT reads at position `position`:
 /// every parameter once (the head reads all of wte), except that the
 /// position table gives one row, plus the keys and values of positions
@@ -512,17 +500,17 @@ pub fn decode_bytes_per_token_with(config: &crate::nn::GptConfig, position: usiz
     let cache = 2 * config.n_layer * (position + 1) * c;
     let halved = match dtype {
         crate::generate::WeightDtype::F32 => 0,
-        crate::generate::WeightDtype::F16 => config.vocab_size * c + config.n_layer * 12 * c * c,
+        crate::generate::WeightDtype::F16 => crate::generate::f16_weight_values(config),
     };
-    ((parameters + cache) * 4 - halved * 2) as u64
+    ((parameters + cache) * 4) as u64 - halved * 2
 }
 
 /// Generation with GPT-2 124M's shape and random weights the bench draws
 /// itself: `prompt_tokens` prefilled (tokens/s), then `new_tokens` greedy
 /// decode steps, one token each, with the bytes each reads
 /// ([`decode_bytes_per_token`], averaged over the steps), the adapter's
-/// copy bandwidth measured in the same run ([`copy_gbps`]: by a copy
-/// kernel, and by the driver's buffer copy as `memcpy_gbps`), and the
+/// copy bandwidth sampled after every timed step ([`CopyBandwidth`]: by a
+/// copy kernel, and by the driver's buffer copy as `memcpy_gbps`), and the
 /// share of each the decode reaches: bytes_per_token · tokens_per_s / rate.
 /// Where the adapter has SHADER_F16, the same decode again with the
 /// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
@@ -530,7 +518,6 @@ pub fn decode_bytes_per_token_with(config: &crate::nn::GptConfig, position: usiz
 pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
     use crate::generate::WeightDtype;
     let config = crate::nn::GptConfig::gpt2();
-    crate::generate::check_fits(kernels, &config, 1)?;
     crate::nn::manual_seed(0);
     let model = crate::nn::Gpt::new(config)?;
     let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);

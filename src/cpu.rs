@@ -726,7 +726,8 @@ pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32) -> Vec<
     }
     // Most likely first, equal logits (−0 and +0 too) in id order.
     let mut ranked: Vec<usize> = (0..logits.len()).collect();
-    ranked.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+    // (+ 0.0 turns −0 into +0, so total_cmp orders like == on finite values.)
+    ranked.sort_by(|&a, &b| (logits[b] + 0.0).total_cmp(&(logits[a] + 0.0)).then(a.cmp(&b)));
     let k = if temperature > 0.0 { (top_k as usize).clamp(1, logits.len()) } else { 1 };
     let mut candidates: Vec<usize> = ranked[..k].to_vec();
     candidates.sort_unstable();

@@ -50,7 +50,8 @@
 //!   sequence's position and attends over cache rows 0..=pos. The position
 //!   is a u32 input written before the step (it also picks the position
 //!   embedding), so the graph is never rebuilt. Per token this is about
-//!   nine dispatches per layer and five more, one submission, and work
+//!   nine dispatches per layer and six more (the sampler included), one
+//!   submission, and work
 //!   O(n_layer · (n_embd² + pos · n_embd)) per sequence: the projections,
 //!   plus attention linear in the position instead of quadratic.
 //!
@@ -434,16 +435,23 @@ pub fn check_fits(kernels: &Kernels, config: &GptConfig, sequences: usize) -> Re
     check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
 }
 
+/// How many of a `config` GPT's parameter values an f16 generator stores
+/// in f16 (the weights `Weights::declare` declares with
+/// `Graph::parameter_f16`): the token embedding, then per block c_attn
+/// (3C·C), attn.c_proj (C·C), mlp.c_fc and mlp.c_proj (4C·C each).
+pub fn f16_weight_values(config: &GptConfig) -> u64 {
+    let c = config.n_embd as u64;
+    config.vocab_size as u64 * c + config.n_layer as u64 * 12 * c * c
+}
+
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
 /// each value of the blocks' projection weights and the token embedding.
 pub fn check_fits_with_dtype(kernels: &Kernels, config: &GptConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
-    let c = config.n_embd as u64;
     let halved = match dtype.on(kernels) {
         WeightDtype::F32 => 0,
-        // wte, then per block c_attn (3C·C), attn.c_proj, mlp.c_fc and mlp.c_proj (C·C, 4C·C, 4C·C).
-        WeightDtype::F16 => config.vocab_size as u64 * c + config.n_layer as u64 * 12 * c * c,
+        WeightDtype::F16 => f16_weight_values(config),
     };
     let parameters = config.num_parameters() as u64 * BYTES - halved * 2;
     // Keys and values per layer, [sequences, heads, context, head_dim] each.

@@ -222,7 +222,9 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<d
         println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
         let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
         let mut generator = prepared_generator(run.kernels().clone(), &model, 1, WeightDtype::F32)?;
-        let (count, seconds) = stream(&mut generator, run.tokenizer(), &run.sample_prompt()?, args.gpt.sample_tokens, &sampling)?;
+        let prompt = run.sample_prompt()?;
+        let ids = run.tokenizer().encode(&prompt)?;
+        let (count, seconds) = stream(&mut generator, run.tokenizer(), &prompt, &ids, args.gpt.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
     let c = run.config();
@@ -256,9 +258,9 @@ pub struct GenerateArgs {
     #[arg(long, conflicts_with_all = ["prompt", "prompt_ids"])]
     prompts_file: Option<PathBuf>,
     /// Continue the prompt this many times at once (with a temperature
-    /// above 0, as many different samples).
-    #[arg(long, default_value_t = 1, conflicts_with = "prompts_file")]
-    batch: usize,
+    /// above 0, as many different samples), printed as --prompts-file's are.
+    #[arg(long, conflicts_with = "prompts_file")]
+    batch: Option<usize>,
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
     /// 0: greedy (the most likely token, deterministic).
@@ -302,13 +304,12 @@ fn write_out(out: &mut std::io::StdoutLock, s: &str) -> wgrad::Result<()> {
 /// Streams `max_new_tokens` tokens after `prompt` to stdout as they are
 /// produced; returns the tokens generated and the seconds they took, the
 /// prompt's prefill included.
-fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
-    let ids = tokenizer.encode(prompt)?;
+fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, ids: &[u32], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
     let mut text = Utf8Stream::default();
     let mut out = std::io::stdout().lock();
     let start = std::time::Instant::now();
     let mut wrote_prompt = false;
-    let tokens = generator.generate(&ids, max_new_tokens, sampling, |token| {
+    let tokens = generator.generate(ids, max_new_tokens, sampling, |token| {
         // The prompt prints once it was accepted (it fits the context).
         if !wrote_prompt {
             write_out(&mut out, prompt)?;
@@ -342,15 +343,16 @@ fn stream_ids(generator: &mut Generator, ids: &[u32], max_new_tokens: usize, sam
     Ok((tokens.len(), seconds))
 }
 
-/// `--prompt-ids`: ids separated by commas or white space.
-fn parse_ids(text: &str) -> wgrad::Result<Vec<u32>> {
+/// Token ids separated by commas or white space; `source` names where
+/// they came from in an error (`--prompt-ids`, a line of --prompts-file).
+fn parse_ids(text: &str, source: &str) -> wgrad::Result<Vec<u32>> {
     let ids = text
         .split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().map_err(|_| wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompt-ids: `{s}` is not a token id") }))
+        .map(|s| s.parse::<u32>().map_err(|_| wgrad::Error::InvalidArgument { op: "generate", reason: format!("{source}: `{s}` is not a token id") }))
         .collect::<wgrad::Result<Vec<u32>>>()?;
     if ids.is_empty() {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids holds no ids".into() });
+        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{source} holds no ids") });
     }
     Ok(ids)
 }
@@ -374,55 +376,56 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     if args.max_new_tokens == 0 {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--max-new-tokens must be at least 1".into() });
     }
-    if args.batch == 0 {
+    if args.batch == Some(0) {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--batch must be at least 1".into() });
     }
-    let prompt_ids = args.prompt_ids.as_deref().map(parse_ids).transpose()?;
-    if prompt_ids.is_some() && !args.print_ids {
+    if args.prompt_ids.is_some() && !args.print_ids {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids goes with --print-ids".into() });
     }
-    let file_prompts = args.prompts_file.as_deref().map(read_prompts).transpose()?;
+    // The prompts as given: (text, whether it is token ids), each once.
+    let given: Vec<(String, &str)> = match (&args.prompts_file, &args.prompt_ids) {
+        (Some(path), _) => read_prompts(path)?.into_iter().map(|line| (line, if args.print_ids { "a line of --prompts-file" } else { "" })).collect(),
+        (None, Some(ids)) => vec![(ids.clone(), "--prompt-ids")],
+        (None, None) => vec![(args.prompt.clone(), "")],
+    };
     // The sizes first: a model the adapter cannot hold is refused before
     // its weights are read.
     let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let dtype = args.dtype.weights();
-    let sequences = file_prompts.as_ref().map_or(args.batch, Vec::len);
+    let copies = args.batch.unwrap_or(1);
+    let sequences = given.len() * copies;
     wgrad::generate::check_fits_with_dtype(&kernels, &config, sequences, dtype)?;
     let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
-    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
-    let (count, seconds) = if sequences > 1 {
-        // Texts (or ids) and their token ids, all checked before any device work.
-        let texts: Vec<String> = file_prompts.unwrap_or_else(|| vec![args.prompt_ids.clone().unwrap_or_else(|| args.prompt.clone()); args.batch]);
-        let tokenizer = if args.print_ids { None } else { Some(folder_tokenizer(&loaded, args)?) };
-        let prompts = texts
-            .iter()
-            .map(|text| match &tokenizer {
-                Some(t) => t.encode(text),
-                None => parse_ids(text),
-            })
-            .collect::<wgrad::Result<Vec<Vec<u32>>>>()?;
-        for ids in &prompts {
-            wgrad::kernels::check_token_ids("generate", ids, config.vocab_size)?;
-        }
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, prompts.len(), dtype)?;
-        generate_batch(&mut generator, tokenizer.as_ref(), &texts, &prompts, args.max_new_tokens, &sampling)?
-    } else if args.print_ids {
-        let ids = match (prompt_ids, file_prompts) {
-            (Some(ids), _) => ids,
-            (None, Some(lines)) => parse_ids(&lines[0])?,
-            (None, None) => folder_tokenizer(&loaded, args)?.encode(&args.prompt)?,
+    // Every prompt's ids, checked before any device work: ids in the
+    // vocabulary, text in the tokenizer's alphabet, lengths in the context.
+    let needs_tokenizer = given.iter().any(|(_, ids_source)| ids_source.is_empty());
+    let tokenizer = if needs_tokenizer { Some(folder_tokenizer(&loaded, args)?) } else { None };
+    let mut prompts = Vec::with_capacity(sequences);
+    for (s, (text, ids_source)) in given.iter().enumerate() {
+        let ids = match &tokenizer {
+            Some(t) if ids_source.is_empty() => t.encode(text)?,
+            _ => parse_ids(text, ids_source)?,
         };
         wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1, dtype)?;
-        stream_ids(&mut generator, &ids, args.max_new_tokens, &sampling)?
+        if ids.len() > config.block_size {
+            let which = if given.len() > 1 { format!("prompt {s}") } else { "the prompt".into() };
+            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the model's context of {}", ids.len(), config.block_size) });
+        }
+        prompts.push(ids);
+    }
+    let texts: Vec<String> = given.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies)).collect();
+    let prompts: Vec<Vec<u32>> = prompts.into_iter().flat_map(|ids| std::iter::repeat_n(ids, copies)).collect();
+    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let mut generator = prepared_generator(kernels.clone(), &loaded.model, sequences, dtype)?;
+    let text_tokenizer = if args.print_ids { None } else { tokenizer.as_ref() };
+    let (count, seconds) = if args.prompts_file.is_some() || args.batch.is_some() {
+        generate_batch(&mut generator, text_tokenizer, &texts, &prompts, args.max_new_tokens, &sampling)?
     } else {
-        let tokenizer = folder_tokenizer(&loaded, args)?;
-        let prompt = file_prompts.map_or_else(|| args.prompt.clone(), |lines| lines[0].clone());
-        // Checked before any device work: characters outside a char vocabulary.
-        tokenizer.encode(&prompt)?;
-        let mut generator = prepared_generator(kernels.clone(), &loaded.model, 1, dtype)?;
-        stream(&mut generator, &tokenizer, &prompt, args.max_new_tokens, &sampling)?
+        match text_tokenizer {
+            Some(tokenizer) => stream(&mut generator, tokenizer, &texts[0], &prompts[0], args.max_new_tokens, &sampling)?,
+            None => stream_ids(&mut generator, &prompts[0], args.max_new_tokens, &sampling)?,
+        }
     };
     eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
     Ok(())
@@ -452,9 +455,10 @@ fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, text
     let new_tokens = generator.generate_batch(&refs, max_new_tokens, sampling, |_| {
         bar.inc(1);
         Ok(())
-    })?;
-    let seconds = start.elapsed().as_secs_f64();
+    });
     bar.finish_and_clear();
+    let new_tokens = new_tokens?;
+    let seconds = start.elapsed().as_secs_f64();
     let mut out = std::io::stdout().lock();
     for (s, (tokens, (text, ids))) in new_tokens.iter().zip(texts.iter().zip(prompts)).enumerate() {
         match tokenizer {

@@ -71,8 +71,9 @@ enum Command {
         compile: bool,
         /// Run only the cases whose name contains one of these
         /// comma-separated words, e.g. `--only gpt2_124m` or
-        /// `--only matmul,mlp` (default: every case).
-        #[arg(long, value_delimiter = ',')]
+        /// `--only matmul,mlp` (default: every case). The gpt2_124m
+        /// prefill and decode lines come from one run, so either brings both.
+        #[arg(long, value_delimiter = ',', conflicts_with = "compile")]
         only: Vec<String>,
     },
     /// Under mpirun: time the cross-process gradient all-reduce (f64 sums in
@@ -475,7 +476,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
 
 fn bench(opts: &DeviceOptions, quick: bool, compile: bool, only: &[String]) -> wgrad::Result<()> {
     const CASES: [&str; 7] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode"];
-    if let Some(unknown) = only.iter().find(|w| !CASES.iter().any(|c| c.contains(w.as_str()))) {
+    if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
         return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
     }
     let runs = |case: &str| only.is_empty() || only.iter().any(|w| case.contains(w.as_str()));

@@ -883,17 +883,24 @@ impl Executor {
     /// [`Executor::run`] that also reads `read` (one of `outputs`) back, in
     /// the same submission; waits for the GPU.
     pub fn run_and_read(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<f32>> {
-        self.run_and_read_as(outputs, read)
+        self.run_and_read_as(outputs, read, DType::F32)
     }
 
     /// [`Executor::run_and_read`] of a u32 output (sampled tokens).
     pub fn run_and_read_u32(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<u32>> {
-        self.run_and_read_as(outputs, read)
+        self.run_and_read_as(outputs, read, DType::U32)
     }
 
-    fn run_and_read_as<T: bytemuck::Pod>(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<T>> {
+    /// `T` is the Rust type of `dtype`, which `read` must have.
+    fn run_and_read_as<T: bytemuck::Pod>(&mut self, outputs: &[Tensor], read: Tensor, dtype: DType) -> Result<Vec<T>> {
         if !outputs.contains(&read) {
             return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("tensor #{} is not among the outputs run", read.0) });
+        }
+        if let Some(node) = self.graph.get(read) {
+            if node.dtype != dtype {
+                let call = if dtype == DType::U32 { "run_and_read_u32" } else { "run_and_read" };
+                return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("`{}` holds {:?} values; {call} reads {dtype:?}", node.name, node.dtype) });
+            }
         }
         if !self.run_orders.contains_key(outputs) {
             let order = order_for(&self.graph, &self.plan, outputs)?;
