@@ -53,11 +53,9 @@ fn matmul_every_form_and_variant_matches_the_cpu() {
     for_each_adapter("matmul", |k| {
         // Subgroup runs only on adapters with 8-lane subgroups; its refusal
         // elsewhere is checked in matmul_variants_an_adapter_cannot_run_are_refused.
-        for variant in common::variants_to_test(k) {
-            for form in MatmulForm::ALL {
-                for (i, &(m, n, kk)) in MATMUL_SHAPES.iter().enumerate() {
-                    check_matmul(k, variant, form, m, n, kk, i as u64)?;
-                }
+        for (variant, form) in common::variant_forms_to_test(k) {
+            for (i, &(m, n, kk)) in MATMUL_SHAPES.iter().enumerate() {
+                check_matmul(k, variant, form, m, n, kk, i as u64)?;
             }
         }
         Ok(())
@@ -567,23 +565,24 @@ fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, 
 #[test]
 fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_variant() {
     for_each_adapter("matmul_epilogue", |k| {
-        for variant in common::variants_to_test(k) {
+        for (variant, form) in common::variant_forms_to_test(k) {
+            // The vec4 kernel is compiled once per form; its per-form load
+            // paths are checked by matmul_every_form_and_variant_matches_the_cpu,
+            // and its store (the shared epilogue) is the same for every form.
+            if variant == MatmulVariant::RegisterVec4 && form != MatmulForm::AB {
+                continue;
+            }
             let slow_to_compile = !matches!(variant, MatmulVariant::Small | MatmulVariant::Shared);
             // GL's default for AB and ABᵀ, checked there with the GPT's
             // activation only: each pipeline costs 5–9 s of a cold llvmpipe,
             // and the store (write_c) is the one every variant shares, checked
             // with every activation on Vulkan.
             let gl_vec4 = variant == MatmulVariant::RegisterVec4 && k.device().is_gl();
-            // The vec4 kernel is compiled once per form; its per-form load
-            // paths are checked by matmul_every_form_and_variant_matches_the_cpu,
-            // and its store (the shared epilogue) is the same for every form.
-            let forms: &[MatmulForm] = if variant == MatmulVariant::RegisterVec4 { &[MatmulForm::AB] } else { &MatmulForm::ALL };
-            for (f, &form) in forms.iter().enumerate() {
-                let cases = if slow_to_compile { epilogue_cases_all_parts() } else { epilogue_cases(f) };
-                for case in cases.into_iter().filter(|c| !gl_vec4 || c.act == Activation::Gelu) {
-                    for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), (20, 68, 36)].iter().enumerate() {
-                        check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
-                    }
+            let f = MatmulForm::ALL.iter().position(|&x| x == form).unwrap_or(0);
+            let cases = if slow_to_compile { epilogue_cases_all_parts() } else { epilogue_cases(f) };
+            for case in cases.into_iter().filter(|c| !gl_vec4 || c.act == Activation::Gelu) {
+                for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), (20, 68, 36)].iter().enumerate() {
+                    check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
                 }
             }
         }

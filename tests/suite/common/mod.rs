@@ -167,18 +167,20 @@ pub fn random_vec(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> 
     (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }
 
-/// Every variant the adapter runs on a Vulkan (or Metal, DX12) adapter; on
-/// a GL adapter, the ones it runs untuned (small, and the default for each
-/// form). A register-blocked pipeline costs 5–9 s to compile on a cold
-/// llvmpipe, and the GL adapter runs the same WGSL, whose translation to
-/// GLSL tests/suite/shaders.rs checks for every entry point.
-pub fn variants_to_test(k: &Kernels) -> Vec<wgrad::kernels::MatmulVariant> {
-    let all = wgrad::kernels::MatmulVariant::ALL.into_iter().filter(|&v| k.supports_matmul_variant(v));
-    if !k.device().is_gl() {
-        return all.collect();
-    }
-    let defaults: Vec<wgrad::kernels::MatmulVariant> = wgrad::kernels::MatmulForm::ALL.iter().map(|&f| k.matmul_variant_for(f)).collect();
-    all.filter(|v| *v == wgrad::kernels::MatmulVariant::Small || defaults.contains(v)).collect()
+/// Every (variant, form) the adapter runs on a Vulkan (or Metal, DX12)
+/// adapter; on a GL adapter, the ones it runs untuned (small, and each
+/// form's default). A register-blocked pipeline costs 5–9 s to compile on
+/// a cold llvmpipe, and the GL adapter runs the same WGSL, whose
+/// translation to GLSL tests/suite/shaders.rs checks for every entry point.
+pub fn variant_forms_to_test(k: &Kernels) -> Vec<(wgrad::kernels::MatmulVariant, wgrad::kernels::MatmulForm)> {
+    use wgrad::kernels::{MatmulForm, MatmulVariant};
+    let gl = k.device().is_gl();
+    MatmulVariant::ALL
+        .into_iter()
+        .filter(|&v| k.supports_matmul_variant(v))
+        .flat_map(|v| MatmulForm::ALL.into_iter().map(move |f| (v, f)))
+        .filter(|&(v, f)| !gl || v == MatmulVariant::Small || k.matmul_variant_for(f) == v)
+        .collect()
 }
 
 /// A whole tensor's values (waits for the GPU).
