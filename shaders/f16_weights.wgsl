@@ -59,8 +59,9 @@ struct F16wParams {
 
 const F16W_TILE: u32 = 64u;
 
-// The epilogue: C[row, col] (of this launch) = act(product + bias).
-fn f16w_store(row: u32, col: u32, product: f32) {
+// The epilogue: C[row, col] (of this launch) = act(product + bias); named
+// as matmul.wgsl's, for matvec_row.
+fn write_c(row: u32, col: u32, product: f32) {
     let i = p.c_base + row * p.ldc + col;
     var v = product;
     if HAS_BIAS {
@@ -84,22 +85,17 @@ fn f16w_store(row: u32, col: u32, product: f32) {
 // kernel's vec4<f32> (vec4<f16> loads, 4 weights each, measured no faster
 // than f32 there; bitcast<vec2<f16>> of the words gave wrong values on
 // lavapipe, Mesa 22.3). unpack2x16float needs wgpu's SHADER_F16_IN_F32,
-// which every backend offering SHADER_F16 has. A workgroup of F16W_MATVEC_WG lanes owns
-// F16W_MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
-// l + F16W_MATVEC_WG, … of its columns' rows of B against the same of each
+// which every backend offering SHADER_F16 has. A workgroup of MATVEC_WG lanes owns
+// MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
+// l + MATVEC_WG, … of its columns' rows of B against the same of each
 // row of A; a fixed tree over the lanes in workgroup memory sums them, and
 // lane c stores column c. Rows and lanes are overrides (a pipeline per row
 // count; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
 // unrolled by hand (a private array indexed in a loop becomes per-lane
 // memory on llvmpipe).
-override F16W_MATVEC_ROWS: u32 = 1u;
-override F16W_MATVEC_WG: u32 = 64u;
-const F16W_MATVEC_COLS: u32 = 8u;
-// [F16W_MATVEC_COLS][F16W_MATVEC_WG], F16W_MATVEC_WG ≤ 64.
-var<workgroup> f16w_partial: array<vec4<f32>, 512>;
-var<workgroup> f16w_sizes: vec2<u32>;
-
-@compute @workgroup_size(F16W_MATVEC_WG, 1, 1)
+// MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction
+// are matvec.wgsl's, as for matmul_forward_matvec.
+@compute @workgroup_size(MATVEC_WG, 1, 1)
 fn matvec_f16w_forward(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -108,13 +104,13 @@ fn matvec_f16w_forward(
     // n, k through workgroup memory: lavapipe inlines uniform values that
     // bound loops and re-optimizes the shader on every dispatch (loss.wgsl).
     if lid.x == 0u {
-        f16w_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec2<u32>(p.n, p.k);
     }
-    let sizes = workgroupUniformLoad(&f16w_sizes);
+    let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
     let k4 = sizes.y / 4u;
     let k8 = sizes.y / 8u;
-    let col0 = (wid.y * nwg.x + wid.x) * F16W_MATVEC_COLS;
+    let col0 = (wid.y * nwg.x + wid.x) * MATVEC_COLS;
     if col0 >= n {
         return;
     }
@@ -123,7 +119,7 @@ fn matvec_f16w_forward(
     // past M are clamped (read, never stored).
     let last_col = n - 1u;
     let b8o = p.b_base / 8u;
-    let last_row = F16W_MATVEC_ROWS - 1u;
+    let last_row = MATVEC_ROWS - 1u;
     let rb0 = b8o + min(col0 + 0u, last_col) * k8;
     let rb1 = b8o + min(col0 + 1u, last_col) * k8;
     let rb2 = b8o + min(col0 + 2u, last_col) * k8;
@@ -168,7 +164,7 @@ fn matvec_f16w_forward(
     var acc35 = vec4<f32>(0.0);
     var acc36 = vec4<f32>(0.0);
     var acc37 = vec4<f32>(0.0);
-    for (var kk = lane; kk < k8; kk += F16W_MATVEC_WG) {
+    for (var kk = lane; kk < k8; kk += MATVEC_WG) {
         let p0 = b8[rb0 + kk];
         let w0l = vec4<f32>(unpack2x16float(p0.x), unpack2x16float(p0.y));
         let w0h = vec4<f32>(unpack2x16float(p0.z), unpack2x16float(p0.w));
@@ -203,7 +199,7 @@ fn matvec_f16w_forward(
         acc05 = fma(w5h, x0h, fma(w5l, x0l, acc05));
         acc06 = fma(w6h, x0h, fma(w6l, x0l, acc06));
         acc07 = fma(w7h, x0h, fma(w7l, x0l, acc07));
-        if F16W_MATVEC_ROWS > 1u {
+        if MATVEC_ROWS > 1u {
             let x1l = a4[ra1 + 2u * kk];
             let x1h = a4[ra1 + 2u * kk + 1u];
             acc10 = fma(w0h, x1h, fma(w0l, x1l, acc10));
@@ -215,7 +211,7 @@ fn matvec_f16w_forward(
             acc16 = fma(w6h, x1h, fma(w6l, x1l, acc16));
             acc17 = fma(w7h, x1h, fma(w7l, x1l, acc17));
         }
-        if F16W_MATVEC_ROWS > 2u {
+        if MATVEC_ROWS > 2u {
             let x2l = a4[ra2 + 2u * kk];
             let x2h = a4[ra2 + 2u * kk + 1u];
             acc20 = fma(w0h, x2h, fma(w0l, x2l, acc20));
@@ -227,7 +223,7 @@ fn matvec_f16w_forward(
             acc26 = fma(w6h, x2h, fma(w6l, x2l, acc26));
             acc27 = fma(w7h, x2h, fma(w7l, x2l, acc27));
         }
-        if F16W_MATVEC_ROWS > 3u {
+        if MATVEC_ROWS > 3u {
             let x3l = a4[ra3 + 2u * kk];
             let x3h = a4[ra3 + 2u * kk + 1u];
             acc30 = fma(w0h, x3h, fma(w0l, x3l, acc30));
@@ -240,39 +236,26 @@ fn matvec_f16w_forward(
             acc37 = fma(w7h, x3h, fma(w7l, x3l, acc37));
         }
     }
-    f16w_matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
-    if F16W_MATVEC_ROWS > 1u {
-        f16w_matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+    matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
+    if MATVEC_ROWS > 1u {
+        matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
     }
-    if F16W_MATVEC_ROWS > 2u {
-        f16w_matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    if MATVEC_ROWS > 2u {
+        matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
     }
-    if F16W_MATVEC_ROWS > 3u {
-        f16w_matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
+    if MATVEC_ROWS > 3u {
+        matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
     }
 }
 
-// Row `row` of a matvec workgroup's block: each lane's sums into workgroup
-// memory, the tree over the lanes, lane c stores column col0 + c. Called
-// from uniform control flow (F16W_MATVEC_ROWS is an override).
-fn f16w_matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    // The previous row's sums have been read.
-    workgroupBarrier();
-    for (var c = 0u; c < F16W_MATVEC_COLS; c++) {
-        f16w_partial[c * F16W_MATVEC_WG + lane] = acc[c];
-    }
-    for (var stride = F16W_MATVEC_WG / 2u; stride > 0u; stride /= 2u) {
-        workgroupBarrier();
-        if lane < stride {
-            for (var c = 0u; c < F16W_MATVEC_COLS; c++) {
-                f16w_partial[c * F16W_MATVEC_WG + lane] += f16w_partial[c * F16W_MATVEC_WG + lane + stride];
-            }
-        }
-    }
-    workgroupBarrier();
+// Row `row` of a matvec workgroup's block: matvec.wgsl's tree over the
+// lanes, then lane c stores column col0 + c. Called from uniform control
+// flow (MATVEC_ROWS is an override).
+fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
+    let sum = matvec_reduce(lane, acc);
     let col = col0 + lane;
-    if lane < F16W_MATVEC_COLS && col < n {
-        f16w_store(row, col, dot(f16w_partial[lane * F16W_MATVEC_WG], vec4<f32>(1.0)));
+    if lane < MATVEC_COLS && col < n {
+        write_c(row, col, sum);
     }
 }
 
@@ -296,7 +279,7 @@ fn f16w_store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
     for (var j = 0u; j < 8u; j++) {
         let col = col0 + 8u * j;
         if col < p.n {
-            f16w_store(row, col, acc[j / 4u][j % 4u]);
+            write_c(row, col, acc[j / 4u][j % 4u]);
         }
     }
 }
@@ -376,7 +359,7 @@ fn f16w_store_row16(row: u32, col0: u32, acc: mat4x4<f32>) {
     for (var j = 0u; j < 16u; j++) {
         let col = col0 + 4u * j;
         if col < p.n {
-            f16w_store(row, col, acc[j / 4u][j % 4u]);
+            write_c(row, col, acc[j / 4u][j % 4u]);
         }
     }
 }

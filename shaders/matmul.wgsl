@@ -917,12 +917,8 @@ fn matmul_forward_shared(
 // along k leave each so few steps that the tree costs more than the loads,
 // 64 on a GPU. The accumulators are unrolled by hand: a private array
 // indexed in a loop becomes per-lane memory on llvmpipe.
-override MATVEC_ROWS: u32 = 1u;
-override MATVEC_WG: u32 = 64u;
-const MATVEC_COLS: u32 = 8u;
-// [MATVEC_COLS][MATVEC_WG], MATVEC_WG ≤ 64.
-var<workgroup> matvec_partial: array<vec4<f32>, 512>;
-var<workgroup> matvec_sizes: vec2<u32>;
+// MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction
+// are matvec.wgsl's (shared with f16_weights.wgsl's matvec_f16w_forward).
 
 @compute @workgroup_size(MATVEC_WG, 1, 1)
 fn matmul_forward_matvec(
@@ -1057,26 +1053,13 @@ fn matmul_forward_matvec(
     }
 }
 
-// Row `row` of a matvec workgroup's block: each lane's sums into workgroup
-// memory, the tree over the lanes, lane c stores column col0 + c. Called
-// from uniform control flow (MATVEC_ROWS is an override).
+// Row `row` of a matvec workgroup's block: matvec.wgsl's tree over the
+// lanes, then lane c stores column col0 + c. Called from uniform control
+// flow (MATVEC_ROWS is an override).
 fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    // The previous row's sums have been read.
-    workgroupBarrier();
-    for (var c = 0u; c < MATVEC_COLS; c++) {
-        matvec_partial[c * MATVEC_WG + lane] = acc[c];
-    }
-    for (var stride = MATVEC_WG / 2u; stride > 0u; stride /= 2u) {
-        workgroupBarrier();
-        if lane < stride {
-            for (var c = 0u; c < MATVEC_COLS; c++) {
-                matvec_partial[c * MATVEC_WG + lane] += matvec_partial[c * MATVEC_WG + lane + stride];
-            }
-        }
-    }
-    workgroupBarrier();
+    let sum = matvec_reduce(lane, acc);
     let col = col0 + lane;
     if lane < MATVEC_COLS && col < n {
-        write_c(row, col, dot(matvec_partial[lane * MATVEC_WG], vec4<f32>(1.0)));
+        write_c(row, col, sum);
     }
 }

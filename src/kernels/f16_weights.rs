@@ -21,7 +21,7 @@ use crate::ops::Activation;
 
 /// Rows and columns of C per workgroup of the tiled kernels.
 const TILE: usize = 64;
-/// Columns per workgroup of the matrix-vector kernel (F16W_MATVEC_COLS).
+/// Columns per workgroup of the matrix-vector kernel (matvec.wgsl's MATVEC_COLS).
 const MATVEC_COLUMNS: usize = 8;
 
 /// Which kernel of `f16_weights.wgsl` a product runs on.
@@ -251,7 +251,7 @@ impl Kernels {
         let groups = match kernel {
             F16WeightsKernel::Matvec { lanes } => {
                 // A pipeline per row count, as the f32 matrix-vector kernel.
-                constants.extend([("F16W_MATVEC_ROWS", m as f64), ("F16W_MATVEC_WG", f64::from(lanes))]);
+                constants.extend([("MATVEC_ROWS", m as f64), ("MATVEC_WG", f64::from(lanes))]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
             F16WeightsKernel::Small | F16WeightsKernel::Register => u64::from(params.tiles_total),

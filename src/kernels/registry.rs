@@ -23,15 +23,19 @@ pub enum Shared {
     /// Each activation's forward and backward formula by code, for the
     /// elementwise kernels and the matmul epilogue.
     Activations,
+    /// The matrix-vector kernels' overrides, workgroup memory and lane
+    /// reduction, for matmul.wgsl's f32 and f16_weights.wgsl's f16 weights.
+    Matvec,
 }
 
 impl Shared {
-    pub const ALL: [Shared; 2] = [Shared::Common, Shared::Activations];
+    pub const ALL: [Shared; 3] = [Shared::Common, Shared::Activations, Shared::Matvec];
 
     pub fn file_name(self) -> &'static str {
         match self {
             Shared::Common => "common.wgsl",
             Shared::Activations => "activations.wgsl",
+            Shared::Matvec => "matvec.wgsl",
         }
     }
 
@@ -39,6 +43,7 @@ impl Shared {
         match self {
             Shared::Common => wgsl!("common.wgsl"),
             Shared::Activations => wgsl!("activations.wgsl"),
+            Shared::Matvec => wgsl!("matvec.wgsl"),
         }
     }
 }
@@ -121,12 +126,12 @@ impl Family {
     /// through the base.
     pub fn shared(self) -> &'static [Shared] {
         match self {
-            Family::Matmul => &[Shared::Activations],
+            Family::Matmul => &[Shared::Activations, Shared::Matvec],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::Sampling => &[Shared::Common],
             Family::MatmulSubgroup => &[],
-            Family::F16Weights => &[Shared::Common, Shared::Activations],
+            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec],
         }
     }
 
@@ -171,18 +176,18 @@ impl Family {
     /// step with `base` and `shared`; tests/suite/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
-            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl"),
+            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl"),
             Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
             Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
             Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
             Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
             Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl"),
-            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matmul_subgroup.wgsl"),
+            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
-            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl"),
         }
     }
 }
