@@ -248,17 +248,6 @@ fn matvec_f16w_forward(
     }
 }
 
-// Row `row` of a matvec workgroup's block: matvec.wgsl's tree over the
-// lanes, then lane c stores column col0 + c. Called from uniform control
-// flow (MATVEC_ROWS is an override).
-fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    let sum = matvec_reduce(lane, acc);
-    let col = col0 + lane;
-    if lane < MATVEC_COLS && col < n {
-        write_c(row, col, sum);
-    }
-}
-
 // Small products (≤ 2^20 multiply-adds; the Rust side picks by shape, as
 // for matmul.wgsl's matmul_forward_small, which this follows): a workgroup
 // of 8×8 invocations computes one 64×64 tile of C, invocation (x, y) the

@@ -1052,14 +1052,3 @@ fn matmul_forward_matvec(
         matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
     }
 }
-
-// Row `row` of a matvec workgroup's block: matvec.wgsl's tree over the
-// lanes, then lane c stores column col0 + c. Called from uniform control
-// flow (MATVEC_ROWS is an override).
-fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    let sum = matvec_reduce(lane, acc);
-    let col = col0 + lane;
-    if lane < MATVEC_COLS && col < n {
-        write_c(row, col, sum);
-    }
-}

@@ -16,11 +16,12 @@ var<workgroup> matvec_partial: array<vec4<f32>, 512>;
 // every dispatch (loss.wgsl); a value from workgroupUniformLoad is not.
 var<workgroup> matvec_sizes: vec2<u32>;
 
-// One row of a workgroup's block: each lane's sums (acc[c] for column c)
-// into workgroup memory, then a fixed tree over the lanes; returns column
-// `lane`'s total to lanes < MATVEC_COLS (lanes past them get column
-// MATVEC_COLS - 1's, to be ignored). Call from uniform control flow.
-fn matvec_reduce(lane: u32, acc: array<vec4<f32>, 8>) -> f32 {
+// Row `row` of a matvec workgroup's block: each lane's sums (acc[c] for
+// column col0 + c) into workgroup memory, a fixed tree over the lanes, and
+// lane c stores column col0 + c through write_c, the composing family's
+// epilogue (`fn write_c(row: u32, col: u32, product: f32)`). Called from
+// uniform control flow (MATVEC_ROWS is an override).
+fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
     // The previous row's sums have been read.
     workgroupBarrier();
     for (var c = 0u; c < MATVEC_COLS; c++) {
@@ -35,5 +36,8 @@ fn matvec_reduce(lane: u32, acc: array<vec4<f32>, 8>) -> f32 {
         }
     }
     workgroupBarrier();
-    return dot(matvec_partial[min(lane, MATVEC_COLS - 1u) * MATVEC_WG], vec4<f32>(1.0));
+    let col = col0 + lane;
+    if lane < MATVEC_COLS && col < n {
+        write_c(row, col, dot(matvec_partial[lane * MATVEC_WG], vec4<f32>(1.0)));
+    }
 }
