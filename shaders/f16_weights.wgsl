@@ -59,8 +59,9 @@ struct F16wParams {
 
 const F16W_TILE: u32 = 64u;
 
-// The epilogue: C[row, col] (of this launch) = act(product + bias).
-fn f16w_store(row: u32, col: u32, product: f32) {
+// The epilogue: C[row, col] (of this launch) = act(product + bias); named
+// as matmul.wgsl's, for matvec_row.
+fn write_c(row: u32, col: u32, product: f32) {
     let i = p.c_base + row * p.ldc + col;
     var v = product;
     if HAS_BIAS {
@@ -84,22 +85,17 @@ fn f16w_store(row: u32, col: u32, product: f32) {
 // kernel's vec4<f32> (vec4<f16> loads, 4 weights each, measured no faster
 // than f32 there; bitcast<vec2<f16>> of the words gave wrong values on
 // lavapipe, Mesa 22.3). unpack2x16float needs wgpu's SHADER_F16_IN_F32,
-// which every backend offering SHADER_F16 has. A workgroup of F16W_MATVEC_WG lanes owns
-// F16W_MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
-// l + F16W_MATVEC_WG, … of its columns' rows of B against the same of each
+// which every backend offering SHADER_F16 has. A workgroup of MATVEC_WG lanes owns
+// MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
+// l + MATVEC_WG, … of its columns' rows of B against the same of each
 // row of A; a fixed tree over the lanes in workgroup memory sums them, and
 // lane c stores column c. Rows and lanes are overrides (a pipeline per row
 // count; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
 // unrolled by hand (a private array indexed in a loop becomes per-lane
 // memory on llvmpipe).
-override F16W_MATVEC_ROWS: u32 = 1u;
-override F16W_MATVEC_WG: u32 = 64u;
-const F16W_MATVEC_COLS: u32 = 8u;
-// [F16W_MATVEC_COLS][F16W_MATVEC_WG], F16W_MATVEC_WG ≤ 64.
-var<workgroup> f16w_partial: array<vec4<f32>, 512>;
-var<workgroup> f16w_sizes: vec2<u32>;
-
-@compute @workgroup_size(F16W_MATVEC_WG, 1, 1)
+// MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction
+// are matvec.wgsl's, as for matmul_forward_matvec.
+@compute @workgroup_size(MATVEC_WG, 1, 1)
 fn matvec_f16w_forward(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -108,13 +104,13 @@ fn matvec_f16w_forward(
     // n, k through workgroup memory: lavapipe inlines uniform values that
     // bound loops and re-optimizes the shader on every dispatch (loss.wgsl).
     if lid.x == 0u {
-        f16w_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec2<u32>(p.n, p.k);
     }
-    let sizes = workgroupUniformLoad(&f16w_sizes);
+    let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
     let k4 = sizes.y / 4u;
     let k8 = sizes.y / 8u;
-    let col0 = (wid.y * nwg.x + wid.x) * F16W_MATVEC_COLS;
+    let col0 = (wid.y * nwg.x + wid.x) * MATVEC_COLS;
     if col0 >= n {
         return;
     }
@@ -123,7 +119,7 @@ fn matvec_f16w_forward(
     // past M are clamped (read, never stored).
     let last_col = n - 1u;
     let b8o = p.b_base / 8u;
-    let last_row = F16W_MATVEC_ROWS - 1u;
+    let last_row = MATVEC_ROWS - 1u;
     let rb0 = b8o + min(col0 + 0u, last_col) * k8;
     let rb1 = b8o + min(col0 + 1u, last_col) * k8;
     let rb2 = b8o + min(col0 + 2u, last_col) * k8;
@@ -168,7 +164,7 @@ fn matvec_f16w_forward(
     var acc35 = vec4<f32>(0.0);
     var acc36 = vec4<f32>(0.0);
     var acc37 = vec4<f32>(0.0);
-    for (var kk = lane; kk < k8; kk += F16W_MATVEC_WG) {
+    for (var kk = lane; kk < k8; kk += MATVEC_WG) {
         let p0 = b8[rb0 + kk];
         let w0l = vec4<f32>(unpack2x16float(p0.x), unpack2x16float(p0.y));
         let w0h = vec4<f32>(unpack2x16float(p0.z), unpack2x16float(p0.w));
@@ -203,7 +199,7 @@ fn matvec_f16w_forward(
         acc05 = fma(w5h, x0h, fma(w5l, x0l, acc05));
         acc06 = fma(w6h, x0h, fma(w6l, x0l, acc06));
         acc07 = fma(w7h, x0h, fma(w7l, x0l, acc07));
-        if F16W_MATVEC_ROWS > 1u {
+        if MATVEC_ROWS > 1u {
             let x1l = a4[ra1 + 2u * kk];
             let x1h = a4[ra1 + 2u * kk + 1u];
             acc10 = fma(w0h, x1h, fma(w0l, x1l, acc10));
@@ -215,7 +211,7 @@ fn matvec_f16w_forward(
             acc16 = fma(w6h, x1h, fma(w6l, x1l, acc16));
             acc17 = fma(w7h, x1h, fma(w7l, x1l, acc17));
         }
-        if F16W_MATVEC_ROWS > 2u {
+        if MATVEC_ROWS > 2u {
             let x2l = a4[ra2 + 2u * kk];
             let x2h = a4[ra2 + 2u * kk + 1u];
             acc20 = fma(w0h, x2h, fma(w0l, x2l, acc20));
@@ -227,7 +223,7 @@ fn matvec_f16w_forward(
             acc26 = fma(w6h, x2h, fma(w6l, x2l, acc26));
             acc27 = fma(w7h, x2h, fma(w7l, x2l, acc27));
         }
-        if F16W_MATVEC_ROWS > 3u {
+        if MATVEC_ROWS > 3u {
             let x3l = a4[ra3 + 2u * kk];
             let x3h = a4[ra3 + 2u * kk + 1u];
             acc30 = fma(w0h, x3h, fma(w0l, x3l, acc30));
@@ -240,39 +236,15 @@ fn matvec_f16w_forward(
             acc37 = fma(w7h, x3h, fma(w7l, x3l, acc37));
         }
     }
-    f16w_matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
-    if F16W_MATVEC_ROWS > 1u {
-        f16w_matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+    matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
+    if MATVEC_ROWS > 1u {
+        matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
     }
-    if F16W_MATVEC_ROWS > 2u {
-        f16w_matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    if MATVEC_ROWS > 2u {
+        matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
     }
-    if F16W_MATVEC_ROWS > 3u {
-        f16w_matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
-    }
-}
-
-// Row `row` of a matvec workgroup's block: each lane's sums into workgroup
-// memory, the tree over the lanes, lane c stores column col0 + c. Called
-// from uniform control flow (F16W_MATVEC_ROWS is an override).
-fn f16w_matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    // The previous row's sums have been read.
-    workgroupBarrier();
-    for (var c = 0u; c < F16W_MATVEC_COLS; c++) {
-        f16w_partial[c * F16W_MATVEC_WG + lane] = acc[c];
-    }
-    for (var stride = F16W_MATVEC_WG / 2u; stride > 0u; stride /= 2u) {
-        workgroupBarrier();
-        if lane < stride {
-            for (var c = 0u; c < F16W_MATVEC_COLS; c++) {
-                f16w_partial[c * F16W_MATVEC_WG + lane] += f16w_partial[c * F16W_MATVEC_WG + lane + stride];
-            }
-        }
-    }
-    workgroupBarrier();
-    let col = col0 + lane;
-    if lane < F16W_MATVEC_COLS && col < n {
-        f16w_store(row, col, dot(f16w_partial[lane * F16W_MATVEC_WG], vec4<f32>(1.0)));
+    if MATVEC_ROWS > 3u {
+        matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
     }
 }
 
@@ -281,25 +253,7 @@ fn f16w_matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>,
 // of 8×8 invocations computes one 64×64 tile of C, invocation (x, y) the
 // 8×8 block of rows 8·y + 0..7 and columns x + 8·j, j in 0..7, in 8 mat2x4
 // accumulators. It compiles in tens of milliseconds. Edges are clamped on
-// load and masked on store.
-fn f16w_fma_row8(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x4<f32> {
-    let s = vec4<f32>(x);
-    return mat2x4<f32>(fma(s, b_lo, acc[0]), fma(s, b_hi, acc[1]));
-}
-
-// Row `row` of a block whose columns are col0 + 8·j, j in 0..7, held as
-// acc[j / 4][j % 4].
-fn f16w_store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
-    if row >= p.m {
-        return;
-    }
-    for (var j = 0u; j < 8u; j++) {
-        let col = col0 + 8u * j;
-        if col < p.n {
-            f16w_store(row, col, acc[j / 4u][j % 4u]);
-        }
-    }
-}
+// load and masked on store (fma_row8, store_row8: matmul_rows.wgsl's).
 
 @compute @workgroup_size(8, 8, 1)
 fn matmul_f16w_forward_small(
@@ -335,23 +289,23 @@ fn matmul_f16w_forward_small(
     for (var kk = 0u; kk < k; kk++) {
         let b_lo = vec4<f32>(f32(b[cb_lo.x + kk]), f32(b[cb_lo.y + kk]), f32(b[cb_lo.z + kk]), f32(b[cb_lo.w + kk]));
         let b_hi = vec4<f32>(f32(b[cb_hi.x + kk]), f32(b[cb_hi.y + kk]), f32(b[cb_hi.z + kk]), f32(b[cb_hi.w + kk]));
-        acc0 = f16w_fma_row8(acc0, a[ra_lo.x + kk], b_lo, b_hi);
-        acc1 = f16w_fma_row8(acc1, a[ra_lo.y + kk], b_lo, b_hi);
-        acc2 = f16w_fma_row8(acc2, a[ra_lo.z + kk], b_lo, b_hi);
-        acc3 = f16w_fma_row8(acc3, a[ra_lo.w + kk], b_lo, b_hi);
-        acc4 = f16w_fma_row8(acc4, a[ra_hi.x + kk], b_lo, b_hi);
-        acc5 = f16w_fma_row8(acc5, a[ra_hi.y + kk], b_lo, b_hi);
-        acc6 = f16w_fma_row8(acc6, a[ra_hi.z + kk], b_lo, b_hi);
-        acc7 = f16w_fma_row8(acc7, a[ra_hi.w + kk], b_lo, b_hi);
+        acc0 = fma_row8(acc0, a[ra_lo.x + kk], b_lo, b_hi);
+        acc1 = fma_row8(acc1, a[ra_lo.y + kk], b_lo, b_hi);
+        acc2 = fma_row8(acc2, a[ra_lo.z + kk], b_lo, b_hi);
+        acc3 = fma_row8(acc3, a[ra_lo.w + kk], b_lo, b_hi);
+        acc4 = fma_row8(acc4, a[ra_hi.x + kk], b_lo, b_hi);
+        acc5 = fma_row8(acc5, a[ra_hi.y + kk], b_lo, b_hi);
+        acc6 = fma_row8(acc6, a[ra_hi.z + kk], b_lo, b_hi);
+        acc7 = fma_row8(acc7, a[ra_hi.w + kk], b_lo, b_hi);
     }
-    f16w_store_row8(row0 + 0u, col0, acc0);
-    f16w_store_row8(row0 + 1u, col0, acc1);
-    f16w_store_row8(row0 + 2u, col0, acc2);
-    f16w_store_row8(row0 + 3u, col0, acc3);
-    f16w_store_row8(row0 + 4u, col0, acc4);
-    f16w_store_row8(row0 + 5u, col0, acc5);
-    f16w_store_row8(row0 + 6u, col0, acc6);
-    f16w_store_row8(row0 + 7u, col0, acc7);
+    store_row8(row0 + 0u, col0, acc0);
+    store_row8(row0 + 1u, col0, acc1);
+    store_row8(row0 + 2u, col0, acc2);
+    store_row8(row0 + 3u, col0, acc3);
+    store_row8(row0 + 4u, col0, acc4);
+    store_row8(row0 + 5u, col0, acc5);
+    store_row8(row0 + 6u, col0, acc6);
+    store_row8(row0 + 7u, col0, acc7);
 }
 
 // Larger products (a prompt's projections): matmul.wgsl's register-blocked
@@ -361,25 +315,8 @@ fn matmul_f16w_forward_small(
 // x % 4 + 4·j, j in 0..15, in 32 mat4x4 accumulators: per step of k, 32
 // loads of A, 16 of B and 512 multiply-adds. Edge rows and columns are
 // clamped on load (no branch in the k loop) and masked on store. The cost
-// is compile time: seconds per pipeline on a CPU adapter.
-fn f16w_row_fma(acc: mat4x4<f32>, x: f32, bm: mat4x4<f32>) -> mat4x4<f32> {
-    let s = vec4<f32>(x);
-    return mat4x4<f32>(fma(s, bm[0], acc[0]), fma(s, bm[1], acc[1]), fma(s, bm[2], acc[2]), fma(s, bm[3], acc[3]));
-}
-
-// Row `row` of an invocation's block: columns col0 + 4·j, j in 0..15, held
-// as acc[j / 4][j % 4].
-fn f16w_store_row16(row: u32, col0: u32, acc: mat4x4<f32>) {
-    if row >= p.m {
-        return;
-    }
-    for (var j = 0u; j < 16u; j++) {
-        let col = col0 + 4u * j;
-        if col < p.n {
-            f16w_store(row, col, acc[j / 4u][j % 4u]);
-        }
-    }
-}
+// is compile time: seconds per pipeline on a CPU adapter. mm_row_fma and
+// mm_store_row are matmul_rows.wgsl's.
 
 @compute @workgroup_size(8, 1, 1)
 fn matmul_f16w_forward_register(
@@ -486,71 +423,71 @@ fn matmul_f16w_forward_register(
             vec4<f32>(f32(b[cb8 + kk]), f32(b[cb9 + kk]), f32(b[cb10 + kk]), f32(b[cb11 + kk])),
             vec4<f32>(f32(b[cb12 + kk]), f32(b[cb13 + kk]), f32(b[cb14 + kk]), f32(b[cb15 + kk])),
         );
-        acc0 = f16w_row_fma(acc0, a[ra0 + kk], bm);
-        acc1 = f16w_row_fma(acc1, a[ra1 + kk], bm);
-        acc2 = f16w_row_fma(acc2, a[ra2 + kk], bm);
-        acc3 = f16w_row_fma(acc3, a[ra3 + kk], bm);
-        acc4 = f16w_row_fma(acc4, a[ra4 + kk], bm);
-        acc5 = f16w_row_fma(acc5, a[ra5 + kk], bm);
-        acc6 = f16w_row_fma(acc6, a[ra6 + kk], bm);
-        acc7 = f16w_row_fma(acc7, a[ra7 + kk], bm);
-        acc8 = f16w_row_fma(acc8, a[ra8 + kk], bm);
-        acc9 = f16w_row_fma(acc9, a[ra9 + kk], bm);
-        acc10 = f16w_row_fma(acc10, a[ra10 + kk], bm);
-        acc11 = f16w_row_fma(acc11, a[ra11 + kk], bm);
-        acc12 = f16w_row_fma(acc12, a[ra12 + kk], bm);
-        acc13 = f16w_row_fma(acc13, a[ra13 + kk], bm);
-        acc14 = f16w_row_fma(acc14, a[ra14 + kk], bm);
-        acc15 = f16w_row_fma(acc15, a[ra15 + kk], bm);
-        acc16 = f16w_row_fma(acc16, a[ra16 + kk], bm);
-        acc17 = f16w_row_fma(acc17, a[ra17 + kk], bm);
-        acc18 = f16w_row_fma(acc18, a[ra18 + kk], bm);
-        acc19 = f16w_row_fma(acc19, a[ra19 + kk], bm);
-        acc20 = f16w_row_fma(acc20, a[ra20 + kk], bm);
-        acc21 = f16w_row_fma(acc21, a[ra21 + kk], bm);
-        acc22 = f16w_row_fma(acc22, a[ra22 + kk], bm);
-        acc23 = f16w_row_fma(acc23, a[ra23 + kk], bm);
-        acc24 = f16w_row_fma(acc24, a[ra24 + kk], bm);
-        acc25 = f16w_row_fma(acc25, a[ra25 + kk], bm);
-        acc26 = f16w_row_fma(acc26, a[ra26 + kk], bm);
-        acc27 = f16w_row_fma(acc27, a[ra27 + kk], bm);
-        acc28 = f16w_row_fma(acc28, a[ra28 + kk], bm);
-        acc29 = f16w_row_fma(acc29, a[ra29 + kk], bm);
-        acc30 = f16w_row_fma(acc30, a[ra30 + kk], bm);
-        acc31 = f16w_row_fma(acc31, a[ra31 + kk], bm);
+        acc0 = mm_row_fma(acc0, a[ra0 + kk], bm);
+        acc1 = mm_row_fma(acc1, a[ra1 + kk], bm);
+        acc2 = mm_row_fma(acc2, a[ra2 + kk], bm);
+        acc3 = mm_row_fma(acc3, a[ra3 + kk], bm);
+        acc4 = mm_row_fma(acc4, a[ra4 + kk], bm);
+        acc5 = mm_row_fma(acc5, a[ra5 + kk], bm);
+        acc6 = mm_row_fma(acc6, a[ra6 + kk], bm);
+        acc7 = mm_row_fma(acc7, a[ra7 + kk], bm);
+        acc8 = mm_row_fma(acc8, a[ra8 + kk], bm);
+        acc9 = mm_row_fma(acc9, a[ra9 + kk], bm);
+        acc10 = mm_row_fma(acc10, a[ra10 + kk], bm);
+        acc11 = mm_row_fma(acc11, a[ra11 + kk], bm);
+        acc12 = mm_row_fma(acc12, a[ra12 + kk], bm);
+        acc13 = mm_row_fma(acc13, a[ra13 + kk], bm);
+        acc14 = mm_row_fma(acc14, a[ra14 + kk], bm);
+        acc15 = mm_row_fma(acc15, a[ra15 + kk], bm);
+        acc16 = mm_row_fma(acc16, a[ra16 + kk], bm);
+        acc17 = mm_row_fma(acc17, a[ra17 + kk], bm);
+        acc18 = mm_row_fma(acc18, a[ra18 + kk], bm);
+        acc19 = mm_row_fma(acc19, a[ra19 + kk], bm);
+        acc20 = mm_row_fma(acc20, a[ra20 + kk], bm);
+        acc21 = mm_row_fma(acc21, a[ra21 + kk], bm);
+        acc22 = mm_row_fma(acc22, a[ra22 + kk], bm);
+        acc23 = mm_row_fma(acc23, a[ra23 + kk], bm);
+        acc24 = mm_row_fma(acc24, a[ra24 + kk], bm);
+        acc25 = mm_row_fma(acc25, a[ra25 + kk], bm);
+        acc26 = mm_row_fma(acc26, a[ra26 + kk], bm);
+        acc27 = mm_row_fma(acc27, a[ra27 + kk], bm);
+        acc28 = mm_row_fma(acc28, a[ra28 + kk], bm);
+        acc29 = mm_row_fma(acc29, a[ra29 + kk], bm);
+        acc30 = mm_row_fma(acc30, a[ra30 + kk], bm);
+        acc31 = mm_row_fma(acc31, a[ra31 + kk], bm);
     }
-    f16w_store_row16(row0 + 0u, col0, acc0);
-    f16w_store_row16(row0 + 1u, col0, acc1);
-    f16w_store_row16(row0 + 2u, col0, acc2);
-    f16w_store_row16(row0 + 3u, col0, acc3);
-    f16w_store_row16(row0 + 4u, col0, acc4);
-    f16w_store_row16(row0 + 5u, col0, acc5);
-    f16w_store_row16(row0 + 6u, col0, acc6);
-    f16w_store_row16(row0 + 7u, col0, acc7);
-    f16w_store_row16(row0 + 8u, col0, acc8);
-    f16w_store_row16(row0 + 9u, col0, acc9);
-    f16w_store_row16(row0 + 10u, col0, acc10);
-    f16w_store_row16(row0 + 11u, col0, acc11);
-    f16w_store_row16(row0 + 12u, col0, acc12);
-    f16w_store_row16(row0 + 13u, col0, acc13);
-    f16w_store_row16(row0 + 14u, col0, acc14);
-    f16w_store_row16(row0 + 15u, col0, acc15);
-    f16w_store_row16(row0 + 16u, col0, acc16);
-    f16w_store_row16(row0 + 17u, col0, acc17);
-    f16w_store_row16(row0 + 18u, col0, acc18);
-    f16w_store_row16(row0 + 19u, col0, acc19);
-    f16w_store_row16(row0 + 20u, col0, acc20);
-    f16w_store_row16(row0 + 21u, col0, acc21);
-    f16w_store_row16(row0 + 22u, col0, acc22);
-    f16w_store_row16(row0 + 23u, col0, acc23);
-    f16w_store_row16(row0 + 24u, col0, acc24);
-    f16w_store_row16(row0 + 25u, col0, acc25);
-    f16w_store_row16(row0 + 26u, col0, acc26);
-    f16w_store_row16(row0 + 27u, col0, acc27);
-    f16w_store_row16(row0 + 28u, col0, acc28);
-    f16w_store_row16(row0 + 29u, col0, acc29);
-    f16w_store_row16(row0 + 30u, col0, acc30);
-    f16w_store_row16(row0 + 31u, col0, acc31);
+    mm_store_row(row0 + 0u, col0, acc0);
+    mm_store_row(row0 + 1u, col0, acc1);
+    mm_store_row(row0 + 2u, col0, acc2);
+    mm_store_row(row0 + 3u, col0, acc3);
+    mm_store_row(row0 + 4u, col0, acc4);
+    mm_store_row(row0 + 5u, col0, acc5);
+    mm_store_row(row0 + 6u, col0, acc6);
+    mm_store_row(row0 + 7u, col0, acc7);
+    mm_store_row(row0 + 8u, col0, acc8);
+    mm_store_row(row0 + 9u, col0, acc9);
+    mm_store_row(row0 + 10u, col0, acc10);
+    mm_store_row(row0 + 11u, col0, acc11);
+    mm_store_row(row0 + 12u, col0, acc12);
+    mm_store_row(row0 + 13u, col0, acc13);
+    mm_store_row(row0 + 14u, col0, acc14);
+    mm_store_row(row0 + 15u, col0, acc15);
+    mm_store_row(row0 + 16u, col0, acc16);
+    mm_store_row(row0 + 17u, col0, acc17);
+    mm_store_row(row0 + 18u, col0, acc18);
+    mm_store_row(row0 + 19u, col0, acc19);
+    mm_store_row(row0 + 20u, col0, acc20);
+    mm_store_row(row0 + 21u, col0, acc21);
+    mm_store_row(row0 + 22u, col0, acc22);
+    mm_store_row(row0 + 23u, col0, acc23);
+    mm_store_row(row0 + 24u, col0, acc24);
+    mm_store_row(row0 + 25u, col0, acc25);
+    mm_store_row(row0 + 26u, col0, acc26);
+    mm_store_row(row0 + 27u, col0, acc27);
+    mm_store_row(row0 + 28u, col0, acc28);
+    mm_store_row(row0 + 29u, col0, acc29);
+    mm_store_row(row0 + 30u, col0, acc30);
+    mm_store_row(row0 + 31u, col0, acc31);
 }
 
 struct EmbeddingParams {

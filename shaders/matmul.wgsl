@@ -151,12 +151,7 @@ fn b_at(kk: u32, col: u32) -> f32 {
 // in 8 mat2x4 accumulators. LLVM compiles it in tens of milliseconds,
 // where the 32×16 register kernel below takes seconds per pipeline, and at
 // these sizes a dispatch costs as much as the arithmetic. Edges are clamped
-// on load and masked on store.
-// acc += x · (b_lo, b_hi): one row of 8 columns (also matmul_subgroup.wgsl's).
-fn fma_row8(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x4<f32> {
-    let s = vec4<f32>(x);
-    return mat2x4<f32>(fma(s, b_lo, acc[0]), fma(s, b_hi, acc[1]));
-}
+// on load and masked on store. fma_row8 and store_row8 are matmul_rows.wgsl's.
 
 @compute @workgroup_size(8, 8, 1)
 fn matmul_forward_small(
@@ -217,20 +212,6 @@ fn matmul_forward_small(
     store_row8(row0 + 7u, col0, acc7);
 }
 
-// Stores row `row` of a block whose columns are col0 + 8·j, j in 0..7, held
-// as acc[j / 4][j % 4] (the small kernel's; also matmul_subgroup.wgsl's).
-fn store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
-    if row >= p.m {
-        return;
-    }
-    for (var j = 0u; j < 8u; j++) {
-        let col = col0 + 8u * j;
-        if col < p.n {
-            write_c(row, col, acc[j / 4u][j % 4u]);
-        }
-    }
-}
-
 // Register-blocked form, no workgroup memory and no barriers: fastest on CPU
 // adapters (llvmpipe/lavapipe), where barriers are expensive and every
 // storage load is issued lane by lane, so what counts is multiply-adds per
@@ -249,24 +230,7 @@ fn store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
 // ≈ 15. 64×8 and 64×16 spill and lose, unrolling k by 2 loses, and
 // workgroups narrower than 8 in x idle SIMD lanes. The cost is compile
 // time: ≈ 3–5 s per pipeline on a cold Mesa shader cache (16×16: ≈ 1 s).
-fn mm_row_fma(acc: mat4x4<f32>, x: f32, bm: mat4x4<f32>) -> mat4x4<f32> {
-    let s = vec4<f32>(x);
-    return mat4x4<f32>(fma(s, bm[0], acc[0]), fma(s, bm[1], acc[1]), fma(s, bm[2], acc[2]), fma(s, bm[3], acc[3]));
-}
-
-// Stores row `row` of an invocation's block: columns col0 + 4·j, j in 0..15,
-// held as acc[j / 4][j % 4].
-fn mm_store_row(row: u32, col0: u32, acc: mat4x4<f32>) {
-    if row >= p.m {
-        return;
-    }
-    for (var j = 0u; j < 16u; j++) {
-        let col = col0 + 4u * j;
-        if col < p.n {
-            write_c(row, col, acc[j / 4u][j % 4u]);
-        }
-    }
-}
+// mm_row_fma and mm_store_row are matmul_rows.wgsl's.
 
 @compute @workgroup_size(8, 1, 1)
 fn matmul_forward_register(
@@ -917,12 +881,8 @@ fn matmul_forward_shared(
 // along k leave each so few steps that the tree costs more than the loads,
 // 64 on a GPU. The accumulators are unrolled by hand: a private array
 // indexed in a loop becomes per-lane memory on llvmpipe.
-override MATVEC_ROWS: u32 = 1u;
-override MATVEC_WG: u32 = 64u;
-const MATVEC_COLS: u32 = 8u;
-// [MATVEC_COLS][MATVEC_WG], MATVEC_WG ≤ 64.
-var<workgroup> matvec_partial: array<vec4<f32>, 512>;
-var<workgroup> matvec_sizes: vec2<u32>;
+// MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction
+// are matvec.wgsl's (shared with f16_weights.wgsl's matvec_f16w_forward).
 
 @compute @workgroup_size(MATVEC_WG, 1, 1)
 fn matmul_forward_matvec(
@@ -1054,29 +1014,5 @@ fn matmul_forward_matvec(
     }
     if MATVEC_ROWS > 3u {
         matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
-    }
-}
-
-// Row `row` of a matvec workgroup's block: each lane's sums into workgroup
-// memory, the tree over the lanes, lane c stores column col0 + c. Called
-// from uniform control flow (MATVEC_ROWS is an override).
-fn matvec_row(lane: u32, col0: u32, n: u32, row: u32, acc: array<vec4<f32>, 8>) {
-    // The previous row's sums have been read.
-    workgroupBarrier();
-    for (var c = 0u; c < MATVEC_COLS; c++) {
-        matvec_partial[c * MATVEC_WG + lane] = acc[c];
-    }
-    for (var stride = MATVEC_WG / 2u; stride > 0u; stride /= 2u) {
-        workgroupBarrier();
-        if lane < stride {
-            for (var c = 0u; c < MATVEC_COLS; c++) {
-                matvec_partial[c * MATVEC_WG + lane] += matvec_partial[c * MATVEC_WG + lane + stride];
-            }
-        }
-    }
-    workgroupBarrier();
-    let col = col0 + lane;
-    if lane < MATVEC_COLS && col < n {
-        write_c(row, col, dot(matvec_partial[lane * MATVEC_WG], vec4<f32>(1.0)));
     }
 }

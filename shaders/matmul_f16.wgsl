@@ -37,23 +37,9 @@ struct MatmulParams {
 
 const TILE: u32 = 64u;
 
-fn mm_row_fma(acc: mat4x4<f32>, x: f32, bm: mat4x4<f32>) -> mat4x4<f32> {
-    let s = vec4<f32>(x);
-    return mat4x4<f32>(fma(s, bm[0], acc[0]), fma(s, bm[1], acc[1]), fma(s, bm[2], acc[2]), fma(s, bm[3], acc[3]));
-}
-
-// Stores row `row` of an invocation's block: columns col0 + 4·j, j in 0..15,
-// held as acc[j / 4][j % 4].
-fn mm_store_row(row: u32, col0: u32, acc: mat4x4<f32>) {
-    if row >= p.m {
-        return;
-    }
-    for (var j = 0u; j < 16u; j++) {
-        let col = col0 + 4u * j;
-        if col < p.n {
-            c[row * p.n + col] = acc[j / 4u][j % 4u];
-        }
-    }
+// The store matmul_rows.wgsl's mm_store_row calls: C[row, col] = product.
+fn write_c(row: u32, col: u32, product: f32) {
+    c[row * p.n + col] = product;
 }
 
 // The layout of matmul.wgsl's register kernel (fastest on llvmpipe, where

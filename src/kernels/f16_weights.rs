@@ -14,15 +14,9 @@
 
 use super::matmul_ext::F16View;
 use super::registry::{Kernel, EMBEDDING_F16W_FORWARD, MATMUL_F16W_FORWARD_REGISTER, MATMUL_F16W_FORWARD_SMALL, MATVEC_F16W_FORWARD};
-use super::matmul::SMALL_MATMUL_WORK;
+use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use crate::error::{Error, Result};
-use crate::ops::Activation;
-
-/// Rows and columns of C per workgroup of the tiled kernels.
-const TILE: usize = 64;
-/// Columns per workgroup of the matrix-vector kernel (F16W_MATVEC_COLS).
-const MATVEC_COLUMNS: usize = 8;
 
 /// Which kernel of `f16_weights.wgsl` a product runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,14 +33,7 @@ pub enum F16WeightsKernel {
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct F16wParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    tiles_n: u32,
-    tiles_total: u32,
-    activation: u32,
-    ldc: u32,
-    bias_base: u32,
+    product: ProductParams,
     b_base: u32,
     c_base: u32,
     _pad: [u32; 2],
@@ -204,26 +191,11 @@ impl Kernels {
                 let c_range = (n0, (m - 1) * n + cols);
                 let (c_bind, c_base) = if whole { (c, 0) } else { self.bind_part(c, c_range.0, c_range.1) };
                 let pre_bind = match pre {
-                    Some(p) if !whole => {
-                        let (part, base) = self.bind_part(p, c_range.0, c_range.1);
-                        // One index serves C and pre in the kernel.
-                        if base != c_base {
-                            return Err(Error::InvalidArgument { op, reason: "the pre-activation output and C sit at different storage alignments, so a split product cannot index them alike".into() });
-                        }
-                        Some(part)
-                    }
+                    Some(p) if !whole => Some(self.bind_like_c(op, p, c_range, c_base)?),
                     other => other,
                 };
-                let tiles_n = cols.div_ceil(TILE);
                 let params = F16wParams {
-                    m: dim(op, m)?,
-                    n: dim(op, cols)?,
-                    k: dim(op, k)?,
-                    tiles_n: dim(op, tiles_n)?,
-                    tiles_total: dim(op, tiles_n * m.div_ceil(TILE))?,
-                    activation: act.map_or(0, Activation::code),
-                    ldc: dim(op, n)?,
-                    bias_base: dim(op, n0)?,
+                    product: ProductParams::new(op, (m, cols, k), n, n0, act)?,
                     b_base: dim(op, b_base)?,
                     c_base: dim(op, c_base)?,
                     _pad: [0; 2],
@@ -251,10 +223,10 @@ impl Kernels {
         let groups = match kernel {
             F16WeightsKernel::Matvec { lanes } => {
                 // A pipeline per row count, as the f32 matrix-vector kernel.
-                constants.extend([("F16W_MATVEC_ROWS", m as f64), ("F16W_MATVEC_WG", f64::from(lanes))]);
+                constants.extend([("MATVEC_ROWS", m as f64), ("MATVEC_WG", f64::from(lanes))]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
-            F16WeightsKernel::Small | F16WeightsKernel::Register => u64::from(params.tiles_total),
+            F16WeightsKernel::Small | F16WeightsKernel::Register => u64::from(params.product.tiles_total),
         };
         // Unused read-only slots hold a placeholder the kernel never reads;
         // an unused `pre` holds C (never written through it).

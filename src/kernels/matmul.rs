@@ -93,21 +93,51 @@ pub struct MatmulEpilogue<'a> {
     pub activation_grad: Option<(Activation, View<'a>)>,
 }
 
-const TILE: usize = 64;
-/// Columns per workgroup of `matmul_forward_matvec` (MATVEC_COLS).
-const MATVEC_COLUMNS: usize = 8;
+pub(super) const TILE: usize = 64;
+/// Columns per workgroup of the matrix-vector kernels, f32 and f16 weights
+/// (matvec.wgsl's MATVEC_COLS).
+pub(super) const MATVEC_COLUMNS: usize = 8;
 
+/// The fields the forward products' parameter blocks start with, this
+/// file's `MatmulParams` and f16_weights.rs's `F16wParams` (and their WGSL
+/// structs): the launch's block of C, its tiles, and what the epilogue
+/// reads.
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct MatmulParams {
+pub(super) struct ProductParams {
     m: u32,
     n: u32,
     k: u32,
     tiles_n: u32,
-    tiles_total: u32,
+    pub(super) tiles_total: u32,
     activation: u32,
     ldc: u32,
     bias_base: u32,
+}
+
+impl ProductParams {
+    /// A launch computing `rows`×`cols` of C over `k`, from column `n0`
+    /// of a product `n` columns wide (C's row stride), with `activation`'s
+    /// code for the epilogue.
+    pub(super) fn new(op: &'static str, (rows, cols, k): (usize, usize, usize), n: usize, n0: usize, activation: Option<Activation>) -> Result<Self> {
+        let tiles_n = cols.div_ceil(TILE);
+        Ok(ProductParams {
+            m: dim(op, rows)?,
+            n: dim(op, cols)?,
+            k: dim(op, k)?,
+            tiles_n: dim(op, tiles_n)?,
+            tiles_total: dim(op, tiles_n * rows.div_ceil(TILE))?,
+            activation: activation.map_or(0, Activation::code),
+            ldc: dim(op, n)?,
+            bias_base: dim(op, n0)?,
+        })
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct MatmulParams {
+    product: ProductParams,
     sa_row: u32,
     sa_k: u32,
     sb_col: u32,
@@ -526,6 +556,21 @@ impl Kernels {
         Ok((tiled(rows), tiled(cols)))
     }
 
+    /// `v` (an epilogue tensor indexed like C: pre, act_input) bound over
+    /// C's values `start..start + len` of a split product, where C's own
+    /// part starts at `c_base` of its binding: refused unless `v`'s does
+    /// too, since one index serves both in the kernel.
+    pub(super) fn bind_like_c<'v>(&self, op: &'static str, v: View<'v>, (start, len): (usize, usize), c_base: usize) -> Result<View<'v>> {
+        let (part, base) = self.bind_part(v, start, len);
+        if base != c_base {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "the epilogue's tensors and C sit at different storage alignments, so a split product cannot index them alike".into(),
+            });
+        }
+        Ok(part)
+    }
+
     /// One launch over `block` of an m×n×k product (`batch` products when
     /// the block is the whole product).
     #[allow(clippy::too_many_arguments)]
@@ -554,17 +599,7 @@ impl Kernels {
             let b_part = if trans_b { self.bind_part(b, block.n0 * k, block.cols * k) } else { (b, 0) };
             let c_range = (block.m0 * n + block.n0, (block.rows - 1) * n + block.cols);
             let c_part = self.bind_part(c, c_range.0, c_range.1);
-            let like_c = |v: View<'v>| -> Result<(View<'v>, usize)> {
-                let part = self.bind_part(v, c_range.0, c_range.1);
-                // One index serves C, pre and act_input in the kernel.
-                if part.1 != c_part.1 {
-                    return Err(Error::InvalidArgument {
-                        op: "matmul",
-                        reason: "the epilogue's tensors and C sit at different storage alignments, so a split product cannot index them alike".into(),
-                    });
-                }
-                Ok(part)
-            };
+            let like_c = |v: View<'v>| self.bind_like_c("matmul", v, c_range, c_part.1).map(|part| (part, c_part.1));
             (a_part, b_part, c_part, pre.map(like_c).transpose()?, act_input.map(like_c).transpose()?)
         };
         let (rows, cols) = (block.rows, block.cols);
@@ -574,17 +609,9 @@ impl Kernels {
         };
         let op = kernel.entry;
         let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
-        let tiles_n = cols.div_ceil(TILE);
-        let tiles_total = tiles_n * rows.div_ceil(TILE);
+        let product = ProductParams::new(op, (rows, cols, k), n, block.n0, act)?;
         let params = MatmulParams {
-            m: dim(op, rows)?,
-            n: dim(op, cols)?,
-            k: dim(op, k)?,
-            tiles_n: dim(op, tiles_n)?,
-            tiles_total: dim(op, tiles_total)?,
-            activation: act.map_or(0, Activation::code),
-            ldc: dim(op, n)?,
-            bias_base: dim(op, block.n0)?,
+            product,
             // The strides of the whole operands: a block splits only
             // dimensions that are not strides (rows of A when A is not
             // transposed, columns of B when B is).
@@ -632,7 +659,7 @@ impl Kernels {
         // Tiles of one product over x and y, the batch over z; the
         // matrix-vector kernel has a workgroup per 8 columns.
         let groups = match pick {
-            Pick::Variant(_) => tiles_total as u64,
+            Pick::Variant(_) => u64::from(product.tiles_total),
             Pick::Matvec { .. } => cols.div_ceil(MATVEC_COLUMNS) as u64,
         };
         let [x, y, _] = self.grid(op, groups)?;

@@ -23,15 +23,24 @@ pub enum Shared {
     /// Each activation's forward and backward formula by code, for the
     /// elementwise kernels and the matmul epilogue.
     Activations,
+    /// The matrix-vector kernels' overrides, workgroup memory and lane
+    /// reduction, for matmul.wgsl's f32 and f16_weights.wgsl's f16 weights.
+    Matvec,
+    /// The tiled forward kernels' row multiply-adds and masked row stores
+    /// (through each family's `write_c`), for matmul.wgsl, f16_weights.wgsl
+    /// and matmul_f16.wgsl.
+    MatmulRows,
 }
 
 impl Shared {
-    pub const ALL: [Shared; 2] = [Shared::Common, Shared::Activations];
+    pub const ALL: [Shared; 4] = [Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows];
 
     pub fn file_name(self) -> &'static str {
         match self {
             Shared::Common => "common.wgsl",
             Shared::Activations => "activations.wgsl",
+            Shared::Matvec => "matvec.wgsl",
+            Shared::MatmulRows => "matmul_rows.wgsl",
         }
     }
 
@@ -39,6 +48,8 @@ impl Shared {
         match self {
             Shared::Common => wgsl!("common.wgsl"),
             Shared::Activations => wgsl!("activations.wgsl"),
+            Shared::Matvec => wgsl!("matvec.wgsl"),
+            Shared::MatmulRows => wgsl!("matmul_rows.wgsl"),
         }
     }
 }
@@ -121,12 +132,13 @@ impl Family {
     /// through the base.
     pub fn shared(self) -> &'static [Shared] {
         match self {
-            Family::Matmul => &[Shared::Activations],
+            Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
-            Family::Reduce | Family::Loss | Family::Optim | Family::MatmulF16 | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
+            Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::Sampling => &[Shared::Common],
+            Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
-            Family::F16Weights => &[Shared::Common, Shared::Activations],
+            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
         }
     }
 
@@ -171,18 +183,18 @@ impl Family {
     /// step with `base` and `shared`; tests/suite/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
-            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl"),
+            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
             Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
             Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
             Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
             Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
-            Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl"),
-            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matmul_subgroup.wgsl"),
+            Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl", "matmul_rows.wgsl"),
+            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
-            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
         }
     }
 }
