@@ -58,11 +58,13 @@
 //! scaling), split evenly and as measured:
 //!
 //! ```text
-//! bench parallel model=gpt strategy=data split=even devices=2 rows=[8,8] ms_per_step=… weak_scaling_efficiency=… comm_share=…
+//! bench parallel model=gpt strategy=data split=even devices=2 rows=[8,8] ms_per_step=… single_ms_per_step=… weak_scaling_efficiency=… comm_share=…
 //! ```
 //!
-//! where `weak_scaling_efficiency` is the single device's step time at 8
-//! rows over this step time, and `comm_share` is
+//! where `weak_scaling_efficiency` is the first device's step time alone
+//! at 8 rows over this step time, both the median of steps timed in turns
+//! (one alone, one data-parallel, …) so that the machine's drifting speed
+//! hits both alike, and `comm_share` is
 //! `DataParallelStats.communication / (compute + communication)`.
 //!
 //! Environment:
@@ -238,6 +240,16 @@ fn wait_all(group: &DeviceGroup) -> wgrad::Result<()> {
 
 /// Mean milliseconds of `timed` calls of `step` after `warm_up` (which
 /// compile the pipelines).
+/// The middle value of `values` (the mean of the middle two when even).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}
+
 fn time_steps(
     warm_up: usize,
     timed: usize,
@@ -529,7 +541,6 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
     );
     println!("\nGPT {config}, {timed} timed steps after {warm_up}");
     let mut lines = Vec::new();
-    let mut single_ms: Option<f64> = None;
     let mut report = |line: String| {
         println!("{line}");
         lines.push(line);
@@ -556,7 +567,6 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
         Ok((group.labels(), start.elapsed().as_secs_f64() * 1e3 / timed as f64))
     }) {
         Ok((labels, ms)) => {
-            single_ms = Some(ms);
             report(format!(
                 "bench parallel model=gpt strategy=single devices=1 ms_per_step={ms:.1} comm_share=0.00 config={config} device={}",
                 labels.join(",").replace(' ', "_")
@@ -581,16 +591,36 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
                 dp.step(wx, Targets::Classes(wy), false)?;
                 wait_all(&group)
             };
+            // The one-device reference, GPT_BATCH rows on the group's first
+            // device, timed in turns with the data-parallel step: the
+            // machine's speed drifts between runs, so the efficiency is the
+            // ratio of medians taken in the same moments.
+            let first = group.members()[0].clone();
+            let mut single = Trainer::new(first.clone(), &model, CrossEntropyLoss, optimizer, GPT_BATCH)?;
+            let mut single_step = || -> wgrad::Result<()> {
+                single.zero_grad();
+                single.forward_ids(x)?;
+                single.loss(Targets::Classes(y))?;
+                single.backward()?;
+                single.step()?;
+                first.device().wait_idle("bench parallel gpt")
+            };
+            time_steps(warm_up, 0, &mut single_step)?;
             time_steps(warm_up, 0, || step(&mut dp))?;
             let (compute0, comm0) = (dp.stats().compute, dp.stats().communication);
-            let ms = time_steps(0, timed, || step(&mut dp))?;
+            let (mut single_times, mut dp_times) = (Vec::new(), Vec::new());
+            for _ in 0..timed.max(3) {
+                single_times.push(time_steps(0, 1, &mut single_step)?);
+                dp_times.push(time_steps(0, 1, || step(&mut dp))?);
+            }
             let (compute, comm) = (dp.stats().compute - compute0, dp.stats().communication - comm0);
             let share = comm.as_secs_f64() / (compute + comm).as_secs_f64().max(1e-9);
+            let (single_ms, ms) = (median(&mut single_times), median(&mut dp_times));
             // Weak-scaling efficiency: one device's step time at GPT_BATCH
             // rows over this step time at GPT_BATCH rows per device.
-            let efficiency = single_ms.map_or(f64::NAN, |single| single / ms);
+            let efficiency = single_ms / ms;
             Ok(format!(
-                "bench parallel model=gpt strategy=data split={name} devices=2 rows={:?} ms_per_step={ms:.1} weak_scaling_efficiency={efficiency:.2} comm_share={share:.2} config={config}",
+                "bench parallel model=gpt strategy=data split={name} devices=2 rows={:?} ms_per_step={ms:.1} single_ms_per_step={single_ms:.1} weak_scaling_efficiency={efficiency:.2} comm_share={share:.2} config={config}",
                 dp.shares()
             )
             .replace(", ", ","))
