@@ -16,6 +16,7 @@ use super::matmul_ext::F16View;
 use super::registry::{Kernel, EMBEDDING_F16W_FORWARD, MATMUL_F16W_FORWARD_REGISTER, MATMUL_F16W_FORWARD_SMALL, MATVEC_F16W_FORWARD};
 use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
+use super::rowwise::RowPartLayout;
 use crate::error::{Error, Result};
 
 /// Which kernel of `f16_weights.wgsl` a product runs on.
@@ -262,36 +263,22 @@ impl Kernels {
                 &shapes,
             ));
         }
-        let parts: Vec<((usize, usize), View<'_>, usize)> = if table.words().bytes() <= self.binding_limit() {
-            vec![((0, vocab), table.words(), 0)]
-        } else {
-            // Rows whose values fit a part, in the words that hold them.
-            let rows_per_part = (2 * self.part_capacity()).saturating_sub(2) / channels;
-            if rows_per_part == 0 {
-                return Err(self.binding_too_large(op, "table (one row of it)", channels as u64 * 2));
-            }
-            (0..vocab)
-                .step_by(rows_per_part)
-                .map(|start| {
-                    let end = (start + rows_per_part).min(vocab);
-                    let (binding, base) = f16_part(self, table.words(), start * channels, (end - start) * channels);
-                    ((start, end), binding, base)
-                })
-                .collect()
-        };
+        // A part's values, in the words that hold them (two per word).
+        let layout = RowPartLayout { op, name: "table (one row of it)", vocab, channels, value_bytes: 2, values_per_part: (2 * self.part_capacity()).saturating_sub(2) };
+        let parts = self.row_parts(table.words(), layout, |start, len| f16_part(self, table.words(), start, len))?;
         let launches = parts
             .into_iter()
-            .map(|((start, end), binding, base)| {
+            .map(|part| {
                 let params = EmbeddingParams {
                     n: dim(op, n)?,
                     cols: dim(op, channels)?,
                     vocab: dim(op, vocab)?,
-                    row_start: dim(op, start)?,
-                    row_end: dim(op, end)?,
-                    table_base: dim(op, base)?,
+                    row_start: dim(op, part.rows.0)?,
+                    row_end: dim(op, part.rows.1)?,
+                    table_base: dim(op, part.base)?,
                     _pad: [0; 2],
                 };
-                self.prepare(kernel, &[], &[bind(6, "table", binding), bind(7, "ids", ids), bind(8, "out", out)], 9, &params, flat_groups(out.len))
+                self.prepare(kernel, &[], &[bind(6, "table", part.binding), bind(7, "ids", ids), bind(8, "out", out)], 9, &params, flat_groups(out.len))
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &shapes))

@@ -366,18 +366,29 @@ impl Kernels {
     /// binding (one, binding it whole) or does not (one per range of rows
     /// whose part fits, each bound from the nearest aligned element).
     fn table_parts<'a>(&self, op: &'static str, name: &'static str, table: View<'a>, vocab: usize, channels: usize) -> Result<Vec<TablePart<'a>>> {
-        if table.bytes() <= self.binding_limit() {
-            return Ok(vec![TablePart { rows: (0, vocab), binding: table, base: 0 }]);
+        let parts = RowPartLayout { op, name, vocab, channels, value_bytes: 4, values_per_part: self.part_capacity() };
+        self.row_parts(table, parts, |start, len| self.bind_part(table, start, len))
+    }
+
+    /// The launches over the rows of a table of `layout.vocab` rows held
+    /// in `whole`: the whole table when it fits one binding, else ranges
+    /// of rows of at most `values_per_part` values, each bound by
+    /// `bind_values(first value, values)` as (binding, first value's index
+    /// in it). f32 tables bind elements, f16 ones the words holding them.
+    pub(crate) fn row_parts<'a>(&self, whole: View<'a>, layout: RowPartLayout, bind_values: impl Fn(usize, usize) -> (View<'a>, usize)) -> Result<Vec<TablePart<'a>>> {
+        let RowPartLayout { op, name, vocab, channels, value_bytes, values_per_part } = layout;
+        if whole.bytes() <= self.binding_limit() {
+            return Ok(vec![TablePart { rows: (0, vocab), binding: whole, base: 0 }]);
         }
-        let rows_per_part = self.part_capacity() / channels;
+        let rows_per_part = values_per_part / channels;
         if rows_per_part == 0 {
-            return Err(self.binding_too_large(op, name, channels as u64 * 4));
+            return Err(self.binding_too_large(op, name, channels as u64 * value_bytes));
         }
         Ok((0..vocab)
             .step_by(rows_per_part)
             .map(|start| {
                 let end = (start + rows_per_part).min(vocab);
-                let (binding, base) = self.bind_part(table, start * channels, (end - start) * channels);
+                let (binding, base) = bind_values(start * channels, (end - start) * channels);
                 TablePart { rows: (start, end), binding, base }
             })
             .collect())
@@ -451,10 +462,22 @@ impl Kernels {
 
 /// One embedding launch's rows of the table: ids rows.0..rows.1, whose
 /// first element is element `base` of `binding`.
-struct TablePart<'a> {
-    rows: (usize, usize),
-    binding: View<'a>,
-    base: usize,
+pub(crate) struct TablePart<'a> {
+    pub(crate) rows: (usize, usize),
+    pub(crate) binding: View<'a>,
+    pub(crate) base: usize,
+}
+
+/// How [`Kernels::row_parts`] splits a table: its rows and width, the
+/// bytes of one value (for the error when one row is over a binding) and
+/// the values one part may hold.
+pub(crate) struct RowPartLayout {
+    pub(crate) op: &'static str,
+    pub(crate) name: &'static str,
+    pub(crate) vocab: usize,
+    pub(crate) channels: usize,
+    pub(crate) value_bytes: u64,
+    pub(crate) values_per_part: usize,
 }
 
 impl TablePart<'_> {
