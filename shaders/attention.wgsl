@@ -56,9 +56,6 @@ struct AttentionParams {
 // loss.wgsl); a value from workgroupUniformLoad is not inlined.
 var<workgroup> shared_params: AttentionParams;
 
-// The lowest finite f32: the running maximum before any key is seen.
-const LOWEST: f32 = -3.40282347e38;
-
 // The largest head dimension: the query and the output row being summed
 // live in private arrays (registers or scratch), not in storage, which on
 // lavapipe made a 256-token prompt's attention ~2× faster than summing in
@@ -107,7 +104,7 @@ fn cached_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     let out_at = (s * q.rows + t) * c + h * d;
     if pos >= q.context {
         for (var e = 0u; e < d; e++) {
-            out[out_at + e] = bitcast<f32>(0x7fc00000u);
+            out[out_at + e] = quiet_nan();
         }
         return;
     }

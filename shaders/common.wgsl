@@ -24,3 +24,16 @@ fn column_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.y * nwg.x + wid.x) * WG + lid.x;
 }
+
+// The lowest finite f32, written exactly (-3.40282347e38 rounds past f32's
+// range as an abstract float, which Tint rejects): a running maximum's start,
+// whose exp-weight is 0, so it never shows in a result.
+const LOWEST: f32 = -0x1.fffffep+127f;
+
+// A quiet NaN, the result of an invalid input (an id outside the vocabulary,
+// a position past the context). From a run-time value: a constant expression
+// that evaluates to NaN is a shader-creation error in WGSL (Tint enforces it).
+fn quiet_nan() -> f32 {
+    var bits = 0x7fc00000u;
+    return bitcast<f32>(bits);
+}

@@ -529,7 +529,7 @@ fn embedding_f16w_forward(
     let col = i % ep.cols;
     if id >= ep.vocab {
         if ep.row_end == ep.vocab {
-            emb_out[i] = bitcast<f32>(0x7fc00000u);
+            emb_out[i] = quiet_nan();
         }
         return;
     }

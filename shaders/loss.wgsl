@@ -96,10 +96,6 @@ fn mse_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 }
 
-fn quiet_nan() -> f32 {
-    return bitcast<f32>(0x7fc00000u);
-}
-
 // Stable log-sum-exp of row r: max + log Σ exp(x - max).
 fn row_max(r: u32) -> f32 {
     var m = pred[r * p.cols];

@@ -72,10 +72,6 @@ struct RowParams {
 @group(0) @binding(19) var<storage, read_write> order: array<u32>;
 
 // WG (256 invocations per workgroup) comes from common.wgsl.
-// The lowest finite f32: the running maximum before any element is seen
-// (its exp-weight is then 0, so it never shows in a result).
-const LOWEST: f32 = -3.40282347e38;
-
 var<workgroup> shared_params: RowParams;
 var<workgroup> red: array<vec2<f32>, 256>;
 var<workgroup> tile_ids: array<u32, 256>;
@@ -97,9 +93,6 @@ fn row_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.y * nwg.x + wid.x;
 }
 
-fn quiet_nan() -> f32 {
-    return bitcast<f32>(0x7fc00000u);
-}
 
 // Componentwise sum of every invocation's `value`, as a fixed tree.
 fn tree_sum2(t: u32, value: vec2<f32>) -> vec2<f32> {

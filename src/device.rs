@@ -144,6 +144,41 @@ pub fn parse_backend(name: &str) -> Result<wgpu::Backends> {
     }
 }
 
+/// Environment variable: `webgpu` opens every device with WebGPU's default
+/// limits ([`LimitsMode::WebGpu`]); `adapter` (the default) with the
+/// adapter's own.
+pub const ENV_LIMITS: &str = "WGRAD_LIMITS";
+
+/// Which limits a device is opened with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LimitsMode {
+    /// Everything the adapter offers (larger bindings, more storage
+    /// buffers per stage).
+    #[default]
+    Adapter,
+    /// What every WebGPU implementation guarantees (`wgpu::Limits::default()`:
+    /// 8 storage buffers per stage, 16 KiB of workgroup memory, 128 MiB
+    /// bindings, 256-byte offset alignment) and no feature a browser lacks
+    /// (SHADER_F64): a run that passes here runs in any browser's WebGPU.
+    WebGpu,
+}
+
+impl LimitsMode {
+    /// Parses `adapter` or `webgpu` (as `WGRAD_LIMITS` takes them).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "" | "adapter" | "native" => Ok(LimitsMode::Adapter),
+            "webgpu" | "strict" => Ok(LimitsMode::WebGpu),
+            other => Err(Error::InvalidArgument { op: ENV_LIMITS, reason: format!("`{other}` is not a limits mode: expected `adapter` or `webgpu`") }),
+        }
+    }
+
+    /// `WGRAD_LIMITS`, or the adapter's limits when unset.
+    pub fn from_env() -> Result<Self> {
+        std::env::var(ENV_LIMITS).map_or(Ok(LimitsMode::Adapter), |v| Self::parse(&v))
+    }
+}
+
 /// Which adapter to open. `Default` means "the best one by policy".
 #[derive(Clone, Debug, Default)]
 pub struct DeviceOptions {
@@ -151,6 +186,8 @@ pub struct DeviceOptions {
     pub backends: Option<wgpu::Backends>,
     /// An adapter index (as listed by [`list_adapters`]) or a name substring.
     pub adapter: Option<String>,
+    /// The limits to open it with; `None` reads `WGRAD_LIMITS`.
+    pub limits: Option<LimitsMode>,
 }
 
 impl DeviceOptions {
@@ -163,7 +200,7 @@ impl DeviceOptions {
         let adapter = std::env::var(ENV_ADAPTER)
             .ok()
             .filter(|s| !s.trim().is_empty());
-        Ok(DeviceOptions { backends, adapter })
+        Ok(DeviceOptions { backends, adapter, limits: Some(LimitsMode::from_env()?) })
     }
 }
 
@@ -186,13 +223,15 @@ impl fmt::Display for AdapterReport {
         writeln!(
             f,
             "    limits: storage binding {} MiB, buffer {} MiB, workgroup storage {} KiB, \
-             invocations/workgroup {}, workgroups/dimension {}, storage buffers/stage {}",
+             invocations/workgroup {}, workgroups/dimension {}, storage buffers/stage {}, \
+             storage offset alignment {} B",
             l.max_storage_buffer_binding_size / (1 << 20),
             l.max_buffer_size / (1 << 20),
             l.max_compute_workgroup_storage_size / 1024,
             l.max_compute_invocations_per_workgroup,
             l.max_compute_workgroups_per_dimension,
             l.max_storage_buffers_per_shader_stage,
+            l.min_storage_buffer_offset_alignment,
         )?;
         let feats: Vec<String> = REPORTED_FEATURES
             .iter()
@@ -347,7 +386,11 @@ impl Device {
     /// Opens the adapter chosen by `options`.
     pub fn open(options: &DeviceOptions) -> Result<Self> {
         let adapter = select_adapter(options)?;
-        Self::from_adapter(&adapter)
+        let mode = match options.limits {
+            Some(mode) => mode,
+            None => LimitsMode::from_env()?,
+        };
+        Self::from_adapter_with(&adapter, mode)
     }
 
     /// Opens the adapter chosen by `WGRAD_BACKEND` / `WGRAD_ADAPTER`, or the
@@ -362,17 +405,29 @@ impl Device {
             .collect()
     }
 
+    /// Opens a device on `adapter` with the limits `WGRAD_LIMITS` names
+    /// (see [`Device::from_adapter_with`]).
+    pub fn from_adapter(adapter: &wgpu::Adapter) -> Result<Self> {
+        Self::from_adapter_with(adapter, LimitsMode::from_env()?)
+    }
+
     /// Opens a device on `adapter`, requesting the adapter's full limits (the
     /// defaults cap storage bindings at 128 MiB) and the optional features it
-    /// has that wgrad can use.
-    pub fn from_adapter(adapter: &wgpu::Adapter) -> Result<Self> {
+    /// has that wgrad can use; or, in [`LimitsMode::WebGpu`], WebGPU's
+    /// default limits (no better than the adapter's) and WebGPU's features.
+    pub fn from_adapter_with(adapter: &wgpu::Adapter, mode: LimitsMode) -> Result<Self> {
         let info = adapter.get_info();
         let offered = adapter.features();
         let wanted = REPORTED_FEATURES
             .iter()
             .fold(wgpu::Features::empty(), |acc, (f, _)| acc | *f);
-        let features = offered & wanted;
-        let limits = adapter.limits();
+        let (features, limits) = match mode {
+            LimitsMode::Adapter => (offered & wanted, adapter.limits()),
+            LimitsMode::WebGpu => (
+                offered & wanted & !wgpu::Features::SHADER_F64,
+                wgpu::Limits::default().or_worse_values_from(&adapter.limits()),
+            ),
+        };
         let desc = wgpu::DeviceDescriptor {
             label: Some("wgrad device"),
             required_features: features,

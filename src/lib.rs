@@ -32,6 +32,6 @@ pub mod text;
 pub mod training;
 pub mod lm_training;
 
-pub use device::{Device, DeviceOptions};
+pub use device::{Device, DeviceOptions, LimitsMode};
 pub use error::{Error, Result};
 pub use kernels::{GpuTensor, Kernels, View};

@@ -4,7 +4,7 @@ mod bench;
 mod gpt;
 mod plot;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,6 +31,11 @@ struct Cli {
     /// Adapter index from `wgrad adapters`, or a name substring (env WGRAD_ADAPTER).
     #[arg(long, global = true)]
     adapter: Option<String>,
+    /// `webgpu`: open devices with WebGPU's default limits, as a browser
+    /// would (8 storage buffers per stage, 128 MiB bindings, 256-byte
+    /// offsets); `adapter` (default): the adapter's own (env WGRAD_LIMITS).
+    #[arg(long, global = true)]
+    limits: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -86,6 +91,14 @@ enum Command {
         /// Timed repetitions per size after one warm-up.
         #[arg(long, default_value_t = 10)]
         reps: usize,
+    },
+    /// Write every shader module exactly as wgrad composes it (for Tint,
+    /// Chrome's compiler: `tint --format ir -o /dev/null DIR/modules/*.wgsl`).
+    Shaders {
+        /// The folder to write: modules/NAME.wgsl (WebGPU's dialect),
+        /// NAME.naga.wgsl where naga's differs, and modules.json.
+        #[arg(long)]
+        dump: PathBuf,
     },
     /// Multiply two random n×n matrices on the GPU, check the result against
     /// the CPU and print the speed.
@@ -183,6 +196,15 @@ struct TrainArgs {
     #[cfg(feature = "fault-injection")]
     #[arg(long, hide = true)]
     fail_at: Option<String>,
+}
+
+fn shaders(dir: &Path) -> wgrad::Result<()> {
+    let written = wgrad::kernels::dump::write_modules(dir)?;
+    for m in &written {
+        println!("{} ({} entry points)", m.path.display(), m.entries.len());
+    }
+    println!("{} modules in {}", written.len(), dir.display());
+    Ok(())
 }
 
 fn tune(opts: &DeviceOptions) -> wgrad::Result<()> {
@@ -540,6 +562,13 @@ fn device_options(cli: &Cli) -> wgrad::Result<DeviceOptions> {
     if let Some(a) = &cli.adapter {
         opts.adapter = Some(a.clone());
     }
+    if let Some(l) = &cli.limits {
+        let mode = wgrad::LimitsMode::parse(l)?;
+        opts.limits = Some(mode);
+        // Device groups (--devices) open their members by index and read
+        // the environment for the rest.
+        std::env::set_var(wgrad::device::ENV_LIMITS, if mode == wgrad::LimitsMode::WebGpu { "webgpu" } else { "adapter" });
+    }
     Ok(opts)
 }
 
@@ -611,6 +640,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Bench { quick, compile, only } => bench(&opts, *quick, *compile, only),
         Command::Tune => tune(&opts),
+        Command::Shaders { dump } => shaders(dump),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),
     });
     match result {

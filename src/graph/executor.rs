@@ -122,6 +122,10 @@ impl Executor {
             }
         }
         let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
+        // A fused kernel the device's limits cannot take is planned unfused.
+        let mut options = options;
+        options.linear_in_loss &= kernels.fits_limits(crate::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD)
+            && kernels.fits_limits(crate::kernels::registry::CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD);
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
         check_memory(&kernels, &graph, &plan, gradients.is_some(), optimizer.map_or(0, |o| o.state_names().len()))?;
 

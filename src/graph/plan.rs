@@ -121,11 +121,16 @@ pub struct PlanOptions {
     /// layer's work). Off: one dispatch per node, the reference that fused
     /// results are tested against.
     pub fuse: bool,
+    /// With `fuse`: a small last Linear layer may run inside its loss's
+    /// dispatch (`*_linear_forward_backward`, 10 storage buffers). The
+    /// executor turns it off on a device whose limits cannot take that
+    /// kernel (WebGPU's default of 8 storage buffers per stage).
+    pub linear_in_loss: bool,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true }
+        PlanOptions { fuse: true, linear_in_loss: true }
     }
 }
 
@@ -354,7 +359,10 @@ impl Plan {
         let mut in_loss_dispatch = vec![false; count];
         for &i in &order {
             let Some(backward) = loss_with_grad[i] else { continue };
-            let fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage);
+            let mut fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage);
+            if !options.linear_in_loss {
+                fusion.linear = None;
+            }
             if let Some(l) = fusion.linear {
                 in_loss_dispatch[l.matmul] = true;
                 in_loss_dispatch[l.weight_grad] = true;

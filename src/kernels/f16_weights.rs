@@ -230,12 +230,13 @@ impl Kernels {
             F16WeightsKernel::Small | F16WeightsKernel::Register => u64::from(params.product.tiles_total),
         };
         // Unused read-only slots hold a placeholder the kernel never reads;
-        // an unused `pre` holds C (never written through it).
+        // an unused `pre` a writable one of its own (not C: a writable
+        // binding may alias no other).
         let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
         self.prepare(
             entry,
             &constants,
-            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c), bind(4, "bias", bias.unwrap_or(placeholder)), bind(5, "pre", pre.unwrap_or(c))],
+            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c), bind(4, "bias", bias.unwrap_or(placeholder)), bind(5, "pre", pre.unwrap_or(self.unused_writable(0)))],
             3,
             params,
             groups,

@@ -273,19 +273,18 @@ impl Kernels {
         match linear {
             None => {
                 bindings.push(bind(0, "pred", pred));
-                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(self.unused_slot())));
+                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(self.unused_writable(0))));
             }
             Some(l) => {
                 bindings.push(bind(10, "pred", pred));
                 bindings.push(bind(7, "x", l.x));
                 bindings.push(bind(8, "weight", l.weight));
-                // Unused slots: a read-only one gets the placeholder; a
-                // writable one another view of the weight gradient's buffer
-                // (the placeholder cannot be bound read-only and writable in
-                // one dispatch). The kernel touches neither.
+                // Unused slots: a read-only one gets the placeholder, a
+                // writable one a buffer of its own (a writable binding may
+                // alias no other). The kernel touches neither.
                 bindings.push(bind(9, "bias", l.bias.unwrap_or(self.unused_slot())));
                 bindings.push(bind(11, "weight_grad", l.weight_grad));
-                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(l.weight_grad)));
+                bindings.push(bind(12, "bias_grad", bias_grad.unwrap_or(self.unused_writable(0))));
             }
         }
         self.prepare(kernel, &constants, &bindings, 3, &params, 1)

@@ -653,8 +653,8 @@ impl Kernels {
         };
         // Every slot is in the layout whatever the overrides say; unused
         // read-only slots hold a placeholder the kernel never reads, and an
-        // unused `pre` holds C itself (a writable slot may not share a buffer
-        // with a read-only one), which the kernel never writes through it.
+        // unused `pre` a writable one of its own (a writable binding may not
+        // alias another, so not C).
         let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
         // Tiles of one product over x and y, the batch over z; the
         // matrix-vector kernel has a workgroup per 8 columns.
@@ -679,7 +679,7 @@ impl Kernels {
                 bind(1, "b", b_bind.0),
                 bind(2, "c", c_bind.0),
                 bind(4, "bias", bias.unwrap_or(placeholder)),
-                bind(5, "pre", pre_bind.map_or(c_bind.0, |p| p.0)),
+                bind(5, "pre", pre_bind.map_or(self.unused_writable(0), |p| p.0)),
                 bind(6, "act_input", act_bind.map_or(placeholder, |p| p.0)),
             ],
             3,

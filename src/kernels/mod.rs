@@ -9,6 +9,7 @@
 
 mod attention;
 pub mod autotune;
+pub mod dump;
 mod elementwise;
 mod f16_weights;
 mod loss;
@@ -16,6 +17,7 @@ mod matmul;
 mod matmul_ext;
 mod optim;
 mod reduce;
+pub mod reflect;
 pub mod registry;
 mod rowwise;
 mod sampling;
@@ -31,7 +33,7 @@ pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
-pub use registry::{Family, Kernel, Shared, KERNELS};
+pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
 pub use crate::ops::NO_TOKEN;
 
@@ -43,6 +45,9 @@ use wgpu::util::DeviceExt;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
+
+/// Unused writable slots one dispatch may fill (see `Kernels::unused_writable`).
+const UNUSED_WRITABLE_SLOTS: u64 = 4;
 
 /// Invocations per workgroup of the one-element-per-invocation kernels.
 pub(crate) const FLAT_WORKGROUP: u64 = 256;
@@ -142,6 +147,31 @@ pub struct Dispatch {
     /// The op's other launches when its work is split over bindings,
     /// recorded right after this one.
     rest: Vec<Dispatch>,
+    /// What the launch binds and is specialised with, so a dispatch can be
+    /// written out and replayed elsewhere (`wgrad shaders --dump` runs it
+    /// in a browser's WebGPU).
+    recipe: DispatchRecipe,
+}
+
+/// A storage binding as a dispatch holds it: slot, buffer and byte range.
+#[derive(Clone, Debug)]
+pub struct BoundRange {
+    pub slot: u32,
+    pub name: &'static str,
+    pub buffer: wgpu::Buffer,
+    /// Offset and size in bytes.
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// Everything one launch is made of besides its pipeline: the override
+/// constants, the storage bindings, the uniform block's slot and bytes.
+#[derive(Clone, Debug, Default)]
+pub struct DispatchRecipe {
+    pub constants: Vec<(&'static str, f64)>,
+    pub bindings: Vec<BoundRange>,
+    pub params_slot: u32,
+    pub params: Vec<u8>,
 }
 
 impl Drop for Dispatch {
@@ -149,6 +179,9 @@ impl Drop for Dispatch {
         let _gl = self.gl.then(crate::device::lock_gl);
         // SAFETY: as in `GpuTensor`'s drop.
         unsafe { std::mem::ManuallyDrop::drop(&mut self.params) };
+        // The recipe's buffer handles may be the last ones: release them
+        // under the GL lock too.
+        drop(std::mem::take(&mut self.recipe));
     }
 }
 
@@ -160,6 +193,16 @@ impl Dispatch {
     /// The first launch's grid.
     pub fn workgroups(&self) -> [u32; 3] {
         self.workgroups
+    }
+
+    /// This launch's constants, bindings and uniform block.
+    pub fn recipe(&self) -> &DispatchRecipe {
+        &self.recipe
+    }
+
+    /// The launches this dispatch records, in order (see [`Dispatch::launches`]).
+    pub fn each_launch(&self) -> impl Iterator<Item = &Dispatch> {
+        std::iter::once(self).chain(&self.rest)
     }
 
     /// Kernel launches this dispatch records: 1, or the number of parts of
@@ -230,8 +273,13 @@ pub struct Kernels {
     staging: Mutex<Option<wgpu::Buffer>>,
     submits: AtomicU64,
     buffers: AtomicU64,
-    /// Bound where a kernel's layout has a slot the dispatch does not use.
+    /// Bound where a kernel's layout has a read-only slot the dispatch does
+    /// not use.
     placeholder: wgpu::Buffer,
+    /// Bound where a kernel's layout has a writable slot the dispatch does
+    /// not use: [`UNUSED_WRITABLE_SLOTS`] disjoint, aligned parts, so no
+    /// two writable bindings of one dispatch overlap (WebGPU's rule).
+    unused_writable: wgpu::Buffer,
     overrides: LimitOverrides,
 }
 
@@ -281,8 +329,16 @@ impl Kernels {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let align = u64::from(device.limits().min_storage_buffer_offset_alignment).max(ELEMENT_BYTES);
+        let unused_writable = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("unused writable slots"),
+            size: align * UNUSED_WRITABLE_SLOTS,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         Kernels {
             placeholder,
+            unused_writable,
             device,
             modules: Mutex::new(HashMap::new()),
             pipelines: Mutex::new(HashMap::new()),
@@ -381,6 +437,14 @@ impl Kernels {
         &self.placeholder
     }
 
+    /// A one-element view for an unused writable slot, part `index` (below
+    /// [`UNUSED_WRITABLE_SLOTS`]) of its own buffer: it aliases no other
+    /// binding, as a second view of a written buffer would.
+    pub(crate) fn unused_writable(&self, index: u64) -> View<'_> {
+        let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment).max(ELEMENT_BYTES);
+        View { buffer: &self.unused_writable, offset: align * index.min(UNUSED_WRITABLE_SLOTS - 1), len: 1 }
+    }
+
     /// Queue submits made through this object so far.
     pub fn submit_count(&self) -> u64 {
         self.submits.load(Ordering::Relaxed)
@@ -395,11 +459,18 @@ impl Kernels {
                 .wgpu_device()
                 .create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(family.file_name()),
-                    source: wgpu::ShaderSource::Wgsl(family.source().into()),
+                    source: wgpu::ShaderSource::Wgsl(family.source_for(Dialect::for_backend(self.device.info().backend))),
                 })
         })?;
         lock(&self.modules).insert(family, module.clone());
         Ok(module)
+    }
+
+    /// Whether `kernel` (with its default overrides) fits this device's
+    /// limits: storage buffers per stage, workgroup memory, invocations.
+    /// The plan asks before choosing a fused kernel.
+    pub fn fits_limits(&self, kernel: Kernel) -> bool {
+        reflect::check_limits(kernel, &[], self.device.limits()).is_ok()
     }
 
     /// The pipeline for `kernel` specialised with `constants` (WGSL
@@ -418,6 +489,7 @@ impl Kernels {
         if let Some(p) = compiled.as_ref() {
             return Ok(p.clone());
         }
+        reflect::check_limits(kernel, constants, self.device.limits())?;
         let module = self.module(kernel.family)?;
         let started = std::time::Instant::now();
         let pipeline = self.device.scoped(kernel.entry, || {
@@ -536,6 +608,7 @@ impl Kernels {
         params: &P,
         workgroups: [u32; 3],
     ) -> Result<Dispatch> {
+        check_aliasing(kernel, bindings)?;
         let pipeline = self.pipeline(kernel, constants)?;
         let device = self.device.wgpu_device();
         self.buffers.fetch_add(1, Ordering::Relaxed);
@@ -574,6 +647,15 @@ impl Kernels {
                 params: std::mem::ManuallyDrop::new(params_buffer),
                 gl: self.device.is_gl(),
                 rest: Vec::new(),
+                recipe: DispatchRecipe {
+                    constants: constants.to_vec(),
+                    bindings: bindings
+                        .iter()
+                        .map(|b| BoundRange { slot: b.slot, name: b.name, buffer: b.view.buffer.clone(), offset: b.view.offset, bytes: b.view.bytes() })
+                        .collect(),
+                    params_slot,
+                    params: bytemuck::bytes_of(params).to_vec(),
+                },
             }
         })
     }
@@ -836,6 +918,37 @@ impl Kernels {
         }
         Ok(staging_slot)
     }
+}
+
+/// WebGPU's rule, which Dawn enforces and wgpu-core does not: a writable
+/// storage binding must not overlap another binding of the same buffer in
+/// one dispatch. Checked on every adapter where a dispatch is built, so the
+/// software adapters catch what a browser would refuse.
+fn check_aliasing(kernel: Kernel, bindings: &[Binding<'_>]) -> Result<()> {
+    let needs = reflect::entry_needs(kernel)?;
+    for (i, written) in bindings.iter().enumerate() {
+        if !needs.is_writable(written.slot) {
+            continue;
+        }
+        let range = written.view.offset..written.view.offset + written.view.bytes();
+        for (j, other) in bindings.iter().enumerate() {
+            if i == j || written.view.buffer != other.view.buffer {
+                continue;
+            }
+            let other_range = other.view.offset..other.view.offset + other.view.bytes();
+            if range.start < other_range.end && other_range.start < range.end {
+                return Err(Error::InvalidArgument {
+                    op: kernel.entry,
+                    reason: format!(
+                        "the writable binding `{}` (slot {}, bytes {range:?}) overlaps `{}` (slot {}, bytes {other_range:?}) \
+                         of the same buffer, which WebGPU forbids",
+                        written.name, written.slot, other.name, other.slot
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy)]

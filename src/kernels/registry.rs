@@ -199,6 +199,48 @@ impl Family {
     }
 }
 
+/// Which compiler a module is written for. WGSL's `enable subgroups;`
+/// directive is required by Tint (Chrome, Dawn) for subgroup builtins and
+/// refused by naga 30, which wgpu's native backends compile with; the
+/// modules are otherwise the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dialect {
+    /// naga, as wgpu's Vulkan, Metal, DX12 and GL backends parse it.
+    Naga,
+    /// WebGPU as browsers and Dawn take it (Tint): extensions enabled.
+    WebGpu,
+}
+
+impl Dialect {
+    /// The dialect a device's backend compiles: WebGPU in a browser (wgpu
+    /// hands it the WGSL as it is), naga everywhere else.
+    pub fn for_backend(backend: wgpu::Backend) -> Dialect {
+        if backend == wgpu::Backend::BrowserWebGpu {
+            Dialect::WebGpu
+        } else {
+            Dialect::Naga
+        }
+    }
+}
+
+impl Family {
+    /// [`Family::source`] as `dialect` wants it: for WebGPU, a family that
+    /// needs SUBGROUP starts with `enable subgroups;` (its files carry no
+    /// directive, since naga refuses it).
+    pub fn source_for(self, dialect: Dialect) -> std::borrow::Cow<'static, str> {
+        let needs_subgroups = self.required_features().contains(wgpu::Features::SUBGROUP);
+        match dialect {
+            Dialect::WebGpu if needs_subgroups => format!("enable subgroups;\n{}", self.source()).into(),
+            _ => self.source().into(),
+        }
+    }
+
+    /// A lower-case name for files and reports (`matmul_subgroup`).
+    pub fn name(self) -> &'static str {
+        self.file_name().trim_end_matches(".wgsl")
+    }
+}
+
 /// A WGSL entry point and the file it lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Kernel {

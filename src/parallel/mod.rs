@@ -138,7 +138,7 @@ impl DeviceGroup {
             return Err(Error::NoAdapter { filter: String::new() });
         }
         let open = |selector: String| -> Result<Arc<Kernels>> {
-            let device = Device::open(&DeviceOptions { backends: None, adapter: Some(selector) })?;
+            let device = Device::open(&DeviceOptions { backends: None, adapter: Some(selector), ..Default::default() })?;
             Ok(Arc::new(Kernels::new(device)))
         };
         let selectors: Vec<String> = match selection {

@@ -273,7 +273,7 @@ fn a_model_over_the_memory_or_the_buffer_limit_is_refused_before_allocating() {
         // A limit above the adapter's is refused.
         let adapter = k.device().limits().max_storage_buffer_binding_size;
         let backend = wgpu::Backends::from(k.device().info().backend);
-        let device = wgrad::Device::open(&wgrad::DeviceOptions { backends: Some(backend), adapter: None })?;
+        let device = wgrad::Device::open(&wgrad::DeviceOptions { backends: Some(backend), adapter: None, ..Default::default() })?;
         let err = Kernels::with_limits(device, LimitOverrides { max_storage_buffer_binding_size: Some(adapter + 4), ..LimitOverrides::default() }).expect_err("above the adapter");
         assert!(err.to_string().contains(&adapter.to_string()), "{err}");
         Ok(())

@@ -33,3 +33,4 @@ mod tensor;
 mod text;
 mod train;
 mod training;
+mod webgpu;

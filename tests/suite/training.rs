@@ -74,7 +74,7 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         return;
     }
     for report in reports {
-        let opts = DeviceOptions { backends: None, adapter: Some(report.index.to_string()) };
+        let opts = DeviceOptions { backends: None, adapter: Some(report.index.to_string()), ..Default::default() };
         let dir = out_dir(&format!("adapter{}", report.index));
         let first = dir.join("first.safetensors");
         let mut rec = Recorder::default();

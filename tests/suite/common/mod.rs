@@ -81,7 +81,7 @@ pub fn lock_gl_if_any() -> Option<GlGuard> {
 }
 
 fn open_kernels(index: usize) -> Arc<Kernels> {
-    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
+    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), ..Default::default() };
     let device = Device::open(&opts).expect("open adapter");
     // Kernels::new creates a buffer directly on the device.
     let _gl = device.lock_gl();
@@ -116,7 +116,7 @@ pub fn limited_kernels(k: &Kernels, overrides: wgrad::kernels::LimitOverrides) -
         .iter()
         .position(|r| r.info == *k.device().info())
         .expect("adapter still listed");
-    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()) };
+    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), ..Default::default() };
     let device = Device::open(&opts).expect("open adapter");
     let _gl = device.lock_gl();
     Arc::new(Kernels::with_limits(device, overrides).expect("limits below the adapter's"))

@@ -1,0 +1,198 @@
+//! WebGPU's rules, checked here so a browser (Chrome's Tint compiler and
+//! Dawn's run-time validation) does not find what wgpu-core lets through:
+//! every module as the registry composes it compiles with Tint, no
+//! writable binding aliases another, and every entry point's storage
+//! buffers, workgroup memory and invocations are checked against the
+//! device's limits, with WebGPU's default limits as a mode of their own.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use wgrad::kernels::{reflect, Dialect, Family, KERNELS};
+
+use crate::common::{adapter_required, for_each_adapter};
+
+/// A fresh folder under the system's temporary directory.
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgrad-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create a scratch folder");
+    dir
+}
+
+/// Tint's command line, when installed. Without it the test fails in CI
+/// (`CI` / `WGRAD_REQUIRE_ADAPTER`, as for a missing adapter) and is
+/// skipped loudly elsewhere.
+fn tint(test: &str) -> Option<PathBuf> {
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).map(|p| p.join("tint")).find(|p| p.is_file()))
+        .unwrap_or(None);
+    if found.is_none() {
+        let hint = "tint (Dawn's WGSL compiler) is not on the PATH; build it from Dawn's sources or install a package that ships it";
+        assert!(!adapter_required(), "{test}: {hint}, and CI requires it");
+        eprintln!("SKIP {test}: {hint}");
+    }
+    found
+}
+
+/// Runs Tint on `module` (WGSL to WGSL, through its IR and validator),
+/// for one entry point and override values when given; the error text on
+/// failure.
+fn tint_compile(tint: &Path, module: &Path, entry: Option<&str>, overrides: &[(String, String)], out: &Path) -> Result<(), String> {
+    let mut cmd = Command::new(tint);
+    cmd.arg("--format").arg("wgsl").arg("-o").arg(out);
+    if let Some(entry) = entry {
+        cmd.arg("--entry-point").arg(entry);
+    }
+    if !overrides.is_empty() {
+        let list: Vec<String> = overrides.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        cmd.arg("--overrides").arg(list.join(","));
+    }
+    cmd.arg(module);
+    let output = cmd.output().map_err(|e| format!("could not run tint: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)))
+    }
+}
+
+/// Override values worth compiling an entry point with: the defaults, every
+/// boolean override on, and the matrix-vector kernels' row counts and
+/// lane counts as the Rust side picks them.
+fn override_variants(naga_src: &str) -> Vec<Vec<(String, String)>> {
+    let module = naga::front::wgsl::parse_str(naga_src).expect("naga parses the registry's source");
+    let mut all_on = Vec::new();
+    let mut numeric = Vec::new();
+    for (_, o) in module.overrides.iter() {
+        let Some(name) = o.name.clone() else { continue };
+        match module.types[o.ty].inner {
+            naga::TypeInner::Scalar(naga::Scalar { kind: naga::ScalarKind::Bool, .. }) => all_on.push((name, "1".to_string())),
+            _ => numeric.push(name),
+        }
+    }
+    let mut variants = vec![Vec::new()];
+    if !all_on.is_empty() {
+        variants.push(all_on);
+    }
+    if numeric.iter().any(|n| n == "MATVEC_ROWS") {
+        for (rows, lanes) in [(1, 8), (4, 8), (2, 64), (3, 256)] {
+            variants.push(vec![("MATVEC_ROWS".into(), format!("{rows}")), ("MATVEC_WG".into(), format!("{lanes}"))]);
+        }
+    }
+    variants
+}
+
+#[test]
+fn tint_accepts_every_module_as_dumped_for_every_entry_and_override_variant() {
+    let test = "tint_accepts_every_module_as_dumped_for_every_entry_and_override_variant";
+    let Some(tint) = tint(test) else { return };
+    let dir = scratch_dir("tint");
+    let written = wgrad::kernels::dump::write_modules(&dir).expect("dump the modules");
+    let webgpu: Vec<_> = written.iter().filter(|m| m.dialect == Dialect::WebGpu).collect();
+    assert_eq!(webgpu.len(), Family::ALL.len(), "one WebGPU module per family");
+    let out = dir.join("tint-out.wgsl");
+    let mut failures = Vec::new();
+    let mut compiles = 0;
+    for m in &webgpu {
+        let src = std::fs::read_to_string(&m.path).expect("read the dumped module");
+        assert_eq!(src, m.family.source_for(Dialect::WebGpu), "{}: the dump is the registry's module", m.path.display());
+        if let Err(e) = tint_compile(&tint, &m.path, None, &[], &out) {
+            failures.push(format!("{}: {e}", m.path.display()));
+            continue;
+        }
+        compiles += 1;
+        for entry in &m.entries {
+            for overrides in override_variants(m.family.source()) {
+                compiles += 1;
+                if let Err(e) = tint_compile(&tint, &m.path, Some(entry), &overrides, &out) {
+                    failures.push(format!("{}::{entry} {overrides:?}: {e}", m.path.display()));
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "Tint rejected {} of {compiles} compiles:\n{}", failures.len(), failures.join("\n"));
+    eprintln!("{test}: {compiles} Tint compiles of {} modules", webgpu.len());
+}
+
+#[test]
+fn the_naga_dialect_differs_only_by_the_subgroups_directive() {
+    for family in Family::ALL {
+        let naga = family.source_for(Dialect::Naga);
+        let web = family.source_for(Dialect::WebGpu);
+        assert_eq!(naga, family.source(), "{}: wgpu's native backends compile the registry's source", family.name());
+        if family.required_features().contains(wgpu::Features::SUBGROUP) {
+            assert_eq!(web, format!("enable subgroups;\n{naga}"), "{}", family.name());
+        } else {
+            assert_eq!(web, naga, "{}", family.name());
+        }
+    }
+}
+
+/// The entry points whose storage buffers exceed WebGPU's default of 8 per
+/// stage: the fused loss-with-last-Linear kernels. The plan must never
+/// choose them on a device with the default limits (see the strict-mode
+/// training test below); any other entry point over a default limit is a
+/// kernel a browser cannot run at all.
+const OVER_WEBGPU_DEFAULTS: [&str; 2] = ["mse_linear_forward_backward", "cross_entropy_linear_forward_backward"];
+
+#[test]
+fn every_entry_point_fits_webgpus_default_limits_except_the_fused_linear_losses() {
+    let defaults = wgpu::Limits::default();
+    let mut over = Vec::new();
+    for kernel in KERNELS {
+        let needs = reflect::entry_needs(*kernel).unwrap_or_else(|e| panic!("{}: {e}", kernel.entry));
+        assert!(needs.slots.iter().any(|s| s.storage), "{}: binds no storage buffer", kernel.entry);
+        // The Rust side compiles the matrix-vector kernels with up to 256
+        // lanes; the rest have fixed sizes.
+        let constants: &[(&'static str, f64)] = &[("MATVEC_WG", 256.0)];
+        if let Err(e) = reflect::check_limits(*kernel, constants, &defaults) {
+            over.push((kernel.entry, e.to_string()));
+        }
+    }
+    let names: Vec<&str> = over.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, OVER_WEBGPU_DEFAULTS, "entry points over WebGPU's default limits: {over:#?}");
+    for (_, message) in &over {
+        assert!(message.contains("max_storage_buffers_per_shader_stage"), "{message}");
+    }
+}
+
+#[test]
+fn the_reflected_slots_agree_with_the_wgsl_declarations() {
+    // matmul: a, b, act_input and bias read-only, c and pre writable, the
+    // parameter block a uniform.
+    let needs = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_REGISTER).unwrap();
+    let writable: Vec<u32> = needs.slots.iter().filter(|s| s.writable).map(|s| s.slot).collect();
+    assert_eq!(writable, [2, 5]);
+    assert_eq!(needs.storage_buffers(), 6);
+    assert_eq!(needs.slots.iter().filter(|s| !s.storage).map(|s| s.slot).collect::<Vec<_>>(), [3]);
+    // The tiled kernel's two 4 KiB tiles; the matrix-vector kernel's
+    // override-sized workgroup.
+    let shared = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_SHARED).unwrap();
+    assert_eq!(shared.workgroup_bytes, 2 * 1024 * 4);
+    let matvec = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_MATVEC).unwrap();
+    assert_eq!(matvec.invocations(&[("MATVEC_WG", 8.0)]), 8);
+    assert_eq!(matvec.invocations(&[]), 64, "MATVEC_WG's default");
+}
+
+#[test]
+fn a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_built() {
+    for_each_adapter("a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_built", |k| {
+        let align = (k.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
+        let x = k.upload(&vec![1.0f32; 4 * align])?;
+        let y = k.upload(&vec![2.0f32; 4 * align])?;
+        // In place: the output is the first operand.
+        let err = k.binary(wgrad::kernels::Binary::Add, x.view(), x.view(), y.view()).expect_err("out aliasing x");
+        assert!(err.to_string().contains("overlaps") && err.to_string().contains("WebGPU"), "{err}");
+        // A written part overlapping a read part of the same buffer.
+        let err = k.binary(wgrad::kernels::Binary::Add, x.slice(0, 2 * align)?, x.slice(align, 2 * align)?, y.slice(0, 2 * align)?).expect_err("overlapping parts");
+        assert!(err.to_string().contains("overlaps"), "{err}");
+        // Separate buffers run as before.
+        let out = k.zeros(4 * align)?;
+        let d = k.binary(wgrad::kernels::Binary::Add, out.view(), x.view(), y.view())?;
+        k.run(&[&d])?;
+        assert_eq!(k.read::<f32>(out.view())?, vec![3.0f32; 4 * align]);
+        Ok(())
+    });
+}
