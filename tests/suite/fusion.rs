@@ -180,17 +180,16 @@ fn fused_loss_kernels_match_their_cpu_twin() {
                 for linear in [None, Some((1, true)), Some((11, false)), Some((37, true))] {
                     for bias_grad in [false, true] {
                         seed += 1;
-                        check_fused_loss(
-                            k,
-                            LossCase {
-                                rows,
-                                cols,
-                                linear,
-                                bias_grad,
-                                classes,
-                            },
-                            seed,
-                        )?;
+                        let case = LossCase { rows, cols, linear, bias_grad, classes };
+                        // With 8 storage buffers per stage (WebGPU's
+                        // default) the 10-buffer fused Linear losses are
+                        // refused before their pipeline is made.
+                        let over_limits = linear.is_some() && !k.fits_limits(wgrad::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD);
+                        match (over_limits, check_fused_loss(k, case, seed)) {
+                            (true, Err(e)) => assert!(e.to_string().contains("max_storage_buffers_per_shader_stage"), "{e}"),
+                            (true, Ok(())) => panic!("a fused Linear loss over the storage-buffer limit ran"),
+                            (false, result) => result?,
+                        }
                     }
                 }
             }
@@ -483,14 +482,19 @@ fn fusion_cuts_the_dispatches_of_a_step() {
         // The whole Linear layer, loss and gradients in one dispatch, the
         // update in another; unfused: matmul, bias add, loss, loss backward,
         // weight-gradient matmul and its add, column sum and its add, update.
-        assert_eq!(fused.executor().dispatches_per_step(), 2);
+        // Where that kernel's 10 storage buffers are over the device's
+        // limit (WebGPU's default is 8), the layer stays out of the loss:
+        // matmul with its bias, loss with the bias gradient, weight
+        // gradient, update.
+        let linear_fits = k.fits_limits(wgrad::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD);
+        assert_eq!(fused.executor().dispatches_per_step(), if linear_fits { 2 } else { 4 });
         assert_eq!(unfused.executor().dispatches_per_step(), 9);
         let plan = fused.executor().plan();
         assert!(plan
             .loss_fusion
             .iter()
             .flatten()
-            .any(|f| f.linear.is_some() && f.bias_grad.is_some()));
+            .any(|f| f.linear.is_some() == linear_fits && f.bias_grad.is_some()));
 
         // A prediction still runs the layer on its own (not the loss).
         let mut fused = fused;
