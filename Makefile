@@ -32,11 +32,22 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # adapters are listed by the binary the test build made: `cargo run` would
 # build the library a second time, without the features the
 # dev-dependencies turn on in shared crates (proptest's getrandom).
+#
+# When Chromium is installed (scripts/ensure-chromium.sh; CI installs it),
+# the suite runs a second time on SwiftShader, Google's Vulkan
+# implementation (a third adapter beside lavapipe and llvmpipe-GL), opened
+# with WebGPU's default limits (WGRAD_LIMITS=webgpu): what passes there
+# runs within what every browser guarantees.
+SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
+HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
 test: driver
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
 	$(CARGO) test --release $(TEST_FEATURES) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
 	$(CARGO) test --release $(TEST_FEATURES)
+	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) WGRAD_TEST_BACKEND=vulkan WGRAD_LIMITS=webgpu \
+		$(CARGO) test --release $(TEST_FEATURES) --test suite,\
+		@echo "SwiftShader (Debian's chromium) not installed: skipping the suite on it (see scripts/ensure-chromium.sh)")
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 
 bench: driver

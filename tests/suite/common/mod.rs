@@ -47,15 +47,26 @@ pub fn no_adapter(test: &str) {
 }
 
 /// The adapters the tests use: every one listed, or those of
-/// `WGRAD_TEST_BACKEND=vulkan|gl|...`.
+/// `WGRAD_TEST_BACKEND=vulkan|gl|...`, or those whose index or name
+/// `WGRAD_TEST_ADAPTER` gives (comma-separated indexes, or a name
+/// substring: scripts/gpu-check.sh runs the suite on one GPU this way).
 pub fn reports() -> Vec<AdapterReport> {
     let only = std::env::var("WGRAD_TEST_BACKEND")
         .ok()
         .filter(|s| !s.is_empty())
         .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
+    let chosen = std::env::var("WGRAD_TEST_ADAPTER").ok().filter(|s| !s.trim().is_empty());
+    let picked = |r: &AdapterReport| match &chosen {
+        None => true,
+        Some(sel) => sel.split(',').map(str::trim).any(|s| match s.parse::<usize>() {
+            Ok(index) => index == r.index,
+            Err(_) => r.info.name.to_ascii_lowercase().contains(&s.to_ascii_lowercase()),
+        }),
+    };
     wgrad::device::list_adapters()
         .into_iter()
         .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
+        .filter(picked)
         .collect()
 }
 
