@@ -22,6 +22,7 @@ pub mod registry;
 mod rowwise;
 mod sampling;
 mod tensor;
+mod timing;
 
 pub use attention::MAX_HEAD_DIM;
 pub use f16_weights::F16WeightsKernel;

@@ -404,3 +404,34 @@ fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
         k.device().check("after the refusals")
     });
 }
+
+#[test]
+fn timestamp_queries_time_a_kernel_per_launch() {
+    common::for_each_adapter("timestamp_queries_time_a_kernel_per_launch", |k| {
+        let (m, n, kk) = (96, 80, 64);
+        let (a, b, c) = (k.upload(&vec![0.5f32; m * kk])?, k.upload(&vec![0.25f32; kk * n])?, k.zeros(m * n)?);
+        let d = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk)?;
+        // Software drivers compile a pipeline at its first launch: warm up.
+        k.run(&[&d])?;
+        k.device().wait_idle("warm-up")?;
+        let once = k.time_on_gpu(&d, 1)?;
+        let many = k.time_on_gpu(&d, 8)?;
+        let has = k.device().features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        match (once, many) {
+            (Some(t1), Some(t8)) => {
+                assert!(has);
+                // Per launch, eight launches in one pass cost about what one
+                // does (within 10x either way on a shared, noisy machine).
+                let ratio = t8.as_secs_f64() / t1.as_secs_f64();
+                assert!((0.1..10.0).contains(&ratio), "{t1:?} once vs {t8:?} per launch of 8");
+                eprintln!("{}: {:?} per launch", k.device().label(), t8);
+            }
+            (None, None) => eprintln!("{}: no timestamps (TIMESTAMP_QUERY {has}); callers use wall time", k.device().label()),
+            other => panic!("timestamps came and went: {other:?}"),
+        }
+        // The timed pass ran the kernel: C holds the product.
+        let got: Vec<f32> = k.read(c.view())?;
+        assert!(got.iter().all(|&v| (v - 0.125 * kk as f32).abs() < 1e-4), "{:?}", &got[..4]);
+        Ok(())
+    });
+}
