@@ -44,13 +44,51 @@ pub(crate) fn check_limit(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// The adapters `all` and a count choose from, as indexes in policy order:
+/// one per physical GPU, through its best backend (a GPU that Vulkan and GL
+/// both list is one device, not two sharing it), and no software adapter
+/// when a GPU is present (it would slow every step to its pace). On a
+/// machine without a GPU every software adapter counts (lavapipe-Vulkan,
+/// llvmpipe-GL, SwiftShader): different drivers, the only devices there.
+pub fn physical_adapters(reports: &[crate::device::AdapterReport]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..reports.len()).collect();
+    order.sort_by_key(|&i| (crate::device::policy_rank(&reports[i].info), i));
+    let has_gpu = reports.iter().any(|r| r.info.device_type != wgpu::DeviceType::Cpu);
+    // A GPU's identity across backends: PCI vendor and device where the
+    // driver reports them, else its name.
+    let identity = |r: &crate::device::AdapterReport| match (r.info.vendor, r.info.device) {
+        (v, d) if v != 0 && d != 0 => format!("{v:x}:{d:x}"),
+        _ => r.info.name.clone(),
+    };
+    let mut seen = Vec::new();
+    order
+        .into_iter()
+        .filter(|&i| {
+            let r = &reports[i];
+            if !has_gpu {
+                return true;
+            }
+            if r.info.device_type == wgpu::DeviceType::Cpu {
+                return false;
+            }
+            let id = identity(r);
+            if seen.contains(&id) {
+                return false;
+            }
+            seen.push(id);
+            true
+        })
+        .collect()
+}
+
 /// Which devices a group opens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceSelection {
-    /// N devices: every distinct adapter in policy order first (on a CPU-only
-    /// machine lavapipe-Vulkan, then llvmpipe-GL), then round again.
+    /// N devices: every physical adapter in policy order first (see
+    /// [`physical_adapters`]; on a CPU-only machine lavapipe-Vulkan, then
+    /// llvmpipe-GL), then round again.
     Count(usize),
-    /// One device per adapter present.
+    /// One device per physical adapter (see [`physical_adapters`]).
     All,
     /// One device per entry: an adapter index or name substring (repeats open
     /// several devices on one adapter).
@@ -92,7 +130,7 @@ impl DeviceSelection {
         let n = match self {
             DeviceSelection::Count(n) => *n,
             DeviceSelection::Adapters(list) => list.len(),
-            DeviceSelection::All => list_adapters().len(),
+            DeviceSelection::All => physical_adapters(&list_adapters()).len(),
         };
         if n == 0 {
             return match self {
@@ -141,14 +179,12 @@ impl DeviceGroup {
             let device = Device::open(&DeviceOptions { backends: None, adapter: Some(selector), ..Default::default() })?;
             Ok(Arc::new(Kernels::new(device)))
         };
+        let physical = physical_adapters(&reports);
         let selectors: Vec<String> = match selection {
-            DeviceSelection::All => (0..reports.len()).map(|i| i.to_string()).collect(),
+            DeviceSelection::All => physical.iter().map(|i| i.to_string()).collect(),
             DeviceSelection::Adapters(list) => list.clone(),
-            DeviceSelection::Count(n) => {
-                let mut by_policy: Vec<usize> = (0..reports.len()).collect();
-                by_policy.sort_by_key(|&i| (crate::device::policy_rank(&reports[i].info), i));
-                (0..*n).map(|k| by_policy[k % by_policy.len()].to_string()).collect()
-            }
+            DeviceSelection::Count(n) if !physical.is_empty() => (0..*n).map(|k| physical[k % physical.len()].to_string()).collect(),
+            DeviceSelection::Count(_) => Vec::new(),
         };
         if selectors.is_empty() {
             return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });

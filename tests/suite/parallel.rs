@@ -486,3 +486,28 @@ fn a_bad_process_split_is_refused() {
         assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
     }
 }
+
+#[test]
+fn all_and_counts_open_one_device_per_physical_gpu_and_no_software_adapter_beside_one() {
+    use wgrad::device::AdapterReport;
+    use wgrad::parallel::physical_adapters;
+    let report = |index: usize, name: &str, backend: wgpu::Backend, device_type: wgpu::DeviceType, device: u32| AdapterReport {
+        index,
+        info: wgpu::AdapterInfo { name: name.into(), vendor: if device == 0 { 0 } else { 0x10de }, device, ..wgpu::AdapterInfo::new(device_type, backend) },
+        limits: wgpu::Limits::default(),
+        features: wgpu::Features::empty(),
+    };
+    use wgpu::{Backend::*, DeviceType::*};
+    // One NVIDIA GPU listed by GL and Vulkan, a second one by Vulkan, and
+    // lavapipe: the two GPUs through Vulkan, in policy order.
+    let machine = [
+        report(0, "NVIDIA H200 (GL)", Gl, DiscreteGpu, 0x2335),
+        report(1, "llvmpipe", Vulkan, Cpu, 0),
+        report(2, "NVIDIA H200", Vulkan, DiscreteGpu, 0x2335),
+        report(3, "NVIDIA L4", Vulkan, DiscreteGpu, 0x27b8),
+    ];
+    assert_eq!(physical_adapters(&machine), [2, 3]);
+    // Without a GPU every software adapter is a device of its own.
+    let cpu_only = [report(0, "llvmpipe", Vulkan, Cpu, 0), report(1, "llvmpipe", Gl, Cpu, 0), report(2, "SwiftShader", Vulkan, Cpu, 0)];
+    assert_eq!(physical_adapters(&cpu_only), [0, 2, 1]);
+}
