@@ -121,7 +121,15 @@ impl Executor {
                 });
             }
         }
-        let align = (kernels.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
+        if options.arena_alignment != 0 && (!options.arena_alignment.is_power_of_two() || options.arena_alignment < 4) {
+            return Err(Error::InvalidArgument {
+                op: "Executor::new",
+                reason: format!("arena alignment {} B must be 0 or a power of two of at least 4 B", options.arena_alignment),
+            });
+        }
+        // Both are powers of two, so the larger is a multiple of the device's.
+        let align_bytes = kernels.device().limits().min_storage_buffer_offset_alignment.max(options.arena_alignment);
+        let align = (align_bytes as usize / 4).max(1);
         // A fused kernel the device's limits cannot take is planned unfused.
         let mut options = options;
         options.linear_in_loss &= kernels.fits_limits(crate::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD)

@@ -126,11 +126,18 @@ pub struct PlanOptions {
     /// executor turns it off on a device whose limits cannot take that
     /// kernel (WebGPU's default of 8 storage buffers per stage).
     pub linear_in_loss: bool,
+    /// Least byte alignment of each parameter's offset in the parameter,
+    /// gradient and optimizer-state arenas (a power of two; 0: the
+    /// device's own `min_storage_buffer_offset_alignment`). The executor
+    /// uses the larger of this and the device's. Data parallel gives every
+    /// replica the same value so their arenas match offset for offset
+    /// whatever their adapters.
+    pub arena_alignment: u32,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true }
+        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0 }
     }
 }
 

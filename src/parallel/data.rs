@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use super::collectives::{all_reduce_then, Part};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
+use crate::graph::PlanOptions;
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{Criterion, Module};
 use crate::trainer::{Examples, ModelWidths, Targets, Trainer};
@@ -51,11 +52,30 @@ pub struct DataParallel {
     bucket: usize,
     model: Arc<dyn Module + Send + Sync>,
     optimizer: OptimizerConfig,
+    /// Every replica's plan options: one arena alignment for the group.
+    options: PlanOptions,
     stats: DataParallelStats,
 }
 
 /// Steps between copies of replica 0's state to the others.
 const SYNC_EVERY: u64 = 50;
+
+/// Least byte alignment of every data-parallel replica's parameter,
+/// gradient and optimizer-state arenas. The all-reduce and the broadcasts
+/// copy whole arenas by offset, so every replica must lay them out alike,
+/// and each device's own `min_storage_buffer_offset_alignment` differs
+/// (32 B on lavapipe and llvmpipe-GL, 256 B on SwiftShader). 256 B is the
+/// largest that WebGPU, Vulkan, D3D12 and GL allow an adapter to require, so
+/// any device binds at it and replicas in other processes, on adapters this
+/// one never sees, lay out the same. It costs under 256 B of padding per
+/// parameter tensor and arena.
+pub const ARENA_ALIGNMENT: u32 = 256;
+
+/// The arena alignment for replicas on `devices`: [`ARENA_ALIGNMENT`], or a
+/// device's own where (against every API's rules) it is larger.
+pub fn group_arena_alignment(devices: &[Arc<Kernels>]) -> u32 {
+    devices.iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).fold(ARENA_ALIGNMENT, u32::max)
+}
 
 /// A device's measured step time: `fixed + per_row · rows` seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -196,6 +216,7 @@ impl DataParallel {
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
         let widths = ModelWidths::of(model)?;
+        let options = PlanOptions { arena_alignment: group_arena_alignment(&devices), ..PlanOptions::default() };
         let mut dp = DataParallel {
             costs: vec![None; devices.len()],
             devices,
@@ -208,6 +229,7 @@ impl DataParallel {
             bucket: 1 << 18,
             model: Arc::new(model.clone()),
             optimizer: optimizer.into(),
+            options,
             stats: DataParallelStats::default(),
         };
         if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
@@ -238,7 +260,7 @@ impl DataParallel {
         let classes: Vec<u32> = (0..large * w.output_rows).map(|i| (i % classes_per_row) as u32).collect();
         for (i, k) in self.devices.iter().enumerate() {
             let time_at = |rows: usize| -> Result<f64> {
-                let mut t = Trainer::new(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows)?;
+                let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options)?;
                 let targets = match self.criterion {
                     Criterion::Mse => Targets::Values(&values[..rows * w.outputs]),
                     Criterion::CrossEntropy => Targets::Classes(&classes[..rows * w.output_rows]),
@@ -318,7 +340,7 @@ impl DataParallel {
     ) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
-            let mut t = Trainer::new(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows).map_err(|e| on_device(i, k, e))?;
+            let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;
             if let Some((params, opt, step)) = &state {
                 t.executor_mut().load_state(params, opt, Some(*step)).map_err(|e| on_device(i, k, e))?;
             }
@@ -348,6 +370,12 @@ impl DataParallel {
 
     pub fn devices(&self) -> &[Arc<Kernels>] {
         &self.devices
+    }
+
+    /// The byte alignment every replica's arenas are laid out with
+    /// ([`group_arena_alignment`]).
+    pub fn arena_alignment(&self) -> u32 {
+        self.options.arena_alignment
     }
 
     /// Rows of host memory moved per all-reduce bucket (elements).

@@ -267,7 +267,8 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
             let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
             broadcast_f32(&self.group, 0, &mut values)?;
             if values.len() != view.len {
-                return Err(self.error("broadcast state", format!("rank 0 sent {} values for an arena of {}: are the models the same?", values.len(), view.len)));
+                let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
+                return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
             }
             host.push(values);
         }

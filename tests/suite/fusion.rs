@@ -15,7 +15,7 @@ use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{cpu, Kernels};
 
-const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false };
+const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0 };
 
 /// One fused-loss case: rows × cols prediction, optional Linear layer of
 /// `inner` inputs (with or without bias), optional bias gradient.

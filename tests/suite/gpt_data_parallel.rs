@@ -255,3 +255,51 @@ fn impossible_gpt_device_counts_fail_before_opening() {
     let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, micro_batches: 4, ..config() });
     assert!(reason.contains(&format!("{BATCH} rows")) && reason.contains("4 equal micro-batches"), "{reason}");
 }
+
+/// The GPT data parallel over one adapter opened with its own limits and
+/// with WebGPU's defaults (two arena alignments where the adapter's is
+/// under 256 B; `crate::parallel::mixed_limits_group`): clipped AdamW
+/// steps match one device, replicas stay bit-identical, and a run through
+/// `LmTrainingRun` ends where one device's does.
+#[test]
+fn gpt_data_parallel_across_different_limits_matches_single_device_training() {
+    let test = "gpt_data_parallel_across_different_limits_matches_single_device_training";
+    let Some((group, _gl)) = crate::parallel::mixed_limits_group(test) else { return };
+    let tokenizer = CharTokenizer::from_text(PANGRAM).unwrap();
+    let tokens = tokenizer.encode(&PANGRAM.repeat(20)).unwrap();
+    let mut rng = common::rng(3);
+    let batches: Vec<(Vec<u32>, Vec<u32>)> = (0..STEPS).map(|_| random_windows(&tokens, BATCH, 8, &mut rng).unwrap()).collect();
+    let lm = config();
+    nn::manual_seed(11);
+    let gpt = Gpt::new(GptConfig { vocab_size: 29, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16 }).unwrap();
+    let mut single = Trainer::new(group.members()[0].clone(), &gpt, CrossEntropyLoss, lm.optimizer(), BATCH).unwrap();
+    for (x, y) in &batches {
+        single.zero_grad();
+        single.forward_ids(x).unwrap();
+        single.loss(Targets::Classes(y)).unwrap();
+        single.backward().unwrap();
+        single.step().unwrap();
+    }
+    let want = single.executor().parameters().unwrap();
+    let mut dp = DataParallel::new(&group, &gpt, CrossEntropyLoss, lm.optimizer(), BATCH, Split::Rows(uneven_split(2))).unwrap();
+    for (x, y) in &batches {
+        dp.step(x, Targets::Classes(y), false).unwrap();
+    }
+    let replicas: Vec<_> = dp.replicas().iter().map(|t| t.executor().parameters().unwrap()).collect();
+    for (r, got) in replicas.iter().enumerate() {
+        for ((name, _, g), (_, _, w)) in got.iter().zip(&want) {
+            // Summation order only, as in the test above.
+            assert_close(&format!("{name} on replica {r}"), g, w, 1e-5, 1e-4);
+        }
+        eprintln!("{test}: replica {r} max |Δparam| vs one device = {:.3e}", max_difference(got, &want));
+    }
+    assert_eq!(bits(&replicas[1]), bits(&replicas[0]), "replicas on one adapter");
+    dp.synchronise().unwrap();
+    assert_eq!(bits(&dp.replicas()[1].executor().parameters().unwrap()), bits(&replicas[0]), "after synchronise");
+
+    let mut one = LmTrainingRun::with_kernels(group.members()[0].clone(), config(), &mut ()).unwrap();
+    let want = one.fit(&mut ()).unwrap();
+    let data = LmTrainConfig { strategy: Strategy::Data, ..config() };
+    let got = LmTrainingRun::with_devices(regroup(&group), data, None, &mut ()).unwrap().fit(&mut ()).unwrap();
+    assert_relative("final validation loss", got.final_validation_loss, want.final_validation_loss);
+}

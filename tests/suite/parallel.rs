@@ -511,3 +511,78 @@ fn all_and_counts_open_one_device_per_physical_gpu_and_no_software_adapter_besid
     let cpu_only = [report(0, "llvmpipe", Vulkan, Cpu, 0), report(1, "llvmpipe", Gl, Cpu, 0), report(2, "SwiftShader", Vulkan, Cpu, 0)];
     assert_eq!(physical_adapters(&cpu_only), [0, 2, 1]);
 }
+
+/// Two devices on one adapter (the first the tests use), one opened with
+/// the adapter's own limits and one with WebGPU's defaults: two storage
+/// offset alignments where the adapter's is under 256 B (32 B on lavapipe
+/// and llvmpipe-GL), as a group of two kinds of adapter has, on any
+/// machine with one adapter. `None` (skipped or failed as `common`
+/// says) without an adapter.
+pub(crate) fn mixed_limits_group(test: &str) -> Option<(DeviceGroup, Option<wgrad::device::GlGuard>)> {
+    if !common::any_adapter(test) {
+        return None;
+    }
+    let gl = common::lock_gl_if_any();
+    let index = common::reports()[0].index;
+    let open = |mode: wgrad::LimitsMode| {
+        let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), limits: Some(mode) };
+        std::sync::Arc::new(wgrad::Kernels::new(wgrad::Device::open(&opts).unwrap()))
+    };
+    let group = DeviceGroup::from_kernels(vec![open(wgrad::LimitsMode::Adapter), open(wgrad::LimitsMode::WebGpu)]).unwrap();
+    let aligns: Vec<u32> = group.members().iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).collect();
+    eprintln!("{test}: {} with storage offset alignments {aligns:?} B", group.members()[0].device().label());
+    Some((group, gl))
+}
+
+/// Data parallel over devices whose own arena layouts differ (see
+/// [`mixed_limits_group`]): every replica lays its arenas out at the
+/// group's alignment, so the all-reduce, the synchronisation and a
+/// re-split work, and training matches one device as on any group.
+#[test]
+fn data_parallel_across_different_limits_matches_single_device_training() {
+    const GLOBAL: usize = 16;
+    const STEPS: u64 = 8;
+    let test = "data_parallel_across_different_limits_matches_single_device_training";
+    let Some((group, _gl)) = mixed_limits_group(test) else { return };
+    let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
+    // The devices' own layouts differ where their alignments do.
+    let own: Vec<usize> = group
+        .members()
+        .iter()
+        .map(|k| Trainer::new(k.clone(), &model(), CrossEntropyLoss, optimizer(), 4).unwrap().executor().plan().param_arena_len)
+        .collect();
+    eprintln!("{test}: parameter arenas at each device's own alignment: {own:?} elements");
+    for split in [Split::Rows(vec![5, GLOBAL - 5]), Split::Measured { every: 3 }] {
+        let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, split.clone()).unwrap();
+        for s in 0..STEPS {
+            let (x, y) = batch(GLOBAL, s);
+            let loss = dp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
+            assert!(loss.is_none_or(|l| l.is_finite() && l > 0.0));
+        }
+        assert_eq!(dp.arena_alignment(), 256);
+        let lens: Vec<usize> = dp.replicas().iter().map(|t| t.executor().plan().param_arena_len).collect();
+        assert!(lens.iter().all(|&l| l == lens[0]), "one layout for the group: {lens:?}");
+        let replicas: Vec<_> = dp.replicas().iter().map(|t| t.executor().parameters().unwrap()).collect();
+        for (r, got) in replicas.iter().enumerate() {
+            assert_same_parameters(&format!("replica {r} with {split:?}"), got, &want);
+        }
+        // One adapter, the same gradients and the same update: bit for bit.
+        let bits = |p: &[(String, Vec<usize>, Vec<f32>)]| -> Vec<Vec<u32>> { p.iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect() };
+        assert_eq!(bits(&replicas[1]), bits(&replicas[0]), "replicas with {split:?}");
+        dp.synchronise().unwrap();
+        assert_eq!(bits(&dp.replicas()[1].executor().parameters().unwrap()), bits(&replicas[0]), "after synchronise");
+    }
+    // The distributed engine's path: a re-split rebuilds every replica.
+    let mut ddp = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+    for s in 0..STEPS {
+        if s == 4 {
+            ddp.local_mut().set_global_batch(GLOBAL - 3).unwrap();
+            ddp.local_mut().set_global_batch(GLOBAL).unwrap();
+        }
+        let (x, y) = batch(GLOBAL, s);
+        ddp.step(&x, Targets::Classes(&y), false).unwrap();
+    }
+    for (r, replica) in ddp.local().replicas().iter().enumerate() {
+        assert_same_parameters(&format!("distributed replica {r}"), &replica.executor().parameters().unwrap(), &want);
+    }
+}
