@@ -39,7 +39,7 @@ fn skip(test: &str, why: &str) {
 
 fn chromium() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("WGRAD_CHROMIUM") {
-        return Some(PathBuf::from(path));
+        return Some(PathBuf::from(path)).filter(|p| p.is_file());
     }
     let paths = std::env::var_os("PATH")?;
     std::env::split_paths(&paths)
