@@ -3,6 +3,7 @@
 mod bench;
 mod gpt;
 mod plot;
+mod webgpu_cases;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -93,12 +94,21 @@ enum Command {
         reps: usize,
     },
     /// Write every shader module exactly as wgrad composes it (for Tint,
-    /// Chrome's compiler: `tint --format ir -o /dev/null DIR/modules/*.wgsl`).
+    /// Chrome's compiler: `tint --format ir -o /dev/null DIR/modules/*.wgsl`),
+    /// and a case per entry point for a browser's WebGPU (scripts/webgpu/).
     Shaders {
         /// The folder to write: modules/NAME.wgsl (WebGPU's dialect),
-        /// NAME.naga.wgsl where naga's differs, and modules.json.
+        /// NAME.naga.wgsl where naga's differs, modules.json; cases.json and
+        /// cases/*.bin (each entry point's inputs, uniform block, constants,
+        /// grid and the CPU twin's expected output, built on the chosen
+        /// adapter with WebGPU's default limits).
         #[arg(long)]
         dump: PathBuf,
+        /// Also run every case on the adapter that built it and compare with
+        /// the twin (an error if one disagrees). Compiles every pipeline:
+        /// on a cold Mesa cache ~30 s more on lavapipe.
+        #[arg(long)]
+        check_native: bool,
     },
     /// Multiply two random n×n matrices on the GPU, check the result against
     /// the CPU and print the speed.
@@ -198,12 +208,31 @@ struct TrainArgs {
     fail_at: Option<String>,
 }
 
-fn shaders(dir: &Path) -> wgrad::Result<()> {
+fn shaders(opts: &DeviceOptions, dir: &Path, check_native: bool) -> wgrad::Result<()> {
     let written = wgrad::kernels::dump::write_modules(dir)?;
     for m in &written {
         println!("{} ({} entry points)", m.path.display(), m.entries.len());
     }
     println!("{} modules in {}", written.len(), dir.display());
+    // The cases are built as a browser would run them, with WebGPU's
+    // default limits; the few entries over those get the adapter's.
+    let web_opts = DeviceOptions { limits: Some(wgrad::LimitsMode::WebGpu), ..opts.clone() };
+    let web = Kernels::new(Device::open(&web_opts)?);
+    let full = Kernels::new(Device::open(&DeviceOptions { limits: Some(wgrad::LimitsMode::Adapter), ..opts.clone() })?);
+    let lowered = wgrad::kernels::LimitOverrides { max_storage_buffer_binding_size: Some(webgpu_cases::SPLIT_BINDING), ..Default::default() };
+    let split = Kernels::with_limits(Device::open(&web_opts)?, lowered)?;
+    let cases = webgpu_cases::write_cases(dir, &webgpu_cases::CaseKernels { web: &web, full: &full, split: &split }, check_native)?;
+    for reason in &cases.unbuilt {
+        println!("not built on {}: {reason}", web.device().label());
+    }
+    let checked = if check_native { ", each checked there against the CPU twin" } else { "" };
+    println!("{} cases in {} (built on {}{checked})", cases.built, dir.join("cases.json").display(), web.device().label());
+    if !cases.native_failures.is_empty() {
+        return Err(wgrad::Error::Validation {
+            op: "shaders --dump".into(),
+            message: format!("{} case(s) disagree with the CPU twin on {} itself:\n{}", cases.native_failures.len(), web.device().label(), cases.native_failures.join("\n")),
+        });
+    }
     Ok(())
 }
 
@@ -640,7 +669,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Bench { quick, compile, only } => bench(&opts, *quick, *compile, only),
         Command::Tune => tune(&opts),
-        Command::Shaders { dump } => shaders(dump),
+        Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),
     });
     match result {
