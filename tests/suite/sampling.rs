@@ -137,7 +137,10 @@ fn draws_hit_every_top_k_candidate_and_nothing_else() {
     // Ids 1 and 3 share the maximum, 4 and 6 the next value: k = 3 takes
     // id 4 but not 6.
     let logits = [0.5, 3.0, -1.0, 3.0, 2.5, 0.0, 2.5];
-    let (vocab, rows) = (logits.len(), 2000);
+    // 800 rows: a workgroup each, which SwiftShader runs slowly (its
+    // barriers are emulated); the draws are seeded, so the shares below
+    // are the same every run.
+    let (vocab, rows) = (logits.len(), 800);
     for_each_adapter("sample_rows distribution", |k| {
         for (top_k, temperature, candidates) in [(3u32, 2.0f32, vec![1u32, 3, 4]), (5, 0.7, vec![0, 1, 3, 4, 6]), (7, 4.0, (0..7).collect())] {
             let mut r = rng(300 + u64::from(top_k));
@@ -148,7 +151,8 @@ fn draws_hit_every_top_k_candidate_and_nothing_else() {
             let total: f64 = weights.iter().sum();
             for (&id, &w) in candidates.iter().zip(&weights) {
                 let share = got.chunks(2).filter(|pick| pick[0] == id).count() as f64 / rows as f64;
-                // 2000 draws: the share's standard deviation is ≤ 0.012.
+                // 800 draws: the share's standard deviation is ≤ 0.018,
+                // so 0.05 is 2.8 of them.
                 assert!((share - w / total).abs() < 0.05, "k {top_k}: id {id} drawn {share}, probability {}", w / total);
             }
             let strays: Vec<u32> = got.chunks(2).map(|pick| pick[0]).filter(|id| !candidates.contains(id)).collect();
