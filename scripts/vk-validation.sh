@@ -31,6 +31,8 @@ cat > "$dir/VkLayer_khronos_validation.json" <<JSON
  "implementation_version": "1", "description": "Khronos validation layer (from Chromium)"}}
 JSON
 export VK_LAYER_PATH=$dir VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
+# The loader's layer messages show that the layer was really inserted.
+export VK_LOADER_DEBUG=layer
 
 status=0
 run() {
@@ -48,10 +50,10 @@ run() {
     local ids others
     ids=$(grep -o 'Validation Error: \[ [^ ]* \]' "$log" | sed 's/.*\[ \(.*\) \]/\1/')
     others=$(printf '%s\n' "$ids" | grep -v -x -e "$allowed" -e '' | sort | uniq -c)
-    if ! grep -q 'Validation' "$log" && [ -z "$ids" ]; then
-        # The layer reports at least naga's known error on every run; none
-        # at all means it did not load.
-        echo "vk-validation: $name: the validation layer printed nothing; did it load?" >&2
+    # The loader says when it inserts the layer (VK_LOADER_DEBUG=layer).
+    if ! grep -q 'Insert instance layer "VK_LAYER_KHRONOS_validation"' "$log"; then
+        echo "vk-validation: $name: the validation layer was not loaded" >&2
+        tail -20 "$log" >&2
         status=1
         return
     fi
