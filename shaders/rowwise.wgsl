@@ -38,7 +38,8 @@ struct RowParams {
     // layernorm_backward_params: 1 adds into dweight/dbias, 0 overwrites
     // them (an intermediate that holds stale values).
     accumulate: u32,
-    _pad1: u32,
+    // layernorm_backward_params_partial / _finish: rows per block.
+    block_rows: u32,
     // embedding: the table rows (ids) row_start..row_end this launch
     // reads or writes, which start at element table_base of its `table` /
     // `dtable` binding. The whole vocabulary unless the table is too large
@@ -397,6 +398,56 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
     }
     var dw = acc.x;
     var db = acc.y;
+    if q.accumulate != 0u {
+        dw += dweight[c];
+        db += dbias[c];
+    }
+    dweight[c] = dw;
+    dbias[c] = db;
+}
+
+// The same sums in two stages, for a GPU (rowwise.rs chooses): 128
+// columns over 8,192 rows would be 128 invocations of 8,192 steps each.
+// layernorm_backward_params_partial: out[blocks, 2, cols] = (Σ dy·x̂, Σ dy)
+// over each block of block_rows rows, one invocation per (block, column)
+// (index b·cols + c: neighbours read neighbouring columns), rows in order.
+@compute @workgroup_size(256)
+fn layernorm_backward_params_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let i = row_index(wid, nwg) * WG + t;
+    let blocks = (q.rows + q.block_rows - 1u) / q.block_rows;
+    if i >= blocks * q.cols {
+        return;
+    }
+    let c = i % q.cols;
+    let b = i / q.cols;
+    let end = min((b + 1u) * q.block_rows, q.rows);
+    var acc = vec2<f32>(0.0, 0.0);
+    for (var r = b * q.block_rows; r < end; r++) {
+        acc = ln_param_row(acc, r, c, q);
+    }
+    out[b * 2u * q.cols + c] = acc.x;
+    out[b * 2u * q.cols + q.cols + c] = acc.y;
+}
+
+// layernorm_backward_params_finish: dweight[cols] (+)= Σ_b x[b, 0, c],
+// dbias[cols] (+)= Σ_b x[b, 1, c] over the partials x[blocks, 2, cols] of
+// layernorm_backward_params_partial, blocks in order; one invocation per
+// column.
+@compute @workgroup_size(64)
+fn layernorm_backward_params_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let c = row_index(wid, nwg) * COLUMN_WG + t;
+    if c >= q.cols {
+        return;
+    }
+    let blocks = (q.rows + q.block_rows - 1u) / q.block_rows;
+    var dw = 0.0;
+    var db = 0.0;
+    for (var b = 0u; b < blocks; b++) {
+        dw += x[b * 2u * q.cols + c];
+        db += x[b * 2u * q.cols + q.cols + c];
+    }
     if q.accumulate != 0u {
         dw += dweight[c];
         db += dbias[c];

@@ -276,6 +276,7 @@ pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
 pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
 
 pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
+pub const SUM_ROWS_PARTIAL: Kernel = kernel(Family::Reduce, "sum_rows_partial");
 pub const SUM_FORWARD: Kernel = kernel(Family::Reduce, "sum_forward");
 pub const MEAN_FORWARD: Kernel = kernel(Family::Reduce, "mean_forward");
 pub const MAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "max_rows_forward");
@@ -311,6 +312,8 @@ pub const LAYERNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_f
 pub const LAYERNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_backward_short");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward_short");
 pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
+pub const LAYERNORM_BACKWARD_PARAMS_PARTIAL: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_partial");
+pub const LAYERNORM_BACKWARD_PARAMS_FINISH: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_finish");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward");
 pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward");
 pub const EMBEDDING_BACKWARD_SORT: Kernel = kernel(Family::Rowwise, "embedding_backward_sort");
@@ -319,6 +322,7 @@ pub const EMBEDDING_BACKWARD: Kernel = kernel(Family::Rowwise, "embedding_backwa
 pub const BINARY_BROADCAST_FORWARD: Kernel = kernel(Family::Tensor, "binary_broadcast_forward");
 pub const UNARY_FORWARD: Kernel = kernel(Family::Tensor, "unary_forward");
 pub const REDUCE_TO_SHAPE_FORWARD: Kernel = kernel(Family::Tensor, "reduce_to_shape_forward");
+pub const REDUCE_TO_SHAPE_PARTIAL: Kernel = kernel(Family::Tensor, "reduce_to_shape_partial");
 pub const PERMUTE_FORWARD: Kernel = kernel(Family::Tensor, "permute_forward");
 pub const SLICE_LAST_FORWARD: Kernel = kernel(Family::Tensor, "slice_last_forward");
 pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
@@ -356,6 +360,7 @@ pub const KERNELS: &[Kernel] = &[
     TANH_FORWARD,
     TANH_BACKWARD,
     SUM_ROWS_FORWARD,
+    SUM_ROWS_PARTIAL,
     SUM_FORWARD,
     MEAN_FORWARD,
     MAX_ROWS_FORWARD,
@@ -382,6 +387,8 @@ pub const KERNELS: &[Kernel] = &[
     LAYERNORM_FORWARD,
     LAYERNORM_BACKWARD,
     LAYERNORM_BACKWARD_PARAMS,
+    LAYERNORM_BACKWARD_PARAMS_PARTIAL,
+    LAYERNORM_BACKWARD_PARAMS_FINISH,
     CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
     SOFTMAX_FORWARD_SHORT,
     SOFTMAX_BACKWARD_SHORT,
@@ -394,6 +401,7 @@ pub const KERNELS: &[Kernel] = &[
     BINARY_BROADCAST_FORWARD,
     UNARY_FORWARD,
     REDUCE_TO_SHAPE_FORWARD,
+    REDUCE_TO_SHAPE_PARTIAL,
     PERMUTE_FORWARD,
     SLICE_LAST_FORWARD,
     PAD_LAST_FORWARD,

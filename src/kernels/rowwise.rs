@@ -22,7 +22,7 @@ struct RowParams {
     eps: f32,
     scale: f32,
     accumulate: u32,
-    _pad: u32,
+    block_rows: u32,
     row_start: u32,
     row_end: u32,
     table_base: u32,
@@ -39,7 +39,7 @@ impl RowParams {
             eps: 0.0,
             scale: 0.0,
             accumulate: 0,
-            _pad: 0,
+            block_rows: 0,
             row_start: 0,
             row_end: 0,
             table_base: 0,
@@ -254,7 +254,9 @@ impl Kernels {
 
     /// dweight[cols] = Σ_r dy · x̂ and dbias[cols] = Σ_r dy, with
     /// x̂ = (x − mean)·rstd, or `+=` both when `accumulate`: one invocation
-    /// per column adds the rows in order, so the result is deterministic.
+    /// per column adds the rows in order, or on a GPU with many rows two
+    /// stages over fixed blocks of rows (as `Kernels::sum_rows`); either
+    /// way the result is deterministic.
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_backward_params(
         &self,
@@ -283,6 +285,32 @@ impl Kernels {
             ],
         )?;
         let params = RowParams { accumulate: u32::from(accumulate), ..RowParams::new(op, rows, cols)? };
+        if let Some(blocks) = self.column_blocks(rows, cols, 2) {
+            // Partials [blocks, 2, cols] in the device's scratch, then
+            // their sums in block order.
+            let _gl = self.device().lock_gl();
+            let len = blocks.blocks * 2 * cols;
+            let scratch = self.reduction_scratch(op, len)?;
+            let partial = View { buffer: &scratch, offset: 0, len };
+            let params = RowParams { block_rows: dim(op, blocks.block_rows)?, ..params };
+            let first = self.prepare(
+                LAYERNORM_BACKWARD_PARAMS_PARTIAL,
+                &[],
+                &[bind(4, "dy", dy), bind(0, "x", x), bind(9, "mean", mean), bind(10, "rstd", rstd), bind(2, "partial", partial)],
+                3,
+                &params,
+                flat_groups(blocks.blocks * cols),
+            )?;
+            let second = self.prepare(
+                LAYERNORM_BACKWARD_PARAMS_FINISH,
+                &[],
+                &[bind(0, "partial", partial), bind(11, "dweight", dweight), bind(12, "dbias", dbias)],
+                3,
+                &params,
+                column_groups(cols),
+            )?;
+            return Ok(first.then(second));
+        }
         self.prepare(
             LAYERNORM_BACKWARD_PARAMS,
             &[],

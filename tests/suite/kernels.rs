@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
+use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, rng};
 use proptest::prelude::*;
 use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulEpilogue, MatmulForm, MatmulVariant, SgdConfig};
 use wgrad::{cpu, Error, Kernels};
@@ -194,12 +194,14 @@ fn activations_and_their_backward_forms_match_the_cpu() {
 
 #[test]
 fn reductions_match_the_cpu() {
-    for_each_adapter("reductions", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255)] {
+    // Under GPU shaping the column sums of 256 rows and more run in two
+    // stages (blocks of ⌈√rows⌉ rows): 255 / 256 rows, primes, one column.
+    for_each_shaping("reductions", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255), (255, 2), (256, 1), (1031, 129), (4099, 3)] {
             let mut r = rng((rows * 7 + cols) as u64);
             let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
             let x = k.upload(&x_host)?;
-            let what = format!("{rows}×{cols}");
+            let what = format!("{rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             let col_out = k.zeros(cols)?;
             k.run(&[&k.sum_rows(col_out.view(), x.view(), rows, cols)?])?;
             // Sums of `rows` terms of magnitude ≤ 1 in f32.
@@ -437,14 +439,46 @@ fn accumulating_matmul_and_column_sums_add_into_their_output() {
                 assert_close(&format!("accumulate {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-5);
             }
         }
-        let (rows, cols) = (37, 11);
-        let mut r = rng(77);
-        let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
-        let out_host = random_vec(&mut r, cols, -1.0, 1.0);
-        let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
-        k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
-        let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
-        assert_close("sum_rows accumulate", &k.read::<f32>(out.view())?, &want, 1e-5, 1e-5);
+        Ok(())
+    });
+}
+
+#[test]
+fn accumulating_column_sums_add_into_their_output() {
+    // 263 rows: two stages under GPU shaping.
+    for_each_shaping("sum_rows accumulate", |k| {
+        for (rows, cols) in [(37, 11), (263, 11)] {
+            let mut r = rng(77 + rows as u64);
+            let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
+            let out_host = random_vec(&mut r, cols, -1.0, 1.0);
+            let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
+            k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
+            let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
+            // rows terms of magnitude ≤ 1 onto a value ≤ 1, in f32.
+            assert_close(&format!("sum_rows accumulate {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(out.view())?, &want, 1e-6 * rows as f32 + 1e-5, 1e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn two_stage_column_sums_are_the_same_bits_on_every_run() {
+    // The blocks depend on the shape alone: reruns and a second dispatch
+    // built for the same shape give identical bits.
+    for_each_shaping("sum_rows determinism", |k| {
+        let (rows, cols) = (2053, 5);
+        let x_host = random_vec(&mut rng(78), rows * cols, -1.0, 1.0);
+        let (x, a, b) = (k.upload(&x_host)?, k.zeros(cols)?, k.zeros(cols)?);
+        let first = k.sum_rows(a.view(), x.view(), rows, cols)?;
+        k.run(&[&first])?;
+        let want = k.read::<u32>(a.view())?;
+        for _ in 0..3 {
+            k.run(&[&k.sum_rows(b.view(), x.view(), rows, cols)?, &first])?;
+            assert_eq!(k.read::<u32>(b.view())?, want, "GPU shaping {}", k.gpu_shaped());
+            assert_eq!(k.read::<u32>(a.view())?, want, "GPU shaping {}", k.gpu_shaped());
+        }
+        // Two stages (two launches) exactly where the GPU shaping is on.
+        assert_eq!(first.launches(), if k.gpu_shaped() { 2 } else { 1 });
         Ok(())
     });
 }
