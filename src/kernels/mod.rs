@@ -23,7 +23,7 @@ mod rowwise;
 mod sampling;
 mod tensor;
 
-pub use attention::MAX_HEAD_DIM;
+pub use attention::{DECODE_LANES, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
 pub use loss::{LossLinear, LossTargets};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};

@@ -76,7 +76,7 @@ pub enum Family {
     /// operand's shape, permute, and slice / pad / concat of the last axis.
     Tensor,
     /// Attention over a KV cache (generation): one invocation per
-    /// (sequence, row, head).
+    /// (sequence, row, head) on a CPU adapter, one workgroup on a GPU.
     Attention,
     /// The next token of each row of logits (generation): one workgroup
     /// per row.
@@ -329,6 +329,7 @@ pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
 pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forward");
 
 pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
+pub const CACHED_ATTENTION_FORWARD_WORKGROUP: Kernel = kernel(Family::Attention, "cached_attention_forward_workgroup");
 
 pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_forward");
 pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
@@ -407,6 +408,7 @@ pub const KERNELS: &[Kernel] = &[
     PAD_LAST_FORWARD,
     CONCAT_LAST_FORWARD,
     CACHED_ATTENTION_FORWARD,
+    CACHED_ATTENTION_FORWARD_WORKGROUP,
     SAMPLE_ROWS_FORWARD,
     MATVEC_F16W_FORWARD,
     MATMUL_F16W_FORWARD_SMALL,
