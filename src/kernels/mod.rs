@@ -25,7 +25,7 @@ mod tensor;
 
 pub use attention::{DECODE_LANES, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
-pub use loss::{LossLinear, LossTargets};
+pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};
@@ -34,7 +34,7 @@ pub use optim::{grad_norm_groups, ArenaGroups};
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
-pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
+pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;
 
 use std::collections::HashMap;

@@ -290,6 +290,9 @@ pub const MSE_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_forward_backw
 pub const CROSS_ENTROPY_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward_backward");
 pub const MSE_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_linear_forward_backward");
 pub const CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_linear_forward_backward");
+pub const MSE_PARTIAL: Kernel = kernel(Family::Loss, "mse_partial");
+pub const CROSS_ENTROPY_PARTIAL: Kernel = kernel(Family::Loss, "cross_entropy_partial");
+pub const LOSS_FINISH: Kernel = kernel(Family::Loss, "loss_finish");
 
 pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
@@ -374,6 +377,9 @@ pub const KERNELS: &[Kernel] = &[
     CROSS_ENTROPY_FORWARD_BACKWARD,
     MSE_LINEAR_FORWARD_BACKWARD,
     CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD,
+    MSE_PARTIAL,
+    CROSS_ENTROPY_PARTIAL,
+    LOSS_FINISH,
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,

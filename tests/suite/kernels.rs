@@ -231,8 +231,10 @@ fn reductions_match_the_cpu() {
 
 #[test]
 fn mse_forward_and_backward_match_the_cpu() {
-    for_each_adapter("mse", |k| {
-        for (i, &n) in FLAT_SIZES.iter().enumerate() {
+    // Under GPU shaping the loss of more than 4096 elements runs in two
+    // stages (chunks of 64, then one workgroup over their sums).
+    for_each_shaping("mse", |k| {
+        for (i, &n) in FLAT_SIZES.iter().chain(&[4096, 4097]).enumerate() {
             let mut r = rng(300 + i as u64);
             let p_host = random_vec(&mut r, n, -2.0, 2.0);
             let t_host = random_vec(&mut r, n, -2.0, 2.0);
@@ -240,7 +242,7 @@ fn mse_forward_and_backward_match_the_cpu() {
             let loss = k.zeros(1)?;
             k.run(&[&k.mse_forward(loss.view(), p.view(), t.view())?])?;
             // A mean of n squares, each ≤ 16: f32 summation error relative 1e-5.
-            assert_close(&format!("mse n={n}"), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
+            assert_close(&format!("mse n={n}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
             let dloss = k.upload(&[0.5f32])?;
             let dp = k.zeros(n)?;
             k.run(&[&k.mse_backward(dp.view(), p.view(), t.view(), dloss.view())?])?;
@@ -252,8 +254,9 @@ fn mse_forward_and_backward_match_the_cpu() {
 
 #[test]
 fn cross_entropy_forward_and_backward_match_the_cpu() {
-    for_each_adapter("cross_entropy", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000)] {
+    // Under GPU shaping the loss of more than 256 rows runs in two stages.
+    for_each_shaping("cross_entropy", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000), (256, 5), (257, 5), (1031, 3)] {
             let mut r = rng((rows * 31 + cols) as u64);
             // Large logits check the log-sum-exp is stable.
             let mut logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
@@ -265,7 +268,7 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
             k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), rows, cols)?])?;
             let want = cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols);
             // exp/log accurate to a few ulp; the mean of rows terms in f32.
-            assert_close(&format!("ce {rows}×{cols}"), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
+            assert_close(&format!("ce {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
             let dloss = k.upload(&[2.0f32])?;
             let dlogits = k.zeros(rows * cols)?;
             k.run(&[&k.cross_entropy_backward(dlogits.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
@@ -278,6 +281,12 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
         let loss = k.zeros(1)?;
         k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 2, 2)?])?;
         assert!(k.read::<f32>(loss.view())?[0].is_nan());
+        // And in two stages (300 rows), one bad label among them.
+        let mut labels_host: Vec<u32> = (0..300).map(|i| i % 2).collect();
+        labels_host[150] = 2;
+        let (logits, labels) = (k.upload(&vec![0.5f32; 600])?, k.upload(&labels_host)?);
+        k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 300, 2)?])?;
+        assert!(k.read::<f32>(loss.view())?[0].is_nan(), "GPU shaping {}", k.gpu_shaped());
         Ok(())
     });
 }
