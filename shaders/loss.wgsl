@@ -13,6 +13,11 @@
 //   layer, pred_out[rows, cols] = x[rows, inner] · weight[cols, inner]ᵀ
 //   (+ bias[cols] with HAS_BIAS), and weight_grad[cols, inner] += gradᵀ · x:
 //   a whole small last layer's forward and backward in one dispatch.
+//   mse_partial, cross_entropy_partial, loss_finish: mse_forward and
+//   cross_entropy_forward in two stages, for a GPU (loss.rs chooses): many
+//   workgroups write partial sums (Σ (pred - target)² per LOSS_CHUNK
+//   elements; each row's loss), then one workgroup adds them over a fixed
+//   tree and divides: out[0] = Σ_b partial[b] / count.
 // A label ≥ cols makes the loss NaN (the GPU cannot raise an error; a NaN
 // loss is caught where the loss is read).
 
@@ -123,6 +128,59 @@ fn cross_entropy_forward(@builtin(local_invocation_index) t: u32) {
         let lse = m + log(row_sum_exp(r, m));
         let picked = pred[r * p.cols + min(label, p.cols - 1u)];
         acc += select(quiet_nan(), lse - picked, label < p.cols);
+    }
+    let total = tree_sum(t, acc);
+    if t == 0u {
+        out[0] = total / f32(p.rows);
+    }
+}
+
+// Elements per invocation of mse_partial (kernels::loss::LOSS_CHUNK).
+const LOSS_CHUNK: u32 = 64u;
+
+// mse_partial: out[⌈n / LOSS_CHUNK⌉] = Σ (pred - target)² over each chunk
+// of LOSS_CHUNK elements, in order; one invocation per chunk.
+@compute @workgroup_size(256)
+fn mse_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    p = params;
+    let b = flat_index(wid, nwg, lid);
+    let first = b * LOSS_CHUNK;
+    if first >= p.n {
+        return;
+    }
+    var acc = 0.0;
+    for (var i = first; i < min(first + LOSS_CHUNK, p.n); i++) {
+        let d = pred[i] - targets[i];
+        acc += d * d;
+    }
+    out[b] = acc;
+}
+
+// cross_entropy_partial: out[rows] = logsumexp(logits[r, :]) -
+// logits[r, label[r]] (NaN for a label ≥ cols); one invocation per row.
+@compute @workgroup_size(256)
+fn cross_entropy_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    p = params;
+    let r = flat_index(wid, nwg, lid);
+    if r >= p.rows {
+        return;
+    }
+    let label = labels[r];
+    let m = row_max(r);
+    let lse = m + log(row_sum_exp(r, m));
+    let picked = pred[r * p.cols + min(label, p.cols - 1u)];
+    out[r] = select(quiet_nan(), lse - picked, label < p.cols);
+}
+
+// loss_finish: out[0] = Σ_{b < n} pred[b] / rows, the partials of
+// mse_partial (rows = the elements) or cross_entropy_partial (the rows);
+// one workgroup, strided sums then a fixed tree.
+@compute @workgroup_size(256)
+fn loss_finish(@builtin(local_invocation_index) t: u32) {
+    p = params;
+    var acc = 0.0;
+    for (var b = t; b < p.n; b += WG) {
+        acc += pred[b];
     }
     let total = tree_sum(t, acc);
     if t == 0u {

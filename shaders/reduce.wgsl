@@ -1,5 +1,7 @@
 // Reductions over f32 arrays.
 //   sum_rows_forward:    out[cols] = Σ_r x[rows, cols]      (bias gradient)
+//   sum_rows_partial:    out[blocks, cols] = Σ over each block of
+//                        block_rows rows of x[rows, cols]   (stage one)
 //   sum_forward:         out[1]    = Σ_i x[n]
 //   mean_forward:        out[1]    = Σ_i x[n] / n
 //   max_rows_forward:    out[rows] = max_c x[rows, cols]
@@ -15,7 +17,8 @@ struct ReduceParams {
     rows: u32,
     cols: u32,
     n: u32,
-    _pad: u32,
+    // sum_rows_partial: rows per block (the last block may hold fewer).
+    block_rows: u32,
 }
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
@@ -42,6 +45,29 @@ fn sum_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     } else {
         out[c] = acc;
     }
+}
+
+// Stage one of a two-stage column sum (the GPU shaping, reduce.rs): one
+// invocation per (block, column), index b·cols + c, so neighbouring
+// invocations read neighbouring columns. Each sums its block's rows in
+// order; sum_rows_forward over out[blocks, cols] is stage two, adding the
+// blocks in order. The blocks depend on the shape alone, so the result is
+// the same on every run and every adapter that takes this path.
+@compute @workgroup_size(256)
+fn sum_rows_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    let blocks = (p.rows + p.block_rows - 1u) / p.block_rows;
+    if i >= blocks * p.cols {
+        return;
+    }
+    let c = i % p.cols;
+    let first = (i / p.cols) * p.block_rows;
+    let end = min(first + p.block_rows, p.rows);
+    var acc = 0.0;
+    for (var r = first; r < end; r++) {
+        acc += x[r * p.cols + c];
+    }
+    out[i] = acc;
 }
 
 // Strided partial sums, then a tree in workgroup memory.

@@ -8,9 +8,9 @@
 // workgroups (row = wid.y · nwg.x + wid.x, as `Kernels::grid` lays them
 // out); workgroups past the last row leave at once.
 //
-// Short rows (softmax, layernorm, cross-entropy with cols ≤ SHORT_ROW_MAX
-// in rowwise.rs) take the `_short` twin of each kernel instead: ONE
-// INVOCATION PER ROW, a serial loop over the row and no barrier but the one
+// Short rows (softmax, layernorm, cross-entropy with cols ≤ the adapter's
+// Kernels::short_row_max in rowwise.rs) take the `_short` twin of each
+// kernel instead: ONE INVOCATION PER ROW, a serial loop over the row and no barrier but the one
 // that loads the parameters. On llvmpipe/lavapipe a workgroup barrier
 // switches between the workgroup's fibers, so 1536 workgroups of 256 with a
 // dozen barriers each cost ~80 ms for rows of 12, where one invocation per
@@ -38,7 +38,8 @@ struct RowParams {
     // layernorm_backward_params: 1 adds into dweight/dbias, 0 overwrites
     // them (an intermediate that holds stale values).
     accumulate: u32,
-    _pad1: u32,
+    // layernorm_backward_params_partial / _finish: rows per block.
+    block_rows: u32,
     // embedding: the table rows (ids) row_start..row_end this launch
     // reads or writes, which start at element table_base of its `table` /
     // `dtable` binding. The whole vocabulary unless the table is too large
@@ -74,8 +75,12 @@ struct RowParams {
 // WG (256 invocations per workgroup) comes from common.wgsl.
 var<workgroup> shared_params: RowParams;
 var<workgroup> red: array<vec2<f32>, 256>;
-var<workgroup> tile_ids: array<u32, 256>;
-var<workgroup> scan: array<u32, 256>;
+// embedding_backward_sort's lanes: 256, or 1024 on a GPU that allows
+// them (rowwise.rs, SORT_WG_GPU); its arrays hold the most.
+override SORT_WG: u32 = 256u;
+const SORT_WG_MAX: u32 = 1024u;
+var<workgroup> tile_ids: array<u32, SORT_WG_MAX>;
+var<workgroup> scan: array<u32, SORT_WG_MAX>;
 
 // The parameters, through workgroup memory. lavapipe inlines uniform values
 // that bound loops into the shader and re-optimizes it on every dispatch
@@ -405,6 +410,56 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
     dbias[c] = db;
 }
 
+// The same sums in two stages, for a GPU (rowwise.rs chooses): 128
+// columns over 8,192 rows would be 128 invocations of 8,192 steps each.
+// layernorm_backward_params_partial: out[blocks, 2, cols] = (Σ dy·x̂, Σ dy)
+// over each block of block_rows rows, one invocation per (block, column)
+// (index b·cols + c: neighbours read neighbouring columns), rows in order.
+@compute @workgroup_size(256)
+fn layernorm_backward_params_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let i = row_index(wid, nwg) * WG + t;
+    let blocks = (q.rows + q.block_rows - 1u) / q.block_rows;
+    if i >= blocks * q.cols {
+        return;
+    }
+    let c = i % q.cols;
+    let b = i / q.cols;
+    let end = min((b + 1u) * q.block_rows, q.rows);
+    var acc = vec2<f32>(0.0, 0.0);
+    for (var r = b * q.block_rows; r < end; r++) {
+        acc = ln_param_row(acc, r, c, q);
+    }
+    out[b * 2u * q.cols + c] = acc.x;
+    out[b * 2u * q.cols + q.cols + c] = acc.y;
+}
+
+// layernorm_backward_params_finish: dweight[cols] (+)= Σ_b x[b, 0, c],
+// dbias[cols] (+)= Σ_b x[b, 1, c] over the partials x[blocks, 2, cols] of
+// layernorm_backward_params_partial, blocks in order; one invocation per
+// column.
+@compute @workgroup_size(64)
+fn layernorm_backward_params_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let c = row_index(wid, nwg) * COLUMN_WG + t;
+    if c >= q.cols {
+        return;
+    }
+    let blocks = (q.rows + q.block_rows - 1u) / q.block_rows;
+    var dw = 0.0;
+    var db = 0.0;
+    for (var b = 0u; b < blocks; b++) {
+        dw += x[b * 2u * q.cols + c];
+        db += x[b * 2u * q.cols + q.cols + c];
+    }
+    if q.accumulate != 0u {
+        dw += dweight[c];
+        db += dbias[c];
+    }
+    dweight[c] = dw;
+    dbias[c] = db;
+}
+
 // cross_entropy_rows_forward_backward: logits x[rows, V], targets[rows] (u32)
 //   losses[rows] = logsumexp(x[r, :]) − x[r, targets[r]]
 //   out[rows, V] = dlogits = (softmax(x[r, :]) − onehot(targets[r])) · scale
@@ -507,26 +562,26 @@ fn bucket(id: u32, vocab: u32) -> u32 {
 }
 
 // embedding_backward_sort: order[n] = the positions 0..n sorted by ids[n]
-// (stable), with cursor[V + 1] (u32) as scratch. One workgroup: a histogram
-// (integer atomics: the counts do not depend on their order), an exclusive
-// scan, then a scatter of 256 positions at a time in which each position's
-// slot is its bucket's cursor plus its rank among equal ids earlier in the
-// tile, so equal ids keep their order.
-@compute @workgroup_size(256)
+// (stable), with cursor[V + 1] (u32) as scratch. One workgroup of SORT_WG
+// lanes: a histogram (integer atomics: the counts do not depend on their
+// order), an exclusive scan, then a scatter of SORT_WG positions at a time
+// in which each position's slot is its bucket's cursor plus its rank among
+// equal ids earlier in the tile, so equal ids keep their order.
+@compute @workgroup_size(SORT_WG)
 fn embedding_backward_sort(@builtin(local_invocation_index) t: u32) {
     let q = uniform_params(t);
     let buckets = q.vocab + 1u;
-    for (var b = t; b < buckets; b += WG) {
+    for (var b = t; b < buckets; b += SORT_WG) {
         atomicStore(&cursor[b], 0u);
     }
     storageBarrier();
-    for (var n = t; n < q.rows; n += WG) {
+    for (var n = t; n < q.rows; n += SORT_WG) {
         atomicAdd(&cursor[bucket(ids[n], q.vocab)], 1u);
     }
     storageBarrier();
 
     // Exclusive scan: invocation t owns buckets [lo, hi).
-    let chunk = (buckets + WG - 1u) / WG;
+    let chunk = (buckets + SORT_WG - 1u) / SORT_WG;
     let lo = min(t * chunk, buckets);
     let hi = min(lo + chunk, buckets);
     var own = 0u;
@@ -534,7 +589,7 @@ fn embedding_backward_sort(@builtin(local_invocation_index) t: u32) {
         own += atomicLoad(&cursor[b]);
     }
     scan[t] = own;
-    for (var offset = 1u; offset < WG; offset *= 2u) {
+    for (var offset = 1u; offset < SORT_WG; offset *= 2u) {
         workgroupBarrier();
         var add = 0u;
         if t >= offset {
@@ -552,7 +607,7 @@ fn embedding_backward_sort(@builtin(local_invocation_index) t: u32) {
     }
     storageBarrier();
 
-    for (var start = 0u; start < q.rows; start += WG) {
+    for (var start = 0u; start < q.rows; start += SORT_WG) {
         let n = start + t;
         let inside = n < q.rows;
         var b = 0xffffffffu;
@@ -563,7 +618,7 @@ fn embedding_backward_sort(@builtin(local_invocation_index) t: u32) {
         workgroupBarrier();
         var rank = 0u;
         var last = true;
-        for (var j = 0u; j < WG; j++) {
+        for (var j = 0u; j < SORT_WG; j++) {
             if tile_ids[j] == b {
                 if j < t {
                     rank++;

@@ -3,6 +3,9 @@
 //   binary_broadcast: out[dims] = x[..] ∘ y[..], NumPy broadcasting
 //   unary:            out[n] = f(x[n])
 //   reduce_to_shape:  out[dims] (+)= Σ x over the axes out broadcasts
+//   reduce_to_shape_partial: the same sums over fixed blocks, stage one of
+//                     the two-stage form (reduce.wgsl's sum_rows_forward
+//                     adds the blocks)
 //   permute:          out[dims] = x with axes permuted
 //   slice_last:       out[rows, width] = x[rows, cols][:, start..start+width]
 //   pad_last:         out[rows, cols] (+)= x[rows, width] in columns start..
@@ -29,7 +32,8 @@ struct TensorParams {
     op: u32,
     // 1: add into out instead of overwriting (reduce_to_shape, pad_last).
     accumulate: u32,
-    _pad: u32,
+    // reduce_to_shape_partial: summed elements per block.
+    block: u32,
     // The output's shape padded to rank 4.
     dims: vec4<u32>,
     // Per output axis, the stride into x / y (0 on an axis they broadcast).
@@ -128,6 +132,51 @@ fn reduce_to_shape_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     } else {
         out[i] = acc;
     }
+}
+
+// reduce_to_shape_partial: out[blocks, n] = the sums of reduce_to_shape
+// split into blocks of `block` consecutive summed elements (in the one-pass
+// kernel's order, axis 0 outermost), one invocation per (block, output
+// element), index b·n + i: neighbours read neighbouring x where the last
+// axis is kept. For a GPU, where a few outputs over many rows (a bias's
+// [B, T, C] -> [C]) would otherwise be C serial invocations (tensor.rs).
+@compute @workgroup_size(256)
+fn reduce_to_shape_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let j = flat_index(wid, nwg, lid);
+    let e = p.extra;
+    let summed = e.x * e.y * e.z * e.w;
+    let blocks = (summed + p.block - 1u) / p.block;
+    if j >= blocks * p.n {
+        return;
+    }
+    let i = j % p.n;
+    let first = (j / p.n) * p.block;
+    let end = min(first + p.block, summed);
+    let base = strided(i, p.x_strides);
+    let s = p.x_strides;
+    // The first summed element's coordinates, then a counter over them.
+    var i3 = first % e.w;
+    var i2 = (first / e.w) % e.z;
+    var i1 = (first / (e.w * e.z)) % e.y;
+    var i0 = first / (e.w * e.z * e.y);
+    var acc = 0.0;
+    for (var k = first; k < end; k++) {
+        acc += x[base + i0 * s.x + i1 * s.y + i2 * s.z + i3 * s.w];
+        i3++;
+        if i3 == e.w {
+            i3 = 0u;
+            i2++;
+            if i2 == e.z {
+                i2 = 0u;
+                i1++;
+                if i1 == e.y {
+                    i1 = 0u;
+                    i0++;
+                }
+            }
+        }
+    }
+    out[j] = acc;
 }
 
 // out[dims] = x with axes permuted: x_strides[i] is x's stride of axis perm[i].

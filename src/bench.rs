@@ -215,7 +215,7 @@ pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
 /// Dispatches per step of `case` planned without fusion (one per node):
 /// what fusion saves. Built, never run.
 fn unfused_dispatches(kernels: &Arc<Kernels>, case: &StepCase) -> Result<usize> {
-    let options = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0 };
+    let options = PlanOptions::UNFUSED;
     let trainer = Trainer::with_options(kernels.clone(), &case.model, case.criterion, case.optimizer, case.batch, options)?;
     Ok(trainer.executor().dispatches_per_step())
 }

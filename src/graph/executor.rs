@@ -134,6 +134,10 @@ impl Executor {
         let mut options = options;
         options.linear_in_loss &= kernels.fits_limits(crate::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD)
             && kernels.fits_limits(crate::kernels::registry::CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD);
+        // The single-workgroup loss fusions only as large as this adapter
+        // runs them well (a GPU's limits are lower).
+        options.fused_loss_max = options.fused_loss_max.min(kernels.fused_loss_max());
+        options.linear_in_loss_max_macs = options.linear_in_loss_max_macs.min(kernels.linear_in_loss_max_macs());
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
         check_memory(&kernels, &graph, &plan, gradients.is_some(), optimizer.map_or(0, |o| o.state_names().len()))?;
 

@@ -10,7 +10,9 @@
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Op, Tensor};
-use crate::kernels::{Activation, MatmulForm};
+// FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
+// adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
+use crate::kernels::{Activation, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
 
 /// Where a node's output lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,11 +135,26 @@ pub struct PlanOptions {
     /// replica the same value so their arenas match offset for offset
     /// whatever their adapters.
     pub arena_alignment: u32,
+    /// Largest prediction (elements) whose loss and gradient run as one
+    /// single-workgroup dispatch. The executor lowers it to its adapter's
+    /// `Kernels::fused_loss_max` (a GPU's is smaller).
+    pub fused_loss_max: usize,
+    /// Largest Linear layer (rows·outputs·inputs multiply-adds, done once
+    /// forward and once for the weight gradient) computed inside the
+    /// loss's single-workgroup dispatch; lowered by the executor to
+    /// `Kernels::linear_in_loss_max_macs`.
+    pub linear_in_loss_max_macs: usize,
+}
+
+impl PlanOptions {
+    /// Nothing fused: one dispatch per node, the reference fused plans are
+    /// tested against.
+    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS };
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0 }
+        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS }
     }
 }
 
@@ -151,16 +168,6 @@ pub fn stored_words(dtype: DType, len: usize) -> usize {
         DType::F32 | DType::U32 => len,
     }
 }
-
-/// Largest prediction (elements) whose loss and gradient run as one
-/// single-workgroup dispatch.
-const FUSED_LOSS_MAX: usize = 1 << 16;
-
-/// Largest Linear layer (rows·outputs·inputs multiply-adds, done once
-/// forward and once for the weight gradient) computed inside the loss's
-/// single-workgroup dispatch. One workgroup runs on one core; below this
-/// it finishes well within the ~50–80 µs a dispatch costs on lavapipe.
-const LINEAR_IN_LOSS_MAX_MACS: usize = 1 << 15;
 
 impl Plan {
     /// Plans the nodes needed for `outputs` (and every gradient in `grads`).
@@ -338,7 +345,7 @@ impl Plan {
         for &i in order.iter().filter(|_| options.fuse) {
             if let Op::LossBackward(kind) = nodes[i].op {
                 let (pred, target) = (nodes[i].inputs[0], nodes[i].inputs[1]);
-                let small = nodes[pred.0].len() <= FUSED_LOSS_MAX;
+                let small = nodes[pred.0].len() <= options.fused_loss_max;
                 let forward = order.iter().copied().find(|&j| nodes[j].op == Op::Loss(kind) && nodes[j].inputs == [pred, target]);
                 if let (true, Some(j)) = (small, forward) {
                     loss_with_grad[j] = Some(i);
@@ -366,7 +373,7 @@ impl Plan {
         let mut in_loss_dispatch = vec![false; count];
         for &i in &order {
             let Some(backward) = loss_with_grad[i] else { continue };
-            let mut fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage);
+            let mut fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage, options.linear_in_loss_max_macs);
             if !options.linear_in_loss {
                 fusion.linear = None;
             }
@@ -526,6 +533,7 @@ impl Plan {
         accumulate: &[bool],
         bias_into: &[Option<usize>],
         storage: &[Storage],
+        max_macs: usize,
     ) -> LossFusion {
         let nodes = graph.nodes();
         let pred = nodes[loss].inputs[0].0;
@@ -554,7 +562,7 @@ impl Plan {
             .all(|&j| !nodes[j].inputs.iter().any(|t| t.0 == pred || t.0 == matmul));
         let (rows, cols) = (pred_shape[0], pred_shape.get(1).copied().unwrap_or(1));
         let inner = graph.node(weight).shape.get(1).copied().unwrap_or(0);
-        let small = rows.saturating_mul(cols).saturating_mul(inner) <= LINEAR_IN_LOSS_MAX_MACS;
+        let small = rows.saturating_mul(cols).saturating_mul(inner) <= max_macs;
         let weight_grad = accumulating(Op::MatMul(MatmulForm::AtB), &[dpred, x]);
         let linear = match (&nodes[matmul].op, weight_grad) {
             (Op::MatMul(MatmulForm::ABt), Some(weight_grad))

@@ -1,7 +1,7 @@
 //! `attention.wgsl`: attention over a KV cache, the per-token step of
 //! generation (and the prompt's, which fills the cache).
 
-use super::registry::CACHED_ATTENTION_FORWARD;
+use super::registry::{CACHED_ATTENTION_FORWARD, CACHED_ATTENTION_FORWARD_WORKGROUP};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::CachedAttentionShape;
@@ -10,6 +10,15 @@ use crate::ops::CachedAttentionShape;
 /// invocation keeps its query and output row in private arrays of this
 /// size (attention.wgsl's `MAX_HEAD_DIM`). GPT-2's heads have 64 channels.
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// The most loop iterations one invocation may run on llvmpipe, in all
+/// of its loops together.
+const LOOP_ITERATIONS_MAX: usize = 65_535;
+
+/// Lanes of `cached_attention_forward_workgroup`, the GPU shape: one
+/// workgroup of this many lanes per (sequence, row, head), the lanes
+/// splitting the positions (attention.wgsl's `DECODE_WG`).
+pub const DECODE_LANES: usize = 64;
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -31,6 +40,12 @@ impl Kernels {
     /// head. Positions before starts[s] are read from the caches, so a
     /// decode step (rows = 1) costs one position's attention. The caller
     /// keeps every p < context (a larger one writes NaN to its output).
+    ///
+    /// On a CPU adapter one invocation serves each (sequence, row, head),
+    /// unless the context is too long for llvmpipe's loop limit; on a GPU
+    /// ([`Kernels::gpu_shaped`]), and for such contexts, one workgroup of
+    /// [`DECODE_LANES`] lanes does, the lanes splitting the positions and
+    /// merging their online softmax over a fixed tree (deterministic).
     pub fn cached_attention_forward(
         &self,
         out: View<'_>,
@@ -68,6 +83,19 @@ impl Kernels {
             _pad1: 0,
         };
         let bindings = [bind(0, "qkv", qkv), bind(1, "starts", starts), bind(2, "k_cache", k_cache), bind(3, "v_cache", v_cache), bind(4, "out", out)];
+        // llvmpipe (lavapipe's and GL's shader compiler) ends an
+        // invocation's loops after 65,535 iterations in all (one counter
+        // shared by every loop; see rowwise.wgsl's layernorm_backward_params),
+        // silently dropping the rest. The one-invocation kernel's three
+        // channel loops per position step 8 channels at a time, then the
+        // rest one by one; past that count (GPT-2's 1,024 positions of 64
+        // channels take 25,728) the workgroup kernel gives each lane
+        // 1/DECODE_LANES of the positions.
+        let per_position = 3 * (head_dim / 8 + head_dim % 8) + 1;
+        let serial_iterations = context.saturating_mul(per_position).saturating_add(2 * head_dim);
+        if self.gpu_shaped() || serial_iterations > LOOP_ITERATIONS_MAX {
+            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[], &bindings, 5, &params, invocations as u64);
+        }
         self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 5, &params, flat_groups(invocations))
     }
 }

@@ -5,6 +5,41 @@ use super::registry::*;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 
+/// Elements per invocation of `mse_partial` (loss.wgsl's `LOSS_CHUNK`).
+const LOSS_CHUNK: usize = 64;
+
+/// Lanes of the single-workgroup loss kernels (`WG`).
+const LOSS_LANES: usize = 256;
+
+/// On a GPU, the most elements an MSE takes in one workgroup: 16 per lane.
+/// Beyond it `mse_forward` runs in two stages (chunks of [`LOSS_CHUNK`]
+/// over many workgroups, then one workgroup over their sums), since one
+/// workgroup holds one of the GPU's ~100 compute units.
+const MSE_ONE_WORKGROUP_MAX_GPU: usize = 16 * LOSS_LANES;
+
+/// Largest prediction (elements) whose loss and gradient run as one
+/// single-workgroup dispatch on a CPU adapter (the plan's
+/// `PlanOptions::fused_loss_max`): there a workgroup runs on one thread
+/// anyway, and the dispatches fusion saves cost ~50–80 µs each.
+pub const FUSED_LOSS_MAX: usize = 1 << 16;
+
+/// The same on a GPU: 16 elements per lane, a few microseconds on one
+/// compute unit, about the two or three dispatches fusion saves; a larger
+/// loss is planned unfused, its gradient over many workgroups, its value
+/// in two stages and a fused bias gradient as a two-stage column sum.
+pub const FUSED_LOSS_MAX_GPU: usize = 16 * LOSS_LANES;
+
+/// Largest Linear layer (rows·outputs·inputs multiply-adds, once forward
+/// and once for the weight gradient) computed inside the loss's
+/// single-workgroup dispatch on a CPU adapter: below this it finishes well
+/// within the ~50–80 µs a dispatch costs on lavapipe.
+pub const LINEAR_IN_LOSS_MAX_MACS: usize = 1 << 15;
+
+/// The same on a GPU: 16 multiply-adds per lane each way, within the few
+/// microseconds of the matmul dispatches it saves; a larger layer runs as
+/// the tiled matmuls, which fill the chip.
+pub const LINEAR_IN_LOSS_MAX_MACS_GPU: usize = 16 * LOSS_LANES;
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct LossParams {
@@ -61,11 +96,54 @@ fn check_ce(op: &'static str, logits: &View<'_>, labels: &View<'_>, rows: usize,
 }
 
 impl Kernels {
+    /// The largest prediction whose loss and gradient the plan fuses into
+    /// one single-workgroup dispatch on this adapter: [`FUSED_LOSS_MAX`]
+    /// on a CPU adapter, [`FUSED_LOSS_MAX_GPU`] on a GPU.
+    pub fn fused_loss_max(&self) -> usize {
+        if self.gpu_shaped() {
+            FUSED_LOSS_MAX_GPU
+        } else {
+            FUSED_LOSS_MAX
+        }
+    }
+
+    /// The largest last Linear layer (multiply-adds) the plan moves into
+    /// the fused loss on this adapter: [`LINEAR_IN_LOSS_MAX_MACS`] or
+    /// [`LINEAR_IN_LOSS_MAX_MACS_GPU`].
+    pub fn linear_in_loss_max_macs(&self) -> usize {
+        if self.gpu_shaped() {
+            LINEAR_IN_LOSS_MAX_MACS_GPU
+        } else {
+            LINEAR_IN_LOSS_MAX_MACS
+        }
+    }
+
+    /// A loss's two stages: `first` writes `partials` values into the
+    /// device's scratch (bound at slot 2, after `bindings`) over `groups`
+    /// workgroups, then `loss_finish` sums them into `loss` and divides by
+    /// `count`.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_two_stage(&self, first: super::Kernel, bindings: [super::Binding<'_>; 2], params: &LossParams, partials: usize, groups: u64, loss: View<'_>, count: usize) -> Result<Dispatch> {
+        let op = first.entry;
+        let _gl = self.device().lock_gl();
+        let scratch = self.reduction_scratch(op, partials)?;
+        let partial = View { buffer: &scratch, offset: 0, len: partials };
+        let [a, b] = bindings;
+        let stage_one = self.prepare(first, &[], &[a, b, bind(2, "partials", partial)], 3, params, groups)?;
+        let finish = LossParams { rows: dim(op, count)?, cols: 1, n: dim(op, partials)?, inner: 0 };
+        let stage_two = self.prepare(LOSS_FINISH, &[], &[bind(0, "partials", partial), bind(2, "loss", loss)], 3, &finish, 1)?;
+        Ok(stage_one.then(stage_two))
+    }
+
     /// loss[0] = mean((pred - target)²).
     pub fn mse_forward(&self, loss: View<'_>, pred: View<'_>, target: View<'_>) -> Result<Dispatch> {
         let op = MSE_FORWARD.entry;
         check_mse(op, loss.len, 1, &pred, &target)?;
         let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
+        if self.gpu_shaped() && pred.len > MSE_ONE_WORKGROUP_MAX_GPU {
+            let chunks = pred.len.div_ceil(LOSS_CHUNK);
+            return self.loss_two_stage(MSE_PARTIAL, [bind(0, "pred", pred), bind(1, "target", target)], &params, chunks, flat_groups(chunks), loss, pred.len);
+        }
         self.prepare(
             MSE_FORWARD,
             &[],
@@ -121,6 +199,11 @@ impl Kernels {
             return Err(Error::shape(op, "loss must hold one value", &[&[loss.len]]));
         }
         let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
+        // One workgroup gives each lane a row; past one row per lane a GPU
+        // does better with a row per invocation over many workgroups.
+        if self.gpu_shaped() && rows > LOSS_LANES {
+            return self.loss_two_stage(CROSS_ENTROPY_PARTIAL, [bind(0, "logits", logits), bind(4, "labels", labels)], &params, rows, flat_groups(rows), loss, rows);
+        }
         self.prepare(
             CROSS_ENTROPY_FORWARD,
             &[],

@@ -24,9 +24,9 @@ mod sampling;
 mod tensor;
 mod timing;
 
-pub use attention::MAX_HEAD_DIM;
+pub use attention::{DECODE_LANES, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
-pub use loss::{LossLinear, LossTargets};
+pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};
@@ -35,7 +35,7 @@ pub use optim::{grad_norm_groups, ArenaGroups};
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
-pub use rowwise::{check_token_ids, SHORT_ROW_MAX};
+pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;
 
 use std::collections::HashMap;
@@ -220,6 +220,15 @@ impl Dispatch {
         Some(first)
     }
 
+    /// This dispatch's launches, then `next`'s: one op in stages (a
+    /// two-stage sum), recorded back to back.
+    pub(crate) fn then(mut self, mut next: Dispatch) -> Dispatch {
+        let tail = std::mem::take(&mut next.rest);
+        self.rest.push(next);
+        self.rest.extend(tail);
+        self
+    }
+
     /// Records this dispatch (every launch) into an open compute pass.
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         for launch in std::iter::once(self).chain(&self.rest) {
@@ -245,6 +254,11 @@ pub struct LimitOverrides {
     /// by default on a CPU adapter (whose buffers live there), and no
     /// check elsewhere (wgpu does not report a GPU's memory).
     pub memory_bytes: Option<u64>,
+    /// Which kernel shapes and thresholds to use: `None` goes by the
+    /// adapter (the GPU ones unless `Device::is_cpu()`), `Some(true)`
+    /// forces the GPU ones, so tests run those paths on the software
+    /// adapters, `Some(false)` the CPU ones. See [`Kernels::gpu_shaped`].
+    pub gpu_shaping: Option<bool>,
 }
 
 /// A storage binding: its slot in the WGSL file, a name for messages, and the
@@ -282,6 +296,10 @@ pub struct Kernels {
     /// two writable bindings of one dispatch overlap (WebGPU's rule).
     unused_writable: wgpu::Buffer,
     overrides: LimitOverrides,
+    /// The partial sums of the two-stage reductions (column sums, losses;
+    /// `reduction_scratch`): one buffer shared by every such dispatch of
+    /// this device.
+    reduction_scratch: Mutex<Option<wgpu::Buffer>>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -347,6 +365,7 @@ impl Kernels {
             submits: AtomicU64::new(0),
             buffers: AtomicU64::new(0),
             overrides,
+            reduction_scratch: Mutex::new(None),
         }
     }
 
@@ -381,6 +400,37 @@ impl Kernels {
             return host_available_memory().map(|bytes| (bytes, "the host's available memory, which this CPU adapter allocates from"));
         }
         None
+    }
+
+    /// Whether kernels take the shapes and thresholds meant for a GPU
+    /// (many workgroups, barrier trees, two-stage reductions) rather than
+    /// those tuned for a CPU adapter, where a workgroup runs on one thread
+    /// and every barrier switches fibers: by `Device::is_cpu()`, unless
+    /// [`LimitOverrides::gpu_shaping`] says otherwise.
+    pub fn gpu_shaped(&self) -> bool {
+        self.overrides.gpu_shaping.unwrap_or(!self.device.is_cpu())
+    }
+
+    /// A buffer of at least `len` elements, this device's reduction
+    /// scratch, for the partial sums a two-stage reduction (a column sum on
+    /// a GPU, a loss) passes from its first launch to its second. One buffer serves every dispatch: a
+    /// dispatch records its launches back to back, and wgpu orders
+    /// dispatches that write the same buffer, so no two sums interleave. It
+    /// grows (to a power of two) when a dispatch is built, never in a step;
+    /// dispatches built earlier keep the smaller buffer they bound. The
+    /// handle returned is a clone: drop it under the device's GL lock.
+    pub(crate) fn reduction_scratch(&self, op: &'static str, len: usize) -> Result<wgpu::Buffer> {
+        let _gl = self.device.lock_gl();
+        let mut slot = lock(&self.reduction_scratch);
+        let bytes = len.max(1) as u64 * ELEMENT_BYTES;
+        if let Some(buffer) = slot.as_ref().filter(|b| b.size() >= bytes) {
+            return Ok(buffer.clone());
+        }
+        let grown = len.max(1).next_power_of_two();
+        let len = if grown as u64 * ELEMENT_BYTES <= self.binding_limit() { grown } else { len };
+        let buffer = self.create_buffer(op, len)?;
+        *slot = Some(buffer.clone());
+        Ok(buffer)
     }
 
     /// Checks, before any is allocated, that the buffers a model needs fit

@@ -76,7 +76,7 @@ pub enum Family {
     /// operand's shape, permute, and slice / pad / concat of the last axis.
     Tensor,
     /// Attention over a KV cache (generation): one invocation per
-    /// (sequence, row, head).
+    /// (sequence, row, head) on a CPU adapter, one workgroup on a GPU.
     Attention,
     /// The next token of each row of logits (generation): one workgroup
     /// per row.
@@ -276,6 +276,7 @@ pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
 pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
 
 pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
+pub const SUM_ROWS_PARTIAL: Kernel = kernel(Family::Reduce, "sum_rows_partial");
 pub const SUM_FORWARD: Kernel = kernel(Family::Reduce, "sum_forward");
 pub const MEAN_FORWARD: Kernel = kernel(Family::Reduce, "mean_forward");
 pub const MAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "max_rows_forward");
@@ -289,6 +290,9 @@ pub const MSE_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_forward_backw
 pub const CROSS_ENTROPY_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward_backward");
 pub const MSE_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_linear_forward_backward");
 pub const CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_linear_forward_backward");
+pub const MSE_PARTIAL: Kernel = kernel(Family::Loss, "mse_partial");
+pub const CROSS_ENTROPY_PARTIAL: Kernel = kernel(Family::Loss, "cross_entropy_partial");
+pub const LOSS_FINISH: Kernel = kernel(Family::Loss, "loss_finish");
 
 pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
 pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
@@ -311,6 +315,8 @@ pub const LAYERNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_f
 pub const LAYERNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_backward_short");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward_short");
 pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
+pub const LAYERNORM_BACKWARD_PARAMS_PARTIAL: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_partial");
+pub const LAYERNORM_BACKWARD_PARAMS_FINISH: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_finish");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward");
 pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward");
 pub const EMBEDDING_BACKWARD_SORT: Kernel = kernel(Family::Rowwise, "embedding_backward_sort");
@@ -319,12 +325,14 @@ pub const EMBEDDING_BACKWARD: Kernel = kernel(Family::Rowwise, "embedding_backwa
 pub const BINARY_BROADCAST_FORWARD: Kernel = kernel(Family::Tensor, "binary_broadcast_forward");
 pub const UNARY_FORWARD: Kernel = kernel(Family::Tensor, "unary_forward");
 pub const REDUCE_TO_SHAPE_FORWARD: Kernel = kernel(Family::Tensor, "reduce_to_shape_forward");
+pub const REDUCE_TO_SHAPE_PARTIAL: Kernel = kernel(Family::Tensor, "reduce_to_shape_partial");
 pub const PERMUTE_FORWARD: Kernel = kernel(Family::Tensor, "permute_forward");
 pub const SLICE_LAST_FORWARD: Kernel = kernel(Family::Tensor, "slice_last_forward");
 pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
 pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forward");
 
 pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
+pub const CACHED_ATTENTION_FORWARD_WORKGROUP: Kernel = kernel(Family::Attention, "cached_attention_forward_workgroup");
 
 pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_forward");
 pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
@@ -356,6 +364,7 @@ pub const KERNELS: &[Kernel] = &[
     TANH_FORWARD,
     TANH_BACKWARD,
     SUM_ROWS_FORWARD,
+    SUM_ROWS_PARTIAL,
     SUM_FORWARD,
     MEAN_FORWARD,
     MAX_ROWS_FORWARD,
@@ -368,6 +377,9 @@ pub const KERNELS: &[Kernel] = &[
     CROSS_ENTROPY_FORWARD_BACKWARD,
     MSE_LINEAR_FORWARD_BACKWARD,
     CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD,
+    MSE_PARTIAL,
+    CROSS_ENTROPY_PARTIAL,
+    LOSS_FINISH,
     SGD_UPDATE,
     ADAM_UPDATE,
     ADAMW_UPDATE,
@@ -382,6 +394,8 @@ pub const KERNELS: &[Kernel] = &[
     LAYERNORM_FORWARD,
     LAYERNORM_BACKWARD,
     LAYERNORM_BACKWARD_PARAMS,
+    LAYERNORM_BACKWARD_PARAMS_PARTIAL,
+    LAYERNORM_BACKWARD_PARAMS_FINISH,
     CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
     SOFTMAX_FORWARD_SHORT,
     SOFTMAX_BACKWARD_SHORT,
@@ -394,11 +408,13 @@ pub const KERNELS: &[Kernel] = &[
     BINARY_BROADCAST_FORWARD,
     UNARY_FORWARD,
     REDUCE_TO_SHAPE_FORWARD,
+    REDUCE_TO_SHAPE_PARTIAL,
     PERMUTE_FORWARD,
     SLICE_LAST_FORWARD,
     PAD_LAST_FORWARD,
     CONCAT_LAST_FORWARD,
     CACHED_ATTENTION_FORWARD,
+    CACHED_ATTENTION_FORWARD_WORKGROUP,
     SAMPLE_ROWS_FORWARD,
     MATVEC_F16W_FORWARD,
     MATMUL_F16W_FORWARD_SMALL,

@@ -1,7 +1,7 @@
 //! `rowwise.wgsl`: the transformer's row-wise ops. Softmax (optionally with
 //! a causal mask), layernorm, cross-entropy with its gradient, each with one
 //! workgroup per row, or one invocation per row for rows of at most
-//! [`SHORT_ROW_MAX`] columns; embedding lookup with a deterministic
+//! [`Kernels::short_row_max`] columns (by adapter); embedding lookup with a deterministic
 //! backward (a stable counting sort of the ids, then a gather).
 //!
 //! None of these kernels has a row-length limit: a workgroup strides over
@@ -22,7 +22,7 @@ struct RowParams {
     eps: f32,
     scale: f32,
     accumulate: u32,
-    _pad: u32,
+    block_rows: u32,
     row_start: u32,
     row_end: u32,
     table_base: u32,
@@ -39,7 +39,7 @@ impl RowParams {
             eps: 0.0,
             scale: 0.0,
             accumulate: 0,
-            _pad: 0,
+            block_rows: 0,
             row_start: 0,
             row_end: 0,
             table_base: 0,
@@ -97,18 +97,46 @@ pub fn check_token_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()
     }
 }
 
-/// The longest row the `_short` kernels take: one invocation per row with a
-/// serial loop, instead of one 256-wide workgroup per row with barrier
-/// trees. On lavapipe (benches/kernels.rs, `transformer` and `rowwise`
-/// families) the serial path is ~100× faster at 12 and 48 columns and
-/// still faster at 128, where a row is 128 serial steps against the tree's
-/// 8 barriers; long rows (a vocabulary) keep a workgroup each so a few
-/// rows still spread over the whole device.
+/// The longest row the `_short` kernels take on a CPU adapter: one
+/// invocation per row with a serial loop, instead of one 256-wide
+/// workgroup per row with barrier trees. On lavapipe (benches/kernels.rs,
+/// `transformer` and `rowwise` families) the serial path is ~100× faster
+/// at 12 and 48 columns and still faster at 128, where a row is 128 serial
+/// steps against the tree's 8 barriers; long rows (a vocabulary) keep a
+/// workgroup each so a few rows still spread over the whole device.
 pub const SHORT_ROW_MAX: usize = 128;
 
+/// The same on a GPU ([`Kernels::short_row_max`]), where a barrier costs a
+/// few cycles, not a fiber switch: 32 columns, one 128-byte line. A lone
+/// invocation reads a row that fits one line at full efficiency (its
+/// neighbours' rows are the next lines), where a 256-wide workgroup would
+/// leave at least 7 of 8 lanes idle; a longer row spans lines that a
+/// workgroup reads coalesced, and its serial loop would cost more than
+/// the workgroup's 8-level tree.
+pub const SHORT_ROW_MAX_GPU: usize = 32;
+
+/// Invocations of `embedding_backward_sort`'s one workgroup on a GPU that
+/// allows them (on a CPU adapter, and under WebGPU's default limit, 256):
+/// the histogram, the scan's buckets per lane and the tiles of the
+/// scatter (two barriers each) all shrink 4×, and one workgroup is all
+/// this sort has. `SORT_WG_MAX` in rowwise.wgsl.
+const SORT_WG_GPU: u32 = 1024;
+
 impl Kernels {
-    /// `short` with one invocation per row when `cols` ≤ [`SHORT_ROW_MAX`],
-    /// else `long` with one workgroup per row; both over a folded 2-D grid.
+    /// The longest row of the one-invocation-per-row (`_short`) kernels on
+    /// this adapter: [`SHORT_ROW_MAX`] on a CPU adapter, else
+    /// [`SHORT_ROW_MAX_GPU`] (see [`Kernels::gpu_shaped`]).
+    pub fn short_row_max(&self) -> usize {
+        if self.gpu_shaped() {
+            SHORT_ROW_MAX_GPU
+        } else {
+            SHORT_ROW_MAX
+        }
+    }
+
+    /// `short` with one invocation per row when `cols` ≤
+    /// [`Kernels::short_row_max`], else `long` with one workgroup per row;
+    /// both over a folded 2-D grid.
     fn per_row<P: bytemuck::Pod>(
         &self,
         (long, short): (Kernel, Kernel),
@@ -117,7 +145,7 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Result<Dispatch> {
-        if cols <= SHORT_ROW_MAX {
+        if cols <= self.short_row_max() {
             self.prepare(short, &[], bindings, 3, params, flat_groups(rows))
         } else {
             self.prepare(long, &[], bindings, 3, params, rows as u64)
@@ -254,7 +282,9 @@ impl Kernels {
 
     /// dweight[cols] = Σ_r dy · x̂ and dbias[cols] = Σ_r dy, with
     /// x̂ = (x − mean)·rstd, or `+=` both when `accumulate`: one invocation
-    /// per column adds the rows in order, so the result is deterministic.
+    /// per column adds the rows in order, or on a GPU with many rows two
+    /// stages over fixed blocks of rows (as `Kernels::sum_rows`); either
+    /// way the result is deterministic.
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_backward_params(
         &self,
@@ -283,6 +313,32 @@ impl Kernels {
             ],
         )?;
         let params = RowParams { accumulate: u32::from(accumulate), ..RowParams::new(op, rows, cols)? };
+        if let Some(blocks) = self.column_blocks(rows, cols, 2) {
+            // Partials [blocks, 2, cols] in the device's scratch, then
+            // their sums in block order.
+            let _gl = self.device().lock_gl();
+            let len = blocks.blocks * 2 * cols;
+            let scratch = self.reduction_scratch(op, len)?;
+            let partial = View { buffer: &scratch, offset: 0, len };
+            let params = RowParams { block_rows: dim(op, blocks.block_rows)?, ..params };
+            let first = self.prepare(
+                LAYERNORM_BACKWARD_PARAMS_PARTIAL,
+                &[],
+                &[bind(4, "dy", dy), bind(0, "x", x), bind(9, "mean", mean), bind(10, "rstd", rstd), bind(2, "partial", partial)],
+                3,
+                &params,
+                flat_groups(blocks.blocks * cols),
+            )?;
+            let second = self.prepare(
+                LAYERNORM_BACKWARD_PARAMS_FINISH,
+                &[],
+                &[bind(0, "partial", partial), bind(11, "dweight", dweight), bind(12, "dbias", dbias)],
+                3,
+                &params,
+                column_groups(cols),
+            )?;
+            return Ok(first.then(second));
+        }
         self.prepare(
             LAYERNORM_BACKWARD_PARAMS,
             &[],
@@ -396,7 +452,8 @@ impl Kernels {
 
     /// The first half of the embedding backward: order[n] (u32) = the
     /// positions sorted by id, stably, using cursor[vocab + 1] (u32) as
-    /// scratch. One workgroup. Record [`Kernels::embedding_backward`]
+    /// scratch. One workgroup (of 1024 lanes on a GPU that allows them,
+    /// else 256). Record [`Kernels::embedding_backward`]
     /// after it (the same pass is fine); both buffers are plain scratch a
     /// step may reuse afterwards.
     pub fn embedding_backward_sort(&self, order: View<'_>, cursor: View<'_>, ids: View<'_>, n: usize, vocab: usize) -> Result<Dispatch> {
@@ -409,9 +466,12 @@ impl Kernels {
         // vocab + 1 buckets must be countable in u32.
         dim(op, vocab + 1)?;
         let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, 1)? };
+        let limits = self.device().limits();
+        let fits = limits.max_compute_invocations_per_workgroup >= SORT_WG_GPU && limits.max_compute_workgroup_size_x >= SORT_WG_GPU;
+        let lanes = if self.gpu_shaped() && fits { SORT_WG_GPU } else { 256 };
         self.prepare(
             EMBEDDING_BACKWARD_SORT,
-            &[],
+            &[("SORT_WG", f64::from(lanes))],
             &[bind(15, "ids", ids), bind(18, "cursor", cursor), bind(19, "order", order)],
             3,
             &params,

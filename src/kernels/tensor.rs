@@ -19,7 +19,7 @@ struct TensorParams {
     n: u32,
     op: u32,
     accumulate: u32,
-    _pad: u32,
+    block: u32,
     dims: [u32; 4],
     x_strides: [u32; 4],
     y_strides: [u32; 4],
@@ -28,7 +28,7 @@ struct TensorParams {
 
 impl TensorParams {
     fn new(op: &'static str, n: usize) -> Result<Self> {
-        Ok(TensorParams { n: dim(op, n)?, op: 0, accumulate: 0, _pad: 0, dims: [1; 4], x_strides: [0; 4], y_strides: [0; 4], extra: [0; 4] })
+        Ok(TensorParams { n: dim(op, n)?, op: 0, accumulate: 0, block: 0, dims: [1; 4], x_strides: [0; 4], y_strides: [0; 4], extra: [0; 4] })
     }
 }
 
@@ -155,14 +155,27 @@ impl Kernels {
         }
         check_views(name, &[("x", &x, x_shape), ("out", &out, out_shape)], &all)?;
         let (xp, op) = (pad4(x_shape), pad4(out_shape));
+        let extra: [usize; 4] = std::array::from_fn(|i| if op[i] == 1 { xp[i] } else { 1 });
         let params = TensorParams {
             accumulate: u32::from(accumulate),
             dims: to_u32x4(name, op)?,
             x_strides: to_u32x4(name, strides4(xp))?,
-            extra: to_u32x4(name, std::array::from_fn(|i| if op[i] == 1 { xp[i] } else { 1 }))?,
+            extra: to_u32x4(name, extra)?,
             ..TensorParams::new(name, out.len)?
         };
-        self.tensor_dispatch(kernel, &params, &[bind(0, "x", x), bind(2, "out", out)])
+        // Elements summed into each output: the "rows" of a column sum.
+        let summed = x.len / out.len;
+        let Some(blocks) = self.column_blocks(summed, out.len, 1) else {
+            return self.tensor_dispatch(kernel, &params, &[bind(0, "x", x), bind(2, "out", out)]);
+        };
+        // Two stages (see reduce.rs): block sums into the device's
+        // scratch, then reduce.wgsl's column sum over them in block order.
+        let _gl = self.device().lock_gl();
+        let scratch = self.reduction_scratch(name, blocks.blocks * out.len)?;
+        let partial = View { buffer: &scratch, offset: 0, len: blocks.blocks * out.len };
+        let params = TensorParams { block: dim(name, blocks.block_rows)?, ..params };
+        let first = self.prepare(REDUCE_TO_SHAPE_PARTIAL, &[], &[bind(0, "x", x), bind(2, "partial", partial)], 3, &params, flat_groups(partial.len))?;
+        Ok(first.then(self.sum_rows_pass(accumulate, out, partial, blocks.blocks, out.len)?))
     }
 
     /// out = x with axes permuted: out_shape[i] = shape[perm[i]]; rank ≤ 4.

@@ -15,7 +15,7 @@ use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{cpu, Kernels};
 
-const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0 };
+const UNFUSED: PlanOptions = PlanOptions::UNFUSED;
 
 /// One fused-loss case: rows × cols prediction, optional Linear layer of
 /// `inner` inputs (with or without bias), optional bias gradient.
@@ -423,6 +423,52 @@ fn fused_training_steps_match_the_unfused_reference() {
         }
         Ok(())
     });
+}
+
+#[test]
+fn gpu_shaped_training_steps_match_the_adapters_own_shaping() {
+    // Predictions over GPU shaping's single-workgroup loss limit (4096
+    // elements), with 256 rows and more: under GPU shaping the loss is
+    // planned unfused, its value in two stages, the bias gradients as
+    // two-stage column sums; on a GPU adapter the CPU shaping is the other.
+    let big = |name, widths: Vec<usize>, criterion, batch| Case {
+        name,
+        widths,
+        activation: Layer::ReLU,
+        criterion,
+        optimizer: Adam::new(1e-2).into(),
+        batch,
+    };
+    let cases = [big("relu 30-40-10 ce adam, batch 512", vec![30, 40, 10], Criterion::CrossEntropy, 512), big("relu 8-16-12 mse adam, batch 400", vec![8, 16, 12], Criterion::Mse, 400)];
+    let all = common::adapters();
+    if all.is_empty() {
+        common::no_adapter("gpu_shaped_training");
+        return;
+    }
+    for (own, other) in all.iter().zip(common::other_shaping_adapters()) {
+        let _gl = own.device().lock_gl();
+        let (gpu, cpu) = if other.gpu_shaped() { (other, own) } else { (own, other) };
+        let run = || -> wgrad::Result<()> {
+            for case in &cases {
+                let mut on_gpu = trainer(gpu, case, PlanOptions::default())?;
+                let mut on_cpu = trainer(cpu, case, PlanOptions::default())?;
+                let fused = |t: &Trainer| t.executor().plan().loss_with_grad.iter().any(Option::is_some);
+                assert!(fused(&on_cpu) && !fused(&on_gpu), "{}: the loss is fused on the CPU shaping only", case.name);
+                let (gpu_losses, gpu_params) = train(&mut on_gpu, case, 4)?;
+                let (cpu_losses, cpu_params) = train(&mut on_cpu, case, 4)?;
+                // The same sums in other orders (blocks, trees): f32
+                // rounding, compounded over 4 Adam steps.
+                assert_close(&format!("{} losses", case.name), &gpu_losses, &cpu_losses, 1e-5, 1e-4);
+                for (i, (g, c)) in gpu_params.iter().zip(&cpu_params).enumerate() {
+                    assert_close(&format!("{} parameter {i}", case.name), g, c, 1e-5, 1e-4);
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = run() {
+            panic!("gpu_shaped_training on {}: {e}", own.device().label());
+        }
+    }
 }
 
 #[test]

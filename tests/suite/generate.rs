@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, read, rng};
+use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::generate::{Generator, Sampling};
@@ -18,13 +18,20 @@ use wgrad::trainer::Predictor;
 use wgrad::{cpu, Error};
 
 /// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
-/// head counts and dims, position 0 and context − 1, several sequences at
-/// different positions, a prompt's rows after cached ones (rows > 1,
-/// start > 0), a whole prompt, GPT-2's 12 heads of 64, more invocations
-/// than a 256-wide workgroup, and the largest head dimension.
+/// head counts and dims, position 0 (one position) and context − 1,
+/// several sequences at different positions, a prompt's rows after cached
+/// ones (rows > 1, start > 0), a whole prompt, GPT-2's 12 heads of 64,
+/// more invocations than a 256-wide workgroup, the largest head
+/// dimension; for the GPU shape (one workgroup of DECODE_LANES = 64 lanes
+/// per head) 1, 63, 64, 65 and 131 positions, a prompt whose rows straddle
+/// the lanes, head dims around its 32-channel merge chunks (31, 33, 67);
+/// contexts near llvmpipe's 65,535 loop iterations for one invocation
+/// (1,024 positions of 64 channels, within them unrolled; 700 of 256, past
+/// them, which CPU adapters run with the workgroup kernel too); and
+/// positions past the context (their rows NaN, the caches untouched).
 type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);
 
-const ATTENTION_CASES: [AttentionCase; 10] = [
+const ATTENTION_CASES: [AttentionCase; 18] = [
     (1, 1, 1, 1, 1, &[0]),
     (1, 1, 3, 1, 5, &[4]),
     (2, 1, 5, 7, 11, &[0, 10]),
@@ -35,11 +42,19 @@ const ATTENTION_CASES: [AttentionCase; 10] = [
     (3, 30, 7, 3, 37, &[0, 7, 2]),
     (2, 3, 1, 2, 3, &[0, 0]),
     (1, 2, 2, MAX_HEAD_DIM, 6, &[3]),
+    (3, 1, 2, 31, 131, &[62, 63, 64]),
+    (1, 1, 3, 33, 131, &[130]),
+    (2, 1, 1, 67, 97, &[96, 0]),
+    (1, 70, 2, 16, 97, &[5]),
+    (1, 1, 12, 64, 1024, &[1000]),
+    (1, 2, 1, MAX_HEAD_DIM, 700, &[690]),
+    (2, 1, 3, 5, 7, &[7, 2]),
+    (1, 4, 2, 3, 9, &[7]),
 ];
 
 #[test]
 fn cached_attention_matches_the_cpu() {
-    for_each_adapter("cached_attention_forward", |k| {
+    for_each_shaping("cached_attention_forward", |k| {
         for (i, &(seqs, rows, heads, head_dim, context, starts)) in ATTENTION_CASES.iter().enumerate() {
             let shape = CachedAttentionShape { seqs, rows, heads, head_dim, context };
             let (qkv_len, out_len, cache_len) = shape.lengths().expect("small shape");
@@ -49,11 +64,13 @@ fn cached_attention_matches_the_cpu() {
             let k_host = random_vec(&mut r, cache_len, -2.0, 2.0);
             let v_host = random_vec(&mut r, cache_len, -2.0, 2.0);
             let (qkv, starts_gpu) = (k.upload(&qkv_host)?, k.upload(starts)?);
-            let (k_cache, v_cache, out) = (k.upload(&k_host)?, k.upload(&v_host)?, k.upload(&vec![f32::NAN; out_len])?);
+            // Zeros, not NaN: a row past the context must be written NaN.
+            let (k_cache, v_cache, out) = (k.upload(&k_host)?, k.upload(&v_host)?, k.zeros(out_len)?);
             k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), qkv.view(), starts_gpu.view(), shape)?])?;
             let (want_out, want_k, want_v) = cpu::cached_attention(&qkv_host, starts, &k_host, &v_host, shape);
-            let what = format!("{shape:?} starts {starts:?}");
-            // f32 sums of ≤ 256 products over ≤ 40 positions against f64.
+            let what = format!("{shape:?} starts {starts:?}, GPU shaping {}", k.gpu_shaped());
+            // f32 sums of ≤ 256 products over ≤ 1,024 positions against
+            // f64; outputs are weighted means of values in [-2, 2].
             assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
             // Copies: exact, and rows not written keep their values.
             assert_close(&format!("k_cache {what}"), &read(k, &k_cache)?, &want_k, 0.0, 0.0);
@@ -129,7 +146,7 @@ const LOGITS_RTOL: f32 = 1e-4;
 
 #[test]
 fn kv_cache_logits_equal_the_full_sequence_logits() {
-    for_each_adapter("generate: cached logits", |k| {
+    for_each_shaping("generate: cached logits", |k| {
         let model = sharp_model(11);
         let mut predictor = Predictor::new(k.clone(), &model, 1)?;
         let mut generator = Generator::new(k.clone(), &model, 1)?;
@@ -157,7 +174,7 @@ fn kv_cache_logits_equal_the_full_sequence_logits() {
 
 #[test]
 fn several_sequences_keep_their_own_caches() {
-    for_each_adapter("generate: several sequences", |k| {
+    for_each_shaping("generate: several sequences", |k| {
         let model = sharp_model(13);
         let mut predictor = Predictor::new(k.clone(), &model, 1)?;
         let mut generator = Generator::new(k.clone(), &model, 3)?;

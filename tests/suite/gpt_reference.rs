@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter};
+use common::{assert_close, for_each_adapter, for_each_shaping};
 use safetensors::{Dtype, SafeTensors};
 use wgrad::graph::{Executor, Graph};
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
@@ -207,20 +207,21 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
     let (idx, targets) = (fx.ids("idx"), fx.ids("targets"));
     let batch = fx.shape("logits")[0];
     let names = fx.parameters();
-    for_each_adapter("gpt reference", |k| {
+    for_each_shaping("gpt reference", |k| {
         let model = fx.model();
+        let who = format!("{}, {} shaping", k.device().label(), if k.gpu_shaped() { "GPU" } else { "CPU" });
 
         // Logits (within ±1): PyTorch's float32 and float64 differ by
         // 1.0e-7, lavapipe and llvmpipe from PyTorch by 1.2e-7.
         let logits = Predictor::new(k.clone(), &model, batch)?.outputs_ids(idx)?;
-        println!("{}: logits |err| {:.1e}", k.device().label(), worst(&logits, fx.get("logits")));
+        println!("{}: logits |err| {:.1e}", who, worst(&logits, fx.get("logits")));
         assert_close("logits", &logits, fx.get("logits"), 2e-6, 0.0);
 
         let mut trainer = Trainer::new(k.clone(), &model, CrossEntropyLoss, fx.optimizer(), batch)?;
         trainer.forward_ids(idx)?;
         trainer.loss(Targets::Classes(targets))?;
         let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
-        println!("{}: loss |err| {:.1e}", k.device().label(), (loss - fx.get("loss")[0]).abs());
+        println!("{}: loss |err| {:.1e}", who, (loss - fx.get("loss")[0]).abs());
         // The loss (3.42): float32 against float64 3e-7; a few ulps here.
         assert_close("loss", &[loss], fx.get("loss"), 2e-6, 0.0);
 
@@ -236,7 +237,7 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
             grad_err = grad_err.max(worst(&grad, want));
             assert_close(&format!("grad {name}"), &grad, want, 1e-6, 0.0);
         }
-        println!("{}: gradients |err| {grad_err:.1e}", k.device().label());
+        println!("{}: gradients |err| {grad_err:.1e}", who);
 
         // Ten steps on the batch: warmup (1-3), cosine (4-8), floor (9-10);
         // PyTorch clipped steps 1-6 and not 7-10.
@@ -260,7 +261,7 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
             assert_close(&format!("loss of step {}", step + 1), &[loss], &[losses[step]], 5e-6, 0.0);
             assert_close(&format!("gradient norm of step {}", step + 1), &[norm], &[norms[step]], 2e-5, 0.0);
         }
-        println!("{}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}", k.device().label());
+        println!("{}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}", who);
 
         // The parameters after ten steps, key biases aside (see
         // `key_bias`): PyTorch's float32 and float64 differ by 2.4e-6,
@@ -275,7 +276,7 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
             param_err = param_err.max(worst(&got, &want));
             assert_close(&format!("final {name}"), &got, &want, 2e-5, 0.0);
         }
-        println!("{}: final parameters |err| {param_err:.1e}", k.device().label());
+        println!("{}: final parameters |err| {param_err:.1e}", who);
         Ok(())
     });
 }

@@ -506,6 +506,32 @@ fn a_training_step_is_one_submit_and_allocates_nothing() {
 }
 
 #[test]
+fn a_gpu_shaped_training_step_is_one_submit_and_allocates_nothing() {
+    // 512 rows: the bias gradients are two-stage column sums (GPU shaping
+    // from 256 rows), whose partials live in the device's reduction
+    // scratch, sized when the dispatches are built.
+    for_each_adapter("one_submit_gpu_shaped", |shared| {
+        let k = &common::limited_kernels(shared, wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() });
+        let (x, y) = digits_like(512, 2);
+        let mut t = mlp_trainer(k, 1, 512)?;
+        let buffers_before = k.buffers_created();
+        let mut loss = f32::NAN;
+        for step in 0..20 {
+            let submits = k.submit_count();
+            t.zero_grad();
+            t.forward(&x)?;
+            t.loss(Targets::Classes(&y))?;
+            t.backward()?;
+            loss = t.step_reading_loss()?;
+            assert_eq!(k.submit_count() - submits, 1, "step {step}");
+        }
+        assert_eq!(k.buffers_created(), buffers_before, "buffers created during 20 steps");
+        assert!(loss < 1.3, "the rule is learnable: loss {loss}");
+        Ok(())
+    });
+}
+
+#[test]
 fn the_memory_plan_reuses_intermediate_slots() {
     nn::manual_seed(0);
     let model = Sequential::mlp(&[64, 128, 128, 128, 10], Layer::ReLU).unwrap();

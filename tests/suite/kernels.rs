@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
+use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, rng};
 use proptest::prelude::*;
 use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulEpilogue, MatmulForm, MatmulVariant, SgdConfig};
 use wgrad::{cpu, Error, Kernels};
@@ -194,12 +194,14 @@ fn activations_and_their_backward_forms_match_the_cpu() {
 
 #[test]
 fn reductions_match_the_cpu() {
-    for_each_adapter("reductions", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255)] {
+    // Under GPU shaping the column sums of 256 rows and more run in two
+    // stages (blocks of ⌈√rows⌉ rows): 255 / 256 rows, primes, one column.
+    for_each_shaping("reductions", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255), (255, 2), (256, 1), (1031, 129), (4099, 3)] {
             let mut r = rng((rows * 7 + cols) as u64);
             let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
             let x = k.upload(&x_host)?;
-            let what = format!("{rows}×{cols}");
+            let what = format!("{rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             let col_out = k.zeros(cols)?;
             k.run(&[&k.sum_rows(col_out.view(), x.view(), rows, cols)?])?;
             // Sums of `rows` terms of magnitude ≤ 1 in f32.
@@ -229,8 +231,10 @@ fn reductions_match_the_cpu() {
 
 #[test]
 fn mse_forward_and_backward_match_the_cpu() {
-    for_each_adapter("mse", |k| {
-        for (i, &n) in FLAT_SIZES.iter().enumerate() {
+    // Under GPU shaping the loss of more than 4096 elements runs in two
+    // stages (chunks of 64, then one workgroup over their sums).
+    for_each_shaping("mse", |k| {
+        for (i, &n) in FLAT_SIZES.iter().chain(&[4096, 4097]).enumerate() {
             let mut r = rng(300 + i as u64);
             let p_host = random_vec(&mut r, n, -2.0, 2.0);
             let t_host = random_vec(&mut r, n, -2.0, 2.0);
@@ -238,7 +242,7 @@ fn mse_forward_and_backward_match_the_cpu() {
             let loss = k.zeros(1)?;
             k.run(&[&k.mse_forward(loss.view(), p.view(), t.view())?])?;
             // A mean of n squares, each ≤ 16: f32 summation error relative 1e-5.
-            assert_close(&format!("mse n={n}"), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
+            assert_close(&format!("mse n={n}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
             let dloss = k.upload(&[0.5f32])?;
             let dp = k.zeros(n)?;
             k.run(&[&k.mse_backward(dp.view(), p.view(), t.view(), dloss.view())?])?;
@@ -250,8 +254,9 @@ fn mse_forward_and_backward_match_the_cpu() {
 
 #[test]
 fn cross_entropy_forward_and_backward_match_the_cpu() {
-    for_each_adapter("cross_entropy", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000)] {
+    // Under GPU shaping the loss of more than 256 rows runs in two stages.
+    for_each_shaping("cross_entropy", |k| {
+        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000), (256, 5), (257, 5), (1031, 3)] {
             let mut r = rng((rows * 31 + cols) as u64);
             // Large logits check the log-sum-exp is stable.
             let mut logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
@@ -263,7 +268,7 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
             k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), rows, cols)?])?;
             let want = cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols);
             // exp/log accurate to a few ulp; the mean of rows terms in f32.
-            assert_close(&format!("ce {rows}×{cols}"), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
+            assert_close(&format!("ce {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
             let dloss = k.upload(&[2.0f32])?;
             let dlogits = k.zeros(rows * cols)?;
             k.run(&[&k.cross_entropy_backward(dlogits.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
@@ -276,6 +281,12 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
         let loss = k.zeros(1)?;
         k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 2, 2)?])?;
         assert!(k.read::<f32>(loss.view())?[0].is_nan());
+        // And in two stages (300 rows), one bad label among them.
+        let mut labels_host: Vec<u32> = (0..300).map(|i| i % 2).collect();
+        labels_host[150] = 2;
+        let (logits, labels) = (k.upload(&vec![0.5f32; 600])?, k.upload(&labels_host)?);
+        k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 300, 2)?])?;
+        assert!(k.read::<f32>(loss.view())?[0].is_nan(), "GPU shaping {}", k.gpu_shaped());
         Ok(())
     });
 }
@@ -437,14 +448,46 @@ fn accumulating_matmul_and_column_sums_add_into_their_output() {
                 assert_close(&format!("accumulate {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-5);
             }
         }
-        let (rows, cols) = (37, 11);
-        let mut r = rng(77);
-        let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
-        let out_host = random_vec(&mut r, cols, -1.0, 1.0);
-        let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
-        k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
-        let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
-        assert_close("sum_rows accumulate", &k.read::<f32>(out.view())?, &want, 1e-5, 1e-5);
+        Ok(())
+    });
+}
+
+#[test]
+fn accumulating_column_sums_add_into_their_output() {
+    // 263 rows: two stages under GPU shaping.
+    for_each_shaping("sum_rows accumulate", |k| {
+        for (rows, cols) in [(37, 11), (263, 11)] {
+            let mut r = rng(77 + rows as u64);
+            let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
+            let out_host = random_vec(&mut r, cols, -1.0, 1.0);
+            let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
+            k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
+            let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
+            // rows terms of magnitude ≤ 1 onto a value ≤ 1, in f32.
+            assert_close(&format!("sum_rows accumulate {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(out.view())?, &want, 1e-6 * rows as f32 + 1e-5, 1e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn two_stage_column_sums_are_the_same_bits_on_every_run() {
+    // The blocks depend on the shape alone: reruns and a second dispatch
+    // built for the same shape give identical bits.
+    for_each_shaping("sum_rows determinism", |k| {
+        let (rows, cols) = (2053, 5);
+        let x_host = random_vec(&mut rng(78), rows * cols, -1.0, 1.0);
+        let (x, a, b) = (k.upload(&x_host)?, k.zeros(cols)?, k.zeros(cols)?);
+        let first = k.sum_rows(a.view(), x.view(), rows, cols)?;
+        k.run(&[&first])?;
+        let want = k.read::<u32>(a.view())?;
+        for _ in 0..3 {
+            k.run(&[&k.sum_rows(b.view(), x.view(), rows, cols)?, &first])?;
+            assert_eq!(k.read::<u32>(b.view())?, want, "GPU shaping {}", k.gpu_shaped());
+            assert_eq!(k.read::<u32>(a.view())?, want, "GPU shaping {}", k.gpu_shaped());
+        }
+        // Two stages (two launches) exactly where the GPU shaping is on.
+        assert_eq!(first.launches(), if k.gpu_shaped() { 2 } else { 1 });
         Ok(())
     });
 }

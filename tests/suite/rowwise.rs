@@ -7,20 +7,23 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, random_vec, read, rng};
+use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
 use rand::Rng;
-use wgrad::kernels::SHORT_ROW_MAX;
+use wgrad::kernels::{SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 use wgrad::{cpu, Error, Kernels};
 
 /// (rows, cols): 1, primes, around the workgroup size, a long row; the
 /// attention example's scores (1536×12) and token rows (384×48); both sides
 /// of SHORT_ROW_MAX (128: one invocation per row; 131, a prime: one
-/// workgroup per row).
-const ROW_SHAPES: [(usize, usize); 13] = [
+/// workgroup per row) and of SHORT_ROW_MAX_GPU (32 and 33), the boundary
+/// under GPU shaping.
+const ROW_SHAPES: [(usize, usize); 15] = [
     (1, 1),
     (1, 7),
     (3, 1),
     (5, 13),
+    (11, 32),
+    (6, 33),
     (1536, 12),
     (384, 48),
     (9, 128),
@@ -36,11 +39,13 @@ const ROW_SHAPES: [(usize, usize); 13] = [
 fn the_shapes_exercise_both_row_paths() {
     assert_eq!(SHORT_ROW_MAX, 128, "update the shapes at the SHORT_ROW_MAX boundary (128 and the prime 131)");
     assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX + 3));
+    assert_eq!(SHORT_ROW_MAX_GPU, 32, "update the shapes at the SHORT_ROW_MAX_GPU boundary (32 and 33)");
+    assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU + 1));
 }
 
 #[test]
 fn softmax_forward_matches_the_cpu() {
-    for_each_adapter("softmax_forward", |k| {
+    for_each_shaping("softmax_forward", |k| {
         for (i, &(rows, cols)) in ROW_SHAPES.iter().enumerate() {
             let x_host = random_vec(&mut rng(i as u64), rows * cols, -5.0, 5.0);
             let x = k.upload(&x_host)?;
@@ -49,7 +54,7 @@ fn softmax_forward_matches_the_cpu() {
             // exp to a few ulp over |x - max| ≤ 10 (Vulkan allows 3 + 2|x|
             // ulp) and a sum of ≤ 197 terms per invocation in f32: ≲ 1e-5
             // relative; atol for probabilities that are nearly 0.
-            assert_close(&format!("softmax {rows}×{cols}"), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, None), 1e-8, 2e-5);
+            assert_close(&format!("softmax {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, None), 1e-8, 2e-5);
         }
         Ok(())
     });
@@ -57,10 +62,11 @@ fn softmax_forward_matches_the_cpu() {
 
 #[test]
 fn causal_softmax_masks_the_future_of_each_query() {
-    for_each_adapter("softmax_causal", |k| {
+    for_each_shaping("softmax_causal", |k| {
         // [batch·heads·T, T] with batch·heads = 2·3 and T prime (and 1).
-        // 12: the attention example; 128 / 131: each side of SHORT_ROW_MAX.
-        for (i, t) in [1usize, 2, 7, 12, 13, 128, 131, 257].into_iter().enumerate() {
+        // 12: the attention example; 128 / 131: each side of SHORT_ROW_MAX;
+        // 32 / 33: each side of SHORT_ROW_MAX_GPU.
+        for (i, t) in [1usize, 2, 7, 12, 13, 32, 33, 128, 131, 257].into_iter().enumerate() {
             let rows = 6 * t;
             let x_host = random_vec(&mut rng(50 + i as u64), rows * t, -5.0, 5.0);
             let x = k.upload(&x_host)?;
@@ -69,7 +75,7 @@ fn causal_softmax_masks_the_future_of_each_query() {
             let got = read(k, &y)?;
             let want = cpu::softmax_forward(&x_host, rows, t, Some(t));
             // As softmax_forward_matches_the_cpu.
-            assert_close(&format!("causal softmax T={t}"), &got, &want, 1e-8, 2e-5);
+            assert_close(&format!("causal softmax T={t}, GPU shaping {}", k.gpu_shaped()), &got, &want, 1e-8, 2e-5);
             for r in 0..rows {
                 let query = r % t;
                 assert!(got[r * t + query + 1..(r + 1) * t].iter().all(|&p| p == 0.0), "T={t} row {r}: a masked column is not 0");
@@ -135,7 +141,7 @@ fn short_rows_fold_the_grid_past_65535_workgroups() {
 
 #[test]
 fn softmax_backward_matches_the_cpu() {
-    for_each_adapter("softmax_backward", |k| {
+    for_each_shaping("softmax_backward", |k| {
         for (i, &(rows, cols)) in ROW_SHAPES.iter().enumerate() {
             let mut r = rng(100 + i as u64);
             let y_host = cpu::softmax_forward(&random_vec(&mut r, rows * cols, -5.0, 5.0), rows, cols, None);
@@ -144,17 +150,21 @@ fn softmax_backward_matches_the_cpu() {
             k.run(&[&k.softmax_backward(dx.view(), y.view(), dy.view(), rows, cols)?])?;
             // dx = y·(dy − dot) with y ≤ 1, |dy| ≤ 1 and dot a ≤ 1 sum in
             // f32: |err| ≲ y·1e-6, so 1e-7 absolute plus 1e-5 relative.
-            assert_close(&format!("softmax_backward {rows}×{cols}"), &read(k, &dx)?, &cpu::softmax_backward(&y_host, &dy_host, rows, cols), 1e-7, 1e-5);
+            assert_close(&format!("softmax_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &read(k, &dx)?, &cpu::softmax_backward(&y_host, &dy_host, rows, cols), 1e-7, 1e-5);
         }
         Ok(())
     });
 }
 
 /// Layernorm shapes: the row shapes plus many rows (the parameter
-/// gradients sum over rows).
+/// gradients sum over rows; from 256 rows on, in two stages under GPU
+/// shaping: 255 / 256 rows, primes, a block count above the columns).
 /// Includes the attention example's 384×48, both sides of SHORT_ROW_MAX, and
 /// more rows than one grid dimension holds on the short path.
-const LAYERNORM_SHAPES: [(usize, usize); 15] = [
+const LAYERNORM_SHAPES: [(usize, usize); 18] = [
+    (255, 33),
+    (256, 32),
+    (1031, 7),
     (1, 1),
     (1, 7),
     (3, 1),
@@ -174,7 +184,7 @@ const LAYERNORM_SHAPES: [(usize, usize); 15] = [
 
 #[test]
 fn layernorm_forward_matches_the_cpu() {
-    for_each_adapter("layernorm_forward", |k| {
+    for_each_shaping("layernorm_forward", |k| {
         for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
             let mut r = rng(200 + i as u64);
             // Offset by 3 so the mean is far from 0 (the variance must not cancel).
@@ -185,7 +195,7 @@ fn layernorm_forward_matches_the_cpu() {
             let (y, mean, rstd) = (k.zeros(rows * cols)?, k.zeros(rows)?, k.zeros(rows)?);
             k.run(&[&k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), b.view(), rows, cols, 1e-5)?])?;
             let want = cpu::layernorm_forward(&x_host, &w_host, &b_host, rows, cols, 1e-5);
-            let what = format!("layernorm {rows}×{cols}");
+            let what = format!("layernorm {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             // Sums of ≤ 197 terms per invocation of |x| ≤ 5 in f32:
             // mean and variance to ~1e-6 relative; y = O(5).
             assert_close(&format!("{what} mean"), &read(k, &mean)?, &want.mean, 1e-6, 1e-5);
@@ -198,7 +208,7 @@ fn layernorm_forward_matches_the_cpu() {
 
 #[test]
 fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
-    for_each_adapter("layernorm_backward", |k| {
+    for_each_shaping("layernorm_backward", |k| {
         for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
             let mut r = rng(300 + i as u64);
             let x_host: Vec<f32> = random_vec(&mut r, rows * cols, -2.0, 2.0).iter().map(|v| v + 3.0).collect();
@@ -217,12 +227,13 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
                 &k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?,
             ])?;
             let want = cpu::layernorm_backward(&dy_host, &x_host, &w_host, &fwd.mean, &fwd.rstd, rows, cols);
-            let what = format!("layernorm_backward {rows}×{cols}");
+            let what = format!("layernorm_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             // dx = (g − mean(g) − x̂·mean(g·x̂))·rstd with |g| ≤ 1.5, |x̂| ≲ 2
             // and rstd ≲ 1.5 (cols = 1 gives exactly 0): f32 sums of ≤ 197
             // terms per invocation, a few roundings of O(1) values.
             assert_close(&format!("{what} dx"), &read(k, &dx)?, &want.dx, 2e-6, 2e-5);
-            // Added into the initial values; sums over ≤ 70,001 rows in order (atol grows with the rows).
+            // Added into the initial values; sums over ≤ 70,001 rows in order,
+            // or in blocks of ⌈√rows⌉ then the blocks (atol grows with the rows).
             let add = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<f32>>();
             let atol = 1e-6 * rows as f32 + 1e-6;
             assert_close(&format!("{what} dweight"), &read(k, &dw)?, &add(&dw0, &want.dweight), atol, 1e-5);
@@ -234,12 +245,13 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
 
 /// (rows, vocab) for cross-entropy: 1, primes, a digits-sized and a
 /// GPT-2-sized vocabulary.
-/// Also the attention example's 384×16 and both sides of SHORT_ROW_MAX.
-const CE_SHAPES: [(usize, usize); 10] = [(1, 1), (1, 2), (3, 7), (384, 16), (3, 128), (3, 131), (5, 257), (64, 65), (2, 1031), (4, 50_257)];
+/// Also the attention example's 384×16 and both sides of SHORT_ROW_MAX and
+/// of SHORT_ROW_MAX_GPU.
+const CE_SHAPES: [(usize, usize); 12] = [(1, 1), (1, 2), (3, 7), (384, 16), (5, 32), (7, 33), (3, 128), (3, 131), (5, 257), (64, 65), (2, 1031), (4, 50_257)];
 
 #[test]
 fn cross_entropy_rows_matches_the_cpu() {
-    for_each_adapter("cross_entropy_rows", |k| {
+    for_each_shaping("cross_entropy_rows", |k| {
         for (i, &(rows, vocab)) in CE_SHAPES.iter().enumerate() {
             let mut r = rng(400 + i as u64);
             let logits_host = random_vec(&mut r, rows * vocab, -4.0, 4.0);
@@ -252,7 +264,7 @@ fn cross_entropy_rows_matches_the_cpu() {
                 &k.mean(mean.view(), losses.view())?,
             ])?;
             let (want_losses, want_dlogits) = cpu::cross_entropy_rows_forward_backward(&logits_host, &targets_host, rows, vocab, scale);
-            let what = format!("cross_entropy_rows {rows}×{vocab}");
+            let what = format!("cross_entropy_rows {rows}×{vocab}, GPU shaping {}", k.gpu_shaped());
             // max + log Σ exp: the f32 sum of ≤ 50,257 terms (≤ 197 per
             // invocation) is good to ~1e-5 relative, so the log to ~1e-5
             // absolute; losses are ≲ 19.
@@ -315,8 +327,10 @@ fn a_target_outside_the_vocabulary_gives_a_nan_row_and_no_out_of_bounds_read() {
 
 /// (n, vocab, channels) for the embedding: 1, primes, more positions than a
 /// workgroup, more channels than a workgroup, a GPT-2-sized vocabulary.
-const EMBEDDING_SHAPES: [(usize, usize, usize); 7] =
-    [(1, 1, 1), (13, 7, 5), (257, 3, 300), (300, 50, 257), (1000, 11, 37), (64, 50_257, 3), (2, 2, 1)];
+/// Under GPU shaping the sort's workgroup has 1024 lanes: 2053 positions
+/// fill two tiles and part of a third.
+const EMBEDDING_SHAPES: [(usize, usize, usize); 8] =
+    [(1, 1, 1), (13, 7, 5), (257, 3, 300), (300, 50, 257), (1000, 11, 37), (64, 50_257, 3), (2, 2, 1), (2053, 13, 2)];
 
 /// Ids for the embedding tests: the first half from a handful of tokens (so
 /// tokens repeat many times), the rest from the whole vocabulary.
@@ -365,13 +379,13 @@ fn stable_order(ids: &[u32], vocab: usize) -> Vec<u32> {
 
 #[test]
 fn embedding_backward_is_deterministic_and_matches_the_cpu() {
-    for_each_adapter("embedding_backward", |k| {
+    for_each_shaping("embedding_backward", |k| {
         for (i, &(n, vocab, channels)) in EMBEDDING_SHAPES.iter().enumerate() {
             let mut r = rng(600 + i as u64);
             let ids_host = embedding_ids(&mut r, n, vocab);
             let dout = random_vec(&mut r, n * channels, -1.0, 1.0);
             let dtable0 = random_vec(&mut r, vocab * channels, -1.0, 1.0);
-            let what = format!("embedding_backward {n}×{vocab}×{channels}");
+            let what = format!("embedding_backward {n}×{vocab}×{channels}, GPU shaping {}", k.gpu_shaped());
             let (first, order) = embedding_backward_gpu(k, &dtable0, &dout, &ids_host, vocab, channels)?;
             assert_eq!(order, stable_order(&ids_host, vocab), "{what}: sorted positions");
             let (second, _) = embedding_backward_gpu(k, &dtable0, &dout, &ids_host, vocab, channels)?;

@@ -58,8 +58,8 @@ fn tint_compile(tint: &Path, module: &Path, entry: Option<&str>, overrides: &[(S
 }
 
 /// Override values worth compiling an entry point with: the defaults, every
-/// boolean override on, and the matrix-vector kernels' row counts and
-/// lane counts as the Rust side picks them.
+/// boolean override on, the matrix-vector kernels' row counts and lane
+/// counts and the embedding sort's lanes as the Rust side picks them.
 fn override_variants(naga_src: &str) -> Vec<Vec<(String, String)>> {
     let module = naga::front::wgsl::parse_str(naga_src).expect("naga parses the registry's source");
     let mut all_on = Vec::new();
@@ -79,6 +79,10 @@ fn override_variants(naga_src: &str) -> Vec<Vec<(String, String)>> {
         for (rows, lanes) in [(1, 8), (4, 8), (2, 64), (3, 256)] {
             variants.push(vec![("MATVEC_ROWS".into(), format!("{rows}")), ("MATVEC_WG".into(), format!("{lanes}"))]);
         }
+    }
+    // The embedding sort's lanes on a GPU that allows 1024 (rowwise.rs).
+    if numeric.iter().any(|n| n == "SORT_WG") {
+        variants.push(vec![("SORT_WG".into(), "1024".into())]);
     }
     variants
 }

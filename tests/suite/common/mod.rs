@@ -152,6 +152,46 @@ pub fn for_each_adapter(test: &str, body: impl Fn(&Arc<Kernels>) -> wgrad::Resul
     }
 }
 
+/// Each adapter's kernels with the other shaping forced
+/// (`LimitOverrides::gpu_shaping`): the GPU shapes and thresholds on a CPU
+/// adapter, the CPU ones on a GPU. In the order of [`adapters`], one
+/// device each, opened once.
+pub fn other_shaping_adapters() -> &'static [Arc<Kernels>] {
+    static ALL: OnceLock<Vec<Arc<Kernels>>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        reports()
+            .iter()
+            .map(|r| {
+                let opts = wgrad::DeviceOptions { backends: None, adapter: Some(r.index.to_string()), ..Default::default() };
+                let device = Device::open(&opts).expect("open adapter");
+                let _gl = device.lock_gl();
+                let gpu_shaping = Some(device.is_cpu());
+                let overrides = wgrad::kernels::LimitOverrides { gpu_shaping, ..Default::default() };
+                Arc::new(Kernels::with_limits(device, overrides).expect("no limit lowered"))
+            })
+            .collect()
+    })
+}
+
+/// [`for_each_adapter`], twice per adapter: with its own kernel shaping
+/// and with the other one ([`other_shaping_adapters`]), so the GPU
+/// shapes (workgroup attention, two-stage sums, GPU thresholds) run on
+/// the software adapters too. `body` may ask `k.gpu_shaped()`.
+pub fn for_each_shaping(test: &str, body: impl Fn(&Arc<Kernels>) -> wgrad::Result<()>) {
+    let all = adapters();
+    if all.is_empty() {
+        no_adapter(test);
+        return;
+    }
+    for k in all.iter().chain(other_shaping_adapters()) {
+        let _gl = k.device().lock_gl();
+        if let Err(e) = body(k) {
+            let shaping = if k.gpu_shaped() { "GPU" } else { "CPU" };
+            panic!("{test} on {} ({shaping} shaping): {e}", k.device().label());
+        }
+    }
+}
+
 /// `|got - want| <= atol + rtol * |want|` elementwise, NaN only where NaN is wanted.
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
