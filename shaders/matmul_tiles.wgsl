@@ -1,5 +1,6 @@
 // The workgroup-memory tiled kernels' staging, multiply-adds and stores,
-// for matmul.wgsl's matmul_forward_shared (f32, every form): the
+// shared by matmul.wgsl's matmul_forward_shared (f32, every form) and
+// f16_weights.wgsl's matmul_f16w_forward_shared (f16 weights, A·Bᵀ): the
 // layout for real GPUs (the register-blocked kernels' 512 accumulators per
 // invocation would spill there).
 // A workgroup of 16×8 invocations computes one 64×64 tile of C in slices of

@@ -31,7 +31,7 @@ pub enum Shared {
     /// and matmul_f16.wgsl.
     MatmulRows,
     /// The workgroup-memory tiled kernels' staging, multiply-adds and
-    /// stores (the GPU layout), for matmul.wgsl.
+    /// stores (the GPU layout), for matmul.wgsl and f16_weights.wgsl.
     MatmulTiles,
 }
 
@@ -143,7 +143,7 @@ impl Family {
             Family::Sampling => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
-            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
+            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
         }
     }
 
@@ -199,7 +199,7 @@ impl Family {
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
-            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
         }
     }
 }
@@ -336,6 +336,8 @@ pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_fo
 pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
 pub const MATMUL_F16W_FORWARD_SMALL: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_small");
 pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_register");
+pub const MATMUL_F16W_FORWARD_SHARED: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared");
+pub const MATMUL_F16W_FORWARD_SHARED_VEC: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared_vec");
 pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
 
 /// Every entry point wgrad dispatches.
@@ -410,5 +412,7 @@ pub const KERNELS: &[Kernel] = &[
     MATVEC_F16W_FORWARD,
     MATMUL_F16W_FORWARD_SMALL,
     MATMUL_F16W_FORWARD_REGISTER,
+    MATMUL_F16W_FORWARD_SHARED,
+    MATMUL_F16W_FORWARD_SHARED_VEC,
     EMBEDDING_F16W_FORWARD,
 ];
