@@ -6,6 +6,9 @@
 //   matvec_f16w_forward:           C[M,N] = A[M,K] · B[N,K]ᵀ, M ≤ 4 (decode)
 //   matmul_f16w_forward_small:     the same for any M, products ≤ 2^20 MACs
 //   matmul_f16w_forward_register:  the same for larger products (prefill)
+//                                  on a CPU adapter
+//   matmul_f16w_forward_shared:    the same on a GPU (workgroup memory),
+//   matmul_f16w_forward_shared_vec   with scalar or vector loads
 //   embedding_f16w_forward:        out[n,C] = table[ids[n], :]
 // A, C, bias and pre are f32; B and the table are f16, bound as 4-byte words
 // (value 2i in the low half of word i, as kernels::F16Tensor). Each f16 is
@@ -488,6 +491,101 @@ fn matmul_f16w_forward_register(
     mm_store_row(row0 + 29u, col0, acc29);
     mm_store_row(row0 + 30u, col0, acc30);
     mm_store_row(row0 + 31u, col0, acc31);
+}
+
+// Stages B[col0.., k0..] (C's columns, steps of k) from p.b_base into
+// mt_b's cols layout, widened to f32: consecutive invocations read
+// consecutive steps of a row of B.
+fn f16w_stage_b(t: u32, col0: u32, k0: u32) {
+    let n = p.n;
+    let k = p.k;
+    for (var l = 0u; l < 8u; l++) {
+        // 1024 values: column e / 16, step e % 16.
+        let e = t + MT_INVOCATIONS * l;
+        let col = col0 + e / 16u;
+        let kk = k0 + e % 16u;
+        let v = f32(b[p.b_base + min(col, n - 1u) * k + min(kk, k - 1u)]);
+        mt_b[(e / 16u) * MT_B_COL + (e % 16u) / 4u][e % 4u] = select(0.0, v, col < n && kk < k);
+    }
+}
+
+// f16w_stage_b 8 weights a load (a vec4<u32> of packed pairs, one load per
+// invocation), for K and p.b_base multiples of 8, so that a load is wholly
+// inside or outside K.
+fn f16w_stage_b8(t: u32, col0: u32, k0: u32) {
+    let n = p.n;
+    let k = p.k;
+    // 64 columns × 2 loads: column t / 2, steps 8·(t % 2) + 0..7.
+    let col = col0 + t / 2u;
+    let kk = k0 + 8u * (t % 2u);
+    let w = b8[(p.b_base + min(col, n - 1u) * k + min(kk, k - 8u)) / 8u];
+    let keep = col < n && kk < k;
+    let i = (t / 2u) * MT_B_COL + 2u * (t % 2u);
+    mt_b[i] = select(vec4<f32>(0.0), vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)), keep);
+    mt_b[i + 1u] = select(vec4<f32>(0.0), vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)), keep);
+}
+
+// C[M,N] = A[M,K] · B[N,K]ᵀ, B in f16, for larger products on a GPU, where
+// the register-blocked layout's 512 accumulators per invocation would
+// spill: matmul.wgsl's workgroup-memory tiled layout (matmul_tiles.wgsl).
+// 16×8 invocations compute one 64×64 tile of C in slices of MT_DEPTH steps
+// of k, each invocation an 8×4 block; A's rows and B's rows (C's columns)
+// are staged in workgroup memory by loads in which consecutive invocations
+// read consecutive addresses. This entry loads scalars;
+// matmul_f16w_forward_shared_vec below loads vec4s of A and 8 weights at a
+// time where the layout allows. The staging of A, the multiply-adds and
+// the stores are matmul_tiles.wgsl's.
+@compute @workgroup_size(16, 8, 1)
+fn matmul_f16w_forward_shared(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) lindex: u32,
+) {
+    // Uniform per workgroup, so returning before the barriers is allowed.
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * F16W_TILE;
+    let col0 = (tile % p.tiles_n) * F16W_TILE;
+    var acc: MtBlock;
+    for (var k0 = 0u; k0 < p.k; k0 += MT_DEPTH) {
+        mt_stage_a_rows(lindex, row0, k0, 0u);
+        f16w_stage_b(lindex, col0, k0);
+        workgroupBarrier();
+        acc = mt_multiply(acc, lid.x, lid.y, true, false);
+        workgroupBarrier();
+    }
+    mt_store(row0, col0, lid.x, lid.y, false, acc);
+}
+
+// C[M,N] = A[M,K] · B[N,K]ᵀ: matmul_f16w_forward_shared with vec4 loads of
+// A and 8-weight loads of B, for K and p.b_base multiples of 8 and A and B
+// bound 16-byte aligned (the Rust side checks). An entry of its own because
+// WebGPU refuses an entry point that uses both views of a binding.
+@compute @workgroup_size(16, 8, 1)
+fn matmul_f16w_forward_shared_vec(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) lindex: u32,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * F16W_TILE;
+    let col0 = (tile % p.tiles_n) * F16W_TILE;
+    var acc: MtBlock;
+    for (var k0 = 0u; k0 < p.k; k0 += MT_DEPTH) {
+        mt_stage_a_rows4(lindex, row0, k0, 0u);
+        f16w_stage_b8(lindex, col0, k0);
+        workgroupBarrier();
+        acc = mt_multiply(acc, lid.x, lid.y, true, false);
+        workgroupBarrier();
+    }
+    mt_store(row0, col0, lid.x, lid.y, false, acc);
 }
 
 struct EmbeddingParams {

@@ -9,7 +9,7 @@
 // attention's [B·H] matrices) runs as workgroup_id.z: each operand is
 // `batch` contiguous matrices, `p.batch_*` elements apart (see set_batch).
 
-// Only matmul_forward_shared and matmul_forward_register_vec4 read these;
+// Only the shared and vec4 kernels read these;
 // the other kernels take the form from the strides in MatmulParams.
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
@@ -92,7 +92,7 @@ struct MatmulParams {
 const TILE: u32 = 64u;
 
 // Where this invocation's matrices of the batch start in a, b and c (in
-// f32 elements). Private (per invocation) so write_c, a_at and b_at see
+// f32 elements). Private (per invocation) so write_c sees
 // them without every store helper taking three more arguments; the
 // kernels fold a_off / b_off into offsets computed once before the k loop.
 var<private> a_off: u32;
@@ -127,20 +127,6 @@ fn write_c(row: u32, col: u32, product: f32) {
     } else {
         c[i] = v;
     }
-}
-
-fn a_at(row: u32, kk: u32) -> f32 {
-    if TRANS_A {
-        return a[a_off + kk * p.m + row];
-    }
-    return a[a_off + row * p.k + kk];
-}
-
-fn b_at(kk: u32, col: u32) -> f32 {
-    if TRANS_B {
-        return b[b_off + col * p.k + kk];
-    }
-    return b[b_off + kk * p.n + col];
 }
 
 // Small-shape form, for products of at most 2^20 multiply-adds (the Rust
@@ -802,15 +788,76 @@ fn matmul_forward_register_vec4(
     mm_store_row_contiguous(row0 + 31u, col0, acc31);
 }
 
-// Workgroup-memory tiled form: the usual choice on real GPUs. 16×16 threads
-// stage 64×16 slices of op(A) and 16×64 slices of op(B) in workgroup memory;
-// each thread accumulates a 4×4 register block (rows and columns interleaved
-// with stride 16 so that reads of the staged tiles are conflict-free).
-const DEPTH: u32 = 16u;
-var<workgroup> a_tile: array<f32, 1024>; // [DEPTH][TILE]
-var<workgroup> b_tile: array<f32, 1024>; // [DEPTH][TILE]
+// Stages op(B)[k0.., col0..] for B stored [K,N] (op(B) = B) from element
+// `off`: consecutive invocations read consecutive columns at one step.
+fn shared_stage_b_rows(t: u32, col0: u32, k0: u32, off: u32) {
+    let n = p.n;
+    let k = p.k;
+    for (var l = 0u; l < 8u; l++) {
+        // 1024 values: step e / 64, column e % 64.
+        let e = t + MT_INVOCATIONS * l;
+        let kk = k0 + e / 64u;
+        let col = col0 + e % 64u;
+        let v = b[off + min(kk, k - 1u) * n + min(col, n - 1u)];
+        mt_b[e / 4u][e % 4u] = select(0.0, v, col < n && kk < k);
+    }
+}
 
-@compute @workgroup_size(16, 16, 1)
+// shared_stage_b_rows in vec4s, for N and `off` multiples of 4.
+fn shared_stage_b_rows4(t: u32, col0: u32, k0: u32, off: u32) {
+    let n = p.n;
+    let k = p.k;
+    for (var l = 0u; l < 2u; l++) {
+        // 256 vec4s: step e / 16, columns 4·(e % 16) + 0..3.
+        let e = t + MT_INVOCATIONS * l;
+        let kk = k0 + e / 16u;
+        let col = col0 + 4u * (e % 16u);
+        let v = b4[(off + min(kk, k - 1u) * n + min(col, n - 4u)) / 4u];
+        mt_b[e] = select(vec4<f32>(0.0), v, col < n && kk < k);
+    }
+}
+
+// As shared_stage_b_rows for B stored [N,K] (op(B) = Bᵀ): consecutive
+// invocations read consecutive steps of a stored row.
+fn shared_stage_b_cols(t: u32, col0: u32, k0: u32, off: u32) {
+    let n = p.n;
+    let k = p.k;
+    for (var l = 0u; l < 8u; l++) {
+        // 1024 values: column e / 16, step e % 16.
+        let e = t + MT_INVOCATIONS * l;
+        let col = col0 + e / 16u;
+        let kk = k0 + e % 16u;
+        let v = b[off + min(col, n - 1u) * k + min(kk, k - 1u)];
+        mt_b[(e / 16u) * MT_B_COL + (e % 16u) / 4u][e % 4u] = select(0.0, v, col < n && kk < k);
+    }
+}
+
+// shared_stage_b_cols in vec4s, for K and `off` multiples of 4.
+fn shared_stage_b_cols4(t: u32, col0: u32, k0: u32, off: u32) {
+    let n = p.n;
+    let k = p.k;
+    for (var l = 0u; l < 2u; l++) {
+        // 256 vec4s: column e / 4, steps 4·(e % 4) + 0..3.
+        let e = t + MT_INVOCATIONS * l;
+        let col = col0 + e / 4u;
+        let kk = k0 + 4u * (e % 4u);
+        let v = b4[(off + min(col, n - 1u) * k + min(kk, k - 4u)) / 4u];
+        mt_b[(e / 4u) * MT_B_COL + e % 4u] = select(vec4<f32>(0.0), v, col < n && kk < k);
+    }
+}
+
+// C[M,N] = op(A)·op(B), workgroup-memory tiled: the default on real GPUs
+// (any adapter that is not a CPU, untuned). 16×8 invocations compute one
+// 64×64 tile of C in slices of MT_DEPTH steps of k, each invocation an 8×4
+// block. The slices of A and B are staged in workgroup memory in the
+// layout they are stored in, so that in every form consecutive invocations
+// load consecutive addresses (coalesced), not rows K apart. This entry
+// loads scalars; matmul_forward_shared_vec4 below loads vec4s where the
+// Rust side finds both operands' stored rows a multiple of 4 long and
+// their matrices 16-byte aligned. Rows, columns and steps past the edges
+// are staged as 0 and not stored. The staging of A, the multiply-adds and
+// the stores are matmul_tiles.wgsl's (shared with f16_weights.wgsl).
+@compute @workgroup_size(16, 8, 1)
 fn matmul_forward_shared(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -825,44 +872,61 @@ fn matmul_forward_shared(
     set_batch(wid.z);
     let row0 = (tile / p.tiles_n) * TILE;
     let col0 = (tile % p.tiles_n) * TILE;
-    var acc: array<f32, 16>;
-    for (var k0 = 0u; k0 < p.k; k0 += DEPTH) {
-        for (var l = 0u; l < 4u; l++) {
-            let e = lindex + 256u * l;
-            let kk = k0 + e / TILE;
-            let off = e % TILE;
-            let in_k = kk < p.k;
-            let row = row0 + off;
-            let col = col0 + off;
-            let ka = min(kk, p.k - 1u);
-            a_tile[e] = select(0.0, a_at(min(row, p.m - 1u), ka), in_k && row < p.m);
-            b_tile[e] = select(0.0, b_at(ka, min(col, p.n - 1u)), in_k && col < p.n);
+    var acc: MtBlock;
+    for (var k0 = 0u; k0 < p.k; k0 += MT_DEPTH) {
+        if TRANS_A {
+            mt_stage_a_cols(lindex, row0, k0, a_off);
+        } else {
+            mt_stage_a_rows(lindex, row0, k0, a_off);
+        }
+        if TRANS_B {
+            shared_stage_b_cols(lindex, col0, k0, b_off);
+        } else {
+            shared_stage_b_rows(lindex, col0, k0, b_off);
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < DEPTH; kk++) {
-            var a_reg: array<f32, 4>;
-            var b_reg: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                a_reg[i] = a_tile[kk * TILE + lid.y + 16u * i];
-                b_reg[i] = b_tile[kk * TILE + lid.x + 16u * i];
-            }
-            for (var i = 0u; i < 4u; i++) {
-                for (var j = 0u; j < 4u; j++) {
-                    acc[i * 4u + j] = fma(a_reg[i], b_reg[j], acc[i * 4u + j]);
-                }
-            }
-        }
+        acc = mt_multiply(acc, lid.x, lid.y, !TRANS_A, !TRANS_B);
         workgroupBarrier();
     }
-    for (var i = 0u; i < 4u; i++) {
-        let row = row0 + lid.y + 16u * i;
-        for (var j = 0u; j < 4u; j++) {
-            let col = col0 + lid.x + 16u * j;
-            if row < p.m && col < p.n {
-                write_c(row, col, acc[i * 4u + j]);
-            }
-        }
+    mt_store(row0, col0, lid.x, lid.y, !TRANS_B, acc);
+}
+
+// C[M,N] = op(A)·op(B): matmul_forward_shared with vec4 loads, for A's
+// stored rows (K, or M when TRANS_A) and B's (N, or K when TRANS_B)
+// multiples of 4 long and every matrix 16-byte aligned (the Rust side
+// checks). An entry of its own because WebGPU refuses an entry point that
+// uses both views of a binding (a and a4).
+@compute @workgroup_size(16, 8, 1)
+fn matmul_forward_shared_vec4(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) lindex: u32,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
     }
+    set_batch(wid.z);
+    let row0 = (tile / p.tiles_n) * TILE;
+    let col0 = (tile % p.tiles_n) * TILE;
+    var acc: MtBlock;
+    for (var k0 = 0u; k0 < p.k; k0 += MT_DEPTH) {
+        if TRANS_A {
+            mt_stage_a_cols4(lindex, row0, k0, a_off);
+        } else {
+            mt_stage_a_rows4(lindex, row0, k0, a_off);
+        }
+        if TRANS_B {
+            shared_stage_b_cols4(lindex, col0, k0, b_off);
+        } else {
+            shared_stage_b_rows4(lindex, col0, k0, b_off);
+        }
+        workgroupBarrier();
+        acc = mt_multiply(acc, lid.x, lid.y, !TRANS_A, !TRANS_B);
+        workgroupBarrier();
+    }
+    mt_store(row0, col0, lid.x, lid.y, !TRANS_B, acc);
 }
 
 // Matrix-vector form for decoding: C[M,N] = A[M,K] · B[N,K]ᵀ (ABt) with

@@ -13,7 +13,9 @@
 //! table rows. A and C must each fit one binding.
 
 use super::matmul_ext::F16View;
-use super::registry::{Kernel, EMBEDDING_F16W_FORWARD, MATMUL_F16W_FORWARD_REGISTER, MATMUL_F16W_FORWARD_SMALL, MATVEC_F16W_FORWARD};
+use super::registry::{
+    Kernel, EMBEDDING_F16W_FORWARD, MATMUL_F16W_FORWARD_REGISTER, MATMUL_F16W_FORWARD_SHARED, MATMUL_F16W_FORWARD_SHARED_VEC, MATMUL_F16W_FORWARD_SMALL, MATVEC_F16W_FORWARD,
+};
 use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use super::rowwise::RowPartLayout;
@@ -27,8 +29,35 @@ pub enum F16WeightsKernel {
     Matvec { lanes: u32 },
     /// `matmul_f16w_forward_small`: 8×8 per invocation, quick to compile.
     Small,
-    /// `matmul_f16w_forward_register`: 32×16 per invocation (prefill).
+    /// `matmul_f16w_forward_register`: 32×16 per invocation (prefill on a
+    /// CPU adapter, where storage loads are issued lane by lane and
+    /// multiply-adds per load decide speed).
     Register,
+    /// `matmul_f16w_forward_shared`: workgroup-memory tiles, 8×4 per
+    /// invocation (prefill on a GPU, where Register's 512 accumulators per
+    /// invocation would spill).
+    Shared,
+}
+
+impl F16WeightsKernel {
+    /// The kernel for an m×n×k product: the matrix-vector one with `lanes`
+    /// where `matvec_runs` (1 to [`MATVEC_MAX_ROWS`] rows, k a multiple of
+    /// 8, aligned operands), else the small tiled kernel up to
+    /// [`SMALL_MATMUL_WORK`] multiply-adds, and above it the register one
+    /// on a CPU adapter and the workgroup-memory one on a GPU (`gpu`).
+    /// [`Kernels::f16_weights_kernel_for`] asks it for its adapter; tests
+    /// ask it for the other kind, which the software adapters cannot be.
+    pub fn for_shape(gpu: bool, lanes: u32, matvec_runs: bool, m: usize, n: usize, k: usize) -> Self {
+        if matvec_runs {
+            F16WeightsKernel::Matvec { lanes }
+        } else if m.saturating_mul(n).saturating_mul(k) <= SMALL_MATMUL_WORK {
+            F16WeightsKernel::Small
+        } else if gpu {
+            F16WeightsKernel::Shared
+        } else {
+            F16WeightsKernel::Register
+        }
+    }
 }
 
 #[repr(C)]
@@ -64,22 +93,24 @@ fn f16_part<'a>(k: &Kernels, words: View<'a>, start: usize, len: usize) -> (View
 
 impl Kernels {
     /// The kernel [`Kernels::matmul_f16_weights`] runs for an m×n×k
-    /// product: the matrix-vector one for 1 to [`MATVEC_MAX_ROWS`] rows
-    /// when k is a multiple of 8 and A and B start 16-byte aligned (it
-    /// reads 16 bytes at a time, 8 weights) on an adapter whose storage
-    /// offsets are too (as [`Kernels::matvec_runs`] for f32), else the
-    /// small tiled kernel up to [`SMALL_MATMUL_WORK`] multiply-adds and the
-    /// register one above.
+    /// product ([`F16WeightsKernel::for_shape`] for this adapter): the
+    /// matrix-vector one for 1 to [`MATVEC_MAX_ROWS`] rows when k is a
+    /// multiple of 8 and A and B start 16-byte aligned (it reads 16 bytes
+    /// at a time, 8 weights) on an adapter whose storage offsets are too
+    /// (as [`Kernels::matvec_runs`] for f32), with
+    /// [`Kernels::matvec_lanes`]; else the small tiled kernel up to
+    /// [`SMALL_MATMUL_WORK`] multiply-adds, and above it the register one on
+    /// a CPU adapter and the workgroup-memory one on a GPU.
     pub fn f16_weights_kernel_for(&self, m: usize, n: usize, k: usize, a: &View<'_>, b: &F16View<'_>) -> F16WeightsKernel {
+        F16WeightsKernel::for_shape(!self.device().is_cpu(), self.matvec_lanes(), self.f16_matvec_runs(m, k, a, b), m, n, k)
+    }
+
+    /// Whether the f16 matrix-vector kernel can run an m-row product over
+    /// k with these operands (see [`Kernels::f16_weights_kernel_for`]).
+    fn f16_matvec_runs(&self, m: usize, k: usize, a: &View<'_>, b: &F16View<'_>) -> bool {
         let offsets_aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0;
         let aligned = a.offset % 16 == 0 && b.words().offset % 16 == 0 && offsets_aligned;
-        if (1..=MATVEC_MAX_ROWS).contains(&m) && k % 8 == 0 && aligned {
-            F16WeightsKernel::Matvec { lanes: self.matvec_lanes() }
-        } else if m.saturating_mul(n).saturating_mul(k) <= SMALL_MATMUL_WORK {
-            F16WeightsKernel::Small
-        } else {
-            F16WeightsKernel::Register
-        }
+        (1..=MATVEC_MAX_ROWS).contains(&m) && k % 8 == 0 && aligned
     }
 
     /// C[m,n] (f32) = epilogue(A·Bᵀ) with A [m, k] f32 and B [n, k] stored
@@ -113,6 +144,7 @@ impl Kernels {
             F16WeightsKernel::Matvec { .. } => MATVEC_F16W_FORWARD,
             F16WeightsKernel::Small => MATMUL_F16W_FORWARD_SMALL,
             F16WeightsKernel::Register => MATMUL_F16W_FORWARD_REGISTER,
+            F16WeightsKernel::Shared => MATMUL_F16W_FORWARD_SHARED,
         };
         let op = entry.entry;
         // First, so a missing feature is always reported as Unsupported.
@@ -150,7 +182,7 @@ impl Kernels {
             if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {
                 return Err(Error::InvalidArgument { op, reason: format!("{lanes} lanes: a power of two from 8 to 64") });
             }
-            if !matches!(self.f16_weights_kernel_for(m, n, k, &a, &b), F16WeightsKernel::Matvec { .. }) {
+            if !self.f16_matvec_runs(m, k, &a, &b) {
                 return Err(Error::shape(
                     op,
                     format!("takes 1 to {MATVEC_MAX_ROWS} rows, k a multiple of 8 and 16-byte aligned operands; got m={m} k={k}, A at byte {}, B at byte {}", a.offset, b.words().offset),
@@ -201,6 +233,10 @@ impl Kernels {
                     c_base: dim(op, c_base)?,
                     _pad: [0; 2],
                 };
+                // The workgroup-memory kernel's vector loads read A in
+                // vec4s and B 8 weights (16 bytes) at a time.
+                let vectors = k % 8 == 0 && a.offset % 16 == 0 && b_base % 8 == 0 && b_bind.offset % 16 == 0;
+                let entry = if kernel == F16WeightsKernel::Shared && vectors { MATMUL_F16W_FORWARD_SHARED_VEC } else { entry };
                 self.f16_weights_launch(entry, kernel, (bias, activation.is_some(), pre_bind), [c_bind, a, b_bind], &params, m, cols)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -227,7 +263,7 @@ impl Kernels {
                 constants.extend([("MATVEC_ROWS", m as f64), ("MATVEC_WG", f64::from(lanes))]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
-            F16WeightsKernel::Small | F16WeightsKernel::Register => u64::from(params.product.tiles_total),
+            F16WeightsKernel::Small | F16WeightsKernel::Register | F16WeightsKernel::Shared => u64::from(params.product.tiles_total),
         };
         // Unused read-only slots hold a placeholder the kernel never reads;
         // an unused `pre` a writable one of its own (not C: a writable

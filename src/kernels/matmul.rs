@@ -1,7 +1,7 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::registry::{
-    MATMUL_FORWARD_MATVEC, MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
+    MATMUL_FORWARD_MATVEC, MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SHARED_VEC4, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
 };
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
@@ -12,6 +12,10 @@ use crate::ops::{Activation, MatmulForm};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum MatmulVariant {
     Register,
+    /// Workgroup-memory tiles of 64×64, 8×4 outputs per invocation, with
+    /// coalesced loads in every form: vec4 loads where A's and B's stored
+    /// rows are multiples of 4 long and the operands 16-byte aligned,
+    /// scalar loads otherwise. The untuned choice on every non-CPU adapter.
     Shared,
     /// Register-blocked with vec4 loads (contiguous 16-column blocks) where
     /// M, N, K are multiples of 4 and every operand starts 16-byte aligned;
@@ -55,17 +59,28 @@ impl MatmulVariant {
         matches!(self, MatmulVariant::Shared | MatmulVariant::RegisterVec4)
     }
 
-    /// The entry point this variant runs for these operands, each a
-    /// binding and the element its matrix starts at in it.
-    fn kernel(self, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3]) -> super::Kernel {
+    /// The entry point this variant runs for these operands (A, B, C),
+    /// each a binding and the element its matrix starts at in it.
+    fn kernel(self, form: MatmulForm, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3]) -> super::Kernel {
+        let aligned = |(v, base): &(&View<'_>, usize)| v.offset % 16 == 0 && base % 4 == 0;
         match self {
             MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
-            MatmulVariant::Shared => MATMUL_FORWARD_SHARED,
+            MatmulVariant::Shared => {
+                // vec4 loads along A's and B's stored rows: those a multiple
+                // of 4 long and every matrix (the batch's too, whose sizes
+                // are multiples of a row) 16-byte aligned.
+                let (trans_a, trans_b) = form.transposes();
+                let rows = (if trans_a { m } else { k }) % 4 == 0 && (if trans_b { k } else { n }) % 4 == 0;
+                if rows && operands[..2].iter().all(aligned) {
+                    MATMUL_FORWARD_SHARED_VEC4
+                } else {
+                    MATMUL_FORWARD_SHARED
+                }
+            }
             MatmulVariant::Subgroup => MATMUL_SUBGROUP_FORWARD,
             MatmulVariant::Small => MATMUL_FORWARD_SMALL,
             MatmulVariant::RegisterVec4 => {
-                let aligned = [m, n, k].iter().all(|d| d % 4 == 0) && operands.iter().all(|(v, base)| v.offset % 16 == 0 && base % 4 == 0);
-                if aligned {
+                if [m, n, k].iter().all(|d| d % 4 == 0) && operands.iter().all(aligned) {
                     MATMUL_FORWARD_REGISTER_VEC4
                 } else {
                     MATMUL_FORWARD_REGISTER
@@ -433,7 +448,7 @@ impl Kernels {
         k: usize,
     ) -> Result<Dispatch> {
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(m, n, k, [(&a, 0), (&b, 0), (&c, 0)]),
+            Pick::Variant(variant) => variant.kernel(form, m, n, k, [(&a, 0), (&b, 0), (&c, 0)]),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
@@ -604,7 +619,7 @@ impl Kernels {
         };
         let (rows, cols) = (block.rows, block.cols);
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
+            Pick::Variant(variant) => variant.kernel(form, rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;

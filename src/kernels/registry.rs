@@ -30,10 +30,13 @@ pub enum Shared {
     /// (through each family's `write_c`), for matmul.wgsl, f16_weights.wgsl
     /// and matmul_f16.wgsl.
     MatmulRows,
+    /// The workgroup-memory tiled kernels' staging, multiply-adds and
+    /// stores (the GPU layout), for matmul.wgsl and f16_weights.wgsl.
+    MatmulTiles,
 }
 
 impl Shared {
-    pub const ALL: [Shared; 4] = [Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows];
+    pub const ALL: [Shared; 5] = [Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles];
 
     pub fn file_name(self) -> &'static str {
         match self {
@@ -41,6 +44,7 @@ impl Shared {
             Shared::Activations => "activations.wgsl",
             Shared::Matvec => "matvec.wgsl",
             Shared::MatmulRows => "matmul_rows.wgsl",
+            Shared::MatmulTiles => "matmul_tiles.wgsl",
         }
     }
 
@@ -50,6 +54,7 @@ impl Shared {
             Shared::Activations => wgsl!("activations.wgsl"),
             Shared::Matvec => wgsl!("matvec.wgsl"),
             Shared::MatmulRows => wgsl!("matmul_rows.wgsl"),
+            Shared::MatmulTiles => wgsl!("matmul_tiles.wgsl"),
         }
     }
 }
@@ -132,13 +137,13 @@ impl Family {
     /// through the base.
     pub fn shared(self) -> &'static [Shared] {
         match self {
-            Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows],
+            Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::Sampling => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
-            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
+            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
         }
     }
 
@@ -183,18 +188,18 @@ impl Family {
     /// step with `base` and `shared`; tests/suite/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
-            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
+            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
             Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
             Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
             Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
             Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
             Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl", "matmul_rows.wgsl"),
-            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_subgroup.wgsl"),
+            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl", "matmul_subgroup.wgsl"),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
-            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
+            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
         }
     }
 }
@@ -254,6 +259,7 @@ const fn kernel(family: Family, entry: &'static str) -> Kernel {
 
 pub const MATMUL_FORWARD_REGISTER: Kernel = kernel(Family::Matmul, "matmul_forward_register");
 pub const MATMUL_FORWARD_SHARED: Kernel = kernel(Family::Matmul, "matmul_forward_shared");
+pub const MATMUL_FORWARD_SHARED_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_shared_vec4");
 pub const MATMUL_FORWARD_REGISTER_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_register_vec4");
 pub const MATMUL_FORWARD_MATVEC: Kernel = kernel(Family::Matmul, "matmul_forward_matvec");
 pub const MATMUL_FORWARD_SMALL: Kernel = kernel(Family::Matmul, "matmul_forward_small");
@@ -338,12 +344,15 @@ pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_fo
 pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
 pub const MATMUL_F16W_FORWARD_SMALL: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_small");
 pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_register");
+pub const MATMUL_F16W_FORWARD_SHARED: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared");
+pub const MATMUL_F16W_FORWARD_SHARED_VEC: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared_vec");
 pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
 
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
     MATMUL_FORWARD_REGISTER,
     MATMUL_FORWARD_SHARED,
+    MATMUL_FORWARD_SHARED_VEC4,
     MATMUL_FORWARD_REGISTER_VEC4,
     MATMUL_FORWARD_MATVEC,
     MATMUL_FORWARD_SMALL,
@@ -419,5 +428,7 @@ pub const KERNELS: &[Kernel] = &[
     MATVEC_F16W_FORWARD,
     MATMUL_F16W_FORWARD_SMALL,
     MATMUL_F16W_FORWARD_REGISTER,
+    MATMUL_F16W_FORWARD_SHARED,
+    MATMUL_F16W_FORWARD_SHARED_VEC,
     EMBEDDING_F16W_FORWARD,
 ];

@@ -1,5 +1,6 @@
 //! `f16_weights.wgsl`: products with f32 activations and f16 weights
-//! (matrix-vector, small and register-blocked tiles) and the lookup from
+//! (matrix-vector, small, register-blocked and workgroup-memory tiles, the
+//! last a GPU's choice tested here on the software adapters) and the lookup from
 //! an f16 table, against their CPU twins, on every adapter with
 //! SHADER_F16; split over small bindings; and `Error::Unsupported` where
 //! the adapter lacks SHADER_F16 (llvmpipe through GL). Then a tiny GPT's
@@ -107,6 +108,17 @@ fn f16_weight_products_match_the_cpu_on_each_kernel() {
         for (case, &(m, n, kk)) in [(1, 1, 1), (70, 130, 33), (33, 67, 64)].iter().enumerate() {
             check_product(k, Some(F16WeightsKernel::Register), Store::BiasGeluPre, (m, n, kk), 1800 + case as u64)?;
         }
+        // Workgroup-memory tiles (a GPU's, run here as tests of the layout):
+        // scalar loads (k not a multiple of 8: one step, fewer than a
+        // 16-step slice, odd, several slices) and 8-weight loads (k = 8, a
+        // partial last slice, whole slices), ragged tiles, each epilogue.
+        let shapes = [(1, 1, 1), (5, 3, 7), (70, 130, 33), (67, 65, 12), (1, 9, 8), (33, 67, 40), (66, 70, 64)];
+        for (case, &(m, n, kk)) in shapes.iter().enumerate() {
+            let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][case % 3];
+            let (entry, _) = check_product(k, Some(F16WeightsKernel::Shared), store, (m, n, kk), 1850 + case as u64)?;
+            let want = if kk % 8 == 0 { "matmul_f16w_forward_shared_vec" } else { "matmul_f16w_forward_shared" };
+            assert_eq!(entry, want, "m={m} n={n} k={kk}");
+        }
         Ok(())
     });
 }
@@ -126,11 +138,15 @@ fn f16_weight_products_pick_their_kernel_by_shape() {
         assert_eq!(entry(MATVEC_MAX_ROWS, 50, 16)?, "matvec_f16w_forward");
         assert_eq!(entry(MATVEC_MAX_ROWS + 1, 50, 16)?, "matmul_f16w_forward_small", "too many rows");
         assert_eq!(entry(1, 50, 12)?, "matmul_f16w_forward_small", "k not a multiple of 8");
-        assert_eq!(
-            k.f16_weights_kernel_for(64, 1024, 32, &k.zeros(1)?.view(), &k.zeros_f16(2)?.view()),
-            F16WeightsKernel::Register,
-            "past 2^20 multiply-adds"
-        );
+        // Past 2^20 multiply-adds: the register kernel on a CPU adapter, the
+        // workgroup-memory one on a GPU. The software adapters are CPUs;
+        // the GPU's choices are asked of F16WeightsKernel::for_shape.
+        let big = k.f16_weights_kernel_for(64, 1024, 32, &k.zeros(1)?.view(), &k.zeros_f16(2)?.view());
+        assert_eq!(big, if k.device().is_cpu() { F16WeightsKernel::Register } else { F16WeightsKernel::Shared }, "past 2^20 multiply-adds");
+        assert_eq!(F16WeightsKernel::for_shape(true, 64, false, 64, 1024, 32), F16WeightsKernel::Shared);
+        assert_eq!(F16WeightsKernel::for_shape(false, 8, false, 64, 1024, 32), F16WeightsKernel::Register);
+        assert_eq!(F16WeightsKernel::for_shape(true, 64, false, 5, 50, 16), F16WeightsKernel::Small, "small products stay on the small kernel");
+        assert_eq!(F16WeightsKernel::for_shape(true, 64, true, 1, 50_257, 768), F16WeightsKernel::Matvec { lanes: 64 }, "decode's head");
         // The explicit matrix-vector entry refuses what it cannot run, and
         // training's epilogues are refused.
         let (a, b, c) = (k.zeros(6)?, k.zeros_f16(18)?, k.zeros(3)?);
@@ -188,6 +204,8 @@ fn f16_weights_over_small_bindings_equal_the_twins() {
             (F16WeightsKernel::Matvec { lanes: 8 }, Store::Plain, (1, 300, 8)),
             (F16WeightsKernel::Small, Store::BiasGeluPre, (3, 100, 7)),
             (F16WeightsKernel::Small, Store::Bias, (2, 200, 9)),
+            (F16WeightsKernel::Shared, Store::BiasGeluPre, (3, 100, 7)),
+            (F16WeightsKernel::Shared, Store::Bias, (2, 120, 16)),
         ]
         .iter()
         .enumerate()

@@ -72,6 +72,93 @@ proptest! {
     }
 }
 
+/// Whether the workgroup-memory kernel loads vec4s for an m×n×k product in
+/// `form` with operands at aligned offsets: A's stored rows (k, or m when
+/// it is stored [k, m]) and B's (n, or k when stored [n, k]) multiples of 4.
+fn shared_loads_vec4(form: MatmulForm, m: usize, n: usize, kk: usize) -> bool {
+    let (trans_a, trans_b) = (form == MatmulForm::AtB, form == MatmulForm::ABt);
+    (if trans_a { m } else { kk }) % 4 == 0 && (if trans_b { kk } else { n }) % 4 == 0
+}
+
+/// One product on the workgroup-memory kernel: `batch` matrices each of
+/// A, B, C, A and B placed `pad` elements into their buffers, C starting
+/// from random values when `accumulate`; checked against the twin. Returns
+/// each launch's entry point.
+#[allow(clippy::too_many_arguments)]
+fn check_shared(k: &Kernels, form: MatmulForm, batch: usize, (m, n, kk): (usize, usize, usize), pad: usize, accumulate: bool, seed: u64) -> wgrad::Result<Vec<&'static str>> {
+    let mut r = rng(seed);
+    let (a_len, b_len) = (batch * m * kk, batch * kk * n);
+    let a_host = random_vec(&mut r, a_len, -1.0, 1.0);
+    let b_host = random_vec(&mut r, b_len, -1.0, 1.0);
+    let c0 = random_vec(&mut r, batch * m * n, -1.0, 1.0);
+    // Whatever precedes the operands in their buffers must not be read.
+    let padded = |x: &[f32]| -> Vec<f32> { [vec![f32::NAN; pad], x.to_vec()].concat() };
+    let (a, b, c) = (k.upload(&padded(&a_host))?, k.upload(&padded(&b_host))?, k.upload(&c0)?);
+    let (a_view, b_view) = (a.slice(pad, a_len)?, b.slice(pad, b_len)?);
+    let d = if batch == 1 {
+        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        k.matmul_epilogue_with(MatmulVariant::Shared, form, epilogue, c.view(), a_view, b_view, m, n, kk)?
+    } else {
+        k.matmul_batched_with(MatmulVariant::Shared, form, accumulate, c.view(), a_view, b_view, batch, m, n, kk)?
+    };
+    k.run(&[&d])?;
+    let mut want = cpu::matmul_batched(form, &a_host, &b_host, batch, m, n, kk);
+    if accumulate {
+        want.iter_mut().zip(&c0).for_each(|(w, c)| *w += c);
+    }
+    // As check_matmul: f32 sums of k products of values in [-1, 1].
+    let atol = 1e-6 * kk as f32 + 1e-6;
+    assert_close(&format!("Shared {form:?} batch {batch} {m}×{n}×{kk} pad {pad} acc={accumulate}"), &k.read::<f32>(c.view())?, &want, atol, 1e-5);
+    Ok(d.each_launch().map(|l| l.kernel().entry).collect())
+}
+
+#[test]
+fn the_shared_kernel_takes_each_load_path_in_every_form() {
+    for_each_adapter("matmul_shared_paths", |k| {
+        // One step and fewer steps than a 16-step slice; one column; one
+        // row; stored rows a multiple of 4 in one operand only (scalar
+        // loads); several slices with a partial last one; and every
+        // dimension a multiple of 4 (vec4 loads), edge tiles included.
+        let shapes = [(5, 3, 1), (7, 9, 15), (64, 1, 33), (1, 64, 64), (67, 68, 40), (8, 12, 4), (68, 132, 36)];
+        // A storage-offset alignment into the buffers: still 16-byte
+        // aligned, so the vec4 entry runs where the shape allows.
+        let align = k.device().limits().min_storage_buffer_offset_alignment as usize / 4;
+        for (f, form) in MatmulForm::ALL.into_iter().enumerate() {
+            for (s, &(m, n, kk)) in shapes.iter().enumerate() {
+                let entries = check_shared(k, form, 1, (m, n, kk), if s % 2 == 0 { 0 } else { align }, s % 3 == 0, (f * 10 + s) as u64)?;
+                let want = if shared_loads_vec4(form, m, n, kk) { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
+                assert_eq!(entries, [want], "{form:?} {m}×{n}×{kk}");
+            }
+            // A batch of 3 (each matrix offset by the one before), on both
+            // entries, accumulating and not.
+            check_shared(k, form, 3, (20, 24, 17), 0, true, 50 + f as u64)?;
+            check_shared(k, form, 3, (20, 24, 16), align, false, 60 + f as u64)?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn the_shared_kernel_splits_over_small_bindings_with_either_load() {
+    for_each_adapter("matmul_shared_split", |k| {
+        // 1 KiB bindings (plus one offset alignment, as f16_weights.rs's
+        // split test): B of these head-like ABt products in blocks of its
+        // rows, A and C in blocks of rows, each bound from the aligned
+        // element before it (a block's matrix starts `base` elements in).
+        // With k = 12 every launch loads vec4s, with k = 10 scalars.
+        let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
+        let lim = common::limited_kernels(k, wgrad::kernels::LimitOverrides { max_storage_buffer_binding_size: Some(1024 + align.saturating_sub(4)), ..Default::default() });
+        for (i, kk) in [12usize, 10].into_iter().enumerate() {
+            let (m, n) = (6, 150);
+            let entries = check_shared(&lim, MatmulForm::ABt, 1, (m, n, kk), 0, i == 0, 70 + i as u64)?;
+            assert!(entries.len() > 1, "k={kk}: {entries:?}");
+            let want = if kk == 12 { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
+            assert!(entries.iter().all(|e| *e == want), "k={kk}: {entries:?}");
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn matmul_rejects_wrong_shapes_naming_the_kernel() {
     for_each_adapter("matmul_shapes", |k| {

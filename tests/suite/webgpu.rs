@@ -171,10 +171,13 @@ fn the_reflected_slots_agree_with_the_wgsl_declarations() {
     assert_eq!(writable, [2, 5]);
     assert_eq!(needs.storage_buffers(), 6);
     assert_eq!(needs.slots.iter().filter(|s| !s.storage).map(|s| s.slot).collect::<Vec<_>>(), [3]);
-    // The tiled kernel's two 4 KiB tiles; the matrix-vector kernel's
-    // override-sized workgroup.
-    let shared = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_SHARED).unwrap();
-    assert_eq!(shared.workgroup_bytes, 2 * 1024 * 4);
+    // The tiled kernels' staged A (4 KiB) and B (5 KiB, padded), 128
+    // invocations; the matrix-vector kernel's override-sized workgroup.
+    for entry in [wgrad::kernels::registry::MATMUL_FORWARD_SHARED, wgrad::kernels::registry::MATMUL_FORWARD_SHARED_VEC4] {
+        let shared = reflect::entry_needs(entry).unwrap();
+        assert_eq!(shared.workgroup_bytes, (256 + 320) * 16, "{}", entry.entry);
+        assert_eq!(shared.invocations(&[]), 128, "{}", entry.entry);
+    }
     let matvec = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_MATVEC).unwrap();
     assert_eq!(matvec.invocations(&[("MATVEC_WG", 8.0)]), 8);
     assert_eq!(matvec.invocations(&[]), 64, "MATVEC_WG's default");

@@ -220,9 +220,11 @@ pub fn random_vec(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> 
 
 /// Every (variant, form) the adapter runs on a Vulkan (or Metal, DX12)
 /// adapter; on a GL adapter, the ones it runs untuned (small, and each
-/// form's default). A register-blocked pipeline costs 5–9 s to compile on
-/// a cold llvmpipe, and the GL adapter runs the same WGSL, whose
-/// translation to GLSL tests/suite/shaders.rs checks for every entry point.
+/// form's default) and the workgroup-memory kernel, every GPU's default
+/// (GL on a GPU runs it; its pipelines compile in a fraction of a second).
+/// A register-blocked pipeline costs 5–9 s to compile on a cold llvmpipe,
+/// and the GL adapter runs the same WGSL, whose translation to GLSL
+/// tests/suite/shaders.rs checks for every entry point.
 pub fn variant_forms_to_test(k: &Kernels) -> Vec<(wgrad::kernels::MatmulVariant, wgrad::kernels::MatmulForm)> {
     use wgrad::kernels::{MatmulForm, MatmulVariant};
     let gl = k.device().is_gl();
@@ -230,7 +232,7 @@ pub fn variant_forms_to_test(k: &Kernels) -> Vec<(wgrad::kernels::MatmulVariant,
         .into_iter()
         .filter(|&v| k.supports_matmul_variant(v))
         .flat_map(|v| MatmulForm::ALL.into_iter().map(move |f| (v, f)))
-        .filter(|&(v, f)| !gl || v == MatmulVariant::Small || k.matmul_variant_for(f) == v)
+        .filter(|&(v, f)| !gl || matches!(v, MatmulVariant::Small | MatmulVariant::Shared) || k.matmul_variant_for(f) == v)
         .collect()
 }
 
