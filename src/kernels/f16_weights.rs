@@ -102,7 +102,7 @@ impl Kernels {
     /// [`SMALL_MATMUL_WORK`] multiply-adds, and above it the register one on
     /// a CPU adapter and the workgroup-memory one on a GPU.
     pub fn f16_weights_kernel_for(&self, m: usize, n: usize, k: usize, a: &View<'_>, b: &F16View<'_>) -> F16WeightsKernel {
-        F16WeightsKernel::for_shape(!self.device().is_cpu(), self.matvec_lanes(), self.f16_matvec_runs(m, k, a, b), m, n, k)
+        F16WeightsKernel::for_shape(self.gpu_shaped(), self.matvec_lanes(), self.f16_matvec_runs(m, k, a, b), m, n, k)
     }
 
     /// Whether the f16 matrix-vector kernel can run an m-row product over

@@ -404,10 +404,10 @@ impl Kernels {
     /// lanes costs more than the loads; 8 lanes took 0.5–0.6× the CPU time
     /// of 64 on lavapipe for GPT-2's layers), 64 on a GPU.
     pub fn matvec_lanes(&self) -> u32 {
-        if self.device().is_cpu() {
-            8
-        } else {
+        if self.gpu_shaped() {
             64
+        } else {
+            8
         }
     }
 
