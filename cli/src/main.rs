@@ -221,7 +221,9 @@ fn shaders(opts: &DeviceOptions, dir: &Path, check_native: bool) -> wgrad::Resul
     let full = Kernels::new(Device::open(&DeviceOptions { limits: Some(wgrad::LimitsMode::Adapter), ..opts.clone() })?);
     let lowered = wgrad::kernels::LimitOverrides { max_storage_buffer_binding_size: Some(webgpu_cases::SPLIT_BINDING), ..Default::default() };
     let split = Kernels::with_limits(Device::open(&web_opts)?, lowered)?;
-    let cases = webgpu_cases::write_cases(dir, &webgpu_cases::CaseKernels { web: &web, full: &full, split: &split }, check_native)?;
+    let gpu_shaped = wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() };
+    let gpu = Kernels::with_limits(Device::open(&web_opts)?, gpu_shaped)?;
+    let cases = webgpu_cases::write_cases(dir, &webgpu_cases::CaseKernels { web: &web, full: &full, split: &split, gpu: &gpu }, check_native)?;
     for reason in &cases.unbuilt {
         println!("not built on {}: {reason}", web.device().label());
     }

@@ -102,6 +102,10 @@ enum On {
     /// bytes, so an op splits its operands over several launches, each
     /// binding an aligned part of a buffer, as one over 128 MiB does.
     Split,
+    /// WebGPU's defaults with the kernels shaped for a GPU
+    /// (`LimitOverrides::gpu_shaping`): the two-stage column sums and
+    /// losses, the workgroup attention, the tiled f16-weight matmul.
+    Gpu,
 }
 
 /// The storage binding size of [`On::Split`].
@@ -178,11 +182,12 @@ type Planned = std::result::Result<Case, (Vec<&'static str>, String)>;
 
 fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
     type Builder = fn(&mut Ctx<'_>) -> Result<Case>;
-    use On::{Full, Split, Web};
+    use On::{Full, Gpu, Split, Web};
     // (entries covered, the kernels to build with, builder)
     let builders: Vec<(&[&'static str], On, Builder)> = vec![
         (&["matmul_forward_register"], Web, matmul_register),
         (&["matmul_forward_shared"], Web, matmul_shared),
+        (&["matmul_forward_shared_vec4"], Web, matmul_shared_vec4),
         (&["matmul_forward_register_vec4"], Web, matmul_vec4),
         (&["matmul_forward_matvec"], Web, |c| matmul_matvec(c, None)),
         (&["matmul_forward_matvec"], Web, |c| matmul_matvec(c, Some(64))),
@@ -207,11 +212,14 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["tanh_forward"], Web, |c| activation(c, Activation::Tanh, false)),
         (&["tanh_backward"], Web, |c| activation(c, Activation::Tanh, true)),
         (&["sum_rows_forward"], Web, sum_rows),
+        (&["sum_rows_partial", "sum_rows_forward"], Gpu, sum_rows_two_stage),
         (&["sum_forward"], Web, |c| whole_sum(c, false)),
         (&["mean_forward"], Web, |c| whole_sum(c, true)),
         (&["max_rows_forward"], Web, max_rows),
         (&["argmax_rows_forward"], Web, argmax_rows),
         (&["mse_forward"], Web, mse_forward),
+        (&["mse_partial", "loss_finish"], Gpu, mse_two_stage),
+        (&["cross_entropy_partial", "loss_finish"], Gpu, ce_two_stage),
         (&["mse_backward"], Web, mse_backward),
         (&["cross_entropy_forward"], Web, ce_forward),
         (&["cross_entropy_backward"], Web, ce_backward),
@@ -231,6 +239,7 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["layernorm_forward"], Web, |c| layernorm(c, false)),
         (&["layernorm_backward"], Web, |c| layernorm_backward(c, false)),
         (&["layernorm_backward_params"], Web, layernorm_params),
+        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, layernorm_params_two_stage),
         (&["cross_entropy_rows_forward_backward"], Web, |c| ce_rows(c, false)),
         (&["softmax_forward_short"], Web, |c| softmax(c, true)),
         (&["softmax_backward_short"], Web, |c| softmax_backward(c, true)),
@@ -243,16 +252,20 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["binary_broadcast_forward"], Web, binary_broadcast),
         (&["unary_forward"], Web, unary),
         (&["reduce_to_shape_forward"], Web, reduce_to_shape),
+        (&["reduce_to_shape_partial"], Gpu, reduce_to_shape_two_stage),
         (&["permute_forward"], Web, permute),
         (&["slice_last_forward"], Web, slice_last),
         (&["pad_last_forward"], Web, pad_last),
         (&["concat_last_forward"], Web, concat_last),
         (&["cached_attention_forward"], Web, attention),
+        (&["cached_attention_forward_workgroup"], Gpu, attention),
         (&["sample_rows_forward"], Web, sample_rows),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, None)),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Matvec { lanes: 64 }))),
         (&["matmul_f16w_forward_small"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Small))),
         (&["matmul_f16w_forward_register"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Register))),
+        (&["matmul_f16w_forward_shared"], Gpu, |c| f16_weights(c, Some(F16WeightsKernel::Shared))),
+        (&["matmul_f16w_forward_shared_vec"], Gpu, f16_weights_shared_vec),
         (&["embedding_f16w_forward"], Web, embedding_f16),
     ];
     let mut planned = Vec::new();
@@ -302,6 +315,11 @@ fn matmul_register(c: &mut Ctx<'_>) -> Result<Case> {
 
 fn matmul_shared(c: &mut Ctx<'_>) -> Result<Case> {
     matmul_variant(c, "matmul_forward_shared", MatmulVariant::Shared, MatmulForm::AtB, (65, 41, 23))
+}
+
+fn matmul_shared_vec4(c: &mut Ctx<'_>) -> Result<Case> {
+    // Both operands' stored rows multiples of 4: the vec4 loads.
+    matmul_variant(c, "matmul_forward_shared_vec4", MatmulVariant::Shared, MatmulForm::AB, (67, 72, 20))
 }
 
 fn matmul_vec4(c: &mut Ctx<'_>) -> Result<Case> {
@@ -463,6 +481,24 @@ fn sum_rows(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&["sum_rows_forward"], format!("sum_rows_forward {rows}x{cols} accumulate"), vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]))
 }
 
+/// A two-stage reduction's case: its first launch's sums pass to the second
+/// through the device's reduction scratch, checked through the result.
+fn two_stage(mut case: Case, partial: &'static str) -> Case {
+    case.scratch.push((partial, "the first stage's partial sums, summed by the second stage"));
+    case
+}
+
+/// A column sum shaped for a GPU: enough rows that blocks of rows are
+/// summed per column first, then the partials in block order.
+fn sum_rows_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
+    let (rows, cols) = (301, 70);
+    let (x_h, out0) = (c.vals(rows * cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
+    let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
+    let d = c.k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?;
+    let want: Vec<f32> = cpu::sum_rows(&x_h, rows, cols).iter().zip(&out0).map(|(s, o)| s + o).collect();
+    Ok(two_stage(Case::new(&["sum_rows_partial", "sum_rows_forward"], format!("sum_rows two-stage {rows}x{cols} accumulate"), vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]), "partial"))
+}
+
 fn whole_sum(c: &mut Ctx<'_>, mean: bool) -> Result<Case> {
     let x_h = c.vals(FLAT_N, -1.0, 1.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(1)?);
@@ -497,6 +533,25 @@ fn mse_forward(c: &mut Ctx<'_>) -> Result<Case> {
     let (p, t, loss) = (c.up(&p_h)?, c.up(&t_h)?, c.k.zeros(1)?);
     let d = c.k.mse_forward(loss.view(), p.view(), t.view())?;
     Ok(Case::new(&["mse_forward"], format!("mse_forward {n}"), vec![d], vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)]))
+}
+
+/// The unfused MSE over more values than one workgroup sums on a GPU.
+fn mse_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
+    let n = 5003;
+    let (p_h, t_h) = (c.vals(n, -2.0, 2.0), c.vals(n, -2.0, 2.0));
+    let (p, t, loss) = (c.up(&p_h)?, c.up(&t_h)?, c.k.zeros(1)?);
+    let d = c.k.mse_forward(loss.view(), p.view(), t.view())?;
+    Ok(two_stage(Case::new(&["mse_partial", "loss_finish"], format!("mse two-stage {n}"), vec![d], vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)]), "partials"))
+}
+
+/// The unfused cross-entropy over more rows than one workgroup takes on a GPU.
+fn ce_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
+    let (rows, cols) = (301, 11);
+    let (l_h, y_h) = (c.vals(rows * cols, -3.0, 3.0), c.ids(rows, cols as u32));
+    let (l, y, loss) = (c.up(&l_h)?, c.up_u32(&y_h)?, c.k.zeros(1)?);
+    let d = c.k.cross_entropy_forward(loss.view(), l.view(), y.view(), rows, cols)?;
+    let want = cpu::cross_entropy_forward(&l_h, &y_h, rows, cols);
+    Ok(two_stage(Case::new(&["cross_entropy_partial", "loss_finish"], format!("cross_entropy two-stage {rows}x{cols}"), vec![d], vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)]), "partials"))
 }
 
 fn mse_backward(c: &mut Ctx<'_>) -> Result<Case> {
@@ -721,6 +776,26 @@ fn layernorm_params(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&["layernorm_backward_params"], format!("layernorm_backward_params {rows}x{cols} accumulate"), vec![d], expected))
 }
 
+/// The parameter gradients of a layernorm over enough rows that a GPU sums
+/// blocks of rows first.
+fn layernorm_params_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
+    let (rows, cols) = (301, 70);
+    let (x_h, w_h, dy_h, fwd) = layernorm_inputs(c, rows, cols);
+    let (dw0, db0) = (c.vals(cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
+    let (x, dy, mean, rstd, dw, db) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&fwd.mean)?, c.up(&fwd.rstd)?, c.up(&dw0)?, c.up(&db0)?);
+    let d = c.k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?;
+    let want = cpu::layernorm_backward(&dy_h, &x_h, &w_h, &fwd.mean, &fwd.rstd, rows, cols);
+    let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
+    let expected = vec![expect("dweight", &dw, add(&dw0, &want.dweight), SUMS.0, SUMS.1), expect("dbias", &db, add(&db0, &want.dbias), SUMS.0, SUMS.1)];
+    let case = Case::new(
+        &["layernorm_backward_params_partial", "layernorm_backward_params_finish"],
+        format!("layernorm_backward_params two-stage {rows}x{cols} accumulate"),
+        vec![d],
+        expected,
+    );
+    Ok(two_stage(case, "partial"))
+}
+
 fn ce_rows(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, vocab) = if short { (37, 29) } else { (5, 301) };
     let (l_h, t_h) = (c.vals(rows * vocab, -4.0, 4.0), c.ids(rows, vocab as u32));
@@ -807,6 +882,16 @@ fn reduce_to_shape(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&["reduce_to_shape_forward"], "reduce_to_shape_forward [2,3,5,7] to [3,1,7] accumulate", vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]))
 }
 
+/// A broadcast operand's gradient over many rows, summed in blocks on a GPU.
+fn reduce_to_shape_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
+    let (x_shape, out_shape) = ([2, 151, 7], [7]);
+    let (x_h, out0) = (c.vals(2 * 151 * 7, -1.0, 1.0), c.vals(7, -1.0, 1.0));
+    let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
+    let d = c.k.reduce_to_shape(true, out.view(), x.view(), &x_shape, &out_shape)?;
+    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, &x_shape, &out_shape)?.iter().zip(&out0).map(|(s, o)| s + o).collect();
+    Ok(two_stage(Case::new(&["reduce_to_shape_partial"], "reduce_to_shape two-stage [2,151,7] to [7] accumulate", vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]), "partial"))
+}
+
 fn permute(c: &mut Ctx<'_>) -> Result<Case> {
     let (shape, perm) = ([2, 3, 5, 7], [2, 0, 3, 1]);
     let x_h = c.vals(210, -2.0, 2.0);
@@ -856,7 +941,9 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     let d = c.k.cached_attention_forward(out.view(), kc.view(), vc.view(), qkv.view(), starts.view(), shape)?;
     let (want, keys, values) = cpu::cached_attention(&qkv_h, &starts_h, &k0, &v0, shape);
     let expected = vec![expect("out", &out, want, ROW.0 * 5.0, ROW.1), expect("k_cache", &kc, keys, EXACT.0, EXACT.1), expect("v_cache", &vc, values, EXACT.0, EXACT.1)];
-    Ok(Case::new(&["cached_attention_forward"], "cached_attention_forward 2 seqs x 3 rows, 2 heads of 5, context 11", vec![d], expected))
+    // The per-invocation kernel on CPU adapters, the workgroup one on GPUs.
+    let entry = d.kernel().entry;
+    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 2 heads of 5, context 11"), vec![d], expected))
 }
 
 /// Rows over several settings: greedy, top-k, the whole vocabulary, a row
@@ -917,6 +1004,17 @@ fn f16_weights(c: &mut Ctx<'_>, kernel: Option<F16WeightsKernel>) -> Result<Case
     let e = cpu::Epilogue { bias: Some(&bias_h), activation: Some(Activation::Relu), ..cpu::Epilogue::default() };
     let (want, want_pre) = cpu::matmul_f16_weights(e, &a_h, &b_h, m, n, kk);
     Ok(Case::new(&[entry], format!("{entry} {m}x{n}x{kk} +bias relu{lanes}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1), expect("pre", &pre, want_pre, SUMS.0, SUMS.1)]))
+}
+
+/// The tiled f16-weight matmul with 8-weight loads (k a multiple of 8).
+fn f16_weights_shared_vec(c: &mut Ctx<'_>) -> Result<Case> {
+    let (m, n, kk) = (37, 29, 24);
+    let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), f16s(&c.vals(n * kk, -1.0, 1.0)));
+    let (a, b, out) = (c.up(&a_h)?, c.k.upload_f16(&b_h)?, c.k.zeros(m * n)?);
+    let d = c.k.matmul_f16_weights_with(F16WeightsKernel::Shared, MatmulEpilogue::default(), out.view(), a.view(), b.view(), m, n, kk)?;
+    let entry = d.kernel().entry;
+    let (want, _) = cpu::matmul_f16_weights(cpu::Epilogue::default(), &a_h, &b_h, m, n, kk);
+    Ok(Case::new(&[entry], format!("{entry} {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
 }
 
 fn embedding_f16(c: &mut Ctx<'_>) -> Result<Case> {
@@ -985,6 +1083,7 @@ pub struct CaseKernels<'k> {
     pub web: &'k Kernels,
     pub full: &'k Kernels,
     pub split: &'k Kernels,
+    pub gpu: &'k Kernels,
 }
 
 impl CaseKernels<'_> {
@@ -993,6 +1092,7 @@ impl CaseKernels<'_> {
             On::Web => self.web,
             On::Full => self.full,
             On::Split => self.split,
+            On::Gpu => self.gpu,
         }
     }
 }
