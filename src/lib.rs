@@ -31,6 +31,7 @@ pub mod ops;
 pub mod text;
 pub mod training;
 pub mod lm_training;
+pub mod user_cache;
 
 pub use device::{Device, DeviceOptions, LimitsMode};
 pub use error::{Error, Result};
