@@ -26,6 +26,7 @@ pub mod kernels;
 pub mod trainer;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline_cache;
 pub mod nn;
 pub mod ops;
 pub mod text;

@@ -504,9 +504,10 @@ impl Kernels {
                         constants,
                         zero_initialize_workgroup_memory: false,
                     },
-                    cache: None,
+                    cache: self.device.pipeline_cache(),
                 })
         })?;
+        self.device.pipeline_created();
         log::debug!("pipeline {} {:?}: {:.1} ms", kernel.entry, constants, started.elapsed().as_secs_f64() * 1e3);
         *compiled = Some(pipeline.clone());
         Ok(pipeline)
