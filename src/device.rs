@@ -515,8 +515,8 @@ impl Device {
     }
 
     /// Writes the pipeline cache if pipelines were created since it was
-    /// loaded or last saved: the bytes written, or `None` for nothing to
-    /// write. wgrad saves by itself once an executor is built and when the
+    /// loaded or last saved and its data changed: the bytes written, or
+    /// `None` for nothing to write. wgrad saves by itself once an executor is built and when the
     /// device is dropped; this is for callers that want it earlier.
     pub fn save_pipeline_cache(&self) -> Result<Option<usize>> {
         match &self.pipeline_cache {

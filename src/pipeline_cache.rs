@@ -19,8 +19,9 @@
 //!
 //! The data is written atomically ([`crate::user_cache::write_atomic`])
 //! when a device has created pipelines since the cache was loaded or last
-//! saved: once an executor has built its dispatches (every pipeline of a
-//! training step exists by then), and when the device is dropped. Two
+//! saved, and only if the data differs from the file's: once an executor
+//! has built its dispatches (every pipeline of a training step exists by
+//! then), and when the device is dropped. Two
 //! processes on one adapter that both compile new pipelines each write
 //! their own cache, the last one wins; the other's new pipelines compile
 //! again next time. A cache problem never fails a run: it is logged and
@@ -176,8 +177,11 @@ pub(crate) struct PipelineCacheStore {
     key: String,
     /// Pipelines created through the cache since it was loaded or saved.
     unsaved: AtomicU64,
-    /// One save at a time per device.
-    saving: Mutex<()>,
+    /// Checksum of the data the file holds (loaded or last written), so
+    /// a save of the same data writes nothing: a driver that found every
+    /// pipeline in the cache gives back what it was given. Also one save
+    /// at a time per device.
+    on_disk: Mutex<Option<u64>>,
 }
 
 impl PipelineCacheStore {
@@ -213,7 +217,8 @@ impl PipelineCacheStore {
             }
         };
         log::debug!("pipeline cache {}: {load:?}", path.display());
-        Some(PipelineCacheStore { cache, info: PipelineCacheInfo { path, load }, key, unsaved: AtomicU64::new(0), saving: Mutex::new(()) })
+        let on_disk = Mutex::new(data.as_deref().map(crate::user_cache::fnv1a));
+        Some(PipelineCacheStore { cache, info: PipelineCacheInfo { path, load }, key, unsaved: AtomicU64::new(0), on_disk })
     }
 
     pub(crate) fn cache(&self) -> &wgpu::PipelineCache {
@@ -233,10 +238,11 @@ impl PipelineCacheStore {
         self.unsaved.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Writes the cache when it holds pipelines not yet saved; the bytes
-    /// written, `None` when there was nothing new (or no data to write).
+    /// Writes the cache when pipelines were created through it since it
+    /// was loaded or saved and its data differs from the file's: the bytes
+    /// written, `None` when there was nothing new.
     pub(crate) fn save(&self) -> Result<Option<usize>> {
-        let _one = self.saving.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut on_disk = self.on_disk.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let pending = self.unsaved.swap(0, Ordering::AcqRel);
         if pending == 0 {
             return Ok(None);
@@ -244,9 +250,17 @@ impl PipelineCacheStore {
         let Some(data) = self.cache.get_data() else {
             return Ok(None);
         };
+        let checksum = crate::user_cache::fnv1a(&data);
+        if *on_disk == Some(checksum) {
+            return Ok(None);
+        }
         let bytes = encode(&self.key, &data);
         match crate::user_cache::write_atomic(self.path(), &bytes) {
-            Ok(()) => Ok(Some(bytes.len())),
+            Ok(()) => {
+                *on_disk = Some(checksum);
+                log::debug!("pipeline cache {}: saved {} bytes", self.path().display(), bytes.len());
+                Ok(Some(bytes.len()))
+            }
             Err(source) => {
                 // Still unsaved: a later save may succeed.
                 self.unsaved.fetch_add(pending, Ordering::AcqRel);
