@@ -481,7 +481,6 @@ impl Device {
             }
         });
         drop(gl);
-        let pipeline_cache = PipelineCacheStore::open(&device, &info, cache);
         // wgpu's default handler panics; keep errors that escape a scope so
         // the next checked operation can report them.
         let uncaptured = Arc::new(Mutex::new(Vec::new()));
@@ -491,6 +490,7 @@ impl Device {
                 errors.push(error.to_string());
             }
         }));
+        let pipeline_cache = PipelineCacheStore::open(&device, &info, cache);
         Ok(Device {
             device,
             queue,

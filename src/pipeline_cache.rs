@@ -273,6 +273,10 @@ impl PipelineCacheStore {
 /// A pipeline cache on `device` from `data` (`None`: empty), or wgpu's
 /// error message.
 fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgpu::PipelineCache, String> {
+    // Every kind of error is caught here, so none reaches the device's
+    // uncaptured errors and fails the run's next checked operation.
+    let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
+    let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
     // SAFETY: `data` is what `PipelineCache::get_data` returned on an
     // adapter with the same cache key (wgrad's header checked the key and
@@ -281,7 +285,8 @@ fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgp
     let cache = unsafe {
         device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor { label: Some("wgrad pipeline cache"), data, fallback: true })
     };
-    match pollster::block_on(scope.pop()) {
+    let errors = [pollster::block_on(scope.pop()), pollster::block_on(oom.pop()), pollster::block_on(internal.pop())];
+    match errors.into_iter().flatten().next() {
         Some(error) => Err(error.to_string()),
         None => Ok(cache),
     }
