@@ -12,15 +12,20 @@ fn fma_row8(acc: mat2x4<f32>, x: f32, b_lo: vec4<f32>, b_hi: vec4<f32>) -> mat2x
 
 // Stores row `row` of a block whose columns are col0 + 8·j, j in 0..7, held
 // as acc[j / 4][j % 4] (the small kernel's; also matmul_subgroup.wgsl's).
+// The loop runs over the columns inside C, a count the compiler cannot
+// know, so it stays a loop: with the constant 8 Mesa unrolled it, and the
+// 512 inlined epilogues of the 64-row kernels made lavapipe spend 1.2-1.8 s
+// of NIR passes per pipeline at every start (Mesa's disk cache keeps only
+// the LLVM work); as a loop, 0.3-0.6 s, and training steps no slower. The
+// value comes through a select: acc[j / 4u] would index the matrix at run
+// time, which spills it to memory (steps 25-30% slower on lavapipe).
 fn store_row8(row: u32, col0: u32, acc: mat2x4<f32>) {
-    if row >= p.m {
+    if row >= p.m || col0 >= p.n {
         return;
     }
-    for (var j = 0u; j < 8u; j++) {
-        let col = col0 + 8u * j;
-        if col < p.n {
-            write_c(row, col, acc[j / 4u][j % 4u]);
-        }
+    let cols = min((p.n - col0 + 7u) / 8u, 8u);
+    for (var j = 0u; j < cols; j++) {
+        write_c(row, col0 + 8u * j, select(acc[0][j & 3u], acc[1][j & 3u], j >= 4u));
     }
 }
 

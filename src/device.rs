@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 
 use crate::error::{Error, Result};
+use crate::pipeline_cache::{PipelineCacheInfo, PipelineCacheSetting, PipelineCacheStore};
 
 /// Environment variable: adapter index (as `wgrad adapters` numbers them) or a
 /// case-insensitive substring of the adapter's name.
@@ -16,11 +17,13 @@ pub const ENV_ADAPTER: &str = "WGRAD_ADAPTER";
 pub const ENV_BACKEND: &str = "WGRAD_BACKEND";
 
 /// The features wgrad reports and requests when an adapter offers them.
-pub const REPORTED_FEATURES: [(wgpu::Features, &str); 4] = [
+pub const REPORTED_FEATURES: [(wgpu::Features, &str); 5] = [
     (wgpu::Features::SHADER_F16, "SHADER_F16"),
     (wgpu::Features::SUBGROUP, "SUBGROUP"),
     (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
     (wgpu::Features::SHADER_F64, "SHADER_F64"),
+    // Pipelines kept across processes (crate::pipeline_cache).
+    (wgpu::Features::PIPELINE_CACHE, "PIPELINE_CACHE"),
 ];
 
 /// One process-wide instance: creating a GL instance initialises EGL, which is
@@ -160,6 +163,7 @@ pub enum LimitsMode {
     /// 8 storage buffers per stage, 16 KiB of workgroup memory, 128 MiB
     /// bindings, 256-byte offset alignment) and no feature a browser lacks
     /// (SHADER_F64): a run that passes here runs in any browser's WebGPU.
+    /// PIPELINE_CACHE stays: no shader sees it.
     WebGpu,
 }
 
@@ -188,6 +192,9 @@ pub struct DeviceOptions {
     pub adapter: Option<String>,
     /// The limits to open it with; `None` reads `WGRAD_LIMITS`.
     pub limits: Option<LimitsMode>,
+    /// Where the device keeps its pipeline cache (see
+    /// [`crate::pipeline_cache`]).
+    pub pipeline_cache: PipelineCacheSetting,
 }
 
 impl DeviceOptions {
@@ -200,7 +207,7 @@ impl DeviceOptions {
         let adapter = std::env::var(ENV_ADAPTER)
             .ok()
             .filter(|s| !s.trim().is_empty());
-        Ok(DeviceOptions { backends, adapter, limits: Some(LimitsMode::from_env()?) })
+        Ok(DeviceOptions { backends, adapter, limits: Some(LimitsMode::from_env()?), pipeline_cache: PipelineCacheSetting::FromEnv })
     }
 }
 
@@ -371,6 +378,17 @@ pub struct Device {
     features: wgpu::Features,
     lost: Arc<Mutex<Option<String>>>,
     uncaptured: Arc<Mutex<Vec<String>>>,
+    /// Compiled pipelines kept across processes, where the driver has a
+    /// cache (Vulkan with PIPELINE_CACHE).
+    pipeline_cache: Option<PipelineCacheStore>,
+}
+
+impl Drop for Device {
+    /// Saves pipelines compiled since the last save, so the next process
+    /// finds them.
+    fn drop(&mut self) {
+        self.persist_pipeline_cache();
+    }
 }
 
 impl fmt::Debug for Device {
@@ -390,7 +408,7 @@ impl Device {
             Some(mode) => mode,
             None => LimitsMode::from_env()?,
         };
-        Self::from_adapter_with(&adapter, mode)
+        Self::from_adapter_with_cache(&adapter, mode, &options.pipeline_cache)
     }
 
     /// Opens the adapter chosen by `WGRAD_BACKEND` / `WGRAD_ADAPTER`, or the
@@ -415,7 +433,17 @@ impl Device {
     /// defaults cap storage bindings at 128 MiB) and the optional features it
     /// has that wgrad can use; or, in [`LimitsMode::WebGpu`], WebGPU's
     /// default limits (no better than the adapter's) and WebGPU's features.
+    /// Its pipeline cache is where `WGRAD_PIPELINE_CACHE` and the cache
+    /// directory say ([`PipelineCacheSetting::FromEnv`]).
     pub fn from_adapter_with(adapter: &wgpu::Adapter, mode: LimitsMode) -> Result<Self> {
+        Self::from_adapter_with_cache(adapter, mode, &PipelineCacheSetting::FromEnv)
+    }
+
+    /// [`Device::from_adapter_with`], with the pipeline cache kept where
+    /// `cache` says. PIPELINE_CACHE is requested in both limit modes when
+    /// offered: it changes how fast pipelines are created, never what a
+    /// shader may do.
+    pub fn from_adapter_with_cache(adapter: &wgpu::Adapter, mode: LimitsMode, cache: &PipelineCacheSetting) -> Result<Self> {
         let info = adapter.get_info();
         let offered = adapter.features();
         let wanted = REPORTED_FEATURES
@@ -462,6 +490,7 @@ impl Device {
                 errors.push(error.to_string());
             }
         }));
+        let pipeline_cache = PipelineCacheStore::open(&device, &info, cache);
         Ok(Device {
             device,
             queue,
@@ -470,7 +499,46 @@ impl Device {
             features,
             lost,
             uncaptured,
+            pipeline_cache,
         })
+    }
+
+    /// The pipeline cache every compute pipeline of this device is created
+    /// through; `None` where there is none (see [`crate::pipeline_cache`]).
+    pub fn pipeline_cache(&self) -> Option<&wgpu::PipelineCache> {
+        self.pipeline_cache.as_ref().map(PipelineCacheStore::cache)
+    }
+
+    /// The pipeline cache's file and what opening the device found in it.
+    pub fn pipeline_cache_info(&self) -> Option<&PipelineCacheInfo> {
+        self.pipeline_cache.as_ref().map(PipelineCacheStore::info)
+    }
+
+    /// Writes the pipeline cache if pipelines were created since it was
+    /// loaded or last saved and its data changed: the bytes written, or
+    /// `None` for nothing to write. wgrad saves by itself once an executor is built and when the
+    /// device is dropped; this is for callers that want it earlier.
+    pub fn save_pipeline_cache(&self) -> Result<Option<usize>> {
+        match &self.pipeline_cache {
+            Some(store) => store.save(),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Device::save_pipeline_cache`] for wgrad's own saves: a failure is
+    /// logged, never an error of the run.
+    pub(crate) fn persist_pipeline_cache(&self) {
+        if let Err(e) = self.save_pipeline_cache() {
+            log::warn!("{e}; the next run compiles its pipelines again");
+        }
+    }
+
+    /// Counts a pipeline created through the cache, so the next save
+    /// writes it.
+    pub(crate) fn pipeline_created(&self) {
+        if let Some(store) = &self.pipeline_cache {
+            store.note_created();
+        }
     }
 
     pub fn wgpu_device(&self) -> &wgpu::Device {

@@ -114,6 +114,15 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A file in wgrad's cache directory could not be written.
+    #[error("{op}: `{}`: {source}", path.display())]
+    CacheIo {
+        op: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A text data file (CSV) has a bad line; `line` counts from 1.
     #[error("{op}: `{file}` line {line}: {reason}")]
     DataParse {

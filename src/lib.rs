@@ -26,11 +26,13 @@ pub mod kernels;
 pub mod trainer;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline_cache;
 pub mod nn;
 pub mod ops;
 pub mod text;
 pub mod training;
 pub mod lm_training;
+pub mod user_cache;
 
 pub use device::{Device, DeviceOptions, LimitsMode};
 pub use error::{Error, Result};

@@ -245,6 +245,10 @@ impl Executor {
                 }
             }
         }
+        // Every pipeline a run of this graph needs exists now: keep them
+        // for the next process even if this one ends without dropping
+        // its device.
+        exec.kernels.device().persist_pipeline_cache();
         Ok(exec)
     }
 

@@ -138,11 +138,6 @@ fn exact_product(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: 
     c
 }
 
-/// FNV-1a: a hash that stays the same across Rust releases, for the cache key.
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
 /// Cache key of an adapter: name, backend, driver, wgrad version, shader hash
 /// (of the subgroup family's source, which holds matmul.wgsl too).
 pub fn cache_key(info: &wgpu::AdapterInfo) -> String {
@@ -153,17 +148,14 @@ pub fn cache_key(info: &wgpu::AdapterInfo) -> String {
         info.driver,
         info.driver_info,
         env!("CARGO_PKG_VERSION"),
-        fnv1a(Family::MatmulSubgroup.source())
+        crate::user_cache::fnv1a(Family::MatmulSubgroup.source().as_bytes())
     )
 }
 
-/// The cache file's path, or None when no cache directory can be named.
+/// The cache file's path (in [`crate::user_cache::cache_dir`]), or None
+/// when no cache directory can be named.
 pub fn cache_path() -> Option<PathBuf> {
-    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let dir = non_empty("WGRAD_CACHE_DIR")
-        .or_else(|| non_empty("XDG_CACHE_HOME").map(|d| d.join("wgrad")))
-        .or_else(|| non_empty("HOME").map(|d| d.join(".cache").join("wgrad")))?;
-    Some(dir.join(CACHE_FILE))
+    crate::user_cache::cache_dir().map(|dir| dir.join(CACHE_FILE))
 }
 
 fn autotune_disabled() -> bool {
@@ -388,21 +380,14 @@ impl Kernels {
 }
 
 fn write_cache(path: &PathBuf, cache: &CacheFile) -> Result<()> {
-    let io = |e: std::io::Error| Error::InvalidArgument {
-        op: "autotune",
-        reason: format!("cannot write the tuning cache {}: {e}", path.display()),
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io)?;
-    }
     let text = serde_json::to_string_pretty(cache).map_err(|e| Error::InvalidArgument {
         op: "autotune",
         reason: format!("cannot encode the tuning cache: {e}"),
     })?;
-    // Write then rename, so a concurrent reader never sees half a file.
-    let tmp = path.with_extension(format!("json.{}", std::process::id()));
-    std::fs::write(&tmp, text).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    crate::user_cache::write_atomic(path, text.as_bytes()).map_err(|e| Error::InvalidArgument {
+        op: "autotune",
+        reason: format!("cannot write the tuning cache {}: {e}", path.display()),
+    })
 }
 
 #[cfg(test)]

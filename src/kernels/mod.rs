@@ -536,7 +536,18 @@ impl Kernels {
             constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
         );
         let slot = lock(&self.pipelines).entry(key).or_default().clone();
-        let mut compiled = lock(&slot);
+        let mut compiled = match slot.try_lock() {
+            Ok(compiled) => compiled,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                // Another thread is compiling it; the wait shows in the
+                // debug log, where a start-up's idle threads can be seen.
+                let started = std::time::Instant::now();
+                let compiled = lock(&slot);
+                log::debug!("pipeline {}: waited {:.1} ms for another thread compiling it", kernel.entry, started.elapsed().as_secs_f64() * 1e3);
+                compiled
+            }
+        };
         if let Some(p) = compiled.as_ref() {
             return Ok(p.clone());
         }
@@ -555,9 +566,10 @@ impl Kernels {
                         constants,
                         zero_initialize_workgroup_memory: false,
                     },
-                    cache: None,
+                    cache: self.device.pipeline_cache(),
                 })
         })?;
+        self.device.pipeline_created();
         log::debug!("pipeline {} {:?}: {:.1} ms", kernel.entry, constants, started.elapsed().as_secs_f64() * 1e3);
         *compiled = Some(pipeline.clone());
         Ok(pipeline)

@@ -26,6 +26,7 @@ mod matvec;
 mod modules;
 mod optim;
 mod parallel;
+mod pipeline_cache;
 mod rowwise;
 mod sampling;
 mod shaders;
