@@ -976,12 +976,13 @@ impl<R: Read> Parser<'_, R> {
         let offset = self.u64(&|| format!("the data offset of tensor `{name}`"))?;
         let dtype = format!("{ty} {dims:?}");
         let bad = |reason: String| self.tensor_bad(&name, &dtype, reason);
-        // ggml counts elements in int64 (and llama.cpp refuses more).
+        // ggml holds each dim and the element count in int64 (and
+        // llama.cpp refuses more), even when another dim is 0.
         let n_elements = dims
             .iter()
-            .try_fold(1u64, |n, &d| n.checked_mul(d))
+            .try_fold(1u64, |n, &d| n.checked_mul(d).filter(|_| d <= i64::MAX as u64))
             .filter(|&n| n <= i64::MAX as u64)
-            .ok_or_else(|| bad(format!("the dims {dims:?} multiply past 2^63 elements")))?;
+            .ok_or_else(|| bad(format!("the dims {dims:?} pass 2^63 elements (ggml's int64)")))?;
         usize::try_from(n_elements).map_err(|_| bad(format!("{n_elements} elements do not fit this machine's memory")))?;
         let row = dims.first().copied().unwrap_or(1);
         if row % ty.block_size() != 0 {
