@@ -174,6 +174,20 @@ pub enum Error {
         found: Vec<usize>,
     },
 
+    /// A GGUF file whose header, metadata or layout is wrong (truncated, a
+    /// count larger than the file could hold, an unknown version), or that
+    /// holds something wgrad does not run (an architecture, a value of the
+    /// wrong type for its key).
+    #[error("GGUF `{}`: {reason}", .path.display())]
+    Gguf { path: std::path::PathBuf, reason: String },
+
+    /// One tensor of a GGUF file: its data runs past the end of the file,
+    /// overlaps another's or is misaligned, its dims overflow, its type id is
+    /// unknown, or its type is one wgrad does not decode. `dtype` is its type
+    /// and dims (`Q4_1 [576, 1536]`), or what is known of them.
+    #[error("GGUF `{}`: tensor `{tensor}` ({dtype}): {reason}", .path.display())]
+    GgufTensor { path: std::path::PathBuf, tensor: String, dtype: String, reason: String },
+
     /// A model folder's weights lack a tensor its config.json implies.
     #[error("`{}` has no tensor `{name}` (config.json implies shape {expected:?})", .path.display())]
     FolderTensorMissing { path: std::path::PathBuf, name: String, expected: Vec<usize> },

@@ -20,6 +20,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod generate;
+pub mod gguf;
 pub mod gpt_folder;
 pub mod graph;
 pub mod kernels;

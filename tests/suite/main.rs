@@ -12,6 +12,7 @@ mod device;
 mod f16_weights;
 mod fusion;
 mod generate;
+mod gguf;
 mod gpt_data_parallel;
 mod gpt_folder;
 mod gpt_pipeline;
