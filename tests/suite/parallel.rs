@@ -525,7 +525,7 @@ pub(crate) fn mixed_limits_group(test: &str) -> Option<(DeviceGroup, Option<wgra
     let gl = common::lock_gl_if_any();
     let index = common::reports()[0].index;
     let open = |mode: wgrad::LimitsMode| {
-        let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), limits: Some(mode) };
+        let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), limits: Some(mode), ..Default::default() };
         std::sync::Arc::new(wgrad::Kernels::new(wgrad::Device::open(&opts).unwrap()))
     };
     let group = DeviceGroup::from_kernels(vec![open(wgrad::LimitsMode::Adapter), open(wgrad::LimitsMode::WebGpu)]).unwrap();
