@@ -281,6 +281,14 @@ impl Executor {
         self.train_dispatches().count() + self.update_dispatches().count()
     }
 
+    /// Every dispatch one training step records, in order: forward,
+    /// backward, the gradient norm when clipping, the update. Their grids
+    /// and constants are known once the executor is built, without running
+    /// them (a test reads them to check a step's shape on an adapter).
+    pub fn step_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
+        self.train_dispatches().chain(self.update_dispatches())
+    }
+
     /// The optimizer's dispatches in order: the gradient norm (when
     /// clipping), then the update. Empty without an optimizer.
     fn update_dispatches(&self) -> impl Iterator<Item = &Dispatch> {

@@ -262,6 +262,13 @@ impl Kernels {
 
     /// The table the matmul entries use on this adapter.
     pub fn matmul_tuning(&self) -> MatmulTuning {
+        if self.gpu_shaped() == self.device().is_cpu() {
+            // Kernels shaped for the other kind of adapter (a test forcing
+            // GPU shapes on a software one): that kind's fallback table,
+            // since a tuning of this adapter says nothing about it.
+            let kind = if self.gpu_shaped() { wgpu::DeviceType::DiscreteGpu } else { wgpu::DeviceType::Cpu };
+            return MatmulTuning::fallback(kind, self.supports_subgroup_matmul());
+        }
         tuning_for(self.device().info(), self.supports_subgroup_matmul())
     }
 

@@ -203,3 +203,54 @@ fn a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_buil
         Ok(())
     });
 }
+
+/// Invocations a GPU launch should have: about 8K (a few waves on every
+/// compute unit of a large GPU), or, for a launch over less data than
+/// that, enough that no invocation walks more than this many elements of
+/// its largest operand (a bias gradient of 768 values needs no 8K).
+const GPU_LAUNCH_INVOCATIONS: u64 = 8192;
+const MAX_ELEMENTS_PER_INVOCATION: u64 = 64;
+
+#[test]
+fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_on_a_gpu() {
+    let test = "no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_on_a_gpu";
+    let Some(k) = crate::common::adapters().first().cloned() else {
+        crate::common::no_adapter(test);
+        return;
+    };
+    let _gl = k.device().lock_gl();
+    // The kernels shaped as on a GPU, whatever this adapter is (with the
+    // CPU shaping this test fails: one-pass column sums and the 8-lane
+    // subgroup matmul give hundreds of invocations over millions of
+    // values). One block: every block of GPT-2 124M has the same shapes,
+    // so one covers every kind of dispatch. Two limits of a 128 MiB
+    // storage binding (lavapipe's, and WebGPU's default) shape the rest: a
+    // sequence of 512 tokens (at 1024 the logits, 206 MB, are over it, and
+    // the fused cross-entropy does not split rows over bindings), and a
+    // vocabulary of 32,768 (the input gradient's dlogits·wte reads wte,
+    // 154 MB at 50,257 tokens, along k, which a matmul does not split over
+    // bindings).
+    let gpu = crate::common::limited_kernels(&k, wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() });
+    let config = wgrad::nn::GptConfig { n_layer: 1, block_size: 512, vocab_size: 32768, ..wgrad::nn::GptConfig::gpt2() };
+    let gpt = wgrad::nn::Gpt::new(config).expect("GPT-2's config");
+    let optimizer = wgrad::optim::AdamW::new(6e-4).decay_matrices_only().clip_grad_norm(1.0);
+    let trainer = wgrad::trainer::Trainer::new(gpu.clone(), &gpt, wgrad::nn::CrossEntropyLoss, optimizer, 1).expect("a GPT-2-shaped trainer");
+    let mut small = Vec::new();
+    let mut launches = 0;
+    for dispatch in trainer.executor().step_dispatches() {
+        for launch in dispatch.each_launch() {
+            launches += 1;
+            let entry = launch.kernel().entry;
+            let per_workgroup = reflect::entry_needs(launch.kernel()).expect("a registered entry").invocations(&launch.recipe().constants);
+            let [x, y, z] = launch.workgroups();
+            let invocations = u64::from(x) * u64::from(y) * u64::from(z) * per_workgroup;
+            let largest = launch.recipe().bindings.iter().map(|b| b.bytes / 4).max().unwrap_or(0);
+            let wanted = GPU_LAUNCH_INVOCATIONS.min(largest.div_ceil(MAX_ELEMENTS_PER_INVOCATION));
+            if invocations < wanted {
+                small.push(format!("{entry}: {x}x{y}x{z} workgroups of {per_workgroup} = {invocations} invocations over {largest} elements"));
+            }
+        }
+    }
+    eprintln!("{test}: {launches} launches per step");
+    assert!(small.is_empty(), "launches too small for a GPU at GPT-2 124M's shapes:\n{}", small.join("\n"));
+}
