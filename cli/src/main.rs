@@ -97,8 +97,8 @@ enum Command {
     /// Chrome's compiler: `tint --format ir -o /dev/null DIR/modules/*.wgsl`),
     /// and a case per entry point for a browser's WebGPU (scripts/webgpu/).
     Shaders {
-        /// The folder to write: modules/NAME.wgsl (WebGPU's dialect),
-        /// NAME.naga.wgsl where naga's differs, modules.json; cases.json and
+        /// The folder to write: modules/NAME.wgsl (WebGPU's dialect, every
+        /// one a module Tint accepts), modules.json; cases.json and
         /// cases/*.bin (each entry point's inputs, uniform block, constants,
         /// grid and the CPU twin's expected output, built on the chosen
         /// adapter with WebGPU's default limits).

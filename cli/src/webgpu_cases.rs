@@ -211,17 +211,19 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["sigmoid_backward"], Web, |c| activation(c, Activation::Sigmoid, true)),
         (&["tanh_forward"], Web, |c| activation(c, Activation::Tanh, false)),
         (&["tanh_backward"], Web, |c| activation(c, Activation::Tanh, true)),
-        (&["sum_rows_forward"], Web, sum_rows),
-        (&["sum_rows_partial", "sum_rows_forward"], Gpu, sum_rows_two_stage),
+        // 70 columns: two 64-wide column workgroups; 301 rows: two stages
+        // on a GPU.
+        (&["sum_rows_forward"], Web, |c| sum_rows(c, 37, 70)),
+        (&["sum_rows_partial", "sum_rows_forward"], Gpu, |c| sum_rows(c, 301, 70)),
         (&["sum_forward"], Web, |c| whole_sum(c, false)),
         (&["mean_forward"], Web, |c| whole_sum(c, true)),
         (&["max_rows_forward"], Web, max_rows),
         (&["argmax_rows_forward"], Web, argmax_rows),
-        (&["mse_forward"], Web, mse_forward),
-        (&["mse_partial", "loss_finish"], Gpu, mse_two_stage),
-        (&["cross_entropy_partial", "loss_finish"], Gpu, ce_two_stage),
+        (&["mse_forward"], Web, |c| mse_forward(c, 307)),
+        (&["mse_partial", "loss_finish"], Gpu, |c| mse_forward(c, 5003)),
+        (&["cross_entropy_partial", "loss_finish"], Gpu, |c| ce_forward(c, 301, 11)),
         (&["mse_backward"], Web, mse_backward),
-        (&["cross_entropy_forward"], Web, ce_forward),
+        (&["cross_entropy_forward"], Web, |c| ce_forward(c, 13, 11)),
         (&["cross_entropy_backward"], Web, ce_backward),
         (&["mse_forward_backward"], Web, |c| fused_loss(c, false, false)),
         (&["cross_entropy_forward_backward"], Web, |c| fused_loss(c, true, false)),
@@ -238,8 +240,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["softmax_backward"], Web, |c| softmax_backward(c, false)),
         (&["layernorm_forward"], Web, |c| layernorm(c, false)),
         (&["layernorm_backward"], Web, |c| layernorm_backward(c, false)),
-        (&["layernorm_backward_params"], Web, layernorm_params),
-        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, layernorm_params_two_stage),
+        (&["layernorm_backward_params"], Web, |c| layernorm_params(c, 37, 70)),
+        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, |c| layernorm_params(c, 301, 70)),
         (&["cross_entropy_rows_forward_backward"], Web, |c| ce_rows(c, false)),
         (&["softmax_forward_short"], Web, |c| softmax(c, true)),
         (&["softmax_backward_short"], Web, |c| softmax_backward(c, true)),
@@ -251,8 +253,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["embedding_backward_sort", "embedding_backward"], Web, embedding_backward),
         (&["binary_broadcast_forward"], Web, binary_broadcast),
         (&["unary_forward"], Web, unary),
-        (&["reduce_to_shape_forward"], Web, reduce_to_shape),
-        (&["reduce_to_shape_partial"], Gpu, reduce_to_shape_two_stage),
+        (&["reduce_to_shape_forward"], Web, |c| reduce_to_shape(c, &[2, 3, 5, 7], &[3, 1, 7])),
+        (&["reduce_to_shape_partial"], Gpu, |c| reduce_to_shape(c, &[2, 151, 7], &[7])),
         (&["permute_forward"], Web, permute),
         (&["slice_last_forward"], Web, slice_last),
         (&["pad_last_forward"], Web, pad_last),
@@ -471,32 +473,36 @@ fn activation(c: &mut Ctx<'_>, act: Activation, backward: bool) -> Result<Case> 
 
 // ---- reduce.wgsl -------------------------------------------------------
 
-fn sum_rows(c: &mut Ctx<'_>) -> Result<Case> {
-    // 70 columns: two 64-wide column workgroups.
-    let (rows, cols) = (37, 70);
-    let (x_h, out0) = (c.vals(rows * cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
-    let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
-    let d = c.k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?;
-    let want: Vec<f32> = cpu::sum_rows(&x_h, rows, cols).iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(Case::new(&["sum_rows_forward"], format!("sum_rows_forward {rows}x{cols} accumulate"), vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]))
+/// The entry points a dispatch launches, in order, each once.
+fn launched(d: &Dispatch) -> Vec<&'static str> {
+    let mut entries: Vec<&'static str> = Vec::new();
+    for launch in d.each_launch() {
+        if !entries.contains(&launch.kernel().entry) {
+            entries.push(launch.kernel().entry);
+        }
+    }
+    entries
 }
 
-/// A two-stage reduction's case: its first launch's sums pass to the second
-/// through the device's reduction scratch, checked through the result.
-fn two_stage(mut case: Case, partial: &'static str) -> Case {
-    case.scratch.push((partial, "the first stage's partial sums, summed by the second stage"));
+/// A reduction's case. Where the kernels take two stages (a GPU's shaping,
+/// enough rows), the first launch's sums pass to the second through the
+/// device's reduction scratch, `partial`: checked through the result.
+fn reduction_case(d: Dispatch, what: String, expected: Vec<Expect>, partial: &'static str) -> Case {
+    let entries = launched(&d);
+    let two_stage = d.launches() > 1;
+    let mut case = Case::new(&entries, format!("{} {what}", entries.join(" + ")), vec![d], expected);
+    if two_stage {
+        case.scratch.push((partial, "the first stage's partial sums, summed by the second stage"));
+    }
     case
 }
 
-/// A column sum shaped for a GPU: enough rows that blocks of rows are
-/// summed per column first, then the partials in block order.
-fn sum_rows_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
-    let (rows, cols) = (301, 70);
+fn sum_rows(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (x_h, out0) = (c.vals(rows * cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
     let d = c.k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?;
     let want: Vec<f32> = cpu::sum_rows(&x_h, rows, cols).iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(two_stage(Case::new(&["sum_rows_partial", "sum_rows_forward"], format!("sum_rows two-stage {rows}x{cols} accumulate"), vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]), "partial"))
+    Ok(reduction_case(d, format!("{rows}x{cols} accumulate"), vec![expect("out", &out, want, SUMS.0, SUMS.1)], "partial"))
 }
 
 fn whole_sum(c: &mut Ctx<'_>, mean: bool) -> Result<Case> {
@@ -527,31 +533,12 @@ fn argmax_rows(c: &mut Ctx<'_>) -> Result<Case> {
 
 const LOSS: (f64, f64) = (2e-6, 1e-4);
 
-fn mse_forward(c: &mut Ctx<'_>) -> Result<Case> {
-    let n = 307;
+/// Over 4096 values a GPU sums in two stages.
+fn mse_forward(c: &mut Ctx<'_>, n: usize) -> Result<Case> {
     let (p_h, t_h) = (c.vals(n, -2.0, 2.0), c.vals(n, -2.0, 2.0));
     let (p, t, loss) = (c.up(&p_h)?, c.up(&t_h)?, c.k.zeros(1)?);
     let d = c.k.mse_forward(loss.view(), p.view(), t.view())?;
-    Ok(Case::new(&["mse_forward"], format!("mse_forward {n}"), vec![d], vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)]))
-}
-
-/// The unfused MSE over more values than one workgroup sums on a GPU.
-fn mse_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
-    let n = 5003;
-    let (p_h, t_h) = (c.vals(n, -2.0, 2.0), c.vals(n, -2.0, 2.0));
-    let (p, t, loss) = (c.up(&p_h)?, c.up(&t_h)?, c.k.zeros(1)?);
-    let d = c.k.mse_forward(loss.view(), p.view(), t.view())?;
-    Ok(two_stage(Case::new(&["mse_partial", "loss_finish"], format!("mse two-stage {n}"), vec![d], vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)]), "partials"))
-}
-
-/// The unfused cross-entropy over more rows than one workgroup takes on a GPU.
-fn ce_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
-    let (rows, cols) = (301, 11);
-    let (l_h, y_h) = (c.vals(rows * cols, -3.0, 3.0), c.ids(rows, cols as u32));
-    let (l, y, loss) = (c.up(&l_h)?, c.up_u32(&y_h)?, c.k.zeros(1)?);
-    let d = c.k.cross_entropy_forward(loss.view(), l.view(), y.view(), rows, cols)?;
-    let want = cpu::cross_entropy_forward(&l_h, &y_h, rows, cols);
-    Ok(two_stage(Case::new(&["cross_entropy_partial", "loss_finish"], format!("cross_entropy two-stage {rows}x{cols}"), vec![d], vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)]), "partials"))
+    Ok(reduction_case(d, format!("{n}"), vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)], "partials"))
 }
 
 fn mse_backward(c: &mut Ctx<'_>) -> Result<Case> {
@@ -562,13 +549,13 @@ fn mse_backward(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&["mse_backward"], format!("mse_backward {n}"), vec![d], vec![expect("dpred", &dp, cpu::mse_backward(&p_h, &t_h, 0.7), LOSS.0, LOSS.1)]))
 }
 
-fn ce_forward(c: &mut Ctx<'_>) -> Result<Case> {
-    let (rows, cols) = (13, 11);
+/// Over 256 rows a GPU sums in two stages.
+fn ce_forward(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (l_h, y_h) = (c.vals(rows * cols, -3.0, 3.0), c.ids(rows, cols as u32));
     let (l, y, loss) = (c.up(&l_h)?, c.up_u32(&y_h)?, c.k.zeros(1)?);
     let d = c.k.cross_entropy_forward(loss.view(), l.view(), y.view(), rows, cols)?;
     let want = cpu::cross_entropy_forward(&l_h, &y_h, rows, cols);
-    Ok(Case::new(&["cross_entropy_forward"], format!("cross_entropy_forward {rows}x{cols}"), vec![d], vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)]))
+    Ok(reduction_case(d, format!("{rows}x{cols}"), vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)], "partials"))
 }
 
 fn ce_backward(c: &mut Ctx<'_>) -> Result<Case> {
@@ -764,8 +751,7 @@ fn layernorm_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)]))
 }
 
-fn layernorm_params(c: &mut Ctx<'_>) -> Result<Case> {
-    let (rows, cols) = (37, 70);
+fn layernorm_params(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (x_h, w_h, dy_h, fwd) = layernorm_inputs(c, rows, cols);
     let (dw0, db0) = (c.vals(cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
     let (x, dy, mean, rstd, dw, db) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&fwd.mean)?, c.up(&fwd.rstd)?, c.up(&dw0)?, c.up(&db0)?);
@@ -773,27 +759,7 @@ fn layernorm_params(c: &mut Ctx<'_>) -> Result<Case> {
     let want = cpu::layernorm_backward(&dy_h, &x_h, &w_h, &fwd.mean, &fwd.rstd, rows, cols);
     let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
     let expected = vec![expect("dweight", &dw, add(&dw0, &want.dweight), SUMS.0, SUMS.1), expect("dbias", &db, add(&db0, &want.dbias), SUMS.0, SUMS.1)];
-    Ok(Case::new(&["layernorm_backward_params"], format!("layernorm_backward_params {rows}x{cols} accumulate"), vec![d], expected))
-}
-
-/// The parameter gradients of a layernorm over enough rows that a GPU sums
-/// blocks of rows first.
-fn layernorm_params_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
-    let (rows, cols) = (301, 70);
-    let (x_h, w_h, dy_h, fwd) = layernorm_inputs(c, rows, cols);
-    let (dw0, db0) = (c.vals(cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
-    let (x, dy, mean, rstd, dw, db) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&fwd.mean)?, c.up(&fwd.rstd)?, c.up(&dw0)?, c.up(&db0)?);
-    let d = c.k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?;
-    let want = cpu::layernorm_backward(&dy_h, &x_h, &w_h, &fwd.mean, &fwd.rstd, rows, cols);
-    let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
-    let expected = vec![expect("dweight", &dw, add(&dw0, &want.dweight), SUMS.0, SUMS.1), expect("dbias", &db, add(&db0, &want.dbias), SUMS.0, SUMS.1)];
-    let case = Case::new(
-        &["layernorm_backward_params_partial", "layernorm_backward_params_finish"],
-        format!("layernorm_backward_params two-stage {rows}x{cols} accumulate"),
-        vec![d],
-        expected,
-    );
-    Ok(two_stage(case, "partial"))
+    Ok(reduction_case(d, format!("{rows}x{cols} accumulate"), expected, "partial"))
 }
 
 fn ce_rows(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
@@ -873,23 +839,13 @@ fn unary(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&["unary_forward"], format!("unary_forward exp {FLAT_N}"), vec![d], vec![expect("out", &out, cpu::unary(Unary::Exp, &x_h), TRANSCENDENTAL.0, TRANSCENDENTAL.1)]))
 }
 
-fn reduce_to_shape(c: &mut Ctx<'_>) -> Result<Case> {
-    let (x_shape, out_shape) = ([2, 3, 5, 7], [3, 1, 7]);
-    let (x_h, out0) = (c.vals(210, -1.0, 1.0), c.vals(21, -1.0, 1.0));
+fn reduce_to_shape(c: &mut Ctx<'_>, x_shape: &[usize], out_shape: &[usize]) -> Result<Case> {
+    let (x_len, out_len) = (x_shape.iter().product(), out_shape.iter().product());
+    let (x_h, out0) = (c.vals(x_len, -1.0, 1.0), c.vals(out_len, -1.0, 1.0));
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
-    let d = c.k.reduce_to_shape(true, out.view(), x.view(), &x_shape, &out_shape)?;
-    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, &x_shape, &out_shape)?.iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(Case::new(&["reduce_to_shape_forward"], "reduce_to_shape_forward [2,3,5,7] to [3,1,7] accumulate", vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]))
-}
-
-/// A broadcast operand's gradient over many rows, summed in blocks on a GPU.
-fn reduce_to_shape_two_stage(c: &mut Ctx<'_>) -> Result<Case> {
-    let (x_shape, out_shape) = ([2, 151, 7], [7]);
-    let (x_h, out0) = (c.vals(2 * 151 * 7, -1.0, 1.0), c.vals(7, -1.0, 1.0));
-    let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
-    let d = c.k.reduce_to_shape(true, out.view(), x.view(), &x_shape, &out_shape)?;
-    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, &x_shape, &out_shape)?.iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(two_stage(Case::new(&["reduce_to_shape_partial"], "reduce_to_shape two-stage [2,151,7] to [7] accumulate", vec![d], vec![expect("out", &out, want, SUMS.0, SUMS.1)]), "partial"))
+    let d = c.k.reduce_to_shape(true, out.view(), x.view(), x_shape, out_shape)?;
+    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, x_shape, out_shape)?.iter().zip(&out0).map(|(s, o)| s + o).collect();
+    Ok(reduction_case(d, format!("{x_shape:?} to {out_shape:?} accumulate"), vec![expect("out", &out, want, SUMS.0, SUMS.1)], "partial"))
 }
 
 fn permute(c: &mut Ctx<'_>) -> Result<Case> {

@@ -12,7 +12,6 @@ use crate::error::{Error, Result};
 #[derive(Clone, Debug)]
 pub struct ModuleFile {
     pub family: Family,
-    pub dialect: Dialect,
     pub path: PathBuf,
     /// The entry points wgrad dispatches from this module.
     pub entries: Vec<&'static str>,
@@ -22,11 +21,12 @@ fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).map_err(|source| Error::DataIo { op: "shaders --dump", path: path.to_path_buf(), source })
 }
 
-/// Writes each family's module into `dir/modules/`: `NAME.wgsl` as WebGPU
-/// (Tint) takes it, and `NAME.naga.wgsl` beside it where naga's differs
-/// (the subgroup module, whose `enable subgroups;` naga 30 refuses); and
-/// `dir/modules.json`, listing each module's entry points and the device
-/// features it needs. Returns what it wrote.
+/// Writes each family's module into `dir/modules/NAME.wgsl` as WebGPU
+/// (Tint) takes it, and `dir/modules.json`, listing each module's entry
+/// points and the device features it needs. naga's dialect differs only by
+/// the subgroup module's `enable subgroups;` (`Family::source_for`), which
+/// naga 30 refuses and Tint requires, so every file here is a module Tint
+/// accepts. Returns what it wrote.
 pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
     let modules_dir = dir.join("modules");
     std::fs::create_dir_all(&modules_dir).map_err(|source| Error::DataIo { op: "shaders --dump", path: modules_dir.clone(), source })?;
@@ -37,13 +37,7 @@ pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
         let web = family.source_for(Dialect::WebGpu);
         let path = modules_dir.join(format!("{}.wgsl", family.name()));
         write(&path, &web)?;
-        written.push(ModuleFile { family, dialect: Dialect::WebGpu, path, entries: entries.clone() });
-        let naga = family.source_for(Dialect::Naga);
-        if naga != web {
-            let path = modules_dir.join(format!("{}.naga.wgsl", family.name()));
-            write(&path, &naga)?;
-            written.push(ModuleFile { family, dialect: Dialect::Naga, path, entries: entries.clone() });
-        }
+        written.push(ModuleFile { family, path, entries: entries.clone() });
         let features: Vec<&str> = crate::device::REPORTED_FEATURES
             .iter()
             .filter(|(f, _)| family.required_features().contains(*f))

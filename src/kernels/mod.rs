@@ -166,7 +166,8 @@ pub struct BoundRange {
 }
 
 /// Everything one launch is made of besides its pipeline: the override
-/// constants, the storage bindings, the uniform block's slot and bytes.
+/// constants, the storage bindings, the uniform block's slot and bytes, as
+/// the dispatch was built (`Kernels::rewrite_params` does not update it).
 #[derive(Clone, Debug, Default)]
 pub struct DispatchRecipe {
     pub constants: Vec<(&'static str, f64)>,
