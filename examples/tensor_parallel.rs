@@ -129,7 +129,7 @@ fn main() -> wgrad::Result<()> {
                     .map(|(_, _, v)| v.clone())
             };
             l.weight = find("weight").unwrap_or_default();
-            l.bias = find("bias").unwrap_or_default();
+            l.bias = find("bias");
         }
     }
     let mut predictor = Predictor::new(Arc::clone(&group.members()[0]), &single, BATCH)?;

@@ -312,7 +312,10 @@ fn linear(g: &mut Graph, layer: &Linear, prefix: &str, dtype: WeightDtype) -> Re
         WeightDtype::F32 => g.parameter(&name, &shape, layer.weight.clone())?,
         WeightDtype::F16 => g.parameter_f16(&name, &shape, layer.weight.clone())?,
     };
-    let bias = g.parameter(&format!("{prefix}bias"), &[layer.out_features], layer.bias.clone())?;
+    let bias = match &layer.bias {
+        Some(bias) => g.parameter(&format!("{prefix}bias"), &[layer.out_features], bias.clone())?,
+        None => return Err(Error::InvalidArgument { op: "Generator", reason: format!("`{prefix}` has no bias; a GPT's linears all have one") }),
+    };
     Ok(LinearWeights { weight, bias })
 }
 

@@ -121,7 +121,7 @@ impl Gpt {
         fn linear(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, in_features: usize, out_features: usize) -> Result<Linear> {
             let weight = get(&format!("{name}.weight"), &[out_features, in_features])?;
             let bias = get(&format!("{name}.bias"), &[out_features])?;
-            Ok(Linear { in_features, out_features, weight, bias })
+            Ok(Linear { in_features, out_features, weight, bias: Some(bias) })
         }
         fn norm(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, c: usize) -> Result<LayerNorm> {
             let weight = get(&format!("{name}.weight"), &[c])?;
@@ -151,8 +151,10 @@ impl Gpt {
     /// them (Linear weights [out, in]).
     pub fn parameter_values(&self) -> Vec<(String, Vec<usize>, &[f32])> {
         type Entry<'a> = (String, Vec<usize>, &'a [f32]);
-        fn linear<'a>(name: &str, l: &'a Linear) -> [Entry<'a>; 2] {
-            [(format!("{name}.weight"), vec![l.out_features, l.in_features], &l.weight), (format!("{name}.bias"), vec![l.out_features], &l.bias)]
+        fn linear<'a>(name: &str, l: &'a Linear) -> Vec<Entry<'a>> {
+            let mut all: Vec<Entry<'a>> = vec![(format!("{name}.weight"), vec![l.out_features, l.in_features], &l.weight)];
+            all.extend(l.bias.as_deref().map(|b| (format!("{name}.bias"), vec![l.out_features], b)));
+            all
         }
         fn norm<'a>(name: &str, n: &'a LayerNorm) -> [Entry<'a>; 2] {
             [(format!("{name}.weight"), vec![n.normalized_shape], &n.weight), (format!("{name}.bias"), vec![n.normalized_shape], &n.bias)]

@@ -95,13 +95,14 @@ pub(crate) fn parameter(g: &mut Graph, prefix: &str, name: &str, shape: &[usize]
     Ok(t)
 }
 
-/// y = x·Wᵀ + b with W [out_features, in_features], as torch.nn.Linear.
+/// y = x·Wᵀ + b with W [out_features, in_features], as torch.nn.Linear;
+/// `bias: None` is `Linear(.., bias=False)` (Llama's projections).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Linear {
     pub in_features: usize,
     pub out_features: usize,
     pub weight: Vec<f32>,
-    pub bias: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -110,26 +111,37 @@ impl Linear {
     pub fn new(in_features: usize, out_features: usize) -> Self {
         let bound = 1.0 / (in_features.max(1) as f32).sqrt();
         let weight = uniform(in_features * out_features, bound);
-        let bias = uniform(out_features, bound);
+        let bias = Some(uniform(out_features, bound));
         Linear { in_features, out_features, weight, bias }
     }
 
     /// GPT-2's init: weight N(0, std²), bias zero.
     pub fn normal(in_features: usize, out_features: usize, std: f32) -> Self {
-        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: vec![0.0; out_features] }
+        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: Some(vec![0.0; out_features]) }
+    }
+
+    /// No bias, weight N(0, std²) (Llama's init, `initializer_range`).
+    pub fn normal_no_bias(in_features: usize, out_features: usize, std: f32) -> Self {
+        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: None }
     }
 }
 
 impl Module for Linear {
     /// Over the last dimension of x [.., in_features]; parameters are named
-    /// `{prefix}weight` and `{prefix}bias`.
+    /// `{prefix}weight` and (with a bias) `{prefix}bias`.
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let w = parameter(g, prefix, "weight", &[self.out_features, self.in_features], &self.weight, true)?;
-        let b = parameter(g, prefix, "bias", &[self.out_features], &self.bias, false)?;
+        let b = match &self.bias {
+            Some(bias) => Some(parameter(g, prefix, "bias", &[self.out_features], bias, false)?),
+            None => None,
+        };
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         if shape.len() <= 2 {
             let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
-            return g.bias_add(xw, b);
+            return match b {
+                Some(b) => g.bias_add(xw, b),
+                None => Ok(xw),
+            };
         }
         // Rows of a [.., in] tensor as a matrix, so the bias add follows
         // the matmul directly and the plan fuses it into the matmul's
@@ -137,7 +149,10 @@ impl Module for Linear {
         let rows = shape[..shape.len() - 1].iter().product();
         let flat = g.reshape(x, &[rows, self.in_features])?;
         let xw = g.matmul_form(MatmulForm::ABt, flat, w)?;
-        let y = g.bias_add(xw, b)?;
+        let y = match b {
+            Some(b) => g.bias_add(xw, b)?,
+            None => xw,
+        };
         let mut out_shape = shape;
         if let Some(last) = out_shape.last_mut() {
             *last = self.out_features;
@@ -146,11 +161,18 @@ impl Module for Linear {
     }
 
     fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        vec![("weight".into(), vec![self.out_features, self.in_features]), ("bias".into(), vec![self.out_features])]
+        let mut all = vec![("weight".into(), vec![self.out_features, self.in_features])];
+        if self.bias.is_some() {
+            all.push(("bias".into(), vec![self.out_features]));
+        }
+        all
     }
 
     fn describe(&self) -> String {
-        format!("Linear({}, {})", self.in_features, self.out_features)
+        match self.bias {
+            Some(_) => format!("Linear({}, {})", self.in_features, self.out_features),
+            None => format!("Linear({}, {}, bias=False)", self.in_features, self.out_features),
+        }
     }
 }
 
@@ -263,7 +285,7 @@ impl Sequential {
                 if i == 0 || o == 0 || i.checked_mul(o).is_none_or(|n| n > 1 << 31) {
                     return Err(bad(&after[..close]));
                 }
-                layers.push(Layer::Linear(Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: vec![0.0; o] }));
+                layers.push(Layer::Linear(Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: Some(vec![0.0; o]) }));
                 rest = after[close + 1..].trim_start();
             } else {
                 let word_end = rest.find(' ').unwrap_or(rest.len());

@@ -224,7 +224,7 @@ fn attention_share(g: &mut Graph, x: Tensor, (i, block): (usize, &Block), heads:
         in_features: channels,
         out_features: 3 * width,
         weight: own.take(&format!("{c_attn}weight"))?,
-        bias: own.take(&format!("{c_attn}bias"))?,
+        bias: Some(own.take(&format!("{c_attn}bias"))?),
     }
     .forward(g, normed, &c_attn)?;
     // As CausalSelfAttention, over this device's heads only.
@@ -252,7 +252,7 @@ fn mlp_share(g: &mut Graph, x: Tensor, (i, block): (usize, &Block), hidden: usiz
     // Rows as a matrix, as Mlp does, so bias and GELU fuse into c_fc's matmul.
     let flat = g.reshape(normed, &[batch * time, channels])?;
     let c_fc = format!("{prefix}mlp.c_fc.");
-    let h = Linear { in_features: channels, out_features: hidden, weight: own.take(&format!("{c_fc}weight"))?, bias: own.take(&format!("{c_fc}bias"))? }
+    let h = Linear { in_features: channels, out_features: hidden, weight: own.take(&format!("{c_fc}weight"))?, bias: Some(own.take(&format!("{c_fc}bias"))?) }
         .forward(g, flat, &c_fc)?;
     let h = g.activation(Activation::Gelu, h)?;
     row_parallel(g, h, x, &format!("{prefix}mlp.c_proj."), hidden, dims, own)

@@ -104,9 +104,9 @@ impl TensorParallel {
         let consistent = first.in_features == block_in
             && second.in_features == hidden
             && first.weight.len() == hidden * block_in
-            && first.bias.len() == hidden
+            && first.bias.as_ref().is_some_and(|b| b.len() == hidden)
             && second.weight.len() == block_out * hidden
-            && second.bias.len() == block_out;
+            && second.bias.as_ref().is_some_and(|b| b.len() == block_out);
         if !consistent {
             return Err(bad(format!(
                 "the block's Linear layers do not fit together: Linear({}, {}) after width {block_in}, then Linear({}, {})",
@@ -127,7 +127,7 @@ impl TensorParallel {
         for (d, (k, &width)) in group.members().iter().zip(&hidden_split).enumerate() {
             // Column-parallel W1: rows start..start+width of [h, d_in].
             let w1: Vec<f32> = first.weight[start * block_in..(start + width) * block_in].to_vec();
-            let b1: Vec<f32> = first.bias[start..start + width].to_vec();
+            let b1: Vec<f32> = first.bias.as_deref().unwrap_or_default()[start..start + width].to_vec();
             // Row-parallel W2: columns start..start+width of [o, h].
             let w2: Vec<f32> = (0..block_out).flat_map(|r| second.weight[r * hidden + start..r * hidden + start + width].to_vec()).collect();
             let mut g = Graph::new();
@@ -148,7 +148,7 @@ impl TensorParallel {
         // The post stage adds b2 once, then the plain layers after the block, then the loss.
         let mut g = Graph::new();
         let y = g.input("block_output", &[batch, block_out])?;
-        let b2 = g.parameter(&format!("{i2}.bias"), &[block_out], second.bias.clone())?;
+        let b2 = g.parameter(&format!("{i2}.bias"), &[block_out], second.bias.clone().unwrap_or_default())?;
         let h = g.bias_add(y, b2)?;
         let out = add_layers(&mut g, post_layers, h)?;
         let out_features = g.shape(out)[1];

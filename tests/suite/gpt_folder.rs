@@ -460,7 +460,9 @@ fn a_refused_save_leaves_the_previous_folder_as_it_was() {
 
     // Sizes the config does not describe.
     let mut inconsistent = other.clone();
-    inconsistent.h[0].mlp.c_fc.bias.pop();
+    if let Some(bias) = inconsistent.h[0].mlp.c_fc.bias.as_mut() {
+        bias.pop();
+    }
     assert!(save_gpt_folder(&dir, &inconsistent, &chars, None).is_err());
     unchanged();
 

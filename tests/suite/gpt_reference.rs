@@ -107,15 +107,15 @@ impl Fixture {
             block.ln_1.bias = init("ln_1.bias");
             let attn = block.attn.as_mut().expect("a Gpt's blocks have attention");
             attn.c_attn.weight = init("attn.c_attn.weight");
-            attn.c_attn.bias = init("attn.c_attn.bias");
+            attn.c_attn.bias = Some(init("attn.c_attn.bias"));
             attn.c_proj.weight = init("attn.c_proj.weight");
-            attn.c_proj.bias = init("attn.c_proj.bias");
+            attn.c_proj.bias = Some(init("attn.c_proj.bias"));
             block.ln_2.weight = init("ln_2.weight");
             block.ln_2.bias = init("ln_2.bias");
             block.mlp.c_fc.weight = init("mlp.c_fc.weight");
-            block.mlp.c_fc.bias = init("mlp.c_fc.bias");
+            block.mlp.c_fc.bias = Some(init("mlp.c_fc.bias"));
             block.mlp.c_proj.weight = init("mlp.c_proj.weight");
-            block.mlp.c_proj.bias = init("mlp.c_proj.bias");
+            block.mlp.c_proj.bias = Some(init("mlp.c_proj.bias"));
         }
         gpt.ln_f.weight = init("ln_f.weight");
         gpt.ln_f.bias = init("ln_f.bias");

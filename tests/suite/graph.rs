@@ -647,7 +647,7 @@ fn golden_mlp_losses_match_a_hand_written_cpu_mlp_for_20_steps() {
         let model = Sequential::mlp(&[16, 20, 4], Layer::ReLU)?;
         let weights = |i: usize| match &model.layers[i] { Layer::Linear(l) => l.clone(), _ => unreachable!() };
         let (l0, l2) = (weights(0), weights(2));
-        let mut reference = CpuMlp { w1: l0.weight, b1: l0.bias, w2: l2.weight, b2: l2.bias };
+        let mut reference = CpuMlp { w1: l0.weight, b1: l0.bias.unwrap_or_default(), w2: l2.weight, b2: l2.bias.unwrap_or_default() };
         let lr = 0.5;
         let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, OptimizerConfig::Sgd(SgdConfig { lr, ..SgdConfig::default() }), dims.0)?;
         for step in 0..20 {
