@@ -33,6 +33,7 @@ pub mod ops;
 pub mod text;
 pub mod training;
 pub mod lm_training;
+pub mod models;
 pub mod user_cache;
 
 pub use device::{Device, DeviceOptions, LimitsMode};

@@ -5,12 +5,22 @@
 //! PyTorch's defaults and come from a seeded generator ([`manual_seed`]).
 
 mod gpt;
+mod grouped_attention;
 mod layers;
+mod parameter_tree;
+mod rms_norm;
+mod rotary;
+mod swiglu;
 mod transformer;
 
 pub use gpt::{Gpt, GptConfig};
 pub use layers::{Embedding, LayerNorm};
 pub use transformer::{Block, CausalSelfAttention, Mlp};
+pub use grouped_attention::GroupedQueryAttention;
+pub use parameter_tree::ParameterTree;
+pub use rms_norm::RmsNorm;
+pub use rotary::{RopeLayout, Rotary};
+pub use swiglu::SwiGluMlp;
 
 use std::cell::RefCell;
 

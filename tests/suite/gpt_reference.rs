@@ -25,7 +25,8 @@ use wgrad::trainer::{Predictor, Targets, Trainer};
 const FIXTURE: &[u8] = include_bytes!("../fixtures/gpt_reference.safetensors");
 
 /// The fixture's tensors (f32 values, i32 ids read as u32) and settings.
-struct Fixture {
+/// The Llama's fixture (llama_reference.rs) is read the same way.
+pub(crate) struct Fixture {
     values: HashMap<String, (Vec<usize>, Vec<f32>)>,
     ids: HashMap<String, Vec<u32>>,
     meta: HashMap<String, String>,
@@ -33,7 +34,11 @@ struct Fixture {
 
 impl Fixture {
     fn load() -> Self {
-        let file = SafeTensors::deserialize(FIXTURE).expect("the fixture is safetensors");
+        Self::from_bytes(FIXTURE)
+    }
+
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Self {
+        let file = SafeTensors::deserialize(bytes).expect("the fixture is safetensors");
         let (mut values, mut ids) = (HashMap::new(), HashMap::new());
         for (name, view) in file.tensors() {
             let words = view.data().chunks_exact(4).map(|b| [b[0], b[1], b[2], b[3]]);
@@ -47,24 +52,24 @@ impl Fixture {
                 other => panic!("{name}: unexpected dtype {other:?}"),
             }
         }
-        let (_, header) = SafeTensors::read_metadata(FIXTURE).expect("the fixture's header");
+        let (_, header) = SafeTensors::read_metadata(bytes).expect("the fixture's header");
         let meta = header.metadata().clone().expect("the fixture records its settings");
         Fixture { values, ids, meta }
     }
 
-    fn get(&self, name: &str) -> &[f32] {
+    pub(crate) fn get(&self, name: &str) -> &[f32] {
         &self.values.get(name).unwrap_or_else(|| panic!("the fixture has no `{name}`")).1
     }
 
-    fn shape(&self, name: &str) -> &[usize] {
+    pub(crate) fn shape(&self, name: &str) -> &[usize] {
         &self.values.get(name).unwrap_or_else(|| panic!("the fixture has no `{name}`")).0
     }
 
-    fn ids(&self, name: &str) -> &[u32] {
+    pub(crate) fn ids(&self, name: &str) -> &[u32] {
         self.ids.get(name).unwrap_or_else(|| panic!("the fixture has no ids `{name}`"))
     }
 
-    fn setting<T: std::str::FromStr>(&self, key: &str) -> T {
+    pub(crate) fn setting<T: std::str::FromStr>(&self, key: &str) -> T {
         let text = self.meta.get(key).unwrap_or_else(|| panic!("the fixture has no setting `{key}`"));
         text.parse().unwrap_or_else(|_| panic!("setting `{key}` = {text:?} does not parse"))
     }
@@ -80,7 +85,7 @@ impl Fixture {
     }
 
     /// The optimizer the script ran, as a wgrad user writes it.
-    fn optimizer(&self) -> AdamW {
+    pub(crate) fn optimizer(&self) -> AdamW {
         AdamW::new(self.setting("lr"))
             .betas(self.setting("beta1"), self.setting("beta2"))
             .eps(self.setting("eps"))
@@ -123,7 +128,7 @@ impl Fixture {
     }
 
     /// Parameter names and shapes as PyTorch's state_dict has them.
-    fn parameters(&self) -> Vec<(String, Vec<usize>)> {
+    pub(crate) fn parameters(&self) -> Vec<(String, Vec<usize>)> {
         let mut names: Vec<(String, Vec<usize>)> =
             self.values.iter().filter_map(|(n, (s, _))| n.strip_prefix("init.").map(|p| (p.to_string(), s.clone()))).collect();
         names.sort();
@@ -133,7 +138,7 @@ impl Fixture {
 
 /// The largest |got - want|, to print beside each check (what the
 /// tolerances were chosen from).
-fn worst(got: &[f32], want: &[f32]) -> f32 {
+pub(crate) fn worst(got: &[f32], want: &[f32]) -> f32 {
     got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max)
 }
 
@@ -148,7 +153,7 @@ fn key_bias(name: &str, n_embd: usize) -> Option<std::ops::Range<usize>> {
 }
 
 /// A module's parameters by name as its graph declares them (no GPU work).
-fn initial_values(model: &dyn Module) -> HashMap<String, Vec<f32>> {
+pub(crate) fn initial_values(model: &dyn Module) -> HashMap<String, Vec<f32>> {
     let mut g = Graph::new();
     let input = model.input(&mut g, 1).expect("a whole model");
     model.forward(&mut g, input, "").expect("the model builds");

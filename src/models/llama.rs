@@ -1,0 +1,330 @@
+//! Llama as transformers' `LlamaForCausalLM` writes it, with its parameter
+//! names, so a Hugging Face folder needs no name map: token embedding
+//! (`model.embed_tokens`), pre-norm decoder layers (`model.layers.N.…`:
+//! RMSNorm, grouped-query attention with rotary positions, RMSNorm, SwiGLU
+//! MLP), a final RMSNorm (`model.norm`), and a head that is either the
+//! token embedding (tied) or its own `lm_head`. SmolLM2, TinyLlama, Llama
+//! 2/3 and Mistral are sizes of it.
+
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::MatmulForm;
+use crate::nn::{Embedding, GroupedQueryAttention, Linear, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, SwiGluMlp};
+
+/// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
+pub const INITIALIZER_RANGE: f32 = 0.02;
+
+/// The sizes and constants of a [`Llama`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    /// The longest sequence (`max_position_embeddings`).
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// Key/value heads (`num_key_value_heads`), a divisor of n_head.
+    pub n_kv_head: usize,
+    pub n_embd: usize,
+    pub intermediate_size: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    /// How q/k channels pair up for the rotation: Hugging Face checkpoints
+    /// are [`RopeLayout::HalfSplit`], Meta's and GGUF's interleaved.
+    pub rope_layout: RopeLayout,
+}
+
+impl LlamaConfig {
+    /// HuggingFaceTB/SmolLM2-135M: 30 layers of 576 channels, 9 heads
+    /// sharing 3 KV heads, MLP 1536, vocabulary 49152, tied head.
+    pub const fn smollm2_135m() -> Self {
+        LlamaConfig {
+            vocab_size: 49152,
+            block_size: 8192,
+            n_layer: 30,
+            n_head: 9,
+            n_kv_head: 3,
+            n_embd: 576,
+            intermediate_size: 1536,
+            rope_theta: 100000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            rope_layout: RopeLayout::HalfSplit,
+        }
+    }
+
+    /// A small Llama for a character-level corpus of `vocab_size` symbols
+    /// (the shipped Shakespeare trains it on a software adapter in
+    /// seconds): 4 layers × 128 channels, 4 heads over 2 KV heads, MLP 384,
+    /// 64 positions, untied head.
+    pub const fn small(vocab_size: usize) -> Self {
+        LlamaConfig {
+            vocab_size,
+            block_size: 64,
+            n_layer: 4,
+            n_head: 4,
+            n_kv_head: 2,
+            n_embd: 128,
+            intermediate_size: 384,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: false,
+            rope_layout: RopeLayout::HalfSplit,
+        }
+    }
+
+    /// A preset by name: `smollm2-135m`, or `small` (whose vocabulary
+    /// `vocab_size` gives: the data's).
+    pub fn preset(name: &str, vocab_size: usize) -> Result<Self> {
+        match name {
+            "smollm2-135m" => Ok(Self::smollm2_135m()),
+            "small" => Ok(Self::small(vocab_size)),
+            other => Err(Error::InvalidArgument { op: "LlamaConfig::preset", reason: format!("unknown preset `{other}`; known: smollm2-135m, small") }),
+        }
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head.max(1)
+    }
+
+    /// The rotation every attention layer applies.
+    pub fn rotary(&self) -> Rotary {
+        Rotary { base: self.rope_theta, rotary_dim: self.head_dim(), layout: self.rope_layout }
+    }
+
+    /// Parameters of a model of this size; `None` when the count overflows
+    /// (sizes read from a file may be absurd). 134,515,008 for SmolLM2-135M.
+    pub fn num_parameters(&self) -> Option<usize> {
+        let (c, f) = (self.n_embd, self.intermediate_size);
+        let kv = self.n_kv_head.checked_mul(self.head_dim())?;
+        let attention = c.checked_mul(c)?.checked_mul(2)?.checked_add(c.checked_mul(kv)?.checked_mul(2)?)?;
+        let layer = attention.checked_add(c.checked_mul(f)?.checked_mul(3)?)?.checked_add(2 * c)?;
+        let table = self.vocab_size.checked_mul(c)?;
+        let head = if self.tie_word_embeddings { 0 } else { table };
+        layer.checked_mul(self.n_layer)?.checked_add(table)?.checked_add(head)?.checked_add(c)
+    }
+
+    /// Every size positive, heads dividing channels, KV heads dividing
+    /// heads, an even head width (pairs rotate), a base above 1 and a
+    /// positive eps.
+    pub fn check(&self) -> Result<()> {
+        let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd, self.intermediate_size];
+        let bad = |reason: String| Err(Error::InvalidArgument { op: "LlamaConfig", reason: format!("{reason}: {self:?}") });
+        if sizes.contains(&0) {
+            return bad("every size must be positive".into());
+        }
+        if self.n_embd % self.n_head != 0 || self.n_head % self.n_kv_head != 0 {
+            return bad(format!("n_embd {} must be a multiple of n_head {}, and n_head of n_kv_head {}", self.n_embd, self.n_head, self.n_kv_head));
+        }
+        if self.head_dim() % 2 != 0 {
+            return bad(format!("the head width n_embd / n_head = {} must be even (rotary positions turn channel pairs)", self.head_dim()));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return bad(format!("rope_theta {} must be a finite number above 1", self.rope_theta));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!("rms_norm_eps {} must be positive and finite", self.rms_norm_eps));
+        }
+        Ok(())
+    }
+}
+
+/// One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x)).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaDecoderLayer {
+    pub input_layernorm: RmsNorm,
+    pub self_attn: GroupedQueryAttention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: SwiGluMlp,
+}
+
+impl LlamaDecoderLayer {
+    fn new(config: &LlamaConfig, std: f32) -> Result<Self> {
+        let c = config.n_embd;
+        Ok(LlamaDecoderLayer {
+            input_layernorm: RmsNorm::new(c, config.rms_norm_eps),
+            self_attn: GroupedQueryAttention::normal(c, config.n_head, config.n_kv_head, config.rotary(), std)?,
+            post_attention_layernorm: RmsNorm::new(c, config.rms_norm_eps),
+            mlp: SwiGluMlp::normal(c, config.intermediate_size, std),
+        })
+    }
+}
+
+impl Module for LlamaDecoderLayer {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let normed = self.input_layernorm.forward(g, x, &format!("{prefix}input_layernorm."))?;
+        let attended = self.self_attn.forward(g, normed, &format!("{prefix}self_attn."))?;
+        let x = g.add(x, attended)?;
+        let normed = self.post_attention_layernorm.forward(g, x, &format!("{prefix}post_attention_layernorm."))?;
+        let transformed = self.mlp.forward(g, normed, &format!("{prefix}mlp."))?;
+        g.add(x, transformed)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        self.parameter_shapes()
+    }
+
+    fn describe(&self) -> String {
+        format!("LlamaDecoderLayer({}, {})", self.self_attn.describe(), self.mlp.describe())
+    }
+}
+
+impl ParameterTree for LlamaDecoderLayer {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.input_layernorm.visit(&format!("{prefix}input_layernorm."), f);
+        self.self_attn.visit(&format!("{prefix}self_attn."), f);
+        self.post_attention_layernorm.visit(&format!("{prefix}post_attention_layernorm."), f);
+        self.mlp.visit(&format!("{prefix}mlp."), f);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        self.input_layernorm.visit_mut(&format!("{prefix}input_layernorm."), f)?;
+        self.self_attn.visit_mut(&format!("{prefix}self_attn."), f)?;
+        self.post_attention_layernorm.visit_mut(&format!("{prefix}post_attention_layernorm."), f)?;
+        self.mlp.visit_mut(&format!("{prefix}mlp."), f)
+    }
+}
+
+/// A Llama over u32 token ids [batch, T ≤ block_size], returning logits
+/// [batch, T, vocab_size].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub embed_tokens: Embedding,
+    pub layers: Vec<LlamaDecoderLayer>,
+    pub norm: RmsNorm,
+    /// `None` when the head is the token embedding (tie_word_embeddings).
+    pub lm_head: Option<Linear>,
+}
+
+impl Llama {
+    /// transformers' LlamaPreTrainedModel init: embeddings and every
+    /// projection N(0, 0.02²), norms one; draws from [`crate::nn::manual_seed`]'s generator.
+    pub fn new(config: LlamaConfig) -> Result<Self> {
+        config.check()?;
+        let embed_tokens = Embedding::normal(config.vocab_size, config.n_embd, INITIALIZER_RANGE);
+        let layers = (0..config.n_layer).map(|_| LlamaDecoderLayer::new(&config, INITIALIZER_RANGE)).collect::<Result<_>>()?;
+        let lm_head = (!config.tie_word_embeddings).then(|| Linear::normal_no_bias(config.n_embd, config.vocab_size, INITIALIZER_RANGE));
+        Ok(Llama { config, embed_tokens, layers, norm: RmsNorm::new(config.n_embd, config.rms_norm_eps), lm_head })
+    }
+
+    /// A model of `config` whose parameters come from `take(name, shape)`,
+    /// called once per parameter in [`Module::named_parameters`] order
+    /// (Hugging Face's names); it returns exactly `shape`'s element count
+    /// of values, or the error to report. Draws nothing from the init
+    /// generator.
+    pub fn from_parameters(config: LlamaConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+        config.check()?;
+        let mut model = Self::zeros(config)?;
+        model.visit_mut("", &mut |name, shape, values| {
+            let taken = take(&name, &shape)?;
+            if taken.len() != shape.iter().product::<usize>() {
+                return Err(Error::shape("Llama::from_parameters", format!("`{name}` needs {shape:?}, got {} values", taken.len()), &[&shape]));
+            }
+            *values = taken;
+            Ok(())
+        })?;
+        Ok(model)
+    }
+
+    /// The model's structure with every value zero (norms included), for
+    /// [`Llama::from_parameters`] to fill.
+    fn zeros(config: LlamaConfig) -> Result<Self> {
+        let (c, kv) = (config.n_embd, config.n_kv_head * config.head_dim());
+        let linear = |i: usize, o: usize| Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: None };
+        let norm = || RmsNorm { normalized_shape: c, eps: config.rms_norm_eps, weight: vec![0.0; c] };
+        GroupedQueryAttention::check(c, config.n_head, config.n_kv_head)?;
+        let layers = (0..config.n_layer)
+            .map(|_| LlamaDecoderLayer {
+                input_layernorm: norm(),
+                self_attn: GroupedQueryAttention {
+                    n_embd: c,
+                    n_head: config.n_head,
+                    n_kv_head: config.n_kv_head,
+                    rotary: config.rotary(),
+                    q_proj: linear(c, c),
+                    k_proj: linear(c, kv),
+                    v_proj: linear(c, kv),
+                    o_proj: linear(c, c),
+                },
+                post_attention_layernorm: norm(),
+                mlp: SwiGluMlp { gate_proj: linear(c, config.intermediate_size), up_proj: linear(c, config.intermediate_size), down_proj: linear(config.intermediate_size, c) },
+            })
+            .collect();
+        Ok(Llama {
+            config,
+            embed_tokens: Embedding { num_embeddings: config.vocab_size, embedding_dim: c, weight: vec![0.0; config.vocab_size * c] },
+            layers,
+            norm: norm(),
+            lm_head: (!config.tie_word_embeddings).then(|| linear(c, config.vocab_size)),
+        })
+    }
+
+    /// The final norm and the head: logits [.., vocab_size] of x [.., C];
+    /// `table` is the token embedding the tied head reuses.
+    pub fn head(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let x = self.norm.forward(g, x, &format!("{prefix}model.norm."))?;
+        match &self.lm_head {
+            Some(head) => head.forward(g, x, &format!("{prefix}lm_head.")),
+            None => g.rows_matmul(MatmulForm::ABt, x, table),
+        }
+    }
+}
+
+impl Module for Llama {
+    fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
+        g.ids("idx", &[batch, self.config.block_size])
+    }
+
+    /// `idx`: u32 [batch, T] with T ≤ block_size.
+    fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
+        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
+        if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
+            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
+        }
+        let table = self.embed_tokens.table(g, &format!("{prefix}model.embed_tokens."))?;
+        let mut x = g.embedding(table, idx)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(g, x, &format!("{prefix}model.layers.{i}."))?;
+        }
+        self.head(g, table, x, prefix)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        self.parameter_shapes()
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.config;
+        format!(
+            "Llama(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_kv_head={}, n_embd={}, intermediate_size={}, rope_theta={}, rms_norm_eps={}, tied={}, rope={:?})",
+            c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size, c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings, c.rope_layout
+        )
+    }
+}
+
+impl ParameterTree for Llama {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.embed_tokens.visit(&format!("{prefix}model.embed_tokens."), f);
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.visit(&format!("{prefix}model.layers.{i}."), f);
+        }
+        self.norm.visit(&format!("{prefix}model.norm."), f);
+        if let Some(head) = &self.lm_head {
+            head.visit(&format!("{prefix}lm_head."), f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        self.embed_tokens.visit_mut(&format!("{prefix}model.embed_tokens."), f)?;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.visit_mut(&format!("{prefix}model.layers.{i}."), f)?;
+        }
+        self.norm.visit_mut(&format!("{prefix}model.norm."), f)?;
+        if let Some(head) = &mut self.lm_head {
+            head.visit_mut(&format!("{prefix}lm_head."), f)?;
+        }
+        Ok(())
+    }
+}

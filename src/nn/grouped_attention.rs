@@ -1,0 +1,137 @@
+//! Grouped-query causal self-attention with rotary positions (Llama's):
+//! n_head query heads share n_kv_head key/value heads (n_kv_head = n_head
+//! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
+//! and `o_proj` projections without biases.
+
+use super::parameter_tree::ParameterTree;
+use super::{Linear, Module, Rotary};
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::MatmulForm;
+
+/// transformers' LlamaAttention over x [B, T, C].
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedQueryAttention {
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub rotary: Rotary,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+}
+
+impl GroupedQueryAttention {
+    /// Weights N(0, std²), no biases (Llama's init).
+    pub fn normal(n_embd: usize, n_head: usize, n_kv_head: usize, rotary: Rotary, std: f32) -> Result<Self> {
+        Self::check(n_embd, n_head, n_kv_head)?;
+        let kv = n_kv_head * (n_embd / n_head);
+        Ok(GroupedQueryAttention {
+            n_embd,
+            n_head,
+            n_kv_head,
+            rotary,
+            q_proj: Linear::normal_no_bias(n_embd, n_embd, std),
+            k_proj: Linear::normal_no_bias(n_embd, kv, std),
+            v_proj: Linear::normal_no_bias(n_embd, kv, std),
+            o_proj: Linear::normal_no_bias(n_embd, n_embd, std),
+        })
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head.max(1)
+    }
+
+    pub(crate) fn check(n_embd: usize, n_head: usize, n_kv_head: usize) -> Result<()> {
+        if n_head == 0 || n_kv_head == 0 || n_embd == 0 || n_embd % n_head != 0 || n_head % n_kv_head != 0 {
+            return Err(Error::InvalidArgument {
+                op: "GroupedQueryAttention",
+                reason: format!("n_embd {n_embd} must be a positive multiple of n_head {n_head}, and n_kv_head {n_kv_head} a positive divisor of n_head"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Module for GroupedQueryAttention {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        Self::check(self.n_embd, self.n_head, self.n_kv_head)?;
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let [b, t, c] = shape[..] else {
+            return Err(Error::shape("GroupedQueryAttention", "expects x [batch, time, channels]", &[&shape]));
+        };
+        if c != self.n_embd {
+            return Err(Error::shape("GroupedQueryAttention", format!("expects {} channels", self.n_embd), &[&shape]));
+        }
+        let (h, d) = (self.n_head, self.head_dim());
+        let q = self.q_proj.forward(g, x, &format!("{prefix}q_proj."))?;
+        let k = self.k_proj.forward(g, x, &format!("{prefix}k_proj."))?;
+        let v = self.v_proj.forward(g, x, &format!("{prefix}v_proj."))?;
+        let k = repeat_kv(g, k, self.n_kv_head, h / self.n_kv_head, d)?;
+        let v = repeat_kv(g, v, self.n_kv_head, h / self.n_kv_head, d)?;
+        // [B, T, H·d] -> [B, H, T, d]
+        let mut heads = Vec::with_capacity(3);
+        for part in [q, k, v] {
+            let split = g.reshape(part, &[b, t, h, d])?;
+            heads.push(g.permute(split, &[0, 2, 1, 3])?);
+        }
+        let q = self.rotary.forward(g, heads[0])?;
+        let k = self.rotary.forward(g, heads[1])?;
+        let scores = g.matmul_form(MatmulForm::ABt, q, k)?;
+        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
+        let att = g.softmax(scores, true)?;
+        let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
+        let y = g.permute(y, &[0, 2, 1, 3])?;
+        let y = g.reshape(y, &[b, t, c])?;
+        self.o_proj.forward(g, y, &format!("{prefix}o_proj."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        self.parameter_shapes()
+    }
+
+    fn describe(&self) -> String {
+        format!("GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={})", self.n_embd, self.n_head, self.n_kv_head)
+    }
+}
+
+impl ParameterTree for GroupedQueryAttention {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.q_proj.visit(&format!("{prefix}q_proj."), f);
+        self.k_proj.visit(&format!("{prefix}k_proj."), f);
+        self.v_proj.visit(&format!("{prefix}v_proj."), f);
+        self.o_proj.visit(&format!("{prefix}o_proj."), f);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        self.q_proj.visit_mut(&format!("{prefix}q_proj."), f)?;
+        self.k_proj.visit_mut(&format!("{prefix}k_proj."), f)?;
+        self.v_proj.visit_mut(&format!("{prefix}v_proj."), f)?;
+        self.o_proj.visit_mut(&format!("{prefix}o_proj."), f)
+    }
+}
+
+/// Key or value heads x [.., n_kv·d] repeated to [.., n_kv·n_rep·d], each
+/// KV head n_rep times in a row (transformers' `repeat_kv`: query head i
+/// reads KV head i / n_rep). A product with a 0/1 selection matrix, so the
+/// values are exact and the gradient sums each group's copies; one call
+/// site, so a fused grouped attention replaces it in one line.
+pub(crate) fn repeat_kv(g: &mut Graph, x: Tensor, n_kv: usize, n_rep: usize, head_dim: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x);
+    }
+    let (width, repeated) = (n_kv * head_dim, n_kv * n_rep * head_dim);
+    let mut select = vec![0.0f32; width * repeated];
+    for kv in 0..n_kv {
+        for copy in 0..n_rep {
+            for j in 0..head_dim {
+                let column = (kv * n_rep + copy) * head_dim + j;
+                select[(kv * head_dim + j) * repeated + column] = 1.0;
+            }
+        }
+    }
+    let select = g.constant("repeat_kv", &[width, repeated], select)?;
+    g.rows_matmul(MatmulForm::AB, x, select)
+}

@@ -1,0 +1,65 @@
+//! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
+
+use super::parameter_tree::ParameterTree;
+use super::{Linear, Module};
+use crate::error::Result;
+use crate::graph::{Graph, Tensor};
+
+/// transformers' LlamaMLP: `gate_proj` and `up_proj` to the intermediate
+/// width, `down_proj` back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwiGluMlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl SwiGluMlp {
+    /// Weights N(0, std²), no biases (Llama's init).
+    pub fn normal(hidden: usize, intermediate: usize, std: f32) -> Self {
+        SwiGluMlp {
+            gate_proj: Linear::normal_no_bias(hidden, intermediate, std),
+            up_proj: Linear::normal_no_bias(hidden, intermediate, std),
+            down_proj: Linear::normal_no_bias(intermediate, hidden, std),
+        }
+    }
+}
+
+impl Module for SwiGluMlp {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(g, x, &format!("{prefix}gate_proj."))?;
+        let up = self.up_proj.forward(g, x, &format!("{prefix}up_proj."))?;
+        let gate = silu(g, gate)?;
+        let hidden = g.mul(gate, up)?;
+        self.down_proj.forward(g, hidden, &format!("{prefix}down_proj."))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        self.parameter_shapes()
+    }
+
+    fn describe(&self) -> String {
+        format!("SwiGluMlp({}, {})", self.gate_proj.in_features, self.gate_proj.out_features)
+    }
+}
+
+impl ParameterTree for SwiGluMlp {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.gate_proj.visit(&format!("{prefix}gate_proj."), f);
+        self.up_proj.visit(&format!("{prefix}up_proj."), f);
+        self.down_proj.visit(&format!("{prefix}down_proj."), f);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        self.gate_proj.visit_mut(&format!("{prefix}gate_proj."), f)?;
+        self.up_proj.visit_mut(&format!("{prefix}up_proj."), f)?;
+        self.down_proj.visit_mut(&format!("{prefix}down_proj."), f)
+    }
+}
+
+/// x · sigmoid(x), composed from graph ops. One call site, so a fused SiLU
+/// op replaces it in one line.
+pub(crate) fn silu(g: &mut Graph, x: Tensor) -> Result<Tensor> {
+    let gate = g.sigmoid(x)?;
+    g.mul(x, gate)
+}
