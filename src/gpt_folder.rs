@@ -47,26 +47,19 @@
 //! This module works on host copies only; it knows no devices.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::{self, File};
-use std::io::{ErrorKind, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fs;
+use std::io::ErrorKind;
+use std::path::Path;
 
-use safetensors::tensor::Dtype;
-use safetensors::SafeTensors;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
+use crate::hf_folder::{io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
+pub use crate::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 use crate::nn::{Gpt, GptConfig, Module};
 use crate::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
 
-/// The model's sizes, in `transformers.GPT2Config`'s names.
-pub const CONFIG_FILE: &str = "config.json";
-/// The weights in one file.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
-/// Which shard holds which tensor, when the weights are sharded.
-pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
 /// The [`TokenizerSpec`].
 pub const TOKENIZER_FILE: &str = "wgrad_tokenizer.json";
 /// The optional [`OptimizerState`].
@@ -138,7 +131,7 @@ impl TokenizerSpec {
 
     /// Why this tokenizer cannot go with a model of `vocab_size` tokens
     /// (its ids must all index the embedding), if it cannot.
-    fn misfit(&self, vocab_size: usize) -> Option<String> {
+    pub(crate) fn misfit(&self, vocab_size: usize) -> Option<String> {
         match self {
             TokenizerSpec::Char { vocabulary } => {
                 if let Err(e) = CharTokenizer::from_vocabulary(vocabulary) {
@@ -254,58 +247,9 @@ pub struct LoadedGpt {
 /// tokenizer and, for resuming, its optimizer state. Atomic: `dir` is
 /// either the previous folder or the complete new one.
 pub fn save_gpt_folder(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<()> {
-    let dir = dir.as_ref();
     // Everything is built and checked in memory before the disk is touched.
     let files = FolderFiles::new(model, tokenizer, optimizer)?;
-    let name = dir.file_name().ok_or_else(|| Error::InvalidArgument {
-        op: "save_gpt_folder",
-        reason: format!("`{}` does not name a folder", dir.display()),
-    })?;
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let existing = match fs::symlink_metadata(dir) {
-        Ok(m) if m.is_dir() => {
-            check_replaceable(dir)?;
-            true
-        }
-        Ok(_) => {
-            return Err(Error::InvalidArgument {
-                op: "save_gpt_folder",
-                reason: format!("`{}` exists and is not a folder; refusing to replace it", dir.display()),
-            })
-        }
-        Err(e) if e.kind() == ErrorKind::NotFound => false,
-        Err(e) => return Err(io_err(dir, "inspect the target folder", e)),
-    };
-    fs::create_dir_all(&parent).map_err(|e| io_err(&parent, "create the parent folder", e))?;
-
-    let temp = TempDir::create(&parent, name, "tmp", dir)?;
-    files.write(&temp.0)?;
-    sync_dir(&temp.0);
-
-    if existing {
-        let old = unique_sibling(&parent, name, "old");
-        fs::rename(dir, &old).map_err(|e| io_err(dir, "move the previous folder aside", e))?;
-        if let Err(e) = fs::rename(&temp.0, dir) {
-            // Put the previous folder back; the new one is still removed by the guard.
-            if let Err(back) = fs::rename(&old, dir) {
-                log::error!("save_gpt_folder: could not move `{}` back to `{}`: {back}", old.display(), dir.display());
-            }
-            return Err(io_err(dir, "move the new folder into place", e));
-        }
-        temp.disarm();
-        sync_dir(&parent);
-        if let Err(e) = fs::remove_dir_all(&old) {
-            log::warn!("save_gpt_folder: the new folder is in place, but the previous one at `{}` could not be removed: {e}", old.display());
-        }
-    } else {
-        fs::rename(&temp.0, dir).map_err(|e| io_err(dir, "move the new folder into place", e))?;
-        temp.disarm();
-        sync_dir(&parent);
-    }
-    Ok(())
+    save_atomically(dir.as_ref(), "save_gpt_folder", &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| files.write(temp))
 }
 
 /// Reads a model folder written by [`save_gpt_folder`] or by Hugging Face
@@ -315,8 +259,14 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let dir = dir.as_ref();
     let spec = read_config(dir)?;
     let config = spec.config;
-    let expected: HashMap<String, Vec<usize>> = hf_shapes(&config).into_iter().collect();
-    let mut weights = read_weights(dir, &expected)?;
+    let mut expected: HashMap<String, Vec<usize>> = hf_shapes(&config).into_iter().collect();
+    // A stored head must be the token table (checked below), so it has its shape.
+    expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);
+    let name_of = |stored: &str| {
+        let name = stored.strip_prefix(BODY_PREFIX).unwrap_or(stored);
+        (!is_mask_buffer(name)).then(|| name.to_string())
+    };
+    let mut weights = read_weights(dir, &expected, &name_of)?;
 
     let weights_path = weights.source.clone();
     for (name, shape) in hf_shapes(&config) {
@@ -324,7 +274,7 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
             return Err(Error::FolderTensorMissing { path: weights_path, name: hf_name(&name), expected: shape });
         }
     }
-    check_head(&weights, &config, spec.tied, dir)?;
+    check_head(&weights, spec.tied, dir)?;
 
     let mut model = Gpt::from_parameters(config, |name, shape| {
         let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: weights_path.clone(), name: hf_name(name), expected: shape.to_vec() })?;
@@ -481,9 +431,7 @@ impl FolderFiles {
             "n_head": config.n_head,
             "n_inner": null,
             "activation_function": "gelu_new",
-            // The shortest decimal that reads back as `eps` (1e-05, not
-            // the f64 widening 9.999999747378752e-06).
-            "layer_norm_epsilon": eps.to_string().parse::<f64>().unwrap_or(f64::from(eps)),
+            "layer_norm_epsilon": json_f32(eps),
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
@@ -495,8 +443,8 @@ impl FolderFiles {
             "eos_token_id": end,
             "dtype": "float32",
         });
-        let config_bytes = pretty_json(&config_json)?;
-        let tokenizer_bytes = pretty_json(tokenizer)?;
+        let config_bytes = pretty_json(&config_json, "save_gpt_folder")?;
+        let tokenizer_bytes = pretty_json(tokenizer, "save_gpt_folder")?;
 
         let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state)).transpose()?;
         Ok(FolderFiles { config: config_bytes, tokenizer: tokenizer_bytes, weights, optimizer })
@@ -511,13 +459,6 @@ impl FolderFiles {
         }
         Ok(())
     }
-}
-
-/// Pretty JSON with a final newline, as `save_pretrained` writes it.
-fn pretty_json(value: &impl serde::Serialize) -> Result<Vec<u8>> {
-    let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| Error::InvalidArgument { op: "save_gpt_folder", reason: format!("could not write JSON: {e}") })?;
-    bytes.push(b'\n');
-    Ok(bytes)
 }
 
 /// `optimizer.safetensors`: each moment under `model.safetensors`'s name
@@ -564,108 +505,6 @@ fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoin
     Ok(ckpt)
 }
 
-/// Only a folder whose every entry a model folder may hold is replaced
-/// (what wgrad writes, and what Hugging Face puts beside the weights), so a
-/// mistyped path cannot delete someone's files.
-fn check_replaceable(dir: &Path) -> Result<()> {
-    const KNOWN: [&str; 12] = [
-        CONFIG_FILE,
-        WEIGHTS_FILE,
-        WEIGHTS_INDEX_FILE,
-        TOKENIZER_FILE,
-        OPTIMIZER_FILE,
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "vocab.json",
-        "merges.txt",
-        "added_tokens.json",
-    ];
-    let entries = fs::read_dir(dir).map_err(|e| io_err(dir, "list the target folder", e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| io_err(dir, "list the target folder", e))?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
-        let shard = name.starts_with("model-") && name.ends_with(".safetensors");
-        if !is_file || !(KNOWN.contains(&name.as_ref()) || shard) {
-            return Err(Error::InvalidArgument {
-                op: "save_gpt_folder",
-                reason: format!(
-                    "refusing to replace `{}`: it holds `{name}`, which is not part of a model folder; move it away or save elsewhere",
-                    dir.display()
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {
-    Error::CheckpointIo { path: path.to_path_buf(), action, source }
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut file = File::create(path).map_err(|e| io_err(path, "create", e))?;
-    file.write_all(bytes).map_err(|e| io_err(path, "write", e))?;
-    file.sync_all().map_err(|e| io_err(path, "fsync", e))
-}
-
-/// Makes renames and new entries durable. Best effort: some filesystems
-/// refuse fsync on a folder, and the files themselves are already synced.
-fn sync_dir(dir: &Path) {
-    #[cfg(unix)]
-    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-        log::warn!("save_gpt_folder: could not fsync folder {}: {e}", dir.display());
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-}
-
-/// `.NAME.KIND-PID-N-NANOS` beside the target: hidden, and unique per
-/// process and call.
-fn unique_sibling(parent: &Path, name: &std::ffi::OsStr, kind: &str) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let mut sibling = std::ffi::OsString::from(".");
-    sibling.push(name);
-    sibling.push(format!(".{kind}-{}-{n}-{nanos}", std::process::id()));
-    parent.join(sibling)
-}
-
-/// The temporary folder, removed with its contents when dropped unless
-/// disarmed after the rename.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn create(parent: &Path, name: &std::ffi::OsStr, kind: &str, target: &Path) -> Result<Self> {
-        for _ in 0..16 {
-            let path = unique_sibling(parent, name, kind);
-            match fs::create_dir(&path) {
-                Ok(()) => return Ok(TempDir(path)),
-                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(io_err(target, "create a temporary folder beside it", e)),
-            }
-        }
-        Err(io_err(target, "create a temporary folder with a unique name", std::io::Error::new(ErrorKind::AlreadyExists, "name collision")))
-    }
-
-    fn disarm(mut self) {
-        self.0 = PathBuf::new();
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !self.0.as_os_str().is_empty() {
-            // Best effort: the original error is what the caller needs.
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 // ---------------------------------------------------------------- loading
 
 /// What config.json says, checked.
@@ -675,36 +514,10 @@ struct ConfigSpec {
     tied: bool,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
-    let text = fs::read(path).map_err(|e| io_err(path, "read", e))?;
-    serde_json::from_slice(&text).map_err(|e| Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("not valid JSON: {e}") })
-}
-
 fn read_config(dir: &Path) -> Result<ConfigSpec> {
-    let path = dir.join(CONFIG_FILE);
-    let value = read_json(&path)?;
-    let bad = |reason: String| Error::CheckpointFormat { path: path.clone(), reason };
-    let map = value.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
-
-    let size = |key: &str| -> Result<Option<usize>> {
-        match map.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| bad(format!("`{key}` is {v}, not a size"))),
-        }
-    };
-    let required = |key: &str| size(key)?.ok_or_else(|| bad(format!("no `{key}` field (GPT2Config needs it)")));
-    let text = |key: &str| -> Result<Option<&str>> {
-        match map.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| bad(format!("`{key}` is {v}, not a string"))),
-        }
-    };
-    let flag = |key: &str, default: bool| -> Result<bool> {
-        match map.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| bad(format!("`{key}` is {v}, not true or false"))),
-        }
-    };
+    let fields = ConfigFields::read(dir, "GPT2Config")?;
+    let bad = |reason: String| fields.bad(reason);
+    let (size, required, text, flag) = (|k| fields.size(k), |k| fields.required(k), |k| fields.text(k), |k, d| fields.flag(k, d));
 
     if let Some(kind) = text("model_type")? {
         if kind != "gpt2" {
@@ -731,13 +544,7 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
         )));
     }
 
-    let layer_norm_epsilon = match map.get("layer_norm_epsilon") {
-        None | Some(Value::Null) => 1e-5,
-        Some(v) => match v.as_f64() {
-            Some(e) if e > 0.0 && e.is_finite() => e as f32,
-            _ => return Err(bad(format!("`layer_norm_epsilon` is {v}, not a positive number"))),
-        },
-    };
+    let layer_norm_epsilon = fields.positive("layer_norm_epsilon", 1e-5)?;
     match text("activation_function")? {
         None | Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => {}
         Some(other) => {
@@ -756,137 +563,14 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
     Ok(ConfigSpec { config, layer_norm_epsilon, tied })
 }
 
-/// One tensor read from a weights file, converted to f32.
-struct LoadedTensor {
-    shape: Vec<usize>,
-    data: Vec<f32>,
-}
-
-/// The weights by wgrad name (no prefix), the head if present, and the
-/// file errors about the whole set name (the single file or the index).
-struct Weights {
-    tensors: HashMap<String, LoadedTensor>,
-    head: Option<(PathBuf, LoadedTensor)>,
-    source: PathBuf,
-}
-
-fn read_weights(dir: &Path, expected: &HashMap<String, Vec<usize>>) -> Result<Weights> {
-    let single = dir.join(WEIGHTS_FILE);
-    let index = dir.join(WEIGHTS_INDEX_FILE);
-    if single.is_file() {
-        let mut weights = Weights { tensors: HashMap::new(), head: None, source: single.clone() };
-        read_weights_file(&single, expected, &mut weights, None)?;
-        return Ok(weights);
-    }
-    if !index.is_file() {
-        let reason = if dir.join("pytorch_model.bin").exists() {
-            format!("no {WEIGHTS_FILE}, only pytorch_model.bin: save the model with safe_serialization (the default in transformers) to get safetensors")
-        } else {
-            format!("no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
-        };
-        return Err(Error::CheckpointFormat { path: dir.to_path_buf(), reason });
-    }
-
-    let value = read_json(&index)?;
-    let bad = |reason: String| Error::CheckpointFormat { path: index.clone(), reason };
-    let map = value.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no `weight_map` object".into()))?;
-    let mut shards: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
-        // The index comes with the folder: it may only name files in it.
-        if file.is_empty() || file == "." || file == ".." || file.contains(['/', '\\']) {
-            return Err(bad(format!("`{name}` maps to `{file}`, which is not a file name in the folder")));
-        }
-        shards.entry(file).or_default().push(name);
-    }
-    let mut weights = Weights { tensors: HashMap::new(), head: None, source: index.clone() };
-    for (file, names) in shards {
-        let path = dir.join(file);
-        if !path.exists() {
-            return Err(io_err(&path, "read the shard model.safetensors.index.json lists", std::io::Error::new(ErrorKind::NotFound, "missing shard")));
-        }
-        read_weights_file(&path, expected, &mut weights, Some(&names))?;
-    }
-    Ok(weights)
-}
-
-/// Reads one safetensors file into `weights`, checking each tensor's name
-/// and shape against `expected` (wgrad name → shape in the file). A shard
-/// must hold every name the index lists for it (`listed`).
-fn read_weights_file(path: &Path, expected: &HashMap<String, Vec<usize>>, weights: &mut Weights, listed: Option<&[&str]>) -> Result<()> {
-    let bytes = fs::read(path).map_err(|e| io_err(path, "read", e))?;
-    let bad = |reason: String| Error::CheckpointFormat { path: path.to_path_buf(), reason };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(checkpoint::describe_safetensors_error(&e, bytes.len())))?;
-    if let Some(listed) = listed {
-        let held: BTreeSet<&str> = st.names().into_iter().collect();
-        if let Some(absent) = listed.iter().find(|n| !held.contains(**n)) {
-            return Err(bad(format!("{WEIGHTS_INDEX_FILE} lists `{absent}` in this shard, which does not hold it")));
-        }
-    }
-    for (file_name, view) in st.tensors() {
-        let name = file_name.strip_prefix(BODY_PREFIX).unwrap_or(&file_name);
-        if is_mask_buffer(name) {
-            continue;
-        }
-        let shape = view.shape().to_vec();
-        if name == HEAD {
-            let data = decode(&file_name, &view, path)?;
-            weights.head = Some((path.to_path_buf(), LoadedTensor { shape, data }));
-            continue;
-        }
-        let want = expected.get(name).ok_or_else(|| Error::FolderTensorUnexpected { path: path.to_path_buf(), name: file_name.clone(), shape: shape.clone() })?;
-        if *want != shape {
-            return Err(Error::FolderTensorShape { path: path.to_path_buf(), name: file_name.clone(), expected: want.clone(), found: shape });
-        }
-        if weights.tensors.contains_key(name) {
-            return Err(bad(format!("`{name}` appears twice (with and without the `{BODY_PREFIX}` prefix, or in two shards)")));
-        }
-        let data = decode(&file_name, &view, path)?;
-        weights.tensors.insert(name.to_string(), LoadedTensor { shape, data });
-    }
-    Ok(())
-}
-
-/// A tensor's values as f32: F32 as is, F16 and BF16 exactly, F64 rounded
-/// to nearest.
-fn decode(name: &str, view: &safetensors::tensor::TensorView<'_>, path: &Path) -> Result<Vec<f32>> {
-    let raw = view.data();
-    let width = match view.dtype() {
-        Dtype::F32 => 4,
-        Dtype::F16 | Dtype::BF16 => 2,
-        Dtype::F64 => 8,
-        other => {
-            return Err(Error::CheckpointFormat {
-                path: path.to_path_buf(),
-                reason: format!("tensor `{name}` has dtype {other}; wgrad reads F32, F16, BF16 and F64 weights"),
-            })
-        }
-    };
-    let count = view.shape().iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-    // safetensors checked the offsets against shape × dtype; re-check so a
-    // bug there cannot become silently short data.
-    if count.and_then(|n| n.checked_mul(width)) != Some(raw.len()) {
-        return Err(Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("tensor `{name}`: {} data bytes do not fit shape {:?}", raw.len(), view.shape()) });
-    }
-    // The data may sit at any byte offset, so decode element-wise.
-    Ok(match view.dtype() {
-        Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::F64 => raw.chunks_exact(8).map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32).collect(),
-        _ => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-    })
-}
-
 /// wgrad's head is the token embedding: a stored `lm_head.weight` must be
 /// that same table, and an untied model must store it.
-fn check_head(weights: &Weights, config: &GptConfig, tied: bool, dir: &Path) -> Result<()> {
+fn check_head(weights: &Weights, tied: bool, dir: &Path) -> Result<()> {
     let wte = weights.tensors.get("wte.weight");
-    match (&weights.head, wte) {
-        (Some((path, head)), Some(wte)) => {
-            let want = vec![config.vocab_size, config.n_embd];
-            if head.shape != want {
-                return Err(Error::FolderTensorShape { path: path.clone(), name: HEAD.into(), expected: want, found: head.shape.clone() });
-            }
+    match (weights.tensors.get(HEAD), wte) {
+        (Some(head), Some(wte)) => {
+            // read_weights checked its shape against [vocab_size, n_embd].
+            let path = &head.path;
             let same = head.data.iter().zip(&wte.data).all(|(a, b)| a.to_bits() == b.to_bits());
             if !same {
                 return Err(Error::CheckpointFormat {
@@ -904,7 +588,7 @@ fn check_head(weights: &Weights, config: &GptConfig, tied: bool, dir: &Path) -> 
     }
 }
 
-fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<TokenizerSpec>> {
+pub(crate) fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<TokenizerSpec>> {
     let path = dir.join(TOKENIZER_FILE);
     let text = match fs::read(&path) {
         Ok(text) => text,

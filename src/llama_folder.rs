@@ -1,0 +1,214 @@
+//! Llama model folders as Hugging Face shares them: a [`Llama`] saved here
+//! is a folder `transformers.LlamaForCausalLM.from_pretrained` opens, and a
+//! folder `save_pretrained` wrote (or the Hub serves: SmolLM2, TinyLlama,
+//! Llama 2/3) loads into a [`Llama`].
+//!
+//! A folder holds `config.json` (LlamaConfig's fields: `model_type: llama`,
+//! `hidden_size`, `intermediate_size`, `num_attention_heads`,
+//! `num_key_value_heads`, `num_hidden_layers`, `rms_norm_eps`,
+//! `rope_theta`, `max_position_embeddings`, `vocab_size`,
+//! `tie_word_embeddings`, …), `model.safetensors` under the module tree's
+//! names, which are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`,
+//! …; `lm_head.weight` only when untied), and optionally
+//! `wgrad_tokenizer.json`. Hugging Face's rotary layout is the half-split
+//! one: a model built with interleaved (Meta's) pairs has its q/k rows
+//! permuted on saving, as Hugging Face's converter does.
+//!
+//! Loading takes one file or shards with `model.safetensors.index.json`,
+//! F32/F16/BF16/F64 tensors, `rope_theta` at the top level or in
+//! transformers 5's `rope_parameters`; it drops stored `rotary_emb.inv_freq`
+//! buffers and a tied model's `lm_head.weight` when it equals the token
+//! table. It refuses what this Llama does not compute (biases, another
+//! activation, RoPE scaling, a head width other than hidden / heads) with
+//! an error naming the field. Reading, shards, dtypes, atomic saving and
+//! their errors are [`crate::hf_folder`]'s, shared with the GPT's folders.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::error::{Error, Result};
+use crate::gguf::llama::unpermute_rows;
+use crate::gpt_folder::{read_tokenizer, TokenizerSpec, TOKENIZER_FILE};
+use crate::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
+use crate::models::{Llama, LlamaConfig};
+use crate::nn::{Module, ParameterTree, RopeLayout};
+
+/// The untied head's name; a tied model stores none.
+const HEAD: &str = "lm_head.weight";
+/// Sizes read from a file are refused above these before anything is allocated.
+const MAX_LAYERS: usize = 1 << 16;
+const MAX_PARAMETERS: usize = 1 << 40;
+
+/// What [`load_llama_folder`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedLlama {
+    pub model: Llama,
+    /// From `wgrad_tokenizer.json`, when the folder has one.
+    pub tokenizer: Option<TokenizerSpec>,
+}
+
+/// Saves `model` as a Hugging Face folder at `dir` (see the module docs),
+/// with its tokenizer when given. Atomic: `dir` is either the previous
+/// folder or the complete new one.
+pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>) -> Result<()> {
+    const OP: &str = "save_llama_folder";
+    let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
+    let config = model.config;
+    config.check()?;
+    let eps = config.rms_norm_eps;
+    let norms_eps = model.layers.iter().flat_map(|l| [l.input_layernorm.eps, l.post_attention_layernorm.eps]).chain([model.norm.eps]);
+    if norms_eps.into_iter().any(|e| e != eps) {
+        return Err(bad(format!("LlamaConfig has one rms_norm_eps, but the model's RMSNorms differ from its config's {eps}")));
+    }
+    if let Some(reason) = tokenizer.and_then(|t| t.misfit(config.vocab_size)) {
+        return Err(bad(reason));
+    }
+    let mut expected = Llama::from_parameters(config, |_, shape| Ok(vec![0.0; shape.iter().product()]))?.named_parameters().into_iter();
+    let mut weights = Checkpoint::new();
+    weights.set_meta("format", "pt");
+    for (name, shape, values) in model.parameter_values() {
+        if expected.next().is_none_or(|(n, s)| n != name || s != shape) || values.len() != shape.iter().product::<usize>() {
+            return Err(bad(format!("parameter `{name}` {shape:?} with {} values does not fit the model's config {config:?}", values.len())));
+        }
+        let stored = match config.rope_layout {
+            // Hugging Face's half-split layout: undo Meta's pair order.
+            RopeLayout::Interleaved if name.ends_with("q_proj.weight") => unpermute_rows(values, shape[0], config.n_head)?,
+            RopeLayout::Interleaved if name.ends_with("k_proj.weight") => unpermute_rows(values, shape[0], config.n_kv_head)?,
+            _ => values.to_vec(),
+        };
+        weights.push(NamedTensor::new(name, shape, stored)?);
+    }
+    if expected.next().is_some() {
+        return Err(bad(format!("the model has fewer parameters than its config {config:?} implies")));
+    }
+    let config_json = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim(),
+        "hidden_act": "silu",
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": json_f32(eps),
+        "rope_theta": json_f32(config.rope_theta),
+        "rope_scaling": null,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "initializer_range": crate::models::llama::INITIALIZER_RANGE,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "use_cache": true,
+        "torch_dtype": "float32",
+    });
+    let config_bytes = pretty_json(&config_json, OP)?;
+    let tokenizer_bytes = tokenizer.map(|t| pretty_json(t, OP)).transpose()?;
+    save_atomically(dir.as_ref(), OP, &[TOKENIZER_FILE], |temp| {
+        write_synced(&temp.join(CONFIG_FILE), &config_bytes)?;
+        if let Some(bytes) = &tokenizer_bytes {
+            write_synced(&temp.join(TOKENIZER_FILE), bytes)?;
+        }
+        checkpoint::save(temp.join(WEIGHTS_FILE), &weights)
+    })
+}
+
+/// Reads a folder written by [`save_llama_folder`] or by Hugging Face (see
+/// the module docs). Every tensor is checked against config.json before
+/// the model is built.
+pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
+    let dir = dir.as_ref();
+    let config = read_llama_config(dir)?;
+    let shapes = Llama::from_parameters(config, |_, shape| Ok(vec![0.0; shape.iter().product()]))?.named_parameters();
+    let mut expected: HashMap<String, Vec<usize>> = shapes.iter().cloned().collect();
+    // A tied model may still store its head: it must then be the token table.
+    expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);
+    let name_of = |stored: &str| (!stored.ends_with("rotary_emb.inv_freq")).then(|| stored.to_string());
+    let mut weights = read_weights(dir, &expected, &name_of)?;
+    if config.tie_word_embeddings {
+        if let (Some(head), Some(table)) = (weights.tensors.get(HEAD), weights.tensors.get("model.embed_tokens.weight")) {
+            if head.data.iter().zip(&table.data).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Err(Error::CheckpointFormat {
+                    path: head.path.clone(),
+                    reason: format!("`{HEAD}` differs from `model.embed_tokens.weight`, but config.json says tie_word_embeddings"),
+                });
+            }
+        }
+        weights.tensors.remove(HEAD);
+    }
+    let source = weights.source.clone();
+    for (name, shape) in &shapes {
+        if !weights.tensors.contains_key(name) {
+            return Err(Error::FolderTensorMissing { path: source, name: name.clone(), expected: shape.clone() });
+        }
+    }
+    let model = Llama::from_parameters(config, |name, shape| {
+        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: source.clone(), name: name.into(), expected: shape.to_vec() })?;
+        Ok(tensor.data)
+    })?;
+    let tokenizer = read_tokenizer(dir, config.vocab_size)?;
+    Ok(LoadedLlama { model, tokenizer })
+}
+
+/// The config.json of a Llama folder, checked, without reading the weights.
+pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
+    let fields = ConfigFields::read(dir.as_ref(), "LlamaConfig")?;
+    let bad = |reason: String| fields.bad(reason);
+    match fields.text("model_type")? {
+        Some("llama") => {}
+        Some(other) => return Err(bad(format!("model_type `{other}`: wgrad reads Llama (`llama`) folders here"))),
+        None => return Err(bad("no `model_type` field (a Llama folder says `llama`)".into())),
+    }
+    let n_head = fields.required("num_attention_heads")?;
+    let mut config = LlamaConfig {
+        vocab_size: fields.required("vocab_size")?,
+        block_size: fields.required("max_position_embeddings")?,
+        n_layer: fields.required("num_hidden_layers")?,
+        n_head,
+        n_kv_head: fields.size("num_key_value_heads")?.unwrap_or(n_head),
+        n_embd: fields.required("hidden_size")?,
+        intermediate_size: fields.required("intermediate_size")?,
+        rope_theta: fields.positive("rope_theta", 10000.0)?,
+        rms_norm_eps: fields.positive("rms_norm_eps", 1e-6)?,
+        tie_word_embeddings: fields.flag("tie_word_embeddings", false)?,
+        rope_layout: RopeLayout::HalfSplit,
+    };
+    // transformers 5 keeps the base in `rope_parameters`, with its type.
+    if let Some(rope) = fields.get("rope_parameters").or_else(|| fields.get("rope_scaling")) {
+        let kind = rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+        if kind != "default" {
+            return Err(bad(format!("RoPE scaling `{kind}`: wgrad's Llama computes the default rotary embedding only")));
+        }
+        if let Some(theta) = rope.get("rope_theta") {
+            config.rope_theta = theta.as_f64().filter(|t| *t > 1.0 && t.is_finite()).ok_or_else(|| bad(format!("`rope_parameters.rope_theta` is {theta}, not a number above 1")))? as f32;
+        }
+    }
+    if let Some(act) = fields.text("hidden_act")? {
+        if act != "silu" {
+            return Err(bad(format!("hidden_act `{act}`: wgrad's Llama MLP is SwiGLU (silu)")));
+        }
+    }
+    if fields.flag("attention_bias", false)? || fields.flag("mlp_bias", false)? {
+        return Err(bad("attention_bias or mlp_bias is true: wgrad's Llama has no biases".into()));
+    }
+    let sizes_ok = ![config.vocab_size, config.block_size, config.n_layer, n_head, config.n_kv_head, config.n_embd, config.intermediate_size].contains(&0)
+        && config.n_embd % n_head == 0;
+    if let Some(head_dim) = fields.size("head_dim")? {
+        if sizes_ok && head_dim != config.n_embd / n_head {
+            return Err(bad(format!("head_dim {head_dim}: wgrad's Llama has hidden_size / num_attention_heads = {}", config.n_embd / n_head)));
+        }
+    }
+    if !sizes_ok || config.n_layer > MAX_LAYERS || config.num_parameters().is_none_or(|n| n > MAX_PARAMETERS) {
+        return Err(bad(format!(
+            "sizes {config:?}: every size must be positive, hidden_size a multiple of num_attention_heads, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
+        )));
+    }
+    config.check().map_err(|e| bad(e.to_string()))?;
+    Ok(config)
+}
