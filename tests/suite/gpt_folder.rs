@@ -24,15 +24,15 @@ use wgrad::Error;
 /// The fixture's sizes.
 const TINY: GptConfig = GptConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 3, n_embd: 24 };
 
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
 }
 
 /// A fresh folder per test, removed afterwards.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl TempDir {
-    fn new(tag: &str) -> Self {
+    pub(crate) fn new(tag: &str) -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!("wgrad-folder-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
         let _ = fs::remove_dir_all(&dir);
@@ -40,11 +40,11 @@ impl TempDir {
         TempDir(dir)
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 
-    fn entries(&self) -> Vec<String> {
+    pub(crate) fn entries(&self) -> Vec<String> {
         let mut v: Vec<String> = fs::read_dir(&self.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
@@ -58,7 +58,7 @@ impl Drop for TempDir {
 }
 
 /// A copy of a fixture folder inside `tmp`, to break.
-fn copy_fixture(name: &str, tmp: &TempDir) -> PathBuf {
+pub(crate) fn copy_fixture(name: &str, tmp: &TempDir) -> PathBuf {
     let to = tmp.path(name);
     fs::create_dir_all(&to).unwrap();
     for entry in fs::read_dir(fixture(name)).unwrap() {
@@ -75,7 +75,7 @@ fn random_gpt(config: GptConfig, seed: u64) -> Gpt {
     Gpt::from_parameters(config, |_, shape| Ok(random_vec(&mut r, shape.iter().product(), -0.5, 0.5))).unwrap()
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
@@ -90,9 +90,9 @@ fn assert_same_parameters(a: &Gpt, b: &Gpt) {
 }
 
 /// Every tensor of a safetensors file: (name, dtype, shape, bytes), and its metadata.
-type RawTensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+pub(crate) type RawTensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
 
-fn read_raw(path: &Path) -> (RawTensors, HashMap<String, String>) {
+pub(crate) fn read_raw(path: &Path) -> (RawTensors, HashMap<String, String>) {
     let bytes = fs::read(path).unwrap();
     let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -101,13 +101,13 @@ fn read_raw(path: &Path) -> (RawTensors, HashMap<String, String>) {
     (tensors, header.metadata().clone().unwrap_or_default())
 }
 
-fn write_raw(path: &Path, tensors: &RawTensors, metadata: HashMap<String, String>) {
+pub(crate) fn write_raw(path: &Path, tensors: &RawTensors, metadata: HashMap<String, String>) {
     let views: Vec<(String, TensorView)> = tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
     fs::write(path, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
 }
 
 /// Rewrites a folder's model.safetensors through `edit`.
-fn edit_weights(dir: &Path, edit: impl FnOnce(&mut RawTensors)) {
+pub(crate) fn edit_weights(dir: &Path, edit: impl FnOnce(&mut RawTensors)) {
     let path = dir.join("model.safetensors");
     let (mut tensors, metadata) = read_raw(&path);
     edit(&mut tensors);
@@ -115,7 +115,7 @@ fn edit_weights(dir: &Path, edit: impl FnOnce(&mut RawTensors)) {
 }
 
 /// Rewrites a folder's config.json through `edit`.
-fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+pub(crate) fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
     let path = dir.join("config.json");
     let mut value: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     edit(value.as_object_mut().unwrap());
@@ -351,7 +351,7 @@ fn load_broken(fixture_name: &str, edit: impl FnOnce(&Path)) -> Error {
     load_gpt_folder(&dir).expect_err("a broken folder must not load")
 }
 
-fn ends_with(path: &Path, name: &str) -> bool {
+pub(crate) fn ends_with(path: &Path, name: &str) -> bool {
     path.file_name().is_some_and(|n| n == name)
 }
 

@@ -23,6 +23,7 @@ mod kernels;
 mod kernels_ext;
 mod large_operands;
 mod llama_reference;
+mod llama_folder;
 mod lm_training;
 mod matvec;
 mod modules;
