@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Opens a wgrad model folder with Hugging Face transformers and compares
-its logits with the ones wgrad computed (examples/gpt_folder.rs writes both).
+its logits with the ones wgrad computed (examples/gpt_folder.rs writes both;
+config.json's architecture picks the class, so a Llama folder that
+examples/llama_folder.rs writes is checked the same way).
 
     cargo run --release --example gpt_folder -- out/gpt-folder
     /work/venv/bin/python scripts/check_hf_folder.py out/gpt-folder [LOGITS] [--atol 1e-4]
@@ -14,7 +16,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 
 def main():
@@ -26,7 +28,7 @@ def main():
 
     # output_loading_info lists missing or unexpected weights: a folder that
     # needed any of them initialised at random would not be wgrad's model.
-    model, info = GPT2LMHeadModel.from_pretrained(args.dir, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(args.dir, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     if problems:
         print(f"loading reported {problems}")
@@ -37,7 +39,7 @@ def main():
     with torch.no_grad():
         logits = model(ids).logits
     diff = (logits - wgrad["logits"]).abs().max().item()
-    print(f"{args.dir}: {tuple(logits.shape)} logits, max |transformers - wgrad| = {diff:.3g} (atol {args.atol:g})")
+    print(f"{args.dir}: {type(model).__name__}, {tuple(logits.shape)} logits, max |transformers - wgrad| = {diff:.3g} (atol {args.atol:g})")
     return 0 if diff <= args.atol else 1
 
 
