@@ -69,13 +69,19 @@ pub fn bias_add(x: &[f32], bias: &[f32], cols: usize) -> Vec<f32> {
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
 const GELU_A: f64 = 0.044_715;
 
+/// 1 / (1 + e^-x) in f64 (e^-x overflows to +inf below x ≈ −709, giving 0).
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// f(x) for one element, in f64.
 pub fn activation_value(act: Activation, x: f64) -> f64 {
     match act {
         Activation::Relu => x.max(0.0),
         Activation::Gelu => 0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh()),
-        Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Activation::Sigmoid => sigmoid(x),
         Activation::Tanh => x.tanh(),
+        Activation::Silu => x * sigmoid(x),
     }
 }
 
@@ -94,10 +100,14 @@ pub fn activation_derivative(act: Activation, x: f64) -> f64 {
             0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
         }
         Activation::Sigmoid => {
-            let s = 1.0 / (1.0 + (-x).exp());
+            let s = sigmoid(x);
             s * (1.0 - s)
         }
         Activation::Tanh => 1.0 - x.tanh().powi(2),
+        Activation::Silu => {
+            let s = sigmoid(x);
+            s * (1.0 + x * (1.0 - s))
+        }
     }
 }
 

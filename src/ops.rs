@@ -124,14 +124,17 @@ pub enum Activation {
     Gelu,
     Sigmoid,
     Tanh,
+    /// x·sigmoid(x) (PyTorch `SiLU`; the gate of Llama's SwiGLU MLP).
+    Silu,
 }
 
 impl Activation {
-    pub const ALL: [Activation; 4] = [
+    pub const ALL: [Activation; 5] = [
         Activation::Relu,
         Activation::Gelu,
         Activation::Sigmoid,
         Activation::Tanh,
+        Activation::Silu,
     ];
 
     /// The activation's code in shaders/activations.wgsl (its `ACT_*`
@@ -143,6 +146,7 @@ impl Activation {
             Activation::Gelu => 2,
             Activation::Sigmoid => 3,
             Activation::Tanh => 4,
+            Activation::Silu => 5,
         }
     }
 }

@@ -211,6 +211,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["sigmoid_backward"], Web, |c| activation(c, Activation::Sigmoid, true)),
         (&["tanh_forward"], Web, |c| activation(c, Activation::Tanh, false)),
         (&["tanh_backward"], Web, |c| activation(c, Activation::Tanh, true)),
+        (&["silu_forward"], Web, |c| activation(c, Activation::Silu, false)),
+        (&["silu_backward"], Web, |c| activation(c, Activation::Silu, true)),
         // 70 columns: two 64-wide column workgroups; 301 rows: two stages
         // on a GPU.
         (&["sum_rows_forward"], Web, |c| sum_rows(c, 37, 70)),

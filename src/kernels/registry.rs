@@ -280,6 +280,8 @@ pub const SIGMOID_FORWARD: Kernel = kernel(Family::Elementwise, "sigmoid_forward
 pub const SIGMOID_BACKWARD: Kernel = kernel(Family::Elementwise, "sigmoid_backward");
 pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
 pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
+pub const SILU_FORWARD: Kernel = kernel(Family::Elementwise, "silu_forward");
+pub const SILU_BACKWARD: Kernel = kernel(Family::Elementwise, "silu_backward");
 
 pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
 pub const SUM_ROWS_PARTIAL: Kernel = kernel(Family::Reduce, "sum_rows_partial");
@@ -372,6 +374,8 @@ pub const KERNELS: &[Kernel] = &[
     SIGMOID_BACKWARD,
     TANH_FORWARD,
     TANH_BACKWARD,
+    SILU_FORWARD,
+    SILU_BACKWARD,
     SUM_ROWS_FORWARD,
     SUM_ROWS_PARTIAL,
     SUM_FORWARD,
