@@ -22,6 +22,7 @@ mod graph;
 mod kernels;
 mod kernels_ext;
 mod large_operands;
+mod llama_kernels;
 mod lm_training;
 mod matvec;
 mod modules;
