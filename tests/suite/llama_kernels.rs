@@ -1,6 +1,8 @@
 //! Llama's kernels against their plain-Rust twins in `wgrad::cpu`, on every
 //! adapter present: RMSNorm (rowwise.wgsl) and the rotary embedding
-//! (rope.wgsl); the twins' gradients against f64 central differences.
+//! (rope.wgsl); the twins' gradients against f64 central differences; the
+//! table, the kernels and RMSNorm against transformers' Llama
+//! (tests/fixtures/llama-kernels.safetensors, scripts/make_llama_kernels_fixture.py).
 //! SiLU is an `Activation`, checked with the others in kernels.rs (and in
 //! the matmul epilogue, and by the graph's gradient checks).
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
@@ -9,6 +11,7 @@ use crate::common;
 use crate::rowwise::LAYERNORM_SHAPES;
 
 use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
+use safetensors::SafeTensors;
 use wgrad::kernels::{RopeLayout, RopeShape};
 use wgrad::ops::rope_table;
 use wgrad::{cpu, Error, Kernels};
@@ -293,6 +296,72 @@ fn rope_and_rmsnorm_refuse_bad_arguments() {
         assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 3, 2, EPS), Err(Error::Shape { op: "rmsnorm_forward", .. })));
         assert!(matches!(k.rmsnorm_backward(y2.view(), x.view(), x.view(), rstd.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward", .. })));
         assert!(matches!(k.rmsnorm_backward_params(false, rstd.view(), x.view(), x.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward_params", .. })));
+        Ok(())
+    });
+}
+
+const FIXTURE: &[u8] = include_bytes!("../fixtures/llama-kernels.safetensors");
+
+/// The fixture's tensor `name` (all f32).
+fn fixture(name: &str) -> Vec<f32> {
+    let file = SafeTensors::deserialize(FIXTURE).expect("the fixture is safetensors");
+    let view = file.tensor(name).unwrap_or_else(|e| panic!("the fixture has no `{name}`: {e}"));
+    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+#[test]
+fn rope_table_matches_transformers_llama_rotary_embedding() {
+    for (base, dim) in [(10_000.0f32, 64usize), (100_000.0, 64), (500_000.0, 128)] {
+        let key = format!("rope/{base}/{dim}");
+        let positions = fixture(&format!("{key}/positions"));
+        let (cos, sin) = (fixture(&format!("{key}/cos")), fixture(&format!("{key}/sin")));
+        let table = rope_table(base, dim, 8192).expect("a valid table");
+        let half = dim / 2;
+        // Hugging Face's [P, dim] repeats the half's frequencies (cat(freqs,
+        // freqs)); the table holds (cos, sin) per pair.
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        for (j, &p) in positions.iter().enumerate() {
+            for c in 0..dim {
+                let at = (p as usize * half + c % half) * 2;
+                got.extend([table[at], table[at + 1]]);
+                want.extend([cos[j * dim + c], sin[j * dim + c]]);
+            }
+        }
+        // The same f32 angles (inv_freq bit for bit, one f32 product); the
+        // cos and sin of f32 are within an ulp (≤ 6e-8 near 1) of each other
+        // at any angle (8,191 radians here).
+        assert_close(&format!("rope_table base {base} dim {dim}"), &got, &want, 1.2e-7, 0.0);
+    }
+}
+
+#[test]
+fn rope_kernel_matches_transformers_apply_rotary_pos_emb() {
+    // q with 4 heads and k with 2 (grouped-query), each its own call;
+    // sequence 0 starts at position 5, as a decode after 5 cached tokens.
+    let starts: Vec<u32> = fixture("apply/starts").iter().map(|&s| s as u32).collect();
+    for_each_adapter("rope_transformers", |k| {
+        for (name, heads) in [("q", 4), ("k", 2)] {
+            let shape = RopeShape { seqs: 2, rows: 7, heads, head_dim: 16, rotary_dim: 16, positions: 12 };
+            let case = RopeCase { shape, layout: RopeLayout::HalfSplit, base: 10_000.0, starts: starts.clone() };
+            let got = run_rope(k, &case, &fixture(&format!("apply/{name}")), false)?;
+            // x·cos + rotate_half(x)·sin in f32 on both sides, from the
+            // same f32 angles: an ulp or two of |x| ≲ 4.
+            assert_close(&format!("{name} rotated"), &got, &fixture(&format!("apply/{name}_out")), 1e-6, 1e-6);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn rmsnorm_matches_transformers_llama_rms_norm() {
+    let (x, w, want) = (fixture("rmsnorm/x"), fixture("rmsnorm/weight"), fixture("rmsnorm/y"));
+    let (rows, cols) = (5, 24);
+    for_each_shaping("rmsnorm_transformers", |k| {
+        let (xg, wg, y, rstd) = (k.upload(&x)?, k.upload(&w)?, k.zeros(rows * cols)?, k.zeros(rows)?);
+        k.run(&[&k.rmsnorm_forward(y.view(), rstd.view(), xg.view(), wg.view(), rows, cols, 1e-5)?])?;
+        // The same f32 steps; the sum of 24 squares in another order:
+        // a few ulp of |y| ≲ 10.
+        assert_close("rmsnorm", &read(k, &y)?, &want, 1e-6, 2e-6);
         Ok(())
     });
 }
