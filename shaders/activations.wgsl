@@ -11,6 +11,7 @@ const ACT_RELU: u32 = 1u;
 const ACT_GELU: u32 = 2u;
 const ACT_SIGMOID: u32 = 3u;
 const ACT_TANH: u32 = 4u;
+const ACT_SILU: u32 = 5u;
 
 // tanh overflows to NaN on some drivers for large |x|; f32 tanh is ±1 past 15.
 fn safe_tanh(v: f32) -> f32 {
@@ -30,12 +31,14 @@ const GELU_A: f32 = 0.044715;
 //   relu(x) = max(x, 0)
 //   gelu(x) = x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))   (PyTorch approximate="tanh")
 //   sigmoid(x) = 1 / (1 + e^-x),  tanh(x)
+//   silu(x) = x · sigmoid(x)   (SwiGLU's gate; PyTorch F.silu)
 fn activation_forward(code: u32, v: f32) -> f32 {
     switch code {
         case ACT_RELU: { return max(v, 0.0); }
         case ACT_GELU: { return 0.5 * v * (1.0 + safe_tanh(GELU_C * (v + GELU_A * v * v * v))); }
         case ACT_SIGMOID: { return sigmoid(v); }
         case ACT_TANH: { return safe_tanh(v); }
+        case ACT_SILU: { return v * sigmoid(v); }
         default: { return v; }
     }
 }
@@ -57,6 +60,11 @@ fn activation_backward(code: u32, v: f32, dy: f32) -> f32 {
         case ACT_TANH: {
             let t = safe_tanh(v);
             return dy * (1.0 - t * t);
+        }
+        // silu'(x) = s + x·s·(1 − s) = s · (1 + x·(1 − s)), s = sigmoid(x).
+        case ACT_SILU: {
+            let s = sigmoid(v);
+            return dy * s * (1.0 + v * (1.0 - s));
         }
         default: { return dy; }
     }

@@ -115,6 +115,18 @@ fn tanh_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if i < p.n { out[i] = activation_backward(ACT_TANH, x[i], y[i]); }
 }
 
+@compute @workgroup_size(256)
+fn silu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    if i < p.n { out[i] = activation_forward(ACT_SILU, x[i]); }
+}
+
+@compute @workgroup_size(256)
+fn silu_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    if i < p.n { out[i] = activation_backward(ACT_SILU, x[i], y[i]); }
+}
+
 // out[n] = x[n] in vec4s: each invocation copies COPY_VEC4S consecutive
 // vec4s. The bandwidth bench's copy (bench::CopyBandwidth): on llvmpipe a
 // 16-byte load per invocation moves about 4× the bytes per second of the

@@ -1,5 +1,5 @@
 // Row-wise kernels of the transformer: softmax (optionally causal),
-// layernorm, cross-entropy over long rows, embedding lookup.
+// layernorm, RMSNorm, cross-entropy over long rows, embedding lookup.
 //
 // Every row op runs ONE WORKGROUP PER ROW: 256 invocations stride over the
 // row, then reduce in workgroup memory with a tree of fixed shape, so a row
@@ -31,7 +31,7 @@ struct RowParams {
     causal: u32,
     // embedding: vocabulary size V.
     vocab: u32,
-    // layernorm_forward: added to the variance.
+    // layernorm_forward, rmsnorm_forward: added to the variance (mean square).
     eps: f32,
     // cross_entropy_rows_forward_backward: dlogits factor (1/rows for a mean).
     scale: f32,
@@ -48,7 +48,9 @@ struct RowParams {
     row_start: u32,
     row_end: u32,
     table_base: u32,
-    _pad2: u32,
+    // layernorm_backward_params*: 1 for layernorm (x̂ = (x − mean)·rstd,
+    // and dbias), 0 for RMSNorm (x̂ = x·rstd; `mean` and `dbias` unused).
+    centered: u32,
 }
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
@@ -363,19 +365,118 @@ fn layernorm_backward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     }
 }
 
+// rmsnorm_forward: out[rows, cols] = x · rstd · weight[cols] and
+// rstd_out[rows] = 1 / sqrt(mean_c(x²) + eps): torch.nn.RMSNorm and
+// Hugging Face's LlamaRMSNorm, whose f32 steps are these in this order
+// ((x · rstd) · weight).
+@compute @workgroup_size(256)
+fn rmsnorm_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg);
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    var s = 0.0;
+    for (var c = t; c < q.cols; c += WG) {
+        s += x[base + c] * x[base + c];
+    }
+    // Not inverseSqrt: as layernorm_forward.
+    let rs = 1.0 / sqrt(tree_sum2(t, vec2<f32>(s, 0.0)).x / f32(q.cols) + q.eps);
+    if t == 0u {
+        rstd_out[r] = rs;
+    }
+    for (var c = t; c < q.cols; c += WG) {
+        out[base + c] = x[base + c] * rs * weight[c];
+    }
+}
+
+// rmsnorm_backward: out[rows, cols] = dx from dy[rows, cols], the forward
+// input x[rows, cols], weight[cols] and the forward's rstd[rows]: with
+// x̂ = x·rstd and g = dy·weight, dx = (g − x̂ · mean_c(g·x̂)) · rstd.
+@compute @workgroup_size(256)
+fn rmsnorm_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg);
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    let rs = rstd[r];
+    var acc = 0.0;
+    for (var c = t; c < q.cols; c += WG) {
+        acc += dy[base + c] * weight[c] * x[base + c] * rs;
+    }
+    let mean_gx = tree_sum2(t, vec2<f32>(acc, 0.0)).x / f32(q.cols);
+    for (var c = t; c < q.cols; c += WG) {
+        out[base + c] = (dy[base + c] * weight[c] - x[base + c] * rs * mean_gx) * rs;
+    }
+}
+
+// rmsnorm_forward with one invocation per row.
+@compute @workgroup_size(256)
+fn rmsnorm_forward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    var s = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        s += x[base + c] * x[base + c];
+    }
+    let rs = 1.0 / sqrt(s / f32(q.cols) + q.eps);
+    rstd_out[r] = rs;
+    for (var c = 0u; c < q.cols; c++) {
+        out[base + c] = x[base + c] * rs * weight[c];
+    }
+}
+
+// rmsnorm_backward with one invocation per row.
+@compute @workgroup_size(256)
+fn rmsnorm_backward_short(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) t: u32) {
+    let q = uniform_params(t);
+    let r = row_index(wid, nwg) * WG + t;
+    if r >= q.rows {
+        return;
+    }
+    let base = r * q.cols;
+    let rs = rstd[r];
+    var acc = 0.0;
+    for (var c = 0u; c < q.cols; c++) {
+        acc += dy[base + c] * weight[c] * x[base + c] * rs;
+    }
+    let mean_gx = acc / f32(q.cols);
+    for (var c = 0u; c < q.cols; c++) {
+        out[base + c] = (dy[base + c] * weight[c] - x[base + c] * rs * mean_gx) * rs;
+    }
+}
+
 // layernorm_backward_params: dweight[cols] (+)= Σ_r dy·x̂, dbias[cols] (+)= Σ_r dy,
-// from dy[rows, cols], x[rows, cols], mean[rows], rstd[rows]. Sums over rows
+// from dy[rows, cols], x[rows, cols], mean[rows], rstd[rows]; with
+// centered = 0 RMSNorm's dweight alone, x̂ = x·rstd (the host binds any
+// read-only [rows] view as `mean`, and an unused slot as `dbias`). Sums over rows
 // cannot come from the one-workgroup-per-row kernel without float atomics,
 // so one invocation per column adds the rows in order (deterministic; reads
 // are coalesced across neighbouring columns, as in sum_rows_forward).
 // acc + (dy·x̂, dy) of row r, column c; rows past the last add nothing.
-fn ln_param_row(acc: vec2<f32>, r: u32, c: u32, q: RowParams) -> vec2<f32> {
+fn norm_param_row(acc: vec2<f32>, r: u32, c: u32, q: RowParams) -> vec2<f32> {
     if r >= q.rows {
         return acc;
     }
     let i = r * q.cols + c;
-    let xhat = (x[i] - mean[r]) * rstd[r];
+    let xhat = (x[i] - select(0.0, mean[r], q.centered != 0u)) * rstd[r];
     return vec2<f32>(acc.x + dy[i] * xhat, acc.y + dy[i]);
+}
+
+// dweight[c] (+)= dw and, for layernorm, dbias[c] (+)= db.
+fn store_norm_params(c: u32, dw: f32, db: f32, q: RowParams) {
+    let keep = q.accumulate != 0u;
+    dweight[c] = dw + select(0.0, dweight[c], keep);
+    if q.centered != 0u {
+        dbias[c] = db + select(0.0, dbias[c], keep);
+    }
 }
 
 @compute @workgroup_size(64)
@@ -391,23 +492,16 @@ fn layernorm_backward_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num
     // 65,535; unrolled, rows up to 8·65,535 are summed.
     var acc = vec2<f32>(0.0, 0.0);
     for (var r = 0u; r < q.rows; r += 8u) {
-        acc = ln_param_row(acc, r, c, q);
-        acc = ln_param_row(acc, r + 1u, c, q);
-        acc = ln_param_row(acc, r + 2u, c, q);
-        acc = ln_param_row(acc, r + 3u, c, q);
-        acc = ln_param_row(acc, r + 4u, c, q);
-        acc = ln_param_row(acc, r + 5u, c, q);
-        acc = ln_param_row(acc, r + 6u, c, q);
-        acc = ln_param_row(acc, r + 7u, c, q);
+        acc = norm_param_row(acc, r, c, q);
+        acc = norm_param_row(acc, r + 1u, c, q);
+        acc = norm_param_row(acc, r + 2u, c, q);
+        acc = norm_param_row(acc, r + 3u, c, q);
+        acc = norm_param_row(acc, r + 4u, c, q);
+        acc = norm_param_row(acc, r + 5u, c, q);
+        acc = norm_param_row(acc, r + 6u, c, q);
+        acc = norm_param_row(acc, r + 7u, c, q);
     }
-    var dw = acc.x;
-    var db = acc.y;
-    if q.accumulate != 0u {
-        dw += dweight[c];
-        db += dbias[c];
-    }
-    dweight[c] = dw;
-    dbias[c] = db;
+    store_norm_params(c, acc.x, acc.y, q);
 }
 
 // The same sums in two stages, for a GPU (rowwise.rs chooses): 128
@@ -428,7 +522,7 @@ fn layernorm_backward_params_partial(@builtin(workgroup_id) wid: vec3<u32>, @bui
     let end = min((b + 1u) * q.block_rows, q.rows);
     var acc = vec2<f32>(0.0, 0.0);
     for (var r = b * q.block_rows; r < end; r++) {
-        acc = ln_param_row(acc, r, c, q);
+        acc = norm_param_row(acc, r, c, q);
     }
     out[b * 2u * q.cols + c] = acc.x;
     out[b * 2u * q.cols + q.cols + c] = acc.y;
@@ -452,12 +546,7 @@ fn layernorm_backward_params_finish(@builtin(workgroup_id) wid: vec3<u32>, @buil
         dw += x[b * 2u * q.cols + c];
         db += x[b * 2u * q.cols + q.cols + c];
     }
-    if q.accumulate != 0u {
-        dw += dweight[c];
-        db += dbias[c];
-    }
-    dweight[c] = dw;
-    dbias[c] = db;
+    store_norm_params(c, dw, db, q);
 }
 
 // cross_entropy_rows_forward_backward: logits x[rows, V], targets[rows] (u32)

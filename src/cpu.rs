@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
 
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
 pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
@@ -69,13 +69,19 @@ pub fn bias_add(x: &[f32], bias: &[f32], cols: usize) -> Vec<f32> {
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
 const GELU_A: f64 = 0.044_715;
 
+/// 1 / (1 + e^-x) in f64 (e^-x overflows to +inf below x ≈ −709, giving 0).
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// f(x) for one element, in f64.
 pub fn activation_value(act: Activation, x: f64) -> f64 {
     match act {
         Activation::Relu => x.max(0.0),
         Activation::Gelu => 0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh()),
-        Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Activation::Sigmoid => sigmoid(x),
         Activation::Tanh => x.tanh(),
+        Activation::Silu => x * sigmoid(x),
     }
 }
 
@@ -94,10 +100,14 @@ pub fn activation_derivative(act: Activation, x: f64) -> f64 {
             0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
         }
         Activation::Sigmoid => {
-            let s = 1.0 / (1.0 + (-x).exp());
+            let s = sigmoid(x);
             s * (1.0 - s)
         }
         Activation::Tanh => 1.0 - x.tanh().powi(2),
+        Activation::Silu => {
+            let s = sigmoid(x);
+            s * (1.0 + x * (1.0 - s))
+        }
     }
 }
 
@@ -411,6 +421,106 @@ pub fn layernorm_backward(dy: &[f32], x: &[f32], weight: &[f32], mean: &[f32], r
     out.dweight = dweight.iter().map(|&v| v as f32).collect();
     out.dbias = dbias.iter().map(|&v| v as f32).collect();
     out
+}
+
+/// What [`rmsnorm_forward`] returns: y[rows, cols], rstd[rows].
+#[derive(Clone, Debug, PartialEq)]
+pub struct RmsNormForward {
+    pub y: Vec<f32>,
+    pub rstd: Vec<f32>,
+}
+
+/// RMSNorm in f64: y[rows, cols] = x · rstd · weight[cols] and rstd[rows]
+/// = 1 / sqrt(mean_c(x²) + eps). The function the kernels' gradients are
+/// checked against by central differences.
+pub fn rmsnorm_f64(x: &[f64], weight: &[f64], rows: usize, cols: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; rows * cols];
+    let mut rstd = vec![0.0; rows];
+    for r in 0..rows {
+        let row = &x[r * cols..(r + 1) * cols];
+        rstd[r] = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+        for c in 0..cols {
+            y[r * cols + c] = row[c] * rstd[r] * weight[c];
+        }
+    }
+    (y, rstd)
+}
+
+/// Twin of `rmsnorm_forward` (torch.nn.RMSNorm over the last dimension).
+pub fn rmsnorm_forward(x: &[f32], weight: &[f32], rows: usize, cols: usize, eps: f32) -> RmsNormForward {
+    let wide = |v: &[f32]| v.iter().map(|&e| f64::from(e)).collect::<Vec<f64>>();
+    let (y, rstd) = rmsnorm_f64(&wide(x), &wide(weight), rows, cols, f64::from(eps));
+    let narrow = |v: Vec<f64>| v.into_iter().map(|e| e as f32).collect::<Vec<f32>>();
+    RmsNormForward { y: narrow(y), rstd: narrow(rstd) }
+}
+
+/// What [`rmsnorm_backward`] returns: dx[rows, cols] and the weight's
+/// gradient [cols] (to be added into its own).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RmsNormBackward {
+    pub dx: Vec<f32>,
+    pub dweight: Vec<f32>,
+}
+
+/// Twin of `rmsnorm_backward` and `rmsnorm_backward_params`, from the
+/// forward's rstd as the kernels take it: with x̂ = x·rstd and
+/// g = dy·weight, dx = (g − x̂·mean_c(g·x̂))·rstd and dweight = Σ_r dy·x̂.
+pub fn rmsnorm_backward(dy: &[f32], x: &[f32], weight: &[f32], rstd: &[f32], rows: usize, cols: usize) -> RmsNormBackward {
+    let mut dx = vec![0.0f32; rows * cols];
+    let mut dweight = vec![0.0f64; cols];
+    for r in 0..rows {
+        let rs = f64::from(rstd[r]);
+        let span = r * cols..(r + 1) * cols;
+        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| f64::from(v) * rs).collect();
+        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| f64::from(d) * f64::from(w)).collect();
+        let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            dx[r * cols + c] = ((g[c] - xhat[c] * mean_gx) * rs) as f32;
+            dweight[c] += f64::from(dy[r * cols + c]) * xhat[c];
+        }
+    }
+    RmsNormBackward { dx, dweight: dweight.into_iter().map(|v| v as f32).collect() }
+}
+
+/// Rotary embedding in f64 over x [S, T, H, D] (see `ops::RopeShape`):
+/// `sign` 1 rotates by each angle, −1 by minus it (the backward). The
+/// angles are PyTorch's f32 values (`ops::rope_inv_freq`,
+/// `ops::rope_angle`), the rest f64. A position ≥ `shape.positions`
+/// gives NaN, as the kernels.
+pub fn rope_f64(x: &[f64], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32, sign: f64) -> Vec<f64> {
+    let RopeShape { rows, heads, head_dim, rotary_dim, positions, .. } = shape;
+    let inv_freq = rope_inv_freq(base, rotary_dim);
+    let mut out = x.to_vec();
+    for (i, o) in out.iter_mut().enumerate() {
+        let c = i % head_dim;
+        if c >= rotary_dim {
+            continue;
+        }
+        let row = i / (heads * head_dim);
+        let position = starts[row / rows] as usize + row % rows;
+        if position >= positions {
+            *o = f64::NAN;
+            continue;
+        }
+        let angle = f64::from(rope_angle(inv_freq[layout.pair(c, rotary_dim)], position));
+        let (partner, first) = layout.partner(c, rotary_dim);
+        let b = x[i - c + partner];
+        let (cos, sin) = (angle.cos(), sign * angle.sin());
+        *o = if first { x[i] * cos - b * sin } else { x[i] * cos + b * sin };
+    }
+    out
+}
+
+/// Twin of `rope_forward` (see [`rope_f64`]).
+pub fn rope_forward(x: &[f32], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32) -> Vec<f32> {
+    let wide: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+    rope_f64(&wide, starts, shape, layout, base, 1.0).into_iter().map(|v| v as f32).collect()
+}
+
+/// Twin of `rope_backward`: dx from dy, the rotation by minus each angle.
+pub fn rope_backward(dy: &[f32], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32) -> Vec<f32> {
+    let wide: Vec<f64> = dy.iter().map(|&v| f64::from(v)).collect();
+    rope_f64(&wide, starts, shape, layout, base, -1.0).into_iter().map(|v| v as f32).collect()
 }
 
 /// Per-row softmax cross-entropy in f64: logsumexp(logits[r]) −

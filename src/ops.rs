@@ -124,14 +124,17 @@ pub enum Activation {
     Gelu,
     Sigmoid,
     Tanh,
+    /// x·sigmoid(x) (PyTorch `SiLU`; the gate of Llama's SwiGLU MLP).
+    Silu,
 }
 
 impl Activation {
-    pub const ALL: [Activation; 4] = [
+    pub const ALL: [Activation; 5] = [
         Activation::Relu,
         Activation::Gelu,
         Activation::Sigmoid,
         Activation::Tanh,
+        Activation::Silu,
     ];
 
     /// The activation's code in shaders/activations.wgsl (its `ACT_*`
@@ -143,6 +146,7 @@ impl Activation {
             Activation::Gelu => 2,
             Activation::Sigmoid => 3,
             Activation::Tanh => 4,
+            Activation::Silu => 5,
         }
     }
 }
@@ -449,6 +453,133 @@ impl CachedAttentionShape {
         let cache = self.seqs.checked_mul(channels)?.checked_mul(self.context)?;
         Some((qkv, out, cache))
     }
+}
+
+/// Which channels of a head a rotary position embedding rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeLayout {
+    /// Pair i is channels (2i, 2i + 1): Meta's original Llama and GGUF.
+    Interleaved,
+    /// Pair i is channels (i, i + rotary_dim/2): Hugging Face's
+    /// `rotate_half`.
+    HalfSplit,
+}
+
+impl RopeLayout {
+    /// The layout's code in shaders/rope.wgsl (`ROPE_*`).
+    pub fn code(self) -> u32 {
+        match self {
+            RopeLayout::Interleaved => 0,
+            RopeLayout::HalfSplit => 1,
+        }
+    }
+
+    /// The channel rotated with channel `c` (< rotary_dim) of a head, and
+    /// whether `c` is the pair's first: a pair (a, b) becomes
+    /// (a·cos − b·sin, b·cos + a·sin).
+    pub fn partner(self, c: usize, rotary_dim: usize) -> (usize, bool) {
+        let half = rotary_dim / 2;
+        match self {
+            RopeLayout::Interleaved if c % 2 == 0 => (c + 1, true),
+            RopeLayout::Interleaved => (c - 1, false),
+            RopeLayout::HalfSplit if c < half => (c + half, true),
+            RopeLayout::HalfSplit => (c - half, false),
+        }
+    }
+
+    /// The pair (the frequency index) channel `c` (< rotary_dim) belongs to.
+    pub fn pair(self, c: usize, rotary_dim: usize) -> usize {
+        match self {
+            RopeLayout::Interleaved => c / 2,
+            RopeLayout::HalfSplit => c % (rotary_dim / 2),
+        }
+    }
+}
+
+/// A rotary embedding over x [S, T, H, D] (sequences, rows, heads, head
+/// dimension; a [S·T, H·D] projection's output): the first `rotary_dim`
+/// channels of each head rotate, the rest pass through; row t of sequence
+/// s is at position starts[s] + t, which must be below `positions`, the
+/// rows of the (cos, sin) table ([`rope_table`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RopeShape {
+    pub seqs: usize,
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub positions: usize,
+}
+
+impl RopeShape {
+    /// Elements of x [S, T, H, D] and of the table [positions,
+    /// rotary_dim/2, 2]; None when a product overflows.
+    pub fn lengths(&self) -> Option<(usize, usize)> {
+        let x = self.seqs.checked_mul(self.rows)?.checked_mul(self.heads)?.checked_mul(self.head_dim)?;
+        Some((x, self.positions.checked_mul(self.rotary_dim)?))
+    }
+}
+
+/// The most positions a rotary table holds: every position below 2^24 is
+/// an exact f32, as PyTorch's `position_ids.float()` needs.
+pub const ROPE_MAX_POSITIONS: usize = 1 << 24;
+
+/// inv_freq[rotary_dim/2], inv_freq_i = 1 / base^(2i/rotary_dim), each
+/// step rounded to f32 as transformers' LlamaRotaryEmbedding computes it
+/// (`1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))`), so that
+/// angles, and through them logits, match PyTorch's. The power is taken
+/// in f64 and rounded once, the same on every platform: f32 `powf`
+/// (glibc's is within 0.82 ulp) differed from PyTorch's in 2–13 entries of
+/// Llama 2's, SmolLM2's and Llama 3's settings, this in none (the fixture
+/// of tests/suite/llama_kernels.rs); an entry an ulp off would move
+/// position p's angle by p·2^-24 of itself.
+pub fn rope_inv_freq(base: f32, rotary_dim: usize) -> Vec<f32> {
+    (0..rotary_dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / rotary_dim as f32;
+            1.0 / f64::from(base).powf(f64::from(exponent)) as f32
+        })
+        .collect()
+}
+
+/// The angle of pair `i` at `position`: `position.float() * inv_freq` in
+/// f32, as PyTorch; the rotation's cos and sin are of this f32 value.
+pub fn rope_angle(inv_freq: f32, position: usize) -> f32 {
+    position as f32 * inv_freq
+}
+
+/// The (cos, sin) table [positions, rotary_dim/2, 2] the rope kernels
+/// read: the angles of [`rope_angle`], their cos and sin rounded once to
+/// f32 (PyTorch's f32 cos/sin are within an ulp of that). Computed on
+/// the host because a GPU's sin and cos are specified only near [−π, π]
+/// (Vulkan: 2^-11 absolute there, nothing beyond), where angles reach
+/// the positions themselves (thousands of radians); and a table is what a
+/// scaled rope (Llama 3.1's) changes, not the kernel.
+pub fn rope_table(base: f32, rotary_dim: usize, positions: usize) -> Result<Vec<f32>> {
+    let op = "rope_table";
+    let bad = |reason: String| Err(Error::InvalidArgument { op, reason });
+    if !(base.is_finite() && base > 0.0) {
+        return bad(format!("base must be finite and > 0, got {base}"));
+    }
+    if rotary_dim == 0 || rotary_dim % 2 != 0 {
+        return bad(format!("rotary_dim must be even and > 0, got {rotary_dim}"));
+    }
+    if positions == 0 || positions > ROPE_MAX_POSITIONS {
+        return bad(format!("positions must be 1..={ROPE_MAX_POSITIONS}, got {positions}"));
+    }
+    if positions.checked_mul(rotary_dim).is_none() {
+        return bad(format!("{positions} positions × {rotary_dim} channels overflow"));
+    }
+    let inv_freq = rope_inv_freq(base, rotary_dim);
+    let mut table = Vec::with_capacity(positions * rotary_dim);
+    for p in 0..positions {
+        for &f in &inv_freq {
+            let angle = f64::from(rope_angle(f, p));
+            table.push(angle.cos() as f32);
+            table.push(angle.sin() as f32);
+        }
+    }
+    Ok(table)
 }
 
 /// The token a sampler returns for a row with a logit that is not finite,

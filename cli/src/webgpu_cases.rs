@@ -20,7 +20,7 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgrad::kernels::{
     reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
-    MatmulVariant, OptimizerConfig, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
+    MatmulVariant, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
 };
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
@@ -211,6 +211,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["sigmoid_backward"], Web, |c| activation(c, Activation::Sigmoid, true)),
         (&["tanh_forward"], Web, |c| activation(c, Activation::Tanh, false)),
         (&["tanh_backward"], Web, |c| activation(c, Activation::Tanh, true)),
+        (&["silu_forward"], Web, |c| activation(c, Activation::Silu, false)),
+        (&["silu_backward"], Web, |c| activation(c, Activation::Silu, true)),
         // 70 columns: two 64-wide column workgroups; 301 rows: two stages
         // on a GPU.
         (&["sum_rows_forward"], Web, |c| sum_rows(c, 37, 70)),
@@ -243,6 +245,12 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["layernorm_backward_params"], Web, |c| layernorm_params(c, 37, 70)),
         (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, |c| layernorm_params(c, 301, 70)),
         (&["cross_entropy_rows_forward_backward"], Web, |c| ce_rows(c, false)),
+        (&["rmsnorm_forward"], Web, |c| rmsnorm(c, false)),
+        (&["rmsnorm_backward"], Web, |c| rmsnorm_backward(c, false)),
+        (&["rmsnorm_forward_short"], Web, |c| rmsnorm(c, true)),
+        (&["rmsnorm_backward_short"], Web, |c| rmsnorm_backward(c, true)),
+        (&["layernorm_backward_params"], Web, |c| rmsnorm_params(c, 37, 70)),
+        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, |c| rmsnorm_params(c, 301, 70)),
         (&["softmax_forward_short"], Web, |c| softmax(c, true)),
         (&["softmax_backward_short"], Web, |c| softmax_backward(c, true)),
         (&["layernorm_forward_short"], Web, |c| layernorm(c, true)),
@@ -269,6 +277,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["matmul_f16w_forward_shared"], Gpu, |c| f16_weights(c, Some(F16WeightsKernel::Shared))),
         (&["matmul_f16w_forward_shared_vec"], Gpu, f16_weights_shared_vec),
         (&["embedding_f16w_forward"], Web, embedding_f16),
+        (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
+        (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
     ];
     let mut planned = Vec::new();
     for (i, (entries, on, build)) in builders.into_iter().enumerate() {
@@ -762,6 +772,46 @@ fn layernorm_params(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     Ok(reduction_case(d, format!("{rows}x{cols} accumulate"), expected, "partial"))
 }
 
+fn rmsnorm(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
+    let (rows, cols) = if short { (37, 29) } else { (5, 300) };
+    let (x_h, w_h) = (c.vals(rows * cols, -2.0, 2.0), c.vals(cols, 0.5, 1.5));
+    let (x, w, y, rstd) = (c.up(&x_h)?, c.up(&w_h)?, c.k.zeros(rows * cols)?, c.k.zeros(rows)?);
+    let d = c.k.rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), rows, cols, 1e-6)?;
+    let entry = d.kernel().entry;
+    let want = cpu::rmsnorm_forward(&x_h, &w_h, rows, cols, 1e-6);
+    let expected = vec![expect("y", &y, want.y, ROW.0 * 5.0, ROW.1), expect("rstd", &rstd, want.rstd, ROW.0, ROW.1)];
+    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], expected))
+}
+
+/// RMSNorm's backward inputs: dy, x, weight and the forward's rstd (from
+/// the twin).
+fn rmsnorm_inputs(c: &mut Ctx<'_>, rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (x_h, w_h, dy_h) = (c.vals(rows * cols, -2.0, 2.0), c.vals(cols, 0.5, 1.5), c.vals(rows * cols, -1.0, 1.0));
+    let rstd = cpu::rmsnorm_forward(&x_h, &w_h, rows, cols, 1e-6).rstd;
+    (x_h, w_h, dy_h, rstd)
+}
+
+fn rmsnorm_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
+    let (rows, cols) = if short { (37, 29) } else { (5, 300) };
+    let (x_h, w_h, dy_h, rstd_h) = rmsnorm_inputs(c, rows, cols);
+    let (x, w, dy, rstd, dx) = (c.up(&x_h)?, c.up(&w_h)?, c.up(&dy_h)?, c.up(&rstd_h)?, c.k.zeros(rows * cols)?);
+    let d = c.k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?;
+    let entry = d.kernel().entry;
+    let want = cpu::rmsnorm_backward(&dy_h, &x_h, &w_h, &rstd_h, rows, cols);
+    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)]))
+}
+
+/// RMSNorm's weight gradient: layernorm's column-sum entries, not centered.
+fn rmsnorm_params(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
+    let (x_h, w_h, dy_h, rstd_h) = rmsnorm_inputs(c, rows, cols);
+    let dw0 = c.vals(cols, -1.0, 1.0);
+    let (x, dy, rstd, dw) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&rstd_h)?, c.up(&dw0)?);
+    let d = c.k.rmsnorm_backward_params(true, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?;
+    let want = cpu::rmsnorm_backward(&dy_h, &x_h, &w_h, &rstd_h, rows, cols);
+    let dweight: Vec<f32> = dw0.iter().zip(&want.dweight).map(|(a, b)| a + b).collect();
+    Ok(reduction_case(d, format!("{rows}x{cols} RMSNorm accumulate"), vec![expect("dweight", &dw, dweight, SUMS.0, SUMS.1)], "partial"))
+}
+
 fn ce_rows(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, vocab) = if short { (37, 29) } else { (5, 301) };
     let (l_h, t_h) = (c.vals(rows * vocab, -4.0, 4.0), c.ids(rows, vocab as u32));
@@ -886,6 +936,29 @@ fn concat_last(c: &mut Ctx<'_>) -> Result<Case> {
 }
 
 // ---- attention.wgsl, sampling.wgsl -------------------------------------
+
+/// A rotation from a table rounded once to f32: two products and a sum of
+/// |x| ≤ 1, a few 1e-8 from the twin's f64.
+const ROTATION: (f64, f64) = (3e-7, 1e-6);
+
+/// Two sequences, one continuing at position 40 (a decode step's start),
+/// 3 heads of 10 channels of which 8 rotate, Llama 3's base.
+fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
+    let shape = RopeShape { seqs: 2, rows: 5, heads: 3, head_dim: 10, rotary_dim: 8, positions: 48 };
+    let base = 500_000.0;
+    let n = shape.seqs * shape.rows * shape.heads * shape.head_dim;
+    let starts_h = vec![40u32, 0];
+    let table_h = wgrad::ops::rope_table(base, shape.rotary_dim, shape.positions)?;
+    let x_h = c.vals(n, -1.0, 1.0);
+    let (x, starts, table, out) = (c.up(&x_h)?, c.up_u32(&starts_h)?, c.up(&table_h)?, c.k.zeros(n)?);
+    let (d, want) = if backward {
+        (c.k.rope_backward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?, cpu::rope_backward(&x_h, &starts_h, shape, layout, base))
+    } else {
+        (c.k.rope_forward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?, cpu::rope_forward(&x_h, &starts_h, shape, layout, base))
+    };
+    let entry = d.kernel().entry;
+    Ok(Case::new(&[entry], format!("{entry} {layout:?} 2 seqs x 5 rows, 3 heads of 10 (8 rotary)"), vec![d], vec![expect("out", &out, want, ROTATION.0, ROTATION.1)]))
+}
 
 fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 2, head_dim: 5, context: 11 };

@@ -31,6 +31,7 @@ impl Activation {
             Activation::Gelu => (GELU_FORWARD, GELU_BACKWARD),
             Activation::Sigmoid => (SIGMOID_FORWARD, SIGMOID_BACKWARD),
             Activation::Tanh => (TANH_FORWARD, TANH_BACKWARD),
+            Activation::Silu => (SILU_FORWARD, SILU_BACKWARD),
         }
     }
 }

@@ -17,6 +17,7 @@ mod matmul;
 mod matmul_ext;
 mod optim;
 mod reduce;
+mod rope;
 pub mod reflect;
 pub mod registry;
 mod rowwise;
@@ -33,7 +34,7 @@ pub(crate) use matmul_ext::{pack_f16, unpack_f16};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;

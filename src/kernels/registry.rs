@@ -89,10 +89,13 @@ pub enum Family {
     /// Opt-in: needs SHADER_F16. Generation with f16 weights and f32
     /// activations: matrix-vector, matmul and embedding lookup.
     F16Weights,
+    /// Rotary position embedding, forward and backward: one invocation
+    /// per element.
+    Rope,
 }
 
 impl Family {
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 13] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -105,6 +108,7 @@ impl Family {
         Family::Attention,
         Family::Sampling,
         Family::F16Weights,
+        Family::Rope,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -140,7 +144,7 @@ impl Family {
             Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
-            Family::Sampling => &[Shared::Common],
+            Family::Sampling | Family::Rope => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
             Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
@@ -161,6 +165,7 @@ impl Family {
             Family::Attention => "attention.wgsl",
             Family::Sampling => "sampling.wgsl",
             Family::F16Weights => "f16_weights.wgsl",
+            Family::Rope => "rope.wgsl",
         }
     }
 
@@ -180,6 +185,7 @@ impl Family {
             Family::Attention => wgsl!("attention.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl"),
             Family::F16Weights => wgsl!("f16_weights.wgsl"),
+            Family::Rope => wgsl!("rope.wgsl"),
         }
     }
 
@@ -200,6 +206,7 @@ impl Family {
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
             Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
+            Family::Rope => wgsl!("rope.wgsl", "common.wgsl"),
         }
     }
 }
@@ -280,6 +287,8 @@ pub const SIGMOID_FORWARD: Kernel = kernel(Family::Elementwise, "sigmoid_forward
 pub const SIGMOID_BACKWARD: Kernel = kernel(Family::Elementwise, "sigmoid_backward");
 pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
 pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
+pub const SILU_FORWARD: Kernel = kernel(Family::Elementwise, "silu_forward");
+pub const SILU_BACKWARD: Kernel = kernel(Family::Elementwise, "silu_backward");
 
 pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
 pub const SUM_ROWS_PARTIAL: Kernel = kernel(Family::Reduce, "sum_rows_partial");
@@ -320,6 +329,10 @@ pub const SOFTMAX_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "softmax_back
 pub const LAYERNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_forward_short");
 pub const LAYERNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_backward_short");
 pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward_short");
+pub const RMSNORM_FORWARD: Kernel = kernel(Family::Rowwise, "rmsnorm_forward");
+pub const RMSNORM_BACKWARD: Kernel = kernel(Family::Rowwise, "rmsnorm_backward");
+pub const RMSNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "rmsnorm_forward_short");
+pub const RMSNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "rmsnorm_backward_short");
 pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
 pub const LAYERNORM_BACKWARD_PARAMS_PARTIAL: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_partial");
 pub const LAYERNORM_BACKWARD_PARAMS_FINISH: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_finish");
@@ -347,6 +360,8 @@ pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "mat
 pub const MATMUL_F16W_FORWARD_SHARED: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared");
 pub const MATMUL_F16W_FORWARD_SHARED_VEC: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared_vec");
 pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
+pub const ROPE_FORWARD: Kernel = kernel(Family::Rope, "rope_forward");
+pub const ROPE_BACKWARD: Kernel = kernel(Family::Rope, "rope_backward");
 
 /// Every entry point wgrad dispatches.
 pub const KERNELS: &[Kernel] = &[
@@ -372,6 +387,8 @@ pub const KERNELS: &[Kernel] = &[
     SIGMOID_BACKWARD,
     TANH_FORWARD,
     TANH_BACKWARD,
+    SILU_FORWARD,
+    SILU_BACKWARD,
     SUM_ROWS_FORWARD,
     SUM_ROWS_PARTIAL,
     SUM_FORWARD,
@@ -411,6 +428,10 @@ pub const KERNELS: &[Kernel] = &[
     LAYERNORM_FORWARD_SHORT,
     LAYERNORM_BACKWARD_SHORT,
     CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT,
+    RMSNORM_FORWARD,
+    RMSNORM_BACKWARD,
+    RMSNORM_FORWARD_SHORT,
+    RMSNORM_BACKWARD_SHORT,
     EMBEDDING_FORWARD,
     EMBEDDING_BACKWARD_SORT,
     EMBEDDING_BACKWARD,
@@ -431,4 +452,6 @@ pub const KERNELS: &[Kernel] = &[
     MATMUL_F16W_FORWARD_SHARED,
     MATMUL_F16W_FORWARD_SHARED_VEC,
     EMBEDDING_F16W_FORWARD,
+    ROPE_FORWARD,
+    ROPE_BACKWARD,
 ];

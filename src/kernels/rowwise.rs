@@ -1,5 +1,5 @@
 //! `rowwise.wgsl`: the transformer's row-wise ops. Softmax (optionally with
-//! a causal mask), layernorm, cross-entropy with its gradient, each with one
+//! a causal mask), layernorm, RMSNorm, cross-entropy with its gradient, each with one
 //! workgroup per row, or one invocation per row for rows of at most
 //! [`Kernels::short_row_max`] columns (by adapter); embedding lookup with a deterministic
 //! backward (a stable counting sort of the ids, then a gather).
@@ -26,7 +26,7 @@ struct RowParams {
     row_start: u32,
     row_end: u32,
     table_base: u32,
-    _pad2: u32,
+    centered: u32,
 }
 
 impl RowParams {
@@ -43,7 +43,7 @@ impl RowParams {
             row_start: 0,
             row_end: 0,
             table_base: 0,
-            _pad2: 0,
+            centered: 0,
         })
     }
 }
@@ -312,7 +312,15 @@ impl Kernels {
                 ("rstd", rstd.len, Some(rows)),
             ],
         )?;
-        let params = RowParams { accumulate: u32::from(accumulate), ..RowParams::new(op, rows, cols)? };
+        let params = RowParams { accumulate: u32::from(accumulate), centered: 1, ..RowParams::new(op, rows, cols)? };
+        self.norm_backward_params(op, &params, NormParamViews { dweight, dbias, dy, x, mean, rstd }, rows, cols)
+    }
+
+    /// The column sums of [`Kernels::layernorm_backward_params`] and
+    /// [`Kernels::rmsnorm_backward_params`] (`params.centered` picks), in
+    /// one launch or two stages; the shapes are checked.
+    fn norm_backward_params(&self, op: &'static str, params: &RowParams, v: NormParamViews<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        let NormParamViews { dweight, dbias, dy, x, mean, rstd } = v;
         if let Some(blocks) = self.column_blocks(rows, cols, 2) {
             // Partials [blocks, 2, cols] in the device's scratch, then
             // their sums in block order.
@@ -320,7 +328,7 @@ impl Kernels {
             let len = blocks.blocks * 2 * cols;
             let scratch = self.reduction_scratch(op, len)?;
             let partial = View { buffer: &scratch, offset: 0, len };
-            let params = RowParams { block_rows: dim(op, blocks.block_rows)?, ..params };
+            let params = RowParams { block_rows: dim(op, blocks.block_rows)?, ..*params };
             let first = self.prepare(
                 LAYERNORM_BACKWARD_PARAMS_PARTIAL,
                 &[],
@@ -351,9 +359,78 @@ impl Kernels {
                 bind(12, "dbias", dbias),
             ],
             3,
-            &params,
+            params,
             column_groups(cols),
         )
+    }
+
+    /// y[rows, cols] = x · rstd · weight[cols] with rstd[rows] =
+    /// 1 / sqrt(mean_c(x²) + eps) kept for the backward: torch.nn.RMSNorm
+    /// and Hugging Face's LlamaRMSNorm over the last dimension, the same
+    /// f32 steps in the same order. `eps` must be finite and > 0 (the one
+    /// rule for RMSNorm): a row of zeros then gives y = 0, where eps = 0
+    /// would give 0·∞ = NaN.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_forward(&self, y: View<'_>, rstd: View<'_>, x: View<'_>, weight: View<'_>, rows: usize, cols: usize, eps: f32) -> Result<Dispatch> {
+        let op = RMSNORM_FORWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[("y", y.len, n), ("rstd", rstd.len, Some(rows)), ("x", x.len, n), ("weight", weight.len, Some(cols))],
+        )?;
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(Error::InvalidArgument { op, reason: format!("eps must be finite and > 0, got {eps}") });
+        }
+        let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
+        self.per_row(
+            (RMSNORM_FORWARD, RMSNORM_FORWARD_SHORT),
+            &[bind(0, "x", x), bind(5, "weight", weight), bind(2, "y", y), bind(8, "rstd", rstd)],
+            &params,
+            rows,
+            cols,
+        )
+    }
+
+    /// dx[rows, cols] of RMSNorm from dy, the forward input x, weight and
+    /// the forward's rstd. The weight's gradient comes from
+    /// [`Kernels::rmsnorm_backward_params`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(&self, dx: View<'_>, dy: View<'_>, x: View<'_>, weight: View<'_>, rstd: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        let op = RMSNORM_BACKWARD.entry;
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[("dx", dx.len, n), ("dy", dy.len, n), ("x", x.len, n), ("weight", weight.len, Some(cols)), ("rstd", rstd.len, Some(rows))],
+        )?;
+        let params = RowParams::new(op, rows, cols)?;
+        self.per_row(
+            (RMSNORM_BACKWARD, RMSNORM_BACKWARD_SHORT),
+            &[bind(4, "dy", dy), bind(0, "x", x), bind(5, "weight", weight), bind(10, "rstd", rstd), bind(2, "dx", dx)],
+            &params,
+            rows,
+            cols,
+        )
+    }
+
+    /// dweight[cols] = Σ_r dy · x · rstd of RMSNorm, or `+=` when
+    /// `accumulate`: layernorm's column sums (the same one or two stages,
+    /// deterministic) with x̂ = x·rstd and no bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward_params(&self, accumulate: bool, dweight: View<'_>, dy: View<'_>, x: View<'_>, rstd: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+        let op = "rmsnorm_backward_params";
+        let n = rows.checked_mul(cols);
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[("dweight", dweight.len, Some(cols)), ("dy", dy.len, n), ("x", x.len, n), ("rstd", rstd.len, Some(rows))],
+        )?;
+        let params = RowParams { accumulate: u32::from(accumulate), centered: 0, ..RowParams::new(op, rows, cols)? };
+        // The kernels read `mean` (any [rows] view; not centered, it is
+        // multiplied away) and write no `dbias`.
+        let views = NormParamViews { dweight, dbias: self.unused_writable(0), dy, x, mean: rstd, rstd };
+        self.norm_backward_params(op, &params, views, rows, cols)
     }
 
     /// Softmax cross-entropy of logits[rows, vocab] against u32
@@ -544,4 +621,14 @@ impl TablePart<'_> {
     fn params(&self, op: &'static str, n: usize, channels: usize) -> Result<RowParams> {
         Ok(RowParams { row_start: dim(op, self.rows.0)?, row_end: dim(op, self.rows.1)?, table_base: dim(op, self.base)?, ..RowParams::new(op, n, channels)? })
     }
+}
+
+/// The buffers of the norms' parameter-gradient kernels.
+struct NormParamViews<'a> {
+    dweight: View<'a>,
+    dbias: View<'a>,
+    dy: View<'a>,
+    x: View<'a>,
+    mean: View<'a>,
+    rstd: View<'a>,
 }

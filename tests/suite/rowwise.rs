@@ -156,12 +156,12 @@ fn softmax_backward_matches_the_cpu() {
     });
 }
 
-/// Layernorm shapes: the row shapes plus many rows (the parameter
+/// Layernorm (and RMSNorm) shapes: the row shapes plus many rows (the parameter
 /// gradients sum over rows; from 256 rows on, in two stages under GPU
 /// shaping: 255 / 256 rows, primes, a block count above the columns).
 /// Includes the attention example's 384×48, both sides of SHORT_ROW_MAX, and
 /// more rows than one grid dimension holds on the short path.
-const LAYERNORM_SHAPES: [(usize, usize); 18] = [
+pub(crate) const LAYERNORM_SHAPES: [(usize, usize); 18] = [
     (255, 33),
     (256, 32),
     (1031, 7),
