@@ -6,13 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::autodiff::Gradients;
-use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
+use super::builder::{DType, Graph, Tensor};
+use super::ops::{DispatchContext, LossKind, Op};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{
-    grad_norm_groups, Activation, ArenaGroups, CachedAttentionShape, Dispatch, F16View, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
-    View,
-};
+use crate::kernels::{grad_norm_groups, ArenaGroups, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
 
 /// Per-dispatch wall times from the profiling runs: (node name, kernel
 /// entry, time), in dispatch order.
@@ -213,14 +211,8 @@ impl Executor {
             gradients,
             scalar_staging,
         };
-        let needs_kernel = |i: usize| {
-            !matches!(exec.plan.storage[i], Storage::Unused)
-                && !exec.plan.fused_away[i]
-                && !matches!(
-                    exec.graph.node(Tensor(i)).op,
-                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
-                )
-        };
+        let needs_kernel =
+            |i: usize| !matches!(exec.plan.storage[i], Storage::Unused) && !exec.plan.fused_away[i] && exec.graph.node(Tensor(i)).op.has_kernel();
         let nodes: Vec<usize> = (0..exec.graph.len()).filter(|&i| needs_kernel(i)).collect();
         let mut dispatches: Vec<Option<Dispatch>> = (0..exec.graph.len()).map(|_| None).collect();
         for (i, d) in nodes.iter().zip(exec.build_dispatches(&nodes)?) {
@@ -383,7 +375,7 @@ impl Executor {
         self.train_order.iter().filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))
     }
 
-    fn view(&self, t: Tensor) -> Result<View<'_>> {
+    pub(super) fn view(&self, t: Tensor) -> Result<View<'_>> {
         if t.0 >= self.graph.len() {
             return Err(Error::InvalidArgument { op: "Executor", reason: format!("tensor #{} is not in this executor's graph", t.0) });
         }
@@ -444,205 +436,10 @@ impl Executor {
         built.into_iter().map(|(_, d)| d).collect()
     }
 
+    /// Node `i`'s dispatch, as its op's family binds it.
     fn build_dispatch(&self, i: usize) -> Result<Dispatch> {
-        let node = self.graph.node(Tensor(i));
-        let k = &self.kernels;
-        let out = self.view(Tensor(i))?;
-        let reads = &self.plan.reads[i];
-        let input = |j: usize| self.view(reads[j]);
-        let shape = |j: usize| self.graph.shape(reads[j]).to_vec();
-        match &node.op {
-            Op::MatMul(form) => {
-                let a = shape(0);
-                let (m, n) = (node.shape[0], node.shape[1]);
-                let kk = match form {
-                    MatmulForm::AtB => a[0],
-                    _ => a[1],
-                };
-                let plan = &self.plan;
-                let bias = plan.bias_into[i].map(|b| self.view(plan.reads[b][1])).transpose()?;
-                // The pre-activation is stored only where the plan kept it.
-                let activation = match plan.activation_into[i] {
-                    Some(y) => {
-                        let pre = plan.bias_into[i].filter(|&z| plan.storage[z] != Storage::Unused);
-                        Some((self.activation_of(y)?, pre.map(|z| self.view(Tensor(z))).transpose()?))
-                    }
-                    None => None,
-                };
-                let activation_grad = match plan.activation_grad_into[i] {
-                    Some(dx) => Some((self.activation_of(dx)?, self.view(plan.reads[dx][0])?)),
-                    None => None,
-                };
-                let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
-                if self.graph.node(reads[1]).dtype == DType::F16 {
-                    // Weights stored in f16 (the builder allows them as an ABt's B).
-                    return k.matmul_f16_weights(epilogue, out, input(0)?, F16View::new(input(1)?, n * kk)?, m, n, kk);
-                }
-                k.matmul_epilogue(*form, epilogue, out, input(0)?, input(1)?, m, n, kk)
-            }
-            Op::Binary(op) if shape(0) == shape(1) => k.binary(*op, out, input(0)?, input(1)?),
-            Op::Binary(op) => k.binary_broadcast(*op, out, input(0)?, input(1)?, &shape(0), &shape(1)),
-            Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
-            Op::BiasAdd => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.bias_add(out, input(0)?, input(1)?, rows, cols)
-            }
-            Op::Activation(act) => k.activation_forward(*act, out, input(0)?),
-            Op::ActivationBackward(act) => k.activation_backward(*act, out, input(0)?, input(1)?),
-            Op::SumRows if self.plan.accumulate[i] => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.sum_rows_accumulate(out, input(0)?, rows, cols)
-            }
-            Op::SumRows => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.sum_rows(out, input(0)?, rows, cols)
-            }
-            Op::Sum => k.sum(out, input(0)?),
-            Op::Mean => k.mean(out, input(0)?),
-            Op::Loss(kind) if self.plan.loss_with_grad[i].is_some() => {
-                let b = Tensor(self.plan.loss_with_grad[i].unwrap_or(i));
-                let (grad, dloss) = (self.view(b)?, self.view(self.graph.node(b).inputs[2])?);
-                match kind {
-                    LossKind::Mse => k.mse_forward_backward(out, grad, input(0)?, input(1)?, dloss),
-                    LossKind::CrossEntropy => {
-                        let s = shape(0);
-                        k.cross_entropy_forward_backward(out, grad, input(0)?, input(1)?, dloss, s[0], s[1])
-                    }
-                }
-            }
-            Op::Loss(LossKind::Mse) => k.mse_forward(out, input(0)?, input(1)?),
-            Op::Loss(LossKind::CrossEntropy) => {
-                let s = shape(0);
-                k.cross_entropy_forward(out, input(0)?, input(1)?, s[0], s[1])
-            }
-            Op::LossBackward(LossKind::Mse) => k.mse_backward(out, input(0)?, input(1)?, input(2)?),
-            Op::LossBackward(LossKind::CrossEntropy) => {
-                let s = shape(0);
-                k.cross_entropy_backward(out, input(0)?, input(1)?, input(2)?, s[0], s[1])
-            }
-            Op::Argmax => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.argmax_rows(out, input(0)?, rows, cols)
-            }
-            Op::AccumulateGrad { .. } => k.add_assign(out, input(0)?),
-            Op::Permute(perm) => k.permute(out, input(0)?, &shape(0), perm),
-            Op::SliceLast { start } => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.slice_last(out, input(0)?, rows, cols, *start, node.shape[node.shape.len() - 1])
-            }
-            Op::PadLast { start } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let width = shape(0)[shape(0).len() - 1];
-                k.pad_last(false, out, input(0)?, rows, cols, *start, width)
-            }
-            Op::ConcatLast => {
-                let (rows, a_cols) = rows_cols(&shape(0));
-                let b_cols = shape(1)[shape(1).len() - 1];
-                k.concat_last(out, input(0)?, input(1)?, rows, a_cols, b_cols)
-            }
-            Op::BatchMatMul(form) => {
-                let a = shape(0);
-                let rank = node.shape.len();
-                let batch = node.shape[..rank - 2].iter().product();
-                let (m, n) = (node.shape[rank - 2], node.shape[rank - 1]);
-                let kk = match form {
-                    MatmulForm::AtB => a[rank - 2],
-                    _ => a[rank - 1],
-                };
-                k.matmul_batched(*form, self.plan.accumulate[i], out, input(0)?, input(1)?, batch, m, n, kk)
-            }
-            Op::Unary(op) => k.unary(*op, out, input(0)?),
-            Op::SumTo => k.reduce_to_shape(false, out, input(0)?, &shape(0), &node.shape),
-            Op::Softmax { causal } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.softmax_forward(out, input(0)?, rows, cols, causal.then_some(cols))
-            }
-            Op::SoftmaxBackward => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.softmax_backward(out, input(0)?, input(1)?, rows, cols)
-            }
-            Op::LayerNorm { eps } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let stats = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
-                let (mean, rstd) = self.halves(stats, rows)?;
-                k.layernorm_forward(out, mean, rstd, input(0)?, input(1)?, input(2)?, rows, cols, *eps)
-            }
-            Op::LayerNormBackward => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let (mean, rstd) = self.halves(reads[3], rows)?;
-                k.layernorm_backward(out, input(0)?, input(1)?, input(2)?, mean, rstd, rows, cols)
-            }
-            Op::LayerNormParamsBackward => {
-                let (rows, cols) = rows_cols(&shape(1));
-                let (mean, rstd) = self.halves(reads[2], rows)?;
-                let (dweight, dbias) = self.halves(Tensor(i), cols)?;
-                k.layernorm_backward_params(false, dweight, dbias, input(0)?, input(1)?, mean, rstd, rows, cols)
-            }
-            Op::Embedding => {
-                let (vocab, channels) = (shape(0)[0], shape(0)[1]);
-                let n = self.graph.node(reads[1]).len();
-                if self.graph.node(reads[0]).dtype == DType::F16 {
-                    return k.embedding_f16_weights(out, F16View::new(input(0)?, vocab * channels)?, input(1)?, n, vocab, channels);
-                }
-                k.embedding_forward(out, input(0)?, input(1)?, n, vocab, channels)
-            }
-            Op::EmbeddingSort { vocab } => {
-                let n = self.graph.node(reads[0]).len();
-                let (order, cursor) = self.halves(Tensor(i), n)?;
-                k.embedding_backward_sort(order, cursor, input(0)?, n, *vocab)
-            }
-            Op::EmbeddingBackward if self.plan.accumulate[i] => {
-                let (vocab, channels) = (node.shape[0], node.shape[1]);
-                let n = self.graph.node(reads[1]).len();
-                let (order, _) = self.halves(reads[2], n)?;
-                k.embedding_backward(out, input(0)?, input(1)?, order, n, vocab, channels)
-            }
-            Op::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
-            Op::CrossEntropyRows => {
-                let (rows, vocab) = (shape(0)[0], shape(0)[1]);
-                let grad = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
-                k.cross_entropy_rows_forward_backward(out, self.view(grad)?, input(0)?, input(1)?, rows, vocab, 1.0)
-            }
-            Op::CachedAttention { heads } => {
-                let (sq, sk) = (shape(0), shape(2));
-                let (&[seqs, rows, width], &[_, _, context, head_dim]) = (sq.as_slice(), sk.as_slice()) else {
-                    return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[&shape(0), &shape(2)]));
-                };
-                let sizes = CachedAttentionShape { seqs, rows, heads: *heads, head_dim, context };
-                if width != 3 * heads * head_dim {
-                    return Err(Error::shape("Executor", "cached_attention's qkv does not match its caches", &[&shape(0), &shape(2)]));
-                }
-                k.cached_attention_forward(out, input(2)?, input(3)?, input(0)?, input(1)?, sizes)
-            }
-            Op::SampleTokens => {
-                let (rows, vocab) = rows_cols(&shape(0));
-                k.sample_rows(out, input(0)?, input(1)?, input(2)?, rows, vocab)
-            }
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
-                op: "Executor",
-                reason: format!("`{}` has no kernel", node.name),
-            }),
-        }
-    }
-
-    /// The two parts of a node holding two vectors of `len` elements, the
-    /// second at [`stats_offset`]`(len)` (layernorm statistics, the
-    /// layernorm parameter gradients, an embedding's sort scratch).
-    fn halves(&self, t: Tensor, len: usize) -> Result<(View<'_>, View<'_>)> {
-        let whole = self.view(t)?;
-        let second = stats_offset(len);
-        if whole.len <= second {
-            return Err(Error::shape("Executor", format!("`{}` is too short to hold two parts of {len}", self.graph.node(t).name), &[&[whole.len]]));
-        }
-        Ok((View { len, ..whole }, View { offset: whole.offset + second as u64 * 4, len: whole.len - second, ..whole }))
-    }
-
-    /// The activation of an activation (or activation-backward) node.
-    fn activation_of(&self, i: usize) -> Result<Activation> {
-        match self.graph.node(Tensor(i)).op {
-            Op::Activation(act) | Op::ActivationBackward(act) => Ok(act),
-            _ => Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` is not an activation", self.graph.node(Tensor(i)).name) }),
-        }
+        let op = &self.graph.node(Tensor(i)).op;
+        op.family().dispatch(op, &DispatchContext { exec: self, node: i })
     }
 
     /// The training dispatch of loss node `i`: the loss, its gradient and
@@ -729,7 +526,8 @@ impl Executor {
     /// can reach the GPU.
     pub fn set_labels(&self, t: Tensor, labels: &[u32]) -> Result<()> {
         let buf = self.input_storage(t, DType::U32, labels.len())?;
-        // The input itself, or a reshape of it, feeding a loss or a lookup.
+        // Each op reading the input itself, or a reshape of it, checks the
+        // values (a class label, a token id).
         let reads_t = |u: Tensor| {
             let mut u = u;
             while self.graph.node(u).op == Op::Reshape {
@@ -737,21 +535,11 @@ impl Executor {
             }
             u == t
         };
-        for node in self.graph.nodes() {
-            match node.op {
-                Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) | Op::CrossEntropyRows if reads_t(node.inputs[1]) => {
-                    let classes = self.graph.shape(node.inputs[0]).last().copied().unwrap_or(0);
-                    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
-                        return Err(Error::InvalidArgument {
-                            op: "CrossEntropyLoss",
-                            reason: format!("class {bad} is out of range for {classes} outputs"),
-                        });
-                    }
+        for (i, node) in self.graph.nodes().iter().enumerate() {
+            for (slot, &input) in node.inputs.iter().enumerate() {
+                if reads_t(input) {
+                    node.op.family().check_u32_input(&node.op, &self.graph, Tensor(i), slot, labels)?;
                 }
-                Op::Embedding if reads_t(node.inputs[1]) => {
-                    crate::kernels::check_token_ids("Embedding", labels, self.graph.shape(node.inputs[0])[0])?;
-                }
-                _ => {}
             }
         }
         self.kernels.write(buf.view(), labels)
@@ -1121,14 +909,6 @@ fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, s
             ("intermediates", plan.slot_bytes, largest_slot),
         ],
     )
-}
-
-/// A tensor of rank ≥ 1 as [rows, last dimension].
-fn rows_cols(shape: &[usize]) -> (usize, usize) {
-    match shape.split_last() {
-        Some((&cols, lead)) => (lead.iter().product(), cols),
-        None => (1, 1),
-    }
 }
 
 /// The planned nodes `outputs` need, in plan order. Only planned outputs
