@@ -10,7 +10,8 @@ use super::builder::{DType, Graph, Tensor};
 use super::ops::{DispatchContext, LossKind, Op};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{grad_norm_groups, ArenaGroups, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
+use crate::optim::{apply_parameter_groups, Optimizer, ParamSpan};
 
 /// Per-dispatch wall times from the profiling runs: (node name, kernel
 /// entry, time), in dispatch order.
@@ -22,7 +23,6 @@ pub struct Executor {
     plan: Plan,
     params: GpuTensor,
     grads: Option<GpuTensor>,
-    state: Vec<GpuTensor>,
     inputs: Vec<GpuTensor>,
     constants: Vec<GpuTensor>,
     /// Tensors kept from run to run (KV caches), zero at first.
@@ -32,12 +32,9 @@ pub struct Executor {
     /// A training step's dispatch for a loss that also does its last
     /// layer's work (the plan's `loss_fusion`); runs use `dispatches`.
     train_loss_dispatches: Vec<Option<Dispatch>>,
-    optimizer: Option<(OptimizerConfig, Dispatch)>,
-    /// With `clip_grad_norm`: the global gradient norm, computed on the GPU
-    /// before each update.
-    clip: Option<ClipNorm>,
-    /// Optimizer steps taken (PyTorch's `step`, from 1).
-    step: u64,
+    /// The optimizer over the parameter and gradient arenas: its state,
+    /// clipping, schedule and step count.
+    optimizer: Option<Optimizer>,
     /// Node lists for each set of requested outputs, computed once.
     run_orders: HashMap<Vec<Tensor>, Vec<usize>>,
     train_order: Vec<usize>,
@@ -46,18 +43,9 @@ pub struct Executor {
     scalar_staging: wgpu::Buffer,
 }
 
-/// Buffers and dispatches of the gradient-norm reduction.
-struct ClipNorm {
-    /// Per-workgroup sums of squares.
-    partials: GpuTensor,
-    /// [total norm, clip factor], read by the update.
-    norm: GpuTensor,
-    dispatches: Option<[Dispatch; 2]>,
-}
-
 impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("step", &self.step).finish()
+        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("optimizer", &self.optimizer).finish()
     }
 }
 
@@ -90,17 +78,10 @@ impl Executor {
         if let Some(cfg) = &optimizer {
             cfg.validate()?;
         }
-        // nanoGPT's groups: parameters of fewer than 2 dimensions (biases,
-        // norm gains), and those their module put in the no-decay group
-        // (embeddings), get no weight decay. Before planning, which lays the
-        // groups out.
+        // The optimizer's parameter groups, before planning lays them out.
         let mut graph = graph;
-        if optimizer.is_some_and(|o| o.decay_matrices_only()) {
-            for p in graph.parameters() {
-                if graph.shape(p).len() < 2 || graph.in_no_decay_group(p) {
-                    graph.exclude_from_weight_decay(p)?;
-                }
-            }
+        if let Some(cfg) = &optimizer {
+            apply_parameter_groups(&mut graph, cfg)?;
         }
         let foreign = |t: &Tensor| t.0 >= graph.len();
         let grads_foreign = gradients.as_ref().is_some_and(|g| {
@@ -149,10 +130,6 @@ impl Executor {
         let params = kernels.upload(&initial)?;
         let training = gradients.is_some();
         let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
-        let state = match &optimizer {
-            Some(o) => (0..o.state_names().len()).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
         let mut caches = Vec::with_capacity(plan.cache_count);
@@ -166,10 +143,6 @@ impl Executor {
             }
         }
         let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
-        let clip = match optimizer.and_then(|o| o.clip_grad_norm()) {
-            Some(_) => Some(ClipNorm { partials: kernels.zeros(grad_norm_groups(arena_len))?, norm: kernels.zeros(2)?, dispatches: None }),
-            None => None,
-        };
         let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("scalar readback"),
             size: 4,
@@ -196,7 +169,6 @@ impl Executor {
             plan,
             params,
             grads,
-            state,
             inputs,
             constants,
             caches,
@@ -204,8 +176,6 @@ impl Executor {
             dispatches: Vec::new(),
             train_loss_dispatches: Vec::new(),
             optimizer: None,
-            clip,
-            step: 0,
             run_orders: HashMap::new(),
             train_order,
             gradients,
@@ -227,15 +197,8 @@ impl Executor {
             });
         }
         exec.train_loss_dispatches = train_loss_dispatches;
-        if let Some(cfg) = optimizer {
-            let d = exec.build_optimizer(&cfg)?;
-            exec.optimizer = Some((cfg, d));
-            if let (Some(max_norm), Some(c), Some(grads)) = (cfg.clip_grad_norm(), &exec.clip, &exec.grads) {
-                let d = exec.kernels.grad_norm(c.norm.view(), c.partials.view(), grads.view(), max_norm)?;
-                if let Some(c) = &mut exec.clip {
-                    c.dispatches = Some(d);
-                }
-            }
+        if let (Some(cfg), Some(grads)) = (optimizer, &exec.grads) {
+            exec.optimizer = Some(Optimizer::new(&exec.kernels, cfg, exec.params.view(), grads.view(), arena_len, exec.plan.decay_len)?);
         }
         // Every pipeline a run of this graph needs exists now: keep them
         // for the next process even if this one ends without dropping
@@ -256,15 +219,21 @@ impl Executor {
         &self.kernels
     }
 
-    /// Optimizer steps taken so far.
+    /// The optimizer this executor steps with, if any: its state,
+    /// clipping and schedule.
+    pub fn optimizer(&self) -> Option<&Optimizer> {
+        self.optimizer.as_ref()
+    }
+
+    /// Optimizer steps taken so far (0 without an optimizer).
     pub fn step_count(&self) -> u64 {
-        self.step
+        self.optimizer.as_ref().map_or(0, Optimizer::step_count)
     }
 
     /// GPU bytes held: parameters, gradients, optimizer state, inputs,
     /// constants and intermediates.
     pub fn peak_bytes(&self) -> u64 {
-        self.plan.peak_bytes(self.grads.is_some(), self.state.len())
+        self.plan.peak_bytes(self.grads.is_some(), self.optimizer_state_names().len())
     }
 
     /// Dispatches recorded by one training step (forward, backward, the
@@ -284,15 +253,14 @@ impl Executor {
     /// The optimizer's dispatches in order: the gradient norm (when
     /// clipping), then the update. Empty without an optimizer.
     fn update_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
-        let norm = self.clip.as_ref().and_then(|c| c.dispatches.as_ref()).into_iter().flatten();
-        norm.chain(self.optimizer.as_ref().map(|(_, d)| d))
+        self.optimizer.iter().flat_map(Optimizer::dispatches)
     }
 
     /// The learning rate the last optimizer step used (before any step,
     /// the first step's): the schedule at [`Executor::step_count`].
     /// `None` without an optimizer.
     pub fn learning_rate(&self) -> Option<f32> {
-        self.optimizer.as_ref().map(|(c, _)| c.lr_at(self.step.max(1)))
+        self.optimizer.as_ref().map(Optimizer::learning_rate)
     }
 
     /// The global L2 norm of the gradients the last optimizer step clipped
@@ -300,15 +268,15 @@ impl Executor {
     /// Steps never wait for it; this call waits for the GPU. `None` when
     /// the optimizer does not clip or no step was taken.
     pub fn read_grad_norm(&self) -> Result<Option<f32>> {
-        match &self.clip {
-            Some(c) if self.step > 0 => Ok(self.kernels.read::<f32>(c.norm.slice(0, 1)?)?.first().copied()),
-            _ => Ok(None),
+        match &self.optimizer {
+            Some(o) => o.read_grad_norm(&self.kernels),
+            None => Ok(None),
         }
     }
 
     /// The optimizer this executor steps with, if any.
     pub fn optimizer_config(&self) -> Option<&OptimizerConfig> {
-        self.optimizer.as_ref().map(|(c, _)| c)
+        self.optimizer.as_ref().map(Optimizer::config)
     }
 
     /// The squared L2 norm of the gradients as they stand: the clipping
@@ -318,34 +286,20 @@ impl Executor {
     /// [`Executor::optimizer_step_with_grad_norm`], so every part clips by
     /// the whole model's norm, as torch.nn.utils.clip_grad_norm_ does.
     pub fn grad_norm_squared(&mut self) -> Result<f64> {
-        let clip = self.clip.as_ref().and_then(|c| c.dispatches.as_ref().map(|d| (c, d))).ok_or_else(|| Error::InvalidArgument {
-            op: "grad_norm_squared",
-            reason: "the optimizer does not clip (clip_grad_norm), so no norm kernels were built".into(),
-        })?;
-        let (c, dispatches) = clip;
-        self.kernels.submit_pass("grad_norm", dispatches.iter(), |_| {}, |_| {})?;
-        let norm = self.kernels.read::<f32>(c.norm.slice(0, 1)?)?;
-        Ok(norm.first().map_or(f64::NAN, |&n| f64::from(n) * f64::from(n)))
+        match &self.optimizer {
+            Some(o) => o.grad_norm_squared(&self.kernels),
+            None => Err(Error::InvalidArgument { op: "grad_norm_squared", reason: "no optimizer was given".into() }),
+        }
     }
 
     /// The optimizer step with clip_grad_norm_'s factor computed from
     /// `total_norm`, the norm of a whole model's gradients gathered from
     /// several executors, instead of this executor's own.
     pub fn optimizer_step_with_grad_norm(&mut self, total_norm: f32) -> Result<()> {
-        let (Some((cfg, dispatch)), Some(c)) = (&self.optimizer, &self.clip) else {
-            return Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() });
-        };
-        let max_norm = cfg.clip_grad_norm().unwrap_or(f32::INFINITY);
-        if !total_norm.is_finite() || total_norm < 0.0 {
-            return Err(Error::NonFiniteLoss { value: total_norm, step: self.step + 1 });
+        match &mut self.optimizer {
+            Some(o) => o.step_with_grad_norm(&self.kernels, total_norm),
+            None => Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() }),
         }
-        // The same f32 arithmetic as grad_norm_finish in optim.wgsl.
-        let factor = (max_norm / (total_norm + 1e-6)).min(1.0);
-        self.kernels.write(c.norm.view(), &[total_norm, factor])?;
-        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        self.kernels.submit_pass("optimizer_step", std::iter::once(dispatch), |_| {}, |_| {})?;
-        self.step += 1;
-        Ok(())
     }
 
     /// Where the parameter `name`'s gradient lives in the gradient arena.
@@ -484,19 +438,6 @@ impl Executor {
         )
     }
 
-    /// One update over the whole parameter arena: parameters are contiguous,
-    /// and the alignment gaps hold zeros that every optimizer keeps at zero.
-    /// The weight-decayed group is the arena's first `decay_len` elements.
-    fn build_optimizer(&self, cfg: &OptimizerConfig) -> Result<Dispatch> {
-        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument {
-            op: "Executor::new",
-            reason: "an optimizer needs gradients".into(),
-        })?;
-        let state: Vec<View<'_>> = self.state.iter().map(|s| s.view()).collect();
-        let arena = ArenaGroups { decay_len: self.plan.decay_len, grad_norm: self.clip.as_ref().map(|c| c.norm.view()) };
-        self.kernels.optimizer_update(cfg, self.params.view(), grads.view(), &state, arena, 1)
-    }
-
     fn input_storage(&self, t: Tensor, dtype: DType, len: usize) -> Result<&GpuTensor> {
         if t.0 >= self.graph.len() {
             return Err(Error::InvalidArgument { op: "set_input", reason: format!("tensor #{} is not in the graph", t.0) });
@@ -557,10 +498,10 @@ impl Executor {
             reason: "no loss".into(),
         })?;
         if apply_optimizer {
-            let Some((cfg, dispatch)) = &self.optimizer else {
+            let Some(o) = &self.optimizer else {
                 return Err(Error::InvalidArgument { op: "train_step", reason: "no optimizer was given".into() });
             };
-            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+            o.prepare_step(&self.kernels)?;
         }
         let loss_view = self.view(loss)?;
         let steps = self.train_dispatches();
@@ -580,15 +521,15 @@ impl Executor {
                 }
             },
         )?;
-        if apply_optimizer {
-            self.step += 1;
+        if let (true, Some(o)) = (apply_optimizer, &mut self.optimizer) {
+            o.finish_step();
         }
         if !read_loss {
             return Ok(None);
         }
         let value = self.kernels.map_read_scalar(&self.scalar_staging)?;
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.step });
+            return Err(Error::NonFiniteLoss { value, step: self.step_count() });
         }
         Ok(Some(value))
     }
@@ -600,8 +541,8 @@ impl Executor {
     /// on a copy of the state you care about.
     pub fn profile_train_step(&mut self) -> Result<DispatchTimes> {
         let mut times = Vec::new();
-        if let Some((cfg, dispatch)) = &self.optimizer {
-            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        if let Some(o) = &self.optimizer {
+            o.prepare_step(&self.kernels)?;
         }
         for &i in &self.train_order {
             if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
@@ -635,12 +576,12 @@ impl Executor {
     /// Applies the optimizer to the gradients as they stand, in one
     /// submission (data parallel: after the gradients were all-reduced).
     pub fn optimizer_step(&mut self) -> Result<()> {
-        let Some((cfg, dispatch)) = &self.optimizer else {
+        let Some(o) = &mut self.optimizer else {
             return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
         };
-        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        self.kernels.submit_pass("optimizer_step", self.update_dispatches(), |_| {}, |_| {})?;
-        self.step += 1;
+        o.prepare_step(&self.kernels)?;
+        self.kernels.submit_pass("optimizer_step", o.dispatches(), |_| {}, |_| {})?;
+        o.finish_step();
         Ok(())
     }
 
@@ -676,7 +617,7 @@ impl Executor {
 
     /// The optimizer's state arenas (same layout as the parameters).
     pub fn state_arenas(&self) -> Vec<View<'_>> {
-        self.state.iter().map(|s| s.view()).collect()
+        self.optimizer.as_ref().map_or_else(Vec::new, Optimizer::state_arenas)
     }
 
     /// The whole parameter arena.
@@ -797,21 +738,20 @@ impl Executor {
     /// PyTorch's names for the optimizer's per-parameter state, in arena
     /// order (as the optimizer names them; empty without one).
     pub fn optimizer_state_names(&self) -> &'static [&'static str] {
-        self.optimizer.as_ref().map_or(&[], |(c, _)| c.state_names())
+        self.optimizer.as_ref().map_or(&[], Optimizer::state_names)
+    }
+
+    /// Every parameter's place in the arenas, in graph order.
+    pub fn parameter_spans(&self) -> Vec<ParamSpan> {
+        self.plan.param_offsets.iter().map(|&(p, offset)| ParamSpan { name: self.graph.node(p).name.clone(), shape: self.graph.node(p).shape.clone(), offset }).collect()
     }
 
     /// Optimizer state as (parameter name, state name, values).
     pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
-        let names = self.optimizer_state_names();
-        let mut out = Vec::new();
-        for (arena, &state_name) in self.state.iter().zip(names) {
-            let all: Vec<f32> = self.kernels.read(arena.view())?;
-            for &(p, offset) in &self.plan.param_offsets {
-                let node = self.graph.node(p);
-                out.push((node.name.clone(), state_name, all[offset..offset + node.len()].to_vec()));
-            }
+        match &self.optimizer {
+            Some(o) => o.export_state(&self.kernels, &self.parameter_spans()),
+            None => Ok(Vec::new()),
         }
-        Ok(out)
     }
 
     /// Replaces parameters (by name) and, when given, the optimizer state
@@ -822,7 +762,6 @@ impl Executor {
         optimizer_state: &[(String, String, Vec<f32>)],
         step: Option<u64>,
     ) -> Result<()> {
-        let arena_len = self.plan.param_arena_len.max(1);
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
         let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
         for (name, shape, values) in params {
@@ -836,32 +775,17 @@ impl Executor {
             }
             put_parameter(&mut host[offset..], node.dtype, values);
         }
-        let names = self.optimizer_state_names();
-        let mut state_host: Vec<Vec<f32>> = vec![vec![0.0; arena_len]; self.state.len()];
-        for (param_name, state_name, values) in optimizer_state {
-            let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {
-                op: "load_state",
-                reason: format!("this optimizer has no state `{state_name}`"),
-            })?;
-            let (p, offset) = find(param_name).ok_or_else(|| Error::InvalidArgument {
-                op: "load_state",
-                reason: format!("optimizer state for unknown parameter `{param_name}`"),
-            })?;
-            if values.len() != self.graph.node(p).len() {
-                return Err(Error::shape("load_state", format!("state `{param_name}.{state_name}` has {} values", values.len()), &[&self.graph.node(p).shape]));
+        // The optimizer checks its state before writing any; then the
+        // parameters, all checked above, are written.
+        let spans = self.parameter_spans();
+        match (&mut self.optimizer, optimizer_state.first()) {
+            (Some(o), _) => o.import_state(&self.kernels, &spans, optimizer_state, step)?,
+            (None, Some((_, state_name, _))) => {
+                return Err(Error::InvalidArgument { op: "load_state", reason: format!("this optimizer has no state `{state_name}`") });
             }
-            state_host[k][offset..offset + values.len()].copy_from_slice(values);
+            (None, None) => {}
         }
-        self.kernels.write(self.params.view(), &host)?;
-        if !optimizer_state.is_empty() {
-            for (arena, values) in self.state.iter().zip(&state_host) {
-                self.kernels.write(arena.view(), values)?;
-            }
-        }
-        if let Some(s) = step {
-            self.step = s;
-        }
-        Ok(())
+        self.kernels.write(self.params.view(), &host)
     }
 }
 
