@@ -6,15 +6,35 @@
 use crate::error::{Error, Result};
 use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
 
+/// The element types a twin computes in: f32, as the kernels store values,
+/// and f64, for the graph's reference interpreter
+/// ([`crate::graph::evaluate_f64`]), whose central differences need more
+/// than f32's precision. Sums accumulate in f64 either way.
+pub trait Real: Copy + Default + PartialOrd + Into<f64> + std::fmt::Debug {
+    fn from_f64(v: f64) -> Self;
+}
+
+impl Real for f32 {
+    fn from_f64(v: f64) -> f32 {
+        v as f32
+    }
+}
+
+impl Real for f64 {
+    fn from_f64(v: f64) -> f64 {
+        v
+    }
+}
+
 /// C[m,n] = op(A)·op(B) for the stored shapes of [`MatmulForm::operand_shapes`].
-pub fn matmul(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
-    let a_at = |i: usize, p: usize| a[form.a_index(m, k, i, p)];
-    let b_at = |p: usize, j: usize| b[form.b_index(n, k, p, j)];
-    let mut c = vec![0.0f32; m * n];
+pub fn matmul<T: Real>(form: MatmulForm, a: &[T], b: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
+    let a_at = |i: usize, p: usize| -> f64 { a[form.a_index(m, k, i, p)].into() };
+    let b_at = |p: usize, j: usize| -> f64 { b[form.b_index(n, k, p, j)].into() };
+    let mut c = vec![T::default(); m * n];
     for i in 0..m {
         for j in 0..n {
-            let acc: f64 = (0..k).map(|p| f64::from(a_at(i, p)) * f64::from(b_at(p, j))).sum();
-            c[i * n + j] = acc as f32;
+            let acc: f64 = (0..k).map(|p| a_at(i, p) * b_at(p, j)).sum();
+            c[i * n + j] = T::from_f64(acc);
         }
     }
     c
@@ -58,12 +78,24 @@ pub fn binary(op: Binary, x: &[f32], y: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-pub fn scale(x: &[f32], alpha: f32) -> Vec<f32> {
-    x.iter().map(|&v| alpha * v).collect()
+/// One element of `op`, computed in f64 and rounded to the twin's type
+/// (for f32 the kernels' [`Binary::apply`], as one f32 operation rounds).
+fn binary_value<T: Real>(op: Binary, a: T, b: T) -> T {
+    let (a, b): (f64, f64) = (a.into(), b.into());
+    T::from_f64(match op {
+        Binary::Add => a + b,
+        Binary::Sub => a - b,
+        Binary::Mul => a * b,
+        Binary::Div => a / b,
+    })
 }
 
-pub fn bias_add(x: &[f32], bias: &[f32], cols: usize) -> Vec<f32> {
-    x.iter().enumerate().map(|(i, &v)| v + bias[i % cols]).collect()
+pub fn scale<T: Real>(x: &[T], alpha: f32) -> Vec<T> {
+    x.iter().map(|&v| T::from_f64(f64::from(alpha) * v.into())).collect()
+}
+
+pub fn bias_add<T: Real>(x: &[T], bias: &[T], cols: usize) -> Vec<T> {
+    x.iter().enumerate().map(|(i, &v)| T::from_f64(v.into() + bias[i % cols].into())).collect()
 }
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
@@ -111,29 +143,29 @@ pub fn activation_derivative(act: Activation, x: f64) -> f64 {
     }
 }
 
-pub fn activation_forward(act: Activation, x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| activation_value(act, f64::from(v)) as f32).collect()
+pub fn activation_forward<T: Real>(act: Activation, x: &[T]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f64(activation_value(act, v.into()))).collect()
 }
 
-pub fn activation_backward(act: Activation, x: &[f32], dy: &[f32]) -> Vec<f32> {
+pub fn activation_backward<T: Real>(act: Activation, x: &[T], dy: &[T]) -> Vec<T> {
     x.iter()
         .zip(dy)
-        .map(|(&v, &g)| (activation_derivative(act, f64::from(v)) * f64::from(g)) as f32)
+        .map(|(&v, &g)| T::from_f64(activation_derivative(act, v.into()) * g.into()))
         .collect()
 }
 
-pub fn sum_rows(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub fn sum_rows<T: Real>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
     (0..cols)
-        .map(|c| (0..rows).map(|r| f64::from(x[r * cols + c])).sum::<f64>() as f32)
+        .map(|c| T::from_f64((0..rows).map(|r| x[r * cols + c].into()).sum::<f64>()))
         .collect()
 }
 
-pub fn sum(x: &[f32]) -> f32 {
-    x.iter().map(|&v| f64::from(v)).sum::<f64>() as f32
+pub fn sum<T: Real>(x: &[T]) -> T {
+    T::from_f64(x.iter().map(|&v| v.into()).sum::<f64>())
 }
 
-pub fn mean(x: &[f32]) -> f32 {
-    (x.iter().map(|&v| f64::from(v)).sum::<f64>() / x.len() as f64) as f32
+pub fn mean<T: Real>(x: &[T]) -> T {
+    T::from_f64(x.iter().map(|&v| v.into()).sum::<f64>() / x.len() as f64)
 }
 
 pub fn max_rows(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -143,7 +175,7 @@ pub fn max_rows(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// First index of each row's maximum.
-pub fn argmax_rows(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
+pub fn argmax_rows<T: Real>(x: &[T], rows: usize, cols: usize) -> Vec<u32> {
     (0..rows)
         .map(|r| {
             let row = &x[r * cols..(r + 1) * cols];
@@ -158,31 +190,31 @@ pub fn argmax_rows(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
         .collect()
 }
 
-pub fn mse_forward(pred: &[f32], target: &[f32]) -> f32 {
+pub fn mse_forward<T: Real>(pred: &[T], target: &[T]) -> T {
     let total: f64 = pred
         .iter()
         .zip(target)
-        .map(|(&p, &t)| (f64::from(p) - f64::from(t)).powi(2))
+        .map(|(&p, &t)| (p.into() - t.into()).powi(2))
         .sum();
-    (total / pred.len() as f64) as f32
+    T::from_f64(total / pred.len() as f64)
 }
 
-pub fn mse_backward(pred: &[f32], target: &[f32], dloss: f32) -> Vec<f32> {
+pub fn mse_backward<T: Real>(pred: &[T], target: &[T], dloss: T) -> Vec<T> {
     let n = pred.len() as f64;
     pred.iter()
         .zip(target)
-        .map(|(&p, &t)| (2.0 * (f64::from(p) - f64::from(t)) / n * f64::from(dloss)) as f32)
+        .map(|(&p, &t)| T::from_f64(2.0 * (p.into() - t.into()) / n * dloss.into()))
         .collect()
 }
 
-fn log_softmax_row(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().map(|&v| f64::from(v)).fold(f64::NEG_INFINITY, f64::max);
-    let lse = m + row.iter().map(|&v| (f64::from(v) - m).exp()).sum::<f64>().ln();
-    row.iter().map(|&v| f64::from(v) - lse).collect()
+fn log_softmax_row<T: Real>(row: &[T]) -> Vec<f64> {
+    let m = row.iter().map(|&v| v.into()).fold(f64::NEG_INFINITY, f64::max);
+    let lse = m + row.iter().map(|&v| (v.into() - m).exp()).sum::<f64>().ln();
+    row.iter().map(|&v| v.into() - lse).collect()
 }
 
 /// Mean over rows of -log softmax(logits[r])[labels[r]]; NaN for a label ≥ cols.
-pub fn cross_entropy_forward(logits: &[f32], labels: &[u32], rows: usize, cols: usize) -> f32 {
+pub fn cross_entropy_forward<T: Real>(logits: &[T], labels: &[u32], rows: usize, cols: usize) -> T {
     let total: f64 = (0..rows)
         .map(|r| {
             let label = labels[r] as usize;
@@ -192,16 +224,16 @@ pub fn cross_entropy_forward(logits: &[f32], labels: &[u32], rows: usize, cols: 
             -log_softmax_row(&logits[r * cols..(r + 1) * cols])[label]
         })
         .sum();
-    (total / rows as f64) as f32
+    T::from_f64(total / rows as f64)
 }
 
-pub fn cross_entropy_backward(logits: &[f32], labels: &[u32], dloss: f32, rows: usize, cols: usize) -> Vec<f32> {
+pub fn cross_entropy_backward<T: Real>(logits: &[T], labels: &[u32], dloss: T, rows: usize, cols: usize) -> Vec<T> {
     let mut d = Vec::with_capacity(rows * cols);
     for r in 0..rows {
         let logp = log_softmax_row(&logits[r * cols..(r + 1) * cols]);
         for (c, lp) in logp.iter().enumerate() {
             let onehot = if c == labels[r] as usize { 1.0 } else { 0.0 };
-            d.push(((lp.exp() - onehot) / rows as f64 * f64::from(dloss)) as f32);
+            d.push(T::from_f64((lp.exp() - onehot) / rows as f64 * dloss.into()));
         }
     }
     d
@@ -336,28 +368,28 @@ pub fn embedding_f16_weights(table: &[half::f16], ids: &[u32], vocab: usize, cha
 
 /// Twin of `softmax_forward`: softmax over each row of x[rows, cols]; with
 /// `causal = Some(t)` row r keeps columns ≤ r % t and is 0 after them.
-pub fn softmax_forward(x: &[f32], rows: usize, cols: usize, causal: Option<usize>) -> Vec<f32> {
-    let mut y = vec![0.0f32; rows * cols];
+pub fn softmax_forward<T: Real>(x: &[T], rows: usize, cols: usize, causal: Option<usize>) -> Vec<T> {
+    let mut y = vec![T::default(); rows * cols];
     for r in 0..rows {
         let live = causal.map_or(cols, |t| r % t + 1);
-        let row: Vec<f64> = x[r * cols..r * cols + live].iter().map(|&v| f64::from(v)).collect();
+        let row: Vec<f64> = x[r * cols..r * cols + live].iter().map(|&v| v.into()).collect();
         let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let sum: f64 = row.iter().map(|v| (v - m).exp()).sum();
         for (c, v) in row.iter().enumerate() {
-            y[r * cols + c] = ((v - m).exp() / sum) as f32;
+            y[r * cols + c] = T::from_f64((v - m).exp() / sum);
         }
     }
     y
 }
 
 /// Twin of `softmax_backward`: dx = y · (dy − Σ_c dy·y) per row.
-pub fn softmax_backward(y: &[f32], dy: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut dx = vec![0.0f32; rows * cols];
+pub fn softmax_backward<T: Real>(y: &[T], dy: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut dx = vec![T::default(); rows * cols];
     for r in 0..rows {
         let span = r * cols..(r + 1) * cols;
-        let dot: f64 = y[span.clone()].iter().zip(&dy[span.clone()]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+        let dot: f64 = y[span.clone()].iter().zip(&dy[span.clone()]).map(|(&a, &b)| a.into() * b.into()).sum();
         for i in span {
-            dx[i] = (f64::from(y[i]) * (f64::from(dy[i]) - dot)) as f32;
+            dx[i] = T::from_f64(y[i].into() * (dy[i].into() - dot));
         }
     }
     dx
@@ -365,26 +397,26 @@ pub fn softmax_backward(y: &[f32], dy: &[f32], rows: usize, cols: usize) -> Vec<
 
 /// What [`layernorm_forward`] returns: y[rows, cols], mean[rows], rstd[rows].
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerNormForward {
-    pub y: Vec<f32>,
-    pub mean: Vec<f32>,
-    pub rstd: Vec<f32>,
+pub struct LayerNormForward<T = f32> {
+    pub y: Vec<T>,
+    pub mean: Vec<T>,
+    pub rstd: Vec<T>,
 }
 
 /// Twin of `layernorm_forward` (torch.nn.LayerNorm over the last dimension,
 /// biased variance).
-pub fn layernorm_forward(x: &[f32], weight: &[f32], bias: &[f32], rows: usize, cols: usize, eps: f32) -> LayerNormForward {
-    let mut out = LayerNormForward { y: vec![0.0; rows * cols], mean: vec![0.0; rows], rstd: vec![0.0; rows] };
+pub fn layernorm_forward<T: Real>(x: &[T], weight: &[T], bias: &[T], rows: usize, cols: usize, eps: f32) -> LayerNormForward<T> {
+    let mut out = LayerNormForward { y: vec![T::default(); rows * cols], mean: vec![T::default(); rows], rstd: vec![T::default(); rows] };
     for r in 0..rows {
-        let row: Vec<f64> = x[r * cols..(r + 1) * cols].iter().map(|&v| f64::from(v)).collect();
+        let row: Vec<f64> = x[r * cols..(r + 1) * cols].iter().map(|&v| v.into()).collect();
         let mean = row.iter().sum::<f64>() / cols as f64;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
         let rstd = 1.0 / (var + f64::from(eps)).sqrt();
         for (c, v) in row.iter().enumerate() {
-            out.y[r * cols + c] = ((v - mean) * rstd * f64::from(weight[c]) + f64::from(bias[c])) as f32;
+            out.y[r * cols + c] = T::from_f64((v - mean) * rstd * weight[c].into() + bias[c].into());
         }
-        out.mean[r] = mean as f32;
-        out.rstd[r] = rstd as f32;
+        out.mean[r] = T::from_f64(mean);
+        out.rstd[r] = T::from_f64(rstd);
     }
     out
 }
@@ -392,34 +424,34 @@ pub fn layernorm_forward(x: &[f32], weight: &[f32], bias: &[f32], rows: usize, c
 /// What [`layernorm_backward`] returns: dx[rows, cols] and the gradients of
 /// weight and bias [cols] (to be added into theirs).
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerNormBackward {
-    pub dx: Vec<f32>,
-    pub dweight: Vec<f32>,
-    pub dbias: Vec<f32>,
+pub struct LayerNormBackward<T = f32> {
+    pub dx: Vec<T>,
+    pub dweight: Vec<T>,
+    pub dbias: Vec<T>,
 }
 
 /// Twin of `layernorm_backward` and `layernorm_backward_params`, from the
 /// forward's mean and rstd as the kernels take them.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(dy: &[f32], x: &[f32], weight: &[f32], mean: &[f32], rstd: &[f32], rows: usize, cols: usize) -> LayerNormBackward {
-    let mut out = LayerNormBackward { dx: vec![0.0; rows * cols], dweight: vec![0.0; cols], dbias: vec![0.0; cols] };
+pub fn layernorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], mean: &[T], rstd: &[T], rows: usize, cols: usize) -> LayerNormBackward<T> {
+    let mut out = LayerNormBackward { dx: vec![T::default(); rows * cols], dweight: vec![T::default(); cols], dbias: vec![T::default(); cols] };
     let mut dweight = vec![0.0f64; cols];
     let mut dbias = vec![0.0f64; cols];
     for r in 0..rows {
-        let (mu, rs) = (f64::from(mean[r]), f64::from(rstd[r]));
+        let (mu, rs): (f64, f64) = (mean[r].into(), rstd[r].into());
         let span = r * cols..(r + 1) * cols;
-        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| (f64::from(v) - mu) * rs).collect();
-        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| f64::from(d) * f64::from(w)).collect();
+        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| (v.into() - mu) * rs).collect();
+        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| d.into() * w.into()).collect();
         let mean_g = g.iter().sum::<f64>() / cols as f64;
         let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
         for c in 0..cols {
-            out.dx[r * cols + c] = ((g[c] - mean_g - xhat[c] * mean_gx) * rs) as f32;
-            dweight[c] += f64::from(dy[r * cols + c]) * xhat[c];
-            dbias[c] += f64::from(dy[r * cols + c]);
+            out.dx[r * cols + c] = T::from_f64((g[c] - mean_g - xhat[c] * mean_gx) * rs);
+            dweight[c] += dy[r * cols + c].into() * xhat[c];
+            dbias[c] += dy[r * cols + c].into();
         }
     }
-    out.dweight = dweight.iter().map(|&v| v as f32).collect();
-    out.dbias = dbias.iter().map(|&v| v as f32).collect();
+    out.dweight = dweight.into_iter().map(T::from_f64).collect();
+    out.dbias = dbias.into_iter().map(T::from_f64).collect();
     out
 }
 
@@ -544,10 +576,10 @@ pub fn cross_entropy_rows_loss(logits: &[f64], targets: &[u32], rows: usize, voc
 /// Twin of `cross_entropy_rows_forward_backward`: (losses[rows],
 /// dlogits[rows, vocab] = (softmax − onehot) · scale); a target ≥ vocab
 /// gives a NaN loss and a NaN gradient row.
-pub fn cross_entropy_rows_forward_backward(logits: &[f32], targets: &[u32], rows: usize, vocab: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
-    let wide: Vec<f64> = logits.iter().map(|&v| f64::from(v)).collect();
+pub fn cross_entropy_rows_forward_backward<T: Real>(logits: &[T], targets: &[u32], rows: usize, vocab: usize, scale: f32) -> (Vec<T>, Vec<T>) {
+    let wide: Vec<f64> = logits.iter().map(|&v| v.into()).collect();
     let losses = cross_entropy_rows_loss(&wide, targets, rows, vocab);
-    let mut dlogits = vec![0.0f32; rows * vocab];
+    let mut dlogits = vec![T::default(); rows * vocab];
     for r in 0..rows {
         let row = &wide[r * vocab..(r + 1) * vocab];
         let bad = if (targets[r] as usize) < vocab { 0.0 } else { f64::NAN };
@@ -555,19 +587,19 @@ pub fn cross_entropy_rows_forward_backward(logits: &[f32], targets: &[u32], rows
         let sum: f64 = row.iter().map(|v| (v - m).exp()).sum();
         for (c, v) in row.iter().enumerate() {
             let onehot = if c == targets[r] as usize { 1.0 } else { 0.0 };
-            dlogits[r * vocab + c] = (((v - m).exp() / sum - onehot) * f64::from(scale) + bad) as f32;
+            dlogits[r * vocab + c] = T::from_f64(((v - m).exp() / sum - onehot) * f64::from(scale) + bad);
         }
     }
-    (losses.iter().map(|&l| l as f32).collect(), dlogits)
+    (losses.into_iter().map(T::from_f64).collect(), dlogits)
 }
 
 /// Twin of `embedding_forward`: out[n, channels] = table[ids[n], :]; a row
 /// of NaN for an id ≥ vocab.
-pub fn embedding_forward(table: &[f32], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
+pub fn embedding_forward<T: Real>(table: &[T], ids: &[u32], vocab: usize, channels: usize) -> Vec<T> {
     ids.iter()
         .flat_map(|&id| {
             let id = id as usize;
-            (0..channels).map(move |c| if id < vocab { table[id * channels + c] } else { f32::NAN })
+            (0..channels).map(move |c| if id < vocab { table[id * channels + c] } else { T::from_f64(f64::NAN) })
         })
         .collect()
 }
@@ -576,7 +608,7 @@ pub fn embedding_forward(table: &[f32], ids: &[u32], vocab: usize, channels: usi
 /// of the table [vocab, channels], Σ of dout[n, :] over the positions with
 /// ids[n] = v (to be added into dtable); positions with an id ≥ vocab add
 /// nothing.
-pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
+pub fn embedding_backward<T: Real>(dout: &[T], ids: &[u32], vocab: usize, channels: usize) -> Vec<T> {
     let mut dtable = vec![0.0f64; vocab * channels];
     for (n, &id) in ids.iter().enumerate() {
         let id = id as usize;
@@ -584,10 +616,10 @@ pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usi
             continue;
         }
         for c in 0..channels {
-            dtable[id * channels + c] += f64::from(dout[n * channels + c]);
+            dtable[id * channels + c] += dout[n * channels + c].into();
         }
     }
-    dtable.iter().map(|&v| v as f32).collect()
+    dtable.into_iter().map(T::from_f64).collect()
 }
 
 /// Twin of `cached_attention_forward`: writes each new row's k and v into
@@ -596,13 +628,13 @@ pub fn embedding_backward(dout: &[f32], ids: &[u32], vocab: usize, channels: usi
 /// included) — the plain definition, without the kernel's split between
 /// cached rows and this step's rows. Returns (out, k_cache, v_cache); a
 /// position ≥ context gives a NaN output row and no cache write.
-pub fn cached_attention(
-    qkv: &[f32],
+pub fn cached_attention<T: Real>(
+    qkv: &[T],
     starts: &[u32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     shape: CachedAttentionShape,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<T>, Vec<T>, Vec<T>) {
     let CachedAttentionShape { seqs, rows, heads, head_dim: d, context } = shape;
     let c = heads * d;
     let (mut keys, mut values) = (k_cache.to_vec(), v_cache.to_vec());
@@ -622,7 +654,7 @@ pub fn cached_attention(
         }
     }
     let scale = 1.0 / (d as f64).sqrt();
-    let mut out = vec![f32::NAN; seqs * rows * c];
+    let mut out = vec![T::from_f64(f64::NAN); seqs * rows * c];
     for (s, &start) in starts.iter().enumerate().take(seqs) {
         for t in 0..rows {
             let p = start as usize + t;
@@ -634,15 +666,15 @@ pub fn cached_attention(
                 let scores: Vec<f64> = (0..=p)
                     .map(|j| {
                         let k = &keys[cache_row(s, h, j)..][..d];
-                        q.iter().zip(k).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() * scale
+                        q.iter().zip(k).map(|(&a, &b)| a.into() * b.into()).sum::<f64>() * scale
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let weights: Vec<f64> = scores.iter().map(|&v| (v - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for e in 0..d {
-                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * f64::from(values[cache_row(s, h, j) + e])).sum();
-                    out[(s * rows + t) * c + h * d + e] = (y / total) as f32;
+                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * values[cache_row(s, h, j) + e].into()).sum();
+                    out[(s * rows + t) * c + h * d + e] = T::from_f64(y / total);
                 }
             }
         }
@@ -658,7 +690,7 @@ pub fn cached_attention(
 
 /// out[b] = op(a[b])·op(b[b]) for b in 0..batch, each operand `batch`
 /// contiguous matrices stored as `form` says.
-pub fn matmul_batched(form: MatmulForm, a: &[f32], b: &[f32], batch: usize, m: usize, n: usize, k: usize) -> Vec<f32> {
+pub fn matmul_batched<T: Real>(form: MatmulForm, a: &[T], b: &[T], batch: usize, m: usize, n: usize, k: usize) -> Vec<T> {
     (0..batch)
         .flat_map(|i| matmul(form, &a[i * m * k..(i + 1) * m * k], &b[i * k * n..(i + 1) * k * n], m, n, k))
         .collect()
@@ -682,7 +714,7 @@ fn broadcast_index(shape: &[usize], at: &[usize]) -> usize {
     shape.iter().zip(&at[skip..]).fold(0, |acc, (&d, &c)| acc * d + if d == 1 { 0 } else { c })
 }
 
-fn check_len(op: &'static str, name: &str, data: &[f32], shape: &[usize]) -> Result<()> {
+fn check_len<T>(op: &'static str, name: &str, data: &[T], shape: &[usize]) -> Result<()> {
     if shape.is_empty() || shape.len() > 4 || shape.iter().product::<usize>() != data.len() {
         return Err(Error::shape(op, format!("{name} has {} elements for a shape {shape:?} (rank 1..=4)", data.len()), &[shape]));
     }
@@ -691,7 +723,7 @@ fn check_len(op: &'static str, name: &str, data: &[f32], shape: &[usize]) -> Res
 
 /// Twin of `binary_broadcast`: a ∘ b with NumPy broadcasting; the result
 /// has `ops::broadcast_shape(a_shape, b_shape)`.
-pub fn binary_broadcast(op: Binary, a: &[f32], b: &[f32], a_shape: &[usize], b_shape: &[usize]) -> Result<Vec<f32>> {
+pub fn binary_broadcast<T: Real>(op: Binary, a: &[T], b: &[T], a_shape: &[usize], b_shape: &[usize]) -> Result<Vec<T>> {
     check_len("binary_broadcast", "a", a, a_shape)?;
     check_len("binary_broadcast", "b", b, b_shape)?;
     let out_shape = broadcast_shape(a_shape, b_shape)
@@ -700,40 +732,40 @@ pub fn binary_broadcast(op: Binary, a: &[f32], b: &[f32], a_shape: &[usize], b_s
     Ok((0..n)
         .map(|i| {
             let at = coords(i, &out_shape);
-            op.apply(a[broadcast_index(a_shape, &at)], b[broadcast_index(b_shape, &at)])
+            binary_value(op, a[broadcast_index(a_shape, &at)], b[broadcast_index(b_shape, &at)])
         })
         .collect())
 }
 
 /// Twin of `unary` (IEEE at x ≤ 0 for Rsqrt: +inf at 0, NaN below).
-pub fn unary(op: Unary, x: &[f32]) -> Vec<f32> {
+pub fn unary<T: Real>(op: Unary, x: &[T]) -> Vec<T> {
     x.iter()
         .map(|&v| {
-            let v = f64::from(v);
-            (match op {
+            let v: f64 = v.into();
+            T::from_f64(match op {
                 Unary::Exp => v.exp(),
                 Unary::Rsqrt => 1.0 / v.sqrt(),
-            }) as f32
+            })
         })
         .collect()
 }
 
 /// Twin of `reduce_to_shape`: x summed (in f64) down to `out_shape`, of
 /// which `x_shape` is a broadcast.
-pub fn reduce_to_shape(x: &[f32], x_shape: &[usize], out_shape: &[usize]) -> Result<Vec<f32>> {
+pub fn reduce_to_shape<T: Real>(x: &[T], x_shape: &[usize], out_shape: &[usize]) -> Result<Vec<T>> {
     check_len("reduce_to_shape", "x", x, x_shape)?;
     if out_shape.is_empty() || out_shape.len() > 4 || broadcast_shape(x_shape, out_shape).as_deref() != Some(x_shape) {
         return Err(Error::shape("reduce_to_shape", "x is not a broadcast of out", &[x_shape, out_shape]));
     }
     let mut out = vec![0.0f64; out_shape.iter().product()];
     for (i, &v) in x.iter().enumerate() {
-        out[broadcast_index(out_shape, &coords(i, x_shape))] += f64::from(v);
+        out[broadcast_index(out_shape, &coords(i, x_shape))] += v.into();
     }
-    Ok(out.into_iter().map(|v| v as f32).collect())
+    Ok(out.into_iter().map(T::from_f64).collect())
 }
 
 /// Twin of `permute`: out has shape[perm[i]] on axis i.
-pub fn permute(x: &[f32], shape: &[usize], perm: &[usize]) -> Result<Vec<f32>> {
+pub fn permute<T: Copy>(x: &[T], shape: &[usize], perm: &[usize]) -> Result<Vec<T>> {
     check_len("permute", "x", x, shape)?;
     let mut sorted = perm.to_vec();
     sorted.sort_unstable();
@@ -755,14 +787,14 @@ pub fn permute(x: &[f32], shape: &[usize], perm: &[usize]) -> Result<Vec<f32>> {
 }
 
 /// Twin of `slice_last`: x[rows, cols][:, start..start + width].
-pub fn slice_last(x: &[f32], rows: usize, cols: usize, start: usize, width: usize) -> Vec<f32> {
+pub fn slice_last<T: Copy>(x: &[T], rows: usize, cols: usize, start: usize, width: usize) -> Vec<T> {
     (0..rows).flat_map(|r| x[r * cols + start..r * cols + start + width].iter().copied()).collect()
 }
 
 /// Twin of `pad_last` (not accumulating): x[rows, width] in columns
 /// start..start + width of a zero [rows, cols].
-pub fn pad_last(x: &[f32], rows: usize, cols: usize, start: usize, width: usize) -> Vec<f32> {
-    let mut out = vec![0.0; rows * cols];
+pub fn pad_last<T: Copy + Default>(x: &[T], rows: usize, cols: usize, start: usize, width: usize) -> Vec<T> {
+    let mut out = vec![T::default(); rows * cols];
     for r in 0..rows {
         out[r * cols + start..r * cols + start + width].copy_from_slice(&x[r * width..(r + 1) * width]);
     }
@@ -770,7 +802,7 @@ pub fn pad_last(x: &[f32], rows: usize, cols: usize, start: usize, width: usize)
 }
 
 /// Twin of `concat_last`: [a | b] row by row.
-pub fn concat_last(a: &[f32], b: &[f32], rows: usize, a_cols: usize, b_cols: usize) -> Vec<f32> {
+pub fn concat_last<T: Copy>(a: &[T], b: &[T], rows: usize, a_cols: usize, b_cols: usize) -> Vec<T> {
     (0..rows)
         .flat_map(|r| a[r * a_cols..(r + 1) * a_cols].iter().chain(&b[r * b_cols..(r + 1) * b_cols]).copied())
         .collect()

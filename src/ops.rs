@@ -587,6 +587,16 @@ pub fn rope_table(base: f32, rotary_dim: usize, positions: usize) -> Result<Vec<
 /// (`Kernels::sample_rows`, `cpu::sample_rows`).
 pub const NO_TOKEN: u32 = u32::MAX;
 
+/// The eps of a normalization (LayerNorm, RMSNorm): positive and finite,
+/// since a zero eps divides by zero on a constant row. The graph's builder
+/// and the kernels' entries both check it here, so they agree.
+pub fn check_norm_eps(op: &'static str, eps: f32) -> Result<()> {
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(Error::InvalidArgument { op, reason: format!("eps must be positive and finite, got {eps}") });
+    }
+    Ok(())
+}
+
 /// The NumPy broadcast of two shapes aligned at their trailing dimension:
 /// each pair of dimensions must be equal or one of them 1. None when they
 /// are incompatible. Shared by the broadcasting kernels, their CPU twins

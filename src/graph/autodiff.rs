@@ -1,11 +1,11 @@
-//! Reverse-mode autodiff: `Graph::backward(loss)` appends gradient nodes.
-//! Every op's rule is in the one `match` of `input_gradients`.
+//! Reverse-mode autodiff: `Graph::backward(loss)` appends gradient nodes,
+//! each from the rule its op declares (`OpFamily::gradient` in `ops/`).
 
 use std::collections::HashMap;
 
-use super::builder::{DType, Graph, Op, Tensor};
+use super::builder::{DType, Graph, Tensor};
+use super::ops::Op;
 use crate::error::{Error, Result};
-use crate::kernels::{Binary, MatmulForm, Unary};
 
 /// The gradient node of each parameter after `backward`.
 #[derive(Clone, Debug)]
@@ -134,138 +134,10 @@ impl Graph {
         Ok(Gradients { loss: output, by_param, by_input, accumulations })
     }
 
-    /// d loss / d (input `slot` of `node`), given dy = d loss / d node.
+    /// d loss / d (input `slot` of `node`), given dy = d loss / d node:
+    /// the rule its op's family declares.
     fn input_gradient(&mut self, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let n = self.node(node).clone();
-        let input = |k: usize| n.inputs[k];
-        let in_shape = self.shape(input(slot)).to_vec();
-        match (&n.op, slot) {
-            (Op::MatMul(form) | Op::BatchMatMul(form), _) => {
-                let (a, b) = (input(0), input(1));
-                match (form, slot) {
-                    (MatmulForm::AB, 0) => self.matmul_form(MatmulForm::ABt, dy, b),
-                    (MatmulForm::AB, _) => self.matmul_form(MatmulForm::AtB, a, dy),
-                    (MatmulForm::AtB, 0) => self.matmul_form(MatmulForm::ABt, b, dy),
-                    (MatmulForm::AtB, _) => self.matmul_form(MatmulForm::AB, a, dy),
-                    (MatmulForm::ABt, 0) => self.matmul_form(MatmulForm::AB, dy, b),
-                    (MatmulForm::ABt, _) => self.matmul_form(MatmulForm::AtB, dy, a),
-                }
-            }
-            // Broadcast operands get the sum of dy over the dimensions they
-            // were repeated along.
-            (Op::Binary(Binary::Add), _) => self.sum_to(dy, &in_shape),
-            (Op::Binary(Binary::Sub), 0) => self.sum_to(dy, &in_shape),
-            (Op::Binary(Binary::Sub), _) => {
-                let g = self.sum_to(dy, &in_shape)?;
-                self.scale(g, -1.0)
-            }
-            (Op::Binary(Binary::Mul), _) => {
-                let g = self.mul(dy, input(1 - slot))?;
-                self.sum_to(g, &in_shape)
-            }
-            (Op::Binary(Binary::Div), 0) => {
-                let g = self.div(dy, input(1))?;
-                self.sum_to(g, &in_shape)
-            }
-            // d(a/b)/db = -(a/b)/b
-            (Op::Binary(Binary::Div), _) => {
-                let g = self.mul(dy, node)?;
-                let g = self.div(g, input(1))?;
-                let g = self.sum_to(g, &in_shape)?;
-                self.scale(g, -1.0)
-            }
-            (Op::Unary(Unary::Exp), 0) => self.mul(dy, node),
-            // d x^(-1/2) = -1/2 · y³
-            (Op::Unary(Unary::Rsqrt), 0) => {
-                let y2 = self.mul(node, node)?;
-                let y3 = self.mul(y2, node)?;
-                let g = self.mul(dy, y3)?;
-                self.scale(g, -0.5)
-            }
-            (Op::Scale(alpha), 0) => self.scale(dy, *alpha),
-            (Op::BiasAdd, 0) => Ok(dy),
-            (Op::BiasAdd, 1) => self.sum_rows(dy),
-            (Op::Activation(act), 0) => {
-                let shape = n.shape.clone();
-                let name = format!("d{}", n.name);
-                Ok(self.push(Op::ActivationBackward(*act), vec![input(0), dy], shape, DType::F32, name))
-            }
-            (Op::Loss(kind), 0) => {
-                let shape = self.shape(input(0)).to_vec();
-                let name = format!("d{}", self.node(input(0)).name);
-                Ok(self.push(Op::LossBackward(*kind), vec![input(0), input(1), dy], shape, DType::F32, name))
-            }
-            (Op::Reshape, 0) => self.reshape(dy, &in_shape),
-            (Op::Permute(perm), 0) => {
-                let mut inverse = vec![0; perm.len()];
-                for (i, &p) in perm.iter().enumerate() {
-                    inverse[p] = i;
-                }
-                self.permute(dy, &inverse)
-            }
-            (Op::SliceLast { start }, 0) => self.pad_last(dy, *start, in_shape[in_shape.len() - 1]),
-            (Op::PadLast { start }, 0) => self.slice_last(dy, *start, in_shape[in_shape.len() - 1]),
-            (Op::ConcatLast, _) => {
-                let a_cols = *self.shape(input(0)).last().unwrap_or(&0);
-                let start = if slot == 0 { 0 } else { a_cols };
-                self.slice_last(dy, start, in_shape[in_shape.len() - 1])
-            }
-            (Op::Softmax { .. }, 0) => {
-                let name = format!("d{}", n.name);
-                Ok(self.push(Op::SoftmaxBackward, vec![node, dy], n.shape.clone(), DType::F32, name))
-            }
-            (Op::LayerNorm { .. }, _) => {
-                let stats = self.companion(node).ok_or_else(|| Error::NoGradient { op: "layer_norm", input: n.name.clone() })?;
-                let x = input(0);
-                if slot == 0 {
-                    let inputs = vec![dy, x, input(1), stats];
-                    return Ok(self.push(Op::LayerNormBackward, inputs, n.shape.clone(), DType::F32, format!("d{}", self.node(x).name)));
-                }
-                // Weight and bias gradients come from one dispatch: reuse it
-                // for the second.
-                let inputs = vec![dy, x, stats];
-                let cols = in_shape[0];
-                let existing = self.nodes.iter().position(|m| m.op == Op::LayerNormParamsBackward && m.inputs == inputs);
-                let both = match existing {
-                    Some(i) => Tensor(i),
-                    None => {
-                        let shape = vec![1, super::builder::stats_offset(cols) + cols];
-                        self.push(Op::LayerNormParamsBackward, inputs, shape, DType::F32, format!("d{}.params", n.name))
-                    }
-                };
-                let start = if slot == 1 { 0 } else { super::builder::stats_offset(cols) };
-                let g = self.slice_last(both, start, cols)?;
-                self.reshape(g, &[cols])
-            }
-            (Op::Embedding, 0) => {
-                let (table, ids) = (input(0), input(1));
-                let vocab = self.shape(table)[0];
-                let n_ids = self.node(ids).len();
-                let existing = self.nodes.iter().position(|m| m.op == (Op::EmbeddingSort { vocab }) && m.inputs == [ids]);
-                let sort = match existing {
-                    Some(i) => Tensor(i),
-                    None => {
-                        let shape = vec![super::builder::stats_offset(n_ids) + vocab + 1];
-                        self.push(Op::EmbeddingSort { vocab }, vec![ids], shape, DType::U32, format!("{}.sorted", self.node(ids).name))
-                    }
-                };
-                let name = format!("d{}", self.node(table).name);
-                Ok(self.push(Op::EmbeddingBackward, vec![dy, ids, sort], in_shape, DType::F32, name))
-            }
-            // The mean's gradient dy/N at every element: a constant of 1/N
-            // times dy, broadcast (one dispatch).
-            (Op::Mean, 0) => {
-                let count = self.node(input(0)).len();
-                let share = self.constant(&format!("{}.share", n.name), &in_shape, vec![1.0 / count as f32; count])?;
-                self.mul(share, dy)
-            }
-            (Op::CrossEntropyRows, 0) => {
-                let grad = self.companion(node).ok_or_else(|| Error::NoGradient { op: "cross_entropy_rows", input: n.name.clone() })?;
-                let rows = n.shape[0];
-                let per_row = self.reshape(dy, &[rows, 1])?;
-                self.mul(grad, per_row)
-            }
-            _ => Err(Error::NoGradient { op: n.op.name(), input: self.node(n.inputs[slot]).name.clone() }),
-        }
+        let op = self.node(node).op.clone();
+        op.family().gradient(&op, self, node, slot, dy)
     }
 }

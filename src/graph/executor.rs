@@ -6,13 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::autodiff::Gradients;
-use super::builder::{stats_offset, DType, Graph, LossKind, Op, Tensor};
+use super::builder::{DType, Graph, Tensor};
+use super::ops::{DispatchContext, LossKind, Op};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{
-    grad_norm_groups, Activation, ArenaGroups, CachedAttentionShape, Dispatch, F16View, GpuTensor, Kernels, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, OptimizerConfig,
-    View,
-};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
+use crate::optim::{apply_parameter_groups, Optimizer, ParamSpan};
 
 /// Per-dispatch wall times from the profiling runs: (node name, kernel
 /// entry, time), in dispatch order.
@@ -24,7 +23,6 @@ pub struct Executor {
     plan: Plan,
     params: GpuTensor,
     grads: Option<GpuTensor>,
-    state: Vec<GpuTensor>,
     inputs: Vec<GpuTensor>,
     constants: Vec<GpuTensor>,
     /// Tensors kept from run to run (KV caches), zero at first.
@@ -34,12 +32,9 @@ pub struct Executor {
     /// A training step's dispatch for a loss that also does its last
     /// layer's work (the plan's `loss_fusion`); runs use `dispatches`.
     train_loss_dispatches: Vec<Option<Dispatch>>,
-    optimizer: Option<(OptimizerConfig, Dispatch)>,
-    /// With `clip_grad_norm`: the global gradient norm, computed on the GPU
-    /// before each update.
-    clip: Option<ClipNorm>,
-    /// Optimizer steps taken (PyTorch's `step`, from 1).
-    step: u64,
+    /// The optimizer over the parameter and gradient arenas: its state,
+    /// clipping, schedule and step count.
+    optimizer: Option<Optimizer>,
     /// Node lists for each set of requested outputs, computed once.
     run_orders: HashMap<Vec<Tensor>, Vec<usize>>,
     train_order: Vec<usize>,
@@ -48,18 +43,9 @@ pub struct Executor {
     scalar_staging: wgpu::Buffer,
 }
 
-/// Buffers and dispatches of the gradient-norm reduction.
-struct ClipNorm {
-    /// Per-workgroup sums of squares.
-    partials: GpuTensor,
-    /// [total norm, clip factor], read by the update.
-    norm: GpuTensor,
-    dispatches: Option<[Dispatch; 2]>,
-}
-
 impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("step", &self.step).finish()
+        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("optimizer", &self.optimizer).finish()
     }
 }
 
@@ -92,17 +78,10 @@ impl Executor {
         if let Some(cfg) = &optimizer {
             cfg.validate()?;
         }
-        // nanoGPT's groups: parameters of fewer than 2 dimensions (biases,
-        // norm gains), and those their module put in the no-decay group
-        // (embeddings), get no weight decay. Before planning, which lays the
-        // groups out.
+        // The optimizer's parameter groups, before planning lays them out.
         let mut graph = graph;
-        if optimizer.is_some_and(|o| o.decay_matrices_only()) {
-            for p in graph.parameters() {
-                if graph.shape(p).len() < 2 || graph.in_no_decay_group(p) {
-                    graph.exclude_from_weight_decay(p)?;
-                }
-            }
+        if let Some(cfg) = &optimizer {
+            apply_parameter_groups(&mut graph, cfg)?;
         }
         let foreign = |t: &Tensor| t.0 >= graph.len();
         let grads_foreign = gradients.as_ref().is_some_and(|g| {
@@ -151,10 +130,6 @@ impl Executor {
         let params = kernels.upload(&initial)?;
         let training = gradients.is_some();
         let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
-        let state = match &optimizer {
-            Some(o) => (0..o.state_names().len()).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
         let mut caches = Vec::with_capacity(plan.cache_count);
@@ -168,10 +143,6 @@ impl Executor {
             }
         }
         let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
-        let clip = match optimizer.and_then(|o| o.clip_grad_norm()) {
-            Some(_) => Some(ClipNorm { partials: kernels.zeros(grad_norm_groups(arena_len))?, norm: kernels.zeros(2)?, dispatches: None }),
-            None => None,
-        };
         let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("scalar readback"),
             size: 4,
@@ -198,7 +169,6 @@ impl Executor {
             plan,
             params,
             grads,
-            state,
             inputs,
             constants,
             caches,
@@ -206,21 +176,13 @@ impl Executor {
             dispatches: Vec::new(),
             train_loss_dispatches: Vec::new(),
             optimizer: None,
-            clip,
-            step: 0,
             run_orders: HashMap::new(),
             train_order,
             gradients,
             scalar_staging,
         };
-        let needs_kernel = |i: usize| {
-            !matches!(exec.plan.storage[i], Storage::Unused)
-                && !exec.plan.fused_away[i]
-                && !matches!(
-                    exec.graph.node(Tensor(i)).op,
-                    Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad
-                )
-        };
+        let needs_kernel =
+            |i: usize| !matches!(exec.plan.storage[i], Storage::Unused) && !exec.plan.fused_away[i] && exec.graph.node(Tensor(i)).op.has_kernel();
         let nodes: Vec<usize> = (0..exec.graph.len()).filter(|&i| needs_kernel(i)).collect();
         let mut dispatches: Vec<Option<Dispatch>> = (0..exec.graph.len()).map(|_| None).collect();
         for (i, d) in nodes.iter().zip(exec.build_dispatches(&nodes)?) {
@@ -235,15 +197,8 @@ impl Executor {
             });
         }
         exec.train_loss_dispatches = train_loss_dispatches;
-        if let Some(cfg) = optimizer {
-            let d = exec.build_optimizer(&cfg)?;
-            exec.optimizer = Some((cfg, d));
-            if let (Some(max_norm), Some(c), Some(grads)) = (cfg.clip_grad_norm(), &exec.clip, &exec.grads) {
-                let d = exec.kernels.grad_norm(c.norm.view(), c.partials.view(), grads.view(), max_norm)?;
-                if let Some(c) = &mut exec.clip {
-                    c.dispatches = Some(d);
-                }
-            }
+        if let (Some(cfg), Some(grads)) = (optimizer, &exec.grads) {
+            exec.optimizer = Some(Optimizer::new(&exec.kernels, cfg, exec.params.view(), grads.view(), arena_len, exec.plan.decay_len)?);
         }
         // Every pipeline a run of this graph needs exists now: keep them
         // for the next process even if this one ends without dropping
@@ -264,15 +219,21 @@ impl Executor {
         &self.kernels
     }
 
-    /// Optimizer steps taken so far.
+    /// The optimizer this executor steps with, if any: its state,
+    /// clipping and schedule.
+    pub fn optimizer(&self) -> Option<&Optimizer> {
+        self.optimizer.as_ref()
+    }
+
+    /// Optimizer steps taken so far (0 without an optimizer).
     pub fn step_count(&self) -> u64 {
-        self.step
+        self.optimizer.as_ref().map_or(0, Optimizer::step_count)
     }
 
     /// GPU bytes held: parameters, gradients, optimizer state, inputs,
     /// constants and intermediates.
     pub fn peak_bytes(&self) -> u64 {
-        self.plan.peak_bytes(self.grads.is_some(), self.state.len())
+        self.plan.peak_bytes(self.grads.is_some(), self.optimizer_state_names().len())
     }
 
     /// Dispatches recorded by one training step (forward, backward, the
@@ -292,15 +253,14 @@ impl Executor {
     /// The optimizer's dispatches in order: the gradient norm (when
     /// clipping), then the update. Empty without an optimizer.
     fn update_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
-        let norm = self.clip.as_ref().and_then(|c| c.dispatches.as_ref()).into_iter().flatten();
-        norm.chain(self.optimizer.as_ref().map(|(_, d)| d))
+        self.optimizer.iter().flat_map(Optimizer::dispatches)
     }
 
     /// The learning rate the last optimizer step used (before any step,
     /// the first step's): the schedule at [`Executor::step_count`].
     /// `None` without an optimizer.
     pub fn learning_rate(&self) -> Option<f32> {
-        self.optimizer.as_ref().map(|(c, _)| c.lr_at(self.step.max(1)))
+        self.optimizer.as_ref().map(Optimizer::learning_rate)
     }
 
     /// The global L2 norm of the gradients the last optimizer step clipped
@@ -308,15 +268,15 @@ impl Executor {
     /// Steps never wait for it; this call waits for the GPU. `None` when
     /// the optimizer does not clip or no step was taken.
     pub fn read_grad_norm(&self) -> Result<Option<f32>> {
-        match &self.clip {
-            Some(c) if self.step > 0 => Ok(self.kernels.read::<f32>(c.norm.slice(0, 1)?)?.first().copied()),
-            _ => Ok(None),
+        match &self.optimizer {
+            Some(o) => o.read_grad_norm(&self.kernels),
+            None => Ok(None),
         }
     }
 
     /// The optimizer this executor steps with, if any.
     pub fn optimizer_config(&self) -> Option<&OptimizerConfig> {
-        self.optimizer.as_ref().map(|(c, _)| c)
+        self.optimizer.as_ref().map(Optimizer::config)
     }
 
     /// The squared L2 norm of the gradients as they stand: the clipping
@@ -326,34 +286,20 @@ impl Executor {
     /// [`Executor::optimizer_step_with_grad_norm`], so every part clips by
     /// the whole model's norm, as torch.nn.utils.clip_grad_norm_ does.
     pub fn grad_norm_squared(&mut self) -> Result<f64> {
-        let clip = self.clip.as_ref().and_then(|c| c.dispatches.as_ref().map(|d| (c, d))).ok_or_else(|| Error::InvalidArgument {
-            op: "grad_norm_squared",
-            reason: "the optimizer does not clip (clip_grad_norm), so no norm kernels were built".into(),
-        })?;
-        let (c, dispatches) = clip;
-        self.kernels.submit_pass("grad_norm", dispatches.iter(), |_| {}, |_| {})?;
-        let norm = self.kernels.read::<f32>(c.norm.slice(0, 1)?)?;
-        Ok(norm.first().map_or(f64::NAN, |&n| f64::from(n) * f64::from(n)))
+        match &self.optimizer {
+            Some(o) => o.grad_norm_squared(&self.kernels),
+            None => Err(Error::InvalidArgument { op: "grad_norm_squared", reason: "no optimizer was given".into() }),
+        }
     }
 
     /// The optimizer step with clip_grad_norm_'s factor computed from
     /// `total_norm`, the norm of a whole model's gradients gathered from
     /// several executors, instead of this executor's own.
     pub fn optimizer_step_with_grad_norm(&mut self, total_norm: f32) -> Result<()> {
-        let (Some((cfg, dispatch)), Some(c)) = (&self.optimizer, &self.clip) else {
-            return Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() });
-        };
-        let max_norm = cfg.clip_grad_norm().unwrap_or(f32::INFINITY);
-        if !total_norm.is_finite() || total_norm < 0.0 {
-            return Err(Error::NonFiniteLoss { value: total_norm, step: self.step + 1 });
+        match &mut self.optimizer {
+            Some(o) => o.step_with_grad_norm(&self.kernels, total_norm),
+            None => Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() }),
         }
-        // The same f32 arithmetic as grad_norm_finish in optim.wgsl.
-        let factor = (max_norm / (total_norm + 1e-6)).min(1.0);
-        self.kernels.write(c.norm.view(), &[total_norm, factor])?;
-        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        self.kernels.submit_pass("optimizer_step", std::iter::once(dispatch), |_| {}, |_| {})?;
-        self.step += 1;
-        Ok(())
     }
 
     /// Where the parameter `name`'s gradient lives in the gradient arena.
@@ -383,7 +329,7 @@ impl Executor {
         self.train_order.iter().filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))
     }
 
-    fn view(&self, t: Tensor) -> Result<View<'_>> {
+    pub(super) fn view(&self, t: Tensor) -> Result<View<'_>> {
         if t.0 >= self.graph.len() {
             return Err(Error::InvalidArgument { op: "Executor", reason: format!("tensor #{} is not in this executor's graph", t.0) });
         }
@@ -444,205 +390,10 @@ impl Executor {
         built.into_iter().map(|(_, d)| d).collect()
     }
 
+    /// Node `i`'s dispatch, as its op's family binds it.
     fn build_dispatch(&self, i: usize) -> Result<Dispatch> {
-        let node = self.graph.node(Tensor(i));
-        let k = &self.kernels;
-        let out = self.view(Tensor(i))?;
-        let reads = &self.plan.reads[i];
-        let input = |j: usize| self.view(reads[j]);
-        let shape = |j: usize| self.graph.shape(reads[j]).to_vec();
-        match &node.op {
-            Op::MatMul(form) => {
-                let a = shape(0);
-                let (m, n) = (node.shape[0], node.shape[1]);
-                let kk = match form {
-                    MatmulForm::AtB => a[0],
-                    _ => a[1],
-                };
-                let plan = &self.plan;
-                let bias = plan.bias_into[i].map(|b| self.view(plan.reads[b][1])).transpose()?;
-                // The pre-activation is stored only where the plan kept it.
-                let activation = match plan.activation_into[i] {
-                    Some(y) => {
-                        let pre = plan.bias_into[i].filter(|&z| plan.storage[z] != Storage::Unused);
-                        Some((self.activation_of(y)?, pre.map(|z| self.view(Tensor(z))).transpose()?))
-                    }
-                    None => None,
-                };
-                let activation_grad = match plan.activation_grad_into[i] {
-                    Some(dx) => Some((self.activation_of(dx)?, self.view(plan.reads[dx][0])?)),
-                    None => None,
-                };
-                let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
-                if self.graph.node(reads[1]).dtype == DType::F16 {
-                    // Weights stored in f16 (the builder allows them as an ABt's B).
-                    return k.matmul_f16_weights(epilogue, out, input(0)?, F16View::new(input(1)?, n * kk)?, m, n, kk);
-                }
-                k.matmul_epilogue(*form, epilogue, out, input(0)?, input(1)?, m, n, kk)
-            }
-            Op::Binary(op) if shape(0) == shape(1) => k.binary(*op, out, input(0)?, input(1)?),
-            Op::Binary(op) => k.binary_broadcast(*op, out, input(0)?, input(1)?, &shape(0), &shape(1)),
-            Op::Scale(alpha) => k.scale(out, input(0)?, *alpha),
-            Op::BiasAdd => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.bias_add(out, input(0)?, input(1)?, rows, cols)
-            }
-            Op::Activation(act) => k.activation_forward(*act, out, input(0)?),
-            Op::ActivationBackward(act) => k.activation_backward(*act, out, input(0)?, input(1)?),
-            Op::SumRows if self.plan.accumulate[i] => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.sum_rows_accumulate(out, input(0)?, rows, cols)
-            }
-            Op::SumRows => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.sum_rows(out, input(0)?, rows, cols)
-            }
-            Op::Sum => k.sum(out, input(0)?),
-            Op::Mean => k.mean(out, input(0)?),
-            Op::Loss(kind) if self.plan.loss_with_grad[i].is_some() => {
-                let b = Tensor(self.plan.loss_with_grad[i].unwrap_or(i));
-                let (grad, dloss) = (self.view(b)?, self.view(self.graph.node(b).inputs[2])?);
-                match kind {
-                    LossKind::Mse => k.mse_forward_backward(out, grad, input(0)?, input(1)?, dloss),
-                    LossKind::CrossEntropy => {
-                        let s = shape(0);
-                        k.cross_entropy_forward_backward(out, grad, input(0)?, input(1)?, dloss, s[0], s[1])
-                    }
-                }
-            }
-            Op::Loss(LossKind::Mse) => k.mse_forward(out, input(0)?, input(1)?),
-            Op::Loss(LossKind::CrossEntropy) => {
-                let s = shape(0);
-                k.cross_entropy_forward(out, input(0)?, input(1)?, s[0], s[1])
-            }
-            Op::LossBackward(LossKind::Mse) => k.mse_backward(out, input(0)?, input(1)?, input(2)?),
-            Op::LossBackward(LossKind::CrossEntropy) => {
-                let s = shape(0);
-                k.cross_entropy_backward(out, input(0)?, input(1)?, input(2)?, s[0], s[1])
-            }
-            Op::Argmax => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.argmax_rows(out, input(0)?, rows, cols)
-            }
-            Op::AccumulateGrad { .. } => k.add_assign(out, input(0)?),
-            Op::Permute(perm) => k.permute(out, input(0)?, &shape(0), perm),
-            Op::SliceLast { start } => {
-                let (rows, cols) = rows_cols(&shape(0));
-                k.slice_last(out, input(0)?, rows, cols, *start, node.shape[node.shape.len() - 1])
-            }
-            Op::PadLast { start } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let width = shape(0)[shape(0).len() - 1];
-                k.pad_last(false, out, input(0)?, rows, cols, *start, width)
-            }
-            Op::ConcatLast => {
-                let (rows, a_cols) = rows_cols(&shape(0));
-                let b_cols = shape(1)[shape(1).len() - 1];
-                k.concat_last(out, input(0)?, input(1)?, rows, a_cols, b_cols)
-            }
-            Op::BatchMatMul(form) => {
-                let a = shape(0);
-                let rank = node.shape.len();
-                let batch = node.shape[..rank - 2].iter().product();
-                let (m, n) = (node.shape[rank - 2], node.shape[rank - 1]);
-                let kk = match form {
-                    MatmulForm::AtB => a[rank - 2],
-                    _ => a[rank - 1],
-                };
-                k.matmul_batched(*form, self.plan.accumulate[i], out, input(0)?, input(1)?, batch, m, n, kk)
-            }
-            Op::Unary(op) => k.unary(*op, out, input(0)?),
-            Op::SumTo => k.reduce_to_shape(false, out, input(0)?, &shape(0), &node.shape),
-            Op::Softmax { causal } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.softmax_forward(out, input(0)?, rows, cols, causal.then_some(cols))
-            }
-            Op::SoftmaxBackward => {
-                let (rows, cols) = rows_cols(&node.shape);
-                k.softmax_backward(out, input(0)?, input(1)?, rows, cols)
-            }
-            Op::LayerNorm { eps } => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let stats = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
-                let (mean, rstd) = self.halves(stats, rows)?;
-                k.layernorm_forward(out, mean, rstd, input(0)?, input(1)?, input(2)?, rows, cols, *eps)
-            }
-            Op::LayerNormBackward => {
-                let (rows, cols) = rows_cols(&node.shape);
-                let (mean, rstd) = self.halves(reads[3], rows)?;
-                k.layernorm_backward(out, input(0)?, input(1)?, input(2)?, mean, rstd, rows, cols)
-            }
-            Op::LayerNormParamsBackward => {
-                let (rows, cols) = rows_cols(&shape(1));
-                let (mean, rstd) = self.halves(reads[2], rows)?;
-                let (dweight, dbias) = self.halves(Tensor(i), cols)?;
-                k.layernorm_backward_params(false, dweight, dbias, input(0)?, input(1)?, mean, rstd, rows, cols)
-            }
-            Op::Embedding => {
-                let (vocab, channels) = (shape(0)[0], shape(0)[1]);
-                let n = self.graph.node(reads[1]).len();
-                if self.graph.node(reads[0]).dtype == DType::F16 {
-                    return k.embedding_f16_weights(out, F16View::new(input(0)?, vocab * channels)?, input(1)?, n, vocab, channels);
-                }
-                k.embedding_forward(out, input(0)?, input(1)?, n, vocab, channels)
-            }
-            Op::EmbeddingSort { vocab } => {
-                let n = self.graph.node(reads[0]).len();
-                let (order, cursor) = self.halves(Tensor(i), n)?;
-                k.embedding_backward_sort(order, cursor, input(0)?, n, *vocab)
-            }
-            Op::EmbeddingBackward if self.plan.accumulate[i] => {
-                let (vocab, channels) = (node.shape[0], node.shape[1]);
-                let n = self.graph.node(reads[1]).len();
-                let (order, _) = self.halves(reads[2], n)?;
-                k.embedding_backward(out, input(0)?, input(1)?, order, n, vocab, channels)
-            }
-            Op::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
-            Op::CrossEntropyRows => {
-                let (rows, vocab) = (shape(0)[0], shape(0)[1]);
-                let grad = self.graph.companion(Tensor(i)).ok_or_else(|| self.not_stored(Tensor(i)))?;
-                k.cross_entropy_rows_forward_backward(out, self.view(grad)?, input(0)?, input(1)?, rows, vocab, 1.0)
-            }
-            Op::CachedAttention { heads } => {
-                let (sq, sk) = (shape(0), shape(2));
-                let (&[seqs, rows, width], &[_, _, context, head_dim]) = (sq.as_slice(), sk.as_slice()) else {
-                    return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[&shape(0), &shape(2)]));
-                };
-                let sizes = CachedAttentionShape { seqs, rows, heads: *heads, head_dim, context };
-                if width != 3 * heads * head_dim {
-                    return Err(Error::shape("Executor", "cached_attention's qkv does not match its caches", &[&shape(0), &shape(2)]));
-                }
-                k.cached_attention_forward(out, input(2)?, input(3)?, input(0)?, input(1)?, sizes)
-            }
-            Op::SampleTokens => {
-                let (rows, vocab) = rows_cols(&shape(0));
-                k.sample_rows(out, input(0)?, input(1)?, input(2)?, rows, vocab)
-            }
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache | Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => Err(Error::InvalidArgument {
-                op: "Executor",
-                reason: format!("`{}` has no kernel", node.name),
-            }),
-        }
-    }
-
-    /// The two parts of a node holding two vectors of `len` elements, the
-    /// second at [`stats_offset`]`(len)` (layernorm statistics, the
-    /// layernorm parameter gradients, an embedding's sort scratch).
-    fn halves(&self, t: Tensor, len: usize) -> Result<(View<'_>, View<'_>)> {
-        let whole = self.view(t)?;
-        let second = stats_offset(len);
-        if whole.len <= second {
-            return Err(Error::shape("Executor", format!("`{}` is too short to hold two parts of {len}", self.graph.node(t).name), &[&[whole.len]]));
-        }
-        Ok((View { len, ..whole }, View { offset: whole.offset + second as u64 * 4, len: whole.len - second, ..whole }))
-    }
-
-    /// The activation of an activation (or activation-backward) node.
-    fn activation_of(&self, i: usize) -> Result<Activation> {
-        match self.graph.node(Tensor(i)).op {
-            Op::Activation(act) | Op::ActivationBackward(act) => Ok(act),
-            _ => Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` is not an activation", self.graph.node(Tensor(i)).name) }),
-        }
+        let op = &self.graph.node(Tensor(i)).op;
+        op.family().dispatch(op, &DispatchContext { exec: self, node: i })
     }
 
     /// The training dispatch of loss node `i`: the loss, its gradient and
@@ -687,19 +438,6 @@ impl Executor {
         )
     }
 
-    /// One update over the whole parameter arena: parameters are contiguous,
-    /// and the alignment gaps hold zeros that every optimizer keeps at zero.
-    /// The weight-decayed group is the arena's first `decay_len` elements.
-    fn build_optimizer(&self, cfg: &OptimizerConfig) -> Result<Dispatch> {
-        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument {
-            op: "Executor::new",
-            reason: "an optimizer needs gradients".into(),
-        })?;
-        let state: Vec<View<'_>> = self.state.iter().map(|s| s.view()).collect();
-        let arena = ArenaGroups { decay_len: self.plan.decay_len, grad_norm: self.clip.as_ref().map(|c| c.norm.view()) };
-        self.kernels.optimizer_update(cfg, self.params.view(), grads.view(), &state, arena, 1)
-    }
-
     fn input_storage(&self, t: Tensor, dtype: DType, len: usize) -> Result<&GpuTensor> {
         if t.0 >= self.graph.len() {
             return Err(Error::InvalidArgument { op: "set_input", reason: format!("tensor #{} is not in the graph", t.0) });
@@ -729,7 +467,8 @@ impl Executor {
     /// can reach the GPU.
     pub fn set_labels(&self, t: Tensor, labels: &[u32]) -> Result<()> {
         let buf = self.input_storage(t, DType::U32, labels.len())?;
-        // The input itself, or a reshape of it, feeding a loss or a lookup.
+        // Each op reading the input itself, or a reshape of it, checks the
+        // values (a class label, a token id).
         let reads_t = |u: Tensor| {
             let mut u = u;
             while self.graph.node(u).op == Op::Reshape {
@@ -737,21 +476,11 @@ impl Executor {
             }
             u == t
         };
-        for node in self.graph.nodes() {
-            match node.op {
-                Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) | Op::CrossEntropyRows if reads_t(node.inputs[1]) => {
-                    let classes = self.graph.shape(node.inputs[0]).last().copied().unwrap_or(0);
-                    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
-                        return Err(Error::InvalidArgument {
-                            op: "CrossEntropyLoss",
-                            reason: format!("class {bad} is out of range for {classes} outputs"),
-                        });
-                    }
+        for (i, node) in self.graph.nodes().iter().enumerate() {
+            for (slot, &input) in node.inputs.iter().enumerate() {
+                if reads_t(input) {
+                    node.op.family().check_u32_input(&node.op, &self.graph, Tensor(i), slot, labels)?;
                 }
-                Op::Embedding if reads_t(node.inputs[1]) => {
-                    crate::kernels::check_token_ids("Embedding", labels, self.graph.shape(node.inputs[0])[0])?;
-                }
-                _ => {}
             }
         }
         self.kernels.write(buf.view(), labels)
@@ -769,10 +498,10 @@ impl Executor {
             reason: "no loss".into(),
         })?;
         if apply_optimizer {
-            let Some((cfg, dispatch)) = &self.optimizer else {
+            let Some(o) = &self.optimizer else {
                 return Err(Error::InvalidArgument { op: "train_step", reason: "no optimizer was given".into() });
             };
-            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+            o.prepare_step(&self.kernels)?;
         }
         let loss_view = self.view(loss)?;
         let steps = self.train_dispatches();
@@ -792,15 +521,15 @@ impl Executor {
                 }
             },
         )?;
-        if apply_optimizer {
-            self.step += 1;
+        if let (true, Some(o)) = (apply_optimizer, &mut self.optimizer) {
+            o.finish_step();
         }
         if !read_loss {
             return Ok(None);
         }
         let value = self.kernels.map_read_scalar(&self.scalar_staging)?;
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.step });
+            return Err(Error::NonFiniteLoss { value, step: self.step_count() });
         }
         Ok(Some(value))
     }
@@ -812,8 +541,8 @@ impl Executor {
     /// on a copy of the state you care about.
     pub fn profile_train_step(&mut self) -> Result<DispatchTimes> {
         let mut times = Vec::new();
-        if let Some((cfg, dispatch)) = &self.optimizer {
-            self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
+        if let Some(o) = &self.optimizer {
+            o.prepare_step(&self.kernels)?;
         }
         for &i in &self.train_order {
             if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
@@ -847,12 +576,12 @@ impl Executor {
     /// Applies the optimizer to the gradients as they stand, in one
     /// submission (data parallel: after the gradients were all-reduced).
     pub fn optimizer_step(&mut self) -> Result<()> {
-        let Some((cfg, dispatch)) = &self.optimizer else {
+        let Some(o) = &mut self.optimizer else {
             return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
         };
-        self.kernels.set_optimizer_step(dispatch, self.plan.param_arena_len.max(1), cfg, self.step + 1)?;
-        self.kernels.submit_pass("optimizer_step", self.update_dispatches(), |_| {}, |_| {})?;
-        self.step += 1;
+        o.prepare_step(&self.kernels)?;
+        self.kernels.submit_pass("optimizer_step", o.dispatches(), |_| {}, |_| {})?;
+        o.finish_step();
         Ok(())
     }
 
@@ -888,7 +617,7 @@ impl Executor {
 
     /// The optimizer's state arenas (same layout as the parameters).
     pub fn state_arenas(&self) -> Vec<View<'_>> {
-        self.state.iter().map(|s| s.view()).collect()
+        self.optimizer.as_ref().map_or_else(Vec::new, Optimizer::state_arenas)
     }
 
     /// The whole parameter arena.
@@ -1009,21 +738,20 @@ impl Executor {
     /// PyTorch's names for the optimizer's per-parameter state, in arena
     /// order (as the optimizer names them; empty without one).
     pub fn optimizer_state_names(&self) -> &'static [&'static str] {
-        self.optimizer.as_ref().map_or(&[], |(c, _)| c.state_names())
+        self.optimizer.as_ref().map_or(&[], Optimizer::state_names)
+    }
+
+    /// Every parameter's place in the arenas, in graph order.
+    pub fn parameter_spans(&self) -> Vec<ParamSpan> {
+        self.plan.param_offsets.iter().map(|&(p, offset)| ParamSpan { name: self.graph.node(p).name.clone(), shape: self.graph.node(p).shape.clone(), offset }).collect()
     }
 
     /// Optimizer state as (parameter name, state name, values).
     pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
-        let names = self.optimizer_state_names();
-        let mut out = Vec::new();
-        for (arena, &state_name) in self.state.iter().zip(names) {
-            let all: Vec<f32> = self.kernels.read(arena.view())?;
-            for &(p, offset) in &self.plan.param_offsets {
-                let node = self.graph.node(p);
-                out.push((node.name.clone(), state_name, all[offset..offset + node.len()].to_vec()));
-            }
+        match &self.optimizer {
+            Some(o) => o.export_state(&self.kernels, &self.parameter_spans()),
+            None => Ok(Vec::new()),
         }
-        Ok(out)
     }
 
     /// Replaces parameters (by name) and, when given, the optimizer state
@@ -1034,7 +762,6 @@ impl Executor {
         optimizer_state: &[(String, String, Vec<f32>)],
         step: Option<u64>,
     ) -> Result<()> {
-        let arena_len = self.plan.param_arena_len.max(1);
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
         let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
         for (name, shape, values) in params {
@@ -1048,32 +775,17 @@ impl Executor {
             }
             put_parameter(&mut host[offset..], node.dtype, values);
         }
-        let names = self.optimizer_state_names();
-        let mut state_host: Vec<Vec<f32>> = vec![vec![0.0; arena_len]; self.state.len()];
-        for (param_name, state_name, values) in optimizer_state {
-            let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {
-                op: "load_state",
-                reason: format!("this optimizer has no state `{state_name}`"),
-            })?;
-            let (p, offset) = find(param_name).ok_or_else(|| Error::InvalidArgument {
-                op: "load_state",
-                reason: format!("optimizer state for unknown parameter `{param_name}`"),
-            })?;
-            if values.len() != self.graph.node(p).len() {
-                return Err(Error::shape("load_state", format!("state `{param_name}.{state_name}` has {} values", values.len()), &[&self.graph.node(p).shape]));
+        // The optimizer checks its state before writing any; then the
+        // parameters, all checked above, are written.
+        let spans = self.parameter_spans();
+        match (&mut self.optimizer, optimizer_state.first()) {
+            (Some(o), _) => o.import_state(&self.kernels, &spans, optimizer_state, step)?,
+            (None, Some((_, state_name, _))) => {
+                return Err(Error::InvalidArgument { op: "load_state", reason: format!("this optimizer has no state `{state_name}`") });
             }
-            state_host[k][offset..offset + values.len()].copy_from_slice(values);
+            (None, None) => {}
         }
-        self.kernels.write(self.params.view(), &host)?;
-        if !optimizer_state.is_empty() {
-            for (arena, values) in self.state.iter().zip(&state_host) {
-                self.kernels.write(arena.view(), values)?;
-            }
-        }
-        if let Some(s) = step {
-            self.step = s;
-        }
-        Ok(())
+        self.kernels.write(self.params.view(), &host)
     }
 }
 
@@ -1121,14 +833,6 @@ fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, s
             ("intermediates", plan.slot_bytes, largest_slot),
         ],
     )
-}
-
-/// A tensor of rank ≥ 1 as [rows, last dimension].
-fn rows_cols(shape: &[usize]) -> (usize, usize) {
-    match shape.split_last() {
-        Some((&cols, lead)) => (lead.iter().product(), cols),
-        None => (1, 1),
-    }
 }
 
 /// The planned nodes `outputs` need, in plan order. Only planned outputs

@@ -1,12 +1,17 @@
 //! The define-then-run graph: build ([`Graph`]), differentiate
-//! ([`Graph::backward`]), plan memory ([`Plan`]) and run ([`Executor`]).
+//! ([`Graph::backward`]), plan memory ([`Plan`]), run ([`Executor`]) and
+//! evaluate on the CPU ([`Graph::evaluate_f64`]). Each op is declared once,
+//! in `ops/`: shape rule, kernel binding, gradient rule, CPU reference.
 
 mod autodiff;
 mod builder;
 mod executor;
+mod ops;
 mod plan;
+mod reference;
 
 pub use autodiff::Gradients;
-pub use builder::{DType, Graph, LossKind, Node, Op, Tensor};
+pub use builder::{DType, Graph, Node, Tensor};
 pub use executor::{DispatchTimes, Executor};
+pub use ops::{LossKind, Op};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

@@ -9,7 +9,8 @@
 //! a node always reads one intermediate while writing another.
 
 use super::autodiff::Gradients;
-use super::builder::{DType, Graph, Op, Tensor};
+use super::builder::{DType, Graph, Tensor};
+use super::ops::Op;
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
 use crate::kernels::{Activation, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
@@ -412,9 +413,10 @@ impl Plan {
                 // Its matmul (or its loss) already placed it.
                 Op::BiasAdd | Op::Activation(_) | Op::ActivationBackward(_) | Op::LossBackward(_) if fused_away[i] => {}
                 Op::Parameter { .. } => {}
-                // Shares its input's storage (set below); the layernorm
-                // placed its statistics.
-                Op::Reshape | Op::LayerNormStats | Op::CrossEntropyRowsGrad => {}
+                // Shares its input's storage (set below), or its writer
+                // placed it (a layernorm's statistics).
+                Op::Reshape => {}
+                _ if node.op.is_companion() => {}
                 Op::Input => {
                     storage[i] = Storage::Input { index: inputs };
                     inputs += 1;

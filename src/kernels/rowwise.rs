@@ -214,9 +214,7 @@ impl Kernels {
                 ("bias", bias.len, Some(cols)),
             ],
         )?;
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(Error::InvalidArgument { op, reason: format!("eps must be finite and ≥ 0, got {eps}") });
-        }
+        crate::ops::check_norm_eps(op, eps)?;
         let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
         self.per_row(
             (LAYERNORM_FORWARD, LAYERNORM_FORWARD_SHORT),

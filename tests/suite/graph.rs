@@ -8,199 +8,19 @@ use crate::common;
 use std::sync::Arc;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
-use wgrad::graph::{Executor, Graph, LossKind, Op, Tensor};
-use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig, Unary};
+use wgrad::graph::{Executor, Graph, Op, Tensor};
+use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{cpu, Error, Kernels};
-
-/// A plain f64 forward evaluator for the graph ops, independent of the
-/// kernels and of autodiff: the reference for central differences.
-fn eval_f64(g: &Graph, feeds: &[(Tensor, Vec<f64>)], labels: &[(Tensor, Vec<u32>)]) -> Vec<Vec<f64>> {
-    let mut v: Vec<Vec<f64>> = Vec::new();
-    for (i, node) in g.nodes().iter().enumerate() {
-        let x = |k: usize| &v[node.inputs[k].index()];
-        let shape = |k: usize| g.shape_of(node.inputs[k]).expect("own tensor").to_vec();
-        let out = match &node.op {
-            Op::Input => feeds.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.clone()).unwrap_or_else(|| {
-                labels.iter().find(|(t, _)| t.index() == i).map(|(_, d)| d.iter().map(|&l| f64::from(l)).collect()).expect("feed")
-            }),
-            Op::Parameter { init } => init.iter().map(|&p| f64::from(p)).collect(),
-            Op::Constant { values } => values.iter().map(|&p| f64::from(p)).collect(),
-            Op::MatMul(form) => {
-                let (m, n) = (node.shape[0], node.shape[1]);
-                let sa = shape(0);
-                let k = if *form == MatmulForm::AtB { sa[0] } else { sa[1] };
-                let (a, b) = (x(0), x(1));
-                let mut c = vec![0.0; m * n];
-                for i in 0..m {
-                    for j in 0..n {
-                        for p in 0..k {
-                            let av = if *form == MatmulForm::AtB { a[p * m + i] } else { a[i * k + p] };
-                            let bv = if *form == MatmulForm::ABt { b[j * k + p] } else { b[p * n + j] };
-                            c[i * n + j] += av * bv;
-                        }
-                    }
-                }
-                c
-            }
-            Op::Binary(op) => {
-                let (sa, sb) = (shape(0), shape(1));
-                (0..node.len())
-                    .map(|o| {
-                        let (a, b) = (x(0)[broadcast_source(&node.shape, &sa, o)], x(1)[broadcast_source(&node.shape, &sb, o)]);
-                        match op {
-                            Binary::Add => a + b,
-                            Binary::Sub => a - b,
-                            Binary::Mul => a * b,
-                            Binary::Div => a / b,
-                        }
-                    })
-                    .collect()
-            }
-            Op::Unary(Unary::Exp) => x(0).iter().map(|a| a.exp()).collect(),
-            Op::Unary(Unary::Rsqrt) => x(0).iter().map(|a| 1.0 / a.sqrt()).collect(),
-            Op::Reshape => x(0).clone(),
-            Op::Permute(perm) => {
-                let sx = shape(0);
-                (0..node.len())
-                    .map(|o| {
-                        // Output coordinates -> the input's flat index.
-                        let out_coord = coords(&node.shape, o);
-                        let mut in_coord = vec![0; sx.len()];
-                        for (i, &p) in perm.iter().enumerate() {
-                            in_coord[p] = out_coord[i];
-                        }
-                        flat(&sx, &in_coord)
-                    })
-                    .map(|i| x(0)[i])
-                    .collect()
-            }
-            Op::SliceLast { start } => {
-                let cols = *shape(0).last().unwrap();
-                let width = *node.shape.last().unwrap();
-                (0..node.len()).map(|o| x(0)[(o / width) * cols + start + o % width]).collect()
-            }
-            Op::ConcatLast => {
-                let (ac, bc) = (*shape(0).last().unwrap(), *shape(1).last().unwrap());
-                (0..node.len()).map(|o| { let (r, c) = (o / (ac + bc), o % (ac + bc)); if c < ac { x(0)[r * ac + c] } else { x(1)[r * bc + c - ac] } }).collect()
-            }
-            Op::BatchMatMul(form) => {
-                let rank = node.shape.len();
-                let (m, n) = (node.shape[rank - 2], node.shape[rank - 1]);
-                let sa = shape(0);
-                let k = if *form == MatmulForm::AtB { sa[rank - 2] } else { sa[rank - 1] };
-                let batch: usize = node.shape[..rank - 2].iter().product();
-                let mut c = vec![0.0; batch * m * n];
-                for bi in 0..batch {
-                    let (a, b) = (&x(0)[bi * m * k..], &x(1)[bi * k * n..]);
-                    for i in 0..m {
-                        for j in 0..n {
-                            for p in 0..k {
-                                let av = if *form == MatmulForm::AtB { a[p * m + i] } else { a[i * k + p] };
-                                let bv = if *form == MatmulForm::ABt { b[j * k + p] } else { b[p * n + j] };
-                                c[bi * m * n + i * n + j] += av * bv;
-                            }
-                        }
-                    }
-                }
-                c
-            }
-            Op::Softmax { causal } => {
-                let cols = *node.shape.last().unwrap();
-                let mut out = x(0).clone();
-                for (r, row) in out.chunks_mut(cols).enumerate() {
-                    let visible = if *causal { r % cols + 1 } else { cols };
-                    let m = row[..visible].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let total: f64 = row[..visible].iter().map(|a| (a - m).exp()).sum();
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = if j < visible { (*v - m).exp() / total } else { 0.0 };
-                    }
-                }
-                out
-            }
-            Op::LayerNorm { eps } => {
-                let cols = *node.shape.last().unwrap();
-                let mut out = x(0).clone();
-                for row in out.chunks_mut(cols) {
-                    let mean = row.iter().sum::<f64>() / cols as f64;
-                    let var = row.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / cols as f64;
-                    let rstd = 1.0 / (var + f64::from(*eps)).sqrt();
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = (*v - mean) * rstd * x(1)[j] + x(2)[j];
-                    }
-                }
-                out
-            }
-            Op::Mean => vec![x(0).iter().sum::<f64>() / x(0).len() as f64],
-            Op::CrossEntropyRows => {
-                let cols = shape(0)[1];
-                x(0).chunks(cols)
-                    .zip(x(1))
-                    .map(|(row, &target)| {
-                        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                        m + row.iter().map(|a| (a - m).exp()).sum::<f64>().ln() - row[target as usize]
-                    })
-                    .collect()
-            }
-            Op::Embedding => {
-                let c = shape(0)[1];
-                x(1).iter().flat_map(|&id| x(0)[id as usize * c..(id as usize + 1) * c].to_vec()).collect()
-            }
-            Op::Scale(alpha) => x(0).iter().map(|a| f64::from(*alpha) * a).collect(),
-            Op::BiasAdd => { let cols = *node.shape.last().unwrap(); x(0).iter().enumerate().map(|(i, a)| a + x(1)[i % cols]).collect() }
-            Op::Activation(act) => x(0).iter().map(|&a| cpu::activation_value(*act, a)).collect(),
-            Op::Loss(LossKind::Mse) => vec![x(0).iter().zip(x(1)).map(|(p, t)| (p - t).powi(2)).sum::<f64>() / x(0).len() as f64],
-            Op::Loss(LossKind::CrossEntropy) => {
-                let s = shape(0);
-                let (rows, cols) = (s[0], s[1]);
-                let mut total = 0.0;
-                for r in 0..rows {
-                    let row = &x(0)[r * cols..(r + 1) * cols];
-                    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let lse = m + row.iter().map(|a| (a - m).exp()).sum::<f64>().ln();
-                    total += lse - row[x(1)[r] as usize];
-                }
-                vec![total / rows as f64]
-            }
-            Op::SumRows => { let cols = *shape(0).last().unwrap(); let rows = x(0).len() / cols; (0..cols).map(|c| (0..rows).map(|r| x(0)[r * cols + c]).sum()).collect() }
-            _ => vec![0.0; node.len()], // backward nodes: not needed for the forward value
-        };
-        v.push(out);
-    }
-    v
-}
-
-/// Row-major coordinates of flat index `i` in `shape`.
-fn coords(shape: &[usize], mut i: usize) -> Vec<usize> {
-    let mut c = vec![0; shape.len()];
-    for d in (0..shape.len()).rev() {
-        c[d] = i % shape[d];
-        i /= shape[d];
-    }
-    c
-}
-
-fn flat(shape: &[usize], coord: &[usize]) -> usize {
-    coord.iter().zip(shape).fold(0, |acc, (&c, &d)| acc * d + c)
-}
-
-/// The element of an operand of shape `operand` that broadcasts to flat
-/// index `o` of `out` (NumPy rules, trailing alignment).
-fn broadcast_source(out: &[usize], operand: &[usize], o: usize) -> usize {
-    let oc = coords(out, o);
-    let skip = out.len() - operand.len();
-    let c: Vec<usize> = operand.iter().enumerate().map(|(d, &n)| if n == 1 { 0 } else { oc[skip + d] }).collect();
-    flat(operand, &c)
-}
 
 /// Checks d loss / d param from the GPU against f64 central differences.
 fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Vec<(Tensor, Vec<f32>)>, labels: Vec<(Tensor, Vec<u32>)>) -> wgrad::Result<()> {
     let grads = g.backward(loss)?;
     let params = g.parameters();
     let reference = g.clone();
-    let mut exec = Executor::new(k.clone(), g, &[loss], Some(grads), None)?;
+    let mut exec = Executor::new(k.clone(), g, &[loss], Some(grads.clone()), None)?;
     for (t, d) in &feeds {
         exec.set_input(*t, d)?;
     }
@@ -208,9 +28,20 @@ fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Ve
         exec.set_labels(*t, l)?;
     }
     exec.train_step(true, false, false)?;
-    let feeds64: Vec<(Tensor, Vec<f64>)> = feeds.iter().map(|(t, d)| (*t, d.iter().map(|&v| f64::from(v)).collect())).collect();
+    // The f64 reference takes ids and labels as their integer values.
+    let feeds64: Vec<(Tensor, Vec<f64>)> = feeds
+        .iter()
+        .map(|(t, d)| (*t, d.iter().map(|&v| f64::from(v)).collect()))
+        .chain(labels.iter().map(|(t, l)| (*t, l.iter().map(|&v| f64::from(v)).collect())))
+        .collect();
     for p in params {
         let got = exec.read_grad(p)?;
+        let name = &reference.get(p).expect("parameter").name;
+        // The backward nodes' own CPU references, evaluated in f64: the
+        // f32 kernels' rounding is all that differs.
+        let grad_node = grads.get(p).expect("the loss depends on every parameter");
+        let backward: Vec<f32> = reference.evaluate_f64(&[grad_node], &feeds64)?[0].iter().map(|&v| v as f32).collect();
+        assert_close(&format!("{what}: d/d {name}, the backward graph's references"), &got, &backward, 1e-4, 1e-3);
         let mut want = Vec::with_capacity(got.len());
         let eps = 1e-4;
         for i in 0..got.len() {
@@ -223,13 +54,13 @@ fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Ve
             b[i] -= eps as f32;
             // The perturbation is applied in f32; divide by the actual step.
             let step = f64::from(up) - f64::from(b[i]);
-            let lp = eval_f64(&plus, &feeds64, &labels)[loss.index()][0];
-            let lm = eval_f64(&minus, &feeds64, &labels)[loss.index()][0];
+            let lp = plus.evaluate_f64(&[loss], &feeds64)?[0][0];
+            let lm = minus.evaluate_f64(&[loss], &feeds64)?[0][0];
             want.push(((lp - lm) / step) as f32);
         }
         // f32 GPU gradient vs f64 differences of an f32-perturbed parameter:
         // the difference quotient carries ~1e-4 relative error.
-        assert_close(&format!("{what}: d/d {}", reference.get(p).expect("parameter").name), &got, &want, 2e-3, 1e-2);
+        assert_close(&format!("{what}: d/d {name}"), &got, &want, 2e-3, 1e-2);
     }
     Ok(())
 }
@@ -703,9 +534,9 @@ fn input_gradients_from_backward_from_match_central_differences() {
         let got = exec.read(dx)?;
         // d/dx of Σ dy ⊙ y(x), by central differences in f64.
         let objective = |xv: &[f32]| -> f64 {
-            let feeds = vec![(x, xv.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>()), (seed, vec![0.0; 8])];
-            let values = eval_f64(&reference, &feeds, &[]);
-            values[y.index()].iter().zip(&dy_host).map(|(a, b)| a * f64::from(*b)).sum()
+            let feeds = vec![(x, xv.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>())];
+            let values = reference.evaluate_f64(&[y], &feeds).expect("the reference evaluates");
+            values[0].iter().zip(&dy_host).map(|(a, b)| a * f64::from(*b)).sum()
         };
         let want: Vec<f32> = (0..6)
             .map(|i| {

@@ -16,8 +16,12 @@
 //!     .schedule(LrSchedule::WarmupCosine { warmup_steps: 700, total_steps: 19_073, min_lr: 6e-5 });
 //! ```
 
+mod optimizer;
+
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use crate::ops::LrSchedule;
+pub(crate) use optimizer::apply_parameter_groups;
+pub use optimizer::{Optimizer, ParamSpan};
 
 /// The builder methods every optimizer shares (the last three fields of
 /// [`SgdConfig`] and [`AdamConfig`]).
