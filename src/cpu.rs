@@ -457,61 +457,56 @@ pub fn layernorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], mean: &[T], 
 
 /// What [`rmsnorm_forward`] returns: y[rows, cols], rstd[rows].
 #[derive(Clone, Debug, PartialEq)]
-pub struct RmsNormForward {
-    pub y: Vec<f32>,
-    pub rstd: Vec<f32>,
+pub struct RmsNormForward<T> {
+    pub y: Vec<T>,
+    pub rstd: Vec<T>,
 }
 
-/// RMSNorm in f64: y[rows, cols] = x · rstd · weight[cols] and rstd[rows]
-/// = 1 / sqrt(mean_c(x²) + eps). The function the kernels' gradients are
-/// checked against by central differences.
-pub fn rmsnorm_f64(x: &[f64], weight: &[f64], rows: usize, cols: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
-    let mut y = vec![0.0; rows * cols];
-    let mut rstd = vec![0.0; rows];
+/// Twin of `rmsnorm_forward` (torch.nn.RMSNorm over the last dimension):
+/// y[rows, cols] = x · rstd · weight[cols] and rstd[rows] =
+/// 1 / sqrt(mean_c(x²) + eps), accumulated in f64. In f64 it is the
+/// function the kernels' gradients are checked against by central
+/// differences.
+pub fn rmsnorm_forward<T: Real>(x: &[T], weight: &[T], rows: usize, cols: usize, eps: f32) -> RmsNormForward<T> {
+    let mut y = vec![T::default(); rows * cols];
+    let mut rstd = vec![T::default(); rows];
     for r in 0..rows {
         let row = &x[r * cols..(r + 1) * cols];
-        rstd[r] = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+        let rs = 1.0 / (row.iter().map(|&v| v.into() * v.into()).sum::<f64>() / cols as f64 + f64::from(eps)).sqrt();
+        rstd[r] = T::from_f64(rs);
         for c in 0..cols {
-            y[r * cols + c] = row[c] * rstd[r] * weight[c];
+            y[r * cols + c] = T::from_f64(row[c].into() * rs * weight[c].into());
         }
     }
-    (y, rstd)
-}
-
-/// Twin of `rmsnorm_forward` (torch.nn.RMSNorm over the last dimension).
-pub fn rmsnorm_forward(x: &[f32], weight: &[f32], rows: usize, cols: usize, eps: f32) -> RmsNormForward {
-    let wide = |v: &[f32]| v.iter().map(|&e| f64::from(e)).collect::<Vec<f64>>();
-    let (y, rstd) = rmsnorm_f64(&wide(x), &wide(weight), rows, cols, f64::from(eps));
-    let narrow = |v: Vec<f64>| v.into_iter().map(|e| e as f32).collect::<Vec<f32>>();
-    RmsNormForward { y: narrow(y), rstd: narrow(rstd) }
+    RmsNormForward { y, rstd }
 }
 
 /// What [`rmsnorm_backward`] returns: dx[rows, cols] and the weight's
 /// gradient [cols] (to be added into its own).
 #[derive(Clone, Debug, PartialEq)]
-pub struct RmsNormBackward {
-    pub dx: Vec<f32>,
-    pub dweight: Vec<f32>,
+pub struct RmsNormBackward<T> {
+    pub dx: Vec<T>,
+    pub dweight: Vec<T>,
 }
 
 /// Twin of `rmsnorm_backward` and `rmsnorm_backward_params`, from the
 /// forward's rstd as the kernels take it: with x̂ = x·rstd and
 /// g = dy·weight, dx = (g − x̂·mean_c(g·x̂))·rstd and dweight = Σ_r dy·x̂.
-pub fn rmsnorm_backward(dy: &[f32], x: &[f32], weight: &[f32], rstd: &[f32], rows: usize, cols: usize) -> RmsNormBackward {
-    let mut dx = vec![0.0f32; rows * cols];
+pub fn rmsnorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], rstd: &[T], rows: usize, cols: usize) -> RmsNormBackward<T> {
+    let mut dx = vec![T::default(); rows * cols];
     let mut dweight = vec![0.0f64; cols];
     for r in 0..rows {
-        let rs = f64::from(rstd[r]);
+        let rs: f64 = rstd[r].into();
         let span = r * cols..(r + 1) * cols;
-        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| f64::from(v) * rs).collect();
-        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| f64::from(d) * f64::from(w)).collect();
+        let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| v.into() * rs).collect();
+        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| d.into() * w.into()).collect();
         let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
         for c in 0..cols {
-            dx[r * cols + c] = ((g[c] - xhat[c] * mean_gx) * rs) as f32;
-            dweight[c] += f64::from(dy[r * cols + c]) * xhat[c];
+            dx[r * cols + c] = T::from_f64((g[c] - xhat[c] * mean_gx) * rs);
+            dweight[c] += dy[r * cols + c].into() * xhat[c];
         }
     }
-    RmsNormBackward { dx, dweight: dweight.into_iter().map(|v| v as f32).collect() }
+    RmsNormBackward { dx, dweight: dweight.into_iter().map(T::from_f64).collect() }
 }
 
 /// Rotary embedding in f64 over x [S, T, H, D] (see `ops::RopeShape`):

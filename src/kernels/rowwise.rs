@@ -377,9 +377,7 @@ impl Kernels {
             &[("rows", rows), ("cols", cols)],
             &[("y", y.len, n), ("rstd", rstd.len, Some(rows)), ("x", x.len, n), ("weight", weight.len, Some(cols))],
         )?;
-        if !(eps.is_finite() && eps > 0.0) {
-            return Err(Error::InvalidArgument { op, reason: format!("eps must be finite and > 0, got {eps}") });
-        }
+        crate::ops::check_norm_eps(op, eps)?;
         let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
         self.per_row(
             (RMSNORM_FORWARD, RMSNORM_FORWARD_SHORT),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph, Op, Tensor};
-use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
+use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, RopeLayout, SgdConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
@@ -204,6 +204,26 @@ fn tensor_ops_backward_match_central_differences() {
         let y = g.layer_norm(x, w, b, 1e-5)?;
         let (loss, feeds) = mse_to_random(&mut g, y, 38)?;
         gradcheck(k, "layer_norm", g, loss, feeds, vec![])?;
+
+        // RMSNorm over the last dimension of a rank-3 tensor (a prime width).
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 7], 135);
+        let w = param_in(&mut g, "w", &[7], 136, 0.5, 1.5);
+        let y = g.rms_norm(x, w, 1e-5)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 138)?;
+        gradcheck(k, "rms_norm", g, loss, feeds, vec![])?;
+
+        // Rotary embedding, both layouts, a partial rotary_dim, fed starts
+        // and the default zero starts.
+        for (layout, rotary_dim, fed) in [(RopeLayout::HalfSplit, 6, false), (RopeLayout::Interleaved, 4, true)] {
+            let mut g = Graph::new();
+            let x = param(&mut g, "x", &[2, 3, 2, 6], 139);
+            let starts = if fed { Some(g.ids("starts", &[2])?) } else { None };
+            let y = g.rope(x, starts, layout, 10000.0, rotary_dim, 16)?;
+            let (loss, feeds) = mse_to_random(&mut g, y, 140)?;
+            let labels = starts.map(|s| vec![(s, vec![5, 11])]).unwrap_or_default();
+            gradcheck(k, &format!("rope {layout:?} rotary_dim {rotary_dim}"), g, loss, feeds, labels)?;
+        }
 
         // Embedding with repeated ids, then cross-entropy over rank-3 logits.
         let mut g = Graph::new();

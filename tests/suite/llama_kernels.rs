@@ -108,9 +108,8 @@ fn rmsnorm_twin_gradients_match_central_differences() {
         let dy = random_vec(&mut r, rows * cols, -1.0, 1.0);
         let fwd = cpu::rmsnorm_forward(&x, &w, rows, cols, EPS);
         let got = cpu::rmsnorm_backward(&dy, &x, &w, &fwd.rstd, rows, cols);
-        let eps = f64::from(EPS);
-        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| cpu::rmsnorm_f64(v, &wide(&w), rows, cols, eps).0);
-        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| cpu::rmsnorm_f64(&wide(&x), v, rows, cols, eps).0);
+        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(v, &wide(&w), rows, cols, EPS).y);
+        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(&wide(&x), v, rows, cols, EPS).y);
         // Truncation ~h²·|f'''| ≲ 1e-9; the twin's rstd is rounded to f32
         // (6e-8 relative), which bounds the gradients' error.
         assert_close(&format!("rmsnorm dx {rows}×{cols}"), &got.dx, &dx, 1e-6, 1e-6);

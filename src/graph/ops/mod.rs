@@ -25,6 +25,7 @@ mod layout;
 mod loss;
 mod matmul;
 mod reduce;
+mod rope;
 mod softmax;
 mod source;
 
@@ -32,7 +33,7 @@ use super::builder::{Graph, Node, Tensor};
 use super::executor::Executor;
 use super::plan::Plan;
 use crate::error::{Error, Result};
-use crate::kernels::{Activation, Binary, Dispatch, Kernels, MatmulForm, Unary, View};
+use crate::kernels::{Activation, Binary, Dispatch, Kernels, MatmulForm, RopeLayout, Unary, View};
 
 pub use loss::LossKind;
 
@@ -107,6 +108,23 @@ pub enum Op {
     /// inputs (dy, x, stats) -> dweight, then dbias at
     /// [`stats_offset`]`(cols)`.
     LayerNormParamsBackward,
+    /// inputs (x, weight): torch.nn.RMSNorm over the last dimension. Its
+    /// dispatch also fills the [`Op::RmsNormStats`] node added right after
+    /// it.
+    RmsNorm { eps: f32 },
+    /// inputs (y of the RMSNorm): rstd[rows], written by its dispatch.
+    RmsNormStats,
+    /// inputs (dy, x, weight, stats) -> dx.
+    RmsNormBackward,
+    /// inputs (dy, x, stats) -> dweight.
+    RmsNormWeightBackward,
+    /// inputs (x [S, T, H, D], u32 starts [S], (cos, sin) table
+    /// [positions, rotary_dim/2, 2]) -> x with the first `rotary_dim`
+    /// channels of each head rotated by the angles of positions
+    /// starts[s] + t (see `Kernels::rope_forward`).
+    Rope { layout: RopeLayout, base: f32, rotary_dim: usize },
+    /// inputs (dy, starts, table) -> dx: the rotation by minus each angle.
+    RopeBackward { layout: RopeLayout, base: f32, rotary_dim: usize },
     /// inputs (table [V, C], u32 ids [..]) -> [.., C].
     Embedding,
     /// inputs (u32 ids): order[n] then cursor[vocab + 1] at
@@ -148,7 +166,15 @@ impl Op {
             Op::Loss(_) | Op::LossBackward(_) | Op::CrossEntropyRows | Op::CrossEntropyRowsGrad => &loss::Losses,
             Op::Reshape | Op::Permute(_) | Op::SliceLast { .. } | Op::PadLast { .. } | Op::ConcatLast => &layout::Layout,
             Op::Softmax { .. } | Op::SoftmaxBackward => &softmax::Softmaxes,
-            Op::LayerNorm { .. } | Op::LayerNormStats | Op::LayerNormBackward | Op::LayerNormParamsBackward => &layer_norm::LayerNorms,
+            Op::LayerNorm { .. }
+            | Op::LayerNormStats
+            | Op::LayerNormBackward
+            | Op::LayerNormParamsBackward
+            | Op::RmsNorm { .. }
+            | Op::RmsNormStats
+            | Op::RmsNormBackward
+            | Op::RmsNormWeightBackward => &layer_norm::LayerNorms,
+            Op::Rope { .. } | Op::RopeBackward { .. } => &rope::Ropes,
             Op::Embedding | Op::EmbeddingSort { .. } | Op::EmbeddingBackward => &embedding::Embeddings,
             Op::CachedAttention { .. } | Op::SampleTokens => &generation::Generation,
         }
