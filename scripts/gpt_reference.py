@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train
+from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train, write_fixture
 
 # Sizes with primes and a head width (24 / 3 = 8) that no tile divides
 # evenly into the others: vocab 29, block 11.
@@ -242,18 +241,13 @@ def main():
         "short.loss": short_loss.detach().reshape(1),
         **step_tensors(losses, norms),
     }
-    tensors.update({f"init.{n}": v for n, v in init.items()})
-    tensors.update({f"grad.{n}": v for n, v in grads.items()})
-    tensors.update({f"short.grad.{n}": v for n, v in short_grads.items()})
-    tensors.update({f"final.{n}": v for n, v in final.items()})
     # The settings, so the Rust test cannot drift from what made the numbers.
     meta = {
         "vocab_size": VOCAB, "block_size": BLOCK, "n_layer": N_LAYER, "n_head": N_HEAD, "n_embd": N_EMBD,
         "short_t": SHORT_T, **optimizer_meta(CLIP),
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, OUT, metadata={k: repr(v) for k, v in meta.items()})
-    print(f"wrote {os.path.normpath(OUT)} ({os.path.getsize(OUT)} bytes); clipped on steps {clipped}")
+    named = {"init": init, "grad": grads, "short.grad": short_grads, "final": final}
+    write_fixture(OUT, tensors, named, meta, clipped)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ import math
 import os
 
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train
+from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train, write_fixture
 
 # Grouped-query attention (4 heads over 2 KV heads, head width 16), an
 # intermediate width (172) and a vocabulary (67) that no tile divides.
@@ -136,19 +135,13 @@ def main():
         "tied.logits": tied_logits.detach(),
         "tied.loss": tied_loss.detach().reshape(1),
     }
-    tensors.update({f"init.{n}": v for n, v in init.items()})
-    tensors.update({f"grad.{n}": v for n, v in grads.items()})
-    tensors.update({f"final.{n}": v for n, v in final.items()})
-    tensors.update({f"tied.init.{n}": v for n, v in tied_init.items()})
-    tensors.update({f"tied.grad.{n}": v for n, v in tied_grads.items()})
     meta = {
         "vocab_size": VOCAB, "block_size": BLOCK, "n_layer": N_LAYER, "n_head": N_HEAD, "n_kv_head": N_KV_HEAD,
         "n_embd": N_EMBD, "intermediate_size": INTERMEDIATE, "rope_theta": THETA, "rms_norm_eps": EPS_NORM,
         **optimizer_meta(CLIP),
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, OUT, metadata={k: repr(v) for k, v in meta.items()})
-    print(f"wrote {os.path.normpath(OUT)} ({os.path.getsize(OUT)} bytes); clipped on steps {clipped}")
+    named = {"init": init, "grad": grads, "final": final, "tied.init": tied_init, "tied.grad": tied_grads}
+    write_fixture(OUT, tensors, named, meta, clipped)
 
 
 if __name__ == "__main__":

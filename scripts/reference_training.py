@@ -6,9 +6,11 @@ them. Each reference brings its model, its forward and its groups.
 """
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 # The optimizer wgrad's tests build: AdamW(LR).betas(BETAS).eps(EPS)
 # .weight_decay(WEIGHT_DECAY).decay_matrices_only().clip_grad_norm(clip)
@@ -97,3 +99,13 @@ def optimizer_meta(clip):
         "lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "total_steps": TOTAL,
         "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS, "weight_decay": WEIGHT_DECAY, "clip_grad_norm": clip,
     }
+
+
+def write_fixture(out, tensors, named, meta, clipped):
+    """Saves the fixture at `out`: `tensors`, each dict of `named` under its
+    prefix (`grad.` + the parameter's name, …), and `meta` as metadata."""
+    for prefix, values in named.items():
+        tensors.update({f"{prefix}.{n}": v for n, v in values.items()})
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out, metadata={k: repr(v) for k, v in meta.items()})
+    print(f"wrote {os.path.normpath(out)} ({os.path.getsize(out)} bytes); clipped on steps {clipped}")
