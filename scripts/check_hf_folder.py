@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Opens a wgrad model folder with Hugging Face transformers and compares
-its logits with the ones wgrad computed (examples/gpt_folder.rs writes both;
-config.json's architecture picks the class, so a Llama folder that
-examples/llama_folder.rs writes is checked the same way).
+its logits with the ones wgrad computed (examples/hf_folder.rs writes both;
+config.json's architecture picks the class: GPT2LMHeadModel or
+LlamaForCausalLM).
 
-    cargo run --release --example gpt_folder -- out/gpt-folder
+    cargo run --release --example hf_folder -- gpt out/gpt-folder   # or: llama out/llama-folder
     /work/venv/bin/python scripts/check_hf_folder.py out/gpt-folder [LOGITS] [--atol 1e-4]
+
+The other direction (folders `save_pretrained` wrote, loaded by wgrad) is
+tests/suite/gpt_folder.rs and tests/suite/llama_folder.rs over
+scripts/make_hf_fixture.py's and scripts/make_llama_fixture.py's fixtures.
 
 LOGITS defaults to DIR.logits.safetensors (tensors `ids` [N, T] as float32
 and `logits` [N, T, V]). Exits 1 when any logit differs by more than atol.

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
+
+from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train, write_fixture
 
 # Sizes with primes and a head width (24 / 3 = 8) that no tile divides
 # evenly into the others: vocab 29, block 11.
@@ -34,15 +35,7 @@ BATCH = 3
 SHORT_T = 7
 SEED = 1337
 
-# The optimizer wgrad's test builds: AdamW(LR).betas(BETAS).eps(EPS)
-# .weight_decay(WEIGHT_DECAY).decay_matrices_only().clip_grad_norm(CLIP)
-# .schedule(WarmupCosine { WARMUP, TOTAL, MIN_LR }). Ten steps go through the
-# warmup (1-3), the cosine (4-8) and the floor after total_steps (9-10).
-STEPS = 10
-LR, MIN_LR = 3e-2, 3e-3
-WARMUP, TOTAL = 3, 8
-BETAS, EPS = (0.9, 0.95), 1e-8
-WEIGHT_DECAY = 0.1
+# The optimizer's settings are reference_training's, clipping at CLIP.
 CLIP = 1.0
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "gpt_reference.safetensors")
@@ -128,32 +121,9 @@ class Gpt(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
-def loss_of(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def lr_at(step, lr, min_lr, warmup_steps, total_steps):
-    """wgrad's LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr
-    }.lr_at(lr, step), step counted from 1: in float64, rounded once to
-    float32 (what wgrad's optimizer reads)."""
-    it = max(step, 1) - 1
-    if it < warmup_steps:
-        rate = lr * (it + 1) / warmup_steps
-    elif it >= total_steps:
-        rate = min_lr
-    else:
-        ratio = (it - warmup_steps) / (total_steps - warmup_steps)
-        rate = min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
-    return float(torch.tensor(rate, dtype=torch.float32))
-
-
 def tiny():
     """The test's model, GPT-2 init from the torch RNG's current state."""
     return Gpt(GptConfig(VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD))
-
-
-def schedule(step):
-    return lr_at(step, LR, MIN_LR, WARMUP, TOTAL)
 
 
 def decayed(name, p):
@@ -164,33 +134,13 @@ def decayed(name, p):
     return p.dim() >= 2 and not name.startswith(("wte.", "wpe."))
 
 
-def train(model, idx, targets, *, scheduled=True, groups=decayed, clip=True):
-    """STEPS AdamW steps on the one batch, as wgrad's Trainer runs them:
-    forward, backward, clip, set the step's learning rate, update. Returns
-    the loss before each update and the gradient norm clip_grad_norm_ saw."""
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if groups(n, p)]
-    no_decay = [p for n, p in named if not groups(n, p)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS, foreach=False, fused=False,
-    )
-    losses, norms = [], []
-    for step in range(1, STEPS + 1):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(idx), targets)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP if clip else float("inf"), foreach=False)
-        for group in opt.param_groups:
-            group["lr"] = schedule(step) if scheduled else LR
-        opt.step()
-        losses.append(loss.item())
-        norms.append(norm.item())
-    return losses, norms
+def forward(model, idx):
+    return model(idx)
 
 
-def max_diff(a, b):
-    return (a.double() - b.double()).abs().max().item()
+def fit(model, idx, targets, *, scheduled=True, groups=decayed, clip=True):
+    """The ten steps with this model's groups and clipping (or none)."""
+    return train(model, forward, idx, targets, groups=groups, clip=CLIP if clip else float("inf"), scheduled=scheduled)
 
 
 def key_bias(name):
@@ -245,7 +195,7 @@ def main():
 
     # Ten steps from the same weights.
     model = fresh(torch.float32)
-    losses, norms = train(model, idx, targets)
+    losses, norms = fit(model, idx, targets)
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     # Float64 versions: rounding noise of the float32 numbers above.
@@ -255,7 +205,7 @@ def main():
     loss64.backward()
     grad_noise = max(max_diff(grads[n], p.grad) for n, p in m64.named_parameters())
     m64 = fresh(torch.float64)
-    losses64, norms64 = train(m64, idx, targets)
+    losses64, norms64 = fit(m64, idx, targets)
     final64 = dict(m64.named_parameters())
 
     print(f"config: vocab {VOCAB}, block {BLOCK}, layers {N_LAYER}, heads {N_HEAD}, embd {N_EMBD}; batch {BATCH}, short T {SHORT_T}")
@@ -265,11 +215,7 @@ def main():
     print(f"  logits {max_diff(logits, logits64):.2e}, loss {abs(loss.item() - loss64.item()):.2e}, gradients {grad_noise:.2e}")
     print(f"  step losses {max(abs(a - b) for a, b in zip(losses, losses64)):.2e}, "
           f"final parameters {params_diff(final, final64, False):.2e} (key biases {params_diff(final, final64, True):.2e})")
-    print("step  lr          loss       grad norm  clipped")
-    for s, (l, g) in enumerate(zip(losses, norms), start=1):
-        print(f"{s:4}  {schedule(s):.8f}  {l:.7f}  {g:.6f}   {'yes' if g > CLIP else 'no'}")
-    clipped = [s for s, g in enumerate(norms, start=1) if g > CLIP]
-    assert 0 < len(clipped) < STEPS, "clipping should act on some steps and not on others"
+    clipped = print_steps(losses, norms, CLIP)
     # How far each thing the test guards moves the results (float64, so
     # none of it is noise): each must exceed the test's tolerances.
     print("what a wrong setting changes (float64):")
@@ -281,7 +227,7 @@ def main():
     }
     for what, kwargs in variants.items():
         m = fresh(torch.float64)
-        l, _ = train(m, idx, targets, **kwargs)
+        l, _ = fit(m, idx, targets, **kwargs)
         p = dict(m.named_parameters())
         print(f"  {what}: step losses {max(abs(a - b) for a, b in zip(l, losses64)):.2e}, "
               f"final parameters {params_diff(p, final64, False):.2e}")
@@ -293,23 +239,15 @@ def main():
         "loss": loss.detach().reshape(1),
         "short.logits": short_logits.detach(),
         "short.loss": short_loss.detach().reshape(1),
-        "step_losses": torch.tensor(losses, dtype=torch.float32),
-        "step_grad_norms": torch.tensor(norms, dtype=torch.float32),
-        "step_lrs": torch.tensor([schedule(s) for s in range(1, STEPS + 1)], dtype=torch.float32),
+        **step_tensors(losses, norms),
     }
-    tensors.update({f"init.{n}": v for n, v in init.items()})
-    tensors.update({f"grad.{n}": v for n, v in grads.items()})
-    tensors.update({f"short.grad.{n}": v for n, v in short_grads.items()})
-    tensors.update({f"final.{n}": v for n, v in final.items()})
     # The settings, so the Rust test cannot drift from what made the numbers.
     meta = {
         "vocab_size": VOCAB, "block_size": BLOCK, "n_layer": N_LAYER, "n_head": N_HEAD, "n_embd": N_EMBD,
-        "short_t": SHORT_T, "lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "total_steps": TOTAL,
-        "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS, "weight_decay": WEIGHT_DECAY, "clip_grad_norm": CLIP,
+        "short_t": SHORT_T, **optimizer_meta(CLIP),
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, OUT, metadata={k: repr(v) for k, v in meta.items()})
-    print(f"wrote {os.path.normpath(OUT)} ({os.path.getsize(OUT)} bytes); clipped on steps {clipped}")
+    named = {"init": init, "grad": grads, "short.grad": short_grads, "final": final}
+    write_fixture(OUT, tensors, named, meta, clipped)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train, write_fixture
 
 # Grouped-query attention (4 heads over 2 KV heads, head width 16), an
 # intermediate width (172) and a vocabulary (67) that no tile divides.
@@ -34,14 +34,8 @@ THETA, EPS_NORM = 10000.0, 1e-5
 BATCH = 3
 SEED = 1337
 
-# The optimizer wgrad's test builds (as the GPT's): AdamW(LR).betas(BETAS)
-# .eps(EPS).weight_decay(WEIGHT_DECAY).decay_matrices_only()
-# .clip_grad_norm(CLIP).schedule(WarmupCosine { WARMUP, TOTAL, MIN_LR }).
-STEPS = 10
-LR, MIN_LR = 3e-2, 3e-3
-WARMUP, TOTAL = 3, 8
-BETAS, EPS = (0.9, 0.95), 1e-8
-WEIGHT_DECAY = 0.1
+# The optimizer's settings are reference_training's (as the GPT's),
+# clipping at CLIP.
 CLIP = 1.5
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "llama_reference.safetensors")
@@ -62,25 +56,8 @@ def build(tied):
     return model.float().eval()
 
 
-def loss_of(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def forward(model, idx):
     return model(input_ids=idx, use_cache=False).logits
-
-
-def lr_at(step):
-    """wgrad's LrSchedule::WarmupCosine, step from 1, in float64 rounded once to float32."""
-    it = max(step, 1) - 1
-    if it < WARMUP:
-        rate = LR * (it + 1) / WARMUP
-    elif it >= TOTAL:
-        rate = MIN_LR
-    else:
-        ratio = (it - WARMUP) / (TOTAL - WARMUP)
-        rate = MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
-    return float(torch.tensor(rate, dtype=torch.float32))
 
 
 def decayed(name, p):
@@ -90,30 +67,9 @@ def decayed(name, p):
     return p.dim() >= 2 and "embed_tokens" not in name
 
 
-def train(model, idx, targets):
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if decayed(n, p)]
-    no_decay = [p for n, p in named if not decayed(n, p)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS, foreach=False, fused=False,
-    )
-    losses, norms = [], []
-    for step in range(1, STEPS + 1):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(forward(model, idx), targets)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.step()
-        losses.append(loss.item())
-        norms.append(norm.item())
-    return losses, norms
-
-
-def max_diff(a, b):
-    return (a.double() - b.double()).abs().max().item()
+def fit(model, idx, targets):
+    """The ten steps with this model's groups, clipping at CLIP."""
+    return train(model, forward, idx, targets, groups=decayed, clip=CLIP)
 
 
 def fresh(tied, init, dtype):
@@ -137,7 +93,7 @@ def main():
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
     model = fresh(False, init, torch.float32)
-    losses, norms = train(model, idx, targets)
+    losses, norms = fit(model, idx, targets)
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     # The tied variant: lm_head is model.embed_tokens (one parameter).
@@ -156,7 +112,7 @@ def main():
     loss64.backward()
     grad_noise = max(max_diff(grads[n], p.grad) for n, p in m64.named_parameters())
     m64 = fresh(False, init, torch.float64)
-    losses64, norms64 = train(m64, idx, targets)
+    losses64, norms64 = fit(m64, idx, targets)
     final64 = dict(m64.named_parameters())
 
     print(f"config: vocab {VOCAB}, positions {BLOCK}, layers {N_LAYER}, heads {N_HEAD} over {N_KV_HEAD} KV heads, "
@@ -168,37 +124,24 @@ def main():
     print(f"  step losses {max(abs(a - b) for a, b in zip(losses, losses64)):.2e}, "
           f"grad norms {max(abs(a - b) for a, b in zip(norms, norms64)):.2e}, "
           f"final parameters {max(max_diff(final[n], final64[n]) for n in final):.2e}")
-    print("step  lr          loss       grad norm  clipped")
-    for s, (l, g) in enumerate(zip(losses, norms), start=1):
-        print(f"{s:4}  {lr_at(s):.8f}  {l:.7f}  {g:.6f}   {'yes' if g > CLIP else 'no'}")
-    clipped = [s for s, g in enumerate(norms, start=1) if g > CLIP]
-    assert 0 < len(clipped) < STEPS, "clipping should act on some steps and not on others"
+    clipped = print_steps(losses, norms, CLIP)
 
     tensors = {
         "idx": idx.to(torch.int32),
         "targets": targets.to(torch.int32),
         "logits": logits.detach(),
         "loss": loss.detach().reshape(1),
-        "step_losses": torch.tensor(losses, dtype=torch.float32),
-        "step_grad_norms": torch.tensor(norms, dtype=torch.float32),
-        "step_lrs": torch.tensor([lr_at(s) for s in range(1, STEPS + 1)], dtype=torch.float32),
+        **step_tensors(losses, norms),
         "tied.logits": tied_logits.detach(),
         "tied.loss": tied_loss.detach().reshape(1),
     }
-    tensors.update({f"init.{n}": v for n, v in init.items()})
-    tensors.update({f"grad.{n}": v for n, v in grads.items()})
-    tensors.update({f"final.{n}": v for n, v in final.items()})
-    tensors.update({f"tied.init.{n}": v for n, v in tied_init.items()})
-    tensors.update({f"tied.grad.{n}": v for n, v in tied_grads.items()})
     meta = {
         "vocab_size": VOCAB, "block_size": BLOCK, "n_layer": N_LAYER, "n_head": N_HEAD, "n_kv_head": N_KV_HEAD,
         "n_embd": N_EMBD, "intermediate_size": INTERMEDIATE, "rope_theta": THETA, "rms_norm_eps": EPS_NORM,
-        "lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "total_steps": TOTAL,
-        "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS, "weight_decay": WEIGHT_DECAY, "clip_grad_norm": CLIP,
+        **optimizer_meta(CLIP),
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, OUT, metadata={k: repr(v) for k, v in meta.items()})
-    print(f"wrote {os.path.normpath(OUT)} ({os.path.getsize(OUT)} bytes); clipped on steps {clipped}")
+    named = {"init": init, "grad": grads, "final": final, "tied.init": tied_init, "tied.grad": tied_grads}
+    write_fixture(OUT, tensors, named, meta, clipped)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let dir = dir.as_ref();
     let spec = read_config(dir)?;
     let config = spec.config;
-    let mut expected: HashMap<String, Vec<usize>> = hf_shapes(&config).into_iter().collect();
+    let mut expected: HashMap<String, Vec<usize>> = hf_shapes(&config)?.into_iter().collect();
     // A stored head must be the token table (checked below), so it has its shape.
     expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);
     let name_of = |stored: &str| {
@@ -269,7 +269,7 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let mut weights = read_weights(dir, &expected, &name_of)?;
 
     let weights_path = weights.source.clone();
-    for (name, shape) in hf_shapes(&config) {
+    for (name, shape) in hf_shapes(&config)? {
         if !weights.tensors.contains_key(&name) {
             return Err(Error::FolderTensorMissing { path: weights_path, name: hf_name(&name), expected: shape });
         }
@@ -278,7 +278,7 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
 
     let mut model = Gpt::from_parameters(config, |name, shape| {
         let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: weights_path.clone(), name: hf_name(name), expected: shape.to_vec() })?;
-        Ok(if is_conv1d(name, shape) { transpose(&tensor.data, shape[1], shape[0]) } else { tensor.data })
+        Ok(from_stored(name, shape, tensor.data))
     })?;
     let eps = spec.layer_norm_epsilon;
     for block in &mut model.h {
@@ -304,10 +304,29 @@ fn hf_name(name: &str) -> String {
     format!("{BODY_PREFIX}{name}")
 }
 
-/// The blocks' matrices are GPT-2 Conv1Ds ([in, out]); wgrad's Linear
-/// holds [out, in]. Every other matrix (the embeddings) is the same both ways.
+/// The format's one rule besides the prefix: the blocks' matrices are
+/// GPT-2 Conv1Ds ([in, out]); wgrad's Linear holds [out, in]. Every other
+/// parameter (the embeddings, the norms, the biases) is stored as held.
 fn is_conv1d(name: &str, wgrad_shape: &[usize]) -> bool {
     name.starts_with("h.") && wgrad_shape.len() == 2
+}
+
+/// The shape `model.safetensors` stores a parameter of wgrad's `shape` in.
+fn stored_shape(name: &str, shape: &[usize]) -> Vec<usize> {
+    match shape {
+        [rows, cols] if is_conv1d(name, shape) => vec![*cols, *rows],
+        _ => shape.to_vec(),
+    }
+}
+
+/// A parameter's values (wgrad's `shape`) in the stored layout.
+fn to_stored(name: &str, shape: &[usize], data: &[f32]) -> Vec<f32> {
+    if is_conv1d(name, shape) { transpose(data, shape[0], shape[1]) } else { data.to_vec() }
+}
+
+/// Stored values back in wgrad's layout, for a parameter of wgrad's `shape`.
+fn from_stored(name: &str, shape: &[usize], data: Vec<f32>) -> Vec<f32> {
+    if is_conv1d(name, shape) { transpose(&data, shape[1], shape[0]) } else { data }
 }
 
 /// Row-major [rows, cols] → [cols, rows].
@@ -322,29 +341,14 @@ fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// Every parameter's (wgrad name, shape in model.safetensors) for `config`,
-/// in state_dict order. The one list both saving and loading check against.
-fn hf_shapes(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
-    let c = config.n_embd;
-    let mut all = vec![("wte.weight".to_string(), vec![config.vocab_size, c]), ("wpe.weight".to_string(), vec![config.block_size, c])];
-    for i in 0..config.n_layer {
-        let p = format!("h.{i}.");
-        all.extend([
-            (format!("{p}ln_1.weight"), vec![c]),
-            (format!("{p}ln_1.bias"), vec![c]),
-            (format!("{p}attn.c_attn.weight"), vec![c, 3 * c]),
-            (format!("{p}attn.c_attn.bias"), vec![3 * c]),
-            (format!("{p}attn.c_proj.weight"), vec![c, c]),
-            (format!("{p}attn.c_proj.bias"), vec![c]),
-            (format!("{p}ln_2.weight"), vec![c]),
-            (format!("{p}ln_2.bias"), vec![c]),
-            (format!("{p}mlp.c_fc.weight"), vec![c, 4 * c]),
-            (format!("{p}mlp.c_fc.bias"), vec![4 * c]),
-            (format!("{p}mlp.c_proj.weight"), vec![4 * c, c]),
-            (format!("{p}mlp.c_proj.bias"), vec![c]),
-        ]);
-    }
-    all.extend([("ln_f.weight".to_string(), vec![c]), ("ln_f.bias".to_string(), vec![c])]);
-    all
+/// in state_dict order: the module tree's names, shapes stored by the
+/// format's rule. The one list both saving and loading check against.
+fn hf_shapes(config: &GptConfig) -> Result<Vec<(String, Vec<usize>)>> {
+    let shapes = Gpt::empty(*config)?.named_parameters();
+    Ok(shapes.into_iter().map(|(name, shape)| {
+        let stored = stored_shape(&name, &shape);
+        (name, stored)
+    }).collect())
 }
 
 /// Parameters of a model of `config`; `None` when the count overflows
@@ -356,14 +360,6 @@ fn parameter_count(config: &GptConfig) -> Option<usize> {
     let block = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
     let tables = config.vocab_size.checked_add(config.block_size)?.checked_mul(c)?;
     block.checked_mul(config.n_layer)?.checked_add(tables)?.checked_add(2 * c)
-}
-
-/// The shape wgrad holds for a parameter stored as `hf_shape`.
-fn wgrad_shape(name: &str, hf_shape: &[usize]) -> Vec<usize> {
-    match hf_shape {
-        [rows, cols] if name.starts_with("h.") => vec![*cols, *rows],
-        _ => hf_shape.to_vec(),
-    }
 }
 
 /// GPT-2's causal-mask buffers (`h.N.attn.bias`, `h.N.attn.masked_bias`):
@@ -401,22 +397,17 @@ impl FolderFiles {
 
         // The model's own sizes must be the ones config.json will state.
         let values = model.parameter_values();
-        let expected = hf_shapes(&config);
+        let expected = Gpt::empty(config)?.named_parameters();
         if values.len() != expected.len() {
             return Err(bad(format!("the model has {} parameters, its config {config:?} implies {}", values.len(), expected.len())));
         }
         let mut weights = Checkpoint::new();
         weights.set_meta("format", "pt");
-        for ((name, shape, data), (want_name, hf_shape)) in values.iter().zip(&expected) {
-            if name != want_name || *shape != wgrad_shape(name, hf_shape) || data.len() != shape.iter().product::<usize>() {
-                return Err(bad(format!(
-                    "parameter `{name}` {shape:?} with {} values; its config {config:?} implies `{want_name}` {:?}",
-                    data.len(),
-                    wgrad_shape(want_name, hf_shape)
-                )));
+        for ((name, shape, data), (want_name, want_shape)) in values.iter().zip(&expected) {
+            if name != want_name || shape != want_shape || data.len() != shape.iter().product::<usize>() {
+                return Err(bad(format!("parameter `{name}` {shape:?} with {} values; its config {config:?} implies `{want_name}` {want_shape:?}", data.len())));
             }
-            let stored = if is_conv1d(name, shape) { transpose(data, shape[0], shape[1]) } else { data.to_vec() };
-            weights.push(NamedTensor::new(hf_name(name), hf_shape.clone(), stored)?);
+            weights.push(NamedTensor::new(hf_name(name), stored_shape(name, shape), to_stored(name, shape, data))?);
         }
 
         let end = tokenizer.end_of_text(config.vocab_size);
@@ -482,8 +473,7 @@ fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoin
         if !seen.insert((param.as_str(), name.as_str())) {
             return Err(bad(format!("`{param}.{name}` appears twice")));
         }
-        let (stored, stored_shape) = if is_conv1d(param, shape) { (transpose(data, shape[0], shape[1]), vec![shape[1], shape[0]]) } else { (data.clone(), shape.clone()) };
-        ckpt.push(NamedTensor::new(format!("{}.{name}", hf_name(param)), stored_shape, stored)?);
+        ckpt.push(NamedTensor::new(format!("{}.{name}", hf_name(param)), stored_shape(param, shape), to_stored(param, shape, data))?);
     }
     if seen.len() != params.len() * names.len() {
         let absent = params.keys().flat_map(|p| names.iter().map(move |n| (p.as_str(), *n))).find(|k| !seen.contains(k));
@@ -629,12 +619,12 @@ fn read_optimizer(dir: &Path, model: &Gpt) -> Result<Option<OptimizerState>> {
     for name in &names {
         for (param, shape) in &params {
             let stored = format!("{}.{name}", hf_name(param));
-            let hf = if is_conv1d(param, shape) { vec![shape[1], shape[0]] } else { shape.clone() };
+            let hf = stored_shape(param, shape);
             let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing { path: path.clone(), name: stored.clone(), expected: hf.clone() })?;
             if t.shape != hf {
                 return Err(Error::FolderTensorShape { path: path.clone(), name: stored, expected: hf, found: t.shape.clone() });
             }
-            let data = if is_conv1d(param, shape) { transpose(&t.data, hf[0], hf[1]) } else { t.data.clone() };
+            let data = from_stored(param, shape, t.data.clone());
             state.push((param.clone(), name.to_string(), data));
             used += 1;
         }
@@ -672,11 +662,13 @@ mod tests {
     }
 
     #[test]
-    fn expected_shapes_cover_every_parameter_of_the_model() {
+    fn stored_shapes_transpose_only_the_blocks_matrices() {
         let config = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 2, n_embd: 4 };
-        let model = Gpt::new(config).unwrap();
-        let ours: Vec<(String, Vec<usize>)> = hf_shapes(&config).into_iter().map(|(n, s)| (n.clone(), wgrad_shape(&n, &s))).collect();
-        assert_eq!(ours, model.named_parameters());
+        let stored: HashMap<String, Vec<usize>> = hf_shapes(&config).unwrap().into_iter().collect();
+        assert_eq!(stored["wte.weight"], [7, 4]);
+        assert_eq!(stored["h.1.attn.c_attn.weight"], [4, 12]);
+        assert_eq!(stored["h.0.mlp.c_proj.weight"], [16, 4]);
+        assert_eq!(stored["h.0.mlp.c_fc.bias"], [16]);
         assert_eq!(parameter_count(&config), Some(config.num_parameters()));
         assert_eq!(parameter_count(&GptConfig::gpt2()), Some(124_439_808));
     }

@@ -34,7 +34,7 @@ use crate::gguf::llama::unpermute_rows;
 use crate::gpt_folder::{read_tokenizer, TokenizerSpec, TOKENIZER_FILE};
 use crate::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
 use crate::models::{Llama, LlamaConfig};
-use crate::nn::{Module, ParameterTree, RopeLayout};
+use crate::nn::{Module, RopeLayout};
 
 /// The untied head's name; a tied model stores none.
 const HEAD: &str = "lm_head.weight";
@@ -66,7 +66,7 @@ pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option
     if let Some(reason) = tokenizer.and_then(|t| t.misfit(config.vocab_size)) {
         return Err(bad(reason));
     }
-    let mut expected = Llama::from_parameters(config, |_, shape| Ok(vec![0.0; shape.iter().product()]))?.named_parameters().into_iter();
+    let mut expected = Llama::empty(config)?.named_parameters().into_iter();
     let mut weights = Checkpoint::new();
     weights.set_meta("format", "pt");
     for (name, shape, values) in model.parameter_values() {
@@ -125,7 +125,7 @@ pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option
 pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     let dir = dir.as_ref();
     let config = read_llama_config(dir)?;
-    let shapes = Llama::from_parameters(config, |_, shape| Ok(vec![0.0; shape.iter().product()]))?.named_parameters();
+    let shapes = Llama::empty(config)?.named_parameters();
     let mut expected: HashMap<String, Vec<usize>> = shapes.iter().cloned().collect();
     // A tied model may still store its head: it must then be the token table.
     expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);

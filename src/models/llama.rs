@@ -9,10 +9,15 @@
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
+use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
 use crate::nn::{Embedding, GroupedQueryAttention, Linear, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, SwiGluMlp};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
+
+/// The level transformers' LlamaForCausalLM keeps its body under
+/// (`LlamaModel`), which this flatter struct names for its body's fields.
+const MODEL: &str = "model.";
 
 /// The sizes and constants of a [`Llama`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -153,16 +158,12 @@ impl LlamaDecoderLayer {
 
 impl Module for LlamaDecoderLayer {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let normed = self.input_layernorm.forward(g, x, &format!("{prefix}input_layernorm."))?;
-        let attended = self.self_attn.forward(g, normed, &format!("{prefix}self_attn."))?;
+        let normed = self.input_layernorm.forward(g, x, &child_prefix!(prefix, self.input_layernorm))?;
+        let attended = self.self_attn.forward(g, normed, &child_prefix!(prefix, self.self_attn))?;
         let x = g.add(x, attended)?;
-        let normed = self.post_attention_layernorm.forward(g, x, &format!("{prefix}post_attention_layernorm."))?;
-        let transformed = self.mlp.forward(g, normed, &format!("{prefix}mlp."))?;
+        let normed = self.post_attention_layernorm.forward(g, x, &child_prefix!(prefix, self.post_attention_layernorm))?;
+        let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
         g.add(x, transformed)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        self.parameter_shapes()
     }
 
     fn describe(&self) -> String {
@@ -170,21 +171,7 @@ impl Module for LlamaDecoderLayer {
     }
 }
 
-impl ParameterTree for LlamaDecoderLayer {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        self.input_layernorm.visit(&format!("{prefix}input_layernorm."), f);
-        self.self_attn.visit(&format!("{prefix}self_attn."), f);
-        self.post_attention_layernorm.visit(&format!("{prefix}post_attention_layernorm."), f);
-        self.mlp.visit(&format!("{prefix}mlp."), f);
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
-        self.input_layernorm.visit_mut(&format!("{prefix}input_layernorm."), f)?;
-        self.self_attn.visit_mut(&format!("{prefix}self_attn."), f)?;
-        self.post_attention_layernorm.visit_mut(&format!("{prefix}post_attention_layernorm."), f)?;
-        self.mlp.visit_mut(&format!("{prefix}mlp."), f)
-    }
-}
+parameter_tree!(LlamaDecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp });
 
 /// A Llama over u32 token ids [batch, T ≤ block_size], returning logits
 /// [batch, T, vocab_size].
@@ -215,26 +202,18 @@ impl Llama {
     /// of values, or the error to report. Draws nothing from the init
     /// generator.
     pub fn from_parameters(config: LlamaConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
-        config.check()?;
-        let mut model = Self::zeros(config)?;
-        model.visit_mut("", &mut |name, shape, values| {
-            let taken = take(&name, &shape)?;
-            if taken.len() != shape.iter().product::<usize>() {
-                return Err(Error::shape("Llama::from_parameters", format!("`{name}` needs {shape:?}, got {} values", taken.len()), &[&shape]));
-            }
-            *values = taken;
-            Ok(())
-        })?;
+        let mut model = Self::empty(config)?;
+        model.fill("Llama::from_parameters", &mut take)?;
         Ok(model)
     }
 
-    /// The model's structure with every value zero (norms included), for
-    /// [`Llama::from_parameters`] to fill.
-    fn zeros(config: LlamaConfig) -> Result<Self> {
-        let (c, kv) = (config.n_embd, config.n_kv_head * config.head_dim());
-        let linear = |i: usize, o: usize| Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: None };
-        let norm = || RmsNorm { normalized_shape: c, eps: config.rms_norm_eps, weight: vec![0.0; c] };
-        GroupedQueryAttention::check(c, config.n_head, config.n_kv_head)?;
+    /// The model's structure with no values (every matrix empty, norms
+    /// ones): its tree names and shapes every parameter without
+    /// allocating, and [`Llama::from_parameters`] fills it.
+    pub fn empty(config: LlamaConfig) -> Result<Self> {
+        config.check()?;
+        let (c, kv, f) = (config.n_embd, config.n_kv_head * config.head_dim(), config.intermediate_size);
+        let norm = || RmsNorm::new(c, config.rms_norm_eps);
         let layers = (0..config.n_layer)
             .map(|_| LlamaDecoderLayer {
                 input_layernorm: norm(),
@@ -243,30 +222,30 @@ impl Llama {
                     n_head: config.n_head,
                     n_kv_head: config.n_kv_head,
                     rotary: config.rotary(),
-                    q_proj: linear(c, c),
-                    k_proj: linear(c, kv),
-                    v_proj: linear(c, kv),
-                    o_proj: linear(c, c),
+                    q_proj: Linear::empty(c, c, false),
+                    k_proj: Linear::empty(c, kv, false),
+                    v_proj: Linear::empty(c, kv, false),
+                    o_proj: Linear::empty(c, c, false),
                 },
                 post_attention_layernorm: norm(),
-                mlp: SwiGluMlp { gate_proj: linear(c, config.intermediate_size), up_proj: linear(c, config.intermediate_size), down_proj: linear(config.intermediate_size, c) },
+                mlp: SwiGluMlp { gate_proj: Linear::empty(c, f, false), up_proj: Linear::empty(c, f, false), down_proj: Linear::empty(f, c, false) },
             })
             .collect();
         Ok(Llama {
             config,
-            embed_tokens: Embedding { num_embeddings: config.vocab_size, embedding_dim: c, weight: vec![0.0; config.vocab_size * c] },
+            embed_tokens: Embedding::empty(config.vocab_size, c),
             layers,
             norm: norm(),
-            lm_head: (!config.tie_word_embeddings).then(|| linear(c, config.vocab_size)),
+            lm_head: (!config.tie_word_embeddings).then(|| Linear::empty(c, config.vocab_size, false)),
         })
     }
 
     /// The final norm and the head: logits [.., vocab_size] of x [.., C];
     /// `table` is the token embedding the tied head reuses.
     pub fn head(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let x = self.norm.forward(g, x, &format!("{prefix}model.norm."))?;
+        let x = self.norm.forward(g, x, &child_prefix!(prefix, MODEL, self.norm))?;
         match &self.lm_head {
-            Some(head) => head.forward(g, x, &format!("{prefix}lm_head.")),
+            Some(head) => head.forward(g, x, &child_prefix!(prefix, self.lm_head)),
             None => g.rows_matmul(MatmulForm::ABt, x, table),
         }
     }
@@ -283,16 +262,13 @@ impl Module for Llama {
         if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
             return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
         }
-        let table = self.embed_tokens.table(g, &format!("{prefix}model.embed_tokens."))?;
+        let table = self.embed_tokens.table(g, &child_prefix!(prefix, MODEL, self.embed_tokens))?;
         let mut x = g.embedding(table, idx)?;
+        let layers = child_prefix!(prefix, MODEL, self.layers);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(g, x, &format!("{prefix}model.layers.{i}."))?;
+            x = layer.forward(g, x, &item_prefix(&layers, i))?;
         }
         self.head(g, table, x, prefix)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        self.parameter_shapes()
     }
 
     fn describe(&self) -> String {
@@ -304,27 +280,4 @@ impl Module for Llama {
     }
 }
 
-impl ParameterTree for Llama {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        self.embed_tokens.visit(&format!("{prefix}model.embed_tokens."), f);
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.visit(&format!("{prefix}model.layers.{i}."), f);
-        }
-        self.norm.visit(&format!("{prefix}model.norm."), f);
-        if let Some(head) = &self.lm_head {
-            head.visit(&format!("{prefix}lm_head."), f);
-        }
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
-        self.embed_tokens.visit_mut(&format!("{prefix}model.embed_tokens."), f)?;
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.visit_mut(&format!("{prefix}model.layers.{i}."), f)?;
-        }
-        self.norm.visit_mut(&format!("{prefix}model.norm."), f)?;
-        if let Some(head) = &mut self.lm_head {
-            head.visit_mut(&format!("{prefix}lm_head."), f)?;
-        }
-        Ok(())
-    }
-}
+parameter_tree!(Llama { [MODEL] embed_tokens, [MODEL] layers, [MODEL] norm, lm_head });

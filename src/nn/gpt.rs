@@ -3,7 +3,8 @@
 //! norm (`ln_f`), and a head tied to the token embedding (logits = x·wteᵀ,
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
-use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module};
+use super::parameter_tree::{child_prefix, item_prefix, parameter_tree};
+use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module, ParameterTree};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -109,73 +110,26 @@ impl Gpt {
     /// returns exactly `shape`'s element count of values, or the error to
     /// report. Draws nothing from the init generator.
     pub fn from_parameters(config: GptConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
-        config.check()?;
-        let (c, v, p) = (config.n_embd, config.vocab_size, config.block_size);
-        let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-            let values = take(name, shape)?;
-            if values.len() != shape.iter().product::<usize>() {
-                return Err(Error::shape("Gpt::from_parameters", format!("`{name}` needs {shape:?}, got {} values", values.len()), &[shape]));
-            }
-            Ok(values)
-        };
-        fn linear(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, in_features: usize, out_features: usize) -> Result<Linear> {
-            let weight = get(&format!("{name}.weight"), &[out_features, in_features])?;
-            let bias = get(&format!("{name}.bias"), &[out_features])?;
-            Ok(Linear { in_features, out_features, weight, bias: Some(bias) })
-        }
-        fn norm(get: &mut impl FnMut(&str, &[usize]) -> Result<Vec<f32>>, name: &str, c: usize) -> Result<LayerNorm> {
-            let weight = get(&format!("{name}.weight"), &[c])?;
-            let bias = get(&format!("{name}.bias"), &[c])?;
-            Ok(LayerNorm { weight, bias, ..LayerNorm::new(c) })
-        }
-        // In named_parameters order, so `take` sees names as a state_dict lists them.
-        let wte = Embedding { num_embeddings: v, embedding_dim: c, weight: get("wte.weight", &[v, c])? };
-        let wpe = Embedding { num_embeddings: p, embedding_dim: c, weight: get("wpe.weight", &[p, c])? };
-        let mut h = Vec::with_capacity(config.n_layer);
-        for i in 0..config.n_layer {
-            let ln_1 = norm(&mut get, &format!("h.{i}.ln_1"), c)?;
-            let c_attn = linear(&mut get, &format!("h.{i}.attn.c_attn"), c, 3 * c)?;
-            let c_proj = linear(&mut get, &format!("h.{i}.attn.c_proj"), c, c)?;
-            let ln_2 = norm(&mut get, &format!("h.{i}.ln_2"), c)?;
-            let c_fc = linear(&mut get, &format!("h.{i}.mlp.c_fc"), c, 4 * c)?;
-            let mlp_proj = linear(&mut get, &format!("h.{i}.mlp.c_proj"), 4 * c, c)?;
-            let attn = CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn, c_proj };
-            h.push(Block { ln_1, attn: Some(attn), ln_2, mlp: Mlp { c_fc, c_proj: mlp_proj } });
-        }
-        let ln_f = norm(&mut get, "ln_f", c)?;
-        Ok(Gpt { config, wte, wpe, h, ln_f })
+        let mut model = Self::empty(config)?;
+        model.fill("Gpt::from_parameters", &mut take)?;
+        Ok(model)
     }
 
-    /// Every parameter as (name, shape, values), in
-    /// [`Module::named_parameters`] order; shapes as `forward` declares
-    /// them (Linear weights [out, in]).
-    pub fn parameter_values(&self) -> Vec<(String, Vec<usize>, &[f32])> {
-        type Entry<'a> = (String, Vec<usize>, &'a [f32]);
-        fn linear<'a>(name: &str, l: &'a Linear) -> Vec<Entry<'a>> {
-            let mut all: Vec<Entry<'a>> = vec![(format!("{name}.weight"), vec![l.out_features, l.in_features], &l.weight)];
-            all.extend(l.bias.as_deref().map(|b| (format!("{name}.bias"), vec![l.out_features], b)));
-            all
-        }
-        fn norm<'a>(name: &str, n: &'a LayerNorm) -> [Entry<'a>; 2] {
-            [(format!("{name}.weight"), vec![n.normalized_shape], &n.weight), (format!("{name}.bias"), vec![n.normalized_shape], &n.bias)]
-        }
-        let (wte, wpe) = (&self.wte, &self.wpe);
-        let mut all: Vec<Entry> = vec![
-            ("wte.weight".into(), vec![wte.num_embeddings, wte.embedding_dim], &wte.weight),
-            ("wpe.weight".into(), vec![wpe.num_embeddings, wpe.embedding_dim], &wpe.weight),
-        ];
-        for (i, block) in self.h.iter().enumerate() {
-            if let Some(attn) = &block.attn {
-                all.extend(norm(&format!("h.{i}.ln_1"), &block.ln_1));
-                all.extend(linear(&format!("h.{i}.attn.c_attn"), &attn.c_attn));
-                all.extend(linear(&format!("h.{i}.attn.c_proj"), &attn.c_proj));
-            }
-            all.extend(norm(&format!("h.{i}.ln_2"), &block.ln_2));
-            all.extend(linear(&format!("h.{i}.mlp.c_fc"), &block.mlp.c_fc));
-            all.extend(linear(&format!("h.{i}.mlp.c_proj"), &block.mlp.c_proj));
-        }
-        all.extend(norm("ln_f", &self.ln_f));
-        all
+    /// The model's structure with no values (every matrix empty, norms
+    /// ones and zeros): its tree names and shapes every parameter without
+    /// allocating, and [`Gpt::from_parameters`] fills it.
+    pub fn empty(config: GptConfig) -> Result<Self> {
+        config.check()?;
+        let c = config.n_embd;
+        let h = (0..config.n_layer)
+            .map(|_| Block {
+                ln_1: LayerNorm::new(c),
+                attn: Some(CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn: Linear::empty(c, 3 * c, true), c_proj: Linear::empty(c, c, true) }),
+                ln_2: LayerNorm::new(c),
+                mlp: Mlp { c_fc: Linear::empty(c, 4 * c, true), c_proj: Linear::empty(4 * c, c, true) },
+            })
+            .collect();
+        Ok(Gpt { config, wte: Embedding::empty(config.vocab_size, c), wpe: Embedding::empty(config.block_size, c), h, ln_f: LayerNorm::new(c) })
     }
 
     /// The input of the first block, x [batch, T, C]: the token
@@ -191,7 +145,7 @@ impl Gpt {
             _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
         };
         let tokens = g.embedding(wte, idx)?;
-        let table = self.wpe.table(g, &format!("{prefix}wpe."))?;
+        let table = self.wpe.table(g, &child_prefix!(prefix, self.wpe))?;
         // The first T rows of the position table, broadcast over the batch.
         let positions = if t == block {
             table
@@ -206,7 +160,7 @@ impl Gpt {
     /// The final norm (`{prefix}ln_f.`) and the head tied to the token
     /// table `wte`: logits [.., vocab_size] of x [.., C].
     pub fn head(&self, g: &mut Graph, wte: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let x = self.ln_f.forward(g, x, &format!("{prefix}ln_f."))?;
+        let x = self.ln_f.forward(g, x, &child_prefix!(prefix, self.ln_f))?;
         // The head is the token embedding, transposed.
         g.rows_matmul(MatmulForm::ABt, x, wte)
     }
@@ -222,6 +176,8 @@ impl Gpt {
     }
 }
 
+parameter_tree!(Gpt { wte, wpe, h, ln_f });
+
 impl Module for Gpt {
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
         g.ids("idx", &[batch, self.config.block_size])
@@ -229,20 +185,13 @@ impl Module for Gpt {
 
     /// `idx`: u32 [batch, T] with T ≤ block_size.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let wte = self.wte.table(g, &format!("{prefix}wte."))?;
+        let wte = self.wte.table(g, &child_prefix!(prefix, self.wte))?;
         let mut x = self.embed(g, wte, idx, prefix)?;
+        let blocks = child_prefix!(prefix, self.h);
         for (i, block) in self.h.iter().enumerate() {
-            x = block.forward(g, x, &format!("{prefix}h.{i}."))?;
+            x = block.forward(g, x, &item_prefix(&blocks, i))?;
         }
         self.head(g, wte, x, prefix)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let blocks: Vec<String> = (0..self.h.len()).map(|i| format!("h.{i}.")).collect();
-        let mut parts: Vec<(&str, &dyn Module)> = vec![("wte.", &self.wte), ("wpe.", &self.wpe)];
-        parts.extend(blocks.iter().zip(&self.h).map(|(p, b)| (p.as_str(), b as &dyn Module)));
-        parts.push(("ln_f.", &self.ln_f));
-        super::transformer::prefixed(&parts)
     }
 
     fn describe(&self) -> String {

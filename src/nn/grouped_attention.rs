@@ -3,7 +3,7 @@
 //! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
 //! and `o_proj` projections without biases.
 
-use super::parameter_tree::ParameterTree;
+use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Linear, Module, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -66,9 +66,9 @@ impl Module for GroupedQueryAttention {
             return Err(Error::shape("GroupedQueryAttention", format!("expects {} channels", self.n_embd), &[&shape]));
         }
         let (h, d) = (self.n_head, self.head_dim());
-        let q = self.q_proj.forward(g, x, &format!("{prefix}q_proj."))?;
-        let k = self.k_proj.forward(g, x, &format!("{prefix}k_proj."))?;
-        let v = self.v_proj.forward(g, x, &format!("{prefix}v_proj."))?;
+        let q = self.q_proj.forward(g, x, &child_prefix!(prefix, self.q_proj))?;
+        let k = self.k_proj.forward(g, x, &child_prefix!(prefix, self.k_proj))?;
+        let v = self.v_proj.forward(g, x, &child_prefix!(prefix, self.v_proj))?;
         let k = repeat_kv(g, k, self.n_kv_head, h / self.n_kv_head, d)?;
         let v = repeat_kv(g, v, self.n_kv_head, h / self.n_kv_head, d)?;
         // [B, T, H·d] -> [B, H, T, d]
@@ -85,11 +85,7 @@ impl Module for GroupedQueryAttention {
         let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
         let y = g.permute(y, &[0, 2, 1, 3])?;
         let y = g.reshape(y, &[b, t, c])?;
-        self.o_proj.forward(g, y, &format!("{prefix}o_proj."))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        self.parameter_shapes()
+        self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj))
     }
 
     fn describe(&self) -> String {
@@ -97,21 +93,7 @@ impl Module for GroupedQueryAttention {
     }
 }
 
-impl ParameterTree for GroupedQueryAttention {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        self.q_proj.visit(&format!("{prefix}q_proj."), f);
-        self.k_proj.visit(&format!("{prefix}k_proj."), f);
-        self.v_proj.visit(&format!("{prefix}v_proj."), f);
-        self.o_proj.visit(&format!("{prefix}o_proj."), f);
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
-        self.q_proj.visit_mut(&format!("{prefix}q_proj."), f)?;
-        self.k_proj.visit_mut(&format!("{prefix}k_proj."), f)?;
-        self.v_proj.visit_mut(&format!("{prefix}v_proj."), f)?;
-        self.o_proj.visit_mut(&format!("{prefix}o_proj."), f)
-    }
-}
+parameter_tree!(GroupedQueryAttention { q_proj, k_proj, v_proj, o_proj });
 
 /// Key or value heads x [.., n_kv·d] repeated to [.., n_kv·n_rep·d], each
 /// KV head n_rep times in a row (transformers' `repeat_kv`: query head i

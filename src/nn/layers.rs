@@ -1,6 +1,7 @@
 //! Embedding and LayerNorm, as torch.nn names and initialises them.
 
-use super::{normal, parameter, Module};
+use super::parameter_tree::parameter_tree;
+use super::{normal, Module, ParameterTree};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 
@@ -24,22 +25,30 @@ impl Embedding {
         Embedding { num_embeddings, embedding_dim, weight: normal(num_embeddings * embedding_dim, std) }
     }
 
+    /// The structure with no values, for a model's `from_parameters` to fill.
+    pub fn empty(num_embeddings: usize, embedding_dim: usize) -> Self {
+        Embedding { num_embeddings, embedding_dim, weight: Vec::new() }
+    }
+
     /// The table as a parameter `{prefix}weight`, for a module that also
-    /// reads it another way (a position table sliced to the sequence).
+    /// reads it another way (a position table sliced to the sequence). In
+    /// the no-decay group, as nanoGPT leaves embeddings undecayed.
     pub fn table(&self, g: &mut Graph, prefix: &str) -> Result<Tensor> {
-        parameter(g, prefix, "weight", &[self.num_embeddings, self.embedding_dim], &self.weight, false)
+        let [table] = self.declare(g, prefix)?[..] else {
+            return Err(Error::InvalidArgument { op: "Embedding", reason: "declares exactly one table".into() });
+        };
+        g.mark_no_decay_group(table)?;
+        Ok(table)
     }
 }
+
+parameter_tree!(Embedding, |m| parameters { weight: [m.num_embeddings, m.embedding_dim] });
 
 impl Module for Embedding {
     /// `ids` is a u32 tensor ([`Graph::ids`]).
     fn forward(&self, g: &mut Graph, ids: Tensor, prefix: &str) -> Result<Tensor> {
         let table = self.table(g, prefix)?;
         g.embedding(table, ids)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        vec![("weight".into(), vec![self.num_embeddings, self.embedding_dim])]
     }
 
     fn describe(&self) -> String {
@@ -69,16 +78,15 @@ impl Module for LayerNorm {
         if self.weight.len() != c || self.bias.len() != c {
             return Err(Error::shape("LayerNorm", "weight and bias must have normalized_shape values", &[&[c], &[self.weight.len()], &[self.bias.len()]]));
         }
-        let w = parameter(g, prefix, "weight", &[c], &self.weight, false)?;
-        let b = parameter(g, prefix, "bias", &[c], &self.bias, false)?;
+        let [w, b] = self.declare(g, prefix)?[..] else {
+            return Err(Error::InvalidArgument { op: "LayerNorm", reason: "declares exactly a weight and a bias".into() });
+        };
         g.layer_norm(x, w, b, self.eps)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        vec![("weight".into(), vec![self.normalized_shape]), ("bias".into(), vec![self.normalized_shape])]
     }
 
     fn describe(&self) -> String {
         format!("LayerNorm({}, eps={})", self.normalized_shape, self.eps)
     }
 }
+
+parameter_tree!(LayerNorm, |m| parameters { weight: [m.normalized_shape], bias: [m.normalized_shape] });

@@ -7,7 +7,7 @@
 mod gpt;
 mod grouped_attention;
 mod layers;
-mod parameter_tree;
+pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
 mod swiglu;
@@ -30,6 +30,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::{Activation, MatmulForm};
+use parameter_tree::parameter_tree;
 
 thread_local! {
     static INIT_RNG: RefCell<ChaCha8Rng> = RefCell::new(ChaCha8Rng::seed_from_u64(0));
@@ -68,13 +69,27 @@ fn normal(n: usize, std: f32) -> Vec<f32> {
 
 /// A building block of a model, as torch.nn.Module: it adds its forward on
 /// `x` to a graph and declares its parameters there, named `{prefix}{name}`
-/// (a submodule's prefix extends its parent's: `h.0.` + `attn.`).
-pub trait Module {
+/// (a submodule's prefix extends its parent's: `h.0.` + `attn.`). The names
+/// are its [`ParameterTree`]'s, declared once; the listings below derive
+/// from that walk.
+pub trait Module: ParameterTree {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor>;
 
     /// (name, shape) of every parameter, relative to this module, in the
     /// order `forward` declares them.
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)>;
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        let mut all = Vec::new();
+        self.visit("", &mut |name, shape, _| all.push((name, shape)));
+        all
+    }
+
+    /// (name, shape, values) of every parameter, in the same order; shapes
+    /// as `forward` declares them (Linear weights [out, in]).
+    fn parameter_values(&self) -> Vec<(String, Vec<usize>, &[f32])> {
+        let mut all = Vec::new();
+        self.visit("", &mut |name, shape, values| all.push((name, shape, values)));
+        all
+    }
 
     /// One line naming the module and its sizes; checkpoints store it and
     /// loading compares it.
@@ -125,6 +140,13 @@ impl Linear {
         Linear { in_features, out_features, weight, bias }
     }
 
+    /// The structure with no values (empty weight and bias), for a model's
+    /// `from_parameters` to fill: the tree reports names and shapes without
+    /// allocating.
+    pub fn empty(in_features: usize, out_features: usize, bias: bool) -> Self {
+        Linear { in_features, out_features, weight: Vec::new(), bias: bias.then(Vec::new) }
+    }
+
     /// GPT-2's init: weight N(0, std²), bias zero.
     pub fn normal(in_features: usize, out_features: usize, std: f32) -> Self {
         Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: Some(vec![0.0; out_features]) }
@@ -140,10 +162,10 @@ impl Module for Linear {
     /// Over the last dimension of x [.., in_features]; parameters are named
     /// `{prefix}weight` and (with a bias) `{prefix}bias`.
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let w = parameter(g, prefix, "weight", &[self.out_features, self.in_features], &self.weight, true)?;
-        let b = match &self.bias {
-            Some(bias) => Some(parameter(g, prefix, "bias", &[self.out_features], bias, false)?),
-            None => None,
+        let (w, b) = match self.declare(g, prefix)?[..] {
+            [w] => (w, None),
+            [w, b] => (w, Some(b)),
+            ref other => return Err(Error::InvalidArgument { op: "Linear", reason: format!("declared {} parameters, not a weight and an optional bias", other.len()) }),
         };
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         if shape.len() <= 2 {
@@ -170,14 +192,6 @@ impl Module for Linear {
         g.reshape(y, &out_shape)
     }
 
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let mut all = vec![("weight".into(), vec![self.out_features, self.in_features])];
-        if self.bias.is_some() {
-            all.push(("bias".into(), vec![self.out_features]));
-        }
-        all
-    }
-
     fn describe(&self) -> String {
         match self.bias {
             Some(_) => format!("Linear({}, {})", self.in_features, self.out_features),
@@ -185,6 +199,8 @@ impl Module for Linear {
         }
     }
 }
+
+parameter_tree!(Linear, |m| parameters { weight: [m.out_features, m.in_features], bias: [m.out_features] });
 
 /// One element of a [`Sequential`].
 #[derive(Clone, Debug, PartialEq)]
@@ -209,13 +225,6 @@ impl Module for Layer {
         }
     }
 
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        match self {
-            Layer::Linear(l) => l.named_parameters(),
-            _ => Vec::new(),
-        }
-    }
-
     fn describe(&self) -> String {
         match self {
             Layer::Linear(l) => l.describe(),
@@ -223,6 +232,22 @@ impl Module for Layer {
             Layer::GELU => "GELU".into(),
             Layer::Tanh => "Tanh".into(),
             Layer::Sigmoid => "Sigmoid".into(),
+        }
+    }
+}
+
+/// A Linear's parameters under the layer's own prefix; activations have none.
+impl ParameterTree for Layer {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        if let Layer::Linear(l) = self {
+            l.visit(prefix, f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        match self {
+            Layer::Linear(l) => l.visit_mut(prefix, f),
+            _ => Ok(()),
         }
     }
 }
@@ -313,18 +338,21 @@ impl Sequential {
     }
 }
 
+/// Layers by position, as PyTorch's Sequential (no `layers.` level).
+impl ParameterTree for Sequential {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.layers.visit(prefix, f);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+        self.layers.visit_mut(prefix, f)
+    }
+}
+
 impl Module for Sequential {
     /// Layer i's parameters are named `{prefix}{i}.weight`, `{prefix}{i}.bias`.
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &format!("{prefix}{i}.")))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let mut all = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            all.extend(layer.named_parameters().into_iter().map(|(n, s)| (format!("{i}.{n}"), s)));
-        }
-        all
+        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &parameter_tree::item_prefix(prefix, i)))
     }
 
     /// f32 features [batch, in_features of the first Linear].

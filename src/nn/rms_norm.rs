@@ -1,8 +1,8 @@
 //! RMSNorm (Llama's norm): y = x / sqrt(mean(x²) + eps) · weight over the
 //! last dimension, weight ones at init, no bias.
 
-use super::parameter_tree::ParameterTree;
-use super::{parameter, Module};
+use super::parameter_tree::parameter_tree;
+use super::{Module, ParameterTree};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -28,12 +28,10 @@ impl Module for RmsNorm {
         if self.weight.len() != c {
             return Err(Error::shape("RmsNorm", "weight must have normalized_shape values", &[&[c], &[self.weight.len()]]));
         }
-        let w = parameter(g, prefix, "weight", &[c], &self.weight, false)?;
+        let [w] = self.declare(g, prefix)?[..] else {
+            return Err(Error::InvalidArgument { op: "RmsNorm", reason: "declares exactly one weight".into() });
+        };
         rms_norm(g, x, w, self.eps)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        self.parameter_shapes()
     }
 
     fn describe(&self) -> String {
@@ -41,15 +39,7 @@ impl Module for RmsNorm {
     }
 }
 
-impl ParameterTree for RmsNorm {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        f(format!("{prefix}weight"), vec![self.normalized_shape], &self.weight);
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
-        f(format!("{prefix}weight"), vec![self.normalized_shape], &mut self.weight)
-    }
-}
+parameter_tree!(RmsNorm, |m| parameters { weight: [m.normalized_shape] });
 
 /// x [.., C] / sqrt(mean(x²) + eps) · weight [C], composed from graph ops
 /// (the row mean is a product with a column of ones). One call site, so a

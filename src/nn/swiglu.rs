@@ -1,6 +1,6 @@
 //! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
 
-use super::parameter_tree::ParameterTree;
+use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Linear, Module};
 use crate::error::Result;
 use crate::graph::{Graph, Tensor};
@@ -27,15 +27,11 @@ impl SwiGluMlp {
 
 impl Module for SwiGluMlp {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(g, x, &format!("{prefix}gate_proj."))?;
-        let up = self.up_proj.forward(g, x, &format!("{prefix}up_proj."))?;
+        let gate = self.gate_proj.forward(g, x, &child_prefix!(prefix, self.gate_proj))?;
+        let up = self.up_proj.forward(g, x, &child_prefix!(prefix, self.up_proj))?;
         let gate = silu(g, gate)?;
         let hidden = g.mul(gate, up)?;
-        self.down_proj.forward(g, hidden, &format!("{prefix}down_proj."))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        self.parameter_shapes()
+        self.down_proj.forward(g, hidden, &child_prefix!(prefix, self.down_proj))
     }
 
     fn describe(&self) -> String {
@@ -43,19 +39,7 @@ impl Module for SwiGluMlp {
     }
 }
 
-impl ParameterTree for SwiGluMlp {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        self.gate_proj.visit(&format!("{prefix}gate_proj."), f);
-        self.up_proj.visit(&format!("{prefix}up_proj."), f);
-        self.down_proj.visit(&format!("{prefix}down_proj."), f);
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
-        self.gate_proj.visit_mut(&format!("{prefix}gate_proj."), f)?;
-        self.up_proj.visit_mut(&format!("{prefix}up_proj."), f)?;
-        self.down_proj.visit_mut(&format!("{prefix}down_proj."), f)
-    }
-}
+parameter_tree!(SwiGluMlp { gate_proj, up_proj, down_proj });
 
 /// x · sigmoid(x), composed from graph ops. One call site, so a fused SiLU
 /// op replaces it in one line.

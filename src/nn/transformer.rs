@@ -1,6 +1,7 @@
 //! The pieces of a GPT block with GPT-2's parameter names: causal
 //! multi-head self-attention, the MLP, and the pre-norm residual block.
 
+use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Layer, LayerNorm, Linear, Module};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -57,7 +58,7 @@ impl Module for CausalSelfAttention {
             return Err(Error::shape("CausalSelfAttention", format!("expects {} channels", self.n_embd), &[&shape]));
         }
         let (h, d) = (self.n_head, c / self.n_head);
-        let qkv = self.c_attn.forward(g, x, &format!("{prefix}c_attn."))?;
+        let qkv = self.c_attn.forward(g, x, &child_prefix!(prefix, self.c_attn))?;
         let parts = g.split_last(qkv, &[c, c, c])?;
         // [B, T, C] -> [B, H, T, d]
         let mut heads = Vec::with_capacity(3);
@@ -71,17 +72,15 @@ impl Module for CausalSelfAttention {
         let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
         let y = g.permute(y, &[0, 2, 1, 3])?;
         let y = g.reshape(y, &[b, t, c])?;
-        self.c_proj.forward(g, y, &format!("{prefix}c_proj."))
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        prefixed(&[("c_attn.", &self.c_attn as &dyn Module), ("c_proj.", &self.c_proj)])
+        self.c_proj.forward(g, y, &child_prefix!(prefix, self.c_proj))
     }
 
     fn describe(&self) -> String {
         format!("CausalSelfAttention(n_embd={}, n_head={})", self.n_embd, self.n_head)
     }
 }
+
+parameter_tree!(CausalSelfAttention { c_attn, c_proj });
 
 /// The transformer MLP: `c_fc` to 4·C, GELU (tanh), `c_proj` back to C.
 #[derive(Clone, Debug, PartialEq)]
@@ -108,20 +107,18 @@ impl Module for Mlp {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>();
         let flat = if shape.len() > 2 { g.reshape(x, &[rows, self.c_fc.in_features])? } else { x };
-        let hidden = self.c_fc.forward(g, flat, &format!("{prefix}c_fc."))?;
+        let hidden = self.c_fc.forward(g, flat, &child_prefix!(prefix, self.c_fc))?;
         let hidden = Layer::GELU.forward(g, hidden, prefix)?;
-        let y = self.c_proj.forward(g, hidden, &format!("{prefix}c_proj."))?;
+        let y = self.c_proj.forward(g, hidden, &child_prefix!(prefix, self.c_proj))?;
         if shape.len() > 2 { g.reshape(y, &shape) } else { Ok(y) }
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        prefixed(&[("c_fc.", &self.c_fc as &dyn Module), ("c_proj.", &self.c_proj)])
     }
 
     fn describe(&self) -> String {
         format!("Mlp({}, {})", self.c_fc.in_features, self.c_fc.out_features)
     }
 }
+
+parameter_tree!(Mlp { c_fc, c_proj });
 
 /// A pre-norm GPT block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Without
 /// `attn` it is an MLP-only block (a baseline that cannot look at other
@@ -166,24 +163,13 @@ impl Module for Block {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let mut x = x;
         if let Some(attn) = &self.attn {
-            let normed = self.ln_1.forward(g, x, &format!("{prefix}ln_1."))?;
-            let attended = attn.forward(g, normed, &format!("{prefix}attn."))?;
+            let normed = self.ln_1.forward(g, x, &child_prefix!(prefix, self.ln_1))?;
+            let attended = attn.forward(g, normed, &child_prefix!(prefix, self.attn))?;
             x = g.add(x, attended)?;
         }
-        let normed = self.ln_2.forward(g, x, &format!("{prefix}ln_2."))?;
-        let transformed = self.mlp.forward(g, normed, &format!("{prefix}mlp."))?;
+        let normed = self.ln_2.forward(g, x, &child_prefix!(prefix, self.ln_2))?;
+        let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
         g.add(x, transformed)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let mut parts: Vec<(&str, &dyn Module)> = Vec::new();
-        if let Some(attn) = &self.attn {
-            parts.push(("ln_1.", &self.ln_1));
-            parts.push(("attn.", attn));
-        }
-        parts.push(("ln_2.", &self.ln_2));
-        parts.push(("mlp.", &self.mlp));
-        prefixed(&parts)
     }
 
     fn describe(&self) -> String {
@@ -194,7 +180,5 @@ impl Module for Block {
     }
 }
 
-/// Submodules' parameters under their names.
-pub(crate) fn prefixed(parts: &[(&str, &dyn Module)]) -> Vec<(String, Vec<usize>)> {
-    parts.iter().flat_map(|(p, m)| m.named_parameters().into_iter().map(move |(n, s)| (format!("{p}{n}"), s))).collect()
-}
+// ln_1 feeds only the attention: a block without one has no ln_1 parameters.
+parameter_tree!(Block { ln_1 if attn, attn, ln_2, mlp });

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use common::assert_close;
 use wgrad::lm_training::{LmTrainConfig, LmTrainingRun, TextSource};
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::distributed::SingleProcess;
 use wgrad::parallel::engine::Strategy;

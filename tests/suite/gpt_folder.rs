@@ -79,8 +79,10 @@ pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-fn assert_same_parameters(a: &Gpt, b: &Gpt) {
-    assert_eq!(a.config, b.config);
+/// The same model (its description states every size) with the same
+/// parameters, names and shapes, bit for bit.
+pub(crate) fn assert_same_parameters(a: &dyn Module, b: &dyn Module) {
+    assert_eq!(a.describe(), b.describe());
     let (pa, pb) = (a.parameter_values(), b.parameter_values());
     assert_eq!(pa.len(), pb.len());
     for ((na, sa, va), (nb, sb, vb)) in pa.iter().zip(&pb) {

@@ -152,6 +152,48 @@ fn key_bias(name: &str, n_embd: usize) -> Option<std::ops::Range<usize>> {
     name.ends_with("attn.c_attn.bias").then_some(n_embd..2 * n_embd)
 }
 
+/// Every gradient `trainer` holds for `names` against the fixture's
+/// `{key_prefix}grad.{name}`, within `atol`; returns the worst difference.
+pub(crate) fn check_gradients<'n>(trainer: &Trainer, fx: &Fixture, names: impl IntoIterator<Item = &'n str>, key_prefix: &str, atol: f32) -> wgrad::Result<f32> {
+    let graph = trainer.executor().graph();
+    let params: HashMap<String, wgrad::graph::Tensor> =
+        graph.parameters().into_iter().map(|p| (graph.get(p).map(|n| n.name.clone()).unwrap_or_default(), p)).collect();
+    let mut grad_err = 0.0f32;
+    for name in names {
+        let grad = trainer.executor().read_grad(params[name])?;
+        let want = fx.get(&format!("{key_prefix}grad.{name}"));
+        grad_err = grad_err.max(worst(&grad, want));
+        assert_close(&format!("{key_prefix}grad {name}"), &grad, want, atol, 0.0);
+    }
+    Ok(grad_err)
+}
+
+/// llm.c's check: the fixture's clipped AdamW steps on (idx, targets),
+/// each step's loss within `loss_atol` and gradient norm within
+/// `norm_atol` of `step_losses` and `step_grad_norms`, and its learning
+/// rate of `step_lrs` (the same f64 schedule rounded once to f32: relative
+/// 1e-6). Prints the worst differences under `who`.
+pub(crate) fn check_steps(trainer: &mut Trainer, fx: &Fixture, idx: &[u32], targets: &[u32], who: &str, loss_atol: f32, norm_atol: f32) -> wgrad::Result<()> {
+    let (losses, norms, lrs) = (fx.get("step_losses"), fx.get("step_grad_norms"), fx.get("step_lrs"));
+    let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
+    for step in 0..losses.len() {
+        trainer.zero_grad();
+        trainer.forward_ids(idx)?;
+        trainer.loss(Targets::Classes(targets))?;
+        trainer.backward()?;
+        let loss = trainer.step_reading_loss()?;
+        let norm = trainer.executor().read_grad_norm()?.expect("a clipping optimizer reports the norm");
+        let lr = trainer.executor().learning_rate().expect("an optimizer");
+        loss_err = loss_err.max((loss - losses[step]).abs());
+        norm_err = norm_err.max((norm - norms[step]).abs());
+        assert_close(&format!("learning rate of step {}", step + 1), &[lr], &[lrs[step]], 0.0, 1e-6);
+        assert_close(&format!("loss of step {}", step + 1), &[loss], &[losses[step]], loss_atol, 0.0);
+        assert_close(&format!("gradient norm of step {}", step + 1), &[norm], &[norms[step]], norm_atol, 0.0);
+    }
+    println!("{who}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}");
+    Ok(())
+}
+
 /// A module's parameters by name as its graph declares them (no GPU work).
 pub(crate) fn initial_values(model: &dyn Module) -> HashMap<String, Vec<f32>> {
     let mut g = Graph::new();
@@ -232,41 +274,15 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
 
         // Every gradient by name (the largest about 0.3): PyTorch's
         // float32 and float64 differ by 7e-8, wgrad and PyTorch by 9e-8.
-        let graph = trainer.executor().graph();
-        let params: HashMap<String, wgrad::graph::Tensor> =
-            graph.parameters().into_iter().map(|p| (graph.get(p).map(|n| n.name.clone()).unwrap_or_default(), p)).collect();
-        let mut grad_err = 0.0f32;
-        for (name, _) in &names {
-            let grad = trainer.executor().read_grad(params[name])?;
-            let want = fx.get(&format!("grad.{name}"));
-            grad_err = grad_err.max(worst(&grad, want));
-            assert_close(&format!("grad {name}"), &grad, want, 1e-6, 0.0);
-        }
+        let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "", 1e-6)?;
         println!("{}: gradients |err| {grad_err:.1e}", who);
 
         // Ten steps on the batch: warmup (1-3), cosine (4-8), floor (9-10);
-        // PyTorch clipped steps 1-6 and not 7-10.
-        let (losses, norms, lrs) = (fx.get("step_losses"), fx.get("step_grad_norms"), fx.get("step_lrs"));
-        let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
-        for step in 0..losses.len() {
-            trainer.zero_grad();
-            trainer.forward_ids(idx)?;
-            trainer.loss(Targets::Classes(targets))?;
-            trainer.backward()?;
-            let loss = trainer.step_reading_loss()?;
-            let norm = trainer.executor().read_grad_norm()?.expect("a clipping optimizer reports the norm");
-            let lr = trainer.executor().learning_rate().expect("an optimizer");
-            loss_err = loss_err.max((loss - losses[step]).abs());
-            norm_err = norm_err.max((norm - norms[step]).abs());
-            // The schedule is the same f64 formula rounded once to f32.
-            assert_close(&format!("learning rate of step {}", step + 1), &[lr], &[lrs[step]], 0.0, 1e-6);
-            // Losses: PyTorch's float32 and float64 differ by 4.5e-7 over
-            // the ten steps, wgrad and PyTorch by 4.8e-7. Gradient norms
-            // (0.7 to 2.7): wgrad and PyTorch differ by 1.9e-6.
-            assert_close(&format!("loss of step {}", step + 1), &[loss], &[losses[step]], 5e-6, 0.0);
-            assert_close(&format!("gradient norm of step {}", step + 1), &[norm], &[norms[step]], 2e-5, 0.0);
-        }
-        println!("{}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}", who);
+        // PyTorch clipped steps 1-6 and not 7-10. Losses: PyTorch's float32
+        // and float64 differ by 4.5e-7 over the ten steps, wgrad and
+        // PyTorch by 4.8e-7. Gradient norms (0.7 to 2.7): wgrad and PyTorch
+        // differ by 1.9e-6.
+        check_steps(&mut trainer, &fx, idx, targets, &who, 5e-6, 2e-5)?;
 
         // The parameters after ten steps, key biases aside (see
         // `key_bias`): PyTorch's float32 and float64 differ by 2.4e-6,

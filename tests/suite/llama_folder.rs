@@ -2,14 +2,14 @@
 //! (tests/fixtures/hf-tiny-llama*, by scripts/make_llama_fixture.py) load
 //! and give transformers' logits; a saved Llama loads back bit for bit
 //! with Hugging Face's names; broken folders are the same clear errors the
-//! GPT's are. scripts/check_llama_folder.py checks the other direction in
-//! transformers itself (examples/llama_folder.rs writes its input).
+//! GPT's are. scripts/check_hf_folder.py checks the other direction in
+//! transformers itself (`examples/hf_folder.rs llama` writes its input).
 
 use std::fs;
 use std::path::Path;
 
 use crate::common;
-use crate::gpt_folder::{bits, copy_fixture, edit_config, edit_weights, ends_with, fixture, read_raw, TempDir};
+use crate::gpt_folder::{assert_same_parameters, copy_fixture, edit_config, edit_weights, ends_with, fixture, read_raw, TempDir};
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use safetensors::Dtype;
@@ -17,7 +17,7 @@ use wgrad::checkpoint;
 use wgrad::gpt_folder::TokenizerSpec;
 use wgrad::llama_folder::{load_llama_folder, read_llama_config, save_llama_folder};
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{Module, ParameterTree, RopeLayout};
+use wgrad::nn::{Module, RopeLayout};
 use wgrad::trainer::Predictor;
 use wgrad::Error;
 
@@ -28,16 +28,6 @@ fn tiny(tied: bool) -> LlamaConfig {
 fn random_llama(config: LlamaConfig, seed: u64) -> Llama {
     let mut r = rng(seed);
     Llama::from_parameters(config, |_, shape| Ok(random_vec(&mut r, shape.iter().product(), -0.5, 0.5))).unwrap()
-}
-
-fn assert_same_parameters(a: &Llama, b: &Llama) {
-    assert_eq!(a.config, b.config);
-    let (pa, pb) = (a.parameter_values(), b.parameter_values());
-    assert_eq!(pa.len(), pb.len());
-    for ((na, sa, va), (nb, sb, vb)) in pa.iter().zip(&pb) {
-        assert_eq!((na, sa), (nb, sb));
-        assert!(bits(va) == bits(vb), "{na} differs");
-    }
 }
 
 fn fixture_logits(which: &str) -> (Vec<u32>, Vec<f32>) {

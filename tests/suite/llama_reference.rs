@@ -8,13 +8,11 @@
 //! scripts/llama_reference.py (PyTorch float32), committed as
 //! tests/fixtures/llama_reference.safetensors.
 
-use std::collections::HashMap;
 
 use crate::common;
-use crate::gpt_reference::{initial_values, worst, Fixture};
+use crate::gpt_reference::{check_gradients, check_steps, initial_values, worst, Fixture};
 
 use common::{assert_close, for_each_adapter, for_each_shaping};
-use wgrad::graph::Tensor;
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module, RopeLayout};
 use wgrad::trainer::{Predictor, Targets, Trainer};
@@ -59,12 +57,6 @@ fn fixture_parameters(fx: &Fixture, prefix: &str) -> Vec<(String, Vec<usize>)> {
         .collect();
     tied.sort();
     tied
-}
-
-/// A graph's parameters by name.
-fn by_name(trainer: &Trainer) -> HashMap<String, Tensor> {
-    let graph = trainer.executor().graph();
-    graph.parameters().into_iter().map(|p| (graph.get(p).map(|n| n.name.clone()).unwrap_or_default(), p)).collect()
 }
 
 #[test]
@@ -131,38 +123,14 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
 
         // Every gradient by name: PyTorch's float32 and float64 differ by
         // 4.9e-8, wgrad and PyTorch by 6.0e-8.
-        let params = by_name(&trainer);
-        let mut grad_err = 0.0f32;
-        for (name, _) in &names {
-            let grad = trainer.executor().read_grad(params[name])?;
-            let want = fx.get(&format!("grad.{name}"));
-            grad_err = grad_err.max(worst(&grad, want));
-            assert_close(&format!("grad {name}"), &grad, want, 1e-6, 0.0);
-        }
+        let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "", 1e-6)?;
         println!("{who}: gradients |err| {grad_err:.1e}");
 
         // Ten steps: warmup (1-3), cosine (4-8), floor (9-10); PyTorch
-        // clipped steps 1, 2, 3, 5 and 7.
-        let (losses, norms, lrs) = (fx.get("step_losses"), fx.get("step_grad_norms"), fx.get("step_lrs"));
-        let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
-        for step in 0..losses.len() {
-            trainer.zero_grad();
-            trainer.forward_ids(idx)?;
-            trainer.loss(Targets::Classes(targets))?;
-            trainer.backward()?;
-            let loss = trainer.step_reading_loss()?;
-            let norm = trainer.executor().read_grad_norm()?.expect("a clipping optimizer reports the norm");
-            let lr = trainer.executor().learning_rate().expect("an optimizer");
-            loss_err = loss_err.max((loss - losses[step]).abs());
-            norm_err = norm_err.max((norm - norms[step]).abs());
-            assert_close(&format!("learning rate of step {}", step + 1), &[lr], &[lrs[step]], 0.0, 1e-6);
-            // Losses (2.3 to 4.2): PyTorch's float32 and float64 differ by
-            // 3e-6 over the ten steps, wgrad and PyTorch by 9.5e-7.
-            // Gradient norms (0.9 to 5.5): 3.5e-5 and 9.4e-6.
-            assert_close(&format!("loss of step {}", step + 1), &[loss], &[losses[step]], 5e-6, 0.0);
-            assert_close(&format!("gradient norm of step {}", step + 1), &[norm], &[norms[step]], 5e-5, 0.0);
-        }
-        println!("{who}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}");
+        // clipped steps 1, 2, 3, 5 and 7. Losses (2.3 to 4.2): PyTorch's
+        // float32 and float64 differ by 3e-6 over the ten steps, wgrad and
+        // PyTorch by 9.5e-7. Gradient norms (0.9 to 5.5): 3.5e-5 and 9.4e-6.
+        check_steps(&mut trainer, &fx, idx, targets, &who, 5e-6, 5e-5)?;
 
         // The parameters after ten steps: PyTorch's float32 and float64
         // differ by 5.6e-5 (Adam's first steps divide by tiny second
@@ -192,14 +160,8 @@ fn a_tied_head_matches_transformers() {
         let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
         // The same tolerances as the untied checks.
         assert_close("tied loss", &[loss], fx.get("tied.loss"), 2e-6, 0.0);
-        let params = by_name(&trainer);
-        let mut grad_err = 0.0f32;
-        for (name, _) in llama.named_parameters() {
-            let grad = trainer.executor().read_grad(params[&name])?;
-            let want = fx.get(&format!("tied.grad.{name}"));
-            grad_err = grad_err.max(worst(&grad, want));
-            assert_close(&format!("tied grad {name}"), &grad, want, 1e-6, 0.0);
-        }
+        let names = llama.named_parameters();
+        let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "tied.", 1e-6)?;
         let logits = Predictor::new(k.clone(), &llama, batch)?.outputs_ids(idx)?;
         println!("tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}", worst(&logits, fx.get("tied.logits")));
         assert_close("tied logits", &logits, fx.get("tied.logits"), 2e-6, 0.0);

@@ -6,6 +6,7 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph};
+use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::trainer::{Predictor, Targets, Trainer};
@@ -165,4 +166,59 @@ fn gpt_presets_have_gpt2s_sizes_and_the_count_matches_the_module() {
     let small = GptConfig { vocab_size: 11, block_size: 5, n_layer: 2, n_head: 3, n_embd: 6 };
     assert_eq!(Gpt::new(small).expect("valid").num_parameters(), small.num_parameters());
     assert!(Gpt::new(GptConfig { n_head: 4, ..small }).is_err(), "n_embd must be a multiple of n_head");
+}
+
+/// (name, shape) of every parameter `model`'s forward declares, in order.
+fn declared_by_forward(model: &dyn Module, batch: usize) -> Vec<(String, Vec<usize>)> {
+    let mut g = Graph::new();
+    let x = model.input(&mut g, batch).expect("a whole model declares its input");
+    model.forward(&mut g, x, "").expect("forward");
+    g.parameters().into_iter().map(|t| g.get(t).map(|n| (n.name.clone(), n.shape.clone())).expect("a parameter node")).collect()
+}
+
+#[test]
+fn forward_declares_exactly_the_parameters_the_module_tree_names() {
+    // Sizes 1 and primes; no adapter needed: this compares names only.
+    let gpt = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 1, n_embd: 3 };
+    let mut llama = LlamaConfig { n_layer: 2, n_head: 3, n_kv_head: 1, n_embd: 6, intermediate_size: 5, block_size: 5, ..LlamaConfig::small(11) };
+    let mut models: Vec<Box<dyn Module>> = vec![
+        Box::new(Gpt::new(gpt).expect("valid")),
+        Box::new(Gpt::without_attention(gpt).expect("valid")),
+        Box::new(Llama::new(llama).expect("valid")),
+        Box::new(nn::Sequential::mlp(&[3, 1, 2], nn::Layer::ReLU).expect("valid")),
+    ];
+    llama.tie_word_embeddings = true;
+    models.push(Box::new(Llama::new(llama).expect("valid")));
+    for model in &models {
+        let tree = model.named_parameters();
+        assert_eq!(declared_by_forward(model.as_ref(), 2), tree, "{}", model.describe());
+        let values: Vec<usize> = model.parameter_values().iter().map(|(_, _, v)| v.len()).collect();
+        let sizes: Vec<usize> = tree.iter().map(|(_, s)| s.iter().product()).collect();
+        assert_eq!(values, sizes, "{}", model.describe());
+    }
+    let without = Gpt::without_attention(gpt).expect("valid").named_parameters();
+    assert!(without.iter().all(|(n, _)| !n.contains("ln_1") && !n.contains("attn")), "a block without attention has no ln_1: {without:?}");
+}
+
+#[test]
+fn from_parameters_fills_the_tree_in_its_order_and_refuses_a_wrong_count() {
+    let gpt = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 1, n_embd: 3 };
+    let model = Gpt::new(gpt).expect("valid");
+    let values = model.parameter_values();
+    let mut next = values.iter();
+    let rebuilt = Gpt::from_parameters(gpt, |name, shape| {
+        let (want, want_shape, v) = next.next().expect("no more parameters than the tree");
+        assert_eq!((name, shape), (want.as_str(), want_shape.as_slice()));
+        Ok(v.to_vec())
+    })
+    .expect("rebuilt");
+    assert!(next.next().is_none(), "every parameter taken");
+    assert_eq!(rebuilt, model);
+    let short = Gpt::from_parameters(gpt, |_, shape| Ok(vec![0.0; shape.iter().product::<usize>() - 1]));
+    assert!(matches!(short, Err(Error::Shape { .. })), "{short:?}");
+    let llama = LlamaConfig { n_layer: 1, n_head: 2, n_kv_head: 1, n_embd: 4, intermediate_size: 3, block_size: 5, ..LlamaConfig::small(7) };
+    let empty = Llama::empty(llama).expect("valid");
+    assert_eq!(empty.named_parameters(), Llama::new(llama).expect("valid").named_parameters());
+    // Norms start at one; every matrix is left unallocated.
+    assert!(empty.parameter_values().iter().filter(|(_, s, _)| s.len() == 2).all(|(_, _, v)| v.is_empty()), "empty allocates no matrices");
 }
