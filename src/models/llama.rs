@@ -95,7 +95,7 @@ impl LlamaConfig {
 
     /// The rotation every attention layer applies.
     pub fn rotary(&self) -> Rotary {
-        Rotary { base: self.rope_theta, rotary_dim: self.head_dim(), layout: self.rope_layout }
+        Rotary { base: self.rope_theta, rotary_dim: self.head_dim(), layout: self.rope_layout, positions: self.block_size }
     }
 
     /// Parameters of a model of this size; `None` when the count overflows

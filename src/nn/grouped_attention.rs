@@ -69,17 +69,23 @@ impl Module for GroupedQueryAttention {
         let q = self.q_proj.forward(g, x, &child_prefix!(prefix, self.q_proj))?;
         let k = self.k_proj.forward(g, x, &child_prefix!(prefix, self.k_proj))?;
         let v = self.v_proj.forward(g, x, &child_prefix!(prefix, self.v_proj))?;
-        let k = repeat_kv(g, k, self.n_kv_head, h / self.n_kv_head, d)?;
-        let v = repeat_kv(g, v, self.n_kv_head, h / self.n_kv_head, d)?;
+        // Rotary positions on [B, T, heads, d], the projections' own
+        // layout, before the KV heads are repeated (each rotated once).
+        let kv = self.n_kv_head;
+        let q = g.reshape(q, &[b, t, h, d])?;
+        let q = self.rotary.forward(g, q, None)?;
+        let k = g.reshape(k, &[b, t, kv, d])?;
+        let k = self.rotary.forward(g, k, None)?;
+        let k = g.reshape(k, &[b, t, kv * d])?;
+        let k = repeat_kv(g, k, kv, h / kv, d)?;
+        let v = repeat_kv(g, v, kv, h / kv, d)?;
         // [B, T, H·d] -> [B, H, T, d]
         let mut heads = Vec::with_capacity(3);
         for part in [q, k, v] {
             let split = g.reshape(part, &[b, t, h, d])?;
             heads.push(g.permute(split, &[0, 2, 1, 3])?);
         }
-        let q = self.rotary.forward(g, heads[0])?;
-        let k = self.rotary.forward(g, heads[1])?;
-        let scores = g.matmul_form(MatmulForm::ABt, q, k)?;
+        let scores = g.matmul_form(MatmulForm::ABt, heads[0], heads[1])?;
         let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
         let att = g.softmax(scores, true)?;
         let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;

@@ -4,6 +4,7 @@ use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Linear, Module};
 use crate::error::Result;
 use crate::graph::{Graph, Tensor};
+use crate::kernels::Activation;
 
 /// transformers' LlamaMLP: `gate_proj` and `up_proj` to the intermediate
 /// width, `down_proj` back.
@@ -29,7 +30,7 @@ impl Module for SwiGluMlp {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let gate = self.gate_proj.forward(g, x, &child_prefix!(prefix, self.gate_proj))?;
         let up = self.up_proj.forward(g, x, &child_prefix!(prefix, self.up_proj))?;
-        let gate = silu(g, gate)?;
+        let gate = g.activation(Activation::Silu, gate)?;
         let hidden = g.mul(gate, up)?;
         self.down_proj.forward(g, hidden, &child_prefix!(prefix, self.down_proj))
     }
@@ -40,10 +41,3 @@ impl Module for SwiGluMlp {
 }
 
 parameter_tree!(SwiGluMlp { gate_proj, up_proj, down_proj });
-
-/// x · sigmoid(x), composed from graph ops. One call site, so a fused SiLU
-/// op replaces it in one line.
-pub(crate) fn silu(g: &mut Graph, x: Tensor) -> Result<Tensor> {
-    let gate = g.sigmoid(x)?;
-    g.mul(x, gate)
-}
