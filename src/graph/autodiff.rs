@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use super::builder::{DType, Graph, Tensor};
-use super::ops::Op;
+use super::ops::{ElementwiseOp, Op, SourceOp};
 use crate::error::{Error, Result};
 
 /// The gradient node of each parameter after `backward`.
@@ -79,16 +79,16 @@ impl Graph {
         if self.shape(seed) != self.shape(output) {
             return Err(Error::shape("backward", "the seed gradient must have the output's shape", &[self.shape(output), self.shape(seed)]));
         }
-        if let Some(&bad) = inputs.iter().find(|t| self.node(**t).op != Op::Input || self.node(**t).dtype != DType::F32) {
+        if let Some(&bad) = inputs.iter().find(|t| self.node(**t).op != SourceOp::Input || self.node(**t).dtype != DType::F32) {
             return Err(Error::InvalidArgument { op: "backward", reason: format!("`{}` is not an f32 input", self.node(bad).name) });
         }
         let count = output.0 + 1;
         let mut requires_grad = vec![false; count];
         for i in 0..count {
             requires_grad[i] = match self.nodes[i].op {
-                Op::Parameter { .. } => true,
-                Op::Input => inputs.contains(&Tensor(i)),
-                Op::Constant { .. } => false,
+                Op::Source(SourceOp::Parameter { .. }) => true,
+                Op::Source(SourceOp::Input) => inputs.contains(&Tensor(i)),
+                Op::Source(SourceOp::Constant { .. }) => false,
                 _ => self.nodes[i].inputs.iter().any(|t| requires_grad[t.0]),
             };
         }
@@ -102,8 +102,8 @@ impl Graph {
                 continue;
             }
             match self.nodes[i].op {
-                Op::Parameter { .. } => continue,
-                Op::Input => {
+                Op::Source(SourceOp::Parameter { .. }) => continue,
+                Op::Source(SourceOp::Input) => {
                     by_input.insert(Tensor(i), dy);
                     continue;
                 }
@@ -115,10 +115,10 @@ impl Graph {
                     continue;
                 }
                 let contribution = self.input_gradient(Tensor(i), slot, dy)?;
-                if matches!(self.nodes[input.0].op, Op::Parameter { .. }) {
+                if matches!(self.nodes[input.0].op, Op::Source(SourceOp::Parameter { .. })) {
                     let shape = self.shape(input).to_vec();
                     let name = format!("{}.grad", self.nodes[input.0].name);
-                    let g = self.push(Op::AccumulateGrad { param: input }, vec![contribution], shape, DType::F32, name);
+                    let g = self.push(ElementwiseOp::AccumulateGrad { param: input }, vec![contribution], shape, DType::F32, name);
                     by_param.insert(input, g);
                     accumulations.push(g);
                 } else {
@@ -138,6 +138,6 @@ impl Graph {
     /// the rule its op's family declares.
     fn input_gradient(&mut self, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
         let op = self.node(node).op.clone();
-        op.family().gradient(&op, self, node, slot, dy)
+        op.family().gradient(self, node, slot, dy)
     }
 }

@@ -3,7 +3,7 @@
 //! `graph/ops/`, so a bad shape is an `Error` at build time naming the op;
 //! here are the checks they share.
 
-use super::ops::Op;
+use super::ops::{Op, SourceOp};
 use crate::error::{Error, Result};
 
 /// A handle to a node's output. Cheap to copy; only meaningful for the graph
@@ -97,7 +97,7 @@ impl Graph {
     /// The initial values of a parameter, to edit before the graph runs.
     pub fn parameter_init_mut(&mut self, t: Tensor) -> Option<&mut [f32]> {
         match self.nodes.get_mut(t.0).map(|n| &mut n.op) {
-            Some(Op::Parameter { init }) => Some(init.as_mut_slice()),
+            Some(Op::Source(SourceOp::Parameter { init })) => Some(init.as_mut_slice()),
             _ => None,
         }
     }
@@ -130,8 +130,8 @@ impl Graph {
         Ok(())
     }
 
-    pub(crate) fn push(&mut self, op: Op, inputs: Vec<Tensor>, shape: Vec<usize>, dtype: DType, name: String) -> Tensor {
-        self.nodes.push(Node { op, inputs, shape, dtype, name });
+    pub(crate) fn push(&mut self, op: impl Into<Op>, inputs: Vec<Tensor>, shape: Vec<usize>, dtype: DType, name: String) -> Tensor {
+        self.nodes.push(Node { op: op.into(), inputs, shape, dtype, name });
         Tensor(self.nodes.len() - 1)
     }
 
@@ -172,14 +172,14 @@ impl Graph {
     /// Every parameter, in the order added.
     pub fn parameters(&self) -> Vec<Tensor> {
         (0..self.nodes.len())
-            .filter(|&i| matches!(self.nodes[i].op, Op::Parameter { .. }))
+            .filter(|&i| matches!(self.nodes[i].op, Op::Source(SourceOp::Parameter { .. })))
             .map(Tensor)
             .collect()
     }
 
     /// Every input (data fed per run), in the order added.
     pub fn inputs(&self) -> Vec<Tensor> {
-        (0..self.nodes.len()).filter(|&i| self.nodes[i].op == Op::Input).map(Tensor).collect()
+        (0..self.nodes.len()).filter(|&i| self.nodes[i].op == SourceOp::Input).map(Tensor).collect()
     }
 
     /// Puts `param` in the group without weight decay (biases, norm gains,
@@ -187,7 +187,7 @@ impl Graph {
     /// honours it; the executor lays decayed parameters out first so the
     /// update needs only the boundary.
     pub fn exclude_from_weight_decay(&mut self, param: Tensor) -> Result<()> {
-        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Parameter { .. })) {
+        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Source(SourceOp::Parameter { .. }))) {
             return Err(Error::InvalidArgument {
                 op: "exclude_from_weight_decay",
                 reason: format!("tensor #{} is not a parameter of this graph", param.0),
@@ -205,7 +205,7 @@ impl Graph {
     /// a weight, such as an embedding table. Without groups it decays like
     /// any other parameter (PyTorch's default).
     pub fn mark_no_decay_group(&mut self, param: Tensor) -> Result<()> {
-        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Parameter { .. })) {
+        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Source(SourceOp::Parameter { .. }))) {
             return Err(Error::InvalidArgument {
                 op: "mark_no_decay_group",
                 reason: format!("tensor #{} is not a parameter of this graph", param.0),

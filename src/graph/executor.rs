@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
-use super::ops::{DispatchContext, LossKind, Op};
+use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, SourceOp};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
@@ -123,7 +123,7 @@ impl Executor {
         let arena_len = plan.param_arena_len.max(1);
         let mut initial = vec![0.0f32; arena_len];
         for &(p, offset) in &plan.param_offsets {
-            if let Op::Parameter { init } = &graph.node(p).op {
+            if let Op::Source(SourceOp::Parameter { init }) = &graph.node(p).op {
                 put_parameter(&mut initial[offset..], graph.node(p).dtype, init);
             }
         }
@@ -136,9 +136,9 @@ impl Executor {
         for &i in &plan.order {
             let node = graph.node(Tensor(i));
             match (&node.op, plan.storage[i]) {
-                (Op::Input, Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
-                (Op::Constant { values }, Storage::Constant { .. }) => constants.push(kernels.upload(values)?),
-                (Op::Cache, Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
+                (Op::Source(SourceOp::Input), Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
+                (Op::Source(SourceOp::Constant { values }), Storage::Constant { .. }) => constants.push(kernels.upload(values)?),
+                (Op::Source(SourceOp::Cache), Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
                 _ => {}
             }
         }
@@ -393,7 +393,7 @@ impl Executor {
     /// Node `i`'s dispatch, as its op's family binds it.
     fn build_dispatch(&self, i: usize) -> Result<Dispatch> {
         let op = &self.graph.node(Tensor(i)).op;
-        op.family().dispatch(op, &DispatchContext { exec: self, node: i })
+        op.family().dispatch(&DispatchContext { exec: self, node: i })
     }
 
     /// The training dispatch of loss node `i`: the loss, its gradient and
@@ -406,7 +406,7 @@ impl Executor {
         })?;
         let (pred, target) = (node.inputs[0], node.inputs[1]);
         let targets = match node.op {
-            Op::Loss(LossKind::Mse) => LossTargets::Values(self.view(target)?),
+            Op::Loss(LossOp::Loss(LossKind::Mse)) => LossTargets::Values(self.view(target)?),
             _ => LossTargets::Labels(self.view(target)?),
         };
         let (rows, cols) = match self.graph.shape(pred) {
@@ -471,7 +471,7 @@ impl Executor {
         // values (a class label, a token id).
         let reads_t = |u: Tensor| {
             let mut u = u;
-            while self.graph.node(u).op == Op::Reshape {
+            while self.graph.node(u).op == LayoutOp::Reshape {
                 u = self.graph.node(u).inputs[0];
             }
             u == t
@@ -479,7 +479,7 @@ impl Executor {
         for (i, node) in self.graph.nodes().iter().enumerate() {
             for (slot, &input) in node.inputs.iter().enumerate() {
                 if reads_t(input) {
-                    node.op.family().check_u32_input(&node.op, &self.graph, Tensor(i), slot, labels)?;
+                    node.op.family().check_u32_input(&self.graph, Tensor(i), slot, labels)?;
                 }
             }
         }

@@ -10,7 +10,7 @@
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
-use super::ops::Op;
+use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
 use crate::kernels::{Activation, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
@@ -26,7 +26,7 @@ pub enum Storage {
     Input { index: usize },
     /// Its own buffer, uploaded once.
     Constant { index: usize },
-    /// Its own buffer, kept from run to run ([`Op::Cache`]).
+    /// Its own buffer, kept from run to run ([`SourceOp::Cache`]).
     Cache { index: usize },
     /// An intermediate in a reusable slot.
     Slot { index: usize },
@@ -194,7 +194,7 @@ impl Plan {
         // what must live as long as any of its reshapes is read.
         let mut owner: Vec<usize> = (0..count).collect();
         for (i, node) in nodes.iter().enumerate() {
-            if node.op == Op::Reshape {
+            if node.op == LayoutOp::Reshape {
                 owner[i] = owner[node.inputs[0].0];
             }
         }
@@ -236,7 +236,7 @@ impl Plan {
         let mut decay_len = 0;
         for decayed in [true, false] {
             for (i, node) in nodes.iter().enumerate() {
-                if matches!(node.op, Op::Parameter { .. }) && graph.weight_decay_applies(Tensor(i)) == decayed {
+                if matches!(node.op, Op::Source(SourceOp::Parameter { .. })) && graph.weight_decay_applies(Tensor(i)) == decayed {
                     param_offsets.push((Tensor(i), arena));
                     storage[i] = Storage::Param { offset: arena };
                     arena += stored_words(node.dtype, node.len()).div_ceil(align) * align;
@@ -263,13 +263,13 @@ impl Plan {
         let mut accumulate = vec![false; count];
         let mut fused_away = vec![false; count];
         for &i in &order {
-            if let Op::AccumulateGrad { param } = nodes[i].op {
+            if let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = nodes[i].op {
                 let j = nodes[i].inputs[0].0;
                 // The embedding backward only adds into its output, so it
                 // is always computed in the gradient arena, fused or not.
                 let op_fuses = match nodes[j].op {
-                    Op::MatMul(_) | Op::SumRows => options.fuse,
-                    Op::EmbeddingBackward => true,
+                    Op::Matmul(MatmulOp::MatMul(_)) | Op::Reduce(ReduceOp::SumRows) => options.fuse,
+                    Op::Embedding(EmbeddingOp::EmbeddingBackward) => true,
                     _ => false,
                 };
                 let fusable = op_fuses && consumers[j] == 1 && !roots.contains(&j);
@@ -284,9 +284,9 @@ impl Plan {
         // (one dispatch for a Linear layer), into the bias add's storage.
         let mut bias_into: Vec<Option<usize>> = vec![None; count];
         for &i in order.iter().filter(|_| options.fuse) {
-            if nodes[i].op == Op::BiasAdd {
+            if nodes[i].op == ElementwiseOp::BiasAdd {
                 let j = nodes[i].inputs[0].0;
-                if matches!(nodes[j].op, Op::MatMul(_)) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
+                if matches!(nodes[j].op, Op::Matmul(MatmulOp::MatMul(_))) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
                     bias_into[j] = Some(i);
                     fused_away[i] = true;
                 }
@@ -299,11 +299,11 @@ impl Plan {
         let mut activation_into: Vec<Option<usize>> = vec![None; count];
         let mut keeps_pre_activation = vec![false; count];
         for &y in order.iter().filter(|_| options.fuse) {
-            let Op::Activation(act) = nodes[y].op else { continue };
+            let Op::Elementwise(ElementwiseOp::Activation(act)) = nodes[y].op else { continue };
             let z = nodes[y].inputs[0].0;
             let matmul = match nodes[z].op {
-                Op::BiasAdd if bias_into[nodes[z].inputs[0].0] == Some(z) => nodes[z].inputs[0].0,
-                Op::MatMul(_) if !accumulate[z] && bias_into[z].is_none() => z,
+                Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[nodes[z].inputs[0].0] == Some(z) => nodes[z].inputs[0].0,
+                Op::Matmul(MatmulOp::MatMul(_)) if !accumulate[z] && bias_into[z].is_none() => z,
                 _ => continue,
             };
             if activation_into[matmul].is_some() {
@@ -311,7 +311,7 @@ impl Plan {
             }
             if act == Activation::Relu {
                 for &j in &order {
-                    if nodes[j].op == Op::ActivationBackward(Activation::Relu) && reads[j][0].0 == z {
+                    if nodes[j].op == ElementwiseOp::ActivationBackward(Activation::Relu) && reads[j][0].0 == z {
                         reads[j][0] = Tensor(y);
                     }
                 }
@@ -330,10 +330,10 @@ impl Plan {
         // by nothing else is done by that matmul (dY·Wᵀ · f'(x)).
         let mut activation_grad_into: Vec<Option<usize>> = vec![None; count];
         for &i in order.iter().filter(|_| options.fuse) {
-            if let Op::ActivationBackward(_) = nodes[i].op {
+            if let Op::Elementwise(ElementwiseOp::ActivationBackward(_)) = nodes[i].op {
                 let g = reads[i][1].0;
                 let plain = bias_into[g].is_none() && activation_into[g].is_none() && activation_grad_into[g].is_none();
-                if matches!(nodes[g].op, Op::MatMul(_)) && consumers[g] == 1 && !accumulate[g] && !roots.contains(&g) && plain {
+                if matches!(nodes[g].op, Op::Matmul(MatmulOp::MatMul(_))) && consumers[g] == 1 && !accumulate[g] && !roots.contains(&g) && plain {
                     activation_grad_into[g] = Some(i);
                     fused_away[i] = true;
                 }
@@ -344,10 +344,10 @@ impl Plan {
         // The fused kernel is one workgroup, so only for small predictions.
         let mut loss_with_grad: Vec<Option<usize>> = vec![None; count];
         for &i in order.iter().filter(|_| options.fuse) {
-            if let Op::LossBackward(kind) = nodes[i].op {
+            if let Op::Loss(LossOp::LossBackward(kind)) = nodes[i].op {
                 let (pred, target) = (nodes[i].inputs[0], nodes[i].inputs[1]);
                 let small = nodes[pred.0].len() <= options.fused_loss_max;
-                let forward = order.iter().copied().find(|&j| nodes[j].op == Op::Loss(kind) && nodes[j].inputs == [pred, target]);
+                let forward = order.iter().copied().find(|&j| nodes[j].op == LossOp::Loss(kind) && nodes[j].inputs == [pred, target]);
                 if let (true, Some(j)) = (small, forward) {
                     loss_with_grad[j] = Some(i);
                     fused_away[i] = true;
@@ -411,28 +411,28 @@ impl Plan {
                 // Writes into the gradient arena: no slot.
                 _ if accumulate[i] => {}
                 // Its matmul (or its loss) already placed it.
-                Op::BiasAdd | Op::Activation(_) | Op::ActivationBackward(_) | Op::LossBackward(_) if fused_away[i] => {}
-                Op::Parameter { .. } => {}
+                Op::Elementwise(ElementwiseOp::BiasAdd | ElementwiseOp::Activation(_) | ElementwiseOp::ActivationBackward(_)) | Op::Loss(LossOp::LossBackward(_)) if fused_away[i] => {}
+                Op::Source(SourceOp::Parameter { .. }) => {}
                 // Shares its input's storage (set below), or its writer
                 // placed it (a layernorm's statistics).
-                Op::Reshape => {}
+                Op::Layout(LayoutOp::Reshape) => {}
                 _ if node.op.is_companion() => {}
-                Op::Input => {
+                Op::Source(SourceOp::Input) => {
                     storage[i] = Storage::Input { index: inputs };
                     inputs += 1;
                     input_bytes += node.len() as u64 * BYTES;
                 }
-                Op::Constant { .. } => {
+                Op::Source(SourceOp::Constant { .. }) => {
                     storage[i] = Storage::Constant { index: constants };
                     constants += 1;
                     input_bytes += node.len() as u64 * BYTES;
                 }
-                Op::Cache => {
+                Op::Source(SourceOp::Cache) => {
                     storage[i] = Storage::Cache { index: caches };
                     caches += 1;
                     input_bytes += node.len() as u64 * BYTES;
                 }
-                Op::AccumulateGrad { param } => {
+                Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => {
                     if let Storage::Param { offset } = storage[param.0] {
                         storage[i] = Storage::Grad { offset };
                     }
@@ -489,7 +489,7 @@ impl Plan {
             free.extend(release_at[i].drain(..));
         }
         for &i in &order {
-            if nodes[i].op == Op::Reshape {
+            if nodes[i].op == LayoutOp::Reshape {
                 storage[i] = storage[owner[i]];
             }
         }
@@ -547,13 +547,13 @@ impl Plan {
         };
         let pred_shape = &nodes[pred].shape;
         let bias_grad = match pred_shape.len() {
-            2 => accumulating(Op::SumRows, &[dpred]),
+            2 => accumulating(ReduceOp::SumRows.into(), &[dpred]),
             _ => None,
         };
         // The prediction: a matmul, alone or with the bias add it computes.
         let (matmul, bias) = match nodes[pred].op {
-            Op::BiasAdd if bias_into[nodes[pred].inputs[0].0] == Some(pred) => (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1])),
-            Op::MatMul(_) if !accumulate[pred] => (pred, None),
+            Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[nodes[pred].inputs[0].0] == Some(pred) => (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1])),
+            Op::Matmul(MatmulOp::MatMul(_)) if !accumulate[pred] => (pred, None),
             _ => return LossFusion { linear: None, bias_grad },
         };
         let (x, weight) = (nodes[matmul].inputs[0], nodes[matmul].inputs[1]);
@@ -565,9 +565,9 @@ impl Plan {
         let (rows, cols) = (pred_shape[0], pred_shape.get(1).copied().unwrap_or(1));
         let inner = graph.node(weight).shape.get(1).copied().unwrap_or(0);
         let small = rows.saturating_mul(cols).saturating_mul(inner) <= max_macs;
-        let weight_grad = accumulating(Op::MatMul(MatmulForm::AtB), &[dpred, x]);
+        let weight_grad = accumulating(MatmulOp::MatMul(MatmulForm::AtB).into(), &[dpred, x]);
         let linear = match (&nodes[matmul].op, weight_grad) {
-            (Op::MatMul(MatmulForm::ABt), Some(weight_grad))
+            (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad))
                 if pred_shape.len() == 2 && small && is_param(weight) && bias.is_none_or(is_param) && only_the_loss_reads_pred =>
             {
                 Some(LinearInLoss { matmul, x, weight, bias, weight_grad })

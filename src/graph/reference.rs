@@ -4,7 +4,7 @@
 //! for any node a run computes.
 
 use super::builder::{Graph, Tensor};
-use super::ops::{Op, ReferenceContext};
+use super::ops::{ElementwiseOp, Op, ReferenceContext};
 use crate::error::{Error, Result};
 
 impl Graph {
@@ -28,9 +28,9 @@ impl Graph {
                 }
                 // An accumulation adds onto what the earlier ones into the
                 // same gradient left there.
-                if let Op::AccumulateGrad { param } = self.nodes[i].op {
+                if let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = self.nodes[i].op {
                     for j in 0..i {
-                        needed[j] |= self.nodes[j].op == (Op::AccumulateGrad { param });
+                        needed[j] |= self.nodes[j].op == ElementwiseOp::AccumulateGrad { param };
                     }
                 }
             }
@@ -39,7 +39,7 @@ impl Graph {
         for i in (0..count).filter(|&i| needed[i]) {
             let op = &self.nodes[i].op;
             let cx = ReferenceContext { graph: self, node: Tensor(i), values: &values, feeds };
-            let value = op.family().reference(op, &cx)?;
+            let value = op.family().reference(&cx)?;
             if value.len() != self.nodes[i].len() {
                 return Err(Error::shape("evaluate_f64", format!("the reference of `{}` gave {} values", self.nodes[i].name, value.len()), &[&self.nodes[i].shape]));
             }

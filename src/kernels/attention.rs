@@ -1,10 +1,17 @@
 //! `attention.wgsl`: attention over a KV cache, the per-token step of
 //! generation (and the prompt's, which fills the cache).
 
-use super::registry::{CACHED_ATTENTION_FORWARD, CACHED_ATTENTION_FORWARD_WORKGROUP};
+use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::CachedAttentionShape;
+
+entry_points! {
+    Attention {
+        CACHED_ATTENTION_FORWARD = "cached_attention_forward",
+        CACHED_ATTENTION_FORWARD_WORKGROUP = "cached_attention_forward_workgroup",
+    }
+}
 
 /// The largest head dimension `cached_attention_forward` takes: each
 /// invocation keeps its query and output row in private arrays of this

@@ -7,10 +7,33 @@
 //! and dy_y = -dx·x/y; for `alpha * x`, dx = scale(dy, alpha); for
 //! bias add, dx = dy and dbias = sum_rows(dy).
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::{Activation, Binary};
+
+entry_points! {
+    Elementwise {
+        ADD_FORWARD = "add_forward",
+        SUB_FORWARD = "sub_forward",
+        MUL_FORWARD = "mul_forward",
+        DIV_FORWARD = "div_forward",
+        SCALE_FORWARD = "scale_forward",
+        ADD_ASSIGN = "add_assign",
+        COPY_VEC4 = "copy_vec4",
+        BIAS_ADD_FORWARD = "bias_add_forward",
+        RELU_FORWARD = "relu_forward",
+        RELU_BACKWARD = "relu_backward",
+        GELU_FORWARD = "gelu_forward",
+        GELU_BACKWARD = "gelu_backward",
+        SIGMOID_FORWARD = "sigmoid_forward",
+        SIGMOID_BACKWARD = "sigmoid_backward",
+        TANH_FORWARD = "tanh_forward",
+        TANH_BACKWARD = "tanh_backward",
+        SILU_FORWARD = "silu_forward",
+        SILU_BACKWARD = "silu_backward",
+    }
+}
 
 // The op vocabulary lives in `crate::ops`; here only which entry runs each op.
 impl Binary {

@@ -13,13 +13,22 @@
 //! table rows. A and C must each fit one binding.
 
 use super::matmul_ext::F16View;
-use super::registry::{
-    Kernel, EMBEDDING_F16W_FORWARD, MATMUL_F16W_FORWARD_REGISTER, MATMUL_F16W_FORWARD_SHARED, MATMUL_F16W_FORWARD_SHARED_VEC, MATMUL_F16W_FORWARD_SMALL, MATVEC_F16W_FORWARD,
-};
+use super::registry::{entry_points, Kernel};
 use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use super::rowwise::RowPartLayout;
 use crate::error::{Error, Result};
+
+entry_points! {
+    F16Weights {
+        MATVEC_F16W_FORWARD = "matvec_f16w_forward",
+        MATMUL_F16W_FORWARD_SMALL = "matmul_f16w_forward_small",
+        MATMUL_F16W_FORWARD_REGISTER = "matmul_f16w_forward_register",
+        MATMUL_F16W_FORWARD_SHARED = "matmul_f16w_forward_shared",
+        MATMUL_F16W_FORWARD_SHARED_VEC = "matmul_f16w_forward_shared_vec",
+        EMBEDDING_F16W_FORWARD = "embedding_f16w_forward",
+    }
+}
 
 /// Which kernel of `f16_weights.wgsl` a product runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

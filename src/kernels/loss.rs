@@ -1,9 +1,25 @@
 //! `loss.wgsl`: mean squared error and softmax cross-entropy (mean reduction),
 //! alone or fused with their gradient and the last Linear layer's work.
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
+
+entry_points! {
+    Loss {
+        MSE_FORWARD = "mse_forward",
+        MSE_BACKWARD = "mse_backward",
+        CROSS_ENTROPY_FORWARD = "cross_entropy_forward",
+        CROSS_ENTROPY_BACKWARD = "cross_entropy_backward",
+        MSE_FORWARD_BACKWARD = "mse_forward_backward",
+        CROSS_ENTROPY_FORWARD_BACKWARD = "cross_entropy_forward_backward",
+        MSE_LINEAR_FORWARD_BACKWARD = "mse_linear_forward_backward",
+        CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD = "cross_entropy_linear_forward_backward",
+        MSE_PARTIAL = "mse_partial",
+        CROSS_ENTROPY_PARTIAL = "cross_entropy_partial",
+        LOSS_FINISH = "loss_finish",
+    }
+}
 
 /// Elements per invocation of `mse_partial` (loss.wgsl's `LOSS_CHUNK`).
 const LOSS_CHUNK: usize = 64;

@@ -1,11 +1,20 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
-use super::registry::{
-    MATMUL_FORWARD_MATVEC, MATMUL_FORWARD_REGISTER, MATMUL_FORWARD_REGISTER_VEC4, MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SHARED_VEC4, MATMUL_FORWARD_SMALL, MATMUL_SUBGROUP_FORWARD,
-};
+use super::registry::{entry_points, MATMUL_SUBGROUP_FORWARD};
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::{Activation, MatmulForm};
+
+entry_points! {
+    Matmul {
+        MATMUL_FORWARD_REGISTER = "matmul_forward_register",
+        MATMUL_FORWARD_SHARED = "matmul_forward_shared",
+        MATMUL_FORWARD_SHARED_VEC4 = "matmul_forward_shared_vec4",
+        MATMUL_FORWARD_REGISTER_VEC4 = "matmul_forward_register_vec4",
+        MATMUL_FORWARD_MATVEC = "matmul_forward_matvec",
+        MATMUL_FORWARD_SMALL = "matmul_forward_small",
+    }
+}
 
 /// The kernel shape: register-blocked (CPU adapters, where workgroup memory
 /// and barriers are slow) or workgroup-memory tiled (real GPUs).

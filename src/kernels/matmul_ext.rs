@@ -12,14 +12,23 @@
 
 use half::f16;
 
-use super::registry::{
-    Family, F16_TO_F32, F32_TO_F16, MATMUL_F16_FORWARD, MATMUL_SUBGROUP_FORWARD,
-};
+use super::registry::{entry_points, Family};
 use super::{
     bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulEpilogue, MatmulForm,
     MatmulVariant, View,
 };
 use crate::error::{Error, Result};
+
+entry_points! {
+    MatmulF16 {
+        MATMUL_F16_FORWARD = "matmul_f16_forward",
+        F32_TO_F16 = "f32_to_f16",
+        F16_TO_F32 = "f16_to_f32",
+    }
+    MatmulSubgroup {
+        MATMUL_SUBGROUP_FORWARD = "matmul_subgroup_forward",
+    }
+}
 
 /// The subgroup size `matmul_subgroup_forward` is written for: one 8-wide
 /// workgroup is one subgroup (llvmpipe's SIMD width with 256-bit vectors).

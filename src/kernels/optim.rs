@@ -2,10 +2,20 @@
 //! updating parameters and state in place with PyTorch's formulas; the
 //! global gradient norm for clipping, reduced on the GPU.
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View, FLAT_WORKGROUP};
 use crate::error::{Error, Result};
 use crate::ops::{AdamConfig, OptimizerConfig, SgdConfig};
+
+entry_points! {
+    Optim {
+        SGD_UPDATE = "sgd_update",
+        ADAM_UPDATE = "adam_update",
+        ADAMW_UPDATE = "adamw_update",
+        GRAD_NORM_PARTIALS = "grad_norm_partials",
+        GRAD_NORM_FINISH = "grad_norm_finish",
+    }
+}
 
 /// Most workgroups `grad_norm_partials` uses: enough to fill a large GPU;
 /// `grad_norm_finish` (one workgroup) then sums at most this many partials.

@@ -8,9 +8,20 @@
 //! stages ([`ColumnBlocks`]): fixed blocks of rows per column into partial
 //! sums, then the partials in block order.
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, column_groups, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
+
+entry_points! {
+    Reduce {
+        SUM_ROWS_FORWARD = "sum_rows_forward",
+        SUM_ROWS_PARTIAL = "sum_rows_partial",
+        SUM_FORWARD = "sum_forward",
+        MEAN_FORWARD = "mean_forward",
+        MAX_ROWS_FORWARD = "max_rows_forward",
+        ARGMAX_ROWS_FORWARD = "argmax_rows_forward",
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]

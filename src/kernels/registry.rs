@@ -1,5 +1,9 @@
-//! The kernel sources and the table of entry points. A new WGSL entry gets one
-//! line in `KERNELS`; a test checks the table against the WGSL files.
+//! The kernel sources and the table of entry points. A new WGSL entry is
+//! one line in the `entry_points!` block of the Rust file that dispatches
+//! it (src/kernels/<family>.rs); [`KERNELS`] gathers every file's, and
+//! tests/suite/shaders.rs checks the table against the WGSL files. A new
+//! family is a [`Family`] variant with its arms below, and its Rust file in
+//! `kernel_files!`.
 //!
 //! WGSL has no includes, so WGSL that several families need (index helpers,
 //! activation formulas) lives once in a [`Shared`] file and is concatenated
@@ -260,198 +264,63 @@ pub struct Kernel {
     pub entry: &'static str,
 }
 
-const fn kernel(family: Family, entry: &'static str) -> Kernel {
-    Kernel { family, entry }
+/// Declares a kernel file's WGSL entry points, grouped by family: a public
+/// `Kernel` const per entry (in the file's `entries` module, re-exported
+/// here as `registry::NAME` and used by the file's typed entries), and
+/// the file's list, `ENTRY_POINTS`, which [`KERNELS`] concatenates. So a
+/// new entry point is one line, in the file that dispatches it.
+macro_rules! entry_points {
+    ($($family:ident { $($name:ident = $entry:literal,)+ })+) => {
+        /// This file's WGSL entry points.
+        pub mod entries {
+            use $crate::kernels::registry::{Family, Kernel};
+            $($(pub const $name: Kernel = Kernel { family: Family::$family, entry: $entry };)+)+
+        }
+        use entries::*;
+        /// This file's entry points, listed in `registry::KERNELS`.
+        pub(super) const ENTRY_POINTS: &[$crate::kernels::registry::Kernel] = &[$($(entries::$name,)+)+];
+    };
+}
+pub(super) use entry_points;
+
+/// The kernel files (under src/kernels/) whose `entry_points!` declare
+/// every entry wgrad dispatches: their constants re-exported here, and
+/// their lists concatenated, in this order, into [`KERNELS`].
+macro_rules! kernel_files {
+    ($($file:ident),+ $(,)?) => {
+        $(pub use super::$file::entries::*;)+
+        const PER_FILE: &[&[Kernel]] = &[$(super::$file::ENTRY_POINTS),+];
+    };
 }
 
-pub const MATMUL_FORWARD_REGISTER: Kernel = kernel(Family::Matmul, "matmul_forward_register");
-pub const MATMUL_FORWARD_SHARED: Kernel = kernel(Family::Matmul, "matmul_forward_shared");
-pub const MATMUL_FORWARD_SHARED_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_shared_vec4");
-pub const MATMUL_FORWARD_REGISTER_VEC4: Kernel = kernel(Family::Matmul, "matmul_forward_register_vec4");
-pub const MATMUL_FORWARD_MATVEC: Kernel = kernel(Family::Matmul, "matmul_forward_matvec");
-pub const MATMUL_FORWARD_SMALL: Kernel = kernel(Family::Matmul, "matmul_forward_small");
+kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope);
 
-pub const ADD_FORWARD: Kernel = kernel(Family::Elementwise, "add_forward");
-pub const SUB_FORWARD: Kernel = kernel(Family::Elementwise, "sub_forward");
-pub const MUL_FORWARD: Kernel = kernel(Family::Elementwise, "mul_forward");
-pub const DIV_FORWARD: Kernel = kernel(Family::Elementwise, "div_forward");
-pub const SCALE_FORWARD: Kernel = kernel(Family::Elementwise, "scale_forward");
-pub const ADD_ASSIGN: Kernel = kernel(Family::Elementwise, "add_assign");
-pub const COPY_VEC4: Kernel = kernel(Family::Elementwise, "copy_vec4");
-pub const BIAS_ADD_FORWARD: Kernel = kernel(Family::Elementwise, "bias_add_forward");
-pub const RELU_FORWARD: Kernel = kernel(Family::Elementwise, "relu_forward");
-pub const RELU_BACKWARD: Kernel = kernel(Family::Elementwise, "relu_backward");
-pub const GELU_FORWARD: Kernel = kernel(Family::Elementwise, "gelu_forward");
-pub const GELU_BACKWARD: Kernel = kernel(Family::Elementwise, "gelu_backward");
-pub const SIGMOID_FORWARD: Kernel = kernel(Family::Elementwise, "sigmoid_forward");
-pub const SIGMOID_BACKWARD: Kernel = kernel(Family::Elementwise, "sigmoid_backward");
-pub const TANH_FORWARD: Kernel = kernel(Family::Elementwise, "tanh_forward");
-pub const TANH_BACKWARD: Kernel = kernel(Family::Elementwise, "tanh_backward");
-pub const SILU_FORWARD: Kernel = kernel(Family::Elementwise, "silu_forward");
-pub const SILU_BACKWARD: Kernel = kernel(Family::Elementwise, "silu_backward");
+const fn total_len(lists: &[&[Kernel]]) -> usize {
+    let (mut total, mut i) = (0, 0);
+    while i < lists.len() {
+        total += lists[i].len();
+        i += 1;
+    }
+    total
+}
 
-pub const SUM_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "sum_rows_forward");
-pub const SUM_ROWS_PARTIAL: Kernel = kernel(Family::Reduce, "sum_rows_partial");
-pub const SUM_FORWARD: Kernel = kernel(Family::Reduce, "sum_forward");
-pub const MEAN_FORWARD: Kernel = kernel(Family::Reduce, "mean_forward");
-pub const MAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "max_rows_forward");
-pub const ARGMAX_ROWS_FORWARD: Kernel = kernel(Family::Reduce, "argmax_rows_forward");
+/// The lists one after another (const: `KERNELS` stays a `&'static` slice).
+const fn concat<const N: usize>(lists: &[&[Kernel]]) -> [Kernel; N] {
+    let mut all = [Kernel { family: Family::Matmul, entry: "" }; N];
+    let (mut n, mut i) = (0, 0);
+    while i < lists.len() {
+        let mut j = 0;
+        while j < lists[i].len() {
+            all[n] = lists[i][j];
+            n += 1;
+            j += 1;
+        }
+        i += 1;
+    }
+    all
+}
 
-pub const MSE_FORWARD: Kernel = kernel(Family::Loss, "mse_forward");
-pub const MSE_BACKWARD: Kernel = kernel(Family::Loss, "mse_backward");
-pub const CROSS_ENTROPY_FORWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward");
-pub const CROSS_ENTROPY_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_backward");
-pub const MSE_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_forward_backward");
-pub const CROSS_ENTROPY_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_forward_backward");
-pub const MSE_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "mse_linear_forward_backward");
-pub const CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD: Kernel = kernel(Family::Loss, "cross_entropy_linear_forward_backward");
-pub const MSE_PARTIAL: Kernel = kernel(Family::Loss, "mse_partial");
-pub const CROSS_ENTROPY_PARTIAL: Kernel = kernel(Family::Loss, "cross_entropy_partial");
-pub const LOSS_FINISH: Kernel = kernel(Family::Loss, "loss_finish");
-
-pub const SGD_UPDATE: Kernel = kernel(Family::Optim, "sgd_update");
-pub const ADAM_UPDATE: Kernel = kernel(Family::Optim, "adam_update");
-pub const ADAMW_UPDATE: Kernel = kernel(Family::Optim, "adamw_update");
-pub const GRAD_NORM_PARTIALS: Kernel = kernel(Family::Optim, "grad_norm_partials");
-pub const GRAD_NORM_FINISH: Kernel = kernel(Family::Optim, "grad_norm_finish");
-
-pub const MATMUL_F16_FORWARD: Kernel = kernel(Family::MatmulF16, "matmul_f16_forward");
-pub const F32_TO_F16: Kernel = kernel(Family::MatmulF16, "f32_to_f16");
-pub const F16_TO_F32: Kernel = kernel(Family::MatmulF16, "f16_to_f32");
-pub const MATMUL_SUBGROUP_FORWARD: Kernel = kernel(Family::MatmulSubgroup, "matmul_subgroup_forward");
-
-pub const SOFTMAX_FORWARD: Kernel = kernel(Family::Rowwise, "softmax_forward");
-pub const SOFTMAX_BACKWARD: Kernel = kernel(Family::Rowwise, "softmax_backward");
-pub const LAYERNORM_FORWARD: Kernel = kernel(Family::Rowwise, "layernorm_forward");
-pub const LAYERNORM_BACKWARD: Kernel = kernel(Family::Rowwise, "layernorm_backward");
-pub const SOFTMAX_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "softmax_forward_short");
-pub const SOFTMAX_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "softmax_backward_short");
-pub const LAYERNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_forward_short");
-pub const LAYERNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "layernorm_backward_short");
-pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward_short");
-pub const RMSNORM_FORWARD: Kernel = kernel(Family::Rowwise, "rmsnorm_forward");
-pub const RMSNORM_BACKWARD: Kernel = kernel(Family::Rowwise, "rmsnorm_backward");
-pub const RMSNORM_FORWARD_SHORT: Kernel = kernel(Family::Rowwise, "rmsnorm_forward_short");
-pub const RMSNORM_BACKWARD_SHORT: Kernel = kernel(Family::Rowwise, "rmsnorm_backward_short");
-pub const LAYERNORM_BACKWARD_PARAMS: Kernel = kernel(Family::Rowwise, "layernorm_backward_params");
-pub const LAYERNORM_BACKWARD_PARAMS_PARTIAL: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_partial");
-pub const LAYERNORM_BACKWARD_PARAMS_FINISH: Kernel = kernel(Family::Rowwise, "layernorm_backward_params_finish");
-pub const CROSS_ENTROPY_ROWS_FORWARD_BACKWARD: Kernel = kernel(Family::Rowwise, "cross_entropy_rows_forward_backward");
-pub const EMBEDDING_FORWARD: Kernel = kernel(Family::Rowwise, "embedding_forward");
-pub const EMBEDDING_BACKWARD_SORT: Kernel = kernel(Family::Rowwise, "embedding_backward_sort");
-pub const EMBEDDING_BACKWARD: Kernel = kernel(Family::Rowwise, "embedding_backward");
-
-pub const BINARY_BROADCAST_FORWARD: Kernel = kernel(Family::Tensor, "binary_broadcast_forward");
-pub const UNARY_FORWARD: Kernel = kernel(Family::Tensor, "unary_forward");
-pub const REDUCE_TO_SHAPE_FORWARD: Kernel = kernel(Family::Tensor, "reduce_to_shape_forward");
-pub const REDUCE_TO_SHAPE_PARTIAL: Kernel = kernel(Family::Tensor, "reduce_to_shape_partial");
-pub const PERMUTE_FORWARD: Kernel = kernel(Family::Tensor, "permute_forward");
-pub const SLICE_LAST_FORWARD: Kernel = kernel(Family::Tensor, "slice_last_forward");
-pub const PAD_LAST_FORWARD: Kernel = kernel(Family::Tensor, "pad_last_forward");
-pub const CONCAT_LAST_FORWARD: Kernel = kernel(Family::Tensor, "concat_last_forward");
-
-pub const CACHED_ATTENTION_FORWARD: Kernel = kernel(Family::Attention, "cached_attention_forward");
-pub const CACHED_ATTENTION_FORWARD_WORKGROUP: Kernel = kernel(Family::Attention, "cached_attention_forward_workgroup");
-
-pub const SAMPLE_ROWS_FORWARD: Kernel = kernel(Family::Sampling, "sample_rows_forward");
-pub const MATVEC_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "matvec_f16w_forward");
-pub const MATMUL_F16W_FORWARD_SMALL: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_small");
-pub const MATMUL_F16W_FORWARD_REGISTER: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_register");
-pub const MATMUL_F16W_FORWARD_SHARED: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared");
-pub const MATMUL_F16W_FORWARD_SHARED_VEC: Kernel = kernel(Family::F16Weights, "matmul_f16w_forward_shared_vec");
-pub const EMBEDDING_F16W_FORWARD: Kernel = kernel(Family::F16Weights, "embedding_f16w_forward");
-pub const ROPE_FORWARD: Kernel = kernel(Family::Rope, "rope_forward");
-pub const ROPE_BACKWARD: Kernel = kernel(Family::Rope, "rope_backward");
+const ALL: [Kernel; total_len(PER_FILE)] = concat(PER_FILE);
 
 /// Every entry point wgrad dispatches.
-pub const KERNELS: &[Kernel] = &[
-    MATMUL_FORWARD_REGISTER,
-    MATMUL_FORWARD_SHARED,
-    MATMUL_FORWARD_SHARED_VEC4,
-    MATMUL_FORWARD_REGISTER_VEC4,
-    MATMUL_FORWARD_MATVEC,
-    MATMUL_FORWARD_SMALL,
-    ADD_FORWARD,
-    SUB_FORWARD,
-    MUL_FORWARD,
-    DIV_FORWARD,
-    SCALE_FORWARD,
-    ADD_ASSIGN,
-    COPY_VEC4,
-    BIAS_ADD_FORWARD,
-    RELU_FORWARD,
-    RELU_BACKWARD,
-    GELU_FORWARD,
-    GELU_BACKWARD,
-    SIGMOID_FORWARD,
-    SIGMOID_BACKWARD,
-    TANH_FORWARD,
-    TANH_BACKWARD,
-    SILU_FORWARD,
-    SILU_BACKWARD,
-    SUM_ROWS_FORWARD,
-    SUM_ROWS_PARTIAL,
-    SUM_FORWARD,
-    MEAN_FORWARD,
-    MAX_ROWS_FORWARD,
-    ARGMAX_ROWS_FORWARD,
-    MSE_FORWARD,
-    MSE_BACKWARD,
-    CROSS_ENTROPY_FORWARD,
-    CROSS_ENTROPY_BACKWARD,
-    MSE_FORWARD_BACKWARD,
-    CROSS_ENTROPY_FORWARD_BACKWARD,
-    MSE_LINEAR_FORWARD_BACKWARD,
-    CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD,
-    MSE_PARTIAL,
-    CROSS_ENTROPY_PARTIAL,
-    LOSS_FINISH,
-    SGD_UPDATE,
-    ADAM_UPDATE,
-    ADAMW_UPDATE,
-    GRAD_NORM_PARTIALS,
-    GRAD_NORM_FINISH,
-    MATMUL_F16_FORWARD,
-    F32_TO_F16,
-    F16_TO_F32,
-    MATMUL_SUBGROUP_FORWARD,
-    SOFTMAX_FORWARD,
-    SOFTMAX_BACKWARD,
-    LAYERNORM_FORWARD,
-    LAYERNORM_BACKWARD,
-    LAYERNORM_BACKWARD_PARAMS,
-    LAYERNORM_BACKWARD_PARAMS_PARTIAL,
-    LAYERNORM_BACKWARD_PARAMS_FINISH,
-    CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
-    SOFTMAX_FORWARD_SHORT,
-    SOFTMAX_BACKWARD_SHORT,
-    LAYERNORM_FORWARD_SHORT,
-    LAYERNORM_BACKWARD_SHORT,
-    CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT,
-    RMSNORM_FORWARD,
-    RMSNORM_BACKWARD,
-    RMSNORM_FORWARD_SHORT,
-    RMSNORM_BACKWARD_SHORT,
-    EMBEDDING_FORWARD,
-    EMBEDDING_BACKWARD_SORT,
-    EMBEDDING_BACKWARD,
-    BINARY_BROADCAST_FORWARD,
-    UNARY_FORWARD,
-    REDUCE_TO_SHAPE_FORWARD,
-    REDUCE_TO_SHAPE_PARTIAL,
-    PERMUTE_FORWARD,
-    SLICE_LAST_FORWARD,
-    PAD_LAST_FORWARD,
-    CONCAT_LAST_FORWARD,
-    CACHED_ATTENTION_FORWARD,
-    CACHED_ATTENTION_FORWARD_WORKGROUP,
-    SAMPLE_ROWS_FORWARD,
-    MATVEC_F16W_FORWARD,
-    MATMUL_F16W_FORWARD_SMALL,
-    MATMUL_F16W_FORWARD_REGISTER,
-    MATMUL_F16W_FORWARD_SHARED,
-    MATMUL_F16W_FORWARD_SHARED_VEC,
-    EMBEDDING_F16W_FORWARD,
-    ROPE_FORWARD,
-    ROPE_BACKWARD,
-];
+pub const KERNELS: &[Kernel] = &ALL;

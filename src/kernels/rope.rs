@@ -5,11 +5,18 @@
 //! each element once, so one launch over both would save a launch, not
 //! memory traffic.
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::rowwise::check_lengths;
 use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::{RopeLayout, RopeShape};
+
+entry_points! {
+    Rope {
+        ROPE_FORWARD = "rope_forward",
+        ROPE_BACKWARD = "rope_backward",
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]

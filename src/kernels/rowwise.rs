@@ -8,9 +8,34 @@
 //! its row. Rows are spread over a 2-D grid, so the row count is bounded
 //! only by `max_compute_workgroups_per_dimension`² (an `Error::TooLarge`).
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, column_groups, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
+
+entry_points! {
+    Rowwise {
+        SOFTMAX_FORWARD = "softmax_forward",
+        SOFTMAX_BACKWARD = "softmax_backward",
+        LAYERNORM_FORWARD = "layernorm_forward",
+        LAYERNORM_BACKWARD = "layernorm_backward",
+        LAYERNORM_BACKWARD_PARAMS = "layernorm_backward_params",
+        LAYERNORM_BACKWARD_PARAMS_PARTIAL = "layernorm_backward_params_partial",
+        LAYERNORM_BACKWARD_PARAMS_FINISH = "layernorm_backward_params_finish",
+        CROSS_ENTROPY_ROWS_FORWARD_BACKWARD = "cross_entropy_rows_forward_backward",
+        SOFTMAX_FORWARD_SHORT = "softmax_forward_short",
+        SOFTMAX_BACKWARD_SHORT = "softmax_backward_short",
+        LAYERNORM_FORWARD_SHORT = "layernorm_forward_short",
+        LAYERNORM_BACKWARD_SHORT = "layernorm_backward_short",
+        CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT = "cross_entropy_rows_forward_backward_short",
+        RMSNORM_FORWARD = "rmsnorm_forward",
+        RMSNORM_BACKWARD = "rmsnorm_backward",
+        RMSNORM_FORWARD_SHORT = "rmsnorm_forward_short",
+        RMSNORM_BACKWARD_SHORT = "rmsnorm_backward_short",
+        EMBEDDING_FORWARD = "embedding_forward",
+        EMBEDDING_BACKWARD_SORT = "embedding_backward_sort",
+        EMBEDDING_BACKWARD = "embedding_backward",
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]

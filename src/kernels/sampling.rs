@@ -2,10 +2,16 @@
 //! GPU, so that a generation step reads back two u32 per sequence instead
 //! of a vocabulary of logits.
 
-use super::registry::SAMPLE_ROWS_FORWARD;
+use super::registry::entry_points;
 use super::rowwise::check_lengths;
 use super::{bind, dim, Dispatch, Kernels, View};
 use crate::error::Result;
+
+entry_points! {
+    Sampling {
+        SAMPLE_ROWS_FORWARD = "sample_rows_forward",
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]

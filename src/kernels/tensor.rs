@@ -5,10 +5,23 @@
 //! against the views and pads them to rank 4 (leading 1s) as per-axis
 //! strides, so the kernels share one indexing function.
 
-use super::registry::*;
+use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Binding, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::{broadcast_shape, Binary, Unary};
+
+entry_points! {
+    Tensor {
+        BINARY_BROADCAST_FORWARD = "binary_broadcast_forward",
+        UNARY_FORWARD = "unary_forward",
+        REDUCE_TO_SHAPE_FORWARD = "reduce_to_shape_forward",
+        REDUCE_TO_SHAPE_PARTIAL = "reduce_to_shape_partial",
+        PERMUTE_FORWARD = "permute_forward",
+        SLICE_LAST_FORWARD = "slice_last_forward",
+        PAD_LAST_FORWARD = "pad_last_forward",
+        CONCAT_LAST_FORWARD = "concat_last_forward",
+    }
+}
 
 /// The highest rank these kernels take.
 pub const MAX_RANK: usize = 4;

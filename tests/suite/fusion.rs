@@ -7,7 +7,7 @@ use crate::common;
 
 use std::sync::Arc;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
+use common::{assert_close, for_each_adapter, param, random_vec, rng};
 use wgrad::graph::{Executor, Graph, Plan, PlanOptions, Storage};
 use wgrad::kernels::{Activation, LossLinear, LossTargets, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
@@ -694,12 +694,6 @@ fn fused_matches_unfused(
         assert_close(&format!("{what}: result {i}"), f, u, 1e-6, 1e-4);
     }
     Ok(fused_plan.expect("planned"))
-}
-
-fn param(g: &mut Graph, name: &str, shape: &[usize], seed: u64) -> wgrad::graph::Tensor {
-    let n = shape.iter().product();
-    g.parameter(name, shape, random_vec(&mut rng(seed), n, -1.0, 1.0))
-        .unwrap()
 }
 
 #[test]

@@ -7,68 +7,13 @@ use crate::common;
 
 use std::sync::Arc;
 
-use common::{assert_close, for_each_adapter, random_vec, rng};
-use wgrad::graph::{Executor, Graph, Op, Tensor};
-use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, RopeLayout, SgdConfig};
+use common::{assert_close, for_each_adapter, gradcheck, mse_to_random, param, param_in, random_vec, rng};
+use wgrad::graph::{Executor, Graph, LossOp};
+use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{cpu, Error, Kernels};
-
-/// Checks d loss / d param from the GPU against f64 central differences.
-fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Vec<(Tensor, Vec<f32>)>, labels: Vec<(Tensor, Vec<u32>)>) -> wgrad::Result<()> {
-    let grads = g.backward(loss)?;
-    let params = g.parameters();
-    let reference = g.clone();
-    let mut exec = Executor::new(k.clone(), g, &[loss], Some(grads.clone()), None)?;
-    for (t, d) in &feeds {
-        exec.set_input(*t, d)?;
-    }
-    for (t, l) in &labels {
-        exec.set_labels(*t, l)?;
-    }
-    exec.train_step(true, false, false)?;
-    // The f64 reference takes ids and labels as their integer values.
-    let feeds64: Vec<(Tensor, Vec<f64>)> = feeds
-        .iter()
-        .map(|(t, d)| (*t, d.iter().map(|&v| f64::from(v)).collect()))
-        .chain(labels.iter().map(|(t, l)| (*t, l.iter().map(|&v| f64::from(v)).collect())))
-        .collect();
-    for p in params {
-        let got = exec.read_grad(p)?;
-        let name = &reference.get(p).expect("parameter").name;
-        // The backward nodes' own CPU references, evaluated in f64: the
-        // f32 kernels' rounding is all that differs.
-        let grad_node = grads.get(p).expect("the loss depends on every parameter");
-        let backward: Vec<f32> = reference.evaluate_f64(&[grad_node], &feeds64)?[0].iter().map(|&v| v as f32).collect();
-        assert_close(&format!("{what}: d/d {name}, the backward graph's references"), &got, &backward, 1e-4, 1e-3);
-        let mut want = Vec::with_capacity(got.len());
-        let eps = 1e-4;
-        for i in 0..got.len() {
-            let mut plus = reference.clone();
-            let mut minus = reference.clone();
-            let a = plus.parameter_init_mut(p).expect("parameter");
-            a[i] += eps as f32;
-            let up = a[i];
-            let b = minus.parameter_init_mut(p).expect("parameter");
-            b[i] -= eps as f32;
-            // The perturbation is applied in f32; divide by the actual step.
-            let step = f64::from(up) - f64::from(b[i]);
-            let lp = plus.evaluate_f64(&[loss], &feeds64)?[0][0];
-            let lm = minus.evaluate_f64(&[loss], &feeds64)?[0][0];
-            want.push(((lp - lm) / step) as f32);
-        }
-        // f32 GPU gradient vs f64 differences of an f32-perturbed parameter:
-        // the difference quotient carries ~1e-4 relative error.
-        assert_close(&format!("{what}: d/d {name}"), &got, &want, 2e-3, 1e-2);
-    }
-    Ok(())
-}
-
-fn param(g: &mut Graph, name: &str, shape: &[usize], seed: u64) -> Tensor {
-    let n = shape.iter().product();
-    g.parameter(name, shape, random_vec(&mut rng(seed), n, -1.0, 1.0)).unwrap()
-}
 
 #[test]
 fn every_op_backward_matches_central_differences() {
@@ -122,20 +67,6 @@ fn every_op_backward_matches_central_differences() {
         gradcheck(k, "cross_entropy", g, loss, vec![(x, random_vec(&mut rng(11), 24, -2.0, 2.0))], vec![(labels, vec![0, 2, 1, 1, 0, 2])])?;
         Ok(())
     });
-}
-
-fn param_in(g: &mut Graph, name: &str, shape: &[usize], seed: u64, low: f32, high: f32) -> Tensor {
-    let n = shape.iter().product();
-    g.parameter(name, shape, random_vec(&mut rng(seed), n, low, high)).unwrap()
-}
-
-/// An MSE loss of `y` against random targets, and its feed.
-fn mse_to_random(g: &mut Graph, y: Tensor, seed: u64) -> wgrad::Result<(Tensor, Vec<(Tensor, Vec<f32>)>)> {
-    let shape = g.shape_of(y).expect("own tensor").to_vec();
-    let n = shape.iter().product();
-    let t = g.input("t", &shape)?;
-    let loss = g.mse_loss(y, t)?;
-    Ok((loss, vec![(t, random_vec(&mut rng(seed), n, -1.0, 1.0))]))
 }
 
 #[test]
@@ -196,35 +127,6 @@ fn tensor_ops_backward_match_central_differences() {
             gradcheck(k, &format!("softmax causal={causal}"), g, loss, feeds, vec![])?;
         }
 
-        // LayerNorm over the last dimension of a rank-3 tensor.
-        let mut g = Graph::new();
-        let x = param(&mut g, "x", &[2, 3, 7], 35);
-        let w = param_in(&mut g, "w", &[7], 36, 0.5, 1.5);
-        let b = param(&mut g, "b", &[7], 37);
-        let y = g.layer_norm(x, w, b, 1e-5)?;
-        let (loss, feeds) = mse_to_random(&mut g, y, 38)?;
-        gradcheck(k, "layer_norm", g, loss, feeds, vec![])?;
-
-        // RMSNorm over the last dimension of a rank-3 tensor (a prime width).
-        let mut g = Graph::new();
-        let x = param(&mut g, "x", &[2, 3, 7], 135);
-        let w = param_in(&mut g, "w", &[7], 136, 0.5, 1.5);
-        let y = g.rms_norm(x, w, 1e-5)?;
-        let (loss, feeds) = mse_to_random(&mut g, y, 138)?;
-        gradcheck(k, "rms_norm", g, loss, feeds, vec![])?;
-
-        // Rotary embedding, both layouts, a partial rotary_dim, fed starts
-        // and the default zero starts.
-        for (layout, rotary_dim, fed) in [(RopeLayout::HalfSplit, 6, false), (RopeLayout::Interleaved, 4, true)] {
-            let mut g = Graph::new();
-            let x = param(&mut g, "x", &[2, 3, 2, 6], 139);
-            let starts = if fed { Some(g.ids("starts", &[2])?) } else { None };
-            let y = g.rope(x, starts, layout, 10000.0, rotary_dim, 16)?;
-            let (loss, feeds) = mse_to_random(&mut g, y, 140)?;
-            let labels = starts.map(|s| vec![(s, vec![5, 11])]).unwrap_or_default();
-            gradcheck(k, &format!("rope {layout:?} rotary_dim {rotary_dim}"), g, loss, feeds, labels)?;
-        }
-
         // Embedding with repeated ids, then cross-entropy over rank-3 logits.
         let mut g = Graph::new();
         let table = param(&mut g, "wte", &[11, 4], 39);
@@ -246,7 +148,7 @@ fn tensor_ops_backward_match_central_differences() {
         let logits = g.matmul(x, w)?;
         let targets = g.labels("targets", rows)?;
         let loss = g.cross_entropy_loss(logits, targets)?;
-        assert!(g.nodes().iter().any(|n| n.op == Op::CrossEntropyRows), "the row-wise loss serves large logits");
+        assert!(g.nodes().iter().any(|n| n.op == LossOp::CrossEntropyRows), "the row-wise loss serves large logits");
         let labels: Vec<u32> = (0..rows as u32).map(|r| (r * 37) % vocab as u32).collect();
         gradcheck(k, "row-wise cross-entropy", g, loss, vec![(x, random_vec(&mut rng(45), rows * 3, -1.0, 1.0))], vec![(targets, labels)])?;
 

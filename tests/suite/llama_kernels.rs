@@ -1,121 +1,20 @@
-//! Llama's kernels against their plain-Rust twins in `wgrad::cpu`, on every
-//! adapter present: RMSNorm (rowwise.wgsl) and the rotary embedding
-//! (rope.wgsl); the twins' gradients against f64 central differences; the
-//! table, the kernels and RMSNorm against transformers' Llama
+//! The rotary embedding (rope.wgsl) against its plain-Rust twin in
+//! `wgrad::cpu`, on every adapter present; the twin's and the graph op's
+//! gradients against f64 central differences; the table, the kernels and
+//! RMSNorm (whose own tests are in rowwise.rs) against transformers' Llama
 //! (tests/fixtures/llama-kernels.safetensors, scripts/make_llama_kernels_fixture.py).
 //! SiLU is an `Activation`, checked with the others in kernels.rs (and in
 //! the matmul epilogue, and by the graph's gradient checks).
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
 use crate::common;
-use crate::rowwise::LAYERNORM_SHAPES;
 
-use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
+use common::{assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, random_vec, read, rng, wide};
 use safetensors::SafeTensors;
+use wgrad::graph::Graph;
 use wgrad::kernels::{RopeLayout, RopeShape};
 use wgrad::ops::rope_table;
 use wgrad::{cpu, Error, Kernels};
-
-const EPS: f32 = 1e-6;
-
-/// Central differences of the f64 function `f` at `at` (step `h`),
-/// each component weighted by `weights` and summed: ∂(Σ weights·f)/∂at.
-fn central_differences(at: &[f64], weights: &[f64], h: f64, f: impl Fn(&[f64]) -> Vec<f64>) -> Vec<f32> {
-    let loss = |v: &[f64]| f(v).iter().zip(weights).map(|(a, b)| a * b).sum::<f64>();
-    (0..at.len())
-        .map(|i| {
-            let (mut up, mut down) = (at.to_vec(), at.to_vec());
-            up[i] += h;
-            down[i] -= h;
-            ((loss(&up) - loss(&down)) / (2.0 * h)) as f32
-        })
-        .collect()
-}
-
-fn wide(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&e| f64::from(e)).collect()
-}
-
-#[test]
-fn rmsnorm_forward_matches_the_cpu() {
-    for_each_shaping("rmsnorm_forward", |k| {
-        for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
-            let mut r = rng(800 + i as u64);
-            let mut x_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
-            // A row of zeros: eps > 0 makes it 0, not NaN.
-            x_host[..cols].fill(0.0);
-            let w_host = random_vec(&mut r, cols, 0.5, 1.5);
-            let (x, w) = (k.upload(&x_host)?, k.upload(&w_host)?);
-            let (y, rstd) = (k.zeros(rows * cols)?, k.zeros(rows)?);
-            k.run(&[&k.rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), rows, cols, EPS)?])?;
-            let want = cpu::rmsnorm_forward(&x_host, &w_host, rows, cols, EPS);
-            let what = format!("rmsnorm {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
-            // Σ x² of ≤ 197 terms per invocation in f32, then sqrt and a
-            // division: rstd to ~1e-6 relative (1000 for the zero row:
-            // 1/√eps, exact in both).
-            assert_close(&format!("{what} rstd"), &read(k, &rstd)?, &want.rstd, 0.0, 1e-5);
-            // y = x·rstd·w = O(3): two more roundings.
-            assert_close(&format!("{what} y"), &read(k, &y)?, &want.y, 1e-6, 1e-5);
-            assert!(read(k, &y)?[..cols].iter().all(|&v| v == 0.0), "{what}: the zero row");
-        }
-        Ok(())
-    });
-}
-
-#[test]
-fn rmsnorm_backward_and_weight_gradient_match_the_cpu() {
-    for_each_shaping("rmsnorm_backward", |k| {
-        for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
-            let mut r = rng(900 + i as u64);
-            let x_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
-            let w_host = random_vec(&mut r, cols, 0.5, 1.5);
-            let dy_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
-            // Both sides take the twin's rstd: only the backward is compared.
-            let fwd = cpu::rmsnorm_forward(&x_host, &w_host, rows, cols, EPS);
-            let dw0 = random_vec(&mut r, cols, -1.0, 1.0);
-            let (x, w, dy, rstd) = (k.upload(&x_host)?, k.upload(&w_host)?, k.upload(&dy_host)?, k.upload(&fwd.rstd)?);
-            let want = cpu::rmsnorm_backward(&dy_host, &x_host, &w_host, &fwd.rstd, rows, cols);
-            let what = format!("rmsnorm_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
-            // Sums over ≤ 70,001 rows in order, or in blocks then the
-            // blocks: atol grows with the rows.
-            let atol = 1e-6 * rows as f32 + 1e-6;
-            // Accumulating onto dw0, then overwriting stale values (NaN).
-            for accumulate in [true, false] {
-                let (dx, dw) = (k.zeros(rows * cols)?, k.upload(&if accumulate { dw0.clone() } else { vec![f32::NAN; cols] })?);
-                k.run(&[
-                    &k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?,
-                    &k.rmsnorm_backward_params(accumulate, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?,
-                ])?;
-                // dx = (g − x̂·mean(g·x̂))·rstd with |g| ≤ 1.5, |x̂| ≲ 2√3 and
-                // rstd ≲ 1/√eps only for tiny rows: f32 sums of ≤ 197 terms
-                // per invocation, a few roundings of O(1) values.
-                assert_close(&format!("{what} dx"), &read(k, &dx)?, &want.dx, 2e-6, 2e-5);
-                let base = if accumulate { dw0.clone() } else { vec![0.0; cols] };
-                let dweight: Vec<f32> = base.iter().zip(&want.dweight).map(|(a, b)| a + b).collect();
-                assert_close(&format!("{what} dweight, accumulate {accumulate}"), &read(k, &dw)?, &dweight, atol, 1e-5);
-            }
-        }
-        Ok(())
-    });
-}
-
-#[test]
-fn rmsnorm_twin_gradients_match_central_differences() {
-    for (i, &(rows, cols)) in [(3usize, 7usize), (2, 1), (1, 13)].iter().enumerate() {
-        let mut r = rng(950 + i as u64);
-        let x = random_vec(&mut r, rows * cols, -2.0, 2.0);
-        let w = random_vec(&mut r, cols, 0.5, 1.5);
-        let dy = random_vec(&mut r, rows * cols, -1.0, 1.0);
-        let fwd = cpu::rmsnorm_forward(&x, &w, rows, cols, EPS);
-        let got = cpu::rmsnorm_backward(&dy, &x, &w, &fwd.rstd, rows, cols);
-        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(v, &wide(&w), rows, cols, EPS).y);
-        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(&wide(&x), v, rows, cols, EPS).y);
-        // Truncation ~h²·|f'''| ≲ 1e-9; the twin's rstd is rounded to f32
-        // (6e-8 relative), which bounds the gradients' error.
-        assert_close(&format!("rmsnorm dx {rows}×{cols}"), &got.dx, &dx, 1e-6, 1e-6);
-        assert_close(&format!("rmsnorm dweight {rows}×{cols}"), &got.dweight, &dw, 1e-6, 1e-6);
-    }
-}
 
 /// A rope case: the shape, the layout, the base and each sequence's start.
 struct RopeCase {
@@ -266,8 +165,8 @@ fn rope_twin_backward_matches_central_differences() {
 }
 
 #[test]
-fn rope_and_rmsnorm_refuse_bad_arguments() {
-    for_each_adapter("llama_kernel_errors", |k| {
+fn rope_refuses_bad_arguments() {
+    for_each_adapter("rope_errors", |k| {
         let shape = RopeShape { seqs: 2, rows: 3, heads: 1, head_dim: 4, rotary_dim: 4, positions: 5 };
         let (x, y, starts, table) = (k.zeros(24)?, k.zeros(24)?, k.upload(&[0u32, 1])?, k.zeros(20)?);
         let rope = |shape: RopeShape, table: &wgrad::GpuTensor| k.rope_forward(y.view(), x.view(), starts.view(), table.view(), shape, RopeLayout::Interleaved);
@@ -286,15 +185,6 @@ fn rope_and_rmsnorm_refuse_bad_arguments() {
         for (base, rotary_dim, positions) in [(0.0, 4, 5), (f32::NAN, 4, 5), (10_000.0, 3, 5), (10_000.0, 4, 0), (10_000.0, 4, (1 << 24) + 1)] {
             assert!(matches!(rope_table(base, rotary_dim, positions), Err(Error::InvalidArgument { op: "rope_table", .. })), "{base} {rotary_dim} {positions}");
         }
-
-        let (x, w, rstd, y2) = (k.zeros(6)?, k.zeros(3)?, k.zeros(2)?, k.zeros(6)?);
-        assert!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, EPS).is_ok());
-        for eps in [0.0, -1e-6, f32::NAN, f32::INFINITY] {
-            assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, eps), Err(Error::InvalidArgument { op: "rmsnorm_forward", .. })), "eps {eps}");
-        }
-        assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 3, 2, EPS), Err(Error::Shape { op: "rmsnorm_forward", .. })));
-        assert!(matches!(k.rmsnorm_backward(y2.view(), x.view(), x.view(), rstd.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward", .. })));
-        assert!(matches!(k.rmsnorm_backward_params(false, rstd.view(), x.view(), x.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward_params", .. })));
         Ok(())
     });
 }
@@ -361,6 +251,24 @@ fn rmsnorm_matches_transformers_llama_rms_norm() {
         // The same f32 steps; the sum of 24 squares in another order:
         // a few ulp of |y| ≲ 10.
         assert_close("rmsnorm", &read(k, &y)?, &want, 1e-6, 2e-6);
+        Ok(())
+    });
+}
+
+#[test]
+fn rope_backward_matches_central_differences() {
+    for_each_adapter("gradcheck rope", |k| {
+        // Rotary embedding, both layouts, a partial rotary_dim, fed starts
+        // and the default zero starts.
+        for (layout, rotary_dim, fed) in [(RopeLayout::HalfSplit, 6, false), (RopeLayout::Interleaved, 4, true)] {
+            let mut g = Graph::new();
+            let x = param(&mut g, "x", &[2, 3, 2, 6], 139);
+            let starts = if fed { Some(g.ids("starts", &[2])?) } else { None };
+            let y = g.rope(x, starts, layout, 10000.0, rotary_dim, 16)?;
+            let (loss, feeds) = mse_to_random(&mut g, y, 140)?;
+            let labels = starts.map(|s| vec![(s, vec![5, 11])]).unwrap_or_default();
+            gradcheck(k, &format!("rope {layout:?} rotary_dim {rotary_dim}"), g, loss, feeds, labels)?;
+        }
         Ok(())
     });
 }

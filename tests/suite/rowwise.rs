@@ -1,14 +1,16 @@
-//! The row-wise kernels (rowwise.wgsl: softmax, layernorm, cross-entropy,
-//! embedding) against their plain-Rust twins in `wgrad::cpu`, on every
-//! adapter present. Shapes include 1, primes, lengths that are not
+//! The row-wise kernels (rowwise.wgsl: softmax, layernorm, RMSNorm,
+//! cross-entropy, embedding) against their plain-Rust twins in `wgrad::cpu`,
+//! on every adapter present, and the norms' graph gradients against f64
+//! central differences (`common::gradcheck`). Shapes include 1, primes, lengths that are not
 //! multiples of the 256-wide workgroup, rows as long as GPT-2's 50,257-token
 //! vocabulary, and more rows than one grid dimension holds.
 //! Tolerances: `|gpu - ref| <= atol + rtol·|ref|`, stated beside each check.
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
+use common::{assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, param_in, random_vec, read, rng, wide};
 use rand::Rng;
+use wgrad::graph::Graph;
 use wgrad::kernels::{SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 use wgrad::{cpu, Error, Kernels};
 
@@ -161,7 +163,7 @@ fn softmax_backward_matches_the_cpu() {
 /// shaping: 255 / 256 rows, primes, a block count above the columns).
 /// Includes the attention example's 384×48, both sides of SHORT_ROW_MAX, and
 /// more rows than one grid dimension holds on the short path.
-pub(crate) const LAYERNORM_SHAPES: [(usize, usize); 18] = [
+const LAYERNORM_SHAPES: [(usize, usize); 18] = [
     (255, 33),
     (256, 32),
     (1031, 7),
@@ -472,6 +474,128 @@ fn wrong_shapes_are_errors_naming_the_kernel() {
         assert_eq!(shape_op(k.embedding_backward_sort(s, s, s, 2, 2)), "embedding_backward_sort");
         assert!(k.embedding_backward_sort(s, p, s2, 2, 2).is_ok());
         assert_eq!(shape_op(k.embedding_backward(a, a, s, p, 2, 2, 3)), "embedding_backward");
+        Ok(())
+    });
+}
+
+/// The RMSNorm kernels' eps: Llama's.
+const RMS_EPS: f32 = 1e-6;
+
+#[test]
+fn rmsnorm_forward_matches_the_cpu() {
+    for_each_shaping("rmsnorm_forward", |k| {
+        for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
+            let mut r = rng(800 + i as u64);
+            let mut x_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
+            // A row of zeros: eps > 0 makes it 0, not NaN.
+            x_host[..cols].fill(0.0);
+            let w_host = random_vec(&mut r, cols, 0.5, 1.5);
+            let (x, w) = (k.upload(&x_host)?, k.upload(&w_host)?);
+            let (y, rstd) = (k.zeros(rows * cols)?, k.zeros(rows)?);
+            k.run(&[&k.rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), rows, cols, RMS_EPS)?])?;
+            let want = cpu::rmsnorm_forward(&x_host, &w_host, rows, cols, RMS_EPS);
+            let what = format!("rmsnorm {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
+            // Σ x² of ≤ 197 terms per invocation in f32, then sqrt and a
+            // division: rstd to ~1e-6 relative (1000 for the zero row:
+            // 1/√eps, exact in both).
+            assert_close(&format!("{what} rstd"), &read(k, &rstd)?, &want.rstd, 0.0, 1e-5);
+            // y = x·rstd·w = O(3): two more roundings.
+            assert_close(&format!("{what} y"), &read(k, &y)?, &want.y, 1e-6, 1e-5);
+            assert!(read(k, &y)?[..cols].iter().all(|&v| v == 0.0), "{what}: the zero row");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn rmsnorm_backward_and_weight_gradient_match_the_cpu() {
+    for_each_shaping("rmsnorm_backward", |k| {
+        for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
+            let mut r = rng(900 + i as u64);
+            let x_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
+            let w_host = random_vec(&mut r, cols, 0.5, 1.5);
+            let dy_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
+            // Both sides take the twin's rstd: only the backward is compared.
+            let fwd = cpu::rmsnorm_forward(&x_host, &w_host, rows, cols, RMS_EPS);
+            let dw0 = random_vec(&mut r, cols, -1.0, 1.0);
+            let (x, w, dy, rstd) = (k.upload(&x_host)?, k.upload(&w_host)?, k.upload(&dy_host)?, k.upload(&fwd.rstd)?);
+            let want = cpu::rmsnorm_backward(&dy_host, &x_host, &w_host, &fwd.rstd, rows, cols);
+            let what = format!("rmsnorm_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
+            // Sums over ≤ 70,001 rows in order, or in blocks then the
+            // blocks: atol grows with the rows.
+            let atol = 1e-6 * rows as f32 + 1e-6;
+            // Accumulating onto dw0, then overwriting stale values (NaN).
+            for accumulate in [true, false] {
+                let (dx, dw) = (k.zeros(rows * cols)?, k.upload(&if accumulate { dw0.clone() } else { vec![f32::NAN; cols] })?);
+                k.run(&[
+                    &k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?,
+                    &k.rmsnorm_backward_params(accumulate, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?,
+                ])?;
+                // dx = (g − x̂·mean(g·x̂))·rstd with |g| ≤ 1.5, |x̂| ≲ 2√3 and
+                // rstd ≲ 1/√eps only for tiny rows: f32 sums of ≤ 197 terms
+                // per invocation, a few roundings of O(1) values.
+                assert_close(&format!("{what} dx"), &read(k, &dx)?, &want.dx, 2e-6, 2e-5);
+                let base = if accumulate { dw0.clone() } else { vec![0.0; cols] };
+                let dweight: Vec<f32> = base.iter().zip(&want.dweight).map(|(a, b)| a + b).collect();
+                assert_close(&format!("{what} dweight, accumulate {accumulate}"), &read(k, &dw)?, &dweight, atol, 1e-5);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn rmsnorm_twin_gradients_match_central_differences() {
+    for (i, &(rows, cols)) in [(3usize, 7usize), (2, 1), (1, 13)].iter().enumerate() {
+        let mut r = rng(950 + i as u64);
+        let x = random_vec(&mut r, rows * cols, -2.0, 2.0);
+        let w = random_vec(&mut r, cols, 0.5, 1.5);
+        let dy = random_vec(&mut r, rows * cols, -1.0, 1.0);
+        let fwd = cpu::rmsnorm_forward(&x, &w, rows, cols, RMS_EPS);
+        let got = cpu::rmsnorm_backward(&dy, &x, &w, &fwd.rstd, rows, cols);
+        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(v, &wide(&w), rows, cols, RMS_EPS).y);
+        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(&wide(&x), v, rows, cols, RMS_EPS).y);
+        // Truncation ~h²·|f'''| ≲ 1e-9; the twin's rstd is rounded to f32
+        // (6e-8 relative), which bounds the gradients' error.
+        assert_close(&format!("rmsnorm dx {rows}×{cols}"), &got.dx, &dx, 1e-6, 1e-6);
+        assert_close(&format!("rmsnorm dweight {rows}×{cols}"), &got.dweight, &dw, 1e-6, 1e-6);
+    }
+}
+
+#[test]
+fn rmsnorm_refuses_bad_arguments() {
+    for_each_adapter("rmsnorm_errors", |k| {
+        let (x, w, rstd, y2) = (k.zeros(6)?, k.zeros(3)?, k.zeros(2)?, k.zeros(6)?);
+        assert!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, RMS_EPS).is_ok());
+        for eps in [0.0, -1e-6, f32::NAN, f32::INFINITY] {
+            assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, eps), Err(Error::InvalidArgument { op: "rmsnorm_forward", .. })), "eps {eps}");
+        }
+        assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 3, 2, RMS_EPS), Err(Error::Shape { op: "rmsnorm_forward", .. })));
+        assert!(matches!(k.rmsnorm_backward(y2.view(), x.view(), x.view(), rstd.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward", .. })));
+        assert!(matches!(k.rmsnorm_backward_params(false, rstd.view(), x.view(), x.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward_params", .. })));
+        Ok(())
+    });
+}
+
+#[test]
+fn norms_backward_match_central_differences() {
+    for_each_adapter("gradcheck norms", |k| {
+        // LayerNorm over the last dimension of a rank-3 tensor.
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 7], 35);
+        let w = param_in(&mut g, "w", &[7], 36, 0.5, 1.5);
+        let b = param(&mut g, "b", &[7], 37);
+        let y = g.layer_norm(x, w, b, 1e-5)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 38)?;
+        gradcheck(k, "layer_norm", g, loss, feeds, vec![])?;
+
+        // RMSNorm over the last dimension of a rank-3 tensor (a prime width).
+        let mut g = Graph::new();
+        let x = param(&mut g, "x", &[2, 3, 7], 135);
+        let w = param_in(&mut g, "w", &[7], 136, 0.5, 1.5);
+        let y = g.rms_norm(x, w, 1e-5)?;
+        let (loss, feeds) = mse_to_random(&mut g, y, 138)?;
+        gradcheck(k, "rms_norm", g, loss, feeds, vec![])?;
         Ok(())
     });
 }

@@ -2,115 +2,127 @@
 //! activations and their backward, the unary functions, and the
 //! accumulation of a gradient contribution into a parameter's gradient.
 
-use super::{not_mine, rows_cols as flat_rows_cols, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::kernels::{Activation, Binary, Dispatch, Unary};
 use crate::ops::broadcast_shape;
 
-pub(super) struct Elementwise;
+/// One output element per input element (broadcasting where said).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ElementwiseOp {
+    Binary(Binary),
+    Scale(f32),
+    /// x[rows, cols] + bias[cols]
+    BiasAdd,
+    Activation(Activation),
+    /// inputs (x, dy): f'(x)·dy
+    ActivationBackward(Activation),
+    Unary(Unary),
+    /// inputs (x): adds x into the gradient of a parameter; the result is
+    /// that gradient. Emitted by autodiff only.
+    AccumulateGrad { param: Tensor },
+}
 
-impl OpFamily for Elementwise {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Binary(Binary::Add) => "add",
-            Op::Binary(Binary::Sub) => "sub",
-            Op::Binary(Binary::Mul) => "mul",
-            Op::Binary(Binary::Div) => "div",
-            Op::Scale(_) => "scale",
-            Op::BiasAdd => "bias_add",
-            Op::Activation(_) => "activation",
-            Op::ActivationBackward(_) => "activation_backward",
-            Op::Unary(Unary::Exp) => "exp",
-            Op::Unary(Unary::Rsqrt) => "rsqrt",
-            _ => "accumulate_grad",
+impl OpFamily for ElementwiseOp {
+    fn name(&self) -> &'static str {
+        match self {
+            ElementwiseOp::Binary(Binary::Add) => "add",
+            ElementwiseOp::Binary(Binary::Sub) => "sub",
+            ElementwiseOp::Binary(Binary::Mul) => "mul",
+            ElementwiseOp::Binary(Binary::Div) => "div",
+            ElementwiseOp::Scale(_) => "scale",
+            ElementwiseOp::BiasAdd => "bias_add",
+            ElementwiseOp::Activation(_) => "activation",
+            ElementwiseOp::ActivationBackward(_) => "activation_backward",
+            ElementwiseOp::Unary(Unary::Exp) => "exp",
+            ElementwiseOp::Unary(Unary::Rsqrt) => "rsqrt",
+            ElementwiseOp::AccumulateGrad { .. } => "accumulate_grad",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let k = cx.kernels();
         let (out, x) = (cx.out()?, cx.input(0)?);
-        match op {
-            Op::Binary(op) if cx.input_shape(0) == cx.input_shape(1) => k.binary(*op, out, x, cx.input(1)?),
-            Op::Binary(op) => k.binary_broadcast(*op, out, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
-            Op::Scale(alpha) => k.scale(out, x, *alpha),
-            Op::BiasAdd => {
+        match self {
+            ElementwiseOp::Binary(op) if cx.input_shape(0) == cx.input_shape(1) => k.binary(*op, out, x, cx.input(1)?),
+            ElementwiseOp::Binary(op) => k.binary_broadcast(*op, out, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
+            ElementwiseOp::Scale(alpha) => k.scale(out, x, *alpha),
+            ElementwiseOp::BiasAdd => {
                 let (rows, cols) = flat_rows_cols(cx.shape());
                 k.bias_add(out, x, cx.input(1)?, rows, cols)
             }
-            Op::Activation(act) => k.activation_forward(*act, out, x),
-            Op::ActivationBackward(act) => k.activation_backward(*act, out, x, cx.input(1)?),
-            Op::Unary(op) => k.unary(*op, out, x),
-            Op::AccumulateGrad { .. } => k.add_assign(out, x),
-            _ => Err(not_mine("elementwise", op)),
+            ElementwiseOp::Activation(act) => k.activation_forward(*act, out, x),
+            ElementwiseOp::ActivationBackward(act) => k.activation_backward(*act, out, x, cx.input(1)?),
+            ElementwiseOp::Unary(op) => k.unary(*op, out, x),
+            ElementwiseOp::AccumulateGrad { .. } => k.add_assign(out, x),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
         let n = g.node(node).clone();
         let input = |k: usize| n.inputs[k];
         let in_shape = g.shape(input(slot)).to_vec();
-        match (op, slot) {
+        match (self, slot) {
             // Broadcast operands get the sum of dy over the dimensions they
             // were repeated along.
-            (Op::Binary(Binary::Add), _) => g.sum_to(dy, &in_shape),
-            (Op::Binary(Binary::Sub), 0) => g.sum_to(dy, &in_shape),
-            (Op::Binary(Binary::Sub), _) => {
+            (ElementwiseOp::Binary(Binary::Add), _) => g.sum_to(dy, &in_shape),
+            (ElementwiseOp::Binary(Binary::Sub), 0) => g.sum_to(dy, &in_shape),
+            (ElementwiseOp::Binary(Binary::Sub), _) => {
                 let d = g.sum_to(dy, &in_shape)?;
                 g.scale(d, -1.0)
             }
-            (Op::Binary(Binary::Mul), _) => {
+            (ElementwiseOp::Binary(Binary::Mul), _) => {
                 let d = g.mul(dy, input(1 - slot))?;
                 g.sum_to(d, &in_shape)
             }
-            (Op::Binary(Binary::Div), 0) => {
+            (ElementwiseOp::Binary(Binary::Div), 0) => {
                 let d = g.div(dy, input(1))?;
                 g.sum_to(d, &in_shape)
             }
             // d(a/b)/db = -(a/b)/b
-            (Op::Binary(Binary::Div), _) => {
+            (ElementwiseOp::Binary(Binary::Div), _) => {
                 let d = g.mul(dy, node)?;
                 let d = g.div(d, input(1))?;
                 let d = g.sum_to(d, &in_shape)?;
                 g.scale(d, -1.0)
             }
-            (Op::Unary(Unary::Exp), 0) => g.mul(dy, node),
+            (ElementwiseOp::Unary(Unary::Exp), 0) => g.mul(dy, node),
             // d x^(-1/2) = -1/2 · y³
-            (Op::Unary(Unary::Rsqrt), 0) => {
+            (ElementwiseOp::Unary(Unary::Rsqrt), 0) => {
                 let y2 = g.mul(node, node)?;
                 let y3 = g.mul(y2, node)?;
                 let d = g.mul(dy, y3)?;
                 g.scale(d, -0.5)
             }
-            (Op::Scale(alpha), 0) => g.scale(dy, *alpha),
-            (Op::BiasAdd, 0) => Ok(dy),
-            (Op::BiasAdd, 1) => g.sum_rows(dy),
-            (Op::Activation(act), 0) => Ok(g.push(Op::ActivationBackward(*act), vec![input(0), dy], n.shape.clone(), DType::F32, format!("d{}", n.name))),
-            _ => Err(super::no_gradient(g, op, node, slot)),
+            (ElementwiseOp::Scale(alpha), 0) => g.scale(dy, *alpha),
+            (ElementwiseOp::BiasAdd, 0) => Ok(dy),
+            (ElementwiseOp::BiasAdd, 1) => g.sum_rows(dy),
+            (ElementwiseOp::Activation(act), 0) => Ok(g.push(ElementwiseOp::ActivationBackward(*act), vec![input(0), dy], n.shape.clone(), DType::F32, format!("d{}", n.name))),
+            _ => Err(super::no_gradient(g, node, slot)),
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let x = cx.input(0)?;
-        match op {
-            Op::Binary(op) => cpu::binary_broadcast(*op, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
-            Op::Scale(alpha) => Ok(cpu::scale(x, *alpha)),
-            Op::BiasAdd => Ok(cpu::bias_add(x, cx.input(1)?, flat_rows_cols(cx.shape()).1)),
-            Op::Activation(act) => Ok(cpu::activation_forward(*act, x)),
-            Op::ActivationBackward(act) => Ok(cpu::activation_backward(*act, x, cx.input(1)?)),
-            Op::Unary(op) => Ok(cpu::unary(*op, x)),
+        match self {
+            ElementwiseOp::Binary(op) => cpu::binary_broadcast(*op, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
+            ElementwiseOp::Scale(alpha) => Ok(cpu::scale(x, *alpha)),
+            ElementwiseOp::BiasAdd => Ok(cpu::bias_add(x, cx.input(1)?, flat_rows_cols(cx.shape()).1)),
+            ElementwiseOp::Activation(act) => Ok(cpu::activation_forward(*act, x)),
+            ElementwiseOp::ActivationBackward(act) => Ok(cpu::activation_backward(*act, x, cx.input(1)?)),
+            ElementwiseOp::Unary(op) => Ok(cpu::unary(*op, x)),
             // The parameter's gradient so far (zeroed before the step): the
             // previous accumulation into it, plus this contribution.
-            Op::AccumulateGrad { param } => {
+            ElementwiseOp::AccumulateGrad { param } => {
                 let nodes = cx.graph().nodes();
-                let earlier = (0..cx.node.0).rev().find(|&j| nodes[j].op == (Op::AccumulateGrad { param: *param }));
+                let earlier = (0..cx.node.0).rev().find(|&j| nodes[j].op == ElementwiseOp::AccumulateGrad { param: *param });
                 match earlier {
                     Some(j) => Ok(cx.value(Tensor(j))?.iter().zip(x).map(|(a, b)| a + b).collect()),
                     None => Ok(x.to_vec()),
                 }
             }
-            _ => Err(not_mine("elementwise", op)),
         }
     }
 }
@@ -119,14 +131,14 @@ impl Graph {
     /// An elementwise op with NumPy broadcasting over trailing dimensions
     /// (a `[C]` bias over `[B, T, C]`, a `[T, T]` mask over `[B, H, T, T]`).
     fn broadcast_binary(&mut self, op: Binary, a: Tensor, b: Tensor) -> Result<Tensor> {
-        let name = Op::Binary(op).name();
+        let name = ElementwiseOp::Binary(op).name();
         self.f32_inputs(name, &[a, b])?;
         let shape = broadcast_shape(self.shape(a), self.shape(b))
             .ok_or_else(|| Error::shape(name, "shapes do not broadcast (trailing dimensions must be equal or 1)", &[self.shape(a), self.shape(b)]))?;
         if shape.len() > MAX_RANK {
             return Err(Error::shape(name, format!("tensors have at most {MAX_RANK} dimensions"), &[self.shape(a), self.shape(b)]));
         }
-        Ok(self.push(Op::Binary(op), vec![a, b], shape, DType::F32, format!("{name}{}", self.nodes.len())))
+        Ok(self.push(ElementwiseOp::Binary(op), vec![a, b], shape, DType::F32, format!("{name}{}", self.nodes.len())))
     }
 
     pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
@@ -149,7 +161,7 @@ impl Graph {
     pub fn scale(&mut self, x: Tensor, alpha: f32) -> Result<Tensor> {
         self.f32_inputs("scale", &[x])?;
         let shape = self.shape(x).to_vec();
-        Ok(self.push(Op::Scale(alpha), vec![x], shape, DType::F32, format!("scale{}", self.nodes.len())))
+        Ok(self.push(ElementwiseOp::Scale(alpha), vec![x], shape, DType::F32, format!("scale{}", self.nodes.len())))
     }
 
     /// x[.., cols] + bias[cols], broadcast over every row.
@@ -161,14 +173,14 @@ impl Graph {
         if sb != [cols] {
             return Err(Error::shape(OP, format!("bias must be [{cols}]"), &[&sx, &sb]));
         }
-        Ok(self.push(Op::BiasAdd, vec![x, bias], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(ElementwiseOp::BiasAdd, vec![x, bias], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     pub fn activation(&mut self, act: Activation, x: Tensor) -> Result<Tensor> {
         self.f32_inputs("activation", &[x])?;
         let shape = self.shape(x).to_vec();
         let name = format!("{act:?}{}", self.nodes.len()).to_lowercase();
-        Ok(self.push(Op::Activation(act), vec![x], shape, DType::F32, name))
+        Ok(self.push(ElementwiseOp::Activation(act), vec![x], shape, DType::F32, name))
     }
 
     pub fn relu(&mut self, x: Tensor) -> Result<Tensor> {
@@ -188,10 +200,10 @@ impl Graph {
     }
 
     fn unary(&mut self, op: Unary, x: Tensor) -> Result<Tensor> {
-        let name = Op::Unary(op).name();
+        let name = ElementwiseOp::Unary(op).name();
         self.f32_inputs(name, &[x])?;
         let shape = self.shape(x).to_vec();
-        Ok(self.push(Op::Unary(op), vec![x], shape, DType::F32, format!("{name}{}", self.nodes.len())))
+        Ok(self.push(ElementwiseOp::Unary(op), vec![x], shape, DType::F32, format!("{name}{}", self.nodes.len())))
     }
 
     pub fn exp(&mut self, x: Tensor) -> Result<Tensor> {

@@ -2,27 +2,38 @@
 //! id (u32 scratch), then each table row summed in position order straight
 //! into the parameter's gradient (deterministic, no float atomics).
 
-use super::{not_mine, two_parts, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{two_parts, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{DType, Graph, Tensor};
 use crate::kernels::{Dispatch, F16View};
 
-pub(super) struct Embeddings;
+/// Embedding lookup and its backward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EmbeddingOp {
+    /// inputs (table [V, C], u32 ids [..]) -> [.., C].
+    Embedding,
+    /// inputs (u32 ids): order[n] then cursor[vocab + 1] at
+    /// [`stats_offset`]`(n)`: the positions sorted by id (u32 scratch).
+    EmbeddingSort { vocab: usize },
+    /// inputs (dy, ids, sort) -> the table's gradient, added into the
+    /// parameter's gradient (always computed there).
+    EmbeddingBackward,
+}
 
-impl OpFamily for Embeddings {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Embedding => "embedding",
-            Op::EmbeddingSort { .. } => "embedding_sort",
-            _ => "embedding_backward",
+impl OpFamily for EmbeddingOp {
+    fn name(&self) -> &'static str {
+        match self {
+            EmbeddingOp::Embedding => "embedding",
+            EmbeddingOp::EmbeddingSort { .. } => "embedding_sort",
+            EmbeddingOp::EmbeddingBackward => "embedding_backward",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let k = cx.kernels();
-        match op {
-            Op::Embedding => {
+        match self {
+            EmbeddingOp::Embedding => {
                 let (vocab, channels) = (cx.input_shape(0)[0], cx.input_shape(0)[1]);
                 let n = cx.input_node(1).len();
                 if cx.input_node(0).dtype == DType::F16 {
@@ -30,68 +41,66 @@ impl OpFamily for Embeddings {
                 }
                 k.embedding_forward(cx.out()?, cx.input(0)?, cx.input(1)?, n, vocab, channels)
             }
-            Op::EmbeddingSort { vocab } => {
+            EmbeddingOp::EmbeddingSort { vocab } => {
                 let n = cx.input_node(0).len();
                 let (order, cursor) = cx.halves(Tensor(cx.node), n)?;
                 k.embedding_backward_sort(order, cursor, cx.input(0)?, n, *vocab)
             }
-            Op::EmbeddingBackward if cx.accumulate() => {
+            EmbeddingOp::EmbeddingBackward if cx.accumulate() => {
                 let (vocab, channels) = (cx.shape()[0], cx.shape()[1]);
                 let n = cx.input_node(1).len();
                 let (order, _) = cx.halves(cx.read(2), n)?;
                 k.embedding_backward(cx.out()?, cx.input(0)?, cx.input(1)?, order, n, vocab, channels)
             }
-            Op::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
-            _ => Err(not_mine("embedding", op)),
+            EmbeddingOp::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (Op::Embedding, 0) = (op, slot) else { return Err(super::no_gradient(g, op, node, slot)) };
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+        let (EmbeddingOp::Embedding, 0) = (self, slot) else { return Err(super::no_gradient(g, node, slot)) };
         let (table, ids) = (g.node(node).inputs[0], g.node(node).inputs[1]);
         let table_shape = g.shape(table).to_vec();
         let (vocab, n_ids) = (table_shape[0], g.node(ids).len());
-        let existing = g.nodes().iter().position(|m| m.op == (Op::EmbeddingSort { vocab }) && m.inputs == [ids]);
+        let existing = g.nodes().iter().position(|m| m.op == EmbeddingOp::EmbeddingSort { vocab } && m.inputs == [ids]);
         let sort = match existing {
             Some(i) => Tensor(i),
             None => {
                 let shape = vec![super::stats_offset(n_ids) + vocab + 1];
                 let name = format!("{}.sorted", g.node(ids).name);
-                g.push(Op::EmbeddingSort { vocab }, vec![ids], shape, DType::U32, name)
+                g.push(EmbeddingOp::EmbeddingSort { vocab }, vec![ids], shape, DType::U32, name)
             }
         };
         let name = format!("d{}", g.node(table).name);
-        Ok(g.push(Op::EmbeddingBackward, vec![dy, ids, sort], table_shape, DType::F32, name))
+        Ok(g.push(EmbeddingOp::EmbeddingBackward, vec![dy, ids, sort], table_shape, DType::F32, name))
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        match op {
-            Op::Embedding => {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        match self {
+            EmbeddingOp::Embedding => {
                 let (vocab, channels) = (cx.input_shape(0)[0], cx.input_shape(0)[1]);
                 Ok(cpu::embedding_forward(cx.input(0)?, &cx.input_u32(1)?, vocab, channels))
             }
             // The positions sorted stably by id, then each id's first
             // position in that order (the kernel's cursor is scratch; these
             // are the starts it counts).
-            Op::EmbeddingSort { vocab } => {
+            EmbeddingOp::EmbeddingSort { vocab } => {
                 let ids = cx.input_u32(0)?;
                 let mut order: Vec<usize> = (0..ids.len()).collect();
                 order.sort_by_key(|&n| ids[n]);
                 let starts = (0..=*vocab).map(|v| ids.iter().filter(|&&id| (id as usize) < v).count() as f64).collect();
                 Ok(two_parts(order.into_iter().map(|n| n as f64).collect(), starts, ids.len()))
             }
-            Op::EmbeddingBackward => {
+            EmbeddingOp::EmbeddingBackward => {
                 let (vocab, channels) = (cx.shape()[0], cx.shape()[1]);
                 Ok(cpu::embedding_backward(cx.input(0)?, &cx.input_u32(1)?, vocab, channels))
             }
-            _ => Err(not_mine("embedding", op)),
         }
     }
 
     /// A token id outside the table.
-    fn check_u32_input(&self, op: &Op, g: &Graph, node: Tensor, slot: usize, ids: &[u32]) -> Result<()> {
-        match (op, slot) {
-            (Op::Embedding, 1) => crate::kernels::check_token_ids("Embedding", ids, g.shape(g.node(node).inputs[0])[0]),
+    fn check_u32_input(&self, g: &Graph, node: Tensor, slot: usize, ids: &[u32]) -> Result<()> {
+        match (self, slot) {
+            (EmbeddingOp::Embedding, 1) => crate::kernels::check_token_ids("Embedding", ids, g.shape(g.node(node).inputs[0])[0]),
             _ => Ok(()),
         }
     }
@@ -117,6 +126,6 @@ impl Graph {
         let mut shape = si.clone();
         shape.push(channels);
         Self::non_empty(OP, &shape)?;
-        Ok(self.push(Op::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(EmbeddingOp::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 }

@@ -1,13 +1,26 @@
 //! Generation's ops, with no gradient: attention over a KV cache that its
 //! dispatch updates in place, and sampling the next token on the GPU.
 
-use super::{not_mine, rows_cols as flat_rows_cols, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext, SourceOp};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
 use crate::kernels::{CachedAttentionShape, Dispatch};
 
-pub(super) struct Generation;
+/// Inference-only ops (no gradients).
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenerationOp {
+    /// inputs (qkv [S, T, 3·C], u32 starts [S], k cache, v cache, each
+    /// [S, heads, P, C/heads]) -> [S, T, C]: writes the rows' keys and
+    /// values into the caches at positions starts[s] + t, then attends
+    /// over positions 0..=starts[s] + t (see
+    /// `Kernels::cached_attention_forward`). No gradient.
+    CachedAttention { heads: usize },
+    /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
+    /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
+    /// non-finite logit (see `Kernels::sample_rows`). No gradient.
+    SampleTokens,
+}
 
 /// A cached attention's sizes from its qkv [S, T, 3·C] and cache
 /// [S, heads, P, C/heads] shapes.
@@ -21,45 +34,43 @@ fn attention_shape(heads: usize, qkv: &[usize], cache: &[usize]) -> Result<Cache
     Ok(CachedAttentionShape { seqs, rows, heads, head_dim, context })
 }
 
-impl OpFamily for Generation {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::CachedAttention { .. } => "cached_attention",
-            _ => "sample_tokens",
+impl OpFamily for GenerationOp {
+    fn name(&self) -> &'static str {
+        match self {
+            GenerationOp::CachedAttention { .. } => "cached_attention",
+            GenerationOp::SampleTokens => "sample_tokens",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let k = cx.kernels();
-        match op {
-            Op::CachedAttention { heads } => {
+        match self {
+            GenerationOp::CachedAttention { heads } => {
                 let sizes = attention_shape(*heads, cx.input_shape(0), cx.input_shape(2))?;
                 k.cached_attention_forward(cx.out()?, cx.input(2)?, cx.input(3)?, cx.input(0)?, cx.input(1)?, sizes)
             }
-            Op::SampleTokens => {
+            GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
                 k.sample_rows(cx.out()?, cx.input(0)?, cx.input(1)?, cx.input(2)?, rows, vocab)
             }
-            _ => Err(not_mine("generation", op)),
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        match op {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        match self {
             // The output only: the reference leaves the caches' values as
             // they were fed.
-            Op::CachedAttention { heads } => {
+            GenerationOp::CachedAttention { heads } => {
                 let sizes = attention_shape(*heads, cx.input_shape(0), cx.input_shape(2))?;
                 Ok(cpu::cached_attention(cx.input(0)?, &cx.input_u32(1)?, cx.input(2)?, cx.input(3)?, sizes).0)
             }
             // Sampling reads f32 logits and draws, as the kernel does.
-            Op::SampleTokens => {
+            GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
                 let narrow = |v: &[f64]| -> Vec<f32> { v.iter().map(|&x| x as f32).collect() };
                 let tokens = cpu::sample_rows(&narrow(cx.input(0)?), &narrow(cx.input(1)?), &cx.input_u32(2)?, rows, vocab);
                 Ok(tokens.into_iter().map(f64::from).collect())
             }
-            _ => Err(not_mine("generation", op)),
         }
     }
 }
@@ -94,7 +105,7 @@ impl Graph {
             return Err(Error::shape(OP, format!("the caches must both be [{seqs}, {heads}, context, {head_dim}]"), &all));
         }
         for cache in [k_cache, v_cache] {
-            if self.node(cache).op != Op::Cache {
+            if self.node(cache).op != SourceOp::Cache {
                 return Err(Error::InvalidArgument { op: OP, reason: format!("`{}` is not a cache tensor (Graph::cache)", self.node(cache).name) });
             }
         }
@@ -102,7 +113,7 @@ impl Graph {
             return Err(Error::InvalidArgument { op: OP, reason: "keys and values need two different caches".into() });
         }
         let shape = vec![seqs, rows, width / 3];
-        Ok(self.push(Op::CachedAttention { heads }, vec![qkv, starts, k_cache, v_cache], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(GenerationOp::CachedAttention { heads }, vec![qkv, starts, k_cache, v_cache], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// The next token of each row of `logits` [.., vocab] (rows: the
@@ -127,6 +138,6 @@ impl Graph {
         if self.node(top_k).dtype != DType::U32 || sk != [rows] {
             return Err(Error::shape(OP, format!("top_k must be u32 [{rows}], one k for each of the logits' {rows} rows"), &all));
         }
-        Ok(self.push(Op::SampleTokens, vec![logits, draws, top_k], vec![rows, 2], DType::U32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(GenerationOp::SampleTokens, vec![logits, draws, top_k], vec![rows, 2], DType::U32, format!("{OP}{}", self.nodes.len())))
     }
 }

@@ -2,78 +2,93 @@
 //! storage, which the plan aliases), permute, and slicing, padding and
 //! concatenating along the last dimension.
 
-use super::{not_mine, rows_cols as flat_rows_cols, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
 use crate::kernels::Dispatch;
 
-pub(super) struct Layout;
+/// Ops that move elements without arithmetic.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayoutOp {
+    /// The input's elements under a new shape: no kernel, the output shares
+    /// the input's storage.
+    Reshape,
+    /// A copy with axes reordered: output dim i is input dim perm[i].
+    Permute(Vec<usize>),
+    /// Columns `start..start + width` of the last dimension (width is the
+    /// output's last dimension).
+    SliceLast { start: usize },
+    /// The input placed at columns `start..` of a zero tensor (the
+    /// gradient of [`LayoutOp::SliceLast`]).
+    PadLast { start: usize },
+    /// inputs (a, b): [.., a_cols] and [.., b_cols] side by side.
+    ConcatLast,
+}
 
 /// The last dimension of a shape the builder checked (rank ≥ 1).
 fn last(shape: &[usize]) -> usize {
     shape.last().copied().unwrap_or(1)
 }
 
-impl OpFamily for Layout {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Reshape => "reshape",
-            Op::Permute(_) => "permute",
-            Op::SliceLast { .. } => "slice",
-            Op::PadLast { .. } => "pad",
-            _ => "concat",
+impl OpFamily for LayoutOp {
+    fn name(&self) -> &'static str {
+        match self {
+            LayoutOp::Reshape => "reshape",
+            LayoutOp::Permute(_) => "permute",
+            LayoutOp::SliceLast { .. } => "slice",
+            LayoutOp::PadLast { .. } => "pad",
+            LayoutOp::ConcatLast => "concat",
         }
     }
 
-    fn has_kernel(&self, op: &Op) -> bool {
-        *op != Op::Reshape
+    fn has_kernel(&self) -> bool {
+        *self != LayoutOp::Reshape
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let (k, out, x) = (cx.kernels(), cx.out()?, cx.input(0)?);
         let (rows, x_cols) = flat_rows_cols(cx.input_shape(0));
-        match op {
-            Op::Permute(perm) => k.permute(out, x, cx.input_shape(0), perm),
-            Op::SliceLast { start } => k.slice_last(out, x, rows, x_cols, *start, last(cx.shape())),
-            Op::PadLast { start } => k.pad_last(false, out, x, rows, last(cx.shape()), *start, x_cols),
-            Op::ConcatLast => k.concat_last(out, x, cx.input(1)?, rows, x_cols, last(cx.input_shape(1))),
-            _ => Err(not_mine("layout", op)),
+        match self {
+            LayoutOp::Permute(perm) => k.permute(out, x, cx.input_shape(0), perm),
+            LayoutOp::SliceLast { start } => k.slice_last(out, x, rows, x_cols, *start, last(cx.shape())),
+            LayoutOp::PadLast { start } => k.pad_last(false, out, x, rows, last(cx.shape()), *start, x_cols),
+            LayoutOp::ConcatLast => k.concat_last(out, x, cx.input(1)?, rows, x_cols, last(cx.input_shape(1))),
+            LayoutOp::Reshape => Err(cx.no_kernel()),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
         let inputs = g.node(node).inputs.clone();
         let in_shape = g.shape(inputs[slot]).to_vec();
-        match (op, slot) {
-            (Op::Reshape, 0) => g.reshape(dy, &in_shape),
-            (Op::Permute(perm), 0) => {
+        match (self, slot) {
+            (LayoutOp::Reshape, 0) => g.reshape(dy, &in_shape),
+            (LayoutOp::Permute(perm), 0) => {
                 let mut inverse = vec![0; perm.len()];
                 for (i, &p) in perm.iter().enumerate() {
                     inverse[p] = i;
                 }
                 g.permute(dy, &inverse)
             }
-            (Op::SliceLast { start }, 0) => g.pad_last(dy, *start, last(&in_shape)),
-            (Op::PadLast { start }, 0) => g.slice_last(dy, *start, last(&in_shape)),
-            (Op::ConcatLast, _) => {
+            (LayoutOp::SliceLast { start }, 0) => g.pad_last(dy, *start, last(&in_shape)),
+            (LayoutOp::PadLast { start }, 0) => g.slice_last(dy, *start, last(&in_shape)),
+            (LayoutOp::ConcatLast, _) => {
                 let start = if slot == 0 { 0 } else { last(g.shape(inputs[0])) };
                 g.slice_last(dy, start, last(&in_shape))
             }
-            _ => Err(super::no_gradient(g, op, node, slot)),
+            _ => Err(super::no_gradient(g, node, slot)),
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let x = cx.input(0)?;
         let (rows, x_cols) = flat_rows_cols(cx.input_shape(0));
-        match op {
-            Op::Reshape => Ok(x.to_vec()),
-            Op::Permute(perm) => cpu::permute(x, cx.input_shape(0), perm),
-            Op::SliceLast { start } => Ok(cpu::slice_last(x, rows, x_cols, *start, last(cx.shape()))),
-            Op::PadLast { start } => Ok(cpu::pad_last(x, rows, last(cx.shape()), *start, x_cols)),
-            Op::ConcatLast => Ok(cpu::concat_last(x, cx.input(1)?, rows, x_cols, last(cx.input_shape(1)))),
-            _ => Err(not_mine("layout", op)),
+        match self {
+            LayoutOp::Reshape => Ok(x.to_vec()),
+            LayoutOp::Permute(perm) => cpu::permute(x, cx.input_shape(0), perm),
+            LayoutOp::SliceLast { start } => Ok(cpu::slice_last(x, rows, x_cols, *start, last(cx.shape()))),
+            LayoutOp::PadLast { start } => Ok(cpu::pad_last(x, rows, last(cx.shape()), *start, x_cols)),
+            LayoutOp::ConcatLast => Ok(cpu::concat_last(x, cx.input(1)?, rows, x_cols, last(cx.input_shape(1)))),
         }
     }
 }
@@ -89,7 +104,7 @@ impl Graph {
             return Err(Error::shape(OP, "the element count must not change", &[&sx, shape]));
         }
         let dtype = self.node(x).dtype;
-        Ok(self.push(Op::Reshape, vec![x], shape.to_vec(), dtype, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LayoutOp::Reshape, vec![x], shape.to_vec(), dtype, format!("{OP}{}", self.nodes.len())))
     }
 
     /// Axes reordered (a copy): output dimension i is input dimension perm[i].
@@ -107,7 +122,7 @@ impl Graph {
             return Err(Error::shape(OP, format!("{perm:?} is not a permutation of the input's axes"), &[&sx, perm]));
         }
         let shape: Vec<usize> = perm.iter().map(|&p| sx[p]).collect();
-        Ok(self.push(Op::Permute(perm.to_vec()), vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LayoutOp::Permute(perm.to_vec()), vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// Swaps two axes (a copy).
@@ -135,7 +150,7 @@ impl Graph {
         if let Some(last) = shape.last_mut() {
             *last = width;
         }
-        Ok(self.push(Op::SliceLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LayoutOp::SliceLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// Splits the last dimension into pieces of the given widths (q, k and
@@ -170,7 +185,7 @@ impl Graph {
         if let Some(last) = shape.last_mut() {
             *last = cols;
         }
-        Ok(self.push(Op::PadLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LayoutOp::PadLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// Tensors side by side along the last dimension (equal leading shapes),
@@ -190,7 +205,7 @@ impl Graph {
             if let Some(last) = shape.last_mut() {
                 *last += sb[sb.len() - 1];
             }
-            Ok(self.push(Op::ConcatLast, vec![acc, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+            Ok(self.push(LayoutOp::ConcatLast, vec![acc, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
         })
     }
 }

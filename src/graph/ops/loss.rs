@@ -3,7 +3,7 @@
 //! row-wise cross-entropy for logits too large for one workgroup, whose
 //! dispatch also writes its gradient.
 
-use super::{not_mine, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
@@ -21,30 +21,45 @@ pub enum LossKind {
 /// layer; above it, one workgroup per row.
 pub const SINGLE_WORKGROUP_LOSS_MAX: usize = 1 << 16;
 
-pub(super) struct Losses;
+/// Losses and their gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossOp {
+    /// inputs (prediction, target) -> scalar
+    Loss(LossKind),
+    /// inputs (prediction, target, dloss) -> d prediction
+    LossBackward(LossKind),
+    /// inputs (logits [rows, V], u32 targets [rows]) -> per-row losses
+    /// [rows], one workgroup per row (any vocabulary). Its dispatch also
+    /// fills the [`LossOp::CrossEntropyRowsGrad`] node added right after it
+    /// with d loss_r / d logits (llm.c's fused logits, loss and gradient).
+    CrossEntropyRows,
+    /// inputs (the per-row losses): softmax(logits) − onehot(target),
+    /// written by the cross-entropy's dispatch.
+    CrossEntropyRowsGrad,
+}
 
-impl OpFamily for Losses {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Loss(LossKind::Mse) => "mse_loss",
-            Op::Loss(LossKind::CrossEntropy) => "cross_entropy_loss",
-            Op::LossBackward(_) => "loss_backward",
-            Op::CrossEntropyRows => "cross_entropy_rows",
-            _ => "cross_entropy_rows_grad",
+impl OpFamily for LossOp {
+    fn name(&self) -> &'static str {
+        match self {
+            LossOp::Loss(LossKind::Mse) => "mse_loss",
+            LossOp::Loss(LossKind::CrossEntropy) => "cross_entropy_loss",
+            LossOp::LossBackward(_) => "loss_backward",
+            LossOp::CrossEntropyRows => "cross_entropy_rows",
+            LossOp::CrossEntropyRowsGrad => "cross_entropy_rows_grad",
         }
     }
 
-    fn is_companion(&self, op: &Op) -> bool {
-        matches!(op, Op::CrossEntropyRowsGrad)
+    fn is_companion(&self) -> bool {
+        matches!(self, LossOp::CrossEntropyRowsGrad)
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let (k, i, out) = (cx.kernels(), cx.node, cx.out()?);
         let (pred, target) = (cx.input(0)?, cx.input(1)?);
         let s = cx.input_shape(0);
-        match op {
+        match self {
             // The plan computes this loss with its backward in one dispatch.
-            Op::Loss(kind) if cx.plan().loss_with_grad[i].is_some() => {
+            LossOp::Loss(kind) if cx.plan().loss_with_grad[i].is_some() => {
                 let b = Tensor(cx.plan().loss_with_grad[i].unwrap_or(i));
                 let (grad, dloss) = (cx.view(b)?, cx.view(cx.graph().node(b).inputs[2])?);
                 match kind {
@@ -52,63 +67,62 @@ impl OpFamily for Losses {
                     LossKind::CrossEntropy => k.cross_entropy_forward_backward(out, grad, pred, target, dloss, s[0], s[1]),
                 }
             }
-            Op::Loss(LossKind::Mse) => k.mse_forward(out, pred, target),
-            Op::Loss(LossKind::CrossEntropy) => k.cross_entropy_forward(out, pred, target, s[0], s[1]),
-            Op::LossBackward(LossKind::Mse) => k.mse_backward(out, pred, target, cx.input(2)?),
-            Op::LossBackward(LossKind::CrossEntropy) => k.cross_entropy_backward(out, pred, target, cx.input(2)?, s[0], s[1]),
-            Op::CrossEntropyRows => k.cross_entropy_rows_forward_backward(out, cx.view(cx.companion()?)?, pred, target, s[0], s[1], 1.0),
-            _ => Err(not_mine("loss", op)),
+            LossOp::Loss(LossKind::Mse) => k.mse_forward(out, pred, target),
+            LossOp::Loss(LossKind::CrossEntropy) => k.cross_entropy_forward(out, pred, target, s[0], s[1]),
+            LossOp::LossBackward(LossKind::Mse) => k.mse_backward(out, pred, target, cx.input(2)?),
+            LossOp::LossBackward(LossKind::CrossEntropy) => k.cross_entropy_backward(out, pred, target, cx.input(2)?, s[0], s[1]),
+            LossOp::CrossEntropyRows => k.cross_entropy_rows_forward_backward(out, cx.view(cx.companion()?)?, pred, target, s[0], s[1], 1.0),
+            LossOp::CrossEntropyRowsGrad => Err(cx.no_kernel()),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
         let n = g.node(node).clone();
-        match (op, slot) {
-            (Op::Loss(kind), 0) => {
+        match (self, slot) {
+            (LossOp::Loss(kind), 0) => {
                 let pred = n.inputs[0];
                 let (shape, name) = (g.shape(pred).to_vec(), format!("d{}", g.node(pred).name));
-                Ok(g.push(Op::LossBackward(*kind), vec![pred, n.inputs[1], dy], shape, DType::F32, name))
+                Ok(g.push(LossOp::LossBackward(*kind), vec![pred, n.inputs[1], dy], shape, DType::F32, name))
             }
-            (Op::CrossEntropyRows, 0) => {
+            (LossOp::CrossEntropyRows, 0) => {
                 let grad = g.companion(node).ok_or_else(|| Error::NoGradient { op: "cross_entropy_rows", input: n.name.clone() })?;
                 let per_row = g.reshape(dy, &[n.shape[0], 1])?;
                 g.mul(grad, per_row)
             }
-            _ => Err(super::no_gradient(g, op, node, slot)),
+            _ => Err(super::no_gradient(g, node, slot)),
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        match op {
-            Op::Loss(LossKind::Mse) => Ok(vec![cpu::mse_forward(cx.input(0)?, cx.input(1)?)]),
-            Op::Loss(LossKind::CrossEntropy) => {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        match self {
+            LossOp::Loss(LossKind::Mse) => Ok(vec![cpu::mse_forward(cx.input(0)?, cx.input(1)?)]),
+            LossOp::Loss(LossKind::CrossEntropy) => {
                 let s = cx.input_shape(0);
                 Ok(vec![cpu::cross_entropy_forward(cx.input(0)?, &cx.input_u32(1)?, s[0], s[1])])
             }
-            Op::LossBackward(LossKind::Mse) => Ok(cpu::mse_backward(cx.input(0)?, cx.input(1)?, cx.input(2)?[0])),
-            Op::LossBackward(LossKind::CrossEntropy) => {
+            LossOp::LossBackward(LossKind::Mse) => Ok(cpu::mse_backward(cx.input(0)?, cx.input(1)?, cx.input(2)?[0])),
+            LossOp::LossBackward(LossKind::CrossEntropy) => {
                 let s = cx.input_shape(0);
                 Ok(cpu::cross_entropy_backward(cx.input(0)?, &cx.input_u32(1)?, cx.input(2)?[0], s[0], s[1]))
             }
-            Op::CrossEntropyRows => {
+            LossOp::CrossEntropyRows => {
                 let s = cx.input_shape(0);
                 Ok(cpu::cross_entropy_rows_loss(cx.input(0)?, &cx.input_u32(1)?, s[0], s[1]))
             }
             // The gradient its writer's dispatch leaves beside the losses.
-            Op::CrossEntropyRowsGrad => {
+            LossOp::CrossEntropyRowsGrad => {
                 let writer = cx.graph().node(cx.node().inputs[0]);
                 let (logits, targets) = (cx.value(writer.inputs[0])?, cx.value(writer.inputs[1])?);
                 let s = cx.graph().shape(writer.inputs[0]);
                 let targets: Vec<u32> = targets.iter().map(|&t| t as u32).collect();
                 Ok(cpu::cross_entropy_rows_forward_backward(logits, &targets, s[0], s[1], 1.0).1)
             }
-            _ => Err(not_mine("loss", op)),
         }
     }
 
     /// A class label outside the logits' columns.
-    fn check_u32_input(&self, op: &Op, g: &Graph, node: Tensor, slot: usize, labels: &[u32]) -> Result<()> {
-        let classifies = matches!(op, Op::Loss(LossKind::CrossEntropy) | Op::LossBackward(LossKind::CrossEntropy) | Op::CrossEntropyRows);
+    fn check_u32_input(&self, g: &Graph, node: Tensor, slot: usize, labels: &[u32]) -> Result<()> {
+        let classifies = matches!(self, LossOp::Loss(LossKind::CrossEntropy) | LossOp::LossBackward(LossKind::CrossEntropy) | LossOp::CrossEntropyRows);
         if classifies && slot == 1 {
             let classes = g.shape(g.node(node).inputs[0]).last().copied().unwrap_or(0);
             if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
@@ -127,7 +141,7 @@ impl Graph {
         if self.shape(pred) != self.shape(target) {
             return Err(Error::shape(OP, "prediction and target must have the same shape", &[self.shape(pred), self.shape(target)]));
         }
-        Ok(self.push(Op::Loss(LossKind::Mse), vec![pred, target], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LossOp::Loss(LossKind::Mse), vec![pred, target], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// Softmax cross-entropy of logits [.., classes] against u32 labels
@@ -149,10 +163,10 @@ impl Graph {
         }
         if rows * classes > SINGLE_WORKGROUP_LOSS_MAX {
             // Too large for one workgroup: a workgroup per row, then the mean.
-            let losses = self.push(Op::CrossEntropyRows, vec![logits, labels], vec![rows], DType::F32, format!("{OP}{}.rows", self.nodes.len()));
-            self.push(Op::CrossEntropyRowsGrad, vec![losses], sl.clone(), DType::F32, format!("{OP}{}.grad", losses.0));
+            let losses = self.push(LossOp::CrossEntropyRows, vec![logits, labels], vec![rows], DType::F32, format!("{OP}{}.rows", self.nodes.len()));
+            self.push(LossOp::CrossEntropyRowsGrad, vec![losses], sl.clone(), DType::F32, format!("{OP}{}.grad", losses.0));
             return self.mean(losses);
         }
-        Ok(self.push(Op::Loss(LossKind::CrossEntropy), vec![logits, labels], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(LossOp::Loss(LossKind::CrossEntropy), vec![logits, labels], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 }

@@ -2,14 +2,21 @@
 //! an activation or its backward, and gradient accumulation) and batched
 //! over leading dimensions (`BatchMatMul`).
 
-use super::{not_mine, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{DispatchContext, ElementwiseOp, Op, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::graph::plan::Storage;
 use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm};
 
-pub(super) struct Matmuls;
+/// Matrix products.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MatmulOp {
+    MatMul(MatmulForm),
+    /// A matmul per leading index of rank-3/4 operands with equal leading
+    /// dimensions.
+    BatchMatMul(MatmulForm),
+}
 
 /// The stored inner dimension of `form`'s A operand of shape `a` (rank ≥ 2).
 fn inner(form: MatmulForm, a: &[usize]) -> usize {
@@ -24,23 +31,23 @@ fn inner(form: MatmulForm, a: &[usize]) -> usize {
 /// fused into a matmul.
 fn activation_of(cx: &DispatchContext<'_>, i: usize) -> Result<Activation> {
     match cx.graph().node(Tensor(i)).op {
-        Op::Activation(act) | Op::ActivationBackward(act) => Ok(act),
+        Op::Elementwise(ElementwiseOp::Activation(act) | ElementwiseOp::ActivationBackward(act)) => Ok(act),
         _ => Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` is not an activation", cx.graph().node(Tensor(i)).name) }),
     }
 }
 
-impl OpFamily for Matmuls {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::BatchMatMul(_) => "batch_matmul",
-            _ => "matmul",
+impl OpFamily for MatmulOp {
+    fn name(&self) -> &'static str {
+        match self {
+            MatmulOp::BatchMatMul(_) => "batch_matmul",
+            MatmulOp::MatMul(_) => "matmul",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let (k, i, shape) = (cx.kernels(), cx.node, cx.shape());
-        match op {
-            Op::MatMul(form) => {
+        match self {
+            MatmulOp::MatMul(form) => {
                 let (m, n, kk) = (shape[0], shape[1], inner(*form, cx.input_shape(0)));
                 let plan = cx.plan();
                 let bias = plan.bias_into[i].map(|b| cx.view(plan.reads[b][1])).transpose()?;
@@ -63,18 +70,17 @@ impl OpFamily for Matmuls {
                 }
                 k.matmul_epilogue(*form, epilogue, cx.out()?, cx.input(0)?, cx.input(1)?, m, n, kk)
             }
-            Op::BatchMatMul(form) => {
+            MatmulOp::BatchMatMul(form) => {
                 let rank = shape.len();
                 let batch = shape[..rank - 2].iter().product();
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
                 k.matmul_batched(*form, cx.accumulate(), cx.out()?, cx.input(0)?, cx.input(1)?, batch, m, n, kk)
             }
-            _ => Err(not_mine("matmul", op)),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (Op::MatMul(form) | Op::BatchMatMul(form)) = op else { return Err(not_mine("matmul", op)) };
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self;
         let (a, b) = (g.node(node).inputs[0], g.node(node).inputs[1]);
         match (form, slot) {
             (MatmulForm::AB, 0) => g.matmul_form(MatmulForm::ABt, dy, b),
@@ -86,8 +92,8 @@ impl OpFamily for Matmuls {
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        let (Op::MatMul(form) | Op::BatchMatMul(form)) = op else { return Err(not_mine("matmul", op)) };
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self;
         let shape = cx.shape();
         let rank = shape.len();
         let batch = shape[..rank - 2].iter().product();
@@ -135,7 +141,7 @@ impl Graph {
         }
         let mut shape = sa[..lead].to_vec();
         shape.extend([m, n]);
-        let op = if lead == 0 { Op::MatMul(form) } else { Op::BatchMatMul(form) };
+        let op = if lead == 0 { MatmulOp::MatMul(form) } else { MatmulOp::BatchMatMul(form) };
         Ok(self.push(op, vec![a, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 

@@ -3,27 +3,35 @@
 //! executor's views), its gradient rule (written with other graph ops) and
 //! its CPU reference (through the twins in `cpu.rs`, in f64).
 //!
-//! Why an enum plus one trait impl per family, rather than a trait object
-//! per node: the plan's fusion rules pattern-match ops (a matmul read only
-//! by a bias add, a loss beside its backward), and tests compare nodes by
-//! value, which an enum gives for free. So [`Op`] stays plain data, and
-//! [`Op::family`] is the only `match` that lists every op: it hands each
-//! variant to the [`OpFamily`] impl that knows it, in the family's file.
-//! The executor, autodiff and the reference interpreter ask the family and
-//! name no op. An op that shares a kernel family with others (LayerNorm and
-//! its statistics and backward nodes) shares its file, as its parts share
-//! buffers and helpers.
+//! Each family's file defines the family's own op enum (`NormOp`,
+//! `RopeOp`, ..) and implements [`OpFamily`] on it; [`Op`] has one variant
+//! per family holding that enum (`Op::Norm(NormOp::RmsNorm { eps })`).
+//! Why this shape:
+//! - an op added to a family is a variant of the family's enum, in the
+//!   family's file, and nothing here changes: this file lists families,
+//!   not ops, so it changes only when a family is added;
+//! - the ops stay plain data rather than trait objects: the plan's fusion
+//!   rules pattern-match them (a matmul read only by a bias add, a loss
+//!   beside its backward) and tests compare nodes by value, which enums
+//!   give for free;
+//! - each family's `match self` is exhaustive over its own ops, so a new
+//!   variant the family forgets to dispatch, name or reference is a
+//!   compile error, and no family can be handed another's op.
 //!
-//! Adding an op: its variant and family line below, and its family's file
-//! (new or existing) with the builder method as an `impl Graph` block.
+//! The executor, autodiff and the reference interpreter ask [`Op::family`]
+//! and name no op. Ops that share a kernel family's buffers and helpers
+//! (LayerNorm, RMSNorm and their statistics and backward nodes) share a
+//! file. Builder methods are `impl Graph` blocks in the family's file;
+//! `Graph::push` takes a family's op directly (`Into<Op>`), and `node.op
+//! == NormOp::RmsNormStats` compares across the wrapper.
 
 mod elementwise;
 mod embedding;
 mod generation;
-mod layer_norm;
 mod layout;
 mod loss;
 mod matmul;
+mod norms;
 mod reduce;
 mod rope;
 mod softmax;
@@ -33,216 +41,142 @@ use super::builder::{Graph, Node, Tensor};
 use super::executor::Executor;
 use super::plan::Plan;
 use crate::error::{Error, Result};
-use crate::kernels::{Activation, Binary, Dispatch, Kernels, MatmulForm, RopeLayout, Unary, View};
+use crate::kernels::{Dispatch, Kernels, View};
 
-pub use loss::LossKind;
+pub use elementwise::ElementwiseOp;
+pub use embedding::EmbeddingOp;
+pub use generation::GenerationOp;
+pub use layout::LayoutOp;
+pub use loss::{LossKind, LossOp};
+pub use matmul::MatmulOp;
+pub use norms::NormOp;
+pub use reduce::ReduceOp;
+pub use rope::RopeOp;
+pub use softmax::SoftmaxOp;
+pub use source::SourceOp;
 
-#[derive(Clone, Debug, PartialEq)]
-pub enum Op {
-    /// Data fed before each step (a batch, its targets).
-    Input,
-    /// A trainable tensor with its initial values.
-    Parameter { init: Vec<f32> },
-    /// A fixed tensor uploaded once (the seed gradient 1.0 of a loss).
-    Constant { values: Vec<f32> },
-    /// A tensor that keeps its values from run to run (a KV cache): zero
-    /// when the executor is built and after `Executor::clear_caches`, and
-    /// written only by the ops that update it in place
-    /// ([`Op::CachedAttention`]). Not trainable.
-    Cache,
-    MatMul(MatmulForm),
-    Binary(Binary),
-    Scale(f32),
-    /// x[rows, cols] + bias[cols]
-    BiasAdd,
-    Activation(Activation),
-    /// inputs (x, dy): f'(x)·dy
-    ActivationBackward(Activation),
-    /// Column sums of a matrix (the bias gradient).
-    SumRows,
-    Sum,
-    Mean,
-    /// inputs (prediction, target) -> scalar
-    Loss(LossKind),
-    /// inputs (prediction, target, dloss) -> d prediction
-    LossBackward(LossKind),
-    /// u32 index of each row's maximum.
-    Argmax,
-    /// inputs (x): adds x into the gradient of a parameter; the result is
-    /// that gradient. Emitted by autodiff only.
-    AccumulateGrad { param: Tensor },
-    /// The input's elements under a new shape: no kernel, the output shares
-    /// the input's storage.
-    Reshape,
-    /// A copy with axes reordered: output dim i is input dim perm[i].
-    Permute(Vec<usize>),
-    /// Columns `start..start + width` of the last dimension (width is the
-    /// output's last dimension).
-    SliceLast { start: usize },
-    /// The input placed at columns `start..` of a zero tensor (the
-    /// gradient of [`Op::SliceLast`]).
-    PadLast { start: usize },
-    /// inputs (a, b): [.., a_cols] and [.., b_cols] side by side.
-    ConcatLast,
-    /// A matmul per leading index of rank-3/4 operands with equal leading
-    /// dimensions.
-    BatchMatMul(MatmulForm),
-    Unary(Unary),
-    /// Sums the input down to this node's shape (the gradient of a
-    /// broadcast).
-    SumTo,
-    /// Softmax over the last dimension; `causal` masks column j > row i of
-    /// each trailing [T, T] block.
-    Softmax { causal: bool },
-    /// inputs (y, dy) of a softmax.
-    SoftmaxBackward,
-    /// inputs (x, weight, bias): torch.nn.LayerNorm over the last
-    /// dimension. Its dispatch also fills the [`Op::LayerNormStats`] node
-    /// added right after it.
-    LayerNorm { eps: f32 },
-    /// inputs (y of the layernorm): mean[rows], then rstd[rows] at element
-    /// [`stats_offset`]`(rows)`, written by the layernorm's dispatch.
-    LayerNormStats,
-    /// inputs (dy, x, weight, stats) -> dx.
-    LayerNormBackward,
-    /// inputs (dy, x, stats) -> dweight, then dbias at
-    /// [`stats_offset`]`(cols)`.
-    LayerNormParamsBackward,
-    /// inputs (x, weight): torch.nn.RMSNorm over the last dimension. Its
-    /// dispatch also fills the [`Op::RmsNormStats`] node added right after
-    /// it.
-    RmsNorm { eps: f32 },
-    /// inputs (y of the RMSNorm): rstd[rows], written by its dispatch.
-    RmsNormStats,
-    /// inputs (dy, x, weight, stats) -> dx.
-    RmsNormBackward,
-    /// inputs (dy, x, stats) -> dweight.
-    RmsNormWeightBackward,
-    /// inputs (x [S, T, H, D], u32 starts [S], (cos, sin) table
-    /// [positions, rotary_dim/2, 2]) -> x with the first `rotary_dim`
-    /// channels of each head rotated by the angles of positions
-    /// starts[s] + t (see `Kernels::rope_forward`).
-    Rope { layout: RopeLayout, base: f32, rotary_dim: usize },
-    /// inputs (dy, starts, table) -> dx: the rotation by minus each angle.
-    RopeBackward { layout: RopeLayout, base: f32, rotary_dim: usize },
-    /// inputs (table [V, C], u32 ids [..]) -> [.., C].
-    Embedding,
-    /// inputs (u32 ids): order[n] then cursor[vocab + 1] at
-    /// [`stats_offset`]`(n)`: the positions sorted by id (u32 scratch).
-    EmbeddingSort { vocab: usize },
-    /// inputs (dy, ids, sort) -> the table's gradient, added into the
-    /// parameter's gradient (always computed there).
-    EmbeddingBackward,
-    /// inputs (logits [rows, V], u32 targets [rows]) -> per-row losses
-    /// [rows], one workgroup per row (any vocabulary). Its dispatch also
-    /// fills the [`Op::CrossEntropyRowsGrad`] node added right after it
-    /// with d loss_r / d logits (llm.c's fused logits, loss and gradient).
-    CrossEntropyRows,
-    /// inputs (the per-row losses): softmax(logits) − onehot(target),
-    /// written by the cross-entropy's dispatch.
-    CrossEntropyRowsGrad,
-    /// inputs (qkv [S, T, 3·C], u32 starts [S], k cache, v cache, each
-    /// [S, heads, P, C/heads]) -> [S, T, C]: writes the rows' keys and
-    /// values into the caches at positions starts[s] + t, then attends
-    /// over positions 0..=starts[s] + t (see
-    /// `Kernels::cached_attention_forward`). No gradient.
-    CachedAttention { heads: usize },
-    /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
-    /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
-    /// non-finite logit (see `Kernels::sample_rows`). No gradient.
-    SampleTokens,
+/// Declares [`Op`] with one variant per family, the family's enum
+/// converting into it (`From`) and comparing with it (`PartialEq`), and
+/// [`Op::family`], from one line per family.
+macro_rules! op_families {
+    ($($(#[$doc:meta])* $variant:ident($family:ident),)+) => {
+        /// A graph node's op: one variant per op family, holding the
+        /// family's own enum (see the module docs).
+        #[derive(Clone, Debug, PartialEq)]
+        pub enum Op {
+            $($(#[$doc])* $variant($family),)+
+        }
+
+        impl Op {
+            /// The family that declares this op, which answers for it.
+            pub(crate) fn family(&self) -> &dyn OpFamily {
+                match self {
+                    $(Op::$variant(op) => op,)+
+                }
+            }
+        }
+
+        $(
+            impl From<$family> for Op {
+                fn from(op: $family) -> Op {
+                    Op::$variant(op)
+                }
+            }
+
+            impl PartialEq<$family> for Op {
+                fn eq(&self, other: &$family) -> bool {
+                    matches!(self, Op::$variant(op) if op == other)
+                }
+            }
+        )+
+    };
+}
+
+op_families! {
+    /// Tensors the graph feeds, trains, fixes or keeps: no kernel.
+    Source(SourceOp),
+    Matmul(MatmulOp),
+    /// Same-shape and broadcasting arithmetic, activations, gradient
+    /// accumulation.
+    Elementwise(ElementwiseOp),
+    Reduce(ReduceOp),
+    Loss(LossOp),
+    /// Reshape, permute, slice, pad and concat.
+    Layout(LayoutOp),
+    Softmax(SoftmaxOp),
+    /// LayerNorm and RMSNorm with their statistics and backward nodes.
+    Norm(NormOp),
+    Rope(RopeOp),
+    Embedding(EmbeddingOp),
+    /// Cached attention and sampling: inference only, no gradients.
+    Generation(GenerationOp),
 }
 
 impl Op {
-    /// The family that declares this op: the one list of every op.
-    pub(crate) fn family(&self) -> &'static dyn OpFamily {
-        match self {
-            Op::Input | Op::Parameter { .. } | Op::Constant { .. } | Op::Cache => &source::Sources,
-            Op::MatMul(_) | Op::BatchMatMul(_) => &matmul::Matmuls,
-            Op::Binary(_) | Op::Scale(_) | Op::BiasAdd | Op::Activation(_) | Op::ActivationBackward(_) | Op::Unary(_) | Op::AccumulateGrad { .. } => {
-                &elementwise::Elementwise
-            }
-            Op::SumRows | Op::Sum | Op::Mean | Op::SumTo | Op::Argmax => &reduce::Reductions,
-            Op::Loss(_) | Op::LossBackward(_) | Op::CrossEntropyRows | Op::CrossEntropyRowsGrad => &loss::Losses,
-            Op::Reshape | Op::Permute(_) | Op::SliceLast { .. } | Op::PadLast { .. } | Op::ConcatLast => &layout::Layout,
-            Op::Softmax { .. } | Op::SoftmaxBackward => &softmax::Softmaxes,
-            Op::LayerNorm { .. }
-            | Op::LayerNormStats
-            | Op::LayerNormBackward
-            | Op::LayerNormParamsBackward
-            | Op::RmsNorm { .. }
-            | Op::RmsNormStats
-            | Op::RmsNormBackward
-            | Op::RmsNormWeightBackward => &layer_norm::LayerNorms,
-            Op::Rope { .. } | Op::RopeBackward { .. } => &rope::Ropes,
-            Op::Embedding | Op::EmbeddingSort { .. } | Op::EmbeddingBackward => &embedding::Embeddings,
-            Op::CachedAttention { .. } | Op::SampleTokens => &generation::Generation,
-        }
-    }
-
     pub fn name(&self) -> &'static str {
-        self.family().name(self)
+        self.family().name()
     }
 
     /// A node another node's dispatch writes (it has no kernel of its own
     /// and follows its writer).
     pub fn is_companion(&self) -> bool {
-        self.family().is_companion(self)
+        self.family().is_companion()
     }
 
     /// Whether the op is a dispatch of its own: not a tensor the executor
     /// uploads or feeds, a view of another's storage, or a companion.
     pub fn has_kernel(&self) -> bool {
-        self.family().has_kernel(self)
+        self.family().has_kernel()
     }
 }
 
-/// What one family of ops declares. Each method gets the op (a variant of
-/// this family, as [`Op::family`] routes it) and answers for it.
-pub(crate) trait OpFamily: Sync {
-    fn name(&self, op: &Op) -> &'static str;
+/// What one family of ops declares, implemented by the family's op enum:
+/// each method answers for `self`, one op of the family.
+pub(crate) trait OpFamily {
+    fn name(&self) -> &'static str;
 
     /// See [`Op::is_companion`].
-    fn is_companion(&self, _op: &Op) -> bool {
+    fn is_companion(&self) -> bool {
         false
     }
 
     /// See [`Op::has_kernel`].
-    fn has_kernel(&self, op: &Op) -> bool {
-        !self.is_companion(op)
+    fn has_kernel(&self) -> bool {
+        !self.is_companion()
     }
 
     /// The dispatch computing node `cx.node` (and what the plan fused into
     /// it), bound to the executor's buffers.
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch>;
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch>;
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node, as
     /// new graph nodes. An op without a rule says so.
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
         let _ = dy;
-        Err(no_gradient(g, op, node, slot))
+        Err(no_gradient(g, node, slot))
     }
 
     /// The node's value in f64 from its inputs' values (u32 tensors hold
     /// their integers as f64), through the CPU twins.
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>>;
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>>;
 
     /// Checks u32 `values` about to be fed as input `slot` of node `node`
     /// (a class label or token id out of range) before they reach the GPU.
-    fn check_u32_input(&self, _op: &Op, _g: &Graph, _node: Tensor, _slot: usize, _values: &[u32]) -> Result<()> {
+    fn check_u32_input(&self, _g: &Graph, _node: Tensor, _slot: usize, _values: &[u32]) -> Result<()> {
         Ok(())
     }
 }
 
-/// The error of an op asked for a gradient rule it does not have.
-fn no_gradient(g: &Graph, op: &Op, node: Tensor, slot: usize) -> Error {
-    Error::NoGradient { op: op.name(), input: g.node(g.node(node).inputs[slot]).name.clone() }
+/// The error of node `node`'s op asked for a gradient rule it does not
+/// have.
+fn no_gradient(g: &Graph, node: Tensor, slot: usize) -> Error {
+    Error::NoGradient { op: g.node(node).op.name(), input: g.node(g.node(node).inputs[slot]).name.clone() }
 }
 
-/// A family handed a variant it does not declare: a bug in [`Op::family`],
-/// reported rather than panicked.
-fn not_mine(family: &'static str, op: &Op) -> Error {
-    Error::InvalidArgument { op: "graph", reason: format!("the {family} ops do not declare {op:?}") }
+/// A companion whose writer is not the op it belongs to: a graph built
+/// around the builder, reported rather than panicked.
+fn unexpected_writer(companion: &'static str, writer: &Op) -> Error {
+    Error::InvalidArgument { op: "graph", reason: format!("a {companion} node follows {writer:?}") }
 }
 
 /// Where the second part of a node holding two vectors starts (elements):
@@ -329,6 +263,13 @@ impl<'a> DispatchContext<'a> {
         Ok((View { len, ..whole }, View { offset: whole.offset + second as u64 * 4, len: whole.len - second, ..whole }))
     }
 
+    /// The error of a dispatch asked of a node without a kernel of its own
+    /// ([`Op::has_kernel`]): a bug in the executor, reported.
+    pub fn no_kernel(&self) -> Error {
+        let node = self.graph().node(Tensor(self.node));
+        Error::InvalidArgument { op: "Executor", reason: format!("`{}` ({}) has no kernel", node.name, node.op.name()) }
+    }
+
     /// The node this node's dispatch also writes ([`Op::is_companion`]).
     pub fn companion(&self) -> Result<Tensor> {
         self.graph().companion(Tensor(self.node)).ok_or_else(|| Error::InvalidArgument {
@@ -390,7 +331,7 @@ impl<'a> ReferenceContext<'a> {
             Some(v) if v.len() == node.len() => Ok(v),
             Some(v) => Err(Error::shape("evaluate_f64", format!("`{}` was fed {} values", node.name, v.len()), &[&node.shape])),
             // A cache starts at zero, as the executor makes it.
-            None if matches!(node.op, Op::Cache) => Ok(vec![0.0; node.len()]),
+            None if node.op == SourceOp::Cache => Ok(vec![0.0; node.len()]),
             None => Err(Error::InvalidArgument { op: "evaluate_f64", reason: format!("no values fed to `{}`", node.name) }),
         }
     }

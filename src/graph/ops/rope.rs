@@ -4,20 +4,30 @@
 //! a constant ([`crate::ops::rope_table`], computed once on the host as
 //! PyTorch computes it). Its gradient is the rotation by minus each angle.
 
-use super::{no_gradient, not_mine, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{no_gradient, DispatchContext, Op, OpFamily, ReferenceContext, SourceOp};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{DType, Graph, Tensor};
 use crate::kernels::Dispatch;
 use crate::ops::{rope_table, RopeLayout, RopeShape};
 
-pub(super) struct Ropes;
+/// Rotary position embedding and its backward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeOp {
+    /// inputs (x [S, T, H, D], u32 starts [S], (cos, sin) table
+    /// [positions, rotary_dim/2, 2]) -> x with the first `rotary_dim`
+    /// channels of each head rotated by the angles of positions
+    /// starts[s] + t (see `Kernels::rope_forward`).
+    Rope { layout: RopeLayout, base: f32, rotary_dim: usize },
+    /// inputs (dy, starts, table) -> dx: the rotation by minus each angle.
+    RopeBackward { layout: RopeLayout, base: f32, rotary_dim: usize },
+}
 
-/// The op's settings, forward or backward.
-fn settings(op: &Op) -> Result<(RopeLayout, f32, usize)> {
-    match *op {
-        Op::Rope { layout, base, rotary_dim } | Op::RopeBackward { layout, base, rotary_dim } => Ok((layout, base, rotary_dim)),
-        _ => Err(not_mine("rope", op)),
+impl RopeOp {
+    /// The op's settings, forward or backward.
+    fn settings(&self) -> (RopeLayout, f32, usize) {
+        let (RopeOp::Rope { layout, base, rotary_dim } | RopeOp::RopeBackward { layout, base, rotary_dim }) = *self;
+        (layout, base, rotary_dim)
     }
 }
 
@@ -27,36 +37,36 @@ fn rope_shape(x: &[usize], rotary_dim: usize, table_len: usize) -> RopeShape {
     RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions: table_len / rotary_dim.max(1) }
 }
 
-impl OpFamily for Ropes {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Rope { .. } => "rope",
-            _ => "rope_backward",
+impl OpFamily for RopeOp {
+    fn name(&self) -> &'static str {
+        match self {
+            RopeOp::Rope { .. } => "rope",
+            RopeOp::RopeBackward { .. } => "rope_backward",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
-        let (layout, _, rotary_dim) = settings(op)?;
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+        let (layout, _, rotary_dim) = self.settings();
         let shape = rope_shape(cx.shape(), rotary_dim, cx.input_node(2).len());
         let (out, x, starts, table) = (cx.out()?, cx.input(0)?, cx.input(1)?, cx.input(2)?);
-        match op {
-            Op::Rope { .. } => cx.kernels().rope_forward(out, x, starts, table, shape, layout),
+        match self {
+            RopeOp::Rope { .. } => cx.kernels().rope_forward(out, x, starts, table, shape, layout),
             _ => cx.kernels().rope_backward(out, x, starts, table, shape, layout),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (Op::Rope { layout, base, rotary_dim }, 0) = (op, slot) else { return Err(no_gradient(g, op, node, slot)) };
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+        let (RopeOp::Rope { layout, base, rotary_dim }, 0) = (self, slot) else { return Err(no_gradient(g, node, slot)) };
         let n = g.node(node).clone();
         let name = format!("d{}", g.node(n.inputs[0]).name);
-        let backward = Op::RopeBackward { layout: *layout, base: *base, rotary_dim: *rotary_dim };
+        let backward = RopeOp::RopeBackward { layout: *layout, base: *base, rotary_dim: *rotary_dim };
         Ok(g.push(backward, vec![dy, n.inputs[1], n.inputs[2]], n.shape, DType::F32, name))
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        let (layout, base, rotary_dim) = settings(op)?;
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        let (layout, base, rotary_dim) = self.settings();
         let shape = rope_shape(cx.shape(), rotary_dim, cx.graph().node(cx.node().inputs[2]).len());
-        let sign = if matches!(op, Op::Rope { .. }) { 1.0 } else { -1.0 };
+        let sign = if matches!(self, RopeOp::Rope { .. }) { 1.0 } else { -1.0 };
         Ok(cpu::rope_f64(cx.input(0)?, &cx.input_u32(1)?, shape, layout, base, sign))
     }
 }
@@ -99,12 +109,12 @@ impl Graph {
         let table_name = format!("rope.table(base={base}, rotary_dim={rotary_dim}, positions={positions})");
         let table = self.shared_constant(&table_name, &[positions, rotary_dim / 2, 2], DType::F32, || rope_table(base, rotary_dim, positions))?;
         let name = format!("{OP}{}", self.nodes.len());
-        Ok(self.push(Op::Rope { layout, base, rotary_dim }, vec![x, starts, table], shape, DType::F32, name))
+        Ok(self.push(RopeOp::Rope { layout, base, rotary_dim }, vec![x, starts, table], shape, DType::F32, name))
     }
 
     /// The constant named `name`, made by `values` the first time.
     fn shared_constant(&mut self, name: &str, shape: &[usize], dtype: DType, values: impl FnOnce() -> Result<Vec<f32>>) -> Result<Tensor> {
-        if let Some(i) = self.nodes.iter().position(|n| matches!(n.op, Op::Constant { .. }) && n.name == name) {
+        if let Some(i) = self.nodes.iter().position(|n| matches!(n.op, Op::Source(SourceOp::Constant { .. })) && n.name == name) {
             return Ok(Tensor(i));
         }
         let t = self.constant(name, shape, values()?)?;

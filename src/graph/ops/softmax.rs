@@ -1,46 +1,52 @@
 //! Softmax over the last dimension (optionally causal) and its backward.
 
-use super::{not_mine, rows_cols as flat_rows_cols, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
 use crate::kernels::Dispatch;
 
-pub(super) struct Softmaxes;
+/// Softmax and its backward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SoftmaxOp {
+    /// Softmax over the last dimension; `causal` masks column j > row i of
+    /// each trailing [T, T] block.
+    Softmax { causal: bool },
+    /// inputs (y, dy) of a softmax.
+    SoftmaxBackward,
+}
 
-impl OpFamily for Softmaxes {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Softmax { .. } => "softmax",
-            _ => "softmax_backward",
+impl OpFamily for SoftmaxOp {
+    fn name(&self) -> &'static str {
+        match self {
+            SoftmaxOp::Softmax { .. } => "softmax",
+            SoftmaxOp::SoftmaxBackward => "softmax_backward",
         }
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let (rows, cols) = flat_rows_cols(cx.shape());
-        match op {
-            Op::Softmax { causal } => cx.kernels().softmax_forward(cx.out()?, cx.input(0)?, rows, cols, causal.then_some(cols)),
-            Op::SoftmaxBackward => cx.kernels().softmax_backward(cx.out()?, cx.input(0)?, cx.input(1)?, rows, cols),
-            _ => Err(not_mine("softmax", op)),
+        match self {
+            SoftmaxOp::Softmax { causal } => cx.kernels().softmax_forward(cx.out()?, cx.input(0)?, rows, cols, causal.then_some(cols)),
+            SoftmaxOp::SoftmaxBackward => cx.kernels().softmax_backward(cx.out()?, cx.input(0)?, cx.input(1)?, rows, cols),
         }
     }
 
-    fn gradient(&self, op: &Op, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        match (op, slot) {
-            (Op::Softmax { .. }, 0) => {
+    fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
+        match (self, slot) {
+            (SoftmaxOp::Softmax { .. }, 0) => {
                 let (shape, name) = (g.node(node).shape.clone(), format!("d{}", g.node(node).name));
-                Ok(g.push(Op::SoftmaxBackward, vec![node, dy], shape, DType::F32, name))
+                Ok(g.push(SoftmaxOp::SoftmaxBackward, vec![node, dy], shape, DType::F32, name))
             }
-            _ => Err(super::no_gradient(g, op, node, slot)),
+            _ => Err(super::no_gradient(g, node, slot)),
         }
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let (rows, cols) = flat_rows_cols(cx.shape());
-        match op {
-            Op::Softmax { causal } => Ok(cpu::softmax_forward(cx.input(0)?, rows, cols, causal.then_some(cols))),
-            Op::SoftmaxBackward => Ok(cpu::softmax_backward(cx.input(0)?, cx.input(1)?, rows, cols)),
-            _ => Err(not_mine("softmax", op)),
+        match self {
+            SoftmaxOp::Softmax { causal } => Ok(cpu::softmax_forward(cx.input(0)?, rows, cols, causal.then_some(cols))),
+            SoftmaxOp::SoftmaxBackward => Ok(cpu::softmax_backward(cx.input(0)?, cx.input(1)?, rows, cols)),
         }
     }
 }
@@ -56,6 +62,6 @@ impl Graph {
         if causal && sx[sx.len() - 2] != sx[sx.len() - 1] {
             return Err(Error::shape(OP, "a causal mask needs square [.., T, T] scores", &[&sx]));
         }
-        Ok(self.push(Op::Softmax { causal }, vec![x], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(SoftmaxOp::Softmax { causal }, vec![x], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 }

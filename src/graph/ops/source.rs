@@ -2,39 +2,52 @@
 //! constants and caches. The executor gives each its buffer (no kernel);
 //! the reference takes their values from the feeds or the graph.
 
-use super::{not_mine, DispatchContext, Op, OpFamily, ReferenceContext};
+use super::{DispatchContext, Op, OpFamily, ReferenceContext};
 use crate::error::{Error, Result};
 use crate::graph::builder::{DType, Graph, Tensor};
 use crate::kernels::Dispatch;
 
-pub(super) struct Sources;
+/// The graph's leaves: tensors fed, trained, fixed or kept.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceOp {
+    /// Data fed before each step (a batch, its targets).
+    Input,
+    /// A trainable tensor with its initial values.
+    Parameter { init: Vec<f32> },
+    /// A fixed tensor uploaded once (the seed gradient 1.0 of a loss).
+    Constant { values: Vec<f32> },
+    /// A tensor that keeps its values from run to run (a KV cache): zero
+    /// when the executor is built and after `Executor::clear_caches`, and
+    /// written only by the ops that update it in place
+    /// ([`SourceOp::CachedAttention`]). Not trainable.
+    Cache,
+}
 
-impl OpFamily for Sources {
-    fn name(&self, op: &Op) -> &'static str {
-        match op {
-            Op::Parameter { .. } => "parameter",
-            Op::Constant { .. } => "constant",
-            Op::Cache => "cache",
-            _ => "input",
+impl OpFamily for SourceOp {
+    fn name(&self) -> &'static str {
+        match self {
+            SourceOp::Parameter { .. } => "parameter",
+            SourceOp::Constant { .. } => "constant",
+            SourceOp::Cache => "cache",
+            SourceOp::Input => "input",
         }
     }
 
-    fn has_kernel(&self, _op: &Op) -> bool {
+    fn has_kernel(&self) -> bool {
         false
     }
 
-    fn dispatch(&self, op: &Op, cx: &DispatchContext<'_>) -> Result<Dispatch> {
-        Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` ({}) has no kernel", cx.graph().node(Tensor(cx.node)).name, self.name(op)) })
+    fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
+        Err(cx.no_kernel())
     }
 
-    fn reference(&self, op: &Op, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        match op {
-            Op::Input | Op::Cache => cx.fed(),
+    fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+        match self {
+            SourceOp::Input | SourceOp::Cache => cx.fed(),
             // An f16 parameter is read as the f16 nearest its initial value.
-            Op::Parameter { init } if cx.node().dtype == DType::F16 => Ok(init.iter().map(|&v| f64::from(half::f16::from_f32(v).to_f32())).collect()),
-            Op::Parameter { init } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
-            Op::Constant { values } => Ok(values.iter().map(|&v| f64::from(v)).collect()),
-            _ => Err(not_mine("source", op)),
+            SourceOp::Parameter { init } if cx.node().dtype == DType::F16 => Ok(init.iter().map(|&v| f64::from(half::f16::from_f32(v).to_f32())).collect()),
+            SourceOp::Parameter { init } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
+            SourceOp::Constant { values } => Ok(values.iter().map(|&v| f64::from(v)).collect()),
         }
     }
 }
@@ -43,7 +56,7 @@ impl Graph {
     /// A tensor fed before each run (f32 features or targets).
     pub fn input(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         Self::non_empty("input", shape)?;
-        Ok(self.push(Op::Input, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(SourceOp::Input, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
     /// A tensor of u32 class labels fed before each run.
@@ -55,7 +68,7 @@ impl Graph {
     /// embedding, or class labels.
     pub fn ids(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         Self::non_empty("ids", shape)?;
-        Ok(self.push(Op::Input, vec![], shape.to_vec(), DType::U32, name.to_string()))
+        Ok(self.push(SourceOp::Input, vec![], shape.to_vec(), DType::U32, name.to_string()))
     }
 
     /// A trainable tensor; `name` is its state_dict key (e.g. `0.weight`).
@@ -64,10 +77,10 @@ impl Graph {
         if init.len() != shape.iter().product::<usize>() {
             return Err(Error::shape("parameter", format!("`{name}` got {} initial values", init.len()), &[shape]));
         }
-        if self.nodes.iter().any(|n| matches!(n.op, Op::Parameter { .. }) && n.name == name) {
+        if self.nodes.iter().any(|n| matches!(n.op, Op::Source(SourceOp::Parameter { .. })) && n.name == name) {
             return Err(Error::InvalidArgument { op: "parameter", reason: format!("a parameter named `{name}` already exists") });
         }
-        Ok(self.push(Op::Parameter { init }, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(SourceOp::Parameter { init }, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
     /// A parameter stored in f16 ([`DType::F16`]): `init` is rounded to
@@ -82,10 +95,10 @@ impl Graph {
     }
 
     /// A tensor that keeps its values between runs, zero at first (see
-    /// [`Op::Cache`]): the keys or values of a KV cache.
+    /// [`SourceOp::Cache`]): the keys or values of a KV cache.
     pub fn cache(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         Self::non_empty("cache", shape)?;
-        Ok(self.push(Op::Cache, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(SourceOp::Cache, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 
     pub fn constant(&mut self, name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
@@ -93,6 +106,6 @@ impl Graph {
         if values.len() != shape.iter().product::<usize>() {
             return Err(Error::shape("constant", format!("`{name}` got {} values", values.len()), &[shape]));
         }
-        Ok(self.push(Op::Constant { values }, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(SourceOp::Constant { values }, vec![], shape.to_vec(), DType::F32, name.to_string()))
     }
 }

@@ -2,12 +2,16 @@
 //! runner that executes one test body on each, and tolerance checks.
 #![allow(dead_code)]
 
+mod gradcheck;
+
 use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::device::{AdapterReport, GlGuard};
 use wgrad::{Device, Kernels};
+
+pub use gradcheck::{central_differences, gradcheck, mse_to_random, param, param_in, wide};
 
 /// What to install when there is no adapter (as scripts/ensure-vulkan.sh).
 pub const INSTALL_HINT: &str = "on Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers libvulkan1 \
