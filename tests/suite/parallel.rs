@@ -102,7 +102,7 @@ fn impossible_device_counts_are_errors_before_opening() {
     let err = reason(Strategy::Data, 2, Some(&[10, 10, 12]));
     assert!(err.contains("3 devices") && err.contains("2 devices"), "{err}");
     let err = reason(Strategy::Pipeline, 3, None);
-    assert!(err.contains("3 devices") && err.contains("2 Linear layers"), "{err}");
+    assert!(err.contains("3 stages") && err.contains("2 blocks"), "{err}");
     let err = reason(Strategy::Tensor, 17, None);
     assert!(err.contains("17 devices") && err.contains("has 16"), "{err}");
     let err = reason(Strategy::Single, 65, None);
@@ -279,7 +279,8 @@ fn a_device_failing_mid_training_is_an_error_naming_it() {
     }
 }
 
-use wgrad::parallel::pipeline::{balance_by_parameters, Pipeline};
+use wgrad::nn::Staged;
+use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 
 fn single_device_reference(k: &std::sync::Arc<wgrad::Kernels>, model: &Sequential, global: usize, steps: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
@@ -310,13 +311,14 @@ fn assert_same_parameters(what: &str, got: &[(String, Vec<usize>, Vec<f32>)], wa
 fn balanced_partitions_cover_every_layer() {
     nn::manual_seed(0);
     let m = Sequential::mlp(&[64, 256, 32, 32, 10], Layer::ReLU).unwrap();
-    let counts = balance_by_parameters(&m.layers, 2).unwrap();
-    assert_eq!(counts.iter().sum::<usize>(), m.layers.len());
-    assert_eq!(counts, vec![2, 5], "the big first layer stands alone");
-    let three = balance_by_parameters(&m.layers, 3).unwrap();
+    // Blocks are the Linears (each with its activation).
+    let counts = partition(&m.stage_costs(), 2).unwrap();
+    assert_eq!(counts.iter().sum::<usize>(), 4);
+    assert_eq!(counts, vec![1, 3], "the big first layer stands alone");
+    let three = partition(&m.stage_costs(), 3).unwrap();
     assert_eq!(three.len(), 3);
     assert!(three.iter().all(|&c| c > 0));
-    assert!(balance_by_parameters(&m.layers, 5).is_err());
+    assert!(partition(&m.stage_costs(), 5).is_err());
 }
 
 #[test]
@@ -329,14 +331,14 @@ fn pipeline_parallel_matches_single_device_training() {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &m, GLOBAL, STEPS);
         for micro in [1, 4] {
-            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, None).unwrap();
+            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, Schedule::GPipe).unwrap();
             let mut last = None;
             for s in 0..STEPS {
                 let (x, y) = batch(GLOBAL, s);
                 last = p.step(&x, Targets::Classes(&y), true).unwrap();
             }
             assert!(last.is_some_and(|l| l.is_finite()));
-            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.layer_counts()), &p.parameters().unwrap(), &want);
+            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.blocks_per_stage()), &p.parameters().unwrap(), &want);
             let ideal = p.ideal_bubble_fraction();
             assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12);
             let measured = p.measured_bubble_fraction();
@@ -367,15 +369,19 @@ fn tensor_parallel_matches_single_device_training() {
     let with_post = Sequential::mlp(&[IN, 9, 6, CLASSES], Layer::ReLU).unwrap();
     for group in groups("tensor_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
-        for (what, m, block) in [("pre+block", &with_pre, 2), ("block", &block_only, 0), ("block+post", &with_post, 0)] {
+        // The Sequential splits each Linear–activation–Linear pair from its
+        // first layer: with_pre's first two Linears (its last is whole, on
+        // device 0 after the all-reduce), block_only's both, with_post's
+        // first two.
+        for (what, m, split) in [("pair+post", &with_pre, "0.weight"), ("pair", &block_only, "0.weight"), ("pair+post", &with_post, "2.weight")] {
             let want = single_device_reference(&group.members()[0], m, BATCH, STEPS);
-            let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH, block).unwrap();
-            assert_eq!(tp.hidden_split().len(), group.len());
+            let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+            assert!(tp.slices(split).iter().all(Option::is_some), "{what}: `{split}` split over every device");
             for s in 0..STEPS {
                 let (x, y) = batch(BATCH, s);
                 tp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
             }
-            assert_same_parameters(&format!("tensor {what} on [{labels}] split {:?}", tp.hidden_split()), &tp.parameters().unwrap(), &want);
+            assert_same_parameters(&format!("tensor {what} on [{labels}]"), &tp.parameters().unwrap(), &want);
             // More rows than a batch, so the last chunk is padded; the GPU
             // argmax must agree exactly with the outputs it reads.
             let (x, _) = batch(BATCH + 5, 98);
