@@ -36,8 +36,8 @@ impl Strategy {
 
     /// Whether `devices` devices can split a global batch of `batch` rows
     /// (one row each at least, and one entry per device in a fixed
-    /// `split`), for any model: [`Strategy::check_devices`] for a
-    /// Sequential, and the GPT's run, use it.
+    /// `split`), for any model: [`Strategy::check_devices`] and the
+    /// language-model run use it.
     pub fn check_data_devices(devices: usize, batch: usize, split: Option<&[usize]>) -> Result<()> {
         super::check_limit(devices)?;
         if devices > batch {

@@ -18,13 +18,14 @@
 //! whole model's gradient norm.
 //!
 //! Why the vocabulary is not split as well: the char-level tables here
-//! have 65–84 rows (84 × 128 floats, less than one block's `c_attn`), so a
-//! vocabulary-parallel embedding and head would save almost no memory, yet
+//! have 65–84 rows (84 × 128 floats, less than one block's q, k, v
+//! projection), so a vocabulary-parallel embedding and head would save
+//! almost no memory, yet
 //! cost an all-reduce of [B, T, C] after the lookup and, for the
 //! cross-entropy over split logits, all-reduces of each row's max and sum
 //! of exponentials in the forward pass — each a host round trip, which
-//! wgpu (no peer copies) pays as a full synchronisation. At GPT-2's 50257
-//! rows the table is 31% of the 124M parameters (replicated on every
+//! wgpu (no peer copies) pays as a full synchronisation. At a 50257-token
+//! vocabulary the table is 31% of a 124M-parameter model (replicated on every
 //! device) and the head about a quarter of the forward's multiply-adds at
 //! T = 1024, all on device 0; a vocabulary-parallel embedding and head
 //! would then pay for their extra all-reduces.

@@ -592,3 +592,85 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
         assert_same_parameters(&format!("distributed replica {r}"), &replica.executor().parameters().unwrap(), &want);
     }
 }
+
+/// The MLP's pipeline and tensor parallel against single-device training
+/// with what the GPT's get: 10 AdamW steps with weight decay and a
+/// gradient clip every step hits (clipped by the whole model's norm);
+/// and each engine's checkpoint from halfway resumes on the other to the
+/// uninterrupted run.
+#[test]
+fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
+    use wgrad::gpt_folder::OptimizerState;
+    use wgrad::kernels::OptimizerConfig;
+    const BATCH: usize = 12;
+    const STEPS: u64 = 10;
+    const HALF: u64 = STEPS / 2;
+    /// Below every step's gradient norm here (asserted).
+    const CLIP: f32 = 0.1;
+    let adamw = || -> OptimizerConfig { wgrad::optim::AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(CLIP).into() };
+    nn::manual_seed(43);
+    // Two Linear pairs for tensor parallel (two all-reduces), four blocks
+    // for the pipeline.
+    let m = Sequential::mlp(&[IN, 14, 9, 11, CLASSES], Layer::Tanh).unwrap();
+    let resume_state = |ckpt: &wgrad::checkpoint::Checkpoint| {
+        let state = OptimizerState::from_checkpoint(ckpt).unwrap();
+        let params: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
+        (params, state)
+    };
+    for group in groups("mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device") {
+        let labels = group.labels().join(", ");
+        let mut single = Trainer::new(group.members()[0].clone(), &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for s in 0..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            single.zero_grad();
+            single.forward(&x).unwrap();
+            single.loss(Targets::Classes(&y)).unwrap();
+            single.backward().unwrap();
+            losses.push(single.step_reading_loss().unwrap());
+            norms.push(single.executor().read_grad_norm().unwrap().unwrap());
+        }
+        assert!(norms.iter().all(|&n| n > CLIP), "every step clips: {norms:?}");
+        let want = single.executor().parameters().unwrap();
+
+        let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, adamw(), BATCH, 3, Schedule::OneFOneB).unwrap();
+        let mut tp = TensorParallel::new(&group, &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        let (mut p_half, mut tp_half) = (None, None);
+        for s in 0..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            let i = s as usize;
+            let p_loss = p.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+            let tp_loss = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+            // The loss (about 1.4) and the norm summed per micro-batch or
+            // per device, in another order: relative 1e-5.
+            assert_close(&format!("pipeline loss of step {s} on [{labels}]"), &[p_loss], &[losses[i]], 0.0, 1e-5);
+            assert_close(&format!("tensor loss of step {s} on [{labels}]"), &[tp_loss], &[losses[i]], 0.0, 1e-5);
+            assert_close(&format!("pipeline norm of step {s} on [{labels}]"), &[p.stats().last_grad_norm.unwrap()], &[norms[i]], 0.0, 1e-5);
+            assert_close(&format!("tensor norm of step {s} on [{labels}]"), &[tp.last_grad_norm().unwrap()], &[norms[i]], 0.0, 1e-5);
+            if s + 1 == HALF {
+                p_half = Some(p.checkpoint().unwrap());
+                tp_half = Some(tp.checkpoint().unwrap());
+            }
+        }
+        assert_same_parameters(&format!("clipped AdamW pipeline on [{labels}]"), &p.parameters().unwrap(), &want);
+        assert_same_parameters(&format!("clipped AdamW tensor on [{labels}]"), &tp.parameters().unwrap(), &want);
+
+        // The pipeline's halfway checkpoint on tensor parallel, and the
+        // other way round.
+        let (params, state) = resume_state(&p_half.unwrap());
+        assert_eq!(state.step, HALF);
+        let mut tp2 = TensorParallel::new(&group, &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        tp2.load_state(&params, &state.state, Some(state.step)).unwrap();
+        let (params, state) = resume_state(&tp_half.unwrap());
+        let mut p2 = Pipeline::new(&group, &m, CrossEntropyLoss, adamw(), BATCH, 2, Schedule::GPipe).unwrap();
+        p2.load_state(&params, &state.state, Some(state.step)).unwrap();
+        for s in HALF..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            tp2.step(&x, Targets::Classes(&y), false).unwrap();
+            p2.step(&x, Targets::Classes(&y), false).unwrap();
+        }
+        assert_eq!((tp2.step_count(), p2.step_count()), (STEPS, STEPS));
+        assert_same_parameters(&format!("pipeline resumed on tensor parallel [{labels}]"), &tp2.parameters().unwrap(), &want);
+        assert_same_parameters(&format!("tensor parallel resumed on a pipeline [{labels}]"), &p2.parameters().unwrap(), &want);
+    }
+}
