@@ -88,6 +88,42 @@ pub fn share_of(units: usize, ranks: usize, rank: usize) -> Range<usize> {
     start..start + base + usize::from(rank < extra)
 }
 
+/// The splits of grouped-query attention's projections over heads of
+/// `head_dim` channels (Llama's q_proj, k_proj, v_proj and o_proj): a rank
+/// takes whole KV heads and, in step, the query heads that share them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionSplit {
+    pub query: TensorSplit,
+    /// Both k and v.
+    pub key_value: TensorSplit,
+    pub output: TensorSplit,
+}
+
+impl AttentionSplit {
+    /// `n_head` query heads sharing `n_kv_head` KV heads in groups. With
+    /// fewer KV heads than query heads (grouped-query), the ranks must
+    /// divide the KV heads, so each takes the same share; with one KV head
+    /// per query head the heads split as evenly as they go.
+    pub fn grouped_query(n_head: usize, n_kv_head: usize, head_dim: usize) -> Result<Self> {
+        if n_head == 0 || n_kv_head == 0 || head_dim == 0 || n_head % n_kv_head != 0 {
+            return Err(Error::InvalidArgument { op: "AttentionSplit", reason: format!("{n_head} query heads cannot share {n_kv_head} KV heads in equal groups") });
+        }
+        let ranks = ranks();
+        if ranks > n_kv_head || (n_kv_head < n_head && n_kv_head % ranks != 0) {
+            return Err(Error::InvalidArgument {
+                op: "tensor parallel",
+                reason: format!("{ranks} devices must divide the {n_kv_head} KV heads: each device takes whole KV heads and the query heads sharing them"),
+            });
+        }
+        let group = n_head / n_kv_head;
+        Ok(AttentionSplit {
+            query: TensorSplit::Column { groups: 1, unit: group * head_dim },
+            key_value: TensorSplit::Column { groups: 1, unit: head_dim },
+            output: TensorSplit::Row { unit: group * head_dim },
+        })
+    }
+}
+
 /// One rank's graph up to an all-reduce (or, last, to the model output).
 pub struct Segment {
     pub graph: Graph,

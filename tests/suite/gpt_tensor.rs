@@ -13,7 +13,10 @@ use rand::Rng;
 use wgrad::gpt_folder::OptimizerState;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
 use wgrad::optim::{AdamW, LrSchedule, SGD};
-use wgrad::nn::shard::Slice;
+use wgrad::graph::{Graph, Tensor};
+use wgrad::kernels::MatmulForm;
+use wgrad::nn::shard::{self, AttentionSplit, Slice};
+use wgrad::nn::Module;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::trainer::{Examples, Targets, Trainer};
@@ -328,4 +331,128 @@ fn impossible_splits_and_bad_shapes_are_refused() {
     assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.0.mlp.c_proj.weight"), "{err}");
     let err = TensorParallel::new(group, &model(), CrossEntropyLoss, adamw(), 0).err().expect("batch 0").to_string();
     assert!(err.contains("batch"), "{err}");
+}
+
+/// Grouped-query attention as Llama's (q_proj, k_proj, v_proj, o_proj
+/// without biases; 6 query heads sharing 2 KV heads) with a residual and a
+/// classifier head, over `batch` tokens of one sequence (no causal mask,
+/// so the query heads of a group can share one matmul in rank 3). What it
+/// tests is the split it declares through [`AttentionSplit`].
+struct GroupedQueryAttention {
+    n_head: usize,
+    n_kv_head: usize,
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    head: nn::Linear,
+}
+
+const GQA_CHANNELS: usize = 24;
+const GQA_CLASSES: usize = 5;
+
+impl GroupedQueryAttention {
+    fn new() -> Self {
+        nn::manual_seed(9);
+        let (c, n_head, n_kv_head) = (GQA_CHANNELS, 6, 2);
+        let d = c / n_head;
+        GroupedQueryAttention {
+            n_head,
+            n_kv_head,
+            q_proj: nn::Linear::normal_no_bias(c, n_head * d, 0.2),
+            k_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
+            v_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
+            o_proj: nn::Linear::normal_no_bias(n_head * d, c, 0.2),
+            head: nn::Linear::new(c, GQA_CLASSES),
+        }
+    }
+}
+
+impl Module for GroupedQueryAttention {
+    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
+        g.input("x", &[batch, GQA_CHANNELS])
+    }
+
+    fn forward(&self, g: &mut Graph, x: Tensor, _prefix: &str) -> wgrad::Result<Tensor> {
+        let d = GQA_CHANNELS / self.n_head;
+        let group = self.n_head / self.n_kv_head;
+        let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
+        let t = g.shape_of(x).unwrap()[0];
+        let q = self.q_proj.forward_split(g, x, "q_proj.", split.query)?;
+        let k = self.k_proj.forward_split(g, x, "k_proj.", split.key_value)?;
+        let v = self.v_proj.forward_split(g, x, "v_proj.", split.key_value)?;
+        // This device's KV heads, from what its projections yield.
+        let kv_heads = g.shape_of(k).unwrap()[1] / d;
+        let heads = |g: &mut Graph, y: Tensor, width: usize| -> wgrad::Result<Tensor> {
+            let y = g.reshape(y, &[t, kv_heads, width])?;
+            g.permute(y, &[1, 0, 2])
+        };
+        // [T, kv·g·d] -> [kv, T·g, d]: a group's query heads as rows.
+        let q = heads(g, q, group * d)?;
+        let q = g.reshape(q, &[kv_heads, t * group, d])?;
+        let (k, v) = (heads(g, k, d)?, heads(g, v, d)?);
+        let scores = g.matmul_form(MatmulForm::ABt, q, k)?;
+        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
+        let att = g.softmax(scores, false)?;
+        let y = g.matmul_form(MatmulForm::AB, att, v)?;
+        let y = g.reshape(y, &[kv_heads, t, group * d])?;
+        let y = g.permute(y, &[1, 0, 2])?;
+        let y = g.reshape(y, &[t, kv_heads * group * d])?;
+        let attended = self.o_proj.forward_split(g, y, "o_proj.", split.output)?;
+        let x = shard::reduce_residual(g, x, attended)?;
+        self.head.forward(g, x, "head.")
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Vec<usize>)> {
+        [("q_proj.", &self.q_proj), ("k_proj.", &self.k_proj), ("v_proj.", &self.v_proj), ("o_proj.", &self.o_proj), ("head.", &self.head)]
+            .into_iter()
+            .flat_map(|(p, l)| l.named_parameters().into_iter().map(move |(n, s)| (format!("{p}{n}"), s)))
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        format!("GroupedQueryAttention({}, heads={}, kv_heads={})", GQA_CHANNELS, self.n_head, self.n_kv_head)
+    }
+}
+
+/// Grouped-query attention split over 2 devices (a KV head each, with its
+/// 3 query heads) against one device: 10 clipped AdamW steps; 3 devices,
+/// which do not divide the 2 KV heads, are refused by name.
+#[test]
+fn grouped_query_attention_splits_kv_heads_with_their_query_heads() {
+    const TOKENS: usize = 7;
+    let groups = open_groups("grouped_query_attention_splits_kv_heads_with_their_query_heads", &[DeviceSelection::Count(2), DeviceSelection::Count(3)]);
+    let [two, three] = &groups[..] else { return };
+    let model = GroupedQueryAttention::new();
+    let batch = |s: u64| {
+        let mut r = rng(700 + s);
+        let x: Vec<f32> = (0..TOKENS * GQA_CHANNELS).map(|_| r.random_range(-1.0..1.0)).collect();
+        let y: Vec<u32> = (0..TOKENS).map(|i| u32::from(x[i * GQA_CHANNELS] > 0.0) + 2 * u32::from(x[i * GQA_CHANNELS + 1] > 0.0)).collect();
+        (x, y)
+    };
+    let clip = 0.2;
+    let optimizer = || AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(clip);
+    let mut single = Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
+    let mut tp = TensorParallel::new(two, &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
+    let held = |name: &str| rows_held(&tp, name);
+    // A KV head each (4 + 4 of k's and v's 2 · 4 rows) and, in step, its
+    // 3 query heads (12 + 12 of q's 6 · 4).
+    assert_eq!((held("q_proj.weight"), held("k_proj.weight"), held("v_proj.weight")), (vec![12, 12], vec![4, 4], vec![4, 4]));
+    for s in 0..10 {
+        let (x, y) = batch(s);
+        single.zero_grad();
+        single.forward(&x).unwrap();
+        single.loss(Targets::Classes(&y)).unwrap();
+        single.backward().unwrap();
+        let want = single.step_reading_loss().unwrap();
+        let norm = single.executor().read_grad_norm().unwrap().unwrap();
+        assert!(norm > clip, "step {s} clips: {norm}");
+        let got = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+        // Partial sums over devices, then in f64: relative 1e-5, as above.
+        assert!((got - want).abs() <= 1e-5 * want, "step {s}: loss {got} vs {want}");
+        assert!((tp.last_grad_norm().unwrap() - norm).abs() <= 1e-5 * norm, "step {s}: norm");
+    }
+    assert_same_parameters("grouped-query attention on 2 devices", &tp.parameters().unwrap(), &single.executor().parameters().unwrap());
+    let err = TensorParallel::new(three, &model, CrossEntropyLoss, optimizer(), TOKENS).err().expect("3 devices, 2 KV heads").to_string();
+    assert!(err.contains("3 devices") && err.contains("2 KV heads"), "{err}");
 }
