@@ -205,10 +205,10 @@ impl TensorParallel {
         let mut communication = Duration::ZERO;
         let mut x: Option<Vec<f32>> = None;
         for k in 0..self.segments {
-            let writes = Instant::now();
             for r in 0..self.ranks {
                 let stage = &mut self.stages[r * self.segments + k];
                 let kernels = stage.kernels.clone();
+                let writes = Instant::now();
                 match &x {
                     None => stage.set_examples(input),
                     Some(x) => stage.set_input(x),
@@ -248,10 +248,10 @@ impl TensorParallel {
             let (mut grad, transfer) = sum_on_host(&[(&*k0, view.map_err(|e| on_device(0, &k0, e))?)])?;
             communication += transfer;
             for k in (0..self.segments).rev() {
-                let writes = Instant::now();
                 for r in 0..self.ranks {
                     let stage = &mut self.stages[r * self.segments + k];
                     let kernels = stage.kernels.clone();
+                    let writes = Instant::now();
                     stage.set_output_gradient(&grad).map_err(|e| on_device(r, &kernels, e))?;
                     communication += writes.elapsed();
                     stage.backward(true).map_err(|e| on_device(r, &kernels, e))?;
@@ -349,16 +349,19 @@ impl TensorParallel {
     }
 
     /// Values moved between the host and the devices in one step: each
-    /// segment's output read from every device and its sum written to every
-    /// device (forward), the same for the input gradients (backward), and
+    /// segment's output read from every device and the sum written to the
+    /// next segment on every device (the last one's to the head); backward,
+    /// the head's input gradient read and written to every device, and each
+    /// other boundary's input gradients read and their sum written; plus
     /// the replicated parameters' gradients read from and written back to
     /// every copy.
     pub fn floats_moved_per_step(&self) -> usize {
-        let len = |stage: &Stage| stage.output_view().map_or(0, |v| v.len);
-        let activations: usize = (0..self.segments).map(|k| len(&self.stages[k])).sum();
-        let parameters: HashMap<String, usize> = self.stages.iter().flat_map(|s| s.executor().parameters_shapes()).map(|(n, s)| (n, s.iter().product())).collect();
-        let replicated: usize = self.spread.shared().iter().map(|s| 2 * s.holders.len() * parameters.get(&s.name).copied().unwrap_or(0)).sum();
-        4 * self.ranks * activations + replicated
+        let outputs: Vec<usize> = (0..self.segments).map(|k| self.stages[k].output_view().map_or(0, |v| v.len)).collect();
+        let (all, last) = (outputs.iter().sum::<usize>(), outputs.last().copied().unwrap_or(0));
+        let activations = 4 * self.ranks * all + 2 * last - 2 * self.ranks * last;
+        let sizes: HashMap<String, usize> = self.stages.iter().flat_map(|s| s.executor().parameters_shapes()).map(|(n, s)| (n, s.iter().product())).collect();
+        let replicated: usize = self.spread.shared().iter().map(|s| 2 * s.holders.len() * sizes.get(&s.name).copied().unwrap_or(0)).sum();
+        activations + replicated
     }
 
     /// One line: how the model is split.
