@@ -1,8 +1,8 @@
 //! Pipeline (model) parallel training of the digits MLP on two devices,
-//! GPipe style.
+//! 1F1B schedule.
 //!
 //! **What is split:** the model, by layers. The layers are cut into
-//! contiguous *stages*, one per device, with about equal parameter counts:
+//! contiguous *stages*, one per device, with about equal multiply-adds:
 //! here device 0 holds `Linear(64, 128) ReLU` and device 1 holds
 //! `Linear(128, 10)` and the loss. Each parameter lives on exactly one
 //! device, and so does its optimizer state.
@@ -34,7 +34,7 @@
 use wgrad::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
-use wgrad::parallel::pipeline::Pipeline;
+use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{accuracy, Targets};
 
@@ -54,29 +54,13 @@ fn main() -> wgrad::Result<()> {
     let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
     println!("model: {}", model.describe());
 
-    // `None`: let the pipeline balance the layers over the stages by parameter count.
-    let mut pipe = Pipeline::new(
-        &group,
-        &model,
-        CrossEntropyLoss,
-        Adam::new(2e-3),
-        BATCH,
-        MICRO_BATCHES,
-        None,
-    )?;
-    let mut first = 0;
-    for (s, &count) in pipe.layer_counts().iter().enumerate() {
-        let layers: Vec<String> = model.layers[first..first + count]
-            .iter()
-            .map(layer_name)
-            .collect();
-        println!("  stage {s} on device #{s}: {}", layers.join(" "));
-        first += count;
-    }
+    // The pipeline places the Linears (each with its activation) over the
+    // stages, evening out their multiply-adds.
+    let mut pipe = Pipeline::new(&group, &model, CrossEntropyLoss, Adam::new(2e-3), BATCH, MICRO_BATCHES, Schedule::OneFOneB)?;
+    println!("{}", pipe.describe());
     println!(
-        "layer counts {:?}; {MICRO_BATCHES} micro-batches of {} rows; ideal bubble (S-1)/(M+S-1) = {:.1}%",
-        pipe.layer_counts(),
-        BATCH / MICRO_BATCHES,
+        "Linears per stage {:?}; ideal bubble (S-1)/(M+S-1) = {:.1}%",
+        pipe.blocks_per_stage(),
         100.0 * pipe.ideal_bubble_fraction()
     );
 
@@ -134,11 +118,4 @@ fn main() -> wgrad::Result<()> {
         std::process::exit(1);
     }
     Ok(())
-}
-
-fn layer_name(layer: &Layer) -> String {
-    match layer {
-        Layer::Linear(l) => format!("Linear({}, {})", l.in_features, l.out_features),
-        other => format!("{other:?}"),
-    }
 }

@@ -58,16 +58,12 @@ fn main() -> wgrad::Result<()> {
     let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
     println!("model: {}", model.describe());
 
-    // Split the block whose first Linear is layer 0 (the whole model here).
-    let mut tp = TensorParallel::new(&group, &model, CrossEntropyLoss, Adam::new(2e-3), BATCH, 0)?;
-    println!("hidden units per device: {:?}", tp.hidden_split());
-    for (d, &h) in tp.hidden_split().iter().enumerate() {
-        let extra = if d == 0 {
-            ", 2.bias [10] and the loss"
-        } else {
-            ""
-        };
-        println!("  device #{d}: 0.weight [{h}, 64], 0.bias [{h}], 2.weight [10, {h}]{extra}");
+    // The Sequential declares its split: 0.weight column-parallel (hidden
+    // units per device), 2.weight row-parallel, then an all-reduce.
+    let mut tp = TensorParallel::new(&group, &model, CrossEntropyLoss, Adam::new(2e-3), BATCH)?;
+    println!("{}", tp.describe());
+    for (d, slice) in tp.slices("0.weight").iter().enumerate() {
+        println!("  device #{d}: rows {slice:?} of 0.weight and 0.bias, the same columns of 2.weight");
     }
 
     let mut loader = Sampler::new(train.len(), BATCH, 0, true)?;

@@ -30,8 +30,8 @@ use crate::parallel::data::{DataParallel, Split};
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::parallel::engine::Strategy;
-use crate::parallel::gpt_pipeline::{GptPipeline, Schedule};
-use crate::parallel::gpt_tensor::GptTensorParallel;
+use crate::parallel::pipeline::{Pipeline, Schedule};
+use crate::parallel::tensor::TensorParallel;
 use crate::parallel::{DeviceGroup, DeviceSelection};
 use crate::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::trainer::{Examples, Targets, Trainer};
@@ -96,8 +96,8 @@ pub struct LmTrainConfig {
     /// How the work is spread over devices: `Single` (the default), `Data`
     /// (a replica per device, the batch split among them; the only strategy
     /// across processes), `Tensor` (Megatron: each device holds some heads
-    /// and MLP units of every block, [`GptTensorParallel`]) or `Pipeline`
-    /// (whole blocks per device, micro-batches, [`GptPipeline`]).
+    /// and MLP units of every block, [`TensorParallel`]) or `Pipeline`
+    /// (whole blocks per device, micro-batches, [`Pipeline`]).
     pub strategy: Strategy,
     /// The devices [`LmTrainingRun::new`] opens: `None` gives the default
     /// device for a single device, `WGRAD_DEVICES` or 2 devices for data
@@ -334,9 +334,9 @@ enum LmEngine {
     /// over its local devices.
     Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
     /// Megatron: heads and MLP units of every block split over devices.
-    Tensor(Box<GptTensorParallel>),
+    Tensor(Box<TensorParallel>),
     /// Whole blocks per device, micro-batches through the stages.
-    Pipeline(Box<GptPipeline>),
+    Pipeline(Box<Pipeline>),
 }
 
 impl LmEngine {
@@ -356,8 +356,8 @@ impl LmEngine {
             (Strategy::Single, Some(_)) => {
                 return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() })
             }
-            (Strategy::Tensor, None) => LmEngine::Tensor(Box::new(GptTensorParallel::new(devices, model, optimizer, batch)?)),
-            (Strategy::Pipeline, None) => LmEngine::Pipeline(Box::new(GptPipeline::new(devices, model, optimizer, batch, config.micro_batches, config.schedule)?)),
+            (Strategy::Tensor, None) => LmEngine::Tensor(Box::new(TensorParallel::new(devices, model, CrossEntropyLoss, optimizer, batch)?)),
+            (Strategy::Pipeline, None) => LmEngine::Pipeline(Box::new(Pipeline::new(devices, model, CrossEntropyLoss, optimizer, batch, config.micro_batches, config.schedule)?)),
             (Strategy::Tensor | Strategy::Pipeline, Some(_)) => {
                 return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() })
             }
@@ -382,8 +382,8 @@ impl LmEngine {
             }
             LmEngine::Data(d) => d.step(ids, targets, read_loss),
             LmEngine::Distributed(d) => d.step(ids, targets, read_loss),
-            LmEngine::Tensor(t) => t.step(ids, next, read_loss),
-            LmEngine::Pipeline(p) => p.step(ids, next, read_loss),
+            LmEngine::Tensor(t) => t.step(ids, targets, read_loss),
+            LmEngine::Pipeline(p) => p.step(ids, targets, read_loss),
         }
     }
 
@@ -395,8 +395,8 @@ impl LmEngine {
             LmEngine::Single(t) => t.evaluate_loss(Examples::Ids(ids), targets),
             LmEngine::Data(d) => d.evaluate_loss(ids, targets),
             LmEngine::Distributed(d) => d.evaluate_loss(ids, targets),
-            LmEngine::Tensor(t) => t.evaluate_loss(ids, next),
-            LmEngine::Pipeline(p) => p.evaluate_loss(ids, next),
+            LmEngine::Tensor(t) => t.evaluate_loss(ids, targets),
+            LmEngine::Pipeline(p) => p.evaluate_loss(ids, targets),
         }
     }
 
@@ -418,7 +418,7 @@ impl LmEngine {
             LmEngine::Single(t) => t.executor().optimizer_state()?,
             LmEngine::Data(d) => d.replicas()[0].executor().optimizer_state()?,
             LmEngine::Distributed(d) => d.replica().executor().optimizer_state()?,
-            LmEngine::Tensor(t) => return Ok(t.optimizer_state()?.state),
+            LmEngine::Tensor(t) => t.optimizer_state()?,
             LmEngine::Pipeline(p) => p.optimizer_state()?,
         };
         Ok(state.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect())
@@ -442,7 +442,7 @@ impl LmEngine {
         match (self, state) {
             (LmEngine::Single(t), Some(s)) => t.executor_mut().load_state(&[], &s.state, Some(s.step)),
             (LmEngine::Data(d), Some(s)) => d.load_state(&[], &s.state, Some(s.step)),
-            (LmEngine::Tensor(t), Some(s)) => t.load_state(s),
+            (LmEngine::Tensor(t), Some(s)) => t.load_state(&[], &s.state, Some(s.step)),
             (LmEngine::Pipeline(p), Some(s)) => p.load_state(&[], &s.state, Some(s.step)),
             (LmEngine::Distributed(d), state) => {
                 if let Some(s) = state {

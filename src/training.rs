@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::checkpoint;
+use crate::gpt_folder::OptimizerState;
 use crate::data::{self, Dataset, Sampler};
 use crate::device::{Device, DeviceOptions};
 use crate::error::{Error, Result};
@@ -221,7 +222,6 @@ pub struct TrainingRun {
     config: TrainConfig,
     root: bool,
     data: DataSplit,
-    model: Sequential,
     group: DeviceGroup,
     engine: Engine,
     info: RunInfo,
@@ -321,7 +321,7 @@ impl TrainingRun {
             test_rows: data.test.len(),
             steps: config.max_steps.map_or(all_steps, |m| m.min(all_steps)),
         };
-        Ok(TrainingRun { config, root, data, model, group, engine, info })
+        Ok(TrainingRun { config, root, data, group, engine, info })
     }
 
     pub fn info(&self) -> &RunInfo {
@@ -409,7 +409,7 @@ impl TrainingRun {
         let test_accuracy = accuracy(&self.engine.predict(test_set.x())?, test_set.labels());
         let train_accuracy = accuracy(&self.engine.predict(train_set.x())?, train_set.labels());
         if let Some(path) = &config.checkpoint {
-            let mut ckpt = self.engine.checkpoint(&self.model, &config.optimizer)?;
+            let mut ckpt = self.engine.checkpoint()?;
             ckpt.set_meta("data", self.data.name.clone());
             ckpt.set_meta("split_seed", config.seed.to_string());
             ckpt.set_meta("test_fraction", config.test_fraction.to_string());
@@ -457,10 +457,17 @@ fn resume(engine: &mut Engine, path: &Path, root: bool) -> Result<()> {
             }
             d.sync_from_root()
         }
-        _ => Err(Error::InvalidArgument {
-            op: "train --resume",
-            reason: "resuming is supported for single-device and data-parallel runs".into(),
-        }),
+        Engine::Pipeline(_) | Engine::Tensor(_) => {
+            let ckpt = checkpoint::load(path)?;
+            let state = OptimizerState::from_checkpoint(&ckpt)?;
+            let params: Vec<(String, Vec<usize>, Vec<f32>)> =
+                ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
+            match engine {
+                Engine::Pipeline(p) => p.load_state(&params, &state.state, Some(state.step)),
+                Engine::Tensor(t) => t.load_state(&params, &state.state, Some(state.step)),
+                _ => Ok(()),
+            }
+        }
     }
 }
 

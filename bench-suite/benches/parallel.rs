@@ -27,7 +27,7 @@
 //!
 //! Then the GPT `wgrad train --model gpt` trains by default (L4 H4 C128
 //! T64, batch 8, 65 characters; AdamW with clipping) on one device (a
-//! `Trainer`) against `GptPipeline` on 2 devices (the Vulkan and the GL
+//! `Trainer`) against `Pipeline` on 2 devices (the Vulkan and the GL
 //! adapter) with GPipe and 1F1B over 4 and 8 micro-batches, timed by hand
 //! (a step takes about a second on a software adapter, too long for
 //! criterion's samples):
@@ -42,7 +42,7 @@
 //! for its backward, and `peak_stash_kib` the host memory that took.
 //!
 //! And the same GPT (vocabulary 84 as in `wgrad bench`) on one device
-//! (`Trainer`) against `GptTensorParallel` on 2 (`DeviceSelection::Count(2)`: lavapipe and
+//! (`Trainer`) against `TensorParallel` on 2 (`DeviceSelection::Count(2)`: lavapipe and
 //! llvmpipe-GL), timed by the same loop (no criterion: a step takes most of
 //! a second on a CPU adapter), printing
 //!
@@ -52,7 +52,7 @@
 //!
 //! where `comm_share` is `TensorParallelStats.communication / wall` and
 //! `host_mb_per_step` what one step moves through the host
-//! (`GptTensorParallel::floats_moved_per_step`).
+//! (`TensorParallel::floats_moved_per_step`).
 //!
 //! Then data parallel on the same 2 devices with 8 rows per device (weak
 //! scaling), split evenly and as measured:
@@ -83,9 +83,7 @@ use wgrad::lm_training::LmTrainConfig;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, LrSchedule};
 use wgrad::parallel::data::{DataParallel, Split};
-use wgrad::parallel::gpt_pipeline::{GptPipeline, Schedule};
-use wgrad::parallel::gpt_tensor::GptTensorParallel;
-use wgrad::parallel::pipeline::Pipeline;
+use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{Targets, Trainer};
@@ -164,7 +162,7 @@ impl Runner {
                 opt,
                 BATCH,
                 MICRO_BATCHES,
-                None,
+                Schedule::GPipe,
             )?)),
             "tensor" => Runner::Tensor(Box::new(TensorParallel::new(
                 group,
@@ -172,7 +170,6 @@ impl Runner {
                 CrossEntropyLoss,
                 opt,
                 BATCH,
-                0,
             )?)),
             other => unreachable!("unknown strategy {other}"),
         })
@@ -213,12 +210,12 @@ impl Runner {
                 .replace(", ", ","),
             Runner::Pipeline(p) => format!(
                 " layers={:?} bubble={:.2} ideal_bubble={:.2}",
-                p.layer_counts(),
+                p.blocks_per_stage(),
                 p.measured_bubble_fraction(),
                 p.ideal_bubble_fraction()
             )
             .replace(", ", ","),
-            Runner::Tensor(t) => format!(" hidden={:?}", t.hidden_split()).replace(", ", ","),
+            Runner::Tensor(t) => format!(" split={:?}", t.slices("0.weight")).replace(", ", ","),
         }
     }
 }
@@ -321,11 +318,11 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     println!("2 devices: {}", two.labels().join(", "));
     for micro in [4, 8] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let mut p = GptPipeline::new(&two, &model, run.optimizer(), batch, micro, schedule)?;
-            time_steps(warm_up, 0, || p.step(&ids, &targets, false).map(|_| ()))?;
+            let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer(), batch, micro, schedule)?;
+            time_steps(warm_up, 0, || p.step(&ids, Targets::Classes(&targets), false).map(|_| ()))?;
             p.reset_stats();
             let ms = time_steps(0, timed, || {
-                p.step(&ids, &targets, false)?;
+                p.step(&ids, Targets::Classes(&targets), false)?;
                 wait_all(&two)
             })?;
             let stats = p.stats();
@@ -631,9 +628,9 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
     }
 
     match DeviceGroup::open(&DeviceSelection::Count(2)).and_then(|group| {
-        let mut tp = GptTensorParallel::new(&group, &model, optimizer, GPT_BATCH)?;
-        let step = |tp: &mut GptTensorParallel| -> wgrad::Result<()> {
-            tp.step(x, y, false)?;
+        let mut tp = TensorParallel::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH)?;
+        let step = |tp: &mut TensorParallel| -> wgrad::Result<()> {
+            tp.step(x, Targets::Classes(y), false)?;
             wait_all(&group)
         };
         time_steps(warm_up, 0, || step(&mut tp))?;
@@ -643,8 +640,8 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
             / (tp.stats().wall - wall0).as_secs_f64().max(1e-9);
         println!("{}", tp.report());
         Ok(format!(
-            "bench parallel model=gpt strategy=tensor devices=2 ms_per_step={ms:.1} comm_share={share:.2} heads={:?} host_mb_per_step={:.1} config={config}",
-            tp.head_split(),
+            "bench parallel model=gpt strategy=tensor devices=2 ms_per_step={ms:.1} comm_share={share:.2} split={:?} host_mb_per_step={:.1} config={config}",
+            tp.slices("h.0.attn.c_proj.weight"),
             tp.floats_moved_per_step() as f64 * 4.0 / 1e6
         )
         .replace(", ", ","))

@@ -11,7 +11,7 @@ use wgrad::generate::{Generator, Sampling, WeightDtype};
 use wgrad::nn::Gpt;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
-use wgrad::parallel::gpt_pipeline::Schedule;
+use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::DeviceSelection;
 use wgrad::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};

@@ -133,7 +133,7 @@ fn wgrad_train_gpt_in_parallel_ends_where_one_device_ends() {
     assert!(data.contains("data parallel, batch split #0") && data.contains("#1 "), "{data}");
     assert!(data.contains("communication") && data.contains("% of step time"), "no report at the end: {data}");
     let tensor = run("tensor", &["--parallel", "tensor", "--devices", "2"]);
-    assert!(tensor.contains("heads") && tensor.contains("communication"), "{tensor}");
+    assert!(tensor.contains("tensor parallel over 2 devices") && tensor.contains("split per device") && tensor.contains("communication"), "{tensor}");
     let pipeline = run("pipeline", &["--parallel", "pipeline", "--devices", "2", "--micro-batches", "2", "--schedule", "gpipe"]);
     assert!(pipeline.contains("GPipe") && pipeline.contains("bubble"), "{pipeline}");
     let want = final_validation_loss(&single);

@@ -4,7 +4,7 @@
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
 use super::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module, ParameterTree};
+use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -62,6 +62,16 @@ impl GptConfig {
         let c = self.n_embd;
         let block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
         self.vocab_size * c + self.block_size * c + self.n_layer * block + 2 * c
+    }
+
+    /// Forward multiply-adds per token of the embedding, each of `blocks`
+    /// blocks, and the head with its loss ([`Staged::stage_costs`]).
+    pub fn stage_costs(&self, blocks: usize) -> StageCosts {
+        let (c, t, v) = (self.n_embd as f64, self.block_size as f64, self.vocab_size as f64);
+        // q, k, v and the output projection, the MLP's two matmuls, and the
+        // attention scores and their weighted sum.
+        let block = 12.0 * c * c + 2.0 * t * c;
+        StageCosts { prologue: 2.0 * c, blocks: vec![block; blocks], epilogue: v * c + 3.0 * v + 4.0 * c }
     }
 
     fn check(&self) -> Result<()> {
@@ -132,20 +142,17 @@ impl Gpt {
         Ok(Gpt { config, wte: Embedding::empty(config.vocab_size, c), wpe: Embedding::empty(config.block_size, c), h, ln_f: LayerNorm::new(c) })
     }
 
-    /// The input of the first block, x [batch, T, C]: the token
-    /// embeddings of `idx` (u32 [batch, T ≤ block_size]) looked up in
-    /// `wte` (the table [`Embedding::table`] declared, which the head
-    /// reuses) plus the first T position embeddings (`{prefix}wpe.weight`).
-    /// Pipeline stages build the model in parts with it and [`Gpt::head`].
-    pub fn embed(&self, g: &mut Graph, wte: Tensor, idx: Tensor, prefix: &str) -> Result<Tensor> {
+    /// The token embeddings of `idx` (u32 [batch, T ≤ block_size]) plus
+    /// the first T position embeddings: x [batch, T, C].
+    fn embed(&self, g: &mut Graph, idx: Tensor) -> Result<Tensor> {
         let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
         let (block, channels) = (self.config.block_size, self.config.n_embd);
         let t = match shape[..] {
             [_, t] if t <= block => t,
             _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
         };
-        let tokens = g.embedding(wte, idx)?;
-        let table = self.wpe.table(g, &child_prefix!(prefix, self.wpe))?;
+        let tokens = self.wte.forward(g, idx, &child_prefix!("", self.wte))?;
+        let table = self.wpe.table(g, &child_prefix!("", self.wpe))?;
         // The first T rows of the position table, broadcast over the batch.
         let positions = if t == block {
             table
@@ -155,14 +162,6 @@ impl Gpt {
             g.reshape(first, &[t, channels])?
         };
         g.add(tokens, positions)
-    }
-
-    /// The final norm (`{prefix}ln_f.`) and the head tied to the token
-    /// table `wte`: logits [.., vocab_size] of x [.., C].
-    pub fn head(&self, g: &mut Graph, wte: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let x = self.ln_f.forward(g, x, &child_prefix!(prefix, self.ln_f))?;
-        // The head is the token embedding, transposed.
-        g.rows_matmul(MatmulForm::ABt, x, wte)
     }
 
     fn assemble(config: GptConfig, h: Vec<Block>) -> Self {
@@ -178,20 +177,43 @@ impl Gpt {
 
 parameter_tree!(Gpt { wte, wpe, h, ln_f });
 
+/// The embeddings, the blocks `h.{i}`, and the final norm with the head
+/// (which declares `wte.weight` again: the pipeline finds the tied copy).
+impl Staged for Gpt {
+    fn prologue(&self, g: &mut Graph, idx: Tensor) -> Result<Tensor> {
+        self.embed(g, idx)
+    }
+
+    fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
+        let block = self.h.get(index).ok_or_else(|| Error::InvalidArgument { op: "Gpt::block", reason: format!("block {index} of {}", self.h.len()) })?;
+        block.forward(g, x, &item_prefix(&child_prefix!("", self.h), index))
+    }
+
+    /// Logits [.., vocab_size] of x [.., C] through `ln_f` and the head
+    /// tied to the token table.
+    fn epilogue(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(g, x, &child_prefix!("", self.ln_f))?;
+        let wte = self.wte.table(g, &child_prefix!("", self.wte))?;
+        g.rows_matmul(MatmulForm::ABt, x, wte)
+    }
+
+    fn stage_costs(&self) -> StageCosts {
+        self.config.stage_costs(self.h.len())
+    }
+}
+
 impl Module for Gpt {
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
         g.ids("idx", &[batch, self.config.block_size])
     }
 
-    /// `idx`: u32 [batch, T] with T ≤ block_size.
+    /// `idx`: u32 [batch, T] with T ≤ block_size. A whole model: its
+    /// parameters are named from the root, so `prefix` must be empty.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let wte = self.wte.table(g, &child_prefix!(prefix, self.wte))?;
-        let mut x = self.embed(g, wte, idx, prefix)?;
-        let blocks = child_prefix!(prefix, self.h);
-        for (i, block) in self.h.iter().enumerate() {
-            x = block.forward(g, x, &item_prefix(&blocks, i))?;
+        if !prefix.is_empty() {
+            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
         }
-        self.head(g, wte, x, prefix)
+        self.forward_units(g, idx, 0..self.h.len(), true, true)
     }
 
     fn describe(&self) -> String {

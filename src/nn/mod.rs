@@ -11,10 +11,14 @@ pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
 mod swiglu;
+pub mod shard;
+mod staged;
 mod transformer;
 
 pub use gpt::{Gpt, GptConfig};
 pub use layers::{Embedding, LayerNorm};
+pub use shard::TensorSplit;
+pub use staged::{StageCosts, Staged};
 pub use transformer::{Block, CausalSelfAttention, Mlp};
 pub use grouped_attention::GroupedQueryAttention;
 pub use parameter_tree::ParameterTree;
@@ -109,17 +113,6 @@ pub trait Module: ParameterTree {
     }
 }
 
-/// Declares a parameter `{prefix}{name}`; `decay: false` puts a matrix in
-/// the no-decay group (an embedding table), which an optimizer with
-/// parameter groups leaves undecayed together with biases and norm gains.
-pub(crate) fn parameter(g: &mut Graph, prefix: &str, name: &str, shape: &[usize], init: &[f32], decay: bool) -> Result<Tensor> {
-    let t = g.parameter(&format!("{prefix}{name}"), shape, init.to_vec())?;
-    if !decay {
-        g.mark_no_decay_group(t)?;
-    }
-    Ok(t)
-}
-
 /// y = x·Wᵀ + b with W [out_features, in_features], as torch.nn.Linear;
 /// `bias: None` is `Linear(.., bias=False)` (Llama's projections).
 #[derive(Clone, Debug, PartialEq)]
@@ -168,6 +161,9 @@ impl Module for Linear {
             ref other => return Err(Error::InvalidArgument { op: "Linear", reason: format!("declared {} parameters, not a weight and an optional bias", other.len()) }),
         };
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        if shape.last() != Some(&self.in_features) {
+            return Err(Error::shape("Linear", format!("`{prefix}weight` reads {} input features", self.in_features), &[&shape]));
+        }
         if shape.len() <= 2 {
             let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
             return match b {
@@ -302,6 +298,36 @@ impl Sequential {
     }
 
 
+    /// Each layer's tensor-parallel split: the Linears of every
+    /// Linear–activation–Linear pair (counted from the first layer)
+    /// column- then row-parallel.
+    fn tensor_splits(&self) -> Vec<Option<TensorSplit>> {
+        let mut splits = vec![None; self.layers.len()];
+        let mut i = 0;
+        while i + 2 < self.layers.len() {
+            let pair = matches!(&self.layers[i..i + 3], [Layer::Linear(_), act, Layer::Linear(_)] if !matches!(act, Layer::Linear(_)));
+            if pair {
+                splits[i] = Some(TensorSplit::Column { groups: 1, unit: 1 });
+                splits[i + 2] = Some(TensorSplit::Row { unit: 1 });
+                i += 3;
+            } else {
+                i += 1;
+            }
+        }
+        splits
+    }
+
+    /// Where pipeline blocks start: at each Linear (the activations after
+    /// it go with it; any before the first Linear form the prologue).
+    fn block_starts(&self) -> Vec<usize> {
+        (0..self.layers.len()).filter(|&i| matches!(self.layers[i], Layer::Linear(_))).collect()
+    }
+
+    /// Layers `range` in order, each named by its position.
+    fn run_layers(&self, g: &mut Graph, x: Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
+        self.layers[range.clone()].iter().zip(range).try_fold(x, |h, (layer, i)| layer.forward(g, h, &format!("{i}.")))
+    }
+
     /// Parses [`Sequential::describe`]'s output (weights are placeholders,
     /// to be loaded from a checkpoint).
     pub fn from_description(text: &str) -> Result<Self> {
@@ -351,8 +377,24 @@ impl ParameterTree for Sequential {
 
 impl Module for Sequential {
     /// Layer i's parameters are named `{prefix}{i}.weight`, `{prefix}{i}.bias`.
+    /// Under tensor parallelism each Linear–activation–Linear pair splits
+    /// as Megatron's MLP: the first Linear column-parallel, the second
+    /// row-parallel, then an all-reduce; a Linear in no pair is whole.
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        self.layers.iter().enumerate().try_fold(x, |h, (i, layer)| layer.forward(g, h, &parameter_tree::item_prefix(prefix, i)))
+        let splits = self.tensor_splits();
+        let mut h = x;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let name = parameter_tree::item_prefix(prefix, i);
+            h = match (layer, splits[i]) {
+                (Layer::Linear(l), Some(split @ TensorSplit::Row { .. })) => {
+                    let partial = l.forward_split(g, h, &name, split)?;
+                    shard::all_reduce(g, partial)?
+                }
+                (Layer::Linear(l), Some(split)) => l.forward_split(g, h, &name, split)?,
+                _ => layer.forward(g, h, &name)?,
+            };
+        }
+        Ok(h)
     }
 
     /// f32 features [batch, in_features of the first Linear].
@@ -364,6 +406,40 @@ impl Module for Sequential {
     /// e.g. `Linear(64, 128) ReLU Linear(128, 10)`; stored in checkpoints.
     fn describe(&self) -> String {
         self.layers.iter().map(Layer::describe).collect::<Vec<_>>().join(" ")
+    }
+}
+
+/// Blocks are the Linears, each with the activations that follow it;
+/// activations before the first Linear are the prologue, and the
+/// epilogue is empty.
+impl Staged for Sequential {
+    fn prologue(&self, g: &mut Graph, input: Tensor) -> Result<Tensor> {
+        let first = self.block_starts().first().copied().unwrap_or(self.layers.len());
+        self.run_layers(g, input, 0..first)
+    }
+
+    fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
+        let starts = self.block_starts();
+        let start = *starts.get(index).ok_or_else(|| Error::InvalidArgument { op: "Sequential::block", reason: format!("block {index} of {}", starts.len()) })?;
+        let end = starts.get(index + 1).copied().unwrap_or(self.layers.len());
+        self.run_layers(g, x, start..end)
+    }
+
+    fn epilogue(&self, _g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        Ok(x)
+    }
+
+    /// A Linear's multiply-adds per example.
+    fn stage_costs(&self) -> StageCosts {
+        let blocks = self
+            .layers
+            .iter()
+            .filter_map(|l| match l {
+                Layer::Linear(l) => Some((l.in_features * l.out_features) as f64),
+                _ => None,
+            })
+            .collect();
+        StageCosts { prologue: 0.0, blocks, epilogue: 0.0 }
     }
 }
 

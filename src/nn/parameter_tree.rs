@@ -39,7 +39,7 @@ pub trait ParameterTree {
         let mut failed = None;
         self.visit(prefix, &mut |name, shape, values| {
             if failed.is_none() {
-                match g.parameter(&name, &shape, values.to_vec()) {
+                match declare_one(g, &name, &shape, values) {
                     Ok(t) => declared.push(t),
                     Err(e) => failed = Some(e),
                 }
@@ -60,6 +60,24 @@ pub trait ParameterTree {
             *values = taken;
             Ok(())
         })
+    }
+}
+
+/// The parameter `name`, declared with `values` unless the graph already
+/// has it: a name declared twice is one parameter (a head tied to the token
+/// embedding reads the table the embedding declared; a pipeline stage
+/// holding both finds one tensor).
+fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Result<Tensor> {
+    let declared = g.parameters().into_iter().find(|&p| g.get(p).is_some_and(|n| n.name == name));
+    match declared {
+        Some(t) => {
+            let have = g.shape_of(t).map(<[usize]>::to_vec).unwrap_or_default();
+            if have != shape {
+                return Err(Error::shape("parameter", format!("`{name}` is declared twice with different shapes"), &[&have, shape]));
+            }
+            Ok(t)
+        }
+        None => g.parameter(name, shape, values.to_vec()),
     }
 }
 

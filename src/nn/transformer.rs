@@ -2,7 +2,7 @@
 //! multi-head self-attention, the MLP, and the pre-norm residual block.
 
 use super::parameter_tree::{child_prefix, parameter_tree};
-use super::{Layer, LayerNorm, Linear, Module};
+use super::{shard, Layer, LayerNorm, Linear, Module, TensorSplit};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -57,9 +57,20 @@ impl Module for CausalSelfAttention {
         if c != self.n_embd {
             return Err(Error::shape("CausalSelfAttention", format!("expects {} channels", self.n_embd), &[&shape]));
         }
-        let (h, d) = (self.n_head, c / self.n_head);
-        let qkv = self.c_attn.forward(g, x, &child_prefix!(prefix, self.c_attn))?;
-        let parts = g.split_last(qkv, &[c, c, c])?;
+        let d = c / self.n_head;
+        let ranks = shard::ranks();
+        if ranks > self.n_head {
+            return Err(Error::InvalidArgument {
+                op: "CausalSelfAttention",
+                reason: format!("{ranks} devices need at least one attention head each, but the model has {} heads: use at most {} devices", self.n_head, self.n_head),
+            });
+        }
+        // Split over heads under tensor parallelism: q, k and v are three
+        // blocks of c_attn's rows; this rank's heads are what it yields.
+        let qkv = self.c_attn.forward_split(g, x, &child_prefix!(prefix, self.c_attn), TensorSplit::Column { groups: 3, unit: d })?;
+        let local = g.shape_of(qkv).and_then(|s| s.last().copied()).unwrap_or(0) / 3;
+        let h = local / d;
+        let parts = g.split_last(qkv, &[local, local, local])?;
         // [B, T, C] -> [B, H, T, d]
         let mut heads = Vec::with_capacity(3);
         for part in parts {
@@ -71,8 +82,8 @@ impl Module for CausalSelfAttention {
         let att = g.softmax(scores, true)?;
         let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
         let y = g.permute(y, &[0, 2, 1, 3])?;
-        let y = g.reshape(y, &[b, t, c])?;
-        self.c_proj.forward(g, y, &child_prefix!(prefix, self.c_proj))
+        let y = g.reshape(y, &[b, t, local])?;
+        self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d })
     }
 
     fn describe(&self) -> String {
@@ -107,9 +118,10 @@ impl Module for Mlp {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>();
         let flat = if shape.len() > 2 { g.reshape(x, &[rows, self.c_fc.in_features])? } else { x };
-        let hidden = self.c_fc.forward(g, flat, &child_prefix!(prefix, self.c_fc))?;
+        // Megatron's MLP: c_fc column-parallel, c_proj row-parallel.
+        let hidden = self.c_fc.forward_split(g, flat, &child_prefix!(prefix, self.c_fc), TensorSplit::Column { groups: 1, unit: 1 })?;
         let hidden = Layer::GELU.forward(g, hidden, prefix)?;
-        let y = self.c_proj.forward(g, hidden, &child_prefix!(prefix, self.c_proj))?;
+        let y = self.c_proj.forward_split(g, hidden, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: 1 })?;
         if shape.len() > 2 { g.reshape(y, &shape) } else { Ok(y) }
     }
 
@@ -165,11 +177,11 @@ impl Module for Block {
         if let Some(attn) = &self.attn {
             let normed = self.ln_1.forward(g, x, &child_prefix!(prefix, self.ln_1))?;
             let attended = attn.forward(g, normed, &child_prefix!(prefix, self.attn))?;
-            x = g.add(x, attended)?;
+            x = shard::reduce_residual(g, x, attended)?;
         }
         let normed = self.ln_2.forward(g, x, &child_prefix!(prefix, self.ln_2))?;
         let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
-        g.add(x, transformed)
+        shard::reduce_residual(g, x, transformed)
     }
 
     fn describe(&self) -> String {

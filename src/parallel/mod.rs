@@ -1,16 +1,15 @@
 //! Several devices working on one model. wgpu has no peer-to-peer copies or
 //! collectives, so data moves through host staging buffers
-//! ([`collectives`]). Strategies: [`data`] parallel, [`pipeline`] (model)
-//! parallel (a GPT's in [`gpt_pipeline`]), [`tensor`] parallel (a GPT's,
-//! Megatron-style, in [`gpt_tensor`]); the pipelines and tensor parallel
-//! are built from [`stage`]s.
+//! ([`collectives`]). Strategies, each over any model: [`data`] parallel,
+//! [`pipeline`] parallel (a [`crate::nn::Staged`] model's units over
+//! stages) and [`tensor`] parallel (Megatron-style, as the modules declare
+//! their splits); the pipeline and tensor parallel are built from
+//! [`stage`]s.
 
 pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
-pub mod gpt_pipeline;
-pub mod gpt_tensor;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;

@@ -3,14 +3,18 @@
 //! activations (or, last, a loss), and in its backward run receives the
 //! gradient of its output and yields the gradient of its input.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::nn::{Criterion, Layer, Module};
-use crate::trainer::Targets;
+use crate::checkpoint::{Checkpoint, NamedTensor};
+use crate::nn::shard::Slice;
+use crate::nn::Criterion;
+use crate::optim;
+use crate::trainer::{Examples, Targets};
 
 /// What ends a stage.
 #[derive(Clone, Copy, Debug)]
@@ -33,58 +37,12 @@ pub struct Stage {
     /// Last stage: argmax of the output per row, computed on the device.
     prediction: Option<Tensor>,
     criterion: Option<Criterion>,
-    pub rows: usize,
-    pub in_features: usize,
-    pub out_features: usize,
-}
-
-/// Width after `layers`, starting from `width`.
-pub fn width_after(layers: &[(usize, Layer)], width: usize) -> usize {
-    layers.iter().fold(width, |w, (_, l)| match l {
-        Layer::Linear(lin) => lin.out_features,
-        _ => w,
-    })
-}
-
-/// Adds `layers` to `g`; each keeps its position in the whole model as its
-/// parameter prefix (`2.weight`), so names match the single-device model.
-pub fn add_layers(g: &mut Graph, layers: &[(usize, Layer)], x: Tensor) -> Result<Tensor> {
-    layers.iter().try_fold(x, |h, (index, layer)| layer.forward(g, h, &format!("{index}.")))
 }
 
 impl Stage {
-    /// A stage of `layers` for `rows` rows of `in_features`; with
+    /// A stage over a graph already holding `input -> output`; with
     /// `input_grad` its backward also yields d loss / d input.
-    pub fn new(
-        kernels: Arc<Kernels>,
-        layers: &[(usize, Layer)],
-        rows: usize,
-        in_features: usize,
-        input_grad: bool,
-        end: StageEnd,
-        optimizer: OptimizerConfig,
-    ) -> Result<Self> {
-        let mut g = Graph::new();
-        let input = g.input("stage_input", &[rows, in_features])?;
-        let output = add_layers(&mut g, layers, input)?;
-        let out_features = g.shape(output)[1];
-        Self::from_graph(kernels, g, input, output, input_grad, end, optimizer, rows, in_features, out_features)
-    }
-
-    /// A stage over a graph already holding `input -> output`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn from_graph(
-        kernels: Arc<Kernels>,
-        mut g: Graph,
-        input: Tensor,
-        output: Tensor,
-        input_grad: bool,
-        end: StageEnd,
-        optimizer: OptimizerConfig,
-        rows: usize,
-        in_features: usize,
-        out_features: usize,
-    ) -> Result<Self> {
+    pub fn from_graph(kernels: Arc<Kernels>, mut g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
         let wanted: Vec<Tensor> = if input_grad { vec![input] } else { vec![] };
         let output_shape = g.shape(output).to_vec();
         let (target, loss, seed, grads, criterion, prediction) = match end {
@@ -111,7 +69,7 @@ impl Stage {
         outputs.extend(loss);
         outputs.extend(prediction);
         let exec = Executor::new(kernels.clone(), g, &outputs, Some(grads), Some(optimizer))?;
-        Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, prediction, criterion, rows, in_features, out_features })
+        Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, prediction, criterion })
     }
 
     pub fn executor(&self) -> &Executor {
@@ -126,10 +84,13 @@ impl Stage {
         self.exec.set_input(self.input, x)
     }
 
-    /// A first stage reading token ids (its input declared with
+    /// A first stage's input: features, or token ids (declared with
     /// [`Graph::ids`]).
-    pub fn set_input_ids(&self, ids: &[u32]) -> Result<()> {
-        self.exec.set_labels(self.input, ids)
+    pub fn set_examples(&self, examples: Examples<'_>) -> Result<()> {
+        match examples {
+            Examples::Features(x) => self.exec.set_input(self.input, x),
+            Examples::Ids(ids) => self.exec.set_labels(self.input, ids),
+        }
     }
 
     /// Submits the forward pass (no wait).
@@ -285,4 +246,202 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
         stage.exec.optimizer_step_with_grad_norm(norm).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
     }
     Ok(Some(norm))
+}
+
+/// Parameters as (name, shape, values), as [`Executor::parameters`].
+pub type NamedParameters = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// Optimizer state as (parameter, state, values), as
+/// [`Executor::optimizer_state`].
+pub type NamedState = Vec<(String, &'static str, Vec<f32>)>;
+
+/// How a whole model lies across the stages of an engine: each stage
+/// holds some of its parameters whole (a pipeline's, or copies of a
+/// replicated one) or a slice of them (tensor parallel). The engines read,
+/// save and load parameters and optimizer state through it under the
+/// single-device model's names, so a run resumes on any strategy.
+pub struct Spread {
+    /// The single-device model's (name, shape), in its order.
+    names: Vec<(String, Vec<usize>)>,
+    /// Per stage: where its share of each split parameter lies.
+    slices: Vec<HashMap<String, Slice>>,
+    /// Per stage: the names its graph declares.
+    held: Vec<Vec<String>>,
+    /// Whole parameters several stages declare: found, not listed.
+    shared: Vec<SharedParameter>,
+    /// Per stage: its device's index in the group (for errors).
+    devices: Vec<usize>,
+    description: String,
+    criterion: Criterion,
+    optimizer: OptimizerConfig,
+}
+
+impl Spread {
+    /// `stages` (on `devices[i]`) holding `names`, the single-device
+    /// model's parameters; `slices[i]`: stage i's split parameters.
+    pub fn new(names: Vec<(String, Vec<usize>)>, description: String, criterion: Criterion, optimizer: OptimizerConfig, stages: &[Stage], devices: Vec<usize>, slices: Vec<HashMap<String, Slice>>) -> Result<Self> {
+        if devices.len() != stages.len() || slices.len() != stages.len() {
+            return Err(Error::InvalidArgument { op: "Spread", reason: format!("{} stages, {} device indexes, {} slice maps", stages.len(), devices.len(), slices.len()) });
+        }
+        let held: Vec<Vec<String>> = stages.iter().map(|s| s.exec.parameters_shapes().into_iter().map(|(n, _)| n).collect()).collect();
+        let mut shared = Vec::new();
+        for (name, _) in &names {
+            let holders: Vec<usize> = (0..stages.len()).filter(|&i| held[i].contains(name)).collect();
+            if holders.is_empty() {
+                return Err(Error::InvalidArgument { op: "Spread", reason: format!("no stage declares `{name}`") });
+            }
+            if holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
+                shared.push(SharedParameter { name: name.clone(), holders });
+            }
+        }
+        if let Some(stray) = held.iter().flatten().find(|h| !names.iter().any(|(n, _)| n == *h)) {
+            return Err(Error::InvalidArgument { op: "Spread", reason: format!("a stage declares `{stray}`, which the model does not name") });
+        }
+        Ok(Spread { names, slices, held, shared, devices, description, criterion, optimizer })
+    }
+
+    pub fn shared(&self) -> &[SharedParameter] {
+        &self.shared
+    }
+
+    pub fn devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// Sums the shared gradients and steps every stage (see [`reduce_and_step`]).
+    pub fn step(&self, stages: &mut [Stage]) -> Result<Option<f32>> {
+        let mut all: Vec<&mut Stage> = stages.iter_mut().collect();
+        reduce_and_step(&mut all, &self.devices, &self.shared)
+    }
+
+    fn shape_of(&self, name: &str) -> Option<&Vec<usize>> {
+        self.names.iter().find(|(n, _)| n == name).map(|(_, s)| s)
+    }
+
+    /// Every parameter whole, in the model's order, from what `per_stage`
+    /// read of each stage (name to values).
+    fn gather(&self, per_stage: &[HashMap<String, Vec<f32>>]) -> Result<NamedParameters> {
+        let missing = |name: &str| Error::InvalidArgument { op: "Spread", reason: format!("the stages' shares of `{name}` are missing or of the wrong size") };
+        self.names
+            .iter()
+            .map(|(name, shape)| {
+                let holders = (0..per_stage.len()).filter(|&i| self.held[i].contains(name));
+                let mut full: Option<Vec<f32>> = None;
+                for i in holders {
+                    let values = per_stage[i].get(name).ok_or_else(|| missing(name))?;
+                    match self.slices[i].get(name) {
+                        None => {
+                            full.get_or_insert_with(|| values.clone());
+                        }
+                        Some(slice) => {
+                            let whole = full.get_or_insert_with(|| vec![0.0; shape.iter().product()]);
+                            slice.put(whole, shape, values).ok_or_else(|| missing(name))?;
+                        }
+                    }
+                }
+                let full = full.filter(|v| v.len() == shape.iter().product::<usize>()).ok_or_else(|| missing(name))?;
+                Ok((name.clone(), shape.clone(), full))
+            })
+            .collect()
+    }
+
+    /// Every parameter whole under the single-device names, in its order.
+    pub fn parameters(&self, stages: &[Stage]) -> Result<NamedParameters> {
+        let per_stage = stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.exec.parameters().map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect()).map_err(|e| on_device(self.devices[i], &s.kernels, e)))
+            .collect::<Result<Vec<_>>>()?;
+        self.gather(&per_stage)
+    }
+
+    /// The optimizer state whole under the single-device names, each
+    /// parameter once.
+    pub fn optimizer_state(&self, stages: &[Stage]) -> Result<NamedState> {
+        let Some(first) = stages.first() else { return Ok(Vec::new()) };
+        let per_stage = stages
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.exec.optimizer_state().map_err(|e| on_device(self.devices[i], &s.kernels, e)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut all = Vec::new();
+        for &state in first.exec.optimizer_state_names() {
+            let of_state: Vec<HashMap<String, Vec<f32>>> =
+                per_stage.iter().map(|list| list.iter().filter(|(_, s, _)| *s == state).map(|(p, _, v)| (p.clone(), v.clone())).collect()).collect();
+            all.extend(self.gather(&of_state)?.into_iter().map(|(name, _, values)| (name, state, values)));
+        }
+        Ok(all)
+    }
+
+    /// Replaces parameters and, when given, the optimizer state (complete:
+    /// every state of every parameter) and step count, by single-device
+    /// names: each stage takes its copy or slice. Every name and size is
+    /// checked before any device changes.
+    pub fn load_state(&self, stages: &mut [Stage], params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        let op = "load_state";
+        for (name, shape, values) in params {
+            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("the model has no parameter `{name}`") })?;
+            if shape != want || values.len() != want.iter().product::<usize>() {
+                return Err(Error::shape(op, format!("parameter `{name}` with {} values", values.len()), &[want, shape]));
+            }
+        }
+        let state_names = stages.first().map_or(&[][..], |s| s.exec.optimizer_state_names());
+        for (name, state_name, values) in state {
+            if !state_names.contains(&state_name.as_str()) {
+                return Err(Error::InvalidArgument { op, reason: format!("this optimizer ({}) has no state `{state_name}`", optim::describe(&self.optimizer)) });
+            }
+            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("optimizer state `{state_name}` for unknown parameter `{name}`") })?;
+            if values.len() != want.iter().product::<usize>() {
+                return Err(Error::shape(op, format!("state `{name}.{state_name}` has {} values", values.len()), &[want]));
+            }
+        }
+        if !state.is_empty() {
+            for (name, _) in &self.names {
+                if let Some(absent) = state_names.iter().find(|s| !state.iter().any(|(p, n, _)| p == name && n == *s)) {
+                    return Err(Error::InvalidArgument { op, reason: format!("the optimizer state has no `{absent}` for `{name}`") });
+                }
+            }
+        }
+        let share = |i: usize, name: &str, full: &[f32]| match (self.slices[i].get(name), self.shape_of(name)) {
+            (Some(slice), Some(shape)) => slice.take(full, shape),
+            _ => full.to_vec(),
+        };
+        for (i, stage) in stages.iter_mut().enumerate() {
+            let holds = |name: &str| self.held[i].iter().any(|h| h == name);
+            let own_params: Vec<_> = params.iter().filter(|p| holds(&p.0)).map(|(n, _, v)| {
+                let values = share(i, n, v);
+                let shape = match self.slices[i].get(n) {
+                    Some(_) => stage.exec.parameters_shapes().into_iter().find(|(m, _)| m == n).map_or_else(Vec::new, |(_, s)| s),
+                    None => self.shape_of(n).cloned().unwrap_or_default(),
+                };
+                (n.clone(), shape, values)
+            }).collect();
+            let own_state: Vec<_> = state.iter().filter(|p| holds(&p.0)).map(|(n, s, v)| (n.clone(), s.clone(), share(i, n, v))).collect();
+            let device = self.devices[i];
+            let kernels = stage.kernels.clone();
+            stage.exec.load_state(&own_params, &own_state, step).map_err(|e| on_device(device, &kernels, e))?;
+        }
+        Ok(())
+    }
+
+    /// Parameters, optimizer state (`optim.<param>.<state>`) and metadata
+    /// as [`crate::trainer::Trainer::checkpoint`] writes them for the
+    /// single-device model, so a checkpoint resumes on any strategy.
+    pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
+        let mut ckpt = Checkpoint::new();
+        let params = self.parameters(stages)?;
+        for (name, shape, data) in &params {
+            ckpt.push(NamedTensor::new(name.clone(), shape.clone(), data.clone())?);
+        }
+        for (param, state, data) in self.optimizer_state(stages)? {
+            let shape = self.shape_of(&param).cloned().unwrap_or_else(|| vec![data.len()]);
+            ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
+        }
+        ckpt.set_meta("format", "wgrad");
+        ckpt.set_meta("model", self.description.clone());
+        ckpt.set_meta("criterion", format!("{:?}", self.criterion));
+        ckpt.set_meta("optimizer", optim::describe(&self.optimizer));
+        ckpt.set_meta("step", stages.first().map_or(0, |s| s.exec.step_count()).to_string());
+        Ok(ckpt)
+    }
 }

@@ -1,57 +1,63 @@
-//! Tensor parallel training, Megatron style, for an MLP block
-//! `Linear(d, h) → activation → Linear(h, o)` inside a model:
+//! Tensor parallel training of any module, Megatron style (Shoeybi et al.,
+//! 2019): every device holds a share of every split layer, as the module
+//! declares it ([`crate::nn::shard`]): column-parallel Linears hold some
+//! outputs (attention heads, MLP hidden units), row-parallel ones the
+//! matching inputs and yield partial sums; norms and embeddings are
+//! replicated.
 //!
-//! - the first Linear is split by columns (its h outputs): device p holds
-//!   rows p of W1 [h, d] and b1, and computes its slice of the hidden layer;
-//! - the activation is applied locally to that slice;
-//! - the second Linear is split by rows (its h inputs): device p holds the
-//!   matching columns of W2 [o, h] and produces a partial output [B, o];
-//! - one all-reduce sums the partial outputs in the forward pass (then the
-//!   bias b2 is added once), and one all-reduce sums the partial input
-//!   gradients in the backward pass.
+//! Each device runs the model's own forward, cut at its all-reduces into a
+//! chain of segments ([`Stage`]s); the last segment (after the last
+//! all-reduce: a transformer's final norm, head and loss) runs on device 0
+//! only. The sum of the devices' outputs of a segment (an all-reduce
+//! through the host, in f64 and device order: Megatron's g) is the next
+//! segment's input on every device. Backward runs the chain in reverse:
+//! the sum of the devices' input gradients of a segment (Megatron's f) is
+//! the output gradient of the segment before. Split parameters then hold
+//! exact gradients; each copy of a replicated one holds its device's part,
+//! which [`Spread::step`] sums before every stage steps, clipping by the
+//! whole model's gradient norm.
 //!
-//! Layers before and after the block run as plain stages on device 0.
+//! Why the vocabulary is not split as well: the char-level tables here
+//! have 65–84 rows (84 × 128 floats, less than one block's q, k, v
+//! projection), so a vocabulary-parallel embedding and head would save
+//! almost no memory, yet
+//! cost an all-reduce of [B, T, C] after the lookup and, for the
+//! cross-entropy over split logits, all-reduces of each row's max and sum
+//! of exponentials in the forward pass — each a host round trip, which
+//! wgpu (no peer copies) pays as a full synchronisation. At a 50257-token
+//! vocabulary the table is 31% of a 124M-parameter model (replicated on every
+//! device) and the head about a quarter of the forward's multiply-adds at
+//! T = 1024, all on device 0; a vocabulary-parallel embedding and head
+//! would then pay for their extra all-reduces.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::data::proportional_split;
-use super::stage::{add_layers, width_after, Stage, StageEnd};
+use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd};
 use super::{on_device, DeviceGroup};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
-use crate::kernels::{Kernels, MatmulForm, OptimizerConfig, View};
-use crate::nn::{Criterion, Layer, Sequential};
-use crate::trainer::Targets;
+use crate::kernels::{Kernels, OptimizerConfig, View};
+use crate::nn::shard::{self, Slice};
+use crate::nn::{Criterion, Module};
+use crate::trainer::{Examples, ModelWidths, Targets};
 
-/// Time accounting for the last steps.
+/// Time accounting for the steps taken.
 #[derive(Clone, Debug, Default)]
 pub struct TensorParallelStats {
     pub steps: u64,
     pub wall: Duration,
     /// Host transfers: writes of activations and gradients to the shards,
-    /// and the two all-reduces after the slowest shard finished.
+    /// the all-reduces after the slowest shard finished, and the
+    /// replicated parameters' gradient sums.
     pub communication: Duration,
-}
-
-pub struct TensorParallel {
-    pre: Option<Stage>,
-    shards: Vec<Stage>,
-    post: Stage,
-    /// Hidden units held by each device.
-    hidden_split: Vec<usize>,
-    batch: usize,
-    in_features: usize,
-    block_in: usize,
-    block_out: usize,
-    out_features: usize,
-    block_start: usize,
-    stats: TensorParallelStats,
 }
 
 /// Sums the views on the host; also returns the time spent after the
 /// slowest device's data arrived (the transfer and sum, not the compute).
-pub(super) fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
+fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
     let start = Instant::now();
     let (values, arrived) = to_host(views, start)?;
     let n = values.first().map_or(0, Vec::len);
@@ -60,208 +66,214 @@ pub(super) fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, D
     Ok((sum, start.elapsed().saturating_sub(slowest)))
 }
 
+/// A module trained Megatron-style over every device of a group (see the
+/// module docs).
+pub struct TensorParallel {
+    /// Device r's segment k at `r * segments + k`; last, the final segment
+    /// on device 0 (the head).
+    stages: Vec<Stage>,
+    ranks: usize,
+    /// Segments per device before the head (all-reduces per forward).
+    segments: usize,
+    /// Per device: where its share of each split parameter lies.
+    slices: Vec<HashMap<String, Slice>>,
+    spread: Spread,
+    batch: usize,
+    widths: ModelWidths,
+    target_width: usize,
+    labels: Vec<String>,
+    last_grad_norm: Option<f32>,
+    stats: TensorParallelStats,
+}
+
 impl TensorParallel {
-    /// True for `Linear, activation, Linear`, the block this splits.
-    pub fn is_block(layers: &[Layer]) -> bool {
-        matches!(layers, [Layer::Linear(_), act, Layer::Linear(_)] if !matches!(act, Layer::Linear(_)))
+    /// Splits `model` over every device of `group` as it declares, each
+    /// step taking `batch` examples.
+    pub fn new<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize) -> Result<Self> {
+        let (criterion, optimizer) = (criterion.into(), optimizer.into());
+        if batch == 0 {
+            return Err(Error::InvalidArgument { op: "TensorParallel", reason: "the batch needs at least one example".into() });
+        }
+        let ranks = group.len();
+        let builds = (0..ranks).map(|r| build_rank(model, r, ranks, batch)).collect::<Result<Vec<_>>>()?;
+        let segments = builds[0].segments.len() - 1;
+        if let Some(r) = builds.iter().position(|b| b.segments.len() != segments + 1) {
+            return Err(Error::InvalidArgument { op: "TensorParallel", reason: format!("rank {r}'s forward has {} all-reduces, rank 0's {segments}", builds[r].segments.len() - 1) });
+        }
+        let mut stages = Vec::with_capacity(ranks * segments + 1);
+        let mut slices = Vec::with_capacity(ranks);
+        let mut head = None;
+        for (r, (build, k)) in builds.into_iter().zip(group.members()).enumerate() {
+            for (i, seg) in build.segments.into_iter().enumerate() {
+                // The other devices' copies of the last segment go unused.
+                if i == segments && r > 0 {
+                    continue;
+                }
+                let end = if i == segments { StageEnd::Last(criterion) } else { StageEnd::Middle };
+                let stage = Stage::from_graph(k.clone(), seg.graph, seg.input, seg.output, i > 0, end, optimizer).map_err(|e| on_device(r, k, e))?;
+                if i == segments {
+                    head = Some(stage);
+                } else {
+                    stages.push(stage);
+                }
+            }
+            slices.push(build.slices.into_iter().map(|(name, _, slice)| (name, slice)).collect::<HashMap<_, _>>());
+        }
+        stages.extend(head);
+        let mut devices: Vec<usize> = (0..ranks).flat_map(|r| std::iter::repeat_n(r, segments)).collect();
+        devices.push(0);
+        let stage_slices = devices.iter().map(|&r| slices[r].clone()).collect();
+        let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages, devices, stage_slices)?;
+        let widths = ModelWidths::of(model)?;
+        let target_width = match criterion {
+            Criterion::Mse => widths.outputs,
+            Criterion::CrossEntropy => widths.output_rows,
+        };
+        Ok(TensorParallel { stages, ranks, segments, slices, spread, batch, widths, target_width, labels: group.labels(), last_grad_norm: None, stats: TensorParallelStats::default() })
     }
 
-    /// Splits the block whose first Linear is `model.layers[block_start]`
-    /// over every device of `group`.
-    pub fn new(
-        group: &DeviceGroup,
-        model: &Sequential,
-        criterion: impl Into<Criterion>,
-        optimizer: impl Into<OptimizerConfig>,
-        batch: usize,
-        block_start: usize,
-    ) -> Result<Self> {
-        let criterion = criterion.into();
-        let optimizer = optimizer.into();
-        if optimizer.clip_grad_norm().is_some() {
-            // Each device would clip by the norm of its own share of the
-            // parameters, not torch's global norm.
-            return Err(Error::InvalidArgument { op: "TensorParallel", reason: "clip_grad_norm is not supported here (data parallel only)".into() });
-        }
-        let layers = &model.layers;
-        let bad = |reason: String| Error::InvalidArgument { op: "TensorParallel", reason };
-        let (first, act, second) = match layers.get(block_start..block_start + 3) {
-            Some(block @ [Layer::Linear(a), act, Layer::Linear(b)]) if Self::is_block(block) => (a, act.clone(), b),
-            _ => return Err(bad(format!("layers {block_start}..{} must be Linear, activation, Linear", block_start + 3))),
-        };
-        let p = group.len();
-        let hidden = first.out_features;
-        if hidden < p {
-            return Err(bad(format!("{hidden} hidden units cannot be split over {p} devices")));
-        }
-        let hidden_split = proportional_split(hidden, &vec![1.0; p])?;
-        let in_features = model.in_features().ok_or_else(|| bad("no Linear layer".into()))?;
-        let indexed: Vec<(usize, Layer)> = layers.iter().cloned().enumerate().collect();
-        let pre_layers = &indexed[..block_start];
-        let post_layers = &indexed[block_start + 3..];
-        let block_in = width_after(pre_layers, in_features);
-        let block_out = second.out_features;
-        let consistent = first.in_features == block_in
-            && second.in_features == hidden
-            && first.weight.len() == hidden * block_in
-            && first.bias.as_ref().is_some_and(|b| b.len() == hidden)
-            && second.weight.len() == block_out * hidden
-            && second.bias.as_ref().is_some_and(|b| b.len() == block_out);
-        if !consistent {
-            return Err(bad(format!(
-                "the block's Linear layers do not fit together: Linear({}, {}) after width {block_in}, then Linear({}, {})",
-                first.in_features, hidden, second.in_features, block_out
-            )));
-        }
-        let k0 = group.members()[0].clone();
-
-        let pre = if pre_layers.is_empty() {
-            None
-        } else {
-            Some(Stage::new(k0.clone(), pre_layers, batch, in_features, false, StageEnd::Middle, optimizer).map_err(|e| on_device(0, &k0, e))?)
-        };
-
-        let (i1, i2) = (block_start, block_start + 2);
-        let mut shards = Vec::with_capacity(p);
-        let mut start = 0;
-        for (d, (k, &width)) in group.members().iter().zip(&hidden_split).enumerate() {
-            // Column-parallel W1: rows start..start+width of [h, d_in].
-            let w1: Vec<f32> = first.weight[start * block_in..(start + width) * block_in].to_vec();
-            let b1: Vec<f32> = first.bias.as_deref().unwrap_or_default()[start..start + width].to_vec();
-            // Row-parallel W2: columns start..start+width of [o, h].
-            let w2: Vec<f32> = (0..block_out).flat_map(|r| second.weight[r * hidden + start..r * hidden + start + width].to_vec()).collect();
-            let mut g = Graph::new();
-            let x = g.input("block_input", &[batch, block_in])?;
-            let w1 = g.parameter(&format!("{i1}.weight"), &[width, block_in], w1)?;
-            let b1 = g.parameter(&format!("{i1}.bias"), &[width], b1)?;
-            let h = g.matmul_form(MatmulForm::ABt, x, w1)?;
-            let h = g.bias_add(h, b1)?;
-            let a = add_layers(&mut g, &[(block_start + 1, act.clone())], h)?;
-            let w2 = g.parameter(&format!("{i2}.weight"), &[block_out, width], w2)?;
-            let partial = g.matmul_form(MatmulForm::ABt, a, w2)?;
-            let stage = Stage::from_graph(k.clone(), g, x, partial, true, StageEnd::Middle, optimizer, batch, block_in, block_out)
-                .map_err(|e| on_device(d, k, e))?;
-            shards.push(stage);
-            start += width;
-        }
-
-        // The post stage adds b2 once, then the plain layers after the block, then the loss.
-        let mut g = Graph::new();
-        let y = g.input("block_output", &[batch, block_out])?;
-        let b2 = g.parameter(&format!("{i2}.bias"), &[block_out], second.bias.clone().unwrap_or_default())?;
-        let h = g.bias_add(y, b2)?;
-        let out = add_layers(&mut g, post_layers, h)?;
-        let out_features = g.shape(out)[1];
-        let post = Stage::from_graph(k0.clone(), g, y, out, true, StageEnd::Last(criterion), optimizer, batch, block_out, out_features)
-            .map_err(|e| on_device(0, &k0, e))?;
-        Ok(TensorParallel {
-            pre,
-            shards,
-            post,
-            hidden_split,
-            batch,
-            in_features,
-            block_in,
-            block_out,
-            out_features,
-            block_start,
-            stats: TensorParallelStats::default(),
-        })
-    }
-
-    /// Hidden units of the block held by each device.
-    pub fn hidden_split(&self) -> &[usize] {
-        &self.hidden_split
+    /// Whether `model` splits over `ranks` devices, checked on the host
+    /// before any device opens (each rank's graph is built and dropped).
+    pub fn check<M: Module>(model: &M, ranks: usize, batch: usize) -> Result<()> {
+        (0..ranks).try_for_each(|r| build_rank(model, r, ranks, batch.max(1)).map(|_| ()))
     }
 
     pub fn stats(&self) -> &TensorParallelStats {
         &self.stats
     }
 
-    /// The block's input for `x`: x itself, or the pre stage's output.
-    fn block_input(&mut self, x: &[f32]) -> Result<Vec<f32>> {
-        match &mut self.pre {
-            None => Ok(x.to_vec()),
-            Some(pre) => {
-                let k = pre.kernels.clone();
-                pre.set_input(x).map_err(|e| on_device(0, &k, e))?;
-                pre.forward().map_err(|e| on_device(0, &k, e))?;
-                k.read(pre.output_view()?).map_err(|e| on_device(0, &k, e))
-            }
-        }
+    /// Optimizer steps taken (every stage takes each).
+    pub fn step_count(&self) -> u64 {
+        self.head().executor().step_count()
     }
 
-    /// Forward through the shards: the summed partial outputs (the forward
-    /// all-reduce, on the host).
-    fn block_forward(&mut self, block_x: &[f32]) -> Result<Vec<f32>> {
-        let writes = Instant::now();
-        for (d, shard) in self.shards.iter().enumerate() {
-            shard.set_input(block_x).map_err(|e| on_device(d, &shard.kernels, e))?;
-        }
-        self.stats.communication += writes.elapsed();
-        for (d, shard) in self.shards.iter_mut().enumerate() {
-            let k = shard.kernels.clone();
-            shard.forward().map_err(|e| on_device(d, &k, e))?;
-        }
-        let views: Vec<(&Kernels, View<'_>)> =
-            self.shards.iter().map(|s| Ok((&*s.kernels, s.output_view()?))).collect::<Result<_>>()?;
-        let (y, transfer) = sum_on_host(&views)?;
-        self.stats.communication += transfer;
-        Ok(y)
+    /// The whole model's gradient norm before the last step's clipping
+    /// (torch.nn.utils.clip_grad_norm_'s return value); `None` when the
+    /// optimizer does not clip or before the first step.
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.last_grad_norm
     }
 
-    /// One optimizer step on `batch` rows; the mean loss when `read_loss`.
-    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        if x.len() != self.batch * self.in_features {
-            return Err(Error::shape("TensorParallel::step", format!("x must be {} × {}", self.batch, self.in_features), &[&[x.len()]]));
-        }
-        let wall = Instant::now();
-        let block_x = self.block_input(x)?;
-        let y = self.block_forward(&block_x)?;
-        let k0 = self.post.kernels.clone();
-        self.post.set_input(&y).map_err(|e| on_device(0, &k0, e))?;
-        self.post.set_targets(targets, 1.0).map_err(|e| on_device(0, &k0, e))?;
-        self.post.backward(true).map_err(|e| on_device(0, &k0, e))?;
-        let dy = match self.post.input_gradient_view() {
-            Some(v) => k0.read(v?).map_err(|e| on_device(0, &k0, e))?,
-            None => return Err(Error::InvalidArgument { op: "TensorParallel", reason: "post stage without input gradient".into() }),
+    /// Every stage with its device index: each device's segments in order,
+    /// device by device, then the last segment on device 0.
+    pub fn stages(&self) -> impl Iterator<Item = (usize, &Stage)> {
+        self.spread.devices().iter().copied().zip(&self.stages)
+    }
+
+    /// Each device's share of the split parameter `name` (`None` for a
+    /// parameter that is not split).
+    pub fn slices(&self, name: &str) -> Vec<Option<&Slice>> {
+        self.slices.iter().map(|m| m.get(name)).collect()
+    }
+
+    fn head(&self) -> &Stage {
+        &self.stages[self.stages.len() - 1]
+    }
+
+    fn check_batch(&self, op: &'static str, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
+        let got = match targets {
+            Targets::Values(v) => v.len(),
+            Targets::Classes(c) => c.len(),
         };
+        if input.len() != self.batch * self.widths.inputs || got != self.batch * self.target_width {
+            return Err(Error::shape(
+                op,
+                format!("the input must be {} × {} values and the targets {} × {}", self.batch, self.widths.inputs, self.batch, self.target_width),
+                &[&[self.batch, self.widths.inputs], &[input.len()], &[got]],
+            ));
+        }
+        Ok(())
+    }
+
+    /// The devices' outputs (`input_gradient`: input gradients) of
+    /// segment `k`, summed: an all-reduce's host half.
+    fn sum_segment(&self, k: usize, input_gradient: bool) -> Result<(Vec<f32>, Duration)> {
+        let views: Vec<(&Kernels, View<'_>)> = (0..self.ranks)
+            .map(|r| {
+                let stage = &self.stages[r * self.segments + k];
+                let view = if input_gradient { stage.input_gradient_view() } else { Some(stage.output_view()) };
+                let view = view.ok_or_else(|| Error::InvalidArgument { op: "TensorParallel", reason: format!("segment {k} yields no input gradient") })?;
+                Ok((&*stage.kernels, view.map_err(|e| on_device(r, &stage.kernels, e))?))
+            })
+            .collect::<Result<_>>()?;
+        sum_on_host(&views)
+    }
+
+    /// Runs every segment's forward and sets the head's input; returns the
+    /// time spent moving activations.
+    fn forward(&mut self, input: Examples<'_>) -> Result<Duration> {
+        let mut communication = Duration::ZERO;
+        let mut x: Option<Vec<f32>> = None;
+        for k in 0..self.segments {
+            for r in 0..self.ranks {
+                let stage = &mut self.stages[r * self.segments + k];
+                let kernels = stage.kernels.clone();
+                let writes = Instant::now();
+                match &x {
+                    None => stage.set_examples(input),
+                    Some(x) => stage.set_input(x),
+                }
+                .map_err(|e| on_device(r, &kernels, e))?;
+                communication += writes.elapsed();
+                stage.forward().map_err(|e| on_device(r, &kernels, e))?;
+            }
+            let (sum, transfer) = self.sum_segment(k, false)?;
+            x = Some(sum);
+            communication += transfer;
+        }
+        let head = self.stages.len() - 1;
+        let stage = &self.stages[head];
         let writes = Instant::now();
-        for (d, shard) in self.shards.iter().enumerate() {
-            shard.set_input(&block_x).map_err(|e| on_device(d, &shard.kernels, e))?;
-            shard.set_output_gradient(&dy).map_err(|e| on_device(d, &shard.kernels, e))?;
+        match &x {
+            None => stage.set_examples(input),
+            Some(x) => stage.set_input(x),
         }
-        self.stats.communication += writes.elapsed();
-        for (d, shard) in self.shards.iter_mut().enumerate() {
-            let k = shard.kernels.clone();
-            shard.backward(true).map_err(|e| on_device(d, &k, e))?;
-        }
-        if self.pre.is_some() {
-            // The backward all-reduce: partial input gradients summed.
-            let views: Vec<(&Kernels, View<'_>)> = self
-                .shards
-                .iter()
-                .map(|s| match s.input_gradient_view() {
-                    Some(v) => Ok((&*s.kernels, v?)),
-                    None => Err(Error::InvalidArgument { op: "TensorParallel", reason: "shard without input gradient".into() }),
-                })
-                .collect::<Result<_>>()?;
-            let (dx, transfer) = sum_on_host(&views)?;
-            self.stats.communication += transfer;
-            if let Some(pre) = &mut self.pre {
-                pre.set_input(x).map_err(|e| on_device(0, &k0, e))?;
-                pre.set_output_gradient(&dx).map_err(|e| on_device(0, &k0, e))?;
-                pre.backward(true).map_err(|e| on_device(0, &k0, e))?;
-                pre.optimizer_step().map_err(|e| on_device(0, &k0, e))?;
+        .map_err(|e| on_device(0, &stage.kernels, e))?;
+        Ok(communication + writes.elapsed())
+    }
+
+    /// One optimizer step on `batch` examples; the mean loss when
+    /// `read_loss`.
+    pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        let input = input.into();
+        self.check_batch("TensorParallel::step", input, targets)?;
+        let wall = Instant::now();
+        let mut communication = self.forward(input)?;
+        let head = self.stages.len() - 1;
+        let k0 = self.stages[head].kernels.clone();
+        self.stages[head].set_targets(targets, 1.0).map_err(|e| on_device(0, &k0, e))?;
+        self.stages[head].backward(true).map_err(|e| on_device(0, &k0, e))?;
+        if self.segments > 0 {
+            let view = self.stages[head].input_gradient_view().ok_or_else(|| Error::InvalidArgument { op: "TensorParallel", reason: "the last segment yields no input gradient".into() })?;
+            let (mut grad, transfer) = sum_on_host(&[(&*k0, view.map_err(|e| on_device(0, &k0, e))?)])?;
+            communication += transfer;
+            for k in (0..self.segments).rev() {
+                for r in 0..self.ranks {
+                    let stage = &mut self.stages[r * self.segments + k];
+                    let kernels = stage.kernels.clone();
+                    let writes = Instant::now();
+                    stage.set_output_gradient(&grad).map_err(|e| on_device(r, &kernels, e))?;
+                    communication += writes.elapsed();
+                    stage.backward(true).map_err(|e| on_device(r, &kernels, e))?;
+                }
+                if k > 0 {
+                    // The backward all-reduce: the devices' input gradients summed.
+                    let (sum, transfer) = self.sum_segment(k, true)?;
+                    grad = sum;
+                    communication += transfer;
+                }
             }
         }
-        for (d, shard) in self.shards.iter_mut().enumerate() {
-            let k = shard.kernels.clone();
-            shard.optimizer_step().map_err(|e| on_device(d, &k, e))?;
+        // Compute ends when every device is idle; what follows (the
+        // replicated parameters' gradient sums, the norms) is communication.
+        for (r, k) in (0..self.ranks).map(|r| (r, &self.stages[r * self.segments].kernels)) {
+            k.device().wait_idle("TensorParallel::step").map_err(|e| on_device(r, k, e))?;
         }
-        self.post.optimizer_step().map_err(|e| on_device(0, &k0, e))?;
+        let reduce = Instant::now();
+        self.last_grad_norm = self.spread.step(&mut self.stages)?;
+        communication += reduce.elapsed();
         let loss = if read_loss {
-            let l = self.post.loss_value().map_err(|e| on_device(0, &k0, e))?;
+            let l = self.head().loss_value().map_err(|e| on_device(0, &k0, e))?;
             if !l.is_finite() {
                 return Err(Error::NonFiniteLoss { value: l, step: self.stats.steps + 1 });
             }
@@ -270,71 +282,113 @@ impl TensorParallel {
             None
         };
         self.stats.steps += 1;
+        self.stats.communication += communication;
         self.stats.wall += wall.elapsed();
         Ok(loss)
     }
 
-    /// Model outputs for any number of rows (batch-sized chunks, padded).
+    /// The mean loss of one batch without training on it (forward only).
+    pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
+        let input = input.into();
+        self.check_batch("TensorParallel::evaluate_loss", input, targets)?;
+        self.forward(input)?;
+        let head = self.stages.len() - 1;
+        let k0 = self.stages[head].kernels.clone();
+        self.stages[head].evaluate_loss(targets).map_err(|e| on_device(0, &k0, e))
+    }
+
+    /// Model outputs for any number of rows of features (batch-sized
+    /// chunks, the last zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (f, batch, width) = (self.in_features, self.batch, self.out_features);
+        let (f, batch, width) = (self.widths.inputs, self.batch, self.widths.outputs);
         super::outputs_in_chunks("TensorParallel::outputs", features, f, batch, width, |chunk| {
-            self.feed_post(chunk)?;
-            let k0 = self.post.kernels.clone();
-            self.post.forward().map_err(|e| on_device(0, &k0, e))?;
-            k0.read(self.post.output_view()?).map_err(|e| on_device(0, &k0, e))
+            self.forward(Examples::Features(chunk))?;
+            let head = self.stages.len() - 1;
+            let stage = &mut self.stages[head];
+            let k0 = stage.kernels.clone();
+            stage.forward().map_err(|e| on_device(0, &k0, e))?;
+            k0.read(stage.output_view()?).map_err(|e| on_device(0, &k0, e))
         })
     }
 
-    /// Argmax of [`TensorParallel::outputs`], computed on device 0 after the
-    /// last layers, which reads back one index per row instead of the outputs.
+    /// Argmax of [`TensorParallel::outputs`], computed on device 0, which
+    /// reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let (f, batch) = (self.in_features, self.batch);
+        let (f, batch) = (self.widths.inputs, self.batch);
         super::outputs_in_chunks("TensorParallel::predict", features, f, batch, 1, |chunk| {
-            self.feed_post(chunk)?;
-            let k0 = self.post.kernels.clone();
-            self.post.predictions().map_err(|e| on_device(0, &k0, e))
+            self.forward(Examples::Features(chunk))?;
+            let head = self.stages.len() - 1;
+            let stage = &mut self.stages[head];
+            let k0 = stage.kernels.clone();
+            stage.predictions().map_err(|e| on_device(0, &k0, e))
         })
     }
 
-    /// Runs one chunk through the layers before and in the split block and
-    /// sets the result as the last layers' input.
-    fn feed_post(&mut self, chunk: &[f32]) -> Result<()> {
-        let block_x = self.block_input(chunk)?;
-        let y = self.block_forward(&block_x)?;
-        let k0 = self.post.kernels.clone();
-        self.post.set_input(&y).map_err(|e| on_device(0, &k0, e))
+    /// The whole model's parameters with the single-device names, shapes
+    /// and order (shares gathered, copies once).
+    pub fn parameters(&self) -> Result<NamedParameters> {
+        self.spread.parameters(&self.stages)
     }
 
-    /// The whole model's parameters with single-device names and shapes:
-    /// the shards of the block are gathered back into full matrices.
-    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-        let mut all = Vec::new();
-        if let Some(pre) = &self.pre {
-            all.extend(pre.executor().parameters()?);
-        }
-        let (i1, i2) = (self.block_start, self.block_start + 2);
-        let hidden: usize = self.hidden_split.iter().sum();
-        let (mut w1, mut b1, mut w2) = (Vec::new(), Vec::new(), vec![0.0f32; self.block_out * hidden]);
-        let mut col = 0;
-        for (d, shard) in self.shards.iter().enumerate() {
-            let width = self.hidden_split[d];
-            for (name, _, values) in shard.executor().parameters().map_err(|e| on_device(d, &shard.kernels, e))? {
-                if name == format!("{i1}.weight") {
-                    w1.extend(values);
-                } else if name == format!("{i1}.bias") {
-                    b1.extend(values);
-                } else if name == format!("{i2}.weight") {
-                    for r in 0..self.block_out {
-                        w2[r * hidden + col..r * hidden + col + width].copy_from_slice(&values[r * width..(r + 1) * width]);
-                    }
-                }
-            }
-            col += width;
-        }
-        all.push((format!("{i1}.weight"), vec![hidden, self.block_in], w1));
-        all.push((format!("{i1}.bias"), vec![hidden], b1));
-        all.push((format!("{i2}.weight"), vec![self.block_out, hidden], w2));
-        all.extend(self.post.executor().parameters()?);
-        Ok(all)
+    /// The optimizer state under the single-device names and shapes.
+    pub fn optimizer_state(&self) -> Result<NamedState> {
+        self.spread.optimizer_state(&self.stages)
     }
+
+    /// What [`crate::trainer::Trainer::checkpoint`] writes for the
+    /// single-device model, so a run resumes on any number of devices.
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
+        self.spread.checkpoint(&self.stages)
+    }
+
+    /// Replaces parameters and, when given, the optimizer state (each
+    /// split as its parameter is) and step count, by single-device names;
+    /// see [`Spread::load_state`].
+    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.spread.load_state(&mut self.stages, params, optimizer_state, step)
+    }
+
+    /// Values moved between the host and the devices in one step: each
+    /// segment's output read from every device and the sum written to the
+    /// next segment on every device (the last one's to the head); backward,
+    /// the head's input gradient read and written to every device, and each
+    /// other boundary's input gradients read and their sum written; plus
+    /// the replicated parameters' gradients read from and written back to
+    /// every copy.
+    pub fn floats_moved_per_step(&self) -> usize {
+        let outputs: Vec<usize> = (0..self.segments).map(|k| self.stages[k].output_view().map_or(0, |v| v.len)).collect();
+        let (all, last) = (outputs.iter().sum::<usize>(), outputs.last().copied().unwrap_or(0));
+        let activations = 4 * self.ranks * all + 2 * last - 2 * self.ranks * last;
+        let sizes: HashMap<String, usize> = self.stages.iter().flat_map(|s| s.executor().parameters_shapes()).map(|(n, s)| (n, s.iter().product())).collect();
+        let replicated: usize = self.spread.shared().iter().map(|s| 2 * s.holders.len() * sizes.get(&s.name).copied().unwrap_or(0)).sum();
+        activations + replicated
+    }
+
+    /// One line: how the model is split.
+    pub fn describe(&self) -> String {
+        let split = self.slices.first().map_or(0, HashMap::len);
+        format!(
+            "tensor parallel over {} devices ({}): {} all-reduces per forward, {split} parameters split per device, {} replicated; the last segment and the loss on #0",
+            self.ranks,
+            self.labels.join(", "),
+            self.segments,
+            self.spread.shared().len()
+        )
+    }
+
+    /// [`TensorParallel::describe`] with what the steps so far cost.
+    pub fn report(&self) -> String {
+        let s = &self.stats;
+        let ms = 1e3 * s.wall.as_secs_f64() / s.steps.max(1) as f64;
+        let share = 100.0 * s.communication.as_secs_f64() / s.wall.as_secs_f64().max(1e-9);
+        let mb = self.floats_moved_per_step() as f64 * 4.0 / 1e6;
+        format!("{}; {} steps, {ms:.1} ms/step, communication {share:.0}% of step time ({mb:.1} MB through the host per step)", self.describe(), s.steps)
+    }
+}
+
+/// Rank `rank`'s graphs of `model` for `batch` examples.
+fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
+    let mut g = Graph::new();
+    let input = model.input(&mut g, batch)?;
+    shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))
 }

@@ -1,4 +1,4 @@
-//! A GPT trained pipeline parallel (`GptPipeline`, GPipe and 1F1B) against
+//! A GPT trained pipeline parallel (`Pipeline`, GPipe and 1F1B) against
 //! single-device training on the same global batches, and the step that
 //! ends a model spread over stages (`reduce_and_step`: a shared
 //! parameter's gradients summed, the whole model's norm clipped) against
@@ -15,7 +15,7 @@ use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::kernels::{Activation, LrSchedule, MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Criterion, Gpt, GptConfig};
 use wgrad::optim::AdamW;
-use wgrad::parallel::gpt_pipeline::{balance_blocks, GptPipeline, Schedule};
+use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::{Targets, Trainer};
@@ -132,7 +132,7 @@ fn bits(params: &Parameters) -> Vec<Vec<u32>> {
 }
 
 /// The tied embedding's copies on the first and last stage.
-fn wte_copies(p: &GptPipeline) -> (Vec<f32>, Vec<f32>) {
+fn wte_copies(p: &Pipeline) -> (Vec<f32>, Vec<f32>) {
     let copy = |stage: &Stage| stage.executor().parameters().unwrap().into_iter().find(|(n, _, _)| n == "wte.weight").unwrap().2;
     (copy(&p.stages()[0]), copy(p.stages().last().unwrap()))
 }
@@ -155,12 +155,12 @@ fn gpt_pipeline_matches_single_device_training() {
         for &micro in micro_counts {
             let mut by_schedule = Vec::new();
             for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-                let mut p = GptPipeline::new(group, &model(), optimizer(), GLOBAL, micro, schedule).unwrap();
+                let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, micro, schedule).unwrap();
                 let what = format!("{} on [{labels}]", p.describe());
                 assert_eq!(p.blocks_per_stage().iter().sum::<usize>(), 3, "{what}");
                 for s in 0..STEPS {
                     let (ids, targets) = batch(s);
-                    let loss = p.step(&ids, &targets, true).unwrap().unwrap();
+                    let loss = p.step(&ids, Targets::Classes(&targets), true).unwrap().unwrap();
                     let norm = p.stats().last_grad_norm.expect("a clipping optimizer reports the norm");
                     let su = s as usize;
                     loss_err = loss_err.max((loss - want_losses[su]).abs());
@@ -196,7 +196,7 @@ fn gpt_pipeline_matches_single_device_training() {
             let stages = group.len();
             let (gpipe, one_f_one_b) = (&by_schedule[0].1, &by_schedule[1].1);
             for s in 0..stages {
-                let in_flight = |p: &GptPipeline| p.stats().peak_in_flight[s];
+                let in_flight = |p: &Pipeline| p.stats().peak_in_flight[s];
                 if stages > 1 {
                     assert_eq!(in_flight(gpipe), micro, "GPipe stage {s} of {stages}, {micro} micro-batches");
                     assert!(in_flight(one_f_one_b) <= (stages - s).min(micro), "1F1B stage {s}: {:?}", one_f_one_b.stats().peak_in_flight);
@@ -218,14 +218,14 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
     let labels = group.labels().join(", ");
     const HALF: u64 = STEPS / 2;
     let (_, _, want, mut reference) = single_device(&group.members()[0], STEPS);
-    let mut p = GptPipeline::new(group, &model(), optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
+    let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
     for s in 0..HALF {
         let (ids, targets) = batch(s);
-        p.step(&ids, &targets, false).unwrap();
+        p.step(&ids, Targets::Classes(&targets), false).unwrap();
     }
     let (ids, targets) = batch(99);
     let before = bits(&p.parameters().unwrap());
-    let evaluated = p.evaluate_loss(&ids, &targets).unwrap();
+    let evaluated = p.evaluate_loss(&ids, Targets::Classes(&targets)).unwrap();
     assert_eq!(bits(&p.parameters().unwrap()), before, "evaluation leaves the weights alone");
     assert_eq!(p.step_count(), HALF);
 
@@ -240,7 +240,8 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
 
     // On one device: the pipeline's model, its optimizer state and step.
     let k = &group.members()[0];
-    let halfway = p.model().unwrap();
+    let mut values = p.parameters().unwrap();
+    let halfway = Gpt::from_parameters(config(), |name, _| Ok(values.remove(values.iter().position(|(n, _, _)| n == name).unwrap()).2)).unwrap();
     let mut single = Trainer::new(k.clone(), &halfway, CrossEntropyLoss, optimizer(), GLOBAL).unwrap();
     single.executor_mut().load_state(&[], &state.state, Some(state.step)).unwrap();
     // The same batch's loss as the pipeline evaluated it (same weights;
@@ -262,12 +263,12 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
     // Back into a fresh pipeline (the initial model, then the checkpoint's
     // weights and state): it continues as the first one does.
     let params: Parameters = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
-    let mut resumed = GptPipeline::new(group, &model(), optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
+    let mut resumed = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
     resumed.load_state(&params, &state.state, Some(state.step)).unwrap();
     for s in HALF..STEPS {
         let (ids, targets) = batch(s);
-        p.step(&ids, &targets, false).unwrap();
-        resumed.step(&ids, &targets, false).unwrap();
+        p.step(&ids, Targets::Classes(&targets), false).unwrap();
+        resumed.step(&ids, Targets::Classes(&targets), false).unwrap();
     }
     assert_eq!(bits(&resumed.parameters().unwrap()), bits(&p.parameters().unwrap()), "resumed pipeline on [{labels}]");
     let (a, b) = wte_copies(&resumed);
@@ -283,6 +284,7 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
 #[test]
 fn blocks_are_balanced_by_work_and_impossible_splits_are_refused() {
     let gpt2 = GptConfig::gpt2();
+    let balance_blocks = |config: &GptConfig, stages| partition(&config.stage_costs(config.n_layer), stages);
     // GPT-2's head (768 × 50257) costs about four and a half blocks.
     assert_eq!(balance_blocks(&gpt2, 2).unwrap(), [8, 4]);
     assert_eq!(balance_blocks(&gpt2, 1).unwrap(), [12]);
@@ -306,7 +308,7 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
     let selections = [DeviceSelection::Count(2), DeviceSelection::Count(3)];
     let groups = groups("gpt_pipeline_refuses_bad_batches_and_splits", &selections);
     let [two, three] = &groups.list[..] else { return };
-    let reason = |group: &DeviceGroup, global: usize, micro: usize, blocks: Option<Vec<usize>>| match GptPipeline::with_blocks(group, &model(), optimizer(), global, micro, Schedule::GPipe, blocks) {
+    let reason = |group: &DeviceGroup, global: usize, micro: usize, blocks: Option<Vec<usize>>| match Pipeline::with_blocks(group, &model(), CrossEntropyLoss, optimizer(), global, micro, Schedule::GPipe, blocks) {
         Err(e @ Error::InvalidArgument { .. }) => e.to_string(),
         Err(other) => panic!("expected InvalidArgument, got {other}"),
         Ok(_) => panic!("global {global}, micro {micro} was accepted"),
@@ -320,20 +322,20 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
     let text = reason(three, 8, 2, Some(vec![2, 0, 1]));
     assert!(text.contains("[2, 0, 1]") && text.contains("middle"), "{text}");
     // An explicit split is taken as given.
-    let p = GptPipeline::with_blocks(three, &model(), optimizer(), 8, 2, Schedule::OneFOneB, Some(vec![0, 2, 1])).unwrap();
+    let p = Pipeline::with_blocks(three, &model(), CrossEntropyLoss, optimizer(), 8, 2, Schedule::OneFOneB, Some(vec![0, 2, 1])).unwrap();
     assert_eq!(p.blocks_per_stage(), [0, 2, 1]);
     assert!(p.describe().contains("stage 0 on #0") && p.describe().contains("1F1B"), "{}", p.describe());
     // Batches of the wrong size name the call.
-    let mut p = GptPipeline::new(two, &model(), optimizer(), 8, 2, Schedule::GPipe).unwrap();
+    let mut p = Pipeline::new(two, &model(), CrossEntropyLoss, optimizer(), 8, 2, Schedule::GPipe).unwrap();
     let (ids, targets) = batch(0);
-    let err = p.step(&ids[T..], &targets[T..], false).unwrap_err().to_string();
-    assert!(err.contains("GptPipeline::step") && err.contains("8 × 8"), "{err}");
-    let err = p.evaluate_loss(&ids, &targets[1..]).unwrap_err().to_string();
-    assert!(err.contains("GptPipeline::evaluate_loss"), "{err}");
+    let err = p.step(&ids[T..], Targets::Classes(&targets[T..]), false).unwrap_err().to_string();
+    assert!(err.contains("Pipeline::step") && err.contains("8 × 8"), "{err}");
+    let err = p.evaluate_loss(&ids, Targets::Classes(&targets[1..])).unwrap_err().to_string();
+    assert!(err.contains("Pipeline::evaluate_loss"), "{err}");
     // A token id past the vocabulary is refused on the stage reading it.
     let mut bad = ids.clone();
     bad[3] = VOCAB as u32;
-    let err = p.step(&bad, &targets, false).unwrap_err().to_string();
+    let err = p.step(&bad, Targets::Classes(&targets), false).unwrap_err().to_string();
     assert!(err.contains("device #0"), "{err}");
 }
 
@@ -341,13 +343,13 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
 fn a_device_failing_mid_training_is_an_error_naming_it() {
     let groups = groups("gpt_pipeline: a_device_failing_mid_training_is_an_error_naming_it", &[DeviceSelection::Count(2)]);
     let Some(group) = groups.list.first() else { return };
-    let mut p = GptPipeline::new(group, &model(), optimizer(), 4, 2, Schedule::OneFOneB).unwrap();
+    let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), 4, 2, Schedule::OneFOneB).unwrap();
     let (ids, targets) = batch(0);
     let (ids, targets) = (&ids[..4 * T], &targets[..4 * T]);
-    p.step(ids, targets, false).unwrap();
+    p.step(ids, Targets::Classes(targets), false).unwrap();
     group.members()[1].device().wgpu_device().destroy();
     let start = Instant::now();
-    let err = p.step(ids, targets, true).unwrap_err();
+    let err = p.step(ids, Targets::Classes(targets), true).unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(30), "failed fast");
     match &err {
         Error::OnDevice { device, .. } => assert!(device.starts_with("#1 "), "{err}"),
@@ -397,11 +399,11 @@ fn reduce_and_step_sums_shared_gradients_and_clips_by_the_whole_models_norm() {
         let mut g0 = Graph::new();
         let x0 = g0.input("x", &[ROWS, F])?;
         let h0 = first_half(&mut g0, x0);
-        let mut first = Stage::from_graph(k.clone(), g0, x0, h0, false, StageEnd::Middle, opt, ROWS, F, F)?;
+        let mut first = Stage::from_graph(k.clone(), g0, x0, h0, false, StageEnd::Middle, opt)?;
         let mut g1 = Graph::new();
         let h1 = g1.input("h", &[ROWS, F])?;
         let y1 = second_half(&mut g1, h1, None);
-        let mut last = Stage::from_graph(k.clone(), g1, h1, y1, true, StageEnd::Last(Criterion::Mse), opt, ROWS, F, F)?;
+        let mut last = Stage::from_graph(k.clone(), g1, h1, y1, true, StageEnd::Last(Criterion::Mse), opt)?;
         let shared = [SharedParameter { name: "shared.weight".into(), holders: vec![0, 1] }];
         for (step, (xv, yv)) in batches.iter().enumerate() {
             whole.set_input(x, xv)?;

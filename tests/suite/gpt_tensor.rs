@@ -1,4 +1,4 @@
-//! `GptTensorParallel` against single-device training of the same GPT on
+//! `TensorParallel` over a GPT against single-device training of the same GPT on
 //! the same batches: 2 devices (lavapipe + llvmpipe-GL, heads 2 + 2) and 3
 //! (lavapipe, llvmpipe-GL, lavapipe again: heads 2 + 1 + 1, an uneven
 //! split), with AdamW, weight decay groups, the warmup-cosine schedule and
@@ -13,7 +13,11 @@ use rand::Rng;
 use wgrad::gpt_folder::OptimizerState;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
 use wgrad::optim::{AdamW, LrSchedule, SGD};
-use wgrad::parallel::gpt_tensor::GptTensorParallel;
+use wgrad::graph::{Graph, Tensor};
+use wgrad::kernels::MatmulForm;
+use wgrad::nn::shard::{self, AttentionSplit, Slice};
+use wgrad::nn::{Module, ParameterTree};
+use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::trainer::{Examples, Targets, Trainer};
 use wgrad::Error;
@@ -82,7 +86,7 @@ fn assert_same_parameters(what: &str, got: &Parameters, want: &Parameters) -> f3
 
 /// Every replicated parameter (embeddings, norms) has the same bits in
 /// every stage holding a copy.
-fn assert_copies_identical(what: &str, tp: &GptTensorParallel) {
+fn assert_copies_identical(what: &str, tp: &TensorParallel) {
     let mut copies: std::collections::HashMap<String, Vec<Vec<u32>>> = Default::default();
     for (_, stage) in tp.stages() {
         for (name, _, values) in stage.executor().parameters().unwrap() {
@@ -91,13 +95,40 @@ fn assert_copies_identical(what: &str, tp: &GptTensorParallel) {
             }
         }
     }
-    let devices = tp.head_split().len();
+    let devices = tp.slices("h.0.mlp.c_fc.weight").len();
     // wte: each device's embeddings and the head; the others once per device.
     assert_eq!(copies["wte.weight"].len(), devices + 1, "{what}: copies of wte");
     for (name, list) in &copies {
         assert_eq!(list.len(), if name == "wte.weight" { devices + 1 } else { devices }, "{what}: copies of {name}");
         assert!(list.iter().all(|c| c == &list[0]), "{what}: the copies of {name} differ");
     }
+}
+
+/// Rows of `name` each device holds (a column-parallel Linear's outputs).
+fn rows_held(tp: &TensorParallel, name: &str) -> Vec<usize> {
+    tp.slices(name)
+        .into_iter()
+        .map(|s| match s {
+            Some(Slice::Rows(ranges)) => ranges.iter().map(|r| r.len()).sum(),
+            other => panic!("`{name}` is not split by rows: {other:?}"),
+        })
+        .collect()
+}
+
+/// Attention heads per device: c_attn's rows are q, k and v of 4-wide heads.
+fn head_split(tp: &TensorParallel) -> Vec<usize> {
+    rows_held(tp, "h.0.attn.c_attn.weight").into_iter().map(|rows| rows / (3 * CONFIG.n_embd / CONFIG.n_head)).collect()
+}
+
+/// MLP hidden units per device; c_proj holds the matching columns.
+fn hidden_split(tp: &TensorParallel) -> Vec<usize> {
+    let hidden = rows_held(tp, "h.0.mlp.c_fc.weight");
+    let columns: Vec<usize> = tp.slices("h.0.mlp.c_proj.weight").into_iter().map(|s| match s {
+        Some(Slice::Columns(r)) => r.len(),
+        other => panic!("c_proj is not split by columns: {other:?}"),
+    }).collect();
+    assert_eq!(hidden, columns, "c_fc's rows and c_proj's columns go together");
+    hidden
 }
 
 #[test]
@@ -110,21 +141,21 @@ fn gpt_tensor_parallel_matches_single_device_training() {
         assert!(norms.iter().all(|&n| n > CLIP), "every step clips: norms {norms:?} against {CLIP}");
         let want = single.executor().parameters().unwrap();
 
-        let mut tp = GptTensorParallel::new(group, &model(), adamw(), BATCH).unwrap();
+        let mut tp = TensorParallel::new(group, &model(), CrossEntropyLoss, adamw(), BATCH).unwrap();
         let (heads, hidden): (&[usize], &[usize]) = if group.len() == 2 { (&[2, 2], &[32, 32]) } else { (&[2, 1, 1], &[22, 21, 21]) };
-        assert_eq!((tp.head_split(), tp.hidden_split()), (heads, hidden), "{labels}");
+        assert_eq!((head_split(&tp), hidden_split(&tp)), (heads.to_vec(), hidden.to_vec()), "{labels}");
         // The forward pass alone, before any update: the same loss.
         let (x, y) = batch(0);
         let mut fresh = Trainer::new(k0.clone(), &model(), CrossEntropyLoss, adamw(), BATCH).unwrap();
         let before = fresh.evaluate_loss(Examples::Ids(&x), Targets::Classes(&y)).unwrap();
-        let got = tp.evaluate_loss(&x, &y).unwrap();
+        let got = tp.evaluate_loss(&x, Targets::Classes(&y)).unwrap();
         // f32 sums in another order through 2 blocks: a few ulps of 3.4.
         assert!((got - before).abs() <= 1e-5 * before, "[{labels}] loss before training {got} vs {before}");
 
         let (mut worst_loss, mut worst_norm) = (0.0f32, 0.0f32);
         for s in 0..STEPS {
             let (x, y) = batch(s);
-            let loss = tp.step(&x, &y, true).unwrap().unwrap();
+            let loss = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
             let norm = tp.last_grad_norm().unwrap();
             let (i, want_loss, want_norm) = (s as usize, losses[s as usize], norms[s as usize]);
             worst_loss = worst_loss.max((loss - want_loss).abs() / want_loss);
@@ -144,19 +175,19 @@ fn gpt_tensor_parallel_matches_single_device_training() {
         // Evaluation after training agrees too, and changes nothing.
         let (x, y) = batch(STEPS);
         let want_eval = single.evaluate_loss(Examples::Ids(&x), Targets::Classes(&y)).unwrap();
-        let got_eval = tp.evaluate_loss(&x, &y).unwrap();
+        let got_eval = tp.evaluate_loss(&x, Targets::Classes(&y)).unwrap();
         assert!((got_eval - want_eval).abs() <= 1e-5 * want_eval, "[{labels}] loss after training {got_eval} vs {want_eval}");
         assert_eq!(tp.step_count(), STEPS);
 
         // Wrong sizes and tokens outside the vocabulary are errors naming
         // the call or the device.
-        let err = tp.step(&x[1..], &y, false).unwrap_err();
-        assert!(matches!(err, Error::Shape { op: "GptTensorParallel::step", .. }), "{err}");
-        let err = tp.evaluate_loss(&x, &y[..3]).unwrap_err();
-        assert!(matches!(err, Error::Shape { op: "GptTensorParallel::evaluate_loss", .. }), "{err}");
+        let err = tp.step(&x[1..], Targets::Classes(&y), false).unwrap_err();
+        assert!(matches!(err, Error::Shape { op: "TensorParallel::step", .. }), "{err}");
+        let err = tp.evaluate_loss(&x, Targets::Classes(&y[..3])).unwrap_err();
+        assert!(matches!(err, Error::Shape { op: "TensorParallel::evaluate_loss", .. }), "{err}");
         let mut bad = x.clone();
         bad[5] = CONFIG.vocab_size as u32;
-        let err = tp.step(&bad, &y, false).unwrap_err();
+        let err = tp.step(&bad, Targets::Classes(&y), false).unwrap_err();
         assert!(matches!(&err, Error::OnDevice { device, .. } if device.starts_with("#0 ")) && err.to_string().contains("29"), "{err}");
     }
 }
@@ -173,10 +204,10 @@ fn the_clip_uses_the_whole_models_gradient_norm() {
         let labels = group.labels().join(", ");
         let sgd = || SGD::new(0.5).momentum(0.9).clip_grad_norm(CLIP);
         let (single, _, norms) = single_device(&group.members()[0], &model(), sgd(), 0..3);
-        let mut tp = GptTensorParallel::new(group, &model(), sgd(), BATCH).unwrap();
+        let mut tp = TensorParallel::new(group, &model(), CrossEntropyLoss, sgd(), BATCH).unwrap();
         for s in 0..3 {
             let (x, y) = batch(s);
-            tp.step(&x, &y, false).unwrap();
+            tp.step(&x, Targets::Classes(&y), false).unwrap();
             let norm = tp.last_grad_norm().unwrap();
             // Relative 1e-5, as in the training test.
             assert!((norm - norms[s as usize]).abs() <= 1e-5 * norms[s as usize], "[{labels}] step {s}: norm {norm} vs {}", norms[s as usize]);
@@ -198,13 +229,14 @@ fn resuming_from_the_gathered_state_continues_the_run() {
     let (single, _, _) = single_device(k0, &model(), adamw(), 0..STEPS);
     let want = single.executor().parameters().unwrap();
 
-    let mut tp = GptTensorParallel::new(two, &model(), adamw(), BATCH).unwrap();
+    let mut tp = TensorParallel::new(two, &model(), CrossEntropyLoss, adamw(), BATCH).unwrap();
     for s in 0..PAUSE {
         let (x, y) = batch(s);
-        tp.step(&x, &y, false).unwrap();
+        tp.step(&x, Targets::Classes(&y), false).unwrap();
     }
-    let state = tp.optimizer_state().unwrap();
-    let paused = tp.trained_model().unwrap();
+    let state = OptimizerState::from_checkpoint(&tp.checkpoint().unwrap()).unwrap();
+    let mut values = tp.parameters().unwrap();
+    let paused = Gpt::from_parameters(CONFIG, |name, _| Ok(values.remove(values.iter().position(|(n, _, _)| n == name).unwrap()).2)).unwrap();
     assert_eq!(state.step, PAUSE);
     assert_eq!(state.state_names(), ["exp_avg", "exp_avg_sq"]);
     // The same names and sizes as a single device's checkpoint.
@@ -219,15 +251,15 @@ fn resuming_from_the_gathered_state_continues_the_run() {
     assert_eq!(state.optimizer, reference.optimizer);
 
     // 3 devices, heads split 2 + 1 + 1 instead of 2 + 2.
-    let mut resumed = GptTensorParallel::new(three, &paused, adamw(), BATCH).unwrap();
-    resumed.load_state(&state).unwrap();
+    let mut resumed = TensorParallel::new(three, &paused, CrossEntropyLoss, adamw(), BATCH).unwrap();
+    resumed.load_state(&[], &state.state, Some(state.step)).unwrap();
     assert_eq!(resumed.step_count(), PAUSE);
     // One device.
     let mut alone = Trainer::new(k0.clone(), &paused, CrossEntropyLoss, adamw(), BATCH).unwrap();
     alone.executor_mut().load_state(&[], &state.state, Some(state.step)).unwrap();
     for s in PAUSE..STEPS {
         let (x, y) = batch(s);
-        resumed.step(&x, &y, false).unwrap();
+        resumed.step(&x, Targets::Classes(&y), false).unwrap();
         alone.zero_grad();
         alone.forward_ids(&x).unwrap();
         alone.loss(Targets::Classes(&y)).unwrap();
@@ -242,13 +274,13 @@ fn resuming_from_the_gathered_state_continues_the_run() {
     // refused before anything changes.
     let mut missing = state.clone();
     missing.state.retain(|(p, n, _)| !(p == "h.1.mlp.c_fc.weight" && n == "exp_avg_sq"));
-    let err = resumed.load_state(&missing).unwrap_err().to_string();
+    let err = resumed.load_state(&[], &missing.state, Some(missing.step)).unwrap_err().to_string();
     assert!(err.contains("h.1.mlp.c_fc.weight") && err.contains("exp_avg_sq"), "{err}");
     let mut short = state.clone();
     if let Some(entry) = short.state.iter_mut().find(|(p, _, _)| p == "h.0.attn.c_attn.weight") {
         entry.2.pop();
     }
-    let err = resumed.load_state(&short).unwrap_err();
+    let err = resumed.load_state(&[], &short.state, Some(short.step)).unwrap_err();
     assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.0.attn.c_attn.weight"), "{err}");
     assert_eq!(resumed.step_count(), STEPS, "a refused state changes nothing");
 }
@@ -263,11 +295,11 @@ fn an_mlp_only_gpt_splits_its_hidden_units() {
         Gpt::without_attention(CONFIG).unwrap()
     };
     let (single, _, _) = single_device(&group.members()[0], &mlp_only(), adamw(), 0..3);
-    let mut tp = GptTensorParallel::new(group, &mlp_only(), adamw(), BATCH).unwrap();
-    assert_eq!(tp.hidden_split(), [22, 21, 21]);
+    let mut tp = TensorParallel::new(group, &mlp_only(), CrossEntropyLoss, adamw(), BATCH).unwrap();
+    assert_eq!(hidden_split(&tp), [22, 21, 21]);
     for s in 0..3 {
         let (x, y) = batch(s);
-        tp.step(&x, &y, false).unwrap();
+        tp.step(&x, Targets::Classes(&y), false).unwrap();
     }
     assert_same_parameters("MLP-only GPT", &tp.parameters().unwrap(), &single.executor().parameters().unwrap());
 }
@@ -279,12 +311,12 @@ fn impossible_splits_and_bad_shapes_are_refused() {
     // More devices than heads: the numbers in the message.
     nn::manual_seed(0);
     let two_heads = Gpt::new(GptConfig { n_head: 2, ..CONFIG }).unwrap();
-    let err = GptTensorParallel::new(group, &two_heads, adamw(), BATCH).err().expect("3 devices, 2 heads").to_string();
+    let err = TensorParallel::new(group, &two_heads, CrossEntropyLoss, adamw(), BATCH).err().expect("3 devices, 2 heads").to_string();
     assert!(err.contains("3 devices") && err.contains("2 heads"), "{err}");
     // A weight of the wrong size, a Linear of the wrong shape.
     let mut short = model();
     short.h[1].attn.as_mut().unwrap().c_attn.weight.pop();
-    let err = GptTensorParallel::new(group, &short, adamw(), BATCH).err().expect("a short weight");
+    let err = TensorParallel::new(group, &short, CrossEntropyLoss, adamw(), BATCH).err().expect("a short weight");
     assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.1.attn.c_attn.weight"), "{err}");
     let mut narrow = model();
     let fc = &mut narrow.h[0].mlp.c_fc;
@@ -293,8 +325,142 @@ fn impossible_splits_and_bad_shapes_are_refused() {
     if let Some(bias) = fc.bias.as_mut() {
         bias.truncate(32);
     }
-    let err = GptTensorParallel::new(group, &narrow, adamw(), BATCH).err().expect("a narrow MLP");
-    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.0.mlp.c_fc.weight"), "{err}");
-    let err = GptTensorParallel::new(group, &model(), adamw(), 0).err().expect("batch 0").to_string();
+    // c_fc yields 32 hidden units; c_proj, the Linear that reads them,
+    // expects 64 and names itself.
+    let err = TensorParallel::new(group, &narrow, CrossEntropyLoss, adamw(), BATCH).err().expect("a narrow MLP");
+    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.0.mlp.c_proj.weight"), "{err}");
+    let err = TensorParallel::new(group, &model(), CrossEntropyLoss, adamw(), 0).err().expect("batch 0").to_string();
     assert!(err.contains("batch"), "{err}");
+}
+
+/// Grouped-query attention as Llama's (q_proj, k_proj, v_proj, o_proj
+/// without biases; 6 query heads sharing 2 KV heads) with a residual and a
+/// classifier head, over `batch` tokens of one sequence (no causal mask,
+/// so the query heads of a group can share one matmul in rank 3). What it
+/// tests is the split it declares through [`AttentionSplit`].
+struct GroupedQueryAttention {
+    n_head: usize,
+    n_kv_head: usize,
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    head: nn::Linear,
+}
+
+const GQA_CHANNELS: usize = 24;
+const GQA_CLASSES: usize = 5;
+
+impl GroupedQueryAttention {
+    fn new() -> Self {
+        nn::manual_seed(9);
+        let (c, n_head, n_kv_head) = (GQA_CHANNELS, 6, 2);
+        let d = c / n_head;
+        GroupedQueryAttention {
+            n_head,
+            n_kv_head,
+            q_proj: nn::Linear::normal_no_bias(c, n_head * d, 0.2),
+            k_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
+            v_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
+            o_proj: nn::Linear::normal_no_bias(n_head * d, c, 0.2),
+            head: nn::Linear::new(c, GQA_CLASSES),
+        }
+    }
+}
+
+impl Module for GroupedQueryAttention {
+    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
+        g.input("x", &[batch, GQA_CHANNELS])
+    }
+
+    fn forward(&self, g: &mut Graph, x: Tensor, _prefix: &str) -> wgrad::Result<Tensor> {
+        let d = GQA_CHANNELS / self.n_head;
+        let group = self.n_head / self.n_kv_head;
+        let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
+        let t = g.shape_of(x).unwrap()[0];
+        let q = self.q_proj.forward_split(g, x, "q_proj.", split.query)?;
+        let k = self.k_proj.forward_split(g, x, "k_proj.", split.key_value)?;
+        let v = self.v_proj.forward_split(g, x, "v_proj.", split.key_value)?;
+        // This device's KV heads, from what its projections yield.
+        let kv_heads = g.shape_of(k).unwrap()[1] / d;
+        let heads = |g: &mut Graph, y: Tensor, width: usize| -> wgrad::Result<Tensor> {
+            let y = g.reshape(y, &[t, kv_heads, width])?;
+            g.permute(y, &[1, 0, 2])
+        };
+        // [T, kv·g·d] -> [kv, T·g, d]: a group's query heads as rows.
+        let q = heads(g, q, group * d)?;
+        let q = g.reshape(q, &[kv_heads, t * group, d])?;
+        let (k, v) = (heads(g, k, d)?, heads(g, v, d)?);
+        let scores = g.matmul_form(MatmulForm::ABt, q, k)?;
+        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
+        let att = g.softmax(scores, false)?;
+        let y = g.matmul_form(MatmulForm::AB, att, v)?;
+        let y = g.reshape(y, &[kv_heads, t, group * d])?;
+        let y = g.permute(y, &[1, 0, 2])?;
+        let y = g.reshape(y, &[t, kv_heads * group * d])?;
+        let attended = self.o_proj.forward_split(g, y, "o_proj.", split.output)?;
+        let x = shard::reduce_residual(g, x, attended)?;
+        self.head.forward(g, x, "head.")
+    }
+
+    fn describe(&self) -> String {
+        format!("GroupedQueryAttention({}, heads={}, kv_heads={})", GQA_CHANNELS, self.n_head, self.n_kv_head)
+    }
+}
+
+impl ParameterTree for GroupedQueryAttention {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        for (name, l) in [("q_proj.", &self.q_proj), ("k_proj.", &self.k_proj), ("v_proj.", &self.v_proj), ("o_proj.", &self.o_proj), ("head.", &self.head)] {
+            l.visit(&format!("{prefix}{name}"), f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> wgrad::Result<()>) -> wgrad::Result<()> {
+        for (name, l) in [("q_proj.", &mut self.q_proj), ("k_proj.", &mut self.k_proj), ("v_proj.", &mut self.v_proj), ("o_proj.", &mut self.o_proj), ("head.", &mut self.head)] {
+            l.visit_mut(&format!("{prefix}{name}"), f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Grouped-query attention split over 2 devices (a KV head each, with its
+/// 3 query heads) against one device: 10 clipped AdamW steps; 3 devices,
+/// which do not divide the 2 KV heads, are refused by name.
+#[test]
+fn grouped_query_attention_splits_kv_heads_with_their_query_heads() {
+    const TOKENS: usize = 7;
+    let groups = open_groups("grouped_query_attention_splits_kv_heads_with_their_query_heads", &[DeviceSelection::Count(2), DeviceSelection::Count(3)]);
+    let [two, three] = &groups[..] else { return };
+    let model = GroupedQueryAttention::new();
+    let batch = |s: u64| {
+        let mut r = rng(700 + s);
+        let x: Vec<f32> = (0..TOKENS * GQA_CHANNELS).map(|_| r.random_range(-1.0..1.0)).collect();
+        let y: Vec<u32> = (0..TOKENS).map(|i| u32::from(x[i * GQA_CHANNELS] > 0.0) + 2 * u32::from(x[i * GQA_CHANNELS + 1] > 0.0)).collect();
+        (x, y)
+    };
+    let clip = 0.2;
+    let optimizer = || AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(clip);
+    let mut single = Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
+    let mut tp = TensorParallel::new(two, &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
+    let held = |name: &str| rows_held(&tp, name);
+    // A KV head each (4 + 4 of k's and v's 2 · 4 rows) and, in step, its
+    // 3 query heads (12 + 12 of q's 6 · 4).
+    assert_eq!((held("q_proj.weight"), held("k_proj.weight"), held("v_proj.weight")), (vec![12, 12], vec![4, 4], vec![4, 4]));
+    for s in 0..10 {
+        let (x, y) = batch(s);
+        single.zero_grad();
+        single.forward(&x).unwrap();
+        single.loss(Targets::Classes(&y)).unwrap();
+        single.backward().unwrap();
+        let want = single.step_reading_loss().unwrap();
+        let norm = single.executor().read_grad_norm().unwrap().unwrap();
+        assert!(norm > clip, "step {s} clips: {norm}");
+        let got = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+        // Partial sums over devices, then in f64: relative 1e-5, as above.
+        assert!((got - want).abs() <= 1e-5 * want, "step {s}: loss {got} vs {want}");
+        assert!((tp.last_grad_norm().unwrap() - norm).abs() <= 1e-5 * norm, "step {s}: norm");
+    }
+    assert_same_parameters("grouped-query attention on 2 devices", &tp.parameters().unwrap(), &single.executor().parameters().unwrap());
+    let err = TensorParallel::new(three, &model, CrossEntropyLoss, optimizer(), TOKENS).err().expect("3 devices, 2 KV heads").to_string();
+    assert!(err.contains("3 devices") && err.contains("2 KV heads"), "{err}");
 }

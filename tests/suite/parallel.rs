@@ -102,7 +102,7 @@ fn impossible_device_counts_are_errors_before_opening() {
     let err = reason(Strategy::Data, 2, Some(&[10, 10, 12]));
     assert!(err.contains("3 devices") && err.contains("2 devices"), "{err}");
     let err = reason(Strategy::Pipeline, 3, None);
-    assert!(err.contains("3 devices") && err.contains("2 Linear layers"), "{err}");
+    assert!(err.contains("3 stages") && err.contains("2 blocks"), "{err}");
     let err = reason(Strategy::Tensor, 17, None);
     assert!(err.contains("17 devices") && err.contains("has 16"), "{err}");
     let err = reason(Strategy::Single, 65, None);
@@ -279,7 +279,8 @@ fn a_device_failing_mid_training_is_an_error_naming_it() {
     }
 }
 
-use wgrad::parallel::pipeline::{balance_by_parameters, Pipeline};
+use wgrad::nn::Staged;
+use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 
 fn single_device_reference(k: &std::sync::Arc<wgrad::Kernels>, model: &Sequential, global: usize, steps: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
@@ -310,13 +311,14 @@ fn assert_same_parameters(what: &str, got: &[(String, Vec<usize>, Vec<f32>)], wa
 fn balanced_partitions_cover_every_layer() {
     nn::manual_seed(0);
     let m = Sequential::mlp(&[64, 256, 32, 32, 10], Layer::ReLU).unwrap();
-    let counts = balance_by_parameters(&m.layers, 2).unwrap();
-    assert_eq!(counts.iter().sum::<usize>(), m.layers.len());
-    assert_eq!(counts, vec![2, 5], "the big first layer stands alone");
-    let three = balance_by_parameters(&m.layers, 3).unwrap();
+    // Blocks are the Linears (each with its activation).
+    let counts = partition(&m.stage_costs(), 2).unwrap();
+    assert_eq!(counts.iter().sum::<usize>(), 4);
+    assert_eq!(counts, vec![1, 3], "the big first layer stands alone");
+    let three = partition(&m.stage_costs(), 3).unwrap();
     assert_eq!(three.len(), 3);
     assert!(three.iter().all(|&c| c > 0));
-    assert!(balance_by_parameters(&m.layers, 5).is_err());
+    assert!(partition(&m.stage_costs(), 5).is_err());
 }
 
 #[test]
@@ -329,14 +331,14 @@ fn pipeline_parallel_matches_single_device_training() {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &m, GLOBAL, STEPS);
         for micro in [1, 4] {
-            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, None).unwrap();
+            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, Schedule::GPipe).unwrap();
             let mut last = None;
             for s in 0..STEPS {
                 let (x, y) = batch(GLOBAL, s);
                 last = p.step(&x, Targets::Classes(&y), true).unwrap();
             }
             assert!(last.is_some_and(|l| l.is_finite()));
-            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.layer_counts()), &p.parameters().unwrap(), &want);
+            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.blocks_per_stage()), &p.parameters().unwrap(), &want);
             let ideal = p.ideal_bubble_fraction();
             assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12);
             let measured = p.measured_bubble_fraction();
@@ -367,15 +369,19 @@ fn tensor_parallel_matches_single_device_training() {
     let with_post = Sequential::mlp(&[IN, 9, 6, CLASSES], Layer::ReLU).unwrap();
     for group in groups("tensor_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
-        for (what, m, block) in [("pre+block", &with_pre, 2), ("block", &block_only, 0), ("block+post", &with_post, 0)] {
+        // The Sequential splits each Linear–activation–Linear pair from its
+        // first layer: with_pre's first two Linears (its last is whole, on
+        // device 0 after the all-reduce), block_only's both, with_post's
+        // first two.
+        for (what, m, split) in [("pair+post", &with_pre, "0.weight"), ("pair", &block_only, "0.weight"), ("pair+post", &with_post, "2.weight")] {
             let want = single_device_reference(&group.members()[0], m, BATCH, STEPS);
-            let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH, block).unwrap();
-            assert_eq!(tp.hidden_split().len(), group.len());
+            let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+            assert!(tp.slices(split).iter().all(Option::is_some), "{what}: `{split}` split over every device");
             for s in 0..STEPS {
                 let (x, y) = batch(BATCH, s);
                 tp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
             }
-            assert_same_parameters(&format!("tensor {what} on [{labels}] split {:?}", tp.hidden_split()), &tp.parameters().unwrap(), &want);
+            assert_same_parameters(&format!("tensor {what} on [{labels}]"), &tp.parameters().unwrap(), &want);
             // More rows than a batch, so the last chunk is padded; the GPU
             // argmax must agree exactly with the outputs it reads.
             let (x, _) = batch(BATCH + 5, 98);
@@ -584,5 +590,87 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
     }
     for (r, replica) in ddp.local().replicas().iter().enumerate() {
         assert_same_parameters(&format!("distributed replica {r}"), &replica.executor().parameters().unwrap(), &want);
+    }
+}
+
+/// The MLP's pipeline and tensor parallel against single-device training
+/// with what the GPT's get: 10 AdamW steps with weight decay and a
+/// gradient clip every step hits (clipped by the whole model's norm);
+/// and each engine's checkpoint from halfway resumes on the other to the
+/// uninterrupted run.
+#[test]
+fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
+    use wgrad::gpt_folder::OptimizerState;
+    use wgrad::kernels::OptimizerConfig;
+    const BATCH: usize = 12;
+    const STEPS: u64 = 10;
+    const HALF: u64 = STEPS / 2;
+    /// Below every step's gradient norm here (asserted).
+    const CLIP: f32 = 0.1;
+    let adamw = || -> OptimizerConfig { wgrad::optim::AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(CLIP).into() };
+    nn::manual_seed(43);
+    // Two Linear pairs for tensor parallel (two all-reduces), four blocks
+    // for the pipeline.
+    let m = Sequential::mlp(&[IN, 14, 9, 11, CLASSES], Layer::Tanh).unwrap();
+    let resume_state = |ckpt: &wgrad::checkpoint::Checkpoint| {
+        let state = OptimizerState::from_checkpoint(ckpt).unwrap();
+        let params: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
+        (params, state)
+    };
+    for group in groups("mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device") {
+        let labels = group.labels().join(", ");
+        let mut single = Trainer::new(group.members()[0].clone(), &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for s in 0..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            single.zero_grad();
+            single.forward(&x).unwrap();
+            single.loss(Targets::Classes(&y)).unwrap();
+            single.backward().unwrap();
+            losses.push(single.step_reading_loss().unwrap());
+            norms.push(single.executor().read_grad_norm().unwrap().unwrap());
+        }
+        assert!(norms.iter().all(|&n| n > CLIP), "every step clips: {norms:?}");
+        let want = single.executor().parameters().unwrap();
+
+        let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, adamw(), BATCH, 3, Schedule::OneFOneB).unwrap();
+        let mut tp = TensorParallel::new(&group, &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        let (mut p_half, mut tp_half) = (None, None);
+        for s in 0..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            let i = s as usize;
+            let p_loss = p.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+            let tp_loss = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
+            // The loss (about 1.4) and the norm summed per micro-batch or
+            // per device, in another order: relative 1e-5.
+            assert_close(&format!("pipeline loss of step {s} on [{labels}]"), &[p_loss], &[losses[i]], 0.0, 1e-5);
+            assert_close(&format!("tensor loss of step {s} on [{labels}]"), &[tp_loss], &[losses[i]], 0.0, 1e-5);
+            assert_close(&format!("pipeline norm of step {s} on [{labels}]"), &[p.stats().last_grad_norm.unwrap()], &[norms[i]], 0.0, 1e-5);
+            assert_close(&format!("tensor norm of step {s} on [{labels}]"), &[tp.last_grad_norm().unwrap()], &[norms[i]], 0.0, 1e-5);
+            if s + 1 == HALF {
+                p_half = Some(p.checkpoint().unwrap());
+                tp_half = Some(tp.checkpoint().unwrap());
+            }
+        }
+        assert_same_parameters(&format!("clipped AdamW pipeline on [{labels}]"), &p.parameters().unwrap(), &want);
+        assert_same_parameters(&format!("clipped AdamW tensor on [{labels}]"), &tp.parameters().unwrap(), &want);
+
+        // The pipeline's halfway checkpoint on tensor parallel, and the
+        // other way round.
+        let (params, state) = resume_state(&p_half.unwrap());
+        assert_eq!(state.step, HALF);
+        let mut tp2 = TensorParallel::new(&group, &m, CrossEntropyLoss, adamw(), BATCH).unwrap();
+        tp2.load_state(&params, &state.state, Some(state.step)).unwrap();
+        let (params, state) = resume_state(&tp_half.unwrap());
+        let mut p2 = Pipeline::new(&group, &m, CrossEntropyLoss, adamw(), BATCH, 2, Schedule::GPipe).unwrap();
+        p2.load_state(&params, &state.state, Some(state.step)).unwrap();
+        for s in HALF..STEPS {
+            let (x, y) = batch(BATCH, 500 + s);
+            tp2.step(&x, Targets::Classes(&y), false).unwrap();
+            p2.step(&x, Targets::Classes(&y), false).unwrap();
+        }
+        assert_eq!((tp2.step_count(), p2.step_count()), (STEPS, STEPS));
+        assert_same_parameters(&format!("pipeline resumed on tensor parallel [{labels}]"), &tp2.parameters().unwrap(), &want);
+        assert_same_parameters(&format!("tensor parallel resumed on a pipeline [{labels}]"), &p2.parameters().unwrap(), &want);
     }
 }
