@@ -62,7 +62,7 @@ pub enum CaseTargets {
 
 /// A training-step benchmark case without its device: model, loss,
 /// optimizer, batch and seeded data. `wgrad bench` and the criterion benches
-/// (`benches/steps.rs`) build from the same definition, so their figures
+/// (`bench-suite/benches/steps.rs`) build from the same definition, so their figures
 /// describe the same step.
 #[derive(Clone, Debug)]
 pub struct StepCase {

@@ -17,10 +17,8 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::{self, File, OpenOptions};
-use std::io::{ErrorKind, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fs;
+use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensorError, View};
 use safetensors::SafeTensors;
@@ -237,26 +235,11 @@ fn to_bytes(ckpt: &Checkpoint, path: &Path) -> Result<Vec<u8>> {
 /// first, so saving needs about one extra copy of the tensors' bytes.
 pub fn save(path: impl AsRef<Path>, ckpt: &Checkpoint) -> Result<()> {
     let path = path.as_ref();
-    let file_name = path.file_name().ok_or_else(|| Error::InvalidArgument {
-        op: "checkpoint::save",
-        reason: format!("`{}` does not name a file", path.display()),
-    })?;
+    if path.file_name().is_none() {
+        return Err(Error::InvalidArgument { op: "checkpoint::save", reason: format!("`{}` does not name a file", path.display()) });
+    }
     let bytes = to_bytes(ckpt, path)?;
-
-    // `parent()` is `Some("")` for a bare file name: that means the current
-    // directory.
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let (file, tmp) = create_temp(&dir, file_name, path)?;
-    let guard = TempGuard(Some(tmp.clone()));
-
-    write_and_sync(file, &bytes).map_err(|e| io_err(path, "write the temporary file", e))?;
-    fs::rename(&tmp, path).map_err(|e| io_err(path, "rename the temporary file over it", e))?;
-    guard.disarm();
-    sync_dir(&dir);
-    Ok(())
+    crate::atomic_write::write_atomic(path, &bytes).map_err(|(action, e)| io_err(path, action, e))
 }
 
 fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {
@@ -265,78 +248,6 @@ fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {
         action,
         source,
     }
-}
-
-fn write_and_sync(mut file: File, bytes: &[u8]) -> std::io::Result<()> {
-    file.write_all(bytes)?;
-    // Data must be on disk before the rename makes it visible, or a crash
-    // could leave `path` pointing at an empty or partial file.
-    file.sync_all()
-}
-
-/// Creates a new temporary file next to the target. `create_new` plus a
-/// per-process counter makes the name unique even with concurrent savers.
-fn create_temp(dir: &Path, file_name: &std::ffi::OsStr, path: &Path) -> Result<(File, PathBuf)> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let mut last_err = None;
-    for _ in 0..16 {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let mut name = std::ffi::OsString::from(".");
-        name.push(file_name);
-        name.push(format!(".{}.{n}.{nanos}.tmp", std::process::id()));
-        let tmp = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-            Ok(f) => return Ok((f, tmp)),
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => last_err = Some(e),
-            Err(e) => {
-                return Err(Error::CheckpointIo {
-                    path: path.to_path_buf(),
-                    action: "create a temporary file in its directory",
-                    source: e,
-                })
-            }
-        }
-    }
-    Err(Error::CheckpointIo {
-        path: path.to_path_buf(),
-        action: "create a temporary file with a unique name",
-        source: last_err
-            .unwrap_or_else(|| std::io::Error::new(ErrorKind::AlreadyExists, "name collision")),
-    })
-}
-
-/// Removes the temporary file when dropped (on an error return or a panic)
-/// unless disarmed after the rename.
-struct TempGuard(Option<PathBuf>);
-
-impl TempGuard {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for TempGuard {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            // Best effort: the original error is what the caller needs.
-            let _ = fs::remove_file(p);
-        }
-    }
-}
-
-/// Makes the rename durable. Best effort: the new file is already in place,
-/// and some filesystems refuse fsync on a directory.
-fn sync_dir(dir: &Path) {
-    #[cfg(unix)]
-    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-        log::warn!("checkpoint: could not fsync directory {}: {e}", dir.display());
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
 }
 
 /// Reads a checkpoint written by [`save`] or any safetensors file whose

@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::atomic_write::{sync_dir, unique_sibling};
 
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
@@ -138,29 +139,6 @@ pub(crate) fn pretty_json(value: &impl serde::Serialize, op: &'static str) -> Re
 /// widening 9.999999747378752e-06), for config.json.
 pub(crate) fn json_f32(x: f32) -> f64 {
     x.to_string().parse::<f64>().unwrap_or(f64::from(x))
-}
-
-/// Makes renames and new entries durable. Best effort: some filesystems
-/// refuse fsync on a folder, and the files themselves are already synced.
-fn sync_dir(dir: &Path) {
-    #[cfg(unix)]
-    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-        log::warn!("could not fsync folder {}: {e}", dir.display());
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-}
-
-/// `.NAME.KIND-PID-N-NANOS` beside the target: hidden, and unique per
-/// process and call.
-fn unique_sibling(parent: &Path, name: &std::ffi::OsStr, kind: &str) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let mut sibling = std::ffi::OsString::from(".");
-    sibling.push(name);
-    sibling.push(format!(".{kind}-{}-{n}-{nanos}", std::process::id()));
-    parent.join(sibling)
 }
 
 /// The temporary folder, removed with its contents when dropped unless

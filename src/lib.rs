@@ -13,6 +13,7 @@
 //! on this library compiles none of its argument parsing, progress bars or
 //! plotting.
 
+pub mod atomic_write;
 pub mod bench;
 pub mod checkpoint;
 pub mod cpu;

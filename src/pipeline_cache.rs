@@ -17,7 +17,7 @@
 //! driver's data, so without wgrad's checksum a corrupt body would reach the
 //! driver.
 //!
-//! The data is written atomically ([`crate::user_cache::write_atomic`])
+//! The data is written atomically ([`crate::user_cache::write_cache_file`])
 //! when a device has created pipelines since the cache was loaded or last
 //! saved, and only if the data differs from the file's: once an executor
 //! has built its dispatches (every pipeline of a training step exists by
@@ -255,13 +255,13 @@ impl PipelineCacheStore {
             return Ok(None);
         }
         let bytes = encode(&self.key, &data);
-        match crate::user_cache::write_atomic(self.path(), &bytes) {
+        match crate::user_cache::write_cache_file(self.path(), &bytes) {
             Ok(()) => {
                 *on_disk = Some(checksum);
                 log::debug!("pipeline cache {}: saved {} bytes", self.path().display(), bytes.len());
                 Ok(Some(bytes.len()))
             }
-            Err(source) => {
+            Err((_, source)) => {
                 // Still unsaved: a later save may succeed.
                 self.unsaved.fetch_add(pending, Ordering::AcqRel);
                 Err(Error::CacheIo { op: "saving the pipeline cache", path: self.path().to_path_buf(), source })

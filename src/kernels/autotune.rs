@@ -391,9 +391,9 @@ fn write_cache(path: &PathBuf, cache: &CacheFile) -> Result<()> {
         op: "autotune",
         reason: format!("cannot encode the tuning cache: {e}"),
     })?;
-    crate::user_cache::write_atomic(path, text.as_bytes()).map_err(|e| Error::InvalidArgument {
+    crate::user_cache::write_cache_file(path, text.as_bytes()).map_err(|(action, e)| Error::InvalidArgument {
         op: "autotune",
-        reason: format!("cannot write the tuning cache {}: {e}", path.display()),
+        reason: format!("cannot write the tuning cache {} ({action}): {e}", path.display()),
     })
 }
 

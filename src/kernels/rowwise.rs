@@ -124,7 +124,7 @@ pub fn check_token_ids(op: &'static str, ids: &[u32], vocab: usize) -> Result<()
 
 /// The longest row the `_short` kernels take on a CPU adapter: one
 /// invocation per row with a serial loop, instead of one 256-wide
-/// workgroup per row with barrier trees. On lavapipe (benches/kernels.rs,
+/// workgroup per row with barrier trees. On lavapipe (bench-suite/benches/kernels.rs,
 /// `transformer` and `rowwise` families) the serial path is ~100× faster
 /// at 12 and 48 columns and still faster at 128, where a row is 128 serial
 /// steps against the tree's 8 barriers; long rows (a vocabulary) keep a

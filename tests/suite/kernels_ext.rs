@@ -18,7 +18,7 @@ const SHAPES: &[(usize, usize, usize)] = super::kernels::MATMUL_SHAPES.split_at(
 
 /// f32 accumulation over k terms of magnitude ≤ 1 against an f64
 /// reference: the error grows at most linearly in k; 1e-6·k leaves a wide
-/// margin (as tests/kernels.rs for the f32 matmul).
+/// margin (as tests/suite/kernels.rs for the f32 matmul).
 fn f32_atol(k: usize) -> f32 {
     1e-6 * k as f32 + 1e-6
 }
