@@ -4,7 +4,8 @@
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
 use super::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module, ParameterTree};
+use super::causal_lm::cache_pass;
+use super::{Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -135,7 +136,8 @@ impl Gpt {
     /// The input of the first block, x [batch, T, C]: the token
     /// embeddings of `idx` (u32 [batch, T ≤ block_size]) looked up in
     /// `wte` (the table [`Embedding::table`] declared, which the head
-    /// reuses) plus the first T position embeddings (`{prefix}wpe.weight`).
+    /// reuses) plus the first T position embeddings (`{prefix}wpe.weight`),
+    /// or under a [`super::ForwardContext`] those of the cache's positions.
     /// Pipeline stages build the model in parts with it and [`Gpt::head`].
     pub fn embed(&self, g: &mut Graph, wte: Tensor, idx: Tensor, prefix: &str) -> Result<Tensor> {
         let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
@@ -147,7 +149,9 @@ impl Gpt {
         let tokens = g.embedding(wte, idx)?;
         let table = self.wpe.table(g, &child_prefix!(prefix, self.wpe))?;
         // The first T rows of the position table, broadcast over the batch.
-        let positions = if t == block {
+        let positions = if let Some(pass) = cache_pass() {
+            g.embedding(table, pass.positions)?
+        } else if t == block {
             table
         } else {
             let flat = g.reshape(table, &[1, block * channels])?;
@@ -185,12 +189,7 @@ impl Module for Gpt {
 
     /// `idx`: u32 [batch, T] with T ≤ block_size.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let wte = self.wte.table(g, &child_prefix!(prefix, self.wte))?;
-        let mut x = self.embed(g, wte, idx, prefix)?;
-        let blocks = child_prefix!(prefix, self.h);
-        for (i, block) in self.h.iter().enumerate() {
-            x = block.forward(g, x, &item_prefix(&blocks, i))?;
-        }
+        let (x, wte) = self.body(g, idx, prefix)?;
         self.head(g, wte, x, prefix)
     }
 
@@ -198,5 +197,48 @@ impl Module for Gpt {
         let c = &self.config;
         let attention = if self.h.iter().all(|b| b.attn.is_some()) { "" } else { ", no attention" };
         format!("Gpt(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_embd={}{attention})", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd)
+    }
+}
+
+impl CausalLm for Gpt {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn context_len(&self) -> usize {
+        self.config.block_size
+    }
+
+    fn lm_sizes(&self) -> LmSizes {
+        self.config.lm_sizes()
+    }
+
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)> {
+        let wte = self.wte.tied_table(g, &child_prefix!(prefix, self.wte))?;
+        let mut x = self.embed(g, wte, idx, prefix)?;
+        let blocks = child_prefix!(prefix, self.h);
+        for (i, block) in self.h.iter().enumerate() {
+            x = block.forward(g, x, &item_prefix(&blocks, i))?;
+        }
+        Ok((x, wte))
+    }
+
+    fn logits(&self, g: &mut Graph, wte: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        self.head(g, wte, x, prefix)
+    }
+}
+
+impl LmConfig for GptConfig {
+    /// In f16: the token table (the tied head) and every block's four
+    /// projection weights, 3C·C + C·C + 4C·C + 4C·C.
+    fn lm_sizes(&self) -> LmSizes {
+        let c = self.n_embd as u64;
+        LmSizes {
+            parameters: self.num_parameters() as u64,
+            f16_weight_values: self.vocab_size as u64 * c + self.n_layer as u64 * 12 * c * c,
+            cached_layers: self.n_layer as u64,
+            cache_width: c,
+            context: self.block_size,
+        }
     }
 }

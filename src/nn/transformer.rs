@@ -1,11 +1,12 @@
 //! The pieces of a GPT block with GPT-2's parameter names: causal
 //! multi-head self-attention, the MLP, and the pre-norm residual block.
 
+use super::causal_lm::{cache_pass, cached_attention};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Layer, LayerNorm, Linear, Module};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{MatmulForm, QkvLayout};
 
 /// Causal multi-head self-attention over x [B, T, C]: one projection to q,
 /// k, v (`c_attn`), softmax(q·kᵀ/√d) with a causal mask per head, and an
@@ -59,6 +60,11 @@ impl Module for CausalSelfAttention {
         }
         let (h, d) = (self.n_head, c / self.n_head);
         let qkv = self.c_attn.forward(g, x, &child_prefix!(prefix, self.c_attn))?;
+        if cache_pass().is_some() {
+            // Generation: the fused rows straight into the KV cache.
+            let y = cached_attention(g, prefix, [qkv; 3], QkvLayout::Fused, h, h, d)?;
+            return self.c_proj.forward(g, y, &child_prefix!(prefix, self.c_proj));
+        }
         let parts = g.split_last(qkv, &[c, c, c])?;
         // [B, T, C] -> [B, H, T, d]
         let mut heads = Vec::with_capacity(3);

@@ -141,12 +141,13 @@ pub enum Op {
     /// inputs (the per-row losses): softmax(logits) − onehot(target),
     /// written by the cross-entropy's dispatch.
     CrossEntropyRowsGrad,
-    /// inputs (qkv [S, T, 3·C], u32 starts [S], k cache, v cache, each
-    /// [S, heads, P, C/heads]) -> [S, T, C]: writes the rows' keys and
-    /// values into the caches at positions starts[s] + t, then attends
+    /// inputs (q, k, v [S, T, *] placed by `layout` (one fused qkv given
+    /// three times, or three operands), u32 starts [S], k cache, v cache,
+    /// each [S, kv_heads, P, d]) -> [S, T, heads·d]: writes the rows' keys
+    /// and values into the caches at positions starts[s] + t, then attends
     /// over positions 0..=starts[s] + t (see
     /// `Kernels::cached_attention_forward`). No gradient.
-    CachedAttention { heads: usize },
+    CachedAttention { heads: usize, layout: crate::ops::QkvLayout },
     /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
     /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
     /// non-finite logit (see `Kernels::sample_rows`). No gradient.
