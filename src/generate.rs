@@ -299,20 +299,20 @@ fn prefill_lengths(context: usize) -> Vec<usize> {
 /// Run it before reading a model's weights from disk, so a model too large
 /// for the adapter is refused before gigabytes are read; [`Generator::new`]
 /// checks the whole plan, activations included, before allocating.
-pub fn check_fits(kernels: &Kernels, config: &impl LmConfig, sequences: usize) -> Result<()> {
+pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) -> Result<()> {
     check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
 }
 
 /// How many of a `config` model's parameter values an f16 generator
 /// stores in f16 (its Linear weights and a tied head's token table).
-pub fn f16_weight_values(config: &impl LmConfig) -> u64 {
+pub fn f16_weight_values(config: &dyn LmConfig) -> u64 {
     config.lm_sizes().f16_weight_values
 }
 
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
 /// each value of [`f16_weight_values`].
-pub fn check_fits_with_dtype(kernels: &Kernels, config: &impl LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
+pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();
     let halved = match dtype.on(kernels) {

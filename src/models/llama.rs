@@ -321,6 +321,7 @@ impl LmConfig for LlamaConfig {
             cached_layers: self.n_layer as u64,
             cache_width: kv,
             context: self.block_size,
+            vocab_size: self.vocab_size,
         }
     }
 }

@@ -76,6 +76,7 @@ pub struct LmSizes {
     pub cache_width: u64,
     /// Positions the caches hold (the model's context).
     pub context: usize,
+    pub vocab_size: usize,
 }
 
 /// A causal language model's configuration, sized without building it.

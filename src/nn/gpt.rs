@@ -239,6 +239,7 @@ impl LmConfig for GptConfig {
             cached_layers: self.n_layer as u64,
             cache_width: c,
             context: self.block_size,
+            vocab_size: self.vocab_size,
         }
     }
 }
