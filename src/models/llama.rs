@@ -274,14 +274,6 @@ impl Module for Llama {
 parameter_tree!(Llama { [MODEL] embed_tokens, [MODEL] layers, [MODEL] norm, lm_head });
 
 impl CausalLm for Llama {
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
-    }
-
-    fn context_len(&self) -> usize {
-        self.config.block_size
-    }
-
     fn lm_sizes(&self) -> LmSizes {
         self.config.lm_sizes()
     }

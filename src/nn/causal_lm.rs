@@ -89,13 +89,17 @@ pub trait LmConfig {
 /// Run under a [`ForwardContext`], the attention layers read and write the
 /// context's KV caches.
 pub trait CausalLm: Module {
-    fn vocab_size(&self) -> usize;
-
-    /// The longest sequence: positions a KV cache holds.
-    fn context_len(&self) -> usize;
-
     /// The sizes [`LmConfig`] gives for this model's configuration.
     fn lm_sizes(&self) -> LmSizes;
+
+    fn vocab_size(&self) -> usize {
+        self.lm_sizes().vocab_size
+    }
+
+    /// The longest sequence: positions a KV cache holds.
+    fn context_len(&self) -> usize {
+        self.lm_sizes().context
+    }
 
     /// The forward up to the final norm: hidden states x [B, T, C] of ids
     /// `idx` [B, T], and the token table (which a tied head reads).

@@ -201,14 +201,6 @@ impl Module for Gpt {
 }
 
 impl CausalLm for Gpt {
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
-    }
-
-    fn context_len(&self) -> usize {
-        self.config.block_size
-    }
-
     fn lm_sizes(&self) -> LmSizes {
         self.config.lm_sizes()
     }
