@@ -3,21 +3,28 @@
 // whole sequence (llm.c, llama.cpp).
 //
 // cached_attention_forward:
-//   qkv     [S, T, 3·C]   rows of the c_attn projection: q | k | v, head h
-//                         at columns h·d .. h·d + d of each third (C = H·d)
-//   starts  [S] u32       the cache position of each sequence's row 0
-//   k_cache [S, H, P, d]  read_write: keys of positions 0 .. P (the context)
-//   v_cache [S, H, P, d]  read_write: values, the same layout
-//   out     [S, T, C]     heads side by side, as c_proj reads them
-// Row t of sequence s is position p = starts[s] + t. Its invocation writes
-// k and v of p into the caches, then attends over positions 0 ..= p:
+//   q_rows  [S, T, *]       query rows: head h at columns q_first + h·d ..
+//                           + d of each row of q_width
+//   k_rows  [S, T, *]       key rows, KV head g at k_first + g·d (k_width)
+//   v_rows  [S, T, *]       value rows, KV head g at v_first + g·d (v_width)
+//   starts  [S] u32         the cache position of each sequence's row 0
+//   k_cache [S, Hkv, P, d]  read_write: keys of positions 0 .. P (the context)
+//   v_cache [S, Hkv, P, d]  read_write: values, the same layout
+//   out     [S, T, H·d]     query heads side by side, as c_proj / o_proj read them
+// A GPT's fused c_attn rows (q | k | v, widths 3·H·d) are one buffer bound
+// as all three row operands; Llama's q, k, v projections are three. Query
+// head h reads KV head h / (H / Hkv) (grouped-query attention; H = Hkv is
+// multi-head). Row t of sequence s is position p = starts[s] + t. The
+// invocation of its KV group's first query head writes k and v of p into
+// the caches; every query head then attends over positions 0 ..= p:
 // softmax(q·kᵀ · scale) · v. Keys before starts[s] come from the cache;
-// keys starts[s] .. p come from qkv itself, because another invocation of
-// this dispatch writes them and WGSL cannot order that write before this
-// read. So every invocation reads cache rows < starts[s] and writes one row
-// ≥ starts[s]: no race, one dispatch for a decode step (T = 1) and for a
-// whole prompt (starts = 0, T = prompt length). A position ≥ P is the
-// host's error; here it writes NaN to its output and leaves the cache.
+// keys starts[s] .. p come from the row operands themselves, because
+// another invocation of this dispatch writes them and WGSL cannot order
+// that write before this read. So every invocation reads cache rows <
+// starts[s] and writes only rows ≥ starts[s], each by one invocation: no
+// race, one dispatch for a decode step (T = 1) and for a whole prompt
+// (starts = 0, T = prompt length). A position ≥ P is the host's error;
+// here it writes NaN to its output and leaves the cache.
 //
 // Two shapes of the same contract (kernels/attention.rs picks by adapter):
 //
@@ -47,24 +54,67 @@ struct AttentionParams {
     seqs: u32,
     // T: new rows per sequence.
     rows: u32,
-    // H: heads.
+    // H: query heads.
     heads: u32,
+    // Hkv: key/value heads, dividing H.
+    kv_heads: u32,
     // d: channels per head.
     head_dim: u32,
-    // P: cache rows per (sequence, head).
+    // P: cache rows per (sequence, KV head).
     context: u32,
     // Multiplies q·k: 1/√d.
     scale: f32,
+    // Row widths of q_rows, k_rows, v_rows and the column of each one's
+    // head 0.
+    q_width: u32,
+    k_width: u32,
+    v_width: u32,
+    q_first: u32,
+    k_first: u32,
+    v_first: u32,
     _pad0: u32,
     _pad1: u32,
+    _pad2: u32,
 }
 
-@group(0) @binding(0) var<storage, read> qkv: array<f32>;
-@group(0) @binding(1) var<storage, read> starts: array<u32>;
-@group(0) @binding(2) var<storage, read_write> k_cache: array<f32>;
-@group(0) @binding(3) var<storage, read_write> v_cache: array<f32>;
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
-@group(0) @binding(5) var<uniform> params: AttentionParams;
+// Where one (sequence, row, query head) reads and writes.
+struct Places {
+    // Its query in q_rows and its output row in out.
+    q_at: u32,
+    out_at: u32,
+    // Its KV head's row 0 in the caches, and its key and value in the row
+    // operands at the dispatch's first row (row r adds r · width).
+    cache_base: u32,
+    k_at: u32,
+    v_at: u32,
+    // Whether this invocation writes its KV head's new keys and values:
+    // the first query head of the group does.
+    writes: bool,
+}
+
+fn places(q: AttentionParams, s: u32, t: u32, h: u32) -> Places {
+    let d = q.head_dim;
+    let kv = h / (q.heads / q.kv_heads);
+    let row = s * q.rows + t;
+    let first_row = s * q.rows;
+    return Places(
+        row * q.q_width + q.q_first + h * d,
+        row * q.heads * d + h * d,
+        (s * q.kv_heads + kv) * q.context * d,
+        first_row * q.k_width + q.k_first + kv * d,
+        first_row * q.v_width + q.v_first + kv * d,
+        h % (q.heads / q.kv_heads) == 0u,
+    );
+}
+
+@group(0) @binding(0) var<storage, read> q_rows: array<f32>;
+@group(0) @binding(1) var<storage, read> k_rows: array<f32>;
+@group(0) @binding(2) var<storage, read> v_rows: array<f32>;
+@group(0) @binding(3) var<storage, read> starts: array<u32>;
+@group(0) @binding(4) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(5) var<storage, read_write> v_cache: array<f32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+@group(0) @binding(7) var<uniform> params: AttentionParams;
 
 // The parameters through workgroup memory: lavapipe inlines uniform values
 // that bound loops and re-optimizes the shader on every dispatch (see
@@ -144,24 +194,24 @@ fn cache_dot(at: u32, d: u32) -> f32 {
     return score;
 }
 
-// query · qkv[at .. at + d].
-fn qkv_dot(at: u32, d: u32) -> f32 {
+// query · k_rows[at .. at + d].
+fn rows_dot(at: u32, d: u32) -> f32 {
     let full = d - d % 8u;
     var score = 0.0;
     var e = 0u;
     while e < full {
-        score += query[e] * qkv[at + e];
-        score += query[e + 1u] * qkv[at + e + 1u];
-        score += query[e + 2u] * qkv[at + e + 2u];
-        score += query[e + 3u] * qkv[at + e + 3u];
-        score += query[e + 4u] * qkv[at + e + 4u];
-        score += query[e + 5u] * qkv[at + e + 5u];
-        score += query[e + 6u] * qkv[at + e + 6u];
-        score += query[e + 7u] * qkv[at + e + 7u];
+        score += query[e] * k_rows[at + e];
+        score += query[e + 1u] * k_rows[at + e + 1u];
+        score += query[e + 2u] * k_rows[at + e + 2u];
+        score += query[e + 3u] * k_rows[at + e + 3u];
+        score += query[e + 4u] * k_rows[at + e + 4u];
+        score += query[e + 5u] * k_rows[at + e + 5u];
+        score += query[e + 6u] * k_rows[at + e + 6u];
+        score += query[e + 7u] * k_rows[at + e + 7u];
         e += 8u;
     }
     while e < d {
-        score += query[e] * qkv[at + e];
+        score += query[e] * k_rows[at + e];
         e++;
     }
     return score;
@@ -188,23 +238,23 @@ fn cache_axpy(at: u32, weight: f32, d: u32) {
     }
 }
 
-// acc += weight · qkv[at .. at + d].
-fn qkv_axpy(at: u32, weight: f32, d: u32) {
+// acc += weight · v_rows[at .. at + d].
+fn rows_axpy(at: u32, weight: f32, d: u32) {
     let full = d - d % 8u;
     var e = 0u;
     while e < full {
-        acc[e] += weight * qkv[at + e];
-        acc[e + 1u] += weight * qkv[at + e + 1u];
-        acc[e + 2u] += weight * qkv[at + e + 2u];
-        acc[e + 3u] += weight * qkv[at + e + 3u];
-        acc[e + 4u] += weight * qkv[at + e + 4u];
-        acc[e + 5u] += weight * qkv[at + e + 5u];
-        acc[e + 6u] += weight * qkv[at + e + 6u];
-        acc[e + 7u] += weight * qkv[at + e + 7u];
+        acc[e] += weight * v_rows[at + e];
+        acc[e + 1u] += weight * v_rows[at + e + 1u];
+        acc[e + 2u] += weight * v_rows[at + e + 2u];
+        acc[e + 3u] += weight * v_rows[at + e + 3u];
+        acc[e + 4u] += weight * v_rows[at + e + 4u];
+        acc[e + 5u] += weight * v_rows[at + e + 5u];
+        acc[e + 6u] += weight * v_rows[at + e + 6u];
+        acc[e + 7u] += weight * v_rows[at + e + 7u];
         e += 8u;
     }
     while e < d {
-        acc[e] += weight * qkv[at + e];
+        acc[e] += weight * v_rows[at + e];
         e++;
     }
 }
@@ -220,47 +270,48 @@ fn cached_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
         return;
     }
     let d = q.head_dim;
-    let c = q.heads * d;
     let h = i % q.heads;
     let t = (i / q.heads) % q.rows;
     let s = i / (q.heads * q.rows);
     let start = starts[s];
     let pos = start + t;
-    // Row t of sequence s in qkv, its head's q, k, v columns; its output.
-    let row = (s * q.rows + t) * 3u * c;
-    let q_at = row + h * d;
-    let out_at = (s * q.rows + t) * c + h * d;
+    let at = places(q, s, t, h);
     if pos >= q.context {
         for (var e = 0u; e < d; e++) {
-            out[out_at + e] = quiet_nan();
+            out[at.out_at + e] = quiet_nan();
         }
         return;
     }
-    // Cache rows of (s, h) start here.
-    let head_base = (s * q.heads + h) * q.context * d;
-    let own = head_base + pos * d;
+    let own = at.cache_base + pos * d;
+    let new_k = at.k_at + t * q.k_width;
+    let new_v = at.v_at + t * q.v_width;
     for (var e = 0u; e < d; e++) {
-        query[e] = qkv[q_at + e];
-        k_cache[own + e] = qkv[q_at + c + e];
-        v_cache[own + e] = qkv[q_at + 2u * c + e];
+        query[e] = q_rows[at.q_at + e];
         acc[e] = 0.0;
+    }
+    if at.writes {
+        for (var e = 0u; e < d; e++) {
+            k_cache[own + e] = k_rows[new_k + e];
+            v_cache[own + e] = v_rows[new_v + e];
+        }
     }
     var state = vec2<f32>(LOWEST, 0.0);
     // Keys and values before `start` from the caches, then this
-    // dispatch's rows from qkv: two loops, so neither tests per element.
+    // dispatch's rows from the row operands: two loops, so neither tests
+    // per element.
     for (var j = 0u; j < start; j++) {
-        let at = head_base + j * d;
-        let weight = push_score(&state, cache_dot(at, d) * q.scale, d);
-        cache_axpy(at, weight, d);
+        let cached = at.cache_base + j * d;
+        let weight = push_score(&state, cache_dot(cached, d) * q.scale, d);
+        cache_axpy(cached, weight, d);
     }
     for (var j = start; j <= pos; j++) {
-        let at = (s * q.rows + (j - start)) * 3u * c + c + h * d;
-        let weight = push_score(&state, qkv_dot(at, d) * q.scale, d);
-        qkv_axpy(at + c, weight, d);
+        let r = j - start;
+        let weight = push_score(&state, rows_dot(at.k_at + r * q.k_width, d) * q.scale, d);
+        rows_axpy(at.v_at + r * q.v_width, weight, d);
     }
     let inverse = 1.0 / state.y;
     for (var e = 0u; e < d; e++) {
-        out[out_at + e] = acc[e] * inverse;
+        out[at.out_at + e] = acc[e] * inverse;
     }
 }
 
@@ -288,9 +339,10 @@ fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
     return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
 }
 
-// Shapes as cached_attention_forward: qkv [S, T, 3·C], starts [S],
-// k_cache / v_cache [S, H, P, d], out [S, T, C]; workgroup i (over the
-// folded 2-D grid) is head h = i % H of row t of sequence s.
+// Shapes as cached_attention_forward: q_rows, k_rows, v_rows [S, T, *],
+// starts [S], k_cache / v_cache [S, Hkv, P, d], out [S, T, H·d]; workgroup
+// i (over the folded 2-D grid) is query head h = i % H of row t of
+// sequence s.
 @compute @workgroup_size(DECODE_WG)
 fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     if lane == 0u {
@@ -302,7 +354,6 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
         return;
     }
     let d = q.head_dim;
-    let c = q.heads * d;
     let h = i % q.heads;
     let t = (i / q.heads) % q.rows;
     let s = i / (q.heads * q.rows);
@@ -311,48 +362,52 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
     }
     let start = workgroupUniformLoad(&shared_start);
     let pos = start + t;
-    let row = (s * q.rows + t) * 3u * c;
-    let q_at = row + h * d;
-    let out_at = (s * q.rows + t) * c + h * d;
+    let at = places(q, s, t, h);
     if pos >= q.context {
         for (var e = lane; e < d; e += DECODE_WG) {
-            out[out_at + e] = quiet_nan();
+            out[at.out_at + e] = quiet_nan();
         }
         return;
     }
-    let head_base = (s * q.heads + h) * q.context * d;
-    let own = head_base + pos * d;
+    let own = at.cache_base + pos * d;
+    let new_k = at.k_at + t * q.k_width;
+    let new_v = at.v_at + t * q.v_width;
     for (var e = lane; e < d; e += DECODE_WG) {
-        query_shared[e] = qkv[q_at + e];
-        k_cache[own + e] = qkv[q_at + c + e];
-        v_cache[own + e] = qkv[q_at + 2u * c + e];
+        query_shared[e] = q_rows[at.q_at + e];
+        if at.writes {
+            k_cache[own + e] = k_rows[new_k + e];
+            v_cache[own + e] = v_rows[new_v + e];
+        }
     }
     workgroupBarrier();
     for (var e = 0u; e < d; e++) {
         acc[e] = 0.0;
     }
     // This lane's positions: before `start` from the caches, from `start`
-    // on from qkv (this dispatch writes those cache rows; see the top).
+    // on from the row operands (this dispatch writes those cache rows; see
+    // the top).
     var state = vec2<f32>(LOWEST, 0.0);
     for (var j = lane; j <= pos; j += DECODE_WG) {
         var score = 0.0;
         if j < start {
-            let at = head_base + j * d;
+            let cached = at.cache_base + j * d;
             for (var e = 0u; e < d; e++) {
-                score += query_shared[e] * k_cache[at + e];
+                score += query_shared[e] * k_cache[cached + e];
             }
             let weight = push_score(&state, score * q.scale, d);
             for (var e = 0u; e < d; e++) {
-                acc[e] += weight * v_cache[at + e];
+                acc[e] += weight * v_cache[cached + e];
             }
         } else {
-            let at = (s * q.rows + (j - start)) * 3u * c + c + h * d;
+            let r = j - start;
+            let key = at.k_at + r * q.k_width;
+            let value = at.v_at + r * q.v_width;
             for (var e = 0u; e < d; e++) {
-                score += query_shared[e] * qkv[at + e];
+                score += query_shared[e] * k_rows[key + e];
             }
             let weight = push_score(&state, score * q.scale, d);
             for (var e = 0u; e < d; e++) {
-                acc[e] += weight * qkv[at + c + e];
+                acc[e] += weight * v_rows[value + e];
             }
         }
     }
@@ -388,7 +443,7 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
         }
         workgroupBarrier();
         if lane < width {
-            out[out_at + first + lane] = lane_rows[lane] * inverse;
+            out[at.out_at + first + lane] = lane_rows[lane] * inverse;
         }
         // Every lane has read its result before the next chunk overwrites.
         workgroupBarrier();

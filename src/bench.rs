@@ -382,7 +382,7 @@ fn time_generation(generator: &mut crate::generate::Generator, prompt: &[u32], n
     // A few steps first: on a CPU adapter the first passes over the weights
     // run slower (memory first touched), which is not a token's cost.
     generator.prefill_and_sample(&[prompt], &greedy, rng)?;
-    for _ in 0..3.min(generator.config().block_size.saturating_sub(prompt.len())) {
+    for _ in 0..3.min(generator.context_len().saturating_sub(prompt.len())) {
         generator.decode_and_sample(&[0], &greedy, rng)?;
     }
     let start = Instant::now();

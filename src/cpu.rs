@@ -621,34 +621,44 @@ pub fn embedding_backward<T: Real>(dout: &[T], ids: &[u32], vocab: usize, channe
 /// copies of the caches at position starts[s] + t, then attends over
 /// positions 0..=p with the caches' keys and values (the rows just written
 /// included) — the plain definition, without the kernel's split between
-/// cached rows and this step's rows. Returns (out, k_cache, v_cache); a
+/// cached rows and this step's rows. Query head h reads KV head
+/// h / (heads / kv_heads). `q`, `k`, `v` are the operands as
+/// [`CachedAttentionShape::columns`] places the heads in them (the same
+/// slice three times for a fused qkv). Returns (out, k_cache, v_cache); a
 /// position ≥ context gives a NaN output row and no cache write.
 pub fn cached_attention<T: Real>(
-    qkv: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
     starts: &[u32],
     k_cache: &[T],
     v_cache: &[T],
     shape: CachedAttentionShape,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let CachedAttentionShape { seqs, rows, heads, head_dim: d, context } = shape;
-    let c = heads * d;
+    let CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim: d, context, .. } = shape;
+    let Some([(q_width, q_first), (k_width, k_first), (v_width, v_first)]) = shape.columns() else {
+        return (Vec::new(), k_cache.to_vec(), v_cache.to_vec());
+    };
+    let group = heads / kv_heads.max(1);
     let (mut keys, mut values) = (k_cache.to_vec(), v_cache.to_vec());
-    let cache_row = |s: usize, h: usize, p: usize| ((s * heads + h) * context + p) * d;
-    let qkv_row = |s: usize, t: usize| (s * rows + t) * 3 * c;
+    let cache_row = |s: usize, kvh: usize, p: usize| ((s * kv_heads + kvh) * context + p) * d;
+    let row = |s: usize, t: usize| s * rows + t;
     for (s, &start) in starts.iter().enumerate().take(seqs) {
         for t in 0..rows {
             let p = start as usize + t;
             if p >= context {
                 continue;
             }
-            for h in 0..heads {
-                let (at, from) = (cache_row(s, h, p), qkv_row(s, t) + h * d);
-                keys[at..at + d].copy_from_slice(&qkv[from + c..from + c + d]);
-                values[at..at + d].copy_from_slice(&qkv[from + 2 * c..from + 2 * c + d]);
+            for kvh in 0..kv_heads {
+                let at = cache_row(s, kvh, p);
+                let (from_k, from_v) = (row(s, t) * k_width + k_first + kvh * d, row(s, t) * v_width + v_first + kvh * d);
+                keys[at..at + d].copy_from_slice(&k[from_k..from_k + d]);
+                values[at..at + d].copy_from_slice(&v[from_v..from_v + d]);
             }
         }
     }
     let scale = 1.0 / (d as f64).sqrt();
+    let c = heads * d;
     let mut out = vec![T::from_f64(f64::NAN); seqs * rows * c];
     for (s, &start) in starts.iter().enumerate().take(seqs) {
         for t in 0..rows {
@@ -657,19 +667,20 @@ pub fn cached_attention<T: Real>(
                 continue;
             }
             for h in 0..heads {
-                let q = &qkv[qkv_row(s, t) + h * d..][..d];
+                let kvh = h / group;
+                let query = &q[row(s, t) * q_width + q_first + h * d..][..d];
                 let scores: Vec<f64> = (0..=p)
                     .map(|j| {
-                        let k = &keys[cache_row(s, h, j)..][..d];
-                        q.iter().zip(k).map(|(&a, &b)| a.into() * b.into()).sum::<f64>() * scale
+                        let key = &keys[cache_row(s, kvh, j)..][..d];
+                        query.iter().zip(key).map(|(&a, &b)| a.into() * b.into()).sum::<f64>() * scale
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let weights: Vec<f64> = scores.iter().map(|&v| (v - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for e in 0..d {
-                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * values[cache_row(s, h, j) + e].into()).sum();
-                    out[(s * rows + t) * c + h * d + e] = T::from_f64(y / total);
+                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * values[cache_row(s, kvh, j) + e].into()).sum();
+                    out[row(s, t) * c + h * d + e] = T::from_f64(y / total);
                 }
             }
         }

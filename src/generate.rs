@@ -1,6 +1,7 @@
-//! Text generation from a [`Gpt`] with a KV cache, as llm.c, ratchet and
-//! llama.cpp do it: after the prompt, each new token costs one position's
-//! work instead of a re-run of the whole sequence.
+//! Text generation from any causal language model ([`CausalLm`]: a
+//! [`crate::nn::Gpt`], a [`crate::models::Llama`]) with a KV cache, as
+//! llm.c, ratchet and llama.cpp do it: after the prompt, each new token
+//! costs one position's work instead of a re-run of the whole sequence.
 //!
 //! ```no_run
 //! # fn main() -> wgrad::Result<()> {
@@ -27,18 +28,28 @@
 //! generator is an ordinary graph, planned, fused and allocated once like
 //! a training step, rather than a second engine of hand-built dispatches.
 //! Each attention layer has two caches, keys and values, each
-//! `[sequences, n_head, block_size, head_dim]` f32, allocated for the
-//! model's whole context: 2 · n_layer · sequences · block_size · n_embd
-//! floats in all (72 MiB for GPT-2 small with one sequence). A head's rows
-//! are contiguous, so attending reads one block per head.
+//! `[sequences, n_kv_head, block_size, head_dim]` f32, allocated for the
+//! model's whole context: 2 · n_layer · sequences · block_size ·
+//! n_kv_head · head_dim floats in all (72 MiB for GPT-2 small with one
+//! sequence; a grouped-query model's are n_head / n_kv_head times
+//! smaller). A head's rows are contiguous, so attending reads one block
+//! per head.
 //!
-//! One graph holds the forward passes, all over the same parameters and
-//! caches:
+//! The passes are the model's **own forward**, run under a
+//! [`ForwardContext`] (see `nn::causal_lm`): its attention modules write
+//! their keys and values into the caches and attend over them with
+//! [`Graph::cached_attention`] (a GPT's fused qkv rows as they are;
+//! Llama's q and k rotated at their positions first, its KV heads shared
+//! by their query heads in the kernel), the GPT's position rows come from
+//! the cache positions, and each parameter is declared once across
+//! passes. Generation knows a model only through [`CausalLm`]. One graph
+//! holds the forward passes, all over the same parameters and caches:
 //!
 //! - **prefill**, a whole prompt in one submission: the usual causal
 //!   forward, whose attention also writes every position's keys and values
 //!   into the caches; only each sequence's last prompt row goes through the
-//!   final norm and the head. A pass is built for each of a few lengths
+//!   final norm and the head ([`CausalLm::body`], then
+//!   [`CausalLm::logits`] on those rows). A pass is built for each of a few lengths
 //!   (powers of two from 8, then block_size) and a prompt runs in the
 //!   shortest that holds it, padded: at most twice its own work, and a
 //!   handful of passes for any context (8 for GPT-2's 1024). Padded rows
@@ -48,10 +59,10 @@
 //!   norms and head on one row per sequence, and
 //!   `cached_attention_forward`, which writes the new key and value at the
 //!   sequence's position and attends over cache rows 0..=pos. The position
-//!   is a u32 input written before the step (it also picks the position
-//!   embedding), so the graph is never rebuilt. Per token this is about
-//!   nine dispatches per layer and six more (the sampler included), one
-//!   submission, and work
+//!   is a u32 input written before the step (it also picks a GPT's
+//!   position embedding and Llama's rotation), so the graph is never
+//!   rebuilt. Per token this is about nine dispatches per GPT layer and
+//!   six more (the sampler included), one submission, and work
 //!   O(n_layer · (n_embd² + pos · n_embd)) per sequence: the projections,
 //!   plus attention linear in the position instead of quadratic.
 //!
@@ -79,14 +90,15 @@
 //! # Weights in f16
 //!
 //! [`Generator::new_with_dtype`] with [`WeightDtype::F16`] stores the
-//! weights a decode step reads most of, the four projections of every
-//! block and the tied token embedding (which the head reads whole), in f16
-//! ([`Graph::parameter_f16`]), and reads them in f32 with f32 accumulation
+//! weights a decode step reads most of, every Linear's weight (a block's
+//! projections, an untied head) and a token table the head reuses, in f16
+//! ([`Graph::parameter_f16`], chosen at declaration by the forward
+//! context), and reads them in f32 with f32 accumulation
 //! (`f16_weights.wgsl`): a decode step then moves about half the bytes.
-//! Biases, norms, the position table, activations and the KV caches stay
-//! f32. The results are the f32 generator's on the weights rounded to
-//! f16. Where the adapter lacks SHADER_F16 the generator is f32 and
-//! [`Generator::dtype`] says so.
+//! Biases, norms, position tables, an untied token table (one row per
+//! token), activations and the KV caches stay f32. The results are the
+//! f32 generator's on the weights rounded to f16. Where the adapter lacks
+//! SHADER_F16 the generator is f32 and [`Generator::dtype`] says so.
 
 use std::sync::Arc;
 
@@ -95,8 +107,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
-use crate::kernels::{check_token_ids, Activation, Kernels, MatmulForm, View};
-use crate::nn::{Gpt, GptConfig, LayerNorm, Linear, Module};
+use crate::kernels::{check_token_ids, Kernels, View};
+pub use crate::nn::WeightDtype;
+use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig};
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -178,42 +191,16 @@ impl Sampling {
     }
 }
 
-/// How a [`Generator`] stores the model's weights (see the module
-/// documentation).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WeightDtype {
-    #[default]
-    F32,
-    /// The blocks' projection weights and the tied token embedding in f16,
-    /// read in f32; needs SHADER_F16 (f32 elsewhere).
-    F16,
-}
-
-impl WeightDtype {
-    /// `f32` or `f16`, as `wgrad generate --dtype` and the bench name it.
-    pub fn name(self) -> &'static str {
-        match self {
-            WeightDtype::F32 => "f32",
-            WeightDtype::F16 => "f16",
-        }
-    }
-
-    /// What a generator asking for `self` gets on `kernels`' adapter: f16
-    /// only where the adapter has SHADER_F16.
-    pub fn on(self, kernels: &Kernels) -> WeightDtype {
-        match self {
-            WeightDtype::F16 if !kernels.supports_f16() => WeightDtype::F32,
-            other => other,
-        }
-    }
-}
-
-/// A [`Gpt`]'s forward for generation, with a KV cache on the GPU for
-/// `sequences` sequences over the model's whole context (see the module
-/// documentation).
+/// A causal language model's forward for generation ([`CausalLm`]: a
+/// [`crate::nn::Gpt`], a [`crate::models::Llama`]), with a KV cache on the
+/// GPU for `sequences` sequences over the model's whole context (see the
+/// module documentation).
 pub struct Generator {
     exec: Executor,
-    config: GptConfig,
+    /// The model's [`crate::nn::Module::describe`].
+    model: String,
+    vocab_size: usize,
+    context: usize,
     sequences: usize,
     /// How the weights are stored (f32 where f16 was asked for but the
     /// adapter lacks SHADER_F16).
@@ -230,7 +217,7 @@ pub struct Generator {
 impl std::fmt::Debug for Generator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let positions: Vec<usize> = self.cached.iter().map(Vec::len).collect();
-        f.debug_struct("Generator").field("config", &self.config).field("positions", &positions).finish()
+        f.debug_struct("Generator").field("model", &self.model).field("positions", &positions).finish()
     }
 }
 
@@ -249,10 +236,10 @@ struct PrefillPass {
 
 /// Inputs and output of the one-token pass.
 struct DecodePass {
-    /// [S] the new token of each sequence.
+    /// [S, 1] the new token of each sequence.
     ids: Tensor,
-    /// [S] its position: the position embedding's row and where the
-    /// attention writes its key and value.
+    /// [S] its position: where the attention writes its key and value
+    /// (and the GPT's position embedding row).
     positions: Tensor,
     /// [S, vocab].
     logits: Tensor,
@@ -269,153 +256,31 @@ struct SamplerInputs {
     top_k: Tensor,
 }
 
-/// A Linear layer's parameters.
-struct LinearWeights {
-    weight: Tensor,
-    bias: Tensor,
-}
-
-struct NormWeights {
-    weight: Tensor,
-    bias: Tensor,
-    eps: f32,
-}
-
-struct AttentionWeights {
-    ln_1: NormWeights,
-    c_attn: LinearWeights,
-    c_proj: LinearWeights,
-    heads: usize,
-    k_cache: Tensor,
-    v_cache: Tensor,
-}
-
-struct BlockWeights {
-    attn: Option<AttentionWeights>,
-    ln_2: NormWeights,
-    c_fc: LinearWeights,
-    mlp_proj: LinearWeights,
-}
-
-/// The model's parameters, declared once under [`Gpt`]'s names, and its
-/// caches: both passes read them.
-struct Weights {
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: Vec<BlockWeights>,
-    ln_f: NormWeights,
-}
-
-fn linear(g: &mut Graph, layer: &Linear, prefix: &str, dtype: WeightDtype) -> Result<LinearWeights> {
-    let (name, shape) = (format!("{prefix}weight"), [layer.out_features, layer.in_features]);
-    let weight = match dtype {
-        WeightDtype::F32 => g.parameter(&name, &shape, layer.weight.clone())?,
-        WeightDtype::F16 => g.parameter_f16(&name, &shape, layer.weight.clone())?,
-    };
-    let bias = match &layer.bias {
-        Some(bias) => g.parameter(&format!("{prefix}bias"), &[layer.out_features], bias.clone())?,
-        None => return Err(Error::InvalidArgument { op: "Generator", reason: format!("`{prefix}` has no bias; a GPT's linears all have one") }),
-    };
-    Ok(LinearWeights { weight, bias })
-}
-
-fn norm(g: &mut Graph, layer: &LayerNorm, prefix: &str) -> Result<NormWeights> {
-    let c = layer.normalized_shape;
-    let weight = g.parameter(&format!("{prefix}weight"), &[c], layer.weight.clone())?;
-    let bias = g.parameter(&format!("{prefix}bias"), &[c], layer.bias.clone())?;
-    Ok(NormWeights { weight, bias, eps: layer.eps })
-}
-
-impl Weights {
-    fn declare(g: &mut Graph, model: &Gpt, sequences: usize, dtype: WeightDtype) -> Result<Self> {
-        let context = model.config.block_size;
-        let wte = match dtype {
-            WeightDtype::F32 => model.wte.table(g, "wte.")?,
-            WeightDtype::F16 => g.parameter_f16("wte.weight", &[model.wte.num_embeddings, model.wte.embedding_dim], model.wte.weight.clone())?,
+/// The model's forward over ids [S, T] at `pass`'s positions, under the
+/// generator's context, with only the rows `last` picks (u32 [S], flat
+/// rows of [S·T]; all of them when None) going through the final norm and
+/// the head: -> (logits [S, vocab], the next tokens sampled from them).
+fn lm_pass(g: &mut Graph, cx: &mut ForwardContext, model: &dyn CausalLm, ids: Tensor, pass: CachePass, last: Option<Tensor>, sampler: SamplerInputs) -> Result<(Tensor, Tensor)> {
+    let logits = cx.run(pass, || {
+        let (x, table) = model.body(g, ids, "")?;
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>();
+        let x = g.reshape(x, &[rows, shape.last().copied().unwrap_or(0)])?;
+        let x = match last {
+            Some(last) => g.embedding(x, last)?,
+            None => x,
         };
-        let wpe = model.wpe.table(g, "wpe.")?;
-        let mut blocks = Vec::with_capacity(model.h.len());
-        for (i, block) in model.h.iter().enumerate() {
-            let prefix = format!("h.{i}.");
-            let attn = match &block.attn {
-                Some(a) => {
-                    let ln_1 = norm(g, &block.ln_1, &format!("{prefix}ln_1."))?;
-                    let c_attn = linear(g, &a.c_attn, &format!("{prefix}attn.c_attn."), dtype)?;
-                    let c_proj = linear(g, &a.c_proj, &format!("{prefix}attn.c_proj."), dtype)?;
-                    let cache_shape = [sequences, a.n_head, context, a.n_embd / a.n_head];
-                    let k_cache = g.cache(&format!("{prefix}attn.k_cache"), &cache_shape)?;
-                    let v_cache = g.cache(&format!("{prefix}attn.v_cache"), &cache_shape)?;
-                    Some(AttentionWeights { ln_1, c_attn, c_proj, heads: a.n_head, k_cache, v_cache })
-                }
-                None => None,
-            };
-            let ln_2 = norm(g, &block.ln_2, &format!("{prefix}ln_2."))?;
-            let c_fc = linear(g, &block.mlp.c_fc, &format!("{prefix}mlp.c_fc."), dtype)?;
-            let mlp_proj = linear(g, &block.mlp.c_proj, &format!("{prefix}mlp.c_proj."), dtype)?;
-            blocks.push(BlockWeights { attn, ln_2, c_fc, mlp_proj });
-        }
-        let ln_f = norm(g, &model.ln_f, "ln_f.")?;
-        Ok(Weights { wte, wpe, blocks, ln_f })
-    }
+        model.logits(g, table, x, "")
+    })?;
+    let tokens = g.sample_tokens(logits, sampler.draws, sampler.top_k)?;
+    Ok((logits, tokens))
+}
 
-    fn apply_linear(g: &mut Graph, x: Tensor, w: &LinearWeights) -> Result<Tensor> {
-        let y = g.rows_matmul(MatmulForm::ABt, x, w.weight)?;
-        g.bias_add(y, w.bias)
-    }
-
-    /// Gpt's blocks over x [S·T, C], rows in sequence order; row t of
-    /// sequence s is position starts[s] + t.
-    fn blocks(&self, g: &mut Graph, x: Tensor, starts: Tensor, (sequences, rows, channels): (usize, usize, usize)) -> Result<Tensor> {
-        let mut x = x;
-        for block in &self.blocks {
-            if let Some(a) = &block.attn {
-                let normed = g.layer_norm(x, a.ln_1.weight, a.ln_1.bias, a.ln_1.eps)?;
-                let qkv = Self::apply_linear(g, normed, &a.c_attn)?;
-                let qkv = g.reshape(qkv, &[sequences, rows, 3 * channels])?;
-                let attended = g.cached_attention(qkv, starts, a.k_cache, a.v_cache, a.heads)?;
-                let attended = g.reshape(attended, &[sequences * rows, channels])?;
-                let projected = Self::apply_linear(g, attended, &a.c_proj)?;
-                x = g.add(x, projected)?;
-            }
-            let normed = g.layer_norm(x, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)?;
-            let hidden = Self::apply_linear(g, normed, &block.c_fc)?;
-            let hidden = g.activation(Activation::Gelu, hidden)?;
-            let transformed = Self::apply_linear(g, hidden, &block.mlp_proj)?;
-            x = g.add(x, transformed)?;
-        }
-        Ok(x)
-    }
-
-    /// The whole-prompt pass over `rows` positions of each of `sequences`
-    /// sequences: Gpt's forward, whose attention also fills the caches,
-    /// with only each sequence's last prompt row going through the head.
-    fn prefill(&self, g: &mut Graph, starts: Tensor, sampler: SamplerInputs, (sequences, rows, context, channels): (usize, usize, usize, usize)) -> Result<PrefillPass> {
-        let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
-        let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
-        let tokens = g.embedding(self.wte, ids)?;
-        // The first `rows` rows of the position table, as Gpt::forward.
-        let positions = if rows == context {
-            self.wpe
-        } else {
-            let flat = g.reshape(self.wpe, &[1, context * channels])?;
-            let first = g.slice_last(flat, 0, rows * channels)?;
-            g.reshape(first, &[rows, channels])?
-        };
-        let x = g.add(tokens, positions)?;
-        let x = g.reshape(x, &[sequences * rows, channels])?;
-        let x = self.blocks(g, x, starts, (sequences, rows, channels))?;
-        let x = g.embedding(x, last)?;
-        let logits = self.head(g, x)?;
-        let tokens = g.sample_tokens(logits, sampler.draws, sampler.top_k)?;
-        Ok(PrefillPass { rows, ids, last, logits, tokens })
-    }
-
-    /// The final norm and the head tied to the token embedding: x [rows, C]
-    /// -> logits [rows, vocab].
-    fn head(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
-        let x = g.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)?;
-        g.rows_matmul(MatmulForm::ABt, x, self.wte)
-    }
+/// Whether any op of `g` reads `t` (an input the model's forward may
+/// leave unread: the GPT's position ids, a model without attention's
+/// starts).
+fn is_read(g: &Graph, t: Tensor) -> bool {
+    g.nodes().iter().any(|n| n.inputs.contains(&t))
 }
 
 /// The prompt lengths a prefill pass is built for: powers of two from 8
@@ -434,32 +299,30 @@ fn prefill_lengths(context: usize) -> Vec<usize> {
 /// Run it before reading a model's weights from disk, so a model too large
 /// for the adapter is refused before gigabytes are read; [`Generator::new`]
 /// checks the whole plan, activations included, before allocating.
-pub fn check_fits(kernels: &Kernels, config: &GptConfig, sequences: usize) -> Result<()> {
+pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) -> Result<()> {
     check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
 }
 
-/// How many of a `config` GPT's parameter values an f16 generator stores
-/// in f16 (the weights `Weights::declare` declares with
-/// `Graph::parameter_f16`): the token embedding, then per block c_attn
-/// (3C·C), attn.c_proj (C·C), mlp.c_fc and mlp.c_proj (4C·C each).
-pub fn f16_weight_values(config: &GptConfig) -> u64 {
-    let c = config.n_embd as u64;
-    config.vocab_size as u64 * c + config.n_layer as u64 * 12 * c * c
+/// How many of a `config` model's parameter values an f16 generator
+/// stores in f16 (its Linear weights and a tied head's token table).
+pub fn f16_weight_values(config: &dyn LmConfig) -> u64 {
+    config.lm_sizes().f16_weight_values
 }
 
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
-/// each value of the blocks' projection weights and the token embedding.
-pub fn check_fits_with_dtype(kernels: &Kernels, config: &GptConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
+/// each value of [`f16_weight_values`].
+pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
+    let sizes = config.lm_sizes();
     let halved = match dtype.on(kernels) {
         WeightDtype::F32 => 0,
-        WeightDtype::F16 => f16_weight_values(config),
+        WeightDtype::F16 => sizes.f16_weight_values,
     };
-    let parameters = config.num_parameters() as u64 * BYTES - halved * 2;
-    // Keys and values per layer, [sequences, heads, context, head_dim] each.
-    let one_cache = (sequences * config.block_size * config.n_embd) as u64 * BYTES;
-    let caches = 2 * config.n_layer as u64 * one_cache;
+    let parameters = sizes.parameters.saturating_mul(BYTES).saturating_sub(halved * 2);
+    // Keys and values per layer, [sequences, kv_heads, context, head_dim] each.
+    let one_cache = (sequences as u64).saturating_mul(sizes.context as u64).saturating_mul(sizes.cache_width).saturating_mul(BYTES);
+    let caches = one_cache.saturating_mul(2 * sizes.cached_layers);
     kernels.check_allocation("Generator", &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)])
 }
 
@@ -467,39 +330,44 @@ impl Generator {
     /// Builds the passes for `sequences` sequences and allocates
     /// everything once: parameters (the model's current weights), caches,
     /// activations, dispatches.
-    pub fn new(kernels: Arc<Kernels>, model: &Gpt, sequences: usize) -> Result<Self> {
+    pub fn new(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize) -> Result<Self> {
         Self::new_with_dtype(kernels, model, sequences, WeightDtype::F32)
     }
 
     /// [`Generator::new`] with the weights stored as `dtype`: f16 where the
     /// adapter has SHADER_F16, else f32 ([`Generator::dtype`] tells which).
-    pub fn new_with_dtype(kernels: Arc<Kernels>, model: &Gpt, sequences: usize, dtype: WeightDtype) -> Result<Self> {
+    pub fn new_with_dtype(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> Result<Self> {
         let dtype = dtype.on(&kernels);
         if sequences == 0 {
             return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
         }
-        let config = model.config;
-        let (context, channels) = (config.block_size, config.n_embd);
+        let context = model.context_len();
         let mut g = Graph::new();
-        let weights = Weights::declare(&mut g, model, sequences, dtype)?;
-
+        let mut cx = ForwardContext::new(dtype, context);
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
-        // Prompts start at position 0: the input stays zero.
+        // Prompts start at position 0: the starts stay zero, and row t of
+        // every prompt is position t.
         let prefill_starts = g.ids("prefill.starts", &[sequences])?;
-        let prefill = prefill_lengths(context)
-            .into_iter()
-            .map(|rows| weights.prefill(&mut g, prefill_starts, sampler, (sequences, rows, context, channels)))
-            .collect::<Result<Vec<_>>>()?;
-
-        let decode_ids = g.ids("decode.idx", &[sequences])?;
+        let mut prefill = Vec::new();
+        let mut prefill_positions = Vec::new();
+        for rows in prefill_lengths(context) {
+            let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
+            let positions = g.ids(&format!("prefill{rows}.positions"), &[sequences, rows])?;
+            let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
+            let pass = CachePass { starts: prefill_starts, positions };
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), sampler)?;
+            prefill.push(PrefillPass { rows, ids, last, logits, tokens });
+            prefill_positions.push((positions, rows));
+        }
+        let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
-        let tokens = g.embedding(weights.wte, decode_ids)?;
-        let position_rows = g.embedding(weights.wpe, positions)?;
-        let x = g.add(tokens, position_rows)?;
-        let x = weights.blocks(&mut g, x, positions, (sequences, 1, channels))?;
-        let decode_logits = weights.head(&mut g, x)?;
-        let decode_tokens = g.sample_tokens(decode_logits, sampler.draws, sampler.top_k)?;
+        let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
+        let (decode_logits, decode_tokens) = lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler)?;
 
+        let fixed_inputs: Vec<(Tensor, Vec<u32>)> = std::iter::once((prefill_starts, vec![0; sequences]))
+            .chain(prefill_positions.into_iter().map(|(t, rows)| (t, (0..sequences).flat_map(|_| 0..rows as u32).collect())))
+            .filter(|(t, _)| is_read(&g, *t))
+            .collect();
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
         outputs.extend([decode_logits, decode_tokens]);
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
@@ -513,21 +381,21 @@ impl Generator {
                 reason: format!("the generation graph's parameters {declared:?} are not the model's {expected:?}"),
             });
         }
-        let generator = Generator {
+        for (t, values) in &fixed_inputs {
+            exec.set_labels(*t, values)?;
+        }
+        Ok(Generator {
             exec,
-            config,
+            model: model.describe(),
+            vocab_size: model.vocab_size(),
+            context,
             sequences,
             dtype,
             prefill,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
             sampler,
             cached: vec![Vec::new(); sequences],
-        };
-        // (A model without attention has no cache and leaves it unused.)
-        if weights.blocks.iter().any(|b| b.attn.is_some()) {
-            generator.exec.set_labels(prefill_starts, &vec![0; sequences])?;
-        }
-        Ok(generator)
+        })
     }
 
     pub fn sequences(&self) -> usize {
@@ -540,8 +408,18 @@ impl Generator {
         self.dtype
     }
 
-    pub fn config(&self) -> &GptConfig {
-        &self.config
+    /// The model's [`crate::nn::Module::describe`].
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Positions each sequence's cache holds (the model's context).
+    pub fn context_len(&self) -> usize {
+        self.context
     }
 
     /// The tokens whose keys and values `sequence`'s cache holds (its next
@@ -564,7 +442,7 @@ impl Generator {
             return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });
         }
         self.check_ids(OP, tokens)?;
-        let context = self.config.block_size;
+        let context = self.context;
         let positions: Vec<u32> = self.cached.iter().map(|c| c.len().min(context - 1) as u32).collect();
         self.exec.set_labels(self.decode.ids, tokens)?;
         self.exec.set_labels(self.decode.positions, &positions)?;
@@ -579,13 +457,13 @@ impl Generator {
     }
 
     fn check_ids(&self, op: &'static str, ids: &[u32]) -> Result<()> {
-        check_token_ids(op, ids, self.config.vocab_size)
+        check_token_ids(op, ids, self.vocab_size)
     }
 
     /// Checks `prompts` (one per sequence) and writes them into the
     /// shortest prefill pass that holds them; returns that pass's index.
     fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
-        let context = self.config.block_size;
+        let context = self.context;
         if prompts.len() != self.sequences {
             return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", prompts.len(), self.sequences) });
         }
@@ -630,7 +508,7 @@ impl Generator {
     /// Checks `tokens` (one per sequence, each with room in its cache) and
     /// writes them and their positions into the decode pass.
     fn set_decode(&self, op: &'static str, tokens: &[u32]) -> Result<()> {
-        let context = self.config.block_size;
+        let context = self.context;
         if tokens.len() != self.sequences {
             return Err(Error::InvalidArgument { op, reason: format!("got {} tokens for {} sequences; give one per sequence", tokens.len(), self.sequences) });
         }
@@ -650,7 +528,7 @@ impl Generator {
     /// settings for every sequence, and one uniform draw of `rng` per
     /// sequence, in sequence order (as [`Sampling::sample`] draws).
     fn set_sampling(&self, sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<()> {
-        let vocab = self.config.vocab_size;
+        let vocab = self.vocab_size;
         let mut draws = Vec::with_capacity(2 * self.sequences);
         let mut top_k = Vec::with_capacity(self.sequences);
         for _ in 0..self.sequences {
@@ -666,7 +544,7 @@ impl Generator {
     /// [`Sampling::sample`] gives for a logit that is not finite (its value
     /// read back from `logits`, the one logit that comes back).
     fn sampled_tokens(&self, op: &'static str, picks: &[u32], logits: Tensor) -> Result<Vec<u32>> {
-        let vocab = self.config.vocab_size;
+        let vocab = self.vocab_size;
         let mut tokens = Vec::with_capacity(self.sequences);
         for (s, pick) in picks.chunks_exact(2).enumerate() {
             let (token, bad) = (pick[0], pick[1]);
@@ -791,7 +669,7 @@ impl Generator {
             return Err(Error::InvalidArgument { op: OP, reason: "max_new_tokens must be at least 1".into() });
         }
         sampling.check()?;
-        let context = self.config.block_size;
+        let context = self.context;
         let keep = (context / 2).max(1);
         let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
         // Each step picks its tokens on the GPU: the logits never come back.

@@ -35,6 +35,7 @@ pub mod ops;
 pub mod text;
 pub mod training;
 pub mod llama_folder;
+pub mod lm_folder;
 pub mod lm_training;
 pub mod models;
 pub mod user_cache;

@@ -429,30 +429,74 @@ impl OptimizerConfig {
     }
 }
 
+/// How the queries, keys and values of a cached attention sit in its
+/// operands' rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkvLayout {
+    /// One operand [S, T, (H + 2·Hkv)·d], bound as q, k and v alike: its
+    /// rows are q | k | v (a GPT's `c_attn` projection).
+    Fused,
+    /// Three operands q [S, T, H·d], k and v [S, T, Hkv·d] (Llama's
+    /// `q_proj`, `k_proj`, `v_proj`, q and k rotated).
+    Separate,
+}
+
 /// The sizes of attention over a KV cache (`Kernels::cached_attention_forward`
 /// and its CPU twin `cpu::cached_attention`): `seqs` sequences
-/// of `rows` new positions each, `heads` heads of `head_dim` channels, and
-/// caches of `context` positions per (sequence, head).
+/// of `rows` new positions each, `heads` query heads of `head_dim`
+/// channels sharing `kv_heads` key/value heads (query head h reads KV head
+/// h / (heads / kv_heads), transformers' `repeat_kv`; kv_heads = heads is
+/// multi-head attention), and caches of `context` positions per
+/// (sequence, KV head).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CachedAttentionShape {
     pub seqs: usize,
     pub rows: usize,
     pub heads: usize,
+    pub kv_heads: usize,
     pub head_dim: usize,
     pub context: usize,
+    pub layout: QkvLayout,
 }
 
 impl CachedAttentionShape {
-    /// Elements of qkv [S, T, 3·H·d], of out [S, T, H·d], of each cache
-    /// [S, H, P, d]; None when a product overflows.
-    pub fn lengths(&self) -> Option<(usize, usize, usize)> {
-        let channels = self.heads.checked_mul(self.head_dim)?;
-        let positions = self.seqs.checked_mul(self.rows)?;
-        let qkv = positions.checked_mul(channels)?.checked_mul(3)?;
-        let out = positions.checked_mul(channels)?;
-        let cache = self.seqs.checked_mul(channels)?.checked_mul(self.context)?;
-        Some((qkv, out, cache))
+    /// Multi-head attention over one fused qkv operand (a GPT's).
+    pub fn fused(seqs: usize, rows: usize, heads: usize, head_dim: usize, context: usize) -> Self {
+        CachedAttentionShape { seqs, rows, heads, kv_heads: heads, head_dim, context, layout: QkvLayout::Fused }
     }
+
+    /// The (row width, first column) of the q, k and v operands: where
+    /// head 0 of each starts in a row; head h follows at h·d.
+    pub fn columns(&self) -> Option<[(usize, usize); 3]> {
+        let (q, kv) = (self.heads.checked_mul(self.head_dim)?, self.kv_heads.checked_mul(self.head_dim)?);
+        Some(match self.layout {
+            QkvLayout::Fused => {
+                let width = q.checked_add(kv.checked_mul(2)?)?;
+                [(width, 0), (width, q), (width, q + kv)]
+            }
+            QkvLayout::Separate => [(q, 0), (kv, 0), (kv, 0)],
+        })
+    }
+
+    /// Elements of the q, k and v operands, of out [S, T, H·d] and of each
+    /// cache [S, Hkv, P, d]; None when a product overflows.
+    pub fn lengths(&self) -> Option<CachedAttentionLengths> {
+        let positions = self.seqs.checked_mul(self.rows)?;
+        let [q, k, v] = self.columns()?.map(|(width, _)| positions.checked_mul(width));
+        let out = positions.checked_mul(self.heads.checked_mul(self.head_dim)?)?;
+        let cache = self.seqs.checked_mul(self.kv_heads)?.checked_mul(self.head_dim)?.checked_mul(self.context)?;
+        Some(CachedAttentionLengths { q: q?, k: k?, v: v?, out, cache })
+    }
+}
+
+/// Element counts of a cached attention's operands ([`CachedAttentionShape::lengths`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttentionLengths {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub out: usize,
+    pub cache: usize,
 }
 
 /// Which channels of a head a rotary position embedding rotates together.

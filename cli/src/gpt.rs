@@ -8,7 +8,7 @@ use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
 use wgrad::generate::{Generator, Sampling, WeightDtype};
-use wgrad::nn::Gpt;
+use wgrad::nn::CausalLm;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::pipeline::Schedule;
@@ -237,8 +237,9 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<d
 /// `wgrad generate`'s flags.
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// A model folder (`wgrad train --model gpt` writes out/gpt; a Hugging
-    /// Face GPT-2 folder works too).
+    /// A model folder: a GPT-2 or a Llama, by its config.json (`wgrad
+    /// train --model gpt` writes out/gpt; Hugging Face GPT-2 and Llama
+    /// folders work too).
     #[arg(long, default_value = "out/gpt")]
     model: PathBuf,
     /// The text to continue.
@@ -360,7 +361,7 @@ fn parse_ids(text: &str, source: &str) -> wgrad::Result<Vec<u32>> {
 /// A generator of `sequences` sequences for `model` with its weights
 /// stored as `dtype`, behind a spinner while its pipelines compile; a
 /// notice on stderr when the adapter cannot store them so and f32 is used.
-fn prepared_generator(kernels: Arc<Kernels>, model: &Gpt, sequences: usize, dtype: WeightDtype) -> wgrad::Result<Generator> {
+fn prepared_generator(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
     let label = kernels.device().label();
     let generator = Generator::new_with_dtype(kernels, model, sequences, dtype);
@@ -390,13 +391,15 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     };
     // The sizes first: a model the adapter cannot hold is refused before
     // its weights are read.
-    let config = wgrad::gpt_folder::read_gpt_config(&args.model)?;
+    // A GPT-2 or a Llama folder, by its config.json.
+    let config = wgrad::lm_folder::read_lm_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let dtype = args.dtype.weights();
     let copies = args.batch.unwrap_or(1);
     let sequences = given.len() * copies;
-    wgrad::generate::check_fits_with_dtype(&kernels, &config, sequences, dtype)?;
-    let loaded = wgrad::gpt_folder::load_gpt_folder(&args.model)?;
+    wgrad::generate::check_fits_with_dtype(&kernels, config.as_ref(), sequences, dtype)?;
+    let sizes = config.lm_sizes();
+    let loaded = wgrad::lm_folder::load_lm_folder(&args.model)?;
     // Every prompt's ids, checked before any device work: ids in the
     // vocabulary, text in the tokenizer's alphabet, lengths in the context.
     let needs_tokenizer = given.iter().any(|(_, ids_source)| ids_source.is_empty());
@@ -407,17 +410,17 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             Some(t) if ids_source.is_empty() => t.encode(text)?,
             _ => parse_ids(text, ids_source)?,
         };
-        wgrad::kernels::check_token_ids("generate", &ids, config.vocab_size)?;
-        if ids.len() > config.block_size {
+        wgrad::kernels::check_token_ids("generate", &ids, sizes.vocab_size)?;
+        if ids.len() > sizes.context {
             let which = if given.len() > 1 { format!("prompt {s}") } else { "the prompt".into() };
-            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the model's context of {}", ids.len(), config.block_size) });
+            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the model's context of {}", ids.len(), sizes.context) });
         }
         prompts.push(ids);
     }
     let texts: Vec<String> = given.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies)).collect();
     let prompts: Vec<Vec<u32>> = prompts.into_iter().flat_map(|ids| std::iter::repeat_n(ids, copies)).collect();
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
-    let mut generator = prepared_generator(kernels.clone(), &loaded.model, sequences, dtype)?;
+    let mut generator = prepared_generator(kernels.clone(), loaded.model.as_ref(), sequences, dtype)?;
     let text_tokenizer = if args.print_ids { None } else { tokenizer.as_ref() };
     let (count, seconds) = if args.prompts_file.is_some() || args.batch.is_some() {
         generate_batch(&mut generator, text_tokenizer, &texts, &prompts, args.max_new_tokens, &sampling)?
@@ -477,7 +480,7 @@ fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, text
 }
 
 /// The tokenizer the folder names (GPT-2's BPE for GPT-2's vocabulary).
-fn folder_tokenizer(loaded: &wgrad::gpt_folder::LoadedGpt, args: &GenerateArgs) -> wgrad::Result<Tokenizer> {
+fn folder_tokenizer(loaded: &wgrad::lm_folder::LoadedLm, args: &GenerateArgs) -> wgrad::Result<Tokenizer> {
     let spec = loaded.tokenizer.clone().ok_or_else(|| wgrad::Error::InvalidArgument {
         op: "generate",
         reason: format!("`{}` names no tokenizer (no wgrad_tokenizer.json, and not GPT-2's vocabulary size); give --prompt-ids with --print-ids", args.model.display()),

@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgrad::kernels::{
-    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
+    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, QkvLayout, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
     MatmulVariant, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
 };
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
@@ -961,18 +961,22 @@ fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
 }
 
 fn attention(c: &mut Ctx<'_>) -> Result<Case> {
-    let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 2, head_dim: 5, context: 11 };
-    let (qkv_len, out_len, cache_len) = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
+    // Grouped-query attention over separate q, k, v (Llama's): 4 query
+    // heads sharing 2 KV heads.
+    let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 4, kv_heads: 2, head_dim: 5, context: 11, layout: QkvLayout::Separate };
+    let lengths = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
     // Sequence 0 continues after 4 cached positions, sequence 1 starts.
     let starts_h = vec![4u32, 0];
-    let (qkv_h, k0, v0) = (c.vals(qkv_len, -1.0, 1.0), c.vals(cache_len, -1.0, 1.0), c.vals(cache_len, -1.0, 1.0));
-    let (qkv, starts, kc, vc, out) = (c.up(&qkv_h)?, c.up_u32(&starts_h)?, c.up(&k0)?, c.up(&v0)?, c.k.zeros(out_len)?);
-    let d = c.k.cached_attention_forward(out.view(), kc.view(), vc.view(), qkv.view(), starts.view(), shape)?;
-    let (want, keys, values) = cpu::cached_attention(&qkv_h, &starts_h, &k0, &v0, shape);
+    let (q_h, k_h, v_h) = (c.vals(lengths.q, -1.0, 1.0), c.vals(lengths.k, -1.0, 1.0), c.vals(lengths.v, -1.0, 1.0));
+    let (k0, v0) = (c.vals(lengths.cache, -1.0, 1.0), c.vals(lengths.cache, -1.0, 1.0));
+    let (q, k, v, starts) = (c.up(&q_h)?, c.up(&k_h)?, c.up(&v_h)?, c.up_u32(&starts_h)?);
+    let (kc, vc, out) = (c.up(&k0)?, c.up(&v0)?, c.k.zeros(lengths.out)?);
+    let d = c.k.cached_attention_forward(out.view(), kc.view(), vc.view(), q.view(), k.view(), v.view(), starts.view(), shape)?;
+    let (want, keys, values) = cpu::cached_attention(&q_h, &k_h, &v_h, &starts_h, &k0, &v0, shape);
     let expected = vec![expect("out", &out, want, ROW.0 * 5.0, ROW.1), expect("k_cache", &kc, keys, EXACT.0, EXACT.1), expect("v_cache", &vc, values, EXACT.0, EXACT.1)];
     // The per-invocation kernel on CPU adapters, the workgroup one on GPUs.
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 2 heads of 5, context 11"), vec![d], expected))
+    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of 5, context 11"), vec![d], expected))
 }
 
 /// Rows over several settings: greedy, top-k, the whole vocabulary, a row

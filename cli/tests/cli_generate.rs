@@ -110,3 +110,57 @@ fn dtype_f16_generates_or_falls_back_with_a_notice() {
         }
     }
 }
+
+/// A random Llama with grouped-query attention (4 heads over 2 KV heads)
+/// and a character vocabulary, saved by `save_llama_folder` with its
+/// tokenizer (and once without): `wgrad generate` reads the architecture
+/// from config.json and runs it with its KV cache. Greedy ids equal the
+/// library's generator on the same default adapter (the same kernels: the
+/// same ids), text comes out in the tokenizer's alphabet, and a folder
+/// without a tokenizer needs --prompt-ids.
+#[test]
+fn a_llama_folder_saved_by_wgrad_generates() {
+    use std::sync::Arc;
+    use wgrad::generate::{Generator, Sampling};
+    use wgrad::gpt_folder::TokenizerSpec;
+    use wgrad::models::{Llama, LlamaConfig};
+
+    let vocabulary = " abcdefghijklmnopqrstuvwxyz.,";
+    let config = LlamaConfig { vocab_size: vocabulary.chars().count(), block_size: 16, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 48, ..LlamaConfig::small(1) };
+    wgrad::nn::manual_seed(5);
+    let mut model = Llama::new(config).unwrap();
+    // Far from uniform, so greedy picks are not near-ties.
+    model.embed_tokens.weight.iter_mut().for_each(|w| *w *= 50.0);
+    model.lm_head.as_mut().unwrap().weight.iter_mut().for_each(|w| *w *= 50.0);
+    let dir = std::env::temp_dir().join(format!("wgrad-llama-generate-{}", std::process::id()));
+    let (with, without) = (dir.join("llama"), dir.join("no-tokenizer"));
+    wgrad::llama_folder::save_llama_folder(&with, &model, Some(&TokenizerSpec::Char { vocabulary: vocabulary.into() })).unwrap();
+    wgrad::llama_folder::save_llama_folder(&without, &model, None).unwrap();
+    let generate = |folder: &std::path::Path, args: &[&str]| Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("generate").arg("--model").arg(folder).args(args).output().unwrap();
+
+    // Past the context of 16: the cache slides.
+    let (prompt, new) = ([8u32, 5, 12, 12, 15], 24);
+    let output = generate(&without, &["--prompt-ids", "8,5,12,12,15", "--temperature", "0", "--max-new-tokens", &new.to_string(), "--print-ids"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let found = stdout.lines().find(|l| l.starts_with("new_ids")).unwrap_or_else(|| panic!("no new_ids line: {stdout}"));
+    let ids: Vec<u32> = found["new_ids".len()..].split_whitespace().map(|t| t.parse().unwrap()).collect();
+    let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default().unwrap()));
+    let mut generator = Generator::new(kernels, &model, 1).unwrap();
+    let want = generator.generate(&prompt, new, &Sampling::greedy(), |_| Ok(())).unwrap();
+    assert_eq!(ids, want, "the CLI's greedy ids against the library's generator");
+
+    let output = generate(&with, &["--prompt", "hello", "--temperature", "0", "--max-new-tokens", "20"]);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{text}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(text.starts_with("hello") && text.trim_end_matches('\n').chars().count() == 25, "{text:?}");
+    assert!(text.trim_end_matches('\n').chars().all(|c| vocabulary.contains(c)), "{text:?}");
+    // The char tokenizer's ids are the ones above: the same continuation.
+    let decoded: String = want[..20].iter().map(|&i| vocabulary.chars().nth(i as usize).unwrap()).collect();
+    assert_eq!(text.trim_end_matches('\n'), format!("hello{decoded}"));
+
+    let output = generate(&without, &["--prompt", "hello"]);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && err.contains("no tokenizer") && output.stdout.is_empty(), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -33,63 +33,109 @@ struct AttentionParams {
     seqs: u32,
     rows: u32,
     heads: u32,
+    kv_heads: u32,
     head_dim: u32,
     context: u32,
     scale: f32,
+    q_width: u32,
+    k_width: u32,
+    v_width: u32,
+    q_first: u32,
+    k_first: u32,
+    v_first: u32,
     _pad0: u32,
     _pad1: u32,
+    _pad2: u32,
 }
 
 impl Kernels {
     /// For each sequence s and new row t (position p = starts[s] + t):
-    /// writes row t's k and v (columns C.. and 2C.. of qkv) into the caches
-    /// at p, then out[s, t] = softmax(q·kᵀ/√d over positions 0..=p)·v per
-    /// head. Positions before starts[s] are read from the caches, so a
-    /// decode step (rows = 1) costs one position's attention. The caller
-    /// keeps every p < context (a larger one writes NaN to its output).
+    /// writes row t's k and v into the caches at p, then out[s, t] =
+    /// softmax(q·kᵀ/√d over positions 0..=p)·v per query head, head h
+    /// reading KV head h / (heads / kv_heads). `q`, `k`, `v` hold the
+    /// heads where `shape.layout` puts them: one fused qkv buffer bound
+    /// three times (a GPT's c_attn), or three operands (Llama's, q and k
+    /// already rotated at their positions). Positions before starts[s] are
+    /// read from the caches, so a decode step (rows = 1) costs one
+    /// position's attention. The caller keeps every p < context (a larger
+    /// one writes NaN to its output).
     ///
     /// On a CPU adapter one invocation serves each (sequence, row, head),
     /// unless the context is too long for llvmpipe's loop limit; on a GPU
     /// ([`Kernels::gpu_shaped`]), and for such contexts, one workgroup of
     /// [`DECODE_LANES`] lanes does, the lanes splitting the positions and
     /// merging their online softmax over a fixed tree (deterministic).
+    #[allow(clippy::too_many_arguments)]
     pub fn cached_attention_forward(
         &self,
         out: View<'_>,
         k_cache: View<'_>,
         v_cache: View<'_>,
-        qkv: View<'_>,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
         starts: View<'_>,
         shape: CachedAttentionShape,
     ) -> Result<Dispatch> {
         let op = CACHED_ATTENTION_FORWARD.entry;
-        let CachedAttentionShape { seqs, rows, heads, head_dim, context } = shape;
-        let dims = [seqs, rows, heads, head_dim, context];
+        let CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, .. } = shape;
+        let dims = [seqs, rows, heads, kv_heads, head_dim, context];
         if dims.contains(&0) {
             return Err(Error::shape(op, format!("every size must be at least 1: {shape:?}"), &[&dims]));
+        }
+        if heads % kv_heads != 0 {
+            return Err(Error::shape(op, format!("{kv_heads} KV heads do not divide {heads} query heads"), &[&dims]));
         }
         if head_dim > MAX_HEAD_DIM {
             return Err(Error::shape(op, format!("head_dim {head_dim} is over the largest this kernel takes, {MAX_HEAD_DIM}"), &[&dims]));
         }
-        let (want_qkv, want_out, want_cache) =
-            shape.lengths().ok_or_else(|| Error::shape(op, format!("{shape:?} overflows"), &[&dims]))?;
-        let operands = [("out", out.len, want_out), ("k_cache", k_cache.len, want_cache), ("v_cache", v_cache.len, want_cache), ("qkv", qkv.len, want_qkv), ("starts", starts.len, seqs)];
+        let overflow = || Error::shape(op, format!("{shape:?} overflows"), &[&dims]);
+        let want = shape.lengths().ok_or_else(overflow)?;
+        let columns = shape.columns().ok_or_else(overflow)?;
+        let operands = [
+            ("out", out.len, want.out),
+            ("k_cache", k_cache.len, want.cache),
+            ("v_cache", v_cache.len, want.cache),
+            ("q", q.len, want.q),
+            ("k", k.len, want.k),
+            ("v", v.len, want.v),
+            ("starts", starts.len, seqs),
+        ];
         if let Some((name, len, want)) = operands.iter().find(|(_, len, want)| len != want) {
             return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
         }
         let invocations = seqs.checked_mul(rows).and_then(|n| n.checked_mul(heads)).filter(|&n| n <= u32::MAX as usize);
         let invocations = invocations.ok_or_else(|| Error::shape(op, format!("more than 2^32 (sequence, row, head) triples: {shape:?}"), &[&dims]))?;
+        let [(q_width, q_first), (k_width, k_first), (v_width, v_first)] = columns;
         let params = AttentionParams {
             seqs: dim(op, seqs)?,
             rows: dim(op, rows)?,
             heads: dim(op, heads)?,
+            kv_heads: dim(op, kv_heads)?,
             head_dim: dim(op, head_dim)?,
             context: dim(op, context)?,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            q_width: dim(op, q_width)?,
+            k_width: dim(op, k_width)?,
+            v_width: dim(op, v_width)?,
+            q_first: dim(op, q_first)?,
+            k_first: dim(op, k_first)?,
+            v_first: dim(op, v_first)?,
             _pad0: 0,
             _pad1: 0,
+            _pad2: 0,
         };
-        let bindings = [bind(0, "qkv", qkv), bind(1, "starts", starts), bind(2, "k_cache", k_cache), bind(3, "v_cache", v_cache), bind(4, "out", out)];
+        // A fused qkv is one buffer bound three times, read-only each
+        // time (WebGPU forbids only a writable binding aliasing another).
+        let bindings = [
+            bind(0, "q", q),
+            bind(1, "k", k),
+            bind(2, "v", v),
+            bind(3, "starts", starts),
+            bind(4, "k_cache", k_cache),
+            bind(5, "v_cache", v_cache),
+            bind(6, "out", out),
+        ];
         // llvmpipe (lavapipe's and GL's shader compiler) ends an
         // invocation's loops after 65,535 iterations in all (one counter
         // shared by every loop; see rowwise.wgsl's layernorm_backward_params),
@@ -101,8 +147,8 @@ impl Kernels {
         let per_position = 3 * (head_dim / 8 + head_dim % 8) + 1;
         let serial_iterations = context.saturating_mul(per_position).saturating_add(2 * head_dim);
         if self.gpu_shaped() || serial_iterations > LOOP_ITERATIONS_MAX {
-            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[], &bindings, 5, &params, invocations as u64);
+            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[], &bindings, 7, &params, invocations as u64);
         }
-        self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 5, &params, flat_groups(invocations))
+        self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 7, &params, flat_groups(invocations))
     }
 }

@@ -34,7 +34,7 @@ pub(crate) use matmul_ext::{pack_f16, unpack_f16};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionShape, LrSchedule, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
+pub use crate::ops::{Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, QkvLayout, LrSchedule, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::{Embedding, GroupedQueryAttention, Linear, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, SwiGluMlp};
+use crate::nn::{CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, SwiGluMlp};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -258,16 +258,7 @@ impl Module for Llama {
 
     /// `idx`: u32 [batch, T] with T ≤ block_size.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
-        if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
-            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
-        }
-        let table = self.embed_tokens.table(g, &child_prefix!(prefix, MODEL, self.embed_tokens))?;
-        let mut x = g.embedding(table, idx)?;
-        let layers = child_prefix!(prefix, MODEL, self.layers);
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(g, x, &item_prefix(&layers, i))?;
-        }
+        let (x, table) = self.body(g, idx, prefix)?;
         self.head(g, table, x, prefix)
     }
 
@@ -281,3 +272,48 @@ impl Module for Llama {
 }
 
 parameter_tree!(Llama { [MODEL] embed_tokens, [MODEL] layers, [MODEL] norm, lm_head });
+
+impl CausalLm for Llama {
+    fn lm_sizes(&self) -> LmSizes {
+        self.config.lm_sizes()
+    }
+
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)> {
+        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
+        if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
+            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
+        }
+        let name = child_prefix!(prefix, MODEL, self.embed_tokens);
+        // Tied, the table is the head's weight too.
+        let table = if self.lm_head.is_some() { self.embed_tokens.table(g, &name)? } else { self.embed_tokens.tied_table(g, &name)? };
+        let mut x = g.embedding(table, idx)?;
+        let layers = child_prefix!(prefix, MODEL, self.layers);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(g, x, &item_prefix(&layers, i))?;
+        }
+        Ok((x, table))
+    }
+
+    fn logits(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        self.head(g, table, x, prefix)
+    }
+}
+
+impl LmConfig for LlamaConfig {
+    /// In f16: every projection (q, k, v, o, gate, up, down) and the head
+    /// (lm_head, or the token table when tied). Saturates where the sizes
+    /// (read from a file) overflow, which no adapter holds.
+    fn lm_sizes(&self) -> LmSizes {
+        let (c, f, v) = (self.n_embd as u64, self.intermediate_size as u64, self.vocab_size as u64);
+        let kv = self.n_kv_head as u64 * self.head_dim() as u64;
+        let layer = (2 * c * c + 2 * c * kv + 3 * c * f).saturating_mul(self.n_layer as u64);
+        LmSizes {
+            parameters: self.num_parameters().map_or(u64::MAX, |n| n as u64),
+            f16_weight_values: layer.saturating_add(v * c),
+            cached_layers: self.n_layer as u64,
+            cache_width: kv,
+            context: self.block_size,
+            vocab_size: self.vocab_size,
+        }
+    }
+}

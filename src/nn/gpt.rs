@@ -4,7 +4,8 @@
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
 use super::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use super::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, Mlp, Module, ParameterTree, StageCosts, Staged};
+use super::causal_lm::cache_pass;
+use super::{Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -142,8 +143,10 @@ impl Gpt {
         Ok(Gpt { config, wte: Embedding::empty(config.vocab_size, c), wpe: Embedding::empty(config.block_size, c), h, ln_f: LayerNorm::new(c) })
     }
 
-    /// The token embeddings of `idx` (u32 [batch, T ≤ block_size]) plus
-    /// the first T position embeddings: x [batch, T, C].
+    /// The input of the first block, x [batch, T, C]: the token
+    /// embeddings of `idx` (u32 [batch, T ≤ block_size]) plus the first T
+    /// position embeddings, or under a [`super::ForwardContext`] those of
+    /// the cache's positions.
     fn embed(&self, g: &mut Graph, idx: Tensor) -> Result<Tensor> {
         let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
         let (block, channels) = (self.config.block_size, self.config.n_embd);
@@ -151,10 +154,13 @@ impl Gpt {
             [_, t] if t <= block => t,
             _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
         };
-        let tokens = self.wte.forward(g, idx, &child_prefix!("", self.wte))?;
+        let wte = self.wte.tied_table(g, &child_prefix!("", self.wte))?;
+        let tokens = g.embedding(wte, idx)?;
         let table = self.wpe.table(g, &child_prefix!("", self.wpe))?;
         // The first T rows of the position table, broadcast over the batch.
-        let positions = if t == block {
+        let positions = if let Some(pass) = cache_pass() {
+            g.embedding(table, pass.positions)?
+        } else if t == block {
             table
         } else {
             let flat = g.reshape(table, &[1, block * channels])?;
@@ -162,6 +168,21 @@ impl Gpt {
             g.reshape(first, &[t, channels])?
         };
         g.add(tokens, positions)
+    }
+
+    /// The final norm and the head tied to the token table `wte`: logits
+    /// [.., vocab_size] of x [.., C].
+    fn head(&self, g: &mut Graph, wte: Tensor, x: Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(g, x, &child_prefix!("", self.ln_f))?;
+        g.rows_matmul(MatmulForm::ABt, x, wte)
+    }
+
+    /// A whole model names its parameters from the root.
+    fn check_root(prefix: &str) -> Result<()> {
+        if !prefix.is_empty() {
+            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
+        }
+        Ok(())
     }
 
     fn assemble(config: GptConfig, h: Vec<Block>) -> Self {
@@ -192,9 +213,8 @@ impl Staged for Gpt {
     /// Logits [.., vocab_size] of x [.., C] through `ln_f` and the head
     /// tied to the token table.
     fn epilogue(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
-        let x = self.ln_f.forward(g, x, &child_prefix!("", self.ln_f))?;
-        let wte = self.wte.table(g, &child_prefix!("", self.wte))?;
-        g.rows_matmul(MatmulForm::ABt, x, wte)
+        let wte = self.wte.tied_table(g, &child_prefix!("", self.wte))?;
+        self.head(g, wte, x)
     }
 
     fn stage_costs(&self) -> StageCosts {
@@ -210,9 +230,7 @@ impl Module for Gpt {
     /// `idx`: u32 [batch, T] with T ≤ block_size. A whole model: its
     /// parameters are named from the root, so `prefix` must be empty.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        if !prefix.is_empty() {
-            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
-        }
+        Self::check_root(prefix)?;
         self.forward_units(g, idx, 0..self.h.len(), true, true)
     }
 
@@ -220,5 +238,40 @@ impl Module for Gpt {
         let c = &self.config;
         let attention = if self.h.iter().all(|b| b.attn.is_some()) { "" } else { ", no attention" };
         format!("Gpt(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_embd={}{attention})", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd)
+    }
+}
+
+impl CausalLm for Gpt {
+    fn lm_sizes(&self) -> LmSizes {
+        self.config.lm_sizes()
+    }
+
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)> {
+        Self::check_root(prefix)?;
+        let x = self.forward_units(g, idx, 0..self.h.len(), true, false)?;
+        // The table the embedding declared, found again by its name.
+        let wte = self.wte.tied_table(g, &child_prefix!("", self.wte))?;
+        Ok((x, wte))
+    }
+
+    fn logits(&self, g: &mut Graph, wte: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        Self::check_root(prefix)?;
+        self.head(g, wte, x)
+    }
+}
+
+impl LmConfig for GptConfig {
+    /// In f16: the token table (the tied head) and every block's four
+    /// projection weights, 3C·C + C·C + 4C·C + 4C·C.
+    fn lm_sizes(&self) -> LmSizes {
+        let c = self.n_embd as u64;
+        LmSizes {
+            parameters: self.num_parameters() as u64,
+            f16_weight_values: self.vocab_size as u64 * c + self.n_layer as u64 * 12 * c * c,
+            cached_layers: self.n_layer as u64,
+            cache_width: c,
+            context: self.block_size,
+            vocab_size: self.vocab_size,
+        }
     }
 }

@@ -3,11 +3,12 @@
 //! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
 //! and `o_proj` projections without biases.
 
+use super::causal_lm::{cache_pass, cached_attention};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Linear, Module, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{MatmulForm, QkvLayout};
 
 /// transformers' LlamaAttention over x [B, T, C].
 #[derive(Clone, Debug, PartialEq)]
@@ -72,11 +73,20 @@ impl Module for GroupedQueryAttention {
         // Rotary positions on [B, T, heads, d], the projections' own
         // layout, before the KV heads are repeated (each rotated once).
         let kv = self.n_kv_head;
+        let pass = cache_pass();
+        let starts = pass.map(|p| p.starts);
         let q = g.reshape(q, &[b, t, h, d])?;
-        let q = self.rotary.forward(g, q, None)?;
+        let q = self.rotary.forward(g, q, starts)?;
         let k = g.reshape(k, &[b, t, kv, d])?;
-        let k = self.rotary.forward(g, k, None)?;
+        let k = self.rotary.forward(g, k, starts)?;
         let k = g.reshape(k, &[b, t, kv * d])?;
+        if pass.is_some() {
+            // Generation: the cache holds the kv heads, rotated once at
+            // their positions; the kernel shares each among its group.
+            let q = g.reshape(q, &[b, t, c])?;
+            let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
+            return self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj));
+        }
         let k = repeat_kv(g, k, kv, h / kv, d)?;
         let v = repeat_kv(g, v, kv, h / kv, d)?;
         // [B, T, H·d] -> [B, H, T, d]

@@ -40,6 +40,17 @@ impl Embedding {
         g.mark_no_decay_group(table)?;
         Ok(table)
     }
+
+    /// [`Embedding::table`] for a table the head also reads (tied
+    /// weights): a weight matrix, which an f16 forward context stores in
+    /// f16.
+    pub fn tied_table(&self, g: &mut Graph, prefix: &str) -> Result<Tensor> {
+        let [table] = self.declare_weights(g, prefix)?[..] else {
+            return Err(Error::InvalidArgument { op: "Embedding", reason: "declares exactly one table".into() });
+        };
+        g.mark_no_decay_group(table)?;
+        Ok(table)
+    }
 }
 
 parameter_tree!(Embedding, |m| parameters { weight: [m.num_embeddings, m.embedding_dim] });

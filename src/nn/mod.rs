@@ -4,6 +4,7 @@
 //! them) and adds its forward to a [`Graph`]. Initial weights follow
 //! PyTorch's defaults and come from a seeded generator ([`manual_seed`]).
 
+mod causal_lm;
 mod gpt;
 mod grouped_attention;
 mod layers;
@@ -15,6 +16,7 @@ pub mod shard;
 mod staged;
 mod transformer;
 
+pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, WeightDtype};
 pub use gpt::{Gpt, GptConfig};
 pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;
@@ -155,7 +157,7 @@ impl Module for Linear {
     /// Over the last dimension of x [.., in_features]; parameters are named
     /// `{prefix}weight` and (with a bias) `{prefix}bias`.
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let (w, b) = match self.declare(g, prefix)?[..] {
+        let (w, b) = match self.declare_weights(g, prefix)?[..] {
             [w] => (w, None),
             [w, b] => (w, Some(b)),
             ref other => return Err(Error::InvalidArgument { op: "Linear", reason: format!("declared {} parameters, not a weight and an optional bias", other.len()) }),

@@ -33,19 +33,18 @@ pub trait ParameterTree {
     fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()>;
 
     /// Declares this module's parameters in `g` as `visit` names them, in
-    /// visiting order: how a leaf's forward gets its tensors.
+    /// visiting order: how a leaf's forward gets its tensors. Under a
+    /// [`ForwardContext`](super::ForwardContext) a name an earlier forward
+    /// declared is handed back.
     fn declare(&self, g: &mut Graph, prefix: &str) -> Result<Vec<Tensor>> {
-        let mut declared = Vec::new();
-        let mut failed = None;
-        self.visit(prefix, &mut |name, shape, values| {
-            if failed.is_none() {
-                match declare_one(g, &name, &shape, values) {
-                    Ok(t) => declared.push(t),
-                    Err(e) => failed = Some(e),
-                }
-            }
-        });
-        failed.map_or(Ok(declared), Err)
+        declare_tree(self, g, prefix, false)
+    }
+
+    /// [`ParameterTree::declare`] for a module whose matrices are weights
+    /// a decode step reads whole (a Linear's, a tied head's table): an f16
+    /// forward context stores them in f16.
+    fn declare_weights(&self, g: &mut Graph, prefix: &str) -> Result<Vec<Tensor>> {
+        declare_tree(self, g, prefix, true)
     }
 
     /// Replaces every parameter's values with `take(name, shape)`, called
@@ -67,7 +66,7 @@ pub trait ParameterTree {
 /// has it: a name declared twice is one parameter (a head tied to the token
 /// embedding reads the table the embedding declared; a pipeline stage
 /// holding both finds one tensor).
-fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Result<Tensor> {
+pub(super) fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Result<Tensor> {
     let declared = g.parameters().into_iter().find(|&p| g.get(p).is_some_and(|n| n.name == name));
     match declared {
         Some(t) => {
@@ -79,6 +78,20 @@ fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Re
         }
         None => g.parameter(name, shape, values.to_vec()),
     }
+}
+
+fn declare_tree<T: ParameterTree + ?Sized>(tree: &T, g: &mut Graph, prefix: &str, weights: bool) -> Result<Vec<Tensor>> {
+    let mut declared = Vec::new();
+    let mut failed = None;
+    tree.visit(prefix, &mut |name, shape, values| {
+        if failed.is_none() {
+            match super::causal_lm::declare_parameter(g, name, &shape, values, weights && shape.len() == 2) {
+                Ok(t) => declared.push(t),
+                Err(e) => failed = Some(e),
+            }
+        }
+    });
+    failed.map_or(Ok(declared), Err)
 }
 
 /// The prefix of a child field: `{prefix}{group}{field}.`; `group` is a

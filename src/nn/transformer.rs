@@ -1,11 +1,12 @@
 //! The pieces of a GPT block with GPT-2's parameter names: causal
 //! multi-head self-attention, the MLP, and the pre-norm residual block.
 
+use super::causal_lm::{cache_pass, cached_attention};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{shard, Layer, LayerNorm, Linear, Module, TensorSplit};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{MatmulForm, QkvLayout};
 
 /// Causal multi-head self-attention over x [B, T, C]: one projection to q,
 /// k, v (`c_attn`), softmax(q·kᵀ/√d) with a causal mask per head, and an
@@ -70,6 +71,11 @@ impl Module for CausalSelfAttention {
         let qkv = self.c_attn.forward_split(g, x, &child_prefix!(prefix, self.c_attn), TensorSplit::Column { groups: 3, unit: d })?;
         let local = g.shape_of(qkv).and_then(|s| s.last().copied()).unwrap_or(0) / 3;
         let h = local / d;
+        if cache_pass().is_some() {
+            // Generation: the fused rows straight into the KV cache.
+            let y = cached_attention(g, prefix, [qkv; 3], QkvLayout::Fused, h, h, d)?;
+            return self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d });
+        }
         let parts = g.split_last(qkv, &[local, local, local])?;
         // [B, T, C] -> [B, H, T, d]
         let mut heads = Vec::with_capacity(3);

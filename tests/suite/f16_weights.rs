@@ -405,3 +405,49 @@ fn f16_weights_are_counted_at_two_bytes() {
         Ok(())
     });
 }
+
+/// A Llama's f16 generator (tied head, multi-query: the token table and
+/// every projection in f16) against the f32 one on the same weights
+/// rounded; the untied model keeps its token table f32 and its lm_head f16.
+#[test]
+fn an_f16_llama_generator_equals_an_f32_one_on_the_rounded_weights() {
+    use wgrad::models::{Llama, LlamaConfig};
+    for_each_adapter("f16 weights: Llama generator", |k| {
+        if skip(k, "f16 weights: Llama generator") {
+            return Ok(());
+        }
+        for tied in [true, false] {
+            let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_kv_head: 1, n_embd: 24, intermediate_size: 40, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
+            nn::manual_seed(34);
+            let mut model = Llama::new(config)?;
+            model.embed_tokens.weight.iter_mut().for_each(|w| *w *= 50.0);
+            let mut rounded = model.clone();
+            let round = |w: &mut Vec<f32>| *w = cpu::from_f16(&cpu::to_f16(w));
+            if tied {
+                round(&mut rounded.embed_tokens.weight);
+            }
+            if let Some(head) = &mut rounded.lm_head {
+                round(&mut head.weight);
+            }
+            for layer in &mut rounded.layers {
+                let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+                for w in [&mut a.q_proj.weight, &mut a.k_proj.weight, &mut a.v_proj.weight, &mut a.o_proj.weight, &mut m.gate_proj.weight, &mut m.up_proj.weight, &mut m.down_proj.weight] {
+                    round(w);
+                }
+            }
+            let mut half = Generator::new_with_dtype(k.clone(), &model, 1, WeightDtype::F16)?;
+            let mut reference = Generator::new(k.clone(), &rounded, 1)?;
+            let mut stored = half.executor().parameters()?;
+            let mut want = reference.executor().parameters()?;
+            stored.sort_by(|a, b| a.0.cmp(&b.0));
+            want.sort_by(|a, b| a.0.cmp(&b.0));
+            assert_eq!(stored, want, "tied {tied}: the f16 generator's parameters against the rounded model's");
+            let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
+            assert_close(&format!("tied {tied}: prefill"), &half.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, SAME_WEIGHTS_ATOL, SAME_WEIGHTS_RTOL);
+            for &token in &sequence[4..] {
+                assert_close(&format!("tied {tied}: decode {token}"), &half.decode(&[token])?, &reference.decode(&[token])?, SAME_WEIGHTS_ATOL, SAME_WEIGHTS_RTOL);
+            }
+        }
+        Ok(())
+    });
+}

@@ -12,8 +12,9 @@ use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read,
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::generate::{Generator, Sampling};
-use wgrad::kernels::{CachedAttentionShape, MAX_HEAD_DIM};
-use wgrad::nn::{self, Gpt, GptConfig};
+use wgrad::kernels::{CachedAttentionShape, QkvLayout, MAX_HEAD_DIM};
+use wgrad::models::{Llama, LlamaConfig};
+use wgrad::nn::{self, Gpt, GptConfig, Module, RopeLayout};
 use wgrad::trainer::Predictor;
 use wgrad::{cpu, Error};
 
@@ -29,7 +30,27 @@ use wgrad::{cpu, Error};
 /// (1,024 positions of 64 channels, within them unrolled; 700 of 256, past
 /// them, which CPU adapters run with the workgroup kernel too); and
 /// positions past the context (their rows NaN, the caches untouched).
+/// Each runs as multi-head attention over one fused qkv operand (a GPT's).
 type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);
+
+/// Grouped-query cases, (sequences, rows, heads, kv_heads, head_dim,
+/// context, starts, layout): three separate operands (Llama's) and fused
+/// ones, groups of 2, 3 and 7 query heads per KV head, multi-query
+/// (kv_heads 1), a prompt after cached rows, a prime head dim, one on
+/// GPT-2's 1,024 positions (the workgroup kernel on CPU adapters too),
+/// and a position past the context.
+type GroupedCase = (usize, usize, usize, usize, usize, usize, &'static [u32], QkvLayout);
+
+const GROUPED_CASES: [GroupedCase; 8] = [
+    (1, 1, 2, 1, 1, 1, &[0], QkvLayout::Separate),
+    (2, 3, 6, 2, 5, 11, &[0, 4], QkvLayout::Separate),
+    (3, 1, 9, 3, 8, 17, &[16, 0, 7], QkvLayout::Separate),
+    (2, 4, 7, 1, 13, 13, &[2, 9], QkvLayout::Separate),
+    (2, 5, 4, 2, 6, 9, &[0, 3], QkvLayout::Fused),
+    (1, 2, 14, 2, 64, 97, &[60], QkvLayout::Fused),
+    (1, 1, 4, 1, 64, 1024, &[1000], QkvLayout::Separate),
+    (2, 2, 6, 3, 3, 7, &[6, 1], QkvLayout::Separate),
+];
 
 const ATTENTION_CASES: [AttentionCase; 18] = [
     (1, 1, 1, 1, 1, &[0]),
@@ -55,19 +76,31 @@ const ATTENTION_CASES: [AttentionCase; 18] = [
 #[test]
 fn cached_attention_matches_the_cpu() {
     for_each_shaping("cached_attention_forward", |k| {
-        for (i, &(seqs, rows, heads, head_dim, context, starts)) in ATTENTION_CASES.iter().enumerate() {
-            let shape = CachedAttentionShape { seqs, rows, heads, head_dim, context };
-            let (qkv_len, out_len, cache_len) = shape.lengths().expect("small shape");
+        let fused = ATTENTION_CASES.iter().map(|&(seqs, rows, heads, head_dim, context, starts)| (CachedAttentionShape::fused(seqs, rows, heads, head_dim, context), starts));
+        let grouped = GROUPED_CASES.iter().map(|&(seqs, rows, heads, kv_heads, head_dim, context, starts, layout)| {
+            (CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout }, starts)
+        });
+        for (i, (shape, starts)) in fused.chain(grouped).enumerate() {
+            let lengths = shape.lengths().expect("small shape");
             let mut r = rng(900 + i as u64);
-            let qkv_host = random_vec(&mut r, qkv_len, -2.0, 2.0);
+            let q_host = random_vec(&mut r, lengths.q, -2.0, 2.0);
+            // A fused qkv is one operand given as q, k and v.
+            let (k_host, v_host) = match shape.layout {
+                QkvLayout::Fused => (q_host.clone(), q_host.clone()),
+                QkvLayout::Separate => (random_vec(&mut r, lengths.k, -2.0, 2.0), random_vec(&mut r, lengths.v, -2.0, 2.0)),
+            };
             // Earlier positions' keys and values, as a previous step left them.
-            let k_host = random_vec(&mut r, cache_len, -2.0, 2.0);
-            let v_host = random_vec(&mut r, cache_len, -2.0, 2.0);
-            let (qkv, starts_gpu) = (k.upload(&qkv_host)?, k.upload(starts)?);
+            let k_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
+            let v_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
+            let (q, k_rows, v_rows, starts_gpu) = (k.upload(&q_host)?, k.upload(&k_host)?, k.upload(&v_host)?, k.upload(starts)?);
+            let (k_rows, v_rows) = match shape.layout {
+                QkvLayout::Fused => (&q, &q),
+                QkvLayout::Separate => (&k_rows, &v_rows),
+            };
             // Zeros, not NaN: a row past the context must be written NaN.
-            let (k_cache, v_cache, out) = (k.upload(&k_host)?, k.upload(&v_host)?, k.zeros(out_len)?);
-            k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), qkv.view(), starts_gpu.view(), shape)?])?;
-            let (want_out, want_k, want_v) = cpu::cached_attention(&qkv_host, starts, &k_host, &v_host, shape);
+            let (k_cache, v_cache, out) = (k.upload(&k_cache_host)?, k.upload(&v_cache_host)?, k.zeros(lengths.out)?);
+            k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), q.view(), k_rows.view(), v_rows.view(), starts_gpu.view(), shape)?])?;
+            let (want_out, want_k, want_v) = cpu::cached_attention(&q_host, &k_host, &v_host, starts, &k_cache_host, &v_cache_host, shape);
             let what = format!("{shape:?} starts {starts:?}, GPU shaping {}", k.gpu_shaped());
             // f32 sums of ≤ 256 products over ≤ 1,024 positions against
             // f64; outputs are weighted means of values in [-2, 2].
@@ -83,21 +116,34 @@ fn cached_attention_matches_the_cpu() {
 #[test]
 fn cached_attention_checks_its_operands() {
     for_each_adapter("cached_attention_forward errors", |k| {
-        let shape = CachedAttentionShape { seqs: 2, rows: 1, heads: 3, head_dim: 4, context: 5 };
-        let (qkv_len, out_len, cache_len) = shape.lengths().expect("small shape");
-        let (qkv, starts, cache, out) = (k.zeros(qkv_len)?, k.zeros(2)?, k.zeros(cache_len)?, k.zeros(out_len)?);
-        let cache2 = k.zeros(cache_len)?;
-        let short = k.zeros(cache_len - 1)?;
-        let err = k.cached_attention_forward(out.view(), short.view(), cache2.view(), qkv.view(), starts.view(), shape).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("want {cache_len}")), "{err}");
+        let shape = CachedAttentionShape::fused(2, 1, 3, 4, 5);
+        let lengths = shape.lengths().expect("small shape");
+        let (qkv, starts, cache, out) = (k.zeros(lengths.q)?, k.zeros(2)?, k.zeros(lengths.cache)?, k.zeros(lengths.out)?);
+        let cache2 = k.zeros(lengths.cache)?;
+        let short = k.zeros(lengths.cache - 1)?;
+        let err = k.cached_attention_forward(out.view(), short.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), shape).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("want {}", lengths.cache)), "{err}");
         let zero_heads = CachedAttentionShape { heads: 0, ..shape };
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), zero_heads).unwrap_err();
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), zero_heads).unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
-        let wide = CachedAttentionShape { seqs: 1, rows: 1, heads: 1, head_dim: MAX_HEAD_DIM + 1, context: 1 };
-        let (qkv_len, out_len, cache_len) = wide.lengths().expect("small shape");
-        let (qkv, starts, out) = (k.zeros(qkv_len)?, k.zeros(1)?, k.zeros(out_len)?);
-        let (cache, cache2) = (k.zeros(cache_len)?, k.zeros(cache_len)?);
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), starts.view(), wide).unwrap_err();
+        // 2 KV heads do not divide 3 query heads.
+        let uneven = CachedAttentionShape { kv_heads: 2, layout: QkvLayout::Separate, ..shape };
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), uneven).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("divide"), "{err}");
+        // One KV head: caches a third of the size, separate operands of
+        // their own widths; the fused buffers fit neither.
+        let grouped = CachedAttentionShape { kv_heads: 1, layout: QkvLayout::Separate, ..shape };
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), grouped).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("`k_cache`"), "{err}");
+        let small = grouped.lengths().expect("small shape");
+        let (small_cache, small_cache2) = (k.zeros(small.cache)?, k.zeros(small.cache)?);
+        let err = k.cached_attention_forward(out.view(), small_cache.view(), small_cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), grouped).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("`q` has {} elements, want {}", lengths.q, small.q)), "{err}");
+        let wide = CachedAttentionShape::fused(1, 1, 1, MAX_HEAD_DIM + 1, 1);
+        let lengths = wide.lengths().expect("small shape");
+        let (qkv, starts, out) = (k.zeros(lengths.q)?, k.zeros(1)?, k.zeros(lengths.out)?);
+        let (cache, cache2) = (k.zeros(lengths.cache)?, k.zeros(lengths.cache)?);
+        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), wide).unwrap_err();
         assert!(err.to_string().contains(&format!("{}", MAX_HEAD_DIM + 1)), "{err}");
         Ok(())
     });
@@ -199,6 +245,117 @@ fn several_sequences_keep_their_own_caches() {
             }
         }
         Ok(())
+    });
+}
+
+/// Small Llamas (the GPT's CONFIG sizes): grouped-query with 4 heads over
+/// 2 KV heads and an untied head, multi-query (3 heads over 1, head width
+/// 8) with a tied head, and Meta's interleaved rotary pairs with
+/// multi-head attention.
+fn llama_configs() -> [LlamaConfig; 3] {
+    let base = LlamaConfig {
+        vocab_size: CONFIG.vocab_size,
+        block_size: CONFIG.block_size,
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: 2,
+        n_embd: CONFIG.n_embd,
+        intermediate_size: 40,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        rope_layout: RopeLayout::HalfSplit,
+    };
+    [
+        base,
+        LlamaConfig { n_head: 3, n_kv_head: 1, tie_word_embeddings: true, ..base },
+        LlamaConfig { n_kv_head: 4, rope_layout: RopeLayout::Interleaved, ..base },
+    ]
+}
+
+/// A random Llama with sharp attention and logits of order 1 (as
+/// `sharp_model`): Llama's init (std 0.02) scaled up.
+fn sharp_llama(config: LlamaConfig, seed: u64) -> Llama {
+    nn::manual_seed(seed);
+    let mut model = Llama::new(config).expect("valid config");
+    model.embed_tokens.weight.iter_mut().for_each(|w| *w *= 50.0);
+    for layer in &mut model.layers {
+        let attn = &mut layer.self_attn;
+        for w in attn.q_proj.weight.iter_mut().chain(attn.k_proj.weight.iter_mut()).chain(attn.v_proj.weight.iter_mut()) {
+            *w *= 15.0;
+        }
+        attn.o_proj.weight.iter_mut().chain(layer.mlp.down_proj.weight.iter_mut()).for_each(|w| *w *= 10.0);
+    }
+    if let Some(head) = &mut model.lm_head {
+        head.weight.iter_mut().for_each(|w| *w *= 50.0);
+    }
+    model
+}
+
+#[test]
+fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
+    for_each_shaping("generate: Llama cached logits", |k| {
+        let vocab = CONFIG.vocab_size;
+        for (c, config) in llama_configs().into_iter().enumerate() {
+            let model = sharp_llama(config, 40 + c as u64);
+            let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+            let mut generator = Generator::new(k.clone(), &model, 3)?;
+            let mut r = rng(41 + c as u64);
+            let sequences: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
+            let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+            let what = format!("{} on {}", model.describe(), k.device().label());
+            let spread = full.iter().flatten().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert!(spread > 1.0, "{what}: logits of order 1 and above, got at most {spread}");
+            let mut worst = 0.0f32;
+            let mut check = |label: String, got: &[f32], want: &[f32]| {
+                worst = worst.max(got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+                assert_close(&format!("{what}: {label}"), got, want, LOGITS_ATOL, LOGITS_RTOL);
+            };
+            // Prompts of different lengths (one token, several, the whole
+            // context), then steps in lockstep, each sequence at its own
+            // position until it fills the context.
+            let lens = [1, 6, CONFIG.block_size];
+            let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
+            let logits = generator.prefill(&prompts)?;
+            for s in 0..3 {
+                check(format!("prefill, sequence {s}"), &logits[s * vocab..(s + 1) * vocab], &full[s][lens[s] - 1]);
+            }
+            generator.prefill(&prompts[..2].iter().copied().chain([&sequences[2][..4]]).collect::<Vec<_>>())?;
+            let lens = [1, 6, 4];
+            for step in 0..CONFIG.block_size - 6 {
+                let tokens: Vec<u32> = (0..3).map(|s| sequences[s][lens[s] + step]).collect();
+                let logits = generator.decode(&tokens)?;
+                for s in 0..3 {
+                    let p = lens[s] + step;
+                    check(format!("step {step}, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p]);
+                }
+            }
+            // From empty caches, decoding alone is the same forward at
+            // every position.
+            generator.reset()?;
+            for p in 0..CONFIG.block_size {
+                let tokens: Vec<u32> = (0..3).map(|s| sequences[s][p]).collect();
+                let logits = generator.decode(&tokens)?;
+                for s in 0..3 {
+                    check(format!("decode from empty, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p]);
+                }
+            }
+            eprintln!("{what}: cached against full logits, max |diff| {worst:e} (logits up to {spread})");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn llama_greedy_generation_equals_a_full_recompute() {
+    for_each_adapter("generate: Llama greedy", |k| {
+        let model = sharp_llama(llama_configs()[1], 45);
+        let mut predictor = Predictor::new(k.clone(), &model, 1)?;
+        let mut generator = Generator::new(k.clone(), &model, 1)?;
+        let prompt = [5, 9, 2];
+        // Past the context: the window shifts twice.
+        let greedy = generator.generate(&prompt, 2 * CONFIG.block_size, &Sampling::greedy(), |_| Ok(()))?;
+        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))
     });
 }
 

@@ -5,33 +5,31 @@ use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceCon
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
-use crate::kernels::{CachedAttentionShape, Dispatch};
+use crate::kernels::{CachedAttentionShape, Dispatch, QkvLayout};
 
 /// Inference-only ops (no gradients).
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenerationOp {
-    /// inputs (qkv [S, T, 3·C], u32 starts [S], k cache, v cache, each
-    /// [S, heads, P, C/heads]) -> [S, T, C]: writes the rows' keys and
-    /// values into the caches at positions starts[s] + t, then attends
+    /// inputs (q, k, v [S, T, *] placed by `layout` (one fused qkv given
+    /// three times, or three operands), u32 starts [S], k cache, v cache,
+    /// each [S, kv_heads, P, d]) -> [S, T, heads·d]: writes the rows' keys
+    /// and values into the caches at positions starts[s] + t, then attends
     /// over positions 0..=starts[s] + t (see
     /// `Kernels::cached_attention_forward`). No gradient.
-    CachedAttention { heads: usize },
+    CachedAttention { heads: usize, layout: QkvLayout },
     /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
     /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
     /// non-finite logit (see `Kernels::sample_rows`). No gradient.
     SampleTokens,
 }
 
-/// A cached attention's sizes from its qkv [S, T, 3·C] and cache
-/// [S, heads, P, C/heads] shapes.
-fn attention_shape(heads: usize, qkv: &[usize], cache: &[usize]) -> Result<CachedAttentionShape> {
-    let (&[seqs, rows, width], &[_, _, context, head_dim]) = (qkv, cache) else {
-        return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[qkv, cache]));
+/// A cached attention's sizes from its q [S, T, *] and cache
+/// [S, kv_heads, P, d] shapes.
+fn attention_shape(heads: usize, layout: QkvLayout, q: &[usize], cache: &[usize]) -> Result<CachedAttentionShape> {
+    let (&[seqs, rows, _], &[_, kv_heads, context, head_dim]) = (q, cache) else {
+        return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[q, cache]));
     };
-    if width != 3 * heads * head_dim {
-        return Err(Error::shape("Executor", "cached_attention's qkv does not match its caches", &[qkv, cache]));
-    }
-    Ok(CachedAttentionShape { seqs, rows, heads, head_dim, context })
+    Ok(CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout })
 }
 
 impl OpFamily for GenerationOp {
@@ -45,9 +43,9 @@ impl OpFamily for GenerationOp {
     fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let k = cx.kernels();
         match self {
-            GenerationOp::CachedAttention { heads } => {
-                let sizes = attention_shape(*heads, cx.input_shape(0), cx.input_shape(2))?;
-                k.cached_attention_forward(cx.out()?, cx.input(2)?, cx.input(3)?, cx.input(0)?, cx.input(1)?, sizes)
+            GenerationOp::CachedAttention { heads, layout } => {
+                let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
+                k.cached_attention_forward(cx.out()?, cx.input(4)?, cx.input(5)?, cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, sizes)
             }
             GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
@@ -60,9 +58,9 @@ impl OpFamily for GenerationOp {
         match self {
             // The output only: the reference leaves the caches' values as
             // they were fed.
-            GenerationOp::CachedAttention { heads } => {
-                let sizes = attention_shape(*heads, cx.input_shape(0), cx.input_shape(2))?;
-                Ok(cpu::cached_attention(cx.input(0)?, &cx.input_u32(1)?, cx.input(2)?, cx.input(3)?, sizes).0)
+            GenerationOp::CachedAttention { heads, layout } => {
+                let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
+                Ok(cpu::cached_attention(cx.input(0)?, cx.input(1)?, cx.input(2)?, &cx.input_u32(3)?, cx.input(4)?, cx.input(5)?, sizes).0)
             }
             // Sampling reads f32 logits and draws, as the kernel does.
             GenerationOp::SampleTokens => {
@@ -76,33 +74,50 @@ impl OpFamily for GenerationOp {
 }
 
 impl Graph {
-    /// Causal self-attention of `qkv` [S, T, 3·C] (q | k | v of T new
-    /// positions per sequence, `heads` heads) over KV caches `k_cache`,
-    /// `v_cache` [S, heads, P, C/heads] ([`Graph::cache`] tensors): row t
-    /// of sequence s is position starts[s] + t (u32 `starts` [S]); its key
-    /// and value are written into the caches there, and it attends over
-    /// positions 0 ..= starts[s] + t, the earlier ones from the caches.
-    /// -> [S, T, C], heads side by side. Positions must stay below P (the
-    /// caller checks the starts it writes). No gradient.
-    pub fn cached_attention(&mut self, qkv: Tensor, starts: Tensor, k_cache: Tensor, v_cache: Tensor, heads: usize) -> Result<Tensor> {
+    /// Causal self-attention of T new positions per sequence over KV
+    /// caches `k_cache`, `v_cache` [S, kv_heads, P, d] ([`Graph::cache`]
+    /// tensors), `heads` query heads sharing the caches' kv_heads (query
+    /// head h reads KV head h / (heads / kv_heads)). `qkv` are the
+    /// queries, keys and values [S, T, *]: with [`QkvLayout::Fused`] one
+    /// tensor given three times whose rows are q | k | v (a GPT's
+    /// c_attn), with [`QkvLayout::Separate`] q [S, T, heads·d] and k, v
+    /// [S, T, kv_heads·d] (keys already rotated at their positions, for
+    /// Llama). Row t of sequence s is position starts[s] + t (u32 `starts`
+    /// [S]); its key and value are written into the caches there, and it
+    /// attends over positions 0 ..= starts[s] + t, the earlier ones from
+    /// the caches. -> [S, T, heads·d], heads side by side. Positions must
+    /// stay below P (the caller checks the starts it writes). No gradient.
+    pub fn cached_attention(&mut self, qkv: [Tensor; 3], layout: QkvLayout, starts: Tensor, k_cache: Tensor, v_cache: Tensor, heads: usize) -> Result<Tensor> {
         const OP: &str = "cached_attention";
-        self.f32_inputs(OP, &[qkv, k_cache, v_cache])?;
+        self.f32_inputs(OP, &[qkv[0], qkv[1], qkv[2], k_cache, v_cache])?;
         self.check_handle(OP, starts)?;
-        let (sq, ss, sk, sv) = (self.shape(qkv).to_vec(), self.shape(starts).to_vec(), self.shape(k_cache).to_vec(), self.shape(v_cache).to_vec());
-        let all: [&[usize]; 4] = [&sq, &ss, &sk, &sv];
-        let [seqs, rows, width] = sq[..] else {
-            return Err(Error::shape(OP, "qkv must be [sequences, rows, 3·channels]", &all));
+        let [sq, sk, sv] = qkv.map(|t| self.shape(t).to_vec());
+        let (ss, skc, svc) = (self.shape(starts).to_vec(), self.shape(k_cache).to_vec(), self.shape(v_cache).to_vec());
+        let all: [&[usize]; 6] = [&sq, &sk, &sv, &ss, &skc, &svc];
+        let [_, kv_heads, context, head_dim] = skc[..] else {
+            return Err(Error::shape(OP, "the caches must be [sequences, kv_heads, context, head_dim]", &all));
         };
-        if heads == 0 || width % 3 != 0 || (width / 3) % heads != 0 {
-            return Err(Error::shape(OP, format!("qkv's last dimension must be 3·channels with channels a multiple of {heads} heads"), &all));
+        let [seqs, rows, _] = sq[..] else {
+            return Err(Error::shape(OP, "q must be [sequences, rows, columns]", &all));
+        };
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::shape(OP, format!("the caches' {kv_heads} KV heads must divide {heads} query heads"), &all));
         }
-        let head_dim = width / 3 / heads;
+        let shape = CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout };
+        let columns = shape.columns().ok_or_else(|| Error::shape(OP, "the sizes overflow", &all))?;
+        if layout == QkvLayout::Fused && (qkv[1] != qkv[0] || qkv[2] != qkv[0]) {
+            return Err(Error::InvalidArgument { op: OP, reason: "a fused qkv is one tensor given as q, k and v".into() });
+        }
+        for ((name, shape), (width, _)) in [("q", &sq), ("k", &sk), ("v", &sv)].into_iter().zip(columns) {
+            if shape[..] != [seqs, rows, width] {
+                return Err(Error::shape(OP, format!("{name} must be [{seqs}, {rows}, {width}] for {heads} heads over {kv_heads} KV heads of {head_dim} ({layout:?})"), &all));
+            }
+        }
         if self.node(starts).dtype != DType::U32 || ss != [seqs] {
             return Err(Error::shape(OP, format!("starts must be u32 [{seqs}]"), &all));
         }
-        let cache_ok = |shape: &[usize]| shape.len() == 4 && shape[0] == seqs && shape[1] == heads && shape[3] == head_dim;
-        if !cache_ok(&sk) || sk != sv {
-            return Err(Error::shape(OP, format!("the caches must both be [{seqs}, {heads}, context, {head_dim}]"), &all));
+        if skc[0] != seqs || skc != svc {
+            return Err(Error::shape(OP, format!("the caches must both be [{seqs}, {kv_heads}, context, {head_dim}]"), &all));
         }
         for cache in [k_cache, v_cache] {
             if self.node(cache).op != SourceOp::Cache {
@@ -112,8 +127,9 @@ impl Graph {
         if k_cache == v_cache {
             return Err(Error::InvalidArgument { op: OP, reason: "keys and values need two different caches".into() });
         }
-        let shape = vec![seqs, rows, width / 3];
-        Ok(self.push(GenerationOp::CachedAttention { heads }, vec![qkv, starts, k_cache, v_cache], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        let out = vec![seqs, rows, heads * head_dim];
+        let [q, k, v] = qkv;
+        Ok(self.push(GenerationOp::CachedAttention { heads, layout }, vec![q, k, v, starts, k_cache, v_cache], out, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// The next token of each row of `logits` [.., vocab] (rows: the

@@ -1,0 +1,64 @@
+//! A causal language model folder of either family wgrad reads, told
+//! apart by its config.json as transformers' `AutoModelForCausalLM` does:
+//! `model_type: llama` (or `architectures: [LlamaForCausalLM]`) is a
+//! [`crate::models::Llama`] folder ([`crate::llama_folder`]), anything
+//! else a GPT-2 folder ([`crate::gpt_folder`], which refuses another
+//! `model_type` with its own error). What comes back is a [`CausalLm`],
+//! which [`crate::generate::Generator`] runs whatever the family.
+
+use std::path::Path;
+
+use crate::error::Result;
+use crate::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
+use crate::hf_folder::ConfigFields;
+use crate::llama_folder::{load_llama_folder, read_llama_config};
+use crate::nn::{CausalLm, LmConfig};
+
+/// The family a folder's config.json names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LmFamily {
+    Gpt2,
+    Llama,
+}
+
+/// What [`load_lm_folder`] returns.
+pub struct LoadedLm {
+    pub family: LmFamily,
+    pub model: Box<dyn CausalLm>,
+    /// From `wgrad_tokenizer.json` (or GPT-2's BPE for GPT-2's vocabulary).
+    pub tokenizer: Option<TokenizerSpec>,
+}
+
+/// The family of the folder at `dir`, from its config.json alone.
+pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
+    let fields = ConfigFields::read(dir.as_ref(), "PretrainedConfig")?;
+    let names_llama = fields.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|v| v.as_str() == Some("LlamaForCausalLM")));
+    Ok(if fields.text("model_type")? == Some("llama") || names_llama { LmFamily::Llama } else { LmFamily::Gpt2 })
+}
+
+/// The folder's sizes, checked, without reading its weights: enough for
+/// [`crate::generate::check_fits`].
+pub fn read_lm_config(dir: impl AsRef<Path>) -> Result<Box<dyn LmConfig>> {
+    let dir = dir.as_ref();
+    Ok(match lm_family(dir)? {
+        LmFamily::Gpt2 => Box::new(read_gpt_config(dir)?),
+        LmFamily::Llama => Box::new(read_llama_config(dir)?),
+    })
+}
+
+/// The model and tokenizer of the folder at `dir`.
+pub fn load_lm_folder(dir: impl AsRef<Path>) -> Result<LoadedLm> {
+    let dir = dir.as_ref();
+    let family = lm_family(dir)?;
+    let (model, tokenizer): (Box<dyn CausalLm>, _) = match family {
+        LmFamily::Gpt2 => {
+            let loaded = load_gpt_folder(dir)?;
+            (Box::new(loaded.model), loaded.tokenizer)
+        }
+        LmFamily::Llama => {
+            let loaded = load_llama_folder(dir)?;
+            (Box::new(loaded.model), loaded.tokenizer)
+        }
+    };
+    Ok(LoadedLm { family, model, tokenizer })
+}

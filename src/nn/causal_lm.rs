@@ -1,0 +1,228 @@
+//! What generation needs from a causal language model, and the forward
+//! context that carries the KV cache and the weights' dtype through the
+//! model's own forward (as candle passes its cache).
+//!
+//! # Why a scoped context, not a parameter of `forward`
+//!
+//! [`Module::forward`]`(g, x, prefix)` is the one signature every module,
+//! engine (data, tensor, pipeline), trainer and predictor calls. A cache
+//! argument there would enter every module and every caller for the sake
+//! of what three places read: the attention modules (write keys and values
+//! into the cache and attend over it), a Linear's and a tied head's
+//! weight declaration (f16 storage) and the GPT's position rows (at the
+//! cache's positions). candle passes its cache explicitly because each
+//! candle model writes its own forward signature; here one `Module` trait
+//! serves every engine. So [`ForwardContext::run`] installs the context
+//! for the duration of exactly one forward, on this thread, and removes
+//! it when the forward returns (an error or a panic included), as
+//! Megatron's `parallel_state` scopes the tensor-parallel rank: outside
+//! it every module builds its plain training forward, and an engine that
+//! never calls `run` never sees one. The context also lets one graph hold
+//! several forwards over the same parameters and caches (a generator's
+//! prefill and decode passes): a name declared once is handed back, not
+//! declared twice.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use super::Module;
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::{Kernels, QkvLayout};
+
+/// How a generator stores the model's weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightDtype {
+    #[default]
+    F32,
+    /// The matrices a decode step reads whole — every Linear's weight and
+    /// a token table the head reuses — in f16, read in f32; needs
+    /// SHADER_F16 (f32 elsewhere). Biases, norms, position tables and
+    /// the KV caches stay f32.
+    F16,
+}
+
+impl WeightDtype {
+    /// `f32` or `f16`, as `wgrad generate --dtype` and the bench name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::F16 => "f16",
+        }
+    }
+
+    /// What a generator asking for `self` gets on `kernels`' adapter: f16
+    /// only where the adapter has SHADER_F16.
+    pub fn on(self, kernels: &Kernels) -> WeightDtype {
+        match self {
+            WeightDtype::F16 if !kernels.supports_f16() => WeightDtype::F32,
+            other => other,
+        }
+    }
+}
+
+/// What one model stores, from its sizes alone: the check that an adapter
+/// holds a generator runs on these before any weight is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmSizes {
+    /// Every parameter value.
+    pub parameters: u64,
+    /// The values [`WeightDtype::F16`] stores in f16.
+    pub f16_weight_values: u64,
+    /// Attention layers, each with a key and a value cache.
+    pub cached_layers: u64,
+    /// Values of one position of one sequence in one cache (KV heads ·
+    /// head width).
+    pub cache_width: u64,
+    /// Positions the caches hold (the model's context).
+    pub context: usize,
+    pub vocab_size: usize,
+}
+
+/// A causal language model's configuration, sized without building it.
+pub trait LmConfig {
+    fn lm_sizes(&self) -> LmSizes;
+}
+
+/// A causal language model a generator runs: ids [B, T] -> logits, its
+/// forward split where a generator passes only some rows to the head.
+/// Run under a [`ForwardContext`], the attention layers read and write the
+/// context's KV caches.
+pub trait CausalLm: Module {
+    /// The sizes [`LmConfig`] gives for this model's configuration.
+    fn lm_sizes(&self) -> LmSizes;
+
+    fn vocab_size(&self) -> usize {
+        self.lm_sizes().vocab_size
+    }
+
+    /// The longest sequence: positions a KV cache holds.
+    fn context_len(&self) -> usize {
+        self.lm_sizes().context
+    }
+
+    /// The forward up to the final norm: hidden states x [B, T, C] of ids
+    /// `idx` [B, T], and the token table (which a tied head reads).
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)>;
+
+    /// The final norm and the head: logits [.., vocab] of rows x [.., C];
+    /// `table` is what [`CausalLm::body`] returned.
+    fn logits(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor>;
+}
+
+/// The KV-cache state of forwards built into one graph: the weights'
+/// dtype, the caches' size, and every parameter and cache declared so far
+/// (see the module documentation).
+#[derive(Debug, Default)]
+pub struct ForwardContext {
+    weights: WeightDtype,
+    /// Positions each cache holds.
+    context: usize,
+    declared: HashMap<String, Tensor>,
+}
+
+/// One forward's view of the cache: row t of sequence s is position
+/// starts[s] + t, `positions` [S, T] holding those values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachePass {
+    /// u32 [S].
+    pub starts: Tensor,
+    /// u32 [S, T].
+    pub positions: Tensor,
+}
+
+struct Active {
+    cx: ForwardContext,
+    pass: CachePass,
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
+}
+
+/// Puts the context back into its owner when a forward ends, however.
+struct Restore<'a>(&'a mut ForwardContext);
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if let Some(active) = ACTIVE.with(|a| a.borrow_mut().take()) {
+            *self.0 = active.cx;
+        }
+    }
+}
+
+impl ForwardContext {
+    /// A context whose caches hold `context` positions and whose weights
+    /// are stored as `weights`.
+    pub fn new(weights: WeightDtype, context: usize) -> Self {
+        ForwardContext { weights, context, declared: HashMap::new() }
+    }
+
+    /// Runs `forward` (a model's forward declaring into one graph) with
+    /// this context active on this thread: its attention layers write the
+    /// keys and values of row t of sequence s at position starts[s] + t
+    /// and attend over the cache, `pass` giving those positions.
+    pub fn run<R>(&mut self, pass: CachePass, forward: impl FnOnce() -> Result<R>) -> Result<R> {
+        let busy = ACTIVE.with(|a| a.borrow().is_some());
+        if busy {
+            return Err(Error::InvalidArgument { op: "ForwardContext::run", reason: "a forward context is already active on this thread".into() });
+        }
+        let cx = std::mem::take(self);
+        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { cx, pass }));
+        let _restore = Restore(self);
+        forward()
+    }
+}
+
+/// The active forward's cache pass, when a forward runs under a
+/// [`ForwardContext`].
+pub(crate) fn cache_pass() -> Option<CachePass> {
+    ACTIVE.with(|a| a.borrow().as_ref().map(|active| active.pass))
+}
+
+/// Declares `{name}` as a parameter of `g`, or hands back the one an
+/// earlier forward under the same context declared. A `matrix` (a Linear's
+/// weight, a table the head reads) is stored in f16 under an f16 context.
+pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], values: &[f32], matrix: bool) -> Result<Tensor> {
+    ACTIVE.with(|a| {
+        let mut active = a.borrow_mut();
+        let Some(Active { cx, .. }) = active.as_mut() else {
+            return super::parameter_tree::declare_one(g, &name, shape, values);
+        };
+        if let Some(&t) = cx.declared.get(&name) {
+            return Ok(t);
+        }
+        let t = match cx.weights {
+            WeightDtype::F16 if matrix => g.parameter_f16(&name, shape, values.to_vec())?,
+            _ => g.parameter(&name, shape, values.to_vec())?,
+        };
+        cx.declared.insert(name, t);
+        Ok(t)
+    })
+}
+
+/// Attention of the active pass's rows over the KV caches of the layer at
+/// `prefix` (`{prefix}k_cache`, `{prefix}v_cache`, [S, kv_heads, context,
+/// head_dim], declared by the first forward): see [`Graph::cached_attention`].
+/// -> [S, T, heads·head_dim].
+pub(crate) fn cached_attention(g: &mut Graph, prefix: &str, qkv: [Tensor; 3], layout: QkvLayout, heads: usize, kv_heads: usize, head_dim: usize) -> Result<Tensor> {
+    let sequences = g.shape_of(qkv[0]).and_then(|s| s.first().copied()).unwrap_or(0);
+    let (pass, caches) = ACTIVE.with(|a| -> Result<_> {
+        let mut active = a.borrow_mut();
+        let Some(Active { cx, pass }) = active.as_mut() else {
+            return Err(Error::InvalidArgument { op: "cached_attention", reason: "no forward context is active".into() });
+        };
+        let key = format!("{prefix}k_cache");
+        let mut cache = |name: String| -> Result<Tensor> {
+            if let Some(&t) = cx.declared.get(&name) {
+                return Ok(t);
+            }
+            let t = g.cache(&name, &[sequences, kv_heads, cx.context, head_dim])?;
+            cx.declared.insert(name, t);
+            Ok(t)
+        };
+        let caches = (cache(key)?, cache(format!("{prefix}v_cache"))?);
+        Ok((*pass, caches))
+    })?;
+    g.cached_attention(qkv, layout, pass.starts, caches.0, caches.1, heads)
+}
