@@ -12,7 +12,7 @@ use common::{columns_held, rng, rows_held, train_on_one_device, Parameters};
 use rand::Rng;
 use wgrad::gpt_folder::OptimizerState;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
-use wgrad::optim::{AdamW, LrSchedule, SGD};
+use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::trainer::{Examples, Targets, Trainer};
@@ -31,12 +31,7 @@ fn model() -> Gpt {
 }
 
 fn adamw() -> AdamW {
-    AdamW::new(1e-2)
-        .betas(0.9, 0.95)
-        .weight_decay(0.1)
-        .decay_matrices_only()
-        .clip_grad_norm(CLIP)
-        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: STEPS, min_lr: 1e-3 })
+    common::clipped_adamw(CLIP, STEPS)
 }
 
 /// Step `s`'s sequences and their next tokens.

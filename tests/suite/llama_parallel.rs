@@ -10,12 +10,11 @@
 use crate::common;
 use crate::parallel::open_groups;
 
-use common::{assert_close, assert_same_parameters, columns_held, rng, rows_held, train_on_one_device, Parameters};
+use common::{assert_close, assert_same_parameters, clipped_adamw, columns_held, copies_held, rng, rows_held, train_on_one_device, Parameters};
 use rand::Rng;
-use wgrad::kernels::{LrSchedule, OptimizerConfig};
+use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, RopeLayout, Staged};
-use wgrad::optim::AdamW;
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
@@ -52,13 +51,7 @@ fn model(tied: bool) -> Llama {
 }
 
 fn optimizer() -> OptimizerConfig {
-    AdamW::new(1e-2)
-        .betas(0.9, 0.95)
-        .weight_decay(0.1)
-        .decay_matrices_only()
-        .clip_grad_norm(CLIP)
-        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: STEPS, min_lr: 1e-3 })
-        .into()
+    clipped_adamw(CLIP, STEPS).into()
 }
 
 /// Every step's sequences: random tokens, each followed by a fixed
@@ -172,12 +165,7 @@ fn llama_tensor_parallel_splits_kv_heads_with_their_query_heads() {
         let param_err = assert_trained_alike(&format!("{} on [{labels}]", what(tied)), &tp.parameters().unwrap(), &want);
         // The replicated table's copies (each device's lookup, and the
         // tied head on device 0) take the same summed step: the same bits.
-        let copies: Vec<Vec<u32>> = tp
-            .stages()
-            .flat_map(|(_, stage)| stage.executor().parameters().unwrap())
-            .filter(|(name, _, _)| name == "model.embed_tokens.weight")
-            .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
-            .collect();
+        let copies = copies_held(tp.stages().map(|(_, stage)| stage), "model.embed_tokens.weight");
         assert_eq!(copies.len(), if tied { 3 } else { 2 }, "{}: copies of the token table", what(tied));
         assert!(copies.iter().all(|c| c == &copies[0]), "{}: the table's copies differ", what(tied));
         eprintln!("llama tensor parallel ({}) on [{labels}]: loss rel err {loss_err:.1e}, norm rel err {norm_err:.1e}, max |Δparam| {param_err:.1e}", what(tied));
@@ -216,13 +204,7 @@ fn llama_pipeline_matches_single_device_training() {
             }
             let got = p.parameters().unwrap();
             let param_err = assert_trained_alike(&what, &got, &want);
-            let tables: Vec<Vec<u32>> = p
-                .stages()
-                .iter()
-                .flat_map(|stage| stage.executor().parameters().unwrap())
-                .filter(|(name, _, _)| name == "model.embed_tokens.weight")
-                .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
-                .collect();
+            let tables = copies_held(p.stages(), "model.embed_tokens.weight");
             // Tied, the first stage's lookup and the last stage's head hold
             // the table, take the same summed gradient and the same step.
             assert_eq!(tables.len(), if tied { 2 } else { 1 }, "{what}: copies of the token table");

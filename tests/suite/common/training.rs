@@ -4,9 +4,11 @@
 
 use std::sync::Arc;
 
-use wgrad::kernels::OptimizerConfig;
+use wgrad::kernels::{LrSchedule, OptimizerConfig};
 use wgrad::nn::shard::Slice;
 use wgrad::nn::{CrossEntropyLoss, Module};
+use wgrad::optim::AdamW;
+use wgrad::parallel::stage::Stage;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Kernels;
@@ -15,6 +17,18 @@ use super::assert_close;
 
 /// Named parameters as executors and the parallel engines return them.
 pub type Parameters = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// AdamW as the strategies' tests train: betas (0.9, 0.95), weight decay
+/// 0.1 on matrices, 3 warmup steps then cosine over `steps` to lr/10, the
+/// gradient clipped at `clip`.
+pub fn clipped_adamw(clip: f32, steps: u64) -> AdamW {
+    AdamW::new(1e-2)
+        .betas(0.9, 0.95)
+        .weight_decay(0.1)
+        .decay_matrices_only()
+        .clip_grad_norm(clip)
+        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: steps, min_lr: 1e-3 })
+}
 
 /// `model` trained on one device, a step per batch of (token ids, next
 /// tokens) of `batch` sequences: the trainer, and each step's loss and
@@ -69,5 +83,16 @@ pub fn columns_held(tp: &TensorParallel, name: &str) -> Vec<usize> {
             Some(Slice::Columns(r)) => r.len(),
             other => panic!("`{name}` is not split by columns: {other:?}"),
         })
+        .collect()
+}
+
+/// The bits of every copy of parameter `name` the stages hold (a
+/// replicated or tied parameter has one per stage using it).
+pub fn copies_held<'a>(stages: impl IntoIterator<Item = &'a Stage>, name: &str) -> Vec<Vec<u32>> {
+    stages
+        .into_iter()
+        .flat_map(|stage| stage.executor().parameters().unwrap())
+        .filter(|(n, _, _)| n == name)
+        .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
         .collect()
 }
