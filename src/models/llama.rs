@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::{CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, SwiGluMlp};
+use crate::nn::{shard, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -110,6 +110,18 @@ impl LlamaConfig {
         layer.checked_mul(self.n_layer)?.checked_add(table)?.checked_add(head)?.checked_add(c)
     }
 
+    /// Multiply-adds per position of the embedding lookup, each of `blocks`
+    /// decoder layers, and the final norm with the head and its loss
+    /// ([`Staged::stage_costs`]).
+    pub fn stage_costs(&self, blocks: usize) -> StageCosts {
+        let (c, t, v, f) = (self.n_embd as f64, self.block_size as f64, self.vocab_size as f64, self.intermediate_size as f64);
+        let kv = (self.n_kv_head * self.head_dim()) as f64;
+        // q and o, k and v, the MLP's three matmuls, and the attention
+        // scores and their weighted sum.
+        let block = 2.0 * c * c + 2.0 * c * kv + 3.0 * c * f + 2.0 * t * c;
+        StageCosts { prologue: c, blocks: vec![block; blocks], epilogue: v * c + 3.0 * v + 2.0 * c }
+    }
+
     /// Every size positive, heads dividing channels, KV heads dividing
     /// heads, an even head width (pairs rotate), a base above 1 and a
     /// positive eps.
@@ -160,10 +172,11 @@ impl Module for LlamaDecoderLayer {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let normed = self.input_layernorm.forward(g, x, &child_prefix!(prefix, self.input_layernorm))?;
         let attended = self.self_attn.forward(g, normed, &child_prefix!(prefix, self.self_attn))?;
-        let x = g.add(x, attended)?;
+        // Both branches end in a row-parallel Linear under tensor parallelism.
+        let x = shard::reduce_residual(g, x, attended)?;
         let normed = self.post_attention_layernorm.forward(g, x, &child_prefix!(prefix, self.post_attention_layernorm))?;
         let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
-        g.add(x, transformed)
+        shard::reduce_residual(g, x, transformed)
     }
 
     fn describe(&self) -> String {
@@ -239,16 +252,6 @@ impl Llama {
             lm_head: (!config.tie_word_embeddings).then(|| Linear::empty(c, config.vocab_size, false)),
         })
     }
-
-    /// The final norm and the head: logits [.., vocab_size] of x [.., C];
-    /// `table` is the token embedding the tied head reuses.
-    pub fn head(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let x = self.norm.forward(g, x, &child_prefix!(prefix, MODEL, self.norm))?;
-        match &self.lm_head {
-            Some(head) => head.forward(g, x, &child_prefix!(prefix, self.lm_head)),
-            None => g.rows_matmul(MatmulForm::ABt, x, table),
-        }
-    }
 }
 
 impl Module for Llama {
@@ -256,10 +259,11 @@ impl Module for Llama {
         g.ids("idx", &[batch, self.config.block_size])
     }
 
-    /// `idx`: u32 [batch, T] with T ≤ block_size.
+    /// `idx`: u32 [batch, T] with T ≤ block_size. A whole model: its
+    /// parameters are named from the root, so `prefix` must be empty.
     fn forward(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<Tensor> {
-        let (x, table) = self.body(g, idx, prefix)?;
-        self.head(g, table, x, prefix)
+        Self::check_root(prefix)?;
+        self.forward_units(g, idx, 0..self.layers.len(), true, true)
     }
 
     fn describe(&self) -> String {
@@ -273,29 +277,86 @@ impl Module for Llama {
 
 parameter_tree!(Llama { [MODEL] embed_tokens, [MODEL] layers, [MODEL] norm, lm_head });
 
+/// The token embedding, the decoder layers `model.layers.{i}`, and the
+/// final norm with the head (which, tied, declares
+/// `model.embed_tokens.weight` again: the pipeline finds the copy).
+impl Staged for Llama {
+    /// `idx`: u32 [batch, T ≤ block_size] to x [batch, T, C].
+    fn prologue(&self, g: &mut Graph, idx: Tensor) -> Result<Tensor> {
+        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
+        if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
+            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
+        }
+        let table = self.token_table(g)?;
+        g.embedding(table, idx)
+    }
+
+    fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
+        let layer = self.layers.get(index).ok_or_else(|| Error::InvalidArgument { op: "Llama::block", reason: format!("layer {index} of {}", self.layers.len()) })?;
+        layer.forward(g, x, &item_prefix(&child_prefix!("", MODEL, self.layers), index))
+    }
+
+    /// Logits [.., vocab_size] of x [.., C]: the final norm, then
+    /// `lm_head` or, tied, the token table.
+    fn epilogue(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        self.head(g, None, x)
+    }
+
+    fn stage_costs(&self) -> StageCosts {
+        self.config.stage_costs(self.layers.len())
+    }
+}
+
+impl Llama {
+    /// The token table `model.embed_tokens.weight`; tied, it is the head's
+    /// weight too (in f16 under an f16 forward context). Declared by the
+    /// prologue and, tied, again by the epilogue: one tensor in one graph.
+    fn token_table(&self, g: &mut Graph) -> Result<Tensor> {
+        let name = child_prefix!("", MODEL, self.embed_tokens);
+        if self.lm_head.is_some() {
+            self.embed_tokens.table(g, &name)
+        } else {
+            self.embed_tokens.tied_table(g, &name)
+        }
+    }
+
+    /// The final norm, then `lm_head` or, tied, the token table
+    /// transposed (`table` when the caller holds it, else declared again).
+    fn head(&self, g: &mut Graph, table: Option<Tensor>, x: Tensor) -> Result<Tensor> {
+        let x = self.norm.forward(g, x, &child_prefix!("", MODEL, self.norm))?;
+        match (&self.lm_head, table) {
+            (Some(head), _) => head.forward(g, x, &child_prefix!("", self.lm_head)),
+            (None, Some(table)) => g.rows_matmul(MatmulForm::ABt, x, table),
+            (None, None) => {
+                let table = self.token_table(g)?;
+                g.rows_matmul(MatmulForm::ABt, x, table)
+            }
+        }
+    }
+
+    /// A whole model names its parameters from the root.
+    fn check_root(prefix: &str) -> Result<()> {
+        if !prefix.is_empty() {
+            return Err(Error::InvalidArgument { op: "Llama", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
+        }
+        Ok(())
+    }
+}
+
 impl CausalLm for Llama {
     fn lm_sizes(&self) -> LmSizes {
         self.config.lm_sizes()
     }
 
     fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)> {
-        let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
-        if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
-            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
-        }
-        let name = child_prefix!(prefix, MODEL, self.embed_tokens);
-        // Tied, the table is the head's weight too.
-        let table = if self.lm_head.is_some() { self.embed_tokens.table(g, &name)? } else { self.embed_tokens.tied_table(g, &name)? };
-        let mut x = g.embedding(table, idx)?;
-        let layers = child_prefix!(prefix, MODEL, self.layers);
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(g, x, &item_prefix(&layers, i))?;
-        }
-        Ok((x, table))
+        Self::check_root(prefix)?;
+        let x = self.forward_units(g, idx, 0..self.layers.len(), true, false)?;
+        Ok((x, self.token_table(g)?))
     }
 
     fn logits(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
-        self.head(g, table, x, prefix)
+        Self::check_root(prefix)?;
+        self.head(g, Some(table), x)
     }
 }
 

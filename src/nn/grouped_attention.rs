@@ -5,6 +5,7 @@
 
 use super::causal_lm::{cache_pass, cached_attention};
 use super::parameter_tree::{child_prefix, parameter_tree};
+use super::shard::AttentionSplit;
 use super::{Linear, Module, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -66,13 +67,18 @@ impl Module for GroupedQueryAttention {
         if c != self.n_embd {
             return Err(Error::shape("GroupedQueryAttention", format!("expects {} channels", self.n_embd), &[&shape]));
         }
-        let (h, d) = (self.n_head, self.head_dim());
-        let q = self.q_proj.forward(g, x, &child_prefix!(prefix, self.q_proj))?;
-        let k = self.k_proj.forward(g, x, &child_prefix!(prefix, self.k_proj))?;
-        let v = self.v_proj.forward(g, x, &child_prefix!(prefix, self.v_proj))?;
+        // Under tensor parallelism a device takes whole KV heads and, in
+        // step, the query heads sharing them; its head counts are the
+        // widths its projections yield.
+        let d = self.head_dim();
+        let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
+        let q = self.q_proj.forward_split(g, x, &child_prefix!(prefix, self.q_proj), split.query)?;
+        let k = self.k_proj.forward_split(g, x, &child_prefix!(prefix, self.k_proj), split.key_value)?;
+        let v = self.v_proj.forward_split(g, x, &child_prefix!(prefix, self.v_proj), split.key_value)?;
+        let heads_of = |g: &Graph, y: Tensor| g.shape_of(y).and_then(|s| s.last().copied()).unwrap_or(0) / d;
+        let (h, kv) = (heads_of(g, q), heads_of(g, k));
         // Rotary positions on [B, T, heads, d], the projections' own
         // layout, before the KV heads are repeated (each rotated once).
-        let kv = self.n_kv_head;
         let pass = cache_pass();
         let starts = pass.map(|p| p.starts);
         let q = g.reshape(q, &[b, t, h, d])?;
@@ -83,9 +89,9 @@ impl Module for GroupedQueryAttention {
         if pass.is_some() {
             // Generation: the cache holds the kv heads, rotated once at
             // their positions; the kernel shares each among its group.
-            let q = g.reshape(q, &[b, t, c])?;
+            let q = g.reshape(q, &[b, t, h * d])?;
             let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
-            return self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj));
+            return self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
         let k = repeat_kv(g, k, kv, h / kv, d)?;
         let v = repeat_kv(g, v, kv, h / kv, d)?;
@@ -100,8 +106,8 @@ impl Module for GroupedQueryAttention {
         let att = g.softmax(scores, true)?;
         let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
         let y = g.permute(y, &[0, 2, 1, 3])?;
-        let y = g.reshape(y, &[b, t, c])?;
-        self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj))
+        let y = g.reshape(y, &[b, t, h * d])?;
+        self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
     }
 
     fn describe(&self) -> String {

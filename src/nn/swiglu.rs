@@ -1,7 +1,7 @@
 //! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
 
 use super::parameter_tree::{child_prefix, parameter_tree};
-use super::{Linear, Module};
+use super::{Linear, Module, TensorSplit};
 use crate::error::Result;
 use crate::graph::{Graph, Tensor};
 use crate::kernels::Activation;
@@ -28,11 +28,14 @@ impl SwiGluMlp {
 
 impl Module for SwiGluMlp {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(g, x, &child_prefix!(prefix, self.gate_proj))?;
-        let up = self.up_proj.forward(g, x, &child_prefix!(prefix, self.up_proj))?;
+        // Megatron's MLP: gate and up column-parallel (a device's hidden
+        // units), down row-parallel (their partial sum).
+        let column = TensorSplit::Column { groups: 1, unit: 1 };
+        let gate = self.gate_proj.forward_split(g, x, &child_prefix!(prefix, self.gate_proj), column)?;
+        let up = self.up_proj.forward_split(g, x, &child_prefix!(prefix, self.up_proj), column)?;
         let gate = g.activation(Activation::Silu, gate)?;
         let hidden = g.mul(gate, up)?;
-        self.down_proj.forward(g, hidden, &child_prefix!(prefix, self.down_proj))
+        self.down_proj.forward_split(g, hidden, &child_prefix!(prefix, self.down_proj), TensorSplit::Row { unit: 1 })
     }
 
     fn describe(&self) -> String {

@@ -8,15 +8,11 @@
 use crate::common;
 use crate::parallel::open_groups;
 
-use common::{assert_close, rng};
+use common::{columns_held, rng, rows_held, train_on_one_device, Parameters};
 use rand::Rng;
 use wgrad::gpt_folder::OptimizerState;
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
-use wgrad::optim::{AdamW, LrSchedule, SGD};
-use wgrad::graph::{Graph, Tensor};
-use wgrad::kernels::MatmulForm;
-use wgrad::nn::shard::{self, AttentionSplit, Slice};
-use wgrad::nn::{Module, ParameterTree};
+use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::trainer::{Examples, Targets, Trainer};
@@ -29,20 +25,13 @@ const STEPS: u64 = 10;
 /// Below the gradient norms of every step here (asserted), so every step clips.
 const CLIP: f32 = 0.3;
 
-type Parameters = Vec<(String, Vec<usize>, Vec<f32>)>;
-
 fn model() -> Gpt {
     nn::manual_seed(5);
     Gpt::new(CONFIG).unwrap()
 }
 
 fn adamw() -> AdamW {
-    AdamW::new(1e-2)
-        .betas(0.9, 0.95)
-        .weight_decay(0.1)
-        .decay_matrices_only()
-        .clip_grad_norm(CLIP)
-        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: STEPS, min_lr: 1e-3 })
+    common::clipped_adamw(CLIP, STEPS)
 }
 
 /// Step `s`'s sequences and their next tokens.
@@ -56,18 +45,7 @@ fn batch(s: u64) -> (Vec<u32>, Vec<u32>) {
 /// Single-device training: the trainer, and each step's loss and
 /// gradient norm (before clipping).
 fn single_device(k: &std::sync::Arc<wgrad::Kernels>, model: &Gpt, optimizer: impl Into<wgrad::kernels::OptimizerConfig>, steps: std::ops::Range<u64>) -> (Trainer, Vec<f32>, Vec<f32>) {
-    let mut t = Trainer::new(k.clone(), model, CrossEntropyLoss, optimizer, BATCH).unwrap();
-    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-    for s in steps {
-        let (x, y) = batch(s);
-        t.zero_grad();
-        t.forward_ids(&x).unwrap();
-        t.loss(Targets::Classes(&y)).unwrap();
-        t.backward().unwrap();
-        losses.push(t.step_reading_loss().unwrap());
-        norms.push(t.executor().read_grad_norm().unwrap().unwrap_or(f32::NAN));
-    }
-    (t, losses, norms)
+    train_on_one_device(k, model, optimizer, BATCH, &steps.map(batch).collect::<Vec<_>>())
 }
 
 /// The largest |got − want| over every parameter, for the report; each
@@ -75,13 +53,7 @@ fn single_device(k: &std::sync::Arc<wgrad::Kernels>, model: &Gpt, optimizer: imp
 /// device, summed in another order (partial sums over devices, then in
 /// f64), compounded over the steps.
 fn assert_same_parameters(what: &str, got: &Parameters, want: &Parameters) -> f32 {
-    assert_eq!(got.iter().map(|p| (&p.0, &p.1)).collect::<Vec<_>>(), want.iter().map(|p| (&p.0, &p.1)).collect::<Vec<_>>(), "{what}: names and shapes");
-    let mut worst = 0.0f32;
-    for ((name, _, g), (_, _, w)) in got.iter().zip(want) {
-        assert_close(&format!("{what}: {name}"), g, w, 1e-5, 1e-4);
-        worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
-    }
-    worst
+    common::assert_same_parameters(what, got, want, 1e-5, 1e-4)
 }
 
 /// Every replicated parameter (embeddings, norms) has the same bits in
@@ -104,17 +76,6 @@ fn assert_copies_identical(what: &str, tp: &TensorParallel) {
     }
 }
 
-/// Rows of `name` each device holds (a column-parallel Linear's outputs).
-fn rows_held(tp: &TensorParallel, name: &str) -> Vec<usize> {
-    tp.slices(name)
-        .into_iter()
-        .map(|s| match s {
-            Some(Slice::Rows(ranges)) => ranges.iter().map(|r| r.len()).sum(),
-            other => panic!("`{name}` is not split by rows: {other:?}"),
-        })
-        .collect()
-}
-
 /// Attention heads per device: c_attn's rows are q, k and v of 4-wide heads.
 fn head_split(tp: &TensorParallel) -> Vec<usize> {
     rows_held(tp, "h.0.attn.c_attn.weight").into_iter().map(|rows| rows / (3 * CONFIG.n_embd / CONFIG.n_head)).collect()
@@ -123,10 +84,7 @@ fn head_split(tp: &TensorParallel) -> Vec<usize> {
 /// MLP hidden units per device; c_proj holds the matching columns.
 fn hidden_split(tp: &TensorParallel) -> Vec<usize> {
     let hidden = rows_held(tp, "h.0.mlp.c_fc.weight");
-    let columns: Vec<usize> = tp.slices("h.0.mlp.c_proj.weight").into_iter().map(|s| match s {
-        Some(Slice::Columns(r)) => r.len(),
-        other => panic!("c_proj is not split by columns: {other:?}"),
-    }).collect();
+    let columns = columns_held(tp, "h.0.mlp.c_proj.weight");
     assert_eq!(hidden, columns, "c_fc's rows and c_proj's columns go together");
     hidden
 }
@@ -331,136 +289,4 @@ fn impossible_splits_and_bad_shapes_are_refused() {
     assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("h.0.mlp.c_proj.weight"), "{err}");
     let err = TensorParallel::new(group, &model(), CrossEntropyLoss, adamw(), 0).err().expect("batch 0").to_string();
     assert!(err.contains("batch"), "{err}");
-}
-
-/// Grouped-query attention as Llama's (q_proj, k_proj, v_proj, o_proj
-/// without biases; 6 query heads sharing 2 KV heads) with a residual and a
-/// classifier head, over `batch` tokens of one sequence (no causal mask,
-/// so the query heads of a group can share one matmul in rank 3). What it
-/// tests is the split it declares through [`AttentionSplit`].
-struct GroupedQueryAttention {
-    n_head: usize,
-    n_kv_head: usize,
-    q_proj: nn::Linear,
-    k_proj: nn::Linear,
-    v_proj: nn::Linear,
-    o_proj: nn::Linear,
-    head: nn::Linear,
-}
-
-const GQA_CHANNELS: usize = 24;
-const GQA_CLASSES: usize = 5;
-
-impl GroupedQueryAttention {
-    fn new() -> Self {
-        nn::manual_seed(9);
-        let (c, n_head, n_kv_head) = (GQA_CHANNELS, 6, 2);
-        let d = c / n_head;
-        GroupedQueryAttention {
-            n_head,
-            n_kv_head,
-            q_proj: nn::Linear::normal_no_bias(c, n_head * d, 0.2),
-            k_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
-            v_proj: nn::Linear::normal_no_bias(c, n_kv_head * d, 0.2),
-            o_proj: nn::Linear::normal_no_bias(n_head * d, c, 0.2),
-            head: nn::Linear::new(c, GQA_CLASSES),
-        }
-    }
-}
-
-impl Module for GroupedQueryAttention {
-    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
-        g.input("x", &[batch, GQA_CHANNELS])
-    }
-
-    fn forward(&self, g: &mut Graph, x: Tensor, _prefix: &str) -> wgrad::Result<Tensor> {
-        let d = GQA_CHANNELS / self.n_head;
-        let group = self.n_head / self.n_kv_head;
-        let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
-        let t = g.shape_of(x).unwrap()[0];
-        let q = self.q_proj.forward_split(g, x, "q_proj.", split.query)?;
-        let k = self.k_proj.forward_split(g, x, "k_proj.", split.key_value)?;
-        let v = self.v_proj.forward_split(g, x, "v_proj.", split.key_value)?;
-        // This device's KV heads, from what its projections yield.
-        let kv_heads = g.shape_of(k).unwrap()[1] / d;
-        let heads = |g: &mut Graph, y: Tensor, width: usize| -> wgrad::Result<Tensor> {
-            let y = g.reshape(y, &[t, kv_heads, width])?;
-            g.permute(y, &[1, 0, 2])
-        };
-        // [T, kv·g·d] -> [kv, T·g, d]: a group's query heads as rows.
-        let q = heads(g, q, group * d)?;
-        let q = g.reshape(q, &[kv_heads, t * group, d])?;
-        let (k, v) = (heads(g, k, d)?, heads(g, v, d)?);
-        let scores = g.matmul_form(MatmulForm::ABt, q, k)?;
-        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
-        let att = g.softmax(scores, false)?;
-        let y = g.matmul_form(MatmulForm::AB, att, v)?;
-        let y = g.reshape(y, &[kv_heads, t, group * d])?;
-        let y = g.permute(y, &[1, 0, 2])?;
-        let y = g.reshape(y, &[t, kv_heads * group * d])?;
-        let attended = self.o_proj.forward_split(g, y, "o_proj.", split.output)?;
-        let x = shard::reduce_residual(g, x, attended)?;
-        self.head.forward(g, x, "head.")
-    }
-
-    fn describe(&self) -> String {
-        format!("GroupedQueryAttention({}, heads={}, kv_heads={})", GQA_CHANNELS, self.n_head, self.n_kv_head)
-    }
-}
-
-impl ParameterTree for GroupedQueryAttention {
-    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
-        for (name, l) in [("q_proj.", &self.q_proj), ("k_proj.", &self.k_proj), ("v_proj.", &self.v_proj), ("o_proj.", &self.o_proj), ("head.", &self.head)] {
-            l.visit(&format!("{prefix}{name}"), f);
-        }
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> wgrad::Result<()>) -> wgrad::Result<()> {
-        for (name, l) in [("q_proj.", &mut self.q_proj), ("k_proj.", &mut self.k_proj), ("v_proj.", &mut self.v_proj), ("o_proj.", &mut self.o_proj), ("head.", &mut self.head)] {
-            l.visit_mut(&format!("{prefix}{name}"), f)?;
-        }
-        Ok(())
-    }
-}
-
-/// Grouped-query attention split over 2 devices (a KV head each, with its
-/// 3 query heads) against one device: 10 clipped AdamW steps; 3 devices,
-/// which do not divide the 2 KV heads, are refused by name.
-#[test]
-fn grouped_query_attention_splits_kv_heads_with_their_query_heads() {
-    const TOKENS: usize = 7;
-    let groups = open_groups("grouped_query_attention_splits_kv_heads_with_their_query_heads", &[DeviceSelection::Count(2), DeviceSelection::Count(3)]);
-    let [two, three] = &groups[..] else { return };
-    let model = GroupedQueryAttention::new();
-    let batch = |s: u64| {
-        let mut r = rng(700 + s);
-        let x: Vec<f32> = (0..TOKENS * GQA_CHANNELS).map(|_| r.random_range(-1.0..1.0)).collect();
-        let y: Vec<u32> = (0..TOKENS).map(|i| u32::from(x[i * GQA_CHANNELS] > 0.0) + 2 * u32::from(x[i * GQA_CHANNELS + 1] > 0.0)).collect();
-        (x, y)
-    };
-    let clip = 0.2;
-    let optimizer = || AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(clip);
-    let mut single = Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
-    let mut tp = TensorParallel::new(two, &model, CrossEntropyLoss, optimizer(), TOKENS).unwrap();
-    let held = |name: &str| rows_held(&tp, name);
-    // A KV head each (4 + 4 of k's and v's 2 · 4 rows) and, in step, its
-    // 3 query heads (12 + 12 of q's 6 · 4).
-    assert_eq!((held("q_proj.weight"), held("k_proj.weight"), held("v_proj.weight")), (vec![12, 12], vec![4, 4], vec![4, 4]));
-    for s in 0..10 {
-        let (x, y) = batch(s);
-        single.zero_grad();
-        single.forward(&x).unwrap();
-        single.loss(Targets::Classes(&y)).unwrap();
-        single.backward().unwrap();
-        let want = single.step_reading_loss().unwrap();
-        let norm = single.executor().read_grad_norm().unwrap().unwrap();
-        assert!(norm > clip, "step {s} clips: {norm}");
-        let got = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
-        // Partial sums over devices, then in f64: relative 1e-5, as above.
-        assert!((got - want).abs() <= 1e-5 * want, "step {s}: loss {got} vs {want}");
-        assert!((tp.last_grad_norm().unwrap() - norm).abs() <= 1e-5 * norm, "step {s}: norm");
-    }
-    assert_same_parameters("grouped-query attention on 2 devices", &tp.parameters().unwrap(), &single.executor().parameters().unwrap());
-    let err = TensorParallel::new(three, &model, CrossEntropyLoss, optimizer(), TOKENS).err().expect("3 devices, 2 KV heads").to_string();
-    assert!(err.contains("3 devices") && err.contains("2 KV heads"), "{err}");
 }

@@ -24,6 +24,7 @@ mod kernels_ext;
 mod large_operands;
 mod llama_folder;
 mod llama_kernels;
+mod llama_parallel;
 mod llama_reference;
 mod lm_training;
 mod matvec;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod gradcheck;
+mod training;
 
 use std::sync::{Arc, OnceLock};
 
@@ -12,6 +13,7 @@ use wgrad::device::{AdapterReport, GlGuard};
 use wgrad::{Device, Kernels};
 
 pub use gradcheck::{central_differences, gradcheck, mse_to_random, param, param_in, wide};
+pub use training::{assert_same_parameters, clipped_adamw, columns_held, copies_held, rows_held, train_on_one_device, Parameters};
 
 /// What to install when there is no adapter (as scripts/ensure-vulkan.sh).
 pub const INSTALL_HINT: &str = "on Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers libvulkan1 \
