@@ -112,6 +112,11 @@ impl AdamWSchedule {
     }
 }
 
+/// `make train`'s GPT: 0.8M parameters, nanoGPT's shakespeare_char scaled
+/// down to train in under 10 minutes on two CPU cores' software adapter
+/// (the vocabulary is the data's).
+pub const MAKE_TRAIN_GPT: crate::nn::GptConfig = crate::nn::GptConfig { vocab_size: 0, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
+
 /// `make train`'s run: 750 steps of 8 windows, nanoGPT's AdamW, the
 /// validation loss every 125 steps. Sizes and steps measured on the 2-core
 /// machine's lavapipe: about 0.6 s per step, 750 steps in under 8 minutes.

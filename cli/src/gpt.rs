@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::generate::{Generator, Sampling, WeightDtype};
-use wgrad::lm_training::{language_model_run, AdamWSchedule, CausalLm, LanguageModel, TextSource, TokenizerKind};
+use wgrad::lm_training::{language_model_run, AdamWSchedule, MAKE_TRAIN_GPT, CausalLm, LanguageModel, TextSource, TokenizerKind};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{Gpt, GptConfig};
 use wgrad::parallel::distributed::ProcessGroup;
@@ -25,10 +25,6 @@ pub enum TokenizerName {
     /// GPT-2's byte-level BPE (r50k_base, 50,257 tokens).
     Gpt2,
 }
-
-/// `make train`'s GPT: 0.8M parameters, nanoGPT's shakespeare_char scaled
-/// down to train in under 10 minutes on two CPU cores' software adapter.
-const MAKE_TRAIN_GPT: GptConfig = GptConfig { vocab_size: 0, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
 
 /// The language models' flags; the defaults are `make train`'s run
 /// ([`language_model_run`], [`AdamWSchedule`]).

@@ -438,6 +438,9 @@ pub(crate) fn print_summary(summary: &Summary, unit: &str) {
     if !summary.report.is_empty() {
         println!("{}", summary.report);
     }
+    if let Some((step, loss)) = summary.train_curve.last() {
+        println!("final training loss {loss:.6} (step {step})");
+    }
 }
 
 fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
