@@ -228,6 +228,12 @@ impl<M: CausalLm> Task for LanguageModel<M> {
         Ok(Prepared { model, resumed })
     }
 
+    /// A one-token vocabulary stands in for the text's: splits and stages
+    /// do not depend on it.
+    fn model_before_data(&self) -> Result<Option<M>> {
+        M::build(&M::with_vocab(self.model.clone(), 1)).map(Some)
+    }
+
     fn describe_data(&self) -> String {
         self.prepared.as_ref().map_or_else(String::new, |d| {
             let t = &d.text;

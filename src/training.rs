@@ -128,6 +128,12 @@ pub trait Task {
     /// builds the model (parameters seeded by the run) and, on rank 0,
     /// reads `config.resume`.
     fn prepare(&mut self, config: &TrainConfig, processes: Option<&dyn ProcessGroup>) -> Result<Prepared<Self::Model>>;
+    /// The model of these sizes before the data is read, where the task
+    /// can build it (a stand-in vocabulary), so device counts the model
+    /// cannot split are refused before the data is read.
+    fn model_before_data(&self) -> Result<Option<Self::Model>> {
+        Ok(None)
+    }
     /// One line on the data, for the caller to print.
     fn describe_data(&self) -> String;
     /// The last step of a run whose first is `first_step`.
@@ -291,12 +297,18 @@ impl<T: Task> TrainingRun<T> {
     ) -> Result<Self> {
         let strategy = Self::strategy(&config, processes.is_some())?;
         let root = processes.as_ref().is_none_or(|g| g.rank() == 0);
+        // Across processes the split holds rows per process, which the
+        // engine checks once the job's size is known.
+        let split = if processes.is_some() { None } else { config.split.as_deref() };
+        if let Some(count) = devices {
+            strategy.check_counts(count, config.batch_size, split, config.micro_batches)?;
+            if let Some(model) = task.model_before_data()? {
+                strategy.check_devices(count, &model, config.batch_size, split, config.micro_batches)?;
+            }
+        }
         nn::manual_seed(config.seed);
         let Prepared { model, resumed } = task.prepare(&config, processes.as_deref())?;
         if let Some(count) = devices {
-            // Across processes the split holds rows per process, which the
-            // engine checks once the job's size is known.
-            let split = if processes.is_some() { None } else { config.split.as_deref() };
             strategy.check_devices(count, &model, config.batch_size, split, config.micro_batches)?;
         }
         let group = open(())?;

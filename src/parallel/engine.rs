@@ -70,35 +70,39 @@ impl Strategy {
     /// stage and micro-batches that divide the batch, tensor parallel a
     /// share of every split layer per device.
     pub fn check_devices<M: Parallelizable>(self, devices: usize, model: &M, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
-        super::check_limit(devices)?;
+        self.check_counts(devices, batch, split, micro_batches)?;
         match self {
-            Strategy::Single => Ok(()),
-            Strategy::Data => {
-                if devices > batch {
-                    return Err(Error::InvalidArgument {
-                        op: "data parallel",
-                        reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
-                    });
-                }
-                match split {
-                    Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
-                        op: "data parallel split",
-                        reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
-                    }),
-                    _ => Ok(()),
-                }
-            }
+            Strategy::Single | Strategy::Data => Ok(()),
             Strategy::Pipeline => {
-                if micro_batches == 0 || batch % micro_batches != 0 {
-                    return Err(Error::InvalidArgument {
-                        op: "train --parallel pipeline",
-                        reason: format!("the batch of {batch} rows must split into {micro_batches} equal micro-batches (--micro-batches)"),
-                    });
-                }
                 let costs = model.stage_costs().ok_or_else(|| no_stages(&model.describe()))?;
                 partition(&costs, devices).map(|_| ())
             }
             Strategy::Tensor => TensorParallel::check(model, devices, batch),
+        }
+    }
+
+    /// The part of [`Strategy::check_devices`] no model is needed for (so
+    /// a run refuses before it reads its data): the device limit, rows per
+    /// device and a split's length, micro-batches dividing the batch.
+    pub fn check_counts(self, devices: usize, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
+        super::check_limit(devices)?;
+        match self {
+            Strategy::Data if devices > batch => Err(Error::InvalidArgument {
+                op: "data parallel",
+                reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
+            }),
+            Strategy::Data => match split {
+                Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
+                    op: "data parallel split",
+                    reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
+                }),
+                _ => Ok(()),
+            },
+            Strategy::Pipeline if micro_batches == 0 || batch % micro_batches != 0 => Err(Error::InvalidArgument {
+                op: "train --parallel pipeline",
+                reason: format!("the batch of {batch} rows must split into {micro_batches} equal micro-batches (--micro-batches)"),
+            }),
+            _ => Ok(()),
         }
     }
 
