@@ -336,7 +336,7 @@ pub fn gpt_train_flops(config: &crate::nn::GptConfig, tokens: usize) -> f64 {
 pub fn gpt_train_step(kernels: &Arc<Kernels>, config: crate::nn::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
     crate::nn::manual_seed(0);
     let model = crate::nn::Gpt::new(config)?;
-    let optimizer = crate::lm_training::LmTrainConfig { max_steps: (steps + 3) as u64, ..Default::default() }.optimizer();
+    let optimizer = crate::lm_training::AdamWSchedule::default().optimizer((steps + 3) as u64);
     let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let tokens = batch * config.block_size;

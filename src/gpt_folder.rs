@@ -288,7 +288,7 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     model.ln_f.eps = eps;
 
     let tokenizer = read_tokenizer(dir, config.vocab_size)?;
-    let optimizer = read_optimizer(dir, &model)?;
+    let optimizer = read_optimizer(dir, &model, &Gpt2Layout)?;
     Ok(LoadedGpt { model, tokenizer, optimizer })
 }
 
@@ -298,6 +298,42 @@ pub fn read_gpt_config(dir: impl AsRef<Path>) -> Result<GptConfig> {
 }
 
 // ---------------------------------------------------------------- names
+
+/// How a folder stores a parameter (and its optimizer moments): name,
+/// shape and values from wgrad's. Identity by default, as Llama's folder
+/// holds wgrad's names and layouts.
+pub(crate) trait StoredLayout {
+    fn name(&self, name: &str) -> String {
+        name.to_string()
+    }
+    fn shape(&self, _name: &str, shape: &[usize]) -> Vec<usize> {
+        shape.to_vec()
+    }
+    fn to_stored(&self, _name: &str, _shape: &[usize], data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+    fn from_stored(&self, _name: &str, _shape: &[usize], data: Vec<f32>) -> Vec<f32> {
+        data
+    }
+}
+
+/// GPT-2's folder: the body's prefix and Conv1D matrices.
+struct Gpt2Layout;
+
+impl StoredLayout for Gpt2Layout {
+    fn name(&self, name: &str) -> String {
+        hf_name(name)
+    }
+    fn shape(&self, name: &str, shape: &[usize]) -> Vec<usize> {
+        stored_shape(name, shape)
+    }
+    fn to_stored(&self, name: &str, shape: &[usize], data: &[f32]) -> Vec<f32> {
+        to_stored(name, shape, data)
+    }
+    fn from_stored(&self, name: &str, shape: &[usize], data: Vec<f32>) -> Vec<f32> {
+        from_stored(name, shape, data)
+    }
+}
 
 /// wgrad's parameter name as `model.safetensors` holds it.
 fn hf_name(name: &str) -> String {
@@ -437,7 +473,7 @@ impl FolderFiles {
         let config_bytes = pretty_json(&config_json, "save_gpt_folder")?;
         let tokenizer_bytes = pretty_json(tokenizer, "save_gpt_folder")?;
 
-        let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state)).transpose()?;
+        let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state, &Gpt2Layout)).transpose()?;
         Ok(FolderFiles { config: config_bytes, tokenizer: tokenizer_bytes, weights, optimizer })
     }
 
@@ -456,8 +492,8 @@ impl FolderFiles {
 /// and layout of its parameter, plus `.STATE`. Refuses state that does not
 /// cover every parameter with every state name, since resuming from it
 /// would not be exact.
-fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoint> {
-    let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder (optimizer state)", reason };
+pub(crate) fn optimizer_checkpoint(model: &dyn Module, state: &OptimizerState, layout: &dyn StoredLayout) -> Result<Checkpoint> {
+    let bad = |reason: String| Error::InvalidArgument { op: "save model folder (optimizer state)", reason };
     let names = state.state_names();
     let params: HashMap<String, Vec<usize>> = model.named_parameters().into_iter().collect();
     let mut ckpt = Checkpoint::new();
@@ -473,7 +509,7 @@ fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoin
         if !seen.insert((param.as_str(), name.as_str())) {
             return Err(bad(format!("`{param}.{name}` appears twice")));
         }
-        ckpt.push(NamedTensor::new(format!("{}.{name}", hf_name(param)), stored_shape(param, shape), to_stored(param, shape, data))?);
+        ckpt.push(NamedTensor::new(format!("{}.{name}", layout.name(param)), layout.shape(param, shape), layout.to_stored(param, shape, data))?);
     }
     if seen.len() != params.len() * names.len() {
         let absent = params.keys().flat_map(|p| names.iter().map(move |n| (p.as_str(), *n))).find(|k| !seen.contains(k));
@@ -493,6 +529,32 @@ fn optimizer_checkpoint(model: &Gpt, state: &OptimizerState) -> Result<Checkpoin
     ckpt.set_meta("state_names", names.join(","));
     ckpt.set_meta("layout", "names and layouts of model.safetensors, plus .STATE");
     Ok(ckpt)
+}
+
+impl crate::lm_training::TrainableLm for Gpt {
+    type Config = GptConfig;
+    fn with_vocab(config: GptConfig, vocab_size: usize) -> GptConfig {
+        GptConfig { vocab_size, ..config }
+    }
+    fn context(config: &GptConfig) -> usize {
+        config.block_size
+    }
+    fn build(config: &GptConfig) -> Result<Self> {
+        Gpt::new(*config)
+    }
+    fn config(&self) -> GptConfig {
+        self.config
+    }
+    fn with_parameters(&self, params: &crate::parallel::stage::NamedParameters) -> Result<Self> {
+        Gpt::from_parameters(self.config, |name, shape| crate::lm_training::take_parameter(params, name, shape))
+    }
+    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
+        save_gpt_folder(dir, self, tokenizer, Some(state))
+    }
+    fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
+        let loaded = load_gpt_folder(dir)?;
+        Ok((loaded.model, loaded.tokenizer, loaded.optimizer))
+    }
 }
 
 // ---------------------------------------------------------------- loading
@@ -598,7 +660,7 @@ pub(crate) fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<Tok
     Ok(Some(spec))
 }
 
-fn read_optimizer(dir: &Path, model: &Gpt) -> Result<Option<OptimizerState>> {
+pub(crate) fn read_optimizer(dir: &Path, model: &dyn Module, layout: &dyn StoredLayout) -> Result<Option<OptimizerState>> {
     let path = dir.join(OPTIMIZER_FILE);
     if !path.exists() {
         return Ok(None);
@@ -618,22 +680,20 @@ fn read_optimizer(dir: &Path, model: &Gpt) -> Result<Option<OptimizerState>> {
     // The executor's order: every parameter of the first state, then the next.
     for name in &names {
         for (param, shape) in &params {
-            let stored = format!("{}.{name}", hf_name(param));
-            let hf = stored_shape(param, shape);
+            let stored = format!("{}.{name}", layout.name(param));
+            let hf = layout.shape(param, shape);
             let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing { path: path.clone(), name: stored.clone(), expected: hf.clone() })?;
             if t.shape != hf {
                 return Err(Error::FolderTensorShape { path: path.clone(), name: stored, expected: hf, found: t.shape.clone() });
             }
-            let data = from_stored(param, shape, t.data.clone());
+            let data = layout.from_stored(param, shape, t.data.clone());
             state.push((param.clone(), name.to_string(), data));
             used += 1;
         }
     }
     if used != ckpt.tensors.len() {
-        let extra = ckpt.tensors.iter().find(|t| {
-            let known = t.name.strip_prefix(BODY_PREFIX).and_then(|n| n.rsplit_once('.'));
-            !known.is_some_and(|(p, s)| by_name.contains_key(p) && names.contains(&s))
-        });
+        let known: std::collections::HashSet<String> = by_name.keys().flat_map(|p| names.iter().map(move |n| format!("{}.{n}", layout.name(p)))).collect();
+        let extra = ckpt.tensors.iter().find(|t| !known.contains(&t.name));
         if let Some(t) = extra {
             return Err(Error::FolderTensorUnexpected { path: path.clone(), name: t.name.clone(), shape: t.shape.clone() });
         }

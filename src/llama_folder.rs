@@ -31,7 +31,7 @@ use serde_json::json;
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::gguf::llama::unpermute_rows;
-use crate::gpt_folder::{read_tokenizer, TokenizerSpec, TOKENIZER_FILE};
+use crate::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
 use crate::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
 use crate::models::{Llama, LlamaConfig};
 use crate::nn::{Module, RopeLayout};
@@ -48,12 +48,20 @@ pub struct LoadedLlama {
     pub model: Llama,
     /// From `wgrad_tokenizer.json`, when the folder has one.
     pub tokenizer: Option<TokenizerSpec>,
+    /// From `optimizer.safetensors` (wgrad's names), when the folder has one.
+    pub optimizer: Option<OptimizerState>,
 }
 
 /// Saves `model` as a Hugging Face folder at `dir` (see the module docs),
 /// with its tokenizer when given. Atomic: `dir` is either the previous
 /// folder or the complete new one.
 pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>) -> Result<()> {
+    save_llama_folder_with_state(dir, model, tokenizer, None)
+}
+
+/// [`save_llama_folder`] with the optimizer state to resume training from
+/// (`optimizer.safetensors`, as the GPT's folder has it).
+pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>, optimizer: Option<&OptimizerState>) -> Result<()> {
     const OP: &str = "save_llama_folder";
     let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
     let config = model.config;
@@ -110,10 +118,14 @@ pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option
     });
     let config_bytes = pretty_json(&config_json, OP)?;
     let tokenizer_bytes = tokenizer.map(|t| pretty_json(t, OP)).transpose()?;
-    save_atomically(dir.as_ref(), OP, &[TOKENIZER_FILE], |temp| {
+    let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state, &WgradNames)).transpose()?;
+    save_atomically(dir.as_ref(), OP, &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| {
         write_synced(&temp.join(CONFIG_FILE), &config_bytes)?;
         if let Some(bytes) = &tokenizer_bytes {
             write_synced(&temp.join(TOKENIZER_FILE), bytes)?;
+        }
+        if let Some(state) = &optimizer {
+            checkpoint::save(temp.join(OPTIMIZER_FILE), state)?;
         }
         checkpoint::save(temp.join(WEIGHTS_FILE), &weights)
     })
@@ -153,7 +165,8 @@ pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
         Ok(tensor.data)
     })?;
     let tokenizer = read_tokenizer(dir, config.vocab_size)?;
-    Ok(LoadedLlama { model, tokenizer })
+    let optimizer = read_optimizer(dir, &model, &WgradNames)?;
+    Ok(LoadedLlama { model, tokenizer, optimizer })
 }
 
 /// The config.json of a Llama folder, checked, without reading the weights.
@@ -211,4 +224,36 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     }
     config.check().map_err(|e| bad(e.to_string()))?;
     Ok(config)
+}
+
+/// The optimizer state under wgrad's names and layouts (the module tree's
+/// names are Hugging Face's already).
+struct WgradNames;
+
+impl StoredLayout for WgradNames {}
+
+impl crate::lm_training::TrainableLm for Llama {
+    type Config = LlamaConfig;
+    fn with_vocab(config: LlamaConfig, vocab_size: usize) -> LlamaConfig {
+        LlamaConfig { vocab_size, ..config }
+    }
+    fn context(config: &LlamaConfig) -> usize {
+        config.block_size
+    }
+    fn build(config: &LlamaConfig) -> Result<Self> {
+        Llama::new(*config)
+    }
+    fn config(&self) -> LlamaConfig {
+        self.config
+    }
+    fn with_parameters(&self, params: &crate::parallel::stage::NamedParameters) -> Result<Self> {
+        Llama::from_parameters(self.config, |name, shape| crate::lm_training::take_parameter(params, name, shape))
+    }
+    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
+        save_llama_folder_with_state(dir, self, Some(tokenizer), Some(state))
+    }
+    fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
+        let loaded = load_llama_folder(dir)?;
+        Ok((loaded.model, loaded.tokenizer, loaded.optimizer))
+    }
 }

@@ -79,7 +79,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::lm_training::LmTrainConfig;
+use wgrad::lm_training::{language_model_run, MAKE_TRAIN_GPT};
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, LrSchedule};
 use wgrad::parallel::data::{DataParallel, Split};
@@ -264,15 +264,8 @@ fn time_steps(
 
 /// The default GPT on one device and as a 2-stage pipeline.
 fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
-    let run = LmTrainConfig::default();
-    let config = GptConfig {
-        vocab_size: 65,
-        block_size: run.block_size,
-        n_layer: run.n_layer,
-        n_head: run.n_head,
-        n_embd: run.n_embd,
-    };
-    let batch = run.batch_size;
+    let config = GptConfig { vocab_size: 65, ..MAKE_TRAIN_GPT };
+    let batch = language_model_run().batch_size;
     let (warm_up, timed) = if quick { (2, 3) } else { (2, 8) };
     let mut rng = ChaCha8Rng::seed_from_u64(0x9e7);
     let tokens = batch * config.block_size;

@@ -6,17 +6,17 @@ use std::sync::Arc;
 
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
-use wgrad::lm_training::{LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource, TokenizerKind};
 use wgrad::generate::{Generator, Sampling, WeightDtype};
-use wgrad::nn::CausalLm;
+use wgrad::lm_training::{language_model_run, AdamWSchedule, LanguageModel, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
+use wgrad::models::{Llama, LlamaConfig};
+use wgrad::nn::{CausalLm, Gpt, GptConfig};
 use wgrad::parallel::distributed::ProcessGroup;
-use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::pipeline::Schedule;
-use wgrad::parallel::DeviceSelection;
+use wgrad::training::{Evaluation, TrainConfig, TrainingRun};
 use wgrad::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};
 
-use crate::{plot, spinner, TrainArgs};
+use crate::{plot, spinner, Bars, TrainArgs};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum TokenizerName {
@@ -26,7 +26,8 @@ pub enum TokenizerName {
     Gpt2,
 }
 
-/// The GPT's flags; the defaults are `make train`'s run ([`LmTrainConfig`]).
+/// The language models' flags; the defaults are `make train`'s run
+/// ([`language_model_run`], [`AdamWSchedule`]).
 #[derive(clap::Args)]
 pub struct GptArgs {
     /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
@@ -35,16 +36,16 @@ pub struct GptArgs {
     #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd", "block_size"])]
     preset: Option<String>,
     /// GPT: transformer blocks.
-    #[arg(long, default_value_t = LmTrainConfig::default().n_layer)]
+    #[arg(long, default_value_t = MAKE_TRAIN_GPT.n_layer)]
     n_layer: usize,
     /// GPT: attention heads per block.
-    #[arg(long, default_value_t = LmTrainConfig::default().n_head)]
+    #[arg(long, default_value_t = MAKE_TRAIN_GPT.n_head)]
     n_head: usize,
     /// GPT: channels.
-    #[arg(long, default_value_t = LmTrainConfig::default().n_embd)]
+    #[arg(long, default_value_t = MAKE_TRAIN_GPT.n_embd)]
     n_embd: usize,
     /// GPT: context length in tokens.
-    #[arg(long, default_value_t = LmTrainConfig::default().block_size)]
+    #[arg(long, default_value_t = MAKE_TRAIN_GPT.block_size)]
     block_size: usize,
     /// GPT: the tokenizer.
     #[arg(long, value_enum, default_value_t = TokenizerName::Char)]
@@ -53,22 +54,22 @@ pub struct GptArgs {
     #[arg(long)]
     text: Option<PathBuf>,
     /// GPT: steps of linear warmup before the cosine decay.
-    #[arg(long, default_value_t = LmTrainConfig::default().warmup_steps)]
+    #[arg(long, default_value_t = AdamWSchedule::default().warmup_steps)]
     warmup_steps: u64,
     /// GPT: the learning rate the cosine decays to at the last step.
-    #[arg(long, default_value_t = LmTrainConfig::default().min_lr)]
+    #[arg(long, default_value_t = AdamWSchedule::default().min_lr)]
     min_lr: f32,
     /// GPT: AdamW's weight decay (matrices only).
-    #[arg(long, default_value_t = LmTrainConfig::default().weight_decay)]
+    #[arg(long, default_value_t = AdamWSchedule::default().weight_decay)]
     weight_decay: f32,
     /// GPT: clip the gradients' global norm to this (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
     /// GPT: the validation loss every this many steps.
-    #[arg(long, default_value_t = LmTrainConfig::default().eval_every)]
+    #[arg(long, default_value_t = language_model_run().eval_every)]
     eval_every: u64,
     /// GPT: batches of held-out windows per validation loss.
-    #[arg(long, default_value_t = LmTrainConfig::default().eval_batches)]
+    #[arg(long, default_value_t = 16)]
     eval_batches: usize,
     /// GPT: the model folder written at the end.
     #[arg(long, default_value = "out/gpt")]
@@ -82,153 +83,93 @@ pub struct GptArgs {
     schedule: String,
 }
 
-fn config(args: &TrainArgs) -> wgrad::Result<LmTrainConfig> {
+/// What the command line knows of a language model family: its sizes
+/// from the flags and a title for the plot.
+pub trait CliModel: TrainableLm {
+    fn sizes(args: &GptArgs) -> wgrad::Result<Self::Config>;
+    fn title(config: &Self::Config) -> String;
+}
+
+/// Streams a sample of `tokens` tokens after `prompt` from any causal
+/// language model: (tokens, seconds).
+fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, prompt: &str, tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+    let mut generator = prepared_generator(kernels, model, 1, WeightDtype::F32)?;
+    let ids = tokenizer.encode(prompt)?;
+    stream(&mut generator, tokenizer, prompt, &ids, tokens, sampling)
+}
+
+impl CliModel for Gpt {
+    fn sizes(g: &GptArgs) -> wgrad::Result<GptConfig> {
+        let sizes = GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size: g.block_size };
+        g.preset.as_deref().map_or(Ok(sizes), GptConfig::preset)
+    }
+    fn title(c: &GptConfig) -> String {
+        format!("GPT L{} H{} C{} T{}", c.n_layer, c.n_head, c.n_embd, c.block_size)
+    }
+}
+
+impl CliModel for Llama {
+    /// `--preset` names a Llama preset (default `small`).
+    fn sizes(g: &GptArgs) -> wgrad::Result<LlamaConfig> {
+        LlamaConfig::preset(g.preset.as_deref().unwrap_or("small"), 0)
+    }
+    fn title(c: &LlamaConfig) -> String {
+        format!("Llama L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
+    }
+}
+
+/// A language model's run (`--model gpt|llama`); across the processes of
+/// `process_group` when given, where only rank 0 prints, saves and samples.
+pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
     if args.mnist.is_some() {
-        return Err(wgrad::Error::InvalidArgument { op: "train --model gpt", reason: "--mnist is for --model mlp; the GPT takes --text".into() });
+        return Err(wgrad::Error::InvalidArgument { op: "train --model gpt", reason: "--mnist is for --model mlp; a language model takes --text".into() });
     }
     let g = &args.gpt;
-    let defaults = LmTrainConfig::default();
-    let (n_layer, n_head, n_embd, block_size) = match &g.preset {
-        Some(name) => {
-            let p = wgrad::nn::GptConfig::preset(name)?;
-            (p.n_layer, p.n_head, p.n_embd, p.block_size)
-        }
-        None => (g.n_layer, g.n_head, g.n_embd, g.block_size),
+    let defaults = language_model_run();
+    let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
+    let schedule = AdamWSchedule {
+        lr: args.lr.unwrap_or(AdamWSchedule::default().lr),
+        min_lr: g.min_lr,
+        warmup_steps: g.warmup_steps,
+        weight_decay: g.weight_decay,
+        clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
+        ..AdamWSchedule::default()
     };
-    Ok(LmTrainConfig {
+    let config = TrainConfig {
+        optimizer: schedule.optimizer(max_steps),
+        eval_every: g.eval_every,
+        schedule: Schedule::parse(&g.schedule)?,
+        save: Some(g.out.clone()),
+        ..crate::run_config(args, defaults)?
+    };
+    let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
         tokenizer: match g.tokenizer {
             TokenizerName::Char => TokenizerKind::Char,
             TokenizerName::Gpt2 => TokenizerKind::Gpt2,
         },
-        n_layer,
-        n_head,
-        n_embd,
-        block_size,
-        batch_size: args.batch_size.unwrap_or(defaults.batch_size),
-        max_steps: args.max_steps.unwrap_or(defaults.max_steps),
-        lr: args.lr.unwrap_or(defaults.lr),
-        min_lr: g.min_lr,
-        warmup_steps: g.warmup_steps,
-        weight_decay: g.weight_decay,
-        betas: defaults.betas,
-        clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
-        eval_every: g.eval_every,
         eval_batches: g.eval_batches,
-        validation_fraction: defaults.validation_fraction,
-        loss_every: args.loss_every,
-        seed: args.seed,
-        resume: args.resume.clone(),
-        // Across processes the GPT trains data parallel, as the MLP does.
-        strategy: match (args.parallel.as_deref(), args.distributed.is_some()) {
-            (Some(name), _) => Strategy::parse(name)?,
-            (None, true) => Strategy::Data,
-            (None, false) => Strategy::Single,
-        },
-        devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
-        split: args.split.clone(),
-        micro_batches: args.micro_batches,
-        schedule: Schedule::parse(&g.schedule)?,
-        #[cfg(feature = "fault-injection")]
-        fail_at: args.fail_at.as_deref().map(crate::parse_fail_at).transpose()?,
-    })
-}
-
-/// A spinner while kernels are prepared, then a bar over the steps with the
-/// loss, tokens/s and the ETA.
-#[derive(Default)]
-struct Bars {
-    preparing: Option<ProgressBar>,
-    steps: Option<ProgressBar>,
-}
-
-impl LmProgress for Bars {
-    fn preparing(&mut self) {
-        self.preparing = Some(spinner("preparing kernels"));
-    }
-
-    fn started(&mut self, info: &LmRunInfo) {
-        if let Some(s) = self.preparing.take() {
-            s.finish_and_clear();
-        }
-        println!("devices: {}", info.devices.join(", "));
-        println!("{}", info.engine);
-        println!("model: {} | {} parameters", info.model, info.parameters);
-        println!(
-            "data: {} tokenizer, vocabulary {}, {} train / {} validation tokens | {} tokens per step",
-            info.tokenizer, info.vocab_size, info.train_tokens, info.validation_tokens, info.tokens_per_step
-        );
-        println!("{} dispatches per step, {} KiB of GPU memory", info.dispatches_per_step, info.peak_gpu_bytes / 1024);
-        let bar = ProgressBar::new(info.steps);
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} (ETA {eta}) {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar.enable_steady_tick(std::time::Duration::from_millis(120));
-        bar.set_message("first steps compile kernels (cached for later runs)");
-        self.steps = Some(bar);
-    }
-
-    fn step(&mut self, _step: u64) {
-        if let Some(bar) = &self.steps {
-            bar.inc(1);
-        }
-    }
-
-    fn loss(&mut self, _step: u64, loss: f32, tokens_per_s: f64) {
-        if let Some(bar) = &self.steps {
-            bar.set_message(format!("loss {loss:.4} | {tokens_per_s:.0} tokens/s"));
-        }
-    }
-
-    fn validation(&mut self, step: u64, loss: f32) {
-        let line = format!("step {step}: validation loss {loss:.4}");
-        // Printed through the bar so it stays above it; `suspend` prints
-        // even where the bar is hidden (output not a terminal).
-        match &self.steps {
-            Some(bar) => bar.suspend(|| println!("{line}")),
-            None => println!("{line}"),
-        }
-    }
-}
-
-/// The GPT's run; across the processes of `process_group` when given,
-/// where only rank 0 prints, saves and samples.
-pub fn train(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
-    let config = config(args)?;
-    let mut bars = Bars::default();
-    let mut run = match process_group {
-        None => LmTrainingRun::new(opts, config, &mut bars)?,
-        Some(group) => LmTrainingRun::distributed(opts, config, group, &mut bars)?,
+        ..LanguageModel::new(M::sizes(g)?)
     };
-    let summary = run.fit(&mut bars)?;
-    if !run.is_root() {
-        return Ok(());
-    }
-    if let Some(bar) = bars.steps.take() {
-        bar.finish();
-    }
-    println!(
-        "trained {} steps in {:.1} s: {:.0} ms/step, {:.0} tokens/s",
-        summary.steps, summary.train_seconds, summary.ms_per_step, summary.tokens_per_s
-    );
-    if !summary.report.is_empty() {
-        println!("{}", summary.report);
-    }
-    println!("final validation loss {:.4}", summary.final_validation_loss);
-    let model = run.save(&args.gpt.out)?;
-    println!("model folder: {}", args.gpt.out.display());
-    if args.gpt.sample_tokens > 0 {
-        println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
+    let mut bars = Bars::default();
+    let mut run = TrainingRun::new(opts, config, task, process_group, &mut bars)?;
+    let Some(summary) = run.fit(&mut bars)? else { return Ok(()) };
+    crate::print_summary(&summary, "tokens");
+    let Evaluation::ValidationLoss(validation) = summary.evaluation else {
+        return Err(wgrad::Error::InvalidArgument { op: "train", reason: "a language model's run gave no validation loss".into() });
+    };
+    println!("final validation loss {validation:.4}");
+    println!("model folder: {}", g.out.display());
+    let task = run.task();
+    if g.sample_tokens > 0 {
+        let model = task.trained_model(run.engine(), run.model())?;
+        let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument { op: "train", reason: "the run has no tokenizer".into() })?;
         let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
-        let mut generator = prepared_generator(run.kernels().clone(), &model, 1, WeightDtype::F32)?;
-        let prompt = run.sample_prompt()?;
-        let ids = run.tokenizer().encode(&prompt)?;
-        let (count, seconds) = stream(&mut generator, run.tokenizer(), &prompt, &ids, args.gpt.sample_tokens, &sampling)?;
+        println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
+        let (count, seconds) = sample(&model, run.kernels().clone(), tokenizer, &task.sample_prompt()?, g.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     }
-    let c = run.config();
-    let title = format!("GPT L{} H{} C{} T{}: validation loss {:.4}", c.n_layer, c.n_head, c.n_embd, c.block_size, summary.final_validation_loss);
+    let title = format!("{}: validation loss {validation:.4}", M::title(&run.model().config()));
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
     Ok(())

@@ -20,7 +20,7 @@ use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::DeviceSelection;
 use wgrad::trainer::{accuracy, Predictor};
-use wgrad::training::{self, Progress, RunInfo, TrainConfig};
+use wgrad::training::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
@@ -134,6 +134,9 @@ enum ModelKind {
     Gpt,
     /// An MLP classifier on the digits (or MNIST).
     Mlp,
+    /// A small Llama (grouped-query attention, RMSNorm, SwiGLU, rotary
+    /// positions) on text, as the GPT trains.
+    Llama,
 }
 
 #[derive(clap::Args)]
@@ -265,7 +268,8 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let run = |process_group: Option<Arc<dyn ProcessGroup>>| match args.model {
-        ModelKind::Gpt => gpt::train(opts, args, process_group),
+        ModelKind::Gpt => gpt::train::<wgrad::nn::Gpt>(opts, args, process_group),
+        ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
     match args.distributed.as_deref() {
@@ -316,41 +320,44 @@ fn train_mpi_missing(op: &'static str) -> wgrad::Result<()> {
     })
 }
 
-/// The flags as the library's run configuration.
-fn train_config(args: &TrainArgs) -> wgrad::Result<TrainConfig> {
-    let lr = args.lr.unwrap_or(2e-3);
-    let optimizer: OptimizerConfig = match args.optimizer {
-        OptimizerName::Adam => Adam::new(lr).into(),
-        OptimizerName::Adamw => AdamW::new(lr).into(),
-        OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
-    };
+/// The flags every task shares, over `defaults` (the task's run).
+fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainConfig> {
     Ok(TrainConfig {
-        epochs: args.epochs,
-        batch_size: args.batch_size.unwrap_or(32),
-        hidden: args.hidden.clone(),
-        optimizer,
+        batch_size: args.batch_size.unwrap_or(defaults.batch_size),
+        max_steps: args.max_steps.or(defaults.max_steps),
         seed: args.seed,
-        test_fraction: args.test_fraction,
-        mnist: args.mnist.clone(),
         loss_every: args.loss_every,
-        max_steps: args.max_steps,
         resume: args.resume.clone(),
-        checkpoint: Some(args.checkpoint.clone()),
+        // Across processes every task trains data parallel.
         strategy: args.parallel.as_deref().map(Strategy::parse).transpose()?,
         devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
         micro_batches: args.micro_batches,
         split: args.split.clone(),
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
+        ..defaults
     })
 }
 
-/// A spinner while kernels are prepared, then a bar over the steps. The
-/// library reports only on rank 0, so other ranks draw nothing.
+/// A spinner while kernels are prepared, then a bar over the steps with the
+/// loss, the rate and the ETA; validation losses and rebalancing print
+/// above it. The library reports only on rank 0, so other ranks draw nothing.
 #[derive(Default)]
-struct Bars {
+pub(crate) struct Bars {
     preparing: Option<ProgressBar>,
     steps: Option<ProgressBar>,
+    unit: &'static str,
+}
+
+impl Bars {
+    /// Prints `line` above the bar; `suspend` prints even where the bar is
+    /// hidden (output not a terminal).
+    fn print(&self, line: &str) {
+        match &self.steps {
+            Some(bar) => bar.suspend(|| println!("{line}")),
+            None => println!("{line}"),
+        }
+    }
 }
 
 impl Progress for Bars {
@@ -367,23 +374,28 @@ impl Progress for Bars {
             s.finish_and_clear();
         }
         if let Some(path) = &info.resumed_from {
-            println!("resumed from {}", path.display());
+            println!("resumed from {} at step {}", path.display(), info.first_step - 1);
         }
         println!("devices: {}", info.devices.join(", "));
-        if let Some(m) = &info.memory {
-            println!(
-                "GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
-                m.peak_bytes / 1024,
-                m.planned_intermediate_bytes / 1024,
-                m.naive_intermediate_bytes / 1024,
-            );
-        }
-        println!("model: {} | {} | batch {}", info.model, info.optimizer, info.batch_size);
         println!("{}", info.engine);
-        println!("data: {}, {} train / {} test rows", info.data, info.train_rows, info.test_rows);
+        println!("model: {} | {} parameters | {} | batch {}", info.model, info.parameters, info.optimizer, info.batch_size);
+        println!("data: {} | {} {} per step", info.data, info.per_step, info.unit);
+        let f = &info.footprint;
+        match f.intermediates {
+            Some((planned, naive)) => println!(
+                "{} dispatches per step, GPU memory {} KiB (intermediates {} KiB planned vs {} KiB naive)",
+                f.dispatches_per_step,
+                f.peak_bytes / 1024,
+                planned / 1024,
+                naive / 1024
+            ),
+            None => println!("{} dispatches per step, {} KiB of GPU memory on the fullest device", f.dispatches_per_step, f.peak_bytes / 1024),
+        }
+        self.unit = info.unit;
         let bar = ProgressBar::new(info.steps);
+        bar.set_position(info.first_step - 1);
         bar.set_style(
-            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} {msg}")
+            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} steps {elapsed_precise} (ETA {eta}) {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         // Ticks on its own thread, so a first step that waits on a shader
@@ -393,16 +405,18 @@ impl Progress for Bars {
         self.steps = Some(bar);
     }
 
-    fn loss(&mut self, _step: u64, loss: f32, samples_per_s: f64) {
+    fn loss(&mut self, _step: u64, loss: f32, per_s: f64) {
         if let Some(bar) = &self.steps {
-            bar.set_message(format!("loss {loss:.4} | {samples_per_s:.0} samples/s"));
+            bar.set_message(format!("loss {loss:.4} | {per_s:.0} {}/s", self.unit));
         }
     }
 
+    fn validation(&mut self, step: u64, loss: f32) {
+        self.print(&format!("step {step}: validation loss {loss:.4}"));
+    }
+
     fn rebalanced(&mut self, step: u64, engine: &str) {
-        if let Some(bar) = &self.steps {
-            bar.suspend(|| println!("step {step}: {engine}"));
-        }
+        self.print(&format!("step {step}: {engine}"));
     }
 
     fn step(&mut self, _step: u64) {
@@ -418,26 +432,38 @@ impl Progress for Bars {
     }
 }
 
-fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
-    let config = train_config(args)?;
-    let mut bars = Bars::default();
-    let Some(summary) = training::train(opts, config, process_group, &mut bars)? else { return Ok(()) };
-    println!(
-        "trained {} steps in {:.1} s ({:.0} samples/s); train accuracy {:.2}%, test accuracy {:.2}%",
-        summary.steps,
-        summary.seconds,
-        summary.samples_per_s,
-        100.0 * summary.train_accuracy,
-        100.0 * summary.test_accuracy
-    );
+/// The end of every run: steps, time, rate and the engine's report.
+pub(crate) fn print_summary(summary: &Summary, unit: &str) {
+    println!("trained {} steps in {:.1} s: {:.0} ms/step, {:.0} {unit}/s", summary.steps, summary.seconds, summary.ms_per_step, summary.per_s);
     if !summary.report.is_empty() {
         println!("{}", summary.report);
     }
-    if let Some(path) = &summary.checkpoint {
+    if let Some((step, loss)) = summary.train_curve.last() {
+        println!("final training loss {loss:.6} (step {step})");
+    }
+}
+
+fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
+    let lr = args.lr.unwrap_or(2e-3);
+    let optimizer: OptimizerConfig = match args.optimizer {
+        OptimizerName::Adam => Adam::new(lr).into(),
+        OptimizerName::Adamw => AdamW::new(lr).into(),
+        OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
+    };
+    let config = TrainConfig { optimizer, save: Some(args.checkpoint.clone()), ..run_config(args, TrainConfig::default())? };
+    let task = Classifier { hidden: args.hidden.clone(), epochs: args.epochs, test_fraction: args.test_fraction, mnist: args.mnist.clone(), ..Classifier::default() };
+    let mut bars = Bars::default();
+    let Some(summary) = training::train(opts, config, task, process_group, &mut bars)? else { return Ok(()) };
+    print_summary(&summary, "samples");
+    let Evaluation::Accuracy { train, test } = summary.evaluation else {
+        return Err(wgrad::Error::InvalidArgument { op: "train --model mlp", reason: "the classifier's run gave no accuracy".into() });
+    };
+    println!("train accuracy {:.2}%, test accuracy {:.2}%", 100.0 * train, 100.0 * test);
+    if let Some(path) = &summary.saved {
         println!("checkpoint: {}", path.display());
     }
-    let title = format!("{} — test accuracy {:.2}%", summary.model, 100.0 * summary.test_accuracy);
-    plot::loss_curve(&args.plot, &title, &summary.curve)?;
+    let title = format!("{} — test accuracy {:.2}%", summary.model, 100.0 * test);
+    plot::loss_curve(&args.plot, &title, &summary.train_curve)?;
     println!("loss curve: {}", args.plot.display());
     Ok(())
 }

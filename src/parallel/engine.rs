@@ -1,18 +1,22 @@
-//! One front for every strategy, so a training loop (the CLI's, an
-//! example's) is written once: step, predict, checkpoint.
+//! One front for every strategy: [`TrainEngine`] is what a training run
+//! asks of single-device, data, distributed (MPI), tensor and pipeline
+//! training, so the run is written once; [`Strategy::build`] picks one.
 
 use std::sync::Arc;
 
 use super::data::{DataParallel, Split};
 use super::distributed::{DistributedDataParallel, ProcessGroup};
+#[cfg(feature = "fault-injection")]
+use super::distributed::InjectedFailure;
 use super::pipeline::{partition, Pipeline, Schedule};
+use super::stage::{NamedParameters, NamedState};
 use super::tensor::TensorParallel;
 use super::DeviceGroup;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
-use crate::nn::{Criterion, Staged};
-use crate::trainer::{Targets, Trainer};
+use crate::nn::{Criterion, Module, StageCosts, Staged};
+use crate::trainer::{Examples, Targets, Trainer};
 
 /// How the work is spread over devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +25,31 @@ pub enum Strategy {
     Data,
     Pipeline,
     Tensor,
+}
+
+/// A model every strategy can train. Any module trains on one device, data
+/// parallel and tensor parallel; a pipeline needs its stage units, which a
+/// [`Staged`] model has (the blanket impl). A model without them says so
+/// here and a pipeline of it is refused.
+pub trait Parallelizable: Module + Clone + Send + Sync + 'static {
+    /// Each stage unit's work, where the model has stage units.
+    fn stage_costs(&self) -> Option<StageCosts>;
+    /// [`Pipeline::new`] over the model.
+    fn pipeline(&self, group: &DeviceGroup, criterion: Criterion, optimizer: OptimizerConfig, batch: usize, micro_batches: usize, schedule: Schedule) -> Result<Pipeline>;
+}
+
+impl<M: Staged + Clone + Send + Sync + 'static> Parallelizable for M {
+    fn stage_costs(&self) -> Option<StageCosts> {
+        Some(Staged::stage_costs(self))
+    }
+    fn pipeline(&self, group: &DeviceGroup, criterion: Criterion, optimizer: OptimizerConfig, batch: usize, micro_batches: usize, schedule: Schedule) -> Result<Pipeline> {
+        Pipeline::new(group, self, criterion, optimizer, batch, micro_batches, schedule)
+    }
+}
+
+/// The refusal of a pipeline over a model without stage units.
+pub fn no_stages(model: &str) -> Error {
+    Error::InvalidArgument { op: "pipeline parallel", reason: format!("{model} does not declare pipeline stage units (nn::Staged): use --parallel data or tensor") }
 }
 
 impl Strategy {
@@ -34,143 +63,350 @@ impl Strategy {
         }
     }
 
-    /// Whether `devices` devices can split a global batch of `batch` rows
-    /// (one row each at least, and one entry per device in a fixed
-    /// `split`), for any model: [`Strategy::check_devices`] and the
-    /// language-model run use it.
-    pub fn check_data_devices(devices: usize, batch: usize, split: Option<&[usize]>) -> Result<()> {
+    /// Whether `devices` devices can share `model` this way, checked before
+    /// any is opened (the constructors check again on the opened group):
+    /// data parallel needs a row of the `batch` per device (and one entry
+    /// per device in a fixed `split`), the pipeline a unit of work per
+    /// stage and micro-batches that divide the batch, tensor parallel a
+    /// share of every split layer per device.
+    pub fn check_devices<M: Parallelizable>(self, devices: usize, model: &M, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
+        self.check_counts(devices, batch, split, micro_batches)?;
+        match self {
+            Strategy::Single | Strategy::Data => Ok(()),
+            Strategy::Pipeline => {
+                let costs = model.stage_costs().ok_or_else(|| no_stages(&model.describe()))?;
+                partition(&costs, devices).map(|_| ())
+            }
+            Strategy::Tensor => TensorParallel::check(model, devices, batch),
+        }
+    }
+
+    /// The part of [`Strategy::check_devices`] no model is needed for (so
+    /// a run refuses before it reads its data): the device limit, rows per
+    /// device and a split's length, micro-batches dividing the batch.
+    pub fn check_counts(self, devices: usize, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
         super::check_limit(devices)?;
-        if devices > batch {
-            return Err(Error::InvalidArgument {
+        match self {
+            Strategy::Data if devices > batch => Err(Error::InvalidArgument {
                 op: "data parallel",
                 reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
-            });
-        }
-        match split {
-            Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
-                op: "data parallel split",
-                reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
+            }),
+            Strategy::Data => match split {
+                Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
+                    op: "data parallel split",
+                    reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
+                }),
+                _ => Ok(()),
+            },
+            Strategy::Pipeline if micro_batches == 0 || batch % micro_batches != 0 => Err(Error::InvalidArgument {
+                op: "train --parallel pipeline",
+                reason: format!("the batch of {batch} rows must split into {micro_batches} equal micro-batches (--micro-batches)"),
             }),
             _ => Ok(()),
         }
     }
 
-    /// Whether `devices` devices can share `model` this way, checked before
-    /// any is opened (the constructors check again on the opened group):
-    /// data parallel needs a row of the `batch` per device (and one entry
-    /// per device in a fixed `split`), the pipeline a unit of work per
-    /// stage, tensor parallel a share of every split layer per device.
-    pub fn check_devices<M: Staged>(self, devices: usize, model: &M, batch: usize, split: Option<&[usize]>) -> Result<()> {
-        super::check_limit(devices)?;
-        match self {
-            Strategy::Single => Ok(()),
-            Strategy::Data => Self::check_data_devices(devices, batch, split),
-            Strategy::Pipeline => partition(&model.stage_costs(), devices).map(|_| ()),
-            Strategy::Tensor => TensorParallel::check(model, devices, batch),
-        }
-    }
-}
-
-pub enum Engine {
-    Single(Box<Trainer>),
-    Data(DataParallel),
-    Pipeline(Box<Pipeline>),
-    /// Boxed: it is several times the size of the other variants.
-    Tensor(Box<TensorParallel>),
-    /// Data parallel over the processes of a job (MPI) and, inside each,
-    /// over its local devices.
-    Distributed(DistributedDataParallel<Arc<dyn ProcessGroup>>),
-}
-
-impl Engine {
-    /// Builds `strategy` over `group` (Single uses its first device).
-    /// `micro_batches` is for the pipeline; `split` fixes data-parallel
-    /// shares (otherwise measured).
+    /// This strategy over `group` (Single uses its first device), across
+    /// the processes of `processes` when given (data parallel only).
+    /// `split` fixes data-parallel rows per device (per process across
+    /// processes); otherwise they are measured.
     #[allow(clippy::too_many_arguments)]
-    pub fn new<M: Staged + Clone + Send + Sync + 'static>(
-        strategy: Strategy,
+    pub fn build<M: Parallelizable>(
+        self,
         group: &DeviceGroup,
+        processes: Option<Arc<dyn ProcessGroup>>,
         model: &M,
         criterion: Criterion,
         optimizer: OptimizerConfig,
         batch: usize,
         micro_batches: usize,
+        schedule: Schedule,
         split: Option<Vec<usize>>,
-    ) -> Result<Self> {
-        Ok(match strategy {
-            Strategy::Single => Engine::Single(Box::new(Trainer::new(group.members()[0].clone(), model, criterion, optimizer, batch)?)),
-            Strategy::Data => {
-                let split = split.map_or(Split::Measured { every: 20 }, Split::Rows);
-                Engine::Data(DataParallel::new(group, model, criterion, optimizer, batch, split)?)
-            }
-            Strategy::Pipeline => Engine::Pipeline(Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, Schedule::OneFOneB)?)),
-            Strategy::Tensor => Engine::Tensor(Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?)),
+    ) -> Result<Box<dyn TrainEngine>> {
+        Ok(match (self, processes) {
+            (Strategy::Single, None) => Box::new(Trainer::new(group.members()[0].clone(), model, criterion, optimizer, batch)?),
+            (Strategy::Data, None) => Box::new(DataParallel::new(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows))?),
+            (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
+            (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
+            (Strategy::Pipeline, None) => Box::new(model.pipeline(group, criterion, optimizer, batch, micro_batches, schedule)?),
+            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() }),
         })
     }
+}
 
-    /// One optimizer step on a batch; the mean loss when `read_loss`.
-    pub fn step(&mut self, x: &[f32], targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        match self {
-            Engine::Single(t) => {
-                t.zero_grad();
-                t.forward(x)?;
-                t.loss(targets)?;
-                t.backward()?;
-                if read_loss {
-                    t.step_reading_loss().map(Some)
-                } else {
-                    t.step().map(|_| None)
-                }
-            }
-            Engine::Data(d) => d.step(x, targets, read_loss),
-            Engine::Pipeline(p) => p.step(x, targets, read_loss),
-            Engine::Tensor(t) => t.step(x, targets, read_loss),
-            Engine::Distributed(d) => d.step(x, targets, read_loss),
-        }
+/// Dispatches and GPU bytes of one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// On every device together.
+    pub dispatches_per_step: usize,
+    /// Of the device holding the most.
+    pub peak_bytes: u64,
+    /// One device's intermediates (planned, naive), where one graph holds
+    /// the whole model.
+    pub intermediates: Option<(u64, u64)>,
+}
+
+/// What a training run asks of an engine, whatever spreads the work.
+pub trait TrainEngine {
+    /// One optimizer step on a global batch; the mean loss when `read_loss`.
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>>;
+    /// The mean loss of a global batch, without training (collective
+    /// across processes).
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32>;
+    /// A classifier's predicted classes.
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>>;
+    /// Every parameter under its single-device name (gathered from stages
+    /// or shards; a replica's).
+    fn parameters(&self) -> Result<NamedParameters>;
+    /// (parameter, state name, values) of the optimizer.
+    fn optimizer_state(&self) -> Result<NamedState>;
+    /// Optimizer steps taken (a resumed run's included).
+    fn step_count(&self) -> u64;
+    /// Parameters, optimizer state and metadata under single-device names,
+    /// so a run resumes on any strategy.
+    fn checkpoint(&self) -> Result<Checkpoint>;
+    /// Loads parameters (by name), optimizer state and step everywhere.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()>;
+    /// Across processes, every rank takes rank 0's parameters, state and
+    /// step (collective); nothing otherwise.
+    fn sync_from_root(&mut self) -> Result<()> {
+        Ok(())
     }
-
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        match self {
-            Engine::Single(t) => t.predict(features),
-            Engine::Data(d) => d.predict(features),
-            Engine::Pipeline(p) => p.predict(features),
-            Engine::Tensor(t) => t.predict(features),
-            Engine::Distributed(d) => d.predict(features),
-        }
-    }
-
-    /// Parameters under their single-device names (gathered from stages or
-    /// shards), the optimizer state and metadata, so `wgrad infer` loads
-    /// any of them the same way and a run resumes on any strategy.
-    pub fn checkpoint(&self) -> Result<Checkpoint> {
-        match self {
-            Engine::Single(t) => t.checkpoint(),
-            Engine::Data(d) => d.replicas()[0].checkpoint(),
-            Engine::Distributed(d) => d.replica().checkpoint(),
-            Engine::Pipeline(p) => p.checkpoint(),
-            Engine::Tensor(t) => t.checkpoint(),
-        }
-    }
-
     /// One line on how the work is spread.
-    pub fn describe(&self) -> String {
-        match self {
-            Engine::Single(t) => format!("single device, {} dispatches per step in one submit", t.executor().dispatches_per_step()),
-            Engine::Data(d) => d.describe(),
-            Engine::Pipeline(p) => p.describe(),
-            Engine::Tensor(t) => t.describe(),
-            Engine::Distributed(d) => d.describe(),
+    fn describe(&self) -> String;
+    /// What the parallelism cost, for the end of a run (empty for one device).
+    fn report(&self) -> String {
+        String::new()
+    }
+    fn footprint(&self) -> Footprint;
+    /// Data parallel's rows per device (or process); empty elsewhere.
+    fn shares(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Testing the failure path across processes.
+    #[cfg(feature = "fault-injection")]
+    fn inject_failure(&mut self, _rank: usize, _step: u64, _how: InjectedFailure) {}
+}
+
+fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
+    match x {
+        Examples::Features(f) => Ok(f),
+        Examples::Ids(_) => Err(Error::InvalidArgument { op, reason: "predicts classes of feature rows, not token ids".into() }),
+    }
+}
+
+fn trainer_footprint(t: &Trainer) -> Footprint {
+    let exec = t.executor();
+    Footprint { dispatches_per_step: exec.dispatches_per_step(), peak_bytes: exec.peak_bytes(), intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
+}
+
+impl TrainEngine for Trainer {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        self.zero_grad();
+        self.forward_examples(x)?;
+        self.loss(targets)?;
+        self.backward()?;
+        if read_loss {
+            self.step_reading_loss().map(Some)
+        } else {
+            Trainer::step(self).map(|()| None)
         }
     }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        Trainer::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        self.predict_examples(x)
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        self.executor().parameters()
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        self.executor().optimizer_state()
+    }
+    fn step_count(&self) -> u64 {
+        self.executor().step_count()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        Trainer::checkpoint(self)
+    }
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.executor_mut().load_state(params, state, step)
+    }
+    fn describe(&self) -> String {
+        format!("single device, {} dispatches per step in one submit", self.executor().dispatches_per_step())
+    }
+    fn footprint(&self) -> Footprint {
+        trainer_footprint(self)
+    }
+}
 
-    /// What the run cost, for the end of training.
-    pub fn report(&self) -> String {
-        match self {
-            Engine::Single(_) => String::new(),
-            Engine::Data(d) => d.report(),
-            Engine::Pipeline(p) => format!("{}; {}", p.describe(), p.report()),
-            Engine::Tensor(t) => t.report(),
-            Engine::Distributed(d) => d.report(),
+impl TrainEngine for DataParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DataParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DataParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DataParallel::predict(self, x)
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        self.replicas()[0].executor().parameters()
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        self.replicas()[0].executor().optimizer_state()
+    }
+    fn step_count(&self) -> u64 {
+        self.replicas()[0].executor().step_count()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        self.replicas()[0].checkpoint()
+    }
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        DataParallel::load_state(self, params, state, step)
+    }
+    fn describe(&self) -> String {
+        DataParallel::describe(self)
+    }
+    fn report(&self) -> String {
+        DataParallel::report(self)
+    }
+    fn footprint(&self) -> Footprint {
+        trainer_footprint(&self.replicas()[0])
+    }
+    fn shares(&self) -> Vec<usize> {
+        DataParallel::shares(self).to_vec()
+    }
+}
+
+impl<G: ProcessGroup> TrainEngine for DistributedDataParallel<G> {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DistributedDataParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DistributedDataParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DistributedDataParallel::predict(self, x)
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        self.replica().executor().parameters()
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        self.replica().executor().optimizer_state()
+    }
+    fn step_count(&self) -> u64 {
+        self.replica().executor().step_count()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        self.replica().checkpoint()
+    }
+    /// This process's replicas only; [`TrainEngine::sync_from_root`] then
+    /// hands rank 0's to every rank.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.local_mut().load_state(params, state, step)
+    }
+    fn sync_from_root(&mut self) -> Result<()> {
+        DistributedDataParallel::sync_from_root(self)
+    }
+    fn describe(&self) -> String {
+        DistributedDataParallel::describe(self)
+    }
+    fn report(&self) -> String {
+        DistributedDataParallel::report(self)
+    }
+    fn footprint(&self) -> Footprint {
+        trainer_footprint(self.replica())
+    }
+    fn shares(&self) -> Vec<usize> {
+        self.process_shares().to_vec()
+    }
+    #[cfg(feature = "fault-injection")]
+    fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
+        DistributedDataParallel::inject_failure(self, rank, step, how);
+    }
+}
+
+impl TrainEngine for TensorParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        TensorParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        TensorParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        TensorParallel::parameters(self)
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        TensorParallel::optimizer_state(self)
+    }
+    fn step_count(&self) -> u64 {
+        TensorParallel::step_count(self)
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        TensorParallel::checkpoint(self)
+    }
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        TensorParallel::load_state(self, params, state, step)
+    }
+    fn describe(&self) -> String {
+        TensorParallel::describe(self)
+    }
+    fn report(&self) -> String {
+        TensorParallel::report(self)
+    }
+    /// All ranks' dispatches; the bytes of the device holding the most.
+    fn footprint(&self) -> Footprint {
+        let mut per_device: Vec<u64> = Vec::new();
+        let mut dispatches = 0;
+        for (device, stage) in self.stages() {
+            if per_device.len() <= device {
+                per_device.resize(device + 1, 0);
+            }
+            per_device[device] += stage.executor().peak_bytes();
+            dispatches += stage.executor().dispatches_per_step();
         }
+        Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
+    }
+}
+
+impl TrainEngine for Pipeline {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        Pipeline::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        Pipeline::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        Pipeline::predict(self, features(x, "Pipeline::predict")?)
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        Pipeline::parameters(self)
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        Pipeline::optimizer_state(self)
+    }
+    fn step_count(&self) -> u64 {
+        Pipeline::step_count(self)
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        Pipeline::checkpoint(self)
+    }
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        Pipeline::load_state(self, params, state, step)
+    }
+    fn describe(&self) -> String {
+        Pipeline::describe(self)
+    }
+    fn report(&self) -> String {
+        format!("{}; {}", Pipeline::describe(self), Pipeline::report(self))
+    }
+    fn footprint(&self) -> Footprint {
+        let dispatches = self.stages().iter().map(|s| s.executor().dispatches_per_step()).sum();
+        Footprint { dispatches_per_step: dispatches, peak_bytes: self.stage_gpu_bytes().into_iter().max().unwrap_or(0), intermediates: None }
     }
 }

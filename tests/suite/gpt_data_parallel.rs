@@ -11,7 +11,8 @@ use crate::parallel::groups;
 use std::sync::Arc;
 
 use common::assert_close;
-use wgrad::lm_training::{LmTrainConfig, LmTrainingRun, TextSource};
+use wgrad::lm_training::{AdamWSchedule, LanguageModel, TextSource};
+use wgrad::training::{Evaluation, Summary, TrainConfig, TrainingRun};
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::distributed::SingleProcess;
@@ -31,25 +32,25 @@ const MAX_NORM: f32 = 0.05;
 
 /// L2 H2 C16 T8 B6 on the pangram, AdamW with weight decay, 3 warmup steps
 /// then cosine decay over 10, clipping at [`MAX_NORM`].
-fn config() -> LmTrainConfig {
-    LmTrainConfig {
-        text: TextSource::Text(PANGRAM.repeat(60)),
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 8,
-        batch_size: BATCH,
-        max_steps: STEPS,
-        lr: 1e-2,
-        min_lr: 1e-3,
-        warmup_steps: 3,
-        clip_grad_norm: Some(MAX_NORM),
-        eval_every: 5,
-        eval_batches: 2,
-        loss_every: 5,
-        seed: 7,
-        ..LmTrainConfig::default()
+fn config() -> TrainConfig {
+    let schedule = AdamWSchedule { lr: 1e-2, min_lr: 1e-3, warmup_steps: 3, clip_grad_norm: Some(MAX_NORM), ..AdamWSchedule::default() };
+    TrainConfig { batch_size: BATCH, max_steps: Some(STEPS), optimizer: schedule.optimizer(STEPS), eval_every: 5, loss_every: 5, seed: 7, ..TrainConfig::default() }
+}
+
+/// The GPT of [`config`]'s run: L2 H2 C16 T8 on the pangram.
+fn task() -> LanguageModel<Gpt> {
+    LanguageModel { text: TextSource::Text(PANGRAM.repeat(60)), eval_batches: 2, ..LanguageModel::new(GptConfig { vocab_size: 0, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16 }) }
+}
+
+fn validation(s: &Summary) -> f32 {
+    match s.evaluation {
+        Evaluation::ValidationLoss(v) => v,
+        other => panic!("a language model's run ended with {other:?}"),
     }
+}
+
+fn trained(run: &TrainingRun<LanguageModel<Gpt>>) -> Gpt {
+    run.task().trained_model(run.engine(), run.model()).unwrap()
 }
 
 /// Rows per device: uneven, with a one-row shard.
@@ -88,7 +89,7 @@ fn gpt_data_parallel_matches_single_device_training() {
     for group in groups("gpt_data_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
         // Single-device reference on the same global batches.
-        let mut single = Trainer::new(group.members()[0].clone(), &gpt, CrossEntropyLoss, lm.optimizer(), BATCH).unwrap();
+        let mut single = Trainer::new(group.members()[0].clone(), &gpt, CrossEntropyLoss, lm.optimizer, BATCH).unwrap();
         let (mut norms, mut rates) = (Vec::new(), Vec::new());
         for (x, y) in &batches {
             single.zero_grad();
@@ -101,10 +102,10 @@ fn gpt_data_parallel_matches_single_device_training() {
         }
         assert!(norms.iter().all(|&n| n > MAX_NORM), "every step must clip: pre-clip norms {norms:?} against {MAX_NORM}");
         // Warmup rises over 3 steps, then the cosine falls towards min_lr.
-        assert!(rates[0] < rates[2] && rates[3..].windows(2).all(|w| w[1] < w[0]) && rates[9] >= lm.min_lr, "schedule {rates:?}");
+        assert!(rates[0] < rates[2] && rates[3..].windows(2).all(|w| w[1] < w[0]) && rates[9] >= 1e-3, "schedule {rates:?}");
         let want = single.executor().parameters().unwrap();
 
-        let mut dp = DataParallel::new(&group, &gpt, CrossEntropyLoss, lm.optimizer(), BATCH, Split::Rows(uneven_split(group.len()))).unwrap();
+        let mut dp = DataParallel::new(&group, &gpt, CrossEntropyLoss, lm.optimizer, BATCH, Split::Rows(uneven_split(group.len()))).unwrap();
         for (step, (x, y)) in batches.iter().enumerate() {
             dp.step(x, Targets::Classes(y), false).unwrap();
             // Each replica clipped by the norm of the all-reduced (global)
@@ -159,35 +160,35 @@ fn assert_relative(what: &str, a: f32, b: f32) {
     assert!(a.is_finite() && (a - b).abs() <= 1e-3 * b.abs(), "{what}: {a} against {b}");
 }
 
-/// `LmTrainingRun` with data parallel — in one process, and as the only
+/// `TrainingRun` with data parallel — in one process, and as the only
 /// process of a distributed job — ends with the single-device run's losses.
 #[test]
 fn a_data_parallel_gpt_run_ends_where_a_single_device_run_ends() {
     let groups = groups("a_data_parallel_gpt_run_ends_where_a_single_device_run_ends");
     let Some(group) = groups.first() else { return };
     let labels = group.labels().join(", ");
-    let mut single = LmTrainingRun::with_kernels(group.members()[0].clone(), config(), &mut ()).unwrap();
-    let want = single.fit(&mut ()).unwrap();
+    let mut single = TrainingRun::with_kernels(group.members()[0].clone(), config(), task(), &mut ()).unwrap();
+    let want = single.fit(&mut ()).unwrap().unwrap();
     assert!(want.report.is_empty());
-    let data = LmTrainConfig { strategy: Strategy::Data, ..config() };
+    let data = TrainConfig { strategy: Some(Strategy::Data), ..config() };
     let runs = [
-        ("data parallel", LmTrainingRun::with_devices(regroup(group), data.clone(), None, &mut ()).unwrap()),
-        ("distributed, one process", LmTrainingRun::with_devices(regroup(group), data, Some(Arc::new(SingleProcess)), &mut ()).unwrap()),
+        ("data parallel", TrainingRun::with_devices(regroup(group), data.clone(), task(), None, &mut ()).unwrap()),
+        ("distributed, one process", TrainingRun::with_devices(regroup(group), data, task(), Some(Arc::new(SingleProcess)), &mut ()).unwrap()),
     ];
     for (what, mut run) in runs {
         assert!(run.info().engine.contains("data parallel"), "{}", run.info().engine);
         assert_eq!(run.info().devices.len(), group.len());
-        let got = run.fit(&mut ()).unwrap();
-        let last = |s: &wgrad::lm_training::LmSummary| s.train_curve.last().map(|p| p.1).unwrap();
+        let got = run.fit(&mut ()).unwrap().unwrap();
+        let last = |s: &Summary| s.train_curve.last().map(|p| p.1).unwrap();
         assert_eq!(got.train_curve.len(), want.train_curve.len());
         assert_relative(&format!("{what} on [{labels}]: final training loss"), last(&got), last(&want));
-        assert_relative(&format!("{what} on [{labels}]: final validation loss"), got.final_validation_loss, want.final_validation_loss);
+        assert_relative(&format!("{what} on [{labels}]: final validation loss"), validation(&got), validation(&want));
         eprintln!(
             "{what} on [{labels}]: final losses {} / {} against one device's {} / {}",
             last(&got),
-            got.final_validation_loss,
+            validation(&got),
             last(&want),
-            want.final_validation_loss
+            validation(&want)
         );
         assert!(got.report.contains("communication") || got.report.contains("cross-process"), "{}", got.report);
     }
@@ -202,28 +203,28 @@ fn a_resumed_data_parallel_gpt_run_equals_an_uninterrupted_one() {
     let groups = groups("a_resumed_data_parallel_gpt_run_equals_an_uninterrupted_one");
     let Some(group) = groups.first() else { return };
     let dir = std::env::temp_dir().join(format!("wgrad-gpt-dp-resume-{}", std::process::id()));
-    let config = LmTrainConfig { strategy: Strategy::Data, split: Some(uneven_split(group.len())), ..config() };
-    let mut whole = LmTrainingRun::with_devices(regroup(group), config.clone(), None, &mut ()).unwrap();
-    whole.fit(&mut ()).unwrap();
-    let want = whole.trained_model().unwrap();
+    let config = TrainConfig { strategy: Some(Strategy::Data), split: Some(uneven_split(group.len())), ..config() };
+    let mut whole = TrainingRun::with_devices(regroup(group), config.clone(), task(), None, &mut ()).unwrap();
+    whole.fit(&mut ()).unwrap().unwrap();
+    let want = trained(&whole);
 
     // The first run stops where its warmup ends, so its schedule is the
     // longer run's up to there.
-    let mut first = LmTrainingRun::with_devices(regroup(group), LmTrainConfig { max_steps: 3, ..config.clone() }, None, &mut ()).unwrap();
-    first.fit(&mut ()).unwrap();
+    let mut first = TrainingRun::with_devices(regroup(group), TrainConfig { max_steps: Some(3), ..config.clone() }, task(), None, &mut ()).unwrap();
+    first.fit(&mut ()).unwrap().unwrap();
     first.save(&dir).unwrap();
-    let resumed = LmTrainConfig { resume: Some(dir.clone()), ..config.clone() };
-    let mut second = LmTrainingRun::with_devices(regroup(group), resumed.clone(), None, &mut ()).unwrap();
+    let resumed = TrainConfig { resume: Some(dir.clone()), ..config.clone() };
+    let mut second = TrainingRun::with_devices(regroup(group), resumed.clone(), task(), None, &mut ()).unwrap();
     assert_eq!(second.info().first_step, 4);
-    assert_eq!(second.fit(&mut ()).unwrap().steps, 7);
-    assert!(second.trained_model().unwrap() == want, "the resumed data-parallel run differs from the uninterrupted one");
+    assert_eq!(second.fit(&mut ()).unwrap().unwrap().steps, 7);
+    assert!(trained(&second) == want, "the resumed data-parallel run differs from the uninterrupted one");
 
     // Rank 0 reads the folder and every replica takes its state.
-    let distributed = LmTrainConfig { split: None, ..resumed };
-    let mut third = LmTrainingRun::with_devices(regroup(group), distributed, Some(Arc::new(SingleProcess)), &mut ()).unwrap();
+    let distributed = TrainConfig { split: None, ..resumed };
+    let mut third = TrainingRun::with_devices(regroup(group), distributed, task(), Some(Arc::new(SingleProcess)), &mut ()).unwrap();
     assert_eq!(third.info().first_step, 4);
-    third.fit(&mut ()).unwrap();
-    let (got, want) = (third.trained_model().unwrap(), want);
+    third.fit(&mut ()).unwrap().unwrap();
+    let (got, want) = (trained(&third), want);
     for ((name, _, g), (_, _, w)) in got.parameter_values().into_iter().zip(want.parameter_values()) {
         // Summation order only: |Δ| ≤ 1e-5 + 1e-4·|p|.
         assert_close(&format!("{name} resumed as a distributed job"), g, w, 1e-5, 1e-4);
@@ -236,23 +237,23 @@ fn a_resumed_data_parallel_gpt_run_equals_an_uninterrupted_one() {
 /// opens (no adapter needed).
 #[test]
 fn impossible_gpt_device_counts_fail_before_opening() {
-    let data = LmTrainConfig { strategy: Strategy::Data, ..config() };
-    let refusal = |config: LmTrainConfig| match LmTrainingRun::new(&wgrad::DeviceOptions::default(), config, &mut ()) {
+    let data = TrainConfig { strategy: Some(Strategy::Data), ..config() };
+    let refusal = |config: TrainConfig| match TrainingRun::new(&wgrad::DeviceOptions::default(), config, task(), None, &mut ()) {
         Err(Error::InvalidArgument { reason, .. }) => reason,
         Err(e) => panic!("expected a refusal, got {e}"),
         Ok(_) => panic!("an impossible run was accepted"),
     };
-    let reason = refusal(LmTrainConfig { devices: Some(DeviceSelection::Count(100_000)), ..data.clone() });
+    let reason = refusal(TrainConfig { devices: Some(DeviceSelection::Count(100_000)), ..data.clone() });
     assert!(reason.contains("100000") && reason.contains(&MAX_DEVICES.to_string()), "{reason}");
-    let reason = refusal(LmTrainConfig { devices: Some(DeviceSelection::Count(BATCH + 1)), ..data.clone() });
+    let reason = refusal(TrainConfig { devices: Some(DeviceSelection::Count(BATCH + 1)), ..data.clone() });
     assert!(reason.contains("7 devices") && reason.contains("6 rows"), "{reason}");
-    let reason = refusal(LmTrainConfig { devices: Some(DeviceSelection::Count(2)), split: Some(vec![2, 2, 2]), ..data });
+    let reason = refusal(TrainConfig { devices: Some(DeviceSelection::Count(2)), split: Some(vec![2, 2, 2]), ..data });
     assert!(reason.contains("3 devices") && reason.contains("2 devices"), "{reason}");
-    let reason = refusal(LmTrainConfig { strategy: Strategy::Tensor, devices: Some(DeviceSelection::Count(3)), ..config() });
+    let reason = refusal(TrainConfig { strategy: Some(Strategy::Tensor), devices: Some(DeviceSelection::Count(3)), ..config() });
     assert!(reason.contains("3 devices") && reason.contains("2 heads"), "{reason}");
-    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, devices: Some(DeviceSelection::Count(5)), micro_batches: 2, ..config() });
+    let reason = refusal(TrainConfig { strategy: Some(Strategy::Pipeline), devices: Some(DeviceSelection::Count(5)), micro_batches: 2, ..config() });
     assert!(reason.contains("5 stages") && reason.contains("at most 4"), "{reason}");
-    let reason = refusal(LmTrainConfig { strategy: Strategy::Pipeline, micro_batches: 4, ..config() });
+    let reason = refusal(TrainConfig { strategy: Some(Strategy::Pipeline), micro_batches: 4, ..config() });
     assert!(reason.contains(&format!("{BATCH} rows")) && reason.contains("4 equal micro-batches"), "{reason}");
 }
 
@@ -260,7 +261,7 @@ fn impossible_gpt_device_counts_fail_before_opening() {
 /// with WebGPU's defaults (two arena alignments where the adapter's is
 /// under 256 B; `crate::parallel::mixed_limits_group`): clipped AdamW
 /// steps match one device, replicas stay bit-identical, and a run through
-/// `LmTrainingRun` ends where one device's does.
+/// `TrainingRun` ends where one device's does.
 #[test]
 fn gpt_data_parallel_across_different_limits_matches_single_device_training() {
     let test = "gpt_data_parallel_across_different_limits_matches_single_device_training";
@@ -272,7 +273,7 @@ fn gpt_data_parallel_across_different_limits_matches_single_device_training() {
     let lm = config();
     nn::manual_seed(11);
     let gpt = Gpt::new(GptConfig { vocab_size: 29, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16 }).unwrap();
-    let mut single = Trainer::new(group.members()[0].clone(), &gpt, CrossEntropyLoss, lm.optimizer(), BATCH).unwrap();
+    let mut single = Trainer::new(group.members()[0].clone(), &gpt, CrossEntropyLoss, lm.optimizer, BATCH).unwrap();
     for (x, y) in &batches {
         single.zero_grad();
         single.forward_ids(x).unwrap();
@@ -281,7 +282,7 @@ fn gpt_data_parallel_across_different_limits_matches_single_device_training() {
         single.step().unwrap();
     }
     let want = single.executor().parameters().unwrap();
-    let mut dp = DataParallel::new(&group, &gpt, CrossEntropyLoss, lm.optimizer(), BATCH, Split::Rows(uneven_split(2))).unwrap();
+    let mut dp = DataParallel::new(&group, &gpt, CrossEntropyLoss, lm.optimizer, BATCH, Split::Rows(uneven_split(2))).unwrap();
     for (x, y) in &batches {
         dp.step(x, Targets::Classes(y), false).unwrap();
     }
@@ -297,9 +298,9 @@ fn gpt_data_parallel_across_different_limits_matches_single_device_training() {
     dp.synchronise().unwrap();
     assert_eq!(bits(&dp.replicas()[1].executor().parameters().unwrap()), bits(&replicas[0]), "after synchronise");
 
-    let mut one = LmTrainingRun::with_kernels(group.members()[0].clone(), config(), &mut ()).unwrap();
-    let want = one.fit(&mut ()).unwrap();
-    let data = LmTrainConfig { strategy: Strategy::Data, ..config() };
-    let got = LmTrainingRun::with_devices(regroup(&group), data, None, &mut ()).unwrap().fit(&mut ()).unwrap();
-    assert_relative("final validation loss", got.final_validation_loss, want.final_validation_loss);
+    let mut one = TrainingRun::with_kernels(group.members()[0].clone(), config(), task(), &mut ()).unwrap();
+    let want = one.fit(&mut ()).unwrap().unwrap();
+    let data = TrainConfig { strategy: Some(Strategy::Data), ..config() };
+    let got = TrainingRun::with_devices(regroup(&group), data, task(), None, &mut ()).unwrap().fit(&mut ()).unwrap().unwrap();
+    assert_relative("final validation loss", validation(&got), validation(&want));
 }

@@ -3,7 +3,9 @@
 
 use crate::common;
 
-use wgrad::lm_training::{validation_windows, LmProgress, LmRunInfo, LmTrainConfig, LmTrainingRun, TextSource};
+use wgrad::lm_training::{validation_windows, AdamWSchedule, LanguageModel, TextSource};
+use wgrad::nn::{Gpt, GptConfig};
+use wgrad::training::{Evaluation, Progress, RunInfo, TrainConfig, TrainingRun};
 use wgrad::Error;
 
 #[test]
@@ -23,11 +25,11 @@ fn validation_windows_are_evenly_spaced_and_shifted_by_one() {
 struct Recorder {
     losses: Vec<f32>,
     validations: Vec<(u64, f32)>,
-    info: Option<LmRunInfo>,
+    info: Option<RunInfo>,
 }
 
-impl LmProgress for Recorder {
-    fn started(&mut self, info: &LmRunInfo) {
+impl Progress for Recorder {
+    fn started(&mut self, info: &RunInfo) {
         self.info = Some(info.clone());
     }
     fn loss(&mut self, _step: u64, loss: f32, tokens_per_s: f64) {
@@ -44,22 +46,21 @@ fn patterned_text() -> String {
     "the cat sat on the mat. ".repeat(400)
 }
 
-fn tiny_config() -> LmTrainConfig {
-    LmTrainConfig {
-        text: TextSource::Text(patterned_text()),
-        n_layer: 1,
-        n_head: 2,
-        n_embd: 16,
-        block_size: 16,
-        batch_size: 4,
-        max_steps: 40,
-        lr: 1e-2,
-        min_lr: 1e-3,
-        warmup_steps: 4,
-        eval_every: 20,
-        eval_batches: 2,
-        loss_every: 5,
-        ..LmTrainConfig::default()
+fn tiny_config() -> TrainConfig {
+    let schedule = AdamWSchedule { lr: 1e-2, min_lr: 1e-3, warmup_steps: 4, ..AdamWSchedule::default() };
+    TrainConfig { batch_size: 4, max_steps: Some(40), optimizer: schedule.optimizer(40), eval_every: 20, loss_every: 5, ..TrainConfig::default() }
+}
+
+fn tiny_task(sizes: GptConfig) -> LanguageModel<Gpt> {
+    LanguageModel { text: TextSource::Text(patterned_text()), eval_batches: 2, ..LanguageModel::new(sizes) }
+}
+
+const TINY: GptConfig = GptConfig { vocab_size: 0, n_layer: 1, n_head: 2, n_embd: 16, block_size: 16 };
+
+fn final_validation(evaluation: Evaluation) -> f32 {
+    match evaluation {
+        Evaluation::ValidationLoss(v) => v,
+        other => panic!("a language model's run ended with {other:?}"),
     }
 }
 
@@ -67,19 +68,20 @@ fn tiny_config() -> LmTrainConfig {
 fn a_short_run_learns_and_reports_validation_losses() {
     common::for_each_adapter("lm_training::a_short_run_learns", |k| {
         let mut progress = Recorder::default();
-        let mut run = LmTrainingRun::with_kernels(k.clone(), tiny_config(), &mut progress)?;
-        let before = run.validation_loss()?;
-        let summary = run.fit(&mut progress)?;
+        let mut run = TrainingRun::with_kernels(k.clone(), tiny_config(), tiny_task(TINY), &mut progress)?;
+        let before = run.validation_loss()?.expect("a language model has a validation loss");
+        let summary = run.fit(&mut progress)?.expect("one process is rank 0");
         let info = progress.info.as_ref().expect("started was reported");
         // "the cat sat on the mat. " has 11 distinct characters.
-        assert_eq!(info.vocab_size, 11);
+        assert!(info.data.contains("vocabulary 11"), "{}", info.data);
+        let final_validation_loss = final_validation(summary.evaluation);
         assert_eq!(progress.validations.iter().map(|v| v.0).collect::<Vec<_>>(), vec![20, 40]);
         assert_eq!(summary.validation_curve, progress.validations);
         assert_eq!(summary.train_curve.len(), 8);
         // Uniform guessing is ln 11 = 2.40; the text is nearly periodic.
         assert!(before > 2.0, "untrained validation loss {before}");
-        assert!(summary.final_validation_loss < 1.0, "validation loss {} after 40 steps", summary.final_validation_loss);
-        assert_eq!(run.validation_loss()?, summary.final_validation_loss, "the validation loss is deterministic");
+        assert!(final_validation_loss < 1.0, "validation loss {} after 40 steps", final_validation_loss);
+        assert_eq!(run.validation_loss()?, Some(final_validation_loss), "the validation loss is deterministic");
         Ok(())
     });
 }
@@ -87,11 +89,11 @@ fn a_short_run_learns_and_reports_validation_losses() {
 #[test]
 fn bad_settings_are_refused_before_any_work() {
     common::for_each_adapter("lm_training::bad_settings", |k| {
-        let refused = |config: LmTrainConfig| matches!(LmTrainingRun::with_kernels(k.clone(), config, &mut ()), Err(Error::InvalidArgument { .. }));
-        assert!(refused(LmTrainConfig { max_steps: 0, ..tiny_config() }));
-        assert!(refused(LmTrainConfig { eval_batches: 0, ..tiny_config() }));
-        assert!(refused(LmTrainConfig { n_head: 3, ..tiny_config() }), "16 channels do not split into 3 heads");
-        assert!(refused(LmTrainConfig { text: TextSource::Text("too short".into()), ..tiny_config() }));
+        let refused = |config: TrainConfig, task: LanguageModel<Gpt>| matches!(TrainingRun::with_kernels(k.clone(), config, task, &mut ()), Err(Error::InvalidArgument { .. }));
+        assert!(refused(TrainConfig { max_steps: Some(0), ..tiny_config() }, tiny_task(TINY)));
+        assert!(refused(tiny_config(), LanguageModel { eval_batches: 0, ..tiny_task(TINY) }));
+        assert!(refused(tiny_config(), tiny_task(GptConfig { n_head: 3, ..TINY })), "16 channels do not split into 3 heads");
+        assert!(refused(tiny_config(), LanguageModel { text: TextSource::Text("too short".into()), ..tiny_task(TINY) }));
         Ok(())
     });
 }
@@ -103,23 +105,24 @@ fn bad_settings_are_refused_before_any_work() {
 fn a_resumed_run_equals_an_uninterrupted_one() {
     common::for_each_adapter("lm_training::a_resumed_run", |k| {
         let dir = std::env::temp_dir().join(format!("wgrad-lm-resume-{}-{}", std::process::id(), k.device().is_gl()));
-        let config = LmTrainConfig { max_steps: 10, eval_every: 10, ..tiny_config() };
-        let mut whole = LmTrainingRun::with_kernels(k.clone(), config.clone(), &mut ())?;
+        let config = TrainConfig { max_steps: Some(10), eval_every: 10, optimizer: AdamWSchedule { lr: 1e-2, min_lr: 1e-3, warmup_steps: 4, ..AdamWSchedule::default() }.optimizer(10), ..tiny_config() };
+        let mut whole = TrainingRun::with_kernels(k.clone(), config.clone(), tiny_task(TINY), &mut ())?;
         whole.fit(&mut ())?;
 
-        let mut first = LmTrainingRun::with_kernels(k.clone(), LmTrainConfig { max_steps: 4, ..config.clone() }, &mut ())?;
+        let mut first = TrainingRun::with_kernels(k.clone(), TrainConfig { max_steps: Some(4), ..config.clone() }, tiny_task(TINY), &mut ())?;
         first.fit(&mut ())?;
         first.save(&dir)?;
-        let mut second = LmTrainingRun::with_kernels(k.clone(), LmTrainConfig { resume: Some(dir.clone()), ..config.clone() }, &mut ())?;
+        let mut second = TrainingRun::with_kernels(k.clone(), TrainConfig { resume: Some(dir.clone()), ..config.clone() }, tiny_task(TINY), &mut ())?;
         assert_eq!(second.info().first_step, 5);
-        let summary = second.fit(&mut ())?;
+        let summary = second.fit(&mut ())?.expect("one process is rank 0");
         assert_eq!(summary.steps, 6);
-        let (a, b) = (whole.trained_model()?, second.trained_model()?);
+        let trained = |run: &TrainingRun<LanguageModel<Gpt>>| run.task().trained_model(run.engine(), run.model());
+        let (a, b) = (trained(&whole)?, trained(&second)?);
         assert!(a == b, "the resumed run's parameters differ from the uninterrupted run's");
 
         // A folder of another size is refused, naming both.
-        let other = LmTrainConfig { n_embd: 24, n_head: 2, resume: Some(dir.clone()), ..config };
-        match LmTrainingRun::with_kernels(k.clone(), other, &mut ()) {
+        let other = tiny_task(GptConfig { n_embd: 24, n_head: 2, ..TINY });
+        match TrainingRun::with_kernels(k.clone(), TrainConfig { resume: Some(dir.clone()), ..config }, other, &mut ()) {
             Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("n_embd: 16") && reason.contains("n_embd: 24"), "{reason}"),
             Err(e) => panic!("expected a refusal naming the sizes, got {e}"),
             Ok(_) => panic!("a folder of another size was accepted"),

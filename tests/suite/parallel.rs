@@ -96,7 +96,7 @@ fn impossible_device_counts_are_errors_before_opening() {
 
     nn::manual_seed(0);
     let model = Sequential::mlp(&[64, 16, 10], Layer::ReLU).unwrap();
-    let reason = |s: Strategy, devices, split: Option<&[usize]>| s.check_devices(devices, &model, 32, split).unwrap_err().to_string();
+    let reason = |s: Strategy, devices, split: Option<&[usize]>| s.check_devices(devices, &model, 32, split, 4).unwrap_err().to_string();
     let err = reason(Strategy::Data, 40, None);
     assert!(err.contains("40 devices") && err.contains("32 rows"), "{err}");
     let err = reason(Strategy::Data, 2, Some(&[10, 10, 12]));
@@ -108,7 +108,7 @@ fn impossible_device_counts_are_errors_before_opening() {
     let err = reason(Strategy::Single, 65, None);
     assert!(err.contains("65"), "{err}");
     for s in [Strategy::Data, Strategy::Pipeline, Strategy::Tensor] {
-        s.check_devices(2, &model, 32, None).unwrap();
+        s.check_devices(2, &model, 32, None, 4).unwrap();
     }
 }
 

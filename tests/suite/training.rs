@@ -10,7 +10,7 @@ use std::sync::Arc;
 use wgrad::optim::SGD;
 use wgrad::parallel::distributed::{ProcessGroup, SingleProcess};
 use wgrad::parallel::engine::Strategy;
-use wgrad::training::{self, Progress, RunInfo, TrainConfig};
+use wgrad::training::{self, Classifier, Evaluation, Progress, RunInfo, TrainConfig};
 use wgrad::{DeviceOptions, Error};
 
 /// Every report, in order, as text.
@@ -52,15 +52,11 @@ fn out_dir(name: &str) -> PathBuf {
 
 /// A small digits MLP: SGD, batch 32, the loss read every 5 steps.
 fn config(steps: u64, checkpoint: PathBuf) -> TrainConfig {
-    TrainConfig {
-        hidden: vec![16],
-        optimizer: SGD::new(0.05).into(),
-        seed: 3,
-        loss_every: 5,
-        max_steps: Some(steps),
-        checkpoint: Some(checkpoint),
-        ..TrainConfig::default()
-    }
+    TrainConfig { optimizer: SGD::new(0.05).into(), seed: 3, loss_every: 5, max_steps: Some(steps), save: Some(checkpoint), ..TrainConfig::default() }
+}
+
+fn task() -> Classifier {
+    Classifier { hidden: vec![16], ..Classifier::default() }
 }
 
 /// 12 steps reporting in order (loss at 5, 10 and the last step), a
@@ -78,7 +74,7 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         let dir = out_dir(&format!("adapter{}", report.index));
         let first = dir.join("first.safetensors");
         let mut rec = Recorder::default();
-        let summary = training::train(&opts, config(12, first.clone()), None, &mut rec).unwrap().expect("rank 0 has a summary");
+        let summary = training::train(&opts, config(12, first.clone()), task(), None, &mut rec).unwrap().expect("rank 0 has a summary");
 
         let mut want = vec!["preparing".to_string(), "started".to_string()];
         for s in 1..=12u64 {
@@ -90,25 +86,26 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         want.push("trained".into());
         assert_eq!(rec.events, want, "{}", report.info.name);
         let info = rec.info.take().unwrap();
-        assert_eq!((info.steps, info.batch_size, info.train_rows + info.test_rows), (12, 32, 1797));
-        assert_eq!(info.data, "digits");
-        assert!(info.resumed_from.is_none() && info.memory.is_some());
+        assert_eq!((info.steps, info.batch_size), (12, 32));
+        assert!(info.data.starts_with("digits, ") && info.data.contains("train /"), "{}", info.data);
+        assert!(info.resumed_from.is_none() && info.footprint.intermediates.is_some());
         assert_eq!(summary.steps, 12);
-        assert_eq!(summary.curve.iter().map(|p| p.0).collect::<Vec<_>>(), vec![5, 10, 12]);
-        assert!((0.0..=1.0).contains(&summary.test_accuracy) && (0.0..=1.0).contains(&summary.train_accuracy));
-        assert_eq!(summary.checkpoint.as_deref(), Some(first.as_path()));
+        assert_eq!(summary.train_curve.iter().map(|p| p.0).collect::<Vec<_>>(), vec![5, 10, 12]);
+        let Evaluation::Accuracy { train, test } = summary.evaluation else { panic!("a classifier's run ended with {:?}", summary.evaluation) };
+        assert!((0.0..=1.0).contains(&test) && (0.0..=1.0).contains(&train));
+        assert_eq!(summary.saved.as_deref(), Some(first.as_path()));
 
         let ckpt = wgrad::checkpoint::load(&first).unwrap();
         assert_eq!(ckpt.meta("step"), Some("12"));
         assert_eq!(ckpt.meta("data"), Some("digits"));
         assert_eq!(ckpt.meta("split_seed"), Some("3"));
-        assert_eq!(ckpt.meta("test_accuracy"), Some(format!("{:.6}", summary.test_accuracy).as_str()));
+        assert_eq!(ckpt.meta("test_accuracy"), Some(format!("{test:.6}").as_str()));
 
         let second = dir.join("second.safetensors");
         let mut resumed = config(3, second.clone());
         resumed.resume = Some(first.clone());
         let mut rec = Recorder::default();
-        training::train(&opts, resumed, None, &mut rec).unwrap().unwrap();
+        training::train(&opts, resumed, task(), None, &mut rec).unwrap().unwrap();
         assert_eq!(rec.info.unwrap().resumed_from.as_deref(), Some(first.as_path()));
         assert_eq!(wgrad::checkpoint::load(&second).unwrap().meta("step"), Some("15"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -122,9 +119,9 @@ fn across_processes_only_data_parallel_is_accepted() {
     let group: Arc<dyn ProcessGroup> = Arc::new(SingleProcess);
     let mut cfg = config(1, out_dir("refused").join("never.safetensors"));
     cfg.strategy = Some(Strategy::Tensor);
-    let err = training::train(&DeviceOptions::default(), cfg.clone(), Some(group), &mut ()).expect_err("tensor parallel across processes");
+    let err = training::train(&DeviceOptions::default(), cfg.clone(), task(), Some(group), &mut ()).expect_err("tensor parallel across processes");
     assert!(matches!(&err, Error::InvalidArgument { op: "train --distributed", .. }), "{err}");
-    assert!(!cfg.checkpoint.unwrap().exists());
+    assert!(!cfg.save.unwrap().exists());
 }
 
 /// With one process, sharing the data hands back what rank 0 loaded.
