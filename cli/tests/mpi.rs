@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use wgrad::nn::Module;
 
 const WGRAD: &str = env!("CARGO_BIN_EXE_wgrad");
 
