@@ -398,10 +398,6 @@ impl Generator {
         })
     }
 
-    pub fn sequences(&self) -> usize {
-        self.sequences
-    }
-
     /// How the weights are stored: what was asked for, except f32 where
     /// f16 was asked for on an adapter without SHADER_F16.
     pub fn dtype(&self) -> WeightDtype {
@@ -430,23 +426,6 @@ impl Generator {
 
     pub fn executor(&self) -> &Executor {
         &self.exec
-    }
-
-    /// A decode step's dispatches at the current positions, each submitted
-    /// alone and waited for: (node, kernel entry, wall time). The caches
-    /// get the step's keys and values as by [`Generator::decode`] with
-    /// `tokens`, but the positions do not advance.
-    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<crate::graph::DispatchTimes> {
-        const OP: &str = "Generator::profile_decode";
-        if tokens.len() != self.sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });
-        }
-        self.check_ids(OP, tokens)?;
-        let context = self.context;
-        let positions: Vec<u32> = self.cached.iter().map(|c| c.len().min(context - 1) as u32).collect();
-        self.exec.set_labels(self.decode.ids, tokens)?;
-        self.exec.set_labels(self.decode.positions, &positions)?;
-        self.exec.profile_run(&[self.decode.logits])
     }
 
     /// Empties every sequence's cache (zeroes it on the GPU).

@@ -9,6 +9,8 @@ use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 use super::collectives::{all_reduce_then, Part};
+use super::distributed::SYNC_EVERY;
+use super::stage::check_batch;
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
@@ -56,9 +58,6 @@ pub struct DataParallel {
     options: PlanOptions,
     stats: DataParallelStats,
 }
-
-/// Steps between copies of replica 0's state to the others.
-const SYNC_EVERY: u64 = 50;
 
 /// Least byte alignment of every data-parallel replica's parameter,
 /// gradient and optimizer-state arenas. The all-reduce and the broadcasts
@@ -177,8 +176,26 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
     Ok(shares)
 }
 
+/// `rows` as fixed rows per part (device or process) of a batch of
+/// `total`: one entry per part, each ≥ 1, summing to `total`.
+pub(super) fn fixed_rows(op: &'static str, rows: &[usize], parts: usize, what: &str, total: usize) -> Result<Vec<usize>> {
+    if rows.len() != parts || rows.iter().sum::<usize>() != total || rows.contains(&0) {
+        return Err(Error::InvalidArgument { op, reason: format!("rows {rows:?} must give each of {parts} {what} ≥ 1 row and sum to {total}") });
+    }
+    Ok(rows.to_vec())
+}
+
+/// A replica's parameter arena, then its optimizer state arenas: what
+/// the broadcasts of replica state copy.
+pub(super) fn arenas(t: &Trainer) -> Vec<crate::kernels::View<'_>> {
+    let e = t.executor();
+    let mut v = vec![e.parameter_arena()];
+    v.extend(e.state_arenas());
+    v
+}
+
 /// Rows `row..row + n` of `targets`, `width` values per row.
-fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize) -> Targets<'t> {
+pub(super) fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize) -> Targets<'t> {
     match targets {
         Targets::Values(v) => Targets::Values(&v[row * width..(row + n) * width]),
         Targets::Classes(c) => Targets::Classes(&c[row * width..(row + n) * width]),
@@ -204,15 +221,7 @@ impl DataParallel {
     ) -> Result<Self> {
         let devices = group.members().to_vec();
         let shares = match &split {
-            Split::Rows(rows) => {
-                if rows.len() != devices.len() || rows.iter().sum::<usize>() != global_batch || rows.contains(&0) {
-                    return Err(Error::InvalidArgument {
-                        op: "data parallel split",
-                        reason: format!("rows {rows:?} must give each of {} devices ≥ 1 row and sum to {global_batch}", devices.len()),
-                    });
-                }
-                rows.clone()
-            }
+            Split::Rows(rows) => fixed_rows("data parallel split", rows, devices.len(), "devices", global_batch)?,
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
         let widths = ModelWidths::of(model)?;
@@ -232,15 +241,16 @@ impl DataParallel {
             options,
             stats: DataParallelStats::default(),
         };
+        let mut shares = shares;
         if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
             dp.calibrate()?;
             let costs: Vec<Cost> = dp.costs.iter().flatten().copied().collect();
             let balanced = balanced_split(global_batch, &costs)?;
-            let shares = if makespan(&costs, &balanced) < 0.9 * makespan(&costs, &shares) { balanced } else { shares };
-            dp.build_replicas(shares, None)?;
-        } else {
-            dp.build_replicas(shares, None)?;
+            if makespan(&costs, &balanced) < 0.9 * makespan(&costs, &shares) {
+                shares = balanced;
+            }
         }
+        dp.build_replicas(shares, None)?;
         Ok(dp)
     }
 
@@ -326,11 +336,6 @@ impl DataParallel {
         self.build_replicas(shares, Some(state))
     }
 
-    /// The measured cost model of each device (after calibration).
-    pub fn costs(&self) -> Vec<Option<Cost>> {
-        self.costs.clone()
-    }
-
     /// (Re)creates one trainer per device with `shares` rows, loading
     /// `state` (parameters, optimizer state, step) into each when given.
     fn build_replicas(
@@ -378,11 +383,6 @@ impl DataParallel {
         self.options.arena_alignment
     }
 
-    /// Rows of host memory moved per all-reduce bucket (elements).
-    pub fn set_bucket(&mut self, elements: usize) {
-        self.bucket = elements;
-    }
-
     /// Checks that `x` and `targets` hold `global_batch` rows of what the
     /// model reads and compares against; returns the values per row of
     /// `x` and of the targets.
@@ -392,22 +392,10 @@ impl DataParallel {
             return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
         }
         let width = match targets {
-            Targets::Values(v) => {
-                if v.len() != self.global_batch * self.widths.outputs {
-                    return Err(Error::shape(op, "targets must be batch × outputs", &[&[v.len()]]));
-                }
-                self.widths.outputs
-            }
-            Targets::Classes(c) => {
-                if c.len() != self.global_batch * self.widths.output_rows {
-                    return Err(Error::shape(op, "one label per output row", &[&[c.len()]]));
-                }
-                self.widths.output_rows
-            }
+            Targets::Values(_) => self.widths.outputs,
+            Targets::Classes(_) => self.widths.output_rows,
         };
-        if x.len() != self.global_batch * f {
-            return Err(Error::shape(op, format!("x must be {} × {f}", self.global_batch), &[&[x.len()]]));
-        }
+        check_batch(op, self.global_batch, f, width, x, targets)?;
         Ok((f, width))
     }
 
@@ -498,12 +486,6 @@ impl DataParallel {
     pub fn synchronise(&mut self) -> Result<()> {
         if self.replicas.len() < 2 {
             return Ok(());
-        }
-        fn arenas(t: &Trainer) -> Vec<crate::kernels::View<'_>> {
-            let e = t.executor();
-            let mut v = vec![e.parameter_arena()];
-            v.extend(e.state_arenas());
-            v
         }
         let source = arenas(&self.replicas[0]);
         for (a, src) in source.iter().enumerate() {

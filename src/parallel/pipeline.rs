@@ -30,9 +30,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd};
+use super::data::shard;
+use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::{on_device, DeviceGroup};
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::kernels::{Kernels, OptimizerConfig, View};
@@ -111,7 +111,6 @@ fn training_work(schedule: Schedule, stages: usize, micro: usize) -> Vec<Vec<Wor
         .collect()
 }
 
-
 /// Time and memory accounting over the steps taken.
 #[derive(Clone, Debug, Default)]
 pub struct PipelineStats {
@@ -138,7 +137,6 @@ pub struct PipelineStats {
     /// (`None` when the optimizer does not clip).
     pub last_grad_norm: Option<f32>,
 }
-
 
 /// Blocks per stage that even out the stages' work (the largest stage's
 /// cost is the smallest possible): the prologue counts on the first stage
@@ -205,8 +203,8 @@ fn block_range(start: usize, count: usize) -> Option<String> {
 
 /// A [`Staged`] model over the devices of a group, one stage each.
 pub struct Pipeline {
-    stages: Vec<Stage>,
-    spread: Spread,
+    pub(super) stages: Vec<Stage>,
+    pub(super) spread: Spread,
     schedule: Schedule,
     micro_batches: usize,
     micro_rows: usize,
@@ -331,18 +329,6 @@ impl Pipeline {
         &self.blocks
     }
 
-    pub fn schedule(&self) -> Schedule {
-        self.schedule
-    }
-
-    pub fn micro_batches(&self) -> usize {
-        self.micro_batches
-    }
-
-    pub fn global_batch(&self) -> usize {
-        self.global_batch
-    }
-
     pub fn stats(&self) -> &PipelineStats {
         &self.stats
     }
@@ -361,11 +347,6 @@ impl Pipeline {
     /// Optimizer steps taken (every stage takes each).
     pub fn step_count(&self) -> u64 {
         self.stages.first().map_or(0, |s| s.executor().step_count())
-    }
-
-    /// The learning rate of the last step (the first step's before any).
-    pub fn learning_rate(&self) -> Option<f32> {
-        self.stages.first().and_then(|s| s.executor().learning_rate())
     }
 
     /// Device memory each stage's executor holds ([`crate::graph::Executor::peak_bytes`]).
@@ -445,22 +426,6 @@ impl Pipeline {
         )
     }
 
-    fn check_batch(&self, op: &'static str, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
-        let (inputs, targets_len) = (self.global_batch * self.widths.inputs, self.global_batch * self.target_width);
-        let got = match targets {
-            Targets::Values(v) => v.len(),
-            Targets::Classes(c) => c.len(),
-        };
-        if input.len() != inputs || got != targets_len {
-            return Err(Error::shape(
-                op,
-                format!("the input must be {} × {} values and the targets {} × {}", self.global_batch, self.widths.inputs, self.global_batch, self.target_width),
-                &[&[input.len()], &[got]],
-            ));
-        }
-        Ok(())
-    }
-
     /// Micro-batch `m` of the model input.
     fn micro_input<'a>(&self, input: Examples<'a>, m: usize) -> Examples<'a> {
         let n = self.micro_rows * self.widths.inputs;
@@ -472,7 +437,7 @@ impl Pipeline {
     /// `read_loss`.
     pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         let input = input.into();
-        self.check_batch("Pipeline::step", input, targets)?;
+        check_batch("Pipeline::step", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
         let work = std::mem::take(&mut self.work);
         let loss = self.run(&work, input, targets, true, read_loss);
@@ -498,7 +463,7 @@ impl Pipeline {
     /// gradient, no update.
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        self.check_batch("Pipeline::evaluate_loss", input, targets)?;
+        check_batch("Pipeline::evaluate_loss", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
         let s_count = self.stages.len();
         let work: Vec<Vec<Work>> = (0..s_count)
             .map(|s| if s + 1 == s_count { (0..self.micro_batches).map(Work::Loss).collect() } else { (0..self.micro_batches).map(Work::Forward).collect() })
@@ -596,7 +561,7 @@ impl Pipeline {
             };
             let stage = &mut self.stages[s];
             let wrote = Instant::now();
-            write_inputs(stage, w, stage_input, gradient, micro_targets(targets, self.target_width, self.micro_rows, m), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            write_inputs(stage, w, stage_input, gradient, shard(targets, m * self.micro_rows, self.micro_rows, self.target_width), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
             writing += wrote.elapsed();
             launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
@@ -645,69 +610,29 @@ impl Pipeline {
         Ok(results)
     }
 
-
     /// Model outputs for any number of rows of features, micro-batch by
     /// micro-batch through the stages (the last chunk zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (f, rows, width) = (self.widths.inputs, self.micro_rows, self.widths.outputs);
-        let stages = &mut self.stages;
-        super::outputs_in_chunks("Pipeline::outputs", features, f, rows, width, |chunk| {
-            let last = feed_last_stage(stages, chunk)?;
-            let stage = &mut stages[last];
-            let k = stage.kernels.clone();
-            stage.forward().map_err(|e| on_device(last, &k, e))?;
-            k.read(stage.output_view()?).map_err(|e| on_device(last, &k, e))
-        })
+        self.in_chunks("Pipeline::outputs", features, self.widths.outputs, Stage::outputs)
     }
 
     /// Argmax of [`Pipeline::outputs`], computed by the last stage's device,
     /// which reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let (f, rows) = (self.widths.inputs, self.micro_rows);
+        self.in_chunks("Pipeline::predict", features, 1, Stage::predictions)
+    }
+
+    /// `read` of the last stage for each micro-batch-sized chunk of
+    /// `features` fed through the others.
+    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
         let stages = &mut self.stages;
-        super::outputs_in_chunks("Pipeline::predict", features, f, rows, 1, |chunk| {
+        super::outputs_in_chunks(op, features, self.widths.inputs, self.micro_rows, width, |chunk| {
             let last = feed_last_stage(stages, chunk)?;
-            let stage = &mut stages[last];
-            let k = stage.kernels.clone();
-            stage.predictions().map_err(|e| on_device(last, &k, e))
+            let k = stages[last].kernels.clone();
+            read(&mut stages[last]).map_err(|e| on_device(last, &k, e))
         })
     }
 
-    /// Every parameter under the single-device model's names, in its order
-    /// (a shared one once: the copies are equal).
-    pub fn parameters(&self) -> Result<NamedParameters> {
-        self.spread.parameters(&self.stages)
-    }
-
-    /// The optimizer state under the single-device names, each parameter
-    /// once (as [`crate::graph::Executor::optimizer_state`]).
-    pub fn optimizer_state(&self) -> Result<NamedState> {
-        self.spread.optimizer_state(&self.stages)
-    }
-
-    /// What [`crate::trainer::Trainer::checkpoint`] writes for the
-    /// single-device model, so a run saved from a pipeline resumes on one
-    /// device and the other way round.
-    pub fn checkpoint(&self) -> Result<Checkpoint> {
-        self.spread.checkpoint(&self.stages)
-    }
-
-    /// Replaces parameters and, when given, the optimizer state and step
-    /// count, by single-device names (a shared parameter on every stage
-    /// holding it); see [`Spread::load_state`].
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, optimizer_state, step)
-    }
-}
-
-/// Micro-batch `m` of `targets` (`width` values per example, `rows`
-/// examples per micro-batch).
-fn micro_targets<'a>(targets: Targets<'a>, width: usize, rows: usize, m: usize) -> Targets<'a> {
-    let range = m * rows * width..(m + 1) * rows * width;
-    match targets {
-        Targets::Values(v) => Targets::Values(&v[range]),
-        Targets::Classes(c) => Targets::Classes(&c[range]),
-    }
 }
 
 /// Feeds one chunk of features forward through every stage but the last
@@ -770,7 +695,6 @@ fn launch(stage: &mut Stage, work: Work) -> Result<()> {
         Work::Loss(_) => stage.forward_loss(),
     }
 }
-
 
 /// [`to_host`] names a failing device by its place among the parts; name
 /// it by its stage's device instead.

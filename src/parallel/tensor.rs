@@ -34,9 +34,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd};
+use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::{on_device, DeviceGroup};
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::kernels::{Kernels, OptimizerConfig, View};
@@ -71,13 +70,13 @@ fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
 pub struct TensorParallel {
     /// Device r's segment k at `r * segments + k`; last, the final segment
     /// on device 0 (the head).
-    stages: Vec<Stage>,
+    pub(super) stages: Vec<Stage>,
     ranks: usize,
     /// Segments per device before the head (all-reduces per forward).
     segments: usize,
     /// Per device: where its share of each split parameter lies.
     slices: Vec<HashMap<String, Slice>>,
-    spread: Spread,
+    pub(super) spread: Spread,
     batch: usize,
     widths: ModelWidths,
     target_width: usize,
@@ -142,11 +141,6 @@ impl TensorParallel {
         &self.stats
     }
 
-    /// Optimizer steps taken (every stage takes each).
-    pub fn step_count(&self) -> u64 {
-        self.head().executor().step_count()
-    }
-
     /// The whole model's gradient norm before the last step's clipping
     /// (torch.nn.utils.clip_grad_norm_'s return value); `None` when the
     /// optimizer does not clip or before the first step.
@@ -168,21 +162,6 @@ impl TensorParallel {
 
     fn head(&self) -> &Stage {
         &self.stages[self.stages.len() - 1]
-    }
-
-    fn check_batch(&self, op: &'static str, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
-        let got = match targets {
-            Targets::Values(v) => v.len(),
-            Targets::Classes(c) => c.len(),
-        };
-        if input.len() != self.batch * self.widths.inputs || got != self.batch * self.target_width {
-            return Err(Error::shape(
-                op,
-                format!("the input must be {} × {} values and the targets {} × {}", self.batch, self.widths.inputs, self.batch, self.target_width),
-                &[&[self.batch, self.widths.inputs], &[input.len()], &[got]],
-            ));
-        }
-        Ok(())
     }
 
     /// The devices' outputs (`input_gradient`: input gradients) of
@@ -236,7 +215,7 @@ impl TensorParallel {
     /// `read_loss`.
     pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         let input = input.into();
-        self.check_batch("TensorParallel::step", input, targets)?;
+        check_batch("TensorParallel::step", self.batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
         let mut communication = self.forward(input)?;
         let head = self.stages.len() - 1;
@@ -290,7 +269,7 @@ impl TensorParallel {
     /// The mean loss of one batch without training on it (forward only).
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        self.check_batch("TensorParallel::evaluate_loss", input, targets)?;
+        check_batch("TensorParallel::evaluate_loss", self.batch, self.widths.inputs, self.target_width, input, targets)?;
         self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
@@ -300,52 +279,25 @@ impl TensorParallel {
     /// Model outputs for any number of rows of features (batch-sized
     /// chunks, the last zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (f, batch, width) = (self.widths.inputs, self.batch, self.widths.outputs);
-        super::outputs_in_chunks("TensorParallel::outputs", features, f, batch, width, |chunk| {
-            self.forward(Examples::Features(chunk))?;
-            let head = self.stages.len() - 1;
-            let stage = &mut self.stages[head];
-            let k0 = stage.kernels.clone();
-            stage.forward().map_err(|e| on_device(0, &k0, e))?;
-            k0.read(stage.output_view()?).map_err(|e| on_device(0, &k0, e))
-        })
+        self.in_chunks("TensorParallel::outputs", features, self.widths.outputs, Stage::outputs)
     }
 
     /// Argmax of [`TensorParallel::outputs`], computed on device 0, which
     /// reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        self.in_chunks("TensorParallel::predict", features, 1, Stage::predictions)
+    }
+
+    /// `read` of the head for each batch-sized chunk of `features` fed
+    /// through the segments.
+    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
         let (f, batch) = (self.widths.inputs, self.batch);
-        super::outputs_in_chunks("TensorParallel::predict", features, f, batch, 1, |chunk| {
+        super::outputs_in_chunks(op, features, f, batch, width, |chunk| {
             self.forward(Examples::Features(chunk))?;
             let head = self.stages.len() - 1;
-            let stage = &mut self.stages[head];
-            let k0 = stage.kernels.clone();
-            stage.predictions().map_err(|e| on_device(0, &k0, e))
+            let k0 = self.stages[head].kernels.clone();
+            read(&mut self.stages[head]).map_err(|e| on_device(0, &k0, e))
         })
-    }
-
-    /// The whole model's parameters with the single-device names, shapes
-    /// and order (shares gathered, copies once).
-    pub fn parameters(&self) -> Result<NamedParameters> {
-        self.spread.parameters(&self.stages)
-    }
-
-    /// The optimizer state under the single-device names and shapes.
-    pub fn optimizer_state(&self) -> Result<NamedState> {
-        self.spread.optimizer_state(&self.stages)
-    }
-
-    /// What [`crate::trainer::Trainer::checkpoint`] writes for the
-    /// single-device model, so a run resumes on any number of devices.
-    pub fn checkpoint(&self) -> Result<Checkpoint> {
-        self.spread.checkpoint(&self.stages)
-    }
-
-    /// Replaces parameters and, when given, the optimizer state (each
-    /// split as its parameter is) and step count, by single-device names;
-    /// see [`Spread::load_state`].
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, optimizer_state, step)
     }
 
     /// Values moved between the host and the devices in one step: each
