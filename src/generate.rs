@@ -303,15 +303,9 @@ pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) ->
     check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
 }
 
-/// How many of a `config` model's parameter values an f16 generator
-/// stores in f16 (its Linear weights and a tied head's token table).
-pub fn f16_weight_values(config: &dyn LmConfig) -> u64 {
-    config.lm_sizes().f16_weight_values
-}
-
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
-/// each value of [`f16_weight_values`].
+/// each of its [`crate::nn::LmSizes::f16_weight_values`].
 pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();

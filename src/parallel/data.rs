@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::{all_reduce_then, Part};
 use super::distributed::SYNC_EVERY;
+use super::engine::{Holding, TrainEngine};
 use super::stage::check_batch;
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
@@ -435,17 +436,10 @@ impl DataParallel {
         }
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
         let scaled: Vec<f64> = weights.iter().map(|w| w * scale).collect();
-        let arrivals = {
-            let mut parts = Vec::with_capacity(self.replicas.len());
-            for (i, t) in self.replicas.iter().enumerate() {
-                let view = t.executor().gradient_arena().ok_or_else(|| Error::InvalidArgument {
-                    op: "DataParallel::step",
-                    reason: "replica without gradients".into(),
-                })?;
-                parts.push(Part::new(&self.devices[i], view));
-            }
-            all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?
-        };
+        let parts = (self.replicas.iter().zip(&self.devices))
+            .map(|(t, k)| t.executor().gradient_arena().map(|view| Part::new(k, view)).ok_or_else(|| Error::InvalidArgument { op: "DataParallel::step", reason: "replica without gradients".into() }))
+            .collect::<Result<Vec<_>>>()?;
+        let arrivals = all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?;
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().optimizer_step().map_err(|e| on_device(i, &self.devices[i], e))?;
         }
@@ -536,19 +530,37 @@ impl DataParallel {
         Ok(total as f32)
     }
 
+    /// Predictions from replica 0 (all replicas hold the same weights).
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        self.replicas[0].predict_examples(x.into())
+    }
+}
+
+impl TrainEngine for DataParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DataParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DataParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DataParallel::predict(self, x)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(&self.replicas[0])
+    }
     /// Loads parameters (by name), optimizer state and the step count into
     /// every replica (resuming a run), each checked as
     /// [`Executor::load_state`](crate::graph::Executor::load_state) checks.
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().load_state(params, optimizer_state, step).map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         Ok(())
     }
-
     /// One line: the rows each device takes and, once measured, each
     /// device's step cost.
-    pub fn describe(&self) -> String {
+    fn describe(&self) -> String {
         let shares: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let costs: Vec<String> = self
             .costs
@@ -562,17 +574,14 @@ impl DataParallel {
             format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
         }
     }
-
     /// [`DataParallel::describe`] with the share of step time spent on
     /// communication and the re-splits, for the end of a run.
-    pub fn report(&self) -> String {
+    fn report(&self) -> String {
         let s = &self.stats;
         let communication = 100.0 * s.communication.as_secs_f64() / (s.compute + s.communication).as_secs_f64().max(1e-9);
         format!("{}; communication {communication:.0}% of step time; {} re-splits", self.describe(), s.resplits)
     }
-
-    /// Predictions from replica 0 (all replicas hold the same weights).
-    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
-        self.replicas[0].predict_examples(x.into())
+    fn shares(&self) -> Vec<usize> {
+        self.shares.clone()
     }
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::data::{arenas, balanced_split, fixed_rows, proportional_split, shard, Cost, DataParallel, Split};
+use super::engine::{Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
@@ -248,41 +249,6 @@ impl DistributedDataParallel {
         Error::Distributed { op, rank: self.group.rank(), size: self.group.size(), message }
     }
 
-    /// Copies rank 0's replica-0 parameters, optimizer state and step count
-    /// to every replica of every process.
-    pub fn sync_from_root(&mut self) -> Result<()> {
-        let root = self.group.rank() == 0;
-        let replica0 = &self.local.replicas()[0];
-        let mut step = vec![replica0.executor().step_count()];
-        let device0 = &self.local.devices()[0];
-        let mut host: Vec<Vec<f32>> = Vec::new();
-        for view in &arenas(replica0) {
-            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
-            broadcast_f32(self.group.as_ref(), 0, &mut values)?;
-            if values.len() != view.len {
-                let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
-                return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
-            }
-            host.push(values);
-        }
-        broadcast_u64(self.group.as_ref(), 0, &mut step)?;
-        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
-        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
-            let kernels = t.executor().kernels().clone();
-            for (view, values) in arenas(t).iter().zip(&host) {
-                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
-            }
-            t.executor_mut().load_state(&[], &[], Some(step))?;
-        }
-        Ok(())
-    }
-
-    /// A test hook: make `rank` fail at `step` (1-based) with `how`.
-    #[cfg(feature = "fault-injection")]
-    pub fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
-        self.failure = Some((rank, step, how));
-    }
-
     /// This process's rows of a global batch (`x` and `targets` hold all of
     /// it, in the same order on every rank) and its share of the batch.
     fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Examples<'x>, Targets<'t>, f64)> {
@@ -392,28 +358,6 @@ impl DistributedDataParallel {
         Ok(weighted[0] as f32)
     }
 
-    /// One line: rows per process, each process's measured step cost, and
-    /// this process's own devices.
-    pub fn describe(&self) -> String {
-        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
-        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
-        format!(
-            "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
-            self.group.size(),
-            self.process_shares,
-            self.group.describe(),
-            self.local.describe()
-        )
-    }
-
-    /// [`DistributedDataParallel::describe`] with the share of step time
-    /// spent in cross-process reductions and the re-splits.
-    pub fn report(&self) -> String {
-        let s = &self.stats;
-        let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
-        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
-    }
-
     pub fn local(&self) -> &DataParallel {
         &self.local
     }
@@ -438,5 +382,81 @@ impl DistributedDataParallel {
 
     pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
         self.local.predict(x)
+    }
+}
+
+impl TrainEngine for DistributedDataParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DistributedDataParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DistributedDataParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DistributedDataParallel::predict(self, x)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(self.replica())
+    }
+    /// This process's replicas only; [`TrainEngine::sync_from_root`] then
+    /// hands rank 0's to every rank.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.local.load_state(params, state, step)
+    }
+    /// Copies rank 0's replica-0 parameters, optimizer state and step count
+    /// to every replica of every process.
+    fn sync_from_root(&mut self) -> Result<()> {
+        let root = self.group.rank() == 0;
+        let replica0 = &self.local.replicas()[0];
+        let mut step = vec![replica0.executor().step_count()];
+        let device0 = &self.local.devices()[0];
+        let mut host: Vec<Vec<f32>> = Vec::new();
+        for view in &arenas(replica0) {
+            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
+            broadcast_f32(self.group.as_ref(), 0, &mut values)?;
+            if values.len() != view.len {
+                let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
+                return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
+            }
+            host.push(values);
+        }
+        broadcast_u64(self.group.as_ref(), 0, &mut step)?;
+        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
+        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
+            let kernels = t.executor().kernels().clone();
+            for (view, values) in arenas(t).iter().zip(&host) {
+                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
+            }
+            t.executor_mut().load_state(&[], &[], Some(step))?;
+        }
+        Ok(())
+    }
+    /// One line: rows per process, each process's measured step cost, and
+    /// this process's own devices.
+    fn describe(&self) -> String {
+        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
+        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        format!(
+            "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
+            self.group.size(),
+            self.process_shares,
+            self.group.describe(),
+            self.local.describe()
+        )
+    }
+    /// [`DistributedDataParallel::describe`] with the share of step time
+    /// spent in cross-process reductions and the re-splits.
+    fn report(&self) -> String {
+        let s = &self.stats;
+        let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
+        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
+    }
+    fn shares(&self) -> Vec<usize> {
+        self.process_shares.clone()
+    }
+    /// A test hook: make `rank` fail at `step` (1-based) with `how`.
+    #[cfg(feature = "fault-injection")]
+    fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
+        self.failure = Some((rank, step, how));
     }
 }

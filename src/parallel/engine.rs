@@ -212,7 +212,7 @@ pub trait TrainEngine {
     fn inject_failure(&mut self, _rank: usize, _step: u64, _how: InjectedFailure) {}
 }
 
-fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
+pub(super) fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
     match x {
         Examples::Features(f) => Ok(f),
         Examples::Ids(_) => Err(Error::InvalidArgument { op, reason: "predicts classes of feature rows, not token ids".into() }),
@@ -245,118 +245,5 @@ impl TrainEngine for Trainer {
     }
     fn describe(&self) -> String {
         format!("single device, {} dispatches per step in one submit", self.executor().dispatches_per_step())
-    }
-}
-
-impl TrainEngine for DataParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DataParallel::predict(self, x)
-    }
-    fn holding(&self) -> Holding<'_> {
-        Holding::Replica(&self.replicas()[0])
-    }
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        DataParallel::load_state(self, params, state, step)
-    }
-    fn describe(&self) -> String {
-        DataParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        DataParallel::report(self)
-    }
-    fn shares(&self) -> Vec<usize> {
-        DataParallel::shares(self).to_vec()
-    }
-}
-
-impl TrainEngine for DistributedDataParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DistributedDataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DistributedDataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DistributedDataParallel::predict(self, x)
-    }
-    fn holding(&self) -> Holding<'_> {
-        Holding::Replica(self.replica())
-    }
-    /// This process's replicas only; [`TrainEngine::sync_from_root`] then
-    /// hands rank 0's to every rank.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.local_mut().load_state(params, state, step)
-    }
-    fn sync_from_root(&mut self) -> Result<()> {
-        DistributedDataParallel::sync_from_root(self)
-    }
-    fn describe(&self) -> String {
-        DistributedDataParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        DistributedDataParallel::report(self)
-    }
-    fn shares(&self) -> Vec<usize> {
-        self.process_shares().to_vec()
-    }
-    #[cfg(feature = "fault-injection")]
-    fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
-        DistributedDataParallel::inject_failure(self, rank, step, how);
-    }
-}
-
-impl TrainEngine for TensorParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        TensorParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        TensorParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
-    }
-    fn holding(&self) -> Holding<'_> {
-        Holding::Stages(&self.spread, &self.stages)
-    }
-    /// Each split parameter's state split as it is ([`Spread::load_state`]).
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, state, step)
-    }
-    fn describe(&self) -> String {
-        TensorParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        TensorParallel::report(self)
-    }
-}
-
-impl TrainEngine for Pipeline {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        Pipeline::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        Pipeline::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        Pipeline::predict(self, features(x, "Pipeline::predict")?)
-    }
-    fn holding(&self) -> Holding<'_> {
-        Holding::Stages(&self.spread, &self.stages)
-    }
-    /// A shared parameter on every stage holding it ([`Spread::load_state`]).
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, state, step)
-    }
-    fn describe(&self) -> String {
-        Pipeline::describe(self)
-    }
-    fn report(&self) -> String {
-        format!("{}; {}", Pipeline::describe(self), Pipeline::report(self))
     }
 }

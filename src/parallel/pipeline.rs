@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use super::collectives::to_host;
 use super::data::shard;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
+use super::engine::{features, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
@@ -203,8 +204,8 @@ fn block_range(start: usize, count: usize) -> Option<String> {
 
 /// A [`Staged`] model over the devices of a group, one stage each.
 pub struct Pipeline {
-    pub(super) stages: Vec<Stage>,
-    pub(super) spread: Spread,
+    stages: Vec<Stage>,
+    spread: Spread,
     schedule: Schedule,
     micro_batches: usize,
     micro_rows: usize,
@@ -344,11 +345,6 @@ impl Pipeline {
         };
     }
 
-    /// Optimizer steps taken (every stage takes each).
-    pub fn step_count(&self) -> u64 {
-        self.stages.first().map_or(0, |s| s.executor().step_count())
-    }
-
     /// Device memory each stage's executor holds ([`crate::graph::Executor::peak_bytes`]).
     pub fn stage_gpu_bytes(&self) -> Vec<u64> {
         self.stages.iter().map(|s| s.executor().peak_bytes()).collect()
@@ -378,36 +374,6 @@ impl Pipeline {
             return 0.0;
         }
         (self.stats.communication.as_secs_f64() / wall).clamp(0.0, 1.0)
-    }
-
-    /// One line: schedule, micro-batches, what each stage holds on which
-    /// device, and the parameters stages share.
-    pub fn describe(&self) -> String {
-        let last = self.stages.len() - 1;
-        let mut start = 0;
-        let mut parts = Vec::with_capacity(self.stages.len());
-        for (i, (stage, &count)) in self.stages.iter().zip(&self.blocks).enumerate() {
-            let mut holds = Vec::new();
-            if i == 0 && self.costs.prologue > 0.0 {
-                holds.push("prologue".to_string());
-            }
-            holds.extend(block_range(start, count));
-            if i == last {
-                holds.push(if self.costs.epilogue > 0.0 { "epilogue, loss".into() } else { "loss".into() });
-            }
-            parts.push(format!("stage {i} on #{i} {}: {}", stage.kernels.device().label(), holds.join(", ")));
-            start += count;
-        }
-        let shared: Vec<&str> = self.spread.shared().iter().map(|s| s.name.as_str()).collect();
-        let shared = if shared.is_empty() { String::new() } else { format!("; shared between stages: {}", shared.join(", ")) };
-        format!(
-            "pipeline ({}) over {} stage(s), {} micro-batches of {} examples: {}{shared}",
-            self.schedule,
-            self.stages.len(),
-            self.micro_batches,
-            self.micro_rows,
-            parts.join("; ")
-        )
     }
 
     /// One line of what the steps so far measured.
@@ -554,14 +520,15 @@ impl Pipeline {
         order.sort_by_key(|&k| self.stages[active[k].0].kernels.device().is_gl());
         for (s, w) in order.into_iter().map(|k| active[k]) {
             let m = w.micro();
-            let stage_input = if s == 0 { StageInput::Examples(self.micro_input(input, m)) } else { StageInput::Activations(stashed(&self.activations[s][m], "input", s, m)?) };
+            let micro_input = self.micro_input(input, m);
+            let activations = if s == 0 { None } else { Some(stashed(&self.activations[s][m], "input", s, m)?) };
             let gradient = match w {
                 Work::Backward(_) if s < last => Some(stashed(&self.gradients[s][m], "output gradient", s, m)?),
                 _ => None,
             };
             let stage = &mut self.stages[s];
             let wrote = Instant::now();
-            write_inputs(stage, w, stage_input, gradient, shard(targets, m * self.micro_rows, self.micro_rows, self.target_width), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            write_inputs(stage, w, micro_input, activations, gradient, shard(targets, m * self.micro_rows, self.micro_rows, self.target_width), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
             writing += wrote.elapsed();
             launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
@@ -644,28 +611,13 @@ fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
     let mut h: Option<Vec<f32>> = None;
     for (s, stage) in stages[..last].iter_mut().enumerate() {
         let k = stage.kernels.clone();
-        match &h {
-            None => stage.set_examples(Examples::Features(chunk)),
-            Some(x) => stage.set_input(x),
-        }
-        .map_err(|e| on_device(s, &k, e))?;
+        stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(s, &k, e))?;
         stage.forward().map_err(|e| on_device(s, &k, e))?;
         h = Some(k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?);
     }
     let stage = &stages[last];
-    match &h {
-        None => stage.set_examples(Examples::Features(chunk)),
-        Some(x) => stage.set_input(x),
-    }
-    .map_err(|e| on_device(last, &stage.kernels, e))?;
+    stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(last, &stage.kernels, e))?;
     Ok(last)
-}
-
-/// What a stage reads: the first stage the model input, the others
-/// activations.
-enum StageInput<'a> {
-    Examples(Examples<'a>),
-    Activations(&'a [f32]),
 }
 
 fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Result<&'a [f32]> {
@@ -674,11 +626,8 @@ fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Re
 
 /// Writes what a stage reads for `work`: its input, and the gradient of
 /// its output or its targets.
-fn write_inputs(stage: &mut Stage, work: Work, input: StageInput<'_>, gradient: Option<&[f32]>, targets: Targets<'_>, scale: f32) -> Result<()> {
-    match input {
-        StageInput::Examples(x) => stage.set_examples(x)?,
-        StageInput::Activations(x) => stage.set_input(x)?,
-    }
+fn write_inputs(stage: &mut Stage, work: Work, input: Examples<'_>, activations: Option<&[f32]>, gradient: Option<&[f32]>, targets: Targets<'_>, scale: f32) -> Result<()> {
+    stage.feed(input, activations)?;
     match (work, gradient) {
         (Work::Forward(_), _) => Ok(()),
         (Work::Backward(_), Some(g)) => stage.set_output_gradient(g),
@@ -708,5 +657,56 @@ fn name_stage(error: Error, parts: &[(&Kernels, View<'_>)], stage_of: &[usize]) 
             Error::OnDevice { device: renamed.unwrap_or(device), source }
         }
         other => other,
+    }
+}
+
+impl TrainEngine for Pipeline {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        Pipeline::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        Pipeline::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        Pipeline::predict(self, features(x, "Pipeline::predict")?)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Stages(&self.spread, &self.stages)
+    }
+    /// A shared parameter on every stage holding it ([`Spread::load_state`]).
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.spread.load_state(&mut self.stages, params, state, step)
+    }
+    /// One line: schedule, micro-batches, what each stage holds on which
+    /// device, and the parameters stages share.
+    fn describe(&self) -> String {
+        let last = self.stages.len() - 1;
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(self.stages.len());
+        for (i, (stage, &count)) in self.stages.iter().zip(&self.blocks).enumerate() {
+            let mut holds = Vec::new();
+            if i == 0 && self.costs.prologue > 0.0 {
+                holds.push("prologue".to_string());
+            }
+            holds.extend(block_range(start, count));
+            if i == last {
+                holds.push(if self.costs.epilogue > 0.0 { "epilogue, loss".into() } else { "loss".into() });
+            }
+            parts.push(format!("stage {i} on #{i} {}: {}", stage.kernels.device().label(), holds.join(", ")));
+            start += count;
+        }
+        let shared: Vec<&str> = self.spread.shared().iter().map(|s| s.name.as_str()).collect();
+        let shared = if shared.is_empty() { String::new() } else { format!("; shared between stages: {}", shared.join(", ")) };
+        format!(
+            "pipeline ({}) over {} stage(s), {} micro-batches of {} examples: {}{shared}",
+            self.schedule,
+            self.stages.len(),
+            self.micro_batches,
+            self.micro_rows,
+            parts.join("; ")
+        )
+    }
+    fn report(&self) -> String {
+        format!("{}; {}", self.describe(), Pipeline::report(self))
     }
 }

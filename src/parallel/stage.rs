@@ -93,6 +93,14 @@ impl Stage {
         }
     }
 
+    /// The model input `examples` on a first stage, else `activations`.
+    pub fn feed(&self, examples: Examples<'_>, activations: Option<&[f32]>) -> Result<()> {
+        match activations {
+            None => self.set_examples(examples),
+            Some(x) => self.set_input(x),
+        }
+    }
+
     /// Submits the forward pass (no wait).
     pub fn forward(&mut self) -> Result<()> {
         let output = self.output;

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
+use super::engine::{features, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
@@ -70,13 +71,13 @@ fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
 pub struct TensorParallel {
     /// Device r's segment k at `r * segments + k`; last, the final segment
     /// on device 0 (the head).
-    pub(super) stages: Vec<Stage>,
+    stages: Vec<Stage>,
     ranks: usize,
     /// Segments per device before the head (all-reduces per forward).
     segments: usize,
     /// Per device: where its share of each split parameter lies.
     slices: Vec<HashMap<String, Slice>>,
-    pub(super) spread: Spread,
+    spread: Spread,
     batch: usize,
     widths: ModelWidths,
     target_width: usize,
@@ -188,11 +189,7 @@ impl TensorParallel {
                 let stage = &mut self.stages[r * self.segments + k];
                 let kernels = stage.kernels.clone();
                 let writes = Instant::now();
-                match &x {
-                    None => stage.set_examples(input),
-                    Some(x) => stage.set_input(x),
-                }
-                .map_err(|e| on_device(r, &kernels, e))?;
+                stage.feed(input, x.as_deref()).map_err(|e| on_device(r, &kernels, e))?;
                 communication += writes.elapsed();
                 stage.forward().map_err(|e| on_device(r, &kernels, e))?;
             }
@@ -203,11 +200,7 @@ impl TensorParallel {
         let head = self.stages.len() - 1;
         let stage = &self.stages[head];
         let writes = Instant::now();
-        match &x {
-            None => stage.set_examples(input),
-            Some(x) => stage.set_input(x),
-        }
-        .map_err(|e| on_device(0, &stage.kernels, e))?;
+        stage.feed(input, x.as_deref()).map_err(|e| on_device(0, &stage.kernels, e))?;
         Ok(communication + writes.elapsed())
     }
 
@@ -316,8 +309,34 @@ impl TensorParallel {
         activations + replicated
     }
 
+}
+
+/// Rank `rank`'s graphs of `model` for `batch` examples.
+fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
+    let mut g = Graph::new();
+    let input = model.input(&mut g, batch)?;
+    shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))
+}
+
+impl TrainEngine for TensorParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        TensorParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        TensorParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Stages(&self.spread, &self.stages)
+    }
+    /// Each split parameter's state split as it is ([`Spread::load_state`]).
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.spread.load_state(&mut self.stages, params, state, step)
+    }
     /// One line: how the model is split.
-    pub fn describe(&self) -> String {
+    fn describe(&self) -> String {
         let split = self.slices.first().map_or(0, HashMap::len);
         format!(
             "tensor parallel over {} devices ({}): {} all-reduces per forward, {split} parameters split per device, {} replicated; the last segment and the loss on #0",
@@ -327,20 +346,12 @@ impl TensorParallel {
             self.spread.shared().len()
         )
     }
-
     /// [`TensorParallel::describe`] with what the steps so far cost.
-    pub fn report(&self) -> String {
+    fn report(&self) -> String {
         let s = &self.stats;
         let ms = 1e3 * s.wall.as_secs_f64() / s.steps.max(1) as f64;
         let share = 100.0 * s.communication.as_secs_f64() / s.wall.as_secs_f64().max(1e-9);
         let mb = self.floats_moved_per_step() as f64 * 4.0 / 1e6;
         format!("{}; {} steps, {ms:.1} ms/step, communication {share:.0}% of step time ({mb:.1} MB through the host per step)", self.describe(), s.steps)
     }
-}
-
-/// Rank `rank`'s graphs of `model` for `batch` examples.
-fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
-    let mut g = Graph::new();
-    let input = model.input(&mut g, batch)?;
-    shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))
 }
