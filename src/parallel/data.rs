@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::collectives::{all_reduce_then, Part};
 use super::distributed::SYNC_EVERY;
 use super::engine::{Holding, TrainEngine};
-use super::stage::check_batch;
+use super::stage::{check_batch, NamedParameters};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
@@ -203,7 +203,10 @@ pub(super) fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize
     }
 }
 
-fn host_state(t: &Trainer) -> Result<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(String, String, Vec<f32>)>, u64)> {
+/// A replica's parameters, optimizer state and step, on the host.
+type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64);
+
+fn host_state(t: &Trainer) -> Result<HostState> {
     let exec = t.executor();
     let params = exec.parameters()?;
     let state = exec.optimizer_state()?.into_iter().map(|(p, s, v)| (p, s.to_string(), v)).collect();
@@ -339,11 +342,7 @@ impl DataParallel {
 
     /// (Re)creates one trainer per device with `shares` rows, loading
     /// `state` (parameters, optimizer state, step) into each when given.
-    fn build_replicas(
-        &mut self,
-        shares: Vec<usize>,
-        state: Option<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(String, String, Vec<f32>)>, u64)>,
-    ) -> Result<()> {
+    fn build_replicas(&mut self, shares: Vec<usize>, state: Option<HostState>) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
             let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;

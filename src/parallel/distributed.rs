@@ -142,7 +142,6 @@ pub struct DistributedDataParallel {
     /// Rows of the global batch per process, in rank order.
     process_shares: Vec<usize>,
     process_costs: Vec<Cost>,
-    resplit_every: u64,
     fixed_split: bool,
     window: (Duration, u64),
     stats: DistributedStats,
@@ -186,7 +185,6 @@ impl DistributedDataParallel {
             global_batch,
             process_shares: shares,
             process_costs: Vec::new(),
-            resplit_every: RESPLIT_EVERY,
             fixed_split,
             window: (Duration::ZERO, 0),
             stats: DistributedStats::default(),
@@ -321,7 +319,7 @@ impl DistributedDataParallel {
             self.sync_from_root()?;
             self.stats.across += t.elapsed();
         }
-        if size > 1 && !self.fixed_split && self.resplit_every > 0 && self.stats.steps % self.resplit_every == 0 {
+        if size > 1 && !self.fixed_split && self.stats.steps % RESPLIT_EVERY == 0 {
             self.follow_measured_speeds()?;
         }
         Ok(loss)
