@@ -36,6 +36,7 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::trainer::{accuracy, Targets};
 
 const BATCH: usize = 32;

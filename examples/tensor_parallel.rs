@@ -41,6 +41,7 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::trainer::{accuracy, Predictor, Targets};
 
 const BATCH: usize = 32;

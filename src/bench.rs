@@ -500,7 +500,7 @@ pub fn decode_bytes_per_token_with(config: &crate::nn::GptConfig, position: usiz
     let cache = 2 * config.n_layer * (position + 1) * c;
     let halved = match dtype {
         crate::generate::WeightDtype::F32 => 0,
-        crate::generate::WeightDtype::F16 => crate::generate::f16_weight_values(config),
+        crate::generate::WeightDtype::F16 => crate::nn::LmConfig::lm_sizes(config).f16_weight_values,
     };
     ((parameters + cache) * 4) as u64 - halved * 2
 }

@@ -303,15 +303,9 @@ pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) ->
     check_fits_with_dtype(kernels, config, sequences, WeightDtype::F32)
 }
 
-/// How many of a `config` model's parameter values an f16 generator
-/// stores in f16 (its Linear weights and a tied head's token table).
-pub fn f16_weight_values(config: &dyn LmConfig) -> u64 {
-    config.lm_sizes().f16_weight_values
-}
-
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
-/// each value of [`f16_weight_values`].
+/// each of its [`crate::nn::LmSizes::f16_weight_values`].
 pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();
@@ -398,10 +392,6 @@ impl Generator {
         })
     }
 
-    pub fn sequences(&self) -> usize {
-        self.sequences
-    }
-
     /// How the weights are stored: what was asked for, except f32 where
     /// f16 was asked for on an adapter without SHADER_F16.
     pub fn dtype(&self) -> WeightDtype {
@@ -430,23 +420,6 @@ impl Generator {
 
     pub fn executor(&self) -> &Executor {
         &self.exec
-    }
-
-    /// A decode step's dispatches at the current positions, each submitted
-    /// alone and waited for: (node, kernel entry, wall time). The caches
-    /// get the step's keys and values as by [`Generator::decode`] with
-    /// `tokens`, but the positions do not advance.
-    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<crate::graph::DispatchTimes> {
-        const OP: &str = "Generator::profile_decode";
-        if tokens.len() != self.sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} tokens for {} sequences", tokens.len(), self.sequences) });
-        }
-        self.check_ids(OP, tokens)?;
-        let context = self.context;
-        let positions: Vec<u32> = self.cached.iter().map(|c| c.len().min(context - 1) as u32).collect();
-        self.exec.set_labels(self.decode.ids, tokens)?;
-        self.exec.set_labels(self.decode.positions, &positions)?;
-        self.exec.profile_run(&[self.decode.logits])
     }
 
     /// Empties every sequence's cache (zeroes it on the GPU).

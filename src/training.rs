@@ -363,10 +363,6 @@ impl<T: Task> TrainingRun<T> {
         self.engine.as_ref()
     }
 
-    pub fn engine_mut(&mut self) -> &mut dyn TrainEngine {
-        self.engine.as_mut()
-    }
-
     /// The model as built, before training.
     pub fn model(&self) -> &T::Model {
         &self.model
@@ -375,12 +371,6 @@ impl<T: Task> TrainingRun<T> {
     /// The first device (where a caller samples or predicts).
     pub fn kernels(&self) -> &Arc<Kernels> {
         &self.group.members()[0]
-    }
-
-    /// Whether this process reports and saves: rank 0 of a job across
-    /// processes, or the only process.
-    pub fn is_root(&self) -> bool {
-        self.root
     }
 
     /// The task's validation loss now (collective across processes).

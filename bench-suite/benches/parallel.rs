@@ -83,6 +83,7 @@ use wgrad::lm_training::{language_model_run, MAKE_TRAIN_GPT};
 use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, LrSchedule};
 use wgrad::parallel::data::{DataParallel, Split};
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};

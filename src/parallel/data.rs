@@ -9,6 +9,9 @@ use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 use super::collectives::{all_reduce_then, Part};
+use super::distributed::SYNC_EVERY;
+use super::engine::{Holding, TrainEngine};
+use super::stage::{check_batch, NamedParameters};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
@@ -56,9 +59,6 @@ pub struct DataParallel {
     options: PlanOptions,
     stats: DataParallelStats,
 }
-
-/// Steps between copies of replica 0's state to the others.
-const SYNC_EVERY: u64 = 50;
 
 /// Least byte alignment of every data-parallel replica's parameter,
 /// gradient and optimizer-state arenas. The all-reduce and the broadcasts
@@ -177,15 +177,36 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
     Ok(shares)
 }
 
+/// `rows` as fixed rows per part (device or process) of a batch of
+/// `total`: one entry per part, each ≥ 1, summing to `total`.
+pub(super) fn fixed_rows(op: &'static str, rows: &[usize], parts: usize, what: &str, total: usize) -> Result<Vec<usize>> {
+    if rows.len() != parts || rows.iter().sum::<usize>() != total || rows.contains(&0) {
+        return Err(Error::InvalidArgument { op, reason: format!("rows {rows:?} must give each of {parts} {what} ≥ 1 row and sum to {total}") });
+    }
+    Ok(rows.to_vec())
+}
+
+/// A replica's parameter arena, then its optimizer state arenas: what
+/// the broadcasts of replica state copy.
+pub(super) fn arenas(t: &Trainer) -> Vec<crate::kernels::View<'_>> {
+    let e = t.executor();
+    let mut v = vec![e.parameter_arena()];
+    v.extend(e.state_arenas());
+    v
+}
+
 /// Rows `row..row + n` of `targets`, `width` values per row.
-fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize) -> Targets<'t> {
+pub(super) fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize) -> Targets<'t> {
     match targets {
         Targets::Values(v) => Targets::Values(&v[row * width..(row + n) * width]),
         Targets::Classes(c) => Targets::Classes(&c[row * width..(row + n) * width]),
     }
 }
 
-fn host_state(t: &Trainer) -> Result<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(String, String, Vec<f32>)>, u64)> {
+/// A replica's parameters, optimizer state and step, on the host.
+type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64);
+
+fn host_state(t: &Trainer) -> Result<HostState> {
     let exec = t.executor();
     let params = exec.parameters()?;
     let state = exec.optimizer_state()?.into_iter().map(|(p, s, v)| (p, s.to_string(), v)).collect();
@@ -204,15 +225,7 @@ impl DataParallel {
     ) -> Result<Self> {
         let devices = group.members().to_vec();
         let shares = match &split {
-            Split::Rows(rows) => {
-                if rows.len() != devices.len() || rows.iter().sum::<usize>() != global_batch || rows.contains(&0) {
-                    return Err(Error::InvalidArgument {
-                        op: "data parallel split",
-                        reason: format!("rows {rows:?} must give each of {} devices ≥ 1 row and sum to {global_batch}", devices.len()),
-                    });
-                }
-                rows.clone()
-            }
+            Split::Rows(rows) => fixed_rows("data parallel split", rows, devices.len(), "devices", global_batch)?,
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
         let widths = ModelWidths::of(model)?;
@@ -232,15 +245,16 @@ impl DataParallel {
             options,
             stats: DataParallelStats::default(),
         };
+        let mut shares = shares;
         if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
             dp.calibrate()?;
             let costs: Vec<Cost> = dp.costs.iter().flatten().copied().collect();
             let balanced = balanced_split(global_batch, &costs)?;
-            let shares = if makespan(&costs, &balanced) < 0.9 * makespan(&costs, &shares) { balanced } else { shares };
-            dp.build_replicas(shares, None)?;
-        } else {
-            dp.build_replicas(shares, None)?;
+            if makespan(&costs, &balanced) < 0.9 * makespan(&costs, &shares) {
+                shares = balanced;
+            }
         }
+        dp.build_replicas(shares, None)?;
         Ok(dp)
     }
 
@@ -326,18 +340,9 @@ impl DataParallel {
         self.build_replicas(shares, Some(state))
     }
 
-    /// The measured cost model of each device (after calibration).
-    pub fn costs(&self) -> Vec<Option<Cost>> {
-        self.costs.clone()
-    }
-
     /// (Re)creates one trainer per device with `shares` rows, loading
     /// `state` (parameters, optimizer state, step) into each when given.
-    fn build_replicas(
-        &mut self,
-        shares: Vec<usize>,
-        state: Option<(Vec<(String, Vec<usize>, Vec<f32>)>, Vec<(String, String, Vec<f32>)>, u64)>,
-    ) -> Result<()> {
+    fn build_replicas(&mut self, shares: Vec<usize>, state: Option<HostState>) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
             let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;
@@ -378,11 +383,6 @@ impl DataParallel {
         self.options.arena_alignment
     }
 
-    /// Rows of host memory moved per all-reduce bucket (elements).
-    pub fn set_bucket(&mut self, elements: usize) {
-        self.bucket = elements;
-    }
-
     /// Checks that `x` and `targets` hold `global_batch` rows of what the
     /// model reads and compares against; returns the values per row of
     /// `x` and of the targets.
@@ -392,22 +392,10 @@ impl DataParallel {
             return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
         }
         let width = match targets {
-            Targets::Values(v) => {
-                if v.len() != self.global_batch * self.widths.outputs {
-                    return Err(Error::shape(op, "targets must be batch × outputs", &[&[v.len()]]));
-                }
-                self.widths.outputs
-            }
-            Targets::Classes(c) => {
-                if c.len() != self.global_batch * self.widths.output_rows {
-                    return Err(Error::shape(op, "one label per output row", &[&[c.len()]]));
-                }
-                self.widths.output_rows
-            }
+            Targets::Values(_) => self.widths.outputs,
+            Targets::Classes(_) => self.widths.output_rows,
         };
-        if x.len() != self.global_batch * f {
-            return Err(Error::shape(op, format!("x must be {} × {f}", self.global_batch), &[&[x.len()]]));
-        }
+        check_batch(op, self.global_batch, f, width, x, targets)?;
         Ok((f, width))
     }
 
@@ -447,17 +435,10 @@ impl DataParallel {
         }
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
         let scaled: Vec<f64> = weights.iter().map(|w| w * scale).collect();
-        let arrivals = {
-            let mut parts = Vec::with_capacity(self.replicas.len());
-            for (i, t) in self.replicas.iter().enumerate() {
-                let view = t.executor().gradient_arena().ok_or_else(|| Error::InvalidArgument {
-                    op: "DataParallel::step",
-                    reason: "replica without gradients".into(),
-                })?;
-                parts.push(Part::new(&self.devices[i], view));
-            }
-            all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?
-        };
+        let parts = (self.replicas.iter().zip(&self.devices))
+            .map(|(t, k)| t.executor().gradient_arena().map(|view| Part::new(k, view)).ok_or_else(|| Error::InvalidArgument { op: "DataParallel::step", reason: "replica without gradients".into() }))
+            .collect::<Result<Vec<_>>>()?;
+        let arrivals = all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?;
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().optimizer_step().map_err(|e| on_device(i, &self.devices[i], e))?;
         }
@@ -498,12 +479,6 @@ impl DataParallel {
     pub fn synchronise(&mut self) -> Result<()> {
         if self.replicas.len() < 2 {
             return Ok(());
-        }
-        fn arenas(t: &Trainer) -> Vec<crate::kernels::View<'_>> {
-            let e = t.executor();
-            let mut v = vec![e.parameter_arena()];
-            v.extend(e.state_arenas());
-            v
         }
         let source = arenas(&self.replicas[0]);
         for (a, src) in source.iter().enumerate() {
@@ -554,19 +529,37 @@ impl DataParallel {
         Ok(total as f32)
     }
 
+    /// Predictions from replica 0 (all replicas hold the same weights).
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        self.replicas[0].predict_examples(x.into())
+    }
+}
+
+impl TrainEngine for DataParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DataParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DataParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DataParallel::predict(self, x)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(&self.replicas[0])
+    }
     /// Loads parameters (by name), optimizer state and the step count into
     /// every replica (resuming a run), each checked as
     /// [`Executor::load_state`](crate::graph::Executor::load_state) checks.
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().load_state(params, optimizer_state, step).map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         Ok(())
     }
-
     /// One line: the rows each device takes and, once measured, each
     /// device's step cost.
-    pub fn describe(&self) -> String {
+    fn describe(&self) -> String {
         let shares: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let costs: Vec<String> = self
             .costs
@@ -580,17 +573,14 @@ impl DataParallel {
             format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
         }
     }
-
     /// [`DataParallel::describe`] with the share of step time spent on
     /// communication and the re-splits, for the end of a run.
-    pub fn report(&self) -> String {
+    fn report(&self) -> String {
         let s = &self.stats;
         let communication = 100.0 * s.communication.as_secs_f64() / (s.compute + s.communication).as_secs_f64().max(1e-9);
         format!("{}; communication {communication:.0}% of step time; {} re-splits", self.describe(), s.resplits)
     }
-
-    /// Predictions from replica 0 (all replicas hold the same weights).
-    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
-        self.replicas[0].predict_examples(x.into())
+    fn shares(&self) -> Vec<usize> {
+        self.shares.clone()
     }
 }

@@ -14,13 +14,15 @@
 //! [`SYNC_EVERY`] steps, so hosts whose drivers round differently cannot
 //! drift apart.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::data::{balanced_split, proportional_split, Cost, DataParallel, Split};
+use super::data::{arenas, balanced_split, fixed_rows, proportional_split, shard, Cost, DataParallel, Split};
+use super::engine::{Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
-use crate::kernels::{OptimizerConfig, View};
+use crate::kernels::OptimizerConfig;
 use crate::nn::{Criterion, Module};
 use crate::trainer::{Examples, Targets, Trainer};
 
@@ -92,7 +94,8 @@ pub fn broadcast_u64(group: &dyn ProcessGroup, root: usize, values: &mut Vec<u64
     Ok(())
 }
 
-/// Steps between broadcasts of rank 0's state to every replica.
+/// Steps between broadcasts of rank 0's state to every replica (and, in
+/// a process, of replica 0's to the others).
 pub const SYNC_EVERY: u64 = 50;
 
 /// Steps between re-measurements of the split across processes. A new
@@ -130,14 +133,15 @@ pub struct DistributedStats {
 
 /// One model trained by every process of a [`ProcessGroup`], each over its
 /// local devices. Every rank calls every method in the same order.
-pub struct DistributedDataParallel<G: ProcessGroup> {
-    group: G,
+pub struct DistributedDataParallel {
+    /// Shared: the caller keeps a handle to end the job (finalise or
+    /// abort) after the engine is gone.
+    group: Arc<dyn ProcessGroup>,
     local: DataParallel,
     global_batch: usize,
     /// Rows of the global batch per process, in rank order.
     process_shares: Vec<usize>,
     process_costs: Vec<Cost>,
-    resplit_every: u64,
     fixed_split: bool,
     window: (Duration, u64),
     stats: DistributedStats,
@@ -145,14 +149,14 @@ pub struct DistributedDataParallel<G: ProcessGroup> {
     failure: Option<(usize, u64, InjectedFailure)>,
 }
 
-impl<G: ProcessGroup> DistributedDataParallel<G> {
+impl DistributedDataParallel {
     /// Replicas of `model` on every local device of every process;
     /// `global_batch` rows per step over the whole job. `process_rows`
     /// fixes the rows per process (rank order); otherwise each process
     /// measures its step cost and the batch is split so all finish together.
     /// Every replica then starts from rank 0's parameters.
     pub fn new<M: Module + Clone + Send + Sync + 'static>(
-        group: G,
+        group: Arc<dyn ProcessGroup>,
         local_devices: &DeviceGroup,
         model: &M,
         criterion: impl Into<Criterion>,
@@ -163,15 +167,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         let (rank, size) = (group.rank(), group.size());
         let fixed_split = process_rows.is_some();
         let shares = match process_rows {
-            Some(rows) => {
-                if rows.len() != size || rows.iter().sum::<usize>() != global_batch || rows.contains(&0) {
-                    return Err(Error::InvalidArgument {
-                        op: "distributed split",
-                        reason: format!("rows {rows:?} must give each of {size} processes ≥ 1 row and sum to {global_batch}"),
-                    });
-                }
-                rows
-            }
+            Some(rows) => fixed_rows("distributed split", &rows, size, "processes", global_batch)?,
             None => proportional_split(global_batch, &vec![1.0; size])?,
         };
         let devices = local_devices.members().len();
@@ -189,7 +185,6 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
             global_batch,
             process_shares: shares,
             process_costs: Vec::new(),
-            resplit_every: RESPLIT_EVERY,
             fixed_split,
             window: (Duration::ZERO, 0),
             stats: DistributedStats::default(),
@@ -232,7 +227,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         } else {
             self.process_shares.iter().map(|&n| n as u64).collect()
         };
-        broadcast_u64(&self.group, 0, &mut chosen)?;
+        broadcast_u64(self.group.as_ref(), 0, &mut chosen)?;
         let chosen: Vec<usize> = chosen.into_iter().map(|n| n as usize).collect();
         if chosen.len() != self.group.size() || chosen.iter().sum::<usize>() != self.global_batch {
             return Err(self.error("split", format!("rank 0 sent the split {chosen:?}")));
@@ -252,47 +247,6 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         Error::Distributed { op, rank: self.group.rank(), size: self.group.size(), message }
     }
 
-    /// Copies rank 0's replica-0 parameters, optimizer state and step count
-    /// to every replica of every process.
-    pub fn sync_from_root(&mut self) -> Result<()> {
-        let root = self.group.rank() == 0;
-        let replica0 = &self.local.replicas()[0];
-        let exec = replica0.executor();
-        let mut arenas: Vec<View<'_>> = vec![exec.parameter_arena()];
-        arenas.extend(exec.state_arenas());
-        let mut step = vec![exec.step_count()];
-        let device0 = &self.local.devices()[0];
-        let mut host: Vec<Vec<f32>> = Vec::with_capacity(arenas.len());
-        for view in &arenas {
-            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
-            broadcast_f32(&self.group, 0, &mut values)?;
-            if values.len() != view.len {
-                let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
-                return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
-            }
-            host.push(values);
-        }
-        broadcast_u64(&self.group, 0, &mut step)?;
-        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
-        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
-            let kernels = t.executor().kernels().clone();
-            let exec = t.executor();
-            let mut views = vec![exec.parameter_arena()];
-            views.extend(exec.state_arenas());
-            for (view, values) in views.iter().zip(&host) {
-                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
-            }
-            t.executor_mut().load_state(&[], &[], Some(step))?;
-        }
-        Ok(())
-    }
-
-    /// A test hook: make `rank` fail at `step` (1-based) with `how`.
-    #[cfg(feature = "fault-injection")]
-    pub fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
-        self.failure = Some((rank, step, how));
-    }
-
     /// This process's rows of a global batch (`x` and `targets` hold all of
     /// it, in the same order on every rank) and its share of the batch.
     fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Examples<'x>, Targets<'t>, f64)> {
@@ -304,23 +258,15 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         }
         let start: usize = self.process_shares[..rank].iter().sum();
         let rows = self.process_shares[rank];
-        let own_targets = match targets {
-            Targets::Values(v) => {
-                let w = v.len() / n;
-                if v.len() != n * w {
-                    return Err(Error::shape(op, "targets must be batch × outputs", &[&[v.len()]]));
-                }
-                Targets::Values(&v[start * w..(start + rows) * w])
-            }
-            Targets::Classes(c) => {
-                let w = c.len() / n;
-                if w == 0 || c.len() != n * w {
-                    return Err(Error::shape(op, "the same labels per example", &[&[c.len()]]));
-                }
-                Targets::Classes(&c[start * w..(start + rows) * w])
-            }
+        let (len, what) = match targets {
+            Targets::Values(v) => (v.len(), "targets must be batch × outputs"),
+            Targets::Classes(c) => (c.len(), "the same labels per example"),
         };
-        Ok((x.slice(start * f, (start + rows) * f), own_targets, rows as f64 / n as f64))
+        let w = len / n;
+        if w == 0 || len != n * w {
+            return Err(Error::shape(op, what, &[&[len]]));
+        }
+        Ok((x.slice(start * f, (start + rows) * f), shard(targets, start, rows, w), rows as f64 / n as f64))
     }
 
     /// One optimizer step on the global batch (`x` and `targets` hold all
@@ -373,7 +319,7 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
             self.sync_from_root()?;
             self.stats.across += t.elapsed();
         }
-        if size > 1 && !self.fixed_split && self.resplit_every > 0 && self.stats.steps % self.resplit_every == 0 {
+        if size > 1 && !self.fixed_split && self.stats.steps % RESPLIT_EVERY == 0 {
             self.follow_measured_speeds()?;
         }
         Ok(loss)
@@ -410,32 +356,6 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
         Ok(weighted[0] as f32)
     }
 
-    /// One line: rows per process, each process's measured step cost, and
-    /// this process's own devices.
-    pub fn describe(&self) -> String {
-        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
-        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
-        format!(
-            "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
-            self.group.size(),
-            self.process_shares,
-            self.group.describe(),
-            self.local.describe()
-        )
-    }
-
-    /// [`DistributedDataParallel::describe`] with the share of step time
-    /// spent in cross-process reductions and the re-splits.
-    pub fn report(&self) -> String {
-        let s = &self.stats;
-        let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
-        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
-    }
-
-    pub fn group(&self) -> &G {
-        &self.group
-    }
-
     pub fn local(&self) -> &DataParallel {
         &self.local
     }
@@ -447,11 +367,6 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     /// Rows of the global batch per process, in rank order.
     pub fn process_shares(&self) -> &[usize] {
         &self.process_shares
-    }
-
-    /// Measured cost of a step per process (empty with a fixed split).
-    pub fn process_costs(&self) -> &[Cost] {
-        &self.process_costs
     }
 
     pub fn stats(&self) -> &DistributedStats {
@@ -468,29 +383,78 @@ impl<G: ProcessGroup> DistributedDataParallel<G> {
     }
 }
 
-/// A shared group: the caller keeps a handle to end the job (finalise or
-/// abort) after the engine that used it is gone. `Arc<dyn ProcessGroup>`
-/// is how the CLI's engine holds one.
-impl<T: ProcessGroup + ?Sized> ProcessGroup for std::sync::Arc<T> {
-    fn rank(&self) -> usize {
-        (**self).rank()
+impl TrainEngine for DistributedDataParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        DistributedDataParallel::step(self, x, targets, read_loss)
     }
-    fn size(&self) -> usize {
-        (**self).size()
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        DistributedDataParallel::evaluate_loss(self, x, targets)
     }
-    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
-        (**self).all_reduce_sum(values)
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        DistributedDataParallel::predict(self, x)
     }
-    fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
-        (**self).broadcast_bytes(root, bytes)
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(self.replica())
     }
-    fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
-        (**self).all_gather(values)
+    /// This process's replicas only; [`TrainEngine::sync_from_root`] then
+    /// hands rank 0's to every rank.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.local.load_state(params, state, step)
     }
-    fn abort(&self, code: i32) -> ! {
-        (**self).abort(code)
+    /// Copies rank 0's replica-0 parameters, optimizer state and step count
+    /// to every replica of every process.
+    fn sync_from_root(&mut self) -> Result<()> {
+        let root = self.group.rank() == 0;
+        let replica0 = &self.local.replicas()[0];
+        let mut step = vec![replica0.executor().step_count()];
+        let device0 = &self.local.devices()[0];
+        let mut host: Vec<Vec<f32>> = Vec::new();
+        for view in &arenas(replica0) {
+            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
+            broadcast_f32(self.group.as_ref(), 0, &mut values)?;
+            if values.len() != view.len {
+                let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
+                return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
+            }
+            host.push(values);
+        }
+        broadcast_u64(self.group.as_ref(), 0, &mut step)?;
+        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
+        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
+            let kernels = t.executor().kernels().clone();
+            for (view, values) in arenas(t).iter().zip(&host) {
+                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
+            }
+            t.executor_mut().load_state(&[], &[], Some(step))?;
+        }
+        Ok(())
     }
+    /// One line: rows per process, each process's measured step cost, and
+    /// this process's own devices.
     fn describe(&self) -> String {
-        (**self).describe()
+        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
+        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        format!(
+            "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
+            self.group.size(),
+            self.process_shares,
+            self.group.describe(),
+            self.local.describe()
+        )
+    }
+    /// [`DistributedDataParallel::describe`] with the share of step time
+    /// spent in cross-process reductions and the re-splits.
+    fn report(&self) -> String {
+        let s = &self.stats;
+        let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
+        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
+    }
+    fn shares(&self) -> Vec<usize> {
+        self.process_shares.clone()
+    }
+    /// A test hook: make `rank` fail at `step` (1-based) with `how`.
+    #[cfg(feature = "fault-injection")]
+    fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
+        self.failure = Some((rank, step, how));
     }
 }

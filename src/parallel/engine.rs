@@ -9,13 +9,13 @@ use super::distributed::{DistributedDataParallel, ProcessGroup};
 #[cfg(feature = "fault-injection")]
 use super::distributed::InjectedFailure;
 use super::pipeline::{partition, Pipeline, Schedule};
-use super::stage::{NamedParameters, NamedState};
+use super::stage::{NamedParameters, NamedState, Spread, Stage};
 use super::tensor::TensorParallel;
 use super::DeviceGroup;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
-use crate::nn::{Criterion, Module, StageCosts, Staged};
+use crate::nn::{Criterion, Staged};
 use crate::trainer::{Examples, Targets, Trainer};
 
 /// How the work is spread over devices.
@@ -27,30 +27,11 @@ pub enum Strategy {
     Tensor,
 }
 
-/// A model every strategy can train. Any module trains on one device, data
-/// parallel and tensor parallel; a pipeline needs its stage units, which a
-/// [`Staged`] model has (the blanket impl). A model without them says so
-/// here and a pipeline of it is refused.
-pub trait Parallelizable: Module + Clone + Send + Sync + 'static {
-    /// Each stage unit's work, where the model has stage units.
-    fn stage_costs(&self) -> Option<StageCosts>;
-    /// [`Pipeline::new`] over the model.
-    fn pipeline(&self, group: &DeviceGroup, criterion: Criterion, optimizer: OptimizerConfig, batch: usize, micro_batches: usize, schedule: Schedule) -> Result<Pipeline>;
-}
+/// A model every strategy can train: any [`Staged`] model trains on one
+/// device, data, tensor and pipeline parallel.
+pub trait Parallelizable: Staged + Clone + Send + Sync + 'static {}
 
-impl<M: Staged + Clone + Send + Sync + 'static> Parallelizable for M {
-    fn stage_costs(&self) -> Option<StageCosts> {
-        Some(Staged::stage_costs(self))
-    }
-    fn pipeline(&self, group: &DeviceGroup, criterion: Criterion, optimizer: OptimizerConfig, batch: usize, micro_batches: usize, schedule: Schedule) -> Result<Pipeline> {
-        Pipeline::new(group, self, criterion, optimizer, batch, micro_batches, schedule)
-    }
-}
-
-/// The refusal of a pipeline over a model without stage units.
-pub fn no_stages(model: &str) -> Error {
-    Error::InvalidArgument { op: "pipeline parallel", reason: format!("{model} does not declare pipeline stage units (nn::Staged): use --parallel data or tensor") }
-}
+impl<M: Staged + Clone + Send + Sync + 'static> Parallelizable for M {}
 
 impl Strategy {
     pub fn parse(name: &str) -> Result<Self> {
@@ -73,10 +54,7 @@ impl Strategy {
         self.check_counts(devices, batch, split, micro_batches)?;
         match self {
             Strategy::Single | Strategy::Data => Ok(()),
-            Strategy::Pipeline => {
-                let costs = model.stage_costs().ok_or_else(|| no_stages(&model.describe()))?;
-                partition(&costs, devices).map(|_| ())
-            }
+            Strategy::Pipeline => partition(&model.stage_costs(), devices).map(|_| ()),
             Strategy::Tensor => TensorParallel::check(model, devices, batch),
         }
     }
@@ -128,7 +106,7 @@ impl Strategy {
             (Strategy::Data, None) => Box::new(DataParallel::new(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows))?),
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
-            (Strategy::Pipeline, None) => Box::new(model.pipeline(group, criterion, optimizer, batch, micro_batches, schedule)?),
+            (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() }),
         })
     }
@@ -146,6 +124,14 @@ pub struct Footprint {
     pub intermediates: Option<(u64, u64)>,
 }
 
+/// Where an engine's model lies, for what every engine reads the same way.
+pub enum Holding<'a> {
+    /// Whole on every replica (they hold the same weights): this one's.
+    Replica(&'a Trainer),
+    /// Across stages, each on a device ([`Spread`]).
+    Stages(&'a Spread, &'a [Stage]),
+}
+
 /// What a training run asks of an engine, whatever spreads the work.
 pub trait TrainEngine {
     /// One optimizer step on a global batch; the mean loss when `read_loss`.
@@ -155,16 +141,37 @@ pub trait TrainEngine {
     fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32>;
     /// A classifier's predicted classes.
     fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>>;
+    fn holding(&self) -> Holding<'_>;
     /// Every parameter under its single-device name (gathered from stages
     /// or shards; a replica's).
-    fn parameters(&self) -> Result<NamedParameters>;
+    fn parameters(&self) -> Result<NamedParameters> {
+        match self.holding() {
+            Holding::Replica(t) => t.executor().parameters(),
+            Holding::Stages(spread, stages) => spread.parameters(stages),
+        }
+    }
     /// (parameter, state name, values) of the optimizer.
-    fn optimizer_state(&self) -> Result<NamedState>;
-    /// Optimizer steps taken (a resumed run's included).
-    fn step_count(&self) -> u64;
+    fn optimizer_state(&self) -> Result<NamedState> {
+        match self.holding() {
+            Holding::Replica(t) => t.executor().optimizer_state(),
+            Holding::Stages(spread, stages) => spread.optimizer_state(stages),
+        }
+    }
+    /// Optimizer steps taken (a resumed run's included; every stage takes each).
+    fn step_count(&self) -> u64 {
+        match self.holding() {
+            Holding::Replica(t) => t.executor().step_count(),
+            Holding::Stages(_, stages) => stages.first().map_or(0, |s| s.executor().step_count()),
+        }
+    }
     /// Parameters, optimizer state and metadata under single-device names,
     /// so a run resumes on any strategy.
-    fn checkpoint(&self) -> Result<Checkpoint>;
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        match self.holding() {
+            Holding::Replica(t) => t.checkpoint(),
+            Holding::Stages(spread, stages) => spread.checkpoint(stages),
+        }
+    }
     /// Loads parameters (by name), optimizer state and step everywhere.
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()>;
     /// Across processes, every rank takes rank 0's parameters, state and
@@ -178,7 +185,24 @@ pub trait TrainEngine {
     fn report(&self) -> String {
         String::new()
     }
-    fn footprint(&self) -> Footprint;
+    /// A replica's, or all stages' dispatches with the bytes of the device
+    /// holding the most.
+    fn footprint(&self) -> Footprint {
+        match self.holding() {
+            Holding::Replica(t) => {
+                let exec = t.executor();
+                Footprint { dispatches_per_step: exec.dispatches_per_step(), peak_bytes: exec.peak_bytes(), intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
+            }
+            Holding::Stages(spread, stages) => {
+                let mut per_device = vec![0u64; spread.devices().iter().max().map_or(0, |d| d + 1)];
+                for (&device, stage) in spread.devices().iter().zip(stages) {
+                    per_device[device] += stage.executor().peak_bytes();
+                }
+                let dispatches = stages.iter().map(|s| s.executor().dispatches_per_step()).sum();
+                Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
+            }
+        }
+    }
     /// Data parallel's rows per device (or process); empty elsewhere.
     fn shares(&self) -> Vec<usize> {
         Vec::new()
@@ -188,16 +212,11 @@ pub trait TrainEngine {
     fn inject_failure(&mut self, _rank: usize, _step: u64, _how: InjectedFailure) {}
 }
 
-fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
+pub(super) fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
     match x {
         Examples::Features(f) => Ok(f),
         Examples::Ids(_) => Err(Error::InvalidArgument { op, reason: "predicts classes of feature rows, not token ids".into() }),
     }
-}
-
-fn trainer_footprint(t: &Trainer) -> Footprint {
-    let exec = t.executor();
-    Footprint { dispatches_per_step: exec.dispatches_per_step(), peak_bytes: exec.peak_bytes(), intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
 }
 
 impl TrainEngine for Trainer {
@@ -218,195 +237,13 @@ impl TrainEngine for Trainer {
     fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
         self.predict_examples(x)
     }
-    fn parameters(&self) -> Result<NamedParameters> {
-        self.executor().parameters()
-    }
-    fn optimizer_state(&self) -> Result<NamedState> {
-        self.executor().optimizer_state()
-    }
-    fn step_count(&self) -> u64 {
-        self.executor().step_count()
-    }
-    fn checkpoint(&self) -> Result<Checkpoint> {
-        Trainer::checkpoint(self)
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(self)
     }
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         self.executor_mut().load_state(params, state, step)
     }
     fn describe(&self) -> String {
         format!("single device, {} dispatches per step in one submit", self.executor().dispatches_per_step())
-    }
-    fn footprint(&self) -> Footprint {
-        trainer_footprint(self)
-    }
-}
-
-impl TrainEngine for DataParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DataParallel::predict(self, x)
-    }
-    fn parameters(&self) -> Result<NamedParameters> {
-        self.replicas()[0].executor().parameters()
-    }
-    fn optimizer_state(&self) -> Result<NamedState> {
-        self.replicas()[0].executor().optimizer_state()
-    }
-    fn step_count(&self) -> u64 {
-        self.replicas()[0].executor().step_count()
-    }
-    fn checkpoint(&self) -> Result<Checkpoint> {
-        self.replicas()[0].checkpoint()
-    }
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        DataParallel::load_state(self, params, state, step)
-    }
-    fn describe(&self) -> String {
-        DataParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        DataParallel::report(self)
-    }
-    fn footprint(&self) -> Footprint {
-        trainer_footprint(&self.replicas()[0])
-    }
-    fn shares(&self) -> Vec<usize> {
-        DataParallel::shares(self).to_vec()
-    }
-}
-
-impl<G: ProcessGroup> TrainEngine for DistributedDataParallel<G> {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DistributedDataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DistributedDataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DistributedDataParallel::predict(self, x)
-    }
-    fn parameters(&self) -> Result<NamedParameters> {
-        self.replica().executor().parameters()
-    }
-    fn optimizer_state(&self) -> Result<NamedState> {
-        self.replica().executor().optimizer_state()
-    }
-    fn step_count(&self) -> u64 {
-        self.replica().executor().step_count()
-    }
-    fn checkpoint(&self) -> Result<Checkpoint> {
-        self.replica().checkpoint()
-    }
-    /// This process's replicas only; [`TrainEngine::sync_from_root`] then
-    /// hands rank 0's to every rank.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.local_mut().load_state(params, state, step)
-    }
-    fn sync_from_root(&mut self) -> Result<()> {
-        DistributedDataParallel::sync_from_root(self)
-    }
-    fn describe(&self) -> String {
-        DistributedDataParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        DistributedDataParallel::report(self)
-    }
-    fn footprint(&self) -> Footprint {
-        trainer_footprint(self.replica())
-    }
-    fn shares(&self) -> Vec<usize> {
-        self.process_shares().to_vec()
-    }
-    #[cfg(feature = "fault-injection")]
-    fn inject_failure(&mut self, rank: usize, step: u64, how: InjectedFailure) {
-        DistributedDataParallel::inject_failure(self, rank, step, how);
-    }
-}
-
-impl TrainEngine for TensorParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        TensorParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        TensorParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
-    }
-    fn parameters(&self) -> Result<NamedParameters> {
-        TensorParallel::parameters(self)
-    }
-    fn optimizer_state(&self) -> Result<NamedState> {
-        TensorParallel::optimizer_state(self)
-    }
-    fn step_count(&self) -> u64 {
-        TensorParallel::step_count(self)
-    }
-    fn checkpoint(&self) -> Result<Checkpoint> {
-        TensorParallel::checkpoint(self)
-    }
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        TensorParallel::load_state(self, params, state, step)
-    }
-    fn describe(&self) -> String {
-        TensorParallel::describe(self)
-    }
-    fn report(&self) -> String {
-        TensorParallel::report(self)
-    }
-    /// All ranks' dispatches; the bytes of the device holding the most.
-    fn footprint(&self) -> Footprint {
-        let mut per_device: Vec<u64> = Vec::new();
-        let mut dispatches = 0;
-        for (device, stage) in self.stages() {
-            if per_device.len() <= device {
-                per_device.resize(device + 1, 0);
-            }
-            per_device[device] += stage.executor().peak_bytes();
-            dispatches += stage.executor().dispatches_per_step();
-        }
-        Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
-    }
-}
-
-impl TrainEngine for Pipeline {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        Pipeline::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        Pipeline::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        Pipeline::predict(self, features(x, "Pipeline::predict")?)
-    }
-    fn parameters(&self) -> Result<NamedParameters> {
-        Pipeline::parameters(self)
-    }
-    fn optimizer_state(&self) -> Result<NamedState> {
-        Pipeline::optimizer_state(self)
-    }
-    fn step_count(&self) -> u64 {
-        Pipeline::step_count(self)
-    }
-    fn checkpoint(&self) -> Result<Checkpoint> {
-        Pipeline::checkpoint(self)
-    }
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        Pipeline::load_state(self, params, state, step)
-    }
-    fn describe(&self) -> String {
-        Pipeline::describe(self)
-    }
-    fn report(&self) -> String {
-        format!("{}; {}", Pipeline::describe(self), Pipeline::report(self))
-    }
-    fn footprint(&self) -> Footprint {
-        let dispatches = self.stages().iter().map(|s| s.executor().dispatches_per_step()).sum();
-        Footprint { dispatches_per_step: dispatches, peak_bytes: self.stage_gpu_bytes().into_iter().max().unwrap_or(0), intermediates: None }
     }
 }

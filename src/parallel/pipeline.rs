@@ -30,9 +30,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd};
+use super::data::shard;
+use super::stage::{check_batch, Spread, Stage, StageEnd};
+use super::engine::{features, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::kernels::{Kernels, OptimizerConfig, View};
@@ -111,7 +112,6 @@ fn training_work(schedule: Schedule, stages: usize, micro: usize) -> Vec<Vec<Wor
         .collect()
 }
 
-
 /// Time and memory accounting over the steps taken.
 #[derive(Clone, Debug, Default)]
 pub struct PipelineStats {
@@ -138,7 +138,6 @@ pub struct PipelineStats {
     /// (`None` when the optimizer does not clip).
     pub last_grad_norm: Option<f32>,
 }
-
 
 /// Blocks per stage that even out the stages' work (the largest stage's
 /// cost is the smallest possible): the prologue counts on the first stage
@@ -331,18 +330,6 @@ impl Pipeline {
         &self.blocks
     }
 
-    pub fn schedule(&self) -> Schedule {
-        self.schedule
-    }
-
-    pub fn micro_batches(&self) -> usize {
-        self.micro_batches
-    }
-
-    pub fn global_batch(&self) -> usize {
-        self.global_batch
-    }
-
     pub fn stats(&self) -> &PipelineStats {
         &self.stats
     }
@@ -356,16 +343,6 @@ impl Pipeline {
             peak_stash_bytes: vec![0; s_count],
             ..PipelineStats::default()
         };
-    }
-
-    /// Optimizer steps taken (every stage takes each).
-    pub fn step_count(&self) -> u64 {
-        self.stages.first().map_or(0, |s| s.executor().step_count())
-    }
-
-    /// The learning rate of the last step (the first step's before any).
-    pub fn learning_rate(&self) -> Option<f32> {
-        self.stages.first().and_then(|s| s.executor().learning_rate())
     }
 
     /// Device memory each stage's executor holds ([`crate::graph::Executor::peak_bytes`]).
@@ -399,36 +376,6 @@ impl Pipeline {
         (self.stats.communication.as_secs_f64() / wall).clamp(0.0, 1.0)
     }
 
-    /// One line: schedule, micro-batches, what each stage holds on which
-    /// device, and the parameters stages share.
-    pub fn describe(&self) -> String {
-        let last = self.stages.len() - 1;
-        let mut start = 0;
-        let mut parts = Vec::with_capacity(self.stages.len());
-        for (i, (stage, &count)) in self.stages.iter().zip(&self.blocks).enumerate() {
-            let mut holds = Vec::new();
-            if i == 0 && self.costs.prologue > 0.0 {
-                holds.push("prologue".to_string());
-            }
-            holds.extend(block_range(start, count));
-            if i == last {
-                holds.push(if self.costs.epilogue > 0.0 { "epilogue, loss".into() } else { "loss".into() });
-            }
-            parts.push(format!("stage {i} on #{i} {}: {}", stage.kernels.device().label(), holds.join(", ")));
-            start += count;
-        }
-        let shared: Vec<&str> = self.spread.shared().iter().map(|s| s.name.as_str()).collect();
-        let shared = if shared.is_empty() { String::new() } else { format!("; shared between stages: {}", shared.join(", ")) };
-        format!(
-            "pipeline ({}) over {} stage(s), {} micro-batches of {} examples: {}{shared}",
-            self.schedule,
-            self.stages.len(),
-            self.micro_batches,
-            self.micro_rows,
-            parts.join("; ")
-        )
-    }
-
     /// One line of what the steps so far measured.
     pub fn report(&self) -> String {
         let steps = self.stats.steps.max(1) as f64;
@@ -445,22 +392,6 @@ impl Pipeline {
         )
     }
 
-    fn check_batch(&self, op: &'static str, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
-        let (inputs, targets_len) = (self.global_batch * self.widths.inputs, self.global_batch * self.target_width);
-        let got = match targets {
-            Targets::Values(v) => v.len(),
-            Targets::Classes(c) => c.len(),
-        };
-        if input.len() != inputs || got != targets_len {
-            return Err(Error::shape(
-                op,
-                format!("the input must be {} × {} values and the targets {} × {}", self.global_batch, self.widths.inputs, self.global_batch, self.target_width),
-                &[&[input.len()], &[got]],
-            ));
-        }
-        Ok(())
-    }
-
     /// Micro-batch `m` of the model input.
     fn micro_input<'a>(&self, input: Examples<'a>, m: usize) -> Examples<'a> {
         let n = self.micro_rows * self.widths.inputs;
@@ -472,7 +403,7 @@ impl Pipeline {
     /// `read_loss`.
     pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         let input = input.into();
-        self.check_batch("Pipeline::step", input, targets)?;
+        check_batch("Pipeline::step", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
         let work = std::mem::take(&mut self.work);
         let loss = self.run(&work, input, targets, true, read_loss);
@@ -498,7 +429,7 @@ impl Pipeline {
     /// gradient, no update.
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        self.check_batch("Pipeline::evaluate_loss", input, targets)?;
+        check_batch("Pipeline::evaluate_loss", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
         let s_count = self.stages.len();
         let work: Vec<Vec<Work>> = (0..s_count)
             .map(|s| if s + 1 == s_count { (0..self.micro_batches).map(Work::Loss).collect() } else { (0..self.micro_batches).map(Work::Forward).collect() })
@@ -589,14 +520,15 @@ impl Pipeline {
         order.sort_by_key(|&k| self.stages[active[k].0].kernels.device().is_gl());
         for (s, w) in order.into_iter().map(|k| active[k]) {
             let m = w.micro();
-            let stage_input = if s == 0 { StageInput::Examples(self.micro_input(input, m)) } else { StageInput::Activations(stashed(&self.activations[s][m], "input", s, m)?) };
+            let micro_input = self.micro_input(input, m);
+            let activations = if s == 0 { None } else { Some(stashed(&self.activations[s][m], "input", s, m)?) };
             let gradient = match w {
                 Work::Backward(_) if s < last => Some(stashed(&self.gradients[s][m], "output gradient", s, m)?),
                 _ => None,
             };
             let stage = &mut self.stages[s];
             let wrote = Instant::now();
-            write_inputs(stage, w, stage_input, gradient, micro_targets(targets, self.target_width, self.micro_rows, m), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            write_inputs(stage, w, micro_input, activations, gradient, shard(targets, m * self.micro_rows, self.micro_rows, self.target_width), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
             writing += wrote.elapsed();
             launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
@@ -645,69 +577,29 @@ impl Pipeline {
         Ok(results)
     }
 
-
     /// Model outputs for any number of rows of features, micro-batch by
     /// micro-batch through the stages (the last chunk zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (f, rows, width) = (self.widths.inputs, self.micro_rows, self.widths.outputs);
-        let stages = &mut self.stages;
-        super::outputs_in_chunks("Pipeline::outputs", features, f, rows, width, |chunk| {
-            let last = feed_last_stage(stages, chunk)?;
-            let stage = &mut stages[last];
-            let k = stage.kernels.clone();
-            stage.forward().map_err(|e| on_device(last, &k, e))?;
-            k.read(stage.output_view()?).map_err(|e| on_device(last, &k, e))
-        })
+        self.in_chunks("Pipeline::outputs", features, self.widths.outputs, Stage::outputs)
     }
 
     /// Argmax of [`Pipeline::outputs`], computed by the last stage's device,
     /// which reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        let (f, rows) = (self.widths.inputs, self.micro_rows);
+        self.in_chunks("Pipeline::predict", features, 1, Stage::predictions)
+    }
+
+    /// `read` of the last stage for each micro-batch-sized chunk of
+    /// `features` fed through the others.
+    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
         let stages = &mut self.stages;
-        super::outputs_in_chunks("Pipeline::predict", features, f, rows, 1, |chunk| {
+        super::outputs_in_chunks(op, features, self.widths.inputs, self.micro_rows, width, |chunk| {
             let last = feed_last_stage(stages, chunk)?;
-            let stage = &mut stages[last];
-            let k = stage.kernels.clone();
-            stage.predictions().map_err(|e| on_device(last, &k, e))
+            let k = stages[last].kernels.clone();
+            read(&mut stages[last]).map_err(|e| on_device(last, &k, e))
         })
     }
 
-    /// Every parameter under the single-device model's names, in its order
-    /// (a shared one once: the copies are equal).
-    pub fn parameters(&self) -> Result<NamedParameters> {
-        self.spread.parameters(&self.stages)
-    }
-
-    /// The optimizer state under the single-device names, each parameter
-    /// once (as [`crate::graph::Executor::optimizer_state`]).
-    pub fn optimizer_state(&self) -> Result<NamedState> {
-        self.spread.optimizer_state(&self.stages)
-    }
-
-    /// What [`crate::trainer::Trainer::checkpoint`] writes for the
-    /// single-device model, so a run saved from a pipeline resumes on one
-    /// device and the other way round.
-    pub fn checkpoint(&self) -> Result<Checkpoint> {
-        self.spread.checkpoint(&self.stages)
-    }
-
-    /// Replaces parameters and, when given, the optimizer state and step
-    /// count, by single-device names (a shared parameter on every stage
-    /// holding it); see [`Spread::load_state`].
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, optimizer_state, step)
-    }
-}
-
-/// Micro-batch `m` of `targets` (`width` values per example, `rows`
-/// examples per micro-batch).
-fn micro_targets<'a>(targets: Targets<'a>, width: usize, rows: usize, m: usize) -> Targets<'a> {
-    let range = m * rows * width..(m + 1) * rows * width;
-    match targets {
-        Targets::Values(v) => Targets::Values(&v[range]),
-        Targets::Classes(c) => Targets::Classes(&c[range]),
-    }
 }
 
 /// Feeds one chunk of features forward through every stage but the last
@@ -719,28 +611,13 @@ fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
     let mut h: Option<Vec<f32>> = None;
     for (s, stage) in stages[..last].iter_mut().enumerate() {
         let k = stage.kernels.clone();
-        match &h {
-            None => stage.set_examples(Examples::Features(chunk)),
-            Some(x) => stage.set_input(x),
-        }
-        .map_err(|e| on_device(s, &k, e))?;
+        stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(s, &k, e))?;
         stage.forward().map_err(|e| on_device(s, &k, e))?;
         h = Some(k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?);
     }
     let stage = &stages[last];
-    match &h {
-        None => stage.set_examples(Examples::Features(chunk)),
-        Some(x) => stage.set_input(x),
-    }
-    .map_err(|e| on_device(last, &stage.kernels, e))?;
+    stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(last, &stage.kernels, e))?;
     Ok(last)
-}
-
-/// What a stage reads: the first stage the model input, the others
-/// activations.
-enum StageInput<'a> {
-    Examples(Examples<'a>),
-    Activations(&'a [f32]),
 }
 
 fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Result<&'a [f32]> {
@@ -749,11 +626,8 @@ fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Re
 
 /// Writes what a stage reads for `work`: its input, and the gradient of
 /// its output or its targets.
-fn write_inputs(stage: &mut Stage, work: Work, input: StageInput<'_>, gradient: Option<&[f32]>, targets: Targets<'_>, scale: f32) -> Result<()> {
-    match input {
-        StageInput::Examples(x) => stage.set_examples(x)?,
-        StageInput::Activations(x) => stage.set_input(x)?,
-    }
+fn write_inputs(stage: &mut Stage, work: Work, input: Examples<'_>, activations: Option<&[f32]>, gradient: Option<&[f32]>, targets: Targets<'_>, scale: f32) -> Result<()> {
+    stage.feed(input, activations)?;
     match (work, gradient) {
         (Work::Forward(_), _) => Ok(()),
         (Work::Backward(_), Some(g)) => stage.set_output_gradient(g),
@@ -771,7 +645,6 @@ fn launch(stage: &mut Stage, work: Work) -> Result<()> {
     }
 }
 
-
 /// [`to_host`] names a failing device by its place among the parts; name
 /// it by its stage's device instead.
 fn name_stage(error: Error, parts: &[(&Kernels, View<'_>)], stage_of: &[usize]) -> Error {
@@ -784,5 +657,56 @@ fn name_stage(error: Error, parts: &[(&Kernels, View<'_>)], stage_of: &[usize]) 
             Error::OnDevice { device: renamed.unwrap_or(device), source }
         }
         other => other,
+    }
+}
+
+impl TrainEngine for Pipeline {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        Pipeline::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        Pipeline::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        Pipeline::predict(self, features(x, "Pipeline::predict")?)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Stages(&self.spread, &self.stages)
+    }
+    /// A shared parameter on every stage holding it ([`Spread::load_state`]).
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.spread.load_state(&mut self.stages, params, state, step)
+    }
+    /// One line: schedule, micro-batches, what each stage holds on which
+    /// device, and the parameters stages share.
+    fn describe(&self) -> String {
+        let last = self.stages.len() - 1;
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(self.stages.len());
+        for (i, (stage, &count)) in self.stages.iter().zip(&self.blocks).enumerate() {
+            let mut holds = Vec::new();
+            if i == 0 && self.costs.prologue > 0.0 {
+                holds.push("prologue".to_string());
+            }
+            holds.extend(block_range(start, count));
+            if i == last {
+                holds.push(if self.costs.epilogue > 0.0 { "epilogue, loss".into() } else { "loss".into() });
+            }
+            parts.push(format!("stage {i} on #{i} {}: {}", stage.kernels.device().label(), holds.join(", ")));
+            start += count;
+        }
+        let shared: Vec<&str> = self.spread.shared().iter().map(|s| s.name.as_str()).collect();
+        let shared = if shared.is_empty() { String::new() } else { format!("; shared between stages: {}", shared.join(", ")) };
+        format!(
+            "pipeline ({}) over {} stage(s), {} micro-batches of {} examples: {}{shared}",
+            self.schedule,
+            self.stages.len(),
+            self.micro_batches,
+            self.micro_rows,
+            parts.join("; ")
+        )
+    }
+    fn report(&self) -> String {
+        format!("{}; {}", self.describe(), Pipeline::report(self))
     }
 }

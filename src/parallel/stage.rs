@@ -93,6 +93,14 @@ impl Stage {
         }
     }
 
+    /// The model input `examples` on a first stage, else `activations`.
+    pub fn feed(&self, examples: Examples<'_>, activations: Option<&[f32]>) -> Result<()> {
+        match activations {
+            None => self.set_examples(examples),
+            Some(x) => self.set_input(x),
+        }
+    }
+
     /// Submits the forward pass (no wait).
     pub fn forward(&mut self) -> Result<()> {
         let output = self.output;
@@ -101,6 +109,12 @@ impl Stage {
 
     pub fn output_view(&self) -> Result<View<'_>> {
         self.exec.tensor_view(self.output)
+    }
+
+    /// Runs the forward pass and reads its output back (waits).
+    pub fn outputs(&mut self) -> Result<Vec<f32>> {
+        self.forward()?;
+        self.kernels.read(self.output_view()?)
     }
 
     /// Last stage: runs the forward pass and the argmax of each output row
@@ -178,6 +192,19 @@ impl Stage {
         }
         Ok(value)
     }
+}
+
+/// Checks that `input` and `targets` hold `rows` examples of `inputs`
+/// values and `target_width` targets each.
+pub fn check_batch(op: &'static str, rows: usize, inputs: usize, target_width: usize, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
+    let got = match targets {
+        Targets::Values(v) => v.len(),
+        Targets::Classes(c) => c.len(),
+    };
+    if input.len() != rows * inputs || got != rows * target_width {
+        return Err(Error::shape(op, format!("the input must be {rows} × {inputs} values and the targets {rows} × {target_width}"), &[&[rows, inputs], &[input.len()], &[got]]));
+    }
+    Ok(())
 }
 
 /// A parameter held by several stages: the tied token embedding on the

@@ -34,9 +34,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd};
+use super::stage::{check_batch, Spread, Stage, StageEnd};
+use super::engine::{features, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::kernels::{Kernels, OptimizerConfig, View};
@@ -142,11 +142,6 @@ impl TensorParallel {
         &self.stats
     }
 
-    /// Optimizer steps taken (every stage takes each).
-    pub fn step_count(&self) -> u64 {
-        self.head().executor().step_count()
-    }
-
     /// The whole model's gradient norm before the last step's clipping
     /// (torch.nn.utils.clip_grad_norm_'s return value); `None` when the
     /// optimizer does not clip or before the first step.
@@ -168,21 +163,6 @@ impl TensorParallel {
 
     fn head(&self) -> &Stage {
         &self.stages[self.stages.len() - 1]
-    }
-
-    fn check_batch(&self, op: &'static str, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
-        let got = match targets {
-            Targets::Values(v) => v.len(),
-            Targets::Classes(c) => c.len(),
-        };
-        if input.len() != self.batch * self.widths.inputs || got != self.batch * self.target_width {
-            return Err(Error::shape(
-                op,
-                format!("the input must be {} × {} values and the targets {} × {}", self.batch, self.widths.inputs, self.batch, self.target_width),
-                &[&[self.batch, self.widths.inputs], &[input.len()], &[got]],
-            ));
-        }
-        Ok(())
     }
 
     /// The devices' outputs (`input_gradient`: input gradients) of
@@ -209,11 +189,7 @@ impl TensorParallel {
                 let stage = &mut self.stages[r * self.segments + k];
                 let kernels = stage.kernels.clone();
                 let writes = Instant::now();
-                match &x {
-                    None => stage.set_examples(input),
-                    Some(x) => stage.set_input(x),
-                }
-                .map_err(|e| on_device(r, &kernels, e))?;
+                stage.feed(input, x.as_deref()).map_err(|e| on_device(r, &kernels, e))?;
                 communication += writes.elapsed();
                 stage.forward().map_err(|e| on_device(r, &kernels, e))?;
             }
@@ -224,11 +200,7 @@ impl TensorParallel {
         let head = self.stages.len() - 1;
         let stage = &self.stages[head];
         let writes = Instant::now();
-        match &x {
-            None => stage.set_examples(input),
-            Some(x) => stage.set_input(x),
-        }
-        .map_err(|e| on_device(0, &stage.kernels, e))?;
+        stage.feed(input, x.as_deref()).map_err(|e| on_device(0, &stage.kernels, e))?;
         Ok(communication + writes.elapsed())
     }
 
@@ -236,7 +208,7 @@ impl TensorParallel {
     /// `read_loss`.
     pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
         let input = input.into();
-        self.check_batch("TensorParallel::step", input, targets)?;
+        check_batch("TensorParallel::step", self.batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
         let mut communication = self.forward(input)?;
         let head = self.stages.len() - 1;
@@ -290,7 +262,7 @@ impl TensorParallel {
     /// The mean loss of one batch without training on it (forward only).
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        self.check_batch("TensorParallel::evaluate_loss", input, targets)?;
+        check_batch("TensorParallel::evaluate_loss", self.batch, self.widths.inputs, self.target_width, input, targets)?;
         self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
@@ -300,52 +272,25 @@ impl TensorParallel {
     /// Model outputs for any number of rows of features (batch-sized
     /// chunks, the last zero-padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        let (f, batch, width) = (self.widths.inputs, self.batch, self.widths.outputs);
-        super::outputs_in_chunks("TensorParallel::outputs", features, f, batch, width, |chunk| {
-            self.forward(Examples::Features(chunk))?;
-            let head = self.stages.len() - 1;
-            let stage = &mut self.stages[head];
-            let k0 = stage.kernels.clone();
-            stage.forward().map_err(|e| on_device(0, &k0, e))?;
-            k0.read(stage.output_view()?).map_err(|e| on_device(0, &k0, e))
-        })
+        self.in_chunks("TensorParallel::outputs", features, self.widths.outputs, Stage::outputs)
     }
 
     /// Argmax of [`TensorParallel::outputs`], computed on device 0, which
     /// reads back one index per row instead of the outputs.
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
+        self.in_chunks("TensorParallel::predict", features, 1, Stage::predictions)
+    }
+
+    /// `read` of the head for each batch-sized chunk of `features` fed
+    /// through the segments.
+    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
         let (f, batch) = (self.widths.inputs, self.batch);
-        super::outputs_in_chunks("TensorParallel::predict", features, f, batch, 1, |chunk| {
+        super::outputs_in_chunks(op, features, f, batch, width, |chunk| {
             self.forward(Examples::Features(chunk))?;
             let head = self.stages.len() - 1;
-            let stage = &mut self.stages[head];
-            let k0 = stage.kernels.clone();
-            stage.predictions().map_err(|e| on_device(0, &k0, e))
+            let k0 = self.stages[head].kernels.clone();
+            read(&mut self.stages[head]).map_err(|e| on_device(0, &k0, e))
         })
-    }
-
-    /// The whole model's parameters with the single-device names, shapes
-    /// and order (shares gathered, copies once).
-    pub fn parameters(&self) -> Result<NamedParameters> {
-        self.spread.parameters(&self.stages)
-    }
-
-    /// The optimizer state under the single-device names and shapes.
-    pub fn optimizer_state(&self) -> Result<NamedState> {
-        self.spread.optimizer_state(&self.stages)
-    }
-
-    /// What [`crate::trainer::Trainer::checkpoint`] writes for the
-    /// single-device model, so a run resumes on any number of devices.
-    pub fn checkpoint(&self) -> Result<Checkpoint> {
-        self.spread.checkpoint(&self.stages)
-    }
-
-    /// Replaces parameters and, when given, the optimizer state (each
-    /// split as its parameter is) and step count, by single-device names;
-    /// see [`Spread::load_state`].
-    pub fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
-        self.spread.load_state(&mut self.stages, params, optimizer_state, step)
     }
 
     /// Values moved between the host and the devices in one step: each
@@ -364,8 +309,34 @@ impl TensorParallel {
         activations + replicated
     }
 
+}
+
+/// Rank `rank`'s graphs of `model` for `batch` examples.
+fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
+    let mut g = Graph::new();
+    let input = model.input(&mut g, batch)?;
+    shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))
+}
+
+impl TrainEngine for TensorParallel {
+    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        TensorParallel::step(self, x, targets, read_loss)
+    }
+    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        TensorParallel::evaluate_loss(self, x, targets)
+    }
+    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
+    }
+    fn holding(&self) -> Holding<'_> {
+        Holding::Stages(&self.spread, &self.stages)
+    }
+    /// Each split parameter's state split as it is ([`Spread::load_state`]).
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        self.spread.load_state(&mut self.stages, params, state, step)
+    }
     /// One line: how the model is split.
-    pub fn describe(&self) -> String {
+    fn describe(&self) -> String {
         let split = self.slices.first().map_or(0, HashMap::len);
         format!(
             "tensor parallel over {} devices ({}): {} all-reduces per forward, {split} parameters split per device, {} replicated; the last segment and the loss on #0",
@@ -375,20 +346,12 @@ impl TensorParallel {
             self.spread.shared().len()
         )
     }
-
     /// [`TensorParallel::describe`] with what the steps so far cost.
-    pub fn report(&self) -> String {
+    fn report(&self) -> String {
         let s = &self.stats;
         let ms = 1e3 * s.wall.as_secs_f64() / s.steps.max(1) as f64;
         let share = 100.0 * s.communication.as_secs_f64() / s.wall.as_secs_f64().max(1e-9);
         let mb = self.floats_moved_per_step() as f64 * 4.0 / 1e6;
         format!("{}; {} steps, {ms:.1} ms/step, communication {share:.0}% of step time ({mb:.1} MB through the host per step)", self.describe(), s.steps)
     }
-}
-
-/// Rank `rank`'s graphs of `model` for `batch` examples.
-fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
-    let mut g = Graph::new();
-    let input = model.input(&mut g, batch)?;
-    shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))
 }

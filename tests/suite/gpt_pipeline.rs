@@ -18,6 +18,7 @@ use wgrad::optim::AdamW;
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 

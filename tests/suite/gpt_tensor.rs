@@ -15,6 +15,7 @@ use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::trainer::{Examples, Targets, Trainer};
 use wgrad::Error;
 

@@ -19,6 +19,7 @@ use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::trainer::{Examples, Targets, Trainer};
 
 const VOCAB: usize = 29;

@@ -420,6 +420,7 @@ fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
 
 use wgrad::parallel::data::Cost;
 use wgrad::parallel::distributed::{broadcast_f32, broadcast_u64, DistributedDataParallel, ProcessGroup, SingleProcess};
+use wgrad::parallel::engine::TrainEngine;
 
 #[test]
 fn combined_cost_finishes_every_device_together() {
@@ -460,7 +461,7 @@ fn distributed_data_parallel_in_one_process_matches_single_device_training() {
     for group in groups("distributed_data_parallel_in_one_process_matches_single_device_training").into_iter().take(2) {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
-        let mut ddp = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+        let mut ddp = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
         assert_eq!(ddp.process_shares(), [GLOBAL]);
         for s in 0..STEPS {
             let (x, y) = batch(GLOBAL, s);
@@ -488,7 +489,7 @@ fn a_bad_process_split_is_refused() {
     let groups = groups("a_bad_process_split_is_refused");
     let Some(group) = groups.first() else { return };
     for rows in [vec![10, 6], vec![15], vec![0]] {
-        let err = DistributedDataParallel::new(SingleProcess, group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
+        let err = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
         assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
     }
 }
@@ -579,7 +580,7 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
         assert_eq!(bits(&dp.replicas()[1].executor().parameters().unwrap()), bits(&replicas[0]), "after synchronise");
     }
     // The distributed engine's path: a re-split rebuilds every replica.
-    let mut ddp = DistributedDataParallel::new(SingleProcess, &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+    let mut ddp = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
     for s in 0..STEPS {
         if s == 4 {
             ddp.local_mut().set_global_batch(GLOBAL - 3).unwrap();
