@@ -266,7 +266,8 @@ fn time_steps(
 /// The default GPT on one device and as a 2-stage pipeline.
 fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     let config = GptConfig { vocab_size: 65, ..MAKE_TRAIN_GPT };
-    let batch = language_model_run().batch_size;
+    let run = language_model_run();
+    let batch = run.batch_size;
     let (warm_up, timed) = if quick { (2, 3) } else { (2, 8) };
     let mut rng = ChaCha8Rng::seed_from_u64(0x9e7);
     let tokens = batch * config.block_size;
@@ -288,7 +289,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
         one.members()[0].clone(),
         &model,
         CrossEntropyLoss,
-        run.optimizer(),
+        run.optimizer.clone(),
         batch,
     )?;
     let ms = time_steps(warm_up, timed, || {
@@ -312,7 +313,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     println!("2 devices: {}", two.labels().join(", "));
     for micro in [4, 8] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer(), batch, micro, schedule)?;
+            let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer.clone(), batch, micro, schedule)?;
             time_steps(warm_up, 0, || p.step(&ids, Targets::Classes(&targets), false).map(|_| ()))?;
             p.reset_stats();
             let ms = time_steps(0, timed, || {
