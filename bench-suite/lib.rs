@@ -1,2 +1,575 @@
-//! Nothing but the benches under `benches/` (this package exists so that
-//! `cargo test` in the workspace does not build criterion).
+//! The benchmark crate: `wgrad bench`'s measurements (the CLI depends on
+//! this library) and the criterion benches under `benches/` (criterion is a
+//! dev-dependency, so neither the CLI nor `cargo test` builds it). Each
+//! measurement matters for training speed on one adapter and sits beside a
+//! reference measured in the same run.
+//! Output lines read `bench <case> key=value ...` so scripts can parse them.
+//! The matmul case, timed beside a CPU sgemm, is the CLI's (`cli/src/bench.rs`),
+//! so this library does not depend on the sgemm crate.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use wgrad::error::Result;
+use wgrad::graph::PlanOptions;
+use wgrad::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig};
+use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
+use wgrad::optim::{Adam, SGD};
+use wgrad::parallel::data::{DataParallel, Split};
+use wgrad::parallel::DeviceGroup;
+use wgrad::trainer::{Targets, Trainer};
+
+/// One measured case: its name and (key, value) pairs.
+#[derive(Clone, Debug)]
+pub struct BenchLine {
+    pub case: String,
+    pub values: Vec<(&'static str, String)>,
+}
+
+impl std::fmt::Display for BenchLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "bench {}", self.case)?;
+        for (k, v) in &self.values {
+            write!(f, " {k}={v}")?;
+        }
+        Ok(())
+    }
+}
+
+fn random(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Median of `reps` timings of `run`, after one warm-up call.
+pub fn median_time(reps: usize, mut run: impl FnMut() -> Result<()>) -> Result<Duration> {
+    run()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        run()?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+/// The regression or classification targets a [`StepCase`] owns.
+#[derive(Clone, Debug)]
+pub enum CaseTargets {
+    Values(Vec<f32>),
+    Classes(Vec<u32>),
+}
+
+/// A training-step benchmark case without its device: model, loss,
+/// optimizer, batch and seeded data. `wgrad bench` and the criterion benches
+/// (`bench-suite/benches/steps.rs`) build from the same definition, so their figures
+/// describe the same step.
+#[derive(Clone, Debug)]
+pub struct StepCase {
+    /// The case name `wgrad bench` prints.
+    pub name: &'static str,
+    pub model: Sequential,
+    pub criterion: Criterion,
+    pub optimizer: OptimizerConfig,
+    pub batch: usize,
+    /// [batch, in_features], row-major.
+    pub x: Vec<f32>,
+    pub targets: CaseTargets,
+}
+
+impl StepCase {
+    /// 784-512-512-10 ReLU MLP, cross-entropy, Adam(1e-3), batch 256.
+    pub fn mlp() -> Result<Self> {
+        let batch = 256;
+        nn::manual_seed(0);
+        let model = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let x = random(batch * 784, &mut rng);
+        let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+        Ok(StepCase {
+            name: "mlp_784_512_512_10_b256_adam",
+            model,
+            criterion: CrossEntropyLoss.into(),
+            optimizer: Adam::new(1e-3).into(),
+            batch,
+            x,
+            targets: CaseTargets::Classes(y),
+        })
+    }
+
+    /// `make train`'s digits MLP shape: 64-128-10 ReLU, cross-entropy,
+    /// Adam(2e-3), batch 32, random data.
+    pub fn digits_mlp() -> Result<Self> {
+        let batch = 32;
+        nn::manual_seed(0);
+        let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let x = random(batch * 64, &mut rng);
+        let y: Vec<u32> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+        Ok(StepCase {
+            name: "digits_mlp_64_128_10_b32_adam",
+            model,
+            criterion: CrossEntropyLoss.into(),
+            optimizer: Adam::new(2e-3).into(),
+            batch,
+            x,
+            targets: CaseTargets::Classes(y),
+        })
+    }
+
+    /// The tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
+    pub fn linear() -> Self {
+        let batch = 64;
+        nn::manual_seed(0);
+        let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let (x, y) = (random(batch * 10, &mut rng), random(batch, &mut rng));
+        StepCase {
+            name: "linear_10_1_b64_sgd",
+            model,
+            criterion: MSELoss.into(),
+            optimizer: SGD::new(0.01).into(),
+            batch,
+            x,
+            targets: CaseTargets::Values(y),
+        }
+    }
+
+    pub fn targets(&self) -> Targets<'_> {
+        match &self.targets {
+            CaseTargets::Values(v) => Targets::Values(v),
+            CaseTargets::Classes(c) => Targets::Classes(c),
+        }
+    }
+
+    /// A single-device trainer for this case.
+    pub fn trainer(&self, kernels: &Arc<Kernels>) -> Result<Trainer> {
+        Trainer::new(kernels.clone(), &self.model, self.criterion, self.optimizer, self.batch)
+    }
+
+    /// A data-parallel trainer for this case over `group`, the global batch
+    /// split as given.
+    pub fn data_parallel(&self, group: &DeviceGroup, split: Split) -> Result<DataParallel> {
+        DataParallel::new(group, &self.model, self.criterion, self.optimizer, self.batch, split)
+    }
+}
+
+/// One full training step as `wgrad bench` times it: zero_grad, forward,
+/// loss, backward, optimizer step (queued; does not wait for the GPU).
+pub fn train_step(trainer: &mut Trainer, x: &[f32], targets: Targets<'_>) -> Result<()> {
+    trainer.zero_grad();
+    trainer.forward(x)?;
+    trainer.loss(targets)?;
+    trainer.backward()?;
+    trainer.step()
+}
+
+/// Milliseconds per training step of `trainer` on fixed data, measured
+/// over `steps` steps after a warm-up, waiting once at the end.
+fn time_steps(kernels: &Kernels, trainer: &mut Trainer, x: &[f32], targets: Targets<'_>, steps: usize) -> Result<f64> {
+    time_queued(kernels, steps, || train_step(trainer, x, targets))
+}
+
+/// Milliseconds per call of `one` (which queues GPU work without waiting),
+/// over `calls` calls after 3 warm-up calls, waiting once at the end.
+fn time_queued(kernels: &Kernels, calls: usize, mut one: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..3 {
+        one()?;
+    }
+    kernels.device().wait_idle("bench")?;
+    let start = Instant::now();
+    for _ in 0..calls.max(1) {
+        one()?;
+    }
+    kernels.device().wait_idle("bench")?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / calls.max(1) as f64)
+}
+
+/// One training step of a 784-512-512-10 ReLU MLP, cross-entropy, Adam,
+/// batch 256, seeded random data.
+pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
+    let case = StepCase::mlp()?;
+    let batch = case.batch;
+    let mut trainer = case.trainer(kernels)?;
+    let ms = time_steps(kernels, &mut trainer, &case.x, case.targets(), steps)?;
+    let exec = trainer.executor();
+    let plan = exec.plan();
+    // Parameters, gradients and optimizer state share one arena layout.
+    let arena_copies = 2 + exec.state_arenas().len() as u64;
+    Ok(BenchLine {
+        case: case.name.into(),
+        values: vec![
+            ("ms_per_step", format!("{ms:.2}")),
+            ("samples_per_s", format!("{:.0}", batch as f64 * 1e3 / ms)),
+            ("dispatches", exec.dispatches_per_step().to_string()),
+            ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
+            ("peak_gpu_bytes", exec.peak_bytes().to_string()),
+            ("parameter_and_state_bytes", (plan.param_arena_len as u64 * 4 * arena_copies).to_string()),
+            ("input_bytes", plan.input_bytes.to_string()),
+            ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
+            ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
+        ],
+    })
+}
+
+/// Dispatches per step of `case` planned without fusion (one per node):
+/// what fusion saves. Built, never run.
+fn unfused_dispatches(kernels: &Arc<Kernels>, case: &StepCase) -> Result<usize> {
+    let options = PlanOptions::UNFUSED;
+    let trainer = Trainer::with_options(kernels.clone(), &case.model, case.criterion, case.optimizer, case.batch, options)?;
+    Ok(trainer.executor().dispatches_per_step())
+}
+
+/// One step of the tutorial's Linear(10, 1), MSE, SGD(lr=0.01), batch 64.
+pub fn linear_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
+    let case = StepCase::linear();
+    let mut trainer = case.trainer(kernels)?;
+    let ms = time_steps(kernels, &mut trainer, &case.x, case.targets(), steps)?;
+    Ok(BenchLine {
+        case: case.name.into(),
+        values: vec![
+            ("ms_per_step", format!("{ms:.3}")),
+            ("dispatches", trainer.executor().dispatches_per_step().to_string()),
+            ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
+        ],
+    })
+}
+
+/// Milliseconds since `start`.
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
+}
+
+/// Where start-up goes: for each matmul variant and form this adapter runs
+/// (64×64×64), and for a few of the small kernels, the time to create the
+/// pipeline (`create_ms`), the first run with its wait (`first_ms`), and a
+/// later run (`steady_ms`). `compile_ms` = create + first − steady: lavapipe
+/// compiles at creation, llvmpipe-GL at the first dispatch, so only the sum
+/// compares across backends. Run once with an empty Mesa shader cache
+/// (`MESA_SHADER_CACHE_DIR=$(mktemp -d)`) and once warm. Then the digits
+/// MLP (64-128-10, batch 32, Adam): building its trainer, its first and a
+/// later training step.
+pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
+    use wgrad::kernels::{Activation, MatmulEpilogue, MatmulVariant};
+    let n = 64;
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (a, b, c) = (kernels.upload(&random(n * n, &mut rng))?, kernels.upload(&random(n * n, &mut rng))?, kernels.zeros(n * n)?);
+    let mut lines = Vec::new();
+    let mut time_first_runs = |name: String, build: &dyn Fn() -> Result<wgrad::kernels::Dispatch>| -> Result<()> {
+        let start = Instant::now();
+        let dispatch = build()?;
+        let create = ms_since(start);
+        let start = Instant::now();
+        kernels.run(&[&dispatch])?;
+        kernels.device().wait_idle("bench")?;
+        let first = ms_since(start);
+        let start = Instant::now();
+        kernels.run(&[&dispatch])?;
+        kernels.device().wait_idle("bench")?;
+        let steady = ms_since(start);
+        lines.push(BenchLine {
+            case: format!("compile_{name}"),
+            values: vec![
+                ("create_ms", format!("{create:.1}")),
+                ("first_ms", format!("{first:.1}")),
+                ("steady_ms", format!("{steady:.2}")),
+                ("compile_ms", format!("{:.1}", create + first - steady)),
+            ],
+        });
+        Ok(())
+    };
+    for variant in MatmulVariant::ALL.into_iter().filter(|&v| kernels.supports_matmul_variant(v)) {
+        for form in MatmulForm::ALL {
+            let epilogue = MatmulEpilogue::default();
+            time_first_runs(format!("matmul_{variant:?}_{form:?}").to_lowercase(), &|| {
+                kernels.matmul_epilogue_with(variant, form, epilogue, c.view(), a.view(), b.view(), n, n, n)
+            })?;
+        }
+    }
+    time_first_runs("relu_forward".into(), &|| kernels.activation_forward(Activation::Relu, c.view(), a.view()))?;
+    time_first_runs("sum_rows_forward".into(), &|| kernels.sum_rows(c.slice(0, n)?, a.view(), n, n))?;
+
+    let case = StepCase::digits_mlp()?;
+    let start = Instant::now();
+    let mut trainer = case.trainer(kernels)?;
+    let build = ms_since(start);
+    let mut step_ms = || -> Result<f64> {
+        let start = Instant::now();
+        train_step(&mut trainer, &case.x, case.targets())?;
+        kernels.device().wait_idle("bench")?;
+        Ok(ms_since(start))
+    };
+    let first = step_ms()?;
+    let steady = step_ms()?;
+    lines.push(BenchLine {
+        case: case.name.into(),
+        values: vec![
+            ("build_ms", format!("{build:.1}")),
+            ("first_step_ms", format!("{first:.1}")),
+            ("steady_step_ms", format!("{steady:.2}")),
+        ],
+    });
+    Ok(lines)
+}
+
+/// The GPT `wgrad bench` times: the Burn/PyTorch reference shape of issue
+/// 13 (L4, H4, C128, T128, vocabulary 84 as the char-level Shakespeare),
+/// which is also `make train`'s default model, at batch 16.
+pub fn gpt_bench_config() -> wgrad::nn::GptConfig {
+    wgrad::nn::GptConfig { vocab_size: 84, block_size: 128, n_layer: 4, n_head: 4, n_embd: 128 }
+}
+
+/// Model FLOPs of one training step (forward and backward) on `tokens`
+/// tokens of context `config.block_size`: 6 per parameter per token (the
+/// position table excluded, as it does no multiply) plus attention's
+/// 12·L·C·T per token (PaLM's appendix B, nanoGPT's `estimate_mfu`).
+pub fn gpt_train_flops(config: &wgrad::nn::GptConfig, tokens: usize) -> f64 {
+    let params = (config.num_parameters() - config.block_size * config.n_embd) as f64;
+    let attention = 12.0 * (config.n_layer * config.n_embd * config.block_size) as f64;
+    (6.0 * params + attention) * tokens as f64
+}
+
+/// Training steps of a GPT (AdamW, warmup-cosine, clipping at 1.0, as
+/// `wgrad train --model gpt`) on seeded random tokens: step time, tokens/s
+/// and model-FLOPs utilisation against `matmul_gflops`, the adapter's best
+/// matmul rate measured in the same run.
+pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::nn::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
+    wgrad::nn::manual_seed(0);
+    let model = wgrad::nn::Gpt::new(config)?;
+    let optimizer = wgrad::lm_training::AdamWSchedule::default().optimizer((steps + 3) as u64);
+    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let tokens = batch * config.block_size;
+    let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let (x, y) = (&ids[..tokens], &ids[1..]);
+    let ms = time_queued(kernels, steps, || {
+        trainer.zero_grad();
+        trainer.forward_ids(x)?;
+        trainer.loss(Targets::Classes(y))?;
+        trainer.backward()?;
+        trainer.step()
+    })?;
+    let seconds = ms / 1e3;
+    let flops = gpt_train_flops(&config, tokens);
+    let exec = trainer.executor();
+    let plan = exec.plan();
+    Ok(BenchLine {
+        case: "gpt_train".into(),
+        values: vec![
+            ("config", format!("L{}-H{}-C{}-T{}-V{}-B{batch}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            ("tokens_per_s", format!("{:.0}", tokens as f64 / seconds)),
+            ("ms_per_step", format!("{:.1}", seconds * 1e3)),
+            ("model_gflops_per_s", format!("{:.2}", flops / seconds / 1e9)),
+            ("matmul_gflops", format!("{matmul_gflops:.2}")),
+            ("mfu", format!("{:.3}", flops / seconds / 1e9 / matmul_gflops.max(1e-9))),
+            ("dispatches", exec.dispatches_per_step().to_string()),
+            ("peak_gpu_bytes", exec.peak_bytes().to_string()),
+            ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
+            ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
+        ],
+    })
+}
+
+/// Seconds for one prefill of `prompt` and for `new_tokens` greedy decode
+/// steps after it (the median step, as seconds per token), once every
+/// pipeline of both passes has compiled and run. Each step picks its token
+/// on the GPU and reads back only that, as `Generator::generate` does.
+/// `between_steps` runs after each timed step, outside the timing: the
+/// 124M bench times its copy kernel there, so the decode and the bandwidth
+/// it is divided by are measured in the same moments of a noisy machine.
+fn time_generation(generator: &mut wgrad::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng, mut between_steps: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    let greedy = wgrad::generate::Sampling::greedy();
+    // A few steps first: on a CPU adapter the first passes over the weights
+    // run slower (memory first touched), which is not a token's cost.
+    generator.prefill_and_sample(&[prompt], &greedy, rng)?;
+    for _ in 0..3.min(generator.context_len().saturating_sub(prompt.len())) {
+        generator.decode_and_sample(&[0], &greedy, rng)?;
+    }
+    let start = Instant::now();
+    let mut tokens = generator.prefill_and_sample(&[prompt], &greedy, rng)?;
+    let prefill = start.elapsed().as_secs_f64();
+    let mut steps = Vec::with_capacity(new_tokens);
+    for _ in 0..new_tokens {
+        let start = Instant::now();
+        tokens = generator.decode_and_sample(&tokens, &greedy, rng)?;
+        steps.push(start.elapsed().as_secs_f64());
+        between_steps()?;
+    }
+    Ok((prefill, median(&mut steps)))
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// Generation with the KV cache on the GPU: a `config` GPT with random
+/// weights, a prompt of half the context, then `new_tokens` decode steps
+/// (one token each, greedy). Prefill and decode tokens/s.
+pub fn gpt_generate(kernels: &Arc<Kernels>, config: wgrad::nn::GptConfig, new_tokens: usize) -> Result<BenchLine> {
+    wgrad::nn::manual_seed(0);
+    let model = wgrad::nn::Gpt::new(config)?;
+    let mut generator = wgrad::generate::Generator::new(kernels.clone(), &model, 1)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
+    let (prefill, seconds_per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || Ok(()))?;
+    let decode = seconds_per_token * new_tokens as f64;
+    Ok(BenchLine {
+        case: "gpt_generate".into(),
+        values: vec![
+            ("config", format!("L{}-H{}-C{}-T{}-V{}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            ("tokens_per_s", format!("{:.1}", new_tokens as f64 / decode)),
+            ("ms_per_token", format!("{:.2}", 1e3 * decode / new_tokens as f64)),
+            ("prefill_tokens", prompt.len().to_string()),
+            ("prefill_tokens_per_s", format!("{:.0}", prompt.len() as f64 / prefill)),
+        ],
+    })
+}
+
+/// Bytes of the copy that measures the adapter's memory bandwidth.
+const COPY_BYTES: usize = 64 << 20;
+
+/// The adapter's copy bandwidth in GB/s (bytes read plus bytes written per
+/// second) over [`COPY_BYTES`], two ways: a copy kernel, and
+/// `copy_buffer_to_buffer`. The kernel is `copy_vec4`, 16-byte loads and
+/// stores, four per invocation: on lavapipe about 4× the rate of the
+/// one-f32-per-invocation kernels, so the bound a kernel reading memory is
+/// measured against is the best a shader moves, not a slow one's. The
+/// buffer copy is the driver's own (a memcpy on a CPU adapter), which no
+/// shader on lavapipe comes near. Each [`CopyBandwidth::sample`] times one
+/// of each, waited; the rates are the medians.
+pub struct CopyBandwidth<'a> {
+    kernels: &'a Kernels,
+    src: GpuTensor,
+    dst: GpuTensor,
+    shader: Dispatch,
+    shader_times: Vec<f64>,
+    memcpy_times: Vec<f64>,
+}
+
+impl<'a> CopyBandwidth<'a> {
+    pub fn new(kernels: &'a Kernels) -> Result<Self> {
+        let n = COPY_BYTES / 4;
+        let (src, dst) = (kernels.upload(&vec![1.0f32; n])?, kernels.zeros(n)?);
+        let shader = kernels.copy_vec4(dst.view(), src.view())?;
+        Ok(CopyBandwidth { kernels, src, dst, shader, shader_times: Vec::new(), memcpy_times: Vec::new() })
+    }
+
+    /// Times one copy by the kernel and one by the driver.
+    pub fn sample(&mut self) -> Result<()> {
+        let start = Instant::now();
+        self.kernels.run(&[&self.shader])?;
+        self.kernels.device().wait_idle("bench copy")?;
+        self.shader_times.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let (src, dst) = (self.src.buffer(), self.dst.buffer());
+        self.kernels.submit_pass("bench copy", std::iter::empty(), |_| {}, |encoder| encoder.copy_buffer_to_buffer(src, 0, dst, 0, COPY_BYTES as u64))?;
+        self.kernels.device().wait_idle("bench copy")?;
+        self.memcpy_times.push(start.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// (by the kernel, by the driver) in GB/s: medians of the samples.
+    pub fn gbps(&mut self) -> (f64, f64) {
+        let rate = |seconds: f64| if seconds > 0.0 { 2.0 * COPY_BYTES as f64 / seconds / 1e9 } else { 0.0 };
+        (rate(median(&mut self.shader_times)), rate(median(&mut self.memcpy_times)))
+    }
+}
+
+/// Bytes a decode step of a `config` GPT reads at position `position`:
+/// every parameter once (the head reads all of wte), except that the
+/// position table gives one row, plus the keys and values of positions
+/// 0..=position in every layer's cache.
+pub fn decode_bytes_per_token(config: &wgrad::nn::GptConfig, position: usize) -> u64 {
+    decode_bytes_per_token_with(config, position, wgrad::generate::WeightDtype::F32)
+}
+
+/// [`decode_bytes_per_token`] for a generator storing its weights as
+/// `dtype`: with f16, 2 bytes for each value of the token table and the
+/// blocks' projection weights (what `WeightDtype::F16` stores in f16).
+pub fn decode_bytes_per_token_with(config: &wgrad::nn::GptConfig, position: usize, dtype: wgrad::generate::WeightDtype) -> u64 {
+    let c = config.n_embd;
+    let parameters = config.num_parameters() - config.block_size * c + c;
+    let cache = 2 * config.n_layer * (position + 1) * c;
+    let halved = match dtype {
+        wgrad::generate::WeightDtype::F32 => 0,
+        wgrad::generate::WeightDtype::F16 => wgrad::nn::LmConfig::lm_sizes(config).f16_weight_values,
+    };
+    ((parameters + cache) * 4) as u64 - halved * 2
+}
+
+/// Generation with GPT-2 124M's shape and random weights the bench draws
+/// itself: `prompt_tokens` prefilled (tokens/s), then `new_tokens` greedy
+/// decode steps, one token each, with the bytes each reads
+/// ([`decode_bytes_per_token`], averaged over the steps), the adapter's
+/// copy bandwidth sampled after every timed step ([`CopyBandwidth`]: by a
+/// copy kernel, and by the driver's buffer copy as `memcpy_gbps`), and the
+/// share of each the decode reaches: bytes_per_token · tokens_per_s / rate.
+/// Where the adapter has SHADER_F16, the same decode again with the
+/// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
+/// the bytes counted at 2 per f16 weight.
+pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
+    use wgrad::generate::WeightDtype;
+    let config = wgrad::nn::GptConfig::gpt2();
+    wgrad::nn::manual_seed(0);
+    let model = wgrad::nn::Gpt::new(config)?;
+    let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);
+    let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let dtypes: &[WeightDtype] = if kernels.supports_f16() { &[WeightDtype::F32, WeightDtype::F16] } else { &[WeightDtype::F32] };
+    let mut generators = Vec::new();
+    for &dtype in dtypes {
+        wgrad::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
+        generators.push(wgrad::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?);
+    }
+    // The host copy of the weights (500 MB) goes before anything is timed.
+    drop(model);
+    // A copy after each decode step: the bandwidth the decode is divided
+    // by is measured in the same moments (see time_generation).
+    let mut bandwidth = CopyBandwidth::new(kernels)?;
+    bandwidth.sample()?;
+    // (dtype, prefill seconds, seconds per decoded token), one generator at a time.
+    let mut timings = Vec::new();
+    for mut generator in generators {
+        let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
+        timings.push((generator.dtype(), prefill, per_token));
+    }
+    let (copy, memcpy) = bandwidth.gbps();
+    let mut lines = Vec::new();
+    for (dtype, prefill, per_token) in timings {
+        if dtype == WeightDtype::F32 {
+            lines.push(BenchLine {
+                case: "gpt2_124m_prefill".into(),
+                values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+            });
+        }
+        let tokens_per_s = 1.0 / per_token;
+        let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token_with(&config, p, dtype)).sum::<u64>() / new_tokens as u64;
+        let read_gbps = bytes as f64 * tokens_per_s / 1e9;
+        lines.push(BenchLine {
+            case: "gpt2_124m_decode".into(),
+            values: vec![
+                ("dtype", dtype.name().into()),
+                ("tokens_per_s", format!("{tokens_per_s:.2}")),
+                ("bytes_per_token", bytes.to_string()),
+                ("copy_gbps", format!("{copy:.2}")),
+                ("bandwidth_share", format!("{:.4}", read_gbps / copy)),
+                ("memcpy_gbps", format!("{memcpy:.2}")),
+                ("memcpy_share", format!("{:.4}", read_gbps / memcpy)),
+                ("new_tokens", new_tokens.to_string()),
+            ],
+        });
+    }
+    Ok(lines)
+}

@@ -14,7 +14,6 @@
 //! plotting.
 
 pub mod atomic_write;
-pub mod bench;
 pub mod checkpoint;
 pub mod cpu;
 pub mod data;

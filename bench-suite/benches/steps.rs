@@ -1,4 +1,4 @@
-//! Whole training steps, built by `wgrad::bench::StepCase` exactly as
+//! Whole training steps, built by `wgrad_benches::StepCase` exactly as
 //! `wgrad bench` builds them:
 //!
 //! - `mlp`: 784-512-512-10 ReLU MLP, cross-entropy, Adam, batch 256,
@@ -26,7 +26,7 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
-use wgrad::bench::{train_step, StepCase};
+use wgrad_benches::{train_step, StepCase};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::trainer::Trainer;

@@ -1,10 +1,10 @@
 //! `wgrad bench`'s matmul case: GPU GFLOPS beside a CPU sgemm measured in
 //! the same run. Here, not in the library, so only the CLI depends on the
-//! sgemm crate; the other cases are `wgrad::bench`'s.
+//! sgemm crate; the other cases are `wgrad_benches`'s.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::bench::{median_time, BenchLine};
+use wgrad_benches::{median_time, BenchLine};
 use wgrad::kernels::MatmulForm;
 use wgrad::Kernels;
 

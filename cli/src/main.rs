@@ -72,7 +72,7 @@ enum Command {
         #[arg(long)]
         quick: bool,
         /// Only the start-up costs: per-pipeline compile times and the
-        /// digits MLP's build and first step (see `wgrad::bench::compile_times`).
+        /// digits MLP's build and first step (see `wgrad_benches::compile_times`).
         #[arg(long)]
         compile: bool,
         /// Run only the cases whose name contains one of these
@@ -563,7 +563,7 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, only: &[String]) -> w
     let threads = std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "unset".into());
     println!("adapter: {} (LP_NUM_THREADS={threads})", kernels.device().label());
     if compile {
-        for l in wgrad::bench::compile_times(&kernels)? {
+        for l in wgrad_benches::compile_times(&kernels)? {
             println!("{l}");
         }
         return Ok(());
@@ -577,27 +577,27 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, only: &[String]) -> w
         }
     }
     if runs("mlp_step") {
-        lines.push(wgrad::bench::mlp_step(&kernels, if quick { 5 } else { 20 })?);
+        lines.push(wgrad_benches::mlp_step(&kernels, if quick { 5 } else { 20 })?);
     }
     if runs("gpt_train_step") {
         // The GPT step's mfu is against the best matmul measured in this run.
-        let gflops = |ls: &[wgrad::bench::BenchLine]| ls.iter().filter_map(|l| l.values.iter().find(|v| v.0 == "gflops")).filter_map(|v| v.1.parse::<f64>().ok()).fold(0.0, f64::max);
+        let gflops = |ls: &[wgrad_benches::BenchLine]| ls.iter().filter_map(|l| l.values.iter().find(|v| v.0 == "gflops")).filter_map(|v| v.1.parse::<f64>().ok()).fold(0.0, f64::max);
         let mut best_gflops = gflops(&lines);
         if best_gflops == 0.0 {
             best_gflops = gflops(&[bench::matmul(&kernels, 512, reps)?]);
         }
-        lines.push(wgrad::bench::gpt_train_step(&kernels, wgrad::bench::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
+        lines.push(wgrad_benches::gpt_train_step(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
     }
     if runs("gpt_generate") {
-        lines.push(wgrad::bench::gpt_generate(&kernels, wgrad::bench::gpt_bench_config(), if quick { 16 } else { 48 })?);
+        lines.push(wgrad_benches::gpt_generate(&kernels, wgrad_benches::gpt_bench_config(), if quick { 16 } else { 48 })?);
     }
     if runs("linear_step") {
-        lines.push(wgrad::bench::linear_step(&kernels, if quick { 100 } else { 1000 })?);
+        lines.push(wgrad_benches::linear_step(&kernels, if quick { 100 } else { 1000 })?);
     }
     if runs("gpt2_124m_prefill") || runs("gpt2_124m_decode") {
         // GPT-2 124M's shape: a 16-token prompt and 8 decoded tokens when quick.
         let (prompt, decoded) = if quick { (16, 8) } else { (64, 32) };
-        lines.extend(wgrad::bench::gpt2_124m_generate(&kernels, prompt, decoded)?);
+        lines.extend(wgrad_benches::gpt2_124m_generate(&kernels, prompt, decoded)?);
     }
     println!("{:<32} measurements", "case");
     for l in &lines {

@@ -121,7 +121,7 @@ impl Kernels {
 
     /// out = x, in 16-byte loads and stores: lengths a multiple of 4 and
     /// offsets 16-byte aligned (an error otherwise). What the bandwidth
-    /// bench copies with ([`crate::bench::CopyBandwidth`]).
+    /// bench copies with (`wgrad_benches::CopyBandwidth`).
     pub fn copy_vec4(&self, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
         const PER_INVOCATION: usize = 4;
         const WORKGROUP: usize = 64;

@@ -386,9 +386,9 @@ fn f16_weights_are_counted_at_two_bytes() {
     let config = GptConfig::gpt2();
     let (c, halved) = (config.n_embd as u64, (config.vocab_size * config.n_embd + config.n_layer * 12 * config.n_embd * config.n_embd) as u64);
     for position in [0, 100] {
-        let f32_bytes = wgrad::bench::decode_bytes_per_token(&config, position);
-        assert_eq!(wgrad::bench::decode_bytes_per_token_with(&config, position, WeightDtype::F32), f32_bytes);
-        assert_eq!(wgrad::bench::decode_bytes_per_token_with(&config, position, WeightDtype::F16), f32_bytes - 2 * halved);
+        let f32_bytes = wgrad_benches::decode_bytes_per_token(&config, position);
+        assert_eq!(wgrad_benches::decode_bytes_per_token_with(&config, position, WeightDtype::F32), f32_bytes);
+        assert_eq!(wgrad_benches::decode_bytes_per_token_with(&config, position, WeightDtype::F16), f32_bytes - 2 * halved);
     }
     // GPT-2 124M: 498 MB of f32 parameters and 75 MB of caches; in f16
     // 251 MB of parameters. A 400 MB budget holds the f16 generator only.

@@ -669,7 +669,7 @@ fn the_generation_bench_times_a_prompt_and_its_decode_steps() {
     // the 4 positions left, however many tokens are asked for.
     let config = GptConfig { vocab_size: 13, block_size: 7, n_layer: 1, n_head: 1, n_embd: 8 };
     for_each_adapter("generation bench", |k| {
-        let line = wgrad::bench::gpt_generate(k, config, 100)?;
+        let line = wgrad_benches::gpt_generate(k, config, 100)?;
         let value = |key: &str| -> f64 {
             let found = line.values.iter().find(|(name, _)| *name == key);
             found.and_then(|(_, v)| v.parse().ok()).unwrap_or(f64::NAN)
