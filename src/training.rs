@@ -302,8 +302,12 @@ impl<T: Task> TrainingRun<T> {
         let split = if processes.is_some() { None } else { config.split.as_deref() };
         if let Some(count) = devices {
             strategy.check_counts(count, config.batch_size, split, config.micro_batches)?;
-            if let Some(model) = task.model_before_data()? {
-                strategy.check_devices(count, &model, config.batch_size, split, config.micro_batches)?;
+            // Only tensor and pipeline parallel ask the model whether it
+            // splits; the others need no stand-in built.
+            if matches!(strategy, Strategy::Tensor | Strategy::Pipeline) {
+                if let Some(model) = task.model_before_data()? {
+                    strategy.check_devices(count, &model, config.batch_size, split, config.micro_batches)?;
+                }
             }
         }
         nn::manual_seed(config.seed);

@@ -72,6 +72,26 @@ impl SGD {
     shared_settings!();
 }
 
+/// The builder methods Adam and AdamW share beyond [`shared_settings`]
+/// (both hold an [`AdamConfig`]; only their defaults differ).
+macro_rules! adam_settings {
+    () => {
+        pub fn betas(mut self, beta1: f32, beta2: f32) -> Self {
+            self.0.betas = (beta1, beta2);
+            self
+        }
+        pub fn eps(mut self, eps: f32) -> Self {
+            self.0.eps = eps;
+            self
+        }
+        pub fn weight_decay(mut self, weight_decay: f32) -> Self {
+            self.0.weight_decay = weight_decay;
+            self
+        }
+        shared_settings!();
+    };
+}
+
 /// torch.optim.Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0)
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adam(pub AdamConfig);
@@ -80,19 +100,7 @@ impl Adam {
     pub fn new(lr: f32) -> Self {
         Adam(AdamConfig { lr, ..AdamConfig::adam() })
     }
-    pub fn betas(mut self, beta1: f32, beta2: f32) -> Self {
-        self.0.betas = (beta1, beta2);
-        self
-    }
-    pub fn eps(mut self, eps: f32) -> Self {
-        self.0.eps = eps;
-        self
-    }
-    pub fn weight_decay(mut self, weight_decay: f32) -> Self {
-        self.0.weight_decay = weight_decay;
-        self
-    }
-    shared_settings!();
+    adam_settings!();
 }
 
 impl Default for Adam {
@@ -109,19 +117,7 @@ impl AdamW {
     pub fn new(lr: f32) -> Self {
         AdamW(AdamConfig { lr, ..AdamConfig::adamw() })
     }
-    pub fn betas(mut self, beta1: f32, beta2: f32) -> Self {
-        self.0.betas = (beta1, beta2);
-        self
-    }
-    pub fn eps(mut self, eps: f32) -> Self {
-        self.0.eps = eps;
-        self
-    }
-    pub fn weight_decay(mut self, weight_decay: f32) -> Self {
-        self.0.weight_decay = weight_decay;
-        self
-    }
-    shared_settings!();
+    adam_settings!();
 }
 
 impl Default for AdamW {
