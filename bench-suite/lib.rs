@@ -318,15 +318,15 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
 /// The GPT `wgrad bench` times: the Burn/PyTorch reference shape of issue
 /// 13 (L4, H4, C128, T128, vocabulary 84 as the char-level Shakespeare),
 /// which is also `make train`'s default model, at batch 16.
-pub fn gpt_bench_config() -> wgrad::nn::GptConfig {
-    wgrad::nn::GptConfig { vocab_size: 84, block_size: 128, n_layer: 4, n_head: 4, n_embd: 128 }
+pub fn gpt_bench_config() -> wgrad::models::GptConfig {
+    wgrad::models::GptConfig { vocab_size: 84, block_size: 128, n_layer: 4, n_head: 4, n_embd: 128 }
 }
 
 /// Model FLOPs of one training step (forward and backward) on `tokens`
 /// tokens of context `config.block_size`: 6 per parameter per token (the
 /// position table excluded, as it does no multiply) plus attention's
 /// 12·L·C·T per token (PaLM's appendix B, nanoGPT's `estimate_mfu`).
-pub fn gpt_train_flops(config: &wgrad::nn::GptConfig, tokens: usize) -> f64 {
+pub fn gpt_train_flops(config: &wgrad::models::GptConfig, tokens: usize) -> f64 {
     let params = (config.num_parameters() - config.block_size * config.n_embd) as f64;
     let attention = 12.0 * (config.n_layer * config.n_embd * config.block_size) as f64;
     (6.0 * params + attention) * tokens as f64
@@ -336,10 +336,10 @@ pub fn gpt_train_flops(config: &wgrad::nn::GptConfig, tokens: usize) -> f64 {
 /// `wgrad train --model gpt`) on seeded random tokens: step time, tokens/s
 /// and model-FLOPs utilisation against `matmul_gflops`, the adapter's best
 /// matmul rate measured in the same run.
-pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::nn::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
+pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
     wgrad::nn::manual_seed(0);
-    let model = wgrad::nn::Gpt::new(config)?;
-    let optimizer = wgrad::lm_training::AdamWSchedule::default().optimizer((steps + 3) as u64);
+    let model = wgrad::models::Gpt::new(config)?;
+    let optimizer = wgrad::train::AdamWSchedule::default().optimizer((steps + 3) as u64);
     let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let tokens = batch * config.block_size;
@@ -380,8 +380,8 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::nn::GptConfig, batc
 /// `between_steps` runs after each timed step, outside the timing: the
 /// 124M bench times its copy kernel there, so the decode and the bandwidth
 /// it is divided by are measured in the same moments of a noisy machine.
-fn time_generation(generator: &mut wgrad::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng, mut between_steps: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
-    let greedy = wgrad::generate::Sampling::greedy();
+fn time_generation(generator: &mut wgrad::infer::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng, mut between_steps: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    let greedy = wgrad::infer::generate::Sampling::greedy();
     // A few steps first: on a CPU adapter the first passes over the weights
     // run slower (memory first touched), which is not a token's cost.
     generator.prefill_and_sample(&[prompt], &greedy, rng)?;
@@ -415,10 +415,10 @@ fn median(values: &mut [f64]) -> f64 {
 /// Generation with the KV cache on the GPU: a `config` GPT with random
 /// weights, a prompt of half the context, then `new_tokens` decode steps
 /// (one token each, greedy). Prefill and decode tokens/s.
-pub fn gpt_generate(kernels: &Arc<Kernels>, config: wgrad::nn::GptConfig, new_tokens: usize) -> Result<BenchLine> {
+pub fn gpt_generate(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, new_tokens: usize) -> Result<BenchLine> {
     wgrad::nn::manual_seed(0);
-    let model = wgrad::nn::Gpt::new(config)?;
-    let mut generator = wgrad::generate::Generator::new(kernels.clone(), &model, 1)?;
+    let model = wgrad::models::Gpt::new(config)?;
+    let mut generator = wgrad::infer::generate::Generator::new(kernels.clone(), &model, 1)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
@@ -490,20 +490,20 @@ impl<'a> CopyBandwidth<'a> {
 /// every parameter once (the head reads all of wte), except that the
 /// position table gives one row, plus the keys and values of positions
 /// 0..=position in every layer's cache.
-pub fn decode_bytes_per_token(config: &wgrad::nn::GptConfig, position: usize) -> u64 {
-    decode_bytes_per_token_with(config, position, wgrad::generate::WeightDtype::F32)
+pub fn decode_bytes_per_token(config: &wgrad::models::GptConfig, position: usize) -> u64 {
+    decode_bytes_per_token_with(config, position, wgrad::infer::generate::WeightDtype::F32)
 }
 
 /// [`decode_bytes_per_token`] for a generator storing its weights as
 /// `dtype`: with f16, 2 bytes for each value of the token table and the
 /// blocks' projection weights (what `WeightDtype::F16` stores in f16).
-pub fn decode_bytes_per_token_with(config: &wgrad::nn::GptConfig, position: usize, dtype: wgrad::generate::WeightDtype) -> u64 {
+pub fn decode_bytes_per_token_with(config: &wgrad::models::GptConfig, position: usize, dtype: wgrad::infer::generate::WeightDtype) -> u64 {
     let c = config.n_embd;
     let parameters = config.num_parameters() - config.block_size * c + c;
     let cache = 2 * config.n_layer * (position + 1) * c;
     let halved = match dtype {
-        wgrad::generate::WeightDtype::F32 => 0,
-        wgrad::generate::WeightDtype::F16 => wgrad::nn::LmConfig::lm_sizes(config).f16_weight_values,
+        wgrad::infer::generate::WeightDtype::F32 => 0,
+        wgrad::infer::generate::WeightDtype::F16 => wgrad::nn::LmConfig::lm_sizes(config).f16_weight_values,
     };
     ((parameters + cache) * 4) as u64 - halved * 2
 }
@@ -519,10 +519,10 @@ pub fn decode_bytes_per_token_with(config: &wgrad::nn::GptConfig, position: usiz
 /// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
 /// the bytes counted at 2 per f16 weight.
 pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
-    use wgrad::generate::WeightDtype;
-    let config = wgrad::nn::GptConfig::gpt2();
+    use wgrad::infer::generate::WeightDtype;
+    let config = wgrad::models::GptConfig::gpt2();
     wgrad::nn::manual_seed(0);
-    let model = wgrad::nn::Gpt::new(config)?;
+    let model = wgrad::models::Gpt::new(config)?;
     let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
@@ -530,8 +530,8 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     let dtypes: &[WeightDtype] = if kernels.supports_f16() { &[WeightDtype::F32, WeightDtype::F16] } else { &[WeightDtype::F32] };
     let mut generators = Vec::new();
     for &dtype in dtypes {
-        wgrad::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
-        generators.push(wgrad::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?);
+        wgrad::infer::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
+        generators.push(wgrad::infer::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?);
     }
     // The host copy of the weights (500 MB) goes before anything is timed.
     drop(model);

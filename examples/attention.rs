@@ -3,7 +3,7 @@
 //! depends on another position's input, so a model that looks at one
 //! position at a time cannot do better than chance; attention can look back.
 //!
-//! The model is `wgrad::nn::Gpt`, a Module made of the public layers
+//! The model is `wgrad::models::Gpt`, a Module made of the public layers
 //! (Embedding, Block = LayerNorm + CausalSelfAttention + Mlp, Linear),
 //! trained with the Trainer. The same model with its attention removed (an
 //! MLP per position, with a third more blocks to be of similar size) is
@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::Adam;
 use wgrad::trainer::{Targets, Trainer};
 

@@ -27,7 +27,7 @@
 //! (`WGRAD_DEVICES=0,0` puts both replicas on adapter 0, `WGRAD_DEVICES=3`
 //! uses three devices.)
 
-use wgrad::data::{digits, Sampler};
+use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::data::{DataParallel, Split};

@@ -16,12 +16,13 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::checkpoint::{self, Checkpoint, NamedTensor};
-use wgrad::gpt_folder::{save_gpt_folder, TokenizerSpec};
-use wgrad::llama_folder::save_llama_folder;
+use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
+use wgrad::io::gpt_folder::{save_gpt_folder, TokenizerSpec};
+use wgrad::io::llama_folder::save_llama_folder;
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{Gpt, GptConfig, Module};
-use wgrad::trainer::Predictor;
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::Module;
+use wgrad::infer::Predictor;
 
 const GPT: GptConfig = GptConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 3, n_embd: 24 };
 const LLAMA: LlamaConfig = LlamaConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 56, ..LlamaConfig::small(37) };

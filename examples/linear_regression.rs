@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use wgrad::data::{synthetic_regression, Sampler};
+use wgrad::io::data::{synthetic_regression, Sampler};
 use wgrad::nn::{self, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::SGD;
 use wgrad::trainer::{Targets, Trainer};

@@ -31,7 +31,7 @@
 //! Run: `cargo run --release --example pipeline_parallel`
 //! (`WGRAD_DEVICES=0,0` puts both stages on adapter 0.)
 
-use wgrad::data::{digits, Sampler};
+use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};

@@ -36,13 +36,14 @@
 
 use std::sync::Arc;
 
-use wgrad::data::{digits, Sampler};
+use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::parallel::engine::TrainEngine;
-use wgrad::trainer::{accuracy, Predictor, Targets};
+use wgrad::infer::Predictor;
+use wgrad::trainer::{accuracy, Targets};
 
 const BATCH: usize = 32;
 const EPOCHS: usize = 25;

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use wgrad::data::{digits, Sampler};
+use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::trainer::{accuracy, Targets, Trainer};

@@ -13,31 +13,21 @@
 //! on this library compiles none of its argument parsing, progress bars or
 //! plotting.
 
-pub mod atomic_write;
-pub mod checkpoint;
 pub mod cpu;
-pub mod data;
 pub mod device;
 pub mod error;
-pub mod generate;
-pub mod gguf;
-pub mod gpt_folder;
 pub mod graph;
-pub mod hf_folder;
+pub mod infer;
+pub mod io;
 pub mod kernels;
 pub mod trainer;
 pub mod optim;
+pub mod train;
 pub mod parallel;
 pub mod pipeline_cache;
 pub mod nn;
 pub mod ops;
-pub mod text;
-pub mod training;
-pub mod llama_folder;
-pub mod lm_folder;
-pub mod lm_training;
 pub mod models;
-pub mod user_cache;
 
 pub use device::{Device, DeviceOptions, LimitsMode};
 pub use error::{Error, Result};

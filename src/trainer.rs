@@ -24,11 +24,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Executor, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Module, Sequential};
+use crate::nn::{Criterion, Module};
 use crate::optim;
 
 /// What the loss compares the model's output with.
@@ -138,14 +138,14 @@ pub struct Trainer {
 }
 
 /// The model's input, output and its per-example widths.
-struct Built {
-    input: Tensor,
-    output: Tensor,
-    in_per_example: usize,
-    out_per_example: usize,
+pub(crate) struct Built {
+    pub(crate) input: Tensor,
+    pub(crate) output: Tensor,
+    pub(crate) in_per_example: usize,
+    pub(crate) out_per_example: usize,
 }
 
-fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
     if batch_size == 0 {
         return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
     }
@@ -430,7 +430,7 @@ impl Trainer {
 
 /// Runs `run_chunk` over batch-sized chunks of `examples` (the last one
 /// zero-padded) and concatenates what it returns for the real rows.
-fn in_chunks<T: bytemuck::Pod + Default, R>(
+pub(crate) fn in_chunks<T: bytemuck::Pod + Default, R>(
     exec: &mut Executor,
     input: Tensor,
     batch_size: usize,
@@ -460,7 +460,7 @@ fn in_chunks<T: bytemuck::Pod + Default, R>(
 }
 
 /// Outputs of `output` for every example, batch by batch.
-fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[T]) -> Result<Vec<f32>> {
+pub(crate) fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[T]) -> Result<Vec<f32>> {
     in_chunks(exec, input, batch, in_features, features, |exec, n| {
         exec.run(&[output])?;
         Ok(exec.read(output)?[..n * width].to_vec())
@@ -468,7 +468,7 @@ fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, outp
 }
 
 /// The argmax node's values for every example, batch by batch.
-fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), examples: &[T]) -> Result<Vec<u32>> {
+pub(crate) fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), examples: &[T]) -> Result<Vec<u32>> {
     let per_example = exec.graph().get(prediction).map_or(0, |n| n.len()) / batch.max(1);
     in_chunks(exec, input, batch, in_features, examples, |exec, n| {
         exec.run(&[prediction])?;
@@ -476,7 +476,7 @@ fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, 
     })
 }
 
-fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
+pub(crate) fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
     match ckpt.meta("model") {
         Some(m) if m != description => Err(Error::InvalidArgument {
             op: "load checkpoint",
@@ -486,7 +486,7 @@ fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
     }
 }
 
-fn checked_parameters(ckpt: &Checkpoint, exec: &Executor) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+pub(crate) fn checked_parameters(ckpt: &Checkpoint, exec: &Executor) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
     exec.parameters_shapes()
         .into_iter()
         .map(|(name, shape)| {
@@ -494,74 +494,6 @@ fn checked_parameters(ckpt: &Checkpoint, exec: &Executor) -> Result<Vec<(String,
             Ok((name, shape, t.data.clone()))
         })
         .collect()
-}
-
-/// A forward-only model for inference: no gradient or optimizer buffers.
-pub struct Predictor {
-    exec: Executor,
-    input: Tensor,
-    output: Tensor,
-    prediction: Tensor,
-    batch_size: usize,
-    in_features: usize,
-    out_features: usize,
-    model_description: String,
-}
-
-impl Predictor {
-    pub fn new(kernels: Arc<Kernels>, model: &dyn Module, batch_size: usize) -> Result<Self> {
-        let mut g = Graph::new();
-        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
-        let prediction = g.argmax(output)?;
-        let exec = Executor::new(kernels, g, &[output, prediction], None, None)?;
-        Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model_description: model.describe() })
-    }
-
-    /// Rebuilds the model described in a checkpoint and loads its weights.
-    pub fn from_checkpoint(kernels: Arc<Kernels>, path: impl AsRef<Path>, batch_size: usize) -> Result<(Self, Checkpoint)> {
-        let path = path.as_ref();
-        let ckpt = checkpoint::load(path)?;
-        let description = ckpt.meta("model").ok_or_else(|| Error::CheckpointFormat {
-            path: path.to_path_buf(),
-            reason: "no `model` entry in the metadata: not written by wgrad".into(),
-        })?;
-        let model = Sequential::from_description(description)?;
-        let mut predictor = Predictor::new(kernels, &model, batch_size)?;
-        let params = checked_parameters(&ckpt, &predictor.exec)?;
-        predictor.exec.load_state(&params, &[], None)?;
-        Ok((predictor, ckpt))
-    }
-
-    /// The model's [`Module::describe`] line.
-    pub fn model_description(&self) -> &str {
-        &self.model_description
-    }
-
-    pub fn executor(&self) -> &Executor {
-        &self.exec
-    }
-
-    pub fn in_features(&self) -> usize {
-        self.in_features
-    }
-
-    pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), features)
-    }
-
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
-    }
-
-    /// Model outputs (logits) for sequences of token `ids`, batch by batch.
-    pub fn outputs_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), ids)
-    }
-
-    /// See [`Trainer::predict_ids`].
-    pub fn predict_ids(&mut self, ids: &[u32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), ids)
-    }
 }
 
 /// Fraction of `predictions` equal to `labels`.

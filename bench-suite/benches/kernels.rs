@@ -40,7 +40,8 @@ use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
 use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, MatmulForm, SgdConfig};
-use wgrad::nn::{CrossEntropyLoss, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::CrossEntropyLoss;
 use wgrad::optim::Adam;
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::{Device, GpuTensor, Kernels};
@@ -406,7 +407,7 @@ fn optim(c: &mut Criterion, b: &mut Bench) {
 }
 
 /// The model of `examples/attention.rs` (attention variant): a
-/// `wgrad::nn::Gpt` of these sizes.
+/// `wgrad::models::Gpt` of these sizes.
 const T_VOCAB: usize = 16;
 const T_SEQ: usize = 12;
 const T_EMBD: usize = 48;

@@ -6,14 +6,15 @@ use std::sync::Arc;
 
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
-use wgrad::generate::{Generator, Sampling, WeightDtype};
-use wgrad::lm_training::{language_model_run, AdamWSchedule, LanguageModel, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
+use wgrad::infer::generate::{Generator, Sampling, WeightDtype};
+use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{CausalLm, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::CausalLm;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::pipeline::Schedule;
-use wgrad::training::{Evaluation, TrainConfig, TrainingRun};
-use wgrad::text::{Tokenizer, Utf8Stream};
+use wgrad::train::{Evaluation, TrainConfig, TrainingRun};
+use wgrad::io::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};
 
 use crate::{plot, spinner, Bars, TrainArgs};
@@ -333,14 +334,14 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     // The sizes first: a model the adapter cannot hold is refused before
     // its weights are read.
     // A GPT-2 or a Llama folder, by its config.json.
-    let config = wgrad::lm_folder::read_lm_config(&args.model)?;
+    let config = wgrad::io::lm_folder::read_lm_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let dtype = args.dtype.weights();
     let copies = args.batch.unwrap_or(1);
     let sequences = given.len() * copies;
-    wgrad::generate::check_fits_with_dtype(&kernels, config.as_ref(), sequences, dtype)?;
+    wgrad::infer::generate::check_fits_with_dtype(&kernels, config.as_ref(), sequences, dtype)?;
     let sizes = config.lm_sizes();
-    let loaded = wgrad::lm_folder::load_lm_folder(&args.model)?;
+    let loaded = wgrad::io::lm_folder::load_lm_folder(&args.model)?;
     // Every prompt's ids, checked before any device work: ids in the
     // vocabulary, text in the tokenizer's alphabet, lengths in the context.
     let needs_tokenizer = given.iter().any(|(_, ids_source)| ids_source.is_empty());
@@ -421,7 +422,7 @@ fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, text
 }
 
 /// The tokenizer the folder names (GPT-2's BPE for GPT-2's vocabulary).
-fn folder_tokenizer(loaded: &wgrad::lm_folder::LoadedLm, args: &GenerateArgs) -> wgrad::Result<Tokenizer> {
+fn folder_tokenizer(loaded: &wgrad::io::lm_folder::LoadedLm, args: &GenerateArgs) -> wgrad::Result<Tokenizer> {
     let spec = loaded.tokenizer.clone().ok_or_else(|| wgrad::Error::InvalidArgument {
         op: "generate",
         reason: format!("`{}` names no tokenizer (no wgrad_tokenizer.json, and not GPT-2's vocabulary size); give --prompt-ids with --print-ids", args.model.display()),

@@ -19,8 +19,9 @@ use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::DeviceSelection;
-use wgrad::trainer::{accuracy, Predictor};
-use wgrad::training::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
+use wgrad::infer::Predictor;
+use wgrad::trainer::accuracy;
+use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
@@ -268,7 +269,7 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let run = |process_group: Option<Arc<dyn ProcessGroup>>| match args.model {
-        ModelKind::Gpt => gpt::train::<wgrad::nn::Gpt>(opts, args, process_group),
+        ModelKind::Gpt => gpt::train::<wgrad::models::Gpt>(opts, args, process_group),
         ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
@@ -453,7 +454,7 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
     let config = TrainConfig { optimizer, save: Some(args.checkpoint.clone()), ..run_config(args, TrainConfig::default())? };
     let task = Classifier { hidden: args.hidden.clone(), epochs: args.epochs, test_fraction: args.test_fraction, mnist: args.mnist.clone(), ..Classifier::default() };
     let mut bars = Bars::default();
-    let Some(summary) = training::train(opts, config, task, process_group, &mut bars)? else { return Ok(()) };
+    let Some(summary) = train::train(opts, config, task, process_group, &mut bars)? else { return Ok(()) };
     print_summary(&summary, "samples");
     let Evaluation::Accuracy { train, test } = summary.evaluation else {
         return Err(wgrad::Error::InvalidArgument { op: "train --model mlp", reason: "the classifier's run gave no accuracy".into() });
@@ -532,7 +533,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     let (mut predictor, ckpt) = Predictor::from_checkpoint(kernels.clone(), path, 256)?;
     let seed = ckpt.meta("split_seed").and_then(|s| s.parse().ok()).unwrap_or(0);
     let fraction = ckpt.meta("test_fraction").and_then(|s| s.parse().ok()).unwrap_or(0.2);
-    let training::DataSplit { test: test_set, name: data_name, .. } = training::load_data(mnist.map(PathBuf::as_path), fraction, seed)?;
+    let train::DataSplit { test: test_set, name: data_name, .. } = train::load_data(mnist.map(PathBuf::as_path), fraction, seed)?;
     if test_set.features() != predictor.in_features() {
         return Err(wgrad::Error::shape(
             "infer",

@@ -121,8 +121,8 @@ fn dtype_f16_generates_or_falls_back_with_a_notice() {
 #[test]
 fn a_llama_folder_saved_by_wgrad_generates() {
     use std::sync::Arc;
-    use wgrad::generate::{Generator, Sampling};
-    use wgrad::gpt_folder::TokenizerSpec;
+    use wgrad::infer::generate::{Generator, Sampling};
+    use wgrad::io::gpt_folder::TokenizerSpec;
     use wgrad::models::{Llama, LlamaConfig};
 
     let vocabulary = " abcdefghijklmnopqrstuvwxyz.,";
@@ -134,8 +134,8 @@ fn a_llama_folder_saved_by_wgrad_generates() {
     model.lm_head.as_mut().unwrap().weight.iter_mut().for_each(|w| *w *= 50.0);
     let dir = std::env::temp_dir().join(format!("wgrad-llama-generate-{}", std::process::id()));
     let (with, without) = (dir.join("llama"), dir.join("no-tokenizer"));
-    wgrad::llama_folder::save_llama_folder(&with, &model, Some(&TokenizerSpec::Char { vocabulary: vocabulary.into() })).unwrap();
-    wgrad::llama_folder::save_llama_folder(&without, &model, None).unwrap();
+    wgrad::io::llama_folder::save_llama_folder(&with, &model, Some(&TokenizerSpec::Char { vocabulary: vocabulary.into() })).unwrap();
+    wgrad::io::llama_folder::save_llama_folder(&without, &model, None).unwrap();
     let generate = |folder: &std::path::Path, args: &[&str]| Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("generate").arg("--model").arg(folder).args(args).output().unwrap();
 
     // Past the context of 16: the cache slides.

@@ -74,7 +74,7 @@ fn mpirun(ranks: usize, extra: &[&str], args: &[&str]) -> (Output, Duration) {
 
 /// max |a − b| over every parameter (not optimizer state) of two checkpoints.
 fn max_parameter_difference(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (wgrad::checkpoint::load(a).unwrap(), wgrad::checkpoint::load(b).unwrap());
+    let (a, b) = (wgrad::io::checkpoint::load(a).unwrap(), wgrad::io::checkpoint::load(b).unwrap());
     let params: Vec<_> = a.tensors.iter().filter(|t| !t.name.starts_with("optim.")).collect();
     assert!(!params.is_empty());
     let mut worst = 0.0f32;
@@ -127,7 +127,7 @@ fn mpi_training_matches_single_process_and_resumes_with_another_process_count() 
     let (o, _) = mpirun(3, &[], &resumed_mpi);
     assert!(o.status.success(), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("over 3 processes"), "{}", text(&o));
-    let ckpt = wgrad::checkpoint::load(&mpi_b).unwrap();
+    let ckpt = wgrad::io::checkpoint::load(&mpi_b).unwrap();
     assert_eq!(ckpt.meta("step"), Some("40"), "the step count continues across process counts");
     let diff = max_parameter_difference(Path::new(&single_b), Path::new(&mpi_b));
     assert!(diff <= 2e-4, "resumed under mpirun -n 3 vs single process: max |Δparam| = {diff}");
@@ -182,7 +182,7 @@ fn final_validation_loss(o: &Output) -> f32 {
 /// Checks two GPT model folders' parameters: the same training up to the
 /// f32 summation order of the batch, |Δ| ≤ 1e-5 + 1e-4·|p|. Returns max |Δ|.
 fn assert_same_gpt(what: &str, a: &str, b: &str) -> f32 {
-    let (a, b) = (wgrad::gpt_folder::load_gpt_folder(a).unwrap().model, wgrad::gpt_folder::load_gpt_folder(b).unwrap().model);
+    let (a, b) = (wgrad::io::gpt_folder::load_gpt_folder(a).unwrap().model, wgrad::io::gpt_folder::load_gpt_folder(b).unwrap().model);
     let mut worst = 0.0f32;
     for ((name, _, x), (_, _, y)) in a.parameter_values().into_iter().zip(b.parameter_values()) {
         for (p, q) in x.iter().zip(y) {

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use wgrad::gguf::{llama, Gguf};
+use wgrad::io::gguf::{llama, Gguf};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(g) = Gguf::from_bytes("fuzz.gguf", data.to_vec()) else { return };

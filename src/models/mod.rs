@@ -1,5 +1,7 @@
 //! Whole models, one file each, built from [`crate::nn`] modules.
 
+pub mod gpt;
 pub mod llama;
 
+pub use gpt::{Gpt, GptConfig};
 pub use llama::{Llama, LlamaConfig, LlamaDecoderLayer};

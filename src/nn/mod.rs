@@ -5,7 +5,6 @@
 //! PyTorch's defaults and come from a seeded generator ([`manual_seed`]).
 
 mod causal_lm;
-mod gpt;
 mod grouped_attention;
 mod layers;
 pub(crate) mod parameter_tree;
@@ -17,7 +16,7 @@ mod staged;
 mod transformer;
 
 pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, WeightDtype};
-pub use gpt::{Gpt, GptConfig};
+pub(crate) use causal_lm::cache_pass;
 pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;
 pub use staged::{StageCosts, Staged};

@@ -12,7 +12,7 @@ use super::pipeline::{partition, Pipeline, Schedule};
 use super::stage::{NamedParameters, NamedState, Spread, Stage};
 use super::tensor::TensorParallel;
 use super::DeviceGroup;
-use crate::checkpoint::Checkpoint;
+use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
 use crate::nn::{Criterion, Staged};

@@ -10,7 +10,7 @@ use super::on_device;
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::checkpoint::{Checkpoint, NamedTensor};
+use crate::io::checkpoint::{Checkpoint, NamedTensor};
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
 use crate::optim;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use safetensors::{Dtype, SafeTensors};
-use wgrad::checkpoint::{load, save, Checkpoint, NamedTensor};
+use wgrad::io::checkpoint::{load, save, Checkpoint, NamedTensor};
 use wgrad::Error;
 
 /// A fresh directory per test, so tests can run in parallel and leave-behind

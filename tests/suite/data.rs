@@ -1,10 +1,10 @@
-//! `wgrad::data`: the embedded digits, splits, batching, MNIST IDX files
+//! `wgrad::io::data`: the embedded digits, splits, batching, MNIST IDX files
 //! (written by the tests into a temp dir) and synthetic regression. CPU only.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use wgrad::data::{self, CsvSpec, Dataset, Sampler};
+use wgrad::io::data::{self, CsvSpec, Dataset, Sampler};
 use wgrad::Error;
 
 /// A fresh folder under the system temp dir, removed on drop.

@@ -16,10 +16,11 @@ use crate::common;
 use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
 use half::f16;
 use rand::Rng;
-use wgrad::generate::{Generator, WeightDtype};
+use wgrad::infer::generate::{Generator, WeightDtype};
 use wgrad::graph::{Executor, Graph};
 use wgrad::kernels::{Activation, F16WeightsKernel, LimitOverrides, MatmulEpilogue, MatmulForm, MATVEC_MAX_ROWS};
-use wgrad::nn::{self, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self};
 use wgrad::{cpu, Error, Kernels};
 
 /// What a case fuses into its store: decode's Linear layers take a bias
@@ -395,11 +396,11 @@ fn f16_weights_are_counted_at_two_bytes() {
     assert_eq!(halved, 50_257 * c + 12 * 12 * c * c);
     for_each_adapter("f16 weights: check_fits", |k| {
         let budget = common::limited_kernels(k, LimitOverrides { memory_bytes: Some(400 << 20), ..LimitOverrides::default() });
-        let err = wgrad::generate::check_fits(&budget, &config, 1).unwrap_err();
+        let err = wgrad::infer::generate::check_fits(&budget, &config, 1).unwrap_err();
         // Under WebGPU's default limits the f32 arena (498 MB) is already
         // over max_buffer_size (256 MiB); the f16 one (251 MB) is not.
         assert!(matches!(err, Error::MemoryTooSmall { .. } | Error::TooLarge { limit_name: "max_buffer_size", .. }), "{err}");
-        let f16 = wgrad::generate::check_fits_with_dtype(&budget, &config, 1, WeightDtype::F16);
+        let f16 = wgrad::infer::generate::check_fits_with_dtype(&budget, &config, 1, WeightDtype::F16);
         // Without SHADER_F16 the generator would be f32, and so is the check.
         assert_eq!(f16.is_ok(), k.supports_f16(), "{f16:?}");
         Ok(())

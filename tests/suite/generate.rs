@@ -1,4 +1,4 @@
-//! Generation with a KV cache (`wgrad::generate`): the cached attention
+//! Generation with a KV cache (`wgrad::infer::generate`): the cached attention
 //! kernel against its CPU twin, the cached logits against a full-sequence
 //! forward (`Predictor`), greedy and sampled generation against a full
 //! recompute at every step (past the context too), and each error.
@@ -11,11 +11,12 @@ use crate::common;
 use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::generate::{Generator, Sampling};
+use wgrad::infer::generate::{Generator, Sampling};
 use wgrad::kernels::{CachedAttentionShape, QkvLayout, MAX_HEAD_DIM};
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{self, Gpt, GptConfig, Module, RopeLayout};
-use wgrad::trainer::Predictor;
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, Module, RopeLayout};
+use wgrad::infer::Predictor;
 use wgrad::{cpu, Error};
 
 /// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
@@ -654,7 +655,7 @@ fn greedy_ids_equal_transformers_greedy_generate() {
     let (prompt, greedy) = (ids("prompt"), ids("greedy"));
     assert_eq!(greedy.len(), 20);
     assert!(expected["min_gap"].as_f64().unwrap() > 1e-2, "the fixture's path has near-ties");
-    let loaded = wgrad::gpt_folder::load_gpt_folder(fixtures.join("hf-greedy-gpt2")).unwrap();
+    let loaded = wgrad::io::gpt_folder::load_gpt_folder(fixtures.join("hf-greedy-gpt2")).unwrap();
     for_each_adapter("generate: greedy ids against transformers", |k| {
         let mut generator = Generator::new(k.clone(), &loaded.model, 1)?;
         let ours = generator.generate(&prompt, greedy.len(), &Sampling::greedy(), |_| Ok(()))?;

@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::SafeTensors;
 use serde_json::Value as Json;
-use wgrad::gguf::{self, llama, Array, GgmlType, Gguf, Value};
+use wgrad::io::gguf::{self, llama, Array, GgmlType, Gguf, Value};
 use wgrad::Error;
 
 // ---------------------------------------------------------------------------

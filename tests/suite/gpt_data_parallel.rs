@@ -11,14 +11,15 @@ use crate::parallel::groups;
 use std::sync::Arc;
 
 use common::assert_close;
-use wgrad::lm_training::{AdamWSchedule, LanguageModel, TextSource};
-use wgrad::training::{Evaluation, Summary, TrainConfig, TrainingRun};
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
+use wgrad::train::{AdamWSchedule, LanguageModel, TextSource};
+use wgrad::train::{Evaluation, Summary, TrainConfig, TrainingRun};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::distributed::SingleProcess;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
-use wgrad::text::{random_windows, CharTokenizer};
+use wgrad::io::text::{random_windows, CharTokenizer};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 

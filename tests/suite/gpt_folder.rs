@@ -14,11 +14,13 @@ use crate::common;
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
-use wgrad::checkpoint;
-use wgrad::gpt_folder::{load_gpt_folder, read_gpt_config, save_gpt_folder, OptimizerState, TokenizerSpec};
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
+use wgrad::io::checkpoint;
+use wgrad::io::gpt_folder::{load_gpt_folder, read_gpt_config, save_gpt_folder, OptimizerState, TokenizerSpec};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::AdamW;
-use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::infer::Predictor;
+use wgrad::trainer::{Targets, Trainer};
 use wgrad::Error;
 
 /// The fixture's sizes.

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use common::{assert_close, rng};
 use rand::Rng;
-use wgrad::gpt_folder::OptimizerState;
+use wgrad::io::gpt_folder::OptimizerState;
 use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::kernels::{Activation, LrSchedule, MatmulForm, OptimizerConfig};
-use wgrad::nn::{self, CrossEntropyLoss, Criterion, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Criterion};
 use wgrad::optim::AdamW;
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};

@@ -18,9 +18,11 @@ use crate::common;
 use common::{assert_close, for_each_adapter, for_each_shaping};
 use safetensors::{Dtype, SafeTensors};
 use wgrad::graph::{Executor, Graph};
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig, Module};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, LrSchedule};
-use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::infer::Predictor;
+use wgrad::trainer::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/gpt_reference.safetensors");
 

@@ -10,8 +10,9 @@ use crate::parallel::open_groups;
 
 use common::{columns_held, rng, rows_held, train_on_one_device, Parameters};
 use rand::Rng;
-use wgrad::gpt_folder::OptimizerState;
-use wgrad::nn::{self, CrossEntropyLoss, Gpt, GptConfig};
+use wgrad::io::gpt_folder::OptimizerState;
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self, CrossEntropyLoss};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;

@@ -155,7 +155,7 @@ fn tensor_ops_backward_match_central_differences() {
         // A whole one-block GPT on sequences shorter than its block (the
         // position table is sliced), into a rank-3 cross-entropy.
         nn::manual_seed(46);
-        let gpt = nn::Gpt::new(nn::GptConfig { vocab_size: 5, block_size: 4, n_layer: 1, n_head: 2, n_embd: 4 })?;
+        let gpt = wgrad::models::Gpt::new(wgrad::models::GptConfig { vocab_size: 5, block_size: 4, n_layer: 1, n_head: 2, n_embd: 4 })?;
         let mut g = Graph::new();
         let idx = g.ids("idx", &[2, 3])?;
         let logits = nn::Module::forward(&gpt, &mut g, idx, "")?;

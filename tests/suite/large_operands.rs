@@ -12,9 +12,10 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
 use rand::Rng;
-use wgrad::generate::{check_fits, Generator, Sampling};
+use wgrad::infer::generate::{check_fits, Generator, Sampling};
 use wgrad::kernels::{Activation, LimitOverrides, MatmulEpilogue, MatmulForm};
-use wgrad::nn::{self, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self};
 use wgrad::graph::{Executor, Graph};
 use wgrad::nn::Module;
 use wgrad::{cpu, Error, Kernels};

@@ -13,12 +13,12 @@ use crate::gpt_folder::{assert_same_parameters, copy_fixture, edit_config, edit_
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use safetensors::Dtype;
-use wgrad::checkpoint;
-use wgrad::gpt_folder::TokenizerSpec;
-use wgrad::llama_folder::{load_llama_folder, read_llama_config, save_llama_folder};
+use wgrad::io::checkpoint;
+use wgrad::io::gpt_folder::TokenizerSpec;
+use wgrad::io::llama_folder::{load_llama_folder, read_llama_config, save_llama_folder};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{Module, RopeLayout};
-use wgrad::trainer::Predictor;
+use wgrad::infer::Predictor;
 use wgrad::Error;
 
 fn tiny(tied: bool) -> LlamaConfig {

@@ -15,7 +15,8 @@ use crate::gpt_reference::{check_gradients, check_steps, initial_values, worst, 
 use common::{assert_close, for_each_adapter, for_each_shaping};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module, RopeLayout};
-use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::infer::Predictor;
+use wgrad::trainer::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/llama_reference.safetensors");
 
@@ -184,8 +185,8 @@ fn interleaved_rotary_with_permuted_rows_gives_the_same_logits() {
     for layer in &mut llama.layers {
         let attn = &mut layer.self_attn;
         attn.rotary.layout = RopeLayout::Interleaved;
-        attn.q_proj.weight = wgrad::gguf::llama::permute_rows(&attn.q_proj.weight, attn.q_proj.out_features, n_head).expect("whole heads");
-        attn.k_proj.weight = wgrad::gguf::llama::permute_rows(&attn.k_proj.weight, attn.k_proj.out_features, n_kv_head).expect("whole heads");
+        attn.q_proj.weight = wgrad::io::gguf::llama::permute_rows(&attn.q_proj.weight, attn.q_proj.out_features, n_head).expect("whole heads");
+        attn.k_proj.weight = wgrad::io::gguf::llama::permute_rows(&attn.k_proj.weight, attn.k_proj.out_features, n_kv_head).expect("whole heads");
     }
     for_each_adapter("llama reference, interleaved rotary", |k| {
         let logits = Predictor::new(k.clone(), &llama, batch)?.outputs_ids(idx)?;

@@ -1,11 +1,11 @@
-//! `wgrad::lm_training`: the GPT run `wgrad train --model gpt` makes — the
+//! `wgrad::train`: the GPT run `wgrad train --model gpt` makes — the
 //! validation windows, a short run that learns, and the refusals.
 
 use crate::common;
 
-use wgrad::lm_training::{validation_windows, AdamWSchedule, LanguageModel, TextSource};
-use wgrad::nn::{Gpt, GptConfig};
-use wgrad::training::{Evaluation, Progress, RunInfo, TrainConfig, TrainingRun};
+use wgrad::train::{validation_windows, AdamWSchedule, LanguageModel, TextSource};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::train::{Evaluation, Progress, RunInfo, TrainConfig, TrainingRun};
 use wgrad::Error;
 
 #[test]

@@ -601,7 +601,7 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
 /// uninterrupted run.
 #[test]
 fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
-    use wgrad::gpt_folder::OptimizerState;
+    use wgrad::io::gpt_folder::OptimizerState;
     use wgrad::kernels::OptimizerConfig;
     const BATCH: usize = 12;
     const STEPS: u64 = 10;
@@ -613,7 +613,7 @@ fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
     // Two Linear pairs for tensor parallel (two all-reduces), four blocks
     // for the pipeline.
     let m = Sequential::mlp(&[IN, 14, 9, 11, CLASSES], Layer::Tanh).unwrap();
-    let resume_state = |ckpt: &wgrad::checkpoint::Checkpoint| {
+    let resume_state = |ckpt: &wgrad::io::checkpoint::Checkpoint| {
         let state = OptimizerState::from_checkpoint(ckpt).unwrap();
         let params: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
         (params, state)

@@ -12,10 +12,11 @@ use crate::common;
 use common::{for_each_adapter, rng};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::generate::{Generator, Sampling};
+use wgrad::infer::generate::{Generator, Sampling};
 use wgrad::graph::{Executor, Graph};
 use wgrad::kernels::NO_TOKEN;
-use wgrad::nn::{self, Gpt, GptConfig};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::nn::{self};
 use wgrad::{cpu, Error, Kernels};
 
 /// How close (relative to Σw) a draw's target u·Σw may come to a boundary

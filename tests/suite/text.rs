@@ -3,7 +3,7 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::text::{held_out_split, random_windows, shakespeare, CharTokenizer, Gpt2Bpe, Tokenizer, Utf8Stream};
+use wgrad::io::text::{held_out_split, random_windows, shakespeare, CharTokenizer, Gpt2Bpe, Tokenizer, Utf8Stream};
 use wgrad::Error;
 
 #[test]

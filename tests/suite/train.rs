@@ -10,7 +10,8 @@ use std::sync::Arc;
 use common::{for_each_adapter, random_vec, rng};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::trainer::{Predictor, Targets, Trainer};
+use wgrad::infer::Predictor;
+use wgrad::trainer::{Targets, Trainer};
 use wgrad::{Error, Kernels};
 
 fn temp_path(name: &str) -> PathBuf {
@@ -146,12 +147,12 @@ fn a_nan_loss_is_an_error() {
 #[test]
 fn the_digits_mlp_reaches_95_percent_test_accuracy() {
     for_each_adapter("digits", |k| {
-        let (train_set, test_set) = wgrad::data::digits()?.split(0.2, 0)?;
+        let (train_set, test_set) = wgrad::io::data::digits()?.split(0.2, 0)?;
         nn::manual_seed(0);
         let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
         let batch = 32;
         let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, Adam::new(2e-3), batch)?;
-        let mut loader = wgrad::data::Sampler::new(train_set.len(), batch, 0, true)?;
+        let mut loader = wgrad::io::data::Sampler::new(train_set.len(), batch, 0, true)?;
         let (mut x, mut y) = (vec![0.0f32; batch * 64], vec![0u32; batch]);
         for _ in 0..25 {
             for indices in loader.iter() {

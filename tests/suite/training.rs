@@ -1,4 +1,4 @@
-//! `wgrad::training`: a whole run through the library (what `wgrad train`
+//! `wgrad::train`: a whole run through the library (what `wgrad train`
 //! calls), its progress reports, its checkpoint and resuming from it; the
 //! data sharing and the refusals that need no device.
 
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use wgrad::optim::SGD;
 use wgrad::parallel::distributed::{ProcessGroup, SingleProcess};
 use wgrad::parallel::engine::Strategy;
-use wgrad::training::{self, Classifier, Evaluation, Progress, RunInfo, TrainConfig};
+use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, TrainConfig};
 use wgrad::{DeviceOptions, Error};
 
 /// Every report, in order, as text.
@@ -74,7 +74,7 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         let dir = out_dir(&format!("adapter{}", report.index));
         let first = dir.join("first.safetensors");
         let mut rec = Recorder::default();
-        let summary = training::train(&opts, config(12, first.clone()), task(), None, &mut rec).unwrap().expect("rank 0 has a summary");
+        let summary = train::train(&opts, config(12, first.clone()), task(), None, &mut rec).unwrap().expect("rank 0 has a summary");
 
         let mut want = vec!["preparing".to_string(), "started".to_string()];
         for s in 1..=12u64 {
@@ -95,7 +95,7 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         assert!((0.0..=1.0).contains(&test) && (0.0..=1.0).contains(&train));
         assert_eq!(summary.saved.as_deref(), Some(first.as_path()));
 
-        let ckpt = wgrad::checkpoint::load(&first).unwrap();
+        let ckpt = wgrad::io::checkpoint::load(&first).unwrap();
         assert_eq!(ckpt.meta("step"), Some("12"));
         assert_eq!(ckpt.meta("data"), Some("digits"));
         assert_eq!(ckpt.meta("split_seed"), Some("3"));
@@ -105,9 +105,9 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         let mut resumed = config(3, second.clone());
         resumed.resume = Some(first.clone());
         let mut rec = Recorder::default();
-        training::train(&opts, resumed, task(), None, &mut rec).unwrap().unwrap();
+        train::train(&opts, resumed, task(), None, &mut rec).unwrap().unwrap();
         assert_eq!(rec.info.unwrap().resumed_from.as_deref(), Some(first.as_path()));
-        assert_eq!(wgrad::checkpoint::load(&second).unwrap().meta("step"), Some("15"));
+        assert_eq!(wgrad::io::checkpoint::load(&second).unwrap().meta("step"), Some("15"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -119,7 +119,7 @@ fn across_processes_only_data_parallel_is_accepted() {
     let group: Arc<dyn ProcessGroup> = Arc::new(SingleProcess);
     let mut cfg = config(1, out_dir("refused").join("never.safetensors"));
     cfg.strategy = Some(Strategy::Tensor);
-    let err = training::train(&DeviceOptions::default(), cfg.clone(), task(), Some(group), &mut ()).expect_err("tensor parallel across processes");
+    let err = train::train(&DeviceOptions::default(), cfg.clone(), task(), Some(group), &mut ()).expect_err("tensor parallel across processes");
     assert!(matches!(&err, Error::InvalidArgument { op: "train --distributed", .. }), "{err}");
     assert!(!cfg.save.unwrap().exists());
 }
@@ -127,8 +127,8 @@ fn across_processes_only_data_parallel_is_accepted() {
 /// With one process, sharing the data hands back what rank 0 loaded.
 #[test]
 fn shared_data_is_rank_zeros() {
-    let loaded = training::load_data(None, 0.25, 7).unwrap();
-    let shared = training::share_data(&SingleProcess, Some(loaded.clone())).unwrap();
+    let loaded = train::load_data(None, 0.25, 7).unwrap();
+    let shared = train::share_data(&SingleProcess, Some(loaded.clone())).unwrap();
     assert_eq!(shared.name, "digits");
     for (a, b) in [(&loaded.train, &shared.train), (&loaded.test, &shared.test)] {
         assert_eq!((a.features(), a.classes()), (b.features(), b.classes()));

@@ -3,7 +3,7 @@
 //! and its tokenizer, the held-out split, random windows, AdamW with
 //! nanoGPT's parameter groups, warmup and cosine decay, gradient clipping,
 //! the validation loss every few steps and at the end. It is a
-//! [`Task`] of the one run ([`crate::training`]); the model is any
+//! [`Task`] of the one run ([`crate::train`]); the model is any
 //! [`TrainableLm`] (the GPT, Llama), which says how it is built, saved and
 //! resumed.
 //!
@@ -19,15 +19,17 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
-use crate::gpt_folder::{OptimizerState, TokenizerSpec};
+use crate::io::gpt_folder::{load_gpt_folder, save_gpt_folder, OptimizerState, TokenizerSpec};
+use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_state};
+use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use crate::kernels::{LrSchedule, OptimizerConfig};
 use crate::optim::{self, AdamW};
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
-use crate::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
+use crate::io::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::trainer::{Examples, Targets};
-use crate::training::{Evaluation, Prepared, Resumed, Task, TrainConfig};
+use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
 
 /// A causal language model the run can build, save and resume: what
 /// [`LanguageModel`] needs of a model family, implemented beside each one.
@@ -50,6 +52,42 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     /// tokenizer and optimizer state where the folder has them.
     fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)>;
 }
+
+/// The families `wgrad train --model` knows: what each [`TrainableLm`]
+/// method means is the same for both, only the types and folder functions
+/// differ.
+macro_rules! trainable_lm {
+    ($model:ident, $config:ident, $save:expr, $load:path) => {
+        impl TrainableLm for $model {
+            type Config = $config;
+            fn with_vocab(config: $config, vocab_size: usize) -> $config {
+                $config { vocab_size, ..config }
+            }
+            fn context(config: &$config) -> usize {
+                config.block_size
+            }
+            fn build(config: &$config) -> Result<Self> {
+                $model::new(*config)
+            }
+            fn config(&self) -> $config {
+                self.config
+            }
+            fn with_parameters(&self, params: &NamedParameters) -> Result<Self> {
+                $model::from_parameters(self.config, |name, shape| take_parameter(params, name, shape))
+            }
+            fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
+                $save(dir, self, tokenizer, state)
+            }
+            fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
+                let loaded = $load(dir)?;
+                Ok((loaded.model, loaded.tokenizer, loaded.optimizer))
+            }
+        }
+    };
+}
+
+trainable_lm!(Gpt, GptConfig, |dir: &Path, model, tokenizer, state| save_gpt_folder(dir, model, tokenizer, Some(state)), load_gpt_folder);
+trainable_lm!(Llama, LlamaConfig, |dir: &Path, model, tokenizer, state| save_llama_folder_with_state(dir, model, Some(tokenizer), Some(state)), load_llama_folder);
 
 /// The text to train on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,7 +153,7 @@ impl AdamWSchedule {
 /// `make train`'s GPT: 0.8M parameters, nanoGPT's shakespeare_char scaled
 /// down to train in under 10 minutes on two CPU cores' software adapter
 /// (the vocabulary is the data's).
-pub const MAKE_TRAIN_GPT: crate::nn::GptConfig = crate::nn::GptConfig { vocab_size: 0, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
+pub const MAKE_TRAIN_GPT: crate::models::GptConfig = crate::models::GptConfig { vocab_size: 0, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
 
 /// `make train`'s run: 750 steps of 8 windows, nanoGPT's AdamW, the
 /// validation loss every 125 steps. Sizes and steps measured on the 2-core

@@ -1,17 +1,17 @@
 //! A causal language model folder of either family wgrad reads, told
 //! apart by its config.json as transformers' `AutoModelForCausalLM` does:
 //! `model_type: llama` (or `architectures: [LlamaForCausalLM]`) is a
-//! [`crate::models::Llama`] folder ([`crate::llama_folder`]), anything
-//! else a GPT-2 folder ([`crate::gpt_folder`], which refuses another
+//! [`crate::models::Llama`] folder ([`crate::io::llama_folder`]), anything
+//! else a GPT-2 folder ([`crate::io::gpt_folder`], which refuses another
 //! `model_type` with its own error). What comes back is a [`CausalLm`],
-//! which [`crate::generate::Generator`] runs whatever the family.
+//! which [`crate::infer::generate::Generator`] runs whatever the family.
 
 use std::path::Path;
 
 use crate::error::Result;
-use crate::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
-use crate::hf_folder::ConfigFields;
-use crate::llama_folder::{load_llama_folder, read_llama_config};
+use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
+use crate::io::hf_folder::ConfigFields;
+use crate::io::llama_folder::{load_llama_folder, read_llama_config};
 use crate::nn::{CausalLm, LmConfig};
 
 /// The family a folder's config.json names.
@@ -37,7 +37,7 @@ pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
 }
 
 /// The folder's sizes, checked, without reading its weights: enough for
-/// [`crate::generate::check_fits`].
+/// [`crate::infer::generate::check_fits`].
 pub fn read_lm_config(dir: impl AsRef<Path>) -> Result<Box<dyn LmConfig>> {
     let dir = dir.as_ref();
     Ok(match lm_family(dir)? {

@@ -20,7 +20,7 @@ pub use rand_chacha::ChaCha8Rng;
 use crate::{Error, Result};
 
 /// The UCI digits CSV, embedded so the binary needs no data file at run time.
-const DIGITS_CSV_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
+const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
 
 /// gzip streams start with these two bytes; checking them (not the file name)
 /// accepts `.gz` files however they are named.
@@ -305,7 +305,7 @@ impl ExactSizeIterator for Batches<'_> {}
 ///
 /// ```no_run
 /// # fn main() -> wgrad::Result<()> {
-/// let data = wgrad::data::digits()?;
+/// let data = wgrad::io::data::digits()?;
 /// let mut sampler = data.sampler(32, 7, true)?;
 /// let (mut x, mut y) = (vec![0.0; 32 * data.features()], vec![0; 32]);
 /// for _epoch in 0..10 {

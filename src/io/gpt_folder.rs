@@ -53,12 +53,13 @@ use std::path::Path;
 
 use serde_json::json;
 
-use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::hf_folder::{io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
-pub use crate::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
-use crate::nn::{Gpt, GptConfig, Module};
-use crate::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
+use crate::io::hf_folder::{io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
+pub use crate::io::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+use crate::models::{Gpt, GptConfig};
+use crate::nn::Module;
+use crate::io::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
 
 /// The [`TokenizerSpec`].
 pub const TOKENIZER_FILE: &str = "wgrad_tokenizer.json";
@@ -529,32 +530,6 @@ pub(crate) fn optimizer_checkpoint(model: &dyn Module, state: &OptimizerState, l
     ckpt.set_meta("state_names", names.join(","));
     ckpt.set_meta("layout", "names and layouts of model.safetensors, plus .STATE");
     Ok(ckpt)
-}
-
-impl crate::lm_training::TrainableLm for Gpt {
-    type Config = GptConfig;
-    fn with_vocab(config: GptConfig, vocab_size: usize) -> GptConfig {
-        GptConfig { vocab_size, ..config }
-    }
-    fn context(config: &GptConfig) -> usize {
-        config.block_size
-    }
-    fn build(config: &GptConfig) -> Result<Self> {
-        Gpt::new(*config)
-    }
-    fn config(&self) -> GptConfig {
-        self.config
-    }
-    fn with_parameters(&self, params: &crate::parallel::stage::NamedParameters) -> Result<Self> {
-        Gpt::from_parameters(self.config, |name, shape| crate::lm_training::take_parameter(params, name, shape))
-    }
-    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
-        save_gpt_folder(dir, self, tokenizer, Some(state))
-    }
-    fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
-        let loaded = load_gpt_folder(dir)?;
-        Ok((loaded.model, loaded.tokenizer, loaded.optimizer))
-    }
 }
 
 // ---------------------------------------------------------------- loading

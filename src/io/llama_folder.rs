@@ -21,18 +21,18 @@
 //! table. It refuses what this Llama does not compute (biases, another
 //! activation, RoPE scaling, a head width other than hidden / heads) with
 //! an error naming the field. Reading, shards, dtypes, atomic saving and
-//! their errors are [`crate::hf_folder`]'s, shared with the GPT's folders.
+//! their errors are [`crate::io::hf_folder`]'s, shared with the GPT's folders.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::json;
 
-use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::gguf::llama::unpermute_rows;
-use crate::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
-use crate::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
+use crate::io::gguf::llama::unpermute_rows;
+use crate::io::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
+use crate::io::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
 use crate::models::{Llama, LlamaConfig};
 use crate::nn::{Module, RopeLayout};
 
@@ -231,29 +231,3 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
 struct WgradNames;
 
 impl StoredLayout for WgradNames {}
-
-impl crate::lm_training::TrainableLm for Llama {
-    type Config = LlamaConfig;
-    fn with_vocab(config: LlamaConfig, vocab_size: usize) -> LlamaConfig {
-        LlamaConfig { vocab_size, ..config }
-    }
-    fn context(config: &LlamaConfig) -> usize {
-        config.block_size
-    }
-    fn build(config: &LlamaConfig) -> Result<Self> {
-        Llama::new(*config)
-    }
-    fn config(&self) -> LlamaConfig {
-        self.config
-    }
-    fn with_parameters(&self, params: &crate::parallel::stage::NamedParameters) -> Result<Self> {
-        Llama::from_parameters(self.config, |name, shape| crate::lm_training::take_parameter(params, name, shape))
-    }
-    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
-        save_llama_folder_with_state(dir, self, Some(tokenizer), Some(state))
-    }
-    fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
-        let loaded = load_llama_folder(dir)?;
-        Ok((loaded.model, loaded.tokenizer, loaded.optimizer))
-    }
-}

@@ -1,13 +1,13 @@
 //! Text generation from any causal language model ([`CausalLm`]: a
-//! [`crate::nn::Gpt`], a [`crate::models::Llama`]) with a KV cache, as
+//! [`crate::models::Gpt`], a [`crate::models::Llama`]) with a KV cache, as
 //! llm.c, ratchet and llama.cpp do it: after the prompt, each new token
 //! costs one position's work instead of a re-run of the whole sequence.
 //!
 //! ```no_run
 //! # fn main() -> wgrad::Result<()> {
 //! use std::sync::Arc;
-//! use wgrad::generate::{Generator, Sampling};
-//! use wgrad::nn::{Gpt, GptConfig};
+//! use wgrad::infer::generate::{Generator, Sampling};
+//! use wgrad::models::{Gpt, GptConfig};
 //! let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
 //! let model = Gpt::new(GptConfig { vocab_size: 65, block_size: 64, n_layer: 2, n_head: 2, n_embd: 32 })?;
 //! let mut generator = Generator::new(kernels, &model, 1)?;
@@ -192,7 +192,7 @@ impl Sampling {
 }
 
 /// A causal language model's forward for generation ([`CausalLm`]: a
-/// [`crate::nn::Gpt`], a [`crate::models::Llama`]), with a KV cache on the
+/// [`crate::models::Gpt`], a [`crate::models::Llama`]), with a KV cache on the
 /// GPU for `sequences` sequences over the model's whole context (see the
 /// module documentation).
 pub struct Generator {

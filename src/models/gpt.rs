@@ -3,9 +3,9 @@
 //! norm (`ln_f`), and a head tied to the token embedding (logits = x·wteᵀ,
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
-use super::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use super::causal_lm::cache_pass;
-use super::{Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
+use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
+use crate::nn::cache_pass;
+use crate::nn::{Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;

@@ -14,13 +14,13 @@ use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 
-use crate::atomic_write::{sync_dir, unique_sibling};
+use crate::io::atomic_write::{sync_dir, unique_sibling};
 
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
-use crate::checkpoint;
+use crate::io::checkpoint;
 use crate::error::{Error, Result};
 
 /// The model's configuration, as transformers writes it.

@@ -8,7 +8,7 @@ use rand::Rng;
 
 use crate::error::{Error, Result};
 
-const SHAKESPEARE_GZ: &[u8] = include_bytes!("../data/shakespeare.txt.gz");
+const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 
 /// Shakespeare's 42 plays and poems as one text (5,057,323 bytes of ASCII;
 /// data/README.md gives its source and licence).

@@ -1,0 +1,10 @@
+//! The one training run ([`run`]) over the parallel engines, and the tasks
+//! it trains: the digits [`classifier`] and a causal [`language_model`].
+
+pub mod classifier;
+pub mod language_model;
+pub mod run;
+
+pub use classifier::{load_data, share_data, Classifier, ClassifierData, DataSplit};
+pub use language_model::*;
+pub use run::{train, Evaluation, Prepared, Progress, Resumed, RunInfo, Summary, Task, TrainConfig, TrainingRun};
