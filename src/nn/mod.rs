@@ -16,7 +16,7 @@ pub mod shard;
 mod staged;
 mod transformer;
 
-pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, WeightDtype};
+pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, QuantizedMatrix, QuantizedWeights, WeightDtype};
 pub use gpt::{Gpt, GptConfig};
 pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;
