@@ -178,10 +178,10 @@ impl ForwardContext {
     }
 
     /// This context with `quantized`'s matrices stored block-quantized
-    /// (`Graph::parameter_quantized`) when a forward declares them: a
-    /// Linear's weight or a table the head reads, by name; every other
-    /// parameter as `weights` says. A name given here that a forward
-    /// declares as something else (a norm's weight) is an error.
+    /// (`Graph::parameter_quantized`) when a forward declares them, by
+    /// name, in place of the module's values; every other parameter as
+    /// `weights` says. Only a Linear's weight and an embedding table take
+    /// them (any other op reading one is a graph error naming it).
     pub fn with_quantized(mut self, quantized: Arc<QuantizedWeights>) -> Self {
         self.quantized = quantized;
         self
@@ -210,9 +210,9 @@ pub(crate) fn cache_pass() -> Option<CachePass> {
 }
 
 /// Declares `{name}` as a parameter of `g`, or hands back the one an
-/// earlier forward under the same context declared. A `matrix` (a Linear's
-/// weight, a table the head reads) is stored quantized when the context
-/// has it quantized, else in f16 under an f16 context.
+/// earlier forward under the same context declared. A parameter the
+/// context has quantized is stored so; else a `matrix` (a Linear's weight,
+/// a table the head reads) in f16 under an f16 context.
 pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], values: &[f32], matrix: bool) -> Result<Tensor> {
     ACTIVE.with(|a| {
         let mut active = a.borrow_mut();
@@ -223,10 +223,7 @@ pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], va
             return Ok(t);
         }
         let t = match (cx.quantized.get(&name), cx.weights) {
-            (Some(q), _) if matrix => g.parameter_quantized(&name, shape, q.format, &q.raw)?,
-            (Some(q), _) => {
-                return Err(Error::InvalidArgument { op: "ForwardContext", reason: format!("`{name}` is given as {} but the model declares it as no matrix a forward stores quantized", q.format.name()) });
-            }
+            (Some(q), _) => g.parameter_quantized(&name, shape, q.format, &q.raw)?,
             (None, WeightDtype::F16) if matrix => g.parameter_f16(&name, shape, values.to_vec())?,
             (None, _) => g.parameter(&name, shape, values.to_vec())?,
         };

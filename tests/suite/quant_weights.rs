@@ -226,11 +226,12 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
             let (_, launches) = check_product(&lim, Some(kernel), format, store, shape, 2800 + i as u64)?;
             assert!(launches > 1, "{kernel:?} {format:?} {shape:?} ran in one launch");
         }
-        let (vocab, channels) = (100, 64);
+        // 7 ids of 32 channels: the output fits one binding.
+        let (vocab, channels) = (100, 32);
         for format in QuantFormat::ALL {
             let mut r = rng(2810);
             let raw = random_blocks(&mut r, format, vocab, channels);
-            let ids: Vec<u32> = (0..9).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
+            let ids: Vec<u32> = (0..5).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
             let words = lim.upload(&pack_quantized(format, &raw, vocab, channels)?)?;
             let (i, out) = (lim.upload(&ids)?, lim.zeros(ids.len() * channels)?);
             let d = lim.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, i.view(), ids.len())?;
@@ -248,6 +249,109 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         let (ids, out) = (lim.zeros(1)?, lim.zeros(1024)?);
         let err = lim.embedding_quant_weights(out.view(), b, ids.view(), 1).unwrap_err();
         assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"), "{err}");
+        Ok(())
+    });
+}
+
+/// A graph with quantized parameters: a Linear over a token embedding,
+/// both quantized (the table in Q8_0, the weight in Q4_1), on the GPU
+/// against `Graph::evaluate_f64` (the twins); refused by every other op
+/// and by training.
+#[test]
+fn a_graph_with_quantized_parameters_matches_its_reference() {
+    use wgrad::graph::{Executor, Graph};
+    let (vocab, channels, out, tokens) = (11, 64, 37, 7);
+    let mut r = rng(2900);
+    let table_raw = random_blocks(&mut r, QuantFormat::Q8_0, vocab, channels);
+    let weight_raw = random_blocks(&mut r, QuantFormat::Q4_1, out, channels);
+    let ids_h: Vec<u32> = (0..tokens).map(|_| r.random_range(0..vocab as u32)).collect();
+    let mut g = Graph::new();
+    let ids = g.ids("ids", &[1, tokens]).unwrap();
+    let table = g.parameter_quantized("wte", &[vocab, channels], QuantFormat::Q8_0, &table_raw).unwrap();
+    let w = g.parameter_quantized("proj.weight", &[out, channels], QuantFormat::Q4_1, &weight_raw).unwrap();
+    let x = g.embedding(table, ids).unwrap();
+    let y = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, w).unwrap();
+    // The tied head: the same table as an ABt's B.
+    let logits = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, table).unwrap();
+    // Only the ABt's B and the table read them; k = 33 is refused.
+    let err = g.add(w, w).unwrap_err();
+    assert!(err.to_string().contains("Q4_1"), "{err}");
+    let err = g.matmul_form(wgrad::kernels::MatmulForm::AB, x, w).unwrap_err();
+    assert!(err.to_string().contains("quantized"), "{err}");
+    let err = g.parameter_quantized("odd", &[2, 33], QuantFormat::Q8_0, &[0; 68]).unwrap_err();
+    assert!(err.to_string().contains("multiple of 32"), "{err}");
+    let feeds = [(ids, ids_h.iter().map(|&i| f64::from(i)).collect::<Vec<f64>>())];
+    let want = g.evaluate_f64(&[x, y, logits], &feeds).unwrap();
+    for_each_adapter("quantized weights: graph", |k| {
+        let mut exec = Executor::new(k.clone(), g.clone(), &[x, y, logits], None, None)?;
+        exec.set_labels(ids, &ids_h)?;
+        exec.run(&[x, y, logits])?;
+        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        // The lookup is exact (see quantized_embedding_matches_the_cpu);
+        // the products as quantized_products_match_the_cpu_on_each_kernel.
+        assert_close("graph embedding", &exec.read(x)?, &f32s(&want[0]), 0.0, 0.0);
+        assert_close("graph Linear", &exec.read(y)?, &f32s(&want[1]), ATOL, RTOL);
+        assert_close("graph tied head", &exec.read(logits)?, &f32s(&want[2]), ATOL, RTOL);
+        // The weights take their packed words, not f32 values.
+        let words = (QuantFormat::Q8_0.stored_words(vocab * channels), QuantFormat::Q4_1.stored_words(out * channels));
+        assert!(exec.plan().param_arena_len < words.0 + words.1 + 2 * 64, "arena of {} words", exec.plan().param_arena_len);
+        let err = exec.read(w).unwrap_err();
+        assert!(err.to_string().contains("Q4_1"), "{err}");
+        let err = exec.parameters().unwrap_err();
+        assert!(err.to_string().contains("no f32 copy"), "{err}");
+        // Training refuses them (in backward, or in the executor).
+        let mut train = g.clone();
+        let loss = train.mean(y)?;
+        let err = match train.backward(loss) {
+            Ok(grads) => Executor::new(k.clone(), train, &[loss], Some(grads), None).unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(err.to_string().contains("quantized"), "{err}");
+        Ok(())
+    });
+}
+
+/// A Llama generator whose projections, head and token table are stored
+/// quantized (`Generator::new_with_weights`, the path a GGUF file takes)
+/// against the f32 generator on the same weights decoded: both hold the
+/// same values, so they differ only by the f32 rounding of the sums (the
+/// quantized kernels scale each block's sum of integer products).
+#[test]
+fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use wgrad::generate::{Generator, WeightDtype};
+    use wgrad::models::{Llama, LlamaConfig};
+    use wgrad::nn::{Module, QuantizedMatrix};
+    // Logits of order 1–10 after two layers: 1e-3 absolute and relative
+    // (the product tolerance above, grown through the layers).
+    const LLAMA_ATOL: f32 = 1e-3;
+    const LLAMA_RTOL: f32 = 1e-3;
+    for_each_adapter("quantized weights: Llama generator", |k| {
+        for tied in [true, false] {
+            let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 2, n_kv_head: 1, n_embd: 64, intermediate_size: 96, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
+            let mut r = rng(2950);
+            let mut quantized = HashMap::new();
+            let mut formats = QuantFormat::ALL.iter().cycle();
+            let model = Llama::from_parameters(config, |name, shape| {
+                let &[rows, cols] = shape else { return Ok(vec![1.0; shape.iter().product()]) };
+                let format = *formats.next().expect("cycles");
+                let raw = random_blocks(&mut r, format, rows, cols);
+                let values = cpu::dequantize(format, &raw)?;
+                quantized.insert(name.to_string(), QuantizedMatrix { format, raw: raw.into() });
+                Ok(values)
+            })?;
+            assert_eq!(quantized.len(), model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count());
+            let mut quant = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?;
+            let mut reference = Generator::new(k.clone(), &model, 1)?;
+            let (small, full) = (quant.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
+            assert!(small * 3 < full, "tied {tied}: quantized arena {small} words against f32 {full}");
+            let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
+            assert_close(&format!("tied {tied}: prefill"), &quant.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, LLAMA_ATOL, LLAMA_RTOL);
+            for &token in &sequence[4..] {
+                assert_close(&format!("tied {tied}: decode {token}"), &quant.decode(&[token])?, &reference.decode(&[token])?, LLAMA_ATOL, LLAMA_RTOL);
+            }
+        }
         Ok(())
     });
 }
