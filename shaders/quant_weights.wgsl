@@ -9,8 +9,9 @@
 // row r is block r·K/32 + j), laid out as ops::pack_quantized writes them:
 // first every block's quantized values (QUANT_WORDS words each), then one
 // word per block holding the f16 scale d in its low half and Q4_1's f16
-// minimum m in its high half, read with unpack2x16float, which is core
-// WGSL: no SHADER_F16 needed, so these run on every adapter.
+// minimum m in its high half, widened by bit operations
+// (quant_unpack_f16x2), so these kernels need no device feature and run on
+// every adapter.
 //   Q8_0: word i of a block holds values 4i..4i+3, an i8 per byte from the
 //         low byte up; value = q·d.
 //   Q4_0, Q4_1: ggml's nibble order: byte i of the block (byte i % 4 of
@@ -169,8 +170,27 @@ fn quant_block_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
     return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
 }
 
+// unpack2x16float's result by bit operations, exact for every f16
+// (subnormals included; inf and NaN stay so). unpack2x16float is core
+// WGSL, but wgpu allows it only with DownlevelFlags::SHADER_F16_IN_F32,
+// which lavapipe withholds without SHADER_F16; this costs a few integer
+// operations per block.
+fn quant_unpack_f16x2(word: u32) -> vec2<f32> {
+    let h = vec2<u32>(word & 0xffffu, word >> 16u);
+    let sign = (h & vec2<u32>(0x8000u)) << vec2<u32>(16u);
+    let e = (h >> vec2<u32>(10u)) & vec2<u32>(0x1fu);
+    let mant = h & vec2<u32>(0x3ffu);
+    // Normal: the exponent rebiased (15 to 127); inf and NaN: all ones.
+    let e32 = select(e + vec2<u32>(112u), vec2<u32>(255u), e == vec2<u32>(31u));
+    let normal = bitcast<vec2<f32>>(sign | (e32 << vec2<u32>(23u)) | (mant << vec2<u32>(13u)));
+    // Zero and subnormal: mant · 2^-24, exact in f32.
+    let tiny = bitcast<vec2<f32>>(sign | bitcast<vec2<u32>>(vec2<f32>(mant) * 0x1p-24f));
+    return select(normal, tiny, e == vec2<u32>(0u));
+}
+
+// Block `block`'s (d, m).
 fn quant_dm(block: u32) -> vec2<f32> {
-    return unpack2x16float(qs[p.s_base + block]);
+    return quant_unpack_f16x2(qs[p.s_base + block]);
 }
 
 // Decode's products: M ≤ 4 rows (one new token per sequence), A and the
@@ -477,6 +497,6 @@ fn embedding_quant_forward(
     let block = (id - ep.row_start) * (ep.cols / 32u) + col / 32u;
     let g = (col % 32u) / 4u;
     let word = emb_qw[ep.q_base + block * quant_words() + quant_word_of(g)];
-    let dm = unpack2x16float(emb_qs[ep.s_base + block]);
+    let dm = quant_unpack_f16x2(emb_qs[ep.s_base + block]);
     emb_out[i] = quant_values(quant_ints(word, g), dm)[col % 4u];
 }

@@ -199,6 +199,20 @@ fn quantized_embedding_matches_the_cpu() {
                 assert_close(&format!("embedding {format:?} n={n} vocab={vocab} channels={channels}"), &read(k, &out)?, &want, 0.0, 0.0);
             }
         }
+        // Scales and minimums at f16's edges, which the kernels widen by
+        // bit operations: subnormal, zero, negative, the largest finite.
+        let halves = [(f16::from_bits(0x0001), f16::from_bits(0x8201)), (f16::ZERO, f16::NEG_ZERO), (f16::from_f32(-0.75), f16::from_f32(3.0)), (f16::MAX, f16::MIN)];
+        let mut raw = Vec::new();
+        for (i, (d, m)) in halves.iter().enumerate() {
+            raw.extend(d.to_le_bytes().into_iter().chain(m.to_le_bytes()));
+            raw.extend((0..16).map(|j| (17 * (i + j)) as u8));
+        }
+        let ids = [0, 1, 2, 3];
+        let words = k.upload(&pack_quantized(QuantFormat::Q4_1, &raw, 4, 32)?)?;
+        let (i, out) = (k.upload(&ids)?, k.zeros(4 * 32)?);
+        k.run(&[&k.embedding_quant_weights(out.view(), QuantView::new(words.view(), QuantFormat::Q4_1, 4, 32)?, i.view(), 4)?])?;
+        // Exact, as above (f16::MAX · 15 + f16::MIN is finite in f32).
+        assert_close("embedding at f16's edges", &read(k, &out)?, &cpu::embedding_quant_weights(QuantFormat::Q4_1, &raw, &ids, 4, 32)?, 0.0, 0.0);
         Ok(())
     });
 }
@@ -246,8 +260,10 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         let (a, c) = (lim.zeros(1024)?, lim.zeros(2)?);
         let err = lim.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 1, 2, 1024).unwrap_err();
         assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"), "{err}");
-        let (ids, out) = (lim.zeros(1)?, lim.zeros(1024)?);
-        let err = lim.embedding_quant_weights(out.view(), b, ids.view(), 1).unwrap_err();
+        let words = lim.zeros(QuantFormat::Q8_0.stored_words(2048))?;
+        let table = QuantView::new(words.view(), QuantFormat::Q8_0, 1, 2048)?;
+        let (ids, out) = (lim.zeros(1)?, lim.zeros(2048)?);
+        let err = lim.embedding_quant_weights(out.view(), table, ids.view(), 1).unwrap_err();
         assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"), "{err}");
         Ok(())
     });
