@@ -67,7 +67,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{check_token_ids, Kernels, View};
 pub use crate::nn::WeightDtype;
-use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig};
+use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig, QuantizedWeights};
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -289,13 +289,21 @@ impl Generator {
     /// [`Generator::new`] with the weights stored as `dtype`: f16 where the
     /// adapter has SHADER_F16, else f32 ([`Generator::dtype`] tells which).
     pub fn new_with_dtype(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> Result<Self> {
+        Self::new_with_weights(kernels, model, sequences, dtype, Arc::default())
+    }
+
+    /// [`Generator::new_with_dtype`] with the matrices `quantized` names
+    /// stored block-quantized, as its bytes (a GGUF file's) hold them, in
+    /// place of the model's values for them (see
+    /// [`ForwardContext::with_quantized`]).
+    pub fn new_with_weights(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype, quantized: Arc<QuantizedWeights>) -> Result<Self> {
         let dtype = dtype.on(&kernels);
         if sequences == 0 {
             return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
         }
         let context = model.context_len();
         let mut g = Graph::new();
-        let mut cx = ForwardContext::new(dtype, context);
+        let mut cx = ForwardContext::new(dtype, context).with_quantized(quantized);
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
         // Prompts start at position 0: the starts stay zero, and row t of
         // every prompt is position t.

@@ -198,6 +198,21 @@ impl GgmlType {
     }
 }
 
+/// The block-quantized formats the kernels read as they are stored; any
+/// other type is handed back (to be decoded to f32 or refused).
+impl TryFrom<GgmlType> for crate::ops::QuantFormat {
+    type Error = GgmlType;
+
+    fn try_from(ty: GgmlType) -> std::result::Result<Self, GgmlType> {
+        match ty {
+            GgmlType::Q8_0 => Ok(crate::ops::QuantFormat::Q8_0),
+            GgmlType::Q4_0 => Ok(crate::ops::QuantFormat::Q4_0),
+            GgmlType::Q4_1 => Ok(crate::ops::QuantFormat::Q4_1),
+            other => Err(other),
+        }
+    }
+}
+
 impl std::fmt::Display for GgmlType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -32,6 +32,7 @@ mod modules;
 mod optim;
 mod parallel;
 mod pipeline_cache;
+mod quant_weights;
 mod rowwise;
 mod sampling;
 mod shaders;
