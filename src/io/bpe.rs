@@ -52,8 +52,10 @@ const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
-/// A byte-level BPE tokenizer of a pretrained model (SmolLM2, GPT-2, Llama 3,
-/// Qwen 2 …).
+/// A byte-level BPE tokenizer of a pretrained model. SmolLM2's (`smollm`)
+/// is checked id for id against transformers' (tests/suite/tokenizer.rs);
+/// the other `pre` names share its code and differ only in their split,
+/// which the tests check on its own.
 #[derive(Clone)]
 pub struct BpeTokenizer {
     inner: tokenizers::Tokenizer,
@@ -319,6 +321,16 @@ impl BpeTokenizer {
         self.eos
     }
 
+    /// BOS as text, for a chat template's `bos_token`.
+    pub fn bos_token(&self) -> Option<String> {
+        self.bos.and_then(|id| self.token(id))
+    }
+
+    /// EOS as text, for a chat template's `eos_token`.
+    pub fn eos_token(&self) -> Option<String> {
+        self.eos.and_then(|id| self.token(id))
+    }
+
     /// The id of a token spelled exactly `token` (`<|im_end|>`), if any.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -343,7 +355,8 @@ impl BpeTokenizer {
 
     /// Token ids of `text`. Special tokens written in the text
     /// (`<|im_start|>`) become their ids, as a rendered chat template needs;
-    /// `add_special` puts BOS first when the model asks for it.
+    /// `add_special` puts BOS first when the model asks for it (false for a
+    /// rendered template, which writes its own, as transformers does).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         let encoding = self
             .inner

@@ -105,8 +105,8 @@ fn smollm2_chat_template_renders_as_transformers() {
     let tokenizer = smollm2();
     let source = tokenizer.chat_template().expect("SmolLM2's file has a chat template");
     let template = ChatTemplate::new(source).unwrap();
-    let bos = tokenizer.token(tokenizer.bos_id().unwrap()).unwrap();
-    let eos = tokenizer.token(tokenizer.eos_id().unwrap()).unwrap();
+    let (bos, eos) = (tokenizer.bos_token().unwrap(), tokenizer.eos_token().unwrap());
+    assert_eq!((bos.as_str(), eos.as_str()), ("<|im_start|>", "<|im_end|>"));
     for chat in reference()["chats"].as_array().unwrap() {
         let messages: Vec<ChatMessage> = chat["messages"]
             .as_array()
