@@ -38,6 +38,7 @@ mod sampling;
 mod shaders;
 mod tensor;
 mod text;
+mod tokenizer;
 mod train;
 mod training;
 mod webgpu;
