@@ -7,6 +7,7 @@ pub mod atomic_write;
 pub mod checkpoint;
 pub mod data;
 pub mod gguf;
+pub mod gguf_model;
 pub mod gpt_folder;
 pub mod hf_folder;
 pub mod llama_folder;
