@@ -1164,26 +1164,29 @@ pub mod llama {
         (suffix == "weight" || suffix == "bias").then_some((layer, module, suffix))
     }
 
+    /// A name in one naming translated to the other: GGUF's to Hugging
+    /// Face's when `to_hf`, else back.
+    fn translate(name: &str, to_hf: bool) -> Option<String> {
+        let direct = |pair: &(&'static str, &'static str)| if to_hf { *pair } else { (pair.1, pair.0) };
+        if let Some((_, to)) = MODEL_TENSORS.iter().map(direct).find(|(f, _)| *f == name) {
+            return Some(to.to_string());
+        }
+        let (from_prefix, to_prefix) = if to_hf { ("blk.", "model.layers.") } else { ("model.layers.", "blk.") };
+        let (layer, module, suffix) = split_block_name(name, from_prefix)?;
+        let (_, to) = BLOCK_MODULES.iter().map(direct).find(|(f, _)| *f == module)?;
+        Some(format!("{to_prefix}{layer}.{to}.{suffix}"))
+    }
+
     /// The Hugging Face (`LlamaForCausalLM`) name of a GGUF tensor name, or
     /// `None` for a name with no counterpart (`rope_freqs.weight`).
     pub fn hf_name(gguf_name: &str) -> Option<String> {
-        if let Some((_, hf)) = MODEL_TENSORS.iter().find(|(g, _)| *g == gguf_name) {
-            return Some(hf.to_string());
-        }
-        let (layer, module, suffix) = split_block_name(gguf_name, "blk.")?;
-        let (_, hf) = BLOCK_MODULES.iter().find(|(g, _)| *g == module)?;
-        Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+        translate(gguf_name, true)
     }
 
     /// The GGUF name of a Hugging Face Llama parameter name: the inverse of
     /// [`hf_name`].
     pub fn gguf_name(hf_name: &str) -> Option<String> {
-        if let Some((gguf, _)) = MODEL_TENSORS.iter().find(|(_, h)| *h == hf_name) {
-            return Some(gguf.to_string());
-        }
-        let (layer, module, suffix) = split_block_name(hf_name, "model.layers.")?;
-        let (gguf, _) = BLOCK_MODULES.iter().find(|(_, h)| *h == module)?;
-        Some(format!("blk.{layer}.{gguf}.{suffix}"))
+        translate(hf_name, false)
     }
 
     /// How many heads the converter permuted this tensor's rows over:
