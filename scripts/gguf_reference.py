@@ -17,13 +17,20 @@ with.
   tests/fixtures/gguf-llama-tied.gguf
       the same sizes with other weights and no `output.weight` (the head is
       the Q8_0 token table, as in SmolLM2's file).
+  tests/fixtures/gguf-gpt2.gguf
+      a tiny GPT-2 (2 blocks, 32 channels, 4 heads, MLP 128, context 32,
+      LayerNorm eps 1e-5, the same tokenizer) as llama.cpp's converter
+      writes one: Conv1D weights transposed to [out, in], biases and norms
+      F32, the matrices spread over the quantized and float types, and
+      `output.weight` a copy of the Q8_0 token table.
   tests/fixtures/gguf-llama-logits.safetensors
       `ids` [1, 32]: the token ids fed; `logits` / `logits_tied` [1, 32, 271]:
       transformers' float32 logits for them; `prompt` [5] and `greedy` /
       `greedy_tied` [12]: transformers' greedy continuation of the prompt
       (`generate(do_sample=False)`, KV cache on), each step's top-two
       margin checked here to be large enough that float32 rounding cannot
-      flip it. Token ids are stored as float32 (exact below 2^24).
+      flip it; `logits_gpt2` and `greedy_gpt2` the same for the GPT-2.
+      Token ids are stored as float32 (exact below 2^24).
 
 Needs the shared reference venv (torch, transformers 5, gguf, numpy):
     /work/venv-ref/bin/python scripts/gguf_reference.py
@@ -80,6 +87,24 @@ NEW_TOKENS = 12
 MIN_MARGIN = 1e-3
 
 
+def add_tokenizer(w, tokens, token_types, merges, pre):
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+
+
+def finish(w, stem):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = OUT / f"{stem}.gguf"
+    print(f"{path}: {path.stat().st_size} bytes")
+    return path
+
+
 def write_model(stem, seed, types, tied):
     rng = np.random.default_rng(seed)
     randn = lambda *shape: (STD * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
@@ -96,11 +121,7 @@ def write_model(stem, seed, types, tied):
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
+    add_tokenizer(w, tokens, token_types, merges, "smollm")
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
@@ -121,21 +142,65 @@ def write_model(stem, seed, types, tied):
     add_tensor(w, refs, "output_norm.weight", 1 + randn(N_EMBD), Q.F32)
     if not tied:
         add_tensor(w, refs, "output.weight", randn(vocab, N_EMBD), Q.Q4_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    path = OUT / f"{stem}.gguf"
-    print(f"{path}: {path.stat().st_size} bytes")
-    return path
+    return finish(w, stem)
 
 
-def reference(path, tied):
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+GPT2_EMBD, GPT2_HEAD = 32, 4
+GPT2_TYPES = [
+    {"attn_qkv": Q.Q4_1, "attn_output": Q.F16, "ffn_up": Q.Q8_0, "ffn_down": Q.BF16},
+    {"attn_qkv": Q.Q4_0, "attn_output": Q.Q8_0, "ffn_up": Q.F32, "ffn_down": Q.Q4_1},
+]
+
+
+def write_gpt2(stem, seed):
+    rng = np.random.default_rng(seed)
+    randn = lambda *shape: (STD * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    tokens, token_types, merges = tokenizer()
+    c = GPT2_EMBD
+    w = gguf.GGUFWriter(OUT / f"{stem}.gguf", arch="gpt2")
+    w.add_name(f"wgrad {stem} fixture")
+    w.add_quantization_version(2)
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(c)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(4 * c)
+    w.add_head_count(GPT2_HEAD)
+    w.add_layer_norm_eps(1e-5)
+    add_tokenizer(w, tokens, token_types, merges, "gpt-2")
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    refs = {}
+    vocab = len(tokens)
+    embedding = 4 * randn(vocab, c)
+    add_tensor(w, refs, "token_embd.weight", embedding, Q.Q8_0)
+    add_tensor(w, refs, "position_embd.weight", randn(N_CTX, c), Q.F32)
+    # (transformers 5 reads `gpt2.context_length` into n_ctx but sizes the
+    # position table by n_positions: reference() passes n_positions.)
+    # [out, in], as the converter stores GPT-2's Conv1D weights transposed.
+    shapes = {"attn_qkv": (3 * c, c), "attn_output": (c, c), "ffn_up": (4 * c, c), "ffn_down": (c, 4 * c)}
+    for i, layer_types in enumerate(GPT2_TYPES):
+        for norm in ("attn_norm", "ffn_norm"):
+            add_tensor(w, refs, f"blk.{i}.{norm}.weight", 1 + randn(c), Q.F32)
+            add_tensor(w, refs, f"blk.{i}.{norm}.bias", randn(c), Q.F32)
+        for module, qtype in layer_types.items():
+            add_tensor(w, refs, f"blk.{i}.{module}.weight", randn(*shapes[module]), qtype)
+            add_tensor(w, refs, f"blk.{i}.{module}.bias", randn(shapes[module][0]), Q.F32)
+    add_tensor(w, refs, "output_norm.weight", 1 + randn(c), Q.F32)
+    add_tensor(w, refs, "output_norm.bias", randn(c), Q.F32)
+    # The converter writes the tied head again under its own name.
+    add_tensor(w, refs, "output.weight", embedding, Q.Q8_0)
+    return finish(w, stem)
+
+
+def reference(path, tied, **config):
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32, **config)
     model.eval()
     config = model.config
-    assert config.tie_word_embeddings == tied, config
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (N_LAYER, N_EMBD, N_HEAD, N_KV_HEAD), config
+    if config.model_type == "llama":
+        assert config.tie_word_embeddings == tied, config
+        assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (N_LAYER, N_EMBD, N_HEAD, N_KV_HEAD), config
+    else:
+        assert (config.n_layer, config.n_embd, config.n_head, config.n_ctx) == (N_LAYER, GPT2_EMBD, GPT2_HEAD, N_CTX), config
     with torch.no_grad():
         logits = model(torch.tensor([IDS])).logits.float().numpy()
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -154,6 +219,7 @@ def main():
     tied = write_model("gguf-llama-tied", 2502, TYPES_TIED, tied=True)
     logits, greedy = reference(untied, tied=False)
     logits_tied, greedy_tied = reference(tied, tied=True)
+    logits_gpt2, greedy_gpt2 = reference(write_gpt2("gguf-gpt2", 2503), tied=True, n_positions=N_CTX)
     f32 = lambda v: np.asarray(v, dtype=np.float32)  # noqa: E731
     save_safetensors(
         {
@@ -163,6 +229,8 @@ def main():
             "prompt": f32(PROMPT),
             "greedy": f32(greedy),
             "greedy_tied": f32(greedy_tied),
+            "logits_gpt2": logits_gpt2,
+            "greedy_gpt2": f32(greedy_gpt2),
         },
         OUT / "gguf-llama-logits.safetensors",
     )

@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use crate::error::Result;
-use crate::io::gguf_model::GgufLlama;
+use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
 use crate::io::hf_folder::ConfigFields;
 use crate::io::llama_folder::{load_llama_folder, read_llama_config};
@@ -32,7 +32,7 @@ pub struct LoadedLm {
     pub tokenizer: Option<TokenizerSpec>,
     /// The GGUF file the model came from, kept open: its tokenizer's
     /// metadata and its tensors' raw (quantized) blocks. `None` for a folder.
-    pub gguf: Option<GgufLlama>,
+    pub gguf: Option<GgufModel>,
 }
 
 /// The family of the folder at `dir`, from its config.json alone.
@@ -83,7 +83,7 @@ pub fn is_gguf_path(path: impl AsRef<Path>) -> bool {
 pub fn read_model_config(path: impl AsRef<Path>) -> Result<Box<dyn LmConfig>> {
     let path = path.as_ref();
     if is_gguf_path(path) {
-        Ok(Box::new(*GgufLlama::open(path)?.config()))
+        Ok(GgufModel::open(path)?.architecture().lm_config())
     } else {
         read_lm_config(path)
     }
@@ -98,7 +98,10 @@ pub fn load_model(path: impl AsRef<Path>) -> Result<LoadedLm> {
     if !is_gguf_path(path) {
         return load_lm_folder(path);
     }
-    let gguf = GgufLlama::open(path)?;
-    let model = gguf.to_llama()?;
-    Ok(LoadedLm { family: LmFamily::Llama, model: Box::new(model), tokenizer: None, gguf: Some(gguf) })
+    let gguf = GgufModel::open(path)?;
+    let family = match gguf.architecture() {
+        GgufArchitecture::Llama(_) => LmFamily::Llama,
+        GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
+    };
+    Ok(LoadedLm { family, model: gguf.to_causal_lm()?, tokenizer: None, gguf: Some(gguf) })
 }
