@@ -22,12 +22,13 @@
 //! the token table's values is refused.
 //!
 //! What is refused, each with an error naming the file and the key or the
-//! tensor and its type: an architecture other than `llama` and `gpt2`, sizes the model
-//! cannot have, a file without its tokenizer's vocabulary (or one whose
-//! length is not the model's vocabulary), a missing tensor, a tensor whose
-//! shape disagrees with the metadata's sizes, a type wgrad does not
-//! decode, and a tensor the model has no parameter for (biases,
-//! `rope_freqs.weight`: ignoring one would silently compute another model).
+//! tensor and its type: an architecture other than `llama` and `gpt2`,
+//! sizes the model cannot have, a file without its tokenizer's vocabulary
+//! (or, for a Llama, one whose length is not the model's vocabulary), a
+//! missing tensor, a tensor whose shape disagrees with the metadata's
+//! sizes, a type wgrad does not decode, and a tensor the model has no
+//! parameter for (a Llama's biases, `rope_freqs.weight`: ignoring one would
+//! silently compute another model).
 
 use std::collections::HashMap;
 use std::path::Path;
