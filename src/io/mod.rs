@@ -9,6 +9,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod data;
 pub mod gguf;
+pub mod gguf_model;
 pub mod gpt_folder;
 pub mod hf_folder;
 pub mod llama_folder;

@@ -13,6 +13,7 @@ mod f16_weights;
 mod fusion;
 mod generate;
 mod gguf;
+mod gguf_model;
 mod gpt_data_parallel;
 mod gpt_folder;
 mod gpt_pipeline;
