@@ -365,15 +365,10 @@ pub fn embedding_f16_weights(table: &[half::f16], ids: &[u32], vocab: usize, cha
 
 /// A [rows, cols] `format` matrix as a GGUF file stores it (`raw`), decoded
 /// block by block with the GGUF reader's reference decoders
-/// (`gguf::decode_q8_0` and the others): the values the quantized kernels
+/// ([`crate::ops::decode_q8_0`] and the others): the values the quantized kernels
 /// compute with; an error for a length that is not whole blocks.
 pub fn dequantize(format: QuantFormat, raw: &[u8]) -> Result<Vec<f32>> {
-    let ty = match format {
-        QuantFormat::Q8_0 => crate::io::gguf::GgmlType::Q8_0,
-        QuantFormat::Q4_0 => crate::io::gguf::GgmlType::Q4_0,
-        QuantFormat::Q4_1 => crate::io::gguf::GgmlType::Q4_1,
-    };
-    crate::io::gguf::dequantize(ty, raw).map_err(|reason| Error::InvalidArgument { op: "cpu::dequantize", reason })
+    format.dequantize(raw).map_err(|reason| Error::InvalidArgument { op: "cpu::dequantize", reason })
 }
 
 /// Twin of `quant_weights.wgsl`'s products (`matvec_quant_forward`,

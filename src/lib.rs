@@ -13,6 +13,7 @@
 //! on this library compiles none of its argument parsing, progress bars or
 //! plotting.
 
+pub mod atomic_write;
 pub mod cpu;
 pub mod device;
 pub mod error;
@@ -27,6 +28,7 @@ pub mod parallel;
 pub mod pipeline_cache;
 pub mod nn;
 pub mod ops;
+pub mod user_cache;
 pub mod models;
 
 pub use device::{Device, DeviceOptions, LimitsMode};

@@ -676,6 +676,20 @@ pub enum QuantFormat {
 }
 
 impl QuantFormat {
+    /// Whole blocks as a GGUF file stores them, decoded to f32; an error
+    /// for a length that is not whole blocks.
+    pub fn dequantize(self, raw: &[u8]) -> std::result::Result<Vec<f32>, String> {
+        let unit = self.block_bytes();
+        if raw.len() % unit != 0 {
+            return Err(format!("{} bytes are not a whole number of {}'s {unit}-byte blocks", raw.len(), self.name()));
+        }
+        Ok(match self {
+            QuantFormat::Q8_0 => dequantize_blocks::<Q8_0_BYTES>(raw, decode_q8_0),
+            QuantFormat::Q4_0 => dequantize_blocks::<Q4_0_BYTES>(raw, decode_q4_0),
+            QuantFormat::Q4_1 => dequantize_blocks::<Q4_1_BYTES>(raw, decode_q4_1),
+        })
+    }
+
     pub const ALL: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4_1];
 
     /// Values per block (every format here).
@@ -786,4 +800,62 @@ pub fn unpack_quantized(format: QuantFormat, words: &[u32], rows: usize, cols: u
         q.iter().for_each(|w| raw.extend_from_slice(&w.to_le_bytes()));
     }
     Ok(raw)
+}
+
+// ---------------------------------------------------------------------------
+// GGUF's block formats decoded on the host: the plain-Rust reference for the
+// quantized kernels, and the GGUF reader's de-quantization.
+
+/// Values per block of Q8_0, Q4_0 and Q4_1.
+pub const QK: usize = 32;
+pub const Q8_0_BYTES: usize = 2 + QK;
+pub const Q4_0_BYTES: usize = 2 + QK / 2;
+pub const Q4_1_BYTES: usize = 2 + 2 + QK / 2;
+
+pub(crate) fn f16_from_le(lo: u8, hi: u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+/// One Q8_0 block: an f16 scale `d`, then 32 i8 `q`; value = q·d.
+pub fn decode_q8_0(block: &[u8; Q8_0_BYTES], out: &mut [f32; QK]) {
+    let d = f16_from_le(block[0], block[1]);
+    for (o, &q) in out.iter_mut().zip(&block[2..]) {
+        *o = f32::from(q as i8) * d;
+    }
+}
+
+/// One Q4_0 block: an f16 scale `d`, then 16 bytes whose low nibbles are
+/// values 0..16 and high nibbles values 16..32; value = (q − 8)·d.
+pub fn decode_q4_0(block: &[u8; Q4_0_BYTES], out: &mut [f32; QK]) {
+    let d = f16_from_le(block[0], block[1]);
+    let (lo, hi) = out.split_at_mut(QK / 2);
+    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block[2..]) {
+        *l = (i16::from(q & 0x0f) - 8) as f32 * d;
+        *h = (i16::from(q >> 4) - 8) as f32 * d;
+    }
+}
+
+/// One Q4_1 block: an f16 scale `d`, an f16 minimum `m`, then 16 bytes of
+/// nibbles as in Q4_0; value = q·d + m (a product, then a sum, each
+/// rounded to f32, as ggml and gguf-py compute it).
+pub fn decode_q4_1(block: &[u8; Q4_1_BYTES], out: &mut [f32; QK]) {
+    let d = f16_from_le(block[0], block[1]);
+    let m = f16_from_le(block[2], block[3]);
+    let (lo, hi) = out.split_at_mut(QK / 2);
+    for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&block[4..]) {
+        *l = f32::from(q & 0x0f) * d + m;
+        *h = f32::from(q >> 4) * d + m;
+    }
+}
+
+/// Applies `decode` to each `B`-byte block of `raw`, 32 values each.
+pub(crate) fn dequantize_blocks<const B: usize>(raw: &[u8], decode: fn(&[u8; B], &mut [f32; QK])) -> Vec<f32> {
+    let mut out = vec![0f32; raw.len() / B * QK];
+    for (block, values) in raw.chunks_exact(B).zip(out.chunks_exact_mut(QK)) {
+        // chunks_exact gives exactly B and QK items: both conversions hold.
+        if let (Ok(block), Ok(values)) = (<&[u8; B]>::try_from(block), <&mut [f32; QK]>::try_from(values)) {
+            decode(block, values);
+        }
+    }
+    out
 }

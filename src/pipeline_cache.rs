@@ -6,7 +6,7 @@
 //! feature, and [`crate::Kernels::pipeline`] creates every compute
 //! pipeline through the device's cache.
 //!
-//! The file lives in [`crate::io::user_cache::cache_dir`], named by
+//! The file lives in [`crate::user_cache::cache_dir`], named by
 //! `wgpu::util::pipeline_cache_key` (the adapter's vendor and device), and
 //! starts with wgrad's own header: a magic, the key it was written for
 //! (adapter name, backend, driver, driver info, wgrad version), the data's
@@ -17,7 +17,7 @@
 //! driver's data, so without wgrad's checksum a corrupt body would reach the
 //! driver.
 //!
-//! The data is written atomically ([`crate::io::user_cache::write_cache_file`])
+//! The data is written atomically ([`crate::user_cache::write_cache_file`])
 //! when a device has created pipelines since the cache was loaded or last
 //! saved, and only if the data differs from the file's: once an executor
 //! has built its dispatches (every pipeline of a training step exists by
@@ -43,7 +43,7 @@ pub const ENV_PIPELINE_CACHE: &str = "WGRAD_PIPELINE_CACHE";
 /// Where a device keeps its pipeline cache.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum PipelineCacheSetting {
-    /// In [`crate::io::user_cache::cache_dir`], unless `WGRAD_PIPELINE_CACHE`
+    /// In [`crate::user_cache::cache_dir`], unless `WGRAD_PIPELINE_CACHE`
     /// says `off`.
     #[default]
     FromEnv,
@@ -59,7 +59,7 @@ impl PipelineCacheSetting {
     pub fn dir(&self) -> Option<PathBuf> {
         match self {
             PipelineCacheSetting::FromEnv if disabled_by_env() => None,
-            PipelineCacheSetting::FromEnv => crate::io::user_cache::cache_dir(),
+            PipelineCacheSetting::FromEnv => crate::user_cache::cache_dir(),
             PipelineCacheSetting::Off => None,
             PipelineCacheSetting::Dir(dir) => Some(dir.clone()),
         }
@@ -103,7 +103,7 @@ fn encode(key: &str, data: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(key.as_bytes());
     out.extend_from_slice(&(data.len() as u64).to_le_bytes());
-    out.extend_from_slice(&crate::io::user_cache::fnv1a(data).to_le_bytes());
+    out.extend_from_slice(&crate::user_cache::fnv1a(data).to_le_bytes());
     out.extend_from_slice(data);
     out
 }
@@ -141,7 +141,7 @@ fn decode<'a>(key: &str, bytes: &'a [u8]) -> std::result::Result<&'a [u8], Strin
     if data.len() as u64 != len {
         return Err(format!("{} bytes of data where the header says {len} (truncated or corrupt)", data.len()));
     }
-    if crate::io::user_cache::fnv1a(data) != checksum {
+    if crate::user_cache::fnv1a(data) != checksum {
         return Err("checksum mismatch (corrupt)".into());
     }
     Ok(data)
@@ -217,7 +217,7 @@ impl PipelineCacheStore {
             }
         };
         log::debug!("pipeline cache {}: {load:?}", path.display());
-        let on_disk = Mutex::new(data.as_deref().map(crate::io::user_cache::fnv1a));
+        let on_disk = Mutex::new(data.as_deref().map(crate::user_cache::fnv1a));
         Some(PipelineCacheStore { cache, info: PipelineCacheInfo { path, load }, key, unsaved: AtomicU64::new(0), on_disk })
     }
 
@@ -250,12 +250,12 @@ impl PipelineCacheStore {
         let Some(data) = self.cache.get_data() else {
             return Ok(None);
         };
-        let checksum = crate::io::user_cache::fnv1a(&data);
+        let checksum = crate::user_cache::fnv1a(&data);
         if *on_disk == Some(checksum) {
             return Ok(None);
         }
         let bytes = encode(&self.key, &data);
-        match crate::io::user_cache::write_cache_file(self.path(), &bytes) {
+        match crate::user_cache::write_cache_file(self.path(), &bytes) {
             Ok(()) => {
                 *on_disk = Some(checksum);
                 log::debug!("pipeline cache {}: saved {} bytes", self.path().display(), bytes.len());

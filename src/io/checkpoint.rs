@@ -239,7 +239,7 @@ pub fn save(path: impl AsRef<Path>, ckpt: &Checkpoint) -> Result<()> {
         return Err(Error::InvalidArgument { op: "checkpoint::save", reason: format!("`{}` does not name a file", path.display()) });
     }
     let bytes = to_bytes(ckpt, path)?;
-    crate::io::atomic_write::write_atomic(path, &bytes).map_err(|(action, e)| io_err(path, action, e))
+    crate::atomic_write::write_atomic(path, &bytes).map_err(|(action, e)| io_err(path, action, e))
 }
 
 fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {

@@ -14,7 +14,7 @@ use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 
-use crate::io::atomic_write::{sync_dir, unique_sibling};
+use crate::atomic_write::{sync_dir, unique_sibling};
 
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;

@@ -1,9 +1,9 @@
 //! Host-only input and output: checkpoints, model folders and GGUF files,
-//! datasets, tokenizers and chat templates, atomic writes and the user cache. Everything
-//! read here comes from outside, so a corrupt or mismatched file is a clear
-//! [`crate::Error`], never a panic.
+//! datasets, tokenizers and chat templates. Everything read here comes from
+//! outside, so a corrupt or mismatched file is a clear [`crate::Error`],
+//! never a panic. (Atomic writes and the user cache sit at the crate root:
+//! the device layer's pipeline cache uses them too.)
 
-pub mod atomic_write;
 pub mod bpe;
 pub mod chat;
 pub mod checkpoint;
@@ -15,4 +15,3 @@ pub mod hf_folder;
 pub mod llama_folder;
 pub mod lm_folder;
 pub mod text;
-pub mod user_cache;

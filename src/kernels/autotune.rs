@@ -148,14 +148,14 @@ pub fn cache_key(info: &wgpu::AdapterInfo) -> String {
         info.driver,
         info.driver_info,
         env!("CARGO_PKG_VERSION"),
-        crate::io::user_cache::fnv1a(Family::MatmulSubgroup.source().as_bytes())
+        crate::user_cache::fnv1a(Family::MatmulSubgroup.source().as_bytes())
     )
 }
 
-/// The cache file's path (in [`crate::io::user_cache::cache_dir`]), or None
+/// The cache file's path (in [`crate::user_cache::cache_dir`]), or None
 /// when no cache directory can be named.
 pub fn cache_path() -> Option<PathBuf> {
-    crate::io::user_cache::cache_dir().map(|dir| dir.join(CACHE_FILE))
+    crate::user_cache::cache_dir().map(|dir| dir.join(CACHE_FILE))
 }
 
 fn autotune_disabled() -> bool {
@@ -391,7 +391,7 @@ fn write_cache(path: &PathBuf, cache: &CacheFile) -> Result<()> {
         op: "autotune",
         reason: format!("cannot encode the tuning cache: {e}"),
     })?;
-    crate::io::user_cache::write_cache_file(path, text.as_bytes()).map_err(|(action, e)| Error::InvalidArgument {
+    crate::user_cache::write_cache_file(path, text.as_bytes()).map_err(|(action, e)| Error::InvalidArgument {
         op: "autotune",
         reason: format!("cannot write the tuning cache {} ({action}): {e}", path.display()),
     })

@@ -373,7 +373,7 @@ fn missing_and_extra_tensors_are_named() {
 fn smollm2_path() -> PathBuf {
     let path = std::env::var_os("WGRAD_SMOLLM2")
         .map(PathBuf::from)
-        .or_else(|| wgrad::io::user_cache::cache_dir().map(|d| d.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf")))
+        .or_else(|| wgrad::user_cache::cache_dir().map(|d| d.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf")))
         .expect("no WGRAD_SMOLLM2 and no cache directory (HOME unset)");
     assert!(
         path.is_file(),

@@ -192,7 +192,7 @@ fn concurrent_atomic_writes_leave_one_whole_file() {
             let path = &path;
             scope.spawn(move || {
                 for _ in 0..10 {
-                    wgrad::io::user_cache::write_cache_file(path, bytes).expect("write");
+                    wgrad::user_cache::write_cache_file(path, bytes).expect("write");
                 }
             });
         }

@@ -27,7 +27,7 @@ fn smollm2_gguf() -> PathBuf {
     let path = std::env::var_os("WGRAD_SMOLLM2")
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
-        .or_else(|| wgrad::io::user_cache::models_dir().map(|d| d.join(SMOLLM2_FILE)));
+        .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join(SMOLLM2_FILE)));
     match path {
         Some(p) if p.is_file() => p,
         p => panic!(

@@ -28,9 +28,9 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Writes a cache file atomically ([`crate::io::atomic_write::write_atomic`]),
+/// Writes a cache file atomically ([`crate::atomic_write::write_atomic`]),
 /// creating the cache's folder first.
 pub fn write_cache_file(path: &std::path::Path, bytes: &[u8]) -> Result<(), (&'static str, std::io::Error)> {
-    std::fs::create_dir_all(crate::io::atomic_write::parent_or_current(path)).map_err(|e| ("create its folder", e))?;
-    crate::io::atomic_write::write_atomic(path, bytes)
+    std::fs::create_dir_all(crate::atomic_write::parent_or_current(path)).map_err(|e| ("create its folder", e))?;
+    crate::atomic_write::write_atomic(path, bytes)
 }
