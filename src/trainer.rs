@@ -114,6 +114,15 @@ impl ModelWidths {
         let reads_ids = g.get(input).is_some_and(|n| n.dtype == DType::U32);
         Ok(ModelWidths { inputs: in_per_example, outputs: out_per_example, output_rows: out_per_example / last, reads_ids })
     }
+
+    /// Target values per example the criterion compares against: the
+    /// outputs (MSE) or one class per output row (cross-entropy).
+    pub fn target_width(&self, criterion: Criterion) -> usize {
+        match criterion {
+            Criterion::Mse => self.outputs,
+            Criterion::CrossEntropy => self.output_rows,
+        }
+    }
 }
 
 pub struct Trainer {

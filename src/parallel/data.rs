@@ -143,7 +143,7 @@ pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
 }
 
 /// The predicted step time of a split: its slowest device.
-fn makespan(costs: &[Cost], shares: &[usize]) -> f64 {
+pub(super) fn makespan(costs: &[Cost], shares: &[usize]) -> f64 {
     costs.iter().zip(shares).map(|(c, &n)| c.at(n as f64)).fold(0.0, f64::max)
 }
 
@@ -224,7 +224,7 @@ impl DataParallel {
         split: Split,
     ) -> Result<Self> {
         let devices = group.members().to_vec();
-        let shares = match &split {
+        let mut shares = match &split {
             Split::Rows(rows) => fixed_rows("data parallel split", rows, devices.len(), "devices", global_batch)?,
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
@@ -245,7 +245,6 @@ impl DataParallel {
             options,
             stats: DataParallelStats::default(),
         };
-        let mut shares = shares;
         if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
             dp.calibrate()?;
             let costs: Vec<Cost> = dp.costs.iter().flatten().copied().collect();
@@ -383,10 +382,10 @@ impl DataParallel {
         self.options.arena_alignment
     }
 
-    /// Checks that `x` and `targets` hold `global_batch` rows of what the
-    /// model reads and compares against; returns the values per row of
-    /// `x` and of the targets.
-    fn check_batch(&self, op: &'static str, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
+    /// Checks that `x` and `targets` hold `rows` rows of what the model
+    /// reads and compares against; returns the values per row of `x` and
+    /// of the targets.
+    pub(super) fn check_rows(&self, op: &'static str, rows: usize, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
         let f = self.widths.inputs;
         if x.is_empty() || matches!(x, Examples::Ids(_)) != self.widths.reads_ids {
             return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
@@ -395,7 +394,7 @@ impl DataParallel {
             Targets::Values(_) => self.widths.outputs,
             Targets::Classes(_) => self.widths.output_rows,
         };
-        check_batch(op, self.global_batch, f, width, x, targets)?;
+        check_batch(op, rows, f, width, x, targets)?;
         Ok((f, width))
     }
 
@@ -423,7 +422,7 @@ impl DataParallel {
         across: &mut dyn FnMut(&mut [f64]) -> Result<()>,
     ) -> Result<Option<f32>> {
         let x = x.into();
-        let (f, width) = self.check_batch("DataParallel::step", x, targets)?;
+        let (f, width) = self.check_rows("DataParallel::step", self.global_batch, x, targets)?;
         let start = Instant::now();
         let mut row = 0;
         for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
@@ -518,7 +517,7 @@ impl DataParallel {
     /// means are weighted by their rows, as the loss a step reads is.
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
         let x = x.into();
-        let (f, width) = self.check_batch("DataParallel::evaluate_loss", x, targets)?;
+        let (f, width) = self.check_rows("DataParallel::evaluate_loss", self.global_batch, x, targets)?;
         let mut total = 0.0f64;
         let mut row = 0;
         for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
@@ -553,17 +552,9 @@ impl TrainEngine for DataParallel {
     /// device's step cost.
     fn describe(&self) -> String {
         let shares: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
-        let costs: Vec<String> = self
-            .costs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)))
-            .collect();
-        if costs.is_empty() {
-            format!("data parallel, batch split {}", shares.join(", "))
-        } else {
-            format!("data parallel, batch split {} (measured step cost {})", shares.join(", "), costs.join(", "))
-        }
+        let costs: Vec<String> = self.costs.iter().enumerate().filter_map(|(i, c)| c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))).collect();
+        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        format!("data parallel, batch split {}{measured}", shares.join(", "))
     }
     /// [`DataParallel::describe`] with the share of step time spent on
     /// communication and the re-splits, for the end of a run.

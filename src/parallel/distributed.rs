@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::data::{arenas, balanced_split, fixed_rows, proportional_split, shard, Cost, DataParallel, Split};
+use super::data::{arenas, balanced_split, fixed_rows, makespan, proportional_split, shard, Cost, DataParallel, Split};
 use super::engine::{own_steps, Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
@@ -219,10 +219,7 @@ impl DistributedDataParallel {
     /// (rank 0 decides, so every rank agrees even if their floating point
     /// would not).
     fn adopt_if_better(&mut self, proposal: Vec<usize>) -> Result<()> {
-        let makespan = |shares: &[usize]| -> f64 {
-            self.process_costs.iter().zip(shares).map(|(c, &n)| c.fixed + c.per_row * n as f64).fold(0.0, f64::max)
-        };
-        let mut chosen: Vec<u64> = if makespan(&proposal) < (1.0 - RESPLIT_GAIN) * makespan(&self.process_shares) {
+        let mut chosen: Vec<u64> = if makespan(&self.process_costs, &proposal) < (1.0 - RESPLIT_GAIN) * makespan(&self.process_costs, &self.process_shares) {
             proposal.iter().map(|&n| n as u64).collect()
         } else {
             self.process_shares.iter().map(|&n| n as u64).collect()
@@ -250,23 +247,18 @@ impl DistributedDataParallel {
     /// This process's rows of a global batch (`x` and `targets` hold all of
     /// it, in the same order on every rank) and its share of the batch.
     fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Examples<'x>, Targets<'t>, f64)> {
+        let (f, w) = self.local.check_rows(op, self.global_batch, x, targets)?;
         let rank = self.group.rank();
-        let n = self.global_batch;
-        let f = x.len() / n.max(1);
-        if f == 0 || x.len() != n * f {
-            return Err(Error::shape(op, format!("x must be {n} rows"), &[&[x.len()]]));
-        }
-        let start: usize = self.process_shares[..rank].iter().sum();
-        let rows = self.process_shares[rank];
-        let (len, what) = match targets {
-            Targets::Values(v) => (v.len(), "targets must be batch × outputs"),
-            Targets::Classes(c) => (c.len(), "the same labels per example"),
-        };
-        let w = len / n;
-        if w == 0 || len != n * w {
-            return Err(Error::shape(op, what, &[&[len]]));
-        }
-        Ok((x.slice(start * f, (start + rows) * f), shard(targets, start, rows, w), rows as f64 / n as f64))
+        let (start, rows) = (self.process_shares[..rank].iter().sum::<usize>(), self.process_shares[rank]);
+        Ok((x.slice(start * f, (start + rows) * f), shard(targets, start, rows, w), rows as f64 / self.global_batch as f64))
+    }
+
+    /// The job's mean of each process's `local` mean weighted by its
+    /// `scale` (a cross-process sum).
+    fn global_mean(&self, scale: f64, local: f32) -> Result<f32> {
+        let mut weighted = [scale * f64::from(local)];
+        self.group.all_reduce_sum(&mut weighted)?;
+        Ok(weighted[0] as f32)
     }
 
     /// One optimizer step on the global batch (`x` and `targets` hold all
@@ -298,16 +290,9 @@ impl DistributedDataParallel {
             .local
             .step_across(own_x, own_targets, read_loss, scale, &mut reduce)
             .map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
-        let loss = match local_loss {
-            Some(l) => {
-                let t = Instant::now();
-                let mut weighted = [scale * f64::from(l)];
-                self.group.all_reduce_sum(&mut weighted)?;
-                across += t.elapsed();
-                Some(weighted[0] as f32)
-            }
-            None => None,
-        };
+        let t = Instant::now();
+        let loss = local_loss.map(|l| self.global_mean(scale, l)).transpose()?;
+        across += t.elapsed();
         let local_time = began.elapsed().saturating_sub(across);
         self.stats.steps += 1;
         self.stats.local += local_time;
@@ -351,9 +336,7 @@ impl DistributedDataParallel {
         let rank = self.group.rank();
         let (own_x, own_targets, scale) = self.own_rows("DistributedDataParallel::evaluate_loss", x.into(), targets)?;
         let local = self.local.evaluate_loss(own_x, own_targets).map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
-        let mut weighted = [scale * f64::from(local)];
-        self.group.all_reduce_sum(&mut weighted)?;
-        Ok(weighted[0] as f32)
+        self.global_mean(scale, local)
     }
 
     pub fn local(&self) -> &DataParallel {
@@ -394,13 +377,12 @@ impl TrainEngine for DistributedDataParallel {
         self.local.load_state(params, state, step)
     }
     /// Copies rank 0's replica-0 parameters, optimizer state and step count
-    /// to every replica of every process.
+    /// to every process's replica 0, then to its other replicas.
     fn sync_from_root(&mut self) -> Result<()> {
         let root = self.group.rank() == 0;
         let replica0 = &self.local.replicas()[0];
         let mut step = vec![replica0.executor().step_count()];
         let device0 = &self.local.devices()[0];
-        let mut host: Vec<Vec<f32>> = Vec::new();
         for view in &arenas(replica0) {
             let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
             broadcast_f32(self.group.as_ref(), 0, &mut values)?;
@@ -408,18 +390,16 @@ impl TrainEngine for DistributedDataParallel {
                 let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
                 return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
             }
-            host.push(values);
+            if !root {
+                device0.write(*view, &values).map_err(|e| super::on_device(0, device0, e))?;
+            }
         }
         broadcast_u64(self.group.as_ref(), 0, &mut step)?;
         let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
-        for (i, t) in self.local.replicas_mut().iter_mut().enumerate() {
-            let kernels = t.executor().kernels().clone();
-            for (view, values) in arenas(t).iter().zip(&host) {
-                kernels.write(*view, values).map_err(|e| super::on_device(i, &kernels, e))?;
-            }
+        for t in self.local.replicas_mut() {
             t.executor_mut().load_state(&[], &[], Some(step))?;
         }
-        Ok(())
+        self.local.synchronise()
     }
     /// One line: rows per process, each process's measured step cost, and
     /// this process's own devices.

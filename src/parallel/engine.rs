@@ -76,9 +76,9 @@ impl Strategy {
                 }),
                 _ => Ok(()),
             },
-            Strategy::Pipeline if micro_batches == 0 || batch % micro_batches != 0 => Err(Error::InvalidArgument {
-                op: "train --parallel pipeline",
-                reason: format!("the batch of {batch} rows must split into {micro_batches} equal micro-batches (--micro-batches)"),
+            Strategy::Pipeline if micro_batches == 0 || batch == 0 || batch % micro_batches != 0 => Err(Error::InvalidArgument {
+                op: "pipeline",
+                reason: format!("the global batch of {batch} rows must split into {micro_batches} equal micro-batches (--micro-batches)"),
             }),
             _ => Ok(()),
         }

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use super::collectives::to_host;
 use super::data::shard;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
-use super::engine::{features, own_steps, Holding, TrainEngine};
+use super::engine::{features, own_steps, Holding, Strategy, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
@@ -259,12 +259,7 @@ impl Pipeline {
         let s_count = group.len();
         let costs = model.stage_costs();
         let layers = costs.blocks.len();
-        if micro_batches == 0 || global_batch == 0 || global_batch % micro_batches != 0 {
-            return Err(Error::InvalidArgument {
-                op: "Pipeline",
-                reason: format!("the global batch of {global_batch} examples must split into {micro_batches} equal micro-batches"),
-            });
-        }
+        Strategy::Pipeline.check_counts(s_count, global_batch, None, micro_batches)?;
         let blocks = match blocks_per_stage {
             None => partition(&costs, s_count)?,
             Some(counts) => {
@@ -297,10 +292,7 @@ impl Pipeline {
             start += count;
         }
         let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages, (0..s_count).collect(), vec![HashMap::new(); s_count])?;
-        let target_width = match criterion {
-            Criterion::Mse => widths.outputs,
-            Criterion::CrossEntropy => widths.output_rows,
-        };
+        let target_width = widths.target_width(criterion);
         let mut pipeline = Pipeline {
             stages,
             spread,

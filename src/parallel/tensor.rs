@@ -125,10 +125,7 @@ impl TensorParallel {
         let stage_slices = devices.iter().map(|&r| slices[r].clone()).collect();
         let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages, devices, stage_slices)?;
         let widths = ModelWidths::of(model)?;
-        let target_width = match criterion {
-            Criterion::Mse => widths.outputs,
-            Criterion::CrossEntropy => widths.output_rows,
-        };
+        let target_width = widths.target_width(criterion);
         Ok(TensorParallel { stages, ranks, segments, slices, spread, batch, widths, target_width, labels: group.labels(), last_grad_norm: None, stats: TensorParallelStats::default() })
     }
 

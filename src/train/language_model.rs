@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::io::gpt_folder::{load_gpt_folder, save_gpt_folder, OptimizerState, TokenizerSpec};
 use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_state};
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use crate::nn::LmConfig;
 use crate::kernels::{LrSchedule, OptimizerConfig};
 use crate::optim::{self, AdamW};
 use crate::parallel::distributed::ProcessGroup;
@@ -35,11 +36,9 @@ use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
 /// [`LanguageModel`] needs of a model family, implemented beside each one.
 pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     /// The sizes (`GptConfig`, `LlamaConfig`), vocabulary included.
-    type Config: Clone + Debug + PartialEq;
+    type Config: Clone + Debug + PartialEq + LmConfig;
     /// `config` with the data's vocabulary.
     fn with_vocab(config: Self::Config, vocab_size: usize) -> Self::Config;
-    /// Tokens per window the model reads at most.
-    fn context(config: &Self::Config) -> usize;
     /// A model of these sizes, initialised from the seeded generator.
     fn build(config: &Self::Config) -> Result<Self>;
     fn config(&self) -> Self::Config;
@@ -62,9 +61,6 @@ macro_rules! trainable_lm {
             type Config = $config;
             fn with_vocab(config: $config, vocab_size: usize) -> $config {
                 $config { vocab_size, ..config }
-            }
-            fn context(config: &$config) -> usize {
-                config.block_size
             }
             fn build(config: &$config) -> Result<Self> {
                 $model::new(*config)
@@ -235,12 +231,9 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
             return bad("eval_batches and max_steps must be given and positive".into());
         }
         let root = processes.is_none_or(|g| g.rank() == 0);
-        let text = match processes {
-            None => tokenize(&self.text, self.tokenizer, self.validation_fraction)?,
-            Some(group) => tokenize_text(&shared_text(group, &self.text)?, self.tokenizer, self.validation_fraction)?,
-        };
+        let text = tokenize_text(&shared_text(processes, &self.text)?, self.tokenizer, self.validation_fraction)?;
         let sizes = M::with_vocab(self.model.clone(), text.tokenizer.vocab_size());
-        let block_size = M::context(&sizes);
+        let block_size = sizes.lm_sizes().context;
         if text.train.len() <= block_size {
             return bad(format!("{} training tokens cannot give windows of {}", text.train.len(), block_size + 1));
         }
@@ -336,12 +329,6 @@ pub struct TokenizedText {
     pub validation: Vec<u32>,
 }
 
-/// Reads and tokenizes the text: the char vocabulary is every character of
-/// the whole text, sorted (nanoGPT's `prepare.py`).
-pub fn tokenize(source: &TextSource, kind: TokenizerKind, validation_fraction: f64) -> Result<TokenizedText> {
-    tokenize_text(&read_text(source)?, kind, validation_fraction)
-}
-
 /// The text `source` names.
 pub fn read_text(source: &TextSource) -> Result<String> {
     match source {
@@ -351,7 +338,9 @@ pub fn read_text(source: &TextSource) -> Result<String> {
     }
 }
 
-/// [`tokenize`] of a text already read.
+/// The tokens of `text`, split into training and held-out validation: the
+/// char vocabulary is every character of the whole text, sorted (nanoGPT's
+/// `prepare.py`).
 pub fn tokenize_text(text: &str, kind: TokenizerKind, validation_fraction: f64) -> Result<TokenizedText> {
     let tokenizer = match kind {
         TokenizerKind::Char => Tokenizer::Char(CharTokenizer::from_text(text)?),
@@ -380,9 +369,10 @@ pub fn validation_windows(tokens: &[u32], count: usize, block_size: usize) -> Re
     Ok((inputs, targets))
 }
 
-/// Rank 0's text on every rank, so only rank 0 reads a file (another host
-/// may not have it). Collective.
-fn shared_text(group: &dyn ProcessGroup, source: &TextSource) -> Result<String> {
+/// The text `source` names; across processes rank 0's on every rank, so
+/// only rank 0 reads a file (another host may not have it), collectively.
+fn shared_text(processes: Option<&dyn ProcessGroup>, source: &TextSource) -> Result<String> {
+    let Some(group) = processes else { return read_text(source) };
     let mut bytes = if group.rank() == 0 { read_text(source)?.into_bytes() } else { Vec::new() };
     group.broadcast_bytes(0, &mut bytes)?;
     String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "train --text", reason: format!("rank 0 sent a text that is not UTF-8: {e}") })

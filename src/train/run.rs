@@ -390,9 +390,10 @@ impl<T: Task> TrainingRun<T> {
     /// to `config.save`. Other ranks return `None` once their steps are done.
     pub fn fit(&mut self, progress: &mut dyn Progress) -> Result<Option<Summary>> {
         let root = self.root;
-        if root {
-            progress.started(&self.info);
-        }
+        // Only rank 0 reports.
+        let mut silent = ();
+        let progress: &mut dyn Progress = if root { progress } else { &mut silent };
+        progress.started(&self.info);
         let (first, last) = (self.info.first_step, self.info.steps);
         let per_step = self.info.per_step as f64;
         let (mut train_curve, mut validation_curve) = (Vec::new(), Vec::new());
@@ -407,27 +408,19 @@ impl<T: Task> TrainingRun<T> {
             seconds += started.elapsed().as_secs_f64();
             if let Some(loss) = loss {
                 train_curve.push((step, loss));
-                if root {
-                    progress.loss(step, loss, (step + 1 - first) as f64 * per_step / seconds.max(1e-9));
-                }
+                progress.loss(step, loss, (step + 1 - first) as f64 * per_step / seconds.max(1e-9));
             }
             let shares = self.engine.shares();
             if shares != last_shares {
-                if root {
-                    progress.rebalanced(step, &self.engine.describe());
-                }
+                progress.rebalanced(step, &self.engine.describe());
                 last_shares = shares;
             }
-            if root {
-                progress.step(step);
-            }
+            progress.step(step);
             if step % self.config.eval_every == 0 || step == last {
                 if let Some(loss) = self.task.validation_loss(self.engine.as_mut(), &self.config)? {
                     validation_curve.push((step, loss));
                     last_validation = Some(loss);
-                    if root {
-                        progress.validation(step, loss);
-                    }
+                    progress.validation(step, loss);
                 }
             }
         }
