@@ -1,4 +1,4 @@
-//! GGUF reading (src/gguf.rs), host only: the fixtures written by llama.cpp's
+//! GGUF reading (src/io/gguf.rs), host only: the fixtures written by llama.cpp's
 //! own Python package (scripts/make_gguf_fixture.py) read back to the
 //! metadata and the de-quantized values that package reads, bit for bit;
 //! the Llama row permutation undone; and every kind of broken file an error,
