@@ -92,7 +92,9 @@ impl Sampling {
         Sampling { temperature: 0.0, top_k: None, top_p: None, seed: 0 }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Refuses settings no sampler takes: a temperature below 0 or not
+    /// finite, top_k 0, top_p outside (0, 1].
+    pub fn check(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::InvalidArgument { op: "Sampling", reason: format!("the temperature must be finite and ≥ 0, got {}", self.temperature) });
         }
