@@ -1,6 +1,7 @@
 // Token sampling, one workgroup per row of logits:
 //   sample_rows_forward: out[rows, 2] (u32) from logits[rows, vocab],
-//     draws[rows, 2] = (u in [0, 1), temperature) and top_k[rows] (u32).
+//     draws[rows, 3] = (u in [0, 1), temperature, top_p) and top_k[rows]
+//     (u32).
 //     out[r, 0] is the token, out[r, 1] the first column whose logit is not
 //     finite (0xffffffff when all are; the token is then 0xffffffff too).
 //
@@ -8,10 +9,14 @@
 // - temperature 0 (not > 0), or k = 1: the first maximum (lowest id among
 //   equal maxima);
 // - else the candidates are the k largest logits, ties at the boundary
-//   broken by the lower id; w_i = exp((l_i − max) / temperature); the token
-//   is the first candidate, walking them in id order, whose running sum of
-//   w exceeds u · Σw (the last candidate if rounding leaves no such one).
-//   cpu::sample_rows is the twin.
+//   broken by the lower id; w_i = exp((l_i − max) / temperature);
+// - with top_p below 1 (nucleus sampling), only the smallest set of those
+//   candidates, most likely first (equal logits by id, as top-k ranks
+//   them), whose Σw reaches top_p times the candidates' Σw stays (at least
+//   one: top_p ≤ 0 is greedy);
+// - the token is the first candidate, walking them in id order, whose
+//   running sum of w exceeds u · Σw (the last candidate if rounding leaves
+//   no such one). cpu::sample_rows is the twin.
 //
 // Each of the WG lanes owns a contiguous chunk of the row, so "in id
 // order" is lane order, then chunk order. No float atomics: reductions of
@@ -23,6 +28,9 @@
 // u32 keys of the f32 values: four passes of 8-bit digits from the top,
 // each a 256-bin histogram of the keys that match the digits chosen so far.
 // A pass stops early when every key with the chosen digits is a candidate.
+// The nucleus is again a threshold key with its first ties: a bisection
+// over keys for the largest whose mass (Σw of the keys at or above it)
+// reaches top_p · Σw, then as many ties at it as the mass still needs.
 
 struct SampleParams {
     rows: u32,
@@ -48,6 +56,7 @@ struct RowSetup {
     vocab: u32,
     u: f32,
     temperature: f32,
+    top_p: f32,
     k: u32,
 }
 
@@ -74,6 +83,8 @@ var<workgroup> max_key: atomic<u32>;
 var<workgroup> first_max: atomic<u32>;
 var<workgroup> first_bad: atomic<u32>;
 var<workgroup> last_candidate: atomic<u32>;
+// Keys equal to the nucleus's threshold.
+var<workgroup> nucleus_ties: atomic<u32>;
 var<workgroup> histogram: array<atomic<u32>, 256>;
 // Per lane, then (by lane 0) the exclusive prefix over lanes; entry WG
 // holds the sum of all. 257 = WG + 1.
@@ -114,10 +125,11 @@ fn is_finite(v: f32) -> bool {
 fn load_setup(t: u32, row: u32) -> RowSetup {
     if t == 0u {
         let p = params;
-        var s = RowSetup(p.rows, p.vocab, 0.0, 0.0, 1u);
+        var s = RowSetup(p.rows, p.vocab, 0.0, 0.0, 1.0, 1u);
         if row < p.rows {
-            s.u = draws[2u * row];
-            s.temperature = draws[2u * row + 1u];
+            s.u = draws[3u * row];
+            s.temperature = draws[3u * row + 1u];
+            s.top_p = draws[3u * row + 2u];
             s.k = top_k[row];
         }
         setup = s;
@@ -125,6 +137,7 @@ fn load_setup(t: u32, row: u32) -> RowSetup {
         atomicStore(&first_max, NONE);
         atomicStore(&first_bad, NONE);
         atomicStore(&last_candidate, 0u);
+        atomicStore(&nucleus_ties, 0u);
     }
     return workgroupUniformLoad(&setup);
 }
@@ -140,6 +153,54 @@ fn take(key: u32, threshold: u32, partial_ties: bool, ties_seen: ptr<function, u
     let taken = *ties_seen < wanted;
     *ties_seen += 1u;
     return taken;
+}
+
+// Keys equal to `threshold` in the lanes before lane t's chunk [lo, hi)
+// of the row at `base`. All lanes call it (it holds barriers).
+fn ties_before_lane(t: u32, lo: u32, hi: u32, base: u32, threshold: u32) -> u32 {
+    var ties = 0u;
+    for (var i = lo; i < hi; i++) {
+        ties += u32(order_key(logits[base + i]) == threshold);
+    }
+    lane_ties[t] = ties;
+    workgroupBarrier();
+    if t == 0u {
+        var running = 0u;
+        for (var j = 0u; j < WG; j++) {
+            let c = lane_ties[j];
+            lane_ties[j] = running;
+            running += c;
+        }
+    }
+    workgroupBarrier();
+    return lane_ties[t];
+}
+
+// The lanes' sums joined in lane order (so the same on every run), for
+// every lane. All lanes call it (it holds barriers).
+fn workgroup_sum(t: u32, lane_sum: f32) -> f32 {
+    lane_sums[t] = lane_sum;
+    workgroupBarrier();
+    if t == 0u {
+        var running = 0.0;
+        for (var j = 0u; j < WG; j++) {
+            running += lane_sums[j];
+        }
+        shared_state.total = running;
+    }
+    return workgroupUniformLoad(&shared_state).total;
+}
+
+// Σw over the lane's chunk of the keys at or above `from_key`.
+fn lane_mass(lo: u32, hi: u32, base: u32, from_key: u32, top_value: f32, temperature: f32) -> f32 {
+    var sum = 0.0;
+    for (var i = lo; i < hi; i++) {
+        let v = logits[base + i];
+        if order_key(v) >= from_key {
+            sum += exp((v - top_value) / temperature);
+        }
+    }
+    return sum;
 }
 
 @compute @workgroup_size(256)
@@ -251,30 +312,68 @@ fn sample_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
         }
     }
 
+    let temperature = s.temperature;
+    // The nucleus (top_p < 1; NaN is none): the largest key whose mass
+    // reaches top_p · Σw over the top-k candidates, and its first ties.
+    if s.top_p < 1.0 {
+        var seen = 0u;
+        if partial_ties {
+            seen = ties_before_lane(t, lo, hi, base, threshold);
+        }
+        var candidates_sum = 0.0;
+        for (var i = lo; i < hi; i++) {
+            let v = logits[base + i];
+            if take(order_key(v), threshold, partial_ties, &seen, wanted) {
+                candidates_sum += exp((v - top_value) / temperature);
+            }
+        }
+        let mass_target = max(s.top_p, 0.0) * workgroup_sum(t, candidates_sum);
+        // Invariant: the mass at `low` reaches mass_target (at the top-k
+        // threshold it is all of Σw); above `high` it does not.
+        var low = threshold;
+        var high = found.max_key;
+        while low < high {
+            let mid = low + (high - low + 1u) / 2u;
+            if workgroup_sum(t, lane_mass(lo, hi, base, mid, top_value, temperature)) >= mass_target {
+                low = mid;
+            } else {
+                high = mid - 1u;
+            }
+        }
+        // Finite values' keys stay below 0xff800000, so low + 1 does not wrap.
+        var ties = 0u;
+        for (var i = lo; i < hi; i++) {
+            ties += u32(order_key(logits[base + i]) == low);
+        }
+        atomicAdd(&nucleus_ties, ties);
+        let above = workgroup_sum(t, lane_mass(lo, hi, base, low + 1u, top_value, temperature));
+        if t == 0u {
+            // At the top-k threshold only its first `wanted` ties were candidates.
+            var available = atomicLoad(&nucleus_ties);
+            if low == threshold && partial_ties {
+                available = wanted;
+            }
+            let tie_weight = exp((key_value(low) - top_value) / temperature);
+            let needed = ceil((mass_target - above) / tie_weight);
+            var count = available;
+            if needed < f32(available) {
+                count = max(u32(needed), 1u);
+            }
+            shared_state.wanted = count;
+        }
+        threshold = low;
+        partial_ties = true;
+        wanted = workgroupUniformLoad(&shared_state).wanted;
+    }
+
     // Keys equal to the threshold before each lane's chunk.
     var ties_seen = 0u;
     if partial_ties {
-        var ties = 0u;
-        for (var i = lo; i < hi; i++) {
-            ties += u32(order_key(logits[base + i]) == threshold);
-        }
-        lane_ties[t] = ties;
-        workgroupBarrier();
-        if t == 0u {
-            var running = 0u;
-            for (var j = 0u; j < WG; j++) {
-                let c = lane_ties[j];
-                lane_ties[j] = running;
-                running += c;
-            }
-        }
-        workgroupBarrier();
-        ties_seen = lane_ties[t];
+        ties_seen = ties_before_lane(t, lo, hi, base, threshold);
     }
     let lane_ties_before = ties_seen;
 
     // Σw over the lane's candidates in id order, and its last candidate.
-    let temperature = s.temperature;
     var sum = 0.0;
     var last = 0u;
     for (var i = lo; i < hi; i++) {

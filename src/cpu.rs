@@ -890,9 +890,11 @@ pub fn optimizer_step(
 /// The candidates of a sampled token with their weights, in id order:
 /// the `top_k` largest `logits` (k clamped to 1..=len; among equal logits
 /// at the boundary the lower ids), each weighing exp((l − max) /
-/// temperature) in f64. The logits must be finite. A temperature not
-/// above 0 leaves the first maximum alone (weight 1).
-pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32) -> Vec<(u32, f64)> {
+/// temperature) in f64; with `top_p` below 1, only the smallest set of
+/// them, most likely first (equal logits by id), whose Σw reaches top_p
+/// times theirs (at least one; NaN keeps all). The logits must be finite.
+/// A temperature not above 0 leaves the first maximum alone (weight 1).
+pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32, top_p: f32) -> Vec<(u32, f64)> {
     if logits.is_empty() {
         return Vec::new();
     }
@@ -901,11 +903,20 @@ pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32) -> Vec<
     // (+ 0.0 turns −0 into +0, so total_cmp orders like == on finite values.)
     ranked.sort_by(|&a, &b| (logits[b] + 0.0).total_cmp(&(logits[a] + 0.0)).then(a.cmp(&b)));
     let k = if temperature > 0.0 { (top_k as usize).clamp(1, logits.len()) } else { 1 };
-    let mut candidates: Vec<usize> = ranked[..k].to_vec();
-    candidates.sort_unstable();
     let max = f64::from(logits[ranked[0]]);
     let weight = |i: usize| if temperature > 0.0 { ((f64::from(logits[i]) - max) / f64::from(temperature)).exp() } else { 1.0 };
-    candidates.into_iter().map(|i| (i as u32, weight(i))).collect()
+    let mut candidates: Vec<(u32, f64)> = ranked[..k].iter().map(|&i| (i as u32, weight(i))).collect();
+    if top_p < 1.0 {
+        let target = f64::from(top_p.max(0.0)) * candidates.iter().map(|&(_, w)| w).sum::<f64>();
+        let mut running = 0.0;
+        let kept = candidates.iter().position(|&(_, w)| {
+            running += w;
+            running >= target
+        });
+        candidates.truncate(kept.map_or(k, |i| i + 1));
+    }
+    candidates.sort_unstable_by_key(|&(i, _)| i);
+    candidates
 }
 
 /// Twin of one row of `sample_rows_forward`: (token, first column whose
@@ -914,11 +925,11 @@ pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32) -> Vec<
 /// token is the first of [`sampling_candidates`] whose running sum of
 /// weights, in id order, exceeds u·Σw (u clamped into [0, 1], NaN as 0),
 /// or the last candidate when none does.
-pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> (u32, u32) {
+pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32, top_p: f32) -> (u32, u32) {
     if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
         return (crate::ops::NO_TOKEN, bad as u32);
     }
-    let candidates = sampling_candidates(logits, temperature, top_k);
+    let candidates = sampling_candidates(logits, temperature, top_k, top_p);
     let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
     let u = if u > 0.0 { u.min(1.0) } else { 0.0 };
     let target = f64::from(u) * total;
@@ -933,12 +944,12 @@ pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> (u32,
 }
 
 /// Twin of `sample_rows_forward`: [`sample_row`] of each row of
-/// logits[rows, vocab] with draws[rows, 2] = (u, temperature) and
+/// logits[rows, vocab] with draws[rows, 3] = (u, temperature, top_p) and
 /// `top_k[rows]` -> [rows, 2].
 pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> Vec<u32> {
     (0..rows)
         .flat_map(|r| {
-            let (token, bad) = sample_row(&logits[r * vocab..(r + 1) * vocab], draws[2 * r], draws[2 * r + 1], top_k[r]);
+            let (token, bad) = sample_row(&logits[r * vocab..(r + 1) * vocab], draws[3 * r], draws[3 * r + 1], top_k[r], draws[3 * r + 2]);
             [token, bad]
         })
         .collect()

@@ -165,7 +165,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     if g.sample_tokens > 0 {
         let model = task.trained_model(run.engine(), run.model())?;
         let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument { op: "train", reason: "the run has no tokenizer".into() })?;
-        let sampling = Sampling { temperature: 0.8, top_k: Some(40), seed: args.seed };
+        let sampling = Sampling { temperature: 0.8, top_k: Some(40), top_p: None, seed: args.seed };
         println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
         let (count, seconds) = sample(&model, run.kernels().clone(), tokenizer, &task.sample_prompt()?, g.sample_tokens, &sampling)?;
         println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
@@ -176,12 +176,36 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     Ok(())
 }
 
+/// How the next token is picked, for `generate` and `chat`.
+#[derive(clap::Args)]
+pub struct SamplingArgs {
+    /// 0: greedy (the most likely token, deterministic).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling: among the fewest most likely tokens whose
+    /// probability reaches p, in (0, 1].
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampling(&self) -> Sampling {
+        Sampling { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: self.seed }
+    }
+}
+
 /// `wgrad generate`'s flags.
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// A model folder: a GPT-2 or a Llama, by its config.json (`wgrad
-    /// train --model gpt` writes out/gpt; Hugging Face GPT-2 and Llama
-    /// folders work too).
+    /// A model: a llama.cpp GGUF file (a Llama's quantized matrices stay
+    /// quantized on the GPU), or a folder, a GPT-2 or a Llama by its
+    /// config.json (`wgrad train --model gpt` writes out/gpt; Hugging Face
+    /// folders work too, with their tokenizer.json when they have one).
     #[arg(long, default_value = "out/gpt")]
     model: PathBuf,
     /// The text to continue.
@@ -204,21 +228,19 @@ pub struct GenerateArgs {
     /// above 0, as many different samples), printed as --prompts-file's are.
     #[arg(long, conflicts_with = "prompts_file")]
     batch: Option<usize>,
+    /// The most new tokens; a model with its own tokenizer also stops at
+    /// its end-of-sequence or end-of-turn token.
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
-    /// 0: greedy (the most likely token, deterministic).
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Sample among the k most likely tokens only.
-    #[arg(long)]
-    top_k: Option<usize>,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// How the weights are stored: f16 halves the bytes each token reads
     /// (the projections and the token embedding; computed in f32), where
-    /// the adapter has SHADER_F16; elsewhere f32, with a notice.
-    #[arg(long, value_enum, default_value_t = DtypeName::F32)]
-    dtype: DtypeName,
+    /// the adapter has SHADER_F16; elsewhere f32, with a notice. Default:
+    /// f32, but a GGUF file's quantized matrices as the file stores them
+    /// (any --dtype de-quantizes them).
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeName>,
 }
 
 /// `--dtype`.
@@ -229,7 +251,7 @@ pub enum DtypeName {
 }
 
 impl DtypeName {
-    fn weights(self) -> WeightDtype {
+    pub fn weights(self) -> WeightDtype {
         match self {
             DtypeName::F32 => WeightDtype::F32,
             DtypeName::F16 => WeightDtype::F16,
@@ -325,6 +347,13 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     if args.prompt_ids.is_some() && !args.print_ids {
         return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids goes with --print-ids".into() });
     }
+    if crate::chat::has_own_tokenizer(&args.model) {
+        if args.prompts_file.is_some() || args.batch.is_some() {
+            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompts-file and --batch run models with wgrad's own tokenizers; a GGUF file or a tokenizer.json folder generates one prompt".into() });
+        }
+        let ids = args.prompt_ids.as_deref().map(|ids| parse_ids(ids, "--prompt-ids")).transpose()?;
+        return crate::chat::generate(opts, &args.model, &args.prompt, ids, args.print_ids, args.max_new_tokens, &args.sampling, args.dtype);
+    }
     // The prompts as given: (text, whether it is token ids), each once.
     let given: Vec<(String, &str)> = match (&args.prompts_file, &args.prompt_ids) {
         (Some(path), _) => read_prompts(path)?.into_iter().map(|line| (line, if args.print_ids { "a line of --prompts-file" } else { "" })).collect(),
@@ -336,7 +365,7 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     // A GPT-2 or a Llama folder, by its config.json.
     let config = wgrad::io::lm_folder::read_lm_config(&args.model)?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let dtype = args.dtype.weights();
+    let dtype = args.dtype.unwrap_or(DtypeName::F32).weights();
     let copies = args.batch.unwrap_or(1);
     let sequences = given.len() * copies;
     wgrad::infer::generate::check_fits_with_dtype(&kernels, config.as_ref(), sequences, dtype)?;
@@ -361,7 +390,7 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     }
     let texts: Vec<String> = given.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies)).collect();
     let prompts: Vec<Vec<u32>> = prompts.into_iter().flat_map(|ids| std::iter::repeat_n(ids, copies)).collect();
-    let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let sampling = args.sampling.sampling();
     let mut generator = prepared_generator(kernels.clone(), loaded.model.as_ref(), sequences, dtype)?;
     let text_tokenizer = if args.print_ids { None } else { tokenizer.as_ref() };
     let (count, seconds) = if args.prompts_file.is_some() || args.batch.is_some() {

@@ -1,6 +1,7 @@
 //! The `wgrad` command line.
 
 mod bench;
+mod chat;
 mod gpt;
 mod plot;
 mod webgpu_cases;
@@ -49,9 +50,13 @@ enum Command {
     /// Train an MLP classifier (default: the shipped UCI digits) and write a
     /// checkpoint and a loss-curve PNG.
     Train(Box<TrainArgs>),
-    /// Continue a prompt with a GPT model folder, streaming the text; tokens/s
-    /// on stderr.
+    /// Continue a prompt with a model (a GGUF file, a GPT-2 or Llama
+    /// folder), streaming the text; load time and tokens/s on stderr.
     Generate(Box<gpt::GenerateArgs>),
+    /// Converse with a model that has a chat template (a GGUF file, a
+    /// folder with tokenizer.json): one message per line of standard
+    /// input, each answer streamed; end of input ends it.
+    Chat(Box<chat::ChatArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -696,6 +701,7 @@ fn main() -> ExitCode {
         Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Generate(args) => gpt::generate(&opts, args),
+        Command::Chat(args) => chat::chat(&opts, args),
         Command::Bench { quick, compile, only } => bench(&opts, *quick, *compile, only),
         Command::Tune => tune(&opts),
         Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),

@@ -983,30 +983,30 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of 5, context 11"), vec![d], expected))
 }
 
-/// Rows over several settings: greedy, top-k, the whole vocabulary, a row
-/// with an infinite logit. Logits are distinct (ties would make the pick
+/// Rows over several settings: greedy, top-k, the whole vocabulary and
+/// top-p, top-k and top-p, a row with an infinite logit. Logits are distinct (ties would make the pick
 /// depend on tie-breaking) and each u is kept away from the running sums'
 /// boundaries, where f32 and the twin's f64 could pick neighbours.
 fn sample_rows(c: &mut Ctx<'_>) -> Result<Case> {
     let (rows, vocab) = (5, 300);
     let mut logits_h = c.distinct(rows * vocab, -4.0, 4.0);
     logits_h[4 * vocab + 17] = f32::INFINITY;
-    let settings = [(0.0f32, 5u32), (0.8, 5), (1.3, vocab as u32), (0.7, 40), (1.0, 10)];
+    let settings = [(0.0f32, 5u32, 1.0f32), (0.8, 5, 1.0), (1.3, vocab as u32, 0.9), (0.7, 40, 0.5), (1.0, 10, 1.0)];
     let mut draws_h = Vec::new();
-    for (r, &(temperature, top_k)) in settings.iter().enumerate() {
+    for (r, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
         let row = &logits_h[r * vocab..(r + 1) * vocab];
         if row.iter().any(|v| !v.is_finite()) {
-            draws_h.extend([0.5, temperature]);
+            draws_h.extend([0.5, temperature, top_p]);
             continue;
         }
-        let candidates = cpu::sampling_candidates(row, temperature, top_k);
+        let candidates = cpu::sampling_candidates(row, temperature, top_k, top_p);
         let total: f64 = candidates.iter().map(|(_, w)| w).sum();
         let bounds: Vec<f64> = candidates.iter().scan(0.0, |s, (_, w)| {
             *s += w;
             Some(*s / total)
         }).collect();
         let u = (1..100).map(|i| i as f64 * 0.0097 + 0.013).find(|u| bounds.iter().all(|b| (b - u).abs() > 1e-3)).unwrap_or(0.5);
-        draws_h.extend([u as f32, temperature]);
+        draws_h.extend([u as f32, temperature, top_p]);
     }
     let top_k_h: Vec<u32> = settings.iter().map(|s| s.1).collect();
     let (logits, draws, top_k, out) = (c.up(&logits_h)?, c.up(&draws_h)?, c.up_u32(&top_k_h)?, c.k.zeros(rows * 2)?);

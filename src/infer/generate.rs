@@ -11,7 +11,7 @@
 //! let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
 //! let model = Gpt::new(GptConfig { vocab_size: 65, block_size: 64, n_layer: 2, n_head: 2, n_embd: 32 })?;
 //! let mut generator = Generator::new(kernels, &model, 1)?;
-//! let sampling = Sampling { temperature: 0.8, top_k: Some(20), seed: 1 };
+//! let sampling = Sampling { temperature: 0.8, top_k: Some(20), top_p: Some(0.95), seed: 1 };
 //! let tokens = generator.generate(&[0, 1, 2], 100, &sampling, |token| {
 //!     print!("{token} ");
 //!     Ok(())
@@ -78,6 +78,10 @@ pub struct Sampling {
     /// Sample only among the `k` most likely tokens (ties broken by the
     /// lower id); None for all.
     pub top_k: Option<usize>,
+    /// Nucleus sampling: of those, only the smallest set of the most
+    /// likely (ranked as top-k ranks them) whose probability reaches p, in
+    /// (0, 1]; None (or 1) for all.
+    pub top_p: Option<f32>,
     /// Seeds the ChaCha8 generator the samples are drawn with.
     pub seed: u64,
 }
@@ -85,15 +89,22 @@ pub struct Sampling {
 impl Sampling {
     /// The most likely token every time.
     pub fn greedy() -> Self {
-        Sampling { temperature: 0.0, top_k: None, seed: 0 }
+        Sampling { temperature: 0.0, top_k: None, top_p: None, seed: 0 }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Refuses settings no sampler takes: a temperature below 0 or not
+    /// finite, top_k 0, top_p outside (0, 1].
+    pub fn check(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::InvalidArgument { op: "Sampling", reason: format!("the temperature must be finite and ≥ 0, got {}", self.temperature) });
         }
         if self.top_k == Some(0) {
             return Err(Error::InvalidArgument { op: "Sampling", reason: "top_k must be at least 1".into() });
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(Error::InvalidArgument { op: "Sampling", reason: format!("top_p must be in (0, 1], got {p}") });
+            }
         }
         Ok(())
     }
@@ -103,8 +114,10 @@ impl Sampling {
     /// stream for any mix of settings, as on the GPU): the first maximum
     /// at temperature 0; else the `top_k` largest logits (ties at the
     /// boundary to the lower id) are the candidates, each weighing
-    /// w = exp((logit − max) / T), and the token is the first candidate in
-    /// id order whose running sum of w exceeds u·Σw. This is what
+    /// w = exp((logit − max) / T); with `top_p`, only the smallest set of
+    /// them, most likely first, whose Σw reaches top_p times theirs stays;
+    /// the token is the first candidate in id order whose running sum of w
+    /// exceeds u·Σw. This is what
     /// [`Generator::decode_and_sample`] computes on the GPU (in f32 there,
     /// f64 here, so a draw within rounding of a boundary between two
     /// candidates may pick either).
@@ -126,26 +139,35 @@ impl Sampling {
         }
         let top = f64::from(logits[ranked[0]]);
         let temperature = f64::from(self.temperature);
-        let mut candidates = ranked[..k].to_vec();
-        candidates.sort_unstable();
-        let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i]) - top) / temperature).exp()).collect();
-        let target = f64::from(u) * weights.iter().sum::<f64>();
+        let mut candidates: Vec<(usize, f64)> = ranked[..k].iter().map(|&i| (i, ((f64::from(logits[i]) - top) / temperature).exp())).collect();
+        if let Some(p) = self.top_p {
+            // The nucleus: the shortest most-likely-first prefix reaching p.
+            let mass = f64::from(p) * candidates.iter().map(|&(_, w)| w).sum::<f64>();
+            let mut running = 0.0;
+            let kept = candidates.iter().position(|&(_, w)| {
+                running += w;
+                running >= mass
+            });
+            candidates.truncate(kept.map_or(k, |i| i + 1));
+        }
+        candidates.sort_unstable_by_key(|&(i, _)| i);
+        let target = f64::from(u) * candidates.iter().map(|&(_, w)| w).sum::<f64>();
         let mut running = 0.0;
-        for (&id, &w) in candidates.iter().zip(&weights) {
+        for &(id, w) in &candidates {
             running += w;
             if running > target {
                 return Ok(id as u32);
             }
         }
         // Rounding left the draw past the last weight: the last candidate.
-        Ok(candidates[k - 1] as u32)
+        Ok(candidates.last().map_or(ranked[0], |&(id, _)| id) as u32)
     }
 
     /// The settings as the GPU sampler takes them for one row: (u drawn
-    /// from `rng`, temperature) and k.
-    fn row_settings(&self, rng: &mut ChaCha8Rng, vocab: usize) -> ([f32; 2], u32) {
+    /// from `rng`, temperature, top_p) and k.
+    fn row_settings(&self, rng: &mut ChaCha8Rng, vocab: usize) -> ([f32; 3], u32) {
         let k = self.top_k.unwrap_or(vocab).min(vocab);
-        ([rng.random::<f32>(), self.temperature], u32::try_from(k).unwrap_or(u32::MAX))
+        ([rng.random::<f32>(), self.temperature, self.top_p.unwrap_or(1.0)], u32::try_from(k).unwrap_or(u32::MAX))
     }
 }
 
@@ -165,6 +187,10 @@ pub struct Generator {
     dtype: WeightDtype,
     /// Whole-prompt passes by length, shortest first.
     prefill: Vec<PrefillPass>,
+    /// u32 [S]: where each sequence's prefill rows start (0 for a prompt,
+    /// the cache's length for a continuation); None when the model reads
+    /// no starts.
+    prefill_starts: Option<Tensor>,
     decode: DecodePass,
     sampler: SamplerInputs,
     /// The tokens whose keys and values each sequence's cache holds, in
@@ -186,6 +212,9 @@ struct PrefillPass {
     ids: Tensor,
     /// [S] flat row of each sequence's last prompt position in [S·rows].
     last: Tensor,
+    /// [S, rows] u32: each row's position (its start + t); None when the
+    /// model reads no positions.
+    positions: Option<Tensor>,
     /// [S, vocab].
     logits: Tensor,
     /// [S, 2] u32: each sequence's next token, sampled from `logits`.
@@ -208,7 +237,7 @@ struct DecodePass {
 /// The sampler's settings, inputs of every pass's `sample_tokens`.
 #[derive(Clone, Copy)]
 struct SamplerInputs {
-    /// [S, 2] f32: each sequence's uniform draw and temperature.
+    /// [S, 3] f32: each sequence's uniform draw, temperature and top_p.
     draws: Tensor,
     /// [S] u32.
     top_k: Tensor,
@@ -304,30 +333,28 @@ impl Generator {
         let context = model.context_len();
         let mut g = Graph::new();
         let mut cx = ForwardContext::new(dtype, context).with_quantized(quantized);
-        let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
-        // Prompts start at position 0: the starts stay zero, and row t of
-        // every prompt is position t.
+        let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 3])?, top_k: g.ids("sample.top_k", &[sequences])? };
+        // Row t of sequence s is position starts[s] + t: a prompt starts at
+        // 0, a continuation where the cache ends (written before each run).
         let prefill_starts = g.ids("prefill.starts", &[sequences])?;
         let mut prefill = Vec::new();
-        let mut prefill_positions = Vec::new();
         for rows in prefill_lengths(context) {
             let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
             let positions = g.ids(&format!("prefill{rows}.positions"), &[sequences, rows])?;
             let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
             let pass = CachePass { starts: prefill_starts, positions };
             let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), sampler)?;
-            prefill.push(PrefillPass { rows, ids, last, logits, tokens });
-            prefill_positions.push((positions, rows));
+            prefill.push(PrefillPass { rows, ids, last, positions: Some(positions), logits, tokens });
         }
         let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
         let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
         let (decode_logits, decode_tokens) = lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler)?;
 
-        let fixed_inputs: Vec<(Tensor, Vec<u32>)> = std::iter::once((prefill_starts, vec![0; sequences]))
-            .chain(prefill_positions.into_iter().map(|(t, rows)| (t, (0..sequences).flat_map(|_| 0..rows as u32).collect())))
-            .filter(|(t, _)| is_read(&g, *t))
-            .collect();
+        for pass in &mut prefill {
+            pass.positions = pass.positions.filter(|&t| is_read(&g, t));
+        }
+        let prefill_starts = Some(prefill_starts).filter(|&t| is_read(&g, t));
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
         outputs.extend([decode_logits, decode_tokens]);
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
@@ -341,9 +368,6 @@ impl Generator {
                 reason: format!("the generation graph's parameters {declared:?} are not the model's {expected:?}"),
             });
         }
-        for (t, values) in &fixed_inputs {
-            exec.set_labels(*t, values)?;
-        }
         Ok(Generator {
             exec,
             model: model.describe(),
@@ -352,6 +376,7 @@ impl Generator {
             sequences,
             dtype,
             prefill,
+            prefill_starts,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
             sampler,
             cached: vec![Vec::new(); sequences],
@@ -399,41 +424,58 @@ impl Generator {
         check_token_ids(op, ids, self.vocab_size)
     }
 
-    /// Checks `prompts` (one per sequence) and writes them into the
-    /// shortest prefill pass that holds them; returns that pass's index.
-    fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
+    /// Checks `chunks` (one per sequence, each to start at `starts[s]`, 0
+    /// for a prompt) and writes them, their positions and starts into the
+    /// shortest prefill pass that holds them and whose padded rows stay in
+    /// the context; returns that pass's index, or None when no pass does
+    /// (a continuation near the context's end).
+    fn set_rows(&self, op: &'static str, chunks: &[&[u32]], starts: &[usize]) -> Result<Option<usize>> {
         let context = self.context;
-        if prompts.len() != self.sequences {
-            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", prompts.len(), self.sequences) });
+        if chunks.len() != self.sequences {
+            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", chunks.len(), self.sequences) });
         }
-        for (s, prompt) in prompts.iter().enumerate() {
-            if prompt.is_empty() {
+        for (s, (chunk, &start)) in chunks.iter().zip(starts).enumerate() {
+            if chunk.is_empty() {
                 return Err(Error::InvalidArgument { op, reason: format!("prompt {s} is empty; give at least one token") });
             }
-            if prompt.len() > context {
+            if start + chunk.len() > context {
+                let held = if start > 0 { format!(" after the {start} its cache holds") } else { String::new() };
                 return Err(Error::InvalidArgument {
                     op,
-                    reason: format!("prompt {s} has {} tokens, more than the model's context of {context}", prompt.len()),
+                    reason: format!("prompt {s} has {} tokens{held}, more than the model's context of {context}", chunk.len()),
                 });
             }
-            self.check_ids(op, prompt)?;
+            self.check_ids(op, chunk)?;
         }
-        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
-        let index = self.prefill.iter().position(|p| p.rows >= longest).ok_or_else(|| Error::InvalidArgument {
-            op,
-            reason: format!("no prefill pass holds {longest} positions"),
-        })?;
+        let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
+        let latest = starts.iter().copied().max().unwrap_or(0);
+        let Some(index) = self.prefill.iter().position(|p| p.rows >= longest && latest + p.rows <= context) else {
+            return Ok(None);
+        };
         let pass = &self.prefill[index];
         let rows = pass.rows;
         let mut ids = vec![0u32; self.sequences * rows];
         let mut last = Vec::with_capacity(self.sequences);
-        for (s, prompt) in prompts.iter().enumerate() {
-            ids[s * rows..s * rows + prompt.len()].copy_from_slice(prompt);
-            last.push((s * rows + prompt.len() - 1) as u32);
+        for (s, chunk) in chunks.iter().enumerate() {
+            ids[s * rows..s * rows + chunk.len()].copy_from_slice(chunk);
+            last.push((s * rows + chunk.len() - 1) as u32);
         }
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.last, &last)?;
-        Ok(index)
+        if let Some(t) = self.prefill_starts {
+            self.exec.set_labels(t, &starts.iter().map(|&p| p as u32).collect::<Vec<_>>())?;
+        }
+        if let Some(t) = pass.positions {
+            let positions: Vec<u32> = starts.iter().flat_map(|&p| (p..p + rows).map(|q| q as u32)).collect();
+            self.exec.set_labels(t, &positions)?;
+        }
+        Ok(Some(index))
+    }
+
+    /// [`Generator::set_rows`] of `prompts` from position 0.
+    fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
+        self.set_rows(op, prompts, &vec![0; prompts.len()])?.ok_or_else(|| Error::InvalidArgument { op, reason: format!("no prefill pass holds {longest} positions") })
     }
 
     /// What each sequence's cache holds after a prefill of `prompts`.
@@ -441,6 +483,23 @@ impl Generator {
         for (cached, prompt) in self.cached.iter_mut().zip(prompts) {
             cached.clear();
             cached.extend_from_slice(prompt);
+        }
+    }
+
+    /// Writes `tokens`, one chunk per sequence, after what each cache
+    /// holds: returns the pass to run, with `after` set to the tokens each
+    /// cache will hold. A continuation whose padded rows would pass the
+    /// context's end is prefilled whole from 0 instead (it fits: `set_rows`
+    /// checked the lengths).
+    fn set_continuation(&self, op: &'static str, tokens: &[&[u32]], after: &mut Vec<Vec<u32>>) -> Result<usize> {
+        let starts: Vec<usize> = self.cached.iter().map(Vec::len).collect();
+        *after = self.cached.iter().zip(tokens).map(|(cached, new)| [cached.as_slice(), new].concat()).collect();
+        match self.set_rows(op, tokens, &starts)? {
+            Some(pass) => Ok(pass),
+            None => {
+                let whole: Vec<&[u32]> = after.iter().map(Vec::as_slice).collect();
+                self.set_prompts(op, &whole)
+            }
         }
     }
 
@@ -468,7 +527,7 @@ impl Generator {
     /// sequence, in sequence order (as [`Sampling::sample`] draws).
     fn set_sampling(&self, sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<()> {
         let vocab = self.vocab_size;
-        let mut draws = Vec::with_capacity(2 * self.sequences);
+        let mut draws = Vec::with_capacity(3 * self.sequences);
         let mut top_k = Vec::with_capacity(self.sequences);
         for _ in 0..self.sequences {
             let (draw, k) = sampling.row_settings(rng, vocab);
@@ -532,6 +591,50 @@ impl Generator {
         let picks = self.exec.run_and_read_u32(&[tokens], tokens)?;
         self.prompts_cached(prompts);
         self.sampled_tokens(OP, &picks, logits)
+    }
+
+    /// Feeds `tokens`, one chunk per sequence, after what each sequence's
+    /// cache holds, in one submission: a prefill starting at the cache's
+    /// length, so a conversation's next turn costs its own tokens, not the
+    /// whole history's. Returns the logits after each chunk's last token,
+    /// [sequences, vocab_size] (the same as a prefill of the cache's
+    /// tokens and the chunk from 0, up to rounding). The cache and the
+    /// chunk together must fit the context.
+    pub fn extend(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
+        let mut after = Vec::new();
+        let pass = self.set_continuation("Generator::extend", tokens, &mut after)?;
+        let logits = self.prefill[pass].logits;
+        let values = self.exec.run_and_read(&[logits], logits)?;
+        self.cached = after;
+        Ok(values)
+    }
+
+    /// [`Generator::extend`] picking each sequence's next token on the GPU,
+    /// as [`Generator::prefill_and_sample`] does.
+    pub fn extend_and_sample(&mut self, tokens: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+        const OP: &str = "Generator::extend_and_sample";
+        sampling.check()?;
+        let mut after = Vec::new();
+        let pass = self.set_continuation(OP, tokens, &mut after)?;
+        self.set_sampling(sampling, rng)?;
+        let PrefillPass { logits, tokens: picks, .. } = self.prefill[pass];
+        let picks = self.exec.run_and_read_u32(&[picks], picks)?;
+        self.cached = after;
+        self.sampled_tokens(OP, &picks, logits)
+    }
+
+    /// Forgets all but the first `len` tokens of `sequence`'s cache (the
+    /// positions past them are overwritten by what comes next): a
+    /// conversation whose re-rendered history departs from what the cache
+    /// holds keeps the common part.
+    pub fn truncate(&mut self, sequence: usize, len: usize) -> Result<()> {
+        let sequences = self.sequences;
+        let cached = self.cached.get_mut(sequence).ok_or_else(|| Error::InvalidArgument {
+            op: "Generator::truncate",
+            reason: format!("sequence {sequence} of a generator of {sequences}"),
+        })?;
+        cached.truncate(len);
+        Ok(())
     }
 
     /// Feeds one token per sequence at its next position, in one

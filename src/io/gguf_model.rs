@@ -36,7 +36,8 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
-use crate::nn::{CausalLm, LmConfig, Module, RopeLayout};
+use crate::nn::{CausalLm, LmConfig, Module, ParameterTree, QuantizedMatrix, QuantizedWeights, RopeLayout};
+use crate::ops::QuantFormat;
 
 /// The metadata key of the tokenizer's vocabulary (one string per id).
 pub const TOKENS_KEY: &str = "tokenizer.ggml.tokens";
@@ -161,6 +162,32 @@ impl GgufModel {
             GgufArchitecture::Llama(config) => Llama::from_parameters(config, |name, _| self.parameter_f32(name)),
             GgufArchitecture::Gpt2 { .. } => Err(self.not_a("Llama", "gpt2")),
         }
+    }
+
+    /// The Llama with its matrices as the file stores them: each Q8_0,
+    /// Q4_0 or Q4_1 matrix's raw blocks by parameter name, for
+    /// [`crate::infer::generate::Generator::new_with_weights`], and the
+    /// model holding values only for the other parameters (norms, F32 and
+    /// F16 matrices, as f32), so no quantized matrix is expanded to f32 on
+    /// the host. An error for another architecture.
+    pub fn to_quantized_llama(&self) -> Result<(Llama, QuantizedWeights)> {
+        let GgufArchitecture::Llama(config) = self.architecture else {
+            return Err(self.not_a("Llama", "gpt2"));
+        };
+        let mut model = Llama::empty(config)?;
+        let mut quantized = QuantizedWeights::new();
+        model.visit_mut("", &mut |name, shape, values| {
+            let info = self.parameter_info(&name)?;
+            match QuantFormat::try_from(info.ty) {
+                Ok(format) if shape.len() == 2 => {
+                    let raw = self.gguf.read_raw(&info.name)?;
+                    quantized.insert(name, QuantizedMatrix { format, raw: raw.into() });
+                }
+                _ => *values = self.parameter_f32(&name)?,
+            }
+            Ok(())
+        })?;
+        Ok((model, quantized))
     }
 
     /// The GPT-2, every weight de-quantized to f32; an error for another

@@ -28,24 +28,25 @@ impl Kernels {
     /// finite). A row whose logits are all finite has
     /// [`NO_TOKEN`](crate::ops::NO_TOKEN) as its second value, a row with
     /// one has it as its token. Row r's settings are `draws[r]` = (u in
-    /// `[0, 1)`, temperature) (f32 [rows, 2]) and `top_k[r]` (u32 `[rows]`,
-    /// clamped to 1..=vocab), inputs rather than pipeline constants so that
-    /// changing them rebuilds nothing. Temperature 0 (or k = 1): the first
-    /// maximum. Above 0: the k largest logits are the candidates (ties at
-    /// the boundary to the lower id), w_i = exp((l_i − max) /
-    /// temperature), and the token is the first candidate in id order
-    /// whose running sum of w exceeds u·Σw (the last candidate if rounding
-    /// leaves none). `cpu::sample_rows` is the twin.
+    /// `[0, 1)`, temperature, top_p) (f32 [rows, 3]) and `top_k[r]` (u32
+    /// `[rows]`, clamped to 1..=vocab), inputs rather than pipeline
+    /// constants so that changing them rebuilds nothing. Temperature 0 (or
+    /// k = 1): the first maximum. Above 0: the k largest logits are the
+    /// candidates (ties at the boundary to the lower id), w_i = exp((l_i −
+    /// max) / temperature); a top_p below 1 keeps the smallest set of them,
+    /// most likely first (equal logits by id), whose Σw reaches top_p times
+    /// theirs (at least one; 1 or NaN keeps all); the token is the first
+    /// candidate in id order whose running sum of w exceeds u·Σw (the last
+    /// candidate if rounding leaves none). `cpu::sample_rows` is the twin.
     pub fn sample_rows(&self, out: View<'_>, logits: View<'_>, draws: View<'_>, top_k: View<'_>, rows: usize, vocab: usize) -> Result<Dispatch> {
         let op = SAMPLE_ROWS_FORWARD.entry;
-        let pairs = rows.checked_mul(2);
         check_lengths(
             op,
             &[("rows", rows), ("vocab", vocab)],
             &[
-                ("out", out.len, pairs),
+                ("out", out.len, rows.checked_mul(2)),
                 ("logits", logits.len, rows.checked_mul(vocab)),
-                ("draws", draws.len, pairs),
+                ("draws", draws.len, rows.checked_mul(3)),
                 ("top_k", top_k.len, Some(rows)),
             ],
         )?;

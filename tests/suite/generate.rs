@@ -347,6 +347,50 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
     });
 }
 
+/// `Generator::extend`: a prefill after what the caches hold (each
+/// sequence at its own position), its fallback to a whole prefill near the
+/// context's end, and `truncate`, against the full-sequence logits; the
+/// decode steps after them see the right caches. A GPT (position table)
+/// and a Llama (rotary positions).
+#[test]
+fn a_continuation_prefill_equals_the_full_sequence_logits() {
+    for_each_adapter("generate: extend", |k| {
+        let vocab = CONFIG.vocab_size;
+        let models: [Box<dyn nn::CausalLm>; 2] = [Box::new(sharp_model(15)), Box::new(sharp_llama(llama_configs()[0], 16))];
+        for model in &models {
+            let what = model.describe();
+            let mut predictor = Predictor::new(k.clone(), model.as_ref(), 1)?;
+            let mut generator = Generator::new(k.clone(), model.as_ref(), 2)?;
+            let mut r = rng(17);
+            let sequences: Vec<Vec<u32>> = (0..2).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
+            let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+            let check = |label: &str, logits: &[f32], ends: [usize; 2]| {
+                for s in 0..2 {
+                    assert_close(&format!("{what}: {label}, sequence {s} at {}", ends[s] - 1), &logits[s * vocab..(s + 1) * vocab], &full[s][ends[s] - 1], LOGITS_ATOL, LOGITS_RTOL);
+                }
+            };
+            generator.prefill(&[&sequences[0][..3], &sequences[1][..1]])?;
+            // From positions 3 and 1, in the 8-row pass.
+            check("extend", &generator.extend(&[&sequences[0][3..7], &sequences[1][1..7]])?, [7, 7]);
+            assert_eq!(generator.cached_tokens(1), Some(&sequences[1][..7]));
+            check("decode after extend", &generator.decode(&[sequences[0][7], sequences[1][7]])?, [8, 8]);
+            // 8 + 8 padded rows pass the context of 13: prefilled whole.
+            check("extend near the end", &generator.extend(&[&sequences[0][8..12], &sequences[1][8..10]])?, [12, 10]);
+            assert_eq!(generator.cached_tokens(0), Some(&sequences[0][..12]));
+            check("decode after the whole prefill", &generator.decode(&[sequences[0][12], sequences[1][10]])?, [13, 11]);
+            // Back to 2 and 5 tokens, then on from there.
+            generator.truncate(0, 2)?;
+            generator.truncate(1, 5)?;
+            check("extend after truncate", &generator.extend(&[&sequences[0][2..6], &sequences[1][5..6]])?, [6, 6]);
+            expect_error("extend past the context", generator.extend(&[&sequences[0][..8], &sequences[1][6..7]]), &["8 tokens after the 6", "context of 13"]);
+            expect_error("an empty continuation", generator.extend(&[&[], &sequences[1][6..7]]), &["empty"]);
+            expect_error("truncate a third sequence", generator.truncate(2, 0), &["sequence 2"]);
+            assert_eq!(generator.cached_tokens(0), Some(&sequences[0][..6]), "{what}: the errors kept the cache");
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn llama_greedy_generation_equals_a_full_recompute() {
     for_each_adapter("generate: Llama greedy", |k| {
@@ -378,7 +422,7 @@ fn a_decode_step_is_one_submit_and_allocates_nothing() {
         }
         // Picking the token on the GPU too: still one submit, whose only
         // readback is the [S, 2] u32 picks.
-        let (sampling, mut draws) = (Sampling { temperature: 0.8, top_k: Some(5), seed: 3 }, ChaCha8Rng::seed_from_u64(3));
+        let (sampling, mut draws) = (Sampling { temperature: 0.8, top_k: Some(5), top_p: None, seed: 3 }, ChaCha8Rng::seed_from_u64(3));
         for token in 12..14 {
             let submits = k.submit_count();
             generator.decode_and_sample(&[token], &sampling, &mut draws)?;
@@ -462,7 +506,7 @@ fn generation_past_the_context_shifts_and_goes_on() {
         assert!(generator.cached_tokens(0).is_some_and(|c| c.len() <= CONFIG.block_size));
         check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
 
-        let sampling = Sampling { temperature: 0.9, top_k: Some(4), seed: 99 };
+        let sampling = Sampling { temperature: 0.9, top_k: Some(4), top_p: None, seed: 99 };
         let sampled = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
         assert_eq!(sampled, generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
         check_against_recompute(&mut predictor, &prompt, &sampled, |logits, t| in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL))
@@ -497,7 +541,7 @@ fn a_batch_of_prompts_generates_what_each_prompt_generates_alone() {
         // Past the context with prompts of one length: every sequence shifts
         // when the generator's one does, so each follows the documented rule.
         let same_length: [&[u32]; 3] = [&[5, 9, 2], &[7, 30, 1], &[0, 0, 36]];
-        let sampling = Sampling { temperature: 0.9, top_k: Some(4), seed: 7 };
+        let sampling = Sampling { temperature: 0.9, top_k: Some(4), top_p: None, seed: 7 };
         let max_new = 2 * CONFIG.block_size;
         let sampled = batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?;
         assert_eq!(sampled, batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
@@ -583,6 +627,12 @@ fn bad_requests_are_errors_that_lose_nothing() {
         expect_error("NaN temperature", generator.generate(&[1], 3, &nan, |_| Ok(())), &["NaN"]);
         let top_0 = Sampling { top_k: Some(0), ..greedy };
         expect_error("top_k 0", generator.generate(&[1], 3, &top_0, |_| Ok(())), &["top_k"]);
+        for p in [0.0, -0.5, 1.5, f32::NAN] {
+            let bad_p = Sampling { temperature: 1.0, top_p: Some(p), ..greedy };
+            expect_error(&format!("top_p {p}"), generator.generate(&[1], 3, &bad_p, |_| Ok(())), &["top_p", &p.to_string()]);
+            let host = bad_p.sample(&[0.0, 1.0], &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
+            assert!(host.contains("top_p must be in (0, 1]"), "{host}");
+        }
 
         // Nothing above touched the cache: decoding goes on from position 4.
         assert_eq!(generator.cached_tokens(0), Some(&sequence[..4]));
@@ -604,7 +654,7 @@ fn sampling_picks_from_the_top_k_and_repeats_with_its_seed() {
     let greedy = Sampling::greedy();
     let mut r = ChaCha8Rng::seed_from_u64(0);
     assert_eq!(greedy.sample(&logits, &mut r).unwrap(), 1, "the first of two maxima");
-    let top_3 = Sampling { temperature: 2.0, top_k: Some(3), seed: 5 };
+    let top_3 = Sampling { temperature: 2.0, top_k: Some(3), top_p: None, seed: 5 };
     let draw = |s: &Sampling| {
         let mut r = ChaCha8Rng::seed_from_u64(s.seed);
         (0..400).map(|_| s.sample(&logits, &mut r).unwrap()).collect::<Vec<u32>>()
@@ -614,7 +664,7 @@ fn sampling_picks_from_the_top_k_and_repeats_with_its_seed() {
     // Each of the three has probability ≥ 0.25 at temperature 2: all appear.
     assert!([1, 3, 4].iter().all(|t| draws.contains(t)), "{draws:?}");
     assert_eq!(draws, draw(&top_3), "the same seed");
-    let top_1 = Sampling { temperature: 5.0, top_k: Some(1), seed: 1 };
+    let top_1 = Sampling { temperature: 5.0, top_k: Some(1), top_p: None, seed: 1 };
     assert!(draw(&top_1).iter().all(|&t| t == 1));
     let mut bad = logits;
     bad[2] = f32::NAN;

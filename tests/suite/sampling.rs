@@ -26,9 +26,13 @@ use wgrad::{cpu, Error, Kernels};
 const BOUNDARY_MARGIN: f64 = 1e-5;
 
 /// Whether u·Σw lies within [`BOUNDARY_MARGIN`]·Σw of a boundary between
-/// two candidates of `logits` (cumulative weights in id order, in f64).
-fn near_a_boundary(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> bool {
-    let candidates = cpu::sampling_candidates(logits, temperature, top_k);
+/// two candidates of `logits` (cumulative weights in id order, in f64), or
+/// the nucleus's edge is within rounding of top_p ([`near_the_nucleus_edge`]).
+fn near_a_boundary(logits: &[f32], u: f32, temperature: f32, top_k: u32, top_p: f32) -> bool {
+    if near_the_nucleus_edge(logits, temperature, top_k, top_p) {
+        return true;
+    }
+    let candidates = cpu::sampling_candidates(logits, temperature, top_k, top_p);
     let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
     let target = f64::from(u) * total;
     let mut running = 0.0;
@@ -38,7 +42,25 @@ fn near_a_boundary(logits: &[f32], u: f32, temperature: f32, top_k: u32) -> bool
     })
 }
 
-/// The kernel on `logits` [rows, vocab] with (u, temperature) per row and
+/// Whether some most-likely-first prefix of the top-k candidates holds a
+/// share of their Σw within [`NUCLEUS_MARGIN`] of `top_p` (below 1): the
+/// GPU's f32 sums and the twin's f64 may then cut the nucleus at
+/// neighbouring candidates.
+fn near_the_nucleus_edge(logits: &[f32], temperature: f32, top_k: u32, top_p: f32) -> bool {
+    if !(top_p < 1.0 && temperature > 0.0) {
+        return false;
+    }
+    let mut weights: Vec<f64> = cpu::sampling_candidates(logits, temperature, top_k, 1.0).into_iter().map(|(_, w)| w).collect();
+    weights.sort_by(|a, b| b.total_cmp(a));
+    let total: f64 = weights.iter().sum();
+    let mut running = 0.0;
+    weights.iter().any(|&w| {
+        running += w;
+        (running / total - f64::from(top_p)).abs() <= NUCLEUS_MARGIN
+    })
+}
+
+/// The kernel on `logits` [rows, vocab] with (u, temperature, top_p) per row and
 /// top_k per row: out [rows, 2].
 fn sample_on_gpu(k: &Kernels, logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> wgrad::Result<Vec<u32>> {
     let (logits_gpu, draws_gpu, top_k_gpu) = (k.upload(logits)?, k.upload(draws)?, k.upload(top_k)?);
@@ -71,7 +93,7 @@ fn greedy_picks_equal_the_twin_exactly_ties_included() {
                     logits[vocab..2 * vocab].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 0.0 });
                 }
                 // Temperature 0, or any temperature with k = 1 (greedy too).
-                let draws: Vec<f32> = (0..rows).flat_map(|row| [r.random::<f32>(), if row == 1 { 1.5 } else { 0.0 }]).collect();
+                let draws: Vec<f32> = (0..rows).flat_map(|row| [r.random::<f32>(), if row == 1 { 1.5 } else { 0.0 }, 1.0]).collect();
                 let top_k: Vec<u32> = (0..rows).map(|row| if row == 1 { 1 } else { r.random_range(0..vocab as u32 + 2) }).collect();
                 let got = sample_on_gpu(k, &logits, &draws, &top_k, rows, vocab)?;
                 let want = cpu::sample_rows(&logits, &draws, &top_k, rows, vocab);
@@ -104,18 +126,18 @@ fn sampled_picks_equal_the_twin_away_from_boundaries() {
             for &top_k in ks {
                 let mut r = rng(200 + case as u64 * 10 + u64::from(top_k));
                 let logits = random_logits(&mut r, rows * vocab, levels);
-                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(0.3..3.0)]).collect();
+                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(0.3..3.0), 1.0]).collect();
                 let ks = vec![top_k; rows];
                 let got = sample_on_gpu(k, &logits, &draws, &ks, rows, vocab)?;
                 let want = cpu::sample_rows(&logits, &draws, &ks, rows, vocab);
                 for row in 0..rows {
-                    let what = format!("vocab {vocab}, k {top_k}, row {row}, draw {:?}", &draws[2 * row..2 * row + 2]);
+                    let what = format!("vocab {vocab}, k {top_k}, row {row}, draw {:?}", &draws[3 * row..3 * row + 3]);
                     assert_eq!(got[2 * row + 1], NO_TOKEN, "{what}: no logit is bad");
                     let logits_row = &logits[row * vocab..(row + 1) * vocab];
                     // u·Σw is uniform over [0, Σw): each interior boundary
                     // catches 2·BOUNDARY_MARGIN of the draws.
                     expected_skips += 2.0 * BOUNDARY_MARGIN * (top_k.min(vocab as u32) - 1) as f64;
-                    if near_a_boundary(logits_row, draws[2 * row], draws[2 * row + 1], top_k) {
+                    if near_a_boundary(logits_row, draws[3 * row], draws[3 * row + 1], top_k, 1.0) {
                         skipped += 1;
                         continue;
                     }
@@ -133,20 +155,93 @@ fn sampled_picks_equal_the_twin_away_from_boundaries() {
     });
 }
 
+/// How close (relative to Σw) a most-likely-first prefix's mass may come
+/// to top_p·Σw before the f32 and f64 sums may cut the nucleus at
+/// neighbouring candidates: the GPU's masses are sums like Σw's.
+const NUCLEUS_MARGIN: f64 = 3e-6;
+
+/// (vocab, rows, logit levels or continuous, top_k, top_p values, the
+/// temperatures' range): the nucleus alone and inside a top-k, with ties
+/// cut at its edge (few levels), p from a sliver to nearly all. The large
+/// vocabulary is sampled cold: at temperature 1 its 49152 candidates'
+/// masses lie ~2e-5 apart, within rounding of any p.
+const NUCLEUS_CASES: [(usize, usize, Option<u32>, u32, &[f32], (f32, f32)); 6] = [
+    (1, 8, None, 1, &[0.3, 1.0], (0.3, 2.0)),
+    (7, 48, Some(3), 7, &[0.05, 0.5, 0.9], (0.3, 2.0)),
+    (97, 32, None, 97, &[0.2, 0.75, 0.999], (0.3, 2.0)),
+    (97, 32, Some(5), 40, &[0.3, 0.8], (0.3, 2.0)),
+    (1000, 16, None, 300, &[0.1, 0.95], (0.3, 2.0)),
+    (49152, 3, None, 49152, &[0.5, 0.9], (0.2, 0.3)),
+];
+
+#[test]
+fn nucleus_picks_equal_the_twin_away_from_boundaries() {
+    for_each_adapter("sample_rows top-p", |k| {
+        let (mut checked, mut skipped) = (0usize, Vec::new());
+        for (case, &(vocab, rows, levels, top_k, ps, (cold, hot))) in NUCLEUS_CASES.iter().enumerate() {
+            for (i, &top_p) in ps.iter().enumerate() {
+                let mut r = rng(700 + case as u64 * 10 + i as u64);
+                let logits = random_logits(&mut r, rows * vocab, levels);
+                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(cold..hot), top_p]).collect();
+                let ks = vec![top_k; rows];
+                let got = sample_on_gpu(k, &logits, &draws, &ks, rows, vocab)?;
+                let want = cpu::sample_rows(&logits, &draws, &ks, rows, vocab);
+                for row in 0..rows {
+                    let setting = &draws[3 * row..3 * row + 3];
+                    if near_a_boundary(&logits[row * vocab..(row + 1) * vocab], setting[0], setting[1], top_k, top_p) {
+                        skipped.push((vocab, setting.to_vec(), near_the_nucleus_edge(&logits[row * vocab..(row + 1) * vocab], setting[1], top_k, top_p)));
+                        continue;
+                    }
+                    checked += 1;
+                    // Exact away from a boundary and the nucleus's edge.
+                    assert_eq!(got[2 * row..2 * row + 2], want[2 * row..2 * row + 2], "vocab {vocab}, k {top_k}, row {row}, settings {setting:?}");
+                }
+            }
+        }
+        assert!(skipped.len() <= 3 && checked > 300, "{skipped:?} draws near a boundary skipped, {checked} checked");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_top_p_of_one_is_no_top_p_and_a_tiny_one_is_greedy() {
+    for_each_adapter("generate with top-p", |k| {
+        let mut generator = Generator::new(Arc::clone(k), &model(37), 1)?;
+        let prompt = [2, 7, 1, 8];
+        let max_new = 2 * CONFIG.block_size;
+        let all = Sampling { temperature: 1.0, top_k: Some(9), top_p: None, seed: 38 };
+        let unsampled = generator.generate(&prompt, max_new, &all, |_| Ok(()))?;
+        assert_eq!(generator.generate(&prompt, max_new, &Sampling { top_p: Some(1.0), ..all }, |_| Ok(()))?, unsampled, "top_p 1");
+        let distinct: std::collections::BTreeSet<u32> = unsampled.iter().copied().collect();
+        assert!(distinct.len() > 2, "{all:?} sampled only {distinct:?}");
+        // Below the most likely token's probability, the nucleus is that
+        // token: greedy, whatever the temperature and the draws.
+        let greedy = generator.generate(&prompt, max_new, &Sampling::greedy(), |_| Ok(()))?;
+        for (temperature, seed) in [(1.0, 39), (3.0, 40)] {
+            let tiny = Sampling { temperature, top_k: None, top_p: Some(1e-6), seed };
+            assert_eq!(generator.generate(&prompt, max_new, &tiny, |_| Ok(()))?, greedy, "{tiny:?}");
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn draws_hit_every_top_k_candidate_and_nothing_else() {
     // Ids 1 and 3 share the maximum, 4 and 6 the next value: k = 3 takes
-    // id 4 but not 6.
+    // id 4 but not 6. At temperature 1 the weights are 1, 1, e^-0.5 twice,
+    // then 0.08, 0.05, 0.02 (Σ 3.36): top-p 0.5 keeps ids 1 and 3 (2.0 ≥
+    // 1.68), top-p 0.7 id 4 too but not 6 (2.61 ≥ 2.35).
     let logits = [0.5, 3.0, -1.0, 3.0, 2.5, 0.0, 2.5];
     // 800 rows: a workgroup each, which SwiftShader runs slowly (its
     // barriers are emulated); the draws are seeded, so the shares below
     // are the same every run.
     let (vocab, rows) = (logits.len(), 800);
     for_each_adapter("sample_rows distribution", |k| {
-        for (top_k, temperature, candidates) in [(3u32, 2.0f32, vec![1u32, 3, 4]), (5, 0.7, vec![0, 1, 3, 4, 6]), (7, 4.0, (0..7).collect())] {
+        let cases = [(3u32, 2.0f32, 1.0f32, vec![1u32, 3, 4]), (5, 0.7, 1.0, vec![0, 1, 3, 4, 6]), (7, 4.0, 1.0, (0..7).collect()), (7, 1.0, 0.5, vec![1, 3]), (7, 1.0, 0.7, vec![1, 3, 4])];
+        for (top_k, temperature, top_p, candidates) in cases {
             let mut r = rng(300 + u64::from(top_k));
             let all: Vec<f32> = logits.iter().copied().cycle().take(rows * vocab).collect();
-            let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature]).collect();
+            let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature, top_p]).collect();
             let got = sample_on_gpu(k, &all, &draws, &vec![top_k; rows], rows, vocab)?;
             let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i as usize]) - 3.0) / f64::from(temperature)).exp()).collect();
             let total: f64 = weights.iter().sum();
@@ -154,10 +249,10 @@ fn draws_hit_every_top_k_candidate_and_nothing_else() {
                 let share = got.chunks(2).filter(|pick| pick[0] == id).count() as f64 / rows as f64;
                 // 800 draws: the share's standard deviation is ≤ 0.018,
                 // so 0.05 is 2.8 of them.
-                assert!((share - w / total).abs() < 0.05, "k {top_k}: id {id} drawn {share}, probability {}", w / total);
+                assert!((share - w / total).abs() < 0.05, "k {top_k}, p {top_p}: id {id} drawn {share}, probability {}", w / total);
             }
             let strays: Vec<u32> = got.chunks(2).map(|pick| pick[0]).filter(|id| !candidates.contains(id)).collect();
-            assert!(strays.is_empty(), "k {top_k}: non-candidates drawn: {strays:?}");
+            assert!(strays.is_empty(), "k {top_k}, p {top_p}: non-candidates drawn: {strays:?}");
         }
         Ok(())
     });
@@ -176,9 +271,9 @@ fn a_logit_that_is_not_finite_is_reported_by_its_first_column() {
                 logits[row * vocab + column] = value;
             }
         }
-        let draws: Vec<f32> = (0..rows).flat_map(|row| [0.5, if row % 2 == 0 { 1.0 } else { 0.0 }]).collect();
+        let draws: Vec<f32> = (0..rows).flat_map(|row| [0.5, if row % 2 == 0 { 1.0 } else { 0.0 }, 0.9]).collect();
         let got = sample_on_gpu(k, &logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab)?;
-        let want: Vec<[u32; 2]> = vec![[NO_TOKEN, 2], [NO_TOKEN, 300], [NO_TOKEN, 999], [cpu::sample_row(&logits[3 * vocab..4 * vocab], 0.5, 0.0, 10).0, NO_TOKEN], [NO_TOKEN, 0]];
+        let want: Vec<[u32; 2]> = vec![[NO_TOKEN, 2], [NO_TOKEN, 300], [NO_TOKEN, 999], [cpu::sample_row(&logits[3 * vocab..4 * vocab], 0.5, 0.0, 10, 0.9).0, NO_TOKEN], [NO_TOKEN, 0]];
         assert_eq!(got, want.concat());
         assert_eq!(got, cpu::sample_rows(&logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab));
         Ok(())
@@ -188,10 +283,10 @@ fn a_logit_that_is_not_finite_is_reported_by_its_first_column() {
 #[test]
 fn the_kernel_checks_its_operands() {
     for_each_adapter("sample_rows errors", |k| {
-        let (logits, draws, top_k, out) = (k.zeros(3 * 5)?, k.zeros(6)?, k.zeros(3)?, k.zeros(6)?);
-        let short = k.zeros(5)?;
+        let (logits, draws, top_k, out) = (k.zeros(3 * 5)?, k.zeros(9)?, k.zeros(3)?, k.zeros(6)?);
+        let short = k.zeros(6)?;
         let err = k.sample_rows(out.view(), logits.view(), short.view(), top_k.view(), 3, 5).unwrap_err();
-        assert!(matches!(err, Error::Shape { op: "sample_rows_forward", .. }) && err.to_string().contains("`draws` has 5 elements, want 6"), "{err}");
+        assert!(matches!(err, Error::Shape { op: "sample_rows_forward", .. }) && err.to_string().contains("`draws` has 6 elements, want 9"), "{err}");
         let err = k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 3, 4).unwrap_err();
         assert!(err.to_string().contains("`logits` has 15 elements, want 12"), "{err}");
         assert!(k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5).is_err());
@@ -209,12 +304,13 @@ fn the_host_sampler_is_the_twin() {
         let logits = random_logits(&mut r, vocab, (case % 2 == 0).then_some(4));
         let temperature = if case % 5 == 0 { 0.0 } else { r.random_range(0.2..3.0) };
         let top_k = if case % 3 == 0 { None } else { Some(r.random_range(1..vocab + 3)) };
-        let sampling = Sampling { temperature, top_k, seed: case };
+        let top_p = if case % 4 == 0 { None } else { Some(r.random_range(0.01f32..=1.0)) };
+        let sampling = Sampling { temperature, top_k, top_p, seed: case };
         let mut draws = rng(case);
         let u: f32 = draws.clone().random();
         let picked = sampling.sample(&logits, &mut draws).expect("finite logits");
         let k = top_k.unwrap_or(vocab).min(vocab) as u32;
-        assert_eq!(picked, cpu::sample_row(&logits, u, temperature, k).0, "case {case}: {sampling:?} on {logits:?}");
+        assert_eq!(picked, cpu::sample_row(&logits, u, temperature, k, top_p.unwrap_or(1.0)).0, "case {case}: {sampling:?} on {logits:?}");
     }
 }
 
@@ -224,7 +320,7 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
         let (rows, vocab) = (3, 37);
         let mut g = Graph::new();
         let logits = g.input("logits", &[rows, 1, vocab])?;
-        let draws = g.input("draws", &[rows, 2])?;
+        let draws = g.input("draws", &[rows, 3])?;
         let top_k = g.ids("top_k", &[rows])?;
         let tokens = g.sample_tokens(logits, draws, top_k)?;
         assert_eq!(g.shape_of(tokens), Some(&[rows, 2][..]));
@@ -234,7 +330,7 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
         exec.set_input(logits, &values)?;
         // Different settings each run, from inputs: the graph is built once.
         for (run, (temperature, ks)) in [(0.0, [37, 37, 37]), (1.0, [1, 5, 37]), (0.5, [3, 2, 36])].into_iter().enumerate() {
-            let host_draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature]).collect();
+            let host_draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature, 1.0]).collect();
             exec.set_input(draws, &host_draws)?;
             exec.set_labels(top_k, &ks)?;
             exec.run(&[tokens])?;
@@ -242,7 +338,7 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
             let want = cpu::sample_rows(&values, &host_draws, &ks, rows, vocab);
             for row in 0..rows {
                 let row_logits = &values[row * vocab..(row + 1) * vocab];
-                if !near_a_boundary(row_logits, host_draws[2 * row], temperature, ks[row]) {
+                if !near_a_boundary(row_logits, host_draws[3 * row], temperature, ks[row], 1.0) {
                     assert_eq!(got[2 * row..2 * row + 2], want[2 * row..2 * row + 2], "run {run}, row {row}");
                 }
             }
@@ -255,7 +351,7 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
 fn the_graph_op_checks_shapes_and_has_no_gradient() {
     let mut g = Graph::new();
     let logits = g.input("logits", &[4, 10]).unwrap();
-    let draws = g.input("draws", &[4, 2]).unwrap();
+    let draws = g.input("draws", &[4, 3]).unwrap();
     let top_k = g.ids("top_k", &[4]).unwrap();
     let shape_error = |result: wgrad::Result<_>, shapes: &[&[usize]]| match result {
         Err(Error::Shape { op, shapes: got, .. }) => {
@@ -264,14 +360,14 @@ fn the_graph_op_checks_shapes_and_has_no_gradient() {
         }
         other => panic!("expected a shape error, got {other:?}"),
     };
-    let wide = g.input("wide draws", &[4, 3]).unwrap();
-    shape_error(g.sample_tokens(logits, wide, top_k), &[&[4, 10], &[4, 3], &[4]]);
+    let narrow = g.input("narrow draws", &[4, 2]).unwrap();
+    shape_error(g.sample_tokens(logits, narrow, top_k), &[&[4, 10], &[4, 2], &[4]]);
     let few = g.ids("few", &[3]).unwrap();
-    shape_error(g.sample_tokens(logits, draws, few), &[&[4, 10], &[4, 2], &[3]]);
+    shape_error(g.sample_tokens(logits, draws, few), &[&[4, 10], &[4, 3], &[3]]);
     let float_k = g.input("float k", &[4]).unwrap();
-    shape_error(g.sample_tokens(logits, draws, float_k), &[&[4, 10], &[4, 2], &[4]]);
+    shape_error(g.sample_tokens(logits, draws, float_k), &[&[4, 10], &[4, 3], &[4]]);
     let flat = g.input("flat", &[10]).unwrap();
-    shape_error(g.sample_tokens(flat, draws, top_k), &[&[10], &[4, 2], &[4]]);
+    shape_error(g.sample_tokens(flat, draws, top_k), &[&[10], &[4, 3], &[4]]);
     assert!(g.sample_tokens(logits, top_k, top_k).is_err(), "u32 draws");
 
     let weights = g.parameter("w", &[4, 10], vec![0.0; 40]).unwrap();
@@ -309,7 +405,7 @@ fn replay_on_the_host(generator: &mut Generator, prompt: &[u32], generated: &[u3
         let picked = sampling.sample(&logits, &mut draws)?;
         if picked != token {
             let k = sampling.top_k.unwrap_or(CONFIG.vocab_size) as u32;
-            assert!(near_a_boundary(&logits, u, sampling.temperature, k), "token {i}: the GPU picked {token}, the host {picked}; logits {logits:?}");
+            assert!(near_a_boundary(&logits, u, sampling.temperature, k, sampling.top_p.unwrap_or(1.0)), "token {i}: the GPU picked {token}, the host {picked}; logits {logits:?}");
             near_boundaries += 1;
         }
         let cached = generator.cached_tokens(0).map_or(0, <[u32]>::len);
@@ -332,7 +428,14 @@ fn generate_picks_on_the_gpu_what_the_host_sampler_picks() {
         let prompt = [3, 1, 4, 1, 5];
         // Past the context (13): decode steps and the shifts' prefills.
         let max_new = 2 * CONFIG.block_size;
-        for sampling in [Sampling::greedy(), Sampling { temperature: 1.0, top_k: Some(5), seed: 31 }, Sampling { temperature: 0.7, top_k: None, seed: 32 }] {
+        let samplings = [
+            Sampling::greedy(),
+            Sampling { temperature: 1.0, top_k: Some(5), top_p: None, seed: 31 },
+            Sampling { temperature: 0.7, top_k: None, top_p: None, seed: 32 },
+            Sampling { temperature: 1.0, top_k: None, top_p: Some(0.8), seed: 35 },
+            Sampling { temperature: 1.3, top_k: Some(9), top_p: Some(0.6), seed: 36 },
+        ];
+        for sampling in samplings {
             let generated = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
             assert_eq!(generated.len(), max_new);
             let near = replay_on_the_host(&mut generator, &prompt, &generated, &sampling)?;
@@ -355,7 +458,7 @@ fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
         // logits back, one picks on the GPU (the logits are the same bits).
         let mut reads_logits = Generator::new(Arc::clone(k), &model(33), 3)?;
         let mut picks = Generator::new(Arc::clone(k), &model(33), 3)?;
-        let sampling = Sampling { temperature: 1.2, top_k: Some(6), seed: 34 };
+        let sampling = Sampling { temperature: 1.2, top_k: Some(6), top_p: Some(0.9), seed: 34 };
         let prompts: [&[u32]; 3] = [&[1, 2], &[7], &[9, 9, 9, 9]];
         let (mut gpu_draws, mut host_draws) = (rng(34), rng(34));
         let mut logits = reads_logits.prefill(&prompts)?;
@@ -366,7 +469,7 @@ fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
                 let row = &logits[s * vocab..(s + 1) * vocab];
                 let u: f32 = host_draws.clone().random();
                 let picked = sampling.sample(row, &mut host_draws)?;
-                assert!(picked == token || near_a_boundary(row, u, 1.2, 6), "step {step}, sequence {s}: GPU {token}, host {picked}");
+                assert!(picked == token || near_a_boundary(row, u, 1.2, 6, 0.9), "step {step}, sequence {s}: GPU {token}, host {picked}");
             }
             logits = reads_logits.decode(&tokens)?;
             tokens = picks.decode_and_sample(&tokens, &sampling, &mut gpu_draws)?;

@@ -17,8 +17,8 @@ pub enum GenerationOp {
     /// over positions 0..=starts[s] + t (see
     /// `Kernels::cached_attention_forward`). No gradient.
     CachedAttention { heads: usize, layout: QkvLayout },
-    /// inputs (logits [.., vocab], draws [rows, 2] f32 of (u, temperature),
-    /// top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
+    /// inputs (logits [.., vocab], draws [rows, 3] f32 of (u, temperature,
+    /// top_p), top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
     /// non-finite logit (see `Kernels::sample_rows`). No gradient.
     SampleTokens,
 }
@@ -135,9 +135,10 @@ impl Graph {
     /// The next token of each row of `logits` [.., vocab] (rows: the
     /// product of the leading dimensions), drawn on the GPU with each
     /// row's settings read from inputs, so that changing them rebuilds
-    /// nothing: `draws` f32 [rows, 2] holds (u, temperature) with u
-    /// uniform in `[0, 1)`, `top_k` (u32 `[rows]`) the number of largest logits
-    /// to sample among (clamped to 1..=vocab). -> u32 [rows, 2]: (token,
+    /// nothing: `draws` f32 [rows, 3] holds (u, temperature, top_p) with u
+    /// uniform in `[0, 1)` and top_p the nucleus's share of the
+    /// candidates' mass (1: all of them), `top_k` (u32 `[rows]`) the number
+    /// of largest logits to sample among (clamped to 1..=vocab). -> u32 [rows, 2]: (token,
     /// first column whose logit is not finite, or
     /// [`NO_TOKEN`](crate::ops::NO_TOKEN) when all are). Temperature 0 is
     /// the first maximum; see `Kernels::sample_rows`. No gradient.
@@ -148,8 +149,8 @@ impl Graph {
         let (sl, sd, sk) = (self.shape(logits).to_vec(), self.shape(draws).to_vec(), self.shape(top_k).to_vec());
         let all: [&[usize]; 3] = [&sl, &sd, &sk];
         let (rows, _) = rows_cols(OP, &sl, &all)?;
-        if sd != [rows, 2] {
-            return Err(Error::shape(OP, format!("draws must be [{rows}, 2]: (u, temperature) for each of the logits' {rows} rows"), &all));
+        if sd != [rows, 3] {
+            return Err(Error::shape(OP, format!("draws must be [{rows}, 3]: (u, temperature, top_p) for each of the logits' {rows} rows"), &all));
         }
         if self.node(top_k).dtype != DType::U32 || sk != [rows] {
             return Err(Error::shape(OP, format!("top_k must be u32 [{rows}], one k for each of the logits' {rows} rows"), &all));
