@@ -7,13 +7,14 @@
 //! and broken model files are clear errors before the model is allocated.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::common::{assert_close, for_each_adapter};
 use crate::gguf::{allowance, counted, fields, find, put_u32, put_u64, u64_at};
 use crate::gpt_folder::fixture;
 
 use serde_json::Value as Json;
-use wgrad::infer::generate::{Generator, Sampling};
+use wgrad::infer::generate::{Generator, Sampling, WeightDtype};
 use wgrad::infer::Predictor;
 use wgrad::io::checkpoint;
 use wgrad::io::gguf::{dequantize, llama, GgmlType, Gguf};
@@ -395,22 +396,58 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
     let reference: Json = serde_json::from_slice(&std::fs::read(fixture("smollm2-reference.json")).unwrap()).unwrap();
     let file = GgufModel::open(&path).unwrap();
     assert_eq!(*file.architecture(), GgufArchitecture::Llama(LlamaConfig { rope_layout: RopeLayout::Interleaved, ..LlamaConfig::smollm2_135m() }));
-    let model = file.to_llama().unwrap();
+    // A 256-position cache holds every case: the full 8192 would cost the
+    // test 377 MB of KV cache and prefill passes up to 8192 long.
+    let mut model = file.to_llama().unwrap();
+    let (mut quantized_model, quantized) = file.to_quantized_llama().unwrap();
+    model.config.block_size = 256;
+    quantized_model.config.block_size = 256;
+    let quantized = Arc::new(quantized);
     let as_u32 = |v: &Json| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
     let as_f32 = |v: &Json| -> Vec<f32> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect() };
-    for_each_adapter("SmolLM2 against transformers", |k| {
-        let mut generator = Generator::new(k.clone(), &model, 1)?;
-        for case in reference["prompts"].as_array().unwrap() {
-            let text = case["text"].as_str().unwrap();
-            let prompt = as_u32(&case["ids"]);
-            let logits = generator.prefill(&[&prompt])?;
-            let top_ids = as_u32(&case["top_ids"]);
-            let got: Vec<f32> = top_ids.iter().map(|&i| logits[i as usize]).collect();
-            assert_close(&format!("{text:?}: top logits"), &got, &as_f32(&case["top_logits"]), SMOLLM2_ATOL, SMOLLM2_RTOL);
+    // One adapter per suite run (lavapipe, then SwiftShader in make test):
+    // the small GGUF fixtures above check the numerics on every adapter,
+    // and a 135M model decodes at a few tokens per second on a CPU adapter.
+    let Some(k) = crate::common::adapters().first() else { return crate::common::no_adapter("SmolLM2 against transformers") };
+    let run = || -> wgrad::Result<()> {
+        // The de-quantized model's 538 MB of f32 parameters are one buffer,
+        // over WebGPU's default 256 MiB limit (the SwiftShader run): there
+        // it must be refused clearly, and the quantized model (~100 MB)
+        // still runs.
+        let f32_generator = match Generator::new(k.clone(), &model, 1) {
+            Ok(generator) => Some(generator),
+            Err(e) if k.device().limits().max_buffer_size < 538_060_032 => {
+                assert!(e.to_string().contains("max_buffer_size"), "{e}");
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(mut generator) = f32_generator {
+            for case in reference["prompts"].as_array().unwrap() {
+                let text = case["text"].as_str().unwrap();
+                let prompt = as_u32(&case["ids"]);
+                let logits = generator.prefill(&[&prompt])?;
+                let top_ids = as_u32(&case["top_ids"]);
+                let got: Vec<f32> = top_ids.iter().map(|&i| logits[i as usize]).collect();
+                assert_close(&format!("{text:?}: top logits"), &got, &as_f32(&case["top_logits"]), SMOLLM2_ATOL, SMOLLM2_RTOL);
+                let want = as_u32(&case["greedy"]);
+                let greedy = generator.generate(&prompt, want.len(), &Sampling::greedy(), |_| Ok(()))?;
+                assert_eq!(greedy, want, "{text:?}: transformers continues with {:?}", case["greedy_text"]);
+            }
+        }
+        // The weights as the file stores them, decoded in the kernels: the
+        // reference's greedy tokens (its smallest top-2 margin is 0.15).
+        // Two prompts (plain and ChatML) keep the SwiftShader run short.
+        let mut generator = Generator::new_with_weights(k.clone(), &quantized_model, 1, WeightDtype::F32, quantized.clone())?;
+        for case in reference["prompts"].as_array().unwrap().iter().take(2) {
             let want = as_u32(&case["greedy"]);
-            let greedy = generator.generate(&prompt, want.len(), &Sampling::greedy(), |_| Ok(()))?;
-            assert_eq!(greedy, want, "{text:?}: transformers continues with {:?}", case["greedy_text"]);
+            let greedy = generator.generate(&as_u32(&case["ids"]), want.len(), &Sampling::greedy(), |_| Ok(()))?;
+            assert_eq!(greedy, want, "quantized, {:?}: transformers continues with {:?}", case["text"], case["greedy_text"]);
         }
         Ok(())
-    });
+    };
+    let _gl = k.device().lock_gl();
+    if let Err(e) = run() {
+        panic!("SmolLM2 against transformers on {}: {e}", k.device().label());
+    }
 }
