@@ -6,10 +6,15 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test bench driver adapters
+.PHONY: train test bench driver adapters smollm2
 
 driver:
 	@bash scripts/ensure-vulkan.sh
+
+# SmolLM2-135M-Instruct's GGUF file (98 MB) for the tests that run a real
+# model: fetched into wgrad's cache once, checked by sha256, never committed.
+smollm2:
+	@bash scripts/fetch-smollm2.sh >/dev/null
 
 train: driver
 	$(CARGO) run --release --bin wgrad -- train
@@ -42,7 +47,7 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # that open every adapter then group SwiftShader with itself.
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
-test: driver
+test: driver smollm2
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
 	$(CARGO) test --release $(TEST_FEATURES) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters

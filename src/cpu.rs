@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
 
 /// The element types a twin computes in: f32, as the kernels store values,
 /// and f64, for the graph's reference interpreter
@@ -361,6 +361,35 @@ pub fn matmul_f16_weights(e: Epilogue<'_>, a: &[f32], b: &[half::f16], m: usize,
 /// widened from f16; a row of NaN for an id ≥ vocab.
 pub fn embedding_f16_weights(table: &[half::f16], ids: &[u32], vocab: usize, channels: usize) -> Vec<f32> {
     embedding_forward(&from_f16(table), ids, vocab, channels)
+}
+
+/// A [rows, cols] `format` matrix as a GGUF file stores it (`raw`), decoded
+/// block by block with the GGUF reader's reference decoders
+/// (`gguf::decode_q8_0` and the others): the values the quantized kernels
+/// compute with; an error for a length that is not whole blocks.
+pub fn dequantize(format: QuantFormat, raw: &[u8]) -> Result<Vec<f32>> {
+    let ty = match format {
+        QuantFormat::Q8_0 => crate::io::gguf::GgmlType::Q8_0,
+        QuantFormat::Q4_0 => crate::io::gguf::GgmlType::Q4_0,
+        QuantFormat::Q4_1 => crate::io::gguf::GgmlType::Q4_1,
+    };
+    crate::io::gguf::dequantize(ty, raw).map_err(|reason| Error::InvalidArgument { op: "cpu::dequantize", reason })
+}
+
+/// Twin of `quant_weights.wgsl`'s products (`matvec_quant_forward`,
+/// `matmul_quant_forward`): C = epilogue(A·Bᵀ) with A [m, k] f32 and B
+/// [n, k] in `format` as a GGUF file stores it (`raw`), decoded exactly
+/// ([`dequantize`]); f64 accumulation. Returns C and the pre-activation,
+/// as [`matmul_epilogue`].
+pub fn matmul_quant_weights(e: Epilogue<'_>, a: &[f32], format: QuantFormat, raw: &[u8], m: usize, n: usize, k: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    Ok(matmul_epilogue(MatmulForm::ABt, e, a, &dequantize(format, raw)?, m, n, k))
+}
+
+/// Twin of `embedding_quant_forward`: out[n, channels] = table[ids[n], :]
+/// of a `format` table as a GGUF file stores it; a row of NaN for an id ≥
+/// vocab.
+pub fn embedding_quant_weights(format: QuantFormat, raw: &[u8], ids: &[u32], vocab: usize, channels: usize) -> Result<Vec<f32>> {
+    Ok(embedding_forward(&dequantize(format, raw)?, ids, vocab, channels))
 }
 
 // Row-wise ops (rowwise.wgsl). Out-of-range targets and ids behave as the

@@ -657,3 +657,133 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
         })
         .collect()
 }
+
+/// A block-quantized weight format (ggml's): each block of
+/// [`QuantFormat::BLOCK`] consecutive values of a row holds an f16 scale
+/// `d` (and for Q4_1 an f16 minimum `m`) and one small integer per value.
+/// The kernels read these weights without widening them in memory
+/// (`Kernels::matmul_quant_weights`); the graph stores them as
+/// `DType::Quant`.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantFormat {
+    /// value = q·d, q an i8.
+    Q8_0,
+    /// value = (q − 8)·d, q a nibble.
+    Q4_0,
+    /// value = q·d + m, q a nibble.
+    Q4_1,
+}
+
+impl QuantFormat {
+    pub const ALL: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4_1];
+
+    /// Values per block (every format here).
+    pub const BLOCK: usize = 32;
+
+    /// ggml's name (`Q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "Q8_0",
+            QuantFormat::Q4_0 => "Q4_0",
+            QuantFormat::Q4_1 => "Q4_1",
+        }
+    }
+
+    /// Bytes of one block as a GGUF file stores it: the f16 scale (and
+    /// minimum), then the quantized values (34, 18, 20).
+    pub fn block_bytes(self) -> usize {
+        self.header_bytes() + self.quant_words() * 4
+    }
+
+    /// The f16 scale, and Q4_1's f16 minimum, at the start of a block.
+    fn header_bytes(self) -> usize {
+        match self {
+            QuantFormat::Q4_1 => 4,
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 => 2,
+        }
+    }
+
+    /// 4-byte words of one block's quantized values: 32 i8 or 32 nibbles.
+    pub fn quant_words(self) -> usize {
+        match self {
+            QuantFormat::Q8_0 => 8,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 => 4,
+        }
+    }
+
+    /// The `QUANT_*` code of quant_weights.wgsl (its `QUANT_FORMAT`
+    /// override).
+    pub fn code(self) -> u32 {
+        match self {
+            QuantFormat::Q8_0 => 0,
+            QuantFormat::Q4_0 => 1,
+            QuantFormat::Q4_1 => 2,
+        }
+    }
+
+    /// Words `len` values take in the kernels' layout
+    /// ([`pack_quantized`]): per block its quantized words and one word
+    /// of scale (and minimum). `len` is a multiple of [`QuantFormat::BLOCK`].
+    pub fn stored_words(self, len: usize) -> usize {
+        len / Self::BLOCK * (self.quant_words() + 1)
+    }
+
+    /// A quantized matrix is [rows, cols] with whole blocks per row (a
+    /// GGUF file's rule), as the kernels and the graph need it.
+    pub fn check_shape(self, op: &'static str, rows: usize, cols: usize) -> Result<()> {
+        if rows == 0 || cols == 0 || cols % Self::BLOCK != 0 {
+            return Err(Error::shape(op, format!("a {} matrix needs rows ≥ 1 and a row length that is a multiple of {} values", self.name(), Self::BLOCK), &[&[rows, cols]]));
+        }
+        Ok(())
+    }
+}
+
+/// GGUF's bytes of a [rows, cols] `format` matrix (blocks in row order,
+/// [`QuantFormat::block_bytes`] each) re-packed for the kernels, which
+/// need aligned u32 loads (a file's 34-, 18- or 20-byte blocks are not
+/// 4-byte aligned): first every block's quantized values, its bytes in
+/// file order ([`QuantFormat::quant_words`] words: Q8_0's value i in byte
+/// i, Q4's ggml nibble order, value i in the low nibble of byte i and
+/// value 16 + i in its high nibble), then one word per block holding the
+/// scale's f16 bits in its low half and Q4_1's minimum's in its high half.
+/// [`unpack_quantized`] is its inverse.
+pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize) -> Result<Vec<u32>> {
+    const OP: &str = "pack_quantized";
+    format.check_shape(OP, rows, cols)?;
+    let blocks = rows.checked_mul(cols / QuantFormat::BLOCK).filter(|&b| b.checked_mul(format.block_bytes()) == Some(raw.len()));
+    let Some(blocks) = blocks else {
+        return Err(Error::shape(OP, format!("[{rows}, {cols}] in {} takes {} bytes per block of 32 values; got {} bytes", format.name(), format.block_bytes(), raw.len()), &[&[rows, cols], &[raw.len()]]));
+    };
+    let (header, quant_words) = (format.header_bytes(), format.quant_words());
+    let mut words = vec![0u32; format.stored_words(blocks * QuantFormat::BLOCK)];
+    let (quants, scales) = words.split_at_mut(blocks * quant_words);
+    for ((block, q), s) in raw.chunks_exact(format.block_bytes()).zip(quants.chunks_exact_mut(quant_words)).zip(scales.iter_mut()) {
+        for (word, bytes) in q.iter_mut().zip(block[header..].chunks_exact(4)) {
+            *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        }
+        let half = |i: usize| u32::from(u16::from_le_bytes([block[i], block[i + 1]]));
+        *s = if format == QuantFormat::Q4_1 { half(0) | half(2) << 16 } else { half(0) };
+    }
+    Ok(words)
+}
+
+/// The GGUF bytes of a [rows, cols] `format` matrix from the kernels'
+/// words ([`pack_quantized`]'s inverse): the CPU twins and the graph's
+/// reference decode these.
+pub fn unpack_quantized(format: QuantFormat, words: &[u32], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    const OP: &str = "unpack_quantized";
+    format.check_shape(OP, rows, cols)?;
+    let len = rows.checked_mul(cols).filter(|&len| format.stored_words(len) == words.len());
+    let Some(len) = len else {
+        return Err(Error::shape(OP, format!("[{rows}, {cols}] in {} takes {} words per block of 32 values; got {} words", format.name(), format.quant_words() + 1, words.len()), &[&[rows, cols], &[words.len()]]));
+    };
+    let blocks = len / QuantFormat::BLOCK;
+    let (quants, scales) = words.split_at(blocks * format.quant_words());
+    let mut raw = Vec::with_capacity(blocks * format.block_bytes());
+    for (q, &s) in quants.chunks_exact(format.quant_words()).zip(scales) {
+        raw.extend_from_slice(&s.to_le_bytes()[..format.header_bytes()]);
+        q.iter().for_each(|w| raw.extend_from_slice(&w.to_le_bytes()));
+    }
+    Ok(raw)
+}

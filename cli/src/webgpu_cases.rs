@@ -20,7 +20,7 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgrad::kernels::{
     reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, QkvLayout, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
-    MatmulVariant, OptimizerConfig, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
+    MatmulVariant, OptimizerConfig, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
 };
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
@@ -277,6 +277,10 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["matmul_f16w_forward_shared"], Gpu, |c| f16_weights(c, Some(F16WeightsKernel::Shared))),
         (&["matmul_f16w_forward_shared_vec"], Gpu, f16_weights_shared_vec),
         (&["embedding_f16w_forward"], Web, embedding_f16),
+        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_1, None)),
+        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
+        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))),
+        (&["embedding_quant_forward"], Web, embedding_quant),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
     ];
@@ -1057,6 +1061,63 @@ fn embedding_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let d = c.k.embedding_f16_weights(out.view(), table.view(), ids.view(), n, vocab, channels)?;
     let want = cpu::embedding_f16_weights(&table_h, &ids_h, vocab, channels);
     Ok(Case::new(&["embedding_f16w_forward"], format!("embedding_f16w_forward {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+}
+
+// ---- quant_weights.wgsl ------------------------------------------------
+
+/// f32 sums of up to a few hundred terms whose integers' products are
+/// summed before scaling (up to 15 times the weights' magnitude).
+const QUANT_SUMS: (f64, f64) = (2e-4, 2e-5);
+
+/// A [rows, cols] `format` matrix as a GGUF file stores it: random
+/// integers, and scales (and Q4_1's minimum, in [-0.5, 0)) that keep the
+/// weights within about ±1.
+fn quant_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) -> Vec<u8> {
+    let mut raw = Vec::new();
+    let scale = if format == QuantFormat::Q8_0 { 0.008 } else { 0.06 };
+    for _ in 0..rows * cols / QuantFormat::BLOCK {
+        raw.extend_from_slice(&f16::from_f32(c.rng.random_range(scale / 4.0..scale)).to_le_bytes());
+        if format == QuantFormat::Q4_1 {
+            raw.extend_from_slice(&f16::from_f32(c.rng.random_range(-0.5..0.0)).to_le_bytes());
+        }
+        raw.extend((0..format.quant_words() * 4).map(|_| c.rng.random::<u8>()));
+    }
+    raw
+}
+
+/// A·Bᵀ with quantized weights and the forward epilogue (bias, ReLU, the
+/// pre-activation kept): `None` lets the shape pick (2 rows: the
+/// matrix-vector kernel with the adapter's lanes), else the kernel named.
+fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeightsKernel>) -> Result<Case> {
+    let (m, n, kk) = match kernel {
+        None | Some(QuantWeightsKernel::Matvec { .. }) => (2, 37, 96),
+        Some(QuantWeightsKernel::Tiled) => (37, 29, 64),
+    };
+    let (a_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n, -1.0, 1.0));
+    let raw = quant_blocks(c, format, n, kk);
+    let words = c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, n, kk)?)?;
+    let (a, bias, out, pre) = (c.up(&a_h)?, c.up(&bias_h)?, c.k.zeros(m * n)?, c.k.zeros(m * n)?);
+    let b = QuantView::new(words.view(), format, n, kk)?;
+    let epilogue = MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Relu, Some(pre.view()))), ..MatmulEpilogue::default() };
+    let d = match kernel {
+        None => c.k.matmul_quant_weights(epilogue, out.view(), a.view(), b, m, n, kk)?,
+        Some(kernel) => c.k.matmul_quant_weights_with(kernel, epilogue, out.view(), a.view(), b, m, n, kk)?,
+    };
+    let entry = d.kernel().entry;
+    let e = cpu::Epilogue { bias: Some(&bias_h), activation: Some(Activation::Relu), ..cpu::Epilogue::default() };
+    let (want, want_pre) = cpu::matmul_quant_weights(e, &a_h, format, &raw, m, n, kk)?;
+    let name = format!("{entry} {format:?} {m}x{n}x{kk} +bias relu");
+    Ok(Case::new(&[entry], name, vec![d], vec![expect("c", &out, want, QUANT_SUMS.0, QUANT_SUMS.1), expect("pre", &pre, want_pre, QUANT_SUMS.0, QUANT_SUMS.1)]))
+}
+
+fn embedding_quant(c: &mut Ctx<'_>) -> Result<Case> {
+    let (n, vocab, channels, format) = (37, 23, 64, QuantFormat::Q4_1);
+    let (raw, ids_h) = (quant_blocks(c, format, vocab, channels), c.ids(n, vocab as u32));
+    let (words, ids, out) = (c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, vocab, channels)?)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
+    let d = c.k.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, ids.view(), n)?;
+    let want = cpu::embedding_quant_weights(format, &raw, &ids_h, vocab, channels)?;
+    // q·d + m: one rounding (q·d is exact), as the kernel's fma.
+    Ok(Case::new(&["embedding_quant_forward"], format!("embedding_quant_forward {format:?} {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
 }
 
 // ---- writing -----------------------------------------------------------

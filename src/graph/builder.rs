@@ -3,8 +3,9 @@
 //! `graph/ops/`, so a bad shape is an `Error` at build time naming the op;
 //! here are the checks they share.
 
-use super::ops::{Op, SourceOp};
+use super::ops::{Op, ParameterInit, SourceOp};
 use crate::error::{Error, Result};
+use crate::ops::QuantFormat;
 
 /// A handle to a node's output. Cheap to copy; only meaningful for the graph
 /// that made it.
@@ -28,6 +29,30 @@ pub enum DType {
     /// Only an ABt matmul (as B) and an embedding (as the table) read it,
     /// in f32; an executor with gradients or an optimizer refuses it.
     F16,
+    /// A parameter stored block-quantized, as a GGUF file holds it, in the
+    /// kernels' layout ([`Graph::parameter_quantized`],
+    /// [`crate::ops::pack_quantized`]): generation's weights. Read as
+    /// [`DType::F16`] is, by an ABt matmul (as B) and an embedding (as the
+    /// table) only; an executor with gradients or an optimizer refuses it.
+    Quant(QuantFormat),
+}
+
+impl DType {
+    /// A weight only an ABt matmul's B or an embedding's table reads (f16
+    /// or block-quantized): generation's storage.
+    pub fn is_stored_weight(self) -> bool {
+        matches!(self, DType::F16 | DType::Quant(_))
+    }
+
+    /// What a tensor of this dtype holds, for errors.
+    pub(crate) fn describe(self) -> String {
+        match self {
+            DType::F32 => "f32 values".into(),
+            DType::U32 => "u32 values".into(),
+            DType::F16 => "f16 weights (only an ABt matmul's B or an embedding table)".into(),
+            DType::Quant(format) => format!("{} block-quantized weights (only an ABt matmul's B or an embedding table)", format.name()),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -94,10 +119,11 @@ impl Graph {
         &self.nodes[t.0]
     }
 
-    /// The initial values of a parameter, to edit before the graph runs.
+    /// The initial values of a parameter, to edit before the graph runs
+    /// (None for a block-quantized one, whose words are not values).
     pub fn parameter_init_mut(&mut self, t: Tensor) -> Option<&mut [f32]> {
         match self.nodes.get_mut(t.0).map(|n| &mut n.op) {
-            Some(Op::Source(SourceOp::Parameter { init })) => Some(init.as_mut_slice()),
+            Some(Op::Source(SourceOp::Parameter { init: ParameterInit::Values(init) })) => Some(init.as_mut_slice()),
             _ => None,
         }
     }
@@ -139,10 +165,9 @@ impl Graph {
         for &t in inputs {
             self.check_handle(op, t)?;
             if self.node(t).dtype != DType::F32 {
-                let held = if self.node(t).dtype == DType::F16 { "f16 weights (only an ABt matmul's B or an embedding table)" } else { "u32 values" };
                 return Err(Error::InvalidArgument {
                     op,
-                    reason: format!("`{}` holds {held}; {op} needs f32", self.node(t).name),
+                    reason: format!("`{}` holds {}; {op} needs f32", self.node(t).name, self.node(t).dtype.describe()),
                 });
             }
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
-use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, SourceOp};
+use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, ParameterInit, SourceOp};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
@@ -91,12 +91,12 @@ impl Executor {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an output or gradient is not in this graph".into() });
         }
         // The gradient and state arenas share the parameters' layout, and
-        // nothing computes a gradient or an update in f16.
+        // nothing computes a gradient or an update in f16 or quantized.
         if gradients.is_some() {
-            if let Some(p) = graph.parameters().into_iter().find(|&p| graph.node(p).dtype == DType::F16) {
+            if let Some(p) = graph.parameters().into_iter().find(|&p| graph.node(p).dtype.is_stored_weight()) {
                 return Err(Error::InvalidArgument {
                     op: "Executor::new",
-                    reason: format!("parameter `{}` is stored in f16, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name),
+                    reason: format!("parameter `{}` holds {}, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name, graph.node(p).dtype.describe()),
                 });
             }
         }
@@ -123,8 +123,13 @@ impl Executor {
         let arena_len = plan.param_arena_len.max(1);
         let mut initial = vec![0.0f32; arena_len];
         for &(p, offset) in &plan.param_offsets {
-            if let Op::Source(SourceOp::Parameter { init }) = &graph.node(p).op {
-                put_parameter(&mut initial[offset..], graph.node(p).dtype, init);
+            match &graph.node(p).op {
+                Op::Source(SourceOp::Parameter { init: ParameterInit::Values(init) }) => put_parameter(&mut initial[offset..], graph.node(p).dtype, init)?,
+                // Already in the kernels' layout: the words' bits as they are.
+                Op::Source(SourceOp::Parameter { init: ParameterInit::Packed(words) }) => {
+                    initial[offset..offset + words.len()].iter_mut().zip(words).for_each(|(slot, &w)| *slot = f32::from_bits(w));
+                }
+                _ => {}
             }
         }
         let params = kernels.upload(&initial)?;
@@ -687,22 +692,23 @@ impl Executor {
 
     /// Reads an output (waits for the GPU).
     pub fn read(&self, t: Tensor) -> Result<Vec<f32>> {
-        self.not_f16("read", t)?;
+        self.not_stored_weight("read", t)?;
         self.kernels.read(self.tensor_view(t)?)
     }
 
-    /// An f16 parameter's words are not f32 values: read it through
-    /// [`Executor::parameters`], which widens them.
-    fn not_f16(&self, op: &'static str, t: Tensor) -> Result<()> {
+    /// An f16 or quantized parameter's words are not f32 values: read an
+    /// f16 one through [`Executor::parameters`], which widens them.
+    fn not_stored_weight(&self, op: &'static str, t: Tensor) -> Result<()> {
         match self.graph.get(t) {
             Some(node) if node.dtype == DType::F16 => Err(Error::InvalidArgument { op, reason: format!("`{}` is stored in f16; read it with Executor::parameters", node.name) }),
+            Some(node) if node.dtype.is_stored_weight() => Err(Error::InvalidArgument { op, reason: format!("`{}` holds {}, not f32 values", node.name, node.dtype.describe()) }),
             _ => Ok(()),
         }
     }
 
     /// Reads a u32 output (argmax).
     pub fn read_u32(&self, t: Tensor) -> Result<Vec<u32>> {
-        self.not_f16("read_u32", t)?;
+        self.not_stored_weight("read_u32", t)?;
         self.kernels.read(self.tensor_view(t)?)
     }
 
@@ -716,8 +722,11 @@ impl Executor {
     }
 
     /// Host copies of every parameter: (name, shape, values); an f16
-    /// parameter's values widened to f32 (exact).
+    /// parameter's values widened to f32 (exact). An error for a graph
+    /// with a quantized parameter, whose values are its file's blocks (a
+    /// GGUF reader decodes those).
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+        self.no_quantized_parameter("Executor::parameters")?;
         let all: Vec<f32> = self.kernels.read(self.params.view())?;
         Ok(self
             .plan
@@ -728,6 +737,13 @@ impl Executor {
                 (node.name.clone(), node.shape.clone(), take_parameter(&all[offset..], node.dtype, node.len()))
             })
             .collect())
+    }
+
+    fn no_quantized_parameter(&self, op: &'static str) -> Result<()> {
+        match self.plan.param_offsets.iter().map(|&(p, _)| self.graph.node(p)).find(|n| matches!(n.dtype, DType::Quant(_))) {
+            Some(node) => Err(Error::InvalidArgument { op, reason: format!("parameter `{}` holds {}, which have no f32 copy to read or write", node.name, node.dtype.describe()) }),
+            None => Ok(()),
+        }
     }
 
     /// (name, shape) of every parameter, in arena order.
@@ -762,6 +778,7 @@ impl Executor {
         optimizer_state: &[(String, String, Vec<f32>)],
         step: Option<u64>,
     ) -> Result<()> {
+        self.no_quantized_parameter("load_state")?;
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
         let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
         for (name, shape, values) in params {
@@ -773,7 +790,7 @@ impl Executor {
             if &node.shape != shape || values.len() != node.len() {
                 return Err(Error::shape("load_state", format!("parameter `{name}`: model has {:?}, checkpoint {shape:?}", node.shape), &[&node.shape, shape]));
             }
-            put_parameter(&mut host[offset..], node.dtype, values);
+            put_parameter(&mut host[offset..], node.dtype, values)?;
         }
         // The optimizer checks its state before writing any; then the
         // parameters, all checked above, are written.
@@ -791,8 +808,9 @@ impl Executor {
 
 /// Writes a parameter's `values` at the start of `arena` as `dtype` stores
 /// them: f32 as is, f16 rounded to nearest and packed two per word (the
-/// words' bits carried in the f32 arena's host copy).
-fn put_parameter(arena: &mut [f32], dtype: DType, values: &[f32]) {
+/// words' bits carried in the f32 arena's host copy). Values cannot be
+/// quantized here: a quantized parameter comes as its file's blocks.
+fn put_parameter(arena: &mut [f32], dtype: DType, values: &[f32]) -> Result<()> {
     match dtype {
         DType::F16 => {
             let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
@@ -800,8 +818,10 @@ fn put_parameter(arena: &mut [f32], dtype: DType, values: &[f32]) {
                 *slot = f32::from_bits(word);
             }
         }
+        DType::Quant(format) => return Err(Error::InvalidArgument { op: "put_parameter", reason: format!("f32 values cannot be stored as {}: a quantized parameter is given as its blocks", format.name()) }),
         DType::F32 | DType::U32 => arena[..values.len()].copy_from_slice(values),
     }
+    Ok(())
 }
 
 /// The `len` values of a `dtype` parameter at the start of `arena`, as f32.
@@ -812,6 +832,8 @@ fn take_parameter(arena: &[f32], dtype: DType, len: usize) -> Vec<f32> {
             crate::kernels::unpack_f16(&words, len).iter().map(|h| h.to_f32()).collect()
         }
         DType::F32 | DType::U32 => arena[..len].to_vec(),
+        // Refused before reading (Executor::no_quantized_parameter).
+        DType::Quant(_) => Vec::new(),
     }
 }
 

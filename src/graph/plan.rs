@@ -162,10 +162,12 @@ impl Default for PlanOptions {
 const BYTES: u64 = 4;
 
 /// 4-byte words that `len` values of `dtype` take in storage: an f16
-/// parameter packs two values per word (the first in the low half).
+/// parameter packs two values per word (the first in the low half), a
+/// quantized one takes its format's words per block of 32 values.
 pub fn stored_words(dtype: DType, len: usize) -> usize {
     match dtype {
         DType::F16 => len.div_ceil(2),
+        DType::Quant(format) => format.stored_words(len),
         DType::F32 | DType::U32 => len,
     }
 }

@@ -19,86 +19,44 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # Where the cache lives
+//! # How
 //!
-//! The [`Executor`] owns every GPU buffer, the cache included: the graph
-//! has a kind of tensor that keeps its values from run to run
-//! ([`Graph::cache`], zero when built and after [`Generator::reset`]), and
-//! one op that writes into it, [`Graph::cached_attention`]. So the
-//! generator is an ordinary graph, planned, fused and allocated once like
-//! a training step, rather than a second engine of hand-built dispatches.
-//! Each attention layer has two caches, keys and values, each
-//! `[sequences, n_kv_head, block_size, head_dim]` f32, allocated for the
-//! model's whole context: 2 · n_layer · sequences · block_size ·
-//! n_kv_head · head_dim floats in all (72 MiB for GPT-2 small with one
-//! sequence; a grouped-query model's are n_head / n_kv_head times
-//! smaller). A head's rows are contiguous, so attending reads one block
-//! per head.
+//! The generator is an ordinary graph, planned, fused and allocated once
+//! like a training step, rather than a second engine of hand-built
+//! dispatches: the [`Executor`] owns the KV caches as tensors that keep
+//! their values from run to run ([`Graph::cache`]), written only by
+//! [`Graph::cached_attention`]. Each attention layer has a key and a value
+//! cache, `[sequences, n_kv_head, block_size, head_dim]` f32 for the whole
+//! context (72 MiB for GPT-2 small; a grouped-query model's are n_head /
+//! n_kv_head times smaller).
 //!
-//! The passes are the model's **own forward**, run under a
-//! [`ForwardContext`] (see `nn::causal_lm`): its attention modules write
-//! their keys and values into the caches and attend over them with
-//! [`Graph::cached_attention`] (a GPT's fused qkv rows as they are;
-//! Llama's q and k rotated at their positions first, its KV heads shared
-//! by their query heads in the kernel), the GPT's position rows come from
-//! the cache positions, and each parameter is declared once across
-//! passes. Generation knows a model only through [`CausalLm`]. One graph
-//! holds the forward passes, all over the same parameters and caches:
+//! The passes are the model's **own forward** under a [`ForwardContext`]
+//! (`nn::causal_lm`), which routes its attention through the caches and its
+//! positions through the pass's inputs, so generation knows a model only
+//! through [`CausalLm`]. One graph holds, over the same parameters:
 //!
-//! - **prefill**, a whole prompt in one submission: the usual causal
-//!   forward, whose attention also writes every position's keys and values
-//!   into the caches; only each sequence's last prompt row goes through the
-//!   final norm and the head ([`CausalLm::body`], then
-//!   [`CausalLm::logits`] on those rows). A pass is built for each of a few lengths
-//!   (powers of two from 8, then block_size) and a prompt runs in the
-//!   shortest that holds it, padded: at most twice its own work, and a
-//!   handful of passes for any context (8 for GPT-2's 1024). Padded rows
-//!   write cache rows past the prompt, which nothing reads before a decode
-//!   step overwrites them.
-//! - **decode**, one token per sequence: embeddings, projections, MLP,
-//!   norms and head on one row per sequence, and
-//!   `cached_attention_forward`, which writes the new key and value at the
-//!   sequence's position and attends over cache rows 0..=pos. The position
-//!   is a u32 input written before the step (it also picks a GPT's
-//!   position embedding and Llama's rotation), so the graph is never
-//!   rebuilt. Per token this is about nine dispatches per GPT layer and
-//!   six more (the sampler included), one submission, and work
-//!   O(n_layer · (n_embd² + pos · n_embd)) per sequence: the projections,
-//!   plus attention linear in the position instead of quadratic.
+//! - **prefill** passes, a whole prompt in one submission, for a few
+//!   lengths (powers of two from 8, then block_size; a prompt runs padded
+//!   in the shortest that holds it, so at most twice its work). Only each
+//!   sequence's last prompt row goes through the final norm and the head.
+//! - **decode**, one token per sequence at a position written as a u32
+//!   input, so the graph is never rebuilt: work per token is linear in the
+//!   position instead of quadratic.
 //!
-//! Only the tokens come back. Each pass ends in [`Graph::sample_tokens`],
-//! which picks every sequence's next token on the GPU in the step's own
-//! submission, so a step reads back two u32 per sequence (the token, and
-//! the first logit that is not finite, for the error) instead of its
-//! `vocab_size` logits (201 KB for GPT-2). The sampler's settings and its
-//! uniform draw, one per sequence per step from a ChaCha8 generator on the
-//! host, are inputs written before the step, so changing them rebuilds
-//! nothing; [`Sampling::sample`] is the same sampler on the host.
-//! [`Generator::prefill`] and [`Generator::decode`] still return all the
-//! logits, for callers who want them.
+//! Each pass ends in [`Graph::sample_tokens`], so a step reads back two u32
+//! per sequence (the token, and the first non-finite logit for the error)
+//! instead of its logits; the sampler's settings and its uniform draws (a
+//! ChaCha8 stream on the host, one per sequence per step) are inputs.
+//! [`Sampling::sample`] is the same sampler on the host.
 //!
-//! # Past the context
+//! Past the context, [`Generator::generate`] keeps the last `block_size /
+//! 2` tokens and prefills them again (nanoGPT instead recomputes a cropped
+//! window for every token, `block_size` times the work).
 //!
-//! The cache holds `block_size` positions. When [`Generator::generate`]
-//! needs one more, it keeps the last `block_size / 2` tokens (at least
-//! one), prefills them again from position 0 and carries on: one prefill
-//! every `block_size / 2` tokens. nanoGPT instead crops the sequence to
-//! `block_size` and recomputes it for every token, which gives each token
-//! a full window at `block_size` times the work. [`Generator::decode`]
-//! itself refuses to go past the context.
-//!
-//! # Weights in f16
-//!
-//! [`Generator::new_with_dtype`] with [`WeightDtype::F16`] stores the
-//! weights a decode step reads most of, every Linear's weight (a block's
-//! projections, an untied head) and a token table the head reuses, in f16
-//! ([`Graph::parameter_f16`], chosen at declaration by the forward
-//! context), and reads them in f32 with f32 accumulation
-//! (`f16_weights.wgsl`): a decode step then moves about half the bytes.
-//! Biases, norms, position tables, an untied token table (one row per
-//! token), activations and the KV caches stay f32. The results are the
-//! f32 generator's on the weights rounded to f16. Where the adapter lacks
-//! SHADER_F16 the generator is f32 and [`Generator::dtype`] says so.
+//! With [`WeightDtype::F16`] every Linear's weight and a tied token table
+//! are stored in f16 and read in f32 (`f16_weights.wgsl`), so a decode step
+//! moves about half the bytes; the rest stays f32. Without SHADER_F16 the
+//! generator is f32 and [`Generator::dtype`] says so.
 
 use std::sync::Arc;
 
@@ -109,7 +67,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{check_token_ids, Kernels, View};
 pub use crate::nn::WeightDtype;
-use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig};
+use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig, QuantizedWeights};
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -331,13 +289,21 @@ impl Generator {
     /// [`Generator::new`] with the weights stored as `dtype`: f16 where the
     /// adapter has SHADER_F16, else f32 ([`Generator::dtype`] tells which).
     pub fn new_with_dtype(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> Result<Self> {
+        Self::new_with_weights(kernels, model, sequences, dtype, Arc::default())
+    }
+
+    /// [`Generator::new_with_dtype`] with the matrices `quantized` names
+    /// stored block-quantized, as its bytes (a GGUF file's) hold them, in
+    /// place of the model's values for them (see
+    /// [`ForwardContext::with_quantized`]).
+    pub fn new_with_weights(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype, quantized: Arc<QuantizedWeights>) -> Result<Self> {
         let dtype = dtype.on(&kernels);
         if sequences == 0 {
             return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
         }
         let context = model.context_len();
         let mut g = Graph::new();
-        let mut cx = ForwardContext::new(dtype, context);
+        let mut cx = ForwardContext::new(dtype, context).with_quantized(quantized);
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 2])?, top_k: g.ids("sample.top_k", &[sequences])? };
         // Prompts start at position 0: the starts stay zero, and row t of
         // every prompt is position t.
@@ -583,13 +549,8 @@ impl Generator {
         Ok(logits)
     }
 
-    /// [`Generator::decode`] that also picks each sequence's next token by
-    /// `sampling` on the GPU, in the same submission, with one draw of
-    /// `rng` per sequence (in sequence order): only the tokens come back,
-    /// one per sequence, two u32 each instead of a vocabulary of logits. The
-    /// tokens are those [`Sampling::sample`] picks from the logits with
-    /// the same `rng`, up to f32 rounding at the boundaries between
-    /// candidates (see `Kernels::sample_rows`).
+    /// [`Generator::decode`] picking each sequence's next token on the GPU,
+    /// as [`Generator::prefill_and_sample`] does.
     pub fn decode_and_sample(&mut self, tokens: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
         const OP: &str = "Generator::decode_and_sample";
         sampling.check()?;

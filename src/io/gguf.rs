@@ -198,6 +198,21 @@ impl GgmlType {
     }
 }
 
+/// The block-quantized formats the kernels read as they are stored; any
+/// other type is handed back (to be decoded to f32 or refused).
+impl TryFrom<GgmlType> for crate::ops::QuantFormat {
+    type Error = GgmlType;
+
+    fn try_from(ty: GgmlType) -> std::result::Result<Self, GgmlType> {
+        match ty {
+            GgmlType::Q8_0 => Ok(crate::ops::QuantFormat::Q8_0),
+            GgmlType::Q4_0 => Ok(crate::ops::QuantFormat::Q4_0),
+            GgmlType::Q4_1 => Ok(crate::ops::QuantFormat::Q4_1),
+            other => Err(other),
+        }
+    }
+}
+
 impl std::fmt::Display for GgmlType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -626,7 +641,8 @@ impl Gguf {
         })
     }
 
-    fn tensor_error(&self, info: &TensorInfo, reason: String) -> Error {
+    /// An error about `info`'s tensor in this file.
+    pub fn tensor_error(&self, info: &TensorInfo, reason: String) -> Error {
         Error::GgufTensor { path: self.path.clone(), tensor: info.name.clone(), dtype: info.describe(), reason }
     }
 
@@ -698,7 +714,8 @@ fn describe_value(v: &Value) -> String {
     }
 }
 
-fn unsupported(ty: GgmlType) -> String {
+/// Why a tensor of type `ty` cannot be decoded (for an error naming it).
+pub(crate) fn unsupported(ty: GgmlType) -> String {
     let names: Vec<&str> = DECODED_TYPES.iter().map(|t| t.name()).collect();
     format!("type {ty} is not supported: wgrad decodes {}", names.join(", "))
 }
@@ -1133,40 +1150,58 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> std::result::Result<Vec<f32>, Str
 pub mod llama {
     use super::{Error, Gguf, Result};
 
-    /// The Hugging Face (`LlamaForCausalLM`) name of a GGUF tensor name, or
-    /// `None` for a name with no counterpart (`rope_freqs.weight`).
-    pub fn hf_name(gguf_name: &str) -> Option<String> {
-        let fixed = match gguf_name {
-            "token_embd.weight" => Some("model.embed_tokens.weight"),
-            "output_norm.weight" => Some("model.norm.weight"),
-            "output.weight" => Some("lm_head.weight"),
-            _ => None,
-        };
-        if let Some(name) = fixed {
-            return Some(name.to_string());
-        }
-        let rest = gguf_name.strip_prefix("blk.")?;
-        let (layer, part) = rest.split_once('.')?;
+    /// GGUF's names of the Llama's whole-model tensors and Hugging Face's
+    /// (`LlamaForCausalLM`'s) for them.
+    const MODEL_TENSORS: [(&str, &str); 3] =
+        [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight")];
+
+    /// The modules of block N: `blk.N.{gguf}` is `model.layers.N.{hf}`.
+    const BLOCK_MODULES: [(&str, &str); 9] = [
+        ("attn_norm", "input_layernorm"),
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"),
+        ("ffn_norm", "post_attention_layernorm"),
+        ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"),
+        ("ffn_down", "mlp.down_proj"),
+    ];
+
+    /// `(layer, module, suffix)` of `{prefix}{layer}.{module}.{weight|bias}`
+    /// with a decimal layer number.
+    fn split_block_name<'a>(name: &'a str, prefix: &str) -> Option<(&'a str, &'a str, &'a str)> {
+        let (layer, part) = name.strip_prefix(prefix)?.split_once('.')?;
         if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
             return None;
         }
         let (module, suffix) = part.rsplit_once('.')?;
-        if suffix != "weight" && suffix != "bias" {
-            return None;
+        (suffix == "weight" || suffix == "bias").then_some((layer, module, suffix))
+    }
+
+    /// A name in one naming translated to the other: GGUF's to Hugging
+    /// Face's when `to_hf`, else back.
+    fn translate(name: &str, to_hf: bool) -> Option<String> {
+        let direct = |pair: &(&'static str, &'static str)| if to_hf { *pair } else { (pair.1, pair.0) };
+        if let Some((_, to)) = MODEL_TENSORS.iter().map(direct).find(|(f, _)| *f == name) {
+            return Some(to.to_string());
         }
-        let hf = match module {
-            "attn_norm" => "input_layernorm",
-            "attn_q" => "self_attn.q_proj",
-            "attn_k" => "self_attn.k_proj",
-            "attn_v" => "self_attn.v_proj",
-            "attn_output" => "self_attn.o_proj",
-            "ffn_norm" => "post_attention_layernorm",
-            "ffn_gate" => "mlp.gate_proj",
-            "ffn_up" => "mlp.up_proj",
-            "ffn_down" => "mlp.down_proj",
-            _ => return None,
-        };
-        Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+        let (from_prefix, to_prefix) = if to_hf { ("blk.", "model.layers.") } else { ("model.layers.", "blk.") };
+        let (layer, module, suffix) = split_block_name(name, from_prefix)?;
+        let (_, to) = BLOCK_MODULES.iter().map(direct).find(|(f, _)| *f == module)?;
+        Some(format!("{to_prefix}{layer}.{to}.{suffix}"))
+    }
+
+    /// The Hugging Face (`LlamaForCausalLM`) name of a GGUF tensor name, or
+    /// `None` for a name with no counterpart (`rope_freqs.weight`).
+    pub fn hf_name(gguf_name: &str) -> Option<String> {
+        translate(gguf_name, true)
+    }
+
+    /// The GGUF name of a Hugging Face Llama parameter name: the inverse of
+    /// [`hf_name`].
+    pub fn gguf_name(hf_name: &str) -> Option<String> {
+        translate(hf_name, false)
     }
 
     /// How many heads the converter permuted this tensor's rows over:

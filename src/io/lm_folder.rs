@@ -5,10 +5,13 @@
 //! else a GPT-2 folder ([`crate::io::gpt_folder`], which refuses another
 //! `model_type` with its own error). What comes back is a [`CausalLm`],
 //! which [`crate::infer::generate::Generator`] runs whatever the family.
+//! [`load_model`] takes either such a folder or a llama.cpp GGUF file
+//! ([`crate::io::gguf_model`]).
 
 use std::path::Path;
 
 use crate::error::Result;
+use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
 use crate::io::hf_folder::ConfigFields;
 use crate::io::llama_folder::{load_llama_folder, read_llama_config};
@@ -27,6 +30,9 @@ pub struct LoadedLm {
     pub model: Box<dyn CausalLm>,
     /// From `wgrad_tokenizer.json` (or GPT-2's BPE for GPT-2's vocabulary).
     pub tokenizer: Option<TokenizerSpec>,
+    /// The GGUF file the model came from, kept open: its tokenizer's
+    /// metadata and its tensors' raw (quantized) blocks. `None` for a folder.
+    pub gguf: Option<GgufModel>,
 }
 
 /// The family of the folder at `dir`, from its config.json alone.
@@ -60,5 +66,42 @@ pub fn load_lm_folder(dir: impl AsRef<Path>) -> Result<LoadedLm> {
             (Box::new(loaded.model), loaded.tokenizer)
         }
     };
-    Ok(LoadedLm { family, model, tokenizer })
+    Ok(LoadedLm { family, model, tokenizer, gguf: None })
+}
+
+/// Whether [`load_model`] reads `path` as a GGUF file: it is a file (a
+/// folder is a Hugging Face folder), or it does not exist and is named
+/// `*.gguf` (so the error is the GGUF reader's).
+pub fn is_gguf_path(path: impl AsRef<Path>) -> bool {
+    let path = path.as_ref();
+    path.is_file() || (!path.exists() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+}
+
+/// The sizes of the model at `path`, a folder or a GGUF file, checked,
+/// without reading its weights: enough for
+/// [`crate::infer::generate::check_fits`].
+pub fn read_model_config(path: impl AsRef<Path>) -> Result<Box<dyn LmConfig>> {
+    let path = path.as_ref();
+    if is_gguf_path(path) {
+        Ok(GgufModel::open(path)?.architecture().lm_config())
+    } else {
+        read_lm_config(path)
+    }
+}
+
+/// The model at `path`: a Hugging Face folder ([`load_lm_folder`]) or a
+/// GGUF file, whose weights are de-quantized to f32 (the file stays open
+/// in [`LoadedLm::gguf`]; its tokenizer is in the file's metadata, so
+/// [`LoadedLm::tokenizer`] is `None`).
+pub fn load_model(path: impl AsRef<Path>) -> Result<LoadedLm> {
+    let path = path.as_ref();
+    if !is_gguf_path(path) {
+        return load_lm_folder(path);
+    }
+    let gguf = GgufModel::open(path)?;
+    let family = match gguf.architecture() {
+        GgufArchitecture::Llama(_) => LmFamily::Llama,
+        GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
+    };
+    Ok(LoadedLm { family, model: gguf.to_causal_lm()?, tokenizer: None, gguf: Some(gguf) })
 }

@@ -1,6 +1,6 @@
 //! wgrad's per-user cache directory and atomic writes into it, shared by
-//! the matmul tuning table (`kernels::autotune`) and the pipeline cache
-//! (`pipeline_cache`).
+//! the matmul tuning table (`kernels::autotune`), the pipeline cache
+//! (`pipeline_cache`) and downloaded models (`models_dir`).
 
 use std::path::PathBuf;
 
@@ -14,6 +14,12 @@ pub fn cache_dir() -> Option<PathBuf> {
     non_empty(ENV_CACHE_DIR)
         .or_else(|| non_empty("XDG_CACHE_HOME").map(|d| d.join("wgrad")))
         .or_else(|| non_empty("HOME").map(|d| d.join(".cache").join("wgrad")))
+}
+
+/// Where downloaded model files live: `<cache_dir>/models`
+/// (`scripts/fetch-smollm2.sh` puts SmolLM2 there).
+pub fn models_dir() -> Option<PathBuf> {
+    cache_dir().map(|d| d.join("models"))
 }
 
 /// FNV-1a over bytes: stable across Rust releases and platforms, so a

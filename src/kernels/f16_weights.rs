@@ -171,21 +171,8 @@ impl Kernels {
                 &shapes,
             ));
         }
-        let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
-        if accumulate || activation_grad.is_some() {
-            return Err(Error::InvalidArgument { op, reason: "f16 weights take the forward epilogue only (bias, activation); accumulation and activation gradients are training's".into() });
-        }
-        if let Some(bias) = &bias {
-            if bias.len != n {
-                return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&[m, k], &[n, k], &[bias.len]]));
-            }
-        }
-        let pre = activation.and_then(|(_, pre)| pre);
-        if let Some(pre) = &pre {
-            if pre.len != c.len {
-                return Err(Error::shape(op, format!("the pre-activation output must be m×n = {m}×{n} like C, got {} values", pre.len), &[&[m, n], &[pre.len]]));
-            }
-        }
+        let pre = epilogue.forward_only(op, "f16 weights", (m, n, k))?;
+        let MatmulEpilogue { bias, activation, .. } = epilogue;
         if let F16WeightsKernel::Matvec { lanes } = kernel {
             // Lane c stores column c of the workgroup's 8.
             if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {

@@ -117,6 +117,31 @@ pub struct MatmulEpilogue<'a> {
     pub activation_grad: Option<(Activation, View<'a>)>,
 }
 
+impl<'a> MatmulEpilogue<'a> {
+    /// The epilogue of an inference product whose weights are stored in f16
+    /// or quantized (`weights` names them): a bias of n values and an
+    /// activation, its pre-activation [m, n] like C; accumulation and
+    /// activation gradients are training's and are refused. Returns the
+    /// pre-activation's view.
+    pub(super) fn forward_only(&self, op: &'static str, weights: &str, (m, n, k): (usize, usize, usize)) -> Result<Option<View<'a>>> {
+        if self.accumulate || self.activation_grad.is_some() {
+            return Err(Error::InvalidArgument { op, reason: format!("{weights} take the forward epilogue only (bias, activation); accumulation and activation gradients are training's") });
+        }
+        if let Some(bias) = &self.bias {
+            if bias.len != n {
+                return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&[m, k], &[n, k], &[bias.len]]));
+            }
+        }
+        let pre = self.activation.and_then(|(_, pre)| pre);
+        if let Some(pre) = &pre {
+            if Some(pre.len) != m.checked_mul(n) {
+                return Err(Error::shape(op, format!("the pre-activation output must be m×n = {m}×{n} like C, got {} values", pre.len), &[&[m, n], &[pre.len]]));
+            }
+        }
+        Ok(pre)
+    }
+}
+
 pub(super) const TILE: usize = 64;
 /// Columns per workgroup of the matrix-vector kernels, f32 and f16 weights
 /// (matvec.wgsl's MATVEC_COLS).

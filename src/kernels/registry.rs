@@ -28,11 +28,12 @@ pub enum Shared {
     /// elementwise kernels and the matmul epilogue.
     Activations,
     /// The matrix-vector kernels' overrides, workgroup memory and lane
-    /// reduction, for matmul.wgsl's f32 and f16_weights.wgsl's f16 weights.
+    /// reduction, for matmul.wgsl's f32, f16_weights.wgsl's f16 and
+    /// quant_weights.wgsl's block-quantized weights.
     Matvec,
     /// The tiled forward kernels' row multiply-adds and masked row stores
-    /// (through each family's `write_c`), for matmul.wgsl, f16_weights.wgsl
-    /// and matmul_f16.wgsl.
+    /// (through each family's `write_c`), for matmul.wgsl, f16_weights.wgsl,
+    /// matmul_f16.wgsl and quant_weights.wgsl.
     MatmulRows,
     /// The workgroup-memory tiled kernels' staging, multiply-adds and
     /// stores (the GPU layout), for matmul.wgsl and f16_weights.wgsl.
@@ -96,10 +97,14 @@ pub enum Family {
     /// Rotary position embedding, forward and backward: one invocation
     /// per element.
     Rope,
+    /// Generation with block-quantized weights (Q8_0, Q4_0, Q4_1) decoded
+    /// in the kernels, f32 activations: matrix-vector, matmul and
+    /// embedding lookup. Core WGSL only.
+    QuantWeights,
 }
 
 impl Family {
-    pub const ALL: [Family; 13] = [
+    pub const ALL: [Family; 14] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -113,6 +118,7 @@ impl Family {
         Family::Sampling,
         Family::F16Weights,
         Family::Rope,
+        Family::QuantWeights,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -152,6 +158,7 @@ impl Family {
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
             Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
+            Family::QuantWeights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
         }
     }
 
@@ -170,6 +177,7 @@ impl Family {
             Family::Sampling => "sampling.wgsl",
             Family::F16Weights => "f16_weights.wgsl",
             Family::Rope => "rope.wgsl",
+            Family::QuantWeights => "quant_weights.wgsl",
         }
     }
 
@@ -190,6 +198,7 @@ impl Family {
             Family::Sampling => wgsl!("sampling.wgsl"),
             Family::F16Weights => wgsl!("f16_weights.wgsl"),
             Family::Rope => wgsl!("rope.wgsl"),
+            Family::QuantWeights => wgsl!("quant_weights.wgsl"),
         }
     }
 
@@ -211,6 +220,7 @@ impl Family {
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
             Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
             Family::Rope => wgsl!("rope.wgsl", "common.wgsl"),
+            Family::QuantWeights => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
         }
     }
 }
@@ -293,7 +303,7 @@ macro_rules! kernel_files {
     };
 }
 
-kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope);
+kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope, quant_weights);
 
 const fn total_len(lists: &[&[Kernel]]) -> usize {
     let (mut total, mut i) = (0, 0);

@@ -24,11 +24,13 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::Module;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::{Kernels, QkvLayout};
+use crate::ops::QuantFormat;
 
 /// How a generator stores the model's weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -60,6 +62,21 @@ impl WeightDtype {
         }
     }
 }
+
+/// A matrix a forward stores block-quantized instead of as its module's
+/// values: its format and its bytes as a GGUF file stores them (blocks of
+/// 32 values in row order; a q or k projection's rows already in
+/// Hugging Face's order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedMatrix {
+    pub format: QuantFormat,
+    pub raw: Arc<[u8]>,
+}
+
+/// Quantized matrices by parameter name (the module tree's, e.g.
+/// `model.layers.0.self_attn.q_proj.weight`): a forward context's weight
+/// source ([`ForwardContext::with_quantized`]).
+pub type QuantizedWeights = HashMap<String, QuantizedMatrix>;
 
 /// What one model stores, from its sizes alone: the check that an adapter
 /// holds a generator runs on these before any weight is read.
@@ -116,6 +133,8 @@ pub trait CausalLm: Module {
 #[derive(Debug, Default)]
 pub struct ForwardContext {
     weights: WeightDtype,
+    /// Matrices declared quantized whatever `weights` says.
+    quantized: Arc<QuantizedWeights>,
     /// Positions each cache holds.
     context: usize,
     declared: HashMap<String, Tensor>,
@@ -155,7 +174,17 @@ impl ForwardContext {
     /// A context whose caches hold `context` positions and whose weights
     /// are stored as `weights`.
     pub fn new(weights: WeightDtype, context: usize) -> Self {
-        ForwardContext { weights, context, declared: HashMap::new() }
+        ForwardContext { weights, quantized: Arc::default(), context, declared: HashMap::new() }
+    }
+
+    /// This context with `quantized`'s matrices stored block-quantized
+    /// (`Graph::parameter_quantized`) when a forward declares them, by
+    /// name, in place of the module's values; every other parameter as
+    /// `weights` says. Only a Linear's weight and an embedding table take
+    /// them (any other op reading one is a graph error naming it).
+    pub fn with_quantized(mut self, quantized: Arc<QuantizedWeights>) -> Self {
+        self.quantized = quantized;
+        self
     }
 
     /// Runs `forward` (a model's forward declaring into one graph) with
@@ -181,8 +210,9 @@ pub(crate) fn cache_pass() -> Option<CachePass> {
 }
 
 /// Declares `{name}` as a parameter of `g`, or hands back the one an
-/// earlier forward under the same context declared. A `matrix` (a Linear's
-/// weight, a table the head reads) is stored in f16 under an f16 context.
+/// earlier forward under the same context declared. A parameter the
+/// context has quantized is stored so; else a `matrix` (a Linear's weight,
+/// a table the head reads) in f16 under an f16 context.
 pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], values: &[f32], matrix: bool) -> Result<Tensor> {
     ACTIVE.with(|a| {
         let mut active = a.borrow_mut();
@@ -192,9 +222,10 @@ pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], va
         if let Some(&t) = cx.declared.get(&name) {
             return Ok(t);
         }
-        let t = match cx.weights {
-            WeightDtype::F16 if matrix => g.parameter_f16(&name, shape, values.to_vec())?,
-            _ => g.parameter(&name, shape, values.to_vec())?,
+        let t = match (cx.quantized.get(&name), cx.weights) {
+            (Some(q), _) => g.parameter_quantized(&name, shape, q.format, &q.raw)?,
+            (None, WeightDtype::F16) if matrix => g.parameter_f16(&name, shape, values.to_vec())?,
+            (None, _) => g.parameter(&name, shape, values.to_vec())?,
         };
         cx.declared.insert(name, t);
         Ok(t)

@@ -15,7 +15,7 @@ pub mod shard;
 mod staged;
 mod transformer;
 
-pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, WeightDtype};
+pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, QuantizedMatrix, QuantizedWeights, WeightDtype};
 pub(crate) use causal_lm::cache_pass;
 pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::{all_reduce_then, Part};
 use super::distributed::SYNC_EVERY;
-use super::engine::{Holding, TrainEngine};
+use super::engine::{own_steps, Holding, TrainEngine};
 use super::stage::{check_batch, NamedParameters};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
@@ -536,15 +536,7 @@ impl DataParallel {
 }
 
 impl TrainEngine for DataParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DataParallel::predict(self, x)
-    }
+    own_steps!(DataParallel);
     fn holding(&self) -> Holding<'_> {
         Holding::Replica(&self.replicas[0])
     }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::data::{arenas, balanced_split, fixed_rows, proportional_split, shard, Cost, DataParallel, Split};
-use super::engine::{Holding, TrainEngine};
+use super::engine::{own_steps, Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
@@ -384,15 +384,7 @@ impl DistributedDataParallel {
 }
 
 impl TrainEngine for DistributedDataParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        DistributedDataParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        DistributedDataParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        DistributedDataParallel::predict(self, x)
-    }
+    own_steps!(DistributedDataParallel);
     fn holding(&self) -> Holding<'_> {
         Holding::Replica(self.replica())
     }

@@ -212,6 +212,24 @@ pub trait TrainEngine {
     fn inject_failure(&mut self, _rank: usize, _step: u64, _how: InjectedFailure) {}
 }
 
+/// The trait's `step`, `evaluate_loss` and `predict` as the engine's own
+/// methods of those names (which take anything that converts into
+/// [`Examples`], so callers pass `&x`).
+macro_rules! own_steps {
+    ($engine:ty) => {
+        fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+            <$engine>::step(self, x, targets, read_loss)
+        }
+        fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+            <$engine>::evaluate_loss(self, x, targets)
+        }
+        fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
+            <$engine>::predict(self, x)
+        }
+    };
+}
+pub(super) use own_steps;
+
 pub(super) fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
     match x {
         Examples::Features(f) => Ok(f),

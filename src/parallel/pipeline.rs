@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use super::collectives::to_host;
 use super::data::shard;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
-use super::engine::{features, Holding, TrainEngine};
+use super::engine::{features, own_steps, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
@@ -585,8 +585,8 @@ impl Pipeline {
 
     /// Argmax of [`Pipeline::outputs`], computed by the last stage's device,
     /// which reads back one index per row instead of the outputs.
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        self.in_chunks("Pipeline::predict", features, 1, Stage::predictions)
+    pub fn predict<'a>(&mut self, x: impl Into<Examples<'a>>) -> Result<Vec<u32>> {
+        self.in_chunks("Pipeline::predict", features(x.into(), "Pipeline::predict")?, 1, Stage::predictions)
     }
 
     /// `read` of the last stage for each micro-batch-sized chunk of
@@ -661,15 +661,7 @@ fn name_stage(error: Error, parts: &[(&Kernels, View<'_>)], stage_of: &[usize]) 
 }
 
 impl TrainEngine for Pipeline {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        Pipeline::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        Pipeline::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        Pipeline::predict(self, features(x, "Pipeline::predict")?)
-    }
+    own_steps!(Pipeline);
     fn holding(&self) -> Holding<'_> {
         Holding::Stages(&self.spread, &self.stages)
     }

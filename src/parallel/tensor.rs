@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
-use super::engine::{features, Holding, TrainEngine};
+use super::engine::{features, own_steps, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
@@ -277,8 +277,8 @@ impl TensorParallel {
 
     /// Argmax of [`TensorParallel::outputs`], computed on device 0, which
     /// reads back one index per row instead of the outputs.
-    pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        self.in_chunks("TensorParallel::predict", features, 1, Stage::predictions)
+    pub fn predict<'a>(&mut self, x: impl Into<Examples<'a>>) -> Result<Vec<u32>> {
+        self.in_chunks("TensorParallel::predict", features(x.into(), "TensorParallel::predict")?, 1, Stage::predictions)
     }
 
     /// `read` of the head for each batch-sized chunk of `features` fed
@@ -319,15 +319,7 @@ fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> 
 }
 
 impl TrainEngine for TensorParallel {
-    fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        TensorParallel::step(self, x, targets, read_loss)
-    }
-    fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
-        TensorParallel::evaluate_loss(self, x, targets)
-    }
-    fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
-        TensorParallel::predict(self, features(x, "TensorParallel::predict")?)
-    }
+    own_steps!(TensorParallel);
     fn holding(&self) -> Holding<'_> {
         Holding::Stages(&self.spread, &self.stages)
     }

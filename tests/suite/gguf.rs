@@ -63,7 +63,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 static ALLOC: CountingAlloc = CountingAlloc;
 
 /// Runs `f`, returning its result, the bytes it allocated in all and its
-/// largest single allocation (on this thread; the folder tests use it too).
+/// largest single allocation (on this thread; other files' tests use it too).
 pub(crate) fn counted<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
     TOTAL.with(|t| t.set(0));
     LARGEST.with(|l| l.set(0));
@@ -79,7 +79,7 @@ pub(crate) fn counted<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
 /// a value), a bounded factor for the header's structures (a 24-byte
 /// `String` per 8-byte empty string in the file, an 80-byte `TensorInfo`
 /// per 24-byte tensor info), and a little fixed overhead.
-fn allowance(len: usize) -> (usize, usize) {
+pub(crate) fn allowance(len: usize) -> (usize, usize) {
     (16 * len + 64 * 1024, 4 * len + 4096)
 }
 
@@ -560,7 +560,7 @@ fn llama_hparams_refuse_other_architectures() {
 // ---------------------------------------------------------------------------
 // Broken files
 
-fn find(hay: &[u8], needle: &[u8]) -> usize {
+pub(crate) fn find(hay: &[u8], needle: &[u8]) -> usize {
     hay.windows(needle.len()).position(|w| w == needle).unwrap()
 }
 
@@ -568,43 +568,43 @@ fn find(hay: &[u8], needle: &[u8]) -> usize {
 /// format written here, independent of the reader, to corrupt fields by
 /// position.
 #[derive(Debug)]
-struct Fields {
-    kvs: Vec<KvAt>,
-    tensors: Vec<TensorAt>,
-    data_offset: usize,
+pub(crate) struct Fields {
+    pub(crate) kvs: Vec<KvAt>,
+    pub(crate) tensors: Vec<TensorAt>,
+    pub(crate) data_offset: usize,
 }
 
 #[derive(Debug)]
-struct KvAt {
-    key: String,
-    key_len: usize,
-    value_type: usize,
-    value: usize,
+pub(crate) struct KvAt {
+    pub(crate) key: String,
+    pub(crate) key_len: usize,
+    pub(crate) value_type: usize,
+    pub(crate) value: usize,
 }
 
 #[derive(Debug)]
-struct TensorAt {
-    name: String,
-    name_len: usize,
-    n_dims: usize,
-    dims: usize,
-    ty: usize,
-    offset: usize,
+pub(crate) struct TensorAt {
+    pub(crate) name: String,
+    pub(crate) name_len: usize,
+    pub(crate) n_dims: usize,
+    pub(crate) dims: usize,
+    pub(crate) ty: usize,
+    pub(crate) offset: usize,
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
 }
 
-fn put_u32(b: &mut [u8], at: usize, v: u32) {
+pub(crate) fn put_u32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
 
-fn put_u64(b: &mut [u8], at: usize, v: u64) {
+pub(crate) fn put_u64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
@@ -625,7 +625,7 @@ fn skip_value(b: &[u8], ty: u32, at: usize) -> usize {
     }
 }
 
-fn fields(b: &[u8]) -> Fields {
+pub(crate) fn fields(b: &[u8]) -> Fields {
     let (n_tensors, n_kv) = (u64_at(b, 8), u64_at(b, 16));
     let mut at = 24;
     let mut kvs = Vec::new();
@@ -651,10 +651,10 @@ fn fields(b: &[u8]) -> Fields {
 }
 
 impl Fields {
-    fn kv(&self, key: &str) -> &KvAt {
+    pub(crate) fn kv(&self, key: &str) -> &KvAt {
         self.kvs.iter().find(|k| k.key == key).unwrap()
     }
-    fn tensor(&self, name: &str) -> &TensorAt {
+    pub(crate) fn tensor(&self, name: &str) -> &TensorAt {
         self.tensors.iter().find(|t| t.name == name).unwrap()
     }
 }

@@ -6,7 +6,7 @@ use super::{two_parts, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{DType, Graph, Tensor};
-use crate::kernels::{Dispatch, F16View};
+use crate::kernels::{Dispatch, F16View, QuantView};
 
 /// Embedding lookup and its backward.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,8 +36,10 @@ impl OpFamily for EmbeddingOp {
             EmbeddingOp::Embedding => {
                 let (vocab, channels) = (cx.input_shape(0)[0], cx.input_shape(0)[1]);
                 let n = cx.input_node(1).len();
-                if cx.input_node(0).dtype == DType::F16 {
-                    return k.embedding_f16_weights(cx.out()?, F16View::new(cx.input(0)?, vocab * channels)?, cx.input(1)?, n, vocab, channels);
+                match cx.input_node(0).dtype {
+                    DType::F16 => return k.embedding_f16_weights(cx.out()?, F16View::new(cx.input(0)?, vocab * channels)?, cx.input(1)?, n, vocab, channels),
+                    DType::Quant(format) => return k.embedding_quant_weights(cx.out()?, QuantView::new(cx.input(0)?, format, vocab, channels)?, cx.input(1)?, n),
+                    DType::F32 | DType::U32 => {}
                 }
                 k.embedding_forward(cx.out()?, cx.input(0)?, cx.input(1)?, n, vocab, channels)
             }
@@ -111,8 +113,9 @@ impl Graph {
     /// (torch.nn.functional.embedding).
     pub fn embedding(&mut self, table: Tensor, ids: Tensor) -> Result<Tensor> {
         const OP: &str = "embedding";
-        // An f16 table (generation's tied token embedding) is read in f32.
-        if self.get(table).is_none_or(|n| n.dtype != DType::F16) {
+        // An f16 or quantized table (generation's tied token embedding) is
+        // read in f32.
+        if self.get(table).is_none_or(|n| !n.dtype.is_stored_weight()) {
             self.f32_inputs(OP, &[table])?;
         }
         self.check_handle(OP, ids)?;

@@ -7,7 +7,7 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::graph::plan::Storage;
-use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm};
+use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, QuantView};
 
 /// Matrix products.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,9 +64,12 @@ impl OpFamily for MatmulOp {
                     None => None,
                 };
                 let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
-                if cx.input_node(1).dtype == DType::F16 {
-                    // Weights stored in f16 (the builder allows them as an ABt's B).
-                    return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk);
+                // Weights stored in f16 or quantized (the builder allows them
+                // as an ABt's B).
+                match cx.input_node(1).dtype {
+                    DType::F16 => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
+                    DType::Quant(format) => return k.matmul_quant_weights(epilogue, cx.out()?, cx.input(0)?, QuantView::new(cx.input(1)?, format, n, kk)?, m, n, kk),
+                    DType::F32 | DType::U32 => {}
                 }
                 k.matmul_epilogue(*form, epilogue, cx.out()?, cx.input(0)?, cx.input(1)?, m, n, kk)
             }
@@ -103,11 +106,11 @@ impl OpFamily for MatmulOp {
 }
 
 impl Graph {
-    /// Whether `b` is an f16 parameter read as the weight of an ABt
-    /// product, the one matmul f16 weights take (generation's Linear layers
-    /// and tied head, stored [out, in]).
-    fn f16_weight(&self, form: MatmulForm, b: Tensor) -> bool {
-        form == MatmulForm::ABt && self.get(b).is_some_and(|n| n.dtype == DType::F16)
+    /// Whether `b` is an f16 or quantized parameter read as the weight of
+    /// an ABt product, the one matmul such weights take (generation's
+    /// Linear layers and tied head, stored [out, in]).
+    fn stored_weight(&self, form: MatmulForm, b: Tensor) -> bool {
+        form == MatmulForm::ABt && self.get(b).is_some_and(|n| n.dtype.is_stored_weight())
     }
 
     /// op(a)·op(b) for a `MatmulForm` (stored shapes as the form says):
@@ -115,16 +118,16 @@ impl Graph {
     /// product per leading index).
     pub fn matmul_form(&mut self, form: MatmulForm, a: Tensor, b: Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
-        let f16_weight = self.f16_weight(form, b);
+        let stored_weight = self.stored_weight(form, b);
         let pair = [a, b];
-        self.f32_inputs(OP, &pair[..if f16_weight { 1 } else { 2 }])?;
+        self.f32_inputs(OP, &pair[..if stored_weight { 1 } else { 2 }])?;
         let (sa, sb) = (self.shape(a).to_vec(), self.shape(b).to_vec());
         let all: [&[usize]; 2] = [&sa, &sb];
         if sa.len() != sb.len() || !(2..=MAX_RANK).contains(&sa.len()) {
             return Err(Error::shape(OP, "operands must both be 2-D, or both rank 3 or 4", &all));
         }
-        if f16_weight && sa.len() != 2 {
-            return Err(Error::shape(OP, "f16 weights take 2-D products only", &all));
+        if stored_weight && sa.len() != 2 {
+            return Err(Error::shape(OP, "f16 and quantized weights take 2-D products only", &all));
         }
         let lead = sa.len() - 2;
         if sa[..lead] != sb[..lead] {
@@ -162,9 +165,9 @@ impl Graph {
     /// done as one 2-D product over all rows: -> [.., N].
     pub fn rows_matmul(&mut self, form: MatmulForm, x: Tensor, w: Tensor) -> Result<Tensor> {
         const OP: &str = "matmul";
-        let f16_weight = self.f16_weight(form, w);
+        let stored_weight = self.stored_weight(form, w);
         let pair = [x, w];
-        self.f32_inputs(OP, &pair[..if f16_weight { 1 } else { 2 }])?;
+        self.f32_inputs(OP, &pair[..if stored_weight { 1 } else { 2 }])?;
         let (sx, sw) = (self.shape(x).to_vec(), self.shape(w).to_vec());
         let (rows, k) = rows_cols(OP, &sx, &[&sx, &sw])?;
         if sx.len() == 2 {

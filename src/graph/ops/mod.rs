@@ -53,7 +53,7 @@ pub use norms::NormOp;
 pub use reduce::ReduceOp;
 pub use rope::RopeOp;
 pub use softmax::SoftmaxOp;
-pub use source::SourceOp;
+pub use source::{ParameterInit, SourceOp};
 
 /// Declares [`Op`] with one variant per family, the family's enum
 /// converting into it (`From`) and comparing with it (`PartialEq`), and

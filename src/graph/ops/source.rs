@@ -6,14 +6,15 @@ use super::{DispatchContext, Op, OpFamily, ReferenceContext};
 use crate::error::{Error, Result};
 use crate::graph::builder::{DType, Graph, Tensor};
 use crate::kernels::Dispatch;
+use crate::ops::{pack_quantized, unpack_quantized, QuantFormat};
 
 /// The graph's leaves: tensors fed, trained, fixed or kept.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SourceOp {
     /// Data fed before each step (a batch, its targets).
     Input,
-    /// A trainable tensor with its initial values.
-    Parameter { init: Vec<f32> },
+    /// A trainable tensor with its initial contents.
+    Parameter { init: ParameterInit },
     /// A fixed tensor uploaded once (the seed gradient 1.0 of a loss).
     Constant { values: Vec<f32> },
     /// A tensor that keeps its values from run to run (a KV cache): zero
@@ -21,6 +22,17 @@ pub enum SourceOp {
     /// written only by the ops that update it in place
     /// ([`SourceOp::CachedAttention`]). Not trainable.
     Cache,
+}
+
+/// A parameter's initial contents, as its dtype stores them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ParameterInit {
+    /// Values, stored as f32 or rounded to f16 ([`DType::F32`],
+    /// [`DType::F16`]).
+    Values(Vec<f32>),
+    /// A block-quantized matrix's words in the kernels' layout
+    /// ([`DType::Quant`], [`pack_quantized`]).
+    Packed(Vec<u32>),
 }
 
 impl OpFamily for SourceOp {
@@ -45,8 +57,16 @@ impl OpFamily for SourceOp {
         match self {
             SourceOp::Input | SourceOp::Cache => cx.fed(),
             // An f16 parameter is read as the f16 nearest its initial value.
-            SourceOp::Parameter { init } if cx.node().dtype == DType::F16 => Ok(init.iter().map(|&v| f64::from(half::f16::from_f32(v).to_f32())).collect()),
-            SourceOp::Parameter { init } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
+            SourceOp::Parameter { init: ParameterInit::Values(init) } if cx.node().dtype == DType::F16 => Ok(init.iter().map(|&v| f64::from(half::f16::from_f32(v).to_f32())).collect()),
+            SourceOp::Parameter { init: ParameterInit::Values(init) } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
+            // A quantized one as its blocks decode (the kernels' twin).
+            SourceOp::Parameter { init: ParameterInit::Packed(words) } => {
+                let (DType::Quant(format), &[rows, cols]) = (cx.node().dtype, cx.shape()) else {
+                    return Err(Error::InvalidArgument { op: "parameter", reason: format!("`{}` holds packed words but is not a quantized matrix", cx.node().name) });
+                };
+                let raw = unpack_quantized(format, words, rows, cols)?;
+                Ok(crate::cpu::dequantize(format, &raw)?.into_iter().map(f64::from).collect())
+            }
             SourceOp::Constant { values } => Ok(values.iter().map(|&v| f64::from(v)).collect()),
         }
     }
@@ -77,10 +97,30 @@ impl Graph {
         if init.len() != shape.iter().product::<usize>() {
             return Err(Error::shape("parameter", format!("`{name}` got {} initial values", init.len()), &[shape]));
         }
+        self.push_parameter(name, shape, ParameterInit::Values(init), DType::F32)
+    }
+
+    fn push_parameter(&mut self, name: &str, shape: &[usize], init: ParameterInit, dtype: DType) -> Result<Tensor> {
         if self.nodes.iter().any(|n| matches!(n.op, Op::Source(SourceOp::Parameter { .. })) && n.name == name) {
             return Err(Error::InvalidArgument { op: "parameter", reason: format!("a parameter named `{name}` already exists") });
         }
-        Ok(self.push(SourceOp::Parameter { init }, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(SourceOp::Parameter { init }, vec![], shape.to_vec(), dtype, name.to_string()))
+    }
+
+    /// A [rows, cols] matrix stored block-quantized ([`DType::Quant`]):
+    /// `raw` is its bytes as a GGUF file stores them (blocks of 32 values
+    /// in row order, cols a multiple of 32), re-packed here into the
+    /// kernels' layout ([`pack_quantized`]) and uploaded as it is, so the
+    /// arena holds about 1.06 (Q8_0) or 0.56-0.63 (Q4) bytes per value.
+    /// For inference only: it may be the B of an ABt matmul (a Linear
+    /// weight [out, in], a tied head) or an embedding's table.
+    pub fn parameter_quantized(&mut self, name: &str, shape: &[usize], format: QuantFormat, raw: &[u8]) -> Result<Tensor> {
+        Self::non_empty("parameter_quantized", shape)?;
+        let &[rows, cols] = shape else {
+            return Err(Error::shape("parameter_quantized", format!("`{name}`: a quantized parameter is a matrix [rows, cols]"), &[shape]));
+        };
+        let words = pack_quantized(format, raw, rows, cols)?;
+        self.push_parameter(name, shape, ParameterInit::Packed(words), DType::Quant(format))
     }
 
     /// A parameter stored in f16 ([`DType::F16`]): `init` is rounded to

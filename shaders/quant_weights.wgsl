@@ -1,0 +1,502 @@
+// f32 activations, block-quantized weights (ggml's Q8_0, Q4_0, Q4_1)
+// decoded inside the kernels, f32 arithmetic: the generation kernels of a
+// model whose weights stay quantized in GPU memory (a GGUF file's).
+//   matvec_quant_forward:     C[M,N] = A[M,K] · B[N,K]ᵀ, M ≤ 4 (decode)
+//   matmul_quant_forward:     the same for any M (a prompt's prefill)
+//   embedding_quant_forward:  out[n,C] = table[ids[n], :]
+// A, C, bias and pre are f32; B and the table are [rows, K] with K a
+// multiple of 32, in blocks of 32 consecutive values of a row (block j of
+// row r is block r·K/32 + j), laid out as ops::pack_quantized writes them:
+// first every block's quantized values (QUANT_WORDS words each), then one
+// word per block holding the f16 scale d in its low half and Q4_1's f16
+// minimum m in its high half, widened by bit operations
+// (quant_unpack_f16x2), so these kernels need no device feature and run on
+// every adapter.
+//   Q8_0: word i of a block holds values 4i..4i+3, an i8 per byte from the
+//         low byte up; value = q·d.
+//   Q4_0, Q4_1: ggml's nibble order: byte i of the block (byte i % 4 of
+//         word i / 4) holds value i in its low nibble and value 16 + i in
+//         its high one; value = (q − 8)·d, or q·d + m.
+// The format is an override (a pipeline per format), so its branches fold
+// away. Only ABt: a Linear layer's weight and the tied head are stored
+// [out, in]. The epilogue is f16_weights.wgsl's (bias, activation, the
+// pre-activation kept), on activations.wgsl.
+
+override QUANT_FORMAT: u32 = 0u;
+override HAS_BIAS: bool = false;
+override ACTIVATION_FORWARD: bool = false;
+override STORE_PRE: bool = false;
+
+// QuantFormat::code.
+const QUANT_Q8_0: u32 = 0u;
+const QUANT_Q4_0: u32 = 1u;
+const QUANT_Q4_1: u32 = 2u;
+
+// Rows and columns of C per workgroup of matmul_quant_forward.
+const QUANT_TILE: u32 = 64u;
+
+struct QuantParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    // Number of 64-wide column tiles, and all tiles (guards grid overshoot).
+    tiles_n: u32,
+    tiles_total: u32,
+    // An ACT_* code of activations.wgsl; read only by the epilogue.
+    activation: u32,
+    // Elements between rows of C and pre: the whole product's n when this
+    // launch computes a block of its columns (B too large for one binding).
+    ldc: u32,
+    // The launch's first column in the whole product: where it reads bias.
+    bias_base: u32,
+    // Where the launch's first block starts in its bindings: its quantized
+    // words in qw's (in words), its scale word in qs's, and C (and pre) in
+    // theirs, in f32 values. A part of a large operand is bound from the
+    // nearest storage-offset-aligned word before it.
+    q_base: u32,
+    s_base: u32,
+    c_base: u32,
+    _pad0: u32,
+}
+
+@group(0) @binding(0) var<storage, read> a4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> qw: array<u32>;
+// The matrix-vector kernel's view of the quantized words: a block of Q4
+// in one load, of Q8_0 in two.
+@group(0) @binding(1) var<storage, read> qw4: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> qs: array<u32>;
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+@group(0) @binding(4) var<uniform> p: QuantParams;
+// Unused slots hold placeholders (`pre` one of its own: a writable slot
+// cannot share the read-only placeholder) and are never touched.
+@group(0) @binding(5) var<storage, read> bias: array<f32>;
+@group(0) @binding(6) var<storage, read_write> pre: array<f32>;
+
+// Words of one block's quantized values.
+fn quant_words() -> u32 {
+    return select(4u, 8u, QUANT_FORMAT == QUANT_Q8_0);
+}
+
+// The word of a block holding its values 4g..4g+3 (g in 0..7).
+fn quant_word_of(g: u32) -> u32 {
+    return select(g % 4u, g, QUANT_FORMAT == QUANT_Q8_0);
+}
+
+// The integers of values 4g..4g+3 of a block, from the word holding them,
+// as f32 (exact): Q8_0's i8s, or Q4's nibbles (unsigned, before the − 8).
+fn quant_ints(word: u32, g: u32) -> vec4<f32> {
+    if QUANT_FORMAT == QUANT_Q8_0 {
+        // Each byte to the top, then an arithmetic shift back: sign-extended.
+        return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(word) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u));
+    }
+    let shift = vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>(4u * (g / 4u));
+    return vec4<f32>((vec4<u32>(word) >> shift) & vec4<u32>(15u));
+}
+
+// Values from their integers and the block's (d, m).
+fn quant_values(q: vec4<f32>, dm: vec2<f32>) -> vec4<f32> {
+    if QUANT_FORMAT == QUANT_Q4_1 {
+        return fma(q, vec4<f32>(dm.x), vec4<f32>(dm.y));
+    }
+    if QUANT_FORMAT == QUANT_Q4_0 {
+        return (q - vec4<f32>(8.0)) * dm.x;
+    }
+    return q * dm.x;
+}
+
+// The epilogue: C[row, col] (of this launch) = act(product + bias); named
+// as matmul.wgsl's, for matvec_row and store_row8.
+fn write_c(row: u32, col: u32, product: f32) {
+    let i = p.c_base + row * p.ldc + col;
+    var v = product;
+    if HAS_BIAS {
+        v += bias[p.bias_base + col];
+    }
+    if STORE_PRE {
+        pre[i] = v;
+    }
+    if ACTIVATION_FORWARD {
+        v = activation_forward(p.activation, v);
+    }
+    c[i] = v;
+}
+
+// Block `block`'s 32 integers, in 8 vec4s of values 4g..4g+3, from one
+// (Q4) or two (Q8_0) 16-byte loads.
+fn quant_block_ints(block: u32) -> array<vec4<f32>, 8> {
+    if QUANT_FORMAT == QUANT_Q8_0 {
+        let w0 = qw4[p.q_base / 4u + 2u * block];
+        let w1 = qw4[p.q_base / 4u + 2u * block + 1u];
+        return array<vec4<f32>, 8>(
+            quant_ints(w0.x, 0u), quant_ints(w0.y, 1u), quant_ints(w0.z, 2u), quant_ints(w0.w, 3u),
+            quant_ints(w1.x, 4u), quant_ints(w1.y, 5u), quant_ints(w1.z, 6u), quant_ints(w1.w, 7u),
+        );
+    }
+    let w = qw4[p.q_base / 4u + block];
+    return array<vec4<f32>, 8>(
+        quant_ints(w.x, 0u), quant_ints(w.y, 1u), quant_ints(w.z, 2u), quant_ints(w.w, 3u),
+        quant_ints(w.x, 4u), quant_ints(w.y, 5u), quant_ints(w.z, 6u), quant_ints(w.w, 7u),
+    );
+}
+
+// 32 values of a row of A from vec4 index `i`.
+fn quant_a_block(i: u32) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(a4[i], a4[i + 1u], a4[i + 2u], a4[i + 3u], a4[i + 4u], a4[i + 5u], a4[i + 6u], a4[i + 7u]);
+}
+
+// acc plus one block's products with a row's 32 values x (xs: their sums
+// Σ_g x[g], for the formats with an offset): the scale (and minimum) is
+// applied once to the sum of the integers' products, not per weight,
+// d·Σ q·x (− 8·d·Σ x, or + m·Σ x).
+fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: array<vec4<f32>, 8>, xs: vec4<f32>) -> vec4<f32> {
+    var t = q[0] * x[0];
+    t = fma(q[1], x[1], t);
+    t = fma(q[2], x[2], t);
+    t = fma(q[3], x[3], t);
+    t = fma(q[4], x[4], t);
+    t = fma(q[5], x[5], t);
+    t = fma(q[6], x[6], t);
+    t = fma(q[7], x[7], t);
+    if QUANT_FORMAT == QUANT_Q4_1 {
+        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
+    }
+    if QUANT_FORMAT == QUANT_Q4_0 {
+        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
+    }
+    return fma(vec4<f32>(dm.x), t, acc);
+}
+
+fn quant_block_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// unpack2x16float's result by bit operations, exact for every f16
+// (subnormals included; inf and NaN stay so). unpack2x16float is core
+// WGSL, but wgpu allows it only with DownlevelFlags::SHADER_F16_IN_F32,
+// which lavapipe withholds without SHADER_F16; this costs a few integer
+// operations per block.
+fn quant_unpack_f16x2(word: u32) -> vec2<f32> {
+    let h = vec2<u32>(word & 0xffffu, word >> 16u);
+    let sign = (h & vec2<u32>(0x8000u)) << vec2<u32>(16u);
+    let e = (h >> vec2<u32>(10u)) & vec2<u32>(0x1fu);
+    let mant = h & vec2<u32>(0x3ffu);
+    // Normal: the exponent rebiased (15 to 127); inf and NaN: all ones.
+    let e32 = select(e + vec2<u32>(112u), vec2<u32>(255u), e == vec2<u32>(31u));
+    let normal = bitcast<vec2<f32>>(sign | (e32 << vec2<u32>(23u)) | (mant << vec2<u32>(13u)));
+    // Zero and subnormal: mant · 2^-24, exact in f32.
+    let tiny = bitcast<vec2<f32>>(sign | bitcast<vec2<u32>>(vec2<f32>(mant) * 0x1p-24f));
+    return select(normal, tiny, e == vec2<u32>(0u));
+}
+
+// Block `block`'s (d, m).
+fn quant_dm(block: u32) -> vec2<f32> {
+    return quant_unpack_f16x2(qs[p.s_base + block]);
+}
+
+// Decode's products: M ≤ 4 rows (one new token per sequence), A and the
+// quantized words bound 16-byte aligned (the Rust side checks, and picks
+// matmul_quant_forward otherwise). matmul.wgsl's matmul_forward_matvec
+// with B read a block at a time: a workgroup of MATVEC_WG lanes owns
+// MATVEC_COLS columns of C; lane l takes blocks l, l + MATVEC_WG, … of its
+// columns' rows of B against the same of each row of A (so a step reads
+// 16 or 32 bytes of weights and one scale word per column: lavapipe issues
+// storage loads lane by lane, so a step costs what its loads do); a fixed
+// tree over the lanes in workgroup memory sums them, and lane c stores
+// column c. Rows and lanes are overrides, as for the f32 kernel; the
+// accumulators are unrolled by hand (a private array indexed in a loop
+// becomes per-lane memory on llvmpipe). MATVEC_ROWS, MATVEC_WG,
+// MATVEC_COLS, matvec_sizes and the lane reduction are matvec.wgsl's.
+@compute @workgroup_size(MATVEC_WG, 1, 1)
+fn matvec_quant_forward(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    // n, k through workgroup memory: lavapipe inlines uniform values that
+    // bound loops and re-optimizes the shader on every dispatch (loss.wgsl).
+    if lid.x == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
+    }
+    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let n = sizes.x;
+    let kb = sizes.y / 32u;
+    let k4 = sizes.y / 4u;
+    let col0 = (wid.y * nwg.x + wid.x) * MATVEC_COLS;
+    if col0 >= n {
+        return;
+    }
+    let lane = lid.x;
+    // Each column's first block and each row's first vec4 of A; columns
+    // past n and rows past M are clamped (read, never stored).
+    let last_col = n - 1u;
+    let last_row = MATVEC_ROWS - 1u;
+    let cb0 = min(col0 + 0u, last_col) * kb;
+    let cb1 = min(col0 + 1u, last_col) * kb;
+    let cb2 = min(col0 + 2u, last_col) * kb;
+    let cb3 = min(col0 + 3u, last_col) * kb;
+    let cb4 = min(col0 + 4u, last_col) * kb;
+    let cb5 = min(col0 + 5u, last_col) * kb;
+    let cb6 = min(col0 + 6u, last_col) * kb;
+    let cb7 = min(col0 + 7u, last_col) * kb;
+    let ra0 = min(0u, last_row) * k4;
+    let ra1 = min(1u, last_row) * k4;
+    let ra2 = min(2u, last_row) * k4;
+    let ra3 = min(3u, last_row) * k4;
+    var acc00 = vec4<f32>(0.0);
+    var acc01 = vec4<f32>(0.0);
+    var acc02 = vec4<f32>(0.0);
+    var acc03 = vec4<f32>(0.0);
+    var acc04 = vec4<f32>(0.0);
+    var acc05 = vec4<f32>(0.0);
+    var acc06 = vec4<f32>(0.0);
+    var acc07 = vec4<f32>(0.0);
+    var acc10 = vec4<f32>(0.0);
+    var acc11 = vec4<f32>(0.0);
+    var acc12 = vec4<f32>(0.0);
+    var acc13 = vec4<f32>(0.0);
+    var acc14 = vec4<f32>(0.0);
+    var acc15 = vec4<f32>(0.0);
+    var acc16 = vec4<f32>(0.0);
+    var acc17 = vec4<f32>(0.0);
+    var acc20 = vec4<f32>(0.0);
+    var acc21 = vec4<f32>(0.0);
+    var acc22 = vec4<f32>(0.0);
+    var acc23 = vec4<f32>(0.0);
+    var acc24 = vec4<f32>(0.0);
+    var acc25 = vec4<f32>(0.0);
+    var acc26 = vec4<f32>(0.0);
+    var acc27 = vec4<f32>(0.0);
+    var acc30 = vec4<f32>(0.0);
+    var acc31 = vec4<f32>(0.0);
+    var acc32 = vec4<f32>(0.0);
+    var acc33 = vec4<f32>(0.0);
+    var acc34 = vec4<f32>(0.0);
+    var acc35 = vec4<f32>(0.0);
+    var acc36 = vec4<f32>(0.0);
+    var acc37 = vec4<f32>(0.0);
+    for (var j = lane; j < kb; j += MATVEC_WG) {
+        let x0 = quant_a_block(ra0 + 8u * j);
+        let s0 = quant_block_sum(x0);
+        var x1 = x0;
+        var s1 = s0;
+        var x2 = x0;
+        var s2 = s0;
+        var x3 = x0;
+        var s3 = s0;
+        if MATVEC_ROWS > 1u {
+            x1 = quant_a_block(ra1 + 8u * j);
+            s1 = quant_block_sum(x1);
+        }
+        if MATVEC_ROWS > 2u {
+            x2 = quant_a_block(ra2 + 8u * j);
+            s2 = quant_block_sum(x2);
+        }
+        if MATVEC_ROWS > 3u {
+            x3 = quant_a_block(ra3 + 8u * j);
+            s3 = quant_block_sum(x3);
+        }
+        let q0 = quant_block_ints(cb0 + j);
+        let d0 = quant_dm(cb0 + j);
+        acc00 = quant_block_fma(acc00, q0, d0, x0, s0);
+        if MATVEC_ROWS > 1u { acc10 = quant_block_fma(acc10, q0, d0, x1, s1); }
+        if MATVEC_ROWS > 2u { acc20 = quant_block_fma(acc20, q0, d0, x2, s2); }
+        if MATVEC_ROWS > 3u { acc30 = quant_block_fma(acc30, q0, d0, x3, s3); }
+        let q1 = quant_block_ints(cb1 + j);
+        let d1 = quant_dm(cb1 + j);
+        acc01 = quant_block_fma(acc01, q1, d1, x0, s0);
+        if MATVEC_ROWS > 1u { acc11 = quant_block_fma(acc11, q1, d1, x1, s1); }
+        if MATVEC_ROWS > 2u { acc21 = quant_block_fma(acc21, q1, d1, x2, s2); }
+        if MATVEC_ROWS > 3u { acc31 = quant_block_fma(acc31, q1, d1, x3, s3); }
+        let q2 = quant_block_ints(cb2 + j);
+        let d2 = quant_dm(cb2 + j);
+        acc02 = quant_block_fma(acc02, q2, d2, x0, s0);
+        if MATVEC_ROWS > 1u { acc12 = quant_block_fma(acc12, q2, d2, x1, s1); }
+        if MATVEC_ROWS > 2u { acc22 = quant_block_fma(acc22, q2, d2, x2, s2); }
+        if MATVEC_ROWS > 3u { acc32 = quant_block_fma(acc32, q2, d2, x3, s3); }
+        let q3 = quant_block_ints(cb3 + j);
+        let d3 = quant_dm(cb3 + j);
+        acc03 = quant_block_fma(acc03, q3, d3, x0, s0);
+        if MATVEC_ROWS > 1u { acc13 = quant_block_fma(acc13, q3, d3, x1, s1); }
+        if MATVEC_ROWS > 2u { acc23 = quant_block_fma(acc23, q3, d3, x2, s2); }
+        if MATVEC_ROWS > 3u { acc33 = quant_block_fma(acc33, q3, d3, x3, s3); }
+        let q4 = quant_block_ints(cb4 + j);
+        let d4 = quant_dm(cb4 + j);
+        acc04 = quant_block_fma(acc04, q4, d4, x0, s0);
+        if MATVEC_ROWS > 1u { acc14 = quant_block_fma(acc14, q4, d4, x1, s1); }
+        if MATVEC_ROWS > 2u { acc24 = quant_block_fma(acc24, q4, d4, x2, s2); }
+        if MATVEC_ROWS > 3u { acc34 = quant_block_fma(acc34, q4, d4, x3, s3); }
+        let q5 = quant_block_ints(cb5 + j);
+        let d5 = quant_dm(cb5 + j);
+        acc05 = quant_block_fma(acc05, q5, d5, x0, s0);
+        if MATVEC_ROWS > 1u { acc15 = quant_block_fma(acc15, q5, d5, x1, s1); }
+        if MATVEC_ROWS > 2u { acc25 = quant_block_fma(acc25, q5, d5, x2, s2); }
+        if MATVEC_ROWS > 3u { acc35 = quant_block_fma(acc35, q5, d5, x3, s3); }
+        let q6 = quant_block_ints(cb6 + j);
+        let d6 = quant_dm(cb6 + j);
+        acc06 = quant_block_fma(acc06, q6, d6, x0, s0);
+        if MATVEC_ROWS > 1u { acc16 = quant_block_fma(acc16, q6, d6, x1, s1); }
+        if MATVEC_ROWS > 2u { acc26 = quant_block_fma(acc26, q6, d6, x2, s2); }
+        if MATVEC_ROWS > 3u { acc36 = quant_block_fma(acc36, q6, d6, x3, s3); }
+        let q7 = quant_block_ints(cb7 + j);
+        let d7 = quant_dm(cb7 + j);
+        acc07 = quant_block_fma(acc07, q7, d7, x0, s0);
+        if MATVEC_ROWS > 1u { acc17 = quant_block_fma(acc17, q7, d7, x1, s1); }
+        if MATVEC_ROWS > 2u { acc27 = quant_block_fma(acc27, q7, d7, x2, s2); }
+        if MATVEC_ROWS > 3u { acc37 = quant_block_fma(acc37, q7, d7, x3, s3); }
+    }
+    matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
+    if MATVEC_ROWS > 1u {
+        matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+    }
+    if MATVEC_ROWS > 2u {
+        matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    }
+    if MATVEC_ROWS > 3u {
+        matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
+    }
+}
+
+// Four steps of k (a vec4 xa of one row of A) times the weights of 8
+// columns at those steps (lo: columns 0..3, hi: 4..7, column t of each
+// holding step t): one row of the tiled kernel's block.
+fn quant_row_fma(acc: mat2x4<f32>, xa: vec4<f32>, lo: mat4x4<f32>, hi: mat4x4<f32>) -> mat2x4<f32> {
+    return fma_row8(fma_row8(fma_row8(fma_row8(acc, xa.x, lo[0], hi[0]), xa.y, lo[1], hi[1]), xa.z, lo[2], hi[2]), xa.w, lo[3], hi[3]);
+}
+
+// Values 4g..4g+3 of block `block` (its (d, m) given).
+fn quant_group(block: u32, g: u32, dm: vec2<f32>) -> vec4<f32> {
+    return quant_values(quant_ints(qw[p.q_base + block * quant_words() + quant_word_of(g)], g), dm);
+}
+
+// Any M (a prompt's prefill, or decode where the matrix-vector kernel
+// cannot run), as f16_weights.wgsl's matmul_f16w_forward_small: a
+// workgroup of 8×8 invocations computes one 64×64 tile of C, invocation
+// (x, y) the 8×8 block of rows 8·y + 0..7 and columns x + 8·j, j in 0..7,
+// in 8 mat2x4 accumulators. Per block of k it reads its 8 columns' scale
+// words; per 4 steps of k, 8 words of weights (each decoded once for the
+// 8 rows) and 8 vec4s of A, for 256 multiply-adds. Edges are clamped on
+// load and masked on store (fma_row8, store_row8: matmul_rows.wgsl's).
+// A is read in vec4s: A bound 16-byte aligned (the Rust side checks).
+@compute @workgroup_size(8, 8, 1)
+fn matmul_quant_forward(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * QUANT_TILE + lid.y * 8u;
+    let col0 = (tile % p.tiles_n) * QUANT_TILE + lid.x;
+    if row0 >= p.m || col0 >= p.n {
+        return;
+    }
+    let kb = p.k / 32u;
+    let k4 = p.k / 4u;
+    let last_row = vec4<u32>(p.m - 1u);
+    let last_col = vec4<u32>(p.n - 1u);
+    // Rows' first vec4 of A; columns' first block.
+    let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * k4;
+    let ra_hi = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), last_row) * k4;
+    let cb_lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last_col) * kb;
+    let cb_hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last_col) * kb;
+    // acc_i[j / 4][j % 4]: row row0 + i, column col0 + 8·j.
+    var acc0 = mat2x4<f32>();
+    var acc1 = mat2x4<f32>();
+    var acc2 = mat2x4<f32>();
+    var acc3 = mat2x4<f32>();
+    var acc4 = mat2x4<f32>();
+    var acc5 = mat2x4<f32>();
+    var acc6 = mat2x4<f32>();
+    var acc7 = mat2x4<f32>();
+    for (var jb = 0u; jb < kb; jb++) {
+        let bl = cb_lo + vec4<u32>(jb);
+        let bh = cb_hi + vec4<u32>(jb);
+        let dm0 = quant_dm(bl.x);
+        let dm1 = quant_dm(bl.y);
+        let dm2 = quant_dm(bl.z);
+        let dm3 = quant_dm(bl.w);
+        let dm4 = quant_dm(bh.x);
+        let dm5 = quant_dm(bh.y);
+        let dm6 = quant_dm(bh.z);
+        let dm7 = quant_dm(bh.w);
+        for (var g = 0u; g < 8u; g++) {
+            // Column t of lo (hi): step 4·g + t of columns 0..3 (4..7).
+            let lo = transpose(mat4x4<f32>(quant_group(bl.x, g, dm0), quant_group(bl.y, g, dm1), quant_group(bl.z, g, dm2), quant_group(bl.w, g, dm3)));
+            let hi = transpose(mat4x4<f32>(quant_group(bh.x, g, dm4), quant_group(bh.y, g, dm5), quant_group(bh.z, g, dm6), quant_group(bh.w, g, dm7)));
+            let s = 8u * jb + g;
+            acc0 = quant_row_fma(acc0, a4[ra_lo.x + s], lo, hi);
+            acc1 = quant_row_fma(acc1, a4[ra_lo.y + s], lo, hi);
+            acc2 = quant_row_fma(acc2, a4[ra_lo.z + s], lo, hi);
+            acc3 = quant_row_fma(acc3, a4[ra_lo.w + s], lo, hi);
+            acc4 = quant_row_fma(acc4, a4[ra_hi.x + s], lo, hi);
+            acc5 = quant_row_fma(acc5, a4[ra_hi.y + s], lo, hi);
+            acc6 = quant_row_fma(acc6, a4[ra_hi.z + s], lo, hi);
+            acc7 = quant_row_fma(acc7, a4[ra_hi.w + s], lo, hi);
+        }
+    }
+    store_row8(row0 + 0u, col0, acc0);
+    store_row8(row0 + 1u, col0, acc1);
+    store_row8(row0 + 2u, col0, acc2);
+    store_row8(row0 + 3u, col0, acc3);
+    store_row8(row0 + 4u, col0, acc4);
+    store_row8(row0 + 5u, col0, acc5);
+    store_row8(row0 + 6u, col0, acc6);
+    store_row8(row0 + 7u, col0, acc7);
+}
+
+struct QuantEmbeddingParams {
+    // Ids, channels, vocabulary.
+    n: u32,
+    cols: u32,
+    vocab: u32,
+    // The table rows this launch covers (a table too large for one binding
+    // is looked up in several launches), and where row_start's first block
+    // begins in the bindings: its quantized words in emb_qw's, its scale
+    // word in emb_qs's.
+    row_start: u32,
+    row_end: u32,
+    q_base: u32,
+    s_base: u32,
+    _pad0: u32,
+}
+
+@group(0) @binding(7) var<storage, read> emb_qw: array<u32>;
+@group(0) @binding(8) var<storage, read> emb_qs: array<u32>;
+@group(0) @binding(9) var<storage, read> emb_ids: array<u32>;
+@group(0) @binding(10) var<storage, read_write> emb_out: array<f32>;
+@group(0) @binding(11) var<uniform> ep: QuantEmbeddingParams;
+
+// out[n, C] (f32) = table[ids[n], :] for a quantized table [V, C] and u32
+// ids, one invocation per output element, as rowwise.wgsl's
+// embedding_forward: an id ≥ V writes a row of NaN (no out-of-bounds read;
+// the Rust side checks ids on the host where it has them), in the launch
+// that covers the table's last rows.
+@compute @workgroup_size(256, 1, 1)
+fn embedding_quant_forward(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if i >= ep.n * ep.cols {
+        return;
+    }
+    let id = emb_ids[i / ep.cols];
+    let col = i % ep.cols;
+    if id >= ep.vocab {
+        if ep.row_end == ep.vocab {
+            emb_out[i] = quiet_nan();
+        }
+        return;
+    }
+    if id < ep.row_start || id >= ep.row_end {
+        return;
+    }
+    let block = (id - ep.row_start) * (ep.cols / 32u) + col / 32u;
+    let g = (col % 32u) / 4u;
+    let word = emb_qw[ep.q_base + block * quant_words() + quant_word_of(g)];
+    let dm = quant_unpack_f16x2(emb_qs[ep.s_base + block]);
+    emb_out[i] = quant_values(quant_ints(word, g), dm)[col % 4u];
+}

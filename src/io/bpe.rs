@@ -1,0 +1,442 @@
+//! A pretrained model's own byte-level BPE tokenizer, built by Hugging
+//! Face's `tokenizers` crate from a GGUF file's metadata
+//! (`tokenizer.ggml.model = gpt2`) or read from a `tokenizer.json`, with
+//! streamed decoding that never splits a UTF-8 character.
+//!
+//! From GGUF: the vocabulary (`tokenizer.ggml.tokens`, spelled in GPT-2's
+//! byte-to-unicode alphabet), the merges (`"a b"`, best first), the token
+//! types (3 control, 4 user-defined: both matched whole in the text, never
+//! split), the pre-tokenizer named by `tokenizer.ggml.pre` (the regexes
+//! llama.cpp's `llama-vocab.cpp` lists for that name), the bos/eos ids and
+//! `tokenizer.ggml.add_bos_token`. Where llama.cpp and transformers'
+//! GGUF converter differ (a control token spelled outside the byte
+//! alphabet, a repeated token), this follows the converter, which agrees
+//! with llama.cpp on every token SmolLM2 has.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::{Error, Result};
+use crate::io::gguf::{Array, Gguf};
+use crate::io::text::Utf8Stream;
+
+/// GPT-2's pre-tokenizer split (`encoder.py`), which llama.cpp's BPE
+/// vocabularies share or extend.
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Llama 3's (tiktoken's cl100k): numbers in groups of up to three.
+const LLAMA3_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's: Llama 3's with every digit alone.
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` names and the splits they apply in order, as
+/// llama.cpp's `llama-vocab.cpp` gives them (SmolLM2's `smollm`: each digit
+/// alone, then GPT-2's split).
+const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
+    (&["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], &[GPT2_SPLIT]),
+    (&["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], &[r"\p{N}", GPT2_SPLIT]),
+    (&["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], &[LLAMA3_SPLIT]),
+    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], &[QWEN2_SPLIT]),
+];
+
+/// llama.cpp's token types that are matched whole in the text.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// A byte-level BPE tokenizer of a pretrained model. SmolLM2's (`smollm`)
+/// is checked id for id against transformers' (tests/suite/tokenizer.rs);
+/// the other `pre` names share its code and differ only in their split,
+/// which the tests check on its own.
+#[derive(Clone)]
+pub struct BpeTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The bytes each id decodes to (`None` for an id the vocabulary skips).
+    token_bytes: Vec<Option<Box<[u8]>>>,
+    /// Control tokens, which `decode(…, skip_special = true)` leaves out.
+    special: Vec<bool>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    /// BOS put before the text by [`BpeTokenizer::encode`] with
+    /// `add_special` (GGUF's `add_bos_token`; a tokenizer.json does this in
+    /// its own post-processor).
+    prepend_bos: Option<u32>,
+    chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for BpeTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BpeTokenizer({} tokens, bos {:?}, eos {:?})", self.token_bytes.len(), self.bos, self.eos)
+    }
+}
+
+/// GPT-2's map from bytes to the printable characters byte-level
+/// vocabularies are spelled in (`bytes_to_unicode` in its `encoder.py`;
+/// the `tokenizers` crate keeps its copy private).
+fn byte_alphabet() -> [char; 256] {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut map = ['\0'; 256];
+    let mut next_unprintable = 256u32;
+    for b in 0..=255u8 {
+        map[b as usize] = if printable(b) {
+            char::from(b)
+        } else {
+            next_unprintable += 1;
+            // 256 + n for the n-th unprintable byte: always a valid char.
+            char::from_u32(next_unprintable - 1).unwrap_or(char::REPLACEMENT_CHARACTER)
+        };
+    }
+    map
+}
+
+/// What the ByteLevel decoder turns one token into: its characters mapped
+/// back to bytes, or, when one is outside the alphabet (an added token),
+/// the token's own UTF-8.
+fn token_to_bytes(token: &str, char_to_byte: &HashMap<char, u8>) -> Box<[u8]> {
+    token.chars().map(|c| char_to_byte.get(&c).copied()).collect::<Option<Vec<u8>>>().unwrap_or_else(|| token.as_bytes().to_vec()).into_boxed_slice()
+}
+
+/// The pre-tokenizer for a `tokenizer.ggml.pre` name: its splits, each
+/// match kept as its own piece, then the byte-to-alphabet mapping.
+fn pre_tokenizer(pre: &str) -> std::result::Result<PreTokenizerWrapper, String> {
+    let Some((_, splits)) = PRE_TOKENIZERS.iter().find(|(names, _)| names.contains(&pre)) else {
+        let known: Vec<&str> = PRE_TOKENIZERS.iter().flat_map(|(names, _)| names.iter().copied()).collect();
+        return Err(format!("the pre-tokenizer `{pre}` is not one wgrad knows ({})", known.join(", ")));
+    };
+    let mut steps = Vec::with_capacity(splits.len() + 1);
+    for regex in *splits {
+        let split = Split::new(SplitPattern::Regex((*regex).to_string()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| format!("the split regex of `{pre}` does not compile: {e}"))?;
+        steps.push(PreTokenizerWrapper::Split(split));
+    }
+    steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)));
+    Ok(PreTokenizerWrapper::Sequence(Sequence::new(steps)))
+}
+
+impl BpeTokenizer {
+    /// The tokenizer a GGUF file describes. A file without one, with a
+    /// tokenizer model other than `gpt2` (byte-level BPE), an unknown
+    /// pre-tokenizer, merges that name tokens the vocabulary lacks, or
+    /// special ids outside the vocabulary is an error naming what is wrong.
+    pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
+        let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+        let model = gguf.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(bad(format!("the tokenizer model `{model}` is not one wgrad runs (it runs byte-level BPE, `gpt2`)")));
+        }
+        let pre = match gguf.get("tokenizer.ggml.pre") {
+            Some(_) => gguf.get_str("tokenizer.ggml.pre")?,
+            None => return Err(bad("has no `tokenizer.ggml.pre`, so the pre-tokenizer split is unknown".into())),
+        };
+        let pre_tokenizer = pre_tokenizer(pre).map_err(bad)?;
+        let tokens = gguf.get_strings("tokenizer.ggml.tokens")?;
+        if tokens.is_empty() {
+            return Err(bad("`tokenizer.ggml.tokens` is empty".into()));
+        }
+        let merges = gguf.get_strings("tokenizer.ggml.merges")?;
+        let types = match gguf.get("tokenizer.ggml.token_type") {
+            None => vec![1; tokens.len()],
+            Some(_) => token_types(gguf.get_array("tokenizer.ggml.token_type")?).ok_or_else(|| bad("`tokenizer.ggml.token_type` is not an array of integers".into()))?,
+        };
+        if types.len() != tokens.len() {
+            return Err(bad(format!("`tokenizer.ggml.token_type` has {} entries for {} tokens", types.len(), tokens.len())));
+        }
+        let special_id = |key: &str| -> Result<Option<u32>> {
+            let Some(_) = gguf.get(key) else { return Ok(None) };
+            let id = gguf.get_u64(key)?;
+            match u32::try_from(id) {
+                Ok(id) if (id as usize) < tokens.len() => Ok(Some(id)),
+                _ => Err(bad(format!("`{key}` is {id}, outside the vocabulary of {} tokens", tokens.len()))),
+            }
+        };
+        let bos = special_id("tokenizer.ggml.bos_token_id")?;
+        let eos = special_id("tokenizer.ggml.eos_token_id")?;
+        special_id("tokenizer.ggml.padding_token_id")?;
+        special_id("tokenizer.ggml.unknown_token_id")?;
+        let add_bos = match gguf.get("tokenizer.ggml.add_bos_token") {
+            Some(_) => gguf.get_bool("tokenizer.ggml.add_bos_token")?,
+            None => false,
+        };
+        let prepend_bos = match (add_bos, bos) {
+            (true, None) => return Err(bad("`tokenizer.ggml.add_bos_token` is set but the file has no `tokenizer.ggml.bos_token_id`".into())),
+            (true, bos) => bos,
+            (false, _) => None,
+        };
+        let chat_template = match gguf.get("tokenizer.chat_template") {
+            Some(_) => Some(gguf.get_str("tokenizer.chat_template")?.to_string()),
+            None => None,
+        };
+
+        let alphabet = byte_alphabet();
+        let char_to_byte: HashMap<char, u8> = alphabet.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+        let in_alphabet = |t: &str| t.chars().all(|c| char_to_byte.contains_key(&c));
+        // A token spelled outside the alphabet is respelled from its UTF-8
+        // bytes (transformers' converter does the same); a repeated token
+        // takes its last id, as in llama.cpp and the converter.
+        let spelled: Vec<String> =
+            tokens.iter().map(|t| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() }).collect();
+        let vocab: tokenizers::models::bpe::Vocab = spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
+        let mut merge_pairs = Vec::with_capacity(merges.len());
+        for (i, merge) in merges.iter().enumerate() {
+            let Some((a, b)) = merge.split_once(' ') else {
+                return Err(bad(format!("merge {i} `{merge}` is not two tokens separated by a space")));
+            };
+            for part in [a, b] {
+                if !vocab.contains_key(part) {
+                    return Err(bad(format!("merge {i} `{merge}` names `{part}`, which is not in the vocabulary")));
+                }
+            }
+            if !vocab.contains_key(&format!("{a}{b}")) {
+                return Err(bad(format!("merge {i} `{merge}` makes `{a}{b}`, which is not in the vocabulary")));
+            }
+            merge_pairs.push((a.to_string(), b.to_string()));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merge_pairs)
+            .build()
+            .map_err(|e| bad(format!("the BPE model does not build: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, true, false))));
+        // Control tokens outside the alphabet are skipped, as the converter
+        // does: adding one would give it an id past the model's vocabulary.
+        let control: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t))
+            .map(|(t, _)| AddedToken::from(t.clone(), true))
+            .collect();
+        let user: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(t, &ty)| ty == TOKEN_TYPE_USER_DEFINED && in_alphabet(t))
+            .map(|(t, _)| AddedToken::from(t.clone(), false).normalized(false))
+            .collect();
+        inner.add_special_tokens(&control);
+        inner.add_tokens(&user);
+
+        let token_bytes = spelled.iter().map(|t| Some(token_to_bytes(t, &char_to_byte))).collect();
+        let special = tokens.iter().zip(&types).map(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t)).collect();
+        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template })
+    }
+
+    /// A Hugging Face `tokenizer.json` whose decoder is byte-level (GPT-2,
+    /// SmolLM2, Llama 3, Qwen …). Its special tokens, bos and eos come from
+    /// the file's added tokens; [`BpeTokenizer::from_folder`] also reads
+    /// `tokenizer_config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op: "BpeTokenizer::from_file", path: path.to_path_buf(), source })?;
+        let bad = |reason: String| Error::DataFormat { op: "BpeTokenizer::from_file", file: path.display().to_string(), reason };
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(format!("not a tokenizer.json wgrad can read: {e}")))?;
+        match inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => {}
+            Some(other) => {
+                let name = serde_json::to_value(other).ok().and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
+                return Err(bad(format!("its decoder is `{}`; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)", name.unwrap_or_else(|| "unknown".into()))));
+            }
+            None => return Err(bad("it has no decoder; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)".into())),
+        }
+        let size = inner.get_vocab_size(true);
+        let char_to_byte: HashMap<char, u8> = byte_alphabet().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+        let token_bytes = (0..size as u32).map(|id| inner.id_to_token(id).map(|t| token_to_bytes(&t, &char_to_byte))).collect();
+        let mut special = vec![false; size];
+        for (&id, token) in inner.get_added_tokens_decoder().iter() {
+            if token.special {
+                if let Some(flag) = special.get_mut(id as usize) {
+                    *flag = true;
+                }
+            }
+        }
+        Ok(BpeTokenizer { inner, token_bytes, special, bos: None, eos: None, prepend_bos: None, chat_template: None })
+    }
+
+    /// The tokenizer of a Hugging Face model folder: `tokenizer.json`, with
+    /// the chat template, bos and eos of `tokenizer_config.json` when it has
+    /// them. `None` when the folder has no `tokenizer.json`.
+    pub fn from_folder(dir: impl AsRef<Path>) -> Result<Option<Self>> {
+        let dir = dir.as_ref();
+        let file = dir.join("tokenizer.json");
+        if !file.is_file() {
+            return Ok(None);
+        }
+        let mut tokenizer = Self::from_file(&file)?;
+        let config_path = dir.join("tokenizer_config.json");
+        if config_path.is_file() {
+            tokenizer.apply_config(&config_path)?;
+        }
+        Ok(Some(tokenizer))
+    }
+
+    /// bos, eos and the chat template from a `tokenizer_config.json`.
+    fn apply_config(&mut self, path: &Path) -> Result<()> {
+        let op = "BpeTokenizer::from_folder";
+        let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op, path: path.to_path_buf(), source })?;
+        let bad = |reason: String| Error::DataFormat { op, file: path.display().to_string(), reason };
+        let config: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+        // A token is a string or an AddedToken object with `content`.
+        let token_id = |key: &str| -> Result<Option<u32>> {
+            let content = match config.get(key) {
+                None | Some(serde_json::Value::Null) => return Ok(None),
+                Some(serde_json::Value::String(s)) => s.as_str(),
+                Some(v) => v.get("content").and_then(|c| c.as_str()).ok_or_else(|| bad(format!("`{key}` is neither a string nor a token with `content`")))?,
+            };
+            self.inner.token_to_id(content).map(Some).ok_or_else(|| bad(format!("`{key}` is `{content}`, which is not in tokenizer.json's vocabulary")))
+        };
+        self.bos = token_id("bos_token")?;
+        self.eos = token_id("eos_token")?;
+        // One template, or a list of named ones of which `default` is used.
+        self.chat_template = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()))
+                .map(str::to_string),
+            Some(_) => return Err(bad("`chat_template` is neither a string nor a list of named templates".into())),
+        };
+        Ok(())
+    }
+
+    /// Ids a model with this tokenizer may produce: the vocabulary and the
+    /// added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// BOS as text, for a chat template's `bos_token`.
+    pub fn bos_token(&self) -> Option<String> {
+        self.bos.and_then(|id| self.token(id))
+    }
+
+    /// EOS as text, for a chat template's `eos_token`.
+    pub fn eos_token(&self) -> Option<String> {
+        self.eos.and_then(|id| self.token(id))
+    }
+
+    /// The id of a token spelled exactly `token` (`<|im_end|>`), if any.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The text of token `id` as the vocabulary spells it (`<|im_end|>`,
+    /// `Ġthe`).
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The Jinja chat template the model came with
+    /// (`tokenizer.chat_template`), if any; see [`crate::io::chat`].
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Whether `id` is a control token (`<|im_start|>`, `<|endoftext|>`).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Token ids of `text`. Special tokens written in the text
+    /// (`<|im_start|>`) become their ids, as a rendered chat template needs;
+    /// `add_special` puts BOS first when the model asks for it (false for a
+    /// rendered template, which writes its own, as transformers does).
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, add_special)
+            .map_err(|e| Error::InvalidArgument { op: "BpeTokenizer::encode", reason: e.to_string() })?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if let (true, Some(bos)) = (add_special, self.prepend_bos) {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes of token `id`; an id outside the vocabulary is an error.
+    pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
+        match self.token_bytes.get(id as usize) {
+            Some(Some(bytes)) => Ok(bytes),
+            _ => Err(Error::InvalidArgument { op: "BpeTokenizer::decode", reason: format!("id {id} is not a token of this vocabulary of {}", self.token_bytes.len()) }),
+        }
+    }
+
+    /// The bytes of `ids`, control tokens left out when `skip_special`.
+    pub fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            let token = self.token_bytes(id)?;
+            if !(skip_special && self.is_special(id)) {
+                bytes.extend_from_slice(token);
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// The text of `ids`; bytes that are not whole UTF-8 characters become
+    /// U+FFFD.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids, skip_special)?).into_owned())
+    }
+
+    /// A decoder fed one id at a time, for streaming generated text.
+    pub fn stream(&self, skip_special: bool) -> TokenStream<'_> {
+        TokenStream { tokenizer: self, text: Utf8Stream::default(), skip_special }
+    }
+}
+
+/// Token types as integers, whatever integer type the file used.
+fn token_types(array: &Array) -> Option<Vec<i64>> {
+    Some(match array {
+        Array::I32(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::U32(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::I8(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::U8(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::I16(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::U16(v) => v.iter().map(|&t| i64::from(t)).collect(),
+        Array::I64(v) => v.clone(),
+        _ => return None,
+    })
+}
+
+/// Generated ids in, text out as soon as its characters are whole: a
+/// byte-level token can end inside a multi-byte character (an emoji is
+/// often two or three tokens).
+pub struct TokenStream<'t> {
+    tokenizer: &'t BpeTokenizer,
+    text: Utf8Stream,
+    skip_special: bool,
+}
+
+impl TokenStream<'_> {
+    /// The text `id` completes (empty while a character is incomplete).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        let token = self.tokenizer.token_bytes(id)?;
+        if self.skip_special && self.tokenizer.is_special(id) {
+            return Ok(String::new());
+        }
+        Ok(self.text.push(token))
+    }
+
+    /// What is left at the end (an incomplete character as U+FFFD).
+    pub fn finish(&mut self) -> String {
+        self.text.finish()
+    }
+}

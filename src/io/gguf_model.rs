@@ -1,0 +1,337 @@
+//! A llama.cpp GGUF file as a wgrad model: [`GgufModel`] reads a `llama`
+//! file's sizes from its metadata into a [`LlamaConfig`] (a `gpt2` file's
+//! into a [`GptConfig`]), checks every tensor against that config before
+//! anything is allocated for the model, and builds the [`Llama`] (the
+//! [`Gpt`]) with every tensor de-quantized to f32. It keeps the file open,
+//! so a quantized weight source can take the same tensors' raw blocks by
+//! parameter name ([`GgufModel::raw_parameter`]).
+//!
+//! The rotary layout: llama.cpp's converter permutes the rows of q and k
+//! within each head so that the channels a rotation pairs sit side by side
+//! (Meta's interleaved layout, which llama.cpp's RoPE computes). The model
+//! built here keeps the file's rows and rotates interleaved pairs
+//! ([`RopeLayout::Interleaved`]); the attention scores equal Hugging Face's
+//! half-split model's, since q and k move alike and v does not move. So
+//! raw quantized rows need no moving either (the GGUF reader's
+//! [`crate::io::gguf::llama::unpermute_rows`] gives Hugging Face's order
+//! when a caller wants it).
+//!
+//! GPT-2 files (llama.cpp's converter stores the Conv1D weights transposed,
+//! [out, in] as wgrad's Linear holds them) load as a [`Gpt`], whose head is
+//! the token table: a file with an `output.weight` that does not decode to
+//! the token table's values is refused.
+//!
+//! What is refused, each with an error naming the file and the key or the
+//! tensor and its type: an architecture other than `llama` and `gpt2`,
+//! sizes the model cannot have, a file without its tokenizer's vocabulary
+//! (or, for a Llama, one whose length is not the model's vocabulary), a
+//! missing tensor, a tensor whose shape disagrees with the metadata's
+//! sizes, a type wgrad does not decode, and a tensor the model has no
+//! parameter for (a Llama's biases, `rope_freqs.weight`: ignoring one would
+//! silently compute another model).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
+use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use crate::nn::{CausalLm, LmConfig, Module, RopeLayout};
+
+/// The metadata key of the tokenizer's vocabulary (one string per id).
+pub const TOKENS_KEY: &str = "tokenizer.ggml.tokens";
+/// The metadata key of the tokenizer's kind (`gpt2` for byte-level BPE).
+pub const TOKENIZER_MODEL_KEY: &str = "tokenizer.ggml.model";
+/// The metadata key naming the architecture.
+pub const ARCHITECTURE_KEY: &str = "general.architecture";
+/// Sizes read from the metadata above this are refused (the GGUF reader's
+/// Llama bound), so a corrupt file cannot make the loader build an absurd
+/// model's structure.
+const MAX_SIZE: u64 = 1 << 24;
+/// GPT-2's untied head name in a GGUF file; wgrad's GPT ties its head.
+const GPT2_HEAD: &str = "output.weight";
+
+/// What a GGUF file holds, with the sizes from its metadata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GgufArchitecture {
+    /// `llama`: q and k rotate interleaved pairs (the file's row order).
+    Llama(LlamaConfig),
+    /// `gpt2`, with its LayerNorm epsilon.
+    Gpt2 { config: GptConfig, layer_norm_eps: f32 },
+}
+
+impl GgufArchitecture {
+    /// The sizes [`crate::infer::generate::check_fits`] needs.
+    pub fn lm_config(&self) -> Box<dyn LmConfig> {
+        match *self {
+            GgufArchitecture::Llama(config) => Box::new(config),
+            GgufArchitecture::Gpt2 { config, .. } => Box::new(config),
+        }
+    }
+}
+
+/// A GGUF model file checked against its own metadata: the model it
+/// describes and, for each of the model's parameters, the tensor that
+/// holds it.
+#[derive(Debug)]
+pub struct GgufModel {
+    gguf: Gguf,
+    architecture: GgufArchitecture,
+    /// (wgrad parameter name, GGUF tensor name) of every parameter of the
+    /// model, in [`Module::named_parameters`] order.
+    parameters: Vec<(String, String)>,
+}
+
+impl GgufModel {
+    /// Reads the header of the file at `path` and checks it (see the
+    /// module docs); reads no tensor data.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_gguf(Gguf::open(path)?)
+    }
+
+    /// The same checks on a file already opened.
+    pub fn from_gguf(gguf: Gguf) -> Result<Self> {
+        let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+        let (architecture, named): (_, Vec<(String, Vec<usize>)>) = match gguf.get_str(ARCHITECTURE_KEY)? {
+            "llama" => {
+                let config = llama_config(&gguf)?;
+                (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
+            }
+            "gpt2" => {
+                let (config, layer_norm_eps) = gpt2_config(&gguf)?;
+                (GgufArchitecture::Gpt2 { config, layer_norm_eps }, Gpt::empty(config)?.named_parameters())
+            }
+            other => return Err(bad(format!("architecture `{other}`: wgrad runs `llama` and `gpt2` GGUF files"))),
+        };
+        let gguf_name: fn(&str) -> Option<String> = match architecture {
+            GgufArchitecture::Llama(_) => llama::gguf_name,
+            GgufArchitecture::Gpt2 { .. } => gpt2_gguf_name,
+        };
+        let optional = match architecture {
+            GgufArchitecture::Llama(_) => vec![],
+            GgufArchitecture::Gpt2 { config, .. } => vec![(GPT2_HEAD.to_string(), vec![config.vocab_size, config.n_embd])],
+        };
+        let parameters = match_tensors(&gguf, named, gguf_name, optional)?;
+        Ok(GgufModel { gguf, architecture, parameters })
+    }
+
+    /// The architecture and sizes the metadata describes.
+    pub fn architecture(&self) -> &GgufArchitecture {
+        &self.architecture
+    }
+
+    /// The file: metadata (the tokenizer's), tensor infos, raw tensors.
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+
+    /// (wgrad parameter name, GGUF tensor name) of every parameter, in
+    /// [`Module::named_parameters`] order.
+    pub fn parameters(&self) -> &[(String, String)] {
+        &self.parameters
+    }
+
+    /// The tensor info of the parameter `name` (`model.layers.0.mlp.up_proj.weight`).
+    pub fn parameter_info(&self, name: &str) -> Result<&TensorInfo> {
+        let tensor = self.parameters.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str()).ok_or_else(|| Error::InvalidArgument {
+            op: "GgufModel::parameter_info",
+            reason: format!("`{name}` is not a parameter of {}", self.gguf.path().display()),
+        })?;
+        self.gguf.require_tensor(tensor)
+    }
+
+    /// The parameter `name`'s bytes as stored (ggml blocks, rows of q and k
+    /// in the interleaved layout the Llama's config rotates), with its
+    /// info (type, dims): for weights that stay quantized on the GPU.
+    pub fn raw_parameter(&self, name: &str) -> Result<(&TensorInfo, Vec<u8>)> {
+        let info = self.parameter_info(name)?;
+        Ok((info, self.gguf.read_raw(&info.name)?))
+    }
+
+    /// The parameter `name` de-quantized to f32, row-major, in the same layout.
+    pub fn parameter_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let info = self.parameter_info(name)?;
+        self.gguf.read_f32(&info.name)
+    }
+
+    /// The Llama, every weight de-quantized to f32; an error for another
+    /// architecture.
+    pub fn to_llama(&self) -> Result<Llama> {
+        match self.architecture {
+            GgufArchitecture::Llama(config) => Llama::from_parameters(config, |name, _| self.parameter_f32(name)),
+            GgufArchitecture::Gpt2 { .. } => Err(self.not_a("Llama", "gpt2")),
+        }
+    }
+
+    /// The GPT-2, every weight de-quantized to f32; an error for another
+    /// architecture, or for a stored head that is not the token table.
+    pub fn to_gpt(&self) -> Result<Gpt> {
+        let GgufArchitecture::Gpt2 { config, layer_norm_eps } = self.architecture else {
+            return Err(self.not_a("GPT-2", "llama"));
+        };
+        let mut model = Gpt::from_parameters(config, |name, _| self.parameter_f32(name))?;
+        if let Some(head) = self.gguf.tensor(GPT2_HEAD) {
+            let same = self.gguf.read_f32(GPT2_HEAD)?.iter().zip(&model.wte.weight).all(|(a, b)| a.to_bits() == b.to_bits());
+            if !same {
+                return Err(self.gguf.tensor_error(head, "differs from `token_embd.weight`: wgrad's GPT ties its head to the token table".into()));
+            }
+        }
+        for block in &mut model.h {
+            block.ln_1.eps = layer_norm_eps;
+            block.ln_2.eps = layer_norm_eps;
+        }
+        model.ln_f.eps = layer_norm_eps;
+        Ok(model)
+    }
+
+    /// The model, of whichever architecture, de-quantized to f32.
+    pub fn to_causal_lm(&self) -> Result<Box<dyn CausalLm>> {
+        Ok(match self.architecture {
+            GgufArchitecture::Llama(_) => Box::new(self.to_llama()?),
+            GgufArchitecture::Gpt2 { .. } => Box::new(self.to_gpt()?),
+        })
+    }
+
+    fn not_a(&self, wanted: &str, is: &str) -> Error {
+        Error::Gguf { path: self.gguf.path().to_path_buf(), reason: format!("is a `{is}` file, not a {wanted}") }
+    }
+}
+
+/// The Llama of the GGUF file at `path`, de-quantized to f32.
+pub fn load_llama_gguf(path: impl AsRef<Path>) -> Result<Llama> {
+    GgufModel::open(path)?.to_llama()
+}
+
+/// The size of the tokenizer's vocabulary; an error naming the key when
+/// the file has none.
+fn tokenizer_vocabulary(gguf: &Gguf) -> Result<usize> {
+    if gguf.get(TOKENS_KEY).is_none() {
+        return Err(Error::Gguf { path: gguf.path().to_path_buf(), reason: format!("no tokenizer: the metadata has no `{TOKENS_KEY}` (a model file carries its vocabulary)") });
+    }
+    gguf.get_str(TOKENIZER_MODEL_KEY)?;
+    Ok(gguf.get_strings(TOKENS_KEY)?.len())
+}
+
+/// A `llama` file's config: the GGUF reader's sizes, the tokenizer's
+/// vocabulary agreeing, and enough tensors for the blocks claimed.
+fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
+    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let tokens = tokenizer_vocabulary(gguf)?;
+    let hp = llama::Hparams::from_gguf(gguf)?;
+    if tokens != hp.vocab_size {
+        return Err(bad(format!("the tokenizer has {tokens} tokens (`{TOKENS_KEY}`) but the model a vocabulary of {}", hp.vocab_size)));
+    }
+    check_blocks(gguf, "llama", hp.n_layer, 9)?;
+    let config = LlamaConfig {
+        vocab_size: hp.vocab_size,
+        block_size: hp.n_ctx,
+        n_layer: hp.n_layer,
+        n_head: hp.n_head,
+        n_kv_head: hp.n_kv_head,
+        n_embd: hp.n_embd,
+        intermediate_size: hp.n_ff,
+        rope_theta: hp.rope_base,
+        rms_norm_eps: hp.rms_eps,
+        tie_word_embeddings: hp.tied_embeddings,
+        rope_layout: RopeLayout::Interleaved,
+    };
+    config.check().map_err(|e| bad(format!("the metadata's sizes make no Llama: {e}")))?;
+    Ok(config)
+}
+
+/// A `gpt2` file's config and LayerNorm epsilon (`gpt2.*` keys; the
+/// vocabulary is the tokenizer's).
+fn gpt2_config(gguf: &Gguf) -> Result<(GptConfig, f32)> {
+    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let size = |key: &str| -> Result<usize> {
+        let v = gguf.get_u64(&format!("gpt2.{key}"))?;
+        if v == 0 || v > MAX_SIZE {
+            return Err(bad(format!("metadata `gpt2.{key}` = {v} is outside 1..={MAX_SIZE}")));
+        }
+        Ok(v as usize)
+    };
+    let config = GptConfig {
+        vocab_size: tokenizer_vocabulary(gguf)?,
+        block_size: size("context_length")?,
+        n_layer: size("block_count")?,
+        n_head: size("attention.head_count")?,
+        n_embd: size("embedding_length")?,
+    };
+    if gguf.get("gpt2.feed_forward_length").is_some() && size("feed_forward_length")? != 4 * config.n_embd {
+        return Err(bad(format!("`gpt2.feed_forward_length` is not 4 × {} channels: wgrad's GPT-2 MLP is 4 times wider than the model", config.n_embd)));
+    }
+    let eps = gguf.get_f32("gpt2.attention.layer_norm_epsilon")?;
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(bad(format!("`gpt2.attention.layer_norm_epsilon` {eps} is not a positive number")));
+    }
+    if config.vocab_size == 0 || config.n_embd % config.n_head != 0 {
+        return Err(bad(format!("the metadata's sizes make no GPT-2: {config:?}")));
+    }
+    check_blocks(gguf, "gpt2", config.n_layer, 12)?;
+    Ok((config, eps))
+}
+
+/// A file claiming more blocks than its tensors fill is refused before the
+/// model's structure is built for them.
+fn check_blocks(gguf: &Gguf, arch: &str, blocks: usize, tensors_per_block: usize) -> Result<()> {
+    if blocks.checked_mul(tensors_per_block).is_none_or(|n| n > gguf.tensors().len()) {
+        return Err(Error::Gguf {
+            path: gguf.path().to_path_buf(),
+            reason: format!("`{arch}.block_count` = {blocks} blocks of {tensors_per_block} tensors, but the file has {} tensors", gguf.tensors().len()),
+        });
+    }
+    Ok(())
+}
+
+/// The GGUF name of a [`Gpt`] parameter (GPT-2's names): llama.cpp's
+/// `blk.N.attn_qkv` for `h.N.attn.c_attn`, and so on.
+pub fn gpt2_gguf_name(name: &str) -> Option<String> {
+    const MODEL: [(&str, &str); 4] =
+        [("wte.weight", "token_embd.weight"), ("wpe.weight", "position_embd.weight"), ("ln_f.weight", "output_norm.weight"), ("ln_f.bias", "output_norm.bias")];
+    const BLOCK: [(&str, &str); 6] =
+        [("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"), ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")];
+    if let Some((_, gguf)) = MODEL.iter().find(|(n, _)| *n == name) {
+        return Some(gguf.to_string());
+    }
+    let (layer, rest) = name.strip_prefix("h.")?.split_once('.')?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    let (_, gguf) = BLOCK.iter().find(|(n, _)| *n == module)?;
+    Some(format!("blk.{layer}.{gguf}.{suffix}"))
+}
+
+/// Every parameter's tensor (`named`: the model's names and shapes), of
+/// its shape and a decoded type, and no tensor left over but `optional`
+/// ones (GGUF names and shapes; their values are the caller's to check).
+fn match_tensors(gguf: &Gguf, named: Vec<(String, Vec<usize>)>, gguf_name: fn(&str) -> Option<String>, optional: Vec<(String, Vec<usize>)>) -> Result<Vec<(String, String)>> {
+    let mut unused: HashMap<&str, &TensorInfo> = gguf.tensors().iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut parameters = Vec::new();
+    let check = |info: &TensorInfo, name: &str, shape: &[usize]| -> Result<()> {
+        if info.shape() != shape {
+            return Err(gguf.tensor_error(info, format!("has the row-major shape {:?}, but the metadata's sizes make `{name}` {shape:?}", info.shape())));
+        }
+        if !info.ty.is_decoded() {
+            return Err(gguf.tensor_error(info, unsupported(info.ty)));
+        }
+        Ok(())
+    };
+    for (name, shape) in named {
+        let tensor = gguf_name(&name).ok_or_else(|| Error::InvalidArgument { op: "GgufModel", reason: format!("no GGUF name for parameter `{name}`") })?;
+        let info = unused.remove(tensor.as_str()).ok_or_else(|| Error::GgufTensor {
+            path: gguf.path().to_path_buf(),
+            tensor: tensor.clone(),
+            dtype: "absent".into(),
+            reason: format!("the file has no such tensor, but its metadata implies `{name}` of shape {shape:?}"),
+        })?;
+        check(info, &name, &shape)?;
+        parameters.push((name, tensor));
+    }
+    for (tensor, shape) in optional {
+        if let Some(info) = unused.remove(tensor.as_str()) {
+            check(info, &tensor, &shape)?;
+        }
+    }
+    if let Some(info) = gguf.tensors().iter().find(|t| unused.contains_key(t.name.as_str())) {
+        return Err(gguf.tensor_error(info, "is not a parameter of the model wgrad builds for this architecture (its Llama has no biases and computes the default rotary embedding)".into()));
+    }
+    Ok(parameters)
+}

@@ -1,0 +1,373 @@
+//! `quant_weights.wgsl`: products with f32 activations and block-quantized
+//! weights (Q8_0, Q4_0, Q4_1 as a GGUF file stores them, re-packed by
+//! `pack_quantized`) on the matrix-vector and tiled kernels, and the lookup
+//! from a quantized table, against their CPU twins (which decode each block
+//! with the GGUF reader's `decode_*`), on every adapter; split over small
+//! bindings; the layout's round trip; and a graph with a quantized
+//! parameter. Tolerance: `|gpu - cpu| <= atol + rtol·|cpu|`, beside each
+//! check.
+
+use crate::common;
+
+use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
+use half::f16;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use wgrad::kernels::{pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView, QuantWeightsKernel, MATVEC_MAX_ROWS};
+use wgrad::{cpu, Error, Kernels};
+
+/// A [rows, cols] matrix in `format` as a GGUF file stores it: random
+/// integers, and scales (and minimums) that keep the weights within about
+/// ±1, as a trained model's are.
+fn random_blocks(r: &mut ChaCha8Rng, format: QuantFormat, rows: usize, cols: usize) -> Vec<u8> {
+    let blocks = rows * cols / QuantFormat::BLOCK;
+    let mut raw = Vec::with_capacity(blocks * format.block_bytes());
+    for _ in 0..blocks {
+        let (d, m) = match format {
+            QuantFormat::Q8_0 => (r.random_range(0.002..0.008), 0.0),
+            QuantFormat::Q4_0 => (r.random_range(0.03..0.12), 0.0),
+            QuantFormat::Q4_1 => (r.random_range(0.02..0.06), r.random_range(-0.5..0.0)),
+        };
+        raw.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        if format == QuantFormat::Q4_1 {
+            raw.extend_from_slice(&f16::from_f32(m).to_le_bytes());
+        }
+        raw.extend((0..format.quant_words() * 4).map(|_| r.random::<u8>()));
+    }
+    raw
+}
+
+#[test]
+fn the_packed_layout_round_trips_and_keeps_ggml_order() {
+    for format in QuantFormat::ALL {
+        let (rows, cols) = (3, 64);
+        let raw = random_blocks(&mut rng(2500), format, rows, cols);
+        let words = pack_quantized(format, &raw, rows, cols).unwrap();
+        assert_eq!(words.len(), format.stored_words(rows * cols));
+        assert_eq!(unpack_quantized(format, &words, rows, cols).unwrap(), raw, "{format:?}");
+        // Block 1's quantized bytes are its file bytes in order, and its
+        // scale word holds d (and Q4_1's m) as the file's f16 bits.
+        let (bytes, header) = (format.block_bytes(), format.block_bytes() - 4 * format.quant_words());
+        let block = &raw[bytes..2 * bytes];
+        let q = &words[format.quant_words()..2 * format.quant_words()];
+        assert_eq!(q[0].to_le_bytes(), block[header..header + 4], "{format:?}: first word of block 1");
+        let scale = words[rows * cols / 32 * format.quant_words() + 1];
+        assert_eq!(scale & 0xffff, u32::from(u16::from_le_bytes([block[0], block[1]])), "{format:?}: d");
+        let m = if format == QuantFormat::Q4_1 { u32::from(u16::from_le_bytes([block[2], block[3]])) } else { 0 };
+        assert_eq!(scale >> 16, m, "{format:?}: m");
+    }
+    // Rows must hold whole blocks, and the bytes whole rows.
+    let err = pack_quantized(QuantFormat::Q8_0, &[0; 34], 1, 33).unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"), "{err}");
+    let err = pack_quantized(QuantFormat::Q4_0, &[0; 18], 2, 32).unwrap_err();
+    assert!(err.to_string().contains("18 bytes"), "{err}");
+    let err = unpack_quantized(QuantFormat::Q4_1, &[0; 4], 1, 32).unwrap_err();
+    assert!(err.to_string().contains("4 words"), "{err}");
+}
+
+/// What a case fuses into its store.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    Plain,
+    Bias,
+    /// Bias, GELU and the pre-activation kept.
+    BiasGeluPre,
+}
+
+/// Sums of ≤ 576 products of activations in [-1, 1] with weights within
+/// about ±1, f32 against the twin's f64: tests/suite/matvec.rs's 1e-4 for
+/// the f32 kernels, widened because the kernels sum each block's integers'
+/// products before scaling (d·Σq·x, − 8·d·Σx for Q4_0), whose terms reach
+/// 15 times the weights', so their rounding does too; then GELU (slope ≤
+/// 1.13).
+const ATOL: f32 = 2e-3;
+const RTOL: f32 = 1e-4;
+
+/// Runs one product on `k` with `kernel` (the shape-selected one when
+/// None) and checks C (and pre) against the twin; returns the dispatch's
+/// entry and launches.
+fn check_product(k: &Kernels, kernel: Option<QuantWeightsKernel>, format: QuantFormat, store: Store, (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<(&'static str, usize)> {
+    let mut r = rng(seed);
+    let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let raw = random_blocks(&mut r, format, n, kk);
+    let bias_host = random_vec(&mut r, n, -1.0, 1.0);
+    let words = k.upload(&pack_quantized(format, &raw, n, kk)?)?;
+    let (a, c, pre, bias) = (k.upload(&a_host)?, k.upload(&vec![f32::NAN; m * n])?, k.zeros(m * n)?, k.upload(&bias_host)?);
+    let b = QuantView::new(words.view(), format, n, kk)?;
+    let epilogue = match store {
+        Store::Plain => MatmulEpilogue::default(),
+        Store::Bias => MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() },
+        Store::BiasGeluPre => MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() },
+    };
+    let d = match kernel {
+        Some(kernel) => k.matmul_quant_weights_with(kernel, epilogue, c.view(), a.view(), b, m, n, kk)?,
+        None => k.matmul_quant_weights(epilogue, c.view(), a.view(), b, m, n, kk)?,
+    };
+    k.run(&[&d])?;
+    let e = cpu::Epilogue {
+        bias: (store != Store::Plain).then_some(&bias_host[..]),
+        activation: (store == Store::BiasGeluPre).then_some(Activation::Gelu),
+        ..cpu::Epilogue::default()
+    };
+    let (want, want_pre) = cpu::matmul_quant_weights(e, &a_host, format, &raw, m, n, kk)?;
+    let what = format!("{} {format:?} m={m} n={n} k={kk} {store:?}", d.kernel().entry);
+    assert_close(&what, &read(k, &c)?, &want, ATOL, RTOL);
+    if store == Store::BiasGeluPre {
+        assert_close(&format!("{what} pre"), &read(k, &pre)?, &want_pre, ATOL, RTOL);
+    }
+    Ok((d.kernel().entry, d.launches()))
+}
+
+#[test]
+fn quantized_products_match_the_cpu_on_each_kernel() {
+    for_each_adapter("quantized weights: products", |k| {
+        let mut case = 0u64;
+        for format in QuantFormat::ALL {
+            // One block per row, three (fewer than the 8 lanes), and
+            // SmolLM2's 576 (18 blocks: not a multiple of the lanes); 1,
+            // primes and non-multiples of the 8 columns and 64×64 tiles.
+            for kk in [32, 96, 576] {
+                for n in [1, 3, 37, 256] {
+                    for m in [1, 2, 7, 33, 128] {
+                        case += 1;
+                        let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][case as usize % 3];
+                        let (entry, _) = check_product(k, None, format, store, (m, n, kk), 2600 + case)?;
+                        let want = if m <= MATVEC_MAX_ROWS { "matvec_quant_forward" } else { "matmul_quant_forward" };
+                        assert_eq!(entry, want, "m={m}");
+                        // Decode's rows on the tiled kernel too (its
+                        // choice where the vector loads cannot run).
+                        if m <= MATVEC_MAX_ROWS {
+                            check_product(k, Some(QuantWeightsKernel::Tiled), format, store, (m, n, kk), 2600 + case)?;
+                        }
+                    }
+                }
+            }
+            // Every row count of the matrix-vector kernel, and GPU lanes.
+            for (rows, lanes) in [(3, 64), (MATVEC_MAX_ROWS, 8)] {
+                check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, Store::BiasGeluPre, (rows, 37, 96), 2590 + rows as u64)?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn quantized_products_refuse_what_they_cannot_run() {
+    for_each_adapter("quantized weights: refusals", |k| {
+        // Rows of B must hold whole blocks (k = 33).
+        let words = k.zeros(QuantFormat::Q8_0.stored_words(64))?;
+        let err = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 33).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"), "{err}");
+        let err = QuantView::new(words.view(), QuantFormat::Q4_0, 2, 32).unwrap_err();
+        assert!(err.to_string().contains("words"), "{err}");
+        let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 32)?;
+        let (a, c) = (k.zeros(5 * 32)?, k.zeros(5 * 2)?);
+        // Five rows are past the matrix-vector kernel; shapes must agree;
+        // training's epilogues are refused.
+        let err = k.matmul_quant_weights_with(QuantWeightsKernel::Matvec { lanes: 8 }, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        assert!(err.to_string().contains("m=5"), "{err}");
+        assert_eq!(k.quant_weights_kernel_for(5, &a.view(), &b), QuantWeightsKernel::Tiled);
+        assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() });
+        let err = k.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("k=64"), "{err}");
+        let accumulate = MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() };
+        let err = k.matmul_quant_weights(accumulate, c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn quantized_embedding_matches_the_cpu() {
+    for_each_adapter("quantized weights: embedding", |k| {
+        for format in QuantFormat::ALL {
+            // (n, vocab, channels): one of each, a prime vocabulary, more
+            // outputs than a workgroup, SmolLM2's 576 channels.
+            for (case, &(n, vocab, channels)) in [(1, 1, 32), (5, 7, 96), (40, 11, 64), (3, 50, 576)].iter().enumerate() {
+                let mut r = rng(2700 + case as u64);
+                let raw = random_blocks(&mut r, format, vocab, channels);
+                let mut ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+                // An id past the vocabulary gives a row of NaN, as in f32.
+                ids[n - 1] = vocab as u32 + 3;
+                let words = k.upload(&pack_quantized(format, &raw, vocab, channels)?)?;
+                let (i, out) = (k.upload(&ids)?, k.zeros(n * channels)?);
+                let table = QuantView::new(words.view(), format, vocab, channels)?;
+                k.run(&[&k.embedding_quant_weights(out.view(), table, i.view(), n)?])?;
+                // Exact: each value is q·d (+ m) rounded once, on both sides
+                // (q·d is exact in f32: ≤ 8 bits times an f16).
+                let want = cpu::embedding_quant_weights(format, &raw, &ids, vocab, channels)?;
+                assert_close(&format!("embedding {format:?} n={n} vocab={vocab} channels={channels}"), &read(k, &out)?, &want, 0.0, 0.0);
+            }
+        }
+        // Scales and minimums at f16's edges, which the kernels widen by
+        // bit operations: subnormal, zero, negative, the largest finite.
+        let halves = [(f16::from_bits(0x0001), f16::from_bits(0x8201)), (f16::ZERO, f16::NEG_ZERO), (f16::from_f32(-0.75), f16::from_f32(3.0)), (f16::MAX, f16::MIN)];
+        let mut raw = Vec::new();
+        for (i, (d, m)) in halves.iter().enumerate() {
+            raw.extend(d.to_le_bytes().into_iter().chain(m.to_le_bytes()));
+            raw.extend((0..16).map(|j| (17 * (i + j)) as u8));
+        }
+        let ids = [0, 1, 2, 3];
+        let words = k.upload(&pack_quantized(QuantFormat::Q4_1, &raw, 4, 32)?)?;
+        let (i, out) = (k.upload(&ids)?, k.zeros(4 * 32)?);
+        k.run(&[&k.embedding_quant_weights(out.view(), QuantView::new(words.view(), QuantFormat::Q4_1, 4, 32)?, i.view(), 4)?])?;
+        // Exact, as above (f16::MAX · 15 + f16::MIN is finite in f32).
+        assert_close("embedding at f16's edges", &read(k, &out)?, &cpu::embedding_quant_weights(QuantFormat::Q4_1, &raw, &ids, 4, 32)?, 0.0, 0.0);
+        Ok(())
+    });
+}
+
+#[test]
+fn quantized_weights_over_small_bindings_equal_the_twins() {
+    for_each_adapter("quantized weights: split bindings", |k| {
+        // 1 KiB bindings: 256 words, so B and the table take several
+        // launches (Q8_0 at k = 32: 32 rows a part).
+        // A part may start up to one offset alignment before its first
+        // word, so the limit grows with the alignment to keep 256 words a
+        // part (WebGPU's 256-byte alignment included).
+        let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
+        let limit = 1024 + align.saturating_sub(4);
+        let lim = limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() });
+        for (i, &(kernel, format, store, shape)) in [
+            (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q8_0, Store::Plain, (1, 300, 32)),
+            (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q4_1, Store::Bias, (2, 150, 64)),
+            (QuantWeightsKernel::Tiled, QuantFormat::Q4_0, Store::BiasGeluPre, (3, 100, 64)),
+            (QuantWeightsKernel::Tiled, QuantFormat::Q8_0, Store::Bias, (2, 200, 32)),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let (_, launches) = check_product(&lim, Some(kernel), format, store, shape, 2800 + i as u64)?;
+            assert!(launches > 1, "{kernel:?} {format:?} {shape:?} ran in one launch");
+        }
+        // 7 ids of 32 channels: the output fits one binding.
+        let (vocab, channels) = (100, 32);
+        for format in QuantFormat::ALL {
+            let mut r = rng(2810);
+            let raw = random_blocks(&mut r, format, vocab, channels);
+            let ids: Vec<u32> = (0..5).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
+            let words = lim.upload(&pack_quantized(format, &raw, vocab, channels)?)?;
+            let (i, out) = (lim.upload(&ids)?, lim.zeros(ids.len() * channels)?);
+            let d = lim.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, i.view(), ids.len())?;
+            assert!(d.launches() > 1, "the table in one launch");
+            lim.run(&[&d])?;
+            // A copy: exact (see quantized_embedding_matches_the_cpu).
+            assert_close(&format!("split embedding {format:?}"), &read(&lim, &out)?, &cpu::embedding_quant_weights(format, &raw, &ids, vocab, channels)?, 0.0, 0.0);
+        }
+        // What cannot split is a clear error: the activations, a row of B.
+        let words = lim.zeros(QuantFormat::Q8_0.stored_words(2 * 1024))?;
+        let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 1024)?;
+        let (a, c) = (lim.zeros(1024)?, lim.zeros(2)?);
+        let err = lim.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 1, 2, 1024).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"), "{err}");
+        let words = lim.zeros(QuantFormat::Q8_0.stored_words(2048))?;
+        let table = QuantView::new(words.view(), QuantFormat::Q8_0, 1, 2048)?;
+        let (ids, out) = (lim.zeros(1)?, lim.zeros(2048)?);
+        let err = lim.embedding_quant_weights(out.view(), table, ids.view(), 1).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"), "{err}");
+        Ok(())
+    });
+}
+
+/// A graph with quantized parameters: a Linear over a token embedding,
+/// both quantized (the table in Q8_0, the weight in Q4_1), on the GPU
+/// against `Graph::evaluate_f64` (the twins); refused by every other op
+/// and by training.
+#[test]
+fn a_graph_with_quantized_parameters_matches_its_reference() {
+    use wgrad::graph::{Executor, Graph};
+    let (vocab, channels, out, tokens) = (11, 64, 37, 7);
+    let mut r = rng(2900);
+    let table_raw = random_blocks(&mut r, QuantFormat::Q8_0, vocab, channels);
+    let weight_raw = random_blocks(&mut r, QuantFormat::Q4_1, out, channels);
+    let ids_h: Vec<u32> = (0..tokens).map(|_| r.random_range(0..vocab as u32)).collect();
+    let mut g = Graph::new();
+    let ids = g.ids("ids", &[1, tokens]).unwrap();
+    let table = g.parameter_quantized("wte", &[vocab, channels], QuantFormat::Q8_0, &table_raw).unwrap();
+    let w = g.parameter_quantized("proj.weight", &[out, channels], QuantFormat::Q4_1, &weight_raw).unwrap();
+    let x = g.embedding(table, ids).unwrap();
+    let y = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, w).unwrap();
+    // The tied head: the same table as an ABt's B.
+    let logits = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, table).unwrap();
+    // Only the ABt's B and the table read them; k = 33 is refused.
+    let err = g.add(w, w).unwrap_err();
+    assert!(err.to_string().contains("Q4_1"), "{err}");
+    let err = g.matmul_form(wgrad::kernels::MatmulForm::AB, x, w).unwrap_err();
+    assert!(err.to_string().contains("quantized"), "{err}");
+    let err = g.parameter_quantized("odd", &[2, 33], QuantFormat::Q8_0, &[0; 68]).unwrap_err();
+    assert!(err.to_string().contains("multiple of 32"), "{err}");
+    let feeds = [(ids, ids_h.iter().map(|&i| f64::from(i)).collect::<Vec<f64>>())];
+    let want = g.evaluate_f64(&[x, y, logits], &feeds).unwrap();
+    for_each_adapter("quantized weights: graph", |k| {
+        let mut exec = Executor::new(k.clone(), g.clone(), &[x, y, logits], None, None)?;
+        exec.set_labels(ids, &ids_h)?;
+        exec.run(&[x, y, logits])?;
+        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        // The lookup is exact (see quantized_embedding_matches_the_cpu);
+        // the products as quantized_products_match_the_cpu_on_each_kernel.
+        assert_close("graph embedding", &exec.read(x)?, &f32s(&want[0]), 0.0, 0.0);
+        assert_close("graph Linear", &exec.read(y)?, &f32s(&want[1]), ATOL, RTOL);
+        assert_close("graph tied head", &exec.read(logits)?, &f32s(&want[2]), ATOL, RTOL);
+        // The weights take their packed words, not f32 values.
+        let words = (QuantFormat::Q8_0.stored_words(vocab * channels), QuantFormat::Q4_1.stored_words(out * channels));
+        assert!(exec.plan().param_arena_len < words.0 + words.1 + 2 * 64, "arena of {} words", exec.plan().param_arena_len);
+        let err = exec.read(w).unwrap_err();
+        assert!(err.to_string().contains("Q4_1"), "{err}");
+        let err = exec.parameters().unwrap_err();
+        assert!(err.to_string().contains("no f32 copy"), "{err}");
+        // Training refuses them (in backward, or in the executor).
+        let mut train = g.clone();
+        let loss = train.mean(y)?;
+        let err = match train.backward(loss) {
+            Ok(grads) => Executor::new(k.clone(), train, &[loss], Some(grads), None).unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(err.to_string().contains("quantized"), "{err}");
+        Ok(())
+    });
+}
+
+/// A Llama generator whose projections, head and token table are stored
+/// quantized (`Generator::new_with_weights`, the path a GGUF file takes)
+/// against the f32 generator on the same weights decoded: both hold the
+/// same values, so they differ only by the f32 rounding of the sums (the
+/// quantized kernels scale each block's sum of integer products).
+#[test]
+fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use wgrad::infer::generate::{Generator, WeightDtype};
+    use wgrad::models::{Llama, LlamaConfig};
+    use wgrad::nn::{Module, QuantizedMatrix};
+    // Logits of order 1–10 after two layers: 1e-3 absolute and relative
+    // (the product tolerance above, grown through the layers).
+    const LLAMA_ATOL: f32 = 1e-3;
+    const LLAMA_RTOL: f32 = 1e-3;
+    for_each_adapter("quantized weights: Llama generator", |k| {
+        for tied in [true, false] {
+            let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 2, n_kv_head: 1, n_embd: 64, intermediate_size: 96, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
+            let mut r = rng(2950);
+            let mut quantized = HashMap::new();
+            let mut formats = QuantFormat::ALL.iter().cycle();
+            let model = Llama::from_parameters(config, |name, shape| {
+                let &[rows, cols] = shape else { return Ok(vec![1.0; shape.iter().product()]) };
+                let format = *formats.next().expect("cycles");
+                let raw = random_blocks(&mut r, format, rows, cols);
+                let values = cpu::dequantize(format, &raw)?;
+                quantized.insert(name.to_string(), QuantizedMatrix { format, raw: raw.into() });
+                Ok(values)
+            })?;
+            assert_eq!(quantized.len(), model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count());
+            let mut quant = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?;
+            let mut reference = Generator::new(k.clone(), &model, 1)?;
+            let (small, full) = (quant.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
+            assert!(small * 3 < full, "tied {tied}: quantized arena {small} words against f32 {full}");
+            let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
+            assert_close(&format!("tied {tied}: prefill"), &quant.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, LLAMA_ATOL, LLAMA_RTOL);
+            for &token in &sequence[4..] {
+                assert_close(&format!("tied {tied}: decode {token}"), &quant.decode(&[token])?, &reference.decode(&[token])?, LLAMA_ATOL, LLAMA_RTOL);
+            }
+        }
+        Ok(())
+    });
+}
