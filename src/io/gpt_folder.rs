@@ -392,7 +392,7 @@ fn hf_shapes(config: &GptConfig) -> Result<Vec<(String, Vec<usize>)>> {
 
 /// Parameters of a model of `config`; `None` when the count overflows
 /// (sizes from a file may be absurd).
-fn parameter_count(config: &GptConfig) -> Option<usize> {
+pub(crate) fn parameter_count(config: &GptConfig) -> Option<usize> {
     let c = config.n_embd;
     let c2 = c.checked_mul(c)?;
     // ln_1, ln_2: 4c; c_attn: 3c² + 3c; c_proj: c² + c; c_fc: 4c² + 4c; mlp c_proj: 4c² + c.

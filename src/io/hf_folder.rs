@@ -307,8 +307,9 @@ impl WeightFiles {
 
 /// Models up to this size are built before their weights are read
 /// whatever the files hold (their empty model allocates a few megabytes at
-/// most), so a broken weights file gets its own error, which names it.
-const SIZE_CHECKED_ABOVE: usize = 1 << 20;
+/// most), so a broken weights file gets its own error, which names it
+/// (GGUF files too: [`crate::io::gguf_model`]).
+pub(crate) const SIZE_CHECKED_ABOVE: usize = 1 << 20;
 
 /// Refuses sizes from `config` (a config.json) that make a model of more
 /// `parameters` than the folder's weight files could hold, at 2 bytes a
