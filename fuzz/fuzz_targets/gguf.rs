@@ -1,11 +1,13 @@
 //! The GGUF reader on arbitrary bytes: parse, then read and dequantize
-//! every tensor and map it to its Hugging Face name and row order. Any
+//! every tensor and map it to its Hugging Face name and row order, and
+//! load the file as a model (`GgufModel`, then f32 weights). Any
 //! panic, hang (`-timeout`), or allocation over `-malloc_limit_mb` is a
 //! finding; errors are the expected outcome for most inputs.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use wgrad::io::gguf::{dequantize, llama, Gguf};
+use wgrad::io::gguf_model::GgufModel;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(g) = Gguf::from_bytes("fuzz.gguf", data.to_vec()) else { return };
@@ -28,5 +30,8 @@ fuzz_target!(|data: &[u8]| {
         if let Some(hp) = &hp {
             let _ = llama::read_hf_f32(&g, &t.name, hp);
         }
+    }
+    if let Ok(model) = GgufModel::from_gguf(g) {
+        let _ = model.to_causal_lm();
     }
 });
