@@ -1,7 +1,7 @@
 //! The Hugging Face folder loaders (GPT-2 and Llama) on arbitrary files.
 //!
 //! An input is a bundle of files: each starts with `\0FILE:NAME\n` and runs
-//! to the next such marker (scripts/fuzz.sh's README shows how seeds are
+//! to the next such marker (fuzz/README.md says how the seeds are
 //! made). NAME must be a plain file name (letters, digits, `._-`, not
 //! starting with a dot, at most 64 bytes); other parts are dropped, so the
 //! target writes nowhere but its own folder. The files are written to a
