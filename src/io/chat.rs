@@ -37,6 +37,35 @@ impl ChatMessage {
 /// The template's name inside its environment.
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// Instructions one render may run. The template comes with the model
+/// file: one that loops without end (nested `range`s) stops with an error
+/// instead of hanging. SmolLM2's takes about 40 a message.
+const RENDER_FUEL: u64 = 1 << 22;
+
+/// The output a render may write beyond 8 times its inputs (messages and
+/// special tokens), so a looping template cannot fill memory either.
+const PROMPT_SLACK_BYTES: usize = 1 << 20;
+
+/// A render's output, refused past `limit` bytes.
+struct CappedOutput {
+    bytes: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.limit {
+            return Err(std::io::Error::other(format!("the prompt grows past {} bytes", self.limit)));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A chat template parsed once, rendered for every turn.
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
@@ -72,6 +101,7 @@ impl ChatTemplate {
             .map_err(|e| template_error("ChatTemplate::new", &e))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", |message: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
         });
@@ -94,7 +124,10 @@ impl ChatTemplate {
             bos_token => bos_token,
             eos_token => eos_token,
         };
-        template.render(context).map_err(|e| template_error(op, &e))
+        let inputs = messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>() + bos_token.len() + eos_token.len();
+        let mut out = CappedOutput { bytes: Vec::new(), limit: inputs.saturating_mul(8).saturating_add(PROMPT_SLACK_BYTES) };
+        template.render_captured_to(context, &mut out).map_err(|e| template_error(op, &e))?;
+        String::from_utf8(out.bytes).map_err(|e| Error::InvalidArgument { op, reason: format!("the rendered prompt is not UTF-8: {e}") })
     }
 }
 

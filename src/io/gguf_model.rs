@@ -35,6 +35,8 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
+use crate::io::gpt_folder::parameter_count;
+use crate::io::hf_folder::SIZE_CHECKED_ABOVE;
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{CausalLm, LmConfig, Module, ParameterTree, QuantizedMatrix, QuantizedWeights, RopeLayout};
 use crate::ops::QuantFormat;
@@ -96,10 +98,12 @@ impl GgufModel {
         let (architecture, named): (_, Vec<(String, Vec<usize>)>) = match gguf.get_str(ARCHITECTURE_KEY)? {
             "llama" => {
                 let config = llama_config(&gguf)?;
+                check_data_holds(&gguf, config.num_parameters())?;
                 (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
             }
             "gpt2" => {
                 let (config, layer_norm_eps) = gpt2_config(&gguf)?;
+                check_data_holds(&gguf, parameter_count(&config))?;
                 (GgufArchitecture::Gpt2 { config, layer_norm_eps }, Gpt::empty(config)?.named_parameters())
             }
             other => return Err(bad(format!("architecture `{other}`: wgrad runs `llama` and `gpt2` GGUF files"))),
@@ -296,6 +300,26 @@ fn gpt2_config(gguf: &Gguf) -> Result<(GptConfig, f32)> {
     }
     check_blocks(gguf, "gpt2", config.n_layer, 12)?;
     Ok((config, eps))
+}
+
+/// Refuses sizes whose model has more parameters than the file's tensor
+/// data could hold at Q4_0's 18 bytes a 32 values (the densest type wgrad
+/// decodes), before the model's structure is built: a 3 KB file of 8
+/// blocks of 2^24 channels made the empty Llama allocate 1 GB of norms.
+fn check_data_holds(gguf: &Gguf, parameters: Option<usize>) -> Result<()> {
+    if parameters.is_some_and(|n| n <= SIZE_CHECKED_ABOVE) {
+        return Ok(());
+    }
+    let held = gguf.file_size().saturating_sub(gguf.data_offset());
+    let needed = parameters.and_then(|n| u64::try_from(n).ok()).and_then(|n| n.checked_mul(18)).map(|b| b / 32);
+    if needed.is_none_or(|needed| needed > held) {
+        let count = parameters.map_or("more than 2^64".to_string(), |n| n.to_string());
+        return Err(Error::Gguf {
+            path: gguf.path().to_path_buf(),
+            reason: format!("the metadata's sizes make a model of {count} parameters, more than {held} bytes of tensor data hold (18 bytes a 32 values at the least)"),
+        });
+    }
+    Ok(())
 }
 
 /// A file claiming more blocks than its tensors fill is refused before the

@@ -55,7 +55,7 @@ use serde_json::json;
 
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::io::hf_folder::{io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
+use crate::io::hf_folder::{check_weights_hold, io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
 pub use crate::io::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 use crate::models::{Gpt, GptConfig};
 use crate::nn::Module;
@@ -260,6 +260,8 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let dir = dir.as_ref();
     let spec = read_config(dir)?;
     let config = spec.config;
+    // read_config checked the count: it is there.
+    check_weights_hold(dir, &dir.join(CONFIG_FILE), parameter_count(&config).unwrap_or(usize::MAX))?;
     let mut expected: HashMap<String, Vec<usize>> = hf_shapes(&config)?.into_iter().collect();
     // A stored head must be the token table (checked below), so it has its shape.
     expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);
@@ -390,7 +392,7 @@ fn hf_shapes(config: &GptConfig) -> Result<Vec<(String, Vec<usize>)>> {
 
 /// Parameters of a model of `config`; `None` when the count overflows
 /// (sizes from a file may be absurd).
-fn parameter_count(config: &GptConfig) -> Option<usize> {
+pub(crate) fn parameter_count(config: &GptConfig) -> Option<usize> {
     let c = config.n_embd;
     let c2 = c.checked_mul(c)?;
     // ln_1, ln_2: 4c; c_attn: 3c² + 3c; c_proj: c² + c; c_fc: 4c² + 4c; mlp c_proj: 4c² + c.

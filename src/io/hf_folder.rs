@@ -258,59 +258,116 @@ pub(crate) struct Weights {
     pub source: PathBuf,
 }
 
+/// Where a folder's weights are: one file, or shards an index lists.
+enum WeightFiles {
+    Single(PathBuf),
+    /// The index, and the tensor names it lists in each shard file.
+    Sharded(PathBuf, BTreeMap<String, Vec<String>>),
+}
+
+impl WeightFiles {
+    /// `model.safetensors`, or the shards `model.safetensors.index.json`
+    /// lists, each checked to exist.
+    fn locate(dir: &Path) -> Result<Self> {
+        let single = dir.join(WEIGHTS_FILE);
+        let index = dir.join(WEIGHTS_INDEX_FILE);
+        if single.is_file() {
+            return Ok(WeightFiles::Single(single));
+        }
+        if !index.is_file() {
+            let reason = if dir.join("pytorch_model.bin").exists() {
+                format!("no {WEIGHTS_FILE}, only pytorch_model.bin: save the model with safe_serialization (the default in transformers) to get safetensors")
+            } else {
+                format!("no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
+            };
+            return Err(Error::CheckpointFormat { path: dir.to_path_buf(), reason });
+        }
+
+        let value = read_json(&index)?;
+        let bad = |reason: String| Error::CheckpointFormat { path: index.clone(), reason };
+        let map = value.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no `weight_map` object".into()))?;
+        let mut shards: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
+            // The index comes with the folder: it may only name files in it.
+            if file.is_empty() || file == "." || file == ".." || file.contains(['/', '\\']) {
+                return Err(bad(format!("`{name}` maps to `{file}`, which is not a file name in the folder")));
+            }
+            shards.entry(file.to_string()).or_default().push(name.clone());
+        }
+        for file in shards.keys() {
+            let path = dir.join(file);
+            if !path.exists() {
+                return Err(io_err(&path, "read the shard model.safetensors.index.json lists", std::io::Error::new(ErrorKind::NotFound, "missing shard")));
+            }
+        }
+        Ok(WeightFiles::Sharded(index, shards))
+    }
+}
+
+/// Models up to this size are built before their weights are read
+/// whatever the files hold (their empty model allocates a few megabytes at
+/// most), so a broken weights file gets its own error, which names it
+/// (GGUF files too: [`crate::io::gguf_model`]).
+pub(crate) const SIZE_CHECKED_ABOVE: usize = 1 << 20;
+
+/// Refuses sizes from `config` (a config.json) that make a model of more
+/// `parameters` than the folder's weight files could hold, at 2 bytes a
+/// value (F16, BF16), before anything is allocated for the model: a
+/// 200-byte config.json may name 2^40 parameters, and even an empty model
+/// of that size allocates gigabytes of norm weights.
+pub(crate) fn check_weights_hold(dir: &Path, config: &Path, parameters: usize) -> Result<()> {
+    if parameters <= SIZE_CHECKED_ABOVE {
+        return Ok(());
+    }
+    let paths = match WeightFiles::locate(dir)? {
+        WeightFiles::Single(path) => vec![path],
+        WeightFiles::Sharded(_, shards) => shards.keys().map(|file| dir.join(file)).collect(),
+    };
+    let mut held = 0u64;
+    for path in &paths {
+        held = held.saturating_add(fs::metadata(path).map_err(|e| io_err(path, "inspect", e))?.len());
+    }
+    let needed = u64::try_from(parameters).unwrap_or(u64::MAX).saturating_mul(2);
+    if needed > held {
+        return Err(Error::CheckpointFormat {
+            path: config.to_path_buf(),
+            reason: format!("its sizes make a model of {parameters} parameters, {needed} bytes at 2 a value, but the folder's weights are {held} bytes"),
+        });
+    }
+    Ok(())
+}
+
 /// Reads `model.safetensors`, or the shards `model.safetensors.index.json`
 /// lists. `name_of` maps a stored name to the model's name for it (`None`:
 /// a tensor the model drops, such as an old mask buffer); each mapped name
 /// must be in `expected` with that shape.
 pub(crate) fn read_weights(dir: &Path, expected: &HashMap<String, Vec<usize>>, name_of: &dyn Fn(&str) -> Option<String>) -> Result<Weights> {
-    let single = dir.join(WEIGHTS_FILE);
-    let index = dir.join(WEIGHTS_INDEX_FILE);
-    if single.is_file() {
-        let mut weights = Weights { tensors: HashMap::new(), source: single.clone() };
-        read_weights_file(&single, expected, name_of, &mut weights, None)?;
-        return Ok(weights);
-    }
-    if !index.is_file() {
-        let reason = if dir.join("pytorch_model.bin").exists() {
-            format!("no {WEIGHTS_FILE}, only pytorch_model.bin: save the model with safe_serialization (the default in transformers) to get safetensors")
-        } else {
-            format!("no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
-        };
-        return Err(Error::CheckpointFormat { path: dir.to_path_buf(), reason });
-    }
-
-    let value = read_json(&index)?;
-    let bad = |reason: String| Error::CheckpointFormat { path: index.clone(), reason };
-    let map = value.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no `weight_map` object".into()))?;
-    let mut shards: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
-        // The index comes with the folder: it may only name files in it.
-        if file.is_empty() || file == "." || file == ".." || file.contains(['/', '\\']) {
-            return Err(bad(format!("`{name}` maps to `{file}`, which is not a file name in the folder")));
+    match WeightFiles::locate(dir)? {
+        WeightFiles::Single(path) => {
+            let mut weights = Weights { tensors: HashMap::new(), source: path.clone() };
+            read_weights_file(&path, expected, name_of, &mut weights, None)?;
+            Ok(weights)
         }
-        shards.entry(file).or_default().push(name);
-    }
-    let mut weights = Weights { tensors: HashMap::new(), source: index.clone() };
-    for (file, names) in shards {
-        let path = dir.join(file);
-        if !path.exists() {
-            return Err(io_err(&path, "read the shard model.safetensors.index.json lists", std::io::Error::new(ErrorKind::NotFound, "missing shard")));
+        WeightFiles::Sharded(index, shards) => {
+            let mut weights = Weights { tensors: HashMap::new(), source: index };
+            for (file, names) in &shards {
+                read_weights_file(&dir.join(file), expected, name_of, &mut weights, Some(names))?;
+            }
+            Ok(weights)
         }
-        read_weights_file(&path, expected, name_of, &mut weights, Some(&names))?;
     }
-    Ok(weights)
 }
 
 /// Reads one safetensors file into `weights`. A shard must hold every name
 /// the index lists for it (`listed`).
-fn read_weights_file(path: &Path, expected: &HashMap<String, Vec<usize>>, name_of: &dyn Fn(&str) -> Option<String>, weights: &mut Weights, listed: Option<&[&str]>) -> Result<()> {
+fn read_weights_file(path: &Path, expected: &HashMap<String, Vec<usize>>, name_of: &dyn Fn(&str) -> Option<String>, weights: &mut Weights, listed: Option<&[String]>) -> Result<()> {
     let bytes = fs::read(path).map_err(|e| io_err(path, "read", e))?;
     let bad = |reason: String| Error::CheckpointFormat { path: path.to_path_buf(), reason };
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(checkpoint::describe_safetensors_error(&e, bytes.len())))?;
     if let Some(listed) = listed {
         let held: BTreeSet<&str> = st.names().into_iter().collect();
-        if let Some(absent) = listed.iter().find(|n| !held.contains(**n)) {
+        if let Some(absent) = listed.iter().find(|n| !held.contains(n.as_str())) {
             return Err(bad(format!("{WEIGHTS_INDEX_FILE} lists `{absent}` in this shard, which does not hold it")));
         }
     }

@@ -32,7 +32,7 @@ use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::io::gguf::llama::unpermute_rows;
 use crate::io::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
-use crate::io::hf_folder::{json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
+use crate::io::hf_folder::{check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
 use crate::models::{Llama, LlamaConfig};
 use crate::nn::{Module, RopeLayout};
 
@@ -137,6 +137,8 @@ pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokeni
 pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     let dir = dir.as_ref();
     let config = read_llama_config(dir)?;
+    // read_llama_config checked the count: it is there.
+    check_weights_hold(dir, &dir.join(CONFIG_FILE), config.num_parameters().unwrap_or(usize::MAX))?;
     let shapes = Llama::empty(config)?.named_parameters();
     let mut expected: HashMap<String, Vec<usize>> = shapes.iter().cloned().collect();
     // A tied model may still store its head: it must then be the token table.

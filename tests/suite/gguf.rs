@@ -63,7 +63,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 static ALLOC: CountingAlloc = CountingAlloc;
 
 /// Runs `f`, returning its result, the bytes it allocated in all and its
-/// largest single allocation.
+/// largest single allocation (on this thread; other files' tests use it too).
 pub(crate) fn counted<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
     TOTAL.with(|t| t.set(0));
     LARGEST.with(|l| l.set(0));
@@ -521,6 +521,28 @@ fn llama_fixture_maps_to_hugging_face() {
         assert_eq!(llama::hf_name(name), None, "{name}");
     }
     assert!(matches!(llama::read_hf_f32(&g, "test.f32.one", &hp), Err(Error::GgufTensor { .. })));
+}
+
+/// A tensor with a zero dim holds no data whatever its other dim, so a
+/// file may claim 2^40 rows of attn_k for free: undoing the q/k row order
+/// must not walk them (it looped over every row, a hang found reading the
+/// code and reproduced with fuzz/'s gguf target; the input is
+/// fuzz/seeds/gguf/zero-width-attn-k.gguf).
+#[test]
+fn a_zero_size_q_or_k_tensor_unpermutes_at_once() {
+    let mut b = tiny_bytes();
+    let k = fields(&b).tensor("blk.0.attn_k.weight").dims;
+    put_u64(&mut b, k, 0);
+    put_u64(&mut b, k + 8, 1 << 40);
+    let g = Gguf::from_bytes("zero.gguf", b).unwrap();
+    let hp = llama::Hparams::from_gguf(&g).unwrap();
+    let start = std::time::Instant::now();
+    let (name, shape, data) = llama::read_hf_f32(&g, "blk.0.attn_k.weight", &hp).unwrap();
+    assert_eq!((name.as_str(), shape, data.len()), ("model.layers.0.self_attn.k_proj.weight", vec![1 << 40, 0], 0));
+    assert!(llama::unpermute_rows::<f32>(&[], 1 << 62, 4).unwrap().is_empty());
+    assert!(llama::permute_rows::<u8>(&[], 1 << 62, 1).unwrap().is_empty());
+    // Walking the rows took hours; nothing to move takes microseconds.
+    assert!(start.elapsed() < std::time::Duration::from_secs(1), "{:?}", start.elapsed());
 }
 
 #[test]

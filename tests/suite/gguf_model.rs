@@ -292,6 +292,28 @@ fn a_header_count_beyond_the_file_is_refused() {
     assert!(reason.contains("1048576 blocks") && reason.contains("llama.block_count"), "{reason}");
 }
 
+/// Sizes within the metadata's limits (2^24 channels) that the file's
+/// data cannot hold are refused before the model's structure is built: the
+/// empty Llama of the fixture's 2 blocks at 2^24 channels allocated 320
+/// MiB of norms (a 3 KB file of 8 such blocks, 1.1 GB; found with fuzz/'s
+/// gguf target, whose seeds keep that file as gguf-model-2-24-channels.gguf).
+#[test]
+fn sizes_the_data_cannot_hold_are_refused_before_allocating() {
+    let mut bytes = fixture_bytes(UNTIED);
+    let f = fields(&bytes);
+    for (key, value) in [
+        ("llama.embedding_length", 1u32 << 24),
+        ("llama.attention.head_count", 1 << 23),
+        ("llama.attention.head_count_kv", 1 << 23),
+        ("llama.rope.dimension_count", 2),
+        ("llama.feed_forward_length", 1),
+    ] {
+        put_u32(&mut bytes, f.kv(key).value, value);
+    }
+    let reason = file_reason(&bytes, "2^24 channels");
+    assert!(reason.contains("parameters, more than") && reason.contains("bytes of tensor data"), "{reason}");
+}
+
 #[test]
 fn an_unsupported_tensor_type_is_named() {
     let mut bytes = fixture_bytes(UNTIED);

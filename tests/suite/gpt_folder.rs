@@ -430,6 +430,30 @@ fn each_broken_folder_is_a_clear_error() {
     assert!(matches!(&err, Error::CheckpointFormat { path, .. } if ends_with(path, "wgrad_tokenizer.json")), "{err}");
 }
 
+/// Sizes config.json may give (at most 2^16 layers and 2^40 parameters)
+/// that the folder's weights are far too small for are refused before the
+/// model is built: an empty GPT of 65,536 layers of 1,180 channels
+/// allocated 1.2 GB of LayerNorm weights for a 200-byte config.json (found
+/// reading the loader, reproduced with fuzz/'s hf_folder target).
+#[test]
+fn sizes_the_weights_cannot_hold_are_refused_before_allocating() {
+    let (err, total, _) = crate::gguf::counted(|| {
+        load_broken("hf-tiny-gpt2", |d| {
+            edit_config(d, |c| {
+                c.insert("n_layer".into(), 65536.into());
+                c.insert("n_embd".into(), 1180.into());
+                c.insert("n_head".into(), 1.into());
+            })
+        })
+    });
+    assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("1096033303940 parameters") && reason.contains("65640 bytes")), "{err}");
+    // The fixture's copy and the messages: far below the model's 1.2 GB.
+    assert!(total < 16 << 20, "{total} bytes allocated");
+    // Sharded weights count every shard.
+    let err = load_broken("hf-tiny-gpt2-sharded", |d| edit_config(d, |c| { c.insert("n_layer".into(), 600.into()); }));
+    assert!(matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("65704 bytes")), "{err}");
+}
+
 #[test]
 fn a_refused_save_leaves_the_previous_folder_as_it_was() {
     let tmp = TempDir::new("refused");

@@ -174,6 +174,27 @@ fn each_broken_folder_is_a_clear_error() {
     assert!(read_llama_config(fixture("hf-tiny-llama")).is_ok());
 }
 
+/// As for the GPT's folders: a 65,536-layer Llama of 2,880 channels is
+/// within config.json's limits, and its empty model allocated 1.5 GB of
+/// RMSNorm weights before the 80 KB of weights were read.
+#[test]
+fn sizes_the_weights_cannot_hold_are_refused_before_allocating() {
+    let (err, total, _) = crate::gguf::counted(|| {
+        load_broken("hf-tiny-llama", |d| {
+            edit_config(d, |c| {
+                c.remove("head_dim");
+                c.insert("num_hidden_layers".into(), 65536.into());
+                c.insert("hidden_size".into(), 2880.into());
+                c.insert("num_attention_heads".into(), 1440.into());
+                c.insert("num_key_value_heads".into(), 1.into());
+                c.insert("intermediate_size".into(), 1.into());
+            })
+        })
+    });
+    assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("bytes at 2 a value") && reason.contains("79792 bytes")), "{err}");
+    assert!(total < 16 << 20, "{total} bytes allocated");
+}
+
 #[test]
 fn saving_refuses_to_replace_a_folder_with_other_files() {
     let tmp = TempDir::new("llama-replace");

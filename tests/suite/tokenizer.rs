@@ -535,3 +535,23 @@ fn template_errors_are_errors() {
     // An operation that fails at render time.
     assert!(render_chat("{{ messages[0].content + 1 }}", &messages, true, "", "").is_err());
 }
+
+/// A template comes with the model file: one that loops 10^10 times (it
+/// hung the renderer; found with fuzz/'s tokenizer target, whose seeds
+/// keep the file as template-loop.gguf) or writes gigabytes stops with an
+/// error, quickly.
+#[test]
+fn a_runaway_template_is_an_error() {
+    let messages = [ChatMessage::user("hi")];
+    let start = std::time::Instant::now();
+    for template in [
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+        "{% for a in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
+    ] {
+        match render_chat(template, &messages, true, "", "") {
+            Err(Error::InvalidArgument { op: "ChatTemplate::render", reason }) => assert!(reason.contains("fuel") || reason.contains("grows past"), "{reason}"),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+    assert!(start.elapsed() < std::time::Duration::from_secs(20), "{:?}", start.elapsed());
+}
