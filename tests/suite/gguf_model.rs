@@ -444,6 +444,7 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
             }
             Err(e) => return Err(e),
         };
+        let ran_f32 = f32_generator.is_some();
         if let Some(mut generator) = f32_generator {
             for case in reference["prompts"].as_array().unwrap() {
                 let text = case["text"].as_str().unwrap();
@@ -459,9 +460,10 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
         }
         // The weights as the file stores them, decoded in the kernels: the
         // reference's greedy tokens (its smallest top-2 margin is 0.15).
-        // Two prompts (plain and ChatML) keep the SwiftShader run short.
+        // Two prompts (plain and ChatML), one where the f32 model did not
+        // fit (SwiftShader, where decoding 135M parameters is slowest).
         let mut generator = Generator::new_with_weights(k.clone(), &quantized_model, 1, WeightDtype::F32, quantized.clone())?;
-        for case in reference["prompts"].as_array().unwrap().iter().take(2) {
+        for case in reference["prompts"].as_array().unwrap().iter().take(if ran_f32 { 2 } else { 1 }) {
             let want = as_u32(&case["greedy"]);
             let greedy = generator.generate(&as_u32(&case["ids"]), want.len(), &Sampling::greedy(), |_| Ok(()))?;
             assert_eq!(greedy, want, "quantized, {:?}: transformers continues with {:?}", case["text"], case["greedy_text"]);
