@@ -356,6 +356,174 @@ fn matvec_quant_forward(
     }
 }
 
+// Decode's products on a CPU adapter (llvmpipe runs a workgroup's lanes
+// as the lanes of one SIMD row, and issues a storage load lane by lane).
+// matvec_quant_forward splits k over the lanes, so each lane loads its own
+// blocks of A and a sum over the lanes follows; here the workgroup's 8
+// lanes own 64 columns of C, lane l the columns col0 + l + 8·c (c in
+// 0..7), and each lane sums all of k: a step loads one block of each row
+// of A for 8 blocks of weights (A's f32 block is 128 bytes to a Q4
+// block's 20: with a lane per column, loading A for each block of
+// weights ran at a third of this speed). No workgroup memory, no barrier.
+@compute @workgroup_size(MATVEC_COLS, 1, 1)
+fn matvec_quant_forward_columns(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    if lid.x == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
+    }
+    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let n = sizes.x;
+    let kb = sizes.y / 32u;
+    let k4 = sizes.y / 4u;
+    let col0 = (wid.y * nwg.x + wid.x) * QUANT_COLUMNS_PER_GROUP + lid.x;
+    if col0 >= n {
+        return;
+    }
+    // Columns past n and rows past M are clamped (read, never stored).
+    let last_col = n - 1u;
+    let last_row = MATVEC_ROWS - 1u;
+    let cb0 = min(col0 + 0u, last_col) * kb;
+    let cb1 = min(col0 + 8u, last_col) * kb;
+    let cb2 = min(col0 + 16u, last_col) * kb;
+    let cb3 = min(col0 + 24u, last_col) * kb;
+    let cb4 = min(col0 + 32u, last_col) * kb;
+    let cb5 = min(col0 + 40u, last_col) * kb;
+    let cb6 = min(col0 + 48u, last_col) * kb;
+    let cb7 = min(col0 + 56u, last_col) * kb;
+    let ra1 = min(1u, last_row) * k4;
+    let ra2 = min(2u, last_row) * k4;
+    let ra3 = min(3u, last_row) * k4;
+    var acc00 = vec4<f32>(0.0);
+    var acc01 = vec4<f32>(0.0);
+    var acc02 = vec4<f32>(0.0);
+    var acc03 = vec4<f32>(0.0);
+    var acc04 = vec4<f32>(0.0);
+    var acc05 = vec4<f32>(0.0);
+    var acc06 = vec4<f32>(0.0);
+    var acc07 = vec4<f32>(0.0);
+    var acc10 = vec4<f32>(0.0);
+    var acc11 = vec4<f32>(0.0);
+    var acc12 = vec4<f32>(0.0);
+    var acc13 = vec4<f32>(0.0);
+    var acc14 = vec4<f32>(0.0);
+    var acc15 = vec4<f32>(0.0);
+    var acc16 = vec4<f32>(0.0);
+    var acc17 = vec4<f32>(0.0);
+    var acc20 = vec4<f32>(0.0);
+    var acc21 = vec4<f32>(0.0);
+    var acc22 = vec4<f32>(0.0);
+    var acc23 = vec4<f32>(0.0);
+    var acc24 = vec4<f32>(0.0);
+    var acc25 = vec4<f32>(0.0);
+    var acc26 = vec4<f32>(0.0);
+    var acc27 = vec4<f32>(0.0);
+    var acc30 = vec4<f32>(0.0);
+    var acc31 = vec4<f32>(0.0);
+    var acc32 = vec4<f32>(0.0);
+    var acc33 = vec4<f32>(0.0);
+    var acc34 = vec4<f32>(0.0);
+    var acc35 = vec4<f32>(0.0);
+    var acc36 = vec4<f32>(0.0);
+    var acc37 = vec4<f32>(0.0);
+    for (var j = 0u; j < kb; j++) {
+        let x0 = quant_a_block(8u * j);
+        let s0 = quant_block_sum(x0);
+        var x1 = x0;
+        var s1 = s0;
+        var x2 = x0;
+        var s2 = s0;
+        var x3 = x0;
+        var s3 = s0;
+        if MATVEC_ROWS > 1u {
+            x1 = quant_a_block(ra1 + 8u * j);
+            s1 = quant_block_sum(x1);
+        }
+        if MATVEC_ROWS > 2u {
+            x2 = quant_a_block(ra2 + 8u * j);
+            s2 = quant_block_sum(x2);
+        }
+        if MATVEC_ROWS > 3u {
+            x3 = quant_a_block(ra3 + 8u * j);
+            s3 = quant_block_sum(x3);
+        }
+        let q0 = quant_block_ints(cb0 + j);
+        let d0 = quant_dm(cb0 + j);
+        acc00 = quant_block_fma(acc00, q0, d0, x0, s0);
+        if MATVEC_ROWS > 1u { acc10 = quant_block_fma(acc10, q0, d0, x1, s1); }
+        if MATVEC_ROWS > 2u { acc20 = quant_block_fma(acc20, q0, d0, x2, s2); }
+        if MATVEC_ROWS > 3u { acc30 = quant_block_fma(acc30, q0, d0, x3, s3); }
+        let q1 = quant_block_ints(cb1 + j);
+        let d1 = quant_dm(cb1 + j);
+        acc01 = quant_block_fma(acc01, q1, d1, x0, s0);
+        if MATVEC_ROWS > 1u { acc11 = quant_block_fma(acc11, q1, d1, x1, s1); }
+        if MATVEC_ROWS > 2u { acc21 = quant_block_fma(acc21, q1, d1, x2, s2); }
+        if MATVEC_ROWS > 3u { acc31 = quant_block_fma(acc31, q1, d1, x3, s3); }
+        let q2 = quant_block_ints(cb2 + j);
+        let d2 = quant_dm(cb2 + j);
+        acc02 = quant_block_fma(acc02, q2, d2, x0, s0);
+        if MATVEC_ROWS > 1u { acc12 = quant_block_fma(acc12, q2, d2, x1, s1); }
+        if MATVEC_ROWS > 2u { acc22 = quant_block_fma(acc22, q2, d2, x2, s2); }
+        if MATVEC_ROWS > 3u { acc32 = quant_block_fma(acc32, q2, d2, x3, s3); }
+        let q3 = quant_block_ints(cb3 + j);
+        let d3 = quant_dm(cb3 + j);
+        acc03 = quant_block_fma(acc03, q3, d3, x0, s0);
+        if MATVEC_ROWS > 1u { acc13 = quant_block_fma(acc13, q3, d3, x1, s1); }
+        if MATVEC_ROWS > 2u { acc23 = quant_block_fma(acc23, q3, d3, x2, s2); }
+        if MATVEC_ROWS > 3u { acc33 = quant_block_fma(acc33, q3, d3, x3, s3); }
+        let q4 = quant_block_ints(cb4 + j);
+        let d4 = quant_dm(cb4 + j);
+        acc04 = quant_block_fma(acc04, q4, d4, x0, s0);
+        if MATVEC_ROWS > 1u { acc14 = quant_block_fma(acc14, q4, d4, x1, s1); }
+        if MATVEC_ROWS > 2u { acc24 = quant_block_fma(acc24, q4, d4, x2, s2); }
+        if MATVEC_ROWS > 3u { acc34 = quant_block_fma(acc34, q4, d4, x3, s3); }
+        let q5 = quant_block_ints(cb5 + j);
+        let d5 = quant_dm(cb5 + j);
+        acc05 = quant_block_fma(acc05, q5, d5, x0, s0);
+        if MATVEC_ROWS > 1u { acc15 = quant_block_fma(acc15, q5, d5, x1, s1); }
+        if MATVEC_ROWS > 2u { acc25 = quant_block_fma(acc25, q5, d5, x2, s2); }
+        if MATVEC_ROWS > 3u { acc35 = quant_block_fma(acc35, q5, d5, x3, s3); }
+        let q6 = quant_block_ints(cb6 + j);
+        let d6 = quant_dm(cb6 + j);
+        acc06 = quant_block_fma(acc06, q6, d6, x0, s0);
+        if MATVEC_ROWS > 1u { acc16 = quant_block_fma(acc16, q6, d6, x1, s1); }
+        if MATVEC_ROWS > 2u { acc26 = quant_block_fma(acc26, q6, d6, x2, s2); }
+        if MATVEC_ROWS > 3u { acc36 = quant_block_fma(acc36, q6, d6, x3, s3); }
+        let q7 = quant_block_ints(cb7 + j);
+        let d7 = quant_dm(cb7 + j);
+        acc07 = quant_block_fma(acc07, q7, d7, x0, s0);
+        if MATVEC_ROWS > 1u { acc17 = quant_block_fma(acc17, q7, d7, x1, s1); }
+        if MATVEC_ROWS > 2u { acc27 = quant_block_fma(acc27, q7, d7, x2, s2); }
+        if MATVEC_ROWS > 3u { acc37 = quant_block_fma(acc37, q7, d7, x3, s3); }
+    }
+    matvec_columns_store(0u, col0, n, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
+    if MATVEC_ROWS > 1u {
+        matvec_columns_store(1u, col0, n, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+    }
+    if MATVEC_ROWS > 2u {
+        matvec_columns_store(2u, col0, n, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    }
+    if MATVEC_ROWS > 3u {
+        matvec_columns_store(3u, col0, n, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
+    }
+}
+
+// Columns of C per workgroup of matvec_quant_forward_columns: 8 per lane.
+const QUANT_COLUMNS_PER_GROUP: u32 = 64u;
+
+// Row `row` of matvec_quant_forward_columns' lane: column col0 + 8·c gets
+// the sum of acc[c]'s four partial sums.
+fn matvec_columns_store(row: u32, col0: u32, n: u32, acc: array<vec4<f32>, 8>) {
+    for (var c = 0u; c < 8u; c++) {
+        let col = col0 + 8u * c;
+        if col < n {
+            write_c(row, col, dot(acc[c], vec4<f32>(1.0)));
+        }
+    }
+}
+
 // Four steps of k (a vec4 xa of one row of A) times the weights of 8
 // columns at those steps (lo: columns 0..3, hi: 4..7, column t of each
 // holding step t): one row of the tiled kernel's block.
