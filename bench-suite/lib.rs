@@ -547,7 +547,7 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
         let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
         timings.push((generator.dtype(), prefill, per_token));
         if profile {
-            profiles.push((generator.dtype(), generator.profile_decode(&[0])?));
+            profiles.push((generator.dtype(), median_profile(&mut generator)?));
         }
     }
     let (copy, memcpy) = bandwidth.gbps();
@@ -636,6 +636,26 @@ pub fn profile_lines(case: &str, dtype: &str, times: &wgrad::graph::DispatchTime
     lines
 }
 
+/// Profiles of a decode step taken this many times: each dispatch's time
+/// is its median over them, as one sample of a 0.1 ms dispatch on a
+/// shared machine may be ten times that.
+const PROFILE_RUNS: usize = 5;
+
+/// `generator`'s decode step profiled [`PROFILE_RUNS`] times (at the same
+/// position: `profile_decode` does not advance it), each dispatch's time
+/// the median of its runs.
+fn median_profile(generator: &mut wgrad::infer::generate::Generator) -> Result<wgrad::graph::DispatchTimes> {
+    let runs = (0..PROFILE_RUNS).map(|_| generator.profile_decode(&[0])).collect::<Result<Vec<_>>>()?;
+    let mut profile = runs[0].clone();
+    for (i, entry) in profile.iter_mut().enumerate() {
+        let mut times: Vec<Duration> = runs.iter().filter_map(|r| r.get(i)).map(|t| t.time).collect();
+        times.sort();
+        entry.time = times[times.len() / 2];
+        entry.on_gpu = runs.iter().all(|r| r.get(i).is_some_and(|t| t.on_gpu));
+    }
+    Ok(profile)
+}
+
 /// Where SmolLM2-135M-Instruct's GGUF file is: `$WGRAD_SMOLLM2`, else
 /// where `scripts/fetch-smollm2.sh` caches it (wgrad's cache directory).
 pub fn smollm2_path() -> Option<std::path::PathBuf> {
@@ -643,12 +663,6 @@ pub fn smollm2_path() -> Option<std::path::PathBuf> {
         .map(std::path::PathBuf::from)
         .or_else(|| wgrad::io::user_cache::models_dir().map(|d| d.join("SmolLM2-135M-Instruct.Q4_1.gguf")))
 }
-
-/// Positions the SmolLM2 bench's generators hold: its prompt, warm-up and
-/// decoded tokens stay below this. A decode step reads only the cache's
-/// positions so far, so the file's 8192 would cost memory (377 MB of
-/// caches per generator, prefill passes up to 8192 rows), not speed.
-const SMOLLM2_BENCH_CONTEXT: usize = 512;
 
 /// SmolLM2-135M-Instruct from its GGUF file at `path`, as `wgrad generate`
 /// runs it: once with the weights as the file stores them (Q4_1
@@ -671,8 +685,9 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
         });
     }
     let file = wgrad::io::gguf_model::GgufModel::open(path)?;
-    let mut model = file.to_llama()?;
-    model.config.block_size = model.config.block_size.min(SMOLLM2_BENCH_CONTEXT);
+    // The file's whole context (8192 positions), as `wgrad generate` runs
+    // it: the attention kernel on a CPU adapter is picked by the context.
+    let model = file.to_llama()?;
     let context = model.context_len();
     let prompt_tokens = prompt_tokens.clamp(1, context / 2);
     let new_tokens = new_tokens.clamp(1, context - prompt_tokens - 4);
@@ -705,7 +720,7 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
         let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
         let parameter_bytes = generator.executor().plan().param_arena_len as u64 * 4;
         if profile {
-            profiles.push((dtype.clone(), generator.profile_decode(&[0])?));
+            profiles.push((dtype.clone(), median_profile(&mut generator)?));
         }
         timings.push((dtype, prefill, per_token, parameter_bytes));
     }
