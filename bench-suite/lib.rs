@@ -517,8 +517,9 @@ pub fn decode_bytes_per_token_with(config: &wgrad::models::GptConfig, position: 
 /// share of each the decode reaches: bytes_per_token · tokens_per_s / rate.
 /// Where the adapter has SHADER_F16, the same decode again with the
 /// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
-/// the bytes counted at 2 per f16 weight.
-pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize) -> Result<Vec<BenchLine>> {
+/// the bytes counted at 2 per f16 weight. With `profile`, each generator's
+/// decode step dispatch by dispatch after its timing ([`profile_lines`]).
+pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize, profile: bool) -> Result<Vec<BenchLine>> {
     use wgrad::infer::generate::WeightDtype;
     let config = wgrad::models::GptConfig::gpt2();
     wgrad::nn::manual_seed(0);
@@ -541,9 +542,13 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     bandwidth.sample()?;
     // (dtype, prefill seconds, seconds per decoded token), one generator at a time.
     let mut timings = Vec::new();
+    let mut profiles = Vec::new();
     for mut generator in generators {
         let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
         timings.push((generator.dtype(), prefill, per_token));
+        if profile {
+            profiles.push((generator.dtype(), median_profile(&mut generator)?));
+        }
     }
     let (copy, memcpy) = bandwidth.gbps();
     let mut lines = Vec::new();
@@ -554,22 +559,190 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
                 values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
             });
         }
-        let tokens_per_s = 1.0 / per_token;
         let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token_with(&config, p, dtype)).sum::<u64>() / new_tokens as u64;
-        let read_gbps = bytes as f64 * tokens_per_s / 1e9;
-        lines.push(BenchLine {
-            case: "gpt2_124m_decode".into(),
+        lines.push(decode_line("gpt2_124m_decode", dtype.name(), per_token, bytes, (copy, memcpy), new_tokens));
+    }
+    for (dtype, times) in profiles {
+        lines.extend(profile_lines("gpt2_124m_decode_profile", dtype.name(), &times, copy));
+    }
+    Ok(lines)
+}
+
+/// A decode line: tokens/s from the median seconds per token, the bytes a
+/// step reads, and the share of the copy kernel's and the driver's copy
+/// bandwidth (`copy`, measured in the same moments) that those bytes at
+/// that rate are: bytes_per_token · tokens_per_s / rate.
+fn decode_line(case: &str, dtype: &str, seconds_per_token: f64, bytes_per_token: u64, (copy, memcpy): (f64, f64), new_tokens: usize) -> BenchLine {
+    let tokens_per_s = 1.0 / seconds_per_token;
+    let read_gbps = bytes_per_token as f64 * tokens_per_s / 1e9;
+    BenchLine {
+        case: case.into(),
+        values: vec![
+            ("dtype", dtype.into()),
+            ("tokens_per_s", format!("{tokens_per_s:.2}")),
+            ("bytes_per_token", bytes_per_token.to_string()),
+            ("copy_gbps", format!("{copy:.2}")),
+            ("bandwidth_share", format!("{:.4}", read_gbps / copy)),
+            ("memcpy_gbps", format!("{memcpy:.2}")),
+            ("memcpy_share", format!("{:.4}", read_gbps / memcpy)),
+            ("new_tokens", new_tokens.to_string()),
+        ],
+    }
+}
+
+/// Where a decode step's time goes, from `Generator::profile_decode`
+/// (each dispatch alone, its kernel time from GPU timestamps where the
+/// adapter has them): one line per kernel entry, slowest first, with its
+/// dispatches, milliseconds, the bytes its launches bind (reads and
+/// writes, at most) and the rate and share of the copy kernel's `copy_gbps`
+/// that makes (a kernel reading a few rows of a table it binds whole, as
+/// the embeddings, rotary and attention kernels do, shows a rate far above
+/// the copy's); then the three slowest dispatches by node; then `all`, the
+/// sum of the times and bound bytes.
+pub fn profile_lines(case: &str, dtype: &str, times: &wgrad::graph::DispatchTimes, copy_gbps: f64) -> Vec<BenchLine> {
+    let line = |what: (&'static str, String), count: usize, seconds: f64, bytes: u64| {
+        let gbps = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 };
+        BenchLine {
+            case: case.into(),
             values: vec![
-                ("dtype", dtype.name().into()),
-                ("tokens_per_s", format!("{tokens_per_s:.2}")),
-                ("bytes_per_token", bytes.to_string()),
-                ("copy_gbps", format!("{copy:.2}")),
-                ("bandwidth_share", format!("{:.4}", read_gbps / copy)),
-                ("memcpy_gbps", format!("{memcpy:.2}")),
-                ("memcpy_share", format!("{:.4}", read_gbps / memcpy)),
-                ("new_tokens", new_tokens.to_string()),
+                ("dtype", dtype.into()),
+                what,
+                ("dispatches", count.to_string()),
+                ("ms", format!("{:.3}", seconds * 1e3)),
+                ("bound_bytes", bytes.to_string()),
+                ("gbps", format!("{gbps:.2}")),
+                ("copy_share", format!("{:.3}", gbps / copy_gbps.max(1e-9))),
             ],
+        }
+    };
+    let mut by_entry: Vec<(&'static str, usize, f64, u64)> = Vec::new();
+    for t in times {
+        match by_entry.iter_mut().find(|e| e.0 == t.entry) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 += t.time.as_secs_f64();
+                e.3 += t.bound_bytes;
+            }
+            None => by_entry.push((t.entry, 1, t.time.as_secs_f64(), t.bound_bytes)),
+        }
+    }
+    by_entry.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let mut lines: Vec<BenchLine> = by_entry.iter().map(|&(entry, count, seconds, bytes)| line(("entry", entry.into()), count, seconds, bytes)).collect();
+    let mut slowest: Vec<&wgrad::graph::DispatchTime> = times.iter().collect();
+    slowest.sort_by_key(|t| std::cmp::Reverse(t.time));
+    lines.extend(slowest.iter().take(3).map(|t| line(("node", format!("{}:{}", t.node, t.entry)), 1, t.time.as_secs_f64(), t.bound_bytes)));
+    let timer = if times.iter().all(|t| t.on_gpu) { "gpu_timestamps" } else { "wall" };
+    let mut all = line(("entry", "all".into()), times.len(), times.iter().map(|t| t.time.as_secs_f64()).sum(), times.iter().map(|t| t.bound_bytes).sum());
+    // A rate over every dispatch would count the tables a few rows of are
+    // read from (embeddings, rotary, KV caches) as read whole.
+    all.values.retain(|(k, _)| !matches!(*k, "gbps" | "copy_share"));
+    all.values.push(("timer", timer.into()));
+    lines.push(all);
+    lines
+}
+
+/// Profiles of a decode step taken this many times: each dispatch's time
+/// is its median over them, as one sample of a 0.1 ms dispatch on a
+/// shared machine may be ten times that.
+const PROFILE_RUNS: usize = 5;
+
+/// `generator`'s decode step profiled [`PROFILE_RUNS`] times (at the same
+/// position: `profile_decode` does not advance it), each dispatch's time
+/// the median of its runs.
+fn median_profile(generator: &mut wgrad::infer::generate::Generator) -> Result<wgrad::graph::DispatchTimes> {
+    let runs = (0..PROFILE_RUNS).map(|_| generator.profile_decode(&[0])).collect::<Result<Vec<_>>>()?;
+    let mut profile = runs[0].clone();
+    for (i, entry) in profile.iter_mut().enumerate() {
+        let mut times: Vec<Duration> = runs.iter().filter_map(|r| r.get(i)).map(|t| t.time).collect();
+        times.sort();
+        entry.time = times[times.len() / 2];
+        entry.on_gpu = runs.iter().all(|r| r.get(i).is_some_and(|t| t.on_gpu));
+    }
+    Ok(profile)
+}
+
+/// Where SmolLM2-135M-Instruct's GGUF file is: `$WGRAD_SMOLLM2`, else
+/// where `scripts/fetch-smollm2.sh` caches it (wgrad's cache directory).
+pub fn smollm2_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("WGRAD_SMOLLM2")
+        .map(std::path::PathBuf::from)
+        .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join("SmolLM2-135M-Instruct.Q4_1.gguf")))
+}
+
+/// SmolLM2-135M-Instruct from its GGUF file at `path`, as `wgrad generate`
+/// runs it: once with the weights as the file stores them (Q4_1
+/// projections, the Q8_0 token table that is also the head, decoded in the
+/// kernels; `dtype=q4_1`) and once de-quantized to f32. For each, a
+/// `prompt_tokens`-token prompt (seeded random ids) prefilled (tokens/s),
+/// then `new_tokens` greedy decode steps with the bytes each reads (the
+/// parameter arena, every weight once, plus the KV cache's positions so
+/// far) and the share of the copy bandwidth sampled after every step, as
+/// [`gpt2_124m_generate`] does. A missing file is an error naming where it
+/// was looked for and how to fetch it. With `profile`, each generator's
+/// decode step dispatch by dispatch ([`profile_lines`]).
+pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_tokens: usize, new_tokens: usize, profile: bool) -> Result<Vec<BenchLine>> {
+    use wgrad::infer::generate::{Generator, WeightDtype};
+    use wgrad::nn::CausalLm;
+    if !path.is_file() {
+        return Err(wgrad::Error::InvalidArgument {
+            op: "bench smollm2",
+            reason: format!("SmolLM2-135M-Instruct's GGUF file is missing at {}: fetch it with scripts/fetch-smollm2.sh, or set WGRAD_SMOLLM2 to a copy", path.display()),
         });
+    }
+    let file = wgrad::io::gguf_model::GgufModel::open(path)?;
+    // The file's whole context (8192 positions), as `wgrad generate` runs
+    // it: the attention kernel on a CPU adapter is picked by the context.
+    let model = file.to_llama()?;
+    let context = model.context_len();
+    let prompt_tokens = prompt_tokens.clamp(1, context / 2);
+    let new_tokens = new_tokens.clamp(1, context - prompt_tokens - 4);
+    let quantized = file.quantized_weights()?;
+    drop(file);
+    // Named by the format most of the quantized bytes are in (SmolLM2's
+    // file: Q4_1, its token table Q8_0).
+    let mut formats: Vec<(wgrad::ops::QuantFormat, usize)> = Vec::new();
+    for m in quantized.values() {
+        match formats.iter_mut().find(|f| f.0 == m.format) {
+            Some(f) => f.1 += m.raw.len(),
+            None => formats.push((m.format, m.raw.len())),
+        }
+    }
+    let quantized_name = formats.iter().max_by_key(|f| f.1).map_or("f32".to_string(), |f| f.0.name().to_lowercase());
+    let generators = [
+        (quantized_name, Generator::new_with_weights(kernels.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?),
+        (WeightDtype::F32.name().to_string(), Generator::new(kernels.clone(), &model, 1)?),
+    ];
+    let sizes = model.lm_sizes();
+    // The host copy of the f32 weights (540 MB) goes before anything is timed.
+    drop(model);
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..sizes.vocab_size as u32)).collect();
+    let mut bandwidth = CopyBandwidth::new(kernels)?;
+    bandwidth.sample()?;
+    let mut timings = Vec::new();
+    let mut profiles = Vec::new();
+    for (dtype, mut generator) in generators {
+        let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
+        let parameter_bytes = generator.executor().plan().param_arena_len as u64 * 4;
+        if profile {
+            profiles.push((dtype.clone(), median_profile(&mut generator)?));
+        }
+        timings.push((dtype, prefill, per_token, parameter_bytes));
+    }
+    let (copy, memcpy) = bandwidth.gbps();
+    // Keys and values of every layer at positions 0..=p.
+    let cache_bytes = |p: usize| 2 * sizes.cached_layers * (p as u64 + 1) * sizes.cache_width * 4;
+    let mut lines = Vec::new();
+    for (dtype, prefill, per_token, parameter_bytes) in timings {
+        lines.push(BenchLine {
+            case: "smollm2_prefill".into(),
+            values: vec![("dtype", dtype.clone()), ("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+        });
+        let bytes = parameter_bytes + (prompt_tokens..prompt_tokens + new_tokens).map(cache_bytes).sum::<u64>() / new_tokens as u64;
+        lines.push(decode_line("smollm2_decode", &dtype, per_token, bytes, (copy, memcpy), new_tokens));
+    }
+    for (dtype, times) in profiles {
+        lines.extend(profile_lines("smollm2_decode_profile", &dtype, &times, copy));
     }
     Ok(lines)
 }

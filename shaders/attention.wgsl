@@ -315,10 +315,12 @@ fn cached_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     }
 }
 
-// Lanes of cached_attention_forward_workgroup: two 32-wide subgroups or
-// one 64-wide, so a 1,024-position context is 16 positions per lane.
-// kernels::attention::DECODE_LANES on the Rust side.
-const DECODE_WG: u32 = 64u;
+// Lanes of cached_attention_forward_workgroup: on a GPU two 32-wide
+// subgroups or one 64-wide, so a 1,024-position context is 16 positions
+// per lane; on a CPU adapter 32 (fewer fibers to switch at each barrier).
+// At least MERGE_CHUNK: lane c stores channel c of each merged chunk.
+// kernels::attention::DECODE_LANES (the GPU's) on the Rust side.
+override DECODE_WG: u32 = 64u;
 // Channels of the lanes' rows merged per pass: DECODE_WG · MERGE_CHUNK
 // floats (8 KiB) of workgroup memory, within WebGPU's default 16 KiB with
 // the shared query beside it.

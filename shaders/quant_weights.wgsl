@@ -193,6 +193,98 @@ fn quant_dm(block: u32) -> vec2<f32> {
     return quant_unpack_f16x2(qs[p.s_base + block]);
 }
 
+// Block j of each row of A (rows past M repeat row 0 and are never
+// stored; ra: each row's first vec4) and each block's Σ x: what one step
+// of the matrix-vector kernels multiplies every column's block by.
+struct QuantRowsA {
+    x0: array<vec4<f32>, 8>,
+    x1: array<vec4<f32>, 8>,
+    x2: array<vec4<f32>, 8>,
+    x3: array<vec4<f32>, 8>,
+    // Column r: row r's sums.
+    s: mat4x4<f32>,
+}
+
+fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
+    let x0 = quant_a_block(ra.x + 8u * j);
+    var x1 = x0;
+    var x2 = x0;
+    var x3 = x0;
+    if MATVEC_ROWS > 1u {
+        x1 = quant_a_block(ra.y + 8u * j);
+    }
+    if MATVEC_ROWS > 2u {
+        x2 = quant_a_block(ra.z + 8u * j);
+    }
+    if MATVEC_ROWS > 3u {
+        x3 = quant_a_block(ra.w + 8u * j);
+    }
+    return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
+}
+
+// acc (column r: row r's partial sums of one column of C) plus block
+// `block` of that column of B against each row's block of A.
+fn quant_column_fma(acc: mat4x4<f32>, block: u32, a: QuantRowsA) -> mat4x4<f32> {
+    let q = quant_block_ints(block);
+    let dm = quant_dm(block);
+    var next = acc;
+    next[0] = quant_block_fma(acc[0], q, dm, a.x0, a.s[0]);
+    if MATVEC_ROWS > 1u {
+        next[1] = quant_block_fma(acc[1], q, dm, a.x1, a.s[1]);
+    }
+    if MATVEC_ROWS > 2u {
+        next[2] = quant_block_fma(acc[2], q, dm, a.x2, a.s[2]);
+    }
+    if MATVEC_ROWS > 3u {
+        next[3] = quant_block_fma(acc[3], q, dm, a.x3, a.s[3]);
+    }
+    return next;
+}
+
+// The matrix-vector kernels' loop: element c of the result holds column
+// col0 + c·col_step's partial sums over blocks j0, j0 + j_step, … of k,
+// its column r row r's. Columns past n and rows past M are clamped (read,
+// never stored). The 8 accumulators are unrolled by hand: a private array
+// indexed in a loop becomes per-lane memory on llvmpipe.
+fn quant_matvec_sums(col0: u32, col_step: u32, j0: u32, j_step: u32, n: u32, k: u32) -> array<mat4x4<f32>, 8> {
+    let kb = k / 32u;
+    let last_col = n - 1u;
+    let cb0 = min(col0 + 0u * col_step, last_col) * kb;
+    let cb1 = min(col0 + 1u * col_step, last_col) * kb;
+    let cb2 = min(col0 + 2u * col_step, last_col) * kb;
+    let cb3 = min(col0 + 3u * col_step, last_col) * kb;
+    let cb4 = min(col0 + 4u * col_step, last_col) * kb;
+    let cb5 = min(col0 + 5u * col_step, last_col) * kb;
+    let cb6 = min(col0 + 6u * col_step, last_col) * kb;
+    let cb7 = min(col0 + 7u * col_step, last_col) * kb;
+    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(MATVEC_ROWS - 1u)) * (k / 4u);
+    var acc0 = mat4x4<f32>();
+    var acc1 = mat4x4<f32>();
+    var acc2 = mat4x4<f32>();
+    var acc3 = mat4x4<f32>();
+    var acc4 = mat4x4<f32>();
+    var acc5 = mat4x4<f32>();
+    var acc6 = mat4x4<f32>();
+    var acc7 = mat4x4<f32>();
+    for (var j = j0; j < kb; j += j_step) {
+        let a = quant_rows_a(ra, j);
+        acc0 = quant_column_fma(acc0, cb0 + j, a);
+        acc1 = quant_column_fma(acc1, cb1 + j, a);
+        acc2 = quant_column_fma(acc2, cb2 + j, a);
+        acc3 = quant_column_fma(acc3, cb3 + j, a);
+        acc4 = quant_column_fma(acc4, cb4 + j, a);
+        acc5 = quant_column_fma(acc5, cb5 + j, a);
+        acc6 = quant_column_fma(acc6, cb6 + j, a);
+        acc7 = quant_column_fma(acc7, cb7 + j, a);
+    }
+    return array<mat4x4<f32>, 8>(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7);
+}
+
+// Row r of quant_matvec_sums' result: the 8 columns' sums.
+fn quant_row_sums(sums: array<mat4x4<f32>, 8>, r: u32) -> array<vec4<f32>, 8> {
+    return array<vec4<f32>, 8>(sums[0][r], sums[1][r], sums[2][r], sums[3][r], sums[4][r], sums[5][r], sums[6][r], sums[7][r]);
+}
+
 // Decode's products: M ≤ 4 rows (one new token per sequence), A and the
 // quantized words bound 16-byte aligned (the Rust side checks, and picks
 // matmul_quant_forward otherwise). matmul.wgsl's matmul_forward_matvec
@@ -202,9 +294,8 @@ fn quant_dm(block: u32) -> vec2<f32> {
 // 16 or 32 bytes of weights and one scale word per column: lavapipe issues
 // storage loads lane by lane, so a step costs what its loads do); a fixed
 // tree over the lanes in workgroup memory sums them, and lane c stores
-// column c. Rows and lanes are overrides, as for the f32 kernel; the
-// accumulators are unrolled by hand (a private array indexed in a loop
-// becomes per-lane memory on llvmpipe). MATVEC_ROWS, MATVEC_WG,
+// column c. Rows and lanes are overrides, as for the f32 kernel.
+// MATVEC_ROWS, MATVEC_WG,
 // MATVEC_COLS, matvec_sizes and the lane reduction are matvec.wgsl's.
 @compute @workgroup_size(MATVEC_WG, 1, 1)
 fn matvec_quant_forward(
@@ -219,140 +310,58 @@ fn matvec_quant_forward(
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
-    let kb = sizes.y / 32u;
-    let k4 = sizes.y / 4u;
     let col0 = (wid.y * nwg.x + wid.x) * MATVEC_COLS;
     if col0 >= n {
         return;
     }
     let lane = lid.x;
-    // Each column's first block and each row's first vec4 of A; columns
-    // past n and rows past M are clamped (read, never stored).
-    let last_col = n - 1u;
-    let last_row = MATVEC_ROWS - 1u;
-    let cb0 = min(col0 + 0u, last_col) * kb;
-    let cb1 = min(col0 + 1u, last_col) * kb;
-    let cb2 = min(col0 + 2u, last_col) * kb;
-    let cb3 = min(col0 + 3u, last_col) * kb;
-    let cb4 = min(col0 + 4u, last_col) * kb;
-    let cb5 = min(col0 + 5u, last_col) * kb;
-    let cb6 = min(col0 + 6u, last_col) * kb;
-    let cb7 = min(col0 + 7u, last_col) * kb;
-    let ra0 = min(0u, last_row) * k4;
-    let ra1 = min(1u, last_row) * k4;
-    let ra2 = min(2u, last_row) * k4;
-    let ra3 = min(3u, last_row) * k4;
-    var acc00 = vec4<f32>(0.0);
-    var acc01 = vec4<f32>(0.0);
-    var acc02 = vec4<f32>(0.0);
-    var acc03 = vec4<f32>(0.0);
-    var acc04 = vec4<f32>(0.0);
-    var acc05 = vec4<f32>(0.0);
-    var acc06 = vec4<f32>(0.0);
-    var acc07 = vec4<f32>(0.0);
-    var acc10 = vec4<f32>(0.0);
-    var acc11 = vec4<f32>(0.0);
-    var acc12 = vec4<f32>(0.0);
-    var acc13 = vec4<f32>(0.0);
-    var acc14 = vec4<f32>(0.0);
-    var acc15 = vec4<f32>(0.0);
-    var acc16 = vec4<f32>(0.0);
-    var acc17 = vec4<f32>(0.0);
-    var acc20 = vec4<f32>(0.0);
-    var acc21 = vec4<f32>(0.0);
-    var acc22 = vec4<f32>(0.0);
-    var acc23 = vec4<f32>(0.0);
-    var acc24 = vec4<f32>(0.0);
-    var acc25 = vec4<f32>(0.0);
-    var acc26 = vec4<f32>(0.0);
-    var acc27 = vec4<f32>(0.0);
-    var acc30 = vec4<f32>(0.0);
-    var acc31 = vec4<f32>(0.0);
-    var acc32 = vec4<f32>(0.0);
-    var acc33 = vec4<f32>(0.0);
-    var acc34 = vec4<f32>(0.0);
-    var acc35 = vec4<f32>(0.0);
-    var acc36 = vec4<f32>(0.0);
-    var acc37 = vec4<f32>(0.0);
-    for (var j = lane; j < kb; j += MATVEC_WG) {
-        let x0 = quant_a_block(ra0 + 8u * j);
-        let s0 = quant_block_sum(x0);
-        var x1 = x0;
-        var s1 = s0;
-        var x2 = x0;
-        var s2 = s0;
-        var x3 = x0;
-        var s3 = s0;
-        if MATVEC_ROWS > 1u {
-            x1 = quant_a_block(ra1 + 8u * j);
-            s1 = quant_block_sum(x1);
-        }
-        if MATVEC_ROWS > 2u {
-            x2 = quant_a_block(ra2 + 8u * j);
-            s2 = quant_block_sum(x2);
-        }
-        if MATVEC_ROWS > 3u {
-            x3 = quant_a_block(ra3 + 8u * j);
-            s3 = quant_block_sum(x3);
-        }
-        let q0 = quant_block_ints(cb0 + j);
-        let d0 = quant_dm(cb0 + j);
-        acc00 = quant_block_fma(acc00, q0, d0, x0, s0);
-        if MATVEC_ROWS > 1u { acc10 = quant_block_fma(acc10, q0, d0, x1, s1); }
-        if MATVEC_ROWS > 2u { acc20 = quant_block_fma(acc20, q0, d0, x2, s2); }
-        if MATVEC_ROWS > 3u { acc30 = quant_block_fma(acc30, q0, d0, x3, s3); }
-        let q1 = quant_block_ints(cb1 + j);
-        let d1 = quant_dm(cb1 + j);
-        acc01 = quant_block_fma(acc01, q1, d1, x0, s0);
-        if MATVEC_ROWS > 1u { acc11 = quant_block_fma(acc11, q1, d1, x1, s1); }
-        if MATVEC_ROWS > 2u { acc21 = quant_block_fma(acc21, q1, d1, x2, s2); }
-        if MATVEC_ROWS > 3u { acc31 = quant_block_fma(acc31, q1, d1, x3, s3); }
-        let q2 = quant_block_ints(cb2 + j);
-        let d2 = quant_dm(cb2 + j);
-        acc02 = quant_block_fma(acc02, q2, d2, x0, s0);
-        if MATVEC_ROWS > 1u { acc12 = quant_block_fma(acc12, q2, d2, x1, s1); }
-        if MATVEC_ROWS > 2u { acc22 = quant_block_fma(acc22, q2, d2, x2, s2); }
-        if MATVEC_ROWS > 3u { acc32 = quant_block_fma(acc32, q2, d2, x3, s3); }
-        let q3 = quant_block_ints(cb3 + j);
-        let d3 = quant_dm(cb3 + j);
-        acc03 = quant_block_fma(acc03, q3, d3, x0, s0);
-        if MATVEC_ROWS > 1u { acc13 = quant_block_fma(acc13, q3, d3, x1, s1); }
-        if MATVEC_ROWS > 2u { acc23 = quant_block_fma(acc23, q3, d3, x2, s2); }
-        if MATVEC_ROWS > 3u { acc33 = quant_block_fma(acc33, q3, d3, x3, s3); }
-        let q4 = quant_block_ints(cb4 + j);
-        let d4 = quant_dm(cb4 + j);
-        acc04 = quant_block_fma(acc04, q4, d4, x0, s0);
-        if MATVEC_ROWS > 1u { acc14 = quant_block_fma(acc14, q4, d4, x1, s1); }
-        if MATVEC_ROWS > 2u { acc24 = quant_block_fma(acc24, q4, d4, x2, s2); }
-        if MATVEC_ROWS > 3u { acc34 = quant_block_fma(acc34, q4, d4, x3, s3); }
-        let q5 = quant_block_ints(cb5 + j);
-        let d5 = quant_dm(cb5 + j);
-        acc05 = quant_block_fma(acc05, q5, d5, x0, s0);
-        if MATVEC_ROWS > 1u { acc15 = quant_block_fma(acc15, q5, d5, x1, s1); }
-        if MATVEC_ROWS > 2u { acc25 = quant_block_fma(acc25, q5, d5, x2, s2); }
-        if MATVEC_ROWS > 3u { acc35 = quant_block_fma(acc35, q5, d5, x3, s3); }
-        let q6 = quant_block_ints(cb6 + j);
-        let d6 = quant_dm(cb6 + j);
-        acc06 = quant_block_fma(acc06, q6, d6, x0, s0);
-        if MATVEC_ROWS > 1u { acc16 = quant_block_fma(acc16, q6, d6, x1, s1); }
-        if MATVEC_ROWS > 2u { acc26 = quant_block_fma(acc26, q6, d6, x2, s2); }
-        if MATVEC_ROWS > 3u { acc36 = quant_block_fma(acc36, q6, d6, x3, s3); }
-        let q7 = quant_block_ints(cb7 + j);
-        let d7 = quant_dm(cb7 + j);
-        acc07 = quant_block_fma(acc07, q7, d7, x0, s0);
-        if MATVEC_ROWS > 1u { acc17 = quant_block_fma(acc17, q7, d7, x1, s1); }
-        if MATVEC_ROWS > 2u { acc27 = quant_block_fma(acc27, q7, d7, x2, s2); }
-        if MATVEC_ROWS > 3u { acc37 = quant_block_fma(acc37, q7, d7, x3, s3); }
+    let sums = quant_matvec_sums(col0, 1u, lane, MATVEC_WG, n, sizes.y);
+    for (var r = 0u; r < MATVEC_ROWS; r++) {
+        matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
     }
-    matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
-    if MATVEC_ROWS > 1u {
-        matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
+}
+
+// Decode's products on a CPU adapter (llvmpipe runs a workgroup's lanes
+// as the lanes of one SIMD row, and issues a storage load lane by lane).
+// matvec_quant_forward splits k over the lanes, so each lane loads its own
+// blocks of A and a sum over the lanes follows; here the workgroup's 8
+// lanes own 64 columns of C, lane l the columns col0 + l + 8·c (c in
+// 0..7), and each lane sums all of k: a step loads one block of each row
+// of A for 8 blocks of weights (A's f32 block is 128 bytes to a Q4
+// block's 20: with a lane per column, loading A for each block of
+// weights ran at a third of this speed). No workgroup memory, no barrier.
+@compute @workgroup_size(MATVEC_COLS, 1, 1)
+fn matvec_quant_forward_columns(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    if lid.x == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
     }
-    if MATVEC_ROWS > 2u {
-        matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
+    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let n = sizes.x;
+    let col0 = (wid.y * nwg.x + wid.x) * QUANT_COLUMNS_PER_GROUP + lid.x;
+    if col0 >= n {
+        return;
     }
-    if MATVEC_ROWS > 3u {
-        matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
+    let sums = quant_matvec_sums(col0, 8u, 0u, 1u, n, sizes.y);
+    for (var r = 0u; r < MATVEC_ROWS; r++) {
+        matvec_columns_store(r, col0, n, quant_row_sums(sums, r));
+    }
+}
+
+// Columns of C per workgroup of matvec_quant_forward_columns: 8 per lane.
+const QUANT_COLUMNS_PER_GROUP: u32 = 64u;
+
+// Row `row` of matvec_quant_forward_columns' lane: column col0 + 8·c gets
+// the sum of acc[c]'s four partial sums.
+fn matvec_columns_store(row: u32, col0: u32, n: u32, acc: array<vec4<f32>, 8>) {
+    for (var c = 0u; c < 8u; c++) {
+        let col = col0 + 8u * c;
+        if col < n {
+            write_c(row, col, dot(acc[c], vec4<f32>(1.0)));
+        }
     }
 }
 

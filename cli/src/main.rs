@@ -84,9 +84,17 @@ enum Command {
         /// Run only the cases whose name contains one of these
         /// comma-separated words, e.g. `--only gpt2_124m` or
         /// `--only matmul,mlp` (default: every case). The gpt2_124m
-        /// prefill and decode lines come from one run, so either brings both.
+        /// prefill and decode lines come from one run, so either brings
+        /// both; so do smollm2's (`--only smollm2`: SmolLM2-135M-Instruct's
+        /// GGUF file, from $WGRAD_SMOLLM2 or where
+        /// scripts/fetch-smollm2.sh caches it; an error when missing).
         #[arg(long, value_delimiter = ',', conflicts_with = "compile")]
         only: Vec<String>,
+        /// After the gpt2_124m and smollm2 decode timings, one decode step
+        /// dispatch by dispatch: time, bytes and copy-bandwidth share per
+        /// kernel (`…_decode_profile` lines).
+        #[arg(long, conflicts_with = "compile")]
+        profile: bool,
     },
     /// Under mpirun: time the cross-process gradient all-reduce (f64 sums in
     /// the buckets training uses) for several gradient sizes; rank 0 prints
@@ -559,8 +567,8 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     Ok(())
 }
 
-fn bench(opts: &DeviceOptions, quick: bool, compile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 7] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode"];
+fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
+    const CASES: [&str; 9] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode"];
     if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
         return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
     }
@@ -603,7 +611,15 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, only: &[String]) -> w
     if runs("gpt2_124m_prefill") || runs("gpt2_124m_decode") {
         // GPT-2 124M's shape: a 16-token prompt and 8 decoded tokens when quick.
         let (prompt, decoded) = if quick { (16, 8) } else { (64, 32) };
-        lines.extend(wgrad_benches::gpt2_124m_generate(&kernels, prompt, decoded)?);
+        lines.extend(wgrad_benches::gpt2_124m_generate(&kernels, prompt, decoded, profile)?);
+    }
+    if runs("smollm2_prefill") || runs("smollm2_decode") {
+        // The 128-token prompt; fewer decoded tokens when quick.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench smollm2",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+        })?;
+        lines.extend(wgrad_benches::smollm2_generate(&kernels, &path, 128, if quick { 8 } else { 32 }, profile)?);
     }
     println!("{:<32} measurements", "case");
     for l in &lines {
@@ -702,7 +718,7 @@ fn main() -> ExitCode {
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Chat(args) => chat::chat(&opts, args),
-        Command::Bench { quick, compile, only } => bench(&opts, *quick, *compile, only),
+        Command::Bench { quick, compile, profile, only } => bench(&opts, *quick, *compile, *profile, only),
         Command::Tune => tune(&opts),
         Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),

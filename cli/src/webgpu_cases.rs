@@ -277,7 +277,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["matmul_f16w_forward_shared"], Gpu, |c| f16_weights(c, Some(F16WeightsKernel::Shared))),
         (&["matmul_f16w_forward_shared_vec"], Gpu, f16_weights_shared_vec),
         (&["embedding_f16w_forward"], Web, embedding_f16),
-        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_1, None)),
+        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::Matvec { lanes: 8 }))),
+        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::MatvecColumns))),
         (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
         (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))),
         (&["embedding_quant_forward"], Web, embedding_quant),
@@ -1090,7 +1091,7 @@ fn quant_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) 
 /// matrix-vector kernel with the adapter's lanes), else the kernel named.
 fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeightsKernel>) -> Result<Case> {
     let (m, n, kk) = match kernel {
-        None | Some(QuantWeightsKernel::Matvec { .. }) => (2, 37, 96),
+        None | Some(QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) => (2, 37, 96),
         Some(QuantWeightsKernel::Tiled) => (37, 29, 64),
     };
     let (a_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n, -1.0, 1.0));

@@ -13,9 +13,27 @@ use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
 use crate::optim::{apply_parameter_groups, Optimizer, ParamSpan};
 
-/// Per-dispatch wall times from the profiling runs: (node name, kernel
-/// entry, time), in dispatch order.
-pub type DispatchTimes = Vec<(String, &'static str, std::time::Duration)>;
+/// One dispatch of a profiling run, run alone.
+#[derive(Clone, Debug)]
+pub struct DispatchTime {
+    /// The graph node it computes.
+    pub node: String,
+    /// Its kernel's entry point.
+    pub entry: &'static str,
+    /// Kernel time from GPU timestamps where the adapter has them, else
+    /// the wall time of its submit and wait (which adds the driver's fixed
+    /// cost, ~0.1 ms on lavapipe).
+    pub time: std::time::Duration,
+    /// Whether `time` came from timestamps.
+    pub on_gpu: bool,
+    /// Bytes of the storage ranges its launches bind: what it reads and
+    /// writes at most (a KV cache is bound whole, though attention reads
+    /// only the positions so far).
+    pub bound_bytes: u64,
+}
+
+/// Per-dispatch times from the profiling runs, in dispatch order.
+pub type DispatchTimes = Vec<DispatchTime>;
 
 pub struct Executor {
     kernels: Arc<Kernels>,
@@ -540,8 +558,7 @@ impl Executor {
     }
 
     /// A training step's dispatches (forward, backward and the update), each
-    /// submitted alone and waited for: (node or update name, kernel entry,
-    /// wall time) in order. Gradients accumulate and the parameters are
+    /// submitted alone and waited for, in order ([`DispatchTime`]). Gradients accumulate and the parameters are
     /// updated as by [`Executor::train_step`] without zeroing, so profile
     /// on a copy of the state you care about.
     pub fn profile_train_step(&mut self) -> Result<DispatchTimes> {
@@ -561,7 +578,7 @@ impl Executor {
     }
 
     /// What [`Executor::run`] of `outputs` dispatches, each submitted alone
-    /// and waited for: (node name, kernel entry, wall time) in order.
+    /// and waited for, in order ([`DispatchTime`]).
     pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<DispatchTimes> {
         let order = order_for(&self.graph, &self.plan, outputs)?;
         let mut times = Vec::new();
@@ -574,8 +591,13 @@ impl Executor {
     }
 
     /// One profile entry: `d` run alone and waited for.
-    fn time_dispatch(&self, name: &str, d: &Dispatch) -> Result<(String, &'static str, std::time::Duration)> {
-        Ok((name.to_string(), d.kernel().entry, self.kernels.time_dispatch(d)?))
+    fn time_dispatch(&self, name: &str, d: &Dispatch) -> Result<DispatchTime> {
+        let (time, on_gpu) = match self.kernels.time_on_gpu(d, 1)? {
+            Some(time) => (time, true),
+            None => (self.kernels.time_dispatch(d)?, false),
+        };
+        let bound_bytes = d.each_launch().flat_map(|l| &l.recipe().bindings).map(|b| b.bytes).sum();
+        Ok(DispatchTime { node: name.to_string(), entry: d.kernel().entry, time, on_gpu, bound_bytes })
     }
 
     /// Applies the optimizer to the gradients as they stand, in one

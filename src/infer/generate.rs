@@ -413,6 +413,16 @@ impl Generator {
         &self.exec
     }
 
+    /// A decode step's dispatches at the current positions, each submitted
+    /// alone and waited for ([`crate::graph::DispatchTime`]): where a
+    /// token's time goes (`wgrad bench --profile`). The caches get the
+    /// step's keys and values as by [`Generator::decode`] with `tokens`,
+    /// but the positions do not advance.
+    pub fn profile_decode(&mut self, tokens: &[u32]) -> Result<crate::graph::DispatchTimes> {
+        self.set_decode("Generator::profile_decode", tokens)?;
+        self.exec.profile_run(&[self.decode.tokens])
+    }
+
     /// Empties every sequence's cache (zeroes it on the GPU).
     pub fn reset(&mut self) -> Result<()> {
         self.exec.clear_caches()?;

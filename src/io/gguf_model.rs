@@ -159,6 +159,24 @@ impl GgufModel {
         self.gguf.read_f32(&info.name)
     }
 
+    /// Every matrix the file stores block-quantized in a format the kernels
+    /// read (Q8_0, Q4_0, Q4_1), by parameter name, as its raw blocks: the
+    /// weight source of a generator whose weights stay quantized on the
+    /// GPU (`Generator::new_with_weights`). Matrices of other types are
+    /// not in it (the model's f32 values serve them).
+    pub fn quantized_weights(&self) -> Result<QuantizedWeights> {
+        let mut quantized = QuantizedWeights::new();
+        for (name, _) in &self.parameters {
+            let info = self.parameter_info(name)?;
+            let Ok(format) = QuantFormat::try_from(info.ty) else { continue };
+            if info.dims.len() == 2 {
+                let raw = self.gguf.read_raw(&info.name)?;
+                quantized.insert(name.clone(), QuantizedMatrix { format, raw: raw.into() });
+            }
+        }
+        Ok(quantized)
+    }
+
     /// The Llama, every weight de-quantized to f32; an error for another
     /// architecture.
     pub fn to_llama(&self) -> Result<Llama> {

@@ -27,6 +27,11 @@ const LOOP_ITERATIONS_MAX: usize = 65_535;
 /// splitting the positions (attention.wgsl's `DECODE_WG`).
 pub const DECODE_LANES: usize = 64;
 
+/// Lanes of `cached_attention_forward_workgroup` on a CPU adapter where a
+/// context is too long for the one-invocation kernel and this many lanes
+/// keep under llvmpipe's loop limit (its merge needs at least 32).
+const CPU_DECODE_LANES: usize = 32;
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct AttentionParams {
@@ -63,8 +68,11 @@ impl Kernels {
     /// On a CPU adapter one invocation serves each (sequence, row, head),
     /// unless the context is too long for llvmpipe's loop limit; on a GPU
     /// ([`Kernels::gpu_shaped`]), and for such contexts, one workgroup of
-    /// [`DECODE_LANES`] lanes does, the lanes splitting the positions and
-    /// merging their online softmax over a fixed tree (deterministic).
+    /// [`DECODE_LANES`] lanes does (32 on a CPU adapter where each lane's
+    /// share stays under the limit: SmolLM2's 8192 positions, attention
+    /// 33 → 23–25 ms of a decode step on lavapipe), the lanes splitting
+    /// the positions and merging their online softmax over a fixed tree
+    /// (deterministic).
     #[allow(clippy::too_many_arguments)]
     pub fn cached_attention_forward(
         &self,
@@ -147,7 +155,11 @@ impl Kernels {
         let per_position = 3 * (head_dim / 8 + head_dim % 8) + 1;
         let serial_iterations = context.saturating_mul(per_position).saturating_add(2 * head_dim);
         if self.gpu_shaped() || serial_iterations > LOOP_ITERATIONS_MAX {
-            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[], &bindings, 7, &params, invocations as u64);
+            // On a CPU adapter the fewest lanes under the loop limit: each
+            // lane's positions take two channel loops (and a rescale).
+            let lane_iterations = |lanes: usize| context.div_ceil(lanes).saturating_mul(3 * head_dim + 1);
+            let lanes = if !self.gpu_shaped() && lane_iterations(CPU_DECODE_LANES) <= LOOP_ITERATIONS_MAX { CPU_DECODE_LANES } else { DECODE_LANES };
+            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[("DECODE_WG", lanes as f64)], &bindings, 7, &params, invocations as u64);
         }
         self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 7, &params, flat_groups(invocations))
     }

@@ -29,7 +29,7 @@ use wgrad::{cpu, Error};
 /// the lanes, head dims around its 32-channel merge chunks (31, 33, 67);
 /// contexts near llvmpipe's 65,535 loop iterations for one invocation
 /// (1,024 positions of 64 channels, within them unrolled; 700 of 256, past
-/// them, which CPU adapters run with the workgroup kernel too); and
+/// them, which CPU adapters run with the workgroup kernel of 32 lanes); and
 /// positions past the context (their rows NaN, the caches untouched).
 /// Each runs as multi-head attention over one fused qkv operand (a GPT's).
 type AttentionCase = (usize, usize, usize, usize, usize, &'static [u32]);

@@ -216,6 +216,30 @@ fn raw_parameters_are_the_files_blocks() {
     assert!(matches!(file.raw_parameter("model.layers.7.mlp.up_proj.weight"), Err(Error::InvalidArgument { .. })));
 }
 
+/// The quantized weight source takes exactly the matrices stored in a
+/// format the kernels read, each as the file's blocks.
+#[test]
+fn quantized_weights_are_the_files_quantized_matrices() {
+    use wgrad::ops::QuantFormat;
+    let file = GgufModel::open(fixture(UNTIED)).unwrap();
+    let quantized = file.quantized_weights().unwrap();
+    let mut want = 0;
+    for (name, shape) in Llama::empty(fixture_config(false)).unwrap().named_parameters() {
+        let (info, raw) = file.raw_parameter(&name).unwrap();
+        match (QuantFormat::try_from(info.ty), shape.len()) {
+            (Ok(format), 2) => {
+                want += 1;
+                let matrix = quantized.get(&name).unwrap_or_else(|| panic!("{name} ({}) is missing", info.ty.name()));
+                assert_eq!((matrix.format, &matrix.raw[..]), (format, &raw[..]), "{name}");
+            }
+            _ => assert!(!quantized.contains_key(&name), "{name} ({}) is not a quantized matrix", info.ty.name()),
+        }
+    }
+    // The fixture spreads Q8_0, Q4_0 and Q4_1 over its matrices.
+    assert!(want >= 3, "{want} quantized matrices");
+    assert_eq!(quantized.len(), want);
+}
+
 // ---------------------------------------------------------------------------
 // Broken model files
 

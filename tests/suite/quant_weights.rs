@@ -132,19 +132,27 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                         case += 1;
                         let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][case as usize % 3];
                         let (entry, _) = check_product(k, None, format, store, (m, n, kk), 2600 + case)?;
-                        let want = if m <= MATVEC_MAX_ROWS { "matvec_quant_forward" } else { "matmul_quant_forward" };
+                        let matvec = if k.gpu_shaped() { "matvec_quant_forward" } else { "matvec_quant_forward_columns" };
+                        let want = if m <= MATVEC_MAX_ROWS { matvec } else { "matmul_quant_forward" };
                         assert_eq!(entry, want, "m={m}");
-                        // Decode's rows on the tiled kernel too (its
-                        // choice where the vector loads cannot run).
+                        // Decode's rows on the other adapters' matrix-vector
+                        // kernel, and on the tiled one (the choice where the
+                        // vector loads cannot run).
                         if m <= MATVEC_MAX_ROWS {
+                            let other = if k.gpu_shaped() { QuantWeightsKernel::MatvecColumns } else { QuantWeightsKernel::Matvec { lanes: 8 } };
+                            check_product(k, Some(other), format, store, (m, n, kk), 2600 + case)?;
                             check_product(k, Some(QuantWeightsKernel::Tiled), format, store, (m, n, kk), 2600 + case)?;
                         }
                     }
                 }
             }
-            // Every row count of the matrix-vector kernel, and GPU lanes.
+            // Every row count of the matrix-vector kernels, and GPU lanes;
+            // 64 columns and more for the CPU one's workgroup of 64.
             for (rows, lanes) in [(3, 64), (MATVEC_MAX_ROWS, 8)] {
                 check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, Store::BiasGeluPre, (rows, 37, 96), 2590 + rows as u64)?;
+            }
+            for (rows, n) in [(1, 64), (2, 131), (3, 65), (MATVEC_MAX_ROWS, 200)] {
+                check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, Store::BiasGeluPre, (rows, n, 96), 2595 + rows as u64)?;
             }
         }
         Ok(())
@@ -167,7 +175,10 @@ fn quantized_products_refuse_what_they_cannot_run() {
         let err = k.matmul_quant_weights_with(QuantWeightsKernel::Matvec { lanes: 8 }, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
         assert_eq!(k.quant_weights_kernel_for(5, &a.view(), &b), QuantWeightsKernel::Tiled);
-        assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() });
+        let matvec = if k.gpu_shaped() { QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() } } else { QuantWeightsKernel::MatvecColumns };
+        assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), matvec);
+        let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecColumns, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        assert!(err.to_string().contains("m=5"), "{err}");
         let err = k.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64).unwrap_err();
         assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("k=64"), "{err}");
         let accumulate = MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() };
@@ -231,6 +242,7 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         for (i, &(kernel, format, store, shape)) in [
             (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q8_0, Store::Plain, (1, 300, 32)),
             (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q4_1, Store::Bias, (2, 150, 64)),
+            (QuantWeightsKernel::MatvecColumns, QuantFormat::Q4_0, Store::BiasGeluPre, (1, 200, 32)),
             (QuantWeightsKernel::Tiled, QuantFormat::Q4_0, Store::BiasGeluPre, (3, 100, 64)),
             (QuantWeightsKernel::Tiled, QuantFormat::Q8_0, Store::Bias, (2, 200, 32)),
         ]
