@@ -11,10 +11,7 @@ use std::process::{Command, Output};
 /// `$WGRAD_SMOLLM2`, else wgrad's cache, where scripts/fetch-smollm2.sh
 /// puts it.
 fn smollm2() -> PathBuf {
-    let path = std::env::var_os("WGRAD_SMOLLM2")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/wgrad/models/SmolLM2-135M-Instruct.Q4_1.gguf")))
-        .expect("no WGRAD_SMOLLM2 and no HOME");
+    let path = wgrad_benches::smollm2_path().expect("no WGRAD_SMOLLM2 and no cache directory (HOME unset)");
     assert!(path.is_file(), "SmolLM2-135M-Instruct's GGUF file is missing at {}: fetch it with scripts/fetch-smollm2.sh, or point WGRAD_SMOLLM2 at a copy", path.display());
     path
 }

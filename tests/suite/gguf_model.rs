@@ -418,10 +418,7 @@ fn missing_and_extra_tensors_are_named() {
 /// Where the real file is: `$WGRAD_SMOLLM2`, else wgrad's cache
 /// (`scripts/fetch-smollm2.sh` puts it there). Missing, it is a failure.
 fn smollm2_path() -> PathBuf {
-    let path = std::env::var_os("WGRAD_SMOLLM2")
-        .map(PathBuf::from)
-        .or_else(|| wgrad::user_cache::cache_dir().map(|d| d.join("models").join("SmolLM2-135M-Instruct.Q4_1.gguf")))
-        .expect("no WGRAD_SMOLLM2 and no cache directory (HOME unset)");
+    let path = wgrad_benches::smollm2_path().expect("no WGRAD_SMOLLM2 and no cache directory (HOME unset)");
     assert!(
         path.is_file(),
         "SmolLM2-135M-Instruct's GGUF file is missing at {}: fetch it with scripts/fetch-smollm2.sh, or point WGRAD_SMOLLM2 at a copy",
