@@ -70,4 +70,8 @@ out="$dir/out"
 run mlp train --model mlp --max-steps 5 --checkpoint "$out/digits.safetensors" --plot "$out/digits.png"
 run gpt train --max-steps 2 --eval-batches 1 --sample-tokens 8 --out "$out/gpt" --plot "$out/gpt.png"
 run gpt-generate generate --model "$out/gpt" --prompt "ROMEO:" --max-new-tokens 8
+run llama train --model llama --max-steps 2 --eval-batches 1 --sample-tokens 8 --out "$out/llama" --plot "$out/llama.png"
+# A real model's quantized kernels (make test fetched the file).
+smollm2=$(bash "$(dirname "$0")/fetch-smollm2.sh")
+run smollm2-generate generate --model "$smollm2" --prompt "The capital of France is" --max-new-tokens 4 --temperature 0
 exit $status
