@@ -196,16 +196,11 @@ impl GgufModel {
         let GgufArchitecture::Llama(config) = self.architecture else {
             return Err(self.not_a("Llama", "gpt2"));
         };
+        let quantized = self.quantized_weights()?;
         let mut model = Llama::empty(config)?;
-        let mut quantized = QuantizedWeights::new();
-        model.visit_mut("", &mut |name, shape, values| {
-            let info = self.parameter_info(&name)?;
-            match QuantFormat::try_from(info.ty) {
-                Ok(format) if shape.len() == 2 => {
-                    let raw = self.gguf.read_raw(&info.name)?;
-                    quantized.insert(name, QuantizedMatrix { format, raw: raw.into() });
-                }
-                _ => *values = self.parameter_f32(&name)?,
+        model.visit_mut("", &mut |name, _, values| {
+            if !quantized.contains_key(&name) {
+                *values = self.parameter_f32(&name)?;
             }
             Ok(())
         })?;
