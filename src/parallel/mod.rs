@@ -15,6 +15,7 @@ pub mod mpi;
 pub mod pipeline;
 pub mod stage;
 pub mod tensor;
+pub mod zero;
 
 use std::sync::Arc;
 

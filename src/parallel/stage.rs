@@ -10,11 +10,11 @@ use super::on_device;
 use crate::error::{Error, Result};
 use crate::graph::{Executor, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::io::checkpoint::{Checkpoint, NamedTensor};
+use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
 use crate::optim;
-use crate::trainer::{Examples, Targets};
+use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, Targets};
 
 /// What ends a stage.
 #[derive(Clone, Copy, Debug)]
@@ -455,20 +455,8 @@ impl Spread {
     /// as [`crate::trainer::Trainer::checkpoint`] writes them for the
     /// single-device model, so a checkpoint resumes on any strategy.
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
-        let mut ckpt = Checkpoint::new();
-        let params = self.parameters(stages)?;
-        for (name, shape, data) in &params {
-            ckpt.push(NamedTensor::new(name.clone(), shape.clone(), data.clone())?);
-        }
-        for (param, state, data) in self.optimizer_state(stages)? {
-            let shape = self.shape_of(&param).cloned().unwrap_or_else(|| vec![data.len()]);
-            ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
-        }
-        ckpt.set_meta("format", "wgrad");
-        ckpt.set_meta("model", self.description.clone());
-        ckpt.set_meta("criterion", format!("{:?}", self.criterion));
-        ckpt.set_meta("optimizer", optim::describe(&self.optimizer));
-        ckpt.set_meta("step", stages.first().map_or(0, |s| s.exec.step_count()).to_string());
-        Ok(ckpt)
+        let step = stages.first().map_or(0, |s| s.exec.step_count());
+        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step };
+        assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)
     }
 }

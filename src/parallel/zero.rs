@@ -1,0 +1,433 @@
+//! Sharded data parallel (ZeRO, as DeepSpeed names its stages; PyTorch's
+//! FSDP shards the same way): data parallel where each device keeps the
+//! optimizer's moments for one shard of the flat parameter arena only,
+//! from stage 2 also only that shard's summed gradient, and at stage 3
+//! only that shard's parameters between steps.
+//!
+//! A step: every device runs forward and backward on its rows of the
+//! global batch (one submission each, all in flight together); then
+//! - stage 1: the gradients are all-reduced (weighted by rows);
+//! - stages 2 and 3: they are reduce-scattered instead, so a device
+//!   receives the sum for its own shard only;
+//!
+//! and each device clips by the global norm (the squares of every shard's
+//! summed gradient, added on the host in shard order, then one scale),
+//! runs AdamW over its shard, and the updated shards are all-gathered into
+//! every device's parameters. At stage 3 the gather happens instead just
+//! before the next forward and backward (or evaluation), and a device's
+//! other shards are cleared once its step is submitted.
+//!
+//! What the GPU holds: an executor records forward and backward as one
+//! submission over one parameter arena and one gradient arena, so every
+//! device allocates both whole. Stage 1 saves real memory (each device's
+//! optimizer-state arenas are its shard's length); stages 2 and 3 add the
+//! traffic pattern and the state a device relies on between steps (its
+//! shard's gradient; its shard's parameters), but the whole arenas stay
+//! allocated: gathering each block's parameters just before its forward
+//! and backward inside one submission is not done. [`Zero::memory`] and the
+//! memory table say both what the stage keeps and what is allocated.
+//!
+//! Shards are whole blocks of [`group_arena_alignment`] bytes (an
+//! optimizer's views must start at a device's storage-offset alignment),
+//! as even as that allows: the last devices may hold a block less.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, to_host, Part};
+use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split};
+use super::engine::{own_steps, Footprint, Holding, TrainEngine};
+use super::stage::{NamedParameters, NamedState};
+use super::{on_device, DeviceGroup};
+use crate::error::{Error, Result};
+use crate::graph::PlanOptions;
+use crate::io::checkpoint::Checkpoint;
+use crate::kernels::{Kernels, OptimizerConfig, View};
+use crate::nn::{Criterion, Module};
+use crate::optim::{stage_state, Optimizer, ParamSpan};
+use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets, Trainer};
+
+/// What each device keeps only a shard of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// Stage 1: the optimizer state.
+    OptimizerState,
+    /// Stage 2: also the summed gradients.
+    Gradients,
+    /// Stage 3: also the parameters between steps.
+    Parameters,
+}
+
+impl ZeroStage {
+    /// Stage 1, 2 or 3.
+    pub fn new(stage: u32) -> Result<Self> {
+        match stage {
+            1 => Ok(ZeroStage::OptimizerState),
+            2 => Ok(ZeroStage::Gradients),
+            3 => Ok(ZeroStage::Parameters),
+            other => Err(Error::InvalidArgument { op: "zero stage", reason: format!("ZeRO has stages 1, 2 and 3, not {other}") }),
+        }
+    }
+
+    pub fn number(self) -> u32 {
+        match self {
+            ZeroStage::OptimizerState => 1,
+            ZeroStage::Gradients => 2,
+            ZeroStage::Parameters => 3,
+        }
+    }
+}
+
+/// Each of `parts` devices' range of an arena of `len` elements: whole
+/// blocks of `block` elements, as even as that allows, the earlier devices
+/// taking the extra blocks (the last range ends at `len`). An error when
+/// there are fewer blocks than devices.
+pub fn shard_ranges(len: usize, parts: usize, block: usize) -> Result<Vec<Range<usize>>> {
+    let block = block.max(1);
+    let blocks = len.div_ceil(block);
+    if parts == 0 || blocks < parts {
+        return Err(Error::InvalidArgument {
+            op: "zero shards",
+            reason: format!("an arena of {len} elements holds {blocks} blocks of {block}: too few for a shard on each of {parts} devices"),
+        });
+    }
+    let (each, extra) = (blocks / parts, blocks % parts);
+    let mut start = 0;
+    Ok((0..parts)
+        .map(|d| {
+            let end = (start + (each + usize::from(d < extra)) * block).min(len);
+            let range = start..end;
+            start = end;
+            range
+        })
+        .collect())
+}
+
+/// Bytes on one device, by what they hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer_state: u64,
+    /// Inputs and the planned intermediates of a step.
+    pub activations: u64,
+}
+
+impl DeviceMemory {
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state + self.activations
+    }
+}
+
+const BYTES: u64 = 4;
+
+pub struct Zero {
+    stage: ZeroStage,
+    devices: Vec<Arc<Kernels>>,
+    /// Forward and backward on each device, without optimizer state.
+    replicas: Vec<Trainer>,
+    /// Each device's optimizer over its shard of the arenas.
+    optimizers: Vec<Optimizer>,
+    shards: Vec<Range<usize>>,
+    shares: Vec<usize>,
+    global_batch: usize,
+    widths: ModelWidths,
+    criterion: Criterion,
+    optimizer: OptimizerConfig,
+    bucket: usize,
+    /// Stage 3: whether every device holds every shard's parameters now.
+    gathered: bool,
+    last_grad_norm: Option<f32>,
+}
+
+impl Zero {
+    /// A replica of `model`'s step on every device of `group`, each
+    /// holding the optimizer state of its shard; `global_batch` rows per
+    /// step, split evenly or as `rows` fixes.
+    pub fn new(
+        group: &DeviceGroup,
+        model: &dyn Module,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        stage: ZeroStage,
+        rows: Option<Vec<usize>>,
+    ) -> Result<Self> {
+        let (criterion, optimizer) = (criterion.into(), optimizer.into());
+        let devices = group.members().to_vec();
+        let shares = match &rows {
+            Some(rows) => fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?,
+            None => proportional_split(global_batch, &vec![1.0; devices.len()])?,
+        };
+        let alignment = group_arena_alignment(&devices);
+        let options = PlanOptions { arena_alignment: alignment, ..PlanOptions::default() };
+        let replicas = devices
+            .iter()
+            .zip(&shares)
+            .enumerate()
+            .map(|(i, (k, &n))| Trainer::without_optimizer(k.clone(), model, criterion, optimizer, n, options).map_err(|e| on_device(i, k, e)))
+            .collect::<Result<Vec<_>>>()?;
+        let plan = replicas[0].executor().plan();
+        let (arena_len, decay_len) = (plan.param_arena_len, plan.decay_len);
+        let shards = shard_ranges(arena_len, devices.len(), alignment as usize / BYTES as usize)?;
+        let mut optimizers = Vec::with_capacity(devices.len());
+        for (i, (t, range)) in replicas.iter().zip(&shards).enumerate() {
+            let k = &devices[i];
+            let exec = t.executor();
+            let grads = exec.gradient_arena().ok_or_else(|| Error::InvalidArgument { op: "Zero::new", reason: "a replica without gradients".into() })?;
+            let (params, grads) = (shard_of(k, exec.parameter_arena(), range), shard_of(k, grads, range));
+            let decay = decay_len.clamp(range.start, range.end) - range.start;
+            optimizers.push(Optimizer::new(k, optimizer, params, grads, range.len(), decay).map_err(|e| on_device(i, k, e))?);
+        }
+        Ok(Zero {
+            stage,
+            devices,
+            replicas,
+            optimizers,
+            shards,
+            shares,
+            global_batch,
+            widths: ModelWidths::of(model)?,
+            criterion,
+            optimizer,
+            bucket: 1 << 18,
+            gathered: true,
+            last_grad_norm: None,
+        })
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Each device's element range of the parameter arena.
+    pub fn shards(&self) -> &[Range<usize>] {
+        &self.shards
+    }
+
+    pub fn replicas(&self) -> &[Trainer] {
+        &self.replicas
+    }
+
+    /// The global gradient norm (before clipping) of the last step.
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.last_grad_norm
+    }
+
+    /// Every device's shard of `arena` (one view per device).
+    fn shard_parts<'a>(&'a self, arena: impl Fn(&'a Trainer) -> Option<View<'a>>) -> Result<Vec<Part<'a>>> {
+        self.replicas
+            .iter()
+            .zip(&self.devices)
+            .zip(&self.shards)
+            .map(|((t, k), range)| {
+                let view = arena(t).ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "a replica without gradients".into() })?;
+                Ok(Part::new(k, shard_of(k, view, range)))
+            })
+            .collect()
+    }
+
+    fn whole_parts<'a>(&'a self, arena: impl Fn(&'a Trainer) -> Option<View<'a>>) -> Result<Vec<Part<'a>>> {
+        self.replicas
+            .iter()
+            .zip(&self.devices)
+            .map(|(t, k)| arena(t).map(|v| Part::new(k, v)).ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "a replica without gradients".into() }))
+            .collect()
+    }
+
+    /// Every device's parameters become the concatenation of the shards.
+    fn gather_parameters(&mut self) -> Result<()> {
+        if self.gathered {
+            return Ok(());
+        }
+        let srcs = self.shard_parts(|t| Some(t.executor().parameter_arena()))?;
+        let dsts = self.whole_parts(|t| Some(t.executor().parameter_arena()))?;
+        all_gather(&srcs, &dsts)?;
+        self.gathered = true;
+        Ok(())
+    }
+
+    /// Stage 3, once a device's step is submitted: its other shards'
+    /// parameters are cleared (the next step gathers them again).
+    fn release_parameters(&mut self) -> Result<()> {
+        if self.stage != ZeroStage::Parameters {
+            return Ok(());
+        }
+        for (i, (t, range)) in self.replicas.iter().zip(&self.shards).enumerate() {
+            let k = &self.devices[i];
+            let arena = Part::new(k, t.executor().parameter_arena());
+            for (start, end) in [(0, range.start), (range.end, arena.view.len)] {
+                if end > start {
+                    k.write(arena.sub(start, end - start), &vec![0.0f32; end - start]).map_err(|e| on_device(i, k, e))?;
+                }
+            }
+        }
+        self.gathered = false;
+        Ok(())
+    }
+
+    /// One step on `global_batch` rows (see the module comment); the mean
+    /// loss when `read_loss`.
+    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        let x = x.into();
+        let (f, width) = check_rows(&self.widths, "Zero::step", self.global_batch, x, targets)?;
+        let since = Instant::now();
+        self.gather_parameters()?;
+        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
+        self.release_parameters()?;
+        let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
+        // Each shard's sum of squares of the summed gradient, as the f32
+        // values the devices receive.
+        let mut squares = vec![0.0f64; self.devices.len()];
+        let square = |sum: &[f64]| sum.iter().map(|&v| f64::from(v as f32).powi(2)).sum::<f64>();
+        {
+            let grads = self.whole_parts(|t| t.executor().gradient_arena())?;
+            if self.stage == ZeroStage::OptimizerState {
+                all_reduce_then(&grads, Some(&weights), self.bucket, since, &mut |sum| {
+                    squares[0] += square(sum);
+                    Ok(())
+                })?;
+            } else {
+                let dsts = self.shard_parts(|t| t.executor().gradient_arena())?;
+                reduce_scatter_then(&grads, Some(&weights), &dsts, self.bucket, since, &mut |shard, sum| {
+                    squares[shard] += square(sum);
+                    Ok(())
+                })?;
+            }
+        }
+        let norm = squares.iter().sum::<f64>().sqrt() as f32;
+        self.last_grad_norm = Some(norm);
+        let clips = self.optimizer.clip_grad_norm().is_some();
+        for (i, o) in self.optimizers.iter_mut().enumerate() {
+            let k = &self.devices[i];
+            if clips { o.step_with_grad_norm(k, norm) } else { o.step(k) }.map_err(|e| on_device(i, k, e))?;
+        }
+        if self.stage != ZeroStage::Parameters {
+            self.gathered = false;
+            self.gather_parameters()?;
+        }
+        if !read_loss {
+            return Ok(None);
+        }
+        let mut total = 0.0f64;
+        for (i, t) in self.replicas.iter().enumerate() {
+            total += weights[i] * f64::from(t.loss_item().map_err(|e| on_device(i, &self.devices[i], e))?);
+        }
+        Ok(Some(total as f32))
+    }
+
+    /// The mean loss of one global batch without training, split as a step.
+    pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
+        let x = x.into();
+        let (f, width) = check_rows(&self.widths, "Zero::evaluate_loss", self.global_batch, x, targets)?;
+        self.gather_parameters()?;
+        let loss = evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
+        self.release_parameters()?;
+        Ok(loss)
+    }
+
+    /// Predictions from device 0, its parameters gathered first.
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        self.gather_parameters()?;
+        let classes = self.replicas[0].predict_examples(x.into())?;
+        self.release_parameters()?;
+        Ok(classes)
+    }
+
+    /// The whole arena on the host: each device's shard of `arena`, in order.
+    fn gathered_arena<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
+        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(i, k)| (k.as_ref(), arena(i))).collect();
+        Ok(to_host(&pairs, Instant::now())?.0.concat())
+    }
+
+    fn spans(&self) -> Vec<ParamSpan> {
+        self.replicas[0].executor().parameter_spans()
+    }
+
+    /// What one device holds, by kind: `kept` what the stage keeps for
+    /// the whole run (its shards), else what this engine allocates (the
+    /// executor's whole parameter and gradient arenas; see the module
+    /// comment).
+    pub fn memory(&self, kept: bool) -> DeviceMemory {
+        let plan = self.replicas[0].executor().plan();
+        let arena = plan.param_arena_len as u64 * BYTES;
+        let shard = self.shards.iter().map(|r| r.len() as u64).max().unwrap_or(0) * BYTES;
+        let states = self.optimizer.state_names().len() as u64;
+        let activations = self.replicas.iter().map(|t| t.executor().plan().input_bytes + t.executor().plan().slot_bytes).max().unwrap_or(0);
+        let sharded = |from: ZeroStage| if kept && self.stage >= from { shard } else { arena };
+        DeviceMemory { parameters: sharded(ZeroStage::Parameters), gradients: sharded(ZeroStage::Gradients), optimizer_state: states * shard, activations }
+    }
+}
+
+/// `range` of the arena `view` on device `k`.
+fn shard_of<'a>(k: &'a Kernels, view: View<'a>, range: &Range<usize>) -> View<'a> {
+    Part::new(k, view).sub(range.start, range.len())
+}
+
+impl TrainEngine for Zero {
+    own_steps!(Zero);
+    /// Device 0's replica, for what reads its plan; the parameters, state
+    /// and checkpoint come from every shard (the methods below).
+    fn holding(&self) -> Holding<'_> {
+        Holding::Replica(&self.replicas[0])
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        let arena = self.gathered_arena(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
+        Ok(self.spans().into_iter().map(|p| (p.name.clone(), p.shape.clone(), arena[p.offset..p.offset + p.len()].to_vec())).collect())
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        let spans = self.spans();
+        let mut out = Vec::new();
+        for (s, &name) in self.optimizer.state_names().iter().enumerate() {
+            let arena = self.gathered_arena(|i| self.optimizers[i].state_arenas()[s])?;
+            out.extend(spans.iter().map(|p| (p.name.clone(), name, arena[p.offset..p.offset + p.len()].to_vec())));
+        }
+        Ok(out)
+    }
+    fn step_count(&self) -> u64 {
+        self.optimizers[0].step_count()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        let about = CheckpointAbout { model: self.replicas[0].model_description(), criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
+        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
+    }
+    /// Parameters (by name) on every device, each device's shard of the
+    /// optimizer state (checked whole first), and the step.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        let spans = self.spans();
+        let arena_len = self.replicas[0].executor().plan().param_arena_len;
+        let host = stage_state(self.optimizer.state_names(), arena_len, &spans, state)?;
+        for (i, t) in self.replicas.iter_mut().enumerate() {
+            t.executor_mut().load_state(params, &[], None).map_err(|e| on_device(i, &self.devices[i], e))?;
+        }
+        self.gathered = true;
+        for (i, (o, range)) in self.optimizers.iter_mut().zip(&self.shards).enumerate() {
+            let k = &self.devices[i];
+            if !state.is_empty() {
+                for (arena, values) in o.state_arenas().into_iter().zip(&host) {
+                    k.write(arena, &values[range.clone()]).map_err(|e| on_device(i, k, e))?;
+                }
+            }
+            o.import_state(k, &[], &[], step).map_err(|e| on_device(i, k, e))?;
+        }
+        self.release_parameters()
+    }
+    fn describe(&self) -> String {
+        let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
+        format!("ZeRO stage {} (sharded data parallel), batch split {}, arena shards of [{}] elements", self.stage.number(), rows.join(", "), shards.join(", "))
+    }
+    /// One device's step dispatches (its optimizer's over its shard) and
+    /// the bytes of the device allocating the most.
+    fn footprint(&self) -> Footprint {
+        let exec = self.replicas[0].executor();
+        let dispatches = exec.dispatches_per_step() + self.optimizers[0].dispatches().count();
+        let states = self.optimizer.state_names().len() as u64;
+        let peak = self.replicas.iter().zip(&self.shards).map(|(t, r)| t.executor().peak_bytes() + states * r.len() as u64 * BYTES).max().unwrap_or(0);
+        Footprint { dispatches_per_step: dispatches, peak_bytes: peak, intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
+    }
+    fn shares(&self) -> Vec<usize> {
+        self.shares.clone()
+    }
+}
