@@ -164,6 +164,34 @@ pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) 
     Ok(Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size })
 }
 
+/// What a trainer runs, before any device: `model → criterion` on
+/// `batch_size` examples, the argmax and the backward pass.
+pub(crate) struct TrainingGraph {
+    pub(crate) graph: Graph,
+    pub(crate) built: Built,
+    pub(crate) target: Tensor,
+    pub(crate) loss: Tensor,
+    pub(crate) prediction: Tensor,
+    pub(crate) grads: crate::graph::Gradients,
+}
+
+impl TrainingGraph {
+    /// What a trainer's executor is planned to keep readable.
+    pub(crate) fn outputs(&self) -> [Tensor; 3] {
+        [self.built.output, self.prediction, self.loss]
+    }
+}
+
+pub(crate) fn training_graph(model: &dyn Module, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
+    let mut graph = Graph::new();
+    let built = build_model(&mut graph, model, batch_size)?;
+    let target = criterion.targets(&mut graph, built.output)?;
+    let loss = criterion.loss(&mut graph, built.output, target)?;
+    let prediction = graph.argmax(built.output)?;
+    let grads = graph.backward(loss)?;
+    Ok(TrainingGraph { graph, built, target, loss, prediction, grads })
+}
+
 impl Trainer {
     /// Builds the graph `model → criterion`, its backward pass and the
     /// optimizer update, plans memory and allocates everything once.
@@ -207,12 +235,8 @@ impl Trainer {
     }
 
     fn build(kernels: Arc<Kernels>, model: &dyn Module, criterion: Criterion, optimizer: OptimizerConfig, batch_size: usize, options: PlanOptions, own_optimizer: bool) -> Result<Self> {
-        let mut g = Graph::new();
-        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
-        let target = criterion.targets(&mut g, output)?;
-        let loss = criterion.loss(&mut g, output, target)?;
-        let prediction = g.argmax(output)?;
-        let grads = g.backward(loss)?;
+        let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } =
+            training_graph(model, criterion, batch_size)?;
         let outputs = [output, prediction, loss];
         let exec = if own_optimizer {
             Executor::with_options(kernels, g, &outputs, Some(grads), Some(optimizer), options)?

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::data::{DataParallel, Split};
+use super::memory::DeviceMemory;
 use super::distributed::{DistributedDataParallel, ProcessGroup};
 #[cfg(feature = "fault-injection")]
 use super::distributed::InjectedFailure;
@@ -210,6 +211,21 @@ pub trait TrainEngine {
                 }
                 let dispatches = stages.iter().map(|s| s.executor().dispatches_per_step()).sum();
                 Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
+            }
+        }
+    }
+    /// Bytes of the device holding the most, by what they hold: a
+    /// replica's plan, or the stages on each device added up.
+    fn memory(&self) -> DeviceMemory {
+        match self.holding() {
+            Holding::Replica(t) => DeviceMemory::of_plan(t.executor().plan(), true, t.executor().optimizer_state_names().len()),
+            Holding::Stages(spread, stages) => {
+                let mut per_device = vec![DeviceMemory::default(); spread.devices().iter().max().map_or(0, |d| d + 1)];
+                for (&device, stage) in spread.devices().iter().zip(stages) {
+                    let exec = stage.executor();
+                    per_device[device] = per_device[device].plus(DeviceMemory::of_plan(exec.plan(), true, exec.optimizer_state_names().len()));
+                }
+                DeviceMemory::fullest(per_device)
             }
         }
     }

@@ -10,6 +10,7 @@ pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, Tensor};
+use crate::graph::{Executor, Gradients, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
@@ -39,10 +39,25 @@ pub struct Stage {
     criterion: Option<Criterion>,
 }
 
-impl Stage {
-    /// A stage over a graph already holding `input -> output`; with
+/// A stage's graph made trainable, before any device: its backward from
+/// a fed gradient (or from its loss), and what its executor is planned for.
+pub struct StageGraph {
+    pub graph: Graph,
+    /// What the executor keeps readable: the output, the loss, the argmax.
+    pub outputs: Vec<Tensor>,
+    pub grads: Gradients,
+    seed: Tensor,
+    input_grad: Option<Tensor>,
+    target: Option<Tensor>,
+    loss: Option<Tensor>,
+    prediction: Option<Tensor>,
+    criterion: Option<Criterion>,
+}
+
+impl StageGraph {
+    /// `g` holding `input -> output`, completed as [`StageEnd`] says; with
     /// `input_grad` its backward also yields d loss / d input.
-    pub fn from_graph(kernels: Arc<Kernels>, mut g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
+    pub fn complete(mut g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd) -> Result<Self> {
         let wanted: Vec<Tensor> = if input_grad { vec![input] } else { vec![] };
         let output_shape = g.shape(output).to_vec();
         let (target, loss, seed, grads, criterion, prediction) = match end {
@@ -68,7 +83,16 @@ impl Stage {
         let mut outputs = vec![output];
         outputs.extend(loss);
         outputs.extend(prediction);
-        let exec = Executor::new(kernels.clone(), g, &outputs, Some(grads), Some(optimizer))?;
+        Ok(StageGraph { graph: g, outputs, grads, seed, input_grad, target, loss, prediction, criterion })
+    }
+}
+
+impl Stage {
+    /// A stage over a graph already holding `input -> output`; with
+    /// `input_grad` its backward also yields d loss / d input.
+    pub fn from_graph(kernels: Arc<Kernels>, g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
+        let StageGraph { graph, outputs, grads, seed, input_grad, target, loss, prediction, criterion } = StageGraph::complete(g, input, output, input_grad, end)?;
+        let exec = Executor::new(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer))?;
         Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, prediction, criterion })
     }
 

@@ -24,8 +24,9 @@
 //! traffic pattern and the state a device relies on between steps (its
 //! shard's gradient; its shard's parameters), but the whole arenas stay
 //! allocated: gathering each block's parameters just before its forward
-//! and backward inside one submission is not done. [`Zero::memory`] and the
-//! memory table say both what the stage keeps and what is allocated.
+//! and backward inside one submission is not done. A run prints what is
+//! allocated ([`TrainEngine::memory`]) and what the stage keeps
+//! ([`Zero::kept_memory`], as the dry-run's memory table lists it).
 //!
 //! Shards are whole blocks of [`group_arena_alignment`] bytes (an
 //! optimizer's views must start at a device's storage-offset alignment),
@@ -38,6 +39,7 @@ use std::time::Instant;
 use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, to_host, Part};
 use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split};
 use super::engine::{own_steps, Footprint, Holding, TrainEngine};
+use super::memory::DeviceMemory;
 use super::stage::{NamedParameters, NamedState};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
@@ -102,22 +104,6 @@ pub fn shard_ranges(len: usize, parts: usize, block: usize) -> Result<Vec<Range<
             range
         })
         .collect())
-}
-
-/// Bytes on one device, by what they hold.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DeviceMemory {
-    pub parameters: u64,
-    pub gradients: u64,
-    pub optimizer_state: u64,
-    /// Inputs and the planned intermediates of a step.
-    pub activations: u64,
-}
-
-impl DeviceMemory {
-    pub fn total(&self) -> u64 {
-        self.parameters + self.gradients + self.optimizer_state + self.activations
-    }
 }
 
 const BYTES: u64 = 4;
@@ -345,18 +331,16 @@ impl Zero {
         self.replicas[0].executor().parameter_spans()
     }
 
-    /// What one device holds, by kind: `kept` what the stage keeps for
-    /// the whole run (its shards), else what this engine allocates (the
-    /// executor's whole parameter and gradient arenas; see the module
-    /// comment).
-    pub fn memory(&self, kept: bool) -> DeviceMemory {
-        let plan = self.replicas[0].executor().plan();
-        let arena = plan.param_arena_len as u64 * BYTES;
-        let shard = self.shards.iter().map(|r| r.len() as u64).max().unwrap_or(0) * BYTES;
-        let states = self.optimizer.state_names().len() as u64;
-        let activations = self.replicas.iter().map(|t| t.executor().plan().input_bytes + t.executor().plan().slot_bytes).max().unwrap_or(0);
-        let sharded = |from: ZeroStage| if kept && self.stage >= from { shard } else { arena };
-        DeviceMemory { parameters: sharded(ZeroStage::Parameters), gradients: sharded(ZeroStage::Gradients), optimizer_state: states * shard, activations }
+    /// What the device with the largest shard keeps for the whole run:
+    /// the optimizer state of its shard, and from stage 2 the gradients,
+    /// at 3 the parameters, of its shard only. What it allocates is
+    /// [`TrainEngine::memory`] (the executor's whole arenas: see the
+    /// module comment).
+    pub fn kept_memory(&self) -> Result<DeviceMemory> {
+        let exec = self.replicas[0].executor();
+        let allocated = DeviceMemory::fullest(self.replicas.iter().map(|t| DeviceMemory::of_plan(t.executor().plan(), true, self.optimizer.state_names().len())));
+        let block = group_arena_alignment(&self.devices) as usize / BYTES as usize;
+        DeviceMemory::zero_kept(allocated, self.stage, exec.plan().param_arena_len, self.devices.len(), block)
     }
 }
 
@@ -416,7 +400,16 @@ impl TrainEngine for Zero {
     fn describe(&self) -> String {
         let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
-        format!("ZeRO stage {} (sharded data parallel), batch split {}, arena shards of [{}] elements", self.stage.number(), rows.join(", "), shards.join(", "))
+        let kept = self.kept_memory().map_or_else(|e| e.to_string(), |m| {
+            let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0));
+            format!("parameters {}, gradients {}, optimizer state {}", mib(m.parameters), mib(m.gradients), mib(m.optimizer_state))
+        });
+        format!(
+            "ZeRO stage {} (sharded data parallel), batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",
+            self.stage.number(),
+            rows.join(", "),
+            shards.join(", ")
+        )
     }
     /// One device's step dispatches (its optimizer's over its shard) and
     /// the bytes of the device allocating the most.
@@ -429,5 +422,10 @@ impl TrainEngine for Zero {
     }
     fn shares(&self) -> Vec<usize> {
         self.shares.clone()
+    }
+    /// The executor's whole arenas and each device's shard of the state.
+    fn memory(&self) -> DeviceMemory {
+        let states = self.optimizer.state_names().len() as u64;
+        DeviceMemory::fullest(self.replicas.iter().zip(&self.shards).map(|(t, r)| DeviceMemory { optimizer_state: states * r.len() as u64 * BYTES, ..DeviceMemory::of_plan(t.executor().plan(), true, 0) }))
     }
 }

@@ -23,6 +23,7 @@ use crate::optim::{self, Adam};
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Footprint, Parallelizable, Strategy, TrainEngine};
+use crate::parallel::memory::DeviceMemory;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{DeviceGroup, DeviceSelection};
@@ -178,6 +179,8 @@ pub struct RunInfo {
     pub unit: &'static str,
     pub per_step: usize,
     pub footprint: Footprint,
+    /// Bytes of the device holding the most, by what they hold.
+    pub memory: DeviceMemory,
 }
 
 /// Where a run reports progress. Only rank 0 of a run across processes
@@ -345,6 +348,7 @@ impl<T: Task> TrainingRun<T> {
             unit: T::UNIT,
             per_step: task.per_step(&config),
             footprint: engine.footprint(),
+            memory: engine.memory(),
         };
         Ok(TrainingRun { config, task, model, group, engine, root, info })
     }
