@@ -224,3 +224,43 @@ fn a_zero_run_resumes_on_another_strategy() {
     assert_same_parameters("ZeRO-3 on 3 devices, resumed as ZeRO-1 on 2", &second.parameters().unwrap(), &want, 1e-5, 1e-4);
     assert_same_parameters("ZeRO-3 on 3 devices, resumed on one device", &single.executor().parameters().unwrap(), &want, 1e-5, 1e-4);
 }
+
+/// The memory planned without a device equals what each engine's
+/// executors planned on real devices (both plan the same graphs with the
+/// same alignment: exact), for every strategy on 2 devices; ZeRO's kept
+/// optimizer state is half of data parallel's (at most 0.55×: shards are
+/// whole 256-byte blocks).
+#[test]
+fn planned_memory_equals_each_engines() {
+    use wgrad::parallel::data::{DataParallel, Split};
+    use wgrad::parallel::engine::Strategy;
+    use wgrad::parallel::memory::{strategy_memory, Planning};
+    use wgrad::parallel::pipeline::{Pipeline, Schedule};
+    use wgrad::parallel::tensor::TensorParallel;
+    let groups = open_groups("planned_memory_equals_each_engines", &[DeviceSelection::Count(2)]);
+    let Some(group) = groups.first() else { return };
+    let model = llama_parallel::model(true);
+    let optimizer = llama_parallel::optimizer();
+    let alignment = group.members().iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).max().unwrap();
+    let planning = Planning { criterion: CrossEntropyLoss.into(), optimizer, batch: BATCH, micro_batches: 2, device_alignment: alignment };
+    let planned = |strategy| strategy_memory(&model, strategy, 2, &planning).unwrap();
+
+    let single = wgrad::trainer::Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
+    assert_eq!(strategy_memory(&model, Strategy::Single, 1, &planning).unwrap(), TrainEngine::memory(&single), "single device");
+    let data = DataParallel::new(group, &model, CrossEntropyLoss, optimizer, BATCH, Split::Rows(vec![2, 2])).unwrap();
+    assert_eq!(planned(Strategy::Data), data.memory(), "data parallel");
+    let tensor = TensorParallel::new(group, &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
+    assert_eq!(planned(Strategy::Tensor), tensor.memory(), "tensor parallel");
+    let pipeline = Pipeline::new(group, &model, CrossEntropyLoss, optimizer, BATCH, 2, Schedule::OneFOneB).unwrap();
+    assert_eq!(planned(Strategy::Pipeline), pipeline.memory(), "pipeline");
+    for stage in 1..=3 {
+        let stage = ZeroStage::new(stage).unwrap();
+        let zero = Zero::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
+        let kept = planned(Strategy::Zero(stage));
+        assert_eq!(kept, zero.kept_memory().unwrap(), "ZeRO-{}", stage.number());
+        // Allocated: data parallel's arenas and activations, the state's shard.
+        assert_eq!(zero.memory(), wgrad::parallel::memory::DeviceMemory { optimizer_state: kept.optimizer_state, ..data.memory() }, "ZeRO-{} allocated", stage.number());
+        let ratio = kept.optimizer_state as f64 / data.memory().optimizer_state as f64;
+        assert!(ratio <= 0.55, "ZeRO-{} keeps {ratio:.3} of data parallel's optimizer state", stage.number());
+    }
+}
