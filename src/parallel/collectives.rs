@@ -150,6 +150,17 @@ fn weighted_sum(parts: &[Part<'_>], views: &[View<'_>], weights: Option<&[f64]>,
     Ok(arrived)
 }
 
+/// Σ_i weights[i]·parts[i] (plain sum without weights) on the host, in
+/// f64 in device order, as [`all_reduce`] sums: the local stage of a
+/// reduction that continues across processes.
+pub fn sum_to_host(parts: &[Part<'_>], weights: Option<&[f64]>, since: Instant) -> Result<Vec<f64>> {
+    let n = same_lengths("sum_to_host", parts)?;
+    let views: Vec<View<'_>> = parts.iter().map(|p| p.view).collect();
+    let mut sum = vec![0.0f64; n];
+    weighted_sum(parts, &views, weights, since, &mut sum)?;
+    Ok(sum)
+}
+
 fn narrow(sum: &[f64], out: &mut [f32]) {
     for (o, s) in out.iter_mut().zip(sum) {
         *o = *s as f32;

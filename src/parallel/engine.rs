@@ -117,8 +117,8 @@ impl Strategy {
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),
-            (Strategy::Zero(stage), None) => Box::new(Zero::new(group, model, criterion, optimizer, batch, stage, split)?),
-            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() }),
+            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
+            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })
     }
 }
@@ -188,6 +188,12 @@ pub trait TrainEngine {
     /// Across processes, every rank takes rank 0's parameters, state and
     /// step (collective); nothing otherwise.
     fn sync_from_root(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Collective across processes once training is done: afterwards
+    /// rank 0 alone may read the parameters, optimizer state and
+    /// checkpoint (an engine whose ranks hold shards gathers them here).
+    fn settle(&mut self) -> Result<()> {
         Ok(())
     }
     /// One line on how the work is spread.

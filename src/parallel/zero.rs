@@ -28,6 +28,14 @@
 //! allocated ([`TrainEngine::memory`]) and what the stage keeps
 //! ([`Zero::kept_memory`], as the dry-run's memory table lists it).
 //!
+//! Across the processes of an MPI job ([`Zero::across`]) the arena is cut
+//! into a range per rank and each range over that rank's devices; a step
+//! sums the local devices' gradients on the host, then reduce-scatters
+//! (stage 1: all-reduces) the sums over processes (MPI, in f64), and the
+//! updated ranges are all-gathered over processes. Each rank holds shards,
+//! so the parameters and state are read on rank 0 after the collective
+//! [`TrainEngine::settle`] gathered them.
+//!
 //! Shards are whole blocks of [`group_arena_alignment`] bytes (an
 //! optimizer's views must start at a device's storage-offset alignment),
 //! as even as that allows: the last devices may hold a block less.
@@ -36,8 +44,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, to_host, Part};
-use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split};
+use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, sum_to_host, to_host, Part};
+use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split, shard};
+use super::distributed::{broadcast_f32, broadcast_u64, ProcessGroup};
 use super::engine::{own_steps, Footprint, Holding, TrainEngine};
 use super::memory::DeviceMemory;
 use super::stage::{NamedParameters, NamedState};
@@ -125,6 +134,16 @@ pub struct Zero {
     /// Stage 3: whether every device holds every shard's parameters now.
     gathered: bool,
     last_grad_norm: Option<f32>,
+    /// Across processes: the job, each rank's rows of the global batch and
+    /// its range of the arena (the local devices' shards cut it further).
+    processes: Option<Arc<dyn ProcessGroup>>,
+    process_shares: Vec<usize>,
+    process_shards: Vec<Range<usize>>,
+    /// Across processes, after [`TrainEngine::settle`]: everything gathered.
+    settled: Option<(NamedParameters, NamedState)>,
+    /// Across processes, on rank 0 after loading: the whole state arenas
+    /// and step, for [`TrainEngine::sync_from_root`] to send.
+    loaded: Option<(Vec<Vec<f32>>, Option<u64>)>,
 }
 
 impl Zero {
@@ -140,11 +159,39 @@ impl Zero {
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
+        Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows)
+    }
+
+    /// [`Zero::new`] over the local devices of every process of
+    /// `processes` (when given): the arena is cut into a range per rank,
+    /// each cut again over that rank's devices, and `rows` fixes the rows
+    /// per process (else even); a process splits its rows evenly over its
+    /// devices. Every rank starts from rank 0's parameters.
+    #[allow(clippy::too_many_arguments)]
+    pub fn across(
+        processes: Option<Arc<dyn ProcessGroup>>,
+        group: &DeviceGroup,
+        model: &dyn Module,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        stage: ZeroStage,
+        rows: Option<Vec<usize>>,
+    ) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         let devices = group.members().to_vec();
-        let shares = match &rows {
-            Some(rows) => fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?,
-            None => proportional_split(global_batch, &vec![1.0; devices.len()])?,
+        let (rank, size) = processes.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+        let (process_shares, shares) = match (&processes, &rows) {
+            (None, Some(rows)) => (vec![global_batch], fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?),
+            (None, None) => (vec![global_batch], proportional_split(global_batch, &vec![1.0; devices.len()])?),
+            (Some(_), rows) => {
+                let per_process = match rows {
+                    Some(rows) => fixed_rows("zero split", rows, size, "processes", global_batch)?,
+                    None => proportional_split(global_batch, &vec![1.0; size])?,
+                };
+                let local = proportional_split(per_process[rank], &vec![1.0; devices.len()]).map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+                (per_process, local)
+            }
         };
         let alignment = group_arena_alignment(&devices);
         let options = PlanOptions { arena_alignment: alignment, ..PlanOptions::default() };
@@ -156,7 +203,10 @@ impl Zero {
             .collect::<Result<Vec<_>>>()?;
         let plan = replicas[0].executor().plan();
         let (arena_len, decay_len) = (plan.param_arena_len, plan.decay_len);
-        let shards = shard_ranges(arena_len, devices.len(), alignment as usize / BYTES as usize)?;
+        let block = alignment as usize / BYTES as usize;
+        let process_shards = shard_ranges(arena_len, size, block)?;
+        let mine = process_shards[rank].clone();
+        let shards: Vec<Range<usize>> = shard_ranges(mine.len(), devices.len(), block)?.into_iter().map(|r| r.start + mine.start..r.end + mine.start).collect();
         let mut optimizers = Vec::with_capacity(devices.len());
         for (i, (t, range)) in replicas.iter().zip(&shards).enumerate() {
             let k = &devices[i];
@@ -166,7 +216,7 @@ impl Zero {
             let decay = decay_len.clamp(range.start, range.end) - range.start;
             optimizers.push(Optimizer::new(k, optimizer, params, grads, range.len(), decay).map_err(|e| on_device(i, k, e))?);
         }
-        Ok(Zero {
+        let mut zero = Zero {
             stage,
             devices,
             replicas,
@@ -180,7 +230,48 @@ impl Zero {
             bucket: 1 << 18,
             gathered: true,
             last_grad_norm: None,
-        })
+            processes,
+            process_shares,
+            process_shards,
+            settled: None,
+            loaded: None,
+        };
+        zero.sync_from_root()?;
+        Ok(zero)
+    }
+
+    /// Across processes, this rank's rows of a global batch (`x` and
+    /// `targets` hold all of it, in the same order on every rank).
+    fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<((Examples<'x>, usize), (Targets<'t>, usize))> {
+        let (f, width) = check_rows(&self.widths, op, self.global_batch, x, targets)?;
+        let rank = self.processes.as_ref().map_or(0, |g| g.rank());
+        let (start, rows) = (self.process_shares[..rank].iter().sum::<usize>(), self.process_shares[rank]);
+        Ok(((x.slice(start * f, (start + rows) * f), f), (shard(targets, start, rows, width), width)))
+    }
+
+    /// The job's sum of every rank's `local` (this process's alone without processes).
+    fn sum_over_processes(&self, local: f64) -> Result<f64> {
+        let mut value = [local];
+        if let Some(g) = &self.processes {
+            g.all_reduce_sum(&mut value)?;
+        }
+        Ok(value[0])
+    }
+
+    /// This process's range of the arena, as the concatenation of its
+    /// devices' shards of `arena` read to the host.
+    fn process_shard_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
+        self.gathered_arena(arena)
+    }
+
+    /// The whole arena from every process's range of it (collective
+    /// across processes; this process's devices alone without).
+    fn whole_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
+        let own = self.process_shard_on_host(arena)?;
+        match &self.processes {
+            None => Ok(own),
+            Some(g) => g.all_gather_f32(&own, &self.process_shards.iter().map(|r| r.len()).collect::<Vec<_>>()),
+        }
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -227,10 +318,23 @@ impl Zero {
         if self.gathered {
             return Ok(());
         }
-        let srcs = self.shard_parts(|t| Some(t.executor().parameter_arena()))?;
-        let dsts = self.whole_parts(|t| Some(t.executor().parameter_arena()))?;
-        all_gather(&srcs, &dsts)?;
+        if self.processes.is_some() {
+            let whole = self.whole_on_host(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
+            self.write_everywhere(&whole)?;
+        } else {
+            let srcs = self.shard_parts(|t| Some(t.executor().parameter_arena()))?;
+            let dsts = self.whole_parts(|t| Some(t.executor().parameter_arena()))?;
+            all_gather(&srcs, &dsts)?;
+        }
         self.gathered = true;
+        Ok(())
+    }
+
+    /// Every local device's parameter arena becomes `whole`.
+    fn write_everywhere(&self, whole: &[f32]) -> Result<()> {
+        for (i, (t, k)) in self.replicas.iter().zip(&self.devices).enumerate() {
+            k.write(t.executor().parameter_arena(), whole).map_err(|e| on_device(i, k, e))?;
+        }
         Ok(())
     }
 
@@ -256,33 +360,14 @@ impl Zero {
     /// One step on `global_batch` rows (see the module comment); the mean
     /// loss when `read_loss`.
     pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        let x = x.into();
-        let (f, width) = check_rows(&self.widths, "Zero::step", self.global_batch, x, targets)?;
+        let (x, targets) = self.own_rows("Zero::step", x.into(), targets)?;
         let since = Instant::now();
+        self.settled = None;
         self.gather_parameters()?;
-        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
+        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
         self.release_parameters()?;
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
-        // Each shard's sum of squares of the summed gradient, as the f32
-        // values the devices receive.
-        let mut squares = vec![0.0f64; self.devices.len()];
-        let square = |sum: &[f64]| sum.iter().map(|&v| f64::from(v as f32).powi(2)).sum::<f64>();
-        {
-            let grads = self.whole_parts(|t| t.executor().gradient_arena())?;
-            if self.stage == ZeroStage::OptimizerState {
-                all_reduce_then(&grads, Some(&weights), self.bucket, since, &mut |sum| {
-                    squares[0] += square(sum);
-                    Ok(())
-                })?;
-            } else {
-                let dsts = self.shard_parts(|t| t.executor().gradient_arena())?;
-                reduce_scatter_then(&grads, Some(&weights), &dsts, self.bucket, since, &mut |shard, sum| {
-                    squares[shard] += square(sum);
-                    Ok(())
-                })?;
-            }
-        }
-        let norm = squares.iter().sum::<f64>().sqrt() as f32;
+        let norm = self.reduce_gradients(&weights, since)?.sqrt() as f32;
         self.last_grad_norm = Some(norm);
         let clips = self.optimizer.clip_grad_norm().is_some();
         for (i, o) in self.optimizers.iter_mut().enumerate() {
@@ -300,17 +385,64 @@ impl Zero {
         for (i, t) in self.replicas.iter().enumerate() {
             total += weights[i] * f64::from(t.loss_item().map_err(|e| on_device(i, &self.devices[i], e))?);
         }
-        Ok(Some(total as f32))
+        Ok(Some(self.sum_over_processes(total)? as f32))
+    }
+
+    /// Sums the devices' gradients weighted by `weights` (all-reduced at
+    /// stage 1, reduce-scattered after: see the module comment) and returns
+    /// the sum of squares of the whole summed gradient, added shard by
+    /// shard (each as the f32 values the devices receive).
+    fn reduce_gradients(&mut self, weights: &[f64], since: Instant) -> Result<f64> {
+        let square = |sum: &[f64]| sum.iter().map(|&v| f64::from(v as f32).powi(2)).sum::<f64>();
+        let grads = self.whole_parts(|t| t.executor().gradient_arena())?;
+        let Some(g) = &self.processes else {
+            let mut squares = vec![0.0f64; self.devices.len()];
+            if self.stage == ZeroStage::OptimizerState {
+                all_reduce_then(&grads, Some(weights), self.bucket, since, &mut |sum| {
+                    squares[0] += square(sum);
+                    Ok(())
+                })?;
+            } else {
+                let dsts = self.shard_parts(|t| t.executor().gradient_arena())?;
+                reduce_scatter_then(&grads, Some(weights), &dsts, self.bucket, since, &mut |shard, sum| {
+                    squares[shard] += square(sum);
+                    Ok(())
+                })?;
+            }
+            return Ok(squares.iter().sum());
+        };
+        // Across processes: this process's devices summed on the host, then
+        // the sum over processes of this rank's range (of all of it at stage 1).
+        let local = sum_to_host(&grads, Some(weights), since)?;
+        let mine = self.process_shards[g.rank()].clone();
+        let own: Vec<f64> = if self.stage == ZeroStage::OptimizerState {
+            let mut all = local;
+            g.all_reduce_sum(&mut all)?;
+            let whole: Vec<f32> = all.iter().map(|&v| v as f32).collect();
+            for (i, part) in grads.iter().enumerate() {
+                part.kernels.write(part.view, &whole).map_err(|e| on_device(i, part.kernels, e))?;
+            }
+            all[mine.clone()].to_vec()
+        } else {
+            let own = g.reduce_scatter_sum(&local, &self.process_shards.iter().map(|r| r.len()).collect::<Vec<_>>())?;
+            for (i, (part, range)) in grads.iter().zip(&self.shards).enumerate() {
+                let values: Vec<f32> = own[range.start - mine.start..range.end - mine.start].iter().map(|&v| v as f32).collect();
+                part.kernels.write(part.sub(range.start, range.len()), &values).map_err(|e| on_device(i, part.kernels, e))?;
+            }
+            own
+        };
+        self.sum_over_processes(square(&own))
     }
 
     /// The mean loss of one global batch without training, split as a step.
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
-        let x = x.into();
-        let (f, width) = check_rows(&self.widths, "Zero::evaluate_loss", self.global_batch, x, targets)?;
+        let (x, targets) = self.own_rows("Zero::evaluate_loss", x.into(), targets)?;
         self.gather_parameters()?;
-        let loss = evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
+        let own = evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
         self.release_parameters()?;
-        Ok(loss)
+        let rank = self.processes.as_ref().map_or(0, |g| g.rank());
+        let loss = self.sum_over_processes(self.process_shares[rank] as f64 / self.global_batch as f64 * f64::from(own))?;
+        Ok(loss as f32)
     }
 
     /// Predictions from device 0, its parameters gathered first.
@@ -331,6 +463,38 @@ impl Zero {
         self.replicas[0].executor().parameter_spans()
     }
 
+    /// Every parameter under its name, from every shard (collective
+    /// across processes).
+    fn gather_named_parameters(&self) -> Result<NamedParameters> {
+        let arena = self.whole_on_host(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
+        Ok(self.spans().into_iter().map(|p| (p.name.clone(), p.shape.clone(), arena[p.offset..p.offset + p.len()].to_vec())).collect())
+    }
+
+    /// The optimizer state by parameter and state name, state by state,
+    /// from every shard (collective across processes).
+    fn gather_named_state(&self) -> Result<NamedState> {
+        let spans = self.spans();
+        let mut out = Vec::new();
+        for (s, &name) in self.optimizer.state_names().iter().enumerate() {
+            let arena = self.whole_on_host(|i| self.optimizers[i].state_arenas()[s])?;
+            out.extend(spans.iter().map(|p| (p.name.clone(), name, arena[p.offset..p.offset + p.len()].to_vec())));
+        }
+        Ok(out)
+    }
+
+    /// Each device's shard of the whole state `arenas` (none: kept as is)
+    /// and the step count (when given).
+    fn write_state(&mut self, arenas: &[Vec<f32>], step: Option<u64>) -> Result<()> {
+        for (i, (o, range)) in self.optimizers.iter_mut().zip(&self.shards).enumerate() {
+            let k = &self.devices[i];
+            for (arena, values) in o.state_arenas().into_iter().zip(arenas) {
+                k.write(arena, &values[range.clone()]).map_err(|e| on_device(i, k, e))?;
+            }
+            o.import_state(k, &[], &[], step).map_err(|e| on_device(i, k, e))?;
+        }
+        Ok(())
+    }
+
     /// What the device with the largest shard keeps for the whole run:
     /// the optimizer state of its shard, and from stage 2 the gradients,
     /// at 3 the parameters, of its shard only. What it allocates is
@@ -342,6 +506,10 @@ impl Zero {
         let block = group_arena_alignment(&self.devices) as usize / BYTES as usize;
         DeviceMemory::zero_kept(allocated, self.stage, exec.plan().param_arena_len, self.devices.len(), block)
     }
+}
+
+fn unsettled() -> Error {
+    Error::InvalidArgument { op: "Zero across processes", reason: "each rank holds shards: call settle() on every rank before reading parameters or state".into() }
 }
 
 /// `range` of the arena `view` on device `k`.
@@ -356,18 +524,47 @@ impl TrainEngine for Zero {
     fn holding(&self) -> Holding<'_> {
         Holding::Replica(&self.replicas[0])
     }
+    /// Gathered from every shard; across processes, what
+    /// [`TrainEngine::settle`] gathered (an error before it).
     fn parameters(&self) -> Result<NamedParameters> {
-        let arena = self.gathered_arena(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
-        Ok(self.spans().into_iter().map(|p| (p.name.clone(), p.shape.clone(), arena[p.offset..p.offset + p.len()].to_vec())).collect())
+        if self.processes.is_some() {
+            return self.settled.as_ref().map(|(p, _)| p.clone()).ok_or_else(unsettled);
+        }
+        self.gather_named_parameters()
     }
     fn optimizer_state(&self) -> Result<NamedState> {
-        let spans = self.spans();
-        let mut out = Vec::new();
-        for (s, &name) in self.optimizer.state_names().iter().enumerate() {
-            let arena = self.gathered_arena(|i| self.optimizers[i].state_arenas()[s])?;
-            out.extend(spans.iter().map(|p| (p.name.clone(), name, arena[p.offset..p.offset + p.len()].to_vec())));
+        if self.processes.is_some() {
+            return self.settled.as_ref().map(|(_, s)| s.clone()).ok_or_else(unsettled);
         }
-        Ok(out)
+        self.gather_named_state()
+    }
+    fn settle(&mut self) -> Result<()> {
+        if self.processes.is_some() && self.settled.is_none() {
+            self.settled = Some((self.gather_named_parameters()?, self.gather_named_state()?));
+        }
+        Ok(())
+    }
+    /// Rank 0's parameters (whole after loading), state and step on every
+    /// rank (collective); nothing within one process.
+    fn sync_from_root(&mut self) -> Result<()> {
+        let Some(g) = self.processes.clone() else { return Ok(()) };
+        let root = g.rank() == 0;
+        let mut whole = if root { self.devices[0].read(self.replicas[0].executor().parameter_arena())? } else { Vec::new() };
+        broadcast_f32(g.as_ref(), 0, &mut whole)?;
+        self.write_everywhere(&whole)?;
+        self.gathered = true;
+        let (arenas, step) = self.loaded.take().unzip();
+        let mut header = vec![u64::from(arenas.is_some()), step.flatten().map_or(u64::MAX, |s| s)];
+        broadcast_u64(g.as_ref(), 0, &mut header)?;
+        if header.first() == Some(&1) {
+            let mut arenas = arenas.unwrap_or_else(|| vec![Vec::new(); self.optimizer.state_names().len()]);
+            for arena in &mut arenas {
+                broadcast_f32(g.as_ref(), 0, arena)?;
+            }
+            let step = header.get(1).copied().filter(|&s| s != u64::MAX);
+            self.write_state(&arenas, step)?;
+        }
+        self.release_parameters()
     }
     fn step_count(&self) -> u64 {
         self.optimizers[0].step_count()
@@ -378,6 +575,8 @@ impl TrainEngine for Zero {
     }
     /// Parameters (by name) on every device, each device's shard of the
     /// optimizer state (checked whole first), and the step.
+    /// Across processes, rank 0 also keeps the whole state for
+    /// [`TrainEngine::sync_from_root`], which the run calls next.
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         let spans = self.spans();
         let arena_len = self.replicas[0].executor().plan().param_arena_len;
@@ -386,14 +585,13 @@ impl TrainEngine for Zero {
             t.executor_mut().load_state(params, &[], None).map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         self.gathered = true;
-        for (i, (o, range)) in self.optimizers.iter_mut().zip(&self.shards).enumerate() {
-            let k = &self.devices[i];
-            if !state.is_empty() {
-                for (arena, values) in o.state_arenas().into_iter().zip(&host) {
-                    k.write(arena, &values[range.clone()]).map_err(|e| on_device(i, k, e))?;
-                }
-            }
-            o.import_state(k, &[], &[], step).map_err(|e| on_device(i, k, e))?;
+        self.settled = None;
+        let host = if state.is_empty() { Vec::new() } else { host };
+        self.write_state(&host, step)?;
+        if self.processes.is_some() {
+            // Stage 3 releases in sync_from_root, after rank 0 sent them.
+            self.loaded = Some((host, step));
+            return Ok(());
         }
         self.release_parameters()
     }

@@ -276,8 +276,8 @@ impl<T: Task> TrainingRun<T> {
 
     fn strategy(config: &TrainConfig, across_processes: bool) -> Result<Strategy> {
         let strategy = config.strategy.unwrap_or(if across_processes { Strategy::Data } else { Strategy::Single });
-        if across_processes && strategy != Strategy::Data {
-            return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() });
+        if across_processes && !matches!(strategy, Strategy::Data | Strategy::Zero(_)) {
+            return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() });
         }
         if config.batch_size == 0 || config.max_steps == Some(0) || config.loss_every == 0 || config.eval_every == 0 {
             return Err(Error::InvalidArgument {
@@ -431,6 +431,7 @@ impl<T: Task> TrainingRun<T> {
         for k in self.group.members() {
             k.device().wait_idle("train")?;
         }
+        self.engine.settle()?;
         if !root {
             return Ok(None);
         }
