@@ -49,7 +49,8 @@ for i in 0 1; do
     ip -n "${NS[$i]}" addr add "${IPS[$i]}/24" dev "${VETH[$i]}"
     ip -n "${NS[$i]}" link set "${VETH[$i]}" up
 done
-ip netns exec "${NS[0]}" ping -c 1 -W 2 "${IPS[1]}" >/dev/null
+# The link is up: both ends answer (no ping needed).
+ip -n "${NS[1]}" addr show "${VETH[1]}" | grep -q "${IPS[1]}"
 
 # OpenMPI calls the agent as `agent HOST COMMAND...`, as it would call ssh.
 cat > "$work/agent" <<EOF
@@ -84,6 +85,7 @@ job() { # log limit_s env... -- wgrad args...
         mpirun --allow-run-as-root --host "${IPS[0]},${IPS[1]}" -np 2 --map-by node \
         --mca plm_rsh_agent "$work/agent" --mca plm_rsh_no_tree_spawn 1 \
         --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24 \
+        --mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 2 --mca oob_tcp_keepalive_probes 3 \
         -x XDG_RUNTIME_DIR -x LP_NUM_THREADS -x OMPI_MCA_mpi_yield_when_idle=1 "${envs[@]}" \
         "$WGRAD" "$@" --distributed mpi --parallel zero --zero-stage 2 >"$log" 2>&1
 }
@@ -136,6 +138,6 @@ if ! grep -E "rank [01] of 2 on wgrad-host[01]|wgrad-host1|${IPS[1]}" "$work/cut
     echo "mpi-netns: the job ended (status $status) without naming a rank or host" >&2
     exit 1
 fi
-echo "mpi-netns: the job ended after ${elapsed} s with status $status:"
-head -3 "$work/named.txt"
+echo "mpi-netns: the job ended after ${elapsed} s with status $status; its last lines:"
+grep -v "validation loss" "$work/cut.log" | tail -12
 echo "mpi-netns: ok"

@@ -58,21 +58,20 @@ impl DeviceMemory {
         devices.into_iter().max_by_key(DeviceMemory::total).unwrap_or_default()
     }
 
-    /// ZeRO's `stage` over `devices` devices of a replica holding
-    /// `replica`, whose arena has `arena_len` elements cut into shards of
-    /// `block`-element blocks: what the stage keeps on the device with the
-    /// largest shard (the optimizer state, and from stage 2 the
-    /// gradients, at 3 the parameters, of its shard only).
-    pub fn zero_kept(replica: DeviceMemory, stage: ZeroStage, arena_len: usize, devices: usize, block: usize) -> Result<Self> {
-        let shard = shard_ranges(arena_len, devices, block)?.iter().map(|r| r.len() as u64).max().unwrap_or(0) * BYTES;
-        let arena = (arena_len as u64 * BYTES).max(1);
+    /// What ZeRO's `stage` keeps on a device whose shard of the arena has
+    /// `shard_len` elements, the replica holding `replica`: the optimizer
+    /// state, and from stage 2 the gradients, at 3 the parameters, of its
+    /// shard only.
+    pub fn zero_kept(replica: DeviceMemory, stage: ZeroStage, shard_len: usize) -> Self {
+        let shard = shard_len as u64 * BYTES;
+        let arena = replica.parameters.max(1);
         let sharded = |bytes: u64, from: ZeroStage| if stage >= from { shard } else { bytes };
-        Ok(DeviceMemory {
+        DeviceMemory {
             parameters: sharded(replica.parameters, ZeroStage::Parameters),
             gradients: sharded(replica.gradients, ZeroStage::Gradients),
             optimizer_state: replica.optimizer_state / arena * shard,
             activations: replica.activations,
-        })
+        }
     }
 }
 
@@ -128,7 +127,8 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
         Strategy::Data => Ok(replica(model, p, rows, group_alignment)?.0),
         Strategy::Zero(stage) => {
             let (memory, arena_len) = replica(model, p, rows, group_alignment)?;
-            DeviceMemory::zero_kept(memory, stage, arena_len, devices, group_alignment as usize / BYTES as usize)
+            let largest = shard_ranges(arena_len, devices, group_alignment as usize / BYTES as usize)?.iter().map(|r| r.len()).max().unwrap_or(0);
+            Ok(DeviceMemory::zero_kept(memory, stage, largest))
         }
         Strategy::Tensor => {
             TensorParallel::check(model, devices, p.batch)?;

@@ -500,11 +500,9 @@ impl Zero {
     /// at 3 the parameters, of its shard only. What it allocates is
     /// [`TrainEngine::memory`] (the executor's whole arenas: see the
     /// module comment).
-    pub fn kept_memory(&self) -> Result<DeviceMemory> {
-        let exec = self.replicas[0].executor();
+    pub fn kept_memory(&self) -> DeviceMemory {
         let allocated = DeviceMemory::fullest(self.replicas.iter().map(|t| DeviceMemory::of_plan(t.executor().plan(), true, self.optimizer.state_names().len())));
-        let block = group_arena_alignment(&self.devices) as usize / BYTES as usize;
-        DeviceMemory::zero_kept(allocated, self.stage, exec.plan().param_arena_len, self.devices.len(), block)
+        DeviceMemory::zero_kept(allocated, self.stage, self.shards.iter().map(|r| r.len()).max().unwrap_or(0))
     }
 }
 
@@ -598,12 +596,14 @@ impl TrainEngine for Zero {
     fn describe(&self) -> String {
         let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
-        let kept = self.kept_memory().map_or_else(|e| e.to_string(), |m| {
+        let kept = {
+            let m = self.kept_memory();
             let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0));
             format!("parameters {}, gradients {}, optimizer state {}", mib(m.parameters), mib(m.gradients), mib(m.optimizer_state))
-        });
+        };
+        let across = self.processes.as_ref().map_or_else(String::new, |g| format!(" over {} processes (rank {}'s devices shown)", g.size(), g.rank()));
         format!(
-            "ZeRO stage {} (sharded data parallel), batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",
+            "ZeRO stage {} (sharded data parallel){across}, batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",
             self.stage.number(),
             rows.join(", "),
             shards.join(", ")
