@@ -242,9 +242,9 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// `mpirun -n 2 wgrad train --model gpt --parallel zero` at stages 2 and
-/// 3 (the arena cut between the ranks: reduce-scatter and all-gather over
-/// MPI) against one process on one device, and ZeRO-3 resumed from the
+/// `mpirun -n 2|3 wgrad train --model gpt --parallel zero` at stages 2
+/// and 3 (the arena cut between the ranks: reduce-scatter and all-gather
+/// over MPI) against one process on one device, and ZeRO-3 resumed from the
 /// single-process folder (rank 0 reads it and sends each rank its state).
 #[test]
 fn mpi_zero_matches_single_process_and_resumes() {
@@ -260,17 +260,18 @@ fn mpi_zero_matches_single_process_and_resumes() {
     let (single, _) = run(WGRAD, &gpt_args(&text_file, &single_a, &plot, "8"));
     assert!(single.status.success(), "{}", text(&single));
     let want = final_validation_loss(&single);
-    for stage in ["2", "3"] {
-        let out = p(&format!("zero{stage}"));
-        let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", stage], &gpt_args(&text_file, &out, &plot, "8"));
+    // 3 ranks: uneven rows (2 + 1 + 1) and uneven ranges of the arena.
+    for (ranks, stage) in [(2, "2"), (3, "2"), (2, "3")] {
+        let out = p(&format!("zero{stage}-{ranks}"));
+        let (o, _) = mpirun_with(ranks, &["--parallel", "zero", "--zero-stage", stage], &gpt_args(&text_file, &out, &plot, "8"));
         assert!(o.status.success(), "{}", text(&o));
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(stdout.contains(&format!("ZeRO stage {stage}")), "{stdout}");
         let got = final_validation_loss(&o);
         // Relative 1e-3: summation order only (printed to 4 decimals).
-        assert!((got - want).abs() <= 1e-3 * want, "ZeRO-{stage} over 2 processes: validation loss {got} against one process's {want}");
-        let diff = assert_same_gpt(&format!("ZeRO-{stage} over mpirun -n 2 vs one process"), &out, &single_a);
-        eprintln!("gpt ZeRO-{stage} over mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
+        assert!((got - want).abs() <= 1e-3 * want, "ZeRO-{stage} over {ranks} processes: validation loss {got} against one process's {want}");
+        let diff = assert_same_gpt(&format!("ZeRO-{stage} over mpirun -n {ranks} vs one process"), &out, &single_a);
+        eprintln!("gpt ZeRO-{stage} over mpirun -n {ranks} vs one process: max |Δparam| = {diff:.3e}");
     }
     let mut resumed_single = gpt_args(&text_file, &single_b, &plot, "12");
     resumed_single.extend_from_slice(&["--resume", &single_a]);

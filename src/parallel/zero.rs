@@ -543,7 +543,8 @@ impl TrainEngine for Zero {
         Ok(())
     }
     /// Rank 0's parameters (whole after loading), state and step on every
-    /// rank (collective); nothing within one process.
+    /// rank (collective), the parameters left whole until the next step;
+    /// nothing within one process.
     fn sync_from_root(&mut self) -> Result<()> {
         let Some(g) = self.processes.clone() else { return Ok(()) };
         let root = g.rank() == 0;
@@ -562,7 +563,9 @@ impl TrainEngine for Zero {
             let step = header.get(1).copied().filter(|&s| s != u64::MAX);
             self.write_state(&arenas, step)?;
         }
-        self.release_parameters()
+        // Whole until the next step releases them, so a load on rank 0
+        // before it (resuming) reads whole parameters.
+        Ok(())
     }
     fn step_count(&self) -> u64 {
         self.optimizers[0].step_count()
@@ -576,6 +579,13 @@ impl TrainEngine for Zero {
     /// Across processes, rank 0 also keeps the whole state for
     /// [`TrainEngine::sync_from_root`], which the run calls next.
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        // The parameters not in `params` keep their values: whole first.
+        if !self.gathered {
+            if self.processes.is_some() {
+                return Err(Error::InvalidArgument { op: "Zero::load_state", reason: "across processes ZeRO-3 loads on rank 0 before its first step only (then sync_from_root)".into() });
+            }
+            self.gather_parameters()?;
+        }
         let spans = self.spans();
         let arena_len = self.replicas[0].executor().plan().param_arena_len;
         let host = stage_state(self.optimizer.state_names(), arena_len, &spans, state)?;
