@@ -164,6 +164,34 @@ pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) 
     Ok(Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size })
 }
 
+/// What a trainer runs, before any device: `model → criterion` on
+/// `batch_size` examples, the argmax and the backward pass.
+pub(crate) struct TrainingGraph {
+    pub(crate) graph: Graph,
+    pub(crate) built: Built,
+    pub(crate) target: Tensor,
+    pub(crate) loss: Tensor,
+    pub(crate) prediction: Tensor,
+    pub(crate) grads: crate::graph::Gradients,
+}
+
+impl TrainingGraph {
+    /// What a trainer's executor is planned to keep readable.
+    pub(crate) fn outputs(&self) -> [Tensor; 3] {
+        [self.built.output, self.prediction, self.loss]
+    }
+}
+
+pub(crate) fn training_graph(model: &dyn Module, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
+    let mut graph = Graph::new();
+    let built = build_model(&mut graph, model, batch_size)?;
+    let target = criterion.targets(&mut graph, built.output)?;
+    let loss = criterion.loss(&mut graph, built.output, target)?;
+    let prediction = graph.argmax(built.output)?;
+    let grads = graph.backward(loss)?;
+    Ok(TrainingGraph { graph, built, target, loss, prediction, grads })
+}
+
 impl Trainer {
     /// Builds the graph `model → criterion`, its backward pass and the
     /// optimizer update, plans memory and allocates everything once.
@@ -187,15 +215,37 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        let criterion = criterion.into();
-        let optimizer = optimizer.into();
-        let mut g = Graph::new();
-        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
-        let target = criterion.targets(&mut g, output)?;
-        let loss = criterion.loss(&mut g, output, target)?;
-        let prediction = g.argmax(output)?;
-        let grads = g.backward(loss)?;
-        let exec = Executor::with_options(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer), options)?;
+        Self::build(kernels, model, criterion.into(), optimizer.into(), batch_size, options, true)
+    }
+
+    /// [`Trainer::with_options`] without the optimizer's state and update:
+    /// forward and backward only ([`Trainer::forward_backward`]), the
+    /// arenas laid out (weight-decayed parameters first) as `optimizer`
+    /// lays them out, for an engine that keeps the optimizer elsewhere
+    /// (ZeRO: each device the state of its shard of the arena only).
+    pub fn without_optimizer(
+        kernels: Arc<Kernels>,
+        model: &dyn Module,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch_size: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
+        Self::build(kernels, model, criterion.into(), optimizer.into(), batch_size, options, false)
+    }
+
+    fn build(kernels: Arc<Kernels>, model: &dyn Module, criterion: Criterion, optimizer: OptimizerConfig, batch_size: usize, options: PlanOptions, own_optimizer: bool) -> Result<Self> {
+        let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } =
+            training_graph(model, criterion, batch_size)?;
+        let outputs = [output, prediction, loss];
+        let exec = if own_optimizer {
+            Executor::with_options(kernels, g, &outputs, Some(grads), Some(optimizer), options)?
+        } else {
+            // The groups the executor applies for its own optimizer, so the
+            // arena's layout and decayed prefix are the same.
+            optim::apply_parameter_groups(&mut g, &optimizer)?;
+            Executor::with_options(kernels, g, &outputs, Some(grads), None, options)?
+        };
         Ok(Trainer {
             exec,
             input,
@@ -382,21 +432,8 @@ impl Trainer {
     /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
     /// and metadata (model, optimizer, criterion, step).
     pub fn checkpoint(&self) -> Result<Checkpoint> {
-        let mut ckpt = Checkpoint::new();
-        for (name, shape, data) in self.exec.parameters()? {
-            ckpt.push(NamedTensor::new(name, shape, data)?);
-        }
-        let shapes: Vec<(String, Vec<usize>)> = self.exec.parameters_shapes();
-        for (param, state, data) in self.exec.optimizer_state()? {
-            let shape = shapes.iter().find(|(n, _)| *n == param).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![data.len()]);
-            ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
-        }
-        ckpt.set_meta("format", "wgrad");
-        ckpt.set_meta("model", self.model_description.clone());
-        ckpt.set_meta("criterion", format!("{:?}", self.criterion));
-        ckpt.set_meta("optimizer", optim::describe(&self.optimizer));
-        ckpt.set_meta("step", self.exec.step_count().to_string());
-        Ok(ckpt)
+        let about = CheckpointAbout { model: &self.model_description, criterion: self.criterion, optimizer: &self.optimizer, step: self.exec.step_count() };
+        assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)
     }
 
     /// Writes [`Trainer::checkpoint`] atomically as safetensors.
@@ -435,6 +472,35 @@ impl Trainer {
         let step = ckpt.meta("step").and_then(|s| s.parse::<u64>().ok());
         self.exec.load_state(&params, &state, if complete { step } else { None })
     }
+}
+
+/// What a checkpoint's metadata says besides its tensors.
+pub(crate) struct CheckpointAbout<'a> {
+    pub model: &'a str,
+    pub criterion: Criterion,
+    pub optimizer: &'a OptimizerConfig,
+    pub step: u64,
+}
+
+/// A checkpoint of parameters (state_dict names), optimizer state
+/// (`optim.<param>.<state>`, shaped as its parameter) and metadata, from
+/// whatever holds them (one executor, or shards gathered to the host).
+pub(crate) fn assemble_checkpoint(params: Vec<(String, Vec<usize>, Vec<f32>)>, state: Vec<(String, &'static str, Vec<f32>)>, about: &CheckpointAbout<'_>) -> Result<Checkpoint> {
+    let mut ckpt = Checkpoint::new();
+    let shapes: Vec<(String, Vec<usize>)> = params.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
+    for (name, shape, data) in params {
+        ckpt.push(NamedTensor::new(name, shape, data)?);
+    }
+    for (param, state, data) in state {
+        let shape = shapes.iter().find(|(n, _)| *n == param).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![data.len()]);
+        ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
+    }
+    ckpt.set_meta("format", "wgrad");
+    ckpt.set_meta("model", about.model.to_string());
+    ckpt.set_meta("criterion", format!("{:?}", about.criterion));
+    ckpt.set_meta("optimizer", optim::describe(about.optimizer));
+    ckpt.set_meta("step", about.step.to_string());
+    Ok(ckpt)
 }
 
 /// Runs `run_chunk` over batch-sized chunks of `examples` (the last one

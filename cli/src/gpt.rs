@@ -143,12 +143,12 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         save: Some(g.out.clone()),
         ..crate::run_config(args, defaults)?
     };
+    if args.dry_run {
+        return dry_run::<M>(args, &config);
+    }
     let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
-        tokenizer: match g.tokenizer {
-            TokenizerName::Char => TokenizerKind::Char,
-            TokenizerName::Gpt2 => TokenizerKind::Gpt2,
-        },
+        tokenizer: tokenizer_kind(g.tokenizer),
         eval_batches: g.eval_batches,
         ..LanguageModel::new(M::sizes(g)?)
     };
@@ -173,6 +173,60 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     let title = format!("{}: validation loss {validation:.4}", M::title(&run.model().config()));
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
+    Ok(())
+}
+
+fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
+    match name {
+        TokenizerName::Char => TokenizerKind::Char,
+        TokenizerName::Gpt2 => TokenizerKind::Gpt2,
+    }
+}
+
+/// `--dry-run`: each strategy's bytes on the fullest device, at 1 device
+/// and at each power of two up to --devices (and --devices itself),
+/// planned without a device. The model takes its preset's vocabulary, or
+/// the text's under the chosen tokenizer when the sizes leave it open.
+fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result<()> {
+    use wgrad::parallel::engine::Strategy;
+    use wgrad::parallel::memory::{every_strategy, strategy_memory, Planning};
+    let g = &args.gpt;
+    let sizes = M::sizes(g)?;
+    wgrad::nn::manual_seed(args.seed);
+    let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
+        sizes
+    } else {
+        let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
+        let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?.tokenizer.vocab_size();
+        M::with_vocab(sizes, vocab)
+    };
+    let model = M::build(&sizes)?;
+    let most = match &config.devices {
+        Some(selection) => selection.check()?,
+        None => 2,
+    };
+    let mut counts = vec![1];
+    while counts.last().is_some_and(|&n| n * 2 < most) {
+        counts.push(counts[counts.len() - 1] * 2);
+    }
+    if most > 1 {
+        counts.push(most);
+    }
+    let planning = Planning { criterion: wgrad::nn::CrossEntropyLoss.into(), optimizer: config.optimizer, batch: config.batch_size, micro_batches: config.micro_batches, device_alignment: 256 };
+    let context = model.lm_sizes().context;
+    println!("{}: {} parameters, vocabulary {}; batch {} × {context} tokens; {}", M::title(&model.config()), model.num_parameters(), model.vocab_size(), config.batch_size, wgrad::optim::describe(&config.optimizer));
+    println!("bytes on the fullest device (MiB), planned without a device; ZeRO: what each stage keeps between steps");
+    println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
+    let mb = |b: u64| format!("{:.1}", b as f64 / (1024.0 * 1024.0));
+    for &n in &counts {
+        let strategies = if n == 1 { vec![("single".to_string(), Strategy::Single)] } else { every_strategy() };
+        for (name, strategy) in strategies {
+            match strategy_memory(&model, strategy, n, &planning) {
+                Ok(m) => println!("{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", mb(m.parameters), mb(m.gradients), mb(m.optimizer_state), mb(m.activations), mb(m.total())),
+                Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
+            }
+        }
+    }
     Ok(())
 }
 

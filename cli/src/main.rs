@@ -196,9 +196,14 @@ struct TrainArgs {
     /// Train on MNIST IDX files in this folder instead of the digits set.
     #[arg(long)]
     mnist: Option<PathBuf>,
-    /// Spread training over several devices: data, pipeline or tensor.
+    /// Spread training over several devices: data, zero (sharded data
+    /// parallel, --zero-stage), pipeline or tensor.
     #[arg(long)]
     parallel: Option<String>,
+    /// With --parallel zero: 1 shards AdamW's moments over the devices, 2
+    /// also the gradients (reduce-scatter), 3 also the parameters.
+    #[arg(long)]
+    zero_stage: Option<u32>,
     /// Devices for --parallel: a count, `all`, or adapter indexes like 0,1,1
     /// (env WGRAD_DEVICES; default 2).
     #[arg(long)]
@@ -218,6 +223,11 @@ struct TrainArgs {
     /// Stop after this many steps (MLP default: all epochs; GPT default: 750).
     #[arg(long)]
     max_steps: Option<u64>,
+    /// GPT and Llama: print each strategy's bytes per device (parameters,
+    /// gradients, optimizer state, activations) at 1 device and at powers
+    /// of two up to --devices, planned without opening a device; no training.
+    #[arg(long)]
+    dry_run: bool,
     /// Testing the failure path: RANK:STEP[:panic] makes that rank fail at
     /// that step (an error, or a panic). Only in `fault-injection` builds.
     #[cfg(feature = "fault-injection")]
@@ -334,6 +344,33 @@ fn train_mpi_missing(op: &'static str) -> wgrad::Result<()> {
     })
 }
 
+/// `bytes` in MiB, to one decimal.
+pub(crate) fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// Bytes by what they hold, in MiB.
+pub(crate) fn memory_line(m: &wgrad::parallel::memory::DeviceMemory) -> String {
+    format!(
+        "parameters {}, gradients {}, optimizer state {}, activations {}; total {}",
+        mib(m.parameters),
+        mib(m.gradients),
+        mib(m.optimizer_state),
+        mib(m.activations),
+        mib(m.total())
+    )
+}
+
+/// --parallel, with --zero-stage's stage for `zero`.
+fn strategy(args: &TrainArgs) -> wgrad::Result<Option<Strategy>> {
+    let strategy = args.parallel.as_deref().map(Strategy::parse).transpose()?;
+    match (strategy, args.zero_stage) {
+        (Some(Strategy::Zero(_)), Some(stage)) => Ok(Some(Strategy::Zero(wgrad::parallel::zero::ZeroStage::new(stage)?))),
+        (_, Some(_)) => Err(wgrad::Error::InvalidArgument { op: "train --zero-stage", reason: "a ZeRO stage needs --parallel zero".into() }),
+        (strategy, None) => Ok(strategy),
+    }
+}
+
 /// The flags every task shares, over `defaults` (the task's run).
 fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainConfig> {
     Ok(TrainConfig {
@@ -342,8 +379,7 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
         seed: args.seed,
         loss_every: args.loss_every,
         resume: args.resume.clone(),
-        // Across processes every task trains data parallel.
-        strategy: args.parallel.as_deref().map(Strategy::parse).transpose()?,
+        strategy: strategy(args)?,
         devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
         micro_batches: args.micro_batches,
         split: args.split.clone(),
@@ -394,6 +430,7 @@ impl Progress for Bars {
         println!("{}", info.engine);
         println!("model: {} | {} parameters | {} | batch {}", info.model, info.parameters, info.optimizer, info.batch_size);
         println!("data: {} | {} {} per step", info.data, info.per_step, info.unit);
+        println!("memory per device (the fullest): {}", memory_line(&info.memory));
         let f = &info.footprint;
         match f.intermediates {
             Some((planned, naive)) => println!(
@@ -464,6 +501,9 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         OptimizerName::Adamw => AdamW::new(lr).into(),
         OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
     };
+    if args.dry_run {
+        return Err(wgrad::Error::InvalidArgument { op: "train --dry-run", reason: "plans a language model's run: use --model gpt or llama".into() });
+    }
     let config = TrainConfig { optimizer, save: Some(args.checkpoint.clone()), ..run_config(args, TrainConfig::default())? };
     let task = Classifier { hidden: args.hidden.clone(), epochs: args.epochs, test_fraction: args.test_fraction, mnist: args.mnist.clone(), ..Classifier::default() };
     let mut bars = Bars::default();

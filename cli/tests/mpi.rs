@@ -64,11 +64,18 @@ fn train_args<'a>(checkpoint: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a
 }
 
 fn mpirun(ranks: usize, extra: &[&str], args: &[&str]) -> (Output, Duration) {
+    let mut flags = vec!["--parallel", "data"];
+    flags.extend_from_slice(extra);
+    mpirun_with(ranks, &flags, args)
+}
+
+/// `mpirun -n ranks wgrad args --distributed mpi flags`.
+fn mpirun_with(ranks: usize, flags: &[&str], args: &[&str]) -> (Output, Duration) {
     let n = ranks.to_string();
     let mut all = vec!["-n", n.as_str(), WGRAD];
     all.extend_from_slice(args);
-    all.extend_from_slice(&["--parallel", "data", "--distributed", "mpi"]);
-    all.extend_from_slice(extra);
+    all.extend_from_slice(&["--distributed", "mpi"]);
+    all.extend_from_slice(flags);
     run("mpirun", &all)
 }
 
@@ -232,6 +239,52 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
     let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process", &mpi_b, &single_b);
     eprintln!("gpt resumed under mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `mpirun -n 2|3 wgrad train --model gpt --parallel zero` at stages 2
+/// and 3 (the arena cut between the ranks: reduce-scatter and all-gather
+/// over MPI) against one process on one device, and ZeRO-3 resumed from the
+/// single-process folder (rank 0 reads it and sends each rank its state).
+#[test]
+fn mpi_zero_matches_single_process_and_resumes() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("zero");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot) = (p("text.txt"), p("loss.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let (single_a, single_b) = (p("single_a"), p("single_b"));
+    let (single, _) = run(WGRAD, &gpt_args(&text_file, &single_a, &plot, "8"));
+    assert!(single.status.success(), "{}", text(&single));
+    let want = final_validation_loss(&single);
+    // 3 ranks: uneven rows (2 + 1 + 1) and uneven ranges of the arena.
+    for (ranks, stage) in [(2, "2"), (3, "2"), (2, "3")] {
+        let out = p(&format!("zero{stage}-{ranks}"));
+        let (o, _) = mpirun_with(ranks, &["--parallel", "zero", "--zero-stage", stage], &gpt_args(&text_file, &out, &plot, "8"));
+        assert!(o.status.success(), "{}", text(&o));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains(&format!("ZeRO stage {stage}")), "{stdout}");
+        let got = final_validation_loss(&o);
+        // Relative 1e-3: summation order only (printed to 4 decimals).
+        assert!((got - want).abs() <= 1e-3 * want, "ZeRO-{stage} over {ranks} processes: validation loss {got} against one process's {want}");
+        let diff = assert_same_gpt(&format!("ZeRO-{stage} over mpirun -n {ranks} vs one process"), &out, &single_a);
+        eprintln!("gpt ZeRO-{stage} over mpirun -n {ranks} vs one process: max |Δparam| = {diff:.3e}");
+    }
+    let mut resumed_single = gpt_args(&text_file, &single_b, &plot, "12");
+    resumed_single.extend_from_slice(&["--resume", &single_a]);
+    let (o, _) = run(WGRAD, &resumed_single);
+    assert!(o.status.success(), "{}", text(&o));
+    let resumed = p("zero3_resumed");
+    let mut args = gpt_args(&text_file, &resumed, &plot, "12");
+    args.extend_from_slice(&["--resume", &single_a]);
+    let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", "3"], &args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    let diff = assert_same_gpt("ZeRO-3 resumed under mpirun -n 2 vs one process", &resumed, &single_b);
+    eprintln!("gpt ZeRO-3 resumed under mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -606,10 +606,7 @@ impl Executor {
         let Some(o) = &mut self.optimizer else {
             return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
         };
-        o.prepare_step(&self.kernels)?;
-        self.kernels.submit_pass("optimizer_step", o.dispatches(), |_| {}, |_| {})?;
-        o.finish_step();
-        Ok(())
+        o.step(&self.kernels)
     }
 
     /// Where the gradient with respect to `input` lands (after a backward

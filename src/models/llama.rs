@@ -78,11 +78,17 @@ impl LlamaConfig {
         }
     }
 
-    /// A preset by name: `smollm2-135m`, or `small` (whose vocabulary
-    /// `vocab_size` gives: the data's).
+    /// Context of the `smollm2-135m` training preset: SmolLM2 was
+    /// pretrained on 2048-token sequences (its 8192 came from a later
+    /// long-context stage), and a step's activations grow with it.
+    pub const SMOLLM2_TRAINING_CONTEXT: usize = 2048;
+
+    /// A preset by name: `smollm2-135m` (SmolLM2-135M's architecture,
+    /// trained on [`LlamaConfig::SMOLLM2_TRAINING_CONTEXT`] tokens), or
+    /// `small` (whose vocabulary `vocab_size` gives: the data's).
     pub fn preset(name: &str, vocab_size: usize) -> Result<Self> {
         match name {
-            "smollm2-135m" => Ok(Self::smollm2_135m()),
+            "smollm2-135m" => Ok(LlamaConfig { block_size: Self::SMOLLM2_TRAINING_CONTEXT, ..Self::smollm2_135m() }),
             "small" => Ok(Self::small(vocab_size)),
             other => Err(Error::InvalidArgument { op: "LlamaConfig::preset", reason: format!("unknown preset `{other}`; known: smollm2-135m, small") }),
         }

@@ -20,7 +20,7 @@ mod optimizer;
 
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use crate::ops::LrSchedule;
-pub(crate) use optimizer::apply_parameter_groups;
+pub(crate) use optimizer::{apply_parameter_groups, stage_state};
 pub use optimizer::{Optimizer, ParamSpan};
 
 /// The builder methods every optimizer shares (the last three fields of

@@ -134,6 +134,15 @@ impl Optimizer {
         self.step += 1;
     }
 
+    /// One step over the gradients as they stand, in one submission: the
+    /// norm (when clipping, over this optimizer's arena) and the update.
+    pub(crate) fn step(&mut self, kernels: &Kernels) -> Result<()> {
+        self.prepare_step(kernels)?;
+        kernels.submit_pass("optimizer_step", self.dispatches(), |_| {}, |_| {})?;
+        self.finish_step();
+        Ok(())
+    }
+
     /// The global L2 norm of the gradients the last step clipped (before
     /// clipping: torch.nn.utils.clip_grad_norm_'s return value); waits for
     /// the GPU. `None` when not clipping or before the first step.
@@ -209,7 +218,7 @@ impl Optimizer {
 
 /// Host copies of the state arenas `state` fills, each entry checked: a
 /// known state name, a known parameter, its length.
-fn stage_state(names: &[&str], arena_len: usize, params: &[ParamSpan], state: &[(String, String, Vec<f32>)]) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn stage_state(names: &[&str], arena_len: usize, params: &[ParamSpan], state: &[(String, String, Vec<f32>)]) -> Result<Vec<Vec<f32>>> {
     let mut host = vec![vec![0.0; arena_len]; names.len()];
     for (param_name, state_name, values) in state {
         let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {

@@ -1,5 +1,5 @@
 //! Collectives between devices, through the host: all-reduce (sum or
-//! weighted), broadcast, all-gather, send. Every copy to the host is started
+//! weighted), reduce-scatter, broadcast, all-gather, send. Every copy to the host is started
 //! on all devices before any is waited on, and devices are polled in turn,
 //! so a slow device never holds up the copies of the others. Staging buffers
 //! are each device's reused readback buffer.
@@ -23,8 +23,9 @@ impl<'a> Part<'a> {
         Part { kernels, view }
     }
 
-    /// Elements `start..start + len` of this part.
-    fn sub(&self, start: usize, len: usize) -> View<'a> {
+    /// Elements `start..start + len` of this part (unchecked: the caller
+    /// keeps them inside it).
+    pub fn sub(&self, start: usize, len: usize) -> View<'a> {
         View { buffer: self.view.buffer, offset: self.view.offset + start as u64 * 4, len }
     }
 }
@@ -122,24 +123,107 @@ pub fn all_reduce_then(
     while start < n {
         let len = bucket.min(n - start);
         let views: Vec<View<'_>> = parts.iter().map(|p| p.sub(start, len)).collect();
-        let pairs: Vec<(&Kernels, View<'_>)> = parts.iter().zip(&views).map(|(p, v)| (p.kernels, *v)).collect();
-        let (values, arrived) = to_host(&pairs, since)?;
+        let arrived = weighted_sum(parts, &views, weights, since, &mut sum[..len])?;
         if first_arrival.is_empty() {
             first_arrival = arrived;
         }
-        sum[..len].fill(0.0);
-        for (i, v) in values.iter().enumerate() {
-            let w = weights.map_or(1.0, |w| w[i]);
-            for (s, x) in sum[..len].iter_mut().zip(v) {
-                *s += w * f64::from(*x);
-            }
-        }
         across(&mut sum[..len])?;
-        for (o, s) in out[..len].iter_mut().zip(&sum[..len]) {
-            *o = *s as f32;
-        }
+        narrow(&sum[..len], &mut out[..len]);
         write_all(parts, &views, &out[..len])?;
         start += len;
+    }
+    Ok(first_arrival)
+}
+
+/// `sum` = Σ_i weights[i]·views[i] (each on `parts[i]`'s device), in f64
+/// in device order; returns when each device's values arrived.
+fn weighted_sum(parts: &[Part<'_>], views: &[View<'_>], weights: Option<&[f64]>, since: Instant, sum: &mut [f64]) -> Result<Vec<Duration>> {
+    let pairs: Vec<(&Kernels, View<'_>)> = parts.iter().zip(views).map(|(p, v)| (p.kernels, *v)).collect();
+    let (values, arrived) = to_host(&pairs, since)?;
+    sum.fill(0.0);
+    for (i, v) in values.iter().enumerate() {
+        let w = weights.map_or(1.0, |w| w[i]);
+        for (s, x) in sum.iter_mut().zip(v) {
+            *s += w * f64::from(*x);
+        }
+    }
+    Ok(arrived)
+}
+
+/// Σ_i weights[i]·parts[i] (plain sum without weights) on the host, in
+/// f64 in device order, as [`all_reduce`] sums: the local stage of a
+/// reduction that continues across processes.
+pub fn sum_to_host(parts: &[Part<'_>], weights: Option<&[f64]>, since: Instant) -> Result<Vec<f64>> {
+    let n = same_lengths("sum_to_host", parts)?;
+    let views: Vec<View<'_>> = parts.iter().map(|p| p.view).collect();
+    let mut sum = vec![0.0f64; n];
+    weighted_sum(parts, &views, weights, since, &mut sum)?;
+    Ok(sum)
+}
+
+fn narrow(sum: &[f64], out: &mut [f32]) {
+    for (o, s) in out.iter_mut().zip(sum) {
+        *o = *s as f32;
+    }
+}
+
+/// Reduce-scatter: the sources (one per device, equal lengths) are summed
+/// element-wise (weighted by `weights` when given) and destination `i`
+/// receives segment `i` of the sum, the segments being consecutive and of
+/// the destinations' lengths (which may differ: uneven shards). Sums are
+/// f64 in device order, as [`all_reduce`]'s, so a segment gets the bits
+/// an all-reduce would have written there. Works `bucket` elements at a
+/// time (0: a segment at once). Returns when each source's first bucket
+/// arrived, measured from `since`.
+pub fn reduce_scatter(srcs: &[Part<'_>], weights: Option<&[f64]>, dsts: &[Part<'_>], bucket: usize, since: Instant) -> Result<Vec<Duration>> {
+    reduce_scatter_then(srcs, weights, dsts, bucket, since, &mut |_, _| Ok(()))
+}
+
+/// [`reduce_scatter`] where each bucket's f64 sum goes through
+/// `across(segment, values)` before it is written to its destination: a
+/// sum over processes, or a statistic of the reduced values (ZeRO's
+/// gradient norm, shard by shard).
+pub fn reduce_scatter_then(
+    srcs: &[Part<'_>],
+    weights: Option<&[f64]>,
+    dsts: &[Part<'_>],
+    bucket: usize,
+    since: Instant,
+    across: &mut dyn FnMut(usize, &mut [f64]) -> Result<()>,
+) -> Result<Vec<Duration>> {
+    let n = same_lengths("reduce_scatter", srcs)?;
+    let total: usize = dsts.iter().map(|d| d.view.len).sum();
+    if total != n || srcs.is_empty() {
+        let mut shapes = vec![vec![n]];
+        shapes.extend(dsts.iter().map(|d| vec![d.view.len]));
+        return Err(Error::Shape { op: "reduce_scatter", reason: "the destinations' lengths must add up to a source's".into(), shapes });
+    }
+    if let Some(w) = weights {
+        if w.len() != srcs.len() {
+            return Err(Error::InvalidArgument { op: "reduce_scatter", reason: format!("{} weights for {} devices", w.len(), srcs.len()) });
+        }
+    }
+    let largest = dsts.iter().map(|d| d.view.len).max().unwrap_or(0).max(1);
+    let bucket = if bucket == 0 { largest } else { bucket.min(largest) };
+    let mut first_arrival = Vec::new();
+    let mut sum = vec![0.0f64; bucket];
+    let mut out = vec![0.0f32; bucket];
+    let mut segment_start = 0;
+    for (segment, dst) in dsts.iter().enumerate() {
+        let mut start = 0;
+        while start < dst.view.len {
+            let len = bucket.min(dst.view.len - start);
+            let views: Vec<View<'_>> = srcs.iter().map(|p| p.sub(segment_start + start, len)).collect();
+            let arrived = weighted_sum(srcs, &views, weights, since, &mut sum[..len])?;
+            if first_arrival.is_empty() {
+                first_arrival = arrived;
+            }
+            across(segment, &mut sum[..len])?;
+            narrow(&sum[..len], &mut out[..len]);
+            dst.kernels.write(dst.sub(start, len), &out[..len]).map_err(|e| on_device(segment, dst.kernels, e))?;
+            start += len;
+        }
+        segment_start += dst.view.len;
     }
     Ok(first_arrival)
 }

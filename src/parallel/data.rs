@@ -203,6 +203,51 @@ pub(super) fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize
     }
 }
 
+/// Checks that `x` and `targets` hold `rows` rows of what a model of
+/// `widths` reads and compares against; returns the values per row of `x`
+/// and of the targets.
+pub(super) fn check_rows(widths: &ModelWidths, op: &'static str, rows: usize, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
+    let f = widths.inputs;
+    if x.is_empty() || matches!(x, Examples::Ids(_)) != widths.reads_ids {
+        return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
+    }
+    let width = match targets {
+        Targets::Values(_) => widths.outputs,
+        Targets::Classes(_) => widths.output_rows,
+    };
+    check_batch(op, rows, f, width, x, targets)?;
+    Ok((f, width))
+}
+
+/// Forward and backward of each replica on its `shares` of the batch `x`
+/// (`f` values per row) against `targets` (`width` per row), gradients
+/// zeroed first: one submission each, all in flight together.
+pub(super) fn backward_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>], shares: &[usize], (x, f): (Examples<'_>, usize), (targets, width): (Targets<'_>, usize)) -> Result<()> {
+    let mut row = 0;
+    for (i, (t, &n)) in replicas.iter_mut().zip(shares).enumerate() {
+        let k = &devices[i];
+        t.forward_examples(x.slice(row * f, (row + n) * f)).map_err(|e| on_device(i, k, e))?;
+        t.loss(shard(targets, row, n, width)).map_err(|e| on_device(i, k, e))?;
+        t.forward_backward(false).map_err(|e| on_device(i, k, e))?;
+        row += n;
+    }
+    Ok(())
+}
+
+/// The mean loss of a batch split as [`backward_on_rows`] splits it: each
+/// replica evaluates its rows and the shard means are weighted by rows.
+pub(super) fn evaluate_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>], shares: &[usize], (x, f): (Examples<'_>, usize), (targets, width): (Targets<'_>, usize)) -> Result<f32> {
+    let total_rows: usize = shares.iter().sum();
+    let mut total = 0.0f64;
+    let mut row = 0;
+    for (i, (t, &n)) in replicas.iter_mut().zip(shares).enumerate() {
+        let loss = t.evaluate_loss(x.slice(row * f, (row + n) * f), shard(targets, row, n, width)).map_err(|e| on_device(i, &devices[i], e))?;
+        total += n as f64 / total_rows as f64 * f64::from(loss);
+        row += n;
+    }
+    Ok(total as f32)
+}
+
 /// A replica's parameters, optimizer state and step, on the host.
 type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64);
 
@@ -386,16 +431,7 @@ impl DataParallel {
     /// reads and compares against; returns the values per row of `x` and
     /// of the targets.
     pub(super) fn check_rows(&self, op: &'static str, rows: usize, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
-        let f = self.widths.inputs;
-        if x.is_empty() || matches!(x, Examples::Ids(_)) != self.widths.reads_ids {
-            return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
-        }
-        let width = match targets {
-            Targets::Values(_) => self.widths.outputs,
-            Targets::Classes(_) => self.widths.output_rows,
-        };
-        check_batch(op, rows, f, width, x, targets)?;
-        Ok((f, width))
+        check_rows(&self.widths, op, rows, x, targets)
     }
 
     /// One step on `global_batch` rows: each device runs forward and
@@ -424,14 +460,7 @@ impl DataParallel {
         let x = x.into();
         let (f, width) = self.check_rows("DataParallel::step", self.global_batch, x, targets)?;
         let start = Instant::now();
-        let mut row = 0;
-        for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
-            let k = &self.devices[i];
-            t.forward_examples(x.slice(row * f, (row + n) * f)).map_err(|e| on_device(i, k, e))?;
-            t.loss(shard(targets, row, n, width)).map_err(|e| on_device(i, k, e))?;
-            t.forward_backward(false).map_err(|e| on_device(i, k, e))?;
-            row += n;
-        }
+        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
         let scaled: Vec<f64> = weights.iter().map(|w| w * scale).collect();
         let parts = (self.replicas.iter().zip(&self.devices))
@@ -518,14 +547,7 @@ impl DataParallel {
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
         let x = x.into();
         let (f, width) = self.check_rows("DataParallel::evaluate_loss", self.global_batch, x, targets)?;
-        let mut total = 0.0f64;
-        let mut row = 0;
-        for (i, (t, &n)) in self.replicas.iter_mut().zip(&self.shares).enumerate() {
-            let loss = t.evaluate_loss(x.slice(row * f, (row + n) * f), shard(targets, row, n, width)).map_err(|e| on_device(i, &self.devices[i], e))?;
-            total += n as f64 / self.global_batch as f64 * f64::from(loss);
-            row += n;
-        }
-        Ok(total as f32)
+        evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))
     }
 
     /// Predictions from replica 0 (all replicas hold the same weights).

@@ -39,6 +39,13 @@ pub trait ProcessGroup {
     fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()>;
     /// Every rank's `values` (the same length on each), concatenated in rank order.
     fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>>;
+    /// Reduce-scatter: the element-wise sum over all processes of
+    /// `values` (the same length on each), rank `r` receiving segment `r`
+    /// of lengths `counts` (one per rank, adding up to the length).
+    fn reduce_scatter_sum(&self, values: &[f64], counts: &[usize]) -> Result<Vec<f64>>;
+    /// Every rank's `values` (rank `r` holding `counts[r]`), concatenated
+    /// in rank order: uneven shards gathered.
+    fn all_gather_f32(&self, values: &[f32], counts: &[usize]) -> Result<Vec<f32>>;
     /// Ends the whole job now with `code` (every rank, not just this one):
     /// the way out of any error once ranks may be waiting in a collective.
     fn abort(&self, code: i32) -> !;
@@ -70,12 +77,28 @@ impl ProcessGroup for SingleProcess {
     fn all_gather(&self, values: &[f64]) -> Result<Vec<f64>> {
         Ok(values.to_vec())
     }
+    fn reduce_scatter_sum(&self, values: &[f64], counts: &[usize]) -> Result<Vec<f64>> {
+        check_counts("reduce_scatter", self, values.len(), counts)?;
+        Ok(values.to_vec())
+    }
+    fn all_gather_f32(&self, values: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+        check_counts("all_gather", self, values.len(), &counts[..1.min(counts.len())])?;
+        Ok(values.to_vec())
+    }
     fn abort(&self, code: i32) -> ! {
         std::process::exit(code)
     }
     fn describe(&self) -> String {
         "single process".into()
     }
+}
+
+/// Checks `counts` has one entry per rank of `group` adding up to `total`.
+pub(crate) fn check_counts(op: &'static str, group: &(impl ProcessGroup + ?Sized), total: usize, counts: &[usize]) -> Result<()> {
+    if counts.len() != group.size() || counts.iter().sum::<usize>() != total {
+        return Err(Error::Distributed { op, rank: group.rank(), size: group.size(), message: format!("segments {counts:?} must name each rank and add up to {total}") });
+    }
+    Ok(())
 }
 
 /// `root`'s `values` on every rank (lengths may differ before the call).

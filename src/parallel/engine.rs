@@ -5,12 +5,14 @@
 use std::sync::Arc;
 
 use super::data::{DataParallel, Split};
+use super::memory::DeviceMemory;
 use super::distributed::{DistributedDataParallel, ProcessGroup};
 #[cfg(feature = "fault-injection")]
 use super::distributed::InjectedFailure;
 use super::pipeline::{partition, Pipeline, Schedule};
 use super::stage::{NamedParameters, NamedState, Spread, Stage};
 use super::tensor::TensorParallel;
+use super::zero::{Zero, ZeroStage};
 use super::DeviceGroup;
 use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
@@ -25,6 +27,8 @@ pub enum Strategy {
     Data,
     Pipeline,
     Tensor,
+    /// Sharded data parallel ([`super::zero`]).
+    Zero(ZeroStage),
 }
 
 /// A model every strategy can train: any [`Staged`] model trains on one
@@ -40,7 +44,13 @@ impl Strategy {
             "data" => Ok(Strategy::Data),
             "pipeline" | "model" => Ok(Strategy::Pipeline),
             "tensor" => Ok(Strategy::Tensor),
-            other => Err(Error::InvalidArgument { op: "parallel", reason: format!("unknown strategy `{other}`: use data, pipeline or tensor") }),
+            // Stage 1 unless named (`zero-2`, `zero3`); the CLI's
+            // --zero-stage picks it too.
+            "zero" => Ok(Strategy::Zero(ZeroStage::OptimizerState)),
+            other => match other.strip_prefix("zero").map(|n| n.trim_start_matches(['-', '_'])).and_then(|n| n.parse::<u32>().ok()) {
+                Some(stage) => Ok(Strategy::Zero(ZeroStage::new(stage)?)),
+                None => Err(Error::InvalidArgument { op: "parallel", reason: format!("unknown strategy `{other}`: use data, zero, pipeline or tensor") }),
+            },
         }
     }
 
@@ -53,7 +63,7 @@ impl Strategy {
     pub fn check_devices<M: Parallelizable>(self, devices: usize, model: &M, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
         self.check_counts(devices, batch, split, micro_batches)?;
         match self {
-            Strategy::Single | Strategy::Data => Ok(()),
+            Strategy::Single | Strategy::Data | Strategy::Zero(_) => Ok(()),
             Strategy::Pipeline => partition(&model.stage_costs(), devices).map(|_| ()),
             Strategy::Tensor => TensorParallel::check(model, devices, batch),
         }
@@ -65,11 +75,11 @@ impl Strategy {
     pub fn check_counts(self, devices: usize, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
         super::check_limit(devices)?;
         match self {
-            Strategy::Data if devices > batch => Err(Error::InvalidArgument {
+            Strategy::Data | Strategy::Zero(_) if devices > batch => Err(Error::InvalidArgument {
                 op: "data parallel",
                 reason: format!("{devices} devices need at least one row each, but the global batch has {batch} rows: use at most {batch} devices or a larger batch"),
             }),
-            Strategy::Data => match split {
+            Strategy::Data | Strategy::Zero(_) => match split {
                 Some(rows) if rows.len() != devices => Err(Error::InvalidArgument {
                     op: "data parallel split",
                     reason: format!("rows {rows:?} name {} devices, but {devices} devices are selected", rows.len()),
@@ -107,7 +117,8 @@ impl Strategy {
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),
-            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() }),
+            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
+            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })
     }
 }
@@ -179,6 +190,12 @@ pub trait TrainEngine {
     fn sync_from_root(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Collective across processes once training is done: afterwards
+    /// rank 0 alone may read the parameters, optimizer state and
+    /// checkpoint (an engine whose ranks hold shards gathers them here).
+    fn settle(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// One line on how the work is spread.
     fn describe(&self) -> String;
     /// What the parallelism cost, for the end of a run (empty for one device).
@@ -200,6 +217,21 @@ pub trait TrainEngine {
                 }
                 let dispatches = stages.iter().map(|s| s.executor().dispatches_per_step()).sum();
                 Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
+            }
+        }
+    }
+    /// Bytes of the device holding the most, by what they hold: a
+    /// replica's plan, or the stages on each device added up.
+    fn memory(&self) -> DeviceMemory {
+        match self.holding() {
+            Holding::Replica(t) => DeviceMemory::of_plan(t.executor().plan(), true, t.executor().optimizer_state_names().len()),
+            Holding::Stages(spread, stages) => {
+                let mut per_device = vec![DeviceMemory::default(); spread.devices().iter().max().map_or(0, |d| d + 1)];
+                for (&device, stage) in spread.devices().iter().zip(stages) {
+                    let exec = stage.executor();
+                    per_device[device] = per_device[device].plus(DeviceMemory::of_plan(exec.plan(), true, exec.optimizer_state_names().len()));
+                }
+                DeviceMemory::fullest(per_device)
             }
         }
     }

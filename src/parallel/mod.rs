@@ -10,11 +10,13 @@ pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;
 pub mod stage;
 pub mod tensor;
+pub mod zero;
 
 use std::sync::Arc;
 

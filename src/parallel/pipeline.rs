@@ -35,7 +35,7 @@ use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, Strategy, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
-use crate::graph::Graph;
+use crate::graph::{Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, StageCosts, Staged};
 use crate::trainer::{Examples, ModelWidths, Targets};
@@ -224,6 +224,17 @@ pub struct Pipeline {
     stats: PipelineStats,
 }
 
+/// Stage `i` of `0..=last`'s graph over `model`'s units `blocks`, on
+/// micro-batches of `micro_rows`: (graph, input, output). `stream` holds
+/// the shape the previous stage passed on, and takes this stage's.
+pub(super) fn stage_graph<M: Staged>(model: &M, i: usize, last: usize, blocks: std::ops::Range<usize>, micro_rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
+    let mut g = Graph::new();
+    let input = if i == 0 { model.input(&mut g, micro_rows)? } else { g.input("stage_input", stream)? };
+    let output = model.forward_units(&mut g, input, blocks, i == 0, i == last)?;
+    *stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
+    Ok((g, input, output))
+}
+
 impl Pipeline {
     /// `model` over the devices of `group` (one stage each, blocks placed
     /// by [`partition`]), trained on `global_batch` examples per step cut
@@ -281,10 +292,7 @@ impl Pipeline {
         let (mut start, mut stream) = (0, Vec::new());
         for (i, (&count, k)) in blocks.iter().zip(group.members()).enumerate() {
             let mut build = || -> Result<Stage> {
-                let mut g = Graph::new();
-                let input = if i == 0 { model.input(&mut g, micro_rows)? } else { g.input("stage_input", &stream)? };
-                let output = model.forward_units(&mut g, input, start..start + count, i == 0, i == last)?;
-                stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
+                let (g, input, output) = stage_graph(model, i, last, start..start + count, micro_rows, &mut stream)?;
                 let end = if i == last { StageEnd::Last(criterion) } else { StageEnd::Middle };
                 Stage::from_graph(k.clone(), g, input, output, i > 0, end, optimizer)
             };

@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, Tensor};
+use crate::graph::{Executor, Gradients, Graph, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::io::checkpoint::{Checkpoint, NamedTensor};
+use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
 use crate::optim;
-use crate::trainer::{Examples, Targets};
+use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, Targets};
 
 /// What ends a stage.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +30,12 @@ pub struct Stage {
     exec: Executor,
     input: Tensor,
     output: Tensor,
+    ends: StageEnds,
+}
+
+/// The tensors a stage's backward starts from and ends in.
+#[derive(Clone, Copy)]
+struct StageEnds {
     seed: Tensor,
     input_grad: Option<Tensor>,
     target: Option<Tensor>,
@@ -39,10 +45,20 @@ pub struct Stage {
     criterion: Option<Criterion>,
 }
 
-impl Stage {
-    /// A stage over a graph already holding `input -> output`; with
+/// A stage's graph made trainable, before any device: its backward from
+/// a fed gradient (or from its loss), and what its executor is planned for.
+pub struct StageGraph {
+    pub graph: Graph,
+    /// What the executor keeps readable: the output, the loss, the argmax.
+    pub outputs: Vec<Tensor>,
+    pub grads: Gradients,
+    ends: StageEnds,
+}
+
+impl StageGraph {
+    /// `g` holding `input -> output`, completed as [`StageEnd`] says; with
     /// `input_grad` its backward also yields d loss / d input.
-    pub fn from_graph(kernels: Arc<Kernels>, mut g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
+    pub fn complete(mut g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd) -> Result<Self> {
         let wanted: Vec<Tensor> = if input_grad { vec![input] } else { vec![] };
         let output_shape = g.shape(output).to_vec();
         let (target, loss, seed, grads, criterion, prediction) = match end {
@@ -68,8 +84,17 @@ impl Stage {
         let mut outputs = vec![output];
         outputs.extend(loss);
         outputs.extend(prediction);
-        let exec = Executor::new(kernels.clone(), g, &outputs, Some(grads), Some(optimizer))?;
-        Ok(Stage { kernels, exec, input, output, seed, input_grad, target, loss, prediction, criterion })
+        Ok(StageGraph { graph: g, outputs, grads, ends: StageEnds { seed, input_grad, target, loss, prediction, criterion } })
+    }
+}
+
+impl Stage {
+    /// A stage over a graph already holding `input -> output`; with
+    /// `input_grad` its backward also yields d loss / d input.
+    pub fn from_graph(kernels: Arc<Kernels>, g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
+        let StageGraph { graph, outputs, grads, ends } = StageGraph::complete(g, input, output, input_grad, end)?;
+        let exec = Executor::new(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer))?;
+        Ok(Stage { kernels, exec, input, output, ends })
     }
 
     pub fn executor(&self) -> &Executor {
@@ -120,23 +145,23 @@ impl Stage {
     /// Last stage: runs the forward pass and the argmax of each output row
     /// on the device and reads back only the class indices (waits).
     pub fn predictions(&mut self) -> Result<Vec<u32>> {
-        let prediction = self.prediction.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage predicts".into() })?;
+        let prediction = self.ends.prediction.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage predicts".into() })?;
         self.exec.run(&[prediction])?;
         self.exec.read_u32(prediction)
     }
 
     /// Middle stages: the gradient of the output.
     pub fn set_output_gradient(&self, d_output: &[f32]) -> Result<()> {
-        if self.loss.is_some() {
+        if self.ends.loss.is_some() {
             return Err(Error::InvalidArgument { op: "Stage", reason: "the last stage starts backward from its loss".into() });
         }
-        self.exec.set_input(self.seed, d_output)
+        self.exec.set_input(self.ends.seed, d_output)
     }
 
     /// Last stage: targets and the weight of this micro-batch's mean loss
     /// in the global loss.
     pub fn set_targets(&self, targets: Targets<'_>, loss_scale: f32) -> Result<()> {
-        let (Some(t), Some(criterion)) = (self.target, self.criterion) else {
+        let (Some(t), Some(criterion)) = (self.ends.target, self.ends.criterion) else {
             return Err(Error::InvalidArgument { op: "Stage", reason: "only the last stage has targets".into() });
         };
         match (criterion, targets) {
@@ -144,7 +169,7 @@ impl Stage {
             (Criterion::CrossEntropy, Targets::Classes(c)) => self.exec.set_labels(t, c)?,
             _ => return Err(Error::InvalidArgument { op: "Stage", reason: "targets of the other kind for this loss".into() }),
         }
-        self.exec.set_input(self.seed, &[loss_scale])
+        self.exec.set_input(self.ends.seed, &[loss_scale])
     }
 
     /// Submits forward (recomputed) and backward; gradients accumulate
@@ -154,12 +179,12 @@ impl Stage {
     }
 
     pub fn input_gradient_view(&self) -> Option<Result<View<'_>>> {
-        self.input_grad.map(|g| self.exec.tensor_view(g))
+        self.ends.input_grad.map(|g| self.exec.tensor_view(g))
     }
 
     /// The last stage's mean loss of its last backward run (waits).
     pub fn loss_value(&self) -> Result<f32> {
-        let loss = self.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "not the last stage".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "not the last stage".into() })?;
         let v = self.exec.read(loss)?;
         Ok(v.first().copied().unwrap_or(f32::NAN))
     }
@@ -167,14 +192,14 @@ impl Stage {
     /// Last stage: submits the forward pass up to the loss only, for the
     /// input and targets set (evaluation: no gradients; no wait).
     pub fn forward_loss(&mut self) -> Result<()> {
-        let loss = self.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
         self.exec.run(&[loss])
     }
 
     /// Last stage: where its loss lands, to copy to the host together with
     /// other stages' results.
     pub fn loss_view(&self) -> Option<Result<View<'_>>> {
-        self.loss.map(|l| self.exec.tensor_view(l))
+        self.ends.loss.map(|l| self.exec.tensor_view(l))
     }
 
     pub fn optimizer_step(&mut self) -> Result<()> {
@@ -184,7 +209,7 @@ impl Stage {
     /// Last stage: the mean loss of its current input against `targets`,
     /// forward only (evaluation: no backward, gradients untouched); waits.
     pub fn evaluate_loss(&mut self, targets: Targets<'_>) -> Result<f32> {
-        let loss = self.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
         self.set_targets(targets, 1.0)?;
         let value = self.exec.run_and_read(&[loss], loss)?.first().copied().unwrap_or(f32::NAN);
         if !value.is_finite() {
@@ -455,20 +480,8 @@ impl Spread {
     /// as [`crate::trainer::Trainer::checkpoint`] writes them for the
     /// single-device model, so a checkpoint resumes on any strategy.
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
-        let mut ckpt = Checkpoint::new();
-        let params = self.parameters(stages)?;
-        for (name, shape, data) in &params {
-            ckpt.push(NamedTensor::new(name.clone(), shape.clone(), data.clone())?);
-        }
-        for (param, state, data) in self.optimizer_state(stages)? {
-            let shape = self.shape_of(&param).cloned().unwrap_or_else(|| vec![data.len()]);
-            ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
-        }
-        ckpt.set_meta("format", "wgrad");
-        ckpt.set_meta("model", self.description.clone());
-        ckpt.set_meta("criterion", format!("{:?}", self.criterion));
-        ckpt.set_meta("optimizer", optim::describe(&self.optimizer));
-        ckpt.set_meta("step", stages.first().map_or(0, |s| s.exec.step_count()).to_string());
-        Ok(ckpt)
+        let step = stages.first().map_or(0, |s| s.exec.step_count());
+        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step };
+        assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)
     }
 }

@@ -309,7 +309,7 @@ impl TensorParallel {
 }
 
 /// Rank `rank`'s graphs of `model` for `batch` examples.
-fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
+pub(super) fn build_rank<M: Module>(model: &M, rank: usize, ranks: usize, batch: usize) -> Result<shard::RankBuild> {
     let mut g = Graph::new();
     let input = model.input(&mut g, batch)?;
     shard::build_rank(rank, ranks, g, input, |g, x| model.forward(g, x, ""))

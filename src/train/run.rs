@@ -23,6 +23,7 @@ use crate::optim::{self, Adam};
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Footprint, Parallelizable, Strategy, TrainEngine};
+use crate::parallel::memory::DeviceMemory;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{DeviceGroup, DeviceSelection};
@@ -178,6 +179,8 @@ pub struct RunInfo {
     pub unit: &'static str,
     pub per_step: usize,
     pub footprint: Footprint,
+    /// Bytes of the device holding the most, by what they hold.
+    pub memory: DeviceMemory,
 }
 
 /// Where a run reports progress. Only rank 0 of a run across processes
@@ -273,8 +276,8 @@ impl<T: Task> TrainingRun<T> {
 
     fn strategy(config: &TrainConfig, across_processes: bool) -> Result<Strategy> {
         let strategy = config.strategy.unwrap_or(if across_processes { Strategy::Data } else { Strategy::Single });
-        if across_processes && strategy != Strategy::Data {
-            return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel: use --parallel data".into() });
+        if across_processes && !matches!(strategy, Strategy::Data | Strategy::Zero(_)) {
+            return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() });
         }
         if config.batch_size == 0 || config.max_steps == Some(0) || config.loss_every == 0 || config.eval_every == 0 {
             return Err(Error::InvalidArgument {
@@ -345,6 +348,7 @@ impl<T: Task> TrainingRun<T> {
             unit: T::UNIT,
             per_step: task.per_step(&config),
             footprint: engine.footprint(),
+            memory: engine.memory(),
         };
         Ok(TrainingRun { config, task, model, group, engine, root, info })
     }
@@ -427,6 +431,7 @@ impl<T: Task> TrainingRun<T> {
         for k in self.group.members() {
             k.device().wait_idle("train")?;
         }
+        self.engine.settle()?;
         if !root {
             return Ok(None);
         }

@@ -25,19 +25,19 @@ const CONFIG: GptConfig = GptConfig { vocab_size: 29, block_size: 8, n_layer: 2,
 const BATCH: usize = 4;
 const STEPS: u64 = 10;
 /// Below the gradient norms of every step here (asserted), so every step clips.
-const CLIP: f32 = 0.3;
+pub(crate) const CLIP: f32 = 0.3;
 
-fn model() -> Gpt {
+pub(crate) fn model() -> Gpt {
     nn::manual_seed(5);
     Gpt::new(CONFIG).unwrap()
 }
 
-fn adamw() -> AdamW {
+pub(crate) fn adamw() -> AdamW {
     common::clipped_adamw(CLIP, STEPS)
 }
 
 /// Step `s`'s sequences and their next tokens.
-fn batch(s: u64) -> (Vec<u32>, Vec<u32>) {
+pub(crate) fn batch(s: u64) -> (Vec<u32>, Vec<u32>) {
     let tokens = BATCH * CONFIG.block_size;
     let mut r = rng(1000 + s);
     let stream: Vec<u32> = (0..tokens + 1).map(|_| r.random_range(0..CONFIG.vocab_size as u32)).collect();

@@ -27,7 +27,7 @@ const T: usize = 8;
 const BATCH: usize = 4;
 const STEPS: u64 = 10;
 /// Below every step's gradient norm here (asserted), so every step clips.
-const CLIP: f32 = 0.1;
+pub(crate) const CLIP: f32 = 0.1;
 
 /// L2, C16, 4 heads of 4 channels over 2 KV heads, MLP 22 (11 per device).
 fn config(tied: bool) -> LlamaConfig {
@@ -46,18 +46,18 @@ fn config(tied: bool) -> LlamaConfig {
     }
 }
 
-fn model(tied: bool) -> Llama {
+pub(crate) fn model(tied: bool) -> Llama {
     nn::manual_seed(13);
     Llama::new(config(tied)).unwrap()
 }
 
-fn optimizer() -> OptimizerConfig {
+pub(crate) fn optimizer() -> OptimizerConfig {
     clipped_adamw(CLIP, STEPS).into()
 }
 
 /// Every step's sequences: random tokens, each followed by a fixed
 /// function of it (something to learn).
-fn batches() -> Vec<(Vec<u32>, Vec<u32>)> {
+pub(crate) fn batches() -> Vec<(Vec<u32>, Vec<u32>)> {
     (0..STEPS)
         .map(|s| {
             let mut r = rng(2400 + s);

@@ -43,3 +43,4 @@ mod tokenizer;
 mod train;
 mod training;
 mod webgpu;
+mod zero;
