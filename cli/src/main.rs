@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod gpt;
 mod plot;
+mod serve;
 mod webgpu_cases;
 
 use std::path::{Path, PathBuf};
@@ -57,6 +58,11 @@ enum Command {
     /// folder with tokenizer.json): one message per line of standard
     /// input, each answer streamed; end of input ends it.
     Chat(Box<chat::ChatArgs>),
+    /// Serve a model (a GGUF file, a folder with tokenizer.json) over an
+    /// OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /// /v1/models, /health), streaming, with continuous batching of
+    /// --max-batch requests on the GPU.
+    Serve(Box<serve::ServeArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -718,6 +724,7 @@ fn main() -> ExitCode {
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Chat(args) => chat::chat(&opts, args),
+        Command::Serve(args) => serve::serve(&opts, args),
         Command::Bench { quick, compile, profile, only } => bench(&opts, *quick, *compile, *profile, only),
         Command::Tune => tune(&opts),
         Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),
