@@ -123,6 +123,9 @@ struct Shared {
     /// The worker's view after its last step.
     free_slots: AtomicUsize,
     queued: AtomicUsize,
+    /// The scheduler's decode steps and the request rows they ran.
+    decode_steps: AtomicU64,
+    decoded_rows: AtomicU64,
     jobs: std::sync::Mutex<mpsc::Sender<Job>>,
     shutting_down: AtomicBool,
     next_id: AtomicU64,
@@ -207,6 +210,8 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         in_flight: AtomicUsize::new(0),
         free_slots: AtomicUsize::new(args.max_batch),
         queued: AtomicUsize::new(0),
+        decode_steps: AtomicU64::new(0),
+        decoded_rows: AtomicU64::new(0),
         jobs: std::sync::Mutex::new(jobs),
         shutting_down: AtomicBool::new(false),
         next_id: AtomicU64::new(1),
@@ -340,6 +345,9 @@ fn run_worker(mut scheduler: Scheduler, jobs: mpsc::Receiver<Job>, shared: &Shar
         }
         shared.free_slots.store(scheduler.free_slots(), Ordering::Relaxed);
         shared.queued.store(scheduler.queued(), Ordering::Relaxed);
+        let stats = scheduler.stats();
+        shared.decode_steps.store(stats.decode_steps, Ordering::Relaxed);
+        shared.decoded_rows.store(stats.decoded_rows, Ordering::Relaxed);
     }
 }
 
@@ -375,6 +383,8 @@ async fn health(State(shared): State<Arc<Shared>>) -> Response {
         "queued": shared.queued.load(Ordering::Relaxed),
         "in_flight": shared.in_flight.load(Ordering::Relaxed),
         "context": shared.context,
+        "decode_steps": shared.decode_steps.load(Ordering::Relaxed),
+        "decoded_rows": shared.decoded_rows.load(Ordering::Relaxed),
     });
     (code, axum::Json(body)).into_response()
 }
