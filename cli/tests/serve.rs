@@ -165,6 +165,20 @@ fn wait_for_health(port: u16, what: &str, done: impl Fn(&Value) -> bool) -> Valu
     }
 }
 
+/// A streamed completion of `max_tokens` (EOS ignored), read up to its
+/// first chunk: a request that runs on while the test acts.
+fn start_stream(port: u16, max_tokens: usize) -> BufReader<TcpStream> {
+    let long = json!({ "prompt": "x", "max_tokens": max_tokens, "ignore_eos": true, "stream": true }).to_string();
+    let (mut reader, status, _) = send(port, "POST", "/v1/completions", Some(&long), None);
+    assert_eq!(status, 200);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+    }
+    reader
+}
+
 /// A short chat: a system message keeps the template's default one (longer
 /// than the fixture's vocabulary makes cheap) out.
 fn chat(extra: Value) -> Value {
@@ -299,14 +313,7 @@ fn serves_openai_requests_and_errors() {
     }
 
     // A client that goes away mid-stream frees its slot.
-    let long = json!({ "prompt": "x", "max_tokens": 250, "ignore_eos": true, "stream": true }).to_string();
-    let (mut reader, status, _) = send(port, "POST", "/v1/completions", Some(&long), None);
-    assert_eq!(status, 200);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-    }
+    let reader = start_stream(port, 250);
     wait_for_health(port, "a running stream", |h| h["slots_free"] == 2);
     drop(reader);
     wait_for_health(port, "the slot after the client left", |h| h["slots_free"] == 3 && h["in_flight"] == 0);
@@ -354,14 +361,7 @@ fn a_full_queue_answers_429_with_retry_after() {
 fn sigterm_mid_stream_exits_zero() {
     let mut server = serve("sigterm", &["--max-context", "2048"]);
     let port = server.port;
-    let long = json!({ "prompt": "x", "max_tokens": 2047, "ignore_eos": true, "stream": true }).to_string();
-    let (mut reader, status, _) = send(port, "POST", "/v1/completions", Some(&long), None);
-    assert_eq!(status, 200);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        reader.read_line(&mut line).unwrap();
-    }
+    let mut reader = start_stream(port, 2047);
     let start = Instant::now();
     assert!(Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap().success());
     // The stream ends (an error event: the server is shutting down)...
