@@ -56,6 +56,7 @@ test: driver smollm2
 		$(CARGO) test --release $(TEST_FEATURES) --test suite,\
 		@echo "SwiftShader (Debian's chromium) not installed: skipping the suite on it (see scripts/ensure-chromium.sh)")
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
+	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
 
 bench: driver
 	$(CARGO) bench -p wgrad-benches --bench matmul

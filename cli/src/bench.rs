@@ -1,10 +1,19 @@
 //! `wgrad bench`'s matmul case: GPU GFLOPS beside a CPU sgemm measured in
 //! the same run. Here, not in the library, so only the CLI depends on the
-//! sgemm crate; the other cases are `wgrad_benches`'s.
+//! sgemm crate; and the serve case, which runs `wgrad serve` itself. The
+//! other cases are `wgrad_benches`'s.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad_benches::{median_time, BenchLine};
+use wgrad::infer::generate::{GeneratorOptions, Sampling};
 use wgrad::kernels::MatmulForm;
 use wgrad::Kernels;
 
@@ -54,4 +63,170 @@ pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> wgrad::Result<BenchLi
             ("ratio", format!("{:.3}", g / c)),
         ],
     })
+}
+
+/// Prompts the serve bench's clients send, in turn.
+const SERVE_PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    "A good recipe for pancakes starts with",
+    "The largest planet in the solar system is",
+    "In computer science, a hash table is",
+];
+
+/// One streamed completion over HTTP/1.0 (the body ends with the
+/// connection): the time to its first chunk and its completion tokens
+/// (the final chunk's usage).
+fn stream_completion(port: u16, body: &str) -> wgrad::Result<(Duration, usize)> {
+    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: e };
+    let start = Instant::now();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| fail(format!("connecting: {e}")))?;
+    let request = format!("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    stream.write_all(request.as_bytes()).map_err(|e| fail(format!("sending: {e}")))?;
+    let mut first = None;
+    let mut tokens = None;
+    for line in BufReader::new(stream).lines() {
+        let line = line.map_err(|e| fail(format!("reading: {e}")))?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        first.get_or_insert_with(|| start.elapsed());
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).map_err(|e| fail(format!("a chunk that is not JSON ({e}): {data}")))?;
+        if chunk.get("error").is_some() {
+            return Err(fail(format!("the server answered {data}")));
+        }
+        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
+            tokens = Some(n as usize);
+        }
+    }
+    match (first, tokens) {
+        (Some(first), Some(tokens)) => Ok((first, tokens)),
+        _ => Err(fail("a stream without chunks or usage".into())),
+    }
+}
+
+fn health(port: u16) -> wgrad::Result<serde_json::Value> {
+    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: format!("/health: {e}") };
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| fail(e.to_string()))?;
+    stream.write_all(b"GET /health HTTP/1.0\r\n\r\n").map_err(|e| fail(e.to_string()))?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).map_err(|e| fail(e.to_string()))?;
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    serde_json::from_str(body).map_err(|e| fail(format!("{e}: {answer}")))
+}
+
+/// A `wgrad serve` child of this binary, killed when dropped.
+struct ServeChild(std::process::Child);
+
+impl Drop for ServeChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `p`-quantile of `sorted` (nearest rank).
+fn quantile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// `wgrad bench --only serve`: `wgrad serve` on `model` (a child process
+/// of this binary on a loopback port, `max_batch` slots of `context`
+/// positions), then for each count in `clients` that many concurrent
+/// clients, each sending `requests` streamed completions one after the
+/// other (fixed prompts, `max_tokens` greedy tokens, EOS ignored):
+/// aggregate completion tokens/s over the phase's wall time, the median
+/// and p95 time to first token, and the decode steps' mean batch (from
+/// /health). Before the server starts, the single-stream `wgrad generate`
+/// path on the same model and context, for comparison.
+pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: usize, max_tokens: usize) -> wgrad::Result<Vec<BenchLine>> {
+    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: e };
+    let max_batch = clients.iter().copied().max().unwrap_or(1);
+    let context = 512;
+    let mut lines = Vec::new();
+    {
+        let options = GeneratorOptions { context: Some(context), ..GeneratorOptions::default() };
+        let lm = crate::chat::load_bpe_lm(kernels, model, None, &options)?;
+        let mut generator = crate::chat::bpe_generator(kernels.clone(), &lm, None, &options)?;
+        let prompt = lm.tokenizer.encode(SERVE_PROMPTS[0], true)?;
+        // Once to compile, once timed.
+        generator.generate(&prompt, 2, &Sampling::greedy(), |_| Ok(()))?;
+        let start = Instant::now();
+        let mut first = None;
+        generator.generate(&prompt, max_tokens, &Sampling::greedy(), |_| {
+            first.get_or_insert_with(Instant::now);
+            Ok(())
+        })?;
+        let decode = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        lines.push(BenchLine {
+            case: "serve_generate".into(),
+            values: vec![
+                ("tokens", max_tokens.to_string()),
+                ("tokens_per_s", format!("{:.2}", max_tokens as f64 / start.elapsed().as_secs_f64())),
+                ("decode_tokens_per_s", format!("{:.2}", (max_tokens - 1) as f64 / decode.max(1e-9))),
+            ],
+        });
+    }
+    let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
+    let mut child = Command::new(exe)
+        .arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args(["--port", "0", "--max-batch", &max_batch.to_string(), "--max-context", &context.to_string(), "--max-queue", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| fail(format!("starting wgrad serve: {e}")))?;
+    let stdout = child.stdout.take();
+    let child = ServeChild(child);
+    let mut line = String::new();
+    if let Some(stdout) = stdout {
+        BufReader::new(stdout).read_line(&mut line).map_err(|e| fail(e.to_string()))?;
+    }
+    let port: u16 = line.split("127.0.0.1:").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|p| p.parse().ok()).ok_or_else(|| fail(format!("the server printed {line:?}, not its address")))?;
+    for &n in clients {
+        let before = health(port)?;
+        let start = Instant::now();
+        let threads: Vec<_> = (0..n)
+            .map(|c| {
+                std::thread::spawn(move || -> wgrad::Result<Vec<(Duration, usize)>> {
+                    (0..requests)
+                        .map(|r| {
+                            let prompt = SERVE_PROMPTS[(c * requests + r) % SERVE_PROMPTS.len()];
+                            let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true });
+                            stream_completion(port, &body.to_string())
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for t in threads {
+            results.extend(t.join().map_err(|_| fail("a client thread panicked".into()))??);
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let after = health(port)?;
+        let delta = |key: &str| after[key].as_u64().unwrap_or(0).saturating_sub(before[key].as_u64().unwrap_or(0));
+        let mut ttfts: Vec<Duration> = results.iter().map(|r| r.0).collect();
+        ttfts.sort();
+        let tokens: usize = results.iter().map(|r| r.1).sum();
+        let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1e3);
+        lines.push(BenchLine {
+            case: "serve".into(),
+            values: vec![
+                ("clients", n.to_string()),
+                ("requests", results.len().to_string()),
+                ("tokens_per_s", format!("{:.2}", tokens as f64 / seconds)),
+                ("ttft_p50_ms", ms(quantile(&ttfts, 0.5))),
+                ("ttft_p95_ms", ms(quantile(&ttfts, 0.95))),
+                ("mean_batch", format!("{:.2}", delta("decoded_rows") as f64 / delta("decode_steps").max(1) as f64)),
+            ],
+        });
+    }
+    drop(child);
+    Ok(lines)
 }

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::infer::generate::{check_fits_with_dtype, Generator, Sampling, WeightDtype};
+use wgrad::infer::generate::{check_fits_with_options, Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::io::bpe::BpeTokenizer;
 use wgrad::io::chat::{ChatMessage, ChatTemplate};
 use wgrad::io::gguf_model::{GgufArchitecture, GgufModel};
@@ -53,11 +53,13 @@ pub fn has_own_tokenizer(path: &Path) -> bool {
 /// adapter's memory from its sizes before any weight is read. A GGUF
 /// Llama keeps its Q8_0/Q4_0/Q4_1 matrices as stored unless `dtype` is
 /// given, which de-quantizes every matrix (and stores it as `dtype`).
-pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>) -> wgrad::Result<BpeLm> {
+/// `fits` says what the generator will hold (its sequences, context and
+/// prefill), checked against the adapter from the file's sizes alone.
+pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fits: &GeneratorOptions) -> wgrad::Result<BpeLm> {
     let start = Instant::now();
     let config = read_model_config(path)?;
     let weights = dtype.map_or(WeightDtype::F32, DtypeName::weights);
-    check_fits_with_dtype(kernels, config.as_ref(), 1, weights)?;
+    check_fits_with_options(kernels, config.as_ref(), &GeneratorOptions { dtype: weights, ..fits.clone() })?;
     let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
         let gguf = GgufModel::open(path)?;
         let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
@@ -80,12 +82,14 @@ pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>) -> 
     Ok(BpeLm { model, quantized, tokenizer, stops, load_seconds: start.elapsed().as_secs_f64() })
 }
 
-/// A generator of one sequence for `lm`, behind a spinner while its
+/// A generator for `lm` as `options` say (its weights as `dtype` says, the
+/// file's quantized matrices as stored), behind a spinner while its
 /// pipelines compile.
-fn bpe_generator(kernels: Arc<Kernels>, lm: &BpeLm, dtype: Option<DtypeName>) -> wgrad::Result<Generator> {
+pub fn bpe_generator(kernels: Arc<Kernels>, lm: &BpeLm, dtype: Option<DtypeName>, options: &GeneratorOptions) -> wgrad::Result<Generator> {
     let bar = crate::spinner("preparing kernels");
     let weights = dtype.map_or(WeightDtype::F32, DtypeName::weights);
-    let generator = Generator::new_with_weights(kernels, lm.model.as_ref(), 1, weights, Arc::new(lm.quantized.clone()));
+    let options = GeneratorOptions { dtype: weights, quantized: Arc::new(lm.quantized.clone()), ..options.clone() };
+    let generator = Generator::with_options(kernels, lm.model.as_ref(), &options);
     bar.finish_and_clear();
     let generator = generator?;
     if generator.dtype() != weights {
@@ -167,11 +171,13 @@ fn write_out(out: &mut impl Write, s: &str) -> wgrad::Result<()> {
 
 /// `wgrad generate` on a model with its own tokenizer: `prompt` is text,
 /// or ids with `print_ids` (which prints ids, not text).
-pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Option<Vec<u32>>, print_ids: bool, max_new: usize, sampling_args: &SamplingArgs, dtype: Option<DtypeName>) -> wgrad::Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Option<Vec<u32>>, print_ids: bool, max_new: usize, sampling_args: &SamplingArgs, dtype: Option<DtypeName>, context: Option<usize>) -> wgrad::Result<()> {
     let sampling = sampling_args.sampling();
     sampling.check()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let lm = load_bpe_lm(&kernels, model, dtype)?;
+    let options = GeneratorOptions { context, ..GeneratorOptions::default() };
+    let lm = load_bpe_lm(&kernels, model, dtype, &options)?;
     let ids = match prompt_ids {
         Some(ids) => ids,
         None => lm.tokenizer.encode(prompt, true)?,
@@ -180,11 +186,11 @@ pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Op
         return Err(invalid("generate", "the prompt is empty: give some text".into()));
     }
     wgrad::kernels::check_token_ids("generate", &ids, lm.model.vocab_size())?;
-    let context = lm.model.context_len();
+    let context = options.context_for(lm.model.context_len())?;
     if ids.len() > context {
-        return Err(invalid("generate", format!("the prompt has {} tokens, more than the model's context of {context}", ids.len())));
+        return Err(invalid("generate", format!("the prompt has {} tokens, more than the context of {context}", ids.len())));
     }
-    let mut generator = bpe_generator(kernels.clone(), &lm, dtype)?;
+    let mut generator = bpe_generator(kernels.clone(), &lm, dtype, &options)?;
     let mut out = std::io::stdout().lock();
     let mut text = lm.tokenizer.stream(true);
     if print_ids {
@@ -223,6 +229,10 @@ pub struct ChatArgs {
     /// as the file stores them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
+    /// Positions the KV cache holds (default: the model's context; SmolLM2's
+    /// 8192 are 180 MiB of keys and values).
+    #[arg(long)]
+    context: Option<usize>,
 }
 
 /// The prompt of `messages` ready for the assistant's answer, as ids; the
@@ -252,10 +262,11 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
     let sampling = args.sampling.sampling();
     sampling.check()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let lm = load_bpe_lm(&kernels, &args.model, args.dtype)?;
+    let options = GeneratorOptions { context: args.context, ..GeneratorOptions::default() };
+    let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
     let source = lm.tokenizer.chat_template().ok_or_else(|| invalid("chat", format!("`{}` has no chat template", args.model.display())))?;
     let template = ChatTemplate::new(source)?;
-    let mut generator = bpe_generator(kernels.clone(), &lm, args.dtype)?;
+    let mut generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
     let context = generator.context_len();
     let mut messages: Vec<ChatMessage> = args.system.iter().map(ChatMessage::system).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);

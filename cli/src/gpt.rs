@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
-use wgrad::infer::generate::{Generator, Sampling, WeightDtype};
+use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::models::{Gpt, GptConfig};
@@ -94,7 +94,7 @@ pub trait CliModel: TrainableLm {
 /// Streams a sample of `tokens` tokens after `prompt` from any causal
 /// language model: (tokens, seconds).
 fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, prompt: &str, tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
-    let mut generator = prepared_generator(kernels, model, 1, WeightDtype::F32)?;
+    let mut generator = prepared_generator(kernels, model, &GeneratorOptions::default())?;
     let ids = tokenizer.encode(prompt)?;
     stream(&mut generator, tokenizer, prompt, &ids, tokens, sampling)
 }
@@ -295,6 +295,10 @@ pub struct GenerateArgs {
     /// (any --dtype de-quantizes them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
+    /// Positions the KV cache holds (default: the model's context): fewer
+    /// for less memory (SmolLM2's 8192 are 180 MiB of keys and values).
+    #[arg(long)]
+    context: Option<usize>,
 }
 
 /// `--dtype`.
@@ -379,10 +383,11 @@ fn parse_ids(text: &str, source: &str) -> wgrad::Result<Vec<u32>> {
 /// A generator of `sequences` sequences for `model` with its weights
 /// stored as `dtype`, behind a spinner while its pipelines compile; a
 /// notice on stderr when the adapter cannot store them so and f32 is used.
-fn prepared_generator(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> wgrad::Result<Generator> {
+fn prepared_generator(kernels: Arc<Kernels>, model: &dyn CausalLm, options: &GeneratorOptions) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
     let label = kernels.device().label();
-    let generator = Generator::new_with_dtype(kernels, model, sequences, dtype);
+    let dtype = options.dtype;
+    let generator = Generator::with_options(kernels, model, options);
     bar.finish_and_clear();
     let generator = generator?;
     if generator.dtype() != dtype {
@@ -406,7 +411,7 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompts-file and --batch run models with wgrad's own tokenizers; a GGUF file or a tokenizer.json folder generates one prompt".into() });
         }
         let ids = args.prompt_ids.as_deref().map(|ids| parse_ids(ids, "--prompt-ids")).transpose()?;
-        return crate::chat::generate(opts, &args.model, &args.prompt, ids, args.print_ids, args.max_new_tokens, &args.sampling, args.dtype);
+        return crate::chat::generate(opts, &args.model, &args.prompt, ids, args.print_ids, args.max_new_tokens, &args.sampling, args.dtype, args.context);
     }
     // The prompts as given: (text, whether it is token ids), each once.
     let given: Vec<(String, &str)> = match (&args.prompts_file, &args.prompt_ids) {
@@ -422,8 +427,10 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     let dtype = args.dtype.unwrap_or(DtypeName::F32).weights();
     let copies = args.batch.unwrap_or(1);
     let sequences = given.len() * copies;
-    wgrad::infer::generate::check_fits_with_dtype(&kernels, config.as_ref(), sequences, dtype)?;
+    let options = GeneratorOptions { sequences, context: args.context, dtype, ..GeneratorOptions::default() };
+    wgrad::infer::generate::check_fits_with_options(&kernels, config.as_ref(), &options)?;
     let sizes = config.lm_sizes();
+    let context = options.context_for(sizes.context)?;
     let loaded = wgrad::io::lm_folder::load_lm_folder(&args.model)?;
     // Every prompt's ids, checked before any device work: ids in the
     // vocabulary, text in the tokenizer's alphabet, lengths in the context.
@@ -436,16 +443,16 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             _ => parse_ids(text, ids_source)?,
         };
         wgrad::kernels::check_token_ids("generate", &ids, sizes.vocab_size)?;
-        if ids.len() > sizes.context {
+        if ids.len() > context {
             let which = if given.len() > 1 { format!("prompt {s}") } else { "the prompt".into() };
-            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the model's context of {}", ids.len(), sizes.context) });
+            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the context of {context}", ids.len()) });
         }
         prompts.push(ids);
     }
     let texts: Vec<String> = given.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies)).collect();
     let prompts: Vec<Vec<u32>> = prompts.into_iter().flat_map(|ids| std::iter::repeat_n(ids, copies)).collect();
     let sampling = args.sampling.sampling();
-    let mut generator = prepared_generator(kernels.clone(), loaded.model.as_ref(), sequences, dtype)?;
+    let mut generator = prepared_generator(kernels.clone(), loaded.model.as_ref(), &options)?;
     let text_tokenizer = if args.print_ids { None } else { tokenizer.as_ref() };
     let (count, seconds) = if args.prompts_file.is_some() || args.batch.is_some() {
         generate_batch(&mut generator, text_tokenizer, &texts, &prompts, args.max_new_tokens, &sampling)?

@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod gpt;
 mod plot;
+mod serve;
 mod webgpu_cases;
 
 use std::path::{Path, PathBuf};
@@ -57,6 +58,11 @@ enum Command {
     /// folder with tokenizer.json): one message per line of standard
     /// input, each answer streamed; end of input ends it.
     Chat(Box<chat::ChatArgs>),
+    /// Serve a model (a GGUF file, a folder with tokenizer.json) over an
+    /// OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /// /v1/models, /health), streaming, with continuous batching of
+    /// --max-batch requests on the GPU.
+    Serve(Box<serve::ServeArgs>),
     /// Load a checkpoint, predict the test split and report accuracy.
     Infer {
         #[arg(long, default_value = "out/digits.safetensors")]
@@ -88,6 +94,8 @@ enum Command {
         /// both; so do smollm2's (`--only smollm2`: SmolLM2-135M-Instruct's
         /// GGUF file, from $WGRAD_SMOLLM2 or where
         /// scripts/fetch-smollm2.sh caches it; an error when missing).
+        /// `--only serve` (only by that name): `wgrad serve` on SmolLM2
+        /// under 1, 4 and 16 concurrent streaming clients.
         #[arg(long, value_delimiter = ',', conflicts_with = "compile")]
         only: Vec<String>,
         /// After the gpt2_124m and smollm2 decode timings, one decode step
@@ -608,7 +616,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
 }
 
 fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 9] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode"];
+    const CASES: [&str; 10] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "serve"];
     if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
         return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
     }
@@ -660,6 +668,15 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
             reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
         })?;
         lines.extend(wgrad_benches::smollm2_generate(&kernels, &path, 128, if quick { 8 } else { 32 }, profile)?);
+    }
+    if only.iter().any(|w| w == "serve") {
+        // Only when asked for by name: it needs SmolLM2 and runs minutes.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench serve",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+        })?;
+        let (requests, max_tokens) = if quick { (1, 16) } else { (2, 32) };
+        lines.extend(bench::serve(&kernels, &path, &[1, 4, 16], requests, max_tokens)?);
     }
     println!("{:<32} measurements", "case");
     for l in &lines {
@@ -758,6 +775,7 @@ fn main() -> ExitCode {
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Chat(args) => chat::chat(&opts, args),
+        Command::Serve(args) => serve::serve(&opts, args),
         Command::Bench { quick, compile, profile, only } => bench(&opts, *quick, *compile, *profile, only),
         Command::Tune => tune(&opts),
         Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),

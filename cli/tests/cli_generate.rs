@@ -164,3 +164,20 @@ fn a_llama_folder_saved_by_wgrad_generates() {
     assert!(!output.status.success() && err.contains("no tokenizer") && output.stdout.is_empty(), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn context_sizes_the_kv_cache() {
+    let run = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("generate").arg("--model").arg(fixtures().join("hf-greedy-gpt2")).args(args).output().unwrap();
+    let ids = ["--prompt-ids", "1,2,3,4,5", "--print-ids", "--temperature", "0", "--max-new-tokens", "3"];
+    let output = run(&[&ids[..], &["--context", "4"]].concat());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && err.contains("5 tokens") && err.contains("context of 4"), "{err}");
+    let output = run(&[&ids[..], &["--context", "0"]].concat());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && err.contains("a context of 0 positions"), "{err}");
+    let output = run(&[&ids[..], &["--context", "6"]].concat());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let new_ids = stdout.lines().find_map(|l| l.strip_prefix("new_ids")).expect("a new_ids line");
+    assert_eq!(new_ids.split_whitespace().count(), 3, "three tokens through a 6-position cache (it rolls past its end): {stdout}");
+}

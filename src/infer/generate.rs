@@ -64,7 +64,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, Tensor};
+use crate::graph::{Executor, Graph, SourceOp, Tensor};
 use crate::kernels::{check_token_ids, Kernels, View};
 pub use crate::nn::WeightDtype;
 use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig, QuantizedWeights};
@@ -171,6 +171,72 @@ impl Sampling {
     }
 }
 
+/// How a generator's prompts are run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillMode {
+    /// Every sequence's prompt in one pass ([`Generator::prefill`],
+    /// [`Generator::generate_batch`]): a batch that starts together.
+    #[default]
+    AllSequences,
+    /// One slot's prompt at a time ([`Generator::prefill_slot`]) while the
+    /// other slots keep their caches: continuous batching, where requests
+    /// join a running batch between decode steps. The prompt runs over
+    /// staging caches of one sequence that are then copied into the slot's
+    /// (one sequence's caches more on the GPU), so a join costs its own
+    /// rows, not every slot's. The all-sequence prefills are not built.
+    OneSlot,
+}
+
+/// What [`Generator::with_options`] builds.
+#[derive(Clone, Debug)]
+pub struct GeneratorOptions {
+    /// Sequences (slots) the caches hold.
+    pub sequences: usize,
+    /// Positions each sequence's cache holds, at most the model's context
+    /// (None: the model's). The caches are sized by it: SmolLM2's whole
+    /// 8192 positions are 180 MiB of keys and values per sequence.
+    pub context: Option<usize>,
+    pub dtype: WeightDtype,
+    /// Matrices stored block-quantized (see [`Generator::new_with_weights`]).
+    pub quantized: Arc<QuantizedWeights>,
+    pub prefill: PrefillMode,
+}
+
+impl Default for GeneratorOptions {
+    fn default() -> Self {
+        GeneratorOptions { sequences: 1, context: None, dtype: WeightDtype::F32, quantized: Arc::default(), prefill: PrefillMode::AllSequences }
+    }
+}
+
+impl GeneratorOptions {
+    /// The positions the caches hold for a model of `model_context`.
+    pub fn context_for(&self, model_context: usize) -> Result<usize> {
+        match self.context {
+            None => Ok(model_context),
+            Some(c) if c >= 1 && c <= model_context => Ok(c),
+            Some(c) => Err(Error::InvalidArgument { op: "Generator::new", reason: format!("a context of {c} positions: give 1 to the model's {model_context}") }),
+        }
+    }
+}
+
+/// The name of the one-slot prefill's cache set.
+const STAGING: &str = "slot";
+
+/// Each layer's (cache, staging cache) pairs of a graph built with
+/// [`PrefillMode::OneSlot`], matched by name.
+fn staging_pairs(g: &Graph) -> Result<Vec<(Tensor, Tensor)>> {
+    let caches: Vec<(Tensor, &str)> = g.nodes().iter().enumerate().filter(|(_, n)| n.op == SourceOp::Cache).map(|(i, n)| (Tensor(i), n.name.as_str())).collect();
+    let suffix = format!(".{STAGING}");
+    caches
+        .iter()
+        .filter_map(|&(staging, name)| name.strip_suffix(&suffix).map(|main| (staging, main)))
+        .map(|(staging, main)| {
+            let found = caches.iter().find(|(_, n)| *n == main).map(|&(t, _)| (t, staging));
+            found.ok_or_else(|| Error::InvalidArgument { op: "Generator::new", reason: format!("the staging cache of `{main}` has no cache beside it") })
+        })
+        .collect()
+}
+
 /// A causal language model's forward for generation ([`CausalLm`]: a
 /// [`crate::models::Gpt`], a [`crate::models::Llama`]), with a KV cache on the
 /// GPU for `sequences` sequences over the model's whole context (see the
@@ -185,12 +251,23 @@ pub struct Generator {
     /// How the weights are stored (f32 where f16 was asked for but the
     /// adapter lacks SHADER_F16).
     dtype: WeightDtype,
-    /// Whole-prompt passes by length, shortest first.
+    /// Whole-prompt passes by length, shortest first, each over
+    /// `prefill_batch` sequences.
     prefill: Vec<PrefillPass>,
-    /// u32 [S]: where each sequence's prefill rows start (0 for a prompt,
-    /// the cache's length for a continuation); None when the model reads
-    /// no starts.
+    /// S, or 1 where the prefill passes run one slot at a time
+    /// ([`PrefillMode::OneSlot`]).
+    prefill_batch: usize,
+    /// u32 [prefill_batch]: where each sequence's prefill rows start (0 for
+    /// a prompt, the cache's length for a continuation); None when the
+    /// model reads no starts.
     prefill_starts: Option<Tensor>,
+    /// The prefill passes' sampler inputs (the decode pass's where the
+    /// batches match).
+    prefill_sampler: SamplerInputs,
+    /// With [`PrefillMode::OneSlot`]: each layer's (cache [S, kv_heads,
+    /// context, head_dim], the one-slot prefill's staging cache [1, ..]),
+    /// keys and values alike.
+    staging: Vec<(Tensor, Tensor)>,
     decode: DecodePass,
     sampler: SamplerInputs,
     /// The tokens whose keys and values each sequence's cache holds, in
@@ -203,6 +280,15 @@ impl std::fmt::Debug for Generator {
         let positions: Vec<usize> = self.cached.iter().map(Vec::len).collect();
         f.debug_struct("Generator").field("model", &self.model).field("positions", &positions).finish()
     }
+}
+
+/// One slot's part of [`Generator::decode_slots`]: the token it feeds,
+/// and how it picks the next.
+pub struct SlotStep<'a> {
+    pub token: u32,
+    pub sampling: &'a Sampling,
+    /// The request's own stream: one draw per step.
+    pub rng: &'a mut ChaCha8Rng,
 }
 
 /// Inputs and output of a whole-prompt pass over `rows` positions.
@@ -294,15 +380,24 @@ pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) ->
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
 /// each of its [`crate::nn::LmSizes::f16_weight_values`].
 pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
+    check_fits_with_options(kernels, config, &GeneratorOptions { sequences, dtype, ..GeneratorOptions::default() })
+}
+
+/// [`check_fits`] for a generator built with `options` (its quantized
+/// matrices aside: they are read from the file later), its caches sized by
+/// their context and, with [`PrefillMode::OneSlot`], one sequence's more.
+pub fn check_fits_with_options(kernels: &Kernels, config: &dyn LmConfig, options: &GeneratorOptions) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();
-    let halved = match dtype.on(kernels) {
+    let context = options.context_for(sizes.context)?;
+    let sequences = options.sequences + usize::from(options.prefill == PrefillMode::OneSlot);
+    let halved = match options.dtype.on(kernels) {
         WeightDtype::F32 => 0,
         WeightDtype::F16 => sizes.f16_weight_values,
     };
     let parameters = sizes.parameters.saturating_mul(BYTES).saturating_sub(halved * 2);
     // Keys and values per layer, [sequences, kv_heads, context, head_dim] each.
-    let one_cache = (sequences as u64).saturating_mul(sizes.context as u64).saturating_mul(sizes.cache_width).saturating_mul(BYTES);
+    let one_cache = (sequences as u64).saturating_mul(context as u64).saturating_mul(sizes.cache_width).saturating_mul(BYTES);
     let caches = one_cache.saturating_mul(2 * sizes.cached_layers);
     kernels.check_allocation("Generator", &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)])
 }
@@ -326,26 +421,46 @@ impl Generator {
     /// place of the model's values for them (see
     /// [`ForwardContext::with_quantized`]).
     pub fn new_with_weights(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype, quantized: Arc<QuantizedWeights>) -> Result<Self> {
-        let dtype = dtype.on(&kernels);
+        Self::with_options(kernels, model, &GeneratorOptions { sequences, dtype, quantized, ..GeneratorOptions::default() })
+    }
+
+    /// A generator built as `options` say: its sequences (slots), the
+    /// positions its caches hold, its weights, and whether it prefills all
+    /// sequences together or one slot at a time.
+    pub fn with_options(kernels: Arc<Kernels>, model: &dyn CausalLm, options: &GeneratorOptions) -> Result<Self> {
+        const OP: &str = "Generator::new";
+        let dtype = options.dtype.on(&kernels);
+        let sequences = options.sequences;
         if sequences == 0 {
-            return Err(Error::InvalidArgument { op: "Generator::new", reason: "sequences must be at least 1".into() });
+            return Err(Error::InvalidArgument { op: OP, reason: "sequences must be at least 1".into() });
         }
-        let context = model.context_len();
+        let context = options.context_for(model.context_len())?;
         let mut g = Graph::new();
-        let mut cx = ForwardContext::new(dtype, context).with_quantized(quantized);
+        let mut cx = ForwardContext::new(dtype, context).with_quantized(options.quantized.clone());
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 3])?, top_k: g.ids("sample.top_k", &[sequences])? };
+        let one_slot = options.prefill == PrefillMode::OneSlot;
+        let prefill_batch = if one_slot { 1 } else { sequences };
+        let prefill_sampler = if one_slot {
+            // The one-slot passes write caches of their own, copied into
+            // the slot's afterwards (`Generator::copy_slot`).
+            cx.set_cache_set(STAGING);
+            SamplerInputs { draws: g.input("slot.sample.draws", &[1, 3])?, top_k: g.ids("slot.sample.top_k", &[1])? }
+        } else {
+            sampler
+        };
         // Row t of sequence s is position starts[s] + t: a prompt starts at
         // 0, a continuation where the cache ends (written before each run).
-        let prefill_starts = g.ids("prefill.starts", &[sequences])?;
+        let prefill_starts = g.ids("prefill.starts", &[prefill_batch])?;
         let mut prefill = Vec::new();
         for rows in prefill_lengths(context) {
-            let ids = g.ids(&format!("prefill{rows}.idx"), &[sequences, rows])?;
-            let positions = g.ids(&format!("prefill{rows}.positions"), &[sequences, rows])?;
-            let last = g.ids(&format!("prefill{rows}.last"), &[sequences])?;
+            let ids = g.ids(&format!("prefill{rows}.idx"), &[prefill_batch, rows])?;
+            let positions = g.ids(&format!("prefill{rows}.positions"), &[prefill_batch, rows])?;
+            let last = g.ids(&format!("prefill{rows}.last"), &[prefill_batch])?;
             let pass = CachePass { starts: prefill_starts, positions };
-            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), sampler)?;
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler)?;
             prefill.push(PrefillPass { rows, ids, last, positions: Some(positions), logits, tokens });
         }
+        cx.set_cache_set("");
         let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
         let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
@@ -355,6 +470,7 @@ impl Generator {
             pass.positions = pass.positions.filter(|&t| is_read(&g, t));
         }
         let prefill_starts = Some(prefill_starts).filter(|&t| is_read(&g, t));
+        let staging = if one_slot { staging_pairs(&g)? } else { Vec::new() };
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
         outputs.extend([decode_logits, decode_tokens]);
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
@@ -364,7 +480,7 @@ impl Generator {
         expected.sort();
         if declared != expected {
             return Err(Error::InvalidArgument {
-                op: "Generator::new",
+                op: OP,
                 reason: format!("the generation graph's parameters {declared:?} are not the model's {expected:?}"),
             });
         }
@@ -376,7 +492,10 @@ impl Generator {
             sequences,
             dtype,
             prefill,
+            prefill_batch,
             prefill_starts,
+            prefill_sampler,
+            staging,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
             sampler,
             cached: vec![Vec::new(); sequences],
@@ -398,9 +517,20 @@ impl Generator {
         self.vocab_size
     }
 
-    /// Positions each sequence's cache holds (the model's context).
+    /// Positions each sequence's cache holds (the model's context unless
+    /// [`GeneratorOptions::context`] says fewer).
     pub fn context_len(&self) -> usize {
         self.context
+    }
+
+    /// Sequences (slots) the caches hold.
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    /// Whether prompts run one slot at a time ([`PrefillMode::OneSlot`]).
+    pub fn prefills_one_slot(&self) -> bool {
+        !self.staging.is_empty()
     }
 
     /// The tokens whose keys and values `sequence`'s cache holds (its next
@@ -441,8 +571,8 @@ impl Generator {
     /// (a continuation near the context's end).
     fn set_rows(&self, op: &'static str, chunks: &[&[u32]], starts: &[usize]) -> Result<Option<usize>> {
         let context = self.context;
-        if chunks.len() != self.sequences {
-            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", chunks.len(), self.sequences) });
+        if chunks.len() != self.prefill_batch {
+            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", chunks.len(), self.prefill_batch) });
         }
         for (s, (chunk, &start)) in chunks.iter().zip(starts).enumerate() {
             if chunk.is_empty() {
@@ -464,8 +594,8 @@ impl Generator {
         };
         let pass = &self.prefill[index];
         let rows = pass.rows;
-        let mut ids = vec![0u32; self.sequences * rows];
-        let mut last = Vec::with_capacity(self.sequences);
+        let mut ids = vec![0u32; self.prefill_batch * rows];
+        let mut last = Vec::with_capacity(self.prefill_batch);
         for (s, chunk) in chunks.iter().enumerate() {
             ids[s * rows..s * rows + chunk.len()].copy_from_slice(chunk);
             last.push((s * rows + chunk.len() - 1) as u32);
@@ -536,41 +666,53 @@ impl Generator {
     /// settings for every sequence, and one uniform draw of `rng` per
     /// sequence, in sequence order (as [`Sampling::sample`] draws).
     fn set_sampling(&self, sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<()> {
-        let vocab = self.vocab_size;
-        let mut draws = Vec::with_capacity(3 * self.sequences);
-        let mut top_k = Vec::with_capacity(self.sequences);
-        for _ in 0..self.sequences {
-            let (draw, k) = sampling.row_settings(rng, vocab);
-            draws.extend(draw);
-            top_k.push(k);
-        }
-        self.exec.set_input(self.sampler.draws, &draws)?;
-        self.exec.set_labels(self.sampler.top_k, &top_k)
+        let rows: Vec<_> = (0..self.sequences).map(|_| sampling.row_settings(rng, self.vocab_size)).collect();
+        self.set_sampler_rows(self.sampler, &rows)
+    }
+
+    /// Writes each row's (u, temperature, top_p) and k into `sampler`.
+    fn set_sampler_rows(&self, sampler: SamplerInputs, rows: &[([f32; 3], u32)]) -> Result<()> {
+        let draws: Vec<f32> = rows.iter().flat_map(|r| r.0).collect();
+        let top_k: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        self.exec.set_input(sampler.draws, &draws)?;
+        self.exec.set_labels(sampler.top_k, &top_k)
     }
 
     /// The tokens in the sampler's output `picks` [S, 2], or the error
     /// [`Sampling::sample`] gives for a logit that is not finite (its value
     /// read back from `logits`, the one logit that comes back).
     fn sampled_tokens(&self, op: &'static str, picks: &[u32], logits: Tensor) -> Result<Vec<u32>> {
+        let many = picks.len() > 2;
+        picks.chunks_exact(2).enumerate().map(|(s, pick)| self.sampled_token(op, s, many, pick, logits)).collect()
+    }
+
+    /// Row `s`'s token of the sampler's output, `pick` = (token, first
+    /// non-finite logit); `many` names the sequence in the error.
+    fn sampled_token(&self, op: &'static str, s: usize, many: bool, pick: &[u32], logits: Tensor) -> Result<u32> {
         let vocab = self.vocab_size;
-        let mut tokens = Vec::with_capacity(self.sequences);
-        for (s, pick) in picks.chunks_exact(2).enumerate() {
-            let (token, bad) = (pick[0], pick[1]);
-            if bad != crate::ops::NO_TOKEN {
-                let all = self.exec.tensor_view(logits)?;
-                let at = s * vocab + bad as usize;
-                let one = View { offset: all.offset + at as u64 * 4, len: 1, ..all };
-                let value = if at < all.len { self.exec.kernels().read::<f32>(one)?.first().map(f32::to_string) } else { None };
-                let value = value.unwrap_or_else(|| "?".into());
-                let sequence = if self.sequences > 1 { format!(" in sequence {s}") } else { String::new() };
-                return Err(Error::InvalidArgument { op, reason: format!("logit {value} of token {bad}{sequence} is not finite") });
-            }
-            if token as usize >= vocab {
-                return Err(Error::InvalidArgument { op, reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}") });
-            }
-            tokens.push(token);
+        let (token, bad) = (pick[0], pick[1]);
+        if bad != crate::ops::NO_TOKEN {
+            let all = self.exec.tensor_view(logits)?;
+            let at = s * vocab + bad as usize;
+            let one = View { offset: all.offset + at as u64 * 4, len: 1, ..all };
+            let value = if at < all.len { self.exec.kernels().read::<f32>(one)?.first().map(f32::to_string) } else { None };
+            let value = value.unwrap_or_else(|| "?".into());
+            let sequence = if many { format!(" in sequence {s}") } else { String::new() };
+            return Err(Error::InvalidArgument { op, reason: format!("logit {value} of token {bad}{sequence} is not finite") });
         }
-        Ok(tokens)
+        if token as usize >= vocab {
+            return Err(Error::InvalidArgument { op, reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}") });
+        }
+        Ok(token)
+    }
+
+    /// Refuses an all-sequence prefill on a generator built to prefill one
+    /// slot at a time.
+    fn all_sequences(&self, op: &'static str) -> Result<()> {
+        if self.staging.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument { op, reason: "this generator prefills one slot at a time (PrefillMode::OneSlot): use prefill_slot".into() })
     }
 
     /// Runs each sequence's prompt from position 0 in one submission,
@@ -579,6 +721,7 @@ impl Generator {
     /// pick the next token, [`Generator::prefill_and_sample`] reads back
     /// only the token).
     pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
+        self.all_sequences("Generator::prefill")?;
         let pass = self.set_prompts("Generator::prefill", prompts)?;
         let logits = self.prefill[pass].logits;
         let values = self.exec.run_and_read(&[logits], logits)?;
@@ -594,6 +737,7 @@ impl Generator {
     /// candidates (see `Kernels::sample_rows`).
     pub fn prefill_and_sample(&mut self, prompts: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
         const OP: &str = "Generator::prefill_and_sample";
+        self.all_sequences(OP)?;
         sampling.check()?;
         let pass = self.set_prompts(OP, prompts)?;
         self.set_sampling(sampling, rng)?;
@@ -611,6 +755,7 @@ impl Generator {
     /// tokens and the chunk from 0, up to rounding). The cache and the
     /// chunk together must fit the context.
     pub fn extend(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
+        self.all_sequences("Generator::extend")?;
         let mut after = Vec::new();
         let pass = self.set_continuation("Generator::extend", tokens, &mut after)?;
         let logits = self.prefill[pass].logits;
@@ -623,6 +768,7 @@ impl Generator {
     /// as [`Generator::prefill_and_sample`] does.
     pub fn extend_and_sample(&mut self, tokens: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
         const OP: &str = "Generator::extend_and_sample";
+        self.all_sequences(OP)?;
         sampling.check()?;
         let mut after = Vec::new();
         let pass = self.set_continuation(OP, tokens, &mut after)?;
@@ -631,6 +777,153 @@ impl Generator {
         let picks = self.exec.run_and_read_u32(&[picks], picks)?;
         self.cached = after;
         self.sampled_tokens(OP, &picks, logits)
+    }
+
+    /// Feeds `tokens` to slot `slot` after what its cache holds (all of
+    /// them: truncate it to 0 first for a new prompt, as
+    /// [`Generator::prefill_slot`] does) and picks its next token by
+    /// `sampling` with one draw of `rng`, while every other slot keeps its
+    /// cache: continuous batching's join. Needs [`PrefillMode::OneSlot`].
+    /// The slot's history (if any) is copied into the staging caches, the
+    /// chunk runs there in one submission, and the positions it wrote are
+    /// copied back into the slot.
+    pub fn extend_slot(&mut self, slot: usize, tokens: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
+        const OP: &str = "Generator::extend_slot";
+        sampling.check()?;
+        if self.staging.is_empty() {
+            return Err(Error::InvalidArgument { op: OP, reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into() });
+        }
+        let held = self.slot_tokens(OP, slot)?.len();
+        let start = match self.set_rows(OP, &[tokens], &[held])? {
+            Some(pass) => {
+                self.copy_slot(slot, 0, held, true)?;
+                (pass, held)
+            }
+            // Near the context's end the chunk runs from 0 with the history
+            // (which fits: set_rows checked it).
+            None => {
+                let whole = [self.cached[slot].as_slice(), tokens].concat();
+                (self.set_rows(OP, &[&whole], &[0])?.ok_or_else(|| Error::InvalidArgument { op: OP, reason: format!("no prefill pass holds {} positions", whole.len()) })?, 0)
+            }
+        };
+        let (pass, from) = start;
+        self.set_sampler_rows(self.prefill_sampler, &[sampling.row_settings(rng, self.vocab_size)])?;
+        let PrefillPass { logits, tokens: picks, .. } = self.prefill[pass];
+        let picks = self.exec.run_and_read_u32(&[picks], picks)?;
+        let end = held + tokens.len();
+        self.copy_slot(slot, from, end, false)?;
+        self.cached[slot].extend_from_slice(tokens);
+        self.sampled_token(OP, 0, false, &picks, logits)
+    }
+
+    /// Runs `prompt` in slot `slot` from position 0, replacing what its
+    /// cache held, and picks its next token ([`Generator::extend_slot`]).
+    pub fn prefill_slot(&mut self, slot: usize, prompt: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
+        self.truncate(slot, 0)?;
+        self.extend_slot(slot, prompt, sampling, rng)
+    }
+
+    /// `slot`'s cached tokens, or an error naming the slots there are.
+    fn slot_tokens(&self, op: &'static str, slot: usize) -> Result<&[u32]> {
+        let sequences = self.sequences;
+        self.cached.get(slot).map(Vec::as_slice).ok_or_else(|| Error::InvalidArgument { op, reason: format!("slot {slot} of a generator of {sequences}") })
+    }
+
+    /// Copies positions `from .. to` of `slot`'s keys and values into the
+    /// staging caches (`to_staging`) or back, every layer and KV head, in
+    /// one submission (queued after the last run, before the next).
+    fn copy_slot(&self, slot: usize, from: usize, to: usize, to_staging: bool) -> Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        const BYTES: u64 = 4;
+        let graph = self.exec.graph();
+        let mut copies = Vec::new();
+        for &(main, staging) in &self.staging {
+            let &[_, kv_heads, context, head_dim] = graph.shape_of(main).unwrap_or_default() else {
+                return Err(Error::InvalidArgument { op: "Generator::copy_slot", reason: "a cache lost its shape [sequences, kv_heads, context, head_dim]".into() });
+            };
+            let (main, staging) = (self.exec.tensor_view(main)?, self.exec.tensor_view(staging)?);
+            let row = head_dim as u64 * BYTES;
+            for h in 0..kv_heads {
+                let main_at = main.offset + (((slot * kv_heads + h) * context + from) as u64) * row;
+                let staging_at = staging.offset + ((h * context + from) as u64) * row;
+                let (source, destination) = if to_staging { ((main.buffer, main_at), (staging.buffer, staging_at)) } else { ((staging.buffer, staging_at), (main.buffer, main_at)) };
+                copies.push((source, destination, (to - from) as u64 * row));
+            }
+        }
+        self.exec.kernels().submit_pass(
+            "Generator::copy_slot",
+            std::iter::empty(),
+            |encoder| {
+                for ((source, source_at), (destination, destination_at), bytes) in copies {
+                    encoder.copy_buffer_to_buffer(source, source_at, destination, destination_at, bytes);
+                }
+            },
+            |_| {},
+        )
+    }
+
+    /// One decode step over every slot in one submission: slot s with
+    /// `steps[s]` = Some feeds its token at its next position and picks
+    /// the next by its own sampling and draws from its own stream (one
+    /// draw per step), so each request samples as it would alone; a slot
+    /// with None sits the step out, its row computed at its next position
+    /// and forgotten (a slot whose cache is full cannot: free or truncate
+    /// it). Returns each stepping slot's token, or its own error (a logit
+    /// that is not finite) without failing the others'.
+    pub fn decode_slots(&mut self, steps: &mut [Option<SlotStep<'_>>]) -> Result<Vec<Option<Result<u32>>>> {
+        const OP: &str = "Generator::decode_slots";
+        let (context, sequences) = (self.context, self.sequences);
+        if steps.len() != sequences {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} slots' steps for a generator of {sequences}", steps.len()) });
+        }
+        let mut ids = Vec::with_capacity(sequences);
+        let mut positions = Vec::with_capacity(sequences);
+        let mut rows = Vec::with_capacity(sequences);
+        for (s, step) in steps.iter_mut().enumerate() {
+            let held = self.cached[s].len();
+            if held >= context {
+                let why = if step.is_some() { "has filled its context" } else { "sits out the step with a full context" };
+                return Err(Error::InvalidArgument { op: OP, reason: format!("slot {s} {why} of {context} positions; free it or truncate it") });
+            }
+            positions.push(held as u32);
+            match step {
+                Some(step) => {
+                    step.sampling.check()?;
+                    ids.push(step.token);
+                    rows.push(step.sampling.row_settings(step.rng, self.vocab_size));
+                }
+                // Greedy, so the row draws nothing.
+                None => {
+                    ids.push(0);
+                    rows.push(([0.0, 0.0, 1.0], 1));
+                }
+            }
+        }
+        self.check_ids(OP, &ids)?;
+        self.exec.set_labels(self.decode.ids, &ids)?;
+        self.exec.set_labels(self.decode.positions, &positions)?;
+        self.set_sampler_rows(self.sampler, &rows)?;
+        let picks = self.exec.run_and_read_u32(&[self.decode.tokens], self.decode.tokens)?;
+        let mut tokens = Vec::with_capacity(sequences);
+        for (s, (step, pick)) in steps.iter().zip(picks.chunks_exact(2)).enumerate() {
+            tokens.push(step.as_ref().map(|step| {
+                self.cached[s].push(step.token);
+                self.sampled_token(OP, s, true, pick, self.decode.logits)
+            }));
+        }
+        Ok(tokens)
+    }
+
+    /// Bytes of the key and value caches: (every slot's, the one-slot
+    /// prefill's staging caches').
+    pub fn cache_bytes(&self) -> (u64, u64) {
+        let graph = self.exec.graph();
+        let bytes = |t: Tensor| graph.shape_of(t).map_or(0, |s| s.iter().product::<usize>() as u64 * 4);
+        let staging: u64 = self.staging.iter().map(|&(_, t)| bytes(t)).sum();
+        let all: u64 = graph.nodes().iter().enumerate().filter(|(_, n)| n.op == SourceOp::Cache).map(|(i, _)| bytes(Tensor(i))).sum();
+        (all - staging, staging)
     }
 
     /// Forgets all but the first `len` tokens of `sequence`'s cache (the

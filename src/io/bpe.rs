@@ -400,6 +400,18 @@ impl BpeTokenizer {
     pub fn stream(&self, skip_special: bool) -> TokenStream<'_> {
         TokenStream { tokenizer: self, text: Utf8Stream::default(), skip_special }
     }
+
+    /// The text `id` completes in `text` (empty while a character is
+    /// incomplete, or for a control token with `skip_special`): one step of
+    /// a [`TokenStream`], for a decoder that outlives a borrow of the
+    /// tokenizer (a server's response stream).
+    pub fn decode_next(&self, text: &mut Utf8Stream, id: u32, skip_special: bool) -> Result<String> {
+        let token = self.token_bytes(id)?;
+        if skip_special && self.is_special(id) {
+            return Ok(String::new());
+        }
+        Ok(text.push(token))
+    }
 }
 
 /// Token types as integers, whatever integer type the file used.
@@ -428,11 +440,7 @@ pub struct TokenStream<'t> {
 impl TokenStream<'_> {
     /// The text `id` completes (empty while a character is incomplete).
     pub fn push(&mut self, id: u32) -> Result<String> {
-        let token = self.tokenizer.token_bytes(id)?;
-        if self.skip_special && self.tokenizer.is_special(id) {
-            return Ok(String::new());
-        }
-        Ok(self.text.push(token))
+        self.tokenizer.decode_next(&mut self.text, id, self.skip_special)
     }
 
     /// What is left at the end (an incomplete character as U+FFFD).

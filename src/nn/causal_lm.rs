@@ -137,6 +137,9 @@ pub struct ForwardContext {
     quantized: Arc<QuantizedWeights>,
     /// Positions each cache holds.
     context: usize,
+    /// Appended to the names of the caches declared from now on (see
+    /// [`ForwardContext::set_cache_set`]).
+    cache_set: String,
     declared: HashMap<String, Tensor>,
 }
 
@@ -174,7 +177,16 @@ impl ForwardContext {
     /// A context whose caches hold `context` positions and whose weights
     /// are stored as `weights`.
     pub fn new(weights: WeightDtype, context: usize) -> Self {
-        ForwardContext { weights, quantized: Arc::default(), context, declared: HashMap::new() }
+        ForwardContext { weights, quantized: Arc::default(), context, cache_set: String::new(), declared: HashMap::new() }
+    }
+
+    /// Forwards run from now on read and write their own caches,
+    /// `{prefix}k_cache.{name}` (the empty name: the first set,
+    /// `{prefix}k_cache`), sized by their own batch: a pass over fewer
+    /// sequences than another (a server's one-slot prefill beside its
+    /// every-slot decode) needs caches of its own. Parameters stay shared.
+    pub fn set_cache_set(&mut self, name: &str) {
+        self.cache_set = if name.is_empty() { String::new() } else { format!(".{name}") };
     }
 
     /// This context with `quantized`'s matrices stored block-quantized
@@ -243,7 +255,7 @@ pub(crate) fn cached_attention(g: &mut Graph, prefix: &str, qkv: [Tensor; 3], la
         let Some(Active { cx, pass }) = active.as_mut() else {
             return Err(Error::InvalidArgument { op: "cached_attention", reason: "no forward context is active".into() });
         };
-        let key = format!("{prefix}k_cache");
+        let (keys, values) = (format!("{prefix}k_cache{}", cx.cache_set), format!("{prefix}v_cache{}", cx.cache_set));
         let mut cache = |name: String| -> Result<Tensor> {
             if let Some(&t) = cx.declared.get(&name) {
                 return Ok(t);
@@ -252,7 +264,7 @@ pub(crate) fn cached_attention(g: &mut Graph, prefix: &str, qkv: [Tensor; 3], la
             cx.declared.insert(name, t);
             Ok(t)
         };
-        let caches = (cache(key)?, cache(format!("{prefix}v_cache"))?);
+        let caches = (cache(keys)?, cache(values)?);
         Ok((*pass, caches))
     })?;
     g.cached_attention(qkv, layout, pass.starts, caches.0, caches.1, heads)

@@ -253,7 +253,7 @@ fn several_sequences_keep_their_own_caches() {
 /// 2 KV heads and an untied head, multi-query (3 heads over 1, head width
 /// 8) with a tied head, and Meta's interleaved rotary pairs with
 /// multi-head attention.
-fn llama_configs() -> [LlamaConfig; 3] {
+pub(crate) fn llama_configs() -> [LlamaConfig; 3] {
     let base = LlamaConfig {
         vocab_size: CONFIG.vocab_size,
         block_size: CONFIG.block_size,
@@ -276,7 +276,7 @@ fn llama_configs() -> [LlamaConfig; 3] {
 
 /// A random Llama with sharp attention and logits of order 1 (as
 /// `sharp_model`): Llama's init (std 0.02) scaled up.
-fn sharp_llama(config: LlamaConfig, seed: u64) -> Llama {
+pub(crate) fn sharp_llama(config: LlamaConfig, seed: u64) -> Llama {
     nn::manual_seed(seed);
     let mut model = Llama::new(config).expect("valid config");
     model.embed_tokens.weight.iter_mut().for_each(|w| *w *= 50.0);

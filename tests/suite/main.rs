@@ -6,6 +6,7 @@
 
 mod common;
 
+mod batch;
 mod checkpoint;
 mod data;
 mod device;

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Checks `wgrad serve` with real clients: the official `openai` Python
+# package (streamed and not: issue 28's Done-when call) and curl, against a
+# server started on a free loopback port. Exits non-zero on any mismatch.
+#
+#   scripts/serve-openai-check.sh                      # the tiny GGUF fixture
+#   scripts/serve-openai-check.sh --model ~/.cache/wgrad/models/SmolLM2-135M-Instruct.Q4_1.gguf --expect Paris
+#   scripts/serve-openai-check.sh --wgrad target/release/wgrad   # that binary, no cargo build
+#
+# The fixture (random weights, a 32-position context) is served from a copy
+# whose header says 4096 positions, as cli/tests/serve.rs does, so the
+# question fits; its answer is noise, so only the protocol is checked.
+# With --expect WORD both answers must contain WORD. The venv (openai) is
+# made under $XDG_CACHE_HOME/wgrad (or ~/.cache/wgrad), never in the repo.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+model=""
+expect=""
+max_context=256
+wgrad=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --model) model=$2; shift 2 ;;
+        --expect) expect=$2; shift 2 ;;
+        --max-context) max_context=$2; shift 2 ;;
+        --wgrad) wgrad=$2; shift 2 ;;
+        *) echo "usage: $0 [--model FILE.gguf|FOLDER] [--expect WORD] [--max-context T] [--wgrad BINARY]" >&2; exit 2 ;;
+    esac
+done
+
+work=$(mktemp -d)
+server_pid=""
+cleanup() {
+    if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/wgrad
+venv=$cache/serve-check-venv
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
+    mkdir -p "$cache"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check openai
+fi
+py=$venv/bin/python
+
+if [ -z "$model" ]; then
+    model=$work/tiny-llama.gguf
+    "$py" - "$root/tests/fixtures/gguf-llama.gguf" "$model" <<'EOF'
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+key = b"llama.context_length"
+at = data.index(key) + len(key)
+assert struct.unpack_from("<II", data, at) == (4, 32), "a u32 context of 32"
+struct.pack_into("<I", data, at + 4, 4096)
+open(sys.argv[2], "wb").write(data)
+EOF
+fi
+
+if [ -z "$wgrad" ]; then
+    (cd "$root" && cargo build --release -q -p wgrad-cli)
+    wgrad=$root/target/release/wgrad
+fi
+"$wgrad" serve --model "$model" --port 0 --max-batch 2 --max-context "$max_context" > "$work/stdout" 2> "$work/stderr" &
+server_pid=$!
+for _ in $(seq 1 600); do
+    grep -q "listening on" "$work/stdout" 2>/dev/null && break
+    kill -0 "$server_pid" 2>/dev/null || { cat "$work/stderr" >&2; echo "FAIL: the server exited" >&2; exit 1; }
+    sleep 0.2
+done
+address=$(grep -o "http://127.0.0.1:[0-9]*" "$work/stdout" | head -1)
+[ -n "$address" ] || { cat "$work/stderr" >&2; echo "FAIL: no address" >&2; exit 1; }
+model_id=$(sed -n 's/.*as model `\([^`]*\)`.*/\1/p' "$work/stdout")
+echo "server: $address, model $model_id"
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# curl: health, a streamed chat ending in [DONE], a malformed body's 400.
+curl -sf "$address/health" | grep -q '"status":"ok"' || fail "/health"
+curl -sfN "$address/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\":\"$model_id\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4,\"stream\":true}" > "$work/sse"
+tail -n 2 "$work/sse" | grep -q '^data: \[DONE\]' || fail "curl stream did not end with [DONE]: $(cat "$work/sse")"
+status=$(curl -s -o "$work/bad" -w '%{http_code}' "$address/v1/chat/completions" -H 'Content-Type: application/json' -d '{"messages": [')
+[ "$status" = 400 ] && grep -q '"error"' "$work/bad" || fail "malformed JSON gave $status: $(cat "$work/bad")"
+echo "curl: ok"
+
+"$py" - "$address" "$model_id" "$expect" <<'EOF'
+import sys
+import openai
+
+address, model, expect = sys.argv[1:4]
+client = openai.OpenAI(base_url=f"{address}/v1", api_key="x")
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+assert model in [m.id for m in client.models.list().data], "the model is listed"
+
+whole = client.chat.completions.create(model=model, messages=messages, temperature=0)
+answer = whole.choices[0].message.content
+assert whole.object == "chat.completion" and whole.choices[0].finish_reason in ("stop", "length"), whole
+assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens > 0, whole.usage
+assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+pieces, finish, usage = [], None, None
+for chunk in client.chat.completions.create(model=model, messages=messages, temperature=0, stream=True):
+    if chunk.choices:
+        pieces.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    usage = chunk.usage or usage
+streamed = "".join(pieces)
+assert streamed == answer, f"streamed {streamed!r} != whole {answer!r}"
+assert finish == whole.choices[0].finish_reason and usage is not None and usage.completion_tokens == whole.usage.completion_tokens, (finish, usage)
+
+text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+assert text.object == "text_completion" and text.usage.completion_tokens <= 5, text
+
+try:
+    client.chat.completions.create(model="no-such-model", messages=messages)
+    raise AssertionError("an unknown model was accepted")
+except openai.NotFoundError:
+    pass
+
+if expect:
+    assert expect in answer and expect in streamed, f"{expect!r} is not in {answer!r}"
+print(f"openai {openai.__version__}: ok; answer ({whole.usage.completion_tokens} tokens): {answer!r}")
+EOF
+kill -TERM "$server_pid"
+wait "$server_pid" || fail "the server exited with $? after SIGTERM"
+server_pid=""
+echo "PASS"
