@@ -215,16 +215,23 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
     let planning = Planning { criterion: wgrad::nn::CrossEntropyLoss.into(), optimizer: config.optimizer, batch: config.batch_size, micro_batches: config.micro_batches, device_alignment: 256 };
     let context = model.lm_sizes().context;
     println!("{}: {} parameters, vocabulary {}; batch {} × {context} tokens; {}", M::title(&model.config()), model.num_parameters(), model.vocab_size(), config.batch_size, wgrad::optim::describe(&config.optimizer));
-    println!("bytes on the fullest device (MiB), planned without a device; ZeRO: what each stage keeps between steps");
-    println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
-    let mb = |b: u64| format!("{:.1}", b as f64 / (1024.0 * 1024.0));
+    let mut rows = Vec::new();
     for &n in &counts {
         let strategies = if n == 1 { vec![("single".to_string(), Strategy::Single)] } else { every_strategy() };
         for (name, strategy) in strategies {
-            match strategy_memory(&model, strategy, n, &planning) {
-                Ok(m) => println!("{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", mb(m.parameters), mb(m.gradients), mb(m.optimizer_state), mb(m.activations), mb(m.total())),
-                Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
-            }
+            rows.push((n, name, strategy_memory(&model, strategy, n, &planning)));
+        }
+    }
+    // MiB, or KiB for a small model (whose MiB would all read 0.0).
+    let largest = rows.iter().filter_map(|(_, _, m)| m.as_ref().ok()).map(|m| m.total()).max().unwrap_or(0);
+    let (unit, scale) = if largest >= 10 << 20 { ("MiB", 1024.0 * 1024.0) } else { ("KiB", 1024.0) };
+    println!("bytes on the fullest device ({unit}), planned without a device; ZeRO: what each stage keeps between steps");
+    println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
+    let v = |b: u64| format!("{:.1}", b as f64 / scale);
+    for (n, name, memory) in rows {
+        match memory {
+            Ok(m) => println!("{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", v(m.parameters), v(m.gradients), v(m.optimizer_state), v(m.activations), v(m.total())),
+            Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
     Ok(())

@@ -136,8 +136,10 @@ fn wgrad_train_gpt_in_parallel_ends_where_one_device_ends() {
     assert!(tensor.contains("tensor parallel over 2 devices") && tensor.contains("split per device") && tensor.contains("communication"), "{tensor}");
     let pipeline = run("pipeline", &["--parallel", "pipeline", "--devices", "2", "--micro-batches", "2", "--schedule", "gpipe"]);
     assert!(pipeline.contains("GPipe") && pipeline.contains("bubble"), "{pipeline}");
+    let zero = run("zero", &["--parallel", "zero", "--zero-stage", "2", "--devices", "2"]);
+    assert!(zero.contains("ZeRO stage 2") && zero.contains("kept per device between steps"), "{zero}");
     let want = final_validation_loss(&single);
-    for (strategy, output) in [("data", &data), ("tensor", &tensor), ("pipeline", &pipeline)] {
+    for (strategy, output) in [("data", &data), ("tensor", &tensor), ("pipeline", &pipeline), ("ZeRO-2", &zero)] {
         let got = final_validation_loss(output);
         // The same training up to the f32 summation order of the batch and
         // of the split matmuls (tests/suite/gpt_data_parallel.rs,
@@ -160,6 +162,8 @@ fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
         (vec!["--parallel", "tensor", "--devices", "3"], vec!["3 devices".into(), "2 heads".into()]),
         (vec!["--parallel", "pipeline", "--devices", "4"], vec!["4 stages".into(), "at most 3".into()]),
         (vec!["--parallel", "pipeline", "--micro-batches", "3"], vec!["4 rows".into(), "3 equal micro-batches".into()]),
+        (vec!["--parallel", "data", "--zero-stage", "2"], vec!["--parallel zero".into()]),
+        (vec!["--parallel", "zero", "--zero-stage", "4"], vec!["stages 1, 2 and 3".into()]),
     ] {
         let start = std::time::Instant::now();
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, "never")).args(&extra).output().unwrap();
@@ -173,4 +177,39 @@ fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
         assert!(took < std::time::Duration::from_secs(5), "{extra:?} took {took:?}");
         assert!(!dir.join("never").exists());
     }
+}
+
+/// `--dry-run` prints every strategy's bytes per device at 1, 2 and 4
+/// devices without training: ZeRO's optimizer state at most 0.55× data
+/// parallel's at 2 devices, tensor and pipeline parallel refused where 4
+/// devices cannot share the GPT's 2 heads and 1 block, and no model folder
+/// written.
+#[test]
+fn wgrad_train_dry_run_prints_the_memory_of_every_strategy() {
+    let dir = std::env::temp_dir().join(format!("wgrad-dry-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, "never")).args(["--dry-run", "--devices", "4"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    // devices, strategy, parameters, gradients, optimizer, activations, total (MiB)
+    let row = |devices: &str, strategy: &str| -> Vec<String> {
+        let line = stdout.lines().find(|l| l.split_whitespace().take(2).eq([devices, strategy])).unwrap_or_else(|| panic!("no {strategy} row at {devices}: {stdout}"));
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    assert_eq!(row("1", "single").len(), 7, "{stdout}");
+    for strategy in ["data", "zero-1", "zero-2", "zero-3", "tensor", "pipeline"] {
+        assert_eq!(row("2", strategy).len(), 7, "{stdout}");
+    }
+    for strategy in ["data", "zero-1", "zero-2", "zero-3"] {
+        assert_eq!(row("4", strategy).len(), 7, "{stdout}");
+    }
+    // 2 heads, and 1 block with its embedding and head: at most 3 stages.
+    assert!(row("4", "tensor").join(" ").contains("cannot") && row("4", "pipeline").join(" ").contains("cannot"), "{stdout}");
+    let optimizer = |strategy: &str| row("2", strategy)[4].parse::<f64>().unwrap();
+    assert!(optimizer("data") > 0.0, "{stdout}");
+    assert!(optimizer("zero-1") <= 0.55 * optimizer("data"), "{stdout}");
+    assert!(!stdout.contains("final validation loss") && !dir.join("never").exists(), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

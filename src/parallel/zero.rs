@@ -258,16 +258,10 @@ impl Zero {
         Ok(value[0])
     }
 
-    /// This process's range of the arena, as the concatenation of its
-    /// devices' shards of `arena` read to the host.
-    fn process_shard_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
-        self.gathered_arena(arena)
-    }
-
     /// The whole arena from every process's range of it (collective
     /// across processes; this process's devices alone without).
     fn whole_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
-        let own = self.process_shard_on_host(arena)?;
+        let own = self.gathered_arena(arena)?;
         match &self.processes {
             None => Ok(own),
             Some(g) => g.all_gather_f32(&own, &self.process_shards.iter().map(|r| r.len()).collect::<Vec<_>>()),
@@ -453,7 +447,8 @@ impl Zero {
         Ok(classes)
     }
 
-    /// The whole arena on the host: each device's shard of `arena`, in order.
+    /// This process's range of the arena on the host: each device's shard
+    /// of `arena`, in order (the whole arena within one process).
     fn gathered_arena<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
         let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(i, k)| (k.as_ref(), arena(i))).collect();
         Ok(to_host(&pairs, Instant::now())?.0.concat())
