@@ -10,8 +10,11 @@
 use crate::common;
 
 use common::{central_differences, gradcheck, mse_to_random, param, wide};
-use common::{assert_close, for_each_adapter, random_vec, read, rng};
+use common::{assert_close, clipped_adamw, for_each_adapter, random_vec, read, rng, train_on_one_device};
+use rand::Rng;
 use wgrad::graph::{Executor, Graph, Tensor};
+use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use wgrad::nn::{self, AttentionKernel, Module};
 use wgrad::kernels::{FlashAttentionShape, MatmulForm, FLASH_MAX_HEAD_DIM};
 use wgrad::{cpu, Error, Kernels};
 
@@ -201,6 +204,52 @@ fn fused_op_matches_the_unfused_graph() {
             for (name, (fused, unfused)) in ["y", "dq", "dk", "dv"].iter().zip(results[0].iter().zip(&results[1])) {
                 assert_close(&format!("{name} {what}"), fused, unfused, 1e-5, 1e-4);
             }
+        }
+        Ok(())
+    });
+}
+
+/// Random token ids and targets for `steps` batches of `batch` × `t`.
+fn token_batches(steps: u64, batch: usize, t: usize, vocab: u32) -> Vec<(Vec<u32>, Vec<u32>)> {
+    (0..steps)
+        .map(|s| {
+            let mut r = rng(2800 + s);
+            let ids: Vec<u32> = (0..batch * t).map(|_| r.random_range(0..vocab)).collect();
+            let targets = ids.iter().map(|&i| (i * 7 + 3) % vocab).collect();
+            (ids, targets)
+        })
+        .collect()
+}
+
+/// A clipping threshold no gradient norm here reaches: the norms are
+/// computed (and compared) but never clip.
+const CLIP_ABOVE_EVERY_NORM: f32 = 1e6;
+
+/// The GPT and the Llama (4 heads over 2 KV heads) train by default through
+/// the fused op, and their losses and gradient norms over five AdamW steps
+/// equal the unfused reference's.
+#[test]
+fn models_train_fused_by_default_as_the_unfused_reference() {
+    for_each_adapter("models fused vs unfused attention", |k| {
+        let (vocab, t, batch) = (23usize, 11usize, 3usize);
+        let batches = token_batches(5, batch, t, vocab as u32);
+        nn::manual_seed(27);
+        let gpt = Gpt::new(GptConfig { vocab_size: vocab, block_size: t, n_layer: 2, n_head: 2, n_embd: 16 })?;
+        nn::manual_seed(27);
+        let llama = Llama::new(LlamaConfig { vocab_size: vocab, block_size: t, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, intermediate_size: 24, ..LlamaConfig::small(vocab) })?;
+        let (mut gpt_unfused, mut llama_unfused) = (gpt.clone(), llama.clone());
+        gpt_unfused.set_attention_kernel(AttentionKernel::Unfused);
+        llama_unfused.set_attention_kernel(AttentionKernel::Unfused);
+        let cases: [(&str, &dyn Module, &dyn Module); 2] = [("GPT", &gpt, &gpt_unfused), ("Llama", &llama, &llama_unfused)];
+        for (name, fused, unfused) in cases {
+            let (trainer, fused_losses, fused_norms) = train_on_one_device(k, fused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
+            let ops: Vec<&str> = trainer.executor().graph().nodes().iter().map(|n| n.op.name()).collect();
+            assert!(ops.contains(&"fused_causal_attention") && !ops.contains(&"softmax"), "{name} trains through the fused op by default: {ops:?}");
+            let (_, unfused_losses, unfused_norms) = train_on_one_device(k, unfused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
+            // f32 on both paths, summing in different orders, over five
+            // steps of an optimizer that normalizes its updates.
+            assert_close(&format!("{name} losses"), &fused_losses, &unfused_losses, 1e-5, 1e-4);
+            assert_close(&format!("{name} gradient norms"), &fused_norms, &unfused_norms, 1e-5, 1e-3);
         }
         Ok(())
     });
