@@ -46,7 +46,8 @@ struct FlashParams {
     chunk_end: u32,
     // 1: the launch starts the outputs; 0: it continues them.
     first: u32,
-    // Rows per workgroup-memory tile (TILE_VEC4 / ⌈d/4⌉, at most MAX_TILE).
+    // Rows per workgroup-memory tile (TILE_VEC4 / padded_vec4s(d), at most
+    // MAX_TILE).
     tile: u32,
     _pad0: u32,
     _pad1: u32,
@@ -83,14 +84,14 @@ const MAX_TILE: u32 = 64u;
 // loss.wgsl); a value from workgroupUniformLoad is not inlined.
 var<workgroup> shared_params: FlashParams;
 // Keys (forward, dq) or queries (dk/dv) of the current tile, row r at
-// r·⌈d/4⌉, padded with zeros to whole vec4s.
+// r·padded_vec4s(d), padded with zeros.
 var<workgroup> tile_a: array<vec4<f32>, TILE_VEC4>;
 // Values (forward, dq) or dout rows (dk/dv) of the current tile.
 var<workgroup> tile_b: array<vec4<f32>, TILE_VEC4>;
 // (lse, delta) of the current query tile (dk/dv).
 var<workgroup> tile_stats: array<vec2<f32>, MAX_TILE>;
 
-// The invocation's own rows, zero-padded to whole vec4s: q · scale
+// The invocation's own rows, zero-padded to padded_vec4s(d): q · scale
 // (forward, dq) or k · scale (dk/dv); dout (dq) or v (dk/dv).
 var<private> row_a: array<vec4<f32>, MAX_HEAD_VEC4>;
 var<private> row_b: array<vec4<f32>, MAX_HEAD_VEC4>;
@@ -105,11 +106,20 @@ fn head_at(p: FlashParams, heads: u32, b: u32, t: u32, head: u32) -> u32 {
     return ((b * p.seq + t) * heads + head) * p.head_dim;
 }
 
+// vec4s per row in the tiles and the private rows: d rounded up to 16
+// channels (zeros past d), so every channel loop steps 4 vec4s at a time.
+// llvmpipe pays for each loop iteration (its execution masks and its
+// iteration counter), and these loops run once per (query, key) pair.
+fn padded_vec4s(d: u32) -> u32 {
+    return (d + 15u) / 16u * 4u;
+}
+
 // row_a · tile_a row c.
 fn dot_a(c: u32, d4: u32) -> f32 {
     var s = 0.0;
-    for (var e = 0u; e < d4; e++) {
-        s += dot(row_a[e], tile_a[c * d4 + e]);
+    let at = c * d4;
+    for (var e = 0u; e < d4; e += 4u) {
+        s += dot(row_a[e], tile_a[at + e]) + dot(row_a[e + 1u], tile_a[at + e + 1u]) + dot(row_a[e + 2u], tile_a[at + e + 2u]) + dot(row_a[e + 3u], tile_a[at + e + 3u]);
     }
     return s;
 }
@@ -117,10 +127,21 @@ fn dot_a(c: u32, d4: u32) -> f32 {
 // row_b · tile_b row c.
 fn dot_b(c: u32, d4: u32) -> f32 {
     var s = 0.0;
-    for (var e = 0u; e < d4; e++) {
-        s += dot(row_b[e], tile_b[c * d4 + e]);
+    let at = c * d4;
+    for (var e = 0u; e < d4; e += 4u) {
+        s += dot(row_b[e], tile_b[at + e]) + dot(row_b[e + 1u], tile_b[at + e + 1u]) + dot(row_b[e + 2u], tile_b[at + e + 2u]) + dot(row_b[e + 3u], tile_b[at + e + 3u]);
     }
     return s;
+}
+
+// acc_a += w · tile_a's row starting at vec4 `at`.
+fn add_tile_a_row(w: f32, at: u32, d4: u32) {
+    for (var e = 0u; e < d4; e += 4u) {
+        acc_a[e] += w * tile_a[at + e];
+        acc_a[e + 1u] += w * tile_a[at + e + 1u];
+        acc_a[e + 2u] += w * tile_a[at + e + 2u];
+        acc_a[e + 3u] += w * tile_a[at + e + 3u];
+    }
 }
 
 // Rows first .. first + n of the keys and values of KV head `head` into
@@ -169,7 +190,7 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
     }
     let p = workgroupUniformLoad(&shared_params);
     let d = p.head_dim;
-    let d4 = (d + 3u) / 4u;
+    let d4 = padded_vec4s(d);
     let h = wid.y;
     let b = wid.z;
     let kvh = h / (p.heads / p.kv_heads);
@@ -220,12 +241,21 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
                 scores[c] = w;
                 l += w;
             }
-            for (var e = 0u; e < d4; e++) {
-                var a = acc_a[e] * shrink;
-                for (var c = 0u; c < visible; c++) {
-                    a += scores[c] * tile_b[c * d4 + e];
+            for (var e = 0u; e < d4; e += 4u) {
+                acc_a[e] *= shrink;
+                acc_a[e + 1u] *= shrink;
+                acc_a[e + 2u] *= shrink;
+                acc_a[e + 3u] *= shrink;
+            }
+            for (var c = 0u; c < visible; c++) {
+                let w = scores[c];
+                let at = c * d4;
+                for (var e = 0u; e < d4; e += 4u) {
+                    acc_a[e] += w * tile_b[at + e];
+                    acc_a[e + 1u] += w * tile_b[at + e + 1u];
+                    acc_a[e + 2u] += w * tile_b[at + e + 2u];
+                    acc_a[e + 3u] += w * tile_b[at + e + 3u];
                 }
-                acc_a[e] = a;
             }
             m = m_new;
         }
@@ -268,7 +298,7 @@ fn flash_attention_backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builti
     }
     let p = workgroupUniformLoad(&shared_params);
     let d = p.head_dim;
-    let d4 = (d + 3u) / 4u;
+    let d4 = padded_vec4s(d);
     let h = wid.y;
     let b = wid.z;
     let kvh = h / (p.heads / p.kv_heads);
@@ -301,9 +331,7 @@ fn flash_attention_backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builti
             for (var c = 0u; c < visible; c++) {
                 let prob = exp(dot_a(c, d4) - row_lse);
                 let ds = prob * (dot_b(c, d4) - row_delta);
-                for (var e = 0u; e < d4; e++) {
-                    acc_a[e] += ds * tile_a[c * d4 + e];
-                }
+                add_tile_a_row(ds, c * d4, d4);
             }
         }
     }
@@ -325,7 +353,7 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
     }
     let p = workgroupUniformLoad(&shared_params);
     let d = p.head_dim;
-    let d4 = (d + 3u) / 4u;
+    let d4 = padded_vec4s(d);
     let kvh = wid.y;
     let b = wid.z;
     let group = p.heads / p.kv_heads;
@@ -367,9 +395,13 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
                     // tile_a holds q unscaled; row_a is k · scale.
                     let prob = exp(dot_a(c, d4) - stats.x);
                     let ds = prob * (dot_b(c, d4) - stats.y);
-                    for (var e = 0u; e < d4; e++) {
-                        acc_b[e] += prob * tile_b[c * d4 + e];
-                        acc_a[e] += ds * tile_a[c * d4 + e];
+                    add_tile_a_row(ds, c * d4, d4);
+                    let at = c * d4;
+                    for (var e = 0u; e < d4; e += 4u) {
+                        acc_b[e] += prob * tile_b[at + e];
+                        acc_b[e + 1u] += prob * tile_b[at + e + 1u];
+                        acc_b[e + 2u] += prob * tile_b[at + e + 2u];
+                        acc_b[e + 3u] += prob * tile_b[at + e + 3u];
                     }
                 }
             }

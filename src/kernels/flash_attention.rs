@@ -52,9 +52,15 @@ struct FlashParams {
     _pad1: u32,
 }
 
+/// vec4s of one row in the tiles: `d` rounded up to 16 channels
+/// (flash_attention.wgsl's `padded_vec4s`).
+fn padded_vec4s(d: usize) -> usize {
+    d.div_ceil(16) * 4
+}
+
 /// Rows of one tile for heads of `d` channels.
 fn tile_rows(d: usize) -> usize {
-    (TILE_VEC4 / d.div_ceil(4)).min(MAX_TILE)
+    (TILE_VEC4 / padded_vec4s(d)).min(MAX_TILE)
 }
 
 impl Kernels {
@@ -88,10 +94,12 @@ impl Kernels {
     /// The launches of a tiled kernel over a loop of `seq` rows, each
     /// pass over one row costing about `per_row` iterations: one launch on
     /// a GPU; on a CPU adapter as many as keep each invocation under
-    /// llvmpipe's loop limit, each continuing the last (`first` = 0).
+    /// llvmpipe's loop limit (or [`super::LimitOverrides::loop_iterations`]),
+    /// each continuing the last (`first` = 0).
     fn flash_launches(&self, kernel: Kernel, bindings: &[Binding<'_>], params: FlashParams, per_row: usize, grid: [u32; 3]) -> Result<Dispatch> {
         let seq = params.seq as usize;
-        let chunk = if self.device().is_cpu() { (CPU_LOOP_BUDGET / per_row.max(1)).max(1) } else { seq };
+        let budget = self.overrides.loop_iterations.or(self.device().is_cpu().then_some(CPU_LOOP_BUDGET));
+        let chunk = budget.map_or(seq, |budget| (budget / per_row.max(1)).max(1));
         let mut parts = Vec::new();
         for start in (0..seq).step_by(chunk) {
             let part = FlashParams { chunk_start: dim(kernel.entry, start)?, chunk_end: dim(kernel.entry, (start + chunk).min(seq))?, first: u32::from(start == 0), ..params };
@@ -101,11 +109,11 @@ impl Kernels {
     }
 
     /// Loop iterations one invocation spends per key (forward, dq: two or
-    /// three channel loops of ⌈d/4⌉ vec4s, its share of the tile loads and
-    /// the score loops) or per (query, head) (dk/dv: four).
+    /// three channel loops of 16 channels per iteration, its share of the
+    /// tile loads and the score loops) or per (query, head) (dk/dv: four).
     fn flash_per_row(shape: FlashAttentionShape, channel_loops: usize) -> usize {
-        let d4 = shape.head_dim.div_ceil(4);
-        channel_loops * d4 + 4 + (8 * d4).div_ceil(BLOCK_ROWS) + 1
+        let d4 = padded_vec4s(shape.head_dim);
+        channel_loops * d4 / 4 + 4 + (4 * d4).div_ceil(BLOCK_ROWS) + 1
     }
 
     /// out [B, T, H, d] = softmax(q·kᵀ/√d, causal)·v and lse [B, H, T],

@@ -265,6 +265,11 @@ pub struct LimitOverrides {
     /// forces the GPU ones, so tests run those paths on the software
     /// adapters, `Some(false)` the CPU ones. See [`Kernels::gpu_shaped`].
     pub gpu_shaping: Option<bool>,
+    /// Loop iterations one invocation may run in one launch before a
+    /// kernel with long loops (the fused attention's) splits them over
+    /// launches: `None` is llvmpipe's limit on a CPU adapter and no split
+    /// on a GPU; tests lower it to run the split on small shapes.
+    pub loop_iterations: Option<usize>,
 }
 
 /// A storage binding: its slot in the WGSL file, a name for messages, and the

@@ -27,7 +27,7 @@ pub enum AttentionKernel {
 /// kv_heads·d] (query head h reads KV head h / (heads / kv_heads)) ->
 /// [B, T, heads·d], as `kernel` says. Heads wider than the fused kernel
 /// takes go unfused.
-pub(crate) fn causal_attention(g: &mut Graph, [q, k, v]: [Tensor; 3], heads: usize, kv_heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Tensor> {
+pub fn causal_attention(g: &mut Graph, [q, k, v]: [Tensor; 3], heads: usize, kv_heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Tensor> {
     let shape = g.shape_of(q).map(<[usize]>::to_vec).unwrap_or_default();
     let [b, t, _] = shape[..] else {
         return Err(Error::shape("causal_attention", "expects q [batch, time, heads·head_dim]", &[&shape]));
