@@ -183,53 +183,74 @@ fn load_query_tiles(p: FlashParams, b: u32, head: u32, first: u32, n: u32, d4: u
     }
 }
 
-@compute @workgroup_size(64)
-fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    if lid.x == 0u {
+// The parameters, through workgroup memory (see `shared_params`); called
+// first, in uniform control flow.
+fn uniform_params(lane: u32) -> FlashParams {
+    if lane == 0u {
         shared_params = params;
     }
-    let p = workgroupUniformLoad(&shared_params);
-    let d = p.head_dim;
-    let d4 = padded_vec4s(d);
+    return workgroupUniformLoad(&shared_params);
+}
+
+// Where an invocation of the forward or dq kernels works: query row i of
+// head h of sequence b, its place in q (`at`, clamped to a real row when i
+// is past T) and in the statistics. (Derived from the invocation's id, so
+// no loop bound around a barrier may read it: WGSL's uniformity rule.)
+struct QueryRow {
+    d4: u32,
+    h: u32,
+    b: u32,
+    kvh: u32,
+    i: u32,
+    valid: bool,
+    at: u32,
+    stat: u32,
+}
+
+fn query_row(p: FlashParams, wid: vec3<u32>, lane: u32) -> QueryRow {
     let h = wid.y;
     let b = wid.z;
-    let kvh = h / (p.heads / p.kv_heads);
-    let first_row = wid.x * BLOCK_ROWS;
-    let i = first_row + lid.x;
-    let valid = i < p.seq;
-    let at = head_at(p, p.heads, b, min(i, p.seq - 1u), h);
-    let stat = (b * p.heads + h) * p.seq + min(i, p.seq - 1u);
+    let i = wid.x * BLOCK_ROWS + lane;
+    let row = min(i, p.seq - 1u);
+    return QueryRow(padded_vec4s(p.head_dim), h, b, h / (p.heads / p.kv_heads), i, i < p.seq, head_at(p, p.heads, b, row, h), (b * p.heads + h) * p.seq + row);
+}
+
+@compute @workgroup_size(64)
+fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let p = uniform_params(lid.x);
+    let r = query_row(p, wid, lid.x);
+    let d = p.head_dim;
     // (running maximum, Σ exp(s − maximum)); acc_a the unnormalized row.
     var m = LOWEST;
     var l = 0.0;
-    for (var e = 0u; e < d4 * 4u; e++) {
+    for (var e = 0u; e < r.d4 * 4u; e++) {
         var x = 0.0;
         var o = 0.0;
-        if valid && e < d {
-            x = q[at + e] * p.scale;
+        if r.valid && e < d {
+            x = q[r.at + e] * p.scale;
             if p.first == 0u {
-                o = out[at + e];
+                o = out[r.at + e];
             }
         }
         row_a[e / 4u][e % 4u] = x;
         acc_a[e / 4u][e % 4u] = o;
     }
-    if valid && p.first == 0u {
+    if r.valid && p.first == 0u {
         // The keys so far, in the frame of maximum lse: Σ exp = 1.
-        m = lse[stat];
+        m = lse[r.stat];
         l = 1.0;
     }
-    let key_end = min(p.chunk_end, min(p.seq, first_row + BLOCK_ROWS));
+    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * BLOCK_ROWS));
     for (var j0 = p.chunk_start; j0 < key_end; j0 += p.tile) {
         let n = min(p.tile, key_end - j0);
         workgroupBarrier();
-        load_key_tiles(p, b, kvh, j0, n, d4, lid.x);
+        load_key_tiles(p, r.b, r.kvh, j0, n, r.d4, lid.x);
         workgroupBarrier();
-        if valid && j0 <= i {
-            let visible = min(n, i - j0 + 1u);
+        if r.valid && j0 <= r.i {
+            let visible = min(n, r.i - j0 + 1u);
             var tile_max = LOWEST;
             for (var c = 0u; c < visible; c++) {
-                let s = dot_a(c, d4);
+                let s = dot_a(c, r.d4);
                 scores[c] = s;
                 tile_max = max(tile_max, s);
             }
@@ -241,7 +262,7 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
                 scores[c] = w;
                 l += w;
             }
-            for (var e = 0u; e < d4; e += 4u) {
+            for (var e = 0u; e < r.d4; e += 4u) {
                 acc_a[e] *= shrink;
                 acc_a[e + 1u] *= shrink;
                 acc_a[e + 2u] *= shrink;
@@ -249,33 +270,30 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             }
             for (var c = 0u; c < visible; c++) {
                 let w = scores[c];
-                let at = c * d4;
-                for (var e = 0u; e < d4; e += 4u) {
-                    acc_a[e] += w * tile_b[at + e];
-                    acc_a[e + 1u] += w * tile_b[at + e + 1u];
-                    acc_a[e + 2u] += w * tile_b[at + e + 2u];
-                    acc_a[e + 3u] += w * tile_b[at + e + 3u];
+                let row_at = c * r.d4;
+                for (var e = 0u; e < r.d4; e += 4u) {
+                    acc_a[e] += w * tile_b[row_at + e];
+                    acc_a[e + 1u] += w * tile_b[row_at + e + 1u];
+                    acc_a[e + 2u] += w * tile_b[row_at + e + 2u];
+                    acc_a[e + 3u] += w * tile_b[row_at + e + 3u];
                 }
             }
             m = m_new;
         }
     }
-    if valid {
+    if r.valid {
         let inv = 1.0 / l;
         for (var e = 0u; e < d; e++) {
-            out[at + e] = acc_a[e / 4u][e % 4u] * inv;
+            out[r.at + e] = acc_a[e / 4u][e % 4u] * inv;
         }
-        lse[stat] = m + log(l);
+        lse[r.stat] = m + log(l);
     }
 }
 
 @compute @workgroup_size(256)
 fn flash_attention_backward_prepare(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     // One invocation per (sequence, row, head): its row of dout ∘ out.
-    if lid.x == 0u {
-        shared_params = params;
-    }
-    let p = workgroupUniformLoad(&shared_params);
+    let p = uniform_params(lid.x);
     let r = flat_index(wid, nwg, lid);
     if r >= p.batch * p.seq * p.heads {
         return;
@@ -293,65 +311,51 @@ fn flash_attention_backward_prepare(@builtin(workgroup_id) wid: vec3<u32>, @buil
 
 @compute @workgroup_size(64)
 fn flash_attention_backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    if lid.x == 0u {
-        shared_params = params;
-    }
-    let p = workgroupUniformLoad(&shared_params);
+    let p = uniform_params(lid.x);
+    let r = query_row(p, wid, lid.x);
     let d = p.head_dim;
-    let d4 = padded_vec4s(d);
-    let h = wid.y;
-    let b = wid.z;
-    let kvh = h / (p.heads / p.kv_heads);
-    let first_row = wid.x * BLOCK_ROWS;
-    let i = first_row + lid.x;
-    let valid = i < p.seq;
-    let at = head_at(p, p.heads, b, min(i, p.seq - 1u), h);
-    let stat = (b * p.heads + h) * p.seq + min(i, p.seq - 1u);
-    for (var e = 0u; e < d4 * 4u; e++) {
+    for (var e = 0u; e < r.d4 * 4u; e++) {
         var x = 0.0;
         var g = 0.0;
-        if valid && e < d {
-            x = q[at + e] * p.scale;
-            g = dout[at + e];
+        if r.valid && e < d {
+            x = q[r.at + e] * p.scale;
+            g = dout[r.at + e];
         }
         row_a[e / 4u][e % 4u] = x;
         row_b[e / 4u][e % 4u] = g;
         acc_a[e / 4u][e % 4u] = 0.0;
     }
-    let row_lse = lse_in[stat];
-    let row_delta = delta_in[stat];
-    let key_end = min(p.chunk_end, min(p.seq, first_row + BLOCK_ROWS));
+    let row_lse = lse_in[r.stat];
+    let row_delta = delta_in[r.stat];
+    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * BLOCK_ROWS));
     for (var j0 = p.chunk_start; j0 < key_end; j0 += p.tile) {
         let n = min(p.tile, key_end - j0);
         workgroupBarrier();
-        load_key_tiles(p, b, kvh, j0, n, d4, lid.x);
+        load_key_tiles(p, r.b, r.kvh, j0, n, r.d4, lid.x);
         workgroupBarrier();
-        if valid && j0 <= i {
-            let visible = min(n, i - j0 + 1u);
+        if r.valid && j0 <= r.i {
+            let visible = min(n, r.i - j0 + 1u);
             for (var c = 0u; c < visible; c++) {
-                let prob = exp(dot_a(c, d4) - row_lse);
-                let ds = prob * (dot_b(c, d4) - row_delta);
-                add_tile_a_row(ds, c * d4, d4);
+                let prob = exp(dot_a(c, r.d4) - row_lse);
+                let ds = prob * (dot_b(c, r.d4) - row_delta);
+                add_tile_a_row(ds, c * r.d4, r.d4);
             }
         }
     }
-    if valid {
+    if r.valid {
         for (var e = 0u; e < d; e++) {
             var before = 0.0;
             if p.first == 0u {
-                before = dq[at + e];
+                before = dq[r.at + e];
             }
-            dq[at + e] = before + acc_a[e / 4u][e % 4u] * p.scale;
+            dq[r.at + e] = before + acc_a[e / 4u][e % 4u] * p.scale;
         }
     }
 }
 
 @compute @workgroup_size(64)
 fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    if lid.x == 0u {
-        shared_params = params;
-    }
-    let p = workgroupUniformLoad(&shared_params);
+    let p = uniform_params(lid.x);
     let d = p.head_dim;
     let d4 = padded_vec4s(d);
     let kvh = wid.y;
