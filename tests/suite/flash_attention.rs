@@ -14,10 +14,10 @@ use std::sync::Arc;
 
 use common::{assert_close, clipped_adamw, for_each_adapter, limited_kernels, random_vec, read, rng, train_on_one_device};
 use rand::Rng;
-use wgrad::graph::{Executor, Graph, Tensor};
+use wgrad::graph::{Executor, Graph};
 use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use wgrad::nn::{self, AttentionKernel, Module};
-use wgrad::kernels::{FlashAttentionShape, LimitOverrides, MatmulForm, FLASH_MAX_HEAD_DIM};
+use wgrad::kernels::{FlashAttentionShape, LimitOverrides, FLASH_MAX_HEAD_DIM};
 use wgrad::{cpu, Error, Kernels};
 
 /// (batch, T, heads, kv_heads, d): T = 1, primes, the block (64) and past
@@ -169,25 +169,6 @@ fn op_gradients_match_central_differences() {
     });
 }
 
-/// softmax(q·kᵀ/√d, causal)·v as separate graph ops over [B, H, T, d]
-/// (multi-head), the reference the fused op replaces.
-fn unfused_attention(g: &mut Graph, q: Tensor, kk: Tensor, v: Tensor, heads: usize) -> wgrad::Result<Tensor> {
-    let shape = g.shape_of(q).expect("own tensor").to_vec();
-    let [b, t, c] = shape[..] else { panic!("q is [B, T, C]") };
-    let d = c / heads;
-    let mut split = Vec::new();
-    for x in [q, kk, v] {
-        let x = g.reshape(x, &[b, t, heads, d])?;
-        split.push(g.permute(x, &[0, 2, 1, 3])?);
-    }
-    let scores = g.matmul_form(MatmulForm::ABt, split[0], split[1])?;
-    let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
-    let att = g.softmax(scores, true)?;
-    let y = g.matmul_form(MatmulForm::AB, att, split[2])?;
-    let y = g.permute(y, &[0, 2, 1, 3])?;
-    g.reshape(y, &[b, t, c])
-}
-
 #[test]
 fn fused_op_matches_the_unfused_graph() {
     for_each_adapter("fused_causal_attention vs unfused", |k| {
@@ -199,7 +180,13 @@ fn fused_op_matches_the_unfused_graph() {
                 let q = param(&mut g, "q", &[batch, seq, heads * d], 2790);
                 let kk = param(&mut g, "k", &[batch, seq, heads * d], 2791);
                 let v = param(&mut g, "v", &[batch, seq, heads * d], 2792);
-                let y = if fused { g.fused_causal_attention(q, kk, v, heads)? } else { unfused_attention(&mut g, q, kk, v, heads)? };
+                // The unfused reference: q·kᵀ, scale, causal softmax, ·v over
+                // [B, H, T, d] as separate graph ops.
+                let kernel = if fused { AttentionKernel::Fused } else { AttentionKernel::Unfused };
+                let y = nn::causal_attention(&mut g, [q, kk, v], heads, heads, d, kernel)?;
+                if fused {
+                    assert_eq!(g.get(y).map(|n| n.op.name()), Some("fused_causal_attention"));
+                }
                 let (loss, feeds) = mse_to_random(&mut g, y, 2793)?;
                 let grads = g.backward(loss)?;
                 let mut exec = Executor::new(k.clone(), g, &[y, loss], Some(grads), None)?;
