@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use wgrad::error::Result;
-use wgrad::graph::PlanOptions;
+use wgrad::graph::{Executor, Graph, PlanOptions};
 use wgrad::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig};
 use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
@@ -369,6 +369,47 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, 
             ("peak_gpu_bytes", exec.peak_bytes().to_string()),
             ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
             ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
+        ],
+    })
+}
+
+/// Causal self-attention alone trained a step at a time (forward and
+/// backward, no optimizer): q, k, v [B, T, heads·head_dim] as parameters,
+/// B = tokens / T, an MSE loss against random targets; fused
+/// (FlashAttention-2) and unfused (q·kᵀ, scale, causal softmax, ·v), in the
+/// same run. Per path: ms per step and the intermediate bytes its memory
+/// plan holds (`Plan::slot_bytes`: activations and gradients, the
+/// parameters and their gradients not counted).
+pub fn attention_train(kernels: &Arc<Kernels>, seq: usize, tokens: usize, heads: usize, head_dim: usize, steps: usize) -> Result<BenchLine> {
+    let batch = (tokens / seq.max(1)).max(1);
+    let shape = [batch, seq, heads * head_dim];
+    let n = shape.iter().product();
+    let measure = |kernel: nn::AttentionKernel| -> Result<(f64, u64)> {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut g = Graph::new();
+        let [q, k, v] = ["q", "k", "v"].map(|name| g.parameter(name, &shape, random(n, &mut rng)));
+        let y = nn::causal_attention(&mut g, [q?, k?, v?], heads, heads, head_dim, kernel)?;
+        let target = g.input("target", &shape)?;
+        let loss = g.mse_loss(y, target)?;
+        let grads = g.backward(loss)?;
+        let mut exec = Executor::new(kernels.clone(), g, &[loss], Some(grads), None)?;
+        exec.set_input(target, &random(n, &mut rng))?;
+        let ms = time_queued(kernels, steps, || exec.train_step(true, false, false).map(|_| ()))?;
+        Ok((ms, exec.plan().slot_bytes))
+    };
+    let (fused_ms, fused_bytes) = measure(nn::AttentionKernel::Fused)?;
+    let (unfused_ms, unfused_bytes) = measure(nn::AttentionKernel::Unfused)?;
+    Ok(BenchLine {
+        case: "attention_train".into(),
+        values: vec![
+            ("T", seq.to_string()),
+            ("fused_ms", format!("{fused_ms:.2}")),
+            ("unfused_ms", format!("{unfused_ms:.2}")),
+            ("fused_bytes", fused_bytes.to_string()),
+            ("unfused_bytes", unfused_bytes.to_string()),
+            ("B", batch.to_string()),
+            ("H", heads.to_string()),
+            ("d", head_dim.to_string()),
         ],
     })
 }

@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, FlashAttentionShape, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
 
 /// The element types a twin computes in: f32, as the kernels store values,
 /// and f64, for the graph's reference interpreter
@@ -710,6 +710,104 @@ pub fn cached_attention<T: Real>(
         }
     }
     (out, keys, values)
+}
+
+/// Where row t's head `head` of a [B, T, heads, d] tensor starts.
+fn head_row(shape: FlashAttentionShape, heads: usize, b: usize, t: usize, head: usize) -> usize {
+    ((b * shape.seq + t) * heads + head) * shape.head_dim
+}
+
+/// x · y over d values, in f64.
+fn dot<T: Real>(x: &[T], y: &[T]) -> f64 {
+    x.iter().zip(y).map(|(&a, &b)| a.into() * b.into()).sum()
+}
+
+/// Fused causal self-attention's forward, the twin of
+/// `flash_attention_forward`, computed directly (all of a row's scores,
+/// then its softmax): o [B, T, H, d] = softmax(q·kᵀ/√d, causal)·v per
+/// query head, head h reading KV head h / (H / Hkv), and each row's
+/// log-sum-exp of its scaled scores [B, H, T].
+pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashAttentionShape) -> (Vec<T>, Vec<T>) {
+    let FlashAttentionShape { batch, seq, heads, kv_heads, head_dim: d } = shape;
+    let (scale, group) = (shape.scale(), shape.group());
+    let mut out = vec![T::default(); batch * seq * heads * d];
+    let mut lse = vec![T::default(); batch * heads * seq];
+    for b in 0..batch {
+        for h in 0..heads {
+            let kvh = h / group;
+            for i in 0..seq {
+                let query = &q[head_row(shape, heads, b, i, h)..][..d];
+                let scores: Vec<f64> = (0..=i).map(|j| dot(query, &k[head_row(shape, kv_heads, b, j, kvh)..][..d]) * scale).collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|&s| (s - max).exp()).sum();
+                let row_lse = max + total.ln();
+                for e in 0..d {
+                    let y: f64 = scores.iter().enumerate().map(|(j, &s)| (s - row_lse).exp() * v[head_row(shape, kv_heads, b, j, kvh) + e].into()).sum();
+                    out[head_row(shape, heads, b, i, h) + e] = T::from_f64(y);
+                }
+                lse[(b * heads + h) * seq + i] = T::from_f64(row_lse);
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// D [B, H, T] = rowsum(dO ∘ O) per query head, the twin of
+/// `flash_attention_backward_prepare`.
+pub fn flash_attention_backward_prepare<T: Real>(dout: &[T], out: &[T], shape: FlashAttentionShape) -> Vec<T> {
+    let FlashAttentionShape { batch, seq, heads, head_dim: d, .. } = shape;
+    let mut delta = vec![T::default(); batch * heads * seq];
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..seq {
+                let at = head_row(shape, heads, b, i, h);
+                delta[(b * heads + h) * seq + i] = T::from_f64(dot(&dout[at..at + d], &out[at..at + d]));
+            }
+        }
+    }
+    delta
+}
+
+/// Fused causal attention's gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashAttentionGrads<T> {
+    /// [B, T, H, d]
+    pub dq: Vec<T>,
+    /// [B, T, Hkv, d], summed over each KV head's query heads.
+    pub dk: Vec<T>,
+    pub dv: Vec<T>,
+}
+
+/// The gradients of [`flash_attention_forward`] given dO, the forward's
+/// log-sum-exp and D ([`flash_attention_backward_prepare`]), as the
+/// backward kernels take them: p = exp(s − lse), dV += pᵀ·dO, dS = p ∘
+/// (dO·vᵀ − D), dQ = dS·k/√d, dK = dSᵀ·q/√d.
+pub fn flash_attention_backward<T: Real>(dout: &[T], q: &[T], k: &[T], v: &[T], lse: &[T], delta: &[T], shape: FlashAttentionShape) -> FlashAttentionGrads<T> {
+    let FlashAttentionShape { batch, seq, heads, kv_heads, head_dim: d } = shape;
+    let (scale, group) = (shape.scale(), shape.group());
+    let mut dq = vec![0.0f64; batch * seq * heads * d];
+    let (mut dk, mut dv) = (vec![0.0f64; batch * seq * kv_heads * d], vec![0.0f64; batch * seq * kv_heads * d]);
+    for b in 0..batch {
+        for h in 0..heads {
+            let kvh = h / group;
+            for i in 0..seq {
+                let (qi, stat) = (head_row(shape, heads, b, i, h), (b * heads + h) * seq + i);
+                let (row_lse, row_delta) = (lse[stat].into(), delta[stat].into());
+                for j in 0..=i {
+                    let kj = head_row(shape, kv_heads, b, j, kvh);
+                    let p = (dot(&q[qi..qi + d], &k[kj..kj + d]) * scale - row_lse).exp();
+                    let ds = p * (dot(&dout[qi..qi + d], &v[kj..kj + d]) - row_delta);
+                    for e in 0..d {
+                        dq[qi + e] += ds * scale * k[kj + e].into();
+                        dk[kj + e] += ds * scale * q[qi + e].into();
+                        dv[kj + e] += p * dout[qi + e].into();
+                    }
+                }
+            }
+        }
+    }
+    let narrow = |x: Vec<f64>| x.into_iter().map(T::from_f64).collect();
+    FlashAttentionGrads { dq: narrow(dq), dk: narrow(dk), dv: narrow(dv) }
 }
 
 // Tensor ops (matmul_batched in matmul.wgsl, the rest in tensor.wgsl) on

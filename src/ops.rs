@@ -489,6 +489,62 @@ impl CachedAttentionShape {
     }
 }
 
+/// The sizes of fused causal self-attention (`Kernels::flash_attention_*`,
+/// their CPU twins `cpu::flash_attention_*` and `Graph::fused_causal_attention`):
+/// `batch` sequences of `seq` positions, q [B, T, H, d] and k, v
+/// [B, T, Hkv, d] (each row's heads side by side, as the projections
+/// produce them), query head h reading KV head h / (heads / kv_heads), and
+/// the row statistics (log-sum-exp, D) [B, H, T].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashAttentionShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl FlashAttentionShape {
+    /// The softmax's scale, 1/√d.
+    pub fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Elements of q (and o, dO, dq), of k (and v, dk, dv) and of the
+    /// row statistics [B, H, T]; None when a product overflows.
+    pub fn lengths(&self) -> Option<(usize, usize, usize)> {
+        let positions = self.batch.checked_mul(self.seq)?;
+        let q = positions.checked_mul(self.heads.checked_mul(self.head_dim)?)?;
+        let kv = positions.checked_mul(self.kv_heads.checked_mul(self.head_dim)?)?;
+        let rows = positions.checked_mul(self.heads)?;
+        Some((q, kv, rows))
+    }
+
+    /// The shape's own errors, as `op` reports them: a zero size, KV heads
+    /// not dividing the query heads, a head wider than `max_head_dim`.
+    pub fn check(&self, op: &'static str, max_head_dim: usize) -> Result<()> {
+        let dims = [self.batch, self.seq, self.heads, self.kv_heads, self.head_dim];
+        if dims.contains(&0) {
+            return Err(Error::shape(op, format!("every size must be at least 1: {self:?}"), &[&dims]));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(Error::shape(op, format!("{} KV heads do not divide {} query heads", self.kv_heads, self.heads), &[&dims]));
+        }
+        if self.head_dim > max_head_dim {
+            return Err(Error::shape(op, format!("head_dim {} is over the largest this op takes, {max_head_dim}", self.head_dim), &[&dims]));
+        }
+        if self.lengths().is_none_or(|(q, kv, rows)| q.max(kv).max(rows) > u32::MAX as usize) {
+            return Err(Error::shape(op, format!("{self:?} has more than 2^32 elements"), &[&dims]));
+        }
+        Ok(())
+    }
+}
+
 /// Element counts of a cached attention's operands ([`CachedAttentionShape::lengths`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CachedAttentionLengths {

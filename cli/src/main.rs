@@ -616,7 +616,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
 }
 
 fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 10] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "serve"];
+    const CASES: [&str; 11] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "serve", "attention"];
     if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
         return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
     }
@@ -655,6 +655,13 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
     }
     if runs("linear_step") {
         lines.push(wgrad_benches::linear_step(&kernels, if quick { 100 } else { 1000 })?);
+    }
+    if runs("attention") {
+        // Fused against unfused attention training at a fixed B·T = 1024
+        // tokens, 4 heads of 64 channels (SmolLM2's and GPT-2's width).
+        for t in [64, 256, 1024] {
+            lines.push(wgrad_benches::attention_train(&kernels, t, 1024, 4, 64, if quick { 2 } else { 5 })?);
+        }
     }
     if runs("gpt2_124m_prefill") || runs("gpt2_124m_decode") {
         // GPT-2 124M's shape: a 16-token prompt and 8 decoded tokens when quick.

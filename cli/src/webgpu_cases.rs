@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgrad::kernels::{
-    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, QkvLayout, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
+    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, FlashAttentionShape, QkvLayout, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
     MatmulVariant, OptimizerConfig, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
 };
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
@@ -284,6 +284,7 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["embedding_quant_forward"], Web, embedding_quant),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
+        (&["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"], Web, flash_attention),
     ];
     let mut planned = Vec::new();
     for (i, (entries, on, build)) in builders.into_iter().enumerate() {
@@ -982,6 +983,42 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     // The per-invocation kernel on CPU adapters, the workgroup one on GPUs.
     let entry = d.kernel().entry;
     Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of 5, context 11"), vec![d], expected))
+}
+
+/// Fused causal attention forward and backward, chained as a training step
+/// runs them: 4 query heads over 2 KV heads of 5 channels, 67 rows (past
+/// one 64-row block).
+fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
+    let shape = FlashAttentionShape { batch: 2, seq: 67, heads: 4, kv_heads: 2, head_dim: 5 };
+    let (q_len, kv_len, rows) = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
+    let (q_h, k_h, v_h, dout_h) = (c.vals(q_len, -1.0, 1.0), c.vals(kv_len, -1.0, 1.0), c.vals(kv_len, -1.0, 1.0), c.vals(q_len, -1.0, 1.0));
+    let (q, k, v, dout) = (c.up(&q_h)?, c.up(&k_h)?, c.up(&v_h)?, c.up(&dout_h)?);
+    let (out, lse, delta) = (c.k.zeros(q_len)?, c.k.zeros(rows)?, c.k.zeros(rows)?);
+    let (dq, dk, dv) = (c.k.zeros(q_len)?, c.k.zeros(kv_len)?, c.k.zeros(kv_len)?);
+    let dispatches = vec![
+        c.k.flash_attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), shape)?,
+        c.k.flash_attention_backward_prepare(delta.view(), dout.view(), out.view(), shape)?,
+        c.k.flash_attention_backward_query(dq.view(), dout.view(), q.view(), k.view(), v.view(), lse.view(), delta.view(), shape)?,
+        c.k.flash_attention_backward_key_value(dk.view(), dv.view(), dout.view(), q.view(), k.view(), v.view(), lse.view(), delta.view(), shape)?,
+    ];
+    let (want_out, want_lse) = cpu::flash_attention_forward(&q_h, &k_h, &v_h, shape);
+    let want_delta = cpu::flash_attention_backward_prepare(&dout_h, &want_out, shape);
+    let grads = cpu::flash_attention_backward(&dout_h, &q_h, &k_h, &v_h, &want_lse, &want_delta, shape);
+    // Rows of weighted means; gradients sum up to 2 heads × 67 rows.
+    let expected = vec![
+        expect("out", &out, want_out, ROW.0 * 5.0, ROW.1),
+        expect("lse", &lse, want_lse, ROW.0 * 5.0, ROW.1),
+        expect("delta", &delta, want_delta, ROW.0 * 5.0, ROW.1),
+        expect("dq", &dq, grads.dq, 1e-4, 1e-3),
+        expect("dk", &dk, grads.dk, 1e-4, 1e-3),
+        expect("dv", &dv, grads.dv, 1e-4, 1e-3),
+    ];
+    Ok(Case::new(
+        &["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"],
+        "flash_attention forward and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5",
+        dispatches,
+        expected,
+    ))
 }
 
 /// Rows over several settings: greedy, top-k, the whole vocabulary and

@@ -13,5 +13,5 @@ mod reference;
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use executor::{DispatchTime, DispatchTimes, Executor};
-pub use ops::{ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
+pub use ops::{AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

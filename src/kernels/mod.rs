@@ -12,6 +12,7 @@ pub mod autotune;
 pub mod dump;
 mod elementwise;
 mod f16_weights;
+mod flash_attention;
 mod loss;
 mod matmul;
 mod matmul_ext;
@@ -28,6 +29,7 @@ mod timing;
 
 pub use attention::{DECODE_LANES, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
+pub use flash_attention::FLASH_MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
 pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
@@ -36,7 +38,7 @@ pub(crate) use matmul_ext::{pack_f16, unpack_f16};
 pub use optim::{grad_norm_groups, ArenaGroups};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, QkvLayout, LrSchedule, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+pub use crate::ops::{pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, FlashAttentionShape, QkvLayout, LrSchedule, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;
@@ -263,6 +265,11 @@ pub struct LimitOverrides {
     /// forces the GPU ones, so tests run those paths on the software
     /// adapters, `Some(false)` the CPU ones. See [`Kernels::gpu_shaped`].
     pub gpu_shaping: Option<bool>,
+    /// Loop iterations one invocation may run in one launch before a
+    /// kernel with long loops (the fused attention's) splits them over
+    /// launches: `None` is llvmpipe's limit on a CPU adapter and no split
+    /// on a GPU; tests lower it to run the split on small shapes.
+    pub loop_iterations: Option<usize>,
 }
 
 /// A storage binding: its slot in the WGSL file, a name for messages, and the

@@ -101,10 +101,13 @@ pub enum Family {
     /// in the kernels, f32 activations: matrix-vector, matmul and
     /// embedding lookup. Core WGSL only.
     QuantWeights,
+    /// Fused causal self-attention (FlashAttention-2), forward and
+    /// backward: tiles of rows in workgroup memory, one row per invocation.
+    FlashAttention,
 }
 
 impl Family {
-    pub const ALL: [Family; 14] = [
+    pub const ALL: [Family; 15] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -119,6 +122,7 @@ impl Family {
         Family::F16Weights,
         Family::Rope,
         Family::QuantWeights,
+        Family::FlashAttention,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -154,7 +158,7 @@ impl Family {
             Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
-            Family::Sampling | Family::Rope => &[Shared::Common],
+            Family::Sampling | Family::Rope | Family::FlashAttention => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup => &[],
             Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
@@ -178,6 +182,7 @@ impl Family {
             Family::F16Weights => "f16_weights.wgsl",
             Family::Rope => "rope.wgsl",
             Family::QuantWeights => "quant_weights.wgsl",
+            Family::FlashAttention => "flash_attention.wgsl",
         }
     }
 
@@ -199,6 +204,7 @@ impl Family {
             Family::F16Weights => wgsl!("f16_weights.wgsl"),
             Family::Rope => wgsl!("rope.wgsl"),
             Family::QuantWeights => wgsl!("quant_weights.wgsl"),
+            Family::FlashAttention => wgsl!("flash_attention.wgsl"),
         }
     }
 
@@ -221,6 +227,7 @@ impl Family {
             Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
             Family::Rope => wgsl!("rope.wgsl", "common.wgsl"),
             Family::QuantWeights => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
+            Family::FlashAttention => wgsl!("flash_attention.wgsl", "common.wgsl"),
         }
     }
 }
@@ -303,7 +310,7 @@ macro_rules! kernel_files {
     };
 }
 
-kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope, quant_weights);
+kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope, quant_weights, flash_attention);
 
 const fn total_len(lists: &[&[Kernel]]) -> usize {
     let (mut total, mut i) = (0, 0);

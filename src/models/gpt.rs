@@ -5,7 +5,7 @@
 
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
 use crate::nn::cache_pass;
-use crate::nn::{Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
+use crate::nn::{AttentionKernel, Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
@@ -126,6 +126,14 @@ impl Gpt {
         Ok(model)
     }
 
+    /// Every block's attention computed as `kernel` says (fused by
+    /// default; unfused is the reference).
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        for attn in self.h.iter_mut().filter_map(|block| block.attn.as_mut()) {
+            attn.attention = kernel;
+        }
+    }
+
     /// The model's structure with no values (every matrix empty, norms
     /// ones and zeros): its tree names and shapes every parameter without
     /// allocating, and [`Gpt::from_parameters`] fills it.
@@ -135,7 +143,7 @@ impl Gpt {
         let h = (0..config.n_layer)
             .map(|_| Block {
                 ln_1: LayerNorm::new(c),
-                attn: Some(CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn: Linear::empty(c, 3 * c, true), c_proj: Linear::empty(c, c, true) }),
+                attn: Some(CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn: Linear::empty(c, 3 * c, true), c_proj: Linear::empty(c, c, true), attention: AttentionKernel::default() }),
                 ln_2: LayerNorm::new(c),
                 mlp: Mlp { c_fc: Linear::empty(c, 4 * c, true), c_proj: Linear::empty(4 * c, c, true) },
             })

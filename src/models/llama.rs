@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::{shard, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
+use crate::nn::{shard, AttentionKernel, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -226,6 +226,14 @@ impl Llama {
         Ok(model)
     }
 
+    /// Every layer's attention computed as `kernel` says (fused by
+    /// default; unfused is the reference).
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        for layer in &mut self.layers {
+            layer.self_attn.attention = kernel;
+        }
+    }
+
     /// The model's structure with no values (every matrix empty, norms
     /// ones): its tree names and shapes every parameter without
     /// allocating, and [`Llama::from_parameters`] fills it.
@@ -245,6 +253,7 @@ impl Llama {
                     k_proj: Linear::empty(c, kv, false),
                     v_proj: Linear::empty(c, kv, false),
                     o_proj: Linear::empty(c, c, false),
+                    attention: AttentionKernel::default(),
                 },
                 post_attention_layernorm: norm(),
                 mlp: SwiGluMlp { gate_proj: Linear::empty(c, f, false), up_proj: Linear::empty(c, f, false), down_proj: Linear::empty(f, c, false) },

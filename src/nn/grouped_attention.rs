@@ -6,6 +6,7 @@
 use super::causal_lm::{cache_pass, cached_attention};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
+use super::transformer::{causal_attention, AttentionKernel};
 use super::{Linear, Module, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -22,6 +23,7 @@ pub struct GroupedQueryAttention {
     pub k_proj: Linear,
     pub v_proj: Linear,
     pub o_proj: Linear,
+    pub attention: AttentionKernel,
 }
 
 impl GroupedQueryAttention {
@@ -38,6 +40,7 @@ impl GroupedQueryAttention {
             k_proj: Linear::normal_no_bias(n_embd, kv, std),
             v_proj: Linear::normal_no_bias(n_embd, kv, std),
             o_proj: Linear::normal_no_bias(n_embd, n_embd, std),
+            attention: AttentionKernel::default(),
         })
     }
 
@@ -93,20 +96,8 @@ impl Module for GroupedQueryAttention {
             let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
             return self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
-        let k = repeat_kv(g, k, kv, h / kv, d)?;
-        let v = repeat_kv(g, v, kv, h / kv, d)?;
-        // [B, T, H·d] -> [B, H, T, d]
-        let mut heads = Vec::with_capacity(3);
-        for part in [q, k, v] {
-            let split = g.reshape(part, &[b, t, h, d])?;
-            heads.push(g.permute(split, &[0, 2, 1, 3])?);
-        }
-        let scores = g.matmul_form(MatmulForm::ABt, heads[0], heads[1])?;
-        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
-        let att = g.softmax(scores, true)?;
-        let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
-        let y = g.permute(y, &[0, 2, 1, 3])?;
-        let y = g.reshape(y, &[b, t, h * d])?;
+        let q = g.reshape(q, &[b, t, h * d])?;
+        let y = causal_attention(g, [q, k, v], h, kv, d, self.attention)?;
         self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
     }
 
@@ -121,7 +112,7 @@ parameter_tree!(GroupedQueryAttention { q_proj, k_proj, v_proj, o_proj });
 /// KV head n_rep times in a row (transformers' `repeat_kv`: query head i
 /// reads KV head i / n_rep). A product with a 0/1 selection matrix, so the
 /// values are exact and the gradient sums each group's copies; one call
-/// site, so a fused grouped attention replaces it in one line.
+/// site: the unfused path of `transformer::causal_attention`.
 pub(crate) fn repeat_kv(g: &mut Graph, x: Tensor, n_kv: usize, n_rep: usize, head_dim: usize) -> Result<Tensor> {
     if n_rep == 1 {
         return Ok(x);

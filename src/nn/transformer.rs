@@ -2,11 +2,54 @@
 //! multi-head self-attention, the MLP, and the pre-norm residual block.
 
 use super::causal_lm::{cache_pass, cached_attention};
+use super::grouped_attention::repeat_kv;
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{shard, Layer, LayerNorm, Linear, Module, TensorSplit};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::{MatmulForm, QkvLayout};
+use crate::kernels::{MatmulForm, QkvLayout, FLASH_MAX_HEAD_DIM};
+
+/// How an attention module computes softmax(q·kᵀ/√d, causal)·v when it
+/// trains or runs whole sequences (generation's cached path is its own).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// One fused op, forward and backward (FlashAttention-2,
+    /// [`Graph::fused_causal_attention`]): no [B, H, T, T] scores or
+    /// probabilities stored.
+    #[default]
+    Fused,
+    /// Separate graph ops over [B, H, T, d] (q·kᵀ, scale, causal softmax,
+    /// ·v), which store the scores and probabilities: the reference.
+    Unfused,
+}
+
+/// Causal self-attention of q [B, T, heads·d] over k, v [B, T,
+/// kv_heads·d] (query head h reads KV head h / (heads / kv_heads)) ->
+/// [B, T, heads·d], as `kernel` says. Heads wider than the fused kernel
+/// takes go unfused.
+pub fn causal_attention(g: &mut Graph, [q, k, v]: [Tensor; 3], heads: usize, kv_heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Tensor> {
+    let shape = g.shape_of(q).map(<[usize]>::to_vec).unwrap_or_default();
+    let [b, t, _] = shape[..] else {
+        return Err(Error::shape("causal_attention", "expects q [batch, time, heads·head_dim]", &[&shape]));
+    };
+    if kernel == AttentionKernel::Fused && head_dim <= FLASH_MAX_HEAD_DIM {
+        return g.fused_causal_attention(q, k, v, heads);
+    }
+    let k = repeat_kv(g, k, kv_heads, heads / kv_heads.max(1), head_dim)?;
+    let v = repeat_kv(g, v, kv_heads, heads / kv_heads.max(1), head_dim)?;
+    // [B, T, H·d] -> [B, H, T, d]
+    let mut split = Vec::with_capacity(3);
+    for part in [q, k, v] {
+        let part = g.reshape(part, &[b, t, heads, head_dim])?;
+        split.push(g.permute(part, &[0, 2, 1, 3])?);
+    }
+    let scores = g.matmul_form(MatmulForm::ABt, split[0], split[1])?;
+    let scores = g.scale(scores, 1.0 / (head_dim as f32).sqrt())?;
+    let att = g.softmax(scores, true)?;
+    let y = g.matmul_form(MatmulForm::AB, att, split[2])?;
+    let y = g.permute(y, &[0, 2, 1, 3])?;
+    g.reshape(y, &[b, t, heads * head_dim])
+}
 
 /// Causal multi-head self-attention over x [B, T, C]: one projection to q,
 /// k, v (`c_attn`), softmax(q·kᵀ/√d) with a causal mask per head, and an
@@ -17,13 +60,14 @@ pub struct CausalSelfAttention {
     pub n_head: usize,
     pub c_attn: Linear,
     pub c_proj: Linear,
+    pub attention: AttentionKernel,
 }
 
 impl CausalSelfAttention {
     /// PyTorch's default Linear init.
     pub fn new(n_embd: usize, n_head: usize) -> Result<Self> {
         Self::check(n_embd, n_head)?;
-        Ok(CausalSelfAttention { n_embd, n_head, c_attn: Linear::new(n_embd, 3 * n_embd), c_proj: Linear::new(n_embd, n_embd) })
+        Ok(CausalSelfAttention { n_embd, n_head, c_attn: Linear::new(n_embd, 3 * n_embd), c_proj: Linear::new(n_embd, n_embd), attention: AttentionKernel::default() })
     }
 
     /// GPT-2's init: N(0, 0.02²) weights, and `proj_std` for the output
@@ -35,6 +79,7 @@ impl CausalSelfAttention {
             n_head,
             c_attn: Linear::normal(n_embd, 3 * n_embd, 0.02),
             c_proj: Linear::normal(n_embd, n_embd, proj_std),
+            attention: AttentionKernel::default(),
         })
     }
 
@@ -52,7 +97,7 @@ impl CausalSelfAttention {
 impl Module for CausalSelfAttention {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
-        let [b, t, c] = shape[..] else {
+        let [_, _, c] = shape[..] else {
             return Err(Error::shape("CausalSelfAttention", "expects x [batch, time, channels]", &[&shape]));
         };
         if c != self.n_embd {
@@ -77,18 +122,7 @@ impl Module for CausalSelfAttention {
             return self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d });
         }
         let parts = g.split_last(qkv, &[local, local, local])?;
-        // [B, T, C] -> [B, H, T, d]
-        let mut heads = Vec::with_capacity(3);
-        for part in parts {
-            let split = g.reshape(part, &[b, t, h, d])?;
-            heads.push(g.permute(split, &[0, 2, 1, 3])?);
-        }
-        let scores = g.matmul_form(MatmulForm::ABt, heads[0], heads[1])?;
-        let scores = g.scale(scores, 1.0 / (d as f32).sqrt())?;
-        let att = g.softmax(scores, true)?;
-        let y = g.matmul_form(MatmulForm::AB, att, heads[2])?;
-        let y = g.permute(y, &[0, 2, 1, 3])?;
-        let y = g.reshape(y, &[b, t, local])?;
+        let y = causal_attention(g, [parts[0], parts[1], parts[2]], h, h, d, self.attention)?;
         self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d })
     }
 

@@ -11,6 +11,7 @@ mod checkpoint;
 mod data;
 mod device;
 mod f16_weights;
+mod flash_attention;
 mod fusion;
 mod generate;
 mod gguf;

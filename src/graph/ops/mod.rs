@@ -25,6 +25,7 @@
 //! `Graph::push` takes a family's op directly (`Into<Op>`), and `node.op
 //! == NormOp::RmsNormStats` compares across the wrapper.
 
+mod attention;
 mod elementwise;
 mod embedding;
 mod generation;
@@ -43,6 +44,7 @@ use super::plan::Plan;
 use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, Kernels, View};
 
+pub use attention::AttentionOp;
 pub use elementwise::ElementwiseOp;
 pub use embedding::EmbeddingOp;
 pub use generation::GenerationOp;
@@ -110,6 +112,8 @@ op_families! {
     Embedding(EmbeddingOp),
     /// Cached attention and sampling: inference only, no gradients.
     Generation(GenerationOp),
+    /// Fused causal self-attention and its backward nodes.
+    Attention(AttentionOp),
 }
 
 impl Op {
