@@ -206,7 +206,7 @@ fn streamed_content(answer: &Answer) -> (String, Value) {
 
 #[test]
 fn serves_openai_requests_and_errors() {
-    let server = serve("api", &["--max-batch", "3", "--max-context", "256"]);
+    let server = serve("api", &["--max-batch", "3", "--max-context", "256", "--max-body-bytes", "16384"]);
     let port = server.port;
     let h = health(port);
     assert_eq!((h["status"].as_str(), h["slots_total"].as_u64(), h["slots_free"].as_u64(), h["context"].as_u64()), (Some("ok"), Some(3), Some(3), Some(256)));
@@ -284,6 +284,9 @@ fn serves_openai_requests_and_errors() {
     assert_eq!((unknown.status, unknown.error()["code"].as_str()), (404, Some("model_not_found")));
     assert_eq!(post(port, "/v1/chat/completions", &chat(json!({ "n": 2 }))).status, 400);
     assert_eq!(post(port, "/v1/chat/completions", &chat(json!({ "temperature": 3 }))).status, 400);
+    let huge = post(port, "/v1/completions", &json!({ "prompt": "a".repeat(20_000) }));
+    assert_eq!(huge.status, 413, "a body over --max-body-bytes");
+    huge.error();
     let route = request(port, "GET", "/v1/nothing", None, None);
     assert_eq!(route.status, 404);
     route.error();

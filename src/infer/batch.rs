@@ -16,13 +16,15 @@
 //!
 //! Each request samples from its own ChaCha8 stream seeded with its
 //! `sampling.seed`, one draw per token it picks, with its own temperature,
-//! top_k and top_p. Its prompt is prefilled alone, and a decode step
-//! computes every row the same way whoever fills the other rows (no
-//! reduction crosses rows), so a fixed seed gives the same tokens for the
-//! same generator (slots, context, adapter), whichever requests share its
-//! steps; across generators of different sizes the products' rounding
-//! may differ, and a draw at a boundary between two candidates may then
-//! pick the other.
+//! top_k and top_p. Its prompt is prefilled alone, and no reduction of a
+//! decode step crosses rows, so a fixed seed gives the same tokens for a
+//! fixed batch composition (the same generator, adapter and requests
+//! running beside it). Running requests are kept in the lowest slots and a
+//! step computes the rows up to the highest one (rounded up to a power of
+//! two); a different number of rows may pick another product kernel (on a
+//! CPU adapter the matrix-vector one up to 4 rows, the tiled one past
+//! them), whose rounding may differ, so a draw within rounding of a
+//! boundary between two candidates may then pick the other.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -216,7 +218,22 @@ impl Scheduler {
             let Some((request, sink)) = self.queue.pop_front() else { break };
             self.join(slot, request, sink)?;
         }
+        self.compact()?;
         self.decode()
+    }
+
+    /// Moves the highest running requests into free slots below them, so
+    /// a step computes the rows up to the highest running slot only
+    /// ([`Generator::decode_slots`]).
+    fn compact(&mut self) -> Result<()> {
+        while let (Some(free), Some(last)) = (self.slots.iter().position(Option::is_none), self.slots.iter().rposition(Option::is_some)) {
+            if free > last {
+                break;
+            }
+            self.generator.move_slot(last, free)?;
+            self.slots.swap(free, last);
+        }
+        Ok(())
     }
 
     /// Prefills `request` into `slot` and sends its first token.

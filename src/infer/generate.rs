@@ -270,6 +270,10 @@ pub struct Generator {
     staging: Vec<(Tensor, Tensor)>,
     decode: DecodePass,
     sampler: SamplerInputs,
+    /// With [`PrefillMode::OneSlot`]: decode passes over the first 1, 2,
+    /// 4, … slots (fewer than S), each with its sampler inputs, so a step
+    /// computes the rows up to the highest running slot, not every slot.
+    smaller_decodes: Vec<(DecodePass, SamplerInputs)>,
     /// The tokens whose keys and values each sequence's cache holds, in
     /// position order.
     cached: Vec<Vec<u32>>,
@@ -308,6 +312,7 @@ struct PrefillPass {
 }
 
 /// Inputs and output of the one-token pass.
+#[derive(Clone, Copy)]
 struct DecodePass {
     /// [S, 1] the new token of each sequence.
     ids: Tensor,
@@ -465,6 +470,17 @@ impl Generator {
         let positions = g.ids("decode.positions", &[sequences])?;
         let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
         let (decode_logits, decode_tokens) = lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler)?;
+        // After the S-slot pass declared the caches: these read their
+        // first slots.
+        let mut smaller_decodes = Vec::new();
+        for rows in std::iter::successors(Some(1usize), |&n| n.checked_mul(2)).take_while(|&n| one_slot && n < sequences) {
+            let sampler = SamplerInputs { draws: g.input(&format!("decode{rows}.sample.draws"), &[rows, 3])?, top_k: g.ids(&format!("decode{rows}.sample.top_k"), &[rows])? };
+            let ids = g.ids(&format!("decode{rows}.idx"), &[rows, 1])?;
+            let positions = g.ids(&format!("decode{rows}.positions"), &[rows])?;
+            let pass = CachePass { starts: positions, positions: g.reshape(positions, &[rows, 1])? };
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler)?;
+            smaller_decodes.push((DecodePass { ids, positions, logits, tokens }, sampler));
+        }
 
         for pass in &mut prefill {
             pass.positions = pass.positions.filter(|&t| is_read(&g, t));
@@ -473,6 +489,7 @@ impl Generator {
         let staging = if one_slot { staging_pairs(&g)? } else { Vec::new() };
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
         outputs.extend([decode_logits, decode_tokens]);
+        outputs.extend(smaller_decodes.iter().flat_map(|(p, _)| [p.logits, p.tokens]));
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
         let mut declared = exec.parameters_shapes();
         let mut expected = model.named_parameters();
@@ -498,6 +515,7 @@ impl Generator {
             staging,
             decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
             sampler,
+            smaller_decodes,
             cached: vec![Vec::new(); sequences],
         })
     }
@@ -864,24 +882,32 @@ impl Generator {
         )
     }
 
-    /// One decode step over every slot in one submission: slot s with
+    /// One decode step over the slots in one submission: slot s with
     /// `steps[s]` = Some feeds its token at its next position and picks
     /// the next by its own sampling and draws from its own stream (one
-    /// draw per step), so each request samples as it would alone; a slot
-    /// with None sits the step out, its row computed at its next position
-    /// and forgotten (a slot whose cache is full cannot: free or truncate
-    /// it). Returns each stepping slot's token, or its own error (a logit
-    /// that is not finite) without failing the others'.
+    /// draw per step), so each request samples as it would alone. The step
+    /// computes the slots up to the highest stepping one (rounded up to a
+    /// power of two, with [`PrefillMode::OneSlot`]; else every slot): a
+    /// slot with None among them sits the step out, its row computed at
+    /// its next position and forgotten (one whose cache is full cannot:
+    /// free or truncate it). Returns each stepping slot's token, or its
+    /// own error (a logit that is not finite) without failing the others'.
     pub fn decode_slots(&mut self, steps: &mut [Option<SlotStep<'_>>]) -> Result<Vec<Option<Result<u32>>>> {
         const OP: &str = "Generator::decode_slots";
         let (context, sequences) = (self.context, self.sequences);
         if steps.len() != sequences {
             return Err(Error::InvalidArgument { op: OP, reason: format!("got {} slots' steps for a generator of {sequences}", steps.len()) });
         }
-        let mut ids = Vec::with_capacity(sequences);
-        let mut positions = Vec::with_capacity(sequences);
-        let mut rows = Vec::with_capacity(sequences);
-        for (s, step) in steps.iter_mut().enumerate() {
+        let needed = steps.iter().rposition(Option::is_some).map_or(0, |s| s + 1);
+        if needed == 0 {
+            return Ok(steps.iter().map(|_| None).collect());
+        }
+        let (pass, sampler) = self.smaller_decodes.iter().map(|&(p, s)| (p, s)).find(|(p, _)| self.exec.graph().shape_of(p.positions).is_some_and(|s| s[0] >= needed)).unwrap_or((self.decode, self.sampler));
+        let rows = self.exec.graph().shape_of(pass.positions).map_or(sequences, |s| s[0]);
+        let mut ids = Vec::with_capacity(rows);
+        let mut positions = Vec::with_capacity(rows);
+        let mut draws = Vec::with_capacity(rows);
+        for (s, step) in steps[..rows].iter_mut().enumerate() {
             let held = self.cached[s].len();
             if held >= context {
                 let why = if step.is_some() { "has filled its context" } else { "sits out the step with a full context" };
@@ -892,28 +918,48 @@ impl Generator {
                 Some(step) => {
                     step.sampling.check()?;
                     ids.push(step.token);
-                    rows.push(step.sampling.row_settings(step.rng, self.vocab_size));
+                    draws.push(step.sampling.row_settings(step.rng, self.vocab_size));
                 }
                 // Greedy, so the row draws nothing.
                 None => {
                     ids.push(0);
-                    rows.push(([0.0, 0.0, 1.0], 1));
+                    draws.push(([0.0, 0.0, 1.0], 1));
                 }
             }
         }
         self.check_ids(OP, &ids)?;
-        self.exec.set_labels(self.decode.ids, &ids)?;
-        self.exec.set_labels(self.decode.positions, &positions)?;
-        self.set_sampler_rows(self.sampler, &rows)?;
-        let picks = self.exec.run_and_read_u32(&[self.decode.tokens], self.decode.tokens)?;
-        let mut tokens = Vec::with_capacity(sequences);
-        for (s, (step, pick)) in steps.iter().zip(picks.chunks_exact(2)).enumerate() {
+        self.exec.set_labels(pass.ids, &ids)?;
+        self.exec.set_labels(pass.positions, &positions)?;
+        self.set_sampler_rows(sampler, &draws)?;
+        let picks = self.exec.run_and_read_u32(&[pass.tokens], pass.tokens)?;
+        let mut tokens: Vec<Option<Result<u32>>> = Vec::with_capacity(sequences);
+        for (s, step) in steps.iter().enumerate() {
             tokens.push(step.as_ref().map(|step| {
                 self.cached[s].push(step.token);
-                self.sampled_token(OP, s, true, pick, self.decode.logits)
+                self.sampled_token(OP, s, true, &picks[2 * s..2 * s + 2], pass.logits)
             }));
         }
         Ok(tokens)
+    }
+
+    /// Moves what slot `from` holds into slot `to` (which it replaces;
+    /// `from` is left empty): a server keeps its running requests in the
+    /// lowest slots, so its steps compute fewer rows. Needs
+    /// [`PrefillMode::OneSlot`] (the move goes through the staging caches).
+    pub fn move_slot(&mut self, from: usize, to: usize) -> Result<()> {
+        const OP: &str = "Generator::move_slot";
+        let held = self.slot_tokens(OP, from)?.len();
+        self.slot_tokens(OP, to)?;
+        if self.staging.is_empty() {
+            return Err(Error::InvalidArgument { op: OP, reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into() });
+        }
+        if from == to {
+            return Ok(());
+        }
+        self.copy_slot(from, 0, held, true)?;
+        self.copy_slot(to, 0, held, false)?;
+        self.cached[to] = std::mem::take(&mut self.cached[from]);
+        Ok(())
     }
 
     /// Bytes of the key and value caches: (every slot's, the one-slot

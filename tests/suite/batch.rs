@@ -202,6 +202,16 @@ fn slot_operations_refuse_what_they_cannot_do() {
         let tokens = slots.decode_slots(&mut steps)?;
         assert!(tokens[0].is_none() && matches!(tokens[1], Some(Ok(t)) if t < 37));
         assert_eq!(slots.cached_tokens(1), Some(&[1][..]));
+        // A step computes the slots up to the highest stepping one: slot 3
+        // of 4, full, is not among slot 0's step's rows; slot 0 then moves.
+        let mut four = serving(k, &model, 4)?;
+        four.prefill_slot(3, &vec![2; CONTEXT], &Sampling::greedy(), &mut r)?;
+        let token = four.prefill_slot(0, &[1, 2, 3], &Sampling::greedy(), &mut r)?;
+        let mut steps = vec![Some(SlotStep { token, sampling: &greedy, rng: &mut r }), None, None, None];
+        let next = four.decode_slots(&mut steps)?;
+        assert!(matches!(next[0], Some(Ok(_))) && next[1..].iter().all(Option::is_none));
+        four.move_slot(0, 2)?;
+        assert_eq!((four.cached_tokens(0), four.cached_tokens(2)), (Some(&[][..]), Some(&[1, 2, 3, token][..])));
         // Keys and values: 2 layers × 2 caches × [slots, 2 KV heads, 29, 6].
         let (caches, staging) = slots.cache_bytes();
         assert_eq!((caches, staging), (2 * 2 * 2 * 2 * CONTEXT as u64 * 6 * 4, 2 * 2 * 2 * CONTEXT as u64 * 6 * 4));

@@ -5,7 +5,7 @@ use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceCon
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor};
-use crate::kernels::{CachedAttentionShape, Dispatch, QkvLayout};
+use crate::kernels::{CachedAttentionShape, Dispatch, QkvLayout, View};
 
 /// Inference-only ops (no gradients).
 #[derive(Clone, Debug, PartialEq)]
@@ -32,6 +32,11 @@ fn attention_shape(heads: usize, layout: QkvLayout, q: &[usize], cache: &[usize]
     Ok(CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout })
 }
 
+/// The first `len` elements of `v` (all of it when shorter).
+fn first_elements(v: View<'_>, len: usize) -> View<'_> {
+    View { len: len.min(v.len), ..v }
+}
+
 impl OpFamily for GenerationOp {
     fn name(&self) -> &'static str {
         match self {
@@ -45,7 +50,9 @@ impl OpFamily for GenerationOp {
         match self {
             GenerationOp::CachedAttention { heads, layout } => {
                 let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
-                k.cached_attention_forward(cx.out()?, cx.input(4)?, cx.input(5)?, cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, sizes)
+                // The first `seqs` sequences of caches that may hold more.
+                let len = sizes.lengths().map_or(0, |l| l.cache);
+                k.cached_attention_forward(cx.out()?, first_elements(cx.input(4)?, len), first_elements(cx.input(5)?, len), cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, sizes)
             }
             GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
@@ -60,7 +67,9 @@ impl OpFamily for GenerationOp {
             // they were fed.
             GenerationOp::CachedAttention { heads, layout } => {
                 let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
-                Ok(cpu::cached_attention(cx.input(0)?, cx.input(1)?, cx.input(2)?, &cx.input_u32(3)?, cx.input(4)?, cx.input(5)?, sizes).0)
+                let len = sizes.lengths().map_or(0, |l| l.cache);
+                let (k_cache, v_cache) = (cx.input(4)?, cx.input(5)?);
+                Ok(cpu::cached_attention(cx.input(0)?, cx.input(1)?, cx.input(2)?, &cx.input_u32(3)?, &k_cache[..len.min(k_cache.len())], &v_cache[..len.min(v_cache.len())], sizes).0)
             }
             // Sampling reads f32 logits and draws, as the kernel does.
             GenerationOp::SampleTokens => {
@@ -86,7 +95,9 @@ impl Graph {
     /// [S]); its key and value are written into the caches there, and it
     /// attends over positions 0 ..= starts[s] + t, the earlier ones from
     /// the caches. -> [S, T, heads·d], heads side by side. Positions must
-    /// stay below P (the caller checks the starts it writes). No gradient.
+    /// stay below P (the caller checks the starts it writes). The caches
+    /// may hold more sequences than q: its S rows use the first S (a
+    /// server's decode over its lowest slots). No gradient.
     pub fn cached_attention(&mut self, qkv: [Tensor; 3], layout: QkvLayout, starts: Tensor, k_cache: Tensor, v_cache: Tensor, heads: usize) -> Result<Tensor> {
         const OP: &str = "cached_attention";
         self.f32_inputs(OP, &[qkv[0], qkv[1], qkv[2], k_cache, v_cache])?;
@@ -116,8 +127,8 @@ impl Graph {
         if self.node(starts).dtype != DType::U32 || ss != [seqs] {
             return Err(Error::shape(OP, format!("starts must be u32 [{seqs}]"), &all));
         }
-        if skc[0] != seqs || skc != svc {
-            return Err(Error::shape(OP, format!("the caches must both be [{seqs}, {kv_heads}, context, {head_dim}]"), &all));
+        if skc[0] < seqs || skc != svc {
+            return Err(Error::shape(OP, format!("the caches must both be [at least {seqs}, {kv_heads}, context, {head_dim}]"), &all));
         }
         for cache in [k_cache, v_cache] {
             if self.node(cache).op != SourceOp::Cache {
