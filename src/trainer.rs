@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::graph::{DType, Executor, Graph, PlanOptions, Tensor};
+use crate::graph::{DType, Executor, Graph, PlanOptions, Precision, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{Criterion, Module};
 use crate::optim;
@@ -195,6 +195,15 @@ impl Trainer {
         let loss = criterion.loss(&mut g, output, target)?;
         let prediction = g.argmax(output)?;
         let grads = g.backward(loss)?;
+        // f16 storage needs the adapter's SHADER_F16; without it the step
+        // stays f32 (`Trainer::precision` tells the caller).
+        let (g, grads, [input, target, output, loss, prediction]) = match options.precision {
+            Precision::F16 if kernels.supports_f16() => {
+                let (g, grads, at) = g.with_f16_activations(&grads)?;
+                (g, grads, [input, target, output, loss, prediction].map(|t| at.tensor(t)))
+            }
+            _ => (g, grads, [input, target, output, loss, prediction]),
+        };
         let exec = Executor::with_options(kernels, g, &[output, prediction, loss], Some(grads), Some(optimizer), options)?;
         Ok(Trainer {
             exec,
@@ -214,6 +223,13 @@ impl Trainer {
             targets_done: false,
             backward_done: false,
         })
+    }
+
+    /// Where the step keeps the activations its backward reads: f16 only
+    /// when asked for and the adapter has SHADER_F16.
+    pub fn precision(&self) -> Precision {
+        let f16 = self.exec.graph().nodes().iter().any(|n| n.dtype == DType::F16);
+        if f16 { Precision::F16 } else { Precision::F32 }
     }
 
     pub fn executor(&self) -> &Executor {

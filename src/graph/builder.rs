@@ -194,6 +194,17 @@ impl Graph {
         (self.get(s).is_some_and(|n| n.op.is_companion() && n.inputs == [y])).then_some(s)
     }
 
+    /// This graph's settings over `nodes`, a rebuilt node list in which
+    /// old node i is `map[i]` (a precision or recomputation pass).
+    pub(super) fn with_nodes(&self, nodes: Vec<Node>, map: &[usize]) -> Graph {
+        let at = |list: &[Tensor]| {
+            let mut v: Vec<Tensor> = list.iter().map(|t| Tensor(map[t.0])).collect();
+            v.sort();
+            v
+        };
+        Graph { nodes, no_weight_decay: at(&self.no_weight_decay), no_decay_group: at(&self.no_decay_group) }
+    }
+
     /// Every parameter, in the order added.
     pub fn parameters(&self) -> Vec<Tensor> {
         (0..self.nodes.len())

@@ -8,10 +8,12 @@ mod builder;
 mod executor;
 mod ops;
 mod plan;
+pub mod precision;
 mod reference;
 
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use executor::{DispatchTime, DispatchTimes, Executor};
 pub use ops::{ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
+pub use precision::{Precision, Remap};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

@@ -10,6 +10,7 @@
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
+use super::precision::Precision;
 use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
@@ -145,17 +146,22 @@ pub struct PlanOptions {
     /// loss's single-workgroup dispatch; lowered by the executor to
     /// `Kernels::linear_in_loss_max_macs`.
     pub linear_in_loss_max_macs: usize,
+    /// Where a training step keeps the activations its backward reads
+    /// ([`crate::graph::precision`]). The graph's builder applies it
+    /// before planning ([`crate::trainer::Trainer::with_options`] with
+    /// [`Graph::with_f16_activations`]), since it adds nodes.
+    pub precision: Precision,
 }
 
 impl PlanOptions {
     /// Nothing fused: one dispatch per node, the reference fused plans are
     /// tested against.
-    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS };
+    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32 };
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS }
+        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32 }
     }
 }
 
@@ -451,7 +457,8 @@ impl Plan {
                     owners.extend(loss_with_grad[i]);
                     owners.extend(companion[i]);
                     for (k, &o) in owners.iter().enumerate() {
-                        let len = nodes[o].len();
+                        // Words, not values: an f16 copy takes half.
+                        let len = stored_words(nodes[o].dtype, nodes[o].len());
                         naive += len as u64 * BYTES;
                         // Outputs get slots of their own: they are read after a
                         // run, possibly after a different run (a prediction)
