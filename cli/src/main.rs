@@ -215,6 +215,14 @@ struct TrainArgs {
     /// --devices (default: one adapter per process).
     #[arg(long)]
     distributed: Option<String>,
+    /// f16: keep the activations the backward reads in f16 (half their
+    /// bytes) with dynamic loss scaling; needs SHADER_F16 (else trains in
+    /// f32, and says so) and one device.
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
+    #[arg(long, default_value_t = 2000)]
+    loss_scale_interval: u32,
     /// Stop after this many steps (MLP default: all epochs; GPT default: 750).
     #[arg(long)]
     max_steps: Option<u64>,
@@ -347,6 +355,8 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
         devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
         micro_batches: args.micro_batches,
         split: args.split.clone(),
+        precision: args.precision.parse()?,
+        loss_scaling: wgrad::optim::LossScaling { growth_interval: args.loss_scale_interval, ..Default::default() },
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
         ..defaults
@@ -394,6 +404,12 @@ impl Progress for Bars {
         println!("{}", info.engine);
         println!("model: {} | {} parameters | {} | batch {}", info.model, info.parameters, info.optimizer, info.batch_size);
         println!("data: {} | {} {} per step", info.data, info.per_step, info.unit);
+        if let Some(note) = &info.precision_note {
+            println!("{note}");
+        }
+        if info.precision == wgrad::graph::Precision::F16 {
+            println!("precision f16: activations kept for the backward in f16, f32 master weights and optimizer state, dynamic loss scaling");
+        }
         let f = &info.footprint;
         match f.intermediates {
             Some((planned, naive)) => println!(
@@ -454,6 +470,9 @@ pub(crate) fn print_summary(summary: &Summary, unit: &str) {
     }
     if let Some((step, loss)) = summary.train_curve.last() {
         println!("final training loss {loss:.6} (step {step})");
+    }
+    if let Some(scale) = &summary.loss_scale {
+        println!("{}", scale.summary());
     }
 }
 

@@ -408,6 +408,7 @@ impl Plan {
             last_use[owner[r]] = Some(usize::MAX);
         }
         let mut slot_len: Vec<usize> = Vec::new();
+        let mut slot_f16: Vec<bool> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         let (mut inputs, mut constants, mut caches) = (0, 0, 0);
@@ -464,18 +465,24 @@ impl Plan {
                         // run, possibly after a different run (a prediction)
                         // has executed other nodes that share freed slots.
                         let is_root = last_use[o] == Some(usize::MAX);
+                        // f16 copies (held from forward to backward) and
+                        // f32 tensors never share a slot: a copy in a slot
+                        // an f32 tensor sized would keep those bytes alive
+                        // all through the backward.
+                        let f16 = nodes[o].dtype == DType::F16;
                         let best = free
                             .iter()
                             .filter(|_| !is_root)
                             .enumerate()
-                            .filter(|(_, &s)| slot_len[s] >= len)
+                            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
                             .min_by_key(|(_, &s)| slot_len[s])
                             .map(|(k, _)| k)
-                            .or_else(|| (0..free.len()).filter(|_| !is_root).max_by_key(|&k| slot_len[free[k]]));
+                            .or_else(|| (0..free.len()).filter(|&k| !is_root && slot_f16[free[k]] == f16).max_by_key(|&k| slot_len[free[k]]));
                         let slot = match best {
                             Some(k) => free.swap_remove(k),
                             None => {
                                 slot_len.push(0);
+                                slot_f16.push(f16);
                                 slot_len.len() - 1
                             }
                         };

@@ -12,7 +12,8 @@
 //!   activations a step holds from forward to backward, its largest
 //!   memory) is stored in f16: [`ElementwiseOp::StoreF16`] right after
 //!   its writer, and each backward node reading it reads an
-//!   [`ElementwiseOp::LoadF16`] made just before it. The forward's f32
+//!   [`ElementwiseOp::LoadF16`] made just before it (or before the
+//!   dispatch the plan may fuse it into). The forward's f32
 //!   value is then free as soon as the forward is done with it, and only
 //!   the f16 copy lives until the backward.
 //!
@@ -115,15 +116,40 @@ impl Graph {
             let n = &nodes[old];
             push(out, Node { op: ElementwiseOp::StoreF16.into(), inputs: vec![Tensor(at)], shape: n.shape.clone(), dtype: DType::F16, name: format!("{}.f16", n.name) })
         };
+        // Where each backward reader's loads go: before the reader, or
+        // before the earliest backward node writing one of its other inputs
+        // (a fused dispatch there may compute the reader: a matmul doing an
+        // activation's backward), never between a writer and its companion.
+        let mut loads_at: Vec<Vec<usize>> = vec![Vec::new(); count];
+        for (b, node) in nodes.iter().enumerate().skip(start) {
+            if !node.inputs.iter().any(|t| f16[t.0]) {
+                continue;
+            }
+            let mut anchor = node.inputs.iter().map(|t| t.0).filter(|&t| t >= start).fold(b, usize::min);
+            while anchor > 0 && self.companion(Tensor(anchor - 1)) == Some(Tensor(anchor)) {
+                anchor -= 1;
+            }
+            loads_at[anchor].push(b);
+        }
+        // The new index of each reader's load of each of its inputs.
+        let mut loaded: Vec<Vec<Option<usize>>> = vec![Vec::new(); count];
         for (i, node) in nodes.iter().enumerate() {
+            for &b in &loads_at[i] {
+                loaded[b] = nodes[b]
+                    .inputs
+                    .iter()
+                    .map(|t| {
+                        copy[t.0].map(|h| {
+                            let n = &nodes[t.0];
+                            push(&mut out, Node { op: ElementwiseOp::LoadF16.into(), inputs: vec![Tensor(h)], shape: n.shape.clone(), dtype: DType::F32, name: format!("{}.f32", n.name) })
+                        })
+                    })
+                    .collect();
+            }
             let mut inputs: Vec<Tensor> = node.inputs.iter().map(|t| Tensor(map[t.0])).collect();
-            if i >= start {
-                for (slot, t) in node.inputs.iter().enumerate() {
-                    if let Some(h) = copy[t.0] {
-                        let n = &nodes[t.0];
-                        let load = Node { op: ElementwiseOp::LoadF16.into(), inputs: vec![Tensor(h)], shape: n.shape.clone(), dtype: DType::F32, name: format!("{}.f32", n.name) };
-                        inputs[slot] = Tensor(push(&mut out, load));
-                    }
+            for (slot, load) in loaded[i].iter().enumerate() {
+                if let Some(l) = load {
+                    inputs[slot] = Tensor(*l);
                 }
             }
             let op = match node.op {

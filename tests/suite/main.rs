@@ -29,6 +29,7 @@ mod llama_parallel;
 mod llama_reference;
 mod lm_training;
 mod matvec;
+mod mixed_precision;
 mod modules;
 mod optim;
 mod parallel;
