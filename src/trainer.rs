@@ -26,9 +26,9 @@ use std::sync::Arc;
 
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::graph::{DType, Executor, Graph, PlanOptions, Precision, Tensor};
+use crate::graph::{Block, DType, Executor, Graph, PlanOptions, Precision, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Module};
+use crate::nn::{Criterion, Module, Staged};
 use crate::optim;
 
 /// What the loss compares the model's output with.
@@ -154,14 +154,38 @@ pub(crate) struct Built {
     pub(crate) out_per_example: usize,
 }
 
-pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+fn check_batch(batch_size: usize) -> Result<()> {
     if batch_size == 0 {
         return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
     }
+    Ok(())
+}
+
+pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+    check_batch(batch_size)?;
     let input = model.input(g, batch_size)?;
     let output = model.forward(g, input, "")?;
+    Ok(built(g, input, output, batch_size))
+}
+
+fn built(g: &Graph, input: Tensor, output: Tensor, batch_size: usize) -> Built {
     let len = |t: Tensor| g.shape_of(t).map_or(0, |s| s.iter().product::<usize>());
-    Ok(Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size })
+    Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size }
+}
+
+/// [`build_model`] unit by unit, with the node range each block added.
+fn build_blocks(g: &mut Graph, model: &dyn Staged, batch_size: usize) -> Result<(Built, Vec<Block>)> {
+    check_batch(batch_size)?;
+    let input = model.input(g, batch_size)?;
+    let mut x = model.prologue(g, input)?;
+    let mut blocks = Vec::new();
+    for i in 0..model.stage_costs().blocks.len() {
+        let first = g.len();
+        x = model.block(g, i, x)?;
+        blocks.push(Block { nodes: first..g.len(), output: x });
+    }
+    let output = model.epilogue(g, x)?;
+    Ok((built(g, input, output, batch_size), blocks))
 }
 
 impl Trainer {
@@ -187,14 +211,41 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        let criterion = criterion.into();
-        let optimizer = optimizer.into();
+        Self::assemble(kernels, model, None, criterion.into(), optimizer.into(), batch_size, options)
+    }
+
+    /// [`Trainer::with_options`] for a model cut into blocks, which
+    /// `options.checkpoint_activations` recomputes one by one in the
+    /// backward (torch.utils.checkpoint around each block).
+    pub fn with_blocks(
+        kernels: Arc<Kernels>,
+        model: &dyn Staged,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch_size: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
+        Self::assemble(kernels, model, Some(model), criterion.into(), optimizer.into(), batch_size, options)
+    }
+
+    /// The graph of `model` (by its blocks when checkpointing a `staged`
+    /// one), its loss, backward and the passes `options` asks for.
+    fn assemble(kernels: Arc<Kernels>, model: &dyn Module, staged: Option<&dyn Staged>, criterion: Criterion, optimizer: OptimizerConfig, batch_size: usize, options: PlanOptions) -> Result<Self> {
         let mut g = Graph::new();
-        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
+        let (Built { input, output, in_per_example: in_features, out_per_example: out_features }, blocks) = match staged {
+            Some(m) if options.checkpoint_activations => build_blocks(&mut g, m, batch_size)?,
+            _ => (build_model(&mut g, model, batch_size)?, Vec::new()),
+        };
         let target = criterion.targets(&mut g, output)?;
         let loss = criterion.loss(&mut g, output, target)?;
         let prediction = g.argmax(output)?;
         let grads = g.backward(loss)?;
+        let (g, grads, [input, target, output, loss, prediction]) = if blocks.is_empty() {
+            (g, grads, [input, target, output, loss, prediction])
+        } else {
+            let (g, grads, at) = g.with_recomputed_blocks(&grads, &blocks)?;
+            (g, grads, [input, target, output, loss, prediction].map(|t| at.tensor(t)))
+        };
         // f16 storage needs the adapter's SHADER_F16; without it the step
         // stays f32 (`Trainer::precision` tells the caller).
         let (g, grads, [input, target, output, loss, prediction]) = match options.precision {

@@ -220,6 +220,10 @@ struct TrainArgs {
     /// f32, and says so) and one device.
     #[arg(long, default_value = "f32")]
     precision: String,
+    /// Recompute each transformer block's forward in its backward: less
+    /// activation memory for more compute (one device).
+    #[arg(long)]
+    checkpoint_activations: bool,
     /// f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
     #[arg(long, default_value_t = 2000)]
     loss_scale_interval: u32,
@@ -357,6 +361,7 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
         split: args.split.clone(),
         precision: args.precision.parse()?,
         loss_scaling: wgrad::optim::LossScaling { growth_interval: args.loss_scale_interval, ..Default::default() },
+        checkpoint_activations: args.checkpoint_activations,
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
         ..defaults
@@ -409,6 +414,9 @@ impl Progress for Bars {
         }
         if info.precision == wgrad::graph::Precision::F16 {
             println!("precision f16: activations kept for the backward in f16, f32 master weights and optimizer state, dynamic loss scaling");
+        }
+        if let Some(bytes) = info.held_activation_bytes {
+            println!("activations held for the backward: {} KiB per step ({})", bytes / 1024, info.precision.name());
         }
         let f = &info.footprint;
         match f.intermediates {
@@ -620,6 +628,10 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
             best_gflops = gflops(&[bench::matmul(&kernels, 512, reps)?]);
         }
         lines.push(wgrad_benches::gpt_train_step(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
+        if kernels.supports_f16() {
+            let f16 = wgrad::graph::PlanOptions { precision: wgrad::graph::Precision::F16, ..Default::default() };
+            lines.push(wgrad_benches::gpt_train_step_with(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops, f16)?);
+        }
     }
     if runs("gpt_generate") {
         lines.push(wgrad_benches::gpt_generate(&kernels, wgrad_benches::gpt_bench_config(), if quick { 16 } else { 48 })?);

@@ -5,6 +5,7 @@
 
 mod autodiff;
 mod builder;
+mod checkpoint;
 mod executor;
 mod ops;
 mod plan;
@@ -13,6 +14,7 @@ mod reference;
 
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
+pub use checkpoint::Block;
 pub use executor::{DispatchTime, DispatchTimes, Executor};
 pub use ops::{ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
 pub use precision::{Precision, Remap};

@@ -91,6 +91,10 @@ pub struct Plan {
     pub slot_bytes: u64,
     /// Bytes of the inputs, constants and caches (each its own buffer).
     pub input_bytes: u64,
+    /// Bytes of the forward's intermediates a training step's backward
+    /// reads: what it holds from forward to backward (its activation
+    /// memory; f16 storage halves it). 0 without gradients.
+    pub held_activation_bytes: u64,
 }
 
 /// The Linear layer `pred = x·weightᵀ (+ bias)` computed inside a loss's
@@ -151,17 +155,21 @@ pub struct PlanOptions {
     /// before planning ([`crate::trainer::Trainer::with_options`] with
     /// [`Graph::with_f16_activations`]), since it adds nodes.
     pub precision: Precision,
+    /// Recompute each block's forward in its backward (graph/checkpoint.rs),
+    /// applied, like `precision`, by the graph's builder: a model cut into
+    /// blocks ([`crate::trainer::Trainer::with_blocks`]).
+    pub checkpoint_activations: bool,
 }
 
 impl PlanOptions {
     /// Nothing fused: one dispatch per node, the reference fused plans are
     /// tested against.
-    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32 };
+    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false };
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32 }
+        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false }
     }
 }
 
@@ -510,6 +518,17 @@ impl Plan {
             }
         }
         let slot_bytes = slot_len.iter().map(|&l| l as u64 * BYTES).sum();
+        let mut held = vec![false; count];
+        if let Some(g) = grads {
+            let start = g.backward_start().0;
+            for &i in order.iter().filter(|&&i| i >= start) {
+                for t in &reads[i] {
+                    let o = owner[t.0];
+                    held[o] |= o < start && matches!(storage[o], Storage::Slot { .. });
+                }
+            }
+        }
+        let held_activation_bytes = (0..count).filter(|&o| held[o]).map(|o| stored_words(nodes[o].dtype, nodes[o].len()) as u64 * BYTES).sum();
         Plan {
             order,
             storage,
@@ -533,6 +552,7 @@ impl Plan {
             naive_intermediate_bytes: naive,
             slot_bytes,
             input_bytes,
+            held_activation_bytes,
         }
     }
 

@@ -66,6 +66,10 @@ pub const MIN_F16_VALUES: usize = 128;
 pub struct Remap(Vec<usize>);
 
 impl Remap {
+    pub(super) fn new(map: Vec<usize>) -> Remap {
+        Remap(map)
+    }
+
     /// Where tensor `t` of the old graph is in the new one.
     pub fn tensor(&self, t: Tensor) -> Tensor {
         Tensor(self.0.get(t.0).copied().unwrap_or(t.0))
@@ -73,6 +77,19 @@ impl Remap {
 }
 
 impl Graph {
+    /// The earliest place backward node `reader` may run: before itself, or
+    /// before the earliest backward node (from `start` on) writing one of
+    /// its inputs, whose dispatch the plan may fuse it into (a matmul doing
+    /// an activation's backward); never between a writer and its
+    /// companion. What a pass adds for `reader` goes there.
+    pub(super) fn backward_anchor(&self, reader: usize, start: usize) -> usize {
+        let mut anchor = self.nodes[reader].inputs.iter().map(|t| t.0).filter(|&t| t >= start).fold(reader, usize::min);
+        while anchor > 0 && self.companion(Tensor(anchor - 1)) == Some(Tensor(anchor)) {
+            anchor -= 1;
+        }
+        anchor
+    }
+
     /// Whether the policy stores forward tensor `t` in f16 for the
     /// backward (see the module docs). `loss_read`: some loss reads it.
     fn stored_in_f16(&self, t: Tensor, loss_read: bool) -> bool {
@@ -116,20 +133,14 @@ impl Graph {
             let n = &nodes[old];
             push(out, Node { op: ElementwiseOp::StoreF16.into(), inputs: vec![Tensor(at)], shape: n.shape.clone(), dtype: DType::F16, name: format!("{}.f16", n.name) })
         };
-        // Where each backward reader's loads go: before the reader, or
-        // before the earliest backward node writing one of its other inputs
-        // (a fused dispatch there may compute the reader: a matmul doing an
-        // activation's backward), never between a writer and its companion.
+        // Where each backward reader's loads go (a load after the fused
+        // dispatch reading it would be read before it is written).
         let mut loads_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         for (b, node) in nodes.iter().enumerate().skip(start) {
             if !node.inputs.iter().any(|t| f16[t.0]) {
                 continue;
             }
-            let mut anchor = node.inputs.iter().map(|t| t.0).filter(|&t| t >= start).fold(b, usize::min);
-            while anchor > 0 && self.companion(Tensor(anchor - 1)) == Some(Tensor(anchor)) {
-                anchor -= 1;
-            }
-            loads_at[anchor].push(b);
+            loads_at[self.backward_anchor(b, start)].push(b);
         }
         // The new index of each reader's load of each of its inputs.
         let mut loaded: Vec<Vec<Option<usize>>> = vec![Vec::new(); count];

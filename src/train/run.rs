@@ -74,6 +74,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// The loss scaling of an f16 run (GradScaler's defaults).
     pub loss_scaling: LossScaling,
+    /// Recompute each block's forward in its backward (one device).
+    pub checkpoint_activations: bool,
     /// Testing the failure path: (rank, step, how) fails that rank at that
     /// step of a run across processes.
     #[cfg(feature = "fault-injection")]
@@ -98,6 +100,7 @@ impl Default for TrainConfig {
             schedule: Schedule::OneFOneB,
             precision: Precision::F32,
             loss_scaling: LossScaling::default(),
+            checkpoint_activations: false,
             #[cfg(feature = "fault-injection")]
             fail_at: None,
         }
@@ -195,6 +198,9 @@ pub struct RunInfo {
     pub precision: Precision,
     /// Why it is not the precision asked for, when it is not.
     pub precision_note: Option<String>,
+    /// Bytes of activations a step holds from forward to backward
+    /// (`Plan::held_activation_bytes`), where one graph holds the model.
+    pub held_activation_bytes: Option<u64>,
 }
 
 /// Where a run reports progress. Only rank 0 of a run across processes
@@ -338,14 +344,15 @@ impl<T: Task> TrainingRun<T> {
         }
         let f16 = config.precision == Precision::F16 && group.members()[0].supports_f16();
         #[allow(unused_mut)]
-        let mut engine: Box<dyn TrainEngine> = if f16 {
-            // Mixed precision plans one graph on one device for now.
+        let mut engine: Box<dyn TrainEngine> = if f16 || config.checkpoint_activations {
+            // Both passes rewrite one graph on one device for now.
             if strategy != Strategy::Single || processes.is_some() {
-                return Err(Error::InvalidArgument { op: "train --precision f16", reason: "f16 trains on a single device (no --parallel or --distributed)".into() });
+                return Err(Error::InvalidArgument { op: "train", reason: "--precision f16 and --checkpoint-activations train on a single device (no --parallel or --distributed)".into() });
             }
-            let optimizer = config.optimizer.with_loss_scaling(Some(config.loss_scaling));
-            let options = PlanOptions { precision: Precision::F16, ..PlanOptions::default() };
-            Box::new(Trainer::with_options(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, config.batch_size, options)?)
+            let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
+            let precision = if f16 { Precision::F16 } else { Precision::F32 };
+            let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
+            Box::new(Trainer::with_blocks(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, config.batch_size, options)?)
         } else {
             strategy.build(&group, processes, &model, CrossEntropyLoss.into(), config.optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone())?
         };
@@ -376,6 +383,10 @@ impl<T: Task> TrainingRun<T> {
             per_step: task.per_step(&config),
             footprint: engine.footprint(),
             precision: if f16 { Precision::F16 } else { Precision::F32 },
+            held_activation_bytes: match engine.holding() {
+                Holding::Replica(t) => Some(t.executor().plan().held_activation_bytes),
+                _ => None,
+            },
             precision_note: (config.precision == Precision::F16 && !f16)
                 .then(|| format!("--precision f16: {} has no SHADER_F16, so this run trains in f32", group.labels().first().map_or("the adapter", String::as_str))),
         };
