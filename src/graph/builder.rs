@@ -24,10 +24,12 @@ impl Tensor {
 pub enum DType {
     F32,
     U32,
-    /// A parameter stored in f16, two values per 4-byte word of the
-    /// parameter arena ([`Graph::parameter_f16`]): generation's weights.
-    /// Only an ABt matmul (as B) and an embedding (as the table) read it,
-    /// in f32; an executor with gradients or an optimizer refuses it.
+    /// f16, two values per 4-byte word: a parameter in the parameter arena
+    /// ([`Graph::parameter_f16`], generation's weights, which only an ABt
+    /// matmul (as B) and an embedding (as the table) read, in f32; an
+    /// executor with gradients or an optimizer refuses it), or an
+    /// activation mixed precision keeps for the backward
+    /// ([`Graph::store_f16`], read by [`Graph::load_f16`]).
     F16,
     /// A parameter stored block-quantized, as a GGUF file holds it, in the
     /// kernels' layout ([`Graph::parameter_quantized`],

@@ -6,6 +6,7 @@
 
 mod common;
 
+mod activation_checkpointing;
 mod checkpoint;
 mod data;
 mod device;

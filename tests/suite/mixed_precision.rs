@@ -10,9 +10,9 @@ use std::sync::Arc;
 use common::assert_close;
 use wgrad::graph::{DType, ElementwiseOp, Executor, Graph, PlanOptions, Precision};
 use wgrad::io::text::{random_windows, CharTokenizer};
-use wgrad::kernels::{LrSchedule, OptimizerConfig};
+use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{Gpt, GptConfig};
-use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Module, Sequential};
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{AdamW, LossScaleState, LossScaling, SGD};
 use wgrad::trainer::{Targets, Trainer};
 use wgrad::Kernels;
@@ -212,6 +212,8 @@ fn a_tiny_gpt_in_f16_follows_the_f32_run() {
         // f16 keeps 11 significant bits of each activation the backward
         // reads: after 20 AdamW steps at lr 1e-2 the losses drift apart by
         // at most 2% (measured: about 0.2%).
+        let drift = got.iter().zip(&want).map(|(g, w)| ((g - w) / w).abs()).fold(0.0f32, f32::max);
+        eprintln!("tiny GPT, 20 steps: largest relative loss difference f16 vs f32 {drift:.2e}");
         assert_close("f16 losses against f32", &got, &want, 0.0, 0.02);
         assert!(got[19] < got[0] - 0.5, "the f16 run learns: {got:?}");
         let state = f16_run.executor().loss_scale().cloned().unwrap_or_default();
