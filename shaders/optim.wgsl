@@ -259,6 +259,19 @@ fn grad_norm_finish(@builtin(local_invocation_id) lid: vec3<u32>) {
     }
 }
 
+// The workgroup's sums of `a` and of `b` (one each per invocation), in
+// reduce_scratch's fixed order.
+fn reduce_two(lid: u32, a: f32, b: f32) -> vec2<f32> {
+    scratch[lid] = a;
+    reduce_scratch(lid);
+    let first = scratch[0];
+    // Every invocation has read scratch[0] before it is reused.
+    workgroupBarrier();
+    scratch[lid] = b;
+    reduce_scratch(lid);
+    return vec2<f32>(first, scratch[0]);
+}
+
 // grad[n] -> partials[2·groups]: workgroup w sums (grad / scale)² over
 // grad[w·chunk .. min((w+1)·chunk, n)] (the unscaled norm clipping uses)
 // and counts its infs and NaNs. The scale is the block's (`grad_norm`).
@@ -278,16 +291,10 @@ fn loss_scale_partials(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
             squares = squares + u * u;
         }
     }
-    scratch[lid.x] = squares;
-    reduce_scratch(lid.x);
-    let total = scratch[0];
-    // Every invocation has read scratch[0] before it is reused.
-    workgroupBarrier();
-    scratch[lid.x] = bad;
-    reduce_scratch(lid.x);
+    let sums = reduce_two(lid.x, squares, bad);
     if lid.x == 0u {
-        partials[2u * wid.x] = total;
-        partials[2u * wid.x + 1u] = scratch[0];
+        partials[2u * wid.x] = sums.x;
+        partials[2u * wid.x + 1u] = sums.y;
     }
 }
 
@@ -304,12 +311,8 @@ fn loss_scale_finish(@builtin(local_invocation_id) lid: vec3<u32>) {
         squares = squares + partials[2u * i];
         bad = bad + partials[2u * i + 1u];
     }
-    scratch[lid.x] = squares;
-    reduce_scratch(lid.x);
-    let total = scratch[0];
-    workgroupBarrier();
-    scratch[lid.x] = bad;
-    reduce_scratch(lid.x);
+    let sums = reduce_two(lid.x, squares, bad);
+    let total = sums.x;
     if lid.x != 0u {
         return;
     }
@@ -318,7 +321,7 @@ fn loss_scale_finish(@builtin(local_invocation_id) lid: vec3<u32>) {
     norm_out[LS_ITER] = iteration;
     let norm = sqrt(total);
     norm_out[LS_NORM] = norm;
-    if scratch[0] > 0.0 {
+    if sums.y > 0.0 {
         norm_out[LS_SKIP] = 1.0;
         norm_out[LS_FACTOR] = 0.0;
         let skipped_before = norm_out[LS_SKIPPED];
