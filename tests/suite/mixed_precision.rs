@@ -104,6 +104,10 @@ fn an_overflow_skips_the_step_and_halves_the_scale() {
         let before = scaled.executor().parameters()?;
         let loss = linear_step(&mut scaled, 1);
         assert!(loss.is_finite(), "the forward is not scaled");
+        let grads: Vec<f32> = k.read::<f32>(scaled.executor().gradient_arena().expect("a trainer has gradients"))?;
+        let mut twin = wgrad::cpu::LossScaleTwin::new(&scaling);
+        assert_eq!(twin.step(&grads, &scaling, Some(1.0)).1, None, "the twin skips the same step");
+        assert_eq!(twin.scale, 2f32.powi(126));
         let state = scale_state(&scaled);
         assert_eq!(state.scale, 2f32.powi(126), "backoff halves the scale");
         assert_eq!((state.skipped, state.skipped_steps.clone(), state.steps_taken, state.steps_run), (1, vec![1], 0, 1));
@@ -150,10 +154,16 @@ fn the_scale_grows_after_the_interval_of_clean_steps() {
         for optimizer in optimizers {
             let mut t = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
             let mut scales = Vec::new();
+            let mut twin = wgrad::cpu::LossScaleTwin::new(&scaling);
             for step in 1..=7 {
                 linear_step(&mut t, step);
                 let s = scale_state(&t);
                 scales.push((s.scale, s.growth_tracker));
+                // The kernels against their twin on this step's (scaled,
+                // still held) gradients.
+                let grads: Vec<f32> = k.read::<f32>(t.executor().gradient_arena().expect("a trainer has gradients"))?;
+                twin.step(&grads, &scaling, optimizer.clip_grad_norm());
+                assert_eq!((s.scale, s.growth_tracker, s.steps_taken, s.steps_run, &s.skipped_steps), (twin.scale, twin.growth_tracker, twin.steps_taken, twin.steps_run, &twin.skipped_steps));
             }
             assert_eq!(scales, vec![(1024.0, 1), (1024.0, 2), (2048.0, 0), (2048.0, 1), (2048.0, 2), (4096.0, 0), (4096.0, 1)], "{optimizer:?}");
             let state = scale_state(&t);
