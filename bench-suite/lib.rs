@@ -337,10 +337,20 @@ pub fn gpt_train_flops(config: &wgrad::models::GptConfig, tokens: usize) -> f64 
 /// and model-FLOPs utilisation against `matmul_gflops`, the adapter's best
 /// matmul rate measured in the same run.
 pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
+    gpt_train_step_with(kernels, config, batch, steps, matmul_gflops, wgrad::graph::PlanOptions::default())
+}
+
+/// [`gpt_train_step`] planned with `options`: with
+/// `Precision::F16`, activations stored in f16 and the loss scaled
+/// dynamically (line `gpt_train` with `precision f16`).
+pub fn gpt_train_step_with(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, batch: usize, steps: usize, matmul_gflops: f64, options: wgrad::graph::PlanOptions) -> Result<BenchLine> {
     wgrad::nn::manual_seed(0);
     let model = wgrad::models::Gpt::new(config)?;
-    let optimizer = wgrad::train::AdamWSchedule::default().optimizer((steps + 3) as u64);
-    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch)?;
+    let mut optimizer = wgrad::train::AdamWSchedule::default().optimizer((steps + 3) as u64);
+    if options.precision == wgrad::graph::Precision::F16 {
+        optimizer = optimizer.with_loss_scaling(Some(wgrad::optim::LossScaling::default()));
+    }
+    let mut trainer = Trainer::with_options(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch, options)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let tokens = batch * config.block_size;
     let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
@@ -369,6 +379,8 @@ pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, 
             ("peak_gpu_bytes", exec.peak_bytes().to_string()),
             ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
             ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
+            ("precision", trainer.precision().name().to_string()),
+            ("held_activation_bytes", plan.held_activation_bytes.to_string()),
         ],
     })
 }

@@ -4,7 +4,7 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, FlashAttentionShape, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
 
 /// The element types a twin computes in: f32, as the kernels store values,
 /// and f64, for the graph's reference interpreter
@@ -329,6 +329,51 @@ pub fn adam_update(param: &mut [f32], grad: &[f32], exp_avg: &mut [f32], exp_avg
         exp_avg_sq[i] = beta2 * exp_avg_sq[i] + (1.0 - beta2) * g * g;
         let denom = exp_avg_sq[i].sqrt() / bias_correction2_sqrt + cfg.eps;
         param[i] -= step_size * (exp_avg[i] / denom);
+    }
+}
+
+/// Twin of `loss_scale_partials` + `loss_scale_finish` (torch.amp
+/// GradScaler's unscale_, inf check and update), over the host's copy of
+/// their state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScaleTwin {
+    pub scale: f32,
+    pub growth_tracker: u64,
+    pub steps_taken: u64,
+    pub steps_run: u64,
+    pub skipped_steps: Vec<u64>,
+}
+
+impl LossScaleTwin {
+    pub fn new(scaling: &LossScaling) -> Self {
+        LossScaleTwin { scale: scaling.init_scale, growth_tracker: 0, steps_taken: 0, steps_run: 0, skipped_steps: Vec::new() }
+    }
+
+    /// One step over gradients scaled by `self.scale`: the norm of the
+    /// unscaled finite ones (f64 sums), and the factor the update
+    /// multiplies them by (clip factor / scale), `None` when an inf or NaN
+    /// skips the step.
+    pub fn step(&mut self, grad: &[f32], scaling: &LossScaling, clip: Option<f32>) -> (f32, Option<f32>) {
+        self.steps_run += 1;
+        let inv_scale = 1.0 / self.scale;
+        let squares: f64 = grad.iter().filter(|g| g.is_finite()).map(|&g| f64::from(g * inv_scale).powi(2)).sum();
+        let norm = squares.sqrt() as f32;
+        if grad.iter().any(|g| !g.is_finite()) {
+            self.skipped_steps.push(self.steps_run);
+            self.scale *= scaling.backoff_factor;
+            self.growth_tracker = 0;
+            return (norm, None);
+        }
+        self.steps_taken += 1;
+        let clip_factor = clip.map_or(1.0, |max_norm| (max_norm / (norm + 1e-6)).min(1.0));
+        let factor = clip_factor * inv_scale;
+        self.growth_tracker += 1;
+        let grown = self.scale * scaling.growth_factor;
+        if self.growth_tracker >= u64::from(scaling.growth_interval) && grown.is_finite() {
+            self.scale = grown;
+            self.growth_tracker = 0;
+        }
+        (norm, Some(factor))
     }
 }
 

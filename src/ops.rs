@@ -224,6 +224,43 @@ fn validate_clip(op: &'static str, clip: Option<f32>) -> Result<()> {
     }
 }
 
+/// torch.amp.GradScaler's dynamic loss scaling: the loss gradient is
+/// seeded with `scale`; a step whose gradients hold an inf or NaN is
+/// skipped (no parameter, moment or step-count change) and the scale
+/// multiplied by `backoff_factor`; after `growth_interval` clean steps in
+/// a row it is multiplied by `growth_factor`. Defaults are GradScaler's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaling {
+    pub init_scale: f32,
+    pub growth_factor: f32,
+    pub backoff_factor: f32,
+    pub growth_interval: u32,
+}
+
+impl Default for LossScaling {
+    fn default() -> Self {
+        LossScaling { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+    }
+}
+
+impl LossScaling {
+    /// GradScaler's checks: a positive finite scale, growth above 1,
+    /// backoff in (0, 1), an interval of at least one step.
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.init_scale.is_finite()
+            && self.init_scale > 0.0
+            && self.growth_factor.is_finite()
+            && self.growth_factor > 1.0
+            && self.backoff_factor > 0.0
+            && self.backoff_factor < 1.0
+            && self.growth_interval >= 1;
+        if !ok {
+            return Err(Error::InvalidArgument { op: "loss_scaling", reason: format!("invalid {self:?}: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1") });
+        }
+        Ok(())
+    }
+}
+
 /// torch.optim.SGD's hyper-parameters and defaults (lr has no default there;
 /// 0.01 here), plus what every optimizer here shares: the learning-rate
 /// schedule, gradient-norm clipping and nanoGPT's weight-decay groups.
@@ -246,6 +283,9 @@ pub struct SgdConfig {
     /// left out. The executor marks the others with
     /// `Graph::exclude_from_weight_decay`, which also takes any parameter.
     pub decay_matrices_only: bool,
+    /// Dynamic loss scaling for f16 training (torch.amp.GradScaler), run
+    /// on the GPU inside the step; `None`: gradients as computed.
+    pub loss_scaling: Option<LossScaling>,
 }
 
 impl Default for SgdConfig {
@@ -259,6 +299,7 @@ impl Default for SgdConfig {
             schedule: LrSchedule::Constant,
             clip_grad_norm: None,
             decay_matrices_only: false,
+            loss_scaling: None,
         }
     }
 }
@@ -280,6 +321,9 @@ impl SgdConfig {
             return bad("Nesterov momentum requires a momentum and zero dampening".into());
         }
         self.schedule.validate("sgd_update")?;
+        if let Some(l) = &self.loss_scaling {
+            l.validate()?;
+        }
         validate_clip("sgd_update", self.clip_grad_norm)
     }
 }
@@ -298,6 +342,7 @@ pub struct AdamConfig {
     pub schedule: LrSchedule,
     pub clip_grad_norm: Option<f32>,
     pub decay_matrices_only: bool,
+    pub loss_scaling: Option<LossScaling>,
 }
 
 impl AdamConfig {
@@ -311,6 +356,7 @@ impl AdamConfig {
             schedule: LrSchedule::Constant,
             clip_grad_norm: None,
             decay_matrices_only: false,
+            loss_scaling: None,
         }
     }
 
@@ -334,6 +380,9 @@ impl AdamConfig {
             return bad(format!("invalid weight_decay {}", self.weight_decay));
         }
         self.schedule.validate("adam_update")?;
+        if let Some(l) = &self.loss_scaling {
+            l.validate()?;
+        }
         validate_clip("adam_update", self.clip_grad_norm)
     }
 }
@@ -392,6 +441,22 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd(c) => c.decay_matrices_only,
             OptimizerConfig::Adam(c) => c.decay_matrices_only,
         }
+    }
+
+    pub fn loss_scaling(&self) -> Option<LossScaling> {
+        match self {
+            OptimizerConfig::Sgd(c) => c.loss_scaling,
+            OptimizerConfig::Adam(c) => c.loss_scaling,
+        }
+    }
+
+    /// This optimizer with dynamic loss scaling (`None`: without).
+    pub fn with_loss_scaling(mut self, scaling: Option<LossScaling>) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd(c) => c.loss_scaling = scaling,
+            OptimizerConfig::Adam(c) => c.loss_scaling = scaling,
+        }
+        self
     }
 
     /// The learning rate of step `step` (from 1): the schedule applied to `lr`.

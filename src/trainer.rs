@@ -26,9 +26,9 @@ use std::sync::Arc;
 
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::graph::{DType, Executor, Graph, PlanOptions, Tensor};
+use crate::graph::{Block, DType, Executor, Graph, PlanOptions, Precision, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Module};
+use crate::nn::{Criterion, Module, Staged};
 use crate::optim;
 
 /// What the loss compares the model's output with.
@@ -154,14 +154,38 @@ pub(crate) struct Built {
     pub(crate) out_per_example: usize,
 }
 
-pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+fn check_batch(batch_size: usize) -> Result<()> {
     if batch_size == 0 {
         return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
     }
+    Ok(())
+}
+
+pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
+    check_batch(batch_size)?;
     let input = model.input(g, batch_size)?;
     let output = model.forward(g, input, "")?;
+    Ok(built(g, input, output, batch_size))
+}
+
+fn built(g: &Graph, input: Tensor, output: Tensor, batch_size: usize) -> Built {
     let len = |t: Tensor| g.shape_of(t).map_or(0, |s| s.iter().product::<usize>());
-    Ok(Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size })
+    Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size }
+}
+
+/// [`build_model`] unit by unit, with the node range each block added.
+fn build_blocks(g: &mut Graph, model: &dyn Staged, batch_size: usize) -> Result<(Built, Vec<Block>)> {
+    check_batch(batch_size)?;
+    let input = model.input(g, batch_size)?;
+    let mut x = model.prologue(g, input)?;
+    let mut blocks = Vec::new();
+    for i in 0..model.stage_costs().blocks.len() {
+        let first = g.len();
+        x = model.block(g, i, x)?;
+        blocks.push(Block { nodes: first..g.len(), output: x });
+    }
+    let output = model.epilogue(g, x)?;
+    Ok((built(g, input, output, batch_size), blocks))
 }
 
 /// What a trainer runs, before any device: `model → criterion` on
@@ -180,16 +204,32 @@ impl TrainingGraph {
     pub(crate) fn outputs(&self) -> [Tensor; 3] {
         [self.built.output, self.prediction, self.loss]
     }
+
+    /// The graph a rewriting pass (recomputed blocks, f16 activations)
+    /// makes of this one, with every tensor the trainer names carried over.
+    fn remapped(self, pass: impl FnOnce(&Graph, &crate::graph::Gradients) -> Result<(Graph, crate::graph::Gradients, crate::graph::Remap)>) -> Result<Self> {
+        let (graph, grads, at) = pass(&self.graph, &self.grads)?;
+        let built = Built { input: at.tensor(self.built.input), output: at.tensor(self.built.output), ..self.built };
+        Ok(TrainingGraph { graph, built, target: at.tensor(self.target), loss: at.tensor(self.loss), prediction: at.tensor(self.prediction), grads })
+    }
 }
 
-pub(crate) fn training_graph(model: &dyn Module, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
+pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Staged>, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
     let mut graph = Graph::new();
-    let built = build_model(&mut graph, model, batch_size)?;
+    let (built, blocks) = match checkpointed {
+        Some(m) => build_blocks(&mut graph, m, batch_size)?,
+        None => (build_model(&mut graph, model, batch_size)?, Vec::new()),
+    };
     let target = criterion.targets(&mut graph, built.output)?;
     let loss = criterion.loss(&mut graph, built.output, target)?;
     let prediction = graph.argmax(built.output)?;
     let grads = graph.backward(loss)?;
-    Ok(TrainingGraph { graph, built, target, loss, prediction, grads })
+    let t = TrainingGraph { graph, built, target, loss, prediction, grads };
+    if blocks.is_empty() {
+        Ok(t)
+    } else {
+        t.remapped(|g, grads| g.with_recomputed_blocks(grads, &blocks))
+    }
 }
 
 impl Trainer {
@@ -215,7 +255,21 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, criterion.into(), optimizer.into(), batch_size, options, true)
+        Self::build(kernels, model, None, criterion.into(), optimizer.into(), batch_size, options, true)
+    }
+
+    /// [`Trainer::with_options`] for a model cut into blocks, which
+    /// `options.checkpoint_activations` recomputes one by one in the
+    /// backward (torch.utils.checkpoint around each block).
+    pub fn with_blocks(
+        kernels: Arc<Kernels>,
+        model: &dyn Staged,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch_size: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
+        Self::build(kernels, model, Some(model), criterion.into(), optimizer.into(), batch_size, options, true)
     }
 
     /// [`Trainer::with_options`] without the optimizer's state and update:
@@ -231,13 +285,31 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, criterion.into(), optimizer.into(), batch_size, options, false)
+        Self::build(kernels, model, None, criterion.into(), optimizer.into(), batch_size, options, false)
     }
 
-    fn build(kernels: Arc<Kernels>, model: &dyn Module, criterion: Criterion, optimizer: OptimizerConfig, batch_size: usize, options: PlanOptions, own_optimizer: bool) -> Result<Self> {
-        let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } =
-            training_graph(model, criterion, batch_size)?;
-        let outputs = [output, prediction, loss];
+    /// The graph of `model` (by its blocks when checkpointing a `staged`
+    /// one), its loss, backward and the passes `options` asks for, with the
+    /// optimizer's update when `own_optimizer`.
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        kernels: Arc<Kernels>,
+        model: &dyn Module,
+        staged: Option<&dyn Staged>,
+        criterion: Criterion,
+        optimizer: OptimizerConfig,
+        batch_size: usize,
+        options: PlanOptions,
+        own_optimizer: bool,
+    ) -> Result<Self> {
+        let mut t = training_graph(model, staged.filter(|_| options.checkpoint_activations), criterion, batch_size)?;
+        // f16 storage needs the adapter's SHADER_F16; without it the step
+        // stays f32 (`Trainer::precision` tells the caller).
+        if options.precision == Precision::F16 && kernels.supports_f16() {
+            t = t.remapped(|g, grads| g.with_f16_activations(grads))?;
+        }
+        let outputs = t.outputs();
+        let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } = t;
         let exec = if own_optimizer {
             Executor::with_options(kernels, g, &outputs, Some(grads), Some(optimizer), options)?
         } else {
@@ -264,6 +336,13 @@ impl Trainer {
             targets_done: false,
             backward_done: false,
         })
+    }
+
+    /// Where the step keeps the activations its backward reads: f16 only
+    /// when asked for and the adapter has SHADER_F16.
+    pub fn precision(&self) -> Precision {
+        let f16 = self.exec.graph().nodes().iter().any(|n| n.dtype == DType::F16);
+        if f16 { Precision::F16 } else { Precision::F32 }
     }
 
     pub fn executor(&self) -> &Executor {

@@ -228,6 +228,18 @@ struct TrainArgs {
     /// --devices (default: one adapter per process).
     #[arg(long)]
     distributed: Option<String>,
+    /// f16: keep the activations the backward reads in f16 (half their
+    /// bytes) with dynamic loss scaling; needs SHADER_F16 (else trains in
+    /// f32, and says so) and one device.
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Recompute each transformer block's forward in its backward: less
+    /// activation memory for more compute (one device).
+    #[arg(long)]
+    checkpoint_activations: bool,
+    /// f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
+    #[arg(long, default_value_t = 2000)]
+    loss_scale_interval: u32,
     /// Stop after this many steps (MLP default: all epochs; GPT default: 750).
     #[arg(long)]
     max_steps: Option<u64>,
@@ -391,6 +403,9 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
         devices: args.devices.as_deref().map(DeviceSelection::parse).transpose()?,
         micro_batches: args.micro_batches,
         split: args.split.clone(),
+        precision: args.precision.parse()?,
+        loss_scaling: wgrad::optim::LossScaling { growth_interval: args.loss_scale_interval, ..Default::default() },
+        checkpoint_activations: args.checkpoint_activations,
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
         ..defaults
@@ -439,6 +454,15 @@ impl Progress for Bars {
         println!("model: {} | {} parameters | {} | batch {}", info.model, info.parameters, info.optimizer, info.batch_size);
         println!("data: {} | {} {} per step", info.data, info.per_step, info.unit);
         println!("memory per device (the fullest): {}", memory_line(&info.memory));
+        if let Some(note) = &info.precision_note {
+            println!("{note}");
+        }
+        if info.precision == wgrad::graph::Precision::F16 {
+            println!("precision f16: activations kept for the backward in f16, f32 master weights and optimizer state, dynamic loss scaling");
+        }
+        if let Some(bytes) = info.held_activation_bytes {
+            println!("activations held for the backward: {} KiB per step ({})", bytes / 1024, info.precision.name());
+        }
         let f = &info.footprint;
         match f.intermediates {
             Some((planned, naive)) => println!(
@@ -499,6 +523,9 @@ pub(crate) fn print_summary(summary: &Summary, unit: &str) {
     }
     if let Some((step, loss)) = summary.train_curve.last() {
         println!("final training loss {loss:.6} (step {step})");
+    }
+    if let Some(scale) = &summary.loss_scale {
+        println!("{}", scale.summary());
     }
 }
 
@@ -649,6 +676,10 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
             best_gflops = gflops(&[bench::matmul(&kernels, 512, reps)?]);
         }
         lines.push(wgrad_benches::gpt_train_step(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
+        if kernels.supports_f16() {
+            let f16 = wgrad::graph::PlanOptions { precision: wgrad::graph::Precision::F16, ..Default::default() };
+            lines.push(wgrad_benches::gpt_train_step_with(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops, f16)?);
+        }
     }
     if runs("gpt_generate") {
         lines.push(wgrad_benches::gpt_generate(&kernels, wgrad_benches::gpt_bench_config(), if quick { 16 } else { 48 })?);

@@ -16,6 +16,12 @@ pub struct Gradients {
     by_input: HashMap<Tensor, Tensor>,
     /// Every accumulation node this backward pass added, in order.
     accumulations: Vec<Tensor>,
+    /// The first node this backward pass added: nodes from here on are
+    /// the backward's, those before it the forward's.
+    start: usize,
+    /// d loss / d output that seeded the pass (a loss's is the constant 1,
+    /// which loss scaling overwrites with the scale inside each step).
+    seed: Tensor,
 }
 
 impl Gradients {
@@ -41,6 +47,31 @@ impl Gradients {
         let mut v: Vec<Tensor> = self.by_input.values().copied().collect();
         v.sort();
         v
+    }
+
+    /// The gradient the pass started from (`dloss`, or a stage's seed).
+    pub fn seed(&self) -> Tensor {
+        self.seed
+    }
+
+    /// The first node index the backward pass added (the forward's nodes
+    /// come before it).
+    pub fn backward_start(&self) -> Tensor {
+        Tensor(self.start)
+    }
+
+    /// The same gradients in a graph rebuilt with `map[old index]` as
+    /// each node's new index (a precision or recomputation pass).
+    pub(super) fn remapped(&self, map: &[usize]) -> Gradients {
+        let at = |t: Tensor| Tensor(map[t.0]);
+        Gradients {
+            loss: at(self.loss),
+            by_param: self.by_param.iter().map(|(&p, &g)| (at(p), at(g))).collect(),
+            by_input: self.by_input.iter().map(|(&i, &g)| (at(i), at(g))).collect(),
+            accumulations: self.accumulations.iter().map(|&t| at(t)).collect(),
+            seed: at(self.seed),
+            start: map.get(self.start).copied().unwrap_or_else(|| map.last().map_or(0, |&l| l + 1)),
+        }
     }
 
     /// (parameter, gradient) pairs in parameter order.
@@ -82,6 +113,7 @@ impl Graph {
         if let Some(&bad) = inputs.iter().find(|t| self.node(**t).op != SourceOp::Input || self.node(**t).dtype != DType::F32) {
             return Err(Error::InvalidArgument { op: "backward", reason: format!("`{}` is not an f32 input", self.node(bad).name) });
         }
+        let start = self.nodes.len();
         let count = output.0 + 1;
         let mut requires_grad = vec![false; count];
         for i in 0..count {
@@ -131,7 +163,7 @@ impl Graph {
             }
         }
         accumulations.sort();
-        Ok(Gradients { loss: output, by_param, by_input, accumulations })
+        Ok(Gradients { loss: output, by_param, by_input, accumulations, start, seed })
     }
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node:

@@ -24,10 +24,12 @@ impl Tensor {
 pub enum DType {
     F32,
     U32,
-    /// A parameter stored in f16, two values per 4-byte word of the
-    /// parameter arena ([`Graph::parameter_f16`]): generation's weights.
-    /// Only an ABt matmul (as B) and an embedding (as the table) read it,
-    /// in f32; an executor with gradients or an optimizer refuses it.
+    /// f16, two values per 4-byte word: a parameter in the parameter arena
+    /// ([`Graph::parameter_f16`], generation's weights, which only an ABt
+    /// matmul (as B) and an embedding (as the table) read, in f32; an
+    /// executor with gradients or an optimizer refuses it), or an
+    /// activation mixed precision keeps for the backward
+    /// ([`Graph::store_f16`], read by [`Graph::load_f16`]).
     F16,
     /// A parameter stored block-quantized, as a GGUF file holds it, in the
     /// kernels' layout ([`Graph::parameter_quantized`],
@@ -192,6 +194,17 @@ impl Graph {
     pub(crate) fn companion(&self, y: Tensor) -> Option<Tensor> {
         let s = Tensor(y.0 + 1);
         (self.get(s).is_some_and(|n| n.op.is_companion() && n.inputs == [y])).then_some(s)
+    }
+
+    /// This graph's settings over `nodes`, a rebuilt node list in which
+    /// old node i is `map[i]` (a precision or recomputation pass).
+    pub(super) fn with_nodes(&self, nodes: Vec<Node>, map: &[usize]) -> Graph {
+        let at = |list: &[Tensor]| {
+            let mut v: Vec<Tensor> = list.iter().map(|t| Tensor(map[t.0])).collect();
+            v.sort();
+            v
+        };
+        Graph { nodes, no_weight_decay: at(&self.no_weight_decay), no_decay_group: at(&self.no_decay_group) }
     }
 
     /// Every parameter, in the order added.

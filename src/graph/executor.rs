@@ -10,8 +10,8 @@ use super::builder::{DType, Graph, Tensor};
 use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, ParameterInit, SourceOp};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use crate::error::{Error, Result};
-use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View};
-use crate::optim::{apply_parameter_groups, Optimizer, ParamSpan};
+use crate::kernels::{loss_scale_word, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View, LOSS_SCALE_WORDS};
+use crate::optim::{apply_parameter_groups, LossScaleState, Optimizer, ParamSpan};
 
 /// One dispatch of a profiling run, run alone.
 #[derive(Clone, Debug)]
@@ -57,8 +57,11 @@ pub struct Executor {
     run_orders: HashMap<Vec<Tensor>, Vec<usize>>,
     train_order: Vec<usize>,
     gradients: Option<Gradients>,
-    /// Where a scalar read back at the end of a training run lands.
+    /// Where a scalar read back at the end of a training run lands (and,
+    /// with loss scaling, the loss-scale state after it).
     scalar_staging: wgpu::Buffer,
+    /// The loss-scale state read back with the last loss read.
+    loss_scale: Option<LossScaleState>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -166,9 +169,16 @@ impl Executor {
             }
         }
         let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
+        // The loss seeds the backward with the loss scale, so it must be
+        // the plan's own constant, which the step overwrites.
+        if let (Some(_), Some(g)) = (optimizer.and_then(|o| o.loss_scaling()), &gradients) {
+            if !matches!(plan.storage[g.seed().0], Storage::Constant { .. }) {
+                return Err(Error::InvalidArgument { op: "Executor::new", reason: "loss scaling needs a backward seeded from a loss (Graph::backward)".into() });
+            }
+        }
         let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
             label: Some("scalar readback"),
-            size: 4,
+            size: 4 * (1 + LOSS_SCALE_WORDS - loss_scale_word::SCALE) as u64,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
@@ -203,6 +213,7 @@ impl Executor {
             train_order,
             gradients,
             scalar_staging,
+            loss_scale: None,
         };
         let needs_kernel =
             |i: usize| !matches!(exec.plan.storage[i], Storage::Unused) && !exec.plan.fused_away[i] && exec.graph.node(Tensor(i)).op.has_kernel();
@@ -295,6 +306,14 @@ impl Executor {
             Some(o) => o.read_grad_norm(&self.kernels),
             None => Ok(None),
         }
+    }
+
+    /// Dynamic loss scaling's state as read back with the last loss read
+    /// by [`Executor::train_step`] (no extra wait); `None` without loss
+    /// scaling or before a loss was read. [`Optimizer::read_loss_scale`]
+    /// reads it now.
+    pub fn loss_scale(&self) -> Option<&LossScaleState> {
+        self.loss_scale.as_ref()
     }
 
     /// The optimizer this executor steps with, if any.
@@ -527,6 +546,14 @@ impl Executor {
             o.prepare_step(&self.kernels)?;
         }
         let loss_view = self.view(loss)?;
+        // Loss scaling: this step's loss gradient is the scale, and its
+        // state comes back with the loss.
+        let scale = self.optimizer.as_ref().and_then(Optimizer::loss_scale_view);
+        let seed = match (scale, &self.gradients) {
+            (Some(_), Some(g)) => Some(self.view(g.seed())?),
+            _ => None,
+        };
+        let scale_state = self.optimizer.as_ref().and_then(Optimizer::loss_scale_state_view);
         let steps = self.train_dispatches();
         let update = self.update_dispatches().filter(|_| apply_optimizer);
         let staging = &self.scalar_staging;
@@ -537,20 +564,37 @@ impl Executor {
                 if zero_grad {
                     encoder.clear_buffer(grads.buffer(), 0, None);
                 }
+                if let (Some(scale), Some(seed)) = (scale, seed) {
+                    encoder.copy_buffer_to_buffer(scale.buffer, scale.offset, seed.buffer, seed.offset, 4);
+                }
             },
             |encoder| {
                 if read_loss {
                     encoder.copy_buffer_to_buffer(loss_view.buffer, loss_view.offset, staging, 0, 4);
+                    if let Some(state) = scale_state {
+                        encoder.copy_buffer_to_buffer(state.buffer, state.offset, staging, 4, 4 * state.len as u64);
+                    }
                 }
             },
         )?;
+        let scale_words = scale_state.map(|v| v.len);
         if let (true, Some(o)) = (apply_optimizer, &mut self.optimizer) {
             o.finish_step();
         }
         if !read_loss {
             return Ok(None);
         }
-        let value = self.kernels.map_read_scalar(&self.scalar_staging)?;
+        let value = match scale_words {
+            Some(words) => {
+                let read: Vec<f32> = self.kernels.map_read(&self.scalar_staging, 4 * (1 + words) as u64)?;
+                // The state's words are the block's from SCALE on.
+                let mut block = vec![0.0; loss_scale_word::SCALE];
+                block.extend_from_slice(read.get(1..).unwrap_or(&[]));
+                self.loss_scale = Some(LossScaleState::from_block(&block));
+                read.first().copied().unwrap_or(f32::NAN)
+            }
+            None => self.kernels.map_read_scalar(&self.scalar_staging)?,
+        };
         if !value.is_finite() {
             return Err(Error::NonFiniteLoss { value, step: self.step_count() });
         }

@@ -10,6 +10,7 @@
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
+use super::precision::Precision;
 use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
@@ -90,6 +91,10 @@ pub struct Plan {
     pub slot_bytes: u64,
     /// Bytes of the inputs, constants and caches (each its own buffer).
     pub input_bytes: u64,
+    /// Bytes of the forward's intermediates a training step's backward
+    /// reads: what it holds from forward to backward (its activation
+    /// memory; f16 storage halves it). 0 without gradients.
+    pub held_activation_bytes: u64,
 }
 
 /// The Linear layer `pred = x·weightᵀ (+ bias)` computed inside a loss's
@@ -145,17 +150,26 @@ pub struct PlanOptions {
     /// loss's single-workgroup dispatch; lowered by the executor to
     /// `Kernels::linear_in_loss_max_macs`.
     pub linear_in_loss_max_macs: usize,
+    /// Where a training step keeps the activations its backward reads
+    /// ([`crate::graph::precision`]). The graph's builder applies it
+    /// before planning ([`crate::trainer::Trainer::with_options`] with
+    /// [`Graph::with_f16_activations`]), since it adds nodes.
+    pub precision: Precision,
+    /// Recompute each block's forward in its backward (graph/checkpoint.rs),
+    /// applied, like `precision`, by the graph's builder: a model cut into
+    /// blocks ([`crate::trainer::Trainer::with_blocks`]).
+    pub checkpoint_activations: bool,
 }
 
 impl PlanOptions {
     /// Nothing fused: one dispatch per node, the reference fused plans are
     /// tested against.
-    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS };
+    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false };
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS }
+        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false }
     }
 }
 
@@ -402,6 +416,7 @@ impl Plan {
             last_use[owner[r]] = Some(usize::MAX);
         }
         let mut slot_len: Vec<usize> = Vec::new();
+        let mut slot_f16: Vec<bool> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         let (mut inputs, mut constants, mut caches) = (0, 0, 0);
@@ -451,24 +466,31 @@ impl Plan {
                     owners.extend(loss_with_grad[i]);
                     owners.extend(companion[i]);
                     for (k, &o) in owners.iter().enumerate() {
-                        let len = nodes[o].len();
+                        // Words, not values: an f16 copy takes half.
+                        let len = stored_words(nodes[o].dtype, nodes[o].len());
                         naive += len as u64 * BYTES;
                         // Outputs get slots of their own: they are read after a
                         // run, possibly after a different run (a prediction)
                         // has executed other nodes that share freed slots.
                         let is_root = last_use[o] == Some(usize::MAX);
+                        // f16 copies (held from forward to backward) and
+                        // f32 tensors never share a slot: a copy in a slot
+                        // an f32 tensor sized would keep those bytes alive
+                        // all through the backward.
+                        let f16 = nodes[o].dtype == DType::F16;
                         let best = free
                             .iter()
                             .filter(|_| !is_root)
                             .enumerate()
-                            .filter(|(_, &s)| slot_len[s] >= len)
+                            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
                             .min_by_key(|(_, &s)| slot_len[s])
                             .map(|(k, _)| k)
-                            .or_else(|| (0..free.len()).filter(|_| !is_root).max_by_key(|&k| slot_len[free[k]]));
+                            .or_else(|| (0..free.len()).filter(|&k| !is_root && slot_f16[free[k]] == f16).max_by_key(|&k| slot_len[free[k]]));
                         let slot = match best {
                             Some(k) => free.swap_remove(k),
                             None => {
                                 slot_len.push(0);
+                                slot_f16.push(f16);
                                 slot_len.len() - 1
                             }
                         };
@@ -496,6 +518,17 @@ impl Plan {
             }
         }
         let slot_bytes = slot_len.iter().map(|&l| l as u64 * BYTES).sum();
+        let mut held = vec![false; count];
+        if let Some(g) = grads {
+            let start = g.backward_start().0;
+            for &i in order.iter().filter(|&&i| i >= start) {
+                for t in &reads[i] {
+                    let o = owner[t.0];
+                    held[o] |= o < start && matches!(storage[o], Storage::Slot { .. });
+                }
+            }
+        }
+        let held_activation_bytes = (0..count).filter(|&o| held[o]).map(|o| stored_words(nodes[o].dtype, nodes[o].len()) as u64 * BYTES).sum();
         Plan {
             order,
             storage,
@@ -519,6 +552,7 @@ impl Plan {
             naive_intermediate_bytes: naive,
             slot_bytes,
             input_bytes,
+            held_activation_bytes,
         }
     }
 

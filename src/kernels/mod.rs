@@ -35,10 +35,10 @@ pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use quant_weights::{QuantView, QuantWeightsKernel};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};
-pub use optim::{grad_norm_groups, ArenaGroups};
+pub use optim::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, LOSS_SCALE_WORDS};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, FlashAttentionShape, QkvLayout, LrSchedule, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+pub use crate::ops::{pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, FlashAttentionShape, QkvLayout, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 pub use crate::ops::NO_TOKEN;
@@ -775,7 +775,7 @@ impl Kernels {
         values.first().copied().ok_or_else(|| Error::Readback { op: "read", message: "empty".into() })
     }
 
-    fn map_read<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
+    pub(crate) fn map_read<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
         let (sender, receiver) = futures::channel::oneshot::channel();
         staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
             let _ = sender.send(result);

@@ -5,7 +5,7 @@
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View, FLAT_WORKGROUP};
 use crate::error::{Error, Result};
-use crate::ops::{AdamConfig, OptimizerConfig, SgdConfig};
+use crate::ops::{AdamConfig, LossScaling, OptimizerConfig, SgdConfig};
 
 entry_points! {
     Optim {
@@ -14,6 +14,8 @@ entry_points! {
         ADAMW_UPDATE = "adamw_update",
         GRAD_NORM_PARTIALS = "grad_norm_partials",
         GRAD_NORM_FINISH = "grad_norm_finish",
+        LOSS_SCALE_PARTIALS = "loss_scale_partials",
+        LOSS_SCALE_FINISH = "loss_scale_finish",
     }
 }
 
@@ -55,7 +57,8 @@ struct AdamStep {
 struct Groups {
     decay_end: u32,
     clip: u32,
-    _pad: [u32; 2],
+    scaled: u32,
+    _pad: u32,
 }
 
 /// A whole parameter block: step scalars first (see [`SgdStep`]).
@@ -71,6 +74,61 @@ struct SgdParams {
 struct AdamParams {
     step: AdamStep,
     groups: Groups,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct ScaleParams {
+    n: u32,
+    chunk: u32,
+    groups: u32,
+    clip: u32,
+    max_norm: f32,
+    growth_factor: f32,
+    backoff_factor: f32,
+    growth_interval: u32,
+    beta1: f32,
+    beta2: f32,
+    _pad: [u32; 2],
+}
+
+/// The words of the loss-scale block `optim.wgsl`'s loss_scale kernels keep
+/// (its `LS_*` constants): the first for the step's update, the rest kept
+/// from step to step. [`LOSS_SCALE_WORDS`] long.
+pub mod loss_scale_word {
+    /// ‖grad / scale‖₂ of the last step.
+    pub const NORM: usize = 0;
+    /// 1 when the last step was skipped.
+    pub const SKIP: usize = 2;
+    /// The loss scale the next step seeds its loss gradient with.
+    pub const SCALE: usize = 8;
+    /// Clean steps since the scale last changed.
+    pub const TRACKER: usize = 9;
+    /// Optimizer steps taken (skipped ones not counted).
+    pub const STEP: usize = 10;
+    /// Steps skipped.
+    pub const SKIPPED: usize = 11;
+    /// Steps run, taken or skipped.
+    pub const ITERATIONS: usize = 12;
+    pub const BETA1_POW: usize = 13;
+    pub const BETA2_POW: usize = 14;
+    /// The first [`HISTORY_LEN`] skipped steps, numbered from 1 by
+    /// [`ITERATIONS`].
+    pub const HISTORY: usize = 16;
+    pub const HISTORY_LEN: usize = 32;
+}
+
+/// Length of the loss-scale block in 4-byte words.
+pub const LOSS_SCALE_WORDS: usize = loss_scale_word::HISTORY + loss_scale_word::HISTORY_LEN;
+
+/// The block's starting words for `scaling`: the initial scale, beta
+/// powers of 1 (t = 0), counters at 0.
+pub fn loss_scale_block(scaling: &LossScaling) -> Vec<f32> {
+    let mut block = vec![0.0; LOSS_SCALE_WORDS];
+    block[loss_scale_word::SCALE] = scaling.init_scale;
+    block[loss_scale_word::BETA1_POW] = 1.0;
+    block[loss_scale_word::BETA2_POW] = 1.0;
+    block
 }
 
 #[repr(C)]
@@ -157,9 +215,15 @@ fn adam_step(op: &'static str, n: usize, cfg: &AdamConfig, step: u64) -> Result<
 
 /// The fixed tail of an update over `n` elements: checks the decay
 /// boundary and that a clipping config has its norm.
-fn groups(op: &'static str, n: usize, clip: Option<f32>, arena: &ArenaGroups<'_>) -> Result<Groups> {
+fn groups(op: &'static str, n: usize, clip: Option<f32>, scaled: bool, arena: &ArenaGroups<'_>) -> Result<Groups> {
     if arena.decay_len > n {
         return Err(Error::shape(op, format!("decay_len {} exceeds the {n} parameters", arena.decay_len), &[&[arena.decay_len], &[n]]));
+    }
+    if scaled && arena.grad_norm.is_none_or(|v| v.len < LOSS_SCALE_WORDS) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("loss scaling needs the loss-scale block ({LOSS_SCALE_WORDS} words) of Kernels::loss_scale as grad_norm"),
+        });
     }
     if let (Some(_), None) = (clip, arena.grad_norm) {
         return Err(Error::InvalidArgument {
@@ -172,7 +236,7 @@ fn groups(op: &'static str, n: usize, clip: Option<f32>, arena: &ArenaGroups<'_>
     if let Some(v) = arena.grad_norm.filter(|v| v.len < 2) {
         return Err(Error::shape(op, "grad_norm holds [norm, scale]: 2 elements", &[&[v.len]]));
     }
-    Ok(Groups { decay_end: dim(op, arena.decay_len)?, clip: u32::from(clip.is_some()), _pad: [0; 2] })
+    Ok(Groups { decay_end: dim(op, arena.decay_len)?, clip: u32::from(clip.is_some()), scaled: u32::from(scaled), _pad: 0 })
 }
 
 impl Kernels {
@@ -212,7 +276,10 @@ impl Kernels {
     /// arenas in `state_names()` order; weight decay applies below
     /// `arena.decay_len`; with `clip_grad_norm` set the gradients are scaled
     /// by the factor in `arena.grad_norm` (written earlier in the same
-    /// submission by [`Kernels::grad_norm`]). The groups and clipping are
+    /// submission by [`Kernels::grad_norm`]). With `loss_scaling` set,
+    /// `arena.grad_norm` is the block of [`Kernels::loss_scale`] instead:
+    /// the update unscales (and clips) by its factor, and does nothing on
+    /// a step it marks skipped. The groups and clipping are
     /// fixed here; [`Kernels::set_optimizer_step`] changes only the step.
     pub fn optimizer_update(
         &self,
@@ -236,7 +303,7 @@ impl Kernels {
         let mut others: Vec<(&str, &View<'_>)> = vec![("grad", &grad)];
         others.extend(names.iter().copied().zip(state));
         check_state(op, &param, &others)?;
-        let groups = groups(op, param.len, optimizer.clip_grad_norm(), &arena)?;
+        let groups = groups(op, param.len, optimizer.clip_grad_norm(), optimizer.loss_scaling().is_some(), &arena)?;
         // Bound even when not clipping: the shader's layout has the slot.
         let norm = arena.grad_norm.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 2 });
         let mut bindings = vec![bind(0, "param", param), bind(1, "grad", grad), bind(6, "grad_norm", norm)];
@@ -280,6 +347,49 @@ impl Kernels {
         };
         let sums = self.prepare(GRAD_NORM_PARTIALS, &[], &[bind(1, "grad", grad), bind(7, "partials", partials)], 8, &params, groups as u64)?;
         let finish = self.prepare(GRAD_NORM_FINISH, &[], &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)], 8, &params, 1)?;
+        Ok([sums, finish])
+    }
+
+    /// GradScaler's unscale, inf/NaN check and scale update over `grad`,
+    /// scaled by the `block`'s scale (see [`loss_scale_word`]; start it
+    /// from [`loss_scale_block`]), in two dispatches (per-chunk sums into
+    /// `partials`, 2·[`grad_norm_groups`] long, then one workgroup): the
+    /// block then holds what the update of `optimizer` (which must have
+    /// `loss_scaling`) reads, with clipping by the unscaled norm when it
+    /// clips. Run them after the backward and before that update.
+    pub fn loss_scale(&self, block: View<'_>, partials: View<'_>, grad: View<'_>, optimizer: &OptimizerConfig) -> Result<[Dispatch; 2]> {
+        let op = LOSS_SCALE_PARTIALS.entry;
+        let Some(scaling) = optimizer.loss_scaling() else {
+            return Err(Error::InvalidArgument { op, reason: "the optimizer has no loss_scaling".into() });
+        };
+        scaling.validate()?;
+        let groups = grad_norm_groups(grad.len);
+        if partials.len != 2 * groups || block.len != LOSS_SCALE_WORDS {
+            return Err(Error::shape(
+                op,
+                format!("{} gradients need {} partials and a block of {LOSS_SCALE_WORDS}", grad.len, 2 * groups),
+                &[&[grad.len], &[partials.len], &[block.len]],
+            ));
+        }
+        let (beta1, beta2) = match optimizer {
+            OptimizerConfig::Adam(c) => c.betas,
+            OptimizerConfig::Sgd(_) => (0.0, 0.0),
+        };
+        let params = ScaleParams {
+            n: dim(op, grad.len)?,
+            chunk: dim(op, grad.len.div_ceil(groups))?,
+            groups: dim(op, groups)?,
+            clip: u32::from(optimizer.clip_grad_norm().is_some()),
+            max_norm: optimizer.clip_grad_norm().unwrap_or(f32::INFINITY),
+            growth_factor: scaling.growth_factor,
+            backoff_factor: scaling.backoff_factor,
+            growth_interval: scaling.growth_interval,
+            beta1,
+            beta2,
+            _pad: [0; 2],
+        };
+        let sums = self.prepare(LOSS_SCALE_PARTIALS, &[], &[bind(1, "grad", grad), bind(6, "block", block), bind(7, "partials", partials)], 10, &params, groups as u64)?;
+        let finish = self.prepare(LOSS_SCALE_FINISH, &[], &[bind(7, "partials", partials), bind(9, "block", block)], 10, &params, 1)?;
         Ok([sums, finish])
     }
 

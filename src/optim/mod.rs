@@ -19,9 +19,9 @@
 mod optimizer;
 
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
-pub use crate::ops::LrSchedule;
+pub use crate::ops::{LossScaling, LrSchedule};
 pub(crate) use optimizer::{apply_parameter_groups, stage_state};
-pub use optimizer::{Optimizer, ParamSpan};
+pub use optimizer::{LossScaleState, Optimizer, ParamSpan};
 
 /// The builder methods every optimizer shares (the last three fields of
 /// [`SgdConfig`] and [`AdamConfig`]).
@@ -35,6 +35,11 @@ macro_rules! shared_settings {
         /// torch.nn.utils.clip_grad_norm_(max_norm) before every step.
         pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
             self.0.clip_grad_norm = Some(max_norm);
+            self
+        }
+        /// Dynamic loss scaling for f16 training (torch.amp.GradScaler).
+        pub fn loss_scaling(mut self, scaling: LossScaling) -> Self {
+            self.0.loss_scaling = Some(scaling);
             self
         }
         /// Weight decay only on parameters of two or more dimensions.
@@ -154,6 +159,9 @@ pub fn describe(cfg: &OptimizerConfig) -> String {
     }
     if cfg.decay_matrices_only() {
         text += " decay_matrices_only";
+    }
+    if let Some(l) = cfg.loss_scaling() {
+        text += &format!(" loss_scaling(init={}, growth_interval={})", l.init_scale, l.growth_interval);
     }
     text
 }

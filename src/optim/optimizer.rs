@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::graph::Graph;
-use crate::kernels::{grad_norm_groups, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig, View};
+use crate::kernels::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig, View, LOSS_SCALE_WORDS};
 
 /// Where a parameter lives in the arenas, as the executor's plan laid
 /// them out.
@@ -53,10 +53,65 @@ struct ClipNorm {
     dispatches: [Dispatch; 2],
 }
 
+/// Buffers and dispatches of dynamic loss scaling (which also clips, by
+/// the unscaled norm, when the optimizer clips).
+struct LossScaler {
+    _partials: GpuTensor,
+    /// The loss-scale block (`kernels::loss_scale_word`).
+    block: GpuTensor,
+    dispatches: [Dispatch; 2],
+}
+
+/// Dynamic loss scaling's state, as read back from the GPU.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LossScaleState {
+    /// The scale the next step seeds its loss gradient with.
+    pub scale: f32,
+    /// Clean steps since the scale last changed.
+    pub growth_tracker: u64,
+    /// Optimizer steps taken (skipped steps not counted).
+    pub steps_taken: u64,
+    /// Steps run, taken or skipped.
+    pub steps_run: u64,
+    /// How many steps were skipped, and the first of them (numbered from 1
+    /// by `steps_run`; at most `kernels::loss_scale_word::HISTORY_LEN`).
+    pub skipped: u64,
+    pub skipped_steps: Vec<u64>,
+}
+
+impl LossScaleState {
+    /// The state in the block's words (`kernels::loss_scale_word`).
+    pub fn from_block(block: &[f32]) -> LossScaleState {
+        use loss_scale_word as w;
+        let at = |i: usize| block.get(i).copied().unwrap_or(0.0);
+        let skipped = at(w::SKIPPED) as u64;
+        LossScaleState {
+            scale: at(w::SCALE),
+            growth_tracker: at(w::TRACKER) as u64,
+            steps_taken: at(w::STEP) as u64,
+            steps_run: at(w::ITERATIONS) as u64,
+            skipped,
+            skipped_steps: (0..(skipped as usize).min(w::HISTORY_LEN)).map(|k| at(w::HISTORY + k) as u64).collect(),
+        }
+    }
+
+    /// `loss scale: final 32768, 3 steps skipped (steps 1, 2, 5)`.
+    pub fn summary(&self) -> String {
+        let mut text = format!("loss scale: final {}, {} step{} skipped", self.scale, self.skipped, if self.skipped == 1 { "" } else { "s" });
+        if !self.skipped_steps.is_empty() {
+            let steps: Vec<String> = self.skipped_steps.iter().map(u64::to_string).collect();
+            let more = if (self.skipped as usize) > steps.len() { ", …" } else { "" };
+            text += &format!(" (step{} {}{more})", if steps.len() == 1 { "" } else { "s" }, steps.join(", "));
+        }
+        text
+    }
+}
+
 pub struct Optimizer {
     config: OptimizerConfig,
     state: Vec<GpuTensor>,
     clip: Option<ClipNorm>,
+    scaler: Option<LossScaler>,
     update: Dispatch,
     /// Elements the update covers (the parameter arena's length).
     arena_len: usize,
@@ -78,7 +133,16 @@ impl Optimizer {
     pub(crate) fn new(kernels: &Kernels, config: OptimizerConfig, params: View<'_>, grads: View<'_>, arena_len: usize, decay_len: usize) -> Result<Self> {
         config.validate()?;
         let state = (0..config.state_names().len()).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?;
-        let clip = match config.clip_grad_norm() {
+        // Loss scaling clips too (by the unscaled norm), in its own kernels.
+        let scaler = match config.loss_scaling() {
+            Some(scaling) => {
+                let (partials, block) = (kernels.zeros(2 * grad_norm_groups(arena_len))?, kernels.upload(&loss_scale_block(&scaling))?);
+                let dispatches = kernels.loss_scale(block.view(), partials.view(), grads, &config)?;
+                Some(LossScaler { _partials: partials, block, dispatches })
+            }
+            None => None,
+        };
+        let clip = match config.clip_grad_norm().filter(|_| scaler.is_none()) {
             Some(max_norm) => {
                 let (partials, norm) = (kernels.zeros(grad_norm_groups(arena_len))?, kernels.zeros(2)?);
                 let dispatches = kernels.grad_norm(norm.view(), partials.view(), grads, max_norm)?;
@@ -87,9 +151,10 @@ impl Optimizer {
             None => None,
         };
         let state_views: Vec<View<'_>> = state.iter().map(|s| s.view()).collect();
-        let arena = ArenaGroups { decay_len, grad_norm: clip.as_ref().map(|c| c.norm.view()) };
+        let grad_norm = scaler.as_ref().map(|s| s.block.view()).or(clip.as_ref().map(|c| c.norm.view()));
+        let arena = ArenaGroups { decay_len, grad_norm };
         let update = kernels.optimizer_update(&config, params, grads, &state_views, arena, 1)?;
-        Ok(Optimizer { config, state, clip, update, arena_len, step: 0 })
+        Ok(Optimizer { config, state, clip, scaler, update, arena_len, step: 0 })
     }
 
     pub fn config(&self) -> &OptimizerConfig {
@@ -120,7 +185,30 @@ impl Optimizer {
     /// The dispatches of one step in order: the gradient norm (when
     /// clipping), then the update.
     pub(crate) fn dispatches(&self) -> impl Iterator<Item = &Dispatch> {
-        self.clip.iter().flat_map(|c| c.dispatches.iter()).chain(std::iter::once(&self.update))
+        let scaling = self.scaler.iter().flat_map(|s| s.dispatches.iter());
+        self.clip.iter().flat_map(|c| c.dispatches.iter()).chain(scaling).chain(std::iter::once(&self.update))
+    }
+
+    /// Where the loss scale is (one f32) while scaling: what seeds the
+    /// loss gradient of the next step, copied there inside the step.
+    pub(crate) fn loss_scale_view(&self) -> Option<View<'_>> {
+        self.scaler.as_ref().and_then(|s| s.block.slice(loss_scale_word::SCALE, 1).ok())
+    }
+
+    /// The loss-scale block's words from the scale on (what a step copies
+    /// out with its loss), while scaling.
+    pub(crate) fn loss_scale_state_view(&self) -> Option<View<'_>> {
+        let start = loss_scale_word::SCALE;
+        self.scaler.as_ref().and_then(|s| s.block.slice(start, LOSS_SCALE_WORDS - start).ok())
+    }
+
+    /// Dynamic loss scaling's state now (waits for the GPU); `None`
+    /// without loss scaling.
+    pub fn read_loss_scale(&self, kernels: &Kernels) -> Result<Option<LossScaleState>> {
+        match &self.scaler {
+            Some(s) => Ok(Some(LossScaleState::from_block(&kernels.read::<f32>(s.block.view())?))),
+            None => Ok(None),
+        }
     }
 
     /// Writes the next step's scalars (its learning rate, bias
@@ -147,8 +235,9 @@ impl Optimizer {
     /// clipping: torch.nn.utils.clip_grad_norm_'s return value); waits for
     /// the GPU. `None` when not clipping or before the first step.
     pub fn read_grad_norm(&self, kernels: &Kernels) -> Result<Option<f32>> {
-        match &self.clip {
-            Some(c) if self.step > 0 => Ok(kernels.read::<f32>(c.norm.slice(0, 1)?)?.first().copied()),
+        let norm = self.scaler.as_ref().map(|s| &s.block).or(self.clip.as_ref().map(|c| &c.norm));
+        match norm {
+            Some(n) if self.step > 0 && self.config.clip_grad_norm().is_some() => Ok(kernels.read::<f32>(n.slice(0, 1)?)?.first().copied()),
             _ => Ok(None),
         }
     }
@@ -156,6 +245,7 @@ impl Optimizer {
     /// The squared L2 norm of the gradients as they stand: the clipping
     /// norm's kernels run alone and the norm is read back (waits).
     pub(crate) fn grad_norm_squared(&self, kernels: &Kernels) -> Result<f64> {
+        self.not_loss_scaled("grad_norm_squared")?;
         let c = self.clip.as_ref().ok_or_else(|| Error::InvalidArgument {
             op: "grad_norm_squared",
             reason: "the optimizer does not clip (clip_grad_norm), so no norm kernels were built".into(),
@@ -169,6 +259,7 @@ impl Optimizer {
     /// a whole model's norm gathered from several executors, instead of
     /// this arena's own: only the update runs.
     pub(crate) fn step_with_grad_norm(&mut self, kernels: &Kernels, total_norm: f32) -> Result<()> {
+        self.not_loss_scaled("optimizer_step_with_grad_norm")?;
         let Some(c) = &self.clip else {
             return Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() });
         };
@@ -183,6 +274,15 @@ impl Optimizer {
         kernels.submit_pass("optimizer_step", std::iter::once(&self.update), |_| {}, |_| {})?;
         self.finish_step();
         Ok(())
+    }
+
+    /// A norm gathered across executors knows nothing of one executor's
+    /// loss scale: loss scaling is single-executor for now.
+    fn not_loss_scaled(&self, op: &'static str) -> Result<()> {
+        match self.scaler {
+            Some(_) => Err(Error::InvalidArgument { op, reason: "not with loss scaling, which trains on one executor".into() }),
+            None => Ok(()),
+        }
     }
 
     /// The state as (parameter name, state name, values) for each of

@@ -100,7 +100,7 @@ fn plan(mut graph: Graph, outputs: &[Tensor], grads: &Gradients, optimizer: &Opt
 
 /// One replica's executor for `rows` rows, and its arena length.
 fn replica<M: Parallelizable>(model: &M, p: &Planning, rows: usize, alignment: u32) -> Result<(DeviceMemory, usize)> {
-    let t = training_graph(model, p.criterion, rows)?;
+    let t = training_graph(model, None, p.criterion, rows)?;
     let outputs = t.outputs();
     let plan = plan(t.graph, &outputs, &t.grads, &p.optimizer, alignment)?;
     Ok((DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()), plan.param_arena_len))

@@ -22,8 +22,11 @@ use crate::optim::{self, Adam};
 #[cfg(feature = "fault-injection")]
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::ProcessGroup;
-use crate::parallel::engine::{Footprint, Parallelizable, Strategy, TrainEngine};
+use crate::graph::{PlanOptions, Precision};
+use crate::optim::{LossScaleState, LossScaling};
+use crate::parallel::engine::{Footprint, Holding, Parallelizable, Strategy, TrainEngine};
 use crate::parallel::memory::DeviceMemory;
+use crate::trainer::Trainer;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{DeviceGroup, DeviceSelection};
@@ -65,6 +68,15 @@ pub struct TrainConfig {
     pub micro_batches: usize,
     /// Pipeline: GPipe or 1F1B.
     pub schedule: Schedule,
+    /// Where a step keeps the activations its backward reads
+    /// ([`crate::graph::precision`]); f16 (one device) also scales the
+    /// loss dynamically with `loss_scaling`. An adapter without SHADER_F16
+    /// trains in f32 ([`RunInfo::precision`] says which).
+    pub precision: Precision,
+    /// The loss scaling of an f16 run (GradScaler's defaults).
+    pub loss_scaling: LossScaling,
+    /// Recompute each block's forward in its backward (one device).
+    pub checkpoint_activations: bool,
     /// Testing the failure path: (rank, step, how) fails that rank at that
     /// step of a run across processes.
     #[cfg(feature = "fault-injection")]
@@ -87,6 +99,9 @@ impl Default for TrainConfig {
             split: None,
             micro_batches: 4,
             schedule: Schedule::OneFOneB,
+            precision: Precision::F32,
+            loss_scaling: LossScaling::default(),
+            checkpoint_activations: false,
             #[cfg(feature = "fault-injection")]
             fail_at: None,
         }
@@ -181,6 +196,14 @@ pub struct RunInfo {
     pub footprint: Footprint,
     /// Bytes of the device holding the most, by what they hold.
     pub memory: DeviceMemory,
+    /// The precision the run trains in: f32 where f16 was asked for on an
+    /// adapter without SHADER_F16.
+    pub precision: Precision,
+    /// Why it is not the precision asked for, when it is not.
+    pub precision_note: Option<String>,
+    /// Bytes of activations a step holds from forward to backward
+    /// (`Plan::held_activation_bytes`), where one graph holds the model.
+    pub held_activation_bytes: Option<u64>,
 }
 
 /// Where a run reports progress. Only rank 0 of a run across processes
@@ -227,6 +250,8 @@ pub struct Summary {
     pub model: String,
     /// Where the run saved, if anywhere.
     pub saved: Option<PathBuf>,
+    /// Dynamic loss scaling's state at the end (an f16 run).
+    pub loss_scale: Option<LossScaleState>,
 }
 
 /// A run with its data loaded, devices open and engine built (and
@@ -320,8 +345,20 @@ impl<T: Task> TrainingRun<T> {
         if root {
             progress.preparing();
         }
+        let f16 = config.precision == Precision::F16 && group.members()[0].supports_f16();
         #[allow(unused_mut)]
-        let mut engine = strategy.build(&group, processes, &model, CrossEntropyLoss.into(), config.optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone())?;
+        let mut engine: Box<dyn TrainEngine> = if f16 || config.checkpoint_activations {
+            // Both passes rewrite one graph on one device for now.
+            if strategy != Strategy::Single || processes.is_some() {
+                return Err(Error::InvalidArgument { op: "train", reason: "--precision f16 and --checkpoint-activations train on a single device (no --parallel or --distributed)".into() });
+            }
+            let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
+            let precision = if f16 { Precision::F16 } else { Precision::F32 };
+            let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
+            Box::new(Trainer::with_blocks(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, config.batch_size, options)?)
+        } else {
+            strategy.build(&group, processes, &model, CrossEntropyLoss.into(), config.optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone())?
+        };
         #[cfg(feature = "fault-injection")]
         if let Some((rank, step, how)) = config.fail_at {
             engine.inject_failure(rank, step, how);
@@ -349,6 +386,13 @@ impl<T: Task> TrainingRun<T> {
             per_step: task.per_step(&config),
             footprint: engine.footprint(),
             memory: engine.memory(),
+            precision: if f16 { Precision::F16 } else { Precision::F32 },
+            held_activation_bytes: match engine.holding() {
+                Holding::Replica(t) => Some(t.executor().plan().held_activation_bytes),
+                _ => None,
+            },
+            precision_note: (config.precision == Precision::F16 && !f16)
+                .then(|| format!("--precision f16: {} has no SHADER_F16, so this run trains in f32", group.labels().first().map_or("the adapter", String::as_str))),
         };
         Ok(TrainingRun { config, task, model, group, engine, root, info })
     }
@@ -440,6 +484,13 @@ impl<T: Task> TrainingRun<T> {
         if let Some(path) = &self.config.save {
             self.task.save(self.engine.as_ref(), &self.model, &self.config, Some(&evaluation), path)?;
         }
+        let loss_scale = match self.engine.holding() {
+            Holding::Replica(t) => match t.executor().optimizer() {
+                Some(o) => o.read_loss_scale(t.executor().kernels())?,
+                None => None,
+            },
+            _ => None,
+        };
         let steps = (last + 1).saturating_sub(first);
         Ok(Some(Summary {
             steps,
@@ -452,6 +503,7 @@ impl<T: Task> TrainingRun<T> {
             report: self.engine.report(),
             model: self.info.model.clone(),
             saved: self.config.save.clone(),
+            loss_scale,
         }))
     }
 }

@@ -6,6 +6,7 @@
 
 mod common;
 
+mod activation_checkpointing;
 mod batch;
 mod checkpoint;
 mod data;
@@ -31,6 +32,7 @@ mod llama_parallel;
 mod llama_reference;
 mod lm_training;
 mod matvec;
+mod mixed_precision;
 mod modules;
 mod optim;
 mod parallel;

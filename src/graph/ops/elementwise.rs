@@ -1,12 +1,14 @@
 //! Elementwise ops: binary ops with broadcasting, scale, bias add, the
 //! activations and their backward, the unary functions, and the
-//! accumulation of a gradient contribution into a parameter's gradient.
+//! accumulation of a gradient contribution into a parameter's gradient,
+//! and the f32 <-> f16 storage casts of mixed precision
+//! (`graph/precision.rs` decides where they go).
 
 use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
-use crate::kernels::{Activation, Binary, Dispatch, Unary};
+use crate::kernels::{Activation, Binary, Dispatch, F16View, Unary};
 use crate::ops::broadcast_shape;
 
 /// One output element per input element (broadcasting where said).
@@ -23,6 +25,11 @@ pub enum ElementwiseOp {
     /// inputs (x): adds x into the gradient of a parameter; the result is
     /// that gradient. Emitted by autodiff only.
     AccumulateGrad { param: Tensor },
+    /// f32 -> [`DType::F16`] storage (rounded to nearest, two values per
+    /// word): an activation the backward pass keeps, at half the bytes.
+    StoreF16,
+    /// [`DType::F16`] storage -> f32 (exact), where the backward reads it.
+    LoadF16,
 }
 
 impl OpFamily for ElementwiseOp {
@@ -39,6 +46,8 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::Unary(Unary::Exp) => "exp",
             ElementwiseOp::Unary(Unary::Rsqrt) => "rsqrt",
             ElementwiseOp::AccumulateGrad { .. } => "accumulate_grad",
+            ElementwiseOp::StoreF16 => "store_f16",
+            ElementwiseOp::LoadF16 => "load_f16",
         }
     }
 
@@ -57,6 +66,8 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::ActivationBackward(act) => k.activation_backward(*act, out, x, cx.input(1)?),
             ElementwiseOp::Unary(op) => k.unary(*op, out, x),
             ElementwiseOp::AccumulateGrad { .. } => k.add_assign(out, x),
+            ElementwiseOp::StoreF16 => k.to_f16(F16View::new(out, cx.input_node(0).len())?, x),
+            ElementwiseOp::LoadF16 => k.from_f16(out, F16View::new(x, out.len)?),
         }
     }
 
@@ -113,6 +124,12 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::Activation(act) => Ok(cpu::activation_forward(*act, x)),
             ElementwiseOp::ActivationBackward(act) => Ok(cpu::activation_backward(*act, x, cx.input(1)?)),
             ElementwiseOp::Unary(op) => Ok(cpu::unary(*op, x)),
+            // The f16 values the words hold, as f64.
+            ElementwiseOp::StoreF16 => {
+                let narrowed: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+                Ok(cpu::from_f16(&cpu::to_f16(&narrowed)).into_iter().map(f64::from).collect())
+            }
+            ElementwiseOp::LoadF16 => Ok(x.to_vec()),
             // The parameter's gradient so far (zeroed before the step): the
             // previous accumulation into it, plus this contribution.
             ElementwiseOp::AccumulateGrad { param } => {
@@ -208,6 +225,28 @@ impl Graph {
 
     pub fn exp(&mut self, x: Tensor) -> Result<Tensor> {
         self.unary(Unary::Exp, x)
+    }
+
+    /// `x` stored in f16 ([`DType::F16`], two values per 4-byte word), as
+    /// mixed precision keeps an activation for the backward pass; only
+    /// [`Graph::load_f16`] reads it. No gradient: the precision pass
+    /// inserts it after `backward`.
+    pub fn store_f16(&mut self, x: Tensor) -> Result<Tensor> {
+        self.f32_inputs("store_f16", &[x])?;
+        let shape = self.shape(x).to_vec();
+        let name = format!("{}.f16", self.node(x).name);
+        Ok(self.push(ElementwiseOp::StoreF16, vec![x], shape, DType::F16, name))
+    }
+
+    /// The f32 values of `h`, a [`Graph::store_f16`] output.
+    pub fn load_f16(&mut self, h: Tensor) -> Result<Tensor> {
+        self.check_handle("load_f16", h)?;
+        if self.node(h).op != ElementwiseOp::StoreF16 {
+            return Err(Error::InvalidArgument { op: "load_f16", reason: format!("`{}` is not an f16 copy made by store_f16", self.node(h).name) });
+        }
+        let shape = self.shape(h).to_vec();
+        let name = format!("{}.f32", self.node(h).name);
+        Ok(self.push(ElementwiseOp::LoadF16, vec![h], shape, DType::F32, name))
     }
 
     /// 1 / sqrt(x) (inf at 0, NaN below, as IEEE).
