@@ -26,7 +26,8 @@
 // (starts = 0, T = prompt length). A position ≥ P is the host's error;
 // here it writes NaN to its output and leaves the cache.
 //
-// Two shapes of the same contract (kernels/attention.rs picks by adapter):
+// Three shapes of the same contract (kernels/attention.rs picks by
+// adapter; cached_attention_forward_grouped, a CPU adapter's, is below):
 //
 // cached_attention_forward: ONE INVOCATION PER (sequence, row, head), 256
 // per workgroup over a 2-D grid, with serial loops over keys and channels:
@@ -335,6 +336,15 @@ var<workgroup> lane_rows: array<f32, DECODE_WG * MERGE_CHUNK>;
 // uniform (a storage read is not) and the barriers after it are valid.
 var<workgroup> shared_start: u32;
 
+// starts[s] as a workgroup-uniform value (lane 0 reads it); called from
+// uniform control flow.
+fn workgroup_start(lane: u32, s: u32) -> u32 {
+    if lane == 0u {
+        shared_start = starts[s];
+    }
+    return workgroupUniformLoad(&shared_start);
+}
+
 // Two online-softmax states (maximum, Σ exp(score − maximum)) as one.
 fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
     let m = max(a.x, b.x);
@@ -359,10 +369,7 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
     let h = i % q.heads;
     let t = (i / q.heads) % q.rows;
     let s = i / (q.heads * q.rows);
-    if lane == 0u {
-        shared_start = starts[s];
-    }
-    let start = workgroupUniformLoad(&shared_start);
+    let start = workgroup_start(lane, s);
     let pos = start + t;
     let at = places(q, s, t, h);
     if pos >= q.context {
@@ -546,10 +553,7 @@ fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @buil
     let s = i / (chunks * q.kv_heads * q.rows);
     let head0 = kv * group + chunk * GROUP_HEADS;
     let heads = min(GROUP_HEADS, group - chunk * GROUP_HEADS);
-    if lane == 0u {
-        shared_start = starts[s];
-    }
-    let start = workgroupUniformLoad(&shared_start);
+    let start = workgroup_start(lane, s);
     let pos = start + t;
     let at = places(q, s, t, head0);
     if pos >= q.context {

@@ -89,14 +89,16 @@ impl Kernels {
     /// position's attention. The caller keeps every p < context (a larger
     /// one writes NaN to its output).
     ///
-    /// On a CPU adapter one invocation serves each (sequence, row, head),
-    /// unless the context is too long for llvmpipe's loop limit; on a GPU
-    /// ([`Kernels::gpu_shaped`]), and for such contexts, one workgroup of
-    /// [`DECODE_LANES`] lanes does (32 on a CPU adapter where each lane's
-    /// share stays under the limit: SmolLM2's 8192 positions, attention
-    /// 33 → 23–25 ms of a decode step on lavapipe), the lanes splitting
-    /// the positions and merging their online softmax over a fixed tree
-    /// (deterministic).
+    /// The kernel is picked by [`Kernels::cached_attention_kernel_for`]:
+    /// on a GPU ([`Kernels::gpu_shaped`]) one workgroup of
+    /// [`DECODE_LANES`] lanes per (sequence, row, head), the lanes
+    /// splitting the positions and merging their online softmax over a
+    /// fixed tree (deterministic); on a CPU adapter one workgroup of 8
+    /// lanes per (sequence, row, KV head) serving up to 4 of its query
+    /// heads (SmolLM2's attention 25 → 11–12 ms of a decode step on
+    /// lavapipe, loaded), or where that cannot run, one invocation per
+    /// (sequence, row, head), or the workgroup kernel past llvmpipe's loop
+    /// limit.
     #[allow(clippy::too_many_arguments)]
     pub fn cached_attention_forward(
         &self,
@@ -115,10 +117,11 @@ impl Kernels {
 
     /// The kernel [`Kernels::cached_attention_forward`] runs `shape` on,
     /// its f32 operands `views`: on a GPU ([`Kernels::gpu_shaped`]) the
-    /// workgroup kernel of [`DECODE_LANES`]; on a CPU adapter the grouped
-    /// one where it can run (head_dim a multiple of 4, every view 16-byte
-    /// aligned, each lane's share of the context under llvmpipe's loop
-    /// limit: SmolLM2's 8,192 positions of 64 channels), else the serial
+    /// workgroup kernel of [`DECODE_LANES`]; on a CPU adapter, for
+    /// grouped-query attention, the grouped one where it can run (head_dim
+    /// a multiple of 4, every view 16-byte aligned, each lane's share of
+    /// the context under llvmpipe's loop limit: SmolLM2's 8,192 positions
+    /// of 64 channels), else the serial
     /// one where the context fits that limit, else the workgroup kernel
     /// with the fewest lanes that fit it.
     pub fn cached_attention_kernel_for(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> CachedAttentionKernel {
@@ -126,7 +129,10 @@ impl Kernels {
         if self.gpu_shaped() {
             return CachedAttentionKernel::Workgroup { lanes: DECODE_LANES as u32 };
         }
-        if self.grouped_attention_runs(shape, views) {
+        // Grouped-query attention (a KV head shared by 2 or more query
+        // heads): multi-head attention keeps the kernels below, which
+        // spend nothing on the grouped kernel's 4 heads per workgroup.
+        if shape.heads / shape.kv_heads >= 2 && self.grouped_attention_runs(shape, views) {
             return CachedAttentionKernel::Grouped;
         }
         // The one-invocation kernel's three channel loops per position
