@@ -26,7 +26,8 @@
 // (starts = 0, T = prompt length). A position ≥ P is the host's error;
 // here it writes NaN to its output and leaves the cache.
 //
-// Two shapes of the same contract (kernels/attention.rs picks by adapter):
+// Three shapes of the same contract (kernels/attention.rs picks by
+// adapter; cached_attention_forward_grouped, a CPU adapter's, is below):
 //
 // cached_attention_forward: ONE INVOCATION PER (sequence, row, head), 256
 // per workgroup over a 2-D grid, with serial loops over keys and channels:
@@ -335,6 +336,15 @@ var<workgroup> lane_rows: array<f32, DECODE_WG * MERGE_CHUNK>;
 // uniform (a storage read is not) and the barriers after it are valid.
 var<workgroup> shared_start: u32;
 
+// starts[s] as a workgroup-uniform value (lane 0 reads it); called from
+// uniform control flow.
+fn workgroup_start(lane: u32, s: u32) -> u32 {
+    if lane == 0u {
+        shared_start = starts[s];
+    }
+    return workgroupUniformLoad(&shared_start);
+}
+
 // Two online-softmax states (maximum, Σ exp(score − maximum)) as one.
 fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
     let m = max(a.x, b.x);
@@ -359,10 +369,7 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
     let h = i % q.heads;
     let t = (i / q.heads) % q.rows;
     let s = i / (q.heads * q.rows);
-    if lane == 0u {
-        shared_start = starts[s];
-    }
-    let start = workgroupUniformLoad(&shared_start);
+    let start = workgroup_start(lane, s);
     let pos = start + t;
     let at = places(q, s, t, h);
     if pos >= q.context {
@@ -449,5 +456,188 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
         }
         // Every lane has read its result before the next chunk overwrites.
         workgroupBarrier();
+    }
+}
+
+// cached_attention_forward_grouped: ONE WORKGROUP PER (sequence, row, KV
+// head, chunk of up to GROUP_HEADS of the query heads sharing that KV
+// head), for CPU adapters. Its GROUPED_LANES lanes (one SIMD row of
+// llvmpipe: no fiber switch at its barriers) split the positions as the
+// workgroup kernel's do, and each key and value, read as vec4s, serves
+// every query head of the chunk: grouped-query attention reads the cache
+// once per KV head, not once per query head (SmolLM2: 3 heads share one).
+// Each lane keeps an online-softmax state per head, component g of a
+// vec4 being head g's; the rescale is folded into the value update (acc
+// · shrink + weight · v), so no branch on the maximum. The lanes then
+// merge in a fixed order (the same bits on every run). head_dim a
+// multiple of 4; the operands' views start 16-byte aligned and their
+// columns (widths, first columns) are multiples of 4 (the Rust side
+// checks). Loop iterations per lane: ≈ positions / GROUPED_LANES · (2 ·
+// head_dim / 4 + 1), which the Rust side keeps under llvmpipe's 65,535.
+override GROUPED_LANES: u32 = 8u;
+const GROUP_HEADS: u32 = 4u;
+const MAX_HEAD_VEC4: u32 = MAX_HEAD_DIM / 4u;
+
+@group(0) @binding(0) var<storage, read> q_rows4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> k_rows4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> v_rows4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> k_cache4: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> v_cache4: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> out4: array<vec4<f32>>;
+
+// Head g's query (vec4 e at g · MAX_HEAD_VEC4 + e) and its weighted value
+// row being summed, per lane.
+var<private> group_query: array<vec4<f32>, 256>;
+var<private> group_acc: array<vec4<f32>, 256>;
+// Each lane's (maximum, Σ exp) per head, then its rescaled rows one head
+// at a time.
+var<workgroup> grouped_stats: array<vec4<f32>, 2u * GROUPED_LANES>;
+var<workgroup> grouped_rows: array<vec4<f32>, GROUPED_LANES * MAX_HEAD_VEC4>;
+
+// The scores of one key (vec4s at `at` of k_cache4, or of k_rows4 when
+// `cached` is false) against the chunk's queries, head g in component g.
+fn grouped_scores(at: u32, cached: bool, d4: u32) -> vec4<f32> {
+    var score = vec4<f32>(0.0);
+    for (var e = 0u; e < d4; e++) {
+        var key: vec4<f32>;
+        if cached {
+            key = k_cache4[at + e];
+        } else {
+            key = k_rows4[at + e];
+        }
+        score += vec4<f32>(
+            dot(group_query[e], key),
+            dot(group_query[MAX_HEAD_VEC4 + e], key),
+            dot(group_query[2u * MAX_HEAD_VEC4 + e], key),
+            dot(group_query[3u * MAX_HEAD_VEC4 + e], key),
+        );
+    }
+    return score;
+}
+
+// acc_g = acc_g · shrink[g] + weight[g] · value for the value at `at`.
+fn grouped_update(at: u32, cached: bool, d4: u32, shrink: vec4<f32>, weight: vec4<f32>) {
+    for (var e = 0u; e < d4; e++) {
+        var value: vec4<f32>;
+        if cached {
+            value = v_cache4[at + e];
+        } else {
+            value = v_rows4[at + e];
+        }
+        group_acc[e] = fma(vec4<f32>(weight.x), value, group_acc[e] * shrink.x);
+        group_acc[MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.y), value, group_acc[MAX_HEAD_VEC4 + e] * shrink.y);
+        group_acc[2u * MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.z), value, group_acc[2u * MAX_HEAD_VEC4 + e] * shrink.z);
+        group_acc[3u * MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.w), value, group_acc[3u * MAX_HEAD_VEC4 + e] * shrink.w);
+    }
+}
+
+// Shapes as cached_attention_forward; workgroup i (over the folded 2-D
+// grid) is chunk c of KV head g of row t of sequence s, in that order
+// (chunks = ⌈(H / Hkv) / GROUP_HEADS⌉ per KV head).
+@compute @workgroup_size(GROUPED_LANES)
+fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    if lane == 0u {
+        shared_params = params;
+    }
+    let q = workgroupUniformLoad(&shared_params);
+    let group = q.heads / q.kv_heads;
+    let chunks = (group + GROUP_HEADS - 1u) / GROUP_HEADS;
+    let i = wid.y * nwg.x + wid.x;
+    if i >= q.seqs * q.rows * q.kv_heads * chunks {
+        return;
+    }
+    let d4 = q.head_dim / 4u;
+    let chunk = i % chunks;
+    let kv = (i / chunks) % q.kv_heads;
+    let t = (i / (chunks * q.kv_heads)) % q.rows;
+    let s = i / (chunks * q.kv_heads * q.rows);
+    let head0 = kv * group + chunk * GROUP_HEADS;
+    let heads = min(GROUP_HEADS, group - chunk * GROUP_HEADS);
+    let start = workgroup_start(lane, s);
+    let pos = start + t;
+    let at = places(q, s, t, head0);
+    if pos >= q.context {
+        for (var e = lane; e < heads * d4; e += GROUPED_LANES) {
+            out4[at.out_at / 4u + e] = vec4<f32>(quiet_nan());
+        }
+        return;
+    }
+    let cache_base = at.cache_base / 4u;
+    let own = cache_base + pos * d4;
+    let new_k = (at.k_at + t * q.k_width) / 4u;
+    let new_v = (at.v_at + t * q.v_width) / 4u;
+    if at.writes {
+        for (var e = lane; e < d4; e += GROUPED_LANES) {
+            k_cache4[own + e] = k_rows4[new_k + e];
+            v_cache4[own + e] = v_rows4[new_v + e];
+        }
+    }
+    // The chunk's queries; a head past the chunk's stays zero (its scores
+    // are zeros, its rows never stored).
+    for (var g = 0u; g < GROUP_HEADS; g++) {
+        let q_at = at.q_at / 4u + g * d4;
+        for (var e = 0u; e < d4; e++) {
+            var value = vec4<f32>(0.0);
+            if g < heads {
+                value = q_rows4[q_at + e];
+            }
+            group_query[g * MAX_HEAD_VEC4 + e] = value;
+            group_acc[g * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
+        }
+    }
+    let k_step = q.k_width / 4u;
+    let v_step = q.v_width / 4u;
+    let k_rows_at = at.k_at / 4u;
+    let v_rows_at = at.v_at / 4u;
+    var maximum = vec4<f32>(LOWEST);
+    var total = vec4<f32>(0.0);
+    for (var j = lane; j <= pos; j += GROUPED_LANES) {
+        // Before `start` from the caches, from `start` on from the row
+        // operands (this dispatch writes those cache rows; see the top).
+        let cached = j < start;
+        var key_at = cache_base + j * d4;
+        var value_at = key_at;
+        if !cached {
+            key_at = k_rows_at + (j - start) * k_step;
+            value_at = v_rows_at + (j - start) * v_step;
+        }
+        let score = grouped_scores(key_at, cached, d4) * q.scale;
+        let grown = max(maximum, score);
+        let shrink = exp(maximum - grown);
+        let weight = exp(score - grown);
+        total = fma(total, shrink, weight);
+        maximum = grown;
+        grouped_update(value_at, cached, d4, shrink, weight);
+    }
+    // The lanes' states merged in lane order; a lane without positions
+    // holds (LOWEST, 0), weighed by exp(LOWEST − max) = 0.
+    grouped_stats[lane] = maximum;
+    grouped_stats[GROUPED_LANES + lane] = total;
+    workgroupBarrier();
+    var common_max = vec4<f32>(LOWEST);
+    for (var l = 0u; l < GROUPED_LANES; l++) {
+        common_max = max(common_max, grouped_stats[l]);
+    }
+    var sum = vec4<f32>(0.0);
+    for (var l = 0u; l < GROUPED_LANES; l++) {
+        sum = fma(grouped_stats[GROUPED_LANES + l], exp(grouped_stats[l] - common_max), sum);
+    }
+    let factor = exp(maximum - common_max) / sum;
+    for (var g = 0u; g < GROUP_HEADS; g++) {
+        if g < heads {
+            // Every lane has read the previous head's rows.
+            workgroupBarrier();
+            for (var e = 0u; e < d4; e++) {
+                grouped_rows[lane * MAX_HEAD_VEC4 + e] = group_acc[g * MAX_HEAD_VEC4 + e] * factor[g];
+            }
+            workgroupBarrier();
+            for (var e = lane; e < d4; e += GROUPED_LANES) {
+                var row = vec4<f32>(0.0);
+                for (var l = 0u; l < GROUPED_LANES; l++) {
+                    row += grouped_rows[l * MAX_HEAD_VEC4 + e];
+                }
+                out4[at.out_at / 4u + g * d4 + e] = row;
+            }
+        }
     }
 }

@@ -26,6 +26,13 @@ override QUANT_FORMAT: u32 = 0u;
 override HAS_BIAS: bool = false;
 override ACTIVATION_FORWARD: bool = false;
 override STORE_PRE: bool = false;
+// The epilogue multiplies what C holds by the result (the second launch
+// of a gated product where one launch cannot read both matrices).
+override MULTIPLY_C: bool = false;
+// matvec_quant_forward_columns as a gated product (SwiGLU's): C[M, N] =
+// silu(A·Gᵀ) ⊙ (A·Uᵀ) for parts G and U of B, each [N, K]; a lane's 8
+// accumulators are 4 columns of G and the same 4 of U.
+override GATED: bool = false;
 
 // QuantFormat::code.
 const QUANT_Q8_0: u32 = 0u;
@@ -57,6 +64,15 @@ struct QuantParams {
     s_base: u32,
     c_base: u32,
     _pad0: u32,
+    // The matrix-vector kernels' B as up to 4 matrices [n_i, K] side by
+    // side (a product over q, k and v, or gate and up, in one launch):
+    // part i gives columns part_end[i − 1] .. part_end[i] of the product
+    // (from 0 for part 0; unused parts end where the last does), its row
+    // r's block j being block part_q[i] + r·K/32 + j from q_base and
+    // part_s[i] + r·K/32 + j from s_base. One matrix: (n, n, n, n), zeros.
+    part_end: vec4<u32>,
+    part_q: vec4<u32>,
+    part_s: vec4<u32>,
 }
 
 @group(0) @binding(0) var<storage, read> a4: array<vec4<f32>>;
@@ -118,11 +134,14 @@ fn write_c(row: u32, col: u32, product: f32) {
     if ACTIVATION_FORWARD {
         v = activation_forward(p.activation, v);
     }
+    if MULTIPLY_C {
+        v *= c[i];
+    }
     c[i] = v;
 }
 
-// Block `block`'s 32 integers, in 8 vec4s of values 4g..4g+3, from one
-// (Q4) or two (Q8_0) 16-byte loads.
+// Block `block`'s 32 integers (counted in blocks from q_base), in 8 vec4s
+// of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads.
 fn quant_block_ints(block: u32) -> array<vec4<f32>, 8> {
     if QUANT_FORMAT == QUANT_Q8_0 {
         let w0 = qw4[p.q_base / 4u + 2u * block];
@@ -224,9 +243,9 @@ fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
 
 // acc (column r: row r's partial sums of one column of C) plus block
 // `block` of that column of B against each row's block of A.
-fn quant_column_fma(acc: mat4x4<f32>, block: u32, a: QuantRowsA) -> mat4x4<f32> {
-    let q = quant_block_ints(block);
-    let dm = quant_dm(block);
+fn quant_column_fma(acc: mat4x4<f32>, block: vec2<u32>, a: QuantRowsA) -> mat4x4<f32> {
+    let q = quant_block_ints(block.x);
+    let dm = quant_dm(block.y);
     var next = acc;
     next[0] = quant_block_fma(acc[0], q, dm, a.x0, a.s[0]);
     if MATVEC_ROWS > 1u {
@@ -241,22 +260,33 @@ fn quant_column_fma(acc: mat4x4<f32>, block: u32, a: QuantRowsA) -> mat4x4<f32> 
     return next;
 }
 
-// The matrix-vector kernels' loop: element c of the result holds column
-// col0 + c·col_step's partial sums over blocks j0, j0 + j_step, … of k,
-// its column r row r's. Columns past n and rows past M are clamped (read,
-// never stored). The 8 accumulators are unrolled by hand: a private array
-// indexed in a loop becomes per-lane memory on llvmpipe.
-fn quant_matvec_sums(col0: u32, col_step: u32, j0: u32, j_step: u32, n: u32, k: u32) -> array<mat4x4<f32>, 8> {
+// Virtual column v's (quantized, scale) block index of its block 0: its
+// part's row v − part start (see QuantParams' parts).
+fn quant_column_blocks(v: u32, kb: u32) -> vec2<u32> {
+    let part = u32(v >= p.part_end.x) + u32(v >= p.part_end.y) + u32(v >= p.part_end.z);
+    var first = 0u;
+    if part > 0u {
+        first = p.part_end[part - 1u];
+    }
+    let row = (v - first) * kb;
+    return vec2<u32>(p.part_q[part] + row, p.part_s[part] + row);
+}
+
+// The matrix-vector kernels' loop: element c of the result holds the
+// partial sums of virtual column (lo, hi)[c] (clamped by the caller: read,
+// never stored) over blocks j0, j0 + j_step, … of k, its column r row r's.
+// The 8 accumulators are unrolled by hand: a private array indexed in a
+// loop becomes per-lane memory on llvmpipe.
+fn quant_matvec_sums(lo: vec4<u32>, hi: vec4<u32>, j0: u32, j_step: u32, k: u32) -> array<mat4x4<f32>, 8> {
     let kb = k / 32u;
-    let last_col = n - 1u;
-    let cb0 = min(col0 + 0u * col_step, last_col) * kb;
-    let cb1 = min(col0 + 1u * col_step, last_col) * kb;
-    let cb2 = min(col0 + 2u * col_step, last_col) * kb;
-    let cb3 = min(col0 + 3u * col_step, last_col) * kb;
-    let cb4 = min(col0 + 4u * col_step, last_col) * kb;
-    let cb5 = min(col0 + 5u * col_step, last_col) * kb;
-    let cb6 = min(col0 + 6u * col_step, last_col) * kb;
-    let cb7 = min(col0 + 7u * col_step, last_col) * kb;
+    let cb0 = quant_column_blocks(lo.x, kb);
+    let cb1 = quant_column_blocks(lo.y, kb);
+    let cb2 = quant_column_blocks(lo.z, kb);
+    let cb3 = quant_column_blocks(lo.w, kb);
+    let cb4 = quant_column_blocks(hi.x, kb);
+    let cb5 = quant_column_blocks(hi.y, kb);
+    let cb6 = quant_column_blocks(hi.z, kb);
+    let cb7 = quant_column_blocks(hi.w, kb);
     let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(MATVEC_ROWS - 1u)) * (k / 4u);
     var acc0 = mat4x4<f32>();
     var acc1 = mat4x4<f32>();
@@ -268,14 +298,15 @@ fn quant_matvec_sums(col0: u32, col_step: u32, j0: u32, j_step: u32, n: u32, k: 
     var acc7 = mat4x4<f32>();
     for (var j = j0; j < kb; j += j_step) {
         let a = quant_rows_a(ra, j);
-        acc0 = quant_column_fma(acc0, cb0 + j, a);
-        acc1 = quant_column_fma(acc1, cb1 + j, a);
-        acc2 = quant_column_fma(acc2, cb2 + j, a);
-        acc3 = quant_column_fma(acc3, cb3 + j, a);
-        acc4 = quant_column_fma(acc4, cb4 + j, a);
-        acc5 = quant_column_fma(acc5, cb5 + j, a);
-        acc6 = quant_column_fma(acc6, cb6 + j, a);
-        acc7 = quant_column_fma(acc7, cb7 + j, a);
+        let step = vec2<u32>(j);
+        acc0 = quant_column_fma(acc0, cb0 + step, a);
+        acc1 = quant_column_fma(acc1, cb1 + step, a);
+        acc2 = quant_column_fma(acc2, cb2 + step, a);
+        acc3 = quant_column_fma(acc3, cb3 + step, a);
+        acc4 = quant_column_fma(acc4, cb4 + step, a);
+        acc5 = quant_column_fma(acc5, cb5 + step, a);
+        acc6 = quant_column_fma(acc6, cb6 + step, a);
+        acc7 = quant_column_fma(acc7, cb7 + step, a);
     }
     return array<mat4x4<f32>, 8>(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7);
 }
@@ -315,7 +346,9 @@ fn matvec_quant_forward(
         return;
     }
     let lane = lid.x;
-    let sums = quant_matvec_sums(col0, 1u, lane, MATVEC_WG, n, sizes.y);
+    let cols = min(vec4<u32>(col0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
+    let cols_hi = min(vec4<u32>(col0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(n - 1u));
+    let sums = quant_matvec_sums(cols, cols_hi, lane, MATVEC_WG, sizes.y);
     for (var r = 0u; r < MATVEC_ROWS; r++) {
         matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
     }
@@ -341,14 +374,47 @@ fn matvec_quant_forward_columns(
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
+    let last = vec4<u32>(n - 1u);
+    if GATED {
+        // Output columns col0 + 8c (c in 0..3): G's rows in accumulators
+        // 0..3, U's (virtual columns n and on) in 4..7.
+        let col0 = (wid.y * nwg.x + wid.x) * QUANT_GATED_COLUMNS_PER_GROUP + lid.x;
+        if col0 >= n {
+            return;
+        }
+        let gate = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last);
+        let sums = quant_matvec_sums(gate, gate + vec4<u32>(n), 0u, 1u, sizes.y);
+        for (var r = 0u; r < MATVEC_ROWS; r++) {
+            let row = quant_row_sums(sums, r);
+            for (var c = 0u; c < 4u; c++) {
+                let col = col0 + 8u * c;
+                if col < n {
+                    let g = dot(row[c], vec4<f32>(1.0));
+                    c_gated(r, col, activation_forward(ACT_SILU, g) * dot(row[c + 4u], vec4<f32>(1.0)));
+                }
+            }
+        }
+        return;
+    }
     let col0 = (wid.y * nwg.x + wid.x) * QUANT_COLUMNS_PER_GROUP + lid.x;
     if col0 >= n {
         return;
     }
-    let sums = quant_matvec_sums(col0, 8u, 0u, 1u, n, sizes.y);
+    let lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last);
+    let hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last);
+    let sums = quant_matvec_sums(lo, hi, 0u, 1u, sizes.y);
     for (var r = 0u; r < MATVEC_ROWS; r++) {
         matvec_columns_store(r, col0, n, quant_row_sums(sums, r));
     }
+}
+
+// Output columns per workgroup of the gated matvec_quant_forward_columns:
+// 4 per lane.
+const QUANT_GATED_COLUMNS_PER_GROUP: u32 = 32u;
+
+// A gated product's C[row, col] (no bias, no activation of its own).
+fn c_gated(row: u32, col: u32, v: f32) {
+    c[p.c_base + row * p.ldc + col] = v;
 }
 
 // Columns of C per workgroup of matvec_quant_forward_columns: 8 per lane.

@@ -34,7 +34,9 @@ struct RopeParams {
     positions: u32,
     // ROPE_* below (ops::RopeLayout::code).
     pair_layout: u32,
-    _pad: u32,
+    // Heads h ≥ this pass through whole (the values of a fused q | k | v
+    // row, rotated as heads q and k only); H otherwise.
+    rotated_heads: u32,
 }
 
 const ROPE_INTERLEAVED: u32 = 0u;
@@ -53,7 +55,7 @@ fn rope_element(i: u32, sin_sign: f32) {
         return;
     }
     let c = i % p.head_dim;
-    if c >= p.rotary_dim {
+    if c >= p.rotary_dim || (i / p.head_dim) % p.heads >= p.rotated_heads {
         out[i] = x[i];
         return;
     }

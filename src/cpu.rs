@@ -425,6 +425,31 @@ pub fn matmul_quant_weights(e: Epilogue<'_>, a: &[f32], format: QuantFormat, raw
     Ok(matmul_epilogue(MatmulForm::ABt, e, a, &dequantize(format, raw)?, m, n, k))
 }
 
+/// Products x·W_iᵀ [m, n_i] (each row-major) joined as
+/// `matmul_quant_parts` writes them: side by side [m, Σ n_i], or `gated`
+/// (two of equal width) silu(first) ⊙ second [m, n₀].
+pub fn join_products<T: Real>(products: &[(usize, Vec<T>)], m: usize, gated: bool) -> Vec<T> {
+    if let (true, [(_, gate), (_, up)]) = (gated, products) {
+        return gate.iter().zip(up).map(|(&g, &u)| T::from_f64(activation_value(Activation::Silu, g.into()) * u.into())).collect();
+    }
+    let width: usize = products.iter().map(|p| p.0).sum();
+    let mut out = Vec::with_capacity(m * width);
+    for row in 0..m {
+        for (n, product) in products {
+            out.extend_from_slice(&product[row * n..(row + 1) * n]);
+        }
+    }
+    out
+}
+
+/// Twin of `matmul_quant_parts`: A [m, k] times the `format` matrices
+/// `parts` (raw GGUF blocks, rows each) side by side, or gated
+/// ([`join_products`]).
+pub fn matmul_quant_parts(a: &[f32], format: QuantFormat, parts: &[(&[u8], usize)], m: usize, k: usize, gated: bool) -> Result<Vec<f32>> {
+    let products = parts.iter().map(|&(raw, n)| Ok((n, matmul_quant_weights(Epilogue::default(), a, format, raw, m, n, k)?.0))).collect::<Result<Vec<_>>>()?;
+    Ok(join_products(&products, m, gated))
+}
+
 /// Twin of `embedding_quant_forward`: out[n, channels] = table[ids[n], :]
 /// of a `format` table as a GGUF file stores it; a row of NaN for an id ≥
 /// vocab.

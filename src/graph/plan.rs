@@ -14,7 +14,7 @@ use super::precision::Precision;
 use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
-use crate::kernels::{Activation, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
+use crate::kernels::{Activation, Binary, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
 
 /// Where a node's output lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,12 +299,44 @@ impl Plan {
         // A matmul read only by a bias add writes the biased result itself
         // (one dispatch for a Linear layer), into the bias add's storage.
         let mut bias_into: Vec<Option<usize>> = vec![None; count];
+        // The node a reshape read by nothing else stands for: a Linear
+        // over [.., in] reshapes its product back, and the fusions below
+        // see through that (the reshape shares its source's storage).
+        let through = |t: Tensor| -> usize {
+            let mut j = t.0;
+            while nodes[j].op == LayoutOp::Reshape && consumers[j] == 1 && !roots.contains(&j) {
+                j = nodes[j].inputs[0].0;
+            }
+            j
+        };
         for &i in order.iter().filter(|_| options.fuse) {
             if nodes[i].op == ElementwiseOp::BiasAdd {
-                let j = nodes[i].inputs[0].0;
+                let j = through(nodes[i].inputs[0]);
                 if matches!(nodes[j].op, Op::Matmul(MatmulOp::MatMul(_))) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
                     bias_into[j] = Some(i);
                     fused_away[i] = true;
+                }
+            }
+        }
+        // A one-row product added to a residual of its size (decode's
+        // attention and MLP outputs, x + o_proj(..)) adds it as its bias
+        // (bias[col] is the residual's col-th value when there is one
+        // row): the add's reads are put (product, residual), as a bias
+        // add's are.
+        for &i in order.iter().filter(|_| options.fuse) {
+            if nodes[i].op != ElementwiseOp::Binary(Binary::Add) {
+                continue;
+            }
+            let [a, b] = nodes[i].inputs[..] else { continue };
+            for (product, residual) in [(b, a), (a, b)] {
+                let j = through(product);
+                let one_row = matches!(nodes[j].shape[..], [1, _]);
+                let same_size = nodes[residual.0].len() == nodes[i].len() && nodes[j].len() == nodes[i].len() && nodes[residual.0].dtype == DType::F32;
+                if matches!(nodes[j].op, Op::Matmul(MatmulOp::MatMul(_))) && one_row && same_size && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) && bias_into[j].is_none() && through(residual) != j {
+                    bias_into[j] = Some(i);
+                    fused_away[i] = true;
+                    reads[i] = vec![product, residual];
+                    break;
                 }
             }
         }
@@ -316,9 +348,9 @@ impl Plan {
         let mut keeps_pre_activation = vec![false; count];
         for &y in order.iter().filter(|_| options.fuse) {
             let Op::Elementwise(ElementwiseOp::Activation(act)) = nodes[y].op else { continue };
-            let z = nodes[y].inputs[0].0;
+            let z = through(nodes[y].inputs[0]);
             let matmul = match nodes[z].op {
-                Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[nodes[z].inputs[0].0] == Some(z) => nodes[z].inputs[0].0,
+                Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[through(nodes[z].inputs[0])] == Some(z) => through(nodes[z].inputs[0]),
                 Op::Matmul(MatmulOp::MatMul(_)) if !accumulate[z] && bias_into[z].is_none() => z,
                 _ => continue,
             };
@@ -332,7 +364,9 @@ impl Plan {
                     }
                 }
             }
-            let pre_read = roots.contains(&z) || order.iter().any(|&j| j != y && reads[j].iter().any(|t| t.0 == z));
+            // Read by another node than y and the reshapes between them.
+            let between = |j: usize| nodes[j].op == LayoutOp::Reshape && through(Tensor(j)) == z && j != z;
+            let pre_read = roots.contains(&z) || order.iter().any(|&j| j != y && !between(j) && reads[j].iter().any(|t| t.0 == z));
             // Without a bias add the matmul node is the pre-activation and
             // has no storage of its own to keep it in.
             if pre_read && matmul == z {
@@ -428,7 +462,7 @@ impl Plan {
                 // Writes into the gradient arena: no slot.
                 _ if accumulate[i] => {}
                 // Its matmul (or its loss) already placed it.
-                Op::Elementwise(ElementwiseOp::BiasAdd | ElementwiseOp::Activation(_) | ElementwiseOp::ActivationBackward(_)) | Op::Loss(LossOp::LossBackward(_)) if fused_away[i] => {}
+                Op::Elementwise(ElementwiseOp::BiasAdd | ElementwiseOp::Binary(Binary::Add) | ElementwiseOp::Activation(_) | ElementwiseOp::ActivationBackward(_)) | Op::Loss(LossOp::LossBackward(_)) if fused_away[i] => {}
                 Op::Source(SourceOp::Parameter { .. }) => {}
                 // Shares its input's storage (set below), or its writer
                 // placed it (a layernorm's statistics).

@@ -10,6 +10,7 @@ entry_points! {
     Attention {
         CACHED_ATTENTION_FORWARD = "cached_attention_forward",
         CACHED_ATTENTION_FORWARD_WORKGROUP = "cached_attention_forward_workgroup",
+        CACHED_ATTENTION_FORWARD_GROUPED = "cached_attention_forward_grouped",
     }
 }
 
@@ -31,6 +32,29 @@ pub const DECODE_LANES: usize = 64;
 /// context is too long for the one-invocation kernel and this many lanes
 /// keep under llvmpipe's loop limit (its merge needs at least 32).
 const CPU_DECODE_LANES: usize = 32;
+
+/// Lanes of `cached_attention_forward_grouped`: one SIMD row of
+/// llvmpipe (attention.wgsl's `GROUPED_LANES`).
+const GROUPED_LANES: usize = 8;
+
+/// Query heads one workgroup of `cached_attention_forward_grouped` serves
+/// (attention.wgsl's `GROUP_HEADS`); a larger group takes several.
+const GROUP_HEADS: usize = 4;
+
+/// Which kernel of `attention.wgsl` a cached attention runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CachedAttentionKernel {
+    /// `cached_attention_forward`: one invocation per (sequence, row,
+    /// head), serial over the positions.
+    Serial,
+    /// `cached_attention_forward_workgroup` with this many lanes (32 or
+    /// 64) splitting the positions of one (sequence, row, head): a GPU's.
+    Workgroup { lanes: u32 },
+    /// `cached_attention_forward_grouped`: 8 lanes splitting the positions
+    /// of one (sequence, row, KV head), each key and value read once, as
+    /// vec4s, for up to 4 of the query heads sharing it: a CPU adapter's.
+    Grouped,
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -65,17 +89,87 @@ impl Kernels {
     /// position's attention. The caller keeps every p < context (a larger
     /// one writes NaN to its output).
     ///
-    /// On a CPU adapter one invocation serves each (sequence, row, head),
-    /// unless the context is too long for llvmpipe's loop limit; on a GPU
-    /// ([`Kernels::gpu_shaped`]), and for such contexts, one workgroup of
-    /// [`DECODE_LANES`] lanes does (32 on a CPU adapter where each lane's
-    /// share stays under the limit: SmolLM2's 8192 positions, attention
-    /// 33 → 23–25 ms of a decode step on lavapipe), the lanes splitting
-    /// the positions and merging their online softmax over a fixed tree
-    /// (deterministic).
+    /// The kernel is picked by [`Kernels::cached_attention_kernel_for`]:
+    /// on a GPU ([`Kernels::gpu_shaped`]) one workgroup of
+    /// [`DECODE_LANES`] lanes per (sequence, row, head), the lanes
+    /// splitting the positions and merging their online softmax over a
+    /// fixed tree (deterministic); on a CPU adapter one workgroup of 8
+    /// lanes per (sequence, row, KV head) serving up to 4 of its query
+    /// heads (SmolLM2's attention 25 → 11–12 ms of a decode step on
+    /// lavapipe, loaded), or where that cannot run, one invocation per
+    /// (sequence, row, head), or the workgroup kernel past llvmpipe's loop
+    /// limit.
     #[allow(clippy::too_many_arguments)]
     pub fn cached_attention_forward(
         &self,
+        out: View<'_>,
+        k_cache: View<'_>,
+        v_cache: View<'_>,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        starts: View<'_>,
+        shape: CachedAttentionShape,
+    ) -> Result<Dispatch> {
+        let kernel = self.cached_attention_kernel_for(&shape, &[out, k_cache, v_cache, q, k, v]);
+        self.cached_attention_forward_with(kernel, out, k_cache, v_cache, q, k, v, starts, shape)
+    }
+
+    /// The kernel [`Kernels::cached_attention_forward`] runs `shape` on,
+    /// its f32 operands `views`: on a GPU ([`Kernels::gpu_shaped`]) the
+    /// workgroup kernel of [`DECODE_LANES`]; on a CPU adapter, for
+    /// grouped-query attention, the grouped one where it can run (head_dim
+    /// a multiple of 4, every view 16-byte aligned, each lane's share of
+    /// the context under llvmpipe's loop limit: SmolLM2's 8,192 positions
+    /// of 64 channels), else the serial
+    /// one where the context fits that limit, else the workgroup kernel
+    /// with the fewest lanes that fit it.
+    pub fn cached_attention_kernel_for(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> CachedAttentionKernel {
+        let CachedAttentionShape { head_dim, context, .. } = *shape;
+        if self.gpu_shaped() {
+            return CachedAttentionKernel::Workgroup { lanes: DECODE_LANES as u32 };
+        }
+        // Grouped-query attention (a KV head shared by 2 or more query
+        // heads): multi-head attention keeps the kernels below, which
+        // spend nothing on the grouped kernel's 4 heads per workgroup.
+        if shape.heads / shape.kv_heads >= 2 && self.grouped_attention_runs(shape, views) {
+            return CachedAttentionKernel::Grouped;
+        }
+        // The one-invocation kernel's three channel loops per position
+        // step 8 channels at a time, then the rest one by one; past the
+        // limit (GPT-2's 1,024 positions of 64 channels take 25,728) the
+        // workgroup kernel gives each lane 1/lanes of the positions.
+        let per_position = 3 * (head_dim / 8 + head_dim % 8) + 1;
+        let serial_iterations = context.saturating_mul(per_position).saturating_add(2 * head_dim);
+        if serial_iterations <= LOOP_ITERATIONS_MAX {
+            return CachedAttentionKernel::Serial;
+        }
+        // Each lane's positions take two channel loops (and a rescale).
+        let lane_iterations = |lanes: usize| context.div_ceil(lanes).saturating_mul(3 * head_dim + 1);
+        let lanes = if lane_iterations(CPU_DECODE_LANES) <= LOOP_ITERATIONS_MAX { CPU_DECODE_LANES } else { DECODE_LANES };
+        CachedAttentionKernel::Workgroup { lanes: lanes as u32 }
+    }
+
+    /// Whether `cached_attention_forward_grouped` takes `shape` with these
+    /// operands: vec4 reads (head_dim a multiple of 4, views 16-byte
+    /// aligned on an adapter whose storage offsets are too), and on a CPU
+    /// adapter a lane's iterations under llvmpipe's loop limit: its
+    /// positions' two vec4 loops, the queries' loads and the merge.
+    fn grouped_attention_runs(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> bool {
+        let CachedAttentionShape { head_dim, context, .. } = *shape;
+        let d4 = head_dim / 4;
+        let aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0 && views.iter().all(|v| v.offset % 16 == 0);
+        let iterations = context.div_ceil(GROUPED_LANES).saturating_mul(2 * d4 + 1).saturating_add(16 * d4 + 4 * GROUPED_LANES + 64);
+        head_dim % 4 == 0 && head_dim <= MAX_HEAD_DIM && aligned && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
+    }
+
+    /// [`Kernels::cached_attention_forward`] on an explicit kernel
+    /// (tests); the grouped one refuses what it cannot run, and a
+    /// workgroup kernel takes 32 or 64 lanes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cached_attention_forward_with(
+        &self,
+        kernel: CachedAttentionKernel,
         out: View<'_>,
         k_cache: View<'_>,
         v_cache: View<'_>,
@@ -147,20 +241,27 @@ impl Kernels {
         // llvmpipe (lavapipe's and GL's shader compiler) ends an
         // invocation's loops after 65,535 iterations in all (one counter
         // shared by every loop; see rowwise.wgsl's layernorm_backward_params),
-        // silently dropping the rest. The one-invocation kernel's three
-        // channel loops per position step 8 channels at a time, then the
-        // rest one by one; past that count (GPT-2's 1,024 positions of 64
-        // channels take 25,728) the workgroup kernel gives each lane
-        // 1/DECODE_LANES of the positions.
-        let per_position = 3 * (head_dim / 8 + head_dim % 8) + 1;
-        let serial_iterations = context.saturating_mul(per_position).saturating_add(2 * head_dim);
-        if self.gpu_shaped() || serial_iterations > LOOP_ITERATIONS_MAX {
-            // On a CPU adapter the fewest lanes under the loop limit: each
-            // lane's positions take two channel loops (and a rescale).
-            let lane_iterations = |lanes: usize| context.div_ceil(lanes).saturating_mul(3 * head_dim + 1);
-            let lanes = if !self.gpu_shaped() && lane_iterations(CPU_DECODE_LANES) <= LOOP_ITERATIONS_MAX { CPU_DECODE_LANES } else { DECODE_LANES };
-            return self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[("DECODE_WG", lanes as f64)], &bindings, 7, &params, invocations as u64);
+        // silently dropping the rest: cached_attention_kernel_for picks
+        // within it.
+        match kernel {
+            CachedAttentionKernel::Serial => self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 7, &params, flat_groups(invocations)),
+            CachedAttentionKernel::Workgroup { lanes } => {
+                if lanes as usize != CPU_DECODE_LANES && lanes as usize != DECODE_LANES {
+                    return Err(Error::InvalidArgument { op, reason: format!("{lanes} lanes: the workgroup kernel takes {CPU_DECODE_LANES} or {DECODE_LANES}") });
+                }
+                self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[("DECODE_WG", f64::from(lanes))], &bindings, 7, &params, invocations as u64)
+            }
+            CachedAttentionKernel::Grouped => {
+                if !self.grouped_attention_runs(&shape, &[out, k_cache, v_cache, q, k, v]) {
+                    return Err(Error::shape(
+                        CACHED_ATTENTION_FORWARD_GROUPED.entry,
+                        format!("reads vec4s: head_dim a multiple of 4 (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions over {GROUPED_LANES} lanes within llvmpipe's loop limit"),
+                        &[&dims],
+                    ));
+                }
+                let workgroups = (invocations / heads * kv_heads) as u64 * (heads / kv_heads).div_ceil(GROUP_HEADS) as u64;
+                self.prepare(CACHED_ATTENTION_FORWARD_GROUPED, &[("GROUPED_LANES", GROUPED_LANES as f64)], &bindings, 7, &params, workgroups)
+            }
         }
-        self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 7, &params, flat_groups(invocations))
     }
 }

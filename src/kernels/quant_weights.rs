@@ -18,6 +18,7 @@
 use super::matmul::{ProductParams, MATVEC_COLUMNS, TILE};
 use super::registry::{entry_points, Kernel};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
+use crate::ops::Activation;
 use crate::error::{Error, Result};
 use crate::ops::QuantFormat;
 
@@ -135,7 +136,24 @@ struct QuantParams {
     s_base: u32,
     c_base: u32,
     _pad: u32,
+    /// quant_weights.wgsl's parts of B (one matrix: [n; 4], zeros).
+    part_end: [u32; 4],
+    part_q: [u32; 4],
+    part_s: [u32; 4],
 }
+
+/// What a launch's epilogue does besides [`MatmulEpilogue`]'s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct LaunchMode {
+    /// Multiply what C holds by the result.
+    multiply_c: bool,
+    /// The columns kernel's gated product (B's two parts G and U).
+    gated: bool,
+}
+
+/// Output columns per workgroup of the gated `matvec_quant_forward_columns`
+/// (the shader's `QUANT_GATED_COLUMNS_PER_GROUP`): 8 lanes of 4.
+const QUANT_GATED_COLUMNS_PER_GROUP: usize = 32;
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -225,7 +243,6 @@ impl Kernels {
             ));
         }
         let pre = epilogue.forward_only(op, "quantized weights", (m, n, k))?;
-        let MatmulEpilogue { bias, activation, .. } = epilogue;
         if !self.quant_vectors_aligned(&a) {
             return Err(Error::InvalidArgument {
                 op,
@@ -245,8 +262,154 @@ impl Kernels {
         if matches!(kernel, QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) && !self.quant_matvec_runs(m, &a, &b) {
             return Err(Error::shape(op, format!("takes 1 to {MATVEC_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}", b.words.offset), &shapes));
         }
-        // A and C (and pre, indexed like C) bind whole or in blocks of C's
-        // columns; B in the matching blocks of its rows.
+        self.quant_launches(entry, kernel, epilogue, pre, c, (0, n), a, b, m, LaunchMode::default())
+    }
+
+    /// C (f32) = A·[B₀; B₁; …]ᵀ with A [m, k] f32 and the block-quantized
+    /// `parts` B_i [n_i, k] (one format) side by side: C [m, Σ n_i], a
+    /// product over q, k and v (or any matrices read by the same A) in one
+    /// launch where the matrix-vector kernels run it and the parts lie in
+    /// one binding's reach, else one launch per part. `gated` takes two
+    /// parts G and U of equal rows and gives C [m, n] = silu(A·Gᵀ) ⊙
+    /// (A·Uᵀ) (SwiGLU's hidden units): one launch on a CPU adapter's
+    /// columns kernel, else two (the second multiplying C).
+    pub fn matmul_quant_parts(&self, c: View<'_>, a: View<'_>, parts: &[QuantView<'_>], m: usize, k: usize, gated: bool) -> Result<Dispatch> {
+        const OP: &str = "matmul_quant_parts";
+        let Some(first) = parts.first() else {
+            return Err(Error::InvalidArgument { op: OP, reason: "no matrices".into() });
+        };
+        let rows: Vec<usize> = parts.iter().map(|b| b.rows).collect();
+        let n: usize = if gated { first.rows } else { rows.iter().sum() };
+        let shapes: [&[usize]; 3] = [&[m, k], &rows, &[m, n]];
+        if parts.len() > 4 || (gated && (parts.len() != 2 || rows[0] != rows[1])) {
+            return Err(Error::shape(OP, "takes 1 to 4 matrices, or two of equal rows gated", &shapes));
+        }
+        if m == 0 || k == 0 || parts.iter().any(|b| b.cols != k || b.format != first.format) {
+            return Err(Error::shape(OP, format!("every matrix must be [rows, k = {k}] in {}, and m ≥ 1", first.format.name()), &shapes));
+        }
+        if m.checked_mul(k) != Some(a.len) || m.checked_mul(n) != Some(c.len) {
+            return Err(Error::shape(OP, format!("A must hold m·k = {m}·{k} values and C m·n = {m}·{n}; got {} and {}", a.len, c.len), &shapes));
+        }
+        if !self.quant_vectors_aligned(&a) {
+            return Err(Error::InvalidArgument { op: OP, reason: format!("reads A in vec4s: A must start 16-byte aligned; it starts at byte {}", a.offset) });
+        }
+        if let Some(launch) = self.quant_parts_launch(c, a, parts, m, k, gated)? {
+            return Ok(launch);
+        }
+        // One launch per part, each on the kernel its shape takes.
+        let part_launch = |epilogue: MatmulEpilogue<'_>, col0: usize, b: QuantView<'_>, mode: LaunchMode| {
+            let kernel = self.quant_weights_kernel_for(m, &a, &b);
+            let entry = match kernel {
+                QuantWeightsKernel::Matvec { .. } => MATVEC_QUANT_FORWARD,
+                QuantWeightsKernel::MatvecColumns => MATVEC_QUANT_FORWARD_COLUMNS,
+                QuantWeightsKernel::Tiled => MATMUL_QUANT_FORWARD,
+            };
+            self.quant_launches(entry, kernel, epilogue, None, c, (col0, n), a, b, m, mode)
+        };
+        let plain = MatmulEpilogue::default();
+        let launches = if gated {
+            let silu = MatmulEpilogue { activation: Some((Activation::Silu, None)), ..plain };
+            vec![part_launch(silu, 0, parts[0], LaunchMode::default())?, part_launch(plain, 0, parts[1], LaunchMode { multiply_c: true, gated: false })?]
+        } else {
+            let mut col0 = 0;
+            parts
+                .iter()
+                .map(|b| {
+                    let launch = part_launch(plain, col0, *b, LaunchMode::default());
+                    col0 += b.rows;
+                    launch
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(OP, "no matrices", &shapes))
+    }
+
+    /// [`Kernels::matmul_quant_parts`] as one launch of a matrix-vector
+    /// kernel, or None where it cannot be: more than decode's rows, a
+    /// vector operand unaligned, the parts in different buffers or beyond
+    /// one binding's reach, a part starting between blocks of another's
+    /// binding, or a gated product off the columns kernel.
+    fn quant_parts_launch(&self, c: View<'_>, a: View<'_>, parts: &[QuantView<'_>], m: usize, k: usize, gated: bool) -> Result<Option<Dispatch>> {
+        const WORD: u64 = 4;
+        let first = parts[0];
+        let format = first.format;
+        let kernel = self.quant_weights_kernel_for(m, &a, &first);
+        let entry = match kernel {
+            QuantWeightsKernel::Matvec { .. } if !gated => MATVEC_QUANT_FORWARD,
+            QuantWeightsKernel::MatvecColumns => MATVEC_QUANT_FORWARD_COLUMNS,
+            _ => return Ok(None),
+        };
+        let op = entry.entry;
+        let same_buffer = parts.iter().all(|b| std::ptr::eq(b.words.buffer, first.words.buffer) && b.aligned());
+        if !same_buffer || c.bytes() > self.binding_limit() {
+            return Ok(None);
+        }
+        // Each part's quantized words and scale words, in words from the
+        // buffer's start.
+        let qw = format.quant_words();
+        let quants: Vec<(usize, usize)> = parts.iter().map(|b| ((b.words.offset / WORD) as usize, b.rows * b.blocks_per_row() * qw)).collect();
+        let scales: Vec<usize> = parts.iter().zip(&quants).map(|(_, &(start, len))| start + len).collect();
+        let span = |ranges: &mut dyn Iterator<Item = (usize, usize)>| {
+            let (mut lo, mut hi) = (usize::MAX, 0);
+            for (start, len) in ranges {
+                (lo, hi) = (lo.min(start), hi.max(start + len));
+            }
+            (lo, hi)
+        };
+        let (q_lo, q_hi) = span(&mut quants.iter().copied());
+        let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, b.rows * b.blocks_per_row())));
+        let whole = View { buffer: first.words.buffer, offset: 0, len: q_hi.max(s_hi) };
+        let (quant_bind, q_base) = self.bind_part(whole, q_lo, q_hi - q_lo);
+        let (scale_bind, s_base) = self.bind_part(whole, s_lo, s_hi - s_lo);
+        if quant_bind.bytes() > self.binding_limit() || scale_bind.bytes() > self.binding_limit() || quants.iter().any(|&(start, _)| (start - q_lo) % qw != 0) {
+            return Ok(None);
+        }
+        let (mut part_end, mut part_q, mut part_s) = ([0u32; 4], [0u32; 4], [0u32; 4]);
+        let mut end = 0;
+        for (i, b) in parts.iter().enumerate() {
+            end += b.rows;
+            part_end[i] = dim(op, end)?;
+            part_q[i] = dim(op, (quants[i].0 - q_lo) / qw)?;
+            part_s[i] = dim(op, scales[i] - s_lo)?;
+        }
+        part_end[parts.len()..].fill(dim(op, end)?);
+        let n = if gated { first.rows } else { end };
+        let params = QuantParams {
+            product: ProductParams::new(op, (m, n, k), n, 0, None)?,
+            q_base: dim(op, q_base)?,
+            s_base: dim(op, s_base)?,
+            c_base: 0,
+            _pad: 0,
+            part_end,
+            part_q,
+            part_s,
+        };
+        let mode = LaunchMode { multiply_c: false, gated };
+        self.quant_weights_launch(entry, kernel, format, (None, false, None), [c, a, quant_bind, scale_bind], &params, m, n, mode).map(Some)
+    }
+
+    /// The launches of C[:, c_col0 .. c_col0 + n] (C's rows `ldc` wide;
+    /// n = B's rows) = epilogue(A·Bᵀ), or that times what C holds
+    /// (`mode.multiply_c`). A and C (and pre, indexed like C) bind whole
+    /// or in blocks of C's columns; B in the matching blocks of its rows.
+    #[allow(clippy::too_many_arguments)]
+    fn quant_launches(
+        &self,
+        entry: Kernel,
+        kernel: QuantWeightsKernel,
+        epilogue: MatmulEpilogue<'_>,
+        pre: Option<View<'_>>,
+        c: View<'_>,
+        (c_col0, ldc): (usize, usize),
+        a: View<'_>,
+        b: QuantView<'_>,
+        m: usize,
+        mode: LaunchMode,
+    ) -> Result<Dispatch> {
+        let op = entry.entry;
+        let (n, k) = (b.rows, b.cols);
+        let shapes: [&[usize]; 3] = [&[m, k], &[n, k], &[m, ldc]];
+        let MatmulEpilogue { bias, activation, .. } = epilogue;
         let limit = self.binding_limit();
         if a.bytes() > limit {
             return Err(self.binding_too_large(op, "a (the activations, which do not split)", a.bytes()));
@@ -254,7 +417,7 @@ impl Kernels {
         let oversize = c.bytes() > limit || pre.is_some_and(|p| p.bytes() > limit) || b.words.bytes() > limit;
         let cols = if oversize {
             let by_b = self.quant_rows_per_part(&b);
-            let by_c = self.part_capacity().saturating_sub((m - 1) * n);
+            let by_c = self.part_capacity().saturating_sub((m - 1) * ldc);
             let cols = by_b.min(by_c).min(n);
             if cols == 0 {
                 let (operand, bytes) = if by_b == 0 { ("b (one row of it)", (k / QuantFormat::BLOCK * b.format.quant_words() * 4) as u64) } else { ("c (its rows do not split)", c.bytes()) };
@@ -275,22 +438,25 @@ impl Kernels {
             .step_by(cols)
             .map(|n0| {
                 let cols = cols.min(n - n0);
-                let whole = cols == n;
+                let whole = c_col0 == 0 && cols == ldc;
                 let rows = self.quant_rows(&b, (n0, n0 + cols));
-                let c_range = (n0, (m - 1) * n + cols);
+                let c_range = (c_col0 + n0, (m - 1) * ldc + cols);
                 let (c_bind, c_base) = if whole { (c, 0) } else { self.bind_part(c, c_range.0, c_range.1) };
                 let pre_bind = match pre {
                     Some(p) if !whole => Some(self.bind_like_c(op, p, c_range, c_base)?),
                     other => other,
                 };
                 let params = QuantParams {
-                    product: ProductParams::new(op, (m, cols, k), n, n0, act)?,
+                    product: ProductParams::new(op, (m, cols, k), ldc, n0, act)?,
                     q_base: dim(op, rows.q_base)?,
                     s_base: dim(op, rows.s_base)?,
                     c_base: dim(op, c_base)?,
                     _pad: 0,
+                    part_end: [dim(op, cols)?; 4],
+                    part_q: [0; 4],
+                    part_s: [0; 4],
                 };
-                self.quant_weights_launch(entry, kernel, b.format, (bias, activation.is_some(), pre_bind), [c_bind, a, rows.quants, rows.scales], &params, m, cols)
+                self.quant_weights_launch(entry, kernel, b.format, (bias, activation.is_some(), pre_bind), [c_bind, a, rows.quants, rows.scales], &params, m, cols, mode)
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no columns", &shapes))
@@ -308,6 +474,7 @@ impl Kernels {
         params: &QuantParams,
         m: usize,
         cols: usize,
+        mode: LaunchMode,
     ) -> Result<Dispatch> {
         let flag = |on: bool| f64::from(u8::from(on));
         let mut constants = vec![
@@ -316,6 +483,13 @@ impl Kernels {
             ("ACTIVATION_FORWARD", flag(activation)),
             ("STORE_PRE", flag(pre.is_some())),
         ];
+        // Pipelines without them keep their old keys.
+        if mode.multiply_c {
+            constants.push(("MULTIPLY_C", 1.0));
+        }
+        if mode.gated {
+            constants.push(("GATED", 1.0));
+        }
         let groups = match kernel {
             QuantWeightsKernel::Matvec { lanes } => {
                 // A pipeline per row count, as the f32 matrix-vector kernel.
@@ -324,7 +498,7 @@ impl Kernels {
             }
             QuantWeightsKernel::MatvecColumns => {
                 constants.push(("MATVEC_ROWS", m as f64));
-                cols.div_ceil(QUANT_COLUMNS_PER_GROUP) as u64
+                cols.div_ceil(if mode.gated { QUANT_GATED_COLUMNS_PER_GROUP } else { QUANT_COLUMNS_PER_GROUP }) as u64
             }
             QuantWeightsKernel::Tiled => u64::from(params.product.tiles_total),
         };

@@ -28,7 +28,7 @@ struct RopeParams {
     rotary_dim: u32,
     positions: u32,
     pair_layout: u32,
-    _pad: u32,
+    rotated_heads: u32,
 }
 
 impl Kernels {
@@ -39,14 +39,21 @@ impl Kernels {
     /// copied. `starts` is u32 [S]. A position ≥ `shape.positions` gives
     /// a row of NaN (the kernel reads nothing out of bounds).
     pub fn rope_forward(&self, y: View<'_>, x: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout) -> Result<Dispatch> {
-        self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout)
+        self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout, shape.heads)
+    }
+
+    /// [`Kernels::rope_forward`] rotating only heads 0..rotated_heads of
+    /// each row and copying the rest: a fused q | k | v row seen as
+    /// heads, its value heads passing through.
+    pub fn rope_forward_heads(&self, y: View<'_>, x: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout, rotated_heads: usize) -> Result<Dispatch> {
+        self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout, rotated_heads)
     }
 
     /// dx[S, T, H, D] from dy: the rotation by minus each angle (the
     /// forward's transpose); the same table, starts and shape as the
     /// forward.
     pub fn rope_backward(&self, dx: View<'_>, dy: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout) -> Result<Dispatch> {
-        self.rope(ROPE_BACKWARD, ("dx", dx), ("dy", dy), starts, table, shape, layout)
+        self.rope(ROPE_BACKWARD, ("dx", dx), ("dy", dy), starts, table, shape, layout, shape.heads)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -59,6 +66,7 @@ impl Kernels {
         table: View<'_>,
         shape: RopeShape,
         layout: RopeLayout,
+        rotated_heads: usize,
     ) -> Result<Dispatch> {
         let op = kernel.entry;
         let RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions } = shape;
@@ -84,7 +92,7 @@ impl Kernels {
             rotary_dim: dim(op, rotary_dim)?,
             positions: dim(op, positions)?,
             pair_layout: layout.code(),
-            _pad: 0,
+            rotated_heads: dim(op, rotated_heads.min(heads))?,
         };
         // Flat indices, and (start + t)·R + 2·pair into the table, in u32.
         dim(op, out.len)?;

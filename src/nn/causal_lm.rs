@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use super::Module;
 use crate::error::{Error, Result};
-use crate::graph::{Graph, Tensor};
+use crate::graph::{DType, Graph, Tensor};
 use crate::kernels::{Kernels, QkvLayout};
 use crate::ops::QuantFormat;
 
@@ -242,6 +242,16 @@ pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], va
         cx.declared.insert(name, t);
         Ok(t)
     })
+}
+
+/// The weights (declared) of Linear layers reading the same input that a
+/// generation forward multiplies in one product
+/// ([`Graph::matmul_quant_parts`]): under a forward context, outside
+/// tensor parallelism, when every one is block-quantized in one format.
+pub(crate) fn one_quantized_product(g: &Graph, weights: &[Tensor]) -> bool {
+    let dtypes: Vec<Option<DType>> = weights.iter().map(|&w| g.get(w).map(|n| n.dtype)).collect();
+    let first = dtypes.first().copied().flatten();
+    cache_pass().is_some() && !super::shard::sharded() && matches!(first, Some(DType::Quant(_))) && dtypes.iter().all(|&d| d == first)
 }
 
 /// Attention of the active pass's rows over the KV caches of the layer at

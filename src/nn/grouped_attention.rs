@@ -3,11 +3,11 @@
 //! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
 //! and `o_proj` projections without biases.
 
-use super::causal_lm::{cache_pass, cached_attention};
+use super::causal_lm::{cache_pass, cached_attention, one_quantized_product};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
 use super::transformer::{causal_attention, AttentionKernel};
-use super::{Linear, Module, Rotary};
+use super::{Linear, Module, ParameterTree, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::{MatmulForm, QkvLayout};
@@ -74,6 +74,11 @@ impl Module for GroupedQueryAttention {
         // step, the query heads sharing them; its head counts are the
         // widths its projections yield.
         let d = self.head_dim();
+        let pass = cache_pass();
+        let starts = pass.map(|p| p.starts);
+        if let Some(y) = self.quantized_qkv_attention(g, x, prefix, starts)? {
+            return Ok(y);
+        }
         let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
         let q = self.q_proj.forward_split(g, x, &child_prefix!(prefix, self.q_proj), split.query)?;
         let k = self.k_proj.forward_split(g, x, &child_prefix!(prefix, self.k_proj), split.key_value)?;
@@ -82,8 +87,6 @@ impl Module for GroupedQueryAttention {
         let (h, kv) = (heads_of(g, q), heads_of(g, k));
         // Rotary positions on [B, T, heads, d], the projections' own
         // layout, before the KV heads are repeated (each rotated once).
-        let pass = cache_pass();
-        let starts = pass.map(|p| p.starts);
         let q = g.reshape(q, &[b, t, h, d])?;
         let q = self.rotary.forward(g, q, starts)?;
         let k = g.reshape(k, &[b, t, kv, d])?;
@@ -103,6 +106,39 @@ impl Module for GroupedQueryAttention {
 
     fn describe(&self) -> String {
         format!("GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={})", self.n_embd, self.n_head, self.n_kv_head)
+    }
+}
+
+impl GroupedQueryAttention {
+    /// Generation with block-quantized q, k and v projections (a GGUF
+    /// file's) and no biases: one product over the three, its rows q | k |
+    /// v, one rotation of its q and k heads, and the cached attention
+    /// reading that row as fused: two dispatches where separate
+    /// projections take five. None where that does not apply.
+    fn quantized_qkv_attention(&self, g: &mut Graph, x: Tensor, prefix: &str, starts: Option<Tensor>) -> Result<Option<Tensor>> {
+        let projections = [(&self.q_proj, child_prefix!(prefix, self.q_proj)), (&self.k_proj, child_prefix!(prefix, self.k_proj)), (&self.v_proj, child_prefix!(prefix, self.v_proj))];
+        if cache_pass().is_none() || projections.iter().any(|(l, _)| l.bias.is_some()) {
+            return Ok(None);
+        }
+        let mut weights = Vec::with_capacity(3);
+        for (linear, name) in &projections {
+            weights.extend(linear.declare_weights(g, name)?);
+        }
+        if weights.len() != 3 || !one_quantized_product(g, &weights) {
+            return Ok(None);
+        }
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let [b, t, c] = shape[..] else {
+            return Err(Error::shape("GroupedQueryAttention", "expects x [batch, time, channels]", &[&shape]));
+        };
+        let (d, h, kv) = (self.head_dim(), self.n_head, self.n_kv_head);
+        let rows = g.reshape(x, &[b * t, c])?;
+        let qkv = g.matmul_quant_parts(rows, &weights, false)?;
+        let heads = g.reshape(qkv, &[b, t, h + 2 * kv, d])?;
+        let rotated = self.rotary.forward_heads(g, heads, starts, h + kv)?;
+        let qkv = g.reshape(rotated, &[b, t, (h + 2 * kv) * d])?;
+        let y = cached_attention(g, prefix, [qkv, qkv, qkv], QkvLayout::Fused, h, kv, d)?;
+        self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj)).map(Some)
     }
 }
 

@@ -35,11 +35,18 @@ impl Rotary {
     /// before they are moved ahead of time) at positions starts[b] + t;
     /// `starts` None is every sequence from 0 (training).
     pub fn forward(&self, g: &mut Graph, x: Tensor, starts: Option<Tensor>) -> Result<Tensor> {
+        let heads = g.shape_of(x).and_then(|s| s.get(2).copied()).unwrap_or(0);
+        self.forward_heads(g, x, starts, heads)
+    }
+
+    /// [`Rotary::forward`] over heads 0..rotated only, the rest passing
+    /// through (a fused q | k | v row: q's and k's heads rotate, v's not).
+    pub fn forward_heads(&self, g: &mut Graph, x: Tensor, starts: Option<Tensor>, rotated: usize) -> Result<Tensor> {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [_, _, _, d] = shape[..] else {
             return Err(Error::shape("Rotary", "expects x [batch, time, heads, head_dim]", &[&shape]));
         };
         self.check(d)?;
-        g.rope(x, starts, self.layout, self.base, self.rotary_dim, self.positions)
+        g.rope_heads(x, starts, self.layout, self.base, self.rotary_dim, self.positions, rotated)
     }
 }

@@ -181,6 +181,11 @@ pub fn build_rank(rank: usize, ranks: usize, mut g: Graph, input: Tensor, forwar
 }
 
 /// (rank, ranks) inside [`build_rank`].
+/// Whether a tensor-parallel rank is being built on this thread.
+pub(crate) fn sharded() -> bool {
+    current().is_some()
+}
+
 fn current() -> Option<(usize, usize)> {
     SHARD.with(|s| s.borrow().as_ref().map(|s| (s.rank, s.ranks)))
 }

@@ -1,8 +1,9 @@
 //! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
 
+use super::causal_lm::one_quantized_product;
 use super::parameter_tree::{child_prefix, parameter_tree};
-use super::{Linear, Module, TensorSplit};
-use crate::error::Result;
+use super::{Linear, Module, ParameterTree, TensorSplit};
+use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::Activation;
 
@@ -30,6 +31,9 @@ impl Module for SwiGluMlp {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         // Megatron's MLP: gate and up column-parallel (a device's hidden
         // units), down row-parallel (their partial sum).
+        if let Some(hidden) = self.quantized_gated(g, x, prefix)? {
+            return self.down_proj.forward(g, hidden, &child_prefix!(prefix, self.down_proj));
+        }
         let column = TensorSplit::Column { groups: 1, unit: 1 };
         let gate = self.gate_proj.forward_split(g, x, &child_prefix!(prefix, self.gate_proj), column)?;
         let up = self.up_proj.forward_split(g, x, &child_prefix!(prefix, self.up_proj), column)?;
@@ -40,6 +44,31 @@ impl Module for SwiGluMlp {
 
     fn describe(&self) -> String {
         format!("SwiGluMlp({}, {})", self.gate_proj.in_features, self.gate_proj.out_features)
+    }
+}
+
+impl SwiGluMlp {
+    /// Generation with block-quantized gate and up projections without
+    /// biases: silu(gate(x)) · up(x) as one gated product (one dispatch
+    /// for three). None where that does not apply.
+    fn quantized_gated(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Option<Tensor>> {
+        if self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
+            return Ok(None);
+        }
+        let mut weights = self.gate_proj.declare_weights(g, &child_prefix!(prefix, self.gate_proj))?;
+        weights.extend(self.up_proj.declare_weights(g, &child_prefix!(prefix, self.up_proj))?);
+        if weights.len() != 2 || !one_quantized_product(g, &weights) {
+            return Ok(None);
+        }
+        let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
+        let Some((&c, lead)) = shape.split_last() else {
+            return Err(Error::shape("SwiGluMlp", "expects x [.., channels]", &[&shape]));
+        };
+        let rows = g.reshape(x, &[lead.iter().product(), c])?;
+        let hidden = g.matmul_quant_parts(rows, &weights, true)?;
+        let mut out = lead.to_vec();
+        out.push(self.gate_proj.out_features);
+        g.reshape(hidden, &out).map(Some)
     }
 }
 

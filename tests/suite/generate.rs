@@ -12,7 +12,7 @@ use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read,
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{Generator, Sampling};
-use wgrad::kernels::{CachedAttentionShape, QkvLayout, MAX_HEAD_DIM};
+use wgrad::kernels::{CachedAttentionKernel, CachedAttentionShape, QkvLayout, MAX_HEAD_DIM};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, Module, RopeLayout};
@@ -74,41 +74,82 @@ const ATTENTION_CASES: [AttentionCase; 18] = [
     (1, 4, 2, 3, 9, &[7]),
 ];
 
+/// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv) and
+/// [`GROUPED_CASES`], with the seed each draws its values from.
+fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'static [u32])> {
+    let fused = ATTENTION_CASES.iter().map(|&(seqs, rows, heads, head_dim, context, starts)| (CachedAttentionShape::fused(seqs, rows, heads, head_dim, context), starts));
+    let grouped = GROUPED_CASES.iter().map(|&(seqs, rows, heads, kv_heads, head_dim, context, starts, layout)| {
+        (CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout }, starts)
+    });
+    fused.chain(grouped).enumerate().map(|(i, (shape, starts))| (900 + i as u64, shape, starts))
+}
+
+/// One cached attention on `kernel` (None: the one the adapter picks)
+/// against its CPU twin: the output and both caches.
+fn check_cached_attention(k: &wgrad::kernels::Kernels, seed: u64, shape: CachedAttentionShape, starts: &[u32], kernel: Option<CachedAttentionKernel>) -> wgrad::Result<()> {
+    let lengths = shape.lengths().expect("small shape");
+    let mut r = rng(seed);
+    let q_host = random_vec(&mut r, lengths.q, -2.0, 2.0);
+    // A fused qkv is one operand given as q, k and v.
+    let (k_host, v_host) = match shape.layout {
+        QkvLayout::Fused => (q_host.clone(), q_host.clone()),
+        QkvLayout::Separate => (random_vec(&mut r, lengths.k, -2.0, 2.0), random_vec(&mut r, lengths.v, -2.0, 2.0)),
+    };
+    // Earlier positions' keys and values, as a previous step left them.
+    let k_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
+    let v_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
+    let (q, k_rows, v_rows, starts_gpu) = (k.upload(&q_host)?, k.upload(&k_host)?, k.upload(&v_host)?, k.upload(starts)?);
+    let (k_rows, v_rows) = match shape.layout {
+        QkvLayout::Fused => (&q, &q),
+        QkvLayout::Separate => (&k_rows, &v_rows),
+    };
+    // Zeros, not NaN: a row past the context must be written NaN.
+    let (k_cache, v_cache, out) = (k.upload(&k_cache_host)?, k.upload(&v_cache_host)?, k.zeros(lengths.out)?);
+    let views = (out.view(), k_cache.view(), v_cache.view(), q.view(), k_rows.view(), v_rows.view(), starts_gpu.view());
+    let dispatch = match kernel {
+        Some(kernel) => k.cached_attention_forward_with(kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+        None => k.cached_attention_forward(views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+    };
+    k.run(&[&dispatch])?;
+    let (want_out, want_k, want_v) = cpu::cached_attention(&q_host, &k_host, &v_host, starts, &k_cache_host, &v_cache_host, shape);
+    let what = format!("{shape:?} starts {starts:?}, kernel {kernel:?}, GPU shaping {}", k.gpu_shaped());
+    // f32 sums of ≤ 256 products over ≤ 1,024 positions against
+    // f64; outputs are weighted means of values in [-2, 2].
+    assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
+    // Copies: exact, and rows not written keep their values.
+    assert_close(&format!("k_cache {what}"), &read(k, &k_cache)?, &want_k, 0.0, 0.0);
+    assert_close(&format!("v_cache {what}"), &read(k, &v_cache)?, &want_v, 0.0, 0.0);
+    Ok(())
+}
+
 #[test]
 fn cached_attention_matches_the_cpu() {
     for_each_shaping("cached_attention_forward", |k| {
-        let fused = ATTENTION_CASES.iter().map(|&(seqs, rows, heads, head_dim, context, starts)| (CachedAttentionShape::fused(seqs, rows, heads, head_dim, context), starts));
-        let grouped = GROUPED_CASES.iter().map(|&(seqs, rows, heads, kv_heads, head_dim, context, starts, layout)| {
-            (CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout }, starts)
-        });
-        for (i, (shape, starts)) in fused.chain(grouped).enumerate() {
-            let lengths = shape.lengths().expect("small shape");
-            let mut r = rng(900 + i as u64);
-            let q_host = random_vec(&mut r, lengths.q, -2.0, 2.0);
-            // A fused qkv is one operand given as q, k and v.
-            let (k_host, v_host) = match shape.layout {
-                QkvLayout::Fused => (q_host.clone(), q_host.clone()),
-                QkvLayout::Separate => (random_vec(&mut r, lengths.k, -2.0, 2.0), random_vec(&mut r, lengths.v, -2.0, 2.0)),
-            };
-            // Earlier positions' keys and values, as a previous step left them.
-            let k_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
-            let v_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
-            let (q, k_rows, v_rows, starts_gpu) = (k.upload(&q_host)?, k.upload(&k_host)?, k.upload(&v_host)?, k.upload(starts)?);
-            let (k_rows, v_rows) = match shape.layout {
-                QkvLayout::Fused => (&q, &q),
-                QkvLayout::Separate => (&k_rows, &v_rows),
-            };
-            // Zeros, not NaN: a row past the context must be written NaN.
-            let (k_cache, v_cache, out) = (k.upload(&k_cache_host)?, k.upload(&v_cache_host)?, k.zeros(lengths.out)?);
-            k.run(&[&k.cached_attention_forward(out.view(), k_cache.view(), v_cache.view(), q.view(), k_rows.view(), v_rows.view(), starts_gpu.view(), shape)?])?;
-            let (want_out, want_k, want_v) = cpu::cached_attention(&q_host, &k_host, &v_host, starts, &k_cache_host, &v_cache_host, shape);
-            let what = format!("{shape:?} starts {starts:?}, GPU shaping {}", k.gpu_shaped());
-            // f32 sums of ≤ 256 products over ≤ 1,024 positions against
-            // f64; outputs are weighted means of values in [-2, 2].
-            assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
-            // Copies: exact, and rows not written keep their values.
-            assert_close(&format!("k_cache {what}"), &read(k, &k_cache)?, &want_k, 0.0, 0.0);
-            assert_close(&format!("v_cache {what}"), &read(k, &v_cache)?, &want_v, 0.0, 0.0);
+        for (seed, shape, starts) in attention_cases() {
+            check_cached_attention(k, seed, shape, starts, None)?;
+        }
+        Ok(())
+    });
+}
+
+/// Each kernel on every case it takes, whichever the adapter would pick:
+/// the workgroup kernel with 32 and 64 lanes, and the grouped one (vec4
+/// reads: head dims that are multiples of 4; groups of 1, 2, 3, 4 and 7
+/// query heads per KV head, 7 past its 4 heads per workgroup), which
+/// refuses a head dim it cannot read.
+#[test]
+fn every_cached_attention_kernel_matches_the_cpu() {
+    for_each_adapter("cached_attention_forward_with", |k| {
+        for (seed, shape, starts) in attention_cases() {
+            for lanes in [32, 64] {
+                check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Workgroup { lanes }))?;
+            }
+            if shape.head_dim % 4 == 0 {
+                check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Grouped))?;
+            } else {
+                let err = check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Grouped)).unwrap_err();
+                assert!(err.to_string().contains("multiple of 4"), "{err}");
+            }
         }
         Ok(())
     });

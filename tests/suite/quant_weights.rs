@@ -9,7 +9,7 @@
 
 use crate::common;
 
-use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
+use common::{assert_close, for_each_adapter, for_each_shaping, limited_kernels, random_vec, read, rng};
 use half::f16;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -159,6 +159,80 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
     });
 }
 
+/// One `matmul_quant_parts` product against its twin: `rows` matrices
+/// [rows_i, kk] packed one after another into one buffer (each at a
+/// 256-byte offset, as the parameter arena aligns them), or each in a
+/// buffer of its own (`together` false: one launch per part).
+fn check_parts(k: &Kernels, format: QuantFormat, rows: &[usize], (m, kk): (usize, usize), gated: bool, together: bool, seed: u64) -> wgrad::Result<usize> {
+    let mut r = rng(seed);
+    let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let raws: Vec<Vec<u8>> = rows.iter().map(|&n| random_blocks(&mut r, format, n, kk)).collect();
+    let packed = raws.iter().zip(rows).map(|(raw, &n)| pack_quantized(format, raw, n, kk)).collect::<wgrad::Result<Vec<_>>>()?;
+    let n: usize = if gated { rows[0] } else { rows.iter().sum() };
+    let (a, c) = (k.upload(&a_host)?, k.upload(&vec![f32::NAN; m * n])?);
+    let mut arena = Vec::new();
+    let mut offsets = Vec::new();
+    for words in &packed {
+        offsets.push(arena.len());
+        arena.extend_from_slice(words);
+        arena.resize(arena.len().next_multiple_of(64), 0);
+    }
+    let (joint, apart) = (k.upload(&arena)?, packed.iter().map(|w| k.upload(w)).collect::<wgrad::Result<Vec<_>>>()?);
+    let views = if together {
+        offsets.iter().zip(&packed).map(|(&at, words)| joint.slice(at, words.len())).collect::<wgrad::Result<Vec<_>>>()?
+    } else {
+        apart.iter().map(|t| t.view()).collect()
+    };
+    let parts = views.into_iter().zip(rows).map(|(v, &n)| QuantView::new(v, format, n, kk)).collect::<wgrad::Result<Vec<_>>>()?;
+    let d = k.matmul_quant_parts(c.view(), a.view(), &parts, m, kk, gated)?;
+    k.run(&[&d])?;
+    let twin_parts: Vec<(&[u8], usize)> = raws.iter().map(Vec::as_slice).zip(rows.iter().copied()).collect();
+    let want = cpu::matmul_quant_parts(&a_host, format, &twin_parts, m, kk, gated)?;
+    let what = format!("{} {format:?} m={m} rows={rows:?} k={kk} gated={gated} together={together}, GPU shaping {}", d.kernel().entry, k.gpu_shaped());
+    assert_close(&what, &read(k, &c)?, &want, ATOL, RTOL);
+    Ok(d.launches())
+}
+
+/// A product over several quantized matrices side by side (q, k and v)
+/// and a gated one (SwiGLU's gate and up) against the per-matrix twin:
+/// one launch for decode's rows (1 and 4) when the matrices lie in one
+/// buffer — except gated on a GPU's kernel, two — and one per matrix (or
+/// two gated) for 5 rows or matrices in separate buffers; 1 to 4 matrices
+/// of 1, prime and SmolLM2-like (9 : 3 : 3 heads) rows (37: two
+/// workgroups of the gated kernel's 32 columns), k of 1 and 18 blocks.
+#[test]
+fn quantized_parts_match_the_cpu() {
+    for_each_shaping("quantized weights: parts", |k| {
+        let mut seed = 3100;
+        for format in QuantFormat::ALL {
+            for kk in [32, 576] {
+                for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[72, 24, 24], false), (&[1, 1], true), (&[37, 37], true)] {
+                    for m in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1] {
+                        for together in [true, false] {
+                            seed += 1;
+                            let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
+                            let one = together && m <= MATVEC_MAX_ROWS && !(gated && k.gpu_shaped());
+                            let per_part = if gated { 2 } else { rows.len() };
+                            assert_eq!(launches, if one { 1 } else { per_part }, "{format:?} rows {rows:?} m={m} k={kk} together={together}");
+                        }
+                    }
+                }
+            }
+        }
+        // Matrices of different formats or widths, a gated pair of unequal
+        // rows, five matrices: refused.
+        let words = k.upload(&vec![0u32; 4096])?;
+        let q = |format: QuantFormat, rows: usize, cols: usize| QuantView::new(words.slice(0, format.stored_words(rows * cols)).unwrap(), format, rows, cols).unwrap();
+        let (a, c) = (k.zeros(64)?, k.zeros(4096)?);
+        for (parts, gated) in [(vec![q(QuantFormat::Q4_0, 2, 32), q(QuantFormat::Q4_1, 2, 32)], false), (vec![q(QuantFormat::Q8_0, 2, 32), q(QuantFormat::Q8_0, 2, 64)], false), (vec![q(QuantFormat::Q4_1, 2, 32), q(QuantFormat::Q4_1, 3, 32)], true), (vec![q(QuantFormat::Q4_1, 1, 32); 5], false)] {
+            let n = if gated { 2 } else { parts.iter().map(QuantView::rows).sum() };
+            let err = k.matmul_quant_parts(c.slice(0, 2 * n)?, a.slice(0, 64)?, &parts, 2, 32, gated).unwrap_err();
+            assert!(matches!(err, Error::Shape { .. }), "{err}");
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn quantized_products_refuse_what_they_cannot_run() {
     for_each_adapter("quantized weights: refusals", |k| {
@@ -285,6 +359,52 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
 /// both quantized (the table in Q8_0, the weight in Q4_1), on the GPU
 /// against `Graph::evaluate_f64` (the twins); refused by every other op
 /// and by training.
+/// Generation's fused graph ops against the graph's f64 reference: q, k
+/// and v as one product (`matmul_quant_parts`) whose row, seen as heads,
+/// rotates its q and k heads only (`rope_heads`; the v heads pass
+/// through), and a gated product; for a decode row (one launch) and 5 rows
+/// (one launch per matrix), at positions 3.. of a 16-position table.
+#[test]
+fn fused_generation_ops_match_the_graph_reference() {
+    use wgrad::graph::{Executor, Graph};
+    use wgrad::nn::RopeLayout;
+    let (channels, head_dim, heads, kv_heads, hidden) = (64, 8, 4, 2, 40);
+    for (rows, seed) in [(1, 3300), (5, 3301)] {
+        let mut r = rng(seed);
+        let mut g = Graph::new();
+        let x = g.input("x", &[rows, channels]).unwrap();
+        let starts = g.ids("starts", &[1]).unwrap();
+        let mut weight = |g: &mut Graph, name: &str, n: usize| {
+            let raw = random_blocks(&mut r, QuantFormat::Q4_1, n, channels);
+            g.parameter_quantized(name, &[n, channels], QuantFormat::Q4_1, &raw).unwrap()
+        };
+        let qkv_weights = [weight(&mut g, "q", heads * head_dim), weight(&mut g, "k", kv_heads * head_dim), weight(&mut g, "v", kv_heads * head_dim)];
+        let gate_up = [weight(&mut g, "gate", hidden), weight(&mut g, "up", hidden)];
+        let qkv = g.matmul_quant_parts(x, &qkv_weights, false).unwrap();
+        let as_heads = g.reshape(qkv, &[1, rows, heads + 2 * kv_heads, head_dim]).unwrap();
+        let rotated = g.rope_heads(as_heads, Some(starts), RopeLayout::HalfSplit, 10000.0, head_dim, 16, heads + kv_heads).unwrap();
+        let gated = g.matmul_quant_parts(x, &gate_up, true).unwrap();
+        let err = g.rope_heads(as_heads, Some(starts), RopeLayout::HalfSplit, 10000.0, head_dim, 16, heads + 2 * kv_heads + 1).unwrap_err();
+        assert!(err.to_string().contains("rotated heads"), "{err}");
+        let x_h = random_vec(&mut r, rows * channels, -1.0, 1.0);
+        let feeds = [(x, x_h.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>()), (starts, vec![3.0])];
+        let want = g.evaluate_f64(&[qkv, rotated, gated], &feeds).unwrap();
+        for_each_adapter("quantized weights: fused generation ops", |k| {
+            let mut exec = Executor::new(k.clone(), g.clone(), &[qkv, rotated, gated], None, None)?;
+            exec.set_input(x, &x_h)?;
+            exec.set_labels(starts, &[3])?;
+            exec.run(&[qkv, rotated, gated])?;
+            let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+            // Products as quantized_products_match_the_cpu_on_each_kernel;
+            // the rotation's f32 cos/sin against f64.
+            assert_close(&format!("qkv, {rows} rows"), &exec.read(qkv)?, &f32s(&want[0]), ATOL, RTOL);
+            assert_close(&format!("rotated q and k heads, {rows} rows"), &exec.read(rotated)?, &f32s(&want[1]), ATOL, RTOL);
+            assert_close(&format!("gated, {rows} rows"), &exec.read(gated)?, &f32s(&want[2]), ATOL, RTOL);
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn a_graph_with_quantized_parameters_matches_its_reference() {
     use wgrad::graph::{Executor, Graph};

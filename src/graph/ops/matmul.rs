@@ -2,7 +2,7 @@
 //! an activation or its backward, and gradient accumulation) and batched
 //! over leading dimensions (`BatchMatMul`).
 
-use super::{DispatchContext, ElementwiseOp, Op, OpFamily, ReferenceContext};
+use super::{no_gradient, DispatchContext, ElementwiseOp, Op, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
@@ -16,6 +16,12 @@ pub enum MatmulOp {
     /// A matmul per leading index of rank-3/4 operands with equal leading
     /// dimensions.
     BatchMatMul(MatmulForm),
+    /// inputs (x [m, k], block-quantized weights W_i [n_i, k] of one
+    /// format) -> x·[W₀; W₁; …]ᵀ [m, Σ n_i], or with `gated` (two weights
+    /// of equal rows) silu(x·W₀ᵀ) ⊙ (x·W₁ᵀ) [m, n₀]: generation's q, k and
+    /// v projections, and SwiGLU's gate and up, in one launch (see
+    /// `Kernels::matmul_quant_parts`). No gradient.
+    QuantParts { gated: bool },
 }
 
 /// The stored inner dimension of `form`'s A operand of shape `a` (rank ≥ 2).
@@ -41,6 +47,7 @@ impl OpFamily for MatmulOp {
         match self {
             MatmulOp::BatchMatMul(_) => "batch_matmul",
             MatmulOp::MatMul(_) => "matmul",
+            MatmulOp::QuantParts { .. } => "matmul_quant_parts",
         }
     }
 
@@ -79,11 +86,24 @@ impl OpFamily for MatmulOp {
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
                 k.matmul_batched(*form, cx.accumulate(), cx.out()?, cx.input(0)?, cx.input(1)?, batch, m, n, kk)
             }
+            MatmulOp::QuantParts { gated } => {
+                let [m, kk] = cx.input_shape(0)[..] else {
+                    return Err(Error::shape("matmul_quant_parts", "x lost its rank", &[cx.input_shape(0)]));
+                };
+                let count = cx.graph().node(Tensor(i)).inputs.len();
+                let parts = (1..count)
+                    .map(|j| match (cx.input_node(j).dtype, cx.input_shape(j)) {
+                        (DType::Quant(format), &[rows, _]) => QuantView::new(cx.input(j)?, format, rows, kk),
+                        _ => Err(Error::InvalidArgument { op: "matmul_quant_parts", reason: format!("`{}` is not a quantized matrix", cx.input_node(j).name) }),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                k.matmul_quant_parts(cx.out()?, cx.input(0)?, &parts, m, kk, *gated)
+            }
         }
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self;
+        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self else { return Err(no_gradient(g, node, slot)) };
         let (a, b) = (g.node(node).inputs[0], g.node(node).inputs[1]);
         match (form, slot) {
             (MatmulForm::AB, 0) => g.matmul_form(MatmulForm::ABt, dy, b),
@@ -96,13 +116,32 @@ impl OpFamily for MatmulOp {
     }
 
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
-        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self;
+        let form = match self {
+            MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form) => form,
+            MatmulOp::QuantParts { gated } => return parts_reference(*gated, cx),
+        };
+
         let shape = cx.shape();
         let rank = shape.len();
         let batch = shape[..rank - 2].iter().product();
         let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
         Ok(cpu::matmul_batched(*form, cx.input(0)?, cx.input(1)?, batch, m, n, kk))
     }
+}
+
+/// `MatmulOp::QuantParts`' f64 reference: each weight's product (on its
+/// de-quantized values) side by side, or gated.
+fn parts_reference(gated: bool, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
+    let [m, kk] = cx.input_shape(0)[..] else {
+        return Err(Error::shape("matmul_quant_parts", "x lost its rank", &[cx.input_shape(0)]));
+    };
+    let products = (1..cx.node().inputs.len())
+        .map(|j| {
+            let n = cx.input_shape(j)[0];
+            Ok((n, cpu::matmul_batched(MatmulForm::ABt, cx.input(0)?, cx.input(j)?, 1, m, n, kk)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(cpu::join_products(&products, m, gated))
 }
 
 impl Graph {
@@ -146,6 +185,37 @@ impl Graph {
         shape.extend([m, n]);
         let op = if lead == 0 { MatmulOp::MatMul(form) } else { MatmulOp::BatchMatMul(form) };
         Ok(self.push(op, vec![a, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+    }
+
+    /// x [m, k] · [W₀; W₁; …]ᵀ -> [m, Σ n_i] for block-quantized weights
+    /// W_i [n_i, k] of one format (at most 4): the products a layer takes
+    /// of one input side by side (q, k and v) in one launch where the
+    /// kernels can (see `Kernels::matmul_quant_parts`); with `gated`, two
+    /// weights of equal rows, silu(x·W₀ᵀ) ⊙ (x·W₁ᵀ) [m, n₀] (SwiGLU's
+    /// hidden units). Generation only: no gradient.
+    pub fn matmul_quant_parts(&mut self, x: Tensor, weights: &[Tensor], gated: bool) -> Result<Tensor> {
+        const OP: &str = "matmul_quant_parts";
+        self.f32_inputs(OP, &[x])?;
+        let sx = self.shape(x).to_vec();
+        let shapes: Vec<Vec<usize>> = weights.iter().map(|&w| self.shape_of(w).map(<[usize]>::to_vec).unwrap_or_default()).collect();
+        let mut all: Vec<&[usize]> = vec![&sx];
+        all.extend(shapes.iter().map(Vec::as_slice));
+        let [m, k] = sx[..] else {
+            return Err(Error::shape(OP, "x must be [m, k]", &all));
+        };
+        let formats: Vec<Option<DType>> = weights.iter().map(|&w| self.get(w).map(|n| n.dtype)).collect();
+        let first = formats.first().copied().flatten();
+        let one_format = matches!(first, Some(DType::Quant(_))) && formats.iter().all(|&f| f == first);
+        if weights.is_empty() || weights.len() > 4 || !one_format || shapes.iter().any(|s| s.len() != 2 || s[1] != k) {
+            return Err(Error::shape(OP, format!("takes 1 to 4 block-quantized matrices of one format, each [rows, {k}]"), &all));
+        }
+        if gated && (weights.len() != 2 || shapes[0] != shapes[1]) {
+            return Err(Error::shape(OP, "a gated product takes two matrices of equal shape", &all));
+        }
+        let n = if gated { shapes[0][0] } else { shapes.iter().map(|s| s[0]).sum() };
+        let mut inputs = vec![x];
+        inputs.extend_from_slice(weights);
+        Ok(self.push(MatmulOp::QuantParts { gated }, inputs, vec![m, n], DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
     /// a·b, as torch.matmul for the cases a transformer uses: 2-D by 2-D,

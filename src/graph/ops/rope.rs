@@ -21,12 +21,15 @@ pub enum RopeOp {
     Rope { layout: RopeLayout, base: f32, rotary_dim: usize },
     /// inputs (dy, starts, table) -> dx: the rotation by minus each angle.
     RopeBackward { layout: RopeLayout, base: f32, rotary_dim: usize },
+    /// `Rope` over heads 0..rotated of each row only, the others copied (a
+    /// fused q | k | v row whose q and k heads rotate). No gradient.
+    RopeHeads { layout: RopeLayout, base: f32, rotary_dim: usize, rotated: usize },
 }
 
 impl RopeOp {
     /// The op's settings, forward or backward.
     fn settings(&self) -> (RopeLayout, f32, usize) {
-        let (RopeOp::Rope { layout, base, rotary_dim } | RopeOp::RopeBackward { layout, base, rotary_dim }) = *self;
+        let (RopeOp::Rope { layout, base, rotary_dim } | RopeOp::RopeBackward { layout, base, rotary_dim } | RopeOp::RopeHeads { layout, base, rotary_dim, .. }) = *self;
         (layout, base, rotary_dim)
     }
 }
@@ -42,6 +45,7 @@ impl OpFamily for RopeOp {
         match self {
             RopeOp::Rope { .. } => "rope",
             RopeOp::RopeBackward { .. } => "rope_backward",
+            RopeOp::RopeHeads { .. } => "rope_heads",
         }
     }
 
@@ -51,7 +55,8 @@ impl OpFamily for RopeOp {
         let (out, x, starts, table) = (cx.out()?, cx.input(0)?, cx.input(1)?, cx.input(2)?);
         match self {
             RopeOp::Rope { .. } => cx.kernels().rope_forward(out, x, starts, table, shape, layout),
-            _ => cx.kernels().rope_backward(out, x, starts, table, shape, layout),
+            RopeOp::RopeHeads { rotated, .. } => cx.kernels().rope_forward_heads(out, x, starts, table, shape, layout, *rotated),
+            RopeOp::RopeBackward { .. } => cx.kernels().rope_backward(out, x, starts, table, shape, layout),
         }
     }
 
@@ -66,8 +71,18 @@ impl OpFamily for RopeOp {
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let (layout, base, rotary_dim) = self.settings();
         let shape = rope_shape(cx.shape(), rotary_dim, cx.graph().node(cx.node().inputs[2]).len());
-        let sign = if matches!(self, RopeOp::Rope { .. }) { 1.0 } else { -1.0 };
-        Ok(cpu::rope_f64(cx.input(0)?, &cx.input_u32(1)?, shape, layout, base, sign))
+        let sign = if matches!(self, RopeOp::RopeBackward { .. }) { -1.0 } else { 1.0 };
+        let mut y = cpu::rope_f64(cx.input(0)?, &cx.input_u32(1)?, shape, layout, base, sign);
+        if let RopeOp::RopeHeads { rotated, .. } = *self {
+            // Heads past `rotated` keep x's values.
+            let x = cx.input(0)?;
+            for (i, v) in y.iter_mut().enumerate() {
+                if (i / shape.head_dim) % shape.heads >= rotated {
+                    *v = x[i];
+                }
+            }
+        }
+        Ok(y)
     }
 }
 
@@ -82,14 +97,26 @@ impl Graph {
     /// holds `positions` positions (the model's context); a position past
     /// it gives NaN. Layers with the same settings share one table.
     pub fn rope(&mut self, x: Tensor, starts: Option<Tensor>, layout: RopeLayout, base: f32, rotary_dim: usize, positions: usize) -> Result<Tensor> {
+        let heads = self.shape_of(x).and_then(|s| s.get(2).copied()).unwrap_or(0);
+        self.rope_heads(x, starts, layout, base, rotary_dim, positions, heads)
+    }
+
+    /// [`Graph::rope`] rotating heads 0..rotated of x [S, T, H, D] only,
+    /// the others passing through: a fused q | k | v projection reshaped to
+    /// its heads, whose q and k heads rotate. No gradient when some pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_heads(&mut self, x: Tensor, starts: Option<Tensor>, layout: RopeLayout, base: f32, rotary_dim: usize, positions: usize, rotated: usize) -> Result<Tensor> {
         const OP: &str = "rope";
         self.f32_inputs(OP, &[x])?;
         let shape = self.shape(x).to_vec();
-        let [seqs, rows, _, head_dim] = shape[..] else {
+        let [seqs, rows, heads, head_dim] = shape[..] else {
             return Err(Error::shape(OP, "expects x [sequences, positions, heads, head_dim]", &[&shape]));
         };
         if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
             return Err(Error::shape(OP, format!("rotary_dim {rotary_dim} must be even, positive and at most the head dim"), &[&shape]));
+        }
+        if rotated > heads {
+            return Err(Error::shape(OP, format!("{rotated} rotated heads of {heads}"), &[&shape]));
         }
         if rows > positions {
             return Err(Error::shape(OP, format!("{rows} positions do not fit a table of {positions}"), &[&shape]));
@@ -109,7 +136,8 @@ impl Graph {
         let table_name = format!("rope.table(base={base}, rotary_dim={rotary_dim}, positions={positions})");
         let table = self.shared_constant(&table_name, &[positions, rotary_dim / 2, 2], DType::F32, || rope_table(base, rotary_dim, positions))?;
         let name = format!("{OP}{}", self.nodes.len());
-        Ok(self.push(RopeOp::Rope { layout, base, rotary_dim }, vec![x, starts, table], shape, DType::F32, name))
+        let op = if rotated == heads { RopeOp::Rope { layout, base, rotary_dim } } else { RopeOp::RopeHeads { layout, base, rotary_dim, rotated } };
+        Ok(self.push(op, vec![x, starts, table], shape, DType::F32, name))
     }
 
     /// The constant named `name`, made by `values` the first time.
