@@ -10,6 +10,7 @@ mod checkpoint;
 mod data;
 mod device;
 mod f16_weights;
+mod finetune;
 mod fusion;
 mod generate;
 mod gguf;
