@@ -2,7 +2,7 @@
 //! with its own tokenizer learns, its saved Hugging Face folder loads back
 //! with equal logits, and training with the tied token table, the logits
 //! and the arenas each over one storage binding (limits lowered by
-//! `Kernels::with_limits`) equals training without.
+//! `Kernels::with_limits`) equals training without, to rounding.
 
 use std::sync::Arc;
 
@@ -85,7 +85,7 @@ fn a_fine_tuned_gguf_llama_learns_and_its_folder_loads_back_with_equal_logits() 
 const TABLE_OVER_BINDING: u64 = 32 * 1024;
 
 #[test]
-fn fine_tuning_with_the_token_table_over_a_binding_equals_fine_tuning_without() {
+fn fine_tuning_with_the_token_table_over_a_binding_matches_fine_tuning_without() {
     for_each_adapter("fine-tune over a lowered binding limit", |k| {
         let pretrained = Pretrained::<Llama>::load(&fixture(TIED))?;
         let table_bytes = (pretrained.model.vocab_size() * 64 * 4) as u64;
@@ -98,10 +98,16 @@ fn fine_tuning_with_the_token_table_over_a_binding_equals_fine_tuning_without() 
         };
         let (split_losses, split) = train(&lim)?;
         let (whole_losses, whole) = train(k)?;
-        assert_eq!(split_losses, whole_losses, "losses");
+        // The first step's loss is the same sums in the same order: equal.
+        assert_eq!(split_losses[0], whole_losses[0], "first loss");
+        let (s, w): (Vec<f32>, Vec<f32>) = split_losses.iter().zip(&whole_losses).map(|(s, w)| (s.1, w.1)).unzip();
+        assert_close("losses", &s, &w, 1e-5, 1e-5);
         for ((name, _, s), (_, _, w)) in split.iter().zip(&whole) {
-            // The same sums in the same order, whatever the bindings.
-            assert_eq!(s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{name}");
+            // The head's gradients (dlogits·wte, dlogitsᵀ·x) sum the
+            // vocabulary in parts when it is over the binding, each part
+            // rounded once more; three AdamW steps of 3e-3 keep that within
+            // rounding of the parameters.
+            assert_close(name, s, w, 2e-5, 1e-4);
         }
         Ok(())
     });
