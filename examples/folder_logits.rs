@@ -14,7 +14,6 @@ use wgrad::infer::Predictor;
 use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
 use wgrad::io::lm_folder::{lm_family, LmFamily};
 use wgrad::models::{Gpt, Llama};
-use wgrad::nn::CausalLm;
 use wgrad::train::{Pretrained, TrainableLm};
 
 const TEXT: &str = "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.";
