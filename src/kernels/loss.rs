@@ -295,14 +295,8 @@ impl Kernels {
         if logits.bytes() <= self.binding_limit() {
             return Ok(vec![(LossParams { part_rows: dim(op, rows)?, ..params }, logits, dlogits)]);
         }
-        let per_part = self.part_capacity() / cols;
-        if per_part == 0 {
-            return Err(self.binding_too_large(op, "logits (one row of them)", cols as u64 * 4));
-        }
         let mut launches = Vec::new();
-        for first in (0..rows).step_by(per_part) {
-            let count = per_part.min(rows - first);
-            let (part, base) = self.bind_part(logits, first * cols, count * cols);
+        for (first, count, part, base) in self.whole_row_parts(op, "logits (one row of them)", logits, rows, cols)? {
             let dpart = dlogits.map(|d| self.bind_part(d, first * cols, count * cols));
             if dpart.is_some_and(|(_, b)| b != base) {
                 return Err(Error::InvalidArgument { op, reason: "logits and dlogits sit at different storage alignments, so their parts cannot be indexed alike".into() });

@@ -517,6 +517,26 @@ impl Kernels {
         Ok((0..n).step_by(per_part).map(|start| (start, per_part.min(n - start))).collect())
     }
 
+    /// `x` [rows, cols] (over one binding) in parts of whole rows that
+    /// each fit one: (first row, rows, part's binding, where its first row
+    /// starts in it) of each; `operand` names x in the error when one row
+    /// is over the limit. For the kernels with a row per invocation (a
+    /// loss over an LM's logits, their argmax).
+    pub(crate) fn whole_row_parts<'v>(&self, op: &'static str, operand: &'static str, x: View<'v>, rows: usize, cols: usize) -> Result<Vec<(usize, usize, View<'v>, usize)>> {
+        let per_part = self.part_capacity() / cols.max(1);
+        if per_part == 0 {
+            return Err(self.binding_too_large(op, operand, cols as u64 * ELEMENT_BYTES));
+        }
+        Ok((0..rows)
+            .step_by(per_part)
+            .map(|first| {
+                let count = per_part.min(rows - first);
+                let (part, base) = self.bind_part(x, first * cols, count * cols);
+                (first, count, part, base)
+            })
+            .collect())
+    }
+
     pub(crate) fn placeholder(&self) -> &wgpu::Buffer {
         &self.placeholder
     }

@@ -169,14 +169,8 @@ impl Kernels {
             return self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(4, "indices", indices)], 3, &params, flat_groups(rows));
         }
         // x over one binding (an LM's logits): a launch per part of whole rows.
-        let per_part = self.part_capacity() / cols;
-        if per_part == 0 {
-            return Err(self.binding_too_large(op, "x (one row of it)", cols as u64 * 4));
-        }
         let mut launches = Vec::new();
-        for first in (0..rows).step_by(per_part) {
-            let count = per_part.min(rows - first);
-            let (part, base) = self.bind_part(x, first * cols, count * cols);
+        for (first, count, part, base) in self.whole_row_parts(op, "x (one row of it)", x, rows, cols)? {
             let params = ReduceParams { rows: dim(op, count)?, first_row: dim(op, first)?, part_base: dim(op, base)?, ..params };
             launches.push(self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", part), bind(4, "indices", indices)], 3, &params, flat_groups(count))?);
         }
