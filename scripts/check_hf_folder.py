@@ -13,12 +13,20 @@ scripts/make_hf_fixture.py's and scripts/make_llama_fixture.py's fixtures.
 
 LOGITS defaults to DIR.logits.safetensors (tensors `ids` [N, T] as float32
 and `logits` [N, T, V]). Exits 1 when any logit differs by more than atol.
+
+A folder with its own tokenizer (`wgrad train --init` saves one) is
+checked the same way after examples/folder_logits.rs, which also stores
+the text it encoded: AutoTokenizer must give wgrad's ids for it.
+
+    cargo run --release --example folder_logits -- out/tuned
+    /work/venv-ref/bin/python scripts/check_hf_folder.py out/tuned --atol 1e-3
 """
 
 import argparse
 import sys
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -38,8 +46,19 @@ def main():
         print(f"loading reported {problems}")
         return 1
     model.eval()
-    wgrad = load_file(args.logits or args.dir.rstrip("/") + ".logits.safetensors")
+    logits_path = args.logits or args.dir.rstrip("/") + ".logits.safetensors"
+    wgrad = load_file(logits_path)
     ids = wgrad["ids"].long()
+    with safe_open(logits_path, "pt") as f:
+        text = (f.metadata() or {}).get("text")
+    if text is not None:
+        from transformers import AutoTokenizer
+
+        hf_ids = AutoTokenizer.from_pretrained(args.dir)(text)["input_ids"]
+        if hf_ids != ids[0].tolist():
+            print(f"the folder's tokenizer gives {hf_ids}, wgrad gave {ids[0].tolist()}")
+            return 1
+        print(f"{args.dir}: AutoTokenizer gives wgrad's {len(hf_ids)} ids for the text")
     with torch.no_grad():
         logits = model(ids).logits
     diff = (logits - wgrad["logits"]).abs().max().item()

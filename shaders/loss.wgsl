@@ -31,6 +31,14 @@ struct LossParams {
     n: u32,
     // Input features of the fused Linear layer.
     inner: u32,
+    // cross_entropy_partial and cross_entropy_backward over logits larger
+    // than one binding run as launches over parts of whole rows: this
+    // launch's first row and row count, and where its first row starts in
+    // its binding of the logits (and of their gradient).
+    first_row: u32,
+    part_rows: u32,
+    part_base: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> pred: array<f32>;
@@ -101,19 +109,19 @@ fn mse_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
 }
 
-// Stable log-sum-exp of row r: max + log Σ exp(x - max).
-fn row_max(r: u32) -> f32 {
-    var m = pred[r * p.cols];
+// Stable log-sum-exp of the row starting at pred[start]: max + log Σ exp(x - max).
+fn row_max(start: u32) -> f32 {
+    var m = pred[start];
     for (var c = 1u; c < p.cols; c++) {
-        m = max(m, pred[r * p.cols + c]);
+        m = max(m, pred[start + c]);
     }
     return m;
 }
 
-fn row_sum_exp(r: u32, m: f32) -> f32 {
+fn row_sum_exp(start: u32, m: f32) -> f32 {
     var s = 0.0;
     for (var c = 0u; c < p.cols; c++) {
-        s += exp(pred[r * p.cols + c] - m);
+        s += exp(pred[start + c] - m);
     }
     return s;
 }
@@ -124,8 +132,8 @@ fn cross_entropy_forward(@builtin(local_invocation_index) t: u32) {
     var acc = 0.0;
     for (var r = t; r < p.rows; r += WG) {
         let label = labels[r];
-        let m = row_max(r);
-        let lse = m + log(row_sum_exp(r, m));
+        let m = row_max(r * p.cols);
+        let lse = m + log(row_sum_exp(r * p.cols, m));
         let picked = pred[r * p.cols + min(label, p.cols - 1u)];
         acc += select(quiet_nan(), lse - picked, label < p.cols);
     }
@@ -161,14 +169,16 @@ fn mse_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 @compute @workgroup_size(256)
 fn cross_entropy_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     p = params;
-    let r = flat_index(wid, nwg, lid);
-    if r >= p.rows {
+    let local = flat_index(wid, nwg, lid);
+    if local >= p.part_rows {
         return;
     }
+    let r = p.first_row + local;
+    let start = p.part_base + local * p.cols;
     let label = labels[r];
-    let m = row_max(r);
-    let lse = m + log(row_sum_exp(r, m));
-    let picked = pred[r * p.cols + min(label, p.cols - 1u)];
+    let m = row_max(start);
+    let lse = m + log(row_sum_exp(start, m));
+    let picked = pred[start + min(label, p.cols - 1u)];
     out[r] = select(quiet_nan(), lse - picked, label < p.cols);
 }
 
@@ -193,19 +203,21 @@ fn loss_finish(@builtin(local_invocation_index) t: u32) {
 @compute @workgroup_size(256)
 fn cross_entropy_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     p = params;
-    let r = flat_index(wid, nwg, lid);
-    if r >= p.rows {
+    let local = flat_index(wid, nwg, lid);
+    if local >= p.part_rows {
         return;
     }
+    let r = p.first_row + local;
+    let start = p.part_base + local * p.cols;
     let label = labels[r];
-    let m = row_max(r);
-    let inv_sum = 1.0 / row_sum_exp(r, m);
+    let m = row_max(start);
+    let inv_sum = 1.0 / row_sum_exp(start, m);
     let scale = dloss[0] / f32(p.rows);
     let bad = select(0.0, quiet_nan(), label >= p.cols);
     for (var c = 0u; c < p.cols; c++) {
-        let prob = exp(pred[r * p.cols + c] - m) * inv_sum;
+        let prob = exp(pred[start + c] - m) * inv_sum;
         let onehot = select(0.0, 1.0, c == label);
-        out[r * p.cols + c] = (prob - onehot) * scale + bad;
+        out[start + c] = (prob - onehot) * scale + bad;
     }
 }
 
@@ -232,8 +244,8 @@ fn cross_entropy_forward_backward(@builtin(local_invocation_index) t: u32) {
     let scale = dloss[0] / f32(p.rows);
     for (var r = t; r < p.rows; r += WG) {
         let label = labels[r];
-        let m = row_max(r);
-        let sum = row_sum_exp(r, m);
+        let m = row_max(r * p.cols);
+        let sum = row_sum_exp(r * p.cols, m);
         let picked = pred[r * p.cols + min(label, p.cols - 1u)];
         acc += select(quiet_nan(), m + log(sum) - picked, label < p.cols);
         let inv_sum = 1.0 / sum;

@@ -4,7 +4,8 @@
 //   adam_update:  param[n], grad[n], exp_avg[n], exp_avg_sq[n]  (L2 weight decay)
 //   adamw_update: same buffers                                   (decoupled weight decay)
 // Step-dependent scalars (bias corrections, the scheduled lr) are computed on
-// the host in f64. Weight decay applies to elements below `decay_end` only
+// the host in f64. An arena over the binding limit is updated by several
+// launches, each over an aligned part (n and decay_end then the part's). Weight decay applies to elements below `decay_end` only
 // (the executor lays the decayed parameter group out first). With `clip` set
 // the gradients are scaled by grad_norm[1], which the two grad_norm kernels
 // below compute on the GPU in the same submission:
@@ -55,12 +56,19 @@ struct AdamParams {
 }
 
 struct NormParams {
+    // Elements of this launch's part of grad (all of it when unsplit).
     n: u32,
     // Elements per workgroup of grad_norm_partials.
     chunk: u32,
     // Workgroups of grad_norm_partials (entries of `partials`).
     groups: u32,
     max_norm: f32,
+    // The partial this launch's first workgroup writes: a gradient over
+    // the binding limit is summed by several launches, each over a part.
+    first: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<storage, read_write> param: array<f32>;
@@ -224,8 +232,8 @@ fn reduce_scratch(lid: u32) {
     }
 }
 
-// grad[n] -> partials[groups]: workgroup w sums the squares of
-// grad[w·chunk .. min((w+1)·chunk, n)].
+// grad[n] -> partials[first ..]: workgroup w sums the squares of
+// grad[w·chunk .. min((w+1)·chunk, n)] into partials[first + w].
 @compute @workgroup_size(256)
 fn grad_norm_partials(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let start = wid.x * norm.chunk;
@@ -238,7 +246,7 @@ fn grad_norm_partials(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     scratch[lid.x] = acc;
     reduce_scratch(lid.x);
     if lid.x == 0u {
-        partials[wid.x] = scratch[0];
+        partials[norm.first + wid.x] = scratch[0];
     }
 }
 

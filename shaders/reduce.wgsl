@@ -19,6 +19,13 @@ struct ReduceParams {
     n: u32,
     // sum_rows_partial: rows per block (the last block may hold fewer).
     block_rows: u32,
+    // argmax_rows_forward over x larger than one binding runs as launches
+    // over parts of whole rows (`rows` of them): the first row's index, and
+    // where it starts in this launch's binding of x.
+    first_row: u32,
+    part_base: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
@@ -123,14 +130,15 @@ fn argmax_rows_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     if r >= p.rows {
         return;
     }
-    var best = x[r * p.cols];
+    let start = p.part_base + r * p.cols;
+    var best = x[start];
     var best_c = 0u;
     for (var c = 1u; c < p.cols; c++) {
-        let v = x[r * p.cols + c];
+        let v = x[start + c];
         if v > best {
             best = v;
             best_c = c;
         }
     }
-    idx[r] = best_c;
+    idx[p.first_row + r] = best_c;
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
-use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
+use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, Pretrained, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CausalLm;
@@ -54,12 +54,23 @@ pub struct GptArgs {
     /// GPT: train on this UTF-8 text file instead of the shipped Shakespeare.
     #[arg(long)]
     text: Option<PathBuf>,
-    /// GPT: steps of linear warmup before the cosine decay.
-    #[arg(long, default_value_t = AdamWSchedule::default().warmup_steps)]
-    warmup_steps: u64,
-    /// GPT: the learning rate the cosine decays to at the last step.
-    #[arg(long, default_value_t = AdamWSchedule::default().min_lr)]
-    min_lr: f32,
+    /// GPT: steps of linear warmup before the cosine decay [default: 40;
+    /// with --init 0].
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// GPT: the learning rate the cosine decays to at the last step
+    /// [default: 3e-4; with --init the learning rate: constant, as
+    /// nanoGPT's finetune_shakespeare].
+    #[arg(long)]
+    min_lr: Option<f32>,
+    /// Fine-tune a pretrained model: a GGUF file (weights de-quantized to
+    /// f32) or a Hugging Face GPT-2/Llama folder. Its config, weights and
+    /// own tokenizer replace --preset, --n-* and --tokenizer; --block-size
+    /// is the training windows' length (at most its context); AdamW starts
+    /// fresh. --out gets a Hugging Face folder with its tokenizer files;
+    /// --model is the file's unless given (a mismatch is an error).
+    #[arg(long, conflicts_with_all = ["preset", "n_layer", "n_head", "n_embd", "tokenizer", "resume"])]
+    pub init: Option<PathBuf>,
     /// GPT: AdamW's weight decay (matrices only).
     #[arg(long, default_value_t = AdamWSchedule::default().weight_decay)]
     weight_decay: f32,
@@ -128,10 +139,20 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     let g = &args.gpt;
     let defaults = language_model_run();
     let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
+    let pretrained = match &g.init {
+        Some(path) => {
+            let bar = crate::spinner("loading the pretrained model");
+            let loaded = Pretrained::<M>::load(path);
+            bar.finish_and_clear();
+            Some(loaded?)
+        }
+        None => None,
+    };
+    let lr = args.lr.unwrap_or(AdamWSchedule::default().lr);
     let schedule = AdamWSchedule {
-        lr: args.lr.unwrap_or(AdamWSchedule::default().lr),
-        min_lr: g.min_lr,
-        warmup_steps: g.warmup_steps,
+        lr,
+        min_lr: g.min_lr.unwrap_or(if pretrained.is_some() { lr } else { AdamWSchedule::default().min_lr }),
+        warmup_steps: g.warmup_steps.unwrap_or(if pretrained.is_some() { 0 } else { AdamWSchedule::default().warmup_steps }),
         weight_decay: g.weight_decay,
         clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
         ..AdamWSchedule::default()
@@ -150,10 +171,18 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
         tokenizer: tokenizer_kind(g.tokenizer),
         eval_batches: g.eval_batches,
-        ..LanguageModel::new(M::sizes(g)?)
+        ..LanguageModel::new(match &pretrained {
+            Some(p) => M::with_context(p.model.config(), g.block_size),
+            None => M::sizes(g)?,
+        })
     };
+    let task = LanguageModel { init: pretrained, ..task };
     let mut bars = Bars::default();
     let mut run = TrainingRun::new(opts, config, task, process_group, &mut bars)?;
+    let start_loss = match run.task().init.as_ref().map(|p| p.source.clone()) {
+        Some(source) => fine_tune_start(&mut run, &source, args)?,
+        None => None,
+    };
     let Some(summary) = run.fit(&mut bars)? else { return Ok(()) };
     crate::print_summary(&summary, "tokens");
     let Evaluation::ValidationLoss(validation) = summary.evaluation else {
@@ -161,15 +190,10 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     };
     println!("final validation loss {validation:.4}");
     println!("model folder: {}", g.out.display());
-    let task = run.task();
-    if g.sample_tokens > 0 {
-        let model = task.trained_model(run.engine(), run.model())?;
-        let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument { op: "train", reason: "the run has no tokenizer".into() })?;
-        let sampling = Sampling { temperature: 0.8, top_k: Some(40), top_p: None, seed: args.seed };
-        println!("sample (temperature 0.8, top-k 40, seed {}):", args.seed);
-        let (count, seconds) = sample(&model, run.kernels().clone(), tokenizer, &task.sample_prompt()?, g.sample_tokens, &sampling)?;
-        println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
+    if let Some((start, (step, end))) = start_loss.zip(summary.validation_curve.last().copied()) {
+        println!("held-out loss: step 0 {start:.4}, step {step} {end:.4} ({:+.4} nats)", end - start);
     }
+    print_sample(&run, "sample", args)?;
     let title = format!("{}: validation loss {validation:.4}", M::title(&run.model().config()));
     plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
     println!("loss curves: {}", args.plot.display());
@@ -234,6 +258,35 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
             Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
+    Ok(())
+}
+
+/// A fine-tune's start, printed before its first step: the source, the
+/// held-out loss at step 0 (returned) and a sample of the pretrained model.
+fn fine_tune_start<M: CliModel>(run: &mut TrainingRun<LanguageModel<M>>, source: &std::path::Path, args: &TrainArgs) -> wgrad::Result<Option<f32>> {
+    println!("fine-tuning {} (fresh AdamW state)", source.display());
+    let loss = run.validation_loss()?;
+    if let Some(loss) = loss {
+        println!("held-out loss at step 0: {loss:.4}");
+    }
+    print_sample(run, "sample before fine-tuning", args)?;
+    Ok(loss)
+}
+
+/// `--sample-tokens` tokens of the model as trained so far after the
+/// task's prompt, by the run's tokenizer (temperature 0.8, top-k 40).
+fn print_sample<M: CliModel>(run: &TrainingRun<LanguageModel<M>>, title: &str, args: &TrainArgs) -> wgrad::Result<()> {
+    let tokens = args.gpt.sample_tokens;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let task = run.task();
+    let model = task.trained_model(run.engine(), run.model())?;
+    let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument { op: "train", reason: "the run has no tokenizer".into() })?;
+    let sampling = Sampling { temperature: 0.8, top_k: Some(40), top_p: None, seed: args.seed };
+    println!("{title} (temperature 0.8, top-k 40, seed {}):", args.seed);
+    let (count, seconds) = sample(&model, run.kernels().clone(), tokenizer, &task.sample_prompt()?, tokens, &sampling)?;
+    println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     Ok(())
 }
 

@@ -163,9 +163,9 @@ enum ModelKind {
 
 #[derive(clap::Args)]
 struct TrainArgs {
-    /// What to train.
-    #[arg(long, value_enum, default_value_t = ModelKind::Gpt)]
-    model: ModelKind,
+    /// What to train [default: gpt; with --init, the file's family].
+    #[arg(long, value_enum)]
+    model: Option<ModelKind>,
     #[command(flatten)]
     gpt: gpt::GptArgs,
     /// MLP: passes over the training set.
@@ -311,7 +311,8 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 }
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
-    let run = |process_group: Option<Arc<dyn ProcessGroup>>| match args.model {
+    let kind = model_kind(args)?;
+    let run = |process_group: Option<Arc<dyn ProcessGroup>>| match kind {
         ModelKind::Gpt => gpt::train::<wgrad::models::Gpt>(opts, args, process_group),
         ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group),
         ModelKind::Mlp => run_training(opts, args, process_group),
@@ -323,6 +324,26 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
             op: "train --distributed",
             reason: format!("unknown transport `{other}`: use mpi"),
         }),
+    }
+}
+
+/// `--model`, or with `--init` the pretrained file's family; a `--model`
+/// naming another family is refused.
+fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
+    let Some(init) = args.gpt.init.as_deref() else { return Ok(args.model.unwrap_or(ModelKind::Gpt)) };
+    if !init.exists() {
+        return Err(wgrad::Error::InvalidArgument { op: "train --init", reason: format!("`{}` does not exist (give a GGUF file or a Hugging Face model folder)", init.display()) });
+    }
+    let (family, name) = match wgrad::io::lm_folder::model_family(init)? {
+        wgrad::io::lm_folder::LmFamily::Gpt2 => (ModelKind::Gpt, "gpt"),
+        wgrad::io::lm_folder::LmFamily::Llama => (ModelKind::Llama, "llama"),
+    };
+    match args.model {
+        Some(given) if given != family => Err(wgrad::Error::InvalidArgument {
+            op: "train --init",
+            reason: format!("`{}` holds a {name} model, but --model is {given:?}: give --model {name} or leave --model out", init.display()),
+        }),
+        _ => Ok(family),
     }
 }
 

@@ -22,10 +22,12 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{Error, Result};
 use crate::io::gguf::{Array, Gguf};
+use crate::io::hf_folder::ExtraFile;
 use crate::io::text::Utf8Stream;
 
 /// GPT-2's pre-tokenizer split (`encoder.py`), which llama.cpp's BPE
@@ -394,6 +396,50 @@ impl BpeTokenizer {
     /// U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         Ok(String::from_utf8_lossy(&self.decode_bytes(ids, skip_special)?).into_owned())
+    }
+
+    /// The Hugging Face files of this tokenizer, for a model folder that
+    /// `transformers` loads (`AutoTokenizer`, `generate`): `tokenizer.json`
+    /// (what this tokenizer encodes with, plus a post-processor putting BOS
+    /// first where [`BpeTokenizer::encode`] does), `tokenizer_config.json`
+    /// (a plain `PreTrainedTokenizerFast`, so no class adds tokens of its
+    /// own; bos, eos, the chat template) and `generation_config.json`.
+    pub fn hugging_face_files(&self) -> Result<Vec<ExtraFile>> {
+        let bad = |reason: String| Error::InvalidArgument { op: "BpeTokenizer::hugging_face_files", reason };
+        let mut inner = self.inner.clone();
+        if let Some(bos) = self.prepend_bos {
+            let token = self.token(bos).ok_or_else(|| bad(format!("BOS id {bos} has no token")))?;
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{token} $A"))
+                .and_then(|b| b.try_pair(format!("{token} $A {token} $B:1")))
+                .map_err(|e| bad(format!("the BOS template does not build: {e}")))?
+                .special_tokens(vec![(token.clone(), bos)])
+                .build()
+                .map_err(|e| bad(format!("the BOS template does not build: {e}")))?;
+            inner.with_post_processor(Some(template));
+        }
+        let tokenizer_json = inner.to_string(true).map_err(|e| bad(format!("tokenizer.json does not serialize: {e}")))?;
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": false,
+            "add_bos_token": self.prepend_bos.is_some(),
+        });
+        let mut generation = serde_json::json!({});
+        for (key, id) in [("bos", self.bos), ("eos", self.eos)] {
+            if let Some(id) = id {
+                config[format!("{key}_token")] = self.token(id).into();
+                generation[format!("{key}_token_id")] = id.into();
+            }
+        }
+        if let Some(template) = &self.chat_template {
+            config["chat_template"] = template.clone().into();
+        }
+        let pretty = |v: &serde_json::Value| serde_json::to_vec_pretty(v).map_err(|e| bad(e.to_string()));
+        Ok(vec![
+            ("tokenizer.json".into(), tokenizer_json.into_bytes()),
+            ("tokenizer_config.json".into(), pretty(&config)?),
+            ("generation_config.json".into(), pretty(&generation)?),
+        ])
     }
 
     /// A decoder fed one id at a time, for streaming generated text.

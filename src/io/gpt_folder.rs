@@ -55,7 +55,7 @@ use serde_json::json;
 
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::io::hf_folder::{check_weights_hold, io_err, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
+use crate::io::hf_folder::{check_extra_files, check_weights_hold, io_err, write_extra_files, ExtraFile, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
 pub use crate::io::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 use crate::models::{Gpt, GptConfig};
 use crate::nn::Module;
@@ -92,6 +92,11 @@ pub enum TokenizerSpec {
     /// GPT-2's byte-pair encoding, by tiktoken's name (`r50k_base`).
     #[serde(rename = "gpt2-bpe")]
     Gpt2Bpe { encoding: String },
+    /// A pretrained model's own tokenizer, the folder's Hugging Face
+    /// `tokenizer.json` (`BpeTokenizer::from_folder` reads it), with the
+    /// ids config.json names as bos and eos.
+    #[serde(rename = "tokenizer.json")]
+    TokenizerJson { bos: Option<u32>, eos: Option<u32> },
 }
 
 impl TokenizerSpec {
@@ -108,6 +113,10 @@ impl TokenizerSpec {
                 op: "TokenizerSpec::char_tokenizer",
                 reason: format!("the folder's tokenizer is GPT-2 BPE `{encoding}`, not a character tokenizer"),
             }),
+            TokenizerSpec::TokenizerJson { .. } => Err(Error::InvalidArgument {
+                op: "TokenizerSpec::char_tokenizer",
+                reason: "the folder's tokenizer is its tokenizer.json, not a character tokenizer".into(),
+            }),
         }
     }
 
@@ -116,7 +125,7 @@ impl TokenizerSpec {
         match self {
             TokenizerSpec::Char { vocabulary } => Some(vocabulary.chars().count()),
             TokenizerSpec::Gpt2Bpe { encoding } if encoding == "r50k_base" || encoding == "gpt2" => Some(GPT2_BPE_TOKENS),
-            TokenizerSpec::Gpt2Bpe { .. } => None,
+            TokenizerSpec::Gpt2Bpe { .. } | TokenizerSpec::TokenizerJson { .. } => None,
         }
     }
 
@@ -127,6 +136,7 @@ impl TokenizerSpec {
         match self {
             TokenizerSpec::Char { .. } => vocab_size - 1,
             TokenizerSpec::Gpt2Bpe { .. } => GPT2_BPE_TOKENS - 1,
+            TokenizerSpec::TokenizerJson { eos, .. } => eos.map_or(vocab_size - 1, |id| id as usize),
         }
     }
 
@@ -141,6 +151,11 @@ impl TokenizerSpec {
             }
             TokenizerSpec::Gpt2Bpe { encoding } if encoding.is_empty() => return Some("the BPE encoding has no name".into()),
             TokenizerSpec::Gpt2Bpe { .. } => {}
+            TokenizerSpec::TokenizerJson { bos, eos } => {
+                if let Some(id) = [bos, eos].into_iter().flatten().find(|&&id| id as usize >= vocab_size) {
+                    return Some(format!("the tokenizer's bos or eos id {id} is outside the model's vocab_size {vocab_size}"));
+                }
+            }
         }
         self.token_count()
             .filter(|&n| n > vocab_size)
@@ -158,6 +173,10 @@ impl TokenizerSpec {
                 op: "TokenizerSpec::tokenizer",
                 reason: format!("unknown BPE encoding `{encoding}`: wgrad knows GPT-2's r50k_base"),
             }),
+            TokenizerSpec::TokenizerJson { .. } => Err(Error::InvalidArgument {
+                op: "TokenizerSpec::tokenizer",
+                reason: "the tokenizer is the folder's tokenizer.json: read it with BpeTokenizer::from_folder".into(),
+            }),
         }
     }
 }
@@ -167,6 +186,7 @@ impl From<&Tokenizer> for TokenizerSpec {
         match t {
             Tokenizer::Char(c) => c.into(),
             Tokenizer::Gpt2(_) => TokenizerSpec::gpt2(),
+            Tokenizer::Bpe(t) => TokenizerSpec::TokenizerJson { bos: t.bos_id(), eos: t.eos_id() },
         }
     }
 }
@@ -248,9 +268,19 @@ pub struct LoadedGpt {
 /// tokenizer and, for resuming, its optimizer state. Atomic: `dir` is
 /// either the previous folder or the complete new one.
 pub fn save_gpt_folder(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<()> {
+    save_gpt_folder_with_files(dir, model, tokenizer, optimizer, &[])
+}
+
+/// [`save_gpt_folder`] with Hugging Face tokenizer and generation files
+/// beside the weights (a fine-tuned model's `tokenizer.json`, …).
+pub fn save_gpt_folder_with_files(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
     // Everything is built and checked in memory before the disk is touched.
-    let files = FolderFiles::new(model, tokenizer, optimizer)?;
-    save_atomically(dir.as_ref(), "save_gpt_folder", &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| files.write(temp))
+    check_extra_files("save_gpt_folder", files)?;
+    let folder = FolderFiles::new(model, tokenizer, optimizer)?;
+    save_atomically(dir.as_ref(), "save_gpt_folder", &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| {
+        folder.write(temp)?;
+        write_extra_files(temp, files)
+    })
 }
 
 /// Reads a model folder written by [`save_gpt_folder`] or by Hugging Face

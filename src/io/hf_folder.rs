@@ -44,6 +44,31 @@ const HUGGING_FACE_FILES: [&str; 10] = [
     "added_tokens.json",
 ];
 
+/// Hugging Face's tokenizer and generation files, which a saved model
+/// folder may carry beside its weights (a fine-tuned model's, copied from
+/// or written for its pretrained source).
+pub const TOKENIZER_FILES: [&str; 7] =
+    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json"];
+
+/// A file saved beside a model's weights: one of [`TOKENIZER_FILES`] by
+/// name, and its bytes.
+pub type ExtraFile = (String, Vec<u8>);
+
+/// Refuses an extra file that is not one of [`TOKENIZER_FILES`] (a saved
+/// folder holds only files saving may later replace), before the disk is
+/// touched.
+pub(crate) fn check_extra_files(op: &'static str, files: &[ExtraFile]) -> Result<()> {
+    match files.iter().find(|(name, _)| !TOKENIZER_FILES.contains(&name.as_str())) {
+        Some((name, _)) => Err(Error::InvalidArgument { op, reason: format!("`{name}` is not a tokenizer or generation file ({})", TOKENIZER_FILES.join(", ")) }),
+        None => Ok(()),
+    }
+}
+
+/// Writes each extra file into `dir`, fsynced.
+pub(crate) fn write_extra_files(dir: &Path, files: &[ExtraFile]) -> Result<()> {
+    files.iter().try_for_each(|(name, bytes)| write_synced(&dir.join(name), bytes))
+}
+
 // ---------------------------------------------------------------- saving
 
 /// Saves a folder at `dir` atomically: `write` fills a temporary sibling

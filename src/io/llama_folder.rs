@@ -32,7 +32,7 @@ use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
 use crate::io::gguf::llama::unpermute_rows;
 use crate::io::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
-use crate::io::hf_folder::{check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
+use crate::io::hf_folder::{check_extra_files, check_weights_hold, write_extra_files, ExtraFile, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
 use crate::models::{Llama, LlamaConfig};
 use crate::nn::{Module, RopeLayout};
 
@@ -62,7 +62,15 @@ pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option
 /// [`save_llama_folder`] with the optimizer state to resume training from
 /// (`optimizer.safetensors`, as the GPT's folder has it).
 pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>, optimizer: Option<&OptimizerState>) -> Result<()> {
+    save_llama_folder_with_files(dir, model, tokenizer, optimizer, &[])
+}
+
+/// [`save_llama_folder_with_state`] with Hugging Face tokenizer and
+/// generation files beside the weights (a fine-tuned model's
+/// `tokenizer.json`, …).
+pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>, optimizer: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
     const OP: &str = "save_llama_folder";
+    check_extra_files(OP, files)?;
     let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
     let config = model.config;
     config.check()?;
@@ -116,6 +124,15 @@ pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokeni
         "use_cache": true,
         "torch_dtype": "float32",
     });
+    let mut config_json = config_json;
+    // A pretrained tokenizer's special ids, which transformers' generate reads here.
+    if let Some(TokenizerSpec::TokenizerJson { bos, eos }) = tokenizer {
+        for (key, id) in [("bos_token_id", bos), ("eos_token_id", eos)] {
+            if let Some(id) = id {
+                config_json[key] = (*id).into();
+            }
+        }
+    }
     let config_bytes = pretty_json(&config_json, OP)?;
     let tokenizer_bytes = tokenizer.map(|t| pretty_json(t, OP)).transpose()?;
     let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state, &WgradNames)).transpose()?;
@@ -127,6 +144,7 @@ pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokeni
         if let Some(state) = &optimizer {
             checkpoint::save(temp.join(OPTIMIZER_FILE), state)?;
         }
+        write_extra_files(temp, files)?;
         checkpoint::save(temp.join(WEIGHTS_FILE), &weights)
     })
 }

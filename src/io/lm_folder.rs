@@ -77,6 +77,19 @@ pub fn is_gguf_path(path: impl AsRef<Path>) -> bool {
     path.is_file() || (!path.exists() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
 }
 
+/// The family of the model at `path`: a GGUF file's architecture (from
+/// its header), or a folder's config.json.
+pub fn model_family(path: impl AsRef<Path>) -> Result<LmFamily> {
+    let path = path.as_ref();
+    if !is_gguf_path(path) {
+        return lm_family(path);
+    }
+    Ok(match GgufModel::open(path)?.architecture() {
+        GgufArchitecture::Llama(_) => LmFamily::Llama,
+        GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
+    })
+}
+
 /// The sizes of the model at `path`, a folder or a GGUF file, checked,
 /// without reading its weights: enough for
 /// [`crate::infer::generate::check_fits`].

@@ -7,6 +7,7 @@ use std::io::Read;
 use rand::Rng;
 
 use crate::error::{Error, Result};
+use crate::io::bpe::BpeTokenizer;
 
 const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 
@@ -179,6 +180,9 @@ impl Gpt2Bpe {
 pub enum Tokenizer {
     Char(CharTokenizer),
     Gpt2(Gpt2Bpe),
+    /// A pretrained model's own BPE (a GGUF file's, a folder's
+    /// tokenizer.json), encoding plain text: no BOS added.
+    Bpe(Box<BpeTokenizer>),
 }
 
 impl Tokenizer {
@@ -186,6 +190,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(t) => t.vocab_size(),
             Tokenizer::Gpt2(_) => Gpt2Bpe::VOCAB_SIZE,
+            Tokenizer::Bpe(t) => t.vocab_size(),
         }
     }
 
@@ -194,6 +199,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(_) => "char",
             Tokenizer::Gpt2(_) => "gpt2",
+            Tokenizer::Bpe(_) => "the model's own BPE",
         }
     }
 
@@ -203,6 +209,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(t) => t.encode(text),
             Tokenizer::Gpt2(t) => Ok(t.encode(text)),
+            Tokenizer::Bpe(t) => t.encode(text, false),
         }
     }
 
@@ -211,6 +218,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(t) => Ok(t.decode(ids)?.into_bytes()),
             Tokenizer::Gpt2(t) => t.decode_bytes(ids),
+            Tokenizer::Bpe(t) => t.decode_bytes(ids, false),
         }
     }
 

@@ -63,6 +63,11 @@ struct LossParams {
     cols: u32,
     n: u32,
     inner: u32,
+    /// The cross-entropy row kernels' part (see `ce_launches`).
+    first_row: u32,
+    part_rows: u32,
+    part_base: u32,
+    _pad: u32,
 }
 
 /// What a loss compares its prediction with; the variant picks the loss.
@@ -115,18 +120,22 @@ impl Kernels {
     /// The largest prediction whose loss and gradient the plan fuses into
     /// one single-workgroup dispatch on this adapter: [`FUSED_LOSS_MAX`]
     /// on a CPU adapter, [`FUSED_LOSS_MAX_GPU`] on a GPU.
+    /// A prediction over one storage binding is never fused: the
+    /// unfused row kernels split it.
     pub fn fused_loss_max(&self) -> usize {
-        if self.gpu_shaped() {
-            FUSED_LOSS_MAX_GPU
-        } else {
-            FUSED_LOSS_MAX
-        }
+        let max = if self.gpu_shaped() { FUSED_LOSS_MAX_GPU } else { FUSED_LOSS_MAX };
+        max.min(self.part_capacity())
     }
 
     /// The largest last Linear layer (multiply-adds) the plan moves into
     /// the fused loss on this adapter: [`LINEAR_IN_LOSS_MAX_MACS`] or
     /// [`LINEAR_IN_LOSS_MAX_MACS_GPU`].
+    /// Its weight and input (each at most this many values) fit one binding.
     pub fn linear_in_loss_max_macs(&self) -> usize {
+        self.linear_in_loss_max_macs_unbound().min(self.part_capacity())
+    }
+
+    fn linear_in_loss_max_macs_unbound(&self) -> usize {
         if self.gpu_shaped() {
             LINEAR_IN_LOSS_MAX_MACS_GPU
         } else {
@@ -146,7 +155,7 @@ impl Kernels {
         let partial = View { buffer: &scratch, offset: 0, len: partials };
         let [a, b] = bindings;
         let stage_one = self.prepare(first, &[], &[a, b, bind(2, "partials", partial)], 3, params, groups)?;
-        let finish = LossParams { rows: dim(op, count)?, cols: 1, n: dim(op, partials)?, inner: 0 };
+        let finish = LossParams { rows: dim(op, count)?, cols: 1, n: dim(op, partials)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
         let stage_two = self.prepare(LOSS_FINISH, &[], &[bind(0, "partials", partial), bind(2, "loss", loss)], 3, &finish, 1)?;
         Ok(stage_one.then(stage_two))
     }
@@ -155,7 +164,7 @@ impl Kernels {
     pub fn mse_forward(&self, loss: View<'_>, pred: View<'_>, target: View<'_>) -> Result<Dispatch> {
         let op = MSE_FORWARD.entry;
         check_mse(op, loss.len, 1, &pred, &target)?;
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
         if self.gpu_shaped() && pred.len > MSE_ONE_WORKGROUP_MAX_GPU {
             let chunks = pred.len.div_ceil(LOSS_CHUNK);
             return self.loss_two_stage(MSE_PARTIAL, [bind(0, "pred", pred), bind(1, "target", target)], &params, chunks, flat_groups(chunks), loss, pred.len);
@@ -183,7 +192,7 @@ impl Kernels {
         if dloss.len != 1 {
             return Err(Error::shape(op, "dloss must hold one value", &[&[dloss.len]]));
         }
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0 };
+        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
         self.prepare(
             MSE_BACKWARD,
             &[],
@@ -214,11 +223,27 @@ impl Kernels {
         if loss.len != 1 {
             return Err(Error::shape(op, "loss must hold one value", &[&[loss.len]]));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
         // One workgroup gives each lane a row; past one row per lane a GPU
         // does better with a row per invocation over many workgroups.
         if self.gpu_shaped() && rows > LOSS_LANES {
+            let params = LossParams { part_rows: dim(op, rows)?, ..params };
             return self.loss_two_stage(CROSS_ENTROPY_PARTIAL, [bind(0, "logits", logits), bind(4, "labels", labels)], &params, rows, flat_groups(rows), loss, rows);
+        }
+        // Logits over one binding: each row's loss by parts of rows, then
+        // their mean, in the single-workgroup kernel's order.
+        if logits.bytes() > self.binding_limit() {
+            let _gl = self.device().lock_gl();
+            let scratch = self.reduction_scratch(op, rows)?;
+            let partials = View { buffer: &scratch, offset: 0, len: rows };
+            let mut launches = Vec::new();
+            for (params, part, _) in self.ce_launches(op, params, logits, None, rows, cols)? {
+                launches.push(self.prepare(CROSS_ENTROPY_PARTIAL, &[], &[bind(0, "logits", part), bind(4, "labels", labels), bind(2, "partials", partials)], 3, &params, flat_groups(params.part_rows as usize))?);
+            }
+            let finish = LossParams { rows: dim(op, rows)?, cols: 1, n: dim(op, rows)?, ..bytemuck::Zeroable::zeroed() };
+            let finish = self.prepare(LOSS_FINISH, &[], &[bind(0, "partials", partials), bind(2, "loss", loss)], 3, &finish, 1)?;
+            let sums = Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))?;
+            return Ok(sums.then(finish));
         }
         self.prepare(
             CROSS_ENTROPY_FORWARD,
@@ -250,20 +275,36 @@ impl Kernels {
                 &[&[dlogits.len], &[logits.len], &[dloss.len]],
             ));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0 };
-        self.prepare(
-            CROSS_ENTROPY_BACKWARD,
-            &[],
-            &[
-                bind(0, "logits", logits),
-                bind(4, "labels", labels),
-                bind(5, "dloss", dloss),
-                bind(2, "dlogits", dlogits),
-            ],
-            3,
-            &params,
-            flat_groups(rows),
-        )
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
+        // Logits over one binding: a launch per part of rows.
+        let mut launches = Vec::new();
+        for (params, part, dpart) in self.ce_launches(op, params, logits, Some(dlogits), rows, cols)? {
+            let bindings = [bind(0, "logits", part), bind(4, "labels", labels), bind(5, "dloss", dloss), bind(2, "dlogits", dpart.unwrap_or(dlogits))];
+            launches.push(self.prepare(CROSS_ENTROPY_BACKWARD, &[], &bindings, 3, &params, flat_groups(params.part_rows as usize))?);
+        }
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))
+    }
+
+    /// The launches of a cross-entropy row kernel over `rows` rows of
+    /// `logits` (and `dlogits`, bound alike): one over all rows when the
+    /// logits fit a binding, else one per part of whole rows that fits,
+    /// each with its parameters and bindings. Both tensors start at
+    /// aligned offsets, so their parts start at the same place in their
+    /// bindings.
+    fn ce_launches<'v>(&self, op: &'static str, params: LossParams, logits: View<'v>, dlogits: Option<View<'v>>, rows: usize, cols: usize) -> Result<Vec<(LossParams, View<'v>, Option<View<'v>>)>> {
+        if logits.bytes() <= self.binding_limit() {
+            return Ok(vec![(LossParams { part_rows: dim(op, rows)?, ..params }, logits, dlogits)]);
+        }
+        let mut launches = Vec::new();
+        for (first, count, part, base) in self.whole_row_parts(op, "logits (one row of them)", logits, rows, cols)? {
+            let dpart = dlogits.map(|d| self.bind_part(d, first * cols, count * cols));
+            if dpart.is_some_and(|(_, b)| b != base) {
+                return Err(Error::InvalidArgument { op, reason: "logits and dlogits sit at different storage alignments, so their parts cannot be indexed alike".into() });
+            }
+            let params = LossParams { first_row: dim(op, first)?, part_rows: dim(op, count)?, part_base: dim(op, base)?, ..params };
+            launches.push((params, part, dpart.map(|(d, _)| d)));
+        }
+        Ok(launches)
     }
 
     /// `mse_forward` and `mse_backward` in one dispatch (one workgroup:
@@ -359,7 +400,7 @@ impl Kernels {
                 ));
             }
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, pred.len)?, inner: dim(op, inner)? };
+        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, pred.len)?, inner: dim(op, inner)?, ..bytemuck::Zeroable::zeroed() };
         let constants = [
             ("BIAS_GRAD", f64::from(u8::from(bias_grad.is_some()))),
             ("HAS_BIAS", f64::from(u8::from(linear.is_some_and(|l| l.bias.is_some())))),

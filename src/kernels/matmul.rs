@@ -222,6 +222,10 @@ struct Block {
     rows: usize,
     n0: usize,
     cols: usize,
+    /// The part of the k sum this launch adds: all of it, except where an
+    /// operand fits a binding only in parts along k.
+    k0: usize,
+    depth: usize,
 }
 
 impl Kernels {
@@ -538,17 +542,26 @@ impl Kernels {
         let over = |v: &View<'_>| v.bytes() > self.binding_limit();
         let oversize = [&a, &b, &c].into_iter().chain(pre.as_ref()).chain(act_input.as_ref()).any(over);
         if batch == 1 && oversize {
-            let (rows, cols) = self.matmul_blocks(op, form, m, n, k)?;
+            let plain = bias.is_none() && activation.is_none() && activation_grad.is_none();
+            let (rows, cols, depth) = match self.matmul_blocks(op, form, m, n, k) {
+                Ok((rows, cols)) => (rows, cols, k),
+                Err(e) if plain => self.matmul_blocks_along_k(op, form, m, n, k).map_err(|_| e)?,
+                Err(e) => return Err(e),
+            };
             let mut launches = Vec::new();
             for m0 in (0..m).step_by(rows) {
                 for n0 in (0..n).step_by(cols) {
-                    let block = Block { m0, rows: rows.min(m - m0), n0, cols: cols.min(n - n0) };
-                    launches.push(self.matmul_launch(pick, form, epilogue, c, a, b, 1, (m, n, k), block)?);
+                    // Parts along k add into C in order after the first.
+                    for k0 in (0..k).step_by(depth) {
+                        let block = Block { m0, rows: rows.min(m - m0), n0, cols: cols.min(n - n0), k0, depth: depth.min(k - k0) };
+                        let epilogue = MatmulEpilogue { accumulate: epilogue.accumulate || k0 > 0, ..epilogue };
+                        launches.push(self.matmul_launch(pick, form, epilogue, c, a, b, 1, (m, n, k), block)?);
+                    }
                 }
             }
             return Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no blocks", &shapes));
         }
-        let whole = Block { m0: 0, rows: m, n0: 0, cols: n };
+        let whole = Block { m0: 0, rows: m, n0: 0, cols: n, k0: 0, depth: k };
         self.matmul_launch(pick, form, epilogue, c, a, b, batch, (m, n, k), whole)
     }
 
@@ -605,6 +618,47 @@ impl Kernels {
         Ok((tiled(rows), tiled(cols)))
     }
 
+    /// Blocks (rows, columns, depth) for a plain product (no bias or
+    /// activation epilogue) whose operand fits a binding only in parts
+    /// along k, as the tied LM head's gradients (dlogits·wte, dlogitsᵀ·x)
+    /// where the vocabulary is k or A is stored [k, m]: each launch adds
+    /// its part of the sum into C, so the sum is rounded once per part
+    /// (not bit for bit the unsplit sum). Depths are whole 64-wide tiles
+    /// where there are several, keeping the operands' vector alignment.
+    fn matmul_blocks_along_k(&self, op: &'static str, form: MatmulForm, m: usize, n: usize, k: usize) -> Result<(usize, usize, usize)> {
+        let cap = self.part_capacity();
+        let (trans_a, trans_b) = form.transposes();
+        // C in whole rows; only a transposed B splits C's columns.
+        let (mut rows, mut cols) = match (n <= cap, trans_b) {
+            (true, _) => (m.min(cap / n), n),
+            (false, true) => (1, cap),
+            (false, false) => return Err(self.binding_too_large(op, "c (one row of it, and B does not split by columns)", n as u64 * 4)),
+        };
+        // The most of k each operand's part holds beside `rows` and `cols`.
+        let depth_for = |rows: usize, cols: usize| -> usize {
+            let a = if trans_a { if rows > cap { 0 } else { (cap - rows) / m + 1 } } else { cap.saturating_sub((rows - 1) * k) };
+            let b = if trans_b { cap.saturating_sub((cols - 1) * k) } else if cols > cap { 0 } else { (cap - cols) / n + 1 };
+            a.min(b).min(k)
+        };
+        // Fewer rows (and, where B is transposed, columns) until a part
+        // holds a useful depth.
+        while depth_for(rows, cols) < k.min(TILE) {
+            if rows > 1 {
+                rows /= 2;
+            } else if trans_b && cols > 1 {
+                cols /= 2;
+            } else {
+                break;
+            }
+        }
+        let depth = depth_for(rows, cols);
+        if depth == 0 {
+            return Err(self.binding_too_large(op, "a or b (one row of each)", k as u64 * 4));
+        }
+        let tiled = |d: usize| if d > TILE { d / TILE * TILE } else { d };
+        Ok((tiled(rows), if cols < n { tiled(cols) } else { n }, if depth < k { tiled(depth) } else { k }))
+    }
+
     /// `v` (an epilogue tensor indexed like C: pre, act_input) bound over
     /// C's values `start..start + len` of a split product, where C's own
     /// part starts at `c_base` of its binding: refused unless `v`'s does
@@ -639,26 +693,39 @@ impl Kernels {
         let (trans_a, trans_b) = form.transposes();
         let pre = activation.and_then(|(_, pre)| pre);
         let act_input = activation_grad.map(|(_, x)| x);
-        let whole = block == Block { m0: 0, rows: m, n0: 0, cols: n };
+        let whole = block == Block { m0: 0, rows: m, n0: 0, cols: n, k0: 0, depth: k };
         // Each operand's binding and where its block starts in it.
         let (a_bind, b_bind, c_bind, pre_bind, act_bind) = if whole {
             ((a, 0), (b, 0), (c, 0), pre.map(|v| (v, 0)), act_input.map(|v| (v, 0)))
         } else {
-            let a_part = if trans_a { (a, 0) } else { self.bind_part(a, block.m0 * k, block.rows * k) };
-            let b_part = if trans_b { self.bind_part(b, block.n0 * k, block.cols * k) } else { (b, 0) };
+            // From the block's first element to its last, in storage order.
+            let (k0, depth) = (block.k0, block.depth);
+            let a_part = match (trans_a, block.rows == m && depth == k) {
+                (true, true) => (a, 0),
+                (true, false) => self.bind_part(a, k0 * m + block.m0, (depth - 1) * m + block.rows),
+                (false, _) => self.bind_part(a, block.m0 * k + k0, (block.rows - 1) * k + depth),
+            };
+            let b_part = match (trans_b, block.cols == n && depth == k) {
+                (true, _) => self.bind_part(b, block.n0 * k + k0, (block.cols - 1) * k + depth),
+                (false, true) => (b, 0),
+                (false, false) => self.bind_part(b, k0 * n + block.n0, (depth - 1) * n + block.cols),
+            };
             let c_range = (block.m0 * n + block.n0, (block.rows - 1) * n + block.cols);
             let c_part = self.bind_part(c, c_range.0, c_range.1);
             let like_c = |v: View<'v>| self.bind_like_c("matmul", v, c_range, c_part.1).map(|part| (part, c_part.1));
             (a_part, b_part, c_part, pre.map(like_c).transpose()?, act_input.map(like_c).transpose()?)
         };
         let (rows, cols) = (block.rows, block.cols);
+        // Vector loads need the stored rows' length (k's whole, not the
+        // part's) to be a multiple of 4, as the part's is when k's is.
+        let k_aligned = if k % 4 == 0 { block.depth } else { k };
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(form, rows, cols, k, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
+            Pick::Variant(variant) => variant.kernel(form, rows, cols, k_aligned, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
         let act = activation.map(|(act, _)| act).or(activation_grad.map(|(act, _)| act));
-        let product = ProductParams::new(op, (rows, cols, k), n, block.n0, act)?;
+        let product = ProductParams::new(op, (rows, cols, block.depth), n, block.n0, act)?;
         let params = MatmulParams {
             product,
             // The strides of the whole operands: a block splits only

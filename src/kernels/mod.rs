@@ -59,6 +59,10 @@ const UNUSED_WRITABLE_SLOTS: u64 = 4;
 pub(crate) const FLAT_WORKGROUP: u64 = 256;
 
 const ELEMENT_BYTES: u64 = 4;
+/// Elements of the parts an op over a whole arena splits into: 256 bytes,
+/// WebGPU's largest storage offset alignment, so every part of an aligned
+/// view binds at an aligned offset on every adapter.
+pub(crate) const ARENA_GRANULE: usize = 64;
 
 /// A range of 4-byte elements (f32 or u32) inside a GPU buffer.
 #[derive(Clone, Copy, Debug)]
@@ -70,9 +74,17 @@ pub struct View<'a> {
     pub len: usize,
 }
 
-impl View<'_> {
+impl<'a> View<'a> {
     pub fn bytes(&self) -> u64 {
         self.len as u64 * ELEMENT_BYTES
+    }
+
+    /// Elements `start..start + len` of this view.
+    pub fn slice(&self, start: usize, len: usize) -> Result<View<'a>> {
+        if start.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::shape("View::slice", format!("elements {start}..{} outside a view of {}", start + len, self.len), &[&[self.len]]));
+        }
+        Ok(View { buffer: self.buffer, offset: self.offset + start as u64 * ELEMENT_BYTES, len })
     }
 }
 
@@ -493,6 +505,43 @@ impl Kernels {
     pub(crate) fn part_capacity(&self) -> usize {
         let align = (u64::from(self.device.limits().min_storage_buffer_offset_alignment) / ELEMENT_BYTES).max(1);
         (self.binding_limit() / ELEMENT_BYTES).saturating_sub(align - 1) as usize
+    }
+
+    /// `n` elements (of a view starting at an aligned offset) in parts of
+    /// whole `granule`s (a multiple of [`ARENA_GRANULE`], so every part
+    /// starts aligned), each within the binding limit: (start, len) of each;
+    /// one part when all of `n` fits. For the ops over whole arenas
+    /// (optimizer updates, the gradient norm), which a model over one
+    /// binding needs.
+    pub(crate) fn arena_parts(&self, op: &'static str, n: usize, granule: usize) -> Result<Vec<(usize, usize)>> {
+        if n as u64 * ELEMENT_BYTES <= self.binding_limit() {
+            return Ok(vec![(0, n)]);
+        }
+        let per_part = (self.binding_limit() / ELEMENT_BYTES) as usize / granule * granule;
+        if per_part == 0 {
+            return Err(self.binding_too_large(op, "one aligned part of the arena", granule as u64 * ELEMENT_BYTES));
+        }
+        Ok((0..n).step_by(per_part).map(|start| (start, per_part.min(n - start))).collect())
+    }
+
+    /// `x` [rows, cols] (over one binding) in parts of whole rows that
+    /// each fit one: (first row, rows, part's binding, where its first row
+    /// starts in it) of each; `operand` names x in the error when one row
+    /// is over the limit. For the kernels with a row per invocation (a
+    /// loss over an LM's logits, their argmax).
+    pub(crate) fn whole_row_parts<'v>(&self, op: &'static str, operand: &'static str, x: View<'v>, rows: usize, cols: usize) -> Result<Vec<(usize, usize, View<'v>, usize)>> {
+        let per_part = self.part_capacity() / cols.max(1);
+        if per_part == 0 {
+            return Err(self.binding_too_large(op, operand, cols as u64 * ELEMENT_BYTES));
+        }
+        Ok((0..rows)
+            .step_by(per_part)
+            .map(|first| {
+                let count = per_part.min(rows - first);
+                let (part, base) = self.bind_part(x, first * cols, count * cols);
+                (first, count, part, base)
+            })
+            .collect())
     }
 
     pub(crate) fn placeholder(&self) -> &wgpu::Buffer {

@@ -3,7 +3,7 @@
 //! global gradient norm for clipping, reduced on the GPU.
 
 use super::registry::entry_points;
-use super::{bind, dim, flat_groups, Dispatch, Kernels, View, FLAT_WORKGROUP};
+use super::{bind, dim, flat_groups, Dispatch, Kernels, View, ARENA_GRANULE, FLAT_WORKGROUP};
 use crate::error::{Error, Result};
 use crate::ops::{AdamConfig, LossScaling, OptimizerConfig, SgdConfig};
 
@@ -138,6 +138,8 @@ struct NormParams {
     chunk: u32,
     groups: u32,
     max_norm: f32,
+    first: u32,
+    _pad: [u32; 3],
 }
 
 /// What an update over a whole parameter arena needs besides the
@@ -152,9 +154,18 @@ pub struct ArenaGroups<'a> {
     pub grad_norm: Option<View<'a>>,
 }
 
-/// Workgroups (and partial sums) of `grad_norm_partials` for `n` gradients.
+/// Workgroups (and partial sums) of `grad_norm_partials` for `n` gradients:
+/// at most this many, [`grad_norm_chunk`] elements each.
 pub fn grad_norm_groups(n: usize) -> usize {
     (n.div_ceil(FLAT_WORKGROUP as usize)).clamp(1, NORM_GROUPS_MAX)
+}
+
+/// Elements per partial sum of the gradient norm: a whole number of
+/// [`ARENA_GRANULE`]s, so a gradient over the binding limit splits at
+/// chunk boundaries into aligned parts, and the split sums equal the
+/// unsplit ones bit for bit.
+fn grad_norm_chunk(n: usize) -> usize {
+    n.div_ceil(grad_norm_groups(n)).div_ceil(ARENA_GRANULE) * ARENA_GRANULE
 }
 
 fn check_step(op: &'static str, step: u64) -> Result<()> {
@@ -303,22 +314,29 @@ impl Kernels {
         let mut others: Vec<(&str, &View<'_>)> = vec![("grad", &grad)];
         others.extend(names.iter().copied().zip(state));
         check_state(op, &param, &others)?;
-        let groups = groups(op, param.len, optimizer.clip_grad_norm(), optimizer.loss_scaling().is_some(), &arena)?;
+        let all = groups(op, param.len, optimizer.clip_grad_norm(), optimizer.loss_scaling().is_some(), &arena)?;
         // Bound even when not clipping: the shader's layout has the slot.
         let norm = arena.grad_norm.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 2 });
-        let mut bindings = vec![bind(0, "param", param), bind(1, "grad", grad), bind(6, "grad_norm", norm)];
-        match optimizer {
-            OptimizerConfig::Sgd(cfg) => {
-                bindings.push(bind(2, "momentum_buf", state[0]));
-                let params = SgdParams { step: sgd_step(op, param.len, cfg, step)?, groups };
-                self.prepare(kernel, &[], &bindings, 3, &params, flat_groups(param.len))
-            }
-            OptimizerConfig::Adam(cfg) => {
-                bindings.extend([bind(2, "exp_avg", state[0]), bind(4, "exp_avg_sq", state[1])]);
-                let params = AdamParams { step: adam_step(op, param.len, cfg, step)?, groups };
-                self.prepare(kernel, &[], &bindings, 5, &params, flat_groups(param.len))
-            }
+        // An arena over the binding limit: one launch per aligned part,
+        // each with its part of every arena and of the decayed group.
+        let mut launches = Vec::new();
+        for (start, len) in self.arena_parts(op, param.len, ARENA_GRANULE)? {
+            let groups = Groups { decay_end: dim(op, arena.decay_len.clamp(start, start + len) - start)?, ..all };
+            let mut bindings = vec![bind(0, "param", param.slice(start, len)?), bind(1, "grad", grad.slice(start, len)?), bind(6, "grad_norm", norm)];
+            launches.push(match optimizer {
+                OptimizerConfig::Sgd(cfg) => {
+                    bindings.push(bind(2, "momentum_buf", state[0].slice(start, len)?));
+                    let params = SgdParams { step: sgd_step(op, len, cfg, step)?, groups };
+                    self.prepare(kernel, &[], &bindings, 3, &params, flat_groups(len))?
+                }
+                OptimizerConfig::Adam(cfg) => {
+                    bindings.extend([bind(2, "exp_avg", state[0].slice(start, len)?), bind(4, "exp_avg_sq", state[1].slice(start, len)?)]);
+                    let params = AdamParams { step: adam_step(op, len, cfg, step)?, groups };
+                    self.prepare(kernel, &[], &bindings, 5, &params, flat_groups(len))?
+                }
+            });
         }
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "an empty arena", &[&[param.len]]))
     }
 
     /// The L2 norm of all of `grad` and clip_grad_norm_'s factor
@@ -331,22 +349,28 @@ impl Kernels {
         if max_norm.is_nan() || max_norm < 0.0 {
             return Err(Error::InvalidArgument { op, reason: format!("invalid max_norm {max_norm}") });
         }
-        let groups = grad_norm_groups(grad.len);
-        if partials.len != groups || norm_out.len != 2 {
+        if partials.len != grad_norm_groups(grad.len) || norm_out.len != 2 {
             return Err(Error::shape(
                 op,
-                format!("{} gradients need {groups} partials and a norm_out of 2", grad.len),
+                format!("{} gradients need {} partials and a norm_out of 2", grad.len, grad_norm_groups(grad.len)),
                 &[&[grad.len], &[partials.len], &[norm_out.len]],
             ));
         }
-        let params = NormParams {
-            n: dim(op, grad.len)?,
-            chunk: dim(op, grad.len.div_ceil(groups))?,
-            groups: dim(op, groups)?,
-            max_norm,
+        // Whole chunks of at most `partials.len` cover the gradients.
+        let chunk = grad_norm_chunk(grad.len);
+        let groups = grad.len.div_ceil(chunk);
+        let params = |n: usize, first: usize| -> Result<NormParams> {
+            Ok(NormParams { n: dim(op, n)?, chunk: dim(op, chunk)?, groups: dim(op, groups)?, max_norm, first: dim(op, first)?, _pad: [0; 3] })
         };
-        let sums = self.prepare(GRAD_NORM_PARTIALS, &[], &[bind(1, "grad", grad), bind(7, "partials", partials)], 8, &params, groups as u64)?;
-        let finish = self.prepare(GRAD_NORM_FINISH, &[], &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)], 8, &params, 1)?;
+        // A gradient over the binding limit: one launch per part of whole
+        // chunks, writing its own partials; the same sums in the same order.
+        let mut launches = Vec::new();
+        for (start, len) in self.arena_parts(op, grad.len, chunk)? {
+            let part = [bind(1, "grad", grad.slice(start, len)?), bind(7, "partials", partials)];
+            launches.push(self.prepare(GRAD_NORM_PARTIALS, &[], &part, 8, &params(len, start / chunk)?, len.div_ceil(chunk) as u64)?);
+        }
+        let sums = Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no gradients", &[&[grad.len]]))?;
+        let finish = self.prepare(GRAD_NORM_FINISH, &[], &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)], 8, &params(grad.len, 0)?, 1)?;
         Ok([sums, finish])
     }
 
@@ -399,19 +423,19 @@ impl Kernels {
     /// the decay group and clipping stay as built.
     pub fn set_optimizer_step(&self, dispatch: &Dispatch, n: usize, optimizer: &OptimizerConfig, step: u64) -> Result<()> {
         let kernel = dispatch.kernel();
-        // The step scalars are the block's first bytes (`SgdParams`, `AdamParams`).
-        match optimizer {
-            OptimizerConfig::Sgd(cfg) if kernel == SGD_UPDATE => {
-                self.rewrite_params(dispatch, &sgd_step(kernel.entry, n, cfg, step)?)
-            }
-            OptimizerConfig::Adam(cfg) if kernel == ADAM_UPDATE || kernel == ADAMW_UPDATE => {
-                self.rewrite_params(dispatch, &adam_step(kernel.entry, n, cfg, step)?)
-            }
-            _ => {
-                return Err(Error::InvalidArgument {
-                    op: "set_optimizer_step",
-                    reason: format!("{optimizer:?} does not match the dispatch of `{}`", kernel.entry),
-                })
+        for launch in dispatch.each_launch() {
+            // A split update's launch covers its part: what it binds as `param`.
+            let n = if dispatch.launches() == 1 { n } else { launch.recipe().bindings.iter().find(|b| b.name == "param").map_or(n, |b| (b.bytes / 4) as usize) };
+            // The step scalars are the block's first bytes (`SgdParams`, `AdamParams`).
+            match optimizer {
+                OptimizerConfig::Sgd(cfg) if kernel == SGD_UPDATE => self.rewrite_params(launch, &sgd_step(kernel.entry, n, cfg, step)?),
+                OptimizerConfig::Adam(cfg) if kernel == ADAM_UPDATE || kernel == ADAMW_UPDATE => self.rewrite_params(launch, &adam_step(kernel.entry, n, cfg, step)?),
+                _ => {
+                    return Err(Error::InvalidArgument {
+                        op: "set_optimizer_step",
+                        reason: format!("{optimizer:?} does not match the dispatch of `{}`", kernel.entry),
+                    })
+                }
             }
         }
         Ok(())

@@ -30,6 +30,10 @@ struct ReduceParams {
     cols: u32,
     n: u32,
     block_rows: u32,
+    /// `argmax_rows`' part of the rows (see reduce.wgsl).
+    first_row: u32,
+    part_base: u32,
+    _pad: [u32; 2],
 }
 
 /// The fewest rows a column sum takes in two stages on a GPU. Below this
@@ -112,7 +116,7 @@ impl Kernels {
         let _gl = self.device().lock_gl();
         let scratch = self.reduction_scratch(op, blocks.blocks * cols)?;
         let partial = View { buffer: &scratch, offset: 0, len: blocks.blocks * cols };
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: dim(op, blocks.block_rows)? };
+        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: dim(op, blocks.block_rows)?, ..bytemuck::Zeroable::zeroed() };
         let first = self.prepare(SUM_ROWS_PARTIAL, &[], &[bind(0, "x", x), bind(2, "partial", partial)], 3, &params, flat_groups(partial.len))?;
         let second = self.sum_rows_pass(accumulate, out, partial, blocks.blocks, cols)?;
         Ok(first.then(second))
@@ -123,7 +127,7 @@ impl Kernels {
     /// their partials.
     pub(crate) fn sum_rows_pass(&self, accumulate: bool, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = SUM_ROWS_FORWARD.entry;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0 };
+        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
         let constants = [("ACCUMULATE", f64::from(u8::from(accumulate)))];
         self.prepare(SUM_ROWS_FORWARD, &constants, &[bind(0, "x", x), bind(2, "out", out)], 3, &params, column_groups(cols))
     }
@@ -133,7 +137,7 @@ impl Kernels {
         if out.len != 1 || x.len == 0 {
             return Err(Error::shape(op, "reduces a non-empty x into out of length 1", &[&[x.len], &[out.len]]));
         }
-        let params = ReduceParams { rows: 1, cols: dim(op, x.len)?, n: dim(op, x.len)?, block_rows: 0 };
+        let params = ReduceParams { rows: 1, cols: dim(op, x.len)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
         // One workgroup: a fixed summation order makes the result deterministic.
         self.prepare(kernel, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, 1)
     }
@@ -152,7 +156,7 @@ impl Kernels {
     pub fn max_rows(&self, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = MAX_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, out.len, rows)?;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0 };
+        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
         self.prepare(MAX_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, flat_groups(rows))
     }
 
@@ -160,14 +164,16 @@ impl Kernels {
     pub fn argmax_rows(&self, indices: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = ARGMAX_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, indices.len, rows)?;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0 };
-        self.prepare(
-            ARGMAX_ROWS_FORWARD,
-            &[],
-            &[bind(0, "x", x), bind(4, "indices", indices)],
-            3,
-            &params,
-            flat_groups(rows),
-        )
+        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
+        if x.bytes() <= self.binding_limit() {
+            return self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(4, "indices", indices)], 3, &params, flat_groups(rows));
+        }
+        // x over one binding (an LM's logits): a launch per part of whole rows.
+        let mut launches = Vec::new();
+        for (first, count, part, base) in self.whole_row_parts(op, "x (one row of it)", x, rows, cols)? {
+            let params = ReduceParams { rows: dim(op, count)?, first_row: dim(op, first)?, part_base: dim(op, base)?, ..params };
+            launches.push(self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", part), bind(4, "indices", indices)], 3, &params, flat_groups(count))?);
+        }
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))
     }
 }

@@ -7,6 +7,14 @@
 //! [`TrainableLm`] (the GPT, Llama), which says how it is built, saved and
 //! resumed.
 //!
+//! Fine-tuning ([`LanguageModel::init`], `wgrad train --init`) starts from
+//! a [`Pretrained`] model instead: its weights (a GGUF file de-quantized to
+//! f32, or a Hugging Face folder), its own tokenizer, windows of a context
+//! no longer than its own (a GPT's position table cropped to them, as
+//! nanoGPT's `crop_block_size`), fresh AdamW state, and a saved folder
+//! with the full context and the source's tokenizer files, which
+//! `transformers` loads.
+//!
 //! The validation loss is the mean over a fixed set of windows of the
 //! held-out text, `eval_batches × batch_size` windows evenly spaced from
 //! its start ([`validation_windows`]), so two runs — or this engine and
@@ -19,8 +27,13 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
-use crate::io::gpt_folder::{load_gpt_folder, save_gpt_folder, OptimizerState, TokenizerSpec};
-use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_state};
+use crate::io::bpe::BpeTokenizer;
+use crate::io::gguf::Gguf;
+use crate::io::gguf_model::GgufModel;
+use crate::io::gpt_folder::{load_gpt_folder, read_tokenizer, save_gpt_folder_with_files, OptimizerState, TokenizerSpec};
+use crate::io::hf_folder::{ExtraFile, TOKENIZER_FILES};
+use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_files};
+use crate::io::lm_folder::is_gguf_path;
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::LmConfig;
 use crate::kernels::{LrSchedule, OptimizerConfig};
@@ -39,14 +52,23 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     type Config: Clone + Debug + PartialEq + LmConfig;
     /// `config` with the data's vocabulary.
     fn with_vocab(config: Self::Config, vocab_size: usize) -> Self::Config;
+    /// `config` with a context of `positions` (fine-tuning's windows).
+    fn with_context(config: Self::Config, positions: usize) -> Self::Config;
     /// A model of these sizes, initialised from the seeded generator.
     fn build(config: &Self::Config) -> Result<Self>;
+    /// A model of these sizes with each parameter from `take(name, shape)`.
+    fn assemble(config: &Self::Config, take: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self>;
+    /// The pretrained model at `path`: a GGUF file (de-quantized to f32)
+    /// or a Hugging Face folder of this family; another family's is an
+    /// error naming it.
+    fn load_pretrained(path: &Path) -> Result<Self>;
     fn config(&self) -> Self::Config;
     /// This model's sizes with the parameters `params` gives by name.
     fn with_parameters(&self, params: &NamedParameters) -> Result<Self>;
-    /// Writes a model folder (atomically) with the tokenizer and the
-    /// optimizer state to resume from.
-    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()>;
+    /// Writes a model folder (atomically) with the tokenizer, the
+    /// optimizer state to resume from where given, and `files` (Hugging
+    /// Face tokenizer files) beside the weights.
+    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()>;
     /// Reads a folder [`TrainableLm::save_folder`] wrote: the model, its
     /// tokenizer and optimizer state where the folder has them.
     fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)>;
@@ -56,14 +78,27 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
 /// method means is the same for both, only the types and folder functions
 /// differ.
 macro_rules! trainable_lm {
-    ($model:ident, $config:ident, $save:expr, $load:path) => {
+    ($model:ident, $config:ident, $save:expr, $load:path, $from_gguf:path) => {
         impl TrainableLm for $model {
             type Config = $config;
             fn with_vocab(config: $config, vocab_size: usize) -> $config {
                 $config { vocab_size, ..config }
             }
+            fn with_context(config: $config, block_size: usize) -> $config {
+                $config { block_size, ..config }
+            }
             fn build(config: &$config) -> Result<Self> {
                 $model::new(*config)
+            }
+            fn assemble(config: &$config, take: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+                $model::from_parameters(*config, take)
+            }
+            fn load_pretrained(path: &Path) -> Result<Self> {
+                if is_gguf_path(path) {
+                    $from_gguf(&GgufModel::open(path)?)
+                } else {
+                    Ok($load(path)?.model)
+                }
             }
             fn config(&self) -> $config {
                 self.config
@@ -71,8 +106,8 @@ macro_rules! trainable_lm {
             fn with_parameters(&self, params: &NamedParameters) -> Result<Self> {
                 $model::from_parameters(self.config, |name, shape| take_parameter(params, name, shape))
             }
-            fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: &OptimizerState) -> Result<()> {
-                $save(dir, self, tokenizer, state)
+            fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
+                $save(dir, self, tokenizer, state, files)
             }
             fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
                 let loaded = $load(dir)?;
@@ -82,8 +117,101 @@ macro_rules! trainable_lm {
     };
 }
 
-trainable_lm!(Gpt, GptConfig, |dir: &Path, model, tokenizer, state| save_gpt_folder(dir, model, tokenizer, Some(state)), load_gpt_folder);
-trainable_lm!(Llama, LlamaConfig, |dir: &Path, model, tokenizer, state| save_llama_folder_with_state(dir, model, Some(tokenizer), Some(state)), load_llama_folder);
+trainable_lm!(Gpt, GptConfig, |dir: &Path, model, tokenizer, state, files| save_gpt_folder_with_files(dir, model, tokenizer, state, files), load_gpt_folder, GgufModel::to_gpt);
+trainable_lm!(
+    Llama,
+    LlamaConfig,
+    |dir: &Path, model, tokenizer, state, files| save_llama_folder_with_files(dir, model, Some(tokenizer), state, files),
+    load_llama_folder,
+    GgufModel::to_llama
+);
+
+/// A pretrained model to fine-tune: its weights, its own tokenizer, and
+/// the Hugging Face tokenizer files its fine-tuned folder carries.
+#[derive(Clone)]
+pub struct Pretrained<M> {
+    /// With its full context.
+    pub model: M,
+    pub tokenizer: Tokenizer,
+    /// Copied from a folder, or written from a GGUF file's tokenizer.
+    pub files: Vec<ExtraFile>,
+    pub source: PathBuf,
+}
+
+impl<M: TrainableLm> Debug for Pretrained<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let files: Vec<&str> = self.files.iter().map(|(name, _)| name.as_str()).collect();
+        f.debug_struct("Pretrained").field("source", &self.source).field("config", &self.model.config()).field("tokenizer", &self.tokenizer.kind()).field("files", &files).finish()
+    }
+}
+
+impl<M: TrainableLm> Pretrained<M> {
+    /// The model at `path` with its tokenizer: a GGUF file's (its
+    /// metadata's BPE), or a folder's `tokenizer.json` (its tokenizer files
+    /// copied), else the folder's wgrad tokenizer (or GPT-2's BPE for
+    /// GPT-2's vocabulary). A model with no tokenizer, or one with more
+    /// tokens than the model's vocabulary, is an error.
+    pub fn load(path: &Path) -> Result<Self> {
+        let bad = |reason: String| Error::InvalidArgument { op: "train --init", reason };
+        if !path.exists() {
+            return Err(bad(format!("`{}` does not exist (give a GGUF file or a Hugging Face model folder)", path.display())));
+        }
+        let model = M::load_pretrained(path)?;
+        let (tokenizer, files) = if is_gguf_path(path) {
+            let bpe = BpeTokenizer::from_gguf(&Gguf::open(path)?)?;
+            let files = bpe.hugging_face_files()?;
+            (Tokenizer::Bpe(Box::new(bpe)), files)
+        } else if let Some(bpe) = BpeTokenizer::from_folder(path)? {
+            let mut files = Vec::new();
+            for name in TOKENIZER_FILES.iter().filter(|name| path.join(name).is_file()) {
+                let file = path.join(name);
+                files.push((name.to_string(), std::fs::read(&file).map_err(|source| Error::DataIo { op: "train --init", path: file, source })?));
+            }
+            (Tokenizer::Bpe(Box::new(bpe)), files)
+        } else {
+            let spec = read_tokenizer(path, model.vocab_size())?.ok_or_else(|| {
+                bad(format!("`{}` has no tokenizer: no tokenizer.json, no {} and not GPT-2's vocabulary", path.display(), crate::io::gpt_folder::TOKENIZER_FILE))
+            })?;
+            (spec.tokenizer()?, Vec::new())
+        };
+        if tokenizer.vocab_size() > model.vocab_size() {
+            return Err(bad(format!("`{}`: the tokenizer has {} tokens, more than the model's vocabulary of {}", path.display(), tokenizer.vocab_size(), model.vocab_size())));
+        }
+        Ok(Pretrained { model, tokenizer, files, source: path.to_path_buf() })
+    }
+
+    /// The model on windows of `positions` tokens, at most its context: a
+    /// table over positions keeps its first rows (nanoGPT's
+    /// `crop_block_size`).
+    pub fn cropped(&self, positions: usize) -> Result<M> {
+        let context = self.model.context_len();
+        if positions == 0 || positions > context {
+            return Err(Error::InvalidArgument { op: "train --init", reason: format!("windows of {positions} tokens: the model's context is {context}") });
+        }
+        let params = self.model.parameter_values();
+        M::assemble(&M::with_context(self.model.config(), positions), &mut |name, shape| {
+            let values = params.iter().find(|p| p.0 == name).map(|p| p.2).ok_or_else(|| missing_parameter(name, shape))?;
+            values.get(..shape.iter().product()).map(<[f32]>::to_vec).ok_or_else(|| missing_parameter(name, shape))
+        })
+    }
+
+    /// `trained` (a [`Pretrained::cropped`] model after training) with the
+    /// full context back: rows of a position table past the windows are
+    /// the pretrained ones, which training never reached.
+    pub fn uncropped<'p>(&'p self, trained: &'p M) -> Result<M> {
+        let (trained, pretrained) = (trained.parameter_values(), self.model.parameter_values());
+        M::assemble(&self.model.config(), &mut |name, shape| {
+            let find = |params: &[(String, Vec<usize>, &'p [f32])]| -> Option<&'p [f32]> { params.iter().find(|p| p.0 == name).map(|p| p.2) };
+            let (Some(t), Some(p)) = (find(&trained), find(&pretrained)) else { return Err(missing_parameter(name, shape)) };
+            let rest = p.get(t.len()..shape.iter().product()).ok_or_else(|| missing_parameter(name, shape))?;
+            Ok([t, rest].concat())
+        })
+    }
+}
+
+fn missing_parameter(name: &str, shape: &[usize]) -> Error {
+    Error::InvalidArgument { op: "Pretrained", reason: format!("the model has no parameter `{name}` with {shape:?} values") }
+}
 
 /// The text to train on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -176,6 +304,10 @@ pub struct LanguageModel<M: TrainableLm> {
     pub eval_batches: usize,
     /// The share of the text, at its end, held out for validation.
     pub validation_fraction: f64,
+    /// Fine-tune this model (with its tokenizer) instead of training one
+    /// from scratch; `model` is then its config with the windows' context
+    /// ([`TrainableLm::with_context`]).
+    pub init: Option<Pretrained<M>>,
     /// Filled by [`Task::prepare`]; `None` before (`..LanguageModel::new(..)`).
     pub prepared: Option<LmData>,
 }
@@ -193,7 +325,7 @@ pub struct LmData {
 impl<M: TrainableLm> LanguageModel<M> {
     /// `model`'s sizes on the shipped Shakespeare with the char tokenizer.
     pub fn new(model: M::Config) -> Self {
-        LanguageModel { text: TextSource::Shakespeare, tokenizer: TokenizerKind::Char, model, eval_batches: 16, validation_fraction: 0.1, prepared: None }
+        LanguageModel { text: TextSource::Shakespeare, tokenizer: TokenizerKind::Char, model, eval_batches: 16, validation_fraction: 0.1, init: None, prepared: None }
     }
 
     fn data_ready(&self) -> Result<&LmData> {
@@ -205,15 +337,24 @@ impl<M: TrainableLm> LanguageModel<M> {
         self.prepared.as_ref().map(|d| &d.text.tokenizer)
     }
 
-    /// The model with the parameters `engine` trained so far.
+    /// The model with the parameters `engine` trained so far (a
+    /// fine-tuned one with its full context).
     pub fn trained_model(&self, engine: &dyn TrainEngine, model: &M) -> Result<M> {
-        model.with_parameters(&engine.parameters()?)
+        let trained = model.with_parameters(&engine.parameters()?)?;
+        match &self.init {
+            Some(pretrained) => pretrained.uncropped(&trained),
+            None => Ok(trained),
+        }
     }
 
     /// Where a sample starts: a newline (nanoGPT's default), or the text's
     /// first token when the vocabulary has none.
+    /// A fine-tuned model's starts at the held-out text's first tokens.
     pub fn sample_prompt(&self) -> Result<String> {
         let d = self.data_ready()?;
+        if self.init.is_some() {
+            return d.text.tokenizer.decode(&d.text.validation[..d.text.validation.len().min(16)]);
+        }
         if d.text.tokenizer.encode("\n").is_ok_and(|ids| ids.len() == 1) {
             return Ok("\n".into());
         }
@@ -231,8 +372,18 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
             return bad("eval_batches and max_steps must be given and positive".into());
         }
         let root = processes.is_none_or(|g| g.rank() == 0);
-        let text = tokenize_text(&shared_text(processes, &self.text)?, self.tokenizer, self.validation_fraction)?;
-        let sizes = M::with_vocab(self.model.clone(), text.tokenizer.vocab_size());
+        if self.init.is_some() && config.resume.is_some() {
+            return bad("--init starts from pretrained weights with fresh optimizer state, --resume continues a wgrad run: give one".into());
+        }
+        let text = shared_text(processes, &self.text)?;
+        let (text, sizes) = match &self.init {
+            Some(pretrained) => (split_tokens(pretrained.tokenizer.clone(), &text, self.validation_fraction)?, self.model.clone()),
+            None => {
+                let text = tokenize_text(&text, self.tokenizer, self.validation_fraction)?;
+                let sizes = M::with_vocab(self.model.clone(), text.tokenizer.vocab_size());
+                (text, sizes)
+            }
+        };
         let block_size = sizes.lm_sizes().context;
         if text.train.len() <= block_size {
             return bad(format!("{} training tokens cannot give windows of {}", text.train.len(), block_size + 1));
@@ -252,7 +403,16 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
                 }
                 (model, Some(Resumed { parameters: Vec::new(), state }))
             }
-            _ => (M::build(&sizes)?, None),
+            _ => match &self.init {
+                Some(pretrained) => {
+                    let model = pretrained.cropped(block_size)?;
+                    if model.config() != sizes {
+                        return bad(format!("the task's sizes {sizes:?} are not the pretrained model's {:?} on windows of {block_size}", model.config()));
+                    }
+                    (model, None)
+                }
+                None => (M::build(&sizes)?, None),
+            },
         };
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         self.prepared = Some(LmData { text, validation, block_size, rng, batch: (Vec::new(), Vec::new()) });
@@ -312,12 +472,18 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     }
 
     /// The trained model's folder with the tokenizer and the optimizer
-    /// state to resume from.
+    /// state to resume from; a fine-tuned model's with its source's
+    /// tokenizer files and no optimizer state (its moments cover the
+    /// cropped windows; `--init` again starts a fresh fine-tune).
     fn save(&self, engine: &dyn TrainEngine, model: &M, config: &TrainConfig, _evaluation: Option<&Evaluation>, path: &Path) -> Result<()> {
         let trained = self.trained_model(engine, model)?;
+        let tokenizer = TokenizerSpec::from(&self.data_ready()?.text.tokenizer);
+        if let Some(pretrained) = &self.init {
+            return trained.save_folder(path, &tokenizer, None, &pretrained.files);
+        }
         let state = engine.optimizer_state()?.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect();
         let state = OptimizerState { optimizer: optim::describe(&config.optimizer), step: engine.step_count(), state, metadata: Default::default() };
-        trained.save_folder(path, &TokenizerSpec::from(&self.data_ready()?.text.tokenizer), &state)
+        trained.save_folder(path, &tokenizer, Some(&state), &[])
     }
 }
 
@@ -334,6 +500,13 @@ pub fn read_text(source: &TextSource) -> Result<String> {
     match source {
         TextSource::Shakespeare => text::shakespeare(),
         TextSource::Text(text) => Ok(text.clone()),
+        // A gzip file (the shipped data/shakespeare.txt.gz) is read decompressed.
+        TextSource::File(path) if path.extension().is_some_and(|e| e == "gz") => {
+            let file = std::fs::File::open(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source })?;
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text).map_err(|source| Error::DataIo { op: "train --text (gzip)", path: path.clone(), source })?;
+            Ok(text)
+        }
         TextSource::File(path) => std::fs::read_to_string(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source }),
     }
 }
@@ -346,6 +519,12 @@ pub fn tokenize_text(text: &str, kind: TokenizerKind, validation_fraction: f64) 
         TokenizerKind::Char => Tokenizer::Char(CharTokenizer::from_text(text)?),
         TokenizerKind::Gpt2 => Tokenizer::Gpt2(Gpt2Bpe::new()?),
     };
+    split_tokens(tokenizer, text, validation_fraction)
+}
+
+/// The tokens of `text` by `tokenizer`, split into training and held-out
+/// validation.
+pub fn split_tokens(tokenizer: Tokenizer, text: &str, validation_fraction: f64) -> Result<TokenizedText> {
     let tokens = tokenizer.encode(text)?;
     let (train, validation) = text::held_out_split(&tokens, validation_fraction)?;
     Ok(TokenizedText { tokenizer, train: train.to_vec(), validation: validation.to_vec() })

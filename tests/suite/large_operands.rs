@@ -108,6 +108,46 @@ fn matmuls_over_small_bindings_equal_the_unsplit_ones() {
     });
 }
 
+/// (form, m, n, k, accumulate): products whose operands fit a binding only
+/// in parts along k: the tied head's gradients dlogits·wte (AB, k the
+/// vocabulary) and dlogitsᵀ·x (AtB, A stored [k, m]), one row of A over
+/// the limit (ABt), and C added into.
+const ALONG_K_CASES: [(MatmulForm, usize, usize, usize, bool); 4] = [
+    (MatmulForm::AB, 7, 5, 301, false),
+    (MatmulForm::AtB, 300, 5, 13, true),
+    (MatmulForm::ABt, 3, 4, 517, false),
+    (MatmulForm::AtB, 37, 3, 200, false),
+];
+
+#[test]
+fn matmuls_split_along_k_equal_the_unsplit_ones() {
+    for_each_adapter("matmul split along k", |k| {
+        let lim = binding_limited(k, SMALL_BINDING);
+        let mut r = rng(305);
+        for (form, m, n, kk, accumulate) in ALONG_K_CASES {
+            let a = random_vec(&mut r, m * kk, -1.0, 1.0);
+            let b = random_vec(&mut r, kk * n, -1.0, 1.0);
+            let c0 = random_vec(&mut r, m * n, -1.0, 1.0);
+            let run = |k: &Kernels| -> wgrad::Result<(Vec<f32>, usize)> {
+                let (av, bv, cv) = (k.upload(&a)?, k.upload(&b)?, k.upload(&c0)?);
+                let d = k.matmul_epilogue(form, MatmulEpilogue { accumulate, ..MatmulEpilogue::default() }, cv.view(), av.view(), bv.view(), m, n, kk)?;
+                k.run(&[&d])?;
+                Ok((read(k, &cv)?, d.launches()))
+            };
+            let (split, launches) = run(&lim)?;
+            let (whole, _) = run(k)?;
+            let what = format!("{form:?} m={m} n={n} k={kk} accumulate={accumulate}");
+            assert!(launches > 1, "{what}: {launches} launches");
+            // f32 sums of ≤ 517 products of values in [-1, 1], each part's
+            // rounded once more in C.
+            assert_close(&what, &split, &whole, 1e-4, 1e-5);
+            let (want, _) = cpu::matmul_epilogue(form, cpu::Epilogue { accumulate_onto: accumulate.then_some(&c0[..]), bias: None, activation: None, activation_grad: None }, &a, &b, m, n, kk);
+            assert_close(&format!("{what} against the CPU"), &split, &want, 1e-4, 1e-5);
+        }
+        Ok(())
+    });
+}
+
 #[test]
 fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
     for_each_adapter("matmul split errors", |k| {
@@ -118,22 +158,20 @@ fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
             assert!(matches!(err, Error::TooLarge { .. }), "{what}: {message}");
             assert!(message.contains(operand) && message.contains("lowered by Kernels::with_limits") && message.contains("1024"), "{what}: {message}");
         };
-        // AtB: A is stored [k, m], whose rows of op(A) are strided.
-        let (m, n, kk) = (40, 3, 10);
-        let (a, b, c) = (lim.zeros(kk * m)?, lim.zeros(kk * n)?, lim.zeros(m * n)?);
-        expect_too_large("AtB, A over the limit", lim.matmul(MatmulForm::AtB, c.view(), a.view(), b.view(), m, n, kk), "`a (stored [k, m]");
-        // AB: B [k, n] would need k split.
+        // AB: B [k, n] splits only along k, which a bias cannot follow.
         let (m, n, kk) = (2, 30, 20);
-        let (a, b, c) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?);
-        expect_too_large("AB, B over the limit", lim.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk), "`b (stored [k, n]");
+        let (a, b, c, bias) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?, lim.zeros(n)?);
+        let epilogue = MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() };
+        expect_too_large("AB with a bias, B over the limit", lim.matmul_epilogue(MatmulForm::AB, epilogue, c.view(), a.view(), b.view(), m, n, kk), "`b (stored [k, n]");
         // A batch of products is not split.
         let (batch, m, n, kk) = (4, 10, 10, 10);
         let (a, b, c) = (lim.zeros(batch * m * kk)?, lim.zeros(batch * kk * n)?, lim.zeros(batch * m * n)?);
         expect_too_large("batched", lim.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), batch, m, n, kk), "`a`");
-        // One row of A over the limit.
+        // One row of A over the limit, with a bias (no split along k).
         let (m, n, kk) = (2, 2, 300);
-        let (a, b, c) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?);
-        expect_too_large("a row over the limit", lim.matmul(MatmulForm::ABt, c.view(), a.view(), b.view(), m, n, kk), "one row");
+        let (a, b, c, bias) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?, lim.zeros(n)?);
+        let epilogue = MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() };
+        expect_too_large("a row over the limit", lim.matmul_epilogue(MatmulForm::ABt, epilogue, c.view(), a.view(), b.view(), m, n, kk), "one row");
         Ok(())
     });
 }

@@ -12,6 +12,7 @@ mod checkpoint;
 mod data;
 mod device;
 mod f16_weights;
+mod finetune;
 mod flash_attention;
 mod fusion;
 mod generate;
