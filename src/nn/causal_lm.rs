@@ -251,7 +251,14 @@ pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], va
 pub(crate) fn one_quantized_product(g: &Graph, weights: &[Tensor]) -> bool {
     let dtypes: Vec<Option<DType>> = weights.iter().map(|&w| g.get(w).map(|n| n.dtype)).collect();
     let first = dtypes.first().copied().flatten();
-    cache_pass().is_some() && !super::shard::sharded() && matches!(first, Some(DType::Quant(_))) && dtypes.iter().all(|&d| d == first)
+    unsharded_generation() && matches!(first, Some(DType::Quant(_))) && dtypes.iter().all(|&d| d == first)
+}
+
+/// Whether a layer may try generation's joined products: a cache pass over
+/// a whole (not tensor-parallel) model. Asked before declaring the weights
+/// whole, since a shard declares them at its own shapes.
+pub(crate) fn unsharded_generation() -> bool {
+    cache_pass().is_some() && !super::shard::sharded()
 }
 
 /// Attention of the active pass's rows over the KV caches of the layer at

@@ -3,7 +3,7 @@
 //! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
 //! and `o_proj` projections without biases.
 
-use super::causal_lm::{cache_pass, cached_attention, one_quantized_product};
+use super::causal_lm::{cache_pass, cached_attention, one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
 use super::transformer::{causal_attention, AttentionKernel};
@@ -117,7 +117,7 @@ impl GroupedQueryAttention {
     /// projections take five. None where that does not apply.
     fn quantized_qkv_attention(&self, g: &mut Graph, x: Tensor, prefix: &str, starts: Option<Tensor>) -> Result<Option<Tensor>> {
         let projections = [(&self.q_proj, child_prefix!(prefix, self.q_proj)), (&self.k_proj, child_prefix!(prefix, self.k_proj)), (&self.v_proj, child_prefix!(prefix, self.v_proj))];
-        if cache_pass().is_none() || projections.iter().any(|(l, _)| l.bias.is_some()) {
+        if !unsharded_generation() || projections.iter().any(|(l, _)| l.bias.is_some()) {
             return Ok(None);
         }
         let mut weights = Vec::with_capacity(3);

@@ -1,6 +1,6 @@
 //! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
 
-use super::causal_lm::one_quantized_product;
+use super::causal_lm::{one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::{Linear, Module, ParameterTree, TensorSplit};
 use crate::error::{Error, Result};
@@ -52,7 +52,7 @@ impl SwiGluMlp {
     /// biases: silu(gate(x)) · up(x) as one gated product (one dispatch
     /// for three). None where that does not apply.
     fn quantized_gated(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Option<Tensor>> {
-        if self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
+        if !unsharded_generation() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
             return Ok(None);
         }
         let mut weights = self.gate_proj.declare_weights(g, &child_prefix!(prefix, self.gate_proj))?;
