@@ -23,6 +23,21 @@ pub enum AttentionKernel {
     Unfused,
 }
 
+impl AttentionKernel {
+    /// The kernel to train with on `devices`: fused where every one shapes
+    /// its kernels for a GPU; unfused on CPU adapters, where the fused
+    /// kernels' workgroup tiles and barriers cost more than the stored
+    /// scores save (a GPT or Llama training step 1.3× slower on lavapipe at
+    /// T = 64; BENCHMARKS.md, `wgrad bench --only attention`).
+    pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>]) -> Self {
+        if !devices.is_empty() && devices.iter().all(|k| k.gpu_shaped()) {
+            AttentionKernel::Fused
+        } else {
+            AttentionKernel::Unfused
+        }
+    }
+}
+
 /// Causal self-attention of q [B, T, heads·d] over k, v [B, T,
 /// kv_heads·d] (query head h reads KV head h / (heads / kv_heads)) ->
 /// [B, T, heads·d], as `kernel` says. Heads wider than the fused kernel

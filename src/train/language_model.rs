@@ -22,6 +22,7 @@
 
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -35,8 +36,8 @@ use crate::io::hf_folder::{ExtraFile, TOKENIZER_FILES};
 use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_files};
 use crate::io::lm_folder::is_gguf_path;
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
-use crate::nn::LmConfig;
-use crate::kernels::{LrSchedule, OptimizerConfig};
+use crate::nn::{AttentionKernel, LmConfig};
+use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
 use crate::optim::{self, AdamW};
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Parallelizable, TrainEngine};
@@ -62,6 +63,8 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     /// or a Hugging Face folder of this family; another family's is an
     /// error naming it.
     fn load_pretrained(path: &Path) -> Result<Self>;
+    /// Every attention computed as `kernel` says.
+    fn set_attention_kernel(&mut self, kernel: AttentionKernel);
     fn config(&self) -> Self::Config;
     /// This model's sizes with the parameters `params` gives by name.
     fn with_parameters(&self, params: &NamedParameters) -> Result<Self>;
@@ -92,6 +95,9 @@ macro_rules! trainable_lm {
             }
             fn assemble(config: &$config, take: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
                 $model::from_parameters(*config, take)
+            }
+            fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+                $model::set_attention_kernel(self, kernel)
             }
             fn load_pretrained(path: &Path) -> Result<Self> {
                 if is_gguf_path(path) {
@@ -365,6 +371,10 @@ impl<M: TrainableLm> LanguageModel<M> {
 impl<M: TrainableLm> Task for LanguageModel<M> {
     type Model = M;
     const UNIT: &'static str = "tokens";
+
+    fn suit_devices(&self, model: &mut M, devices: &[Arc<Kernels>]) {
+        model.set_attention_kernel(AttentionKernel::for_devices(devices));
+    }
 
     fn prepare(&mut self, config: &TrainConfig, processes: Option<&dyn ProcessGroup>) -> Result<Prepared<M>> {
         let bad = |reason: String| Err(Error::InvalidArgument { op: "train (language model)", reason });

@@ -148,6 +148,9 @@ pub trait Task {
     fn model_before_data(&self) -> Result<Option<Self::Model>> {
         Ok(None)
     }
+    /// Fits the model's kernel choices to the devices it will train on
+    /// (attention fused or not); nothing by default.
+    fn suit_devices(&self, _model: &mut Self::Model, _devices: &[Arc<Kernels>]) {}
     /// One line on the data, for the caller to print.
     fn describe_data(&self) -> String;
     /// The last step of a run whose first is `first_step`.
@@ -337,11 +340,12 @@ impl<T: Task> TrainingRun<T> {
             }
         }
         nn::manual_seed(config.seed);
-        let Prepared { model, resumed } = task.prepare(&config, processes.as_deref())?;
+        let Prepared { mut model, resumed } = task.prepare(&config, processes.as_deref())?;
         if let Some(count) = devices {
             strategy.check_devices(count, &model, config.batch_size, split, config.micro_batches)?;
         }
         let group = open(())?;
+        task.suit_devices(&mut model, group.members());
         if root {
             progress.preparing();
         }
