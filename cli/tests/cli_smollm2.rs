@@ -87,7 +87,7 @@ fn bad_models_prompts_and_flags_are_clear_errors() {
         (&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "x"], &["/nonexistent/model.gguf"]),
         (&["chat", "--model", "/nonexistent/model.gguf"], &["/nonexistent/model.gguf"]),
         (&["generate", "--model", cargo_toml, "--prompt", "x"], &["Cargo.toml"]),
-        (&["generate", "--model", model, "--prompt", &long_prompt], &["more than the model's context of 8192"]),
+        (&["generate", "--model", model, "--prompt", &long_prompt], &["more than the context of 8192"]),
         (&["generate", "--model", model, "--top-p", "1.5"], &["top_p must be in (0, 1]", "1.5"]),
         (&["chat", "--model", model, "--temperature=-1"], &["temperature", "-1"]),
         (&["generate", "--model", model, "--top-k", "three"], &["--top-k"]),
