@@ -234,6 +234,7 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["sgd_update"], Web, sgd),
         (&["adam_update"], Web, adam),
         (&["grad_norm_partials", "grad_norm_finish", "adamw_update"], Web, clipped_adamw),
+        (&["loss_scale_partials", "loss_scale_finish", "adamw_update"], Web, loss_scaled_adamw),
         (&["matmul_f16_forward"], Web, matmul_f16),
         (&["f32_to_f16"], Web, to_f16),
         (&["f16_to_f32"], Web, from_f16),
@@ -269,6 +270,7 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["concat_last_forward"], Web, concat_last),
         (&["cached_attention_forward"], Web, attention),
         (&["cached_attention_forward_workgroup"], Gpu, attention),
+        (&["cached_attention_forward_grouped"], Web, grouped_attention),
         (&["sample_rows_forward"], Web, sample_rows),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, None)),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Matvec { lanes: 64 }))),
@@ -681,6 +683,56 @@ fn clipped_adamw(c: &mut Ctx<'_>) -> Result<Case> {
     .note("the executor's clipped step: norm, then the update reading its clip factor"))
 }
 
+/// A loss-scaled, clipped AdamW step as the executor records it under
+/// `--precision f16`: the unscale, inf/NaN check and scale update over
+/// gradients scaled by 1024, then the update reading the block's factor and
+/// its step count. The twin is `cpu::LossScaleTwin` (the norm of the
+/// unscaled gradients and the factor), then AdamW's step 1 over the
+/// gradients times that factor. The partials have no twin of their own.
+fn loss_scaled_adamw(c: &mut Ctx<'_>) -> Result<Case> {
+    let (n, decay_len, max_norm) = (2999, 1700, 1.0f32);
+    let scaling = wgrad::optim::LossScaling { init_scale: 1024.0, ..Default::default() };
+    let (p0, g0, m0, v0) = (c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0), c.vals(n, -0.1, 0.1), c.vals(n, 0.0, 0.01));
+    let scaled: Vec<f32> = g0.iter().map(|g| g * scaling.init_scale).collect();
+    let cfg = OptimizerConfig::Adam(AdamConfig { lr: 1e-2, clip_grad_norm: Some(max_norm), ..AdamConfig::adamw() }).with_loss_scaling(Some(scaling));
+    let groups = wgrad::kernels::grad_norm_groups(n);
+    let (p, g, m, v) = (c.up(&p0)?, c.up(&scaled)?, c.up(&m0)?, c.up(&v0)?);
+    let (block, partials) = (c.up(&wgrad::kernels::loss_scale_block(&scaling))?, c.k.zeros(2 * groups)?);
+    let [sums, finish] = c.k.loss_scale(block.view(), partials.view(), g.view(), &cfg)?;
+    let arena = wgrad::kernels::ArenaGroups { decay_len, grad_norm: Some(block.view()) };
+    let update = c.k.optimizer_update(&cfg, p.view(), g.view(), &[m.view(), v.view()], arena, 1)?;
+    let mut twin = cpu::LossScaleTwin::new(&scaling);
+    let (norm, factor) = twin.step(&scaled, &scaling, Some(max_norm));
+    let factor = factor.ok_or_else(|| Error::Validation { op: "loss_scaled_adamw".into(), message: "finite gradients were skipped by the twin".into() })?;
+    let plain = OptimizerConfig::Adam(AdamConfig { lr: 1e-2, ..AdamConfig::adamw() });
+    let split = |v: &[f32]| vec![v[..decay_len].to_vec(), v[decay_len..].to_vec()];
+    let unscaled: Vec<f32> = scaled.iter().map(|g| g * factor).collect();
+    let (mut params, grads) = (split(&p0), split(&unscaled));
+    let mut state = vec![vec![m0[..decay_len].to_vec(), v0[..decay_len].to_vec()], vec![m0[decay_len..].to_vec(), v0[decay_len..].to_vec()]];
+    cpu::optimizer_step(&mut params, &grads, &mut state, &[true, false], &plain, 1);
+    let joined = |a: &[Vec<f32>]| a.concat();
+    // Words of the block against the twin: the unscaled norm, no skip, the
+    // scale unchanged after one clean step, one step taken.
+    use wgrad::kernels::loss_scale_word as word;
+    let at = |name: &'static str, w: usize, value: f32| Expect { offset: (w * 4) as u64, source: "a word of the loss-scale block", ..expect(name, &block, vec![value], SUMS.0, 1e-5) };
+    let words = [at("block_norm", word::NORM, norm), at("block_skip", word::SKIP, 0.0), at("block_scale", word::SCALE, twin.scale), at("block_step", word::STEP, twin.steps_taken as f32)];
+    let mut expected = Vec::from(words);
+    expected.extend([
+        expect("param", &p, joined(&params), OPTIM.0, OPTIM.1),
+        expect("exp_avg", &m, joined(&[state[0][0].clone(), state[1][0].clone()]), OPTIM.0, OPTIM.1),
+        expect("exp_avg_sq", &v, joined(&[state[0][1].clone(), state[1][1].clone()]), OPTIM.0, OPTIM.1),
+    ]);
+    let mut case = Case::new(
+        &["loss_scale_partials", "loss_scale_finish", "adamw_update"],
+        format!("loss_scale + adamw_update {n} ({groups} partials) scale {} clip {max_norm} decay {decay_len}", scaling.init_scale),
+        vec![sums, finish, update],
+        expected,
+    )
+    .note("--precision f16's step: unscale, check and clip, then the update reading the factor and step count");
+    case.scratch.push(("partials", "per-chunk sums of squares and non-finite counts, read by loss_scale_finish"));
+    Ok(case)
+}
+
 // ---- matmul_f16.wgsl, matmul_subgroup.wgsl -----------------------------
 
 fn matmul_f16(c: &mut Ctx<'_>) -> Result<Case> {
@@ -967,9 +1019,19 @@ fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
 }
 
 fn attention(c: &mut Ctx<'_>) -> Result<Case> {
-    // Grouped-query attention over separate q, k, v (Llama's): 4 query
-    // heads sharing 2 KV heads.
-    let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 4, kv_heads: 2, head_dim: 5, context: 11, layout: QkvLayout::Separate };
+    attention_case(c, None, 5)
+}
+
+/// The CPU adapters' kernel for grouped-query attention (vec4 reads: a
+/// head_dim of 8), whichever the adapter would pick.
+fn grouped_attention(c: &mut Ctx<'_>) -> Result<Case> {
+    attention_case(c, Some(wgrad::kernels::CachedAttentionKernel::Grouped), 8)
+}
+
+/// Grouped-query attention over separate q, k, v (Llama's): 4 query heads
+/// sharing 2 KV heads of `head_dim`, by `kernel` (None: the adapter's pick).
+fn attention_case(c: &mut Ctx<'_>, kernel: Option<wgrad::kernels::CachedAttentionKernel>, head_dim: usize) -> Result<Case> {
+    let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 4, kv_heads: 2, head_dim, context: 11, layout: QkvLayout::Separate };
     let lengths = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
     // Sequence 0 continues after 4 cached positions, sequence 1 starts.
     let starts_h = vec![4u32, 0];
@@ -977,12 +1039,17 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     let (k0, v0) = (c.vals(lengths.cache, -1.0, 1.0), c.vals(lengths.cache, -1.0, 1.0));
     let (q, k, v, starts) = (c.up(&q_h)?, c.up(&k_h)?, c.up(&v_h)?, c.up_u32(&starts_h)?);
     let (kc, vc, out) = (c.up(&k0)?, c.up(&v0)?, c.k.zeros(lengths.out)?);
-    let d = c.k.cached_attention_forward(out.view(), kc.view(), vc.view(), q.view(), k.view(), v.view(), starts.view(), shape)?;
+    let views = (out.view(), kc.view(), vc.view(), q.view(), k.view(), v.view(), starts.view());
+    let d = match kernel {
+        Some(kernel) => c.k.cached_attention_forward_with(kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+        None => c.k.cached_attention_forward(views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+    };
     let (want, keys, values) = cpu::cached_attention(&q_h, &k_h, &v_h, &starts_h, &k0, &v0, shape);
     let expected = vec![expect("out", &out, want, ROW.0 * 5.0, ROW.1), expect("k_cache", &kc, keys, EXACT.0, EXACT.1), expect("v_cache", &vc, values, EXACT.0, EXACT.1)];
-    // The per-invocation kernel on CPU adapters, the workgroup one on GPUs.
+    // Without a kernel named: the per-invocation kernel on CPU adapters,
+    // the workgroup one on GPUs.
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of 5, context 11"), vec![d], expected))
+    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of {head_dim}, context 11"), vec![d], expected))
 }
 
 /// Fused causal attention forward and backward, chained as a training step
