@@ -512,7 +512,13 @@ impl Trainer {
     /// and metadata (model, optimizer, criterion, step).
     pub fn checkpoint(&self) -> Result<Checkpoint> {
         let about = CheckpointAbout { model: &self.model_description, criterion: self.criterion, optimizer: &self.optimizer, step: self.exec.step_count() };
-        assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)
+        let mut ckpt = assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)?;
+        if let Some(scale) = self.exec.read_loss_scale()? {
+            for (key, value) in scale.metadata() {
+                ckpt.set_meta(key, value);
+            }
+        }
+        Ok(ckpt)
     }
 
     /// Writes [`Trainer::checkpoint`] atomically as safetensors.
@@ -549,7 +555,13 @@ impl Trainer {
             state.clear();
         }
         let step = ckpt.meta("step").and_then(|s| s.parse::<u64>().ok());
-        self.exec.load_state(&params, &state, if complete { step } else { None })
+        // Read before anything on the GPU changes: corrupt metadata loses nothing.
+        let scale = if complete { optim::LossScaleState::from_metadata(|key| ckpt.meta(key))? } else { None };
+        self.exec.load_state(&params, &state, if complete { step } else { None })?;
+        match scale {
+            Some(scale) => self.exec.load_loss_scale(&scale),
+            None => Ok(()),
+        }
     }
 }
 

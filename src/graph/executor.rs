@@ -316,6 +316,27 @@ impl Executor {
         self.loss_scale.as_ref()
     }
 
+    /// Dynamic loss scaling's state now (waits for the GPU), for a
+    /// checkpoint; `None` without loss scaling.
+    pub fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        match &self.optimizer {
+            Some(o) => o.read_loss_scale(&self.kernels),
+            None => Ok(None),
+        }
+    }
+
+    /// Restores dynamic loss scaling's state (a checkpoint's, after
+    /// [`Executor::load_state`]); nothing where the optimizer does not
+    /// scale (an f16 run's checkpoint resumed in f32).
+    pub fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        if let Some(o) = &mut self.optimizer {
+            if o.import_loss_scale(&self.kernels, state)? {
+                self.loss_scale = Some(state.clone());
+            }
+        }
+        Ok(())
+    }
+
     /// The optimizer this executor steps with, if any.
     pub fn optimizer_config(&self) -> Option<&OptimizerConfig> {
         self.optimizer.as_ref().map(Optimizer::config)

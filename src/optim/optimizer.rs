@@ -7,6 +7,7 @@
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::kernels::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig, View, LOSS_SCALE_WORDS};
+use crate::ops::LossScaling;
 
 /// Where a parameter lives in the arenas, as the executor's plan laid
 /// them out.
@@ -79,6 +80,16 @@ pub struct LossScaleState {
     pub skipped_steps: Vec<u64>,
 }
 
+/// Checkpoint metadata keys of [`LossScaleState::metadata`].
+pub mod meta {
+    pub const SCALE: &str = "loss_scale";
+    pub const GROWTH_TRACKER: &str = "loss_scale_growth_tracker";
+    pub const STEPS_TAKEN: &str = "loss_scale_steps_taken";
+    pub const STEPS_RUN: &str = "loss_scale_steps_run";
+    pub const SKIPPED: &str = "loss_scale_skipped";
+    pub const SKIPPED_STEPS: &str = "loss_scale_skipped_steps";
+}
+
 impl LossScaleState {
     /// The state in the block's words (`kernels::loss_scale_word`).
     pub fn from_block(block: &[f32]) -> LossScaleState {
@@ -93,6 +104,70 @@ impl LossScaleState {
             skipped,
             skipped_steps: (0..(skipped as usize).min(w::HISTORY_LEN)).map(|k| at(w::HISTORY + k) as u64).collect(),
         }
+    }
+
+    /// The checkpoint metadata that carries the state (a run resumed from
+    /// it scales, counts and bias-corrects as if it had not stopped).
+    pub fn metadata(&self) -> Vec<(&'static str, String)> {
+        let skipped_steps: Vec<String> = self.skipped_steps.iter().map(u64::to_string).collect();
+        vec![
+            (meta::SCALE, self.scale.to_string()),
+            (meta::GROWTH_TRACKER, self.growth_tracker.to_string()),
+            (meta::STEPS_TAKEN, self.steps_taken.to_string()),
+            (meta::STEPS_RUN, self.steps_run.to_string()),
+            (meta::SKIPPED, self.skipped.to_string()),
+            (meta::SKIPPED_STEPS, skipped_steps.join(",")),
+        ]
+    }
+
+    /// The state [`LossScaleState::metadata`] wrote, read through `get`;
+    /// `None` where the checkpoint has none (an f32 run's). Values that
+    /// are not numbers, a scale that is not a positive finite number, or
+    /// counts that disagree are an error naming the key.
+    pub fn from_metadata<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Result<Option<LossScaleState>> {
+        let Some(scale) = get(meta::SCALE) else { return Ok(None) };
+        let bad = |key: &str, why: String| Error::InvalidArgument { op: "load loss scale", reason: format!("checkpoint metadata `{key}`: {why}") };
+        let count = |key: &str| -> Result<u64> {
+            let text = get(key).ok_or_else(|| bad(key, "missing beside `loss_scale`".into()))?;
+            text.parse::<u64>().map_err(|_| bad(key, format!("`{text}` is not a count")))
+        };
+        let scale = scale.parse::<f32>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| bad(meta::SCALE, format!("`{scale}` is not a positive finite scale")))?;
+        let (steps_taken, steps_run, skipped) = (count(meta::STEPS_TAKEN)?, count(meta::STEPS_RUN)?, count(meta::SKIPPED)?);
+        if steps_taken.checked_add(skipped) != Some(steps_run) {
+            return Err(bad(meta::STEPS_RUN, format!("{steps_run} steps run, but {steps_taken} taken and {skipped} skipped")));
+        }
+        let list = get(meta::SKIPPED_STEPS).unwrap_or_default();
+        let skipped_steps = list
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<u64>().map_err(|_| bad(meta::SKIPPED_STEPS, format!("`{s}` is not a step"))))
+            .collect::<Result<Vec<u64>>>()?;
+        if skipped_steps.len() > (skipped as usize).min(loss_scale_word::HISTORY_LEN) || skipped_steps.iter().any(|&s| s == 0 || s > steps_run) {
+            return Err(bad(meta::SKIPPED_STEPS, format!("`{list}` does not fit {skipped} skipped of {steps_run} steps")));
+        }
+        Ok(Some(LossScaleState { scale, growth_tracker: count(meta::GROWTH_TRACKER)?, steps_taken, steps_run, skipped, skipped_steps }))
+    }
+
+    /// The loss-scale block holding this state, for an optimizer scaling
+    /// by `scaling` with Adam's `betas` ((0, 0) for SGD): the bias
+    /// corrections' powers are the products the GPU would have formed,
+    /// one f32 multiplication per step taken, so a resumed run's bits
+    /// equal an unbroken run's.
+    fn block(&self, scaling: &LossScaling, (beta1, beta2): (f32, f32)) -> Vec<f32> {
+        use loss_scale_word as w;
+        let mut block = loss_scale_block(scaling);
+        let power = |beta: f32| (0..self.steps_taken).fold(1.0f32, |p, _| p * beta);
+        block[w::SCALE] = self.scale;
+        block[w::TRACKER] = self.growth_tracker as f32;
+        block[w::STEP] = self.steps_taken as f32;
+        block[w::SKIPPED] = self.skipped as f32;
+        block[w::ITERATIONS] = self.steps_run as f32;
+        block[w::BETA1_POW] = power(beta1);
+        block[w::BETA2_POW] = power(beta2);
+        for (k, &step) in self.skipped_steps.iter().take(w::HISTORY_LEN).enumerate() {
+            block[w::HISTORY + k] = step as f32;
+        }
+        block
     }
 
     /// `loss scale: final 32768, 3 steps skipped (steps 1, 2, 5)`.
@@ -311,8 +386,28 @@ impl Optimizer {
         }
         if let Some(s) = step {
             self.step = s;
+            // A loss-scaled update counts its steps (and forms its bias
+            // corrections) on the GPU: a checkpoint without scaling's state
+            // (an f32 run's) took every step it ran, at the initial scale.
+            if let Some(scaling) = self.config.loss_scaling() {
+                let fresh = LossScaleState { scale: scaling.init_scale, steps_taken: s, steps_run: s, ..LossScaleState::default() };
+                self.import_loss_scale(kernels, &fresh)?;
+            }
         }
         Ok(())
+    }
+
+    /// Sets dynamic loss scaling's state (a resumed run's, after
+    /// [`Optimizer::import_state`]); `false`, and nothing changes, where
+    /// this optimizer does not scale.
+    pub(crate) fn import_loss_scale(&mut self, kernels: &Kernels, state: &LossScaleState) -> Result<bool> {
+        let (Some(scaler), Some(scaling)) = (&self.scaler, self.config.loss_scaling()) else { return Ok(false) };
+        let betas = match &self.config {
+            OptimizerConfig::Adam(c) => c.betas,
+            OptimizerConfig::Sgd(_) => (0.0, 0.0),
+        };
+        kernels.write(scaler.block.view(), &state.block(&scaling, betas))?;
+        Ok(true)
     }
 }
 

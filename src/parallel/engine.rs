@@ -17,6 +17,7 @@ use super::DeviceGroup;
 use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
+use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
 use crate::trainer::{Examples, Targets, Trainer};
 
@@ -185,6 +186,19 @@ pub trait TrainEngine {
     }
     /// Loads parameters (by name), optimizer state and step everywhere.
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()>;
+    /// Dynamic loss scaling's state now, for a save; `None` where the
+    /// engine does not scale.
+    fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        match self.holding() {
+            Holding::Replica(t) => t.executor().read_loss_scale(),
+            Holding::Stages(..) => Ok(None),
+        }
+    }
+    /// Restores loss scaling's state (a save's) after
+    /// [`TrainEngine::load_state`]; nothing where the engine does not scale.
+    fn load_loss_scale(&mut self, _state: &LossScaleState) -> Result<()> {
+        Ok(())
+    }
     /// Across processes, every rank takes rank 0's parameters, state and
     /// step (collective); nothing otherwise.
     fn sync_from_root(&mut self) -> Result<()> {
@@ -292,6 +306,9 @@ impl TrainEngine for Trainer {
     }
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         self.executor_mut().load_state(params, state, step)
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        self.executor_mut().load_loss_scale(state)
     }
     fn describe(&self) -> String {
         format!("single device, {} dispatches per step in one submit", self.executor().dispatches_per_step())

@@ -492,7 +492,8 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
             return trained.save_folder(path, &tokenizer, None, &pretrained.files);
         }
         let state = engine.optimizer_state()?.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect();
-        let state = OptimizerState { optimizer: optim::describe(&config.optimizer), step: engine.step_count(), state, metadata: Default::default() };
+        let metadata = engine.read_loss_scale()?.map(|s| s.metadata().into_iter().map(|(k, v)| (k.to_string(), v)).collect()).unwrap_or_default();
+        let state = OptimizerState { optimizer: optim::describe(&config.optimizer), step: engine.step_count(), state, metadata };
         trained.save_folder(path, &tokenizer, Some(&state), &[])
     }
 }

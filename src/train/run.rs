@@ -368,7 +368,11 @@ impl<T: Task> TrainingRun<T> {
             engine.inject_failure(rank, step, how);
         }
         if let Some(r) = &resumed {
+            let scale = LossScaleState::from_metadata(|key| r.state.metadata.get(key).map(String::as_str))?;
             engine.load_state(&r.parameters, &r.state.state, Some(r.state.step))?;
+            if let Some(scale) = scale {
+                engine.load_loss_scale(&scale)?;
+            }
         }
         if config.resume.is_some() {
             engine.sync_from_root()?;

@@ -182,6 +182,119 @@ fn the_scale_grows_after_the_interval_of_clean_steps() {
     });
 }
 
+/// A checkpoint file for `test` on adapter `k`, removed when dropped.
+struct TempCheckpoint(std::path::PathBuf);
+
+impl TempCheckpoint {
+    fn new(test: &str, k: &Kernels) -> Self {
+        let label: String = k.device().label().chars().filter(char::is_ascii_alphanumeric).collect();
+        TempCheckpoint(std::env::temp_dir().join(format!("wgrad-{test}-{}-{label}.safetensors", std::process::id())))
+    }
+}
+
+impl Drop for TempCheckpoint {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn a_resumed_loss_scaled_run_equals_the_unbroken_run() {
+    for_each_f16_adapter("mixed_precision::a_resumed_loss_scaled_run", |k| {
+        let model = linear_model();
+        // Overflowing at first (skipped steps), then growing every 2 clean
+        // steps until it overflows again: the save falls amid all of it.
+        let scaling = LossScaling { init_scale: 2f32.powi(127), growth_interval: 2, ..LossScaling::default() };
+        let optimizer = adamw().loss_scaling(scaling);
+        let mut unbroken = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
+        for step in 1..=12 {
+            linear_step(&mut unbroken, step);
+        }
+        let file = TempCheckpoint::new("resume-scaled", k);
+        let mut first = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
+        for step in 1..=6 {
+            linear_step(&mut first, step);
+        }
+        let saved = scale_state(&first);
+        assert!(saved.skipped > 0 && saved.steps_taken > 0, "the save should fall after skipped and taken steps: {saved:?}");
+        first.save(&file.0)?;
+        let mut resumed = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
+        resumed.load(&file.0)?;
+        assert_eq!(resumed.executor().read_loss_scale()?.as_ref(), Some(&saved), "the scale, its counters and history come back");
+        for step in 7..=12 {
+            linear_step(&mut resumed, step);
+        }
+        // The same kernels on the same numbers: equal bits, not a tolerance.
+        assert_eq!(scale_state(&resumed), scale_state(&unbroken));
+        assert_eq!(resumed.executor().parameters()?, unbroken.executor().parameters()?);
+        assert_eq!(resumed.executor().optimizer_state()?, unbroken.executor().optimizer_state()?);
+        Ok(())
+    });
+}
+
+#[test]
+fn an_f32_checkpoint_resumes_under_loss_scaling() {
+    for_each_f16_adapter("mixed_precision::an_f32_checkpoint_resumes", |k| {
+        // Every step fits the scale: the scaled run takes the plain run's
+        // steps, its bias corrections counted from the checkpoint's step.
+        let model = linear_model();
+        let scaling = LossScaling { init_scale: 1024.0, ..LossScaling::default() };
+        let mut plain = Trainer::new(k.clone(), &model, MSELoss, adamw(), 4)?;
+        for step in 1..=3 {
+            linear_step(&mut plain, step);
+        }
+        let file = TempCheckpoint::new("resume-f32", k);
+        plain.save(&file.0)?;
+        for step in 4..=6 {
+            linear_step(&mut plain, step);
+        }
+        let mut scaled = Trainer::new(k.clone(), &model, MSELoss, adamw().loss_scaling(scaling), 4)?;
+        scaled.load(&file.0)?;
+        for step in 4..=6 {
+            linear_step(&mut scaled, step);
+        }
+        let state = scale_state(&scaled);
+        assert_eq!((state.steps_taken, state.steps_run, state.skipped), (6, 6, 0));
+        // Unscaling by a power of two is exact; the bias corrections are
+        // the GPU's f32 products against the host's (a few f32 ulps).
+        for ((name, _, g), (_, _, w)) in scaled.executor().parameters()?.iter().zip(&plain.executor().parameters()?) {
+            assert_close(&format!("3 + 3 steps: {name}"), g, w, 1e-6, 1e-5);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn corrupt_loss_scale_metadata_is_an_error_and_changes_nothing() {
+    for_each_f16_adapter("mixed_precision::corrupt_loss_scale_metadata", |k| {
+        let model = linear_model();
+        let optimizer = adamw().loss_scaling(LossScaling { init_scale: 1024.0, ..LossScaling::default() });
+        let mut t = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
+        for step in 1..=2 {
+            linear_step(&mut t, step);
+        }
+        let file = TempCheckpoint::new("resume-corrupt", k);
+        let good = t.checkpoint()?;
+        let cases: [(&str, &str, &str); 4] = [
+            ("loss_scale", "nan", "positive finite"),
+            ("loss_scale", "-2", "positive finite"),
+            ("loss_scale_steps_run", "9", "taken"),
+            ("loss_scale_skipped_steps", "x", "not a step"),
+        ];
+        for (key, value, says) in cases {
+            let mut ckpt = good.clone();
+            ckpt.set_meta(key, value);
+            wgrad::io::checkpoint::save(&file.0, &ckpt)?;
+            let mut fresh = Trainer::new(k.clone(), &model, MSELoss, optimizer, 4)?;
+            let before = fresh.executor().parameters()?;
+            let err = fresh.load(&file.0).expect_err("corrupt loss-scale metadata must not load");
+            assert!(err.to_string().contains(key) && err.to_string().contains(says), "{key}={value}: {err}");
+            assert_eq!(fresh.executor().parameters()?, before, "{key}={value}: nothing changes");
+        }
+        Ok(())
+    });
+}
+
 const PANGRAM: &str = "the quick brown fox, jumps over the lazy dog. ";
 
 /// A tiny GPT's losses over 20 steps on the pangram, in `precision`, and
