@@ -141,21 +141,31 @@ fn write_c(row: u32, col: u32, product: f32) {
 }
 
 // Block `block`'s 32 integers (counted in blocks from q_base), in 8 vec4s
-// of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads.
-fn quant_block_ints(block: u32) -> array<vec4<f32>, 8> {
+// of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads; with
+// `scaled`, as quant_scaled_ints gives them (the columns kernel's).
+fn quant_block_ints(block: u32, scaled: bool) -> array<vec4<f32>, 8> {
     if QUANT_FORMAT == QUANT_Q8_0 {
         let w0 = qw4[p.q_base / 4u + 2u * block];
         let w1 = qw4[p.q_base / 4u + 2u * block + 1u];
         return array<vec4<f32>, 8>(
-            quant_ints(w0.x, 0u), quant_ints(w0.y, 1u), quant_ints(w0.z, 2u), quant_ints(w0.w, 3u),
-            quant_ints(w1.x, 4u), quant_ints(w1.y, 5u), quant_ints(w1.z, 6u), quant_ints(w1.w, 7u),
+            quant_word_ints(w0.x, 0u, scaled), quant_word_ints(w0.y, 1u, scaled), quant_word_ints(w0.z, 2u, scaled), quant_word_ints(w0.w, 3u, scaled),
+            quant_word_ints(w1.x, 4u, scaled), quant_word_ints(w1.y, 5u, scaled), quant_word_ints(w1.z, 6u, scaled), quant_word_ints(w1.w, 7u, scaled),
         );
     }
     let w = qw4[p.q_base / 4u + block];
     return array<vec4<f32>, 8>(
-        quant_ints(w.x, 0u), quant_ints(w.y, 1u), quant_ints(w.z, 2u), quant_ints(w.w, 3u),
-        quant_ints(w.x, 4u), quant_ints(w.y, 5u), quant_ints(w.z, 6u), quant_ints(w.w, 7u),
+        quant_word_ints(w.x, 0u, scaled), quant_word_ints(w.y, 1u, scaled), quant_word_ints(w.z, 2u, scaled), quant_word_ints(w.w, 3u, scaled),
+        quant_word_ints(w.x, 4u, scaled), quant_word_ints(w.y, 5u, scaled), quant_word_ints(w.z, 6u, scaled), quant_word_ints(w.w, 7u, scaled),
     );
+}
+
+// quant_ints, or quant_scaled_ints with `scaled` (a constant at every
+// call: the branch folds away).
+fn quant_word_ints(word: u32, g: u32, scaled: bool) -> vec4<f32> {
+    if scaled {
+        return quant_scaled_ints(word, g);
+    }
+    return quant_ints(word, g);
 }
 
 // 32 values of a row of A from vec4 index `i`.
@@ -168,6 +178,18 @@ fn quant_a_block(i: u32) -> array<vec4<f32>, 8> {
 // applied once to the sum of the integers' products, not per weight,
 // d·Σ q·x (− 8·d·Σ x, or + m·Σ x).
 fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: array<vec4<f32>, 8>, xs: vec4<f32>) -> vec4<f32> {
+    let t = quant_block_products(q, x);
+    if QUANT_FORMAT == QUANT_Q4_1 {
+        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
+    }
+    if QUANT_FORMAT == QUANT_Q4_0 {
+        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
+    }
+    return fma(vec4<f32>(dm.x), t, acc);
+}
+
+// Σ_g q[g]·x[g], four partial sums.
+fn quant_block_products(q: array<vec4<f32>, 8>, x: array<vec4<f32>, 8>) -> vec4<f32> {
     var t = q[0] * x[0];
     t = fma(q[1], x[1], t);
     t = fma(q[2], x[2], t);
@@ -176,13 +198,7 @@ fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: arr
     t = fma(q[5], x[5], t);
     t = fma(q[6], x[6], t);
     t = fma(q[7], x[7], t);
-    if QUANT_FORMAT == QUANT_Q4_1 {
-        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
-    }
-    if QUANT_FORMAT == QUANT_Q4_0 {
-        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
-    }
-    return fma(vec4<f32>(dm.x), t, acc);
+    return t;
 }
 
 fn quant_block_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
@@ -244,7 +260,7 @@ fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
 // acc (column r: row r's partial sums of one column of C) plus block
 // `block` of that column of B against each row's block of A.
 fn quant_column_fma(acc: mat4x4<f32>, block: vec2<u32>, a: QuantRowsA) -> mat4x4<f32> {
-    let q = quant_block_ints(block.x);
+    let q = quant_block_ints(block.x, false);
     let dm = quant_dm(block.y);
     var next = acc;
     next[0] = quant_block_fma(acc[0], q, dm, a.x0, a.s[0]);
@@ -454,23 +470,6 @@ fn quant_scaled_ints(word: u32, g: u32) -> vec4<f32> {
     return vec4<f32>((vec4<u32>(word) >> vec4<u32>(4u * (g / 4u))) & QUANT_NIBBLE_MASKS);
 }
 
-// quant_block_ints, scaled as above.
-fn quant_block_scaled_ints(block: u32) -> array<vec4<f32>, 8> {
-    if QUANT_FORMAT == QUANT_Q8_0 {
-        let w0 = qw4[p.q_base / 4u + 2u * block];
-        let w1 = qw4[p.q_base / 4u + 2u * block + 1u];
-        return array<vec4<f32>, 8>(
-            quant_scaled_ints(w0.x, 0u), quant_scaled_ints(w0.y, 1u), quant_scaled_ints(w0.z, 2u), quant_scaled_ints(w0.w, 3u),
-            quant_scaled_ints(w1.x, 4u), quant_scaled_ints(w1.y, 5u), quant_scaled_ints(w1.z, 6u), quant_scaled_ints(w1.w, 7u),
-        );
-    }
-    let w = qw4[p.q_base / 4u + block];
-    return array<vec4<f32>, 8>(
-        quant_scaled_ints(w.x, 0u), quant_scaled_ints(w.y, 1u), quant_scaled_ints(w.z, 2u), quant_scaled_ints(w.w, 3u),
-        quant_scaled_ints(w.x, 4u), quant_scaled_ints(w.y, 5u), quant_scaled_ints(w.z, 6u), quant_scaled_ints(w.w, 7u),
-    );
-}
-
 // A block of A divided as the integers it meets are multiplied.
 fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
     var unscale = QUANT_NIBBLE_UNSCALE;
@@ -480,45 +479,28 @@ fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
     return array<vec4<f32>, 8>(x[0] * unscale, x[1] * unscale, x[2] * unscale, x[3] * unscale, x[4] * unscale, x[5] * unscale, x[6] * unscale, x[7] * unscale);
 }
 
-// Block j of each row of A for the columns kernel: unscaled values (rows
-// past M repeat row 0 and are never stored) and component r of `s` row
-// r's Σ x over the block.
-struct QuantColumnsA {
-    x0: array<vec4<f32>, 8>,
-    x1: array<vec4<f32>, 8>,
-    x2: array<vec4<f32>, 8>,
-    x3: array<vec4<f32>, 8>,
-    s: vec4<f32>,
-}
-
-fn quant_columns_a(ra: vec4<u32>, j: u32) -> QuantColumnsA {
+// Block j of each row of A for the columns kernel (quant_rows_a's),
+// divided as quant_unscale_a does; the sums stay those of the values.
+fn quant_columns_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
     let a = quant_rows_a(ra, j);
-    let ones = vec4<f32>(1.0);
-    return QuantColumnsA(
-        quant_unscale_a(a.x0), quant_unscale_a(a.x1), quant_unscale_a(a.x2), quant_unscale_a(a.x3),
-        vec4<f32>(dot(a.s[0], ones), dot(a.s[1], ones), dot(a.s[2], ones), dot(a.s[3], ones)),
-    );
+    return QuantRowsA(quant_unscale_a(a.x0), quant_unscale_a(a.x1), quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s);
 }
 
 // Σ q·x over one block (scaled integers, unscaled A).
 fn quant_block_dot(q: array<vec4<f32>, 8>, x: array<vec4<f32>, 8>) -> f32 {
-    var t = q[0] * x[0];
-    t = fma(q[1], x[1], t);
-    t = fma(q[2], x[2], t);
-    t = fma(q[3], x[3], t);
-    t = fma(q[4], x[4], t);
-    t = fma(q[5], x[5], t);
-    t = fma(q[6], x[6], t);
-    t = fma(q[7], x[7], t);
+    let t = quant_block_products(q, x);
     return (t.x + t.y) + (t.z + t.w);
 }
 
 // acc (component r: row r's sum of one column of C) plus block `block`
 // of that column of B against each row's block of A: d·Σ q·x, and
 // + m·Σ x (Q4_1) or − 8·d·Σ x (Q4_0).
-fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantColumnsA) -> vec4<f32> {
-    let q = quant_block_scaled_ints(block.x);
+fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantRowsA) -> vec4<f32> {
+    let q = quant_block_ints(block.x, true);
     let dm = quant_dm(block.y);
+    // Each row's Σ x (the same for every column: computed once a step).
+    let ones = vec4<f32>(1.0);
+    let xs = vec4<f32>(dot(a.s[0], ones), dot(a.s[1], ones), dot(a.s[2], ones), dot(a.s[3], ones));
     var t = vec4<f32>(quant_block_dot(q, a.x0), 0.0, 0.0, 0.0);
     if MATVEC_ROWS > 1u {
         t.y = quant_block_dot(q, a.x1);
@@ -530,10 +512,10 @@ fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantColumnsA) -> vec4
         t.w = quant_block_dot(q, a.x3);
     }
     if QUANT_FORMAT == QUANT_Q4_1 {
-        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), a.s, acc));
+        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
     }
     if QUANT_FORMAT == QUANT_Q4_0 {
-        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), a.s, t), acc);
+        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
     }
     return fma(vec4<f32>(dm.x), t, acc);
 }
