@@ -382,10 +382,12 @@ fn matvec_quant_forward(
 // What a lane keeps across steps is one f32 per (row, column): each
 // block's 32 products are summed within the step, so 16 columns fit
 // where 8 columns of vec4 partial sums spilled (SoA: a vec4 is 4
-// registers per lane group). A wgpu-py harness on lavapipe (Q4_1
-// 49152×576, process CPU time per launch, 16 interleaved rounds): 12.26 →
-// 11.16 ms; Q8_0 17.40 → 15.51 ms; the copy kernel over the same bytes
-// 10.03 and 17.48.
+// registers per lane group). On lavapipe (this kernel against the one
+// with 8 columns of vec4 sums, process CPU time per launch, interleaved
+// rounds, load ~10): the Q8_0 head 49152×576 18.6 → 16.7 ms, SmolLM2's
+// gated 2×1536×576 0.80 → 0.73, its Q4_1 products of 576 and 960
+// columns within 5%. Storage loads, not arithmetic, bound it: lavapipe
+// loads lane by lane, ~2.2 ns per load and lane plus ~1.1 per word.
 @compute @workgroup_size(8, 1, 1)
 fn matvec_quant_forward_columns(
     @builtin(workgroup_id) wid: vec3<u32>,
