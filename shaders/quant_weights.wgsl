@@ -141,21 +141,31 @@ fn write_c(row: u32, col: u32, product: f32) {
 }
 
 // Block `block`'s 32 integers (counted in blocks from q_base), in 8 vec4s
-// of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads.
-fn quant_block_ints(block: u32) -> array<vec4<f32>, 8> {
+// of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads; with
+// `scaled`, as quant_scaled_ints gives them (the columns kernel's).
+fn quant_block_ints(block: u32, scaled: bool) -> array<vec4<f32>, 8> {
     if QUANT_FORMAT == QUANT_Q8_0 {
         let w0 = qw4[p.q_base / 4u + 2u * block];
         let w1 = qw4[p.q_base / 4u + 2u * block + 1u];
         return array<vec4<f32>, 8>(
-            quant_ints(w0.x, 0u), quant_ints(w0.y, 1u), quant_ints(w0.z, 2u), quant_ints(w0.w, 3u),
-            quant_ints(w1.x, 4u), quant_ints(w1.y, 5u), quant_ints(w1.z, 6u), quant_ints(w1.w, 7u),
+            quant_word_ints(w0.x, 0u, scaled), quant_word_ints(w0.y, 1u, scaled), quant_word_ints(w0.z, 2u, scaled), quant_word_ints(w0.w, 3u, scaled),
+            quant_word_ints(w1.x, 4u, scaled), quant_word_ints(w1.y, 5u, scaled), quant_word_ints(w1.z, 6u, scaled), quant_word_ints(w1.w, 7u, scaled),
         );
     }
     let w = qw4[p.q_base / 4u + block];
     return array<vec4<f32>, 8>(
-        quant_ints(w.x, 0u), quant_ints(w.y, 1u), quant_ints(w.z, 2u), quant_ints(w.w, 3u),
-        quant_ints(w.x, 4u), quant_ints(w.y, 5u), quant_ints(w.z, 6u), quant_ints(w.w, 7u),
+        quant_word_ints(w.x, 0u, scaled), quant_word_ints(w.y, 1u, scaled), quant_word_ints(w.z, 2u, scaled), quant_word_ints(w.w, 3u, scaled),
+        quant_word_ints(w.x, 4u, scaled), quant_word_ints(w.y, 5u, scaled), quant_word_ints(w.z, 6u, scaled), quant_word_ints(w.w, 7u, scaled),
     );
+}
+
+// quant_ints, or quant_scaled_ints with `scaled` (a constant at every
+// call: the branch folds away).
+fn quant_word_ints(word: u32, g: u32, scaled: bool) -> vec4<f32> {
+    if scaled {
+        return quant_scaled_ints(word, g);
+    }
+    return quant_ints(word, g);
 }
 
 // 32 values of a row of A from vec4 index `i`.
@@ -168,6 +178,18 @@ fn quant_a_block(i: u32) -> array<vec4<f32>, 8> {
 // applied once to the sum of the integers' products, not per weight,
 // d·Σ q·x (− 8·d·Σ x, or + m·Σ x).
 fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: array<vec4<f32>, 8>, xs: vec4<f32>) -> vec4<f32> {
+    let t = quant_block_products(q, x);
+    if QUANT_FORMAT == QUANT_Q4_1 {
+        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
+    }
+    if QUANT_FORMAT == QUANT_Q4_0 {
+        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
+    }
+    return fma(vec4<f32>(dm.x), t, acc);
+}
+
+// Σ_g q[g]·x[g], four partial sums.
+fn quant_block_products(q: array<vec4<f32>, 8>, x: array<vec4<f32>, 8>) -> vec4<f32> {
     var t = q[0] * x[0];
     t = fma(q[1], x[1], t);
     t = fma(q[2], x[2], t);
@@ -176,13 +198,7 @@ fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: arr
     t = fma(q[5], x[5], t);
     t = fma(q[6], x[6], t);
     t = fma(q[7], x[7], t);
-    if QUANT_FORMAT == QUANT_Q4_1 {
-        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
-    }
-    if QUANT_FORMAT == QUANT_Q4_0 {
-        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
-    }
-    return fma(vec4<f32>(dm.x), t, acc);
+    return t;
 }
 
 fn quant_block_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
@@ -244,7 +260,7 @@ fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
 // acc (column r: row r's partial sums of one column of C) plus block
 // `block` of that column of B against each row's block of A.
 fn quant_column_fma(acc: mat4x4<f32>, block: vec2<u32>, a: QuantRowsA) -> mat4x4<f32> {
-    let q = quant_block_ints(block.x);
+    let q = quant_block_ints(block.x, false);
     let dm = quant_dm(block.y);
     var next = acc;
     next[0] = quant_block_fma(acc[0], q, dm, a.x0, a.s[0]);
@@ -358,12 +374,21 @@ fn matvec_quant_forward(
 // as the lanes of one SIMD row, and issues a storage load lane by lane).
 // matvec_quant_forward splits k over the lanes, so each lane loads its own
 // blocks of A and a sum over the lanes follows; here the workgroup's 8
-// lanes own 64 columns of C, lane l the columns col0 + l + 8·c (c in
-// 0..7), and each lane sums all of k: a step loads one block of each row
-// of A for 8 blocks of weights (A's f32 block is 128 bytes to a Q4
+// lanes own 128 columns of C, lane l the columns col0 + l + 8·c (c in
+// 0..15), and each lane sums all of k: a step loads one block of each row
+// of A for 16 blocks of weights (A's f32 block is 128 bytes to a Q4
 // block's 20: with a lane per column, loading A for each block of
 // weights ran at a third of this speed). No workgroup memory, no barrier.
-@compute @workgroup_size(MATVEC_COLS, 1, 1)
+// What a lane keeps across steps is one f32 per (row, column): each
+// block's 32 products are summed within the step, so 16 columns fit
+// where 8 columns of vec4 partial sums spilled (SoA: a vec4 is 4
+// registers per lane group). On lavapipe (this kernel against the one
+// with 8 columns of vec4 sums, process CPU time per launch, interleaved
+// rounds, load ~10): the Q8_0 head 49152×576 18.6 → 16.7 ms, SmolLM2's
+// gated 2×1536×576 0.80 → 0.73, its Q4_1 products of 576 and 960
+// columns within 5%. Storage loads, not arithmetic, bound it: lavapipe
+// loads lane by lane, ~2.2 ns per load and lane plus ~1.1 per word.
+@compute @workgroup_size(8, 1, 1)
 fn matvec_quant_forward_columns(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
@@ -375,22 +400,22 @@ fn matvec_quant_forward_columns(
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
     let last = vec4<u32>(n - 1u);
+    let steps = vec4<u32>(0u, 8u, 16u, 24u);
     if GATED {
-        // Output columns col0 + 8c (c in 0..3): G's rows in accumulators
-        // 0..3, U's (virtual columns n and on) in 4..7.
+        // Output columns col0 + 8c (c in 0..7): G's rows in accumulators
+        // 0..7, U's (virtual columns n and on) in 8..15.
         let col0 = (wid.y * nwg.x + wid.x) * QUANT_GATED_COLUMNS_PER_GROUP + lid.x;
         if col0 >= n {
             return;
         }
-        let gate = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last);
-        let sums = quant_matvec_sums(gate, gate + vec4<u32>(n), 0u, 1u, sizes.y);
-        for (var r = 0u; r < MATVEC_ROWS; r++) {
-            let row = quant_row_sums(sums, r);
-            for (var c = 0u; c < 4u; c++) {
-                let col = col0 + 8u * c;
-                if col < n {
-                    let g = dot(row[c], vec4<f32>(1.0));
-                    c_gated(r, col, activation_forward(ACT_SILU, g) * dot(row[c + 4u], vec4<f32>(1.0)));
+        let g_lo = min(vec4<u32>(col0) + steps, last);
+        let g_hi = min(vec4<u32>(col0 + 32u) + steps, last);
+        let sums = quant_columns_sums(array<vec4<u32>, 4>(g_lo, g_hi, g_lo + vec4<u32>(n), g_hi + vec4<u32>(n)), sizes.y);
+        for (var c = 0u; c < 8u; c++) {
+            let col = col0 + 8u * c;
+            if col < n {
+                for (var r = 0u; r < MATVEC_ROWS; r++) {
+                    c_gated(r, col, activation_forward(ACT_SILU, sums[c][r]) * sums[c + 8u][r]);
                 }
             }
         }
@@ -400,35 +425,164 @@ fn matvec_quant_forward_columns(
     if col0 >= n {
         return;
     }
-    let lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last);
-    let hi = min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last);
-    let sums = quant_matvec_sums(lo, hi, 0u, 1u, sizes.y);
-    for (var r = 0u; r < MATVEC_ROWS; r++) {
-        matvec_columns_store(r, col0, n, quant_row_sums(sums, r));
+    var cols: array<vec4<u32>, 4>;
+    for (var q = 0u; q < 4u; q++) {
+        cols[q] = min(vec4<u32>(col0 + 32u * q) + steps, last);
+    }
+    let sums = quant_columns_sums(cols, sizes.y);
+    for (var c = 0u; c < 16u; c++) {
+        let col = col0 + 8u * c;
+        if col < n {
+            for (var r = 0u; r < MATVEC_ROWS; r++) {
+                write_c(r, col, sums[c][r]);
+            }
+        }
     }
 }
 
 // Output columns per workgroup of the gated matvec_quant_forward_columns:
-// 4 per lane.
-const QUANT_GATED_COLUMNS_PER_GROUP: u32 = 32u;
+// 8 per lane.
+const QUANT_GATED_COLUMNS_PER_GROUP: u32 = 64u;
 
 // A gated product's C[row, col] (no bias, no activation of its own).
 fn c_gated(row: u32, col: u32, v: f32) {
     c[p.c_base + row * p.ldc + col] = v;
 }
 
-// Columns of C per workgroup of matvec_quant_forward_columns: 8 per lane.
-const QUANT_COLUMNS_PER_GROUP: u32 = 64u;
+// Columns of C per workgroup of matvec_quant_forward_columns: 16 per lane.
+const QUANT_COLUMNS_PER_GROUP: u32 = 128u;
 
-// Row `row` of matvec_quant_forward_columns' lane: column col0 + 8·c gets
-// the sum of acc[c]'s four partial sums.
-fn matvec_columns_store(row: u32, col0: u32, n: u32, acc: array<vec4<f32>, 8>) {
-    for (var c = 0u; c < 8u; c++) {
-        let col = col0 + 8u * c;
-        if col < n {
-            write_c(row, col, dot(acc[c], vec4<f32>(1.0)));
-        }
+// The columns kernel reads a block's integers already multiplied by a
+// power of two per component, and A's values divided by it, so that the
+// products are the same and the decoding costs fewer operations: a Q4
+// nibble is masked in place (value 4g + i lies at bit 8i of word g, or
+// of word g − 4 shifted right by 4: q·2^(8i)), a Q8_0 byte moved to the
+// top and the rest cleared (q·2^24). Both are exact in f32 (at most 8
+// significant bits), and so is dividing A by a power of two short of f32's
+// smallest normals (|x| below 2^-102 may lose bits: nothing a product of
+// weights of order one notices).
+const QUANT_NIBBLE_MASKS: vec4<u32> = vec4<u32>(0xfu, 0xf00u, 0xf0000u, 0xf000000u);
+const QUANT_NIBBLE_UNSCALE: vec4<f32> = vec4<f32>(1.0, 0x1p-8f, 0x1p-16f, 0x1p-24f);
+const QUANT_BYTE_TO_TOP: vec4<u32> = vec4<u32>(24u, 16u, 8u, 0u);
+
+fn quant_scaled_ints(word: u32, g: u32) -> vec4<f32> {
+    if QUANT_FORMAT == QUANT_Q8_0 {
+        return vec4<f32>(bitcast<vec4<i32>>((vec4<u32>(word) << QUANT_BYTE_TO_TOP) & vec4<u32>(0xff000000u)));
     }
+    return vec4<f32>((vec4<u32>(word) >> vec4<u32>(4u * (g / 4u))) & QUANT_NIBBLE_MASKS);
+}
+
+// A block of A divided as the integers it meets are multiplied.
+fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
+    var unscale = QUANT_NIBBLE_UNSCALE;
+    if QUANT_FORMAT == QUANT_Q8_0 {
+        unscale = vec4<f32>(0x1p-24f);
+    }
+    return array<vec4<f32>, 8>(x[0] * unscale, x[1] * unscale, x[2] * unscale, x[3] * unscale, x[4] * unscale, x[5] * unscale, x[6] * unscale, x[7] * unscale);
+}
+
+// Block j of each row of A for the columns kernel (quant_rows_a's),
+// divided as quant_unscale_a does; the sums stay those of the values.
+fn quant_columns_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
+    let a = quant_rows_a(ra, j);
+    return QuantRowsA(quant_unscale_a(a.x0), quant_unscale_a(a.x1), quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s);
+}
+
+// Σ q·x over one block (scaled integers, unscaled A).
+fn quant_block_dot(q: array<vec4<f32>, 8>, x: array<vec4<f32>, 8>) -> f32 {
+    let t = quant_block_products(q, x);
+    return (t.x + t.y) + (t.z + t.w);
+}
+
+// acc (component r: row r's sum of one column of C) plus block `block`
+// of that column of B against each row's block of A: d·Σ q·x, and
+// + m·Σ x (Q4_1) or − 8·d·Σ x (Q4_0).
+fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantRowsA) -> vec4<f32> {
+    let q = quant_block_ints(block.x, true);
+    let dm = quant_dm(block.y);
+    // Each row's Σ x (the same for every column: computed once a step).
+    let ones = vec4<f32>(1.0);
+    let xs = vec4<f32>(dot(a.s[0], ones), dot(a.s[1], ones), dot(a.s[2], ones), dot(a.s[3], ones));
+    var t = vec4<f32>(quant_block_dot(q, a.x0), 0.0, 0.0, 0.0);
+    if MATVEC_ROWS > 1u {
+        t.y = quant_block_dot(q, a.x1);
+    }
+    if MATVEC_ROWS > 2u {
+        t.z = quant_block_dot(q, a.x2);
+    }
+    if MATVEC_ROWS > 3u {
+        t.w = quant_block_dot(q, a.x3);
+    }
+    if QUANT_FORMAT == QUANT_Q4_1 {
+        return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
+    }
+    if QUANT_FORMAT == QUANT_Q4_0 {
+        return fma(vec4<f32>(dm.x), fma(vec4<f32>(-8.0), xs, t), acc);
+    }
+    return fma(vec4<f32>(dm.x), t, acc);
+}
+
+// The columns kernel's loop: element c of the result holds, in component
+// r, row r's sum over all of k of virtual column v[c / 4][c % 4] (clamped
+// by the caller: read, never stored). The 16 accumulators are unrolled by
+// hand: a private array indexed in a loop becomes per-lane memory on
+// llvmpipe.
+fn quant_columns_sums(v: array<vec4<u32>, 4>, k: u32) -> array<vec4<f32>, 16> {
+    let kb = k / 32u;
+    let b0 = quant_column_blocks(v[0].x, kb);
+    let b1 = quant_column_blocks(v[0].y, kb);
+    let b2 = quant_column_blocks(v[0].z, kb);
+    let b3 = quant_column_blocks(v[0].w, kb);
+    let b4 = quant_column_blocks(v[1].x, kb);
+    let b5 = quant_column_blocks(v[1].y, kb);
+    let b6 = quant_column_blocks(v[1].z, kb);
+    let b7 = quant_column_blocks(v[1].w, kb);
+    let b8 = quant_column_blocks(v[2].x, kb);
+    let b9 = quant_column_blocks(v[2].y, kb);
+    let b10 = quant_column_blocks(v[2].z, kb);
+    let b11 = quant_column_blocks(v[2].w, kb);
+    let b12 = quant_column_blocks(v[3].x, kb);
+    let b13 = quant_column_blocks(v[3].y, kb);
+    let b14 = quant_column_blocks(v[3].z, kb);
+    let b15 = quant_column_blocks(v[3].w, kb);
+    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(MATVEC_ROWS - 1u)) * (k / 4u);
+    var acc0 = vec4<f32>();
+    var acc1 = vec4<f32>();
+    var acc2 = vec4<f32>();
+    var acc3 = vec4<f32>();
+    var acc4 = vec4<f32>();
+    var acc5 = vec4<f32>();
+    var acc6 = vec4<f32>();
+    var acc7 = vec4<f32>();
+    var acc8 = vec4<f32>();
+    var acc9 = vec4<f32>();
+    var acc10 = vec4<f32>();
+    var acc11 = vec4<f32>();
+    var acc12 = vec4<f32>();
+    var acc13 = vec4<f32>();
+    var acc14 = vec4<f32>();
+    var acc15 = vec4<f32>();
+    for (var j = 0u; j < kb; j++) {
+        let a = quant_columns_a(ra, j);
+        let step = vec2<u32>(j);
+        acc0 = quant_column_step(acc0, b0 + step, a);
+        acc1 = quant_column_step(acc1, b1 + step, a);
+        acc2 = quant_column_step(acc2, b2 + step, a);
+        acc3 = quant_column_step(acc3, b3 + step, a);
+        acc4 = quant_column_step(acc4, b4 + step, a);
+        acc5 = quant_column_step(acc5, b5 + step, a);
+        acc6 = quant_column_step(acc6, b6 + step, a);
+        acc7 = quant_column_step(acc7, b7 + step, a);
+        acc8 = quant_column_step(acc8, b8 + step, a);
+        acc9 = quant_column_step(acc9, b9 + step, a);
+        acc10 = quant_column_step(acc10, b10 + step, a);
+        acc11 = quant_column_step(acc11, b11 + step, a);
+        acc12 = quant_column_step(acc12, b12 + step, a);
+        acc13 = quant_column_step(acc13, b13 + step, a);
+        acc14 = quant_column_step(acc14, b14 + step, a);
+        acc15 = quant_column_step(acc15, b15 + step, a);
+    }
+    return array<vec4<f32>, 16>(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15);
 }
 
 // Four steps of k (a vec4 xa of one row of A) times the weights of 8

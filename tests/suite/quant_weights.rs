@@ -147,11 +147,11 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                 }
             }
             // Every row count of the matrix-vector kernels, and GPU lanes;
-            // 64 columns and more for the CPU one's workgroup of 64.
+            // 128 columns and more for the CPU one's workgroup of 128.
             for (rows, lanes) in [(3, 64), (MATVEC_MAX_ROWS, 8)] {
                 check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, Store::BiasGeluPre, (rows, 37, 96), 2590 + rows as u64)?;
             }
-            for (rows, n) in [(1, 64), (2, 131), (3, 65), (MATVEC_MAX_ROWS, 200)] {
+            for (rows, n) in [(1, 128), (2, 131), (3, 129), (MATVEC_MAX_ROWS, 263)] {
                 check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, Store::BiasGeluPre, (rows, n, 96), 2595 + rows as u64)?;
             }
         }
@@ -198,15 +198,16 @@ fn check_parts(k: &Kernels, format: QuantFormat, rows: &[usize], (m, kk): (usize
 /// one launch for decode's rows (1 and 4) when the matrices lie in one
 /// buffer — except gated on a GPU's kernel, two — and one per matrix (or
 /// two gated) for 5 rows or matrices in separate buffers; 1 to 4 matrices
-/// of 1, prime and SmolLM2-like (9 : 3 : 3 heads) rows (37: two
-/// workgroups of the gated kernel's 32 columns), k of 1 and 18 blocks.
+/// of 1, prime and SmolLM2-like (9 : 3 : 3 heads) rows (240 and 67: two
+/// workgroups of the columns kernel's 128 and of the gated one's 64),
+/// k of 1 and 18 blocks.
 #[test]
 fn quantized_parts_match_the_cpu() {
     for_each_shaping("quantized weights: parts", |k| {
         let mut seed = 3100;
         for format in QuantFormat::ALL {
             for kk in [32, 576] {
-                for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[72, 24, 24], false), (&[1, 1], true), (&[37, 37], true)] {
+                for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
                     for m in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1] {
                         for together in [true, false] {
                             seed += 1;
