@@ -736,6 +736,15 @@ fn quant_rows_lane(wid: vec3<u32>, nwg: vec3<u32>, lane: u32, n: u32) -> QuantRo
     return QuantRowsLane(min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last), min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last), col0);
 }
 
+// (n, k) through workgroup memory, as matvec_quant_forward reads them
+// (lavapipe re-optimizes a shader whose loops a uniform value bounds).
+fn quant_rows_sizes(lane: u32) -> vec2<u32> {
+    if lane == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
+    }
+    return workgroupUniformLoad(&matvec_sizes);
+}
+
 // Stores every row's sums (group g's rows in acc_g).
 fn quant_rows_store_all(acc0: QuantRowSums, acc1: QuantRowSums, acc2: QuantRowSums, acc3: QuantRowSums, col0: u32, n: u32) {
     if col0 >= n {
@@ -763,10 +772,7 @@ fn matvec_quant_forward_rows(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
 ) {
-    if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
-    }
-    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let sizes = quant_rows_sizes(lid.x);
     let n = sizes.x;
     let kb = sizes.y / 32u;
     let k4 = sizes.y / 4u;

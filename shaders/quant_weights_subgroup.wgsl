@@ -52,11 +52,7 @@ fn matvec_quant_forward_rows_subgroup(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(subgroup_invocation_id) sg_lane: u32,
 ) {
-    // n, k through workgroup memory, as matvec_quant_forward's.
-    if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
-    }
-    let sizes = workgroupUniformLoad(&matvec_sizes);
+    let sizes = quant_rows_sizes(lid.x);
     let n = sizes.x;
     let kb = sizes.y / 32u;
     let k4 = sizes.y / 4u;
