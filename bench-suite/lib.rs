@@ -703,7 +703,8 @@ const PROFILE_RUNS: usize = 5;
 /// position: `profile_decode` does not advance it), each dispatch's time
 /// the median of its runs.
 fn median_profile(generator: &mut wgrad::infer::generate::Generator) -> Result<wgrad::graph::DispatchTimes> {
-    let runs = (0..PROFILE_RUNS).map(|_| generator.profile_decode(&[0])).collect::<Result<Vec<_>>>()?;
+    let tokens = vec![0; generator.sequences()];
+    let runs = (0..PROFILE_RUNS).map(|_| generator.profile_decode(&tokens)).collect::<Result<Vec<_>>>()?;
     let mut profile = runs[0].clone();
     for (i, entry) in profile.iter_mut().enumerate() {
         let mut times: Vec<Duration> = runs.iter().filter_map(|r| r.get(i)).map(|t| t.time).collect();
@@ -796,6 +797,60 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
     }
     for (dtype, times) in profiles {
         lines.extend(profile_lines("smollm2_decode_profile", &dtype, &times, copy));
+    }
+    Ok(lines)
+}
+
+/// Batched decode on SmolLM2 from its GGUF file (quantized weights, as
+/// `wgrad serve` runs it, caches of 512 positions): for each count in
+/// `rows`, a generator of that many sequences prefills a 16-token prompt
+/// (seeded random ids) in each, then `steps` greedy decode steps of every
+/// row; the median step's time and the tokens/s it makes (rows per step).
+/// What continuous batching's throughput rests on, without the server.
+/// With `profile`, each count's step dispatch by dispatch
+/// (`smollm2_decode_rows_profile`, dtype `rows=R`).
+pub fn smollm2_decode_rows(kernels: &Arc<Kernels>, path: &std::path::Path, rows: &[usize], steps: usize, profile: bool) -> Result<Vec<BenchLine>> {
+    use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling};
+    use wgrad::nn::CausalLm;
+    if !path.is_file() {
+        return Err(wgrad::Error::InvalidArgument {
+            op: "bench smollm2_decode_rows",
+            reason: format!("SmolLM2-135M-Instruct's GGUF file is missing at {}: fetch it with scripts/fetch-smollm2.sh, or set WGRAD_SMOLLM2 to a copy", path.display()),
+        });
+    }
+    let file = wgrad::io::gguf_model::GgufModel::open(path)?;
+    let model = file.to_llama()?;
+    let quantized = Arc::new(file.quantized_weights()?);
+    drop(file);
+    let vocab = model.vocab_size() as u32;
+    let greedy = Sampling::greedy();
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let copy = if profile { CopyBandwidth::new(kernels).and_then(|mut b| b.sample().map(|_| b.gbps().0))? } else { 0.0 };
+    let mut lines = Vec::new();
+    for &r in rows {
+        let options = GeneratorOptions { sequences: r, context: Some(512), quantized: quantized.clone(), ..GeneratorOptions::default() };
+        let mut generator = Generator::with_options(kernels.clone(), &model, &options)?;
+        let prompts: Vec<Vec<u32>> = (0..r).map(|_| (0..16).map(|_| rng.random_range(0..vocab)).collect()).collect();
+        let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let mut tokens = generator.prefill_and_sample(&prompts, &greedy, &mut rng)?;
+        // Untimed steps first: pipelines compile and memory is first touched.
+        for _ in 0..2 {
+            tokens = generator.decode_and_sample(&tokens, &greedy, &mut rng)?;
+        }
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let start = Instant::now();
+            tokens = generator.decode_and_sample(&tokens, &greedy, &mut rng)?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        let step = median(&mut times);
+        lines.push(BenchLine {
+            case: "smollm2_decode_rows".into(),
+            values: vec![("rows", r.to_string()), ("step_ms", format!("{:.1}", step * 1e3)), ("tokens_per_s", format!("{:.2}", r as f64 / step)), ("steps", steps.to_string())],
+        });
+        if profile {
+            lines.extend(profile_lines("smollm2_decode_rows_profile", &format!("rows={r}"), &median_profile(&mut generator)?, copy));
+        }
     }
     Ok(lines)
 }

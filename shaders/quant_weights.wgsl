@@ -729,3 +729,230 @@ fn embedding_quant_forward(
     let dm = quant_unpack_f16x2(emb_qs[ep.s_base + block]);
     emb_out[i] = quant_values(quant_ints(word, g), dm)[col % 4u];
 }
+
+// ---------------------------------------------------------------------
+// matvec_quant_forward_rows: decode's products over 1 to 16 rows (a
+// continuous batch's requests) on a CPU adapter. The columns kernel's
+// layout (8 lanes, lane l the virtual columns col0 + l + 8·c, c in 0..7,
+// each summing all of k; GATED as there), but each block of weights is
+// decoded once per step and applied to every row, in groups of 4 rows
+// (QuantRowsA), rather than once per launch of 4 rows. Nothing divergent
+// comes before the k loop (columns are clamped, not returned from), so the
+// loads of A, whose addresses are the same for every lane, are uniform
+// loads: llvmpipe issues one load for the workgroup rather than one per
+// lane. Each (column, row) sums a block's products before adding them to
+// its scalar accumulator, so 8 columns × 16 rows fit 32 vec4s.
+// MATVEC_ROWS (matvec.wgsl's override) is the rows, at most 16 here.
+
+// Rows of A per group of matvec_quant_forward_rows.
+const QUANT_ROW_GROUP: u32 = 4u;
+
+// The lane's 8 columns' block j, decoded.
+struct QuantColumns8 {
+    q0: array<vec4<f32>, 8>,
+    q1: array<vec4<f32>, 8>,
+    q2: array<vec4<f32>, 8>,
+    q3: array<vec4<f32>, 8>,
+    q4: array<vec4<f32>, 8>,
+    q5: array<vec4<f32>, 8>,
+    q6: array<vec4<f32>, 8>,
+    q7: array<vec4<f32>, 8>,
+    dm: array<vec2<f32>, 8>,
+}
+
+// Element c: column c's 4 rows of a group (row 4·group + i in element i).
+struct QuantRowSums {
+    c0: vec4<f32>,
+    c1: vec4<f32>,
+    c2: vec4<f32>,
+    c3: vec4<f32>,
+    c4: vec4<f32>,
+    c5: vec4<f32>,
+    c6: vec4<f32>,
+    c7: vec4<f32>,
+}
+
+fn quant_columns8(lo: vec4<u32>, hi: vec4<u32>, j: u32, kb: u32) -> QuantColumns8 {
+    let b0 = quant_column_blocks(lo.x, kb) + vec2<u32>(j);
+    let b1 = quant_column_blocks(lo.y, kb) + vec2<u32>(j);
+    let b2 = quant_column_blocks(lo.z, kb) + vec2<u32>(j);
+    let b3 = quant_column_blocks(lo.w, kb) + vec2<u32>(j);
+    let b4 = quant_column_blocks(hi.x, kb) + vec2<u32>(j);
+    let b5 = quant_column_blocks(hi.y, kb) + vec2<u32>(j);
+    let b6 = quant_column_blocks(hi.z, kb) + vec2<u32>(j);
+    let b7 = quant_column_blocks(hi.w, kb) + vec2<u32>(j);
+    return QuantColumns8(
+        quant_block_ints(b0.x, false), quant_block_ints(b1.x, false), quant_block_ints(b2.x, false), quant_block_ints(b3.x, false),
+        quant_block_ints(b4.x, false), quant_block_ints(b5.x, false), quant_block_ints(b6.x, false), quant_block_ints(b7.x, false),
+        array<vec2<f32>, 8>(quant_dm(b0.y), quant_dm(b1.y), quant_dm(b2.y), quant_dm(b3.y), quant_dm(b4.y), quant_dm(b5.y), quant_dm(b6.y), quant_dm(b7.y)),
+    );
+}
+
+// Block j of rows 4·group + 0..3 of A (rows past MATVEC_ROWS repeat the
+// group's first and are never stored). `group` is a literal at every call,
+// so the row checks fold away.
+fn quant_rows_a_group(group: u32, j: u32, k4: u32) -> QuantRowsA {
+    let r0 = QUANT_ROW_GROUP * group;
+    let ra = (vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u)) * k4 + vec4<u32>(8u * j);
+    let x0 = quant_a_block(ra.x);
+    var x1 = x0;
+    var x2 = x0;
+    var x3 = x0;
+    if MATVEC_ROWS > r0 + 1u {
+        x1 = quant_a_block(ra.y);
+    }
+    if MATVEC_ROWS > r0 + 2u {
+        x2 = quant_a_block(ra.z);
+    }
+    if MATVEC_ROWS > r0 + 3u {
+        x3 = quant_a_block(ra.w);
+    }
+    return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
+}
+
+// One column's block against a group's 4 rows (the group's first row r0,
+// a literal): each row's sum of products; rows past MATVEC_ROWS get none.
+fn quant_rows4_dot(q: array<vec4<f32>, 8>, dm: vec2<f32>, a: QuantRowsA, r0: u32) -> vec4<f32> {
+    let zero = vec4<f32>(0.0);
+    let one = vec4<f32>(1.0);
+    var sums = vec4<f32>(dot(quant_block_fma(zero, q, dm, a.x0, a.s[0]), one), 0.0, 0.0, 0.0);
+    if MATVEC_ROWS > r0 + 1u {
+        sums.y = dot(quant_block_fma(zero, q, dm, a.x1, a.s[1]), one);
+    }
+    if MATVEC_ROWS > r0 + 2u {
+        sums.z = dot(quant_block_fma(zero, q, dm, a.x2, a.s[2]), one);
+    }
+    if MATVEC_ROWS > r0 + 3u {
+        sums.w = dot(quant_block_fma(zero, q, dm, a.x3, a.s[3]), one);
+    }
+    return sums;
+}
+
+// acc plus block j of the lane's columns (w) against a group's rows a (its
+// first row r0, a literal).
+fn quant_rows_group_fma(acc: QuantRowSums, w: QuantColumns8, a: QuantRowsA, r0: u32) -> QuantRowSums {
+    return QuantRowSums(
+        acc.c0 + quant_rows4_dot(w.q0, w.dm[0], a, r0),
+        acc.c1 + quant_rows4_dot(w.q1, w.dm[1], a, r0),
+        acc.c2 + quant_rows4_dot(w.q2, w.dm[2], a, r0),
+        acc.c3 + quant_rows4_dot(w.q3, w.dm[3], a, r0),
+        acc.c4 + quant_rows4_dot(w.q4, w.dm[4], a, r0),
+        acc.c5 + quant_rows4_dot(w.q5, w.dm[5], a, r0),
+        acc.c6 + quant_rows4_dot(w.q6, w.dm[6], a, r0),
+        acc.c7 + quant_rows4_dot(w.q7, w.dm[7], a, r0),
+    );
+}
+
+// Column c's sum for row i of a group.
+fn quant_row_sum(acc: QuantRowSums, c: u32, i: u32) -> f32 {
+    let sums = array<vec4<f32>, 8>(acc.c0, acc.c1, acc.c2, acc.c3, acc.c4, acc.c5, acc.c6, acc.c7);
+    return sums[c][i];
+}
+
+// Stores row `row` (row i of group acc) of the lane's columns: plain, the
+// columns col0 + 8·c; gated, output columns col0 + 8·c (c in 0..3) from G's
+// sums in c and U's in c + 4.
+fn quant_rows_store(acc: QuantRowSums, row: u32, i: u32, col0: u32, n: u32) {
+    if GATED {
+        for (var c = 0u; c < 4u; c++) {
+            let col = col0 + 8u * c;
+            if col < n {
+                c_gated(row, col, activation_forward(ACT_SILU, quant_row_sum(acc, c, i)) * quant_row_sum(acc, c + 4u, i));
+            }
+        }
+        return;
+    }
+    for (var c = 0u; c < 8u; c++) {
+        let col = col0 + 8u * c;
+        if col < n {
+            write_c(row, col, quant_row_sum(acc, c, i));
+        }
+    }
+}
+
+// Columns of C per workgroup of the rows kernels: 8 per lane (gated: 4,
+// each with its gate and up column), as many sums as a lane's registers
+// hold for 16 rows.
+const QUANT_ROWS_COLUMNS_PER_GROUP: u32 = 64u;
+const QUANT_ROWS_GATED_COLUMNS_PER_GROUP: u32 = 32u;
+
+// The lane's virtual columns (clamped into 0..n, so every lane runs the k
+// loop) and its first column.
+struct QuantRowsLane {
+    lo: vec4<u32>,
+    hi: vec4<u32>,
+    col0: u32,
+}
+
+fn quant_rows_lane(wid: vec3<u32>, nwg: vec3<u32>, lane: u32, n: u32) -> QuantRowsLane {
+    let group = wid.y * nwg.x + wid.x;
+    let last = vec4<u32>(n - 1u);
+    if GATED {
+        let col0 = group * QUANT_ROWS_GATED_COLUMNS_PER_GROUP + lane;
+        let lo = min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last);
+        return QuantRowsLane(lo, lo + vec4<u32>(n), col0);
+    }
+    let col0 = group * QUANT_ROWS_COLUMNS_PER_GROUP + lane;
+    return QuantRowsLane(min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last), min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last), col0);
+}
+
+// (n, k) through workgroup memory, as matvec_quant_forward reads them
+// (lavapipe re-optimizes a shader whose loops a uniform value bounds).
+fn quant_rows_sizes(lane: u32) -> vec2<u32> {
+    if lane == 0u {
+        matvec_sizes = vec2<u32>(p.n, p.k);
+    }
+    return workgroupUniformLoad(&matvec_sizes);
+}
+
+// Stores every row's sums (group g's rows in acc_g).
+fn quant_rows_store_all(acc0: QuantRowSums, acc1: QuantRowSums, acc2: QuantRowSums, acc3: QuantRowSums, col0: u32, n: u32) {
+    if col0 >= n {
+        return;
+    }
+    for (var i = 0u; i < QUANT_ROW_GROUP; i++) {
+        if i < MATVEC_ROWS {
+            quant_rows_store(acc0, i, i, col0, n);
+        }
+        if i + 4u < MATVEC_ROWS {
+            quant_rows_store(acc1, i + 4u, i, col0, n);
+        }
+        if i + 8u < MATVEC_ROWS {
+            quant_rows_store(acc2, i + 8u, i, col0, n);
+        }
+        if i + 12u < MATVEC_ROWS {
+            quant_rows_store(acc3, i + 12u, i, col0, n);
+        }
+    }
+}
+
+@compute @workgroup_size(MATVEC_COLS, 1, 1)
+fn matvec_quant_forward_rows(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let sizes = quant_rows_sizes(lid.x);
+    let n = sizes.x;
+    let kb = sizes.y / 32u;
+    let k4 = sizes.y / 4u;
+    let lane = quant_rows_lane(wid, nwg, lid.x, n);
+    var acc0 = QuantRowSums();
+    var acc1 = QuantRowSums();
+    var acc2 = QuantRowSums();
+    var acc3 = QuantRowSums();
+    for (var j = 0u; j < kb; j++) {
+        let w = quant_columns8(lane.lo, lane.hi, j, kb);
+        acc0 = quant_rows_group_fma(acc0, w, quant_rows_a_group(0u, j, k4), 0u);
+        if MATVEC_ROWS > 4u {
+            acc1 = quant_rows_group_fma(acc1, w, quant_rows_a_group(1u, j, k4), 4u);
+        }
+        if MATVEC_ROWS > 8u {
+            acc2 = quant_rows_group_fma(acc2, w, quant_rows_a_group(2u, j, k4), 8u);
+        }
+        if MATVEC_ROWS > 12u {
+            acc3 = quant_rows_group_fma(acc3, w, quant_rows_a_group(3u, j, k4), 12u);
+        }
+    }
+    quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n);
+}

@@ -96,6 +96,8 @@ enum Command {
         /// scripts/fetch-smollm2.sh caches it; an error when missing).
         /// `--only serve` (only by that name): `wgrad serve` on SmolLM2
         /// under 1, 4 and 16 concurrent streaming clients.
+        /// `--only smollm2_decode_rows` (only by that name): SmolLM2's
+        /// batched decode step at 1 to 16 rows, without the server.
         #[arg(long, value_delimiter = ',', conflicts_with = "compile")]
         only: Vec<String>,
         /// After the gpt2_124m and smollm2 decode timings, one decode step
@@ -664,7 +666,7 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
 }
 
 fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 11] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "serve", "attention"];
+    const CASES: [&str; 12] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "smollm2_decode_rows", "serve", "attention"];
     if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
         return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
     }
@@ -727,6 +729,14 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
             reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
         })?;
         lines.extend(wgrad_benches::smollm2_generate(&kernels, &path, 128, if quick { 8 } else { 32 }, profile)?);
+    }
+    if only.iter().any(|w| w == "smollm2_decode_rows") {
+        // Only by its name: it builds a SmolLM2 generator per row count.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench smollm2_decode_rows",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+        })?;
+        lines.extend(wgrad_benches::smollm2_decode_rows(&kernels, &path, &[1, 2, 4, 8, 16], if quick { 4 } else { 8 }, profile)?);
     }
     if only.iter().any(|w| w == "serve") {
         // Only when asked for by name: it needs SmolLM2 and runs minutes.

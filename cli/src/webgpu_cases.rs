@@ -281,6 +281,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["embedding_f16w_forward"], Web, embedding_f16),
         (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::Matvec { lanes: 8 }))),
         (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::MatvecColumns))),
+        (&["matvec_quant_forward_rows"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::MatvecRows))),
+        (&["matvec_quant_forward_rows_subgroup"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::MatvecRowsSubgroup))),
         (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
         (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))),
         (&["embedding_quant_forward"], Web, embedding_quant),
@@ -1197,6 +1199,8 @@ fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeigh
     let (m, n, kk) = match kernel {
         None | Some(QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) => (2, 37, 96),
         Some(QuantWeightsKernel::Tiled) => (37, 29, 64),
+        // Two groups of rows, the second partial; two workgroups of columns.
+        Some(QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup) => (5, 67, 96),
     };
     let (a_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n, -1.0, 1.0));
     let raw = quant_blocks(c, format, n, kk);
@@ -1386,7 +1390,7 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
                 features.push(f);
             }
         }
-        if kernel.family == Family::MatmulSubgroup {
+        if matches!(kernel.family, Family::MatmulSubgroup | Family::QuantWeightsSubgroup) {
             subgroup_size = Some(SUBGROUP_MATMUL_LANES);
         }
         let recipe = launch.recipe();

@@ -22,8 +22,8 @@
 //! running beside it). Running requests are kept in the lowest slots and a
 //! step computes the rows up to the highest one (rounded up to a power of
 //! two); a different number of rows may pick another product kernel (on a
-//! CPU adapter the matrix-vector one up to 4 rows, the tiled one past
-//! them), whose rounding may differ, so a draw within rounding of a
+//! CPU adapter with quantized weights the columns one for 1 row, the rows
+//! one for 2 to 16), whose rounding may differ, so a draw within rounding of a
 //! boundary between two candidates may then pick the other.
 
 use std::collections::VecDeque;

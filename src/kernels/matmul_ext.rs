@@ -225,7 +225,7 @@ impl Kernels {
                 .collect();
             return Err(unsupported(format!("the {} feature", names.join(" and "))));
         }
-        if kernel.family == Family::MatmulSubgroup {
+        if matches!(kernel.family, Family::MatmulSubgroup | Family::QuantWeightsSubgroup) {
             let info = device.info();
             let (lo, hi) = (info.subgroup_min_size, info.subgroup_max_size);
             // The kernel broadcasts from lanes 0..7 of an 8-invocation

@@ -26,8 +26,12 @@ entry_points! {
     QuantWeights {
         MATVEC_QUANT_FORWARD = "matvec_quant_forward",
         MATVEC_QUANT_FORWARD_COLUMNS = "matvec_quant_forward_columns",
+        MATVEC_QUANT_FORWARD_ROWS = "matvec_quant_forward_rows",
         MATMUL_QUANT_FORWARD = "matmul_quant_forward",
         EMBEDDING_QUANT_FORWARD = "embedding_quant_forward",
+    }
+    QuantWeightsSubgroup {
+        MATVEC_QUANT_FORWARD_ROWS_SUBGROUP = "matvec_quant_forward_rows_subgroup",
     }
 }
 
@@ -126,7 +130,22 @@ pub enum QuantWeightsKernel {
     MatvecColumns,
     /// `matmul_quant_forward`: 8×8 per invocation, any m.
     Tiled,
+    /// `matvec_quant_forward_rows`: the columns kernel's lanes over 1 to
+    /// [`QUANT_ROWS_MAX_ROWS`] rows (a continuous batch's decode step), each
+    /// block of weights decoded once for every row: a CPU adapter's.
+    MatvecRows,
+    /// `matvec_quant_forward_rows_subgroup`: [`QuantWeightsKernel::MatvecRows`]
+    /// with each row's block of A loaded once per workgroup and shared by
+    /// subgroup broadcasts (SUBGROUP with 8-lane subgroups).
+    MatvecRowsSubgroup,
 }
+
+/// The most rows `matvec_quant_forward_rows` takes (4 groups of 4).
+pub const QUANT_ROWS_MAX_ROWS: usize = 16;
+
+/// The fewest rows a CPU adapter runs on `matvec_quant_forward_rows`
+/// rather than the columns kernel.
+const QUANT_ROWS_MIN_ROWS: usize = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -154,6 +173,10 @@ struct LaunchMode {
 /// Output columns per workgroup of the gated `matvec_quant_forward_columns`
 /// (the shader's `QUANT_GATED_COLUMNS_PER_GROUP`): 8 lanes of 8.
 const QUANT_GATED_COLUMNS_PER_GROUP: usize = 64;
+/// Columns of C per workgroup of the rows kernels (the shader's
+/// `QUANT_ROWS_COLUMNS_PER_GROUP`, gated `QUANT_ROWS_GATED_…`): 8 lanes of 8, or of 4.
+const QUANT_ROWS_COLUMNS_PER_GROUP: usize = 64;
+const QUANT_ROWS_GATED_COLUMNS_PER_GROUP: usize = 32;
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -175,8 +198,14 @@ impl Kernels {
     /// (they are read 16 bytes at a time), a matrix-vector one — on a GPU
     /// the one splitting k over [`Kernels::matvec_lanes`] lanes, on a CPU
     /// adapter the one with a lane per 16 columns (3× its speed on
-    /// lavapipe) — else the tiled one.
+    /// lavapipe) — else the tiled one. A CPU adapter runs 2 to
+    /// [`QUANT_ROWS_MAX_ROWS`] rows (a continuous batch's step) on the rows
+    /// kernel, which decodes each block of weights once for all of them.
     pub fn quant_weights_kernel_for(&self, m: usize, a: &View<'_>, b: &QuantView<'_>) -> QuantWeightsKernel {
+        // A CPU adapter's batched decode: the rows kernel.
+        if !self.gpu_shaped() && m >= QUANT_ROWS_MIN_ROWS && self.quant_rows_runs(m, a, b) {
+            return if self.supports_quant_rows_subgroup() { QuantWeightsKernel::MatvecRowsSubgroup } else { QuantWeightsKernel::MatvecRows };
+        }
         if !self.quant_matvec_runs(m, a, b) {
             QuantWeightsKernel::Tiled
         } else if self.gpu_shaped() {
@@ -186,12 +215,22 @@ impl Kernels {
         }
     }
 
+    /// True when [`QuantWeightsKernel::MatvecRowsSubgroup`] runs here:
+    /// SUBGROUP, with subgroups of exactly 8 lanes.
+    pub fn supports_quant_rows_subgroup(&self) -> bool {
+        self.require_family(MATVEC_QUANT_FORWARD_ROWS_SUBGROUP).is_ok()
+    }
+
     fn quant_vectors_aligned(&self, a: &View<'_>) -> bool {
         self.device().limits().min_storage_buffer_offset_alignment % 16 == 0 && a.offset % 16 == 0
     }
 
     fn quant_matvec_runs(&self, m: usize, a: &View<'_>, b: &QuantView<'_>) -> bool {
         (1..=MATVEC_MAX_ROWS).contains(&m) && self.quant_vectors_aligned(a) && b.aligned()
+    }
+
+    fn quant_rows_runs(&self, m: usize, a: &View<'_>, b: &QuantView<'_>) -> bool {
+        (1..=QUANT_ROWS_MAX_ROWS).contains(&m) && self.quant_vectors_aligned(a) && b.aligned()
     }
 
     /// C[m,n] (f32) = epilogue(A·Bᵀ) with A [m, k] f32 and B [n, k]
@@ -226,6 +265,8 @@ impl Kernels {
         let entry = match kernel {
             QuantWeightsKernel::Matvec { .. } => MATVEC_QUANT_FORWARD,
             QuantWeightsKernel::MatvecColumns => MATVEC_QUANT_FORWARD_COLUMNS,
+            QuantWeightsKernel::MatvecRows => MATVEC_QUANT_FORWARD_ROWS,
+            QuantWeightsKernel::MatvecRowsSubgroup => MATVEC_QUANT_FORWARD_ROWS_SUBGROUP,
             QuantWeightsKernel::Tiled => MATMUL_QUANT_FORWARD,
         };
         let op = entry.entry;
@@ -261,6 +302,12 @@ impl Kernels {
         }
         if matches!(kernel, QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) && !self.quant_matvec_runs(m, &a, &b) {
             return Err(Error::shape(op, format!("takes 1 to {MATVEC_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}", b.words.offset), &shapes));
+        }
+        if kernel == QuantWeightsKernel::MatvecRowsSubgroup {
+            self.require_family(MATVEC_QUANT_FORWARD_ROWS_SUBGROUP)?;
+        }
+        if matches!(kernel, QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup) && !self.quant_rows_runs(m, &a, &b) {
+            return Err(Error::shape(op, format!("takes 1 to {QUANT_ROWS_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}", b.words.offset), &shapes));
         }
         self.quant_launches(entry, kernel, epilogue, pre, c, (0, n), a, b, m, LaunchMode::default())
     }
@@ -302,6 +349,8 @@ impl Kernels {
             let entry = match kernel {
                 QuantWeightsKernel::Matvec { .. } => MATVEC_QUANT_FORWARD,
                 QuantWeightsKernel::MatvecColumns => MATVEC_QUANT_FORWARD_COLUMNS,
+                QuantWeightsKernel::MatvecRows => MATVEC_QUANT_FORWARD_ROWS,
+                QuantWeightsKernel::MatvecRowsSubgroup => MATVEC_QUANT_FORWARD_ROWS_SUBGROUP,
                 QuantWeightsKernel::Tiled => MATMUL_QUANT_FORWARD,
             };
             self.quant_launches(entry, kernel, epilogue, None, c, (col0, n), a, b, m, mode)
@@ -337,6 +386,8 @@ impl Kernels {
         let entry = match kernel {
             QuantWeightsKernel::Matvec { .. } if !gated => MATVEC_QUANT_FORWARD,
             QuantWeightsKernel::MatvecColumns => MATVEC_QUANT_FORWARD_COLUMNS,
+            QuantWeightsKernel::MatvecRows => MATVEC_QUANT_FORWARD_ROWS,
+            QuantWeightsKernel::MatvecRowsSubgroup => MATVEC_QUANT_FORWARD_ROWS_SUBGROUP,
             _ => return Ok(None),
         };
         let op = entry.entry;
@@ -427,6 +478,7 @@ impl Kernels {
             let unit = match kernel {
                 QuantWeightsKernel::Matvec { .. } => MATVEC_COLUMNS,
                 QuantWeightsKernel::MatvecColumns => QUANT_COLUMNS_PER_GROUP,
+                QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup => QUANT_ROWS_COLUMNS_PER_GROUP,
                 QuantWeightsKernel::Tiled => TILE,
             };
             if cols > unit { cols / unit * unit } else { cols }
@@ -499,6 +551,10 @@ impl Kernels {
             QuantWeightsKernel::MatvecColumns => {
                 constants.push(("MATVEC_ROWS", m as f64));
                 cols.div_ceil(if mode.gated { QUANT_GATED_COLUMNS_PER_GROUP } else { QUANT_COLUMNS_PER_GROUP }) as u64
+            }
+            QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup => {
+                constants.push(("MATVEC_ROWS", m as f64));
+                cols.div_ceil(if mode.gated { QUANT_ROWS_GATED_COLUMNS_PER_GROUP } else { QUANT_ROWS_COLUMNS_PER_GROUP }) as u64
             }
             QuantWeightsKernel::Tiled => u64::from(params.product.tiles_total),
         };

@@ -104,10 +104,14 @@ pub enum Family {
     /// Fused causal self-attention (FlashAttention-2), forward and
     /// backward: tiles of rows in workgroup memory, one row per invocation.
     FlashAttention,
+    /// Needs SUBGROUP with 8-lane subgroups: the quantized rows kernel
+    /// sharing A by broadcasts. Its source is the quant_weights family's
+    /// followed by quant_weights_subgroup.wgsl (see [`Family::base`]).
+    QuantWeightsSubgroup,
 }
 
 impl Family {
-    pub const ALL: [Family; 15] = [
+    pub const ALL: [Family; 16] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -123,6 +127,7 @@ impl Family {
         Family::Rope,
         Family::QuantWeights,
         Family::FlashAttention,
+        Family::QuantWeightsSubgroup,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -130,7 +135,7 @@ impl Family {
     pub fn required_features(self) -> wgpu::Features {
         match self {
             Family::MatmulF16 | Family::F16Weights => wgpu::Features::SHADER_F16,
-            Family::MatmulSubgroup => wgpu::Features::SUBGROUP,
+            Family::MatmulSubgroup | Family::QuantWeightsSubgroup => wgpu::Features::SUBGROUP,
             _ => wgpu::Features::empty(),
         }
     }
@@ -145,6 +150,7 @@ impl Family {
     pub fn base(self) -> Option<Family> {
         match self {
             Family::MatmulSubgroup => Some(Family::Matmul),
+            Family::QuantWeightsSubgroup => Some(Family::QuantWeights),
             _ => None,
         }
     }
@@ -160,7 +166,7 @@ impl Family {
             Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
             Family::Sampling | Family::Rope | Family::FlashAttention => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
-            Family::MatmulSubgroup => &[],
+            Family::MatmulSubgroup | Family::QuantWeightsSubgroup => &[],
             Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
             Family::QuantWeights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
         }
@@ -183,6 +189,7 @@ impl Family {
             Family::Rope => "rope.wgsl",
             Family::QuantWeights => "quant_weights.wgsl",
             Family::FlashAttention => "flash_attention.wgsl",
+            Family::QuantWeightsSubgroup => "quant_weights_subgroup.wgsl",
         }
     }
 
@@ -205,6 +212,7 @@ impl Family {
             Family::Rope => wgsl!("rope.wgsl"),
             Family::QuantWeights => wgsl!("quant_weights.wgsl"),
             Family::FlashAttention => wgsl!("flash_attention.wgsl"),
+            Family::QuantWeightsSubgroup => wgsl!("quant_weights_subgroup.wgsl"),
         }
     }
 
@@ -228,6 +236,7 @@ impl Family {
             Family::Rope => wgsl!("rope.wgsl", "common.wgsl"),
             Family::QuantWeights => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
             Family::FlashAttention => wgsl!("flash_attention.wgsl", "common.wgsl"),
+            Family::QuantWeightsSubgroup => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "quant_weights_subgroup.wgsl"),
         }
     }
 }

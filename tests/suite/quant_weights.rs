@@ -13,7 +13,7 @@ use common::{assert_close, for_each_adapter, for_each_shaping, limited_kernels, 
 use half::f16;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::kernels::{pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView, QuantWeightsKernel, MATVEC_MAX_ROWS};
+use wgrad::kernels::{pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView, QuantWeightsKernel, MATVEC_MAX_ROWS, QUANT_ROWS_MAX_ROWS};
 use wgrad::{cpu, Error, Kernels};
 
 /// A [rows, cols] matrix in `format` as a GGUF file stores it: random
@@ -132,8 +132,13 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                         case += 1;
                         let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][case as usize % 3];
                         let (entry, _) = check_product(k, None, format, store, (m, n, kk), 2600 + case)?;
-                        let matvec = if k.gpu_shaped() { "matvec_quant_forward" } else { "matvec_quant_forward_columns" };
-                        let want = if m <= MATVEC_MAX_ROWS { matvec } else { "matmul_quant_forward" };
+                        let want = match (k.gpu_shaped(), m) {
+                            (true, ..=MATVEC_MAX_ROWS) => "matvec_quant_forward",
+                            (false, 1) => "matvec_quant_forward_columns",
+                            (false, ..=QUANT_ROWS_MAX_ROWS) if k.supports_quant_rows_subgroup() => "matvec_quant_forward_rows_subgroup",
+                            (false, ..=QUANT_ROWS_MAX_ROWS) => "matvec_quant_forward_rows",
+                            _ => "matmul_quant_forward",
+                        };
                         assert_eq!(entry, want, "m={m}");
                         // Decode's rows on the other adapters' matrix-vector
                         // kernel, and on the tiled one (the choice where the
@@ -153,6 +158,34 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
             }
             for (rows, n) in [(1, 128), (2, 131), (3, 129), (MATVEC_MAX_ROWS, 263)] {
                 check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, Store::BiasGeluPre, (rows, n, 96), 2595 + rows as u64)?;
+            }
+            // The rows kernel on every adapter: 1 to 16 rows (partial and
+            // whole groups of 4), columns 1, primes and past its 64 per
+            // workgroup, k of 1 block and non-powers of 2.
+            // The subgroup one where the adapter has 8-lane subgroups.
+            let mut rows_kernels = vec![QuantWeightsKernel::MatvecRows];
+            if k.supports_quant_rows_subgroup() {
+                rows_kernels.push(QuantWeightsKernel::MatvecRowsSubgroup);
+            }
+            // Each format at two of the row counts, one epilogue per row
+            // count: a pipeline per (format, rows, epilogue), each compiled
+            // in a second or more on lavapipe.
+            let format_rows = match format {
+                QuantFormat::Q8_0 => [1, 16],
+                QuantFormat::Q4_0 => [2, 5],
+                QuantFormat::Q4_1 => [3, 16],
+            };
+            for m in format_rows {
+                let store = match m {
+                    1 | 5 => Store::Plain,
+                    2 => Store::Bias,
+                    _ => Store::BiasGeluPre,
+                };
+                for (j, (n, kk)) in [(1, 96), (37, 32), (131, 576), (67, 96)].into_iter().enumerate() {
+                    for &kernel in &rows_kernels {
+                        check_product(k, Some(kernel), format, store, (m, n, kk), 2900 + 4 * m as u64 + j as u64)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -208,11 +241,13 @@ fn quantized_parts_match_the_cpu() {
         for format in QuantFormat::ALL {
             for kk in [32, 576] {
                 for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
-                    for m in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1] {
+                    for m in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1] {
                         for together in [true, false] {
                             seed += 1;
                             let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
-                            let one = together && m <= MATVEC_MAX_ROWS && !(gated && k.gpu_shaped());
+                            // A CPU adapter's rows kernel takes up to 16 rows.
+                            let matvec_rows = if k.gpu_shaped() { MATVEC_MAX_ROWS } else { QUANT_ROWS_MAX_ROWS };
+                            let one = together && m <= matvec_rows && !(gated && k.gpu_shaped());
                             let per_part = if gated { 2 } else { rows.len() };
                             assert_eq!(launches, if one { 1 } else { per_part }, "{format:?} rows {rows:?} m={m} k={kk} together={together}");
                         }
@@ -249,9 +284,22 @@ fn quantized_products_refuse_what_they_cannot_run() {
         // training's epilogues are refused.
         let err = k.matmul_quant_weights_with(QuantWeightsKernel::Matvec { lanes: 8 }, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
-        assert_eq!(k.quant_weights_kernel_for(5, &a.view(), &b), QuantWeightsKernel::Tiled);
-        let matvec = if k.gpu_shaped() { QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() } } else { QuantWeightsKernel::MatvecColumns };
-        assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), matvec);
+        let rows = if k.supports_quant_rows_subgroup() { QuantWeightsKernel::MatvecRowsSubgroup } else { QuantWeightsKernel::MatvecRows };
+        let (five, decode) = if k.gpu_shaped() { (QuantWeightsKernel::Tiled, QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() }) } else { (rows, rows) };
+        assert_eq!(k.quant_weights_kernel_for(5, &a.view(), &b), five);
+        assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), decode);
+        let one = if k.gpu_shaped() { QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() } } else { QuantWeightsKernel::MatvecColumns };
+        assert_eq!(k.quant_weights_kernel_for(1, &a.view(), &b), one);
+        // Past the rows kernel's 16 rows: the tiled one, and refused by it.
+        let (a17, c17) = (k.zeros(17 * 32)?, k.zeros(17 * 2)?);
+        assert_eq!(k.quant_weights_kernel_for(17, &a17.view(), &b), QuantWeightsKernel::Tiled);
+        let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecRows, MatmulEpilogue::default(), c17.view(), a17.view(), b, 17, 2, 32).unwrap_err();
+        assert!(err.to_string().contains("m=17"), "{err}");
+        // The subgroup kernel without 8-lane subgroups: refused by name.
+        if !k.supports_quant_rows_subgroup() {
+            let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecRowsSubgroup, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+            assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+        }
         let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecColumns, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
         let err = k.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64).unwrap_err();
@@ -318,6 +366,7 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
             (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q8_0, Store::Plain, (1, 300, 32)),
             (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q4_1, Store::Bias, (2, 150, 64)),
             (QuantWeightsKernel::MatvecColumns, QuantFormat::Q4_0, Store::BiasGeluPre, (1, 200, 32)),
+            (QuantWeightsKernel::MatvecRows, QuantFormat::Q8_0, Store::BiasGeluPre, (6, 40, 32)),
             (QuantWeightsKernel::Tiled, QuantFormat::Q4_0, Store::BiasGeluPre, (3, 100, 64)),
             (QuantWeightsKernel::Tiled, QuantFormat::Q8_0, Store::Bias, (2, 200, 32)),
         ]
@@ -326,6 +375,10 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         {
             let (_, launches) = check_product(&lim, Some(kernel), format, store, shape, 2800 + i as u64)?;
             assert!(launches > 1, "{kernel:?} {format:?} {shape:?} ran in one launch");
+        }
+        if lim.supports_quant_rows_subgroup() {
+            let (_, launches) = check_product(&lim, Some(QuantWeightsKernel::MatvecRowsSubgroup), QuantFormat::Q8_0, Store::Bias, (7, 36, 32), 2809)?;
+            assert!(launches > 1, "the subgroup rows kernel ran in one launch");
         }
         // 7 ids of 32 channels: the output fits one binding.
         let (vocab, channels) = (100, 32);
