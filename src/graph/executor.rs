@@ -93,6 +93,36 @@ impl Executor {
         optimizer: Option<OptimizerConfig>,
         options: PlanOptions,
     ) -> Result<Self> {
+        Self::build(kernels, graph, outputs, gradients, optimizer, options, None)
+    }
+
+    /// A training executor without an optimizer whose parameter and
+    /// gradient arenas are the first elements of `params` and `grads`,
+    /// buffers other executors share (ZeRO-3 runs a model's stages in
+    /// turn over one pooled arena, writing each stage's parameters before
+    /// it runs). Its initial parameters are written there now; an error
+    /// when a pool is shorter than the planned arena.
+    pub fn with_arenas(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Gradients,
+        options: PlanOptions,
+        params: &GpuTensor,
+        grads: &GpuTensor,
+    ) -> Result<Self> {
+        Self::build(kernels, graph, outputs, Some(gradients), None, options, Some((params, grads)))
+    }
+
+    fn build(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Option<Gradients>,
+        optimizer: Option<OptimizerConfig>,
+        options: PlanOptions,
+        pooled: Option<(&GpuTensor, &GpuTensor)>,
+    ) -> Result<Self> {
         if optimizer.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
         }
@@ -153,9 +183,15 @@ impl Executor {
                 _ => {}
             }
         }
-        let params = kernels.upload(&initial)?;
         let training = gradients.is_some();
-        let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
+        let (params, grads) = match pooled {
+            Some((params, grads)) => {
+                let (params, grads) = (params.share_prefix(arena_len)?, grads.share_prefix(arena_len)?);
+                kernels.write(params.view(), &initial)?;
+                (params, Some(grads))
+            }
+            None => (kernels.upload(&initial)?, if training { Some(kernels.zeros(arena_len)?) } else { None }),
+        };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
         let mut caches = Vec::with_capacity(plan.cache_count);
