@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Gradients, Graph, PlanOptions, Tensor};
-use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
+use crate::graph::{ArenaPool, Executor, Gradients, Graph, PlanOptions, Tensor};
+use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
@@ -98,12 +98,12 @@ impl Stage {
     }
 
     /// A stage over the completed `stage` (`input -> output`) whose
-    /// parameter and gradient arenas lie at the start of the pooled
-    /// `params` and `grads` ([`Executor::with_arenas`]). It has no
+    /// arenas and intermediates lie at the start of `pool`'s buffers
+    /// ([`Executor::with_arenas`]). It has no
     /// optimizer: its owner keeps and updates the parameters elsewhere.
-    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, params: &GpuTensor, grads: &GpuTensor) -> Result<Self> {
+    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, pool: &ArenaPool) -> Result<Self> {
         let StageGraph { graph, outputs, grads: gradients, ends } = stage;
-        let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, PlanOptions::default(), params, grads)?;
+        let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, PlanOptions::default(), pool)?;
         Ok(Stage { kernels, exec, input, output, ends })
     }
 

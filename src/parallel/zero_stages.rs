@@ -4,9 +4,11 @@
 //! [`Staged`] model declares), and between steps keeps only its shard of
 //! the parameters, of the gradients and of AdamW's moments.
 //!
-//! The stages' executors take turns on one pooled parameter arena and one
-//! pooled gradient arena per device, each as long as the largest stage's
-//! ([`crate::graph::Executor::with_arenas`]). A step:
+//! The stages' executors take turns on one pool per device: a parameter
+//! arena and a gradient arena as long as the largest stage's, and the
+//! intermediate slots, each as long as any stage's
+//! ([`crate::graph::Executor::with_arenas`]): a device's intermediates
+//! are those of its largest stage, not of the whole model. A step:
 //! - forward, stage by stage: the stage's parameters are all-gathered
 //!   from the shards into every device's pool, each device runs the stage
 //!   on its rows and its output goes to the host (the next stage's input);
@@ -25,8 +27,7 @@
 //! host round trips for the gathers, and recomputes every stage's forward
 //! in its backward (as activation checkpointing by block). What a device
 //! holds: its shard of the flat arena (parameters, gradients, moments),
-//! the two pooled stage arenas, and every stage executor's inputs and
-//! intermediates ([`ZeroStages::memory`], which
+//! the pool, and every stage executor's inputs ([`ZeroStages::memory`], which
 //! [`super::memory::strategy_memory`] computes without a device).
 //!
 //! The flat arena packs every parameter once, weight-decayed first, in
@@ -48,7 +49,7 @@ use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGr
 use super::zero::shard_ranges;
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
-use crate::graph::{Plan, PlanOptions, Tensor};
+use crate::graph::{ArenaPool, Plan, PlanOptions, Tensor};
 use crate::io::checkpoint::Checkpoint;
 use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
@@ -101,15 +102,29 @@ fn plan_stage(s: &StageGraph, alignment: u32) -> Plan {
     Plan::with_options(&s.graph, &s.outputs, Some(&s.grads), (alignment as usize / BYTES as usize).max(1), PlanOptions::default())
 }
 
-/// What one device holds: its shard of `flat` elements, the pools of
-/// `pool` elements, the stages' inputs and intermediates.
-fn device_memory<'p>(shard: usize, pool: usize, stage_plans: impl IntoIterator<Item = &'p Plan>, state_arenas: usize) -> DeviceMemory {
-    let (shard, pool) = (shard as u64 * BYTES, pool as u64 * BYTES);
+/// Elements of the pooled buffers stages planned as `plans` share: the
+/// longest parameter arena (also the gradient arena's), and slot by slot
+/// the longest intermediate.
+fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<usize>) {
+    let (mut arena, mut slots) = (1, Vec::new());
+    for plan in plans {
+        arena = arena.max(plan.param_arena_len);
+        slots.resize(slots.len().max(plan.slot_len.len()), 0);
+        slots.iter_mut().zip(&plan.slot_len).for_each(|(s, &len)| *s = (*s).max(len));
+    }
+    (arena, slots)
+}
+
+/// What one device holds: its shard of `shard` elements, the pooled
+/// arenas of `arena` elements and slots of `slots`, and the stages'
+/// inputs (`inputs` bytes).
+fn device_memory(shard: usize, arena: usize, slots: &[usize], inputs: u64, state_arenas: usize) -> DeviceMemory {
+    let (shard, arena) = (shard as u64 * BYTES, arena as u64 * BYTES);
     DeviceMemory {
-        parameters: shard + pool,
-        gradients: shard + pool,
+        parameters: shard + arena,
+        gradients: shard + arena,
         optimizer_state: state_arenas as u64 * shard,
-        activations: stage_plans.into_iter().map(|p| p.input_bytes + p.slot_bytes).sum(),
+        activations: inputs + slots.iter().map(|&len| len as u64 * BYTES).sum::<u64>(),
     }
 }
 
@@ -118,11 +133,11 @@ fn device_memory<'p>(shard: usize, pool: usize, stage_plans: impl IntoIterator<I
 pub fn planned_memory<M: Staged + ?Sized>(model: &M, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
     let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
-    let pool = plans.iter().map(|p| p.param_arena_len).max().unwrap_or(0).max(1);
+    let (arena, slots) = pool_lengths(&plans);
     let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
     let largest = shard_ranges(flat, devices, block)?.iter().map(|r| r.len()).max().unwrap_or(0);
-    Ok(device_memory(largest, pool, &plans, p.optimizer.state_names().len()))
+    Ok(device_memory(largest, arena, &slots, plans.iter().map(|p| p.input_bytes).sum(), p.optimizer.state_names().len()))
 }
 
 /// ZeRO-3 over the devices of a group, stage by stage (module comment).
@@ -130,8 +145,8 @@ pub struct ZeroStages {
     devices: Vec<Arc<Kernels>>,
     /// Per device, its stages in order.
     stages: Vec<Vec<Stage>>,
-    /// Per device: the pooled parameter and gradient arenas.
-    pools: Vec<(GpuTensor, GpuTensor)>,
+    /// Per device: the arenas and slots its stages share.
+    pools: Vec<ArenaPool>,
     /// Per device: its shard of the flat parameters and gradients.
     shard_params: Vec<GpuTensor>,
     shard_grads: Vec<GpuTensor>,
@@ -180,11 +195,12 @@ impl ZeroStages {
         let mut declared: Vec<(String, Vec<usize>, bool)> = Vec::new();
         let mut initial: HashMap<String, Vec<f32>> = HashMap::new();
         for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
-            let mut build = || -> Result<(Vec<Stage>, (GpuTensor, GpuTensor))> {
+            let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
                 let graphs = stage_graphs(model, n, criterion, &optimizer)?;
                 let alignment = k.device().limits().min_storage_buffer_offset_alignment;
-                let pool = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment).param_arena_len).max().unwrap_or(0).max(1);
-                let (params, grads) = (k.zeros(pool)?, k.zeros(pool)?);
+                let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment)).collect();
+                let (arena, slots) = pool_lengths(&plans);
+                let pool = ArenaPool { params: k.zeros(arena)?, grads: k.zeros(arena)?, slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()? };
                 let mut own = Vec::with_capacity(graphs.len());
                 for (s, input, output) in graphs {
                     if d == 0 {
@@ -195,16 +211,16 @@ impl ZeroStages {
                             }
                         }
                     }
-                    let stage = Stage::with_arenas(k.clone(), s, input, output, &params, &grads)?;
+                    let stage = Stage::with_arenas(k.clone(), s, input, output, &pool)?;
                     if d == 0 {
-                        let arena = k.read::<f32>(params.view())?;
+                        let arena = k.read::<f32>(pool.params.view())?;
                         for span in stage.executor().parameter_spans() {
                             initial.entry(span.name.clone()).or_insert_with(|| arena[span.offset..span.offset + span.len()].to_vec());
                         }
                     }
                     own.push(stage);
                 }
-                Ok((own, (params, grads)))
+                Ok((own, pool))
             };
             let (own, pool) = build().map_err(|e| on_device(d, k, e))?;
             stages.push(own);
@@ -347,7 +363,7 @@ impl ZeroStages {
                 let (run, at) = flat_at(span.offset).ok_or_else(|| undeclared(&span.name))?;
                 arena[local..local + span.len()].copy_from_slice(&values[run][at..at + span.len()]);
             }
-            k.write(self.pools[d].0.slice(0, len)?, &arena).map_err(|e| on_device(d, k, e))?;
+            k.write(self.pools[d].params.slice(0, len)?, &arena).map_err(|e| on_device(d, k, e))?;
         }
         Ok(())
     }
@@ -362,7 +378,7 @@ impl ZeroStages {
             .devices
             .iter()
             .enumerate()
-            .map(|(d, k)| Ok((k.as_ref(), self.pools[d].1.slice(0, self.stages[d][s].executor().plan().param_arena_len)?)))
+            .map(|(d, k)| Ok((k.as_ref(), self.pools[d].grads.slice(0, self.stages[d][s].executor().plan().param_arena_len)?)))
             .collect::<Result<_>>()?;
         let (grads, _) = to_host(&pairs, since)?;
         let mut squares = 0.0f64;
@@ -614,7 +630,7 @@ impl TrainEngine for ZeroStages {
     fn describe(&self) -> String {
         let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
-        let pool = self.pools.iter().map(|(p, _)| p.len()).max().unwrap_or(0);
+        let pool = self.pools.iter().map(|p| p.params.len()).max().unwrap_or(0);
         format!(
             "ZeRO stage 3 (sharded data parallel) stage by stage: {} stages gathered into a pooled arena of {pool} elements before their forward and backward, gradients reduce-scattered after each stage's backward; batch split {}, flat arena shards of [{}] elements",
             self.stage_count(),
@@ -635,6 +651,11 @@ impl TrainEngine for ZeroStages {
     /// inputs and intermediates (the device holding the most).
     fn memory(&self) -> DeviceMemory {
         let states = self.optimizer.state_names().len();
-        DeviceMemory::fullest((0..self.devices.len()).map(|d| device_memory(self.shard_params[d].len(), self.pools[d].0.len(), self.stages[d].iter().map(|s| s.executor().plan()), states)))
+        DeviceMemory::fullest((0..self.devices.len()).map(|d| {
+            let pool = &self.pools[d];
+            let slots: Vec<usize> = pool.slots.iter().map(GpuTensor::len).collect();
+            let inputs = self.stages[d].iter().map(|s| s.executor().plan().input_bytes).sum();
+            device_memory(self.shard_params[d].len(), pool.params.len(), &slots, inputs, states)
+        }))
     }
 }
