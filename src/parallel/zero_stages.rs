@@ -424,11 +424,17 @@ impl ZeroStages {
         self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect()
     }
 
-    /// Runs stages `0..end` forward on every device (each gathered
-    /// first); returns each device's input to stage `end` and keeps every
-    /// stage's input in `inputs` (stage 0 reads the examples).
-    fn forward_to(&mut self, end: usize, rows: &[(Examples<'_>, Targets<'_>)], inputs: &mut [Vec<Option<Vec<f32>>>], since: Instant) -> Result<()> {
-        for s in 0..end {
+    /// Each device's rows of the global batch, run forward through every
+    /// stage but the last (each gathered first): the rows, every stage's
+    /// input per device (stage 0 reads the examples: none), and when the
+    /// work started.
+    #[allow(clippy::type_complexity)]
+    fn forward_to_last<'x, 't>(&mut self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Vec<(Examples<'x>, Targets<'t>)>, Vec<Vec<Option<Vec<f32>>>>, Instant)> {
+        let rows = self.split(op, x, targets)?;
+        let since = Instant::now();
+        let count = self.stage_count();
+        let mut inputs: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; self.devices.len()]; count];
+        for s in 0..count - 1 {
             self.gather(s)?;
             for (d, stage) in self.stages.iter_mut().map(|own| &mut own[s]).enumerate() {
                 let k = stage.kernels.clone();
@@ -438,18 +444,15 @@ impl ZeroStages {
             let (outputs, _) = to_host(&views, since)?;
             inputs[s + 1] = outputs.into_iter().map(Some).collect();
         }
-        Ok(())
+        Ok((rows, inputs, since))
     }
 
     /// One step on `global_batch` rows (see the module comment); the mean
     /// loss when `read_loss`.
     pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        let rows = self.split("ZeroStages::step", x.into(), targets)?;
-        let since = Instant::now();
+        let (rows, mut inputs, since) = self.forward_to_last("ZeroStages::step", x.into(), targets)?;
         let (count, devices) = (self.stage_count(), self.devices.len());
         let last = count - 1;
-        let mut inputs: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; devices]; count];
-        self.forward_to(last, &rows, &mut inputs, since)?;
         let weights = self.weights();
         let (mut pending, mut squares, mut loss) = (HashMap::new(), 0.0f64, 0.0f64);
         let mut output_grads: Vec<Option<Vec<f32>>> = vec![None; devices];
@@ -501,12 +504,8 @@ impl ZeroStages {
 
     /// The mean loss of one global batch without training, split as a step.
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
-        let rows = self.split("ZeroStages::evaluate_loss", x.into(), targets)?;
-        let since = Instant::now();
-        let (count, devices) = (self.stage_count(), self.devices.len());
-        let last = count - 1;
-        let mut inputs: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; devices]; count];
-        self.forward_to(last, &rows, &mut inputs, since)?;
+        let (rows, inputs, since) = self.forward_to_last("ZeroStages::evaluate_loss", x.into(), targets)?;
+        let last = self.stage_count() - 1;
         self.gather(last)?;
         for (d, stage) in self.stages.iter_mut().map(|own| &mut own[last]).enumerate() {
             let k = stage.kernels.clone();
