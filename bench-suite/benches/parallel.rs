@@ -67,9 +67,20 @@
 //! hits both alike, and `comm_share` is
 //! `DataParallelStats.communication / (compute + communication)`.
 //!
+//! And ZeRO-3 on `wgrad train --model llama`'s Llama (preset `small`,
+//! vocabulary 84, batch 8) over 2 devices, the whole-arena engine
+//! (`Zero`, one submission per step; the MPI path's) against the
+//! stage-by-stage one (`ZeroStages`, gathers before each stage):
+//!
+//! ```text
+//! bench parallel model=llama strategy=zero-3 engine=by-stage devices=2 ms_per_step=… gpu_mib=…
+//! ```
+//!
+//! where `gpu_mib` is the fullest device's `TrainEngine::memory` total.
+//!
 //! Environment:
 //! - `WGRAD_BENCH_QUICK=1`: devices 1 and 2 only, shorter measurements.
-//! - `WGRAD_BENCH_PARALLEL=mlp` or `gpt`: only that model's cases.
+//! - `WGRAD_BENCH_PARALLEL=mlp`, `gpt` or `zero`: only those cases.
 //! - `LP_NUM_THREADS`: llvmpipe/lavapipe worker threads.
 //!
 //! Run: `cargo bench -p wgrad-benches --bench parallel` (a few minutes on 2 cores).
@@ -366,10 +377,15 @@ fn main() {
     let quick = quick();
     if !runs("mlp") {
         let mut lines = Vec::new();
-        if let Err(e) = gpt_cases(quick, &mut lines) {
-            println!("bench parallel gpt failed: {e}");
+        if runs("gpt") {
+            if let Err(e) = gpt_cases(quick, &mut lines) {
+                println!("bench parallel gpt failed: {e}");
+            }
+            lines.extend(gpt_tensor_lines(quick));
         }
-        lines.extend(gpt_tensor_lines(quick));
+        if runs("zero") {
+            lines.extend(zero3_lines(quick));
+        }
         println!("\nsummary (load average now {}):", load_average());
         for line in &lines {
             println!("{line}");
@@ -488,6 +504,9 @@ fn main() {
             lines.push(line);
         }
         lines.extend(gpt_tensor_lines(quick));
+    }
+    if runs("zero") {
+        lines.extend(zero3_lines(quick));
     }
 
     println!("\nsummary (load average now {}):", load_average());
@@ -646,4 +665,41 @@ fn gpt_tensor_lines(quick: bool) -> Vec<String> {
         Err(e) => report(format!("bench parallel model=gpt strategy=tensor devices=2 skipped: {e}")),
     }
     lines
+}
+
+/// ZeRO-3 on the default Llama over 2 devices: the whole-arena engine
+/// against the stage-by-stage one; one line each.
+fn zero3_lines(quick: bool) -> Vec<String> {
+    use wgrad::models::{Llama, LlamaConfig};
+    use wgrad::parallel::zero::{Zero, ZeroStage};
+    use wgrad::parallel::zero_stages::ZeroStages;
+    let (warm_up, timed) = if quick { (2, 5) } else { (3, 20) };
+    let optimizer = AdamW::new(3e-3).betas(0.9, 0.99).weight_decay(0.1).decay_matrices_only().clip_grad_norm(1.0);
+    let run = || -> wgrad::Result<Vec<String>> {
+        let config = LlamaConfig::preset("small", 84)?;
+        let tokens = GPT_BATCH * config.block_size;
+        let mut rng = ChaCha8Rng::seed_from_u64(0x2e3);
+        let stream: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..84u32)).collect();
+        let (x, y) = (&stream[..tokens], &stream[1..]);
+        nn::manual_seed(0);
+        let model = Llama::new(config)?;
+        let group = DeviceGroup::open(&DeviceSelection::Count(2))?;
+        let mut lines = Vec::new();
+        let engines: [(&str, Box<dyn TrainEngine>); 2] = [
+            ("whole-arena", Box::new(Zero::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, ZeroStage::Parameters, None)?)),
+            ("by-stage", Box::new(ZeroStages::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, None)?)),
+        ];
+        for (name, mut engine) in engines {
+            let ms = time_steps(warm_up, timed, || {
+                engine.step(x.into(), Targets::Classes(y), false)?;
+                wait_all(&group)
+            })?;
+            let mib = engine.memory().total() as f64 / (1024.0 * 1024.0);
+            let line = format!("bench parallel model=llama strategy=zero-3 engine={name} devices=2 ms_per_step={ms:.1} gpu_mib={mib:.1}");
+            println!("{line}");
+            lines.push(line);
+        }
+        Ok(lines)
+    };
+    run().unwrap_or_else(|e| vec![format!("bench parallel zero-3 failed: {e}")])
 }

@@ -35,6 +35,15 @@ pub struct DispatchTime {
 /// Per-dispatch times from the profiling runs, in dispatch order.
 pub type DispatchTimes = Vec<DispatchTime>;
 
+/// Buffers executors that run in turn share ([`Executor::with_arenas`]):
+/// the parameter and gradient arenas and the intermediate slots, each as
+/// long as the longest any of them plans.
+pub struct ArenaPool {
+    pub params: GpuTensor,
+    pub grads: GpuTensor,
+    pub slots: Vec<GpuTensor>,
+}
+
 pub struct Executor {
     kernels: Arc<Kernels>,
     graph: Graph,
@@ -92,6 +101,29 @@ impl Executor {
         gradients: Option<Gradients>,
         optimizer: Option<OptimizerConfig>,
         options: PlanOptions,
+    ) -> Result<Self> {
+        Self::build(kernels, graph, outputs, gradients, optimizer, options, None)
+    }
+
+    /// A training executor without an optimizer whose parameter arena,
+    /// gradient arena and intermediate slots are the first elements of
+    /// `pool`'s buffers, which other executors share: ZeRO-3 runs a
+    /// model's stages in turn on one device, writing each stage's
+    /// parameters before it runs and reading what it needs of a run
+    /// before the next stage's. Its initial parameters are written there
+    /// now; an error when a pooled buffer is shorter than planned.
+    pub fn with_arenas(kernels: Arc<Kernels>, graph: Graph, outputs: &[Tensor], gradients: Gradients, options: PlanOptions, pool: &ArenaPool) -> Result<Self> {
+        Self::build(kernels, graph, outputs, Some(gradients), None, options, Some(pool))
+    }
+
+    fn build(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Option<Gradients>,
+        optimizer: Option<OptimizerConfig>,
+        options: PlanOptions,
+        pooled: Option<&ArenaPool>,
     ) -> Result<Self> {
         if optimizer.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
@@ -153,9 +185,15 @@ impl Executor {
                 _ => {}
             }
         }
-        let params = kernels.upload(&initial)?;
         let training = gradients.is_some();
-        let grads = if training { Some(kernels.zeros(arena_len)?) } else { None };
+        let (params, grads) = match pooled {
+            Some(pool) => {
+                let (params, grads) = (pool.params.share_prefix(arena_len)?, pool.grads.share_prefix(arena_len)?);
+                kernels.write(params.view(), &initial)?;
+                (params, Some(grads))
+            }
+            None => (kernels.upload(&initial)?, if training { Some(kernels.zeros(arena_len)?) } else { None }),
+        };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
         let mut caches = Vec::with_capacity(plan.cache_count);
@@ -168,7 +206,15 @@ impl Executor {
                 _ => {}
             }
         }
-        let slots = plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?;
+        let slots = match pooled {
+            Some(pool) => plan
+                .slot_len
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| pool.slots.get(i).ok_or_else(|| Error::InvalidArgument { op: "Executor::with_arenas", reason: format!("{} pooled slots for {} planned", pool.slots.len(), plan.slot_len.len()) })?.share_prefix(len))
+                .collect::<Result<Vec<_>>>()?,
+            None => plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?,
+        };
         // The loss seeds the backward with the loss scale, so it must be
         // the plan's own constant, which the step overwrites.
         if let (Some(_), Some(g)) = (optimizer.and_then(|o| o.loss_scaling()), &gradients) {

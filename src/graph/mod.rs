@@ -15,7 +15,7 @@ mod reference;
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use checkpoint::Block;
-pub use executor::{DispatchTime, DispatchTimes, Executor};
+pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor};
 pub use ops::{AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
 pub use precision::{Precision, Remap};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

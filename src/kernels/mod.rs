@@ -121,6 +121,15 @@ impl GpuTensor {
         &self.buffer
     }
 
+    /// Elements `0..len` as a tensor of their own over the same buffer:
+    /// executors that take turns on one pooled arena (ZeRO-3's stages).
+    pub fn share_prefix(&self, len: usize) -> Result<GpuTensor> {
+        if len > self.len {
+            return Err(Error::shape("GpuTensor::share_prefix", format!("{len} elements of a tensor of {}", self.len), &[&[self.len], &[len]]));
+        }
+        Ok(GpuTensor { buffer: std::mem::ManuallyDrop::new((*self.buffer).clone()), len, gl: self.gl })
+    }
+
     /// The whole buffer.
     pub fn view(&self) -> View<'_> {
         View {

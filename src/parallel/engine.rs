@@ -13,6 +13,7 @@ use super::pipeline::{partition, Pipeline, Schedule};
 use super::stage::{NamedParameters, NamedState, Spread, Stage};
 use super::tensor::TensorParallel;
 use super::zero::{Zero, ZeroStage};
+use super::zero_stages::ZeroStages;
 use super::DeviceGroup;
 use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
@@ -118,6 +119,9 @@ impl Strategy {
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),
+            // In one process stage 3 gathers block by block; across
+            // processes it keeps whole arenas ([`super::zero`]).
+            (Strategy::Zero(ZeroStage::Parameters), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, split)?),
             (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })

@@ -125,6 +125,7 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
     match strategy {
         Strategy::Single => Ok(replica(model, p, p.batch, p.device_alignment)?.0),
         Strategy::Data => Ok(replica(model, p, rows, group_alignment)?.0),
+        Strategy::Zero(ZeroStage::Parameters) => super::zero_stages::planned_memory(model, devices, p),
         Strategy::Zero(stage) => {
             let (memory, arena_len) = replica(model, p, rows, group_alignment)?;
             let largest = shard_ranges(arena_len, devices, group_alignment as usize / BYTES as usize)?.iter().map(|r| r.len()).max().unwrap_or(0);

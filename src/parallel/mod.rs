@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod stage;
 pub mod tensor;
 pub mod zero;
+pub mod zero_stages;
 
 use std::sync::Arc;
 

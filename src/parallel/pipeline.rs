@@ -228,9 +228,17 @@ pub struct Pipeline {
 /// micro-batches of `micro_rows`: (graph, input, output). `stream` holds
 /// the shape the previous stage passed on, and takes this stage's.
 pub(super) fn stage_graph<M: Staged>(model: &M, i: usize, last: usize, blocks: std::ops::Range<usize>, micro_rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
+    unit_graph(model, i == 0, i == last, blocks, micro_rows, stream)
+}
+
+/// The graph of `model`'s units `blocks`, after the prologue when `first`
+/// and before the epilogue when `last`, on `rows` rows: (graph, input,
+/// output). `stream` holds the shape the units before passed on, and
+/// takes these units'.
+pub(super) fn unit_graph<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
     let mut g = Graph::new();
-    let input = if i == 0 { model.input(&mut g, micro_rows)? } else { g.input("stage_input", stream)? };
-    let output = model.forward_units(&mut g, input, blocks, i == 0, i == last)?;
+    let input = if first { model.input(&mut g, rows)? } else { g.input("stage_input", stream)? };
+    let output = model.forward_units(&mut g, input, blocks, first, last)?;
     *stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
     Ok((g, input, output))
 }

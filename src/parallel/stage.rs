@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Gradients, Graph, Tensor};
+use crate::graph::{ArenaPool, Executor, Gradients, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
@@ -94,6 +94,16 @@ impl Stage {
     pub fn from_graph(kernels: Arc<Kernels>, g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
         let StageGraph { graph, outputs, grads, ends } = StageGraph::complete(g, input, output, input_grad, end)?;
         let exec = Executor::new(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer))?;
+        Ok(Stage { kernels, exec, input, output, ends })
+    }
+
+    /// A stage over the completed `stage` (`input -> output`) whose
+    /// arenas and intermediates lie at the start of `pool`'s buffers
+    /// ([`Executor::with_arenas`]). It has no
+    /// optimizer: its owner keeps and updates the parameters elsewhere.
+    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, pool: &ArenaPool) -> Result<Self> {
+        let StageGraph { graph, outputs, grads: gradients, ends } = stage;
+        let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, PlanOptions::default(), pool)?;
         Ok(Stage { kernels, exec, input, output, ends })
     }
 

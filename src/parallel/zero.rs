@@ -17,16 +17,23 @@
 //! before the next forward and backward (or evaluation), and a device's
 //! other shards are cleared once its step is submitted.
 //!
-//! What the GPU holds: an executor records forward and backward as one
-//! submission over one parameter arena and one gradient arena, so every
-//! device allocates both whole. Stage 1 saves real memory (each device's
-//! optimizer-state arenas are its shard's length); stages 2 and 3 add the
-//! traffic pattern and the state a device relies on between steps (its
-//! shard's gradient; its shard's parameters), but the whole arenas stay
-//! allocated: gathering each block's parameters just before its forward
-//! and backward inside one submission is not done. A run prints what is
-//! allocated ([`TrainEngine::memory`]) and what the stage keeps
-//! ([`Zero::kept_memory`], as the dry-run's memory table lists it).
+//! What the GPU holds: this engine's executors record forward and
+//! backward as one submission over one parameter arena and one gradient
+//! arena, so every device allocates both whole. Stage 1 saves real memory
+//! (each device's optimizer-state arenas are its shard's length); stages
+//! 2 and 3 here add the traffic pattern and the state a device relies on
+//! between steps (its shard's gradient; its shard's parameters), but the
+//! whole arenas stay allocated. A run prints what is allocated
+//! ([`TrainEngine::memory`]) and what the stage keeps
+//! ([`Zero::kept_memory`], as the dry-run's table lists stages 1 and 2).
+//!
+//! Within one process, stage 3 is [`super::zero_stages::ZeroStages`]
+//! instead ([`super::engine::Strategy::build`] picks it): the model runs
+//! as one stage graph per block over pooled arenas, each stage's
+//! parameters gathered just before its forward and backward and its
+//! gradient reduce-scattered right after its backward, so a device
+//! allocates its shards plus one stage's arenas and intermediates. This
+//! engine's whole-arena stage 3 remains the path across MPI processes.
 //!
 //! Across the processes of an MPI job ([`Zero::across`]) the arena is cut
 //! into a range per rank and each range over that rank's devices; a step

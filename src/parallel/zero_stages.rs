@@ -1,0 +1,660 @@
+//! ZeRO stage 3 block by block (as FSDP wraps each block): every device
+//! runs the whole model on its rows of the batch as a sequence of stage
+//! graphs (the prologue, each block, the epilogue: the units a
+//! [`Staged`] model declares), and between steps keeps only its shard of
+//! the parameters, of the gradients and of AdamW's moments.
+//!
+//! The stages' executors take turns on one pool per device: a parameter
+//! arena and a gradient arena as long as the largest stage's, and the
+//! intermediate slots, each as long as any stage's
+//! ([`crate::graph::Executor::with_arenas`]): a device's intermediates
+//! are those of its largest stage, not of the whole model. A step:
+//! - forward, stage by stage: the stage's parameters are all-gathered
+//!   from the shards into every device's pool, each device runs the stage
+//!   on its rows and its output goes to the host (the next stage's input);
+//! - backward, in reverse: the stage's parameters are gathered again, the
+//!   stage recomputes its forward and runs its backward from the gradient
+//!   of its output (the last stage from its loss), and its gradient is
+//!   reduce-scattered at once (summed over devices weighted by rows, each
+//!   device receiving its shard's part), so the pool is free for the next
+//!   stage. A parameter two stages declare (a head tied to the embedding)
+//!   takes the sum of both stages' gradients before it is sent;
+//! - each device clips by the global norm (the squares of the reduced
+//!   gradients, added on the host) and runs AdamW over its shard.
+//!
+//! This trades the one-submission step of [`super::zero::Zero`] for one
+//! forward and one backward submission per stage, each waited for, plus
+//! host round trips for the gathers, and recomputes every stage's forward
+//! in its backward (as activation checkpointing by block). What a device
+//! holds: its shard of the flat arena (parameters, gradients, moments),
+//! the pool, and every stage executor's inputs ([`ZeroStages::memory`], which
+//! [`super::memory::strategy_memory`] computes without a device).
+//!
+//! The flat arena packs every parameter once, weight-decayed first, in
+//! the order the stages declare them (the single-device executor's
+//! order), so parameters and moments read, save and load under
+//! single-device names.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::collectives::to_host;
+use super::data::{check_rows, fixed_rows, group_arena_alignment, proportional_split, shard, ARENA_ALIGNMENT};
+use super::engine::{features, own_steps, Footprint, Holding, TrainEngine};
+use super::memory::{DeviceMemory, Planning};
+use super::pipeline::unit_graph;
+use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGraph};
+use super::zero::shard_ranges;
+use super::{on_device, DeviceGroup};
+use crate::error::{Error, Result};
+use crate::graph::{ArenaPool, Plan, PlanOptions, Tensor};
+use crate::io::checkpoint::Checkpoint;
+use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
+use crate::nn::{Criterion, Staged};
+use crate::optim::{apply_parameter_groups, stage_state, Optimizer, ParamSpan};
+use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets};
+
+const BYTES: u64 = 4;
+
+/// The stages a device runs `model` as: the prologue and the epilogue
+/// each alone where they do work (else with the first or last block),
+/// and every block alone. (blocks, first, last) per stage.
+fn stage_units<M: Staged + ?Sized>(model: &M) -> Vec<(Range<usize>, bool, bool)> {
+    let costs = model.stage_costs();
+    let blocks = costs.blocks.len();
+    if blocks == 0 {
+        return vec![(0..0, true, true)];
+    }
+    let (own_prologue, own_epilogue) = (costs.prologue > 0.0, costs.epilogue > 0.0);
+    let mut units = Vec::with_capacity(blocks + 2);
+    if own_prologue {
+        units.push((0..0, true, false));
+    }
+    units.extend((0..blocks).map(|b| (b..b + 1, b == 0 && !own_prologue, b + 1 == blocks && !own_epilogue)));
+    if own_epilogue {
+        units.push((blocks..blocks, false, true));
+    }
+    units
+}
+
+/// Each stage's trainable graph on `rows` rows, its parameters grouped as
+/// `optimizer` groups them: (graph, input, output).
+fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion, optimizer: &OptimizerConfig) -> Result<Vec<(StageGraph, Tensor, Tensor)>> {
+    let units = stage_units(model);
+    let mut stream = Vec::new();
+    units
+        .into_iter()
+        .map(|(blocks, first, last)| {
+            let (g, input, output) = unit_graph(model, first, last, blocks, rows, &mut stream)?;
+            let end = if last { StageEnd::Last(criterion) } else { StageEnd::Middle };
+            let mut s = StageGraph::complete(g, input, output, !first, end)?;
+            apply_parameter_groups(&mut s.graph, optimizer)?;
+            Ok((s, input, output))
+        })
+        .collect()
+}
+
+/// A stage graph planned as its executor plans it on a device of
+/// `alignment` bytes.
+fn plan_stage(s: &StageGraph, alignment: u32) -> Plan {
+    Plan::with_options(&s.graph, &s.outputs, Some(&s.grads), (alignment as usize / BYTES as usize).max(1), PlanOptions::default())
+}
+
+/// Elements of the pooled buffers stages planned as `plans` share: the
+/// longest parameter arena (also the gradient arena's), and slot by slot
+/// the longest intermediate.
+fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<usize>) {
+    let (mut arena, mut slots) = (1, Vec::new());
+    for plan in plans {
+        arena = arena.max(plan.param_arena_len);
+        slots.resize(slots.len().max(plan.slot_len.len()), 0);
+        slots.iter_mut().zip(&plan.slot_len).for_each(|(s, &len)| *s = (*s).max(len));
+    }
+    (arena, slots)
+}
+
+/// What one device holds: its shard of `shard` elements, the pooled
+/// arenas of `arena` elements and slots of `slots`, and the stages'
+/// inputs (`inputs` bytes).
+fn device_memory(shard: usize, arena: usize, slots: &[usize], inputs: u64, state_arenas: usize) -> DeviceMemory {
+    let (shard, arena) = (shard as u64 * BYTES, arena as u64 * BYTES);
+    DeviceMemory {
+        parameters: shard + arena,
+        gradients: shard + arena,
+        optimizer_state: state_arenas as u64 * shard,
+        activations: inputs + slots.iter().map(|&len| len as u64 * BYTES).sum::<u64>(),
+    }
+}
+
+/// [`ZeroStages::memory`] planned without a device, for `devices`
+/// devices splitting the batch evenly (the first take a row more).
+pub fn planned_memory<M: Staged + ?Sized>(model: &M, devices: usize, p: &Planning) -> Result<DeviceMemory> {
+    let rows = p.batch.div_ceil(devices.max(1));
+    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
+    let (arena, slots) = pool_lengths(&plans);
+    let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
+    let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
+    let largest = shard_ranges(flat, devices, block)?.iter().map(|r| r.len()).max().unwrap_or(0);
+    Ok(device_memory(largest, arena, &slots, plans.iter().map(|p| p.input_bytes).sum(), p.optimizer.state_names().len()))
+}
+
+/// ZeRO-3 over the devices of a group, stage by stage (module comment).
+pub struct ZeroStages {
+    devices: Vec<Arc<Kernels>>,
+    /// Per device, its stages in order.
+    stages: Vec<Vec<Stage>>,
+    /// Per device: the arenas and slots its stages share.
+    pools: Vec<ArenaPool>,
+    /// Per device: its shard of the flat parameters and gradients.
+    shard_params: Vec<GpuTensor>,
+    shard_grads: Vec<GpuTensor>,
+    optimizers: Vec<Optimizer>,
+    shards: Vec<Range<usize>>,
+    /// Every parameter in the flat arena, in single-device order.
+    spans: Vec<ParamSpan>,
+    flat_len: usize,
+    /// Per device, per stage: (span index, offset in the stage's arena).
+    placed: Vec<Vec<Vec<(usize, usize)>>>,
+    /// Per span: how many stages declare it.
+    holders: Vec<usize>,
+    /// Device 0's stages as a [`Spread`], for what reads an engine's layout.
+    spread: Spread,
+    shares: Vec<usize>,
+    global_batch: usize,
+    widths: ModelWidths,
+    description: String,
+    criterion: Criterion,
+    optimizer: OptimizerConfig,
+    last_grad_norm: Option<f32>,
+}
+
+impl ZeroStages {
+    /// `model`'s stages on every device of `group`, each device keeping
+    /// its shard of the parameters, gradients and optimizer state;
+    /// `global_batch` rows per step, split evenly or as `rows` fixes.
+    pub fn new(
+        group: &DeviceGroup,
+        model: &dyn Staged,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        rows: Option<Vec<usize>>,
+    ) -> Result<Self> {
+        let (criterion, optimizer) = (criterion.into(), optimizer.into());
+        let devices = group.members().to_vec();
+        let shares = match &rows {
+            Some(rows) => fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?,
+            None => proportional_split(global_batch, &vec![1.0; devices.len()])?,
+        };
+        let mut stages = Vec::with_capacity(devices.len());
+        let mut pools = Vec::with_capacity(devices.len());
+        // Names in declaration order, whether weight decay applies, and
+        // each one's initial values (device 0's, read from its pool).
+        let mut declared: Vec<(String, Vec<usize>, bool)> = Vec::new();
+        let mut initial: HashMap<String, Vec<f32>> = HashMap::new();
+        for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
+            let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
+                let graphs = stage_graphs(model, n, criterion, &optimizer)?;
+                let alignment = k.device().limits().min_storage_buffer_offset_alignment;
+                let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment)).collect();
+                let (arena, slots) = pool_lengths(&plans);
+                let pool = ArenaPool { params: k.zeros(arena)?, grads: k.zeros(arena)?, slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()? };
+                let mut own = Vec::with_capacity(graphs.len());
+                for (s, input, output) in graphs {
+                    if d == 0 {
+                        for p in s.graph.parameters() {
+                            let node = s.graph.node(p);
+                            if !declared.iter().any(|(name, _, _)| *name == node.name) {
+                                declared.push((node.name.clone(), node.shape.clone(), s.graph.weight_decay_applies(p)));
+                            }
+                        }
+                    }
+                    let stage = Stage::with_arenas(k.clone(), s, input, output, &pool)?;
+                    if d == 0 {
+                        let arena = k.read::<f32>(pool.params.view())?;
+                        for span in stage.executor().parameter_spans() {
+                            initial.entry(span.name.clone()).or_insert_with(|| arena[span.offset..span.offset + span.len()].to_vec());
+                        }
+                    }
+                    own.push(stage);
+                }
+                Ok((own, pool))
+            };
+            let (own, pool) = build().map_err(|e| on_device(d, k, e))?;
+            stages.push(own);
+            pools.push(pool);
+        }
+        // The flat arena: weight-decayed parameters first (AdamW's one
+        // boundary), each group in declaration order; the spans listed in
+        // declaration order (as an executor's).
+        let mut offsets = vec![0; declared.len()];
+        let mut offset = 0;
+        for decayed in [true, false] {
+            for (i, (_, shape, _)) in declared.iter().enumerate().filter(|(_, (_, _, decays))| *decays == decayed) {
+                offsets[i] = offset;
+                offset += shape.iter().product::<usize>();
+            }
+        }
+        let spans: Vec<ParamSpan> = declared.iter().zip(offsets).map(|((name, shape, _), offset)| ParamSpan { name: name.clone(), shape: shape.clone(), offset }).collect();
+        let (flat_len, decay_len) = (offset, declared.iter().filter(|(_, _, decays)| *decays).map(|(_, shape, _)| shape.iter().product::<usize>()).sum::<usize>());
+        let index: HashMap<&str, usize> = spans.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let placed = stages
+            .iter()
+            .map(|own| {
+                own.iter()
+                    .map(|stage| {
+                        stage.executor().parameter_spans().into_iter().map(|p| index.get(p.name.as_str()).map(|&i| (i, p.offset)).ok_or_else(|| undeclared(&p.name))).collect::<Result<Vec<_>>>()
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let holders: Vec<usize> = (0..spans.len()).map(|i| placed[0].iter().filter(|stage| stage.iter().any(|&(j, _)| j == i)).count()).collect();
+        let mut flat = vec![0.0f32; flat_len];
+        for span in &spans {
+            let values = initial.get(&span.name).ok_or_else(|| undeclared(&span.name))?;
+            flat[span.offset..span.offset + span.len()].copy_from_slice(values);
+        }
+        let block = group_arena_alignment(&devices) as usize / BYTES as usize;
+        let shards = shard_ranges(flat_len, devices.len(), block)?;
+        let (mut shard_params, mut shard_grads, mut optimizers) = (Vec::new(), Vec::new(), Vec::new());
+        for (d, (k, range)) in devices.iter().zip(&shards).enumerate() {
+            let mut build = || -> Result<()> {
+                let (params, grads) = (k.upload(&flat[range.clone()])?, k.zeros(range.len())?);
+                let decay = decay_len.clamp(range.start, range.end) - range.start;
+                optimizers.push(Optimizer::new(k, optimizer, params.view(), grads.view(), range.len(), decay)?);
+                shard_params.push(params);
+                shard_grads.push(grads);
+                Ok(())
+            };
+            build().map_err(|e| on_device(d, k, e))?;
+        }
+        let count = stages[0].len();
+        let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages[0], vec![0; count], vec![HashMap::new(); count])?;
+        Ok(ZeroStages {
+            devices,
+            stages,
+            pools,
+            shard_params,
+            shard_grads,
+            optimizers,
+            shards,
+            spans,
+            flat_len,
+            placed,
+            holders,
+            spread,
+            shares,
+            global_batch,
+            widths: ModelWidths::of(model)?,
+            description: model.describe(),
+            criterion,
+            optimizer,
+            last_grad_norm: None,
+        })
+    }
+
+    /// Each device's element range of the flat arena.
+    pub fn shards(&self) -> &[Range<usize>] {
+        &self.shards
+    }
+
+    /// Stages each device runs the model as.
+    pub fn stage_count(&self) -> usize {
+        self.stages.first().map_or(0, Vec::len)
+    }
+
+    /// The global gradient norm (before clipping) of the last step.
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.last_grad_norm
+    }
+
+    /// The part of the flat range `range` each device's shard holds:
+    /// (device, offset in its shard, offset in `range`, length).
+    fn pieces(&self, range: Range<usize>) -> Vec<(usize, usize, usize, usize)> {
+        self.shards
+            .iter()
+            .enumerate()
+            .filter_map(|(d, shard)| {
+                let (start, end) = (range.start.max(shard.start), range.end.min(shard.end));
+                (start < end).then(|| (d, start - shard.start, start - range.start, end - start))
+            })
+            .collect()
+    }
+
+    /// Stage `s`'s parameters from every shard into every device's pool
+    /// (an all-gather through the host).
+    fn gather(&self, s: usize) -> Result<()> {
+        // The flat runs the stage's parameters lie in, merged.
+        let mut runs: Vec<Range<usize>> = self.placed[0][s].iter().map(|&(i, _)| self.spans[i].offset..self.spans[i].offset + self.spans[i].len()).collect();
+        runs.sort_by_key(|r| r.start);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(runs.len());
+        for r in runs {
+            match merged.last_mut() {
+                Some(last) if last.end >= r.start => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        // Every device's pieces of them, read together round by round (a
+        // read holds its device's staging buffer: one per device at once).
+        let mut reads: Vec<Vec<(View<'_>, usize, usize)>> = vec![Vec::new(); self.devices.len()];
+        for (run, range) in merged.iter().enumerate() {
+            for (d, at, within, len) in self.pieces(range.clone()) {
+                reads[d].push((self.shard_params[d].slice(at, len)?, run, within));
+            }
+        }
+        let mut values: Vec<Vec<f32>> = merged.iter().map(|r| vec![0.0; r.len()]).collect();
+        let since = Instant::now();
+        for round in 0..reads.iter().map(Vec::len).max().unwrap_or(0) {
+            let this: Vec<(usize, (View<'_>, usize, usize))> = reads.iter().enumerate().filter_map(|(d, list)| list.get(round).map(|&r| (d, r))).collect();
+            let pairs: Vec<(&Kernels, View<'_>)> = this.iter().map(|&(d, (view, _, _))| (self.devices[d].as_ref(), view)).collect();
+            let (got, _) = to_host(&pairs, since)?;
+            for ((_, (_, run, within)), part) in this.iter().zip(got) {
+                values[*run][*within..*within + part.len()].copy_from_slice(&part);
+            }
+        }
+        let flat_at = |offset: usize| merged.iter().position(|r| r.contains(&offset)).map(|run| (run, offset - merged[run].start));
+        for (d, k) in self.devices.iter().enumerate() {
+            let len = self.stages[d][s].executor().plan().param_arena_len;
+            let mut arena = vec![0.0f32; len];
+            for &(i, local) in &self.placed[d][s] {
+                let span = &self.spans[i];
+                let (run, at) = flat_at(span.offset).ok_or_else(|| undeclared(&span.name))?;
+                arena[local..local + span.len()].copy_from_slice(&values[run][at..at + span.len()]);
+            }
+            k.write(self.pools[d].params.slice(0, len)?, &arena).map_err(|e| on_device(d, k, e))?;
+        }
+        Ok(())
+    }
+
+    /// Stage `s`'s gradient, just computed on every device, summed over
+    /// devices (weighted, in f64 in device order) and each device's part
+    /// written to its shard. A parameter other stages also declare waits
+    /// in `pending` until every stage added its part. Returns the sum of
+    /// squares of the gradients completed (as the f32 values sent).
+    fn reduce_scatter_stage(&self, s: usize, weights: &[f64], pending: &mut HashMap<usize, (usize, Vec<f64>)>, since: Instant) -> Result<f64> {
+        let pairs: Vec<(&Kernels, View<'_>)> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, k)| Ok((k.as_ref(), self.pools[d].grads.slice(0, self.stages[d][s].executor().plan().param_arena_len)?)))
+            .collect::<Result<_>>()?;
+        let (grads, _) = to_host(&pairs, since)?;
+        let mut squares = 0.0f64;
+        for (p, &(i, _)) in self.placed[0][s].iter().enumerate() {
+            let len = self.spans[i].len();
+            let (count, sum) = pending.entry(i).or_insert_with(|| (0, vec![0.0; len]));
+            for (d, g) in grads.iter().enumerate() {
+                let local = self.placed[d][s][p].1;
+                sum.iter_mut().zip(&g[local..local + len]).for_each(|(t, &v)| *t += weights[d] * f64::from(v));
+            }
+            *count += 1;
+            if *count < self.holders[i] {
+                continue;
+            }
+            let (_, sum) = pending.remove(&i).unwrap_or_default();
+            let values: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
+            squares += values.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>();
+            let offset = self.spans[i].offset;
+            for (d, at, within, n) in self.pieces(offset..offset + len) {
+                let k = &self.devices[d];
+                k.write(self.shard_grads[d].slice(at, n)?, &values[within..within + n]).map_err(|e| on_device(d, k, e))?;
+            }
+        }
+        Ok(squares)
+    }
+
+    /// Each device's rows of `x` and `targets` (checked whole first).
+    fn split<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<Vec<(Examples<'x>, Targets<'t>)>> {
+        let (f, width) = check_rows(&self.widths, op, self.global_batch, x, targets)?;
+        let mut row = 0;
+        Ok(self
+            .shares
+            .iter()
+            .map(|&n| {
+                let part = (x.slice(row * f, (row + n) * f), shard(targets, row, n, width));
+                row += n;
+                part
+            })
+            .collect())
+    }
+
+    fn weights(&self) -> Vec<f64> {
+        self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect()
+    }
+
+    /// Each device's rows of the global batch, run forward through every
+    /// stage but the last (each gathered first): the rows, every stage's
+    /// input per device (stage 0 reads the examples: none), and when the
+    /// work started.
+    #[allow(clippy::type_complexity)]
+    fn forward_to_last<'x, 't>(&mut self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Vec<(Examples<'x>, Targets<'t>)>, Vec<Vec<Option<Vec<f32>>>>, Instant)> {
+        let rows = self.split(op, x, targets)?;
+        let since = Instant::now();
+        let count = self.stage_count();
+        let mut inputs: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; self.devices.len()]; count];
+        for s in 0..count - 1 {
+            self.gather(s)?;
+            for (d, stage) in self.stages.iter_mut().map(|own| &mut own[s]).enumerate() {
+                let k = stage.kernels.clone();
+                stage.feed(rows[d].0, inputs[s][d].as_deref()).and_then(|()| stage.forward()).map_err(|e| on_device(d, &k, e))?;
+            }
+            let views = self.stages.iter().map(|own| Ok((own[s].kernels.as_ref(), own[s].output_view()?))).collect::<Result<Vec<_>>>()?;
+            let (outputs, _) = to_host(&views, since)?;
+            inputs[s + 1] = outputs.into_iter().map(Some).collect();
+        }
+        Ok((rows, inputs, since))
+    }
+
+    /// One step on `global_batch` rows (see the module comment); the mean
+    /// loss when `read_loss`.
+    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+        let (rows, mut inputs, since) = self.forward_to_last("ZeroStages::step", x.into(), targets)?;
+        let (count, devices) = (self.stage_count(), self.devices.len());
+        let last = count - 1;
+        let weights = self.weights();
+        let (mut pending, mut squares, mut loss) = (HashMap::new(), 0.0f64, 0.0f64);
+        let mut output_grads: Vec<Option<Vec<f32>>> = vec![None; devices];
+        for s in (0..count).rev() {
+            self.gather(s)?;
+            for (d, stage) in self.stages.iter_mut().map(|own| &mut own[s]).enumerate() {
+                let k = stage.kernels.clone();
+                let mut run = || -> Result<()> {
+                    stage.feed(rows[d].0, inputs[s][d].as_deref())?;
+                    match output_grads[d].as_deref() {
+                        Some(g) => stage.set_output_gradient(g)?,
+                        None => stage.set_targets(rows[d].1, 1.0)?,
+                    }
+                    stage.backward(true)
+                };
+                run().map_err(|e| on_device(d, &k, e))?;
+            }
+            inputs[s] = vec![None; devices];
+            if s == last && read_loss {
+                for (d, own) in self.stages.iter().enumerate() {
+                    loss += weights[d] * f64::from(own[s].loss_value().map_err(|e| on_device(d, &own[s].kernels, e))?);
+                }
+            }
+            if s > 0 {
+                let views = self
+                    .stages
+                    .iter()
+                    .map(|own| {
+                        let view = own[s].input_gradient_view().ok_or_else(|| Error::InvalidArgument { op: "ZeroStages", reason: format!("stage {s} yields no input gradient") })??;
+                        Ok((own[s].kernels.as_ref(), view))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                output_grads = to_host(&views, since)?.0.into_iter().map(Some).collect();
+            }
+            squares += self.reduce_scatter_stage(s, &weights, &mut pending, since)?;
+        }
+        let norm = squares.sqrt() as f32;
+        self.last_grad_norm = Some(norm);
+        let clips = self.optimizer.clip_grad_norm().is_some();
+        for (d, o) in self.optimizers.iter_mut().enumerate() {
+            let k = &self.devices[d];
+            if clips { o.step_with_grad_norm(k, norm) } else { o.step(k) }.map_err(|e| on_device(d, k, e))?;
+        }
+        if read_loss && !loss.is_finite() {
+            return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
+        }
+        Ok(read_loss.then_some(loss as f32))
+    }
+
+    /// The mean loss of one global batch without training, split as a step.
+    pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
+        let (rows, inputs, since) = self.forward_to_last("ZeroStages::evaluate_loss", x.into(), targets)?;
+        let last = self.stage_count() - 1;
+        self.gather(last)?;
+        for (d, stage) in self.stages.iter_mut().map(|own| &mut own[last]).enumerate() {
+            let k = stage.kernels.clone();
+            let mut run = || -> Result<()> {
+                stage.feed(rows[d].0, inputs[last][d].as_deref())?;
+                stage.set_targets(rows[d].1, 1.0)?;
+                stage.forward_loss()
+            };
+            run().map_err(|e| on_device(d, &k, e))?;
+        }
+        let views = self
+            .stages
+            .iter()
+            .map(|own| {
+                let view = own[last].loss_view().ok_or_else(|| Error::InvalidArgument { op: "ZeroStages", reason: "the last stage has no loss".into() })??;
+                Ok((own[last].kernels.as_ref(), view))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (losses, _) = to_host(&views, since)?;
+        let loss: f64 = losses.iter().zip(self.weights()).map(|(l, w)| w * f64::from(l.first().copied().unwrap_or(f32::NAN))).sum();
+        if !loss.is_finite() {
+            return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
+        }
+        Ok(loss as f32)
+    }
+
+    /// Predicted classes of feature rows, on device 0 in chunks of its rows.
+    pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
+        let features = features(x.into(), "ZeroStages::predict")?;
+        let (inputs, rows) = (self.widths.inputs, self.shares[0]);
+        super::outputs_in_chunks("ZeroStages::predict", features, inputs, rows, 1, |chunk| self.predict_chunk(chunk))
+    }
+
+    fn predict_chunk(&mut self, chunk: &[f32]) -> Result<Vec<u32>> {
+        let last = self.stage_count() - 1;
+        let mut h: Option<Vec<f32>> = None;
+        for s in 0..=last {
+            self.gather(s)?;
+            let stage = &mut self.stages[0][s];
+            let k = stage.kernels.clone();
+            stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(0, &k, e))?;
+            if s == last {
+                return stage.predictions().map_err(|e| on_device(0, &k, e));
+            }
+            stage.forward().map_err(|e| on_device(0, &k, e))?;
+            h = Some(k.read(stage.output_view()?).map_err(|e| on_device(0, &k, e))?);
+        }
+        Err(Error::InvalidArgument { op: "ZeroStages::predict", reason: "no stages".into() })
+    }
+
+    /// The whole flat arena on the host from every device's `arena`.
+    fn flat_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
+        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(d, k)| (k.as_ref(), arena(d))).collect();
+        Ok(to_host(&pairs, Instant::now())?.0.concat())
+    }
+
+    /// Each device's shard of the whole state `arenas` (none: kept as is)
+    /// and the step count (when given).
+    fn write_state(&mut self, arenas: &[Vec<f32>], step: Option<u64>) -> Result<()> {
+        for (d, (o, range)) in self.optimizers.iter_mut().zip(&self.shards).enumerate() {
+            let k = &self.devices[d];
+            for (arena, values) in o.state_arenas().into_iter().zip(arenas) {
+                k.write(arena, &values[range.clone()]).map_err(|e| on_device(d, k, e))?;
+            }
+            o.import_state(k, &[], &[], step).map_err(|e| on_device(d, k, e))?;
+        }
+        Ok(())
+    }
+}
+
+fn undeclared(name: &str) -> Error {
+    Error::InvalidArgument { op: "ZeroStages", reason: format!("the stages disagree on parameter `{name}`") }
+}
+
+impl TrainEngine for ZeroStages {
+    own_steps!(ZeroStages);
+    /// Device 0's stages, for what reads an engine's layout; parameters,
+    /// state and checkpoint come from the shards (the methods below).
+    fn holding(&self) -> Holding<'_> {
+        Holding::Stages(&self.spread, &self.stages[0])
+    }
+    fn parameters(&self) -> Result<NamedParameters> {
+        let flat = self.flat_on_host(|d| self.shard_params[d].view())?;
+        Ok(self.spans.iter().map(|p| (p.name.clone(), p.shape.clone(), flat[p.offset..p.offset + p.len()].to_vec())).collect())
+    }
+    fn optimizer_state(&self) -> Result<NamedState> {
+        let mut out = Vec::new();
+        for (s, &name) in self.optimizer.state_names().iter().enumerate() {
+            let flat = self.flat_on_host(|d| self.optimizers[d].state_arenas()[s])?;
+            out.extend(self.spans.iter().map(|p| (p.name.clone(), name, flat[p.offset..p.offset + p.len()].to_vec())));
+        }
+        Ok(out)
+    }
+    fn step_count(&self) -> u64 {
+        self.optimizers[0].step_count()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint> {
+        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
+        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
+    }
+    /// Parameters by name (the others keep their values) and the whole
+    /// optimizer state, each checked before any device changes, then
+    /// each device's shard of them.
+    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+        let op = "ZeroStages::load_state";
+        let host = stage_state(self.optimizer.state_names(), self.flat_len, &self.spans, state)?;
+        let mut flat = self.flat_on_host(|d| self.shard_params[d].view())?;
+        for (name, shape, values) in params {
+            let span = self.spans.iter().find(|p| &p.name == name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("the model has no parameter `{name}`") })?;
+            if *shape != span.shape || values.len() != span.len() {
+                return Err(Error::shape(op, format!("parameter `{name}` with {} values", values.len()), &[&span.shape, shape]));
+            }
+            flat[span.offset..span.offset + span.len()].copy_from_slice(values);
+        }
+        for (d, (k, range)) in self.devices.iter().zip(&self.shards).enumerate() {
+            k.write(self.shard_params[d].view(), &flat[range.clone()]).map_err(|e| on_device(d, k, e))?;
+        }
+        let host = if state.is_empty() { Vec::new() } else { host };
+        self.write_state(&host, step)
+    }
+    fn describe(&self) -> String {
+        let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
+        let pool = self.pools.iter().map(|p| p.params.len()).max().unwrap_or(0);
+        format!(
+            "ZeRO stage 3 (sharded data parallel) stage by stage: {} stages gathered into a pooled arena of {pool} elements before their forward and backward, gradients reduce-scattered after each stage's backward; batch split {}, flat arena shards of [{}] elements",
+            self.stage_count(),
+            rows.join(", "),
+            shards.join(", ")
+        )
+    }
+    /// One device's dispatches (its stages' and its optimizer's) and the
+    /// bytes of the device holding the most.
+    fn footprint(&self) -> Footprint {
+        let dispatches = self.stages[0].iter().map(|s| s.executor().dispatches_per_step()).sum::<usize>() + self.optimizers[0].dispatches().count();
+        Footprint { dispatches_per_step: dispatches, peak_bytes: self.memory().total(), intermediates: None }
+    }
+    fn shares(&self) -> Vec<usize> {
+        self.shares.clone()
+    }
+    /// What each device allocated: its shards, its pools, its stages'
+    /// inputs and intermediates (the device holding the most).
+    fn memory(&self) -> DeviceMemory {
+        let states = self.optimizer.state_names().len();
+        DeviceMemory::fullest((0..self.devices.len()).map(|d| {
+            let pool = &self.pools[d];
+            let slots: Vec<usize> = pool.slots.iter().map(GpuTensor::len).collect();
+            let inputs = self.stages[d].iter().map(|s| s.executor().plan().input_bytes).sum();
+            device_memory(self.shard_params[d].len(), pool.params.len(), &slots, inputs, states)
+        }))
+    }
+}
