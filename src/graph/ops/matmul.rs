@@ -7,7 +7,7 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::graph::plan::Storage;
-use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, QuantView};
+use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, QuantView};
 
 /// Matrix products.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,12 +73,21 @@ impl OpFamily for MatmulOp {
                 let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
                 // Weights stored in f16 or quantized (the builder allows them
                 // as an ABt's B).
+                let weight = matches!(cx.input_node(1).op, Op::Source(_));
                 match cx.input_node(1).dtype {
-                    DType::F16 => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
+                    DType::F16 if weight => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
                     DType::Quant(format) => return k.matmul_quant_weights(epilogue, cx.out()?, cx.input(0)?, QuantView::new(cx.input(1)?, format, n, kk)?, m, n, kk),
-                    DType::F32 | DType::U32 => {}
+                    DType::F16 | DType::F32 | DType::U32 => {}
                 }
-                k.matmul_epilogue(*form, epilogue, cx.out()?, cx.input(0)?, cx.input(1)?, m, n, kk)
+                // Activations a training step stores in f16
+                // (graph::precision) are read as they are stored.
+                let operand = |j: usize| -> Result<MatmulOperand<'_>> {
+                    Ok(match cx.input_node(j).dtype {
+                        DType::F16 => F16View::new(cx.input(j)?, cx.input_node(j).len())?.into(),
+                        _ => cx.input(j)?.into(),
+                    })
+                };
+                k.matmul_operands(*form, epilogue, cx.out()?, operand(0)?, operand(1)?, m, n, kk)
             }
             MatmulOp::BatchMatMul(form) => {
                 let rank = shape.len();
