@@ -11,7 +11,7 @@
 //! - every other tensor the backward pass reads from the forward pass (the
 //!   activations a step holds from forward to backward, its largest
 //!   memory) is stored in f16: [`ElementwiseOp::StoreF16`] right after
-//!   its writer. The 2-D matmuls reading it, forward and backward, read
+//!   its writer. The matmuls reading it, forward and backward, read
 //!   that f16 copy itself (the kernels widen each value in registers,
 //!   `kernels::MatmulOperand`): torch.autocast's matmuls on f16 inputs,
 //!   the activation cast once when stored, with no widened copy made.
@@ -81,9 +81,9 @@ impl Remap {
 }
 
 /// Whether a node of `op` reads f16 copies itself rather than a widened
-/// load: the 2-D matmuls (the kernels read f16 operands).
+/// load: the matmuls, 2-D and batched (the kernels read f16 operands).
 fn reads_f16(op: &Op) -> bool {
-    matches!(op, Op::Matmul(MatmulOp::MatMul(_)))
+    matches!(op, Op::Matmul(MatmulOp::MatMul(_) | MatmulOp::BatchMatMul(_)))
 }
 
 impl Graph {

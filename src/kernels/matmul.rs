@@ -433,6 +433,16 @@ impl Kernels {
         self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a.into(), b.into(), batch, m, n, k)
     }
 
+    /// [`Kernels::matmul_batched`] where A, B or both may be stored in f16
+    /// (as [`Kernels::matmul_operands`]): the unfused attention's
+    /// products reading a training step's f16 activations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_batched_operands(&self, form: MatmulForm, accumulate: bool, out: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, batch: usize, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+        let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
+        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
+    }
+
     /// [`Kernels::matmul_batched`] with an explicit kernel variant (tests,
     /// autotuning).
     #[allow(clippy::too_many_arguments)]

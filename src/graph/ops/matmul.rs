@@ -42,6 +42,15 @@ fn activation_of(cx: &DispatchContext<'_>, i: usize) -> Result<Activation> {
     }
 }
 
+/// Input `j` as the kernels read it: activations a training step stores in
+/// f16 (graph::precision) as they are stored.
+fn operand<'a>(cx: &DispatchContext<'a>, j: usize) -> Result<MatmulOperand<'a>> {
+    Ok(match cx.input_node(j).dtype {
+        DType::F16 => F16View::new(cx.input(j)?, cx.input_node(j).len())?.into(),
+        _ => cx.input(j)?.into(),
+    })
+}
+
 impl OpFamily for MatmulOp {
     fn name(&self) -> &'static str {
         match self {
@@ -79,21 +88,13 @@ impl OpFamily for MatmulOp {
                     DType::Quant(format) => return k.matmul_quant_weights(epilogue, cx.out()?, cx.input(0)?, QuantView::new(cx.input(1)?, format, n, kk)?, m, n, kk),
                     DType::F16 | DType::F32 | DType::U32 => {}
                 }
-                // Activations a training step stores in f16
-                // (graph::precision) are read as they are stored.
-                let operand = |j: usize| -> Result<MatmulOperand<'_>> {
-                    Ok(match cx.input_node(j).dtype {
-                        DType::F16 => F16View::new(cx.input(j)?, cx.input_node(j).len())?.into(),
-                        _ => cx.input(j)?.into(),
-                    })
-                };
-                k.matmul_operands(*form, epilogue, cx.out()?, operand(0)?, operand(1)?, m, n, kk)
+                k.matmul_operands(*form, epilogue, cx.out()?, operand(cx, 0)?, operand(cx, 1)?, m, n, kk)
             }
             MatmulOp::BatchMatMul(form) => {
                 let rank = shape.len();
                 let batch = shape[..rank - 2].iter().product();
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
-                k.matmul_batched(*form, cx.accumulate(), cx.out()?, cx.input(0)?, cx.input(1)?, batch, m, n, kk)
+                k.matmul_batched_operands(*form, cx.accumulate(), cx.out()?, operand(cx, 0)?, operand(cx, 1)?, batch, m, n, kk)
             }
             MatmulOp::QuantParts { gated } => {
                 let [m, kk] = cx.input_shape(0)[..] else {
