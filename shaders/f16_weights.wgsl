@@ -55,6 +55,11 @@ struct F16wParams {
 @group(0) @binding(1) var<storage, read> b8: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<uniform> p: F16wParams;
+
+// matmul_tiles.wgsl's staging reads A through this (matmul.wgsl's may be f16).
+fn load_a(i: u32) -> f32 {
+    return a[i];
+}
 // Unused slots hold placeholders (`pre` C itself: a writable slot cannot
 // share the read-only placeholder) and are never touched.
 @group(0) @binding(4) var<storage, read> bias: array<f32>;

@@ -88,6 +88,50 @@ struct MatmulParams {
 // cannot share the read-only placeholder) and never touched.
 @group(0) @binding(5) var<storage, read_write> pre: array<f32>;
 @group(0) @binding(6) var<storage, read> act_input: array<f32>;
+// Operands stored in f16 (the activations a training step saves in f16,
+// graph/precision.rs): with A_F16 (B_F16) op(A) (op(B)) is read from a_h
+// (b_h), two values a 4-byte word, value 2i in the low half (F16View's
+// packing), and widened to f32 in registers, so no widened f32 copy is
+// ever stored; the products and sums stay f32. The widening is bit
+// arithmetic, not unpack2x16float, which naga allows only with
+// SHADER_FLOAT16_IN_FLOAT32 (not on GL): this family runs everywhere. The
+// operand's other binding holds a placeholder. Offsets and strides count
+// values, not words. The small, register and shared kernels read through
+// load_a / load_b; the vec4 and matrix-vector kernels read f32 only (the
+// Rust side picks).
+override A_F16: bool = false;
+override B_F16: bool = false;
+@group(0) @binding(7) var<storage, read> a_h: array<u32>;
+@group(0) @binding(8) var<storage, read> b_h: array<u32>;
+
+// Value i of an f16 operand (its word holds values i & ~1 and i | 1),
+// exactly as f32: normal numbers rebias the exponent, subnormals are
+// mantissa·2^-24, infinities and NaNs keep the all-ones exponent.
+fn f16_value(word: u32, i: u32) -> f32 {
+    let h = (word >> (16u * (i & 1u))) & 0xffffu;
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    let normal = bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+    let special = bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    let tiny = ldexp(f32(m), -24);
+    let subnormal = select(tiny, -tiny, sign != 0u);
+    return select(select(normal, special, e == 31u), subnormal, e == 0u);
+}
+
+fn load_a(i: u32) -> f32 {
+    if A_F16 {
+        return f16_value(a_h[i >> 1u], i);
+    }
+    return a[i];
+}
+
+fn load_b(i: u32) -> f32 {
+    if B_F16 {
+        return f16_value(b_h[i >> 1u], i);
+    }
+    return b[i];
+}
 
 const TILE: u32 = 64u;
 
@@ -177,16 +221,16 @@ fn matmul_forward_small(
     for (var kk = 0u; kk < p.k; kk++) {
         let ka = kk * sa_k;
         let kb = kk * sb_k;
-        let b_lo = vec4<f32>(b[cb_lo.x + kb], b[cb_lo.y + kb], b[cb_lo.z + kb], b[cb_lo.w + kb]);
-        let b_hi = vec4<f32>(b[cb_hi.x + kb], b[cb_hi.y + kb], b[cb_hi.z + kb], b[cb_hi.w + kb]);
-        acc0 = fma_row8(acc0, a[ra_lo.x + ka], b_lo, b_hi);
-        acc1 = fma_row8(acc1, a[ra_lo.y + ka], b_lo, b_hi);
-        acc2 = fma_row8(acc2, a[ra_lo.z + ka], b_lo, b_hi);
-        acc3 = fma_row8(acc3, a[ra_lo.w + ka], b_lo, b_hi);
-        acc4 = fma_row8(acc4, a[ra_hi.x + ka], b_lo, b_hi);
-        acc5 = fma_row8(acc5, a[ra_hi.y + ka], b_lo, b_hi);
-        acc6 = fma_row8(acc6, a[ra_hi.z + ka], b_lo, b_hi);
-        acc7 = fma_row8(acc7, a[ra_hi.w + ka], b_lo, b_hi);
+        let b_lo = vec4<f32>(load_b(cb_lo.x + kb), load_b(cb_lo.y + kb), load_b(cb_lo.z + kb), load_b(cb_lo.w + kb));
+        let b_hi = vec4<f32>(load_b(cb_hi.x + kb), load_b(cb_hi.y + kb), load_b(cb_hi.z + kb), load_b(cb_hi.w + kb));
+        acc0 = fma_row8(acc0, load_a(ra_lo.x + ka), b_lo, b_hi);
+        acc1 = fma_row8(acc1, load_a(ra_lo.y + ka), b_lo, b_hi);
+        acc2 = fma_row8(acc2, load_a(ra_lo.z + ka), b_lo, b_hi);
+        acc3 = fma_row8(acc3, load_a(ra_lo.w + ka), b_lo, b_hi);
+        acc4 = fma_row8(acc4, load_a(ra_hi.x + ka), b_lo, b_hi);
+        acc5 = fma_row8(acc5, load_a(ra_hi.y + ka), b_lo, b_hi);
+        acc6 = fma_row8(acc6, load_a(ra_hi.z + ka), b_lo, b_hi);
+        acc7 = fma_row8(acc7, load_a(ra_hi.w + ka), b_lo, b_hi);
     }
     store_row8(row0 + 0u, col0, acc0);
     store_row8(row0 + 1u, col0, acc1);
@@ -326,43 +370,43 @@ fn matmul_forward_register(
     var ob = b_off;
     for (var kk = 0u; kk < p.k; kk++) {
         let bm = mat4x4<f32>(
-            vec4<f32>(b[cb0 + ob], b[cb1 + ob], b[cb2 + ob], b[cb3 + ob]),
-            vec4<f32>(b[cb4 + ob], b[cb5 + ob], b[cb6 + ob], b[cb7 + ob]),
-            vec4<f32>(b[cb8 + ob], b[cb9 + ob], b[cb10 + ob], b[cb11 + ob]),
-            vec4<f32>(b[cb12 + ob], b[cb13 + ob], b[cb14 + ob], b[cb15 + ob]),
+            vec4<f32>(load_b(cb0 + ob), load_b(cb1 + ob), load_b(cb2 + ob), load_b(cb3 + ob)),
+            vec4<f32>(load_b(cb4 + ob), load_b(cb5 + ob), load_b(cb6 + ob), load_b(cb7 + ob)),
+            vec4<f32>(load_b(cb8 + ob), load_b(cb9 + ob), load_b(cb10 + ob), load_b(cb11 + ob)),
+            vec4<f32>(load_b(cb12 + ob), load_b(cb13 + ob), load_b(cb14 + ob), load_b(cb15 + ob)),
         );
-        acc0 = mm_row_fma(acc0, a[ra0 + oa], bm);
-        acc1 = mm_row_fma(acc1, a[ra1 + oa], bm);
-        acc2 = mm_row_fma(acc2, a[ra2 + oa], bm);
-        acc3 = mm_row_fma(acc3, a[ra3 + oa], bm);
-        acc4 = mm_row_fma(acc4, a[ra4 + oa], bm);
-        acc5 = mm_row_fma(acc5, a[ra5 + oa], bm);
-        acc6 = mm_row_fma(acc6, a[ra6 + oa], bm);
-        acc7 = mm_row_fma(acc7, a[ra7 + oa], bm);
-        acc8 = mm_row_fma(acc8, a[ra8 + oa], bm);
-        acc9 = mm_row_fma(acc9, a[ra9 + oa], bm);
-        acc10 = mm_row_fma(acc10, a[ra10 + oa], bm);
-        acc11 = mm_row_fma(acc11, a[ra11 + oa], bm);
-        acc12 = mm_row_fma(acc12, a[ra12 + oa], bm);
-        acc13 = mm_row_fma(acc13, a[ra13 + oa], bm);
-        acc14 = mm_row_fma(acc14, a[ra14 + oa], bm);
-        acc15 = mm_row_fma(acc15, a[ra15 + oa], bm);
-        acc16 = mm_row_fma(acc16, a[ra16 + oa], bm);
-        acc17 = mm_row_fma(acc17, a[ra17 + oa], bm);
-        acc18 = mm_row_fma(acc18, a[ra18 + oa], bm);
-        acc19 = mm_row_fma(acc19, a[ra19 + oa], bm);
-        acc20 = mm_row_fma(acc20, a[ra20 + oa], bm);
-        acc21 = mm_row_fma(acc21, a[ra21 + oa], bm);
-        acc22 = mm_row_fma(acc22, a[ra22 + oa], bm);
-        acc23 = mm_row_fma(acc23, a[ra23 + oa], bm);
-        acc24 = mm_row_fma(acc24, a[ra24 + oa], bm);
-        acc25 = mm_row_fma(acc25, a[ra25 + oa], bm);
-        acc26 = mm_row_fma(acc26, a[ra26 + oa], bm);
-        acc27 = mm_row_fma(acc27, a[ra27 + oa], bm);
-        acc28 = mm_row_fma(acc28, a[ra28 + oa], bm);
-        acc29 = mm_row_fma(acc29, a[ra29 + oa], bm);
-        acc30 = mm_row_fma(acc30, a[ra30 + oa], bm);
-        acc31 = mm_row_fma(acc31, a[ra31 + oa], bm);
+        acc0 = mm_row_fma(acc0, load_a(ra0 + oa), bm);
+        acc1 = mm_row_fma(acc1, load_a(ra1 + oa), bm);
+        acc2 = mm_row_fma(acc2, load_a(ra2 + oa), bm);
+        acc3 = mm_row_fma(acc3, load_a(ra3 + oa), bm);
+        acc4 = mm_row_fma(acc4, load_a(ra4 + oa), bm);
+        acc5 = mm_row_fma(acc5, load_a(ra5 + oa), bm);
+        acc6 = mm_row_fma(acc6, load_a(ra6 + oa), bm);
+        acc7 = mm_row_fma(acc7, load_a(ra7 + oa), bm);
+        acc8 = mm_row_fma(acc8, load_a(ra8 + oa), bm);
+        acc9 = mm_row_fma(acc9, load_a(ra9 + oa), bm);
+        acc10 = mm_row_fma(acc10, load_a(ra10 + oa), bm);
+        acc11 = mm_row_fma(acc11, load_a(ra11 + oa), bm);
+        acc12 = mm_row_fma(acc12, load_a(ra12 + oa), bm);
+        acc13 = mm_row_fma(acc13, load_a(ra13 + oa), bm);
+        acc14 = mm_row_fma(acc14, load_a(ra14 + oa), bm);
+        acc15 = mm_row_fma(acc15, load_a(ra15 + oa), bm);
+        acc16 = mm_row_fma(acc16, load_a(ra16 + oa), bm);
+        acc17 = mm_row_fma(acc17, load_a(ra17 + oa), bm);
+        acc18 = mm_row_fma(acc18, load_a(ra18 + oa), bm);
+        acc19 = mm_row_fma(acc19, load_a(ra19 + oa), bm);
+        acc20 = mm_row_fma(acc20, load_a(ra20 + oa), bm);
+        acc21 = mm_row_fma(acc21, load_a(ra21 + oa), bm);
+        acc22 = mm_row_fma(acc22, load_a(ra22 + oa), bm);
+        acc23 = mm_row_fma(acc23, load_a(ra23 + oa), bm);
+        acc24 = mm_row_fma(acc24, load_a(ra24 + oa), bm);
+        acc25 = mm_row_fma(acc25, load_a(ra25 + oa), bm);
+        acc26 = mm_row_fma(acc26, load_a(ra26 + oa), bm);
+        acc27 = mm_row_fma(acc27, load_a(ra27 + oa), bm);
+        acc28 = mm_row_fma(acc28, load_a(ra28 + oa), bm);
+        acc29 = mm_row_fma(acc29, load_a(ra29 + oa), bm);
+        acc30 = mm_row_fma(acc30, load_a(ra30 + oa), bm);
+        acc31 = mm_row_fma(acc31, load_a(ra31 + oa), bm);
         oa += sa_k;
         ob += sb_k;
     }
@@ -798,7 +842,7 @@ fn shared_stage_b_rows(t: u32, col0: u32, k0: u32, off: u32) {
         let e = t + MT_INVOCATIONS * l;
         let kk = k0 + e / 64u;
         let col = col0 + e % 64u;
-        let v = b[off + min(kk, k - 1u) * n + min(col, n - 1u)];
+        let v = load_b(off + min(kk, k - 1u) * n + min(col, n - 1u));
         mt_b[e / 4u][e % 4u] = select(0.0, v, col < n && kk < k);
     }
 }
@@ -827,7 +871,7 @@ fn shared_stage_b_cols(t: u32, col0: u32, k0: u32, off: u32) {
         let e = t + MT_INVOCATIONS * l;
         let col = col0 + e / 16u;
         let kk = k0 + e % 16u;
-        let v = b[off + min(col, n - 1u) * k + min(kk, k - 1u)];
+        let v = load_b(off + min(col, n - 1u) * k + min(kk, k - 1u));
         mt_b[(e / 16u) * MT_B_COL + (e % 16u) / 4u][e % 4u] = select(0.0, v, col < n && kk < k);
     }
 }

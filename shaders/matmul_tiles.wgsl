@@ -18,8 +18,9 @@
 // An entry point may read `a` or `a4`, not both (WebGPU refuses an entry
 // point using two variables of one binding), so each staging function has
 // a scalar and a vec4 form.
-// Uses the composing family's `a` / `a4` (op(A) in f32, binding 0), `p.m`,
-// `p.n`, `p.k`, and its epilogue `fn write_c(row: u32, col: u32, product: f32)`.
+// Uses the composing family's `fn load_a(i: u32) -> f32` (element i of
+// the stored A as f32, widened where the family stores it in f16) and
+// `a4` (f32, binding 0), `p.m`, `p.n`, `p.k`, and its epilogue `fn write_c(row: u32, col: u32, product: f32)`.
 
 const MT_DEPTH: u32 = 16u;
 // Invocations per workgroup: the entry points' @workgroup_size(16, 8, 1).
@@ -54,7 +55,7 @@ fn mt_stage_a_rows(t: u32, row0: u32, k0: u32, off: u32) {
         let e = t + MT_INVOCATIONS * l;
         let row = row0 + e / 16u;
         let kk = k0 + e % 16u;
-        let v = a[off + min(row, m - 1u) * k + min(kk, k - 1u)];
+        let v = load_a(off + min(row, m - 1u) * k + min(kk, k - 1u));
         mt_a[e / 4u][e % 4u] = select(0.0, v, row < m && kk < k);
     }
 }
@@ -85,7 +86,7 @@ fn mt_stage_a_cols(t: u32, row0: u32, k0: u32, off: u32) {
         let e = t + MT_INVOCATIONS * l;
         let kk = k0 + e / 64u;
         let row = row0 + e % 64u;
-        let v = a[off + min(kk, k - 1u) * m + min(row, m - 1u)];
+        let v = load_a(off + min(kk, k - 1u) * m + min(row, m - 1u));
         mt_a[e / 4u][e % 4u] = select(0.0, v, row < m && kk < k);
     }
 }

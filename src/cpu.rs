@@ -394,6 +394,24 @@ pub fn matmul_f16(form: MatmulForm, a: &[half::f16], b: &[half::f16], m: usize, 
     matmul(form, &from_f16(a), &from_f16(b), m, n, k)
 }
 
+/// An operand of [`matmul_operands`]: f32 values or f16 ones.
+#[derive(Clone, Copy, Debug)]
+pub enum Operand<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+/// Twin of `matmul.wgsl`'s products reading f16 operands (A_F16 / B_F16,
+/// `Kernels::matmul_operands`): each f16 value widened (exactly), then
+/// [`matmul_epilogue`].
+pub fn matmul_operands(form: MatmulForm, e: Epilogue<'_>, a: Operand<'_>, b: Operand<'_>, m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+    let widened = |x: Operand<'_>| match x {
+        Operand::F32(v) => v.to_vec(),
+        Operand::F16(v) => from_f16(v),
+    };
+    matmul_epilogue(form, e, &widened(a), &widened(b), m, n, k)
+}
+
 /// Twin of `f16_weights.wgsl`'s products (`matvec_f16w_forward`,
 /// `matmul_f16w_forward_small`, `_register`): C = epilogue(A·Bᵀ) with A
 /// [m, k] f32 and B [n, k] f16, widened exactly; f64 accumulation. Returns

@@ -638,7 +638,8 @@ impl Plan {
         let weight_grad = accumulating(MatmulOp::MatMul(MatmulForm::AtB).into(), &[dpred, x]);
         let linear = match (&nodes[matmul].op, weight_grad) {
             (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad))
-                if pred_shape.len() == 2 && small && is_param(weight) && bias.is_none_or(is_param) && only_the_loss_reads_pred =>
+                // The loss kernel reads x in f32 (not an f16-stored activation).
+                if pred_shape.len() == 2 && small && is_param(weight) && bias.is_none_or(is_param) && only_the_loss_reads_pred && graph.node(x).dtype == DType::F32 =>
             {
                 Some(LinearInLoss { matmul, x, weight, bias, weight_grad })
             }

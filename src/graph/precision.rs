@@ -11,20 +11,24 @@
 //! - every other tensor the backward pass reads from the forward pass (the
 //!   activations a step holds from forward to backward, its largest
 //!   memory) is stored in f16: [`ElementwiseOp::StoreF16`] right after
-//!   its writer, and each backward node reading it reads an
+//!   its writer. The matmuls reading it, forward and backward, read
+//!   that f16 copy itself (the kernels widen each value in registers,
+//!   `kernels::MatmulOperand`): torch.autocast's matmuls on f16 inputs,
+//!   the activation cast once when stored, with no widened copy made.
+//!   Every other backward node reading it reads an
 //!   [`ElementwiseOp::LoadF16`] made just before it (or before the
-//!   dispatch the plan may fuse it into). The forward's f32
-//!   value is then free as soon as the forward is done with it, and only
-//!   the f16 copy lives until the backward.
+//!   dispatch the plan may fuse it into). The forward's f32 value is then
+//!   free as soon as the forward's other readers are done with it, and
+//!   only the f16 copy lives until the backward.
 //!
-//! Arithmetic stays f32 (sums, matmul accumulation); the backward computes
-//! on the f16-rounded activations, so gradients carry f16's rounding, and
-//! the optimizer's dynamic loss scaling (`optim`) keeps small ones from
-//! vanishing where they pass through f16.
+//! Arithmetic stays f32 (sums, matmul accumulation); the matmuls and the
+//! backward compute on the f16-rounded activations, so gradients carry
+//! f16's rounding, and the optimizer's dynamic loss scaling (`optim`)
+//! keeps small ones from vanishing where they pass through f16.
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Node, Tensor};
-use super::ops::{ElementwiseOp, LayoutOp, Op};
+use super::ops::{ElementwiseOp, LayoutOp, MatmulOp, Op};
 use crate::error::{Error, Result};
 
 /// Where a training step keeps the activations its backward pass reads.
@@ -74,6 +78,12 @@ impl Remap {
     pub fn tensor(&self, t: Tensor) -> Tensor {
         Tensor(self.0.get(t.0).copied().unwrap_or(t.0))
     }
+}
+
+/// Whether a node of `op` reads f16 copies itself rather than a widened
+/// load: the matmuls, 2-D and batched (the kernels read f16 operands).
+fn reads_f16(op: &Op) -> bool {
+    matches!(op, Op::Matmul(MatmulOp::MatMul(_) | MatmulOp::BatchMatMul(_)))
 }
 
 impl Graph {
@@ -137,7 +147,7 @@ impl Graph {
         // dispatch reading it would be read before it is written).
         let mut loads_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         for (b, node) in nodes.iter().enumerate().skip(start) {
-            if !node.inputs.iter().any(|t| f16[t.0]) {
+            if reads_f16(&node.op) || !node.inputs.iter().any(|t| f16[t.0]) {
                 continue;
             }
             loads_at[self.backward_anchor(b, start)].push(b);
@@ -161,6 +171,13 @@ impl Graph {
             for (slot, load) in loaded[i].iter().enumerate() {
                 if let Some(l) = load {
                     inputs[slot] = Tensor(*l);
+                }
+            }
+            if reads_f16(&node.op) {
+                for (input, t) in inputs.iter_mut().zip(&node.inputs) {
+                    if let Some(h) = copy[t.0] {
+                        *input = Tensor(h);
+                    }
                 }
             }
             let op = match node.op {

@@ -1,7 +1,7 @@
 //! `matmul.wgsl`: C = op(A)·op(B) in the three forms training needs.
 
 use super::registry::{entry_points, MATMUL_SUBGROUP_FORWARD};
-use super::{bind, dim, Dispatch, Kernels, View};
+use super::{bind, dim, reflect, Dispatch, F16View, Kernels, View};
 use crate::error::{Error, Result};
 use crate::ops::{Activation, MatmulForm};
 
@@ -70,9 +70,13 @@ impl MatmulVariant {
 
     /// The entry point this variant runs for these operands (A, B, C),
     /// each a binding and the element its matrix starts at in it.
-    fn kernel(self, form: MatmulForm, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3]) -> super::Kernel {
-        let aligned = |(v, base): &(&View<'_>, usize)| v.offset % 16 == 0 && base % 4 == 0;
+    /// With `f16` (an operand stored in f16) only the kernels reading
+    /// through `load_a` / `load_b` run: the scalar shared kernel, and the
+    /// register kernel for the register-blocked variants.
+    fn kernel(self, form: MatmulForm, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3], f16: bool) -> super::Kernel {
+        let aligned = |(v, base): &(&View<'_>, usize)| v.offset % 16 == 0 && base % 4 == 0 && !f16;
         match self {
+            MatmulVariant::Subgroup if f16 => MATMUL_FORWARD_REGISTER,
             MatmulVariant::Register => MATMUL_FORWARD_REGISTER,
             MatmulVariant::Shared => {
                 // vec4 loads along A's and B's stored rows: those a multiple
@@ -95,6 +99,54 @@ impl MatmulVariant {
                     MATMUL_FORWARD_REGISTER
                 }
             }
+        }
+    }
+}
+
+/// An operand of a product: f32 values, or f16 values packed two a word
+/// (the activations a training step saves in f16, `graph::precision`),
+/// which the small, register and shared kernels widen to f32 as they load
+/// them, so no widened copy is stored; products and sums stay f32.
+#[derive(Clone, Copy, Debug)]
+pub enum MatmulOperand<'a> {
+    F32(View<'a>),
+    F16(F16View<'a>),
+}
+
+impl<'a> From<View<'a>> for MatmulOperand<'a> {
+    fn from(view: View<'a>) -> Self {
+        MatmulOperand::F32(view)
+    }
+}
+
+impl<'a> From<F16View<'a>> for MatmulOperand<'a> {
+    fn from(view: F16View<'a>) -> Self {
+        MatmulOperand::F16(view)
+    }
+}
+
+impl<'a> MatmulOperand<'a> {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            MatmulOperand::F32(v) => v.len,
+            MatmulOperand::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_f16(&self) -> bool {
+        matches!(self, MatmulOperand::F16(_))
+    }
+
+    /// The storage it is bound as (the packed words of f16 values).
+    pub fn binding(&self) -> View<'a> {
+        match self {
+            MatmulOperand::F32(v) => *v,
+            MatmulOperand::F16(v) => v.words(),
         }
     }
 }
@@ -378,6 +430,16 @@ impl Kernels {
         // are small one by one but too much for the small kernel together.
         let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
         let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a.into(), b.into(), batch, m, n, k)
+    }
+
+    /// [`Kernels::matmul_batched`] where A, B or both may be stored in f16
+    /// (as [`Kernels::matmul_operands`]): the unfused attention's
+    /// products reading a training step's f16 activations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_batched_operands(&self, form: MatmulForm, accumulate: bool, out: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, batch: usize, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+        let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
+        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
         self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
     }
 
@@ -398,7 +460,7 @@ impl Kernels {
         k: usize,
     ) -> Result<Dispatch> {
         let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a.into(), b.into(), batch, m, n, k)
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -415,6 +477,30 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
+        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a.into(), b.into(), 1, m, n, k)
+    }
+
+    /// C[m,n] = epilogue(op(A)·op(B)) where A, B or both may be stored in
+    /// f16 (read and widened in registers, multiplied and summed in f32;
+    /// a training step's matmuls reading its f16 activations), the kernel
+    /// picked by shape as [`Kernels::matmul_epilogue`] does. Reading f16
+    /// needs no device feature; an f16 operand too large for one storage
+    /// binding is refused ([`Error::TooLarge`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_operands(&self, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+        let pick = match (a, b) {
+            (MatmulOperand::F32(a), MatmulOperand::F32(b)) if self.matvec_runs(form, m, k, &a, &b) => Pick::Matvec { lanes: self.matvec_lanes() },
+            _ => Pick::Variant(self.matmul_variant_for_shape(form, m, n, k)),
+        };
+        self.matmul_dispatch(pick, form, epilogue, c, a, b, 1, m, n, k)
+    }
+
+    /// [`Kernels::matmul_operands`] with an explicit kernel variant (f16
+    /// operands run the register kernel for [`MatmulVariant::RegisterVec4`]
+    /// and [`MatmulVariant::Subgroup`], and the shared kernel's scalar
+    /// loads for [`MatmulVariant::Shared`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_operands_with(&self, variant: MatmulVariant, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
         self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a, b, 1, m, n, k)
     }
 
@@ -423,8 +509,7 @@ impl Kernels {
     /// runs ([`Kernels::matvec_runs`]), else [`Kernels::matmul_variant_for_shape`].
     #[allow(clippy::too_many_arguments)]
     fn matmul_by_shape(&self, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
-        let pick = if self.matvec_runs(form, m, k, &a, &b) { Pick::Matvec { lanes: self.matvec_lanes() } } else { Pick::Variant(self.matmul_variant_for_shape(form, m, n, k)) };
-        self.matmul_dispatch(pick, form, epilogue, c, a, b, 1, m, n, k)
+        self.matmul_operands(form, epilogue, c, a.into(), b.into(), m, n, k)
     }
 
     /// Whether the matrix-vector kernel takes this product: ABt, 1 to
@@ -466,7 +551,7 @@ impl Kernels {
                 &[&[m, k], &[n, k]],
             ));
         }
-        self.matmul_dispatch(Pick::Matvec { lanes }, MatmulForm::ABt, epilogue, c, a, b, 1, m, n, k)
+        self.matmul_dispatch(Pick::Matvec { lanes }, MatmulForm::ABt, epilogue, c, a.into(), b.into(), 1, m, n, k)
     }
 
     /// The one place the matmul dispatch is built; `batch` products of
@@ -478,15 +563,16 @@ impl Kernels {
         form: MatmulForm,
         epilogue: MatmulEpilogue<'_>,
         c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
+        a: MatmulOperand<'_>,
+        b: MatmulOperand<'_>,
         batch: usize,
         m: usize,
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
+        let f16 = a.is_f16() || b.is_f16();
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(form, m, n, k, [(&a, 0), (&b, 0), (&c, 0)]),
+            Pick::Variant(variant) => variant.kernel(form, m, n, k, [(&a.binding(), 0), (&b.binding(), 0), (&c, 0)], f16),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
@@ -501,7 +587,7 @@ impl Kernels {
             return Err(Error::shape(op, format!("{form:?}: every dimension must be at least 1 (batch {batch})"), &shapes));
         }
         let len = |x: usize, y: usize| x.checked_mul(y).and_then(|v| v.checked_mul(batch));
-        let sizes_ok = len(m, k) == Some(a.len) && len(k, n) == Some(b.len) && len(m, n) == Some(c.len);
+        let sizes_ok = len(m, k) == Some(a.len()) && len(k, n) == Some(b.len()) && len(m, n) == Some(c.len);
         if !sizes_ok {
             let want = |x: usize, y: usize| len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string());
             let of = if batch == 1 { String::new() } else { format!(" batch={batch}") };
@@ -509,7 +595,7 @@ impl Kernels {
                 op,
                 format!(
                     "{form:?} with{of} m={m} n={n} k={k} needs A, B, C of {}, {}, {} elements; got {}, {}, {}",
-                    want(m, k), want(k, n), want(m, n), a.len, b.len, c.len
+                    want(m, k), want(k, n), want(m, n), a.len(), b.len(), c.len
                 ),
                 &shapes,
             ));
@@ -540,7 +626,11 @@ impl Kernels {
             }
         }
         let over = |v: &View<'_>| v.bytes() > self.binding_limit();
-        let oversize = [&a, &b, &c].into_iter().chain(pre.as_ref()).chain(act_input.as_ref()).any(over);
+        let oversize = [&a.binding(), &b.binding(), &c].into_iter().chain(pre.as_ref()).chain(act_input.as_ref()).any(over);
+        // A split product binds parts of its operands by f32 element.
+        if let (true, Some(h)) = (oversize, [a, b].into_iter().find(MatmulOperand::is_f16)) {
+            return Err(self.binding_too_large(op, "an f16 operand's product (f16 operands do not split)", h.binding().bytes().max(c.bytes())));
+        }
         if batch == 1 && oversize {
             let plain = bias.is_none() && activation.is_none() && activation_grad.is_none();
             let (rows, cols, depth) = match self.matmul_blocks(op, form, m, n, k) {
@@ -683,12 +773,16 @@ impl Kernels {
         form: MatmulForm,
         epilogue: MatmulEpilogue<'v>,
         c: View<'v>,
-        a: View<'v>,
-        b: View<'v>,
+        a_operand: MatmulOperand<'v>,
+        b_operand: MatmulOperand<'v>,
         batch: usize,
         (m, n, k): (usize, usize, usize),
         block: Block,
     ) -> Result<Dispatch> {
+        // f16 operands are never split (matmul_dispatch), so their
+        // whole words are bound and `a`, `b` stand for them below.
+        let (a, b) = (a_operand.binding(), b_operand.binding());
+        let f16 = [a_operand.is_f16(), b_operand.is_f16()];
         let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
         let (trans_a, trans_b) = form.transposes();
         let pre = activation.and_then(|(_, pre)| pre);
@@ -720,7 +814,7 @@ impl Kernels {
         // part's) to be a multiple of 4, as the part's is when k's is.
         let k_aligned = if k % 4 == 0 { block.depth } else { k };
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(form, rows, cols, k_aligned, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)]),
+            Pick::Variant(variant) => variant.kernel(form, rows, cols, k_aligned, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)], f16.contains(&true)),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
@@ -752,6 +846,8 @@ impl Kernels {
             ("ACTIVATION_FORWARD", flag(activation.is_some())),
             ("ACTIVATION_BACKWARD", flag(activation_grad.is_some())),
             ("STORE_PRE", flag(pre.is_some())),
+            ("A_F16", flag(f16[0])),
+            ("B_F16", flag(f16[1])),
             ("TRANS_A", flag(trans_a)),
             ("TRANS_B", flag(trans_b)),
         ];
@@ -765,7 +861,7 @@ impl Kernels {
         let constants = match pick {
             Pick::Matvec { .. } => &with_rows[..],
             Pick::Variant(_) if specialised => &constants[..],
-            Pick::Variant(_) => &constants[..5],
+            Pick::Variant(_) => &constants[..7],
         };
         // Every slot is in the layout whatever the overrides say; unused
         // read-only slots hold a placeholder the kernel never reads, and an
@@ -787,17 +883,26 @@ impl Kernels {
                 &[&[batch, m, k], &[batch, k, n]],
             )
         })?;
+        // Each operand in the binding of its type, a placeholder in the
+        // other; the f16 slots only for the entries reading through them.
+        let typed = |half: bool, view: View<'v>| if half { (placeholder, view) } else { (view, placeholder) };
+        let (a32, a16) = typed(f16[0], a_bind.0);
+        let (b32, b16) = typed(f16[1], b_bind.0);
+        let mut bindings = vec![
+            bind(0, "a", a32),
+            bind(1, "b", b32),
+            bind(2, "c", c_bind.0),
+            bind(4, "bias", bias.unwrap_or(placeholder)),
+            bind(5, "pre", pre_bind.map_or(self.unused_writable(0), |p| p.0)),
+            bind(6, "act_input", act_bind.map_or(placeholder, |p| p.0)),
+        ];
+        if reflect::entry_needs(kernel)?.slots.iter().any(|s| s.slot == 7) {
+            bindings.extend([bind(7, "a_h", a16), bind(8, "b_h", b16)]);
+        }
         self.prepare_grid(
             kernel,
             constants,
-            &[
-                bind(0, "a", a_bind.0),
-                bind(1, "b", b_bind.0),
-                bind(2, "c", c_bind.0),
-                bind(4, "bias", bias.unwrap_or(placeholder)),
-                bind(5, "pre", pre_bind.map_or(self.unused_writable(0), |p| p.0)),
-                bind(6, "act_input", act_bind.map_or(placeholder, |p| p.0)),
-            ],
+            &bindings,
             3,
             &params,
             [x, y, z],

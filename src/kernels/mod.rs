@@ -31,7 +31,7 @@ pub use attention::{CachedAttentionKernel, DECODE_LANES, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
 pub use flash_attention::FLASH_MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
-pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
+pub use matmul::{MatmulEpilogue, MatmulOperand, MatmulVariant, MATVEC_MAX_ROWS};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};

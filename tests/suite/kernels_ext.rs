@@ -9,7 +9,7 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use half::f16;
-use wgrad::kernels::{F16View, MatmulForm};
+use wgrad::kernels::{Activation, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, MatmulVariant};
 use wgrad::{cpu, Error, Kernels};
 
 /// 1, primes, and non-multiples of the 64×64 tile: the f32 matmul test's
@@ -63,6 +63,161 @@ fn f16_matmul_matches_its_twin_in_every_form_and_shape() {
                 check_f16_matmul(k, form, m, n, kk, 100 + i as u64)?;
             }
         }
+        Ok(())
+    });
+}
+
+/// Which operands of a product are stored in f16.
+#[derive(Clone, Copy, Debug)]
+enum Halves {
+    A,
+    B,
+    Both,
+}
+
+fn operand<'a>(half: bool, f16: &'a wgrad::kernels::F16Tensor, f32: &'a wgrad::GpuTensor) -> MatmulOperand<'a> {
+    if half {
+        f16.view().into()
+    } else {
+        f32.view().into()
+    }
+}
+
+fn twin_operand<'a>(half: bool, f16: &'a [f16], f32: &'a [f32]) -> cpu::Operand<'a> {
+    if half {
+        cpu::Operand::F16(f16)
+    } else {
+        cpu::Operand::F32(f32)
+    }
+}
+
+/// One product of `matmul.wgsl` on `variant` with the operands `halves`
+/// names stored in f16 (the others f32), with `epilogue`'s parts, against
+/// the twin on the same (f16-rounded) values.
+#[allow(clippy::too_many_arguments)]
+fn check_f16_operands(k: &Kernels, variant: MatmulVariant, form: MatmulForm, halves: Halves, epilogue: (bool, Option<Activation>, bool), (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<()> {
+    let (accumulate, act, backward) = epilogue;
+    let mut r = rng(seed);
+    let mut a32 = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let mut b32 = random_vec(&mut r, kk * n, -1.0, 1.0);
+    // Zeros of both signs and f16 subnormals (below 2^-14), which the
+    // kernel widens by a path of their own.
+    for (i, v) in [-3e-6f32, 1e-7, 0.0, -0.0].into_iter().enumerate() {
+        if let (Some(x), Some(y)) = (a32.get_mut(i), b32.get_mut(i + 1)) {
+            (*x, *y) = (v, -v);
+        }
+    }
+    let c_host = random_vec(&mut r, m * n, -1.0, 1.0);
+    let bias_host = random_vec(&mut r, n, -1.0, 1.0);
+    let x_host = random_vec(&mut r, m * n, -4.0, 4.0);
+    let (a16, b16) = (cpu::to_f16(&a32), cpu::to_f16(&b32));
+    let (a_half, b_half) = (matches!(halves, Halves::A | Halves::Both), matches!(halves, Halves::B | Halves::Both));
+    let (a_f32, b_f32, a_f16, b_f16) = (k.upload(&a32)?, k.upload(&b32)?, k.upload_f16(&a16)?, k.upload_f16(&b16)?);
+    let (c, bias, x, pre) = (k.upload(&c_host)?, k.upload(&bias_host)?, k.upload(&x_host)?, k.zeros(m * n)?);
+    let forward = act.filter(|_| !backward);
+    let e = MatmulEpilogue {
+        accumulate,
+        bias: forward.map(|_| bias.view()),
+        activation: forward.map(|a| (a, Some(pre.view()))),
+        activation_grad: act.filter(|_| backward).map(|a| (a, x.view())),
+    };
+    k.run(&[&k.matmul_operands_with(variant, form, e, c.view(), operand(a_half, &a_f16, &a_f32), operand(b_half, &b_f16, &b_f32), m, n, kk)?])?;
+    let twin = cpu::Epilogue {
+        accumulate_onto: accumulate.then_some(&c_host[..]),
+        bias: forward.map(|_| &bias_host[..]),
+        activation: forward,
+        activation_grad: act.filter(|_| backward).map(|a| (a, &x_host[..])),
+    };
+    let (want, want_pre) = cpu::matmul_operands(form, twin, twin_operand(a_half, &a16, &a32), twin_operand(b_half, &b16, &b32), m, n, kk);
+    let what = format!("{variant:?} {form:?} f16 {halves:?} accumulate={accumulate} {act:?} backward={backward} {m}×{n}×{kk}");
+    // The twin widens the same f16 values exactly (the products are exact
+    // in f32), so what is left is f32 accumulation (f32_atol) and, with an
+    // epilogue, tests/suite/kernels.rs's allowance for it: a slope ≤ 1.2,
+    // a few ulp of the transcendentals, one rounding for bias or sum.
+    assert_close(&what, &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-4);
+    if forward.is_some() {
+        assert_close(&format!("{what} pre-activation"), &k.read::<f32>(pre.view())?, &want_pre, f32_atol(kk) + 1e-6, 1e-5);
+    }
+    Ok(())
+}
+
+/// The f32 kernels reading f16 operands (a training step's f16
+/// activations): every form, each operand f16 alone and both, on the small,
+/// register and shared kernels, plain and with each epilogue a training
+/// step fuses (accumulation into a gradient, bias + activation forward,
+/// activation backward). No feature is needed, so on every adapter.
+#[test]
+fn f16_operands_match_the_twin_on_every_kernel_form_and_epilogue() {
+    for_each_adapter("matmul_f16_operands", |k| {
+        // 1, primes and non-multiples of the 64×64 tile; the small kernel
+        // takes m·n·k ≤ 2^20, the others any.
+        let shapes: &[(usize, usize, usize)] = &[(1, 1, 1), (7, 1, 13), (65, 63, 67)];
+        let plain = (false, None, false);
+        let epilogues = [(true, None, false), (false, Some(Activation::Gelu), false), (true, Some(Activation::Gelu), true)];
+        let mut seed = 300;
+        // RegisterVec4 runs the register kernel's pipelines (f16 has no
+        // vec4 loads), so it is checked on one shape.
+        for variant in [MatmulVariant::Small, MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4] {
+            let shapes = if variant == MatmulVariant::RegisterVec4 { &shapes[2..] } else { shapes };
+            for form in MatmulForm::ALL {
+                for halves in [Halves::A, Halves::B, Halves::Both] {
+                    for &shape in shapes {
+                        seed += 1;
+                        check_f16_operands(k, variant, form, halves, plain, shape, seed)?;
+                    }
+                }
+                // Each epilogue once, in one form: the store (write_c) is
+                // every form's, and each pipeline costs seconds to compile
+                // on a software adapter.
+                for (i, &e) in epilogues.iter().enumerate().filter(|_| form == MatmulForm::AtB) {
+                    seed += 1;
+                    check_f16_operands(k, variant, form, [Halves::B, Halves::A, Halves::Both][i], e, (13, 17, 19), seed)?;
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Batched products with f16 operands (the unfused attention's, reading
+/// f16 q, k, v and probabilities): each matrix of the batch starts where
+/// the previous ends, mid-word when m·k or k·n is odd.
+#[test]
+fn f16_operands_in_a_batch_match_the_twin() {
+    for_each_adapter("matmul_f16_operands_batched", |k| {
+        let mut seed = 400;
+        for form in MatmulForm::ALL {
+            for &(batch, m, n, kk) in &[(1, 1, 1, 1), (3, 5, 7, 3), (2, 65, 13, 67)] {
+                seed += 1;
+                let mut r = rng(seed);
+                let a16 = cpu::to_f16(&random_vec(&mut r, batch * m * kk, -1.0, 1.0));
+                let b32 = random_vec(&mut r, batch * kk * n, -1.0, 1.0);
+                let b16 = cpu::to_f16(&b32);
+                let (a_f16, b_f16, b_f32, c) = (k.upload_f16(&a16)?, k.upload_f16(&b16)?, k.upload(&b32)?, k.zeros(batch * m * n)?);
+                for b_half in [false, true] {
+                    let b = operand(b_half, &b_f16, &b_f32);
+                    k.run(&[&k.matmul_batched_operands(form, false, c.view(), a_f16.view().into(), b, batch, m, n, kk)?])?;
+                    let b_values = if b_half { cpu::from_f16(&b16) } else { b32.clone() };
+                    let want = cpu::matmul_batched(form, &cpu::from_f16(&a16), &b_values, batch, m, n, kk);
+                    // Exact products of the same values; f32 accumulation.
+                    assert_close(&format!("batched {form:?} f16 A, f16 B {b_half}, {batch}×{m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, f32_atol(kk), 1e-5);
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// f16 operands are checked like f32 ones: lengths in values, and a
+/// product whose f16 operand would need splitting is refused, not split.
+#[test]
+fn f16_operands_of_the_wrong_length_are_refused() {
+    for_each_adapter("matmul_f16_operands_refused", |k| {
+        let a = k.upload_f16(&cpu::to_f16(&[1.0; 6]))?;
+        let b = k.upload(&[1.0f32; 6])?;
+        let c = k.zeros(4)?;
+        let err = k.matmul_operands(MatmulForm::AB, MatmulEpilogue::default(), c.view(), a.view().into(), b.view().into(), 2, 2, 4).unwrap_err();
+        assert!(matches!(err, Error::Shape { .. }), "{err}");
         Ok(())
     });
 }

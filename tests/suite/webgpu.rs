@@ -164,12 +164,12 @@ fn every_entry_point_fits_webgpus_default_limits_except_the_fused_linear_losses(
 
 #[test]
 fn the_reflected_slots_agree_with_the_wgsl_declarations() {
-    // matmul: a, b, act_input and bias read-only, c and pre writable, the
-    // parameter block a uniform.
+    // matmul: a, b, act_input, bias and the f16 views of a and b
+    // read-only, c and pre writable, the parameter block a uniform.
     let needs = reflect::entry_needs(wgrad::kernels::registry::MATMUL_FORWARD_REGISTER).unwrap();
     let writable: Vec<u32> = needs.slots.iter().filter(|s| s.writable).map(|s| s.slot).collect();
     assert_eq!(writable, [2, 5]);
-    assert_eq!(needs.storage_buffers(), 6);
+    assert_eq!(needs.storage_buffers(), 8);
     assert_eq!(needs.slots.iter().filter(|s| !s.storage).map(|s| s.slot).collect::<Vec<_>>(), [3]);
     // The tiled kernels' staged A (4 KiB) and B (5 KiB, padded), 128
     // invocations; the matrix-vector kernel's override-sized workgroup.

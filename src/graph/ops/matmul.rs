@@ -7,7 +7,7 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::graph::plan::Storage;
-use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, QuantView};
+use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, QuantView};
 
 /// Matrix products.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,6 +42,15 @@ fn activation_of(cx: &DispatchContext<'_>, i: usize) -> Result<Activation> {
     }
 }
 
+/// Input `j` as the kernels read it: activations a training step stores in
+/// f16 (graph::precision) as they are stored.
+fn operand<'a>(cx: &DispatchContext<'a>, j: usize) -> Result<MatmulOperand<'a>> {
+    Ok(match cx.input_node(j).dtype {
+        DType::F16 => F16View::new(cx.input(j)?, cx.input_node(j).len())?.into(),
+        _ => cx.input(j)?.into(),
+    })
+}
+
 impl OpFamily for MatmulOp {
     fn name(&self) -> &'static str {
         match self {
@@ -73,18 +82,19 @@ impl OpFamily for MatmulOp {
                 let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
                 // Weights stored in f16 or quantized (the builder allows them
                 // as an ABt's B).
+                let weight = matches!(cx.input_node(1).op, Op::Source(_));
                 match cx.input_node(1).dtype {
-                    DType::F16 => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
+                    DType::F16 if weight => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
                     DType::Quant(format) => return k.matmul_quant_weights(epilogue, cx.out()?, cx.input(0)?, QuantView::new(cx.input(1)?, format, n, kk)?, m, n, kk),
-                    DType::F32 | DType::U32 => {}
+                    DType::F16 | DType::F32 | DType::U32 => {}
                 }
-                k.matmul_epilogue(*form, epilogue, cx.out()?, cx.input(0)?, cx.input(1)?, m, n, kk)
+                k.matmul_operands(*form, epilogue, cx.out()?, operand(cx, 0)?, operand(cx, 1)?, m, n, kk)
             }
             MatmulOp::BatchMatMul(form) => {
                 let rank = shape.len();
                 let batch = shape[..rank - 2].iter().product();
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
-                k.matmul_batched(*form, cx.accumulate(), cx.out()?, cx.input(0)?, cx.input(1)?, batch, m, n, kk)
+                k.matmul_batched_operands(*form, cx.accumulate(), cx.out()?, operand(cx, 0)?, operand(cx, 1)?, batch, m, n, kk)
             }
             MatmulOp::QuantParts { gated } => {
                 let [m, kk] = cx.input_shape(0)[..] else {
