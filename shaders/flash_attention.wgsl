@@ -16,7 +16,8 @@
 // flash_attention_backward_query:     dq = Σ_j p (dout·v_j − delta) k_j · scale
 // flash_attention_backward_key_value: dv = Σ_i p dout_i, dk = Σ_i p (dout_i·v − delta_i) q_i · scale,
 //                                     summed over the KV head's query heads
-// with p = exp(s − lse). The forward and dq take one workgroup of
+// with p = exp(s − lse). (The CPU-shaped kernels at the end of this file
+// compute the same with register blocks instead of tiles.) The forward and dq take one workgroup of
 // BLOCK_ROWS invocations per (query tile, head, sequence), one query row
 // each; dk/dv one per (key tile, KV head, sequence), one key row each, so
 // every output element has one writer summing in a fixed order: no
@@ -435,16 +436,17 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
 // dk/dv) in private arrays and streams over the other side STEP rows at
 // a time, in vec4s of channels straight from the storage buffers; the
 // lanes of a workgroup take neighbouring blocks of one head, so every
-// lane loads the same key (query) rows at the same time. Scores and
-// weights of a block are ROW_BLOCK × STEP values in registers (a vec4 per
-// row), so each vec4 loaded feeds ROW_BLOCK dot products or
-// multiply-adds. Causal and end-of-sequence masks are selects, so the
-// loops' bounds and the streamed addresses stay the workgroup's.
+// lane loads the same key (query) rows at the same time. A step's scores
+// are a vec4 per held row (the loops over the block's rows have constant
+// bounds, which Mesa unrolls, so they stay in registers), and each vec4
+// loaded feeds ROW_BLOCK dot products or multiply-adds. Causal and
+// end-of-sequence masks are selects, so the loops' bounds and the
+// streamed addresses stay the workgroup's.
 
 // Rows per invocation and invocations per workgroup
 // (kernels::flash_attention::{ROW_BLOCK, ROW_LANES}): a workgroup covers
-// 32 rows, so its causal loop overshoots a lane's own rows by at most 31.
-const ROW_BLOCK: u32 = 4u;
+// 64 rows, so its causal loop overshoots a lane's own rows by at most 63.
+const ROW_BLOCK: u32 = 8u;
 const ROW_LANES: u32 = 8u;
 // Rows streamed per step: one vec4 of scores per held row.
 const STEP: u32 = 4u;
@@ -504,9 +506,14 @@ fn dout_step(at: vec4<u32>, e: u32, d: u32) -> mat4x4<f32> {
 
 // Where rows first .. first + 3 of head `head` of a [B, T, heads, d]
 // tensor start, each row clamped to `last`.
-fn block_at(p: FlashParams, heads: u32, b: u32, first: u32, last: u32, head: u32) -> vec4<u32> {
+fn step_at(p: FlashParams, heads: u32, b: u32, first: u32, last: u32, head: u32) -> vec4<u32> {
     let t = min(vec4<u32>(first) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
     return ((vec4<u32>(b * p.seq) + t) * heads + head) * p.head_dim;
+}
+
+// Where row t (clamped to `last`) of head `head` starts.
+fn row_at(p: FlashParams, heads: u32, b: u32, t: u32, last: u32, head: u32) -> u32 {
+    return head_at(p, heads, b, min(t, last), head);
 }
 
 // The invocation's first row.
@@ -522,22 +529,40 @@ fn clear_block_acc(e: u32) {
     }
 }
 
-// The online softmax over one step of a row's scores `s` (the keys not
-// `visible` weigh 0): the weights in the frame of the new maximum, the
-// factor the row's earlier sums shrink by, and the new (maximum, Σ exp).
-struct OnlineStep {
-    w: vec4<f32>,
-    shrink: f32,
-    m: f32,
-    l: f32,
+// Where an invocation of the CPU-shaped forward or dq works: query rows
+// i0 .. i0 + ROW_BLOCK - 1 (those past T clamped to `last` for loads) of
+// head h of sequence b, reading KV head kvh; its statistics start at
+// stat0 + i0.
+struct QueryBlock {
+    h: u32,
+    b: u32,
+    kvh: u32,
+    d: u32,
+    d4: u32,
+    i0: u32,
+    last: u32,
+    stat0: u32,
+    // The keys the workgroup's rows see in this launch end here.
+    key_end: u32,
 }
 
-fn online_step(s: vec4<f32>, visible: vec4<bool>, m: f32, l: f32) -> OnlineStep {
-    let masked = select(vec4<f32>(LOWEST), s, visible);
-    let m_new = max(m, max(max(masked.x, masked.y), max(masked.z, masked.w)));
-    let w = select(vec4<f32>(0.0), exp(masked - m_new), visible);
-    let shrink = exp(m - m_new);
-    return OnlineStep(w, shrink, m_new, l * shrink + dot(w, vec4<f32>(1.0)));
+fn query_block(p: FlashParams, wid: vec3<u32>, lane: u32) -> QueryBlock {
+    let h = wid.y;
+    let b = wid.z;
+    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * ROW_LANES * ROW_BLOCK));
+    return QueryBlock(h, b, h / (p.heads / p.kv_heads), p.head_dim, (p.head_dim + 3u) / 4u, block_first_row(wid, lane), p.seq - 1u, (b * p.heads + h) * p.seq, key_end);
+}
+
+// s[r]: held row r (block_a) against the STEP keys at `key_at`.
+fn key_step_scores(key_at: vec4<u32>, d4: u32, d: u32) -> array<vec4<f32>, ROW_BLOCK> {
+    var s: array<vec4<f32>, ROW_BLOCK>;
+    for (var e = 0u; e < d4; e++) {
+        let kb = k_step(key_at, e, d);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            s[r] += block_a[r * MAX_HEAD_VEC4 + e] * kb;
+        }
+    }
+    return s;
 }
 
 // out's channels 4e .. 4e + 3 of the row at `at` that are inside the head.
@@ -553,71 +578,68 @@ fn store_out4(at: u32, e: u32, d: u32, x: vec4<f32>) {
 @compute @workgroup_size(8)
 fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let p = uniform_params(lid.x);
-    let h = wid.y;
-    let b = wid.z;
-    let kvh = h / (p.heads / p.kv_heads);
-    let d = p.head_dim;
-    let d4 = (d + 3u) / 4u;
-    let i0 = block_first_row(wid, lid.x);
-    let rows = vec4<u32>(i0) + vec4<u32>(0u, 1u, 2u, 3u);
-    let row_valid = rows < vec4<u32>(p.seq);
-    let at = block_at(p, p.heads, b, i0, p.seq - 1u, h);
-    let stat = vec4<u32>((b * p.heads + h) * p.seq) + min(rows, vec4<u32>(p.seq - 1u));
-    // Per row (a vec4 over the block): running maximum and Σ exp(s − maximum).
-    var m = vec4<f32>(LOWEST);
-    var l = vec4<f32>(0.0);
+    let qb = query_block(p, wid, lid.x);
+    let d = qb.d;
+    let d4 = qb.d4;
+    let i0 = qb.i0;
+    // Per row: running maximum and Σ exp(s − maximum).
+    var m: array<f32, ROW_BLOCK>;
+    var l: array<f32, ROW_BLOCK>;
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        m[r] = LOWEST;
+        l[r] = 0.0;
+        if p.first == 0u {
+            // The keys so far, in the frame of maximum lse: Σ exp = 1.
+            m[r] = lse[qb.stat0 + min(i0 + r, qb.last)];
+            l[r] = 1.0;
+        }
+    }
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            block_a[r * MAX_HEAD_VEC4 + e] = q4(at[r], e, d) * p.scale;
+            let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
+            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
             var o = vec4<f32>(0.0);
             if p.first == 0u {
-                let c = at[r] + 4u * e;
+                let c = at + 4u * e;
                 o = select(vec4<f32>(0.0), vec4<f32>(out[c], out[c + 1u], out[c + 2u], out[c + 3u]), channels_in(e, d));
             }
             block_acc_a[r * MAX_HEAD_VEC4 + e] = o;
         }
     }
-    if p.first == 0u {
-        // The keys so far, in the frame of maximum lse: Σ exp = 1.
-        m = vec4<f32>(lse[stat.x], lse[stat.y], lse[stat.z], lse[stat.w]);
-        l = vec4<f32>(1.0);
-    }
-    // The workgroup's last row bounds its keys.
-    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * ROW_LANES * ROW_BLOCK));
-    for (var j0 = p.chunk_start; j0 < key_end; j0 += STEP) {
+    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
         let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
-        let key_at = block_at(p, p.kv_heads, b, j0, key_end - 1u, kvh);
-        // s[r]: row r's scores against the step's keys.
-        var s = mat4x4<f32>();
-        for (var e = 0u; e < d4; e++) {
-            let kb = k_step(key_at, e, d);
-            s[0] += block_a[e] * kb;
-            s[1] += block_a[MAX_HEAD_VEC4 + e] * kb;
-            s[2] += block_a[2u * MAX_HEAD_VEC4 + e] * kb;
-            s[3] += block_a[3u * MAX_HEAD_VEC4 + e] * kb;
+        let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
+        let s = key_step_scores(key_at, d4, d);
+        // The online softmax: weights in the frame of each row's new
+        // maximum, 0 for keys the row does not see.
+        var w: array<vec4<f32>, ROW_BLOCK>;
+        var shrink: array<f32, ROW_BLOCK>;
+        let in_chunk = keys < vec4<u32>(qb.key_end);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            let masked = select(vec4<f32>(LOWEST), s[r], visible);
+            let m_new = max(m[r], max(max(masked.x, masked.y), max(masked.z, masked.w)));
+            w[r] = select(vec4<f32>(0.0), exp(masked - m_new), visible);
+            shrink[r] = exp(m[r] - m_new);
+            l[r] = l[r] * shrink[r] + dot(w[r], vec4<f32>(1.0));
+            m[r] = m_new;
         }
-        let in_chunk = keys < vec4<u32>(key_end);
-        let u0 = online_step(s[0], in_chunk & (keys <= vec4<u32>(rows.x)), m.x, l.x);
-        let u1 = online_step(s[1], in_chunk & (keys <= vec4<u32>(rows.y)), m.y, l.y);
-        let u2 = online_step(s[2], in_chunk & (keys <= vec4<u32>(rows.z)), m.z, l.z);
-        let u3 = online_step(s[3], in_chunk & (keys <= vec4<u32>(rows.w)), m.w, l.w);
         for (var e = 0u; e < d4; e++) {
             let vb = v_step(key_at, e, d);
-            block_acc_a[e] = block_acc_a[e] * u0.shrink + vb * u0.w;
-            block_acc_a[MAX_HEAD_VEC4 + e] = block_acc_a[MAX_HEAD_VEC4 + e] * u1.shrink + vb * u1.w;
-            block_acc_a[2u * MAX_HEAD_VEC4 + e] = block_acc_a[2u * MAX_HEAD_VEC4 + e] * u2.shrink + vb * u2.w;
-            block_acc_a[3u * MAX_HEAD_VEC4 + e] = block_acc_a[3u * MAX_HEAD_VEC4 + e] * u3.shrink + vb * u3.w;
-        }
-        m = vec4<f32>(u0.m, u1.m, u2.m, u3.m);
-        l = vec4<f32>(u0.l, u1.l, u2.l, u3.l);
-    }
-    let inv = 1.0 / l;
-    for (var r = 0u; r < ROW_BLOCK; r++) {
-        if row_valid[r] {
-            for (var e = 0u; e < d4; e++) {
-                store_out4(at[r], e, d, block_acc_a[r * MAX_HEAD_VEC4 + e] * inv[r]);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                let i = r * MAX_HEAD_VEC4 + e;
+                block_acc_a[i] = block_acc_a[i] * shrink[r] + vb * w[r];
             }
-            lse[stat[r]] = m[r] + log(l[r]);
+        }
+    }
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        if i0 + r < p.seq {
+            let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
+            let inv = 1.0 / l[r];
+            for (var e = 0u; e < d4; e++) {
+                store_out4(at, e, d, block_acc_a[r * MAX_HEAD_VEC4 + e] * inv);
+            }
+            lse[qb.stat0 + i0 + r] = m[r] + log(l[r]);
         }
     }
 }
@@ -625,65 +647,59 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
 @compute @workgroup_size(8)
 fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let p = uniform_params(lid.x);
-    let h = wid.y;
-    let b = wid.z;
-    let kvh = h / (p.heads / p.kv_heads);
-    let d = p.head_dim;
-    let d4 = (d + 3u) / 4u;
-    let i0 = block_first_row(wid, lid.x);
-    let rows = vec4<u32>(i0) + vec4<u32>(0u, 1u, 2u, 3u);
-    let at = block_at(p, p.heads, b, i0, p.seq - 1u, h);
-    let stat = vec4<u32>((b * p.heads + h) * p.seq) + min(rows, vec4<u32>(p.seq - 1u));
-    let row_lse = vec4<f32>(lse_in[stat.x], lse_in[stat.y], lse_in[stat.z], lse_in[stat.w]);
-    let row_delta = vec4<f32>(delta_in[stat.x], delta_in[stat.y], delta_in[stat.z], delta_in[stat.w]);
+    let qb = query_block(p, wid, lid.x);
+    let d = qb.d;
+    let d4 = qb.d4;
+    let i0 = qb.i0;
+    var row_lse: array<f32, ROW_BLOCK>;
+    var row_delta: array<f32, ROW_BLOCK>;
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        row_lse[r] = lse_in[qb.stat0 + min(i0 + r, qb.last)];
+        row_delta[r] = delta_in[qb.stat0 + min(i0 + r, qb.last)];
+    }
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            block_a[r * MAX_HEAD_VEC4 + e] = q4(at[r], e, d) * p.scale;
-            block_b[r * MAX_HEAD_VEC4 + e] = dout4(at[r], e, d);
+            let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
+            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
+            block_b[r * MAX_HEAD_VEC4 + e] = dout4(at, e, d);
         }
         clear_block_acc(e);
     }
-    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * ROW_LANES * ROW_BLOCK));
-    for (var j0 = p.chunk_start; j0 < key_end; j0 += STEP) {
+    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
         let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
-        let key_at = block_at(p, p.kv_heads, b, j0, key_end - 1u, kvh);
-        // s[r]: row r's scores; dp[r]: dout_r · v_j.
-        var s = mat4x4<f32>();
-        var dp = mat4x4<f32>();
+        let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
+        let s = key_step_scores(key_at, d4, d);
+        // dp[r]: dout_r · v_j.
+        var dp: array<vec4<f32>, ROW_BLOCK>;
         for (var e = 0u; e < d4; e++) {
-            let kb = k_step(key_at, e, d);
             let vb = v_step(key_at, e, d);
-            s[0] += block_a[e] * kb;
-            s[1] += block_a[MAX_HEAD_VEC4 + e] * kb;
-            s[2] += block_a[2u * MAX_HEAD_VEC4 + e] * kb;
-            s[3] += block_a[3u * MAX_HEAD_VEC4 + e] * kb;
-            dp[0] += block_b[e] * vb;
-            dp[1] += block_b[MAX_HEAD_VEC4 + e] * vb;
-            dp[2] += block_b[2u * MAX_HEAD_VEC4 + e] * vb;
-            dp[3] += block_b[3u * MAX_HEAD_VEC4 + e] * vb;
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * vb;
+            }
         }
-        let in_chunk = keys < vec4<u32>(key_end);
         // ds = p (dout·v − delta), p = exp(s − lse), 0 where not visible.
-        let ds0 = select(vec4<f32>(0.0), exp(s[0] - row_lse.x), in_chunk & (keys <= vec4<u32>(rows.x))) * (dp[0] - row_delta.x);
-        let ds1 = select(vec4<f32>(0.0), exp(s[1] - row_lse.y), in_chunk & (keys <= vec4<u32>(rows.y))) * (dp[1] - row_delta.y);
-        let ds2 = select(vec4<f32>(0.0), exp(s[2] - row_lse.z), in_chunk & (keys <= vec4<u32>(rows.z))) * (dp[2] - row_delta.z);
-        let ds3 = select(vec4<f32>(0.0), exp(s[3] - row_lse.w), in_chunk & (keys <= vec4<u32>(rows.w))) * (dp[3] - row_delta.w);
+        var ds: array<vec4<f32>, ROW_BLOCK>;
+        let in_chunk = keys < vec4<u32>(qb.key_end);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            ds[r] = select(vec4<f32>(0.0), exp(s[r] - row_lse[r]), visible) * (dp[r] - row_delta[r]);
+        }
         for (var e = 0u; e < d4; e++) {
             let kb = k_step(key_at, e, d);
-            block_acc_a[e] += kb * ds0;
-            block_acc_a[MAX_HEAD_VEC4 + e] += kb * ds1;
-            block_acc_a[2u * MAX_HEAD_VEC4 + e] += kb * ds2;
-            block_acc_a[3u * MAX_HEAD_VEC4 + e] += kb * ds3;
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                block_acc_a[r * MAX_HEAD_VEC4 + e] += kb * ds[r];
+            }
         }
     }
     for (var r = 0u; r < ROW_BLOCK; r++) {
-        if rows[r] < p.seq {
+        if i0 + r < p.seq {
+            let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
             for (var e = 0u; e < d; e++) {
                 var before = 0.0;
                 if p.first == 0u {
-                    before = dq[at[r] + e];
+                    before = dq[at + e];
                 }
-                dq[at[r] + e] = before + block_acc_a[r * MAX_HEAD_VEC4 + e / 4u][e % 4u] * p.scale;
+                dq[at + e] = before + block_acc_a[r * MAX_HEAD_VEC4 + e / 4u][e % 4u] * p.scale;
             }
         }
     }
@@ -698,12 +714,12 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
     let d = p.head_dim;
     let d4 = (d + 3u) / 4u;
     let j0 = block_first_row(wid, lid.x);
-    let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
-    let at = block_at(p, p.kv_heads, b, j0, p.seq - 1u, kvh);
+    let last = p.seq - 1u;
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            block_a[r * MAX_HEAD_VEC4 + e] = k4(at[r], e, d) * p.scale;
-            block_b[r * MAX_HEAD_VEC4 + e] = v4(at[r], e, d);
+            let at = row_at(p, p.kv_heads, b, j0 + r, last, kvh);
+            block_a[r * MAX_HEAD_VEC4 + e] = k4(at, e, d) * p.scale;
+            block_b[r * MAX_HEAD_VEC4 + e] = v4(at, e, d);
         }
         clear_block_acc(e);
     }
@@ -713,64 +729,56 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
     // The group's query heads in order, then its queries in order.
     for (var g = 0u; g < group; g++) {
         let h = kvh * group + g;
-        let stat_row = (b * p.heads + h) * p.seq;
+        let stat0 = (b * p.heads + h) * p.seq;
         for (var i0 = query_start; i0 < query_end; i0 += STEP) {
             let queries = vec4<u32>(i0) + vec4<u32>(0u, 1u, 2u, 3u);
-            let query_at = block_at(p, p.heads, b, i0, query_end - 1u, h);
-            let stat = vec4<u32>(stat_row) + min(queries, vec4<u32>(query_end - 1u));
+            let query_at = step_at(p, p.heads, b, i0, query_end - 1u, h);
+            let stat = vec4<u32>(stat0) + min(queries, vec4<u32>(query_end - 1u));
             let step_lse = vec4<f32>(lse_in[stat.x], lse_in[stat.y], lse_in[stat.z], lse_in[stat.w]);
             let step_delta = vec4<f32>(delta_in[stat.x], delta_in[stat.y], delta_in[stat.z], delta_in[stat.w]);
             // s[r]: key r's scores against the step's queries; dp[r]: v_r · dout_i.
-            var s = mat4x4<f32>();
-            var dp = mat4x4<f32>();
+            var s: array<vec4<f32>, ROW_BLOCK>;
+            var dp: array<vec4<f32>, ROW_BLOCK>;
             for (var e = 0u; e < d4; e++) {
                 let qb = q_step(query_at, e, d);
                 let ob = dout_step(query_at, e, d);
-                s[0] += block_a[e] * qb;
-                s[1] += block_a[MAX_HEAD_VEC4 + e] * qb;
-                s[2] += block_a[2u * MAX_HEAD_VEC4 + e] * qb;
-                s[3] += block_a[3u * MAX_HEAD_VEC4 + e] * qb;
-                dp[0] += block_b[e] * ob;
-                dp[1] += block_b[MAX_HEAD_VEC4 + e] * ob;
-                dp[2] += block_b[2u * MAX_HEAD_VEC4 + e] * ob;
-                dp[3] += block_b[3u * MAX_HEAD_VEC4 + e] * ob;
+                for (var r = 0u; r < ROW_BLOCK; r++) {
+                    s[r] += block_a[r * MAX_HEAD_VEC4 + e] * qb;
+                    dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * ob;
+                }
             }
-            let in_chunk = queries < vec4<u32>(query_end);
             // Query i sees key j when i ≥ j.
-            let w0 = select(vec4<f32>(0.0), exp(s[0] - step_lse), in_chunk & (queries >= vec4<u32>(keys.x)));
-            let w1 = select(vec4<f32>(0.0), exp(s[1] - step_lse), in_chunk & (queries >= vec4<u32>(keys.y)));
-            let w2 = select(vec4<f32>(0.0), exp(s[2] - step_lse), in_chunk & (queries >= vec4<u32>(keys.z)));
-            let w3 = select(vec4<f32>(0.0), exp(s[3] - step_lse), in_chunk & (queries >= vec4<u32>(keys.w)));
-            let ds0 = w0 * (dp[0] - step_delta);
-            let ds1 = w1 * (dp[1] - step_delta);
-            let ds2 = w2 * (dp[2] - step_delta);
-            let ds3 = w3 * (dp[3] - step_delta);
+            var w: array<vec4<f32>, ROW_BLOCK>;
+            var ds: array<vec4<f32>, ROW_BLOCK>;
+            let in_chunk = queries < vec4<u32>(query_end);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                w[r] = select(vec4<f32>(0.0), exp(s[r] - step_lse), in_chunk & (queries >= vec4<u32>(j0 + r)));
+                ds[r] = w[r] * (dp[r] - step_delta);
+            }
             for (var e = 0u; e < d4; e++) {
                 let qb = q_step(query_at, e, d);
                 let ob = dout_step(query_at, e, d);
-                block_acc_a[e] += qb * ds0;
-                block_acc_a[MAX_HEAD_VEC4 + e] += qb * ds1;
-                block_acc_a[2u * MAX_HEAD_VEC4 + e] += qb * ds2;
-                block_acc_a[3u * MAX_HEAD_VEC4 + e] += qb * ds3;
-                block_acc_b[e] += ob * w0;
-                block_acc_b[MAX_HEAD_VEC4 + e] += ob * w1;
-                block_acc_b[2u * MAX_HEAD_VEC4 + e] += ob * w2;
-                block_acc_b[3u * MAX_HEAD_VEC4 + e] += ob * w3;
+                for (var r = 0u; r < ROW_BLOCK; r++) {
+                    let i = r * MAX_HEAD_VEC4 + e;
+                    block_acc_a[i] += qb * ds[r];
+                    block_acc_b[i] += ob * w[r];
+                }
             }
         }
     }
     for (var r = 0u; r < ROW_BLOCK; r++) {
-        if keys[r] < p.seq {
+        if j0 + r < p.seq {
+            let at = head_at(p, p.kv_heads, b, j0 + r, kvh);
             for (var e = 0u; e < d; e++) {
                 var dk_before = 0.0;
                 var dv_before = 0.0;
                 if p.first == 0u {
-                    dk_before = dk[at[r] + e];
-                    dv_before = dv[at[r] + e];
+                    dk_before = dk[at + e];
+                    dv_before = dv[at + e];
                 }
                 let i = r * MAX_HEAD_VEC4 + e / 4u;
-                dk[at[r] + e] = dk_before + block_acc_a[i][e % 4u] * p.scale;
-                dv[at[r] + e] = dv_before + block_acc_b[i][e % 4u];
+                dk[at + e] = dk_before + block_acc_a[i][e % 4u] * p.scale;
+                dv[at + e] = dv_before + block_acc_b[i][e % 4u];
             }
         }
     }

@@ -1,6 +1,9 @@
 //! `flash_attention.wgsl`: fused causal self-attention, forward and
 //! backward (FlashAttention-2), for training and for a whole sequence's
-//! forward; see the WGSL file for the algorithm and layouts.
+//! forward; see the WGSL file for the algorithm and layouts. Two shapes
+//! of the forward, dq and dk/dv kernels, picked by
+//! [`Kernels::gpu_shaped`]: workgroup-memory tiles for GPUs, register
+//! blocks with no workgroup memory for CPU adapters (`…_rows`).
 
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Binding, Dispatch, Kernel, Kernels, View};
@@ -31,7 +34,7 @@ const BLOCK_ROWS: usize = 64;
 /// The CPU-shaped kernels' rows per invocation, invocations per
 /// workgroup, and rows streamed per step (flash_attention.wgsl's
 /// `ROW_BLOCK`, `ROW_LANES`, `STEP`).
-const ROW_BLOCK: usize = 4;
+const ROW_BLOCK: usize = 8;
 const ROW_LANES: usize = 8;
 const STEP: usize = 4;
 
@@ -121,11 +124,13 @@ impl Kernels {
     /// Loop iterations one invocation spends per key (forward, dq) or per
     /// (query, head) (dk/dv). GPU-shaped: `channel_loops` loops of 16
     /// channels per iteration, its share of the tile loads and the score
-    /// loops (forward 2, dq 3, dk/dv 4). CPU-shaped: two loops of 4
-    /// channels per iteration, per step of STEP rows.
+    /// loops (forward 2, dq 3, dk/dv 4). CPU-shaped: per step of STEP
+    /// rows, two loops of 4 channels per iteration, each holding a loop
+    /// over the block's rows, and one more such loop, counted as if Mesa
+    /// left them rolled.
     fn flash_per_row(&self, shape: FlashAttentionShape, channel_loops: usize) -> usize {
         if !self.gpu_shaped() {
-            return (2 * shape.head_dim.div_ceil(4) + 1).div_ceil(STEP);
+            return (2 * shape.head_dim.div_ceil(4) * (ROW_BLOCK + 1) + ROW_BLOCK + 1).div_ceil(STEP);
         }
         let d4 = padded_vec4s(shape.head_dim);
         channel_loops * d4 / 4 + 4 + (4 * d4).div_ceil(BLOCK_ROWS) + 1

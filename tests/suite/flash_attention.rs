@@ -16,7 +16,7 @@ use common::{assert_close, clipped_adamw, for_each_adapter, for_each_shaping, li
 use rand::Rng;
 use wgrad::graph::{Executor, Graph};
 use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
-use wgrad::nn::{self, AttentionKernel, Module};
+use wgrad::nn::{self, AttentionKernel, Module, CPU_FUSED_ATTENTION_MIN_SEQ};
 use wgrad::kernels::{FlashAttentionShape, LimitOverrides, FLASH_MAX_HEAD_DIM};
 use wgrad::{cpu, Error, Kernels};
 
@@ -38,10 +38,6 @@ const CASES: &[(usize, usize, usize, usize, usize)] = &[
 /// [`CASES`] past T = 30 splits its loop over several launches, as long
 /// sequences do on a CPU adapter (llvmpipe's limit).
 const SMALL_LOOP_BUDGET: usize = 300;
-/// The same for the CPU-shaped kernels, which spend fewer iterations per
-/// row (4 channels per iteration, 4 rows per step): chunks of 3 to 30
-/// rows, most not multiples of the step.
-const SMALL_LOOP_BUDGET_CPU: usize = 60;
 
 /// Every fused-attention kernel's outputs: (out, lse, delta, dq, dk, dv).
 type Outputs = [Vec<f32>; 6];
@@ -71,7 +67,7 @@ fn kernels_match_the_cpu_and_repeat_bit_for_bit() {
 #[test]
 fn kernels_split_over_launches_match_the_cpu() {
     for_each_shaping("flash_attention kernels over several launches", |k| {
-        let overrides = LimitOverrides { loop_iterations: Some(if k.gpu_shaped() { SMALL_LOOP_BUDGET } else { SMALL_LOOP_BUDGET_CPU }), gpu_shaping: Some(k.gpu_shaped()), ..LimitOverrides::default() };
+        let overrides = LimitOverrides { loop_iterations: Some(SMALL_LOOP_BUDGET), gpu_shaping: Some(k.gpu_shaped()), ..LimitOverrides::default() };
         check_kernels(&limited_kernels(k, overrides))
     });
 }
@@ -258,4 +254,20 @@ fn models_train_fused_by_default_as_the_unfused_reference() {
         }
         Ok(())
     });
+}
+
+/// Training picks the fused kernels on GPU-shaped kernels at every
+/// length, and on CPU adapters from CPU_FUSED_ATTENTION_MIN_SEQ
+/// positions, where they measured faster than the unfused graph.
+#[test]
+fn attention_kernel_follows_the_adapter_and_the_context() {
+    for_each_shaping("AttentionKernel::for_devices", |k| {
+        let devices = [k.clone()];
+        let short = CPU_FUSED_ATTENTION_MIN_SEQ - 1;
+        assert_eq!(AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ), AttentionKernel::Fused);
+        let want = if k.gpu_shaped() { AttentionKernel::Fused } else { AttentionKernel::Unfused };
+        assert_eq!(AttentionKernel::for_devices(&devices, short), want, "T = {short}, GPU-shaped {}", k.gpu_shaped());
+        Ok(())
+    });
+    assert_eq!(AttentionKernel::for_devices(&[], 1024), AttentionKernel::Unfused);
 }
