@@ -23,13 +23,13 @@ pub enum AttentionKernel {
     Unfused,
 }
 
-/// The shortest sequence from which whole GPT and Llama training steps
-/// ran faster with the CPU-shaped fused kernels than with the unfused
-/// graph on lavapipe (BENCHMARKS.md, issue 27: GPT 4 × 128, 4 heads of 32,
-/// per step fused/unfused ×1.4 at T = 16, ×0.9 at 32, ×0.7 at 64
-/// (Llama ×0.8), ×0.5 at 128): below it the unfused graph's few small
-/// products cost less than the fused kernels' per-row work.
-pub const CPU_FUSED_ATTENTION_MIN_SEQ: usize = 32;
+/// The shortest sequence from which whole GPT training steps ran faster
+/// with the CPU-shaped fused kernels than with the unfused graph on
+/// lavapipe (BENCHMARKS.md, issue 27: 4 layers × 128, 4 heads of 32; 40
+/// steps fused/unfused ×1.4 at T = 16, ×1.2 at 64, ×1.0–1.2 at 128, ×0.53
+/// at 256): below it the unfused graph's small products cost less than
+/// the fused kernels' per-row work on a CPU.
+pub const CPU_FUSED_ATTENTION_MIN_SEQ: usize = 256;
 
 impl AttentionKernel {
     /// The kernel to train sequences of `seq` positions with on
