@@ -16,7 +16,8 @@
 // flash_attention_backward_query:     dq = Σ_j p (dout·v_j − delta) k_j · scale
 // flash_attention_backward_key_value: dv = Σ_i p dout_i, dk = Σ_i p (dout_i·v − delta_i) q_i · scale,
 //                                     summed over the KV head's query heads
-// with p = exp(s − lse). The forward and dq take one workgroup of
+// with p = exp(s − lse). (The CPU-shaped kernels at the end of this file
+// compute the same with register blocks instead of tiles.) The forward and dq take one workgroup of
 // BLOCK_ROWS invocations per (query tile, head, sequence), one query row
 // each; dk/dv one per (key tile, KV head, sequence), one key row each, so
 // every output element has one writer summing in a fixed order: no
@@ -421,6 +422,364 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
             }
             dk[at + e] = dk_before + acc_a[e / 4u][e % 4u] * p.scale;
             dv[at + e] = dv_before + acc_b[e / 4u][e % 4u];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------
+// The CPU-shaped kernels (Kernels::gpu_shaped() false): the same outputs,
+// statistics and launch chunks as the tiled ones above, shaped for
+// llvmpipe, which runs a workgroup's lanes as one SIMD row, pays a fiber
+// switch per barrier, and loads an address its lanes share once: no
+// workgroup tiles and no barrier in the loops. Each invocation holds a
+// block of ROW_BLOCK rows (queries for the forward and dq, keys for
+// dk/dv) in private arrays and streams over the other side STEP rows at
+// a time, in vec4s of channels straight from the storage buffers; the
+// lanes of a workgroup take neighbouring blocks of one head, so every
+// lane loads the same key (query) rows at the same time. A step's scores
+// are a vec4 per held row (the loops over the block's rows have constant
+// bounds, which Mesa unrolls, so they stay in registers), and each vec4
+// loaded feeds ROW_BLOCK dot products or multiply-adds. Causal and
+// end-of-sequence masks are selects, so the loops' bounds and the
+// streamed addresses stay the workgroup's.
+
+// Rows per invocation and invocations per workgroup
+// (kernels::flash_attention::{ROW_BLOCK, ROW_LANES}): a workgroup covers
+// 64 rows, so its causal loop overshoots a lane's own rows by at most 63.
+const ROW_BLOCK: u32 = 8u;
+const ROW_LANES: u32 = 8u;
+// Rows streamed per step: one vec4 of scores per held row.
+const STEP: u32 = 4u;
+
+// The invocation's rows, row r at r·MAX_HEAD_VEC4, ceil(d/4) vec4s each,
+// zero past d: q · scale and (dq) dout, or k · scale and v (dk/dv).
+var<private> block_a: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+var<private> block_b: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+// What it sums: out (forward), dq, or dk; and dv.
+var<private> block_acc_a: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+var<private> block_acc_b: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+
+// Channels 4e .. 4e + 3 that are inside the head.
+fn channels_in(e: u32, d: u32) -> vec4<bool> {
+    return vec4<u32>(4u * e) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(d);
+}
+
+// Channels 4e .. 4e + 3 of the row starting at `at`, zero past d. (One
+// function per buffer: WGSL passes no storage pointers.)
+fn q4(at: u32, e: u32, d: u32) -> vec4<f32> {
+    let c = at + 4u * e;
+    return select(vec4<f32>(0.0), vec4<f32>(q[c], q[c + 1u], q[c + 2u], q[c + 3u]), channels_in(e, d));
+}
+
+fn k4(at: u32, e: u32, d: u32) -> vec4<f32> {
+    let c = at + 4u * e;
+    return select(vec4<f32>(0.0), vec4<f32>(k[c], k[c + 1u], k[c + 2u], k[c + 3u]), channels_in(e, d));
+}
+
+fn v4(at: u32, e: u32, d: u32) -> vec4<f32> {
+    let c = at + 4u * e;
+    return select(vec4<f32>(0.0), vec4<f32>(v[c], v[c + 1u], v[c + 2u], v[c + 3u]), channels_in(e, d));
+}
+
+fn dout4(at: u32, e: u32, d: u32) -> vec4<f32> {
+    let c = at + 4u * e;
+    return select(vec4<f32>(0.0), vec4<f32>(dout[c], dout[c + 1u], dout[c + 2u], dout[c + 3u]), channels_in(e, d));
+}
+
+// STEP keys' (queries') channels 4e .. 4e + 3, one per column, from the
+// rows starting at `at`.
+fn k_step(at: vec4<u32>, e: u32, d: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(k4(at.x, e, d), k4(at.y, e, d), k4(at.z, e, d), k4(at.w, e, d));
+}
+
+fn v_step(at: vec4<u32>, e: u32, d: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(v4(at.x, e, d), v4(at.y, e, d), v4(at.z, e, d), v4(at.w, e, d));
+}
+
+fn q_step(at: vec4<u32>, e: u32, d: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(q4(at.x, e, d), q4(at.y, e, d), q4(at.z, e, d), q4(at.w, e, d));
+}
+
+fn dout_step(at: vec4<u32>, e: u32, d: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(dout4(at.x, e, d), dout4(at.y, e, d), dout4(at.z, e, d), dout4(at.w, e, d));
+}
+
+// Where rows first .. first + 3 of head `head` of a [B, T, heads, d]
+// tensor start, each row clamped to `last`.
+fn step_at(p: FlashParams, heads: u32, b: u32, first: u32, last: u32, head: u32) -> vec4<u32> {
+    let t = min(vec4<u32>(first) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    return ((vec4<u32>(b * p.seq) + t) * heads + head) * p.head_dim;
+}
+
+// Where row t (clamped to `last`) of head `head` starts.
+fn row_at(p: FlashParams, heads: u32, b: u32, t: u32, last: u32, head: u32) -> u32 {
+    return head_at(p, heads, b, min(t, last), head);
+}
+
+// The invocation's first row.
+fn block_first_row(wid: vec3<u32>, lane: u32) -> u32 {
+    return (wid.x * ROW_LANES + lane) * ROW_BLOCK;
+}
+
+// Channels 4e .. 4e + 3 of every row's sums, to zero.
+fn clear_block_acc(e: u32) {
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        block_acc_a[r * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
+        block_acc_b[r * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
+    }
+}
+
+// Where an invocation of the CPU-shaped forward or dq works: query rows
+// i0 .. i0 + ROW_BLOCK - 1 (those past T clamped to `last` for loads) of
+// head h of sequence b, reading KV head kvh; its statistics start at
+// stat0 + i0.
+struct QueryBlock {
+    h: u32,
+    b: u32,
+    kvh: u32,
+    d: u32,
+    d4: u32,
+    i0: u32,
+    last: u32,
+    stat0: u32,
+    // The keys the workgroup's rows see in this launch end here.
+    key_end: u32,
+}
+
+fn query_block(p: FlashParams, wid: vec3<u32>, lane: u32) -> QueryBlock {
+    let h = wid.y;
+    let b = wid.z;
+    let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * ROW_LANES * ROW_BLOCK));
+    return QueryBlock(h, b, h / (p.heads / p.kv_heads), p.head_dim, (p.head_dim + 3u) / 4u, block_first_row(wid, lane), p.seq - 1u, (b * p.heads + h) * p.seq, key_end);
+}
+
+// s[r]: held row r (block_a) against the STEP keys at `key_at`.
+fn key_step_scores(key_at: vec4<u32>, d4: u32, d: u32) -> array<vec4<f32>, ROW_BLOCK> {
+    var s: array<vec4<f32>, ROW_BLOCK>;
+    for (var e = 0u; e < d4; e++) {
+        let kb = k_step(key_at, e, d);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            s[r] += block_a[r * MAX_HEAD_VEC4 + e] * kb;
+        }
+    }
+    return s;
+}
+
+// out's channels 4e .. 4e + 3 of the row at `at` that are inside the head.
+fn store_out4(at: u32, e: u32, d: u32, x: vec4<f32>) {
+    let c = at + 4u * e;
+    for (var i = 0u; i < 4u; i++) {
+        if 4u * e + i < d {
+            out[c + i] = x[i];
+        }
+    }
+}
+
+@compute @workgroup_size(8)
+fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let p = uniform_params(lid.x);
+    let qb = query_block(p, wid, lid.x);
+    let d = qb.d;
+    let d4 = qb.d4;
+    let i0 = qb.i0;
+    // Per row: running maximum and Σ exp(s − maximum).
+    var m: array<f32, ROW_BLOCK>;
+    var l: array<f32, ROW_BLOCK>;
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        m[r] = LOWEST;
+        l[r] = 0.0;
+        if p.first == 0u {
+            // The keys so far, in the frame of maximum lse: Σ exp = 1.
+            m[r] = lse[qb.stat0 + min(i0 + r, qb.last)];
+            l[r] = 1.0;
+        }
+    }
+    for (var e = 0u; e < d4; e++) {
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
+            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
+            var o = vec4<f32>(0.0);
+            if p.first == 0u {
+                let c = at + 4u * e;
+                o = select(vec4<f32>(0.0), vec4<f32>(out[c], out[c + 1u], out[c + 2u], out[c + 3u]), channels_in(e, d));
+            }
+            block_acc_a[r * MAX_HEAD_VEC4 + e] = o;
+        }
+    }
+    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
+        let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
+        let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
+        let s = key_step_scores(key_at, d4, d);
+        // The online softmax: weights in the frame of each row's new
+        // maximum, 0 for keys the row does not see.
+        var w: array<vec4<f32>, ROW_BLOCK>;
+        var shrink: array<f32, ROW_BLOCK>;
+        let in_chunk = keys < vec4<u32>(qb.key_end);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            let masked = select(vec4<f32>(LOWEST), s[r], visible);
+            let m_new = max(m[r], max(max(masked.x, masked.y), max(masked.z, masked.w)));
+            w[r] = select(vec4<f32>(0.0), exp(masked - m_new), visible);
+            shrink[r] = exp(m[r] - m_new);
+            l[r] = l[r] * shrink[r] + dot(w[r], vec4<f32>(1.0));
+            m[r] = m_new;
+        }
+        for (var e = 0u; e < d4; e++) {
+            let vb = v_step(key_at, e, d);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                let i = r * MAX_HEAD_VEC4 + e;
+                block_acc_a[i] = block_acc_a[i] * shrink[r] + vb * w[r];
+            }
+        }
+    }
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        if i0 + r < p.seq {
+            let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
+            let inv = 1.0 / l[r];
+            for (var e = 0u; e < d4; e++) {
+                store_out4(at, e, d, block_acc_a[r * MAX_HEAD_VEC4 + e] * inv);
+            }
+            lse[qb.stat0 + i0 + r] = m[r] + log(l[r]);
+        }
+    }
+}
+
+@compute @workgroup_size(8)
+fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let p = uniform_params(lid.x);
+    let qb = query_block(p, wid, lid.x);
+    let d = qb.d;
+    let d4 = qb.d4;
+    let i0 = qb.i0;
+    var row_lse: array<f32, ROW_BLOCK>;
+    var row_delta: array<f32, ROW_BLOCK>;
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        row_lse[r] = lse_in[qb.stat0 + min(i0 + r, qb.last)];
+        row_delta[r] = delta_in[qb.stat0 + min(i0 + r, qb.last)];
+    }
+    for (var e = 0u; e < d4; e++) {
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
+            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
+            block_b[r * MAX_HEAD_VEC4 + e] = dout4(at, e, d);
+        }
+        clear_block_acc(e);
+    }
+    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
+        let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
+        let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
+        let s = key_step_scores(key_at, d4, d);
+        // dp[r]: dout_r · v_j.
+        var dp: array<vec4<f32>, ROW_BLOCK>;
+        for (var e = 0u; e < d4; e++) {
+            let vb = v_step(key_at, e, d);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * vb;
+            }
+        }
+        // ds = p (dout·v − delta), p = exp(s − lse), 0 where not visible.
+        var ds: array<vec4<f32>, ROW_BLOCK>;
+        let in_chunk = keys < vec4<u32>(qb.key_end);
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            ds[r] = select(vec4<f32>(0.0), exp(s[r] - row_lse[r]), visible) * (dp[r] - row_delta[r]);
+        }
+        for (var e = 0u; e < d4; e++) {
+            let kb = k_step(key_at, e, d);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                block_acc_a[r * MAX_HEAD_VEC4 + e] += kb * ds[r];
+            }
+        }
+    }
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        if i0 + r < p.seq {
+            let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
+            for (var e = 0u; e < d; e++) {
+                var before = 0.0;
+                if p.first == 0u {
+                    before = dq[at + e];
+                }
+                dq[at + e] = before + block_acc_a[r * MAX_HEAD_VEC4 + e / 4u][e % 4u] * p.scale;
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(8)
+fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let p = uniform_params(lid.x);
+    let kvh = wid.y;
+    let b = wid.z;
+    let group = p.heads / p.kv_heads;
+    let d = p.head_dim;
+    let d4 = (d + 3u) / 4u;
+    let j0 = block_first_row(wid, lid.x);
+    let last = p.seq - 1u;
+    for (var e = 0u; e < d4; e++) {
+        for (var r = 0u; r < ROW_BLOCK; r++) {
+            let at = row_at(p, p.kv_heads, b, j0 + r, last, kvh);
+            block_a[r * MAX_HEAD_VEC4 + e] = k4(at, e, d) * p.scale;
+            block_b[r * MAX_HEAD_VEC4 + e] = v4(at, e, d);
+        }
+        clear_block_acc(e);
+    }
+    // Queries before the workgroup's first key see none of its keys.
+    let query_start = max(p.chunk_start, wid.x * ROW_LANES * ROW_BLOCK);
+    let query_end = min(p.chunk_end, p.seq);
+    // The group's query heads in order, then its queries in order.
+    for (var g = 0u; g < group; g++) {
+        let h = kvh * group + g;
+        let stat0 = (b * p.heads + h) * p.seq;
+        for (var i0 = query_start; i0 < query_end; i0 += STEP) {
+            let queries = vec4<u32>(i0) + vec4<u32>(0u, 1u, 2u, 3u);
+            let query_at = step_at(p, p.heads, b, i0, query_end - 1u, h);
+            let stat = vec4<u32>(stat0) + min(queries, vec4<u32>(query_end - 1u));
+            let step_lse = vec4<f32>(lse_in[stat.x], lse_in[stat.y], lse_in[stat.z], lse_in[stat.w]);
+            let step_delta = vec4<f32>(delta_in[stat.x], delta_in[stat.y], delta_in[stat.z], delta_in[stat.w]);
+            // s[r]: key r's scores against the step's queries; dp[r]: v_r · dout_i.
+            var s: array<vec4<f32>, ROW_BLOCK>;
+            var dp: array<vec4<f32>, ROW_BLOCK>;
+            for (var e = 0u; e < d4; e++) {
+                let qb = q_step(query_at, e, d);
+                let ob = dout_step(query_at, e, d);
+                for (var r = 0u; r < ROW_BLOCK; r++) {
+                    s[r] += block_a[r * MAX_HEAD_VEC4 + e] * qb;
+                    dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * ob;
+                }
+            }
+            // Query i sees key j when i ≥ j.
+            var w: array<vec4<f32>, ROW_BLOCK>;
+            var ds: array<vec4<f32>, ROW_BLOCK>;
+            let in_chunk = queries < vec4<u32>(query_end);
+            for (var r = 0u; r < ROW_BLOCK; r++) {
+                w[r] = select(vec4<f32>(0.0), exp(s[r] - step_lse), in_chunk & (queries >= vec4<u32>(j0 + r)));
+                ds[r] = w[r] * (dp[r] - step_delta);
+            }
+            for (var e = 0u; e < d4; e++) {
+                let qb = q_step(query_at, e, d);
+                let ob = dout_step(query_at, e, d);
+                for (var r = 0u; r < ROW_BLOCK; r++) {
+                    let i = r * MAX_HEAD_VEC4 + e;
+                    block_acc_a[i] += qb * ds[r];
+                    block_acc_b[i] += ob * w[r];
+                }
+            }
+        }
+    }
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        if j0 + r < p.seq {
+            let at = head_at(p, p.kv_heads, b, j0 + r, kvh);
+            for (var e = 0u; e < d; e++) {
+                var dk_before = 0.0;
+                var dv_before = 0.0;
+                if p.first == 0u {
+                    dk_before = dk[at + e];
+                    dv_before = dv[at + e];
+                }
+                let i = r * MAX_HEAD_VEC4 + e / 4u;
+                dk[at + e] = dk_before + block_acc_a[i][e % 4u] * p.scale;
+                dv[at + e] = dv_before + block_acc_b[i][e % 4u];
+            }
         }
     }
 }

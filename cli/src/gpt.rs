@@ -10,7 +10,7 @@ use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype}
 use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, Pretrained, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::models::{Gpt, GptConfig};
-use wgrad::nn::CausalLm;
+use wgrad::nn::{AttentionKernel, CausalLm};
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::pipeline::Schedule;
 use wgrad::train::{Evaluation, TrainConfig, TrainingRun};
@@ -93,6 +93,30 @@ pub struct GptArgs {
     /// backward) or 1f1b (one forward, one backward: fewer activations held).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
+    /// GPT and Llama: how attention trains: fused (FlashAttention-2, no
+    /// [T, T] scores stored), unfused (the scores and probabilities as
+    /// separate ops), or auto: fused on GPUs, and on CPU adapters from the
+    /// context where it is faster there.
+    #[arg(long, value_enum, default_value_t = AttentionChoice::Auto)]
+    attention: AttentionChoice,
+}
+
+/// `--attention`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionChoice {
+    Auto,
+    Fused,
+    Unfused,
+}
+
+impl AttentionChoice {
+    fn kernel(self) -> Option<AttentionKernel> {
+        match self {
+            AttentionChoice::Auto => None,
+            AttentionChoice::Fused => Some(AttentionKernel::Fused),
+            AttentionChoice::Unfused => Some(AttentionKernel::Unfused),
+        }
+    }
 }
 
 /// What the command line knows of a language model family: its sizes
@@ -176,7 +200,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
             None => M::sizes(g)?,
         })
     };
-    let task = LanguageModel { init: pretrained, ..task };
+    let task = LanguageModel { init: pretrained, attention: g.attention.kernel(), ..task };
     let mut bars = Bars::default();
     let mut run = TrainingRun::new(opts, config, task, process_group, &mut bars)?;
     let start_loss = match run.task().init.as_ref().map(|p| p.source.clone()) {

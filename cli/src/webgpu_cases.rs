@@ -288,7 +288,8 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["embedding_quant_forward"], Web, embedding_quant),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
-        (&["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"], Web, flash_attention),
+        (&["flash_attention_forward_rows", "flash_attention_backward_prepare", "flash_attention_backward_query_rows", "flash_attention_backward_key_value_rows"], Web, flash_attention),
+        (&["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"], Gpu, flash_attention),
     ];
     let mut planned = Vec::new();
     for (i, (entries, on, build)) in builders.into_iter().enumerate() {
@@ -1056,7 +1057,8 @@ fn attention_case(c: &mut Ctx<'_>, kernel: Option<wgrad::kernels::CachedAttentio
 
 /// Fused causal attention forward and backward, chained as a training step
 /// runs them: 4 query heads over 2 KV heads of 5 channels, 67 rows (past
-/// one 64-row block).
+/// one 64-row block), with the entries the kernels' shaping picks (the
+/// register-blocked ones on a CPU adapter, the tiled ones on a GPU).
 fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
     let shape = FlashAttentionShape { batch: 2, seq: 67, heads: 4, kv_heads: 2, head_dim: 5 };
     let (q_len, kv_len, rows) = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
@@ -1082,12 +1084,9 @@ fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
         expect("dk", &dk, grads.dk, 1e-4, 1e-3),
         expect("dv", &dv, grads.dv, 1e-4, 1e-3),
     ];
-    Ok(Case::new(
-        &["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"],
-        "flash_attention forward and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5",
-        dispatches,
-        expected,
-    ))
+    let entries: Vec<&'static str> = dispatches.iter().map(|d| d.kernel().entry).collect();
+    let name = format!("{} and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5", entries[0]);
+    Ok(Case::new(&entries, name, dispatches, expected))
 }
 
 /// Rows over several settings: greedy, top-k, the whole vocabulary and

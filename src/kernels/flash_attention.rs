@@ -1,6 +1,9 @@
 //! `flash_attention.wgsl`: fused causal self-attention, forward and
 //! backward (FlashAttention-2), for training and for a whole sequence's
-//! forward; see the WGSL file for the algorithm and layouts.
+//! forward; see the WGSL file for the algorithm and layouts. Two shapes
+//! of the forward, dq and dk/dv kernels, picked by
+//! [`Kernels::gpu_shaped`]: workgroup-memory tiles for GPUs, register
+//! blocks with no workgroup memory for CPU adapters (`…_rows`).
 
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Binding, Dispatch, Kernel, Kernels, View};
@@ -13,6 +16,9 @@ entry_points! {
         FLASH_ATTENTION_BACKWARD_PREPARE = "flash_attention_backward_prepare",
         FLASH_ATTENTION_BACKWARD_QUERY = "flash_attention_backward_query",
         FLASH_ATTENTION_BACKWARD_KEY_VALUE = "flash_attention_backward_key_value",
+        FLASH_ATTENTION_FORWARD_ROWS = "flash_attention_forward_rows",
+        FLASH_ATTENTION_BACKWARD_QUERY_ROWS = "flash_attention_backward_query_rows",
+        FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS = "flash_attention_backward_key_value_rows",
     }
 }
 
@@ -24,6 +30,13 @@ pub const FLASH_MAX_HEAD_DIM: usize = 128;
 /// Rows (queries or keys) per workgroup, one per invocation
 /// (flash_attention.wgsl's `BLOCK_ROWS`).
 const BLOCK_ROWS: usize = 64;
+
+/// The CPU-shaped kernels' rows per invocation, invocations per
+/// workgroup, and rows streamed per step (flash_attention.wgsl's
+/// `ROW_BLOCK`, `ROW_LANES`, `STEP`).
+const ROW_BLOCK: usize = 8;
+const ROW_LANES: usize = 8;
+const STEP: usize = 4;
 
 /// vec4s of one workgroup-memory tile and the most rows of one
 /// (flash_attention.wgsl's `TILE_VEC4`, `MAX_TILE`).
@@ -72,7 +85,7 @@ impl Kernels {
             return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
         }
         let max = self.device().limits().max_compute_workgroups_per_dimension as usize;
-        if shape.seq.div_ceil(BLOCK_ROWS) > max || shape.heads > max || shape.batch > max {
+        if shape.seq.div_ceil(self.flash_group_rows()) > max || shape.heads > max || shape.batch > max {
             return Err(Error::shape(op, format!("{shape:?} is over this adapter's max_compute_workgroups_per_dimension ({max}) in row tiles, heads or sequences"), &[&dims]));
         }
         Ok(FlashParams {
@@ -108,12 +121,42 @@ impl Kernels {
         Dispatch::chain(parts).ok_or_else(|| Error::shape(kernel.entry, "no rows", &[&[seq]]))
     }
 
-    /// Loop iterations one invocation spends per key (forward, dq: two or
-    /// three channel loops of 16 channels per iteration, its share of the
-    /// tile loads and the score loops) or per (query, head) (dk/dv: four).
-    fn flash_per_row(shape: FlashAttentionShape, channel_loops: usize) -> usize {
+    /// Loop iterations one invocation spends per key (forward, dq) or per
+    /// (query, head) (dk/dv). GPU-shaped: `channel_loops` loops of 16
+    /// channels per iteration, its share of the tile loads and the score
+    /// loops (forward 2, dq 3, dk/dv 4). CPU-shaped: per step of STEP
+    /// rows, two loops of 4 channels per iteration, each holding a loop
+    /// over the block's rows, and one more such loop, counted as if Mesa
+    /// left them rolled.
+    fn flash_per_row(&self, shape: FlashAttentionShape, channel_loops: usize) -> usize {
+        if !self.gpu_shaped() {
+            return (2 * shape.head_dim.div_ceil(4) * (ROW_BLOCK + 1) + ROW_BLOCK + 1).div_ceil(STEP);
+        }
         let d4 = padded_vec4s(shape.head_dim);
         channel_loops * d4 / 4 + 4 + (4 * d4).div_ceil(BLOCK_ROWS) + 1
+    }
+
+    /// Rows (queries or keys) one workgroup of the forward, dq or dk/dv
+    /// kernel covers: the GPU-shaped kernels' one per invocation, the
+    /// CPU-shaped ones' blocks of ROW_BLOCK.
+    fn flash_group_rows(&self) -> usize {
+        if self.gpu_shaped() {
+            BLOCK_ROWS
+        } else {
+            ROW_BLOCK * ROW_LANES
+        }
+    }
+
+    /// The GPU-shaped entry (workgroup-memory tiles) or the CPU-shaped one
+    /// (register blocks, no barriers in the loops; see flash_attention.wgsl):
+    /// on lavapipe the tiled ones ran 2.5–4× slower than the unfused graph
+    /// (BENCHMARKS.md, issue 27).
+    fn flash_entry(&self, tiled: Kernel, rows: Kernel) -> Kernel {
+        if self.gpu_shaped() {
+            tiled
+        } else {
+            rows
+        }
     }
 
     /// out [B, T, H, d] = softmax(q·kᵀ/√d, causal)·v and lse [B, H, T],
@@ -125,8 +168,9 @@ impl Kernels {
         let (q_len, kv_len, rows) = shape.lengths().unwrap_or_default();
         let params = self.check_flash(op, shape, &[("out", out.len, q_len), ("lse", lse.len, rows), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len)])?;
         let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(8, "out", out), bind(9, "lse", lse)];
-        let grid = [shape.seq.div_ceil(BLOCK_ROWS) as u32, params.heads, params.batch];
-        self.flash_launches(FLASH_ATTENTION_FORWARD, &bindings, params, Self::flash_per_row(shape, 2), grid)
+        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.heads, params.batch];
+        let kernel = self.flash_entry(FLASH_ATTENTION_FORWARD, FLASH_ATTENTION_FORWARD_ROWS);
+        self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 2), grid)
     }
 
     /// delta [B, H, T] = rowsum(dout ∘ out) per query head, from dout and
@@ -149,8 +193,9 @@ impl Kernels {
         let operands = [("dq", dq.len, q_len), ("dout", dout.len, q_len), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len), ("lse", lse.len, rows), ("delta", delta.len, rows)];
         let params = self.check_flash(op, shape, &operands)?;
         let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(3, "dout", dout), bind(5, "lse", lse), bind(6, "delta", delta), bind(11, "dq", dq)];
-        let grid = [shape.seq.div_ceil(BLOCK_ROWS) as u32, params.heads, params.batch];
-        self.flash_launches(FLASH_ATTENTION_BACKWARD_QUERY, &bindings, params, Self::flash_per_row(shape, 3), grid)
+        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.heads, params.batch];
+        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_QUERY, FLASH_ATTENTION_BACKWARD_QUERY_ROWS);
+        self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 3), grid)
     }
 
     /// dk and dv [B, T, Hkv, d], each KV head's summed over its query
@@ -192,9 +237,10 @@ impl Kernels {
             bind(12, "dk", dk),
             bind(13, "dv", dv),
         ];
-        let grid = [shape.seq.div_ceil(BLOCK_ROWS) as u32, params.kv_heads, params.batch];
+        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.kv_heads, params.batch];
         // Each query is visited once per query head of the group.
-        let per_row = Self::flash_per_row(shape, 4) * shape.group();
-        self.flash_launches(FLASH_ATTENTION_BACKWARD_KEY_VALUE, &bindings, params, per_row, grid)
+        let per_row = self.flash_per_row(shape, 4) * shape.group();
+        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_KEY_VALUE, FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS);
+        self.flash_launches(kernel, &bindings, params, per_row, grid)
     }
 }

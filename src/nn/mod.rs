@@ -20,7 +20,7 @@ pub(crate) use causal_lm::cache_pass;
 pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;
 pub use staged::{StageCosts, Staged};
-pub use transformer::{causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp};
+pub use transformer::{causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp, CPU_FUSED_ATTENTION_MIN_SEQ};
 pub use grouped_attention::GroupedQueryAttention;
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;

@@ -23,14 +23,22 @@ pub enum AttentionKernel {
     Unfused,
 }
 
+/// The shortest sequence from which whole GPT training steps ran faster
+/// with the CPU-shaped fused kernels than with the unfused graph on
+/// lavapipe (BENCHMARKS.md, issue 27: 4 layers × 128, 4 heads of 32; 40
+/// steps fused/unfused ×1.4 at T = 16, ×1.2 at 64, ×1.0–1.2 at 128, ×0.53
+/// at 256): below it the unfused graph's small products cost less than
+/// the fused kernels' per-row work on a CPU.
+pub const CPU_FUSED_ATTENTION_MIN_SEQ: usize = 256;
+
 impl AttentionKernel {
-    /// The kernel to train with on `devices`: fused where every one shapes
-    /// its kernels for a GPU; unfused on CPU adapters, where the fused
-    /// kernels' workgroup tiles and barriers cost more than the stored
-    /// scores save (a GPT or Llama training step 1.3× slower on lavapipe at
-    /// T = 64; BENCHMARKS.md, `wgrad bench --only attention`).
-    pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>]) -> Self {
-        if !devices.is_empty() && devices.iter().all(|k| k.gpu_shaped()) {
+    /// The kernel to train sequences of `seq` positions with on
+    /// `devices`: fused where every one shapes its kernels for a GPU, and
+    /// on CPU adapters (register-blocked kernels) from
+    /// [`CPU_FUSED_ATTENTION_MIN_SEQ`] positions; unfused below, where the
+    /// few small products of the unfused graph cost less.
+    pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>], seq: usize) -> Self {
+        if !devices.is_empty() && devices.iter().all(|k| k.gpu_shaped() || seq >= CPU_FUSED_ATTENTION_MIN_SEQ) {
             AttentionKernel::Fused
         } else {
             AttentionKernel::Unfused

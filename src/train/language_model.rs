@@ -314,6 +314,9 @@ pub struct LanguageModel<M: TrainableLm> {
     /// from scratch; `model` is then its config with the windows' context
     /// ([`TrainableLm::with_context`]).
     pub init: Option<Pretrained<M>>,
+    /// How the attention layers train; `None` picks by the devices and
+    /// the context ([`AttentionKernel::for_devices`]).
+    pub attention: Option<AttentionKernel>,
     /// Filled by [`Task::prepare`]; `None` before (`..LanguageModel::new(..)`).
     pub prepared: Option<LmData>,
 }
@@ -331,7 +334,7 @@ pub struct LmData {
 impl<M: TrainableLm> LanguageModel<M> {
     /// `model`'s sizes on the shipped Shakespeare with the char tokenizer.
     pub fn new(model: M::Config) -> Self {
-        LanguageModel { text: TextSource::Shakespeare, tokenizer: TokenizerKind::Char, model, eval_batches: 16, validation_fraction: 0.1, init: None, prepared: None }
+        LanguageModel { text: TextSource::Shakespeare, tokenizer: TokenizerKind::Char, model, eval_batches: 16, validation_fraction: 0.1, init: None, attention: None, prepared: None }
     }
 
     fn data_ready(&self) -> Result<&LmData> {
@@ -373,7 +376,8 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     const UNIT: &'static str = "tokens";
 
     fn suit_devices(&self, model: &mut M, devices: &[Arc<Kernels>]) {
-        model.set_attention_kernel(AttentionKernel::for_devices(devices));
+        let context = model.context_len();
+        model.set_attention_kernel(self.attention.unwrap_or_else(|| AttentionKernel::for_devices(devices, context)));
     }
 
     fn prepare(&mut self, config: &TrainConfig, processes: Option<&dyn ProcessGroup>) -> Result<Prepared<M>> {

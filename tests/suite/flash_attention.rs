@@ -12,11 +12,11 @@ use crate::common;
 use common::{central_differences, gradcheck, mse_to_random, param, wide};
 use std::sync::Arc;
 
-use common::{assert_close, clipped_adamw, for_each_adapter, limited_kernels, random_vec, read, rng, train_on_one_device};
+use common::{assert_close, clipped_adamw, for_each_adapter, for_each_shaping, limited_kernels, random_vec, read, rng, train_on_one_device};
 use rand::Rng;
 use wgrad::graph::{Executor, Graph};
 use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
-use wgrad::nn::{self, AttentionKernel, Module};
+use wgrad::nn::{self, AttentionKernel, Module, CPU_FUSED_ATTENTION_MIN_SEQ};
 use wgrad::kernels::{FlashAttentionShape, LimitOverrides, FLASH_MAX_HEAD_DIM};
 use wgrad::{cpu, Error, Kernels};
 
@@ -57,15 +57,18 @@ fn run_kernels(k: &Kernels, shape: FlashAttentionShape, q: &[f32], kk: &[f32], v
     Ok([read(k, &out)?, read(k, &lse)?, read(k, &delta)?, read(k, &dq)?, read(k, &dk)?, read(k, &dv)?])
 }
 
+/// Both shapes of the kernels run on every adapter: the GPU-shaped
+/// (workgroup tiles) and the CPU-shaped (register blocks) entries.
 #[test]
 fn kernels_match_the_cpu_and_repeat_bit_for_bit() {
-    for_each_adapter("flash_attention kernels", |k| check_kernels(k));
+    for_each_shaping("flash_attention kernels", |k| check_kernels(k));
 }
 
 #[test]
 fn kernels_split_over_launches_match_the_cpu() {
-    for_each_adapter("flash_attention kernels over several launches", |k| {
-        check_kernels(&limited_kernels(k, LimitOverrides { loop_iterations: Some(SMALL_LOOP_BUDGET), ..LimitOverrides::default() }))
+    for_each_shaping("flash_attention kernels over several launches", |k| {
+        let overrides = LimitOverrides { loop_iterations: Some(SMALL_LOOP_BUDGET), gpu_shaping: Some(k.gpu_shaped()), ..LimitOverrides::default() };
+        check_kernels(&limited_kernels(k, overrides))
     });
 }
 
@@ -83,7 +86,8 @@ fn check_kernels(k: &Arc<Kernels>) -> wgrad::Result<()> {
             let (out, lse) = cpu::flash_attention_forward(&q, &kk, &v, shape);
             let delta = cpu::flash_attention_backward_prepare(&dout, &out, shape);
             let grads = cpu::flash_attention_backward(&dout, &q, &kk, &v, &lse, &delta, shape);
-            let what = format!("{shape:?} on {}", k.device().label());
+            let shaping = if k.gpu_shaped() { "GPU-shaped" } else { "CPU-shaped" };
+            let what = format!("{shape:?} on {} ({shaping})", k.device().label());
             // f32 sums of ≤ 128 products per score and ≤ 150 weighted
             // values per row against f64; outputs are means of values in
             // [-1, 1], log-sum-exps at most log T + √d.
@@ -153,7 +157,7 @@ fn twin_backward_matches_central_differences() {
 /// `Graph::evaluate_f64`, and each backward node against its reference.
 #[test]
 fn op_gradients_match_central_differences() {
-    for_each_adapter("fused_causal_attention gradcheck", |k| {
+    for_each_shaping("fused_causal_attention gradcheck", |k| {
         // (batch, T, heads, kv_heads, d): grouped and multi-head.
         for (i, &(batch, seq, heads, kv_heads, d)) in [(1, 5, 2, 1, 3), (2, 3, 2, 2, 4)].iter().enumerate() {
             let mut g = Graph::new();
@@ -171,7 +175,7 @@ fn op_gradients_match_central_differences() {
 
 #[test]
 fn fused_op_matches_the_unfused_graph() {
-    for_each_adapter("fused_causal_attention vs unfused", |k| {
+    for_each_shaping("fused_causal_attention vs unfused", |k| {
         // T = 1, a prime, and past one block of 64 rows.
         for &(batch, seq, heads, d) in &[(2, 1, 2, 4), (2, 13, 3, 8), (1, 70, 2, 16)] {
             let mut results = Vec::new();
@@ -250,4 +254,20 @@ fn models_train_fused_by_default_as_the_unfused_reference() {
         }
         Ok(())
     });
+}
+
+/// Training picks the fused kernels on GPU-shaped kernels at every
+/// length, and on CPU adapters from CPU_FUSED_ATTENTION_MIN_SEQ
+/// positions, where they measured faster than the unfused graph.
+#[test]
+fn attention_kernel_follows_the_adapter_and_the_context() {
+    for_each_shaping("AttentionKernel::for_devices", |k| {
+        let devices = [k.clone()];
+        let short = CPU_FUSED_ATTENTION_MIN_SEQ - 1;
+        assert_eq!(AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ), AttentionKernel::Fused);
+        let want = if k.gpu_shaped() { AttentionKernel::Fused } else { AttentionKernel::Unfused };
+        assert_eq!(AttentionKernel::for_devices(&devices, short), want, "T = {short}, GPU-shaped {}", k.gpu_shaped());
+        Ok(())
+    });
+    assert_eq!(AttentionKernel::for_devices(&[], 1024), AttentionKernel::Unfused);
 }
