@@ -553,6 +553,16 @@ fn query_block(p: FlashParams, wid: vec3<u32>, lane: u32) -> QueryBlock {
     return QueryBlock(h, b, h / (p.heads / p.kv_heads), p.head_dim, (p.head_dim + 3u) / 4u, block_first_row(wid, lane), p.seq - 1u, (b * p.heads + h) * p.seq, key_end);
 }
 
+// Zeroes sums declared inside a loop before each pass adds to them. WGSL
+// zeroes a `var` at each execution of its declaration, but Chrome's
+// compiler (Tint, on SwiftShader) carried dq's dp sums over from the step
+// before, so they are zeroed here explicitly.
+fn zero_rows(sums: ptr<function, array<vec4<f32>, ROW_BLOCK>>) {
+    for (var r = 0u; r < ROW_BLOCK; r++) {
+        (*sums)[r] = vec4<f32>(0.0);
+    }
+}
+
 // s[r]: held row r (block_a) against the STEP keys at `key_at`.
 fn key_step_scores(key_at: vec4<u32>, d4: u32, d: u32) -> array<vec4<f32>, ROW_BLOCK> {
     var s: array<vec4<f32>, ROW_BLOCK>;
@@ -671,6 +681,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
         let s = key_step_scores(key_at, d4, d);
         // dp[r]: dout_r · v_j.
         var dp: array<vec4<f32>, ROW_BLOCK>;
+        zero_rows(&dp);
         for (var e = 0u; e < d4; e++) {
             let vb = v_step(key_at, e, d);
             for (var r = 0u; r < ROW_BLOCK; r++) {
@@ -739,6 +750,8 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
             // s[r]: key r's scores against the step's queries; dp[r]: v_r · dout_i.
             var s: array<vec4<f32>, ROW_BLOCK>;
             var dp: array<vec4<f32>, ROW_BLOCK>;
+            zero_rows(&s);
+            zero_rows(&dp);
             for (var e = 0u; e < d4; e++) {
                 let qb = q_step(query_at, e, d);
                 let ob = dout_step(query_at, e, d);
