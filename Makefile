@@ -6,7 +6,7 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test bench driver adapters smollm2
+.PHONY: train test test-swiftshader bench driver adapters smollm2
 
 driver:
 	@bash scripts/ensure-vulkan.sh
@@ -38,16 +38,17 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # build the library a second time, without the features the
 # dev-dependencies turn on in shared crates (proptest's getrandom).
 #
-# When Chromium is installed (scripts/ensure-chromium.sh; CI installs it),
-# the suite runs a second time on SwiftShader, Google's Vulkan
-# implementation (a third adapter beside lavapipe and llvmpipe-GL), opened
-# with WebGPU's default limits (WGRAD_LIMITS=webgpu): what passes there
-# runs within what every browser guarantees. GL is hidden from that run
-# (glvnd finds no EGL vendor): the first run covered it, and the tests
-# that open every adapter then group SwiftShader with itself. The
-# multi-device engines' tests (data, tensor, pipeline, ZeRO: host-side
-# logic over kernels the rest of the suite checks on SwiftShader too) run
-# in the first pass only, to keep `make test` within its 10 minutes.
+# `make test-swiftshader` (CI runs it after `make test`; it needs
+# Chromium, which scripts/ensure-chromium.sh installs) runs the suite a
+# second time on SwiftShader, Google's Vulkan implementation (a third
+# adapter beside lavapipe and llvmpipe-GL), opened with WebGPU's default
+# limits (WGRAD_LIMITS=webgpu): what passes there runs within what every
+# browser guarantees. GL is hidden from that run (glvnd finds no EGL
+# vendor): `make test` covered it, and the tests that open every adapter
+# then group SwiftShader with itself. The multi-device engines' tests
+# (data, tensor, pipeline, ZeRO: host-side logic over kernels the rest of
+# the suite checks on SwiftShader too) run in `make test` only. A pass of
+# its own (3 minutes on 2 cores), so `make test` stays within 10 minutes.
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 SWIFTSHADER_SKIP := --skip parallel:: --skip gpt_pipeline:: --skip gpt_tensor:: --skip zero::
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
@@ -56,11 +57,13 @@ test: driver smollm2
 	$(CARGO) test --release $(TEST_FEATURES) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
 	$(CARGO) test --release $(TEST_FEATURES)
-	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) __EGL_VENDOR_LIBRARY_FILENAMES=/nonexistent WGRAD_LIMITS=webgpu \
-		$(CARGO) test --release $(TEST_FEATURES) --test suite -- $(SWIFTSHADER_SKIP),\
-		@echo "SwiftShader (Debian's chromium) not installed: skipping the suite on it (see scripts/ensure-chromium.sh)")
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
+
+test-swiftshader: driver smollm2
+	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) __EGL_VENDOR_LIBRARY_FILENAMES=/nonexistent WGRAD_LIMITS=webgpu \
+		$(CARGO) test --release $(TEST_FEATURES) --test suite -- $(SWIFTSHADER_SKIP),\
+		$(error SwiftShader (Debian's chromium) is not installed: see scripts/ensure-chromium.sh))
 
 bench: driver
 	$(CARGO) bench -p wgrad-benches --bench matmul
