@@ -443,6 +443,15 @@ impl OptimizerConfig {
         }
     }
 
+    /// The (beta1, beta2) whose powers the loss-scaled update keeps for
+    /// its bias corrections: Adam's, or (0, 0) for SGD, which has none.
+    pub fn bias_correction_betas(&self) -> (f32, f32) {
+        match self {
+            OptimizerConfig::Adam(c) => c.betas,
+            OptimizerConfig::Sgd(_) => (0.0, 0.0),
+        }
+    }
+
     pub fn loss_scaling(&self) -> Option<LossScaling> {
         match self {
             OptimizerConfig::Sgd(c) => c.loss_scaling,

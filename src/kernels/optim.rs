@@ -395,10 +395,7 @@ impl Kernels {
                 &[&[grad.len], &[partials.len], &[block.len]],
             ));
         }
-        let (beta1, beta2) = match optimizer {
-            OptimizerConfig::Adam(c) => c.betas,
-            OptimizerConfig::Sgd(_) => (0.0, 0.0),
-        };
+        let (beta1, beta2) = optimizer.bias_correction_betas();
         let params = ScaleParams {
             n: dim(op, grad.len)?,
             chunk: dim(op, grad.len.div_ceil(groups))?,

@@ -21,7 +21,7 @@ mod optimizer;
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use crate::ops::{LossScaling, LrSchedule};
 pub(crate) use optimizer::{apply_parameter_groups, stage_state};
-pub use optimizer::{meta as loss_scale_meta, LossScaleState, Optimizer, ParamSpan};
+pub use optimizer::{LossScaleState, Optimizer, ParamSpan};
 
 /// The builder methods every optimizer shares (the last three fields of
 /// [`SgdConfig`] and [`AdamConfig`]).

@@ -402,11 +402,7 @@ impl Optimizer {
     /// this optimizer does not scale.
     pub(crate) fn import_loss_scale(&mut self, kernels: &Kernels, state: &LossScaleState) -> Result<bool> {
         let (Some(scaler), Some(scaling)) = (&self.scaler, self.config.loss_scaling()) else { return Ok(false) };
-        let betas = match &self.config {
-            OptimizerConfig::Adam(c) => c.betas,
-            OptimizerConfig::Sgd(_) => (0.0, 0.0),
-        };
-        kernels.write(scaler.block.view(), &state.block(&scaling, betas))?;
+        kernels.write(scaler.block.view(), &state.block(&scaling, self.config.bias_correction_betas()))?;
         Ok(true)
     }
 }
