@@ -57,6 +57,7 @@ pub fn no_adapter(test: &str) {
 /// `WGRAD_TEST_ADAPTER` gives (comma-separated indexes, or a name
 /// substring: scripts/gpu-check.sh runs the suite on one GPU this way).
 pub fn reports() -> Vec<AdapterReport> {
+    init_log();
     let only = std::env::var("WGRAD_TEST_BACKEND")
         .ok()
         .filter(|s| !s.is_empty())
@@ -95,6 +96,19 @@ pub fn lock_gl_if_any() -> Option<GlGuard> {
         .iter()
         .any(|r| r.info.backend == wgpu::Backend::Gl)
         .then(wgrad::device::lock_gl)
+}
+
+/// `RUST_LOG` for the suite (e.g. `RUST_LOG=wgrad::kernels=debug` lists
+/// every pipeline compiled, with its milliseconds), each line led by the
+/// test that logged it: a cold run's compile time, test by test.
+fn init_log() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        use std::io::Write;
+        let _ = env_logger::Builder::from_default_env()
+            .format(|out, record| writeln!(out, "[{}] {}", std::thread::current().name().unwrap_or("main"), record.args()))
+            .try_init();
+    });
 }
 
 fn open_kernels(index: usize) -> Arc<Kernels> {
