@@ -1,33 +1,44 @@
-//! ZeRO stage 3 block by block (as FSDP wraps each block): every device
-//! runs the whole model on its rows of the batch as a sequence of stage
-//! graphs (the prologue, each block, the epilogue: the units a
+//! ZeRO stages 2 and 3 block by block (as FSDP wraps each block): every
+//! device runs the whole model on its rows of the batch as a sequence of
+//! stage graphs (the prologue, each block, the epilogue: the units a
 //! [`Staged`] model declares), and between steps keeps only its shard of
-//! the parameters, of the gradients and of AdamW's moments.
+//! the gradients and of AdamW's moments, and at stage 3 of the parameters
+//! too (at stage 2 it keeps them all).
 //!
 //! The stages' executors take turns on one pool per device: a parameter
 //! arena and a gradient arena as long as the largest stage's, and the
 //! intermediate slots, each as long as any stage's
 //! ([`crate::graph::Executor::with_arenas`]): a device's intermediates
 //! are those of its largest stage, not of the whole model. A step:
-//! - forward, stage by stage: the stage's parameters are all-gathered
-//!   from the shards into every device's pool, each device runs the stage
-//!   on its rows and its output goes to the host (the next stage's input);
-//! - backward, in reverse: the stage's parameters are gathered again, the
-//!   stage recomputes its forward and runs its backward from the gradient
-//!   of its output (the last stage from its loss), and its gradient is
-//!   reduce-scattered at once (summed over devices weighted by rows, each
-//!   device receiving its shard's part), so the pool is free for the next
-//!   stage. A parameter two stages declare (a head tied to the embedding)
-//!   takes the sum of both stages' gradients before it is sent;
+//! - forward, stage by stage: the stage's parameters are put in every
+//!   device's pool (stage 2: copied on the device from its whole
+//!   parameters; stage 3: all-gathered from the shards through the host),
+//!   each device runs the stage on its rows and its output goes to the
+//!   host (the next stage's input);
+//! - backward, in reverse: the stage's parameters are put in the pool
+//!   again, the stage recomputes its forward and runs its backward from
+//!   the gradient of its output (the last stage from its loss), and its
+//!   gradient is reduce-scattered at once (summed over devices weighted by
+//!   rows, each device receiving its shard's part), so the pool is free
+//!   for the next stage: no device ever holds more of the gradients than
+//!   its shard and one stage's arena. A parameter two stages declare (a
+//!   head tied to the embedding) takes the sum of both stages' gradients
+//!   before it is sent;
 //! - each device clips by the global norm (the squares of the reduced
-//!   gradients, added on the host) and runs AdamW over its shard.
+//!   gradients, added on the host) and runs AdamW over its shard; at
+//!   stage 2 the updated shards are then all-gathered into every device's
+//!   whole parameters (at stage 3 they stay shards until the next gather).
 //!
 //! This trades the one-submission step of [`super::zero::Zero`] for one
 //! forward and one backward submission per stage, each waited for, plus
-//! host round trips for the gathers, and recomputes every stage's forward
-//! in its backward (as activation checkpointing by block). What a device
-//! holds: its shard of the flat arena (parameters, gradients, moments),
-//! the pool, and every stage executor's inputs ([`ZeroStages::memory`], which
+//! host round trips (stage 3's gathers; both stages' reduce-scatters), and
+//! recomputes every stage's forward in its backward (as activation
+//! checkpointing by block): keeping each stage's forward would need each
+//! stage's own intermediates, all of the model's at once, which is the
+//! memory this engine exists to save. What a device holds: its shard of
+//! the flat arena's gradients and moments, its shard (stage 3) or all
+//! (stage 2) of the parameters, the pool, and every stage executor's
+//! inputs ([`ZeroStages::memory`], which
 //! [`super::memory::strategy_memory`] computes without a device).
 //!
 //! The flat arena packs every parameter once, weight-decayed first, in
