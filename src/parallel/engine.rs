@@ -122,7 +122,7 @@ impl Strategy {
             // In one process stages 2 and 3 run block by block, holding
             // one stage's gradients at a time; across processes they keep
             // whole arenas ([`super::zero`]).
-            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::at_stage(stage, group, model, criterion, optimizer, batch, split)?),
+            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, stage, split)?),
             (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })

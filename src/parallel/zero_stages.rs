@@ -191,31 +191,19 @@ pub struct ZeroStages {
 }
 
 impl ZeroStages {
-    /// ZeRO-3: `model`'s stages on every device of `group`, each device
-    /// keeping its shard of the parameters, gradients and optimizer state;
-    /// `global_batch` rows per step, split evenly or as `rows` fixes.
+    /// `model`'s stages on every device of `group`, each device keeping
+    /// its shard of the gradients and optimizer state and, at `stage` 3,
+    /// of the parameters (at 2 it keeps them whole); `global_batch` rows
+    /// per step, split evenly or as `rows` fixes. Stage 1 keeps whole
+    /// gradients, which this engine never holds: an error (the whole-arena
+    /// [`super::zero::Zero`] runs it).
     pub fn new(
         group: &DeviceGroup,
         model: &dyn Staged,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
-        rows: Option<Vec<usize>>,
-    ) -> Result<Self> {
-        Self::at_stage(ZeroStage::Parameters, group, model, criterion, optimizer, global_batch, rows)
-    }
-
-    /// As [`Self::new`] at `stage`: 2 keeps the whole parameters on every
-    /// device and shards of the gradients and optimizer state, 3 shards
-    /// all three. Stage 1 keeps whole gradients, which this engine never
-    /// holds: an error (the whole-arena [`super::zero::Zero`] runs it).
-    pub fn at_stage(
         stage: ZeroStage,
-        group: &DeviceGroup,
-        model: &dyn Staged,
-        criterion: impl Into<Criterion>,
-        optimizer: impl Into<OptimizerConfig>,
-        global_batch: usize,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
         if stage == ZeroStage::OptimizerState {

@@ -144,7 +144,7 @@ fn stages_match_one_device(groups: &[DeviceGroup], case: &Case<'_>) {
             let zero_stage = ZeroStage::new(stage).unwrap();
             let mut z: Box<dyn Sharded> = match zero_stage {
                 ZeroStage::OptimizerState => Box::new(Zero::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, zero_stage, Some(rows(group.len()))).unwrap()),
-                _ => Box::new(ZeroStages::at_stage(zero_stage, group, case.model, CrossEntropyLoss, case.optimizer, BATCH, Some(rows(group.len()))).unwrap()),
+                _ => Box::new(ZeroStages::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, zero_stage, Some(rows(group.len()))).unwrap()),
             };
             let what = format!("{} ZeRO-{stage} on [{labels}]", case.what);
             let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
@@ -222,7 +222,7 @@ fn a_zero_run_resumes_on_another_strategy() {
     let (reference, _, _) = train_on_one_device(&two.members()[0], &model, optimizer, BATCH, &batches);
     let want = reference.executor().parameters().unwrap();
 
-    let mut first = ZeroStages::new(three, &model, CrossEntropyLoss, optimizer, BATCH, Some(rows(3))).unwrap();
+    let mut first = ZeroStages::new(three, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Parameters, Some(rows(3))).unwrap();
     for (ids, targets) in &batches[..5] {
         first.step(ids, Targets::Classes(targets), false).unwrap();
     }
@@ -236,7 +236,7 @@ fn a_zero_run_resumes_on_another_strategy() {
     // Loaded as saved: the same bits back under the same names.
     let bits = |p: &Parameters| p.iter().map(|(_, _, v)| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
     assert_eq!(bits(&second.parameters().unwrap()), bits(&params), "parameters after loading");
-    let mut stage2 = ZeroStages::at_stage(ZeroStage::Gradients, two, &model, CrossEntropyLoss, optimizer, BATCH, Some(rows(2))).unwrap();
+    let mut stage2 = ZeroStages::new(two, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Gradients, Some(rows(2))).unwrap();
     stage2.load_state(&params, &state, Some(5)).unwrap();
     assert_eq!(bits(&stage2.parameters().unwrap()), bits(&params), "parameters after loading into ZeRO-2");
     let mut single = wgrad::trainer::Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
@@ -299,7 +299,7 @@ fn planned_memory_equals_each_engines() {
     let whole = data.memory();
     let mut allocated = Vec::new();
     for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
-        let z = ZeroStages::at_stage(stage, group, &model, CrossEntropyLoss, optimizer, BATCH, Some(vec![2, 2])).unwrap();
+        let z = ZeroStages::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
         let m = planned(Strategy::Zero(stage));
         assert_eq!(z.memory(), m, "ZeRO-{} allocated", stage.number());
         assert!(m.gradients < whole.gradients, "ZeRO-{} {m:?} against data parallel {whole:?}", stage.number());
