@@ -332,11 +332,6 @@ impl ZeroStages {
         &self.shards
     }
 
-    /// The stage it runs (2 or 3).
-    pub fn zero_stage(&self) -> ZeroStage {
-        self.stage
-    }
-
     /// The element range of the flat arena device `d`'s parameters hold.
     fn held(&self, d: usize) -> Range<usize> {
         held_range(self.stage, self.flat_len, &self.shards[d])
