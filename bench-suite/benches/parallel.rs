@@ -687,7 +687,7 @@ fn zero3_lines(quick: bool) -> Vec<String> {
         let mut lines = Vec::new();
         let engines: [(&str, Box<dyn TrainEngine>); 2] = [
             ("whole-arena", Box::new(Zero::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, ZeroStage::Parameters, None)?)),
-            ("by-stage", Box::new(ZeroStages::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, None)?)),
+            ("by-stage", Box::new(ZeroStages::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, ZeroStage::Parameters, None)?)),
         ];
         for (name, mut engine) in engines {
             let ms = time_steps(warm_up, timed, || {

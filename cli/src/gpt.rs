@@ -273,7 +273,7 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
     // MiB, or KiB for a small model (whose MiB would all read 0.0).
     let largest = rows.iter().filter_map(|(_, _, m)| m.as_ref().ok()).map(|m| m.total()).max().unwrap_or(0);
     let (unit, scale) = if largest >= 10 << 20 { ("MiB", 1024.0 * 1024.0) } else { ("KiB", 1024.0) };
-    println!("bytes on the fullest device ({unit}), planned without a device; ZeRO-1/2: what the stage keeps between steps, ZeRO-3: what it allocates");
+    println!("bytes on the fullest device ({unit}), planned without a device; ZeRO-1: the whole-arena engine (whole parameters and gradients, a shard of the state), ZeRO-2/3: what the stage-by-stage engine allocates");
     println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
     let v = |b: u64| format!("{:.1}", b as f64 / scale);
     for (n, name, memory) in rows {

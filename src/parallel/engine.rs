@@ -119,9 +119,10 @@ impl Strategy {
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),
-            // In one process stage 3 gathers block by block; across
-            // processes it keeps whole arenas ([`super::zero`]).
-            (Strategy::Zero(ZeroStage::Parameters), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, split)?),
+            // In one process stages 2 and 3 run block by block, holding
+            // one stage's gradients at a time; across processes they keep
+            // whole arenas ([`super::zero`]).
+            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, stage, split)?),
             (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })

@@ -116,7 +116,10 @@ fn stage(graph: Graph, input: Tensor, output: Tensor, input_grad: bool, end: Sta
 /// The device holding the most under `strategy` on `devices` devices,
 /// planned without a device: an error where the strategy cannot share
 /// the model so (tensor parallel's splits, the pipeline's stages, rows
-/// per device). ZeRO's is what the stage keeps ([`DeviceMemory::zero_kept`]).
+/// per device). ZeRO-1's is the whole-arena engine's (whole parameters
+/// and gradients, the state's shard: [`DeviceMemory::zero_kept`]); ZeRO-2's
+/// and 3's are what the stage-by-stage engine allocates
+/// ([`super::zero_stages::planned_memory`]).
 pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     strategy.check_devices(devices, model, p.batch, None, p.micro_batches)?;
     let group_alignment = p.device_alignment.max(ARENA_ALIGNMENT);
@@ -125,7 +128,7 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
     match strategy {
         Strategy::Single => Ok(replica(model, p, p.batch, p.device_alignment)?.0),
         Strategy::Data => Ok(replica(model, p, rows, group_alignment)?.0),
-        Strategy::Zero(ZeroStage::Parameters) => super::zero_stages::planned_memory(model, devices, p),
+        Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)) => super::zero_stages::planned_memory(model, stage, devices, p),
         Strategy::Zero(stage) => {
             let (memory, arena_len) = replica(model, p, rows, group_alignment)?;
             let largest = shard_ranges(arena_len, devices, group_alignment as usize / BYTES as usize)?.iter().map(|r| r.len()).max().unwrap_or(0);

@@ -25,15 +25,18 @@
 //! between steps (its shard's gradient; its shard's parameters), but the
 //! whole arenas stay allocated. A run prints what is allocated
 //! ([`TrainEngine::memory`]) and what the stage keeps
-//! ([`Zero::kept_memory`], as the dry-run's table lists stages 1 and 2).
+//! ([`Zero::kept_memory`]).
 //!
-//! Within one process, stage 3 is [`super::zero_stages::ZeroStages`]
-//! instead ([`super::engine::Strategy::build`] picks it): the model runs
-//! as one stage graph per block over pooled arenas, each stage's
-//! parameters gathered just before its forward and backward and its
-//! gradient reduce-scattered right after its backward, so a device
-//! allocates its shards plus one stage's arenas and intermediates. This
-//! engine's whole-arena stage 3 remains the path across MPI processes.
+//! Within one process, stages 2 and 3 are
+//! [`super::zero_stages::ZeroStages`] instead
+//! ([`super::engine::Strategy::build`] picks it): the model runs as one
+//! stage graph per block over pooled arenas, each stage's gradient
+//! reduce-scattered right after its backward (and at stage 3 its
+//! parameters gathered just before its forward and backward), so a device
+//! allocates its gradient shard plus one stage's gradient arena, and at
+//! stage 3 likewise for the parameters. This engine's whole-arena stages 2
+//! and 3 remain the path across MPI processes, where every device still
+//! allocates the whole gradient arena.
 //!
 //! Across the processes of an MPI job ([`Zero::across`]) the arena is cut
 //! into a range per rank and each range over that rank's devices; a step

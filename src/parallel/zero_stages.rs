@@ -1,33 +1,44 @@
-//! ZeRO stage 3 block by block (as FSDP wraps each block): every device
-//! runs the whole model on its rows of the batch as a sequence of stage
-//! graphs (the prologue, each block, the epilogue: the units a
+//! ZeRO stages 2 and 3 block by block (as FSDP wraps each block): every
+//! device runs the whole model on its rows of the batch as a sequence of
+//! stage graphs (the prologue, each block, the epilogue: the units a
 //! [`Staged`] model declares), and between steps keeps only its shard of
-//! the parameters, of the gradients and of AdamW's moments.
+//! the gradients and of AdamW's moments, and at stage 3 of the parameters
+//! too (at stage 2 it keeps them all).
 //!
 //! The stages' executors take turns on one pool per device: a parameter
 //! arena and a gradient arena as long as the largest stage's, and the
 //! intermediate slots, each as long as any stage's
 //! ([`crate::graph::Executor::with_arenas`]): a device's intermediates
 //! are those of its largest stage, not of the whole model. A step:
-//! - forward, stage by stage: the stage's parameters are all-gathered
-//!   from the shards into every device's pool, each device runs the stage
-//!   on its rows and its output goes to the host (the next stage's input);
-//! - backward, in reverse: the stage's parameters are gathered again, the
-//!   stage recomputes its forward and runs its backward from the gradient
-//!   of its output (the last stage from its loss), and its gradient is
-//!   reduce-scattered at once (summed over devices weighted by rows, each
-//!   device receiving its shard's part), so the pool is free for the next
-//!   stage. A parameter two stages declare (a head tied to the embedding)
-//!   takes the sum of both stages' gradients before it is sent;
+//! - forward, stage by stage: the stage's parameters are put in every
+//!   device's pool (stage 2: copied on the device from its whole
+//!   parameters; stage 3: all-gathered from the shards through the host),
+//!   each device runs the stage on its rows and its output goes to the
+//!   host (the next stage's input);
+//! - backward, in reverse: the stage's parameters are put in the pool
+//!   again, the stage recomputes its forward and runs its backward from
+//!   the gradient of its output (the last stage from its loss), and its
+//!   gradient is reduce-scattered at once (summed over devices weighted by
+//!   rows, each device receiving its shard's part), so the pool is free
+//!   for the next stage: no device ever holds more of the gradients than
+//!   its shard and one stage's arena. A parameter two stages declare (a
+//!   head tied to the embedding) takes the sum of both stages' gradients
+//!   before it is sent;
 //! - each device clips by the global norm (the squares of the reduced
-//!   gradients, added on the host) and runs AdamW over its shard.
+//!   gradients, added on the host) and runs AdamW over its shard; at
+//!   stage 2 the updated shards are then all-gathered into every device's
+//!   whole parameters (at stage 3 they stay shards until the next gather).
 //!
 //! This trades the one-submission step of [`super::zero::Zero`] for one
 //! forward and one backward submission per stage, each waited for, plus
-//! host round trips for the gathers, and recomputes every stage's forward
-//! in its backward (as activation checkpointing by block). What a device
-//! holds: its shard of the flat arena (parameters, gradients, moments),
-//! the pool, and every stage executor's inputs ([`ZeroStages::memory`], which
+//! host round trips (stage 3's gathers; both stages' reduce-scatters), and
+//! recomputes every stage's forward in its backward (as activation
+//! checkpointing by block): keeping each stage's forward would need each
+//! stage's own intermediates, all of the model's at once, which is the
+//! memory this engine exists to save. What a device holds: its shard of
+//! the flat arena's gradients and moments, its shard (stage 3) or all
+//! (stage 2) of the parameters, the pool, and every stage executor's
+//! inputs ([`ZeroStages::memory`], which
 //! [`super::memory::strategy_memory`] computes without a device).
 //!
 //! The flat arena packs every parameter once, weight-decayed first, in
@@ -40,13 +51,13 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::collectives::to_host;
+use super::collectives::{all_gather, to_host, Part};
 use super::data::{check_rows, fixed_rows, group_arena_alignment, proportional_split, shard, ARENA_ALIGNMENT};
 use super::engine::{features, own_steps, Footprint, Holding, TrainEngine};
 use super::memory::{DeviceMemory, Planning};
 use super::pipeline::unit_graph;
 use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGraph};
-use super::zero::shard_ranges;
+use super::zero::{shard_ranges, ZeroStage};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::{ArenaPool, Plan, PlanOptions, Tensor};
@@ -115,40 +126,49 @@ fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<us
     (arena, slots)
 }
 
-/// What one device holds: its shard of `shard` elements, the pooled
-/// arenas of `arena` elements and slots of `slots`, and the stages'
-/// inputs (`inputs` bytes).
-fn device_memory(shard: usize, arena: usize, slots: &[usize], inputs: u64, state_arenas: usize) -> DeviceMemory {
-    let (shard, arena) = (shard as u64 * BYTES, arena as u64 * BYTES);
+/// What one device holds: `held` elements of the flat parameters (its
+/// shard at stage 3, all of them at 2), its shard of `shard` elements of
+/// the gradients and moments, the pooled arenas of `arena` elements and
+/// slots of `slots`, and the stages' inputs (`inputs` bytes).
+fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], inputs: u64, state_arenas: usize) -> DeviceMemory {
+    let (held, shard, arena) = (held as u64 * BYTES, shard as u64 * BYTES, arena as u64 * BYTES);
     DeviceMemory {
-        parameters: shard + arena,
+        parameters: held + arena,
         gradients: shard + arena,
         optimizer_state: state_arenas as u64 * shard,
         activations: inputs + slots.iter().map(|&len| len as u64 * BYTES).sum::<u64>(),
     }
 }
 
-/// [`ZeroStages::memory`] planned without a device, for `devices`
-/// devices splitting the batch evenly (the first take a row more).
-pub fn planned_memory<M: Staged + ?Sized>(model: &M, devices: usize, p: &Planning) -> Result<DeviceMemory> {
+/// [`ZeroStages::memory`] at `stage` planned without a device, for
+/// `devices` devices splitting the batch evenly (the first take a row
+/// more).
+pub fn planned_memory<M: Staged + ?Sized>(model: &M, stage: ZeroStage, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
     let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
     let (arena, slots) = pool_lengths(&plans);
     let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
     let largest = shard_ranges(flat, devices, block)?.iter().map(|r| r.len()).max().unwrap_or(0);
-    Ok(device_memory(largest, arena, &slots, plans.iter().map(|p| p.input_bytes).sum(), p.optimizer.state_names().len()))
+    let held = if stage == ZeroStage::Gradients { flat } else { largest };
+    Ok(device_memory(held, largest, arena, &slots, plans.iter().map(|p| p.input_bytes).sum(), p.optimizer.state_names().len()))
 }
 
-/// ZeRO-3 over the devices of a group, stage by stage (module comment).
+/// ZeRO-2 or ZeRO-3 over the devices of a group, stage by stage (module
+/// comment).
 pub struct ZeroStages {
+    /// What a device keeps only its shard of: the gradients (stage 2) or
+    /// also the parameters (stage 3).
+    stage: ZeroStage,
     devices: Vec<Arc<Kernels>>,
     /// Per device, its stages in order.
     stages: Vec<Vec<Stage>>,
     /// Per device: the arenas and slots its stages share.
     pools: Vec<ArenaPool>,
-    /// Per device: its shard of the flat parameters and gradients.
-    shard_params: Vec<GpuTensor>,
+    /// Per device: the part of the flat parameters it holds (its shard at
+    /// stage 3, all of them at 2: [`Self::held`]) and its shard of the
+    /// gradients.
+    params: Vec<GpuTensor>,
     shard_grads: Vec<GpuTensor>,
     optimizers: Vec<Optimizer>,
     shards: Vec<Range<usize>>,
@@ -172,16 +192,23 @@ pub struct ZeroStages {
 
 impl ZeroStages {
     /// `model`'s stages on every device of `group`, each device keeping
-    /// its shard of the parameters, gradients and optimizer state;
-    /// `global_batch` rows per step, split evenly or as `rows` fixes.
+    /// its shard of the gradients and optimizer state and, at `stage` 3,
+    /// of the parameters (at 2 it keeps them whole); `global_batch` rows
+    /// per step, split evenly or as `rows` fixes. Stage 1 keeps whole
+    /// gradients, which this engine never holds: an error (the whole-arena
+    /// [`super::zero::Zero`] runs it).
     pub fn new(
         group: &DeviceGroup,
         model: &dyn Staged,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
+        stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
+        if stage == ZeroStage::OptimizerState {
+            return Err(Error::InvalidArgument { op: "ZeroStages", reason: "ZeRO-1 keeps whole gradients: run it with the whole-arena Zero engine".into() });
+        }
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         let devices = group.members().to_vec();
         let shares = match &rows {
@@ -258,13 +285,17 @@ impl ZeroStages {
         }
         let block = group_arena_alignment(&devices) as usize / BYTES as usize;
         let shards = shard_ranges(flat_len, devices.len(), block)?;
-        let (mut shard_params, mut shard_grads, mut optimizers) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut params, mut shard_grads, mut optimizers) = (Vec::new(), Vec::new(), Vec::new());
         for (d, (k, range)) in devices.iter().zip(&shards).enumerate() {
             let mut build = || -> Result<()> {
-                let (params, grads) = (k.upload(&flat[range.clone()])?, k.zeros(range.len())?);
+                let held = held_range(stage, flat_len, range);
+                let (whole, grads) = (k.upload(&flat[held.clone()])?, k.zeros(range.len())?);
+                // AdamW updates the shard where it lies among the held
+                // parameters (shards start on the alignment's blocks).
+                let shard = whole.slice(range.start - held.start, range.len())?;
                 let decay = decay_len.clamp(range.start, range.end) - range.start;
-                optimizers.push(Optimizer::new(k, optimizer, params.view(), grads.view(), range.len(), decay)?);
-                shard_params.push(params);
+                optimizers.push(Optimizer::new(k, optimizer, shard, grads.view(), range.len(), decay)?);
+                params.push(whole);
                 shard_grads.push(grads);
                 Ok(())
             };
@@ -273,10 +304,11 @@ impl ZeroStages {
         let count = stages[0].len();
         let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages[0], vec![0; count], vec![HashMap::new(); count])?;
         Ok(ZeroStages {
+            stage,
             devices,
             stages,
             pools,
-            shard_params,
+            params,
             shard_grads,
             optimizers,
             shards,
@@ -298,6 +330,17 @@ impl ZeroStages {
     /// Each device's element range of the flat arena.
     pub fn shards(&self) -> &[Range<usize>] {
         &self.shards
+    }
+
+    /// The element range of the flat arena device `d`'s parameters hold.
+    fn held(&self, d: usize) -> Range<usize> {
+        held_range(self.stage, self.flat_len, &self.shards[d])
+    }
+
+    /// Device `d`'s shard of the flat parameters.
+    fn shard_params(&self, d: usize) -> Result<View<'_>> {
+        let (shard, held) = (&self.shards[d], self.held(d));
+        self.params[d].slice(shard.start - held.start, shard.len())
     }
 
     /// Stages each device runs the model as.
@@ -323,9 +366,13 @@ impl ZeroStages {
             .collect()
     }
 
-    /// Stage `s`'s parameters from every shard into every device's pool
-    /// (an all-gather through the host).
+    /// Stage `s`'s parameters into every device's pool: at stage 2 copied
+    /// on each device from its whole parameters, at 3 all-gathered from
+    /// the shards through the host.
     fn gather(&self, s: usize) -> Result<()> {
+        if self.stage == ZeroStage::Gradients {
+            return self.copy_into_pool(s);
+        }
         // The flat runs the stage's parameters lie in, merged.
         let mut runs: Vec<Range<usize>> = self.placed[0][s].iter().map(|&(i, _)| self.spans[i].offset..self.spans[i].offset + self.spans[i].len()).collect();
         runs.sort_by_key(|r| r.start);
@@ -341,7 +388,7 @@ impl ZeroStages {
         let mut reads: Vec<Vec<(View<'_>, usize, usize)>> = vec![Vec::new(); self.devices.len()];
         for (run, range) in merged.iter().enumerate() {
             for (d, at, within, len) in self.pieces(range.clone()) {
-                reads[d].push((self.shard_params[d].slice(at, len)?, run, within));
+                reads[d].push((self.params[d].slice(at, len)?, run, within));
             }
         }
         let mut values: Vec<Vec<f32>> = merged.iter().map(|r| vec![0.0; r.len()]).collect();
@@ -366,6 +413,42 @@ impl ZeroStages {
             k.write(self.pools[d].params.slice(0, len)?, &arena).map_err(|e| on_device(d, k, e))?;
         }
         Ok(())
+    }
+
+    /// Stage `s`'s parameters from each device's whole parameters into its
+    /// pool, one submission per device (queued after the stage that used
+    /// the pool before).
+    fn copy_into_pool(&self, s: usize) -> Result<()> {
+        for (d, k) in self.devices.iter().enumerate() {
+            let (from, to) = (self.params[d].view(), self.pools[d].params.view());
+            let copies: Vec<(u64, u64, u64)> = self.placed[d][s]
+                .iter()
+                .map(|&(i, local)| {
+                    let span = &self.spans[i];
+                    (from.offset + span.offset as u64 * BYTES, to.offset + local as u64 * BYTES, span.len() as u64 * BYTES)
+                })
+                .collect();
+            k.submit_pass(
+                "ZeroStages::copy_into_pool",
+                std::iter::empty(),
+                |encoder| {
+                    for (source, destination, bytes) in copies {
+                        encoder.copy_buffer_to_buffer(from.buffer, source, to.buffer, destination, bytes);
+                    }
+                },
+                |_| {},
+            )
+            .map_err(|e| on_device(d, k, e))?;
+        }
+        Ok(())
+    }
+
+    /// Every device's whole parameters become the concatenation of the
+    /// shards AdamW just updated (stage 2; an all-gather through the host).
+    fn gather_updated_shards(&self) -> Result<()> {
+        let srcs = (0..self.devices.len()).map(|d| Ok(Part::new(&self.devices[d], self.shard_params(d)?))).collect::<Result<Vec<_>>>()?;
+        let dsts: Vec<Part<'_>> = self.devices.iter().zip(&self.params).map(|(k, whole)| Part::new(k, whole.view())).collect();
+        all_gather(&srcs, &dsts)
     }
 
     /// Stage `s`'s gradient, just computed on every device, summed over
@@ -496,6 +579,9 @@ impl ZeroStages {
             let k = &self.devices[d];
             if clips { o.step_with_grad_norm(k, norm) } else { o.step(k) }.map_err(|e| on_device(d, k, e))?;
         }
+        if self.stage == ZeroStage::Gradients {
+            self.gather_updated_shards()?;
+        }
         if read_loss && !loss.is_finite() {
             return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
         }
@@ -557,8 +643,8 @@ impl ZeroStages {
     }
 
     /// The whole flat arena on the host from every device's `arena`.
-    fn flat_on_host<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
-        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(d, k)| (k.as_ref(), arena(d))).collect();
+    fn flat_on_host<'a>(&'a self, arena: impl Fn(usize) -> Result<View<'a>>) -> Result<Vec<f32>> {
+        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(d, k)| Ok((k.as_ref(), arena(d)?))).collect::<Result<_>>()?;
         Ok(to_host(&pairs, Instant::now())?.0.concat())
     }
 
@@ -576,6 +662,16 @@ impl ZeroStages {
     }
 }
 
+/// The part of the flat arena (`flat_len` elements) a device whose shard
+/// is `shard` holds the parameters of at `stage`.
+fn held_range(stage: ZeroStage, flat_len: usize, shard: &Range<usize>) -> Range<usize> {
+    if stage == ZeroStage::Gradients {
+        0..flat_len
+    } else {
+        shard.clone()
+    }
+}
+
 fn undeclared(name: &str) -> Error {
     Error::InvalidArgument { op: "ZeroStages", reason: format!("the stages disagree on parameter `{name}`") }
 }
@@ -588,13 +684,13 @@ impl TrainEngine for ZeroStages {
         Holding::Stages(&self.spread, &self.stages[0])
     }
     fn parameters(&self) -> Result<NamedParameters> {
-        let flat = self.flat_on_host(|d| self.shard_params[d].view())?;
+        let flat = self.flat_on_host(|d| self.shard_params(d))?;
         Ok(self.spans.iter().map(|p| (p.name.clone(), p.shape.clone(), flat[p.offset..p.offset + p.len()].to_vec())).collect())
     }
     fn optimizer_state(&self) -> Result<NamedState> {
         let mut out = Vec::new();
         for (s, &name) in self.optimizer.state_names().iter().enumerate() {
-            let flat = self.flat_on_host(|d| self.optimizers[d].state_arenas()[s])?;
+            let flat = self.flat_on_host(|d| Ok(self.optimizers[d].state_arenas()[s]))?;
             out.extend(self.spans.iter().map(|p| (p.name.clone(), name, flat[p.offset..p.offset + p.len()].to_vec())));
         }
         Ok(out)
@@ -612,7 +708,7 @@ impl TrainEngine for ZeroStages {
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         let op = "ZeroStages::load_state";
         let host = stage_state(self.optimizer.state_names(), self.flat_len, &self.spans, state)?;
-        let mut flat = self.flat_on_host(|d| self.shard_params[d].view())?;
+        let mut flat = self.flat_on_host(|d| self.shard_params(d))?;
         for (name, shape, values) in params {
             let span = self.spans.iter().find(|p| &p.name == name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("the model has no parameter `{name}`") })?;
             if *shape != span.shape || values.len() != span.len() {
@@ -620,8 +716,8 @@ impl TrainEngine for ZeroStages {
             }
             flat[span.offset..span.offset + span.len()].copy_from_slice(values);
         }
-        for (d, (k, range)) in self.devices.iter().zip(&self.shards).enumerate() {
-            k.write(self.shard_params[d].view(), &flat[range.clone()]).map_err(|e| on_device(d, k, e))?;
+        for (d, k) in self.devices.iter().enumerate() {
+            k.write(self.params[d].view(), &flat[self.held(d)]).map_err(|e| on_device(d, k, e))?;
         }
         let host = if state.is_empty() { Vec::new() } else { host };
         self.write_state(&host, step)
@@ -630,11 +726,21 @@ impl TrainEngine for ZeroStages {
         let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
         let pool = self.pools.iter().map(|p| p.params.len()).max().unwrap_or(0);
+        let (parameters, gathered) = match self.stage {
+            ZeroStage::Gradients => ("whole parameters", "copied from the device's whole parameters"),
+            _ => ("a shard of the parameters", "gathered from the shards"),
+        };
+        let m = self.memory();
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0));
         format!(
-            "ZeRO stage 3 (sharded data parallel) stage by stage: {} stages gathered into a pooled arena of {pool} elements before their forward and backward, gradients reduce-scattered after each stage's backward; batch split {}, flat arena shards of [{}] elements",
+            "ZeRO stage {} (sharded data parallel) stage by stage, {parameters} on each device: {} stages {gathered} into a pooled arena of {pool} elements before their forward and backward, gradients reduce-scattered after each stage's backward; batch split {}, flat arena shards of [{}] elements; kept per device between steps: parameters {}, gradients {} (the shard and one stage's arena), optimizer state {}",
+            self.stage.number(),
             self.stage_count(),
             rows.join(", "),
-            shards.join(", ")
+            shards.join(", "),
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.optimizer_state)
         )
     }
     /// One device's dispatches (its stages' and its optimizer's) and the
@@ -654,7 +760,7 @@ impl TrainEngine for ZeroStages {
             let pool = &self.pools[d];
             let slots: Vec<usize> = pool.slots.iter().map(GpuTensor::len).collect();
             let inputs = self.stages[d].iter().map(|s| s.executor().plan().input_bytes).sum();
-            device_memory(self.shard_params[d].len(), pool.params.len(), &slots, inputs, states)
+            device_memory(self.params[d].len(), self.shards[d].len(), pool.params.len(), &slots, inputs, states)
         }))
     }
 }

@@ -2,10 +2,10 @@
 //! reduce-scatter and all-gather against f64 sums on the host, on 1, 2 and
 //! 3 devices with uneven segments; the shard ranges; and each stage of the
 //! GPT and the Llama over 2 and 3 devices (uneven rows and shards) against
-//! one device over ten clipped AdamW steps (stage 3 block by block,
-//! [`ZeroStages`]; the whole-arena stage 3 MPI runs in a resumed run),
-//! the state gathered back to single-device names, and a run resumed on
-//! another strategy.
+//! one device over ten clipped AdamW steps (stages 2 and 3 block by block,
+//! [`ZeroStages`]; the whole-arena stage 3 MPI runs in a resumed run, its
+//! stage 2 in cli/tests/mpi.rs), the state gathered back to single-device
+//! names, and a run resumed on another strategy.
 
 use crate::common;
 use crate::parallel::open_groups;
@@ -141,9 +141,10 @@ fn stages_match_one_device(groups: &[DeviceGroup], case: &Case<'_>) {
     for group in groups {
         let labels = group.labels().join(", ");
         for stage in 1..=3 {
-            let mut z: Box<dyn Sharded> = match stage {
-                3 => Box::new(ZeroStages::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, Some(rows(group.len()))).unwrap()),
-                _ => Box::new(Zero::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, ZeroStage::new(stage).unwrap(), Some(rows(group.len()))).unwrap()),
+            let zero_stage = ZeroStage::new(stage).unwrap();
+            let mut z: Box<dyn Sharded> = match zero_stage {
+                ZeroStage::OptimizerState => Box::new(Zero::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, zero_stage, Some(rows(group.len()))).unwrap()),
+                _ => Box::new(ZeroStages::new(group, case.model, CrossEntropyLoss, case.optimizer, BATCH, zero_stage, Some(rows(group.len()))).unwrap()),
             };
             let what = format!("{} ZeRO-{stage} on [{labels}]", case.what);
             let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
@@ -210,8 +211,8 @@ fn zero_stages_train_the_gpt_as_one_device() {
 /// Five steps under ZeRO-3 block by block on 3 devices, its checkpoint's
 /// parameters, moments and step loaded into the whole-arena ZeRO-3 (the
 /// MPI path's) on 2 devices, which holds only its shard between steps,
-/// and into one device, five more steps: the ten-step single-device run
-/// (tolerances as above).
+/// into ZeRO-2 block by block on 2 devices and into one device, five more
+/// steps: the ten-step single-device run (tolerances as above).
 #[test]
 fn a_zero_run_resumes_on_another_strategy() {
     let groups = two_and_three("a_zero_run_resumes_on_another_strategy");
@@ -221,7 +222,7 @@ fn a_zero_run_resumes_on_another_strategy() {
     let (reference, _, _) = train_on_one_device(&two.members()[0], &model, optimizer, BATCH, &batches);
     let want = reference.executor().parameters().unwrap();
 
-    let mut first = ZeroStages::new(three, &model, CrossEntropyLoss, optimizer, BATCH, Some(rows(3))).unwrap();
+    let mut first = ZeroStages::new(three, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Parameters, Some(rows(3))).unwrap();
     for (ids, targets) in &batches[..5] {
         first.step(ids, Targets::Classes(targets), false).unwrap();
     }
@@ -235,15 +236,20 @@ fn a_zero_run_resumes_on_another_strategy() {
     // Loaded as saved: the same bits back under the same names.
     let bits = |p: &Parameters| p.iter().map(|(_, _, v)| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
     assert_eq!(bits(&second.parameters().unwrap()), bits(&params), "parameters after loading");
+    let mut stage2 = ZeroStages::new(two, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Gradients, Some(rows(2))).unwrap();
+    stage2.load_state(&params, &state, Some(5)).unwrap();
+    assert_eq!(bits(&stage2.parameters().unwrap()), bits(&params), "parameters after loading into ZeRO-2");
     let mut single = wgrad::trainer::Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
     TrainEngine::load_state(&mut single, &params, &state, Some(5)).unwrap();
     for (ids, targets) in &batches[5..] {
         second.step(ids, Targets::Classes(targets), false).unwrap();
         assert_holds_only_its_shard("whole-arena ZeRO-3, resumed", &second);
+        stage2.step(ids, Targets::Classes(targets), false).unwrap();
         TrainEngine::step(&mut single, ids.as_slice().into(), Targets::Classes(targets), false).unwrap();
     }
-    assert_eq!(second.step_count(), 10);
+    assert_eq!((second.step_count(), stage2.step_count()), (10, 10));
     assert_same_parameters("ZeRO-3 on 3 devices, resumed as whole-arena ZeRO-3 on 2", &second.parameters().unwrap(), &want, 1e-5, 1e-4);
+    assert_same_parameters("ZeRO-3 on 3 devices, resumed as ZeRO-2 block by block on 2", &stage2.parameters().unwrap(), &want, 1e-5, 1e-4);
     assert_same_parameters("ZeRO-3 on 3 devices, resumed on one device", &single.executor().parameters().unwrap(), &want, 1e-5, 1e-4);
 }
 
@@ -275,27 +281,38 @@ fn planned_memory_equals_each_engines() {
     assert_eq!(planned(Strategy::Tensor), tensor.memory(), "tensor parallel");
     let pipeline = Pipeline::new(group, &model, CrossEntropyLoss, optimizer, BATCH, 2, Schedule::OneFOneB).unwrap();
     assert_eq!(planned(Strategy::Pipeline), pipeline.memory(), "pipeline");
-    for stage in 1..=2 {
-        let stage = ZeroStage::new(stage).unwrap();
-        let zero = Zero::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
-        let kept = planned(Strategy::Zero(stage));
-        assert_eq!(kept, zero.kept_memory(), "ZeRO-{}", stage.number());
-        // Allocated: data parallel's arenas and activations, the state's shard.
-        assert_eq!(zero.memory(), wgrad::parallel::memory::DeviceMemory { optimizer_state: kept.optimizer_state, ..data.memory() }, "ZeRO-{} allocated", stage.number());
-        let ratio = kept.optimizer_state as f64 / data.memory().optimizer_state as f64;
-        assert!(ratio <= 0.55, "ZeRO-{} keeps {ratio:.3} of data parallel's optimizer state", stage.number());
+    // Whole-arena ZeRO (stage 1; stage 2 over MPI): data parallel's
+    // arenas and activations, the state's shard; stage 1's table row is
+    // what it allocates.
+    let whole_arena = |stage| Zero::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
+    let zero1 = whole_arena(ZeroStage::OptimizerState);
+    for zero in [&zero1, &whole_arena(ZeroStage::Gradients)] {
+        assert_eq!(zero.memory(), wgrad::parallel::memory::DeviceMemory { optimizer_state: zero.kept_memory().optimizer_state, ..data.memory() }, "whole-arena {}", zero.describe());
     }
-    // Stage 3 block by block: what its devices allocated (shards, pooled
-    // stage arenas, every stage's activations) is the plan's, exactly;
-    // fewer parameter and gradient bytes than data parallel allocates
-    // (this tiny model's largest stage, the tied embedding, is a third
-    // of it: a deep model saves far more).
-    let third = ZeroStages::new(group, &model, CrossEntropyLoss, optimizer, BATCH, Some(vec![2, 2])).unwrap();
-    let planned3 = planned(Strategy::Zero(ZeroStage::Parameters));
-    assert_eq!(third.memory(), planned3, "ZeRO-3 allocated");
-    let planned2 = planned(Strategy::Zero(ZeroStage::Gradients));
-    // Its flat arena packs the parameters without alignment padding.
-    assert!(planned3.optimizer_state <= planned2.optimizer_state, "ZeRO-3 state {planned3:?} against ZeRO-2 {planned2:?}");
+    assert_eq!(planned(Strategy::Zero(ZeroStage::OptimizerState)), zero1.memory(), "ZeRO-1");
+    // Stages 2 and 3 block by block: what their devices allocated
+    // (shards, the whole parameters at stage 2, pooled stage arenas,
+    // every stage's activations) is the plan's, exactly; fewer gradient
+    // bytes than data parallel allocates (this tiny model's largest
+    // stage, the tied embedding, is a third of it: a deep model saves far
+    // more), and at stage 3 fewer parameter bytes too.
     let whole = data.memory();
-    assert!(planned3.parameters < whole.parameters && planned3.gradients < whole.gradients, "ZeRO-3 {planned3:?} against data parallel {whole:?}");
+    let mut allocated = Vec::new();
+    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
+        let z = ZeroStages::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
+        let m = planned(Strategy::Zero(stage));
+        assert_eq!(z.memory(), m, "ZeRO-{} allocated", stage.number());
+        assert!(m.gradients < whole.gradients, "ZeRO-{} {m:?} against data parallel {whole:?}", stage.number());
+        allocated.push(m);
+    }
+    let (second, third) = (allocated[0], allocated[1]);
+    assert!(third.parameters < whole.parameters, "ZeRO-3 {third:?} against data parallel {whole:?}");
+    // The same shards and pool; stage 2 holds every parameter besides.
+    assert_eq!((second.gradients, second.optimizer_state, second.activations), (third.gradients, third.optimizer_state, third.activations), "ZeRO-2 {second:?} against ZeRO-3 {third:?}");
+    assert!(second.parameters > third.parameters, "ZeRO-2 {second:?} against ZeRO-3 {third:?}");
+    // Shards are whole 256-byte blocks: at most 0.55× data parallel's state.
+    for (what, state) in [("ZeRO-1", zero1.memory().optimizer_state), ("ZeRO-2", second.optimizer_state), ("ZeRO-3", third.optimizer_state)] {
+        let ratio = state as f64 / whole.optimizer_state as f64;
+        assert!(ratio <= 0.55, "{what} keeps {ratio:.3} of data parallel's optimizer state");
+    }
 }
