@@ -63,7 +63,7 @@ fn matmul_every_form_and_variant_matches_the_cpu() {
 }
 
 #[test]
-fn the_register_kernel_a_vec4_product_falls_back_to_shares_registers_pipelines() {
+fn a_vec4_product_falling_back_to_the_register_kernel_shares_its_pipelines() {
     for_each_adapter("matmul_vec4_fallback", |k| {
         // Off-4 shapes (as f16 operands) take RegisterVec4 to the register
         // kernel, which reads the form from strides: specialised as under
