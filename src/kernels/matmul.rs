@@ -62,12 +62,6 @@ impl MatmulVariant {
         MatmulVariant::Small,
     ];
 
-    /// Whether the kernel is compiled once per form (TRANS_A / TRANS_B
-    /// overrides) rather than reading the form's strides at run time.
-    fn specialised_by_form(self) -> bool {
-        matches!(self, MatmulVariant::Shared | MatmulVariant::RegisterVec4)
-    }
-
     /// The entry point this variant runs for these operands (A, B, C),
     /// each a binding and the element its matrix starts at in it.
     /// With `f16` (an operand stored in f16) only the kernels reading
@@ -851,7 +845,12 @@ impl Kernels {
             ("TRANS_A", flag(trans_a)),
             ("TRANS_B", flag(trans_b)),
         ];
-        let specialised = matches!(pick, Pick::Variant(v) if v.specialised_by_form());
+        // Only the entries whose loops differ per form take TRANS_A /
+        // TRANS_B; the others read the form's strides at run time, so the
+        // register kernel a RegisterVec4 product falls back to (f16
+        // operands, shapes off 4) shares Register's pipelines rather than
+        // compiling the same code again for each form.
+        let specialised = [MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SHARED_VEC4, MATMUL_FORWARD_REGISTER_VEC4].contains(&kernel);
         // The matrix-vector kernel is compiled per row count instead.
         let lanes = match pick {
             Pick::Matvec { lanes } => f64::from(lanes),

@@ -62,6 +62,29 @@ fn matmul_every_form_and_variant_matches_the_cpu() {
     });
 }
 
+#[test]
+fn a_vec4_product_falling_back_to_the_register_kernel_shares_its_pipelines() {
+    for_each_adapter("matmul_vec4_fallback", |k| {
+        // Off-4 shapes (as f16 operands) take RegisterVec4 to the register
+        // kernel, which reads the form from strides: specialised as under
+        // Register, not once more per form (seconds each on llvmpipe). The
+        // vec4 entry itself is compiled per form.
+        let (a, b, c) = (k.zeros(16)?, k.zeros(32)?, k.zeros(35)?);
+        for form in MatmulForm::ALL {
+            let (a_off4, b_off4) = (a.slice(0, 15)?, b.slice(0, 21)?);
+            let register = k.matmul_with(MatmulVariant::Register, form, c.view(), a_off4, b_off4, 5, 7, 3)?;
+            let fallback = k.matmul_with(MatmulVariant::RegisterVec4, form, c.view(), a_off4, b_off4, 5, 7, 3)?;
+            assert_eq!(fallback.kernel().entry, "matmul_forward_register", "{form:?}");
+            assert_eq!(fallback.recipe().constants, register.recipe().constants, "{form:?}");
+            let vec4 = k.matmul_with(MatmulVariant::RegisterVec4, form, c.slice(0, 32)?, a.view(), b.view(), 4, 8, 4)?;
+            assert_eq!(vec4.kernel().entry, "matmul_forward_register_vec4", "{form:?}");
+            let trans = [("TRANS_A", f64::from(u8::from(form == MatmulForm::AtB))), ("TRANS_B", f64::from(u8::from(form == MatmulForm::ABt)))];
+            assert!(trans.iter().all(|t| vec4.recipe().constants.contains(t)), "{form:?}: {:?}", vec4.recipe().constants);
+        }
+        Ok(())
+    });
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
     #[test]
@@ -124,14 +147,19 @@ fn the_shared_kernel_takes_each_load_path_in_every_form() {
         // aligned, so the vec4 entry runs where the shape allows.
         let align = k.device().limits().min_storage_buffer_offset_alignment as usize / 4;
         for (f, form) in MatmulForm::ALL.into_iter().enumerate() {
+            // Accumulation (an override: a pipeline per entry and form) in AB
+            // only, on both entries and a batch: the load paths here and the
+            // store are independent, and the epilogue test accumulates in
+            // the other forms (AtB, ABᵀ).
+            let accumulate = |s: usize| form == MatmulForm::AB && s % 3 == 0;
             for (s, &(m, n, kk)) in shapes.iter().enumerate() {
-                let entries = check_shared(k, form, 1, (m, n, kk), if s % 2 == 0 { 0 } else { align }, s % 3 == 0, (f * 10 + s) as u64)?;
+                let entries = check_shared(k, form, 1, (m, n, kk), if s % 2 == 0 { 0 } else { align }, accumulate(s), (f * 10 + s) as u64)?;
                 let want = if shared_loads_vec4(form, m, n, kk) { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
                 assert_eq!(entries, [want], "{form:?} {m}×{n}×{kk}");
             }
             // A batch of 3 (each matrix offset by the one before), on both
-            // entries, accumulating and not.
-            check_shared(k, form, 3, (20, 24, 17), 0, true, 50 + f as u64)?;
+            // entries, accumulating (in AB) and not.
+            check_shared(k, form, 3, (20, 24, 17), 0, accumulate(0), 50 + f as u64)?;
             check_shared(k, form, 3, (20, 24, 16), align, false, 60 + f as u64)?;
         }
         Ok(())
@@ -715,8 +743,17 @@ fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_varia
             let gl_vec4 = variant == MatmulVariant::RegisterVec4 && k.device().is_gl();
             let f = MatmulForm::ALL.iter().position(|&x| x == form).unwrap_or(0);
             let cases = if slow_to_compile { epilogue_cases_all_parts() } else { epilogue_cases(f) };
+            // (20, 68, 36) has every stored row a multiple of 4, so the
+            // workgroup-memory kernel takes its vec4 entry there, in AB only:
+            // the vec4 and scalar entries differ in their loads alone (each
+            // form's are the load-path test's) and share the store
+            // (mt_store, write_c), which the scalar entry runs with these
+            // epilogues in every form. So the vec4 entry's epilogues are one
+            // pipeline per direction, not one per direction and form; in the
+            // other forms a shape of the same size off 4 takes its place.
+            let last = if variant == MatmulVariant::Shared && form != MatmulForm::AB { (21, 68, 37) } else { (20, 68, 36) };
             for case in cases.into_iter().filter(|c| !gl_vec4 || c.act == Activation::Gelu) {
-                for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), (20, 68, 36)].iter().enumerate() {
+                for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), last].iter().enumerate() {
                     check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
                 }
             }
