@@ -427,7 +427,7 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
 }
 
 // ---------------------------------------------------------------------
-// The CPU-shaped kernels (Kernels::gpu_shaped() false): the same outputs,
+// The CPU-shaped kernels (Kernels::gpu_shaped() false, d ≤ 64): the same outputs,
 // statistics and launch chunks as the tiled ones above, shaped for
 // llvmpipe, which runs a workgroup's lanes as one SIMD row, pays a fiber
 // switch per barrier, and loads an address its lanes share once: no
@@ -451,13 +451,23 @@ const ROW_LANES: u32 = 8u;
 // Rows streamed per step: one vec4 of scores per held row.
 const STEP: u32 = 4u;
 
-// The invocation's rows, row r at r·MAX_HEAD_VEC4, ceil(d/4) vec4s each,
-// zero past d: q · scale and (dq) dout, or k · scale and v (dk/dv).
-var<private> block_a: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
-var<private> block_b: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+// The widest head these kernels take, in vec4s: d ≤ 64
+// (kernels::flash_attention::ROWS_MAX_HEAD_DIM); wider heads take the
+// tiled kernels. WGSL zeroes the private arrays below at each invocation's
+// start, which llvmpipe compiles to 8 lanes' scalar stores per float in one
+// basic block, and LLVM's time on that block grows faster than linearly:
+// with room for d = 128 the three entries took 111 s to compile on a cold
+// Mesa cache, 2.6 times what d ≤ 64 takes (43 s).
+const ROW_HEAD_VEC4: u32 = 16u;
+
+// The invocation's rows, block[r][e] row r's channels 4e .. 4e + 3,
+// ceil(d/4) vec4s each, zero past d: q · scale and (dq) dout, or k · scale
+// and v (dk/dv).
+var<private> block_a: array<array<vec4<f32>, ROW_HEAD_VEC4>, ROW_BLOCK>;
+var<private> block_b: array<array<vec4<f32>, ROW_HEAD_VEC4>, ROW_BLOCK>;
 // What it sums: out (forward), dq, or dk; and dv.
-var<private> block_acc_a: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
-var<private> block_acc_b: array<vec4<f32>, ROW_BLOCK * MAX_HEAD_VEC4>;
+var<private> block_acc_a: array<array<vec4<f32>, ROW_HEAD_VEC4>, ROW_BLOCK>;
+var<private> block_acc_b: array<array<vec4<f32>, ROW_HEAD_VEC4>, ROW_BLOCK>;
 
 // Channels 4e .. 4e + 3 that are inside the head.
 fn channels_in(e: u32, d: u32) -> vec4<bool> {
@@ -524,8 +534,8 @@ fn block_first_row(wid: vec3<u32>, lane: u32) -> u32 {
 // Channels 4e .. 4e + 3 of every row's sums, to zero.
 fn clear_block_acc(e: u32) {
     for (var r = 0u; r < ROW_BLOCK; r++) {
-        block_acc_a[r * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
-        block_acc_b[r * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
+        block_acc_a[r][e] = vec4<f32>(0.0);
+        block_acc_b[r][e] = vec4<f32>(0.0);
     }
 }
 
@@ -569,7 +579,7 @@ fn key_step_scores(key_at: vec4<u32>, d4: u32, d: u32) -> array<vec4<f32>, ROW_B
     for (var e = 0u; e < d4; e++) {
         let kb = k_step(key_at, e, d);
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            s[r] += block_a[r * MAX_HEAD_VEC4 + e] * kb;
+            s[r] += block_a[r][e] * kb;
         }
     }
     return s;
@@ -607,13 +617,13 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
             let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
-            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
+            block_a[r][e] = q4(at, e, d) * p.scale;
             var o = vec4<f32>(0.0);
             if p.first == 0u {
                 let c = at + 4u * e;
                 o = select(vec4<f32>(0.0), vec4<f32>(out[c], out[c + 1u], out[c + 2u], out[c + 3u]), channels_in(e, d));
             }
-            block_acc_a[r * MAX_HEAD_VEC4 + e] = o;
+            block_acc_a[r][e] = o;
         }
     }
     for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
@@ -637,8 +647,7 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
         for (var e = 0u; e < d4; e++) {
             let vb = v_step(key_at, e, d);
             for (var r = 0u; r < ROW_BLOCK; r++) {
-                let i = r * MAX_HEAD_VEC4 + e;
-                block_acc_a[i] = block_acc_a[i] * shrink[r] + vb * w[r];
+                block_acc_a[r][e] = block_acc_a[r][e] * shrink[r] + vb * w[r];
             }
         }
     }
@@ -647,7 +656,7 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
             let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
             let inv = 1.0 / l[r];
             for (var e = 0u; e < d4; e++) {
-                store_out4(at, e, d, block_acc_a[r * MAX_HEAD_VEC4 + e] * inv);
+                store_out4(at, e, d, block_acc_a[r][e] * inv);
             }
             lse[qb.stat0 + i0 + r] = m[r] + log(l[r]);
         }
@@ -670,8 +679,8 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
             let at = row_at(p, p.heads, qb.b, i0 + r, qb.last, qb.h);
-            block_a[r * MAX_HEAD_VEC4 + e] = q4(at, e, d) * p.scale;
-            block_b[r * MAX_HEAD_VEC4 + e] = dout4(at, e, d);
+            block_a[r][e] = q4(at, e, d) * p.scale;
+            block_b[r][e] = dout4(at, e, d);
         }
         clear_block_acc(e);
     }
@@ -685,7 +694,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
         for (var e = 0u; e < d4; e++) {
             let vb = v_step(key_at, e, d);
             for (var r = 0u; r < ROW_BLOCK; r++) {
-                dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * vb;
+                dp[r] += block_b[r][e] * vb;
             }
         }
         // ds = p (dout·v − delta), p = exp(s − lse), 0 where not visible.
@@ -698,7 +707,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
         for (var e = 0u; e < d4; e++) {
             let kb = k_step(key_at, e, d);
             for (var r = 0u; r < ROW_BLOCK; r++) {
-                block_acc_a[r * MAX_HEAD_VEC4 + e] += kb * ds[r];
+                block_acc_a[r][e] += kb * ds[r];
             }
         }
     }
@@ -710,7 +719,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
                 if p.first == 0u {
                     before = dq[at + e];
                 }
-                dq[at + e] = before + block_acc_a[r * MAX_HEAD_VEC4 + e / 4u][e % 4u] * p.scale;
+                dq[at + e] = before + block_acc_a[r][e / 4u][e % 4u] * p.scale;
             }
         }
     }
@@ -729,8 +738,8 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
     for (var e = 0u; e < d4; e++) {
         for (var r = 0u; r < ROW_BLOCK; r++) {
             let at = row_at(p, p.kv_heads, b, j0 + r, last, kvh);
-            block_a[r * MAX_HEAD_VEC4 + e] = k4(at, e, d) * p.scale;
-            block_b[r * MAX_HEAD_VEC4 + e] = v4(at, e, d);
+            block_a[r][e] = k4(at, e, d) * p.scale;
+            block_b[r][e] = v4(at, e, d);
         }
         clear_block_acc(e);
     }
@@ -756,8 +765,8 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
                 let qb = q_step(query_at, e, d);
                 let ob = dout_step(query_at, e, d);
                 for (var r = 0u; r < ROW_BLOCK; r++) {
-                    s[r] += block_a[r * MAX_HEAD_VEC4 + e] * qb;
-                    dp[r] += block_b[r * MAX_HEAD_VEC4 + e] * ob;
+                    s[r] += block_a[r][e] * qb;
+                    dp[r] += block_b[r][e] * ob;
                 }
             }
             // Query i sees key j when i ≥ j.
@@ -772,9 +781,8 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
                 let qb = q_step(query_at, e, d);
                 let ob = dout_step(query_at, e, d);
                 for (var r = 0u; r < ROW_BLOCK; r++) {
-                    let i = r * MAX_HEAD_VEC4 + e;
-                    block_acc_a[i] += qb * ds[r];
-                    block_acc_b[i] += ob * w[r];
+                    block_acc_a[r][e] += qb * ds[r];
+                    block_acc_b[r][e] += ob * w[r];
                 }
             }
         }
@@ -789,9 +797,8 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
                     dk_before = dk[at + e];
                     dv_before = dv[at + e];
                 }
-                let i = r * MAX_HEAD_VEC4 + e / 4u;
-                dk[at + e] = dk_before + block_acc_a[i][e % 4u] * p.scale;
-                dv[at + e] = dv_before + block_acc_b[i][e % 4u];
+                dk[at + e] = dk_before + block_acc_a[r][e / 4u][e % 4u] * p.scale;
+                dv[at + e] = dv_before + block_acc_b[r][e / 4u][e % 4u];
             }
         }
     }

@@ -3,7 +3,8 @@
 //! forward; see the WGSL file for the algorithm and layouts. Two shapes
 //! of the forward, dq and dk/dv kernels, picked by
 //! [`Kernels::gpu_shaped`]: workgroup-memory tiles for GPUs, register
-//! blocks with no workgroup memory for CPU adapters (`…_rows`).
+//! blocks with no workgroup memory for CPU adapters (`…_rows`, heads of
+//! up to [`ROWS_MAX_HEAD_DIM`] channels).
 
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Binding, Dispatch, Kernel, Kernels, View};
@@ -35,6 +36,11 @@ const BLOCK_ROWS: usize = 64;
 /// workgroup, and rows streamed per step (flash_attention.wgsl's
 /// `ROW_BLOCK`, `ROW_LANES`, `STEP`).
 const ROW_BLOCK: usize = 8;
+
+/// The widest head the CPU-shaped kernels take (flash_attention.wgsl's
+/// `ROW_HEAD_VEC4` vec4s); wider heads take the tiled ones. Their private
+/// arrays' size sets llvmpipe's compile time (see the WGSL).
+const ROWS_MAX_HEAD_DIM: usize = 64;
 const ROW_LANES: usize = 8;
 const STEP: usize = 4;
 
@@ -85,7 +91,7 @@ impl Kernels {
             return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
         }
         let max = self.device().limits().max_compute_workgroups_per_dimension as usize;
-        if shape.seq.div_ceil(self.flash_group_rows()) > max || shape.heads > max || shape.batch > max {
+        if shape.seq.div_ceil(self.flash_group_rows(shape)) > max || shape.heads > max || shape.batch > max {
             return Err(Error::shape(op, format!("{shape:?} is over this adapter's max_compute_workgroups_per_dimension ({max}) in row tiles, heads or sequences"), &[&dims]));
         }
         Ok(FlashParams {
@@ -129,21 +135,27 @@ impl Kernels {
     /// over the block's rows, and one more such loop, counted as if Mesa
     /// left them rolled.
     fn flash_per_row(&self, shape: FlashAttentionShape, channel_loops: usize) -> usize {
-        if !self.gpu_shaped() {
+        if self.rows_shaped(shape) {
             return (2 * shape.head_dim.div_ceil(4) * (ROW_BLOCK + 1) + ROW_BLOCK + 1).div_ceil(STEP);
         }
         let d4 = padded_vec4s(shape.head_dim);
         channel_loops * d4 / 4 + 4 + (4 * d4).div_ceil(BLOCK_ROWS) + 1
     }
 
+    /// Whether the forward, dq and dk/dv take the CPU-shaped kernels:
+    /// on a CPU adapter, for heads they hold.
+    fn rows_shaped(&self, shape: FlashAttentionShape) -> bool {
+        !self.gpu_shaped() && shape.head_dim <= ROWS_MAX_HEAD_DIM
+    }
+
     /// Rows (queries or keys) one workgroup of the forward, dq or dk/dv
     /// kernel covers: the GPU-shaped kernels' one per invocation, the
     /// CPU-shaped ones' blocks of ROW_BLOCK.
-    fn flash_group_rows(&self) -> usize {
-        if self.gpu_shaped() {
-            BLOCK_ROWS
-        } else {
+    fn flash_group_rows(&self, shape: FlashAttentionShape) -> usize {
+        if self.rows_shaped(shape) {
             ROW_BLOCK * ROW_LANES
+        } else {
+            BLOCK_ROWS
         }
     }
 
@@ -151,11 +163,11 @@ impl Kernels {
     /// (register blocks, no barriers in the loops; see flash_attention.wgsl):
     /// on lavapipe the tiled ones ran 2.5–4× slower than the unfused graph
     /// (BENCHMARKS.md, issue 27).
-    fn flash_entry(&self, tiled: Kernel, rows: Kernel) -> Kernel {
-        if self.gpu_shaped() {
-            tiled
-        } else {
+    fn flash_entry(&self, tiled: Kernel, rows: Kernel, shape: FlashAttentionShape) -> Kernel {
+        if self.rows_shaped(shape) {
             rows
+        } else {
+            tiled
         }
     }
 
@@ -168,8 +180,8 @@ impl Kernels {
         let (q_len, kv_len, rows) = shape.lengths().unwrap_or_default();
         let params = self.check_flash(op, shape, &[("out", out.len, q_len), ("lse", lse.len, rows), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len)])?;
         let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(8, "out", out), bind(9, "lse", lse)];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.heads, params.batch];
-        let kernel = self.flash_entry(FLASH_ATTENTION_FORWARD, FLASH_ATTENTION_FORWARD_ROWS);
+        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.heads, params.batch];
+        let kernel = self.flash_entry(FLASH_ATTENTION_FORWARD, FLASH_ATTENTION_FORWARD_ROWS, shape);
         self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 2), grid)
     }
 
@@ -193,8 +205,8 @@ impl Kernels {
         let operands = [("dq", dq.len, q_len), ("dout", dout.len, q_len), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len), ("lse", lse.len, rows), ("delta", delta.len, rows)];
         let params = self.check_flash(op, shape, &operands)?;
         let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(3, "dout", dout), bind(5, "lse", lse), bind(6, "delta", delta), bind(11, "dq", dq)];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.heads, params.batch];
-        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_QUERY, FLASH_ATTENTION_BACKWARD_QUERY_ROWS);
+        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.heads, params.batch];
+        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_QUERY, FLASH_ATTENTION_BACKWARD_QUERY_ROWS, shape);
         self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 3), grid)
     }
 
@@ -237,10 +249,10 @@ impl Kernels {
             bind(12, "dk", dk),
             bind(13, "dv", dv),
         ];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows()) as u32, params.kv_heads, params.batch];
+        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.kv_heads, params.batch];
         // Each query is visited once per query head of the group.
         let per_row = self.flash_per_row(shape, 4) * shape.group();
-        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_KEY_VALUE, FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS);
+        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_KEY_VALUE, FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS, shape);
         self.flash_launches(kernel, &bindings, params, per_row, grid)
     }
 }

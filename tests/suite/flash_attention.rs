@@ -22,7 +22,8 @@ use wgrad::{cpu, Error, Kernels};
 
 /// (batch, T, heads, kv_heads, d): T = 1, primes, the block (64) and past
 /// it; H = KV, H = 2·KV, H = 3·KV = 3, 8·KV; d = 1, not a multiple of 4,
-/// of 16, and up to the largest.
+/// of 16, and up to the largest. The CPU-shaped kernels hold heads up to
+/// d = 64; with CPU shaping, d = 72 and 128 take the tiled ones.
 const CASES: &[(usize, usize, usize, usize, usize)] = &[
     (2, 1, 4, 2, 8),
     (1, 2, 3, 1, 1),
