@@ -145,7 +145,13 @@ impl Kernels {
     /// Whether the forward, dq and dk/dv take the CPU-shaped kernels:
     /// on a CPU adapter, for heads they hold.
     fn rows_shaped(&self, shape: FlashAttentionShape) -> bool {
-        !self.gpu_shaped() && shape.head_dim <= ROWS_MAX_HEAD_DIM
+        !self.gpu_shaped() && self.flash_rows_hold(shape.head_dim)
+    }
+
+    /// Whether the CPU-shaped fused attention kernels hold heads of
+    /// `head_dim` channels (wider heads take the tiled ones).
+    pub fn flash_rows_hold(&self, head_dim: usize) -> bool {
+        head_dim <= ROWS_MAX_HEAD_DIM
     }
 
     /// Rows (queries or keys) one workgroup of the forward, dq or dk/dv

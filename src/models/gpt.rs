@@ -280,6 +280,7 @@ impl LmConfig for GptConfig {
             cache_width: c,
             context: self.block_size,
             vocab_size: self.vocab_size,
+            head_dim: self.n_embd / self.n_head.max(1),
         }
     }
 }

@@ -390,6 +390,7 @@ impl LmConfig for LlamaConfig {
             cache_width: kv,
             context: self.block_size,
             vocab_size: self.vocab_size,
+            head_dim: self.head_dim(),
         }
     }
 }

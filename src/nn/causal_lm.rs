@@ -94,6 +94,8 @@ pub struct LmSizes {
     /// Positions the caches hold (the model's context).
     pub context: usize,
     pub vocab_size: usize,
+    /// Channels per attention head.
+    pub head_dim: usize,
 }
 
 /// A causal language model's configuration, sized without building it.

@@ -32,13 +32,17 @@ pub enum AttentionKernel {
 pub const CPU_FUSED_ATTENTION_MIN_SEQ: usize = 256;
 
 impl AttentionKernel {
-    /// The kernel to train sequences of `seq` positions with on
-    /// `devices`: fused where every one shapes its kernels for a GPU, and
-    /// on CPU adapters (register-blocked kernels) from
-    /// [`CPU_FUSED_ATTENTION_MIN_SEQ`] positions; unfused below, where the
-    /// few small products of the unfused graph cost less.
-    pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>], seq: usize) -> Self {
-        if !devices.is_empty() && devices.iter().all(|k| k.gpu_shaped() || seq >= CPU_FUSED_ATTENTION_MIN_SEQ) {
+    /// The kernel to train sequences of `seq` positions, in heads of
+    /// `head_dim` channels, with on `devices`: fused where every one
+    /// shapes its kernels for a GPU, and on CPU adapters from
+    /// [`CPU_FUSED_ATTENTION_MIN_SEQ`] positions for heads their
+    /// register-blocked kernels hold; unfused otherwise, where the few
+    /// small products of the unfused graph cost less than the fused
+    /// kernels' per-row work (or, for wider heads, than the tiled kernels
+    /// a CPU runs poorly).
+    pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>], seq: usize, head_dim: usize) -> Self {
+        let fused_pays = |k: &crate::kernels::Kernels| k.gpu_shaped() || (seq >= CPU_FUSED_ATTENTION_MIN_SEQ && k.flash_rows_hold(head_dim));
+        if !devices.is_empty() && devices.iter().all(|k| fused_pays(k)) {
             AttentionKernel::Fused
         } else {
             AttentionKernel::Unfused

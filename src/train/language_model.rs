@@ -376,8 +376,8 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     const UNIT: &'static str = "tokens";
 
     fn suit_devices(&self, model: &mut M, devices: &[Arc<Kernels>]) {
-        let context = model.context_len();
-        model.set_attention_kernel(self.attention.unwrap_or_else(|| AttentionKernel::for_devices(devices, context)));
+        let sizes = model.lm_sizes();
+        model.set_attention_kernel(self.attention.unwrap_or_else(|| AttentionKernel::for_devices(devices, sizes.context, sizes.head_dim)));
     }
 
     fn prepare(&mut self, config: &TrainConfig, processes: Option<&dyn ProcessGroup>) -> Result<Prepared<M>> {

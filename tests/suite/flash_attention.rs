@@ -258,17 +258,21 @@ fn models_train_fused_by_default_as_the_unfused_reference() {
 }
 
 /// Training picks the fused kernels on GPU-shaped kernels at every
-/// length, and on CPU adapters from CPU_FUSED_ATTENTION_MIN_SEQ
-/// positions, where they measured faster than the unfused graph.
+/// length and head width, and on CPU adapters from
+/// CPU_FUSED_ATTENTION_MIN_SEQ positions for heads the CPU-shaped kernels
+/// hold (64 channels: GPT-2's and SmolLM2's), where they measured faster
+/// than the unfused graph; wider heads stay unfused there.
 #[test]
 fn attention_kernel_follows_the_adapter_and_the_context() {
     for_each_shaping("AttentionKernel::for_devices", |k| {
         let devices = [k.clone()];
         let short = CPU_FUSED_ATTENTION_MIN_SEQ - 1;
-        assert_eq!(AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ), AttentionKernel::Fused);
+        assert_eq!(AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ, 64), AttentionKernel::Fused);
         let want = if k.gpu_shaped() { AttentionKernel::Fused } else { AttentionKernel::Unfused };
-        assert_eq!(AttentionKernel::for_devices(&devices, short), want, "T = {short}, GPU-shaped {}", k.gpu_shaped());
+        assert_eq!(AttentionKernel::for_devices(&devices, short, 64), want, "T = {short}, GPU-shaped {}", k.gpu_shaped());
+        assert_eq!(AttentionKernel::for_devices(&devices, 1024, 128), want, "d = 128, GPU-shaped {}", k.gpu_shaped());
+        assert!(k.flash_rows_hold(64) && !k.flash_rows_hold(65));
         Ok(())
     });
-    assert_eq!(AttentionKernel::for_devices(&[], 1024), AttentionKernel::Unfused);
+    assert_eq!(AttentionKernel::for_devices(&[], 1024, 64), AttentionKernel::Unfused);
 }
