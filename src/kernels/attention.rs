@@ -40,8 +40,10 @@ const GROUPED_LANES: usize = 8;
 /// The largest head dimension `cached_attention_forward_grouped` takes
 /// (attention.wgsl's `GROUPED_HEAD_VEC4` vec4s): its per-lane query and
 /// output rows are sized by it, and llvmpipe's cold compile of the kernel
-/// grows faster than they do (2.3 s at 64 channels, 25 s at 256); longer
-/// heads run on the other kernels.
+/// grows faster than they do (2.3 s at 64 channels, 8.7 s at 128, 25 s
+/// at 256). Longer heads run on the other kernels, which take 2–3.5× the
+/// grouped kernel's time on a 128-channel grouped-query decode step: the
+/// price of the 64-channel kernel's compile, for SmolLM2's 64.
 pub const GROUPED_MAX_HEAD_DIM: usize = 64;
 
 /// Query heads one workgroup of `cached_attention_forward_grouped` serves
