@@ -470,13 +470,18 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
 // vec4 being head g's; the rescale is folded into the value update (acc
 // · shrink + weight · v), so no branch on the maximum. The lanes then
 // merge in a fixed order (the same bits on every run). head_dim a
-// multiple of 4; the operands' views start 16-byte aligned and their
+// multiple of 4 and at most GROUPED_MAX_HEAD_DIM; the operands' views start 16-byte aligned and their
 // columns (widths, first columns) are multiples of 4 (the Rust side
 // checks). Loop iterations per lane: ≈ positions / GROUPED_LANES · (2 ·
 // head_dim / 4 + 1), which the Rust side keeps under llvmpipe's 65,535.
 override GROUPED_LANES: u32 = 8u;
 const GROUP_HEADS: u32 = 4u;
-const MAX_HEAD_VEC4: u32 = MAX_HEAD_DIM / 4u;
+// The largest head_dim this kernel takes (kernels::attention's
+// GROUPED_MAX_HEAD_DIM), as vec4s: its per-lane arrays are sized by it, and
+// llvmpipe's compile time grows faster than their size (cold, 2.3 s at 64
+// channels, 8.7 s at 128, 25 s at 256), while a longer head falls back to
+// the kernels above. SmolLM2's, Llama 3.2 1B's and Qwen2.5 0.5B's are 64.
+const GROUPED_HEAD_VEC4: u32 = 16u;
 
 @group(0) @binding(0) var<storage, read> q_rows4: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> k_rows4: array<vec4<f32>>;
@@ -485,14 +490,14 @@ const MAX_HEAD_VEC4: u32 = MAX_HEAD_DIM / 4u;
 @group(0) @binding(5) var<storage, read_write> v_cache4: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> out4: array<vec4<f32>>;
 
-// Head g's query (vec4 e at g · MAX_HEAD_VEC4 + e) and its weighted value
+// Head g's query (vec4 e at g · GROUPED_HEAD_VEC4 + e) and its weighted value
 // row being summed, per lane.
-var<private> group_query: array<vec4<f32>, 256>;
-var<private> group_acc: array<vec4<f32>, 256>;
+var<private> group_query: array<vec4<f32>, GROUP_HEADS * GROUPED_HEAD_VEC4>;
+var<private> group_acc: array<vec4<f32>, GROUP_HEADS * GROUPED_HEAD_VEC4>;
 // Each lane's (maximum, Σ exp) per head, then its rescaled rows one head
 // at a time.
 var<workgroup> grouped_stats: array<vec4<f32>, 2u * GROUPED_LANES>;
-var<workgroup> grouped_rows: array<vec4<f32>, GROUPED_LANES * MAX_HEAD_VEC4>;
+var<workgroup> grouped_rows: array<vec4<f32>, GROUPED_LANES * GROUPED_HEAD_VEC4>;
 
 // The scores of one key (vec4s at `at` of k_cache4, or of k_rows4 when
 // `cached` is false) against the chunk's queries, head g in component g.
@@ -507,9 +512,9 @@ fn grouped_scores(at: u32, cached: bool, d4: u32) -> vec4<f32> {
         }
         score += vec4<f32>(
             dot(group_query[e], key),
-            dot(group_query[MAX_HEAD_VEC4 + e], key),
-            dot(group_query[2u * MAX_HEAD_VEC4 + e], key),
-            dot(group_query[3u * MAX_HEAD_VEC4 + e], key),
+            dot(group_query[GROUPED_HEAD_VEC4 + e], key),
+            dot(group_query[2u * GROUPED_HEAD_VEC4 + e], key),
+            dot(group_query[3u * GROUPED_HEAD_VEC4 + e], key),
         );
     }
     return score;
@@ -525,9 +530,9 @@ fn grouped_update(at: u32, cached: bool, d4: u32, shrink: vec4<f32>, weight: vec
             value = v_rows4[at + e];
         }
         group_acc[e] = fma(vec4<f32>(weight.x), value, group_acc[e] * shrink.x);
-        group_acc[MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.y), value, group_acc[MAX_HEAD_VEC4 + e] * shrink.y);
-        group_acc[2u * MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.z), value, group_acc[2u * MAX_HEAD_VEC4 + e] * shrink.z);
-        group_acc[3u * MAX_HEAD_VEC4 + e] = fma(vec4<f32>(weight.w), value, group_acc[3u * MAX_HEAD_VEC4 + e] * shrink.w);
+        group_acc[GROUPED_HEAD_VEC4 + e] = fma(vec4<f32>(weight.y), value, group_acc[GROUPED_HEAD_VEC4 + e] * shrink.y);
+        group_acc[2u * GROUPED_HEAD_VEC4 + e] = fma(vec4<f32>(weight.z), value, group_acc[2u * GROUPED_HEAD_VEC4 + e] * shrink.z);
+        group_acc[3u * GROUPED_HEAD_VEC4 + e] = fma(vec4<f32>(weight.w), value, group_acc[3u * GROUPED_HEAD_VEC4 + e] * shrink.w);
     }
 }
 
@@ -581,8 +586,8 @@ fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @buil
             if g < heads {
                 value = q_rows4[q_at + e];
             }
-            group_query[g * MAX_HEAD_VEC4 + e] = value;
-            group_acc[g * MAX_HEAD_VEC4 + e] = vec4<f32>(0.0);
+            group_query[g * GROUPED_HEAD_VEC4 + e] = value;
+            group_acc[g * GROUPED_HEAD_VEC4 + e] = vec4<f32>(0.0);
         }
     }
     let k_step = q.k_width / 4u;
@@ -628,13 +633,13 @@ fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @buil
             // Every lane has read the previous head's rows.
             workgroupBarrier();
             for (var e = 0u; e < d4; e++) {
-                grouped_rows[lane * MAX_HEAD_VEC4 + e] = group_acc[g * MAX_HEAD_VEC4 + e] * factor[g];
+                grouped_rows[lane * GROUPED_HEAD_VEC4 + e] = group_acc[g * GROUPED_HEAD_VEC4 + e] * factor[g];
             }
             workgroupBarrier();
             for (var e = lane; e < d4; e += GROUPED_LANES) {
                 var row = vec4<f32>(0.0);
                 for (var l = 0u; l < GROUPED_LANES; l++) {
-                    row += grouped_rows[l * MAX_HEAD_VEC4 + e];
+                    row += grouped_rows[l * GROUPED_HEAD_VEC4 + e];
                 }
                 out4[at.out_at / 4u + g * d4 + e] = row;
             }

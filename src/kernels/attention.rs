@@ -37,6 +37,15 @@ const CPU_DECODE_LANES: usize = 32;
 /// llvmpipe (attention.wgsl's `GROUPED_LANES`).
 const GROUPED_LANES: usize = 8;
 
+/// The largest head dimension `cached_attention_forward_grouped` takes
+/// (attention.wgsl's `GROUPED_HEAD_VEC4` vec4s): its per-lane query and
+/// output rows are sized by it, and llvmpipe's cold compile of the kernel
+/// grows faster than they do (2.3 s at 64 channels, 8.7 s at 128, 25 s
+/// at 256). Longer heads run on the other kernels, which take 2–3.5× the
+/// grouped kernel's time on a 128-channel grouped-query decode step: the
+/// price of the 64-channel kernel's compile, for SmolLM2's 64.
+pub const GROUPED_MAX_HEAD_DIM: usize = 64;
+
 /// Query heads one workgroup of `cached_attention_forward_grouped` serves
 /// (attention.wgsl's `GROUP_HEADS`); a larger group takes several.
 const GROUP_HEADS: usize = 4;
@@ -52,7 +61,8 @@ pub enum CachedAttentionKernel {
     Workgroup { lanes: u32 },
     /// `cached_attention_forward_grouped`: 8 lanes splitting the positions
     /// of one (sequence, row, KV head), each key and value read once, as
-    /// vec4s, for up to 4 of the query heads sharing it: a CPU adapter's.
+    /// vec4s, for up to 4 of the query heads sharing it: a CPU adapter's,
+    /// for heads of at most [`GROUPED_MAX_HEAD_DIM`] channels.
     Grouped,
 }
 
@@ -119,7 +129,8 @@ impl Kernels {
     /// its f32 operands `views`: on a GPU ([`Kernels::gpu_shaped`]) the
     /// workgroup kernel of [`DECODE_LANES`]; on a CPU adapter, for
     /// grouped-query attention, the grouped one where it can run (head_dim
-    /// a multiple of 4, every view 16-byte aligned, each lane's share of
+    /// a multiple of 4 up to [`GROUPED_MAX_HEAD_DIM`], every view 16-byte
+    /// aligned, each lane's share of
     /// the context under llvmpipe's loop limit: SmolLM2's 8,192 positions
     /// of 64 channels), else the serial
     /// one where the context fits that limit, else the workgroup kernel
@@ -151,7 +162,8 @@ impl Kernels {
     }
 
     /// Whether `cached_attention_forward_grouped` takes `shape` with these
-    /// operands: vec4 reads (head_dim a multiple of 4, views 16-byte
+    /// operands: vec4 reads (head_dim a multiple of 4 up to
+    /// [`GROUPED_MAX_HEAD_DIM`], views 16-byte
     /// aligned on an adapter whose storage offsets are too), and on a CPU
     /// adapter a lane's iterations under llvmpipe's loop limit: its
     /// positions' two vec4 loops, the queries' loads and the merge.
@@ -160,7 +172,7 @@ impl Kernels {
         let d4 = head_dim / 4;
         let aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0 && views.iter().all(|v| v.offset % 16 == 0);
         let iterations = context.div_ceil(GROUPED_LANES).saturating_mul(2 * d4 + 1).saturating_add(16 * d4 + 4 * GROUPED_LANES + 64);
-        head_dim % 4 == 0 && head_dim <= MAX_HEAD_DIM && aligned && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
+        head_dim % 4 == 0 && head_dim <= GROUPED_MAX_HEAD_DIM && aligned && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
     }
 
     /// [`Kernels::cached_attention_forward`] on an explicit kernel
@@ -255,7 +267,7 @@ impl Kernels {
                 if !self.grouped_attention_runs(&shape, &[out, k_cache, v_cache, q, k, v]) {
                     return Err(Error::shape(
                         CACHED_ATTENTION_FORWARD_GROUPED.entry,
-                        format!("reads vec4s: head_dim a multiple of 4 (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions over {GROUPED_LANES} lanes within llvmpipe's loop limit"),
+                        format!("reads vec4s: head_dim a multiple of 4 up to {GROUPED_MAX_HEAD_DIM} (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions over {GROUPED_LANES} lanes within llvmpipe's loop limit"),
                         &[&dims],
                     ));
                 }

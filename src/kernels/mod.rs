@@ -27,7 +27,7 @@ mod sampling;
 mod tensor;
 mod timing;
 
-pub use attention::{CachedAttentionKernel, DECODE_LANES, MAX_HEAD_DIM};
+pub use attention::{CachedAttentionKernel, DECODE_LANES, GROUPED_MAX_HEAD_DIM, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
 pub use flash_attention::FLASH_MAX_HEAD_DIM;
 pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
