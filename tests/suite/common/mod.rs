@@ -98,9 +98,10 @@ pub fn lock_gl_if_any() -> Option<GlGuard> {
         .then(wgrad::device::lock_gl)
 }
 
-/// `RUST_LOG` for the suite (e.g. `RUST_LOG=wgrad::kernels=debug` lists
-/// every pipeline compiled, with its milliseconds), each line led by the
-/// test that logged it: a cold run's compile time, test by test.
+/// `RUST_LOG` for the suite, each line led by the test that logged it:
+/// `RUST_LOG=wgrad::kernels=debug` lists every pipeline each test creates
+/// (llvmpipe compiles one at its first dispatch, so a cold run's compile
+/// time shows in the test's time, not in the logged creation time).
 fn init_log() {
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(|| {
