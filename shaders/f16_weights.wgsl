@@ -97,8 +97,8 @@ fn write_c(row: u32, col: u32, product: f32) {
 // MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
 // l + MATVEC_WG, … of its columns' rows of B against the same of each
 // row of A; a fixed tree over the lanes in workgroup memory sums them, and
-// lane c stores column c. Rows and lanes are overrides (a pipeline per row
-// count; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
+// lane c stores column c. A bucket of rows and lanes are overrides (a
+// pipeline per bucket, the launch's rows at run time; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
 // unrolled by hand (a private array indexed in a loop becomes per-lane
 // memory on llvmpipe).
 // MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction

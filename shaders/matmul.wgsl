@@ -984,8 +984,8 @@ fn matmul_forward_shared_vec4(
 // of a row at a time (whole vectors on a CPU adapter, coalesced on a GPU);
 // then, row by row, a tree over the lanes in workgroup memory sums them in
 // a fixed order, and lane c stores column c through write_c (the
-// epilogue). MATVEC_ROWS (M) and MATVEC_WG are overrides: a pipeline per
-// row count, and 8 lanes (one SIMD row) on a CPU adapter, where more lanes
+// epilogue). MATVEC_ROWS (a bucket of M, the launch's M at run time) and
+// MATVEC_WG are overrides: a pipeline per bucket, and 8 lanes (one SIMD row) on a CPU adapter, where more lanes
 // along k leave each so few steps that the tree costs more than the loads,
 // 64 on a GPU. The accumulators are unrolled by hand: a private array
 // indexed in a loop becomes per-lane memory on llvmpipe.
