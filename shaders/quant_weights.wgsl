@@ -367,8 +367,12 @@ fn matvec_quant_forward(
     let cols = min(vec4<u32>(col0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
     let cols_hi = min(vec4<u32>(col0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(n - 1u));
     let sums = quant_matvec_sums(cols, cols_hi, lane, MATVEC_WG, sizes.y, sizes.z);
-    for (var r = 0u; r < min(sizes.z, MATVEC_ROWS); r++) {
-        matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
+    // A constant bound (unrolled, so each row's sums are indexed by a
+    // constant) and the launch's rows as a guard.
+    for (var r = 0u; r < MATVEC_ROWS; r++) {
+        if r < sizes.z {
+            matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
+        }
     }
 }
 
@@ -416,8 +420,10 @@ fn matvec_quant_forward_columns(
         for (var c = 0u; c < 8u; c++) {
             let col = col0 + 8u * c;
             if col < n {
-                for (var r = 0u; r < min(sizes.z, MATVEC_ROWS); r++) {
-                    c_gated(r, col, activation_forward(ACT_SILU, sums[c][r]) * sums[c + 8u][r]);
+                for (var r = 0u; r < MATVEC_ROWS; r++) {
+                    if r < sizes.z {
+                        c_gated(r, col, activation_forward(ACT_SILU, sums[c][r]) * sums[c + 8u][r]);
+                    }
                 }
             }
         }
@@ -435,8 +441,12 @@ fn matvec_quant_forward_columns(
     for (var c = 0u; c < 16u; c++) {
         let col = col0 + 8u * c;
         if col < n {
-            for (var r = 0u; r < min(sizes.z, MATVEC_ROWS); r++) {
-                write_c(r, col, sums[c][r]);
+            // A constant bound, as matvec_quant_forward's (a row index
+            // known at compile time keeps the sums in registers).
+            for (var r = 0u; r < MATVEC_ROWS; r++) {
+                if r < sizes.z {
+                    write_c(r, col, sums[c][r]);
+                }
             }
         }
     }
@@ -744,8 +754,8 @@ fn embedding_quant_forward(
 // loads: llvmpipe issues one load for the workgroup rather than one per
 // lane. Each (column, row) sums a block's products before adding them to
 // its scalar accumulator, so 8 columns × 16 rows fit 32 vec4s.
-// MATVEC_ROWS (matvec.wgsl's override) is the bucket of rows, a multiple
-// of 4 up to 16 (the Rust side's quant_rows_bucket): a pipeline per group
+// MATVEC_ROWS (matvec.wgsl's override) is the bucket of rows, 2 or a
+// multiple of 4 up to 16 (the Rust side's quant_rows_bucket): a pipeline per group
 // count, the launch's rows (≤ MATVEC_ROWS) at run time. Rows of the last
 // group past them repeat its last row on load and are never stored.
 
