@@ -97,8 +97,8 @@ fn write_c(row: u32, col: u32, product: f32) {
 // MATVEC_COLS columns of C; lane l sums the 8-wide steps k8 = l,
 // l + MATVEC_WG, … of its columns' rows of B against the same of each
 // row of A; a fixed tree over the lanes in workgroup memory sums them, and
-// lane c stores column c. Rows and lanes are overrides (a pipeline per row
-// count; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
+// lane c stores column c. A bucket of rows and lanes are overrides (a
+// pipeline per bucket, the launch's rows at run time; 8 lanes on a CPU adapter, 64 on a GPU); the accumulators are
 // unrolled by hand (a private array indexed in a loop becomes per-lane
 // memory on llvmpipe).
 // MATVEC_ROWS, MATVEC_WG, MATVEC_COLS, matvec_sizes and the lane reduction
@@ -112,7 +112,7 @@ fn matvec_f16w_forward(
     // n, k through workgroup memory: lavapipe inlines uniform values that
     // bound loops and re-optimizes the shader on every dispatch (loss.wgsl).
     if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec3<u32>(p.n, p.k, p.m);
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
@@ -127,7 +127,8 @@ fn matvec_f16w_forward(
     // past M are clamped (read, never stored).
     let last_col = n - 1u;
     let b8o = p.b_base / 8u;
-    let last_row = MATVEC_ROWS - 1u;
+    let rows = sizes.z;
+    let last_row = rows - 1u;
     let rb0 = b8o + min(col0 + 0u, last_col) * k8;
     let rb1 = b8o + min(col0 + 1u, last_col) * k8;
     let rb2 = b8o + min(col0 + 2u, last_col) * k8;
@@ -245,13 +246,13 @@ fn matvec_f16w_forward(
         }
     }
     matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
-    if MATVEC_ROWS > 1u {
+    if MATVEC_ROWS > 1u && rows > 1u {
         matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
     }
-    if MATVEC_ROWS > 2u {
+    if MATVEC_ROWS > 2u && rows > 2u {
         matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
     }
-    if MATVEC_ROWS > 3u {
+    if MATVEC_ROWS > 3u && rows > 3u {
         matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
     }
 }

@@ -984,8 +984,8 @@ fn matmul_forward_shared_vec4(
 // of a row at a time (whole vectors on a CPU adapter, coalesced on a GPU);
 // then, row by row, a tree over the lanes in workgroup memory sums them in
 // a fixed order, and lane c stores column c through write_c (the
-// epilogue). MATVEC_ROWS (M) and MATVEC_WG are overrides: a pipeline per
-// row count, and 8 lanes (one SIMD row) on a CPU adapter, where more lanes
+// epilogue). MATVEC_ROWS (a bucket of M, the launch's M at run time) and
+// MATVEC_WG are overrides: a pipeline per bucket, and 8 lanes (one SIMD row) on a CPU adapter, where more lanes
 // along k leave each so few steps that the tree costs more than the loads,
 // 64 on a GPU. The accumulators are unrolled by hand: a private array
 // indexed in a loop becomes per-lane memory on llvmpipe.
@@ -1002,7 +1002,7 @@ fn matmul_forward_matvec(
     // bound loops and re-optimizes the shader on every dispatch (loss.wgsl);
     // a value from workgroupUniformLoad is not inlined.
     if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec3<u32>(p.n, p.k, p.m);
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
@@ -1016,7 +1016,8 @@ fn matmul_forward_matvec(
     // Offsets in vec4 units; rows of A past M clamped (never stored).
     let last_col = n - 1u;
     let b4o = b_off / 4u;
-    let last_row = MATVEC_ROWS - 1u;
+    let rows = sizes.z;
+    let last_row = rows - 1u;
     let rb0 = b4o + min(col0 + 0u, last_col) * k4;
     let rb1 = b4o + min(col0 + 1u, last_col) * k4;
     let rb2 = b4o + min(col0 + 2u, last_col) * k4;
@@ -1114,13 +1115,13 @@ fn matmul_forward_matvec(
         }
     }
     matvec_row(lane, col0, n, 0u, array<vec4<f32>, 8>(acc00, acc01, acc02, acc03, acc04, acc05, acc06, acc07));
-    if MATVEC_ROWS > 1u {
+    if MATVEC_ROWS > 1u && rows > 1u {
         matvec_row(lane, col0, n, 1u, array<vec4<f32>, 8>(acc10, acc11, acc12, acc13, acc14, acc15, acc16, acc17));
     }
-    if MATVEC_ROWS > 2u {
+    if MATVEC_ROWS > 2u && rows > 2u {
         matvec_row(lane, col0, n, 2u, array<vec4<f32>, 8>(acc20, acc21, acc22, acc23, acc24, acc25, acc26, acc27));
     }
-    if MATVEC_ROWS > 3u {
+    if MATVEC_ROWS > 3u && rows > 3u {
         matvec_row(lane, col0, n, 3u, array<vec4<f32>, 8>(acc30, acc31, acc32, acc33, acc34, acc35, acc36, acc37));
     }
 }

@@ -2,19 +2,24 @@
 // matmul.wgsl's matmul_forward_matvec (f32 weights) and f16_weights.wgsl's
 // matvec_f16w_forward (f16 weights), which differ only in how they load B.
 // A workgroup of MATVEC_WG lanes owns MATVEC_COLS columns of C and
-// MATVEC_ROWS rows (≤ 4); each lane sums its share of k for every column in
-// a vec4 per (row, column), and matvec_reduce adds them over the lanes.
-// Rows and lanes are overrides: a pipeline per row count, 8 lanes (one SIMD
-// row) on a CPU adapter, 64 on a GPU.
+// up to MATVEC_ROWS rows (≤ 4); each lane sums its share of k for every
+// column in a vec4 per (row, column), and matvec_reduce adds them over the
+// lanes. MATVEC_ROWS is a bucket of row counts (the Rust side's
+// matvec_rows_bucket), not the rows: a pipeline serves every row count up
+// to it, the launch's rows (p.m) coming at run time, so a server's batches
+// of each size do not each compile one. Rows past p.m are clamped on load
+// and never stored. Lanes are an override: 8 (one SIMD row) on a CPU
+// adapter, 64 on a GPU.
 override MATVEC_ROWS: u32 = 1u;
 override MATVEC_WG: u32 = 64u;
 const MATVEC_COLS: u32 = 8u;
 // [MATVEC_COLS][MATVEC_WG], MATVEC_WG ≤ 64.
 var<workgroup> matvec_partial: array<vec4<f32>, 512>;
-// n and k, for the kernels to pass through workgroup memory: lavapipe
-// inlines uniform values that bound loops and re-optimizes the shader on
-// every dispatch (loss.wgsl); a value from workgroupUniformLoad is not.
-var<workgroup> matvec_sizes: vec2<u32>;
+// n, k and the launch's rows, for the kernels to pass through workgroup
+// memory: lavapipe inlines uniform values that bound loops and
+// re-optimizes the shader on every dispatch (loss.wgsl); a value from
+// workgroupUniformLoad is not.
+var<workgroup> matvec_sizes: vec3<u32>;
 
 // Row `row` of a matvec workgroup's block: each lane's sums (acc[c] for
 // column col0 + c) into workgroup memory, a fixed tree over the lanes, and

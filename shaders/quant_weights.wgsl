@@ -290,10 +290,11 @@ fn quant_column_blocks(v: u32, kb: u32) -> vec2<u32> {
 
 // The matrix-vector kernels' loop: element c of the result holds the
 // partial sums of virtual column (lo, hi)[c] (clamped by the caller: read,
-// never stored) over blocks j0, j0 + j_step, … of k, its column r row r's.
+// never stored) over blocks j0, j0 + j_step, … of k, its column r row r's
+// (rows past the launch's `rows` repeat its last: read, never stored).
 // The 8 accumulators are unrolled by hand: a private array indexed in a
 // loop becomes per-lane memory on llvmpipe.
-fn quant_matvec_sums(lo: vec4<u32>, hi: vec4<u32>, j0: u32, j_step: u32, k: u32) -> array<mat4x4<f32>, 8> {
+fn quant_matvec_sums(lo: vec4<u32>, hi: vec4<u32>, j0: u32, j_step: u32, k: u32, rows: u32) -> array<mat4x4<f32>, 8> {
     let kb = k / 32u;
     let cb0 = quant_column_blocks(lo.x, kb);
     let cb1 = quant_column_blocks(lo.y, kb);
@@ -303,7 +304,7 @@ fn quant_matvec_sums(lo: vec4<u32>, hi: vec4<u32>, j0: u32, j_step: u32, k: u32)
     let cb5 = quant_column_blocks(hi.y, kb);
     let cb6 = quant_column_blocks(hi.z, kb);
     let cb7 = quant_column_blocks(hi.w, kb);
-    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(MATVEC_ROWS - 1u)) * (k / 4u);
+    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(rows - 1u)) * (k / 4u);
     var acc0 = mat4x4<f32>();
     var acc1 = mat4x4<f32>();
     var acc2 = mat4x4<f32>();
@@ -341,7 +342,8 @@ fn quant_row_sums(sums: array<mat4x4<f32>, 8>, r: u32) -> array<vec4<f32>, 8> {
 // 16 or 32 bytes of weights and one scale word per column: lavapipe issues
 // storage loads lane by lane, so a step costs what its loads do); a fixed
 // tree over the lanes in workgroup memory sums them, and lane c stores
-// column c. Rows and lanes are overrides, as for the f32 kernel.
+// column c. A bucket of rows (the launch's at run time) and lanes are
+// overrides, as for the f32 kernel.
 // MATVEC_ROWS, MATVEC_WG,
 // MATVEC_COLS, matvec_sizes and the lane reduction are matvec.wgsl's.
 @compute @workgroup_size(MATVEC_WG, 1, 1)
@@ -353,7 +355,7 @@ fn matvec_quant_forward(
     // n, k through workgroup memory: lavapipe inlines uniform values that
     // bound loops and re-optimizes the shader on every dispatch (loss.wgsl).
     if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec3<u32>(p.n, p.k, p.m);
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
@@ -364,9 +366,13 @@ fn matvec_quant_forward(
     let lane = lid.x;
     let cols = min(vec4<u32>(col0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(n - 1u));
     let cols_hi = min(vec4<u32>(col0) + vec4<u32>(4u, 5u, 6u, 7u), vec4<u32>(n - 1u));
-    let sums = quant_matvec_sums(cols, cols_hi, lane, MATVEC_WG, sizes.y);
+    let sums = quant_matvec_sums(cols, cols_hi, lane, MATVEC_WG, sizes.y, sizes.z);
+    // A constant bound (unrolled, so each row's sums are indexed by a
+    // constant) and the launch's rows as a guard.
     for (var r = 0u; r < MATVEC_ROWS; r++) {
-        matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
+        if r < sizes.z {
+            matvec_row(lane, col0, n, r, quant_row_sums(sums, r));
+        }
     }
 }
 
@@ -395,7 +401,7 @@ fn matvec_quant_forward_columns(
     @builtin(local_invocation_id) lid: vec3<u32>,
 ) {
     if lid.x == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec3<u32>(p.n, p.k, p.m);
     }
     let sizes = workgroupUniformLoad(&matvec_sizes);
     let n = sizes.x;
@@ -410,12 +416,14 @@ fn matvec_quant_forward_columns(
         }
         let g_lo = min(vec4<u32>(col0) + steps, last);
         let g_hi = min(vec4<u32>(col0 + 32u) + steps, last);
-        let sums = quant_columns_sums(array<vec4<u32>, 4>(g_lo, g_hi, g_lo + vec4<u32>(n), g_hi + vec4<u32>(n)), sizes.y);
+        let sums = quant_columns_sums(array<vec4<u32>, 4>(g_lo, g_hi, g_lo + vec4<u32>(n), g_hi + vec4<u32>(n)), sizes.y, sizes.z);
         for (var c = 0u; c < 8u; c++) {
             let col = col0 + 8u * c;
             if col < n {
                 for (var r = 0u; r < MATVEC_ROWS; r++) {
-                    c_gated(r, col, activation_forward(ACT_SILU, sums[c][r]) * sums[c + 8u][r]);
+                    if r < sizes.z {
+                        c_gated(r, col, activation_forward(ACT_SILU, sums[c][r]) * sums[c + 8u][r]);
+                    }
                 }
             }
         }
@@ -429,12 +437,16 @@ fn matvec_quant_forward_columns(
     for (var q = 0u; q < 4u; q++) {
         cols[q] = min(vec4<u32>(col0 + 32u * q) + steps, last);
     }
-    let sums = quant_columns_sums(cols, sizes.y);
+    let sums = quant_columns_sums(cols, sizes.y, sizes.z);
     for (var c = 0u; c < 16u; c++) {
         let col = col0 + 8u * c;
         if col < n {
+            // A constant bound, as matvec_quant_forward's (a row index
+            // known at compile time keeps the sums in registers).
             for (var r = 0u; r < MATVEC_ROWS; r++) {
-                write_c(r, col, sums[c][r]);
+                if r < sizes.z {
+                    write_c(r, col, sums[c][r]);
+                }
             }
         }
     }
@@ -526,8 +538,8 @@ fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantRowsA) -> vec4<f3
 // r, row r's sum over all of k of virtual column v[c / 4][c % 4] (clamped
 // by the caller: read, never stored). The 16 accumulators are unrolled by
 // hand: a private array indexed in a loop becomes per-lane memory on
-// llvmpipe.
-fn quant_columns_sums(v: array<vec4<u32>, 4>, k: u32) -> array<vec4<f32>, 16> {
+// llvmpipe. Rows past `rows` repeat its last (read, never stored).
+fn quant_columns_sums(v: array<vec4<u32>, 4>, k: u32, rows: u32) -> array<vec4<f32>, 16> {
     let kb = k / 32u;
     let b0 = quant_column_blocks(v[0].x, kb);
     let b1 = quant_column_blocks(v[0].y, kb);
@@ -545,7 +557,7 @@ fn quant_columns_sums(v: array<vec4<u32>, 4>, k: u32) -> array<vec4<f32>, 16> {
     let b13 = quant_column_blocks(v[3].y, kb);
     let b14 = quant_column_blocks(v[3].z, kb);
     let b15 = quant_column_blocks(v[3].w, kb);
-    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(MATVEC_ROWS - 1u)) * (k / 4u);
+    let ra = min(vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(rows - 1u)) * (k / 4u);
     var acc0 = vec4<f32>();
     var acc1 = vec4<f32>();
     var acc2 = vec4<f32>();
@@ -742,7 +754,10 @@ fn embedding_quant_forward(
 // loads: llvmpipe issues one load for the workgroup rather than one per
 // lane. Each (column, row) sums a block's products before adding them to
 // its scalar accumulator, so 8 columns × 16 rows fit 32 vec4s.
-// MATVEC_ROWS (matvec.wgsl's override) is the rows, at most 16 here.
+// MATVEC_ROWS (matvec.wgsl's override) is the bucket of rows, 2 or a
+// multiple of 4 up to 16 (the Rust side's quant_rows_bucket): a pipeline per group
+// count, the launch's rows (≤ MATVEC_ROWS) at run time. Rows of the last
+// group past them repeat its last row on load and are never stored.
 
 // Rows of A per group of matvec_quant_forward_rows.
 const QUANT_ROW_GROUP: u32 = 4u;
@@ -788,12 +803,13 @@ fn quant_columns8(lo: vec4<u32>, hi: vec4<u32>, j: u32, kb: u32) -> QuantColumns
     );
 }
 
-// Block j of rows 4·group + 0..3 of A (rows past MATVEC_ROWS repeat the
-// group's first and are never stored). `group` is a literal at every call,
-// so the row checks fold away.
-fn quant_rows_a_group(group: u32, j: u32, k4: u32) -> QuantRowsA {
+// Block j of rows 4·group + 0..3 of A (rows past the bucket repeat the
+// group's first, rows past the launch's `rows` its last row; neither is
+// stored). `group` is a literal at every call, so the bucket checks fold
+// away.
+fn quant_rows_a_group(group: u32, j: u32, k4: u32, rows: u32) -> QuantRowsA {
     let r0 = QUANT_ROW_GROUP * group;
-    let ra = (vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u)) * k4 + vec4<u32>(8u * j);
+    let ra = quant_rows_group_starts(r0, k4, rows) + vec4<u32>(8u * j);
     let x0 = quant_a_block(ra.x);
     var x1 = x0;
     var x2 = x0;
@@ -810,8 +826,14 @@ fn quant_rows_a_group(group: u32, j: u32, k4: u32) -> QuantRowsA {
     return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
 }
 
+// Where rows r0 + 0..3 of A start (in vec4s), clamped to the launch's
+// last row.
+fn quant_rows_group_starts(r0: u32, k4: u32, rows: u32) -> vec4<u32> {
+    return min(vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(rows - 1u)) * k4;
+}
+
 // One column's block against a group's 4 rows (the group's first row r0,
-// a literal): each row's sum of products; rows past MATVEC_ROWS get none.
+// a literal): each row's sum of products; rows past the bucket get none.
 fn quant_rows4_dot(q: array<vec4<f32>, 8>, dm: vec2<f32>, a: QuantRowsA, r0: u32) -> vec4<f32> {
     let zero = vec4<f32>(0.0);
     let one = vec4<f32>(1.0);
@@ -896,31 +918,31 @@ fn quant_rows_lane(wid: vec3<u32>, nwg: vec3<u32>, lane: u32, n: u32) -> QuantRo
     return QuantRowsLane(min(vec4<u32>(col0) + vec4<u32>(0u, 8u, 16u, 24u), last), min(vec4<u32>(col0) + vec4<u32>(32u, 40u, 48u, 56u), last), col0);
 }
 
-// (n, k) through workgroup memory, as matvec_quant_forward reads them
-// (lavapipe re-optimizes a shader whose loops a uniform value bounds).
-fn quant_rows_sizes(lane: u32) -> vec2<u32> {
+// (n, k, rows) through workgroup memory, as matvec_quant_forward reads
+// them (lavapipe re-optimizes a shader whose loops a uniform value bounds).
+fn quant_rows_sizes(lane: u32) -> vec3<u32> {
     if lane == 0u {
-        matvec_sizes = vec2<u32>(p.n, p.k);
+        matvec_sizes = vec3<u32>(p.n, p.k, p.m);
     }
     return workgroupUniformLoad(&matvec_sizes);
 }
 
-// Stores every row's sums (group g's rows in acc_g).
-fn quant_rows_store_all(acc0: QuantRowSums, acc1: QuantRowSums, acc2: QuantRowSums, acc3: QuantRowSums, col0: u32, n: u32) {
+// Stores the launch's `rows` rows of sums (group g's rows in acc_g).
+fn quant_rows_store_all(acc0: QuantRowSums, acc1: QuantRowSums, acc2: QuantRowSums, acc3: QuantRowSums, col0: u32, n: u32, rows: u32) {
     if col0 >= n {
         return;
     }
     for (var i = 0u; i < QUANT_ROW_GROUP; i++) {
-        if i < MATVEC_ROWS {
+        if i < rows {
             quant_rows_store(acc0, i, i, col0, n);
         }
-        if i + 4u < MATVEC_ROWS {
+        if MATVEC_ROWS > 4u && i + 4u < rows {
             quant_rows_store(acc1, i + 4u, i, col0, n);
         }
-        if i + 8u < MATVEC_ROWS {
+        if MATVEC_ROWS > 8u && i + 8u < rows {
             quant_rows_store(acc2, i + 8u, i, col0, n);
         }
-        if i + 12u < MATVEC_ROWS {
+        if MATVEC_ROWS > 12u && i + 12u < rows {
             quant_rows_store(acc3, i + 12u, i, col0, n);
         }
     }
@@ -936,6 +958,7 @@ fn matvec_quant_forward_rows(
     let n = sizes.x;
     let kb = sizes.y / 32u;
     let k4 = sizes.y / 4u;
+    let rows = sizes.z;
     let lane = quant_rows_lane(wid, nwg, lid.x, n);
     var acc0 = QuantRowSums();
     var acc1 = QuantRowSums();
@@ -943,16 +966,16 @@ fn matvec_quant_forward_rows(
     var acc3 = QuantRowSums();
     for (var j = 0u; j < kb; j++) {
         let w = quant_columns8(lane.lo, lane.hi, j, kb);
-        acc0 = quant_rows_group_fma(acc0, w, quant_rows_a_group(0u, j, k4), 0u);
+        acc0 = quant_rows_group_fma(acc0, w, quant_rows_a_group(0u, j, k4, rows), 0u);
         if MATVEC_ROWS > 4u {
-            acc1 = quant_rows_group_fma(acc1, w, quant_rows_a_group(1u, j, k4), 4u);
+            acc1 = quant_rows_group_fma(acc1, w, quant_rows_a_group(1u, j, k4, rows), 4u);
         }
         if MATVEC_ROWS > 8u {
-            acc2 = quant_rows_group_fma(acc2, w, quant_rows_a_group(2u, j, k4), 8u);
+            acc2 = quant_rows_group_fma(acc2, w, quant_rows_a_group(2u, j, k4, rows), 8u);
         }
         if MATVEC_ROWS > 12u {
-            acc3 = quant_rows_group_fma(acc3, w, quant_rows_a_group(3u, j, k4), 12u);
+            acc3 = quant_rows_group_fma(acc3, w, quant_rows_a_group(3u, j, k4, rows), 12u);
         }
     }
-    quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n);
+    quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n, rows);
 }

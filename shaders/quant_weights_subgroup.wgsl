@@ -1,5 +1,5 @@
 // matvec_quant_forward_rows with A shared through subgroup broadcasts:
-// decode's products over 1 to 16 rows on an adapter with SUBGROUP and
+// decode's products over 1 to 16 rows (a bucket of them per pipeline) on an adapter with SUBGROUP and
 // subgroups of exactly 8 invocations (the Rust side checks before this
 // file is compiled). Not a module on its own: the registry appends it to
 // the quant_weights family's source (quant_weights.wgsl and its shared
@@ -25,10 +25,11 @@ fn quant_broadcast_block(mine: vec4<f32>) -> array<vec4<f32>, 8> {
 }
 
 // quant_rows_a_group through broadcasts: block j of rows 4·group + 0..3 of
-// A (rows past MATVEC_ROWS repeat the group's first, never stored).
-fn quant_rows_a_group_broadcast(group: u32, j: u32, k4: u32, lane: u32) -> QuantRowsA {
+// A (rows past the bucket repeat the group's first, rows past the
+// launch's `rows` its last row; neither is stored).
+fn quant_rows_a_group_broadcast(group: u32, j: u32, k4: u32, rows: u32, lane: u32) -> QuantRowsA {
     let r0 = QUANT_ROW_GROUP * group;
-    let ra = (vec4<u32>(r0) + vec4<u32>(0u, 1u, 2u, 3u)) * k4 + vec4<u32>(8u * j + lane);
+    let ra = quant_rows_group_starts(r0, k4, rows) + vec4<u32>(8u * j + lane);
     let x0 = quant_broadcast_block(a4[ra.x]);
     var x1 = x0;
     var x2 = x0;
@@ -56,6 +57,7 @@ fn matvec_quant_forward_rows_subgroup(
     let n = sizes.x;
     let kb = sizes.y / 32u;
     let k4 = sizes.y / 4u;
+    let rows = sizes.z;
     let lane = quant_rows_lane(wid, nwg, sg_lane, n);
     var acc0 = QuantRowSums();
     var acc1 = QuantRowSums();
@@ -63,16 +65,16 @@ fn matvec_quant_forward_rows_subgroup(
     var acc3 = QuantRowSums();
     for (var j = 0u; j < kb; j++) {
         let w = quant_columns8(lane.lo, lane.hi, j, kb);
-        acc0 = quant_rows_group_fma(acc0, w, quant_rows_a_group_broadcast(0u, j, k4, sg_lane), 0u);
+        acc0 = quant_rows_group_fma(acc0, w, quant_rows_a_group_broadcast(0u, j, k4, rows, sg_lane), 0u);
         if MATVEC_ROWS > 4u {
-            acc1 = quant_rows_group_fma(acc1, w, quant_rows_a_group_broadcast(1u, j, k4, sg_lane), 4u);
+            acc1 = quant_rows_group_fma(acc1, w, quant_rows_a_group_broadcast(1u, j, k4, rows, sg_lane), 4u);
         }
         if MATVEC_ROWS > 8u {
-            acc2 = quant_rows_group_fma(acc2, w, quant_rows_a_group_broadcast(2u, j, k4, sg_lane), 8u);
+            acc2 = quant_rows_group_fma(acc2, w, quant_rows_a_group_broadcast(2u, j, k4, rows, sg_lane), 8u);
         }
         if MATVEC_ROWS > 12u {
-            acc3 = quant_rows_group_fma(acc3, w, quant_rows_a_group_broadcast(3u, j, k4, sg_lane), 12u);
+            acc3 = quant_rows_group_fma(acc3, w, quant_rows_a_group_broadcast(3u, j, k4, rows, sg_lane), 12u);
         }
     }
-    quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n);
+    quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n, rows);
 }

@@ -15,6 +15,7 @@
 use super::matmul_ext::F16View;
 use super::registry::{entry_points, Kernel};
 use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
+use super::matmul::matvec_rows_bucket;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use super::rowwise::RowPartLayout;
 use crate::error::{Error, Result};
@@ -255,8 +256,9 @@ impl Kernels {
         let mut constants = vec![("HAS_BIAS", flag(bias.is_some())), ("ACTIVATION_FORWARD", flag(activation)), ("STORE_PRE", flag(pre.is_some()))];
         let groups = match kernel {
             F16WeightsKernel::Matvec { lanes } => {
-                // A pipeline per row count, as the f32 matrix-vector kernel.
-                constants.extend([("MATVEC_ROWS", m as f64), ("MATVEC_WG", f64::from(lanes))]);
+                // A pipeline per bucket of row counts, as the f32
+                // matrix-vector kernel.
+                constants.extend([("MATVEC_ROWS", matvec_rows_bucket(m) as f64), ("MATVEC_WG", f64::from(lanes))]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
             F16WeightsKernel::Small | F16WeightsKernel::Register | F16WeightsKernel::Shared => u64::from(params.product.tiles_total),

@@ -254,6 +254,15 @@ struct MatmulParams {
 /// token per sequence.
 pub const MATVEC_MAX_ROWS: usize = 4;
 
+/// The `MATVEC_ROWS` override (matvec.wgsl's) the matrix-vector kernels
+/// compile an m-row product with: a bucket of row counts (1, 2, 4) whose
+/// pipeline runs every m up to it, m itself coming at run time, so 3 and 4
+/// rows (a server's batches) share one compile. Decode's one row keeps its
+/// own pipeline: it is the hot path, and a bucket would add rows to it.
+pub(super) fn matvec_rows_bucket(m: usize) -> usize {
+    m.next_power_of_two()
+}
+
 /// Which kernel a matmul dispatch runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pick {
@@ -851,12 +860,13 @@ impl Kernels {
         // operands, shapes off 4) shares Register's pipelines rather than
         // compiling the same code again for each form.
         let specialised = [MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SHARED_VEC4, MATMUL_FORWARD_REGISTER_VEC4].contains(&kernel);
-        // The matrix-vector kernel is compiled per row count instead.
+        // The matrix-vector kernel is compiled per bucket of row counts
+        // instead.
         let lanes = match pick {
             Pick::Matvec { lanes } => f64::from(lanes),
             Pick::Variant(_) => 0.0,
         };
-        let with_rows = [&constants[..5], &[("MATVEC_ROWS", rows as f64), ("MATVEC_WG", lanes)]].concat();
+        let with_rows = [&constants[..5], &[("MATVEC_ROWS", matvec_rows_bucket(rows) as f64), ("MATVEC_WG", lanes)]].concat();
         let constants = match pick {
             Pick::Matvec { .. } => &with_rows[..],
             Pick::Variant(_) if specialised => &constants[..],

@@ -83,6 +83,16 @@ enum Store {
 const ATOL: f32 = 2e-3;
 const RTOL: f32 = 1e-4;
 
+/// The epilogue a product of `format` over m rows takes in the products
+/// test: a Latin square over (format, row class: 1, 2, more), so each
+/// kernel (picked by m) meets each epilogue and each format without their
+/// full product of pipelines. The epilogue is one function (`write_c`)
+/// whatever the format and kernel, so pairs cover its paths.
+fn store_for(format: QuantFormat, m: usize) -> Store {
+    let format_index = QuantFormat::ALL.iter().position(|&f| f == format).unwrap_or(0);
+    [Store::Plain, Store::Bias, Store::BiasGeluPre][(format_index + m.min(3) - 1) % 3]
+}
+
 /// Runs one product on `k` with `kernel` (the shape-selected one when
 /// None) and checks C (and pre) against the twin; returns the dispatch's
 /// entry and launches.
@@ -123,6 +133,9 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
     for_each_adapter("quantized weights: products", |k| {
         let mut case = 0u64;
         for format in QuantFormat::ALL {
+            // Every shape on every format; the epilogue by (format, m) (see
+            // store_for): a pipeline per (kernel, format, row bucket), not
+            // also per epilogue.
             // One block per row, three (fewer than the 8 lanes), and
             // SmolLM2's 576 (18 blocks: not a multiple of the lanes); 1,
             // primes and non-multiples of the 8 columns and 64×64 tiles.
@@ -130,7 +143,7 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                 for n in [1, 3, 37, 256] {
                     for m in [1, 2, 7, 33, 128] {
                         case += 1;
-                        let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][case as usize % 3];
+                        let store = store_for(format, m);
                         let (entry, _) = check_product(k, None, format, store, (m, n, kk), 2600 + case)?;
                         let want = match (k.gpu_shaped(), m) {
                             (true, ..=MATVEC_MAX_ROWS) => "matvec_quant_forward",
@@ -151,39 +164,48 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                     }
                 }
             }
-            // Every row count of the matrix-vector kernels, and GPU lanes;
-            // 128 columns and more for the CPU one's workgroup of 128.
-            for (rows, lanes) in [(3, 64), (MATVEC_MAX_ROWS, 8)] {
-                check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, Store::BiasGeluPre, (rows, 37, 96), 2590 + rows as u64)?;
+            // Every row count of the matrix-vector kernels (3 and 4 rows
+            // share the bucket of 4, which the loop above does not reach),
+            // and GPU lanes: 8 and 64 each on some format, as lanes and
+            // format are independent; 128 columns and more for the CPU
+            // one's workgroup of 128.
+            let lanes = if format == QuantFormat::Q4_0 { 8 } else { 64 };
+            for rows in [3, MATVEC_MAX_ROWS] {
+                check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, store_for(format, rows), (rows, 37, 96), 2590 + rows as u64)?;
             }
             for (rows, n) in [(1, 128), (2, 131), (3, 129), (MATVEC_MAX_ROWS, 263)] {
-                check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, Store::BiasGeluPre, (rows, n, 96), 2595 + rows as u64)?;
+                check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, store_for(format, rows), (rows, n, 96), 2595 + rows as u64)?;
             }
-            // The rows kernel on every adapter: 1 to 16 rows (partial and
-            // whole groups of 4), columns 1, primes and past its 64 per
-            // workgroup, k of 1 block and non-powers of 2.
+            // The rows kernel on every adapter: every row count of a bucket
+            // (partial and whole groups of 4), columns 1, primes and past
+            // its 64 per workgroup, k of 1 block and non-powers of 2.
             // The subgroup one where the adapter has 8-lane subgroups.
             let mut rows_kernels = vec![QuantWeightsKernel::MatvecRows];
             if k.supports_quant_rows_subgroup() {
                 rows_kernels.push(QuantWeightsKernel::MatvecRowsSubgroup);
             }
-            // Each format at two of the row counts, one epilogue per row
-            // count: a pipeline per (format, rows, epilogue), each compiled
-            // in a second or more on lavapipe.
-            let format_rows = match format {
-                QuantFormat::Q8_0 => [1, 16],
-                QuantFormat::Q4_0 => [2, 5],
-                QuantFormat::Q4_1 => [3, 16],
+            // A pipeline per (format, bucket of rows, epilogue), each
+            // compiled in a second or more on lavapipe: each format at two
+            // buckets and two epilogues, so each of the 5 buckets (2, 4, 8,
+            // 12, 16), formats and epilogues comes on each kernel (the loop
+            // above adds 2 and 7 rows on every format for the selected
+            // one), and each bucket's row counts on it.
+            let (format_buckets, stores) = match format {
+                QuantFormat::Q8_0 => ([4, 16], [Store::Plain, Store::Bias]),
+                QuantFormat::Q4_0 => ([8, 12], [Store::Bias, Store::BiasGeluPre]),
+                QuantFormat::Q4_1 => ([2, 16], [Store::BiasGeluPre, Store::Plain]),
             };
-            for m in format_rows {
-                let store = match m {
-                    1 | 5 => Store::Plain,
-                    2 => Store::Bias,
-                    _ => Store::BiasGeluPre,
+            for (bucket, store) in format_buckets.into_iter().zip(stores) {
+                let first = match bucket {
+                    2 => 1,
+                    4 => 3,
+                    _ => bucket - 3,
                 };
-                for (j, (n, kk)) in [(1, 96), (37, 32), (131, 576), (67, 96)].into_iter().enumerate() {
-                    for &kernel in &rows_kernels {
-                        check_product(k, Some(kernel), format, store, (m, n, kk), 2900 + 4 * m as u64 + j as u64)?;
+                for m in first..=bucket {
+                    for (j, (n, kk)) in [(1, 96), (37, 32), (131, 576), (67, 96)].into_iter().enumerate() {
+                        for &kernel in &rows_kernels {
+                            check_product(k, Some(kernel), format, store, (m, n, kk), 2900 + 4 * m as u64 + j as u64)?;
+                        }
                     }
                 }
             }
@@ -238,19 +260,24 @@ fn check_parts(k: &Kernels, format: QuantFormat, rows: &[usize], (m, kk): (usize
 fn quantized_parts_match_the_cpu() {
     for_each_shaping("quantized weights: parts", |k| {
         let mut seed = 3100;
-        for format in QuantFormat::ALL {
-            for kk in [32, 576] {
-                for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
-                    for m in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1] {
-                        for together in [true, false] {
-                            seed += 1;
-                            let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
-                            // A CPU adapter's rows kernel takes up to 16 rows.
-                            let matvec_rows = if k.gpu_shaped() { MATVEC_MAX_ROWS } else { QUANT_ROWS_MAX_ROWS };
-                            let one = together && m <= matvec_rows && !(gated && k.gpu_shaped());
-                            let per_part = if gated { 2 } else { rows.len() };
-                            assert_eq!(launches, if one { 1 } else { per_part }, "{format:?} rows {rows:?} m={m} k={kk} together={together}");
-                        }
+        // A pipeline per (format, kernel and row bucket by m, gated, one
+        // launch or one per part); the format decodes blocks the same way
+        // whichever parts, gating and launches it serves, so it varies with
+        // (m, gated, together) as a Latin square: each format meets each m,
+        // gating and launching, and every shape runs on each pipeline it
+        // compiles, without the product of formats and pipelines.
+        for kk in [32, 576] {
+            for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
+                for (m_index, m) in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1].into_iter().enumerate() {
+                    for together in [true, false] {
+                        let format = QuantFormat::ALL[(m_index + usize::from(gated) + usize::from(together)) % 3];
+                        seed += 1;
+                        let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
+                        // A CPU adapter's rows kernel takes up to 16 rows.
+                        let matvec_rows = if k.gpu_shaped() { MATVEC_MAX_ROWS } else { QUANT_ROWS_MAX_ROWS };
+                        let one = together && m <= matvec_rows && !(gated && k.gpu_shaped());
+                        let per_part = if gated { 2 } else { rows.len() };
+                        assert_eq!(launches, if one { 1 } else { per_part }, "{format:?} rows {rows:?} m={m} k={kk} together={together}");
                     }
                 }
             }
