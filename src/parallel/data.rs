@@ -16,7 +16,8 @@ use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Module};
+use crate::optim::LossScaleState;
+use crate::nn::{Criterion, Staged};
 use crate::trainer::{Examples, ModelWidths, Targets, Trainer};
 
 /// How the global batch is divided among devices.
@@ -53,7 +54,7 @@ pub struct DataParallel {
     costs: Vec<Option<Cost>>,
     split: Split,
     bucket: usize,
-    model: Arc<dyn Module + Send + Sync>,
+    model: Arc<dyn Staged + Send + Sync>,
     optimizer: OptimizerConfig,
     /// Every replica's plan options: one arena alignment for the group.
     options: PlanOptions,
@@ -248,19 +249,20 @@ pub(super) fn evaluate_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>
     Ok(total as f32)
 }
 
-/// A replica's parameters, optimizer state and step, on the host.
-type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64);
+/// A replica's parameters, optimizer state, step and dynamic loss
+/// scaling's state (f16), on the host.
+type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64, Option<LossScaleState>);
 
 fn host_state(t: &Trainer) -> Result<HostState> {
     let exec = t.executor();
     let params = exec.parameters()?;
     let state = exec.optimizer_state()?.into_iter().map(|(p, s, v)| (p, s.to_string(), v)).collect();
-    Ok((params, state, exec.step_count()))
+    Ok((params, state, exec.step_count(), exec.read_loss_scale()?))
 }
 
 impl DataParallel {
     /// A replica of `model` on every device of `group`; `global_batch` rows per step.
-    pub fn new<M: Module + Clone + Send + Sync + 'static>(
+    pub fn new<M: Staged + Clone + Send + Sync + 'static>(
         group: &DeviceGroup,
         model: &M,
         criterion: impl Into<Criterion>,
@@ -268,13 +270,32 @@ impl DataParallel {
         global_batch: usize,
         split: Split,
     ) -> Result<Self> {
+        Self::with_options(group, model, criterion, optimizer, global_batch, split, PlanOptions::default())
+    }
+
+    /// [`DataParallel::new`] with every replica planned with `options`
+    /// (f16 activations, activation checkpointing block by block); the
+    /// arena alignment is the group's ([`group_arena_alignment`]), whatever
+    /// `options` says. With f16 the optimizer's loss scaler runs on every
+    /// replica after the all-reduce, so all of them see the same gradients
+    /// and skip the same steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options<M: Staged + Clone + Send + Sync + 'static>(
+        group: &DeviceGroup,
+        model: &M,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        split: Split,
+        options: PlanOptions,
+    ) -> Result<Self> {
         let devices = group.members().to_vec();
         let mut shares = match &split {
             Split::Rows(rows) => fixed_rows("data parallel split", rows, devices.len(), "devices", global_batch)?,
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
         let widths = ModelWidths::of(model)?;
-        let options = PlanOptions { arena_alignment: group_arena_alignment(&devices), ..PlanOptions::default() };
+        let options = PlanOptions { arena_alignment: group_arena_alignment(&devices), ..options };
         let mut dp = DataParallel {
             costs: vec![None; devices.len()],
             devices,
@@ -318,7 +339,7 @@ impl DataParallel {
         let classes: Vec<u32> = (0..large * w.output_rows).map(|i| (i % classes_per_row) as u32).collect();
         for (i, k) in self.devices.iter().enumerate() {
             let time_at = |rows: usize| -> Result<f64> {
-                let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options)?;
+                let mut t = Trainer::with_blocks(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options)?;
                 let targets = match self.criterion {
                     Criterion::Mse => Targets::Values(&values[..rows * w.outputs]),
                     Criterion::CrossEntropy => Targets::Classes(&classes[..rows * w.output_rows]),
@@ -389,9 +410,12 @@ impl DataParallel {
     fn build_replicas(&mut self, shares: Vec<usize>, state: Option<HostState>) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
-            let mut t = Trainer::with_options(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;
-            if let Some((params, opt, step)) = &state {
+            let mut t = Trainer::with_blocks(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;
+            if let Some((params, opt, step, scale)) = &state {
                 t.executor_mut().load_state(params, opt, Some(*step)).map_err(|e| on_device(i, k, e))?;
+                if let Some(scale) = scale {
+                    t.executor_mut().load_loss_scale(scale).map_err(|e| on_device(i, k, e))?;
+                }
             }
             replicas.push(t);
         }
@@ -567,6 +591,12 @@ impl TrainEngine for DataParallel {
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut().load_state(params, optimizer_state, step).map_err(|e| on_device(i, &self.devices[i], e))?;
+        }
+        Ok(())
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        for (i, t) in self.replicas.iter_mut().enumerate() {
+            t.executor_mut().load_loss_scale(state).map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         Ok(())
     }

@@ -23,7 +23,7 @@ use super::engine::{own_steps, Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
 use crate::kernels::OptimizerConfig;
-use crate::nn::{Criterion, Module};
+use crate::nn::{Criterion, Staged};
 use crate::trainer::{Examples, Targets, Trainer};
 
 /// The processes of one job, and the few collectives data parallel
@@ -178,7 +178,7 @@ impl DistributedDataParallel {
     /// fixes the rows per process (rank order); otherwise each process
     /// measures its step cost and the batch is split so all finish together.
     /// Every replica then starts from rank 0's parameters.
-    pub fn new<M: Module + Clone + Send + Sync + 'static>(
+    pub fn new<M: Staged + Clone + Send + Sync + 'static>(
         group: Arc<dyn ProcessGroup>,
         local_devices: &DeviceGroup,
         model: &M,

@@ -17,6 +17,7 @@ use super::zero_stages::ZeroStages;
 use super::DeviceGroup;
 use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::graph::{PlanOptions, Precision};
 use crate::kernels::OptimizerConfig;
 use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
@@ -40,6 +41,22 @@ pub trait Parallelizable: Staged + Clone + Send + Sync + 'static {}
 impl<M: Staged + Clone + Send + Sync + 'static> Parallelizable for M {}
 
 impl Strategy {
+    /// The command-line flags that choose this strategy, for messages.
+    fn flag(self, across_processes: bool) -> String {
+        let parallel = match self {
+            Strategy::Single => "--parallel none".to_string(),
+            Strategy::Data => "--parallel data".to_string(),
+            Strategy::Pipeline => "--parallel pipeline".to_string(),
+            Strategy::Tensor => "--parallel tensor".to_string(),
+            Strategy::Zero(stage) => format!("--parallel zero --zero-stage {}", stage.number()),
+        };
+        if across_processes {
+            format!("{parallel} --distributed")
+        } else {
+            parallel
+        }
+    }
+
     pub fn parse(name: &str) -> Result<Self> {
         match name.trim().to_ascii_lowercase().as_str() {
             "none" | "single" => Ok(Strategy::Single),
@@ -99,7 +116,9 @@ impl Strategy {
     /// This strategy over `group` (Single uses its first device), across
     /// the processes of `processes` when given (data parallel only).
     /// `split` fixes data-parallel rows per device (per process across
-    /// processes); otherwise they are measured.
+    /// processes); otherwise they are measured. `options` asks for f16
+    /// activations and activation checkpointing (its arena alignment is
+    /// the engine's own); an engine that does not plan them yet says so.
     #[allow(clippy::too_many_arguments)]
     pub fn build<M: Parallelizable>(
         self,
@@ -112,10 +131,18 @@ impl Strategy {
         micro_batches: usize,
         schedule: Schedule,
         split: Option<Vec<usize>>,
+        options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
+        let plain = options.precision == Precision::F32 && !options.checkpoint_activations;
+        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data, None)) {
+            return Err(Error::InvalidArgument {
+                op: "train",
+                reason: format!("--precision f16 and --checkpoint-activations train on one device or data parallel in one process, not yet {}", self.flag(processes.is_some())),
+            });
+        }
         Ok(match (self, processes) {
-            (Strategy::Single, None) => Box::new(Trainer::new(group.members()[0].clone(), model, criterion, optimizer, batch)?),
-            (Strategy::Data, None) => Box::new(DataParallel::new(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows))?),
+            (Strategy::Single, None) => Box::new(Trainer::with_blocks(group.members()[0].clone(), model, criterion, optimizer, batch, options)?),
+            (Strategy::Data, None) => Box::new(DataParallel::with_options(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows), options)?),
             (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::new(group, model, criterion, optimizer, batch)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::new(group, model, criterion, optimizer, batch, micro_batches, schedule)?),

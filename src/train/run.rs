@@ -26,7 +26,6 @@ use crate::graph::{PlanOptions, Precision};
 use crate::optim::{LossScaleState, LossScaling};
 use crate::parallel::engine::{Footprint, Holding, Parallelizable, Strategy, TrainEngine};
 use crate::parallel::memory::DeviceMemory;
-use crate::trainer::Trainer;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{DeviceGroup, DeviceSelection};
@@ -349,20 +348,15 @@ impl<T: Task> TrainingRun<T> {
         if root {
             progress.preparing();
         }
-        let f16 = config.precision == Precision::F16 && group.members()[0].supports_f16();
+        // f16 where every device has SHADER_F16, so replicas and stages
+        // compute alike; f32 everywhere otherwise (the run says so).
+        let f16 = config.precision == Precision::F16 && group.members().iter().all(|k| k.supports_f16());
+        let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
+        let precision = if f16 { Precision::F16 } else { Precision::F32 };
+        let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
         #[allow(unused_mut)]
-        let mut engine: Box<dyn TrainEngine> = if f16 || config.checkpoint_activations {
-            // Both passes rewrite one graph on one device for now.
-            if strategy != Strategy::Single || processes.is_some() {
-                return Err(Error::InvalidArgument { op: "train", reason: "--precision f16 and --checkpoint-activations train on a single device (no --parallel or --distributed)".into() });
-            }
-            let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
-            let precision = if f16 { Precision::F16 } else { Precision::F32 };
-            let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
-            Box::new(Trainer::with_blocks(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, config.batch_size, options)?)
-        } else {
-            strategy.build(&group, processes, &model, CrossEntropyLoss.into(), config.optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone())?
-        };
+        let mut engine: Box<dyn TrainEngine> =
+            strategy.build(&group, processes, &model, CrossEntropyLoss.into(), optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone(), options)?;
         #[cfg(feature = "fault-injection")]
         if let Some((rank, step, how)) = config.fail_at {
             engine.inject_failure(rank, step, how);
@@ -399,8 +393,10 @@ impl<T: Task> TrainingRun<T> {
                 Holding::Replica(t) => Some(t.executor().plan().held_activation_bytes),
                 _ => None,
             },
-            precision_note: (config.precision == Precision::F16 && !f16)
-                .then(|| format!("--precision f16: {} has no SHADER_F16, so this run trains in f32", group.labels().first().map_or("the adapter", String::as_str))),
+            precision_note: (config.precision == Precision::F16 && !f16).then(|| {
+                let without: Vec<String> = group.members().iter().zip(group.labels()).filter(|(k, _)| !k.supports_f16()).map(|(_, label)| label).collect();
+                format!("--precision f16: {} has no SHADER_F16, so this run trains in f32", without.join(", "))
+            }),
         };
         Ok(TrainingRun { config, task, model, group, engine, root, info })
     }
