@@ -435,16 +435,17 @@ impl Pipeline {
     /// One line of what the steps so far measured.
     pub fn report(&self) -> String {
         let steps = self.stats.steps.max(1) as f64;
-        let kib: Vec<String> = self.stats.peak_stash_bytes.iter().map(|b| format!("{:.0}", *b as f64 / 1024.0)).collect();
+        let kib = |bytes: &[u64]| bytes.iter().map(|b| format!("{:.0}", *b as f64 / 1024.0)).collect::<Vec<_>>().join(", ");
         format!(
-            "{} steps, {:.1} ms/step, bubble {:.2} (ideal {:.2}), communication {:.0}% of step time, peak stash per stage {:?} micro-batches ([{}] KiB host)",
+            "{} steps, {:.1} ms/step, bubble {:.2} (ideal {:.2}), communication {:.0}% of step time, peak stash per stage {:?} micro-batches ([{}] KiB host), activations held per stage [{}] KiB",
             self.stats.steps,
             self.stats.wall.as_secs_f64() * 1e3 / steps,
             self.measured_bubble_fraction(),
             self.ideal_bubble_fraction(),
             100.0 * self.communication_share(),
             self.stats.peak_in_flight,
-            kib.join(", ")
+            kib(&self.stats.peak_stash_bytes),
+            kib(&self.held_activation_bytes())
         )
     }
 

@@ -8,7 +8,7 @@
 //! (lavapipe has SHADER_F16; llvmpipe's GL has none).
 
 use crate::common;
-use crate::llama_parallel::{batches, optimizer};
+use crate::llama_parallel::{batches, config, optimizer};
 use crate::parallel::{open_groups, Groups};
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use common::{assert_close, assert_same_parameters, rng, Parameters};
 use wgrad::graph::{ElementwiseOp, Executor, Graph, PlanOptions, Precision, Tensor};
 use wgrad::kernels::{Activation, MatmulForm, OptimizerConfig};
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{self, CrossEntropyLoss, Criterion, RopeLayout};
+use wgrad::nn::{self, CrossEntropyLoss, Criterion};
 use wgrad::optim::{AdamW, LossScaleState, LossScaling};
 use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
@@ -33,20 +33,7 @@ const MICRO: usize = 2;
 /// llama_parallel's tied Llama with `n_layer` layers.
 fn llama(n_layer: usize) -> Llama {
     nn::manual_seed(13);
-    Llama::new(LlamaConfig {
-        vocab_size: 29,
-        block_size: 8,
-        n_layer,
-        n_head: 4,
-        n_kv_head: 2,
-        n_embd: 16,
-        intermediate_size: 22,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: true,
-        rope_layout: RopeLayout::HalfSplit,
-    })
-    .unwrap()
+    Llama::new(LlamaConfig { n_layer, ..config(true) }).unwrap()
 }
 
 fn options(precision: Precision, checkpoint_activations: bool) -> PlanOptions {
