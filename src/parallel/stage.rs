@@ -380,8 +380,9 @@ fn step_loss_scaled(stages: &mut [&mut Stage], devices: &[usize], counted_twice:
         squares += s;
         non_finite += n;
     }
-    if counted_twice > 0.0 && counted_twice.is_finite() && non_finite == 0.0 {
-        let scale = f64::from(loss_scale_of(stages[0])?);
+    // The shared gradients' copies were summed as scaled values.
+    if let Some(first) = stages.first().filter(|_| counted_twice > 0.0 && counted_twice.is_finite() && non_finite == 0.0) {
+        let scale = f64::from(loss_scale_of(first)?);
         squares -= counted_twice / (scale * scale);
     }
     let squares = squares.max(0.0);
