@@ -106,7 +106,8 @@ fn one_scale(what: &str, stages: &[&Stage]) -> LossScaleState {
 /// f16 keeps 11 bits of each activation the backward reads: over 10
 /// clipped AdamW steps the losses stay within mixed_precision.rs's 2% of
 /// the f32 run's, and of the single-device f16 run's (stage boundaries
-/// are f32 here and f16 there, so not equal). Every stage stores f16
+/// are f32 here and f16 there, so not equal; measured 4.4e-5 and 6e-6
+/// on lavapipe). Every stage stores f16
 /// activations and keeps one loss scale, the single device's.
 #[test]
 fn tensor_and_pipeline_parallel_in_f16_follow_single_device_training() {
