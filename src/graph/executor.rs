@@ -216,9 +216,11 @@ impl Executor {
             None => plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?,
         };
         // The loss seeds the backward with the loss scale, so it must be
-        // the plan's own constant, which the step overwrites.
+        // the plan's own constant, which the step overwrites, or an input
+        // its caller fills (a stage of a model spread over devices, whose
+        // engine seeds the scale).
         if let (Some(_), Some(g)) = (optimizer.and_then(|o| o.loss_scaling()), &gradients) {
-            if !matches!(plan.storage[g.seed().0], Storage::Constant { .. }) {
+            if !matches!(plan.storage[g.seed().0], Storage::Constant { .. } | Storage::Input { .. }) {
                 return Err(Error::InvalidArgument { op: "Executor::new", reason: "loss scaling needs a backward seeded from a loss (Graph::backward)".into() });
             }
         }
@@ -408,6 +410,27 @@ impl Executor {
         match &mut self.optimizer {
             Some(o) => o.step_with_grad_norm(&self.kernels, total_norm),
             None => Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() }),
+        }
+    }
+
+    /// Loss scaling over a model spread across executors: this one's
+    /// (Σ (grad / scale)², count of inf and NaN gradients); waits. The
+    /// totals over every executor go to
+    /// [`Executor::optimizer_step_with_loss_scale_sums`].
+    pub fn loss_scale_sums(&self) -> Result<(f64, f64)> {
+        match &self.optimizer {
+            Some(o) => o.loss_scale_sums(&self.kernels),
+            None => Err(Error::InvalidArgument { op: "loss_scale_sums", reason: "no optimizer was given".into() }),
+        }
+    }
+
+    /// The loss-scaled optimizer step deciding (skip, clip, next scale) by
+    /// totals of [`Executor::loss_scale_sums`] over every executor of a
+    /// model, so all of them take or skip it together.
+    pub fn optimizer_step_with_loss_scale_sums(&mut self, squares: f64, non_finite: f64) -> Result<()> {
+        match &mut self.optimizer {
+            Some(o) => o.step_with_loss_scale_sums(&self.kernels, squares, non_finite),
+            None => Err(Error::InvalidArgument { op: "optimizer_step_with_loss_scale_sums", reason: "no optimizer was given".into() }),
         }
     }
 
@@ -617,7 +640,7 @@ impl Executor {
         // state comes back with the loss.
         let scale = self.optimizer.as_ref().and_then(Optimizer::loss_scale_view);
         let seed = match (scale, &self.gradients) {
-            (Some(_), Some(g)) => Some(self.view(g.seed())?),
+            (Some(_), Some(g)) if matches!(self.plan.storage[g.seed().0], Storage::Constant { .. }) => Some(self.view(g.seed())?),
             _ => None,
         };
         let scale_state = self.optimizer.as_ref().and_then(Optimizer::loss_scale_state_view);

@@ -57,7 +57,8 @@ struct ClipNorm {
 /// Buffers and dispatches of dynamic loss scaling (which also clips, by
 /// the unscaled norm, when the optimizer clips).
 struct LossScaler {
-    _partials: GpuTensor,
+    /// Per-chunk (Σ (grad / scale)², non-finite count) pairs.
+    partials: GpuTensor,
     /// The loss-scale block (`kernels::loss_scale_word`).
     block: GpuTensor,
     dispatches: [Dispatch; 2],
@@ -213,7 +214,7 @@ impl Optimizer {
             Some(scaling) => {
                 let (partials, block) = (kernels.zeros(2 * grad_norm_groups(arena_len))?, kernels.upload(&loss_scale_block(&scaling))?);
                 let dispatches = kernels.loss_scale(block.view(), partials.view(), grads, &config)?;
-                Some(LossScaler { _partials: partials, block, dispatches })
+                Some(LossScaler { partials, block, dispatches })
             }
             None => None,
         };
@@ -352,12 +353,48 @@ impl Optimizer {
     }
 
     /// A norm gathered across executors knows nothing of one executor's
-    /// loss scale: loss scaling is single-executor for now.
+    /// loss scale: a loss-scaled model spread over executors gathers
+    /// [`Optimizer::loss_scale_sums`] instead.
     fn not_loss_scaled(&self, op: &'static str) -> Result<()> {
         match self.scaler {
             Some(_) => Err(Error::InvalidArgument { op, reason: "not with loss scaling, which trains on one executor".into() }),
             None => Ok(()),
         }
+    }
+
+    fn scaler(&self, op: &'static str) -> Result<&LossScaler> {
+        self.scaler.as_ref().ok_or_else(|| Error::InvalidArgument { op, reason: "the optimizer has no loss_scaling".into() })
+    }
+
+    /// Loss scaling over a model spread across executors (pipeline
+    /// stages, tensor-parallel shards): this arena's share of what the
+    /// scaler sums, (Σ (grad / scale)², count of inf and NaN gradients),
+    /// from its partial sums run alone and read back (waits). Their totals
+    /// over every executor go to [`Optimizer::step_with_loss_scale_sums`].
+    pub(crate) fn loss_scale_sums(&self, kernels: &Kernels) -> Result<(f64, f64)> {
+        let s = self.scaler("loss_scale_sums")?;
+        kernels.submit_pass("loss_scale_partials", std::iter::once(&s.dispatches[0]), |_| {}, |_| {})?;
+        let partials: Vec<f32> = kernels.read(s.partials.view())?;
+        Ok(partials.chunks_exact(2).fold((0.0, 0.0), |(squares, bad), p| (squares + f64::from(p[0]), bad + f64::from(p[1]))))
+    }
+
+    /// One loss-scaled step deciding by `squares` and `non_finite`, totals
+    /// of [`Optimizer::loss_scale_sums`] over every executor of a model:
+    /// they are written as this arena's only partial sums, then the
+    /// scaler's finish and the update run as on one executor. Executors
+    /// holding the same scale state so take or skip the step together,
+    /// clip by the whole model's norm and move their scales alike.
+    pub(crate) fn step_with_loss_scale_sums(&mut self, kernels: &Kernels, squares: f64, non_finite: f64) -> Result<()> {
+        let s = self.scaler("optimizer_step_with_loss_scale_sums")?;
+        let mut partials = vec![0.0f32; s.partials.view().len];
+        if let [sum, count, ..] = partials.as_mut_slice() {
+            (*sum, *count) = (squares as f32, non_finite as f32);
+        }
+        kernels.write(s.partials.view(), &partials)?;
+        self.prepare_step(kernels)?;
+        kernels.submit_pass("optimizer_step", std::iter::once(&s.dispatches[1]).chain(std::iter::once(&self.update)), |_| {}, |_| {})?;
+        self.finish_step();
+        Ok(())
     }
 
     /// The state as (parameter name, state name, values) for each of

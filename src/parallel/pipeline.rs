@@ -35,9 +35,10 @@ use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, Strategy, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
-use crate::graph::{Graph, Tensor};
+use crate::graph::{Block, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, StageCosts, Staged};
+use crate::optim::LossScaleState;
 use crate::trainer::{Examples, ModelWidths, Targets};
 
 /// The order micro-batches go through the stages.
@@ -221,6 +222,9 @@ pub struct Pipeline {
     activations: Vec<Vec<Option<Vec<f32>>>>,
     /// Gradient of each stage's output per micro-batch.
     gradients: Vec<Vec<Option<Vec<f32>>>>,
+    /// The loss scale this step's last-stage backward is seeded with (1
+    /// without loss scaling).
+    seed_scale: f32,
     stats: PipelineStats,
 }
 
@@ -236,11 +240,24 @@ pub(super) fn stage_graph<M: Staged>(model: &M, i: usize, last: usize, blocks: s
 /// output). `stream` holds the shape the units before passed on, and
 /// takes these units'.
 pub(super) fn unit_graph<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
+    unit_graph_blocks(model, first, last, blocks, rows, stream).map(|(g, input, output, _)| (g, input, output))
+}
+
+/// [`unit_graph`] with the nodes each block added, which activation
+/// checkpointing recomputes in the backward.
+pub(super) fn unit_graph_blocks<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor, Vec<Block>)> {
     let mut g = Graph::new();
     let input = if first { model.input(&mut g, rows)? } else { g.input("stage_input", stream)? };
-    let output = model.forward_units(&mut g, input, blocks, first, last)?;
+    let mut x = if first { model.prologue(&mut g, input)? } else { input };
+    let mut units = Vec::with_capacity(blocks.len());
+    for i in blocks {
+        let start = g.len();
+        x = model.block(&mut g, i, x)?;
+        units.push(Block { nodes: start..g.len(), output: x });
+    }
+    let output = if last { model.epilogue(&mut g, x)? } else { x };
     *stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
-    Ok((g, input, output))
+    Ok((g, input, output, units))
 }
 
 impl Pipeline {
@@ -274,6 +291,29 @@ impl Pipeline {
         schedule: Schedule,
         blocks_per_stage: Option<Vec<usize>>,
     ) -> Result<Self> {
+        Self::with_options(group, model, criterion, optimizer, global_batch, micro_batches, schedule, blocks_per_stage, PlanOptions::default())
+    }
+
+    /// [`Pipeline::with_blocks`] with every stage planned by `options`
+    /// ([`Stage::with_options`]): with `checkpoint_activations` each
+    /// stage recomputes its blocks one by one in its backward, holding
+    /// their boundaries instead of every block's activations; with f16
+    /// precision each stage stores those activations in f16 while what
+    /// passes between stages stays f32. A loss-scaled `optimizer` seeds
+    /// the last stage with the scale and keeps one scale on all stages
+    /// ([`reduce_and_step`](super::stage::reduce_and_step)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options<M: Staged>(
+        group: &DeviceGroup,
+        model: &M,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        micro_batches: usize,
+        schedule: Schedule,
+        blocks_per_stage: Option<Vec<usize>>,
+        options: PlanOptions,
+    ) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         let s_count = group.len();
         let costs = model.stage_costs();
@@ -300,9 +340,9 @@ impl Pipeline {
         let (mut start, mut stream) = (0, Vec::new());
         for (i, (&count, k)) in blocks.iter().zip(group.members()).enumerate() {
             let mut build = || -> Result<Stage> {
-                let (g, input, output) = stage_graph(model, i, last, start..start + count, micro_rows, &mut stream)?;
+                let (g, input, output, units) = unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
                 let end = if i == last { StageEnd::Last(criterion) } else { StageEnd::Middle };
-                Stage::from_graph(k.clone(), g, input, output, i > 0, end, optimizer)
+                Stage::with_options(k.clone(), g, &units, input, output, i > 0, end, optimizer, options)
             };
             stages.push(build().map_err(|e| on_device(i, k, e))?);
             start += count;
@@ -323,6 +363,7 @@ impl Pipeline {
             work: training_work(schedule, s_count, micro_batches),
             activations: vec![vec![None; micro_batches]; s_count],
             gradients: vec![vec![None; micro_batches]; s_count],
+            seed_scale: 1.0,
             stats: PipelineStats::default(),
         };
         pipeline.reset_stats();
@@ -351,6 +392,13 @@ impl Pipeline {
             peak_stash_bytes: vec![0; s_count],
             ..PipelineStats::default()
         };
+    }
+
+    /// Bytes of activations each stage holds from its forward to its
+    /// backward ([`crate::graph::Plan::held_activation_bytes`]), which
+    /// activation checkpointing and f16 storage lower.
+    pub fn held_activation_bytes(&self) -> Vec<u64> {
+        self.stages.iter().map(|s| s.executor().plan().held_activation_bytes).collect()
     }
 
     /// Device memory each stage's executor holds ([`crate::graph::Executor::peak_bytes`]).
@@ -387,16 +435,17 @@ impl Pipeline {
     /// One line of what the steps so far measured.
     pub fn report(&self) -> String {
         let steps = self.stats.steps.max(1) as f64;
-        let kib: Vec<String> = self.stats.peak_stash_bytes.iter().map(|b| format!("{:.0}", *b as f64 / 1024.0)).collect();
+        let kib = |bytes: &[u64]| bytes.iter().map(|b| format!("{:.0}", *b as f64 / 1024.0)).collect::<Vec<_>>().join(", ");
         format!(
-            "{} steps, {:.1} ms/step, bubble {:.2} (ideal {:.2}), communication {:.0}% of step time, peak stash per stage {:?} micro-batches ([{}] KiB host)",
+            "{} steps, {:.1} ms/step, bubble {:.2} (ideal {:.2}), communication {:.0}% of step time, peak stash per stage {:?} micro-batches ([{}] KiB host), activations held per stage [{}] KiB",
             self.stats.steps,
             self.stats.wall.as_secs_f64() * 1e3 / steps,
             self.measured_bubble_fraction(),
             self.ideal_bubble_fraction(),
             100.0 * self.communication_share(),
             self.stats.peak_in_flight,
-            kib.join(", ")
+            kib(&self.stats.peak_stash_bytes),
+            kib(&self.held_activation_bytes())
         )
     }
 
@@ -413,6 +462,7 @@ impl Pipeline {
         let input = input.into();
         check_batch("Pipeline::step", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
+        self.seed_scale = self.spread.seed_scale(&self.stages)?;
         let work = std::mem::take(&mut self.work);
         let loss = self.run(&work, input, targets, true, read_loss);
         self.work = work;
@@ -520,7 +570,7 @@ impl Pipeline {
     fn tick(&mut self, active: &[(usize, Work)], input: Examples<'_>, targets: Targets<'_>, training: bool) -> Result<Vec<Option<Vec<f32>>>> {
         let start = Instant::now();
         let last = self.stages.len() - 1;
-        let scale = self.micro_rows as f32 / self.global_batch as f32;
+        let scale = self.seed_scale * (self.micro_rows as f32 / self.global_batch as f32);
         let mut writing = Duration::ZERO;
         // A GL device runs its work inside the submit, on this thread: the
         // others submit first, so their work overlaps it.
@@ -676,6 +726,12 @@ impl TrainEngine for Pipeline {
     /// A shared parameter on every stage holding it ([`Spread::load_state`]).
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         self.spread.load_state(&mut self.stages, params, state, step)
+    }
+    fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        self.spread.read_loss_scale(&self.stages)
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        self.spread.load_loss_scale(&mut self.stages, state)
     }
     /// One line: schedule, micro-batches, what each stage holds on which
     /// device, and the parameters stages share.

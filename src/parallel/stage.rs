@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use super::on_device;
 use crate::error::{Error, Result};
-use crate::graph::{ArenaPool, Executor, Gradients, Graph, PlanOptions, Tensor};
+use crate::graph::{ArenaPool, Block, Executor, Gradients, Graph, PlanOptions, Precision, Remap, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
-use crate::optim;
+use crate::optim::{self, LossScaleState};
 use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, Targets};
 
 /// What ends a stage.
@@ -86,15 +86,68 @@ impl StageGraph {
         outputs.extend(prediction);
         Ok(StageGraph { graph: g, outputs, grads, ends: StageEnds { seed, input_grad, target, loss, prediction, criterion } })
     }
+
+    /// This stage with the passes a single-device trainer applies:
+    /// `blocks` (the nodes each of the model's blocks added) recomputed in
+    /// the backward when `checkpoint`, the activations the backward reads
+    /// stored in f16 when `f16`. The stage's ends, and `carried` (its
+    /// input and output), move to the new graph. What a stage passes on
+    /// (its output, its input's gradient) stays f32: the f16 pass adds
+    /// copies and changes no tensor's type.
+    pub fn with_passes(mut self, blocks: &[Block], checkpoint: bool, f16: bool, carried: &mut [Tensor]) -> Result<Self> {
+        if checkpoint && !blocks.is_empty() {
+            self = self.remapped(|g, grads| g.with_recomputed_blocks(grads, blocks), carried)?;
+        }
+        if f16 {
+            self = self.remapped(|g, grads| g.with_f16_activations(grads), carried)?;
+        }
+        Ok(self)
+    }
+
+    fn remapped(self, pass: impl FnOnce(&Graph, &Gradients) -> Result<(Graph, Gradients, Remap)>, carried: &mut [Tensor]) -> Result<Self> {
+        let (graph, grads, at) = pass(&self.graph, &self.grads)?;
+        let moved = |t: Option<Tensor>| t.map(|t| at.tensor(t));
+        carried.iter_mut().for_each(|t| *t = at.tensor(*t));
+        let e = self.ends;
+        let ends = StageEnds { seed: at.tensor(e.seed), input_grad: moved(e.input_grad), target: moved(e.target), loss: moved(e.loss), prediction: moved(e.prediction), criterion: e.criterion };
+        Ok(StageGraph { graph, outputs: self.outputs.iter().map(|&t| at.tensor(t)).collect(), grads, ends })
+    }
 }
 
 impl Stage {
     /// A stage over a graph already holding `input -> output`; with
     /// `input_grad` its backward also yields d loss / d input.
     pub fn from_graph(kernels: Arc<Kernels>, g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
-        let StageGraph { graph, outputs, grads, ends } = StageGraph::complete(g, input, output, input_grad, end)?;
-        let exec = Executor::new(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer))?;
-        Ok(Stage { kernels, exec, input, output, ends })
+        Self::with_options(kernels, g, &[], input, output, input_grad, end, optimizer, PlanOptions::default())
+    }
+
+    /// [`Stage::from_graph`] planned with `options`: with
+    /// `checkpoint_activations` each of `blocks` (the nodes each of the
+    /// model's blocks added to `g`) is recomputed in the stage's backward;
+    /// with f16 precision, on an adapter with SHADER_F16, the activations
+    /// its backward reads are stored in f16 (f32 elsewhere, as a
+    /// [`crate::trainer::Trainer`] does). A loss-scaled `optimizer` leaves
+    /// the seed to the engine ([`Stage::set_targets`]) and steps through
+    /// [`reduce_and_step`], which combines the scaling across stages.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options(
+        kernels: Arc<Kernels>,
+        g: Graph,
+        blocks: &[Block],
+        input: Tensor,
+        output: Tensor,
+        input_grad: bool,
+        end: StageEnd,
+        optimizer: OptimizerConfig,
+        options: PlanOptions,
+    ) -> Result<Self> {
+        let f16 = options.precision == Precision::F16 && kernels.supports_f16();
+        let mut ends = [input, output];
+        let stage = StageGraph::complete(g, input, output, input_grad, end)?.with_passes(blocks, options.checkpoint_activations, f16, &mut ends)?;
+        let StageGraph { graph, outputs, grads, ends: stage_ends } = stage;
+        let exec = Executor::with_options(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer), options)?;
+        let [input, output] = ends;
+        Ok(Stage { kernels, exec, input, output, ends: stage_ends })
     }
 
     /// A stage over the completed `stage` (`input -> output`) whose
@@ -169,7 +222,8 @@ impl Stage {
     }
 
     /// Last stage: targets and the weight of this micro-batch's mean loss
-    /// in the global loss.
+    /// in the global loss (times the loss scale, when scaling: the seed of
+    /// the backward).
     pub fn set_targets(&self, targets: Targets<'_>, loss_scale: f32) -> Result<()> {
         let (Some(t), Some(criterion)) = (self.ends.target, self.ends.criterion) else {
             return Err(Error::InvalidArgument { op: "Stage", reason: "only the last stage has targets".into() });
@@ -292,7 +346,11 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
         let squared: f64 = total.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         counted_twice += parameter.holders.len().saturating_sub(1) as f64 * squared;
     }
-    let clips = stages.first().and_then(|s| s.exec.optimizer_config()).is_some_and(|c| c.clip_grad_norm().is_some());
+    let config = stages.first().and_then(|s| s.exec.optimizer_config()).copied();
+    let clips = config.is_some_and(|c| c.clip_grad_norm().is_some());
+    if config.is_some_and(|c| c.loss_scaling().is_some()) {
+        return step_loss_scaled(stages, devices, counted_twice, clips);
+    }
     if !clips {
         for (i, stage) in stages.iter_mut().enumerate() {
             stage.exec.optimizer_step().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
@@ -308,6 +366,36 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
         stage.exec.optimizer_step_with_grad_norm(norm).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
     }
     Ok(Some(norm))
+}
+
+/// [`reduce_and_step`] under dynamic loss scaling: every stage's scaled
+/// sums of squares and inf/NaN counts added on the host (the shared
+/// parameters' extra copies taken off, unscaled), then every stage steps
+/// by those totals, so an overflow on any stage skips the step on all,
+/// all clip by the whole model's norm, and their scales stay one value.
+fn step_loss_scaled(stages: &mut [&mut Stage], devices: &[usize], counted_twice: f64, clips: bool) -> Result<Option<f32>> {
+    let (mut squares, mut non_finite) = (0.0f64, 0.0f64);
+    for (i, stage) in stages.iter().enumerate() {
+        let (s, n) = stage.exec.loss_scale_sums().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        squares += s;
+        non_finite += n;
+    }
+    // The shared gradients' copies were summed as scaled values.
+    if let Some(first) = stages.first().filter(|_| counted_twice > 0.0 && counted_twice.is_finite() && non_finite == 0.0) {
+        let scale = f64::from(loss_scale_of(first)?);
+        squares -= counted_twice / (scale * scale);
+    }
+    let squares = squares.max(0.0);
+    for (i, stage) in stages.iter_mut().enumerate() {
+        stage.exec.optimizer_step_with_loss_scale_sums(squares, non_finite).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+    }
+    Ok(clips.then(|| squares.sqrt() as f32))
+}
+
+/// The loss scale `stage` seeds its next backward with (waits).
+fn loss_scale_of(stage: &Stage) -> Result<f32> {
+    let state = stage.exec.read_loss_scale()?;
+    state.map(|s| s.scale).ok_or_else(|| Error::InvalidArgument { op: "loss scale", reason: "the stage's optimizer does not scale its loss".into() })
 }
 
 /// Parameters as (name, shape, values), as [`Executor::parameters`].
@@ -374,6 +462,34 @@ impl Spread {
     pub fn step(&self, stages: &mut [Stage]) -> Result<Option<f32>> {
         let mut all: Vec<&mut Stage> = stages.iter_mut().collect();
         reduce_and_step(&mut all, &self.devices, &self.shared)
+    }
+
+    /// What the last stage's loss gradient is seeded with this step: the
+    /// loss scale all stages share (read from the first; waits), 1 when
+    /// the optimizer does not scale.
+    pub fn seed_scale(&self, stages: &[Stage]) -> Result<f32> {
+        match stages.first() {
+            Some(first) if self.optimizer.loss_scaling().is_some() => loss_scale_of(first).map_err(|e| on_device(self.devices[0], &first.kernels, e)),
+            _ => Ok(1.0),
+        }
+    }
+
+    /// Loss scaling's state, one for every stage (the first's); `None`
+    /// when the optimizer does not scale.
+    pub fn read_loss_scale(&self, stages: &[Stage]) -> Result<Option<LossScaleState>> {
+        match stages.first() {
+            Some(first) => first.exec.read_loss_scale().map_err(|e| on_device(self.devices[0], &first.kernels, e)),
+            None => Ok(None),
+        }
+    }
+
+    /// Restores loss scaling's state (a checkpoint's) on every stage.
+    pub fn load_loss_scale(&self, stages: &mut [Stage], state: &LossScaleState) -> Result<()> {
+        for (i, stage) in stages.iter_mut().enumerate() {
+            let kernels = stage.kernels.clone();
+            stage.exec.load_loss_scale(state).map_err(|e| on_device(self.devices[i], &kernels, e))?;
+        }
+        Ok(())
     }
 
     fn shape_of(&self, name: &str) -> Option<&Vec<usize>> {
@@ -492,6 +608,12 @@ impl Spread {
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
         let step = stages.first().map_or(0, |s| s.exec.step_count());
         let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step };
-        assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)
+        let mut ckpt = assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)?;
+        if let Some(scale) = self.read_loss_scale(stages)? {
+            for (key, value) in scale.metadata() {
+                ckpt.set_meta(key, value);
+            }
+        }
+        Ok(ckpt)
     }
 }

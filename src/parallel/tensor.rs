@@ -38,10 +38,11 @@ use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
-use crate::graph::Graph;
+use crate::graph::{Graph, PlanOptions};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::shard::{self, Slice};
 use crate::nn::{Criterion, Module};
+use crate::optim::LossScaleState;
 use crate::trainer::{Examples, ModelWidths, Targets};
 
 /// Time accounting for the steps taken.
@@ -90,6 +91,19 @@ impl TensorParallel {
     /// Splits `model` over every device of `group` as it declares, each
     /// step taking `batch` examples.
     pub fn new<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize) -> Result<Self> {
+        Self::with_options(group, model, criterion, optimizer, batch, PlanOptions::default())
+    }
+
+    /// [`TensorParallel::new`] with every segment planned by `options`
+    /// ([`Stage::with_options`]). With f16 precision each segment stores
+    /// the activations its backward reads in f16, while the all-reduced
+    /// sums and gradients between segments stay f32; a loss-scaled
+    /// `optimizer` seeds the head with the scale and keeps one scale on
+    /// every segment. `checkpoint_activations` changes nothing here:
+    /// each segment's backward already recomputes its forward from its
+    /// input (the segments are cut at every all-reduce, so none holds a
+    /// whole block to recompute on its own).
+    pub fn with_options<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize, options: PlanOptions) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         if batch == 0 {
             return Err(Error::InvalidArgument { op: "TensorParallel", reason: "the batch needs at least one example".into() });
@@ -110,7 +124,7 @@ impl TensorParallel {
                     continue;
                 }
                 let end = if i == segments { StageEnd::Last(criterion) } else { StageEnd::Middle };
-                let stage = Stage::from_graph(k.clone(), seg.graph, seg.input, seg.output, i > 0, end, optimizer).map_err(|e| on_device(r, k, e))?;
+                let stage = Stage::with_options(k.clone(), seg.graph, &[], seg.input, seg.output, i > 0, end, optimizer, options).map_err(|e| on_device(r, k, e))?;
                 if i == segments {
                     head = Some(stage);
                 } else {
@@ -207,10 +221,11 @@ impl TensorParallel {
         let input = input.into();
         check_batch("TensorParallel::step", self.batch, self.widths.inputs, self.target_width, input, targets)?;
         let wall = Instant::now();
+        let seed = self.spread.seed_scale(&self.stages)?;
         let mut communication = self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
-        self.stages[head].set_targets(targets, 1.0).map_err(|e| on_device(0, &k0, e))?;
+        self.stages[head].set_targets(targets, seed).map_err(|e| on_device(0, &k0, e))?;
         self.stages[head].backward(true).map_err(|e| on_device(0, &k0, e))?;
         if self.segments > 0 {
             let view = self.stages[head].input_gradient_view().ok_or_else(|| Error::InvalidArgument { op: "TensorParallel", reason: "the last segment yields no input gradient".into() })?;
@@ -323,6 +338,12 @@ impl TrainEngine for TensorParallel {
     /// Each split parameter's state split as it is ([`Spread::load_state`]).
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         self.spread.load_state(&mut self.stages, params, state, step)
+    }
+    fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        self.spread.read_loss_scale(&self.stages)
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        self.spread.load_loss_scale(&mut self.stages, state)
     }
     /// One line: how the model is split.
     fn describe(&self) -> String {

@@ -204,7 +204,8 @@ pub struct RunInfo {
     /// Why it is not the precision asked for, when it is not.
     pub precision_note: Option<String>,
     /// Bytes of activations a step holds from forward to backward
-    /// (`Plan::held_activation_bytes`), where one graph holds the model.
+    /// (`Plan::held_activation_bytes`): a replica's, or the stages' on the
+    /// fullest device.
     pub held_activation_bytes: Option<u64>,
 }
 
@@ -391,7 +392,15 @@ impl<T: Task> TrainingRun<T> {
             precision: if f16 { Precision::F16 } else { Precision::F32 },
             held_activation_bytes: match engine.holding() {
                 Holding::Replica(t) => Some(t.executor().plan().held_activation_bytes),
-                _ => None,
+                // A stage's executor holds one micro-batch's (one
+                // segment's): the stages on each device added up.
+                Holding::Stages(spread, stages) => {
+                    let mut per_device = std::collections::HashMap::<usize, u64>::new();
+                    for (&device, stage) in spread.devices().iter().zip(stages) {
+                        *per_device.entry(device).or_default() += stage.executor().plan().held_activation_bytes;
+                    }
+                    per_device.into_values().max()
+                }
             },
             precision_note: (config.precision == Precision::F16 && !f16).then(|| {
                 let without: Vec<String> = group.members().iter().zip(group.labels()).filter(|(k, _)| !k.supports_f16()).map(|(_, label)| label).collect();
@@ -488,13 +497,7 @@ impl<T: Task> TrainingRun<T> {
         if let Some(path) = &self.config.save {
             self.task.save(self.engine.as_ref(), &self.model, &self.config, Some(&evaluation), path)?;
         }
-        let loss_scale = match self.engine.holding() {
-            Holding::Replica(t) => match t.executor().optimizer() {
-                Some(o) => o.read_loss_scale(t.executor().kernels())?,
-                None => None,
-            },
-            _ => None,
-        };
+        let loss_scale = self.engine.read_loss_scale()?;
         let steps = (last + 1).saturating_sub(first);
         Ok(Some(Summary {
             steps,

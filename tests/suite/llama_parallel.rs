@@ -30,7 +30,7 @@ const STEPS: u64 = 10;
 pub(crate) const CLIP: f32 = 0.1;
 
 /// L2, C16, 4 heads of 4 channels over 2 KV heads, MLP 22 (11 per device).
-fn config(tied: bool) -> LlamaConfig {
+pub(crate) fn config(tied: bool) -> LlamaConfig {
     LlamaConfig {
         vocab_size: VOCAB,
         block_size: T,

@@ -37,6 +37,7 @@ mod mixed_precision;
 mod modules;
 mod optim;
 mod parallel;
+mod parallel_f16_checkpointing;
 mod pipeline_cache;
 mod quant_weights;
 mod rowwise;
