@@ -242,6 +242,67 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The `loss scale: final …` line of a run's output.
+fn loss_scale_line(o: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout.lines().find(|l| l.starts_with("loss scale: final")).unwrap_or_else(|| panic!("no loss scale line: {}", text(o))).to_string()
+}
+
+/// `--precision f16 --checkpoint-activations` across processes: `mpirun
+/// -n 2` against one process with the same flags, then both resumed from
+/// the single-process folder, whose loss scale (grown every 2 steps) rank 0
+/// reads and sends to rank 1. Before rank 0's broadcast carried it, every
+/// rank restarted at the initial scale.
+#[test]
+fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("gpt-f16");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot) = (p("text.txt"), p("loss.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let single_a = p("single_a");
+    let f16 = ["--precision", "f16", "--checkpoint-activations", "--loss-scale-interval", "2"];
+    let args = |out: &'static str, steps: &'static str, resume: Option<&str>| -> Vec<String> {
+        let mut all: Vec<String> = gpt_args(&text_file, &p(out), &plot, steps).into_iter().map(String::from).collect();
+        all.extend(f16.iter().map(|s| s.to_string()));
+        if let Some(from) = resume {
+            all.extend(["--resume".to_string(), from.to_string()]);
+        }
+        all
+    };
+
+    let (single, _) = run(WGRAD, &strs(&args("single_a", "8", None)));
+    assert!(single.status.success(), "{}", text(&single));
+    let (o, _) = mpirun(2, &[], &strs(&args("mpi_a", "8", None)));
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("over 2 processes") && stdout.contains("precision f16"), "{stdout}");
+    let (want, got) = (final_validation_loss(&single), final_validation_loss(&o));
+    // Relative 1e-3: summation order only (printed to 4 decimals).
+    assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2, f16 + checkpointing: validation loss {got} against one process's {want}");
+    assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "mpirun -n 2: the loss scale");
+    eprintln!("gpt f16 + checkpointing: mpirun -n 2 validation loss {got}, one process {want}; {}", loss_scale_line(&o));
+
+    let (o, _) = run(WGRAD, &strs(&args("single_b", "12", Some(&single_a))));
+    assert!(o.status.success(), "{}", text(&o));
+    let want_scale = loss_scale_line(&o);
+    let want = final_validation_loss(&o);
+    let (o, _) = mpirun(2, &[], &strs(&args("mpi_b", "12", Some(&single_a))));
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    assert_eq!(loss_scale_line(&o), want_scale, "resumed under mpirun -n 2: the loss scale");
+    let got = final_validation_loss(&o);
+    assert!((got - want).abs() <= 1e-3 * want, "resumed under mpirun -n 2: validation loss {got} against one process's {want}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `mpirun -n 2|3 wgrad train --model gpt --parallel zero` at stages 2
 /// and 3 (the arena cut between the ranks: reduce-scatter and all-gather
 /// over MPI) against one process on one device, and ZeRO-3 resumed from the
