@@ -288,7 +288,8 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     // Relative 1e-3: summation order only (printed to 4 decimals).
     assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2, f16 + checkpointing: validation loss {got} against one process's {want}");
     assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "mpirun -n 2: the loss scale");
-    eprintln!("gpt f16 + checkpointing: mpirun -n 2 validation loss {got}, one process {want}; {}", loss_scale_line(&o));
+    let diff = assert_same_gpt("mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_a"), &single_a);
+    eprintln!("gpt f16 + checkpointing: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}, validation loss {got} against {want}; {}", loss_scale_line(&o));
 
     let (o, _) = run(WGRAD, &strs(&args("single_b", "12", Some(&single_a))));
     assert!(o.status.success(), "{}", text(&o));
@@ -300,6 +301,8 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     assert_eq!(loss_scale_line(&o), want_scale, "resumed under mpirun -n 2: the loss scale");
     let got = final_validation_loss(&o);
     assert!((got - want).abs() <= 1e-3 * want, "resumed under mpirun -n 2: validation loss {got} against one process's {want}");
+    let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_b"), &p("single_b"));
+    eprintln!("gpt f16 + checkpointing resumed: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
