@@ -306,6 +306,49 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `--precision f16` where one process's device has no SHADER_F16 (rank 0
+/// on lavapipe, rank 1 on llvmpipe-GL, one mpirun of two programs): the
+/// whole job trains in f32 and says why, ending where one process in f32
+/// ends. Rank 0 alone in f16 would add loss-scaled gradients to rank 1's
+/// unscaled ones.
+#[test]
+fn mpi_f16_falls_back_to_f32_everywhere_when_a_rank_lacks_shader_f16() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let (adapters, _) = run(WGRAD, &["adapters"]);
+    let listing = String::from_utf8_lossy(&adapters.stdout);
+    if !(listing.contains("SHADER_F16=yes") && listing.contains("backend: Gl")) {
+        eprintln!("needs an adapter with SHADER_F16 and a GL one: skipping");
+        return;
+    }
+    let dir = out_dir("gpt-f16-mixed");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot, single, mixed) = (p("text.txt"), p("loss.png"), p("single"), p("mixed"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let (o, _) = run(WGRAD, &gpt_args(&text_file, &single, &plot, "8"));
+    assert!(o.status.success(), "{}", text(&o));
+    let want = final_validation_loss(&o);
+    let rank = |backend: &'static str| -> Vec<&str> {
+        let mut args = vec!["-n", "1", WGRAD];
+        args.extend(gpt_args(&text_file, &mixed, &plot, "8"));
+        args.extend(["--precision", "f16", "--distributed", "mpi", "--parallel", "data", "--backend", backend]);
+        args
+    };
+    let mut all = rank("vulkan");
+    all.push(":");
+    all.extend(rank("gl"));
+    let (o, _) = run("mpirun", &all);
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("another process has no SHADER_F16, so this run trains in f32") && !stdout.contains("loss scale: final"), "{stdout}");
+    let got = final_validation_loss(&o);
+    // Relative 1e-3: summation order and two backends' rounding.
+    assert!((got - want).abs() <= 1e-3 * want, "f16 asked, f32 run over lavapipe + GL: validation loss {got} against one process's {want}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `mpirun -n 2|3 wgrad train --model gpt --parallel zero` at stages 2
 /// and 3 (the arena cut between the ranks: reduce-scatter and all-gather
 /// over MPI) against one process on one device, and ZeRO-3 resumed from the
