@@ -178,6 +178,19 @@ fn mlp_single(k: &Arc<wgrad::Kernels>, steps: u64) -> Trainer {
     t
 }
 
+/// Every replica against one device's run: the same loss scale's state,
+/// and parameters up to the shards' summation order (f32 ulps of the
+/// gradient, compounded over AdamW steps; measured: 6e-6).
+fn assert_replicas_follow(what: &str, replicas: &[Trainer], single: &Trainer) {
+    let (want_state, want) = (state(single), single.executor().parameters().unwrap());
+    for (r, t) in replicas.iter().enumerate() {
+        assert_eq!(state(t), want_state, "{what}: replica {r}'s loss scale against one device's");
+        for ((name, _, g), (_, _, w)) in t.executor().parameters().unwrap().iter().zip(&want) {
+            assert_close(&format!("{what}: {name} on replica {r}"), g, w, 1e-5, 1e-4);
+        }
+    }
+}
+
 /// Only device 0's shard overflows, yet device 1 (finite gradients of its
 /// own) skips the step too: the all-reduced gradient holds the inf. Both
 /// skip exactly the single device's step, halve the scale alike and end
@@ -204,14 +217,7 @@ fn an_overflow_on_one_replica_skips_the_step_on_every_replica() {
                 }
             }
         }
-        for (r, t) in dp.replicas().iter().enumerate() {
-            assert_eq!(state(t), want, "replica {r}'s loss scale against one device's");
-            for ((name, _, g), (_, _, w)) in t.executor().parameters().unwrap().iter().zip(&single.executor().parameters().unwrap()) {
-                // The shards' gradients summed in another order (f32 ulps),
-                // compounded over AdamW steps (measured: 6e-6).
-                assert_close(&format!("{name} on replica {r}"), g, w, 1e-5, 1e-4);
-            }
-        }
+        assert_replicas_follow("after an overflow", dp.replicas(), &single);
     }
 }
 
@@ -239,15 +245,8 @@ fn a_resplit_keeps_the_loss_scale() {
             let (x, y) = mlp_batch(step, OVERFLOW);
             dp.step(&x, Targets::Values(&y), false).unwrap();
         }
-        let want = state(&single);
-        assert!(want.scale > SCALING.init_scale, "the scale grew after the skip: {want:?}");
-        for (r, t) in dp.replicas().iter().enumerate() {
-            assert_eq!(state(t), want, "replica {r}");
-            for ((name, _, g), (_, _, w)) in t.executor().parameters().unwrap().iter().zip(&single.executor().parameters().unwrap()) {
-                // As in the overflow test above.
-                assert_close(&format!("{name} on replica {r}"), g, w, 1e-5, 1e-4);
-            }
-        }
+        assert!(state(&single).scale > SCALING.init_scale, "the scale grew after the skip: {:?}", state(&single));
+        assert_replicas_follow("re-split", dp.replicas(), &single);
     }
 }
 
@@ -269,13 +268,7 @@ fn distributed_data_parallel_carries_the_loss_scale() {
         let want = state(&single);
         assert_eq!(state(engine.replica()), want);
         engine.sync_from_root().unwrap();
-        for (r, t) in engine.local().replicas().iter().enumerate() {
-            assert_eq!(state(t), want, "replica {r} after sync_from_root");
-            for ((name, _, g), (_, _, w)) in t.executor().parameters().unwrap().iter().zip(&single.executor().parameters().unwrap()) {
-                // As in the overflow test above.
-                assert_close(&format!("{name} on replica {r}"), g, w, 1e-5, 1e-4);
-            }
-        }
+        assert_replicas_follow("after sync_from_root", engine.local().replicas(), &single);
         // Resuming as the training run does: state, then the scale from
         // the checkpoint's metadata, then rank 0's state to every rank.
         let ckpt = engine.checkpoint().unwrap();
