@@ -18,7 +18,7 @@ use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, MSELoss, Sequential};
 use wgrad::optim::{AdamW, LossScaleState, LossScaling};
 use wgrad::parallel::data::{DataParallel, Split};
-use wgrad::parallel::distributed::{DistributedDataParallel, SingleProcess};
+use wgrad::parallel::distributed::{DistributedDataParallel, ProcessGroup, SingleProcess};
 use wgrad::parallel::engine::{Strategy, TrainEngine};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::train::{Evaluation, LanguageModel, Summary, TextSource, TrainConfig, TrainingRun};
@@ -315,10 +315,9 @@ fn an_f16_checkpointed_data_parallel_run_ends_where_one_device_ends() {
     let regroup = || DeviceGroup::from_kernels(group.members().to_vec()).unwrap();
     let want = TrainingRun::with_kernels(group.members()[0].clone(), config.clone(), task(), &mut ()).unwrap().fit(&mut ()).unwrap().unwrap();
     let data = TrainConfig { strategy: Some(Strategy::Data), ..config };
-    // Across processes the split names rows per process.
-    let runs: [(&str, Option<Vec<usize>>, Option<Arc<dyn wgrad::parallel::distributed::ProcessGroup>>); 2] =
-        [("data parallel", Some(SPLIT.to_vec()), None), ("distributed, one process", None, Some(Arc::new(SingleProcess)))];
-    for (what, split, processes) in runs {
+    for (what, across_processes) in [("data parallel", false), ("distributed, one process", true)] {
+        // Across processes the split names rows per process.
+        let (split, processes) = if across_processes { (None, Some(Arc::new(SingleProcess) as Arc<dyn ProcessGroup>)) } else { (Some(SPLIT.to_vec()), None) };
         let mut run = TrainingRun::with_devices(regroup(), TrainConfig { split, ..data.clone() }, task(), processes, &mut ()).unwrap();
         assert_eq!(run.info().precision, Precision::F16, "{what}");
         assert!(run.info().held_activation_bytes.is_some(), "{what}");
