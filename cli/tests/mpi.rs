@@ -242,6 +242,113 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The `loss scale: final …` line of a run's output.
+fn loss_scale_line(o: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout.lines().find(|l| l.starts_with("loss scale: final")).unwrap_or_else(|| panic!("no loss scale line: {}", text(o))).to_string()
+}
+
+/// `--precision f16 --checkpoint-activations` across processes: `mpirun
+/// -n 2` against one process with the same flags, then both resumed from
+/// the single-process folder, whose loss scale (grown every 2 steps) rank 0
+/// reads and sends to rank 1. Before rank 0's broadcast carried it, every
+/// rank restarted at the initial scale.
+#[test]
+fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("gpt-f16");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot) = (p("text.txt"), p("loss.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let single_a = p("single_a");
+    let f16 = ["--precision", "f16", "--checkpoint-activations", "--loss-scale-interval", "2"];
+    let args = |out: &'static str, steps: &'static str, resume: Option<&str>| -> Vec<String> {
+        let mut all: Vec<String> = gpt_args(&text_file, &p(out), &plot, steps).into_iter().map(String::from).collect();
+        all.extend(f16.iter().map(|s| s.to_string()));
+        if let Some(from) = resume {
+            all.extend(["--resume".to_string(), from.to_string()]);
+        }
+        all
+    };
+
+    let (single, _) = run(WGRAD, &strs(&args("single_a", "8", None)));
+    assert!(single.status.success(), "{}", text(&single));
+    let (o, _) = mpirun(2, &[], &strs(&args("mpi_a", "8", None)));
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("over 2 processes") && stdout.contains("precision f16"), "{stdout}");
+    let (want, got) = (final_validation_loss(&single), final_validation_loss(&o));
+    // Relative 1e-3: summation order only (printed to 4 decimals).
+    assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2, f16 + checkpointing: validation loss {got} against one process's {want}");
+    assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "mpirun -n 2: the loss scale");
+    let diff = assert_same_gpt("mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_a"), &single_a);
+    eprintln!("gpt f16 + checkpointing: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}, validation loss {got} against {want}; {}", loss_scale_line(&o));
+
+    let (o, _) = run(WGRAD, &strs(&args("single_b", "12", Some(&single_a))));
+    assert!(o.status.success(), "{}", text(&o));
+    let want_scale = loss_scale_line(&o);
+    let want = final_validation_loss(&o);
+    let (o, _) = mpirun(2, &[], &strs(&args("mpi_b", "12", Some(&single_a))));
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    assert_eq!(loss_scale_line(&o), want_scale, "resumed under mpirun -n 2: the loss scale");
+    let got = final_validation_loss(&o);
+    assert!((got - want).abs() <= 1e-3 * want, "resumed under mpirun -n 2: validation loss {got} against one process's {want}");
+    let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_b"), &p("single_b"));
+    eprintln!("gpt f16 + checkpointing resumed: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--precision f16` where one process's device has no SHADER_F16 (rank 0
+/// on lavapipe, rank 1 on llvmpipe-GL, one mpirun of two programs): the
+/// whole job trains in f32 and says why, ending where one process in f32
+/// ends. Rank 0 alone in f16 would add loss-scaled gradients to rank 1's
+/// unscaled ones.
+#[test]
+fn mpi_f16_falls_back_to_f32_everywhere_when_a_rank_lacks_shader_f16() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let (adapters, _) = run(WGRAD, &["adapters"]);
+    let listing = String::from_utf8_lossy(&adapters.stdout);
+    if !(listing.contains("SHADER_F16=yes") && listing.contains("backend: Gl")) {
+        eprintln!("needs an adapter with SHADER_F16 and a GL one: skipping");
+        return;
+    }
+    let dir = out_dir("gpt-f16-mixed");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot, single, mixed) = (p("text.txt"), p("loss.png"), p("single"), p("mixed"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let (o, _) = run(WGRAD, &gpt_args(&text_file, &single, &plot, "8"));
+    assert!(o.status.success(), "{}", text(&o));
+    let want = final_validation_loss(&o);
+    let rank = |backend: &'static str| -> Vec<&str> {
+        let mut args = vec!["-n", "1", WGRAD];
+        args.extend(gpt_args(&text_file, &mixed, &plot, "8"));
+        args.extend(["--precision", "f16", "--distributed", "mpi", "--parallel", "data", "--backend", backend]);
+        args
+    };
+    let mut all = rank("vulkan");
+    all.push(":");
+    all.extend(rank("gl"));
+    let (o, _) = run("mpirun", &all);
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("another process has no SHADER_F16, so this run trains in f32") && !stdout.contains("loss scale: final"), "{stdout}");
+    let got = final_validation_loss(&o);
+    // Relative 1e-3: summation order and two backends' rounding.
+    assert!((got - want).abs() <= 1e-3 * want, "f16 asked, f32 run over lavapipe + GL: validation loss {got} against one process's {want}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `mpirun -n 2|3 wgrad train --model gpt --parallel zero` at stages 2
 /// and 3 (the arena cut between the ranks: reduce-scatter and all-gather
 /// over MPI) against one process on one device, and ZeRO-3 resumed from the

@@ -22,8 +22,10 @@ use super::data::{arenas, balanced_split, fixed_rows, makespan, proportional_spl
 use super::engine::{own_steps, Holding, TrainEngine};
 use super::DeviceGroup;
 use crate::error::{Error, Result};
+use crate::graph::PlanOptions;
 use crate::kernels::OptimizerConfig;
 use crate::nn::{Criterion, Staged};
+use crate::optim::LossScaleState;
 use crate::trainer::{Examples, Targets, Trainer};
 
 /// The processes of one job, and the few collectives data parallel
@@ -117,6 +119,19 @@ pub fn broadcast_u64(group: &dyn ProcessGroup, root: usize, values: &mut Vec<u64
     Ok(())
 }
 
+/// Loss scaling's state as bytes to broadcast (the checkpoint's metadata,
+/// `key=value` lines); empty without loss scaling.
+fn loss_scale_bytes(state: Option<&LossScaleState>) -> Vec<u8> {
+    state.map_or_else(Vec::new, |s| s.metadata().into_iter().map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes())
+}
+
+/// The state [`loss_scale_bytes`] wrote, checked as a checkpoint's is.
+fn loss_scale_from_bytes(bytes: &[u8]) -> Result<Option<LossScaleState>> {
+    let text = std::str::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "load loss scale", reason: format!("not text: {e}") })?;
+    let pairs: Vec<(&str, &str)> = text.lines().filter_map(|line| line.split_once('=')).collect();
+    LossScaleState::from_metadata(|key| pairs.iter().find(|(k, _)| *k == key).map(|(_, v)| *v))
+}
+
 /// Steps between broadcasts of rank 0's state to every replica (and, in
 /// a process, of replica 0's to the others).
 pub const SYNC_EVERY: u64 = 50;
@@ -187,6 +202,27 @@ impl DistributedDataParallel {
         global_batch: usize,
         process_rows: Option<Vec<usize>>,
     ) -> Result<Self> {
+        Self::with_options(group, local_devices, model, criterion, optimizer, global_batch, process_rows, PlanOptions::default())
+    }
+
+    /// [`DistributedDataParallel::new`] with every local replica planned
+    /// with `options` ([`DataParallel::with_options`]: f16 activations,
+    /// activation checkpointing). Every rank must pass the same options and
+    /// optimizer: with loss scaling each rank's scaler reads the same
+    /// all-reduced gradients (an overflow anywhere is an inf or NaN in the
+    /// sum everywhere), so every replica of every process skips the same
+    /// steps, and [`TrainEngine::sync_from_root`] carries rank 0's scale.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options<M: Staged + Clone + Send + Sync + 'static>(
+        group: Arc<dyn ProcessGroup>,
+        local_devices: &DeviceGroup,
+        model: &M,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        process_rows: Option<Vec<usize>>,
+        options: PlanOptions,
+    ) -> Result<Self> {
         let (rank, size) = (group.rank(), group.size());
         let fixed_split = process_rows.is_some();
         let shares = match process_rows {
@@ -200,7 +236,7 @@ impl DistributedDataParallel {
                 reason: format!("rank {rank} gets {} rows for {devices} local devices; use a larger batch", shares[rank]),
             });
         }
-        let local = DataParallel::new(local_devices, model, criterion, optimizer, shares[rank], Split::Measured { every: 20 })?;
+        let local = DataParallel::with_options(local_devices, model, criterion, optimizer, shares[rank], Split::Measured { every: 20 }, options)?;
         log::info!("rank {rank}: replicas built");
         let mut ddp = DistributedDataParallel {
             group,
@@ -399,12 +435,17 @@ impl TrainEngine for DistributedDataParallel {
     fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
         self.local.load_state(params, state, step)
     }
-    /// Copies rank 0's replica-0 parameters, optimizer state and step count
-    /// to every process's replica 0, then to its other replicas.
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        self.local.load_loss_scale(state)
+    }
+    /// Copies rank 0's replica-0 parameters, optimizer state, step count
+    /// and loss scaling's state to every process's replica 0, then to its
+    /// other replicas.
     fn sync_from_root(&mut self) -> Result<()> {
         let root = self.group.rank() == 0;
         let replica0 = &self.local.replicas()[0];
         let mut step = vec![replica0.executor().step_count()];
+        let mut scale = if root { loss_scale_bytes(replica0.executor().read_loss_scale()?.as_ref()) } else { Vec::new() };
         let device0 = &self.local.devices()[0];
         for view in &arenas(replica0) {
             let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
@@ -419,8 +460,16 @@ impl TrainEngine for DistributedDataParallel {
         }
         broadcast_u64(self.group.as_ref(), 0, &mut step)?;
         let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
+        self.group.broadcast_bytes(0, &mut scale)?;
+        let scale = loss_scale_from_bytes(&scale).map_err(|e| self.error("broadcast state", format!("rank 0's loss scale: {e}")))?;
         for t in self.local.replicas_mut() {
+            // Setting the step starts loss scaling afresh at that step;
+            // rank 0's state (its scale, skips and bias-correction count)
+            // then replaces it.
             t.executor_mut().load_state(&[], &[], Some(step))?;
+            if let Some(scale) = &scale {
+                t.executor_mut().load_loss_scale(scale)?;
+            }
         }
         self.local.synchronise()
     }

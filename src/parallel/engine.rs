@@ -134,7 +134,7 @@ impl Strategy {
         options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
         let plain = options.precision == Precision::F32 && !options.checkpoint_activations;
-        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data | Strategy::Tensor | Strategy::Pipeline, None)) {
+        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Tensor | Strategy::Pipeline, None) | (Strategy::Data, _)) {
             return Err(Error::InvalidArgument {
                 op: "train",
                 reason: format!("--precision f16 and --checkpoint-activations train on one device or data parallel in one process, not yet {}", self.flag(processes.is_some())),
@@ -143,7 +143,7 @@ impl Strategy {
         Ok(match (self, processes) {
             (Strategy::Single, None) => Box::new(Trainer::with_blocks(group.members()[0].clone(), model, criterion, optimizer, batch, options)?),
             (Strategy::Data, None) => Box::new(DataParallel::with_options(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows), options)?),
-            (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::new(g, group, model, criterion, optimizer, batch, split)?),
+            (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::with_options(g, group, model, criterion, optimizer, batch, split, options)?),
             (Strategy::Tensor, None) => Box::new(TensorParallel::with_options(group, model, criterion, optimizer, batch, options)?),
             (Strategy::Pipeline, None) => Box::new(Pipeline::with_options(group, model, criterion, optimizer, batch, micro_batches, schedule, None, options)?),
             // In one process stages 2 and 3 run block by block, holding

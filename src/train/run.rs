@@ -351,7 +351,14 @@ impl<T: Task> TrainingRun<T> {
         }
         // f16 where every device has SHADER_F16, so replicas and stages
         // compute alike; f32 everywhere otherwise (the run says so).
-        let f16 = config.precision == Precision::F16 && group.members().iter().all(|k| k.supports_f16());
+        let mut f16 = config.precision == Precision::F16 && group.members().iter().all(|k| k.supports_f16());
+        // Across processes too: a rank in f32 would add unscaled gradients
+        // to the others' scaled ones.
+        if let (Some(g), Precision::F16) = (&processes, config.precision) {
+            let mut ranks_with_f16 = [f64::from(u8::from(f16))];
+            g.all_reduce_sum(&mut ranks_with_f16)?;
+            f16 = ranks_with_f16[0] as usize == g.size();
+        }
         let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
         let precision = if f16 { Precision::F16 } else { Precision::F32 };
         let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
@@ -404,7 +411,8 @@ impl<T: Task> TrainingRun<T> {
             },
             precision_note: (config.precision == Precision::F16 && !f16).then(|| {
                 let without: Vec<String> = group.members().iter().zip(group.labels()).filter(|(k, _)| !k.supports_f16()).map(|(_, label)| label).collect();
-                format!("--precision f16: {} has no SHADER_F16, so this run trains in f32", without.join(", "))
+                let without = if without.is_empty() { "a device of another process".to_string() } else { without.join(", ") };
+                format!("--precision f16: {without} has no SHADER_F16, so this run trains in f32")
             }),
         };
         Ok(TrainingRun { config, task, model, group, engine, root, info })

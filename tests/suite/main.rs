@@ -10,6 +10,7 @@ mod activation_checkpointing;
 mod batch;
 mod checkpoint;
 mod data;
+mod data_parallel_precision;
 mod device;
 mod f16_weights;
 mod finetune;
