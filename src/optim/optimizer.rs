@@ -57,7 +57,8 @@ struct ClipNorm {
 /// Buffers and dispatches of dynamic loss scaling (which also clips, by
 /// the unscaled norm, when the optimizer clips).
 struct LossScaler {
-    _partials: GpuTensor,
+    /// Per-chunk (Σ (grad / scale)², non-finite count) pairs.
+    partials: GpuTensor,
     /// The loss-scale block (`kernels::loss_scale_word`).
     block: GpuTensor,
     dispatches: [Dispatch; 2],
@@ -213,7 +214,7 @@ impl Optimizer {
             Some(scaling) => {
                 let (partials, block) = (kernels.zeros(2 * grad_norm_groups(arena_len))?, kernels.upload(&loss_scale_block(&scaling))?);
                 let dispatches = kernels.loss_scale(block.view(), partials.view(), grads, &config)?;
-                Some(LossScaler { _partials: partials, block, dispatches })
+                Some(LossScaler { partials, block, dispatches })
             }
             None => None,
         };
@@ -347,6 +348,29 @@ impl Optimizer {
         kernels.write(c.norm.view(), &[total_norm, factor])?;
         self.prepare_step(kernels)?;
         kernels.submit_pass("optimizer_step", std::iter::once(&self.update), |_| {}, |_| {})?;
+        self.finish_step();
+        Ok(())
+    }
+
+    /// One loss-scaled step whose overflow check and clipping norm are a
+    /// whole model's, gathered from the shards several optimizers update
+    /// (ZeRO): `unscaled_squares` is Σ (grad / scale)² over every shard's
+    /// finite gradients, `non_finite` how many are inf or NaN. These
+    /// replace this arena's own partial sums, so every shard's optimizer
+    /// given the same two numbers skips (or takes) the step, backs off or
+    /// grows the scale, and counts its steps alike.
+    pub(crate) fn step_with_loss_scale_sums(&mut self, kernels: &Kernels, unscaled_squares: f64, non_finite: u64) -> Result<()> {
+        let Some(s) = &self.scaler else {
+            return Err(Error::InvalidArgument { op: "optimizer_step_with_loss_scale_sums", reason: "needs an optimizer with loss_scaling".into() });
+        };
+        // The finish kernel adds every partial pair: the first pair holds
+        // the sums, the others zeros (adding zeros leaves them exact).
+        let mut partials = vec![0.0f32; s.partials.len()];
+        partials[0] = unscaled_squares as f32;
+        partials[1] = non_finite as f32;
+        kernels.write(s.partials.view(), &partials)?;
+        self.prepare_step(kernels)?;
+        kernels.submit_pass("optimizer_step", [&s.dispatches[1], &self.update].into_iter(), |_| {}, |_| {})?;
         self.finish_step();
         Ok(())
     }

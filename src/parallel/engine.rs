@@ -134,7 +134,7 @@ impl Strategy {
         options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
         let plain = options.precision == Precision::F32 && !options.checkpoint_activations;
-        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data, None)) {
+        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data | Strategy::Zero(_), None)) {
             return Err(Error::InvalidArgument {
                 op: "train",
                 reason: format!("--precision f16 and --checkpoint-activations train on one device or data parallel in one process, not yet {}", self.flag(processes.is_some())),
@@ -149,8 +149,8 @@ impl Strategy {
             // In one process stages 2 and 3 run block by block, holding
             // one stage's gradients at a time; across processes they keep
             // whole arenas ([`super::zero`]).
-            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, stage, split)?),
-            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
+            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::with_options(group, model, criterion, optimizer, batch, stage, split, options)?),
+            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split, options)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })
     }

@@ -88,6 +88,21 @@ impl StageGraph {
     }
 }
 
+impl StageGraph {
+    /// This stage with the activations its backward reads stored in f16
+    /// ([`Graph::with_f16_activations`]; its input, output and the
+    /// gradients it takes and yields stay f32), and where `input` and
+    /// `output` now are.
+    pub fn with_f16_activations(self, input: Tensor, output: Tensor) -> Result<(Self, Tensor, Tensor)> {
+        let (graph, grads, at) = self.graph.with_f16_activations(&self.grads)?;
+        let e = self.ends;
+        let moved = |t: Option<Tensor>| t.map(|t| at.tensor(t));
+        let ends = StageEnds { seed: at.tensor(e.seed), input_grad: moved(e.input_grad), target: moved(e.target), loss: moved(e.loss), prediction: moved(e.prediction), criterion: e.criterion };
+        let outputs = self.outputs.iter().map(|&t| at.tensor(t)).collect();
+        Ok((StageGraph { graph, outputs, grads, ends }, at.tensor(input), at.tensor(output)))
+    }
+}
+
 impl Stage {
     /// A stage over a graph already holding `input -> output`; with
     /// `input_grad` its backward also yields d loss / d input.

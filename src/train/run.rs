@@ -488,13 +488,7 @@ impl<T: Task> TrainingRun<T> {
         if let Some(path) = &self.config.save {
             self.task.save(self.engine.as_ref(), &self.model, &self.config, Some(&evaluation), path)?;
         }
-        let loss_scale = match self.engine.holding() {
-            Holding::Replica(t) => match t.executor().optimizer() {
-                Some(o) => o.read_loss_scale(t.executor().kernels())?,
-                None => None,
-            },
-            _ => None,
-        };
+        let loss_scale = self.engine.read_loss_scale()?;
         let steps = (last + 1).saturating_sub(first);
         Ok(Some(Summary {
             steps,
