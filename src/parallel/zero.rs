@@ -228,30 +228,15 @@ impl Zero {
         Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows, PlanOptions::default())
     }
 
-    /// [`Zero::new`] with every replica planned with `options`: f16
-    /// activations (the optimizer then scales the loss: see
-    /// [`step_shards`]) and activation checkpointing block by block; the
-    /// arena alignment is the group's, whatever `options` says.
-    #[allow(clippy::too_many_arguments)]
-    pub fn with_options(
-        group: &DeviceGroup,
-        model: &dyn Staged,
-        criterion: impl Into<Criterion>,
-        optimizer: impl Into<OptimizerConfig>,
-        global_batch: usize,
-        stage: ZeroStage,
-        rows: Option<Vec<usize>>,
-        options: PlanOptions,
-    ) -> Result<Self> {
-        Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows, options)
-    }
-
     /// [`Zero::new`] over the local devices of every process of
     /// `processes` (when given): the arena is cut into a range per rank,
     /// each cut again over that rank's devices, and `rows` fixes the rows
     /// per process (else even); a process splits its rows evenly over its
-    /// devices. Every rank starts from rank 0's parameters. `options` as
-    /// in [`Zero::with_options`].
+    /// devices. Every rank starts from rank 0's parameters. Every replica
+    /// is planned with `options`: f16 activations (the optimizer then
+    /// scales the loss: see [`step_shards`]) and activation checkpointing
+    /// block by block; the arena alignment is the group's, whatever
+    /// `options` says.
     #[allow(clippy::too_many_arguments)]
     pub fn across(
         processes: Option<Arc<dyn ProcessGroup>>,

@@ -482,7 +482,7 @@ fn every_zero_device_skips_a_step_any_shard_overflows() {
     let optimizer: OptimizerConfig = AdamW::new(1e-2).weight_decay(0.1).clip_grad_norm(1.0).loss_scaling(LossScaling { init_scale: 2f32.powi(112), ..LossScaling::default() }).into();
     let f16 = PlanOptions { precision: Precision::F16, ..PlanOptions::default() };
     let step = |engine: &mut dyn TrainEngine, (x, y): &(Vec<f32>, Vec<f32>)| engine.step(x.as_slice().into(), Targets::Values(y), true).unwrap().unwrap();
-    let mut z = Zero::with_options(group, &model, MSELoss, optimizer, BATCH, ZeroStage::OptimizerState, Some(rows(2)), f16).unwrap();
+    let mut z = Zero::across(None, group, &model, MSELoss, optimizer, BATCH, ZeroStage::OptimizerState, Some(rows(2)), f16).unwrap();
     let (mut want, mut partial) = (Vec::new(), 0);
     for (s, batch) in batches.iter().enumerate() {
         let before = z.loss_scales().unwrap();
