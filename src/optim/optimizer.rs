@@ -370,7 +370,7 @@ impl Optimizer {
         partials[1] = non_finite as f32;
         kernels.write(s.partials.view(), &partials)?;
         self.prepare_step(kernels)?;
-        kernels.submit_pass("optimizer_step", [&s.dispatches[1], &self.update].into_iter(), |_| {}, |_| {})?;
+        kernels.submit_pass("optimizer_step", [&s.dispatches[1], &self.update], |_| {}, |_| {})?;
         self.finish_step();
         Ok(())
     }
