@@ -134,7 +134,7 @@ impl Strategy {
         options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
         let plain = options.precision == Precision::F32 && !options.checkpoint_activations;
-        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data | Strategy::Zero(_), None)) {
+        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Data, None) | (Strategy::Zero(_), _)) {
             return Err(Error::InvalidArgument {
                 op: "train",
                 reason: format!("--precision f16 and --checkpoint-activations train on one device or data parallel in one process, not yet {}", self.flag(processes.is_some())),

@@ -50,6 +50,7 @@
 //! optimizer's views must start at a device's storage-offset alignment),
 //! as even as that allows: the last devices may hold a block less.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -608,6 +609,17 @@ pub(super) fn load_loss_scale(optimizers: &mut [Optimizer], devices: &[Arc<Kerne
     Ok(())
 }
 
+/// Rank `root`'s loss scaling `state` (`None` where it does not scale) on
+/// every rank, sent as its checkpoint metadata.
+pub(super) fn broadcast_loss_scale(group: &dyn ProcessGroup, root: usize, state: Option<LossScaleState>) -> Result<Option<LossScaleState>> {
+    let state = if group.rank() == root { state } else { None };
+    let mut bytes = state.iter().flat_map(LossScaleState::metadata).map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes();
+    group.broadcast_bytes(root, &mut bytes)?;
+    let text = String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "broadcast loss scale", reason: e.to_string() })?;
+    let pairs: HashMap<&str, &str> = text.lines().filter_map(|line| line.split_once('=')).collect();
+    LossScaleState::from_metadata(|key| pairs.get(key).copied())
+}
+
 fn unsettled() -> Error {
     Error::InvalidArgument { op: "Zero across processes", reason: "each rank holds shards: call settle() on every rank before reading parameters or state".into() }
 }
@@ -650,6 +662,8 @@ impl TrainEngine for Zero {
     fn sync_from_root(&mut self) -> Result<()> {
         let Some(g) = self.processes.clone() else { return Ok(()) };
         let root = g.rank() == 0;
+        // Read before `write_state` below resets it to its step's fresh state.
+        let scale = broadcast_loss_scale(g.as_ref(), 0, if root { self.read_loss_scale()? } else { None })?;
         let mut whole = if root { self.devices[0].read(self.replicas[0].executor().parameter_arena())? } else { Vec::new() };
         broadcast_f32(g.as_ref(), 0, &mut whole)?;
         self.write_everywhere(&whole)?;
@@ -664,6 +678,9 @@ impl TrainEngine for Zero {
             }
             let step = header.get(1).copied().filter(|&s| s != u64::MAX);
             self.write_state(&arenas, step)?;
+        }
+        if let Some(scale) = &scale {
+            load_loss_scale(&mut self.optimizers, &self.devices, scale)?;
         }
         // Whole until the next step releases them, so a load on rank 0
         // before it (resuming) reads whole parameters.
