@@ -46,6 +46,14 @@
 //! so the parameters and state are read on rank 0 after the collective
 //! [`TrainEngine::settle`] gathered them.
 //!
+//! With f16 activations the optimizers scale the loss dynamically, one
+//! scale for every device and rank: each replica's loss gradient is
+//! seeded with the scale the shards' optimizers hold (they hold the
+//! same), and before the update the host's sums of the whole gradient's
+//! squares and inf/NaN count (it reads the summed gradients anyway)
+//! replace each shard's own ([`step_shards`]), so an overflow anywhere
+//! skips the step on every device.
+//!
 //! Shards are whole blocks of [`group_arena_alignment`] bytes (an
 //! optimizer's views must start at a device's storage-offset alignment),
 //! as even as that allows: the last devices may hold a block less.

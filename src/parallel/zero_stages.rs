@@ -41,6 +41,10 @@
 //! inputs ([`ZeroStages::memory`], which
 //! [`super::memory::strategy_memory`] computes without a device).
 //!
+//! So activation checkpointing is what this engine always does; f16
+//! stores what each stage's backward reads in f16 (boundaries stay f32),
+//! and one loss scale serves every device as in [`super::zero`].
+//!
 //! The flat arena packs every parameter once, weight-decayed first, in
 //! the order the stages declare them (the single-device executor's
 //! order), so parameters and moments read, save and load under
