@@ -277,15 +277,17 @@ impl Trainer {
     /// arenas laid out (weight-decayed parameters first) as `optimizer`
     /// lays them out, for an engine that keeps the optimizer elsewhere
     /// (ZeRO: each device the state of its shard of the arena only).
+    /// `options.checkpoint_activations` recomputes the model's blocks as
+    /// [`Trainer::with_blocks`] does.
     pub fn without_optimizer(
         kernels: Arc<Kernels>,
-        model: &dyn Module,
+        model: &dyn Staged,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, None, criterion.into(), optimizer.into(), batch_size, options, false)
+        Self::build(kernels, model, Some(model), criterion.into(), optimizer.into(), batch_size, options, false)
     }
 
     /// The graph of `model` (by its blocks when checkpointing a `staged`

@@ -231,12 +231,14 @@ struct TrainArgs {
     #[arg(long)]
     distributed: Option<String>,
     /// f16: keep the activations the backward reads in f16 (half their
-    /// bytes) with dynamic loss scaling; needs SHADER_F16 (else trains in
-    /// f32, and says so) and one device.
+    /// bytes) with dynamic loss scaling, on one device or any --parallel
+    /// engine; needs SHADER_F16 on every device (else trains in f32, and
+    /// says so).
     #[arg(long, default_value = "f32")]
     precision: String,
     /// Recompute each transformer block's forward in its backward: less
-    /// activation memory for more compute (one device).
+    /// activation memory for more compute (one device or any --parallel
+    /// engine).
     #[arg(long)]
     checkpoint_activations: bool,
     /// f16: clean steps before the loss scale doubles (GradScaler's growth_interval).

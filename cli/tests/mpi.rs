@@ -417,3 +417,58 @@ fn a_failing_rank_stops_a_gpt_job() {
     assert!(!Path::new(&out).exists(), "no model folder from a failed job");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The `loss scale: final …` line of a run's output.
+fn loss_scale_line(o: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout.lines().find(|l| l.starts_with("loss scale:")).unwrap_or_else(|| panic!("no loss scale line: {}", text(o))).to_string()
+}
+
+/// `--precision f16 --checkpoint-activations` (the loss scale doubling
+/// every 2 clean steps) under `mpirun -n 2 wgrad train --model gpt
+/// --parallel zero` at stages 1 and 3 against one process on one device
+/// with the same flags: one loss scale across the ranks (the same final
+/// scale printed) and the same validation loss (relative 1e-3: summation
+/// order and the rows each rank stores in f16); then ZeRO-3 resumed from
+/// the single-process folder, whose loss scale rank 0 reads and sends to
+/// the other rank, against the single process resumed.
+#[test]
+fn mpi_zero_in_f16_with_checkpointing_matches_one_process() {
+    if !mpi_available() {
+        eprintln!("mpirun not found: skipping");
+        return;
+    }
+    let dir = out_dir("zero-f16");
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (text_file, plot) = (p("text.txt"), p("loss.png"));
+    std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let flags = ["--precision", "f16", "--checkpoint-activations", "--loss-scale-interval", "2"];
+    let with_flags = |out: &str, steps: &'static str| -> Vec<String> { gpt_args(&text_file, out, &plot, steps).into_iter().chain(flags).map(String::from).collect() };
+    let (single_a, single_b) = (p("single_a"), p("single_b"));
+    let args = with_flags(&single_a, "8");
+    let (single, _) = run(WGRAD, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(single.status.success(), "{}", text(&single));
+    let (want, want_scale) = (final_validation_loss(&single), loss_scale_line(&single));
+    for stage in ["1", "3"] {
+        let out = p(&format!("zero{stage}"));
+        let args = with_flags(&out, "8");
+        let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", stage], &args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(o.status.success(), "{}", text(&o));
+        let got = final_validation_loss(&o);
+        assert!((got - want).abs() <= 1e-3 * want, "f16 ZeRO-{stage} over 2 processes: validation loss {got} against one process's {want}");
+        assert_eq!(loss_scale_line(&o), want_scale, "f16 ZeRO-{stage} over 2 processes");
+    }
+    let mut args = with_flags(&single_b, "12");
+    args.extend(["--resume".to_string(), single_a.clone()]);
+    let (single, _) = run(WGRAD, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(single.status.success(), "{}", text(&single));
+    let resumed = p("zero3_resumed");
+    let mut args = with_flags(&resumed, "12");
+    args.extend(["--resume".to_string(), single_a.clone()]);
+    let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", "3"], &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", text(&o));
+    let (got, want) = (final_validation_loss(&o), final_validation_loss(&single));
+    assert!((got - want).abs() <= 1e-3 * want, "f16 ZeRO-3 resumed over 2 processes: validation loss {got} against one process's {want}");
+    assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "f16 ZeRO-3 resumed over 2 processes");
+    std::fs::remove_dir_all(&dir).ok();
+}

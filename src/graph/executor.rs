@@ -773,6 +773,15 @@ impl Executor {
         self.grads.as_ref().map(|g| g.view())
     }
 
+    /// The loss gradient a training step's backward starts from (one f32,
+    /// 1 unless overwritten), for an owner whose optimizer lives outside
+    /// this executor and scales the loss (ZeRO's shards): `None` without
+    /// a backward seeded from a loss.
+    pub fn loss_seed_view(&self) -> Option<View<'_>> {
+        let seed = self.gradients.as_ref()?.seed();
+        matches!(self.plan.storage[seed.0], Storage::Constant { .. }).then(|| self.view(seed).ok()).flatten()
+    }
+
     /// The optimizer's state arenas (same layout as the parameters).
     pub fn state_arenas(&self) -> Vec<View<'_>> {
         self.optimizer.as_ref().map_or_else(Vec::new, Optimizer::state_arenas)

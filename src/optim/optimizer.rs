@@ -379,11 +379,12 @@ impl Optimizer {
     }
 
     /// One loss-scaled step deciding by `squares` and `non_finite`, totals
-    /// of [`Optimizer::loss_scale_sums`] over every executor of a model:
-    /// they are written as this arena's only partial sums, then the
-    /// scaler's finish and the update run as on one executor. Executors
-    /// holding the same scale state so take or skip the step together,
-    /// clip by the whole model's norm and move their scales alike.
+    /// of [`Optimizer::loss_scale_sums`] over every executor of a model (or
+    /// over the shards of a ZeRO arena): they are written as this arena's
+    /// only partial sums, then the scaler's finish and the update run as on
+    /// one executor. Executors holding the same scale state so take or skip
+    /// the step together, clip by the whole model's norm and move their
+    /// scales alike.
     pub(crate) fn step_with_loss_scale_sums(&mut self, kernels: &Kernels, squares: f64, non_finite: f64) -> Result<()> {
         let s = self.scaler("optimizer_step_with_loss_scale_sums")?;
         let mut partials = vec![0.0f32; s.partials.view().len];

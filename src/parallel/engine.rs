@@ -17,7 +17,7 @@ use super::zero_stages::ZeroStages;
 use super::DeviceGroup;
 use crate::io::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::graph::{PlanOptions, Precision};
+use crate::graph::PlanOptions;
 use crate::kernels::OptimizerConfig;
 use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
@@ -41,22 +41,6 @@ pub trait Parallelizable: Staged + Clone + Send + Sync + 'static {}
 impl<M: Staged + Clone + Send + Sync + 'static> Parallelizable for M {}
 
 impl Strategy {
-    /// The command-line flags that choose this strategy, for messages.
-    fn flag(self, across_processes: bool) -> String {
-        let parallel = match self {
-            Strategy::Single => "--parallel none".to_string(),
-            Strategy::Data => "--parallel data".to_string(),
-            Strategy::Pipeline => "--parallel pipeline".to_string(),
-            Strategy::Tensor => "--parallel tensor".to_string(),
-            Strategy::Zero(stage) => format!("--parallel zero --zero-stage {}", stage.number()),
-        };
-        if across_processes {
-            format!("{parallel} --distributed")
-        } else {
-            parallel
-        }
-    }
-
     pub fn parse(name: &str) -> Result<Self> {
         match name.trim().to_ascii_lowercase().as_str() {
             "none" | "single" => Ok(Strategy::Single),
@@ -133,13 +117,6 @@ impl Strategy {
         split: Option<Vec<usize>>,
         options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
-        let plain = options.precision == Precision::F32 && !options.checkpoint_activations;
-        if !plain && !matches!((self, &processes), (Strategy::Single | Strategy::Tensor | Strategy::Pipeline, None) | (Strategy::Data, _)) {
-            return Err(Error::InvalidArgument {
-                op: "train",
-                reason: format!("--precision f16 and --checkpoint-activations train on one device or data parallel in one process, not yet {}", self.flag(processes.is_some())),
-            });
-        }
         Ok(match (self, processes) {
             (Strategy::Single, None) => Box::new(Trainer::with_blocks(group.members()[0].clone(), model, criterion, optimizer, batch, options)?),
             (Strategy::Data, None) => Box::new(DataParallel::with_options(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows), options)?),
@@ -149,8 +126,8 @@ impl Strategy {
             // In one process stages 2 and 3 run block by block, holding
             // one stage's gradients at a time; across processes they keep
             // whole arenas ([`super::zero`]).
-            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::new(group, model, criterion, optimizer, batch, stage, split)?),
-            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split)?),
+            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::with_options(group, model, criterion, optimizer, batch, stage, split, options)?),
+            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split, options)?),
             (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
         })
     }

@@ -46,10 +46,19 @@
 //! so the parameters and state are read on rank 0 after the collective
 //! [`TrainEngine::settle`] gathered them.
 //!
+//! With f16 activations the optimizers scale the loss dynamically, one
+//! scale for every device and rank: each replica's loss gradient is
+//! seeded with the scale the shards' optimizers hold (they hold the
+//! same), and before the update the host's sums of the whole gradient's
+//! squares and inf/NaN count (it reads the summed gradients anyway)
+//! replace each shard's own ([`step_shards`]), so an overflow anywhere
+//! skips the step on every device.
+//!
 //! Shards are whole blocks of [`group_arena_alignment`] bytes (an
 //! optimizer's views must start at a device's storage-offset alignment),
 //! as even as that allows: the last devices may hold a block less.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,8 +74,8 @@ use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
 use crate::io::checkpoint::Checkpoint;
 use crate::kernels::{Kernels, OptimizerConfig, View};
-use crate::nn::{Criterion, Module};
-use crate::optim::{stage_state, Optimizer, ParamSpan};
+use crate::nn::{Criterion, Staged};
+use crate::optim::{stage_state, LossScaleState, Optimizer, ParamSpan};
 use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets, Trainer};
 
 /// What each device keeps only a shard of.
@@ -127,6 +136,62 @@ pub fn shard_ranges(len: usize, parts: usize, block: usize) -> Result<Vec<Range<
 
 const BYTES: u64 = 4;
 
+/// What the shards' optimizers need of the whole summed gradient, added
+/// shard by shard: Σ g² over its finite values (as the f32 values the
+/// devices receive) and how many are inf or NaN.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct GradSums {
+    squares: f64,
+    non_finite: u64,
+}
+
+impl GradSums {
+    pub(super) fn of(values: impl IntoIterator<Item = f32>) -> Self {
+        values.into_iter().fold(GradSums::default(), |sums, v| match v.is_finite() {
+            true => GradSums { squares: sums.squares + f64::from(v).powi(2), ..sums },
+            false => GradSums { non_finite: sums.non_finite + 1, ..sums },
+        })
+    }
+
+    pub(super) fn plus(self, other: GradSums) -> Self {
+        GradSums { squares: self.squares + other.squares, non_finite: self.non_finite + other.non_finite }
+    }
+}
+
+/// The loss scale the next step seeds its loss gradient with, where the
+/// optimizers scale (every shard's block holds the same: device 0's is
+/// read; waits for its queue).
+pub(super) fn next_loss_scale(optimizers: &[Optimizer], devices: &[Arc<Kernels>]) -> Result<Option<f32>> {
+    match (optimizers.first(), devices.first()) {
+        (Some(o), Some(k)) => Ok(o.read_loss_scale(k).map_err(|e| on_device(0, k, e))?.map(|s| s.scale)),
+        _ => Ok(None),
+    }
+}
+
+/// Every shard's optimizer steps on the whole gradient's `sums`: with
+/// loss scaling (the gradients computed at `scale`) each takes the same
+/// overflow count and unscaled norm, so every device skips or takes the
+/// step alike and keeps the same scale; otherwise each clips by the
+/// global norm (when clipping). Returns that norm (of the unscaled
+/// gradient, before clipping).
+pub(super) fn step_shards(optimizers: &mut [Optimizer], devices: &[Arc<Kernels>], sums: GradSums, scale: Option<f32>) -> Result<f32> {
+    let norm = match (scale, sums.non_finite) {
+        (Some(scale), _) => (sums.squares.sqrt() / f64::from(scale)) as f32,
+        (None, 0) => sums.squares.sqrt() as f32,
+        (None, _) => f32::INFINITY,
+    };
+    for (i, (o, k)) in optimizers.iter_mut().zip(devices).enumerate() {
+        let clips = o.config().clip_grad_norm().is_some();
+        match scale {
+            Some(scale) => o.step_with_loss_scale_sums(k, sums.squares / f64::from(scale).powi(2), sums.non_finite as f64),
+            None if clips => o.step_with_grad_norm(k, norm),
+            None => o.step(k),
+        }
+        .map_err(|e| on_device(i, k, e))?;
+    }
+    Ok(norm)
+}
+
 pub struct Zero {
     stage: ZeroStage,
     devices: Vec<Arc<Kernels>>,
@@ -162,31 +227,36 @@ impl Zero {
     /// step, split evenly or as `rows` fixes.
     pub fn new(
         group: &DeviceGroup,
-        model: &dyn Module,
+        model: &dyn Staged,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
-        Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows)
+        Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows, PlanOptions::default())
     }
 
     /// [`Zero::new`] over the local devices of every process of
     /// `processes` (when given): the arena is cut into a range per rank,
     /// each cut again over that rank's devices, and `rows` fixes the rows
     /// per process (else even); a process splits its rows evenly over its
-    /// devices. Every rank starts from rank 0's parameters.
+    /// devices. Every rank starts from rank 0's parameters. Every replica
+    /// is planned with `options`: f16 activations (the optimizer then
+    /// scales the loss: see [`step_shards`]) and activation checkpointing
+    /// block by block; the arena alignment is the group's, whatever
+    /// `options` says.
     #[allow(clippy::too_many_arguments)]
     pub fn across(
         processes: Option<Arc<dyn ProcessGroup>>,
         group: &DeviceGroup,
-        model: &dyn Module,
+        model: &dyn Staged,
         criterion: impl Into<Criterion>,
         optimizer: impl Into<OptimizerConfig>,
         global_batch: usize,
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
+        options: PlanOptions,
     ) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         let devices = group.members().to_vec();
@@ -204,7 +274,7 @@ impl Zero {
             }
         };
         let alignment = group_arena_alignment(&devices);
-        let options = PlanOptions { arena_alignment: alignment, ..PlanOptions::default() };
+        let options = PlanOptions { arena_alignment: alignment, ..options };
         let replicas = devices
             .iter()
             .zip(&shares)
@@ -296,6 +366,13 @@ impl Zero {
         self.last_grad_norm
     }
 
+    /// Each device's loss scaling state (f16; `None` where the optimizer
+    /// does not scale): every shard's optimizer keeps its own, and a step
+    /// keeps them equal. Waits for every device.
+    pub fn loss_scales(&self) -> Result<Vec<Option<LossScaleState>>> {
+        self.optimizers.iter().zip(&self.devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
+    }
+
     /// Every device's shard of `arena` (one view per device).
     fn shard_parts<'a>(&'a self, arena: impl Fn(&'a Trainer) -> Option<View<'a>>) -> Result<Vec<Part<'a>>> {
         self.replicas
@@ -368,16 +445,15 @@ impl Zero {
         let since = Instant::now();
         self.settled = None;
         self.gather_parameters()?;
+        let scale = next_loss_scale(&self.optimizers, &self.devices)?;
+        if let Some(scale) = scale {
+            self.seed_loss(scale)?;
+        }
         backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
         self.release_parameters()?;
         let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
-        let norm = self.reduce_gradients(&weights, since)?.sqrt() as f32;
-        self.last_grad_norm = Some(norm);
-        let clips = self.optimizer.clip_grad_norm().is_some();
-        for (i, o) in self.optimizers.iter_mut().enumerate() {
-            let k = &self.devices[i];
-            if clips { o.step_with_grad_norm(k, norm) } else { o.step(k) }.map_err(|e| on_device(i, k, e))?;
-        }
+        let sums = self.reduce_gradients(&weights, since)?;
+        self.last_grad_norm = Some(step_shards(&mut self.optimizers, &self.devices, sums, scale)?);
         if self.stage != ZeroStage::Parameters {
             self.gathered = false;
             self.gather_parameters()?;
@@ -392,28 +468,38 @@ impl Zero {
         Ok(Some(self.sum_over_processes(total)? as f32))
     }
 
+    /// Every replica's loss gradient becomes `scale` (f16: the loss
+    /// scale every shard's optimizer holds).
+    fn seed_loss(&self, scale: f32) -> Result<()> {
+        for (i, (t, k)) in self.replicas.iter().zip(&self.devices).enumerate() {
+            let seed = t.executor().loss_seed_view().ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "loss scaling needs a backward seeded from a loss".into() })?;
+            k.write(seed, &[scale]).map_err(|e| on_device(i, k, e))?;
+        }
+        Ok(())
+    }
+
     /// Sums the devices' gradients weighted by `weights` (all-reduced at
     /// stage 1, reduce-scattered after: see the module comment) and returns
-    /// the sum of squares of the whole summed gradient, added shard by
-    /// shard (each as the f32 values the devices receive).
-    fn reduce_gradients(&mut self, weights: &[f64], since: Instant) -> Result<f64> {
-        let square = |sum: &[f64]| sum.iter().map(|&v| f64::from(v as f32).powi(2)).sum::<f64>();
+    /// the whole summed gradient's squares and overflows ([`GradSums`]),
+    /// added shard by shard (each as the f32 values the devices receive).
+    fn reduce_gradients(&mut self, weights: &[f64], since: Instant) -> Result<GradSums> {
+        let square = |sum: &[f64]| GradSums::of(sum.iter().map(|&v| v as f32));
         let grads = self.whole_parts(|t| t.executor().gradient_arena())?;
         let Some(g) = &self.processes else {
-            let mut squares = vec![0.0f64; self.devices.len()];
+            let mut sums = vec![GradSums::default(); self.devices.len()];
             if self.stage == ZeroStage::OptimizerState {
                 all_reduce_then(&grads, Some(weights), self.bucket, since, &mut |sum| {
-                    squares[0] += square(sum);
+                    sums[0] = sums[0].plus(square(sum));
                     Ok(())
                 })?;
             } else {
                 let dsts = self.shard_parts(|t| t.executor().gradient_arena())?;
                 reduce_scatter_then(&grads, Some(weights), &dsts, self.bucket, since, &mut |shard, sum| {
-                    squares[shard] += square(sum);
+                    sums[shard] = sums[shard].plus(square(sum));
                     Ok(())
                 })?;
             }
-            return Ok(squares.iter().sum());
+            return Ok(sums.into_iter().fold(GradSums::default(), GradSums::plus));
         };
         // Across processes: this process's devices summed on the host, then
         // the sum over processes of this rank's range (of all of it at stage 1).
@@ -435,7 +521,10 @@ impl Zero {
             }
             own
         };
-        self.sum_over_processes(square(&own))
+        let own = square(&own);
+        let mut both = [own.squares, own.non_finite as f64];
+        g.all_reduce_sum(&mut both)?;
+        Ok(GradSums { squares: both[0], non_finite: both[1] as u64 })
     }
 
     /// The mean loss of one global batch without training, split as a step.
@@ -511,6 +600,34 @@ impl Zero {
     }
 }
 
+/// `ckpt` with loss scaling's `state` in its metadata, when scaling.
+pub(super) fn with_loss_scale(mut ckpt: Checkpoint, state: Option<LossScaleState>) -> Result<Checkpoint> {
+    for (key, value) in state.iter().flat_map(LossScaleState::metadata) {
+        ckpt.set_meta(key, value);
+    }
+    Ok(ckpt)
+}
+
+/// Loss scaling's `state` into every shard's optimizer (nothing where
+/// they do not scale).
+pub(super) fn load_loss_scale(optimizers: &mut [Optimizer], devices: &[Arc<Kernels>], state: &LossScaleState) -> Result<()> {
+    for (i, (o, k)) in optimizers.iter_mut().zip(devices).enumerate() {
+        o.import_loss_scale(k, state).map_err(|e| on_device(i, k, e))?;
+    }
+    Ok(())
+}
+
+/// Rank `root`'s loss scaling `state` (`None` where it does not scale) on
+/// every rank, sent as its checkpoint metadata.
+pub(super) fn broadcast_loss_scale(group: &dyn ProcessGroup, root: usize, state: Option<LossScaleState>) -> Result<Option<LossScaleState>> {
+    let state = if group.rank() == root { state } else { None };
+    let mut bytes = state.iter().flat_map(LossScaleState::metadata).map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes();
+    group.broadcast_bytes(root, &mut bytes)?;
+    let text = String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "broadcast loss scale", reason: e.to_string() })?;
+    let pairs: HashMap<&str, &str> = text.lines().filter_map(|line| line.split_once('=')).collect();
+    LossScaleState::from_metadata(|key| pairs.get(key).copied())
+}
+
 fn unsettled() -> Error {
     Error::InvalidArgument { op: "Zero across processes", reason: "each rank holds shards: call settle() on every rank before reading parameters or state".into() }
 }
@@ -553,6 +670,8 @@ impl TrainEngine for Zero {
     fn sync_from_root(&mut self) -> Result<()> {
         let Some(g) = self.processes.clone() else { return Ok(()) };
         let root = g.rank() == 0;
+        // Read before `write_state` below resets it to its step's fresh state.
+        let scale = broadcast_loss_scale(g.as_ref(), 0, if root { self.read_loss_scale()? } else { None })?;
         let mut whole = if root { self.devices[0].read(self.replicas[0].executor().parameter_arena())? } else { Vec::new() };
         broadcast_f32(g.as_ref(), 0, &mut whole)?;
         self.write_everywhere(&whole)?;
@@ -568,6 +687,9 @@ impl TrainEngine for Zero {
             let step = header.get(1).copied().filter(|&s| s != u64::MAX);
             self.write_state(&arenas, step)?;
         }
+        if let Some(scale) = &scale {
+            load_loss_scale(&mut self.optimizers, &self.devices, scale)?;
+        }
         // Whole until the next step releases them, so a load on rank 0
         // before it (resuming) reads whole parameters.
         Ok(())
@@ -577,7 +699,14 @@ impl TrainEngine for Zero {
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
         let about = CheckpointAbout { model: self.replicas[0].model_description(), criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
-        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
+        with_loss_scale(assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)?, self.read_loss_scale()?)
+    }
+    /// Device 0's shard's: every shard's optimizer holds the same state.
+    fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        self.optimizers[0].read_loss_scale(&self.devices[0])
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        load_loss_scale(&mut self.optimizers, &self.devices, state)
     }
     /// Parameters (by name) on every device, each device's shard of the
     /// optimizer state (checked whole first), and the step.

@@ -41,6 +41,10 @@
 //! inputs ([`ZeroStages::memory`], which
 //! [`super::memory::strategy_memory`] computes without a device).
 //!
+//! So activation checkpointing is what this engine always does; f16
+//! stores what each stage's backward reads in f16 (boundaries stay f32),
+//! and one loss scale serves every device as in [`super::zero`].
+//!
 //! The flat arena packs every parameter once, weight-decayed first, in
 //! the order the stages declare them (the single-device executor's
 //! order), so parameters and moments read, save and load under
@@ -57,14 +61,14 @@ use super::engine::{features, own_steps, Footprint, Holding, TrainEngine};
 use super::memory::{DeviceMemory, Planning};
 use super::pipeline::unit_graph;
 use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGraph};
-use super::zero::{shard_ranges, ZeroStage};
+use super::zero::{load_loss_scale, next_loss_scale, shard_ranges, step_shards, with_loss_scale, GradSums, ZeroStage};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
-use crate::graph::{ArenaPool, Plan, PlanOptions, Tensor};
+use crate::graph::{ArenaPool, Plan, PlanOptions, Precision, Tensor};
 use crate::io::checkpoint::Checkpoint;
 use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
-use crate::optim::{apply_parameter_groups, stage_state, Optimizer, ParamSpan};
+use crate::optim::{apply_parameter_groups, stage_state, LossScaleState, Optimizer, ParamSpan};
 use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets};
 
 const BYTES: u64 = 4;
@@ -91,8 +95,9 @@ fn stage_units<M: Staged + ?Sized>(model: &M) -> Vec<(Range<usize>, bool, bool)>
 }
 
 /// Each stage's trainable graph on `rows` rows, its parameters grouped as
-/// `optimizer` groups them: (graph, input, output).
-fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion, optimizer: &OptimizerConfig) -> Result<Vec<(StageGraph, Tensor, Tensor)>> {
+/// `optimizer` groups them, the activations its backward reads stored in
+/// `precision`: (graph, input, output).
+fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion, optimizer: &OptimizerConfig, precision: Precision) -> Result<Vec<(StageGraph, Tensor, Tensor)>> {
     let units = stage_units(model);
     let mut stream = Vec::new();
     units
@@ -100,8 +105,11 @@ fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion
         .map(|(blocks, first, last)| {
             let (g, input, output) = unit_graph(model, first, last, blocks, rows, &mut stream)?;
             let end = if last { StageEnd::Last(criterion) } else { StageEnd::Middle };
-            let mut s = StageGraph::complete(g, input, output, !first, end)?;
+            // Its input, output and the gradients it takes and yields stay f32.
+            let mut ends = [input, output];
+            let mut s = StageGraph::complete(g, input, output, !first, end)?.with_passes(&[], false, precision == Precision::F16, &mut ends)?;
             apply_parameter_groups(&mut s.graph, optimizer)?;
+            let [input, output] = ends;
             Ok((s, input, output))
         })
         .collect()
@@ -145,7 +153,7 @@ fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], input
 /// more).
 pub fn planned_memory<M: Staged + ?Sized>(model: &M, stage: ZeroStage, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
-    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
+    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, Precision::F32)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
     let (arena, slots) = pool_lengths(&plans);
     let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
@@ -206,6 +214,27 @@ impl ZeroStages {
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
+        Self::with_options(group, model, criterion, optimizer, global_batch, stage, rows, PlanOptions::default())
+    }
+
+    /// [`ZeroStages::new`] with `options`: f16 stores the activations each
+    /// stage's backward reads in f16 on devices with SHADER_F16 (stage
+    /// boundaries stay f32; the optimizer then scales the loss, one scale
+    /// for every device: see [`super::zero::step_shards`]).
+    /// `checkpoint_activations` changes nothing: every stage (one block)
+    /// already recomputes its forward in its backward, holding only the
+    /// stages' inputs between the passes (module comment).
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options(
+        group: &DeviceGroup,
+        model: &dyn Staged,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        global_batch: usize,
+        stage: ZeroStage,
+        rows: Option<Vec<usize>>,
+        options: PlanOptions,
+    ) -> Result<Self> {
         if stage == ZeroStage::OptimizerState {
             return Err(Error::InvalidArgument { op: "ZeroStages", reason: "ZeRO-1 keeps whole gradients: run it with the whole-arena Zero engine".into() });
         }
@@ -223,7 +252,8 @@ impl ZeroStages {
         let mut initial: HashMap<String, Vec<f32>> = HashMap::new();
         for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
             let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
-                let graphs = stage_graphs(model, n, criterion, &optimizer)?;
+                let precision = if k.supports_f16() { options.precision } else { Precision::F32 };
+                let graphs = stage_graphs(model, n, criterion, &optimizer, precision)?;
                 let alignment = k.device().limits().min_storage_buffer_offset_alignment;
                 let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment)).collect();
                 let (arena, slots) = pool_lengths(&plans);
@@ -353,6 +383,13 @@ impl ZeroStages {
         self.last_grad_norm
     }
 
+    /// Each device's loss scaling state (f16; `None` where the optimizer
+    /// does not scale): every shard's optimizer keeps its own, and a step
+    /// keeps them equal. Waits for every device.
+    pub fn loss_scales(&self) -> Result<Vec<Option<LossScaleState>>> {
+        self.optimizers.iter().zip(&self.devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
+    }
+
     /// The part of the flat range `range` each device's shard holds:
     /// (device, offset in its shard, offset in `range`, length).
     fn pieces(&self, range: Range<usize>) -> Vec<(usize, usize, usize, usize)> {
@@ -454,9 +491,9 @@ impl ZeroStages {
     /// Stage `s`'s gradient, just computed on every device, summed over
     /// devices (weighted, in f64 in device order) and each device's part
     /// written to its shard. A parameter other stages also declare waits
-    /// in `pending` until every stage added its part. Returns the sum of
-    /// squares of the gradients completed (as the f32 values sent).
-    fn reduce_scatter_stage(&self, s: usize, weights: &[f64], pending: &mut HashMap<usize, (usize, Vec<f64>)>, since: Instant) -> Result<f64> {
+    /// in `pending` until every stage added its part. Returns the squares
+    /// and overflows of the gradients completed (as the f32 values sent).
+    fn reduce_scatter_stage(&self, s: usize, weights: &[f64], pending: &mut HashMap<usize, (usize, Vec<f64>)>, since: Instant) -> Result<GradSums> {
         let pairs: Vec<(&Kernels, View<'_>)> = self
             .devices
             .iter()
@@ -464,7 +501,7 @@ impl ZeroStages {
             .map(|(d, k)| Ok((k.as_ref(), self.pools[d].grads.slice(0, self.stages[d][s].executor().plan().param_arena_len)?)))
             .collect::<Result<_>>()?;
         let (grads, _) = to_host(&pairs, since)?;
-        let mut squares = 0.0f64;
+        let mut sums = GradSums::default();
         for (p, &(i, _)) in self.placed[0][s].iter().enumerate() {
             let len = self.spans[i].len();
             let (count, sum) = pending.entry(i).or_insert_with(|| (0, vec![0.0; len]));
@@ -478,14 +515,14 @@ impl ZeroStages {
             }
             let (_, sum) = pending.remove(&i).unwrap_or_default();
             let values: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
-            squares += values.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>();
+            sums = sums.plus(GradSums::of(values.iter().copied()));
             let offset = self.spans[i].offset;
             for (d, at, within, n) in self.pieces(offset..offset + len) {
                 let k = &self.devices[d];
                 k.write(self.shard_grads[d].slice(at, n)?, &values[within..within + n]).map_err(|e| on_device(d, k, e))?;
             }
         }
-        Ok(squares)
+        Ok(sums)
     }
 
     /// Each device's rows of `x` and `targets` (checked whole first).
@@ -537,7 +574,8 @@ impl ZeroStages {
         let (count, devices) = (self.stage_count(), self.devices.len());
         let last = count - 1;
         let weights = self.weights();
-        let (mut pending, mut squares, mut loss) = (HashMap::new(), 0.0f64, 0.0f64);
+        let scale = next_loss_scale(&self.optimizers, &self.devices)?;
+        let (mut pending, mut sums, mut loss) = (HashMap::new(), GradSums::default(), 0.0f64);
         let mut output_grads: Vec<Option<Vec<f32>>> = vec![None; devices];
         for s in (0..count).rev() {
             self.gather(s)?;
@@ -547,7 +585,7 @@ impl ZeroStages {
                     stage.feed(rows[d].0, inputs[s][d].as_deref())?;
                     match output_grads[d].as_deref() {
                         Some(g) => stage.set_output_gradient(g)?,
-                        None => stage.set_targets(rows[d].1, 1.0)?,
+                        None => stage.set_targets(rows[d].1, scale.unwrap_or(1.0))?,
                     }
                     stage.backward(true)
                 };
@@ -570,15 +608,9 @@ impl ZeroStages {
                     .collect::<Result<Vec<_>>>()?;
                 output_grads = to_host(&views, since)?.0.into_iter().map(Some).collect();
             }
-            squares += self.reduce_scatter_stage(s, &weights, &mut pending, since)?;
+            sums = sums.plus(self.reduce_scatter_stage(s, &weights, &mut pending, since)?);
         }
-        let norm = squares.sqrt() as f32;
-        self.last_grad_norm = Some(norm);
-        let clips = self.optimizer.clip_grad_norm().is_some();
-        for (d, o) in self.optimizers.iter_mut().enumerate() {
-            let k = &self.devices[d];
-            if clips { o.step_with_grad_norm(k, norm) } else { o.step(k) }.map_err(|e| on_device(d, k, e))?;
-        }
+        self.last_grad_norm = Some(step_shards(&mut self.optimizers, &self.devices, sums, scale)?);
         if self.stage == ZeroStage::Gradients {
             self.gather_updated_shards()?;
         }
@@ -700,7 +732,14 @@ impl TrainEngine for ZeroStages {
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
         let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
-        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
+        with_loss_scale(assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)?, self.read_loss_scale()?)
+    }
+    /// Device 0's shard's: every shard's optimizer holds the same state.
+    fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
+        self.optimizers[0].read_loss_scale(&self.devices[0])
+    }
+    fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
+        load_loss_scale(&mut self.optimizers, &self.devices, state)
     }
     /// Parameters by name (the others keep their values) and the whole
     /// optimizer state, each checked before any device changes, then

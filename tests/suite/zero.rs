@@ -15,14 +15,18 @@ use std::time::Instant;
 
 use common::{assert_close, assert_same_parameters, rng, train_on_one_device, Parameters};
 use rand::Rng;
+use wgrad::graph::{DType, PlanOptions, Precision};
 use wgrad::kernels::OptimizerConfig;
-use wgrad::nn::{CrossEntropyLoss, Staged};
+use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential, Staged};
+use wgrad::optim::{AdamW, LossScaleState, LossScaling};
+use wgrad::parallel::engine::{Holding, Strategy};
+use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::collectives::{all_gather, reduce_scatter, Part};
 use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::zero::{shard_ranges, Zero, ZeroStage};
 use wgrad::parallel::zero_stages::ZeroStages;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::Targets;
+use wgrad::trainer::{Targets, Trainer};
 
 /// Both models' tests train 4 sequences per step.
 const BATCH: usize = 4;
@@ -314,5 +318,236 @@ fn planned_memory_equals_each_engines() {
     for (what, state) in [("ZeRO-1", zero1.memory().optimizer_state), ("ZeRO-2", second.optimizer_state), ("ZeRO-3", third.optimizer_state)] {
         let ratio = state as f64 / whole.optimizer_state as f64;
         assert!(ratio <= 0.55, "{what} keeps {ratio:.3} of data parallel's optimizer state");
+    }
+}
+
+/// `engine`'s loss every step on `batches`.
+fn losses_of(engine: &mut dyn TrainEngine, batches: &[(Vec<u32>, Vec<u32>)]) -> Vec<f32> {
+    batches.iter().map(|(ids, targets)| engine.step(ids.as_slice().into(), Targets::Classes(targets), true).unwrap().unwrap()).collect()
+}
+
+/// Every stage through [`Strategy::build`] (what `wgrad train` runs),
+/// on `group` with rows 1 + 3.
+fn zero_engine(group: &DeviceGroup, model: &dyn ParallelModel, stage: u32, optimizer: OptimizerConfig, options: PlanOptions) -> Box<dyn TrainEngine> {
+    model.build(Strategy::Zero(ZeroStage::new(stage).unwrap()), group, optimizer, options)
+}
+
+/// The Llama, as `Strategy::build` takes it (a concrete model).
+trait ParallelModel {
+    fn build(&self, strategy: Strategy, group: &DeviceGroup, optimizer: OptimizerConfig, options: PlanOptions) -> Box<dyn TrainEngine>;
+}
+
+impl ParallelModel for wgrad::models::Llama {
+    fn build(&self, strategy: Strategy, group: &DeviceGroup, optimizer: OptimizerConfig, options: PlanOptions) -> Box<dyn TrainEngine> {
+        strategy.build(group, None, self, CrossEntropyLoss.into(), optimizer, BATCH, 1, Schedule::OneFOneB, Some(rows(group.len())), options).unwrap()
+    }
+}
+
+/// `--checkpoint-activations` under each stage: the same losses as
+/// without (the recomputed forward is the forward's kernels on the same
+/// inputs; the plan may fuse the copies differently, so as
+/// activation_checkpointing.rs: 1e-6 + 1e-5·|loss|). ZeRO-1 (whole-arena
+/// replicas) holds fewer activation bytes; stages 2 and 3 run block by
+/// block and already recompute each block's forward in its backward, so
+/// they allocate exactly what they did.
+#[test]
+fn zero_with_checkpointed_activations_trains_as_without() {
+    let groups = open_groups("zero_with_checkpointed_activations_trains_as_without", &[DeviceSelection::Count(2)]);
+    let Some(group) = groups.first() else { return };
+    let model = llama_parallel::model(true);
+    let batches = &llama_parallel::batches()[..4];
+    let checkpointed = PlanOptions { checkpoint_activations: true, ..PlanOptions::default() };
+    for stage in 1..=3 {
+        let mut plain = zero_engine(group, &model, stage, llama_parallel::optimizer(), PlanOptions::default());
+        let mut recomputing = zero_engine(group, &model, stage, llama_parallel::optimizer(), checkpointed);
+        let (want, got) = (losses_of(plain.as_mut(), batches), losses_of(recomputing.as_mut(), batches));
+        assert_close(&format!("ZeRO-{stage} checkpointed losses"), &got, &want, 1e-6, 1e-5);
+        let (held, held_plain) = (recomputing.memory().activations, plain.memory().activations);
+        eprintln!("ZeRO-{stage}: activations {held} B checkpointed, {held_plain} B plain");
+        if stage == 1 {
+            let held = |e: &dyn TrainEngine| match e.holding() {
+                Holding::Replica(t) => t.executor().plan().held_activation_bytes,
+                Holding::Stages(..) => panic!("ZeRO-1 holds whole replicas"),
+            };
+            assert!(held(recomputing.as_ref()) < held(plain.as_ref()), "ZeRO-1: checkpointing holds {} B, the plain step {} B", held(recomputing.as_ref()), held(plain.as_ref()));
+        } else {
+            assert_eq!(recomputing.memory(), plain.memory(), "ZeRO-{stage} block by block allocates the same");
+        }
+    }
+}
+
+/// The optimizer with dynamic loss scaling from `init_scale`, growing
+/// after `growth_interval` clean steps.
+fn scaled(init_scale: f32, growth_interval: u32) -> OptimizerConfig {
+    llama_parallel::optimizer().with_loss_scaling(Some(LossScaling { init_scale, growth_interval, ..LossScaling::default() }))
+}
+
+/// Two lavapipe devices (SHADER_F16); `None`, said, where adapter 0 has
+/// no SHADER_F16.
+fn f16_group(test: &str) -> Option<crate::parallel::Groups> {
+    let groups = open_groups(test, &[DeviceSelection::Adapters(vec!["0".into(), "0".into()])]);
+    let group = groups.first()?;
+    if !group.members().iter().all(|k| k.supports_f16()) {
+        eprintln!("{test}: {} has no SHADER_F16, skipped", group.labels().join(", "));
+        return None;
+    }
+    Some(groups)
+}
+
+/// Whether `engine` stores some activation in f16 (each replica, or each
+/// stage of device 0).
+fn stores_f16(engine: &dyn TrainEngine) -> bool {
+    let has = |g: &wgrad::graph::Graph| g.nodes().iter().any(|n| n.dtype == DType::F16);
+    match engine.holding() {
+        Holding::Replica(t) => has(t.executor().graph()),
+        Holding::Stages(_, stages) => stages.iter().any(|s| has(s.executor().graph())),
+    }
+}
+
+/// One device in f16 on the Llama's batches: its losses and its loss
+/// scaling state at the end.
+fn one_device_f16(group: &DeviceGroup, model: &wgrad::models::Llama, optimizer: OptimizerConfig, batches: &[(Vec<u32>, Vec<u32>)]) -> (Vec<f32>, LossScaleState) {
+    let f16 = PlanOptions { precision: Precision::F16, ..PlanOptions::default() };
+    let mut single = Trainer::with_blocks(group.members()[0].clone(), model, CrossEntropyLoss, optimizer, BATCH, f16).unwrap();
+    assert_eq!(single.precision(), Precision::F16);
+    let losses = losses_of(&mut single, batches);
+    (losses, single.executor().read_loss_scale().unwrap().unwrap())
+}
+
+/// f16 activations under each stage (through `Strategy::build`, with
+/// checkpointing too) against one device in f16 and the stage's own f32
+/// run, at the default scale (no overflow here). f16 keeps 11 bits of
+/// what the backward reads, and rows split over devices store a few
+/// small tensors differently (f32 below 128 values): as
+/// mixed_precision.rs, 2% of the loss (measured: printed).
+#[test]
+fn zero_in_f16_follows_one_device_in_f16() {
+    let Some(groups) = f16_group("zero_in_f16_follows_one_device_in_f16") else { return };
+    let group = &groups[0];
+    let model = llama_parallel::model(true);
+    let batches = llama_parallel::batches();
+    let optimizer = scaled(LossScaling::default().init_scale, 2000);
+    let (want, want_scale) = one_device_f16(group, &model, optimizer, &batches);
+    assert_eq!((want_scale.skipped, want_scale.steps_taken), (0, batches.len() as u64), "no overflow at 2^16: {want_scale:?}");
+    for stage in 1..=3 {
+        let options = PlanOptions { precision: Precision::F16, checkpoint_activations: true, ..PlanOptions::default() };
+        let mut z = zero_engine(group, &model, stage, optimizer, options);
+        assert!(stores_f16(z.as_ref()), "ZeRO-{stage}: no activation stored in f16");
+        let got = losses_of(z.as_mut(), &batches);
+        assert_eq!(z.read_loss_scale().unwrap().as_ref(), Some(&want_scale), "ZeRO-{stage}: loss scaling state");
+        let f32_losses = losses_of(zero_engine(group, &model, stage, llama_parallel::optimizer(), PlanOptions::default()).as_mut(), &batches);
+        let drift = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0f32, f32::max);
+        eprintln!("ZeRO-{stage} f16: largest relative loss difference {:.1e} against one device in f16, {:.1e} against its f32 run", drift(&got, &want), drift(&got, &f32_losses));
+        assert_close(&format!("ZeRO-{stage} f16 losses against one device in f16"), &got, &want, 0.0, 0.02);
+        assert_close(&format!("ZeRO-{stage} f16 losses against its f32 run"), &got, &f32_losses, 0.0, 0.02);
+    }
+}
+
+/// Linear(200, 1) on MSE whose first 64 inputs are about 1e3 and the
+/// others about 1e-3: the gradients of the first 64 weights (the start of
+/// the arena, in the first device's shard) are about 2^18, the rest below
+/// 1, so a loss scale of 2^112 overflows the first shard alone.
+fn lopsided_model() -> Sequential {
+    nn::manual_seed(7);
+    Sequential::new(vec![Layer::Linear(Linear::new(200, 1))])
+}
+
+fn lopsided_batches() -> Vec<(Vec<f32>, Vec<f32>)> {
+    (0..8)
+        .map(|s| {
+            let mut r = rng(500 + s);
+            let x = (0..BATCH * 200).map(|i| r.random_range(-1.0f32..1.0) * if i % 200 < 64 { 1e3 } else { 1e-3 }).collect();
+            (x, (0..BATCH).map(|_| r.random_range(-1.0f32..1.0)).collect())
+        })
+        .collect()
+}
+
+/// From a loss scale so large that the first steps overflow in one
+/// device's shard alone. At ZeRO-1 every device skips a step exactly when
+/// some shard of the summed gradient overflows, including steps whose
+/// overflow lay in the first device's shard alone (asserted: there the
+/// second device's own check would have let it step), and every device's
+/// loss scaling state is the same. (A device's gradient is the mean over
+/// its own rows, so one holding fewer rows than the batch overflows a
+/// little sooner than one device would: the steps skipped are ZeRO's, as
+/// with PyTorch's DDP.) ZeRO-2 and ZeRO-3 block by block on the same rows
+/// skip the same steps and end in the same state on every device, with
+/// the same losses (summed in another order: 1e-5 relative).
+#[test]
+fn every_zero_device_skips_a_step_any_shard_overflows() {
+    let Some(groups) = f16_group("every_zero_device_skips_a_step_any_shard_overflows") else { return };
+    let group = &groups[0];
+    let model = lopsided_model();
+    let batches = lopsided_batches();
+    let optimizer: OptimizerConfig = AdamW::new(1e-2).weight_decay(0.1).clip_grad_norm(1.0).loss_scaling(LossScaling { init_scale: 2f32.powi(112), ..LossScaling::default() }).into();
+    let f16 = PlanOptions { precision: Precision::F16, ..PlanOptions::default() };
+    let step = |engine: &mut dyn TrainEngine, (x, y): &(Vec<f32>, Vec<f32>)| engine.step(x.as_slice().into(), Targets::Values(y), true).unwrap().unwrap();
+    let mut z = Zero::across(None, group, &model, MSELoss, optimizer, BATCH, ZeroStage::OptimizerState, Some(rows(2)), f16).unwrap();
+    let (mut want, mut partial) = (Vec::new(), 0);
+    for (s, batch) in batches.iter().enumerate() {
+        let before = z.loss_scales().unwrap();
+        want.push(step(&mut z, batch));
+        // ZeRO-1 all-reduces whole: device 0 holds the summed gradient.
+        let grads: Vec<f32> = group.members()[0].read(z.replicas()[0].executor().gradient_arena().unwrap()).unwrap();
+        let overflows: Vec<usize> = z.shards().iter().map(|r| grads[r.clone()].iter().filter(|g| !g.is_finite()).count()).collect();
+        let after = z.loss_scales().unwrap();
+        for (d, (b, a)) in before.iter().zip(&after).enumerate() {
+            let skipped = a.as_ref().unwrap().skipped > b.as_ref().unwrap().skipped;
+            assert_eq!(skipped, overflows.iter().any(|&n| n > 0), "step {}: device {d} skipped it: {skipped}; overflows per shard {overflows:?}", s + 1);
+        }
+        partial += usize::from(overflows[0] > 0 && overflows[1] == 0);
+    }
+    let states = z.loss_scales().unwrap();
+    let reference = states[0].clone().unwrap();
+    eprintln!("ZeRO-1 from 2^112: {}; {partial} steps overflowed in the first shard alone", reference.summary());
+    assert!(partial > 0, "ZeRO-1: no step overflowed in the first shard alone");
+    assert!(reference.steps_taken > 0, "some steps are taken: {reference:?}");
+    let mut all = vec![("ZeRO-1".to_string(), states)];
+    for stage in [2, 3] {
+        let mut z = ZeroStages::with_options(group, &model, MSELoss, optimizer, BATCH, ZeroStage::new(stage).unwrap(), Some(rows(2)), f16).unwrap();
+        let got: Vec<f32> = batches.iter().map(|b| step(&mut z, b)).collect();
+        assert_close(&format!("ZeRO-{stage} losses against ZeRO-1"), &got, &want, 0.0, 1e-5);
+        all.push((format!("ZeRO-{stage}"), z.loss_scales().unwrap()));
+    }
+    for (what, per_device) in &all {
+        for (d, state) in per_device.iter().enumerate() {
+            assert_eq!(state.as_ref(), Some(&reference), "{what}: device {d}'s loss scaling against ZeRO-1's first device");
+        }
+    }
+}
+
+/// An f16 run under ZeRO-1 and ZeRO-3 stopped after 3 steps, its
+/// checkpoint (parameters, moments, step and the loss scale, grown once
+/// by then) loaded into a fresh engine of the same stage, 3 more steps:
+/// the unbroken run's losses and scale, bit for bit (the same state on
+/// the same devices).
+#[test]
+fn a_zero_f16_run_resumes_with_its_loss_scale() {
+    let Some(groups) = f16_group("a_zero_f16_run_resumes_with_its_loss_scale") else { return };
+    let group = &groups[0];
+    let model = llama_parallel::model(false);
+    let batches = &llama_parallel::batches()[..6];
+    let optimizer = scaled(LossScaling::default().init_scale, 2);
+    let f16 = PlanOptions { precision: Precision::F16, ..PlanOptions::default() };
+    for stage in [1, 3] {
+        let mut unbroken = zero_engine(group, &model, stage, optimizer, f16);
+        let want = losses_of(unbroken.as_mut(), batches);
+        let want_scale = unbroken.read_loss_scale().unwrap().unwrap();
+        assert_eq!(want_scale.scale, 8.0 * LossScaling::default().init_scale, "ZeRO-{stage}: grown every 2 clean steps");
+
+        let mut first = zero_engine(group, &model, stage, optimizer, f16);
+        losses_of(first.as_mut(), &batches[..3]);
+        let ckpt = first.checkpoint().unwrap();
+        let scale = LossScaleState::from_metadata(|key| ckpt.meta(key)).unwrap().expect("the checkpoint carries the loss scale");
+        assert_eq!(scale.scale, 2.0 * LossScaling::default().init_scale, "ZeRO-{stage}: the scale after 3 steps");
+        let params = first.parameters().unwrap();
+        let state: Vec<(String, String, Vec<f32>)> = first.optimizer_state().unwrap().into_iter().map(|(p, s, v)| (p, s.to_string(), v)).collect();
+        let mut second = zero_engine(group, &model, stage, optimizer, f16);
+        second.load_state(&params, &state, Some(3)).unwrap();
+        second.load_loss_scale(&scale).unwrap();
+        let got = losses_of(second.as_mut(), &batches[3..]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want[3..]), "ZeRO-{stage}: resumed losses {got:?} against {:?}", &want[3..]);
+        assert_eq!(second.read_loss_scale().unwrap(), Some(want_scale), "ZeRO-{stage}: loss scaling state after resuming");
     }
 }
