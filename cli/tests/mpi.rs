@@ -418,12 +418,6 @@ fn a_failing_rank_stops_a_gpt_job() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// The `loss scale: final …` line of a run's output.
-fn loss_scale_line(o: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    stdout.lines().find(|l| l.starts_with("loss scale:")).unwrap_or_else(|| panic!("no loss scale line: {}", text(o))).to_string()
-}
-
 /// `--precision f16 --checkpoint-activations` (the loss scale doubling
 /// every 2 clean steps) under `mpirun -n 2 wgrad train --model gpt
 /// --parallel zero` at stages 1 and 3 against one process on one device
