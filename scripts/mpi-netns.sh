@@ -50,7 +50,9 @@ for i in 0 1; do
     ip -n "${NS[$i]}" link set "${VETH[$i]}" up
 done
 # The link is up: both ends answer (no ping needed).
-ip -n "${NS[1]}" addr show "${VETH[1]}" | grep -q "${IPS[1]}"
+# grep reads all of ip's output (-q would stop at the match, and ip's
+# next write would end it with SIGPIPE: a 141 under pipefail).
+ip -n "${NS[1]}" addr show "${VETH[1]}" | grep "${IPS[1]}" >/dev/null
 
 # OpenMPI calls the agent as `agent HOST COMMAND...`, as it would call ssh.
 cat > "$work/agent" <<EOF

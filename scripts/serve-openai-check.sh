@@ -78,10 +78,10 @@ echo "server: $address, model $model_id"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # curl: health, a streamed chat ending in [DONE], a malformed body's 400.
-curl -sf "$address/health" | grep -q '"status":"ok"' || fail "/health"
+curl -sf "$address/health" | grep '"status":"ok"' >/dev/null || fail "/health"
 curl -sfN "$address/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "{\"model\":\"$model_id\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4,\"stream\":true}" > "$work/sse"
-tail -n 2 "$work/sse" | grep -q '^data: \[DONE\]' || fail "curl stream did not end with [DONE]: $(cat "$work/sse")"
+tail -n 2 "$work/sse" | grep '^data: \[DONE\]' >/dev/null || fail "curl stream did not end with [DONE]: $(cat "$work/sse")"
 status=$(curl -s -o "$work/bad" -w '%{http_code}' "$address/v1/chat/completions" -H 'Content-Type: application/json' -d '{"messages": [')
 [ "$status" = 400 ] && grep -q '"error"' "$work/bad" || fail "malformed JSON gave $status: $(cat "$work/bad")"
 echo "curl: ok"
