@@ -232,6 +232,19 @@ pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Stage
     }
 }
 
+/// [`training_graph`] with the passes a trainer applies: `staged`'s
+/// blocks recomputed in the backward when `checkpoint`, the activations
+/// the backward reads stored in f16 when `f16` (the caller knows whether
+/// the device has SHADER_F16; a plan without a device assumes it).
+pub(crate) fn training_graph_with_passes(model: &dyn Module, staged: Option<&dyn Staged>, criterion: Criterion, batch_size: usize, checkpoint: bool, f16: bool) -> Result<TrainingGraph> {
+    let t = training_graph(model, staged.filter(|_| checkpoint), criterion, batch_size)?;
+    if f16 {
+        t.remapped(|g, grads| g.with_f16_activations(grads))
+    } else {
+        Ok(t)
+    }
+}
+
 impl Trainer {
     /// Builds the graph `model → criterion`, its backward pass and the
     /// optimizer update, plans memory and allocates everything once.
@@ -304,12 +317,10 @@ impl Trainer {
         options: PlanOptions,
         own_optimizer: bool,
     ) -> Result<Self> {
-        let mut t = training_graph(model, staged.filter(|_| options.checkpoint_activations), criterion, batch_size)?;
         // f16 storage needs the adapter's SHADER_F16; without it the step
         // stays f32 (`Trainer::precision` tells the caller).
-        if options.precision == Precision::F16 && kernels.supports_f16() {
-            t = t.remapped(|g, grads| g.with_f16_activations(grads))?;
-        }
+        let f16 = options.precision == Precision::F16 && kernels.supports_f16();
+        let t = training_graph_with_passes(model, staged, criterion, batch_size, options.checkpoint_activations, f16)?;
         let outputs = t.outputs();
         let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } = t;
         let exec = if own_optimizer {

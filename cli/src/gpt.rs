@@ -260,7 +260,8 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
     if most > 1 {
         counts.push(most);
     }
-    let planning = Planning { criterion: wgrad::nn::CrossEntropyLoss.into(), optimizer: config.optimizer, batch: config.batch_size, micro_batches: config.micro_batches, device_alignment: 256 };
+    let planning = Planning { criterion: wgrad::nn::CrossEntropyLoss.into(), optimizer: config.optimizer, batch: config.batch_size, micro_batches: config.micro_batches,
+        device_alignment: 256, precision: config.precision, checkpoint_activations: config.checkpoint_activations };
     let context = model.lm_sizes().context;
     println!("{}: {} parameters, vocabulary {}; batch {} × {context} tokens; {}", M::title(&model.config()), model.num_parameters(), model.vocab_size(), config.batch_size, wgrad::optim::describe(&config.optimizer));
     let mut rows = Vec::new();
@@ -274,6 +275,16 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
     let largest = rows.iter().filter_map(|(_, _, m)| m.as_ref().ok()).map(|m| m.total()).max().unwrap_or(0);
     let (unit, scale) = if largest >= 10 << 20 { ("MiB", 1024.0 * 1024.0) } else { ("KiB", 1024.0) };
     println!("bytes on the fullest device ({unit}), planned without a device; ZeRO-1: the whole-arena engine (whole parameters and gradients, a shard of the state), ZeRO-2/3: what the stage-by-stage engine allocates");
+    let mut planned_as = Vec::new();
+    if config.precision == wgrad::graph::Precision::F16 {
+        planned_as.push("f16 activations (assumes every device has SHADER_F16; without it a run keeps f32)");
+    }
+    if config.checkpoint_activations {
+        planned_as.push("checkpointed activations (recomputed block by block where the engine recomputes)");
+    }
+    if !planned_as.is_empty() {
+        println!("planned with {}", planned_as.join(", "));
+    }
     println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
     let v = |b: u64| format!("{:.1}", b as f64 / scale);
     for (n, name, memory) in rows {

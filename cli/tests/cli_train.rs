@@ -183,7 +183,8 @@ fn wgrad_train_gpt_with_impossible_devices_fails_at_once() {
 /// devices without training: ZeRO's optimizer state at most 0.55× data
 /// parallel's at 2 devices, tensor and pipeline parallel refused where 4
 /// devices cannot share the GPT's 2 heads and 1 block, and no model folder
-/// written.
+/// written; with `--precision f16 --checkpoint-activations` the plan
+/// says so and changes.
 #[test]
 fn wgrad_train_dry_run_prints_the_memory_of_every_strategy() {
     let dir = std::env::temp_dir().join(format!("wgrad-dry-run-{}", std::process::id()));
@@ -211,5 +212,13 @@ fn wgrad_train_dry_run_prints_the_memory_of_every_strategy() {
     assert!(optimizer("data") > 0.0, "{stdout}");
     assert!(optimizer("zero-1") <= 0.55 * optimizer("data"), "{stdout}");
     assert!(!stdout.contains("final validation loss") && !dir.join("never").exists(), "{stdout}");
+    // Both flags planned in: the header says f16 assumes SHADER_F16, and
+    // one device's activations are planned anew.
+    let flagged = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(tiny_gpt_args(&text, &dir, "never")).args(["--dry-run", "--devices", "2", "--precision", "f16", "--checkpoint-activations"]).output().unwrap();
+    let flagged_out = String::from_utf8_lossy(&flagged.stdout).into_owned();
+    assert!(flagged.status.success(), "{flagged_out}\n{}", String::from_utf8_lossy(&flagged.stderr));
+    assert!(flagged_out.contains("SHADER_F16") && flagged_out.contains("checkpointed activations"), "{flagged_out}");
+    let single = |out: &str| out.lines().find(|l| l.split_whitespace().take(2).eq(["1", "single"])).map(str::to_string).unwrap_or_else(|| panic!("no single row: {out}"));
+    assert_ne!(single(&flagged_out), single(&stdout), "f16 and checkpointing planned as f32");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,16 +8,16 @@
 
 use super::data::ARENA_ALIGNMENT;
 use super::engine::{Parallelizable, Strategy};
-use super::pipeline::{partition, stage_graph};
+use super::pipeline::{partition, unit_graph_blocks};
 use super::stage::{StageEnd, StageGraph};
 use super::tensor::{build_rank, TensorParallel};
 use super::zero::{shard_ranges, ZeroStage};
 use crate::error::Result;
-use crate::graph::{Gradients, Graph, Plan, PlanOptions, Tensor};
+use crate::graph::{Block, Gradients, Graph, Plan, PlanOptions, Precision, Tensor};
 use crate::kernels::OptimizerConfig;
 use crate::nn::Criterion;
 use crate::optim::apply_parameter_groups;
-use crate::trainer::training_graph;
+use crate::trainer::training_graph_with_passes;
 
 const BYTES: u64 = 4;
 
@@ -90,6 +90,19 @@ pub struct Planning {
     /// least [`ARENA_ALIGNMENT`]. 256 where the device is not known (the
     /// largest any API allows).
     pub device_alignment: u32,
+    /// Where the activations the backward reads are kept. f16 is planned
+    /// as a device with SHADER_F16 runs it (a run on devices without it
+    /// falls back to f32).
+    pub precision: Precision,
+    /// `--checkpoint-activations`: each engine recomputes what it
+    /// recomputes under [`PlanOptions::checkpoint_activations`].
+    pub checkpoint_activations: bool,
+}
+
+impl Planning {
+    fn f16(&self) -> bool {
+        self.precision == Precision::F16
+    }
 }
 
 /// `graph` planned as an executor with an optimizer would plan it.
@@ -98,17 +111,21 @@ fn plan(mut graph: Graph, outputs: &[Tensor], grads: &Gradients, optimizer: &Opt
     Ok(Plan::with_options(&graph, outputs, Some(grads), (alignment as usize / BYTES as usize).max(1), PlanOptions::default()))
 }
 
-/// One replica's executor for `rows` rows, and its arena length.
+/// One replica's executor for `rows` rows (a single-device, data
+/// parallel or ZeRO-1 trainer's, with the same passes), and its arena
+/// length.
 fn replica<M: Parallelizable>(model: &M, p: &Planning, rows: usize, alignment: u32) -> Result<(DeviceMemory, usize)> {
-    let t = training_graph(model, None, p.criterion, rows)?;
+    let t = training_graph_with_passes(model, Some(model), p.criterion, rows, p.checkpoint_activations, p.f16())?;
     let outputs = t.outputs();
     let plan = plan(t.graph, &outputs, &t.grads, &p.optimizer, alignment)?;
     Ok((DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()), plan.param_arena_len))
 }
 
-/// A stage's executor over `graph` (`input -> output`).
-fn stage(graph: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, p: &Planning) -> Result<DeviceMemory> {
-    let s = StageGraph::complete(graph, input, output, input_grad, end)?;
+/// A stage's executor over `graph` (`input -> output`, made of
+/// `blocks`), with the passes [`super::stage::Stage::with_options`]
+/// applies.
+fn stage(graph: Graph, blocks: &[Block], input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, p: &Planning) -> Result<DeviceMemory> {
+    let s = StageGraph::complete(graph, input, output, input_grad, end)?.with_passes(blocks, p.checkpoint_activations, p.f16(), &mut [input, output])?;
     let plan = plan(s.graph, &s.outputs, &s.grads, &p.optimizer, p.device_alignment)?;
     Ok(DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()))
 }
@@ -119,7 +136,8 @@ fn stage(graph: Graph, input: Tensor, output: Tensor, input_grad: bool, end: Sta
 /// per device). ZeRO-1's is the whole-arena engine's (whole parameters
 /// and gradients, the state's shard: [`DeviceMemory::zero_kept`]); ZeRO-2's
 /// and 3's are what the stage-by-stage engine allocates
-/// ([`super::zero_stages::planned_memory`]).
+/// ([`super::zero_stages::planned_memory`]). Every graph takes the passes
+/// its engine applies under `p`'s precision and checkpointing.
 pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     strategy.check_devices(devices, model, p.batch, None, p.micro_batches)?;
     let group_alignment = p.device_alignment.max(ARENA_ALIGNMENT);
@@ -146,7 +164,7 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
                         continue;
                     }
                     let end = if i == last { StageEnd::Last(p.criterion) } else { StageEnd::Middle };
-                    *held = held.plus(stage(seg.graph, seg.input, seg.output, i > 0, end, p)?);
+                    *held = held.plus(stage(seg.graph, &[], seg.input, seg.output, i > 0, end, p)?);
                 }
             }
             Ok(DeviceMemory::fullest(per_device))
@@ -157,9 +175,9 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
             let (mut start, mut stream) = (0, Vec::new());
             let mut per_device = Vec::with_capacity(devices);
             for (i, &count) in blocks.iter().enumerate() {
-                let (g, input, output) = stage_graph(model, i, last, start..start + count, micro_rows, &mut stream)?;
+                let (g, input, output, units) = unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
                 let end = if i == last { StageEnd::Last(p.criterion) } else { StageEnd::Middle };
-                per_device.push(stage(g, input, output, i > 0, end, p)?);
+                per_device.push(stage(g, &units, input, output, i > 0, end, p)?);
                 start += count;
             }
             Ok(DeviceMemory::fullest(per_device))

@@ -228,13 +228,6 @@ pub struct Pipeline {
     stats: PipelineStats,
 }
 
-/// Stage `i` of `0..=last`'s graph over `model`'s units `blocks`, on
-/// micro-batches of `micro_rows`: (graph, input, output). `stream` holds
-/// the shape the previous stage passed on, and takes this stage's.
-pub(super) fn stage_graph<M: Staged>(model: &M, i: usize, last: usize, blocks: std::ops::Range<usize>, micro_rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
-    unit_graph(model, i == 0, i == last, blocks, micro_rows, stream)
-}
-
 /// The graph of `model`'s units `blocks`, after the prologue when `first`
 /// and before the epilogue when `last`, on `rows` rows: (graph, input,
 /// output). `stream` holds the shape the units before passed on, and

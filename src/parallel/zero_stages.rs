@@ -153,7 +153,7 @@ fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], input
 /// more).
 pub fn planned_memory<M: Staged + ?Sized>(model: &M, stage: ZeroStage, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
-    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, Precision::F32)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
+    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
     let (arena, slots) = pool_lengths(&plans);
     let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;

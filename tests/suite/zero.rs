@@ -20,6 +20,7 @@ use wgrad::kernels::OptimizerConfig;
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential, Staged};
 use wgrad::optim::{AdamW, LossScaleState, LossScaling};
 use wgrad::parallel::engine::{Holding, Strategy};
+use wgrad::parallel::memory::DeviceMemory;
 use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::collectives::{all_gather, reduce_scatter, Part};
 use wgrad::parallel::engine::TrainEngine;
@@ -257,67 +258,129 @@ fn a_zero_run_resumes_on_another_strategy() {
     assert_same_parameters("ZeRO-3 on 3 devices, resumed on one device", &single.executor().parameters().unwrap(), &want, 1e-5, 1e-4);
 }
 
+/// Each strategy's bytes on the fullest device planned without a device
+/// under `options` (its precision and checkpointing) equal what its
+/// engine allocated on `group` with the same options (both plan the same
+/// graphs, with the same passes and alignment: exact). 2 devices, rows
+/// split evenly (the plan's split), 2 micro-batches; by strategy, the
+/// single device first.
+fn planned_equals_allocated(group: &DeviceGroup, options: PlanOptions, optimizer: OptimizerConfig) -> Vec<(Strategy, DeviceMemory)> {
+    use wgrad::parallel::data::{DataParallel, Split};
+    use wgrad::parallel::memory::{strategy_memory, Planning};
+    use wgrad::parallel::pipeline::Pipeline;
+    use wgrad::parallel::tensor::TensorParallel;
+    let model = llama_parallel::model(true);
+    let alignment = group.members().iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).max().unwrap();
+    let planning = Planning {
+        criterion: CrossEntropyLoss.into(),
+        optimizer,
+        batch: BATCH,
+        micro_batches: 2,
+        device_alignment: alignment,
+        precision: options.precision,
+        checkpoint_activations: options.checkpoint_activations,
+    };
+    let what = format!("{}{}", options.precision.name(), if options.checkpoint_activations { ", checkpointed" } else { "" });
+    let even = || Some(vec![2, 2]);
+    let single = Trainer::with_blocks(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH, options).unwrap();
+    let engines: Vec<(Strategy, Box<dyn TrainEngine>)> = vec![
+        (Strategy::Data, Box::new(DataParallel::with_options(group, &model, CrossEntropyLoss, optimizer, BATCH, Split::Rows(vec![2, 2]), options).unwrap())),
+        (Strategy::Tensor, Box::new(TensorParallel::with_options(group, &model, CrossEntropyLoss, optimizer, BATCH, options).unwrap())),
+        (Strategy::Pipeline, Box::new(Pipeline::with_options(group, &model, CrossEntropyLoss, optimizer, BATCH, 2, Schedule::OneFOneB, None, options).unwrap())),
+        // Stage 1: the whole-arena engine; 2 and 3 block by block.
+        (Strategy::Zero(ZeroStage::OptimizerState), Box::new(Zero::across(None, group, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::OptimizerState, even(), options).unwrap())),
+        (Strategy::Zero(ZeroStage::Gradients), Box::new(ZeroStages::with_options(group, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Gradients, even(), options).unwrap())),
+        (Strategy::Zero(ZeroStage::Parameters), Box::new(ZeroStages::with_options(group, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Parameters, even(), options).unwrap())),
+    ];
+    let mut memory = vec![(Strategy::Single, strategy_memory(&model, Strategy::Single, 1, &planning).unwrap())];
+    assert_eq!(memory[0].1, TrainEngine::memory(&single), "{what}: single device");
+    for (strategy, engine) in engines {
+        let planned = strategy_memory(&model, strategy, 2, &planning).unwrap();
+        assert_eq!(planned, engine.memory(), "{what}: {}", engine.describe());
+        memory.push((strategy, planned));
+    }
+    memory
+}
+
+/// The planned memory of `strategy` in `memory`.
+fn memory_of(memory: &[(Strategy, DeviceMemory)], strategy: Strategy) -> DeviceMemory {
+    memory.iter().find(|(s, _)| *s == strategy).map(|&(_, m)| m).unwrap()
+}
+
 /// The memory planned without a device equals what each engine's
-/// executors planned on real devices (both plan the same graphs with the
-/// same alignment: exact), for every strategy on 2 devices; ZeRO's kept
-/// optimizer state is half of data parallel's (at most 0.55×: shards are
-/// whole 256-byte blocks).
+/// executors planned on real devices, for every strategy on 2 devices,
+/// in f32 and with checkpointed activations
+/// ([`planned_equals_allocated`]); ZeRO's kept optimizer state is half
+/// of data parallel's (at most 0.55×: shards are whole 256-byte blocks).
+/// Checkpointing holds fewer activation bytes where an engine recomputes
+/// a replica's or a stage's blocks (single device, data parallel, ZeRO-1,
+/// the pipeline) and the same where its graphs hold no whole block
+/// (tensor parallel's segments) or already recompute every block (ZeRO-2/3).
 #[test]
 fn planned_memory_equals_each_engines() {
-    use wgrad::parallel::data::{DataParallel, Split};
-    use wgrad::parallel::engine::Strategy;
-    use wgrad::parallel::memory::{strategy_memory, Planning};
-    use wgrad::parallel::pipeline::{Pipeline, Schedule};
-    use wgrad::parallel::tensor::TensorParallel;
     let groups = open_groups("planned_memory_equals_each_engines", &[DeviceSelection::Count(2)]);
     let Some(group) = groups.first() else { return };
-    let model = llama_parallel::model(true);
     let optimizer = llama_parallel::optimizer();
-    let alignment = group.members().iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).max().unwrap();
-    let planning = Planning { criterion: CrossEntropyLoss.into(), optimizer, batch: BATCH, micro_batches: 2, device_alignment: alignment };
-    let planned = |strategy| strategy_memory(&model, strategy, 2, &planning).unwrap();
-
-    let single = wgrad::trainer::Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
-    assert_eq!(strategy_memory(&model, Strategy::Single, 1, &planning).unwrap(), TrainEngine::memory(&single), "single device");
-    let data = DataParallel::new(group, &model, CrossEntropyLoss, optimizer, BATCH, Split::Rows(vec![2, 2])).unwrap();
-    assert_eq!(planned(Strategy::Data), data.memory(), "data parallel");
-    let tensor = TensorParallel::new(group, &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
-    assert_eq!(planned(Strategy::Tensor), tensor.memory(), "tensor parallel");
-    let pipeline = Pipeline::new(group, &model, CrossEntropyLoss, optimizer, BATCH, 2, Schedule::OneFOneB).unwrap();
-    assert_eq!(planned(Strategy::Pipeline), pipeline.memory(), "pipeline");
+    let memory = planned_equals_allocated(group, PlanOptions::default(), optimizer);
+    let m = |strategy| memory_of(&memory, strategy);
     // Whole-arena ZeRO (stage 1; stage 2 over MPI): data parallel's
-    // arenas and activations, the state's shard; stage 1's table row is
-    // what it allocates.
-    let whole_arena = |stage| Zero::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
-    let zero1 = whole_arena(ZeroStage::OptimizerState);
-    for zero in [&zero1, &whole_arena(ZeroStage::Gradients)] {
-        assert_eq!(zero.memory(), wgrad::parallel::memory::DeviceMemory { optimizer_state: zero.kept_memory().optimizer_state, ..data.memory() }, "whole-arena {}", zero.describe());
+    // arenas and activations, the state's shard.
+    let whole = m(Strategy::Data);
+    let zero1 = m(Strategy::Zero(ZeroStage::OptimizerState));
+    let whole_arena = |stage| Zero::new(group, &llama_parallel::model(true), CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
+    for zero in [whole_arena(ZeroStage::OptimizerState), whole_arena(ZeroStage::Gradients)] {
+        assert_eq!(zero.memory(), DeviceMemory { optimizer_state: zero.kept_memory().optimizer_state, ..whole }, "whole-arena {}", zero.describe());
     }
-    assert_eq!(planned(Strategy::Zero(ZeroStage::OptimizerState)), zero1.memory(), "ZeRO-1");
-    // Stages 2 and 3 block by block: what their devices allocated
-    // (shards, the whole parameters at stage 2, pooled stage arenas,
-    // every stage's activations) is the plan's, exactly; fewer gradient
-    // bytes than data parallel allocates (this tiny model's largest
-    // stage, the tied embedding, is a third of it: a deep model saves far
-    // more), and at stage 3 fewer parameter bytes too.
-    let whole = data.memory();
-    let mut allocated = Vec::new();
-    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
-        let z = ZeroStages::new(group, &model, CrossEntropyLoss, optimizer, BATCH, stage, Some(vec![2, 2])).unwrap();
-        let m = planned(Strategy::Zero(stage));
-        assert_eq!(z.memory(), m, "ZeRO-{} allocated", stage.number());
-        assert!(m.gradients < whole.gradients, "ZeRO-{} {m:?} against data parallel {whole:?}", stage.number());
-        allocated.push(m);
+    // Stages 2 and 3 block by block (shards, the whole parameters at
+    // stage 2, pooled stage arenas, every stage's activations): fewer
+    // gradient bytes than data parallel allocates (this tiny model's
+    // largest stage, the tied embedding, is a third of it: a deep model
+    // saves far more), and at stage 3 fewer parameter bytes too.
+    let (second, third) = (m(Strategy::Zero(ZeroStage::Gradients)), m(Strategy::Zero(ZeroStage::Parameters)));
+    for (stage, z) in [(2, second), (3, third)] {
+        assert!(z.gradients < whole.gradients, "ZeRO-{stage} {z:?} against data parallel {whole:?}");
     }
-    let (second, third) = (allocated[0], allocated[1]);
     assert!(third.parameters < whole.parameters, "ZeRO-3 {third:?} against data parallel {whole:?}");
     // The same shards and pool; stage 2 holds every parameter besides.
     assert_eq!((second.gradients, second.optimizer_state, second.activations), (third.gradients, third.optimizer_state, third.activations), "ZeRO-2 {second:?} against ZeRO-3 {third:?}");
     assert!(second.parameters > third.parameters, "ZeRO-2 {second:?} against ZeRO-3 {third:?}");
     // Shards are whole 256-byte blocks: at most 0.55× data parallel's state.
-    for (what, state) in [("ZeRO-1", zero1.memory().optimizer_state), ("ZeRO-2", second.optimizer_state), ("ZeRO-3", third.optimizer_state)] {
+    for (what, state) in [("ZeRO-1", zero1.optimizer_state), ("ZeRO-2", second.optimizer_state), ("ZeRO-3", third.optimizer_state)] {
         let ratio = state as f64 / whole.optimizer_state as f64;
         assert!(ratio <= 0.55, "{what} keeps {ratio:.3} of data parallel's optimizer state");
+    }
+
+    let checkpointed = planned_equals_allocated(group, PlanOptions { checkpoint_activations: true, ..PlanOptions::default() }, optimizer);
+    for (strategy, recomputing) in checkpointed {
+        let plain = m(strategy);
+        eprintln!("{strategy:?}: activations {} B checkpointed, {} B plain", recomputing.activations, plain.activations);
+        assert_eq!(DeviceMemory { activations: plain.activations, ..recomputing }, plain, "{strategy:?}: checkpointing changes only the activations");
+        match strategy {
+            Strategy::Tensor | Strategy::Zero(ZeroStage::Gradients | ZeroStage::Parameters) => assert_eq!(recomputing, plain, "{strategy:?} recomputes nothing more"),
+            _ => assert!(recomputing.activations < plain.activations, "{strategy:?}: checkpointed {recomputing:?}, plain {plain:?}"),
+        }
+    }
+}
+
+/// [`planned_memory_equals_each_engines`] in f16, plain and checkpointed,
+/// on lavapipe devices (SHADER_F16; skipped, said, without it): the
+/// planned f16 graphs are the engines' to the byte, and every strategy's
+/// activations differ from its f32 plan (the f16 copies are counted),
+/// the arenas not at all (master weights, gradients and state stay f32).
+#[test]
+fn planned_f16_memory_equals_each_engines() {
+    let Some(groups) = f16_group("planned_f16_memory_equals_each_engines") else { return };
+    let group = &groups[0];
+    let f32_memory = planned_equals_allocated(group, PlanOptions::default(), llama_parallel::optimizer());
+    let scaled = llama_parallel::optimizer().with_loss_scaling(Some(LossScaling::default()));
+    for checkpoint_activations in [false, true] {
+        let options = PlanOptions { precision: Precision::F16, checkpoint_activations, ..PlanOptions::default() };
+        for (strategy, f16) in planned_equals_allocated(group, options, scaled) {
+            let f32 = memory_of(&f32_memory, strategy);
+            eprintln!("{strategy:?}{}: activations {} B f16, {} B f32", if checkpoint_activations { " checkpointed" } else { "" }, f16.activations, f32.activations);
+            assert_eq!(DeviceMemory { activations: f32.activations, ..f16 }, f32, "{strategy:?}: f16 changes only the activations");
+            assert_ne!(f16.activations, f32.activations, "{strategy:?}: the f16 plan");
+        }
     }
 }
 
