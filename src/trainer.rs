@@ -177,14 +177,7 @@ fn built(g: &Graph, input: Tensor, output: Tensor, batch_size: usize) -> Built {
 fn build_blocks(g: &mut Graph, model: &dyn Staged, batch_size: usize) -> Result<(Built, Vec<Block>)> {
     check_batch(batch_size)?;
     let input = model.input(g, batch_size)?;
-    let mut x = model.prologue(g, input)?;
-    let mut blocks = Vec::new();
-    for i in 0..model.stage_costs().blocks.len() {
-        let first = g.len();
-        x = model.block(g, i, x)?;
-        blocks.push(Block { nodes: first..g.len(), output: x });
-    }
-    let output = model.epilogue(g, x)?;
+    let (output, blocks) = model.forward_blocks(g, input, 0..model.stage_costs().blocks.len(), true, true)?;
     Ok((built(g, input, output, batch_size), blocks))
 }
 
@@ -524,14 +517,8 @@ impl Trainer {
     /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
     /// and metadata (model, optimizer, criterion, step).
     pub fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: &self.model_description, criterion: self.criterion, optimizer: &self.optimizer, step: self.exec.step_count() };
-        let mut ckpt = assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)?;
-        if let Some(scale) = self.exec.read_loss_scale()? {
-            for (key, value) in scale.metadata() {
-                ckpt.set_meta(key, value);
-            }
-        }
-        Ok(ckpt)
+        let about = CheckpointAbout { model: &self.model_description, criterion: self.criterion, optimizer: &self.optimizer, step: self.exec.step_count(), loss_scale: self.exec.read_loss_scale()? };
+        assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)
     }
 
     /// Writes [`Trainer::checkpoint`] atomically as safetensors.
@@ -584,6 +571,8 @@ pub(crate) struct CheckpointAbout<'a> {
     pub criterion: Criterion,
     pub optimizer: &'a OptimizerConfig,
     pub step: u64,
+    /// Dynamic loss scaling's state, written beside the rest (f16 runs).
+    pub loss_scale: Option<optim::LossScaleState>,
 }
 
 /// A checkpoint of parameters (state_dict names), optimizer state
@@ -604,6 +593,9 @@ pub(crate) fn assemble_checkpoint(params: Vec<(String, Vec<usize>, Vec<f32>)>, s
     ckpt.set_meta("criterion", format!("{:?}", about.criterion));
     ckpt.set_meta("optimizer", optim::describe(about.optimizer));
     ckpt.set_meta("step", about.step.to_string());
+    for (key, value) in about.loss_scale.iter().flat_map(optim::LossScaleState::metadata) {
+        ckpt.set_meta(key, value);
+    }
     Ok(ckpt)
 }
 

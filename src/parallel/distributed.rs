@@ -119,15 +119,14 @@ pub fn broadcast_u64(group: &dyn ProcessGroup, root: usize, values: &mut Vec<u64
     Ok(())
 }
 
-/// Loss scaling's state as bytes to broadcast (the checkpoint's metadata,
-/// `key=value` lines); empty without loss scaling.
-fn loss_scale_bytes(state: Option<&LossScaleState>) -> Vec<u8> {
-    state.map_or_else(Vec::new, |s| s.metadata().into_iter().map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes())
-}
-
-/// The state [`loss_scale_bytes`] wrote, checked as a checkpoint's is.
-fn loss_scale_from_bytes(bytes: &[u8]) -> Result<Option<LossScaleState>> {
-    let text = std::str::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "load loss scale", reason: format!("not text: {e}") })?;
+/// Rank `root`'s loss scaling `state` (`None` where it does not scale;
+/// other ranks pass anything) on every rank, sent as a checkpoint's
+/// metadata (`key=value` lines) and checked as a checkpoint's is.
+pub fn broadcast_loss_scale(group: &dyn ProcessGroup, root: usize, state: Option<LossScaleState>) -> Result<Option<LossScaleState>> {
+    let state = if group.rank() == root { state } else { None };
+    let mut bytes = state.iter().flat_map(LossScaleState::metadata).map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes();
+    group.broadcast_bytes(root, &mut bytes)?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| Error::InvalidArgument { op: "broadcast loss scale", reason: format!("not text: {e}") })?;
     let pairs: Vec<(&str, &str)> = text.lines().filter_map(|line| line.split_once('=')).collect();
     LossScaleState::from_metadata(|key| pairs.iter().find(|(k, _)| *k == key).map(|(_, v)| *v))
 }
@@ -445,7 +444,7 @@ impl TrainEngine for DistributedDataParallel {
         let root = self.group.rank() == 0;
         let replica0 = &self.local.replicas()[0];
         let mut step = vec![replica0.executor().step_count()];
-        let mut scale = if root { loss_scale_bytes(replica0.executor().read_loss_scale()?.as_ref()) } else { Vec::new() };
+        let scale = if root { replica0.executor().read_loss_scale()? } else { None };
         let device0 = &self.local.devices()[0];
         for view in &arenas(replica0) {
             let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
@@ -460,8 +459,7 @@ impl TrainEngine for DistributedDataParallel {
         }
         broadcast_u64(self.group.as_ref(), 0, &mut step)?;
         let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
-        self.group.broadcast_bytes(0, &mut scale)?;
-        let scale = loss_scale_from_bytes(&scale).map_err(|e| self.error("broadcast state", format!("rank 0's loss scale: {e}")))?;
+        let scale = broadcast_loss_scale(self.group.as_ref(), 0, scale).map_err(|e| self.error("broadcast state", format!("rank 0's loss scale: {e}")))?;
         for t in self.local.replicas_mut() {
             // Setting the step starts loss scaling afresh at that step;
             // rank 0's state (its scale, skips and bias-correction count)

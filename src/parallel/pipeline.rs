@@ -241,14 +241,7 @@ pub(super) fn unit_graph<M: Staged + ?Sized>(model: &M, first: bool, last: bool,
 pub(super) fn unit_graph_blocks<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor, Vec<Block>)> {
     let mut g = Graph::new();
     let input = if first { model.input(&mut g, rows)? } else { g.input("stage_input", stream)? };
-    let mut x = if first { model.prologue(&mut g, input)? } else { input };
-    let mut units = Vec::with_capacity(blocks.len());
-    for i in blocks {
-        let start = g.len();
-        x = model.block(&mut g, i, x)?;
-        units.push(Block { nodes: start..g.len(), output: x });
-    }
-    let output = if last { model.epilogue(&mut g, x)? } else { x };
+    let (output, units) = model.forward_blocks(&mut g, input, blocks, first, last)?;
     *stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
     Ok((g, input, output, units))
 }

@@ -607,13 +607,7 @@ impl Spread {
     /// single-device model, so a checkpoint resumes on any strategy.
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
         let step = stages.first().map_or(0, |s| s.exec.step_count());
-        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step };
-        let mut ckpt = assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)?;
-        if let Some(scale) = self.read_loss_scale(stages)? {
-            for (key, value) in scale.metadata() {
-                ckpt.set_meta(key, value);
-            }
-        }
-        Ok(ckpt)
+        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step, loss_scale: self.read_loss_scale(stages)? };
+        assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)
     }
 }

@@ -58,14 +58,13 @@
 //! optimizer's views must start at a device's storage-offset alignment),
 //! as even as that allows: the last devices may hold a block less.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, sum_to_host, to_host, Part};
 use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split, shard};
-use super::distributed::{broadcast_f32, broadcast_u64, ProcessGroup};
+use super::distributed::{broadcast_f32, broadcast_loss_scale, broadcast_u64, ProcessGroup};
 use super::engine::{own_steps, Footprint, Holding, TrainEngine};
 use super::memory::DeviceMemory;
 use super::stage::{NamedParameters, NamedState};
@@ -370,7 +369,7 @@ impl Zero {
     /// does not scale): every shard's optimizer keeps its own, and a step
     /// keeps them equal. Waits for every device.
     pub fn loss_scales(&self) -> Result<Vec<Option<LossScaleState>>> {
-        self.optimizers.iter().zip(&self.devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
+        read_loss_scales(&self.optimizers, &self.devices)
     }
 
     /// Every device's shard of `arena` (one view per device).
@@ -600,12 +599,9 @@ impl Zero {
     }
 }
 
-/// `ckpt` with loss scaling's `state` in its metadata, when scaling.
-pub(super) fn with_loss_scale(mut ckpt: Checkpoint, state: Option<LossScaleState>) -> Result<Checkpoint> {
-    for (key, value) in state.iter().flat_map(LossScaleState::metadata) {
-        ckpt.set_meta(key, value);
-    }
-    Ok(ckpt)
+/// Every shard's optimizer's loss scaling state (waits for every device).
+pub(super) fn read_loss_scales(optimizers: &[Optimizer], devices: &[Arc<Kernels>]) -> Result<Vec<Option<LossScaleState>>> {
+    optimizers.iter().zip(devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
 }
 
 /// Loss scaling's `state` into every shard's optimizer (nothing where
@@ -615,17 +611,6 @@ pub(super) fn load_loss_scale(optimizers: &mut [Optimizer], devices: &[Arc<Kerne
         o.import_loss_scale(k, state).map_err(|e| on_device(i, k, e))?;
     }
     Ok(())
-}
-
-/// Rank `root`'s loss scaling `state` (`None` where it does not scale) on
-/// every rank, sent as its checkpoint metadata.
-pub(super) fn broadcast_loss_scale(group: &dyn ProcessGroup, root: usize, state: Option<LossScaleState>) -> Result<Option<LossScaleState>> {
-    let state = if group.rank() == root { state } else { None };
-    let mut bytes = state.iter().flat_map(LossScaleState::metadata).map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes();
-    group.broadcast_bytes(root, &mut bytes)?;
-    let text = String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "broadcast loss scale", reason: e.to_string() })?;
-    let pairs: HashMap<&str, &str> = text.lines().filter_map(|line| line.split_once('=')).collect();
-    LossScaleState::from_metadata(|key| pairs.get(key).copied())
 }
 
 fn unsettled() -> Error {
@@ -698,8 +683,8 @@ impl TrainEngine for Zero {
         self.optimizers[0].step_count()
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: self.replicas[0].model_description(), criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
-        with_loss_scale(assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)?, self.read_loss_scale()?)
+        let about = CheckpointAbout { model: self.replicas[0].model_description(), criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count(), loss_scale: self.read_loss_scale()? };
+        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
     }
     /// Device 0's shard's: every shard's optimizer holds the same state.
     fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {

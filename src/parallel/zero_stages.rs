@@ -61,7 +61,7 @@ use super::engine::{features, own_steps, Footprint, Holding, TrainEngine};
 use super::memory::{DeviceMemory, Planning};
 use super::pipeline::unit_graph;
 use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGraph};
-use super::zero::{load_loss_scale, next_loss_scale, shard_ranges, step_shards, with_loss_scale, GradSums, ZeroStage};
+use super::zero::{load_loss_scale, next_loss_scale, read_loss_scales, shard_ranges, step_shards, GradSums, ZeroStage};
 use super::{on_device, DeviceGroup};
 use crate::error::{Error, Result};
 use crate::graph::{ArenaPool, Plan, PlanOptions, Precision, Tensor};
@@ -387,7 +387,7 @@ impl ZeroStages {
     /// does not scale): every shard's optimizer keeps its own, and a step
     /// keeps them equal. Waits for every device.
     pub fn loss_scales(&self) -> Result<Vec<Option<LossScaleState>>> {
-        self.optimizers.iter().zip(&self.devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
+        read_loss_scales(&self.optimizers, &self.devices)
     }
 
     /// The part of the flat range `range` each device's shard holds:
@@ -731,8 +731,8 @@ impl TrainEngine for ZeroStages {
         self.optimizers[0].step_count()
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count() };
-        with_loss_scale(assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)?, self.read_loss_scale()?)
+        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count(), loss_scale: self.read_loss_scale()? };
+        assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
     }
     /// Device 0's shard's: every shard's optimizer holds the same state.
     fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
