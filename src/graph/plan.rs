@@ -9,7 +9,7 @@
 //! a node always reads one intermediate while writing another.
 
 use super::autodiff::Gradients;
-use super::builder::{DType, Graph, Tensor};
+use super::builder::{DType, Graph, Node, Tensor};
 use super::precision::Precision;
 use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
@@ -194,7 +194,148 @@ impl Plan {
     }
 
     /// [`Plan::new`] with explicit options (fusion off, for reference runs).
+    /// One pass per concern, in order: what is needed, the parameter
+    /// layout, the fusions, the training nodes a loss dispatch absorbs,
+    /// then slots by liveness.
     pub fn with_options(graph: &Graph, outputs: &[Tensor], grads: Option<&Gradients>, align: usize, options: PlanOptions) -> Plan {
+        let mut p = Planning::needed(graph, outputs, grads, options);
+        p.lay_out_parameters(align.max(1));
+        p.order = (0..p.count).filter(|&i| p.needed[i]).collect();
+        p.count_consumers();
+        p.fuse_gradient_accumulations();
+        if options.fuse {
+            p.fuse_bias_adds();
+            p.fuse_residual_adds();
+            p.fuse_activations();
+            p.fuse_activation_gradients();
+            p.fuse_losses_with_gradients();
+        }
+        p.mark_training_nodes(grads);
+        p.fuse_into_loss_dispatches();
+        let slots = p.assign_slots();
+        let held_activation_bytes = p.held_activation_bytes(grads);
+        let slot_bytes = slots.slot_len.iter().map(|&l| l as u64 * BYTES).sum();
+        Plan {
+            order: p.order,
+            storage: p.storage,
+            slot_len: slots.slot_len,
+            param_offsets: p.param_offsets,
+            param_arena_len: p.arena,
+            decay_len: p.decay_len,
+            is_output: p.is_output,
+            accumulate: p.accumulate,
+            fused_away: p.fused_away,
+            bias_into: p.bias_into,
+            activation_into: p.activation_into,
+            activation_grad_into: p.activation_grad_into,
+            reads: p.reads,
+            loss_with_grad: p.loss_with_grad,
+            loss_fusion: p.loss_fusion,
+            in_loss_dispatch: p.in_loss_dispatch,
+            input_count: slots.inputs,
+            constant_count: slots.constants,
+            cache_count: slots.caches,
+            naive_intermediate_bytes: slots.naive,
+            slot_bytes,
+            input_bytes: slots.input_bytes,
+            held_activation_bytes,
+        }
+    }
+
+    /// Bytes of GPU memory the plan uses for parameters, `state_arenas`
+    /// optimizer-state copies, gradients (when training), inputs, constants
+    /// and intermediates. Every buffer is allocated once, so this is also
+    /// the peak (readback staging aside).
+    pub fn peak_bytes(&self, training: bool, state_arenas: usize) -> u64 {
+        let arena = self.param_arena_len as u64 * BYTES;
+        let copies = 1 + u64::from(training) + state_arenas as u64;
+        arena * copies + self.input_bytes + self.slot_bytes
+    }
+}
+
+/// The state [`Plan::with_options`]'s passes share, one entry per node.
+struct Planning<'g> {
+    graph: &'g Graph,
+    nodes: &'g [Node],
+    count: usize,
+    options: PlanOptions,
+    /// The outputs, the loss and the gradients asked for, and the tensors
+    /// whose storage their reshapes share.
+    roots: Vec<usize>,
+    /// The node owning each node's storage (a reshape's source's owner).
+    owner: Vec<usize>,
+    needed: Vec<bool>,
+    is_output: Vec<bool>,
+    /// The node another node's dispatch also writes (a norm's statistics).
+    companion: Vec<Option<usize>>,
+    storage: Vec<Storage>,
+    param_offsets: Vec<(Tensor, usize)>,
+    arena: usize,
+    decay_len: usize,
+    order: Vec<usize>,
+    reads: Vec<Vec<Tensor>>,
+    consumers: Vec<usize>,
+    accumulate: Vec<bool>,
+    fused_away: Vec<bool>,
+    bias_into: Vec<Option<usize>>,
+    activation_into: Vec<Option<usize>>,
+    keeps_pre_activation: Vec<bool>,
+    activation_grad_into: Vec<Option<usize>>,
+    loss_with_grad: Vec<Option<usize>>,
+    /// A training step's nodes: what the loss and the gradients need.
+    in_training: Vec<bool>,
+    loss_fusion: Vec<Option<LossFusion>>,
+    in_loss_dispatch: Vec<bool>,
+}
+
+/// Slot assignment's allocator and what it counts besides the storage.
+struct Slots {
+    slot_len: Vec<usize>,
+    slot_f16: Vec<bool>,
+    free: Vec<usize>,
+    /// Slots freed once the node at each index has run.
+    release_at: Vec<Vec<usize>>,
+    inputs: usize,
+    constants: usize,
+    caches: usize,
+    naive: u64,
+    input_bytes: u64,
+}
+
+impl Slots {
+    /// A slot for `len` words: the smallest free one that fits, else the
+    /// largest free one (grown), else a new one. Outputs get slots of their
+    /// own: they are read after a run, possibly after a different run (a
+    /// prediction) has executed other nodes that share freed slots. f16
+    /// copies (held from forward to backward) and f32 tensors never share a
+    /// slot: a copy in a slot an f32 tensor sized would keep those bytes
+    /// alive all through the backward.
+    fn take(&mut self, len: usize, f16: bool, is_root: bool) -> usize {
+        let (slot_len, slot_f16, free) = (&self.slot_len, &self.slot_f16, &self.free);
+        let best = free
+            .iter()
+            .filter(|_| !is_root)
+            .enumerate()
+            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
+            .min_by_key(|(_, &s)| slot_len[s])
+            .map(|(k, _)| k)
+            .or_else(|| (0..free.len()).filter(|&k| !is_root && slot_f16[free[k]] == f16).max_by_key(|&k| slot_len[free[k]]));
+        let slot = match best {
+            Some(k) => self.free.swap_remove(k),
+            None => {
+                self.slot_len.push(0);
+                self.slot_f16.push(f16);
+                self.slot_len.len() - 1
+            }
+        };
+        self.slot_len[slot] = self.slot_len[slot].max(len);
+        slot
+    }
+}
+
+impl<'g> Planning<'g> {
+    /// The roots and every node they need; reshapes' owners and companions.
+    fn needed(graph: &'g Graph, outputs: &[Tensor], grads: Option<&Gradients>, options: PlanOptions) -> Self {
         let nodes = graph.nodes();
         let count = nodes.len();
         let mut roots: Vec<usize> = outputs.iter().map(|t| t.0).collect();
@@ -217,11 +358,9 @@ impl Plan {
         let aliased_roots: Vec<usize> = roots.iter().map(|&r| owner[r]).filter(|o| !roots.contains(o)).collect();
         roots.extend(aliased_roots);
         let mut needed = vec![false; count];
-        for &r in &roots {
-            needed[r] = true;
-        }
         let mut is_output = vec![false; count];
         for &r in &roots {
+            needed[r] = true;
             is_output[r] = true;
         }
         for i in (0..count).rev() {
@@ -240,353 +379,264 @@ impl Plan {
                 needed[s.0] |= needed[i];
             }
         }
+        Planning {
+            graph,
+            nodes,
+            count,
+            options,
+            roots,
+            owner,
+            needed,
+            is_output,
+            companion,
+            storage: vec![Storage::Unused; count],
+            param_offsets: Vec::new(),
+            arena: 0,
+            decay_len: 0,
+            order: Vec::new(),
+            reads: nodes.iter().map(|n| n.inputs.clone()).collect(),
+            consumers: vec![0; count],
+            accumulate: vec![false; count],
+            fused_away: vec![false; count],
+            bias_into: vec![None; count],
+            activation_into: vec![None; count],
+            keeps_pre_activation: vec![false; count],
+            activation_grad_into: vec![None; count],
+            loss_with_grad: vec![None; count],
+            in_training: vec![false; count],
+            loss_fusion: vec![None; count],
+            in_loss_dispatch: vec![false; count],
+        }
+    }
 
-        // Parameters and their gradients: one layout, aligned offsets.
-        // Weight-decayed parameters come first, so an optimizer update
-        // tells the two groups apart by one boundary (`decay_len`);
-        // `param_offsets` stays in graph order.
-        let align = align.max(1);
-        let mut param_offsets = Vec::new();
-        let mut arena = 0usize;
-        let mut storage = vec![Storage::Unused; count];
-        let mut decay_len = 0;
+    /// Parameters and their gradients: one layout, offsets aligned to
+    /// `align` elements. Weight-decayed parameters come first, so an
+    /// optimizer update tells the two groups apart by one boundary
+    /// (`decay_len`); `param_offsets` stays in graph order.
+    fn lay_out_parameters(&mut self, align: usize) {
         for decayed in [true, false] {
-            for (i, node) in nodes.iter().enumerate() {
-                if matches!(node.op, Op::Source(SourceOp::Parameter { .. })) && graph.weight_decay_applies(Tensor(i)) == decayed {
-                    param_offsets.push((Tensor(i), arena));
-                    storage[i] = Storage::Param { offset: arena };
-                    arena += stored_words(node.dtype, node.len()).div_ceil(align) * align;
+            for (i, node) in self.nodes.iter().enumerate() {
+                let is_param = matches!(node.op, Op::Source(SourceOp::Parameter { .. }));
+                if is_param && self.graph.weight_decay_applies(Tensor(i)) == decayed {
+                    self.param_offsets.push((Tensor(i), self.arena));
+                    self.storage[i] = Storage::Param { offset: self.arena };
+                    self.arena += stored_words(node.dtype, node.len()).div_ceil(align) * align;
                 }
             }
             if decayed {
-                decay_len = arena;
+                self.decay_len = self.arena;
             }
         }
-        param_offsets.sort_by_key(|&(t, _)| t);
+        self.param_offsets.sort_by_key(|&(t, _)| t);
+    }
 
-        let order: Vec<usize> = (0..count).filter(|&i| needed[i]).collect();
-        let mut reads: Vec<Vec<Tensor>> = nodes.iter().map(|n| n.inputs.clone()).collect();
-
-        // A gradient contribution made by a matmul or column sum that nothing
-        // else reads is computed straight into the gradient arena in
-        // accumulate mode, saving the add and the intermediate.
-        let mut consumers = vec![0usize; count];
-        for &i in &order {
-            for t in &nodes[i].inputs {
-                consumers[t.0] += 1;
+    fn count_consumers(&mut self) {
+        for &i in &self.order {
+            for t in &self.nodes[i].inputs {
+                self.consumers[t.0] += 1;
             }
         }
-        let mut accumulate = vec![false; count];
-        let mut fused_away = vec![false; count];
-        for &i in &order {
-            if let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = nodes[i].op {
-                let j = nodes[i].inputs[0].0;
-                // The embedding backward only adds into its output, so it
-                // is always computed in the gradient arena, fused or not.
-                let op_fuses = match nodes[j].op {
-                    Op::Matmul(MatmulOp::MatMul(_)) | Op::Reduce(ReduceOp::SumRows) => options.fuse,
-                    Op::Embedding(EmbeddingOp::EmbeddingBackward) => true,
-                    _ => false,
-                };
-                let fusable = op_fuses && consumers[j] == 1 && !roots.contains(&j);
-                if let (true, Storage::Param { offset }) = (fusable, storage[param.0]) {
-                    accumulate[j] = true;
-                    fused_away[i] = true;
-                    storage[j] = Storage::Grad { offset };
+    }
+
+    /// Read by no other node and not a root: a fusion may absorb it.
+    fn private(&self, j: usize) -> bool {
+        self.consumers[j] == 1 && !self.roots.contains(&j)
+    }
+
+    /// The node a reshape read by nothing else stands for: a Linear over
+    /// [.., in] reshapes its product back, and the fusions see through
+    /// that (the reshape shares its source's storage).
+    fn through(&self, t: Tensor) -> usize {
+        let mut j = t.0;
+        while self.nodes[j].op == LayoutOp::Reshape && self.private(j) {
+            j = self.nodes[j].inputs[0].0;
+        }
+        j
+    }
+
+    fn is_matmul(&self, j: usize) -> bool {
+        matches!(self.nodes[j].op, Op::Matmul(MatmulOp::MatMul(_)))
+    }
+
+    /// A gradient contribution made by a matmul or column sum that nothing
+    /// else reads is computed straight into the gradient arena in
+    /// accumulate mode, saving the add and the intermediate.
+    fn fuse_gradient_accumulations(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = self.nodes[i].op else { continue };
+            let j = self.nodes[i].inputs[0].0;
+            // The embedding backward only adds into its output, so it is
+            // always computed in the gradient arena, fused or not.
+            let op_fuses = match self.nodes[j].op {
+                Op::Matmul(MatmulOp::MatMul(_)) | Op::Reduce(ReduceOp::SumRows) => self.options.fuse,
+                Op::Embedding(EmbeddingOp::EmbeddingBackward) => true,
+                _ => false,
+            };
+            if let (true, Storage::Param { offset }) = (op_fuses && self.private(j), self.storage[param.0]) {
+                self.accumulate[j] = true;
+                self.fused_away[i] = true;
+                self.storage[j] = Storage::Grad { offset };
+            }
+        }
+    }
+
+    /// A matmul read only by a bias add writes the biased result itself
+    /// (one dispatch for a Linear layer), into the bias add's storage.
+    fn fuse_bias_adds(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            if self.nodes[i].op == ElementwiseOp::BiasAdd {
+                let j = self.through(self.nodes[i].inputs[0]);
+                if self.is_matmul(j) && self.private(j) && !self.accumulate[j] {
+                    self.bias_into[j] = Some(i);
+                    self.fused_away[i] = true;
                 }
             }
         }
-        // A matmul read only by a bias add writes the biased result itself
-        // (one dispatch for a Linear layer), into the bias add's storage.
-        let mut bias_into: Vec<Option<usize>> = vec![None; count];
-        // The node a reshape read by nothing else stands for: a Linear
-        // over [.., in] reshapes its product back, and the fusions below
-        // see through that (the reshape shares its source's storage).
-        let through = |t: Tensor| -> usize {
-            let mut j = t.0;
-            while nodes[j].op == LayoutOp::Reshape && consumers[j] == 1 && !roots.contains(&j) {
-                j = nodes[j].inputs[0].0;
-            }
-            j
-        };
-        for &i in order.iter().filter(|_| options.fuse) {
-            if nodes[i].op == ElementwiseOp::BiasAdd {
-                let j = through(nodes[i].inputs[0]);
-                if matches!(nodes[j].op, Op::Matmul(MatmulOp::MatMul(_))) && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) {
-                    bias_into[j] = Some(i);
-                    fused_away[i] = true;
-                }
-            }
-        }
-        // A one-row product added to a residual of its size (decode's
-        // attention and MLP outputs, x + o_proj(..)) adds it as its bias
-        // (bias[col] is the residual's col-th value when there is one
-        // row): the add's reads are put (product, residual), as a bias
-        // add's are.
-        for &i in order.iter().filter(|_| options.fuse) {
-            if nodes[i].op != ElementwiseOp::Binary(Binary::Add) {
+    }
+
+    /// A one-row product added to a residual of its size (decode's
+    /// attention and MLP outputs, x + o_proj(..)) adds it as its bias
+    /// (bias[col] is the residual's col-th value when there is one row):
+    /// the add's reads are put (product, residual), as a bias add's are.
+    fn fuse_residual_adds(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            if self.nodes[i].op != ElementwiseOp::Binary(Binary::Add) {
                 continue;
             }
-            let [a, b] = nodes[i].inputs[..] else { continue };
+            let [a, b] = self.nodes[i].inputs[..] else { continue };
             for (product, residual) in [(b, a), (a, b)] {
-                let j = through(product);
+                let j = self.through(product);
+                let nodes = self.nodes;
                 let one_row = matches!(nodes[j].shape[..], [1, _]);
-                let same_size = nodes[residual.0].len() == nodes[i].len() && nodes[j].len() == nodes[i].len() && nodes[residual.0].dtype == DType::F32;
-                if matches!(nodes[j].op, Op::Matmul(MatmulOp::MatMul(_))) && one_row && same_size && consumers[j] == 1 && !accumulate[j] && !roots.contains(&j) && bias_into[j].is_none() && through(residual) != j {
-                    bias_into[j] = Some(i);
-                    fused_away[i] = true;
-                    reads[i] = vec![product, residual];
+                let same_size = nodes[residual.0].len() == nodes[i].len()
+                    && nodes[j].len() == nodes[i].len()
+                    && nodes[residual.0].dtype == DType::F32;
+                let free = self.private(j) && !self.accumulate[j] && self.bias_into[j].is_none();
+                if self.is_matmul(j) && one_row && same_size && free && self.through(residual) != j {
+                    self.bias_into[j] = Some(i);
+                    self.fused_away[i] = true;
+                    self.reads[i] = vec![product, residual];
                     break;
                 }
             }
         }
-        // A matmul (with its bias add) read only by an activation applies it
-        // and writes the activation's output: a Linear layer and its
-        // activation in one dispatch. The pre-activation is kept only if
-        // still read; a ReLU's backward reads the ReLU output instead.
-        let mut activation_into: Vec<Option<usize>> = vec![None; count];
-        let mut keeps_pre_activation = vec![false; count];
-        for &y in order.iter().filter(|_| options.fuse) {
-            let Op::Elementwise(ElementwiseOp::Activation(act)) = nodes[y].op else { continue };
-            let z = through(nodes[y].inputs[0]);
-            let matmul = match nodes[z].op {
-                Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[through(nodes[z].inputs[0])] == Some(z) => through(nodes[z].inputs[0]),
-                Op::Matmul(MatmulOp::MatMul(_)) if !accumulate[z] && bias_into[z].is_none() => z,
+    }
+
+    /// A matmul (with its bias add) read only by an activation applies it
+    /// and writes the activation's output: a Linear layer and its
+    /// activation in one dispatch. The pre-activation is kept only if
+    /// still read; a ReLU's backward reads the ReLU output instead.
+    fn fuse_activations(&mut self) {
+        for k in 0..self.order.len() {
+            let y = self.order[k];
+            let Op::Elementwise(ElementwiseOp::Activation(act)) = self.nodes[y].op else { continue };
+            let z = self.through(self.nodes[y].inputs[0]);
+            let matmul = match self.nodes[z].op {
+                Op::Elementwise(ElementwiseOp::BiasAdd) if self.bias_into[self.through(self.nodes[z].inputs[0])] == Some(z) => {
+                    self.through(self.nodes[z].inputs[0])
+                }
+                Op::Matmul(MatmulOp::MatMul(_)) if !self.accumulate[z] && self.bias_into[z].is_none() => z,
                 _ => continue,
             };
-            if activation_into[matmul].is_some() {
+            if self.activation_into[matmul].is_some() {
                 continue;
             }
             if act == Activation::Relu {
-                for &j in &order {
-                    if nodes[j].op == ElementwiseOp::ActivationBackward(Activation::Relu) && reads[j][0].0 == z {
-                        reads[j][0] = Tensor(y);
+                for &j in &self.order {
+                    if self.nodes[j].op == ElementwiseOp::ActivationBackward(Activation::Relu) && self.reads[j][0].0 == z {
+                        self.reads[j][0] = Tensor(y);
                     }
                 }
             }
             // Read by another node than y and the reshapes between them.
-            let between = |j: usize| nodes[j].op == LayoutOp::Reshape && through(Tensor(j)) == z && j != z;
-            let pre_read = roots.contains(&z) || order.iter().any(|&j| j != y && !between(j) && reads[j].iter().any(|t| t.0 == z));
+            let between = |j: usize| self.nodes[j].op == LayoutOp::Reshape && self.through(Tensor(j)) == z && j != z;
+            let pre_read = self.roots.contains(&z)
+                || self.order.iter().any(|&j| j != y && !between(j) && self.reads[j].iter().any(|t| t.0 == z));
             // Without a bias add the matmul node is the pre-activation and
             // has no storage of its own to keep it in.
             if pre_read && matmul == z {
                 continue;
             }
-            activation_into[matmul] = Some(y);
-            keeps_pre_activation[matmul] = pre_read;
-            fused_away[y] = true;
+            self.activation_into[matmul] = Some(y);
+            self.keeps_pre_activation[matmul] = pre_read;
+            self.fused_away[y] = true;
         }
-        // An activation's backward whose incoming gradient is a matmul read
-        // by nothing else is done by that matmul (dY·Wᵀ · f'(x)).
-        let mut activation_grad_into: Vec<Option<usize>> = vec![None; count];
-        for &i in order.iter().filter(|_| options.fuse) {
-            if let Op::Elementwise(ElementwiseOp::ActivationBackward(_)) = nodes[i].op {
-                let g = reads[i][1].0;
-                let plain = bias_into[g].is_none() && activation_into[g].is_none() && activation_grad_into[g].is_none();
-                if matches!(nodes[g].op, Op::Matmul(MatmulOp::MatMul(_))) && consumers[g] == 1 && !accumulate[g] && !roots.contains(&g) && plain {
-                    activation_grad_into[g] = Some(i);
-                    fused_away[i] = true;
+    }
+
+    /// An activation's backward whose incoming gradient is a matmul read
+    /// by nothing else is done by that matmul (dY·Wᵀ · f'(x)).
+    fn fuse_activation_gradients(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            if let Op::Elementwise(ElementwiseOp::ActivationBackward(_)) = self.nodes[i].op {
+                let g = self.reads[i][1].0;
+                let plain = self.bias_into[g].is_none() && self.activation_into[g].is_none() && self.activation_grad_into[g].is_none();
+                if self.is_matmul(g) && self.private(g) && !self.accumulate[g] && plain {
+                    self.activation_grad_into[g] = Some(i);
+                    self.fused_away[i] = true;
                 }
             }
         }
-        // A loss and its backward over the same prediction and target run
-        // as one dispatch at the loss; the gradient's slot is taken there.
-        // The fused kernel is one workgroup, so only for small predictions.
-        let mut loss_with_grad: Vec<Option<usize>> = vec![None; count];
-        for &i in order.iter().filter(|_| options.fuse) {
-            if let Op::Loss(LossOp::LossBackward(kind)) = nodes[i].op {
-                let (pred, target) = (nodes[i].inputs[0], nodes[i].inputs[1]);
-                let small = nodes[pred.0].len() <= options.fused_loss_max;
-                let forward = order.iter().copied().find(|&j| nodes[j].op == LossOp::Loss(kind) && nodes[j].inputs == [pred, target]);
+    }
+
+    /// A loss and its backward over the same prediction and target run as
+    /// one dispatch at the loss; the gradient's slot is taken there. The
+    /// fused kernel is one workgroup, so only for small predictions.
+    fn fuse_losses_with_gradients(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            if let Op::Loss(LossOp::LossBackward(kind)) = self.nodes[i].op {
+                let (pred, target) = (self.nodes[i].inputs[0], self.nodes[i].inputs[1]);
+                let small = self.nodes[pred.0].len() <= self.options.fused_loss_max;
+                let forward = self.order.iter().copied().find(|&j| self.nodes[j].op == LossOp::Loss(kind) && self.nodes[j].inputs == [pred, target]);
                 if let (true, Some(j)) = (small, forward) {
-                    loss_with_grad[j] = Some(i);
-                    fused_away[i] = true;
+                    self.loss_with_grad[j] = Some(i);
+                    self.fused_away[i] = true;
                 }
             }
         }
-        // The training step's nodes: what the loss and the gradients need
-        // (not predictions), to know who else reads a loss's prediction.
-        let mut in_training = vec![false; count];
+    }
+
+    /// The training step's nodes: what the loss and the gradients need
+    /// (not predictions), to know who else reads a loss's prediction.
+    fn mark_training_nodes(&mut self, grads: Option<&Gradients>) {
         if let Some(g) = grads {
-            in_training[g.loss.0] = true;
+            self.in_training[g.loss.0] = true;
             for t in g.accumulations().iter().chain(&g.input_gradients()) {
-                in_training[t.0] = true;
+                self.in_training[t.0] = true;
             }
         }
-        for i in (0..count).rev() {
-            if in_training[i] {
-                for t in &nodes[i].inputs {
-                    in_training[t.0] = true;
+        for i in (0..self.count).rev() {
+            if self.in_training[i] {
+                for t in &self.nodes[i].inputs {
+                    self.in_training[t.0] = true;
                 }
             }
         }
-        let mut loss_fusion: Vec<Option<LossFusion>> = vec![None; count];
-        let mut in_loss_dispatch = vec![false; count];
-        for &i in &order {
-            let Some(backward) = loss_with_grad[i] else { continue };
-            let mut fusion = Self::loss_fusion(graph, &order, i, backward, &in_training, &accumulate, &bias_into, &storage, options.linear_in_loss_max_macs);
-            if !options.linear_in_loss {
+    }
+
+    /// The work each fused loss's training dispatch also does.
+    fn fuse_into_loss_dispatches(&mut self) {
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            let Some(backward) = self.loss_with_grad[i] else { continue };
+            let mut fusion = self.loss_fusion(i, backward);
+            if !self.options.linear_in_loss {
                 fusion.linear = None;
             }
             if let Some(l) = fusion.linear {
-                in_loss_dispatch[l.matmul] = true;
-                in_loss_dispatch[l.weight_grad] = true;
+                self.in_loss_dispatch[l.matmul] = true;
+                self.in_loss_dispatch[l.weight_grad] = true;
             }
             if let Some(b) = fusion.bias_grad {
-                in_loss_dispatch[b] = true;
+                self.in_loss_dispatch[b] = true;
             }
             if fusion != LossFusion::default() {
-                loss_fusion[i] = Some(fusion);
+                self.loss_fusion[i] = Some(fusion);
             }
-        }
-        // Last use of each needed node; outputs and the loss live to the end.
-        let mut last_use = vec![None::<usize>; count];
-        for &i in &order {
-            for t in &reads[i] {
-                last_use[owner[t.0]] = Some(i);
-            }
-        }
-        for &r in &roots {
-            last_use[owner[r]] = Some(usize::MAX);
-        }
-        let mut slot_len: Vec<usize> = Vec::new();
-        let mut slot_f16: Vec<bool> = Vec::new();
-        let mut free: Vec<usize> = Vec::new();
-        let mut release_at: Vec<Vec<usize>> = vec![Vec::new(); count];
-        let (mut inputs, mut constants, mut caches) = (0, 0, 0);
-        let mut naive = 0u64;
-        let mut input_bytes = 0u64;
-        for &i in &order {
-            let node = &nodes[i];
-            match &node.op {
-                // Writes into the gradient arena: no slot.
-                _ if accumulate[i] => {}
-                // Its matmul (or its loss) already placed it.
-                Op::Elementwise(ElementwiseOp::BiasAdd | ElementwiseOp::Binary(Binary::Add) | ElementwiseOp::Activation(_) | ElementwiseOp::ActivationBackward(_)) | Op::Loss(LossOp::LossBackward(_)) if fused_away[i] => {}
-                Op::Source(SourceOp::Parameter { .. }) => {}
-                // Shares its input's storage (set below), or its writer
-                // placed it (a layernorm's statistics).
-                Op::Layout(LayoutOp::Reshape) => {}
-                _ if node.op.is_companion() => {}
-                Op::Source(SourceOp::Input) => {
-                    storage[i] = Storage::Input { index: inputs };
-                    inputs += 1;
-                    input_bytes += node.len() as u64 * BYTES;
-                }
-                Op::Source(SourceOp::Constant { .. }) => {
-                    storage[i] = Storage::Constant { index: constants };
-                    constants += 1;
-                    input_bytes += node.len() as u64 * BYTES;
-                }
-                Op::Source(SourceOp::Cache) => {
-                    storage[i] = Storage::Cache { index: caches };
-                    caches += 1;
-                    input_bytes += node.len() as u64 * BYTES;
-                }
-                Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => {
-                    if let Storage::Param { offset } = storage[param.0] {
-                        storage[i] = Storage::Grad { offset };
-                    }
-                }
-                _ => {
-                    // A fused matmul allocates for the node whose output it
-                    // writes (and a pre-activation still read); a fused loss
-                    // also for its gradient.
-                    let written = activation_grad_into[i].or(activation_into[i]).or(bias_into[i]).unwrap_or(i);
-                    let mut owners = vec![written];
-                    if let (true, Some(pre)) = (keeps_pre_activation[i], bias_into[i]) {
-                        owners.push(pre);
-                    }
-                    owners.extend(loss_with_grad[i]);
-                    owners.extend(companion[i]);
-                    for (k, &o) in owners.iter().enumerate() {
-                        // Words, not values: an f16 copy takes half.
-                        let len = stored_words(nodes[o].dtype, nodes[o].len());
-                        naive += len as u64 * BYTES;
-                        // Outputs get slots of their own: they are read after a
-                        // run, possibly after a different run (a prediction)
-                        // has executed other nodes that share freed slots.
-                        let is_root = last_use[o] == Some(usize::MAX);
-                        // f16 copies (held from forward to backward) and
-                        // f32 tensors never share a slot: a copy in a slot
-                        // an f32 tensor sized would keep those bytes alive
-                        // all through the backward.
-                        let f16 = nodes[o].dtype == DType::F16;
-                        let best = free
-                            .iter()
-                            .filter(|_| !is_root)
-                            .enumerate()
-                            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
-                            .min_by_key(|(_, &s)| slot_len[s])
-                            .map(|(k, _)| k)
-                            .or_else(|| (0..free.len()).filter(|&k| !is_root && slot_f16[free[k]] == f16).max_by_key(|&k| slot_len[free[k]]));
-                        let slot = match best {
-                            Some(k) => free.swap_remove(k),
-                            None => {
-                                slot_len.push(0);
-                                slot_f16.push(f16);
-                                slot_len.len() - 1
-                            }
-                        };
-                        slot_len[slot] = slot_len[slot].max(len);
-                        storage[o] = Storage::Slot { index: slot };
-                        if k == 0 {
-                            storage[i] = Storage::Slot { index: slot };
-                        }
-                        match last_use[o] {
-                            Some(usize::MAX) => {}
-                            Some(u) => release_at[u].push(slot),
-                            // Written but never read (statistics of an
-                            // inference run): free once the writer ran.
-                            None => release_at[i].push(slot),
-                        }
-                    }
-                }
-            }
-            // Inputs of node i whose last use is i may now be overwritten.
-            free.extend(release_at[i].drain(..));
-        }
-        for &i in &order {
-            if nodes[i].op == LayoutOp::Reshape {
-                storage[i] = storage[owner[i]];
-            }
-        }
-        let slot_bytes = slot_len.iter().map(|&l| l as u64 * BYTES).sum();
-        let mut held = vec![false; count];
-        if let Some(g) = grads {
-            let start = g.backward_start().0;
-            for &i in order.iter().filter(|&&i| i >= start) {
-                for t in &reads[i] {
-                    let o = owner[t.0];
-                    held[o] |= o < start && matches!(storage[o], Storage::Slot { .. });
-                }
-            }
-        }
-        let held_activation_bytes = (0..count).filter(|&o| held[o]).map(|o| stored_words(nodes[o].dtype, nodes[o].len()) as u64 * BYTES).sum();
-        Plan {
-            order,
-            storage,
-            slot_len,
-            param_offsets,
-            param_arena_len: arena,
-            decay_len,
-            is_output,
-            accumulate,
-            fused_away,
-            bias_into,
-            activation_into,
-            activation_grad_into,
-            reads,
-            loss_with_grad,
-            loss_fusion,
-            in_loss_dispatch,
-            input_count: inputs,
-            constant_count: constants,
-            cache_count: caches,
-            naive_intermediate_bytes: naive,
-            slot_bytes,
-            input_bytes,
-            held_activation_bytes,
         }
     }
 
@@ -595,25 +645,16 @@ impl Plan {
     /// computed when the loss runs (x, parameters) and writes the loss's
     /// prediction and gradient arena entries nothing else in the step reads
     /// before the loss, so moving it to the loss keeps every value.
-    #[allow(clippy::too_many_arguments)]
-    fn loss_fusion(
-        graph: &Graph,
-        order: &[usize],
-        loss: usize,
-        backward: usize,
-        in_training: &[bool],
-        accumulate: &[bool],
-        bias_into: &[Option<usize>],
-        storage: &[Storage],
-        max_macs: usize,
-    ) -> LossFusion {
-        let nodes = graph.nodes();
+    fn loss_fusion(&self, loss: usize, backward: usize) -> LossFusion {
+        let (nodes, order, storage) = (self.nodes, &self.order, &self.storage);
         let pred = nodes[loss].inputs[0].0;
         let dpred = Tensor(backward);
         // A gradient contribution of dpred accumulated straight into the
         // gradient arena by a node of `op` reading `inputs`.
         let accumulating = |op: Op, inputs: &[Tensor]| {
-            order.iter().copied().find(|&j| nodes[j].op == op && nodes[j].inputs == inputs && accumulate[j] && matches!(storage[j], Storage::Grad { .. }))
+            order.iter().copied().find(|&j| {
+                nodes[j].op == op && nodes[j].inputs == inputs && self.accumulate[j] && matches!(storage[j], Storage::Grad { .. })
+            })
         };
         let pred_shape = &nodes[pred].shape;
         let bias_grad = match pred_shape.len() {
@@ -622,25 +663,31 @@ impl Plan {
         };
         // The prediction: a matmul, alone or with the bias add it computes.
         let (matmul, bias) = match nodes[pred].op {
-            Op::Elementwise(ElementwiseOp::BiasAdd) if bias_into[nodes[pred].inputs[0].0] == Some(pred) => (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1])),
-            Op::Matmul(MatmulOp::MatMul(_)) if !accumulate[pred] => (pred, None),
+            Op::Elementwise(ElementwiseOp::BiasAdd) if self.bias_into[nodes[pred].inputs[0].0] == Some(pred) => {
+                (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1]))
+            }
+            Op::Matmul(MatmulOp::MatMul(_)) if !self.accumulate[pred] => (pred, None),
             _ => return LossFusion { linear: None, bias_grad },
         };
         let (x, weight) = (nodes[matmul].inputs[0], nodes[matmul].inputs[1]);
         let is_param = |t: Tensor| matches!(storage[t.0], Storage::Param { .. });
         let only_the_loss_reads_pred = order
             .iter()
-            .filter(|&&j| in_training[j] && ![loss, backward, pred].contains(&j))
+            .filter(|&&j| self.in_training[j] && ![loss, backward, pred].contains(&j))
             .all(|&j| !nodes[j].inputs.iter().any(|t| t.0 == pred || t.0 == matmul));
         let (rows, cols) = (pred_shape[0], pred_shape.get(1).copied().unwrap_or(1));
-        let inner = graph.node(weight).shape.get(1).copied().unwrap_or(0);
-        let small = rows.saturating_mul(cols).saturating_mul(inner) <= max_macs;
+        let inner = self.graph.node(weight).shape.get(1).copied().unwrap_or(0);
+        let small = rows.saturating_mul(cols).saturating_mul(inner) <= self.options.linear_in_loss_max_macs;
         let weight_grad = accumulating(MatmulOp::MatMul(MatmulForm::AtB).into(), &[dpred, x]);
+        // The loss kernel reads x in f32 (not an f16-stored activation).
+        let fits = pred_shape.len() == 2
+            && small
+            && is_param(weight)
+            && bias.is_none_or(is_param)
+            && only_the_loss_reads_pred
+            && self.graph.node(x).dtype == DType::F32;
         let linear = match (&nodes[matmul].op, weight_grad) {
-            (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad))
-                // The loss kernel reads x in f32 (not an f16-stored activation).
-                if pred_shape.len() == 2 && small && is_param(weight) && bias.is_none_or(is_param) && only_the_loss_reads_pred && graph.node(x).dtype == DType::F32 =>
-            {
+            (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad)) if fits => {
                 Some(LinearInLoss { matmul, x, weight, bias, weight_grad })
             }
             _ => None,
@@ -648,13 +695,134 @@ impl Plan {
         LossFusion { linear, bias_grad }
     }
 
-    /// Bytes of GPU memory the plan uses for parameters, `state_arenas`
-    /// optimizer-state copies, gradients (when training), inputs, constants
-    /// and intermediates. Every buffer is allocated once, so this is also
-    /// the peak (readback staging aside).
-    pub fn peak_bytes(&self, training: bool, state_arenas: usize) -> u64 {
-        let arena = self.param_arena_len as u64 * BYTES;
-        let copies = 1 + u64::from(training) + state_arenas as u64;
-        arena * copies + self.input_bytes + self.slot_bytes
+    /// Last use of each needed node's storage; outputs and the loss live to
+    /// the end (`usize::MAX`).
+    fn last_uses(&self) -> Vec<Option<usize>> {
+        let mut last_use = vec![None::<usize>; self.count];
+        for &i in &self.order {
+            for t in &self.reads[i] {
+                last_use[self.owner[t.0]] = Some(i);
+            }
+        }
+        for &r in &self.roots {
+            last_use[self.owner[r]] = Some(usize::MAX);
+        }
+        last_use
+    }
+
+    /// Storage for every node by liveness: inputs, constants and caches get
+    /// buffers of their own; intermediates share slots once their last
+    /// reader has run.
+    fn assign_slots(&mut self) -> Slots {
+        let last_use = self.last_uses();
+        let mut slots = Slots {
+            slot_len: Vec::new(),
+            slot_f16: Vec::new(),
+            free: Vec::new(),
+            release_at: vec![Vec::new(); self.count],
+            inputs: 0,
+            constants: 0,
+            caches: 0,
+            naive: 0,
+            input_bytes: 0,
+        };
+        for k in 0..self.order.len() {
+            let i = self.order[k];
+            let node = &self.nodes[i];
+            match &node.op {
+                // Writes into the gradient arena: no slot.
+                _ if self.accumulate[i] => {}
+                // Its matmul (or its loss) already placed it.
+                Op::Elementwise(
+                    ElementwiseOp::BiasAdd
+                    | ElementwiseOp::Binary(Binary::Add)
+                    | ElementwiseOp::Activation(_)
+                    | ElementwiseOp::ActivationBackward(_),
+                )
+                | Op::Loss(LossOp::LossBackward(_))
+                    if self.fused_away[i] => {}
+                Op::Source(SourceOp::Parameter { .. }) => {}
+                // Shares its input's storage (set below), or its writer
+                // placed it (a layernorm's statistics).
+                Op::Layout(LayoutOp::Reshape) => {}
+                _ if node.op.is_companion() => {}
+                Op::Source(SourceOp::Input) => {
+                    self.storage[i] = Storage::Input { index: slots.inputs };
+                    slots.inputs += 1;
+                    slots.input_bytes += node.len() as u64 * BYTES;
+                }
+                Op::Source(SourceOp::Constant { .. }) => {
+                    self.storage[i] = Storage::Constant { index: slots.constants };
+                    slots.constants += 1;
+                    slots.input_bytes += node.len() as u64 * BYTES;
+                }
+                Op::Source(SourceOp::Cache) => {
+                    self.storage[i] = Storage::Cache { index: slots.caches };
+                    slots.caches += 1;
+                    slots.input_bytes += node.len() as u64 * BYTES;
+                }
+                Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => {
+                    if let Storage::Param { offset } = self.storage[param.0] {
+                        self.storage[i] = Storage::Grad { offset };
+                    }
+                }
+                _ => self.place_in_slots(i, &last_use, &mut slots),
+            }
+            // Inputs of node i whose last use is i may now be overwritten.
+            let released = std::mem::take(&mut slots.release_at[i]);
+            slots.free.extend(released);
+        }
+        for &i in &self.order {
+            if self.nodes[i].op == LayoutOp::Reshape {
+                self.storage[i] = self.storage[self.owner[i]];
+            }
+        }
+        slots
+    }
+
+    /// Slots for what node `i`'s dispatch writes. A fused matmul allocates
+    /// for the node whose output it writes (and a pre-activation still
+    /// read); a fused loss also for its gradient.
+    fn place_in_slots(&mut self, i: usize, last_use: &[Option<usize>], slots: &mut Slots) {
+        let written = self.activation_grad_into[i].or(self.activation_into[i]).or(self.bias_into[i]).unwrap_or(i);
+        let mut owners = vec![written];
+        if let (true, Some(pre)) = (self.keeps_pre_activation[i], self.bias_into[i]) {
+            owners.push(pre);
+        }
+        owners.extend(self.loss_with_grad[i]);
+        owners.extend(self.companion[i]);
+        for (k, &o) in owners.iter().enumerate() {
+            // Words, not values: an f16 copy takes half.
+            let len = stored_words(self.nodes[o].dtype, self.nodes[o].len());
+            slots.naive += len as u64 * BYTES;
+            let is_root = last_use[o] == Some(usize::MAX);
+            let slot = slots.take(len, self.nodes[o].dtype == DType::F16, is_root);
+            self.storage[o] = Storage::Slot { index: slot };
+            if k == 0 {
+                self.storage[i] = Storage::Slot { index: slot };
+            }
+            match last_use[o] {
+                Some(usize::MAX) => {}
+                Some(u) => slots.release_at[u].push(slot),
+                // Written but never read (statistics of an inference run):
+                // free once the writer ran.
+                None => slots.release_at[i].push(slot),
+            }
+        }
+    }
+
+    /// Bytes of the forward's intermediates a training step's backward
+    /// reads (0 without gradients).
+    fn held_activation_bytes(&self, grads: Option<&Gradients>) -> u64 {
+        let Some(g) = grads else { return 0 };
+        let start = g.backward_start().0;
+        let mut held = vec![false; self.count];
+        for &i in self.order.iter().filter(|&&i| i >= start) {
+            for t in &self.reads[i] {
+                let o = self.owner[t.0];
+                held[o] |= o < start && matches!(self.storage[o], Storage::Slot { .. });
+            }
+        }
+        (0..self.count).filter(|&o| held[o]).map(|o| stored_words(self.nodes[o].dtype, self.nodes[o].len()) as u64 * BYTES).sum()
     }
 }
