@@ -39,18 +39,14 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # dev-dependencies turn on in shared crates (proptest's getrandom).
 #
 # `make test-swiftshader` (CI runs it after `make test`; it needs
-# Chromium, which scripts/ensure-chromium.sh installs) runs the suite a
-# second time on SwiftShader, Google's Vulkan implementation (a third
-# adapter beside lavapipe and llvmpipe-GL), opened with WebGPU's default
-# limits (WGRAD_LIMITS=webgpu): what passes there runs within what every
-# browser guarantees. GL is hidden from that run (glvnd finds no EGL
-# vendor): `make test` covered it, and the tests that open every adapter
-# then group SwiftShader with itself. The multi-device engines' tests
-# (data, tensor, pipeline, ZeRO: host-side logic over kernels the rest of
-# the suite checks on SwiftShader too) run in `make test` only. A pass of
-# its own (3 minutes on 2 cores), so `make test` stays within 10 minutes.
+# Chromium, which scripts/ensure-chromium.sh installs) runs the whole suite
+# a second time with SwiftShader, Google's Vulkan implementation, in place
+# of lavapipe and opened with WebGPU's default limits (WGRAD_LIMITS=webgpu):
+# what passes there runs within what every browser guarantees. llvmpipe-GL
+# stays beside it, so the multi-device engines (data, tensor, pipeline,
+# ZeRO) pair two unlike adapters there. A pass of its own, outside the
+# 10 minutes of `make test`.
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
-SWIFTSHADER_SKIP := --skip parallel:: --skip gpt_pipeline:: --skip gpt_tensor:: --skip zero::
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
 test: driver smollm2
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
@@ -61,8 +57,8 @@ test: driver smollm2
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
 
 test-swiftshader: driver smollm2
-	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) __EGL_VENDOR_LIBRARY_FILENAMES=/nonexistent WGRAD_LIMITS=webgpu \
-		$(CARGO) test --release $(TEST_FEATURES) --test suite -- $(SWIFTSHADER_SKIP),\
+	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) WGRAD_LIMITS=webgpu \
+		$(CARGO) test --release $(TEST_FEATURES) --test suite,\
 		$(error SwiftShader (Debian's chromium) is not installed: see scripts/ensure-chromium.sh))
 
 bench: driver

@@ -85,9 +85,10 @@ pub struct Planning {
     /// Pipeline micro-batches per step.
     pub micro_batches: usize,
     /// Least byte alignment of each parameter in the arenas on the device:
-    /// single-device, tensor and pipeline executors use the device's own
-    /// `min_storage_buffer_offset_alignment`; data parallel and ZeRO at
-    /// least [`ARENA_ALIGNMENT`]. 256 where the device is not known (the
+    /// a single-device executor uses the device's own
+    /// `min_storage_buffer_offset_alignment`; every multi-device engine
+    /// the group's largest, at least [`ARENA_ALIGNMENT`] (so unlike
+    /// adapters plan alike). 256 where the device is not known (the
     /// largest any API allows).
     pub device_alignment: u32,
     /// Where the activations the backward reads are kept. f16 is planned
@@ -126,7 +127,7 @@ fn replica<M: Parallelizable>(model: &M, p: &Planning, rows: usize, alignment: u
 /// applies.
 fn stage(graph: Graph, blocks: &[Block], input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, p: &Planning) -> Result<DeviceMemory> {
     let s = StageGraph::complete(graph, input, output, input_grad, end)?.with_passes(blocks, p.checkpoint_activations, p.f16(), &mut [input, output])?;
-    let plan = plan(s.graph, &s.outputs, &s.grads, &p.optimizer, p.device_alignment)?;
+    let plan = plan(s.graph, &s.outputs, &s.grads, &p.optimizer, p.device_alignment.max(ARENA_ALIGNMENT))?;
     Ok(DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()))
 }
 

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
-use super::data::shard;
+use super::data::{group_arena_alignment, shard};
 use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, Strategy, TrainEngine};
 use super::{on_device, DeviceGroup};
@@ -301,6 +301,10 @@ impl Pipeline {
         options: PlanOptions,
     ) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
+        // Every stage lays out its arenas at the group's alignment (as data
+        // parallel does), so a plan made without the devices (`--dry-run`)
+        // is exact on unlike adapters too.
+        let options = PlanOptions { arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())), ..options };
         let s_count = group.len();
         let costs = model.stage_costs();
         let layers = costs.blocks.len();

@@ -152,11 +152,13 @@ impl Stage {
 
     /// A stage over the completed `stage` (`input -> output`) whose
     /// arenas and intermediates lie at the start of `pool`'s buffers
-    /// ([`Executor::with_arenas`]). It has no
+    /// ([`Executor::with_arenas`]), its parameters at least
+    /// `arena_alignment` bytes apart (0: the device's own). It has no
     /// optimizer: its owner keeps and updates the parameters elsewhere.
-    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, pool: &ArenaPool) -> Result<Self> {
+    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, pool: &ArenaPool, arena_alignment: u32) -> Result<Self> {
         let StageGraph { graph, outputs, grads: gradients, ends } = stage;
-        let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, PlanOptions::default(), pool)?;
+        let options = PlanOptions { arena_alignment, ..PlanOptions::default() };
+        let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, options, pool)?;
         Ok(Stage { kernels, exec, input, output, ends })
     }
 

@@ -34,6 +34,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
+use super::data::group_arena_alignment;
 use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, TrainEngine};
 use super::{on_device, DeviceGroup};
@@ -105,6 +106,10 @@ impl TensorParallel {
     /// whole block to recompute on its own).
     pub fn with_options<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize, options: PlanOptions) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
+        // Every stage lays out its arenas at the group's alignment (as data
+        // parallel does), so a plan made without the devices (`--dry-run`)
+        // is exact on unlike adapters too.
+        let options = PlanOptions { arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())), ..options };
         if batch == 0 {
             return Err(Error::InvalidArgument { op: "TensorParallel", reason: "the batch needs at least one example".into() });
         }

@@ -153,7 +153,7 @@ fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], input
 /// more).
 pub fn planned_memory<M: Staged + ?Sized>(model: &M, stage: ZeroStage, devices: usize, p: &Planning) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
-    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment)).collect();
+    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment.max(ARENA_ALIGNMENT))).collect();
     let (arena, slots) = pool_lengths(&plans);
     let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
@@ -250,12 +250,14 @@ impl ZeroStages {
         // each one's initial values (device 0's, read from its pool).
         let mut declared: Vec<(String, Vec<usize>, bool)> = Vec::new();
         let mut initial: HashMap<String, Vec<f32>> = HashMap::new();
+        let group_alignment = group_arena_alignment(&devices);
         for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
             let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
                 let precision = if k.supports_f16() { options.precision } else { Precision::F32 };
                 let graphs = stage_graphs(model, n, criterion, &optimizer, precision)?;
-                let alignment = k.device().limits().min_storage_buffer_offset_alignment;
-                let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment)).collect();
+                // The group's alignment on every device, so the plan made
+                // without devices is exact on unlike adapters too.
+                let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, group_alignment)).collect();
                 let (arena, slots) = pool_lengths(&plans);
                 let pool = ArenaPool { params: k.zeros(arena)?, grads: k.zeros(arena)?, slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()? };
                 let mut own = Vec::with_capacity(graphs.len());
@@ -268,7 +270,7 @@ impl ZeroStages {
                             }
                         }
                     }
-                    let stage = Stage::with_arenas(k.clone(), s, input, output, &pool)?;
+                    let stage = Stage::with_arenas(k.clone(), s, input, output, &pool, group_alignment)?;
                     if d == 0 {
                         let arena = k.read::<f32>(pool.params.view())?;
                         for span in stage.executor().parameter_spans() {
