@@ -9,7 +9,7 @@
 #
 # The destination is $WGRAD_SMOLLM2 when set, else
 # <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf with <cache> resolved as
-# src/io/user_cache.rs's cache_dir() does ($WGRAD_CACHE_DIR, else
+# src/user_cache.rs's cache_dir() does ($WGRAD_CACHE_DIR, else
 # $XDG_CACHE_HOME/wgrad, else ~/.cache/wgrad).
 set -euo pipefail
 

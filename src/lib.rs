@@ -6,7 +6,7 @@
 //! `shaders/*.wgsl` → [`device`] → [`kernels`]; [`cpu`] holds the plain-Rust
 //! twin of every kernel that the tests compare against. Both take their op
 //! vocabulary (matmul forms, activations, optimizer settings) from [`ops`],
-//! so neither imports the other. [`training`] runs a whole training run
+//! so neither imports the other. [`train`] runs a whole training run
 //! (data, devices, strategy, resume, loop, checkpoint) over [`parallel`].
 //!
 //! The `wgrad` command line is a separate package (`cli/`), so depending

@@ -48,8 +48,8 @@ struct Cli {
 enum Command {
     /// List every adapter on every backend with its limits and features.
     Adapters,
-    /// Train an MLP classifier (default: the shipped UCI digits) and write a
-    /// checkpoint and a loss-curve PNG.
+    /// Train a model (default: a GPT on the shipped Shakespeare; or a Llama,
+    /// or an MLP on the digits) and write it with a loss-curve PNG.
     Train(Box<TrainArgs>),
     /// Continue a prompt with a model (a GGUF file, a GPT-2 or Llama
     /// folder), streaming the text; load time and tokens/s on stderr.

@@ -316,8 +316,9 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
             Err((entries, _)) => entries.clone(),
         })
         .collect();
-    if let Some(k) = KERNELS.iter().find(|k| !covered.contains(&k.entry)) {
-        return Err(Error::InvalidArgument { op: "shaders --dump", reason: format!("no case for the entry point `{}`", k.entry) });
+    let missing: Vec<&str> = KERNELS.iter().map(|k| k.entry).filter(|e| !covered.contains(e)).collect();
+    if !missing.is_empty() {
+        return Err(Error::InvalidArgument { op: "shaders --dump", reason: format!("no case for the entry points {missing:?}") });
     }
     Ok(planned)
 }

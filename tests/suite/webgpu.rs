@@ -260,3 +260,51 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
     eprintln!("{test}: {launches} launches per step");
     assert!(small.is_empty(), "launches too small for a GPU at GPT-2 124M's shapes:\n{}", small.join("\n"));
 }
+
+/// Entry points that may have no browser case in `cli/src/webgpu_cases.rs`,
+/// each with why. Empty: every entry point has one today. An entry belongs
+/// here only when a browser cannot run it at all, and the reason says so.
+const NO_BROWSER_CASE: [(&str, &str); 0] = [];
+
+/// The entry points `cli/src/webgpu_cases.rs`'s builder table claims, read
+/// from its source: each builder line starts with `(&["entry", ...]`.
+/// `wgrad shaders --dump` checks at run time that each case runs what it
+/// claims; that needs an adapter, and only CI's Chromium run dumps.
+fn browser_case_entries() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/src/webgpu_cases.rs");
+    let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let mut entries = Vec::new();
+    for line in source.lines().map(str::trim_start) {
+        let Some(rest) = line.strip_prefix("(&[") else { continue };
+        let Some((list, _)) = rest.split_once(']') else { continue };
+        // The list is `"a", "b"`: every other piece of a split on quotes.
+        entries.extend(list.split('"').skip(1).step_by(2).map(str::to_string));
+    }
+    entries
+}
+
+// Runs everywhere (no adapter, no Chromium): a new entry point without a
+// browser case fails here, not only in CI's Chromium run.
+#[test]
+fn every_entry_point_has_a_browser_case() {
+    let claimed = browser_case_entries();
+    assert!(
+        claimed.len() >= KERNELS.len() / 2,
+        "read only {} entries from webgpu_cases.rs's builder table: has its layout changed?",
+        claimed.len()
+    );
+    let allowed: Vec<&str> = NO_BROWSER_CASE.iter().map(|(entry, _)| *entry).collect();
+    let missing: Vec<&str> = KERNELS
+        .iter()
+        .map(|k| k.entry)
+        .filter(|entry| !claimed.iter().any(|c| c == entry) && !allowed.contains(entry))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "entry points with no case in cli/src/webgpu_cases.rs's builder table (add one; CONTRIBUTING.md): {missing:?}"
+    );
+    let unknown: Vec<&String> = claimed.iter().filter(|c| !KERNELS.iter().any(|k| k.entry == c.as_str())).collect();
+    assert!(unknown.is_empty(), "cli/src/webgpu_cases.rs claims entry points the registry lacks: {unknown:?}");
+    let stale: Vec<&str> = allowed.iter().copied().filter(|a| claimed.iter().any(|c| c == a)).collect();
+    assert!(stale.is_empty(), "NO_BROWSER_CASE lists entries that have a case now: {stale:?}");
+}
