@@ -82,7 +82,8 @@ pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fit
     }
     let mut stops: Vec<u32> = tokenizer.eos_id().into_iter().chain(END_OF_TURN.iter().filter_map(|t| tokenizer.token_id(t))).collect();
     stops.dedup();
-    let vocab = u32::try_from(model.vocab_size()).map_err(|_| invalid("generate", format!("a vocabulary of {} tokens", model.vocab_size())))?;
+    let size = model.vocab_size();
+    let vocab = u32::try_from(size).map_err(|_| invalid("generate", format!("a vocabulary of {size} tokens")))?;
     let suppressed = (0..vocab).filter(|&id| tokenizer.token_bytes(id).is_err()).collect();
     Ok(BpeLm { model, quantized, tokenizer, stops, suppressed, load_seconds: start.elapsed().as_secs_f64() })
 }

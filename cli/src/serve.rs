@@ -295,17 +295,18 @@ fn router(shared: Arc<Shared>, max_body_bytes: usize) -> Router {
         .with_state(shared)
 }
 
-/// A route asked with a method it does not take: axum's 405 (its `Allow`
-/// header kept) with OpenAI's error body instead of an empty one.
+/// A route asked with a method it does not take: axum's 405 with OpenAI's
+/// error body instead of an empty one (axum adds the `Allow` header to
+/// it on the way out).
 async fn method_not_allowed(request: Request, next: Next) -> Response {
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let response = next.run(request).await;
     if response.status() != StatusCode::METHOD_NOT_ALLOWED {
         return response;
     }
-    let allowed = response.headers().get(header::ALLOW).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let message = format!("{path} does not take {method}; it takes {allowed}");
-    let error = ApiError { status: StatusCode::METHOD_NOT_ALLOWED, message, kind: "invalid_request_error", param: None, code: Some("method_not_allowed") };
+    let message = format!("{path} does not take {method}: the Allow header says what it takes");
+    let (kind, code) = ("invalid_request_error", Some("method_not_allowed"));
+    let error = ApiError { status: StatusCode::METHOD_NOT_ALLOWED, message, kind, param: None, code };
     let (parts, _) = response.into_parts();
     let mut answer = error.into_response();
     for (name, value) in &parts.headers {
@@ -365,7 +366,8 @@ fn run_worker(mut scheduler: Scheduler, jobs: mpsc::Receiver<Job>, shared: &Shar
                 Job::Submit { request, replies } => {
                     let events = replies.clone();
                     // `submit` only queues: no event comes before the answer.
-                    let reply = match scheduler.submit(request, Box::new(move |event| events.send(Reply::Event(event)).is_ok())) {
+                    let sink = Box::new(move |event| events.send(Reply::Event(event)).is_ok());
+                    let reply = match scheduler.submit(request, sink) {
                         Ok(()) => Reply::Accepted,
                         Err(e) => Reply::Refused(e.to_string()),
                     };
@@ -653,7 +655,9 @@ impl Shared {
         let stop_tokens = if prepared.ignore_eos { Vec::new() } else { self.stops.clone() };
         let request = BatchRequest { prompt: prepared.prompt.clone(), max_new_tokens: prepared.max_tokens, sampling: prepared.sampling, stop_tokens, cancel: guard.cancel.clone() };
         let (replies, mut receiver) = unbounded_channel();
-        let stopped = || ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the GPU worker has stopped".into(), kind: "server_error", param: None, code: None };
+        let server_error =
+            |status, message: &str| ApiError { status, message: message.into(), kind: "server_error", param: None, code: None };
+        let stopped = || server_error(StatusCode::SERVICE_UNAVAILABLE, "the GPU worker has stopped");
         if !send_job(self, Job::Submit { request, replies }) {
             return Err(stopped());
         }
@@ -664,8 +668,8 @@ impl Shared {
                 return Err(ApiError::invalid(message, None, Some("invalid_value")));
             }
             Some(Reply::Event(_)) => {
-                let message = "the GPU worker sent an event before taking the request".to_string();
-                return Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message, kind: "server_error", param: None, code: None });
+                let message = "the GPU worker sent an event before taking the request";
+                return Err(server_error(StatusCode::INTERNAL_SERVER_ERROR, message));
             }
             None => return Err(stopped()),
         }
@@ -747,7 +751,9 @@ impl Running {
                 FinishReason::Cancelled => Outcome::Finished("stop"),
                 FinishReason::Failed(message) => Outcome::Failed(message),
             }),
-            Some(Reply::Accepted | Reply::Refused(_)) => Err(Outcome::Failed("the GPU worker answered a request twice".into())),
+            Some(Reply::Accepted | Reply::Refused(_)) => {
+                Err(Outcome::Failed("the GPU worker answered a request twice".into()))
+            }
             None => Err(Outcome::Failed("the GPU worker has stopped".into())),
         }
     }

@@ -402,7 +402,8 @@ fn suppression(g: &mut Graph, ids: &[u32], vocab: usize) -> Result<Option<Tensor
         *slot = SUPPRESSED_LOGIT;
     }
     if bias.iter().all(|&b| b != 0.0) {
-        return Err(Error::InvalidArgument { op: OP, reason: format!("all {vocab} tokens are suppressed: none is left to sample") });
+        let reason = format!("all {vocab} tokens are suppressed: none is left to sample");
+        return Err(Error::InvalidArgument { op: OP, reason });
     }
     Ok(Some(g.constant("sample.suppressed", &[vocab], bias)?))
 }
@@ -523,7 +524,8 @@ impl Generator {
         let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
         let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
-        let (decode_logits, decode_tokens) = lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler, suppress)?;
+        let (decode_logits, decode_tokens) =
+            lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler, suppress)?;
         // After the S-slot pass declared the caches: these read their
         // first slots.
         let mut smaller_decodes = Vec::new();

@@ -793,7 +793,7 @@ fn suppressed_tokens_are_never_sampled() {
         let mut plain = Generator::new(k.clone(), &model, 1)?;
         let free = plain.prefill(&[&prompt])?;
         let best = free.iter().enumerate().fold(0, |b, (i, &v)| if v > free[b] { i } else { b }) as u32;
-        let with = |suppressed: Vec<u32>| GeneratorOptions { suppressed_tokens: suppressed, ..GeneratorOptions::default() };
+        let with = |ids: Vec<u32>| GeneratorOptions { suppressed_tokens: ids, ..GeneratorOptions::default() };
         let mut masked = Generator::with_options(k.clone(), &model, &with(vec![best]))?;
         let logits = masked.prefill(&[&prompt])?;
         let mut want = free.clone();
@@ -810,7 +810,8 @@ fn suppressed_tokens_are_never_sampled() {
         let sampled = few.generate(&prompt, CONFIG.block_size - prompt.len(), &hot, |_| Ok(()))?;
         assert!(sampled.iter().all(|t| primes.contains(t)), "only primes are left, sampled {sampled:?}");
 
-        expect_error("an id past the vocabulary", Generator::with_options(k.clone(), &model, &with(vec![37])), &["37", "vocabulary"]);
+        let past = Generator::with_options(k.clone(), &model, &with(vec![37]));
+        expect_error("an id past the vocabulary", past, &["37", "vocabulary"]);
         let every = (0..CONFIG.vocab_size as u32).collect();
         expect_error("every id", Generator::with_options(k.clone(), &model, &with(every)), &["all 37"]);
         Ok(())
