@@ -36,6 +36,9 @@ pub struct BpeLm {
     pub tokenizer: BpeTokenizer,
     /// The ids that end a turn.
     pub stops: Vec<u32>,
+    /// The model's ids the tokenizer has no text for (rows past its
+    /// vocabulary, holes in it): never sampled.
+    pub suppressed: Vec<u32>,
     pub load_seconds: f64,
 }
 
@@ -79,7 +82,10 @@ pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fit
     }
     let mut stops: Vec<u32> = tokenizer.eos_id().into_iter().chain(END_OF_TURN.iter().filter_map(|t| tokenizer.token_id(t))).collect();
     stops.dedup();
-    Ok(BpeLm { model, quantized, tokenizer, stops, load_seconds: start.elapsed().as_secs_f64() })
+    let size = model.vocab_size();
+    let vocab = u32::try_from(size).map_err(|_| invalid("generate", format!("a vocabulary of {size} tokens")))?;
+    let suppressed = (0..vocab).filter(|&id| tokenizer.token_bytes(id).is_err()).collect();
+    Ok(BpeLm { model, quantized, tokenizer, stops, suppressed, load_seconds: start.elapsed().as_secs_f64() })
 }
 
 /// A generator for `lm` as `options` say (its weights as `dtype` says, the
@@ -88,7 +94,12 @@ pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fit
 pub fn bpe_generator(kernels: Arc<Kernels>, lm: &BpeLm, dtype: Option<DtypeName>, options: &GeneratorOptions) -> wgrad::Result<Generator> {
     let bar = crate::spinner("preparing kernels");
     let weights = dtype.map_or(WeightDtype::F32, DtypeName::weights);
-    let options = GeneratorOptions { dtype: weights, quantized: Arc::new(lm.quantized.clone()), ..options.clone() };
+    let options = GeneratorOptions {
+        dtype: weights,
+        quantized: Arc::new(lm.quantized.clone()),
+        suppressed_tokens: lm.suppressed.clone(),
+        ..options.clone()
+    };
     let generator = Generator::with_options(kernels, lm.model.as_ref(), &options);
     bar.finish_and_clear();
     let generator = generator?;

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
-use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, Pretrained, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
+use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, LmUpdate, Pretrained, TextSource};
+use wgrad::train::{TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, CausalLm};
@@ -17,7 +18,7 @@ use wgrad::train::{Evaluation, TrainConfig, TrainingRun};
 use wgrad::io::text::{Tokenizer, Utf8Stream};
 use wgrad::{DeviceOptions, Kernels};
 
-use crate::{plot, spinner, Bars, TrainArgs};
+use crate::{plot, spinner, Bars, OptimizerName, TrainArgs};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum TokenizerName {
@@ -32,9 +33,11 @@ pub enum TokenizerName {
 #[derive(clap::Args)]
 pub struct GptArgs {
     /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
-    /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd/--block-size;
-    /// for a real GPU.
-    #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd", "block_size"])]
+    /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd, for a
+    /// real GPU; Llama: small (default) or smollm2-135m (SmolLM2-135M's
+    /// architecture on 2048-token windows). --block-size may shorten or
+    /// lengthen the context up to the preset's largest.
+    #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd"])]
     preset: Option<String>,
     /// GPT: transformer blocks.
     #[arg(long, default_value_t = MAKE_TRAIN_GPT.n_layer)]
@@ -45,9 +48,10 @@ pub struct GptArgs {
     /// GPT: channels.
     #[arg(long, default_value_t = MAKE_TRAIN_GPT.n_embd)]
     n_embd: usize,
-    /// GPT: context length in tokens.
-    #[arg(long, default_value_t = MAKE_TRAIN_GPT.block_size)]
-    block_size: usize,
+    /// GPT and Llama: context length in tokens [default: 64, or the
+    /// preset's].
+    #[arg(long)]
+    block_size: Option<usize>,
     /// GPT: the tokenizer.
     #[arg(long, value_enum, default_value_t = TokenizerName::Char)]
     tokenizer: TokenizerName,
@@ -71,9 +75,11 @@ pub struct GptArgs {
     /// --model is the file's unless given (a mismatch is an error).
     #[arg(long, conflicts_with_all = ["preset", "n_layer", "n_head", "n_embd", "tokenizer", "resume"])]
     pub init: Option<PathBuf>,
-    /// GPT: AdamW's weight decay (matrices only).
-    #[arg(long, default_value_t = AdamWSchedule::default().weight_decay)]
-    weight_decay: f32,
+    /// GPT and Llama: weight decay, on matrices only [default: 0.1 with AdamW
+    /// (decoupled), 0 with Adam and SGD (an L2 term of the gradient, as in
+    /// PyTorch)].
+    #[arg(long)]
+    weight_decay: Option<f32>,
     /// GPT: clip the gradients' global norm to this (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
@@ -134,10 +140,28 @@ fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, pr
     stream(&mut generator, tokenizer, prompt, &ids, tokens, sampling)
 }
 
+/// A preset's context, or --block-size's where given: at least 1, and at
+/// most `most` positions where the preset has a largest.
+fn preset_context(g: &GptArgs, name: &str, context: usize, most: Option<usize>) -> wgrad::Result<usize> {
+    let refuse = |reason: String| Err(wgrad::Error::InvalidArgument { op: "train --block-size", reason });
+    match (g.block_size, most) {
+        (None, _) => Ok(context),
+        (Some(0), _) => refuse("a context of 0 positions: give at least 1".into()),
+        (Some(n), Some(most)) if n > most => refuse(format!("{n} positions for the preset `{name}`: give 1 to its {most}")),
+        (Some(n), _) => Ok(n),
+    }
+}
+
 impl CliModel for Gpt {
     fn sizes(g: &GptArgs) -> wgrad::Result<GptConfig> {
-        let sizes = GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size: g.block_size };
-        g.preset.as_deref().map_or(Ok(sizes), GptConfig::preset)
+        let Some(name) = g.preset.as_deref() else {
+            let block_size = g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size);
+            return Ok(GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size });
+        };
+        let preset = GptConfig::preset(name)?;
+        // GPT-2's learned position table: its rows are the most.
+        let block_size = preset_context(g, name, preset.block_size, Some(preset.block_size))?;
+        Ok(GptConfig { block_size, ..preset })
     }
     fn title(c: &GptConfig) -> String {
         format!("GPT L{} H{} C{} T{}", c.n_layer, c.n_head, c.n_embd, c.block_size)
@@ -147,7 +171,13 @@ impl CliModel for Gpt {
 impl CliModel for Llama {
     /// `--preset` names a Llama preset (default `small`).
     fn sizes(g: &GptArgs) -> wgrad::Result<LlamaConfig> {
-        LlamaConfig::preset(g.preset.as_deref().unwrap_or("small"), 0)
+        let name = g.preset.as_deref().unwrap_or("small");
+        let preset = LlamaConfig::preset(name, 0)?;
+        // SmolLM2 trains on 2048 positions of the 8192 it serves; the small
+        // preset's rotary positions take any context.
+        let most = (name == "smollm2-135m").then_some(LlamaConfig::smollm2_135m().block_size);
+        let block_size = preset_context(g, name, preset.block_size, most)?;
+        Ok(LlamaConfig { block_size, ..preset })
     }
     fn title(c: &LlamaConfig) -> String {
         format!("Llama L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
@@ -157,9 +187,6 @@ impl CliModel for Llama {
 /// A language model's run (`--model gpt|llama`); across the processes of
 /// `process_group` when given, where only rank 0 prints, saves and samples.
 pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
-    if args.mnist.is_some() {
-        return Err(wgrad::Error::InvalidArgument { op: "train --model gpt", reason: "--mnist is for --model mlp; a language model takes --text".into() });
-    }
     let g = &args.gpt;
     let defaults = language_model_run();
     let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
@@ -173,16 +200,22 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         None => None,
     };
     let lr = args.lr.unwrap_or(AdamWSchedule::default().lr);
+    let update = match args.optimizer.unwrap_or(OptimizerName::Adamw) {
+        OptimizerName::Adamw => LmUpdate::AdamW,
+        OptimizerName::Adam => LmUpdate::Adam,
+        OptimizerName::Sgd => LmUpdate::Sgd { momentum: args.momentum },
+    };
+    let decay = if update == LmUpdate::AdamW { AdamWSchedule::default().weight_decay } else { 0.0 };
     let schedule = AdamWSchedule {
         lr,
         min_lr: g.min_lr.unwrap_or(if pretrained.is_some() { lr } else { AdamWSchedule::default().min_lr }),
         warmup_steps: g.warmup_steps.unwrap_or(if pretrained.is_some() { 0 } else { AdamWSchedule::default().warmup_steps }),
-        weight_decay: g.weight_decay,
+        weight_decay: g.weight_decay.unwrap_or(decay),
         clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
         ..AdamWSchedule::default()
     };
     let config = TrainConfig {
-        optimizer: schedule.optimizer(max_steps),
+        optimizer: schedule.optimizer_for(update, max_steps),
         eval_every: g.eval_every,
         schedule: Schedule::parse(&g.schedule)?,
         save: Some(g.out.clone()),
@@ -196,7 +229,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         tokenizer: tokenizer_kind(g.tokenizer),
         eval_batches: g.eval_batches,
         ..LanguageModel::new(match &pretrained {
-            Some(p) => M::with_context(p.model.config(), g.block_size),
+            Some(p) => M::with_context(p.model.config(), g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size)),
             None => M::sizes(g)?,
         })
     };
@@ -299,7 +332,8 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result
 /// A fine-tune's start, printed before its first step: the source, the
 /// held-out loss at step 0 (returned) and a sample of the pretrained model.
 fn fine_tune_start<M: CliModel>(run: &mut TrainingRun<LanguageModel<M>>, source: &std::path::Path, args: &TrainArgs) -> wgrad::Result<Option<f32>> {
-    println!("fine-tuning {} (fresh AdamW state)", source.display());
+    let optimizer = format!("{:?}", args.optimizer.unwrap_or(OptimizerName::Adamw)).to_lowercase();
+    println!("fine-tuning {} (fresh {optimizer} state)", source.display());
     let loss = run.validation_loss()?;
     if let Some(loss) = loss {
         println!("held-out loss at step 0: {loss:.4}");

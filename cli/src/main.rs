@@ -5,6 +5,7 @@ mod chat;
 mod gpt;
 mod plot;
 mod serve;
+mod train_flags;
 mod webgpu_cases;
 
 use std::path::{Path, PathBuf};
@@ -12,7 +13,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::optim::{Adam, AdamW, SGD};
@@ -145,7 +147,7 @@ enum Command {
     },
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum OptimizerName {
     Adam,
     Adamw,
@@ -173,29 +175,37 @@ struct TrainArgs {
     /// MLP: passes over the training set.
     #[arg(long, default_value_t = 40)]
     epochs: usize,
+    /// The flags given on the command line (clap's ids), for
+    /// [`train_flags::check`]: a flag left at its default is never refused.
+    #[arg(skip)]
+    given: Vec<String>,
     /// Examples (MLP) or sequences (GPT) per step; default 32 (MLP), 8 (GPT).
     #[arg(long)]
     batch_size: Option<usize>,
-    /// Hidden layer widths.
+    /// MLP: hidden layer widths.
     #[arg(long, value_delimiter = ',', default_value = "128")]
     hidden: Vec<usize>,
-    /// MLP's optimizer (the GPT always uses AdamW).
-    #[arg(long, value_enum, default_value_t = OptimizerName::Adam)]
-    optimizer: OptimizerName,
+    /// The optimizer [default: adam for the MLP; adamw for the GPT and
+    /// the Llama, whose schedule, clipping and weight decay (matrices
+    /// only) apply to each].
+    #[arg(long, value_enum)]
+    optimizer: Option<OptimizerName>,
     /// Learning rate (GPT: the peak of the schedule); default 2e-3 (MLP), 3e-3 (GPT).
     #[arg(long)]
     lr: Option<f32>,
-    /// SGD momentum.
+    /// SGD's momentum (--optimizer sgd).
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Share of the data held out for testing.
+    /// MLP: share of the data held out for testing.
     #[arg(long, default_value_t = 0.2)]
     test_fraction: f64,
     /// Read the loss back every this many steps (others never wait for the GPU).
     #[arg(long, default_value_t = 10)]
     loss_every: u64,
+    /// MLP: the checkpoint written at the end (a language model writes
+    /// its folder to --out).
     #[arg(long, default_value = "out/digits.safetensors")]
     checkpoint: PathBuf,
     #[arg(long, default_value = "out/loss.png")]
@@ -203,7 +213,7 @@ struct TrainArgs {
     /// Continue from this checkpoint (MLP) or model folder (GPT): parameters, optimizer state, step.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Train on MNIST IDX files in this folder instead of the digits set.
+    /// MLP: train on MNIST IDX files in this folder instead of the digits set.
     #[arg(long)]
     mnist: Option<PathBuf>,
     /// Spread training over several devices: data, zero (sharded data
@@ -218,7 +228,7 @@ struct TrainArgs {
     /// (env WGRAD_DEVICES; default 2).
     #[arg(long)]
     devices: Option<String>,
-    /// Pipeline micro-batches per step.
+    /// --parallel pipeline: micro-batches per step.
     #[arg(long, default_value_t = 4)]
     micro_batches: usize,
     /// Data parallel: fixed rows per device (e.g. 24,8) instead of the
@@ -236,12 +246,12 @@ struct TrainArgs {
     /// says so).
     #[arg(long, default_value = "f32")]
     precision: String,
-    /// Recompute each transformer block's forward in its backward: less
-    /// activation memory for more compute (one device or any --parallel
-    /// engine).
+    /// GPT and Llama: recompute each transformer block's forward in its
+    /// backward: less activation memory for more compute (one device or
+    /// any --parallel engine).
     #[arg(long)]
     checkpoint_activations: bool,
-    /// f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
+    /// --precision f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
     #[arg(long, default_value_t = 2000)]
     loss_scale_interval: u32,
     /// Stop after this many steps (MLP default: all epochs; GPT default: 750).
@@ -316,6 +326,7 @@ fn open_kernels(opts: &DeviceOptions) -> wgrad::Result<Arc<Kernels>> {
 
 fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let kind = model_kind(args)?;
+    train_flags::check(args, kind)?;
     let run = |process_group: Option<Arc<dyn ProcessGroup>>| match kind {
         ModelKind::Gpt => gpt::train::<wgrad::models::Gpt>(opts, args, process_group),
         ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group),
@@ -542,7 +553,24 @@ impl Progress for Bars {
 
 /// The end of every run: steps, time, rate and the engine's report.
 pub(crate) fn print_summary(summary: &Summary, unit: &str) {
-    println!("trained {} steps in {:.1} s: {:.0} ms/step, {:.0} {unit}/s", summary.steps, summary.seconds, summary.ms_per_step, summary.per_s);
+    let first = summary.first_step_seconds;
+    let later = summary.steps.saturating_sub(1);
+    if summary.steps == 0 {
+        println!("trained 0 steps");
+    } else if later == 0 {
+        println!("trained 1 step in {first:.2} s (with what compiles at first use)");
+    } else {
+        // The first step compiles what the build left: the rate is the others'
+        // (Summary::first_step_seconds).
+        let seconds = (summary.seconds - first).max(1e-9);
+        let per_s = summary.per_s * summary.seconds / summary.steps as f64 * later as f64 / seconds;
+        let ms = 1e3 * seconds / later as f64;
+        println!(
+            "trained {} steps in {:.1} s: first step {first:.2} s (with what compiles at first use), \
+             then {ms:.1} ms/step, {per_s:.0} {unit}/s",
+            summary.steps, summary.seconds
+        );
+    }
     if !summary.report.is_empty() {
         println!("{}", summary.report);
     }
@@ -556,7 +584,7 @@ pub(crate) fn print_summary(summary: &Summary, unit: &str) {
 
 fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
     let lr = args.lr.unwrap_or(2e-3);
-    let optimizer: OptimizerConfig = match args.optimizer {
+    let optimizer: OptimizerConfig = match args.optimizer.unwrap_or(OptimizerName::Adam) {
         OptimizerName::Adam => Adam::new(lr).into(),
         OptimizerName::Adamw => AdamW::new(lr).into(),
         OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
@@ -838,7 +866,12 @@ fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn,wgpu_hal::gles::egl=off")).init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Command::Train(args), Some(("train", given))) = (&mut cli.command, matches.subcommand()) {
+        let on_command_line = |id: &&clap::Id| given.value_source(id.as_str()) == Some(ValueSource::CommandLine);
+        args.given = given.ids().filter(on_command_line).map(|id| id.as_str().to_string()).collect();
+    }
     let result = device_options(&cli).and_then(|opts| match &cli.command {
         Command::Adapters => adapters(),
         Command::Train(args) => train(&opts, args),

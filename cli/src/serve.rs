@@ -39,7 +39,7 @@ use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use wgrad::infer::batch::{BatchRequest, Event, FinishReason, Finished, Scheduler};
+use wgrad::infer::batch::{BatchRequest, Event, FinishReason, Scheduler};
 use wgrad::infer::generate::{GeneratorOptions, PrefillMode, Sampling};
 use wgrad::io::bpe::BpeTokenizer;
 use wgrad::io::chat::{ChatMessage, ChatTemplate};
@@ -101,8 +101,18 @@ const MAX_STOPS: usize = 4;
 
 /// What the worker thread is sent.
 enum Job {
-    Submit { request: BatchRequest, events: UnboundedSender<Event> },
+    Submit { request: BatchRequest, replies: UnboundedSender<Reply> },
     Shutdown,
+}
+
+/// What the worker answers about a request: first whether it took it,
+/// then (taken) its events.
+enum Reply {
+    Accepted,
+    /// Refused before it was queued: the request's own fault (the
+    /// scheduler's checks), so a 400 with this message.
+    Refused(String),
+    Event(Event),
 }
 
 /// What every handler shares.
@@ -277,7 +287,34 @@ fn router(shared: Arc<Shared>, max_body_bytes: usize) -> Router {
         .route("/v1/models/{id}", get(model))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(shared.clone(), require_key));
-    Router::new().route("/health", get(health)).merge(api).layer(DefaultBodyLimit::max(max_body_bytes)).with_state(shared)
+    Router::new()
+        .route("/health", get(health))
+        .merge(api)
+        .layer(middleware::from_fn(method_not_allowed))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(shared)
+}
+
+/// A route asked with a method it does not take: axum's 405 with OpenAI's
+/// error body instead of an empty one (axum adds the `Allow` header to
+/// it on the way out).
+async fn method_not_allowed(request: Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let response = next.run(request).await;
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED {
+        return response;
+    }
+    let message = format!("{path} does not take {method}: the Allow header says what it takes");
+    let (kind, code) = ("invalid_request_error", Some("method_not_allowed"));
+    let error = ApiError { status: StatusCode::METHOD_NOT_ALLOWED, message, kind, param: None, code };
+    let (parts, _) = response.into_parts();
+    let mut answer = error.into_response();
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            answer.headers_mut().insert(name, value.clone());
+        }
+    }
+    answer
 }
 
 /// Resolves at SIGINT or SIGTERM: no new requests, the worker ends every
@@ -326,12 +363,15 @@ fn run_worker(mut scheduler: Scheduler, jobs: mpsc::Receiver<Job>, shared: &Shar
         };
         for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
             match job {
-                Job::Submit { request, events } => {
-                    let prompt_tokens = request.prompt.len();
-                    let sink_events = events.clone();
-                    if let Err(e) = scheduler.submit(request, Box::new(move |event| sink_events.send(event).is_ok())) {
-                        let _ = events.send(Event::Done(Finished { reason: FinishReason::Failed(e.to_string()), prompt_tokens, completion_tokens: 0 }));
-                    }
+                Job::Submit { request, replies } => {
+                    let events = replies.clone();
+                    // `submit` only queues: no event comes before the answer.
+                    let sink = Box::new(move |event| events.send(Reply::Event(event)).is_ok());
+                    let reply = match scheduler.submit(request, sink) {
+                        Ok(()) => Reply::Accepted,
+                        Err(e) => Reply::Refused(e.to_string()),
+                    };
+                    let _ = replies.send(reply);
                 }
                 Job::Shutdown => {
                     scheduler.end_all(FinishReason::Failed("the server is shutting down".into()));
@@ -451,6 +491,19 @@ struct Settings {
     ignore_eos: bool,
 }
 
+/// The roles OpenAI's chat messages take.
+const ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
+
+/// The role a chat template gets for a message's `role`, None for one
+/// OpenAI does not take: `developer` (OpenAI's newer name for the system
+/// prompt) is `system`, which every template knows.
+fn chat_role(role: &str) -> Option<&'static str> {
+    match role {
+        "developer" => Some("system"),
+        other => ROLES.iter().find(|&&r| r == other).copied(),
+    }
+}
+
 /// A message's content: text, or OpenAI's list of typed parts (text only).
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -548,9 +601,6 @@ impl Shared {
         if stops.len() > MAX_STOPS || stops.iter().any(String::is_empty) {
             return Err(ApiError::invalid(format!("stop takes at most {MAX_STOPS} non-empty strings"), Some("stop"), Some("invalid_value")));
         }
-        if prompt.is_empty() {
-            return Err(ApiError::invalid("the prompt is empty", Some(prompt_param), Some("invalid_value")));
-        }
         if let Err(e) = wgrad::kernels::check_token_ids("serve", &prompt, self.tokenizer.vocab_size()) {
             return Err(ApiError::invalid(e.to_string(), Some(prompt_param), Some("invalid_value")));
         }
@@ -585,8 +635,9 @@ impl Shared {
     }
 
     /// Admits a request (429 when the slots and the queue are full, 503
-    /// when shutting down) and hands it to the worker.
-    fn start(self: &Arc<Self>, prepared: &Prepared) -> Result<Running, ApiError> {
+    /// when shutting down) and hands it to the worker, waiting for its
+    /// answer: a request the worker refuses is a 400, streamed or not.
+    async fn start(self: &Arc<Self>, prepared: &Prepared) -> Result<Running, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the server is shutting down".into(), kind: "server_error", param: None, code: Some("shutting_down") });
         }
@@ -603,9 +654,24 @@ impl Shared {
         let guard = Admission { shared: self.clone(), cancel: Arc::default() };
         let stop_tokens = if prepared.ignore_eos { Vec::new() } else { self.stops.clone() };
         let request = BatchRequest { prompt: prepared.prompt.clone(), max_new_tokens: prepared.max_tokens, sampling: prepared.sampling, stop_tokens, cancel: guard.cancel.clone() };
-        let (events, receiver) = unbounded_channel();
-        if !send_job(self, Job::Submit { request, events }) {
-            return Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the GPU worker has stopped".into(), kind: "server_error", param: None, code: None });
+        let (replies, mut receiver) = unbounded_channel();
+        let server_error =
+            |status, message: &str| ApiError { status, message: message.into(), kind: "server_error", param: None, code: None };
+        let stopped = || server_error(StatusCode::SERVICE_UNAVAILABLE, "the GPU worker has stopped");
+        if !send_job(self, Job::Submit { request, replies }) {
+            return Err(stopped());
+        }
+        match receiver.recv().await {
+            Some(Reply::Accepted) => {}
+            Some(Reply::Refused(message)) => {
+                eprintln!("wgrad serve: {} refused: {message}", prepared.id);
+                return Err(ApiError::invalid(message, None, Some("invalid_value")));
+            }
+            Some(Reply::Event(_)) => {
+                let message = "the GPU worker sent an event before taking the request";
+                return Err(server_error(StatusCode::INTERNAL_SERVER_ERROR, message));
+            }
+            None => return Err(stopped()),
         }
         Ok(Running { guard, events: receiver, text: Utf8Stream::default(), held: String::new(), stops: prepared.stops.clone(), completion_tokens: 0, stopped: false, unlogged: Some((prepared.id.clone(), prepared.prompt.len())), started: Instant::now(), first_token: None })
     }
@@ -635,7 +701,8 @@ enum Outcome {
 /// A request the worker runs: its events in, its text out.
 struct Running {
     guard: Admission,
-    events: UnboundedReceiver<Event>,
+    /// The worker's replies after [`Reply::Accepted`]: events only.
+    events: UnboundedReceiver<Reply>,
     text: Utf8Stream,
     /// Text that may begin a stop string, held back until it cannot.
     held: String,
@@ -656,7 +723,7 @@ impl Running {
             return Err(Outcome::Finished("stop"));
         }
         match self.events.recv().await {
-            Some(Event::Token(token)) => {
+            Some(Reply::Event(Event::Token(token))) => {
                 self.first_token.get_or_insert_with(Instant::now);
                 self.completion_tokens += 1;
                 let piece = self.guard.shared.tokenizer.decode_next(&mut self.text, token, true).map_err(|e| Outcome::Failed(e.to_string()))?;
@@ -668,6 +735,9 @@ impl Running {
                     self.stopped = true;
                     let before = self.held[..at].to_string();
                     self.held.clear();
+                    // Bytes of a character the stop's last token began
+                    // lie after the stop: not the answer's.
+                    self.text = Utf8Stream::default();
                     return if before.is_empty() { Err(Outcome::Finished("stop")) } else { Ok(before) };
                 }
                 let keep = held_back(&self.held, &self.stops);
@@ -675,12 +745,15 @@ impl Running {
                 self.held.drain(..self.held.len() - keep);
                 Ok(ready)
             }
-            Some(Event::Done(finished)) => Err(match finished.reason {
+            Some(Reply::Event(Event::Done(finished))) => Err(match finished.reason {
                 FinishReason::Stop => Outcome::Finished("stop"),
                 FinishReason::Length => Outcome::Finished("length"),
                 FinishReason::Cancelled => Outcome::Finished("stop"),
                 FinishReason::Failed(message) => Outcome::Failed(message),
             }),
+            Some(Reply::Accepted | Reply::Refused(_)) => {
+                Err(Outcome::Failed("the GPU worker answered a request twice".into()))
+            }
             None => Err(Outcome::Failed("the GPU worker has stopped".into())),
         }
     }
@@ -768,7 +841,7 @@ impl Kind {
 
 /// Runs a prepared request: a whole answer, or a stream of chunks.
 async fn answer(shared: Arc<Shared>, prepared: Prepared, kind: Kind) -> Response {
-    let mut running = match shared.start(&prepared) {
+    let mut running = match shared.start(&prepared).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -864,7 +937,11 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes,
     let prepared = parse_body::<ChatBody>(body, "messages").and_then(|body| {
         let template = shared.template.as_ref().ok_or_else(|| ApiError::invalid(format!("the model `{}` has no chat template: use /v1/completions", shared.model_id), None, None))?;
         let mut messages = Vec::with_capacity(body.messages.len());
-        for m in body.messages {
+        for (i, m) in body.messages.into_iter().enumerate() {
+            let role = chat_role(&m.role).ok_or_else(|| {
+                let message = format!("messages[{i}].role is `{}`; the roles are {}", m.role, ROLES.join(", "));
+                ApiError::invalid(message, Some("messages"), Some("invalid_value"))
+            })?;
             let content = match m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t,
@@ -875,7 +952,7 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes,
                     parts.into_iter().filter_map(|p| p.text).collect()
                 }
             };
-            messages.push(ChatMessage::new(m.role, content));
+            messages.push(ChatMessage::new(role, content));
         }
         if messages.is_empty() {
             return Err(ApiError::invalid("messages must hold at least one message", Some("messages"), Some("invalid_value")));

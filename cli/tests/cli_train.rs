@@ -222,3 +222,137 @@ fn wgrad_train_dry_run_prints_the_memory_of_every_strategy() {
     assert_ne!(single(&flagged_out), single(&stdout), "f16 and checkpointing planned as f32");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tiny Llama run's flags (the small preset on 16 positions, batch 2,
+/// 4 steps) on `text`, writing into `dir`.
+fn tiny_llama_args(text: &std::path::Path, dir: &std::path::Path, name: &str) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = [
+        "train", "--model", "llama", "--block-size", "16", "--batch-size", "2", "--max-steps", "4", "--eval-every", "4",
+        "--eval-batches", "1", "--sample-tokens", "0", "--text",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    args.push(text.into());
+    let plot = dir.join(format!("{name}.png")).into_os_string();
+    args.extend(["--plot".into(), plot, "--out".into(), dir.join(name).into_os_string()]);
+    args
+}
+
+/// `--optimizer` picks a language model's update rule (AdamW by default):
+/// the run says which in its header, and SGD's and Adam's validation
+/// losses differ from AdamW's. Every run prints its first step's time
+/// apart from the others' mean.
+#[test]
+fn wgrad_train_llama_takes_the_optimizer() {
+    let dir = std::env::temp_dir().join(format!("wgrad-llama-optimizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "to be or not to be, that is the question. ".repeat(100)).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"));
+        let output = command.args(tiny_llama_args(&text, &dir, name)).args(extra).output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+        stdout
+    };
+    let header = |stdout: &str| {
+        stdout.lines().find(|l| l.starts_with("model: ")).unwrap_or_else(|| panic!("{stdout}")).to_string()
+    };
+    let adamw = run("adamw", &[]);
+    assert!(header(&adamw).contains("| adamw lr=0.003") && header(&adamw).contains("weight_decay=0.1"), "{adamw}");
+    let sgd = run("sgd", &["--optimizer", "sgd", "--momentum", "0.8"]);
+    assert!(header(&sgd).contains("| sgd lr=0.003 momentum=0.8") && header(&sgd).contains("weight_decay=0 "), "{sgd}");
+    let adam = run("adam", &["--optimizer", "adam"]);
+    assert!(header(&adam).contains("| adam lr=0.003"), "{adam}");
+    for stdout in [&adamw, &sgd, &adam] {
+        let header = header(stdout);
+        assert!(header.contains("schedule=warmup_cosine") && header.contains("clip_grad_norm=1"), "{stdout}");
+        let line = stdout.lines().find(|l| l.starts_with("trained 4 steps")).unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("first step") && line.contains("then") && line.contains("ms/step"), "{line}");
+    }
+    let (adamw, sgd, adam) = (final_validation_loss(&adamw), final_validation_loss(&sgd), final_validation_loss(&adam));
+    assert!(adamw != sgd && adamw != adam && sgd != adam, "adamw {adamw}, sgd {sgd}, adam {adam}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A preset's context is --block-size's, up to the preset's largest:
+/// SmolLM2's preset plans 128 positions (it trains 2048 of its 8192), and
+/// 9000 or GPT-2's 2048 is refused naming the most, as is 0.
+#[test]
+fn wgrad_train_preset_takes_a_block_size() {
+    let wgrad = |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_wgrad")).args(args).output().unwrap();
+    let planned = wgrad(&["train", "--model", "llama", "--preset", "smollm2-135m", "--block-size", "128", "--dry-run"]);
+    let stdout = String::from_utf8_lossy(&planned.stdout);
+    assert!(planned.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&planned.stderr));
+    assert!(stdout.contains("Llama L30 H9/3 C576 T128") && stdout.contains("128 tokens"), "{stdout}");
+    for (args, says) in [
+        (vec!["--model", "llama", "--preset", "smollm2-135m", "--block-size", "9000"], "8192"),
+        (vec!["--model", "gpt", "--preset", "gpt2", "--block-size", "2048"], "1024"),
+        (vec!["--model", "llama", "--block-size", "0"], "at least 1"),
+    ] {
+        let refused = wgrad(&[&["train", "--dry-run"], &args[..]].concat());
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(!refused.status.success() && err.contains("--block-size") && err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// Each flag that does not apply to the run the other flags describe is
+/// an error naming the flag and why, before any work: no device opens,
+/// nothing is read or written.
+#[test]
+fn wgrad_train_refuses_flags_that_do_not_apply() {
+    let dir = std::env::temp_dir().join(format!("wgrad-flags-{}", std::process::id()));
+    let never = dir.join("never");
+    let never = never.to_str().unwrap();
+    let init = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/hf-tiny-gpt2");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--model", "gpt", "--epochs", "3"], "MLP's passes"),
+        (vec!["--model", "llama", "--hidden", "64"], "hidden widths"),
+        (vec!["--model", "gpt", "--test-fraction", "0.5"], "test split"),
+        (vec!["--model", "gpt", "--checkpoint", never], "--out"),
+        (vec!["--model", "llama", "--mnist", never], "--text"),
+        (vec!["--model", "mlp", "--text", never], "language models"),
+        (vec!["--model", "mlp", "--block-size", "16"], "language models"),
+        (vec!["--model", "mlp", "--preset", "gpt2"], "language models"),
+        (vec!["--model", "mlp", "--tokenizer", "gpt2"], "language models"),
+        (vec!["--model", "mlp", "--warmup-steps", "3"], "language models"),
+        (vec!["--model", "mlp", "--min-lr", "1e-4"], "language models"),
+        (vec!["--model", "mlp", "--weight-decay", "0.1"], "language models"),
+        (vec!["--model", "mlp", "--clip", "0.5"], "language models"),
+        (vec!["--model", "mlp", "--eval-every", "5"], "language models"),
+        (vec!["--model", "mlp", "--eval-batches", "2"], "language models"),
+        (vec!["--model", "mlp", "--out", never], "language models"),
+        (vec!["--model", "mlp", "--sample-tokens", "5"], "language models"),
+        (vec!["--model", "mlp", "--attention", "fused"], "language models"),
+        (vec!["--model", "mlp", "--checkpoint-activations"], "language models"),
+        (vec!["--model", "mlp", "--dry-run"], "language models"),
+        (vec!["--model", "mlp", "--n-embd", "8"], "language models"),
+        (vec!["--model", "llama", "--n-layer", "2"], "--preset"),
+        (vec!["--model", "gpt", "--momentum", "0.5"], "optimizer is adamw"),
+        (vec!["--model", "mlp", "--momentum", "0.5"], "optimizer is adam:"),
+        (vec!["--model", "mlp", "--optimizer", "adamw", "--momentum", "0.5"], "optimizer is adamw"),
+        (vec!["--model", "gpt", "--micro-batches", "2"], "--parallel pipeline"),
+        (vec!["--model", "gpt", "--parallel", "data", "--schedule", "gpipe"], "--parallel pipeline"),
+        (vec!["--model", "gpt", "--split", "2,2"], "--parallel data or zero"),
+        (vec!["--model", "gpt", "--parallel", "tensor", "--split", "2,2"], "--parallel data or zero"),
+        (vec!["--model", "gpt", "--devices", "2"], "--adapter"),
+        (vec!["--model", "mlp", "--loss-scale-interval", "100"], "--precision f16"),
+        (vec!["--init", init, "--dry-run"], "--init"),
+    ];
+    for (args, says) in cases {
+        let flag = args.iter().rev().find(|a| a.starts_with("--")).unwrap();
+        let start = std::time::Instant::now();
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"));
+        command.arg("train").args(&args).args(["--plot", &format!("{never}.png"), "--max-steps", "1"]);
+        let output = command.output().unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} was accepted");
+        let refused = err.contains(&format!("{flag} does not apply")) && err.contains(says);
+        assert!(refused, "{args:?} should refuse {flag}, saying {says:?}: {err}");
+        // Not a speed measurement: opening a device, reading data or
+        // training would take far longer, or fail with another message.
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "{args:?} took {:?}", start.elapsed());
+        assert!(!dir.exists(), "{args:?} wrote into {}", dir.display());
+    }
+}

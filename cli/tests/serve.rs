@@ -51,11 +51,14 @@ impl Drop for Server {
 }
 
 fn serve(test: &str, args: &[&str]) -> Server {
-    let model = long_fixture(test, 4096);
+    serve_model(&long_fixture(test, 4096), args)
+}
+
+fn serve_model(model: &std::path::Path, args: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_wgrad"))
         .arg("serve")
         .arg("--model")
-        .arg(&model)
+        .arg(model)
         .args(["--port", "0"])
         .args(args)
         .env_remove("WGRAD_API_KEY")
@@ -379,5 +382,170 @@ fn sigterm_mid_stream_exits_zero() {
         }
         assert!(start.elapsed() < Duration::from_secs(10), "still running 10 s after SIGTERM");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Bad requests, each OpenAI's error body with a 4xx: a message of a role
+/// OpenAI does not take, a route asked with a method it does not take
+/// (405, `Allow` kept), and a request the GPU worker refuses (an empty
+/// prompt: the scheduler's check), streamed or not; `developer` is a
+/// role (the system prompt's newer name).
+#[test]
+fn bad_requests_get_openai_errors_not_500s() {
+    let server = serve("bad", &["--max-context", "64"]);
+    let port = server.port;
+    let wizard = json!({ "messages": [{ "role": "wizard", "content": "Hi!" }], "max_tokens": 2 });
+    let refused = post(port, "/v1/chat/completions", &wizard);
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let error = refused.error();
+    assert_eq!((error["type"].as_str(), error["param"].as_str()), (Some("invalid_request_error"), Some("messages")));
+    assert!(error["message"].as_str().unwrap().contains("wizard"), "{error}");
+    let messages = json!([{ "role": "developer", "content": "Be brief." }, { "role": "user", "content": "Hi!" }]);
+    let developer = json!({ "messages": messages, "max_tokens": 2, "ignore_eos": true });
+    assert_eq!(post(port, "/v1/chat/completions", &developer).status, 200);
+
+    for (method, path, allowed) in [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
+        ("POST", "/v1/models", "GET"), ("DELETE", "/health", "GET")]
+    {
+        let answer = request(port, method, path, (method == "POST").then_some("{}"), None);
+        assert_eq!(answer.status, 405, "{method} {path}: {}", answer.body);
+        assert!(answer.header("allow").is_some_and(|a| a.contains(allowed)), "{method} {path}: {:?}", answer.headers);
+        let error = answer.error();
+        assert_eq!(error["code"], "method_not_allowed", "{method} {path}");
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains(method) && message.contains(path), "{message}");
+    }
+
+    // The fixture's tokenizer adds no BOS: "" is no token at all.
+    for stream in [false, true] {
+        let empty = post(port, "/v1/completions", &json!({ "prompt": "", "max_tokens": 2, "stream": stream }));
+        assert_eq!(empty.status, 400, "stream {stream}: {}", empty.body);
+        let error = empty.error();
+        assert_eq!(error["type"], "invalid_request_error");
+        assert!(error["message"].as_str().unwrap().contains("empty"), "{error}");
+    }
+    let after = post(port, "/v1/completions", &json!({ "prompt": "hello", "max_tokens": 2, "ignore_eos": true }));
+    assert_eq!(after.status, 200, "served after the refusals: {}", after.body);
+    wait_for_health(port, "nothing left in flight", |h| h["in_flight"] == 0);
+}
+
+/// tests/fixtures/hf-tiny-llama (random weights, vocabulary 37, 16
+/// positions) in a folder of its own with the byte-level BPE tokenizer
+/// whose ids 0..n are spelled `spell(id)` (no merges: requests give ids).
+fn tiny_llama_with_tokenizer(test: &str, n: usize, spell: impl Fn(usize) -> String) -> PathBuf {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama");
+    let dir = std::env::temp_dir().join(format!("wgrad-serve-test-{test}-{}", std::process::id())).join("tiny-llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    let vocab: serde_json::Map<String, Value> = (0..n).map(|id| (spell(id), json!(id))).collect();
+    assert_eq!(vocab.len(), n, "distinct spellings");
+    let byte_level = json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true });
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
+        "model": { "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": [] },
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    dir
+}
+
+/// The greedy next id of the tiny Llama after each of `prompts`, by
+/// `wgrad generate` (one batch).
+fn greedy_next(test: &str, prompts: &[Vec<u32>]) -> Vec<u32> {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama");
+    let file = std::env::temp_dir().join(format!("wgrad-serve-test-{test}-{}-prompts.txt", std::process::id()));
+    let line = |p: &Vec<u32>| p.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+    let lines: Vec<String> = prompts.iter().map(line).collect();
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .args(["generate", "--print-ids", "--max-new-tokens", "1", "--temperature", "0", "--model"])
+        .arg(fixture)
+        .arg("--prompts-file")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let next = |s: usize| -> u32 {
+        let tag = format!("new_ids {s} ");
+        let line = stdout.lines().find_map(|l| l.strip_prefix(tag.as_str())).unwrap_or_else(|| panic!("{stdout}"));
+        line.trim().parse().unwrap()
+    };
+    (0..prompts.len()).map(next).collect()
+}
+
+/// A model whose greedy pick has no text in its tokenizer (the tokenizer
+/// holds the ids below it only): the server never samples such ids, so a
+/// greedy and a hot sampled request complete, where sampling one ended
+/// the request with a 500.
+#[test]
+fn ids_the_tokenizer_lacks_are_never_sampled() {
+    // The prompt of two ids below 4 whose greedy id is the largest above
+    // both: the tokenizer holds the prompt's ids, not the greedy one.
+    let prompts: Vec<Vec<u32>> = (0..16).map(|i| vec![i / 4, i % 4]).collect();
+    let next = greedy_next("lacking", &prompts);
+    let above = prompts.iter().zip(&next).filter(|(p, &n)| n > p[0].max(p[1]));
+    let (ids, lacking) = above.max_by_key(|(_, &n)| n).expect("a greedy id above its prompt's");
+    let lacking = *lacking as usize;
+    let model = tiny_llama_with_tokenizer("lacking", lacking, |id| format!("t{id}"));
+    let server = serve_model(&model, &["--max-batch", "1"]);
+    for (temperature, seed) in [(0.0, 0), (2.0, 1), (2.0, 2)] {
+        let body = json!({ "prompt": ids, "max_tokens": 10, "temperature": temperature, "seed": seed,
+            "ignore_eos": true });
+        let answer = post(server.port, "/v1/completions", &body);
+        assert_eq!(answer.status, 200, "temperature {temperature}: {}", answer.body);
+        let reply = answer.json();
+        assert_eq!(reply["usage"]["completion_tokens"], 10, "{reply}");
+        // Each token's text is `t` and its id, every id below `lacking`.
+        let text = reply["choices"][0]["text"].as_str().unwrap();
+        let picked: Vec<usize> = text.split('t').skip(1).map(|id| id.parse().unwrap()).collect();
+        assert!(picked.len() == 10 && picked.iter().all(|&id| id < lacking), "{text:?}, ids below {lacking}");
+    }
+}
+
+/// Every token of the tokenizer spelled a letter and the first byte of a
+/// two-byte character (Ã is byte 0xC3 in byte-level BPE): a stop string
+/// that a token's letter completes ends the text there, the byte after it
+/// dropped, where it came out as U+FFFD after the stop.
+#[test]
+fn a_stop_ends_the_text_before_the_character_its_token_began() {
+    let letters: Vec<char> = ('a'..='z').collect();
+    let spell = |id: usize| format!("{}{}Ã", letters[id % 26], if id < 26 { "" } else { "q" });
+    let model = tiny_llama_with_tokenizer("stop-utf8", 37, spell);
+    let server = serve_model(&model, &["--max-batch", "1"]);
+    let request = |stop: Option<&str>, stream: bool| {
+        let mut body =
+            json!({ "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": true, "stream": stream });
+        if let Some(stop) = stop {
+            body["stop"] = json!([stop]);
+        }
+        post(server.port, "/v1/completions", &body)
+    };
+    let whole = request(None, false).json();
+    let greedy = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    // Each token's letters then U+FFFD (its 0xC3 went unfinished), the
+    // last one's at the end too.
+    assert!(greedy.ends_with('\u{FFFD}'), "{greedy:?}");
+    let chars: Vec<char> = greedy.chars().collect();
+    // The first letter, and the first other letter, as stops.
+    let second = chars.iter().copied().find(|&c| c != chars[0] && c != '\u{FFFD}');
+    for stop in [Some(chars[0]), second].into_iter().flatten() {
+        let stop = stop.to_string();
+        let want = &greedy[..greedy.find(&stop).unwrap()];
+        let cut = request(Some(&stop), false).json();
+        assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+        assert_eq!(cut["choices"][0]["text"].as_str(), Some(want), "stop {stop:?} in {greedy:?}");
+        let streamed = request(Some(&stop), true);
+        let events = streamed.events();
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", streamed.body);
+        let pieces: String = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(pieces, want, "streamed, stop {stop:?} in {greedy:?}");
     }
 }

@@ -200,13 +200,31 @@ pub struct GeneratorOptions {
     /// Matrices stored block-quantized (see [`Generator::new_with_weights`]).
     pub quantized: Arc<QuantizedWeights>,
     pub prefill: PrefillMode,
+    /// Token ids never sampled (transformers' `suppress_tokens`): ids the
+    /// tokenizer has no text for, such as the padding rows of a model's
+    /// embedding past its tokenizer's vocabulary. Their logits get
+    /// [`SUPPRESSED_LOGIT`] added in the graph, so the logits read back
+    /// show them suppressed too. Empty: no op is added.
+    pub suppressed_tokens: Vec<u32>,
 }
 
 impl Default for GeneratorOptions {
     fn default() -> Self {
-        GeneratorOptions { sequences: 1, context: None, dtype: WeightDtype::F32, quantized: Arc::default(), prefill: PrefillMode::AllSequences }
+        GeneratorOptions {
+            sequences: 1,
+            context: None,
+            dtype: WeightDtype::F32,
+            quantized: Arc::default(),
+            prefill: PrefillMode::AllSequences,
+            suppressed_tokens: Vec::new(),
+        }
     }
 }
+
+/// What a suppressed token's logit gets added: finite (the samplers refuse
+/// logits that are not, and WGSL may assume no infinities), yet far enough
+/// below any real logit that its weight exp((l - max) / T) is 0 in f32.
+pub const SUPPRESSED_LOGIT: f32 = -1e30;
 
 impl GeneratorOptions {
     /// The positions the caches hold for a model of `model_context`.
@@ -338,7 +356,17 @@ struct SamplerInputs {
 /// generator's context, with only the rows `last` picks (u32 [S], flat
 /// rows of [S·T]; all of them when None) going through the final norm and
 /// the head: -> (logits [S, vocab], the next tokens sampled from them).
-fn lm_pass(g: &mut Graph, cx: &mut ForwardContext, model: &dyn CausalLm, ids: Tensor, pass: CachePass, last: Option<Tensor>, sampler: SamplerInputs) -> Result<(Tensor, Tensor)> {
+#[allow(clippy::too_many_arguments)]
+fn lm_pass(
+    g: &mut Graph,
+    cx: &mut ForwardContext,
+    model: &dyn CausalLm,
+    ids: Tensor,
+    pass: CachePass,
+    last: Option<Tensor>,
+    sampler: SamplerInputs,
+    suppress: Option<Tensor>,
+) -> Result<(Tensor, Tensor)> {
     let logits = cx.run(pass, || {
         let (x, table) = model.body(g, ids, "")?;
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
@@ -350,8 +378,34 @@ fn lm_pass(g: &mut Graph, cx: &mut ForwardContext, model: &dyn CausalLm, ids: Te
         };
         model.logits(g, table, x, "")
     })?;
+    let logits = match suppress {
+        Some(bias) => g.bias_add(logits, bias)?,
+        None => logits,
+    };
     let tokens = g.sample_tokens(logits, sampler.draws, sampler.top_k)?;
     Ok((logits, tokens))
+}
+
+/// The [vocab] bias that suppresses `ids` (None when there are none): an
+/// id outside the vocabulary, or every id suppressed, is an error.
+fn suppression(g: &mut Graph, ids: &[u32], vocab: usize) -> Result<Option<Tensor>> {
+    const OP: &str = "Generator::new";
+    if ids.is_empty() {
+        return Ok(None);
+    }
+    let mut bias = vec![0.0f32; vocab];
+    for &id in ids {
+        let slot = bias.get_mut(id as usize).ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            reason: format!("suppressed token {id} is outside the vocabulary of {vocab}"),
+        })?;
+        *slot = SUPPRESSED_LOGIT;
+    }
+    if bias.iter().all(|&b| b != 0.0) {
+        let reason = format!("all {vocab} tokens are suppressed: none is left to sample");
+        return Err(Error::InvalidArgument { op: OP, reason });
+    }
+    Ok(Some(g.constant("sample.suppressed", &[vocab], bias)?))
 }
 
 /// Whether any op of `g` reads `t` (an input the model's forward may
@@ -441,6 +495,7 @@ impl Generator {
         }
         let context = options.context_for(model.context_len())?;
         let mut g = Graph::new();
+        let suppress = suppression(&mut g, &options.suppressed_tokens, model.vocab_size())?;
         let mut cx = ForwardContext::new(dtype, context).with_quantized(options.quantized.clone());
         let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 3])?, top_k: g.ids("sample.top_k", &[sequences])? };
         let one_slot = options.prefill == PrefillMode::OneSlot;
@@ -462,14 +517,15 @@ impl Generator {
             let positions = g.ids(&format!("prefill{rows}.positions"), &[prefill_batch, rows])?;
             let last = g.ids(&format!("prefill{rows}.last"), &[prefill_batch])?;
             let pass = CachePass { starts: prefill_starts, positions };
-            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler)?;
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler, suppress)?;
             prefill.push(PrefillPass { rows, ids, last, positions: Some(positions), logits, tokens });
         }
         cx.set_cache_set("");
         let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
         let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
-        let (decode_logits, decode_tokens) = lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler)?;
+        let (decode_logits, decode_tokens) =
+            lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler, suppress)?;
         // After the S-slot pass declared the caches: these read their
         // first slots.
         let mut smaller_decodes = Vec::new();
@@ -478,7 +534,7 @@ impl Generator {
             let ids = g.ids(&format!("decode{rows}.idx"), &[rows, 1])?;
             let positions = g.ids(&format!("decode{rows}.positions"), &[rows])?;
             let pass = CachePass { starts: positions, positions: g.reshape(positions, &[rows, 1])? };
-            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler)?;
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler, suppress)?;
             smaller_decodes.push((DecodePass { ids, positions, logits, tokens }, sampler));
         }
 

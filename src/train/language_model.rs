@@ -38,7 +38,7 @@ use crate::io::lm_folder::is_gguf_path;
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{AttentionKernel, LmConfig};
 use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
-use crate::optim::{self, AdamW};
+use crate::optim::{self, Adam, AdamW, SGD};
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
@@ -267,15 +267,43 @@ impl Default for AdamWSchedule {
     }
 }
 
+/// The update rule a language model's run steps with; the schedule, the
+/// clipping and the weight-decay groups of [`AdamWSchedule`] apply to each.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LmUpdate {
+    /// Decoupled weight decay: nanoGPT's, and the default.
+    AdamW,
+    /// Weight decay as an L2 term of the gradient, as torch.optim.Adam.
+    Adam,
+    Sgd { momentum: f32 },
+}
+
 impl AdamWSchedule {
     /// The optimizer of a run of `max_steps`; a run shorter than the warmup
     /// warms up over the whole run.
     pub fn optimizer(&self, max_steps: u64) -> OptimizerConfig {
+        self.optimizer_for(LmUpdate::AdamW, max_steps)
+    }
+
+    /// [`AdamWSchedule::optimizer`] with another update rule (`betas` are
+    /// Adam's and AdamW's only).
+    pub fn optimizer_for(&self, update: LmUpdate, max_steps: u64) -> OptimizerConfig {
         let schedule = LrSchedule::WarmupCosine { warmup_steps: self.warmup_steps.min(max_steps), total_steps: max_steps, min_lr: self.min_lr };
-        let adamw = AdamW::new(self.lr).betas(self.betas.0, self.betas.1).weight_decay(self.weight_decay).schedule(schedule).decay_matrices_only();
-        match self.clip_grad_norm {
-            Some(max_norm) => adamw.clip_grad_norm(max_norm).into(),
-            None => adamw.into(),
+        // Each builder takes the settings every optimizer shares.
+        macro_rules! shared {
+            ($optimizer:expr) => {{
+                let o = $optimizer.weight_decay(self.weight_decay).schedule(schedule).decay_matrices_only();
+                match self.clip_grad_norm {
+                    Some(max_norm) => o.clip_grad_norm(max_norm).into(),
+                    None => o.into(),
+                }
+            }};
+        }
+        let (b1, b2) = self.betas;
+        match update {
+            LmUpdate::AdamW => shared!(AdamW::new(self.lr).betas(b1, b2)),
+            LmUpdate::Adam => shared!(Adam::new(self.lr).betas(b1, b2)),
+            LmUpdate::Sgd { momentum } => shared!(SGD::new(self.lr).momentum(momentum)),
         }
     }
 }

@@ -238,11 +238,16 @@ impl Progress for () {}
 pub struct Summary {
     /// Steps this run took.
     pub steps: u64,
-    /// Time in training steps (validation excluded).
+    /// Time in training steps (validation excluded), the first included.
     pub seconds: f64,
     /// Units ([`RunInfo::unit`]) per second.
     pub per_s: f64,
     pub ms_per_step: f64,
+    /// The first step's time alone, to the devices' end of it: it builds
+    /// and compiles what the engine's build left (pipelines that compile
+    /// at their first dispatch, the plan's first use), so a run's rate is
+    /// the other steps'.
+    pub first_step_seconds: f64,
     /// (step, loss) wherever the training loss was read.
     pub train_curve: Vec<(u64, f32)>,
     /// (step, loss) of every validation.
@@ -466,7 +471,7 @@ impl<T: Task> TrainingRun<T> {
         let (first, last) = (self.info.first_step, self.info.steps);
         let per_step = self.info.per_step as f64;
         let (mut train_curve, mut validation_curve) = (Vec::new(), Vec::new());
-        let mut seconds = 0.0f64;
+        let (mut seconds, mut first_step_seconds) = (0.0f64, 0.0f64);
         let mut last_shares = self.engine.shares();
         let mut last_validation = None;
         for step in first..=last {
@@ -474,6 +479,13 @@ impl<T: Task> TrainingRun<T> {
             let read = step % self.config.loss_every == 0 || step == last;
             let (x, y) = self.task.batch(&self.config)?;
             let loss = self.engine.step(x, y, read)?;
+            if step == first {
+                // Timed to its end on the devices, apart from the rest.
+                for k in self.group.members() {
+                    k.device().wait_idle("train")?;
+                }
+                first_step_seconds = started.elapsed().as_secs_f64();
+            }
             seconds += started.elapsed().as_secs_f64();
             if let Some(loss) = loss {
                 train_curve.push((step, loss));
@@ -493,9 +505,12 @@ impl<T: Task> TrainingRun<T> {
                 }
             }
         }
+        // The steps' time runs to the devices' end of the last.
+        let drained = Instant::now();
         for k in self.group.members() {
             k.device().wait_idle("train")?;
         }
+        seconds += drained.elapsed().as_secs_f64();
         self.engine.settle()?;
         if !root {
             return Ok(None);
@@ -512,6 +527,7 @@ impl<T: Task> TrainingRun<T> {
             seconds,
             per_s: steps as f64 * per_step / seconds.max(1e-9),
             ms_per_step: 1e3 * seconds / steps.max(1) as f64,
+            first_step_seconds,
             train_curve,
             validation_curve,
             evaluation,

@@ -776,3 +776,44 @@ fn the_generation_bench_times_a_prompt_and_its_decode_steps() {
         Ok(())
     });
 }
+
+/// `GeneratorOptions::suppressed_tokens`: the suppressed ids' logits come
+/// back as the unsuppressed ones plus SUPPRESSED_LOGIT, the others exactly
+/// as without suppression, and neither greedy decoding nor sampling at a
+/// high temperature ever picks one, though unsuppressed the greedy picks
+/// would (the suppressed ids are each step's argmax, then every id but
+/// the prime-numbered ones). An id outside the vocabulary, or all of them,
+/// is an error.
+#[test]
+fn suppressed_tokens_are_never_sampled() {
+    use wgrad::infer::generate::{GeneratorOptions, SUPPRESSED_LOGIT};
+    for_each_adapter("generate: suppressed tokens", |k| {
+        let model = sharp_model(23);
+        let prompt = random_tokens(&mut rng(24), 4);
+        let mut plain = Generator::new(k.clone(), &model, 1)?;
+        let free = plain.prefill(&[&prompt])?;
+        let best = free.iter().enumerate().fold(0, |b, (i, &v)| if v > free[b] { i } else { b }) as u32;
+        let with = |ids: Vec<u32>| GeneratorOptions { suppressed_tokens: ids, ..GeneratorOptions::default() };
+        let mut masked = Generator::with_options(k.clone(), &model, &with(vec![best]))?;
+        let logits = masked.prefill(&[&prompt])?;
+        let mut want = free.clone();
+        want[best as usize] += SUPPRESSED_LOGIT;
+        // The same forward, one op more: only the added bias differs.
+        assert_close("suppressed logits", &logits, &want, LOGITS_ATOL, LOGITS_RTOL);
+        let greedy = masked.generate(&prompt, 6, &Sampling::greedy(), |_| Ok(()))?;
+        assert!(greedy.iter().all(|&t| t != best), "{best} suppressed, generated {greedy:?}");
+
+        let primes = [2u32, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31];
+        let rest: Vec<u32> = (0..CONFIG.vocab_size as u32).filter(|t| !primes.contains(t)).collect();
+        let mut few = Generator::with_options(k.clone(), &model, &with(rest))?;
+        let hot = Sampling { temperature: 2.0, top_k: None, top_p: None, seed: 3 };
+        let sampled = few.generate(&prompt, CONFIG.block_size - prompt.len(), &hot, |_| Ok(()))?;
+        assert!(sampled.iter().all(|t| primes.contains(t)), "only primes are left, sampled {sampled:?}");
+
+        let past = Generator::with_options(k.clone(), &model, &with(vec![37]));
+        expect_error("an id past the vocabulary", past, &["37", "vocabulary"]);
+        let every = (0..CONFIG.vocab_size as u32).collect();
+        expect_error("every id", Generator::with_options(k.clone(), &model, &with(every)), &["all 37"]);
+        Ok(())
+    });
+}

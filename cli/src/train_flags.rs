@@ -1,0 +1,131 @@
+//! `wgrad train`'s flags against the model and engine they would steer: a
+//! flag given on the command line that does not apply is an error naming
+//! why, never ignored. A flag left at its default is never refused.
+
+use wgrad::parallel::engine::Strategy;
+
+use crate::{ModelKind, OptimizerName, TrainArgs};
+
+/// Why a flag does not apply to a run, or None where it does.
+type Rule = fn(&Run) -> Option<String>;
+
+/// What the rules look at: the run as the flags describe it.
+struct Run<'a> {
+    args: &'a TrainArgs,
+    kind: ModelKind,
+    strategy: Option<Strategy>,
+}
+
+fn mlp_only(why: &'static str) -> impl Fn(&Run) -> Option<String> {
+    move |run| (run.kind != ModelKind::Mlp).then(|| format!("{why}; this run trains a language model"))
+}
+
+fn language_models_only(run: &Run) -> Option<String> {
+    (run.kind == ModelKind::Mlp).then(|| "it steers the language models (--model gpt or llama), not the MLP".into())
+}
+
+fn gpt_sizes(run: &Run) -> Option<String> {
+    match run.kind {
+        ModelKind::Mlp => language_models_only(run),
+        ModelKind::Llama => Some("it sets a GPT's sizes; a Llama's come from --preset (small or smollm2-135m)".into()),
+        ModelKind::Gpt => None,
+    }
+}
+
+fn pipeline_only(run: &Run) -> Option<String> {
+    (run.strategy != Some(Strategy::Pipeline)).then(|| "it steers the pipeline engine: give --parallel pipeline".into())
+}
+
+/// `--micro-batches`: the pipeline's, which a dry run plans too.
+fn micro_batches(run: &Run) -> Option<String> {
+    pipeline_only(run).filter(|_| !run.args.dry_run)
+}
+
+fn data_parallel_only(run: &Run) -> Option<String> {
+    let data = matches!(run.strategy, Some(Strategy::Data | Strategy::Zero(_))) || run.args.distributed.is_some();
+    (!data).then(|| "it fixes data parallel's rows per device: give --parallel data or zero, or --distributed".into())
+}
+
+/// `--devices`: the devices an engine spreads over, or the most a dry
+/// run plans for.
+fn several_devices_only(run: &Run) -> Option<String> {
+    let several = run.strategy.is_some() || run.args.distributed.is_some() || run.args.dry_run;
+    (!several).then(|| "without --parallel one device trains: pick it with --adapter".into())
+}
+
+fn sgd_only(run: &Run) -> Option<String> {
+    match run.args.optimizer {
+        Some(OptimizerName::Sgd) => None,
+        other => {
+            let default = if run.kind == ModelKind::Mlp { OptimizerName::Adam } else { OptimizerName::Adamw };
+            let name = other.unwrap_or(default);
+            let name = format!("{name:?}").to_lowercase();
+            Some(format!("it is SGD's; the optimizer is {name}: give --optimizer sgd"))
+        }
+    }
+}
+
+fn f16_only(run: &Run) -> Option<String> {
+    (run.args.precision != "f16").then(|| "it paces f16's loss scaling: give --precision f16".into())
+}
+
+fn not_pretrained(run: &Run) -> Option<String> {
+    match (language_models_only(run), &run.args.gpt.init) {
+        (Some(why), _) => Some(why),
+        (None, Some(_)) => Some("it plans a model from its sizes, not a pretrained one from --init".into()),
+        (None, None) => None,
+    }
+}
+
+/// Every flag that applies to some runs only, by clap's id, with its rule.
+fn rules() -> Vec<(&'static str, Box<dyn Fn(&Run) -> Option<String>>)> {
+    let rule = |r: Rule| -> Box<dyn Fn(&Run) -> Option<String>> { Box::new(r) };
+    vec![
+        ("epochs", Box::new(mlp_only("it counts the MLP's passes over its data (a language model runs --max-steps)"))),
+        ("hidden", Box::new(mlp_only("it sets the MLP's hidden widths"))),
+        ("test_fraction", Box::new(mlp_only("it holds out the MLP's test split"))),
+        ("checkpoint", Box::new(mlp_only("it names the MLP's checkpoint (a language model writes --out)"))),
+        ("mnist", Box::new(mlp_only("it is the MLP's data set (a language model reads --text)"))),
+        ("preset", rule(language_models_only)),
+        ("n_layer", rule(gpt_sizes)),
+        ("n_head", rule(gpt_sizes)),
+        ("n_embd", rule(gpt_sizes)),
+        ("block_size", rule(language_models_only)),
+        ("tokenizer", rule(language_models_only)),
+        ("text", rule(language_models_only)),
+        ("warmup_steps", rule(language_models_only)),
+        ("min_lr", rule(language_models_only)),
+        ("weight_decay", rule(language_models_only)),
+        ("clip", rule(language_models_only)),
+        ("eval_every", rule(language_models_only)),
+        ("eval_batches", rule(language_models_only)),
+        ("out", rule(language_models_only)),
+        ("sample_tokens", rule(language_models_only)),
+        ("attention", rule(language_models_only)),
+        ("checkpoint_activations", rule(language_models_only)),
+        ("dry_run", rule(not_pretrained)),
+        ("momentum", rule(sgd_only)),
+        ("micro_batches", rule(micro_batches)),
+        ("schedule", rule(pipeline_only)),
+        ("split", rule(data_parallel_only)),
+        ("devices", rule(several_devices_only)),
+        ("loss_scale_interval", rule(f16_only)),
+    ]
+}
+
+/// Refuses the first flag given that does not apply to a run of `kind`
+/// as the other flags describe it.
+pub(crate) fn check(args: &TrainArgs, kind: ModelKind) -> wgrad::Result<()> {
+    let strategy = args.parallel.as_deref().map(Strategy::parse).transpose()?;
+    let run = Run { args, kind, strategy };
+    for (id, rule) in rules() {
+        if !args.given.iter().any(|g| g == id) {
+            continue;
+        }
+        if let Some(why) = rule(&run) {
+            let flag = format!("--{}", id.replace('_', "-"));
+            return Err(wgrad::Error::InvalidArgument { op: "train", reason: format!("{flag} does not apply: {why}") });
+        }
+    }
+    Ok(())
+}
