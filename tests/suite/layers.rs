@@ -293,7 +293,8 @@ fn paths_in_comments_and_strings_are_not_imports() {
     let code = code_only(
         "/// [`crate::train`]\n// crate::infer\n/* crate::io /* nested */ crate::nn */\nlet s = \"crate::models\";\n\
          let r = r#\"crate::parallel\"#; let c = '\"'; let q = 'x';\nuse crate::graph::Graph;\n\
-         use crate::{kernels::Kernels, ops::{A, B}};\nfn f<'a>(x: &'a str) -> crate::error::Result<()> { $crate::nn::X }\n",
+         use crate::{kernels::Kernels, ops::{A, B}};\n\
+         fn f<'a>(x: &'a str) -> crate::error::Result<()> { $crate::nn::X }\n",
     );
     let names: Vec<(usize, String)> = crate_paths(&code);
     let lines: Vec<(usize, &str)> = names
