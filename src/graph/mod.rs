@@ -6,6 +6,7 @@
 mod autodiff;
 mod builder;
 mod checkpoint;
+mod chunks;
 mod executor;
 mod ops;
 mod plan;
@@ -15,6 +16,7 @@ mod reference;
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use checkpoint::Block;
+pub(crate) use chunks::{chunked_outputs, chunked_predictions};
 pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor};
 pub use ops::{AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
 pub use precision::{Precision, Remap};

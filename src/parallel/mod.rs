@@ -10,14 +10,19 @@ pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod examples;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;
+pub mod single;
 pub mod stage;
 pub mod tensor;
 pub mod zero;
 pub mod zero_stages;
+
+pub use examples::{Examples, ModelWidths, Targets};
+pub use single::Trainer;
 
 use std::sync::Arc;
 
