@@ -17,7 +17,11 @@ pub(crate) fn in_chunks<T: bytemuck::Pod + Default, R>(
     mut run_chunk: impl FnMut(&mut Executor, usize) -> Result<Vec<R>>,
 ) -> Result<Vec<R>> {
     if examples.is_empty() || examples.len() % in_features != 0 {
-        return Err(Error::shape("predict", format!("inputs must be rows × {in_features}"), &[&[examples.len()]]));
+        return Err(Error::shape(
+            "predict",
+            format!("inputs must be rows × {in_features}"),
+            &[&[examples.len()]],
+        ));
     }
     let rows = examples.len() / in_features;
     let mut out = Vec::with_capacity(rows);
@@ -38,7 +42,12 @@ pub(crate) fn in_chunks<T: bytemuck::Pod + Default, R>(
 }
 
 /// Outputs of `output` for every example, batch by batch.
-pub(crate) fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[T]) -> Result<Vec<f32>> {
+pub(crate) fn chunked_outputs<T: bytemuck::Pod + Default>(
+    exec: &mut Executor,
+    (input, output): (Tensor, Tensor),
+    (batch, in_features, width): (usize, usize, usize),
+    features: &[T],
+) -> Result<Vec<f32>> {
     in_chunks(exec, input, batch, in_features, features, |exec, n| {
         exec.run(&[output])?;
         Ok(exec.read(output)?[..n * width].to_vec())
@@ -46,11 +55,15 @@ pub(crate) fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (
 }
 
 /// The argmax node's values for every example, batch by batch.
-pub(crate) fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), examples: &[T]) -> Result<Vec<u32>> {
+pub(crate) fn chunked_predictions<T: bytemuck::Pod + Default>(
+    exec: &mut Executor,
+    (input, prediction): (Tensor, Tensor),
+    (batch, in_features): (usize, usize),
+    examples: &[T],
+) -> Result<Vec<u32>> {
     let per_example = exec.graph().get(prediction).map_or(0, |n| n.len()) / batch.max(1);
     in_chunks(exec, input, batch, in_features, examples, |exec, n| {
         exec.run(&[prediction])?;
         Ok(exec.read_u32(prediction)?[..n * per_example].to_vec())
     })
 }
-

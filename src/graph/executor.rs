@@ -282,7 +282,8 @@ impl Executor {
         }
         exec.train_loss_dispatches = train_loss_dispatches;
         if let (Some(spec), Some(grads)) = (update, &exec.grads) {
-            let arenas = UpdateArenas { params: exec.params.view(), grads: grads.view(), len: arena_len, decay_len: exec.plan.decay_len };
+            let (params, decay_len) = (exec.params.view(), exec.plan.decay_len);
+            let arenas = UpdateArenas { params, grads: grads.view(), len: arena_len, decay_len };
             let update = (spec.build)(&exec.kernels, arenas)?;
             // The loss comes back with the words the update reads beside it.
             if let Some(words) = update.readback().map(|v| v.len) {

@@ -71,6 +71,9 @@ pub struct UpdateSpec<'a> {
 
 impl std::fmt::Debug for UpdateSpec<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UpdateSpec").field("state_arenas", &self.state_arenas).field("seeds_loss", &self.seeds_loss).finish()
+        f.debug_struct("UpdateSpec")
+            .field("state_arenas", &self.state_arenas)
+            .field("seeds_loss", &self.seeds_loss)
+            .finish()
     }
 }

@@ -23,14 +23,22 @@ pub(crate) struct CheckpointAbout<'a> {
 /// A checkpoint of parameters (state_dict names), optimizer state
 /// (`optim.<param>.<state>`, shaped as its parameter) and metadata, from
 /// whatever holds them (one executor, or shards gathered to the host).
-pub(crate) fn assemble_checkpoint(params: Vec<(String, Vec<usize>, Vec<f32>)>, state: Vec<(String, &'static str, Vec<f32>)>, about: &CheckpointAbout<'_>) -> Result<Checkpoint> {
+pub(crate) fn assemble_checkpoint(
+    params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    state: Vec<(String, &'static str, Vec<f32>)>,
+    about: &CheckpointAbout<'_>,
+) -> Result<Checkpoint> {
     let mut ckpt = Checkpoint::new();
     let shapes: Vec<(String, Vec<usize>)> = params.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
     for (name, shape, data) in params {
         ckpt.push(NamedTensor::new(name, shape, data)?);
     }
     for (param, state, data) in state {
-        let shape = shapes.iter().find(|(n, _)| *n == param).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![data.len()]);
+        let shape = shapes
+            .iter()
+            .find(|(n, _)| *n == param)
+            .map(|(_, s)| s.clone())
+            .unwrap_or_else(|| vec![data.len()]);
         ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
     }
     ckpt.set_meta("format", "wgrad");
@@ -57,7 +65,10 @@ pub(crate) fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
 
 /// The checkpoint's values for every parameter of `shapes` (name, shape),
 /// each checked to be there with that shape.
-pub(crate) fn checked_parameters(ckpt: &Checkpoint, shapes: Vec<(String, Vec<usize>)>) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+pub(crate) fn checked_parameters(
+    ckpt: &Checkpoint,
+    shapes: Vec<(String, Vec<usize>)>,
+) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
     shapes
         .into_iter()
         .map(|(name, shape)| {

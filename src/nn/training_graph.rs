@@ -17,7 +17,10 @@ pub(crate) struct Built {
 
 fn check_batch(batch_size: usize) -> Result<()> {
     if batch_size == 0 {
-        return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
+        return Err(Error::InvalidArgument {
+            op: "Trainer::new",
+            reason: "the batch size must be at least 1".into(),
+        });
     }
     Ok(())
 }
@@ -31,7 +34,12 @@ pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) 
 
 fn built(g: &Graph, input: Tensor, output: Tensor, batch_size: usize) -> Built {
     let len = |t: Tensor| g.shape_of(t).map_or(0, |s| s.iter().product::<usize>());
-    Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size }
+    Built {
+        input,
+        output,
+        in_per_example: len(input) / batch_size,
+        out_per_example: len(output) / batch_size,
+    }
 }
 
 /// [`build_model`] unit by unit, with the node range each block added.
@@ -63,12 +71,28 @@ impl TrainingGraph {
     /// makes of this one, with every tensor the trainer names carried over.
     fn remapped(self, pass: impl FnOnce(&Graph, &Gradients) -> Result<(Graph, Gradients, Remap)>) -> Result<Self> {
         let (graph, grads, at) = pass(&self.graph, &self.grads)?;
-        let built = Built { input: at.tensor(self.built.input), output: at.tensor(self.built.output), ..self.built };
-        Ok(TrainingGraph { graph, built, target: at.tensor(self.target), loss: at.tensor(self.loss), prediction: at.tensor(self.prediction), grads })
+        let built = Built {
+            input: at.tensor(self.built.input),
+            output: at.tensor(self.built.output),
+            ..self.built
+        };
+        Ok(TrainingGraph {
+            graph,
+            built,
+            target: at.tensor(self.target),
+            loss: at.tensor(self.loss),
+            prediction: at.tensor(self.prediction),
+            grads,
+        })
     }
 }
 
-pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Staged>, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
+pub(crate) fn training_graph(
+    model: &dyn Module,
+    checkpointed: Option<&dyn Staged>,
+    criterion: Criterion,
+    batch_size: usize,
+) -> Result<TrainingGraph> {
     let mut graph = Graph::new();
     let (built, blocks) = match checkpointed {
         Some(m) => build_blocks(&mut graph, m, batch_size)?,
@@ -78,7 +102,14 @@ pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Stage
     let loss = criterion.loss(&mut graph, built.output, target)?;
     let prediction = graph.argmax(built.output)?;
     let grads = graph.backward(loss)?;
-    let t = TrainingGraph { graph, built, target, loss, prediction, grads };
+    let t = TrainingGraph {
+        graph,
+        built,
+        target,
+        loss,
+        prediction,
+        grads,
+    };
     if blocks.is_empty() {
         Ok(t)
     } else {
@@ -90,7 +121,14 @@ pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Stage
 /// blocks recomputed in the backward when `checkpoint`, the activations
 /// the backward reads stored in f16 when `f16` (the caller knows whether
 /// the device has SHADER_F16; a plan without a device assumes it).
-pub(crate) fn training_graph_with_passes(model: &dyn Module, staged: Option<&dyn Staged>, criterion: Criterion, batch_size: usize, checkpoint: bool, f16: bool) -> Result<TrainingGraph> {
+pub(crate) fn training_graph_with_passes(
+    model: &dyn Module,
+    staged: Option<&dyn Staged>,
+    criterion: Criterion,
+    batch_size: usize,
+    checkpoint: bool,
+    f16: bool,
+) -> Result<TrainingGraph> {
     let t = training_graph(model, staged.filter(|_| checkpoint), criterion, batch_size)?;
     if f16 {
         t.remapped(|g, grads| g.with_f16_activations(grads))
@@ -98,4 +136,3 @@ pub(crate) fn training_graph_with_passes(model: &dyn Module, staged: Option<&dyn
         Ok(t)
     }
 }
-

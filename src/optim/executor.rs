@@ -56,7 +56,10 @@ impl StepUpdate for Optimizer {
 }
 
 fn no_optimizer(op: &'static str) -> Error {
-    Error::InvalidArgument { op, reason: "no optimizer was given".into() }
+    Error::InvalidArgument {
+        op,
+        reason: "no optimizer was given".into(),
+    }
 }
 
 impl Executor {
@@ -86,7 +89,10 @@ impl Executor {
             return Self::with_update(kernels, graph, outputs, gradients, options, None);
         };
         if gradients.is_none() {
-            return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
+            return Err(Error::InvalidArgument {
+                op: "Executor::new",
+                reason: "an optimizer needs the gradients from backward()".into(),
+            });
         }
         cfg.validate()?;
         // The optimizer's parameter groups, before planning lays them out.
@@ -112,7 +118,10 @@ impl Executor {
     /// The optimizer and this executor's kernels, to change the optimizer.
     fn optimizer_mut(&mut self, op: &'static str) -> Result<(Arc<Kernels>, &mut Optimizer)> {
         let kernels = self.kernels().clone();
-        let o = self.update_mut().and_then(|u| u.as_any_mut().downcast_mut::<Optimizer>()).ok_or_else(|| no_optimizer(op))?;
+        let o = self
+            .update_mut()
+            .and_then(|u| u.as_any_mut().downcast_mut::<Optimizer>())
+            .ok_or_else(|| no_optimizer(op))?;
         Ok((kernels, o))
     }
 
@@ -191,9 +200,10 @@ impl Executor {
     /// several executors, instead of this executor's own.
     pub fn optimizer_step_with_grad_norm(&mut self, total_norm: f32) -> Result<()> {
         let op = "optimizer_step_with_grad_norm";
-        let (kernels, o) = self
-            .optimizer_mut(op)
-            .map_err(|_| Error::InvalidArgument { op, reason: "needs an optimizer with clip_grad_norm".into() })?;
+        let (kernels, o) = self.optimizer_mut(op).map_err(|_| Error::InvalidArgument {
+            op,
+            reason: "needs an optimizer with clip_grad_norm".into(),
+        })?;
         o.step_with_grad_norm(&kernels, total_norm)
     }
 
@@ -257,7 +267,10 @@ impl Executor {
         match (self.optimizer_mut("load_state"), optimizer_state.first()) {
             (Ok((kernels, o)), _) => o.import_state(&kernels, &spans, optimizer_state, step)?,
             (Err(_), Some((_, state_name, _))) => {
-                return Err(Error::InvalidArgument { op: "load_state", reason: format!("this optimizer has no state `{state_name}`") });
+                return Err(Error::InvalidArgument {
+                    op: "load_state",
+                    reason: format!("this optimizer has no state `{state_name}`"),
+                });
             }
             (Err(_), None) => {}
         }

@@ -84,10 +84,20 @@ impl ModelWidths {
     /// Builds `model` for one example in a scratch graph (no GPU work).
     pub fn of(model: &dyn Module) -> Result<Self> {
         let mut g = Graph::new();
-        let Built { input, output, in_per_example, out_per_example } = build_model(&mut g, model, 1)?;
+        let Built {
+            input,
+            output,
+            in_per_example,
+            out_per_example,
+        } = build_model(&mut g, model, 1)?;
         let last = g.shape_of(output).and_then(|s| s.last().copied()).unwrap_or(1).max(1);
         let reads_ids = g.get(input).is_some_and(|n| n.dtype == DType::U32);
-        Ok(ModelWidths { inputs: in_per_example, outputs: out_per_example, output_rows: out_per_example / last, reads_ids })
+        Ok(ModelWidths {
+            inputs: in_per_example,
+            outputs: out_per_example,
+            output_rows: out_per_example / last,
+            reads_ids,
+        })
     }
 
     /// Target values per example the criterion compares against: the
@@ -99,4 +109,3 @@ impl ModelWidths {
         }
     }
 }
-

@@ -4,7 +4,8 @@
 //! [`pipeline`] parallel (a [`crate::nn::Staged`] model's units over
 //! stages) and [`tensor`] parallel (Megatron-style, as the modules declare
 //! their splits); the pipeline and tensor parallel are built from
-//! [`stage`]s.
+//! [`stage`]s. [`single`]'s [`Trainer`] is the one-device engine each is
+//! tested equal to, and [`examples`] holds the batch types they all take.
 
 pub mod collectives;
 pub mod data;

@@ -1,4 +1,5 @@
-//! The training loop as PyTorch users write it, over a define-then-run graph:
+//! The single-device engine, beside the engines over several devices: the
+//! training loop as PyTorch users write it, over a define-then-run graph:
 //!
 //! ```no_run
 //! # fn main() -> wgrad::Result<()> {
@@ -33,6 +34,8 @@ use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{training_graph_with_passes, Built, Criterion, Module, Staged, TrainingGraph};
 use crate::optim;
 
+/// One model training on one device: its step's executor (with the
+/// optimizer), and what the batch, loss and checkpoints need of the model.
 pub struct Trainer {
     exec: Executor,
     input: Tensor,
