@@ -20,7 +20,7 @@ use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Seque
 use wgrad::optim::{Adam, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::DeviceGroup;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 /// One measured case: its name and (key, value) pairs.
 #[derive(Clone, Debug)]

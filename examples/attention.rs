@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::Adam;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 const VOCAB: usize = 16;
 const SEQ: usize = 12;

@@ -32,7 +32,8 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{accuracy, Targets};
+use wgrad::train::accuracy;
+use wgrad::Targets;
 
 const BATCH: usize = 32;
 const EPOCHS: usize = 25;

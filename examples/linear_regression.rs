@@ -23,7 +23,7 @@ use std::sync::Arc;
 use wgrad::io::data::{synthetic_regression, Sampler};
 use wgrad::nn::{self, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::SGD;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 fn main() -> wgrad::Result<()> {
     let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));

@@ -37,7 +37,8 @@ use wgrad::optim::Adam;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::parallel::engine::TrainEngine;
-use wgrad::trainer::{accuracy, Targets};
+use wgrad::train::accuracy;
+use wgrad::Targets;
 
 const BATCH: usize = 32;
 const MICRO_BATCHES: usize = 4;

@@ -43,7 +43,8 @@ use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::parallel::engine::TrainEngine;
 use wgrad::infer::Predictor;
-use wgrad::trainer::{accuracy, Targets};
+use wgrad::train::accuracy;
+use wgrad::Targets;
 
 const BATCH: usize = 32;
 const EPOCHS: usize = 25;

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
-use wgrad::trainer::{accuracy, Targets, Trainer};
+use wgrad::train::accuracy;
+use wgrad::{Targets, Trainer};
 
 fn main() -> wgrad::Result<()> {
     let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));

@@ -43,7 +43,7 @@ use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, MatmulForm, SgdCo
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CrossEntropyLoss;
 use wgrad::optim::Adam;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::{Device, GpuTensor, Kernels};
 
 const F32: u64 = 4;

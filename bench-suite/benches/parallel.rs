@@ -99,7 +99,7 @@ use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 const BATCH: usize = 64;
 const FEATURES: usize = 64;

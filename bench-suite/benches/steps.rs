@@ -29,7 +29,7 @@ use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use wgrad_benches::{train_step, StepCase};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::Trainer;
+use wgrad::Trainer;
 
 /// Steps before timing: pipelines compile (lazily on GL) and buffers settle.
 const WARM_UP_STEPS: usize = 3;

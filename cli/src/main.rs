@@ -24,7 +24,7 @@ use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::DeviceSelection;
 use wgrad::infer::Predictor;
-use wgrad::trainer::accuracy;
+use wgrad::train::accuracy;
 use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
 use wgrad::{Device, DeviceOptions, Kernels};
 

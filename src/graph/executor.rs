@@ -1,6 +1,10 @@
 //! Runs a planned graph. Every buffer, pipeline and bind group is created in
 //! `Executor::new`; a run writes the inputs, records every dispatch into one
 //! compute pass and submits once. Values come back only when asked for.
+//!
+//! A training executor runs an update after the backward (an optimizer,
+//! which `crate::optim` attaches through [`StepUpdate`] and whose state and
+//! methods on `Executor` it defines): the executor knows nothing of it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,9 +13,9 @@ use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
 use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, ParameterInit, SourceOp};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
+use super::step_update::{StepUpdate, UpdateArenas, UpdateSpec};
 use crate::error::{Error, Result};
-use crate::kernels::{loss_scale_word, Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, OptimizerConfig, View, LOSS_SCALE_WORDS};
-use crate::optim::{apply_parameter_groups, LossScaleState, Optimizer, ParamSpan};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, View};
 
 /// One dispatch of a profiling run, run alone.
 #[derive(Clone, Debug)]
@@ -34,6 +38,26 @@ pub struct DispatchTime {
 
 /// Per-dispatch times from the profiling runs, in dispatch order.
 pub type DispatchTimes = Vec<DispatchTime>;
+
+/// Where a parameter lives in the arenas, as the executor's plan laid
+/// them out.
+#[derive(Clone, Debug)]
+pub struct ParamSpan {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Element offset in every arena.
+    pub offset: usize,
+}
+
+impl ParamSpan {
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// Buffers executors that run in turn share ([`Executor::with_arenas`]):
 /// the parameter and gradient arenas and the intermediate slots, each as
@@ -59,50 +83,40 @@ pub struct Executor {
     /// A training step's dispatch for a loss that also does its last
     /// layer's work (the plan's `loss_fusion`); runs use `dispatches`.
     train_loss_dispatches: Vec<Option<Dispatch>>,
-    /// The optimizer over the parameter and gradient arenas: its state,
-    /// clipping, schedule and step count.
-    optimizer: Option<Optimizer>,
+    /// The update a training step runs after its backward (an optimizer,
+    /// which owns its state), and the arenas of the parameters' layout it
+    /// was announced to hold.
+    update: Option<Box<dyn StepUpdate>>,
+    state_arenas: usize,
     /// Node lists for each set of requested outputs, computed once.
     run_orders: HashMap<Vec<Tensor>, Vec<usize>>,
     train_order: Vec<usize>,
     gradients: Option<Gradients>,
-    /// Where a scalar read back at the end of a training run lands (and,
-    /// with loss scaling, the loss-scale state after it).
+    /// Where a scalar read back at the end of a training run lands (and
+    /// the update's readback words after it).
     scalar_staging: wgpu::Buffer,
-    /// The loss-scale state read back with the last loss read.
-    loss_scale: Option<LossScaleState>,
 }
 
 impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("optimizer", &self.optimizer).finish()
+        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("update", &self.update).finish()
     }
 }
 
 impl Executor {
-    /// Plans `graph` for `outputs` (and, when training, the gradients and the
-    /// optimizer), then allocates every buffer and builds every dispatch.
-    pub fn new(
+    /// Plans `graph` for `outputs` (and, when training, the gradients and
+    /// the `update` a step runs after them), then allocates every buffer and
+    /// builds every dispatch. `crate::optim` builds its optimizers'
+    /// executors through this (`Executor::new`, `Executor::with_options`).
+    pub fn with_update(
         kernels: Arc<Kernels>,
         graph: Graph,
         outputs: &[Tensor],
         gradients: Option<Gradients>,
-        optimizer: Option<OptimizerConfig>,
-    ) -> Result<Self> {
-        Self::with_options(kernels, graph, outputs, gradients, optimizer, PlanOptions::default())
-    }
-
-    /// [`Executor::new`] with explicit planning options (fusion off gives
-    /// the one-dispatch-per-node reference).
-    pub fn with_options(
-        kernels: Arc<Kernels>,
-        graph: Graph,
-        outputs: &[Tensor],
-        gradients: Option<Gradients>,
-        optimizer: Option<OptimizerConfig>,
         options: PlanOptions,
+        update: Option<UpdateSpec<'_>>,
     ) -> Result<Self> {
-        Self::build(kernels, graph, outputs, gradients, optimizer, options, None)
+        Self::build(kernels, graph, outputs, gradients, update, options, None)
     }
 
     /// A training executor without an optimizer whose parameter arena,
@@ -121,21 +135,14 @@ impl Executor {
         graph: Graph,
         outputs: &[Tensor],
         gradients: Option<Gradients>,
-        optimizer: Option<OptimizerConfig>,
+        update: Option<UpdateSpec<'_>>,
         options: PlanOptions,
         pooled: Option<&ArenaPool>,
     ) -> Result<Self> {
-        if optimizer.is_some() && gradients.is_none() {
+        if update.is_some() && gradients.is_none() {
             return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
         }
-        if let Some(cfg) = &optimizer {
-            cfg.validate()?;
-        }
-        // The optimizer's parameter groups, before planning lays them out.
-        let mut graph = graph;
-        if let Some(cfg) = &optimizer {
-            apply_parameter_groups(&mut graph, cfg)?;
-        }
+        let state_arenas = update.as_ref().map_or(0, |u| u.state_arenas);
         let foreign = |t: &Tensor| t.0 >= graph.len();
         let grads_foreign = gradients.as_ref().is_some_and(|g| {
             foreign(&g.loss) || g.accumulations().iter().any(foreign) || g.input_gradients().iter().any(foreign)
@@ -171,7 +178,7 @@ impl Executor {
         options.fused_loss_max = options.fused_loss_max.min(kernels.fused_loss_max());
         options.linear_in_loss_max_macs = options.linear_in_loss_max_macs.min(kernels.linear_in_loss_max_macs());
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
-        check_memory(&kernels, &graph, &plan, gradients.is_some(), optimizer.map_or(0, |o| o.state_names().len()))?;
+        check_memory(&kernels, &graph, &plan, gradients.is_some(), state_arenas)?;
 
         let arena_len = plan.param_arena_len.max(1);
         let mut initial = vec![0.0f32; arena_len];
@@ -219,17 +226,12 @@ impl Executor {
         // the plan's own constant, which the step overwrites, or an input
         // its caller fills (a stage of a model spread over devices, whose
         // engine seeds the scale).
-        if let (Some(_), Some(g)) = (optimizer.and_then(|o| o.loss_scaling()), &gradients) {
+        if let (true, Some(g)) = (update.as_ref().is_some_and(|u| u.seeds_loss), &gradients) {
             if !matches!(plan.storage[g.seed().0], Storage::Constant { .. } | Storage::Input { .. }) {
                 return Err(Error::InvalidArgument { op: "Executor::new", reason: "loss scaling needs a backward seeded from a loss (Graph::backward)".into() });
             }
         }
-        let scalar_staging = kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
-            label: Some("scalar readback"),
-            size: 4 * (1 + LOSS_SCALE_WORDS - loss_scale_word::SCALE) as u64,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = scalar_staging(&kernels, 0);
 
         // A training step runs what the loss and the gradients need, not
         // other outputs (predictions) the caller runs separately.
@@ -256,12 +258,12 @@ impl Executor {
             slots,
             dispatches: Vec::new(),
             train_loss_dispatches: Vec::new(),
-            optimizer: None,
+            update: None,
+            state_arenas,
             run_orders: HashMap::new(),
             train_order,
             gradients,
-            scalar_staging,
-            loss_scale: None,
+            scalar_staging: staging,
         };
         let needs_kernel =
             |i: usize| !matches!(exec.plan.storage[i], Storage::Unused) && !exec.plan.fused_away[i] && exec.graph.node(Tensor(i)).op.has_kernel();
@@ -279,8 +281,15 @@ impl Executor {
             });
         }
         exec.train_loss_dispatches = train_loss_dispatches;
-        if let (Some(cfg), Some(grads)) = (optimizer, &exec.grads) {
-            exec.optimizer = Some(Optimizer::new(&exec.kernels, cfg, exec.params.view(), grads.view(), arena_len, exec.plan.decay_len)?);
+        if let (Some(spec), Some(grads)) = (update, &exec.grads) {
+            let (params, decay_len) = (exec.params.view(), exec.plan.decay_len);
+            let arenas = UpdateArenas { params, grads: grads.view(), len: arena_len, decay_len };
+            let update = (spec.build)(&exec.kernels, arenas)?;
+            // The loss comes back with the words the update reads beside it.
+            if let Some(words) = update.readback().map(|v| v.len) {
+                exec.scalar_staging = scalar_staging(&exec.kernels, words);
+            }
+            exec.update = Some(update);
         }
         // Every pipeline a run of this graph needs exists now: keep them
         // for the next process even if this one ends without dropping
@@ -301,21 +310,29 @@ impl Executor {
         &self.kernels
     }
 
-    /// The optimizer this executor steps with, if any: its state,
-    /// clipping and schedule.
-    pub fn optimizer(&self) -> Option<&Optimizer> {
-        self.optimizer.as_ref()
+    /// The update a training step runs after its backward, if any.
+    pub fn update(&self) -> Option<&dyn StepUpdate> {
+        self.update.as_deref()
     }
 
-    /// Optimizer steps taken so far (0 without an optimizer).
-    pub fn step_count(&self) -> u64 {
-        self.optimizer.as_ref().map_or(0, Optimizer::step_count)
+    /// [`Executor::update`], to change it (its owner reaches its own type
+    /// through [`StepUpdate::as_any_mut`]).
+    pub fn update_mut(&mut self) -> Option<&mut dyn StepUpdate> {
+        match &mut self.update {
+            Some(u) => Some(u.as_mut()),
+            None => None,
+        }
+    }
+
+    /// Steps the update took so far (0 without one).
+    fn steps_taken(&self) -> u64 {
+        self.update.as_ref().map_or(0, |u| u.steps_taken())
     }
 
     /// GPU bytes held: parameters, gradients, optimizer state, inputs,
     /// constants and intermediates.
     pub fn peak_bytes(&self) -> u64 {
-        self.plan.peak_bytes(self.grads.is_some(), self.optimizer_state_names().len())
+        self.plan.peak_bytes(self.grads.is_some(), self.state_arenas)
     }
 
     /// Dispatches recorded by one training step (forward, backward, the
@@ -332,106 +349,10 @@ impl Executor {
         self.train_dispatches().chain(self.update_dispatches())
     }
 
-    /// The optimizer's dispatches in order: the gradient norm (when
-    /// clipping), then the update. Empty without an optimizer.
+    /// The update's dispatches in order (an optimizer's: the gradient norm
+    /// when clipping, then the update). Empty without an update.
     fn update_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
-        self.optimizer.iter().flat_map(Optimizer::dispatches)
-    }
-
-    /// The learning rate the last optimizer step used (before any step,
-    /// the first step's): the schedule at [`Executor::step_count`].
-    /// `None` without an optimizer.
-    pub fn learning_rate(&self) -> Option<f32> {
-        self.optimizer.as_ref().map(Optimizer::learning_rate)
-    }
-
-    /// The global L2 norm of the gradients the last optimizer step clipped
-    /// (before clipping: torch.nn.utils.clip_grad_norm_'s return value).
-    /// Steps never wait for it; this call waits for the GPU. `None` when
-    /// the optimizer does not clip or no step was taken.
-    pub fn read_grad_norm(&self) -> Result<Option<f32>> {
-        match &self.optimizer {
-            Some(o) => o.read_grad_norm(&self.kernels),
-            None => Ok(None),
-        }
-    }
-
-    /// Dynamic loss scaling's state as read back with the last loss read
-    /// by [`Executor::train_step`] (no extra wait); `None` without loss
-    /// scaling or before a loss was read. [`Optimizer::read_loss_scale`]
-    /// reads it now.
-    pub fn loss_scale(&self) -> Option<&LossScaleState> {
-        self.loss_scale.as_ref()
-    }
-
-    /// Dynamic loss scaling's state now (waits for the GPU), for a
-    /// checkpoint; `None` without loss scaling.
-    pub fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
-        match &self.optimizer {
-            Some(o) => o.read_loss_scale(&self.kernels),
-            None => Ok(None),
-        }
-    }
-
-    /// Restores dynamic loss scaling's state (a checkpoint's, after
-    /// [`Executor::load_state`]); nothing where the optimizer does not
-    /// scale (an f16 run's checkpoint resumed in f32).
-    pub fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
-        if let Some(o) = &mut self.optimizer {
-            if o.import_loss_scale(&self.kernels, state)? {
-                self.loss_scale = Some(state.clone());
-            }
-        }
-        Ok(())
-    }
-
-    /// The optimizer this executor steps with, if any.
-    pub fn optimizer_config(&self) -> Option<&OptimizerConfig> {
-        self.optimizer.as_ref().map(Optimizer::config)
-    }
-
-    /// The squared L2 norm of the gradients as they stand: the clipping
-    /// norm's kernels run alone and the norm is read back (waits). A model
-    /// spread over several executors (tensor-parallel shards, pipeline
-    /// stages) sums these into its global norm and passes it to
-    /// [`Executor::optimizer_step_with_grad_norm`], so every part clips by
-    /// the whole model's norm, as torch.nn.utils.clip_grad_norm_ does.
-    pub fn grad_norm_squared(&mut self) -> Result<f64> {
-        match &self.optimizer {
-            Some(o) => o.grad_norm_squared(&self.kernels),
-            None => Err(Error::InvalidArgument { op: "grad_norm_squared", reason: "no optimizer was given".into() }),
-        }
-    }
-
-    /// The optimizer step with clip_grad_norm_'s factor computed from
-    /// `total_norm`, the norm of a whole model's gradients gathered from
-    /// several executors, instead of this executor's own.
-    pub fn optimizer_step_with_grad_norm(&mut self, total_norm: f32) -> Result<()> {
-        match &mut self.optimizer {
-            Some(o) => o.step_with_grad_norm(&self.kernels, total_norm),
-            None => Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() }),
-        }
-    }
-
-    /// Loss scaling over a model spread across executors: this one's
-    /// (Σ (grad / scale)², count of inf and NaN gradients); waits. The
-    /// totals over every executor go to
-    /// [`Executor::optimizer_step_with_loss_scale_sums`].
-    pub fn loss_scale_sums(&self) -> Result<(f64, f64)> {
-        match &self.optimizer {
-            Some(o) => o.loss_scale_sums(&self.kernels),
-            None => Err(Error::InvalidArgument { op: "loss_scale_sums", reason: "no optimizer was given".into() }),
-        }
-    }
-
-    /// The loss-scaled optimizer step deciding (skip, clip, next scale) by
-    /// totals of [`Executor::loss_scale_sums`] over every executor of a
-    /// model, so all of them take or skip it together.
-    pub fn optimizer_step_with_loss_scale_sums(&mut self, squares: f64, non_finite: f64) -> Result<()> {
-        match &mut self.optimizer {
-            Some(o) => o.step_with_loss_scale_sums(&self.kernels, squares, non_finite),
-            None => Err(Error::InvalidArgument { op: "optimizer_step_with_loss_scale_sums", reason: "no optimizer was given".into() }),
-        }
+        self.update.iter().flat_map(|u| u.dispatches())
     }
 
     /// Where the parameter `name`'s gradient lives in the gradient arena.
@@ -619,9 +540,10 @@ impl Executor {
     }
 
     /// One training step in one submission: optionally zero the gradients,
-    /// run forward and backward, apply the optimizer (when given), and copy
-    /// the loss for reading when `read_loss`. Returns the loss when read.
-    pub fn train_step(&mut self, zero_grad: bool, apply_optimizer: bool, read_loss: bool) -> Result<Option<f32>> {
+    /// run forward and backward, apply the update (the optimizer, when
+    /// `apply_update`), and copy the loss for reading when `read_loss`.
+    /// Returns the loss when read.
+    pub fn train_step(&mut self, zero_grad: bool, apply_update: bool, read_loss: bool) -> Result<Option<f32>> {
         let Some(grads) = &self.grads else {
             return Err(Error::InvalidArgument { op: "train_step", reason: "this executor was built without backward()".into() });
         };
@@ -629,23 +551,23 @@ impl Executor {
             op: "train_step",
             reason: "no loss".into(),
         })?;
-        if apply_optimizer {
-            let Some(o) = &self.optimizer else {
+        if apply_update {
+            let Some(u) = &self.update else {
                 return Err(Error::InvalidArgument { op: "train_step", reason: "no optimizer was given".into() });
             };
-            o.prepare_step(&self.kernels)?;
+            u.prepare(&self.kernels)?;
         }
         let loss_view = self.view(loss)?;
-        // Loss scaling: this step's loss gradient is the scale, and its
-        // state comes back with the loss.
-        let scale = self.optimizer.as_ref().and_then(Optimizer::loss_scale_view);
+        // The update may seed this step's loss gradient (loss scaling: the
+        // scale) and read words back with the loss (its state).
+        let scale = self.update.as_ref().and_then(|u| u.loss_seed());
         let seed = match (scale, &self.gradients) {
             (Some(_), Some(g)) if matches!(self.plan.storage[g.seed().0], Storage::Constant { .. }) => Some(self.view(g.seed())?),
             _ => None,
         };
-        let scale_state = self.optimizer.as_ref().and_then(Optimizer::loss_scale_state_view);
+        let scale_state = self.update.as_ref().and_then(|u| u.readback());
         let steps = self.train_dispatches();
-        let update = self.update_dispatches().filter(|_| apply_optimizer);
+        let update = self.update_dispatches().filter(|_| apply_update);
         let staging = &self.scalar_staging;
         self.kernels.submit_pass(
             "train_step",
@@ -668,25 +590,22 @@ impl Executor {
             },
         )?;
         let scale_words = scale_state.map(|v| v.len);
-        if let (true, Some(o)) = (apply_optimizer, &mut self.optimizer) {
-            o.finish_step();
+        if let (true, Some(u)) = (apply_update, &mut self.update) {
+            u.finish();
         }
         if !read_loss {
             return Ok(None);
         }
-        let value = match scale_words {
-            Some(words) => {
+        let value = match (scale_words, &mut self.update) {
+            (Some(words), Some(u)) => {
                 let read: Vec<f32> = self.kernels.map_read(&self.scalar_staging, 4 * (1 + words) as u64)?;
-                // The state's words are the block's from SCALE on.
-                let mut block = vec![0.0; loss_scale_word::SCALE];
-                block.extend_from_slice(read.get(1..).unwrap_or(&[]));
-                self.loss_scale = Some(LossScaleState::from_block(&block));
+                u.read_back(read.get(1..).unwrap_or(&[]));
                 read.first().copied().unwrap_or(f32::NAN)
             }
-            None => self.kernels.map_read_scalar(&self.scalar_staging)?,
+            _ => self.kernels.map_read_scalar(&self.scalar_staging)?,
         };
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.step_count() });
+            return Err(Error::NonFiniteLoss { value, step: self.steps_taken() });
         }
         Ok(Some(value))
     }
@@ -697,8 +616,8 @@ impl Executor {
     /// on a copy of the state you care about.
     pub fn profile_train_step(&mut self) -> Result<DispatchTimes> {
         let mut times = Vec::new();
-        if let Some(o) = &self.optimizer {
-            o.prepare_step(&self.kernels)?;
+        if let Some(u) = &self.update {
+            u.prepare(&self.kernels)?;
         }
         for &i in &self.train_order {
             if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
@@ -732,15 +651,6 @@ impl Executor {
         };
         let bound_bytes = d.each_launch().flat_map(|l| &l.recipe().bindings).map(|b| b.bytes).sum();
         Ok(DispatchTime { node: name.to_string(), entry: d.kernel().entry, time, on_gpu, bound_bytes })
-    }
-
-    /// Applies the optimizer to the gradients as they stand, in one
-    /// submission (data parallel: after the gradients were all-reduced).
-    pub fn optimizer_step(&mut self) -> Result<()> {
-        let Some(o) = &mut self.optimizer else {
-            return Err(Error::InvalidArgument { op: "optimizer_step", reason: "no optimizer was given".into() });
-        };
-        o.step(&self.kernels)
     }
 
     /// Where the gradient with respect to `input` lands (after a backward
@@ -780,11 +690,6 @@ impl Executor {
     pub fn loss_seed_view(&self) -> Option<View<'_>> {
         let seed = self.gradients.as_ref()?.seed();
         matches!(self.plan.storage[seed.0], Storage::Constant { .. }).then(|| self.view(seed).ok()).flatten()
-    }
-
-    /// The optimizer's state arenas (same layout as the parameters).
-    pub fn state_arenas(&self) -> Vec<View<'_>> {
-        self.optimizer.as_ref().map_or_else(Vec::new, Optimizer::state_arenas)
     }
 
     /// The whole parameter arena.
@@ -913,33 +818,15 @@ impl Executor {
         self.plan.param_offsets.iter().map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone())).collect()
     }
 
-    /// PyTorch's names for the optimizer's per-parameter state, in arena
-    /// order (as the optimizer names them; empty without one).
-    pub fn optimizer_state_names(&self) -> &'static [&'static str] {
-        self.optimizer.as_ref().map_or(&[], Optimizer::state_names)
-    }
-
     /// Every parameter's place in the arenas, in graph order.
     pub fn parameter_spans(&self) -> Vec<ParamSpan> {
         self.plan.param_offsets.iter().map(|&(p, offset)| ParamSpan { name: self.graph.node(p).name.clone(), shape: self.graph.node(p).shape.clone(), offset }).collect()
     }
 
-    /// Optimizer state as (parameter name, state name, values).
-    pub fn optimizer_state(&self) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
-        match &self.optimizer {
-            Some(o) => o.export_state(&self.kernels, &self.parameter_spans()),
-            None => Ok(Vec::new()),
-        }
-    }
-
-    /// Replaces parameters (by name) and, when given, the optimizer state
-    /// and step count. Checks every name and shape before writing anything.
-    pub fn load_state(
-        &mut self,
-        params: &[(String, Vec<usize>, Vec<f32>)],
-        optimizer_state: &[(String, String, Vec<f32>)],
-        step: Option<u64>,
-    ) -> Result<()> {
+    /// The parameter arena's host copy with `params` (name, shape, values)
+    /// written in, every name and shape checked; nothing on the GPU changes
+    /// (write it with [`Executor::write_parameter_arena`]).
+    pub fn arena_with_parameters(&self, params: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<f32>> {
         self.no_quantized_parameter("load_state")?;
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
         let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
@@ -954,17 +841,13 @@ impl Executor {
             }
             put_parameter(&mut host[offset..], node.dtype, values)?;
         }
-        // The optimizer checks its state before writing any; then the
-        // parameters, all checked above, are written.
-        let spans = self.parameter_spans();
-        match (&mut self.optimizer, optimizer_state.first()) {
-            (Some(o), _) => o.import_state(&self.kernels, &spans, optimizer_state, step)?,
-            (None, Some((_, state_name, _))) => {
-                return Err(Error::InvalidArgument { op: "load_state", reason: format!("this optimizer has no state `{state_name}`") });
-            }
-            (None, None) => {}
-        }
-        self.kernels.write(self.params.view(), &host)
+        Ok(host)
+    }
+
+    /// Writes a host copy of the whole parameter arena (one
+    /// [`Executor::arena_with_parameters`] made).
+    pub fn write_parameter_arena(&self, host: &[f32]) -> Result<()> {
+        self.kernels.write(self.params.view(), host)
     }
 }
 
@@ -997,6 +880,17 @@ fn take_parameter(arena: &[f32], dtype: DType, len: usize) -> Vec<f32> {
         // Refused before reading (Executor::no_quantized_parameter).
         DType::Quant(_) => Vec::new(),
     }
+}
+
+/// The mappable buffer a training step copies its loss into, and `words`
+/// more f32 after it (what the update reads back with the loss).
+fn scalar_staging(kernels: &Kernels, words: usize) -> wgpu::Buffer {
+    kernels.device().wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("scalar readback"),
+        size: 4 * (1 + words) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
 }
 
 /// A model too large for the adapter is one clear error, with the numbers,

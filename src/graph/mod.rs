@@ -6,16 +6,20 @@
 mod autodiff;
 mod builder;
 mod checkpoint;
+mod chunks;
 mod executor;
 mod ops;
 mod plan;
 pub mod precision;
 mod reference;
+mod step_update;
 
 pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use checkpoint::Block;
-pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor};
+pub(crate) use chunks::{chunked_outputs, chunked_predictions};
+pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor, ParamSpan};
 pub use ops::{AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
 pub use precision::{Precision, Remap};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};
+pub use step_update::{BuildUpdate, StepUpdate, UpdateArenas, UpdateSpec};

@@ -4,11 +4,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::graph::{Executor, Graph, Tensor};
+use crate::graph::{chunked_outputs, chunked_predictions, Executor, Graph, Tensor};
 use crate::io::checkpoint::{self, Checkpoint};
+use crate::io::state_dict::checked_parameters;
 use crate::kernels::Kernels;
-use crate::nn::{Module, Sequential};
-use crate::trainer::{build_model, checked_parameters, chunked_outputs, chunked_predictions, Built};
+use crate::nn::{build_model, Built, Module, Sequential};
 
 /// A forward-only model for inference: no gradient or optimizer buffers.
 pub struct Predictor {
@@ -41,7 +41,7 @@ impl Predictor {
         })?;
         let model = Sequential::from_description(description)?;
         let mut predictor = Predictor::new(kernels, &model, batch_size)?;
-        let params = checked_parameters(&ckpt, &predictor.exec)?;
+        let params = checked_parameters(&ckpt, predictor.exec.parameters_shapes())?;
         predictor.exec.load_state(&params, &[], None)?;
         Ok((predictor, ckpt))
     }

@@ -13,6 +13,7 @@ mod rotary;
 mod swiglu;
 pub mod shard;
 mod staged;
+mod training_graph;
 mod transformer;
 
 pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, QuantizedMatrix, QuantizedWeights, WeightDtype};
@@ -26,6 +27,7 @@ pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};
 pub use swiglu::SwiGluMlp;
+pub(crate) use training_graph::{build_model, training_graph_with_passes, Built, TrainingGraph};
 
 use std::cell::RefCell;
 

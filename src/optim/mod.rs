@@ -16,12 +16,14 @@
 //!     .schedule(LrSchedule::WarmupCosine { warmup_steps: 700, total_steps: 19_073, min_lr: 6e-5 });
 //! ```
 
+mod executor;
 mod optimizer;
 
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use crate::ops::{LossScaling, LrSchedule};
 pub(crate) use optimizer::{apply_parameter_groups, stage_state};
-pub use optimizer::{LossScaleState, Optimizer, ParamSpan};
+pub use crate::graph::ParamSpan;
+pub use optimizer::{LossScaleState, Optimizer};
 
 /// The builder methods every optimizer shares (the last three fields of
 /// [`SgdConfig`] and [`AdamConfig`]).

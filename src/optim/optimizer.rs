@@ -1,33 +1,14 @@
 //! An optimizer running over an executor's arenas: its state (one arena per
 //! state name, in the parameters' layout), the gradient-norm clipping, the
 //! update dispatch, the schedule's position (the step counter), and the
-//! export and import of its state by parameter. The executor holds one and
-//! records its dispatches into a training step; it knows no state names.
+//! export and import of its state by parameter. An executor holds one as
+//! its step update (`super::executor`) and records its dispatches into a
+//! training step; it knows no state names.
 
 use crate::error::{Error, Result};
-use crate::graph::Graph;
+use crate::graph::{Graph, ParamSpan};
 use crate::kernels::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig, View, LOSS_SCALE_WORDS};
 use crate::ops::LossScaling;
-
-/// Where a parameter lives in the arenas, as the executor's plan laid
-/// them out.
-#[derive(Clone, Debug)]
-pub struct ParamSpan {
-    pub name: String,
-    pub shape: Vec<usize>,
-    /// Element offset in every arena.
-    pub offset: usize,
-}
-
-impl ParamSpan {
-    pub fn len(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
 
 /// nanoGPT's groups: with `decay_matrices_only`, parameters of fewer than
 /// 2 dimensions (biases, norm gains), and those their module put in the
@@ -193,6 +174,9 @@ pub struct Optimizer {
     arena_len: usize,
     /// Optimizer steps taken (PyTorch's `step`, from 1).
     step: u64,
+    /// Loss scaling's state as read back with the last loss a training
+    /// step read (or as last loaded).
+    last_loss_scale: Option<LossScaleState>,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -230,7 +214,7 @@ impl Optimizer {
         let grad_norm = scaler.as_ref().map(|s| s.block.view()).or(clip.as_ref().map(|c| c.norm.view()));
         let arena = ArenaGroups { decay_len, grad_norm };
         let update = kernels.optimizer_update(&config, params, grads, &state_views, arena, 1)?;
-        Ok(Optimizer { config, state, clip, scaler, update, arena_len, step: 0 })
+        Ok(Optimizer { config, state, clip, scaler, update, arena_len, step: 0, last_loss_scale: None })
     }
 
     pub fn config(&self) -> &OptimizerConfig {
@@ -276,6 +260,17 @@ impl Optimizer {
     pub(crate) fn loss_scale_state_view(&self) -> Option<View<'_>> {
         let start = loss_scale_word::SCALE;
         self.scaler.as_ref().and_then(|s| s.block.slice(start, LOSS_SCALE_WORDS - start).ok())
+    }
+
+    /// Loss scaling's state as read back with the last loss a training
+    /// step read, or as last loaded; `None` before either, or without
+    /// loss scaling.
+    pub fn last_loss_scale(&self) -> Option<&LossScaleState> {
+        self.last_loss_scale.as_ref()
+    }
+
+    pub(crate) fn set_last_loss_scale(&mut self, state: LossScaleState) {
+        self.last_loss_scale = Some(state);
     }
 
     /// Dynamic loss scaling's state now (waits for the GPU); `None`

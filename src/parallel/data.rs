@@ -18,7 +18,7 @@ use crate::graph::PlanOptions;
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
-use crate::trainer::{Examples, ModelWidths, Targets, Trainer};
+use super::{Examples, ModelWidths, Targets, Trainer};
 
 /// How the global batch is divided among devices.
 #[derive(Clone, Debug, PartialEq)]

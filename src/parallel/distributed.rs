@@ -26,7 +26,7 @@ use crate::graph::PlanOptions;
 use crate::kernels::OptimizerConfig;
 use crate::nn::{Criterion, Staged};
 use crate::optim::LossScaleState;
-use crate::trainer::{Examples, Targets, Trainer};
+use super::{Examples, Targets, Trainer};
 
 /// The processes of one job, and the few collectives data parallel
 /// training needs between them. Every call is collective: every rank must

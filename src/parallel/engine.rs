@@ -21,7 +21,7 @@ use crate::graph::PlanOptions;
 use crate::kernels::OptimizerConfig;
 use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
-use crate::trainer::{Examples, Targets, Trainer};
+use super::{Examples, Targets, Trainer};
 
 /// How the work is spread over devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

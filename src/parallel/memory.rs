@@ -17,7 +17,7 @@ use crate::graph::{Block, Gradients, Graph, Plan, PlanOptions, Precision, Tensor
 use crate::kernels::OptimizerConfig;
 use crate::nn::Criterion;
 use crate::optim::apply_parameter_groups;
-use crate::trainer::training_graph_with_passes;
+use crate::nn::training_graph_with_passes;
 
 const BYTES: u64 = 4;
 

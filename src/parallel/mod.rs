@@ -4,20 +4,26 @@
 //! [`pipeline`] parallel (a [`crate::nn::Staged`] model's units over
 //! stages) and [`tensor`] parallel (Megatron-style, as the modules declare
 //! their splits); the pipeline and tensor parallel are built from
-//! [`stage`]s.
+//! [`stage`]s. [`single`]'s [`Trainer`] is the one-device engine each is
+//! tested equal to, and [`examples`] holds the batch types they all take.
 
 pub mod collectives;
 pub mod data;
 pub mod distributed;
 pub mod engine;
+pub mod examples;
 pub mod memory;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod pipeline;
+pub mod single;
 pub mod stage;
 pub mod tensor;
 pub mod zero;
 pub mod zero_stages;
+
+pub use examples::{Examples, ModelWidths, Targets};
+pub use single::Trainer;
 
 use std::sync::Arc;
 

@@ -39,7 +39,7 @@ use crate::graph::{Block, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, StageCosts, Staged};
 use crate::optim::LossScaleState;
-use crate::trainer::{Examples, ModelWidths, Targets};
+use super::{Examples, ModelWidths, Targets};
 
 /// The order micro-batches go through the stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

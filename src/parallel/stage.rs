@@ -14,7 +14,8 @@ use crate::io::checkpoint::Checkpoint;
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
 use crate::optim::{self, LossScaleState};
-use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, Targets};
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
+use super::{Examples, Targets};
 
 /// What ends a stage.
 #[derive(Clone, Copy, Debug)]
@@ -126,7 +127,7 @@ impl Stage {
     /// model's blocks added to `g`) is recomputed in the stage's backward;
     /// with f16 precision, on an adapter with SHADER_F16, the activations
     /// its backward reads are stored in f16 (f32 elsewhere, as a
-    /// [`crate::trainer::Trainer`] does). A loss-scaled `optimizer` leaves
+    /// [`crate::parallel::Trainer`] does). A loss-scaled `optimizer` leaves
     /// the seed to the engine ([`Stage::set_targets`]) and steps through
     /// [`reduce_and_step`], which combines the scaling across stages.
     #[allow(clippy::too_many_arguments)]
@@ -605,7 +606,7 @@ impl Spread {
     }
 
     /// Parameters, optimizer state (`optim.<param>.<state>`) and metadata
-    /// as [`crate::trainer::Trainer::checkpoint`] writes them for the
+    /// as [`crate::parallel::Trainer::checkpoint`] writes them for the
     /// single-device model, so a checkpoint resumes on any strategy.
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
         let step = stages.first().map_or(0, |s| s.exec.step_count());

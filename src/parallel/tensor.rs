@@ -44,7 +44,7 @@ use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::shard::{self, Slice};
 use crate::nn::{Criterion, Module};
 use crate::optim::LossScaleState;
-use crate::trainer::{Examples, ModelWidths, Targets};
+use super::{Examples, ModelWidths, Targets};
 
 /// Time accounting for the steps taken.
 #[derive(Clone, Debug, Default)]

@@ -75,7 +75,8 @@ use crate::io::checkpoint::Checkpoint;
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
 use crate::optim::{stage_state, LossScaleState, Optimizer, ParamSpan};
-use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets, Trainer};
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
+use super::{Examples, ModelWidths, Targets, Trainer};
 
 /// What each device keeps only a shard of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -69,7 +69,8 @@ use crate::io::checkpoint::Checkpoint;
 use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
 use crate::optim::{apply_parameter_groups, stage_state, LossScaleState, Optimizer, ParamSpan};
-use crate::trainer::{assemble_checkpoint, CheckpointAbout, Examples, ModelWidths, Targets};
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
+use super::{Examples, ModelWidths, Targets};
 
 const BYTES: u64 = 4;
 

@@ -13,7 +13,8 @@ use crate::nn::{Layer, Sequential};
 use crate::optim::{self};
 use crate::parallel::distributed::{broadcast_f32, broadcast_u64, ProcessGroup};
 use crate::parallel::engine::TrainEngine;
-use crate::trainer::{accuracy, Examples, Targets};
+use crate::parallel::{Examples, Targets};
+use super::accuracy;
 
 
 /// A train/test split and the name it is reported and checkpointed under.

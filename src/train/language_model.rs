@@ -43,7 +43,7 @@ use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
 use crate::io::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
-use crate::trainer::{Examples, Targets};
+use crate::parallel::{Examples, Targets};
 use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
 
 /// A causal language model the run can build, save and resume: what

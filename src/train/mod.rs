@@ -8,3 +8,12 @@ pub mod run;
 pub use classifier::{load_data, share_data, Classifier, ClassifierData, DataSplit};
 pub use language_model::*;
 pub use run::{train, Evaluation, Prepared, Progress, Resumed, RunInfo, Summary, Task, TrainConfig, TrainingRun};
+
+/// Fraction of `predictions` equal to `labels`.
+pub fn accuracy(predictions: &[u32], labels: &[u32]) -> f32 {
+    if labels.is_empty() {
+        return 0.0;
+    }
+    let right = predictions.iter().zip(labels).filter(|(p, l)| p == l).count();
+    right as f32 / labels.len() as f32
+}

@@ -29,7 +29,7 @@ use crate::parallel::memory::DeviceMemory;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{DeviceGroup, DeviceSelection};
-use crate::trainer::{Examples, Targets};
+use crate::parallel::{Examples, Targets};
 
 /// How to train, whatever the task. [`Default`] gives `wgrad train --model
 /// mlp`'s run; [`crate::train::language_model_run`] the language

@@ -12,7 +12,7 @@ use wgrad::io::text::{random_windows, CharTokenizer};
 use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Staged};
 use wgrad::optim::{AdamW, LossScaling};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Kernels;
 
 const PANGRAM: &str = "the quick brown fox, jumps over the lazy dog. ";

@@ -22,7 +22,7 @@ use wgrad::parallel::distributed::{DistributedDataParallel, ProcessGroup, Single
 use wgrad::parallel::engine::{Strategy, TrainEngine};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::train::{Evaluation, LanguageModel, Summary, TextSource, TrainConfig, TrainingRun};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 const PANGRAM: &str = "the quick brown fox, jumps over the lazy dog. ";
 /// Global batch and its uneven split over the two devices.

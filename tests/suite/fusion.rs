@@ -12,7 +12,7 @@ use wgrad::graph::{Executor, Graph, Plan, PlanOptions, Storage};
 use wgrad::kernels::{Activation, LossLinear, LossTargets, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Kernels};
 
 const UNFUSED: PlanOptions = PlanOptions::UNFUSED;

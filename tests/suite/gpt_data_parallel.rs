@@ -20,7 +20,7 @@ use wgrad::parallel::distributed::SingleProcess;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
 use wgrad::io::text::{random_windows, CharTokenizer};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Error;
 
 /// 29 distinct characters: the alphabet, space, comma and full stop.

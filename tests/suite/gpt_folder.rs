@@ -20,7 +20,7 @@ use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::AdamW;
 use wgrad::infer::Predictor;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Error;
 
 /// The fixture's sizes.

@@ -20,7 +20,7 @@ use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::parallel::engine::TrainEngine;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Error;
 
 /// Device groups holding wgrad's GL lock until dropped (see
@@ -248,7 +248,7 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
     single.executor_mut().load_state(&[], &state.state, Some(state.step)).unwrap();
     // The same batch's loss as the pipeline evaluated it (same weights;
     // summation order only).
-    let on_one = single.evaluate_loss(wgrad::trainer::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
+    let on_one = single.evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
     assert_close(&format!("evaluated loss on [{labels}]"), &[evaluated], &[on_one], 2e-6, 0.0);
     for s in HALF..STEPS {
         let (ids, targets) = batch(s);
@@ -259,7 +259,7 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
         single.step().unwrap();
     }
     assert_same_parameters(&format!("half on [{labels}], half resumed on one device"), &single.executor().parameters().unwrap(), &want);
-    let reference_eval = reference.evaluate_loss(wgrad::trainer::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
+    let reference_eval = reference.evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
     assert!(reference_eval.is_finite());
 
     // Back into a fresh pipeline (the initial model, then the checkpoint's

@@ -22,7 +22,7 @@ use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, LrSchedule};
 use wgrad::infer::Predictor;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/gpt_reference.safetensors");
 

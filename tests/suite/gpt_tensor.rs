@@ -17,7 +17,7 @@ use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::parallel::engine::TrainEngine;
-use wgrad::trainer::{Examples, Targets, Trainer};
+use wgrad::{Examples, Targets, Trainer};
 use wgrad::Error;
 
 /// 4 heads, so 3 devices split them unevenly; C 16 (head size 4), MLP 64.

@@ -12,7 +12,7 @@ use wgrad::graph::{Executor, Graph, LossOp};
 use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Error, Kernels};
 
 #[test]

@@ -20,7 +20,7 @@ use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::DeviceSelection;
 use wgrad::parallel::engine::TrainEngine;
-use wgrad::trainer::{Examples, Targets, Trainer};
+use wgrad::{Examples, Targets, Trainer};
 
 const VOCAB: usize = 29;
 const T: usize = 8;

@@ -16,7 +16,7 @@ use common::{assert_close, for_each_adapter, for_each_shaping};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module, RopeLayout};
 use wgrad::infer::Predictor;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/llama_reference.safetensors");
 

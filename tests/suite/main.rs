@@ -27,6 +27,7 @@ mod gpt_tensor;
 mod graph;
 mod kernels;
 mod kernels_ext;
+mod layers;
 mod large_operands;
 mod llama_folder;
 mod llama_kernels;

@@ -14,7 +14,7 @@ use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{AdamW, LossScaleState, LossScaling, SGD};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Kernels;
 
 /// Adapters with SHADER_F16 (lavapipe); the others are named, not tested.

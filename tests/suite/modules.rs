@@ -11,7 +11,7 @@ use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::infer::Predictor;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::Error;

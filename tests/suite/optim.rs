@@ -13,7 +13,7 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Error};
 
 // Primes, none a multiple of a workgroup.

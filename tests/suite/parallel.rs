@@ -14,7 +14,7 @@ use wgrad::parallel::collectives::{all_gather, all_reduce, broadcast, send, Part
 use wgrad::parallel::data::{proportional_split, DataParallel, Split};
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Error;
 
 /// The device groups the tests run on, holding wgrad's GL lock (when a GL

@@ -24,7 +24,7 @@ use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Kernels;
 
 const BATCH: usize = 4;

@@ -11,7 +11,7 @@ use common::{for_each_adapter, random_vec, rng};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::infer::Predictor;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::{Error, Kernels};
 
 fn temp_path(name: &str) -> PathBuf {
@@ -165,7 +165,7 @@ fn the_digits_mlp_reaches_95_percent_test_accuracy() {
             }
             loader.next_epoch();
         }
-        let acc = wgrad::trainer::accuracy(&t.predict(test_set.x())?, test_set.labels());
+        let acc = wgrad::train::accuracy(&t.predict(test_set.x())?, test_set.labels());
         eprintln!("digits test accuracy on {}: {:.2}%", k.device().label(), 100.0 * acc);
         assert!(acc >= 0.95, "test accuracy {acc}");
         Ok(())

@@ -240,7 +240,7 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
     let config = wgrad::models::GptConfig { n_layer: 1, block_size: 512, vocab_size: 32768, ..wgrad::models::GptConfig::gpt2() };
     let gpt = wgrad::models::Gpt::new(config).expect("GPT-2's config");
     let optimizer = wgrad::optim::AdamW::new(6e-4).decay_matrices_only().clip_grad_norm(1.0);
-    let trainer = wgrad::trainer::Trainer::new(gpu.clone(), &gpt, wgrad::nn::CrossEntropyLoss, optimizer, 1).expect("a GPT-2-shaped trainer");
+    let trainer = wgrad::Trainer::new(gpu.clone(), &gpt, wgrad::nn::CrossEntropyLoss, optimizer, 1).expect("a GPT-2-shaped trainer");
     let mut small = Vec::new();
     let mut launches = 0;
     for dispatch in trainer.executor().step_dispatches() {

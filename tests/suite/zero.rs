@@ -27,7 +27,7 @@ use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::zero::{shard_ranges, Zero, ZeroStage};
 use wgrad::parallel::zero_stages::ZeroStages;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 
 /// Both models' tests train 4 sequences per step.
 const BATCH: usize = 4;
@@ -244,7 +244,7 @@ fn a_zero_run_resumes_on_another_strategy() {
     let mut stage2 = ZeroStages::new(two, &model, CrossEntropyLoss, optimizer, BATCH, ZeroStage::Gradients, Some(rows(2))).unwrap();
     stage2.load_state(&params, &state, Some(5)).unwrap();
     assert_eq!(bits(&stage2.parameters().unwrap()), bits(&params), "parameters after loading into ZeRO-2");
-    let mut single = wgrad::trainer::Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
+    let mut single = wgrad::Trainer::new(two.members()[0].clone(), &model, CrossEntropyLoss, optimizer, BATCH).unwrap();
     TrainEngine::load_state(&mut single, &params, &state, Some(5)).unwrap();
     for (ids, targets) in &batches[5..] {
         second.step(ids, Targets::Classes(targets), false).unwrap();

@@ -10,7 +10,7 @@ use wgrad::nn::{CrossEntropyLoss, Module};
 use wgrad::optim::AdamW;
 use wgrad::parallel::stage::Stage;
 use wgrad::parallel::tensor::TensorParallel;
-use wgrad::trainer::{Targets, Trainer};
+use wgrad::{Targets, Trainer};
 use wgrad::Kernels;
 
 use super::assert_close;

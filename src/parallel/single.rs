@@ -1,11 +1,12 @@
-//! The training loop as PyTorch users write it, over a define-then-run graph:
+//! The single-device engine, beside the engines over several devices: the
+//! training loop as PyTorch users write it, over a define-then-run graph:
 //!
 //! ```no_run
 //! # fn main() -> wgrad::Result<()> {
 //! use std::sync::Arc;
 //! use wgrad::nn::{Layer, Linear, MSELoss, Sequential};
 //! use wgrad::optim::SGD;
-//! use wgrad::trainer::{Targets, Trainer};
+//! use wgrad::{Targets, Trainer};
 //! let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
 //! let model = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
 //! let mut trainer = Trainer::new(kernels, &model, MSELoss, SGD::new(0.01), 64)?;
@@ -24,107 +25,17 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
+use super::examples::{Examples, Targets};
 use crate::error::{Error, Result};
-use crate::graph::{Block, DType, Executor, Graph, PlanOptions, Precision, Tensor};
+use crate::graph::{chunked_outputs, chunked_predictions, DType, Executor, PlanOptions, Precision, Tensor};
+use crate::io::checkpoint::{self, Checkpoint};
+use crate::io::state_dict::{assemble_checkpoint, check_model, checked_parameters, CheckpointAbout};
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::nn::{Criterion, Module, Staged};
+use crate::nn::{training_graph_with_passes, Built, Criterion, Module, Staged, TrainingGraph};
 use crate::optim;
 
-/// What the loss compares the model's output with.
-#[derive(Clone, Copy, Debug)]
-pub enum Targets<'a> {
-    /// Regression targets, [batch, out_features].
-    Values(&'a [f32]),
-    /// Class indices, [batch].
-    Classes(&'a [u32]),
-}
-
-/// A batch of examples as a model reads them: f32 features or u32 token
-/// ids, row-major, examples one after another.
-#[derive(Clone, Copy, Debug)]
-pub enum Examples<'a> {
-    Features(&'a [f32]),
-    Ids(&'a [u32]),
-}
-
-impl<'a> Examples<'a> {
-    pub fn len(&self) -> usize {
-        match self {
-            Examples::Features(x) => x.len(),
-            Examples::Ids(x) => x.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Values `start..end` (not examples: the caller multiplies by the
-    /// values per example).
-    pub fn slice(&self, start: usize, end: usize) -> Examples<'a> {
-        match *self {
-            Examples::Features(x) => Examples::Features(&x[start..end]),
-            Examples::Ids(x) => Examples::Ids(&x[start..end]),
-        }
-    }
-}
-
-impl<'a> From<&'a [f32]> for Examples<'a> {
-    fn from(x: &'a [f32]) -> Self {
-        Examples::Features(x)
-    }
-}
-
-impl<'a> From<&'a Vec<f32>> for Examples<'a> {
-    fn from(x: &'a Vec<f32>) -> Self {
-        Examples::Features(x)
-    }
-}
-
-impl<'a> From<&'a [u32]> for Examples<'a> {
-    fn from(x: &'a [u32]) -> Self {
-        Examples::Ids(x)
-    }
-}
-
-impl<'a> From<&'a Vec<u32>> for Examples<'a> {
-    fn from(x: &'a Vec<u32>) -> Self {
-        Examples::Ids(x)
-    }
-}
-
-/// Per-example widths of a model: the values it reads, the values it
-/// outputs, and the rows of its output (1 for an MLP, the sequence length
-/// for a language model: the class labels per example).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModelWidths {
-    pub inputs: usize,
-    pub outputs: usize,
-    pub output_rows: usize,
-    pub reads_ids: bool,
-}
-
-impl ModelWidths {
-    /// Builds `model` for one example in a scratch graph (no GPU work).
-    pub fn of(model: &dyn Module) -> Result<Self> {
-        let mut g = Graph::new();
-        let Built { input, output, in_per_example, out_per_example } = build_model(&mut g, model, 1)?;
-        let last = g.shape_of(output).and_then(|s| s.last().copied()).unwrap_or(1).max(1);
-        let reads_ids = g.get(input).is_some_and(|n| n.dtype == DType::U32);
-        Ok(ModelWidths { inputs: in_per_example, outputs: out_per_example, output_rows: out_per_example / last, reads_ids })
-    }
-
-    /// Target values per example the criterion compares against: the
-    /// outputs (MSE) or one class per output row (cross-entropy).
-    pub fn target_width(&self, criterion: Criterion) -> usize {
-        match criterion {
-            Criterion::Mse => self.outputs,
-            Criterion::CrossEntropy => self.output_rows,
-        }
-    }
-}
-
+/// One model training on one device: its step's executor (with the
+/// optimizer), and what the batch, loss and checkpoints need of the model.
 pub struct Trainer {
     exec: Executor,
     input: Tensor,
@@ -144,98 +55,6 @@ pub struct Trainer {
     forward_done: bool,
     targets_done: bool,
     backward_done: bool,
-}
-
-/// The model's input, output and its per-example widths.
-pub(crate) struct Built {
-    pub(crate) input: Tensor,
-    pub(crate) output: Tensor,
-    pub(crate) in_per_example: usize,
-    pub(crate) out_per_example: usize,
-}
-
-fn check_batch(batch_size: usize) -> Result<()> {
-    if batch_size == 0 {
-        return Err(Error::InvalidArgument { op: "Trainer::new", reason: "the batch size must be at least 1".into() });
-    }
-    Ok(())
-}
-
-pub(crate) fn build_model(g: &mut Graph, model: &dyn Module, batch_size: usize) -> Result<Built> {
-    check_batch(batch_size)?;
-    let input = model.input(g, batch_size)?;
-    let output = model.forward(g, input, "")?;
-    Ok(built(g, input, output, batch_size))
-}
-
-fn built(g: &Graph, input: Tensor, output: Tensor, batch_size: usize) -> Built {
-    let len = |t: Tensor| g.shape_of(t).map_or(0, |s| s.iter().product::<usize>());
-    Built { input, output, in_per_example: len(input) / batch_size, out_per_example: len(output) / batch_size }
-}
-
-/// [`build_model`] unit by unit, with the node range each block added.
-fn build_blocks(g: &mut Graph, model: &dyn Staged, batch_size: usize) -> Result<(Built, Vec<Block>)> {
-    check_batch(batch_size)?;
-    let input = model.input(g, batch_size)?;
-    let (output, blocks) = model.forward_blocks(g, input, 0..model.stage_costs().blocks.len(), true, true)?;
-    Ok((built(g, input, output, batch_size), blocks))
-}
-
-/// What a trainer runs, before any device: `model → criterion` on
-/// `batch_size` examples, the argmax and the backward pass.
-pub(crate) struct TrainingGraph {
-    pub(crate) graph: Graph,
-    pub(crate) built: Built,
-    pub(crate) target: Tensor,
-    pub(crate) loss: Tensor,
-    pub(crate) prediction: Tensor,
-    pub(crate) grads: crate::graph::Gradients,
-}
-
-impl TrainingGraph {
-    /// What a trainer's executor is planned to keep readable.
-    pub(crate) fn outputs(&self) -> [Tensor; 3] {
-        [self.built.output, self.prediction, self.loss]
-    }
-
-    /// The graph a rewriting pass (recomputed blocks, f16 activations)
-    /// makes of this one, with every tensor the trainer names carried over.
-    fn remapped(self, pass: impl FnOnce(&Graph, &crate::graph::Gradients) -> Result<(Graph, crate::graph::Gradients, crate::graph::Remap)>) -> Result<Self> {
-        let (graph, grads, at) = pass(&self.graph, &self.grads)?;
-        let built = Built { input: at.tensor(self.built.input), output: at.tensor(self.built.output), ..self.built };
-        Ok(TrainingGraph { graph, built, target: at.tensor(self.target), loss: at.tensor(self.loss), prediction: at.tensor(self.prediction), grads })
-    }
-}
-
-pub(crate) fn training_graph(model: &dyn Module, checkpointed: Option<&dyn Staged>, criterion: Criterion, batch_size: usize) -> Result<TrainingGraph> {
-    let mut graph = Graph::new();
-    let (built, blocks) = match checkpointed {
-        Some(m) => build_blocks(&mut graph, m, batch_size)?,
-        None => (build_model(&mut graph, model, batch_size)?, Vec::new()),
-    };
-    let target = criterion.targets(&mut graph, built.output)?;
-    let loss = criterion.loss(&mut graph, built.output, target)?;
-    let prediction = graph.argmax(built.output)?;
-    let grads = graph.backward(loss)?;
-    let t = TrainingGraph { graph, built, target, loss, prediction, grads };
-    if blocks.is_empty() {
-        Ok(t)
-    } else {
-        t.remapped(|g, grads| g.with_recomputed_blocks(grads, &blocks))
-    }
-}
-
-/// [`training_graph`] with the passes a trainer applies: `staged`'s
-/// blocks recomputed in the backward when `checkpoint`, the activations
-/// the backward reads stored in f16 when `f16` (the caller knows whether
-/// the device has SHADER_F16; a plan without a device assumes it).
-pub(crate) fn training_graph_with_passes(model: &dyn Module, staged: Option<&dyn Staged>, criterion: Criterion, batch_size: usize, checkpoint: bool, f16: bool) -> Result<TrainingGraph> {
-    let t = training_graph(model, staged.filter(|_| checkpoint), criterion, batch_size)?;
-    if f16 {
-        t.remapped(|g, grads| g.with_f16_activations(grads))
-    } else {
-        Ok(t)
-    }
 }
 
 impl Trainer {
@@ -532,7 +351,7 @@ impl Trainer {
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let ckpt = checkpoint::load(path)?;
         check_model(&ckpt, &self.model_description)?;
-        let params = checked_parameters(&ckpt, &self.exec)?;
+        let params = checked_parameters(&ckpt, self.exec.parameters_shapes())?;
         let kind = |d: &str| d.split_whitespace().next().unwrap_or_default().to_string();
         let ours = optim::describe(&self.optimizer);
         let same_optimizer = ckpt.meta("optimizer").map(kind) == Some(kind(&ours));
@@ -565,113 +384,3 @@ impl Trainer {
     }
 }
 
-/// What a checkpoint's metadata says besides its tensors.
-pub(crate) struct CheckpointAbout<'a> {
-    pub model: &'a str,
-    pub criterion: Criterion,
-    pub optimizer: &'a OptimizerConfig,
-    pub step: u64,
-    /// Dynamic loss scaling's state, written beside the rest (f16 runs).
-    pub loss_scale: Option<optim::LossScaleState>,
-}
-
-/// A checkpoint of parameters (state_dict names), optimizer state
-/// (`optim.<param>.<state>`, shaped as its parameter) and metadata, from
-/// whatever holds them (one executor, or shards gathered to the host).
-pub(crate) fn assemble_checkpoint(params: Vec<(String, Vec<usize>, Vec<f32>)>, state: Vec<(String, &'static str, Vec<f32>)>, about: &CheckpointAbout<'_>) -> Result<Checkpoint> {
-    let mut ckpt = Checkpoint::new();
-    let shapes: Vec<(String, Vec<usize>)> = params.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
-    for (name, shape, data) in params {
-        ckpt.push(NamedTensor::new(name, shape, data)?);
-    }
-    for (param, state, data) in state {
-        let shape = shapes.iter().find(|(n, _)| *n == param).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![data.len()]);
-        ckpt.push(NamedTensor::new(format!("optim.{param}.{state}"), shape, data)?);
-    }
-    ckpt.set_meta("format", "wgrad");
-    ckpt.set_meta("model", about.model.to_string());
-    ckpt.set_meta("criterion", format!("{:?}", about.criterion));
-    ckpt.set_meta("optimizer", optim::describe(about.optimizer));
-    ckpt.set_meta("step", about.step.to_string());
-    for (key, value) in about.loss_scale.iter().flat_map(optim::LossScaleState::metadata) {
-        ckpt.set_meta(key, value);
-    }
-    Ok(ckpt)
-}
-
-/// Runs `run_chunk` over batch-sized chunks of `examples` (the last one
-/// zero-padded) and concatenates what it returns for the real rows.
-pub(crate) fn in_chunks<T: bytemuck::Pod + Default, R>(
-    exec: &mut Executor,
-    input: Tensor,
-    batch_size: usize,
-    in_features: usize,
-    examples: &[T],
-    mut run_chunk: impl FnMut(&mut Executor, usize) -> Result<Vec<R>>,
-) -> Result<Vec<R>> {
-    if examples.is_empty() || examples.len() % in_features != 0 {
-        return Err(Error::shape("predict", format!("inputs must be rows × {in_features}"), &[&[examples.len()]]));
-    }
-    let rows = examples.len() / in_features;
-    let mut out = Vec::with_capacity(rows);
-    let mut chunk = vec![T::default(); batch_size * in_features];
-    let is_ids = exec.graph().get(input).is_some_and(|n| n.dtype == DType::U32);
-    for start in (0..rows).step_by(batch_size) {
-        let n = (rows - start).min(batch_size);
-        chunk.fill(T::default());
-        chunk[..n * in_features].copy_from_slice(&examples[start * in_features..(start + n) * in_features]);
-        if is_ids {
-            exec.set_labels(input, bytemuck::cast_slice(&chunk))?;
-        } else {
-            exec.set_input(input, bytemuck::cast_slice(&chunk))?;
-        }
-        out.extend(run_chunk(exec, n)?);
-    }
-    Ok(out)
-}
-
-/// Outputs of `output` for every example, batch by batch.
-pub(crate) fn chunked_outputs<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, output): (Tensor, Tensor), (batch, in_features, width): (usize, usize, usize), features: &[T]) -> Result<Vec<f32>> {
-    in_chunks(exec, input, batch, in_features, features, |exec, n| {
-        exec.run(&[output])?;
-        Ok(exec.read(output)?[..n * width].to_vec())
-    })
-}
-
-/// The argmax node's values for every example, batch by batch.
-pub(crate) fn chunked_predictions<T: bytemuck::Pod + Default>(exec: &mut Executor, (input, prediction): (Tensor, Tensor), (batch, in_features): (usize, usize), examples: &[T]) -> Result<Vec<u32>> {
-    let per_example = exec.graph().get(prediction).map_or(0, |n| n.len()) / batch.max(1);
-    in_chunks(exec, input, batch, in_features, examples, |exec, n| {
-        exec.run(&[prediction])?;
-        Ok(exec.read_u32(prediction)?[..n * per_example].to_vec())
-    })
-}
-
-pub(crate) fn check_model(ckpt: &Checkpoint, description: &str) -> Result<()> {
-    match ckpt.meta("model") {
-        Some(m) if m != description => Err(Error::InvalidArgument {
-            op: "load checkpoint",
-            reason: format!("the checkpoint holds `{m}`, the model is `{description}`"),
-        }),
-        _ => Ok(()),
-    }
-}
-
-pub(crate) fn checked_parameters(ckpt: &Checkpoint, exec: &Executor) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-    exec.parameters_shapes()
-        .into_iter()
-        .map(|(name, shape)| {
-            let t = ckpt.get_checked(&name, &shape)?;
-            Ok((name, shape, t.data.clone()))
-        })
-        .collect()
-}
-
-/// Fraction of `predictions` equal to `labels`.
-pub fn accuracy(predictions: &[u32], labels: &[u32]) -> f32 {
-    if labels.is_empty() {
-        return 0.0;
-    }
-    let right = predictions.iter().zip(labels).filter(|(p, l)| p == l).count();
-    right as f32 / labels.len() as f32
-}
