@@ -8,7 +8,7 @@ use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, Pretrained, TextSource, TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
-use wgrad::models::{Llama, LlamaConfig};
+use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, CausalLm};
 use wgrad::parallel::distributed::ProcessGroup;
@@ -122,7 +122,8 @@ impl AttentionChoice {
 /// What the command line knows of a language model family: its sizes
 /// from the flags and a title for the plot.
 pub trait CliModel: TrainableLm {
-    fn sizes(args: &GptArgs) -> wgrad::Result<Self::Config>;
+    /// `variant`: which of the Llama family `--model` named (a GPT has one).
+    fn sizes(args: &GptArgs, variant: LlamaVariant) -> wgrad::Result<Self::Config>;
     fn title(config: &Self::Config) -> String;
 }
 
@@ -135,7 +136,7 @@ fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, pr
 }
 
 impl CliModel for Gpt {
-    fn sizes(g: &GptArgs) -> wgrad::Result<GptConfig> {
+    fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GptConfig> {
         let sizes = GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size: g.block_size };
         g.preset.as_deref().map_or(Ok(sizes), GptConfig::preset)
     }
@@ -145,18 +146,19 @@ impl CliModel for Gpt {
 }
 
 impl CliModel for Llama {
-    /// `--preset` names a Llama preset (default `small`).
-    fn sizes(g: &GptArgs) -> wgrad::Result<LlamaConfig> {
-        LlamaConfig::preset(g.preset.as_deref().unwrap_or("small"), 0)
+    /// `--preset` names a preset of the variant (default `small`).
+    fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LlamaConfig> {
+        qwen::preset(variant, g.preset.as_deref().unwrap_or("small"), 0)
     }
     fn title(c: &LlamaConfig) -> String {
-        format!("Llama L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
+        format!("{} L{} H{}/{} C{} T{}", c.variant.names().2, c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
     }
 }
 
-/// A language model's run (`--model gpt|llama`); across the processes of
-/// `process_group` when given, where only rank 0 prints, saves and samples.
-pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
+/// A language model's run (`--model gpt|llama|qwen2|qwen3`, the Llama
+/// family's `variant`); across the processes of `process_group` when
+/// given, where only rank 0 prints, saves and samples.
+pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>, variant: LlamaVariant) -> wgrad::Result<()> {
     if args.mnist.is_some() {
         return Err(wgrad::Error::InvalidArgument { op: "train --model gpt", reason: "--mnist is for --model mlp; a language model takes --text".into() });
     }
@@ -189,7 +191,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         ..crate::run_config(args, defaults)?
     };
     if args.dry_run {
-        return dry_run::<M>(args, &config);
+        return dry_run::<M>(args, &config, variant);
     }
     let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
@@ -197,7 +199,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         eval_batches: g.eval_batches,
         ..LanguageModel::new(match &pretrained {
             Some(p) => M::with_context(p.model.config(), g.block_size),
-            None => M::sizes(g)?,
+            None => M::sizes(g, variant)?,
         })
     };
     let task = LanguageModel { init: pretrained, attention: g.attention.kernel(), ..task };
@@ -235,11 +237,11 @@ fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
 /// and at each power of two up to --devices (and --devices itself),
 /// planned without a device. The model takes its preset's vocabulary, or
 /// the text's under the chosen tokenizer when the sizes leave it open.
-fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result<()> {
+fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVariant) -> wgrad::Result<()> {
     use wgrad::parallel::engine::Strategy;
     use wgrad::parallel::memory::{every_strategy, strategy_memory, Planning};
     let g = &args.gpt;
-    let sizes = M::sizes(g)?;
+    let sizes = M::sizes(g, variant)?;
     wgrad::nn::manual_seed(args.seed);
     let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
         sizes
