@@ -88,7 +88,12 @@ pub const fn small(variant: LlamaVariant, vocab_size: usize) -> LlamaConfig {
         LlamaVariant::Qwen3 => Some(48),
         _ => None,
     };
-    LlamaConfig { head_dim, variant, rms_norm_eps: 1e-6, ..LlamaConfig::small(vocab_size) }
+    LlamaConfig {
+        head_dim,
+        variant,
+        rms_norm_eps: 1e-6,
+        ..LlamaConfig::small(vocab_size)
+    }
 }
 
 /// Context of the real presets when trained: a step's activations grow
@@ -101,12 +106,28 @@ pub const TRAINING_CONTEXT: usize = 2048;
 pub fn preset(variant: LlamaVariant, name: &str, vocab_size: usize) -> Result<LlamaConfig> {
     match (variant, name) {
         (_, "small") if variant != LlamaVariant::Llama => Ok(small(variant, vocab_size)),
-        (LlamaVariant::Qwen2, "qwen2.5-0.5b") => Ok(LlamaConfig { block_size: TRAINING_CONTEXT, ..qwen2_5_0_5b() }),
-        (LlamaVariant::Qwen3, "qwen3-0.6b") => Ok(LlamaConfig { block_size: TRAINING_CONTEXT, ..qwen3_0_6b() }),
+        (LlamaVariant::Qwen2, "qwen2.5-0.5b") => Ok(LlamaConfig {
+            block_size: TRAINING_CONTEXT,
+            ..qwen2_5_0_5b()
+        }),
+        (LlamaVariant::Qwen3, "qwen3-0.6b") => Ok(LlamaConfig {
+            block_size: TRAINING_CONTEXT,
+            ..qwen3_0_6b()
+        }),
         (LlamaVariant::Llama, _) => LlamaConfig::preset(name, vocab_size),
         (_, other) => {
-            let known = if variant == LlamaVariant::Qwen2 { "small, qwen2.5-0.5b" } else { "small, qwen3-0.6b" };
-            Err(Error::InvalidArgument { op: "qwen::preset", reason: format!("unknown {} preset `{other}`; known: {known}", variant.names().2) })
+            let known = if variant == LlamaVariant::Qwen2 {
+                "small, qwen2.5-0.5b"
+            } else {
+                "small, qwen3-0.6b"
+            };
+            Err(Error::InvalidArgument {
+                op: "qwen::preset",
+                reason: format!(
+                    "unknown {} preset `{other}`; known: {known}",
+                    variant.names().2
+                ),
+            })
         }
     }
 }

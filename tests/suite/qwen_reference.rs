@@ -39,10 +39,22 @@ const CASES: [Case; 2] = [
     // Adam steps harder than the Llama's, whose noise floor is 3e-6);
     // wgrad and PyTorch differ by at most 3.3e-5, 1.8e-4 and 2.8e-4 over
     // lavapipe and llvmpipe GL, both shapings.
-    Case { bytes: QWEN2, variant: LlamaVariant::Qwen2, step_loss: 1e-4, step_norm: 6e-4, final_param: 8e-4 },
+    Case {
+        bytes: QWEN2,
+        variant: LlamaVariant::Qwen2,
+        step_loss: 1e-4,
+        step_norm: 6e-4,
+        final_param: 8e-4,
+    },
     // Qwen3: 1.1e-5, 2.7e-5 and 7.1e-5; wgrad against PyTorch 1.5e-5,
     // 7.6e-5 and 1.1e-4.
-    Case { bytes: QWEN3, variant: LlamaVariant::Qwen3, step_loss: 5e-5, step_norm: 1.5e-4, final_param: 4e-4 },
+    Case {
+        bytes: QWEN3,
+        variant: LlamaVariant::Qwen3,
+        step_loss: 5e-5,
+        step_norm: 1.5e-4,
+        final_param: 4e-4,
+    },
 ];
 
 fn config(fx: &Fixture, variant: LlamaVariant, tied: bool) -> LlamaConfig {
@@ -67,7 +79,10 @@ fn config(fx: &Fixture, variant: LlamaVariant, tied: bool) -> LlamaConfig {
 
 fn model(fx: &Fixture, variant: LlamaVariant, tied: bool) -> Llama {
     let prefix = if tied { "tied.init." } else { "init." };
-    Llama::from_parameters(config(fx, variant, tied), |name, _| Ok(fx.get(&format!("{prefix}{name}")).to_vec())).expect("the fixture's weights fit its config")
+    Llama::from_parameters(config(fx, variant, tied), |name, _| {
+        Ok(fx.get(&format!("{prefix}{name}")).to_vec())
+    })
+    .expect("the fixture's weights fit its config")
 }
 
 #[test]
@@ -86,17 +101,39 @@ fn the_models_have_hugging_faces_parameter_names_and_shapes() {
         let qwen = model(&fx, case.variant, false);
         let mut ours = qwen.named_parameters();
         ours.sort();
-        assert_eq!(ours, fx.parameters(), "{:?}: wgrad's names and shapes against transformers' state_dict", case.variant);
+        assert_eq!(
+            ours,
+            fx.parameters(),
+            "{:?}: wgrad's names and shapes against transformers' state_dict",
+            case.variant
+        );
         let declared = initial_values(&qwen);
-        assert_eq!(declared.len(), ours.len(), "one graph parameter per named parameter");
+        assert_eq!(
+            declared.len(),
+            ours.len(),
+            "one graph parameter per named parameter"
+        );
         for (name, values) in declared {
-            assert_eq!(values, fx.get(&format!("init.{name}")), "{name} as the graph declares it");
+            assert_eq!(
+                values,
+                fx.get(&format!("init.{name}")),
+                "{name} as the graph declares it"
+            );
         }
         // What the variant adds is there: Qwen2's biases, Qwen3's norms.
         let extra = |suffix: &str| ours.iter().filter(|(n, _)| n.ends_with(suffix)).count();
         let layers: usize = fx.setting("n_layer");
-        let (biases, norms) = if case.variant == LlamaVariant::Qwen2 { (3 * layers, 0) } else { (0, 2 * layers) };
-        assert_eq!((extra("_proj.bias"), extra("_norm.weight")), (biases, norms), "{:?}", case.variant);
+        let (biases, norms) = if case.variant == LlamaVariant::Qwen2 {
+            (3 * layers, 0)
+        } else {
+            (0, 2 * layers)
+        };
+        assert_eq!(
+            (extra("_proj.bias"), extra("_norm.weight")),
+            (biases, norms),
+            "{:?}",
+            case.variant
+        );
     }
 }
 
@@ -109,10 +146,14 @@ fn qwen_init_is_transformers() {
         nn::manual_seed(0);
         let qwen = Llama::new(config(&fx, case.variant, false)).expect("valid config");
         for (name, shape, values) in qwen.parameter_values() {
-            let std = (values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / values.len() as f64).sqrt();
+            let std = (values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>()
+                / values.len() as f64)
+                .sqrt();
             match shape.len() {
                 2 => assert!((0.018..0.022).contains(&std), "{name}: std {std}"),
-                _ if name.ends_with("bias") => assert!(values.iter().all(|&x| x == 0.0), "{name}: zeros"),
+                _ if name.ends_with("bias") => {
+                    assert!(values.iter().all(|&x| x == 0.0), "{name}: zeros")
+                }
                 _ => assert!(values.iter().all(|&x| x == 1.0), "{name}: ones"),
             }
         }
@@ -128,19 +169,30 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
         let names = fx.parameters();
         for_each_shaping("qwen reference", |k| {
             let qwen = model(&fx, case.variant, false);
-            let who = format!("{:?} on {}, {} shaping", case.variant, k.device().label(), if k.gpu_shaped() { "GPU" } else { "CPU" });
+            let who = format!(
+                "{:?} on {}, {} shaping",
+                case.variant,
+                k.device().label(),
+                if k.gpu_shaped() { "GPU" } else { "CPU" }
+            );
 
             // Logits (within ±2): PyTorch's float32 and float64 differ by
             // 2.3e-7 (Qwen2) and 2.1e-7 (Qwen3), wgrad and PyTorch by 3.0e-7
             // at most; 2e-6 as for the Llama.
             let logits = Predictor::new(k.clone(), &qwen, batch)?.outputs_ids(idx)?;
-            println!("{who}: logits |err| {:.1e}", worst(&logits, fx.get("logits")));
+            println!(
+                "{who}: logits |err| {:.1e}",
+                worst(&logits, fx.get("logits"))
+            );
             assert_close("logits", &logits, fx.get("logits"), 2e-6, 0.0);
 
-            let mut trainer = Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
+            let mut trainer =
+                Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
             trainer.forward_ids(idx)?;
             trainer.loss(Targets::Classes(targets))?;
-            let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
+            let loss = trainer
+                .forward_backward(true)?
+                .expect("the loss was asked for");
             println!("{who}: loss |err| {:.1e}", (loss - fx.get("loss")[0]).abs());
             // The loss (4.2–4.3): float32 against float64 3.9e-7 at most,
             // wgrad against PyTorch 4.8e-7.
@@ -148,10 +200,24 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
 
             // Every gradient by name: float32 against float64 3.3e-8 and
             // 8.6e-8, wgrad against PyTorch 4.1e-8 and 1.0e-7.
-            let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "", 1e-6)?;
+            let grad_err = check_gradients(
+                &trainer,
+                &fx,
+                names.iter().map(|(n, _)| n.as_str()),
+                "",
+                1e-6,
+            )?;
             println!("{who}: gradients |err| {grad_err:.1e}");
 
-            check_steps(&mut trainer, &fx, idx, targets, &who, case.step_loss, case.step_norm)?;
+            check_steps(
+                &mut trainer,
+                &fx,
+                idx,
+                targets,
+                &who,
+                case.step_loss,
+                case.step_norm,
+            )?;
             let mut param_err = 0.0f32;
             for (name, _, got) in trainer.executor().parameters()? {
                 let want = fx.get(&format!("final.{name}"));
@@ -172,16 +238,29 @@ fn a_tied_head_matches_transformers() {
         let batch = fx.shape("tied.logits")[0];
         for_each_adapter("qwen reference, tied head", |k| {
             let qwen = model(&fx, case.variant, true);
-            let mut trainer = Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
+            let mut trainer =
+                Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
             trainer.forward_ids(idx)?;
             trainer.loss(Targets::Classes(targets))?;
-            let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
+            let loss = trainer
+                .forward_backward(true)?
+                .expect("the loss was asked for");
             // The same tolerances as the untied checks.
             assert_close("tied loss", &[loss], fx.get("tied.loss"), 2e-6, 0.0);
             let names = qwen.named_parameters();
-            let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "tied.", 1e-6)?;
+            let grad_err = check_gradients(
+                &trainer,
+                &fx,
+                names.iter().map(|(n, _)| n.as_str()),
+                "tied.",
+                1e-6,
+            )?;
             let logits = Predictor::new(k.clone(), &qwen, batch)?.outputs_ids(idx)?;
-            println!("{:?} tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}", case.variant, worst(&logits, fx.get("tied.logits")));
+            println!(
+                "{:?} tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}",
+                case.variant,
+                worst(&logits, fx.get("tied.logits"))
+            );
             assert_close("tied logits", &logits, fx.get("tied.logits"), 2e-6, 0.0);
             Ok(())
         });
