@@ -7,7 +7,9 @@
 //! grouped-query attention and an untied head.
 //!
 //! Run: `cargo run --release --example hf_folder -- gpt out/gpt-folder`
-//! (or `-- llama out/llama-folder`), then
+//! (or `-- llama out/llama-folder`, `-- qwen2 …`, `-- qwen3 …`: the Qwen2
+//! with q/k/v biases, the Qwen3 with q/k norms and heads of 12 channels
+//! over 32 / 4), then
 //! `python3 scripts/check_hf_folder.py out/gpt-folder` (the logits go to
 //! `out/gpt-folder.logits.safetensors`).
 
@@ -19,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
 use wgrad::io::gpt_folder::{save_gpt_folder, TokenizerSpec};
 use wgrad::io::llama_folder::save_llama_folder;
-use wgrad::models::{Llama, LlamaConfig};
+use wgrad::models::{Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::Module;
 use wgrad::infer::Predictor;
@@ -39,11 +41,16 @@ fn main() -> wgrad::Result<()> {
             let model = Gpt::from_parameters(GPT, &mut random)?;
             write(&model, GPT.block_size, GPT.vocab_size, &dir, &mut rng, |dir, tokenizer| save_gpt_folder(dir, &model, tokenizer, None))
         }
-        "llama" => {
-            let model = Llama::from_parameters(LLAMA, &mut random)?;
+        "llama" | "qwen2" | "qwen3" => {
+            let config = match family.as_str() {
+                "qwen2" => LlamaConfig { variant: LlamaVariant::Qwen2, ..LLAMA },
+                "qwen3" => LlamaConfig { variant: LlamaVariant::Qwen3, head_dim: Some(12), ..LLAMA },
+                _ => LLAMA,
+            };
+            let model = Llama::from_parameters(config, &mut random)?;
             write(&model, LLAMA.block_size, LLAMA.vocab_size, &dir, &mut rng, |dir, tokenizer| save_llama_folder(dir, &model, Some(tokenizer)))
         }
-        other => Err(wgrad::Error::InvalidArgument { op: "hf_folder example", reason: format!("unknown model `{other}`: gpt or llama") }),
+        other => Err(wgrad::Error::InvalidArgument { op: "hf_folder example", reason: format!("unknown model `{other}`: gpt, llama, qwen2 or qwen3") }),
     }
 }
 

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, LmUpdate, Pretrained, TextSource};
 use wgrad::train::{TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
-use wgrad::models::{Llama, LlamaConfig};
+use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, CausalLm};
 use wgrad::parallel::distributed::ProcessGroup;
@@ -128,7 +128,8 @@ impl AttentionChoice {
 /// What the command line knows of a language model family: its sizes
 /// from the flags and a title for the plot.
 pub trait CliModel: TrainableLm {
-    fn sizes(args: &GptArgs) -> wgrad::Result<Self::Config>;
+    /// `variant`: which of the Llama family `--model` named (a GPT has one).
+    fn sizes(args: &GptArgs, variant: LlamaVariant) -> wgrad::Result<Self::Config>;
     fn title(config: &Self::Config) -> String;
 }
 
@@ -153,7 +154,7 @@ fn preset_context(g: &GptArgs, name: &str, context: usize, most: Option<usize>) 
 }
 
 impl CliModel for Gpt {
-    fn sizes(g: &GptArgs) -> wgrad::Result<GptConfig> {
+    fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GptConfig> {
         let Some(name) = g.preset.as_deref() else {
             let block_size = g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size);
             return Ok(GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size });
@@ -169,24 +170,25 @@ impl CliModel for Gpt {
 }
 
 impl CliModel for Llama {
-    /// `--preset` names a Llama preset (default `small`).
-    fn sizes(g: &GptArgs) -> wgrad::Result<LlamaConfig> {
+    /// `--preset` names a preset of the variant (default `small`).
+    fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LlamaConfig> {
         let name = g.preset.as_deref().unwrap_or("small");
-        let preset = LlamaConfig::preset(name, 0)?;
-        // SmolLM2 trains on 2048 positions of the 8192 it serves; the small
-        // preset's rotary positions take any context.
+        let preset = qwen::preset(variant, name, 0)?;
+        // SmolLM2 trains on 2048 positions of the 8192 it serves; the other
+        // presets' rotary positions take any context.
         let most = (name == "smollm2-135m").then_some(LlamaConfig::smollm2_135m().block_size);
         let block_size = preset_context(g, name, preset.block_size, most)?;
         Ok(LlamaConfig { block_size, ..preset })
     }
     fn title(c: &LlamaConfig) -> String {
-        format!("Llama L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
+        format!("{} L{} H{}/{} C{} T{}", c.variant.names().2, c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
     }
 }
 
-/// A language model's run (`--model gpt|llama`); across the processes of
-/// `process_group` when given, where only rank 0 prints, saves and samples.
-pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
+/// A language model's run (`--model gpt|llama|qwen2|qwen3`, the Llama
+/// family's `variant`); across the processes of `process_group` when
+/// given, where only rank 0 prints, saves and samples.
+pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>, variant: LlamaVariant) -> wgrad::Result<()> {
     let g = &args.gpt;
     let defaults = language_model_run();
     let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
@@ -222,7 +224,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         ..crate::run_config(args, defaults)?
     };
     if args.dry_run {
-        return dry_run::<M>(args, &config);
+        return dry_run::<M>(args, &config, variant);
     }
     let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
@@ -230,7 +232,7 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
         eval_batches: g.eval_batches,
         ..LanguageModel::new(match &pretrained {
             Some(p) => M::with_context(p.model.config(), g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size)),
-            None => M::sizes(g)?,
+            None => M::sizes(g, variant)?,
         })
     };
     let task = LanguageModel { init: pretrained, attention: g.attention.kernel(), ..task };
@@ -268,11 +270,11 @@ fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
 /// and at each power of two up to --devices (and --devices itself),
 /// planned without a device. The model takes its preset's vocabulary, or
 /// the text's under the chosen tokenizer when the sizes leave it open.
-fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig) -> wgrad::Result<()> {
+fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVariant) -> wgrad::Result<()> {
     use wgrad::parallel::engine::Strategy;
     use wgrad::parallel::memory::{every_strategy, strategy_memory, Planning};
     let g = &args.gpt;
-    let sizes = M::sizes(g)?;
+    let sizes = M::sizes(g, variant)?;
     wgrad::nn::manual_seed(args.seed);
     let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
         sizes

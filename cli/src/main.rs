@@ -18,6 +18,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::optim::{Adam, AdamW, SGD};
+use wgrad::models::LlamaVariant;
 use wgrad::parallel::distributed::ProcessGroup;
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
@@ -163,6 +164,11 @@ enum ModelKind {
     /// A small Llama (grouped-query attention, RMSNorm, SwiGLU, rotary
     /// positions) on text, as the GPT trains.
     Llama,
+    /// A small Qwen2 (the Llama with q/k/v biases) on text.
+    Qwen2,
+    /// A small Qwen3 (the Llama with q/k norms and heads of their own
+    /// width) on text.
+    Qwen3,
 }
 
 #[derive(clap::Args)]
@@ -328,8 +334,10 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let kind = model_kind(args)?;
     train_flags::check(args, kind)?;
     let run = |process_group: Option<Arc<dyn ProcessGroup>>| match kind {
-        ModelKind::Gpt => gpt::train::<wgrad::models::Gpt>(opts, args, process_group),
-        ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group),
+        ModelKind::Gpt => gpt::train::<wgrad::models::Gpt>(opts, args, process_group, LlamaVariant::Llama),
+        ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Llama),
+        ModelKind::Qwen2 => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen2),
+        ModelKind::Qwen3 => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
     match args.distributed.as_deref() {
@@ -342,6 +350,18 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     }
 }
 
+/// Which of the Llama family the GGUF file or folder at `path` holds.
+fn llama_variant(path: &std::path::Path) -> wgrad::Result<LlamaVariant> {
+    use wgrad::io::gguf_model::{GgufArchitecture, GgufModel};
+    if !wgrad::io::lm_folder::is_gguf_path(path) {
+        return Ok(wgrad::io::llama_folder::read_llama_config(path)?.variant);
+    }
+    Ok(match GgufModel::open(path)?.architecture() {
+        GgufArchitecture::Llama(config) => config.variant,
+        GgufArchitecture::Gpt2 { .. } => LlamaVariant::Llama,
+    })
+}
+
 /// `--model`, or with `--init` the pretrained file's family; a `--model`
 /// naming another family is refused.
 fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
@@ -351,7 +371,11 @@ fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
     }
     let (family, name) = match wgrad::io::lm_folder::model_family(init)? {
         wgrad::io::lm_folder::LmFamily::Gpt2 => (ModelKind::Gpt, "gpt"),
-        wgrad::io::lm_folder::LmFamily::Llama => (ModelKind::Llama, "llama"),
+        wgrad::io::lm_folder::LmFamily::Llama => match llama_variant(init)? {
+            LlamaVariant::Llama => (ModelKind::Llama, "llama"),
+            LlamaVariant::Qwen2 => (ModelKind::Qwen2, "qwen2"),
+            LlamaVariant::Qwen3 => (ModelKind::Qwen3, "qwen3"),
+        },
     };
     match args.model {
         Some(given) if given != family => Err(wgrad::Error::InvalidArgument {

@@ -21,13 +21,16 @@ fn mlp_only(why: &'static str) -> impl Fn(&Run) -> Option<String> {
 }
 
 fn language_models_only(run: &Run) -> Option<String> {
-    (run.kind == ModelKind::Mlp).then(|| "it steers the language models (--model gpt or llama), not the MLP".into())
+    (run.kind == ModelKind::Mlp).then(|| "it steers the language models (--model gpt, llama, qwen2 or qwen3), not the MLP".into())
 }
 
 fn gpt_sizes(run: &Run) -> Option<String> {
     match run.kind {
         ModelKind::Mlp => language_models_only(run),
         ModelKind::Llama => Some("it sets a GPT's sizes; a Llama's come from --preset (small or smollm2-135m)".into()),
+        ModelKind::Qwen2 | ModelKind::Qwen3 => {
+            Some("it sets a GPT's sizes; a Qwen's come from --preset (small, qwen2.5-0.5b or qwen3-0.6b)".into())
+        }
         ModelKind::Gpt => None,
     }
 }

@@ -356,3 +356,41 @@ fn wgrad_train_refuses_flags_that_do_not_apply() {
         assert!(!dir.exists(), "{args:?} wrote into {}", dir.display());
     }
 }
+
+/// `wgrad train --model qwen2|qwen3` on the shipped text (the small
+/// presets: Qwen2's q/k/v biases, Qwen3's q/k norms and heads of 48 over
+/// 128 / 4) trains, and tensor parallel over 2 devices (a KV head each,
+/// biases split with their rows, the q/k norms replicated) ends where one
+/// device ends: the library's equality (tests/suite/qwen_parallel.rs) through
+/// the command line. Four steps at batch 4 keep it quick.
+#[test]
+fn wgrad_train_qwen_tensor_parallel_ends_where_one_device_ends() {
+    let dir = std::env::temp_dir().join(format!("wgrad-qwen-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for model in ["qwen2", "qwen3"] {
+        let run = |name: &str, extra: &[&str]| {
+            let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"))
+                .args(["train", "--model", model, "--max-steps", "4", "--batch-size", "4", "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "0", "--seed", "3"])
+                .args(extra)
+                .arg("--plot")
+                .arg(dir.join(format!("{model}-{name}.png")))
+                .arg("--out")
+                .arg(dir.join(format!("{model}-{name}")))
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+            assert!(output.status.success(), "{model} {name}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+            stdout
+        };
+        let single = run("single", &[]);
+        let title = if model == "qwen2" { "Qwen2 L4" } else { "Qwen3 L4" };
+        assert!(single.contains(title) || dir.join(format!("{model}-single.png")).exists(), "{single}");
+        let tensor = run("tensor", &["--parallel", "tensor", "--devices", "2"]);
+        let (want, got) = (final_validation_loss(&single), final_validation_loss(&tensor));
+        // Sums split over the devices' heads: relative 1e-3, as the GPT's.
+        assert!((got - want).abs() <= 1e-3 * want, "{model}: tensor parallel {got} against one device {want}");
+        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join(format!("{model}-single/config.json"))).unwrap()).unwrap();
+        assert_eq!(config["model_type"], model);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -16,6 +16,14 @@
 //! [`crate::io::gguf::llama::unpermute_rows`] gives Hugging Face's order
 //! when a caller wants it).
 //!
+//! Qwen2 and Qwen3 files (`qwen2`, `qwen3`) load as a [`Llama`] of that
+//! variant ([`crate::models::qwen`]): their converter leaves q and k in
+//! Hugging Face's order (llama.cpp rotates them in NEOX mode, half-split
+//! pairs), so the model rotates [`RopeLayout::HalfSplit`]; Qwen2's q/k/v
+//! biases are `blk.N.attn_{q,k,v}.bias`, Qwen3's norms
+//! `blk.N.attn_{q,k}_norm.weight` and its head width
+//! `qwen3.attention.key_length`.
+//!
 //! GPT-2 files (llama.cpp's converter stores the Conv1D weights transposed,
 //! [out, in] as wgrad's Linear holds them) load as a [`Gpt`], whose head is
 //! the token table: a file with an `output.weight` that does not decode to
@@ -37,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
 use crate::io::gpt_folder::parameter_count;
 use crate::io::hf_folder::SIZE_CHECKED_ABOVE;
-use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use crate::models::{Gpt, GptConfig, Llama, LlamaConfig, LlamaVariant};
 use crate::nn::{CausalLm, LmConfig, Module, ParameterTree, QuantizedMatrix, QuantizedWeights, RopeLayout};
 use crate::ops::QuantFormat;
 
@@ -57,7 +65,8 @@ const GPT2_HEAD: &str = "output.weight";
 /// What a GGUF file holds, with the sizes from its metadata.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GgufArchitecture {
-    /// `llama`: q and k rotate interleaved pairs (the file's row order).
+    /// `llama`: q and k rotate interleaved pairs (the file's row order);
+    /// `qwen2`, `qwen3`: the config's variant, half-split pairs.
     Llama(LlamaConfig),
     /// `gpt2`, with its LayerNorm epsilon.
     Gpt2 { config: GptConfig, layer_norm_eps: f32 },
@@ -101,14 +110,20 @@ impl GgufModel {
                 check_data_holds(&gguf, config.num_parameters())?;
                 (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
             }
+            arch @ ("qwen2" | "qwen3") => {
+                let config = qwen_config(&gguf, arch)?;
+                check_data_holds(&gguf, config.num_parameters())?;
+                (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
+            }
             "gpt2" => {
                 let (config, layer_norm_eps) = gpt2_config(&gguf)?;
                 check_data_holds(&gguf, parameter_count(&config))?;
                 (GgufArchitecture::Gpt2 { config, layer_norm_eps }, Gpt::empty(config)?.named_parameters())
             }
-            other => return Err(bad(format!("architecture `{other}`: wgrad runs `llama` and `gpt2` GGUF files"))),
+            other => return Err(bad(format!("architecture `{other}`: wgrad runs `llama`, `qwen2`, `qwen3` and `gpt2` GGUF files"))),
         };
         let gguf_name: fn(&str) -> Option<String> = match architecture {
+            GgufArchitecture::Llama(config) if config.variant != LlamaVariant::Llama => qwen_gguf_name,
             GgufArchitecture::Llama(_) => llama::gguf_name,
             GgufArchitecture::Gpt2 { .. } => gpt2_gguf_name,
         };
@@ -278,9 +293,72 @@ fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
         rms_norm_eps: hp.rms_eps,
         tie_word_embeddings: hp.tied_embeddings,
         rope_layout: RopeLayout::Interleaved,
+        head_dim: None,
+        variant: LlamaVariant::Llama,
     };
     config.check().map_err(|e| bad(format!("the metadata's sizes make no Llama: {e}")))?;
     Ok(config)
+}
+
+/// A `qwen2` or `qwen3` file's config, from its `{arch}.*` metadata
+/// (llama.cpp's names: `block_count`, `attention.head_count_kv`,
+/// `attention.key_length`, `rope.freq_base`, …); the vocabulary is the
+/// tokenizer's (the converter pads it to the embedding's rows).
+fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
+    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let key = |name: &str| format!("{arch}.{name}");
+    let size = |name: &str| -> Result<usize> {
+        let v = gguf.get_u64(&key(name))?;
+        if v == 0 || v > MAX_SIZE {
+            return Err(bad(format!("metadata `{}` = {v} is outside 1..={MAX_SIZE}", key(name))));
+        }
+        Ok(v as usize)
+    };
+    let optional = |name: &str| -> Result<Option<usize>> { gguf.get(&key(name)).map(|_| size(name)).transpose() };
+    let variant = if arch == "qwen2" { LlamaVariant::Qwen2 } else { LlamaVariant::Qwen3 };
+    let (n_embd, n_head) = (size("embedding_length")?, size("attention.head_count")?);
+    let head_dim = optional("attention.key_length")?;
+    if optional("attention.value_length")?.is_some_and(|v| Some(v) != head_dim) {
+        return Err(bad(format!("`{}` differs from `{}`: wgrad's heads have one width", key("attention.value_length"), key("attention.key_length"))));
+    }
+    let rope_dims = optional("rope.dimension_count")?;
+    let config = LlamaConfig {
+        vocab_size: tokenizer_vocabulary(gguf)?,
+        block_size: size("context_length")?,
+        n_layer: size("block_count")?,
+        n_head,
+        n_kv_head: optional("attention.head_count_kv")?.unwrap_or(n_head),
+        n_embd,
+        intermediate_size: size("feed_forward_length")?,
+        rope_theta: if gguf.get(&key("rope.freq_base")).is_some() { gguf.get_f32(&key("rope.freq_base"))? } else { 10000.0 },
+        rms_norm_eps: gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        tie_word_embeddings: gguf.tensor("output.weight").is_none(),
+        rope_layout: RopeLayout::HalfSplit,
+        head_dim: head_dim.filter(|&d| n_head.checked_mul(d) != Some(n_embd)),
+        variant,
+    };
+    if rope_dims.is_some_and(|d| d != config.head_dim()) {
+        return Err(bad(format!("rotary embedding over {rope_dims:?} of each head's {} dimensions (wgrad's Qwen rotates them all)", config.head_dim())));
+    }
+    // Nine tensors a block as the Llama's, and the biases or the norms.
+    check_blocks(gguf, arch, config.n_layer, if variant == LlamaVariant::Qwen2 { 12 } else { 11 })?;
+    config.check().map_err(|e| bad(format!("the metadata's sizes make no {}: {e}", variant.names().2)))?;
+    Ok(config)
+}
+
+/// The GGUF name of a Qwen2/Qwen3 parameter: the Llama's names (the
+/// biases included), and Qwen3's `blk.N.attn_q_norm` / `attn_k_norm`.
+pub fn qwen_gguf_name(name: &str) -> Option<String> {
+    if let Some(gguf) = llama::gguf_name(name) {
+        return Some(gguf);
+    }
+    let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let norm = match rest {
+        "self_attn.q_norm.weight" => "attn_q_norm",
+        "self_attn.k_norm.weight" => "attn_k_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{norm}.weight"))
 }
 
 /// A `gpt2` file's config and LayerNorm epsilon (`gpt2.*` keys; the

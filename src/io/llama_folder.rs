@@ -22,6 +22,12 @@
 //! activation, RoPE scaling, a head width other than hidden / heads) with
 //! an error naming the field. Reading, shards, dtypes, atomic saving and
 //! their errors are [`crate::io::hf_folder`]'s, shared with the GPT's folders.
+//!
+//! Qwen2/Qwen2.5 and Qwen3 folders (`model_type` `qwen2`, `qwen3`;
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) are the same folders with the
+//! variant's parameters (q/k/v biases; `q_norm`, `k_norm`) under the same
+//! names, and a `head_dim` of Qwen3's own; a sliding window
+//! (`use_sliding_window`) is refused.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -33,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::io::gguf::llama::unpermute_rows;
 use crate::io::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
 use crate::io::hf_folder::{check_extra_files, check_weights_hold, write_extra_files, ExtraFile, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
-use crate::models::{Llama, LlamaConfig};
+use crate::models::{Llama, LlamaConfig, LlamaVariant};
 use crate::nn::{Module, RopeLayout};
 
 /// The untied head's name; a tied model stores none.
@@ -89,10 +95,9 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
         if expected.next().is_none_or(|(n, s)| n != name || s != shape) || values.len() != shape.iter().product::<usize>() {
             return Err(bad(format!("parameter `{name}` {shape:?} with {} values does not fit the model's config {config:?}", values.len())));
         }
-        let stored = match config.rope_layout {
+        let stored = match (config.rope_layout, rotated_heads(&config, &name)) {
             // Hugging Face's half-split layout: undo Meta's pair order.
-            RopeLayout::Interleaved if name.ends_with("q_proj.weight") => unpermute_rows(values, shape[0], config.n_head)?,
-            RopeLayout::Interleaved if name.ends_with("k_proj.weight") => unpermute_rows(values, shape[0], config.n_kv_head)?,
+            (RopeLayout::Interleaved, Some(heads)) => unpermute_rows(values, shape[0], heads)?,
             _ => values.to_vec(),
         };
         weights.push(NamedTensor::new(name, shape, stored)?);
@@ -100,9 +105,10 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
     if expected.next().is_some() {
         return Err(bad(format!("the model has fewer parameters than its config {config:?} implies")));
     }
+    let (class, model_type, _) = config.variant.names();
     let config_json = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [class],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.n_embd,
         "intermediate_size": config.intermediate_size,
@@ -115,7 +121,9 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
         "rms_norm_eps": json_f32(eps),
         "rope_theta": json_f32(config.rope_theta),
         "rope_scaling": null,
-        "attention_bias": false,
+        // Qwen2's biases are not a setting in transformers (always on); the
+        // field says what the weights hold.
+        "attention_bias": config.variant == LlamaVariant::Qwen2,
         "attention_dropout": 0.0,
         "mlp_bias": false,
         "initializer_range": crate::models::llama::INITIALIZER_RANGE,
@@ -125,6 +133,9 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
         "torch_dtype": "float32",
     });
     let mut config_json = config_json;
+    if config.variant != LlamaVariant::Llama {
+        config_json["use_sliding_window"] = false.into();
+    }
     // A pretrained tokenizer's special ids, which transformers' generate reads here.
     if let Some(TokenizerSpec::TokenizerJson { bos, eos }) = tokenizer {
         for (key, id) in [("bos_token_id", bos), ("eos_token_id", eos)] {
@@ -189,15 +200,34 @@ pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     Ok(LoadedLlama { model, tokenizer, optimizer })
 }
 
-/// The config.json of a Llama folder, checked, without reading the weights.
+/// The rows of `name` that rotate in pairs, by head: q_proj's weight and
+/// bias over the query heads, k_proj's over the KV heads, and a q/k
+/// norm's weight (one head); `None` for a parameter the rotation leaves.
+fn rotated_heads(config: &LlamaConfig, name: &str) -> Option<usize> {
+    let module = name.rsplit('.').nth(1)?;
+    match module {
+        "q_proj" => Some(config.n_head),
+        "k_proj" => Some(config.n_kv_head),
+        "q_norm" | "k_norm" => Some(1),
+        _ => None,
+    }
+}
+
+/// The variant a config.json's `model_type` names.
+pub fn variant_of_model_type(model_type: &str) -> Option<LlamaVariant> {
+    [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3].into_iter().find(|v| v.names().1 == model_type)
+}
+
+/// The config.json of a Llama (or Qwen2, Qwen3) folder, checked, without
+/// reading the weights.
 pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     let fields = ConfigFields::read(dir.as_ref(), "LlamaConfig")?;
     let bad = |reason: String| fields.bad(reason);
-    match fields.text("model_type")? {
-        Some("llama") => {}
-        Some(other) => return Err(bad(format!("model_type `{other}`: wgrad reads Llama (`llama`) folders here"))),
+    let variant = match fields.text("model_type")? {
+        Some(name) => variant_of_model_type(name)
+            .ok_or_else(|| bad(format!("model_type `{name}`: wgrad reads Llama, Qwen2 and Qwen3 (`llama`, `qwen2`, `qwen3`) folders here")))?,
         None => return Err(bad("no `model_type` field (a Llama folder says `llama`)".into())),
-    }
+    };
     let n_head = fields.required("num_attention_heads")?;
     let mut config = LlamaConfig {
         vocab_size: fields.required("vocab_size")?,
@@ -211,6 +241,8 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
         rms_norm_eps: fields.positive("rms_norm_eps", 1e-6)?,
         tie_word_embeddings: fields.flag("tie_word_embeddings", false)?,
         rope_layout: RopeLayout::HalfSplit,
+        head_dim: None,
+        variant,
     };
     // transformers 5 keeps the base in `rope_parameters`, with its type.
     if let Some(rope) = fields.get("rope_parameters").or_else(|| fields.get("rope_scaling")) {
@@ -227,14 +259,26 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
             return Err(bad(format!("hidden_act `{act}`: wgrad's Llama MLP is SwiGLU (silu)")));
         }
     }
-    if fields.flag("attention_bias", false)? || fields.flag("mlp_bias", false)? {
-        return Err(bad("attention_bias or mlp_bias is true: wgrad's Llama has no biases".into()));
+    // Qwen2's q/k/v biases are built in (transformers reads no flag).
+    if (variant != LlamaVariant::Qwen2 && fields.flag("attention_bias", false)?) || fields.flag("mlp_bias", false)? {
+        return Err(bad(format!("attention_bias or mlp_bias is true: wgrad's {} has no such biases", variant.names().2)));
     }
-    let sizes_ok = ![config.vocab_size, config.block_size, config.n_layer, n_head, config.n_kv_head, config.n_embd, config.intermediate_size].contains(&0)
-        && config.n_embd % n_head == 0;
-    if let Some(head_dim) = fields.size("head_dim")? {
-        if sizes_ok && head_dim != config.n_embd / n_head {
-            return Err(bad(format!("head_dim {head_dim}: wgrad's Llama has hidden_size / num_attention_heads = {}", config.n_embd / n_head)));
+    let layer_types = fields.get("layer_types").and_then(|v| v.as_array());
+    let windowed = layer_types.is_some_and(|types| types.iter().any(|t| t.as_str() != Some("full_attention")));
+    if fields.flag("use_sliding_window", false)? || windowed {
+        return Err(bad("use_sliding_window is true or layer_types has a sliding layer: wgrad's Qwen attends to the whole context".into()));
+    }
+    let head_dim = fields.size("head_dim")?;
+    // Qwen3's heads have a width of their own; Llama's and Qwen2's are
+    // hidden / heads.
+    if variant == LlamaVariant::Qwen3 && head_dim.is_some_and(|d| d.checked_mul(n_head) != Some(config.n_embd)) {
+        config.head_dim = head_dim;
+    }
+    let sizes_ok = ![config.vocab_size, config.block_size, config.n_layer, n_head, config.n_kv_head, config.n_embd, config.intermediate_size, config.head_dim()].contains(&0)
+        && (config.head_dim.is_some() || config.n_embd % n_head == 0);
+    if let Some(head_dim) = head_dim {
+        if sizes_ok && head_dim != config.head_dim() {
+            return Err(bad(format!("head_dim {head_dim}: wgrad's {} has hidden_size / num_attention_heads = {}", variant.names().2, config.head_dim())));
         }
     }
     if !sizes_ok || config.n_layer > MAX_LAYERS || config.num_parameters().is_none_or(|n| n > MAX_PARAMETERS) {

@@ -1,7 +1,7 @@
 //! A causal language model folder of either family wgrad reads, told
 //! apart by its config.json as transformers' `AutoModelForCausalLM` does:
-//! `model_type: llama` (or `architectures: [LlamaForCausalLM]`) is a
-//! [`crate::models::Llama`] folder ([`crate::io::llama_folder`]), anything
+//! `model_type: llama`, `qwen2` or `qwen3` (or `architectures:
+//! [LlamaForCausalLM]`, …) is a [`crate::models::Llama`] folder ([`crate::io::llama_folder`]), anything
 //! else a GPT-2 folder ([`crate::io::gpt_folder`], which refuses another
 //! `model_type` with its own error). What comes back is a [`CausalLm`],
 //! which [`crate::infer::generate::Generator`] runs whatever the family.
@@ -14,7 +14,8 @@ use crate::error::Result;
 use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
 use crate::io::hf_folder::ConfigFields;
-use crate::io::llama_folder::{load_llama_folder, read_llama_config};
+use crate::io::llama_folder::{load_llama_folder, read_llama_config, variant_of_model_type};
+use crate::models::LlamaVariant;
 use crate::nn::{CausalLm, LmConfig};
 
 /// The family a folder's config.json names.
@@ -38,8 +39,14 @@ pub struct LoadedLm {
 /// The family of the folder at `dir`, from its config.json alone.
 pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
     let fields = ConfigFields::read(dir.as_ref(), "PretrainedConfig")?;
-    let names_llama = fields.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|v| v.as_str() == Some("LlamaForCausalLM")));
-    Ok(if fields.text("model_type")? == Some("llama") || names_llama { LmFamily::Llama } else { LmFamily::Gpt2 })
+    // Qwen2 and Qwen3 are Llama variants, read by the Llama's folder code.
+    let variants = [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3];
+    let names_llama = fields
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .is_some_and(|a| a.iter().any(|v| variants.iter().any(|variant| v.as_str() == Some(variant.names().0))));
+    let llama_type = fields.text("model_type")?.is_some_and(|t| variant_of_model_type(t).is_some());
+    Ok(if llama_type || names_llama { LmFamily::Llama } else { LmFamily::Gpt2 })
 }
 
 /// The folder's sizes, checked, without reading its weights: enough for

@@ -4,13 +4,15 @@
 //! RMSNorm, grouped-query attention with rotary positions, RMSNorm, SwiGLU
 //! MLP), a final RMSNorm (`model.norm`), and a head that is either the
 //! token embedding (tied) or its own `lm_head`. SmolLM2, TinyLlama, Llama
-//! 2/3 and Mistral are sizes of it.
+//! 2/3 and Mistral are sizes of it; Qwen2/Qwen2.5 and Qwen3 are variants
+//! ([`LlamaVariant`], [`crate::models::qwen`]) whose attention adds
+//! biases or q/k norms, with the same parameter names.
 
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::{shard, AttentionKernel, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
+use crate::nn::{shard, AttentionKernel, AttentionOptions, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -18,6 +20,33 @@ pub const INITIALIZER_RANGE: f32 = 0.02;
 /// The level transformers' LlamaForCausalLM keeps its body under
 /// (`LlamaModel`), which this flatter struct names for its body's fields.
 const MODEL: &str = "model.";
+
+/// Which decoder of the Llama family a [`LlamaConfig`] describes: one
+/// layer structure and one set of parameter names, the attention differing
+/// ([`AttentionOptions`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LlamaVariant {
+    /// transformers' LlamaForCausalLM (SmolLM2, TinyLlama, Llama 2/3).
+    #[default]
+    Llama,
+    /// Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k and v.
+    Qwen2,
+    /// Qwen3ForCausalLM: an RMSNorm over each q and k head before the
+    /// rotation, no biases.
+    Qwen3,
+}
+
+impl LlamaVariant {
+    /// transformers' class and `model_type` (`LlamaForCausalLM`, `llama`),
+    /// and the name `describe` and the CLI use.
+    pub fn names(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            LlamaVariant::Llama => ("LlamaForCausalLM", "llama", "Llama"),
+            LlamaVariant::Qwen2 => ("Qwen2ForCausalLM", "qwen2", "Qwen2"),
+            LlamaVariant::Qwen3 => ("Qwen3ForCausalLM", "qwen3", "Qwen3"),
+        }
+    }
+}
 
 /// The sizes and constants of a [`Llama`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -37,6 +66,10 @@ pub struct LlamaConfig {
     /// How q/k channels pair up for the rotation: Hugging Face checkpoints
     /// are [`RopeLayout::HalfSplit`], Meta's and GGUF's interleaved.
     pub rope_layout: RopeLayout,
+    /// Channels per head when not n_embd / n_head (transformers'
+    /// `head_dim`, Qwen3's 128 over 1024 channels of 16 heads).
+    pub head_dim: Option<usize>,
+    pub variant: LlamaVariant,
 }
 
 impl LlamaConfig {
@@ -55,6 +88,8 @@ impl LlamaConfig {
             rms_norm_eps: 1e-5,
             tie_word_embeddings: true,
             rope_layout: RopeLayout::HalfSplit,
+            head_dim: None,
+            variant: LlamaVariant::Llama,
         }
     }
 
@@ -75,6 +110,8 @@ impl LlamaConfig {
             rms_norm_eps: 1e-5,
             tie_word_embeddings: false,
             rope_layout: RopeLayout::HalfSplit,
+            head_dim: None,
+            variant: LlamaVariant::Llama,
         }
     }
 
@@ -94,9 +131,18 @@ impl LlamaConfig {
         }
     }
 
-    /// Channels per head.
+    /// Channels per head: `head_dim`, else n_embd / n_head.
     pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head.max(1)
+        self.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))
+    }
+
+    /// What the variant adds to Llama's attention.
+    pub fn attention_options(&self) -> AttentionOptions {
+        AttentionOptions {
+            head_dim: self.head_dim(),
+            qkv_bias: self.variant == LlamaVariant::Qwen2,
+            qk_norm_eps: (self.variant == LlamaVariant::Qwen3).then_some(self.rms_norm_eps),
+        }
     }
 
     /// The rotation every attention layer applies.
@@ -107,9 +153,16 @@ impl LlamaConfig {
     /// Parameters of a model of this size; `None` when the count overflows
     /// (sizes read from a file may be absurd). 134,515,008 for SmolLM2-135M.
     pub fn num_parameters(&self) -> Option<usize> {
-        let (c, f) = (self.n_embd, self.intermediate_size);
-        let kv = self.n_kv_head.checked_mul(self.head_dim())?;
-        let attention = c.checked_mul(c)?.checked_mul(2)?.checked_add(c.checked_mul(kv)?.checked_mul(2)?)?;
+        let (c, f, options) = (self.n_embd, self.intermediate_size, self.attention_options());
+        let kv = self.n_kv_head.checked_mul(options.head_dim)?;
+        let q = self.n_head.checked_mul(options.head_dim)?;
+        let mut attention = c.checked_mul(q)?.checked_mul(2)?.checked_add(c.checked_mul(kv)?.checked_mul(2)?)?;
+        if options.qkv_bias {
+            attention = attention.checked_add(q)?.checked_add(kv.checked_mul(2)?)?;
+        }
+        if options.qk_norm_eps.is_some() {
+            attention = attention.checked_add(options.head_dim.checked_mul(2)?)?;
+        }
         let layer = attention.checked_add(c.checked_mul(f)?.checked_mul(3)?)?.checked_add(2 * c)?;
         let table = self.vocab_size.checked_mul(c)?;
         let head = if self.tie_word_embeddings { 0 } else { table };
@@ -121,27 +174,27 @@ impl LlamaConfig {
     /// ([`Staged::stage_costs`]).
     pub fn stage_costs(&self, blocks: usize) -> StageCosts {
         let (c, t, v, f) = (self.n_embd as f64, self.block_size as f64, self.vocab_size as f64, self.intermediate_size as f64);
-        let kv = (self.n_kv_head * self.head_dim()) as f64;
+        let (q, kv) = ((self.n_head * self.head_dim()) as f64, (self.n_kv_head * self.head_dim()) as f64);
         // q and o, k and v, the MLP's three matmuls, and the attention
         // scores and their weighted sum.
-        let block = 2.0 * c * c + 2.0 * c * kv + 3.0 * c * f + 2.0 * t * c;
+        let block = 2.0 * c * q + 2.0 * c * kv + 3.0 * c * f + 2.0 * t * q;
         StageCosts { prologue: c, blocks: vec![block; blocks], epilogue: v * c + 3.0 * v + 2.0 * c }
     }
 
-    /// Every size positive, heads dividing channels, KV heads dividing
-    /// heads, an even head width (pairs rotate), a base above 1 and a
-    /// positive eps.
+    /// Every size positive, heads dividing channels (unless `head_dim`
+    /// is given), KV heads dividing heads, an even head width (pairs
+    /// rotate), a base above 1 and a positive eps.
     pub fn check(&self) -> Result<()> {
-        let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd, self.intermediate_size];
+        let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd, self.intermediate_size, self.head_dim()];
         let bad = |reason: String| Err(Error::InvalidArgument { op: "LlamaConfig", reason: format!("{reason}: {self:?}") });
         if sizes.contains(&0) {
             return bad("every size must be positive".into());
         }
-        if self.n_embd % self.n_head != 0 || self.n_head % self.n_kv_head != 0 {
+        if (self.head_dim.is_none() && self.n_embd % self.n_head != 0) || self.n_head % self.n_kv_head != 0 {
             return bad(format!("n_embd {} must be a multiple of n_head {}, and n_head of n_kv_head {}", self.n_embd, self.n_head, self.n_kv_head));
         }
         if self.head_dim() % 2 != 0 {
-            return bad(format!("the head width n_embd / n_head = {} must be even (rotary positions turn channel pairs)", self.head_dim()));
+            return bad(format!("the head width {} must be even (rotary positions turn channel pairs)", self.head_dim()));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
             return bad(format!("rope_theta {} must be a finite number above 1", self.rope_theta));
@@ -167,7 +220,7 @@ impl LlamaDecoderLayer {
         let c = config.n_embd;
         Ok(LlamaDecoderLayer {
             input_layernorm: RmsNorm::new(c, config.rms_norm_eps),
-            self_attn: GroupedQueryAttention::normal(c, config.n_head, config.n_kv_head, config.rotary(), std)?,
+            self_attn: GroupedQueryAttention::with_options(c, config.n_head, config.n_kv_head, config.attention_options(), config.rotary(), std)?,
             post_attention_layernorm: RmsNorm::new(c, config.rms_norm_eps),
             mlp: SwiGluMlp::normal(c, config.intermediate_size, std),
         })
@@ -239,26 +292,18 @@ impl Llama {
     /// allocating, and [`Llama::from_parameters`] fills it.
     pub fn empty(config: LlamaConfig) -> Result<Self> {
         config.check()?;
-        let (c, kv, f) = (config.n_embd, config.n_kv_head * config.head_dim(), config.intermediate_size);
+        let (c, f) = (config.n_embd, config.intermediate_size);
         let norm = || RmsNorm::new(c, config.rms_norm_eps);
         let layers = (0..config.n_layer)
-            .map(|_| LlamaDecoderLayer {
-                input_layernorm: norm(),
-                self_attn: GroupedQueryAttention {
-                    n_embd: c,
-                    n_head: config.n_head,
-                    n_kv_head: config.n_kv_head,
-                    rotary: config.rotary(),
-                    q_proj: Linear::empty(c, c, false),
-                    k_proj: Linear::empty(c, kv, false),
-                    v_proj: Linear::empty(c, kv, false),
-                    o_proj: Linear::empty(c, c, false),
-                    attention: AttentionKernel::default(),
-                },
-                post_attention_layernorm: norm(),
-                mlp: SwiGluMlp { gate_proj: Linear::empty(c, f, false), up_proj: Linear::empty(c, f, false), down_proj: Linear::empty(f, c, false) },
+            .map(|_| {
+                Ok(LlamaDecoderLayer {
+                    input_layernorm: norm(),
+                    self_attn: GroupedQueryAttention::empty(c, config.n_head, config.n_kv_head, config.attention_options(), config.rotary())?,
+                    post_attention_layernorm: norm(),
+                    mlp: SwiGluMlp { gate_proj: Linear::empty(c, f, false), up_proj: Linear::empty(c, f, false), down_proj: Linear::empty(f, c, false) },
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(Llama {
             config,
             embed_tokens: Embedding::empty(config.vocab_size, c),
@@ -283,9 +328,26 @@ impl Module for Llama {
 
     fn describe(&self) -> String {
         let c = &self.config;
+        // Llama's line as before (checkpoints store it); a variant's names
+        // itself and its head width.
+        let head_dim = match (c.variant, c.head_dim) {
+            (LlamaVariant::Llama, None) => String::new(),
+            _ => format!(", head_dim={}", c.head_dim()),
+        };
         format!(
-            "Llama(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_kv_head={}, n_embd={}, intermediate_size={}, rope_theta={}, rms_norm_eps={}, tied={}, rope={:?})",
-            c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size, c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings, c.rope_layout
+            "{}(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_kv_head={}, n_embd={}, intermediate_size={}, rope_theta={}, rms_norm_eps={}, tied={}, rope={:?}{head_dim})",
+            c.variant.names().2,
+            c.vocab_size,
+            c.block_size,
+            c.n_layer,
+            c.n_head,
+            c.n_kv_head,
+            c.n_embd,
+            c.intermediate_size,
+            c.rope_theta,
+            c.rms_norm_eps,
+            c.tie_word_embeddings,
+            c.rope_layout
         )
     }
 }
@@ -381,8 +443,8 @@ impl LmConfig for LlamaConfig {
     /// (read from a file) overflow, which no adapter holds.
     fn lm_sizes(&self) -> LmSizes {
         let (c, f, v) = (self.n_embd as u64, self.intermediate_size as u64, self.vocab_size as u64);
-        let kv = self.n_kv_head as u64 * self.head_dim() as u64;
-        let layer = (2 * c * c + 2 * c * kv + 3 * c * f).saturating_mul(self.n_layer as u64);
+        let (q, kv) = (self.n_head as u64 * self.head_dim() as u64, self.n_kv_head as u64 * self.head_dim() as u64);
+        let layer = (2 * c * q + 2 * c * kv + 3 * c * f).saturating_mul(self.n_layer as u64);
         LmSizes {
             parameters: self.num_parameters().map_or(u64::MAX, |n| n as u64),
             f16_weight_values: layer.saturating_add(v * c),

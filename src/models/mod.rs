@@ -2,6 +2,7 @@
 
 pub mod gpt;
 pub mod llama;
+pub mod qwen;
 
 pub use gpt::{Gpt, GptConfig};
-pub use llama::{Llama, LlamaConfig, LlamaDecoderLayer};
+pub use llama::{Llama, LlamaConfig, LlamaDecoderLayer, LlamaVariant};

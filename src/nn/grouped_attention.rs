@@ -1,27 +1,58 @@
 //! Grouped-query causal self-attention with rotary positions (Llama's):
 //! n_head query heads share n_kv_head key/value heads (n_kv_head = n_head
 //! is multi-head, 1 is multi-query), separate `q_proj`, `k_proj`, `v_proj`
-//! and `o_proj` projections without biases.
+//! and `o_proj` projections without biases. Its relatives are options
+//! ([`AttentionOptions`]): Qwen2's biases on q, k and v, Qwen3's RMSNorm
+//! over each q and k head before the rotation, and a head width that is
+//! not n_embd / n_head (Qwen3's `head_dim`).
 
 use super::causal_lm::{cache_pass, cached_attention, one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
 use super::transformer::{causal_attention, AttentionKernel};
-use super::{Linear, Module, ParameterTree, Rotary};
+use super::{Linear, Module, ParameterTree, RmsNorm, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::{MatmulForm, QkvLayout};
 
-/// transformers' LlamaAttention over x [B, T, C].
+/// What a family changes in Llama's attention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionOptions {
+    /// Channels per head (n_embd / n_head in Llama and Qwen2).
+    pub head_dim: usize,
+    /// Biases on q_proj, k_proj and v_proj (Qwen2's), not on o_proj.
+    pub qkv_bias: bool,
+    /// Qwen3's `q_norm` and `k_norm`: an RMSNorm of this epsilon over each
+    /// head's channels of q and of k, before the rotation.
+    pub qk_norm_eps: Option<f32>,
+}
+
+impl AttentionOptions {
+    /// Llama's: heads of n_embd / n_head channels, no biases, no q/k norm.
+    pub fn llama(n_embd: usize, n_head: usize) -> Self {
+        AttentionOptions { head_dim: n_embd / n_head.max(1), qkv_bias: false, qk_norm_eps: None }
+    }
+}
+
+/// transformers' LlamaAttention (with [`AttentionOptions`], Qwen2Attention
+/// and Qwen3Attention) over x [B, T, C].
 #[derive(Clone, Debug, PartialEq)]
 pub struct GroupedQueryAttention {
     pub n_embd: usize,
     pub n_head: usize,
     pub n_kv_head: usize,
+    /// Channels per head: q_proj yields n_head of them, k_proj and v_proj
+    /// n_kv_head.
+    pub head_dim: usize,
     pub rotary: Rotary,
     pub q_proj: Linear,
     pub k_proj: Linear,
     pub v_proj: Linear,
+    /// Qwen3's RMSNorm over each query head (weight [head_dim], shared by
+    /// the heads); `None` in Llama and Qwen2.
+    pub q_norm: Option<RmsNorm>,
+    /// The same over each key head.
+    pub k_norm: Option<RmsNorm>,
     pub o_proj: Linear,
     pub attention: AttentionKernel,
 }
@@ -30,25 +61,48 @@ impl GroupedQueryAttention {
     /// Weights N(0, std²), no biases (Llama's init).
     pub fn normal(n_embd: usize, n_head: usize, n_kv_head: usize, rotary: Rotary, std: f32) -> Result<Self> {
         Self::check(n_embd, n_head, n_kv_head)?;
-        let kv = n_kv_head * (n_embd / n_head);
+        Self::with_options(n_embd, n_head, n_kv_head, AttentionOptions::llama(n_embd, n_head), rotary, std)
+    }
+
+    /// transformers' init of a family's attention: weights N(0, std²),
+    /// biases zero, norms one.
+    pub fn with_options(n_embd: usize, n_head: usize, n_kv_head: usize, options: AttentionOptions, rotary: Rotary, std: f32) -> Result<Self> {
+        let mut attention = Self::empty(n_embd, n_head, n_kv_head, options, rotary)?;
+        for linear in [&mut attention.q_proj, &mut attention.k_proj, &mut attention.v_proj, &mut attention.o_proj] {
+            *linear = Linear { bias: linear.bias.as_ref().map(|_| vec![0.0; linear.out_features]), ..Linear::normal_no_bias(linear.in_features, linear.out_features, std) };
+        }
+        Ok(attention)
+    }
+
+    /// The structure with no values (empty matrices and biases, norms
+    /// ones), for a model's `from_parameters` to fill.
+    pub fn empty(n_embd: usize, n_head: usize, n_kv_head: usize, options: AttentionOptions, rotary: Rotary) -> Result<Self> {
+        let d = options.head_dim;
+        Self::check_heads(n_embd, n_head, n_kv_head, d)?;
+        let (q, kv) = (n_head * d, n_kv_head * d);
+        let norm = || options.qk_norm_eps.map(|eps| RmsNorm::new(d, eps));
         Ok(GroupedQueryAttention {
             n_embd,
             n_head,
             n_kv_head,
+            head_dim: d,
             rotary,
-            q_proj: Linear::normal_no_bias(n_embd, n_embd, std),
-            k_proj: Linear::normal_no_bias(n_embd, kv, std),
-            v_proj: Linear::normal_no_bias(n_embd, kv, std),
-            o_proj: Linear::normal_no_bias(n_embd, n_embd, std),
+            q_proj: Linear::empty(n_embd, q, options.qkv_bias),
+            k_proj: Linear::empty(n_embd, kv, options.qkv_bias),
+            v_proj: Linear::empty(n_embd, kv, options.qkv_bias),
+            q_norm: norm(),
+            k_norm: norm(),
+            o_proj: Linear::empty(q, n_embd, false),
             attention: AttentionKernel::default(),
         })
     }
 
     /// Channels per head.
     pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head.max(1)
+        self.head_dim
     }
 
+    /// Llama's sizes: heads dividing the channels, KV heads the heads.
     pub(crate) fn check(n_embd: usize, n_head: usize, n_kv_head: usize) -> Result<()> {
         if n_head == 0 || n_kv_head == 0 || n_embd == 0 || n_embd % n_head != 0 || n_head % n_kv_head != 0 {
             return Err(Error::InvalidArgument {
@@ -58,11 +112,23 @@ impl GroupedQueryAttention {
         }
         Ok(())
     }
+
+    /// Sizes with a head width of their own: every size positive and KV
+    /// heads dividing the heads.
+    fn check_heads(n_embd: usize, n_head: usize, n_kv_head: usize, head_dim: usize) -> Result<()> {
+        if n_head == 0 || n_kv_head == 0 || n_embd == 0 || head_dim == 0 || n_head % n_kv_head != 0 {
+            return Err(Error::InvalidArgument {
+                op: "GroupedQueryAttention",
+                reason: format!("n_embd {n_embd}, head_dim {head_dim} and n_head {n_head} must be positive, and n_kv_head {n_kv_head} a positive divisor of n_head"),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Module for GroupedQueryAttention {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        Self::check(self.n_embd, self.n_head, self.n_kv_head)?;
+        Self::check_heads(self.n_embd, self.n_head, self.n_kv_head, self.head_dim)?;
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [b, t, c] = shape[..] else {
             return Err(Error::shape("GroupedQueryAttention", "expects x [batch, time, channels]", &[&shape]));
@@ -88,8 +154,10 @@ impl Module for GroupedQueryAttention {
         // Rotary positions on [B, T, heads, d], the projections' own
         // layout, before the KV heads are repeated (each rotated once).
         let q = g.reshape(q, &[b, t, h, d])?;
+        let q = head_norm(g, &self.q_norm, q, &child_prefix!(prefix, self.q_norm))?;
         let q = self.rotary.forward(g, q, starts)?;
         let k = g.reshape(k, &[b, t, kv, d])?;
+        let k = head_norm(g, &self.k_norm, k, &child_prefix!(prefix, self.k_norm))?;
         let k = self.rotary.forward(g, k, starts)?;
         let k = g.reshape(k, &[b, t, kv * d])?;
         if pass.is_some() {
@@ -105,7 +173,28 @@ impl Module for GroupedQueryAttention {
     }
 
     fn describe(&self) -> String {
-        format!("GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={})", self.n_embd, self.n_head, self.n_kv_head)
+        let mut options = String::new();
+        if self.head_dim * self.n_head != self.n_embd {
+            options += &format!(", head_dim={}", self.head_dim);
+        }
+        if self.q_proj.bias.is_some() {
+            options += ", qkv_bias";
+        }
+        if self.q_norm.is_some() {
+            options += ", qk_norm";
+        }
+        format!("GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={}{options})", self.n_embd, self.n_head, self.n_kv_head)
+    }
+}
+
+/// Qwen3's q/k norm: an RMSNorm over the last dim of heads [B, T, H, d]
+/// (its weight [d] replicated under tensor parallelism, where each device
+/// normalises its own heads and the engine sums the weight's gradient
+/// over the devices); `None` passes the heads through.
+fn head_norm(g: &mut Graph, norm: &Option<RmsNorm>, heads: Tensor, prefix: &str) -> Result<Tensor> {
+    match norm {
+        Some(norm) => norm.forward(g, heads, prefix),
+        None => Ok(heads),
     }
 }
 
@@ -117,7 +206,8 @@ impl GroupedQueryAttention {
     /// projections take five. None where that does not apply.
     fn quantized_qkv_attention(&self, g: &mut Graph, x: Tensor, prefix: &str, starts: Option<Tensor>) -> Result<Option<Tensor>> {
         let projections = [(&self.q_proj, child_prefix!(prefix, self.q_proj)), (&self.k_proj, child_prefix!(prefix, self.k_proj)), (&self.v_proj, child_prefix!(prefix, self.v_proj))];
-        if !unsharded_generation() || projections.iter().any(|(l, _)| l.bias.is_some()) {
+        let plain = projections.iter().all(|(l, _)| l.bias.is_none()) && self.q_norm.is_none() && self.k_norm.is_none();
+        if !unsharded_generation() || !plain {
             return Ok(None);
         }
         let mut weights = Vec::with_capacity(3);
@@ -142,7 +232,8 @@ impl GroupedQueryAttention {
     }
 }
 
-parameter_tree!(GroupedQueryAttention { q_proj, k_proj, v_proj, o_proj });
+// In the order the forward declares them.
+parameter_tree!(GroupedQueryAttention { q_proj, k_proj, v_proj, q_norm, k_norm, o_proj });
 
 /// Key or value heads x [.., n_kv·d] repeated to [.., n_kv·n_rep·d], each
 /// KV head n_rep times in a row (transformers' `repeat_kv`: query head i

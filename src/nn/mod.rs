@@ -22,7 +22,7 @@ pub use layers::{Embedding, LayerNorm};
 pub use shard::TensorSplit;
 pub use staged::{StageCosts, Staged};
 pub use transformer::{causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp, CPU_FUSED_ATTENTION_MIN_SEQ};
-pub use grouped_attention::GroupedQueryAttention;
+pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};

@@ -309,6 +309,8 @@ pub(crate) fn llama_configs() -> [LlamaConfig; 3] {
         rms_norm_eps: 1e-5,
         tie_word_embeddings: false,
         rope_layout: RopeLayout::HalfSplit,
+        head_dim: None,
+        variant: wgrad::models::LlamaVariant::Llama,
     };
     [
         base,

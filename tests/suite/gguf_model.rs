@@ -42,6 +42,8 @@ fn fixture_config(tied: bool) -> LlamaConfig {
         rms_norm_eps: 1e-5,
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::Interleaved,
+        head_dim: None,
+        variant: wgrad::models::LlamaVariant::Llama,
     }
 }
 
@@ -355,7 +357,7 @@ fn other_architectures_are_refused() {
     let mut bytes = fixture_bytes(UNTIED);
     replace(&mut bytes, "llama", "gemma");
     let reason = file_reason(&bytes, "gemma");
-    assert!(reason.contains("architecture `gemma`") && reason.contains("`llama` and `gpt2`"), "{reason}");
+    assert!(reason.contains("architecture `gemma`") && reason.contains("`llama`, `qwen2`, `qwen3` and `gpt2`"), "{reason}");
     let mut bytes = fixture_bytes(GPT2);
     replace(&mut bytes, "gpt2", "bert");
     assert!(file_reason(&bytes, "bert").contains("architecture `bert`"));

@@ -43,6 +43,8 @@ pub(crate) fn config(tied: bool) -> LlamaConfig {
         rms_norm_eps: 1e-5,
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::HalfSplit,
+        head_dim: None,
+        variant: wgrad::models::LlamaVariant::Llama,
     }
 }
 

@@ -33,6 +33,8 @@ fn config(fx: &Fixture, tied: bool) -> LlamaConfig {
         rms_norm_eps: fx.setting("rms_norm_eps"),
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::HalfSplit,
+        head_dim: None,
+        variant: wgrad::models::LlamaVariant::Llama,
     }
 }
 

@@ -105,12 +105,12 @@ fn reduce_scatter_and_all_gather_take_uneven_segments() {
 }
 
 /// One model's case: what it is, the model, its optimizer, its batches.
-struct Case<'a> {
-    what: &'a str,
-    model: &'a dyn Staged,
-    optimizer: OptimizerConfig,
-    clip: f32,
-    batches: Vec<(Vec<u32>, Vec<u32>)>,
+pub(crate) struct Case<'a> {
+    pub(crate) what: &'a str,
+    pub(crate) model: &'a dyn Staged,
+    pub(crate) optimizer: OptimizerConfig,
+    pub(crate) clip: f32,
+    pub(crate) batches: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
 /// A ZeRO engine and its last step's gradient norm.
@@ -137,7 +137,7 @@ impl Sharded for ZeroStages {
 /// (the batch's sums split over devices, compounded over ten clipped Adam
 /// steps: 1e-5 + 1e-4·|p|), and AdamW's moments gathered to single-device
 /// names (the same sums squared for exp_avg_sq: 1e-6 + 1e-3·|m|).
-fn stages_match_one_device(groups: &[DeviceGroup], case: &Case<'_>) {
+pub(crate) fn stages_match_one_device(groups: &[DeviceGroup], case: &Case<'_>) {
     let Some(first) = groups.first() else { return };
     let (reference, losses, norms) = train_on_one_device(&first.members()[0], case.model, case.optimizer, BATCH, &case.batches);
     assert!(norms.iter().all(|&n| n > case.clip), "{}: every step clips: norms {norms:?} against {}", case.what, case.clip);
@@ -191,7 +191,7 @@ fn assert_holds_only_its_shard(what: &str, z: &Zero) {
     }
 }
 
-fn two_and_three(test: &str) -> crate::parallel::Groups {
+pub(crate) fn two_and_three(test: &str) -> crate::parallel::Groups {
     open_groups(test, &[DeviceSelection::Count(2), DeviceSelection::Count(3)])
 }
 
