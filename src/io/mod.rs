@@ -14,4 +14,5 @@ pub mod gpt_folder;
 pub mod hf_folder;
 pub mod llama_folder;
 pub mod lm_folder;
+pub mod spm;
 pub mod text;
