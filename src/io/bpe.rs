@@ -197,7 +197,8 @@ impl BpeTokenizer {
     }
 
     /// A Hugging Face `tokenizer.json` whose decoder is byte-level (GPT-2,
-    /// SmolLM2, Llama 3, Qwen …). Its special tokens, bos and eos come from
+    /// SmolLM2, Llama 3, Qwen …) or SentencePiece-style (Llama 2, Mistral,
+    /// Gemma: `▁` for spaces, byte fallback). Its special tokens, bos and eos come from
     /// the file's added tokens; [`BpeTokenizer::from_folder`] also reads
     /// `tokenizer_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
@@ -205,17 +206,31 @@ impl BpeTokenizer {
         let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op: "BpeTokenizer::from_file", path: path.to_path_buf(), source })?;
         let bad = |reason: String| Error::DataFormat { op: "BpeTokenizer::from_file", file: path.display().to_string(), reason };
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(format!("not a tokenizer.json wgrad can read: {e}")))?;
-        match inner.get_decoder() {
-            Some(DecoderWrapper::ByteLevel(_)) => {}
+        // Byte-level, or SentencePiece-style (`▁` for spaces, byte fallback),
+        // whose decoder may strip the prefix space.
+        const RUNS: &str = "wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`) and SentencePiece-style ones \
+                            (decoders Replace `▁`, ByteFallback, Fuse and perhaps Strip)";
+        let sentencepiece = match inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => None,
             Some(other) => {
-                let name = serde_json::to_value(other).ok().and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
-                return Err(bad(format!("its decoder is `{}`; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)", name.unwrap_or_else(|| "unknown".into()))));
+                let json = serde_json::to_value(other).ok();
+                match json.as_ref().and_then(spm::decoder_strips) {
+                    Some(strips) => Some(strips),
+                    None => {
+                        let name = json.as_ref().and_then(|v| v.get("type").and_then(|t| t.as_str())).unwrap_or("unknown");
+                        return Err(bad(format!("its decoder is `{name}`; {RUNS}")));
+                    }
+                }
             }
-            None => return Err(bad("it has no decoder; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)".into())),
-        }
+            None => return Err(bad(format!("it has no decoder; {RUNS}"))),
+        };
         let size = inner.get_vocab_size(true);
         let char_to_byte: HashMap<char, u8> = byte_alphabet().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        let token_bytes = (0..size as u32).map(|id| inner.id_to_token(id).map(|t| token_to_bytes(&t, &char_to_byte))).collect();
+        let bytes_of = |t: String| match sentencepiece {
+            Some(_) => spm::token_bytes(&t),
+            None => token_to_bytes(&t, &char_to_byte),
+        };
+        let token_bytes = (0..size as u32).map(|id| inner.id_to_token(id).map(bytes_of)).collect();
         let mut special = vec![false; size];
         for (&id, token) in inner.get_added_tokens_decoder().iter() {
             if token.special {
@@ -224,7 +239,8 @@ impl BpeTokenizer {
                 }
             }
         }
-        Ok(BpeTokenizer { inner, token_bytes, special, bos: None, eos: None, prepend_bos: None, chat_template: None, strip_leading_space: false })
+        let strip_leading_space = sentencepiece.unwrap_or(false);
+        Ok(BpeTokenizer { inner, token_bytes, special, bos: None, eos: None, prepend_bos: None, chat_template: None, strip_leading_space })
     }
 
     /// The tokenizer of a Hugging Face model folder: `tokenizer.json`, with

@@ -118,6 +118,27 @@ pub fn token_bytes(token: &str) -> Box<[u8]> {
     token.replace(SPACE, " ").into_bytes().into_boxed_slice()
 }
 
+/// Whether a `tokenizer.json` decoder (as JSON) is the SentencePiece chain
+/// the converters write — Replace `▁` with a space, ByteFallback, Fuse, and
+/// for a vocabulary that puts a space first, Strip one leading space —
+/// and if so whether it strips (`None` for any other decoder).
+pub fn decoder_strips(decoder: &serde_json::Value) -> Option<bool> {
+    let steps = decoder.get("decoders")?.as_array()?;
+    let kind = |step: &serde_json::Value| step.get("type").and_then(|t| t.as_str()).map(str::to_string);
+    let replace = serde_json::json!({"type": "Replace", "pattern": {"String": SPACE.to_string()}, "content": " "});
+    let strip = serde_json::json!({"type": "Strip", "content": " ", "start": 1, "stop": 0});
+    match steps.as_slice() {
+        [r, b, f, rest @ ..] if decoder.get("type")? == "Sequence" && *r == replace && kind(b)? == "ByteFallback" && kind(f)? == "Fuse" => {
+            match rest {
+                [] => Some(false),
+                [s] if *s == strip => Some(true),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
 /// transformers' `generate_merges`: every split of every token into two
 /// tokens of the vocabulary, the token's pairs in the order of their ids,
 /// then all sorted best first by (score, left length, right length) with

@@ -630,6 +630,33 @@ fn qwen2_byte_level_bpe_ids_equal_transformers() {
     assert_eq!(t.encode("<|im_start|>", false).unwrap(), [t.token_id("<|im_start|>").unwrap()]);
 }
 
+/// A SentencePiece-style tokenizer written as Hugging Face files (what a
+/// model folder wgrad saves holds) reads back from them and still gives
+/// transformers' ids and text.
+#[test]
+fn sentencepiece_tokenizers_round_trip_through_tokenizer_json() {
+    for name in ["spm-llama", "spm-gemma3"] {
+        let t = BpeTokenizer::from_gguf(&Gguf::open(tokenizer_fixtures().join(format!("{name}.gguf"))).unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("wgrad-spm-json-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, bytes) in t.hugging_face_files().unwrap() {
+            std::fs::write(dir.join(file), bytes).unwrap();
+        }
+        let back = BpeTokenizer::from_folder(&dir).unwrap().expect("the folder has a tokenizer.json");
+        assert_eq!((back.bos_id(), back.eos_id(), back.chat_template()), (t.bos_id(), t.eos_id(), t.chat_template()));
+        let reference = read_json(&tokenizer_fixtures().join(format!("{name}.json")));
+        for case in reference["cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let ids = ids_of(&case["ids"]);
+            assert_eq!(back.encode(text, false).unwrap(), ids, "{name}: {text:?}");
+            assert_eq!(back.encode(text, true).unwrap(), ids_of(&case["ids_with_special"]), "{name}: {text:?}");
+            assert_eq!(back.decode(&ids, false).unwrap(), case["decoded"].as_str().unwrap(), "{name}: {text:?}");
+            assert_eq!(back.decode(&ids, true).unwrap(), case["decoded_skip_special"].as_str().unwrap(), "{name}: {text:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 
 /// `$WGRAD_GEMMA3`, else where scripts/fetch-gemma3.sh caches it; missing,
