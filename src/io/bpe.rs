@@ -42,14 +42,35 @@ const LLAMA3_SPLIT: &str =
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's Tekken (Nemo, Small 3): cased words, every digit alone, as
+/// transformers' GGUF converter splits it.
+const TEKKEN_SPLIT: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+/// GPT-4o's (o200k; Llama 4): cased words with contractions, numbers in
+/// threes.
+const GPT4O_SPLIT: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
 /// `tokenizer.ggml.pre` names and the splits they apply in order, as
-/// llama.cpp's `llama-vocab.cpp` gives them (SmolLM2's `smollm`: each digit
-/// alone, then GPT-2's split).
+/// llama.cpp's `llama-vocab.cpp` and transformers' GGUF converter give them
+/// (SmolLM2's `smollm`: each digit alone, then GPT-2's split; Qwen2, Qwen2.5
+/// and Qwen3 files say `qwen2`).
 const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
     (&["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], &[GPT2_SPLIT]),
     (&["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], &[r"\p{N}", GPT2_SPLIT]),
-    (&["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], &[LLAMA3_SPLIT]),
-    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], &[QWEN2_SPLIT]),
+    (
+        &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe", "lfm2", "midm-2.0"],
+        &[LLAMA3_SPLIT],
+    ),
+    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"], &[QWEN2_SPLIT]),
+    (&["tekken"], &[TEKKEN_SPLIT]),
+    (&["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_SPLIT]),
 ];
 
 /// llama.cpp's token types that are matched whole in the text.

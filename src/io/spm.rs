@@ -35,6 +35,9 @@ use tokenizers::{AddedToken, NormalizerWrapper, PreTokenizerWrapper, SplitDelimi
 /// The character SentencePiece writes for a space.
 pub const SPACE: char = '\u{2581}';
 
+/// The longest token whose merges are recovered from the vocabulary.
+const MAX_DERIVED_TOKEN_BYTES: usize = 1024;
+
 /// llama.cpp's token types that are matched whole in the text.
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
@@ -208,6 +211,15 @@ fn merges(v: &SpmVocabulary, flavor: SpmFlavor, spelled: &[String], vocab: &Voca
         }
         return Ok(pairs);
     }
+    // Recovering merges costs the square of a token's length: a corrupt
+    // file's megabyte-long token would stall the load. Real pieces are
+    // short (SentencePiece's default cap is 16 characters).
+    if let Some((id, token)) = spelled.iter().enumerate().find(|(_, t)| t.len() > MAX_DERIVED_TOKEN_BYTES) {
+        return Err(format!(
+            "token {id} is {} bytes long; wgrad recovers merges for tokens of up to {MAX_DERIVED_TOKEN_BYTES} bytes",
+            token.len()
+        ));
+    }
     let keys = if flavor == SpmFlavor::Gemma {
         first_seen_last_scored(spelled, |id| -(id as f64))
     } else {
@@ -327,9 +339,9 @@ mod tests {
         let keys = first_seen_last_scored(&tokens, |id| f64::from(scores[id]));
         let got = generate_merges(&keys, &vocab);
         let pairs: Vec<(&str, &str)> = got.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
-        // Score -1: "abc" splits as ab+c (left 2) before a+bc (left 1), then
-        // "ab" (a+b, left 1, right 1) — "ab" came first in the vocabulary
-        // but "abc"'s pairs have the longer left or right parts.
+        // Score -1 ("ab" and "abc"): ab+c (left 2), then a+bc (left 1,
+        // right 2), then a+b (1, 1), though "ab" comes first in the
+        // vocabulary; then score -2, then -3.
         assert_eq!(pairs, [("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c"), ("c", "a")]);
     }
 

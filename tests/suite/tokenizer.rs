@@ -299,8 +299,13 @@ fn each_pre_tokenizer_splits_digits_its_own_way() {
         assert_eq!(tiny(pre).encode("1212", false).unwrap(), vec![one, two, one, two], "{pre}");
     }
     assert_eq!(tiny("smollm").encode("x 12", false).unwrap(), vec![byte_id(b'x'), byte_id(b' '), one, two]);
-    // Llama 3: digits in threes.
+    // Llama 3 and GPT-4o: digits in threes; Tekken: each alone.
     assert_eq!(tiny("llama-bpe").encode("1212", false).unwrap(), vec![twelve, one, two]);
+    assert_eq!(tiny("gpt-4o").encode("1212", false).unwrap(), vec![twelve, one, two]);
+    assert_eq!(tiny("tekken").encode("1212", false).unwrap(), vec![one, two, one, two]);
+    // Tekken and GPT-4o split a word where lower case turns upper.
+    assert_eq!(tiny("tekken").encode("heHe", false).unwrap(), vec![merged_id(0), byte_id(b'H'), byte_id(b'e')]);
+    assert_eq!(tiny("gpt2").encode("hehe", false).unwrap(), vec![merged_id(0), merged_id(0)]);
 }
 
 #[test]
@@ -710,6 +715,10 @@ fn broken_sentencepiece_metadata_is_a_clear_error() {
     assert!(nan.contains("NaN") && nan.contains("token 3"), "{nan}");
     let not_floats = message(kvs(Meta::I32s(vec![0; 8])));
     assert!(not_floats.contains("tokenizer.ggml.scores") && not_floats.contains("f32"), "{not_floats}");
+    let mut long = kvs(Meta::F32s(vec![0.0; 8]));
+    long[3].1 = Meta::Strs(["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a"].iter().map(|s| s.to_string()).chain(["x".repeat(5000)]).collect());
+    let long = message(long);
+    assert!(long.contains("token 7") && long.contains("5000 bytes"), "{long}");
     let mut none = kvs(Meta::F32s(vec![]));
     none.retain(|(k, _)| *k != "tokenizer.ggml.scores");
     let none = message(none);
