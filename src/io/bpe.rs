@@ -65,7 +65,10 @@ const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
     (&["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], &[GPT2_SPLIT]),
     (&["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], &[r"\p{N}", GPT2_SPLIT]),
     (
-        &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe", "lfm2", "midm-2.0"],
+        &[
+            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe", "lfm2",
+            "midm-2.0",
+        ],
         &[LLAMA3_SPLIT],
     ),
     (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"], &[QWEN2_SPLIT]),
@@ -165,7 +168,8 @@ impl BpeTokenizer {
         let model = gguf.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" && model != "llama" {
             return Err(bad(format!(
-                "the tokenizer model `{model}` is not one wgrad runs (it runs byte-level BPE, `gpt2`, and SentencePiece-style BPE, `llama`)"
+                "the tokenizer model `{model}` is not one wgrad runs \
+                 (it runs byte-level BPE, `gpt2`, and SentencePiece-style BPE, `llama`)"
             )));
         }
         let tokens = gguf.get_strings("tokenizer.ggml.tokens")?;
@@ -238,7 +242,8 @@ impl BpeTokenizer {
                 match json.as_ref().and_then(spm::decoder_strips) {
                     Some(strips) => Some(strips),
                     None => {
-                        let name = json.as_ref().and_then(|v| v.get("type").and_then(|t| t.as_str())).unwrap_or("unknown");
+                        let name =
+                            json.as_ref().and_then(|v| v.get("type").and_then(|t| t.as_str())).unwrap_or("unknown");
                         return Err(bad(format!("its decoder is `{name}`; {RUNS}")));
                     }
                 }
@@ -261,7 +266,8 @@ impl BpeTokenizer {
             }
         }
         let strip_leading_space = sentencepiece.unwrap_or(false);
-        Ok(BpeTokenizer { inner, token_bytes, special, bos: None, eos: None, prepend_bos: None, chat_template: None, strip_leading_space })
+        let (bos, eos, prepend_bos, chat_template) = (None, None, None, None);
+        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template, strip_leading_space })
     }
 
     /// The tokenizer of a Hugging Face model folder: `tokenizer.json`, with
@@ -486,9 +492,11 @@ fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result
     // A token spelled outside the alphabet is respelled from its UTF-8
     // bytes (transformers' converter does the same); a repeated token
     // takes its last id, as in llama.cpp and the converter.
-    let spelled: Vec<String> =
-        tokens.iter().map(|t| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() }).collect();
-    let vocab: tokenizers::models::bpe::Vocab = spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
+    let respell =
+        |t: &String| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() };
+    let spelled: Vec<String> = tokens.iter().map(respell).collect();
+    let vocab: tokenizers::models::bpe::Vocab =
+        spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
     let mut merge_pairs = Vec::with_capacity(merges.len());
     for (i, merge) in merges.iter().enumerate() {
         let Some((a, b)) = merge.split_once(' ') else {
@@ -535,7 +543,12 @@ fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result
 
 /// A `llama` file's SentencePiece-style vocabulary (scores, or listed
 /// merges), in the flavour its architecture names.
-fn sentencepiece_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64], named: &[u32]) -> Result<(SpmTokenizer, SpmFlavor)> {
+fn sentencepiece_from_gguf(
+    gguf: &Gguf,
+    tokens: &[String],
+    types: &[i64],
+    named: &[u32],
+) -> Result<(SpmTokenizer, SpmFlavor)> {
     let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
     let architecture = match gguf.get("general.architecture") {
         Some(_) => gguf.get_str("general.architecture")?,

@@ -60,7 +60,9 @@ impl SpmFlavor {
         match architecture {
             "gemma" | "gemma2" | "gemma3" => SpmFlavor::Gemma,
             "phi3" => SpmFlavor::Phi3,
-            _ => SpmFlavor::Llama { prefix_space: add_space_prefix.unwrap_or(true) },
+            _ => SpmFlavor::Llama {
+                prefix_space: add_space_prefix.unwrap_or(true),
+            },
         }
     }
 
@@ -131,7 +133,12 @@ pub fn decoder_strips(decoder: &serde_json::Value) -> Option<bool> {
     let replace = serde_json::json!({"type": "Replace", "pattern": {"String": SPACE.to_string()}, "content": " "});
     let strip = serde_json::json!({"type": "Strip", "content": " ", "start": 1, "stop": 0});
     match steps.as_slice() {
-        [r, b, f, rest @ ..] if decoder.get("type")? == "Sequence" && *r == replace && kind(b)? == "ByteFallback" && kind(f)? == "Fuse" => {
+        [r, b, f, rest @ ..]
+            if decoder.get("type")? == "Sequence"
+                && *r == replace
+                && kind(b)? == "ByteFallback"
+                && kind(f)? == "Fuse" =>
+        {
             match rest {
                 [] => Some(false),
                 [s] if *s == strip => Some(true),
@@ -163,7 +170,17 @@ fn generate_merges(keys: &[(&str, f64)], vocab: &Vocab) -> Vec<(String, String)>
         for (n, (at, _)) in token.char_indices().enumerate().skip(1) {
             let (left, right) = token.split_at(at);
             if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right)) {
-                local.push((l, r, Merge { left, right, score, left_chars: n, right_chars: chars - n }));
+                local.push((
+                    l,
+                    r,
+                    Merge {
+                        left,
+                        right,
+                        score,
+                        left_chars: n,
+                        right_chars: chars - n,
+                    },
+                ));
             }
         }
         local.sort_by_key(|&(l, r, _)| (l, r));
@@ -172,9 +189,15 @@ fn generate_merges(keys: &[(&str, f64)], vocab: &Vocab) -> Vec<(String, String)>
     // A stable sort, descending: Python's `sorted(…, reverse=True)` keeps
     // equal keys in their original order too.
     merges.sort_by(|a, b| {
-        b.score.total_cmp(&a.score).then(b.left_chars.cmp(&a.left_chars)).then(b.right_chars.cmp(&a.right_chars))
+        b.score
+            .total_cmp(&a.score)
+            .then(b.left_chars.cmp(&a.left_chars))
+            .then(b.right_chars.cmp(&a.right_chars))
     });
-    merges.into_iter().map(|m| (m.left.to_string(), m.right.to_string())).collect()
+    merges
+        .into_iter()
+        .map(|m| (m.left.to_string(), m.right.to_string()))
+        .collect()
 }
 
 /// Each distinct token once, in order of first appearance, with a score
@@ -197,14 +220,23 @@ fn first_seen_last_scored<'t>(spelled: &'t [String], score: impl Fn(usize) -> f6
 
 /// The merges: the file's own when it lists them, else recovered from the
 /// scores (Gemma: from the positions).
-fn merges(v: &SpmVocabulary, flavor: SpmFlavor, spelled: &[String], vocab: &Vocab) -> Result<Vec<(String, String)>, String> {
+fn merges(
+    v: &SpmVocabulary,
+    flavor: SpmFlavor,
+    spelled: &[String],
+    vocab: &Vocab,
+) -> Result<Vec<(String, String)>, String> {
     if let Some(listed) = v.merges {
         let mut pairs = Vec::with_capacity(listed.len());
         for (i, merge) in listed.iter().enumerate() {
-            let (a, b) = merge.split_once(' ').ok_or_else(|| format!("merge {i} `{merge}` is not two tokens separated by a space"))?;
+            let (a, b) = merge
+                .split_once(' ')
+                .ok_or_else(|| format!("merge {i} `{merge}` is not two tokens separated by a space"))?;
             for part in [a, b, &format!("{a}{b}")] {
                 if !vocab.contains_key(part) {
-                    return Err(format!("merge {i} `{merge}` needs `{part}`, which is not in the vocabulary"));
+                    return Err(format!(
+                        "merge {i} `{merge}` needs `{part}`, which is not in the vocabulary"
+                    ));
                 }
             }
             pairs.push((a.to_string(), b.to_string()));
@@ -214,7 +246,11 @@ fn merges(v: &SpmVocabulary, flavor: SpmFlavor, spelled: &[String], vocab: &Voca
     // Recovering merges costs the square of a token's length: a corrupt
     // file's megabyte-long token would stall the load. Real pieces are
     // short (SentencePiece's default cap is 16 characters).
-    if let Some((id, token)) = spelled.iter().enumerate().find(|(_, t)| t.len() > MAX_DERIVED_TOKEN_BYTES) {
+    if let Some((id, token)) = spelled
+        .iter()
+        .enumerate()
+        .find(|(_, t)| t.len() > MAX_DERIVED_TOKEN_BYTES)
+    {
         return Err(format!(
             "token {id} is {} bytes long; wgrad recovers merges for tokens of up to {MAX_DERIVED_TOKEN_BYTES} bytes",
             token.len()
@@ -223,9 +259,15 @@ fn merges(v: &SpmVocabulary, flavor: SpmFlavor, spelled: &[String], vocab: &Voca
     let keys = if flavor == SpmFlavor::Gemma {
         first_seen_last_scored(spelled, |id| -(id as f64))
     } else {
-        let scores = v.scores.ok_or("has no `tokenizer.ggml.scores` and no `tokenizer.ggml.merges`, so the merge order is unknown")?;
+        let scores = v
+            .scores
+            .ok_or("has no `tokenizer.ggml.scores` and no `tokenizer.ggml.merges`, so the merge order is unknown")?;
         if scores.len() != spelled.len() {
-            return Err(format!("`tokenizer.ggml.scores` has {} entries for {} tokens", scores.len(), spelled.len()));
+            return Err(format!(
+                "`tokenizer.ggml.scores` has {} entries for {} tokens",
+                scores.len(),
+                spelled.len()
+            ));
         }
         if let Some(id) = scores.iter().position(|s| s.is_nan()) {
             return Err(format!("`tokenizer.ggml.scores` is NaN for token {id}"));
@@ -236,29 +278,60 @@ fn merges(v: &SpmVocabulary, flavor: SpmFlavor, spelled: &[String], vocab: &Voca
 }
 
 /// The normalizer, pre-tokenizer and decoder of a flavour.
-fn pipeline(flavor: SpmFlavor) -> Result<(Option<NormalizerWrapper>, Option<PreTokenizerWrapper>, DecoderWrapper), String> {
+fn pipeline(
+    flavor: SpmFlavor,
+) -> Result<(Option<NormalizerWrapper>, Option<PreTokenizerWrapper>, DecoderWrapper), String> {
     let space = SPACE.to_string();
-    let replace = |from: &str, to: &str| Replace::new(from, to).map_err(|e| format!("the `{from}` replacement does not build: {e}"));
-    let mut decoders = vec![DecoderWrapper::Replace(replace(&space, " ")?), DecoderWrapper::ByteFallback(ByteFallback::new()), DecoderWrapper::Fuse(Fuse::new())];
+    let replace = |from: &str, to: &str| {
+        Replace::new(from, to).map_err(|e| format!("the `{from}` replacement does not build: {e}"))
+    };
+    let mut decoders = vec![
+        DecoderWrapper::Replace(replace(&space, " ")?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
     if flavor.strips_leading_space() {
         decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
     }
     let decoder = DecoderWrapper::Sequence(DecoderSequence::new(decoders));
     Ok(match flavor {
         SpmFlavor::Llama { prefix_space } => {
-            let scheme = if prefix_space { PrependScheme::First } else { PrependScheme::Never };
-            (None, Some(PreTokenizerWrapper::Metaspace(Metaspace::new(SPACE, scheme, false))), decoder)
+            let scheme = if prefix_space {
+                PrependScheme::First
+            } else {
+                PrependScheme::Never
+            };
+            (
+                None,
+                Some(PreTokenizerWrapper::Metaspace(Metaspace::new(SPACE, scheme, false))),
+                decoder,
+            )
         }
         SpmFlavor::Gemma => {
             // The split on " " never matches after the normalizer; kept
             // because it is what transformers builds (and serializes).
-            let split = Split::new(SplitPattern::String(" ".into()), SplitDelimiterBehavior::MergedWithPrevious, false)
-                .map_err(|e| format!("the space split does not build: {e}"))?;
-            (Some(NormalizerWrapper::Replace(replace(" ", &space)?)), Some(PreTokenizerWrapper::Split(split)), decoder)
+            let split = Split::new(
+                SplitPattern::String(" ".into()),
+                SplitDelimiterBehavior::MergedWithPrevious,
+                false,
+            )
+            .map_err(|e| format!("the space split does not build: {e}"))?;
+            (
+                Some(NormalizerWrapper::Replace(replace(" ", &space)?)),
+                Some(PreTokenizerWrapper::Split(split)),
+                decoder,
+            )
         }
         SpmFlavor::Phi3 => {
-            let steps = vec![NormalizerWrapper::Prepend(Prepend::new(space.clone())), NormalizerWrapper::Replace(replace(" ", &space)?)];
-            (Some(NormalizerWrapper::Sequence(NormalizerSequence::new(steps))), None, decoder)
+            let steps = vec![
+                NormalizerWrapper::Prepend(Prepend::new(space.clone())),
+                NormalizerWrapper::Replace(replace(" ", &space)?),
+            ];
+            (
+                Some(NormalizerWrapper::Sequence(NormalizerSequence::new(steps))),
+                None,
+                decoder,
+            )
         }
     })
 }
@@ -267,16 +340,27 @@ fn pipeline(flavor: SpmFlavor) -> Result<(Option<NormalizerWrapper>, Option<PreT
 /// (to be put in the file's context) naming what is wrong.
 pub fn build(v: &SpmVocabulary, flavor: SpmFlavor) -> Result<SpmTokenizer, String> {
     if v.types.len() != v.tokens.len() {
-        return Err(format!("`tokenizer.ggml.token_type` has {} entries for {} tokens", v.types.len(), v.tokens.len()));
+        return Err(format!(
+            "`tokenizer.ggml.token_type` has {} entries for {} tokens",
+            v.types.len(),
+            v.tokens.len()
+        ));
     }
     let spelled: Vec<String> = match flavor {
         SpmFlavor::Gemma => v.tokens.iter().map(|t| gemma_spelling(t)).collect(),
         _ => v.tokens.to_vec(),
     };
     // A repeated token takes its last id, as in the converter's dict.
-    let vocab: Vocab = spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
+    let vocab: Vocab = spelled
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.clone(), id as u32))
+        .collect();
     let merges = merges(v, flavor, &spelled, &vocab)?;
-    let mut bpe = BPE::builder().vocab_and_merges(vocab.clone(), merges).byte_fallback(true).fuse_unk(true);
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab.clone(), merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
     if flavor == SpmFlavor::Gemma {
         // GemmaTokenizer's own; the Llama flavour has none.
         bpe = bpe.unk_token("<unk>".into());
@@ -300,8 +384,13 @@ pub fn build(v: &SpmVocabulary, flavor: SpmFlavor) -> Result<SpmTokenizer, Strin
     // Special tokens as the file spells them (a Gemma control token is
     // never a run of spaces); user-defined ones only where that spelling is
     // in the vocabulary, so Gemma's space runs stay BPE pieces.
-    let control: Vec<AddedToken> =
-        v.tokens.iter().zip(&special).filter(|(_, &s)| s).map(|(t, _)| AddedToken::from(t.clone(), true).normalized(false)).collect();
+    let control: Vec<AddedToken> = v
+        .tokens
+        .iter()
+        .zip(&special)
+        .filter(|(_, &s)| s)
+        .map(|(t, _)| AddedToken::from(t.clone(), true).normalized(false))
+        .collect();
     let user: Vec<AddedToken> = v
         .tokens
         .iter()
@@ -312,7 +401,11 @@ pub fn build(v: &SpmVocabulary, flavor: SpmFlavor) -> Result<SpmTokenizer, Strin
     inner.add_special_tokens(&control);
     inner.add_tokens(&user);
     let token_bytes = v.tokens.iter().map(|t| Some(token_bytes(t))).collect();
-    Ok(SpmTokenizer { inner, token_bytes, special })
+    Ok(SpmTokenizer {
+        inner,
+        token_bytes,
+        special,
+    })
 }
 
 #[cfg(test)]
@@ -333,7 +426,10 @@ mod tests {
 
     #[test]
     fn merges_come_best_score_first_then_longer_left_then_vocabulary_order() {
-        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc", "ca"].iter().map(|s| s.to_string()).collect();
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc", "ca"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -1.0, -3.0];
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let keys = first_seen_last_scored(&tokens, |id| f64::from(scores[id]));

@@ -498,8 +498,18 @@ fn tokenizer_fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("tokenizers")
 }
 
+fn fixture_tokenizer(name: &str) -> BpeTokenizer {
+    let path = tokenizer_fixtures().join(format!("{name}.gguf"));
+    BpeTokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
 fn read_json(path: &std::path::Path) -> Json {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).expect("the fixture is JSON")
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).expect("the fixture is JSON")
 }
 
 /// wgrad's tokenizer of the file at `path` against transformers' (the
@@ -526,7 +536,9 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
         }
         let with_special = t.encode(text, true).unwrap();
         if with_special != ids_of(&case["ids_with_special"]) {
-            wrong.push(format!("{text:?} with special tokens\n  wgrad        {with_special:?}\n  transformers {}", case["ids_with_special"]));
+            let expected = &case["ids_with_special"];
+            let got = format!("{with_special:?}");
+            wrong.push(format!("{text:?} with special tokens\n  wgrad        {got}\n  transformers {expected}"));
         }
         let decoded = t.decode(&expected, false).unwrap();
         if decoded != case["decoded"].as_str().unwrap() {
@@ -534,7 +546,8 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
         }
         let skipped = t.decode(&expected, true).unwrap();
         if skipped != case["decoded_skip_special"].as_str().unwrap() {
-            wrong.push(format!("{text:?} decodes without specials to {skipped:?}, transformers' to {}", case["decoded_skip_special"]));
+            let expected = &case["decoded_skip_special"];
+            wrong.push(format!("{text:?} decodes without specials to {skipped:?}, transformers' to {expected}"));
         }
         // Wherever transformers gives the text back, so does wgrad (it does
         // not where a SentencePiece prefix space is stripped from a line
@@ -551,7 +564,8 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
         streamed.push_str(&stream.finish());
         assert_eq!(streamed, String::from_utf8_lossy(&t.decode_bytes(&expected, false).unwrap()), "{text:?}");
     }
-    assert!(wrong.is_empty(), "{}: {} differences from transformers:\n{}", path.display(), wrong.len(), wrong.join("\n"));
+    let file = path.display();
+    assert!(wrong.is_empty(), "{file}: {} differences from transformers:\n{}", wrong.len(), wrong.join("\n"));
     let Some(template) = reference["chat_template"].as_str() else {
         assert!(reference["chats"].as_array().unwrap().is_empty());
         return round_trips;
@@ -570,7 +584,8 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
             .iter()
             .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
             .collect();
-        let rendered = template.render(&messages, chat["add_generation_prompt"].as_bool().unwrap(), &bos, &eos).unwrap();
+        let add_generation_prompt = chat["add_generation_prompt"].as_bool().unwrap();
+        let rendered = template.render(&messages, add_generation_prompt, &bos, &eos).unwrap();
         assert_eq!(rendered, chat["rendered"].as_str().unwrap());
         assert_eq!(t.encode(&rendered, false).unwrap(), ids_of(&chat["ids"]), "{rendered:?}");
     }
@@ -598,7 +613,7 @@ fn llama_style_sentencepiece_ids_equal_transformers() {
         let cases = reference["cases"].as_array().unwrap().len();
         assert_eq!(round_trips, cases - 6, "{name}");
     }
-    let t = BpeTokenizer::from_gguf(&Gguf::open(tokenizer_fixtures().join("spm-llama.gguf")).unwrap()).unwrap();
+    let t = fixture_tokenizer("spm-llama");
     let ids = t.encode("Hello world", true).unwrap();
     assert_eq!(ids[0], 1, "BOS first");
     assert_eq!(t.token(ids[1]).unwrap().chars().next(), Some('▁'), "a space put before the text");
@@ -614,7 +629,7 @@ fn gemma3_style_sentencepiece_ids_equal_transformers() {
     let (reference, round_trips) = check_fixture("spm-gemma3");
     // Only the line with `▁` in its text does not come back as it was.
     assert_eq!(round_trips, reference["cases"].as_array().unwrap().len() - 1);
-    let t = BpeTokenizer::from_gguf(&Gguf::open(tokenizer_fixtures().join("spm-gemma3.gguf")).unwrap()).unwrap();
+    let t = fixture_tokenizer("spm-gemma3");
     // No space put first; a run of spaces, stored with real spaces, is one
     // piece; `<start_of_turn>` is matched whole and special.
     let ids = t.encode("a   b", false).unwrap();
@@ -629,7 +644,7 @@ fn qwen2_byte_level_bpe_ids_equal_transformers() {
     let (reference, round_trips) = check_fixture("qwen2-bpe");
     assert_eq!(round_trips, reference["cases"].as_array().unwrap().len());
     // Qwen 2's split puts every digit alone.
-    let t = BpeTokenizer::from_gguf(&Gguf::open(tokenizer_fixtures().join("qwen2-bpe.gguf")).unwrap()).unwrap();
+    let t = fixture_tokenizer("qwen2-bpe");
     let ids = t.encode("12345", false).unwrap();
     assert_eq!(ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), ["1", "2", "3", "4", "5"]);
     assert_eq!(t.encode("<|im_start|>", false).unwrap(), [t.token_id("<|im_start|>").unwrap()]);
@@ -641,7 +656,7 @@ fn qwen2_byte_level_bpe_ids_equal_transformers() {
 #[test]
 fn sentencepiece_tokenizers_round_trip_through_tokenizer_json() {
     for name in ["spm-llama", "spm-gemma3"] {
-        let t = BpeTokenizer::from_gguf(&Gguf::open(tokenizer_fixtures().join(format!("{name}.gguf"))).unwrap()).unwrap();
+        let t = fixture_tokenizer(name);
         let dir = std::env::temp_dir().join(format!("wgrad-spm-json-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         for (file, bytes) in t.hugging_face_files().unwrap() {
@@ -656,7 +671,8 @@ fn sentencepiece_tokenizers_round_trip_through_tokenizer_json() {
             assert_eq!(back.encode(text, false).unwrap(), ids, "{name}: {text:?}");
             assert_eq!(back.encode(text, true).unwrap(), ids_of(&case["ids_with_special"]), "{name}: {text:?}");
             assert_eq!(back.decode(&ids, false).unwrap(), case["decoded"].as_str().unwrap(), "{name}: {text:?}");
-            assert_eq!(back.decode(&ids, true).unwrap(), case["decoded_skip_special"].as_str().unwrap(), "{name}: {text:?}");
+            let skipped = case["decoded_skip_special"].as_str().unwrap();
+            assert_eq!(back.decode(&ids, true).unwrap(), skipped, "{name}: {text:?}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -674,7 +690,8 @@ fn gemma3_gguf() -> PathBuf {
     match path {
         Some(p) if p.is_file() => p,
         p => panic!(
-            "Gemma 3's GGUF file is missing (looked for {}): run scripts/fetch-gemma3.sh (`make test` does), or set WGRAD_GEMMA3 to the file",
+            "Gemma 3's GGUF file is missing (looked for {}): run scripts/fetch-gemma3.sh (`make test` does), \
+             or set WGRAD_GEMMA3 to the file",
             p.map(|p| p.display().to_string()).unwrap_or_else(|| "no cache directory: HOME is unset".into())
         ),
     }
@@ -694,7 +711,7 @@ fn gemma3_270m_ids_equal_transformers() {
 #[test]
 fn broken_sentencepiece_metadata_is_a_clear_error() {
     let kvs = |scores: Meta| -> Vec<(&'static str, Meta)> {
-        let tokens: Vec<String> = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab"].iter().map(|s| s.to_string()).collect();
+        let tokens = strings(&["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab"]);
         vec![
             ("general.architecture", Meta::Str("llama".into())),
             ("tokenizer.ggml.model", Meta::Str("llama".into())),
@@ -710,13 +727,16 @@ fn broken_sentencepiece_metadata_is_a_clear_error() {
     assert_eq!(good.decode(&[1, 6, 5], true).unwrap(), "ab");
     let message = |kvs: Vec<(&str, Meta)>| build(&kvs).unwrap_err().to_string();
     let short = message(kvs(Meta::F32s(vec![0.0; 3])));
-    assert!(short.contains("tokenizer.ggml.scores") && short.contains("3 entries") && short.contains("tiny.gguf"), "{short}");
+    assert!(short.contains("tokenizer.ggml.scores") && short.contains("3 entries"), "{short}");
+    assert!(short.contains("tiny.gguf"), "{short}");
     let nan = message(kvs(Meta::F32s(vec![0.0, 0.0, 0.0, f32::NAN, 0.0, 0.0, 0.0, 0.0])));
     assert!(nan.contains("NaN") && nan.contains("token 3"), "{nan}");
     let not_floats = message(kvs(Meta::I32s(vec![0; 8])));
     assert!(not_floats.contains("tokenizer.ggml.scores") && not_floats.contains("f32"), "{not_floats}");
     let mut long = kvs(Meta::F32s(vec![0.0; 8]));
-    long[3].1 = Meta::Strs(["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a"].iter().map(|s| s.to_string()).chain(["x".repeat(5000)]).collect());
+    let mut tokens = strings(&["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a"]);
+    tokens.push("x".repeat(5000));
+    long[3].1 = Meta::Strs(tokens);
     let long = message(long);
     assert!(long.contains("token 7") && long.contains("5000 bytes"), "{long}");
     let mut none = kvs(Meta::F32s(vec![]));
