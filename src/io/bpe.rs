@@ -1,7 +1,8 @@
-//! A pretrained model's own byte-level BPE tokenizer, built by Hugging
-//! Face's `tokenizers` crate from a GGUF file's metadata
-//! (`tokenizer.ggml.model = gpt2`) or read from a `tokenizer.json`, with
-//! streamed decoding that never splits a UTF-8 character.
+//! A pretrained model's own BPE tokenizer, built by Hugging Face's
+//! `tokenizers` crate from a GGUF file's metadata (byte-level,
+//! `tokenizer.ggml.model = gpt2`, or SentencePiece-style, `llama`: see
+//! [`crate::io::spm`]) or read from a `tokenizer.json`, with streamed
+//! decoding that never splits a UTF-8 character.
 //!
 //! From GGUF: the vocabulary (`tokenizer.ggml.tokens`, spelled in GPT-2's
 //! byte-to-unicode alphabet), the merges (`"a b"`, best first), the token
@@ -28,6 +29,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 use crate::error::{Error, Result};
 use crate::io::gguf::{Array, Gguf};
 use crate::io::hf_folder::ExtraFile;
+use crate::io::spm::{self, SpmFlavor, SpmTokenizer, SpmVocabulary};
 use crate::io::text::Utf8Stream;
 
 /// GPT-2's pre-tokenizer split (`encoder.py`), which llama.cpp's BPE
@@ -40,24 +42,50 @@ const LLAMA3_SPLIT: &str =
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's Tekken (Nemo, Small 3): cased words, every digit alone, as
+/// transformers' GGUF converter splits it.
+const TEKKEN_SPLIT: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+/// GPT-4o's (o200k; Llama 4): cased words with contractions, numbers in
+/// threes.
+const GPT4O_SPLIT: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
 /// `tokenizer.ggml.pre` names and the splits they apply in order, as
-/// llama.cpp's `llama-vocab.cpp` gives them (SmolLM2's `smollm`: each digit
-/// alone, then GPT-2's split).
+/// llama.cpp's `llama-vocab.cpp` and transformers' GGUF converter give them
+/// (SmolLM2's `smollm`: each digit alone, then GPT-2's split; Qwen2, Qwen2.5
+/// and Qwen3 files say `qwen2`).
 const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
     (&["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], &[GPT2_SPLIT]),
     (&["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], &[r"\p{N}", GPT2_SPLIT]),
-    (&["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], &[LLAMA3_SPLIT]),
-    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], &[QWEN2_SPLIT]),
+    (
+        &[
+            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe", "lfm2",
+            "midm-2.0",
+        ],
+        &[LLAMA3_SPLIT],
+    ),
+    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"], &[QWEN2_SPLIT]),
+    (&["tekken"], &[TEKKEN_SPLIT]),
+    (&["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_SPLIT]),
 ];
 
 /// llama.cpp's token types that are matched whole in the text.
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
-/// A byte-level BPE tokenizer of a pretrained model. SmolLM2's (`smollm`)
-/// is checked id for id against transformers' (tests/suite/tokenizer.rs);
-/// the other `pre` names share its code and differ only in their split,
-/// which the tests check on its own.
+/// A BPE tokenizer of a pretrained model: byte-level, or SentencePiece-style
+/// with byte fallback. SmolLM2's (`smollm`), a Qwen 2 vocabulary (`qwen2`),
+/// Gemma 3's and Llama-style SentencePiece vocabularies are checked id for
+/// id against transformers' (tests/suite/tokenizer.rs); the other `pre`
+/// names share the byte-level code and differ only in their split, which
+/// the tests check on its own.
 #[derive(Clone)]
 pub struct BpeTokenizer {
     inner: tokenizers::Tokenizer,
@@ -72,6 +100,11 @@ pub struct BpeTokenizer {
     /// its own post-processor).
     prepend_bos: Option<u32>,
     chat_template: Option<String>,
+    /// Whether [`BpeTokenizer::decode`] drops one leading space: the one a
+    /// SentencePiece-style vocabulary put before the text (transformers'
+    /// `Strip` decoder). A stream keeps it: generated text continues a
+    /// prompt.
+    strip_leading_space: bool,
 }
 
 impl std::fmt::Debug for BpeTokenizer {
@@ -124,26 +157,25 @@ fn pre_tokenizer(pre: &str) -> std::result::Result<PreTokenizerWrapper, String> 
 }
 
 impl BpeTokenizer {
-    /// The tokenizer a GGUF file describes. A file without one, with a
-    /// tokenizer model other than `gpt2` (byte-level BPE), an unknown
-    /// pre-tokenizer, merges that name tokens the vocabulary lacks, or
-    /// special ids outside the vocabulary is an error naming what is wrong.
+    /// The tokenizer a GGUF file describes: byte-level BPE
+    /// (`tokenizer.ggml.model = gpt2`) or a SentencePiece-style vocabulary
+    /// (`llama`, see [`crate::io::spm`]). A file without one, with another
+    /// tokenizer model, an unknown pre-tokenizer, merges that name tokens
+    /// the vocabulary lacks, or special ids outside the vocabulary is an
+    /// error naming what is wrong.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
         let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
         let model = gguf.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(bad(format!("the tokenizer model `{model}` is not one wgrad runs (it runs byte-level BPE, `gpt2`)")));
+        if model != "gpt2" && model != "llama" {
+            return Err(bad(format!(
+                "the tokenizer model `{model}` is not one wgrad runs \
+                 (it runs byte-level BPE, `gpt2`, and SentencePiece-style BPE, `llama`)"
+            )));
         }
-        let pre = match gguf.get("tokenizer.ggml.pre") {
-            Some(_) => gguf.get_str("tokenizer.ggml.pre")?,
-            None => return Err(bad("has no `tokenizer.ggml.pre`, so the pre-tokenizer split is unknown".into())),
-        };
-        let pre_tokenizer = pre_tokenizer(pre).map_err(bad)?;
         let tokens = gguf.get_strings("tokenizer.ggml.tokens")?;
         if tokens.is_empty() {
             return Err(bad("`tokenizer.ggml.tokens` is empty".into()));
         }
-        let merges = gguf.get_strings("tokenizer.ggml.merges")?;
         let types = match gguf.get("tokenizer.ggml.token_type") {
             None => vec![1; tokens.len()],
             Some(_) => token_types(gguf.get_array("tokenizer.ggml.token_type")?).ok_or_else(|| bad("`tokenizer.ggml.token_type` is not an array of integers".into()))?,
@@ -161,11 +193,13 @@ impl BpeTokenizer {
         };
         let bos = special_id("tokenizer.ggml.bos_token_id")?;
         let eos = special_id("tokenizer.ggml.eos_token_id")?;
-        special_id("tokenizer.ggml.padding_token_id")?;
-        special_id("tokenizer.ggml.unknown_token_id")?;
+        let pad = special_id("tokenizer.ggml.padding_token_id")?;
+        let unk = special_id("tokenizer.ggml.unknown_token_id")?;
+        // llama.cpp and transformers put BOS first in a SentencePiece file
+        // that does not say otherwise.
         let add_bos = match gguf.get("tokenizer.ggml.add_bos_token") {
             Some(_) => gguf.get_bool("tokenizer.ggml.add_bos_token")?,
-            None => false,
+            None => model == "llama",
         };
         let prepend_bos = match (add_bos, bos) {
             (true, None) => return Err(bad("`tokenizer.ggml.add_bos_token` is set but the file has no `tokenizer.ggml.bos_token_id`".into())),
@@ -176,62 +210,20 @@ impl BpeTokenizer {
             Some(_) => Some(gguf.get_str("tokenizer.chat_template")?.to_string()),
             None => None,
         };
-
-        let alphabet = byte_alphabet();
-        let char_to_byte: HashMap<char, u8> = alphabet.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        let in_alphabet = |t: &str| t.chars().all(|c| char_to_byte.contains_key(&c));
-        // A token spelled outside the alphabet is respelled from its UTF-8
-        // bytes (transformers' converter does the same); a repeated token
-        // takes its last id, as in llama.cpp and the converter.
-        let spelled: Vec<String> =
-            tokens.iter().map(|t| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() }).collect();
-        let vocab: tokenizers::models::bpe::Vocab = spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
-        let mut merge_pairs = Vec::with_capacity(merges.len());
-        for (i, merge) in merges.iter().enumerate() {
-            let Some((a, b)) = merge.split_once(' ') else {
-                return Err(bad(format!("merge {i} `{merge}` is not two tokens separated by a space")));
-            };
-            for part in [a, b] {
-                if !vocab.contains_key(part) {
-                    return Err(bad(format!("merge {i} `{merge}` names `{part}`, which is not in the vocabulary")));
-                }
-            }
-            if !vocab.contains_key(&format!("{a}{b}")) {
-                return Err(bad(format!("merge {i} `{merge}` makes `{a}{b}`, which is not in the vocabulary")));
-            }
-            merge_pairs.push((a.to_string(), b.to_string()));
-        }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merge_pairs)
-            .build()
-            .map_err(|e| bad(format!("the BPE model does not build: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, true, false))));
-        // Control tokens outside the alphabet are skipped, as the converter
-        // does: adding one would give it an id past the model's vocabulary.
-        let control: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t))
-            .map(|(t, _)| AddedToken::from(t.clone(), true))
-            .collect();
-        let user: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(t, &ty)| ty == TOKEN_TYPE_USER_DEFINED && in_alphabet(t))
-            .map(|(t, _)| AddedToken::from(t.clone(), false).normalized(false))
-            .collect();
-        inner.add_special_tokens(&control);
-        inner.add_tokens(&user);
-
-        let token_bytes = spelled.iter().map(|t| Some(token_to_bytes(t, &char_to_byte))).collect();
-        let special = tokens.iter().zip(&types).map(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t)).collect();
-        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template })
+        let (inner, token_bytes, special, strip_leading_space) = if model == "gpt2" {
+            let (inner, token_bytes, special) = byte_level_from_gguf(gguf, tokens, &types)?;
+            (inner, token_bytes, special, false)
+        } else {
+            let named: Vec<u32> = [bos, eos, unk, pad].into_iter().flatten().collect();
+            let (built, flavor) = sentencepiece_from_gguf(gguf, tokens, &types, &named)?;
+            (built.inner, built.token_bytes, built.special, flavor.strips_leading_space())
+        };
+        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template, strip_leading_space })
     }
 
     /// A Hugging Face `tokenizer.json` whose decoder is byte-level (GPT-2,
-    /// SmolLM2, Llama 3, Qwen …). Its special tokens, bos and eos come from
+    /// SmolLM2, Llama 3, Qwen …) or SentencePiece-style (Llama 2, Mistral,
+    /// Gemma: `▁` for spaces, byte fallback). Its special tokens, bos and eos come from
     /// the file's added tokens; [`BpeTokenizer::from_folder`] also reads
     /// `tokenizer_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
@@ -239,17 +231,32 @@ impl BpeTokenizer {
         let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op: "BpeTokenizer::from_file", path: path.to_path_buf(), source })?;
         let bad = |reason: String| Error::DataFormat { op: "BpeTokenizer::from_file", file: path.display().to_string(), reason };
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(format!("not a tokenizer.json wgrad can read: {e}")))?;
-        match inner.get_decoder() {
-            Some(DecoderWrapper::ByteLevel(_)) => {}
+        // Byte-level, or SentencePiece-style (`▁` for spaces, byte fallback),
+        // whose decoder may strip the prefix space.
+        const RUNS: &str = "wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`) and SentencePiece-style ones \
+                            (decoders Replace `▁`, ByteFallback, Fuse and perhaps Strip)";
+        let sentencepiece = match inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => None,
             Some(other) => {
-                let name = serde_json::to_value(other).ok().and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_string));
-                return Err(bad(format!("its decoder is `{}`; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)", name.unwrap_or_else(|| "unknown".into()))));
+                let json = serde_json::to_value(other).ok();
+                match json.as_ref().and_then(spm::decoder_strips) {
+                    Some(strips) => Some(strips),
+                    None => {
+                        let name =
+                            json.as_ref().and_then(|v| v.get("type").and_then(|t| t.as_str())).unwrap_or("unknown");
+                        return Err(bad(format!("its decoder is `{name}`; {RUNS}")));
+                    }
+                }
             }
-            None => return Err(bad("it has no decoder; wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`)".into())),
-        }
+            None => return Err(bad(format!("it has no decoder; {RUNS}"))),
+        };
         let size = inner.get_vocab_size(true);
         let char_to_byte: HashMap<char, u8> = byte_alphabet().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        let token_bytes = (0..size as u32).map(|id| inner.id_to_token(id).map(|t| token_to_bytes(&t, &char_to_byte))).collect();
+        let bytes_of = |t: String| match sentencepiece {
+            Some(_) => spm::token_bytes(&t),
+            None => token_to_bytes(&t, &char_to_byte),
+        };
+        let token_bytes = (0..size as u32).map(|id| inner.id_to_token(id).map(bytes_of)).collect();
         let mut special = vec![false; size];
         for (&id, token) in inner.get_added_tokens_decoder().iter() {
             if token.special {
@@ -258,7 +265,9 @@ impl BpeTokenizer {
                 }
             }
         }
-        Ok(BpeTokenizer { inner, token_bytes, special, bos: None, eos: None, prepend_bos: None, chat_template: None })
+        let strip_leading_space = sentencepiece.unwrap_or(false);
+        let (bos, eos, prepend_bos, chat_template) = (None, None, None, None);
+        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template, strip_leading_space })
     }
 
     /// The tokenizer of a Hugging Face model folder: `tokenizer.json`, with
@@ -393,9 +402,15 @@ impl BpeTokenizer {
     }
 
     /// The text of `ids`; bytes that are not whole UTF-8 characters become
-    /// U+FFFD.
+    /// U+FFFD. A SentencePiece-style vocabulary that puts a space before
+    /// the text drops one leading space, as transformers' decoder does.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        Ok(String::from_utf8_lossy(&self.decode_bytes(ids, skip_special)?).into_owned())
+        let bytes = self.decode_bytes(ids, skip_special)?;
+        let text = match (self.strip_leading_space, bytes.split_first()) {
+            (true, Some((b' ', rest))) => rest,
+            _ => &bytes[..],
+        };
+        Ok(String::from_utf8_lossy(text).into_owned())
     }
 
     /// The Hugging Face files of this tokenizer, for a model folder that
@@ -459,6 +474,108 @@ impl BpeTokenizer {
         Ok(text.push(token))
     }
 }
+
+/// A `gpt2` file's byte-level BPE: the pre-tokenizer its `pre` names, the
+/// merges, the control and user-defined tokens; with each id's bytes and
+/// whether it is special.
+fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result<ByteLevelParts> {
+    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let pre = match gguf.get("tokenizer.ggml.pre") {
+        Some(_) => gguf.get_str("tokenizer.ggml.pre")?,
+        None => return Err(bad("has no `tokenizer.ggml.pre`, so the pre-tokenizer split is unknown".into())),
+    };
+    let pre_tokenizer = pre_tokenizer(pre).map_err(bad)?;
+    let merges = gguf.get_strings("tokenizer.ggml.merges")?;
+    let alphabet = byte_alphabet();
+    let char_to_byte: HashMap<char, u8> = alphabet.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+    let in_alphabet = |t: &str| t.chars().all(|c| char_to_byte.contains_key(&c));
+    // A token spelled outside the alphabet is respelled from its UTF-8
+    // bytes (transformers' converter does the same); a repeated token
+    // takes its last id, as in llama.cpp and the converter.
+    let respell =
+        |t: &String| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() };
+    let spelled: Vec<String> = tokens.iter().map(respell).collect();
+    let vocab: tokenizers::models::bpe::Vocab =
+        spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
+    let mut merge_pairs = Vec::with_capacity(merges.len());
+    for (i, merge) in merges.iter().enumerate() {
+        let Some((a, b)) = merge.split_once(' ') else {
+            return Err(bad(format!("merge {i} `{merge}` is not two tokens separated by a space")));
+        };
+        for part in [a, b] {
+            if !vocab.contains_key(part) {
+                return Err(bad(format!("merge {i} `{merge}` names `{part}`, which is not in the vocabulary")));
+            }
+        }
+        if !vocab.contains_key(&format!("{a}{b}")) {
+            return Err(bad(format!("merge {i} `{merge}` makes `{a}{b}`, which is not in the vocabulary")));
+        }
+        merge_pairs.push((a.to_string(), b.to_string()));
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merge_pairs)
+        .build()
+        .map_err(|e| bad(format!("the BPE model does not build: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(false, true, false))));
+    // Control tokens outside the alphabet are skipped, as the converter
+    // does: adding one would give it an id past the model's vocabulary.
+    let control: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t))
+        .map(|(t, _)| AddedToken::from(t.clone(), true))
+        .collect();
+    let user: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(t, &ty)| ty == TOKEN_TYPE_USER_DEFINED && in_alphabet(t))
+        .map(|(t, _)| AddedToken::from(t.clone(), false).normalized(false))
+        .collect();
+    inner.add_special_tokens(&control);
+    inner.add_tokens(&user);
+
+    let token_bytes = spelled.iter().map(|t| Some(token_to_bytes(t, &char_to_byte))).collect();
+    let special = tokens.iter().zip(types).map(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t)).collect();
+    Ok((inner, token_bytes, special))
+}
+
+/// A `llama` file's SentencePiece-style vocabulary (scores, or listed
+/// merges), in the flavour its architecture names.
+fn sentencepiece_from_gguf(
+    gguf: &Gguf,
+    tokens: &[String],
+    types: &[i64],
+    named: &[u32],
+) -> Result<(SpmTokenizer, SpmFlavor)> {
+    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let architecture = match gguf.get("general.architecture") {
+        Some(_) => gguf.get_str("general.architecture")?,
+        None => "llama",
+    };
+    let add_space_prefix = match gguf.get("tokenizer.ggml.add_space_prefix") {
+        Some(_) => Some(gguf.get_bool("tokenizer.ggml.add_space_prefix")?),
+        None => None,
+    };
+    let scores = match gguf.get("tokenizer.ggml.scores") {
+        None => None,
+        Some(_) => match gguf.get_array("tokenizer.ggml.scores")? {
+            Array::F32(scores) => Some(scores.as_slice()),
+            _ => return Err(bad("`tokenizer.ggml.scores` is not an array of f32".into())),
+        },
+    };
+    let merges = match gguf.get("tokenizer.ggml.merges") {
+        Some(_) => Some(gguf.get_strings("tokenizer.ggml.merges")?),
+        None => None,
+    };
+    let flavor = SpmFlavor::for_architecture(architecture, add_space_prefix);
+    let vocabulary = SpmVocabulary { tokens, scores, merges, types, named_special: named };
+    Ok((spm::build(&vocabulary, flavor).map_err(bad)?, flavor))
+}
+
+/// The byte-level model, each id's bytes, and which ids are special.
+type ByteLevelParts = (tokenizers::Tokenizer, Vec<Option<Box<[u8]>>>, Vec<bool>);
 
 /// Token types as integers, whatever integer type the file used.
 fn token_types(array: &Array) -> Option<Vec<i64>> {

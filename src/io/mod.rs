@@ -15,4 +15,5 @@ pub mod hf_folder;
 pub mod llama_folder;
 pub mod lm_folder;
 pub(crate) mod state_dict;
+pub mod spm;
 pub mod text;

@@ -146,6 +146,7 @@ enum Meta {
     Str(String),
     Strs(Vec<String>),
     I32s(Vec<i32>),
+    F32s(Vec<f32>),
     U32(u32),
     Bool(bool),
 }
@@ -159,6 +160,7 @@ fn put_str(b: &mut Vec<u8>, s: &str) {
 fn gguf_bytes(kvs: &[(&str, Meta)]) -> Vec<u8> {
     const U32: u32 = 4;
     const I32: u32 = 5;
+    const F32: u32 = 6;
     const BOOL: u32 = 7;
     const STRING: u32 = 8;
     const ARRAY: u32 = 9;
@@ -182,6 +184,12 @@ fn gguf_bytes(kvs: &[(&str, Meta)]) -> Vec<u8> {
             Meta::I32s(v) => {
                 b.extend(ARRAY.to_le_bytes());
                 b.extend(I32.to_le_bytes());
+                b.extend((v.len() as u64).to_le_bytes());
+                v.iter().for_each(|x| b.extend(x.to_le_bytes()));
+            }
+            Meta::F32s(v) => {
+                b.extend(ARRAY.to_le_bytes());
+                b.extend(F32.to_le_bytes());
                 b.extend((v.len() as u64).to_le_bytes());
                 v.iter().for_each(|x| b.extend(x.to_le_bytes()));
             }
@@ -291,8 +299,13 @@ fn each_pre_tokenizer_splits_digits_its_own_way() {
         assert_eq!(tiny(pre).encode("1212", false).unwrap(), vec![one, two, one, two], "{pre}");
     }
     assert_eq!(tiny("smollm").encode("x 12", false).unwrap(), vec![byte_id(b'x'), byte_id(b' '), one, two]);
-    // Llama 3: digits in threes.
+    // Llama 3 and GPT-4o: digits in threes; Tekken: each alone.
     assert_eq!(tiny("llama-bpe").encode("1212", false).unwrap(), vec![twelve, one, two]);
+    assert_eq!(tiny("gpt-4o").encode("1212", false).unwrap(), vec![twelve, one, two]);
+    assert_eq!(tiny("tekken").encode("1212", false).unwrap(), vec![one, two, one, two]);
+    // Tekken and GPT-4o split a word where lower case turns upper.
+    assert_eq!(tiny("tekken").encode("heHe", false).unwrap(), vec![merged_id(0), byte_id(b'H'), byte_id(b'e')]);
+    assert_eq!(tiny("gpt2").encode("hehe", false).unwrap(), vec![merged_id(0), merged_id(0)]);
 }
 
 #[test]
@@ -400,7 +413,7 @@ fn broken_tokenizer_metadata_is_a_clear_error() {
     contains(build_error(&without("tokenizer.ggml.tokens")), &["tokenizer.ggml.tokens"]);
     contains(build_error(&without("tokenizer.ggml.pre")), &["tokenizer.ggml.pre"]);
     contains(build_error(&tiny_metadata("nonesuch")), &["`nonesuch`", "smollm"]);
-    contains(build_error(&replaced("tokenizer.ggml.model", Meta::Str("llama".into()))), &["`llama`", "gpt2"]);
+    contains(build_error(&replaced("tokenizer.ggml.model", Meta::Str("t5".into()))), &["`t5`", "gpt2", "llama"]);
     contains(build_error(&replaced("tokenizer.ggml.model", Meta::U32(2))), &["tokenizer.ggml.model", "string"]);
     let size = 4 + 256 + tiny_merges().len();
     contains(build_error(&replaced("tokenizer.ggml.bos_token_id", Meta::U32(size as u32))), &["bos_token_id", &size.to_string(), "outside"]);
@@ -472,6 +485,264 @@ fn a_tokenizer_json_loads_and_a_folder_without_one_is_none() {
     let message = BpeTokenizer::from_file(dir.join("tokenizer.json")).unwrap_err().to_string();
     assert!(message.contains("tokenizer.json"), "{message}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// The tokenizers model files carry: SentencePiece-style vocabularies (Llama
+// and Mistral's, Gemma 3's) and Qwen 2's byte-level BPE, each checked against
+// transformers' ids on the committed corpus (tests/fixtures/tokenizers/,
+// written by scripts/tokenizer_fixtures.py; the GGUF files there hold a
+// tokenizer and no tensors).
+
+fn tokenizer_fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("tokenizers")
+}
+
+fn fixture_tokenizer(name: &str) -> BpeTokenizer {
+    let path = tokenizer_fixtures().join(format!("{name}.gguf"));
+    BpeTokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+fn read_json(path: &std::path::Path) -> Json {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).expect("the fixture is JSON")
+}
+
+/// wgrad's tokenizer of the file at `path` against transformers' (the
+/// reference JSON): ids with and without special tokens, decoded text with
+/// and without them, streamed text, and the chats rendered through the
+/// reference's template and tokenized. Returns how many lines decode back
+/// to themselves.
+fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize {
+    let start = std::time::Instant::now();
+    let t = BpeTokenizer::from_gguf(&Gguf::open(path).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    eprintln!("{}: built in {:.2} s", path.display(), start.elapsed().as_secs_f64());
+    assert_eq!(t.vocab_size() as u64, reference["vocab_size"].as_u64().unwrap());
+    assert_eq!(t.bos_id().map(u64::from), reference["bos_token_id"].as_u64());
+    assert_eq!(t.eos_id().map(u64::from), reference["eos_token_id"].as_u64());
+    let mut wrong = Vec::new();
+    let mut round_trips = 0;
+    let cases = reference["cases"].as_array().unwrap();
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let expected = ids_of(&case["ids"]);
+        let ids = t.encode(text, false).unwrap();
+        if ids != expected {
+            wrong.push(format!("{text:?}\n  wgrad        {ids:?}\n  transformers {expected:?}"));
+        }
+        let with_special = t.encode(text, true).unwrap();
+        if with_special != ids_of(&case["ids_with_special"]) {
+            let expected = &case["ids_with_special"];
+            let got = format!("{with_special:?}");
+            wrong.push(format!("{text:?} with special tokens\n  wgrad        {got}\n  transformers {expected}"));
+        }
+        let decoded = t.decode(&expected, false).unwrap();
+        if decoded != case["decoded"].as_str().unwrap() {
+            wrong.push(format!("{text:?} decodes to {decoded:?}, transformers' to {}", case["decoded"]));
+        }
+        let skipped = t.decode(&expected, true).unwrap();
+        if skipped != case["decoded_skip_special"].as_str().unwrap() {
+            let expected = &case["decoded_skip_special"];
+            wrong.push(format!("{text:?} decodes without specials to {skipped:?}, transformers' to {expected}"));
+        }
+        // Wherever transformers gives the text back, so does wgrad (it does
+        // not where a SentencePiece prefix space is stripped from a line
+        // that began with spaces, or a `▁` in the text comes back a space).
+        if decoded == text {
+            round_trips += 1;
+        }
+        // A stream gives the same bytes, without the stripped prefix space.
+        let mut stream = t.stream(false);
+        let mut streamed = String::new();
+        for &id in &expected {
+            streamed.push_str(&stream.push(id).unwrap());
+        }
+        streamed.push_str(&stream.finish());
+        assert_eq!(streamed, String::from_utf8_lossy(&t.decode_bytes(&expected, false).unwrap()), "{text:?}");
+    }
+    let file = path.display();
+    assert!(wrong.is_empty(), "{file}: {} differences from transformers:\n{}", wrong.len(), wrong.join("\n"));
+    let Some(template) = reference["chat_template"].as_str() else {
+        assert!(reference["chats"].as_array().unwrap().is_empty());
+        return round_trips;
+    };
+    if let Some(own) = t.chat_template() {
+        assert_eq!(own, template, "the file's template is the one the reference rendered");
+    }
+    let template = ChatTemplate::new(template).unwrap();
+    let (bos, eos) = (t.bos_token().unwrap_or_default(), t.eos_token().unwrap_or_default());
+    let chats = reference["chats"].as_array().unwrap();
+    assert!(!chats.is_empty());
+    for chat in chats {
+        let messages: Vec<ChatMessage> = chat["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        let add_generation_prompt = chat["add_generation_prompt"].as_bool().unwrap();
+        let rendered = template.render(&messages, add_generation_prompt, &bos, &eos).unwrap();
+        assert_eq!(rendered, chat["rendered"].as_str().unwrap());
+        assert_eq!(t.encode(&rendered, false).unwrap(), ids_of(&chat["ids"]), "{rendered:?}");
+    }
+    round_trips
+}
+
+/// The fixture `name` (.gguf and .json) against transformers; returns the
+/// reference and how many lines round-trip.
+fn check_fixture(name: &str) -> (Json, usize) {
+    let reference = read_json(&tokenizer_fixtures().join(format!("{name}.json")));
+    let cases = reference["cases"].as_array().unwrap().len();
+    assert!(cases >= 50, "{name}: the corpus has {cases} lines");
+    let round_trips = check_against_transformers(&tokenizer_fixtures().join(format!("{name}.gguf")), &reference);
+    (reference, round_trips)
+}
+
+#[test]
+fn llama_style_sentencepiece_ids_equal_transformers() {
+    // Llama 2 / TinyLlama's layout (<unk> 0, <s> 1, </s> 2, a space put
+    // first, BOS added); the Mistral-named file is read the same way.
+    for name in ["spm-llama", "spm-mistral"] {
+        let (reference, round_trips) = check_fixture(name);
+        // Lines that start with a space lose one, as in transformers; the
+        // `▁` line comes back with spaces.
+        let cases = reference["cases"].as_array().unwrap().len();
+        assert_eq!(round_trips, cases - 6, "{name}");
+    }
+    let t = fixture_tokenizer("spm-llama");
+    let ids = t.encode("Hello world", true).unwrap();
+    assert_eq!(ids[0], 1, "BOS first");
+    assert_eq!(t.token(ids[1]).unwrap().chars().next(), Some('▁'), "a space put before the text");
+    // Characters the vocabulary lacks fall back to their UTF-8 bytes.
+    let crab = t.encode("🦀", false).unwrap();
+    let bytes: Vec<String> = "🦀".bytes().map(|b| format!("<0x{b:02X}>")).collect();
+    assert_eq!(crab[1..].iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), bytes);
+    assert_eq!(t.decode(&crab, false).unwrap(), "🦀");
+}
+
+#[test]
+fn gemma3_style_sentencepiece_ids_equal_transformers() {
+    let (reference, round_trips) = check_fixture("spm-gemma3");
+    // Only the line with `▁` in its text does not come back as it was.
+    assert_eq!(round_trips, reference["cases"].as_array().unwrap().len() - 1);
+    let t = fixture_tokenizer("spm-gemma3");
+    // No space put first; a run of spaces, stored with real spaces, is one
+    // piece; `<start_of_turn>` is matched whole and special.
+    let ids = t.encode("a   b", false).unwrap();
+    assert_eq!(ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), ["a", "▁▁▁", "b"]);
+    let turn = t.token_id("<start_of_turn>").unwrap();
+    assert!(t.is_special(turn));
+    assert_eq!(t.encode("<start_of_turn>", false).unwrap(), [turn]);
+}
+
+#[test]
+fn qwen2_byte_level_bpe_ids_equal_transformers() {
+    let (reference, round_trips) = check_fixture("qwen2-bpe");
+    assert_eq!(round_trips, reference["cases"].as_array().unwrap().len());
+    // Qwen 2's split puts every digit alone.
+    let t = fixture_tokenizer("qwen2-bpe");
+    let ids = t.encode("12345", false).unwrap();
+    assert_eq!(ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), ["1", "2", "3", "4", "5"]);
+    assert_eq!(t.encode("<|im_start|>", false).unwrap(), [t.token_id("<|im_start|>").unwrap()]);
+}
+
+/// A SentencePiece-style tokenizer written as Hugging Face files (what a
+/// model folder wgrad saves holds) reads back from them and still gives
+/// transformers' ids and text.
+#[test]
+fn sentencepiece_tokenizers_round_trip_through_tokenizer_json() {
+    for name in ["spm-llama", "spm-gemma3"] {
+        let t = fixture_tokenizer(name);
+        let dir = std::env::temp_dir().join(format!("wgrad-spm-json-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, bytes) in t.hugging_face_files().unwrap() {
+            std::fs::write(dir.join(file), bytes).unwrap();
+        }
+        let back = BpeTokenizer::from_folder(&dir).unwrap().expect("the folder has a tokenizer.json");
+        assert_eq!((back.bos_id(), back.eos_id(), back.chat_template()), (t.bos_id(), t.eos_id(), t.chat_template()));
+        let reference = read_json(&tokenizer_fixtures().join(format!("{name}.json")));
+        for case in reference["cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let ids = ids_of(&case["ids"]);
+            assert_eq!(back.encode(text, false).unwrap(), ids, "{name}: {text:?}");
+            assert_eq!(back.encode(text, true).unwrap(), ids_of(&case["ids_with_special"]), "{name}: {text:?}");
+            assert_eq!(back.decode(&ids, false).unwrap(), case["decoded"].as_str().unwrap(), "{name}: {text:?}");
+            let skipped = case["decoded_skip_special"].as_str().unwrap();
+            assert_eq!(back.decode(&ids, true).unwrap(), skipped, "{name}: {text:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// `$WGRAD_GEMMA3`, else where scripts/fetch-gemma3.sh caches it; missing,
+/// a failure naming the script (`make test` runs it).
+fn gemma3_gguf() -> PathBuf {
+    let path = std::env::var_os("WGRAD_GEMMA3")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join(GEMMA3_FILE)));
+    match path {
+        Some(p) if p.is_file() => p,
+        p => panic!(
+            "Gemma 3's GGUF file is missing (looked for {}): run scripts/fetch-gemma3.sh (`make test` does), \
+             or set WGRAD_GEMMA3 to the file",
+            p.map(|p| p.display().to_string()).unwrap_or_else(|| "no cache directory: HOME is unset".into())
+        ),
+    }
+}
+
+#[test]
+fn gemma3_270m_ids_equal_transformers() {
+    let reference = read_json(&tokenizer_fixtures().join("gemma3-270m-tokenizer.json"));
+    let round_trips = check_against_transformers(&gemma3_gguf(), &reference);
+    assert_eq!(round_trips, reference["cases"].as_array().unwrap().len() - 1);
+    // The base model carries no chat template: `wgrad chat` says so.
+    let t = BpeTokenizer::from_gguf(&Gguf::open(gemma3_gguf()).unwrap()).unwrap();
+    assert_eq!(t.chat_template(), None);
+    assert_eq!(t.vocab_size(), 262_144);
+}
+
+#[test]
+fn broken_sentencepiece_metadata_is_a_clear_error() {
+    let kvs = |scores: Meta| -> Vec<(&'static str, Meta)> {
+        let tokens = strings(&["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab"]);
+        vec![
+            ("general.architecture", Meta::Str("llama".into())),
+            ("tokenizer.ggml.model", Meta::Str("llama".into())),
+            ("tokenizer.ggml.token_type", Meta::I32s(vec![2, 3, 3, 1, 1, 1, 1, 1])),
+            ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
+            ("tokenizer.ggml.scores", scores),
+            ("tokenizer.ggml.bos_token_id", Meta::U32(1)),
+        ]
+    };
+    let good = build(&kvs(Meta::F32s(vec![0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0]))).unwrap();
+    // "▁ab": ▁+a merges first (score -4 beats ab's -5), so ab never forms.
+    assert_eq!(good.encode("ab", true).unwrap(), [1, 6, 5]);
+    assert_eq!(good.decode(&[1, 6, 5], true).unwrap(), "ab");
+    let message = |kvs: Vec<(&str, Meta)>| build(&kvs).unwrap_err().to_string();
+    let short = message(kvs(Meta::F32s(vec![0.0; 3])));
+    assert!(short.contains("tokenizer.ggml.scores") && short.contains("3 entries"), "{short}");
+    assert!(short.contains("tiny.gguf"), "{short}");
+    let nan = message(kvs(Meta::F32s(vec![0.0, 0.0, 0.0, f32::NAN, 0.0, 0.0, 0.0, 0.0])));
+    assert!(nan.contains("NaN") && nan.contains("token 3"), "{nan}");
+    let not_floats = message(kvs(Meta::I32s(vec![0; 8])));
+    assert!(not_floats.contains("tokenizer.ggml.scores") && not_floats.contains("f32"), "{not_floats}");
+    let mut long = kvs(Meta::F32s(vec![0.0; 8]));
+    let mut tokens = strings(&["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a"]);
+    tokens.push("x".repeat(5000));
+    long[3].1 = Meta::Strs(tokens);
+    let long = message(long);
+    assert!(long.contains("token 7") && long.contains("5000 bytes"), "{long}");
+    let mut none = kvs(Meta::F32s(vec![]));
+    none.retain(|(k, _)| *k != "tokenizer.ggml.scores");
+    let none = message(none);
+    assert!(none.contains("tokenizer.ggml.scores") && none.contains("merge order"), "{none}");
 }
 
 // ---------------------------------------------------------------------------
