@@ -127,7 +127,9 @@ fn quant_ints(word: u32, g: u32) -> vec4<f32> {
 fn quant_values(q: vec4<f32>, side: QuantSide, g: u32) -> vec4<f32> {
     if !quant_legacy() {
         let half = g >= 4u;
-        return fma(q, vec4<f32>(select(side.scale.x, side.scale.y, half)), vec4<f32>(select(side.scale.z, side.scale.w, half)));
+        let d = select(side.scale.x, side.scale.y, half);
+        let m = select(side.scale.z, side.scale.w, half);
+        return fma(q, vec4<f32>(d), vec4<f32>(m));
     }
     let dm = side.scale.xz;
     if QUANT_FORMAT == QUANT_Q4_1 {
@@ -166,8 +168,10 @@ fn quant_block_ints(block: u32, hi: vec2<u32>, scaled: bool) -> array<vec4<f32>,
     if !quant_legacy() {
         let w = qw4[p.q_base / 4u + block];
         return array<vec4<f32>, 8>(
-            quant_ints_new(w.x, 0u, hi), quant_ints_new(w.y, 1u, hi), quant_ints_new(w.z, 2u, hi), quant_ints_new(w.w, 3u, hi),
-            quant_ints_new(w.x, 4u, hi), quant_ints_new(w.y, 5u, hi), quant_ints_new(w.z, 6u, hi), quant_ints_new(w.w, 7u, hi),
+            quant_ints_new(w.x, 0u, hi), quant_ints_new(w.y, 1u, hi),
+            quant_ints_new(w.z, 2u, hi), quant_ints_new(w.w, 3u, hi),
+            quant_ints_new(w.x, 4u, hi), quant_ints_new(w.y, 5u, hi),
+            quant_ints_new(w.z, 6u, hi), quant_ints_new(w.w, 7u, hi),
         );
     }
     if QUANT_FORMAT == QUANT_Q8_0 {
@@ -204,7 +208,14 @@ fn quant_a_block(i: u32) -> array<vec4<f32>, 8> {
 // for Q2_K): the scale (and minimum) is applied once to the sum of the
 // integers' products, not per weight, d·Σ q·x (− 8·d·Σ x, or + m·Σ x),
 // per 16-value half where the halves' scales differ.
-fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, side: QuantSide, x: array<vec4<f32>, 8>, xs: vec4<f32>, xs_lo: vec4<f32>) -> vec4<f32> {
+fn quant_block_fma(
+    acc: vec4<f32>,
+    q: array<vec4<f32>, 8>,
+    side: QuantSide,
+    x: array<vec4<f32>, 8>,
+    xs: vec4<f32>,
+    xs_lo: vec4<f32>,
+) -> vec4<f32> {
     if !quant_legacy() {
         return quant_block_fma_new(acc, q, side, x, xs, xs_lo);
     }
@@ -265,7 +276,8 @@ fn quant_side_words() -> u32 {
     if QUANT_FORMAT == QUANT_Q5_K || QUANT_FORMAT == QUANT_Q6_K {
         return 3u;
     }
-    if QUANT_FORMAT == QUANT_Q5_0 || QUANT_FORMAT == QUANT_Q5_1 || QUANT_FORMAT == QUANT_Q2_K || QUANT_FORMAT == QUANT_Q4_K {
+    let two = QUANT_FORMAT == QUANT_Q5_0 || QUANT_FORMAT == QUANT_Q5_1;
+    if two || QUANT_FORMAT == QUANT_Q2_K || QUANT_FORMAT == QUANT_Q4_K {
         return 2u;
     }
     return 1u;
@@ -365,7 +377,14 @@ fn quant_half_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
 
 // quant_block_fma for the formats after Q4_1: d per 16-value half times
 // its products, plus the minimum times Σ x (per half for Q2_K).
-fn quant_block_fma_new(acc: vec4<f32>, q: array<vec4<f32>, 8>, side: QuantSide, x: array<vec4<f32>, 8>, xs: vec4<f32>, xs_lo: vec4<f32>) -> vec4<f32> {
+fn quant_block_fma_new(
+    acc: vec4<f32>,
+    q: array<vec4<f32>, 8>,
+    side: QuantSide,
+    x: array<vec4<f32>, 8>,
+    xs: vec4<f32>,
+    xs_lo: vec4<f32>,
+) -> vec4<f32> {
     var lo = q[0] * x[0];
     lo = fma(q[1], x[1], lo);
     lo = fma(q[2], x[2], lo);
@@ -417,7 +436,12 @@ struct QuantRowsA {
 }
 
 // QuantRowsA of 4 rows' blocks.
-fn quant_rows_a_of(x0: array<vec4<f32>, 8>, x1: array<vec4<f32>, 8>, x2: array<vec4<f32>, 8>, x3: array<vec4<f32>, 8>) -> QuantRowsA {
+fn quant_rows_a_of(
+    x0: array<vec4<f32>, 8>,
+    x1: array<vec4<f32>, 8>,
+    x2: array<vec4<f32>, 8>,
+    x3: array<vec4<f32>, 8>,
+) -> QuantRowsA {
     let s = mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3));
     var s_lo = mat4x4<f32>();
     if QUANT_FORMAT == QUANT_Q2_K {
@@ -694,7 +718,9 @@ fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
 // divided as quant_unscale_a does; the sums stay those of the values.
 fn quant_columns_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
     let a = quant_rows_a(ra, j);
-    return QuantRowsA(quant_unscale_a(a.x0), quant_unscale_a(a.x1), quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s, a.s_lo);
+    let x0 = quant_unscale_a(a.x0);
+    let x1 = quant_unscale_a(a.x1);
+    return QuantRowsA(x0, x1, quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s, a.s_lo);
 }
 
 // Σ q·x over one block (scaled integers, unscaled A).

@@ -893,7 +893,8 @@ impl QuantFormat {
     }
 
     fn is_k_quant(self) -> bool {
-        matches!(self, QuantFormat::Q2_K | QuantFormat::Q3_K | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K)
+        use QuantFormat::*;
+        matches!(self, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
     }
 
     /// Bytes of one GGUF block ([`QuantFormat::super_block`] values) as a

@@ -1140,7 +1140,7 @@ fn sample_rows(c: &mut Ctx<'_>) -> Result<Case> {
 /// of 8: the matrix-vector kernel with the adapter's lanes), else the
 /// kernel named.
 fn f16_weights(c: &mut Ctx<'_>, kernel: Option<F16WeightsKernel>) -> Result<Case> {
-    let (m, n, kk) = match kernel {
+    let (m, n, kk): (usize, usize, usize) = match kernel {
         None | Some(F16WeightsKernel::Matvec { .. }) => (2, 37, 24),
         Some(_) => (37, 29, 19),
     };
@@ -1234,7 +1234,7 @@ fn quant_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) 
 /// pre-activation kept): `None` lets the shape pick (2 rows: the
 /// matrix-vector kernel with the adapter's lanes), else the kernel named.
 fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeightsKernel>) -> Result<Case> {
-    let (m, n, kk) = match kernel {
+    let (m, n, kk): (usize, usize, usize) = match kernel {
         None | Some(QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) => (2, 37, 96),
         Some(QuantWeightsKernel::Tiled) => (37, 29, 64),
         // Two groups of rows, the second partial; two workgroups of columns.

@@ -742,7 +742,8 @@ fn check_scales(format: crate::ops::QuantFormat, raw: &[u8]) -> std::result::Res
     match format.first_bad_scale(raw) {
         Some((block, scale)) => {
             let (sb, first) = (format.super_block(), block * format.super_block());
-            Err(format!("block {block} (values {first}..{}) has a non-finite f16 scale ({scale}): the file is corrupt", first + sb))
+            let end = first + sb;
+            Err(format!("block {block} (values {first}..{end}) has a non-finite f16 scale ({scale}): the file is corrupt"))
         }
         None => Ok(()),
     }

@@ -57,7 +57,11 @@ impl<'a> QuantView<'a> {
         let want = rows.checked_mul(cols).map(|len| format.stored_words(len));
         if want != Some(words.len) {
             let per_block = format.quant_words() + format.side_words();
-            let reason = format!("[{rows}, {cols}] in {} takes {per_block} words per block of 32 values; the view has {} words", format.name(), words.len);
+            let reason = format!(
+                "[{rows}, {cols}] in {} takes {per_block} words per block of 32 values; the view has {} words",
+                format.name(),
+                words.len
+            );
             return Err(Error::shape(OP, reason, &[&[rows, cols], &[words.len]]));
         }
         Ok(QuantView { words, format, rows, cols })
@@ -431,7 +435,8 @@ impl Kernels {
             (lo, hi)
         };
         let (q_lo, q_hi) = span(&mut quants.iter().copied());
-        let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, b.rows * b.blocks_per_row() * sw)));
+        let side_len = |b: &QuantView<'_>| b.rows * b.blocks_per_row() * sw;
+        let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, side_len(b))));
         let whole = View { buffer: first.words.buffer, offset: 0, len: q_hi.max(s_hi) };
         let (quant_bind, q_base) = self.bind_part(whole, q_lo, q_hi - q_lo);
         let (scale_bind, s_base) = self.bind_part(whole, s_lo, s_hi - s_lo);

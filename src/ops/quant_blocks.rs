@@ -139,7 +139,8 @@ fn k_ints_bytes(format: QuantFormat, q: &[u8; QK_K], block: &mut [u8]) {
 pub(crate) fn decode(format: QuantFormat, block: &[u8], out: &mut [f32]) {
     match format {
         QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
-            let (d, m, qh_at) = if format == QuantFormat::Q5_0 { (f16_at(block, 0), 0.0, 2) } else { (f16_at(block, 0), f16_at(block, 2), 4) };
+            let (m, qh_at) = if format == QuantFormat::Q5_0 { (0.0, 2) } else { (f16_at(block, 2), 4) };
+            let d = f16_at(block, 0);
             let (qh, q) = (u32_at(block, qh_at), nibbles(&block[qh_at + 4..]));
             for (i, o) in out.iter_mut().enumerate() {
                 let q = u32::from(q[i]) | (((qh >> i) & 1) << 4);
@@ -213,7 +214,8 @@ pub(crate) fn split(format: QuantFormat, block: &[u8], quants: &mut [u32], side:
                 _ => 2,
             };
             quants.copy_from_slice(&nibble_words(&nibbles(&block[at..])));
-            side[0] = if format == QuantFormat::Q5_1 { u16_at(block, 0) | u16_at(block, 2) << 16 } else { u16_at(block, 0) };
+            let m = if format == QuantFormat::Q5_1 { u16_at(block, 2) } else { 0 };
+            side[0] = u16_at(block, 0) | m << 16;
             if format != QuantFormat::IQ4_NL {
                 side[1] = u32_at(block, at - 4);
             }
@@ -287,7 +289,8 @@ fn join_k(format: QuantFormat, quants: &[u32], side: &[u32], out: &mut Vec<u8>) 
         match format {
             QuantFormat::Q5_K => sub.iter_mut().enumerate().for_each(|(i, x)| *x |= (((side[2] >> i) & 1) as u8) << 4),
             QuantFormat::Q6_K => {
-                sub.iter_mut().enumerate().for_each(|(i, x)| *x |= (((side[1 + i / 16] >> (2 * (i % 16))) & 3) as u8) << 4);
+                let top = |i: usize| (((side[1 + i / 16] >> (2 * (i % 16))) & 3) as u8) << 4;
+                sub.iter_mut().enumerate().for_each(|(i, x)| *x |= top(i));
             }
             _ => {}
         }
@@ -297,7 +300,8 @@ fn join_k(format: QuantFormat, quants: &[u32], side: &[u32], out: &mut Vec<u8>) 
     let mut block = vec![0u8; format.block_bytes()];
     k_ints_bytes(format, &q, &mut block);
     let head = side[0];
-    let (d, dmin) = ([(head & 0xff) as u8, ((head >> 8) & 0xff) as u8], [((head >> 16) & 0xff) as u8, (head >> 24) as u8]);
+    let [d0, d1, m0, m1] = head.to_le_bytes();
+    let (d, dmin) = ([d0, d1], [m0, m1]);
     match format {
         QuantFormat::Q2_K => {
             block[..16].copy_from_slice(&sc16);

@@ -605,10 +605,19 @@ fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
 #[test]
 fn a_k_quant_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
     let formats = [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0, QuantFormat::Q8_0];
-    for_each_adapter("quantized weights: k-quant Llama generator", |k| check_quantized_llama(k, &formats, (256, 512, 1), true));
+    for_each_adapter("quantized weights: k-quant Llama generator", |k| {
+        check_quantized_llama(k, &formats, (256, 512, 1), true)
+    });
 }
 
-fn check_quantized_llama(k: &std::sync::Arc<Kernels>, formats: &[QuantFormat], (n_embd, intermediate_size, n_layer): (usize, usize, usize), tied: bool) -> wgrad::Result<()> {
+/// One model of the quantized Llama generator tests: (channels, MLP width,
+/// layers), its matrices in `formats` in turn.
+fn check_quantized_llama(
+    k: &std::sync::Arc<Kernels>,
+    formats: &[QuantFormat],
+    (n_embd, intermediate_size, n_layer): (usize, usize, usize),
+    tied: bool,
+) -> wgrad::Result<()> {
     use std::collections::HashMap;
     use std::sync::Arc;
     use wgrad::infer::generate::{Generator, WeightDtype};
@@ -730,7 +739,8 @@ fn new_format_embedding_matches_the_cpu() {
     for_each_adapter("quantized weights: new format embedding", |k| {
         let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
         let limit = 4096 + align.saturating_sub(4);
-        let lim = limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() });
+        let limits = LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() };
+        let lim = limited_kernels(k, limits);
         for (i, format) in NEW.into_iter().enumerate() {
             let (vocab, channels) = (61, 256);
             let mut r = rng(4300 + i as u64);
