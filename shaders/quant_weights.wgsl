@@ -1,5 +1,5 @@
-// f32 activations, block-quantized weights (ggml's Q8_0, Q4_0, Q4_1)
-// decoded inside the kernels, f32 arithmetic: the generation kernels of a
+// f32 activations, block-quantized weights (ggml's Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, IQ4_NL and the k-quants Q2_K..Q6_K) decoded inside the kernels, f32 arithmetic: the generation kernels of a
 // model whose weights stay quantized in GPU memory (a GGUF file's).
 //   matvec_quant_forward:     C[M,N] = A[M,K] · B[N,K]ᵀ, M ≤ 4 (decode)
 //   matmul_quant_forward:     the same for any M (a prompt's prefill)
@@ -7,16 +7,20 @@
 // A, C, bias and pre are f32; B and the table are [rows, K] with K a
 // multiple of 32, in blocks of 32 consecutive values of a row (block j of
 // row r is block r·K/32 + j), laid out as ops::pack_quantized writes them:
-// first every block's quantized values (QUANT_WORDS words each), then one
-// word per block holding the f16 scale d in its low half and Q4_1's f16
-// minimum m in its high half, widened by bit operations
-// (quant_unpack_f16x2), so these kernels need no device feature and run on
-// every adapter.
+// first every block's quantized values (quant_words() words each), then
+// quant_side_words() words per block: the f16 scale d in the low half of
+// the first and Q4_1's f16 minimum m in its high half, widened by bit
+// operations (quant_unpack_f16x2), so these kernels need no device feature
+// and run on every adapter; the other formats' side words are listed at
+// quant_side_of (a k-quant super-block is 8 blocks here, each with its own
+// side words).
 //   Q8_0: word i of a block holds values 4i..4i+3, an i8 per byte from the
 //         low byte up; value = q·d.
 //   Q4_0, Q4_1: ggml's nibble order: byte i of the block (byte i % 4 of
 //         word i / 4) holds value i in its low nibble and value 16 + i in
 //         its high one; value = (q − 8)·d, or q·d + m.
+//   Q5_0 .. Q6_K: nibbles as Q4_0's (the low 4 bits of each integer; the
+//         fifth bits, or Q6_K's top two, are side words).
 // The format is an override (a pipeline per format), so its branches fold
 // away. Only ABt: a Linear layer's weight and the tied head are stored
 // [out, in]. The epilogue is f16_weights.wgsl's (bias, activation, the
@@ -38,6 +42,14 @@ override GATED: bool = false;
 const QUANT_Q8_0: u32 = 0u;
 const QUANT_Q4_0: u32 = 1u;
 const QUANT_Q4_1: u32 = 2u;
+const QUANT_Q5_0: u32 = 3u;
+const QUANT_Q5_1: u32 = 4u;
+const QUANT_IQ4_NL: u32 = 5u;
+const QUANT_Q2_K: u32 = 6u;
+const QUANT_Q3_K: u32 = 7u;
+const QUANT_Q4_K: u32 = 8u;
+const QUANT_Q5_K: u32 = 9u;
+const QUANT_Q6_K: u32 = 10u;
 
 // Rows and columns of C per workgroup of matmul_quant_forward.
 const QUANT_TILE: u32 = 64u;
@@ -68,8 +80,9 @@ struct QuantParams {
     // side (a product over q, k and v, or gate and up, in one launch):
     // part i gives columns part_end[i − 1] .. part_end[i] of the product
     // (from 0 for part 0; unused parts end where the last does), its row
-    // r's block j being block part_q[i] + r·K/32 + j from q_base and
-    // part_s[i] + r·K/32 + j from s_base. One matrix: (n, n, n, n), zeros.
+    // r's block j being block part_q[i] + r·K/32 + j from q_base, its side
+    // words from word part_s[i] + S·(r·K/32 + j) from s_base (S side
+    // words a block). One matrix: (n, n, n, n), zeros.
     part_end: vec4<u32>,
     part_q: vec4<u32>,
     part_s: vec4<u32>,
@@ -109,8 +122,16 @@ fn quant_ints(word: u32, g: u32) -> vec4<f32> {
     return vec4<f32>((vec4<u32>(word) >> shift) & vec4<u32>(15u));
 }
 
-// Values from their integers and the block's (d, m).
-fn quant_values(q: vec4<f32>, dm: vec2<f32>) -> vec4<f32> {
+// Values 4g..4g+3 from their integers (quant_group_ints) and the block's
+// side.
+fn quant_values(q: vec4<f32>, side: QuantSide, g: u32) -> vec4<f32> {
+    if !quant_legacy() {
+        let half = g >= 4u;
+        let d = select(side.scale.x, side.scale.y, half);
+        let m = select(side.scale.z, side.scale.w, half);
+        return fma(q, vec4<f32>(d), vec4<f32>(m));
+    }
+    let dm = side.scale.xz;
     if QUANT_FORMAT == QUANT_Q4_1 {
         return fma(q, vec4<f32>(dm.x), vec4<f32>(dm.y));
     }
@@ -143,7 +164,16 @@ fn write_c(row: u32, col: u32, product: f32) {
 // Block `block`'s 32 integers (counted in blocks from q_base), in 8 vec4s
 // of values 4g..4g+3, from one (Q4) or two (Q8_0) 16-byte loads; with
 // `scaled`, as quant_scaled_ints gives them (the columns kernel's).
-fn quant_block_ints(block: u32, scaled: bool) -> array<vec4<f32>, 8> {
+fn quant_block_ints(block: u32, hi: vec2<u32>, scaled: bool) -> array<vec4<f32>, 8> {
+    if !quant_legacy() {
+        let w = qw4[p.q_base / 4u + block];
+        return array<vec4<f32>, 8>(
+            quant_ints_new(w.x, 0u, hi), quant_ints_new(w.y, 1u, hi),
+            quant_ints_new(w.z, 2u, hi), quant_ints_new(w.w, 3u, hi),
+            quant_ints_new(w.x, 4u, hi), quant_ints_new(w.y, 5u, hi),
+            quant_ints_new(w.z, 6u, hi), quant_ints_new(w.w, 7u, hi),
+        );
+    }
     if QUANT_FORMAT == QUANT_Q8_0 {
         let w0 = qw4[p.q_base / 4u + 2u * block];
         let w1 = qw4[p.q_base / 4u + 2u * block + 1u];
@@ -174,10 +204,22 @@ fn quant_a_block(i: u32) -> array<vec4<f32>, 8> {
 }
 
 // acc plus one block's products with a row's 32 values x (xs: their sums
-// Σ_g x[g], for the formats with an offset): the scale (and minimum) is
-// applied once to the sum of the integers' products, not per weight,
-// d·Σ q·x (− 8·d·Σ x, or + m·Σ x).
-fn quant_block_fma(acc: vec4<f32>, q: array<vec4<f32>, 8>, dm: vec2<f32>, x: array<vec4<f32>, 8>, xs: vec4<f32>) -> vec4<f32> {
+// Σ_g x[g], for the formats with an offset; xs_lo: those of values 0..15,
+// for Q2_K): the scale (and minimum) is applied once to the sum of the
+// integers' products, not per weight, d·Σ q·x (− 8·d·Σ x, or + m·Σ x),
+// per 16-value half where the halves' scales differ.
+fn quant_block_fma(
+    acc: vec4<f32>,
+    q: array<vec4<f32>, 8>,
+    side: QuantSide,
+    x: array<vec4<f32>, 8>,
+    xs: vec4<f32>,
+    xs_lo: vec4<f32>,
+) -> vec4<f32> {
+    if !quant_legacy() {
+        return quant_block_fma_new(acc, q, side, x, xs, xs_lo);
+    }
+    let dm = side.scale.xz;
     let t = quant_block_products(q, x);
     if QUANT_FORMAT == QUANT_Q4_1 {
         return fma(vec4<f32>(dm.x), t, fma(vec4<f32>(dm.y), xs, acc));
@@ -223,9 +265,160 @@ fn quant_unpack_f16x2(word: u32) -> vec2<f32> {
     return select(normal, tiny, e == vec2<u32>(0u));
 }
 
-// Block `block`'s (d, m).
-fn quant_dm(block: u32) -> vec2<f32> {
-    return quant_unpack_f16x2(qs[p.s_base + block]);
+// Whether the format is one of the first three (Q8_0, Q4_0, Q4_1), whose
+// kernels keep their own arithmetic (pre-scaled integers, − 8 folded).
+fn quant_legacy() -> bool {
+    return QUANT_FORMAT <= QUANT_Q4_1;
+}
+
+// Side words per block (QuantFormat::side_words).
+fn quant_side_words() -> u32 {
+    if QUANT_FORMAT == QUANT_Q5_K || QUANT_FORMAT == QUANT_Q6_K {
+        return 3u;
+    }
+    let two = QUANT_FORMAT == QUANT_Q5_0 || QUANT_FORMAT == QUANT_Q5_1;
+    if two || QUANT_FORMAT == QUANT_Q2_K || QUANT_FORMAT == QUANT_Q4_K {
+        return 2u;
+    }
+    return 1u;
+}
+
+// A block's scales and high bits. For the formats after Q4_1, value =
+// q·d + m with (d, m) = (scale.x, scale.z) for values 0..15 and (scale.y,
+// scale.w) for 16..31, q the signed integer of quant_ints_new; for the
+// first three, scale.xz is the block's (d, m) as their kernels use it.
+// hi: the fifth bits (x, bit i: value i), or Q6_K's top two bits (value
+// i's at bit 2·(i % 16) of x for i < 16, of y after).
+struct QuantSide {
+    scale: vec4<f32>,
+    hi: vec2<u32>,
+}
+
+// A block's side words (ops::pack_quantized's), decoded:
+//   Q8_0, Q4_0, IQ4_NL: d | 0; Q4_1: d | m << 16 (f16 halves).
+//   Q5_0: d, fifth bits; Q5_1: d | m << 16, fifth bits.
+//   Q4_K: d | dmin << 16, s | m << 8 (6-bit); Q5_K: those, fifth bits.
+//   Q6_K: d | s0 << 16 | s1 << 24 (i8 scales of the halves), 2 words of
+//         top bits.
+//   Q2_K: d | dmin << 16, s0 | m0 << 4 | s1 << 8 | m1 << 12 (4-bit).
+//   Q3_K: d | s0 << 16 | s1 << 24 (6-bit, value s − 32).
+fn quant_side_of(w: vec3<u32>) -> QuantSide {
+    let f = quant_unpack_f16x2(w.x);
+    if QUANT_FORMAT == QUANT_Q4_K || QUANT_FORMAT == QUANT_Q5_K {
+        let d = f.x * f32(w.y & 63u);
+        let m = -(f.y * f32((w.y >> 8u) & 63u));
+        return QuantSide(vec4<f32>(d, d, m, m), vec2<u32>(w.z, 0u));
+    }
+    if QUANT_FORMAT == QUANT_Q6_K {
+        let s = vec2<f32>(vec2<i32>(bitcast<i32>(w.x << 8u), bitcast<i32>(w.x)) >> vec2<u32>(24u));
+        return QuantSide(vec4<f32>(f.x * s.x, f.x * s.y, 0.0, 0.0), w.yz);
+    }
+    if QUANT_FORMAT == QUANT_Q2_K {
+        let b = (vec4<u32>(w.y) >> vec4<u32>(0u, 8u, 4u, 12u)) & vec4<u32>(15u);
+        return QuantSide(vec4<f32>(f.x, f.x, -f.y, -f.y) * vec4<f32>(b), vec2<u32>(0u));
+    }
+    if QUANT_FORMAT == QUANT_Q3_K {
+        let s = vec2<f32>(vec2<i32>((vec2<u32>(w.x) >> vec2<u32>(16u, 24u)) & vec2<u32>(63u)) - vec2<i32>(32));
+        return QuantSide(vec4<f32>(f.x * s.x, f.x * s.y, 0.0, 0.0), vec2<u32>(0u));
+    }
+    // Q5_0, Q5_1 (their fifth bits in the second word) and the first
+    // three formats and IQ4_NL (whose minimum half is zero but Q4_1's).
+    return QuantSide(vec4<f32>(f.x, f.x, f.y, f.y), vec2<u32>(w.y, 0u));
+}
+
+// IQ4_NL's 16 i8 levels (ggml's kvalues_iq4nl), 4 per word.
+const QUANT_IQ4_NL_LEVELS: vec4<u32> = vec4<u32>(0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u);
+
+fn quant_iq4_nl(nib: vec4<u32>) -> vec4<f32> {
+    let odd = (nib & vec4<u32>(4u)) != vec4<u32>(0u);
+    let low = select(vec4<u32>(QUANT_IQ4_NL_LEVELS.x), vec4<u32>(QUANT_IQ4_NL_LEVELS.y), odd);
+    let high = select(vec4<u32>(QUANT_IQ4_NL_LEVELS.z), vec4<u32>(QUANT_IQ4_NL_LEVELS.w), odd);
+    let word = select(low, high, nib >= vec4<u32>(8u));
+    // The byte to the top, then an arithmetic shift back: sign-extended.
+    let top = word << (vec4<u32>(24u) - vec4<u32>(8u) * (nib & vec4<u32>(3u)));
+    return vec4<f32>(bitcast<vec4<i32>>(top) >> vec4<u32>(24u));
+}
+
+// The signed integers of values 4g..4g+3 of a block of a format after
+// Q4_1, from the nibble word holding them and the block's high bits.
+fn quant_ints_new(word: u32, g: u32, hi: vec2<u32>) -> vec4<f32> {
+    let nib = (vec4<u32>(word) >> (vec4<u32>(0u, 8u, 16u, 24u) + vec4<u32>(4u * (g / 4u)))) & vec4<u32>(15u);
+    let v = vec4<u32>(4u * g) + vec4<u32>(0u, 1u, 2u, 3u);
+    if QUANT_FORMAT == QUANT_Q5_0 || QUANT_FORMAT == QUANT_Q5_1 || QUANT_FORMAT == QUANT_Q5_K {
+        let q = vec4<f32>(nib | (((vec4<u32>(hi.x) >> v) & vec4<u32>(1u)) << vec4<u32>(4u)));
+        return select(q, q - vec4<f32>(16.0), QUANT_FORMAT == QUANT_Q5_0);
+    }
+    if QUANT_FORMAT == QUANT_Q6_K {
+        let top = (vec4<u32>(select(hi.x, hi.y, g >= 4u)) >> (vec4<u32>(2u) * (v % vec4<u32>(16u)))) & vec4<u32>(3u);
+        return vec4<f32>(nib | (top << vec4<u32>(4u))) - vec4<f32>(32.0);
+    }
+    if QUANT_FORMAT == QUANT_Q3_K {
+        return vec4<f32>(nib) - vec4<f32>(4.0);
+    }
+    if QUANT_FORMAT == QUANT_IQ4_NL {
+        return quant_iq4_nl(nib);
+    }
+    // Q4_K, Q2_K: the nibble as it is.
+    return vec4<f32>(nib);
+}
+
+// quant_ints (the first three formats) or quant_ints_new.
+fn quant_group_ints(word: u32, g: u32, hi: vec2<u32>) -> vec4<f32> {
+    if quant_legacy() {
+        return quant_ints(word, g);
+    }
+    return quant_ints_new(word, g, hi);
+}
+
+// Σ of values 0..15 of a row's block, four partial sums.
+fn quant_half_sum(x: array<vec4<f32>, 8>) -> vec4<f32> {
+    return (x[0] + x[1]) + (x[2] + x[3]);
+}
+
+// quant_block_fma for the formats after Q4_1: d per 16-value half times
+// its products, plus the minimum times Σ x (per half for Q2_K).
+fn quant_block_fma_new(
+    acc: vec4<f32>,
+    q: array<vec4<f32>, 8>,
+    side: QuantSide,
+    x: array<vec4<f32>, 8>,
+    xs: vec4<f32>,
+    xs_lo: vec4<f32>,
+) -> vec4<f32> {
+    var lo = q[0] * x[0];
+    lo = fma(q[1], x[1], lo);
+    lo = fma(q[2], x[2], lo);
+    lo = fma(q[3], x[3], lo);
+    var hi = q[4] * x[4];
+    hi = fma(q[5], x[5], hi);
+    hi = fma(q[6], x[6], hi);
+    hi = fma(q[7], x[7], hi);
+    var r = fma(vec4<f32>(side.scale.x), lo, fma(vec4<f32>(side.scale.y), hi, acc));
+    if QUANT_FORMAT == QUANT_Q5_1 || QUANT_FORMAT == QUANT_Q4_K || QUANT_FORMAT == QUANT_Q5_K {
+        r = fma(vec4<f32>(side.scale.z), xs, r);
+    }
+    if QUANT_FORMAT == QUANT_Q2_K {
+        r = fma(vec4<f32>(side.scale.z), xs_lo, fma(vec4<f32>(side.scale.w), xs - xs_lo, r));
+    }
+    return r;
+}
+
+// Block `block`'s side words, decoded.
+fn quant_side(block: u32) -> QuantSide {
+    return quant_side_at(quant_side_words() * block);
+}
+
+// The side words from word `word` on (counted from s_base), decoded.
+fn quant_side_at(word: u32) -> QuantSide {
+    let at = p.s_base + word;
+    var w = vec3<u32>(qs[at], 0u, 0u);
+    if quant_side_words() > 1u {
+        w.y = qs[at + 1u];
+    }
+    if quant_side_words() > 2u {
+        w.z = qs[at + 2u];
+    }
+    return quant_side_of(w);
 }
 
 // Block j of each row of A (rows past M repeat row 0 and are never
@@ -236,8 +429,25 @@ struct QuantRowsA {
     x1: array<vec4<f32>, 8>,
     x2: array<vec4<f32>, 8>,
     x3: array<vec4<f32>, 8>,
-    // Column r: row r's sums.
+    // Column r: row r's sums; s_lo: those of values 0..15 (Q2_K's, whose
+    // halves have their own minimum; zero for the other formats).
     s: mat4x4<f32>,
+    s_lo: mat4x4<f32>,
+}
+
+// QuantRowsA of 4 rows' blocks.
+fn quant_rows_a_of(
+    x0: array<vec4<f32>, 8>,
+    x1: array<vec4<f32>, 8>,
+    x2: array<vec4<f32>, 8>,
+    x3: array<vec4<f32>, 8>,
+) -> QuantRowsA {
+    let s = mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3));
+    var s_lo = mat4x4<f32>();
+    if QUANT_FORMAT == QUANT_Q2_K {
+        s_lo = mat4x4<f32>(quant_half_sum(x0), quant_half_sum(x1), quant_half_sum(x2), quant_half_sum(x3));
+    }
+    return QuantRowsA(x0, x1, x2, x3, s, s_lo);
 }
 
 fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
@@ -254,30 +464,32 @@ fn quant_rows_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
     if MATVEC_ROWS > 3u {
         x3 = quant_a_block(ra.w + 8u * j);
     }
-    return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
+    return quant_rows_a_of(x0, x1, x2, x3);
 }
 
 // acc (column r: row r's partial sums of one column of C) plus block
 // `block` of that column of B against each row's block of A.
 fn quant_column_fma(acc: mat4x4<f32>, block: vec2<u32>, a: QuantRowsA) -> mat4x4<f32> {
-    let q = quant_block_ints(block.x, false);
-    let dm = quant_dm(block.y);
+    let side = quant_side_at(block.y);
+    let q = quant_block_ints(block.x, side.hi, false);
     var next = acc;
-    next[0] = quant_block_fma(acc[0], q, dm, a.x0, a.s[0]);
+    next[0] = quant_block_fma(acc[0], q, side, a.x0, a.s[0], a.s_lo[0]);
     if MATVEC_ROWS > 1u {
-        next[1] = quant_block_fma(acc[1], q, dm, a.x1, a.s[1]);
+        next[1] = quant_block_fma(acc[1], q, side, a.x1, a.s[1], a.s_lo[1]);
     }
     if MATVEC_ROWS > 2u {
-        next[2] = quant_block_fma(acc[2], q, dm, a.x2, a.s[2]);
+        next[2] = quant_block_fma(acc[2], q, side, a.x2, a.s[2], a.s_lo[2]);
     }
     if MATVEC_ROWS > 3u {
-        next[3] = quant_block_fma(acc[3], q, dm, a.x3, a.s[3]);
+        next[3] = quant_block_fma(acc[3], q, side, a.x3, a.s[3], a.s_lo[3]);
     }
     return next;
 }
 
-// Virtual column v's (quantized, scale) block index of its block 0: its
-// part's row v − part start (see QuantParams' parts).
+// Virtual column v's block 0: its quantized block index and its first
+// side word (from s_base): its part's row v − part start (see
+// QuantParams' parts). Block j of the column is j blocks and
+// quant_side_words()·j side words on (quant_block_step).
 fn quant_column_blocks(v: u32, kb: u32) -> vec2<u32> {
     let part = u32(v >= p.part_end.x) + u32(v >= p.part_end.y) + u32(v >= p.part_end.z);
     var first = 0u;
@@ -285,7 +497,12 @@ fn quant_column_blocks(v: u32, kb: u32) -> vec2<u32> {
         first = p.part_end[part - 1u];
     }
     let row = (v - first) * kb;
-    return vec2<u32>(p.part_q[part] + row, p.part_s[part] + row);
+    return vec2<u32>(p.part_q[part] + row, p.part_s[part] + quant_side_words() * row);
+}
+
+// What quant_column_blocks' result moves by over j blocks.
+fn quant_block_step(j: u32) -> vec2<u32> {
+    return vec2<u32>(j, quant_side_words() * j);
 }
 
 // The matrix-vector kernels' loop: element c of the result holds the
@@ -315,7 +532,7 @@ fn quant_matvec_sums(lo: vec4<u32>, hi: vec4<u32>, j0: u32, j_step: u32, k: u32,
     var acc7 = mat4x4<f32>();
     for (var j = j0; j < kb; j += j_step) {
         let a = quant_rows_a(ra, j);
-        let step = vec2<u32>(j);
+        let step = quant_block_step(j);
         acc0 = quant_column_fma(acc0, cb0 + step, a);
         acc1 = quant_column_fma(acc1, cb1 + step, a);
         acc2 = quant_column_fma(acc2, cb2 + step, a);
@@ -486,6 +703,10 @@ fn quant_scaled_ints(word: u32, g: u32) -> vec4<f32> {
 
 // A block of A divided as the integers it meets are multiplied.
 fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
+    // The other formats' integers are not pre-scaled (quant_block_ints).
+    if !quant_legacy() {
+        return x;
+    }
     var unscale = QUANT_NIBBLE_UNSCALE;
     if QUANT_FORMAT == QUANT_Q8_0 {
         unscale = vec4<f32>(0x1p-24f);
@@ -497,7 +718,9 @@ fn quant_unscale_a(x: array<vec4<f32>, 8>) -> array<vec4<f32>, 8> {
 // divided as quant_unscale_a does; the sums stay those of the values.
 fn quant_columns_a(ra: vec4<u32>, j: u32) -> QuantRowsA {
     let a = quant_rows_a(ra, j);
-    return QuantRowsA(quant_unscale_a(a.x0), quant_unscale_a(a.x1), quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s);
+    let x0 = quant_unscale_a(a.x0);
+    let x1 = quant_unscale_a(a.x1);
+    return QuantRowsA(x0, x1, quant_unscale_a(a.x2), quant_unscale_a(a.x3), a.s, a.s_lo);
 }
 
 // Σ q·x over one block (scaled integers, unscaled A).
@@ -510,8 +733,12 @@ fn quant_block_dot(q: array<vec4<f32>, 8>, x: array<vec4<f32>, 8>) -> f32 {
 // of that column of B against each row's block of A: d·Σ q·x, and
 // + m·Σ x (Q4_1) or − 8·d·Σ x (Q4_0).
 fn quant_column_step(acc: vec4<f32>, block: vec2<u32>, a: QuantRowsA) -> vec4<f32> {
-    let q = quant_block_ints(block.x, true);
-    let dm = quant_dm(block.y);
+    let side = quant_side_at(block.y);
+    let q = quant_block_ints(block.x, side.hi, true);
+    if !quant_legacy() {
+        return acc + quant_rows4_dot(q, side, a, 0u);
+    }
+    let dm = side.scale.xz;
     // Each row's Σ x (the same for every column: computed once a step).
     let ones = vec4<f32>(1.0);
     let xs = vec4<f32>(dot(a.s[0], ones), dot(a.s[1], ones), dot(a.s[2], ones), dot(a.s[3], ones));
@@ -576,7 +803,7 @@ fn quant_columns_sums(v: array<vec4<u32>, 4>, k: u32, rows: u32) -> array<vec4<f
     var acc15 = vec4<f32>();
     for (var j = 0u; j < kb; j++) {
         let a = quant_columns_a(ra, j);
-        let step = vec2<u32>(j);
+        let step = quant_block_step(j);
         acc0 = quant_column_step(acc0, b0 + step, a);
         acc1 = quant_column_step(acc1, b1 + step, a);
         acc2 = quant_column_step(acc2, b2 + step, a);
@@ -604,9 +831,10 @@ fn quant_row_fma(acc: mat2x4<f32>, xa: vec4<f32>, lo: mat4x4<f32>, hi: mat4x4<f3
     return fma_row8(fma_row8(fma_row8(fma_row8(acc, xa.x, lo[0], hi[0]), xa.y, lo[1], hi[1]), xa.z, lo[2], hi[2]), xa.w, lo[3], hi[3]);
 }
 
-// Values 4g..4g+3 of block `block` (its (d, m) given).
-fn quant_group(block: u32, g: u32, dm: vec2<f32>) -> vec4<f32> {
-    return quant_values(quant_ints(qw[p.q_base + block * quant_words() + quant_word_of(g)], g), dm);
+// Values 4g..4g+3 of block `block` (its side given).
+fn quant_group(block: u32, g: u32, side: QuantSide) -> vec4<f32> {
+    let word = qw[p.q_base + block * quant_words() + quant_word_of(g)];
+    return quant_values(quant_group_ints(word, g, side.hi), side, g);
 }
 
 // Any M (a prompt's prefill, or decode where the matrix-vector kernel
@@ -654,14 +882,14 @@ fn matmul_quant_forward(
     for (var jb = 0u; jb < kb; jb++) {
         let bl = cb_lo + vec4<u32>(jb);
         let bh = cb_hi + vec4<u32>(jb);
-        let dm0 = quant_dm(bl.x);
-        let dm1 = quant_dm(bl.y);
-        let dm2 = quant_dm(bl.z);
-        let dm3 = quant_dm(bl.w);
-        let dm4 = quant_dm(bh.x);
-        let dm5 = quant_dm(bh.y);
-        let dm6 = quant_dm(bh.z);
-        let dm7 = quant_dm(bh.w);
+        let dm0 = quant_side(bl.x);
+        let dm1 = quant_side(bl.y);
+        let dm2 = quant_side(bl.z);
+        let dm3 = quant_side(bl.w);
+        let dm4 = quant_side(bh.x);
+        let dm5 = quant_side(bh.y);
+        let dm6 = quant_side(bh.z);
+        let dm7 = quant_side(bh.w);
         for (var g = 0u; g < 8u; g++) {
             // Column t of lo (hi): step 4·g + t of columns 0..3 (4..7).
             let lo = transpose(mat4x4<f32>(quant_group(bl.x, g, dm0), quant_group(bl.y, g, dm1), quant_group(bl.z, g, dm2), quant_group(bl.w, g, dm3)));
@@ -738,8 +966,16 @@ fn embedding_quant_forward(
     let block = (id - ep.row_start) * (ep.cols / 32u) + col / 32u;
     let g = (col % 32u) / 4u;
     let word = emb_qw[ep.q_base + block * quant_words() + quant_word_of(g)];
-    let dm = quant_unpack_f16x2(emb_qs[ep.s_base + block]);
-    emb_out[i] = quant_values(quant_ints(word, g), dm)[col % 4u];
+    let at = ep.s_base + quant_side_words() * block;
+    var w = vec3<u32>(emb_qs[at], 0u, 0u);
+    if quant_side_words() > 1u {
+        w.y = emb_qs[at + 1u];
+    }
+    if quant_side_words() > 2u {
+        w.z = emb_qs[at + 2u];
+    }
+    let side = quant_side_of(w);
+    emb_out[i] = quant_values(quant_group_ints(word, g, side.hi), side, g)[col % 4u];
 }
 
 // ---------------------------------------------------------------------
@@ -772,7 +1008,7 @@ struct QuantColumns8 {
     q5: array<vec4<f32>, 8>,
     q6: array<vec4<f32>, 8>,
     q7: array<vec4<f32>, 8>,
-    dm: array<vec2<f32>, 8>,
+    side: array<QuantSide, 8>,
 }
 
 // Element c: column c's 4 rows of a group (row 4·group + i in element i).
@@ -788,18 +1024,25 @@ struct QuantRowSums {
 }
 
 fn quant_columns8(lo: vec4<u32>, hi: vec4<u32>, j: u32, kb: u32) -> QuantColumns8 {
-    let b0 = quant_column_blocks(lo.x, kb) + vec2<u32>(j);
-    let b1 = quant_column_blocks(lo.y, kb) + vec2<u32>(j);
-    let b2 = quant_column_blocks(lo.z, kb) + vec2<u32>(j);
-    let b3 = quant_column_blocks(lo.w, kb) + vec2<u32>(j);
-    let b4 = quant_column_blocks(hi.x, kb) + vec2<u32>(j);
-    let b5 = quant_column_blocks(hi.y, kb) + vec2<u32>(j);
-    let b6 = quant_column_blocks(hi.z, kb) + vec2<u32>(j);
-    let b7 = quant_column_blocks(hi.w, kb) + vec2<u32>(j);
+    let step = quant_block_step(j);
+    let b0 = quant_column_blocks(lo.x, kb) + step;
+    let b1 = quant_column_blocks(lo.y, kb) + step;
+    let b2 = quant_column_blocks(lo.z, kb) + step;
+    let b3 = quant_column_blocks(lo.w, kb) + step;
+    let b4 = quant_column_blocks(hi.x, kb) + step;
+    let b5 = quant_column_blocks(hi.y, kb) + step;
+    let b6 = quant_column_blocks(hi.z, kb) + step;
+    let b7 = quant_column_blocks(hi.w, kb) + step;
+    let side = array<QuantSide, 8>(
+        quant_side_at(b0.y), quant_side_at(b1.y), quant_side_at(b2.y), quant_side_at(b3.y),
+        quant_side_at(b4.y), quant_side_at(b5.y), quant_side_at(b6.y), quant_side_at(b7.y),
+    );
     return QuantColumns8(
-        quant_block_ints(b0.x, false), quant_block_ints(b1.x, false), quant_block_ints(b2.x, false), quant_block_ints(b3.x, false),
-        quant_block_ints(b4.x, false), quant_block_ints(b5.x, false), quant_block_ints(b6.x, false), quant_block_ints(b7.x, false),
-        array<vec2<f32>, 8>(quant_dm(b0.y), quant_dm(b1.y), quant_dm(b2.y), quant_dm(b3.y), quant_dm(b4.y), quant_dm(b5.y), quant_dm(b6.y), quant_dm(b7.y)),
+        quant_block_ints(b0.x, side[0].hi, false), quant_block_ints(b1.x, side[1].hi, false),
+        quant_block_ints(b2.x, side[2].hi, false), quant_block_ints(b3.x, side[3].hi, false),
+        quant_block_ints(b4.x, side[4].hi, false), quant_block_ints(b5.x, side[5].hi, false),
+        quant_block_ints(b6.x, side[6].hi, false), quant_block_ints(b7.x, side[7].hi, false),
+        side,
     );
 }
 
@@ -823,7 +1066,7 @@ fn quant_rows_a_group(group: u32, j: u32, k4: u32, rows: u32) -> QuantRowsA {
     if MATVEC_ROWS > r0 + 3u {
         x3 = quant_a_block(ra.w);
     }
-    return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
+    return quant_rows_a_of(x0, x1, x2, x3);
 }
 
 // Where rows r0 + 0..3 of A start (in vec4s), clamped to the launch's
@@ -834,18 +1077,18 @@ fn quant_rows_group_starts(r0: u32, k4: u32, rows: u32) -> vec4<u32> {
 
 // One column's block against a group's 4 rows (the group's first row r0,
 // a literal): each row's sum of products; rows past the bucket get none.
-fn quant_rows4_dot(q: array<vec4<f32>, 8>, dm: vec2<f32>, a: QuantRowsA, r0: u32) -> vec4<f32> {
+fn quant_rows4_dot(q: array<vec4<f32>, 8>, side: QuantSide, a: QuantRowsA, r0: u32) -> vec4<f32> {
     let zero = vec4<f32>(0.0);
     let one = vec4<f32>(1.0);
-    var sums = vec4<f32>(dot(quant_block_fma(zero, q, dm, a.x0, a.s[0]), one), 0.0, 0.0, 0.0);
+    var sums = vec4<f32>(dot(quant_block_fma(zero, q, side, a.x0, a.s[0], a.s_lo[0]), one), 0.0, 0.0, 0.0);
     if MATVEC_ROWS > r0 + 1u {
-        sums.y = dot(quant_block_fma(zero, q, dm, a.x1, a.s[1]), one);
+        sums.y = dot(quant_block_fma(zero, q, side, a.x1, a.s[1], a.s_lo[1]), one);
     }
     if MATVEC_ROWS > r0 + 2u {
-        sums.z = dot(quant_block_fma(zero, q, dm, a.x2, a.s[2]), one);
+        sums.z = dot(quant_block_fma(zero, q, side, a.x2, a.s[2], a.s_lo[2]), one);
     }
     if MATVEC_ROWS > r0 + 3u {
-        sums.w = dot(quant_block_fma(zero, q, dm, a.x3, a.s[3]), one);
+        sums.w = dot(quant_block_fma(zero, q, side, a.x3, a.s[3], a.s_lo[3]), one);
     }
     return sums;
 }
@@ -854,14 +1097,14 @@ fn quant_rows4_dot(q: array<vec4<f32>, 8>, dm: vec2<f32>, a: QuantRowsA, r0: u32
 // first row r0, a literal).
 fn quant_rows_group_fma(acc: QuantRowSums, w: QuantColumns8, a: QuantRowsA, r0: u32) -> QuantRowSums {
     return QuantRowSums(
-        acc.c0 + quant_rows4_dot(w.q0, w.dm[0], a, r0),
-        acc.c1 + quant_rows4_dot(w.q1, w.dm[1], a, r0),
-        acc.c2 + quant_rows4_dot(w.q2, w.dm[2], a, r0),
-        acc.c3 + quant_rows4_dot(w.q3, w.dm[3], a, r0),
-        acc.c4 + quant_rows4_dot(w.q4, w.dm[4], a, r0),
-        acc.c5 + quant_rows4_dot(w.q5, w.dm[5], a, r0),
-        acc.c6 + quant_rows4_dot(w.q6, w.dm[6], a, r0),
-        acc.c7 + quant_rows4_dot(w.q7, w.dm[7], a, r0),
+        acc.c0 + quant_rows4_dot(w.q0, w.side[0], a, r0),
+        acc.c1 + quant_rows4_dot(w.q1, w.side[1], a, r0),
+        acc.c2 + quant_rows4_dot(w.q2, w.side[2], a, r0),
+        acc.c3 + quant_rows4_dot(w.q3, w.side[3], a, r0),
+        acc.c4 + quant_rows4_dot(w.q4, w.side[4], a, r0),
+        acc.c5 + quant_rows4_dot(w.q5, w.side[5], a, r0),
+        acc.c6 + quant_rows4_dot(w.q6, w.side[6], a, r0),
+        acc.c7 + quant_rows4_dot(w.q7, w.side[7], a, r0),
     );
 }
 

@@ -43,7 +43,7 @@ fn quant_rows_a_group_broadcast(group: u32, j: u32, k4: u32, rows: u32, lane: u3
     if MATVEC_ROWS > r0 + 3u {
         x3 = quant_broadcast_block(a4[ra.w]);
     }
-    return QuantRowsA(x0, x1, x2, x3, mat4x4<f32>(quant_block_sum(x0), quant_block_sum(x1), quant_block_sum(x2), quant_block_sum(x3)));
+    return quant_rows_a_of(x0, x1, x2, x3);
 }
 
 @compute @workgroup_size(8, 1, 1)

@@ -5,6 +5,9 @@
 
 use crate::error::{Error, Result};
 
+mod quant_blocks;
+pub use quant_blocks::{IQ4_NL_LEVELS, QK_K};
+
 /// Which operand is transposed. Shapes are row-major as stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum MatmulForm {
@@ -788,12 +791,14 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
         .collect()
 }
 
-/// A block-quantized weight format (ggml's): each block of
-/// [`QuantFormat::BLOCK`] consecutive values of a row holds an f16 scale
-/// `d` (and for Q4_1 an f16 minimum `m`) and one small integer per value.
-/// The kernels read these weights without widening them in memory
-/// (`Kernels::matmul_quant_weights`); the graph stores them as
-/// `DType::Quant`.
+/// A block-quantized weight format (ggml's). The kernels see every format
+/// as blocks of [`QuantFormat::BLOCK`] consecutive values of a row, each
+/// with a scale (and minimum) and one small integer per value; a GGUF file
+/// stores the k-quants in super-blocks of 256 values
+/// ([`QuantFormat::super_block`]) whose 32-value blocks share f16 scales
+/// and carry small integer sub-scales. The kernels read these weights
+/// without widening them in memory (`Kernels::matmul_quant_weights`); the
+/// graph stores them as `DType::Quant`.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantFormat {
@@ -803,11 +808,27 @@ pub enum QuantFormat {
     Q4_0,
     /// value = q·d + m, q a nibble.
     Q4_1,
+    /// value = (q − 16)·d, q 5 bits.
+    Q5_0,
+    /// value = q·d + m, q 5 bits.
+    Q5_1,
+    /// value = levels[q]·d, q a nibble indexing 16 fixed i8 levels.
+    IQ4_NL,
+    /// value = (d·s)·q − dmin·m per 16 values, s and m 4 bits, q 2 bits.
+    Q2_K,
+    /// value = (d·(s − 32))·(q − 4) per 16 values, s 6 bits, q 3 bits.
+    Q3_K,
+    /// value = (d·s)·q − dmin·m per 32 values, s and m 6 bits, q 4 bits.
+    Q4_K,
+    /// As Q4_K with q 5 bits.
+    Q5_K,
+    /// value = (d·s)·(q − 32) per 16 values, s an i8, q 6 bits.
+    Q6_K,
 }
 
 impl QuantFormat {
-    /// Whole blocks as a GGUF file stores them, decoded to f32; an error
-    /// for a length that is not whole blocks.
+    /// Whole GGUF blocks decoded to f32 (bit-exact against gguf-py); an
+    /// error for a length that is not whole blocks.
     pub fn dequantize(self, raw: &[u8]) -> std::result::Result<Vec<f32>, String> {
         let unit = self.block_bytes();
         if raw.len() % unit != 0 {
@@ -817,12 +838,31 @@ impl QuantFormat {
             QuantFormat::Q8_0 => dequantize_blocks::<Q8_0_BYTES>(raw, decode_q8_0),
             QuantFormat::Q4_0 => dequantize_blocks::<Q4_0_BYTES>(raw, decode_q4_0),
             QuantFormat::Q4_1 => dequantize_blocks::<Q4_1_BYTES>(raw, decode_q4_1),
+            _ => {
+                let mut out = vec![0f32; raw.len() / unit * self.super_block()];
+                for (block, values) in raw.chunks_exact(unit).zip(out.chunks_exact_mut(self.super_block())) {
+                    quant_blocks::decode(self, block, values);
+                }
+                out
+            }
         })
     }
 
-    pub const ALL: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4_1];
+    pub const ALL: [QuantFormat; 11] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
+        QuantFormat::Q5_0,
+        QuantFormat::Q5_1,
+        QuantFormat::IQ4_NL,
+        QuantFormat::Q2_K,
+        QuantFormat::Q3_K,
+        QuantFormat::Q4_K,
+        QuantFormat::Q5_K,
+        QuantFormat::Q6_K,
+    ];
 
-    /// Values per block (every format here).
+    /// Values per block as the kernels see it (every format here).
     pub const BLOCK: usize = 32;
 
     /// ggml's name (`Q8_0`).
@@ -831,28 +871,68 @@ impl QuantFormat {
             QuantFormat::Q8_0 => "Q8_0",
             QuantFormat::Q4_0 => "Q4_0",
             QuantFormat::Q4_1 => "Q4_1",
+            QuantFormat::Q5_0 => "Q5_0",
+            QuantFormat::Q5_1 => "Q5_1",
+            QuantFormat::IQ4_NL => "IQ4_NL",
+            QuantFormat::Q2_K => "Q2_K",
+            QuantFormat::Q3_K => "Q3_K",
+            QuantFormat::Q4_K => "Q4_K",
+            QuantFormat::Q5_K => "Q5_K",
+            QuantFormat::Q6_K => "Q6_K",
         }
     }
 
-    /// Bytes of one block as a GGUF file stores it: the f16 scale (and
-    /// minimum), then the quantized values (34, 18, 20).
+    /// Values per GGUF block: 32, or a k-quant's 256-value super-block. A
+    /// row is whole GGUF blocks.
+    pub fn super_block(self) -> usize {
+        if self.is_k_quant() {
+            quant_blocks::QK_K
+        } else {
+            Self::BLOCK
+        }
+    }
+
+    fn is_k_quant(self) -> bool {
+        use QuantFormat::*;
+        matches!(self, Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
+    }
+
+    /// Bytes of one GGUF block ([`QuantFormat::super_block`] values) as a
+    /// file stores it (ggml's type size).
     pub fn block_bytes(self) -> usize {
-        self.header_bytes() + self.quant_words() * 4
-    }
-
-    /// The f16 scale, and Q4_1's f16 minimum, at the start of a block.
-    fn header_bytes(self) -> usize {
         match self {
-            QuantFormat::Q4_1 => 4,
-            QuantFormat::Q8_0 | QuantFormat::Q4_0 => 2,
+            QuantFormat::Q8_0 => Q8_0_BYTES,
+            QuantFormat::Q4_0 | QuantFormat::IQ4_NL => Q4_0_BYTES,
+            QuantFormat::Q4_1 => Q4_1_BYTES,
+            QuantFormat::Q5_0 => 22,
+            QuantFormat::Q5_1 => 24,
+            QuantFormat::Q2_K => 84,
+            QuantFormat::Q3_K => 110,
+            QuantFormat::Q4_K => 144,
+            QuantFormat::Q5_K => 176,
+            QuantFormat::Q6_K => 210,
         }
     }
 
-    /// 4-byte words of one block's quantized values: 32 i8 or 32 nibbles.
+    /// Words of one 32-value block's integers in the kernels' layout: Q8_0's
+    /// 32 i8, every other format's 32 nibbles (the low 4 bits; higher bits
+    /// are side words).
     pub fn quant_words(self) -> usize {
+        if self == QuantFormat::Q8_0 {
+            8
+        } else {
+            4
+        }
+    }
+
+    /// Words per 32-value block after the integers in the kernels' layout
+    /// (scales, and the 5- and 6-bit formats' high bits): see
+    /// [`pack_quantized`].
+    pub fn side_words(self) -> usize {
         match self {
-            QuantFormat::Q8_0 => 8,
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 => 4,
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::IQ4_NL | QuantFormat::Q3_K => 1,
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 | QuantFormat::Q2_K | QuantFormat::Q4_K => 2,
+            QuantFormat::Q5_K | QuantFormat::Q6_K => 3,
         }
     }
 
@@ -863,51 +943,108 @@ impl QuantFormat {
             QuantFormat::Q8_0 => 0,
             QuantFormat::Q4_0 => 1,
             QuantFormat::Q4_1 => 2,
+            QuantFormat::Q5_0 => 3,
+            QuantFormat::Q5_1 => 4,
+            QuantFormat::IQ4_NL => 5,
+            QuantFormat::Q2_K => 6,
+            QuantFormat::Q3_K => 7,
+            QuantFormat::Q4_K => 8,
+            QuantFormat::Q5_K => 9,
+            QuantFormat::Q6_K => 10,
         }
     }
 
     /// Words `len` values take in the kernels' layout
-    /// ([`pack_quantized`]): per block its quantized words and one word
-    /// of scale (and minimum). `len` is a multiple of [`QuantFormat::BLOCK`].
+    /// ([`pack_quantized`]): per 32-value block its integer words and its
+    /// side words. `len` is a multiple of [`QuantFormat::BLOCK`].
     pub fn stored_words(self, len: usize) -> usize {
-        len / Self::BLOCK * (self.quant_words() + 1)
+        len / Self::BLOCK * (self.quant_words() + self.side_words())
     }
 
-    /// A quantized matrix is [rows, cols] with whole blocks per row (a
-    /// GGUF file's rule), as the kernels and the graph need it.
+    /// A quantized matrix is [rows, cols] with whole GGUF blocks per row (a
+    /// GGUF file's rule: 256 values for the k-quants), as the kernels and
+    /// the graph need it.
     pub fn check_shape(self, op: &'static str, rows: usize, cols: usize) -> Result<()> {
-        if rows == 0 || cols == 0 || cols % Self::BLOCK != 0 {
-            return Err(Error::shape(op, format!("a {} matrix needs rows ≥ 1 and a row length that is a multiple of {} values", self.name(), Self::BLOCK), &[&[rows, cols]]));
+        if rows == 0 || cols == 0 || cols % self.super_block() != 0 {
+            let reason = format!(
+                "a {} matrix needs rows ≥ 1 and a row length that is a multiple of {} values",
+                self.name(),
+                self.super_block()
+            );
+            return Err(Error::shape(op, reason, &[&[rows, cols]]));
         }
         Ok(())
+    }
+
+    /// The byte offsets of a GGUF block's f16 scales (d, and m or dmin
+    /// where the format has one).
+    pub fn scale_offsets(self) -> &'static [usize] {
+        quant_blocks::scale_offsets(self)
+    }
+
+    /// The first GGUF block of `raw` (whole blocks) whose f16 scale (d, or
+    /// its minimum or dmin) is NaN or infinite, with that value: such a
+    /// block decodes to NaN or infinity, which no model file means.
+    pub fn first_bad_scale(self, raw: &[u8]) -> Option<(usize, f32)> {
+        raw.chunks_exact(self.block_bytes()).enumerate().find_map(|(i, block)| {
+            quant_blocks::block_scales(self, block).find(|s| !s.is_finite()).map(|s| (i, s))
+        })
     }
 }
 
 /// GGUF's bytes of a [rows, cols] `format` matrix (blocks in row order,
 /// [`QuantFormat::block_bytes`] each) re-packed for the kernels, which
-/// need aligned u32 loads (a file's 34-, 18- or 20-byte blocks are not
-/// 4-byte aligned): first every block's quantized values, its bytes in
-/// file order ([`QuantFormat::quant_words`] words: Q8_0's value i in byte
-/// i, Q4's ggml nibble order, value i in the low nibble of byte i and
-/// value 16 + i in its high nibble), then one word per block holding the
-/// scale's f16 bits in its low half and Q4_1's minimum's in its high half.
+/// need aligned u32 loads (a file's 34-, 18- or 144-byte blocks are not
+/// 4-byte aligned) and see every format as 32-value blocks (block j of
+/// row r is block r·cols/32 + j; a k-quant super-block is 8 of them).
+/// First every block's integers ([`QuantFormat::quant_words`] words):
+/// Q8_0's value i in byte i; every other format's low 4 bits in ggml's
+/// nibble order, value i in the low nibble of byte i and value 16 + i in
+/// its high nibble. Then [`QuantFormat::side_words`] words per block:
+/// - Q8_0, Q4_0, IQ4_NL: the f16 d in the low half; Q4_1: d | m << 16.
+/// - Q5_0: d, then the 32 fifth bits (bit i: value i); Q5_1: d | m << 16,
+///   then the fifth bits.
+/// - Q4_K: d | dmin << 16 (the super-block's), then s | m << 8 (this
+///   block's 6-bit scale and min); Q5_K: those, then the fifth bits.
+/// - Q6_K: d | s₀ << 16 | s₁ << 24 (the i8 scales of its two 16-value
+///   halves), then two words of the values' top 2 bits (value i's at bit
+///   2·(i % 16) of word i / 16).
+/// - Q2_K: d | dmin << 16, then ggml's two scale bytes of its halves
+///   (s | m << 4 each) in the low 16 bits.
+/// - Q3_K: d | s₀ << 16 | s₁ << 24 (its halves' 6-bit scales, before the
+///   − 32); its 3-bit integers are nibbles.
+///
 /// [`unpack_quantized`] is its inverse.
 pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize) -> Result<Vec<u32>> {
     const OP: &str = "pack_quantized";
     format.check_shape(OP, rows, cols)?;
-    let blocks = rows.checked_mul(cols / QuantFormat::BLOCK).filter(|&b| b.checked_mul(format.block_bytes()) == Some(raw.len()));
+    let unit = format.block_bytes();
+    let blocks = rows.checked_mul(cols / format.super_block()).filter(|&b| b.checked_mul(unit) == Some(raw.len()));
     let Some(blocks) = blocks else {
-        return Err(Error::shape(OP, format!("[{rows}, {cols}] in {} takes {} bytes per block of 32 values; got {} bytes", format.name(), format.block_bytes(), raw.len()), &[&[rows, cols], &[raw.len()]]));
+        let reason = format!(
+            "[{rows}, {cols}] in {} takes {unit} bytes per block of {} values; got {} bytes",
+            format.name(),
+            format.super_block(),
+            raw.len()
+        );
+        return Err(Error::shape(OP, reason, &[&[rows, cols], &[raw.len()]]));
     };
-    let (header, quant_words) = (format.header_bytes(), format.quant_words());
-    let mut words = vec![0u32; format.stored_words(blocks * QuantFormat::BLOCK)];
-    let (quants, scales) = words.split_at_mut(blocks * quant_words);
-    for ((block, q), s) in raw.chunks_exact(format.block_bytes()).zip(quants.chunks_exact_mut(quant_words)).zip(scales.iter_mut()) {
-        for (word, bytes) in q.iter_mut().zip(block[header..].chunks_exact(4)) {
-            *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+    let subs = format.super_block() / QuantFormat::BLOCK;
+    let (qw, sw) = (format.quant_words() * subs, format.side_words() * subs);
+    let mut words = vec![0u32; format.stored_words(blocks * format.super_block())];
+    let (quants, side) = words.split_at_mut(blocks * qw);
+    for ((block, q), s) in raw.chunks_exact(unit).zip(quants.chunks_exact_mut(qw)).zip(side.chunks_exact_mut(sw)) {
+        match format {
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                let header = unit - qw * 4;
+                for (word, bytes) in q.iter_mut().zip(block[header..].chunks_exact(4)) {
+                    *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+                }
+                let half = |i: usize| u32::from(u16::from_le_bytes([block[i], block[i + 1]]));
+                s[0] = if format == QuantFormat::Q4_1 { half(0) | half(2) << 16 } else { half(0) };
+            }
+            _ => quant_blocks::split(format, block, q, s),
         }
-        let half = |i: usize| u32::from(u16::from_le_bytes([block[i], block[i + 1]]));
-        *s = if format == QuantFormat::Q4_1 { half(0) | half(2) << 16 } else { half(0) };
     }
     Ok(words)
 }
@@ -920,14 +1057,28 @@ pub fn unpack_quantized(format: QuantFormat, words: &[u32], rows: usize, cols: u
     format.check_shape(OP, rows, cols)?;
     let len = rows.checked_mul(cols).filter(|&len| format.stored_words(len) == words.len());
     let Some(len) = len else {
-        return Err(Error::shape(OP, format!("[{rows}, {cols}] in {} takes {} words per block of 32 values; got {} words", format.name(), format.quant_words() + 1, words.len()), &[&[rows, cols], &[words.len()]]));
+        let reason = format!(
+            "[{rows}, {cols}] in {} takes {} words per block of 32 values; got {} words",
+            format.name(),
+            format.quant_words() + format.side_words(),
+            words.len()
+        );
+        return Err(Error::shape(OP, reason, &[&[rows, cols], &[words.len()]]));
     };
-    let blocks = len / QuantFormat::BLOCK;
-    let (quants, scales) = words.split_at(blocks * format.quant_words());
+    let blocks = len / format.super_block();
+    let subs = format.super_block() / QuantFormat::BLOCK;
+    let (qw, sw) = (format.quant_words() * subs, format.side_words() * subs);
+    let (quants, side) = words.split_at(blocks * qw);
     let mut raw = Vec::with_capacity(blocks * format.block_bytes());
-    for (q, &s) in quants.chunks_exact(format.quant_words()).zip(scales) {
-        raw.extend_from_slice(&s.to_le_bytes()[..format.header_bytes()]);
-        q.iter().for_each(|w| raw.extend_from_slice(&w.to_le_bytes()));
+    for (q, s) in quants.chunks_exact(qw).zip(side.chunks_exact(sw)) {
+        match format {
+            QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                let header = format.block_bytes() - qw * 4;
+                raw.extend_from_slice(&s[0].to_le_bytes()[..header]);
+                q.iter().for_each(|w| raw.extend_from_slice(&w.to_le_bytes()));
+            }
+            _ => quant_blocks::join(format, q, s, &mut raw),
+        }
     }
     Ok(raw)
 }

@@ -15,7 +15,12 @@
 //!   over 7 is the kernel's own time without the submit), and a whole
 //!   training step of that model (`transformer/step`); and softmax /
 //!   layernorm at 2048 rows of SHORT_ROW_MAX and SHORT_ROW_MAX + 3 columns
-//!   (`threshold_*`: the two row-wise paths side by side).
+//!   (`threshold_*`: the two row-wise paths side by side);
+//! - `quant_matvec`: decode's product (one row) with block-quantized
+//!   weights on the adapter's chosen kernel, each GGUF format at the
+//!   down projections of SmolLM2 (576 × 1536) and Gemma 3 270M (640 ×
+//!   2048), whose rows are whole k-quant super-blocks; throughput is the
+//!   packed weights' bytes.
 //!
 //! Each family runs at a tiny size (the time is the dispatch + submit + wait
 //! overhead) and at large sizes (the time is the kernel's own work;
@@ -39,7 +44,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
-use wgrad::kernels::{Activation, AdamConfig, Binary, Dispatch, MatmulForm, SgdConfig};
+use wgrad::kernels::{pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulEpilogue, MatmulForm, QuantFormat, QuantView, SgdConfig};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CrossEntropyLoss;
 use wgrad::optim::Adam;
@@ -540,6 +545,35 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     println!("transformer step: {} dispatches per step", trainer.executor().dispatches_per_step());
 }
 
+/// Decode's quantized product, C[1, n] = A[1, k]·Bᵀ, per format: the
+/// blocks random bytes with each f16 scale set to 2^-10 (any finite value
+/// times the same work).
+fn quant_matvec(c: &mut Criterion, b: &mut Bench) {
+    let mut group = family(c, "quant_matvec");
+    for (n, k) in [(576, 1536), (640, 2048)] {
+        let a = b.tensor(k);
+        let out = b.kernels.zeros(n).expect("zeros");
+        for format in QuantFormat::ALL {
+            let blocks = n * k / format.super_block();
+            let mut raw: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| b.rng.random()).collect();
+            for block in raw.chunks_exact_mut(format.block_bytes()) {
+                for &at in format.scale_offsets() {
+                    block[at..at + 2].copy_from_slice(&0x1400u16.to_le_bytes());
+                }
+            }
+            let words = b.kernels.upload(&pack_quantized(format, &raw, n, k).expect("pack")).expect("upload");
+            let view = QuantView::new(words.view(), format, n, k).expect("view");
+            let d = b
+                .kernels
+                .matmul_quant_weights(MatmulEpilogue::default(), out.view(), a.view(), view, 1, n, k)
+                .expect("quant matvec");
+            let bytes = format.stored_words(n * k) as u64 * 4;
+            b.time(&mut group, format!("{}_{}", format.name(), d.kernel().entry), &format!("{n}x{k}"), Some(bytes), &[&d]);
+        }
+    }
+    group.finish();
+}
+
 fn main() {
     let device = match Device::open_default() {
         Ok(d) => d,
@@ -570,6 +604,7 @@ fn main() {
     loss(&mut criterion, &mut bench);
     optim(&mut criterion, &mut bench);
     transformer(&mut criterion, &mut bench);
+    quant_matvec(&mut criterion, &mut bench);
     criterion.final_summary();
     println!("kernels bench done, load average now {}", load_average());
 }

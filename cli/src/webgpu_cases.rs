@@ -285,7 +285,19 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["matvec_quant_forward_rows_subgroup"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::MatvecRowsSubgroup))),
         (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
         (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))),
-        (&["embedding_quant_forward"], Web, embedding_quant),
+        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q4_1)),
+        // The formats after Q4_1, each on some kernel (they share every
+        // kernel's code but the block decoding).
+        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_K, Some(QuantWeightsKernel::Matvec { lanes: 8 }))),
+        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q5_1, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
+        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::Q6_K, Some(QuantWeightsKernel::MatvecColumns))),
+        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::IQ4_NL, Some(QuantWeightsKernel::MatvecColumns))),
+        (&["matvec_quant_forward_rows"], Web, |c| quant_weights(c, QuantFormat::Q5_K, Some(QuantWeightsKernel::MatvecRows))),
+        (&["matvec_quant_forward_rows_subgroup"], Web, |c| quant_weights(c, QuantFormat::Q3_K, Some(QuantWeightsKernel::MatvecRowsSubgroup))),
+        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q2_K, Some(QuantWeightsKernel::Tiled))),
+        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q5_0, Some(QuantWeightsKernel::Tiled))),
+        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q4_K)),
+        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q6_K)),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
         (&["flash_attention_forward_rows", "flash_attention_backward_prepare", "flash_attention_backward_query_rows", "flash_attention_backward_key_value_rows"], Web, flash_attention),
@@ -1129,7 +1141,7 @@ fn sample_rows(c: &mut Ctx<'_>) -> Result<Case> {
 /// of 8: the matrix-vector kernel with the adapter's lanes), else the
 /// kernel named.
 fn f16_weights(c: &mut Ctx<'_>, kernel: Option<F16WeightsKernel>) -> Result<Case> {
-    let (m, n, kk) = match kernel {
+    let (m, n, kk): (usize, usize, usize) = match kernel {
         None | Some(F16WeightsKernel::Matvec { .. }) => (2, 37, 24),
         Some(_) => (37, 29, 19),
     };
@@ -1176,10 +1188,37 @@ fn embedding_f16(c: &mut Ctx<'_>) -> Result<Case> {
 /// summed before scaling (up to 15 times the weights' magnitude).
 const QUANT_SUMS: (f64, f64) = (2e-4, 2e-5);
 
+/// The formats after Q4_1: random bytes, each f16 scale (d, then m or dmin)
+/// drawn from a range that keeps the weights within about ±1 whatever the
+/// integers and sub-scales.
+fn new_format_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) -> Vec<u8> {
+    let ranges: [(f32, f32); 2] = match format {
+        QuantFormat::Q5_0 => [(0.02, 0.06), (0.0, 0.0)],
+        QuantFormat::Q5_1 => [(0.01, 0.03), (-0.5, 0.0)],
+        QuantFormat::IQ4_NL => [(0.002, 0.008), (0.0, 0.0)],
+        QuantFormat::Q2_K => [(0.005, 0.02), (0.005, 0.02)],
+        QuantFormat::Q3_K => [(0.002, 0.008), (0.0, 0.0)],
+        QuantFormat::Q4_K => [(0.0005, 0.001), (0.002, 0.008)],
+        QuantFormat::Q5_K => [(0.0003, 0.0005), (0.002, 0.008)],
+        _ => [(0.0001, 0.0002), (0.0, 0.0)],
+    };
+    let blocks = rows * cols / format.super_block();
+    let mut raw: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| c.rng.random::<u8>()).collect();
+    for block in raw.chunks_exact_mut(format.block_bytes()) {
+        for (&at, &(lo, hi)) in format.scale_offsets().iter().zip(&ranges) {
+            block[at..at + 2].copy_from_slice(&f16::from_f32(c.rng.random_range(lo..=hi)).to_le_bytes());
+        }
+    }
+    raw
+}
+
 /// A [rows, cols] `format` matrix as a GGUF file stores it: random
 /// integers, and scales (and Q4_1's minimum, in [-0.5, 0)) that keep the
 /// weights within about ±1.
 fn quant_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) -> Vec<u8> {
+    if !matches!(format, QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1) {
+        return new_format_blocks(c, format, rows, cols);
+    }
     let mut raw = Vec::new();
     let scale = if format == QuantFormat::Q8_0 { 0.008 } else { 0.06 };
     for _ in 0..rows * cols / QuantFormat::BLOCK {
@@ -1196,12 +1235,14 @@ fn quant_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: usize) 
 /// pre-activation kept): `None` lets the shape pick (2 rows: the
 /// matrix-vector kernel with the adapter's lanes), else the kernel named.
 fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeightsKernel>) -> Result<Case> {
-    let (m, n, kk) = match kernel {
+    let (m, n, kk): (usize, usize, usize) = match kernel {
         None | Some(QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) => (2, 37, 96),
         Some(QuantWeightsKernel::Tiled) => (37, 29, 64),
         // Two groups of rows, the second partial; two workgroups of columns.
         Some(QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup) => (5, 67, 96),
     };
+    // A k-quant's rows are whole 256-value super-blocks.
+    let kk = kk.next_multiple_of(format.super_block());
     let (a_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n, -1.0, 1.0));
     let raw = quant_blocks(c, format, n, kk);
     let words = c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, n, kk)?)?;
@@ -1219,13 +1260,14 @@ fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeigh
     Ok(Case::new(&[entry], name, vec![d], vec![expect("c", &out, want, QUANT_SUMS.0, QUANT_SUMS.1), expect("pre", &pre, want_pre, QUANT_SUMS.0, QUANT_SUMS.1)]))
 }
 
-fn embedding_quant(c: &mut Ctx<'_>) -> Result<Case> {
-    let (n, vocab, channels, format) = (37, 23, 64, QuantFormat::Q4_1);
+fn embedding_quant(c: &mut Ctx<'_>, format: QuantFormat) -> Result<Case> {
+    let (n, vocab, channels) = (37, 23, 64usize.next_multiple_of(format.super_block()));
     let (raw, ids_h) = (quant_blocks(c, format, vocab, channels), c.ids(n, vocab as u32));
     let (words, ids, out) = (c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, vocab, channels)?)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
     let d = c.k.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, ids.view(), n)?;
     let want = cpu::embedding_quant_weights(format, &raw, &ids_h, vocab, channels)?;
-    // q·d + m: one rounding (q·d is exact), as the kernel's fma.
+    // q·d + m: one rounding (q·d is exact, and a k-quant's d·s, q·(d·s)
+    // and dmin·m), as the kernel's fma.
     Ok(Case::new(&["embedding_quant_forward"], format!("embedding_quant_forward {format:?} {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
 }
 

@@ -27,6 +27,8 @@ fuzz_target!(|data: &[u8]| {
             let _ = dequantize(t.ty, &raw);
         }
         let _ = g.read_f32(&t.name);
+        // The kernels' path: the raw blocks, scales checked.
+        let _ = g.read_quantized(&t.name);
         if let Some(hp) = &hp {
             let _ = llama::read_hf_f32(&g, &t.name, hp);
         }

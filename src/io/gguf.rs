@@ -157,8 +157,22 @@ const TYPES: [(GgmlType, u32, &str, u64, u64); 34] = [
 ];
 
 /// The types [`Gguf::read_f32`] decodes.
-pub const DECODED_TYPES: [GgmlType; 6] =
-    [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
+pub const DECODED_TYPES: [GgmlType; 14] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
 
 impl GgmlType {
     /// The type of a GGUF type id; `None` for ids ggml does not (or no
@@ -208,6 +222,14 @@ impl TryFrom<GgmlType> for crate::ops::QuantFormat {
             GgmlType::Q8_0 => Ok(crate::ops::QuantFormat::Q8_0),
             GgmlType::Q4_0 => Ok(crate::ops::QuantFormat::Q4_0),
             GgmlType::Q4_1 => Ok(crate::ops::QuantFormat::Q4_1),
+            GgmlType::Q5_0 => Ok(crate::ops::QuantFormat::Q5_0),
+            GgmlType::Q5_1 => Ok(crate::ops::QuantFormat::Q5_1),
+            GgmlType::IQ4_NL => Ok(crate::ops::QuantFormat::IQ4_NL),
+            GgmlType::Q2_K => Ok(crate::ops::QuantFormat::Q2_K),
+            GgmlType::Q3_K => Ok(crate::ops::QuantFormat::Q3_K),
+            GgmlType::Q4_K => Ok(crate::ops::QuantFormat::Q4_K),
+            GgmlType::Q5_K => Ok(crate::ops::QuantFormat::Q5_K),
+            GgmlType::Q6_K => Ok(crate::ops::QuantFormat::Q6_K),
             other => Err(other),
         }
     }
@@ -693,7 +715,37 @@ impl Gguf {
             return Err(self.tensor_error(info, unsupported(info.ty)));
         }
         let raw = self.read_raw(name)?;
+        if let Ok(format) = crate::ops::QuantFormat::try_from(info.ty) {
+            check_scales(format, &raw).map_err(|reason| self.tensor_error(info, reason))?;
+        }
         dequantize(info.ty, &raw).map_err(|reason| self.tensor_error(info, reason))
+    }
+
+    /// A block-quantized tensor's bytes as stored, for kernels that read
+    /// them as they are, with its format; checked first for what would
+    /// only show once a kernel ran (a NaN or infinite f16 scale). An error
+    /// naming the tensor, its type and dims for any other type.
+    pub fn read_quantized(&self, name: &str) -> Result<(crate::ops::QuantFormat, Vec<u8>)> {
+        let info = self.require_tensor(name)?;
+        let format = crate::ops::QuantFormat::try_from(info.ty)
+            .map_err(|ty| self.tensor_error(info, format!("type {ty} is not block-quantized")))?;
+        let raw = self.read_raw(name)?;
+        check_scales(format, &raw).map_err(|reason| self.tensor_error(info, reason))?;
+        Ok((format, raw))
+    }
+}
+
+/// Every f16 scale (d, m, dmin) of `raw`'s blocks is finite: a NaN or
+/// infinite one makes its block's values NaN or infinite, which no model
+/// file means (a corrupt or truncated-and-padded file does).
+fn check_scales(format: crate::ops::QuantFormat, raw: &[u8]) -> std::result::Result<(), String> {
+    match format.first_bad_scale(raw) {
+        Some((block, scale)) => {
+            let (sb, first) = (format.super_block(), block * format.super_block());
+            let end = first + sb;
+            Err(format!("block {block} (values {first}..{end}) has a non-finite f16 scale ({scale}): the file is corrupt"))
+        }
+        None => Ok(()),
     }
 }
 
@@ -1089,7 +1141,10 @@ pub fn dequantize(ty: GgmlType, raw: &[u8]) -> std::result::Result<Vec<f32>, Str
         GgmlType::Q8_0 => blocks::<Q8_0_BYTES>(raw, decode_q8_0),
         GgmlType::Q4_0 => blocks::<Q4_0_BYTES>(raw, decode_q4_0),
         GgmlType::Q4_1 => blocks::<Q4_1_BYTES>(raw, decode_q4_1),
-        ty => return Err(unsupported(ty)),
+        ty => match crate::ops::QuantFormat::try_from(ty) {
+            Ok(format) => format.dequantize(raw)?,
+            Err(ty) => return Err(unsupported(ty)),
+        },
     })
 }
 

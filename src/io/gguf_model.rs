@@ -175,7 +175,8 @@ impl GgufModel {
     }
 
     /// Every matrix the file stores block-quantized in a format the kernels
-    /// read (Q8_0, Q4_0, Q4_1), by parameter name, as its raw blocks: the
+    /// read (every `QuantFormat`: the legacy blocks and the k-quants), by
+    /// parameter name, as its raw blocks: the
     /// weight source of a generator whose weights stay quantized on the
     /// GPU (`Generator::new_with_weights`). Matrices of other types are
     /// not in it (the model's f32 values serve them).
@@ -185,7 +186,8 @@ impl GgufModel {
             let info = self.parameter_info(name)?;
             let Ok(format) = QuantFormat::try_from(info.ty) else { continue };
             if info.dims.len() == 2 {
-                let raw = self.gguf.read_raw(&info.name)?;
+                // Checked (finite scales) before any kernel reads it.
+                let (_, raw) = self.gguf.read_quantized(&info.name)?;
                 quantized.insert(name.clone(), QuantizedMatrix { format, raw: raw.into() });
             }
         }

@@ -1,5 +1,6 @@
 //! `quant_weights.wgsl`: generation with block-quantized weights (ggml's
-//! Q8_0, Q4_0, Q4_1, as a GGUF file stores them) decoded inside the
+//! Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the k-quants Q2_K..Q6_K, as a
+//! GGUF file stores them) decoded inside the
 //! kernels, activations in f32. C = A·Bᵀ with A [m, k] f32 and B [n, k]
 //! quantized (a Linear layer's weight, the tied head), on a matrix-vector
 //! kernel for decode's few rows and a tiled one otherwise, with the
@@ -7,7 +8,8 @@
 //! Core WGSL only: every adapter runs them.
 //!
 //! The weights are in [`pack_quantized`]'s layout (a [`QuantView`]): the
-//! quantized words of every block, then a scale word per block. An operand
+//! quantized words of every block, then its side words (scales, high
+//! bits: [`QuantFormat::side_words`] per block). An operand
 //! larger than one storage binding splits by rows, as the f16 kernels'
 //! do: the product by blocks of B's rows (C's columns), the lookup by
 //! ranges of table rows; each part binds its quantized words and its
@@ -54,7 +56,13 @@ impl<'a> QuantView<'a> {
         format.check_shape(OP, rows, cols)?;
         let want = rows.checked_mul(cols).map(|len| format.stored_words(len));
         if want != Some(words.len) {
-            return Err(Error::shape(OP, format!("[{rows}, {cols}] in {} takes {} words per block of 32 values; the view has {} words", format.name(), format.quant_words() + 1, words.len), &[&[rows, cols], &[words.len]]));
+            let per_block = format.quant_words() + format.side_words();
+            let reason = format!(
+                "[{rows}, {cols}] in {} takes {per_block} words per block of 32 values; the view has {} words",
+                format.name(),
+                words.len
+            );
+            return Err(Error::shape(OP, reason, &[&[rows, cols], &[words.len]]));
         }
         Ok(QuantView { words, format, rows, cols })
     }
@@ -99,10 +107,10 @@ struct QuantRows<'a> {
 impl Kernels {
     fn quant_rows<'a>(&self, b: &QuantView<'a>, (r0, r1): (usize, usize)) -> QuantRows<'a> {
         let kb = b.blocks_per_row();
-        let qw = b.format.quant_words();
+        let (qw, sw) = (b.format.quant_words(), b.format.side_words());
         let all_quants = b.rows * kb * qw;
         let (quants, q_base) = self.bind_part(b.words, r0 * kb * qw, (r1 - r0) * kb * qw);
-        let (scales, s_base) = self.bind_part(b.words, all_quants + r0 * kb, (r1 - r0) * kb);
+        let (scales, s_base) = self.bind_part(b.words, all_quants + r0 * kb * sw, (r1 - r0) * kb * sw);
         QuantRows { quants, q_base, scales, s_base }
     }
 
@@ -414,9 +422,9 @@ impl Kernels {
         if !same_buffer || c.bytes() > self.binding_limit() {
             return Ok(None);
         }
-        // Each part's quantized words and scale words, in words from the
+        // Each part's quantized words and side words, in words from the
         // buffer's start.
-        let qw = format.quant_words();
+        let (qw, sw) = (format.quant_words(), format.side_words());
         let quants: Vec<(usize, usize)> = parts.iter().map(|b| ((b.words.offset / WORD) as usize, b.rows * b.blocks_per_row() * qw)).collect();
         let scales: Vec<usize> = parts.iter().zip(&quants).map(|(_, &(start, len))| start + len).collect();
         let span = |ranges: &mut dyn Iterator<Item = (usize, usize)>| {
@@ -427,11 +435,13 @@ impl Kernels {
             (lo, hi)
         };
         let (q_lo, q_hi) = span(&mut quants.iter().copied());
-        let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, b.rows * b.blocks_per_row())));
+        let side_len = |b: &QuantView<'_>| b.rows * b.blocks_per_row() * sw;
+        let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, side_len(b))));
         let whole = View { buffer: first.words.buffer, offset: 0, len: q_hi.max(s_hi) };
         let (quant_bind, q_base) = self.bind_part(whole, q_lo, q_hi - q_lo);
         let (scale_bind, s_base) = self.bind_part(whole, s_lo, s_hi - s_lo);
-        if quant_bind.bytes() > self.binding_limit() || scale_bind.bytes() > self.binding_limit() || quants.iter().any(|&(start, _)| (start - q_lo) % qw != 0) {
+        let between_blocks = quants.iter().any(|&(start, _)| (start - q_lo) % qw != 0);
+        if quant_bind.bytes() > self.binding_limit() || scale_bind.bytes() > self.binding_limit() || between_blocks {
             return Ok(None);
         }
         let (mut part_end, mut part_q, mut part_s) = ([0u32; 4], [0u32; 4], [0u32; 4]);

@@ -262,7 +262,9 @@ fn check_against_reference(g: &Gguf, stem: &str) {
         assert_eq!(bits(&got), bits(values), "{name} ({})", info.ty);
         decoded += 1;
     }
-    let decodable = g.tensors().iter().filter(|t| t.ty.is_decoded()).count();
+    // gguf-tiny's Q5_K tensor predates wgrad's k-quants; gguf-kquants
+    // holds their references.
+    let decodable = g.tensors().iter().filter(|t| t.ty.is_decoded() && t.name != "test.q5_k.unsupported").count();
     assert_eq!(decoded, decodable, "every decodable tensor has a reference");
 }
 
@@ -270,9 +272,10 @@ fn check_against_reference(g: &Gguf, stem: &str) {
 fn tiny_fixture_reads_as_gguf_py_reads_it() {
     let g = Gguf::open(tiny_path()).unwrap();
     check_against_reference(&g, "gguf-tiny");
-    // Every decoded type is in the fixture, at more than one shape.
-    for ty in gguf::DECODED_TYPES {
-        assert!(g.tensors().iter().filter(|t| t.ty == ty).count() >= 2, "{ty}");
+    // The types it was written for are in the fixture, at more than one
+    // shape (gguf-kquants holds the rest).
+    for ty in &gguf::DECODED_TYPES[..6] {
+        assert!(g.tensors().iter().filter(|t| t.ty == *ty).count() >= 2, "{ty}");
     }
     // The same bytes from memory read the same.
     let m = Gguf::from_bytes("tiny", tiny_bytes()).unwrap();
@@ -280,6 +283,31 @@ fn tiny_fixture_reads_as_gguf_py_reads_it() {
     assert_eq!(m.tensors(), g.tensors());
     for t in g.tensors() {
         assert_eq!(m.read_raw(&t.name).unwrap(), g.read_raw(&t.name).unwrap());
+    }
+}
+
+/// Every block format beyond the first three (Q5_0, Q5_1, IQ4_NL and the
+/// k-quants), random blocks with finite scales, decoded as gguf-py decodes
+/// them, bit for bit; one file mixing the types per tensor, as a `_M`
+/// file does.
+#[test]
+fn kquant_fixture_reads_as_gguf_py_reads_it() {
+    let g = Gguf::open(fixture("gguf-kquants.gguf")).unwrap();
+    let refs = reference_tensors("gguf-kquants");
+    for ty in gguf::DECODED_TYPES.iter().filter(|ty| !matches!(ty, GgmlType::F16 | GgmlType::BF16)) {
+        let name = format!("test.{}", ty.name().to_lowercase());
+        let info = g.tensor(&name).unwrap_or_else(|| panic!("no tensor `{name}`"));
+        assert_eq!(info.ty, *ty);
+        let (shape, want) = &refs[&name];
+        assert_eq!(&info.shape(), shape, "{name}");
+        // Exact: each decoder performs gguf-py's f32 operations in its order.
+        assert_eq!(bits(&g.read_f32(&name).unwrap()), bits(want), "{name}");
+        if let Ok(format) = wgrad::ops::QuantFormat::try_from(*ty) {
+            let raw = g.read_raw(&name).unwrap();
+            assert_eq!(bits(&format.dequantize(&raw).unwrap()), bits(want), "{name} through QuantFormat");
+            assert_eq!(format.block_bytes() as u64, ty.type_size(), "{name}");
+            assert_eq!(format.super_block() as u64, ty.block_size(), "{name}");
+        }
     }
 }
 
@@ -421,14 +449,22 @@ fn block_layouts_by_hand() {
 
 #[test]
 fn unsupported_type_reads_as_metadata_and_refuses_decoding() {
+    // gguf-tiny's Q5_K tensor, once refused, now decodes.
     let g = Gguf::open(tiny_path()).unwrap();
     let t = g.tensor("test.q5_k.unsupported").unwrap();
     assert_eq!((t.ty, t.dims.clone(), t.n_bytes), (GgmlType::Q5_K, vec![256, 2], 2 * 176));
-    assert_eq!(g.read_raw(&t.name).unwrap().len(), 352);
-    match g.read_f32(&t.name) {
+    let raw = g.read_raw(&t.name).unwrap();
+    assert_eq!(raw.len(), 352);
+    assert_eq!(bits(&g.read_f32(&t.name).unwrap()), bits(&gguf::dequantize(GgmlType::Q5_K, &raw).unwrap()));
+    let k = Gguf::open(fixture("gguf-kquants.gguf")).unwrap();
+    let t = k.tensor("test.iq4_xs.unsupported").unwrap();
+    assert_eq!((t.ty, t.dims.clone(), t.n_bytes), (GgmlType::IQ4_XS, vec![256, 1], 136));
+    assert_eq!(k.read_raw(&t.name).unwrap().len(), 136);
+    match k.read_f32(&t.name) {
         Err(e @ Error::GgufTensor { .. }) => {
             let msg = e.to_string();
-            assert!(msg.contains("gguf-tiny.gguf") && msg.contains("test.q5_k.unsupported") && msg.contains("type Q5_K is not supported"), "{msg}");
+            let named = msg.contains("gguf-kquants.gguf") && msg.contains("test.iq4_xs.unsupported");
+            assert!(named && msg.contains("type IQ4_XS is not supported"), "{msg}");
         }
         r => panic!("{r:?}"),
     }
@@ -892,6 +928,53 @@ fn tensor_info_errors() {
     let mut b = good.clone();
     put_u64(&mut b, q.name_len, 1 << 60);
     assert!(file_error(&b, "2^60-byte name").contains("the name of tensor"));
+}
+
+/// Broken files of the formats after Q4_1: a row that is not whole
+/// super-blocks and a super-block cut short by the file's end refuse to
+/// open; a NaN or infinite f16 scale (d, dmin) refuses to decode or load,
+/// each naming the tensor, its type and dims.
+#[test]
+fn broken_kquant_tensors_are_clear_errors() {
+    let good = std::fs::read(fixture("gguf-kquants.gguf")).unwrap();
+    let f = fields(&good);
+    let q4k = f.tensor("test.q4_k");
+    // A row of 128 values (4 super-blocks' worth of values in 8 rows).
+    let mut b = good.clone();
+    put_u64(&mut b, q4k.dims, 128);
+    put_u64(&mut b, q4k.dims + 8, 8);
+    let (tensor, dtype, reason) = tensor_error(&b, "row of 128");
+    assert_eq!((tensor.as_str(), dtype.as_str()), ("test.q4_k", "Q4_K [128, 8]"));
+    assert!(reason.contains("128 values is not a whole number of Q4_K's 256-value blocks"), "{reason}");
+    // The file ends 100 bytes into Q6_K's last super-block.
+    let q6k = f.tensor("test.q6_k");
+    let end = f.data_offset + u64_at(&good, q6k.offset) as usize + 840 - 100;
+    let (tensor, dtype, reason) = tensor_error(&good[..end], "cut short");
+    assert_eq!((tensor.as_str(), dtype.as_str()), ("test.q6_k", "Q6_K [512, 2]"));
+    assert!(reason.contains("past the end of the file"), "{reason}");
+    // Non-finite scales: Q4_K's d of block 1 NaN, its dmin of block 3
+    // infinite; Q6_K's d (at byte 208) of block 0 −inf.
+    for (name, block, at, bits, shown) in [
+        ("test.q4_k", 1, 0, 0x7e00u16, "NaN"),
+        ("test.q4_k", 3, 2, 0x7c00, "inf"),
+        ("test.q6_k", 0, 208, 0xfc00, "-inf"),
+    ] {
+        let t = f.tensor(name);
+        let ty = if name == "test.q4_k" { GgmlType::Q4_K } else { GgmlType::Q6_K };
+        let start = f.data_offset + u64_at(&good, t.offset) as usize + block * ty.type_size() as usize + at;
+        let mut b = good.clone();
+        b[start..start + 2].copy_from_slice(&bits.to_le_bytes());
+        let g = Gguf::from_bytes("broken.gguf", b).unwrap();
+        let errors = [g.read_f32(name).unwrap_err(), g.read_quantized(name).unwrap_err()];
+        for err in errors {
+            let Error::GgufTensor { tensor, dtype, reason, .. } = &err else { panic!("{err:?}") };
+            assert_eq!((tensor.as_str(), dtype.as_str()), (name, format!("{ty} [512, 2]").as_str()));
+            let what = format!("block {block} (values {}..{})", 256 * block, 256 * (block + 1));
+            assert!(reason.contains(&what) && reason.contains(&format!("non-finite f16 scale ({shown})")), "{reason}");
+        }
+        // The other tensors still load.
+        assert!(g.read_quantized("test.q5_k").is_ok());
+    }
 }
 
 #[test]

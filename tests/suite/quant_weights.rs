@@ -1,5 +1,7 @@
 //! `quant_weights.wgsl`: products with f32 activations and block-quantized
-//! weights (Q8_0, Q4_0, Q4_1 as a GGUF file stores them, re-packed by
+//! weights (every GGUF format wgrad reads: Q8_0, Q4_0, Q4_1 at every shape
+//! below, Q5_0, Q5_1, IQ4_NL and the k-quants in `new_format_*`, as a GGUF
+//! file stores them, re-packed by
 //! `pack_quantized`) on the matrix-vector and tiled kernels, and the lookup
 //! from a quantized table, against their CPU twins (which decode each block
 //! with the GGUF reader's `decode_*`), on every adapter; split over small
@@ -16,17 +18,58 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::kernels::{pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView, QuantWeightsKernel, MATVEC_MAX_ROWS, QUANT_ROWS_MAX_ROWS};
 use wgrad::{cpu, Error, Kernels};
 
+/// The formats the long-standing cases run at every shape (rows of 32
+/// values and more); [`NEW`] the others.
+const LEGACY: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4_1];
+
+/// The formats after Q4_1 (the k-quants' rows whole 256-value super-blocks).
+const NEW: [QuantFormat; 8] = [
+    QuantFormat::Q5_0,
+    QuantFormat::Q5_1,
+    QuantFormat::IQ4_NL,
+    QuantFormat::Q2_K,
+    QuantFormat::Q3_K,
+    QuantFormat::Q4_K,
+    QuantFormat::Q5_K,
+    QuantFormat::Q6_K,
+];
+
+/// Each f16 scale of a block of a [`NEW`] format: its byte offset and a
+/// range that keeps the weights within about ±1 whatever the integers and
+/// sub-scales (random bytes).
+fn new_format_scales(format: QuantFormat) -> Vec<(usize, std::ops::Range<f32>)> {
+    match format {
+        QuantFormat::Q5_0 => vec![(0, 0.02..0.06)],
+        QuantFormat::Q5_1 => vec![(0, 0.01..0.03), (2, -0.5..0.0)],
+        QuantFormat::IQ4_NL => vec![(0, 0.002..0.008)],
+        QuantFormat::Q2_K => vec![(80, 0.005..0.02), (82, 0.005..0.02)],
+        QuantFormat::Q3_K => vec![(108, 0.002..0.008)],
+        QuantFormat::Q4_K => vec![(0, 0.0005..0.001), (2, 0.002..0.008)],
+        QuantFormat::Q5_K => vec![(0, 0.0003..0.0005), (2, 0.002..0.008)],
+        _ => vec![(208, 0.0001..0.0002)],
+    }
+}
+
 /// A [rows, cols] matrix in `format` as a GGUF file stores it: random
 /// integers, and scales (and minimums) that keep the weights within about
 /// ±1, as a trained model's are.
 fn random_blocks(r: &mut ChaCha8Rng, format: QuantFormat, rows: usize, cols: usize) -> Vec<u8> {
-    let blocks = rows * cols / QuantFormat::BLOCK;
+    let blocks = rows * cols / format.super_block();
+    if !LEGACY.contains(&format) {
+        let mut raw: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| r.random()).collect();
+        for block in raw.chunks_exact_mut(format.block_bytes()) {
+            for (at, range) in new_format_scales(format) {
+                block[at..at + 2].copy_from_slice(&f16::from_f32(r.random_range(range)).to_le_bytes());
+            }
+        }
+        return raw;
+    }
     let mut raw = Vec::with_capacity(blocks * format.block_bytes());
     for _ in 0..blocks {
         let (d, m) = match format {
             QuantFormat::Q8_0 => (r.random_range(0.002..0.008), 0.0),
             QuantFormat::Q4_0 => (r.random_range(0.03..0.12), 0.0),
-            QuantFormat::Q4_1 => (r.random_range(0.02..0.06), r.random_range(-0.5..0.0)),
+            _ => (r.random_range(0.02..0.06), r.random_range(-0.5..0.0)),
         };
         raw.extend_from_slice(&f16::from_f32(d).to_le_bytes());
         if format == QuantFormat::Q4_1 {
@@ -39,7 +82,7 @@ fn random_blocks(r: &mut ChaCha8Rng, format: QuantFormat, rows: usize, cols: usi
 
 #[test]
 fn the_packed_layout_round_trips_and_keeps_ggml_order() {
-    for format in QuantFormat::ALL {
+    for format in LEGACY {
         let (rows, cols) = (3, 64);
         let raw = random_blocks(&mut rng(2500), format, rows, cols);
         let words = pack_quantized(format, &raw, rows, cols).unwrap();
@@ -132,7 +175,7 @@ fn check_product(k: &Kernels, kernel: Option<QuantWeightsKernel>, format: QuantF
 fn quantized_products_match_the_cpu_on_each_kernel() {
     for_each_adapter("quantized weights: products", |k| {
         let mut case = 0u64;
-        for format in QuantFormat::ALL {
+        for format in LEGACY {
             // Every shape on every format; the epilogue by (format, m) (see
             // store_for): a pipeline per (kernel, format, row bucket), not
             // also per epilogue.
@@ -193,7 +236,7 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
             let (format_buckets, stores) = match format {
                 QuantFormat::Q8_0 => ([4, 16], [Store::Plain, Store::Bias]),
                 QuantFormat::Q4_0 => ([8, 12], [Store::Bias, Store::BiasGeluPre]),
-                QuantFormat::Q4_1 => ([2, 16], [Store::BiasGeluPre, Store::Plain]),
+                _ => ([2, 16], [Store::BiasGeluPre, Store::Plain]),
             };
             for (bucket, store) in format_buckets.into_iter().zip(stores) {
                 let first = match bucket {
@@ -270,7 +313,7 @@ fn quantized_parts_match_the_cpu() {
             for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
                 for (m_index, m) in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1].into_iter().enumerate() {
                     for together in [true, false] {
-                        let format = QuantFormat::ALL[(m_index + usize::from(gated) + usize::from(together)) % 3];
+                        let format = LEGACY[(m_index + usize::from(gated) + usize::from(together)) % 3];
                         seed += 1;
                         let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
                         // A CPU adapter's rows kernel takes up to 16 rows.
@@ -341,7 +384,7 @@ fn quantized_products_refuse_what_they_cannot_run() {
 #[test]
 fn quantized_embedding_matches_the_cpu() {
     for_each_adapter("quantized weights: embedding", |k| {
-        for format in QuantFormat::ALL {
+        for format in LEGACY {
             // (n, vocab, channels): one of each, a prime vocabulary, more
             // outputs than a workgroup, SmolLM2's 576 channels.
             for (case, &(n, vocab, channels)) in [(1, 1, 32), (5, 7, 96), (40, 11, 64), (3, 50, 576)].iter().enumerate() {
@@ -409,7 +452,7 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         }
         // 7 ids of 32 channels: the output fits one binding.
         let (vocab, channels) = (100, 32);
-        for format in QuantFormat::ALL {
+        for format in LEGACY {
             let mut r = rng(2810);
             let raw = random_blocks(&mut r, format, vocab, channels);
             let ids: Vec<u32> = (0..5).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
@@ -547,6 +590,34 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
 /// quantized kernels scale each block's sum of integer products).
 #[test]
 fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
+    for_each_adapter("quantized weights: Llama generator", |k| {
+        for tied in [true, false] {
+            check_quantized_llama(k, &LEGACY, (64, 96, 2), tied)?;
+        }
+        Ok(())
+    });
+}
+
+/// The same with the weights in the formats a `Q4_K_M` file mixes (Q4_K,
+/// Q6_K, Q5_0 and Q8_0, one per matrix in turn, so q, k and v differ and
+/// take one product each), 256 channels (a k-quant row is whole
+/// super-blocks).
+#[test]
+fn a_k_quant_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
+    let formats = [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0, QuantFormat::Q8_0];
+    for_each_adapter("quantized weights: k-quant Llama generator", |k| {
+        check_quantized_llama(k, &formats, (256, 512, 1), true)
+    });
+}
+
+/// One model of the quantized Llama generator tests: (channels, MLP width,
+/// layers), its matrices in `formats` in turn.
+fn check_quantized_llama(
+    k: &std::sync::Arc<Kernels>,
+    formats: &[QuantFormat],
+    (n_embd, intermediate_size, n_layer): (usize, usize, usize),
+    tied: bool,
+) -> wgrad::Result<()> {
     use std::collections::HashMap;
     use std::sync::Arc;
     use wgrad::infer::generate::{Generator, WeightDtype};
@@ -556,29 +627,137 @@ fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
     // (the product tolerance above, grown through the layers).
     const LLAMA_ATOL: f32 = 1e-3;
     const LLAMA_RTOL: f32 = 1e-3;
-    for_each_adapter("quantized weights: Llama generator", |k| {
-        for tied in [true, false] {
-            let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 2, n_kv_head: 1, n_embd: 64, intermediate_size: 96, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
-            let mut r = rng(2950);
-            let mut quantized = HashMap::new();
-            let mut formats = QuantFormat::ALL.iter().cycle();
-            let model = Llama::from_parameters(config, |name, shape| {
-                let &[rows, cols] = shape else { return Ok(vec![1.0; shape.iter().product()]) };
-                let format = *formats.next().expect("cycles");
-                let raw = random_blocks(&mut r, format, rows, cols);
-                let values = cpu::dequantize(format, &raw)?;
-                quantized.insert(name.to_string(), QuantizedMatrix { format, raw: raw.into() });
-                Ok(values)
-            })?;
-            assert_eq!(quantized.len(), model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count());
-            let mut quant = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?;
-            let mut reference = Generator::new(k.clone(), &model, 1)?;
-            let (small, full) = (quant.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
-            assert!(small * 3 < full, "tied {tied}: quantized arena {small} words against f32 {full}");
-            let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
-            assert_close(&format!("tied {tied}: prefill"), &quant.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, LLAMA_ATOL, LLAMA_RTOL);
-            for &token in &sequence[4..] {
-                assert_close(&format!("tied {tied}: decode {token}"), &quant.decode(&[token])?, &reference.decode(&[token])?, LLAMA_ATOL, LLAMA_RTOL);
+    let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer, n_head: 2, n_kv_head: 1, n_embd, intermediate_size, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
+    let mut r = rng(2950);
+    let mut quantized = HashMap::new();
+    let mut formats = formats.iter().cycle();
+    let model = Llama::from_parameters(config, |name, shape| {
+        let &[rows, cols] = shape else { return Ok(vec![1.0; shape.iter().product()]) };
+        let format = *formats.next().expect("cycles");
+        let raw = random_blocks(&mut r, format, rows, cols);
+        let values = cpu::dequantize(format, &raw)?;
+        quantized.insert(name.to_string(), QuantizedMatrix { format, raw: raw.into() });
+        Ok(values)
+    })?;
+    assert_eq!(quantized.len(), model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count());
+    let mut quant = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?;
+    let mut reference = Generator::new(k.clone(), &model, 1)?;
+    let (small, full) = (quant.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
+    assert!(small * 3 < full, "tied {tied}: quantized arena {small} words against f32 {full}");
+    let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
+    assert_close(&format!("tied {tied}: prefill"), &quant.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, LLAMA_ATOL, LLAMA_RTOL);
+    for &token in &sequence[4..] {
+        assert_close(&format!("tied {tied}: decode {token}"), &quant.decode(&[token])?, &reference.decode(&[token])?, LLAMA_ATOL, LLAMA_RTOL);
+    }
+    Ok(())
+}
+
+/// The formats after Q4_1 in the kernels' layout: any bytes at all (every
+/// bit pattern is a block) round trip through `pack_quantized` and
+/// `unpack_quantized`, and a k-quant row must be whole super-blocks.
+#[test]
+fn new_formats_pack_round_trip() {
+    let mut r = rng(2501);
+    for format in NEW {
+        let (rows, cols) = (3, 2 * format.super_block());
+        let blocks = rows * cols / format.super_block();
+        let any: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| r.random()).collect();
+        for raw in [any, random_blocks(&mut r, format, rows, cols)] {
+            let words = pack_quantized(format, &raw, rows, cols).unwrap();
+            assert_eq!(words.len(), format.stored_words(rows * cols), "{format:?}");
+            assert_eq!(unpack_quantized(format, &words, rows, cols).unwrap(), raw, "{format:?}");
+        }
+    }
+    let err = pack_quantized(QuantFormat::Q4_K, &[0; 144], 1, 128).unwrap_err();
+    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 256"), "{err}");
+    let err = pack_quantized(QuantFormat::Q6_K, &[0; 209], 1, 256).unwrap_err();
+    assert!(err.to_string().contains("209 bytes"), "{err}");
+}
+
+/// Each format after Q4_1 on each kernel against its twin (which decodes
+/// with the bit-exact decoders): k of one GGUF block and three (a k-quant:
+/// 8 and 24 blocks of 32), n of 1 and a prime, m of 1 (decode), 2 (the
+/// other adapters' matrix-vector kernels and the tiled one) and 5; the
+/// epilogue one per format (it does not depend on the format). Tolerance
+/// as the products above (the weights are within about ±1 likewise).
+#[test]
+fn new_format_products_match_the_cpu_on_each_kernel() {
+    for_each_adapter("quantized weights: new formats", |k| {
+        for (i, format) in NEW.into_iter().enumerate() {
+            let store = [Store::Plain, Store::Bias, Store::BiasGeluPre][i % 3];
+            let mut others = vec![QuantWeightsKernel::Tiled];
+            if k.gpu_shaped() {
+                others.extend([QuantWeightsKernel::MatvecColumns, QuantWeightsKernel::MatvecRows]);
+            } else {
+                others.push(QuantWeightsKernel::Matvec { lanes: 8 });
+                if k.supports_quant_rows_subgroup() {
+                    others.push(QuantWeightsKernel::MatvecRows);
+                }
+            }
+            for kk in [format.super_block(), 3 * format.super_block()] {
+                for n in [1, 37] {
+                    let seed = 4000 + 10 * i as u64 + (kk + n) as u64;
+                    for m in [1, 5] {
+                        check_product(k, None, format, store, (m, n, kk), seed + m as u64)?;
+                    }
+                    for &kernel in &others {
+                        check_product(k, Some(kernel), format, store, (2, n, kk), seed)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// q, k and v in a k-quant (and gate and up) as one product, the parts
+/// packed into one buffer as the parameter arena packs them: the
+/// matrix-vector kernels find each part's side words (2 or 3 a block) from
+/// its own start.
+#[test]
+fn new_format_parts_match_the_cpu() {
+    for_each_shaping("quantized weights: new format parts", |k| {
+        for (i, format) in [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0].into_iter().enumerate() {
+            let kk = 2 * format.super_block();
+            let seed = 4200 + 4 * i as u64;
+            assert_eq!(check_parts(k, format, &[5, 1, 37], (1, kk), false, true, seed)?, 1, "{format:?}");
+            let gated = check_parts(k, format, &[67, 67], (1, kk), true, true, seed + 1)?;
+            assert_eq!(gated, if k.gpu_shaped() { 2 } else { 1 }, "{format:?} gated");
+            check_parts(k, format, &[3, 7], (MATVEC_MAX_ROWS + 1, kk), false, true, seed + 2)?;
+        }
+        Ok(())
+    });
+}
+
+/// The lookup from a table in each format after Q4_1, over one binding and
+/// split over small ones (4 KiB: 3 ids' output fits, the table takes
+/// several launches). Exact: a value is q·(d·s) + m on both sides with
+/// d·s, its product with q and dmin·m each exact in f32 (at most 11 + 8 +
+/// 6 significant bits), so only the sum rounds, once, as the twin's.
+#[test]
+fn new_format_embedding_matches_the_cpu() {
+    for_each_adapter("quantized weights: new format embedding", |k| {
+        let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
+        let limit = 4096 + align.saturating_sub(4);
+        let limits = LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() };
+        let lim = limited_kernels(k, limits);
+        for (i, format) in NEW.into_iter().enumerate() {
+            let (vocab, channels) = (61, 256);
+            let mut r = rng(4300 + i as u64);
+            let raw = random_blocks(&mut r, format, vocab, channels);
+            let mut ids: Vec<u32> = (0..9).map(|_| r.random_range(0..vocab as u32)).collect();
+            // The last row, and ids past the vocabulary (rows of NaN).
+            (ids[0], ids[2], ids[8]) = (vocab as u32 - 1, vocab as u32 + 3, vocab as u32);
+            for (kernels, n, split) in [(k, 9, false), (&lim, 3, true)] {
+                let ids = &ids[..n];
+                let want = cpu::embedding_quant_weights(format, &raw, ids, vocab, channels)?;
+                let words = kernels.upload(&pack_quantized(format, &raw, vocab, channels)?)?;
+                let (i, out) = (kernels.upload(ids)?, kernels.zeros(n * channels)?);
+                let table = QuantView::new(words.view(), format, vocab, channels)?;
+                let d = kernels.embedding_quant_weights(out.view(), table, i.view(), n)?;
+                assert_eq!(d.launches() > 1, split, "{format:?}");
+                kernels.run(&[&d])?;
+                assert_close(&format!("embedding {format:?} split {split}"), &read(kernels, &out)?, &want, 0.0, 0.0);
             }
         }
         Ok(())
