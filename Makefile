@@ -6,7 +6,7 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test test-swiftshader bench driver adapters smollm2 gemma3
+.PHONY: train test test-swiftshader lint bench driver adapters smollm2 gemma3
 
 driver:
 	@bash scripts/ensure-vulkan.sh
@@ -64,6 +64,12 @@ test-swiftshader: driver smollm2 gemma3
 	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) WGRAD_LIMITS=webgpu \
 		$(CARGO) test --release $(TEST_FEATURES) --test suite,\
 		$(error SwiftShader (Debian's chromium) is not installed: see scripts/ensure-chromium.sh))
+
+# rustfmt at rustfmt.toml's width, and clippy with every warning an error
+# (no function over clippy.toml's 150 lines). CI runs it before the tests.
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
 bench: driver
 	$(CARGO) bench -p wgrad-benches --bench matmul

@@ -301,7 +301,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
         one.members()[0].clone(),
         &model,
         CrossEntropyLoss,
-        run.optimizer.clone(),
+        run.optimizer,
         batch,
     )?;
     let ms = time_steps(warm_up, timed, || {
@@ -325,7 +325,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     println!("2 devices: {}", two.labels().join(", "));
     for micro in [4, 8] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer.clone(), batch, micro, schedule)?;
+            let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer, batch, micro, schedule)?;
             time_steps(warm_up, 0, || p.step(&ids, Targets::Classes(&targets), false).map(|_| ()))?;
             p.reset_stats();
             let ms = time_steps(0, timed, || {

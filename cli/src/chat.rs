@@ -144,6 +144,7 @@ impl Timing {
 /// `continuation` is false) and samples until a stop token, `max_new`
 /// tokens or a full context; passes each token to `emit` as it comes.
 /// Returns the new tokens (the stop token not included) and the timing.
+#[allow(clippy::too_many_arguments)]
 fn answer(
     generator: &mut Generator,
     new: &[u32],

@@ -8,6 +8,8 @@ use crate::{ModelKind, OptimizerName, TrainArgs};
 
 /// Why a flag does not apply to a run, or None where it does.
 type Rule = fn(&Run) -> Option<String>;
+/// A rule that may capture its reason.
+type Check = Box<dyn Fn(&Run) -> Option<String>>;
 
 /// What the rules look at: the run as the flags describe it.
 struct Run<'a> {
@@ -81,8 +83,8 @@ fn not_pretrained(run: &Run) -> Option<String> {
 }
 
 /// Every flag that applies to some runs only, by clap's id, with its rule.
-fn rules() -> Vec<(&'static str, Box<dyn Fn(&Run) -> Option<String>>)> {
-    let rule = |r: Rule| -> Box<dyn Fn(&Run) -> Option<String>> { Box::new(r) };
+fn rules() -> Vec<(&'static str, Check)> {
+    let rule = |r: Rule| -> Check { Box::new(r) };
     vec![
         ("epochs", Box::new(mlp_only("it counts the MLP's passes over its data (a language model runs --max-steps)"))),
         ("hidden", Box::new(mlp_only("it sets the MLP's hidden widths"))),

@@ -29,8 +29,8 @@ impl Graph {
                 // An accumulation adds onto what the earlier ones into the
                 // same gradient left there.
                 if let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = self.nodes[i].op {
-                    for j in 0..i {
-                        needed[j] |= self.nodes[j].op == ElementwiseOp::AccumulateGrad { param };
+                    for (needs, node) in needed[..i].iter_mut().zip(&self.nodes[..i]) {
+                        *needs |= node.op == ElementwiseOp::AccumulateGrad { param };
                     }
                 }
             }

@@ -1337,7 +1337,7 @@ pub mod llama {
                 None => 10000.0,
             };
             let rms_eps = g.get_f32("llama.attention.layer_norm_rms_epsilon")?;
-            if !(rope_base.is_finite() && rope_base > 0.0) || !(rms_eps.is_finite() && rms_eps >= 0.0) {
+            if !(rope_base.is_finite() && rope_base > 0.0 && rms_eps.is_finite() && rms_eps >= 0.0) {
                 return Err(bad(format!("rope base {rope_base} or RMSNorm epsilon {rms_eps} is out of range")));
             }
             Ok(Hparams {

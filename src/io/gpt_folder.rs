@@ -345,7 +345,7 @@ pub(crate) trait StoredLayout {
     fn to_stored(&self, _name: &str, _shape: &[usize], data: &[f32]) -> Vec<f32> {
         data.to_vec()
     }
-    fn from_stored(&self, _name: &str, _shape: &[usize], data: Vec<f32>) -> Vec<f32> {
+    fn unstore(&self, _name: &str, _shape: &[usize], data: Vec<f32>) -> Vec<f32> {
         data
     }
 }
@@ -363,7 +363,7 @@ impl StoredLayout for Gpt2Layout {
     fn to_stored(&self, name: &str, shape: &[usize], data: &[f32]) -> Vec<f32> {
         to_stored(name, shape, data)
     }
-    fn from_stored(&self, name: &str, shape: &[usize], data: Vec<f32>) -> Vec<f32> {
+    fn unstore(&self, name: &str, shape: &[usize], data: Vec<f32>) -> Vec<f32> {
         from_stored(name, shape, data)
     }
 }
@@ -693,7 +693,7 @@ pub(crate) fn read_optimizer(dir: &Path, model: &dyn Module, layout: &dyn Stored
             if t.shape != hf {
                 return Err(Error::FolderTensorShape { path: path.clone(), name: stored, expected: hf, found: t.shape.clone() });
             }
-            let data = layout.from_stored(param, shape, t.data.clone());
+            let data = layout.unstore(param, shape, t.data.clone());
             state.push((param.clone(), name.to_string(), data));
             used += 1;
         }

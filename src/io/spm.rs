@@ -203,7 +203,7 @@ fn generate_merges(keys: &[(&str, f64)], vocab: &Vocab) -> Vec<(String, String)>
 /// Each distinct token once, in order of first appearance, with a score
 /// (`score(id)`) taken from its last appearance, as a Python dict built
 /// from the (token, score) pairs holds them.
-fn first_seen_last_scored<'t>(spelled: &'t [String], score: impl Fn(usize) -> f64) -> Vec<(&'t str, f64)> {
+fn first_seen_last_scored(spelled: &[String], score: impl Fn(usize) -> f64) -> Vec<(&str, f64)> {
     let mut slot: std::collections::HashMap<&str, usize> = std::collections::HashMap::with_capacity(spelled.len());
     let mut keys: Vec<(&str, f64)> = Vec::with_capacity(spelled.len());
     for (id, token) in spelled.iter().enumerate() {
@@ -432,7 +432,7 @@ mod tests {
             .collect();
         let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -1.0, -3.0];
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let keys = first_seen_last_scored(&tokens, |id| f64::from(scores[id]));
+        let keys = first_seen_last_scored(&tokens, |id| scores[id]);
         let got = generate_merges(&keys, &vocab);
         let pairs: Vec<(&str, &str)> = got.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
         // Score -1 ("ab" and "abc"): ab+c (left 2), then a+bc (left 1,

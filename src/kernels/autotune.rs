@@ -42,7 +42,7 @@
 //! only on adapters that can run it.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -168,7 +168,7 @@ type CacheFile = BTreeMap<String, MatmulTuning>;
 
 /// An unreadable or malformed cache is treated as empty: it only holds
 /// measurements, and the next `wgrad tune` rewrites it.
-fn read_cache(path: &PathBuf) -> CacheFile {
+fn read_cache(path: &Path) -> CacheFile {
     std::fs::read_to_string(path)
         .ok()
         .and_then(|text| serde_json::from_str(&text).ok())
@@ -386,7 +386,7 @@ impl Kernels {
     }
 }
 
-fn write_cache(path: &PathBuf, cache: &CacheFile) -> Result<()> {
+fn write_cache(path: &Path, cache: &CacheFile) -> Result<()> {
     let text = serde_json::to_string_pretty(cache).map_err(|e| Error::InvalidArgument {
         op: "autotune",
         reason: format!("cannot encode the tuning cache: {e}"),

@@ -45,6 +45,7 @@ impl Kernels {
     /// [`Kernels::rope_forward`] rotating only heads 0..rotated_heads of
     /// each row and copying the rest: a fused q | k | v row seen as
     /// heads, its value heads passing through.
+    #[allow(clippy::too_many_arguments)]
     pub fn rope_forward_heads(&self, y: View<'_>, x: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout, rotated_heads: usize) -> Result<Dispatch> {
         self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout, rotated_heads)
     }

@@ -192,7 +192,7 @@ fn slot_operations_refuse_what_they_cannot_do() {
         let err = slots.prefill_slot(2, &[1], &Sampling::greedy(), &mut r).expect_err("slot 2 of 2").to_string();
         assert!(err.contains("2 of a generator of 2"), "{err}");
         // Slot 0 fills its context, then cannot sit a step out.
-        let first = slots.prefill_slot(0, &vec![1; CONTEXT], &Sampling::greedy(), &mut r)?;
+        let first = slots.prefill_slot(0, &[1; CONTEXT], &Sampling::greedy(), &mut r)?;
         assert!(first < 37);
         let greedy = Sampling::greedy();
         let mut steps = vec![None, Some(SlotStep { token: 1, sampling: &greedy, rng: &mut r })];
@@ -205,7 +205,7 @@ fn slot_operations_refuse_what_they_cannot_do() {
         // A step computes the slots up to the highest stepping one: slot 3
         // of 4, full, is not among slot 0's step's rows; slot 0 then moves.
         let mut four = serving(k, &model, 4)?;
-        four.prefill_slot(3, &vec![2; CONTEXT], &Sampling::greedy(), &mut r)?;
+        four.prefill_slot(3, &[2; CONTEXT], &Sampling::greedy(), &mut r)?;
         let token = four.prefill_slot(0, &[1, 2, 3], &Sampling::greedy(), &mut r)?;
         let mut steps = vec![Some(SlotStep { token, sampling: &greedy, rng: &mut r }), None, None, None];
         let next = four.decode_slots(&mut steps)?;

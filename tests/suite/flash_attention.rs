@@ -62,7 +62,7 @@ fn run_kernels(k: &Kernels, shape: FlashAttentionShape, q: &[f32], kk: &[f32], v
 /// (workgroup tiles) and the CPU-shaped (register blocks) entries.
 #[test]
 fn kernels_match_the_cpu_and_repeat_bit_for_bit() {
-    for_each_shaping("flash_attention kernels", |k| check_kernels(k));
+    for_each_shaping("flash_attention kernels", check_kernels);
 }
 
 #[test]

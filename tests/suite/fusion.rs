@@ -544,12 +544,12 @@ fn fusion_cuts_the_dispatches_of_a_step() {
 
         // A prediction still runs the layer on its own (not the loss).
         let mut fused = fused;
-        let out = fused.outputs(&vec![0.5; 3 * 10])?;
+        let out = fused.outputs(&[0.5; 3 * 10])?;
         let w = fused.executor().parameters()?;
         let want = cpu::bias_add(
             &cpu::matmul(
                 wgrad::kernels::MatmulForm::ABt,
-                &vec![0.5; 3 * 10],
+                &[0.5; 3 * 10],
                 &w[0].2,
                 3,
                 1,

@@ -342,7 +342,7 @@ fn metadata_of_every_type_exactly() {
     assert_eq!(g.get("wgrad.test.i16"), Some(&Value::I16(-32000)));
     assert_eq!(g.get("wgrad.test.u32"), Some(&Value::U32(4_000_000_000)));
     assert_eq!(g.get("wgrad.test.i32"), Some(&Value::I32(-2_000_000_000)));
-    assert_eq!(g.get("wgrad.test.f32"), Some(&Value::F32(3.1415927)));
+    assert_eq!(g.get("wgrad.test.f32"), Some(&Value::F32(std::f32::consts::PI)));
     assert_eq!(g.get("wgrad.test.bool_true"), Some(&Value::Bool(true)));
     assert_eq!(g.get("wgrad.test.bool_false"), Some(&Value::Bool(false)));
     assert_eq!(g.get_str("wgrad.test.string").unwrap(), "héllo, wörld ✓ \n\t\"quoted\"");
@@ -649,7 +649,7 @@ fn skip_value(b: &[u8], ty: u32, at: usize) -> usize {
     match ty {
         0 | 1 | 7 => at + 1,
         2 | 3 => at + 2,
-        4 | 5 | 6 => at + 4,
+        4..=6 => at + 4,
         10..=12 => at + 8,
         8 => at + 8 + u64_at(b, at) as usize,
         9 => {

@@ -151,7 +151,7 @@ fn the_shared_kernel_takes_each_load_path_in_every_form() {
             // only, on both entries and a batch: the load paths here and the
             // store are independent, and the epilogue test accumulates in
             // the other forms (AtB, ABᵀ).
-            let accumulate = |s: usize| form == MatmulForm::AB && s % 3 == 0;
+            let accumulate = |s: usize| form == MatmulForm::AB && s.is_multiple_of(3);
             for (s, &(m, n, kk)) in shapes.iter().enumerate() {
                 let entries = check_shared(k, form, 1, (m, n, kk), if s % 2 == 0 { 0 } else { align }, accumulate(s), (f * 10 + s) as u64)?;
                 let want = if shared_loads_vec4(form, m, n, kk) { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
@@ -509,7 +509,7 @@ fn optimizer_arguments_are_checked_like_pytorch() {
 #[test]
 fn tensors_over_the_binding_limit_are_errors_and_the_largest_allowed_works() {
     for_each_adapter("limits", |k| {
-        let limit = u64::from(k.device().limits().max_storage_buffer_binding_size);
+        let limit = k.device().limits().max_storage_buffer_binding_size;
         // A view claiming one element past the limit is refused before wgpu sees it.
         let small = k.zeros(4)?;
         let over = wgrad::View { buffer: small.buffer(), offset: 0, len: (limit / 4 + 1) as usize };

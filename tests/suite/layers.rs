@@ -92,7 +92,7 @@ fn code_only(text: &str) -> String {
                 continue;
             }
             let end: String = std::iter::once('"')
-                .chain(std::iter::repeat('#').take(hashes))
+                .chain(std::iter::repeat_n('#', hashes))
                 .collect();
             let body_start = i + 2 + hashes;
             let rest: String = chars[body_start..].iter().collect();
@@ -107,8 +107,8 @@ fn code_only(text: &str) -> String {
             i += 1;
             while i < chars.len() && chars[i] != '"' {
                 let skip = if chars[i] == '\\' { 2 } else { 1 };
-                for k in i..(i + skip).min(chars.len()) {
-                    out.push(blank(chars[k]));
+                for &c in &chars[i..(i + skip).min(chars.len())] {
+                    out.push(blank(c));
                 }
                 i += skip;
             }

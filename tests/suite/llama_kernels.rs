@@ -24,6 +24,7 @@ struct RopeCase {
     starts: Vec<u32>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn rope_case(seqs: usize, rows: usize, heads: usize, head_dim: usize, rotary_dim: usize, positions: usize, layout: RopeLayout, base: f32, starts: &[u32]) -> RopeCase {
     assert_eq!(starts.len(), seqs);
     RopeCase { shape: RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions }, layout, base, starts: starts.to_vec() }

@@ -28,7 +28,7 @@ fn tiny(seed: u64) -> Gpt {
 /// Batches where most positions hold the same few tokens, so the
 /// embedding gradient adds many rows into the same table row.
 fn repetitive_batch(batch: usize, step: u64) -> (Vec<u32>, Vec<u32>) {
-    let ids: Vec<u32> = (0..batch * SEQ).map(|i| if (i as u64 + step) % 5 == 0 { (i % VOCAB) as u32 } else { (step % 3) as u32 }).collect();
+    let ids: Vec<u32> = (0..batch * SEQ).map(|i| if (i as u64 + step).is_multiple_of(5) { (i % VOCAB) as u32 } else { (step % 3) as u32 }).collect();
     let targets = ids.iter().map(|&t| (t + 1) % VOCAB as u32).collect();
     (ids, targets)
 }
