@@ -207,7 +207,10 @@ pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
             ("dispatches", exec.dispatches_per_step().to_string()),
             ("dispatches_unfused", unfused_dispatches(kernels, &case)?.to_string()),
             ("peak_gpu_bytes", exec.peak_bytes().to_string()),
-            ("parameter_and_state_bytes", (plan.param_arena_len as u64 * 4 * arena_copies).to_string()),
+            (
+                "parameter_and_state_bytes",
+                (plan.param_arena_len as u64 * 4 * arena_copies).to_string(),
+            ),
             ("input_bytes", plan.input_bytes.to_string()),
             ("naive_intermediate_bytes", plan.naive_intermediate_bytes.to_string()),
             ("planned_intermediate_bytes", plan.slot_bytes.to_string()),
@@ -219,7 +222,14 @@ pub fn mlp_step(kernels: &Arc<Kernels>, steps: usize) -> Result<BenchLine> {
 /// what fusion saves. Built, never run.
 fn unfused_dispatches(kernels: &Arc<Kernels>, case: &StepCase) -> Result<usize> {
     let options = PlanOptions::UNFUSED;
-    let trainer = Trainer::with_options(kernels.clone(), &case.model, case.criterion, case.optimizer, case.batch, options)?;
+    let trainer = Trainer::with_options(
+        kernels.clone(),
+        &case.model,
+        case.criterion,
+        case.optimizer,
+        case.batch,
+        options,
+    )?;
     Ok(trainer.executor().dispatches_per_step())
 }
 
@@ -256,7 +266,11 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
     use wgrad::kernels::{Activation, MatmulEpilogue, MatmulVariant};
     let n = 64;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let (a, b, c) = (kernels.upload(&random(n * n, &mut rng))?, kernels.upload(&random(n * n, &mut rng))?, kernels.zeros(n * n)?);
+    let (a, b, c) = (
+        kernels.upload(&random(n * n, &mut rng))?,
+        kernels.upload(&random(n * n, &mut rng))?,
+        kernels.zeros(n * n)?,
+    );
     let mut lines = Vec::new();
     let mut time_first_runs = |name: String, build: &dyn Fn() -> Result<wgrad::kernels::Dispatch>| -> Result<()> {
         let start = Instant::now();
@@ -281,7 +295,10 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
         });
         Ok(())
     };
-    for variant in MatmulVariant::ALL.into_iter().filter(|&v| kernels.supports_matmul_variant(v)) {
+    for variant in MatmulVariant::ALL
+        .into_iter()
+        .filter(|&v| kernels.supports_matmul_variant(v))
+    {
         for form in MatmulForm::ALL {
             let epilogue = MatmulEpilogue::default();
             time_first_runs(format!("matmul_{variant:?}_{form:?}").to_lowercase(), &|| {
@@ -289,8 +306,12 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
             })?;
         }
     }
-    time_first_runs("relu_forward".into(), &|| kernels.activation_forward(Activation::Relu, c.view(), a.view()))?;
-    time_first_runs("sum_rows_forward".into(), &|| kernels.sum_rows(c.slice(0, n)?, a.view(), n, n))?;
+    time_first_runs("relu_forward".into(), &|| {
+        kernels.activation_forward(Activation::Relu, c.view(), a.view())
+    })?;
+    time_first_runs("sum_rows_forward".into(), &|| {
+        kernels.sum_rows(c.slice(0, n)?, a.view(), n, n)
+    })?;
 
     let case = StepCase::digits_mlp()?;
     let start = Instant::now();
@@ -319,7 +340,13 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
 /// 13 (L4, H4, C128, T128, vocabulary 84 as the char-level Shakespeare),
 /// which is also `make train`'s default model, at batch 16.
 pub fn gpt_bench_config() -> wgrad::models::GptConfig {
-    wgrad::models::GptConfig { vocab_size: 84, block_size: 128, n_layer: 4, n_head: 4, n_embd: 128 }
+    wgrad::models::GptConfig {
+        vocab_size: 84,
+        block_size: 128,
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 128,
+    }
 }
 
 /// Model FLOPs of one training step (forward and backward) on `tokens`
@@ -336,14 +363,34 @@ pub fn gpt_train_flops(config: &wgrad::models::GptConfig, tokens: usize) -> f64 
 /// `wgrad train --model gpt`) on seeded random tokens: step time, tokens/s
 /// and model-FLOPs utilisation against `matmul_gflops`, the adapter's best
 /// matmul rate measured in the same run.
-pub fn gpt_train_step(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, batch: usize, steps: usize, matmul_gflops: f64) -> Result<BenchLine> {
-    gpt_train_step_with(kernels, config, batch, steps, matmul_gflops, wgrad::graph::PlanOptions::default())
+pub fn gpt_train_step(
+    kernels: &Arc<Kernels>,
+    config: wgrad::models::GptConfig,
+    batch: usize,
+    steps: usize,
+    matmul_gflops: f64,
+) -> Result<BenchLine> {
+    gpt_train_step_with(
+        kernels,
+        config,
+        batch,
+        steps,
+        matmul_gflops,
+        wgrad::graph::PlanOptions::default(),
+    )
 }
 
 /// [`gpt_train_step`] planned with `options`: with
 /// `Precision::F16`, activations stored in f16 and the loss scaled
 /// dynamically (line `gpt_train` with `precision f16`).
-pub fn gpt_train_step_with(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, batch: usize, steps: usize, matmul_gflops: f64, options: wgrad::graph::PlanOptions) -> Result<BenchLine> {
+pub fn gpt_train_step_with(
+    kernels: &Arc<Kernels>,
+    config: wgrad::models::GptConfig,
+    batch: usize,
+    steps: usize,
+    matmul_gflops: f64,
+    options: wgrad::graph::PlanOptions,
+) -> Result<BenchLine> {
     wgrad::nn::manual_seed(0);
     let model = wgrad::models::Gpt::new(config)?;
     let mut optimizer = wgrad::train::AdamWSchedule::default().optimizer((steps + 3) as u64);
@@ -353,7 +400,9 @@ pub fn gpt_train_step_with(kernels: &Arc<Kernels>, config: wgrad::models::GptCon
     let mut trainer = Trainer::with_options(kernels.clone(), &model, CrossEntropyLoss, optimizer, batch, options)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let tokens = batch * config.block_size;
-    let ids: Vec<u32> = (0..tokens + 1).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let ids: Vec<u32> = (0..tokens + 1)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
     let (x, y) = (&ids[..tokens], &ids[1..]);
     let ms = time_queued(kernels, steps, || {
         trainer.zero_grad();
@@ -369,7 +418,13 @@ pub fn gpt_train_step_with(kernels: &Arc<Kernels>, config: wgrad::models::GptCon
     Ok(BenchLine {
         case: "gpt_train".into(),
         values: vec![
-            ("config", format!("L{}-H{}-C{}-T{}-V{}-B{batch}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            (
+                "config",
+                format!(
+                    "L{}-H{}-C{}-T{}-V{}-B{batch}",
+                    config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size
+                ),
+            ),
             ("tokens_per_s", format!("{:.0}", tokens as f64 / seconds)),
             ("ms_per_step", format!("{:.1}", seconds * 1e3)),
             ("model_gflops_per_s", format!("{:.2}", flops / seconds / 1e9)),
@@ -392,7 +447,14 @@ pub fn gpt_train_step_with(kernels: &Arc<Kernels>, config: wgrad::models::GptCon
 /// same run. Per path: ms per step and the intermediate bytes its memory
 /// plan holds (`Plan::slot_bytes`: activations and gradients, the
 /// parameters and their gradients not counted).
-pub fn attention_train(kernels: &Arc<Kernels>, seq: usize, tokens: usize, heads: usize, head_dim: usize, steps: usize) -> Result<BenchLine> {
+pub fn attention_train(
+    kernels: &Arc<Kernels>,
+    seq: usize,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    steps: usize,
+) -> Result<BenchLine> {
     let batch = (tokens / seq.max(1)).max(1);
     let shape = [batch, seq, heads * head_dim];
     let n = shape.iter().product();
@@ -433,7 +495,13 @@ pub fn attention_train(kernels: &Arc<Kernels>, seq: usize, tokens: usize, heads:
 /// `between_steps` runs after each timed step, outside the timing: the
 /// 124M bench times its copy kernel there, so the decode and the bandwidth
 /// it is divided by are measured in the same moments of a noisy machine.
-fn time_generation(generator: &mut wgrad::infer::generate::Generator, prompt: &[u32], new_tokens: usize, rng: &mut ChaCha8Rng, mut between_steps: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+fn time_generation(
+    generator: &mut wgrad::infer::generate::Generator,
+    prompt: &[u32],
+    new_tokens: usize,
+    rng: &mut ChaCha8Rng,
+    mut between_steps: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
     let greedy = wgrad::infer::generate::Sampling::greedy();
     // A few steps first: on a CPU adapter the first passes over the weights
     // run slower (memory first touched), which is not a token's cost.
@@ -473,14 +541,22 @@ pub fn gpt_generate(kernels: &Arc<Kernels>, config: wgrad::models::GptConfig, ne
     let model = wgrad::models::Gpt::new(config)?;
     let mut generator = wgrad::infer::generate::Generator::new(kernels.clone(), &model, 1)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let prompt: Vec<u32> = (0..config.block_size / 2).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
+    let prompt: Vec<u32> = (0..config.block_size / 2)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt.len());
     let (prefill, seconds_per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || Ok(()))?;
     let decode = seconds_per_token * new_tokens as f64;
     Ok(BenchLine {
         case: "gpt_generate".into(),
         values: vec![
-            ("config", format!("L{}-H{}-C{}-T{}-V{}", config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)),
+            (
+                "config",
+                format!(
+                    "L{}-H{}-C{}-T{}-V{}",
+                    config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size
+                ),
+            ),
             ("tokens_per_s", format!("{:.1}", new_tokens as f64 / decode)),
             ("ms_per_token", format!("{:.2}", 1e3 * decode / new_tokens as f64)),
             ("prefill_tokens", prompt.len().to_string()),
@@ -515,7 +591,14 @@ impl<'a> CopyBandwidth<'a> {
         let n = COPY_BYTES / 4;
         let (src, dst) = (kernels.upload(&vec![1.0f32; n])?, kernels.zeros(n)?);
         let shader = kernels.copy_vec4(dst.view(), src.view())?;
-        Ok(CopyBandwidth { kernels, src, dst, shader, shader_times: Vec::new(), memcpy_times: Vec::new() })
+        Ok(CopyBandwidth {
+            kernels,
+            src,
+            dst,
+            shader,
+            shader_times: Vec::new(),
+            memcpy_times: Vec::new(),
+        })
     }
 
     /// Times one copy by the kernel and one by the driver.
@@ -526,7 +609,12 @@ impl<'a> CopyBandwidth<'a> {
         self.shader_times.push(start.elapsed().as_secs_f64());
         let start = Instant::now();
         let (src, dst) = (self.src.buffer(), self.dst.buffer());
-        self.kernels.submit_pass("bench copy", std::iter::empty(), |_| {}, |encoder| encoder.copy_buffer_to_buffer(src, 0, dst, 0, COPY_BYTES as u64))?;
+        self.kernels.submit_pass(
+            "bench copy",
+            std::iter::empty(),
+            |_| {},
+            |encoder| encoder.copy_buffer_to_buffer(src, 0, dst, 0, COPY_BYTES as u64),
+        )?;
         self.kernels.device().wait_idle("bench copy")?;
         self.memcpy_times.push(start.elapsed().as_secs_f64());
         Ok(())
@@ -534,8 +622,17 @@ impl<'a> CopyBandwidth<'a> {
 
     /// (by the kernel, by the driver) in GB/s: medians of the samples.
     pub fn gbps(&mut self) -> (f64, f64) {
-        let rate = |seconds: f64| if seconds > 0.0 { 2.0 * COPY_BYTES as f64 / seconds / 1e9 } else { 0.0 };
-        (rate(median(&mut self.shader_times)), rate(median(&mut self.memcpy_times)))
+        let rate = |seconds: f64| {
+            if seconds > 0.0 {
+                2.0 * COPY_BYTES as f64 / seconds / 1e9
+            } else {
+                0.0
+            }
+        };
+        (
+            rate(median(&mut self.shader_times)),
+            rate(median(&mut self.memcpy_times)),
+        )
     }
 }
 
@@ -550,7 +647,11 @@ pub fn decode_bytes_per_token(config: &wgrad::models::GptConfig, position: usize
 /// [`decode_bytes_per_token`] for a generator storing its weights as
 /// `dtype`: with f16, 2 bytes for each value of the token table and the
 /// blocks' projection weights (what `WeightDtype::F16` stores in f16).
-pub fn decode_bytes_per_token_with(config: &wgrad::models::GptConfig, position: usize, dtype: wgrad::infer::generate::WeightDtype) -> u64 {
+pub fn decode_bytes_per_token_with(
+    config: &wgrad::models::GptConfig,
+    position: usize,
+    dtype: wgrad::infer::generate::WeightDtype,
+) -> u64 {
     let c = config.n_embd;
     let parameters = config.num_parameters() - config.block_size * c + c;
     let cache = 2 * config.n_layer * (position + 1) * c;
@@ -572,7 +673,12 @@ pub fn decode_bytes_per_token_with(config: &wgrad::models::GptConfig, position: 
 /// weights in f16 (`WeightDtype::F16`), its own line with `dtype=f16` and
 /// the bytes counted at 2 per f16 weight. With `profile`, each generator's
 /// decode step dispatch by dispatch after its timing ([`profile_lines`]).
-pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_tokens: usize, profile: bool) -> Result<Vec<BenchLine>> {
+pub fn gpt2_124m_generate(
+    kernels: &Arc<Kernels>,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    profile: bool,
+) -> Result<Vec<BenchLine>> {
     use wgrad::infer::generate::WeightDtype;
     let config = wgrad::models::GptConfig::gpt2();
     wgrad::nn::manual_seed(0);
@@ -580,12 +686,23 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     let prompt_tokens = prompt_tokens.clamp(1, config.block_size - 1);
     let new_tokens = new_tokens.clamp(1, config.block_size - prompt_tokens);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..config.vocab_size as u32)).collect();
-    let dtypes: &[WeightDtype] = if kernels.supports_f16() { &[WeightDtype::F32, WeightDtype::F16] } else { &[WeightDtype::F32] };
+    let prompt: Vec<u32> = (0..prompt_tokens)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
+    let dtypes: &[WeightDtype] = if kernels.supports_f16() {
+        &[WeightDtype::F32, WeightDtype::F16]
+    } else {
+        &[WeightDtype::F32]
+    };
     let mut generators = Vec::new();
     for &dtype in dtypes {
         wgrad::infer::generate::check_fits_with_dtype(kernels, &config, 1, dtype)?;
-        generators.push(wgrad::infer::generate::Generator::new_with_dtype(kernels.clone(), &model, 1, dtype)?);
+        generators.push(wgrad::infer::generate::Generator::new_with_dtype(
+            kernels.clone(),
+            &model,
+            1,
+            dtype,
+        )?);
     }
     // The host copy of the weights (500 MB) goes before anything is timed.
     drop(model);
@@ -597,7 +714,8 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
     let mut timings = Vec::new();
     let mut profiles = Vec::new();
     for mut generator in generators {
-        let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
+        let (prefill, per_token) =
+            time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
         timings.push((generator.dtype(), prefill, per_token));
         if profile {
             profiles.push((generator.dtype(), median_profile(&mut generator)?));
@@ -609,11 +727,24 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
         if dtype == WeightDtype::F32 {
             lines.push(BenchLine {
                 case: "gpt2_124m_prefill".into(),
-                values: vec![("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+                values: vec![
+                    ("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)),
+                    ("prompt_tokens", prompt_tokens.to_string()),
+                ],
             });
         }
-        let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens).map(|p| decode_bytes_per_token_with(&config, p, dtype)).sum::<u64>() / new_tokens as u64;
-        lines.push(decode_line("gpt2_124m_decode", dtype.name(), per_token, bytes, (copy, memcpy), new_tokens));
+        let bytes: u64 = (prompt_tokens..prompt_tokens + new_tokens)
+            .map(|p| decode_bytes_per_token_with(&config, p, dtype))
+            .sum::<u64>()
+            / new_tokens as u64;
+        lines.push(decode_line(
+            "gpt2_124m_decode",
+            dtype.name(),
+            per_token,
+            bytes,
+            (copy, memcpy),
+            new_tokens,
+        ));
     }
     for (dtype, times) in profiles {
         lines.extend(profile_lines("gpt2_124m_decode_profile", dtype.name(), &times, copy));
@@ -625,7 +756,14 @@ pub fn gpt2_124m_generate(kernels: &Arc<Kernels>, prompt_tokens: usize, new_toke
 /// step reads, and the share of the copy kernel's and the driver's copy
 /// bandwidth (`copy`, measured in the same moments) that those bytes at
 /// that rate are: bytes_per_token · tokens_per_s / rate.
-fn decode_line(case: &str, dtype: &str, seconds_per_token: f64, bytes_per_token: u64, (copy, memcpy): (f64, f64), new_tokens: usize) -> BenchLine {
+fn decode_line(
+    case: &str,
+    dtype: &str,
+    seconds_per_token: f64,
+    bytes_per_token: u64,
+    (copy, memcpy): (f64, f64),
+    new_tokens: usize,
+) -> BenchLine {
     let tokens_per_s = 1.0 / seconds_per_token;
     let read_gbps = bytes_per_token as f64 * tokens_per_s / 1e9;
     BenchLine {
@@ -654,7 +792,11 @@ fn decode_line(case: &str, dtype: &str, seconds_per_token: f64, bytes_per_token:
 /// sum of the times and bound bytes.
 pub fn profile_lines(case: &str, dtype: &str, times: &wgrad::graph::DispatchTimes, copy_gbps: f64) -> Vec<BenchLine> {
     let line = |what: (&'static str, String), count: usize, seconds: f64, bytes: u64| {
-        let gbps = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 };
+        let gbps = if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
         BenchLine {
             case: case.into(),
             values: vec![
@@ -680,12 +822,31 @@ pub fn profile_lines(case: &str, dtype: &str, times: &wgrad::graph::DispatchTime
         }
     }
     by_entry.sort_by(|a, b| b.2.total_cmp(&a.2));
-    let mut lines: Vec<BenchLine> = by_entry.iter().map(|&(entry, count, seconds, bytes)| line(("entry", entry.into()), count, seconds, bytes)).collect();
+    let mut lines: Vec<BenchLine> = by_entry
+        .iter()
+        .map(|&(entry, count, seconds, bytes)| line(("entry", entry.into()), count, seconds, bytes))
+        .collect();
     let mut slowest: Vec<&wgrad::graph::DispatchTime> = times.iter().collect();
     slowest.sort_by_key(|t| std::cmp::Reverse(t.time));
-    lines.extend(slowest.iter().take(3).map(|t| line(("node", format!("{}:{}", t.node, t.entry)), 1, t.time.as_secs_f64(), t.bound_bytes)));
-    let timer = if times.iter().all(|t| t.on_gpu) { "gpu_timestamps" } else { "wall" };
-    let mut all = line(("entry", "all".into()), times.len(), times.iter().map(|t| t.time.as_secs_f64()).sum(), times.iter().map(|t| t.bound_bytes).sum());
+    lines.extend(slowest.iter().take(3).map(|t| {
+        line(
+            ("node", format!("{}:{}", t.node, t.entry)),
+            1,
+            t.time.as_secs_f64(),
+            t.bound_bytes,
+        )
+    }));
+    let timer = if times.iter().all(|t| t.on_gpu) {
+        "gpu_timestamps"
+    } else {
+        "wall"
+    };
+    let mut all = line(
+        ("entry", "all".into()),
+        times.len(),
+        times.iter().map(|t| t.time.as_secs_f64()).sum(),
+        times.iter().map(|t| t.bound_bytes).sum(),
+    );
     // A rate over every dispatch would count the tables a few rows of are
     // read from (embeddings, rotary, KV caches) as read whole.
     all.values.retain(|(k, _)| !matches!(*k, "gbps" | "copy_share"));
@@ -704,7 +865,9 @@ const PROFILE_RUNS: usize = 5;
 /// the median of its runs.
 fn median_profile(generator: &mut wgrad::infer::generate::Generator) -> Result<wgrad::graph::DispatchTimes> {
     let tokens = vec![0; generator.sequences()];
-    let runs = (0..PROFILE_RUNS).map(|_| generator.profile_decode(&tokens)).collect::<Result<Vec<_>>>()?;
+    let runs = (0..PROFILE_RUNS)
+        .map(|_| generator.profile_decode(&tokens))
+        .collect::<Result<Vec<_>>>()?;
     let mut profile = runs[0].clone();
     for (i, entry) in profile.iter_mut().enumerate() {
         let mut times: Vec<Duration> = runs.iter().filter_map(|r| r.get(i)).map(|t| t.time).collect();
@@ -734,7 +897,13 @@ pub fn smollm2_path() -> Option<std::path::PathBuf> {
 /// [`gpt2_124m_generate`] does. A missing file is an error naming where it
 /// was looked for and how to fetch it. With `profile`, each generator's
 /// decode step dispatch by dispatch ([`profile_lines`]).
-pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_tokens: usize, new_tokens: usize, profile: bool) -> Result<Vec<BenchLine>> {
+pub fn smollm2_generate(
+    kernels: &Arc<Kernels>,
+    path: &std::path::Path,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    profile: bool,
+) -> Result<Vec<BenchLine>> {
     use wgrad::infer::generate::{Generator, WeightDtype};
     use wgrad::nn::CausalLm;
     if !path.is_file() {
@@ -761,22 +930,34 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
             None => formats.push((m.format, m.raw.len())),
         }
     }
-    let quantized_name = formats.iter().max_by_key(|f| f.1).map_or("f32".to_string(), |f| f.0.name().to_lowercase());
+    let quantized_name = formats
+        .iter()
+        .max_by_key(|f| f.1)
+        .map_or("f32".to_string(), |f| f.0.name().to_lowercase());
     let generators = [
-        (quantized_name, Generator::new_with_weights(kernels.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?),
-        (WeightDtype::F32.name().to_string(), Generator::new(kernels.clone(), &model, 1)?),
+        (
+            quantized_name,
+            Generator::new_with_weights(kernels.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?,
+        ),
+        (
+            WeightDtype::F32.name().to_string(),
+            Generator::new(kernels.clone(), &model, 1)?,
+        ),
     ];
     let sizes = model.lm_sizes();
     // The host copy of the f32 weights (540 MB) goes before anything is timed.
     drop(model);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let prompt: Vec<u32> = (0..prompt_tokens).map(|_| rng.random_range(0..sizes.vocab_size as u32)).collect();
+    let prompt: Vec<u32> = (0..prompt_tokens)
+        .map(|_| rng.random_range(0..sizes.vocab_size as u32))
+        .collect();
     let mut bandwidth = CopyBandwidth::new(kernels)?;
     bandwidth.sample()?;
     let mut timings = Vec::new();
     let mut profiles = Vec::new();
     for (dtype, mut generator) in generators {
-        let (prefill, per_token) = time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
+        let (prefill, per_token) =
+            time_generation(&mut generator, &prompt, new_tokens, &mut rng, || bandwidth.sample())?;
         let parameter_bytes = generator.executor().plan().param_arena_len as u64 * 4;
         if profile {
             profiles.push((dtype.clone(), median_profile(&mut generator)?));
@@ -790,10 +971,25 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
     for (dtype, prefill, per_token, parameter_bytes) in timings {
         lines.push(BenchLine {
             case: "smollm2_prefill".into(),
-            values: vec![("dtype", dtype.clone()), ("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)), ("prompt_tokens", prompt_tokens.to_string())],
+            values: vec![
+                ("dtype", dtype.clone()),
+                ("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)),
+                ("prompt_tokens", prompt_tokens.to_string()),
+            ],
         });
-        let bytes = parameter_bytes + (prompt_tokens..prompt_tokens + new_tokens).map(cache_bytes).sum::<u64>() / new_tokens as u64;
-        lines.push(decode_line("smollm2_decode", &dtype, per_token, bytes, (copy, memcpy), new_tokens));
+        let bytes = parameter_bytes
+            + (prompt_tokens..prompt_tokens + new_tokens)
+                .map(cache_bytes)
+                .sum::<u64>()
+                / new_tokens as u64;
+        lines.push(decode_line(
+            "smollm2_decode",
+            &dtype,
+            per_token,
+            bytes,
+            (copy, memcpy),
+            new_tokens,
+        ));
     }
     for (dtype, times) in profiles {
         lines.extend(profile_lines("smollm2_decode_profile", &dtype, &times, copy));
@@ -809,7 +1005,13 @@ pub fn smollm2_generate(kernels: &Arc<Kernels>, path: &std::path::Path, prompt_t
 /// What continuous batching's throughput rests on, without the server.
 /// With `profile`, each count's step dispatch by dispatch
 /// (`smollm2_decode_rows_profile`, dtype `rows=R`).
-pub fn smollm2_decode_rows(kernels: &Arc<Kernels>, path: &std::path::Path, rows: &[usize], steps: usize, profile: bool) -> Result<Vec<BenchLine>> {
+pub fn smollm2_decode_rows(
+    kernels: &Arc<Kernels>,
+    path: &std::path::Path,
+    rows: &[usize],
+    steps: usize,
+    profile: bool,
+) -> Result<Vec<BenchLine>> {
     use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling};
     use wgrad::nn::CausalLm;
     if !path.is_file() {
@@ -825,12 +1027,23 @@ pub fn smollm2_decode_rows(kernels: &Arc<Kernels>, path: &std::path::Path, rows:
     let vocab = model.vocab_size() as u32;
     let greedy = Sampling::greedy();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let copy = if profile { CopyBandwidth::new(kernels).and_then(|mut b| b.sample().map(|_| b.gbps().0))? } else { 0.0 };
+    let copy = if profile {
+        CopyBandwidth::new(kernels).and_then(|mut b| b.sample().map(|_| b.gbps().0))?
+    } else {
+        0.0
+    };
     let mut lines = Vec::new();
     for &r in rows {
-        let options = GeneratorOptions { sequences: r, context: Some(512), quantized: quantized.clone(), ..GeneratorOptions::default() };
+        let options = GeneratorOptions {
+            sequences: r,
+            context: Some(512),
+            quantized: quantized.clone(),
+            ..GeneratorOptions::default()
+        };
         let mut generator = Generator::with_options(kernels.clone(), &model, &options)?;
-        let prompts: Vec<Vec<u32>> = (0..r).map(|_| (0..16).map(|_| rng.random_range(0..vocab)).collect()).collect();
+        let prompts: Vec<Vec<u32>> = (0..r)
+            .map(|_| (0..16).map(|_| rng.random_range(0..vocab)).collect())
+            .collect();
         let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
         let mut tokens = generator.prefill_and_sample(&prompts, &greedy, &mut rng)?;
         // Untimed steps first: pipelines compile and memory is first touched.
@@ -846,10 +1059,20 @@ pub fn smollm2_decode_rows(kernels: &Arc<Kernels>, path: &std::path::Path, rows:
         let step = median(&mut times);
         lines.push(BenchLine {
             case: "smollm2_decode_rows".into(),
-            values: vec![("rows", r.to_string()), ("step_ms", format!("{:.1}", step * 1e3)), ("tokens_per_s", format!("{:.2}", r as f64 / step)), ("steps", steps.to_string())],
+            values: vec![
+                ("rows", r.to_string()),
+                ("step_ms", format!("{:.1}", step * 1e3)),
+                ("tokens_per_s", format!("{:.2}", r as f64 / step)),
+                ("steps", steps.to_string()),
+            ],
         });
         if profile {
-            lines.extend(profile_lines("smollm2_decode_rows_profile", &format!("rows={r}"), &median_profile(&mut generator)?, copy));
+            lines.extend(profile_lines(
+                "smollm2_decode_rows_profile",
+                &format!("rows={r}"),
+                &median_profile(&mut generator)?,
+                copy,
+            ));
         }
     }
     Ok(lines)

@@ -33,14 +33,19 @@ const STEPS: usize = 400;
 /// back (the first LAG positions repeat their own token).
 fn lagged_copies(count: usize, rng: &mut ChaCha8Rng) -> (Vec<u32>, Vec<u32>) {
     let inputs: Vec<u32> = (0..count * SEQ).map(|_| rng.random_range(0..VOCAB as u32)).collect();
-    let targets = (0..count * SEQ).map(|i| if i % SEQ >= LAG { inputs[i - LAG] } else { inputs[i] }).collect();
+    let targets = (0..count * SEQ)
+        .map(|i| if i % SEQ >= LAG { inputs[i - LAG] } else { inputs[i] })
+        .collect();
     (inputs, targets)
 }
 
 /// Fraction of positions with a lag (t ≥ LAG) predicted right: the part of
 /// the task that needs another position.
 fn lagged_accuracy(predictions: &[u32], targets: &[u32]) -> f32 {
-    let scored: Vec<bool> = (0..targets.len()).filter(|i| i % SEQ >= LAG).map(|i| predictions[i] == targets[i]).collect();
+    let scored: Vec<bool> = (0..targets.len())
+        .filter(|i| i % SEQ >= LAG)
+        .map(|i| predictions[i] == targets[i])
+        .collect();
     scored.iter().filter(|&&right| right).count() as f32 / scored.len() as f32
 }
 
@@ -68,7 +73,13 @@ fn main() -> wgrad::Result<()> {
     println!("task: output the token {LAG} positions back, vocabulary {VOCAB}, sequences of {SEQ}");
     let test = lagged_copies(256, &mut ChaCha8Rng::seed_from_u64(99));
 
-    let config = GptConfig { vocab_size: VOCAB, block_size: SEQ, n_layer: LAYERS, n_head: HEADS, n_embd: EMBD };
+    let config = GptConfig {
+        vocab_size: VOCAB,
+        block_size: SEQ,
+        n_layer: LAYERS,
+        n_head: HEADS,
+        n_embd: EMBD,
+    };
     nn::manual_seed(0);
     let attention = Gpt::new(config)?;
     println!("attention model: {} parameters", attention.num_parameters());
@@ -78,9 +89,19 @@ fn main() -> wgrad::Result<()> {
     // Without attention a block has 2/3 of the parameters: 3 blocks for 2
     // keep the two models of similar size.
     nn::manual_seed(0);
-    let mlp = Gpt::without_attention(GptConfig { n_layer: LAYERS * 3 / 2, ..config })?;
-    println!("MLP baseline (no attention, each position alone): {} parameters", mlp.num_parameters());
+    let mlp = Gpt::without_attention(GptConfig {
+        n_layer: LAYERS * 3 / 2,
+        ..config
+    })?;
+    println!(
+        "MLP baseline (no attention, each position alone): {} parameters",
+        mlp.num_parameters()
+    );
     let mlp_accuracy = train(&kernels, &mlp, &test)?;
-    println!("MLP accuracy {:.1}% (chance is {:.1}%)", 100.0 * mlp_accuracy, 100.0 / VOCAB as f32);
+    println!(
+        "MLP accuracy {:.1}% (chance is {:.1}%)",
+        100.0 * mlp_accuracy,
+        100.0 / VOCAB as f32
+    );
     Ok(())
 }

@@ -52,14 +52,7 @@ fn main() -> wgrad::Result<()> {
     // One replica per device; the split of each batch follows the measured
     // speed of the devices, re-estimated every 20 steps.
     let split = Split::Measured { every: 20 };
-    let mut dp = DataParallel::new(
-        &group,
-        &model,
-        CrossEntropyLoss,
-        Adam::new(2e-3),
-        BATCH,
-        split,
-    )?;
+    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, Adam::new(2e-3), BATCH, split)?;
     println!(
         "starting split of the {BATCH}-row batch: {:?} rows per device",
         dp.shares()
@@ -81,10 +74,7 @@ fn main() -> wgrad::Result<()> {
             step += 1;
             if dp.shares() != shares.as_slice() {
                 if printed_changes < 10 {
-                    println!(
-                        "  step {step:4}: split re-estimated {shares:?} -> {:?}",
-                        dp.shares()
-                    );
+                    println!("  step {step:4}: split re-estimated {shares:?} -> {:?}", dp.shares());
                 } else if printed_changes == 10 {
                     println!("  (further re-splits counted, not printed)");
                 }
@@ -128,22 +118,12 @@ fn main() -> wgrad::Result<()> {
         let differing: usize = reference
             .iter()
             .zip(&params)
-            .map(|((_, _, a), (_, _, b))| {
-                a.iter()
-                    .zip(b)
-                    .filter(|(p, q)| p.to_bits() != q.to_bits())
-                    .count()
-            })
+            .map(|((_, _, a), (_, _, b))| a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count())
             .sum();
-        println!(
-            "replica #{i} vs replica #0: {differing} of {values} parameter values differ (bitwise)"
-        );
+        println!("replica #{i} vs replica #0: {differing} of {values} parameter values differ (bitwise)");
         identical &= differing == 0 && params.len() == reference.len();
     }
-    println!(
-        "replicas identical: {}",
-        if identical { "yes" } else { "NO" }
-    );
+    println!("replicas identical: {}", if identical { "yes" } else { "NO" });
 
     let acc = accuracy(&dp.predict(test.x())?, test.labels());
     println!("final test accuracy: {:.2}%", 100.0 * acc);

@@ -16,7 +16,8 @@ use wgrad::io::lm_folder::{lm_family, LmFamily};
 use wgrad::models::{Gpt, Llama};
 use wgrad::train::{Pretrained, TrainableLm};
 
-const TEXT: &str = "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.";
+const TEXT: &str =
+    "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.";
 
 fn main() -> wgrad::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -37,13 +38,26 @@ fn write<M: TrainableLm>(dir: &Path, text: &str) -> wgrad::Result<()> {
     let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
     let logits = Predictor::new(kernels.clone(), &model, 1)?.outputs_ids(&ids)?;
     let mut out = Checkpoint::new();
-    out.push(NamedTensor::new("ids", vec![1, ids.len()], ids.iter().map(|&i| i as f32).collect())?);
-    out.push(NamedTensor::new("logits", vec![1, ids.len(), model.vocab_size()], logits)?);
+    out.push(NamedTensor::new(
+        "ids",
+        vec![1, ids.len()],
+        ids.iter().map(|&i| i as f32).collect(),
+    )?);
+    out.push(NamedTensor::new(
+        "logits",
+        vec![1, ids.len(), model.vocab_size()],
+        logits,
+    )?);
     out.set_meta("adapter", kernels.device().label());
     out.set_meta("text", text);
     let mut path = dir.to_path_buf().into_os_string();
     path.push(".logits.safetensors");
     checkpoint::save(&path, &out)?;
-    println!("wrote {} ({} tokens, {})", PathBuf::from(&path).display(), ids.len(), kernels.device().label());
+    println!(
+        "wrote {} ({} tokens, {})",
+        PathBuf::from(&path).display(),
+        ids.len(),
+        kernels.device().label()
+    );
     Ok(())
 }

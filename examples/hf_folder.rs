@@ -18,16 +18,31 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use wgrad::infer::Predictor;
 use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
 use wgrad::io::gpt_folder::{save_gpt_folder, TokenizerSpec};
 use wgrad::io::llama_folder::save_llama_folder;
-use wgrad::models::{Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Llama, LlamaConfig, LlamaVariant};
 use wgrad::nn::Module;
-use wgrad::infer::Predictor;
 
-const GPT: GptConfig = GptConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 3, n_embd: 24 };
-const LLAMA: LlamaConfig = LlamaConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 56, ..LlamaConfig::small(37) };
+const GPT: GptConfig = GptConfig {
+    vocab_size: 37,
+    block_size: 16,
+    n_layer: 2,
+    n_head: 3,
+    n_embd: 24,
+};
+const LLAMA: LlamaConfig = LlamaConfig {
+    vocab_size: 37,
+    block_size: 16,
+    n_layer: 2,
+    n_head: 4,
+    n_kv_head: 2,
+    n_embd: 32,
+    intermediate_size: 56,
+    ..LlamaConfig::small(37)
+};
 const SEQUENCES: usize = 3;
 
 fn main() -> wgrad::Result<()> {
@@ -35,22 +50,50 @@ fn main() -> wgrad::Result<()> {
     let family = args.next().unwrap_or_else(|| "gpt".into());
     let dir = PathBuf::from(args.next().unwrap_or_else(|| format!("out/{family}-folder")));
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let mut random = |_: &str, shape: &[usize]| Ok((0..shape.iter().product()).map(|_| rng.random_range(-0.5..0.5)).collect());
+    let mut random = |_: &str, shape: &[usize]| {
+        Ok((0..shape.iter().product())
+            .map(|_| rng.random_range(-0.5..0.5))
+            .collect())
+    };
     match family.as_str() {
         "gpt" => {
             let model = Gpt::from_parameters(GPT, &mut random)?;
-            write(&model, GPT.block_size, GPT.vocab_size, &dir, &mut rng, |dir, tokenizer| save_gpt_folder(dir, &model, tokenizer, None))
+            write(
+                &model,
+                GPT.block_size,
+                GPT.vocab_size,
+                &dir,
+                &mut rng,
+                |dir, tokenizer| save_gpt_folder(dir, &model, tokenizer, None),
+            )
         }
         "llama" | "qwen2" | "qwen3" => {
             let config = match family.as_str() {
-                "qwen2" => LlamaConfig { variant: LlamaVariant::Qwen2, ..LLAMA },
-                "qwen3" => LlamaConfig { variant: LlamaVariant::Qwen3, head_dim: Some(12), ..LLAMA },
+                "qwen2" => LlamaConfig {
+                    variant: LlamaVariant::Qwen2,
+                    ..LLAMA
+                },
+                "qwen3" => LlamaConfig {
+                    variant: LlamaVariant::Qwen3,
+                    head_dim: Some(12),
+                    ..LLAMA
+                },
                 _ => LLAMA,
             };
             let model = Llama::from_parameters(config, &mut random)?;
-            write(&model, LLAMA.block_size, LLAMA.vocab_size, &dir, &mut rng, |dir, tokenizer| save_llama_folder(dir, &model, Some(tokenizer)))
+            write(
+                &model,
+                LLAMA.block_size,
+                LLAMA.vocab_size,
+                &dir,
+                &mut rng,
+                |dir, tokenizer| save_llama_folder(dir, &model, Some(tokenizer)),
+            )
         }
-        other => Err(wgrad::Error::InvalidArgument { op: "hf_folder example", reason: format!("unknown model `{other}`: gpt, llama, qwen2 or qwen3") }),
+        other => Err(wgrad::Error::InvalidArgument {
+            op: "hf_folder example",
+            reason: format!("unknown model `{other}`: gpt, llama, qwen2 or qwen3"),
+        }),
     }
 }
 
@@ -64,7 +107,9 @@ fn write(
     rng: &mut ChaCha8Rng,
     save: impl FnOnce(&Path, &TokenizerSpec) -> wgrad::Result<()>,
 ) -> wgrad::Result<()> {
-    let ids: Vec<u32> = (0..SEQUENCES * block_size).map(|_| rng.random_range(0..vocab_size as u32)).collect();
+    let ids: Vec<u32> = (0..SEQUENCES * block_size)
+        .map(|_| rng.random_range(0..vocab_size as u32))
+        .collect();
     let kernels = Arc::new(wgrad::Kernels::new(wgrad::Device::open_default()?));
     let logits = Predictor::new(kernels.clone(), model, SEQUENCES)?.outputs_ids(&ids)?;
 
@@ -72,12 +117,25 @@ fn write(
     let vocabulary: String = (0..vocab_size as u8).map(|i| (b'!' + i) as char).collect();
     save(dir, &TokenizerSpec::Char { vocabulary })?;
     let mut out = Checkpoint::new();
-    out.push(NamedTensor::new("ids", vec![SEQUENCES, block_size], ids.iter().map(|&i| i as f32).collect())?);
-    out.push(NamedTensor::new("logits", vec![SEQUENCES, block_size, vocab_size], logits)?);
+    out.push(NamedTensor::new(
+        "ids",
+        vec![SEQUENCES, block_size],
+        ids.iter().map(|&i| i as f32).collect(),
+    )?);
+    out.push(NamedTensor::new(
+        "logits",
+        vec![SEQUENCES, block_size, vocab_size],
+        logits,
+    )?);
     out.set_meta("adapter", kernels.device().label());
     let mut logits_path = dir.to_path_buf().into_os_string();
     logits_path.push(".logits.safetensors");
     checkpoint::save(&logits_path, &out)?;
-    println!("wrote {} and {} ({})", dir.display(), PathBuf::from(&logits_path).display(), kernels.device().label());
+    println!(
+        "wrote {} and {} ({})",
+        dir.display(),
+        PathBuf::from(&logits_path).display(),
+        kernels.device().label()
+    );
     Ok(())
 }

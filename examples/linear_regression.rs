@@ -56,9 +56,16 @@ fn main() -> wgrad::Result<()> {
 
     let params = trainer.executor().parameters()?;
     let (weight, bias) = (&params[0].2, &params[1].2);
-    let worst = weight.iter().zip(&data.weight).map(|(w, t)| (w - t).abs()).fold((bias[0] - data.bias[0]).abs(), f32::max);
+    let worst = weight
+        .iter()
+        .zip(&data.weight)
+        .map(|(w, t)| (w - t).abs())
+        .fold((bias[0] - data.bias[0]).abs(), f32::max);
     println!("learned weight {weight:.3?}\n   true weight {:.3?}", data.weight);
-    println!("learned bias {:.4}, true bias {:.4}; largest error {worst:.2e}", bias[0], data.bias[0]);
+    println!(
+        "learned bias {:.4}, true bias {:.4}; largest error {worst:.2e}",
+        bias[0], data.bias[0]
+    );
     if worst > 1e-2 {
         eprintln!("did not recover the true weights within 1e-2");
         std::process::exit(1);

@@ -34,9 +34,9 @@
 use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::parallel::engine::TrainEngine;
 use wgrad::train::accuracy;
 use wgrad::Targets;
 
@@ -58,7 +58,15 @@ fn main() -> wgrad::Result<()> {
 
     // The pipeline places the Linears (each with its activation) over the
     // stages, evening out their multiply-adds.
-    let mut pipe = Pipeline::new(&group, &model, CrossEntropyLoss, Adam::new(2e-3), BATCH, MICRO_BATCHES, Schedule::OneFOneB)?;
+    let mut pipe = Pipeline::new(
+        &group,
+        &model,
+        CrossEntropyLoss,
+        Adam::new(2e-3),
+        BATCH,
+        MICRO_BATCHES,
+        Schedule::OneFOneB,
+    )?;
     println!("{}", pipe.describe());
     println!(
         "Linears per stage {:?}; ideal bubble (S-1)/(M+S-1) = {:.1}%",
@@ -87,15 +95,8 @@ fn main() -> wgrad::Result<()> {
 
     let stats = pipe.stats();
     let wall = stats.wall.as_secs_f64();
-    let busy: Vec<String> = stats
-        .busy
-        .iter()
-        .map(|d| format!("{:.2} s", d.as_secs_f64()))
-        .collect();
-    println!(
-        "{} steps in {wall:.2} s; busy time per stage {busy:?}",
-        stats.steps
-    );
+    let busy: Vec<String> = stats.busy.iter().map(|d| format!("{:.2} s", d.as_secs_f64())).collect();
+    println!("{} steps in {wall:.2} s; busy time per stage {busy:?}", stats.steps);
     println!(
         "bubble: ideal {:.1}%, measured {:.1}%; communication {:.2} s = {:.1}% of step time",
         100.0 * pipe.ideal_bubble_fraction(),
@@ -108,10 +109,7 @@ fn main() -> wgrad::Result<()> {
         .into_iter()
         .map(|(n, shape, _)| format!("{n} {shape:?}"))
         .collect();
-    println!(
-        "parameters held by the stages together: {}",
-        names.join(", ")
-    );
+    println!("parameters held by the stages together: {}", names.join(", "));
 
     let acc = accuracy(&pipe.predict(test.x())?, test.labels());
     println!("final test accuracy: {:.2}%", 100.0 * acc);

@@ -36,13 +36,13 @@
 
 use std::sync::Arc;
 
+use wgrad::infer::Predictor;
 use wgrad::io::data::{digits, Sampler};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::Adam;
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::parallel::engine::TrainEngine;
-use wgrad::infer::Predictor;
 use wgrad::train::accuracy;
 use wgrad::Targets;
 
@@ -78,10 +78,7 @@ fn main() -> wgrad::Result<()> {
             let read_loss = epoch % 5 == 0 && b + 1 == batches;
             if let Some(loss) = tp.step(&x, Targets::Classes(&y), read_loss)? {
                 let acc = accuracy(&tp.predict(test.x())?, test.labels());
-                println!(
-                    "epoch {epoch:2}: loss {loss:.4}, test accuracy {:.2}%",
-                    100.0 * acc
-                );
+                println!("epoch {epoch:2}: loss {loss:.4}, test accuracy {:.2}%", 100.0 * acc);
             }
         }
         loader.next_epoch();

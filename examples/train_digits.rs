@@ -21,7 +21,10 @@ fn main() -> wgrad::Result<()> {
     let model = Sequential::mlp(&[64, 128, 10], Layer::ReLU)?;
     let batch = 32;
     let mut trainer = Trainer::new(kernels, &model, CrossEntropyLoss, Adam::new(2e-3), batch)?;
-    println!("{} dispatches per training step, one submit", trainer.executor().dispatches_per_step());
+    println!(
+        "{} dispatches per training step, one submit",
+        trainer.executor().dispatches_per_step()
+    );
 
     let mut loader = Sampler::new(train.len(), batch, 0, true)?;
     let (mut x, mut y) = (vec![0.0f32; batch * 64], vec![0u32; batch]);
@@ -37,7 +40,11 @@ fn main() -> wgrad::Result<()> {
         loader.next_epoch();
         if epoch % 10 == 0 {
             let acc = accuracy(&trainer.predict(test.x())?, test.labels());
-            println!("epoch {epoch:2}: last batch loss {:.4}, test accuracy {:.2}%", trainer.loss_item()?, 100.0 * acc);
+            println!(
+                "epoch {epoch:2}: last batch loss {:.4}, test accuracy {:.2}%",
+                trainer.loss_item()?,
+                100.0 * acc
+            );
         }
     }
     std::fs::create_dir_all("out").ok();

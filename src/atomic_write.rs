@@ -18,7 +18,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), (&'static str, std::io::Error)> {
     let name = path.file_name().ok_or((
         "name a file",
-        std::io::Error::new(ErrorKind::InvalidInput, format!("`{}` does not name a file", path.display())),
+        std::io::Error::new(
+            ErrorKind::InvalidInput,
+            format!("`{}` does not name a file", path.display()),
+        ),
     ))?;
     let dir = parent_or_current(path);
     let (mut file, tmp) = create_unique(&dir, name)?;
@@ -62,7 +65,10 @@ fn create_unique(dir: &Path, name: &OsStr) -> Result<(File, PathBuf), (&'static 
             Err(e) => return Err(("create a temporary file in its folder", e)),
         }
     }
-    Err(("create a temporary file with a unique name", last.unwrap_or_else(|| std::io::Error::new(ErrorKind::AlreadyExists, "name collision"))))
+    Err((
+        "create a temporary file with a unique name",
+        last.unwrap_or_else(|| std::io::Error::new(ErrorKind::AlreadyExists, "name collision")),
+    ))
 }
 
 /// `.NAME.KIND-PID-N-NANOS` in `parent`: hidden, and unique per process
@@ -70,7 +76,10 @@ fn create_unique(dir: &Path, name: &OsStr) -> Result<(File, PathBuf), (&'static 
 pub(crate) fn unique_sibling(parent: &Path, name: &OsStr, kind: &str) -> PathBuf {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     let mut sibling = OsString::from(".");
     sibling.push(name);
     sibling.push(format!(".{kind}-{}-{n}-{nanos}", std::process::id()));

@@ -4,7 +4,11 @@
 //! Shapes are row-major and follow the kernels' argument conventions.
 
 use crate::error::{Error, Result};
-use crate::ops::{broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+use crate::ops::{
+    broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape,
+    FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig,
+    Unary,
+};
 
 /// The element types a twin computes in: f32, as the kernels store values,
 /// and f64, for the graph's reference interpreter
@@ -55,7 +59,15 @@ pub struct Epilogue<'a> {
 /// C = epilogue(op(A)·op(B)), returned with the pre-activation values (the
 /// product plus bias, before any activation). The product is rounded to f32
 /// first, as the kernel stores it, then the same steps as the unfused twins.
-pub fn matmul_epilogue(form: MatmulForm, e: Epilogue<'_>, a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn matmul_epilogue(
+    form: MatmulForm,
+    e: Epilogue<'_>,
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let mut pre = matmul(form, a, b, m, n, k);
     if let Some(bias) = e.bias {
         pre = bias_add(&pre, bias, n);
@@ -72,10 +84,7 @@ pub fn matmul_epilogue(form: MatmulForm, e: Epilogue<'_>, a: &[f32], b: &[f32], 
 }
 
 pub fn binary(op: Binary, x: &[f32], y: &[f32]) -> Vec<f32> {
-    x.iter()
-        .zip(y)
-        .map(|(&a, &b)| op.apply(a, b))
-        .collect()
+    x.iter().zip(y).map(|(&a, &b)| op.apply(a, b)).collect()
 }
 
 /// One element of `op`, computed in f64 and rounded to the twin's type
@@ -95,7 +104,10 @@ pub fn scale<T: Real>(x: &[T], alpha: f32) -> Vec<T> {
 }
 
 pub fn bias_add<T: Real>(x: &[T], bias: &[T], cols: usize) -> Vec<T> {
-    x.iter().enumerate().map(|(i, &v)| T::from_f64(v.into() + bias[i % cols].into())).collect()
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| T::from_f64(v.into() + bias[i % cols].into()))
+        .collect()
 }
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
@@ -144,7 +156,9 @@ pub fn activation_derivative(act: Activation, x: f64) -> f64 {
 }
 
 pub fn activation_forward<T: Real>(act: Activation, x: &[T]) -> Vec<T> {
-    x.iter().map(|&v| T::from_f64(activation_value(act, v.into()))).collect()
+    x.iter()
+        .map(|&v| T::from_f64(activation_value(act, v.into())))
+        .collect()
 }
 
 pub fn activation_backward<T: Real>(act: Activation, x: &[T], dy: &[T]) -> Vec<T> {
@@ -170,7 +184,12 @@ pub fn mean<T: Real>(x: &[T]) -> T {
 
 pub fn max_rows(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     (0..rows)
-        .map(|r| x[r * cols..(r + 1) * cols].iter().copied().fold(f32::NEG_INFINITY, f32::max))
+        .map(|r| {
+            x[r * cols..(r + 1) * cols]
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
         .collect()
 }
 
@@ -279,14 +298,23 @@ pub fn loss_forward_backward_fused(
     };
     let (loss, dpred) = match targets {
         LossTargets::Values(t) => (mse_forward(&pred, t), mse_backward(&pred, t, dloss)),
-        LossTargets::Labels(l) => (cross_entropy_forward(&pred, l, rows, cols), cross_entropy_backward(&pred, l, dloss, rows, cols)),
+        LossTargets::Labels(l) => (
+            cross_entropy_forward(&pred, l, rows, cols),
+            cross_entropy_backward(&pred, l, dloss, rows, cols),
+        ),
     };
     let weight_grad = match linear {
         Some((x, _, _, inner)) => matmul(MatmulForm::AtB, &dpred, x, cols, inner, rows),
         None => Vec::new(),
     };
     let bias_grad = sum_rows(&dpred, rows, cols);
-    FusedLoss { loss, pred, dpred, weight_grad, bias_grad }
+    FusedLoss {
+        loss,
+        pred,
+        dpred,
+        weight_grad,
+        bias_grad,
+    }
 }
 
 /// torch.optim.SGD, one step (counted from 1), in f32 as PyTorch computes it.
@@ -312,7 +340,14 @@ pub fn sgd_update(param: &mut [f32], grad: &[f32], momentum_buf: &mut [f32], cfg
 
 /// torch.optim.Adam / AdamW (by `cfg.decoupled_weight_decay`), one step
 /// (counted from 1), in f32 with the bias corrections in f64.
-pub fn adam_update(param: &mut [f32], grad: &[f32], exp_avg: &mut [f32], exp_avg_sq: &mut [f32], cfg: &AdamConfig, step: u64) {
+pub fn adam_update(
+    param: &mut [f32],
+    grad: &[f32],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    cfg: &AdamConfig,
+    step: u64,
+) {
     let (beta1, beta2) = cfg.betas;
     let t = step as i32;
     let lr = cfg.schedule.lr_at(cfg.lr, step);
@@ -346,7 +381,13 @@ pub struct LossScaleTwin {
 
 impl LossScaleTwin {
     pub fn new(scaling: &LossScaling) -> Self {
-        LossScaleTwin { scale: scaling.init_scale, growth_tracker: 0, steps_taken: 0, steps_run: 0, skipped_steps: Vec::new() }
+        LossScaleTwin {
+            scale: scaling.init_scale,
+            growth_tracker: 0,
+            steps_taken: 0,
+            steps_run: 0,
+            skipped_steps: Vec::new(),
+        }
     }
 
     /// One step over gradients scaled by `self.scale`: the norm of the
@@ -356,7 +397,11 @@ impl LossScaleTwin {
     pub fn step(&mut self, grad: &[f32], scaling: &LossScaling, clip: Option<f32>) -> (f32, Option<f32>) {
         self.steps_run += 1;
         let inv_scale = 1.0 / self.scale;
-        let squares: f64 = grad.iter().filter(|g| g.is_finite()).map(|&g| f64::from(g * inv_scale).powi(2)).sum();
+        let squares: f64 = grad
+            .iter()
+            .filter(|g| g.is_finite())
+            .map(|&g| f64::from(g * inv_scale).powi(2))
+            .sum();
         let norm = squares.sqrt() as f32;
         if grad.iter().any(|g| !g.is_finite()) {
             self.skipped_steps.push(self.steps_run);
@@ -404,7 +449,15 @@ pub enum Operand<'a> {
 /// Twin of `matmul.wgsl`'s products reading f16 operands (A_F16 / B_F16,
 /// `Kernels::matmul_operands`): each f16 value widened (exactly), then
 /// [`matmul_epilogue`].
-pub fn matmul_operands(form: MatmulForm, e: Epilogue<'_>, a: Operand<'_>, b: Operand<'_>, m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn matmul_operands(
+    form: MatmulForm,
+    e: Epilogue<'_>,
+    a: Operand<'_>,
+    b: Operand<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let widened = |x: Operand<'_>| match x {
         Operand::F32(v) => v.to_vec(),
         Operand::F16(v) => from_f16(v),
@@ -416,7 +469,14 @@ pub fn matmul_operands(form: MatmulForm, e: Epilogue<'_>, a: Operand<'_>, b: Ope
 /// `matmul_f16w_forward_small`, `_register`): C = epilogue(A·Bᵀ) with A
 /// [m, k] f32 and B [n, k] f16, widened exactly; f64 accumulation. Returns
 /// C and the pre-activation, as [`matmul_epilogue`].
-pub fn matmul_f16_weights(e: Epilogue<'_>, a: &[f32], b: &[half::f16], m: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn matmul_f16_weights(
+    e: Epilogue<'_>,
+    a: &[f32],
+    b: &[half::f16],
+    m: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<f32>) {
     matmul_epilogue(MatmulForm::ABt, e, a, &from_f16(b), m, n, k)
 }
 
@@ -431,7 +491,10 @@ pub fn embedding_f16_weights(table: &[half::f16], ids: &[u32], vocab: usize, cha
 /// ([`crate::ops::decode_q8_0`] and the others): the values the quantized kernels
 /// compute with; an error for a length that is not whole blocks.
 pub fn dequantize(format: QuantFormat, raw: &[u8]) -> Result<Vec<f32>> {
-    format.dequantize(raw).map_err(|reason| Error::InvalidArgument { op: "cpu::dequantize", reason })
+    format.dequantize(raw).map_err(|reason| Error::InvalidArgument {
+        op: "cpu::dequantize",
+        reason,
+    })
 }
 
 /// Twin of `quant_weights.wgsl`'s products (`matvec_quant_forward`,
@@ -439,8 +502,24 @@ pub fn dequantize(format: QuantFormat, raw: &[u8]) -> Result<Vec<f32>> {
 /// [n, k] in `format` as a GGUF file stores it (`raw`), decoded exactly
 /// ([`dequantize`]); f64 accumulation. Returns C and the pre-activation,
 /// as [`matmul_epilogue`].
-pub fn matmul_quant_weights(e: Epilogue<'_>, a: &[f32], format: QuantFormat, raw: &[u8], m: usize, n: usize, k: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-    Ok(matmul_epilogue(MatmulForm::ABt, e, a, &dequantize(format, raw)?, m, n, k))
+pub fn matmul_quant_weights(
+    e: Epilogue<'_>,
+    a: &[f32],
+    format: QuantFormat,
+    raw: &[u8],
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    Ok(matmul_epilogue(
+        MatmulForm::ABt,
+        e,
+        a,
+        &dequantize(format, raw)?,
+        m,
+        n,
+        k,
+    ))
 }
 
 /// Products x·W_iᵀ [m, n_i] (each row-major) joined as
@@ -448,7 +527,11 @@ pub fn matmul_quant_weights(e: Epilogue<'_>, a: &[f32], format: QuantFormat, raw
 /// (two of equal width) silu(first) ⊙ second [m, n₀].
 pub fn join_products<T: Real>(products: &[(usize, Vec<T>)], m: usize, gated: bool) -> Vec<T> {
     if let (true, [(_, gate), (_, up)]) = (gated, products) {
-        return gate.iter().zip(up).map(|(&g, &u)| T::from_f64(activation_value(Activation::Silu, g.into()) * u.into())).collect();
+        return gate
+            .iter()
+            .zip(up)
+            .map(|(&g, &u)| T::from_f64(activation_value(Activation::Silu, g.into()) * u.into()))
+            .collect();
     }
     let width: usize = products.iter().map(|p| p.0).sum();
     let mut out = Vec::with_capacity(m * width);
@@ -463,15 +546,31 @@ pub fn join_products<T: Real>(products: &[(usize, Vec<T>)], m: usize, gated: boo
 /// Twin of `matmul_quant_parts`: A [m, k] times the `format` matrices
 /// `parts` (raw GGUF blocks, rows each) side by side, or gated
 /// ([`join_products`]).
-pub fn matmul_quant_parts(a: &[f32], format: QuantFormat, parts: &[(&[u8], usize)], m: usize, k: usize, gated: bool) -> Result<Vec<f32>> {
-    let products = parts.iter().map(|&(raw, n)| Ok((n, matmul_quant_weights(Epilogue::default(), a, format, raw, m, n, k)?.0))).collect::<Result<Vec<_>>>()?;
+pub fn matmul_quant_parts(
+    a: &[f32],
+    format: QuantFormat,
+    parts: &[(&[u8], usize)],
+    m: usize,
+    k: usize,
+    gated: bool,
+) -> Result<Vec<f32>> {
+    let products = parts
+        .iter()
+        .map(|&(raw, n)| Ok((n, matmul_quant_weights(Epilogue::default(), a, format, raw, m, n, k)?.0)))
+        .collect::<Result<Vec<_>>>()?;
     Ok(join_products(&products, m, gated))
 }
 
 /// Twin of `embedding_quant_forward`: out[n, channels] = table[ids[n], :]
 /// of a `format` table as a GGUF file stores it; a row of NaN for an id ≥
 /// vocab.
-pub fn embedding_quant_weights(format: QuantFormat, raw: &[u8], ids: &[u32], vocab: usize, channels: usize) -> Result<Vec<f32>> {
+pub fn embedding_quant_weights(
+    format: QuantFormat,
+    raw: &[u8],
+    ids: &[u32],
+    vocab: usize,
+    channels: usize,
+) -> Result<Vec<f32>> {
     Ok(embedding_forward(&dequantize(format, raw)?, ids, vocab, channels))
 }
 
@@ -499,7 +598,11 @@ pub fn softmax_backward<T: Real>(y: &[T], dy: &[T], rows: usize, cols: usize) ->
     let mut dx = vec![T::default(); rows * cols];
     for r in 0..rows {
         let span = r * cols..(r + 1) * cols;
-        let dot: f64 = y[span.clone()].iter().zip(&dy[span.clone()]).map(|(&a, &b)| a.into() * b.into()).sum();
+        let dot: f64 = y[span.clone()]
+            .iter()
+            .zip(&dy[span.clone()])
+            .map(|(&a, &b)| a.into() * b.into())
+            .sum();
         for i in span {
             dx[i] = T::from_f64(y[i].into() * (dy[i].into() - dot));
         }
@@ -517,8 +620,19 @@ pub struct LayerNormForward<T = f32> {
 
 /// Twin of `layernorm_forward` (torch.nn.LayerNorm over the last dimension,
 /// biased variance).
-pub fn layernorm_forward<T: Real>(x: &[T], weight: &[T], bias: &[T], rows: usize, cols: usize, eps: f32) -> LayerNormForward<T> {
-    let mut out = LayerNormForward { y: vec![T::default(); rows * cols], mean: vec![T::default(); rows], rstd: vec![T::default(); rows] };
+pub fn layernorm_forward<T: Real>(
+    x: &[T],
+    weight: &[T],
+    bias: &[T],
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> LayerNormForward<T> {
+    let mut out = LayerNormForward {
+        y: vec![T::default(); rows * cols],
+        mean: vec![T::default(); rows],
+        rstd: vec![T::default(); rows],
+    };
     for r in 0..rows {
         let row: Vec<f64> = x[r * cols..(r + 1) * cols].iter().map(|&v| v.into()).collect();
         let mean = row.iter().sum::<f64>() / cols as f64;
@@ -545,15 +659,31 @@ pub struct LayerNormBackward<T = f32> {
 /// Twin of `layernorm_backward` and `layernorm_backward_params`, from the
 /// forward's mean and rstd as the kernels take them.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], mean: &[T], rstd: &[T], rows: usize, cols: usize) -> LayerNormBackward<T> {
-    let mut out = LayerNormBackward { dx: vec![T::default(); rows * cols], dweight: vec![T::default(); cols], dbias: vec![T::default(); cols] };
+pub fn layernorm_backward<T: Real>(
+    dy: &[T],
+    x: &[T],
+    weight: &[T],
+    mean: &[T],
+    rstd: &[T],
+    rows: usize,
+    cols: usize,
+) -> LayerNormBackward<T> {
+    let mut out = LayerNormBackward {
+        dx: vec![T::default(); rows * cols],
+        dweight: vec![T::default(); cols],
+        dbias: vec![T::default(); cols],
+    };
     let mut dweight = vec![0.0f64; cols];
     let mut dbias = vec![0.0f64; cols];
     for r in 0..rows {
         let (mu, rs): (f64, f64) = (mean[r].into(), rstd[r].into());
         let span = r * cols..(r + 1) * cols;
         let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| (v.into() - mu) * rs).collect();
-        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| d.into() * w.into()).collect();
+        let g: Vec<f64> = dy[span.clone()]
+            .iter()
+            .zip(weight)
+            .map(|(&d, &w)| d.into() * w.into())
+            .collect();
         let mean_g = g.iter().sum::<f64>() / cols as f64;
         let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
         for c in 0..cols {
@@ -604,21 +734,35 @@ pub struct RmsNormBackward<T> {
 /// Twin of `rmsnorm_backward` and `rmsnorm_backward_params`, from the
 /// forward's rstd as the kernels take it: with x̂ = x·rstd and
 /// g = dy·weight, dx = (g − x̂·mean_c(g·x̂))·rstd and dweight = Σ_r dy·x̂.
-pub fn rmsnorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], rstd: &[T], rows: usize, cols: usize) -> RmsNormBackward<T> {
+pub fn rmsnorm_backward<T: Real>(
+    dy: &[T],
+    x: &[T],
+    weight: &[T],
+    rstd: &[T],
+    rows: usize,
+    cols: usize,
+) -> RmsNormBackward<T> {
     let mut dx = vec![T::default(); rows * cols];
     let mut dweight = vec![0.0f64; cols];
     for r in 0..rows {
         let rs: f64 = rstd[r].into();
         let span = r * cols..(r + 1) * cols;
         let xhat: Vec<f64> = x[span.clone()].iter().map(|&v| v.into() * rs).collect();
-        let g: Vec<f64> = dy[span.clone()].iter().zip(weight).map(|(&d, &w)| d.into() * w.into()).collect();
+        let g: Vec<f64> = dy[span.clone()]
+            .iter()
+            .zip(weight)
+            .map(|(&d, &w)| d.into() * w.into())
+            .collect();
         let mean_gx = g.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / cols as f64;
         for c in 0..cols {
             dx[r * cols + c] = T::from_f64((g[c] - xhat[c] * mean_gx) * rs);
             dweight[c] += dy[r * cols + c].into() * xhat[c];
         }
     }
-    RmsNormBackward { dx, dweight: dweight.into_iter().map(T::from_f64).collect() }
+    RmsNormBackward {
+        dx,
+        dweight: dweight.into_iter().map(T::from_f64).collect(),
+    }
 }
 
 /// Rotary embedding in f64 over x [S, T, H, D] (see `ops::RopeShape`):
@@ -627,7 +771,14 @@ pub fn rmsnorm_backward<T: Real>(dy: &[T], x: &[T], weight: &[T], rstd: &[T], ro
 /// `ops::rope_angle`), the rest f64. A position ≥ `shape.positions`
 /// gives NaN, as the kernels.
 pub fn rope_f64(x: &[f64], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32, sign: f64) -> Vec<f64> {
-    let RopeShape { rows, heads, head_dim, rotary_dim, positions, .. } = shape;
+    let RopeShape {
+        rows,
+        heads,
+        head_dim,
+        rotary_dim,
+        positions,
+        ..
+    } = shape;
     let inv_freq = rope_inv_freq(base, rotary_dim);
     let mut out = x.to_vec();
     for (i, o) in out.iter_mut().enumerate() {
@@ -645,7 +796,11 @@ pub fn rope_f64(x: &[f64], starts: &[u32], shape: RopeShape, layout: RopeLayout,
         let (partner, first) = layout.partner(c, rotary_dim);
         let b = x[i - c + partner];
         let (cos, sin) = (angle.cos(), sign * angle.sin());
-        *o = if first { x[i] * cos - b * sin } else { x[i] * cos + b * sin };
+        *o = if first {
+            x[i] * cos - b * sin
+        } else {
+            x[i] * cos + b * sin
+        };
     }
     out
 }
@@ -653,13 +808,19 @@ pub fn rope_f64(x: &[f64], starts: &[u32], shape: RopeShape, layout: RopeLayout,
 /// Twin of `rope_forward` (see [`rope_f64`]).
 pub fn rope_forward(x: &[f32], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32) -> Vec<f32> {
     let wide: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-    rope_f64(&wide, starts, shape, layout, base, 1.0).into_iter().map(|v| v as f32).collect()
+    rope_f64(&wide, starts, shape, layout, base, 1.0)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
 }
 
 /// Twin of `rope_backward`: dx from dy, the rotation by minus each angle.
 pub fn rope_backward(dy: &[f32], starts: &[u32], shape: RopeShape, layout: RopeLayout, base: f32) -> Vec<f32> {
     let wide: Vec<f64> = dy.iter().map(|&v| f64::from(v)).collect();
-    rope_f64(&wide, starts, shape, layout, base, -1.0).into_iter().map(|v| v as f32).collect()
+    rope_f64(&wide, starts, shape, layout, base, -1.0)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
 }
 
 /// Per-row softmax cross-entropy in f64: logsumexp(logits[r]) −
@@ -683,7 +844,13 @@ pub fn cross_entropy_rows_loss(logits: &[f64], targets: &[u32], rows: usize, voc
 /// Twin of `cross_entropy_rows_forward_backward`: (losses[rows],
 /// dlogits[rows, vocab] = (softmax − onehot) · scale); a target ≥ vocab
 /// gives a NaN loss and a NaN gradient row.
-pub fn cross_entropy_rows_forward_backward<T: Real>(logits: &[T], targets: &[u32], rows: usize, vocab: usize, scale: f32) -> (Vec<T>, Vec<T>) {
+pub fn cross_entropy_rows_forward_backward<T: Real>(
+    logits: &[T],
+    targets: &[u32],
+    rows: usize,
+    vocab: usize,
+    scale: f32,
+) -> (Vec<T>, Vec<T>) {
     let wide: Vec<f64> = logits.iter().map(|&v| v.into()).collect();
     let losses = cross_entropy_rows_loss(&wide, targets, rows, vocab);
     let mut dlogits = vec![T::default(); rows * vocab];
@@ -706,7 +873,13 @@ pub fn embedding_forward<T: Real>(table: &[T], ids: &[u32], vocab: usize, channe
     ids.iter()
         .flat_map(|&id| {
             let id = id as usize;
-            (0..channels).map(move |c| if id < vocab { table[id * channels + c] } else { T::from_f64(f64::NAN) })
+            (0..channels).map(move |c| {
+                if id < vocab {
+                    table[id * channels + c]
+                } else {
+                    T::from_f64(f64::NAN)
+                }
+            })
         })
         .collect()
 }
@@ -747,7 +920,15 @@ pub fn cached_attention<T: Real>(
     v_cache: &[T],
     shape: CachedAttentionShape,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim: d, context, .. } = shape;
+    let CachedAttentionShape {
+        seqs,
+        rows,
+        heads,
+        kv_heads,
+        head_dim: d,
+        context,
+        ..
+    } = shape;
     let Some([(q_width, q_first), (k_width, k_first), (v_width, v_first)]) = shape.columns() else {
         return (Vec::new(), k_cache.to_vec(), v_cache.to_vec());
     };
@@ -763,7 +944,10 @@ pub fn cached_attention<T: Real>(
             }
             for kvh in 0..kv_heads {
                 let at = cache_row(s, kvh, p);
-                let (from_k, from_v) = (row(s, t) * k_width + k_first + kvh * d, row(s, t) * v_width + v_first + kvh * d);
+                let (from_k, from_v) = (
+                    row(s, t) * k_width + k_first + kvh * d,
+                    row(s, t) * v_width + v_first + kvh * d,
+                );
                 keys[at..at + d].copy_from_slice(&k[from_k..from_k + d]);
                 values[at..at + d].copy_from_slice(&v[from_v..from_v + d]);
             }
@@ -791,7 +975,11 @@ pub fn cached_attention<T: Real>(
                 let weights: Vec<f64> = scores.iter().map(|&v| (v - max).exp()).collect();
                 let total: f64 = weights.iter().sum();
                 for e in 0..d {
-                    let y: f64 = weights.iter().enumerate().map(|(j, &w)| w * values[cache_row(s, kvh, j) + e].into()).sum();
+                    let y: f64 = weights
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &w)| w * values[cache_row(s, kvh, j) + e].into())
+                        .sum();
                     out[row(s, t) * c + h * d + e] = T::from_f64(y / total);
                 }
             }
@@ -816,7 +1004,13 @@ fn dot<T: Real>(x: &[T], y: &[T]) -> f64 {
 /// query head, head h reading KV head h / (H / Hkv), and each row's
 /// log-sum-exp of its scaled scores [B, H, T].
 pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashAttentionShape) -> (Vec<T>, Vec<T>) {
-    let FlashAttentionShape { batch, seq, heads, kv_heads, head_dim: d } = shape;
+    let FlashAttentionShape {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim: d,
+    } = shape;
     let (scale, group) = (shape.scale(), shape.group());
     let mut out = vec![T::default(); batch * seq * heads * d];
     let mut lse = vec![T::default(); batch * heads * seq];
@@ -825,12 +1019,18 @@ pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashA
             let kvh = h / group;
             for i in 0..seq {
                 let query = &q[head_row(shape, heads, b, i, h)..][..d];
-                let scores: Vec<f64> = (0..=i).map(|j| dot(query, &k[head_row(shape, kv_heads, b, j, kvh)..][..d]) * scale).collect();
+                let scores: Vec<f64> = (0..=i)
+                    .map(|j| dot(query, &k[head_row(shape, kv_heads, b, j, kvh)..][..d]) * scale)
+                    .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let total: f64 = scores.iter().map(|&s| (s - max).exp()).sum();
                 let row_lse = max + total.ln();
                 for e in 0..d {
-                    let y: f64 = scores.iter().enumerate().map(|(j, &s)| (s - row_lse).exp() * v[head_row(shape, kv_heads, b, j, kvh) + e].into()).sum();
+                    let y: f64 = scores
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &s)| (s - row_lse).exp() * v[head_row(shape, kv_heads, b, j, kvh) + e].into())
+                        .sum();
                     out[head_row(shape, heads, b, i, h) + e] = T::from_f64(y);
                 }
                 lse[(b * heads + h) * seq + i] = T::from_f64(row_lse);
@@ -843,7 +1043,13 @@ pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashA
 /// D [B, H, T] = rowsum(dO ∘ O) per query head, the twin of
 /// `flash_attention_backward_prepare`.
 pub fn flash_attention_backward_prepare<T: Real>(dout: &[T], out: &[T], shape: FlashAttentionShape) -> Vec<T> {
-    let FlashAttentionShape { batch, seq, heads, head_dim: d, .. } = shape;
+    let FlashAttentionShape {
+        batch,
+        seq,
+        heads,
+        head_dim: d,
+        ..
+    } = shape;
     let mut delta = vec![T::default(); batch * heads * seq];
     for b in 0..batch {
         for h in 0..heads {
@@ -870,11 +1076,28 @@ pub struct FlashAttentionGrads<T> {
 /// log-sum-exp and D ([`flash_attention_backward_prepare`]), as the
 /// backward kernels take them: p = exp(s − lse), dV += pᵀ·dO, dS = p ∘
 /// (dO·vᵀ − D), dQ = dS·k/√d, dK = dSᵀ·q/√d.
-pub fn flash_attention_backward<T: Real>(dout: &[T], q: &[T], k: &[T], v: &[T], lse: &[T], delta: &[T], shape: FlashAttentionShape) -> FlashAttentionGrads<T> {
-    let FlashAttentionShape { batch, seq, heads, kv_heads, head_dim: d } = shape;
+pub fn flash_attention_backward<T: Real>(
+    dout: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    lse: &[T],
+    delta: &[T],
+    shape: FlashAttentionShape,
+) -> FlashAttentionGrads<T> {
+    let FlashAttentionShape {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim: d,
+    } = shape;
     let (scale, group) = (shape.scale(), shape.group());
     let mut dq = vec![0.0f64; batch * seq * heads * d];
-    let (mut dk, mut dv) = (vec![0.0f64; batch * seq * kv_heads * d], vec![0.0f64; batch * seq * kv_heads * d]);
+    let (mut dk, mut dv) = (
+        vec![0.0f64; batch * seq * kv_heads * d],
+        vec![0.0f64; batch * seq * kv_heads * d],
+    );
     for b in 0..batch {
         for h in 0..heads {
             let kvh = h / group;
@@ -895,7 +1118,11 @@ pub fn flash_attention_backward<T: Real>(dout: &[T], q: &[T], k: &[T], v: &[T], 
         }
     }
     let narrow = |x: Vec<f64>| x.into_iter().map(T::from_f64).collect();
-    FlashAttentionGrads { dq: narrow(dq), dk: narrow(dk), dv: narrow(dv) }
+    FlashAttentionGrads {
+        dq: narrow(dq),
+        dk: narrow(dk),
+        dv: narrow(dv),
+    }
 }
 
 // Tensor ops (matmul_batched in matmul.wgsl, the rest in tensor.wgsl) on
@@ -906,9 +1133,26 @@ pub fn flash_attention_backward<T: Real>(dout: &[T], q: &[T], k: &[T], v: &[T], 
 
 /// out[b] = op(a[b])·op(b[b]) for b in 0..batch, each operand `batch`
 /// contiguous matrices stored as `form` says.
-pub fn matmul_batched<T: Real>(form: MatmulForm, a: &[T], b: &[T], batch: usize, m: usize, n: usize, k: usize) -> Vec<T> {
+pub fn matmul_batched<T: Real>(
+    form: MatmulForm,
+    a: &[T],
+    b: &[T],
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Vec<T> {
     (0..batch)
-        .flat_map(|i| matmul(form, &a[i * m * k..(i + 1) * m * k], &b[i * k * n..(i + 1) * k * n], m, n, k))
+        .flat_map(|i| {
+            matmul(
+                form,
+                &a[i * m * k..(i + 1) * m * k],
+                &b[i * k * n..(i + 1) * k * n],
+                m,
+                n,
+                k,
+            )
+        })
         .collect()
 }
 
@@ -927,12 +1171,19 @@ fn coords(mut i: usize, shape: &[usize]) -> Vec<usize> {
 /// broadcasting: coordinate 0 on its size-1 axes.
 fn broadcast_index(shape: &[usize], at: &[usize]) -> usize {
     let skip = at.len() - shape.len();
-    shape.iter().zip(&at[skip..]).fold(0, |acc, (&d, &c)| acc * d + if d == 1 { 0 } else { c })
+    shape
+        .iter()
+        .zip(&at[skip..])
+        .fold(0, |acc, (&d, &c)| acc * d + if d == 1 { 0 } else { c })
 }
 
 fn check_len<T>(op: &'static str, name: &str, data: &[T], shape: &[usize]) -> Result<()> {
     if shape.is_empty() || shape.len() > 4 || shape.iter().product::<usize>() != data.len() {
-        return Err(Error::shape(op, format!("{name} has {} elements for a shape {shape:?} (rank 1..=4)", data.len()), &[shape]));
+        return Err(Error::shape(
+            op,
+            format!("{name} has {} elements for a shape {shape:?} (rank 1..=4)", data.len()),
+            &[shape],
+        ));
     }
     Ok(())
 }
@@ -971,7 +1222,11 @@ pub fn unary<T: Real>(op: Unary, x: &[T]) -> Vec<T> {
 pub fn reduce_to_shape<T: Real>(x: &[T], x_shape: &[usize], out_shape: &[usize]) -> Result<Vec<T>> {
     check_len("reduce_to_shape", "x", x, x_shape)?;
     if out_shape.is_empty() || out_shape.len() > 4 || broadcast_shape(x_shape, out_shape).as_deref() != Some(x_shape) {
-        return Err(Error::shape("reduce_to_shape", "x is not a broadcast of out", &[x_shape, out_shape]));
+        return Err(Error::shape(
+            "reduce_to_shape",
+            "x is not a broadcast of out",
+            &[x_shape, out_shape],
+        ));
     }
     let mut out = vec![0.0f64; out_shape.iter().product()];
     for (i, &v) in x.iter().enumerate() {
@@ -1004,7 +1259,9 @@ pub fn permute<T: Copy>(x: &[T], shape: &[usize], perm: &[usize]) -> Result<Vec<
 
 /// Twin of `slice_last`: x[rows, cols][:, start..start + width].
 pub fn slice_last<T: Copy>(x: &[T], rows: usize, cols: usize, start: usize, width: usize) -> Vec<T> {
-    (0..rows).flat_map(|r| x[r * cols + start..r * cols + start + width].iter().copied()).collect()
+    (0..rows)
+        .flat_map(|r| x[r * cols + start..r * cols + start + width].iter().copied())
+        .collect()
 }
 
 /// Twin of `pad_last` (not accumulating): x[rows, width] in columns
@@ -1020,7 +1277,12 @@ pub fn pad_last<T: Copy + Default>(x: &[T], rows: usize, cols: usize, start: usi
 /// Twin of `concat_last`: [a | b] row by row.
 pub fn concat_last<T: Copy>(a: &[T], b: &[T], rows: usize, a_cols: usize, b_cols: usize) -> Vec<T> {
     (0..rows)
-        .flat_map(|r| a[r * a_cols..(r + 1) * a_cols].iter().chain(&b[r * b_cols..(r + 1) * b_cols]).copied())
+        .flat_map(|r| {
+            a[r * a_cols..(r + 1) * a_cols]
+                .iter()
+                .chain(&b[r * b_cols..(r + 1) * b_cols])
+                .copied()
+        })
         .collect()
 }
 
@@ -1032,7 +1294,11 @@ pub fn concat_last<T: Copy>(a: &[T], b: &[T], rows: usize, a_cols: usize, b_cols
 /// `grads`: the total L2 norm (accumulated in f64) and the factor
 /// `min(1, max_norm / (norm + 1e-6))` every gradient is multiplied by.
 pub fn clip_grad_norm(grads: &[&[f32]], max_norm: f32) -> (f32, f32) {
-    let squares: f64 = grads.iter().flat_map(|g| g.iter()).map(|&v| f64::from(v) * f64::from(v)).sum();
+    let squares: f64 = grads
+        .iter()
+        .flat_map(|g| g.iter())
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum();
     let norm = squares.sqrt() as f32;
     (norm, (max_norm / (norm + 1e-6)).min(1.0))
 }
@@ -1051,18 +1317,26 @@ pub fn optimizer_step(
     cfg: &OptimizerConfig,
     step: u64,
 ) -> Option<f32> {
-    let clip = cfg.clip_grad_norm().map(|max_norm| clip_grad_norm(&grads.iter().map(|g| g.as_slice()).collect::<Vec<_>>(), max_norm));
+    let clip = cfg
+        .clip_grad_norm()
+        .map(|max_norm| clip_grad_norm(&grads.iter().map(|g| g.as_slice()).collect::<Vec<_>>(), max_norm));
     let factor = clip.map_or(1.0, |(_, f)| f);
     for (i, param) in params.iter_mut().enumerate() {
         let grad: Vec<f32> = grads[i].iter().map(|&g| g * factor).collect();
         let s = &mut state[i];
         match *cfg {
             OptimizerConfig::Sgd(c) => {
-                let c = SgdConfig { weight_decay: if decays[i] { c.weight_decay } else { 0.0 }, ..c };
+                let c = SgdConfig {
+                    weight_decay: if decays[i] { c.weight_decay } else { 0.0 },
+                    ..c
+                };
                 sgd_update(param, &grad, &mut s[0], &c, step);
             }
             OptimizerConfig::Adam(c) => {
-                let c = AdamConfig { weight_decay: if decays[i] { c.weight_decay } else { 0.0 }, ..c };
+                let c = AdamConfig {
+                    weight_decay: if decays[i] { c.weight_decay } else { 0.0 },
+                    ..c
+                };
                 let (m, v) = s.split_at_mut(1);
                 adam_update(param, &grad, &mut m[0], &mut v[0], &c, step);
             }
@@ -1088,9 +1362,19 @@ pub fn sampling_candidates(logits: &[f32], temperature: f32, top_k: u32, top_p: 
     let mut ranked: Vec<usize> = (0..logits.len()).collect();
     // (+ 0.0 turns −0 into +0, so total_cmp orders like == on finite values.)
     ranked.sort_by(|&a, &b| (logits[b] + 0.0).total_cmp(&(logits[a] + 0.0)).then(a.cmp(&b)));
-    let k = if temperature > 0.0 { (top_k as usize).clamp(1, logits.len()) } else { 1 };
+    let k = if temperature > 0.0 {
+        (top_k as usize).clamp(1, logits.len())
+    } else {
+        1
+    };
     let max = f64::from(logits[ranked[0]]);
-    let weight = |i: usize| if temperature > 0.0 { ((f64::from(logits[i]) - max) / f64::from(temperature)).exp() } else { 1.0 };
+    let weight = |i: usize| {
+        if temperature > 0.0 {
+            ((f64::from(logits[i]) - max) / f64::from(temperature)).exp()
+        } else {
+            1.0
+        }
+    };
     let mut candidates: Vec<(u32, f64)> = ranked[..k].iter().map(|&i| (i as u32, weight(i))).collect();
     if top_p < 1.0 {
         let target = f64::from(top_p.max(0.0)) * candidates.iter().map(|&(_, w)| w).sum::<f64>();
@@ -1126,7 +1410,10 @@ pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32, top_p: f
             return (id, crate::ops::NO_TOKEN);
         }
     }
-    (candidates.last().map_or(crate::ops::NO_TOKEN, |&(id, _)| id), crate::ops::NO_TOKEN)
+    (
+        candidates.last().map_or(crate::ops::NO_TOKEN, |&(id, _)| id),
+        crate::ops::NO_TOKEN,
+    )
 }
 
 /// Twin of `sample_rows_forward`: [`sample_row`] of each row of
@@ -1135,7 +1422,13 @@ pub fn sample_row(logits: &[f32], u: f32, temperature: f32, top_k: u32, top_p: f
 pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> Vec<u32> {
     (0..rows)
         .flat_map(|r| {
-            let (token, bad) = sample_row(&logits[r * vocab..(r + 1) * vocab], draws[3 * r], draws[3 * r + 1], top_k[r], draws[3 * r + 2]);
+            let (token, bad) = sample_row(
+                &logits[r * vocab..(r + 1) * vocab],
+                draws[3 * r],
+                draws[3 * r + 1],
+                top_k[r],
+                draws[3 * r + 2],
+            );
             [token, bad]
         })
         .collect()

@@ -123,7 +123,10 @@ pub fn lock_gl() -> GlGuard {
             }
         }
     }
-    GlGuard { held: true, _not_send: PhantomData }
+    GlGuard {
+        held: true,
+        _not_send: PhantomData,
+    }
 }
 
 /// [`lock_gl`] for GL adapters, nothing for the others (their drivers lock
@@ -132,7 +135,10 @@ fn lock_gl_for(backend: wgpu::Backend) -> GlGuard {
     if backend == wgpu::Backend::Gl {
         lock_gl()
     } else {
-        GlGuard { held: false, _not_send: PhantomData }
+        GlGuard {
+            held: false,
+            _not_send: PhantomData,
+        }
     }
 }
 
@@ -173,7 +179,10 @@ impl LimitsMode {
         match name.trim().to_ascii_lowercase().as_str() {
             "" | "adapter" | "native" => Ok(LimitsMode::Adapter),
             "webgpu" | "strict" => Ok(LimitsMode::WebGpu),
-            other => Err(Error::InvalidArgument { op: ENV_LIMITS, reason: format!("`{other}` is not a limits mode: expected `adapter` or `webgpu`") }),
+            other => Err(Error::InvalidArgument {
+                op: ENV_LIMITS,
+                reason: format!("`{other}` is not a limits mode: expected `adapter` or `webgpu`"),
+            }),
         }
     }
 
@@ -204,10 +213,13 @@ impl DeviceOptions {
             Ok(name) if !name.trim().is_empty() => Some(parse_backend(&name)?),
             _ => None,
         };
-        let adapter = std::env::var(ENV_ADAPTER)
-            .ok()
-            .filter(|s| !s.trim().is_empty());
-        Ok(DeviceOptions { backends, adapter, limits: Some(LimitsMode::from_env()?), pipeline_cache: PipelineCacheSetting::FromEnv })
+        let adapter = std::env::var(ENV_ADAPTER).ok().filter(|s| !s.trim().is_empty());
+        Ok(DeviceOptions {
+            backends,
+            adapter,
+            limits: Some(LimitsMode::from_env()?),
+            pipeline_cache: PipelineCacheSetting::FromEnv,
+        })
     }
 }
 
@@ -249,11 +261,7 @@ impl fmt::Display for AdapterReport {
             .collect();
         write!(f, "    features: {}", feats.join(" "))?;
         if self.features.contains(wgpu::Features::SUBGROUP) {
-            write!(
-                f,
-                " (subgroup size {}..{})",
-                i.subgroup_min_size, i.subgroup_max_size
-            )?;
+            write!(f, " (subgroup size {}..{})", i.subgroup_min_size, i.subgroup_max_size)?;
         }
         Ok(())
     }
@@ -279,11 +287,7 @@ fn report(index: usize, adapter: &wgpu::Adapter) -> AdapterReport {
 /// Every adapter on every backend compiled in, in the order `WGRAD_ADAPTER`
 /// indexes them.
 pub fn list_adapters() -> Vec<AdapterReport> {
-    all_adapters()
-        .iter()
-        .enumerate()
-        .map(|(i, a)| report(i, a))
-        .collect()
+    all_adapters().iter().enumerate().map(|(i, a)| report(i, a)).collect()
 }
 
 /// Lower is better: discrete > integrated > virtual > CPU, then native APIs
@@ -309,8 +313,7 @@ pub(crate) fn policy_rank(info: &wgpu::AdapterInfo) -> (u8, u8) {
 pub fn select_adapter(options: &DeviceOptions) -> Result<wgpu::Adapter> {
     let all = all_adapters();
     let backends = options.backends.unwrap_or(wgpu::Backends::all());
-    let in_backend =
-        |a: &wgpu::Adapter| backends.contains(wgpu::Backends::from(a.get_info().backend));
+    let in_backend = |a: &wgpu::Adapter| backends.contains(wgpu::Backends::from(a.get_info().backend));
     let describe = |list: &[wgpu::Adapter]| {
         list.iter()
             .enumerate()
@@ -351,10 +354,7 @@ pub fn select_adapter(options: &DeviceOptions) -> Result<wgpu::Adapter> {
             selector: format!(
                 "{}{}",
                 options.adapter.as_deref().unwrap_or("<best>"),
-                options
-                    .backends
-                    .map(|b| format!(" on {b:?}"))
-                    .unwrap_or_default()
+                options.backends.map(|b| format!(" on {b:?}")).unwrap_or_default()
             ),
             available: describe(all),
         }),
@@ -364,7 +364,10 @@ pub fn select_adapter(options: &DeviceOptions) -> Result<wgpu::Adapter> {
 /// How long a wait for the GPU may take before it is an error:
 /// `WGRAD_TIMEOUT_S` seconds, default 300.
 pub fn wait_timeout() -> std::time::Duration {
-    let seconds = std::env::var("WGRAD_TIMEOUT_S").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0);
+    let seconds = std::env::var("WGRAD_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0);
     std::time::Duration::from_secs_f64(seconds.unwrap_or(300.0))
 }
 
@@ -419,8 +422,7 @@ impl Device {
 
     /// Opens one device on every adapter present (one per backend and GPU).
     pub fn open_all() -> Result<Vec<Self>> {
-        all_adapters().iter().map(Self::from_adapter)
-            .collect()
+        all_adapters().iter().map(Self::from_adapter).collect()
     }
 
     /// Opens a device on `adapter` with the limits `WGRAD_LIMITS` names
@@ -443,7 +445,11 @@ impl Device {
     /// `cache` says. PIPELINE_CACHE is requested in both limit modes when
     /// offered: it changes how fast pipelines are created, never what a
     /// shader may do.
-    pub fn from_adapter_with_cache(adapter: &wgpu::Adapter, mode: LimitsMode, cache: &PipelineCacheSetting) -> Result<Self> {
+    pub fn from_adapter_with_cache(
+        adapter: &wgpu::Adapter,
+        mode: LimitsMode,
+        cache: &PipelineCacheSetting,
+    ) -> Result<Self> {
         let info = adapter.get_info();
         let offered = adapter.features();
         let wanted = REPORTED_FEATURES
@@ -466,11 +472,9 @@ impl Device {
         };
         let gl = lock_gl_for(info.backend);
         let (device, queue) =
-            pollster::block_on(adapter.request_device(&desc)).map_err(|source| {
-                Error::RequestDevice {
-                    adapter: info.name.clone(),
-                    source,
-                }
+            pollster::block_on(adapter.request_device(&desc)).map_err(|source| Error::RequestDevice {
+                adapter: info.name.clone(),
+                source,
             })?;
 
         let lost = Arc::new(Mutex::new(None));
@@ -645,7 +649,10 @@ impl Device {
     pub fn wait_idle(&self, op: &str) -> Result<()> {
         let _gl = self.lock_gl();
         self.device
-            .poll(wgpu::PollType::Wait { submission_index: None, timeout: Some(wait_timeout()) })
+            .poll(wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: Some(wait_timeout()),
+            })
             .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;
         self.check(op)
     }

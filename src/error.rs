@@ -47,7 +47,12 @@ pub enum Error {
     /// A failure between the processes of a distributed run (MPI), naming
     /// the rank that saw it.
     #[error("rank {rank} of {size}: {op}: {message}")]
-    Distributed { op: &'static str, rank: usize, size: usize, message: String },
+    Distributed {
+        op: &'static str,
+        rank: usize,
+        size: usize,
+        message: String,
+    },
 
     /// An error on one process of a distributed run, naming its rank.
     #[error("rank {rank}: {source}")]
@@ -80,7 +85,13 @@ pub enum Error {
         "{op}: needs {needed} bytes of GPU memory ({parts}), more than the {available} bytes of {memory}; \
          use a smaller model, fewer sequences or an adapter with more memory"
     )]
-    MemoryTooSmall { op: &'static str, needed: u64, available: u64, memory: String, parts: String },
+    MemoryTooSmall {
+        op: &'static str,
+        needed: u64,
+        available: u64,
+        memory: String,
+        parts: String,
+    },
 
     /// An opt-in kernel needs a device feature (or a subgroup size) this
     /// adapter does not offer.
@@ -157,10 +168,7 @@ pub enum Error {
     /// A file that is not a readable checkpoint (truncated, corrupt header,
     /// a dtype other than F32).
     #[error("checkpoint `{}`: {reason}", .path.display())]
-    CheckpointFormat {
-        path: std::path::PathBuf,
-        reason: String,
-    },
+    CheckpointFormat { path: std::path::PathBuf, reason: String },
 
     /// The model expects a tensor the checkpoint does not have.
     #[error("checkpoint has no tensor `{name}` (the model expects shape {expected:?})")]
@@ -186,19 +194,37 @@ pub enum Error {
     /// unknown, or its type is one wgrad does not decode. `dtype` is its type
     /// and dims (`Q4_1 [576, 1536]`), or what is known of them.
     #[error("GGUF `{}`: tensor `{tensor}` ({dtype}): {reason}", .path.display())]
-    GgufTensor { path: std::path::PathBuf, tensor: String, dtype: String, reason: String },
+    GgufTensor {
+        path: std::path::PathBuf,
+        tensor: String,
+        dtype: String,
+        reason: String,
+    },
 
     /// A model folder's weights lack a tensor its config.json implies.
     #[error("`{}` has no tensor `{name}` (config.json implies shape {expected:?})", .path.display())]
-    FolderTensorMissing { path: std::path::PathBuf, name: String, expected: Vec<usize> },
+    FolderTensorMissing {
+        path: std::path::PathBuf,
+        name: String,
+        expected: Vec<usize>,
+    },
 
     /// A tensor in a model folder that the model has no parameter for.
     #[error("`{}` holds tensor `{name}` {shape:?}, which this model has no parameter for", .path.display())]
-    FolderTensorUnexpected { path: std::path::PathBuf, name: String, shape: Vec<usize> },
+    FolderTensorUnexpected {
+        path: std::path::PathBuf,
+        name: String,
+        shape: Vec<usize>,
+    },
 
     /// A tensor in a model folder whose shape disagrees with config.json.
     #[error("`{}`: tensor `{name}` has shape {found:?}, but config.json implies {expected:?}", .path.display())]
-    FolderTensorShape { path: std::path::PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
+    FolderTensorShape {
+        path: std::path::PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
 }
 
 impl Error {

@@ -173,7 +173,11 @@ pub enum LrSchedule {
     /// index of the step: `lr·(it+1)/warmup_steps` while `it < warmup_steps`
     /// (linear warmup from near 0), then cosine decay from `lr` to `min_lr`
     /// reached at `it = total_steps`, and `min_lr` from there on.
-    WarmupCosine { warmup_steps: u64, total_steps: u64, min_lr: f32 },
+    WarmupCosine {
+        warmup_steps: u64,
+        total_steps: u64,
+        min_lr: f32,
+    },
 }
 
 impl LrSchedule {
@@ -181,7 +185,11 @@ impl LrSchedule {
     pub fn validate(&self, op: &'static str) -> Result<()> {
         match *self {
             LrSchedule::Constant => Ok(()),
-            LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } => {
+            LrSchedule::WarmupCosine {
+                warmup_steps,
+                total_steps,
+                min_lr,
+            } => {
                 let bad = |reason: String| Err(Error::InvalidArgument { op, reason });
                 if !non_negative(min_lr) || min_lr.is_infinite() {
                     return bad(format!("invalid min_lr {min_lr}"));
@@ -197,7 +205,12 @@ impl LrSchedule {
     /// The learning rate of step `step` (counted from 1; 0 is read as 1) for
     /// base rate `lr`, in f64 and rounded once to f32.
     pub fn lr_at(&self, lr: f32, step: u64) -> f32 {
-        let LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } = *self else {
+        let LrSchedule::WarmupCosine {
+            warmup_steps,
+            total_steps,
+            min_lr,
+        } = *self
+        else {
             return lr;
         };
         let it = step.saturating_sub(1);
@@ -220,9 +233,10 @@ impl LrSchedule {
 /// (infinite only measures the norm), not NaN or negative.
 fn validate_clip(op: &'static str, clip: Option<f32>) -> Result<()> {
     match clip {
-        Some(max_norm) if !non_negative(max_norm) => {
-            Err(Error::InvalidArgument { op, reason: format!("invalid clip_grad_norm max_norm {max_norm}") })
-        }
+        Some(max_norm) if !non_negative(max_norm) => Err(Error::InvalidArgument {
+            op,
+            reason: format!("invalid clip_grad_norm max_norm {max_norm}"),
+        }),
         _ => Ok(()),
     }
 }
@@ -242,7 +256,12 @@ pub struct LossScaling {
 
 impl Default for LossScaling {
     fn default() -> Self {
-        LossScaling { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+        LossScaling {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
     }
 }
 
@@ -258,7 +277,12 @@ impl LossScaling {
             && self.backoff_factor < 1.0
             && self.growth_interval >= 1;
         if !ok {
-            return Err(Error::InvalidArgument { op: "loss_scaling", reason: format!("invalid {self:?}: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1") });
+            return Err(Error::InvalidArgument {
+                op: "loss_scaling",
+                reason: format!(
+                    "invalid {self:?}: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1"
+                ),
+            });
         }
         Ok(())
     }
@@ -310,7 +334,12 @@ impl Default for SgdConfig {
 impl SgdConfig {
     /// The same checks torch.optim.SGD makes.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "sgd_update", reason });
+        let bad = |reason: String| {
+            Err(Error::InvalidArgument {
+                op: "sgd_update",
+                reason,
+            })
+        };
         if !non_negative(self.lr) {
             return bad(format!("invalid learning rate {}", self.lr));
         }
@@ -364,12 +393,21 @@ impl AdamConfig {
     }
 
     pub fn adamw() -> Self {
-        AdamConfig { weight_decay: 1e-2, decoupled_weight_decay: true, ..Self::adam() }
+        AdamConfig {
+            weight_decay: 1e-2,
+            decoupled_weight_decay: true,
+            ..Self::adam()
+        }
     }
 
     /// The same checks torch.optim.Adam makes.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "adam_update", reason });
+        let bad = |reason: String| {
+            Err(Error::InvalidArgument {
+                op: "adam_update",
+                reason,
+            })
+        };
         if !non_negative(self.lr) {
             return bad(format!("invalid learning rate {}", self.lr));
         }
@@ -539,13 +577,24 @@ pub struct CachedAttentionShape {
 impl CachedAttentionShape {
     /// Multi-head attention over one fused qkv operand (a GPT's).
     pub fn fused(seqs: usize, rows: usize, heads: usize, head_dim: usize, context: usize) -> Self {
-        CachedAttentionShape { seqs, rows, heads, kv_heads: heads, head_dim, context, layout: QkvLayout::Fused }
+        CachedAttentionShape {
+            seqs,
+            rows,
+            heads,
+            kv_heads: heads,
+            head_dim,
+            context,
+            layout: QkvLayout::Fused,
+        }
     }
 
     /// The (row width, first column) of the q, k and v operands: where
     /// head 0 of each starts in a row; head h follows at h·d.
     pub fn columns(&self) -> Option<[(usize, usize); 3]> {
-        let (q, kv) = (self.heads.checked_mul(self.head_dim)?, self.kv_heads.checked_mul(self.head_dim)?);
+        let (q, kv) = (
+            self.heads.checked_mul(self.head_dim)?,
+            self.kv_heads.checked_mul(self.head_dim)?,
+        );
         Some(match self.layout {
             QkvLayout::Fused => {
                 let width = q.checked_add(kv.checked_mul(2)?)?;
@@ -561,8 +610,18 @@ impl CachedAttentionShape {
         let positions = self.seqs.checked_mul(self.rows)?;
         let [q, k, v] = self.columns()?.map(|(width, _)| positions.checked_mul(width));
         let out = positions.checked_mul(self.heads.checked_mul(self.head_dim)?)?;
-        let cache = self.seqs.checked_mul(self.kv_heads)?.checked_mul(self.head_dim)?.checked_mul(self.context)?;
-        Some(CachedAttentionLengths { q: q?, k: k?, v: v?, out, cache })
+        let cache = self
+            .seqs
+            .checked_mul(self.kv_heads)?
+            .checked_mul(self.head_dim)?
+            .checked_mul(self.context)?;
+        Some(CachedAttentionLengths {
+            q: q?,
+            k: k?,
+            v: v?,
+            out,
+            cache,
+        })
     }
 }
 
@@ -607,16 +666,38 @@ impl FlashAttentionShape {
     pub fn check(&self, op: &'static str, max_head_dim: usize) -> Result<()> {
         let dims = [self.batch, self.seq, self.heads, self.kv_heads, self.head_dim];
         if dims.contains(&0) {
-            return Err(Error::shape(op, format!("every size must be at least 1: {self:?}"), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!("every size must be at least 1: {self:?}"),
+                &[&dims],
+            ));
         }
         if self.heads % self.kv_heads != 0 {
-            return Err(Error::shape(op, format!("{} KV heads do not divide {} query heads", self.kv_heads, self.heads), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!("{} KV heads do not divide {} query heads", self.kv_heads, self.heads),
+                &[&dims],
+            ));
         }
         if self.head_dim > max_head_dim {
-            return Err(Error::shape(op, format!("head_dim {} is over the largest this op takes, {max_head_dim}", self.head_dim), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!(
+                    "head_dim {} is over the largest this op takes, {max_head_dim}",
+                    self.head_dim
+                ),
+                &[&dims],
+            ));
         }
-        if self.lengths().is_none_or(|(q, kv, rows)| q.max(kv).max(rows) > u32::MAX as usize) {
-            return Err(Error::shape(op, format!("{self:?} has more than 2^32 elements"), &[&dims]));
+        if self
+            .lengths()
+            .is_none_or(|(q, kv, rows)| q.max(kv).max(rows) > u32::MAX as usize)
+        {
+            return Err(Error::shape(
+                op,
+                format!("{self:?} has more than 2^32 elements"),
+                &[&dims],
+            ));
         }
         Ok(())
     }
@@ -692,7 +773,11 @@ impl RopeShape {
     /// Elements of x [S, T, H, D] and of the table [positions,
     /// rotary_dim/2, 2]; None when a product overflows.
     pub fn lengths(&self) -> Option<(usize, usize)> {
-        let x = self.seqs.checked_mul(self.rows)?.checked_mul(self.heads)?.checked_mul(self.head_dim)?;
+        let x = self
+            .seqs
+            .checked_mul(self.rows)?
+            .checked_mul(self.heads)?
+            .checked_mul(self.head_dim)?;
         Some((x, self.positions.checked_mul(self.rotary_dim)?))
     }
 }
@@ -769,7 +854,10 @@ pub const NO_TOKEN: u32 = u32::MAX;
 /// and the kernels' entries both check it here, so they agree.
 pub fn check_norm_eps(op: &'static str, eps: f32) -> Result<()> {
     if !(eps.is_finite() && eps > 0.0) {
-        return Err(Error::InvalidArgument { op, reason: format!("eps must be positive and finite, got {eps}") });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("eps must be positive and finite, got {eps}"),
+        });
     }
     Ok(())
 }
@@ -832,7 +920,11 @@ impl QuantFormat {
     pub fn dequantize(self, raw: &[u8]) -> std::result::Result<Vec<f32>, String> {
         let unit = self.block_bytes();
         if raw.len() % unit != 0 {
-            return Err(format!("{} bytes are not a whole number of {}'s {unit}-byte blocks", raw.len(), self.name()));
+            return Err(format!(
+                "{} bytes are not a whole number of {}'s {unit}-byte blocks",
+                raw.len(),
+                self.name()
+            ));
         }
         Ok(match self {
             QuantFormat::Q8_0 => dequantize_blocks::<Q8_0_BYTES>(raw, decode_q8_0),
@@ -987,7 +1079,9 @@ impl QuantFormat {
     /// block decodes to NaN or infinity, which no model file means.
     pub fn first_bad_scale(self, raw: &[u8]) -> Option<(usize, f32)> {
         raw.chunks_exact(self.block_bytes()).enumerate().find_map(|(i, block)| {
-            quant_blocks::block_scales(self, block).find(|s| !s.is_finite()).map(|s| (i, s))
+            quant_blocks::block_scales(self, block)
+                .find(|s| !s.is_finite())
+                .map(|s| (i, s))
         })
     }
 }
@@ -1019,7 +1113,9 @@ pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize)
     const OP: &str = "pack_quantized";
     format.check_shape(OP, rows, cols)?;
     let unit = format.block_bytes();
-    let blocks = rows.checked_mul(cols / format.super_block()).filter(|&b| b.checked_mul(unit) == Some(raw.len()));
+    let blocks = rows
+        .checked_mul(cols / format.super_block())
+        .filter(|&b| b.checked_mul(unit) == Some(raw.len()));
     let Some(blocks) = blocks else {
         let reason = format!(
             "[{rows}, {cols}] in {} takes {unit} bytes per block of {} values; got {} bytes",
@@ -1033,7 +1129,11 @@ pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize)
     let (qw, sw) = (format.quant_words() * subs, format.side_words() * subs);
     let mut words = vec![0u32; format.stored_words(blocks * format.super_block())];
     let (quants, side) = words.split_at_mut(blocks * qw);
-    for ((block, q), s) in raw.chunks_exact(unit).zip(quants.chunks_exact_mut(qw)).zip(side.chunks_exact_mut(sw)) {
+    for ((block, q), s) in raw
+        .chunks_exact(unit)
+        .zip(quants.chunks_exact_mut(qw))
+        .zip(side.chunks_exact_mut(sw))
+    {
         match format {
             QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
                 let header = unit - qw * 4;
@@ -1041,7 +1141,11 @@ pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize)
                     *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
                 }
                 let half = |i: usize| u32::from(u16::from_le_bytes([block[i], block[i + 1]]));
-                s[0] = if format == QuantFormat::Q4_1 { half(0) | half(2) << 16 } else { half(0) };
+                s[0] = if format == QuantFormat::Q4_1 {
+                    half(0) | half(2) << 16
+                } else {
+                    half(0)
+                };
             }
             _ => quant_blocks::split(format, block, q, s),
         }
@@ -1055,7 +1159,9 @@ pub fn pack_quantized(format: QuantFormat, raw: &[u8], rows: usize, cols: usize)
 pub fn unpack_quantized(format: QuantFormat, words: &[u32], rows: usize, cols: usize) -> Result<Vec<u8>> {
     const OP: &str = "unpack_quantized";
     format.check_shape(OP, rows, cols)?;
-    let len = rows.checked_mul(cols).filter(|&len| format.stored_words(len) == words.len());
+    let len = rows
+        .checked_mul(cols)
+        .filter(|&len| format.stored_words(len) == words.len());
     let Some(len) = len else {
         let reason = format!(
             "[{rows}, {cols}] in {} takes {} words per block of 32 values; got {} words",

@@ -67,7 +67,8 @@ impl PipelineCacheSetting {
 }
 
 fn disabled_by_env() -> bool {
-    std::env::var(ENV_PIPELINE_CACHE).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
+    std::env::var(ENV_PIPELINE_CACHE)
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "off" | "0" | "false" | "no"))
 }
 
 /// The cache file's name for an adapter: wgpu's key for the adapter class
@@ -133,13 +134,19 @@ fn decode<'a>(key: &str, bytes: &'a [u8]) -> std::result::Result<&'a [u8], Strin
     let key_len = u32_at(take(4)?)? as usize;
     let written_for = take(key_len)?;
     if written_for != key.as_bytes() {
-        return Err(format!("written for `{}`, not `{key}`", String::from_utf8_lossy(written_for)));
+        return Err(format!(
+            "written for `{}`, not `{key}`",
+            String::from_utf8_lossy(written_for)
+        ));
     }
     let len = u64_at(take(8)?)?;
     let checksum = u64_at(take(8)?)?;
     let data = rest;
     if data.len() as u64 != len {
-        return Err(format!("{} bytes of data where the header says {len} (truncated or corrupt)", data.len()));
+        return Err(format!(
+            "{} bytes of data where the header says {len} (truncated or corrupt)",
+            data.len()
+        ));
     }
     if crate::user_cache::fnv1a(data) != checksum {
         return Err("checksum mismatch (corrupt)".into());
@@ -188,7 +195,11 @@ impl PipelineCacheStore {
     /// Loads the cache for `device` as `setting` says; `None` when the
     /// device has no PIPELINE_CACHE feature, wgpu none for the backend,
     /// the setting is off, or the cache cannot be created (logged).
-    pub(crate) fn open(device: &wgpu::Device, info: &wgpu::AdapterInfo, setting: &PipelineCacheSetting) -> Option<Self> {
+    pub(crate) fn open(
+        device: &wgpu::Device,
+        info: &wgpu::AdapterInfo,
+        setting: &PipelineCacheSetting,
+    ) -> Option<Self> {
         if !device.features().contains(wgpu::Features::PIPELINE_CACHE) {
             return None;
         }
@@ -200,16 +211,29 @@ impl PipelineCacheStore {
                 Err(reason) => (None, CacheLoad::Rejected { reason }),
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, CacheLoad::Missing),
-            Err(e) => (None, CacheLoad::Rejected { reason: format!("cannot read it: {e}") }),
+            Err(e) => (
+                None,
+                CacheLoad::Rejected {
+                    reason: format!("cannot read it: {e}"),
+                },
+            ),
         };
         if let CacheLoad::Rejected { reason } = &load {
-            log::warn!("pipeline cache {}: {reason}; starting an empty one, which replaces it", path.display());
+            log::warn!(
+                "pipeline cache {}: {reason}; starting an empty one, which replaces it",
+                path.display()
+            );
         }
         let cache = match create(device, data.as_deref()) {
             Ok(cache) => cache,
             Err(message) if data.is_some() => {
-                log::warn!("pipeline cache {}: the driver refused its data ({message}); starting an empty one", path.display());
-                create(device, None).map_err(|message| log::warn!("no pipeline cache: {message}")).ok()?
+                log::warn!(
+                    "pipeline cache {}: the driver refused its data ({message}); starting an empty one",
+                    path.display()
+                );
+                create(device, None)
+                    .map_err(|message| log::warn!("no pipeline cache: {message}"))
+                    .ok()?
             }
             Err(message) => {
                 log::warn!("no pipeline cache: {message}");
@@ -218,7 +242,13 @@ impl PipelineCacheStore {
         };
         log::debug!("pipeline cache {}: {load:?}", path.display());
         let on_disk = Mutex::new(data.as_deref().map(crate::user_cache::fnv1a));
-        Some(PipelineCacheStore { cache, info: PipelineCacheInfo { path, load }, key, unsaved: AtomicU64::new(0), on_disk })
+        Some(PipelineCacheStore {
+            cache,
+            info: PipelineCacheInfo { path, load },
+            key,
+            unsaved: AtomicU64::new(0),
+            on_disk,
+        })
     }
 
     pub(crate) fn cache(&self) -> &wgpu::PipelineCache {
@@ -264,7 +294,11 @@ impl PipelineCacheStore {
             Err((_, source)) => {
                 // Still unsaved: a later save may succeed.
                 self.unsaved.fetch_add(pending, Ordering::AcqRel);
-                Err(Error::CacheIo { op: "saving the pipeline cache", path: self.path().to_path_buf(), source })
+                Err(Error::CacheIo {
+                    op: "saving the pipeline cache",
+                    path: self.path().to_path_buf(),
+                    source,
+                })
             }
         }
     }
@@ -283,9 +317,17 @@ fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgp
     // the data's checksum); wgpu validates its own header inside it again
     // and, with `fallback`, starts empty on data it cannot use.
     let cache = unsafe {
-        device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor { label: Some("wgrad pipeline cache"), data, fallback: true })
+        device.create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
+            label: Some("wgrad pipeline cache"),
+            data,
+            fallback: true,
+        })
     };
-    let errors = [pollster::block_on(scope.pop()), pollster::block_on(oom.pop()), pollster::block_on(internal.pop())];
+    let errors = [
+        pollster::block_on(scope.pop()),
+        pollster::block_on(oom.pop()),
+        pollster::block_on(internal.pop()),
+    ];
     match errors.into_iter().flatten().next() {
         Some(error) => Err(error.to_string()),
         None => Ok(cache),
@@ -312,6 +354,8 @@ mod tests {
         let mut longer = file;
         longer.push(0);
         assert!(decode("adapter | wgrad 1", &longer).is_err());
-        assert!(decode("k", b"garbage that is long enough to hold a header").unwrap_err().contains("not a wgrad"));
+        assert!(decode("k", b"garbage that is long enough to hold a header")
+            .unwrap_err()
+            .contains("not a wgrad"));
     }
 }

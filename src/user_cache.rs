@@ -25,7 +25,9 @@ pub fn models_dir() -> Option<PathBuf> {
 /// FNV-1a over bytes: stable across Rust releases and platforms, so a
 /// cache key or checksum written by one build reads the same in another.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Writes a cache file atomically ([`crate::atomic_write::write_atomic`]),

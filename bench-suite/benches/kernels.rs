@@ -44,12 +44,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
-use wgrad::kernels::{pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulEpilogue, MatmulForm, QuantFormat, QuantView, SgdConfig};
+use wgrad::kernels::{
+    pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulEpilogue, MatmulForm, QuantFormat, QuantView,
+    SgdConfig,
+};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CrossEntropyLoss;
 use wgrad::optim::Adam;
-use wgrad::{Targets, Trainer};
 use wgrad::{Device, GpuTensor, Kernels};
+use wgrad::{Targets, Trainer};
 
 const F32: u64 = 4;
 
@@ -87,9 +90,7 @@ impl Bench {
     }
 
     fn labels(&mut self, rows: usize, cols: usize) -> GpuTensor {
-        let data: Vec<u32> = (0..rows)
-            .map(|_| self.rng.random_range(0..cols as u32))
-            .collect();
+        let data: Vec<u32> = (0..rows).map(|_| self.rng.random_range(0..cols as u32)).collect();
         self.kernels.upload(&data).expect("upload labels")
     }
 
@@ -108,10 +109,7 @@ impl Bench {
     ) {
         let run = || {
             self.kernels.run(dispatches).expect("run");
-            self.kernels
-                .device()
-                .wait_idle("bench kernels")
-                .expect("wait");
+            self.kernels.device().wait_idle("bench kernels").expect("wait");
         };
         run();
         if let Some(b) = bytes {
@@ -158,17 +156,8 @@ fn elementwise(c: &mut Criterion, b: &mut Bench) {
         let label = size_label(shape);
         let (x, y, out) = (b.tensor(n), b.tensor(n), b.kernels.zeros(n).expect("zeros"));
         for op in Binary::ALL {
-            let d = b
-                .kernels
-                .binary(op, out.view(), x.view(), y.view())
-                .expect("binary");
-            b.time(
-                &mut group,
-                format!("{op:?}"),
-                &label,
-                Some(3 * n as u64 * F32),
-                &[&d],
-            );
+            let d = b.kernels.binary(op, out.view(), x.view(), y.view()).expect("binary");
+            b.time(&mut group, format!("{op:?}"), &label, Some(3 * n as u64 * F32), &[&d]);
         }
         for act in Activation::ALL {
             let fwd = b
@@ -199,13 +188,7 @@ fn elementwise(c: &mut Criterion, b: &mut Bench) {
             .kernels
             .bias_add(out.view(), x.view(), bias.view(), rows, cols)
             .expect("bias_add");
-        b.time(
-            &mut group,
-            "bias_add",
-            &label,
-            Some((2 * n + cols) as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "bias_add", &label, Some((2 * n + cols) as u64 * F32), &[&d]);
     }
     group.finish();
 }
@@ -226,13 +209,7 @@ fn reduce(c: &mut Criterion, b: &mut Bench) {
             .kernels
             .sum_rows(col_out.view(), x.view(), rows, cols)
             .expect("sum_rows");
-        b.time(
-            &mut group,
-            "sum_rows",
-            &label,
-            Some((n + cols) as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "sum_rows", &label, Some((n + cols) as u64 * F32), &[&d]);
         // One workgroup by design (deterministic order): shows its ceiling.
         let d = b.kernels.sum(scalar.view(), x.view()).expect("sum");
         b.time(&mut group, "sum", &label, Some((n + 1) as u64 * F32), &[&d]);
@@ -240,24 +217,12 @@ fn reduce(c: &mut Criterion, b: &mut Bench) {
             .kernels
             .max_rows(row_out.view(), x.view(), rows, cols)
             .expect("max_rows");
-        b.time(
-            &mut group,
-            "max_rows",
-            &label,
-            Some((n + rows) as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "max_rows", &label, Some((n + rows) as u64 * F32), &[&d]);
         let d = b
             .kernels
             .argmax_rows(row_out.view(), x.view(), rows, cols)
             .expect("argmax_rows");
-        b.time(
-            &mut group,
-            "argmax_rows",
-            &label,
-            Some((n + rows) as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "argmax_rows", &label, Some((n + rows) as u64 * F32), &[&d]);
     }
     group.finish();
 }
@@ -279,31 +244,13 @@ fn loss(c: &mut Criterion, b: &mut Bench) {
         let d = k
             .mse_forward(loss.view(), pred.view(), target.view())
             .expect("mse_forward");
-        b.time(
-            &mut group,
-            "mse_forward",
-            &label,
-            Some(2 * n as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "mse_forward", &label, Some(2 * n as u64 * F32), &[&d]);
         let d = k
             .mse_backward(grad.view(), pred.view(), target.view(), dloss.view())
             .expect("mse_backward");
-        b.time(
-            &mut group,
-            "mse_backward",
-            &label,
-            Some(3 * n as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "mse_backward", &label, Some(3 * n as u64 * F32), &[&d]);
         let d = k
-            .mse_forward_backward(
-                loss.view(),
-                grad.view(),
-                pred.view(),
-                target.view(),
-                dloss.view(),
-            )
+            .mse_forward_backward(loss.view(), grad.view(), pred.view(), target.view(), dloss.view())
             .expect("mse_forward_backward");
         b.time(
             &mut group,
@@ -317,30 +264,11 @@ fn loss(c: &mut Criterion, b: &mut Bench) {
         let d = k
             .cross_entropy_forward(loss.view(), pred.view(), labels.view(), rows, cols)
             .expect("cross_entropy_forward");
-        b.time(
-            &mut group,
-            "cross_entropy_forward",
-            &label,
-            Some(logits_labels),
-            &[&d],
-        );
+        b.time(&mut group, "cross_entropy_forward", &label, Some(logits_labels), &[&d]);
         let d = k
-            .cross_entropy_backward(
-                grad.view(),
-                pred.view(),
-                labels.view(),
-                dloss.view(),
-                rows,
-                cols,
-            )
+            .cross_entropy_backward(grad.view(), pred.view(), labels.view(), dloss.view(), rows, cols)
             .expect("cross_entropy_backward");
-        b.time(
-            &mut group,
-            "cross_entropy_backward",
-            &label,
-            Some(logits_grad),
-            &[&d],
-        );
+        b.time(&mut group, "cross_entropy_backward", &label, Some(logits_grad), &[&d]);
         let d = k
             .cross_entropy_forward_backward(
                 loss.view(),
@@ -376,10 +304,7 @@ fn optim(c: &mut Criterion, b: &mut Bench) {
         // Gradients in [-3, 3] and lr ≤ 0.01: thousands of repeated updates
         // keep every value finite, so the timing never hits denormal or NaN paths.
         let (param, grad) = (b.tensor(n), b.tensor(n));
-        let (state_a, state_b) = (
-            b.kernels.zeros(n).expect("zeros"),
-            b.kernels.zeros(n).expect("zeros"),
-        );
+        let (state_a, state_b) = (b.kernels.zeros(n).expect("zeros"), b.kernels.zeros(n).expect("zeros"));
         let k = &b.kernels;
         // Step 2: the steady-state path (step 1 initialises the momentum buffer).
         let d = k
@@ -389,22 +314,9 @@ fn optim(c: &mut Criterion, b: &mut Bench) {
         let d = k
             .sgd_update(param.view(), grad.view(), state_a.view(), &momentum, 2)
             .expect("sgd_update momentum");
-        b.time(
-            &mut group,
-            "sgd_momentum",
-            &label,
-            Some(5 * n as u64 * F32),
-            &[&d],
-        );
+        b.time(&mut group, "sgd_momentum", &label, Some(5 * n as u64 * F32), &[&d]);
         let d = k
-            .adam_update(
-                param.view(),
-                grad.view(),
-                state_a.view(),
-                state_b.view(),
-                &adam,
-                2,
-            )
+            .adam_update(param.view(), grad.view(), state_a.view(), state_b.view(), &adam, 2)
             .expect("adam_update");
         b.time(&mut group, "adam", &label, Some(7 * n as u64 * F32), &[&d]);
     }
@@ -419,7 +331,6 @@ const T_EMBD: usize = 48;
 const T_HEADS: usize = 4;
 const T_LAYERS: usize = 2;
 const T_BATCH: usize = 32;
-
 
 /// One dispatch, and 8 of it in one pass.
 fn time_kernel(group: &mut BenchmarkGroup<'_, WallTime>, b: &Bench, name: &str, size: &str, d: &Dispatch) {
@@ -436,9 +347,13 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     let probs = b.kernels.zeros(score_rows * t).expect("zeros");
     let k = &b.kernels;
     let size = format!("{score_rows}x{t}");
-    let d = k.softmax_forward(probs.view(), scores.view(), score_rows, t, Some(t)).expect("softmax");
+    let d = k
+        .softmax_forward(probs.view(), scores.view(), score_rows, t, Some(t))
+        .expect("softmax");
     time_kernel(&mut group, b, "softmax_forward_causal", &size, &d);
-    let d = k.softmax_backward(dscores.view(), probs.view(), scores.view(), score_rows, t).expect("softmax_backward");
+    let d = k
+        .softmax_backward(dscores.view(), probs.view(), scores.view(), score_rows, t)
+        .expect("softmax_backward");
     time_kernel(&mut group, b, "softmax_backward", &size, &d);
 
     let x = b.tensor(bt * ch);
@@ -446,14 +361,57 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     let bias = b.tensor(ch);
     let dy = b.tensor(bt * ch);
     let k = &b.kernels;
-    let (y, mean, rstd) = (k.zeros(bt * ch).expect("zeros"), k.zeros(bt).expect("zeros"), k.zeros(bt).expect("zeros"));
-    let (dw, db, dx) = (k.zeros(ch).expect("zeros"), k.zeros(ch).expect("zeros"), k.zeros(bt * ch).expect("zeros"));
+    let (y, mean, rstd) = (
+        k.zeros(bt * ch).expect("zeros"),
+        k.zeros(bt).expect("zeros"),
+        k.zeros(bt).expect("zeros"),
+    );
+    let (dw, db, dx) = (
+        k.zeros(ch).expect("zeros"),
+        k.zeros(ch).expect("zeros"),
+        k.zeros(bt * ch).expect("zeros"),
+    );
     let size = format!("{bt}x{ch}");
-    let d = k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), bias.view(), bt, ch, 1e-5).expect("ln");
+    let d = k
+        .layernorm_forward(
+            y.view(),
+            mean.view(),
+            rstd.view(),
+            x.view(),
+            w.view(),
+            bias.view(),
+            bt,
+            ch,
+            1e-5,
+        )
+        .expect("ln");
     time_kernel(&mut group, b, "layernorm_forward", &size, &d);
-    let d = k.layernorm_backward(dx.view(), dy.view(), x.view(), w.view(), mean.view(), rstd.view(), bt, ch).expect("ln bw");
+    let d = k
+        .layernorm_backward(
+            dx.view(),
+            dy.view(),
+            x.view(),
+            w.view(),
+            mean.view(),
+            rstd.view(),
+            bt,
+            ch,
+        )
+        .expect("ln bw");
     time_kernel(&mut group, b, "layernorm_backward", &size, &d);
-    let d = k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), bt, ch).expect("ln params");
+    let d = k
+        .layernorm_backward_params(
+            true,
+            dw.view(),
+            db.view(),
+            dy.view(),
+            x.view(),
+            mean.view(),
+            rstd.view(),
+            bt,
+            ch,
+        )
+        .expect("ln params");
     time_kernel(&mut group, b, "layernorm_backward_params", &size, &d);
 
     // Each side of SHORT_ROW_MAX (128: one invocation per row, 131: one
@@ -462,25 +420,88 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
         let rows = 2048;
         let (x, w, bias) = (b.tensor(rows * cols), b.tensor(cols), b.tensor(cols));
         let k = &b.kernels;
-        let (y, mean, rstd) = (k.zeros(rows * cols).expect("zeros"), k.zeros(rows).expect("zeros"), k.zeros(rows).expect("zeros"));
+        let (y, mean, rstd) = (
+            k.zeros(rows * cols).expect("zeros"),
+            k.zeros(rows).expect("zeros"),
+            k.zeros(rows).expect("zeros"),
+        );
         let size = format!("{rows}x{cols}");
-        let d = k.softmax_forward(y.view(), x.view(), rows, cols, None).expect("softmax");
+        let d = k
+            .softmax_forward(y.view(), x.view(), rows, cols, None)
+            .expect("softmax");
         b.time(&mut group, "threshold_softmax_forward", &size, None, &[&d]);
-        let d = k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), bias.view(), rows, cols, 1e-5).expect("ln");
+        let d = k
+            .layernorm_forward(
+                y.view(),
+                mean.view(),
+                rstd.view(),
+                x.view(),
+                w.view(),
+                bias.view(),
+                rows,
+                cols,
+                1e-5,
+            )
+            .expect("ln");
         b.time(&mut group, "threshold_layernorm_forward", &size, None, &[&d]);
     }
 
     // Heads: [B, T, H, D] -> [B, H, T, D], and the attention products.
     let d_head = ch / h;
     let qkv = b.kernels.zeros(bt * ch).expect("zeros");
-    let d = b.kernels.permute(qkv.view(), x.view(), &[T_BATCH, t, h, d_head], &[0, 2, 1, 3]).expect("permute");
-    time_kernel(&mut group, b, "permute_heads", &format!("{T_BATCH}x{t}x{h}x{d_head}"), &d);
+    let d = b
+        .kernels
+        .permute(qkv.view(), x.view(), &[T_BATCH, t, h, d_head], &[0, 2, 1, 3])
+        .expect("permute");
+    time_kernel(
+        &mut group,
+        b,
+        "permute_heads",
+        &format!("{T_BATCH}x{t}x{h}x{d_head}"),
+        &d,
+    );
     let batch = T_BATCH * h;
     let k = &b.kernels;
-    let d = k.matmul_batched(MatmulForm::ABt, false, scores.view(), x.view(), dy.view(), batch, t, t, d_head).expect("qk");
-    time_kernel(&mut group, b, "matmul_batched_qkT", &format!("{batch}x{t}x{t}x{d_head}"), &d);
-    let d = k.matmul_batched(MatmulForm::AB, false, qkv.view(), probs.view(), x.view(), batch, t, d_head, t).expect("av");
-    time_kernel(&mut group, b, "matmul_batched_av", &format!("{batch}x{t}x{d_head}x{t}"), &d);
+    let d = k
+        .matmul_batched(
+            MatmulForm::ABt,
+            false,
+            scores.view(),
+            x.view(),
+            dy.view(),
+            batch,
+            t,
+            t,
+            d_head,
+        )
+        .expect("qk");
+    time_kernel(
+        &mut group,
+        b,
+        "matmul_batched_qkT",
+        &format!("{batch}x{t}x{t}x{d_head}"),
+        &d,
+    );
+    let d = k
+        .matmul_batched(
+            MatmulForm::AB,
+            false,
+            qkv.view(),
+            probs.view(),
+            x.view(),
+            batch,
+            t,
+            d_head,
+            t,
+        )
+        .expect("av");
+    time_kernel(
+        &mut group,
+        b,
+        "matmul_batched_av",
+        &format!("{batch}x{t}x{d_head}x{t}"),
+        &d,
+    );
 
     // Token-row matmuls: c_attn (48 -> 144) and the MLP (48 -> 192).
     let wide = b.tensor(bt * 4 * ch);
@@ -488,47 +509,93 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     let w_fc = b.tensor(ch * 4 * ch);
     let k = &b.kernels;
     let out3 = k.zeros(bt * 3 * ch).expect("zeros");
-    let d = k.matmul(MatmulForm::AB, out3.view(), x.view(), w_attn.view(), bt, 3 * ch, ch).expect("c_attn");
+    let d = k
+        .matmul(MatmulForm::AB, out3.view(), x.view(), w_attn.view(), bt, 3 * ch, ch)
+        .expect("c_attn");
     time_kernel(&mut group, b, "matmul_c_attn", &format!("{bt}x{}x{ch}", 3 * ch), &d);
-    let d = k.matmul(MatmulForm::AB, wide.view(), x.view(), w_fc.view(), bt, 4 * ch, ch).expect("fc");
+    let d = k
+        .matmul(MatmulForm::AB, wide.view(), x.view(), w_fc.view(), bt, 4 * ch, ch)
+        .expect("fc");
     time_kernel(&mut group, b, "matmul_fc", &format!("{bt}x{}x{ch}", 4 * ch), &d);
     let d = k.slice_last(y.view(), out3.view(), bt, 3 * ch, ch, ch).expect("slice");
     time_kernel(&mut group, b, "slice_last", &format!("{bt}x{}", 3 * ch), &d);
     let pos_grad = k.zeros(t * ch).expect("zeros");
     let d = k
-        .binary_broadcast(Binary::Add, y.view(), x.view(), pos_grad.view(), &[T_BATCH, t, ch], &[t, ch])
+        .binary_broadcast(
+            Binary::Add,
+            y.view(),
+            x.view(),
+            pos_grad.view(),
+            &[T_BATCH, t, ch],
+            &[t, ch],
+        )
         .expect("broadcast");
-    time_kernel(&mut group, b, "binary_broadcast_add", &format!("{T_BATCH}x{t}x{ch}"), &d);
-    let d = k.reduce_to_shape(true, pos_grad.view(), dy.view(), &[T_BATCH, t, ch], &[t, ch]).expect("reduce_to_shape");
+    time_kernel(
+        &mut group,
+        b,
+        "binary_broadcast_add",
+        &format!("{T_BATCH}x{t}x{ch}"),
+        &d,
+    );
+    let d = k
+        .reduce_to_shape(true, pos_grad.view(), dy.view(), &[T_BATCH, t, ch], &[t, ch])
+        .expect("reduce_to_shape");
     time_kernel(&mut group, b, "reduce_to_shape", &format!("{T_BATCH}x{t}x{ch}"), &d);
 
     // Embedding and loss.
     let ids = b.labels(bt, T_VOCAB);
     let table = b.tensor(T_VOCAB * ch);
     let k = &b.kernels;
-    let (order, cursor, dtable) = (k.zeros(bt).expect("zeros"), k.zeros(T_VOCAB + 1).expect("zeros"), k.zeros(T_VOCAB * ch).expect("zeros"));
-    let d = k.embedding_forward(y.view(), table.view(), ids.view(), bt, T_VOCAB, ch).expect("emb");
+    let (order, cursor, dtable) = (
+        k.zeros(bt).expect("zeros"),
+        k.zeros(T_VOCAB + 1).expect("zeros"),
+        k.zeros(T_VOCAB * ch).expect("zeros"),
+    );
+    let d = k
+        .embedding_forward(y.view(), table.view(), ids.view(), bt, T_VOCAB, ch)
+        .expect("emb");
     time_kernel(&mut group, b, "embedding_forward", &format!("{bt}x{ch}"), &d);
-    let d = k.embedding_backward_sort(order.view(), cursor.view(), ids.view(), bt, T_VOCAB).expect("sort");
+    let d = k
+        .embedding_backward_sort(order.view(), cursor.view(), ids.view(), bt, T_VOCAB)
+        .expect("sort");
     time_kernel(&mut group, b, "embedding_backward_sort", &format!("{bt}"), &d);
-    let d = k.embedding_backward(dtable.view(), dy.view(), ids.view(), order.view(), bt, T_VOCAB, ch).expect("emb bw");
+    let d = k
+        .embedding_backward(dtable.view(), dy.view(), ids.view(), order.view(), bt, T_VOCAB, ch)
+        .expect("emb bw");
     time_kernel(&mut group, b, "embedding_backward", &format!("{bt}x{ch}"), &d);
     let logits = b.tensor(bt * T_VOCAB);
     let k = &b.kernels;
     let (losses, dlogits) = (k.zeros(bt).expect("zeros"), k.zeros(bt * T_VOCAB).expect("zeros"));
     let d = k
-        .cross_entropy_rows_forward_backward(losses.view(), dlogits.view(), logits.view(), ids.view(), bt, T_VOCAB, 1.0 / bt as f32)
+        .cross_entropy_rows_forward_backward(
+            losses.view(),
+            dlogits.view(),
+            logits.view(),
+            ids.view(),
+            bt,
+            T_VOCAB,
+            1.0 / bt as f32,
+        )
         .expect("ce rows");
     time_kernel(&mut group, b, "cross_entropy_rows", &format!("{bt}x{T_VOCAB}"), &d);
 
     // The whole step, as the example runs it.
     let kernels = b.kernels.clone();
     wgrad::nn::manual_seed(0);
-    let config = GptConfig { vocab_size: T_VOCAB, block_size: T_SEQ, n_layer: T_LAYERS, n_head: T_HEADS, n_embd: T_EMBD };
+    let config = GptConfig {
+        vocab_size: T_VOCAB,
+        block_size: T_SEQ,
+        n_layer: T_LAYERS,
+        n_head: T_HEADS,
+        n_embd: T_EMBD,
+    };
     let model = Gpt::new(config).expect("model");
-    let mut trainer = Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(3e-3), T_BATCH).expect("trainer");
+    let mut trainer =
+        Trainer::new(kernels.clone(), &model, CrossEntropyLoss, Adam::new(3e-3), T_BATCH).expect("trainer");
     let inputs: Vec<u32> = (0..bt).map(|_| b.rng.random_range(0..T_VOCAB as u32)).collect();
-    let targets: Vec<u32> = (0..bt).map(|i| if i % T_SEQ >= 3 { inputs[i - 3] } else { inputs[i] }).collect();
+    let targets: Vec<u32> = (0..bt)
+        .map(|i| if i % T_SEQ >= 3 { inputs[i - 3] } else { inputs[i] })
+        .collect();
     let mut step = || {
         trainer.zero_grad();
         trainer.forward_ids(&inputs).expect("forward");
@@ -542,7 +609,10 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     }
     group.bench_function(BenchmarkId::new("step", T_BATCH), |bench| bench.iter(&mut step));
     group.finish();
-    println!("transformer step: {} dispatches per step", trainer.executor().dispatches_per_step());
+    println!(
+        "transformer step: {} dispatches per step",
+        trainer.executor().dispatches_per_step()
+    );
 }
 
 /// Decode's quantized product, C[1, n] = A[1, k]·Bᵀ, per format: the
@@ -561,14 +631,23 @@ fn quant_matvec(c: &mut Criterion, b: &mut Bench) {
                     block[at..at + 2].copy_from_slice(&0x1400u16.to_le_bytes());
                 }
             }
-            let words = b.kernels.upload(&pack_quantized(format, &raw, n, k).expect("pack")).expect("upload");
+            let words = b
+                .kernels
+                .upload(&pack_quantized(format, &raw, n, k).expect("pack"))
+                .expect("upload");
             let view = QuantView::new(words.view(), format, n, k).expect("view");
             let d = b
                 .kernels
                 .matmul_quant_weights(MatmulEpilogue::default(), out.view(), a.view(), view, 1, n, k)
                 .expect("quant matvec");
             let bytes = format.stored_words(n * k) as u64 * 4;
-            b.time(&mut group, format!("{}_{}", format.name(), d.kernel().entry), &format!("{n}x{k}"), Some(bytes), &[&d]);
+            b.time(
+                &mut group,
+                format!("{}_{}", format.name(), d.kernel().entry),
+                &format!("{n}x{k}"),
+                Some(bytes),
+                &[&d],
+            );
         }
     }
     group.finish();

@@ -70,10 +70,7 @@ fn time(k: &Kernels, d: &Dispatch, reps: usize) -> f64 {
 }
 
 fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
-    x.iter()
-        .zip(y)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
+    x.iter().zip(y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -109,16 +106,7 @@ fn main() {
         let c = k.zeros(n * n).expect("zeros");
         for form in MatmulForm::ALL {
             let f32_kernel = k
-                .matmul_with(
-                    MatmulVariant::Register,
-                    form,
-                    c_ref.view(),
-                    a.view(),
-                    b.view(),
-                    n,
-                    n,
-                    n,
-                )
+                .matmul_with(MatmulVariant::Register, form, c_ref.view(), a.view(), b.view(), n, n, n)
                 .expect("f32 matmul");
             k.run(&[&f32_kernel]).expect("run");
             let want: Vec<f32> = k.read(c_ref.view()).expect("read");
@@ -151,9 +139,7 @@ fn main() {
                     times[2].push(time(&k, d, reps(n)));
                 }
             }
-            let gflops = |t: &Vec<f64>| {
-                (!t.is_empty()).then(|| 2.0 * (n as f64).powi(3) / median(t.clone()) / 1e9)
-            };
+            let gflops = |t: &Vec<f64>| (!t.is_empty()).then(|| 2.0 * (n as f64).powi(3) / median(t.clone()) / 1e9);
             let base = gflops(&times[0]).unwrap_or(f64::NAN);
             let mut line = format!("matmul_ext form={form:?} n={n} f32_gflops={base:.2}");
             for (name, t, result) in [
@@ -161,9 +147,7 @@ fn main() {
                 ("subgroup", &times[2], subgroup_kernel.as_ref().err()),
             ] {
                 match (gflops(t), result) {
-                    (Some(g), _) => {
-                        line += &format!(" {name}_gflops={g:.2} {name}_ratio={:.2}", g / base)
-                    }
+                    (Some(g), _) => line += &format!(" {name}_gflops={g:.2} {name}_ratio={:.2}", g / base),
                     (None, Some(e)) => line += &format!(" {name}=unsupported({e})"),
                     (None, None) => {}
                 }

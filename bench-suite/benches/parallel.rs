@@ -90,7 +90,6 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad::train::{language_model_run, MAKE_TRAIN_GPT};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, AdamW, LrSchedule};
@@ -99,6 +98,7 @@ use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::train::{language_model_run, MAKE_TRAIN_GPT};
 use wgrad::{Targets, Trainer};
 
 const BATCH: usize = 64;
@@ -138,14 +138,8 @@ fn time_split(runner: &Runner) -> (f64, f64) {
                 (s.compute + s.communication).as_secs_f64(),
             )
         }
-        Runner::Pipeline(p) => (
-            p.stats().communication.as_secs_f64(),
-            p.stats().wall.as_secs_f64(),
-        ),
-        Runner::Tensor(t) => (
-            t.stats().communication.as_secs_f64(),
-            t.stats().wall.as_secs_f64(),
-        ),
+        Runner::Pipeline(p) => (p.stats().communication.as_secs_f64(), p.stats().wall.as_secs_f64()),
+        Runner::Tensor(t) => (t.stats().communication.as_secs_f64(), t.stats().wall.as_secs_f64()),
     }
 }
 
@@ -219,8 +213,7 @@ impl Runner {
     fn detail(&self) -> String {
         match self {
             Runner::Single(_) => String::new(),
-            Runner::Data(d) => format!(" split={:?} resplits={}", d.shares(), d.stats().resplits)
-                .replace(", ", ","),
+            Runner::Data(d) => format!(" split={:?} resplits={}", d.shares(), d.stats().resplits).replace(", ", ","),
             Runner::Pipeline(p) => format!(
                 " layers={:?} bubble={:.2} ideal_bubble={:.2}",
                 p.blocks_per_stage(),
@@ -257,14 +250,14 @@ fn median(values: &mut [f64]) -> f64 {
     if n == 0 {
         return f64::NAN;
     }
-    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
 }
 
-fn time_steps(
-    warm_up: usize,
-    timed: usize,
-    mut step: impl FnMut() -> wgrad::Result<()>,
-) -> wgrad::Result<f64> {
+fn time_steps(warm_up: usize, timed: usize, mut step: impl FnMut() -> wgrad::Result<()>) -> wgrad::Result<f64> {
     for _ in 0..warm_up {
         step()?;
     }
@@ -277,7 +270,10 @@ fn time_steps(
 
 /// The default GPT on one device and as a 2-stage pipeline.
 fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
-    let config = GptConfig { vocab_size: 65, ..MAKE_TRAIN_GPT };
+    let config = GptConfig {
+        vocab_size: 65,
+        ..MAKE_TRAIN_GPT
+    };
     let run = language_model_run();
     let batch = run.batch_size;
     let (warm_up, timed) = if quick { (2, 3) } else { (2, 8) };
@@ -297,13 +293,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     );
 
     let one = DeviceGroup::open(&DeviceSelection::Count(1))?;
-    let mut trainer = Trainer::new(
-        one.members()[0].clone(),
-        &model,
-        CrossEntropyLoss,
-        run.optimizer,
-        batch,
-    )?;
+    let mut trainer = Trainer::new(one.members()[0].clone(), &model, CrossEntropyLoss, run.optimizer, batch)?;
     let ms = time_steps(warm_up, timed, || {
         trainer.zero_grad();
         trainer.forward_ids(&ids)?;
@@ -326,7 +316,9 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
     for micro in [4, 8] {
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             let mut p = Pipeline::new(&two, &model, CrossEntropyLoss, run.optimizer, batch, micro, schedule)?;
-            time_steps(warm_up, 0, || p.step(&ids, Targets::Classes(&targets), false).map(|_| ()))?;
+            time_steps(warm_up, 0, || {
+                p.step(&ids, Targets::Classes(&targets), false).map(|_| ())
+            })?;
             p.reset_stats();
             let ms = time_steps(0, timed, || {
                 p.step(&ids, Targets::Classes(&targets), false)?;
@@ -369,9 +361,7 @@ fn gpt_cases(quick: bool, lines: &mut Vec<String>) -> wgrad::Result<()> {
 
 fn main() {
     if wgrad::device::list_adapters().is_empty() {
-        println!(
-            "parallel bench skipped: wgpu found no adapter (no Vulkan, Metal, DX12 or GL driver)"
-        );
+        println!("parallel bench skipped: wgpu found no adapter (no Vulkan, Metal, DX12 or GL driver)");
         return;
     }
     let quick = quick();
@@ -393,12 +383,7 @@ fn main() {
         return;
     }
     let (warm_up, measure, timed_steps, settle_steps) = if quick {
-        (
-            Duration::from_millis(200),
-            Duration::from_millis(600),
-            20,
-            10,
-        )
+        (Duration::from_millis(200), Duration::from_millis(600), 20, 10)
     } else {
         (Duration::from_millis(500), Duration::from_secs(2), 100, 40)
     };
@@ -415,12 +400,8 @@ fn main() {
     );
 
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let x: Vec<f32> = (0..BATCH * FEATURES)
-        .map(|_| rng.random_range(0.0f32..1.0))
-        .collect();
-    let y: Vec<u32> = (0..BATCH)
-        .map(|_| rng.random_range(0..CLASSES as u32))
-        .collect();
+    let x: Vec<f32> = (0..BATCH * FEATURES).map(|_| rng.random_range(0.0f32..1.0)).collect();
+    let y: Vec<u32> = (0..BATCH).map(|_| rng.random_range(0..CLASSES as u32)).collect();
     nn::manual_seed(0);
     let model = Sequential::mlp(&[FEATURES, 128, CLASSES], Layer::ReLU).expect("model");
 
@@ -436,9 +417,7 @@ fn main() {
         let group = match DeviceGroup::open(&DeviceSelection::Count(devices)) {
             Ok(g) => g,
             Err(e) => {
-                let line = format!(
-                    "bench parallel devices={devices} skipped: cannot open the devices ({e})"
-                );
+                let line = format!("bench parallel devices={devices} skipped: cannot open the devices ({e})");
                 println!("{line}");
                 lines.push(line);
                 continue;
@@ -446,9 +425,7 @@ fn main() {
         };
         println!("\n{devices} device(s): {}", group.labels().join(", "));
         let mut bench_group = criterion.benchmark_group(format!("parallel_{devices}dev"));
-        bench_group
-            .sample_size(10)
-            .sampling_mode(SamplingMode::Flat);
+        bench_group.sample_size(10).sampling_mode(SamplingMode::Flat);
         let strategies: &[&str] = if devices == 1 {
             &["single", "data", "pipeline", "tensor"]
         } else {
@@ -458,9 +435,7 @@ fn main() {
             let mut runner = match Runner::new(strategy, &group, &model) {
                 Ok(r) => r,
                 Err(e) => {
-                    let line = format!(
-                        "bench parallel strategy={strategy} devices={devices} skipped: {e}"
-                    );
+                    let line = format!("bench parallel strategy={strategy} devices={devices} skipped: {e}");
                     println!("{line}");
                     lines.push(line);
                     continue;
@@ -674,7 +649,11 @@ fn zero3_lines(quick: bool) -> Vec<String> {
     use wgrad::parallel::zero::{Zero, ZeroStage};
     use wgrad::parallel::zero_stages::ZeroStages;
     let (warm_up, timed) = if quick { (2, 5) } else { (3, 20) };
-    let optimizer = AdamW::new(3e-3).betas(0.9, 0.99).weight_decay(0.1).decay_matrices_only().clip_grad_norm(1.0);
+    let optimizer = AdamW::new(3e-3)
+        .betas(0.9, 0.99)
+        .weight_decay(0.1)
+        .decay_matrices_only()
+        .clip_grad_norm(1.0);
     let run = || -> wgrad::Result<Vec<String>> {
         let config = LlamaConfig::preset("small", 84)?;
         let tokens = GPT_BATCH * config.block_size;
@@ -686,8 +665,30 @@ fn zero3_lines(quick: bool) -> Vec<String> {
         let group = DeviceGroup::open(&DeviceSelection::Count(2))?;
         let mut lines = Vec::new();
         let engines: [(&str, Box<dyn TrainEngine>); 2] = [
-            ("whole-arena", Box::new(Zero::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, ZeroStage::Parameters, None)?)),
-            ("by-stage", Box::new(ZeroStages::new(&group, &model, CrossEntropyLoss, optimizer, GPT_BATCH, ZeroStage::Parameters, None)?)),
+            (
+                "whole-arena",
+                Box::new(Zero::new(
+                    &group,
+                    &model,
+                    CrossEntropyLoss,
+                    optimizer,
+                    GPT_BATCH,
+                    ZeroStage::Parameters,
+                    None,
+                )?),
+            ),
+            (
+                "by-stage",
+                Box::new(ZeroStages::new(
+                    &group,
+                    &model,
+                    CrossEntropyLoss,
+                    optimizer,
+                    GPT_BATCH,
+                    ZeroStage::Parameters,
+                    None,
+                )?),
+            ),
         ];
         for (name, mut engine) in engines {
             let ms = time_steps(warm_up, timed, || {

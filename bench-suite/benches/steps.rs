@@ -26,10 +26,10 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
-use wgrad_benches::{train_step, StepCase};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::Trainer;
+use wgrad_benches::{train_step, StepCase};
 
 /// Steps before timing: pipelines compile (lazily on GL) and buffers settle.
 const WARM_UP_STEPS: usize = 3;
@@ -84,9 +84,7 @@ fn data_parallel(criterion: &mut Criterion, case: &StepCase, group: &DeviceGroup
     };
     let targets = case.targets();
     let mut step = || {
-        engine
-            .step(&case.x, targets, false)
-            .expect("data-parallel step");
+        engine.step(&case.x, targets, false).expect("data-parallel step");
         wait_all(group);
     };
     for _ in 0..WARM_UP_STEPS {
@@ -114,9 +112,7 @@ fn data_parallel(criterion: &mut Criterion, case: &StepCase, group: &DeviceGroup
 
 fn main() {
     if wgrad::device::list_adapters().is_empty() {
-        println!(
-            "steps bench skipped: wgpu found no adapter (no Vulkan, Metal, DX12 or GL driver)"
-        );
+        println!("steps bench skipped: wgpu found no adapter (no Vulkan, Metal, DX12 or GL driver)");
         return;
     }
     println!(

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use wgrad_benches::{median_time, BenchLine};
 use wgrad::infer::generate::{GeneratorOptions, Sampling};
 use wgrad::kernels::MatmulForm;
 use wgrad::Kernels;
+use wgrad_benches::{median_time, BenchLine};
 
 fn random(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -25,7 +25,22 @@ fn cpu_sgemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
     let n_i = n as isize;
     // SAFETY: a, b, c hold n·n elements each, row-major with the given strides.
     unsafe {
-        matrixmultiply::sgemm(n, n, n, 1.0, a.as_ptr(), n_i, 1, b.as_ptr(), n_i, 1, 0.0, c.as_mut_ptr(), n_i, 1);
+        matrixmultiply::sgemm(
+            n,
+            n,
+            n,
+            1.0,
+            a.as_ptr(),
+            n_i,
+            1,
+            b.as_ptr(),
+            n_i,
+            1,
+            0.0,
+            c.as_mut_ptr(),
+            n_i,
+            1,
+        );
     }
 }
 
@@ -33,7 +48,11 @@ fn cpu_sgemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
 pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> wgrad::Result<BenchLine> {
     let mut rng = ChaCha8Rng::seed_from_u64(n as u64);
     let (a_host, b_host) = (random(n * n, &mut rng), random(n * n, &mut rng));
-    let (a, b, c) = (kernels.upload(&a_host)?, kernels.upload(&b_host)?, kernels.zeros(n * n)?);
+    let (a, b, c) = (
+        kernels.upload(&a_host)?,
+        kernels.upload(&b_host)?,
+        kernels.zeros(n * n)?,
+    );
     let dispatch = kernels.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), n, n, n)?;
     // Several launches per timing so the submit-and-wait cost is amortised.
     let per = if n <= 256 { 8 } else { 2 };
@@ -57,7 +76,16 @@ pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> wgrad::Result<BenchLi
         values: vec![
             ("n", n.to_string()),
             ("variant", format!("{:?}", kernels.matmul_variant_for(MatmulForm::AB))),
-            ("tuning", kernels.matmul_tuning().source.split(' ').next().unwrap_or("").to_string()),
+            (
+                "tuning",
+                kernels
+                    .matmul_tuning()
+                    .source
+                    .split(' ')
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+            ),
             ("gflops", format!("{g:.2}")),
             ("cpu_gflops", format!("{c:.2}")),
             ("ratio", format!("{:.3}", g / c)),
@@ -81,21 +109,32 @@ const SERVE_PROMPTS: [&str; 8] = [
 /// connection): the time to its first chunk and its completion tokens
 /// (the final chunk's usage).
 fn stream_completion(port: u16, body: &str) -> wgrad::Result<(Duration, usize)> {
-    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: e };
+    let fail = |e: String| wgrad::Error::InvalidArgument {
+        op: "bench serve",
+        reason: e,
+    };
     let start = Instant::now();
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| fail(format!("connecting: {e}")))?;
-    let request = format!("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
-    stream.write_all(request.as_bytes()).map_err(|e| fail(format!("sending: {e}")))?;
+    let request = format!(
+        "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| fail(format!("sending: {e}")))?;
     let mut first = None;
     let mut tokens = None;
     for line in BufReader::new(stream).lines() {
         let line = line.map_err(|e| fail(format!("reading: {e}")))?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         first.get_or_insert_with(|| start.elapsed());
         if data == "[DONE]" {
             break;
         }
-        let chunk: serde_json::Value = serde_json::from_str(data).map_err(|e| fail(format!("a chunk that is not JSON ({e}): {data}")))?;
+        let chunk: serde_json::Value =
+            serde_json::from_str(data).map_err(|e| fail(format!("a chunk that is not JSON ({e}): {data}")))?;
         if chunk.get("error").is_some() {
             return Err(fail(format!("the server answered {data}")));
         }
@@ -110,9 +149,14 @@ fn stream_completion(port: u16, body: &str) -> wgrad::Result<(Duration, usize)> 
 }
 
 fn health(port: u16) -> wgrad::Result<serde_json::Value> {
-    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: format!("/health: {e}") };
+    let fail = |e: String| wgrad::Error::InvalidArgument {
+        op: "bench serve",
+        reason: format!("/health: {e}"),
+    };
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| fail(e.to_string()))?;
-    stream.write_all(b"GET /health HTTP/1.0\r\n\r\n").map_err(|e| fail(e.to_string()))?;
+    stream
+        .write_all(b"GET /health HTTP/1.0\r\n\r\n")
+        .map_err(|e| fail(e.to_string()))?;
     let mut answer = String::new();
     stream.read_to_string(&mut answer).map_err(|e| fail(e.to_string()))?;
     let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
@@ -143,13 +187,25 @@ fn quantile(sorted: &[Duration], p: f64) -> Duration {
 /// and p95 time to first token, and the decode steps' mean batch (from
 /// /health). Before the server starts, the single-stream `wgrad generate`
 /// path on the same model and context, for comparison.
-pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: usize, max_tokens: usize) -> wgrad::Result<Vec<BenchLine>> {
-    let fail = |e: String| wgrad::Error::InvalidArgument { op: "bench serve", reason: e };
+pub fn serve(
+    kernels: &Arc<Kernels>,
+    model: &Path,
+    clients: &[usize],
+    requests: usize,
+    max_tokens: usize,
+) -> wgrad::Result<Vec<BenchLine>> {
+    let fail = |e: String| wgrad::Error::InvalidArgument {
+        op: "bench serve",
+        reason: e,
+    };
     let max_batch = clients.iter().copied().max().unwrap_or(1);
     let context = 512;
     let mut lines = Vec::new();
     {
-        let options = GeneratorOptions { context: Some(context), ..GeneratorOptions::default() };
+        let options = GeneratorOptions {
+            context: Some(context),
+            ..GeneratorOptions::default()
+        };
         let lm = crate::chat::load_bpe_lm(kernels, model, None, &options)?;
         let mut generator = crate::chat::bpe_generator(kernels.clone(), &lm, None, &options)?;
         let prompt = lm.tokenizer.encode(SERVE_PROMPTS[0], true)?;
@@ -166,8 +222,14 @@ pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: 
             case: "serve_generate".into(),
             values: vec![
                 ("tokens", max_tokens.to_string()),
-                ("tokens_per_s", format!("{:.2}", max_tokens as f64 / start.elapsed().as_secs_f64())),
-                ("decode_tokens_per_s", format!("{:.2}", (max_tokens - 1) as f64 / decode.max(1e-9))),
+                (
+                    "tokens_per_s",
+                    format!("{:.2}", max_tokens as f64 / start.elapsed().as_secs_f64()),
+                ),
+                (
+                    "decode_tokens_per_s",
+                    format!("{:.2}", (max_tokens - 1) as f64 / decode.max(1e-9)),
+                ),
             ],
         });
     }
@@ -176,7 +238,16 @@ pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: 
         .arg("serve")
         .arg("--model")
         .arg(model)
-        .args(["--port", "0", "--max-batch", &max_batch.to_string(), "--max-context", &context.to_string(), "--max-queue", "0"])
+        .args([
+            "--port",
+            "0",
+            "--max-batch",
+            &max_batch.to_string(),
+            "--max-context",
+            &context.to_string(),
+            "--max-queue",
+            "0",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -185,9 +256,16 @@ pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: 
     let child = ServeChild(child);
     let mut line = String::new();
     if let Some(stdout) = stdout {
-        BufReader::new(stdout).read_line(&mut line).map_err(|e| fail(e.to_string()))?;
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|e| fail(e.to_string()))?;
     }
-    let port: u16 = line.split("127.0.0.1:").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|p| p.parse().ok()).ok_or_else(|| fail(format!("the server printed {line:?}, not its address")))?;
+    let port: u16 = line
+        .split("127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| fail(format!("the server printed {line:?}, not its address")))?;
     for &n in clients {
         let before = health(port)?;
         let start = Instant::now();
@@ -210,7 +288,12 @@ pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: 
         }
         let seconds = start.elapsed().as_secs_f64();
         let after = health(port)?;
-        let delta = |key: &str| after[key].as_u64().unwrap_or(0).saturating_sub(before[key].as_u64().unwrap_or(0));
+        let delta = |key: &str| {
+            after[key]
+                .as_u64()
+                .unwrap_or(0)
+                .saturating_sub(before[key].as_u64().unwrap_or(0))
+        };
         let mut ttfts: Vec<Duration> = results.iter().map(|r| r.0).collect();
         ttfts.sort();
         let tokens: usize = results.iter().map(|r| r.1).sum();
@@ -223,7 +306,13 @@ pub fn serve(kernels: &Arc<Kernels>, model: &Path, clients: &[usize], requests: 
                 ("tokens_per_s", format!("{:.2}", tokens as f64 / seconds)),
                 ("ttft_p50_ms", ms(quantile(&ttfts, 0.5))),
                 ("ttft_p95_ms", ms(quantile(&ttfts, 0.95))),
-                ("mean_batch", format!("{:.2}", delta("decoded_rows") as f64 / delta("decode_steps").max(1) as f64)),
+                (
+                    "mean_batch",
+                    format!(
+                        "{:.2}",
+                        delta("decoded_rows") as f64 / delta("decode_steps").max(1) as f64
+                    ),
+                ),
             ],
         });
     }

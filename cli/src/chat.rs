@@ -58,11 +58,23 @@ pub fn has_own_tokenizer(path: &Path) -> bool {
 /// given, which de-quantizes every matrix (and stores it as `dtype`).
 /// `fits` says what the generator will hold (its sequences, context and
 /// prefill), checked against the adapter from the file's sizes alone.
-pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fits: &GeneratorOptions) -> wgrad::Result<BpeLm> {
+pub fn load_bpe_lm(
+    kernels: &Kernels,
+    path: &Path,
+    dtype: Option<DtypeName>,
+    fits: &GeneratorOptions,
+) -> wgrad::Result<BpeLm> {
     let start = Instant::now();
     let config = read_model_config(path)?;
     let weights = dtype.map_or(WeightDtype::F32, DtypeName::weights);
-    check_fits_with_options(kernels, config.as_ref(), &GeneratorOptions { dtype: weights, ..fits.clone() })?;
+    check_fits_with_options(
+        kernels,
+        config.as_ref(),
+        &GeneratorOptions {
+            dtype: weights,
+            ..fits.clone()
+        },
+    )?;
     let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
         let gguf = GgufModel::open(path)?;
         let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
@@ -74,24 +86,48 @@ pub fn load_bpe_lm(kernels: &Kernels, path: &Path, dtype: Option<DtypeName>, fit
             _ => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
         }
     } else {
-        let tokenizer = BpeTokenizer::from_folder(path)?.ok_or_else(|| invalid("generate", format!("`{}` has no tokenizer.json", path.display())))?;
+        let tokenizer = BpeTokenizer::from_folder(path)?
+            .ok_or_else(|| invalid("generate", format!("`{}` has no tokenizer.json", path.display())))?;
         (load_lm_folder(path)?.model, QuantizedWeights::new(), tokenizer)
     };
     if tokenizer.vocab_size() > model.vocab_size() {
-        return Err(invalid("generate", format!("the tokenizer has {} tokens, the model a vocabulary of {}", tokenizer.vocab_size(), model.vocab_size())));
+        return Err(invalid(
+            "generate",
+            format!(
+                "the tokenizer has {} tokens, the model a vocabulary of {}",
+                tokenizer.vocab_size(),
+                model.vocab_size()
+            ),
+        ));
     }
-    let mut stops: Vec<u32> = tokenizer.eos_id().into_iter().chain(END_OF_TURN.iter().filter_map(|t| tokenizer.token_id(t))).collect();
+    let mut stops: Vec<u32> = tokenizer
+        .eos_id()
+        .into_iter()
+        .chain(END_OF_TURN.iter().filter_map(|t| tokenizer.token_id(t)))
+        .collect();
     stops.dedup();
     let size = model.vocab_size();
     let vocab = u32::try_from(size).map_err(|_| invalid("generate", format!("a vocabulary of {size} tokens")))?;
     let suppressed = (0..vocab).filter(|&id| tokenizer.token_bytes(id).is_err()).collect();
-    Ok(BpeLm { model, quantized, tokenizer, stops, suppressed, load_seconds: start.elapsed().as_secs_f64() })
+    Ok(BpeLm {
+        model,
+        quantized,
+        tokenizer,
+        stops,
+        suppressed,
+        load_seconds: start.elapsed().as_secs_f64(),
+    })
 }
 
 /// A generator for `lm` as `options` say (its weights as `dtype` says, the
 /// file's quantized matrices as stored), behind a spinner while its
 /// pipelines compile.
-pub fn bpe_generator(kernels: Arc<Kernels>, lm: &BpeLm, dtype: Option<DtypeName>, options: &GeneratorOptions) -> wgrad::Result<Generator> {
+pub fn bpe_generator(
+    kernels: Arc<Kernels>,
+    lm: &BpeLm,
+    dtype: Option<DtypeName>,
+    options: &GeneratorOptions,
+) -> wgrad::Result<Generator> {
     let bar = crate::spinner("preparing kernels");
     let weights = dtype.map_or(WeightDtype::F32, DtypeName::weights);
     let options = GeneratorOptions {
@@ -104,7 +140,11 @@ pub fn bpe_generator(kernels: Arc<Kernels>, lm: &BpeLm, dtype: Option<DtypeName>
     bar.finish_and_clear();
     let generator = generator?;
     if generator.dtype() != weights {
-        eprintln!("note: --dtype {} needs SHADER_F16, which this adapter lacks; generating with {} weights", weights.name(), generator.dtype().name());
+        eprintln!(
+            "note: --dtype {} needs SHADER_F16, which this adapter lacks; generating with {} weights",
+            weights.name(),
+            generator.dtype().name()
+        );
     }
     Ok(generator)
 }
@@ -156,8 +196,16 @@ fn answer(
     mut emit: impl FnMut(u32) -> wgrad::Result<()>,
 ) -> wgrad::Result<(Vec<u32>, Timing)> {
     let start = Instant::now();
-    let mut token = if continuation { generator.extend_and_sample(&[new], sampling, rng)? } else { generator.prefill_and_sample(&[new], sampling, rng)? }[0];
-    let mut timing = Timing { prefill_tokens: new.len(), prefill_seconds: start.elapsed().as_secs_f64(), ..Timing::default() };
+    let mut token = if continuation {
+        generator.extend_and_sample(&[new], sampling, rng)?
+    } else {
+        generator.prefill_and_sample(&[new], sampling, rng)?
+    }[0];
+    let mut timing = Timing {
+        prefill_tokens: new.len(),
+        prefill_seconds: start.elapsed().as_secs_f64(),
+        ..Timing::default()
+    };
     let start = Instant::now();
     let mut tokens = Vec::new();
     while !stops.contains(&token) {
@@ -178,17 +226,32 @@ fn answer(
 }
 
 fn write_out(out: &mut impl Write, s: &str) -> wgrad::Result<()> {
-    out.write_all(s.as_bytes()).and_then(|_| out.flush()).map_err(|e| invalid("generate", format!("writing to stdout: {e}")))
+    out.write_all(s.as_bytes())
+        .and_then(|_| out.flush())
+        .map_err(|e| invalid("generate", format!("writing to stdout: {e}")))
 }
 
 /// `wgrad generate` on a model with its own tokenizer: `prompt` is text,
 /// or ids with `print_ids` (which prints ids, not text).
 #[allow(clippy::too_many_arguments)]
-pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Option<Vec<u32>>, print_ids: bool, max_new: usize, sampling_args: &SamplingArgs, dtype: Option<DtypeName>, context: Option<usize>) -> wgrad::Result<()> {
+pub fn generate(
+    opts: &DeviceOptions,
+    model: &Path,
+    prompt: &str,
+    prompt_ids: Option<Vec<u32>>,
+    print_ids: bool,
+    max_new: usize,
+    sampling_args: &SamplingArgs,
+    dtype: Option<DtypeName>,
+    context: Option<usize>,
+) -> wgrad::Result<()> {
     let sampling = sampling_args.sampling();
     sampling.check()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let options = GeneratorOptions { context, ..GeneratorOptions::default() };
+    let options = GeneratorOptions {
+        context,
+        ..GeneratorOptions::default()
+    };
     let lm = load_bpe_lm(&kernels, model, dtype, &options)?;
     let ids = match prompt_ids {
         Some(ids) => ids,
@@ -200,7 +263,13 @@ pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Op
     wgrad::kernels::check_token_ids("generate", &ids, lm.model.vocab_size())?;
     let context = options.context_for(lm.model.context_len())?;
     if ids.len() > context {
-        return Err(invalid("generate", format!("the prompt has {} tokens, more than the context of {context}", ids.len())));
+        return Err(invalid(
+            "generate",
+            format!(
+                "the prompt has {} tokens, more than the context of {context}",
+                ids.len()
+            ),
+        ));
     }
     let mut generator = bpe_generator(kernels.clone(), &lm, dtype, &options)?;
     let mut out = std::io::stdout().lock();
@@ -212,10 +281,23 @@ pub fn generate(opts: &DeviceOptions, model: &Path, prompt: &str, prompt_ids: Op
         write_out(&mut out, prompt)?;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
-    let (_, timing) = answer(&mut generator, &ids, false, max_new, &sampling, &mut rng, &lm.stops, |token| {
-        let piece = if print_ids { format!(" {token}") } else { text.push(token)? };
-        write_out(&mut out, &piece)
-    })?;
+    let (_, timing) = answer(
+        &mut generator,
+        &ids,
+        false,
+        max_new,
+        &sampling,
+        &mut rng,
+        &lm.stops,
+        |token| {
+            let piece = if print_ids {
+                format!(" {token}")
+            } else {
+                text.push(token)?
+            };
+            write_out(&mut out, &piece)
+        },
+    )?;
     let rest = if print_ids { String::new() } else { text.finish() };
     write_out(&mut out, &format!("{rest}\n"))?;
     eprintln!("{}", timing.report(lm.load_seconds, &kernels.device().label()));
@@ -250,8 +332,16 @@ pub struct ChatArgs {
 /// The prompt of `messages` ready for the assistant's answer, as ids; the
 /// oldest turns (after a system message) are dropped until it leaves room
 /// for an answer in `context`.
-fn render(template: &ChatTemplate, tokenizer: &BpeTokenizer, messages: &mut Vec<ChatMessage>, context: usize) -> wgrad::Result<Vec<u32>> {
-    let (bos, eos) = (tokenizer.bos_token().unwrap_or_default(), tokenizer.eos_token().unwrap_or_default());
+fn render(
+    template: &ChatTemplate,
+    tokenizer: &BpeTokenizer,
+    messages: &mut Vec<ChatMessage>,
+    context: usize,
+) -> wgrad::Result<Vec<u32>> {
+    let (bos, eos) = (
+        tokenizer.bos_token().unwrap_or_default(),
+        tokenizer.eos_token().unwrap_or_default(),
+    );
     loop {
         let ids = tokenizer.encode(&template.render(messages, true, &bos, &eos)?, false)?;
         if ids.len() < context {
@@ -259,7 +349,13 @@ fn render(template: &ChatTemplate, tokenizer: &BpeTokenizer, messages: &mut Vec<
         }
         let first = usize::from(messages.first().is_some_and(|m| m.role == "system"));
         if messages.len() - first <= 1 {
-            return Err(invalid("chat", format!("the message needs {} tokens with the template, more than the model's context of {context}", ids.len())));
+            return Err(invalid(
+                "chat",
+                format!(
+                    "the message needs {} tokens with the template, more than the model's context of {context}",
+                    ids.len()
+                ),
+            ));
         }
         messages.remove(first);
     }
@@ -288,13 +384,23 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
     sampling.check()?;
     // A GGUF file's template is in its header: say it is missing before
     // opening a device or reading weights.
-    if is_gguf_path(&args.model) && wgrad::io::gguf::Gguf::open(&args.model)?.get("tokenizer.chat_template").is_none() {
+    if is_gguf_path(&args.model)
+        && wgrad::io::gguf::Gguf::open(&args.model)?
+            .get("tokenizer.chat_template")
+            .is_none()
+    {
         return Err(no_chat_template(&args.model));
     }
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let options = GeneratorOptions { context: args.context, ..GeneratorOptions::default() };
+    let options = GeneratorOptions {
+        context: args.context,
+        ..GeneratorOptions::default()
+    };
     let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
-    let source = lm.tokenizer.chat_template().ok_or_else(|| no_chat_template(&args.model))?;
+    let source = lm
+        .tokenizer
+        .chat_template()
+        .ok_or_else(|| no_chat_template(&args.model))?;
     let template = ChatTemplate::new(source)?;
     let mut generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
     let context = generator.context_len();
@@ -309,7 +415,9 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
             eprint!("> ");
         }
         let mut line = String::new();
-        let read = lines.read_line(&mut line).map_err(|e| invalid("chat", format!("reading standard input: {e}")))?;
+        let read = lines
+            .read_line(&mut line)
+            .map_err(|e| invalid("chat", format!("reading standard input: {e}")))?;
         if read == 0 {
             break;
         }
@@ -322,14 +430,28 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
         // Keep the cache's tokens the new render starts with (all but one
         // at most, so there is a token to feed); re-prefill when none.
         let held = generator.cached_tokens(0).unwrap_or(&[]);
-        let common = held.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        let common = held
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ids.len() - 1);
         generator.truncate(0, common)?;
         let max_new = args.max_new_tokens.min(context - ids.len());
         let mut text = lm.tokenizer.stream(true);
-        let (tokens, timing) = answer(&mut generator, &ids[common..], common > 0, max_new, &sampling, &mut rng, &lm.stops, |token| {
-            let piece = text.push(token)?;
-            write_out(&mut out, &piece)
-        })?;
+        let (tokens, timing) = answer(
+            &mut generator,
+            &ids[common..],
+            common > 0,
+            max_new,
+            &sampling,
+            &mut rng,
+            &lm.stops,
+            |token| {
+                let piece = text.push(token)?;
+                write_out(&mut out, &piece)
+            },
+        )?;
         write_out(&mut out, &format!("{}\n", text.finish()))?;
         total.add(&timing);
         messages.push(ChatMessage::assistant(lm.tokenizer.decode(&tokens, true)?));

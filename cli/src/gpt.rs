@@ -7,15 +7,15 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
-use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, LmUpdate, Pretrained, TextSource};
-use wgrad::train::{TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
+use wgrad::io::text::{Tokenizer, Utf8Stream};
 use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, CausalLm};
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::pipeline::Schedule;
+use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, LmUpdate, Pretrained, TextSource};
 use wgrad::train::{Evaluation, TrainConfig, TrainingRun};
-use wgrad::io::text::{Tokenizer, Utf8Stream};
+use wgrad::train::{TokenizerKind, TrainableLm, MAKE_TRAIN_GPT};
 use wgrad::{DeviceOptions, Kernels};
 
 use crate::{plot, spinner, Bars, OptimizerName, TrainArgs};
@@ -135,7 +135,14 @@ pub trait CliModel: TrainableLm {
 
 /// Streams a sample of `tokens` tokens after `prompt` from any causal
 /// language model: (tokens, seconds).
-fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, prompt: &str, tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+fn sample(
+    model: &dyn CausalLm,
+    kernels: Arc<Kernels>,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    tokens: usize,
+    sampling: &Sampling,
+) -> wgrad::Result<(usize, f64)> {
     let mut generator = prepared_generator(kernels, model, &GeneratorOptions::default())?;
     let ids = tokenizer.encode(prompt)?;
     stream(&mut generator, tokenizer, prompt, &ids, tokens, sampling)
@@ -144,11 +151,18 @@ fn sample(model: &dyn CausalLm, kernels: Arc<Kernels>, tokenizer: &Tokenizer, pr
 /// A preset's context, or --block-size's where given: at least 1, and at
 /// most `most` positions where the preset has a largest.
 fn preset_context(g: &GptArgs, name: &str, context: usize, most: Option<usize>) -> wgrad::Result<usize> {
-    let refuse = |reason: String| Err(wgrad::Error::InvalidArgument { op: "train --block-size", reason });
+    let refuse = |reason: String| {
+        Err(wgrad::Error::InvalidArgument {
+            op: "train --block-size",
+            reason,
+        })
+    };
     match (g.block_size, most) {
         (None, _) => Ok(context),
         (Some(0), _) => refuse("a context of 0 positions: give at least 1".into()),
-        (Some(n), Some(most)) if n > most => refuse(format!("{n} positions for the preset `{name}`: give 1 to its {most}")),
+        (Some(n), Some(most)) if n > most => {
+            refuse(format!("{n} positions for the preset `{name}`: give 1 to its {most}"))
+        }
         (Some(n), _) => Ok(n),
     }
 }
@@ -157,7 +171,13 @@ impl CliModel for Gpt {
     fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GptConfig> {
         let Some(name) = g.preset.as_deref() else {
             let block_size = g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size);
-            return Ok(GptConfig { vocab_size: 0, n_layer: g.n_layer, n_head: g.n_head, n_embd: g.n_embd, block_size });
+            return Ok(GptConfig {
+                vocab_size: 0,
+                n_layer: g.n_layer,
+                n_head: g.n_head,
+                n_embd: g.n_embd,
+                block_size,
+            });
         };
         let preset = GptConfig::preset(name)?;
         // GPT-2's learned position table: its rows are the most.
@@ -181,14 +201,27 @@ impl CliModel for Llama {
         Ok(LlamaConfig { block_size, ..preset })
     }
     fn title(c: &LlamaConfig) -> String {
-        format!("{} L{} H{}/{} C{} T{}", c.variant.names().2, c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
+        format!(
+            "{} L{} H{}/{} C{} T{}",
+            c.variant.names().2,
+            c.n_layer,
+            c.n_head,
+            c.n_kv_head,
+            c.n_embd,
+            c.block_size
+        )
     }
 }
 
 /// A language model's run (`--model gpt|llama|qwen2|qwen3`, the Llama
 /// family's `variant`); across the processes of `process_group` when
 /// given, where only rank 0 prints, saves and samples.
-pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>, variant: LlamaVariant) -> wgrad::Result<()> {
+pub fn train<M: CliModel>(
+    opts: &DeviceOptions,
+    args: &TrainArgs,
+    process_group: Option<Arc<dyn ProcessGroup>>,
+    variant: LlamaVariant,
+) -> wgrad::Result<()> {
     let g = &args.gpt;
     let defaults = language_model_run();
     let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
@@ -205,13 +238,27 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
     let update = match args.optimizer.unwrap_or(OptimizerName::Adamw) {
         OptimizerName::Adamw => LmUpdate::AdamW,
         OptimizerName::Adam => LmUpdate::Adam,
-        OptimizerName::Sgd => LmUpdate::Sgd { momentum: args.momentum },
+        OptimizerName::Sgd => LmUpdate::Sgd {
+            momentum: args.momentum,
+        },
     };
-    let decay = if update == LmUpdate::AdamW { AdamWSchedule::default().weight_decay } else { 0.0 };
+    let decay = if update == LmUpdate::AdamW {
+        AdamWSchedule::default().weight_decay
+    } else {
+        0.0
+    };
     let schedule = AdamWSchedule {
         lr,
-        min_lr: g.min_lr.unwrap_or(if pretrained.is_some() { lr } else { AdamWSchedule::default().min_lr }),
-        warmup_steps: g.warmup_steps.unwrap_or(if pretrained.is_some() { 0 } else { AdamWSchedule::default().warmup_steps }),
+        min_lr: g.min_lr.unwrap_or(if pretrained.is_some() {
+            lr
+        } else {
+            AdamWSchedule::default().min_lr
+        }),
+        warmup_steps: g.warmup_steps.unwrap_or(if pretrained.is_some() {
+            0
+        } else {
+            AdamWSchedule::default().warmup_steps
+        }),
         weight_decay: g.weight_decay.unwrap_or(decay),
         clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
         ..AdamWSchedule::default()
@@ -235,26 +282,45 @@ pub fn train<M: CliModel>(opts: &DeviceOptions, args: &TrainArgs, process_group:
             None => M::sizes(g, variant)?,
         })
     };
-    let task = LanguageModel { init: pretrained, attention: g.attention.kernel(), ..task };
+    let task = LanguageModel {
+        init: pretrained,
+        attention: g.attention.kernel(),
+        ..task
+    };
     let mut bars = Bars::default();
     let mut run = TrainingRun::new(opts, config, task, process_group, &mut bars)?;
     let start_loss = match run.task().init.as_ref().map(|p| p.source.clone()) {
         Some(source) => fine_tune_start(&mut run, &source, args)?,
         None => None,
     };
-    let Some(summary) = run.fit(&mut bars)? else { return Ok(()) };
+    let Some(summary) = run.fit(&mut bars)? else {
+        return Ok(());
+    };
     crate::print_summary(&summary, "tokens");
     let Evaluation::ValidationLoss(validation) = summary.evaluation else {
-        return Err(wgrad::Error::InvalidArgument { op: "train", reason: "a language model's run gave no validation loss".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "train",
+            reason: "a language model's run gave no validation loss".into(),
+        });
     };
     println!("final validation loss {validation:.4}");
     println!("model folder: {}", g.out.display());
     if let Some((start, (step, end))) = start_loss.zip(summary.validation_curve.last().copied()) {
-        println!("held-out loss: step 0 {start:.4}, step {step} {end:.4} ({:+.4} nats)", end - start);
+        println!(
+            "held-out loss: step 0 {start:.4}, step {step} {end:.4} ({:+.4} nats)",
+            end - start
+        );
     }
     print_sample(&run, "sample", args)?;
     let title = format!("{}: validation loss {validation:.4}", M::title(&run.model().config()));
-    plot::loss_curves(&args.plot, &title, &[("train", &summary.train_curve), ("validation", &summary.validation_curve)])?;
+    plot::loss_curves(
+        &args.plot,
+        &title,
+        &[
+            ("train", &summary.train_curve),
+            ("validation", &summary.validation_curve),
+        ],
+    )?;
     println!("loss curves: {}", args.plot.display());
     Ok(())
 }
@@ -280,7 +346,9 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
         sizes
     } else {
         let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
-        let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?.tokenizer.vocab_size();
+        let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?
+            .tokenizer
+            .vocab_size();
         M::with_vocab(sizes, vocab)
     };
     let model = M::build(&sizes)?;
@@ -295,20 +363,47 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
     if most > 1 {
         counts.push(most);
     }
-    let planning = Planning { criterion: wgrad::nn::CrossEntropyLoss.into(), optimizer: config.optimizer, batch: config.batch_size, micro_batches: config.micro_batches,
-        device_alignment: 256, precision: config.precision, checkpoint_activations: config.checkpoint_activations };
+    let planning = Planning {
+        criterion: wgrad::nn::CrossEntropyLoss.into(),
+        optimizer: config.optimizer,
+        batch: config.batch_size,
+        micro_batches: config.micro_batches,
+        device_alignment: 256,
+        precision: config.precision,
+        checkpoint_activations: config.checkpoint_activations,
+    };
     let context = model.lm_sizes().context;
-    println!("{}: {} parameters, vocabulary {}; batch {} × {context} tokens; {}", M::title(&model.config()), model.num_parameters(), model.vocab_size(), config.batch_size, wgrad::optim::describe(&config.optimizer));
+    println!(
+        "{}: {} parameters, vocabulary {}; batch {} × {context} tokens; {}",
+        M::title(&model.config()),
+        model.num_parameters(),
+        model.vocab_size(),
+        config.batch_size,
+        wgrad::optim::describe(&config.optimizer)
+    );
     let mut rows = Vec::new();
     for &n in &counts {
-        let strategies = if n == 1 { vec![("single".to_string(), Strategy::Single)] } else { every_strategy() };
+        let strategies = if n == 1 {
+            vec![("single".to_string(), Strategy::Single)]
+        } else {
+            every_strategy()
+        };
         for (name, strategy) in strategies {
             rows.push((n, name, strategy_memory(&model, strategy, n, &planning)));
         }
     }
     // MiB, or KiB for a small model (whose MiB would all read 0.0).
-    let largest = rows.iter().filter_map(|(_, _, m)| m.as_ref().ok()).map(|m| m.total()).max().unwrap_or(0);
-    let (unit, scale) = if largest >= 10 << 20 { ("MiB", 1024.0 * 1024.0) } else { ("KiB", 1024.0) };
+    let largest = rows
+        .iter()
+        .filter_map(|(_, _, m)| m.as_ref().ok())
+        .map(|m| m.total())
+        .max()
+        .unwrap_or(0);
+    let (unit, scale) = if largest >= 10 << 20 {
+        ("MiB", 1024.0 * 1024.0)
+    } else {
+        ("KiB", 1024.0)
+    };
     println!("bytes on the fullest device ({unit}), planned without a device; ZeRO-1: the whole-arena engine (whole parameters and gradients, a shard of the state), ZeRO-2/3: what the stage-by-stage engine allocates");
     let mut planned_as = Vec::new();
     if config.precision == wgrad::graph::Precision::F16 {
@@ -320,11 +415,21 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
     if !planned_as.is_empty() {
         println!("planned with {}", planned_as.join(", "));
     }
-    println!("{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total");
+    println!(
+        "{:>7}  {:<9} {:>11} {:>11} {:>11} {:>12} {:>11}",
+        "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total"
+    );
     let v = |b: u64| format!("{:.1}", b as f64 / scale);
     for (n, name, memory) in rows {
         match memory {
-            Ok(m) => println!("{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}", v(m.parameters), v(m.gradients), v(m.optimizer_state), v(m.activations), v(m.total())),
+            Ok(m) => println!(
+                "{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}",
+                v(m.parameters),
+                v(m.gradients),
+                v(m.optimizer_state),
+                v(m.activations),
+                v(m.total())
+            ),
             Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
@@ -333,7 +438,11 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
 
 /// A fine-tune's start, printed before its first step: the source, the
 /// held-out loss at step 0 (returned) and a sample of the pretrained model.
-fn fine_tune_start<M: CliModel>(run: &mut TrainingRun<LanguageModel<M>>, source: &std::path::Path, args: &TrainArgs) -> wgrad::Result<Option<f32>> {
+fn fine_tune_start<M: CliModel>(
+    run: &mut TrainingRun<LanguageModel<M>>,
+    source: &std::path::Path,
+    args: &TrainArgs,
+) -> wgrad::Result<Option<f32>> {
     let optimizer = format!("{:?}", args.optimizer.unwrap_or(OptimizerName::Adamw)).to_lowercase();
     println!("fine-tuning {} (fresh {optimizer} state)", source.display());
     let loss = run.validation_loss()?;
@@ -353,10 +462,25 @@ fn print_sample<M: CliModel>(run: &TrainingRun<LanguageModel<M>>, title: &str, a
     }
     let task = run.task();
     let model = task.trained_model(run.engine(), run.model())?;
-    let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument { op: "train", reason: "the run has no tokenizer".into() })?;
-    let sampling = Sampling { temperature: 0.8, top_k: Some(40), top_p: None, seed: args.seed };
+    let tokenizer = task.text_tokenizer().ok_or_else(|| wgrad::Error::InvalidArgument {
+        op: "train",
+        reason: "the run has no tokenizer".into(),
+    })?;
+    let sampling = Sampling {
+        temperature: 0.8,
+        top_k: Some(40),
+        top_p: None,
+        seed: args.seed,
+    };
     println!("{title} (temperature 0.8, top-k 40, seed {}):", args.seed);
-    let (count, seconds) = sample(&model, run.kernels().clone(), tokenizer, &task.sample_prompt()?, tokens, &sampling)?;
+    let (count, seconds) = sample(
+        &model,
+        run.kernels().clone(),
+        tokenizer,
+        &task.sample_prompt()?,
+        tokens,
+        &sampling,
+    )?;
     println!("({count} tokens at {:.1} tokens/s)", count as f64 / seconds.max(1e-9));
     Ok(())
 }
@@ -380,7 +504,12 @@ pub struct SamplingArgs {
 
 impl SamplingArgs {
     pub fn sampling(&self) -> Sampling {
-        Sampling { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: self.seed }
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
     }
 }
 
@@ -452,13 +581,23 @@ fn write_out(out: &mut std::io::StdoutLock, s: &str) -> wgrad::Result<()> {
     use std::io::Write;
     out.write_all(s.as_bytes())
         .and_then(|_| out.flush())
-        .map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("writing to stdout: {e}") })
+        .map_err(|e| wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: format!("writing to stdout: {e}"),
+        })
 }
 
 /// Streams `max_new_tokens` tokens after `prompt` to stdout as they are
 /// produced; returns the tokens generated and the seconds they took, the
 /// prompt's prefill included.
-fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, ids: &[u32], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+fn stream(
+    generator: &mut Generator,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    ids: &[u32],
+    max_new_tokens: usize,
+    sampling: &Sampling,
+) -> wgrad::Result<(usize, f64)> {
     let mut text = Utf8Stream::default();
     let mut out = std::io::stdout().lock();
     let start = std::time::Instant::now();
@@ -480,7 +619,12 @@ fn stream(generator: &mut Generator, tokenizer: &Tokenizer, prompt: &str, ids: &
 
 /// [`stream`] for `--print-ids`: the prompt's ids on one line, then the
 /// new ones on the next as they come.
-fn stream_ids(generator: &mut Generator, ids: &[u32], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+fn stream_ids(
+    generator: &mut Generator,
+    ids: &[u32],
+    max_new_tokens: usize,
+    sampling: &Sampling,
+) -> wgrad::Result<(usize, f64)> {
     let mut out = std::io::stdout().lock();
     let start = std::time::Instant::now();
     let mut wrote_prompt = false;
@@ -503,10 +647,18 @@ fn parse_ids(text: &str, source: &str) -> wgrad::Result<Vec<u32>> {
     let ids = text
         .split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().map_err(|_| wgrad::Error::InvalidArgument { op: "generate", reason: format!("{source}: `{s}` is not a token id") }))
+        .map(|s| {
+            s.parse::<u32>().map_err(|_| wgrad::Error::InvalidArgument {
+                op: "generate",
+                reason: format!("{source}: `{s}` is not a token id"),
+            })
+        })
         .collect::<wgrad::Result<Vec<u32>>>()?;
     if ids.is_empty() {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{source} holds no ids") });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: format!("{source} holds no ids"),
+        });
     }
     Ok(ids)
 }
@@ -514,7 +666,11 @@ fn parse_ids(text: &str, source: &str) -> wgrad::Result<Vec<u32>> {
 /// A generator of `sequences` sequences for `model` with its weights
 /// stored as `dtype`, behind a spinner while its pipelines compile; a
 /// notice on stderr when the adapter cannot store them so and f32 is used.
-fn prepared_generator(kernels: Arc<Kernels>, model: &dyn CausalLm, options: &GeneratorOptions) -> wgrad::Result<Generator> {
+fn prepared_generator(
+    kernels: Arc<Kernels>,
+    model: &dyn CausalLm,
+    options: &GeneratorOptions,
+) -> wgrad::Result<Generator> {
     let bar = spinner("preparing kernels");
     let label = kernels.device().label();
     let dtype = options.dtype;
@@ -522,31 +678,61 @@ fn prepared_generator(kernels: Arc<Kernels>, model: &dyn CausalLm, options: &Gen
     bar.finish_and_clear();
     let generator = generator?;
     if generator.dtype() != dtype {
-        eprintln!("note: --dtype {} needs SHADER_F16, which {label} lacks; generating with {} weights", dtype.name(), generator.dtype().name());
+        eprintln!(
+            "note: --dtype {} needs SHADER_F16, which {label} lacks; generating with {} weights",
+            dtype.name(),
+            generator.dtype().name()
+        );
     }
     Ok(generator)
 }
 
 pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> {
     if args.max_new_tokens == 0 {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--max-new-tokens must be at least 1".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: "--max-new-tokens must be at least 1".into(),
+        });
     }
     if args.batch == Some(0) {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--batch must be at least 1".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: "--batch must be at least 1".into(),
+        });
     }
     if args.prompt_ids.is_some() && !args.print_ids {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompt-ids goes with --print-ids".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: "--prompt-ids goes with --print-ids".into(),
+        });
     }
     if crate::chat::has_own_tokenizer(&args.model) {
         if args.prompts_file.is_some() || args.batch.is_some() {
             return Err(wgrad::Error::InvalidArgument { op: "generate", reason: "--prompts-file and --batch run models with wgrad's own tokenizers; a GGUF file or a tokenizer.json folder generates one prompt".into() });
         }
-        let ids = args.prompt_ids.as_deref().map(|ids| parse_ids(ids, "--prompt-ids")).transpose()?;
-        return crate::chat::generate(opts, &args.model, &args.prompt, ids, args.print_ids, args.max_new_tokens, &args.sampling, args.dtype, args.context);
+        let ids = args
+            .prompt_ids
+            .as_deref()
+            .map(|ids| parse_ids(ids, "--prompt-ids"))
+            .transpose()?;
+        return crate::chat::generate(
+            opts,
+            &args.model,
+            &args.prompt,
+            ids,
+            args.print_ids,
+            args.max_new_tokens,
+            &args.sampling,
+            args.dtype,
+            args.context,
+        );
     }
     // The prompts as given: (text, whether it is token ids), each once.
     let given: Vec<(String, &str)> = match (&args.prompts_file, &args.prompt_ids) {
-        (Some(path), _) => read_prompts(path)?.into_iter().map(|line| (line, if args.print_ids { "a line of --prompts-file" } else { "" })).collect(),
+        (Some(path), _) => read_prompts(path)?
+            .into_iter()
+            .map(|line| (line, if args.print_ids { "a line of --prompts-file" } else { "" }))
+            .collect(),
         (None, Some(ids)) => vec![(ids.clone(), "--prompt-ids")],
         (None, None) => vec![(args.prompt.clone(), "")],
     };
@@ -558,7 +744,12 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     let dtype = args.dtype.unwrap_or(DtypeName::F32).weights();
     let copies = args.batch.unwrap_or(1);
     let sequences = given.len() * copies;
-    let options = GeneratorOptions { sequences, context: args.context, dtype, ..GeneratorOptions::default() };
+    let options = GeneratorOptions {
+        sequences,
+        context: args.context,
+        dtype,
+        ..GeneratorOptions::default()
+    };
     wgrad::infer::generate::check_fits_with_options(&kernels, config.as_ref(), &options)?;
     let sizes = config.lm_sizes();
     let context = options.context_for(sizes.context)?;
@@ -566,7 +757,11 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     // Every prompt's ids, checked before any device work: ids in the
     // vocabulary, text in the tokenizer's alphabet, lengths in the context.
     let needs_tokenizer = given.iter().any(|(_, ids_source)| ids_source.is_empty());
-    let tokenizer = if needs_tokenizer { Some(folder_tokenizer(&loaded, args)?) } else { None };
+    let tokenizer = if needs_tokenizer {
+        Some(folder_tokenizer(&loaded, args)?)
+    } else {
+        None
+    };
     let mut prompts = Vec::with_capacity(sequences);
     for (s, (text, ids_source)) in given.iter().enumerate() {
         let ids = match &tokenizer {
@@ -575,34 +770,75 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
         };
         wgrad::kernels::check_token_ids("generate", &ids, sizes.vocab_size)?;
         if ids.len() > context {
-            let which = if given.len() > 1 { format!("prompt {s}") } else { "the prompt".into() };
-            return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("{which} has {} tokens, more than the context of {context}", ids.len()) });
+            let which = if given.len() > 1 {
+                format!("prompt {s}")
+            } else {
+                "the prompt".into()
+            };
+            return Err(wgrad::Error::InvalidArgument {
+                op: "generate",
+                reason: format!("{which} has {} tokens, more than the context of {context}", ids.len()),
+            });
         }
         prompts.push(ids);
     }
-    let texts: Vec<String> = given.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies)).collect();
-    let prompts: Vec<Vec<u32>> = prompts.into_iter().flat_map(|ids| std::iter::repeat_n(ids, copies)).collect();
+    let texts: Vec<String> = given
+        .iter()
+        .flat_map(|(text, _)| std::iter::repeat_n(text.clone(), copies))
+        .collect();
+    let prompts: Vec<Vec<u32>> = prompts
+        .into_iter()
+        .flat_map(|ids| std::iter::repeat_n(ids, copies))
+        .collect();
     let sampling = args.sampling.sampling();
     let mut generator = prepared_generator(kernels.clone(), loaded.model.as_ref(), &options)?;
     let text_tokenizer = if args.print_ids { None } else { tokenizer.as_ref() };
     let (count, seconds) = if args.prompts_file.is_some() || args.batch.is_some() {
-        generate_batch(&mut generator, text_tokenizer, &texts, &prompts, args.max_new_tokens, &sampling)?
+        generate_batch(
+            &mut generator,
+            text_tokenizer,
+            &texts,
+            &prompts,
+            args.max_new_tokens,
+            &sampling,
+        )?
     } else {
         match text_tokenizer {
-            Some(tokenizer) => stream(&mut generator, tokenizer, &texts[0], &prompts[0], args.max_new_tokens, &sampling)?,
+            Some(tokenizer) => stream(
+                &mut generator,
+                tokenizer,
+                &texts[0],
+                &prompts[0],
+                args.max_new_tokens,
+                &sampling,
+            )?,
             None => stream_ids(&mut generator, &prompts[0], args.max_new_tokens, &sampling)?,
         }
     };
-    eprintln!("{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}", count as f64 / seconds.max(1e-9), kernels.device().label());
+    eprintln!(
+        "{count} tokens in {seconds:.2} s: {:.1} tokens/s on {}",
+        count as f64 / seconds.max(1e-9),
+        kernels.device().label()
+    );
     Ok(())
 }
 
 /// `--prompts-file`: its non-blank lines, at least one.
 fn read_prompts(path: &std::path::Path) -> wgrad::Result<Vec<String>> {
-    let text = std::fs::read_to_string(path).map_err(|e| wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompts-file {}: {e}", path.display()) })?;
-    let prompts: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
+    let text = std::fs::read_to_string(path).map_err(|e| wgrad::Error::InvalidArgument {
+        op: "generate",
+        reason: format!("--prompts-file {}: {e}", path.display()),
+    })?;
+    let prompts: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
     if prompts.is_empty() {
-        return Err(wgrad::Error::InvalidArgument { op: "generate", reason: format!("--prompts-file {} holds no prompt (one per line)", path.display()) });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "generate",
+            reason: format!("--prompts-file {} holds no prompt (one per line)", path.display()),
+        });
     }
     Ok(prompts)
 }
@@ -612,9 +848,19 @@ fn read_prompts(path: &std::path::Path) -> wgrad::Result<Vec<String>> {
 /// done: its prompt and continuation as text, or `prompt_ids S …` and
 /// `new_ids S …` lines without a tokenizer. Returns the tokens generated
 /// (all sequences) and the seconds they took, the prefill included.
-fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, texts: &[String], prompts: &[Vec<u32>], max_new_tokens: usize, sampling: &Sampling) -> wgrad::Result<(usize, f64)> {
+fn generate_batch(
+    generator: &mut Generator,
+    tokenizer: Option<&Tokenizer>,
+    texts: &[String],
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    sampling: &Sampling,
+) -> wgrad::Result<(usize, f64)> {
     let bar = ProgressBar::new(max_new_tokens as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps of {msg} sequences {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps of {msg} sequences {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     bar.set_message(prompts.len().to_string());
     let start = std::time::Instant::now();
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
@@ -635,7 +881,10 @@ fn generate_batch(generator: &mut Generator, tokenizer: Option<&Tokenizer>, text
             }
             None => {
                 let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
-                write_out(&mut out, &format!("prompt_ids {s} {}\nnew_ids {s} {}\n", join(ids), join(tokens)))?;
+                write_out(
+                    &mut out,
+                    &format!("prompt_ids {s} {}\nnew_ids {s} {}\n", join(ids), join(tokens)),
+                )?;
             }
         }
     }

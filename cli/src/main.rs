@@ -16,21 +16,25 @@ use std::time::Instant;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use wgrad::infer::Predictor;
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
-use wgrad::optim::{Adam, AdamW, SGD};
 use wgrad::models::LlamaVariant;
-use wgrad::parallel::distributed::ProcessGroup;
+use wgrad::optim::{Adam, AdamW, SGD};
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
+use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::DeviceSelection;
-use wgrad::infer::Predictor;
 use wgrad::train::accuracy;
 use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 #[derive(Parser)]
-#[command(name = "wgrad", version, about = "Train and run neural networks on any GPU vendor through wgpu")]
+#[command(
+    name = "wgrad",
+    version,
+    about = "Train and run neural networks on any GPU vendor through wgpu"
+)]
 struct Cli {
     /// Backend to search: vulkan, metal, dx12 or gl (default: all; env WGRAD_BACKEND).
     #[arg(long, global = true)]
@@ -114,7 +118,11 @@ enum Command {
     /// a table. Needs a build with `--features mpi`.
     Allreduce {
         /// Gradient sizes in parameters.
-        #[arg(long, value_delimiter = ',', default_value = "1000,16000,262144,1048576,4194304,16777216")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1000,16000,262144,1048576,4194304,16777216"
+        )]
         sizes: Vec<usize>,
         /// Timed repetitions per size after one warm-up.
         #[arg(long, default_value_t = 10)]
@@ -283,23 +291,58 @@ fn shaders(opts: &DeviceOptions, dir: &Path, check_native: bool) -> wgrad::Resul
     println!("{} modules in {}", written.len(), dir.display());
     // The cases are built as a browser would run them, with WebGPU's
     // default limits; the few entries over those get the adapter's.
-    let web_opts = DeviceOptions { limits: Some(wgrad::LimitsMode::WebGpu), ..opts.clone() };
+    let web_opts = DeviceOptions {
+        limits: Some(wgrad::LimitsMode::WebGpu),
+        ..opts.clone()
+    };
     let web = Kernels::new(Device::open(&web_opts)?);
-    let full = Kernels::new(Device::open(&DeviceOptions { limits: Some(wgrad::LimitsMode::Adapter), ..opts.clone() })?);
-    let lowered = wgrad::kernels::LimitOverrides { max_storage_buffer_binding_size: Some(webgpu_cases::SPLIT_BINDING), ..Default::default() };
+    let full = Kernels::new(Device::open(&DeviceOptions {
+        limits: Some(wgrad::LimitsMode::Adapter),
+        ..opts.clone()
+    })?);
+    let lowered = wgrad::kernels::LimitOverrides {
+        max_storage_buffer_binding_size: Some(webgpu_cases::SPLIT_BINDING),
+        ..Default::default()
+    };
     let split = Kernels::with_limits(Device::open(&web_opts)?, lowered)?;
-    let gpu_shaped = wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() };
+    let gpu_shaped = wgrad::kernels::LimitOverrides {
+        gpu_shaping: Some(true),
+        ..Default::default()
+    };
     let gpu = Kernels::with_limits(Device::open(&web_opts)?, gpu_shaped)?;
-    let cases = webgpu_cases::write_cases(dir, &webgpu_cases::CaseKernels { web: &web, full: &full, split: &split, gpu: &gpu }, check_native)?;
+    let cases = webgpu_cases::write_cases(
+        dir,
+        &webgpu_cases::CaseKernels {
+            web: &web,
+            full: &full,
+            split: &split,
+            gpu: &gpu,
+        },
+        check_native,
+    )?;
     for reason in &cases.unbuilt {
         println!("not built on {}: {reason}", web.device().label());
     }
-    let checked = if check_native { ", each checked there against the CPU twin" } else { "" };
-    println!("{} cases in {} (built on {}{checked})", cases.built, dir.join("cases.json").display(), web.device().label());
+    let checked = if check_native {
+        ", each checked there against the CPU twin"
+    } else {
+        ""
+    };
+    println!(
+        "{} cases in {} (built on {}{checked})",
+        cases.built,
+        dir.join("cases.json").display(),
+        web.device().label()
+    );
     if !cases.native_failures.is_empty() {
         return Err(wgrad::Error::Validation {
             op: "shaders --dump".into(),
-            message: format!("{} case(s) disagree with the CPU twin on {} itself:\n{}", cases.native_failures.len(), web.device().label(), cases.native_failures.join("\n")),
+            message: format!(
+                "{} case(s) disagree with the CPU twin on {} itself:\n{}",
+                cases.native_failures.len(),
+                web.device().label(),
+                cases.native_failures.join("\n")
+            ),
         });
     }
     Ok(())
@@ -320,7 +363,9 @@ fn tune(opts: &DeviceOptions) -> wgrad::Result<()> {
 /// A ticking spinner with a message, for waits of unknown length.
 fn spinner(message: &'static str) -> ProgressBar {
     let bar = ProgressBar::new_spinner();
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
     bar.set_message(message);
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
     bar
@@ -365,9 +410,17 @@ fn llama_variant(path: &std::path::Path) -> wgrad::Result<LlamaVariant> {
 /// `--model`, or with `--init` the pretrained file's family; a `--model`
 /// naming another family is refused.
 fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
-    let Some(init) = args.gpt.init.as_deref() else { return Ok(args.model.unwrap_or(ModelKind::Gpt)) };
+    let Some(init) = args.gpt.init.as_deref() else {
+        return Ok(args.model.unwrap_or(ModelKind::Gpt));
+    };
     if !init.exists() {
-        return Err(wgrad::Error::InvalidArgument { op: "train --init", reason: format!("`{}` does not exist (give a GGUF file or a Hugging Face model folder)", init.display()) });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "train --init",
+            reason: format!(
+                "`{}` does not exist (give a GGUF file or a Hugging Face model folder)",
+                init.display()
+            ),
+        });
     }
     let (family, name) = match wgrad::io::lm_folder::model_family(init)? {
         wgrad::io::lm_folder::LmFamily::Gpt2 => (ModelKind::Gpt, "gpt"),
@@ -380,7 +433,10 @@ fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
     match args.model {
         Some(given) if given != family => Err(wgrad::Error::InvalidArgument {
             op: "train --init",
-            reason: format!("`{}` holds a {name} model, but --model is {given:?}: give --model {name} or leave --model out", init.display()),
+            reason: format!(
+                "`{}` holds a {name} model, but --model is {given:?}: give --model {name} or leave --model out",
+                init.display()
+            ),
         }),
         _ => Ok(family),
     }
@@ -403,7 +459,11 @@ fn train_mpi(run: impl FnOnce(Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()
             Err(group) => group.abort(1),
         },
         Err(e) => {
-            eprintln!("error: rank {} of {}: {e}; aborting the MPI job", group.rank(), group.size());
+            eprintln!(
+                "error: rank {} of {}: {e}; aborting the MPI job",
+                group.rank(),
+                group.size()
+            );
             group.abort(1)
         }
     }
@@ -445,8 +505,13 @@ pub(crate) fn memory_line(m: &wgrad::parallel::memory::DeviceMemory) -> String {
 fn strategy(args: &TrainArgs) -> wgrad::Result<Option<Strategy>> {
     let strategy = args.parallel.as_deref().map(Strategy::parse).transpose()?;
     match (strategy, args.zero_stage) {
-        (Some(Strategy::Zero(_)), Some(stage)) => Ok(Some(Strategy::Zero(wgrad::parallel::zero::ZeroStage::new(stage)?))),
-        (_, Some(_)) => Err(wgrad::Error::InvalidArgument { op: "train --zero-stage", reason: "a ZeRO stage needs --parallel zero".into() }),
+        (Some(Strategy::Zero(_)), Some(stage)) => {
+            Ok(Some(Strategy::Zero(wgrad::parallel::zero::ZeroStage::new(stage)?)))
+        }
+        (_, Some(_)) => Err(wgrad::Error::InvalidArgument {
+            op: "train --zero-stage",
+            reason: "a ZeRO stage needs --parallel zero".into(),
+        }),
         (strategy, None) => Ok(strategy),
     }
 }
@@ -464,7 +529,10 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
         micro_batches: args.micro_batches,
         split: args.split.clone(),
         precision: args.precision.parse()?,
-        loss_scaling: wgrad::optim::LossScaling { growth_interval: args.loss_scale_interval, ..Default::default() },
+        loss_scaling: wgrad::optim::LossScaling {
+            growth_interval: args.loss_scale_interval,
+            ..Default::default()
+        },
         checkpoint_activations: args.checkpoint_activations,
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
@@ -511,7 +579,10 @@ impl Progress for Bars {
         }
         println!("devices: {}", info.devices.join(", "));
         println!("{}", info.engine);
-        println!("model: {} | {} parameters | {} | batch {}", info.model, info.parameters, info.optimizer, info.batch_size);
+        println!(
+            "model: {} | {} parameters | {} | batch {}",
+            info.model, info.parameters, info.optimizer, info.batch_size
+        );
         println!("data: {} | {} {} per step", info.data, info.per_step, info.unit);
         println!("memory per device (the fullest): {}", memory_line(&info.memory));
         if let Some(note) = &info.precision_note {
@@ -521,7 +592,11 @@ impl Progress for Bars {
             println!("precision f16: activations kept for the backward in f16, f32 master weights and optimizer state, dynamic loss scaling");
         }
         if let Some(bytes) = info.held_activation_bytes {
-            println!("activations held for the backward: {} KiB per step ({})", bytes / 1024, info.precision.name());
+            println!(
+                "activations held for the backward: {} KiB per step ({})",
+                bytes / 1024,
+                info.precision.name()
+            );
         }
         let f = &info.footprint;
         match f.intermediates {
@@ -532,7 +607,11 @@ impl Progress for Bars {
                 planned / 1024,
                 naive / 1024
             ),
-            None => println!("{} dispatches per step, {} KiB of GPU memory on the fullest device", f.dispatches_per_step, f.peak_bytes / 1024),
+            None => println!(
+                "{} dispatches per step, {} KiB of GPU memory on the fullest device",
+                f.dispatches_per_step,
+                f.peak_bytes / 1024
+            ),
         }
         self.unit = info.unit;
         let bar = ProgressBar::new(info.steps);
@@ -606,7 +685,11 @@ pub(crate) fn print_summary(summary: &Summary, unit: &str) {
     }
 }
 
-fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Arc<dyn ProcessGroup>>) -> wgrad::Result<()> {
+fn run_training(
+    opts: &DeviceOptions,
+    args: &TrainArgs,
+    process_group: Option<Arc<dyn ProcessGroup>>,
+) -> wgrad::Result<()> {
     let lr = args.lr.unwrap_or(2e-3);
     let optimizer: OptimizerConfig = match args.optimizer.unwrap_or(OptimizerName::Adam) {
         OptimizerName::Adam => Adam::new(lr).into(),
@@ -614,17 +697,39 @@ fn run_training(opts: &DeviceOptions, args: &TrainArgs, process_group: Option<Ar
         OptimizerName::Sgd => SGD::new(lr).momentum(args.momentum).into(),
     };
     if args.dry_run {
-        return Err(wgrad::Error::InvalidArgument { op: "train --dry-run", reason: "plans a language model's run: use --model gpt or llama".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "train --dry-run",
+            reason: "plans a language model's run: use --model gpt or llama".into(),
+        });
     }
-    let config = TrainConfig { optimizer, save: Some(args.checkpoint.clone()), ..run_config(args, TrainConfig::default())? };
-    let task = Classifier { hidden: args.hidden.clone(), epochs: args.epochs, test_fraction: args.test_fraction, mnist: args.mnist.clone(), ..Classifier::default() };
+    let config = TrainConfig {
+        optimizer,
+        save: Some(args.checkpoint.clone()),
+        ..run_config(args, TrainConfig::default())?
+    };
+    let task = Classifier {
+        hidden: args.hidden.clone(),
+        epochs: args.epochs,
+        test_fraction: args.test_fraction,
+        mnist: args.mnist.clone(),
+        ..Classifier::default()
+    };
     let mut bars = Bars::default();
-    let Some(summary) = train::train(opts, config, task, process_group, &mut bars)? else { return Ok(()) };
+    let Some(summary) = train::train(opts, config, task, process_group, &mut bars)? else {
+        return Ok(());
+    };
     print_summary(&summary, "samples");
     let Evaluation::Accuracy { train, test } = summary.evaluation else {
-        return Err(wgrad::Error::InvalidArgument { op: "train --model mlp", reason: "the classifier's run gave no accuracy".into() });
+        return Err(wgrad::Error::InvalidArgument {
+            op: "train --model mlp",
+            reason: "the classifier's run gave no accuracy".into(),
+        });
     };
-    println!("train accuracy {:.2}%, test accuracy {:.2}%", 100.0 * train, 100.0 * test);
+    println!(
+        "train accuracy {:.2}%, test accuracy {:.2}%",
+        100.0 * train,
+        100.0 * test
+    );
     if let Some(path) = &summary.saved {
         println!("checkpoint: {}", path.display());
     }
@@ -660,13 +765,26 @@ fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
     }
     if group.rank() == 0 {
         println!("{}", group.describe());
-        println!("{:>12} {:>12} {:>12} {:>12} {:>10}", "parameters", "f32 MiB", "median ms", "min ms", "GB/s f64");
+        println!(
+            "{:>12} {:>12} {:>12} {:>12} {:>10}",
+            "parameters", "f32 MiB", "median ms", "min ms", "GB/s f64"
+        );
         for (n, median, min) in &rows {
             let bytes = 8.0 * *n as f64;
-            println!("{n:>12} {:>12.2} {:>12.3} {:>12.3} {:>10.2}", 4.0 * *n as f64 / (1 << 20) as f64, 1e3 * median, 1e3 * min, bytes / median / 1e9);
+            println!(
+                "{n:>12} {:>12.2} {:>12.3} {:>12.3} {:>10.2}",
+                4.0 * *n as f64 / (1 << 20) as f64,
+                1e3 * median,
+                1e3 * min,
+                bytes / median / 1e9
+            );
         }
         for (n, median, _) in &rows {
-            println!("bench allreduce processes={} parameters={n} ms={:.3}", group.size(), 1e3 * median);
+            println!(
+                "bench allreduce processes={} parameters={n} ms={:.3}",
+                group.size(),
+                1e3 * median
+            );
         }
     }
     group.finalize();
@@ -681,7 +799,10 @@ fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
 /// `RANK:STEP[:panic|error]` for --fail-at.
 #[cfg(feature = "fault-injection")]
 fn parse_fail_at(spec: &str) -> wgrad::Result<(usize, u64, InjectedFailure)> {
-    let bad = || wgrad::Error::InvalidArgument { op: "train --fail-at", reason: format!("`{spec}` is not RANK:STEP[:panic|error]") };
+    let bad = || wgrad::Error::InvalidArgument {
+        op: "train --fail-at",
+        reason: format!("`{spec}` is not RANK:STEP[:panic|error]"),
+    };
     let mut fields = spec.split(':');
     let rank = fields.next().and_then(|r| r.trim().parse().ok()).ok_or_else(bad)?;
     let step = fields.next().and_then(|s| s.trim().parse().ok()).ok_or_else(bad)?;
@@ -698,31 +819,69 @@ fn infer(opts: &DeviceOptions, path: &PathBuf, mnist: Option<&PathBuf>, show: us
     let (mut predictor, ckpt) = Predictor::from_checkpoint(kernels.clone(), path, 256)?;
     let seed = ckpt.meta("split_seed").and_then(|s| s.parse().ok()).unwrap_or(0);
     let fraction = ckpt.meta("test_fraction").and_then(|s| s.parse().ok()).unwrap_or(0.2);
-    let train::DataSplit { test: test_set, name: data_name, .. } = train::load_data(mnist.map(PathBuf::as_path), fraction, seed)?;
+    let train::DataSplit {
+        test: test_set,
+        name: data_name,
+        ..
+    } = train::load_data(mnist.map(PathBuf::as_path), fraction, seed)?;
     if test_set.features() != predictor.in_features() {
         return Err(wgrad::Error::shape(
             "infer",
-            format!("the model takes {} features, {data_name} has {}", predictor.in_features(), test_set.features()),
+            format!(
+                "the model takes {} features, {data_name} has {}",
+                predictor.in_features(),
+                test_set.features()
+            ),
             &[&[predictor.in_features()], &[test_set.features()]],
         ));
     }
     println!("adapter: {}", kernels.device().label());
-    println!("model: {} (step {})", predictor.model_description(), ckpt.meta("step").unwrap_or("?"));
+    println!(
+        "model: {} (step {})",
+        predictor.model_description(),
+        ckpt.meta("step").unwrap_or("?")
+    );
     let predicting = spinner("predicting (a first run on this adapter compiles kernels)");
     let predictions = predictor.predict(test_set.x())?;
     predicting.finish_and_clear();
     for (i, (p, l)) in predictions.iter().zip(test_set.labels()).take(show).enumerate() {
-        println!("  sample {i:4}: predicted {p}, label {l}{}", if p == l { "" } else { "  (wrong)" });
+        println!(
+            "  sample {i:4}: predicted {p}, label {l}{}",
+            if p == l { "" } else { "  (wrong)" }
+        );
     }
     let acc = accuracy(&predictions, test_set.labels());
-    println!("test accuracy {:.2}% on {} rows of {data_name}", 100.0 * acc, test_set.len());
+    println!(
+        "test accuracy {:.2}% on {} rows of {data_name}",
+        100.0 * acc,
+        test_set.len()
+    );
     Ok(())
 }
 
 fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 12] = ["matmul", "mlp_step", "gpt_train_step", "gpt_generate", "linear_step", "gpt2_124m_prefill", "gpt2_124m_decode", "smollm2_prefill", "smollm2_decode", "smollm2_decode_rows", "serve", "attention"];
-    if let Some(unknown) = only.iter().find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str()))) {
-        return Err(wgrad::Error::InvalidArgument { op: "bench --only", reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")) });
+    const CASES: [&str; 12] = [
+        "matmul",
+        "mlp_step",
+        "gpt_train_step",
+        "gpt_generate",
+        "linear_step",
+        "gpt2_124m_prefill",
+        "gpt2_124m_decode",
+        "smollm2_prefill",
+        "smollm2_decode",
+        "smollm2_decode_rows",
+        "serve",
+        "attention",
+    ];
+    if let Some(unknown) = only
+        .iter()
+        .find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str())))
+    {
+        return Err(wgrad::Error::InvalidArgument {
+            op: "bench --only",
+            reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")),
+        });
     }
     let runs = |case: &str| only.is_empty() || only.iter().any(|w| case.contains(w.as_str()));
     let kernels = open_kernels(opts)?;
@@ -747,19 +906,44 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
     }
     if runs("gpt_train_step") {
         // The GPT step's mfu is against the best matmul measured in this run.
-        let gflops = |ls: &[wgrad_benches::BenchLine]| ls.iter().filter_map(|l| l.values.iter().find(|v| v.0 == "gflops")).filter_map(|v| v.1.parse::<f64>().ok()).fold(0.0, f64::max);
+        let gflops = |ls: &[wgrad_benches::BenchLine]| {
+            ls.iter()
+                .filter_map(|l| l.values.iter().find(|v| v.0 == "gflops"))
+                .filter_map(|v| v.1.parse::<f64>().ok())
+                .fold(0.0, f64::max)
+        };
         let mut best_gflops = gflops(&lines);
         if best_gflops == 0.0 {
             best_gflops = gflops(&[bench::matmul(&kernels, 512, reps)?]);
         }
-        lines.push(wgrad_benches::gpt_train_step(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops)?);
+        lines.push(wgrad_benches::gpt_train_step(
+            &kernels,
+            wgrad_benches::gpt_bench_config(),
+            16,
+            if quick { 2 } else { 5 },
+            best_gflops,
+        )?);
         if kernels.supports_f16() {
-            let f16 = wgrad::graph::PlanOptions { precision: wgrad::graph::Precision::F16, ..Default::default() };
-            lines.push(wgrad_benches::gpt_train_step_with(&kernels, wgrad_benches::gpt_bench_config(), 16, if quick { 2 } else { 5 }, best_gflops, f16)?);
+            let f16 = wgrad::graph::PlanOptions {
+                precision: wgrad::graph::Precision::F16,
+                ..Default::default()
+            };
+            lines.push(wgrad_benches::gpt_train_step_with(
+                &kernels,
+                wgrad_benches::gpt_bench_config(),
+                16,
+                if quick { 2 } else { 5 },
+                best_gflops,
+                f16,
+            )?);
         }
     }
     if runs("gpt_generate") {
-        lines.push(wgrad_benches::gpt_generate(&kernels, wgrad_benches::gpt_bench_config(), if quick { 16 } else { 48 })?);
+        lines.push(wgrad_benches::gpt_generate(
+            &kernels,
+            wgrad_benches::gpt_bench_config(),
+            if quick { 16 } else { 48 },
+        )?);
     }
     if runs("linear_step") {
         lines.push(wgrad_benches::linear_step(&kernels, if quick { 100 } else { 1000 })?);
@@ -768,7 +952,14 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
         // Fused against unfused attention training at a fixed B·T = 1024
         // tokens, 4 heads of 64 channels (SmolLM2's and GPT-2's width).
         for t in [64, 256, 1024] {
-            lines.push(wgrad_benches::attention_train(&kernels, t, 1024, 4, 64, if quick { 2 } else { 5 })?);
+            lines.push(wgrad_benches::attention_train(
+                &kernels,
+                t,
+                1024,
+                4,
+                64,
+                if quick { 2 } else { 5 },
+            )?);
         }
     }
     if runs("gpt2_124m_prefill") || runs("gpt2_124m_decode") {
@@ -780,23 +971,38 @@ fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: 
         // The 128-token prompt; fewer decoded tokens when quick.
         let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
             op: "bench smollm2",
-            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
         })?;
-        lines.extend(wgrad_benches::smollm2_generate(&kernels, &path, 128, if quick { 8 } else { 32 }, profile)?);
+        lines.extend(wgrad_benches::smollm2_generate(
+            &kernels,
+            &path,
+            128,
+            if quick { 8 } else { 32 },
+            profile,
+        )?);
     }
     if only.iter().any(|w| w == "smollm2_decode_rows") {
         // Only by its name: it builds a SmolLM2 generator per row count.
         let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
             op: "bench smollm2_decode_rows",
-            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
         })?;
-        lines.extend(wgrad_benches::smollm2_decode_rows(&kernels, &path, &[1, 2, 4, 8, 16], if quick { 4 } else { 8 }, profile)?);
+        lines.extend(wgrad_benches::smollm2_decode_rows(
+            &kernels,
+            &path,
+            &[1, 2, 4, 8, 16],
+            if quick { 4 } else { 8 },
+            profile,
+        )?);
     }
     if only.iter().any(|w| w == "serve") {
         // Only when asked for by name: it needs SmolLM2 and runs minutes.
         let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
             op: "bench serve",
-            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file".into(),
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
         })?;
         let (requests, max_tokens) = if quick { (1, 16) } else { (2, 32) };
         lines.extend(bench::serve(&kernels, &path, &[1, 4, 16], requests, max_tokens)?);
@@ -826,7 +1032,14 @@ fn device_options(cli: &Cli) -> wgrad::Result<DeviceOptions> {
         opts.limits = Some(mode);
         // Device groups (--devices) open their members by index and read
         // the environment for the rest.
-        std::env::set_var(wgrad::device::ENV_LIMITS, if mode == wgrad::LimitsMode::WebGpu { "webgpu" } else { "adapter" });
+        std::env::set_var(
+            wgrad::device::ENV_LIMITS,
+            if mode == wgrad::LimitsMode::WebGpu {
+                "webgpu"
+            } else {
+                "adapter"
+            },
+        );
     }
     Ok(opts)
 }
@@ -847,7 +1060,9 @@ fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -855,7 +1070,11 @@ fn pseudo_random(n: usize, seed: u64) -> Vec<f32> {
 
 fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> {
     let kernels = Kernels::new(Device::open(opts)?);
-    println!("adapter: {} — {:?} kernel", kernels.device().label(), kernels.matmul_variant());
+    println!(
+        "adapter: {} — {:?} kernel",
+        kernels.device().label(),
+        kernels.matmul_variant()
+    );
     let a_host = pseudo_random(n * n, 1);
     let b_host = pseudo_random(n * n, 2);
     let a = kernels.upload(&a_host)?;
@@ -877,7 +1096,10 @@ fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> {
         .map(|(g, r)| (g - r).abs())
         .fold(0.0f32, f32::max);
     let gflops = 2.0 * (n as f64).powi(3) / seconds / 1e9;
-    println!("matmul n={n}: {:.2} ms, {gflops:.2} GFLOPS, max |gpu - cpu| = {max_err:.2e}", seconds * 1e3);
+    println!(
+        "matmul n={n}: {:.2} ms, {gflops:.2} GFLOPS, max |gpu - cpu| = {max_err:.2e}",
+        seconds * 1e3
+    );
     let tolerance = 1e-6 * n as f32 + 1e-5;
     if max_err > tolerance {
         return Err(wgrad::Error::Validation {
@@ -894,17 +1116,30 @@ fn main() -> ExitCode {
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let (Command::Train(args), Some(("train", given))) = (&mut cli.command, matches.subcommand()) {
         let on_command_line = |id: &&clap::Id| given.value_source(id.as_str()) == Some(ValueSource::CommandLine);
-        args.given = given.ids().filter(on_command_line).map(|id| id.as_str().to_string()).collect();
+        args.given = given
+            .ids()
+            .filter(on_command_line)
+            .map(|id| id.as_str().to_string())
+            .collect();
     }
     let result = device_options(&cli).and_then(|opts| match &cli.command {
         Command::Adapters => adapters(),
         Command::Train(args) => train(&opts, args),
-        Command::Infer { checkpoint, mnist, show } => infer(&opts, checkpoint, mnist.as_ref(), *show),
+        Command::Infer {
+            checkpoint,
+            mnist,
+            show,
+        } => infer(&opts, checkpoint, mnist.as_ref(), *show),
         Command::Matmul { n, reps } => matmul(&opts, *n, *reps),
         Command::Generate(args) => gpt::generate(&opts, args),
         Command::Chat(args) => chat::chat(&opts, args),
         Command::Serve(args) => serve::serve(&opts, args),
-        Command::Bench { quick, compile, profile, only } => bench(&opts, *quick, *compile, *profile, only),
+        Command::Bench {
+            quick,
+            compile,
+            profile,
+            only,
+        } => bench(&opts, *quick, *compile, *profile, only),
         Command::Tune => tune(&opts),
         Command::Shaders { dump, check_native } => shaders(&opts, dump, *check_native),
         Command::Allreduce { sizes, reps } => allreduce_bench(sizes, *reps),

@@ -10,7 +10,10 @@ use wgrad::{Error, Result};
 static FONT: &[u8] = include_bytes!("../assets/fonts/DejaVuSansMono.ttf");
 
 fn plot_error(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::InvalidArgument { op: "plot_loss_curve", reason: format!("{}: {e}", path.display()) }
+    Error::InvalidArgument {
+        op: "plot_loss_curve",
+        reason: format!("{}: {e}", path.display()),
+    }
 }
 
 /// Draws `points` (step, loss) as a line on a log-scaled loss axis, with
@@ -36,28 +39,44 @@ pub fn loss_curves(path: impl AsRef<Path>, title: &str, curves: &[(&str, &[(u64,
         std::fs::create_dir_all(dir).map_err(|e| plot_error(path, e))?;
     }
     let max_step = points.iter().map(|p| p.0).max().unwrap_or(1).max(1);
-    let finite: Vec<f32> = points.iter().map(|p| p.1).filter(|v| v.is_finite() && *v > 0.0).collect();
+    let finite: Vec<f32> = points
+        .iter()
+        .map(|p| p.1)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .collect();
     let lo = finite.iter().copied().fold(f32::INFINITY, f32::min).max(1e-6);
     let hi = finite.iter().copied().fold(0.0f32, f32::max).max(lo * 1.01);
     let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_error(path, e))?;
     let mut builder = ChartBuilder::on(&root);
-    builder.caption(title, ("sans-serif", 18)).margin(15).x_label_area_size(40).y_label_area_size(60);
+    builder
+        .caption(title, ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60);
     // A log axis shows a loss falling by decades (an MLP to 1e-3); over
     // less than a decade (a language model's 4.4 → 2.2) it would have no
     // labelled tick, so the axis is linear there.
     if hi / lo > 10.0 {
-        let mut chart = builder.build_cartesian_2d(0u64..max_step, (lo * 0.9..hi * 1.1).log_scale()).map_err(|e| plot_error(path, e))?;
+        let mut chart = builder
+            .build_cartesian_2d(0u64..max_step, (lo * 0.9..hi * 1.1).log_scale())
+            .map_err(|e| plot_error(path, e))?;
         draw_curves(path, &mut chart, curves)?;
     } else {
-        let mut chart = builder.build_cartesian_2d(0u64..max_step, lo * 0.95..hi * 1.05).map_err(|e| plot_error(path, e))?;
+        let mut chart = builder
+            .build_cartesian_2d(0u64..max_step, lo * 0.95..hi * 1.05)
+            .map_err(|e| plot_error(path, e))?;
         draw_curves(path, &mut chart, curves)?;
     }
     root.present().map_err(|e| plot_error(path, e))?;
     Ok(())
 }
 
-fn draw_curves<'a, Y>(path: &Path, chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<plotters::coord::types::RangedCoordu64, Y>>, curves: &[(&str, &[(u64, f32)])]) -> Result<()>
+fn draw_curves<'a, Y>(
+    path: &Path,
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<plotters::coord::types::RangedCoordu64, Y>>,
+    curves: &[(&str, &[(u64, f32)])],
+) -> Result<()>
 where
     Y: Ranged<ValueType = f32> + plotters::coord::ranged1d::ValueFormatter<f32>,
 {
@@ -71,7 +90,13 @@ where
     for (i, (name, series)) in curves.iter().enumerate() {
         let color = colors[i % colors.len()];
         chart
-            .draw_series(LineSeries::new(series.iter().filter(|p| p.1.is_finite() && p.1 > 0.0).map(|&(s, l)| (s, l)), color.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                series
+                    .iter()
+                    .filter(|p| p.1.is_finite() && p.1 > 0.0)
+                    .map(|&(s, l)| (s, l)),
+                color.stroke_width(2),
+            ))
             .map_err(|e| plot_error(path, e))?
             .label(*name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));

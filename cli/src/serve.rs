@@ -101,7 +101,10 @@ const MAX_STOPS: usize = 4;
 
 /// What the worker thread is sent.
 enum Job {
-    Submit { request: BatchRequest, replies: UnboundedSender<Reply> },
+    Submit {
+        request: BatchRequest,
+        replies: UnboundedSender<Reply>,
+    },
     Shutdown,
 }
 
@@ -152,7 +155,13 @@ struct ApiError {
 
 impl ApiError {
     fn invalid(message: impl Into<String>, param: Option<&'static str>, code: Option<&'static str>) -> Self {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param, code }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code,
+        }
     }
 
     fn body(&self) -> Value {
@@ -163,8 +172,13 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
-        if matches!(self.status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }
         response
     }
@@ -181,11 +195,20 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
     if args.max_batch == 0 {
         return Err(invalid("--max-batch must be at least 1".into()));
     }
-    let api_key = args.api_key.clone().or_else(|| std::env::var("WGRAD_API_KEY").ok()).filter(|k| !k.is_empty());
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("WGRAD_API_KEY").ok())
+        .filter(|k| !k.is_empty());
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let model_context = wgrad::io::lm_folder::read_model_config(&args.model)?.lm_sizes().context;
     let context = args.max_context.unwrap_or(model_context.min(DEFAULT_MAX_CONTEXT));
-    let options = GeneratorOptions { sequences: args.max_batch, context: Some(context), prefill: PrefillMode::OneSlot, ..GeneratorOptions::default() };
+    let options = GeneratorOptions {
+        sequences: args.max_batch,
+        context: Some(context),
+        prefill: PrefillMode::OneSlot,
+        ..GeneratorOptions::default()
+    };
     let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
     let template = lm.tokenizer.chat_template().map(ChatTemplate::new).transpose()?;
     let generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
@@ -203,8 +226,15 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
     );
     let mut scheduler = Scheduler::new(generator)?;
     warm_up(&mut scheduler)?;
-    let name = args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let model_id = args.model_name.clone().unwrap_or_else(|| name.strip_suffix(".gguf").unwrap_or(&name).to_string());
+    let name = args
+        .model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let model_id = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| name.strip_suffix(".gguf").unwrap_or(&name).to_string());
     let (jobs, receiver) = mpsc::channel();
     let shared = Arc::new(Shared {
         model_id,
@@ -231,7 +261,11 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         .name("wgrad-serve-gpu".into())
         .spawn(move || run_worker(scheduler, receiver, &worker_shared))
         .map_err(|e| invalid(format!("starting the GPU worker: {e}")))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| invalid(format!("starting tokio: {e}")))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| invalid(format!("starting tokio: {e}")))?;
     let served = runtime.block_on(listen(shared.clone(), args));
     // The worker ends with the channel or the shutdown job.
     send_job(&shared, Job::Shutdown);
@@ -251,12 +285,14 @@ fn warm_up(scheduler: &mut Scheduler) -> wgrad::Result<()> {
         }
         true
     });
-    let result = scheduler.submit(BatchRequest::new(vec![0], 2, Sampling::greedy()), sink).and_then(|()| {
-        while !scheduler.is_idle() {
-            scheduler.step()?;
-        }
-        Ok(())
-    });
+    let result = scheduler
+        .submit(BatchRequest::new(vec![0], 2, Sampling::greedy()), sink)
+        .and_then(|()| {
+            while !scheduler.is_idle() {
+                scheduler.step()?;
+            }
+            Ok(())
+        });
     bar.finish_and_clear();
     result
 }
@@ -268,15 +304,24 @@ fn send_job(shared: &Shared, job: Job) -> bool {
 /// Binds, prints the address, and serves until a signal.
 async fn listen(shared: Arc<Shared>, args: &ServeArgs) -> wgrad::Result<()> {
     let invalid = |reason: String| wgrad::Error::InvalidArgument { op: "serve", reason };
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await.map_err(|e| invalid(format!("listening on {}:{}: {e}", args.host, args.port)))?;
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| invalid(format!("listening on {}:{}: {e}", args.host, args.port)))?;
     let address: SocketAddr = listener.local_addr().map_err(|e| invalid(e.to_string()))?;
-    let key = if shared.api_key.is_some() { " (API key required)" } else { "" };
+    let key = if shared.api_key.is_some() {
+        " (API key required)"
+    } else {
+        ""
+    };
     // Tests and scripts read this line for the port.
     println!("listening on http://{address} as model `{}`{key}", shared.model_id);
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let app = router(shared.clone(), args.max_body_bytes);
-    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(shared)).await.map_err(|e| invalid(format!("serving: {e}")))
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal(shared))
+        .await
+        .map_err(|e| invalid(format!("serving: {e}")))
 }
 
 fn router(shared: Arc<Shared>, max_body_bytes: usize) -> Router {
@@ -306,7 +351,13 @@ async fn method_not_allowed(request: Request, next: Next) -> Response {
     }
     let message = format!("{path} does not take {method}: the Allow header says what it takes");
     let (kind, code) = ("invalid_request_error", Some("method_not_allowed"));
-    let error = ApiError { status: StatusCode::METHOD_NOT_ALLOWED, message, kind, param: None, code };
+    let error = ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message,
+        kind,
+        param: None,
+        code,
+    };
     let (parts, _) = response.into_parts();
     let mut answer = error.into_response();
     for (name, value) in &parts.headers {
@@ -344,7 +395,10 @@ async fn shutdown_signal(shared: Arc<Shared>) {
     send_job(&shared, Job::Shutdown);
     std::thread::spawn(|| {
         std::thread::sleep(SHUTDOWN_GRACE);
-        eprintln!("wgrad serve: connections still open after {} s; exiting", SHUTDOWN_GRACE.as_secs());
+        eprintln!(
+            "wgrad serve: connections still open after {} s; exiting",
+            SHUTDOWN_GRACE.as_secs()
+        );
         std::process::exit(0);
     });
 }
@@ -392,11 +446,23 @@ fn run_worker(mut scheduler: Scheduler, jobs: mpsc::Receiver<Job>, shared: &Shar
 }
 
 async fn require_key(State(shared): State<Arc<Shared>>, headers: HeaderMap, request: Request, next: Next) -> Response {
-    let Some(key) = &shared.api_key else { return next.run(request).await };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let Some(key) = &shared.api_key else {
+        return next.run(request).await;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
     match given {
         Some(given) if given.trim() == key => next.run(request).await,
-        Some(_) => ApiError { status: StatusCode::UNAUTHORIZED, message: "Incorrect API key provided.".into(), kind: "invalid_request_error", param: None, code: Some("invalid_api_key") }.into_response(),
+        Some(_) => ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Incorrect API key provided.".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+        .into_response(),
         None => ApiError {
             status: StatusCode::UNAUTHORIZED,
             message: "You didn't provide an API key: give it as `Authorization: Bearer KEY`.".into(),
@@ -409,12 +475,26 @@ async fn require_key(State(shared): State<Arc<Shared>>, headers: HeaderMap, requ
 }
 
 async fn not_found(request: Request) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, message: format!("no route {} {}", request.method(), request.uri().path()), kind: "invalid_request_error", param: None, code: Some("not_found") }
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no route {} {}", request.method(), request.uri().path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
 }
 
 async fn health(State(shared): State<Arc<Shared>>) -> Response {
-    let status = if shared.shutting_down.load(Ordering::Relaxed) { "shutting_down" } else { "ok" };
-    let code = if status == "ok" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if shared.shutting_down.load(Ordering::Relaxed) {
+        "shutting_down"
+    } else {
+        "ok"
+    };
+    let code = if status == "ok" {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = json!({
         "status": status,
         "model": shared.model_id,
@@ -450,7 +530,10 @@ fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
         Some(m) if m == shared.model_id || m == shared.model_file => Ok(()),
         Some(m) => Err(ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{m}` does not exist; this server serves `{}`.", shared.model_id),
+            message: format!(
+                "The model `{m}` does not exist; this server serves `{}`.",
+                shared.model_id
+            ),
             kind: "invalid_request_error",
             param: Some("model"),
             code: Some("model_not_found"),
@@ -550,16 +633,40 @@ struct CompletionBody {
 
 /// The request body as `T`: malformed JSON, a missing `required` field and
 /// a field of the wrong type are 400s naming what is wrong.
-fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>, required: &'static str) -> Result<T, ApiError> {
-    let body = body.map_err(|e| ApiError { status: e.status(), message: format!("could not read the request body: {}", e.body_text()), kind: "invalid_request_error", param: None, code: None })?;
-    let value: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("We could not parse the JSON body of your request: {e}"), None, Some("invalid_json")))?;
+fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    required: &'static str,
+) -> Result<T, ApiError> {
+    let body = body.map_err(|e| ApiError {
+        status: e.status(),
+        message: format!("could not read the request body: {}", e.body_text()),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })?;
+    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid(
+            format!("We could not parse the JSON body of your request: {e}"),
+            None,
+            Some("invalid_json"),
+        )
+    })?;
     if !value.is_object() {
-        return Err(ApiError::invalid("the request body must be a JSON object", None, Some("invalid_json")));
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+            Some("invalid_json"),
+        ));
     }
     if value.get(required).is_none_or(Value::is_null) {
-        return Err(ApiError::invalid(format!("Missing required parameter: '{required}'."), Some(required), Some("missing_required_parameter")));
+        return Err(ApiError::invalid(
+            format!("Missing required parameter: '{required}'."),
+            Some(required),
+            Some("missing_required_parameter"),
+        ));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::invalid(format!("Invalid request: {e}"), None, Some("invalid_value")))
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::invalid(format!("Invalid request: {e}"), None, Some("invalid_value")))
 }
 
 /// What the HTTP side knows of a request it hands to the worker.
@@ -576,22 +683,44 @@ struct Prepared {
 
 impl Shared {
     /// Checks the settings and the prompt's length against the context.
-    fn prepare(&self, settings: &Settings, prompt: Vec<u32>, prompt_param: &'static str, id_prefix: &str) -> Result<Prepared, ApiError> {
+    fn prepare(
+        &self,
+        settings: &Settings,
+        prompt: Vec<u32>,
+        prompt_param: &'static str,
+        id_prefix: &str,
+    ) -> Result<Prepared, ApiError> {
         check_model(self, settings.model.as_deref())?;
         if settings.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("this server answers with one choice: n must be 1", Some("n"), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                "this server answers with one choice: n must be 1",
+                Some("n"),
+                Some("invalid_value"),
+            ));
         }
         let temperature = settings.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(format!("temperature {temperature} is outside [0, 2]"), Some("temperature"), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                format!("temperature {temperature} is outside [0, 2]"),
+                Some("temperature"),
+                Some("invalid_value"),
+            ));
         }
         if let Some(p) = settings.top_p {
             if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::invalid(format!("top_p {p} is outside (0, 1]"), Some("top_p"), Some("invalid_value")));
+                return Err(ApiError::invalid(
+                    format!("top_p {p} is outside (0, 1]"),
+                    Some("top_p"),
+                    Some("invalid_value"),
+                ));
             }
         }
         if settings.top_k == Some(0) {
-            return Err(ApiError::invalid("top_k must be at least 1", Some("top_k"), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                "top_k must be at least 1",
+                Some("top_k"),
+                Some("invalid_value"),
+            ));
         }
         let stops = match &settings.stop {
             None => Vec::new(),
@@ -599,10 +728,18 @@ impl Shared {
             Some(Stop::Many(v)) => v.clone(),
         };
         if stops.len() > MAX_STOPS || stops.iter().any(String::is_empty) {
-            return Err(ApiError::invalid(format!("stop takes at most {MAX_STOPS} non-empty strings"), Some("stop"), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                format!("stop takes at most {MAX_STOPS} non-empty strings"),
+                Some("stop"),
+                Some("invalid_value"),
+            ));
         }
         if let Err(e) = wgrad::kernels::check_token_ids("serve", &prompt, self.tokenizer.vocab_size()) {
-            return Err(ApiError::invalid(e.to_string(), Some(prompt_param), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                e.to_string(),
+                Some(prompt_param),
+                Some("invalid_value"),
+            ));
         }
         let context = self.context;
         if prompt.len() >= context {
@@ -614,14 +751,30 @@ impl Shared {
         }
         let room = context - prompt.len();
         let max_tokens = match settings.max_completion_tokens.or(settings.max_tokens) {
-            Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1", Some("max_tokens"), Some("invalid_value"))),
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    "max_tokens must be at least 1",
+                    Some("max_tokens"),
+                    Some("invalid_value"),
+                ))
+            }
             Some(n) => usize::try_from(n).unwrap_or(usize::MAX).min(room),
             None => room,
         };
         let serial = self.next_id.fetch_add(1, Ordering::Relaxed);
         // Without a seed each request draws its own, as OpenAI's do.
-        let seed = settings.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64) ^ serial.rotate_left(32));
-        let sampling = Sampling { temperature, top_k: settings.top_k, top_p: settings.top_p, seed };
+        let seed = settings.seed.unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+                ^ serial.rotate_left(32)
+        });
+        let sampling = Sampling {
+            temperature,
+            top_k: settings.top_k,
+            top_p: settings.top_p,
+            seed,
+        };
         Ok(Prepared {
             id: format!("{id_prefix}-{serial}"),
             prompt,
@@ -639,24 +792,57 @@ impl Shared {
     /// answer: a request the worker refuses is a 400, streamed or not.
     async fn start(self: &Arc<Self>, prepared: &Prepared) -> Result<Running, ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
-            return Err(ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: "the server is shutting down".into(), kind: "server_error", param: None, code: Some("shutting_down") });
+            return Err(ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: "the server is shutting down".into(),
+                kind: "server_error",
+                param: None,
+                code: Some("shutting_down"),
+            });
         }
-        let admitted = self.in_flight.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.capacity).then_some(n + 1)).is_ok();
+        let admitted = self
+            .in_flight
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.capacity).then_some(n + 1)
+            })
+            .is_ok();
         if !admitted {
             return Err(ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
-                message: format!("the server is busy: {} slots and {} waiting requests are taken; retry later", self.slots, self.capacity - self.slots),
+                message: format!(
+                    "the server is busy: {} slots and {} waiting requests are taken; retry later",
+                    self.slots,
+                    self.capacity - self.slots
+                ),
                 kind: "rate_limit_error",
                 param: None,
                 code: Some("queue_full"),
             });
         }
-        let guard = Admission { shared: self.clone(), cancel: Arc::default() };
-        let stop_tokens = if prepared.ignore_eos { Vec::new() } else { self.stops.clone() };
-        let request = BatchRequest { prompt: prepared.prompt.clone(), max_new_tokens: prepared.max_tokens, sampling: prepared.sampling, stop_tokens, cancel: guard.cancel.clone() };
+        let guard = Admission {
+            shared: self.clone(),
+            cancel: Arc::default(),
+        };
+        let stop_tokens = if prepared.ignore_eos {
+            Vec::new()
+        } else {
+            self.stops.clone()
+        };
+        let request = BatchRequest {
+            prompt: prepared.prompt.clone(),
+            max_new_tokens: prepared.max_tokens,
+            sampling: prepared.sampling,
+            stop_tokens,
+            cancel: guard.cancel.clone(),
+        };
         let (replies, mut receiver) = unbounded_channel();
-        let server_error =
-            |status, message: &str| ApiError { status, message: message.into(), kind: "server_error", param: None, code: None };
+        let server_error = |status, message: &str| ApiError {
+            status,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        };
         let stopped = || server_error(StatusCode::SERVICE_UNAVAILABLE, "the GPU worker has stopped");
         if !send_job(self, Job::Submit { request, replies }) {
             return Err(stopped());
@@ -673,7 +859,18 @@ impl Shared {
             }
             None => return Err(stopped()),
         }
-        Ok(Running { guard, events: receiver, text: Utf8Stream::default(), held: String::new(), stops: prepared.stops.clone(), completion_tokens: 0, stopped: false, unlogged: Some((prepared.id.clone(), prepared.prompt.len())), started: Instant::now(), first_token: None })
+        Ok(Running {
+            guard,
+            events: receiver,
+            text: Utf8Stream::default(),
+            held: String::new(),
+            stops: prepared.stops.clone(),
+            completion_tokens: 0,
+            stopped: false,
+            unlogged: Some((prepared.id.clone(), prepared.prompt.len())),
+            started: Instant::now(),
+            first_token: None,
+        })
     }
 }
 
@@ -726,7 +923,12 @@ impl Running {
             Some(Reply::Event(Event::Token(token))) => {
                 self.first_token.get_or_insert_with(Instant::now);
                 self.completion_tokens += 1;
-                let piece = self.guard.shared.tokenizer.decode_next(&mut self.text, token, true).map_err(|e| Outcome::Failed(e.to_string()))?;
+                let piece = self
+                    .guard
+                    .shared
+                    .tokenizer
+                    .decode_next(&mut self.text, token, true)
+                    .map_err(|e| Outcome::Failed(e.to_string()))?;
                 self.held.push_str(&piece);
                 if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
                     // A stop string: the text before it, and the request
@@ -738,7 +940,11 @@ impl Running {
                     // Bytes of a character the stop's last token began
                     // lie after the stop: not the answer's.
                     self.text = Utf8Stream::default();
-                    return if before.is_empty() { Err(Outcome::Finished("stop")) } else { Ok(before) };
+                    return if before.is_empty() {
+                        Err(Outcome::Finished("stop"))
+                    } else {
+                        Ok(before)
+                    };
                 }
                 let keep = held_back(&self.held, &self.stops);
                 let ready = self.held[..self.held.len() - keep].to_string();
@@ -771,11 +977,19 @@ impl Running {
 
     /// The request's log line.
     fn log(&mut self, outcome: &str) {
-        let Some((id, prompt_tokens)) = self.unlogged.take() else { return };
+        let Some((id, prompt_tokens)) = self.unlogged.take() else {
+            return;
+        };
         let elapsed = self.started.elapsed().as_secs_f64();
-        let ttft = self.first_token.map_or(String::from("-"), |t| format!("{:.0}", (t - self.started).as_secs_f64() * 1e3));
+        let ttft = self.first_token.map_or(String::from("-"), |t| {
+            format!("{:.0}", (t - self.started).as_secs_f64() * 1e3)
+        });
         let decode = self.first_token.map_or(0.0, |t| t.elapsed().as_secs_f64());
-        let rate = if self.completion_tokens > 1 && decode > 0.0 { format!("{:.1}", (self.completion_tokens - 1) as f64 / decode) } else { "-".into() };
+        let rate = if self.completion_tokens > 1 && decode > 0.0 {
+            format!("{:.1}", (self.completion_tokens - 1) as f64 / decode)
+        } else {
+            "-".into()
+        };
         eprintln!("wgrad serve: {id} {outcome}: prompt_tokens={prompt_tokens} completion_tokens={} ttft_ms={ttft} tokens_per_s={rate} seconds={elapsed:.2}", self.completion_tokens);
     }
 }
@@ -791,7 +1005,10 @@ impl Drop for Running {
 fn held_back(text: &str, stops: &[String]) -> usize {
     stops
         .iter()
-        .flat_map(|stop| (1..stop.len().min(text.len() + 1)).filter(move |&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..])))
+        .flat_map(|stop| {
+            (1..stop.len().min(text.len() + 1))
+                .filter(move |&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..]))
+        })
         .max()
         .unwrap_or(0)
 }
@@ -811,7 +1028,9 @@ enum Kind {
 impl Kind {
     fn choice(self, text: &str, finish: Option<&str>) -> Value {
         match self {
-            Kind::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": null, "finish_reason": finish }),
+            Kind::Chat => {
+                json!({ "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": null, "finish_reason": finish })
+            }
             Kind::Text => json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish }),
         }
     }
@@ -855,7 +1074,14 @@ async fn answer(shared: Arc<Shared>, prepared: Prepared, kind: Kind) -> Response
                 Err(Outcome::Finished(reason)) => break reason,
                 Err(Outcome::Failed(message)) => {
                     running.log("failed");
-                    return ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message, kind: "server_error", param: None, code: None }.into_response();
+                    return ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message,
+                        kind: "server_error",
+                        param: None,
+                        code: None,
+                    }
+                    .into_response();
                 }
             }
         };
@@ -866,7 +1092,14 @@ async fn answer(shared: Arc<Shared>, prepared: Prepared, kind: Kind) -> Response
         body["usage"] = running.usage(prompt_tokens);
         return axum::Json(body).into_response();
     }
-    let state = StreamState { running, head: head(true), kind, prompt_tokens, include_usage: prepared.include_usage, done: false };
+    let state = StreamState {
+        running,
+        head: head(true),
+        kind,
+        prompt_tokens,
+        include_usage: prepared.include_usage,
+        done: false,
+    };
     let first = (kind == Kind::Chat).then(|| state.chunk(json!([kind.delta(None, None, true)]), None));
     let events = futures::stream::iter(first.map(|c| Ok(SseEvent::default().data(c.to_string())))).chain(chunks(state));
     Sse::new(events).into_response()
@@ -905,16 +1138,23 @@ fn chunks(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
         let data = |v: &Value| SseEvent::default().data(v.to_string());
         let events = match state.running.next().await {
             Ok(piece) if piece.is_empty() => Vec::new(),
-            Ok(piece) => vec![data(&state.chunk(json!([state.kind.delta(Some(&piece), None, false)]), None))],
+            Ok(piece) => vec![data(
+                &state.chunk(json!([state.kind.delta(Some(&piece), None, false)]), None),
+            )],
             Err(Outcome::Finished(finish)) => {
                 state.done = true;
                 let mut events = Vec::new();
                 let rest = state.running.rest();
                 if !rest.is_empty() {
-                    events.push(data(&state.chunk(json!([state.kind.delta(Some(&rest), None, false)]), None)));
+                    events.push(data(
+                        &state.chunk(json!([state.kind.delta(Some(&rest), None, false)]), None),
+                    ));
                 }
                 let usage = state.running.usage(state.prompt_tokens);
-                events.push(data(&state.chunk(json!([state.kind.delta(None, Some(finish), false)]), Some(usage.clone()))));
+                events.push(data(&state.chunk(
+                    json!([state.kind.delta(None, Some(finish), false)]),
+                    Some(usage.clone()),
+                )));
                 if state.include_usage {
                     events.push(data(&state.chunk(json!([]), Some(usage))));
                 }
@@ -935,7 +1175,16 @@ fn chunks(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
 
 async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
     let prepared = parse_body::<ChatBody>(body, "messages").and_then(|body| {
-        let template = shared.template.as_ref().ok_or_else(|| ApiError::invalid(format!("the model `{}` has no chat template: use /v1/completions", shared.model_id), None, None))?;
+        let template = shared.template.as_ref().ok_or_else(|| {
+            ApiError::invalid(
+                format!(
+                    "the model `{}` has no chat template: use /v1/completions",
+                    shared.model_id
+                ),
+                None,
+                None,
+            )
+        })?;
         let mut messages = Vec::with_capacity(body.messages.len());
         for (i, m) in body.messages.into_iter().enumerate() {
             let role = chat_role(&m.role).ok_or_else(|| {
@@ -947,7 +1196,11 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes,
                 Some(Content::Text(t)) => t,
                 Some(Content::Parts(parts)) => {
                     if let Some(other) = parts.iter().find(|p| p.kind != "text") {
-                        return Err(ApiError::invalid(format!("content parts of type `{}` are not supported: text only", other.kind), Some("messages"), Some("invalid_value")));
+                        return Err(ApiError::invalid(
+                            format!("content parts of type `{}` are not supported: text only", other.kind),
+                            Some("messages"),
+                            Some("invalid_value"),
+                        ));
                     }
                     parts.into_iter().filter_map(|p| p.text).collect()
                 }
@@ -955,13 +1208,30 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes,
             messages.push(ChatMessage::new(role, content));
         }
         if messages.is_empty() {
-            return Err(ApiError::invalid("messages must hold at least one message", Some("messages"), Some("invalid_value")));
+            return Err(ApiError::invalid(
+                "messages must hold at least one message",
+                Some("messages"),
+                Some("invalid_value"),
+            ));
         }
         let tokenizer = &shared.tokenizer;
         let rendered = template
-            .render(&messages, true, &tokenizer.bos_token().unwrap_or_default(), &tokenizer.eos_token().unwrap_or_default())
-            .map_err(|e| ApiError::invalid(format!("the chat template refused the messages: {e}"), Some("messages"), Some("invalid_value")))?;
-        let prompt = tokenizer.encode(&rendered, false).map_err(|e| ApiError::invalid(e.to_string(), Some("messages"), None))?;
+            .render(
+                &messages,
+                true,
+                &tokenizer.bos_token().unwrap_or_default(),
+                &tokenizer.eos_token().unwrap_or_default(),
+            )
+            .map_err(|e| {
+                ApiError::invalid(
+                    format!("the chat template refused the messages: {e}"),
+                    Some("messages"),
+                    Some("invalid_value"),
+                )
+            })?;
+        let prompt = tokenizer
+            .encode(&rendered, false)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("messages"), None))?;
         shared.prepare(&body.settings, prompt, "messages", "chatcmpl")
     });
     match prepared {
@@ -972,11 +1242,22 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Result<Bytes,
 
 async fn completions(State(shared): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
     let prepared = parse_body::<CompletionBody>(body, "prompt").and_then(|body| {
-        let encode = |text: &str| shared.tokenizer.encode(text, true).map_err(|e| ApiError::invalid(e.to_string(), Some("prompt"), None));
+        let encode = |text: &str| {
+            shared
+                .tokenizer
+                .encode(text, true)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt"), None))
+        };
         let prompt = match &body.prompt {
             Prompt::Text(text) => encode(text)?,
             Prompt::Texts(texts) if texts.len() == 1 => encode(&texts[0])?,
-            Prompt::Texts(_) => return Err(ApiError::invalid("this server answers one prompt per request", Some("prompt"), Some("invalid_value"))),
+            Prompt::Texts(_) => {
+                return Err(ApiError::invalid(
+                    "this server answers one prompt per request",
+                    Some("prompt"),
+                    Some("invalid_value"),
+                ))
+            }
             Prompt::Ids(ids) => ids.clone(),
         };
         shared.prepare(&body.settings, prompt, "prompt", "cmpl")

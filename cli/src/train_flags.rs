@@ -23,7 +23,8 @@ fn mlp_only(why: &'static str) -> impl Fn(&Run) -> Option<String> {
 }
 
 fn language_models_only(run: &Run) -> Option<String> {
-    (run.kind == ModelKind::Mlp).then(|| "it steers the language models (--model gpt, llama, qwen2 or qwen3), not the MLP".into())
+    (run.kind == ModelKind::Mlp)
+        .then(|| "it steers the language models (--model gpt, llama, qwen2 or qwen3), not the MLP".into())
 }
 
 fn gpt_sizes(run: &Run) -> Option<String> {
@@ -62,7 +63,11 @@ fn sgd_only(run: &Run) -> Option<String> {
     match run.args.optimizer {
         Some(OptimizerName::Sgd) => None,
         other => {
-            let default = if run.kind == ModelKind::Mlp { OptimizerName::Adam } else { OptimizerName::Adamw };
+            let default = if run.kind == ModelKind::Mlp {
+                OptimizerName::Adam
+            } else {
+                OptimizerName::Adamw
+            };
             let name = other.unwrap_or(default);
             let name = format!("{name:?}").to_lowercase();
             Some(format!("it is SGD's; the optimizer is {name}: give --optimizer sgd"))
@@ -86,11 +91,24 @@ fn not_pretrained(run: &Run) -> Option<String> {
 fn rules() -> Vec<(&'static str, Check)> {
     let rule = |r: Rule| -> Check { Box::new(r) };
     vec![
-        ("epochs", Box::new(mlp_only("it counts the MLP's passes over its data (a language model runs --max-steps)"))),
+        (
+            "epochs",
+            Box::new(mlp_only(
+                "it counts the MLP's passes over its data (a language model runs --max-steps)",
+            )),
+        ),
         ("hidden", Box::new(mlp_only("it sets the MLP's hidden widths"))),
         ("test_fraction", Box::new(mlp_only("it holds out the MLP's test split"))),
-        ("checkpoint", Box::new(mlp_only("it names the MLP's checkpoint (a language model writes --out)"))),
-        ("mnist", Box::new(mlp_only("it is the MLP's data set (a language model reads --text)"))),
+        (
+            "checkpoint",
+            Box::new(mlp_only(
+                "it names the MLP's checkpoint (a language model writes --out)",
+            )),
+        ),
+        (
+            "mnist",
+            Box::new(mlp_only("it is the MLP's data set (a language model reads --text)")),
+        ),
         ("preset", rule(language_models_only)),
         ("n_layer", rule(gpt_sizes)),
         ("n_head", rule(gpt_sizes)),
@@ -129,7 +147,10 @@ pub(crate) fn check(args: &TrainArgs, kind: ModelKind) -> wgrad::Result<()> {
         }
         if let Some(why) = rule(&run) {
             let flag = format!("--{}", id.replace('_', "-"));
-            return Err(wgrad::Error::InvalidArgument { op: "train", reason: format!("{flag} does not apply: {why}") });
+            return Err(wgrad::Error::InvalidArgument {
+                op: "train",
+                reason: format!("{flag} does not apply: {why}"),
+            });
         }
     }
     Ok(())

@@ -19,8 +19,10 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgrad::kernels::{
-    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, FlashAttentionShape, QkvLayout, F16WeightsKernel, Family, LossLinear, LossTargets, MatmulEpilogue, MatmulForm,
-    MatmulVariant, OptimizerConfig, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS, SUBGROUP_MATMUL_LANES,
+    reflect, Activation, AdamConfig, Binary, CachedAttentionShape, Dispatch, F16WeightsKernel, Family,
+    FlashAttentionShape, LossLinear, LossTargets, MatmulEpilogue, MatmulForm, MatmulVariant, OptimizerConfig,
+    QkvLayout, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS,
+    SUBGROUP_MATMUL_LANES,
 };
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
@@ -48,7 +50,6 @@ impl Values {
             Values::U32(v) => bytemuck::cast_slice(v).to_vec(),
         }
     }
-
 }
 
 /// One output of a case: a range of a bound buffer and what it must hold,
@@ -69,11 +70,31 @@ struct Expect {
 }
 
 fn expect(name: &'static str, t: &GpuTensor, values: Vec<f32>, atol: f64, rtol: f64) -> Expect {
-    Expect { name, buffer: t.buffer().clone(), offset: 0, elements: values.len(), values: Values::F32(values), atol, rtol, sum: false, source: "" }
+    Expect {
+        name,
+        buffer: t.buffer().clone(),
+        offset: 0,
+        elements: values.len(),
+        values: Values::F32(values),
+        atol,
+        rtol,
+        sum: false,
+        source: "",
+    }
 }
 
 fn expect_u32(name: &'static str, t: &GpuTensor, values: Vec<u32>) -> Expect {
-    Expect { name, buffer: t.buffer().clone(), offset: 0, elements: values.len(), values: Values::U32(values), atol: 0.0, rtol: 0.0, sum: false, source: "" }
+    Expect {
+        name,
+        buffer: t.buffer().clone(),
+        offset: 0,
+        elements: values.len(),
+        values: Values::U32(values),
+        atol: 0.0,
+        rtol: 0.0,
+        sum: false,
+        source: "",
+    }
 }
 
 /// A case as built: its launches (in order), outputs and the writable
@@ -112,8 +133,21 @@ enum On {
 pub const SPLIT_BINDING: u64 = 4096;
 
 impl Case {
-    fn new(entries: &[&'static str], name: impl Into<String>, dispatches: Vec<Dispatch>, expected: Vec<Expect>) -> Case {
-        Case { name: name.into(), entries: entries.to_vec(), note: String::new(), dispatches, expected, scratch: Vec::new(), on: On::Web }
+    fn new(
+        entries: &[&'static str],
+        name: impl Into<String>,
+        dispatches: Vec<Dispatch>,
+        expected: Vec<Expect>,
+    ) -> Case {
+        Case {
+            name: name.into(),
+            entries: entries.to_vec(),
+            note: String::new(),
+            dispatches,
+            expected,
+            scratch: Vec::new(),
+            on: On::Web,
+        }
     }
 
     fn note(mut self, note: &str) -> Case {
@@ -223,18 +257,30 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["argmax_rows_forward"], Web, argmax_rows),
         (&["mse_forward"], Web, |c| mse_forward(c, 307)),
         (&["mse_partial", "loss_finish"], Gpu, |c| mse_forward(c, 5003)),
-        (&["cross_entropy_partial", "loss_finish"], Gpu, |c| ce_forward(c, 301, 11)),
+        (&["cross_entropy_partial", "loss_finish"], Gpu, |c| {
+            ce_forward(c, 301, 11)
+        }),
         (&["mse_backward"], Web, mse_backward),
         (&["cross_entropy_forward"], Web, |c| ce_forward(c, 13, 11)),
         (&["cross_entropy_backward"], Web, ce_backward),
         (&["mse_forward_backward"], Web, |c| fused_loss(c, false, false)),
         (&["cross_entropy_forward_backward"], Web, |c| fused_loss(c, true, false)),
         (&["mse_linear_forward_backward"], Full, |c| fused_loss(c, false, true)),
-        (&["cross_entropy_linear_forward_backward"], Full, |c| fused_loss(c, true, true)),
+        (&["cross_entropy_linear_forward_backward"], Full, |c| {
+            fused_loss(c, true, true)
+        }),
         (&["sgd_update"], Web, sgd),
         (&["adam_update"], Web, adam),
-        (&["grad_norm_partials", "grad_norm_finish", "adamw_update"], Web, clipped_adamw),
-        (&["loss_scale_partials", "loss_scale_finish", "adamw_update"], Web, loss_scaled_adamw),
+        (
+            &["grad_norm_partials", "grad_norm_finish", "adamw_update"],
+            Web,
+            clipped_adamw,
+        ),
+        (
+            &["loss_scale_partials", "loss_scale_finish", "adamw_update"],
+            Web,
+            loss_scaled_adamw,
+        ),
         (&["matmul_f16_forward"], Web, matmul_f16),
         (&["f32_to_f16"], Web, to_f16),
         (&["f16_to_f32"], Web, from_f16),
@@ -244,26 +290,44 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["layernorm_forward"], Web, |c| layernorm(c, false)),
         (&["layernorm_backward"], Web, |c| layernorm_backward(c, false)),
         (&["layernorm_backward_params"], Web, |c| layernorm_params(c, 37, 70)),
-        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, |c| layernorm_params(c, 301, 70)),
+        (
+            &["layernorm_backward_params_partial", "layernorm_backward_params_finish"],
+            Gpu,
+            |c| layernorm_params(c, 301, 70),
+        ),
         (&["cross_entropy_rows_forward_backward"], Web, |c| ce_rows(c, false)),
         (&["rmsnorm_forward"], Web, |c| rmsnorm(c, false)),
         (&["rmsnorm_backward"], Web, |c| rmsnorm_backward(c, false)),
         (&["rmsnorm_forward_short"], Web, |c| rmsnorm(c, true)),
         (&["rmsnorm_backward_short"], Web, |c| rmsnorm_backward(c, true)),
         (&["layernorm_backward_params"], Web, |c| rmsnorm_params(c, 37, 70)),
-        (&["layernorm_backward_params_partial", "layernorm_backward_params_finish"], Gpu, |c| rmsnorm_params(c, 301, 70)),
+        (
+            &["layernorm_backward_params_partial", "layernorm_backward_params_finish"],
+            Gpu,
+            |c| rmsnorm_params(c, 301, 70),
+        ),
         (&["softmax_forward_short"], Web, |c| softmax(c, true)),
         (&["softmax_backward_short"], Web, |c| softmax_backward(c, true)),
         (&["layernorm_forward_short"], Web, |c| layernorm(c, true)),
         (&["layernorm_backward_short"], Web, |c| layernorm_backward(c, true)),
-        (&["cross_entropy_rows_forward_backward_short"], Web, |c| ce_rows(c, true)),
+        (&["cross_entropy_rows_forward_backward_short"], Web, |c| {
+            ce_rows(c, true)
+        }),
         (&["embedding_forward"], Web, embedding),
         (&["embedding_forward"], Split, embedding_split),
-        (&["embedding_backward_sort", "embedding_backward"], Web, embedding_backward),
+        (
+            &["embedding_backward_sort", "embedding_backward"],
+            Web,
+            embedding_backward,
+        ),
         (&["binary_broadcast_forward"], Web, binary_broadcast),
         (&["unary_forward"], Web, unary),
-        (&["reduce_to_shape_forward"], Web, |c| reduce_to_shape(c, &[2, 3, 5, 7], &[3, 1, 7])),
-        (&["reduce_to_shape_partial"], Gpu, |c| reduce_to_shape(c, &[2, 151, 7], &[7])),
+        (&["reduce_to_shape_forward"], Web, |c| {
+            reduce_to_shape(c, &[2, 3, 5, 7], &[3, 1, 7])
+        }),
+        (&["reduce_to_shape_partial"], Gpu, |c| {
+            reduce_to_shape(c, &[2, 151, 7], &[7])
+        }),
         (&["permute_forward"], Web, permute),
         (&["slice_last_forward"], Web, slice_last),
         (&["pad_last_forward"], Web, pad_last),
@@ -273,45 +337,116 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
         (&["cached_attention_forward_grouped"], Web, grouped_attention),
         (&["sample_rows_forward"], Web, sample_rows),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, None)),
-        (&["matvec_f16w_forward"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Matvec { lanes: 64 }))),
-        (&["matmul_f16w_forward_small"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Small))),
-        (&["matmul_f16w_forward_register"], Web, |c| f16_weights(c, Some(F16WeightsKernel::Register))),
-        (&["matmul_f16w_forward_shared"], Gpu, |c| f16_weights(c, Some(F16WeightsKernel::Shared))),
+        (&["matvec_f16w_forward"], Web, |c| {
+            f16_weights(c, Some(F16WeightsKernel::Matvec { lanes: 64 }))
+        }),
+        (&["matmul_f16w_forward_small"], Web, |c| {
+            f16_weights(c, Some(F16WeightsKernel::Small))
+        }),
+        (&["matmul_f16w_forward_register"], Web, |c| {
+            f16_weights(c, Some(F16WeightsKernel::Register))
+        }),
+        (&["matmul_f16w_forward_shared"], Gpu, |c| {
+            f16_weights(c, Some(F16WeightsKernel::Shared))
+        }),
         (&["matmul_f16w_forward_shared_vec"], Gpu, f16_weights_shared_vec),
         (&["embedding_f16w_forward"], Web, embedding_f16),
-        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::Matvec { lanes: 8 }))),
-        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::MatvecColumns))),
-        (&["matvec_quant_forward_rows"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::MatvecRows))),
-        (&["matvec_quant_forward_rows_subgroup"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::MatvecRowsSubgroup))),
-        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
-        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))),
-        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q4_1)),
+        (&["matvec_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::Matvec { lanes: 8 }))
+        }),
+        (&["matvec_quant_forward_columns"], Web, |c| {
+            quant_weights(c, QuantFormat::Q4_1, Some(QuantWeightsKernel::MatvecColumns))
+        }),
+        (&["matvec_quant_forward_rows"], Web, |c| {
+            quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::MatvecRows))
+        }),
+        (&["matvec_quant_forward_rows_subgroup"], Web, |c| {
+            quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::MatvecRowsSubgroup))
+        }),
+        (&["matvec_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q8_0, Some(QuantWeightsKernel::Matvec { lanes: 64 }))
+        }),
+        (&["matmul_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q4_0, Some(QuantWeightsKernel::Tiled))
+        }),
+        (&["embedding_quant_forward"], Web, |c| {
+            embedding_quant(c, QuantFormat::Q4_1)
+        }),
         // The formats after Q4_1, each on some kernel (they share every
         // kernel's code but the block decoding).
-        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q4_K, Some(QuantWeightsKernel::Matvec { lanes: 8 }))),
-        (&["matvec_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q5_1, Some(QuantWeightsKernel::Matvec { lanes: 64 }))),
-        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::Q6_K, Some(QuantWeightsKernel::MatvecColumns))),
-        (&["matvec_quant_forward_columns"], Web, |c| quant_weights(c, QuantFormat::IQ4_NL, Some(QuantWeightsKernel::MatvecColumns))),
-        (&["matvec_quant_forward_rows"], Web, |c| quant_weights(c, QuantFormat::Q5_K, Some(QuantWeightsKernel::MatvecRows))),
-        (&["matvec_quant_forward_rows_subgroup"], Web, |c| quant_weights(c, QuantFormat::Q3_K, Some(QuantWeightsKernel::MatvecRowsSubgroup))),
-        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q2_K, Some(QuantWeightsKernel::Tiled))),
-        (&["matmul_quant_forward"], Web, |c| quant_weights(c, QuantFormat::Q5_0, Some(QuantWeightsKernel::Tiled))),
-        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q4_K)),
-        (&["embedding_quant_forward"], Web, |c| embedding_quant(c, QuantFormat::Q6_K)),
+        (&["matvec_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q4_K, Some(QuantWeightsKernel::Matvec { lanes: 8 }))
+        }),
+        (&["matvec_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q5_1, Some(QuantWeightsKernel::Matvec { lanes: 64 }))
+        }),
+        (&["matvec_quant_forward_columns"], Web, |c| {
+            quant_weights(c, QuantFormat::Q6_K, Some(QuantWeightsKernel::MatvecColumns))
+        }),
+        (&["matvec_quant_forward_columns"], Web, |c| {
+            quant_weights(c, QuantFormat::IQ4_NL, Some(QuantWeightsKernel::MatvecColumns))
+        }),
+        (&["matvec_quant_forward_rows"], Web, |c| {
+            quant_weights(c, QuantFormat::Q5_K, Some(QuantWeightsKernel::MatvecRows))
+        }),
+        (&["matvec_quant_forward_rows_subgroup"], Web, |c| {
+            quant_weights(c, QuantFormat::Q3_K, Some(QuantWeightsKernel::MatvecRowsSubgroup))
+        }),
+        (&["matmul_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q2_K, Some(QuantWeightsKernel::Tiled))
+        }),
+        (&["matmul_quant_forward"], Web, |c| {
+            quant_weights(c, QuantFormat::Q5_0, Some(QuantWeightsKernel::Tiled))
+        }),
+        (&["embedding_quant_forward"], Web, |c| {
+            embedding_quant(c, QuantFormat::Q4_K)
+        }),
+        (&["embedding_quant_forward"], Web, |c| {
+            embedding_quant(c, QuantFormat::Q6_K)
+        }),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
-        (&["flash_attention_forward_rows", "flash_attention_backward_prepare", "flash_attention_backward_query_rows", "flash_attention_backward_key_value_rows"], Web, flash_attention),
-        (&["flash_attention_forward", "flash_attention_backward_prepare", "flash_attention_backward_query", "flash_attention_backward_key_value"], Gpu, flash_attention),
+        (
+            &[
+                "flash_attention_forward_rows",
+                "flash_attention_backward_prepare",
+                "flash_attention_backward_query_rows",
+                "flash_attention_backward_key_value_rows",
+            ],
+            Web,
+            flash_attention,
+        ),
+        (
+            &[
+                "flash_attention_forward",
+                "flash_attention_backward_prepare",
+                "flash_attention_backward_query",
+                "flash_attention_backward_key_value",
+            ],
+            Gpu,
+            flash_attention,
+        ),
     ];
     let mut planned = Vec::new();
     for (i, (entries, on, build)) in builders.into_iter().enumerate() {
-        let mut ctx = Ctx { k: kernels.get(on), rng: ChaCha8Rng::seed_from_u64(1000 + i as u64) };
+        let mut ctx = Ctx {
+            k: kernels.get(on),
+            rng: ChaCha8Rng::seed_from_u64(1000 + i as u64),
+        };
         match build(&mut ctx) {
             Ok(mut case) => {
                 case.on = on;
-                let ran: Vec<&str> = case.dispatches.iter().flat_map(|d| d.each_launch()).map(|l| l.kernel().entry).collect();
+                let ran: Vec<&str> = case
+                    .dispatches
+                    .iter()
+                    .flat_map(|d| d.each_launch())
+                    .map(|l| l.kernel().entry)
+                    .collect();
                 if let Some(missing) = entries.iter().find(|e| !ran.contains(e)) {
-                    return Err(Error::InvalidArgument { op: "shaders --dump", reason: format!("case `{}` was meant for `{missing}` but runs {ran:?}", case.name) });
+                    return Err(Error::InvalidArgument {
+                        op: "shaders --dump",
+                        reason: format!("case `{}` was meant for `{missing}` but runs {ran:?}", case.name),
+                    });
                 }
                 planned.push(Ok(case));
             }
@@ -328,48 +463,97 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
             Err((entries, _)) => entries.clone(),
         })
         .collect();
-    let missing: Vec<&str> = KERNELS.iter().map(|k| k.entry).filter(|e| !covered.contains(e)).collect();
+    let missing: Vec<&str> = KERNELS
+        .iter()
+        .map(|k| k.entry)
+        .filter(|e| !covered.contains(e))
+        .collect();
     if !missing.is_empty() {
-        return Err(Error::InvalidArgument { op: "shaders --dump", reason: format!("no case for the entry points {missing:?}") });
+        return Err(Error::InvalidArgument {
+            op: "shaders --dump",
+            reason: format!("no case for the entry points {missing:?}"),
+        });
     }
     Ok(planned)
 }
 
 // ---- matmul.wgsl -------------------------------------------------------
 
-fn matmul_variant(c: &mut Ctx<'_>, entry: &'static str, variant: MatmulVariant, form: MatmulForm, (m, n, kk): (usize, usize, usize)) -> Result<Case> {
+fn matmul_variant(
+    c: &mut Ctx<'_>,
+    entry: &'static str,
+    variant: MatmulVariant,
+    form: MatmulForm,
+    (m, n, kk): (usize, usize, usize),
+) -> Result<Case> {
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul_with(variant, form, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d =
+        c.k.matmul_with(variant, form, out.view(), a.view(), b.view(), m, n, kk)?;
     let want = cpu::matmul(form, &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&[entry], format!("{entry} {form:?} {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {form:?} {m}x{n}x{kk}"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 fn matmul_register(c: &mut Ctx<'_>) -> Result<Case> {
-    matmul_variant(c, "matmul_forward_register", MatmulVariant::Register, MatmulForm::AB, (67, 70, 19))
+    matmul_variant(
+        c,
+        "matmul_forward_register",
+        MatmulVariant::Register,
+        MatmulForm::AB,
+        (67, 70, 19),
+    )
 }
 
 fn matmul_shared(c: &mut Ctx<'_>) -> Result<Case> {
-    matmul_variant(c, "matmul_forward_shared", MatmulVariant::Shared, MatmulForm::AtB, (65, 41, 23))
+    matmul_variant(
+        c,
+        "matmul_forward_shared",
+        MatmulVariant::Shared,
+        MatmulForm::AtB,
+        (65, 41, 23),
+    )
 }
 
 fn matmul_shared_vec4(c: &mut Ctx<'_>) -> Result<Case> {
     // Both operands' stored rows multiples of 4: the vec4 loads.
-    matmul_variant(c, "matmul_forward_shared_vec4", MatmulVariant::Shared, MatmulForm::AB, (67, 72, 20))
+    matmul_variant(
+        c,
+        "matmul_forward_shared_vec4",
+        MatmulVariant::Shared,
+        MatmulForm::AB,
+        (67, 72, 20),
+    )
 }
 
 fn matmul_vec4(c: &mut Ctx<'_>) -> Result<Case> {
     // Multiples of 4 in every dimension, or the scalar register kernel runs.
-    matmul_variant(c, "matmul_forward_register_vec4", MatmulVariant::RegisterVec4, MatmulForm::ABt, (68, 20, 28))
+    matmul_variant(
+        c,
+        "matmul_forward_register_vec4",
+        MatmulVariant::RegisterVec4,
+        MatmulForm::ABt,
+        (68, 20, 28),
+    )
 }
 
 fn matmul_subgroup(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (37, 29, 19);
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul_subgroup(MatmulForm::AB, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d =
+        c.k.matmul_subgroup(MatmulForm::AB, out.view(), a.view(), b.view(), m, n, kk)?;
     let want = cpu::matmul(MatmulForm::AB, &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&["matmul_subgroup_forward"], format!("matmul_subgroup_forward AB {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &["matmul_subgroup_forward"],
+        format!("matmul_subgroup_forward AB {m}x{n}x{kk}"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 /// The decode shape (3 rows of A·Bᵀ, k a multiple of 4), which the
@@ -379,21 +563,51 @@ fn matmul_subgroup(c: &mut Ctx<'_>) -> Result<Case> {
 /// asks for a GPU's 64.
 fn matmul_matvec(c: &mut Ctx<'_>, lanes: Option<u32>) -> Result<Case> {
     let (m, n, kk) = (3, 37, 20);
-    let (a_h, b_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n * kk, -1.0, 1.0), c.vals(n, -1.0, 1.0));
-    let (a, b, bias, out, pre) = (c.up(&a_h)?, c.up(&b_h)?, c.up(&bias_h)?, c.k.zeros(m * n)?, c.k.zeros(m * n)?);
-    let epilogue = MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() };
-    let d = match lanes {
-        None => c.k.matmul_epilogue(MatmulForm::ABt, epilogue, out.view(), a.view(), b.view(), m, n, kk)?,
-        Some(lanes) => c.k.matmul_matvec(lanes, epilogue, out.view(), a.view(), b.view(), m, n, kk)?,
+    let (a_h, b_h, bias_h) = (
+        c.vals(m * kk, -1.0, 1.0),
+        c.vals(n * kk, -1.0, 1.0),
+        c.vals(n, -1.0, 1.0),
+    );
+    let (a, b, bias, out, pre) = (
+        c.up(&a_h)?,
+        c.up(&b_h)?,
+        c.up(&bias_h)?,
+        c.k.zeros(m * n)?,
+        c.k.zeros(m * n)?,
+    );
+    let epilogue = MatmulEpilogue {
+        bias: Some(bias.view()),
+        activation: Some((Activation::Gelu, Some(pre.view()))),
+        ..MatmulEpilogue::default()
     };
-    let lanes = d.recipe().constants.iter().find(|(name, _)| *name == "MATVEC_WG").map_or(0.0, |(_, v)| *v);
-    let e = cpu::Epilogue { bias: Some(&bias_h), activation: Some(Activation::Gelu), ..cpu::Epilogue::default() };
+    let d = match lanes {
+        None => {
+            c.k.matmul_epilogue(MatmulForm::ABt, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
+        }
+        Some(lanes) => {
+            c.k.matmul_matvec(lanes, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
+        }
+    };
+    let lanes = d
+        .recipe()
+        .constants
+        .iter()
+        .find(|(name, _)| *name == "MATVEC_WG")
+        .map_or(0.0, |(_, v)| *v);
+    let e = cpu::Epilogue {
+        bias: Some(&bias_h),
+        activation: Some(Activation::Gelu),
+        ..cpu::Epilogue::default()
+    };
     let (want, want_pre) = cpu::matmul_epilogue(MatmulForm::ABt, e, &a_h, &b_h, m, n, kk);
     Ok(Case::new(
         &["matmul_forward_matvec"],
         format!("matmul_forward_matvec ABt {m}x{n}x{kk} +bias gelu, {lanes} lanes"),
         vec![d],
-        vec![expect("c", &out, want, 1e-5, TRANSCENDENTAL.1), expect("pre", &pre, want_pre, SUMS.0, SUMS.1)],
+        vec![
+            expect("c", &out, want, 1e-5, TRANSCENDENTAL.1),
+            expect("pre", &pre, want_pre, SUMS.0, SUMS.1),
+        ],
     ))
 }
 
@@ -401,13 +615,32 @@ fn matmul_matvec(c: &mut Ctx<'_>, lanes: Option<u32>) -> Result<Case> {
 /// gradient epilogue (ACCUMULATE, ACTIVATION_BACKWARD).
 fn matmul_small_epilogue(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (13, 17, 11);
-    let (a_h, b_h, c0, x_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(kk * n, -1.0, 1.0), c.vals(m * n, -1.0, 1.0), c.vals(m * n, -2.0, 2.0));
+    let (a_h, b_h, c0, x_h) = (
+        c.vals(m * kk, -1.0, 1.0),
+        c.vals(kk * n, -1.0, 1.0),
+        c.vals(m * n, -1.0, 1.0),
+        c.vals(m * n, -2.0, 2.0),
+    );
     let (a, b, out, x) = (c.up(&a_h)?, c.up(&b_h)?, c.up(&c0)?, c.up(&x_h)?);
-    let epilogue = MatmulEpilogue { accumulate: true, activation_grad: Some((Activation::Tanh, x.view())), ..MatmulEpilogue::default() };
-    let d = c.k.matmul_epilogue(MatmulForm::AB, epilogue, out.view(), a.view(), b.view(), m, n, kk)?;
-    let e = cpu::Epilogue { accumulate_onto: Some(&c0), activation_grad: Some((Activation::Tanh, &x_h)), ..cpu::Epilogue::default() };
+    let epilogue = MatmulEpilogue {
+        accumulate: true,
+        activation_grad: Some((Activation::Tanh, x.view())),
+        ..MatmulEpilogue::default()
+    };
+    let d =
+        c.k.matmul_epilogue(MatmulForm::AB, epilogue, out.view(), a.view(), b.view(), m, n, kk)?;
+    let e = cpu::Epilogue {
+        accumulate_onto: Some(&c0),
+        activation_grad: Some((Activation::Tanh, &x_h)),
+        ..cpu::Epilogue::default()
+    };
     let (want, _) = cpu::matmul_epilogue(MatmulForm::AB, e, &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&["matmul_forward_small"], format!("matmul_forward_small AB {m}x{n}x{kk} accumulate tanh'"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &["matmul_forward_small"],
+        format!("matmul_forward_small AB {m}x{n}x{kk} accumulate tanh'"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 /// Three products over the grid's z.
@@ -415,9 +648,15 @@ fn matmul_small_batched(c: &mut Ctx<'_>) -> Result<Case> {
     let (batch, m, n, kk) = (3, 7, 5, 9);
     let (a_h, b_h) = (c.vals(batch * m * kk, -1.0, 1.0), c.vals(batch * kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(batch * m * n)?);
-    let d = c.k.matmul_batched(MatmulForm::AtB, false, out.view(), a.view(), b.view(), batch, m, n, kk)?;
+    let d =
+        c.k.matmul_batched(MatmulForm::AtB, false, out.view(), a.view(), b.view(), batch, m, n, kk)?;
     let want = cpu::matmul_batched(MatmulForm::AtB, &a_h, &b_h, batch, m, n, kk);
-    Ok(Case::new(&["matmul_forward_small"], format!("matmul_forward_small AtB batch {batch} of {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &["matmul_forward_small"],
+        format!("matmul_forward_small AtB batch {batch} of {m}x{n}x{kk}"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 /// An A·Bᵀ product whose B and C are over [`On::Split`]'s binding size:
@@ -430,8 +669,14 @@ fn matmul_split(c: &mut Ctx<'_>) -> Result<Case> {
     let d = c.k.matmul(MatmulForm::ABt, out.view(), a.view(), b.view(), m, n, kk)?;
     let launches = d.launches();
     let want = cpu::matmul(MatmulForm::ABt, &a_h, &b_h, m, n, kk);
-    let name = format!("matmul_forward_small ABt {m}x{n}x{kk} split into {launches} launches ({SPLIT_BINDING}-byte bindings)");
-    Ok(Case::new(&["matmul_forward_small"], name, vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    let name =
+        format!("matmul_forward_small ABt {m}x{n}x{kk} split into {launches} launches ({SPLIT_BINDING}-byte bindings)");
+    Ok(Case::new(
+        &["matmul_forward_small"],
+        name,
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 // ---- elementwise.wgsl --------------------------------------------------
@@ -442,11 +687,21 @@ const FLAT_N: usize = 1031;
 fn binary(c: &mut Ctx<'_>, op: Binary) -> Result<Case> {
     let x_h = c.vals(FLAT_N, -2.0, 2.0);
     // Divisors away from 0, where WGSL's division is specified to 2.5 ULP.
-    let y_h: Vec<f32> = c.vals(FLAT_N, 0.5, 2.0).iter().enumerate().map(|(i, v)| if i % 2 == 0 { *v } else { -v }).collect();
+    let y_h: Vec<f32> = c
+        .vals(FLAT_N, 0.5, 2.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| if i % 2 == 0 { *v } else { -v })
+        .collect();
     let (x, y, out) = (c.up(&x_h)?, c.up(&y_h)?, c.k.zeros(FLAT_N)?);
     let d = c.k.binary(op, out.view(), x.view(), y.view())?;
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} {FLAT_N}"), vec![d], vec![expect("out", &out, cpu::binary(op, &x_h, &y_h), ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {FLAT_N}"),
+        vec![d],
+        vec![expect("out", &out, cpu::binary(op, &x_h, &y_h), ROUNDING.0, ROUNDING.1)],
+    ))
 }
 
 /// x and y as two parts of one buffer (an arena), out in another: read-only
@@ -458,23 +713,49 @@ fn arena_add(c: &mut Ctx<'_>) -> Result<Case> {
     let stride = FLAT_N.next_multiple_of(64);
     let arena_h = c.vals(2 * stride, -2.0, 2.0);
     let (arena, out) = (c.up(&arena_h)?, c.k.zeros(FLAT_N)?);
-    let d = c.k.binary(Binary::Add, out.view(), arena.slice(0, FLAT_N)?, arena.slice(stride, FLAT_N)?)?;
+    let d = c.k.binary(
+        Binary::Add,
+        out.view(),
+        arena.slice(0, FLAT_N)?,
+        arena.slice(stride, FLAT_N)?,
+    )?;
     let want = cpu::binary(Binary::Add, &arena_h[..FLAT_N], &arena_h[stride..stride + FLAT_N]);
-    Ok(Case::new(&["add_forward"], format!("add_forward {FLAT_N}, x and y in one buffer"), vec![d], vec![expect("out", &out, want, ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &["add_forward"],
+        format!("add_forward {FLAT_N}, x and y in one buffer"),
+        vec![d],
+        vec![expect("out", &out, want, ROUNDING.0, ROUNDING.1)],
+    ))
 }
 
 fn scale(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.vals(FLAT_N, -2.0, 2.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(FLAT_N)?);
     let d = c.k.scale(out.view(), x.view(), -1.75)?;
-    Ok(Case::new(&["scale_forward"], format!("scale_forward {FLAT_N} by -1.75"), vec![d], vec![expect("out", &out, cpu::scale(&x_h, -1.75), ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &["scale_forward"],
+        format!("scale_forward {FLAT_N} by -1.75"),
+        vec![d],
+        vec![expect("out", &out, cpu::scale(&x_h, -1.75), ROUNDING.0, ROUNDING.1)],
+    ))
 }
 
 fn add_assign(c: &mut Ctx<'_>) -> Result<Case> {
     let (x_h, out0) = (c.vals(FLAT_N, -2.0, 2.0), c.vals(FLAT_N, -2.0, 2.0));
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
     let d = c.k.add_assign(out.view(), x.view())?;
-    Ok(Case::new(&["add_assign"], format!("add_assign {FLAT_N}"), vec![d], vec![expect("out", &out, cpu::binary(Binary::Add, &out0, &x_h), ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &["add_assign"],
+        format!("add_assign {FLAT_N}"),
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::binary(Binary::Add, &out0, &x_h),
+            ROUNDING.0,
+            ROUNDING.1,
+        )],
+    ))
 }
 
 fn copy_vec4(c: &mut Ctx<'_>) -> Result<Case> {
@@ -482,7 +763,12 @@ fn copy_vec4(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.vals(n, -2.0, 2.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(n)?);
     let d = c.k.copy_vec4(out.view(), x.view())?;
-    Ok(Case::new(&["copy_vec4"], format!("copy_vec4 {n}"), vec![d], vec![expect("out", &out, x_h, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["copy_vec4"],
+        format!("copy_vec4 {n}"),
+        vec![d],
+        vec![expect("out", &out, x_h, EXACT.0, EXACT.1)],
+    ))
 }
 
 fn bias_add(c: &mut Ctx<'_>) -> Result<Case> {
@@ -490,19 +776,41 @@ fn bias_add(c: &mut Ctx<'_>) -> Result<Case> {
     let (x_h, b_h) = (c.vals(rows * cols, -2.0, 2.0), c.vals(cols, -1.0, 1.0));
     let (x, b, out) = (c.up(&x_h)?, c.up(&b_h)?, c.k.zeros(rows * cols)?);
     let d = c.k.bias_add(out.view(), x.view(), b.view(), rows, cols)?;
-    Ok(Case::new(&["bias_add_forward"], format!("bias_add_forward {rows}x{cols}"), vec![d], vec![expect("out", &out, cpu::bias_add(&x_h, &b_h, cols), ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &["bias_add_forward"],
+        format!("bias_add_forward {rows}x{cols}"),
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::bias_add(&x_h, &b_h, cols),
+            ROUNDING.0,
+            ROUNDING.1,
+        )],
+    ))
 }
 
 fn activation(c: &mut Ctx<'_>, act: Activation, backward: bool) -> Result<Case> {
     let (x_h, dy_h) = (c.vals(FLAT_N, -4.0, 4.0), c.vals(FLAT_N, -1.0, 1.0));
     let (x, dy, out) = (c.up(&x_h)?, c.up(&dy_h)?, c.k.zeros(FLAT_N)?);
     let (d, want) = if backward {
-        (c.k.activation_backward(act, out.view(), x.view(), dy.view())?, cpu::activation_backward(act, &x_h, &dy_h))
+        (
+            c.k.activation_backward(act, out.view(), x.view(), dy.view())?,
+            cpu::activation_backward(act, &x_h, &dy_h),
+        )
     } else {
-        (c.k.activation_forward(act, out.view(), x.view())?, cpu::activation_forward(act, &x_h))
+        (
+            c.k.activation_forward(act, out.view(), x.view())?,
+            cpu::activation_forward(act, &x_h),
+        )
     };
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} {FLAT_N}"), vec![d], vec![expect("out", &out, want, TRANSCENDENTAL.0, TRANSCENDENTAL.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {FLAT_N}"),
+        vec![d],
+        vec![expect("out", &out, want, TRANSCENDENTAL.0, TRANSCENDENTAL.1)],
+    ))
 }
 
 // ---- reduce.wgsl -------------------------------------------------------
@@ -526,7 +834,8 @@ fn reduction_case(d: Dispatch, what: String, expected: Vec<Expect>, partial: &'s
     let two_stage = d.launches() > 1;
     let mut case = Case::new(&entries, format!("{} {what}", entries.join(" + ")), vec![d], expected);
     if two_stage {
-        case.scratch.push((partial, "the first stage's partial sums, summed by the second stage"));
+        case.scratch
+            .push((partial, "the first stage's partial sums, summed by the second stage"));
     }
     case
 }
@@ -535,16 +844,34 @@ fn sum_rows(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (x_h, out0) = (c.vals(rows * cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
     let d = c.k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?;
-    let want: Vec<f32> = cpu::sum_rows(&x_h, rows, cols).iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(reduction_case(d, format!("{rows}x{cols} accumulate"), vec![expect("out", &out, want, SUMS.0, SUMS.1)], "partial"))
+    let want: Vec<f32> = cpu::sum_rows(&x_h, rows, cols)
+        .iter()
+        .zip(&out0)
+        .map(|(s, o)| s + o)
+        .collect();
+    Ok(reduction_case(
+        d,
+        format!("{rows}x{cols} accumulate"),
+        vec![expect("out", &out, want, SUMS.0, SUMS.1)],
+        "partial",
+    ))
 }
 
 fn whole_sum(c: &mut Ctx<'_>, mean: bool) -> Result<Case> {
     let x_h = c.vals(FLAT_N, -1.0, 1.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(1)?);
-    let (d, want) = if mean { (c.k.mean(out.view(), x.view())?, cpu::mean(&x_h)) } else { (c.k.sum(out.view(), x.view())?, cpu::sum(&x_h)) };
+    let (d, want) = if mean {
+        (c.k.mean(out.view(), x.view())?, cpu::mean(&x_h))
+    } else {
+        (c.k.sum(out.view(), x.view())?, cpu::sum(&x_h))
+    };
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} {FLAT_N}"), vec![d], vec![expect("out", &out, vec![want], SUMS.0 * 10.0, SUMS.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {FLAT_N}"),
+        vec![d],
+        vec![expect("out", &out, vec![want], SUMS.0 * 10.0, SUMS.1)],
+    ))
 }
 
 fn max_rows(c: &mut Ctx<'_>) -> Result<Case> {
@@ -552,7 +879,12 @@ fn max_rows(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.distinct(rows * cols, -4.0, 4.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(rows)?);
     let d = c.k.max_rows(out.view(), x.view(), rows, cols)?;
-    Ok(Case::new(&["max_rows_forward"], format!("max_rows_forward {rows}x{cols}"), vec![d], vec![expect("out", &out, cpu::max_rows(&x_h, rows, cols), EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["max_rows_forward"],
+        format!("max_rows_forward {rows}x{cols}"),
+        vec![d],
+        vec![expect("out", &out, cpu::max_rows(&x_h, rows, cols), EXACT.0, EXACT.1)],
+    ))
 }
 
 fn argmax_rows(c: &mut Ctx<'_>) -> Result<Case> {
@@ -560,7 +892,12 @@ fn argmax_rows(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.distinct(rows * cols, -4.0, 4.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(rows)?);
     let d = c.k.argmax_rows(out.view(), x.view(), rows, cols)?;
-    Ok(Case::new(&["argmax_rows_forward"], format!("argmax_rows_forward {rows}x{cols}"), vec![d], vec![expect_u32("indices", &out, cpu::argmax_rows(&x_h, rows, cols))]))
+    Ok(Case::new(
+        &["argmax_rows_forward"],
+        format!("argmax_rows_forward {rows}x{cols}"),
+        vec![d],
+        vec![expect_u32("indices", &out, cpu::argmax_rows(&x_h, rows, cols))],
+    ))
 }
 
 // ---- loss.wgsl ---------------------------------------------------------
@@ -572,7 +909,18 @@ fn mse_forward(c: &mut Ctx<'_>, n: usize) -> Result<Case> {
     let (p_h, t_h) = (c.vals(n, -2.0, 2.0), c.vals(n, -2.0, 2.0));
     let (p, t, loss) = (c.up(&p_h)?, c.up(&t_h)?, c.k.zeros(1)?);
     let d = c.k.mse_forward(loss.view(), p.view(), t.view())?;
-    Ok(reduction_case(d, format!("{n}"), vec![expect("loss", &loss, vec![cpu::mse_forward(&p_h, &t_h)], LOSS.0, LOSS.1)], "partials"))
+    Ok(reduction_case(
+        d,
+        format!("{n}"),
+        vec![expect(
+            "loss",
+            &loss,
+            vec![cpu::mse_forward(&p_h, &t_h)],
+            LOSS.0,
+            LOSS.1,
+        )],
+        "partials",
+    ))
 }
 
 fn mse_backward(c: &mut Ctx<'_>) -> Result<Case> {
@@ -580,7 +928,12 @@ fn mse_backward(c: &mut Ctx<'_>) -> Result<Case> {
     let (p_h, t_h) = (c.vals(n, -2.0, 2.0), c.vals(n, -2.0, 2.0));
     let (p, t, dl, dp) = (c.up(&p_h)?, c.up(&t_h)?, c.up(&[0.7f32])?, c.k.zeros(n)?);
     let d = c.k.mse_backward(dp.view(), p.view(), t.view(), dl.view())?;
-    Ok(Case::new(&["mse_backward"], format!("mse_backward {n}"), vec![d], vec![expect("dpred", &dp, cpu::mse_backward(&p_h, &t_h, 0.7), LOSS.0, LOSS.1)]))
+    Ok(Case::new(
+        &["mse_backward"],
+        format!("mse_backward {n}"),
+        vec![d],
+        vec![expect("dpred", &dp, cpu::mse_backward(&p_h, &t_h, 0.7), LOSS.0, LOSS.1)],
+    ))
 }
 
 /// Over 256 rows a GPU sums in two stages.
@@ -589,16 +942,27 @@ fn ce_forward(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (l, y, loss) = (c.up(&l_h)?, c.up_u32(&y_h)?, c.k.zeros(1)?);
     let d = c.k.cross_entropy_forward(loss.view(), l.view(), y.view(), rows, cols)?;
     let want = cpu::cross_entropy_forward(&l_h, &y_h, rows, cols);
-    Ok(reduction_case(d, format!("{rows}x{cols}"), vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)], "partials"))
+    Ok(reduction_case(
+        d,
+        format!("{rows}x{cols}"),
+        vec![expect("loss", &loss, vec![want], LOSS.0, LOSS.1)],
+        "partials",
+    ))
 }
 
 fn ce_backward(c: &mut Ctx<'_>) -> Result<Case> {
     let (rows, cols) = (13, 11);
     let (l_h, y_h) = (c.vals(rows * cols, -3.0, 3.0), c.ids(rows, cols as u32));
     let (l, y, dl, dlogits) = (c.up(&l_h)?, c.up_u32(&y_h)?, c.up(&[1.3f32])?, c.k.zeros(rows * cols)?);
-    let d = c.k.cross_entropy_backward(dlogits.view(), l.view(), y.view(), dl.view(), rows, cols)?;
+    let d =
+        c.k.cross_entropy_backward(dlogits.view(), l.view(), y.view(), dl.view(), rows, cols)?;
     let want = cpu::cross_entropy_backward(&l_h, &y_h, 1.3, rows, cols);
-    Ok(Case::new(&["cross_entropy_backward"], format!("cross_entropy_backward {rows}x{cols}"), vec![d], vec![expect("dlogits", &dlogits, want, LOSS.0, LOSS.1)]))
+    Ok(Case::new(
+        &["cross_entropy_backward"],
+        format!("cross_entropy_backward {rows}x{cols}"),
+        vec![d],
+        vec![expect("dlogits", &dlogits, want, LOSS.0, LOSS.1)],
+    ))
 }
 
 /// A loss and its gradient in one dispatch, adding the bias gradient; with
@@ -609,26 +973,80 @@ fn fused_loss(c: &mut Ctx<'_>, labels: bool, linear: bool) -> Result<Case> {
     let (rows, cols, inner) = (7, 5, 6);
     let pred_h = c.vals(rows * cols, -2.0, 2.0);
     let (target_h, label_h) = (c.vals(rows * cols, -2.0, 2.0), c.ids(rows, cols as u32));
-    let (x_h, w_h, b_h) = (c.vals(rows * inner, -1.0, 1.0), c.vals(cols * inner, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
+    let (x_h, w_h, b_h) = (
+        c.vals(rows * inner, -1.0, 1.0),
+        c.vals(cols * inner, -1.0, 1.0),
+        c.vals(cols, -1.0, 1.0),
+    );
     let (wg0, bg0) = (c.vals(cols * inner, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
-    let pred = if linear { c.k.zeros(rows * cols)? } else { c.up(&pred_h)? };
+    let pred = if linear {
+        c.k.zeros(rows * cols)?
+    } else {
+        c.up(&pred_h)?
+    };
     let (target, label) = (c.up(&target_h)?, c.up_u32(&label_h)?);
     let (loss, dpred, dloss) = (c.k.zeros(1)?, c.k.zeros(rows * cols)?, c.up(&[0.9f32])?);
     let (x, w, b, wg, bg) = (c.up(&x_h)?, c.up(&w_h)?, c.up(&b_h)?, c.up(&wg0)?, c.up(&bg0)?);
-    let targets = if labels { LossTargets::Labels(label.view()) } else { LossTargets::Values(target.view()) };
-    let lin = linear.then(|| LossLinear { x: x.view(), weight: w.view(), bias: Some(b.view()), inner, weight_grad: wg.view() });
-    let d = c.k.loss_forward_backward_fused(targets, loss.view(), dpred.view(), pred.view(), dloss.view(), rows, cols, lin, Some(bg.view()))?;
-    let cpu_targets = if labels { cpu::LossTargets::Labels(&label_h) } else { cpu::LossTargets::Values(&target_h) };
-    let want = cpu::loss_forward_backward_fused(cpu_targets, &pred_h, linear.then_some((&x_h[..], &w_h[..], Some(&b_h[..]), inner)), 0.9, rows, cols);
+    let targets = if labels {
+        LossTargets::Labels(label.view())
+    } else {
+        LossTargets::Values(target.view())
+    };
+    let lin = linear.then(|| LossLinear {
+        x: x.view(),
+        weight: w.view(),
+        bias: Some(b.view()),
+        inner,
+        weight_grad: wg.view(),
+    });
+    let d = c.k.loss_forward_backward_fused(
+        targets,
+        loss.view(),
+        dpred.view(),
+        pred.view(),
+        dloss.view(),
+        rows,
+        cols,
+        lin,
+        Some(bg.view()),
+    )?;
+    let cpu_targets = if labels {
+        cpu::LossTargets::Labels(&label_h)
+    } else {
+        cpu::LossTargets::Values(&target_h)
+    };
+    let want = cpu::loss_forward_backward_fused(
+        cpu_targets,
+        &pred_h,
+        linear.then_some((&x_h[..], &w_h[..], Some(&b_h[..]), inner)),
+        0.9,
+        rows,
+        cols,
+    );
     let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
-    let mut expected = vec![expect("loss", &loss, vec![want.loss], LOSS.0, LOSS.1), expect("dpred", &dpred, want.dpred.clone(), LOSS.0, LOSS.1)];
+    let mut expected = vec![
+        expect("loss", &loss, vec![want.loss], LOSS.0, LOSS.1),
+        expect("dpred", &dpred, want.dpred.clone(), LOSS.0, LOSS.1),
+    ];
     expected.push(expect("bias_grad", &bg, add(&bg0, &want.bias_grad), LOSS.0, LOSS.1));
     if linear {
         expected.push(expect("pred", &pred, want.pred.clone(), SUMS.0, SUMS.1));
         expected.push(expect("weight_grad", &wg, add(&wg0, &want.weight_grad), LOSS.0, LOSS.1));
     }
     let d_entry = d.kernel().entry;
-    Ok(Case::new(&[d_entry], format!("{d_entry} {rows}x{cols}{}", if linear { format!(" inner {inner}") } else { String::new() }), vec![d], expected))
+    Ok(Case::new(
+        &[d_entry],
+        format!(
+            "{d_entry} {rows}x{cols}{}",
+            if linear {
+                format!(" inner {inner}")
+            } else {
+                String::new()
+            }
+        ),
+        vec![d],
+        expected,
+    ))
 }
 
 // ---- optim.wgsl --------------------------------------------------------
@@ -639,23 +1057,55 @@ fn sgd(c: &mut Ctx<'_>) -> Result<Case> {
     let n = FLAT_N;
     let (p0, g_h, m0) = (c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0));
     let (p, g, m) = (c.up(&p0)?, c.up(&g_h)?, c.up(&m0)?);
-    let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01, nesterov: true, ..SgdConfig::default() };
+    let cfg = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        weight_decay: 0.01,
+        nesterov: true,
+        ..SgdConfig::default()
+    };
     let d = c.k.sgd_update(p.view(), g.view(), m.view(), &cfg, 3)?;
     let (mut p_want, mut m_want) = (p0, m0);
     cpu::sgd_update(&mut p_want, &g_h, &mut m_want, &cfg, 3);
-    Ok(Case::new(&["sgd_update"], format!("sgd_update {n} step 3 nesterov"), vec![d], vec![expect("param", &p, p_want, OPTIM.0, OPTIM.1), expect("momentum_buf", &m, m_want, OPTIM.0, OPTIM.1)]))
+    Ok(Case::new(
+        &["sgd_update"],
+        format!("sgd_update {n} step 3 nesterov"),
+        vec![d],
+        vec![
+            expect("param", &p, p_want, OPTIM.0, OPTIM.1),
+            expect("momentum_buf", &m, m_want, OPTIM.0, OPTIM.1),
+        ],
+    ))
 }
 
 fn adam(c: &mut Ctx<'_>) -> Result<Case> {
     let n = FLAT_N;
-    let (p0, g_h, m0, v0) = (c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0), c.vals(n, -0.1, 0.1), c.vals(n, 0.0, 0.01));
+    let (p0, g_h, m0, v0) = (
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -0.1, 0.1),
+        c.vals(n, 0.0, 0.01),
+    );
     let (p, g, m, v) = (c.up(&p0)?, c.up(&g_h)?, c.up(&m0)?, c.up(&v0)?);
-    let cfg = AdamConfig { lr: 1e-2, weight_decay: 0.01, ..AdamConfig::adam() };
+    let cfg = AdamConfig {
+        lr: 1e-2,
+        weight_decay: 0.01,
+        ..AdamConfig::adam()
+    };
     let d = c.k.adam_update(p.view(), g.view(), m.view(), v.view(), &cfg, 3)?;
     let (mut p_want, mut m_want, mut v_want) = (p0, m0, v0);
     cpu::adam_update(&mut p_want, &g_h, &mut m_want, &mut v_want, &cfg, 3);
-    let expected = vec![expect("param", &p, p_want, OPTIM.0, OPTIM.1), expect("exp_avg", &m, m_want, OPTIM.0, OPTIM.1), expect("exp_avg_sq", &v, v_want, OPTIM.0, OPTIM.1)];
-    Ok(Case::new(&["adam_update"], format!("adam_update {n} step 3"), vec![d], expected))
+    let expected = vec![
+        expect("param", &p, p_want, OPTIM.0, OPTIM.1),
+        expect("exp_avg", &m, m_want, OPTIM.0, OPTIM.1),
+        expect("exp_avg_sq", &v, v_want, OPTIM.0, OPTIM.1),
+    ];
+    Ok(Case::new(
+        &["adam_update"],
+        format!("adam_update {n} step 3"),
+        vec![d],
+        expected,
+    ))
 }
 
 /// An AdamW step with gradient clipping over an arena whose first part is
@@ -665,17 +1115,40 @@ fn adam(c: &mut Ctx<'_>) -> Result<Case> {
 /// own: its partials are checked through their sum (the squared norm).
 fn clipped_adamw(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, decay_len, max_norm) = (3001, 1800, 1.0f32);
-    let (p0, g_h, m0, v0) = (c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0), c.vals(n, -0.1, 0.1), c.vals(n, 0.0, 0.01));
+    let (p0, g_h, m0, v0) = (
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -0.1, 0.1),
+        c.vals(n, 0.0, 0.01),
+    );
     let groups = wgrad::kernels::grad_norm_groups(n);
-    let (p, g, m, v, norm, partials) = (c.up(&p0)?, c.up(&g_h)?, c.up(&m0)?, c.up(&v0)?, c.k.zeros(2)?, c.k.zeros(groups)?);
-    let cfg = OptimizerConfig::Adam(AdamConfig { lr: 1e-2, clip_grad_norm: Some(max_norm), ..AdamConfig::adamw() });
+    let (p, g, m, v, norm, partials) = (
+        c.up(&p0)?,
+        c.up(&g_h)?,
+        c.up(&m0)?,
+        c.up(&v0)?,
+        c.k.zeros(2)?,
+        c.k.zeros(groups)?,
+    );
+    let cfg = OptimizerConfig::Adam(AdamConfig {
+        lr: 1e-2,
+        clip_grad_norm: Some(max_norm),
+        ..AdamConfig::adamw()
+    });
     let [sums, finish] = c.k.grad_norm(norm.view(), partials.view(), g.view(), max_norm)?;
-    let arena = wgrad::kernels::ArenaGroups { decay_len, grad_norm: Some(norm.view()) };
-    let update = c.k.optimizer_update(&cfg, p.view(), g.view(), &[m.view(), v.view()], arena, 3)?;
+    let arena = wgrad::kernels::ArenaGroups {
+        decay_len,
+        grad_norm: Some(norm.view()),
+    };
+    let update =
+        c.k.optimizer_update(&cfg, p.view(), g.view(), &[m.view(), v.view()], arena, 3)?;
     // The twin takes the arena as two tensors: decayed, then not.
     let split = |v: &[f32]| vec![v[..decay_len].to_vec(), v[decay_len..].to_vec()];
     let (mut params, grads) = (split(&p0), split(&g_h));
-    let mut state = vec![vec![m0[..decay_len].to_vec(), v0[..decay_len].to_vec()], vec![m0[decay_len..].to_vec(), v0[decay_len..].to_vec()]];
+    let mut state = vec![
+        vec![m0[..decay_len].to_vec(), v0[..decay_len].to_vec()],
+        vec![m0[decay_len..].to_vec(), v0[decay_len..].to_vec()],
+    ];
     cpu::optimizer_step(&mut params, &grads, &mut state, &[true, false], &cfg, 3);
     let (total, factor) = cpu::clip_grad_norm(&[&g_h], max_norm);
     let joined = |a: &[Vec<f32>]| a.concat();
@@ -687,8 +1160,20 @@ fn clipped_adamw(c: &mut Ctx<'_>) -> Result<Case> {
         expect("norm_out", &norm, vec![total, factor], SUMS.0, 1e-5),
         squares,
         expect("param", &p, joined(&params), OPTIM.0, OPTIM.1),
-        expect("exp_avg", &m, joined(&[state[0][0].clone(), state[1][0].clone()]), OPTIM.0, OPTIM.1),
-        expect("exp_avg_sq", &v, joined(&[state[0][1].clone(), state[1][1].clone()]), OPTIM.0, OPTIM.1),
+        expect(
+            "exp_avg",
+            &m,
+            joined(&[state[0][0].clone(), state[1][0].clone()]),
+            OPTIM.0,
+            OPTIM.1,
+        ),
+        expect(
+            "exp_avg_sq",
+            &v,
+            joined(&[state[0][1].clone(), state[1][1].clone()]),
+            OPTIM.0,
+            OPTIM.1,
+        ),
     ];
     Ok(Case::new(
         &["grad_norm_partials", "grad_norm_finish", "adamw_update"],
@@ -707,45 +1192,101 @@ fn clipped_adamw(c: &mut Ctx<'_>) -> Result<Case> {
 /// gradients times that factor. The partials have no twin of their own.
 fn loss_scaled_adamw(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, decay_len, max_norm) = (2999, 1700, 1.0f32);
-    let scaling = wgrad::optim::LossScaling { init_scale: 1024.0, ..Default::default() };
-    let (p0, g0, m0, v0) = (c.vals(n, -1.0, 1.0), c.vals(n, -1.0, 1.0), c.vals(n, -0.1, 0.1), c.vals(n, 0.0, 0.01));
+    let scaling = wgrad::optim::LossScaling {
+        init_scale: 1024.0,
+        ..Default::default()
+    };
+    let (p0, g0, m0, v0) = (
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -1.0, 1.0),
+        c.vals(n, -0.1, 0.1),
+        c.vals(n, 0.0, 0.01),
+    );
     let scaled: Vec<f32> = g0.iter().map(|g| g * scaling.init_scale).collect();
-    let cfg = OptimizerConfig::Adam(AdamConfig { lr: 1e-2, clip_grad_norm: Some(max_norm), ..AdamConfig::adamw() }).with_loss_scaling(Some(scaling));
+    let cfg = OptimizerConfig::Adam(AdamConfig {
+        lr: 1e-2,
+        clip_grad_norm: Some(max_norm),
+        ..AdamConfig::adamw()
+    })
+    .with_loss_scaling(Some(scaling));
     let groups = wgrad::kernels::grad_norm_groups(n);
     let (p, g, m, v) = (c.up(&p0)?, c.up(&scaled)?, c.up(&m0)?, c.up(&v0)?);
-    let (block, partials) = (c.up(&wgrad::kernels::loss_scale_block(&scaling))?, c.k.zeros(2 * groups)?);
+    let (block, partials) = (
+        c.up(&wgrad::kernels::loss_scale_block(&scaling))?,
+        c.k.zeros(2 * groups)?,
+    );
     let [sums, finish] = c.k.loss_scale(block.view(), partials.view(), g.view(), &cfg)?;
-    let arena = wgrad::kernels::ArenaGroups { decay_len, grad_norm: Some(block.view()) };
-    let update = c.k.optimizer_update(&cfg, p.view(), g.view(), &[m.view(), v.view()], arena, 1)?;
+    let arena = wgrad::kernels::ArenaGroups {
+        decay_len,
+        grad_norm: Some(block.view()),
+    };
+    let update =
+        c.k.optimizer_update(&cfg, p.view(), g.view(), &[m.view(), v.view()], arena, 1)?;
     let mut twin = cpu::LossScaleTwin::new(&scaling);
     let (norm, factor) = twin.step(&scaled, &scaling, Some(max_norm));
-    let factor = factor.ok_or_else(|| Error::Validation { op: "loss_scaled_adamw".into(), message: "finite gradients were skipped by the twin".into() })?;
-    let plain = OptimizerConfig::Adam(AdamConfig { lr: 1e-2, ..AdamConfig::adamw() });
+    let factor = factor.ok_or_else(|| Error::Validation {
+        op: "loss_scaled_adamw".into(),
+        message: "finite gradients were skipped by the twin".into(),
+    })?;
+    let plain = OptimizerConfig::Adam(AdamConfig {
+        lr: 1e-2,
+        ..AdamConfig::adamw()
+    });
     let split = |v: &[f32]| vec![v[..decay_len].to_vec(), v[decay_len..].to_vec()];
     let unscaled: Vec<f32> = scaled.iter().map(|g| g * factor).collect();
     let (mut params, grads) = (split(&p0), split(&unscaled));
-    let mut state = vec![vec![m0[..decay_len].to_vec(), v0[..decay_len].to_vec()], vec![m0[decay_len..].to_vec(), v0[decay_len..].to_vec()]];
+    let mut state = vec![
+        vec![m0[..decay_len].to_vec(), v0[..decay_len].to_vec()],
+        vec![m0[decay_len..].to_vec(), v0[decay_len..].to_vec()],
+    ];
     cpu::optimizer_step(&mut params, &grads, &mut state, &[true, false], &plain, 1);
     let joined = |a: &[Vec<f32>]| a.concat();
     // Words of the block against the twin: the unscaled norm, no skip, the
     // scale unchanged after one clean step, one step taken.
     use wgrad::kernels::loss_scale_word as word;
-    let at = |name: &'static str, w: usize, value: f32| Expect { offset: (w * 4) as u64, source: "a word of the loss-scale block", ..expect(name, &block, vec![value], SUMS.0, 1e-5) };
-    let words = [at("block_norm", word::NORM, norm), at("block_skip", word::SKIP, 0.0), at("block_scale", word::SCALE, twin.scale), at("block_step", word::STEP, twin.steps_taken as f32)];
+    let at = |name: &'static str, w: usize, value: f32| Expect {
+        offset: (w * 4) as u64,
+        source: "a word of the loss-scale block",
+        ..expect(name, &block, vec![value], SUMS.0, 1e-5)
+    };
+    let words = [
+        at("block_norm", word::NORM, norm),
+        at("block_skip", word::SKIP, 0.0),
+        at("block_scale", word::SCALE, twin.scale),
+        at("block_step", word::STEP, twin.steps_taken as f32),
+    ];
     let mut expected = Vec::from(words);
     expected.extend([
         expect("param", &p, joined(&params), OPTIM.0, OPTIM.1),
-        expect("exp_avg", &m, joined(&[state[0][0].clone(), state[1][0].clone()]), OPTIM.0, OPTIM.1),
-        expect("exp_avg_sq", &v, joined(&[state[0][1].clone(), state[1][1].clone()]), OPTIM.0, OPTIM.1),
+        expect(
+            "exp_avg",
+            &m,
+            joined(&[state[0][0].clone(), state[1][0].clone()]),
+            OPTIM.0,
+            OPTIM.1,
+        ),
+        expect(
+            "exp_avg_sq",
+            &v,
+            joined(&[state[0][1].clone(), state[1][1].clone()]),
+            OPTIM.0,
+            OPTIM.1,
+        ),
     ]);
     let mut case = Case::new(
         &["loss_scale_partials", "loss_scale_finish", "adamw_update"],
-        format!("loss_scale + adamw_update {n} ({groups} partials) scale {} clip {max_norm} decay {decay_len}", scaling.init_scale),
+        format!(
+            "loss_scale + adamw_update {n} ({groups} partials) scale {} clip {max_norm} decay {decay_len}",
+            scaling.init_scale
+        ),
         vec![sums, finish, update],
         expected,
     )
     .note("--precision f16's step: unscale, check and clip, then the update reading the factor and step count");
-    case.scratch.push(("partials", "per-chunk sums of squares and non-finite counts, read by loss_scale_finish"));
+    case.scratch.push((
+        "partials",
+        "per-chunk sums of squares and non-finite counts, read by loss_scale_finish",
+    ));
     Ok(case)
 }
 
@@ -755,9 +1296,15 @@ fn matmul_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (21, 19, 17);
     let (a_h, b_h) = (f16s(&c.vals(m * kk, -1.0, 1.0)), f16s(&c.vals(n * kk, -1.0, 1.0)));
     let (a, b, out) = (c.k.upload_f16(&a_h)?, c.k.upload_f16(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul_f16(MatmulForm::ABt, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d =
+        c.k.matmul_f16(MatmulForm::ABt, out.view(), a.view(), b.view(), m, n, kk)?;
     let want = cpu::matmul_f16(MatmulForm::ABt, &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&["matmul_f16_forward"], format!("matmul_f16_forward ABt {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &["matmul_f16_forward"],
+        format!("matmul_f16_forward ABt {m}x{n}x{kk}"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 fn to_f16(c: &mut Ctx<'_>) -> Result<Case> {
@@ -767,15 +1314,35 @@ fn to_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let want = cpu::from_f16(&cpu::to_f16(&x_h));
     // WGSL lets the conversion round to either neighbour: one f16 ULP
     // (2^-10 relative) plus f16's smallest subnormal.
-    let e = Expect { name: "dst", buffer: out.buffer().clone(), offset: 0, elements: want.len(), values: Values::F16(want), atol: 6e-8, rtol: 1.0 / 1024.0, sum: false, source: "" };
-    Ok(Case::new(&["f32_to_f16"], format!("f32_to_f16 {FLAT_N}"), vec![d], vec![e]))
+    let e = Expect {
+        name: "dst",
+        buffer: out.buffer().clone(),
+        offset: 0,
+        elements: want.len(),
+        values: Values::F16(want),
+        atol: 6e-8,
+        rtol: 1.0 / 1024.0,
+        sum: false,
+        source: "",
+    };
+    Ok(Case::new(
+        &["f32_to_f16"],
+        format!("f32_to_f16 {FLAT_N}"),
+        vec![d],
+        vec![e],
+    ))
 }
 
 fn from_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = f16s(&c.vals(FLAT_N, -4.0, 4.0));
     let (x, out) = (c.k.upload_f16(&x_h)?, c.k.zeros(FLAT_N)?);
     let d = c.k.from_f16(out.view(), x.view())?;
-    Ok(Case::new(&["f16_to_f32"], format!("f16_to_f32 {FLAT_N}"), vec![d], vec![expect("dst", &out, cpu::from_f16(&x_h), EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["f16_to_f32"],
+        format!("f16_to_f32 {FLAT_N}"),
+        vec![d],
+        vec![expect("dst", &out, cpu::from_f16(&x_h), EXACT.0, EXACT.1)],
+    ))
 }
 
 // ---- rowwise.wgsl ------------------------------------------------------
@@ -792,7 +1359,12 @@ fn softmax(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let entry = d.kernel().entry;
     let want = cpu::softmax_forward(&x_h, rows, cols, causal);
     let mask = if causal.is_some() { " causal" } else { "" };
-    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}{mask}"), vec![d], vec![expect("y", &y, want, ROW.0, ROW.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {rows}x{cols}{mask}"),
+        vec![d],
+        vec![expect("y", &y, want, ROW.0, ROW.1)],
+    ))
 }
 
 fn softmax_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
@@ -802,25 +1374,62 @@ fn softmax_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (y, dy, dx) = (c.up(&y_h)?, c.up(&dy_h)?, c.k.zeros(rows * cols)?);
     let d = c.k.softmax_backward(dx.view(), y.view(), dy.view(), rows, cols)?;
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], vec![expect("dx", &dx, cpu::softmax_backward(&y_h, &dy_h, rows, cols), ROW.0, ROW.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {rows}x{cols}"),
+        vec![d],
+        vec![expect(
+            "dx",
+            &dx,
+            cpu::softmax_backward(&y_h, &dy_h, rows, cols),
+            ROW.0,
+            ROW.1,
+        )],
+    ))
 }
 
 fn layernorm(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, cols) = if short { (37, 29) } else { (5, 300) };
-    let (x_h, w_h, b_h) = (c.vals(rows * cols, -2.0, 3.0), c.vals(cols, 0.5, 1.5), c.vals(cols, -0.5, 0.5));
+    let (x_h, w_h, b_h) = (
+        c.vals(rows * cols, -2.0, 3.0),
+        c.vals(cols, 0.5, 1.5),
+        c.vals(cols, -0.5, 0.5),
+    );
     let (x, w, b) = (c.up(&x_h)?, c.up(&w_h)?, c.up(&b_h)?);
     let (y, mean, rstd) = (c.k.zeros(rows * cols)?, c.k.zeros(rows)?, c.k.zeros(rows)?);
-    let d = c.k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), b.view(), rows, cols, 1e-5)?;
+    let d = c.k.layernorm_forward(
+        y.view(),
+        mean.view(),
+        rstd.view(),
+        x.view(),
+        w.view(),
+        b.view(),
+        rows,
+        cols,
+        1e-5,
+    )?;
     let entry = d.kernel().entry;
     let want = cpu::layernorm_forward(&x_h, &w_h, &b_h, rows, cols, 1e-5);
-    let expected = vec![expect("y", &y, want.y, ROW.0 * 5.0, ROW.1), expect("mean", &mean, want.mean, ROW.0, ROW.1), expect("rstd", &rstd, want.rstd, ROW.0, ROW.1)];
+    let expected = vec![
+        expect("y", &y, want.y, ROW.0 * 5.0, ROW.1),
+        expect("mean", &mean, want.mean, ROW.0, ROW.1),
+        expect("rstd", &rstd, want.rstd, ROW.0, ROW.1),
+    ];
     Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], expected))
 }
 
 /// Layernorm's backward inputs: dy, x, weight and the forward's statistics
 /// (from the twin).
-fn layernorm_inputs(c: &mut Ctx<'_>, rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, cpu::LayerNormForward) {
-    let (x_h, w_h, dy_h) = (c.vals(rows * cols, -2.0, 3.0), c.vals(cols, 0.5, 1.5), c.vals(rows * cols, -1.0, 1.0));
+fn layernorm_inputs(
+    c: &mut Ctx<'_>,
+    rows: usize,
+    cols: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, cpu::LayerNormForward) {
+    let (x_h, w_h, dy_h) = (
+        c.vals(rows * cols, -2.0, 3.0),
+        c.vals(cols, 0.5, 1.5),
+        c.vals(rows * cols, -1.0, 1.0),
+    );
     let fwd = cpu::layernorm_forward(&x_h, &w_h, &vec![0.0; cols], rows, cols, 1e-5);
     (x_h, w_h, dy_h, fwd)
 }
@@ -828,39 +1437,93 @@ fn layernorm_inputs(c: &mut Ctx<'_>, rows: usize, cols: usize) -> (Vec<f32>, Vec
 fn layernorm_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, cols) = if short { (37, 29) } else { (5, 300) };
     let (x_h, w_h, dy_h, fwd) = layernorm_inputs(c, rows, cols);
-    let (x, w, dy, mean, rstd, dx) = (c.up(&x_h)?, c.up(&w_h)?, c.up(&dy_h)?, c.up(&fwd.mean)?, c.up(&fwd.rstd)?, c.k.zeros(rows * cols)?);
-    let d = c.k.layernorm_backward(dx.view(), dy.view(), x.view(), w.view(), mean.view(), rstd.view(), rows, cols)?;
+    let (x, w, dy, mean, rstd, dx) = (
+        c.up(&x_h)?,
+        c.up(&w_h)?,
+        c.up(&dy_h)?,
+        c.up(&fwd.mean)?,
+        c.up(&fwd.rstd)?,
+        c.k.zeros(rows * cols)?,
+    );
+    let d = c.k.layernorm_backward(
+        dx.view(),
+        dy.view(),
+        x.view(),
+        w.view(),
+        mean.view(),
+        rstd.view(),
+        rows,
+        cols,
+    )?;
     let entry = d.kernel().entry;
     let want = cpu::layernorm_backward(&dy_h, &x_h, &w_h, &fwd.mean, &fwd.rstd, rows, cols);
-    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {rows}x{cols}"),
+        vec![d],
+        vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)],
+    ))
 }
 
 fn layernorm_params(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (x_h, w_h, dy_h, fwd) = layernorm_inputs(c, rows, cols);
     let (dw0, db0) = (c.vals(cols, -1.0, 1.0), c.vals(cols, -1.0, 1.0));
-    let (x, dy, mean, rstd, dw, db) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&fwd.mean)?, c.up(&fwd.rstd)?, c.up(&dw0)?, c.up(&db0)?);
-    let d = c.k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?;
+    let (x, dy, mean, rstd, dw, db) = (
+        c.up(&x_h)?,
+        c.up(&dy_h)?,
+        c.up(&fwd.mean)?,
+        c.up(&fwd.rstd)?,
+        c.up(&dw0)?,
+        c.up(&db0)?,
+    );
+    let d = c.k.layernorm_backward_params(
+        true,
+        dw.view(),
+        db.view(),
+        dy.view(),
+        x.view(),
+        mean.view(),
+        rstd.view(),
+        rows,
+        cols,
+    )?;
     let want = cpu::layernorm_backward(&dy_h, &x_h, &w_h, &fwd.mean, &fwd.rstd, rows, cols);
     let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
-    let expected = vec![expect("dweight", &dw, add(&dw0, &want.dweight), SUMS.0, SUMS.1), expect("dbias", &db, add(&db0, &want.dbias), SUMS.0, SUMS.1)];
-    Ok(reduction_case(d, format!("{rows}x{cols} accumulate"), expected, "partial"))
+    let expected = vec![
+        expect("dweight", &dw, add(&dw0, &want.dweight), SUMS.0, SUMS.1),
+        expect("dbias", &db, add(&db0, &want.dbias), SUMS.0, SUMS.1),
+    ];
+    Ok(reduction_case(
+        d,
+        format!("{rows}x{cols} accumulate"),
+        expected,
+        "partial",
+    ))
 }
 
 fn rmsnorm(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, cols) = if short { (37, 29) } else { (5, 300) };
     let (x_h, w_h) = (c.vals(rows * cols, -2.0, 2.0), c.vals(cols, 0.5, 1.5));
     let (x, w, y, rstd) = (c.up(&x_h)?, c.up(&w_h)?, c.k.zeros(rows * cols)?, c.k.zeros(rows)?);
-    let d = c.k.rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), rows, cols, 1e-6)?;
+    let d =
+        c.k.rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), rows, cols, 1e-6)?;
     let entry = d.kernel().entry;
     let want = cpu::rmsnorm_forward(&x_h, &w_h, rows, cols, 1e-6);
-    let expected = vec![expect("y", &y, want.y, ROW.0 * 5.0, ROW.1), expect("rstd", &rstd, want.rstd, ROW.0, ROW.1)];
+    let expected = vec![
+        expect("y", &y, want.y, ROW.0 * 5.0, ROW.1),
+        expect("rstd", &rstd, want.rstd, ROW.0, ROW.1),
+    ];
     Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], expected))
 }
 
 /// RMSNorm's backward inputs: dy, x, weight and the forward's rstd (from
 /// the twin).
 fn rmsnorm_inputs(c: &mut Ctx<'_>, rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (x_h, w_h, dy_h) = (c.vals(rows * cols, -2.0, 2.0), c.vals(cols, 0.5, 1.5), c.vals(rows * cols, -1.0, 1.0));
+    let (x_h, w_h, dy_h) = (
+        c.vals(rows * cols, -2.0, 2.0),
+        c.vals(cols, 0.5, 1.5),
+        c.vals(rows * cols, -1.0, 1.0),
+    );
     let rstd = cpu::rmsnorm_forward(&x_h, &w_h, rows, cols, 1e-6).rstd;
     (x_h, w_h, dy_h, rstd)
 }
@@ -868,11 +1531,23 @@ fn rmsnorm_inputs(c: &mut Ctx<'_>, rows: usize, cols: usize) -> (Vec<f32>, Vec<f
 fn rmsnorm_backward(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (rows, cols) = if short { (37, 29) } else { (5, 300) };
     let (x_h, w_h, dy_h, rstd_h) = rmsnorm_inputs(c, rows, cols);
-    let (x, w, dy, rstd, dx) = (c.up(&x_h)?, c.up(&w_h)?, c.up(&dy_h)?, c.up(&rstd_h)?, c.k.zeros(rows * cols)?);
-    let d = c.k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?;
+    let (x, w, dy, rstd, dx) = (
+        c.up(&x_h)?,
+        c.up(&w_h)?,
+        c.up(&dy_h)?,
+        c.up(&rstd_h)?,
+        c.k.zeros(rows * cols)?,
+    );
+    let d =
+        c.k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?;
     let entry = d.kernel().entry;
     let want = cpu::rmsnorm_backward(&dy_h, &x_h, &w_h, &rstd_h, rows, cols);
-    Ok(Case::new(&[entry], format!("{entry} {rows}x{cols}"), vec![d], vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {rows}x{cols}"),
+        vec![d],
+        vec![expect("dx", &dx, want.dx, ROW.0 * 5.0, ROW.1)],
+    ))
 }
 
 /// RMSNorm's weight gradient: layernorm's column-sum entries, not centered.
@@ -880,10 +1555,16 @@ fn rmsnorm_params(c: &mut Ctx<'_>, rows: usize, cols: usize) -> Result<Case> {
     let (x_h, w_h, dy_h, rstd_h) = rmsnorm_inputs(c, rows, cols);
     let dw0 = c.vals(cols, -1.0, 1.0);
     let (x, dy, rstd, dw) = (c.up(&x_h)?, c.up(&dy_h)?, c.up(&rstd_h)?, c.up(&dw0)?);
-    let d = c.k.rmsnorm_backward_params(true, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?;
+    let d =
+        c.k.rmsnorm_backward_params(true, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?;
     let want = cpu::rmsnorm_backward(&dy_h, &x_h, &w_h, &rstd_h, rows, cols);
     let dweight: Vec<f32> = dw0.iter().zip(&want.dweight).map(|(a, b)| a + b).collect();
-    Ok(reduction_case(d, format!("{rows}x{cols} RMSNorm accumulate"), vec![expect("dweight", &dw, dweight, SUMS.0, SUMS.1)], "partial"))
+    Ok(reduction_case(
+        d,
+        format!("{rows}x{cols} RMSNorm accumulate"),
+        vec![expect("dweight", &dw, dweight, SUMS.0, SUMS.1)],
+        "partial",
+    ))
 }
 
 fn ce_rows(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
@@ -891,19 +1572,34 @@ fn ce_rows(c: &mut Ctx<'_>, short: bool) -> Result<Case> {
     let (l_h, t_h) = (c.vals(rows * vocab, -4.0, 4.0), c.ids(rows, vocab as u32));
     let scale = 1.0 / rows as f32;
     let (l, t, losses, dl) = (c.up(&l_h)?, c.up_u32(&t_h)?, c.k.zeros(rows)?, c.k.zeros(rows * vocab)?);
-    let d = c.k.cross_entropy_rows_forward_backward(losses.view(), dl.view(), l.view(), t.view(), rows, vocab, scale)?;
+    let d =
+        c.k.cross_entropy_rows_forward_backward(losses.view(), dl.view(), l.view(), t.view(), rows, vocab, scale)?;
     let entry = d.kernel().entry;
     let (want_l, want_d) = cpu::cross_entropy_rows_forward_backward(&l_h, &t_h, rows, vocab, scale);
-    Ok(Case::new(&[entry], format!("{entry} {rows}x{vocab}"), vec![d], vec![expect("losses", &losses, want_l, ROW.0 * 5.0, ROW.1), expect("dlogits", &dl, want_d, ROW.0, ROW.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {rows}x{vocab}"),
+        vec![d],
+        vec![
+            expect("losses", &losses, want_l, ROW.0 * 5.0, ROW.1),
+            expect("dlogits", &dl, want_d, ROW.0, ROW.1),
+        ],
+    ))
 }
 
 fn embedding(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, vocab, channels) = (37, 23, 29);
     let (table_h, ids_h) = (c.vals(vocab * channels, -1.0, 1.0), c.ids(n, vocab as u32));
     let (table, ids, out) = (c.up(&table_h)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
-    let d = c.k.embedding_forward(out.view(), table.view(), ids.view(), n, vocab, channels)?;
+    let d =
+        c.k.embedding_forward(out.view(), table.view(), ids.view(), n, vocab, channels)?;
     let want = cpu::embedding_forward(&table_h, &ids_h, vocab, channels);
-    Ok(Case::new(&["embedding_forward"], format!("embedding_forward {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["embedding_forward"],
+        format!("embedding_forward {n} ids, {vocab}x{channels}"),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 /// A table over [`On::Split`]'s binding size: one launch per range of
@@ -912,11 +1608,19 @@ fn embedding_split(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, vocab, channels) = (31, 97, 29);
     let (table_h, ids_h) = (c.vals(vocab * channels, -1.0, 1.0), c.ids(n, vocab as u32));
     let (table, ids, out) = (c.up(&table_h)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
-    let d = c.k.embedding_forward(out.view(), table.view(), ids.view(), n, vocab, channels)?;
+    let d =
+        c.k.embedding_forward(out.view(), table.view(), ids.view(), n, vocab, channels)?;
     let launches = d.launches();
     let want = cpu::embedding_forward(&table_h, &ids_h, vocab, channels);
-    let name = format!("embedding_forward {n} ids, {vocab}x{channels} split into {launches} launches ({SPLIT_BINDING}-byte bindings)");
-    Ok(Case::new(&["embedding_forward"], name, vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    let name = format!(
+        "embedding_forward {n} ids, {vocab}x{channels} split into {launches} launches ({SPLIT_BINDING}-byte bindings)"
+    );
+    Ok(Case::new(
+        &["embedding_forward"],
+        name,
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 /// The embedding's backward as the executor records it: the sort, then the
@@ -925,12 +1629,22 @@ fn embedding_split(c: &mut Ctx<'_>) -> Result<Case> {
 /// stably sorted by id (several 256-position tiles, many repeats).
 fn embedding_backward(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, vocab, channels) = (600, 23, 7);
-    let (dout_h, ids_h, dt0) = (c.vals(n * channels, -1.0, 1.0), c.ids(n, vocab as u32), c.vals(vocab * channels, -1.0, 1.0));
+    let (dout_h, ids_h, dt0) = (
+        c.vals(n * channels, -1.0, 1.0),
+        c.ids(n, vocab as u32),
+        c.vals(vocab * channels, -1.0, 1.0),
+    );
     let (dout, ids, dtable) = (c.up(&dout_h)?, c.up_u32(&ids_h)?, c.up(&dt0)?);
     let (order, cursor) = (c.k.zeros(n)?, c.k.zeros(vocab + 1)?);
-    let sort = c.k.embedding_backward_sort(order.view(), cursor.view(), ids.view(), n, vocab)?;
-    let gather = c.k.embedding_backward(dtable.view(), dout.view(), ids.view(), order.view(), n, vocab, channels)?;
-    let want: Vec<f32> = cpu::embedding_backward(&dout_h, &ids_h, vocab, channels).iter().zip(&dt0).map(|(g, t)| g + t).collect();
+    let sort =
+        c.k.embedding_backward_sort(order.view(), cursor.view(), ids.view(), n, vocab)?;
+    let gather =
+        c.k.embedding_backward(dtable.view(), dout.view(), ids.view(), order.view(), n, vocab, channels)?;
+    let want: Vec<f32> = cpu::embedding_backward(&dout_h, &ids_h, vocab, channels)
+        .iter()
+        .zip(&dt0)
+        .map(|(g, t)| g + t)
+        .collect();
     let mut by_id: Vec<u32> = (0..n as u32).collect();
     by_id.sort_by_key(|&p| ids_h[p as usize]); // stable
     let mut sorted = expect_u32("order", &order, by_id);
@@ -951,16 +1665,33 @@ fn binary_broadcast(c: &mut Ctx<'_>) -> Result<Case> {
     let (a_shape, b_shape) = ([2, 3, 5, 7], [3, 1, 7]);
     let (a_h, b_h) = (c.vals(210, -2.0, 2.0), c.vals(21, -2.0, 2.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(210)?);
-    let d = c.k.binary_broadcast(Binary::Mul, out.view(), a.view(), b.view(), &a_shape, &b_shape)?;
+    let d =
+        c.k.binary_broadcast(Binary::Mul, out.view(), a.view(), b.view(), &a_shape, &b_shape)?;
     let want = cpu::binary_broadcast(Binary::Mul, &a_h, &b_h, &a_shape, &b_shape)?;
-    Ok(Case::new(&["binary_broadcast_forward"], "binary_broadcast_forward mul [2,3,5,7] by [3,1,7]", vec![d], vec![expect("out", &out, want, ROUNDING.0, ROUNDING.1)]))
+    Ok(Case::new(
+        &["binary_broadcast_forward"],
+        "binary_broadcast_forward mul [2,3,5,7] by [3,1,7]",
+        vec![d],
+        vec![expect("out", &out, want, ROUNDING.0, ROUNDING.1)],
+    ))
 }
 
 fn unary(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.vals(FLAT_N, -4.0, 4.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(FLAT_N)?);
     let d = c.k.unary(Unary::Exp, out.view(), x.view())?;
-    Ok(Case::new(&["unary_forward"], format!("unary_forward exp {FLAT_N}"), vec![d], vec![expect("out", &out, cpu::unary(Unary::Exp, &x_h), TRANSCENDENTAL.0, TRANSCENDENTAL.1)]))
+    Ok(Case::new(
+        &["unary_forward"],
+        format!("unary_forward exp {FLAT_N}"),
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::unary(Unary::Exp, &x_h),
+            TRANSCENDENTAL.0,
+            TRANSCENDENTAL.1,
+        )],
+    ))
 }
 
 fn reduce_to_shape(c: &mut Ctx<'_>, x_shape: &[usize], out_shape: &[usize]) -> Result<Case> {
@@ -968,8 +1699,17 @@ fn reduce_to_shape(c: &mut Ctx<'_>, x_shape: &[usize], out_shape: &[usize]) -> R
     let (x_h, out0) = (c.vals(x_len, -1.0, 1.0), c.vals(out_len, -1.0, 1.0));
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
     let d = c.k.reduce_to_shape(true, out.view(), x.view(), x_shape, out_shape)?;
-    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, x_shape, out_shape)?.iter().zip(&out0).map(|(s, o)| s + o).collect();
-    Ok(reduction_case(d, format!("{x_shape:?} to {out_shape:?} accumulate"), vec![expect("out", &out, want, SUMS.0, SUMS.1)], "partial"))
+    let want: Vec<f32> = cpu::reduce_to_shape(&x_h, x_shape, out_shape)?
+        .iter()
+        .zip(&out0)
+        .map(|(s, o)| s + o)
+        .collect();
+    Ok(reduction_case(
+        d,
+        format!("{x_shape:?} to {out_shape:?} accumulate"),
+        vec![expect("out", &out, want, SUMS.0, SUMS.1)],
+        "partial",
+    ))
 }
 
 fn permute(c: &mut Ctx<'_>) -> Result<Case> {
@@ -977,7 +1717,18 @@ fn permute(c: &mut Ctx<'_>) -> Result<Case> {
     let x_h = c.vals(210, -2.0, 2.0);
     let (x, out) = (c.up(&x_h)?, c.k.zeros(210)?);
     let d = c.k.permute(out.view(), x.view(), &shape, &perm)?;
-    Ok(Case::new(&["permute_forward"], "permute_forward [2,3,5,7] by [2,0,3,1]", vec![d], vec![expect("out", &out, cpu::permute(&x_h, &shape, &perm)?, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["permute_forward"],
+        "permute_forward [2,3,5,7] by [2,0,3,1]",
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::permute(&x_h, &shape, &perm)?,
+            EXACT.0,
+            EXACT.1,
+        )],
+    ))
 }
 
 fn slice_last(c: &mut Ctx<'_>) -> Result<Case> {
@@ -986,7 +1737,12 @@ fn slice_last(c: &mut Ctx<'_>) -> Result<Case> {
     let (x, out) = (c.up(&x_h)?, c.k.zeros(rows * width)?);
     let d = c.k.slice_last(out.view(), x.view(), rows, cols, start, width)?;
     let want = cpu::slice_last(&x_h, rows, cols, start, width);
-    Ok(Case::new(&["slice_last_forward"], format!("slice_last_forward {rows}x{cols}[:, {start}..{}]", start + width), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["slice_last_forward"],
+        format!("slice_last_forward {rows}x{cols}[:, {start}..{}]", start + width),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 fn pad_last(c: &mut Ctx<'_>) -> Result<Case> {
@@ -997,7 +1753,12 @@ fn pad_last(c: &mut Ctx<'_>) -> Result<Case> {
     let (x, out) = (c.up(&x_h)?, c.up(&out0)?);
     let d = c.k.pad_last(false, out.view(), x.view(), rows, cols, start, width)?;
     let want = cpu::pad_last(&x_h, rows, cols, start, width);
-    Ok(Case::new(&["pad_last_forward"], format!("pad_last_forward {rows}x{width} into {rows}x{cols} at {start}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["pad_last_forward"],
+        format!("pad_last_forward {rows}x{width} into {rows}x{cols} at {start}"),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 fn concat_last(c: &mut Ctx<'_>) -> Result<Case> {
@@ -1006,7 +1767,12 @@ fn concat_last(c: &mut Ctx<'_>) -> Result<Case> {
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(rows * (a_cols + b_cols))?);
     let d = c.k.concat_last(out.view(), a.view(), b.view(), rows, a_cols, b_cols)?;
     let want = cpu::concat_last(&a_h, &b_h, rows, a_cols, b_cols);
-    Ok(Case::new(&["concat_last_forward"], format!("concat_last_forward {rows}x{a_cols} | {rows}x{b_cols}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["concat_last_forward"],
+        format!("concat_last_forward {rows}x{a_cols} | {rows}x{b_cols}"),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 // ---- attention.wgsl, sampling.wgsl -------------------------------------
@@ -1018,7 +1784,14 @@ const ROTATION: (f64, f64) = (3e-7, 1e-6);
 /// Two sequences, one continuing at position 40 (a decode step's start),
 /// 3 heads of 10 channels of which 8 rotate, Llama 3's base.
 fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
-    let shape = RopeShape { seqs: 2, rows: 5, heads: 3, head_dim: 10, rotary_dim: 8, positions: 48 };
+    let shape = RopeShape {
+        seqs: 2,
+        rows: 5,
+        heads: 3,
+        head_dim: 10,
+        rotary_dim: 8,
+        positions: 48,
+    };
     let base = 500_000.0;
     let n = shape.seqs * shape.rows * shape.heads * shape.head_dim;
     let starts_h = vec![40u32, 0];
@@ -1026,12 +1799,23 @@ fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
     let x_h = c.vals(n, -1.0, 1.0);
     let (x, starts, table, out) = (c.up(&x_h)?, c.up_u32(&starts_h)?, c.up(&table_h)?, c.k.zeros(n)?);
     let (d, want) = if backward {
-        (c.k.rope_backward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?, cpu::rope_backward(&x_h, &starts_h, shape, layout, base))
+        (
+            c.k.rope_backward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?,
+            cpu::rope_backward(&x_h, &starts_h, shape, layout, base),
+        )
     } else {
-        (c.k.rope_forward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?, cpu::rope_forward(&x_h, &starts_h, shape, layout, base))
+        (
+            c.k.rope_forward(out.view(), x.view(), starts.view(), table.view(), shape, layout)?,
+            cpu::rope_forward(&x_h, &starts_h, shape, layout, base),
+        )
     };
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} {layout:?} 2 seqs x 5 rows, 3 heads of 10 (8 rotary)"), vec![d], vec![expect("out", &out, want, ROTATION.0, ROTATION.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {layout:?} 2 seqs x 5 rows, 3 heads of 10 (8 rotary)"),
+        vec![d],
+        vec![expect("out", &out, want, ROTATION.0, ROTATION.1)],
+    ))
 }
 
 fn attention(c: &mut Ctx<'_>) -> Result<Case> {
@@ -1046,26 +1830,66 @@ fn grouped_attention(c: &mut Ctx<'_>) -> Result<Case> {
 
 /// Grouped-query attention over separate q, k, v (Llama's): 4 query heads
 /// sharing 2 KV heads of `head_dim`, by `kernel` (None: the adapter's pick).
-fn attention_case(c: &mut Ctx<'_>, kernel: Option<wgrad::kernels::CachedAttentionKernel>, head_dim: usize) -> Result<Case> {
-    let shape = CachedAttentionShape { seqs: 2, rows: 3, heads: 4, kv_heads: 2, head_dim, context: 11, layout: QkvLayout::Separate };
-    let lengths = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
+fn attention_case(
+    c: &mut Ctx<'_>,
+    kernel: Option<wgrad::kernels::CachedAttentionKernel>,
+    head_dim: usize,
+) -> Result<Case> {
+    let shape = CachedAttentionShape {
+        seqs: 2,
+        rows: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim,
+        context: 11,
+        layout: QkvLayout::Separate,
+    };
+    let lengths = shape.lengths().ok_or_else(|| Error::InvalidArgument {
+        op: "shaders --dump",
+        reason: "attention shape overflows".into(),
+    })?;
     // Sequence 0 continues after 4 cached positions, sequence 1 starts.
     let starts_h = vec![4u32, 0];
-    let (q_h, k_h, v_h) = (c.vals(lengths.q, -1.0, 1.0), c.vals(lengths.k, -1.0, 1.0), c.vals(lengths.v, -1.0, 1.0));
+    let (q_h, k_h, v_h) = (
+        c.vals(lengths.q, -1.0, 1.0),
+        c.vals(lengths.k, -1.0, 1.0),
+        c.vals(lengths.v, -1.0, 1.0),
+    );
     let (k0, v0) = (c.vals(lengths.cache, -1.0, 1.0), c.vals(lengths.cache, -1.0, 1.0));
     let (q, k, v, starts) = (c.up(&q_h)?, c.up(&k_h)?, c.up(&v_h)?, c.up_u32(&starts_h)?);
     let (kc, vc, out) = (c.up(&k0)?, c.up(&v0)?, c.k.zeros(lengths.out)?);
-    let views = (out.view(), kc.view(), vc.view(), q.view(), k.view(), v.view(), starts.view());
+    let views = (
+        out.view(),
+        kc.view(),
+        vc.view(),
+        q.view(),
+        k.view(),
+        v.view(),
+        starts.view(),
+    );
     let d = match kernel {
-        Some(kernel) => c.k.cached_attention_forward_with(kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
-        None => c.k.cached_attention_forward(views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+        Some(kernel) => c.k.cached_attention_forward_with(
+            kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape,
+        )?,
+        None => {
+            c.k.cached_attention_forward(views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?
+        }
     };
     let (want, keys, values) = cpu::cached_attention(&q_h, &k_h, &v_h, &starts_h, &k0, &v0, shape);
-    let expected = vec![expect("out", &out, want, ROW.0 * 5.0, ROW.1), expect("k_cache", &kc, keys, EXACT.0, EXACT.1), expect("v_cache", &vc, values, EXACT.0, EXACT.1)];
+    let expected = vec![
+        expect("out", &out, want, ROW.0 * 5.0, ROW.1),
+        expect("k_cache", &kc, keys, EXACT.0, EXACT.1),
+        expect("v_cache", &vc, values, EXACT.0, EXACT.1),
+    ];
     // Without a kernel named: the per-invocation kernel on CPU adapters,
     // the workgroup one on GPUs.
     let entry = d.kernel().entry;
-    Ok(Case::new(&[entry], format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of {head_dim}, context 11"), vec![d], expected))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of {head_dim}, context 11"),
+        vec![d],
+        expected,
+    ))
 }
 
 /// Fused causal attention forward and backward, chained as a training step
@@ -1073,17 +1897,50 @@ fn attention_case(c: &mut Ctx<'_>, kernel: Option<wgrad::kernels::CachedAttentio
 /// one 64-row block), with the entries the kernels' shaping picks (the
 /// register-blocked ones on a CPU adapter, the tiled ones on a GPU).
 fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
-    let shape = FlashAttentionShape { batch: 2, seq: 67, heads: 4, kv_heads: 2, head_dim: 5 };
-    let (q_len, kv_len, rows) = shape.lengths().ok_or_else(|| Error::InvalidArgument { op: "shaders --dump", reason: "attention shape overflows".into() })?;
-    let (q_h, k_h, v_h, dout_h) = (c.vals(q_len, -1.0, 1.0), c.vals(kv_len, -1.0, 1.0), c.vals(kv_len, -1.0, 1.0), c.vals(q_len, -1.0, 1.0));
+    let shape = FlashAttentionShape {
+        batch: 2,
+        seq: 67,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 5,
+    };
+    let (q_len, kv_len, rows) = shape.lengths().ok_or_else(|| Error::InvalidArgument {
+        op: "shaders --dump",
+        reason: "attention shape overflows".into(),
+    })?;
+    let (q_h, k_h, v_h, dout_h) = (
+        c.vals(q_len, -1.0, 1.0),
+        c.vals(kv_len, -1.0, 1.0),
+        c.vals(kv_len, -1.0, 1.0),
+        c.vals(q_len, -1.0, 1.0),
+    );
     let (q, k, v, dout) = (c.up(&q_h)?, c.up(&k_h)?, c.up(&v_h)?, c.up(&dout_h)?);
     let (out, lse, delta) = (c.k.zeros(q_len)?, c.k.zeros(rows)?, c.k.zeros(rows)?);
     let (dq, dk, dv) = (c.k.zeros(q_len)?, c.k.zeros(kv_len)?, c.k.zeros(kv_len)?);
     let dispatches = vec![
         c.k.flash_attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), shape)?,
         c.k.flash_attention_backward_prepare(delta.view(), dout.view(), out.view(), shape)?,
-        c.k.flash_attention_backward_query(dq.view(), dout.view(), q.view(), k.view(), v.view(), lse.view(), delta.view(), shape)?,
-        c.k.flash_attention_backward_key_value(dk.view(), dv.view(), dout.view(), q.view(), k.view(), v.view(), lse.view(), delta.view(), shape)?,
+        c.k.flash_attention_backward_query(
+            dq.view(),
+            dout.view(),
+            q.view(),
+            k.view(),
+            v.view(),
+            lse.view(),
+            delta.view(),
+            shape,
+        )?,
+        c.k.flash_attention_backward_key_value(
+            dk.view(),
+            dv.view(),
+            dout.view(),
+            q.view(),
+            k.view(),
+            v.view(),
+            lse.view(),
+            delta.view(),
+            shape,
+        )?,
     ];
     let (want_out, want_lse) = cpu::flash_attention_forward(&q_h, &k_h, &v_h, shape);
     let want_delta = cpu::flash_attention_backward_prepare(&dout_h, &want_out, shape);
@@ -1098,7 +1955,10 @@ fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
         expect("dv", &dv, grads.dv, 1e-4, 1e-3),
     ];
     let entries: Vec<&'static str> = dispatches.iter().map(|d| d.kernel().entry).collect();
-    let name = format!("{} and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5", entries[0]);
+    let name = format!(
+        "{} and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5",
+        entries[0]
+    );
     Ok(Case::new(&entries, name, dispatches, expected))
 }
 
@@ -1110,7 +1970,13 @@ fn sample_rows(c: &mut Ctx<'_>) -> Result<Case> {
     let (rows, vocab) = (5, 300);
     let mut logits_h = c.distinct(rows * vocab, -4.0, 4.0);
     logits_h[4 * vocab + 17] = f32::INFINITY;
-    let settings = [(0.0f32, 5u32, 1.0f32), (0.8, 5, 1.0), (1.3, vocab as u32, 0.9), (0.7, 40, 0.5), (1.0, 10, 1.0)];
+    let settings = [
+        (0.0f32, 5u32, 1.0f32),
+        (0.8, 5, 1.0),
+        (1.3, vocab as u32, 0.9),
+        (0.7, 40, 0.5),
+        (1.0, 10, 1.0),
+    ];
     let mut draws_h = Vec::new();
     for (r, &(temperature, top_k, top_p)) in settings.iter().enumerate() {
         let row = &logits_h[r * vocab..(r + 1) * vocab];
@@ -1120,18 +1986,35 @@ fn sample_rows(c: &mut Ctx<'_>) -> Result<Case> {
         }
         let candidates = cpu::sampling_candidates(row, temperature, top_k, top_p);
         let total: f64 = candidates.iter().map(|(_, w)| w).sum();
-        let bounds: Vec<f64> = candidates.iter().scan(0.0, |s, (_, w)| {
-            *s += w;
-            Some(*s / total)
-        }).collect();
-        let u = (1..100).map(|i| i as f64 * 0.0097 + 0.013).find(|u| bounds.iter().all(|b| (b - u).abs() > 1e-3)).unwrap_or(0.5);
+        let bounds: Vec<f64> = candidates
+            .iter()
+            .scan(0.0, |s, (_, w)| {
+                *s += w;
+                Some(*s / total)
+            })
+            .collect();
+        let u = (1..100)
+            .map(|i| i as f64 * 0.0097 + 0.013)
+            .find(|u| bounds.iter().all(|b| (b - u).abs() > 1e-3))
+            .unwrap_or(0.5);
         draws_h.extend([u as f32, temperature, top_p]);
     }
     let top_k_h: Vec<u32> = settings.iter().map(|s| s.1).collect();
-    let (logits, draws, top_k, out) = (c.up(&logits_h)?, c.up(&draws_h)?, c.up_u32(&top_k_h)?, c.k.zeros(rows * 2)?);
-    let d = c.k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), rows, vocab)?;
+    let (logits, draws, top_k, out) = (
+        c.up(&logits_h)?,
+        c.up(&draws_h)?,
+        c.up_u32(&top_k_h)?,
+        c.k.zeros(rows * 2)?,
+    );
+    let d =
+        c.k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), rows, vocab)?;
     let want = cpu::sample_rows(&logits_h, &draws_h, &top_k_h, rows, vocab);
-    Ok(Case::new(&["sample_rows_forward"], format!("sample_rows_forward {rows}x{vocab}"), vec![d], vec![expect_u32("out", &out, want)]))
+    Ok(Case::new(
+        &["sample_rows_forward"],
+        format!("sample_rows_forward {rows}x{vocab}"),
+        vec![d],
+        vec![expect_u32("out", &out, want)],
+    ))
 }
 
 // ---- f16_weights.wgsl --------------------------------------------------
@@ -1145,21 +2028,51 @@ fn f16_weights(c: &mut Ctx<'_>, kernel: Option<F16WeightsKernel>) -> Result<Case
         None | Some(F16WeightsKernel::Matvec { .. }) => (2, 37, 24),
         Some(_) => (37, 29, 19),
     };
-    let (a_h, b_h, bias_h) = (c.vals(m * kk, -1.0, 1.0), f16s(&c.vals(n * kk, -1.0, 1.0)), c.vals(n, -1.0, 1.0));
-    let (a, b, bias, out, pre) = (c.up(&a_h)?, c.k.upload_f16(&b_h)?, c.up(&bias_h)?, c.k.zeros(m * n)?, c.k.zeros(m * n)?);
-    let epilogue = MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Relu, Some(pre.view()))), ..MatmulEpilogue::default() };
+    let (a_h, b_h, bias_h) = (
+        c.vals(m * kk, -1.0, 1.0),
+        f16s(&c.vals(n * kk, -1.0, 1.0)),
+        c.vals(n, -1.0, 1.0),
+    );
+    let (a, b, bias, out, pre) = (
+        c.up(&a_h)?,
+        c.k.upload_f16(&b_h)?,
+        c.up(&bias_h)?,
+        c.k.zeros(m * n)?,
+        c.k.zeros(m * n)?,
+    );
+    let epilogue = MatmulEpilogue {
+        bias: Some(bias.view()),
+        activation: Some((Activation::Relu, Some(pre.view()))),
+        ..MatmulEpilogue::default()
+    };
     let d = match kernel {
-        None => c.k.matmul_f16_weights(epilogue, out.view(), a.view(), b.view(), m, n, kk)?,
-        Some(kernel) => c.k.matmul_f16_weights_with(kernel, epilogue, out.view(), a.view(), b.view(), m, n, kk)?,
+        None => {
+            c.k.matmul_f16_weights(epilogue, out.view(), a.view(), b.view(), m, n, kk)?
+        }
+        Some(kernel) => {
+            c.k.matmul_f16_weights_with(kernel, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
+        }
     };
     let entry = d.kernel().entry;
     let lanes = match d.recipe().constants.iter().find(|(name, _)| *name == "MATVEC_WG") {
         Some((_, v)) => format!(", {v} lanes"),
         None => String::new(),
     };
-    let e = cpu::Epilogue { bias: Some(&bias_h), activation: Some(Activation::Relu), ..cpu::Epilogue::default() };
+    let e = cpu::Epilogue {
+        bias: Some(&bias_h),
+        activation: Some(Activation::Relu),
+        ..cpu::Epilogue::default()
+    };
     let (want, want_pre) = cpu::matmul_f16_weights(e, &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&[entry], format!("{entry} {m}x{n}x{kk} +bias relu{lanes}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1), expect("pre", &pre, want_pre, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {m}x{n}x{kk} +bias relu{lanes}"),
+        vec![d],
+        vec![
+            expect("c", &out, want, SUMS.0, SUMS.1),
+            expect("pre", &pre, want_pre, SUMS.0, SUMS.1),
+        ],
+    ))
 }
 
 /// The tiled f16-weight matmul with 8-weight loads (k a multiple of 8).
@@ -1167,19 +2080,39 @@ fn f16_weights_shared_vec(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (37, 29, 24);
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), f16s(&c.vals(n * kk, -1.0, 1.0)));
     let (a, b, out) = (c.up(&a_h)?, c.k.upload_f16(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul_f16_weights_with(F16WeightsKernel::Shared, MatmulEpilogue::default(), out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul_f16_weights_with(
+        F16WeightsKernel::Shared,
+        MatmulEpilogue::default(),
+        out.view(),
+        a.view(),
+        b.view(),
+        m,
+        n,
+        kk,
+    )?;
     let entry = d.kernel().entry;
     let (want, _) = cpu::matmul_f16_weights(cpu::Epilogue::default(), &a_h, &b_h, m, n, kk);
-    Ok(Case::new(&[entry], format!("{entry} {m}x{n}x{kk}"), vec![d], vec![expect("c", &out, want, SUMS.0, SUMS.1)]))
+    Ok(Case::new(
+        &[entry],
+        format!("{entry} {m}x{n}x{kk}"),
+        vec![d],
+        vec![expect("c", &out, want, SUMS.0, SUMS.1)],
+    ))
 }
 
 fn embedding_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let (n, vocab, channels) = (37, 23, 29);
     let (table_h, ids_h) = (f16s(&c.vals(vocab * channels, -1.0, 1.0)), c.ids(n, vocab as u32));
     let (table, ids, out) = (c.k.upload_f16(&table_h)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
-    let d = c.k.embedding_f16_weights(out.view(), table.view(), ids.view(), n, vocab, channels)?;
+    let d =
+        c.k.embedding_f16_weights(out.view(), table.view(), ids.view(), n, vocab, channels)?;
     let want = cpu::embedding_f16_weights(&table_h, &ids_h, vocab, channels);
-    Ok(Case::new(&["embedding_f16w_forward"], format!("embedding_f16w_forward {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["embedding_f16w_forward"],
+        format!("embedding_f16w_forward {n} ids, {vocab}x{channels}"),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 // ---- quant_weights.wgsl ------------------------------------------------
@@ -1203,7 +2136,9 @@ fn new_format_blocks(c: &mut Ctx<'_>, format: QuantFormat, rows: usize, cols: us
         _ => [(0.0001, 0.0002), (0.0, 0.0)],
     };
     let blocks = rows * cols / format.super_block();
-    let mut raw: Vec<u8> = (0..blocks * format.block_bytes()).map(|_| c.rng.random::<u8>()).collect();
+    let mut raw: Vec<u8> = (0..blocks * format.block_bytes())
+        .map(|_| c.rng.random::<u8>())
+        .collect();
     for block in raw.chunks_exact_mut(format.block_bytes()) {
         for (&at, &(lo, hi)) in format.scale_offsets().iter().zip(&ranges) {
             block[at..at + 2].copy_from_slice(&f16::from_f32(c.rng.random_range(lo..=hi)).to_le_bytes());
@@ -1248,27 +2183,59 @@ fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeigh
     let words = c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, n, kk)?)?;
     let (a, bias, out, pre) = (c.up(&a_h)?, c.up(&bias_h)?, c.k.zeros(m * n)?, c.k.zeros(m * n)?);
     let b = QuantView::new(words.view(), format, n, kk)?;
-    let epilogue = MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Relu, Some(pre.view()))), ..MatmulEpilogue::default() };
+    let epilogue = MatmulEpilogue {
+        bias: Some(bias.view()),
+        activation: Some((Activation::Relu, Some(pre.view()))),
+        ..MatmulEpilogue::default()
+    };
     let d = match kernel {
         None => c.k.matmul_quant_weights(epilogue, out.view(), a.view(), b, m, n, kk)?,
-        Some(kernel) => c.k.matmul_quant_weights_with(kernel, epilogue, out.view(), a.view(), b, m, n, kk)?,
+        Some(kernel) => {
+            c.k.matmul_quant_weights_with(kernel, epilogue, out.view(), a.view(), b, m, n, kk)?
+        }
     };
     let entry = d.kernel().entry;
-    let e = cpu::Epilogue { bias: Some(&bias_h), activation: Some(Activation::Relu), ..cpu::Epilogue::default() };
+    let e = cpu::Epilogue {
+        bias: Some(&bias_h),
+        activation: Some(Activation::Relu),
+        ..cpu::Epilogue::default()
+    };
     let (want, want_pre) = cpu::matmul_quant_weights(e, &a_h, format, &raw, m, n, kk)?;
     let name = format!("{entry} {format:?} {m}x{n}x{kk} +bias relu");
-    Ok(Case::new(&[entry], name, vec![d], vec![expect("c", &out, want, QUANT_SUMS.0, QUANT_SUMS.1), expect("pre", &pre, want_pre, QUANT_SUMS.0, QUANT_SUMS.1)]))
+    Ok(Case::new(
+        &[entry],
+        name,
+        vec![d],
+        vec![
+            expect("c", &out, want, QUANT_SUMS.0, QUANT_SUMS.1),
+            expect("pre", &pre, want_pre, QUANT_SUMS.0, QUANT_SUMS.1),
+        ],
+    ))
 }
 
 fn embedding_quant(c: &mut Ctx<'_>, format: QuantFormat) -> Result<Case> {
     let (n, vocab, channels) = (37, 23, 64usize.next_multiple_of(format.super_block()));
     let (raw, ids_h) = (quant_blocks(c, format, vocab, channels), c.ids(n, vocab as u32));
-    let (words, ids, out) = (c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, vocab, channels)?)?, c.up_u32(&ids_h)?, c.k.zeros(n * channels)?);
-    let d = c.k.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, ids.view(), n)?;
+    let (words, ids, out) = (
+        c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, vocab, channels)?)?,
+        c.up_u32(&ids_h)?,
+        c.k.zeros(n * channels)?,
+    );
+    let d = c.k.embedding_quant_weights(
+        out.view(),
+        QuantView::new(words.view(), format, vocab, channels)?,
+        ids.view(),
+        n,
+    )?;
     let want = cpu::embedding_quant_weights(format, &raw, &ids_h, vocab, channels)?;
     // q·d + m: one rounding (q·d is exact, and a k-quant's d·s, q·(d·s)
     // and dmin·m), as the kernel's fma.
-    Ok(Case::new(&["embedding_quant_forward"], format!("embedding_quant_forward {format:?} {n} ids, {vocab}x{channels}"), vec![d], vec![expect("out", &out, want, EXACT.0, EXACT.1)]))
+    Ok(Case::new(
+        &["embedding_quant_forward"],
+        format!("embedding_quant_forward {format:?} {n} ids, {vocab}x{channels}"),
+        vec![d],
+        vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
 }
 
 // ---- writing -----------------------------------------------------------
@@ -1287,22 +2254,39 @@ fn webgpu_features(family: Family) -> Vec<&'static str> {
 }
 
 fn io(path: &Path, source: std::io::Error) -> Error {
-    Error::DataIo { op: "shaders --dump", path: path.to_path_buf(), source }
+    Error::DataIo {
+        op: "shaders --dump",
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Whether `got` matches an expectation, as the page compares: the largest
 /// error and the first element out of tolerance.
 fn compare(e: &Expect, got: &[u8]) -> (f64, Option<usize>) {
     let got_values: Vec<f64> = match &e.values {
-        Values::F32(_) => bytemuck::pod_collect_to_vec::<u8, f32>(got).iter().map(|&v| f64::from(v)).collect(),
-        Values::U32(_) => bytemuck::pod_collect_to_vec::<u8, u32>(got).iter().map(|&v| f64::from(v)).collect(),
-        Values::F16(_) => bytemuck::pod_collect_to_vec::<u8, u16>(got).iter().map(|&v| f64::from(f16::from_bits(v).to_f32())).collect(),
+        Values::F32(_) => bytemuck::pod_collect_to_vec::<u8, f32>(got)
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect(),
+        Values::U32(_) => bytemuck::pod_collect_to_vec::<u8, u32>(got)
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect(),
+        Values::F16(_) => bytemuck::pod_collect_to_vec::<u8, u16>(got)
+            .iter()
+            .map(|&v| f64::from(f16::from_bits(v).to_f32()))
+            .collect(),
     };
     let want: Vec<f64> = match &e.values {
         Values::F32(v) | Values::F16(v) => v.iter().map(|&x| f64::from(x)).collect(),
         Values::U32(v) => v.iter().map(|&x| f64::from(x)).collect(),
     };
-    let got_values = if e.sum { vec![got_values.iter().sum()] } else { got_values };
+    let got_values = if e.sum {
+        vec![got_values.iter().sum()]
+    } else {
+        got_values
+    };
     let mut worst = (0.0f64, None);
     for (i, (g, w)) in got_values.iter().zip(&want).enumerate() {
         let err = if g == w { 0.0 } else { (g - w).abs() };
@@ -1366,7 +2350,11 @@ pub fn write_cases(dir: &Path, kernels: &CaseKernels<'_>, check_native: bool) ->
     let cases_dir = dir.join("cases");
     std::fs::create_dir_all(&cases_dir).map_err(|e| io(&cases_dir, e))?;
     let mut json_cases = Vec::new();
-    let mut written = Written { built: 0, unbuilt: Vec::new(), native_failures: Vec::new() };
+    let mut written = Written {
+        built: 0,
+        unbuilt: Vec::new(),
+        native_failures: Vec::new(),
+    };
     for (index, p) in planned.into_iter().enumerate() {
         let case = match p {
             Ok(case) => case,
@@ -1390,7 +2378,10 @@ pub fn write_cases(dir: &Path, kernels: &CaseKernels<'_>, check_native: bool) ->
         "built_on": format!("{} ({:?}, {})", info.name, info.backend, info.driver_info),
         "cases": json_cases,
     });
-    let text = serde_json::to_string_pretty(&doc).map_err(|e| Error::InvalidArgument { op: "shaders --dump", reason: e.to_string() })?;
+    let text = serde_json::to_string_pretty(&doc).map_err(|e| Error::InvalidArgument {
+        op: "shaders --dump",
+        reason: e.to_string(),
+    })?;
     let path = dir.join("cases.json");
     std::fs::write(&path, text).map_err(|e| io(&path, e))?;
     Ok(written)
@@ -1445,7 +2436,11 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
             }
             bindings.push(json!({ "slot": b.slot, "name": b.name, "writable": writable, "buffer": buffer, "offset": b.offset, "size": b.bytes }));
         }
-        let constants: serde_json::Map<String, Value> = recipe.constants.iter().map(|(name, v)| (name.to_string(), json!(v))).collect();
+        let constants: serde_json::Map<String, Value> = recipe
+            .constants
+            .iter()
+            .map(|(name, v)| (name.to_string(), json!(v)))
+            .collect();
         json_launches.push(json!({
             "entry": kernel.entry,
             "module": format!("modules/{}.wgsl", kernel.family.name()),
@@ -1460,10 +2455,13 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
     let mut json_expected = Vec::new();
     let mut expected_at = Vec::new();
     for e in &case.expected {
-        let buffer = buffers.iter().position(|b| *b == e.buffer).ok_or_else(|| Error::InvalidArgument {
-            op: "shaders --dump",
-            reason: format!("case `{}`: the expected `{}` is in no bound buffer", case.name, e.name),
-        })?;
+        let buffer = buffers
+            .iter()
+            .position(|b| *b == e.buffer)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "shaders --dump",
+                reason: format!("case `{}`: the expected `{}` is in no bound buffer", case.name, e.name),
+            })?;
         expected_at.push(buffer);
         json_expected.push(json!({
             "name": e.name, "buffer": buffer, "offset": e.offset, "count": e.elements, "dtype": e.values.dtype(),
@@ -1474,7 +2472,13 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
     for (buffer, _, _, name) in &written_ranges {
         let internal = !buffers[*buffer].usage().contains(wgpu::BufferUsages::COPY_SRC);
         if !internal && !expected_at.contains(buffer) && !case.scratch.iter().any(|(s, _)| s == name) {
-            return Err(Error::InvalidArgument { op: "shaders --dump", reason: format!("case `{}`: the writable `{name}` is neither checked nor scratch", case.name) });
+            return Err(Error::InvalidArgument {
+                op: "shaders --dump",
+                reason: format!(
+                    "case `{}`: the writable `{name}` is neither checked nor scratch",
+                    case.name
+                ),
+            });
         }
     }
     // Initial contents, before anything runs. wgrad's own placeholders
@@ -1483,7 +2487,11 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
     let mut json_buffers = Vec::new();
     for b in &buffers {
         let bytes: Vec<u8> = if b.usage().contains(wgpu::BufferUsages::COPY_SRC) {
-            let words: Vec<u32> = k.read(wgrad::View { buffer: b, offset: 0, len: (b.size() / 4) as usize })?;
+            let words: Vec<u32> = k.read(wgrad::View {
+                buffer: b,
+                offset: 0,
+                len: (b.size() / 4) as usize,
+            })?;
             bytemuck::cast_slice(&words).to_vec()
         } else {
             vec![0; b.size() as usize]
@@ -1502,19 +2510,36 @@ fn write_case(k: &Kernels, dir: &Path, file: &str, case: &Case, check_native: bo
             Values::F16(_) => (e.elements.div_ceil(2), e.elements * 2),
             _ => (e.elements, e.elements * 4),
         };
-        let words: Vec<u32> = k.read(wgrad::View { buffer: &e.buffer, offset: e.offset, len: words })?;
+        let words: Vec<u32> = k.read(wgrad::View {
+            buffer: &e.buffer,
+            offset: e.offset,
+            len: words,
+        })?;
         let bytes = &bytemuck::cast_slice::<u32, u8>(&words)[..bytes];
         let (err, bad) = compare(e, bytes);
         native.push(json!({ "name": e.name, "max_error": err, "pass": bad.is_none() }));
         if let Some(i) = bad {
-            failure.get_or_insert_with(|| format!("{}: `{}` element {i} off by {err:e} (atol {}, rtol {})", case.name, e.name, e.atol, e.rtol));
+            failure.get_or_insert_with(|| {
+                format!(
+                    "{}: `{}` element {i} off by {err:e} (atol {}, rtol {})",
+                    case.name, e.name, e.atol, e.rtol
+                )
+            });
         }
     }
     let path = dir.join(file);
     std::fs::write(&path, &blob).map_err(|e| io(&path, e))?;
     let default_storage = wgpu::Limits::default().max_storage_buffers_per_shader_stage;
-    let limits = if max_storage > default_storage { json!({ "maxStorageBuffersPerShaderStage": max_storage }) } else { json!({}) };
-    let scratch: Vec<Value> = case.scratch.iter().map(|(name, why)| json!({ "name": name, "why": why })).collect();
+    let limits = if max_storage > default_storage {
+        json!({ "maxStorageBuffersPerShaderStage": max_storage })
+    } else {
+        json!({})
+    };
+    let scratch: Vec<Value> = case
+        .scratch
+        .iter()
+        .map(|(name, why)| json!({ "name": name, "why": why }))
+        .collect();
     let value = json!({
         "name": case.name, "entries": case.entries, "note": case.note,
         "features": features, "subgroup_size": subgroup_size, "limits": limits,

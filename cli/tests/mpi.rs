@@ -42,7 +42,10 @@ fn run(program: &str, args: &[&str]) -> (Output, Duration) {
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
         .env("OMPI_MCA_mpi_yield_when_idle", "1")
         .env("LP_NUM_THREADS", "1")
-        .env("XDG_RUNTIME_DIR", std::env::var("XDG_RUNTIME_DIR").unwrap_or_else(|_| "/tmp".into()))
+        .env(
+            "XDG_RUNTIME_DIR",
+            std::env::var("XDG_RUNTIME_DIR").unwrap_or_else(|_| "/tmp".into()),
+        )
         .stdin(Stdio::null())
         .output()
         .expect("run timeout/mpirun");
@@ -50,7 +53,11 @@ fn run(program: &str, args: &[&str]) -> (Output, Duration) {
 }
 
 fn text(o: &Output) -> String {
-    format!("--- stdout\n{}\n--- stderr\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// The training flags every run here shares: SGD with momentum (no
@@ -58,8 +65,23 @@ fn text(o: &Output) -> String {
 /// digits MLP, batch 32, a fixed seed.
 fn train_args<'a>(checkpoint: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--model", "mlp", "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "32", "--seed", "3",
-        "--max-steps", steps, "--checkpoint", checkpoint, "--plot", plot,
+        "train",
+        "--model",
+        "mlp",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--batch-size",
+        "32",
+        "--seed",
+        "3",
+        "--max-steps",
+        steps,
+        "--checkpoint",
+        checkpoint,
+        "--plot",
+        plot,
     ]
 }
 
@@ -81,7 +103,10 @@ fn mpirun_with(ranks: usize, flags: &[&str], args: &[&str]) -> (Output, Duration
 
 /// max |a − b| over every parameter (not optimizer state) of two checkpoints.
 fn max_parameter_difference(a: &Path, b: &Path) -> f32 {
-    let (a, b) = (wgrad::io::checkpoint::load(a).unwrap(), wgrad::io::checkpoint::load(b).unwrap());
+    let (a, b) = (
+        wgrad::io::checkpoint::load(a).unwrap(),
+        wgrad::io::checkpoint::load(b).unwrap(),
+    );
     let params: Vec<_> = a.tensors.iter().filter(|t| !t.name.starts_with("optim.")).collect();
     assert!(!params.is_empty());
     let mut worst = 0.0f32;
@@ -96,7 +121,12 @@ fn max_parameter_difference(a: &Path, b: &Path) -> f32 {
 }
 
 fn mpi_available() -> bool {
-    Command::new("mpirun").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// 2 processes × 2 local devices (a hierarchical all-reduce), then 3
@@ -119,7 +149,11 @@ fn mpi_training_matches_single_process_and_resumes_with_another_process_count() 
     assert!(o.status.success(), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("over 2 processes"), "{stdout}");
-    assert_eq!(stdout.matches("trained 20 steps").count(), 1, "only rank 0 reports: {stdout}");
+    assert_eq!(
+        stdout.matches("trained 20 steps").count(),
+        1,
+        "only rank 0 reports: {stdout}"
+    );
     // Tolerance: the same f32 arithmetic summed in a different order (per
     // device, per process, in f64) — a few ulp per step over 20 steps.
     let diff = max_parameter_difference(Path::new(&single_a), Path::new(&mpi_a));
@@ -133,11 +167,22 @@ fn mpi_training_matches_single_process_and_resumes_with_another_process_count() 
     resumed_mpi.extend_from_slice(&["--resume", &mpi_a]);
     let (o, _) = mpirun(3, &[], &resumed_mpi);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("over 3 processes"), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("over 3 processes"),
+        "{}",
+        text(&o)
+    );
     let ckpt = wgrad::io::checkpoint::load(&mpi_b).unwrap();
-    assert_eq!(ckpt.meta("step"), Some("40"), "the step count continues across process counts");
+    assert_eq!(
+        ckpt.meta("step"),
+        Some("40"),
+        "the step count continues across process counts"
+    );
     let diff = max_parameter_difference(Path::new(&single_b), Path::new(&mpi_b));
-    assert!(diff <= 2e-4, "resumed under mpirun -n 3 vs single process: max |Δparam| = {diff}");
+    assert!(
+        diff <= 2e-4,
+        "resumed under mpirun -n 3 vs single process: max |Δparam| = {diff}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -159,8 +204,17 @@ fn a_failing_rank_stops_the_job() {
         let (o, took) = mpirun(ranks, &["--fail-at", fail_at], &train_args(&ckpt, &plot, "200"));
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "the job must fail: {}", text(&o));
-        assert_ne!(o.status.code(), Some(124), "the job hung until the timeout: {}", text(&o));
-        assert!(err.contains(expect), "stderr should name the failing rank ({expect}): {}", text(&o));
+        assert_ne!(
+            o.status.code(),
+            Some(124),
+            "the job hung until the timeout: {}",
+            text(&o)
+        );
+        assert!(
+            err.contains(expect),
+            "stderr should name the failing rank ({expect}): {}",
+            text(&o)
+        );
         // Start-up (two or three processes compiling shaders on two cores)
         // dominates; the abort itself takes about a second.
         assert!(took < Duration::from_secs(120), "took {took:?} to stop");
@@ -173,23 +227,58 @@ fn a_failing_rank_stops_the_job() {
 /// writing its folder to `out`.
 fn gpt_args<'a>(text: &'a str, out: &'a str, plot: &'a str, steps: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--model", "gpt", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
-        "--max-steps", steps, "--eval-every", "4", "--eval-batches", "1", "--sample-tokens", "0", "--seed", "3",
-        "--text", text, "--out", out, "--plot", plot,
+        "train",
+        "--model",
+        "gpt",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        steps,
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--seed",
+        "3",
+        "--text",
+        text,
+        "--out",
+        out,
+        "--plot",
+        plot,
     ]
 }
 
 /// The number after `final validation loss` in a run's output.
 fn final_validation_loss(o: &Output) -> f32 {
     let stdout = String::from_utf8_lossy(&o.stdout);
-    let line = stdout.lines().find(|l| l.starts_with("final validation loss")).unwrap_or_else(|| panic!("no final validation loss: {}", text(o)));
-    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("cannot read {line:?}"))
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("final validation loss"))
+        .unwrap_or_else(|| panic!("no final validation loss: {}", text(o)));
+    line.rsplit(' ')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("cannot read {line:?}"))
 }
 
 /// Checks two GPT model folders' parameters: the same training up to the
 /// f32 summation order of the batch, |Δ| ≤ 1e-5 + 1e-4·|p|. Returns max |Δ|.
 fn assert_same_gpt(what: &str, a: &str, b: &str) -> f32 {
-    let (a, b) = (wgrad::io::gpt_folder::load_gpt_folder(a).unwrap().model, wgrad::io::gpt_folder::load_gpt_folder(b).unwrap().model);
+    let (a, b) = (
+        wgrad::io::gpt_folder::load_gpt_folder(a).unwrap().model,
+        wgrad::io::gpt_folder::load_gpt_folder(b).unwrap().model,
+    );
     let mut worst = 0.0f32;
     for ((name, _, x), (_, _, y)) in a.parameter_values().into_iter().zip(b.parameter_values()) {
         for (p, q) in x.iter().zip(y) {
@@ -220,11 +309,21 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     let (o, _) = mpirun(2, &[], &gpt_args(&text_file, &mpi_a, &plot, "8"));
     assert!(o.status.success(), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("over 2 processes") && stdout.contains("cross-process reductions"), "{stdout}");
-    assert_eq!(stdout.matches("trained 8 steps").count(), 1, "only rank 0 reports: {stdout}");
+    assert!(
+        stdout.contains("over 2 processes") && stdout.contains("cross-process reductions"),
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.matches("trained 8 steps").count(),
+        1,
+        "only rank 0 reports: {stdout}"
+    );
     let (want, got) = (final_validation_loss(&single), final_validation_loss(&o));
     // Relative 1e-3: summation order only (printed to 4 decimals).
-    assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2: validation loss {got} against one process's {want}");
+    assert!(
+        (got - want).abs() <= 1e-3 * want,
+        "mpirun -n 2: validation loss {got} against one process's {want}"
+    );
     let diff = assert_same_gpt("mpirun -n 2 vs one process", &mpi_a, &single_a);
     eprintln!("gpt mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
 
@@ -236,7 +335,11 @@ fn mpi_gpt_training_matches_single_process_and_resumes() {
     resumed_mpi.extend_from_slice(&["--resume", &single_a]);
     let (o, _) = mpirun(2, &[], &resumed_mpi);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"),
+        "{}",
+        text(&o)
+    );
     let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process", &mpi_b, &single_b);
     eprintln!("gpt resumed under mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
     std::fs::remove_dir_all(&dir).ok();
@@ -249,7 +352,11 @@ fn strs(v: &[String]) -> Vec<&str> {
 /// The `loss scale: final …` line of a run's output.
 fn loss_scale_line(o: &Output) -> String {
     let stdout = String::from_utf8_lossy(&o.stdout);
-    stdout.lines().find(|l| l.starts_with("loss scale: final")).unwrap_or_else(|| panic!("no loss scale line: {}", text(o))).to_string()
+    stdout
+        .lines()
+        .find(|l| l.starts_with("loss scale: final"))
+        .unwrap_or_else(|| panic!("no loss scale line: {}", text(o)))
+        .to_string()
 }
 
 /// `--precision f16 --checkpoint-activations` across processes: `mpirun
@@ -268,9 +375,18 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     let (text_file, plot) = (p("text.txt"), p("loss.png"));
     std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
     let single_a = p("single_a");
-    let f16 = ["--precision", "f16", "--checkpoint-activations", "--loss-scale-interval", "2"];
+    let f16 = [
+        "--precision",
+        "f16",
+        "--checkpoint-activations",
+        "--loss-scale-interval",
+        "2",
+    ];
     let args = |out: &'static str, steps: &'static str, resume: Option<&str>| -> Vec<String> {
-        let mut all: Vec<String> = gpt_args(&text_file, &p(out), &plot, steps).into_iter().map(String::from).collect();
+        let mut all: Vec<String> = gpt_args(&text_file, &p(out), &plot, steps)
+            .into_iter()
+            .map(String::from)
+            .collect();
         all.extend(f16.iter().map(|s| s.to_string()));
         if let Some(from) = resume {
             all.extend(["--resume".to_string(), from.to_string()]);
@@ -283,12 +399,26 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     let (o, _) = mpirun(2, &[], &strs(&args("mpi_a", "8", None)));
     assert!(o.status.success(), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("over 2 processes") && stdout.contains("precision f16"), "{stdout}");
+    assert!(
+        stdout.contains("over 2 processes") && stdout.contains("precision f16"),
+        "{stdout}"
+    );
     let (want, got) = (final_validation_loss(&single), final_validation_loss(&o));
     // Relative 1e-3: summation order only (printed to 4 decimals).
-    assert!((got - want).abs() <= 1e-3 * want, "mpirun -n 2, f16 + checkpointing: validation loss {got} against one process's {want}");
-    assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "mpirun -n 2: the loss scale");
-    let diff = assert_same_gpt("mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_a"), &single_a);
+    assert!(
+        (got - want).abs() <= 1e-3 * want,
+        "mpirun -n 2, f16 + checkpointing: validation loss {got} against one process's {want}"
+    );
+    assert_eq!(
+        loss_scale_line(&o),
+        loss_scale_line(&single),
+        "mpirun -n 2: the loss scale"
+    );
+    let diff = assert_same_gpt(
+        "mpirun -n 2 vs one process, f16 + checkpointing",
+        &p("mpi_a"),
+        &single_a,
+    );
     eprintln!("gpt f16 + checkpointing: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}, validation loss {got} against {want}; {}", loss_scale_line(&o));
 
     let (o, _) = run(WGRAD, &strs(&args("single_b", "12", Some(&single_a))));
@@ -297,11 +427,26 @@ fn mpi_f16_checkpointed_gpt_matches_single_process_and_resumes_its_loss_scale() 
     let want = final_validation_loss(&o);
     let (o, _) = mpirun(2, &[], &strs(&args("mpi_b", "12", Some(&single_a))));
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
-    assert_eq!(loss_scale_line(&o), want_scale, "resumed under mpirun -n 2: the loss scale");
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        loss_scale_line(&o),
+        want_scale,
+        "resumed under mpirun -n 2: the loss scale"
+    );
     let got = final_validation_loss(&o);
-    assert!((got - want).abs() <= 1e-3 * want, "resumed under mpirun -n 2: validation loss {got} against one process's {want}");
-    let diff = assert_same_gpt("resumed under mpirun -n 2 vs one process, f16 + checkpointing", &p("mpi_b"), &p("single_b"));
+    assert!(
+        (got - want).abs() <= 1e-3 * want,
+        "resumed under mpirun -n 2: validation loss {got} against one process's {want}"
+    );
+    let diff = assert_same_gpt(
+        "resumed under mpirun -n 2 vs one process, f16 + checkpointing",
+        &p("mpi_b"),
+        &p("single_b"),
+    );
     eprintln!("gpt f16 + checkpointing resumed: mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -333,7 +478,16 @@ fn mpi_f16_falls_back_to_f32_everywhere_when_a_rank_lacks_shader_f16() {
     let rank = |backend: &'static str| -> Vec<&str> {
         let mut args = vec!["-n", "1", WGRAD];
         args.extend(gpt_args(&text_file, &mixed, &plot, "8"));
-        args.extend(["--precision", "f16", "--distributed", "mpi", "--parallel", "data", "--backend", backend]);
+        args.extend([
+            "--precision",
+            "f16",
+            "--distributed",
+            "mpi",
+            "--parallel",
+            "data",
+            "--backend",
+            backend,
+        ]);
         args
     };
     let mut all = rank("vulkan");
@@ -342,10 +496,17 @@ fn mpi_f16_falls_back_to_f32_everywhere_when_a_rank_lacks_shader_f16() {
     let (o, _) = run("mpirun", &all);
     assert!(o.status.success(), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("another process has no SHADER_F16, so this run trains in f32") && !stdout.contains("loss scale: final"), "{stdout}");
+    assert!(
+        stdout.contains("another process has no SHADER_F16, so this run trains in f32")
+            && !stdout.contains("loss scale: final"),
+        "{stdout}"
+    );
     let got = final_validation_loss(&o);
     // Relative 1e-3: summation order and two backends' rounding.
-    assert!((got - want).abs() <= 1e-3 * want, "f16 asked, f32 run over lavapipe + GL: validation loss {got} against one process's {want}");
+    assert!(
+        (got - want).abs() <= 1e-3 * want,
+        "f16 asked, f32 run over lavapipe + GL: validation loss {got} against one process's {want}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -370,14 +531,25 @@ fn mpi_zero_matches_single_process_and_resumes() {
     // 3 ranks: uneven rows (2 + 1 + 1) and uneven ranges of the arena.
     for (ranks, stage) in [(2, "2"), (3, "2"), (2, "3")] {
         let out = p(&format!("zero{stage}-{ranks}"));
-        let (o, _) = mpirun_with(ranks, &["--parallel", "zero", "--zero-stage", stage], &gpt_args(&text_file, &out, &plot, "8"));
+        let (o, _) = mpirun_with(
+            ranks,
+            &["--parallel", "zero", "--zero-stage", stage],
+            &gpt_args(&text_file, &out, &plot, "8"),
+        );
         assert!(o.status.success(), "{}", text(&o));
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(stdout.contains(&format!("ZeRO stage {stage}")), "{stdout}");
         let got = final_validation_loss(&o);
         // Relative 1e-3: summation order only (printed to 4 decimals).
-        assert!((got - want).abs() <= 1e-3 * want, "ZeRO-{stage} over {ranks} processes: validation loss {got} against one process's {want}");
-        let diff = assert_same_gpt(&format!("ZeRO-{stage} over mpirun -n {ranks} vs one process"), &out, &single_a);
+        assert!(
+            (got - want).abs() <= 1e-3 * want,
+            "ZeRO-{stage} over {ranks} processes: validation loss {got} against one process's {want}"
+        );
+        let diff = assert_same_gpt(
+            &format!("ZeRO-{stage} over mpirun -n {ranks} vs one process"),
+            &out,
+            &single_a,
+        );
         eprintln!("gpt ZeRO-{stage} over mpirun -n {ranks} vs one process: max |Δparam| = {diff:.3e}");
     }
     let mut resumed_single = gpt_args(&text_file, &single_b, &plot, "12");
@@ -389,7 +561,11 @@ fn mpi_zero_matches_single_process_and_resumes() {
     args.extend_from_slice(&["--resume", &single_a]);
     let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", "3"], &args);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("trained 4 steps"),
+        "{}",
+        text(&o)
+    );
     let diff = assert_same_gpt("ZeRO-3 resumed under mpirun -n 2 vs one process", &resumed, &single_b);
     eprintln!("gpt ZeRO-3 resumed under mpirun -n 2 vs one process: max |Δparam| = {diff:.3e}");
     std::fs::remove_dir_all(&dir).ok();
@@ -411,8 +587,17 @@ fn a_failing_rank_stops_a_gpt_job() {
     let (o, took) = mpirun(2, &["--fail-at", "1:3"], &gpt_args(&text_file, &out, &plot, "200"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "the job must fail: {}", text(&o));
-    assert_ne!(o.status.code(), Some(124), "the job hung until the timeout: {}", text(&o));
-    assert!(err.contains("rank 1 of 2") && err.contains("failure injected at step 3"), "stderr should name the failing rank: {}", text(&o));
+    assert_ne!(
+        o.status.code(),
+        Some(124),
+        "the job hung until the timeout: {}",
+        text(&o)
+    );
+    assert!(
+        err.contains("rank 1 of 2") && err.contains("failure injected at step 3"),
+        "stderr should name the failing rank: {}",
+        text(&o)
+    );
     assert!(took < Duration::from_secs(120), "took {took:?} to stop");
     assert!(!Path::new(&out).exists(), "no model folder from a failed job");
     std::fs::remove_dir_all(&dir).ok();
@@ -436,8 +621,20 @@ fn mpi_zero_in_f16_with_checkpointing_matches_one_process() {
     let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
     let (text_file, plot) = (p("text.txt"), p("loss.png"));
     std::fs::write(&text_file, "to be or not to be, that is the question. ".repeat(100)).unwrap();
-    let flags = ["--precision", "f16", "--checkpoint-activations", "--loss-scale-interval", "2"];
-    let with_flags = |out: &str, steps: &'static str| -> Vec<String> { gpt_args(&text_file, out, &plot, steps).into_iter().chain(flags).map(String::from).collect() };
+    let flags = [
+        "--precision",
+        "f16",
+        "--checkpoint-activations",
+        "--loss-scale-interval",
+        "2",
+    ];
+    let with_flags = |out: &str, steps: &'static str| -> Vec<String> {
+        gpt_args(&text_file, out, &plot, steps)
+            .into_iter()
+            .chain(flags)
+            .map(String::from)
+            .collect()
+    };
     let (single_a, single_b) = (p("single_a"), p("single_b"));
     let args = with_flags(&single_a, "8");
     let (single, _) = run(WGRAD, &args.iter().map(String::as_str).collect::<Vec<_>>());
@@ -446,10 +643,17 @@ fn mpi_zero_in_f16_with_checkpointing_matches_one_process() {
     for stage in ["1", "3"] {
         let out = p(&format!("zero{stage}"));
         let args = with_flags(&out, "8");
-        let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", stage], &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let (o, _) = mpirun_with(
+            2,
+            &["--parallel", "zero", "--zero-stage", stage],
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
         assert!(o.status.success(), "{}", text(&o));
         let got = final_validation_loss(&o);
-        assert!((got - want).abs() <= 1e-3 * want, "f16 ZeRO-{stage} over 2 processes: validation loss {got} against one process's {want}");
+        assert!(
+            (got - want).abs() <= 1e-3 * want,
+            "f16 ZeRO-{stage} over 2 processes: validation loss {got} against one process's {want}"
+        );
         assert_eq!(loss_scale_line(&o), want_scale, "f16 ZeRO-{stage} over 2 processes");
     }
     let mut args = with_flags(&single_b, "12");
@@ -459,10 +663,21 @@ fn mpi_zero_in_f16_with_checkpointing_matches_one_process() {
     let resumed = p("zero3_resumed");
     let mut args = with_flags(&resumed, "12");
     args.extend(["--resume".to_string(), single_a.clone()]);
-    let (o, _) = mpirun_with(2, &["--parallel", "zero", "--zero-stage", "3"], &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let (o, _) = mpirun_with(
+        2,
+        &["--parallel", "zero", "--zero-stage", "3"],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     assert!(o.status.success(), "{}", text(&o));
     let (got, want) = (final_validation_loss(&o), final_validation_loss(&single));
-    assert!((got - want).abs() <= 1e-3 * want, "f16 ZeRO-3 resumed over 2 processes: validation loss {got} against one process's {want}");
-    assert_eq!(loss_scale_line(&o), loss_scale_line(&single), "f16 ZeRO-3 resumed over 2 processes");
+    assert!(
+        (got - want).abs() <= 1e-3 * want,
+        "f16 ZeRO-3 resumed over 2 processes: validation loss {got} against one process's {want}"
+    );
+    assert_eq!(
+        loss_scale_line(&o),
+        loss_scale_line(&single),
+        "f16 ZeRO-3 resumed over 2 processes"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

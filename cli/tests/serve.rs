@@ -25,9 +25,17 @@ fn long_fixture(test: &str, context: u32) -> PathBuf {
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gguf-llama.gguf");
     let mut bytes = std::fs::read(fixture).unwrap();
     let key = b"llama.context_length";
-    let at = bytes.windows(key.len()).position(|w| w == key).expect("the context's key") + key.len();
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("the context's key")
+        + key.len();
     // GGUF metadata: the key, its value type (4: u32), the value.
-    assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 4, "a u32 context");
+    assert_eq!(
+        u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()),
+        4,
+        "a u32 context"
+    );
     assert_eq!(u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()), 32);
     bytes[at + 4..at + 8].copy_from_slice(&context.to_le_bytes());
     let dir = std::env::temp_dir().join(format!("wgrad-serve-test-{test}-{}", std::process::id()));
@@ -67,8 +75,14 @@ fn serve_model(model: &std::path::Path, args: &[&str]) -> Server {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let port = line.split("127.0.0.1:").nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|p| p.parse().ok());
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .split("127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|p| p.parse().ok());
     let port = port.unwrap_or_else(|| panic!("no address in the first line: {line:?}"));
     Server { child, port }
 }
@@ -91,7 +105,11 @@ impl Answer {
 
     /// The `data:` payloads of an event stream.
     fn events(&self) -> Vec<String> {
-        self.body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
     }
 
     /// The OpenAI error body's `error` object, checked to have its four keys.
@@ -105,7 +123,13 @@ impl Answer {
 }
 
 /// Sends a request and returns the stream positioned at the body.
-fn send(port: u16, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (BufReader<TcpStream>, u16, Vec<(String, String)>) {
+fn send(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> (BufReader<TcpStream>, u16, Vec<(String, String)>) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut request = format!("{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n");
@@ -122,7 +146,11 @@ fn send(port: u16, method: &str, path: &str, body: Option<&str>, key: Option<&st
     let mut reader = BufReader::new(stream);
     let mut status_line = String::new();
     reader.read_line(&mut status_line).unwrap();
-    let status = status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("status line {status_line:?}"));
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("status line {status_line:?}"));
     let mut headers = Vec::new();
     loop {
         let mut line = String::new();
@@ -163,7 +191,10 @@ fn wait_for_health(port: u16, what: &str, done: impl Fn(&Value) -> bool) -> Valu
         if done(&h) {
             return h;
         }
-        assert!(start.elapsed() < Duration::from_secs(20), "{what}: /health still says {h}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{what}: /health still says {h}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -194,7 +225,10 @@ fn chat(extra: Value) -> Value {
 fn streamed_content(answer: &Answer) -> (String, Value) {
     let events = answer.events();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", answer.body);
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut content = String::new();
     for c in &chunks {
@@ -203,23 +237,46 @@ fn streamed_content(answer: &Answer) -> (String, Value) {
             content += text;
         }
     }
-    let last = chunks.iter().rev().find(|c| !c["choices"].as_array().unwrap().is_empty()).unwrap().clone();
+    let last = chunks
+        .iter()
+        .rev()
+        .find(|c| !c["choices"].as_array().unwrap().is_empty())
+        .unwrap()
+        .clone();
     (content, last)
 }
 
 #[test]
 fn serves_openai_requests_and_errors() {
-    let server = serve("api", &["--max-batch", "3", "--max-context", "256", "--max-body-bytes", "16384"]);
+    let server = serve(
+        "api",
+        &["--max-batch", "3", "--max-context", "256", "--max-body-bytes", "16384"],
+    );
     let port = server.port;
     let h = health(port);
-    assert_eq!((h["status"].as_str(), h["slots_total"].as_u64(), h["slots_free"].as_u64(), h["context"].as_u64()), (Some("ok"), Some(3), Some(3), Some(256)));
+    assert_eq!(
+        (
+            h["status"].as_str(),
+            h["slots_total"].as_u64(),
+            h["slots_free"].as_u64(),
+            h["context"].as_u64()
+        ),
+        (Some("ok"), Some(3), Some(3), Some(256))
+    );
     let models = request(port, "GET", "/v1/models", None, None).json();
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "tiny-llama");
-    assert_eq!(request(port, "GET", "/v1/models/tiny-llama", None, None).json()["object"], "model");
+    assert_eq!(
+        request(port, "GET", "/v1/models/tiny-llama", None, None).json()["object"],
+        "model"
+    );
 
     // Whole and streamed, greedy: the same answer, with usage.
-    let whole = post(port, "/v1/chat/completions", &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true })));
+    let whole = post(
+        port,
+        "/v1/chat/completions",
+        &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true })),
+    );
     assert_eq!(whole.status, 200, "{}", whole.body);
     let reply = whole.json();
     assert_eq!(reply["object"], "chat.completion");
@@ -229,54 +286,105 @@ fn serves_openai_requests_and_errors() {
     let usage = &reply["usage"];
     let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
     assert!(prompt_tokens > 5);
-    assert_eq!((usage["completion_tokens"].as_u64(), usage["total_tokens"].as_u64()), (Some(6), Some(prompt_tokens + 6)));
+    assert_eq!(
+        (usage["completion_tokens"].as_u64(), usage["total_tokens"].as_u64()),
+        (Some(6), Some(prompt_tokens + 6))
+    );
     let content = reply["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-    let streamed = post(port, "/v1/chat/completions", &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true, "stream": true })));
+    let streamed = post(
+        port,
+        "/v1/chat/completions",
+        &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true, "stream": true })),
+    );
     assert_eq!(streamed.status, 200);
-    assert!(streamed.header("content-type").unwrap().starts_with("text/event-stream"));
+    assert!(streamed
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
     let (streamed_text, last) = streamed_content(&streamed);
     assert_eq!(streamed_text, content, "streamed and whole greedy answers");
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     assert_eq!(last["usage"], *usage, "usage in the final chunk");
     // stream_options.include_usage: OpenAI's usage-only chunk too.
-    let with_usage = post(port, "/v1/chat/completions", &chat(json!({ "temperature": 0, "max_tokens": 2, "stream": true, "ignore_eos": true, "stream_options": { "include_usage": true } })));
+    let with_usage = post(
+        port,
+        "/v1/chat/completions",
+        &chat(
+            json!({ "temperature": 0, "max_tokens": 2, "stream": true, "ignore_eos": true, "stream_options": { "include_usage": true } }),
+        ),
+    );
     let events = with_usage.events();
     let usage_only: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(usage_only["choices"], json!([]));
     assert_eq!(usage_only["usage"]["completion_tokens"], 2);
 
     // A seed reproduces a sampled answer.
-    let sampled = |seed: u64| post(port, "/v1/chat/completions", &chat(json!({ "temperature": 1.0, "seed": seed, "max_tokens": 8, "ignore_eos": true }))).json()["choices"][0]["message"]["content"].clone();
+    let sampled = |seed: u64| {
+        post(
+            port,
+            "/v1/chat/completions",
+            &chat(json!({ "temperature": 1.0, "seed": seed, "max_tokens": 8, "ignore_eos": true })),
+        )
+        .json()["choices"][0]["message"]["content"]
+            .clone()
+    };
     assert_eq!(sampled(7), sampled(7));
 
     // Text completions, whole and streamed.
-    let completion = post(port, "/v1/completions", &json!({ "model": "tiny-llama", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true }));
+    let completion = post(
+        port,
+        "/v1/completions",
+        &json!({ "model": "tiny-llama", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true }),
+    );
     assert_eq!(completion.status, 200, "{}", completion.body);
     let completion = completion.json();
     assert_eq!(completion["object"], "text_completion");
     assert_eq!(completion["choices"][0]["finish_reason"], "length");
     assert_eq!(completion["usage"]["completion_tokens"], 12);
     let text = completion["choices"][0]["text"].as_str().unwrap().to_string();
-    let streamed = post(port, "/v1/completions", &json!({ "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": true }));
+    let streamed = post(
+        port,
+        "/v1/completions",
+        &json!({ "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stream": true }),
+    );
     let events = streamed.events();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let pieces: String = events[..events.len() - 1].iter().map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap().to_string()).collect();
+    let pieces: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
     assert_eq!(pieces, text);
     // A stop string cuts the answer before it: the greedy text's second
     // and third characters.
     let chars: Vec<char> = text.chars().collect();
     assert!(chars.len() >= 4, "the greedy completion {text:?} is too short to cut");
     let stop: String = chars[1..3].iter().collect();
-    let cut = post(port, "/v1/completions", &json!({ "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stop": [stop] })).json();
+    let cut = post(
+        port,
+        "/v1/completions",
+        &json!({ "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": true, "stop": [stop] }),
+    )
+    .json();
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
-    assert_eq!(cut["choices"][0]["text"].as_str().unwrap(), &text[..text.find(&stop).unwrap()]);
+    assert_eq!(
+        cut["choices"][0]["text"].as_str().unwrap(),
+        &text[..text.find(&stop).unwrap()]
+    );
 
     // Errors: OpenAI's body and status, and the next request is served.
     let malformed = request(port, "POST", "/v1/chat/completions", Some("{\"messages\": [}"), None);
     assert_eq!(malformed.status, 400);
     assert_eq!(malformed.error()["type"], "invalid_request_error");
     let missing = post(port, "/v1/chat/completions", &json!({ "model": "tiny-llama" }));
-    assert_eq!((missing.status, missing.error()["param"].as_str()), (400, Some("messages")));
+    assert_eq!(
+        (missing.status, missing.error()["param"].as_str()),
+        (400, Some("messages"))
+    );
     let long_prompt: Vec<u32> = (0..300).map(|i| 3 + i % 200).collect();
     let over = post(port, "/v1/completions", &json!({ "prompt": long_prompt }));
     assert_eq!(over.status, 400, "{}", over.body);
@@ -284,17 +392,31 @@ fn serves_openai_requests_and_errors() {
     assert!(message.contains("256") && message.contains("300"), "{message}");
     assert_eq!(over.error()["code"], "context_length_exceeded");
     let unknown = post(port, "/v1/chat/completions", &chat(json!({ "model": "gpt-9" })));
-    assert_eq!((unknown.status, unknown.error()["code"].as_str()), (404, Some("model_not_found")));
+    assert_eq!(
+        (unknown.status, unknown.error()["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
     assert_eq!(post(port, "/v1/chat/completions", &chat(json!({ "n": 2 }))).status, 400);
-    assert_eq!(post(port, "/v1/chat/completions", &chat(json!({ "temperature": 3 }))).status, 400);
+    assert_eq!(
+        post(port, "/v1/chat/completions", &chat(json!({ "temperature": 3 }))).status,
+        400
+    );
     let huge = post(port, "/v1/completions", &json!({ "prompt": "a".repeat(20_000) }));
     assert_eq!(huge.status, 413, "a body over --max-body-bytes");
     huge.error();
     let route = request(port, "GET", "/v1/nothing", None, None);
     assert_eq!(route.status, 404);
     route.error();
-    let again = post(port, "/v1/chat/completions", &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true })));
-    assert_eq!(again.json()["choices"][0]["message"]["content"].as_str(), Some(content.as_str()), "served after the errors, the same answer");
+    let again = post(
+        port,
+        "/v1/chat/completions",
+        &chat(json!({ "temperature": 0, "max_tokens": 6, "ignore_eos": true })),
+    );
+    assert_eq!(
+        again.json()["choices"][0]["message"]["content"].as_str(),
+        Some(content.as_str()),
+        "served after the errors, the same answer"
+    );
 
     // Concurrent streams, more than the slots, and a bad request among
     // them: every good stream completes.
@@ -313,7 +435,12 @@ fn serves_openai_requests_and_errors() {
             continue;
         }
         let events = answer.events();
-        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "stream {i}: {}", answer.body);
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "stream {i}: {}",
+            answer.body
+        );
         let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
         assert_eq!(last["usage"]["completion_tokens"], 20 + i, "stream {i}");
     }
@@ -322,7 +449,9 @@ fn serves_openai_requests_and_errors() {
     let reader = start_stream(port, 250);
     wait_for_health(port, "a running stream", |h| h["slots_free"] == 2);
     drop(reader);
-    wait_for_health(port, "the slot after the client left", |h| h["slots_free"] == 3 && h["in_flight"] == 0);
+    wait_for_health(port, "the slot after the client left", |h| {
+        h["slots_free"] == 3 && h["in_flight"] == 0
+    });
 }
 
 #[test]
@@ -336,14 +465,23 @@ fn an_api_key_guards_every_route_but_health() {
         assert_eq!(refused.error()["code"], "invalid_api_key");
     }
     let body = chat(json!({ "max_tokens": 2 })).to_string();
-    assert_eq!(request(port, "POST", "/v1/chat/completions", Some(&body), None).status, 401);
+    assert_eq!(
+        request(port, "POST", "/v1/chat/completions", Some(&body), None).status,
+        401
+    );
     assert_eq!(request(port, "GET", "/v1/models", None, Some("sesame")).status, 200);
-    assert_eq!(request(port, "POST", "/v1/chat/completions", Some(&body), Some("sesame")).status, 200);
+    assert_eq!(
+        request(port, "POST", "/v1/chat/completions", Some(&body), Some("sesame")).status,
+        200
+    );
 }
 
 #[test]
 fn a_full_queue_answers_429_with_retry_after() {
-    let server = serve("queue", &["--max-batch", "1", "--max-queue", "1", "--max-context", "2048"]);
+    let server = serve(
+        "queue",
+        &["--max-batch", "1", "--max-queue", "1", "--max-context", "2048"],
+    );
     let port = server.port;
     // One request runs (2047 tokens, seconds here), one waits: the third
     // is refused.
@@ -359,7 +497,10 @@ fn a_full_queue_answers_429_with_retry_after() {
     drop(running);
     drop(waiting.join().unwrap());
     wait_for_health(port, "both gone", |h| h["in_flight"] == 0 && h["slots_free"] == 1);
-    assert_eq!(post(port, "/v1/completions", &json!({ "prompt": "y", "max_tokens": 1 })).status, 200);
+    assert_eq!(
+        post(port, "/v1/completions", &json!({ "prompt": "y", "max_tokens": 1 })).status,
+        200
+    );
 }
 
 #[cfg(unix)]
@@ -369,7 +510,11 @@ fn sigterm_mid_stream_exits_zero() {
     let port = server.port;
     let mut reader = start_stream(port, 2047);
     let start = Instant::now();
-    assert!(Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     // The stream ends (an error event: the server is shutting down)...
     let mut rest = String::new();
     reader.read_to_string(&mut rest).unwrap();
@@ -380,7 +525,10 @@ fn sigterm_mid_stream_exits_zero() {
             assert!(status.success(), "{status}");
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "still running 10 s after SIGTERM");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "still running 10 s after SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -398,18 +546,28 @@ fn bad_requests_get_openai_errors_not_500s() {
     let refused = post(port, "/v1/chat/completions", &wizard);
     assert_eq!(refused.status, 400, "{}", refused.body);
     let error = refused.error();
-    assert_eq!((error["type"].as_str(), error["param"].as_str()), (Some("invalid_request_error"), Some("messages")));
+    assert_eq!(
+        (error["type"].as_str(), error["param"].as_str()),
+        (Some("invalid_request_error"), Some("messages"))
+    );
     assert!(error["message"].as_str().unwrap().contains("wizard"), "{error}");
     let messages = json!([{ "role": "developer", "content": "Be brief." }, { "role": "user", "content": "Hi!" }]);
     let developer = json!({ "messages": messages, "max_tokens": 2, "ignore_eos": true });
     assert_eq!(post(port, "/v1/chat/completions", &developer).status, 200);
 
-    for (method, path, allowed) in [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
-        ("POST", "/v1/models", "GET"), ("DELETE", "/health", "GET")]
-    {
+    for (method, path, allowed) in [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", "/health", "GET"),
+    ] {
         let answer = request(port, method, path, (method == "POST").then_some("{}"), None);
         assert_eq!(answer.status, 405, "{method} {path}: {}", answer.body);
-        assert!(answer.header("allow").is_some_and(|a| a.contains(allowed)), "{method} {path}: {:?}", answer.headers);
+        assert!(
+            answer.header("allow").is_some_and(|a| a.contains(allowed)),
+            "{method} {path}: {:?}",
+            answer.headers
+        );
         let error = answer.error();
         assert_eq!(error["code"], "method_not_allowed", "{method} {path}");
         let message = error["message"].as_str().unwrap();
@@ -418,13 +576,21 @@ fn bad_requests_get_openai_errors_not_500s() {
 
     // The fixture's tokenizer adds no BOS: "" is no token at all.
     for stream in [false, true] {
-        let empty = post(port, "/v1/completions", &json!({ "prompt": "", "max_tokens": 2, "stream": stream }));
+        let empty = post(
+            port,
+            "/v1/completions",
+            &json!({ "prompt": "", "max_tokens": 2, "stream": stream }),
+        );
         assert_eq!(empty.status, 400, "stream {stream}: {}", empty.body);
         let error = empty.error();
         assert_eq!(error["type"], "invalid_request_error");
         assert!(error["message"].as_str().unwrap().contains("empty"), "{error}");
     }
-    let after = post(port, "/v1/completions", &json!({ "prompt": "hello", "max_tokens": 2, "ignore_eos": true }));
+    let after = post(
+        port,
+        "/v1/completions",
+        &json!({ "prompt": "hello", "max_tokens": 2, "ignore_eos": true }),
+    );
     assert_eq!(after.status, 200, "served after the refusals: {}", after.body);
     wait_for_health(port, "nothing left in flight", |h| h["in_flight"] == 0);
 }
@@ -434,7 +600,9 @@ fn bad_requests_get_openai_errors_not_500s() {
 /// whose ids 0..n are spelled `spell(id)` (no merges: requests give ids).
 fn tiny_llama_with_tokenizer(test: &str, n: usize, spell: impl Fn(usize) -> String) -> PathBuf {
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama");
-    let dir = std::env::temp_dir().join(format!("wgrad-serve-test-{test}-{}", std::process::id())).join("tiny-llama");
+    let dir = std::env::temp_dir()
+        .join(format!("wgrad-serve-test-{test}-{}", std::process::id()))
+        .join("tiny-llama");
     std::fs::create_dir_all(&dir).unwrap();
     for file in ["config.json", "model.safetensors"] {
         std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
@@ -462,17 +630,32 @@ fn greedy_next(test: &str, prompts: &[Vec<u32>]) -> Vec<u32> {
     let lines: Vec<String> = prompts.iter().map(line).collect();
     std::fs::write(&file, lines.join("\n")).unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_wgrad"))
-        .args(["generate", "--print-ids", "--max-new-tokens", "1", "--temperature", "0", "--model"])
+        .args([
+            "generate",
+            "--print-ids",
+            "--max-new-tokens",
+            "1",
+            "--temperature",
+            "0",
+            "--model",
+        ])
         .arg(fixture)
         .arg("--prompts-file")
         .arg(&file)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let next = |s: usize| -> u32 {
         let tag = format!("new_ids {s} ");
-        let line = stdout.lines().find_map(|l| l.strip_prefix(tag.as_str())).unwrap_or_else(|| panic!("{stdout}"));
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(tag.as_str()))
+            .unwrap_or_else(|| panic!("{stdout}"));
         line.trim().parse().unwrap()
     };
     (0..prompts.len()).map(next).collect()
@@ -503,7 +686,10 @@ fn ids_the_tokenizer_lacks_are_never_sampled() {
         // Each token's text is `t` and its id, every id below `lacking`.
         let text = reply["choices"][0]["text"].as_str().unwrap();
         let picked: Vec<usize> = text.split('t').skip(1).map(|id| id.parse().unwrap()).collect();
-        assert!(picked.len() == 10 && picked.iter().all(|&id| id < lacking), "{text:?}, ids below {lacking}");
+        assert!(
+            picked.len() == 10 && picked.iter().all(|&id| id < lacking),
+            "{text:?}, ids below {lacking}"
+        );
     }
 }
 
@@ -538,13 +724,22 @@ fn a_stop_ends_the_text_before_the_character_its_token_began() {
         let want = &greedy[..greedy.find(&stop).unwrap()];
         let cut = request(Some(&stop), false).json();
         assert_eq!(cut["choices"][0]["finish_reason"], "stop");
-        assert_eq!(cut["choices"][0]["text"].as_str(), Some(want), "stop {stop:?} in {greedy:?}");
+        assert_eq!(
+            cut["choices"][0]["text"].as_str(),
+            Some(want),
+            "stop {stop:?} in {greedy:?}"
+        );
         let streamed = request(Some(&stop), true);
         let events = streamed.events();
         assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", streamed.body);
         let pieces: String = events[..events.len() - 1]
             .iter()
-            .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+            .map(|e| {
+                serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
             .collect();
         assert_eq!(pieces, want, "streamed, stop {stop:?} in {greedy:?}");
     }

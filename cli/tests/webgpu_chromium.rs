@@ -111,14 +111,23 @@ fn handle(stream: TcpStream, roots: &[PathBuf], received: &Mutex<Received>) -> s
                 "/progress" => {
                     got.progress += 1;
                     let case: Value = serde_json::from_str(&text).unwrap_or_default();
-                    eprintln!("  [{}] {} {}", got.progress, case["status"].as_str().unwrap_or("?"), case["name"].as_str().unwrap_or("?"));
+                    eprintln!(
+                        "  [{}] {} {}",
+                        got.progress,
+                        case["status"].as_str().unwrap_or("?"),
+                        case["name"].as_str().unwrap_or("?")
+                    );
                 }
                 _ => {}
             }
         }
         return respond(&mut stream, "200 OK", "text/plain", b"ok");
     }
-    let relative = if path == "/" { "index.html" } else { path.trim_start_matches('/') };
+    let relative = if path == "/" {
+        "index.html"
+    } else {
+        path.trim_start_matches('/')
+    };
     let file = (!relative.split('/').any(|p| p == ".." || p.is_empty()))
         .then(|| roots.iter().map(|r| r.join(relative)).find(|p| p.is_file()))
         .flatten();
@@ -170,16 +179,30 @@ fn table(report: &Value) -> String {
 fn every_kernel_matches_its_cpu_twin_in_chromium_webgpu() {
     let test = "every_kernel_matches_its_cpu_twin_in_chromium_webgpu";
     let Some(chromium) = chromium() else {
-        return skip(test, "Chromium is not installed (scripts/ensure-chromium.sh; or set WGRAD_CHROMIUM)");
+        return skip(
+            test,
+            "Chromium is not installed (scripts/ensure-chromium.sh; or set WGRAD_CHROMIUM)",
+        );
     };
     let started = Instant::now();
     let dir = scratch_dir("webgpu-cases");
-    let dump = Command::new(env!("CARGO_BIN_EXE_wgrad")).arg("shaders").arg("--dump").arg(&dir).output().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&dump.stdout), String::from_utf8_lossy(&dump.stderr));
+    let dump = Command::new(env!("CARGO_BIN_EXE_wgrad"))
+        .arg("shaders")
+        .arg("--dump")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&dump.stdout),
+        String::from_utf8_lossy(&dump.stderr),
+    );
     if !dump.status.success() && stderr.contains("no GPU adapter found") {
         return skip(test, "no native adapter to build the cases on");
     }
-    assert!(dump.status.success(), "wgrad shaders --dump failed:\n{stdout}\n{stderr}");
+    assert!(
+        dump.status.success(),
+        "wgrad shaders --dump failed:\n{stdout}\n{stderr}"
+    );
     let dumped = started.elapsed();
 
     let page = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/webgpu");
@@ -194,7 +217,15 @@ fn every_kernel_matches_its_cpu_twin_in_chromium_webgpu() {
     let log = std::fs::File::create(dir.join("chromium.log")).unwrap();
     let mut command = Command::new(&chromium);
     command
-        .args(["--headless", "--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+        ])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"])
         .arg(format!("http://127.0.0.1:{port}/index.html"))
@@ -233,7 +264,11 @@ fn every_kernel_matches_its_cpu_twin_in_chromium_webgpu() {
     );
     let printed = table(&report);
     eprint!("{printed}");
-    assert!(report["error"].is_null(), "the page failed: {}\n{printed}", report["error"]);
+    assert!(
+        report["error"].is_null(),
+        "the page failed: {}\n{printed}",
+        report["error"]
+    );
     let cases = report["cases"].as_array().cloned().unwrap_or_default();
     let count = |status: &str| cases.iter().filter(|c| c["status"] == status).count();
     eprintln!(
@@ -249,7 +284,9 @@ fn every_kernel_matches_its_cpu_twin_in_chromium_webgpu() {
     // Every entry point wgrad dispatches has a case in the report.
     for kernel in wgrad::kernels::KERNELS {
         assert!(
-            cases.iter().any(|c| c["entries"].as_array().is_some_and(|e| e.iter().any(|e| e == kernel.entry))),
+            cases.iter().any(|c| c["entries"]
+                .as_array()
+                .is_some_and(|e| e.iter().any(|e| e == kernel.entry))),
             "no case in Chromium's report covers `{}`",
             kernel.entry
         );
@@ -259,13 +296,30 @@ fn every_kernel_matches_its_cpu_twin_in_chromium_webgpu() {
         .filter(|c| match c["status"].as_str() {
             Some("pass") => false,
             // Skipped only for what the browser's (or the native) adapter lacks.
-            Some("skip") => !c["reason"].as_str().is_some_and(|r| r.starts_with("missing ") || r.starts_with("not built by wgrad")),
+            Some("skip") => !c["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("missing ") || r.starts_with("not built by wgrad")),
             _ => true,
         })
-        .map(|c| format!("{} ({})", c["name"].as_str().unwrap_or("?"), c["reason"].as_str().unwrap_or("")))
+        .map(|c| {
+            format!(
+                "{} ({})",
+                c["name"].as_str().unwrap_or("?"),
+                c["reason"].as_str().unwrap_or("")
+            )
+        })
         .collect();
     let uncaptured = report["uncaptured"].as_array().cloned().unwrap_or_default();
-    assert!(uncaptured.is_empty(), "WebGPU errors outside the cases' error scopes: {uncaptured:?}");
-    assert!(bad.is_empty(), "{} case(s) failed in Chromium (the cases and its log are in {}):\n{}\n{printed}", bad.len(), dir.display(), bad.join("\n"));
+    assert!(
+        uncaptured.is_empty(),
+        "WebGPU errors outside the cases' error scopes: {uncaptured:?}"
+    );
+    assert!(
+        bad.is_empty(),
+        "{} case(s) failed in Chromium (the cases and its log are in {}):\n{}\n{printed}",
+        bad.len(),
+        dir.display(),
+        bad.join("\n")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

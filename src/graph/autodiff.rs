@@ -70,7 +70,10 @@ impl Gradients {
             by_input: self.by_input.iter().map(|(&i, &g)| (at(i), at(g))).collect(),
             accumulations: self.accumulations.iter().map(|&t| at(t)).collect(),
             seed: at(self.seed),
-            start: map.get(self.start).copied().unwrap_or_else(|| map.last().map_or(0, |&l| l + 1)),
+            start: map
+                .get(self.start)
+                .copied()
+                .unwrap_or_else(|| map.last().map_or(0, |&l| l + 1)),
         }
     }
 
@@ -88,10 +91,17 @@ impl Graph {
     /// parameter's gradient buffer; zeroing it is an explicit step.
     pub fn backward(&mut self, loss: Tensor) -> Result<Gradients> {
         if loss.0 >= self.nodes.len() {
-            return Err(Error::InvalidArgument { op: "backward", reason: format!("tensor #{} is not in this graph", loss.0) });
+            return Err(Error::InvalidArgument {
+                op: "backward",
+                reason: format!("tensor #{} is not in this graph", loss.0),
+            });
         }
         if self.shape(loss) != [1] || self.node(loss).dtype != DType::F32 {
-            return Err(Error::shape("backward", "the loss must be an f32 scalar of shape [1]", &[self.shape(loss)]));
+            return Err(Error::shape(
+                "backward",
+                "the loss must be an f32 scalar of shape [1]",
+                &[self.shape(loss)],
+            ));
         }
         let seed = self.constant("dloss", &[1], vec![1.0])?;
         self.backward_from(loss, seed, &[])
@@ -104,14 +114,27 @@ impl Graph {
     pub fn backward_from(&mut self, output: Tensor, seed: Tensor, inputs: &[Tensor]) -> Result<Gradients> {
         for &t in [output, seed].iter().chain(inputs) {
             if t.0 >= self.nodes.len() {
-                return Err(Error::InvalidArgument { op: "backward", reason: format!("tensor #{} is not in this graph", t.0) });
+                return Err(Error::InvalidArgument {
+                    op: "backward",
+                    reason: format!("tensor #{} is not in this graph", t.0),
+                });
             }
         }
         if self.shape(seed) != self.shape(output) {
-            return Err(Error::shape("backward", "the seed gradient must have the output's shape", &[self.shape(output), self.shape(seed)]));
+            return Err(Error::shape(
+                "backward",
+                "the seed gradient must have the output's shape",
+                &[self.shape(output), self.shape(seed)],
+            ));
         }
-        if let Some(&bad) = inputs.iter().find(|t| self.node(**t).op != SourceOp::Input || self.node(**t).dtype != DType::F32) {
-            return Err(Error::InvalidArgument { op: "backward", reason: format!("`{}` is not an f32 input", self.node(bad).name) });
+        if let Some(&bad) = inputs
+            .iter()
+            .find(|t| self.node(**t).op != SourceOp::Input || self.node(**t).dtype != DType::F32)
+        {
+            return Err(Error::InvalidArgument {
+                op: "backward",
+                reason: format!("`{}` is not an f32 input", self.node(bad).name),
+            });
         }
         let start = self.nodes.len();
         let count = output.0 + 1;
@@ -150,7 +173,13 @@ impl Graph {
                 if matches!(self.nodes[input.0].op, Op::Source(SourceOp::Parameter { .. })) {
                     let shape = self.shape(input).to_vec();
                     let name = format!("{}.grad", self.nodes[input.0].name);
-                    let g = self.push(ElementwiseOp::AccumulateGrad { param: input }, vec![contribution], shape, DType::F32, name);
+                    let g = self.push(
+                        ElementwiseOp::AccumulateGrad { param: input },
+                        vec![contribution],
+                        shape,
+                        DType::F32,
+                        name,
+                    );
                     by_param.insert(input, g);
                     accumulations.push(g);
                 } else {
@@ -163,7 +192,14 @@ impl Graph {
             }
         }
         accumulations.sort();
-        Ok(Gradients { loss: output, by_param, by_input, accumulations, start, seed })
+        Ok(Gradients {
+            loss: output,
+            by_param,
+            by_input,
+            accumulations,
+            start,
+            seed,
+        })
     }
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node:

@@ -52,7 +52,10 @@ impl DType {
             DType::F32 => "f32 values".into(),
             DType::U32 => "u32 values".into(),
             DType::F16 => "f16 weights (only an ABt matmul's B or an embedding table)".into(),
-            DType::Quant(format) => format!("{} block-quantized weights (only an ABt matmul's B or an embedding table)", format.name()),
+            DType::Quant(format) => format!(
+                "{} block-quantized weights (only an ABt matmul's B or an embedding table)",
+                format.name()
+            ),
         }
     }
 }
@@ -88,7 +91,6 @@ pub struct Graph {
     no_decay_group: Vec<Tensor>,
 }
 
-
 /// The largest rank a tensor may have.
 pub const MAX_RANK: usize = 4;
 
@@ -100,7 +102,6 @@ pub(super) fn rows_cols(op: &'static str, shape: &[usize], all: &[&[usize]]) -> 
         _ => Err(Error::shape(op, "expects a tensor of rank 2 or more", all)),
     }
 }
-
 
 impl Graph {
     pub fn new() -> Self {
@@ -125,7 +126,9 @@ impl Graph {
     /// (None for a block-quantized one, whose words are not values).
     pub fn parameter_init_mut(&mut self, t: Tensor) -> Option<&mut [f32]> {
         match self.nodes.get_mut(t.0).map(|n| &mut n.op) {
-            Some(Op::Source(SourceOp::Parameter { init: ParameterInit::Values(init) })) => Some(init.as_mut_slice()),
+            Some(Op::Source(SourceOp::Parameter {
+                init: ParameterInit::Values(init),
+            })) => Some(init.as_mut_slice()),
             _ => None,
         }
     }
@@ -158,8 +161,21 @@ impl Graph {
         Ok(())
     }
 
-    pub(crate) fn push(&mut self, op: impl Into<Op>, inputs: Vec<Tensor>, shape: Vec<usize>, dtype: DType, name: String) -> Tensor {
-        self.nodes.push(Node { op: op.into(), inputs, shape, dtype, name });
+    pub(crate) fn push(
+        &mut self,
+        op: impl Into<Op>,
+        inputs: Vec<Tensor>,
+        shape: Vec<usize>,
+        dtype: DType,
+        name: String,
+    ) -> Tensor {
+        self.nodes.push(Node {
+            op: op.into(),
+            inputs,
+            shape,
+            dtype,
+            name,
+        });
         Tensor(self.nodes.len() - 1)
     }
 
@@ -169,7 +185,11 @@ impl Graph {
             if self.node(t).dtype != DType::F32 {
                 return Err(Error::InvalidArgument {
                     op,
-                    reason: format!("`{}` holds {}; {op} needs f32", self.node(t).name, self.node(t).dtype.describe()),
+                    reason: format!(
+                        "`{}` holds {}; {op} needs f32",
+                        self.node(t).name,
+                        self.node(t).dtype.describe()
+                    ),
                 });
             }
         }
@@ -181,9 +201,17 @@ impl Graph {
             return Err(Error::shape(op, "every dimension must be at least 1", &[shape]));
         }
         if shape.len() > MAX_RANK {
-            return Err(Error::shape(op, format!("tensors have at most {MAX_RANK} dimensions"), &[shape]));
+            return Err(Error::shape(
+                op,
+                format!("tensors have at most {MAX_RANK} dimensions"),
+                &[shape],
+            ));
         }
-        if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).is_none_or(|n| n > u32::MAX as usize) {
+        if shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none_or(|n| n > u32::MAX as usize)
+        {
             return Err(Error::shape(op, "more than 2^32 elements", &[shape]));
         }
         Ok(())
@@ -204,7 +232,11 @@ impl Graph {
             v.sort();
             v
         };
-        Graph { nodes, no_weight_decay: at(&self.no_weight_decay), no_decay_group: at(&self.no_decay_group) }
+        Graph {
+            nodes,
+            no_weight_decay: at(&self.no_weight_decay),
+            no_decay_group: at(&self.no_decay_group),
+        }
     }
 
     /// Every parameter, in the order added.
@@ -217,7 +249,10 @@ impl Graph {
 
     /// Every input (data fed per run), in the order added.
     pub fn inputs(&self) -> Vec<Tensor> {
-        (0..self.nodes.len()).filter(|&i| self.nodes[i].op == SourceOp::Input).map(Tensor).collect()
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].op == SourceOp::Input)
+            .map(Tensor)
+            .collect()
     }
 
     /// Puts `param` in the group without weight decay (biases, norm gains,
@@ -225,7 +260,10 @@ impl Graph {
     /// honours it; the executor lays decayed parameters out first so the
     /// update needs only the boundary.
     pub fn exclude_from_weight_decay(&mut self, param: Tensor) -> Result<()> {
-        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Source(SourceOp::Parameter { .. }))) {
+        if !matches!(
+            self.get(param).map(|n| &n.op),
+            Some(Op::Source(SourceOp::Parameter { .. }))
+        ) {
             return Err(Error::InvalidArgument {
                 op: "exclude_from_weight_decay",
                 reason: format!("tensor #{} is not a parameter of this graph", param.0),
@@ -243,7 +281,10 @@ impl Graph {
     /// a weight, such as an embedding table. Without groups it decays like
     /// any other parameter (PyTorch's default).
     pub fn mark_no_decay_group(&mut self, param: Tensor) -> Result<()> {
-        if !matches!(self.get(param).map(|n| &n.op), Some(Op::Source(SourceOp::Parameter { .. }))) {
+        if !matches!(
+            self.get(param).map(|n| &n.op),
+            Some(Op::Source(SourceOp::Parameter { .. }))
+        ) {
             return Err(Error::InvalidArgument {
                 op: "mark_no_decay_group",
                 reason: format!("tensor #{} is not a parameter of this graph", param.0),

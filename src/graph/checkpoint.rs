@@ -35,9 +35,16 @@ impl Graph {
         let mut block_of: Vec<Option<usize>> = vec![None; count];
         for (b, block) in blocks.iter().enumerate() {
             if block.nodes.end > start || block.output.0 >= count {
-                return Err(Error::InvalidArgument { op: "with_recomputed_blocks", reason: format!("block {b} ({:?}) is not in this graph's forward", block.nodes) });
+                return Err(Error::InvalidArgument {
+                    op: "with_recomputed_blocks",
+                    reason: format!("block {b} ({:?}) is not in this graph's forward", block.nodes),
+                });
             }
-            for i in block.nodes.clone().filter(|&i| i != block.output.0 && !matches!(nodes[i].op, Op::Source(_))) {
+            for i in block
+                .nodes
+                .clone()
+                .filter(|&i| i != block.output.0 && !matches!(nodes[i].op, Op::Source(_)))
+            {
                 block_of[i] = Some(b);
             }
         }
@@ -86,20 +93,40 @@ impl Graph {
         let mut map = vec![0usize; count];
         let mut copy: Vec<Option<usize>> = vec![None; count];
         let remapped_op = |op: &Op, map: &[usize]| match op {
-            Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => ElementwiseOp::AccumulateGrad { param: Tensor(map[param.0]) }.into(),
+            Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => ElementwiseOp::AccumulateGrad {
+                param: Tensor(map[param.0]),
+            }
+            .into(),
             op => op.clone(),
         };
         for (i, node) in nodes.iter().enumerate() {
             for &b in &copies_at[i] {
                 for j in blocks[b].nodes.clone().filter(|&j| recompute[j]) {
-                    let inputs = nodes[j].inputs.iter().map(|t| Tensor(copy[t.0].unwrap_or(map[t.0]))).collect();
-                    out.push(Node { op: remapped_op(&nodes[j].op, &map), inputs, name: format!("{}.recomputed", nodes[j].name), ..nodes[j].clone() });
+                    let inputs = nodes[j]
+                        .inputs
+                        .iter()
+                        .map(|t| Tensor(copy[t.0].unwrap_or(map[t.0])))
+                        .collect();
+                    out.push(Node {
+                        op: remapped_op(&nodes[j].op, &map),
+                        inputs,
+                        name: format!("{}.recomputed", nodes[j].name),
+                        ..nodes[j].clone()
+                    });
                     copy[j] = Some(out.len() - 1);
                 }
             }
             let backward = i >= start;
-            let inputs = node.inputs.iter().map(|t| Tensor(copy[t.0].filter(|_| backward).unwrap_or(map[t.0]))).collect();
-            out.push(Node { op: remapped_op(&node.op, &map), inputs, ..node.clone() });
+            let inputs = node
+                .inputs
+                .iter()
+                .map(|t| Tensor(copy[t.0].filter(|_| backward).unwrap_or(map[t.0])))
+                .collect();
+            out.push(Node {
+                op: remapped_op(&node.op, &map),
+                inputs,
+                ..node.clone()
+            });
             map[i] = out.len() - 1;
         }
         let graph = self.with_nodes(out, &map);

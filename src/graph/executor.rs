@@ -99,7 +99,10 @@ pub struct Executor {
 
 impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Executor").field("nodes", &self.graph.len()).field("update", &self.update).finish()
+        f.debug_struct("Executor")
+            .field("nodes", &self.graph.len())
+            .field("update", &self.update)
+            .finish()
     }
 }
 
@@ -126,7 +129,14 @@ impl Executor {
     /// parameters before it runs and reading what it needs of a run
     /// before the next stage's. Its initial parameters are written there
     /// now; an error when a pooled buffer is shorter than planned.
-    pub fn with_arenas(kernels: Arc<Kernels>, graph: Graph, outputs: &[Tensor], gradients: Gradients, options: PlanOptions, pool: &ArenaPool) -> Result<Self> {
+    pub fn with_arenas(
+        kernels: Arc<Kernels>,
+        graph: Graph,
+        outputs: &[Tensor],
+        gradients: Gradients,
+        options: PlanOptions,
+        pool: &ArenaPool,
+    ) -> Result<Self> {
         Self::build(kernels, graph, outputs, Some(gradients), None, options, Some(pool))
     }
 
@@ -140,7 +150,10 @@ impl Executor {
         pooled: Option<&ArenaPool>,
     ) -> Result<Self> {
         if update.is_some() && gradients.is_none() {
-            return Err(Error::InvalidArgument { op: "Executor::new", reason: "an optimizer needs the gradients from backward()".into() });
+            return Err(Error::InvalidArgument {
+                op: "Executor::new",
+                reason: "an optimizer needs the gradients from backward()".into(),
+            });
         }
         let state_arenas = update.as_ref().map_or(0, |u| u.state_arenas);
         let foreign = |t: &Tensor| t.0 >= graph.len();
@@ -148,12 +161,19 @@ impl Executor {
             foreign(&g.loss) || g.accumulations().iter().any(foreign) || g.input_gradients().iter().any(foreign)
         });
         if outputs.iter().any(foreign) || grads_foreign {
-            return Err(Error::InvalidArgument { op: "Executor::new", reason: "an output or gradient is not in this graph".into() });
+            return Err(Error::InvalidArgument {
+                op: "Executor::new",
+                reason: "an output or gradient is not in this graph".into(),
+            });
         }
         // The gradient and state arenas share the parameters' layout, and
         // nothing computes a gradient or an update in f16 or quantized.
         if gradients.is_some() {
-            if let Some(p) = graph.parameters().into_iter().find(|&p| graph.node(p).dtype.is_stored_weight()) {
+            if let Some(p) = graph
+                .parameters()
+                .into_iter()
+                .find(|&p| graph.node(p).dtype.is_stored_weight())
+            {
                 return Err(Error::InvalidArgument {
                     op: "Executor::new",
                     reason: format!("parameter `{}` holds {}, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name, graph.node(p).dtype.describe()),
@@ -163,11 +183,18 @@ impl Executor {
         if options.arena_alignment != 0 && (!options.arena_alignment.is_power_of_two() || options.arena_alignment < 4) {
             return Err(Error::InvalidArgument {
                 op: "Executor::new",
-                reason: format!("arena alignment {} B must be 0 or a power of two of at least 4 B", options.arena_alignment),
+                reason: format!(
+                    "arena alignment {} B must be 0 or a power of two of at least 4 B",
+                    options.arena_alignment
+                ),
             });
         }
         // Both are powers of two, so the larger is a multiple of the device's.
-        let align_bytes = kernels.device().limits().min_storage_buffer_offset_alignment.max(options.arena_alignment);
+        let align_bytes = kernels
+            .device()
+            .limits()
+            .min_storage_buffer_offset_alignment
+            .max(options.arena_alignment);
         let align = (align_bytes as usize / 4).max(1);
         // A fused kernel the device's limits cannot take is planned unfused.
         let mut options = options;
@@ -184,10 +211,17 @@ impl Executor {
         let mut initial = vec![0.0f32; arena_len];
         for &(p, offset) in &plan.param_offsets {
             match &graph.node(p).op {
-                Op::Source(SourceOp::Parameter { init: ParameterInit::Values(init) }) => put_parameter(&mut initial[offset..], graph.node(p).dtype, init)?,
+                Op::Source(SourceOp::Parameter {
+                    init: ParameterInit::Values(init),
+                }) => put_parameter(&mut initial[offset..], graph.node(p).dtype, init)?,
                 // Already in the kernels' layout: the words' bits as they are.
-                Op::Source(SourceOp::Parameter { init: ParameterInit::Packed(words) }) => {
-                    initial[offset..offset + words.len()].iter_mut().zip(words).for_each(|(slot, &w)| *slot = f32::from_bits(w));
+                Op::Source(SourceOp::Parameter {
+                    init: ParameterInit::Packed(words),
+                }) => {
+                    initial[offset..offset + words.len()]
+                        .iter_mut()
+                        .zip(words)
+                        .for_each(|(slot, &w)| *slot = f32::from_bits(w));
                 }
                 _ => {}
             }
@@ -195,11 +229,21 @@ impl Executor {
         let training = gradients.is_some();
         let (params, grads) = match pooled {
             Some(pool) => {
-                let (params, grads) = (pool.params.share_prefix(arena_len)?, pool.grads.share_prefix(arena_len)?);
+                let (params, grads) = (
+                    pool.params.share_prefix(arena_len)?,
+                    pool.grads.share_prefix(arena_len)?,
+                );
                 kernels.write(params.view(), &initial)?;
                 (params, Some(grads))
             }
-            None => (kernels.upload(&initial)?, if training { Some(kernels.zeros(arena_len)?) } else { None }),
+            None => (
+                kernels.upload(&initial)?,
+                if training {
+                    Some(kernels.zeros(arena_len)?)
+                } else {
+                    None
+                },
+            ),
         };
         let mut inputs = Vec::with_capacity(plan.input_count);
         let mut constants = Vec::with_capacity(plan.constant_count);
@@ -208,7 +252,9 @@ impl Executor {
             let node = graph.node(Tensor(i));
             match (&node.op, plan.storage[i]) {
                 (Op::Source(SourceOp::Input), Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
-                (Op::Source(SourceOp::Constant { values }), Storage::Constant { .. }) => constants.push(kernels.upload(values)?),
+                (Op::Source(SourceOp::Constant { values }), Storage::Constant { .. }) => {
+                    constants.push(kernels.upload(values)?)
+                }
                 (Op::Source(SourceOp::Cache), Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
                 _ => {}
             }
@@ -218,17 +264,35 @@ impl Executor {
                 .slot_len
                 .iter()
                 .enumerate()
-                .map(|(i, &len)| pool.slots.get(i).ok_or_else(|| Error::InvalidArgument { op: "Executor::with_arenas", reason: format!("{} pooled slots for {} planned", pool.slots.len(), plan.slot_len.len()) })?.share_prefix(len))
+                .map(|(i, &len)| {
+                    pool.slots
+                        .get(i)
+                        .ok_or_else(|| Error::InvalidArgument {
+                            op: "Executor::with_arenas",
+                            reason: format!("{} pooled slots for {} planned", pool.slots.len(), plan.slot_len.len()),
+                        })?
+                        .share_prefix(len)
+                })
                 .collect::<Result<Vec<_>>>()?,
-            None => plan.slot_len.iter().map(|&len| kernels.zeros(len)).collect::<Result<Vec<_>>>()?,
+            None => plan
+                .slot_len
+                .iter()
+                .map(|&len| kernels.zeros(len))
+                .collect::<Result<Vec<_>>>()?,
         };
         // The loss seeds the backward with the loss scale, so it must be
         // the plan's own constant, which the step overwrites, or an input
         // its caller fills (a stage of a model spread over devices, whose
         // engine seeds the scale).
         if let (true, Some(g)) = (update.as_ref().is_some_and(|u| u.seeds_loss), &gradients) {
-            if !matches!(plan.storage[g.seed().0], Storage::Constant { .. } | Storage::Input { .. }) {
-                return Err(Error::InvalidArgument { op: "Executor::new", reason: "loss scaling needs a backward seeded from a loss (Graph::backward)".into() });
+            if !matches!(
+                plan.storage[g.seed().0],
+                Storage::Constant { .. } | Storage::Input { .. }
+            ) {
+                return Err(Error::InvalidArgument {
+                    op: "Executor::new",
+                    reason: "loss scaling needs a backward seeded from a loss (Graph::backward)".into(),
+                });
             }
         }
         let staging = scalar_staging(&kernels, 0);
@@ -265,8 +329,11 @@ impl Executor {
             gradients,
             scalar_staging: staging,
         };
-        let needs_kernel =
-            |i: usize| !matches!(exec.plan.storage[i], Storage::Unused) && !exec.plan.fused_away[i] && exec.graph.node(Tensor(i)).op.has_kernel();
+        let needs_kernel = |i: usize| {
+            !matches!(exec.plan.storage[i], Storage::Unused)
+                && !exec.plan.fused_away[i]
+                && exec.graph.node(Tensor(i)).op.has_kernel()
+        };
         let nodes: Vec<usize> = (0..exec.graph.len()).filter(|&i| needs_kernel(i)).collect();
         let mut dispatches: Vec<Option<Dispatch>> = (0..exec.graph.len()).map(|_| None).collect();
         for (i, d) in nodes.iter().zip(exec.build_dispatches(&nodes)?) {
@@ -283,7 +350,12 @@ impl Executor {
         exec.train_loss_dispatches = train_loss_dispatches;
         if let (Some(spec), Some(grads)) = (update, &exec.grads) {
             let (params, decay_len) = (exec.params.view(), exec.plan.decay_len);
-            let arenas = UpdateArenas { params, grads: grads.view(), len: arena_len, decay_len };
+            let arenas = UpdateArenas {
+                params,
+                grads: grads.view(),
+                len: arena_len,
+                decay_len,
+            };
             let update = (spec.build)(&exec.kernels, arenas)?;
             // The loss comes back with the words the update reads beside it.
             if let Some(words) = update.readback().map(|v| v.len) {
@@ -357,10 +429,20 @@ impl Executor {
 
     /// Where the parameter `name`'s gradient lives in the gradient arena.
     fn grad_slice(&self, op: &'static str, name: &str) -> Result<View<'_>> {
-        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument { op, reason: "this executor has no gradients".into() })?;
-        let (p, offset) = self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied().ok_or_else(|| {
-            Error::InvalidArgument { op, reason: format!("no parameter named `{name}`") }
+        let grads = self.grads.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op,
+            reason: "this executor has no gradients".into(),
         })?;
+        let (p, offset) = self
+            .plan
+            .param_offsets
+            .iter()
+            .find(|(p, _)| self.graph.node(*p).name == name)
+            .copied()
+            .ok_or_else(|| Error::InvalidArgument {
+                op,
+                reason: format!("no parameter named `{name}`"),
+            })?;
         grads.slice(offset, self.graph.node(p).len())
     }
 
@@ -379,12 +461,17 @@ impl Executor {
 
     /// A training step's forward and backward dispatches, in order.
     fn train_dispatches(&self) -> impl Iterator<Item = &Dispatch> {
-        self.train_order.iter().filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))
+        self.train_order
+            .iter()
+            .filter_map(|&i| self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()))
     }
 
     pub(super) fn view(&self, t: Tensor) -> Result<View<'_>> {
         if t.0 >= self.graph.len() {
-            return Err(Error::InvalidArgument { op: "Executor", reason: format!("tensor #{} is not in this executor's graph", t.0) });
+            return Err(Error::InvalidArgument {
+                op: "Executor",
+                reason: format!("tensor #{} is not in this executor's graph", t.0),
+            });
         }
         let node = self.graph.node(t);
         let len = stored_words(node.dtype, node.len());
@@ -405,7 +492,10 @@ impl Executor {
     fn not_stored(&self, t: Tensor) -> Error {
         Error::InvalidArgument {
             op: "Executor",
-            reason: format!("`{}` is not computed by this executor (not needed by its outputs)", self.graph.node(t).name),
+            reason: format!(
+                "`{}` is not computed by this executor (not needed by its outputs)",
+                self.graph.node(t).name
+            ),
         }
     }
 
@@ -418,7 +508,10 @@ impl Executor {
     fn build_dispatches(&self, nodes: &[usize]) -> Result<Vec<Dispatch>> {
         let threads = match self.kernels.device().info().backend {
             wgpu::Backend::Gl => 1,
-            _ => std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(nodes.len()),
+            _ => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(8)
+                .min(nodes.len()),
         };
         if threads <= 1 {
             return nodes.iter().map(|&i| self.build_dispatch(i)).collect();
@@ -437,7 +530,10 @@ impl Executor {
                 })
                 .collect();
             // A worker can only panic on a bug; its panic goes on as it was.
-            workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload))).collect()
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_else(|payload| std::panic::resume_unwind(payload)))
+                .collect()
         });
         built.sort_by_key(|(i, _)| *i);
         built.into_iter().map(|(_, d)| d).collect()
@@ -453,10 +549,12 @@ impl Executor {
     /// the last layer's work `fusion` names.
     fn build_loss_fusion(&self, i: usize, fusion: &LossFusion) -> Result<Dispatch> {
         let node = self.graph.node(Tensor(i));
-        let backward = self.plan.loss_with_grad[i].map(Tensor).ok_or_else(|| Error::InvalidArgument {
-            op: "Executor",
-            reason: format!("`{}` is not computed with its gradient", node.name),
-        })?;
+        let backward = self.plan.loss_with_grad[i]
+            .map(Tensor)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "Executor",
+                reason: format!("`{}` is not computed with its gradient", node.name),
+            })?;
         let (pred, target) = (node.inputs[0], node.inputs[1]);
         let targets = match node.op {
             Op::Loss(LossOp::Loss(LossKind::Mse)) => LossTargets::Values(self.view(target)?),
@@ -493,16 +591,27 @@ impl Executor {
 
     fn input_storage(&self, t: Tensor, dtype: DType, len: usize) -> Result<&GpuTensor> {
         if t.0 >= self.graph.len() {
-            return Err(Error::InvalidArgument { op: "set_input", reason: format!("tensor #{} is not in the graph", t.0) });
+            return Err(Error::InvalidArgument {
+                op: "set_input",
+                reason: format!("tensor #{} is not in the graph", t.0),
+            });
         }
         let node = self.graph.node(t);
         let Storage::Input { index } = self.plan.storage[t.0] else {
-            return Err(Error::InvalidArgument { op: "set_input", reason: format!("`{}` is not an input of this executor", node.name) });
+            return Err(Error::InvalidArgument {
+                op: "set_input",
+                reason: format!("`{}` is not an input of this executor", node.name),
+            });
         };
         if node.dtype != dtype || node.len() != len {
             return Err(Error::shape(
                 "set_input",
-                format!("`{}` takes {} {:?} values, got {len} {dtype:?}", node.name, node.len(), node.dtype),
+                format!(
+                    "`{}` takes {} {:?} values, got {len} {dtype:?}",
+                    node.name,
+                    node.len(),
+                    node.dtype
+                ),
                 &[&node.shape, &[len]],
             ));
         }
@@ -545,15 +654,25 @@ impl Executor {
     /// Returns the loss when read.
     pub fn train_step(&mut self, zero_grad: bool, apply_update: bool, read_loss: bool) -> Result<Option<f32>> {
         let Some(grads) = &self.grads else {
-            return Err(Error::InvalidArgument { op: "train_step", reason: "this executor was built without backward()".into() });
+            return Err(Error::InvalidArgument {
+                op: "train_step",
+                reason: "this executor was built without backward()".into(),
+            });
         };
-        let loss = self.gradients.as_ref().map(|g| g.loss).ok_or_else(|| Error::InvalidArgument {
-            op: "train_step",
-            reason: "no loss".into(),
-        })?;
+        let loss = self
+            .gradients
+            .as_ref()
+            .map(|g| g.loss)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "train_step",
+                reason: "no loss".into(),
+            })?;
         if apply_update {
             let Some(u) = &self.update else {
-                return Err(Error::InvalidArgument { op: "train_step", reason: "no optimizer was given".into() });
+                return Err(Error::InvalidArgument {
+                    op: "train_step",
+                    reason: "no optimizer was given".into(),
+                });
             };
             u.prepare(&self.kernels)?;
         }
@@ -562,7 +681,9 @@ impl Executor {
         // scale) and read words back with the loss (its state).
         let scale = self.update.as_ref().and_then(|u| u.loss_seed());
         let seed = match (scale, &self.gradients) {
-            (Some(_), Some(g)) if matches!(self.plan.storage[g.seed().0], Storage::Constant { .. }) => Some(self.view(g.seed())?),
+            (Some(_), Some(g)) if matches!(self.plan.storage[g.seed().0], Storage::Constant { .. }) => {
+                Some(self.view(g.seed())?)
+            }
             _ => None,
         };
         let scale_state = self.update.as_ref().and_then(|u| u.readback());
@@ -605,7 +726,10 @@ impl Executor {
             _ => self.kernels.map_read_scalar(&self.scalar_staging)?,
         };
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.steps_taken() });
+            return Err(Error::NonFiniteLoss {
+                value,
+                step: self.steps_taken(),
+            });
         }
         Ok(Some(value))
     }
@@ -649,17 +773,31 @@ impl Executor {
             Some(time) => (time, true),
             None => (self.kernels.time_dispatch(d)?, false),
         };
-        let bound_bytes = d.each_launch().flat_map(|l| &l.recipe().bindings).map(|b| b.bytes).sum();
-        Ok(DispatchTime { node: name.to_string(), entry: d.kernel().entry, time, on_gpu, bound_bytes })
+        let bound_bytes = d
+            .each_launch()
+            .flat_map(|l| &l.recipe().bindings)
+            .map(|b| b.bytes)
+            .sum();
+        Ok(DispatchTime {
+            node: name.to_string(),
+            entry: d.kernel().entry,
+            time,
+            on_gpu,
+            bound_bytes,
+        })
     }
 
     /// Where the gradient with respect to `input` lands (after a backward
     /// run), for sending to the previous pipeline stage.
     pub fn input_gradient(&self, input: Tensor) -> Result<View<'_>> {
-        let g = self.gradients.as_ref().and_then(|g| g.input(input)).ok_or_else(|| Error::InvalidArgument {
-            op: "input_gradient",
-            reason: "this input's gradient was not requested in backward_from".into(),
-        })?;
+        let g = self
+            .gradients
+            .as_ref()
+            .and_then(|g| g.input(input))
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "input_gradient",
+                reason: "this input's gradient was not requested in backward_from".into(),
+            })?;
         self.view(g)
     }
 
@@ -668,11 +806,17 @@ impl Executor {
     pub fn tensor_view(&self, t: Tensor) -> Result<View<'_>> {
         let readable = t.0 < self.graph.len()
             && (self.plan.is_output[t.0]
-                || matches!(self.plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. } | Storage::Constant { .. } | Storage::Cache { .. }));
+                || matches!(
+                    self.plan.storage[t.0],
+                    Storage::Input { .. } | Storage::Param { .. } | Storage::Constant { .. } | Storage::Cache { .. }
+                ));
         if !readable {
             return Err(Error::InvalidArgument {
                 op: "Executor",
-                reason: format!("tensor #{} was not planned as an output of this executor: its memory is shared", t.0),
+                reason: format!(
+                    "tensor #{} was not planned as an output of this executor: its memory is shared",
+                    t.0
+                ),
             });
         }
         self.view(t)
@@ -689,7 +833,9 @@ impl Executor {
     /// a backward seeded from a loss.
     pub fn loss_seed_view(&self) -> Option<View<'_>> {
         let seed = self.gradients.as_ref()?.seed();
-        matches!(self.plan.storage[seed.0], Storage::Constant { .. }).then(|| self.view(seed).ok()).flatten()
+        matches!(self.plan.storage[seed.0], Storage::Constant { .. })
+            .then(|| self.view(seed).ok())
+            .flatten()
     }
 
     /// The whole parameter arena.
@@ -723,12 +869,22 @@ impl Executor {
     /// `T` is the Rust type of `dtype`, which `read` must have.
     fn run_and_read_as<T: bytemuck::Pod>(&mut self, outputs: &[Tensor], read: Tensor, dtype: DType) -> Result<Vec<T>> {
         if !outputs.contains(&read) {
-            return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("tensor #{} is not among the outputs run", read.0) });
+            return Err(Error::InvalidArgument {
+                op: "run_and_read",
+                reason: format!("tensor #{} is not among the outputs run", read.0),
+            });
         }
         if let Some(node) = self.graph.get(read) {
             if node.dtype != dtype {
-                let call = if dtype == DType::U32 { "run_and_read_u32" } else { "run_and_read" };
-                return Err(Error::InvalidArgument { op: "run_and_read", reason: format!("`{}` holds {:?} values; {call} reads {dtype:?}", node.name, node.dtype) });
+                let call = if dtype == DType::U32 {
+                    "run_and_read_u32"
+                } else {
+                    "run_and_read"
+                };
+                return Err(Error::InvalidArgument {
+                    op: "run_and_read",
+                    reason: format!("`{}` holds {:?} values; {call} reads {dtype:?}", node.name, node.dtype),
+                });
             }
         }
         if !self.run_orders.contains_key(outputs) {
@@ -767,8 +923,14 @@ impl Executor {
     /// f16 one through [`Executor::parameters`], which widens them.
     fn not_stored_weight(&self, op: &'static str, t: Tensor) -> Result<()> {
         match self.graph.get(t) {
-            Some(node) if node.dtype == DType::F16 => Err(Error::InvalidArgument { op, reason: format!("`{}` is stored in f16; read it with Executor::parameters", node.name) }),
-            Some(node) if node.dtype.is_stored_weight() => Err(Error::InvalidArgument { op, reason: format!("`{}` holds {}, not f32 values", node.name, node.dtype.describe()) }),
+            Some(node) if node.dtype == DType::F16 => Err(Error::InvalidArgument {
+                op,
+                reason: format!("`{}` is stored in f16; read it with Executor::parameters", node.name),
+            }),
+            Some(node) if node.dtype.is_stored_weight() => Err(Error::InvalidArgument {
+                op,
+                reason: format!("`{}` holds {}, not f32 values", node.name, node.dtype.describe()),
+            }),
             _ => Ok(()),
         }
     }
@@ -781,10 +943,14 @@ impl Executor {
 
     /// The gradient of `param` accumulated so far.
     pub fn read_grad(&self, param: Tensor) -> Result<Vec<f32>> {
-        let g = self.gradients.as_ref().and_then(|g| g.get(param)).ok_or_else(|| Error::InvalidArgument {
-            op: "read_grad",
-            reason: "no gradient for this tensor (not a parameter the loss depends on, or no backward)".into(),
-        })?;
+        let g = self
+            .gradients
+            .as_ref()
+            .and_then(|g| g.get(param))
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "read_grad",
+                reason: "no gradient for this tensor (not a parameter the loss depends on, or no backward)".into(),
+            })?;
         self.read(g)
     }
 
@@ -801,26 +967,55 @@ impl Executor {
             .iter()
             .map(|&(p, offset)| {
                 let node = self.graph.node(p);
-                (node.name.clone(), node.shape.clone(), take_parameter(&all[offset..], node.dtype, node.len()))
+                (
+                    node.name.clone(),
+                    node.shape.clone(),
+                    take_parameter(&all[offset..], node.dtype, node.len()),
+                )
             })
             .collect())
     }
 
     fn no_quantized_parameter(&self, op: &'static str) -> Result<()> {
-        match self.plan.param_offsets.iter().map(|&(p, _)| self.graph.node(p)).find(|n| matches!(n.dtype, DType::Quant(_))) {
-            Some(node) => Err(Error::InvalidArgument { op, reason: format!("parameter `{}` holds {}, which have no f32 copy to read or write", node.name, node.dtype.describe()) }),
+        match self
+            .plan
+            .param_offsets
+            .iter()
+            .map(|&(p, _)| self.graph.node(p))
+            .find(|n| matches!(n.dtype, DType::Quant(_)))
+        {
+            Some(node) => Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "parameter `{}` holds {}, which have no f32 copy to read or write",
+                    node.name,
+                    node.dtype.describe()
+                ),
+            }),
             None => Ok(()),
         }
     }
 
     /// (name, shape) of every parameter, in arena order.
     pub fn parameters_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        self.plan.param_offsets.iter().map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone())).collect()
+        self.plan
+            .param_offsets
+            .iter()
+            .map(|&(p, _)| (self.graph.node(p).name.clone(), self.graph.node(p).shape.clone()))
+            .collect()
     }
 
     /// Every parameter's place in the arenas, in graph order.
     pub fn parameter_spans(&self) -> Vec<ParamSpan> {
-        self.plan.param_offsets.iter().map(|&(p, offset)| ParamSpan { name: self.graph.node(p).name.clone(), shape: self.graph.node(p).shape.clone(), offset }).collect()
+        self.plan
+            .param_offsets
+            .iter()
+            .map(|&(p, offset)| ParamSpan {
+                name: self.graph.node(p).name.clone(),
+                shape: self.graph.node(p).shape.clone(),
+                offset,
+            })
+            .collect()
     }
 
     /// The parameter arena's host copy with `params` (name, shape, values)
@@ -829,7 +1024,13 @@ impl Executor {
     pub fn arena_with_parameters(&self, params: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<f32>> {
         self.no_quantized_parameter("load_state")?;
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
-        let find = |name: &str| self.plan.param_offsets.iter().find(|(p, _)| self.graph.node(*p).name == name).copied();
+        let find = |name: &str| {
+            self.plan
+                .param_offsets
+                .iter()
+                .find(|(p, _)| self.graph.node(*p).name == name)
+                .copied()
+        };
         for (name, shape, values) in params {
             let (p, offset) = find(name).ok_or_else(|| Error::InvalidArgument {
                 op: "load_state",
@@ -837,7 +1038,11 @@ impl Executor {
             })?;
             let node = self.graph.node(p);
             if &node.shape != shape || values.len() != node.len() {
-                return Err(Error::shape("load_state", format!("parameter `{name}`: model has {:?}, checkpoint {shape:?}", node.shape), &[&node.shape, shape]));
+                return Err(Error::shape(
+                    "load_state",
+                    format!("parameter `{name}`: model has {:?}, checkpoint {shape:?}", node.shape),
+                    &[&node.shape, shape],
+                ));
             }
             put_parameter(&mut host[offset..], node.dtype, values)?;
         }
@@ -863,7 +1068,15 @@ fn put_parameter(arena: &mut [f32], dtype: DType, values: &[f32]) -> Result<()> 
                 *slot = f32::from_bits(word);
             }
         }
-        DType::Quant(format) => return Err(Error::InvalidArgument { op: "put_parameter", reason: format!("f32 values cannot be stored as {}: a quantized parameter is given as its blocks", format.name()) }),
+        DType::Quant(format) => {
+            return Err(Error::InvalidArgument {
+                op: "put_parameter",
+                reason: format!(
+                    "f32 values cannot be stored as {}: a quantized parameter is given as its blocks",
+                    format.name()
+                ),
+            })
+        }
         DType::F32 | DType::U32 => arena[..values.len()].copy_from_slice(values),
     }
     Ok(())
@@ -874,7 +1087,10 @@ fn take_parameter(arena: &[f32], dtype: DType, len: usize) -> Vec<f32> {
     match dtype {
         DType::F16 => {
             let words: Vec<u32> = arena[..stored_words(dtype, len)].iter().map(|v| v.to_bits()).collect();
-            crate::kernels::unpack_f16(&words, len).iter().map(|h| h.to_f32()).collect()
+            crate::kernels::unpack_f16(&words, len)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect()
         }
         DType::F32 | DType::U32 => arena[..len].to_vec(),
         // Refused before reading (Executor::no_quantized_parameter).
@@ -898,15 +1114,34 @@ fn scalar_staging(kernels: &Kernels, words: usize) -> wgpu::Buffer {
 fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, state_arenas: usize) -> Result<()> {
     const BYTES: u64 = 4;
     let arena = plan.param_arena_len.max(1) as u64 * BYTES;
-    let own_buffers = |i: &usize| matches!(plan.storage[*i], Storage::Input { .. } | Storage::Constant { .. } | Storage::Cache { .. });
-    let largest_input = plan.order.iter().filter(|i| own_buffers(i)).map(|&i| graph.node(Tensor(i)).len() as u64 * BYTES).max().unwrap_or(0);
+    let own_buffers = |i: &usize| {
+        matches!(
+            plan.storage[*i],
+            Storage::Input { .. } | Storage::Constant { .. } | Storage::Cache { .. }
+        )
+    };
+    let largest_input = plan
+        .order
+        .iter()
+        .filter(|i| own_buffers(i))
+        .map(|&i| graph.node(Tensor(i)).len() as u64 * BYTES)
+        .max()
+        .unwrap_or(0);
     let largest_slot = plan.slot_len.iter().max().map_or(0, |&len| len as u64 * BYTES);
     kernels.check_allocation(
         "Executor::new",
         &[
             ("parameters", arena, arena),
-            ("gradients", if training { arena } else { 0 }, if training { arena } else { 0 }),
-            ("optimizer state", arena * state_arenas as u64, if state_arenas > 0 { arena } else { 0 }),
+            (
+                "gradients",
+                if training { arena } else { 0 },
+                if training { arena } else { 0 },
+            ),
+            (
+                "optimizer state",
+                arena * state_arenas as u64,
+                if state_arenas > 0 { arena } else { 0 },
+            ),
             ("inputs, constants and caches", plan.input_bytes, largest_input),
             ("intermediates", plan.slot_bytes, largest_slot),
         ],
@@ -919,7 +1154,9 @@ fn order_for(graph: &Graph, plan: &Plan, outputs: &[Tensor]) -> Result<Vec<usize
     let mut needed = vec![false; graph.len()];
     for t in outputs {
         let known = t.0 < graph.len() && plan.storage[t.0] != Storage::Unused;
-        if !known || !(plan.is_output[t.0] || matches!(plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. })) {
+        if !known
+            || !(plan.is_output[t.0] || matches!(plan.storage[t.0], Storage::Input { .. } | Storage::Param { .. }))
+        {
             return Err(Error::InvalidArgument {
                 op: "run",
                 reason: format!("tensor #{} was not planned as an output of this executor", t.0),

@@ -19,7 +19,10 @@ pub use builder::{DType, Graph, Node, Tensor};
 pub use checkpoint::Block;
 pub(crate) use chunks::{chunked_outputs, chunked_predictions};
 pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor, ParamSpan};
-pub use ops::{AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op, ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp};
-pub use precision::{Precision, Remap};
+pub use ops::{
+    AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op,
+    ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp,
+};
 pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};
+pub use precision::{Precision, Remap};
 pub use step_update::{BuildUpdate, StepUpdate, UpdateArenas, UpdateSpec};

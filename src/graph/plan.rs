@@ -10,8 +10,8 @@
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Node, Tensor};
-use super::precision::Precision;
 use super::ops::{ElementwiseOp, EmbeddingOp, LayoutOp, LossOp, MatmulOp, Op, ReduceOp, SourceOp};
+use super::precision::Precision;
 // FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS: PlanOptions' defaults, a CPU
 // adapter's sizes (kernels/loss.rs gives the reasons, and a GPU's).
 use crate::kernels::{Activation, Binary, MatmulForm, FUSED_LOSS_MAX, LINEAR_IN_LOSS_MAX_MACS};
@@ -164,12 +164,28 @@ pub struct PlanOptions {
 impl PlanOptions {
     /// Nothing fused: one dispatch per node, the reference fused plans are
     /// tested against.
-    pub const UNFUSED: PlanOptions = PlanOptions { fuse: false, linear_in_loss: false, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false };
+    pub const UNFUSED: PlanOptions = PlanOptions {
+        fuse: false,
+        linear_in_loss: false,
+        arena_alignment: 0,
+        fused_loss_max: FUSED_LOSS_MAX,
+        linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS,
+        precision: Precision::F32,
+        checkpoint_activations: false,
+    };
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { fuse: true, linear_in_loss: true, arena_alignment: 0, fused_loss_max: FUSED_LOSS_MAX, linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS, precision: Precision::F32, checkpoint_activations: false }
+        PlanOptions {
+            fuse: true,
+            linear_in_loss: true,
+            arena_alignment: 0,
+            fused_loss_max: FUSED_LOSS_MAX,
+            linear_in_loss_max_macs: LINEAR_IN_LOSS_MAX_MACS,
+            precision: Precision::F32,
+            checkpoint_activations: false,
+        }
     }
 }
 
@@ -197,7 +213,13 @@ impl Plan {
     /// One pass per concern, in order: what is needed, the parameter
     /// layout, the fusions, the training nodes a loss dispatch absorbs,
     /// then slots by liveness.
-    pub fn with_options(graph: &Graph, outputs: &[Tensor], grads: Option<&Gradients>, align: usize, options: PlanOptions) -> Plan {
+    pub fn with_options(
+        graph: &Graph,
+        outputs: &[Tensor],
+        grads: Option<&Gradients>,
+        align: usize,
+        options: PlanOptions,
+    ) -> Plan {
         let mut p = Planning::needed(graph, outputs, grads, options);
         p.lay_out_parameters(align.max(1));
         p.order = (0..p.count).filter(|&i| p.needed[i]).collect();
@@ -319,7 +341,11 @@ impl Slots {
             .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
             .min_by_key(|(_, &s)| slot_len[s])
             .map(|(k, _)| k)
-            .or_else(|| (0..free.len()).filter(|&k| !is_root && slot_f16[free[k]] == f16).max_by_key(|&k| slot_len[free[k]]));
+            .or_else(|| {
+                (0..free.len())
+                    .filter(|&k| !is_root && slot_f16[free[k]] == f16)
+                    .max_by_key(|&k| slot_len[free[k]])
+            });
         let slot = match best {
             Some(k) => self.free.swap_remove(k),
             None => {
@@ -464,7 +490,9 @@ impl<'g> Planning<'g> {
     fn fuse_gradient_accumulations(&mut self) {
         for k in 0..self.order.len() {
             let i = self.order[k];
-            let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = self.nodes[i].op else { continue };
+            let Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) = self.nodes[i].op else {
+                continue;
+            };
             let j = self.nodes[i].inputs[0].0;
             // The embedding backward only adds into its output, so it is
             // always computed in the gradient arena, fused or not.
@@ -532,10 +560,14 @@ impl<'g> Planning<'g> {
     fn fuse_activations(&mut self) {
         for k in 0..self.order.len() {
             let y = self.order[k];
-            let Op::Elementwise(ElementwiseOp::Activation(act)) = self.nodes[y].op else { continue };
+            let Op::Elementwise(ElementwiseOp::Activation(act)) = self.nodes[y].op else {
+                continue;
+            };
             let z = self.through(self.nodes[y].inputs[0]);
             let matmul = match self.nodes[z].op {
-                Op::Elementwise(ElementwiseOp::BiasAdd) if self.bias_into[self.through(self.nodes[z].inputs[0])] == Some(z) => {
+                Op::Elementwise(ElementwiseOp::BiasAdd)
+                    if self.bias_into[self.through(self.nodes[z].inputs[0])] == Some(z) =>
+                {
                     self.through(self.nodes[z].inputs[0])
                 }
                 Op::Matmul(MatmulOp::MatMul(_)) if !self.accumulate[z] && self.bias_into[z].is_none() => z,
@@ -546,7 +578,9 @@ impl<'g> Planning<'g> {
             }
             if act == Activation::Relu {
                 for &j in &self.order {
-                    if self.nodes[j].op == ElementwiseOp::ActivationBackward(Activation::Relu) && self.reads[j][0].0 == z {
+                    if self.nodes[j].op == ElementwiseOp::ActivationBackward(Activation::Relu)
+                        && self.reads[j][0].0 == z
+                    {
                         self.reads[j][0] = Tensor(y);
                     }
                 }
@@ -554,7 +588,10 @@ impl<'g> Planning<'g> {
             // Read by another node than y and the reshapes between them.
             let between = |j: usize| self.nodes[j].op == LayoutOp::Reshape && self.through(Tensor(j)) == z && j != z;
             let pre_read = self.roots.contains(&z)
-                || self.order.iter().any(|&j| j != y && !between(j) && self.reads[j].iter().any(|t| t.0 == z));
+                || self
+                    .order
+                    .iter()
+                    .any(|&j| j != y && !between(j) && self.reads[j].iter().any(|t| t.0 == z));
             // Without a bias add the matmul node is the pre-activation and
             // has no storage of its own to keep it in.
             if pre_read && matmul == z {
@@ -573,7 +610,9 @@ impl<'g> Planning<'g> {
             let i = self.order[k];
             if let Op::Elementwise(ElementwiseOp::ActivationBackward(_)) = self.nodes[i].op {
                 let g = self.reads[i][1].0;
-                let plain = self.bias_into[g].is_none() && self.activation_into[g].is_none() && self.activation_grad_into[g].is_none();
+                let plain = self.bias_into[g].is_none()
+                    && self.activation_into[g].is_none()
+                    && self.activation_grad_into[g].is_none();
                 if self.is_matmul(g) && self.private(g) && !self.accumulate[g] && plain {
                     self.activation_grad_into[g] = Some(i);
                     self.fused_away[i] = true;
@@ -591,7 +630,11 @@ impl<'g> Planning<'g> {
             if let Op::Loss(LossOp::LossBackward(kind)) = self.nodes[i].op {
                 let (pred, target) = (self.nodes[i].inputs[0], self.nodes[i].inputs[1]);
                 let small = self.nodes[pred.0].len() <= self.options.fused_loss_max;
-                let forward = self.order.iter().copied().find(|&j| self.nodes[j].op == LossOp::Loss(kind) && self.nodes[j].inputs == [pred, target]);
+                let forward = self
+                    .order
+                    .iter()
+                    .copied()
+                    .find(|&j| self.nodes[j].op == LossOp::Loss(kind) && self.nodes[j].inputs == [pred, target]);
                 if let (true, Some(j)) = (small, forward) {
                     self.loss_with_grad[j] = Some(i);
                     self.fused_away[i] = true;
@@ -622,7 +665,9 @@ impl<'g> Planning<'g> {
     fn fuse_into_loss_dispatches(&mut self) {
         for k in 0..self.order.len() {
             let i = self.order[k];
-            let Some(backward) = self.loss_with_grad[i] else { continue };
+            let Some(backward) = self.loss_with_grad[i] else {
+                continue;
+            };
             let mut fusion = self.loss_fusion(i, backward);
             if !self.options.linear_in_loss {
                 fusion.linear = None;
@@ -653,7 +698,10 @@ impl<'g> Planning<'g> {
         // gradient arena by a node of `op` reading `inputs`.
         let accumulating = |op: Op, inputs: &[Tensor]| {
             order.iter().copied().find(|&j| {
-                nodes[j].op == op && nodes[j].inputs == inputs && self.accumulate[j] && matches!(storage[j], Storage::Grad { .. })
+                nodes[j].op == op
+                    && nodes[j].inputs == inputs
+                    && self.accumulate[j]
+                    && matches!(storage[j], Storage::Grad { .. })
             })
         };
         let pred_shape = &nodes[pred].shape;
@@ -667,7 +715,12 @@ impl<'g> Planning<'g> {
                 (nodes[pred].inputs[0].0, Some(nodes[pred].inputs[1]))
             }
             Op::Matmul(MatmulOp::MatMul(_)) if !self.accumulate[pred] => (pred, None),
-            _ => return LossFusion { linear: None, bias_grad },
+            _ => {
+                return LossFusion {
+                    linear: None,
+                    bias_grad,
+                }
+            }
         };
         let (x, weight) = (nodes[matmul].inputs[0], nodes[matmul].inputs[1]);
         let is_param = |t: Tensor| matches!(storage[t.0], Storage::Param { .. });
@@ -687,9 +740,13 @@ impl<'g> Planning<'g> {
             && only_the_loss_reads_pred
             && self.graph.node(x).dtype == DType::F32;
         let linear = match (&nodes[matmul].op, weight_grad) {
-            (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad)) if fits => {
-                Some(LinearInLoss { matmul, x, weight, bias, weight_grad })
-            }
+            (Op::Matmul(MatmulOp::MatMul(MatmulForm::ABt)), Some(weight_grad)) if fits => Some(LinearInLoss {
+                matmul,
+                x,
+                weight,
+                bias,
+                weight_grad,
+            }),
             _ => None,
         };
         LossFusion { linear, bias_grad }
@@ -784,7 +841,10 @@ impl<'g> Planning<'g> {
     /// for the node whose output it writes (and a pre-activation still
     /// read); a fused loss also for its gradient.
     fn place_in_slots(&mut self, i: usize, last_use: &[Option<usize>], slots: &mut Slots) {
-        let written = self.activation_grad_into[i].or(self.activation_into[i]).or(self.bias_into[i]).unwrap_or(i);
+        let written = self.activation_grad_into[i]
+            .or(self.activation_into[i])
+            .or(self.bias_into[i])
+            .unwrap_or(i);
         let mut owners = vec![written];
         if let (true, Some(pre)) = (self.keeps_pre_activation[i], self.bias_into[i]) {
             owners.push(pre);
@@ -823,6 +883,9 @@ impl<'g> Planning<'g> {
                 held[o] |= o < start && matches!(self.storage[o], Storage::Slot { .. });
             }
         }
-        (0..self.count).filter(|&o| held[o]).map(|o| stored_words(self.nodes[o].dtype, self.nodes[o].len()) as u64 * BYTES).sum()
+        (0..self.count)
+            .filter(|&o| held[o])
+            .map(|o| stored_words(self.nodes[o].dtype, self.nodes[o].len()) as u64 * BYTES)
+            .sum()
     }
 }

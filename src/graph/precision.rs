@@ -57,7 +57,10 @@ impl std::str::FromStr for Precision {
         match s {
             "f32" => Ok(Precision::F32),
             "f16" => Ok(Precision::F16),
-            other => Err(Error::InvalidArgument { op: "precision", reason: format!("`{other}` is not a precision (f16 or f32)") }),
+            other => Err(Error::InvalidArgument {
+                op: "precision",
+                reason: format!("`{other}` is not a precision (f16 or f32)"),
+            }),
         }
     }
 }
@@ -93,7 +96,12 @@ impl Graph {
     /// an activation's backward); never between a writer and its
     /// companion. What a pass adds for `reader` goes there.
     pub(super) fn backward_anchor(&self, reader: usize, start: usize) -> usize {
-        let mut anchor = self.nodes[reader].inputs.iter().map(|t| t.0).filter(|&t| t >= start).fold(reader, usize::min);
+        let mut anchor = self.nodes[reader]
+            .inputs
+            .iter()
+            .map(|t| t.0)
+            .filter(|&t| t >= start)
+            .fold(reader, usize::min);
         while anchor > 0 && self.companion(Tensor(anchor - 1)) == Some(Tensor(anchor)) {
             anchor -= 1;
         }
@@ -108,7 +116,11 @@ impl Graph {
         while self.node(owner).op == LayoutOp::Reshape {
             owner = self.node(owner).inputs[0];
         }
-        node.dtype == DType::F32 && !matches!(self.node(owner).op, Op::Source(_)) && !node.op.is_companion() && !loss_read && node.len() >= MIN_F16_VALUES
+        node.dtype == DType::F32
+            && !matches!(self.node(owner).op, Op::Source(_))
+            && !node.op.is_companion()
+            && !loss_read
+            && node.len() >= MIN_F16_VALUES
     }
 
     /// This graph with the activations its backward pass (`grads`) reads
@@ -119,7 +131,10 @@ impl Graph {
         let count = nodes.len();
         let start = grads.backward_start().0;
         if grads.loss.0 >= count || start > count {
-            return Err(Error::InvalidArgument { op: "with_f16_activations", reason: "the gradients are not of this graph".into() });
+            return Err(Error::InvalidArgument {
+                op: "with_f16_activations",
+                reason: "the gradients are not of this graph".into(),
+            });
         }
         let mut loss_read = vec![false; count];
         let mut read_by_backward = vec![false; count];
@@ -129,7 +144,9 @@ impl Graph {
                 read_by_backward[t.0] |= i >= start && t.0 < start;
             }
         }
-        let f16: Vec<bool> = (0..count).map(|t| read_by_backward[t] && self.stored_in_f16(Tensor(t), loss_read[t])).collect();
+        let f16: Vec<bool> = (0..count)
+            .map(|t| read_by_backward[t] && self.stored_in_f16(Tensor(t), loss_read[t]))
+            .collect();
 
         let mut out: Vec<Node> = Vec::with_capacity(count + 2 * f16.iter().filter(|&&s| s).count());
         let mut map = vec![0usize; count];
@@ -141,7 +158,16 @@ impl Graph {
         };
         let store = |out: &mut Vec<Node>, old: usize, at: usize| {
             let n = &nodes[old];
-            push(out, Node { op: ElementwiseOp::StoreF16.into(), inputs: vec![Tensor(at)], shape: n.shape.clone(), dtype: DType::F16, name: format!("{}.f16", n.name) })
+            push(
+                out,
+                Node {
+                    op: ElementwiseOp::StoreF16.into(),
+                    inputs: vec![Tensor(at)],
+                    shape: n.shape.clone(),
+                    dtype: DType::F16,
+                    name: format!("{}.f16", n.name),
+                },
+            )
         };
         // Where each backward reader's loads go (a load after the fused
         // dispatch reading it would be read before it is written).
@@ -162,7 +188,16 @@ impl Graph {
                     .map(|t| {
                         copy[t.0].map(|h| {
                             let n = &nodes[t.0];
-                            push(&mut out, Node { op: ElementwiseOp::LoadF16.into(), inputs: vec![Tensor(h)], shape: n.shape.clone(), dtype: DType::F32, name: format!("{}.f32", n.name) })
+                            push(
+                                &mut out,
+                                Node {
+                                    op: ElementwiseOp::LoadF16.into(),
+                                    inputs: vec![Tensor(h)],
+                                    shape: n.shape.clone(),
+                                    dtype: DType::F32,
+                                    name: format!("{}.f32", n.name),
+                                },
+                            )
                         })
                     })
                     .collect();
@@ -181,10 +216,20 @@ impl Graph {
                 }
             }
             let op = match node.op {
-                Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => ElementwiseOp::AccumulateGrad { param: Tensor(map[param.0]) }.into(),
+                Op::Elementwise(ElementwiseOp::AccumulateGrad { param }) => ElementwiseOp::AccumulateGrad {
+                    param: Tensor(map[param.0]),
+                }
+                .into(),
                 ref op => op.clone(),
             };
-            map[i] = push(&mut out, Node { op, inputs, ..node.clone() });
+            map[i] = push(
+                &mut out,
+                Node {
+                    op,
+                    inputs,
+                    ..node.clone()
+                },
+            );
             // The copy follows its writer, and its writer's companion: a
             // companion must stay right after the node that writes it.
             if f16[i] && self.companion(Tensor(i)).is_none() {

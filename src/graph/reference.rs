@@ -14,8 +14,15 @@ impl Graph {
     /// their integer values) and, optionally, caches (zero otherwise).
     pub fn evaluate_f64(&self, outputs: &[Tensor], feeds: &[(Tensor, Vec<f64>)]) -> Result<Vec<Vec<f64>>> {
         let count = self.len();
-        if let Some(bad) = outputs.iter().chain(feeds.iter().map(|(t, _)| t)).find(|t| t.0 >= count) {
-            return Err(Error::InvalidArgument { op: "evaluate_f64", reason: format!("tensor #{} is not in this graph", bad.0) });
+        if let Some(bad) = outputs
+            .iter()
+            .chain(feeds.iter().map(|(t, _)| t))
+            .find(|t| t.0 >= count)
+        {
+            return Err(Error::InvalidArgument {
+                op: "evaluate_f64",
+                reason: format!("tensor #{} is not in this graph", bad.0),
+            });
         }
         let mut needed = vec![false; count];
         for t in outputs {
@@ -38,13 +45,25 @@ impl Graph {
         let mut values: Vec<Option<Vec<f64>>> = vec![None; count];
         for i in (0..count).filter(|&i| needed[i]) {
             let op = &self.nodes[i].op;
-            let cx = ReferenceContext { graph: self, node: Tensor(i), values: &values, feeds };
+            let cx = ReferenceContext {
+                graph: self,
+                node: Tensor(i),
+                values: &values,
+                feeds,
+            };
             let value = op.family().reference(&cx)?;
             if value.len() != self.nodes[i].len() {
-                return Err(Error::shape("evaluate_f64", format!("the reference of `{}` gave {} values", self.nodes[i].name, value.len()), &[&self.nodes[i].shape]));
+                return Err(Error::shape(
+                    "evaluate_f64",
+                    format!("the reference of `{}` gave {} values", self.nodes[i].name, value.len()),
+                    &[&self.nodes[i].shape],
+                ));
             }
             values[i] = Some(value);
         }
-        Ok(outputs.iter().map(|t| values[t.0].clone().unwrap_or_default()).collect())
+        Ok(outputs
+            .iter()
+            .map(|t| values[t.0].clone().unwrap_or_default())
+            .collect())
     }
 }

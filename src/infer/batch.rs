@@ -53,7 +53,13 @@ pub struct BatchRequest {
 
 impl BatchRequest {
     pub fn new(prompt: Vec<u32>, max_new_tokens: usize, sampling: Sampling) -> Self {
-        BatchRequest { prompt, max_new_tokens, sampling, stop_tokens: Vec::new(), cancel: Arc::default() }
+        BatchRequest {
+            prompt,
+            max_new_tokens,
+            sampling,
+            stop_tokens: Vec::new(),
+            cancel: Arc::default(),
+        }
     }
 }
 
@@ -129,7 +135,11 @@ pub struct Scheduler {
 
 impl std::fmt::Debug for Scheduler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scheduler").field("generator", &self.generator).field("active", &self.active()).field("queued", &self.queue.len()).finish()
+        f.debug_struct("Scheduler")
+            .field("generator", &self.generator)
+            .field("active", &self.active())
+            .field("queued", &self.queue.len())
+            .finish()
     }
 }
 
@@ -138,10 +148,18 @@ impl Scheduler {
     /// at a time ([`super::generate::PrefillMode::OneSlot`]).
     pub fn new(generator: Generator) -> Result<Self> {
         if !generator.prefills_one_slot() {
-            return Err(Error::InvalidArgument { op: "Scheduler::new", reason: "the generator prefills all sequences together: build it with PrefillMode::OneSlot".into() });
+            return Err(Error::InvalidArgument {
+                op: "Scheduler::new",
+                reason: "the generator prefills all sequences together: build it with PrefillMode::OneSlot".into(),
+            });
         }
         let slots = (0..generator.sequences()).map(|_| None).collect();
-        Ok(Scheduler { generator, slots, queue: VecDeque::new(), stats: BatchStats::default() })
+        Ok(Scheduler {
+            generator,
+            slots,
+            queue: VecDeque::new(),
+            stats: BatchStats::default(),
+        })
     }
 
     pub fn generator(&self) -> &Generator {
@@ -155,13 +173,25 @@ impl Scheduler {
         const OP: &str = "Scheduler::submit";
         let context = self.generator.context_len();
         if request.prompt.is_empty() {
-            return Err(Error::InvalidArgument { op: OP, reason: "the prompt is empty".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "the prompt is empty".into(),
+            });
         }
         if request.prompt.len() >= context {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("the prompt has {} tokens; the context holds {context}, the prompt and at least one new token", request.prompt.len()) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "the prompt has {} tokens; the context holds {context}, the prompt and at least one new token",
+                    request.prompt.len()
+                ),
+            });
         }
         if request.max_new_tokens == 0 {
-            return Err(Error::InvalidArgument { op: OP, reason: "max_new_tokens must be at least 1".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "max_new_tokens must be at least 1".into(),
+            });
         }
         request.sampling.check()?;
         check_token_ids(OP, &request.prompt, self.generator.vocab_size())
@@ -205,17 +235,28 @@ impl Scheduler {
     /// stay: [`Scheduler::end_all`] ends them).
     pub fn step(&mut self) -> Result<()> {
         for slot in 0..self.slots.len() {
-            if self.slots[slot].as_ref().is_some_and(|r| r.request.cancel.load(Ordering::Relaxed)) {
+            if self.slots[slot]
+                .as_ref()
+                .is_some_and(|r| r.request.cancel.load(Ordering::Relaxed))
+            {
                 self.finish(slot, FinishReason::Cancelled);
             }
         }
-        let (waiting, cancelled): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.queue).into_iter().partition(|(r, _)| !r.cancel.load(Ordering::Relaxed));
+        let (waiting, cancelled): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.queue)
+            .into_iter()
+            .partition(|(r, _)| !r.cancel.load(Ordering::Relaxed));
         self.queue = waiting;
         for (request, mut sink) in cancelled {
-            sink(Event::Done(Finished { reason: FinishReason::Cancelled, prompt_tokens: request.prompt.len(), completion_tokens: 0 }));
+            sink(Event::Done(Finished {
+                reason: FinishReason::Cancelled,
+                prompt_tokens: request.prompt.len(),
+                completion_tokens: 0,
+            }));
         }
         while let Some(slot) = self.slots.iter().position(Option::is_none) {
-            let Some((request, sink)) = self.queue.pop_front() else { break };
+            let Some((request, sink)) = self.queue.pop_front() else {
+                break;
+            };
             self.join(slot, request, sink)?;
         }
         self.compact()?;
@@ -226,7 +267,10 @@ impl Scheduler {
     /// a step computes the rows up to the highest running slot only
     /// ([`Generator::decode_slots`]).
     fn compact(&mut self) -> Result<()> {
-        while let (Some(free), Some(last)) = (self.slots.iter().position(Option::is_none), self.slots.iter().rposition(Option::is_some)) {
+        while let (Some(free), Some(last)) = (
+            self.slots.iter().position(Option::is_none),
+            self.slots.iter().rposition(Option::is_some),
+        ) {
             if free > last {
                 break;
             }
@@ -239,18 +283,34 @@ impl Scheduler {
     /// Prefills `request` into `slot` and sends its first token.
     fn join(&mut self, slot: usize, request: BatchRequest, mut sink: Sink) -> Result<()> {
         let mut rng = ChaCha8Rng::seed_from_u64(request.sampling.seed);
-        let limit = request.max_new_tokens.min(self.generator.context_len() - request.prompt.len());
-        match self.generator.prefill_slot(slot, &request.prompt, &request.sampling, &mut rng) {
+        let limit = request
+            .max_new_tokens
+            .min(self.generator.context_len() - request.prompt.len());
+        match self
+            .generator
+            .prefill_slot(slot, &request.prompt, &request.sampling, &mut rng)
+        {
             Ok(token) => {
                 self.stats.prefills += 1;
                 self.stats.prefill_tokens += request.prompt.len() as u64;
-                self.slots[slot] = Some(Running { request, sink, rng, next: token, generated: 0, limit });
+                self.slots[slot] = Some(Running {
+                    request,
+                    sink,
+                    rng,
+                    next: token,
+                    generated: 0,
+                    limit,
+                });
                 self.accept(slot, token);
                 Ok(())
             }
             Err(e) if is_request_error(&e) => {
                 self.generator.truncate(slot, 0)?;
-                sink(Event::Done(Finished { reason: FinishReason::Failed(e.to_string()), prompt_tokens: request.prompt.len(), completion_tokens: 0 }));
+                sink(Event::Done(Finished {
+                    reason: FinishReason::Failed(e.to_string()),
+                    prompt_tokens: request.prompt.len(),
+                    completion_tokens: 0,
+                }));
                 Ok(())
             }
             Err(e) => {
@@ -266,7 +326,13 @@ impl Scheduler {
         let mut steps: Vec<Option<SlotStep<'_>>> = self
             .slots
             .iter_mut()
-            .map(|s| s.as_mut().map(|r| SlotStep { token: r.next, sampling: &r.request.sampling, rng: &mut r.rng }))
+            .map(|s| {
+                s.as_mut().map(|r| SlotStep {
+                    token: r.next,
+                    sampling: &r.request.sampling,
+                    rng: &mut r.rng,
+                })
+            })
             .collect();
         let rows = steps.iter().flatten().count();
         if rows == 0 {
@@ -288,7 +354,9 @@ impl Scheduler {
     /// `slot`'s request picked `token`: ends it at a stop token, else
     /// sends the token and ends it at its limit or when nobody listens.
     fn accept(&mut self, slot: usize, token: u32) {
-        let Some(running) = self.slots[slot].as_mut() else { return };
+        let Some(running) = self.slots[slot].as_mut() else {
+            return;
+        };
         if running.request.stop_tokens.contains(&token) {
             return self.finish(slot, FinishReason::Stop);
         }
@@ -303,10 +371,16 @@ impl Scheduler {
 
     /// Ends `slot`'s request with `reason` and frees the slot.
     fn finish(&mut self, slot: usize, reason: FinishReason) {
-        let Some(mut running) = self.slots[slot].take() else { return };
+        let Some(mut running) = self.slots[slot].take() else {
+            return;
+        };
         // Only an index past the slots fails, and `slot` is one.
         let _ = self.generator.truncate(slot, 0);
-        (running.sink)(Event::Done(Finished { reason, prompt_tokens: running.request.prompt.len(), completion_tokens: running.generated }));
+        (running.sink)(Event::Done(Finished {
+            reason,
+            prompt_tokens: running.request.prompt.len(),
+            completion_tokens: running.generated,
+        }));
     }
 
     /// Ends every running and waiting request with `reason` (shutting
@@ -316,7 +390,11 @@ impl Scheduler {
             self.finish(slot, reason.clone());
         }
         for (request, mut sink) in std::mem::take(&mut self.queue) {
-            sink(Event::Done(Finished { reason: reason.clone(), prompt_tokens: request.prompt.len(), completion_tokens: 0 }));
+            sink(Event::Done(Finished {
+                reason: reason.clone(),
+                prompt_tokens: request.prompt.len(),
+                completion_tokens: 0,
+            }));
         }
     }
 }

@@ -89,21 +89,35 @@ pub struct Sampling {
 impl Sampling {
     /// The most likely token every time.
     pub fn greedy() -> Self {
-        Sampling { temperature: 0.0, top_k: None, top_p: None, seed: 0 }
+        Sampling {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+        }
     }
 
     /// Refuses settings no sampler takes: a temperature below 0 or not
     /// finite, top_k 0, top_p outside (0, 1].
     pub fn check(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(Error::InvalidArgument { op: "Sampling", reason: format!("the temperature must be finite and ≥ 0, got {}", self.temperature) });
+            return Err(Error::InvalidArgument {
+                op: "Sampling",
+                reason: format!("the temperature must be finite and ≥ 0, got {}", self.temperature),
+            });
         }
         if self.top_k == Some(0) {
-            return Err(Error::InvalidArgument { op: "Sampling", reason: "top_k must be at least 1".into() });
+            return Err(Error::InvalidArgument {
+                op: "Sampling",
+                reason: "top_k must be at least 1".into(),
+            });
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
-                return Err(Error::InvalidArgument { op: "Sampling", reason: format!("top_p must be in (0, 1], got {p}") });
+                return Err(Error::InvalidArgument {
+                    op: "Sampling",
+                    reason: format!("top_p must be in (0, 1], got {p}"),
+                });
             }
         }
         Ok(())
@@ -124,22 +138,36 @@ impl Sampling {
     pub fn sample(&self, logits: &[f32], rng: &mut ChaCha8Rng) -> Result<u32> {
         self.check()?;
         if logits.is_empty() {
-            return Err(Error::InvalidArgument { op: "Sampling::sample", reason: "no logits".into() });
+            return Err(Error::InvalidArgument {
+                op: "Sampling::sample",
+                reason: "no logits".into(),
+            });
         }
         if let Some(bad) = logits.iter().position(|v| !v.is_finite()) {
-            return Err(Error::InvalidArgument { op: "Sampling::sample", reason: format!("logit {} of token {bad} is not finite", logits[bad]) });
+            return Err(Error::InvalidArgument {
+                op: "Sampling::sample",
+                reason: format!("logit {} of token {bad} is not finite", logits[bad]),
+            });
         }
         let u = rng.random::<f32>();
         // Most likely first; equal logits in id order.
         let mut ranked: Vec<usize> = (0..logits.len()).collect();
-        ranked.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
+        ranked.sort_by(|&a, &b| {
+            logits[b]
+                .partial_cmp(&logits[a])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(&b))
+        });
         let k = self.top_k.unwrap_or(logits.len()).min(logits.len());
         if self.temperature == 0.0 || k == 1 {
             return Ok(ranked[0] as u32);
         }
         let top = f64::from(logits[ranked[0]]);
         let temperature = f64::from(self.temperature);
-        let mut candidates: Vec<(usize, f64)> = ranked[..k].iter().map(|&i| (i, ((f64::from(logits[i]) - top) / temperature).exp())).collect();
+        let mut candidates: Vec<(usize, f64)> = ranked[..k]
+            .iter()
+            .map(|&i| (i, ((f64::from(logits[i]) - top) / temperature).exp()))
+            .collect();
         if let Some(p) = self.top_p {
             // The nucleus: the shortest most-likely-first prefix reaching p.
             let mass = f64::from(p) * candidates.iter().map(|&(_, w)| w).sum::<f64>();
@@ -167,7 +195,10 @@ impl Sampling {
     /// from `rng`, temperature, top_p) and k.
     fn row_settings(&self, rng: &mut ChaCha8Rng, vocab: usize) -> ([f32; 3], u32) {
         let k = self.top_k.unwrap_or(vocab).min(vocab);
-        ([rng.random::<f32>(), self.temperature, self.top_p.unwrap_or(1.0)], u32::try_from(k).unwrap_or(u32::MAX))
+        (
+            [rng.random::<f32>(), self.temperature, self.top_p.unwrap_or(1.0)],
+            u32::try_from(k).unwrap_or(u32::MAX),
+        )
     }
 }
 
@@ -232,7 +263,10 @@ impl GeneratorOptions {
         match self.context {
             None => Ok(model_context),
             Some(c) if c >= 1 && c <= model_context => Ok(c),
-            Some(c) => Err(Error::InvalidArgument { op: "Generator::new", reason: format!("a context of {c} positions: give 1 to the model's {model_context}") }),
+            Some(c) => Err(Error::InvalidArgument {
+                op: "Generator::new",
+                reason: format!("a context of {c} positions: give 1 to the model's {model_context}"),
+            }),
         }
     }
 }
@@ -243,14 +277,23 @@ const STAGING: &str = "slot";
 /// Each layer's (cache, staging cache) pairs of a graph built with
 /// [`PrefillMode::OneSlot`], matched by name.
 fn staging_pairs(g: &Graph) -> Result<Vec<(Tensor, Tensor)>> {
-    let caches: Vec<(Tensor, &str)> = g.nodes().iter().enumerate().filter(|(_, n)| n.op == SourceOp::Cache).map(|(i, n)| (Tensor(i), n.name.as_str())).collect();
+    let caches: Vec<(Tensor, &str)> = g
+        .nodes()
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.op == SourceOp::Cache)
+        .map(|(i, n)| (Tensor(i), n.name.as_str()))
+        .collect();
     let suffix = format!(".{STAGING}");
     caches
         .iter()
         .filter_map(|&(staging, name)| name.strip_suffix(&suffix).map(|main| (staging, main)))
         .map(|(staging, main)| {
             let found = caches.iter().find(|(_, n)| *n == main).map(|&(t, _)| (t, staging));
-            found.ok_or_else(|| Error::InvalidArgument { op: "Generator::new", reason: format!("the staging cache of `{main}` has no cache beside it") })
+            found.ok_or_else(|| Error::InvalidArgument {
+                op: "Generator::new",
+                reason: format!("the staging cache of `{main}` has no cache beside it"),
+            })
         })
         .collect()
 }
@@ -300,7 +343,10 @@ pub struct Generator {
 impl std::fmt::Debug for Generator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let positions: Vec<usize> = self.cached.iter().map(Vec::len).collect();
-        f.debug_struct("Generator").field("model", &self.model).field("positions", &positions).finish()
+        f.debug_struct("Generator")
+            .field("model", &self.model)
+            .field("positions", &positions)
+            .finish()
     }
 }
 
@@ -420,7 +466,9 @@ fn is_read(g: &Graph, t: Tensor) -> bool {
 /// that holds it, so it costs at most twice its length (at least 8
 /// positions), and a handful of passes cover any context.
 fn prefill_lengths(context: usize) -> Vec<usize> {
-    let mut lengths: Vec<usize> = std::iter::successors(Some(8usize), |&n| n.checked_mul(2)).take_while(|&n| n < context).collect();
+    let mut lengths: Vec<usize> = std::iter::successors(Some(8usize), |&n| n.checked_mul(2))
+        .take_while(|&n| n < context)
+        .collect();
     lengths.push(context);
     lengths
 }
@@ -438,8 +486,21 @@ pub fn check_fits(kernels: &Kernels, config: &dyn LmConfig, sequences: usize) ->
 /// [`check_fits`] for a generator whose weights are stored as `dtype`
 /// would be on this adapter ([`WeightDtype::on`]): in f16, 2 bytes for
 /// each of its [`crate::nn::LmSizes::f16_weight_values`].
-pub fn check_fits_with_dtype(kernels: &Kernels, config: &dyn LmConfig, sequences: usize, dtype: WeightDtype) -> Result<()> {
-    check_fits_with_options(kernels, config, &GeneratorOptions { sequences, dtype, ..GeneratorOptions::default() })
+pub fn check_fits_with_dtype(
+    kernels: &Kernels,
+    config: &dyn LmConfig,
+    sequences: usize,
+    dtype: WeightDtype,
+) -> Result<()> {
+    check_fits_with_options(
+        kernels,
+        config,
+        &GeneratorOptions {
+            sequences,
+            dtype,
+            ..GeneratorOptions::default()
+        },
+    )
 }
 
 /// [`check_fits`] for a generator built with `options` (its quantized
@@ -456,9 +517,15 @@ pub fn check_fits_with_options(kernels: &Kernels, config: &dyn LmConfig, options
     };
     let parameters = sizes.parameters.saturating_mul(BYTES).saturating_sub(halved * 2);
     // Keys and values per layer, [sequences, kv_heads, context, head_dim] each.
-    let one_cache = (sequences as u64).saturating_mul(context as u64).saturating_mul(sizes.cache_width).saturating_mul(BYTES);
+    let one_cache = (sequences as u64)
+        .saturating_mul(context as u64)
+        .saturating_mul(sizes.cache_width)
+        .saturating_mul(BYTES);
     let caches = one_cache.saturating_mul(2 * sizes.cached_layers);
-    kernels.check_allocation("Generator", &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)])
+    kernels.check_allocation(
+        "Generator",
+        &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)],
+    )
 }
 
 impl Generator {
@@ -471,7 +538,12 @@ impl Generator {
 
     /// [`Generator::new`] with the weights stored as `dtype`: f16 where the
     /// adapter has SHADER_F16, else f32 ([`Generator::dtype`] tells which).
-    pub fn new_with_dtype(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype) -> Result<Self> {
+    pub fn new_with_dtype(
+        kernels: Arc<Kernels>,
+        model: &dyn CausalLm,
+        sequences: usize,
+        dtype: WeightDtype,
+    ) -> Result<Self> {
         Self::new_with_weights(kernels, model, sequences, dtype, Arc::default())
     }
 
@@ -479,8 +551,23 @@ impl Generator {
     /// stored block-quantized, as its bytes (a GGUF file's) hold them, in
     /// place of the model's values for them (see
     /// [`ForwardContext::with_quantized`]).
-    pub fn new_with_weights(kernels: Arc<Kernels>, model: &dyn CausalLm, sequences: usize, dtype: WeightDtype, quantized: Arc<QuantizedWeights>) -> Result<Self> {
-        Self::with_options(kernels, model, &GeneratorOptions { sequences, dtype, quantized, ..GeneratorOptions::default() })
+    pub fn new_with_weights(
+        kernels: Arc<Kernels>,
+        model: &dyn CausalLm,
+        sequences: usize,
+        dtype: WeightDtype,
+        quantized: Arc<QuantizedWeights>,
+    ) -> Result<Self> {
+        Self::with_options(
+            kernels,
+            model,
+            &GeneratorOptions {
+                sequences,
+                dtype,
+                quantized,
+                ..GeneratorOptions::default()
+            },
+        )
     }
 
     /// A generator built as `options` say: its sequences (slots), the
@@ -491,20 +578,29 @@ impl Generator {
         let dtype = options.dtype.on(&kernels);
         let sequences = options.sequences;
         if sequences == 0 {
-            return Err(Error::InvalidArgument { op: OP, reason: "sequences must be at least 1".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "sequences must be at least 1".into(),
+            });
         }
         let context = options.context_for(model.context_len())?;
         let mut g = Graph::new();
         let suppress = suppression(&mut g, &options.suppressed_tokens, model.vocab_size())?;
         let mut cx = ForwardContext::new(dtype, context).with_quantized(options.quantized.clone());
-        let sampler = SamplerInputs { draws: g.input("sample.draws", &[sequences, 3])?, top_k: g.ids("sample.top_k", &[sequences])? };
+        let sampler = SamplerInputs {
+            draws: g.input("sample.draws", &[sequences, 3])?,
+            top_k: g.ids("sample.top_k", &[sequences])?,
+        };
         let one_slot = options.prefill == PrefillMode::OneSlot;
         let prefill_batch = if one_slot { 1 } else { sequences };
         let prefill_sampler = if one_slot {
             // The one-slot passes write caches of their own, copied into
             // the slot's afterwards (`Generator::copy_slot`).
             cx.set_cache_set(STAGING);
-            SamplerInputs { draws: g.input("slot.sample.draws", &[1, 3])?, top_k: g.ids("slot.sample.top_k", &[1])? }
+            SamplerInputs {
+                draws: g.input("slot.sample.draws", &[1, 3])?,
+                top_k: g.ids("slot.sample.top_k", &[1])?,
+            }
         } else {
             sampler
         };
@@ -516,26 +612,55 @@ impl Generator {
             let ids = g.ids(&format!("prefill{rows}.idx"), &[prefill_batch, rows])?;
             let positions = g.ids(&format!("prefill{rows}.positions"), &[prefill_batch, rows])?;
             let last = g.ids(&format!("prefill{rows}.last"), &[prefill_batch])?;
-            let pass = CachePass { starts: prefill_starts, positions };
+            let pass = CachePass {
+                starts: prefill_starts,
+                positions,
+            };
             let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler, suppress)?;
-            prefill.push(PrefillPass { rows, ids, last, positions: Some(positions), logits, tokens });
+            prefill.push(PrefillPass {
+                rows,
+                ids,
+                last,
+                positions: Some(positions),
+                logits,
+                tokens,
+            });
         }
         cx.set_cache_set("");
         let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
         let positions = g.ids("decode.positions", &[sequences])?;
-        let pass = CachePass { starts: positions, positions: g.reshape(positions, &[sequences, 1])? };
+        let pass = CachePass {
+            starts: positions,
+            positions: g.reshape(positions, &[sequences, 1])?,
+        };
         let (decode_logits, decode_tokens) =
             lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler, suppress)?;
         // After the S-slot pass declared the caches: these read their
         // first slots.
         let mut smaller_decodes = Vec::new();
-        for rows in std::iter::successors(Some(1usize), |&n| n.checked_mul(2)).take_while(|&n| one_slot && n < sequences) {
-            let sampler = SamplerInputs { draws: g.input(&format!("decode{rows}.sample.draws"), &[rows, 3])?, top_k: g.ids(&format!("decode{rows}.sample.top_k"), &[rows])? };
+        for rows in
+            std::iter::successors(Some(1usize), |&n| n.checked_mul(2)).take_while(|&n| one_slot && n < sequences)
+        {
+            let sampler = SamplerInputs {
+                draws: g.input(&format!("decode{rows}.sample.draws"), &[rows, 3])?,
+                top_k: g.ids(&format!("decode{rows}.sample.top_k"), &[rows])?,
+            };
             let ids = g.ids(&format!("decode{rows}.idx"), &[rows, 1])?;
             let positions = g.ids(&format!("decode{rows}.positions"), &[rows])?;
-            let pass = CachePass { starts: positions, positions: g.reshape(positions, &[rows, 1])? };
+            let pass = CachePass {
+                starts: positions,
+                positions: g.reshape(positions, &[rows, 1])?,
+            };
             let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler, suppress)?;
-            smaller_decodes.push((DecodePass { ids, positions, logits, tokens }, sampler));
+            smaller_decodes.push((
+                DecodePass {
+                    ids,
+                    positions,
+                    logits,
+                    tokens,
+                },
+                sampler,
+            ));
         }
 
         for pass in &mut prefill {
@@ -569,7 +694,12 @@ impl Generator {
             prefill_starts,
             prefill_sampler,
             staging,
-            decode: DecodePass { ids: decode_ids, positions, logits: decode_logits, tokens: decode_tokens },
+            decode: DecodePass {
+                ids: decode_ids,
+                positions,
+                logits: decode_logits,
+                tokens: decode_tokens,
+            },
             sampler,
             smaller_decodes,
             cached: vec![Vec::new(); sequences],
@@ -646,24 +776,41 @@ impl Generator {
     fn set_rows(&self, op: &'static str, chunks: &[&[u32]], starts: &[usize]) -> Result<Option<usize>> {
         let context = self.context;
         if chunks.len() != self.prefill_batch {
-            return Err(Error::InvalidArgument { op, reason: format!("got {} prompts for {} sequences", chunks.len(), self.prefill_batch) });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("got {} prompts for {} sequences", chunks.len(), self.prefill_batch),
+            });
         }
         for (s, (chunk, &start)) in chunks.iter().zip(starts).enumerate() {
             if chunk.is_empty() {
-                return Err(Error::InvalidArgument { op, reason: format!("prompt {s} is empty; give at least one token") });
-            }
-            if start + chunk.len() > context {
-                let held = if start > 0 { format!(" after the {start} its cache holds") } else { String::new() };
                 return Err(Error::InvalidArgument {
                     op,
-                    reason: format!("prompt {s} has {} tokens{held}, more than the model's context of {context}", chunk.len()),
+                    reason: format!("prompt {s} is empty; give at least one token"),
+                });
+            }
+            if start + chunk.len() > context {
+                let held = if start > 0 {
+                    format!(" after the {start} its cache holds")
+                } else {
+                    String::new()
+                };
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "prompt {s} has {} tokens{held}, more than the model's context of {context}",
+                        chunk.len()
+                    ),
                 });
             }
             self.check_ids(op, chunk)?;
         }
         let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
         let latest = starts.iter().copied().max().unwrap_or(0);
-        let Some(index) = self.prefill.iter().position(|p| p.rows >= longest && latest + p.rows <= context) else {
+        let Some(index) = self
+            .prefill
+            .iter()
+            .position(|p| p.rows >= longest && latest + p.rows <= context)
+        else {
             return Ok(None);
         };
         let pass = &self.prefill[index];
@@ -677,7 +824,8 @@ impl Generator {
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.last, &last)?;
         if let Some(t) = self.prefill_starts {
-            self.exec.set_labels(t, &starts.iter().map(|&p| p as u32).collect::<Vec<_>>())?;
+            self.exec
+                .set_labels(t, &starts.iter().map(|&p| p as u32).collect::<Vec<_>>())?;
         }
         if let Some(t) = pass.positions {
             let positions: Vec<u32> = starts.iter().flat_map(|&p| (p..p + rows).map(|q| q as u32)).collect();
@@ -689,7 +837,11 @@ impl Generator {
     /// [`Generator::set_rows`] of `prompts` from position 0.
     fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
-        self.set_rows(op, prompts, &vec![0; prompts.len()])?.ok_or_else(|| Error::InvalidArgument { op, reason: format!("no prefill pass holds {longest} positions") })
+        self.set_rows(op, prompts, &vec![0; prompts.len()])?
+            .ok_or_else(|| Error::InvalidArgument {
+                op,
+                reason: format!("no prefill pass holds {longest} positions"),
+            })
     }
 
     /// What each sequence's cache holds after a prefill of `prompts`.
@@ -707,7 +859,12 @@ impl Generator {
     /// checked the lengths).
     fn set_continuation(&self, op: &'static str, tokens: &[&[u32]], after: &mut Vec<Vec<u32>>) -> Result<usize> {
         let starts: Vec<usize> = self.cached.iter().map(Vec::len).collect();
-        *after = self.cached.iter().zip(tokens).map(|(cached, new)| [cached.as_slice(), new].concat()).collect();
+        *after = self
+            .cached
+            .iter()
+            .zip(tokens)
+            .map(|(cached, new)| [cached.as_slice(), new].concat())
+            .collect();
         match self.set_rows(op, tokens, &starts)? {
             Some(pass) => Ok(pass),
             None => {
@@ -722,13 +879,22 @@ impl Generator {
     fn set_decode(&self, op: &'static str, tokens: &[u32]) -> Result<()> {
         let context = self.context;
         if tokens.len() != self.sequences {
-            return Err(Error::InvalidArgument { op, reason: format!("got {} tokens for {} sequences; give one per sequence", tokens.len(), self.sequences) });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "got {} tokens for {} sequences; give one per sequence",
+                    tokens.len(),
+                    self.sequences
+                ),
+            });
         }
         self.check_ids(op, tokens)?;
         if let Some(s) = self.cached.iter().position(|c| c.len() >= context) {
             return Err(Error::InvalidArgument {
                 op,
-                reason: format!("sequence {s} has filled its context of {context} positions; prefill it again with its last tokens"),
+                reason: format!(
+                    "sequence {s} has filled its context of {context} positions; prefill it again with its last tokens"
+                ),
             });
         }
         let positions: Vec<u32> = self.cached.iter().map(|c| c.len() as u32).collect();
@@ -740,7 +906,9 @@ impl Generator {
     /// settings for every sequence, and one uniform draw of `rng` per
     /// sequence, in sequence order (as [`Sampling::sample`] draws).
     fn set_sampling(&self, sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<()> {
-        let rows: Vec<_> = (0..self.sequences).map(|_| sampling.row_settings(rng, self.vocab_size)).collect();
+        let rows: Vec<_> = (0..self.sequences)
+            .map(|_| sampling.row_settings(rng, self.vocab_size))
+            .collect();
         self.set_sampler_rows(self.sampler, &rows)
     }
 
@@ -757,7 +925,11 @@ impl Generator {
     /// read back from `logits`, the one logit that comes back).
     fn sampled_tokens(&self, op: &'static str, picks: &[u32], logits: Tensor) -> Result<Vec<u32>> {
         let many = picks.len() > 2;
-        picks.chunks_exact(2).enumerate().map(|(s, pick)| self.sampled_token(op, s, many, pick, logits)).collect()
+        picks
+            .chunks_exact(2)
+            .enumerate()
+            .map(|(s, pick)| self.sampled_token(op, s, many, pick, logits))
+            .collect()
     }
 
     /// Row `s`'s token of the sampler's output, `pick` = (token, first
@@ -768,14 +940,32 @@ impl Generator {
         if bad != crate::ops::NO_TOKEN {
             let all = self.exec.tensor_view(logits)?;
             let at = s * vocab + bad as usize;
-            let one = View { offset: all.offset + at as u64 * 4, len: 1, ..all };
-            let value = if at < all.len { self.exec.kernels().read::<f32>(one)?.first().map(f32::to_string) } else { None };
+            let one = View {
+                offset: all.offset + at as u64 * 4,
+                len: 1,
+                ..all
+            };
+            let value = if at < all.len {
+                self.exec.kernels().read::<f32>(one)?.first().map(f32::to_string)
+            } else {
+                None
+            };
             let value = value.unwrap_or_else(|| "?".into());
-            let sequence = if many { format!(" in sequence {s}") } else { String::new() };
-            return Err(Error::InvalidArgument { op, reason: format!("logit {value} of token {bad}{sequence} is not finite") });
+            let sequence = if many {
+                format!(" in sequence {s}")
+            } else {
+                String::new()
+            };
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("logit {value} of token {bad}{sequence} is not finite"),
+            });
         }
         if token as usize >= vocab {
-            return Err(Error::InvalidArgument { op, reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}") });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}"),
+            });
         }
         Ok(token)
     }
@@ -786,7 +976,10 @@ impl Generator {
         if self.staging.is_empty() {
             return Ok(());
         }
-        Err(Error::InvalidArgument { op, reason: "this generator prefills one slot at a time (PrefillMode::OneSlot): use prefill_slot".into() })
+        Err(Error::InvalidArgument {
+            op,
+            reason: "this generator prefills one slot at a time (PrefillMode::OneSlot): use prefill_slot".into(),
+        })
     }
 
     /// Runs each sequence's prompt from position 0 in one submission,
@@ -809,7 +1002,12 @@ impl Generator {
     /// tokens are those [`Sampling::sample`] picks from the logits with
     /// the same `rng`, up to f32 rounding at the boundaries between
     /// candidates (see `Kernels::sample_rows`).
-    pub fn prefill_and_sample(&mut self, prompts: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+    pub fn prefill_and_sample(
+        &mut self,
+        prompts: &[&[u32]],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::prefill_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
@@ -840,14 +1038,21 @@ impl Generator {
 
     /// [`Generator::extend`] picking each sequence's next token on the GPU,
     /// as [`Generator::prefill_and_sample`] does.
-    pub fn extend_and_sample(&mut self, tokens: &[&[u32]], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+    pub fn extend_and_sample(
+        &mut self,
+        tokens: &[&[u32]],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::extend_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
         let mut after = Vec::new();
         let pass = self.set_continuation(OP, tokens, &mut after)?;
         self.set_sampling(sampling, rng)?;
-        let PrefillPass { logits, tokens: picks, .. } = self.prefill[pass];
+        let PrefillPass {
+            logits, tokens: picks, ..
+        } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32(&[picks], picks)?;
         self.cached = after;
         self.sampled_tokens(OP, &picks, logits)
@@ -861,11 +1066,20 @@ impl Generator {
     /// The slot's history (if any) is copied into the staging caches, the
     /// chunk runs there in one submission, and the positions it wrote are
     /// copied back into the slot.
-    pub fn extend_slot(&mut self, slot: usize, tokens: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
+    pub fn extend_slot(
+        &mut self,
+        slot: usize,
+        tokens: &[u32],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<u32> {
         const OP: &str = "Generator::extend_slot";
         sampling.check()?;
         if self.staging.is_empty() {
-            return Err(Error::InvalidArgument { op: OP, reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into(),
+            });
         }
         let held = self.slot_tokens(OP, slot)?.len();
         let start = match self.set_rows(OP, &[tokens], &[held])? {
@@ -877,12 +1091,21 @@ impl Generator {
             // (which fits: set_rows checked it).
             None => {
                 let whole = [self.cached[slot].as_slice(), tokens].concat();
-                (self.set_rows(OP, &[&whole], &[0])?.ok_or_else(|| Error::InvalidArgument { op: OP, reason: format!("no prefill pass holds {} positions", whole.len()) })?, 0)
+                (
+                    self.set_rows(OP, &[&whole], &[0])?
+                        .ok_or_else(|| Error::InvalidArgument {
+                            op: OP,
+                            reason: format!("no prefill pass holds {} positions", whole.len()),
+                        })?,
+                    0,
+                )
             }
         };
         let (pass, from) = start;
         self.set_sampler_rows(self.prefill_sampler, &[sampling.row_settings(rng, self.vocab_size)])?;
-        let PrefillPass { logits, tokens: picks, .. } = self.prefill[pass];
+        let PrefillPass {
+            logits, tokens: picks, ..
+        } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32(&[picks], picks)?;
         let end = held + tokens.len();
         self.copy_slot(slot, from, end, false)?;
@@ -892,7 +1115,13 @@ impl Generator {
 
     /// Runs `prompt` in slot `slot` from position 0, replacing what its
     /// cache held, and picks its next token ([`Generator::extend_slot`]).
-    pub fn prefill_slot(&mut self, slot: usize, prompt: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<u32> {
+    pub fn prefill_slot(
+        &mut self,
+        slot: usize,
+        prompt: &[u32],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<u32> {
         self.truncate(slot, 0)?;
         self.extend_slot(slot, prompt, sampling, rng)
     }
@@ -900,7 +1129,13 @@ impl Generator {
     /// `slot`'s cached tokens, or an error naming the slots there are.
     fn slot_tokens(&self, op: &'static str, slot: usize) -> Result<&[u32]> {
         let sequences = self.sequences;
-        self.cached.get(slot).map(Vec::as_slice).ok_or_else(|| Error::InvalidArgument { op, reason: format!("slot {slot} of a generator of {sequences}") })
+        self.cached
+            .get(slot)
+            .map(Vec::as_slice)
+            .ok_or_else(|| Error::InvalidArgument {
+                op,
+                reason: format!("slot {slot} of a generator of {sequences}"),
+            })
     }
 
     /// Copies positions `from .. to` of `slot`'s keys and values into the
@@ -915,14 +1150,21 @@ impl Generator {
         let mut copies = Vec::new();
         for &(main, staging) in &self.staging {
             let &[_, kv_heads, context, head_dim] = graph.shape_of(main).unwrap_or_default() else {
-                return Err(Error::InvalidArgument { op: "Generator::copy_slot", reason: "a cache lost its shape [sequences, kv_heads, context, head_dim]".into() });
+                return Err(Error::InvalidArgument {
+                    op: "Generator::copy_slot",
+                    reason: "a cache lost its shape [sequences, kv_heads, context, head_dim]".into(),
+                });
             };
             let (main, staging) = (self.exec.tensor_view(main)?, self.exec.tensor_view(staging)?);
             let row = head_dim as u64 * BYTES;
             for h in 0..kv_heads {
                 let main_at = main.offset + (((slot * kv_heads + h) * context + from) as u64) * row;
                 let staging_at = staging.offset + ((h * context + from) as u64) * row;
-                let (source, destination) = if to_staging { ((main.buffer, main_at), (staging.buffer, staging_at)) } else { ((staging.buffer, staging_at), (main.buffer, main_at)) };
+                let (source, destination) = if to_staging {
+                    ((main.buffer, main_at), (staging.buffer, staging_at))
+                } else {
+                    ((staging.buffer, staging_at), (main.buffer, main_at))
+                };
                 copies.push((source, destination, (to - from) as u64 * row));
             }
         }
@@ -952,13 +1194,21 @@ impl Generator {
         const OP: &str = "Generator::decode_slots";
         let (context, sequences) = (self.context, self.sequences);
         if steps.len() != sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} slots' steps for a generator of {sequences}", steps.len()) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!("got {} slots' steps for a generator of {sequences}", steps.len()),
+            });
         }
         let needed = steps.iter().rposition(Option::is_some).map_or(0, |s| s + 1);
         if needed == 0 {
             return Ok(steps.iter().map(|_| None).collect());
         }
-        let (pass, sampler) = self.smaller_decodes.iter().map(|&(p, s)| (p, s)).find(|(p, _)| self.exec.graph().shape_of(p.positions).is_some_and(|s| s[0] >= needed)).unwrap_or((self.decode, self.sampler));
+        let (pass, sampler) = self
+            .smaller_decodes
+            .iter()
+            .map(|&(p, s)| (p, s))
+            .find(|(p, _)| self.exec.graph().shape_of(p.positions).is_some_and(|s| s[0] >= needed))
+            .unwrap_or((self.decode, self.sampler));
         let rows = self.exec.graph().shape_of(pass.positions).map_or(sequences, |s| s[0]);
         let mut ids = Vec::with_capacity(rows);
         let mut positions = Vec::with_capacity(rows);
@@ -966,8 +1216,15 @@ impl Generator {
         for (s, step) in steps[..rows].iter_mut().enumerate() {
             let held = self.cached[s].len();
             if held >= context {
-                let why = if step.is_some() { "has filled its context" } else { "sits out the step with a full context" };
-                return Err(Error::InvalidArgument { op: OP, reason: format!("slot {s} {why} of {context} positions; free it or truncate it") });
+                let why = if step.is_some() {
+                    "has filled its context"
+                } else {
+                    "sits out the step with a full context"
+                };
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("slot {s} {why} of {context} positions; free it or truncate it"),
+                });
             }
             positions.push(held as u32);
             match step {
@@ -1007,7 +1264,10 @@ impl Generator {
         let held = self.slot_tokens(OP, from)?.len();
         self.slot_tokens(OP, to)?;
         if self.staging.is_empty() {
-            return Err(Error::InvalidArgument { op: OP, reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into(),
+            });
         }
         if from == to {
             return Ok(());
@@ -1024,7 +1284,13 @@ impl Generator {
         let graph = self.exec.graph();
         let bytes = |t: Tensor| graph.shape_of(t).map_or(0, |s| s.iter().product::<usize>() as u64 * 4);
         let staging: u64 = self.staging.iter().map(|&(_, t)| bytes(t)).sum();
-        let all: u64 = graph.nodes().iter().enumerate().filter(|(_, n)| n.op == SourceOp::Cache).map(|(i, _)| bytes(Tensor(i))).sum();
+        let all: u64 = graph
+            .nodes()
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.op == SourceOp::Cache)
+            .map(|(i, _)| bytes(Tensor(i)))
+            .sum();
         (all - staging, staging)
     }
 
@@ -1078,10 +1344,22 @@ impl Generator {
     /// block_size / 2 tokens (see the module documentation). Needs a
     /// generator of one sequence; [`Generator::generate_batch`] runs
     /// several.
-    pub fn generate(&mut self, prompt: &[u32], max_new_tokens: usize, sampling: &Sampling, mut on_token: impl FnMut(u32) -> Result<()>) -> Result<Vec<u32>> {
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampling: &Sampling,
+        mut on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::generate";
         if self.sequences != 1 {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("generates one sequence; this generator was built for {} (use generate_batch)", self.sequences) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "generates one sequence; this generator was built for {} (use generate_batch)",
+                    self.sequences
+                ),
+            });
         }
         let mut new_tokens = self.generate_batch(&[prompt], max_new_tokens, sampling, |tokens| on_token(tokens[0]))?;
         Ok(new_tokens.pop().unwrap_or_default())
@@ -1102,13 +1380,29 @@ impl Generator {
     /// block_size / 2 tokens (all of them when it has fewer), as
     /// [`Generator::generate`] does for one: a sequence shorter than the
     /// longest may then lose context it would have kept alone.
-    pub fn generate_batch(&mut self, prompts: &[&[u32]], max_new_tokens: usize, sampling: &Sampling, mut on_tokens: impl FnMut(&[u32]) -> Result<()>) -> Result<Vec<Vec<u32>>> {
+    pub fn generate_batch(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new_tokens: usize,
+        sampling: &Sampling,
+        mut on_tokens: impl FnMut(&[u32]) -> Result<()>,
+    ) -> Result<Vec<Vec<u32>>> {
         const OP: &str = "Generator::generate_batch";
         if prompts.len() != self.sequences {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("got {} prompts for a generator of {} sequences", prompts.len(), self.sequences) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "got {} prompts for a generator of {} sequences",
+                    prompts.len(),
+                    self.sequences
+                ),
+            });
         }
         if max_new_tokens == 0 {
-            return Err(Error::InvalidArgument { op: OP, reason: "max_new_tokens must be at least 1".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "max_new_tokens must be at least 1".into(),
+            });
         }
         sampling.check()?;
         let context = self.context;

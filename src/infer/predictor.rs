@@ -25,14 +25,32 @@ pub struct Predictor {
 impl Predictor {
     pub fn new(kernels: Arc<Kernels>, model: &dyn Module, batch_size: usize) -> Result<Self> {
         let mut g = Graph::new();
-        let Built { input, output, in_per_example: in_features, out_per_example: out_features } = build_model(&mut g, model, batch_size)?;
+        let Built {
+            input,
+            output,
+            in_per_example: in_features,
+            out_per_example: out_features,
+        } = build_model(&mut g, model, batch_size)?;
         let prediction = g.argmax(output)?;
         let exec = Executor::new(kernels, g, &[output, prediction], None, None)?;
-        Ok(Predictor { exec, input, output, prediction, batch_size, in_features, out_features, model_description: model.describe() })
+        Ok(Predictor {
+            exec,
+            input,
+            output,
+            prediction,
+            batch_size,
+            in_features,
+            out_features,
+            model_description: model.describe(),
+        })
     }
 
     /// Rebuilds the model described in a checkpoint and loads its weights.
-    pub fn from_checkpoint(kernels: Arc<Kernels>, path: impl AsRef<Path>, batch_size: usize) -> Result<(Self, Checkpoint)> {
+    pub fn from_checkpoint(
+        kernels: Arc<Kernels>,
+        path: impl AsRef<Path>,
+        batch_size: usize,
+    ) -> Result<(Self, Checkpoint)> {
         let path = path.as_ref();
         let ckpt = checkpoint::load(path)?;
         let description = ckpt.meta("model").ok_or_else(|| Error::CheckpointFormat {
@@ -60,20 +78,40 @@ impl Predictor {
     }
 
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), features)
+        chunked_outputs(
+            &mut self.exec,
+            (self.input, self.output),
+            (self.batch_size, self.in_features, self.out_features),
+            features,
+        )
     }
 
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
+        chunked_predictions(
+            &mut self.exec,
+            (self.input, self.prediction),
+            (self.batch_size, self.in_features),
+            features,
+        )
     }
 
     /// Model outputs (logits) for sequences of token `ids`, batch by batch.
     pub fn outputs_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), ids)
+        chunked_outputs(
+            &mut self.exec,
+            (self.input, self.output),
+            (self.batch_size, self.in_features, self.out_features),
+            ids,
+        )
     }
 
     /// See [`Trainer::predict_ids`].
     pub fn predict_ids(&mut self, ids: &[u32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), ids)
+        chunked_predictions(
+            &mut self.exec,
+            (self.input, self.prediction),
+            (self.batch_size, self.in_features),
+            ids,
+        )
     }
 }

@@ -36,8 +36,7 @@ use crate::io::text::Utf8Stream;
 /// vocabularies share or extend.
 const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's (tiktoken's cl100k): numbers in groups of up to three.
-const LLAMA3_SPLIT: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen 2's: Llama 3's with every digit alone.
 const QWEN2_SPLIT: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -62,16 +61,41 @@ const GPT4O_SPLIT: &str = concat!(
 /// (SmolLM2's `smollm`: each digit alone, then GPT-2's split; Qwen2, Qwen2.5
 /// and Qwen3 files say `qwen2`).
 const PRE_TOKENIZERS: &[(&[&str], &[&str])] = &[
-    (&["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"], &[GPT2_SPLIT]),
-    (&["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], &[r"\p{N}", GPT2_SPLIT]),
+    (
+        &["gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"],
+        &[GPT2_SPLIT],
+    ),
     (
         &[
-            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe", "lfm2",
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+        ],
+        &[r"\p{N}", GPT2_SPLIT],
+    ),
+    (
+        &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "dbrx",
+            "smaug-bpe",
+            "lfm2",
             "midm-2.0",
         ],
         &[LLAMA3_SPLIT],
     ),
-    (&["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"], &[QWEN2_SPLIT]),
+    (
+        &["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"],
+        &[QWEN2_SPLIT],
+    ),
     (&["tekken"], &[TEKKEN_SPLIT]),
     (&["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_SPLIT]),
 ];
@@ -109,7 +133,13 @@ pub struct BpeTokenizer {
 
 impl std::fmt::Debug for BpeTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "BpeTokenizer({} tokens, bos {:?}, eos {:?})", self.token_bytes.len(), self.bos, self.eos)
+        write!(
+            f,
+            "BpeTokenizer({} tokens, bos {:?}, eos {:?})",
+            self.token_bytes.len(),
+            self.bos,
+            self.eos
+        )
     }
 }
 
@@ -136,20 +166,35 @@ fn byte_alphabet() -> [char; 256] {
 /// back to bytes, or, when one is outside the alphabet (an added token),
 /// the token's own UTF-8.
 fn token_to_bytes(token: &str, char_to_byte: &HashMap<char, u8>) -> Box<[u8]> {
-    token.chars().map(|c| char_to_byte.get(&c).copied()).collect::<Option<Vec<u8>>>().unwrap_or_else(|| token.as_bytes().to_vec()).into_boxed_slice()
+    token
+        .chars()
+        .map(|c| char_to_byte.get(&c).copied())
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| token.as_bytes().to_vec())
+        .into_boxed_slice()
 }
 
 /// The pre-tokenizer for a `tokenizer.ggml.pre` name: its splits, each
 /// match kept as its own piece, then the byte-to-alphabet mapping.
 fn pre_tokenizer(pre: &str) -> std::result::Result<PreTokenizerWrapper, String> {
     let Some((_, splits)) = PRE_TOKENIZERS.iter().find(|(names, _)| names.contains(&pre)) else {
-        let known: Vec<&str> = PRE_TOKENIZERS.iter().flat_map(|(names, _)| names.iter().copied()).collect();
-        return Err(format!("the pre-tokenizer `{pre}` is not one wgrad knows ({})", known.join(", ")));
+        let known: Vec<&str> = PRE_TOKENIZERS
+            .iter()
+            .flat_map(|(names, _)| names.iter().copied())
+            .collect();
+        return Err(format!(
+            "the pre-tokenizer `{pre}` is not one wgrad knows ({})",
+            known.join(", ")
+        ));
     };
     let mut steps = Vec::with_capacity(splits.len() + 1);
     for regex in *splits {
-        let split = Split::new(SplitPattern::Regex((*regex).to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| format!("the split regex of `{pre}` does not compile: {e}"))?;
+        let split = Split::new(
+            SplitPattern::Regex((*regex).to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| format!("the split regex of `{pre}` does not compile: {e}"))?;
         steps.push(PreTokenizerWrapper::Split(split));
     }
     steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)));
@@ -164,7 +209,10 @@ impl BpeTokenizer {
     /// the vocabulary lacks, or special ids outside the vocabulary is an
     /// error naming what is wrong.
     pub fn from_gguf(gguf: &Gguf) -> Result<Self> {
-        let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+        let bad = |reason: String| Error::Gguf {
+            path: gguf.path().to_path_buf(),
+            reason,
+        };
         let model = gguf.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" && model != "llama" {
             return Err(bad(format!(
@@ -178,17 +226,25 @@ impl BpeTokenizer {
         }
         let types = match gguf.get("tokenizer.ggml.token_type") {
             None => vec![1; tokens.len()],
-            Some(_) => token_types(gguf.get_array("tokenizer.ggml.token_type")?).ok_or_else(|| bad("`tokenizer.ggml.token_type` is not an array of integers".into()))?,
+            Some(_) => token_types(gguf.get_array("tokenizer.ggml.token_type")?)
+                .ok_or_else(|| bad("`tokenizer.ggml.token_type` is not an array of integers".into()))?,
         };
         if types.len() != tokens.len() {
-            return Err(bad(format!("`tokenizer.ggml.token_type` has {} entries for {} tokens", types.len(), tokens.len())));
+            return Err(bad(format!(
+                "`tokenizer.ggml.token_type` has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
         }
         let special_id = |key: &str| -> Result<Option<u32>> {
             let Some(_) = gguf.get(key) else { return Ok(None) };
             let id = gguf.get_u64(key)?;
             match u32::try_from(id) {
                 Ok(id) if (id as usize) < tokens.len() => Ok(Some(id)),
-                _ => Err(bad(format!("`{key}` is {id}, outside the vocabulary of {} tokens", tokens.len()))),
+                _ => Err(bad(format!(
+                    "`{key}` is {id}, outside the vocabulary of {} tokens",
+                    tokens.len()
+                ))),
             }
         };
         let bos = special_id("tokenizer.ggml.bos_token_id")?;
@@ -202,7 +258,11 @@ impl BpeTokenizer {
             None => model == "llama",
         };
         let prepend_bos = match (add_bos, bos) {
-            (true, None) => return Err(bad("`tokenizer.ggml.add_bos_token` is set but the file has no `tokenizer.ggml.bos_token_id`".into())),
+            (true, None) => {
+                return Err(bad(
+                    "`tokenizer.ggml.add_bos_token` is set but the file has no `tokenizer.ggml.bos_token_id`".into(),
+                ))
+            }
             (true, bos) => bos,
             (false, _) => None,
         };
@@ -216,9 +276,23 @@ impl BpeTokenizer {
         } else {
             let named: Vec<u32> = [bos, eos, unk, pad].into_iter().flatten().collect();
             let (built, flavor) = sentencepiece_from_gguf(gguf, tokens, &types, &named)?;
-            (built.inner, built.token_bytes, built.special, flavor.strips_leading_space())
+            (
+                built.inner,
+                built.token_bytes,
+                built.special,
+                flavor.strips_leading_space(),
+            )
         };
-        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template, strip_leading_space })
+        Ok(BpeTokenizer {
+            inner,
+            token_bytes,
+            special,
+            bos,
+            eos,
+            prepend_bos,
+            chat_template,
+            strip_leading_space,
+        })
     }
 
     /// A Hugging Face `tokenizer.json` whose decoder is byte-level (GPT-2,
@@ -228,9 +302,18 @@ impl BpeTokenizer {
     /// `tokenizer_config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op: "BpeTokenizer::from_file", path: path.to_path_buf(), source })?;
-        let bad = |reason: String| Error::DataFormat { op: "BpeTokenizer::from_file", file: path.display().to_string(), reason };
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(format!("not a tokenizer.json wgrad can read: {e}")))?;
+        let bytes = std::fs::read(path).map_err(|source| Error::DataIo {
+            op: "BpeTokenizer::from_file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let bad = |reason: String| Error::DataFormat {
+            op: "BpeTokenizer::from_file",
+            file: path.display().to_string(),
+            reason,
+        };
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| bad(format!("not a tokenizer.json wgrad can read: {e}")))?;
         // Byte-level, or SentencePiece-style (`▁` for spaces, byte fallback),
         // whose decoder may strip the prefix space.
         const RUNS: &str = "wgrad runs byte-level BPE tokenizers (decoder `ByteLevel`) and SentencePiece-style ones \
@@ -242,8 +325,10 @@ impl BpeTokenizer {
                 match json.as_ref().and_then(spm::decoder_strips) {
                     Some(strips) => Some(strips),
                     None => {
-                        let name =
-                            json.as_ref().and_then(|v| v.get("type").and_then(|t| t.as_str())).unwrap_or("unknown");
+                        let name = json
+                            .as_ref()
+                            .and_then(|v| v.get("type").and_then(|t| t.as_str()))
+                            .unwrap_or("unknown");
                         return Err(bad(format!("its decoder is `{name}`; {RUNS}")));
                     }
                 }
@@ -267,7 +352,16 @@ impl BpeTokenizer {
         }
         let strip_leading_space = sentencepiece.unwrap_or(false);
         let (bos, eos, prepend_bos, chat_template) = (None, None, None, None);
-        Ok(BpeTokenizer { inner, token_bytes, special, bos, eos, prepend_bos, chat_template, strip_leading_space })
+        Ok(BpeTokenizer {
+            inner,
+            token_bytes,
+            special,
+            bos,
+            eos,
+            prepend_bos,
+            chat_template,
+            strip_leading_space,
+        })
     }
 
     /// The tokenizer of a Hugging Face model folder: `tokenizer.json`, with
@@ -290,17 +384,32 @@ impl BpeTokenizer {
     /// bos, eos and the chat template from a `tokenizer_config.json`.
     fn apply_config(&mut self, path: &Path) -> Result<()> {
         let op = "BpeTokenizer::from_folder";
-        let bytes = std::fs::read(path).map_err(|source| Error::DataIo { op, path: path.to_path_buf(), source })?;
-        let bad = |reason: String| Error::DataFormat { op, file: path.display().to_string(), reason };
+        let bytes = std::fs::read(path).map_err(|source| Error::DataIo {
+            op,
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let bad = |reason: String| Error::DataFormat {
+            op,
+            file: path.display().to_string(),
+            reason,
+        };
         let config: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
         // A token is a string or an AddedToken object with `content`.
         let token_id = |key: &str| -> Result<Option<u32>> {
             let content = match config.get(key) {
                 None | Some(serde_json::Value::Null) => return Ok(None),
                 Some(serde_json::Value::String(s)) => s.as_str(),
-                Some(v) => v.get("content").and_then(|c| c.as_str()).ok_or_else(|| bad(format!("`{key}` is neither a string nor a token with `content`")))?,
+                Some(v) => v
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .ok_or_else(|| bad(format!("`{key}` is neither a string nor a token with `content`")))?,
             };
-            self.inner.token_to_id(content).map(Some).ok_or_else(|| bad(format!("`{key}` is `{content}`, which is not in tokenizer.json's vocabulary")))
+            self.inner.token_to_id(content).map(Some).ok_or_else(|| {
+                bad(format!(
+                    "`{key}` is `{content}`, which is not in tokenizer.json's vocabulary"
+                ))
+            })
         };
         self.bos = token_id("bos_token")?;
         self.eos = token_id("eos_token")?;
@@ -313,7 +422,11 @@ impl BpeTokenizer {
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .and_then(|t| t.get("template").and_then(|s| s.as_str()))
                 .map(str::to_string),
-            Some(_) => return Err(bad("`chat_template` is neither a string nor a list of named templates".into())),
+            Some(_) => {
+                return Err(bad(
+                    "`chat_template` is neither a string nor a list of named templates".into()
+                ))
+            }
         };
         Ok(())
     }
@@ -372,7 +485,10 @@ impl BpeTokenizer {
         let encoding = self
             .inner
             .encode_fast(text, add_special)
-            .map_err(|e| Error::InvalidArgument { op: "BpeTokenizer::encode", reason: e.to_string() })?;
+            .map_err(|e| Error::InvalidArgument {
+                op: "BpeTokenizer::encode",
+                reason: e.to_string(),
+            })?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         if let (true, Some(bos)) = (add_special, self.prepend_bos) {
             ids.push(bos);
@@ -385,7 +501,13 @@ impl BpeTokenizer {
     pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
         match self.token_bytes.get(id as usize) {
             Some(Some(bytes)) => Ok(bytes),
-            _ => Err(Error::InvalidArgument { op: "BpeTokenizer::decode", reason: format!("id {id} is not a token of this vocabulary of {}", self.token_bytes.len()) }),
+            _ => Err(Error::InvalidArgument {
+                op: "BpeTokenizer::decode",
+                reason: format!(
+                    "id {id} is not a token of this vocabulary of {}",
+                    self.token_bytes.len()
+                ),
+            }),
         }
     }
 
@@ -420,10 +542,15 @@ impl BpeTokenizer {
     /// (a plain `PreTrainedTokenizerFast`, so no class adds tokens of its
     /// own; bos, eos, the chat template) and `generation_config.json`.
     pub fn hugging_face_files(&self) -> Result<Vec<ExtraFile>> {
-        let bad = |reason: String| Error::InvalidArgument { op: "BpeTokenizer::hugging_face_files", reason };
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "BpeTokenizer::hugging_face_files",
+            reason,
+        };
         let mut inner = self.inner.clone();
         if let Some(bos) = self.prepend_bos {
-            let token = self.token(bos).ok_or_else(|| bad(format!("BOS id {bos} has no token")))?;
+            let token = self
+                .token(bos)
+                .ok_or_else(|| bad(format!("BOS id {bos} has no token")))?;
             let template = TemplateProcessing::builder()
                 .try_single(format!("{token} $A"))
                 .and_then(|b| b.try_pair(format!("{token} $A {token} $B:1")))
@@ -433,7 +560,9 @@ impl BpeTokenizer {
                 .map_err(|e| bad(format!("the BOS template does not build: {e}")))?;
             inner.with_post_processor(Some(template));
         }
-        let tokenizer_json = inner.to_string(true).map_err(|e| bad(format!("tokenizer.json does not serialize: {e}")))?;
+        let tokenizer_json = inner
+            .to_string(true)
+            .map_err(|e| bad(format!("tokenizer.json does not serialize: {e}")))?;
         let mut config = serde_json::json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": false,
@@ -459,7 +588,11 @@ impl BpeTokenizer {
 
     /// A decoder fed one id at a time, for streaming generated text.
     pub fn stream(&self, skip_special: bool) -> TokenStream<'_> {
-        TokenStream { tokenizer: self, text: Utf8Stream::default(), skip_special }
+        TokenStream {
+            tokenizer: self,
+            text: Utf8Stream::default(),
+            skip_special,
+        }
     }
 
     /// The text `id` completes in `text` (empty while a character is
@@ -479,10 +612,17 @@ impl BpeTokenizer {
 /// merges, the control and user-defined tokens; with each id's bytes and
 /// whether it is special.
 fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result<ByteLevelParts> {
-    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
     let pre = match gguf.get("tokenizer.ggml.pre") {
         Some(_) => gguf.get_str("tokenizer.ggml.pre")?,
-        None => return Err(bad("has no `tokenizer.ggml.pre`, so the pre-tokenizer split is unknown".into())),
+        None => {
+            return Err(bad(
+                "has no `tokenizer.ggml.pre`, so the pre-tokenizer split is unknown".into(),
+            ))
+        }
     };
     let pre_tokenizer = pre_tokenizer(pre).map_err(bad)?;
     let merges = gguf.get_strings("tokenizer.ggml.merges")?;
@@ -492,23 +632,37 @@ fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result
     // A token spelled outside the alphabet is respelled from its UTF-8
     // bytes (transformers' converter does the same); a repeated token
     // takes its last id, as in llama.cpp and the converter.
-    let respell =
-        |t: &String| if in_alphabet(t) { t.clone() } else { t.bytes().map(|b| alphabet[b as usize]).collect() };
+    let respell = |t: &String| {
+        if in_alphabet(t) {
+            t.clone()
+        } else {
+            t.bytes().map(|b| alphabet[b as usize]).collect()
+        }
+    };
     let spelled: Vec<String> = tokens.iter().map(respell).collect();
-    let vocab: tokenizers::models::bpe::Vocab =
-        spelled.iter().enumerate().map(|(id, t)| (t.clone(), id as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = spelled
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.clone(), id as u32))
+        .collect();
     let mut merge_pairs = Vec::with_capacity(merges.len());
     for (i, merge) in merges.iter().enumerate() {
         let Some((a, b)) = merge.split_once(' ') else {
-            return Err(bad(format!("merge {i} `{merge}` is not two tokens separated by a space")));
+            return Err(bad(format!(
+                "merge {i} `{merge}` is not two tokens separated by a space"
+            )));
         };
         for part in [a, b] {
             if !vocab.contains_key(part) {
-                return Err(bad(format!("merge {i} `{merge}` names `{part}`, which is not in the vocabulary")));
+                return Err(bad(format!(
+                    "merge {i} `{merge}` names `{part}`, which is not in the vocabulary"
+                )));
             }
         }
         if !vocab.contains_key(&format!("{a}{b}")) {
-            return Err(bad(format!("merge {i} `{merge}` makes `{a}{b}`, which is not in the vocabulary")));
+            return Err(bad(format!(
+                "merge {i} `{merge}` makes `{a}{b}`, which is not in the vocabulary"
+            )));
         }
         merge_pairs.push((a.to_string(), b.to_string()));
     }
@@ -537,7 +691,11 @@ fn byte_level_from_gguf(gguf: &Gguf, tokens: &[String], types: &[i64]) -> Result
     inner.add_tokens(&user);
 
     let token_bytes = spelled.iter().map(|t| Some(token_to_bytes(t, &char_to_byte))).collect();
-    let special = tokens.iter().zip(types).map(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t)).collect();
+    let special = tokens
+        .iter()
+        .zip(types)
+        .map(|(t, &ty)| ty == TOKEN_TYPE_CONTROL && in_alphabet(t))
+        .collect();
     Ok((inner, token_bytes, special))
 }
 
@@ -549,7 +707,10 @@ fn sentencepiece_from_gguf(
     types: &[i64],
     named: &[u32],
 ) -> Result<(SpmTokenizer, SpmFlavor)> {
-    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
     let architecture = match gguf.get("general.architecture") {
         Some(_) => gguf.get_str("general.architecture")?,
         None => "llama",
@@ -570,7 +731,13 @@ fn sentencepiece_from_gguf(
         None => None,
     };
     let flavor = SpmFlavor::for_architecture(architecture, add_space_prefix);
-    let vocabulary = SpmVocabulary { tokens, scores, merges, types, named_special: named };
+    let vocabulary = SpmVocabulary {
+        tokens,
+        scores,
+        merges,
+        types,
+        named_special: named,
+    };
     Ok((spm::build(&vocabulary, flavor).map_err(bad)?, flavor))
 }
 

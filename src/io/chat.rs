@@ -18,7 +18,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 
     pub fn system(content: impl Into<String>) -> Self {
@@ -55,7 +58,10 @@ struct CappedOutput {
 impl std::io::Write for CappedOutput {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.bytes.len().saturating_add(buf.len()) > self.limit {
-            return Err(std::io::Error::other(format!("the prompt grows past {} bytes", self.limit)));
+            return Err(std::io::Error::other(format!(
+                "the prompt grows past {} bytes",
+                self.limit
+            )));
         }
         self.bytes.extend_from_slice(buf);
         Ok(buf.len())
@@ -102,19 +108,32 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_fuel(Some(RENDER_FUEL));
-        env.add_function("raise_exception", |message: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
-        });
-        env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| template_error("ChatTemplate::new", &e))?;
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| template_error("ChatTemplate::new", &e))?;
         Ok(ChatTemplate { env })
     }
 
     /// The prompt for `messages`; with `add_generation_prompt` it ends
     /// where the assistant's answer begins. A template that raises
     /// (`raise_exception`, a bad operation) is an error with its message.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool, bos_token: &str, eos_token: &str) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
         let op = "ChatTemplate::render";
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| template_error(op, &e))?;
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| template_error(op, &e))?;
         let context = minijinja::context! {
             messages => messages
                 .iter()
@@ -124,14 +143,29 @@ impl ChatTemplate {
             bos_token => bos_token,
             eos_token => eos_token,
         };
-        let inputs = messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>() + bos_token.len() + eos_token.len();
-        let mut out = CappedOutput { bytes: Vec::new(), limit: inputs.saturating_mul(8).saturating_add(PROMPT_SLACK_BYTES) };
-        template.render_captured_to(context, &mut out).map_err(|e| template_error(op, &e))?;
-        String::from_utf8(out.bytes).map_err(|e| Error::InvalidArgument { op, reason: format!("the rendered prompt is not UTF-8: {e}") })
+        let inputs =
+            messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>() + bos_token.len() + eos_token.len();
+        let mut out = CappedOutput {
+            bytes: Vec::new(),
+            limit: inputs.saturating_mul(8).saturating_add(PROMPT_SLACK_BYTES),
+        };
+        template
+            .render_captured_to(context, &mut out)
+            .map_err(|e| template_error(op, &e))?;
+        String::from_utf8(out.bytes).map_err(|e| Error::InvalidArgument {
+            op,
+            reason: format!("the rendered prompt is not UTF-8: {e}"),
+        })
     }
 }
 
 /// Parses and renders `template` once ([`ChatTemplate`] keeps it parsed).
-pub fn render_chat(template: &str, messages: &[ChatMessage], add_generation_prompt: bool, bos_token: &str, eos_token: &str) -> Result<String> {
+pub fn render_chat(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String> {
     ChatTemplate::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
 }

@@ -213,11 +213,7 @@ fn to_bytes(ckpt: &Checkpoint, path: &Path) -> Result<Vec<u8>> {
     });
     // Always write the map (even empty) so every wgrad file has a header
     // section readers can look for.
-    let meta: HashMap<String, String> = ckpt
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let meta: HashMap<String, String> = ckpt.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     safetensors::serialize(views, Some(meta)).map_err(|e| Error::CheckpointFormat {
         path: path.to_path_buf(),
         reason: format!("could not serialize: {e}"),
@@ -236,7 +232,10 @@ fn to_bytes(ckpt: &Checkpoint, path: &Path) -> Result<Vec<u8>> {
 pub fn save(path: impl AsRef<Path>, ckpt: &Checkpoint) -> Result<()> {
     let path = path.as_ref();
     if path.file_name().is_none() {
-        return Err(Error::InvalidArgument { op: "checkpoint::save", reason: format!("`{}` does not name a file", path.display()) });
+        return Err(Error::InvalidArgument {
+            op: "checkpoint::save",
+            reason: format!("`{}` does not name a file", path.display()),
+        });
     }
     let bytes = to_bytes(ckpt, path)?;
     crate::atomic_write::write_atomic(path, &bytes).map_err(|(action, e)| io_err(path, action, e))
@@ -268,8 +267,7 @@ fn from_bytes(bytes: &[u8], path: &Path) -> Result<Checkpoint> {
         path: path.to_path_buf(),
         reason,
     };
-    let (_, header) =
-        SafeTensors::read_metadata(bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
 
     let mut tensors = Vec::with_capacity(st.len());
@@ -324,9 +322,9 @@ fn describe(e: &SafeTensorError, len: usize) -> String {
         E::HeaderTooSmall => format!(
             "file is {len} bytes, too short for the 8-byte header length (empty, truncated, or not a safetensors file)"
         ),
-        E::HeaderTooLarge | E::InvalidHeaderLength => format!(
-            "header length does not fit the file of {len} bytes (truncated, or not a safetensors file)"
-        ),
+        E::HeaderTooLarge | E::InvalidHeaderLength => {
+            format!("header length does not fit the file of {len} bytes (truncated, or not a safetensors file)")
+        }
         E::InvalidHeader(_) | E::InvalidHeaderDeserialization(_) | E::JsonError(_) => {
             "header is not valid safetensors JSON (corrupt, or not a safetensors file)".to_string()
         }

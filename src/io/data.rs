@@ -66,7 +66,12 @@ impl Dataset {
                 reason: format!("label {l} of row {i} is not below classes = {classes}"),
             });
         }
-        Ok(Self { x, labels, features, classes })
+        Ok(Self {
+            x,
+            labels,
+            features,
+            classes,
+        })
     }
 
     /// Number of rows.
@@ -139,7 +144,12 @@ impl Dataset {
         let mut x = vec![0.0; x_len];
         let mut labels = vec![0; indices.len()];
         self.gather("Dataset::subset", indices, &mut x, &mut labels)?;
-        Ok(Dataset { x, labels, features: self.features, classes: self.classes })
+        Ok(Dataset {
+            x,
+            labels,
+            features: self.features,
+            classes: self.classes,
+        })
     }
 
     /// Shuffles the rows with `seed` and returns `(train, test)`, the test part
@@ -177,11 +187,22 @@ impl Dataset {
 
     /// As [`Dataset::batches`], drawing the order from `rng`, so successive
     /// calls with one generator give successive epochs.
-    pub fn batches_with_rng<R: Rng + ?Sized>(&self, batch_size: usize, rng: &mut R, drop_last: bool) -> Result<Batches<'_>> {
+    pub fn batches_with_rng<R: Rng + ?Sized>(
+        &self,
+        batch_size: usize,
+        rng: &mut R,
+        drop_last: bool,
+    ) -> Result<Batches<'_>> {
         check_batch_size("Dataset::batches", batch_size)?;
         let mut order: Vec<usize> = (0..self.len()).collect();
         order.shuffle(rng);
-        Ok(Batches { data: self, order, batch_size, drop_last, next: 0 })
+        Ok(Batches {
+            data: self,
+            order,
+            batch_size,
+            drop_last,
+            next: 0,
+        })
     }
 
     /// An allocation-free sampler over this dataset's rows; see [`Sampler`].
@@ -194,7 +215,11 @@ impl Dataset {
         if indices.len().checked_mul(f) != Some(x_out.len()) || labels_out.len() != indices.len() {
             return Err(Error::shape(
                 op,
-                format!("x_out must hold {} rows of {f} features and labels_out {} labels", indices.len(), indices.len()),
+                format!(
+                    "x_out must hold {} rows of {f} features and labels_out {} labels",
+                    indices.len(),
+                    indices.len()
+                ),
                 &[&[indices.len()], &[x_out.len()], &[labels_out.len()]],
             ));
         }
@@ -214,7 +239,10 @@ impl Dataset {
 
 fn check_batch_size(op: &'static str, batch_size: usize) -> Result<()> {
     if batch_size == 0 {
-        return Err(Error::InvalidArgument { op, reason: "batch_size must be at least 1".into() });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "batch_size must be at least 1".into(),
+        });
     }
     Ok(())
 }
@@ -329,7 +357,12 @@ impl Sampler {
     /// A sampler over `n` rows, already shuffled for the first epoch.
     pub fn new(n: usize, batch_size: usize, seed: u64, drop_last: bool) -> Result<Self> {
         check_batch_size("Sampler::new", batch_size)?;
-        let mut sampler = Self { order: (0..n).collect(), rng: ChaCha8Rng::seed_from_u64(seed), batch_size, drop_last };
+        let mut sampler = Self {
+            order: (0..n).collect(),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            batch_size,
+            drop_last,
+        };
         sampler.next_epoch();
         Ok(sampler)
     }
@@ -384,7 +417,11 @@ pub struct CsvSpec {
 
 impl CsvSpec {
     /// UCI optical digits: 8×8 pixels in 0..16, scaled to [0, 1]; labels 0..9.
-    pub const DIGITS: CsvSpec = CsvSpec { features: 64, classes: 10, scale: 1.0 / 16.0 };
+    pub const DIGITS: CsvSpec = CsvSpec {
+        features: 64,
+        classes: 10,
+        scale: 1.0 / 16.0,
+    };
 }
 
 /// The UCI optical digits (1797 rows, 64 features in [0, 1], 10 classes) from
@@ -407,15 +444,25 @@ pub fn load_csv(path: impl AsRef<Path>, spec: CsvSpec) -> Result<Dataset> {
 pub fn parse_csv(bytes: &[u8], spec: CsvSpec, file: &str) -> Result<Dataset> {
     const OP: &str = "parse_csv";
     let text = gunzip_if_gzip(OP, Path::new(file), bytes)?;
-    let parse_err = |line: usize, reason: String| Error::DataParse { op: OP, file: file.to_string(), line, reason };
+    let parse_err = |line: usize, reason: String| Error::DataParse {
+        op: OP,
+        file: file.to_string(),
+        line,
+        reason,
+    };
     if spec.features == 0 || spec.classes == 0 || !spec.scale.is_finite() {
-        return Err(Error::InvalidArgument { op: OP, reason: format!("bad CsvSpec {spec:?}") });
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("bad CsvSpec {spec:?}"),
+        });
     }
     let mut x = Vec::new();
     let mut labels = Vec::new();
     for (i, raw) in text.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
-        let line = std::str::from_utf8(raw).map_err(|_| parse_err(line_no, "not valid UTF-8".into()))?.trim();
+        let line = std::str::from_utf8(raw)
+            .map_err(|_| parse_err(line_no, "not valid UTF-8".into()))?
+            .trim();
         if line.is_empty() {
             continue;
         }
@@ -423,13 +470,23 @@ pub fn parse_csv(bytes: &[u8], spec: CsvSpec, file: &str) -> Result<Dataset> {
         if fields.len() != spec.features + 1 {
             return Err(parse_err(
                 line_no,
-                format!("{} columns, expected {} ({} features and a label)", fields.len(), spec.features + 1, spec.features),
+                format!(
+                    "{} columns, expected {} ({} features and a label)",
+                    fields.len(),
+                    spec.features + 1,
+                    spec.features
+                ),
             ));
         }
         for (col, field) in fields[..spec.features].iter().enumerate() {
-            let v: f32 = field.parse().map_err(|_| parse_err(line_no, format!("column {}: `{field}` is not a number", col + 1)))?;
+            let v: f32 = field
+                .parse()
+                .map_err(|_| parse_err(line_no, format!("column {}: `{field}` is not a number", col + 1)))?;
             if !v.is_finite() {
-                return Err(parse_err(line_no, format!("column {}: `{field}` is not finite", col + 1)));
+                return Err(parse_err(
+                    line_no,
+                    format!("column {}: `{field}` is not finite", col + 1),
+                ));
             }
             x.push(v * spec.scale);
         }
@@ -453,7 +510,11 @@ fn parse_label(field: &str, classes: usize) -> std::result::Result<u32, String> 
 // ---------------------------------------------------------------------------
 
 fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| Error::DataIo { op, path: path.to_path_buf(), source })
+    std::fs::read(path).map_err(|source| Error::DataIo {
+        op,
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 fn gunzip_if_gzip<'a>(op: &'static str, path: &Path, bytes: &'a [u8]) -> Result<Cow<'a, [u8]>> {
@@ -464,7 +525,11 @@ fn gunzip_if_gzip<'a>(op: &'static str, path: &Path, bytes: &'a [u8]) -> Result<
     // MultiGzDecoder also reads files made by concatenating gzip members.
     flate2::read::MultiGzDecoder::new(bytes)
         .read_to_end(&mut out)
-        .map_err(|source| Error::DataIo { op, path: path.to_path_buf(), source })?;
+        .map_err(|source| Error::DataIo {
+            op,
+            path: path.to_path_buf(),
+            source,
+        })?;
     Ok(Cow::Owned(out))
 }
 
@@ -491,7 +556,11 @@ pub struct IdxImages {
 /// Returns the dimensions and the payload.
 fn read_idx(op: &'static str, path: &Path, magic: u32, what: &str) -> Result<(Vec<usize>, Vec<u8>)> {
     let file = path.display().to_string();
-    let bad = |reason: String| Error::DataFormat { op, file: file.clone(), reason };
+    let bad = |reason: String| Error::DataFormat {
+        op,
+        file: file.clone(),
+        reason,
+    };
     let raw = read_file(op, path)?;
     let bytes = gunzip_if_gzip(op, path, &raw)?;
     let dims = (magic & 0xff) as usize;
@@ -499,7 +568,10 @@ fn read_idx(op: &'static str, path: &Path, magic: u32, what: &str) -> Result<(Ve
     // The magic first, so a wrong kind of file is named as such even when it
     // is shorter than this kind's header.
     if bytes.len() < 4 {
-        return Err(bad(format!("truncated: {} bytes, too short for an IDX magic number", bytes.len())));
+        return Err(bad(format!(
+            "truncated: {} bytes, too short for an IDX magic number",
+            bytes.len()
+        )));
     }
     let word = |i: usize| u32::from_be_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]);
     let found = word(0);
@@ -509,10 +581,15 @@ fn read_idx(op: &'static str, path: &Path, magic: u32, what: &str) -> Result<(Ve
             IDX_LABELS_MAGIC => " (this is an IDX labels file)",
             _ => "",
         };
-        return Err(bad(format!("wrong magic number {found:#010x}, expected {magic:#010x} for IDX {what}{hint}")));
+        return Err(bad(format!(
+            "wrong magic number {found:#010x}, expected {magic:#010x} for IDX {what}{hint}"
+        )));
     }
     if bytes.len() < header_len {
-        return Err(bad(format!("truncated: {} bytes, shorter than the {header_len}-byte IDX header", bytes.len())));
+        return Err(bad(format!(
+            "truncated: {} bytes, shorter than the {header_len}-byte IDX header",
+            bytes.len()
+        )));
     }
     let shape: Vec<usize> = (1..=dims).map(|i| word(i) as usize).collect();
     // u64 so a hostile header cannot overflow the product on 32-bit targets.
@@ -521,10 +598,14 @@ fn read_idx(op: &'static str, path: &Path, magic: u32, what: &str) -> Result<(Ve
     match payload {
         Some(expected) if expected == actual => {}
         Some(expected) if expected > actual => {
-            return Err(bad(format!("truncated: header {shape:?} needs {expected} data bytes, file has {actual}")));
+            return Err(bad(format!(
+                "truncated: header {shape:?} needs {expected} data bytes, file has {actual}"
+            )));
         }
         Some(expected) => {
-            return Err(bad(format!("size mismatch: header {shape:?} needs {expected} data bytes, file has {actual}")));
+            return Err(bad(format!(
+                "size mismatch: header {shape:?} needs {expected} data bytes, file has {actual}"
+            )));
         }
         None => return Err(bad(format!("header dimensions {shape:?} overflow"))),
     }
@@ -542,7 +623,12 @@ fn read_idx(op: &'static str, path: &Path, magic: u32, what: &str) -> Result<(Ve
 pub fn load_idx_images(path: impl AsRef<Path>) -> Result<IdxImages> {
     let (shape, data) = read_idx("load_idx_images", path.as_ref(), IDX_IMAGES_MAGIC, "images")?;
     let pixels = data.iter().map(|&p| p as f32 / 255.0).collect();
-    Ok(IdxImages { n: shape[0], rows: shape[1], cols: shape[2], pixels })
+    Ok(IdxImages {
+        n: shape[0],
+        rows: shape[1],
+        cols: shape[2],
+        pixels,
+    })
 }
 
 /// Reads an IDX1 unsigned-byte labels file (magic 0x00000801), gzip or not.
@@ -572,7 +658,12 @@ fn mnist_part(dir: &Path, prefix: &str) -> Result<Dataset> {
         return Err(Error::DataFormat {
             op: OP,
             file: labels_path.display().to_string(),
-            reason: format!("{} labels but `{}` holds {} images", labels.len(), images_path.display(), images.n),
+            reason: format!(
+                "{} labels but `{}` holds {} images",
+                labels.len(),
+                images_path.display(),
+                images.n
+            ),
         });
     }
     if let Some((i, l)) = labels.iter().enumerate().find(|(_, &l)| l >= 10) {
@@ -595,13 +686,23 @@ fn mnist_part(dir: &Path, prefix: &str) -> Result<Dataset> {
 /// The first of `name`, `name.gz` and their `.idx` spellings that exists in `dir`.
 fn find_file(op: &'static str, dir: &Path, name: &str) -> Result<PathBuf> {
     let dotted = name.replacen("-idx", ".idx", 1);
-    let candidates: Vec<PathBuf> =
-        [name.to_string(), format!("{name}.gz"), dotted.clone(), format!("{dotted}.gz")].iter().map(|n| dir.join(n)).collect();
+    let candidates: Vec<PathBuf> = [
+        name.to_string(),
+        format!("{name}.gz"),
+        dotted.clone(),
+        format!("{dotted}.gz"),
+    ]
+    .iter()
+    .map(|n| dir.join(n))
+    .collect();
     if let Some(found) = candidates.iter().find(|p| p.is_file()) {
         return Ok(found.clone());
     }
     let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-    Err(Error::DataNotFound { op, tried: tried.join(", ") })
+    Err(Error::DataNotFound {
+        op,
+        tried: tried.join(", "),
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -642,7 +743,11 @@ impl RegressionData {
         if indices.len().checked_mul(fi) != Some(x_out.len()) || indices.len().checked_mul(fo) != Some(y_out.len()) {
             return Err(Error::shape(
                 OP,
-                format!("x_out must hold {} rows of {fi} and y_out {} rows of {fo}", indices.len(), indices.len()),
+                format!(
+                    "x_out must hold {} rows of {fi} and y_out {} rows of {fo}",
+                    indices.len(),
+                    indices.len()
+                ),
                 &[&[indices.len()], &[x_out.len()], &[y_out.len()]],
             ));
         }
@@ -663,7 +768,13 @@ impl RegressionData {
 /// `n` samples of `y = x·Wᵀ + b + ε` with x ~ N(0, 1), W and b ~ U(-1, 1) and
 /// ε ~ N(0, noise_std²), all drawn from `seed`. With `noise_std = 0` a least
 /// squares fit recovers W and b up to f32 rounding.
-pub fn synthetic_regression(n: usize, in_features: usize, out_features: usize, noise_std: f32, seed: u64) -> Result<RegressionData> {
+pub fn synthetic_regression(
+    n: usize,
+    in_features: usize,
+    out_features: usize,
+    noise_std: f32,
+    seed: u64,
+) -> Result<RegressionData> {
     const OP: &str = "synthetic_regression";
     if in_features == 0 || out_features == 0 {
         return Err(Error::InvalidArgument {
@@ -672,16 +783,26 @@ pub fn synthetic_regression(n: usize, in_features: usize, out_features: usize, n
         });
     }
     if !(noise_std >= 0.0 && noise_std.is_finite()) {
-        return Err(Error::InvalidArgument { op: OP, reason: format!("noise_std must be finite and >= 0, got {noise_std}") });
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("noise_std must be finite and >= 0, got {noise_std}"),
+        });
     }
-    let (Some(x_len), Some(y_len), Some(_)) =
-        (n.checked_mul(in_features), n.checked_mul(out_features), in_features.checked_mul(out_features))
-    else {
-        return Err(Error::InvalidArgument { op: OP, reason: format!("n = {n} × features does not fit in memory") });
+    let (Some(x_len), Some(y_len), Some(_)) = (
+        n.checked_mul(in_features),
+        n.checked_mul(out_features),
+        in_features.checked_mul(out_features),
+    ) else {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("n = {n} × features does not fit in memory"),
+        });
     };
 
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let weight: Vec<f32> = (0..in_features * out_features).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let weight: Vec<f32> = (0..in_features * out_features)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let bias: Vec<f32> = (0..out_features).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let x: Vec<f32> = (0..x_len).map(|_| standard_normal(&mut rng) as f32).collect();
     let mut y = Vec::with_capacity(y_len);
@@ -690,11 +811,23 @@ pub fn synthetic_regression(n: usize, in_features: usize, out_features: usize, n
             // Accumulate in f64 so the only error left against W, b is the
             // final rounding to f32.
             let dot: f64 = row.iter().zip(w_row).map(|(&xi, &wi)| xi as f64 * wi as f64).sum();
-            let noise = if noise_std > 0.0 { noise_std as f64 * standard_normal(&mut rng) } else { 0.0 };
+            let noise = if noise_std > 0.0 {
+                noise_std as f64 * standard_normal(&mut rng)
+            } else {
+                0.0
+            };
             y.push((dot + b as f64 + noise) as f32);
         }
     }
-    Ok(RegressionData { x, y, n, in_features, out_features, weight, bias })
+    Ok(RegressionData {
+        x,
+        y,
+        n,
+        in_features,
+        out_features,
+        weight,
+        bias,
+    })
 }
 
 /// Box–Muller; avoids a dependency on `rand_distr` for one distribution.

@@ -183,7 +183,11 @@ impl GgmlType {
 
     fn traits(self) -> (u32, &'static str, u64, u64) {
         // Every variant is in TYPES; the fallback is never taken.
-        TYPES.iter().find(|t| t.0 == self).map(|t| (t.1, t.2, t.3, t.4)).unwrap_or((u32::MAX, "?", 1, 1))
+        TYPES
+            .iter()
+            .find(|t| t.0 == self)
+            .map(|t| (t.1, t.2, t.3, t.4))
+            .unwrap_or((u32::MAX, "?", 1, 1))
     }
 
     /// The id GGUF stores.
@@ -512,7 +516,11 @@ impl TensorInfo {
     /// as numpy and Hugging Face hold it.
     pub fn shape(&self) -> Vec<usize> {
         // Every dim fits usize: n_elements, their product, was checked to.
-        self.dims.iter().rev().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect()
+        self.dims
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect()
     }
 
     /// Values per row (`dims[0]`; 1 for a tensor with no dims).
@@ -563,10 +571,19 @@ impl Gguf {
     /// (not the tensor data) and checks the layout.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let io = |source| Error::DataIo { op: "gguf", path: path.to_path_buf(), source };
+        let io = |source| Error::DataIo {
+            op: "gguf",
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
-        let parser = Parser { path, r: BufReader::new(file), pos: 0, len };
+        let parser = Parser {
+            path,
+            r: BufReader::new(file),
+            pos: 0,
+            len,
+        };
         parser.parse(Source::File)
     }
 
@@ -574,7 +591,12 @@ impl Gguf {
     /// messages.
     pub fn from_bytes(label: impl AsRef<Path>, bytes: impl Into<Arc<[u8]>>) -> Result<Self> {
         let bytes: Arc<[u8]> = bytes.into();
-        let parser = Parser { path: label.as_ref(), r: &bytes[..], pos: 0, len: bytes.len() as u64 };
+        let parser = Parser {
+            path: label.as_ref(),
+            r: &bytes[..],
+            pos: 0,
+            len: bytes.len() as u64,
+        };
         parser.parse(Source::Memory(bytes.clone()))
     }
 
@@ -606,7 +628,10 @@ impl Gguf {
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.metadata_index.get(key).and_then(|&i| self.metadata.get(i)).map(|(_, v)| v)
+        self.metadata_index
+            .get(key)
+            .and_then(|&i| self.metadata.get(i))
+            .map(|(_, v)| v)
     }
 
     /// Every tensor info, in file order.
@@ -619,17 +644,27 @@ impl Gguf {
     }
 
     fn bad(&self, reason: String) -> Error {
-        Error::Gguf { path: self.path.clone(), reason }
+        Error::Gguf {
+            path: self.path.clone(),
+            reason,
+        }
     }
 
     /// The value under `key`, or an error naming the key.
     pub fn require(&self, key: &str) -> Result<&Value> {
-        self.get(key).ok_or_else(|| self.bad(format!("has no metadata `{key}`")))
+        self.get(key)
+            .ok_or_else(|| self.bad(format!("has no metadata `{key}`")))
     }
 
     fn typed<'a, T>(&'a self, key: &str, expected: &str, f: impl FnOnce(&'a Value) -> Option<T>) -> Result<T> {
         let v = self.require(key)?;
-        f(v).ok_or_else(|| self.bad(format!("metadata `{key}` is {} {}, expected {expected}", article(&v.type_description()), describe_value(v))))
+        f(v).ok_or_else(|| {
+            self.bad(format!(
+                "metadata `{key}` is {} {}, expected {expected}",
+                article(&v.type_description()),
+                describe_value(v)
+            ))
+        })
     }
 
     /// A string value.
@@ -665,7 +700,12 @@ impl Gguf {
 
     /// An error about `info`'s tensor in this file.
     pub fn tensor_error(&self, info: &TensorInfo, reason: String) -> Error {
-        Error::GgufTensor { path: self.path.clone(), tensor: info.name.clone(), dtype: info.describe(), reason }
+        Error::GgufTensor {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            dtype: info.describe(),
+            reason,
+        }
     }
 
     /// The tensor info of `name`, or an error naming it.
@@ -682,8 +722,12 @@ impl Gguf {
     /// any type. The size was checked against the file when it was opened.
     pub fn read_raw(&self, name: &str) -> Result<Vec<u8>> {
         let info = self.require_tensor(name)?;
-        let n = usize::try_from(info.n_bytes).map_err(|_| self.tensor_error(info, "does not fit this machine's memory".into()))?;
-        let start = self.data_offset.checked_add(info.offset).ok_or_else(|| self.tensor_error(info, "offset overflows".into()))?;
+        let n = usize::try_from(info.n_bytes)
+            .map_err(|_| self.tensor_error(info, "does not fit this machine's memory".into()))?;
+        let start = self
+            .data_offset
+            .checked_add(info.offset)
+            .ok_or_else(|| self.tensor_error(info, "offset overflows".into()))?;
         match &self.source {
             Source::Memory(bytes) => usize::try_from(start)
                 .ok()
@@ -691,13 +735,19 @@ impl Gguf {
                 .map(<[u8]>::to_vec)
                 .ok_or_else(|| self.tensor_error(info, "data runs past the end of the file".into())),
             Source::File => {
-                let io = |source| Error::DataIo { op: "gguf: read tensor data", path: self.path.clone(), source };
+                let io = |source| Error::DataIo {
+                    op: "gguf: read tensor data",
+                    path: self.path.clone(),
+                    source,
+                };
                 let mut file = File::open(&self.path).map_err(io)?;
                 // The file may have changed since it was opened: recheck
                 // its length before allocating for the tensor.
                 let len = file.metadata().map_err(io)?.len();
                 if start.checked_add(info.n_bytes).is_none_or(|end| end > len) {
-                    return Err(self.tensor_error(info, format!("data runs past the end of the file ({len} bytes now)")));
+                    return Err(
+                        self.tensor_error(info, format!("data runs past the end of the file ({len} bytes now)"))
+                    );
                 }
                 file.seek(SeekFrom::Start(start)).map_err(io)?;
                 let mut data = vec![0u8; n];
@@ -743,7 +793,9 @@ fn check_scales(format: crate::ops::QuantFormat, raw: &[u8]) -> std::result::Res
         Some((block, scale)) => {
             let (sb, first) = (format.super_block(), block * format.super_block());
             let end = first + sb;
-            Err(format!("block {block} (values {first}..{end}) has a non-finite f16 scale ({scale}): the file is corrupt"))
+            Err(format!(
+                "block {block} (values {first}..{end}) has a non-finite f16 scale ({scale}): the file is corrupt"
+            ))
         }
         None => Ok(()),
     }
@@ -786,7 +838,10 @@ struct Parser<'p, R> {
 
 impl<R: Read> Parser<'_, R> {
     fn bad(&self, reason: impl Into<String>) -> Error {
-        Error::Gguf { path: self.path.to_path_buf(), reason: reason.into() }
+        Error::Gguf {
+            path: self.path.to_path_buf(),
+            reason: reason.into(),
+        }
     }
 
     fn left(&self) -> u64 {
@@ -808,7 +863,11 @@ impl<R: Read> Parser<'_, R> {
     }
 
     fn fill(&mut self, buf: &mut [u8]) -> Result<()> {
-        self.r.read_exact(buf).map_err(|source| Error::DataIo { op: "gguf", path: self.path.to_path_buf(), source })?;
+        self.r.read_exact(buf).map_err(|source| Error::DataIo {
+            op: "gguf",
+            path: self.path.to_path_buf(),
+            source,
+        })?;
         self.pos += buf.len() as u64;
         Ok(())
     }
@@ -852,10 +911,16 @@ impl<R: Read> Parser<'_, R> {
         let version = self.u32(&|| "the version".into())?;
         match version {
             2 | 3 => {}
-            1 => return Err(self.bad("GGUF version 1 (u32 counts) is not supported; convert the model with a current llama.cpp")),
+            1 => {
+                return Err(self
+                    .bad("GGUF version 1 (u32 counts) is not supported; convert the model with a current llama.cpp"))
+            }
             // A big-endian file's version reads byte-swapped here.
             v if v & 0xffff == 0 && matches!(v.swap_bytes(), 1..=3) => {
-                return Err(self.bad(format!("a big-endian GGUF file (version {}); wgrad reads little-endian files", v.swap_bytes())))
+                return Err(self.bad(format!(
+                    "a big-endian GGUF file (version {}); wgrad reads little-endian files",
+                    v.swap_bytes()
+                )))
             }
             v => return Err(self.bad(format!("unknown GGUF version {v} (wgrad reads versions 2 and 3)"))),
         }
@@ -869,7 +934,10 @@ impl<R: Read> Parser<'_, R> {
                 self.left()
             )));
         }
-        if tensor_count.checked_mul(MIN_TENSOR_INFO_BYTES).is_none_or(|n| n > self.left()) {
+        if tensor_count
+            .checked_mul(MIN_TENSOR_INFO_BYTES)
+            .is_none_or(|n| n > self.left())
+        {
             return Err(self.bad(format!(
                 "the header claims {tensor_count} tensors, more than the {} bytes left could hold ({MIN_TENSOR_INFO_BYTES} bytes each at least)",
                 self.left()
@@ -901,7 +969,10 @@ impl<R: Read> Parser<'_, R> {
         };
 
         // Rechecked now that the metadata's bytes are known.
-        if tensor_count.checked_mul(MIN_TENSOR_INFO_BYTES).is_none_or(|n| n > self.left()) {
+        if tensor_count
+            .checked_mul(MIN_TENSOR_INFO_BYTES)
+            .is_none_or(|n| n > self.left())
+        {
             return Err(self.bad(format!(
                 "the header claims {tensor_count} tensors, but only {} bytes follow the metadata ({MIN_TENSOR_INFO_BYTES} bytes each at least)",
                 self.left()
@@ -918,7 +989,8 @@ impl<R: Read> Parser<'_, R> {
             tensors.push(info);
         }
 
-        let data_offset = align_up(self.pos, alignment).ok_or_else(|| self.bad("the data section's offset overflows"))?;
+        let data_offset =
+            align_up(self.pos, alignment).ok_or_else(|| self.bad("the data section's offset overflows"))?;
         self.check_layout(&tensors, data_offset)?;
         Ok(Gguf {
             path: self.path.to_path_buf(),
@@ -1024,7 +1096,12 @@ impl<R: Read> Parser<'_, R> {
     }
 
     fn tensor_bad(&self, name: &str, dtype: &str, reason: String) -> Error {
-        Error::GgufTensor { path: self.path.to_path_buf(), tensor: name.to_string(), dtype: dtype.to_string(), reason }
+        Error::GgufTensor {
+            path: self.path.to_path_buf(),
+            tensor: name.to_string(),
+            dtype: dtype.to_string(),
+            reason,
+        }
     }
 
     fn tensor_info(&mut self, i: u64, alignment: u64) -> Result<TensorInfo> {
@@ -1032,7 +1109,11 @@ impl<R: Read> Parser<'_, R> {
         let not_read = "type not read yet";
         let n_dims = self.u32(&|| format!("the dimension count of tensor `{name}`"))?;
         if n_dims as usize > MAX_DIMS {
-            return Err(self.tensor_bad(&name, not_read, format!("has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}")));
+            return Err(self.tensor_bad(
+                &name,
+                not_read,
+                format!("has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}"),
+            ));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for d in 0..n_dims {
@@ -1040,7 +1121,11 @@ impl<R: Read> Parser<'_, R> {
         }
         let id = self.u32(&|| format!("the type of tensor `{name}`"))?;
         let Some(ty) = GgmlType::from_id(id) else {
-            return Err(self.tensor_bad(&name, &format!("type id {id}"), format!("unknown tensor type id {id} (dims {dims:?})")));
+            return Err(self.tensor_bad(
+                &name,
+                &format!("type id {id}"),
+                format!("unknown tensor type id {id} (dims {dims:?})"),
+            ));
         };
         let offset = self.u64(&|| format!("the data offset of tensor `{name}`"))?;
         let dtype = format!("{ty} {dims:?}");
@@ -1052,18 +1137,31 @@ impl<R: Read> Parser<'_, R> {
             .try_fold(1u64, |n, &d| n.checked_mul(d).filter(|_| d <= i64::MAX as u64))
             .filter(|&n| n <= i64::MAX as u64)
             .ok_or_else(|| bad(format!("the dims {dims:?} pass 2^63 elements (ggml's int64)")))?;
-        usize::try_from(n_elements).map_err(|_| bad(format!("{n_elements} elements do not fit this machine's memory")))?;
+        usize::try_from(n_elements)
+            .map_err(|_| bad(format!("{n_elements} elements do not fit this machine's memory")))?;
         let row = dims.first().copied().unwrap_or(1);
         if row % ty.block_size() != 0 {
-            return Err(bad(format!("a row of {row} values is not a whole number of {ty}'s {}-value blocks", ty.block_size())));
+            return Err(bad(format!(
+                "a row of {row} values is not a whole number of {ty}'s {}-value blocks",
+                ty.block_size()
+            )));
         }
         let n_bytes = (n_elements / ty.block_size())
             .checked_mul(ty.type_size())
             .ok_or_else(|| bad(format!("{n_elements} elements of {ty} overflow a byte count")))?;
         if offset % alignment != 0 {
-            return Err(bad(format!("data offset {offset} is not a multiple of the alignment {alignment}")));
+            return Err(bad(format!(
+                "data offset {offset} is not a multiple of the alignment {alignment}"
+            )));
         }
-        Ok(TensorInfo { name, dims, ty, offset, n_elements, n_bytes })
+        Ok(TensorInfo {
+            name,
+            dims,
+            ty,
+            offset,
+            n_elements,
+            n_bytes,
+        })
     }
 
     /// Every tensor's data inside the file, none overlapping another.
@@ -1125,13 +1223,15 @@ fn align_up(x: u64, alignment: u64) -> Option<u64> {
 pub use crate::ops::{decode_q4_0, decode_q4_1, decode_q8_0, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, QK};
 use crate::ops::{dequantize_blocks as blocks, f16_from_le as f16};
 
-
 /// `raw` (a tensor's bytes as stored) decoded to f32. The error is a
 /// reason, for the caller to name the tensor with.
 pub fn dequantize(ty: GgmlType, raw: &[u8]) -> std::result::Result<Vec<f32>, String> {
     let unit = ty.type_size() as usize;
     if raw.len() % unit != 0 {
-        return Err(format!("{} bytes are not a whole number of {ty}'s {unit}-byte blocks", raw.len()));
+        return Err(format!(
+            "{} bytes are not a whole number of {ty}'s {unit}-byte blocks",
+            raw.len()
+        ));
     }
     Ok(match ty {
         GgmlType::F32 => fixed(raw, f32::from_le_bytes),
@@ -1158,8 +1258,11 @@ pub mod llama {
 
     /// GGUF's names of the Llama's whole-model tensors and Hugging Face's
     /// (`LlamaForCausalLM`'s) for them.
-    const MODEL_TENSORS: [(&str, &str); 3] =
-        [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight")];
+    const MODEL_TENSORS: [(&str, &str); 3] = [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ];
 
     /// The modules of block N: `blk.N.{gguf}` is `model.layers.N.{hf}`.
     const BLOCK_MODULES: [(&str, &str); 9] = [
@@ -1192,7 +1295,11 @@ pub mod llama {
         if let Some((_, to)) = MODEL_TENSORS.iter().map(direct).find(|(f, _)| *f == name) {
             return Some(to.to_string());
         }
-        let (from_prefix, to_prefix) = if to_hf { ("blk.", "model.layers.") } else { ("model.layers.", "blk.") };
+        let (from_prefix, to_prefix) = if to_hf {
+            ("blk.", "model.layers.")
+        } else {
+            ("model.layers.", "blk.")
+        };
         let (layer, module, suffix) = split_block_name(name, from_prefix)?;
         let (_, to) = BLOCK_MODULES.iter().map(direct).find(|(f, _)| *f == module)?;
         Some(format!("{to_prefix}{layer}.{to}.{suffix}"))
@@ -1223,9 +1330,14 @@ pub mod llama {
     }
 
     fn check(len: usize, rows: usize, n_head: usize) -> Result<usize> {
-        let bad = |reason: String| Error::InvalidArgument { op: "gguf::llama::unpermute_rows", reason };
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "gguf::llama::unpermute_rows",
+            reason,
+        };
         if rows == 0 || n_head == 0 || rows % (2 * n_head) != 0 {
-            return Err(bad(format!("{rows} rows do not split into {n_head} heads of an even size")));
+            return Err(bad(format!(
+                "{rows} rows do not split into {n_head} heads of an even size"
+            )));
         }
         if len % rows != 0 {
             return Err(bad(format!("{len} values do not make {rows} rows")));
@@ -1253,7 +1365,10 @@ pub mod llama {
                     let hf = h * head + i * half + j;
                     let gg = h * head + 2 * j + i;
                     let (src, dst) = if to_hf { (gg, hf) } else { (hf, gg) };
-                    if let (Some(s), Some(d)) = (data.get(src * width..(src + 1) * width), out.get_mut(dst * width..(dst + 1) * width)) {
+                    if let (Some(s), Some(d)) = (
+                        data.get(src * width..(src + 1) * width),
+                        out.get_mut(dst * width..(dst + 1) * width),
+                    ) {
                         d.copy_from_slice(s);
                     }
                 }
@@ -1302,10 +1417,15 @@ pub mod llama {
     impl Hparams {
         /// Reads the sizes; an architecture other than `llama` is an error.
         pub fn from_gguf(g: &Gguf) -> Result<Self> {
-            let bad = |reason: String| Error::Gguf { path: g.path().to_path_buf(), reason };
+            let bad = |reason: String| Error::Gguf {
+                path: g.path().to_path_buf(),
+                reason,
+            };
             let arch = g.get_str("general.architecture")?;
             if arch != "llama" {
-                return Err(bad(format!("architecture `{arch}` is not a Llama; wgrad runs `llama` GGUF files")));
+                return Err(bad(format!(
+                    "architecture `{arch}` is not a Llama; wgrad runs `llama` GGUF files"
+                )));
             }
             let size = |key: &str| -> Result<usize> {
                 let v = g.get_u64(&format!("llama.{key}"))?;
@@ -1316,15 +1436,27 @@ pub mod llama {
             };
             let n_embd = size("embedding_length")?;
             let n_head = size("attention.head_count")?;
-            let n_kv_head = if g.get("llama.attention.head_count_kv").is_some() { size("attention.head_count_kv")? } else { n_head };
+            let n_kv_head = if g.get("llama.attention.head_count_kv").is_some() {
+                size("attention.head_count_kv")?
+            } else {
+                n_head
+            };
             if n_embd % n_head != 0 || (n_embd / n_head) % 2 != 0 {
-                return Err(bad(format!("{n_embd} channels do not split into {n_head} heads of an even size")));
+                return Err(bad(format!(
+                    "{n_embd} channels do not split into {n_head} heads of an even size"
+                )));
             }
             if n_head % n_kv_head != 0 {
-                return Err(bad(format!("{n_head} heads are not a multiple of {n_kv_head} KV heads")));
+                return Err(bad(format!(
+                    "{n_head} heads are not a multiple of {n_kv_head} KV heads"
+                )));
             }
             let head_dim = n_embd / n_head;
-            let rope_dims = if g.get("llama.rope.dimension_count").is_some() { size("rope.dimension_count")? } else { head_dim };
+            let rope_dims = if g.get("llama.rope.dimension_count").is_some() {
+                size("rope.dimension_count")?
+            } else {
+                head_dim
+            };
             if rope_dims != head_dim {
                 return Err(bad(format!("rotary embedding over {rope_dims} of each head's {head_dim} dimensions (wgrad's Llama rotates them all)")));
             }
@@ -1338,7 +1470,9 @@ pub mod llama {
             };
             let rms_eps = g.get_f32("llama.attention.layer_norm_rms_epsilon")?;
             if !(rope_base.is_finite() && rope_base > 0.0 && rms_eps.is_finite() && rms_eps >= 0.0) {
-                return Err(bad(format!("rope base {rope_base} or RMSNorm epsilon {rms_eps} is out of range")));
+                return Err(bad(format!(
+                    "rope base {rope_base} or RMSNorm epsilon {rms_eps} is out of range"
+                )));
             }
             Ok(Hparams {
                 n_layer: size("block_count")?,

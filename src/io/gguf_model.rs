@@ -103,24 +103,40 @@ impl GgufModel {
 
     /// The same checks on a file already opened.
     pub fn from_gguf(gguf: Gguf) -> Result<Self> {
-        let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+        let bad = |reason: String| Error::Gguf {
+            path: gguf.path().to_path_buf(),
+            reason,
+        };
         let (architecture, named): (_, Vec<(String, Vec<usize>)>) = match gguf.get_str(ARCHITECTURE_KEY)? {
             "llama" => {
                 let config = llama_config(&gguf)?;
                 check_data_holds(&gguf, config.num_parameters())?;
-                (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
+                (
+                    GgufArchitecture::Llama(config),
+                    Llama::empty(config)?.named_parameters(),
+                )
             }
             arch @ ("qwen2" | "qwen3") => {
                 let config = qwen_config(&gguf, arch)?;
                 check_data_holds(&gguf, config.num_parameters())?;
-                (GgufArchitecture::Llama(config), Llama::empty(config)?.named_parameters())
+                (
+                    GgufArchitecture::Llama(config),
+                    Llama::empty(config)?.named_parameters(),
+                )
             }
             "gpt2" => {
                 let (config, layer_norm_eps) = gpt2_config(&gguf)?;
                 check_data_holds(&gguf, parameter_count(&config))?;
-                (GgufArchitecture::Gpt2 { config, layer_norm_eps }, Gpt::empty(config)?.named_parameters())
+                (
+                    GgufArchitecture::Gpt2 { config, layer_norm_eps },
+                    Gpt::empty(config)?.named_parameters(),
+                )
             }
-            other => return Err(bad(format!("architecture `{other}`: wgrad runs `llama`, `qwen2`, `qwen3` and `gpt2` GGUF files"))),
+            other => {
+                return Err(bad(format!(
+                    "architecture `{other}`: wgrad runs `llama`, `qwen2`, `qwen3` and `gpt2` GGUF files"
+                )))
+            }
         };
         let gguf_name: fn(&str) -> Option<String> = match architecture {
             GgufArchitecture::Llama(config) if config.variant != LlamaVariant::Llama => qwen_gguf_name,
@@ -129,10 +145,16 @@ impl GgufModel {
         };
         let optional = match architecture {
             GgufArchitecture::Llama(_) => vec![],
-            GgufArchitecture::Gpt2 { config, .. } => vec![(GPT2_HEAD.to_string(), vec![config.vocab_size, config.n_embd])],
+            GgufArchitecture::Gpt2 { config, .. } => {
+                vec![(GPT2_HEAD.to_string(), vec![config.vocab_size, config.n_embd])]
+            }
         };
         let parameters = match_tensors(&gguf, named, gguf_name, optional)?;
-        Ok(GgufModel { gguf, architecture, parameters })
+        Ok(GgufModel {
+            gguf,
+            architecture,
+            parameters,
+        })
     }
 
     /// The architecture and sizes the metadata describes.
@@ -153,10 +175,15 @@ impl GgufModel {
 
     /// The tensor info of the parameter `name` (`model.layers.0.mlp.up_proj.weight`).
     pub fn parameter_info(&self, name: &str) -> Result<&TensorInfo> {
-        let tensor = self.parameters.iter().find(|(n, _)| n == name).map(|(_, t)| t.as_str()).ok_or_else(|| Error::InvalidArgument {
-            op: "GgufModel::parameter_info",
-            reason: format!("`{name}` is not a parameter of {}", self.gguf.path().display()),
-        })?;
+        let tensor = self
+            .parameters
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.as_str())
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "GgufModel::parameter_info",
+                reason: format!("`{name}` is not a parameter of {}", self.gguf.path().display()),
+            })?;
         self.gguf.require_tensor(tensor)
     }
 
@@ -184,11 +211,19 @@ impl GgufModel {
         let mut quantized = QuantizedWeights::new();
         for (name, _) in &self.parameters {
             let info = self.parameter_info(name)?;
-            let Ok(format) = QuantFormat::try_from(info.ty) else { continue };
+            let Ok(format) = QuantFormat::try_from(info.ty) else {
+                continue;
+            };
             if info.dims.len() == 2 {
                 // Checked (finite scales) before any kernel reads it.
                 let (_, raw) = self.gguf.read_quantized(&info.name)?;
-                quantized.insert(name.clone(), QuantizedMatrix { format, raw: raw.into() });
+                quantized.insert(
+                    name.clone(),
+                    QuantizedMatrix {
+                        format,
+                        raw: raw.into(),
+                    },
+                );
             }
         }
         Ok(quantized)
@@ -232,9 +267,17 @@ impl GgufModel {
         };
         let mut model = Gpt::from_parameters(config, |name, _| self.parameter_f32(name))?;
         if let Some(head) = self.gguf.tensor(GPT2_HEAD) {
-            let same = self.gguf.read_f32(GPT2_HEAD)?.iter().zip(&model.wte.weight).all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = self
+                .gguf
+                .read_f32(GPT2_HEAD)?
+                .iter()
+                .zip(&model.wte.weight)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
             if !same {
-                return Err(self.gguf.tensor_error(head, "differs from `token_embd.weight`: wgrad's GPT ties its head to the token table".into()));
+                return Err(self.gguf.tensor_error(
+                    head,
+                    "differs from `token_embd.weight`: wgrad's GPT ties its head to the token table".into(),
+                ));
             }
         }
         for block in &mut model.h {
@@ -254,7 +297,10 @@ impl GgufModel {
     }
 
     fn not_a(&self, wanted: &str, is: &str) -> Error {
-        Error::Gguf { path: self.gguf.path().to_path_buf(), reason: format!("is a `{is}` file, not a {wanted}") }
+        Error::Gguf {
+            path: self.gguf.path().to_path_buf(),
+            reason: format!("is a `{is}` file, not a {wanted}"),
+        }
     }
 }
 
@@ -267,7 +313,10 @@ pub fn load_llama_gguf(path: impl AsRef<Path>) -> Result<Llama> {
 /// the file has none.
 fn tokenizer_vocabulary(gguf: &Gguf) -> Result<usize> {
     if gguf.get(TOKENS_KEY).is_none() {
-        return Err(Error::Gguf { path: gguf.path().to_path_buf(), reason: format!("no tokenizer: the metadata has no `{TOKENS_KEY}` (a model file carries its vocabulary)") });
+        return Err(Error::Gguf {
+            path: gguf.path().to_path_buf(),
+            reason: format!("no tokenizer: the metadata has no `{TOKENS_KEY}` (a model file carries its vocabulary)"),
+        });
     }
     gguf.get_str(TOKENIZER_MODEL_KEY)?;
     Ok(gguf.get_strings(TOKENS_KEY)?.len())
@@ -276,11 +325,17 @@ fn tokenizer_vocabulary(gguf: &Gguf) -> Result<usize> {
 /// A `llama` file's config: the GGUF reader's sizes, the tokenizer's
 /// vocabulary agreeing, and enough tensors for the blocks claimed.
 fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
-    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
     let tokens = tokenizer_vocabulary(gguf)?;
     let hp = llama::Hparams::from_gguf(gguf)?;
     if tokens != hp.vocab_size {
-        return Err(bad(format!("the tokenizer has {tokens} tokens (`{TOKENS_KEY}`) but the model a vocabulary of {}", hp.vocab_size)));
+        return Err(bad(format!(
+            "the tokenizer has {tokens} tokens (`{TOKENS_KEY}`) but the model a vocabulary of {}",
+            hp.vocab_size
+        )));
     }
     check_blocks(gguf, "llama", hp.n_layer, 9)?;
     let config = LlamaConfig {
@@ -298,7 +353,9 @@ fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
         head_dim: None,
         variant: LlamaVariant::Llama,
     };
-    config.check().map_err(|e| bad(format!("the metadata's sizes make no Llama: {e}")))?;
+    config
+        .check()
+        .map_err(|e| bad(format!("the metadata's sizes make no Llama: {e}")))?;
     Ok(config)
 }
 
@@ -307,7 +364,10 @@ fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
 /// `attention.key_length`, `rope.freq_base`, …); the vocabulary is the
 /// tokenizer's (the converter pads it to the embedding's rows).
 fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
-    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
     let key = |name: &str| format!("{arch}.{name}");
     let size = |name: &str| -> Result<usize> {
         let v = gguf.get_u64(&key(name))?;
@@ -317,11 +377,19 @@ fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
         Ok(v as usize)
     };
     let optional = |name: &str| -> Result<Option<usize>> { gguf.get(&key(name)).map(|_| size(name)).transpose() };
-    let variant = if arch == "qwen2" { LlamaVariant::Qwen2 } else { LlamaVariant::Qwen3 };
+    let variant = if arch == "qwen2" {
+        LlamaVariant::Qwen2
+    } else {
+        LlamaVariant::Qwen3
+    };
     let (n_embd, n_head) = (size("embedding_length")?, size("attention.head_count")?);
     let head_dim = optional("attention.key_length")?;
     if optional("attention.value_length")?.is_some_and(|v| Some(v) != head_dim) {
-        return Err(bad(format!("`{}` differs from `{}`: wgrad's heads have one width", key("attention.value_length"), key("attention.key_length"))));
+        return Err(bad(format!(
+            "`{}` differs from `{}`: wgrad's heads have one width",
+            key("attention.value_length"),
+            key("attention.key_length")
+        )));
     }
     let rope_dims = optional("rope.dimension_count")?;
     let config = LlamaConfig {
@@ -332,7 +400,11 @@ fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
         n_kv_head: optional("attention.head_count_kv")?.unwrap_or(n_head),
         n_embd,
         intermediate_size: size("feed_forward_length")?,
-        rope_theta: if gguf.get(&key("rope.freq_base")).is_some() { gguf.get_f32(&key("rope.freq_base"))? } else { 10000.0 },
+        rope_theta: if gguf.get(&key("rope.freq_base")).is_some() {
+            gguf.get_f32(&key("rope.freq_base"))?
+        } else {
+            10000.0
+        },
         rms_norm_eps: gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
         tie_word_embeddings: gguf.tensor("output.weight").is_none(),
         rope_layout: RopeLayout::HalfSplit,
@@ -340,11 +412,21 @@ fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
         variant,
     };
     if rope_dims.is_some_and(|d| d != config.head_dim()) {
-        return Err(bad(format!("rotary embedding over {rope_dims:?} of each head's {} dimensions (wgrad's Qwen rotates them all)", config.head_dim())));
+        return Err(bad(format!(
+            "rotary embedding over {rope_dims:?} of each head's {} dimensions (wgrad's Qwen rotates them all)",
+            config.head_dim()
+        )));
     }
     // Nine tensors a block as the Llama's, and the biases or the norms.
-    check_blocks(gguf, arch, config.n_layer, if variant == LlamaVariant::Qwen2 { 12 } else { 11 })?;
-    config.check().map_err(|e| bad(format!("the metadata's sizes make no {}: {e}", variant.names().2)))?;
+    check_blocks(
+        gguf,
+        arch,
+        config.n_layer,
+        if variant == LlamaVariant::Qwen2 { 12 } else { 11 },
+    )?;
+    config
+        .check()
+        .map_err(|e| bad(format!("the metadata's sizes make no {}: {e}", variant.names().2)))?;
     Ok(config)
 }
 
@@ -366,7 +448,10 @@ pub fn qwen_gguf_name(name: &str) -> Option<String> {
 /// A `gpt2` file's config and LayerNorm epsilon (`gpt2.*` keys; the
 /// vocabulary is the tokenizer's).
 fn gpt2_config(gguf: &Gguf) -> Result<(GptConfig, f32)> {
-    let bad = |reason: String| Error::Gguf { path: gguf.path().to_path_buf(), reason };
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
     let size = |key: &str| -> Result<usize> {
         let v = gguf.get_u64(&format!("gpt2.{key}"))?;
         if v == 0 || v > MAX_SIZE {
@@ -382,11 +467,16 @@ fn gpt2_config(gguf: &Gguf) -> Result<(GptConfig, f32)> {
         n_embd: size("embedding_length")?,
     };
     if gguf.get("gpt2.feed_forward_length").is_some() && size("feed_forward_length")? != 4 * config.n_embd {
-        return Err(bad(format!("`gpt2.feed_forward_length` is not 4 × {} channels: wgrad's GPT-2 MLP is 4 times wider than the model", config.n_embd)));
+        return Err(bad(format!(
+            "`gpt2.feed_forward_length` is not 4 × {} channels: wgrad's GPT-2 MLP is 4 times wider than the model",
+            config.n_embd
+        )));
     }
     let eps = gguf.get_f32("gpt2.attention.layer_norm_epsilon")?;
     if !(eps.is_finite() && eps > 0.0) {
-        return Err(bad(format!("`gpt2.attention.layer_norm_epsilon` {eps} is not a positive number")));
+        return Err(bad(format!(
+            "`gpt2.attention.layer_norm_epsilon` {eps} is not a positive number"
+        )));
     }
     if config.vocab_size == 0 || config.n_embd % config.n_head != 0 {
         return Err(bad(format!("the metadata's sizes make no GPT-2: {config:?}")));
@@ -404,7 +494,10 @@ fn check_data_holds(gguf: &Gguf, parameters: Option<usize>) -> Result<()> {
         return Ok(());
     }
     let held = gguf.file_size().saturating_sub(gguf.data_offset());
-    let needed = parameters.and_then(|n| u64::try_from(n).ok()).and_then(|n| n.checked_mul(18)).map(|b| b / 32);
+    let needed = parameters
+        .and_then(|n| u64::try_from(n).ok())
+        .and_then(|n| n.checked_mul(18))
+        .map(|b| b / 32);
     if needed.is_none_or(|needed| needed > held) {
         let count = parameters.map_or("more than 2^64".to_string(), |n| n.to_string());
         return Err(Error::Gguf {
@@ -418,10 +511,16 @@ fn check_data_holds(gguf: &Gguf, parameters: Option<usize>) -> Result<()> {
 /// A file claiming more blocks than its tensors fill is refused before the
 /// model's structure is built for them.
 fn check_blocks(gguf: &Gguf, arch: &str, blocks: usize, tensors_per_block: usize) -> Result<()> {
-    if blocks.checked_mul(tensors_per_block).is_none_or(|n| n > gguf.tensors().len()) {
+    if blocks
+        .checked_mul(tensors_per_block)
+        .is_none_or(|n| n > gguf.tensors().len())
+    {
         return Err(Error::Gguf {
             path: gguf.path().to_path_buf(),
-            reason: format!("`{arch}.block_count` = {blocks} blocks of {tensors_per_block} tensors, but the file has {} tensors", gguf.tensors().len()),
+            reason: format!(
+                "`{arch}.block_count` = {blocks} blocks of {tensors_per_block} tensors, but the file has {} tensors",
+                gguf.tensors().len()
+            ),
         });
     }
     Ok(())
@@ -430,10 +529,20 @@ fn check_blocks(gguf: &Gguf, arch: &str, blocks: usize, tensors_per_block: usize
 /// The GGUF name of a [`Gpt`] parameter (GPT-2's names): llama.cpp's
 /// `blk.N.attn_qkv` for `h.N.attn.c_attn`, and so on.
 pub fn gpt2_gguf_name(name: &str) -> Option<String> {
-    const MODEL: [(&str, &str); 4] =
-        [("wte.weight", "token_embd.weight"), ("wpe.weight", "position_embd.weight"), ("ln_f.weight", "output_norm.weight"), ("ln_f.bias", "output_norm.bias")];
-    const BLOCK: [(&str, &str); 6] =
-        [("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"), ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")];
+    const MODEL: [(&str, &str); 4] = [
+        ("wte.weight", "token_embd.weight"),
+        ("wpe.weight", "position_embd.weight"),
+        ("ln_f.weight", "output_norm.weight"),
+        ("ln_f.bias", "output_norm.bias"),
+    ];
+    const BLOCK: [(&str, &str); 6] = [
+        ("ln_1", "attn_norm"),
+        ("attn.c_attn", "attn_qkv"),
+        ("attn.c_proj", "attn_output"),
+        ("ln_2", "ffn_norm"),
+        ("mlp.c_fc", "ffn_up"),
+        ("mlp.c_proj", "ffn_down"),
+    ];
     if let Some((_, gguf)) = MODEL.iter().find(|(n, _)| *n == name) {
         return Some(gguf.to_string());
     }
@@ -446,12 +555,23 @@ pub fn gpt2_gguf_name(name: &str) -> Option<String> {
 /// Every parameter's tensor (`named`: the model's names and shapes), of
 /// its shape and a decoded type, and no tensor left over but `optional`
 /// ones (GGUF names and shapes; their values are the caller's to check).
-fn match_tensors(gguf: &Gguf, named: Vec<(String, Vec<usize>)>, gguf_name: fn(&str) -> Option<String>, optional: Vec<(String, Vec<usize>)>) -> Result<Vec<(String, String)>> {
+fn match_tensors(
+    gguf: &Gguf,
+    named: Vec<(String, Vec<usize>)>,
+    gguf_name: fn(&str) -> Option<String>,
+    optional: Vec<(String, Vec<usize>)>,
+) -> Result<Vec<(String, String)>> {
     let mut unused: HashMap<&str, &TensorInfo> = gguf.tensors().iter().map(|t| (t.name.as_str(), t)).collect();
     let mut parameters = Vec::new();
     let check = |info: &TensorInfo, name: &str, shape: &[usize]| -> Result<()> {
         if info.shape() != shape {
-            return Err(gguf.tensor_error(info, format!("has the row-major shape {:?}, but the metadata's sizes make `{name}` {shape:?}", info.shape())));
+            return Err(gguf.tensor_error(
+                info,
+                format!(
+                    "has the row-major shape {:?}, but the metadata's sizes make `{name}` {shape:?}",
+                    info.shape()
+                ),
+            ));
         }
         if !info.ty.is_decoded() {
             return Err(gguf.tensor_error(info, unsupported(info.ty)));
@@ -459,7 +579,10 @@ fn match_tensors(gguf: &Gguf, named: Vec<(String, Vec<usize>)>, gguf_name: fn(&s
         Ok(())
     };
     for (name, shape) in named {
-        let tensor = gguf_name(&name).ok_or_else(|| Error::InvalidArgument { op: "GgufModel", reason: format!("no GGUF name for parameter `{name}`") })?;
+        let tensor = gguf_name(&name).ok_or_else(|| Error::InvalidArgument {
+            op: "GgufModel",
+            reason: format!("no GGUF name for parameter `{name}`"),
+        })?;
         let info = unused.remove(tensor.as_str()).ok_or_else(|| Error::GgufTensor {
             path: gguf.path().to_path_buf(),
             tensor: tensor.clone(),

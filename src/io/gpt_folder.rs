@@ -53,13 +53,16 @@ use std::path::Path;
 
 use serde_json::json;
 
-use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
-use crate::io::hf_folder::{check_extra_files, check_weights_hold, io_err, write_extra_files, ExtraFile, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, Weights};
+use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::io::hf_folder::{
+    check_extra_files, check_weights_hold, io_err, json_f32, pretty_json, read_weights, save_atomically,
+    write_extra_files, write_synced, ConfigFields, ExtraFile, Weights,
+};
 pub use crate::io::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+use crate::io::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::models::{Gpt, GptConfig};
 use crate::nn::Module;
-use crate::io::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
 
 /// The [`TokenizerSpec`].
 pub const TOKENIZER_FILE: &str = "wgrad_tokenizer.json";
@@ -102,7 +105,9 @@ pub enum TokenizerSpec {
 impl TokenizerSpec {
     /// GPT-2's BPE, `r50k_base`.
     pub fn gpt2() -> Self {
-        TokenizerSpec::Gpt2Bpe { encoding: "r50k_base".into() }
+        TokenizerSpec::Gpt2Bpe {
+            encoding: "r50k_base".into(),
+        }
     }
 
     /// The character tokenizer this spec describes; an error for BPE.
@@ -124,7 +129,9 @@ impl TokenizerSpec {
     fn token_count(&self) -> Option<usize> {
         match self {
             TokenizerSpec::Char { vocabulary } => Some(vocabulary.chars().count()),
-            TokenizerSpec::Gpt2Bpe { encoding } if encoding == "r50k_base" || encoding == "gpt2" => Some(GPT2_BPE_TOKENS),
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding == "r50k_base" || encoding == "gpt2" => {
+                Some(GPT2_BPE_TOKENS)
+            }
             TokenizerSpec::Gpt2Bpe { .. } | TokenizerSpec::TokenizerJson { .. } => None,
         }
     }
@@ -149,11 +156,15 @@ impl TokenizerSpec {
                     return Some(e.to_string());
                 }
             }
-            TokenizerSpec::Gpt2Bpe { encoding } if encoding.is_empty() => return Some("the BPE encoding has no name".into()),
+            TokenizerSpec::Gpt2Bpe { encoding } if encoding.is_empty() => {
+                return Some("the BPE encoding has no name".into())
+            }
             TokenizerSpec::Gpt2Bpe { .. } => {}
             TokenizerSpec::TokenizerJson { bos, eos } => {
                 if let Some(id) = [bos, eos].into_iter().flatten().find(|&&id| id as usize >= vocab_size) {
-                    return Some(format!("the tokenizer's bos or eos id {id} is outside the model's vocab_size {vocab_size}"));
+                    return Some(format!(
+                        "the tokenizer's bos or eos id {id} is outside the model's vocab_size {vocab_size}"
+                    ));
                 }
             }
         }
@@ -186,14 +197,19 @@ impl From<&Tokenizer> for TokenizerSpec {
         match t {
             Tokenizer::Char(c) => c.into(),
             Tokenizer::Gpt2(_) => TokenizerSpec::gpt2(),
-            Tokenizer::Bpe(t) => TokenizerSpec::TokenizerJson { bos: t.bos_id(), eos: t.eos_id() },
+            Tokenizer::Bpe(t) => TokenizerSpec::TokenizerJson {
+                bos: t.bos_id(),
+                eos: t.eos_id(),
+            },
         }
     }
 }
 
 impl From<&CharTokenizer> for TokenizerSpec {
     fn from(t: &CharTokenizer) -> Self {
-        TokenizerSpec::Char { vocabulary: t.vocabulary() }
+        TokenizerSpec::Char {
+            vocabulary: t.vocabulary(),
+        }
     }
 }
 
@@ -227,17 +243,28 @@ impl OptimizerState {
     /// The optimizer part of `Trainer::checkpoint`: its `optim.<param>.<state>`
     /// tensors and its `step` and `optimizer` metadata.
     pub fn from_checkpoint(ckpt: &Checkpoint) -> Result<Self> {
-        let missing = |key: &str| Error::InvalidArgument { op: "OptimizerState::from_checkpoint", reason: format!("the checkpoint has no `{key}` metadata") };
+        let missing = |key: &str| Error::InvalidArgument {
+            op: "OptimizerState::from_checkpoint",
+            reason: format!("the checkpoint has no `{key}` metadata"),
+        };
         let optimizer = ckpt.meta("optimizer").ok_or_else(|| missing("optimizer"))?.to_string();
         let step = ckpt.meta("step").ok_or_else(|| missing("step"))?;
-        let step = step.parse().map_err(|_| Error::InvalidArgument { op: "OptimizerState::from_checkpoint", reason: format!("step `{step}` is not a count") })?;
+        let step = step.parse().map_err(|_| Error::InvalidArgument {
+            op: "OptimizerState::from_checkpoint",
+            reason: format!("step `{step}` is not a count"),
+        })?;
         let mut state = Vec::new();
         for t in &ckpt.tensors {
             if let Some((param, name)) = t.name.strip_prefix("optim.").and_then(|rest| rest.rsplit_once('.')) {
                 state.push((param.to_string(), name.to_string(), t.data.clone()));
             }
         }
-        Ok(OptimizerState { optimizer, step, state, metadata: BTreeMap::new() })
+        Ok(OptimizerState {
+            optimizer,
+            step,
+            state,
+            metadata: BTreeMap::new(),
+        })
     }
 
     /// The distinct state names, in first-seen order (`exp_avg`, `exp_avg_sq`).
@@ -267,20 +294,36 @@ pub struct LoadedGpt {
 /// Saves `model` as a model folder at `dir` (see the module docs), with its
 /// tokenizer and, for resuming, its optimizer state. Atomic: `dir` is
 /// either the previous folder or the complete new one.
-pub fn save_gpt_folder(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<()> {
+pub fn save_gpt_folder(
+    dir: impl AsRef<Path>,
+    model: &Gpt,
+    tokenizer: &TokenizerSpec,
+    optimizer: Option<&OptimizerState>,
+) -> Result<()> {
     save_gpt_folder_with_files(dir, model, tokenizer, optimizer, &[])
 }
 
 /// [`save_gpt_folder`] with Hugging Face tokenizer and generation files
 /// beside the weights (a fine-tuned model's `tokenizer.json`, …).
-pub fn save_gpt_folder_with_files(dir: impl AsRef<Path>, model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
+pub fn save_gpt_folder_with_files(
+    dir: impl AsRef<Path>,
+    model: &Gpt,
+    tokenizer: &TokenizerSpec,
+    optimizer: Option<&OptimizerState>,
+    files: &[ExtraFile],
+) -> Result<()> {
     // Everything is built and checked in memory before the disk is touched.
     check_extra_files("save_gpt_folder", files)?;
     let folder = FolderFiles::new(model, tokenizer, optimizer)?;
-    save_atomically(dir.as_ref(), "save_gpt_folder", &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| {
-        folder.write(temp)?;
-        write_extra_files(temp, files)
-    })
+    save_atomically(
+        dir.as_ref(),
+        "save_gpt_folder",
+        &[TOKENIZER_FILE, OPTIMIZER_FILE],
+        |temp| {
+            folder.write(temp)?;
+            write_extra_files(temp, files)
+        },
+    )
 }
 
 /// Reads a model folder written by [`save_gpt_folder`] or by Hugging Face
@@ -291,7 +334,11 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let spec = read_config(dir)?;
     let config = spec.config;
     // read_config checked the count: it is there.
-    check_weights_hold(dir, &dir.join(CONFIG_FILE), parameter_count(&config).unwrap_or(usize::MAX))?;
+    check_weights_hold(
+        dir,
+        &dir.join(CONFIG_FILE),
+        parameter_count(&config).unwrap_or(usize::MAX),
+    )?;
     let mut expected: HashMap<String, Vec<usize>> = hf_shapes(&config)?.into_iter().collect();
     // A stored head must be the token table (checked below), so it has its shape.
     expected.insert(HEAD.into(), vec![config.vocab_size, config.n_embd]);
@@ -304,13 +351,21 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
     let weights_path = weights.source.clone();
     for (name, shape) in hf_shapes(&config)? {
         if !weights.tensors.contains_key(&name) {
-            return Err(Error::FolderTensorMissing { path: weights_path, name: hf_name(&name), expected: shape });
+            return Err(Error::FolderTensorMissing {
+                path: weights_path,
+                name: hf_name(&name),
+                expected: shape,
+            });
         }
     }
     check_head(&weights, spec.tied, dir)?;
 
     let mut model = Gpt::from_parameters(config, |name, shape| {
-        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: weights_path.clone(), name: hf_name(name), expected: shape.to_vec() })?;
+        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing {
+            path: weights_path.clone(),
+            name: hf_name(name),
+            expected: shape.to_vec(),
+        })?;
         Ok(from_stored(name, shape, tensor.data))
     })?;
     let eps = spec.layer_norm_epsilon;
@@ -322,7 +377,11 @@ pub fn load_gpt_folder(dir: impl AsRef<Path>) -> Result<LoadedGpt> {
 
     let tokenizer = read_tokenizer(dir, config.vocab_size)?;
     let optimizer = read_optimizer(dir, &model, &Gpt2Layout)?;
-    Ok(LoadedGpt { model, tokenizer, optimizer })
+    Ok(LoadedGpt {
+        model,
+        tokenizer,
+        optimizer,
+    })
 }
 
 /// The sizes config.json gives, without reading the weights.
@@ -390,12 +449,20 @@ fn stored_shape(name: &str, shape: &[usize]) -> Vec<usize> {
 
 /// A parameter's values (wgrad's `shape`) in the stored layout.
 fn to_stored(name: &str, shape: &[usize], data: &[f32]) -> Vec<f32> {
-    if is_conv1d(name, shape) { transpose(data, shape[0], shape[1]) } else { data.to_vec() }
+    if is_conv1d(name, shape) {
+        transpose(data, shape[0], shape[1])
+    } else {
+        data.to_vec()
+    }
 }
 
 /// Stored values back in wgrad's layout, for a parameter of wgrad's `shape`.
 fn from_stored(name: &str, shape: &[usize], data: Vec<f32>) -> Vec<f32> {
-    if is_conv1d(name, shape) { transpose(&data, shape[1], shape[0]) } else { data }
+    if is_conv1d(name, shape) {
+        transpose(&data, shape[1], shape[0])
+    } else {
+        data
+    }
 }
 
 /// Row-major [rows, cols] → [cols, rows].
@@ -414,10 +481,13 @@ fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// format's rule. The one list both saving and loading check against.
 fn hf_shapes(config: &GptConfig) -> Result<Vec<(String, Vec<usize>)>> {
     let shapes = Gpt::empty(*config)?.named_parameters();
-    Ok(shapes.into_iter().map(|(name, shape)| {
-        let stored = stored_shape(&name, &shape);
-        (name, stored)
-    }).collect())
+    Ok(shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let stored = stored_shape(&name, &shape);
+            (name, stored)
+        })
+        .collect())
 }
 
 /// Parameters of a model of `config`; `None` when the count overflows
@@ -428,15 +498,20 @@ pub(crate) fn parameter_count(config: &GptConfig) -> Option<usize> {
     // ln_1, ln_2: 4c; c_attn: 3c² + 3c; c_proj: c² + c; c_fc: 4c² + 4c; mlp c_proj: 4c² + c.
     let block = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
     let tables = config.vocab_size.checked_add(config.block_size)?.checked_mul(c)?;
-    block.checked_mul(config.n_layer)?.checked_add(tables)?.checked_add(2 * c)
+    block
+        .checked_mul(config.n_layer)?
+        .checked_add(tables)?
+        .checked_add(2 * c)
 }
 
 /// GPT-2's causal-mask buffers (`h.N.attn.bias`, `h.N.attn.masked_bias`):
 /// constants older transformers saved with the weights.
 fn is_mask_buffer(name: &str) -> bool {
-    name.strip_prefix("h.").and_then(|rest| rest.split_once('.')).is_some_and(|(layer, rest)| {
-        layer.bytes().all(|b| b.is_ascii_digit()) && (rest == "attn.bias" || rest == "attn.masked_bias")
-    })
+    name.strip_prefix("h.")
+        .and_then(|rest| rest.split_once('.'))
+        .is_some_and(|(layer, rest)| {
+            layer.bytes().all(|b| b.is_ascii_digit()) && (rest == "attn.bias" || rest == "attn.masked_bias")
+        })
 }
 
 // ---------------------------------------------------------------- saving
@@ -451,14 +526,19 @@ struct FolderFiles {
 
 impl FolderFiles {
     fn new(model: &Gpt, tokenizer: &TokenizerSpec, optimizer: Option<&OptimizerState>) -> Result<Self> {
-        let bad = |reason: String| Error::InvalidArgument { op: "save_gpt_folder", reason };
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "save_gpt_folder",
+            reason,
+        };
         let config = model.config;
         if model.h.iter().any(|b| b.attn.is_none()) {
             return Err(bad("a block without attention has no GPT-2 equivalent".into()));
         }
         let eps = model.ln_f.eps;
         if model.h.iter().any(|b| b.ln_1.eps != eps || b.ln_2.eps != eps) {
-            return Err(bad("GPT-2 has one layer_norm_epsilon, but the model's LayerNorms differ".into()));
+            return Err(bad(
+                "GPT-2 has one layer_norm_epsilon, but the model's LayerNorms differ".into(),
+            ));
         }
         if let Some(reason) = tokenizer.misfit(config.vocab_size) {
             return Err(bad(reason));
@@ -468,7 +548,11 @@ impl FolderFiles {
         let values = model.parameter_values();
         let expected = Gpt::empty(config)?.named_parameters();
         if values.len() != expected.len() {
-            return Err(bad(format!("the model has {} parameters, its config {config:?} implies {}", values.len(), expected.len())));
+            return Err(bad(format!(
+                "the model has {} parameters, its config {config:?} implies {}",
+                values.len(),
+                expected.len()
+            )));
         }
         let mut weights = Checkpoint::new();
         weights.set_meta("format", "pt");
@@ -476,7 +560,11 @@ impl FolderFiles {
             if name != want_name || shape != want_shape || data.len() != shape.iter().product::<usize>() {
                 return Err(bad(format!("parameter `{name}` {shape:?} with {} values; its config {config:?} implies `{want_name}` {want_shape:?}", data.len())));
             }
-            weights.push(NamedTensor::new(hf_name(name), stored_shape(name, shape), to_stored(name, shape, data))?);
+            weights.push(NamedTensor::new(
+                hf_name(name),
+                stored_shape(name, shape),
+                to_stored(name, shape, data),
+            )?);
         }
 
         let end = tokenizer.end_of_text(config.vocab_size);
@@ -506,8 +594,15 @@ impl FolderFiles {
         let config_bytes = pretty_json(&config_json, "save_gpt_folder")?;
         let tokenizer_bytes = pretty_json(tokenizer, "save_gpt_folder")?;
 
-        let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state, &Gpt2Layout)).transpose()?;
-        Ok(FolderFiles { config: config_bytes, tokenizer: tokenizer_bytes, weights, optimizer })
+        let optimizer = optimizer
+            .map(|state| optimizer_checkpoint(model, state, &Gpt2Layout))
+            .transpose()?;
+        Ok(FolderFiles {
+            config: config_bytes,
+            tokenizer: tokenizer_bytes,
+            weights,
+            optimizer,
+        })
     }
 
     fn write(&self, dir: &Path) -> Result<()> {
@@ -525,34 +620,59 @@ impl FolderFiles {
 /// and layout of its parameter, plus `.STATE`. Refuses state that does not
 /// cover every parameter with every state name, since resuming from it
 /// would not be exact.
-pub(crate) fn optimizer_checkpoint(model: &dyn Module, state: &OptimizerState, layout: &dyn StoredLayout) -> Result<Checkpoint> {
-    let bad = |reason: String| Error::InvalidArgument { op: "save model folder (optimizer state)", reason };
+pub(crate) fn optimizer_checkpoint(
+    model: &dyn Module,
+    state: &OptimizerState,
+    layout: &dyn StoredLayout,
+) -> Result<Checkpoint> {
+    let bad = |reason: String| Error::InvalidArgument {
+        op: "save model folder (optimizer state)",
+        reason,
+    };
     let names = state.state_names();
     let params: HashMap<String, Vec<usize>> = model.named_parameters().into_iter().collect();
     let mut ckpt = Checkpoint::new();
     let mut seen = BTreeSet::new();
     for (param, name, data) in &state.state {
         if name.is_empty() || name.contains(['.', ',']) {
-            return Err(bad(format!("state name `{name}` must be non-empty, without `.` or `,`")));
+            return Err(bad(format!(
+                "state name `{name}` must be non-empty, without `.` or `,`"
+            )));
         }
-        let shape = params.get(param).ok_or_else(|| bad(format!("`{param}` is not a parameter of the model")))?;
+        let shape = params
+            .get(param)
+            .ok_or_else(|| bad(format!("`{param}` is not a parameter of the model")))?;
         if data.len() != shape.iter().product::<usize>() {
-            return Err(bad(format!("`{param}.{name}` has {} values; the parameter's shape is {shape:?}", data.len())));
+            return Err(bad(format!(
+                "`{param}.{name}` has {} values; the parameter's shape is {shape:?}",
+                data.len()
+            )));
         }
         if !seen.insert((param.as_str(), name.as_str())) {
             return Err(bad(format!("`{param}.{name}` appears twice")));
         }
-        ckpt.push(NamedTensor::new(format!("{}.{name}", layout.name(param)), layout.shape(param, shape), layout.to_stored(param, shape, data))?);
+        ckpt.push(NamedTensor::new(
+            format!("{}.{name}", layout.name(param)),
+            layout.shape(param, shape),
+            layout.to_stored(param, shape, data),
+        )?);
     }
     if seen.len() != params.len() * names.len() {
-        let absent = params.keys().flat_map(|p| names.iter().map(move |n| (p.as_str(), *n))).find(|k| !seen.contains(k));
+        let absent = params
+            .keys()
+            .flat_map(|p| names.iter().map(move |n| (p.as_str(), *n)))
+            .find(|k| !seen.contains(k));
         if let Some((p, n)) = absent {
-            return Err(bad(format!("no `{n}` for `{p}`: resuming from partial state would not be exact")));
+            return Err(bad(format!(
+                "no `{n}` for `{p}`: resuming from partial state would not be exact"
+            )));
         }
     }
     for (key, value) in &state.metadata {
         if OPTIMIZER_KEYS.contains(&key.as_str()) {
-            return Err(bad(format!("metadata key `{key}` is reserved for the optimizer state itself")));
+            return Err(bad(format!(
+                "metadata key `{key}` is reserved for the optimizer state itself"
+            )));
         }
         ckpt.set_meta(key.clone(), value.clone());
     }
@@ -576,7 +696,12 @@ struct ConfigSpec {
 fn read_config(dir: &Path) -> Result<ConfigSpec> {
     let fields = ConfigFields::read(dir, "GPT2Config")?;
     let bad = |reason: String| fields.bad(reason);
-    let (size, required, text, flag) = (|k| fields.size(k), |k| fields.required(k), |k| fields.text(k), |k, d| fields.flag(k, d));
+    let (size, required, text, flag) = (
+        |k| fields.size(k),
+        |k| fields.required(k),
+        |k| fields.text(k),
+        |k, d| fields.flag(k, d),
+    );
 
     if let Some(kind) = text("model_type")? {
         if kind != "gpt2" {
@@ -596,8 +721,19 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
     };
     // Sizes come from a file: refuse ones whose tables would not fit before
     // anything is allocated for them.
-    let positive = ![config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd].contains(&0);
-    if !positive || config.n_embd % config.n_head != 0 || config.n_layer > MAX_LAYERS || parameter_count(&config).is_none_or(|n| n > MAX_PARAMETERS) {
+    let positive = ![
+        config.vocab_size,
+        config.block_size,
+        config.n_layer,
+        config.n_head,
+        config.n_embd,
+    ]
+    .contains(&0);
+    if !positive
+        || config.n_embd % config.n_head != 0
+        || config.n_layer > MAX_LAYERS
+        || parameter_count(&config).is_none_or(|n| n > MAX_PARAMETERS)
+    {
         return Err(bad(format!(
             "sizes {config:?}: every size must be positive, n_embd a multiple of n_head, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
         )));
@@ -607,19 +743,31 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
     match text("activation_function")? {
         None | Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => {}
         Some(other) => {
-            return Err(bad(format!("activation_function `{other}`: wgrad's GPT uses GPT-2's tanh GELU (gelu_new, gelu_pytorch_tanh)")));
+            return Err(bad(format!(
+                "activation_function `{other}`: wgrad's GPT uses GPT-2's tanh GELU (gelu_new, gelu_pytorch_tanh)"
+            )));
         }
     }
     if let Some(inner) = size("n_inner")? {
         if inner != 4 * config.n_embd {
-            return Err(bad(format!("n_inner {inner}: wgrad's MLP is 4 × n_embd = {}", 4 * config.n_embd)));
+            return Err(bad(format!(
+                "n_inner {inner}: wgrad's MLP is 4 × n_embd = {}",
+                4 * config.n_embd
+            )));
         }
     }
-    if !flag("scale_attn_weights", true)? || flag("scale_attn_by_inverse_layer_idx", false)? || flag("add_cross_attention", false)? {
+    if !flag("scale_attn_weights", true)?
+        || flag("scale_attn_by_inverse_layer_idx", false)?
+        || flag("add_cross_attention", false)?
+    {
         return Err(bad("attention other than GPT-2's (scale_attn_weights true, scale_attn_by_inverse_layer_idx and add_cross_attention false)".into()));
     }
     let tied = flag("tie_word_embeddings", true)?;
-    Ok(ConfigSpec { config, layer_norm_epsilon, tied })
+    Ok(ConfigSpec {
+        config,
+        layer_norm_epsilon,
+        tied,
+    })
 }
 
 /// wgrad's head is the token embedding: a stored `lm_head.weight` must be
@@ -667,17 +815,26 @@ pub(crate) fn read_tokenizer(dir: &Path, vocab_size: usize) -> Result<Option<Tok
     Ok(Some(spec))
 }
 
-pub(crate) fn read_optimizer(dir: &Path, model: &dyn Module, layout: &dyn StoredLayout) -> Result<Option<OptimizerState>> {
+pub(crate) fn read_optimizer(
+    dir: &Path,
+    model: &dyn Module,
+    layout: &dyn StoredLayout,
+) -> Result<Option<OptimizerState>> {
     let path = dir.join(OPTIMIZER_FILE);
     if !path.exists() {
         return Ok(None);
     }
     let ckpt = checkpoint::load(&path)?;
-    let bad = |reason: String| Error::CheckpointFormat { path: path.clone(), reason };
+    let bad = |reason: String| Error::CheckpointFormat {
+        path: path.clone(),
+        reason,
+    };
     let meta = |key: &str| ckpt.meta(key).ok_or_else(|| bad(format!("no `{key}` in the metadata")));
     let optimizer = meta("optimizer")?.to_string();
     let step_text = meta("step")?;
-    let step = step_text.parse().map_err(|_| bad(format!("step `{step_text}` is not a count")))?;
+    let step = step_text
+        .parse()
+        .map_err(|_| bad(format!("step `{step_text}` is not a count")))?;
     let names: Vec<&str> = meta("state_names")?.split(',').filter(|n| !n.is_empty()).collect();
 
     let params = model.named_parameters();
@@ -689,9 +846,18 @@ pub(crate) fn read_optimizer(dir: &Path, model: &dyn Module, layout: &dyn Stored
         for (param, shape) in &params {
             let stored = format!("{}.{name}", layout.name(param));
             let hf = layout.shape(param, shape);
-            let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing { path: path.clone(), name: stored.clone(), expected: hf.clone() })?;
+            let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing {
+                path: path.clone(),
+                name: stored.clone(),
+                expected: hf.clone(),
+            })?;
             if t.shape != hf {
-                return Err(Error::FolderTensorShape { path: path.clone(), name: stored, expected: hf, found: t.shape.clone() });
+                return Err(Error::FolderTensorShape {
+                    path: path.clone(),
+                    name: stored,
+                    expected: hf,
+                    found: t.shape.clone(),
+                });
             }
             let data = layout.unstore(param, shape, t.data.clone());
             state.push((param.clone(), name.to_string(), data));
@@ -699,14 +865,31 @@ pub(crate) fn read_optimizer(dir: &Path, model: &dyn Module, layout: &dyn Stored
         }
     }
     if used != ckpt.tensors.len() {
-        let known: std::collections::HashSet<String> = by_name.keys().flat_map(|p| names.iter().map(move |n| format!("{}.{n}", layout.name(p)))).collect();
+        let known: std::collections::HashSet<String> = by_name
+            .keys()
+            .flat_map(|p| names.iter().map(move |n| format!("{}.{n}", layout.name(p))))
+            .collect();
         let extra = ckpt.tensors.iter().find(|t| !known.contains(&t.name));
         if let Some(t) = extra {
-            return Err(Error::FolderTensorUnexpected { path: path.clone(), name: t.name.clone(), shape: t.shape.clone() });
+            return Err(Error::FolderTensorUnexpected {
+                path: path.clone(),
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+            });
         }
     }
-    let metadata = ckpt.metadata.iter().filter(|(k, _)| !OPTIMIZER_KEYS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
-    Ok(Some(OptimizerState { optimizer, step, state, metadata }))
+    let metadata = ckpt
+        .metadata
+        .iter()
+        .filter(|(k, _)| !OPTIMIZER_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(Some(OptimizerState {
+        optimizer,
+        step,
+        state,
+        metadata,
+    }))
 }
 
 #[cfg(test)]
@@ -725,12 +908,21 @@ mod tests {
     #[test]
     fn transpose_swaps_rows_and_columns() {
         // [2, 3] → [3, 2]
-        assert_eq!(transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        assert_eq!(
+            transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3),
+            vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+        );
     }
 
     #[test]
     fn stored_shapes_transpose_only_the_blocks_matrices() {
-        let config = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 2, n_embd: 4 };
+        let config = GptConfig {
+            vocab_size: 7,
+            block_size: 5,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 4,
+        };
         let stored: HashMap<String, Vec<usize>> = hf_shapes(&config).unwrap().into_iter().collect();
         assert_eq!(stored["wte.weight"], [7, 4]);
         assert_eq!(stored["h.1.attn.c_attn.weight"], [4, 12]);

@@ -20,8 +20,8 @@ use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
-use crate::io::checkpoint;
 use crate::error::{Error, Result};
+use crate::io::checkpoint;
 
 /// The model's configuration, as transformers writes it.
 pub const CONFIG_FILE: &str = "config.json";
@@ -47,8 +47,15 @@ const HUGGING_FACE_FILES: [&str; 10] = [
 /// Hugging Face's tokenizer and generation files, which a saved model
 /// folder may carry beside its weights (a fine-tuned model's, copied from
 /// or written for its pretrained source).
-pub const TOKENIZER_FILES: [&str; 7] =
-    ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json"];
+pub const TOKENIZER_FILES: [&str; 7] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+];
 
 /// A file saved beside a model's weights: one of [`TOKENIZER_FILES`] by
 /// name, and its bytes.
@@ -59,14 +66,22 @@ pub type ExtraFile = (String, Vec<u8>);
 /// touched.
 pub(crate) fn check_extra_files(op: &'static str, files: &[ExtraFile]) -> Result<()> {
     match files.iter().find(|(name, _)| !TOKENIZER_FILES.contains(&name.as_str())) {
-        Some((name, _)) => Err(Error::InvalidArgument { op, reason: format!("`{name}` is not a tokenizer or generation file ({})", TOKENIZER_FILES.join(", ")) }),
+        Some((name, _)) => Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "`{name}` is not a tokenizer or generation file ({})",
+                TOKENIZER_FILES.join(", ")
+            ),
+        }),
         None => Ok(()),
     }
 }
 
 /// Writes each extra file into `dir`, fsynced.
 pub(crate) fn write_extra_files(dir: &Path, files: &[ExtraFile]) -> Result<()> {
-    files.iter().try_for_each(|(name, bytes)| write_synced(&dir.join(name), bytes))
+    files
+        .iter()
+        .try_for_each(|(name, bytes)| write_synced(&dir.join(name), bytes))
 }
 
 // ---------------------------------------------------------------- saving
@@ -78,8 +93,16 @@ pub(crate) fn write_extra_files(dir: &Path, files: &[ExtraFile]) -> Result<()> {
 /// target), and is replaced only when every entry is a file a model folder
 /// holds (Hugging Face's, or one of `own_files`). `op` names the caller in
 /// errors. A failure leaves the previous folder as it was.
-pub(crate) fn save_atomically(dir: &Path, op: &'static str, own_files: &[&str], write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let name = dir.file_name().ok_or_else(|| Error::InvalidArgument { op, reason: format!("`{}` does not name a folder", dir.display()) })?;
+pub(crate) fn save_atomically(
+    dir: &Path,
+    op: &'static str,
+    own_files: &[&str],
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    let name = dir.file_name().ok_or_else(|| Error::InvalidArgument {
+        op,
+        reason: format!("`{}` does not name a folder", dir.display()),
+    })?;
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -89,7 +112,12 @@ pub(crate) fn save_atomically(dir: &Path, op: &'static str, own_files: &[&str], 
             check_replaceable(dir, op, own_files)?;
             true
         }
-        Ok(_) => return Err(Error::InvalidArgument { op, reason: format!("`{}` exists and is not a folder; refusing to replace it", dir.display()) }),
+        Ok(_) => {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("`{}` exists and is not a folder; refusing to replace it", dir.display()),
+            })
+        }
         Err(e) if e.kind() == ErrorKind::NotFound => false,
         Err(e) => return Err(io_err(dir, "inspect the target folder", e)),
     };
@@ -105,14 +133,21 @@ pub(crate) fn save_atomically(dir: &Path, op: &'static str, own_files: &[&str], 
         if let Err(e) = fs::rename(&temp.0, dir) {
             // Put the previous folder back; the new one is still removed by the guard.
             if let Err(back) = fs::rename(&old, dir) {
-                log::error!("{op}: could not move `{}` back to `{}`: {back}", old.display(), dir.display());
+                log::error!(
+                    "{op}: could not move `{}` back to `{}`: {back}",
+                    old.display(),
+                    dir.display()
+                );
             }
             return Err(io_err(dir, "move the new folder into place", e));
         }
         temp.disarm();
         sync_dir(&parent);
         if let Err(e) = fs::remove_dir_all(&old) {
-            log::warn!("{op}: the new folder is in place, but the previous one at `{}` could not be removed: {e}", old.display());
+            log::warn!(
+                "{op}: the new folder is in place, but the previous one at `{}` could not be removed: {e}",
+                old.display()
+            );
         }
     } else {
         fs::rename(&temp.0, dir).map_err(|e| io_err(dir, "move the new folder into place", e))?;
@@ -143,7 +178,11 @@ fn check_replaceable(dir: &Path, op: &'static str, own_files: &[&str]) -> Result
 }
 
 pub(crate) fn io_err(path: &Path, action: &'static str, source: std::io::Error) -> Error {
-    Error::CheckpointIo { path: path.to_path_buf(), action, source }
+    Error::CheckpointIo {
+        path: path.to_path_buf(),
+        action,
+        source,
+    }
 }
 
 /// Writes `bytes` to a new file and fsyncs it.
@@ -155,7 +194,10 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Pretty JSON with a final newline, as `save_pretrained` writes it.
 pub(crate) fn pretty_json(value: &impl serde::Serialize, op: &'static str) -> Result<Vec<u8>> {
-    let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| Error::InvalidArgument { op, reason: format!("could not write JSON: {e}") })?;
+    let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| Error::InvalidArgument {
+        op,
+        reason: format!("could not write JSON: {e}"),
+    })?;
     bytes.push(b'\n');
     Ok(bytes)
 }
@@ -180,7 +222,11 @@ impl TempDir {
                 Err(e) => return Err(io_err(target, "create a temporary folder beside it", e)),
             }
         }
-        Err(io_err(target, "create a temporary folder with a unique name", std::io::Error::new(ErrorKind::AlreadyExists, "name collision")))
+        Err(io_err(
+            target,
+            "create a temporary folder with a unique name",
+            std::io::Error::new(ErrorKind::AlreadyExists, "name collision"),
+        ))
     }
 
     fn disarm(mut self) {
@@ -201,7 +247,10 @@ impl Drop for TempDir {
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let text = fs::read(path).map_err(|e| io_err(path, "read", e))?;
-    serde_json::from_slice(&text).map_err(|e| Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("not valid JSON: {e}") })
+    serde_json::from_slice(&text).map_err(|e| Error::CheckpointFormat {
+        path: path.to_path_buf(),
+        reason: format!("not valid JSON: {e}"),
+    })
 }
 
 /// config.json's fields, each read with an error naming the field.
@@ -218,38 +267,54 @@ impl ConfigFields {
         let path = dir.join(CONFIG_FILE);
         let value = read_json(&path)?;
         let Value::Object(map) = value else {
-            return Err(Error::CheckpointFormat { path, reason: "not a JSON object".into() });
+            return Err(Error::CheckpointFormat {
+                path,
+                reason: "not a JSON object".into(),
+            });
         };
         Ok(ConfigFields { path, map, class })
     }
 
     pub fn bad(&self, reason: String) -> Error {
-        Error::CheckpointFormat { path: self.path.clone(), reason }
+        Error::CheckpointFormat {
+            path: self.path.clone(),
+            reason,
+        }
     }
 
     /// A non-negative integer field; absent or null is `None`.
     pub fn size(&self, key: &str) -> Result<Option<usize>> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| self.bad(format!("`{key}` is {v}, not a size"))),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.bad(format!("`{key}` is {v}, not a size"))),
         }
     }
 
     pub fn required(&self, key: &str) -> Result<usize> {
-        self.size(key)?.ok_or_else(|| self.bad(format!("no `{key}` field ({} needs it)", self.class)))
+        self.size(key)?
+            .ok_or_else(|| self.bad(format!("no `{key}` field ({} needs it)", self.class)))
     }
 
     pub fn text(&self, key: &str) -> Result<Option<&str>> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| self.bad(format!("`{key}` is {v}, not a string"))),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.bad(format!("`{key}` is {v}, not a string"))),
         }
     }
 
     pub fn flag(&self, key: &str, default: bool) -> Result<bool> {
         match self.map.get(key) {
             None | Some(Value::Null) => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| self.bad(format!("`{key}` is {v}, not true or false"))),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.bad(format!("`{key}` is {v}, not true or false"))),
         }
     }
 
@@ -305,25 +370,42 @@ impl WeightFiles {
             } else {
                 format!("no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
             };
-            return Err(Error::CheckpointFormat { path: dir.to_path_buf(), reason });
+            return Err(Error::CheckpointFormat {
+                path: dir.to_path_buf(),
+                reason,
+            });
         }
 
         let value = read_json(&index)?;
-        let bad = |reason: String| Error::CheckpointFormat { path: index.clone(), reason };
-        let map = value.get("weight_map").and_then(Value::as_object).ok_or_else(|| bad("no `weight_map` object".into()))?;
+        let bad = |reason: String| Error::CheckpointFormat {
+            path: index.clone(),
+            reason,
+        };
+        let map = value
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad("no `weight_map` object".into()))?;
         let mut shards: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
+            let file = file
+                .as_str()
+                .ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
             // The index comes with the folder: it may only name files in it.
             if file.is_empty() || file == "." || file == ".." || file.contains(['/', '\\']) {
-                return Err(bad(format!("`{name}` maps to `{file}`, which is not a file name in the folder")));
+                return Err(bad(format!(
+                    "`{name}` maps to `{file}`, which is not a file name in the folder"
+                )));
             }
             shards.entry(file.to_string()).or_default().push(name.clone());
         }
         for file in shards.keys() {
             let path = dir.join(file);
             if !path.exists() {
-                return Err(io_err(&path, "read the shard model.safetensors.index.json lists", std::io::Error::new(ErrorKind::NotFound, "missing shard")));
+                return Err(io_err(
+                    &path,
+                    "read the shard model.safetensors.index.json lists",
+                    std::io::Error::new(ErrorKind::NotFound, "missing shard"),
+                ));
             }
         }
         Ok(WeightFiles::Sharded(index, shards))
@@ -367,15 +449,25 @@ pub(crate) fn check_weights_hold(dir: &Path, config: &Path, parameters: usize) -
 /// lists. `name_of` maps a stored name to the model's name for it (`None`:
 /// a tensor the model drops, such as an old mask buffer); each mapped name
 /// must be in `expected` with that shape.
-pub(crate) fn read_weights(dir: &Path, expected: &HashMap<String, Vec<usize>>, name_of: &dyn Fn(&str) -> Option<String>) -> Result<Weights> {
+pub(crate) fn read_weights(
+    dir: &Path,
+    expected: &HashMap<String, Vec<usize>>,
+    name_of: &dyn Fn(&str) -> Option<String>,
+) -> Result<Weights> {
     match WeightFiles::locate(dir)? {
         WeightFiles::Single(path) => {
-            let mut weights = Weights { tensors: HashMap::new(), source: path.clone() };
+            let mut weights = Weights {
+                tensors: HashMap::new(),
+                source: path.clone(),
+            };
             read_weights_file(&path, expected, name_of, &mut weights, None)?;
             Ok(weights)
         }
         WeightFiles::Sharded(index, shards) => {
-            let mut weights = Weights { tensors: HashMap::new(), source: index };
+            let mut weights = Weights {
+                tensors: HashMap::new(),
+                source: index,
+            };
             for (file, names) in &shards {
                 read_weights_file(&dir.join(file), expected, name_of, &mut weights, Some(names))?;
             }
@@ -386,28 +478,57 @@ pub(crate) fn read_weights(dir: &Path, expected: &HashMap<String, Vec<usize>>, n
 
 /// Reads one safetensors file into `weights`. A shard must hold every name
 /// the index lists for it (`listed`).
-fn read_weights_file(path: &Path, expected: &HashMap<String, Vec<usize>>, name_of: &dyn Fn(&str) -> Option<String>, weights: &mut Weights, listed: Option<&[String]>) -> Result<()> {
+fn read_weights_file(
+    path: &Path,
+    expected: &HashMap<String, Vec<usize>>,
+    name_of: &dyn Fn(&str) -> Option<String>,
+    weights: &mut Weights,
+    listed: Option<&[String]>,
+) -> Result<()> {
     let bytes = fs::read(path).map_err(|e| io_err(path, "read", e))?;
-    let bad = |reason: String| Error::CheckpointFormat { path: path.to_path_buf(), reason };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(checkpoint::describe_safetensors_error(&e, bytes.len())))?;
+    let bad = |reason: String| Error::CheckpointFormat {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| bad(checkpoint::describe_safetensors_error(&e, bytes.len())))?;
     if let Some(listed) = listed {
         let held: BTreeSet<&str> = st.names().into_iter().collect();
         if let Some(absent) = listed.iter().find(|n| !held.contains(n.as_str())) {
-            return Err(bad(format!("{WEIGHTS_INDEX_FILE} lists `{absent}` in this shard, which does not hold it")));
+            return Err(bad(format!(
+                "{WEIGHTS_INDEX_FILE} lists `{absent}` in this shard, which does not hold it"
+            )));
         }
     }
     for (file_name, view) in st.tensors() {
         let Some(name) = name_of(&file_name) else { continue };
         let shape = view.shape().to_vec();
-        let want = expected.get(&name).ok_or_else(|| Error::FolderTensorUnexpected { path: path.to_path_buf(), name: file_name.clone(), shape: shape.clone() })?;
+        let want = expected.get(&name).ok_or_else(|| Error::FolderTensorUnexpected {
+            path: path.to_path_buf(),
+            name: file_name.clone(),
+            shape: shape.clone(),
+        })?;
         if *want != shape {
-            return Err(Error::FolderTensorShape { path: path.to_path_buf(), name: file_name.clone(), expected: want.clone(), found: shape });
+            return Err(Error::FolderTensorShape {
+                path: path.to_path_buf(),
+                name: file_name.clone(),
+                expected: want.clone(),
+                found: shape,
+            });
         }
         if weights.tensors.contains_key(&name) {
-            return Err(bad(format!("`{name}` appears twice (under two stored names, or in two shards)")));
+            return Err(bad(format!(
+                "`{name}` appears twice (under two stored names, or in two shards)"
+            )));
         }
         let data = decode(&file_name, &view, path)?;
-        weights.tensors.insert(name, LoadedTensor { data, path: path.to_path_buf() });
+        weights.tensors.insert(
+            name,
+            LoadedTensor {
+                data,
+                path: path.to_path_buf(),
+            },
+        );
     }
     Ok(())
 }
@@ -431,13 +552,32 @@ fn decode(name: &str, view: &safetensors::tensor::TensorView<'_>, path: &Path) -
     // safetensors checked the offsets against shape × dtype; re-check so a
     // bug there cannot become silently short data.
     if count.and_then(|n| n.checked_mul(width)) != Some(raw.len()) {
-        return Err(Error::CheckpointFormat { path: path.to_path_buf(), reason: format!("tensor `{name}`: {} data bytes do not fit shape {:?}", raw.len(), view.shape()) });
+        return Err(Error::CheckpointFormat {
+            path: path.to_path_buf(),
+            reason: format!(
+                "tensor `{name}`: {} data bytes do not fit shape {:?}",
+                raw.len(),
+                view.shape()
+            ),
+        });
     }
     // The data may sit at any byte offset, so decode element-wise.
     Ok(match view.dtype() {
-        Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::F64 => raw.chunks_exact(8).map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32).collect(),
-        _ => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::F16 => raw
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => raw
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F64 => raw
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32)
+            .collect(),
+        _ => raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
     })
 }

@@ -34,11 +34,17 @@ use std::path::Path;
 
 use serde_json::json;
 
-use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::error::{Error, Result};
+use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::io::gguf::llama::unpermute_rows;
-use crate::io::gpt_folder::{optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE, TOKENIZER_FILE};
-use crate::io::hf_folder::{check_extra_files, check_weights_hold, write_extra_files, ExtraFile, json_f32, pretty_json, read_weights, save_atomically, write_synced, ConfigFields, CONFIG_FILE, WEIGHTS_FILE};
+use crate::io::gpt_folder::{
+    optimizer_checkpoint, read_optimizer, read_tokenizer, OptimizerState, StoredLayout, TokenizerSpec, OPTIMIZER_FILE,
+    TOKENIZER_FILE,
+};
+use crate::io::hf_folder::{
+    check_extra_files, check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, write_extra_files,
+    write_synced, ConfigFields, ExtraFile, CONFIG_FILE, WEIGHTS_FILE,
+};
 use crate::models::{Llama, LlamaConfig, LlamaVariant};
 use crate::nn::{Module, RopeLayout};
 
@@ -67,23 +73,40 @@ pub fn save_llama_folder(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option
 
 /// [`save_llama_folder`] with the optimizer state to resume training from
 /// (`optimizer.safetensors`, as the GPT's folder has it).
-pub fn save_llama_folder_with_state(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>, optimizer: Option<&OptimizerState>) -> Result<()> {
+pub fn save_llama_folder_with_state(
+    dir: impl AsRef<Path>,
+    model: &Llama,
+    tokenizer: Option<&TokenizerSpec>,
+    optimizer: Option<&OptimizerState>,
+) -> Result<()> {
     save_llama_folder_with_files(dir, model, tokenizer, optimizer, &[])
 }
 
 /// [`save_llama_folder_with_state`] with Hugging Face tokenizer and
 /// generation files beside the weights (a fine-tuned model's
 /// `tokenizer.json`, …).
-pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokenizer: Option<&TokenizerSpec>, optimizer: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
+pub fn save_llama_folder_with_files(
+    dir: impl AsRef<Path>,
+    model: &Llama,
+    tokenizer: Option<&TokenizerSpec>,
+    optimizer: Option<&OptimizerState>,
+    files: &[ExtraFile],
+) -> Result<()> {
     const OP: &str = "save_llama_folder";
     check_extra_files(OP, files)?;
     let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
     let config = model.config;
     config.check()?;
     let eps = config.rms_norm_eps;
-    let norms_eps = model.layers.iter().flat_map(|l| [l.input_layernorm.eps, l.post_attention_layernorm.eps]).chain([model.norm.eps]);
+    let norms_eps = model
+        .layers
+        .iter()
+        .flat_map(|l| [l.input_layernorm.eps, l.post_attention_layernorm.eps])
+        .chain([model.norm.eps]);
     if norms_eps.into_iter().any(|e| e != eps) {
-        return Err(bad(format!("LlamaConfig has one rms_norm_eps, but the model's RMSNorms differ from its config's {eps}")));
+        return Err(bad(format!(
+            "LlamaConfig has one rms_norm_eps, but the model's RMSNorms differ from its config's {eps}"
+        )));
     }
     if let Some(reason) = tokenizer.and_then(|t| t.misfit(config.vocab_size)) {
         return Err(bad(reason));
@@ -92,8 +115,13 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
     let mut weights = Checkpoint::new();
     weights.set_meta("format", "pt");
     for (name, shape, values) in model.parameter_values() {
-        if expected.next().is_none_or(|(n, s)| n != name || s != shape) || values.len() != shape.iter().product::<usize>() {
-            return Err(bad(format!("parameter `{name}` {shape:?} with {} values does not fit the model's config {config:?}", values.len())));
+        if expected.next().is_none_or(|(n, s)| n != name || s != shape)
+            || values.len() != shape.iter().product::<usize>()
+        {
+            return Err(bad(format!(
+                "parameter `{name}` {shape:?} with {} values does not fit the model's config {config:?}",
+                values.len()
+            )));
         }
         let stored = match (config.rope_layout, rotated_heads(&config, &name)) {
             // Hugging Face's half-split layout: undo Meta's pair order.
@@ -103,7 +131,9 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
         weights.push(NamedTensor::new(name, shape, stored)?);
     }
     if expected.next().is_some() {
-        return Err(bad(format!("the model has fewer parameters than its config {config:?} implies")));
+        return Err(bad(format!(
+            "the model has fewer parameters than its config {config:?} implies"
+        )));
     }
     let (class, model_type, _) = config.variant.names();
     let config_json = json!({
@@ -146,7 +176,9 @@ pub fn save_llama_folder_with_files(dir: impl AsRef<Path>, model: &Llama, tokeni
     }
     let config_bytes = pretty_json(&config_json, OP)?;
     let tokenizer_bytes = tokenizer.map(|t| pretty_json(t, OP)).transpose()?;
-    let optimizer = optimizer.map(|state| optimizer_checkpoint(model, state, &WgradNames)).transpose()?;
+    let optimizer = optimizer
+        .map(|state| optimizer_checkpoint(model, state, &WgradNames))
+        .transpose()?;
     save_atomically(dir.as_ref(), OP, &[TOKENIZER_FILE, OPTIMIZER_FILE], |temp| {
         write_synced(&temp.join(CONFIG_FILE), &config_bytes)?;
         if let Some(bytes) = &tokenizer_bytes {
@@ -167,7 +199,11 @@ pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     let dir = dir.as_ref();
     let config = read_llama_config(dir)?;
     // read_llama_config checked the count: it is there.
-    check_weights_hold(dir, &dir.join(CONFIG_FILE), config.num_parameters().unwrap_or(usize::MAX))?;
+    check_weights_hold(
+        dir,
+        &dir.join(CONFIG_FILE),
+        config.num_parameters().unwrap_or(usize::MAX),
+    )?;
     let shapes = Llama::empty(config)?.named_parameters();
     let mut expected: HashMap<String, Vec<usize>> = shapes.iter().cloned().collect();
     // A tied model may still store its head: it must then be the token table.
@@ -175,11 +211,21 @@ pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     let name_of = |stored: &str| (!stored.ends_with("rotary_emb.inv_freq")).then(|| stored.to_string());
     let mut weights = read_weights(dir, &expected, &name_of)?;
     if config.tie_word_embeddings {
-        if let (Some(head), Some(table)) = (weights.tensors.get(HEAD), weights.tensors.get("model.embed_tokens.weight")) {
-            if head.data.iter().zip(&table.data).any(|(a, b)| a.to_bits() != b.to_bits()) {
+        if let (Some(head), Some(table)) = (
+            weights.tensors.get(HEAD),
+            weights.tensors.get("model.embed_tokens.weight"),
+        ) {
+            if head
+                .data
+                .iter()
+                .zip(&table.data)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
                 return Err(Error::CheckpointFormat {
                     path: head.path.clone(),
-                    reason: format!("`{HEAD}` differs from `model.embed_tokens.weight`, but config.json says tie_word_embeddings"),
+                    reason: format!(
+                        "`{HEAD}` differs from `model.embed_tokens.weight`, but config.json says tie_word_embeddings"
+                    ),
                 });
             }
         }
@@ -188,16 +234,28 @@ pub fn load_llama_folder(dir: impl AsRef<Path>) -> Result<LoadedLlama> {
     let source = weights.source.clone();
     for (name, shape) in &shapes {
         if !weights.tensors.contains_key(name) {
-            return Err(Error::FolderTensorMissing { path: source, name: name.clone(), expected: shape.clone() });
+            return Err(Error::FolderTensorMissing {
+                path: source,
+                name: name.clone(),
+                expected: shape.clone(),
+            });
         }
     }
     let model = Llama::from_parameters(config, |name, shape| {
-        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing { path: source.clone(), name: name.into(), expected: shape.to_vec() })?;
+        let tensor = weights.tensors.remove(name).ok_or_else(|| Error::FolderTensorMissing {
+            path: source.clone(),
+            name: name.into(),
+            expected: shape.to_vec(),
+        })?;
         Ok(tensor.data)
     })?;
     let tokenizer = read_tokenizer(dir, config.vocab_size)?;
     let optimizer = read_optimizer(dir, &model, &WgradNames)?;
-    Ok(LoadedLlama { model, tokenizer, optimizer })
+    Ok(LoadedLlama {
+        model,
+        tokenizer,
+        optimizer,
+    })
 }
 
 /// The rows of `name` that rotate in pairs, by head: q_proj's weight and
@@ -215,7 +273,9 @@ fn rotated_heads(config: &LlamaConfig, name: &str) -> Option<usize> {
 
 /// The variant a config.json's `model_type` names.
 pub fn variant_of_model_type(model_type: &str) -> Option<LlamaVariant> {
-    [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3].into_iter().find(|v| v.names().1 == model_type)
+    [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3]
+        .into_iter()
+        .find(|v| v.names().1 == model_type)
 }
 
 /// The config.json of a Llama (or Qwen2, Qwen3) folder, checked, without
@@ -224,8 +284,11 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     let fields = ConfigFields::read(dir.as_ref(), "LlamaConfig")?;
     let bad = |reason: String| fields.bad(reason);
     let variant = match fields.text("model_type")? {
-        Some(name) => variant_of_model_type(name)
-            .ok_or_else(|| bad(format!("model_type `{name}`: wgrad reads Llama, Qwen2 and Qwen3 (`llama`, `qwen2`, `qwen3`) folders here")))?,
+        Some(name) => variant_of_model_type(name).ok_or_else(|| {
+            bad(format!(
+                "model_type `{name}`: wgrad reads Llama, Qwen2 and Qwen3 (`llama`, `qwen2`, `qwen3`) folders here"
+            ))
+        })?,
         None => return Err(bad("no `model_type` field (a Llama folder says `llama`)".into())),
     };
     let n_head = fields.required("num_attention_heads")?;
@@ -246,12 +309,22 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     };
     // transformers 5 keeps the base in `rope_parameters`, with its type.
     if let Some(rope) = fields.get("rope_parameters").or_else(|| fields.get("rope_scaling")) {
-        let kind = rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+        let kind = rope
+            .get("rope_type")
+            .or_else(|| rope.get("type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
         if kind != "default" {
-            return Err(bad(format!("RoPE scaling `{kind}`: wgrad's Llama computes the default rotary embedding only")));
+            return Err(bad(format!(
+                "RoPE scaling `{kind}`: wgrad's Llama computes the default rotary embedding only"
+            )));
         }
         if let Some(theta) = rope.get("rope_theta") {
-            config.rope_theta = theta.as_f64().filter(|t| *t > 1.0 && t.is_finite()).ok_or_else(|| bad(format!("`rope_parameters.rope_theta` is {theta}, not a number above 1")))? as f32;
+            config.rope_theta = theta
+                .as_f64()
+                .filter(|t| *t > 1.0 && t.is_finite())
+                .ok_or_else(|| bad(format!("`rope_parameters.rope_theta` is {theta}, not a number above 1")))?
+                as f32;
         }
     }
     if let Some(act) = fields.text("hidden_act")? {
@@ -261,12 +334,18 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     }
     // Qwen2's q/k/v biases are built in (transformers reads no flag).
     if (variant != LlamaVariant::Qwen2 && fields.flag("attention_bias", false)?) || fields.flag("mlp_bias", false)? {
-        return Err(bad(format!("attention_bias or mlp_bias is true: wgrad's {} has no such biases", variant.names().2)));
+        return Err(bad(format!(
+            "attention_bias or mlp_bias is true: wgrad's {} has no such biases",
+            variant.names().2
+        )));
     }
     let layer_types = fields.get("layer_types").and_then(|v| v.as_array());
     let windowed = layer_types.is_some_and(|types| types.iter().any(|t| t.as_str() != Some("full_attention")));
     if fields.flag("use_sliding_window", false)? || windowed {
-        return Err(bad("use_sliding_window is true or layer_types has a sliding layer: wgrad's Qwen attends to the whole context".into()));
+        return Err(bad(
+            "use_sliding_window is true or layer_types has a sliding layer: wgrad's Qwen attends to the whole context"
+                .into(),
+        ));
     }
     let head_dim = fields.size("head_dim")?;
     // Qwen3's heads have a width of their own; Llama's and Qwen2's are
@@ -274,11 +353,25 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     if variant == LlamaVariant::Qwen3 && head_dim.is_some_and(|d| d.checked_mul(n_head) != Some(config.n_embd)) {
         config.head_dim = head_dim;
     }
-    let sizes_ok = ![config.vocab_size, config.block_size, config.n_layer, n_head, config.n_kv_head, config.n_embd, config.intermediate_size, config.head_dim()].contains(&0)
+    let sizes_ok = ![
+        config.vocab_size,
+        config.block_size,
+        config.n_layer,
+        n_head,
+        config.n_kv_head,
+        config.n_embd,
+        config.intermediate_size,
+        config.head_dim(),
+    ]
+    .contains(&0)
         && (config.head_dim.is_some() || config.n_embd % n_head == 0);
     if let Some(head_dim) = head_dim {
         if sizes_ok && head_dim != config.head_dim() {
-            return Err(bad(format!("head_dim {head_dim}: wgrad's {} has hidden_size / num_attention_heads = {}", variant.names().2, config.head_dim())));
+            return Err(bad(format!(
+                "head_dim {head_dim}: wgrad's {} has hidden_size / num_attention_heads = {}",
+                variant.names().2,
+                config.head_dim()
+            )));
         }
     }
     if !sizes_ok || config.n_layer > MAX_LAYERS || config.num_parameters().is_none_or(|n| n > MAX_PARAMETERS) {

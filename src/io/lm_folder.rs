@@ -41,12 +41,18 @@ pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
     let fields = ConfigFields::read(dir.as_ref(), "PretrainedConfig")?;
     // Qwen2 and Qwen3 are Llama variants, read by the Llama's folder code.
     let variants = [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3];
-    let names_llama = fields
-        .get("architectures")
-        .and_then(|a| a.as_array())
-        .is_some_and(|a| a.iter().any(|v| variants.iter().any(|variant| v.as_str() == Some(variant.names().0))));
-    let llama_type = fields.text("model_type")?.is_some_and(|t| variant_of_model_type(t).is_some());
-    Ok(if llama_type || names_llama { LmFamily::Llama } else { LmFamily::Gpt2 })
+    let names_llama = fields.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| {
+        a.iter()
+            .any(|v| variants.iter().any(|variant| v.as_str() == Some(variant.names().0)))
+    });
+    let llama_type = fields
+        .text("model_type")?
+        .is_some_and(|t| variant_of_model_type(t).is_some());
+    Ok(if llama_type || names_llama {
+        LmFamily::Llama
+    } else {
+        LmFamily::Gpt2
+    })
 }
 
 /// The folder's sizes, checked, without reading its weights: enough for
@@ -73,7 +79,12 @@ pub fn load_lm_folder(dir: impl AsRef<Path>) -> Result<LoadedLm> {
             (Box::new(loaded.model), loaded.tokenizer)
         }
     };
-    Ok(LoadedLm { family, model, tokenizer, gguf: None })
+    Ok(LoadedLm {
+        family,
+        model,
+        tokenizer,
+        gguf: None,
+    })
 }
 
 /// Whether [`load_model`] reads `path` as a GGUF file: it is a file (a
@@ -123,5 +134,10 @@ pub fn load_model(path: impl AsRef<Path>) -> Result<LoadedLm> {
         GgufArchitecture::Llama(_) => LmFamily::Llama,
         GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
     };
-    Ok(LoadedLm { family, model: gguf.to_causal_lm()?, tokenizer: None, gguf: Some(gguf) })
+    Ok(LoadedLm {
+        family,
+        model: gguf.to_causal_lm()?,
+        tokenizer: None,
+        gguf: Some(gguf),
+    })
 }

@@ -15,10 +15,12 @@ const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 /// data/README.md gives its source and licence).
 pub fn shakespeare() -> Result<String> {
     let mut text = String::with_capacity(5_100_000);
-    flate2::read::GzDecoder::new(SHAKESPEARE_GZ).read_to_string(&mut text).map_err(|e| Error::InvalidArgument {
-        op: "shakespeare",
-        reason: format!("the embedded text does not decompress: {e}"),
-    })?;
+    flate2::read::GzDecoder::new(SHAKESPEARE_GZ)
+        .read_to_string(&mut text)
+        .map_err(|e| Error::InvalidArgument {
+            op: "shakespeare",
+            reason: format!("the embedded text does not decompress: {e}"),
+        })?;
     Ok(text)
 }
 
@@ -48,14 +50,20 @@ impl CharTokenizer {
         sorted.sort_unstable();
         sorted.dedup();
         if sorted.len() != chars.len() {
-            return Err(Error::InvalidArgument { op: "CharTokenizer", reason: "the vocabulary repeats a character".into() });
+            return Err(Error::InvalidArgument {
+                op: "CharTokenizer",
+                reason: "the vocabulary repeats a character".into(),
+            });
         }
         Self::from_chars(chars)
     }
 
     fn from_chars(chars: Vec<char>) -> Result<Self> {
         if chars.is_empty() {
-            return Err(Error::InvalidArgument { op: "CharTokenizer", reason: "an empty vocabulary".into() });
+            return Err(Error::InvalidArgument {
+                op: "CharTokenizer",
+                reason: "an empty vocabulary".into(),
+            });
         }
         let ids = chars.iter().enumerate().map(|(i, &c)| (c, i as u32)).collect();
         Ok(CharTokenizer { chars, ids })
@@ -79,7 +87,10 @@ impl CharTokenizer {
                 Some(&id) => Ok(id),
                 None => Err(Error::InvalidArgument {
                     op: "CharTokenizer::encode",
-                    reason: format!("character {c:?} at position {i} is not in the vocabulary of {}", self.chars.len()),
+                    reason: format!(
+                        "character {c:?} at position {i} is not in the vocabulary of {}",
+                        self.chars.len()
+                    ),
                 }),
             })
             .collect()
@@ -89,10 +100,13 @@ impl CharTokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         ids.iter()
             .map(|&id| {
-                self.chars.get(id as usize).copied().ok_or_else(|| Error::InvalidArgument {
-                    op: "CharTokenizer::decode",
-                    reason: format!("id {id} is outside the vocabulary of {}", self.chars.len()),
-                })
+                self.chars
+                    .get(id as usize)
+                    .copied()
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "CharTokenizer::decode",
+                        reason: format!("id {id} is outside the vocabulary of {}", self.chars.len()),
+                    })
             })
             .collect()
     }
@@ -103,25 +117,43 @@ impl CharTokenizer {
 /// the last plays), never random lines.
 pub fn held_out_split(tokens: &[u32], validation_fraction: f64) -> Result<(&[u32], &[u32])> {
     if !(validation_fraction > 0.0 && validation_fraction < 1.0) {
-        return Err(Error::InvalidArgument { op: "held_out_split", reason: format!("the fraction must be in (0, 1), got {validation_fraction}") });
+        return Err(Error::InvalidArgument {
+            op: "held_out_split",
+            reason: format!("the fraction must be in (0, 1), got {validation_fraction}"),
+        });
     }
     let cut = ((tokens.len() as f64) * (1.0 - validation_fraction)).round() as usize;
     if cut == 0 || cut == tokens.len() {
-        return Err(Error::InvalidArgument { op: "held_out_split", reason: format!("{} tokens leave one side empty", tokens.len()) });
+        return Err(Error::InvalidArgument {
+            op: "held_out_split",
+            reason: format!("{} tokens leave one side empty", tokens.len()),
+        });
     }
     Ok(tokens.split_at(cut))
 }
 
 /// `batch` random windows of `block_size + 1` tokens: inputs [batch,
 /// block_size] and targets, the same windows one token later.
-pub fn random_windows(tokens: &[u32], batch: usize, block_size: usize, rng: &mut impl Rng) -> Result<(Vec<u32>, Vec<u32>)> {
+pub fn random_windows(
+    tokens: &[u32],
+    batch: usize,
+    block_size: usize,
+    rng: &mut impl Rng,
+) -> Result<(Vec<u32>, Vec<u32>)> {
     if batch == 0 || block_size == 0 || tokens.len() <= block_size {
         return Err(Error::InvalidArgument {
             op: "random_windows",
-            reason: format!("{} tokens cannot give windows of {} (batch {batch})", tokens.len(), block_size + 1),
+            reason: format!(
+                "{} tokens cannot give windows of {} (batch {batch})",
+                tokens.len(),
+                block_size + 1
+            ),
         });
     }
-    let (mut inputs, mut targets) = (Vec::with_capacity(batch * block_size), Vec::with_capacity(batch * block_size));
+    let (mut inputs, mut targets) = (
+        Vec::with_capacity(batch * block_size),
+        Vec::with_capacity(batch * block_size),
+    );
     for _ in 0..batch {
         let start = rng.random_range(0..tokens.len() - block_size);
         inputs.extend_from_slice(&tokens[start..start + block_size]);
@@ -150,8 +182,10 @@ impl Gpt2Bpe {
     pub const END_OF_TEXT: u32 = 50256;
 
     pub fn new() -> Result<Self> {
-        let bpe = tiktoken_rs::r50k_base()
-            .map_err(|e| Error::InvalidArgument { op: "Gpt2Bpe", reason: format!("the r50k_base ranks do not load: {e}") })?;
+        let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::InvalidArgument {
+            op: "Gpt2Bpe",
+            reason: format!("the r50k_base ranks do not load: {e}"),
+        })?;
         Ok(Gpt2Bpe { bpe })
     }
 
@@ -170,7 +204,10 @@ impl Gpt2Bpe {
                 reason: format!("id {bad} is outside the vocabulary of {}", Self::VOCAB_SIZE),
             });
         }
-        self.bpe.decode_bytes(ids).map_err(|e| Error::InvalidArgument { op: "Gpt2Bpe::decode", reason: e.to_string() })
+        self.bpe.decode_bytes(ids).map_err(|e| Error::InvalidArgument {
+            op: "Gpt2Bpe::decode",
+            reason: e.to_string(),
+        })
     }
 }
 

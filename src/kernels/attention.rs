@@ -135,10 +135,16 @@ impl Kernels {
     /// of 64 channels), else the serial
     /// one where the context fits that limit, else the workgroup kernel
     /// with the fewest lanes that fit it.
-    pub fn cached_attention_kernel_for(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> CachedAttentionKernel {
+    pub fn cached_attention_kernel_for(
+        &self,
+        shape: &CachedAttentionShape,
+        views: &[View<'_>],
+    ) -> CachedAttentionKernel {
         let CachedAttentionShape { head_dim, context, .. } = *shape;
         if self.gpu_shaped() {
-            return CachedAttentionKernel::Workgroup { lanes: DECODE_LANES as u32 };
+            return CachedAttentionKernel::Workgroup {
+                lanes: DECODE_LANES as u32,
+            };
         }
         // Grouped-query attention (a KV head shared by 2 or more query
         // heads): multi-head attention keeps the kernels below, which
@@ -157,7 +163,11 @@ impl Kernels {
         }
         // Each lane's positions take two channel loops (and a rescale).
         let lane_iterations = |lanes: usize| context.div_ceil(lanes).saturating_mul(3 * head_dim + 1);
-        let lanes = if lane_iterations(CPU_DECODE_LANES) <= LOOP_ITERATIONS_MAX { CPU_DECODE_LANES } else { DECODE_LANES };
+        let lanes = if lane_iterations(CPU_DECODE_LANES) <= LOOP_ITERATIONS_MAX {
+            CPU_DECODE_LANES
+        } else {
+            DECODE_LANES
+        };
         CachedAttentionKernel::Workgroup { lanes: lanes as u32 }
     }
 
@@ -170,9 +180,16 @@ impl Kernels {
     fn grouped_attention_runs(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> bool {
         let CachedAttentionShape { head_dim, context, .. } = *shape;
         let d4 = head_dim / 4;
-        let aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0 && views.iter().all(|v| v.offset % 16 == 0);
-        let iterations = context.div_ceil(GROUPED_LANES).saturating_mul(2 * d4 + 1).saturating_add(16 * d4 + 4 * GROUPED_LANES + 64);
-        head_dim % 4 == 0 && head_dim <= GROUPED_MAX_HEAD_DIM && aligned && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
+        let aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0
+            && views.iter().all(|v| v.offset % 16 == 0);
+        let iterations = context
+            .div_ceil(GROUPED_LANES)
+            .saturating_mul(2 * d4 + 1)
+            .saturating_add(16 * d4 + 4 * GROUPED_LANES + 64);
+        head_dim % 4 == 0
+            && head_dim <= GROUPED_MAX_HEAD_DIM
+            && aligned
+            && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
     }
 
     /// [`Kernels::cached_attention_forward`] on an explicit kernel
@@ -192,16 +209,36 @@ impl Kernels {
         shape: CachedAttentionShape,
     ) -> Result<Dispatch> {
         let op = CACHED_ATTENTION_FORWARD.entry;
-        let CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, .. } = shape;
+        let CachedAttentionShape {
+            seqs,
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            context,
+            ..
+        } = shape;
         let dims = [seqs, rows, heads, kv_heads, head_dim, context];
         if dims.contains(&0) {
-            return Err(Error::shape(op, format!("every size must be at least 1: {shape:?}"), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!("every size must be at least 1: {shape:?}"),
+                &[&dims],
+            ));
         }
         if heads % kv_heads != 0 {
-            return Err(Error::shape(op, format!("{kv_heads} KV heads do not divide {heads} query heads"), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!("{kv_heads} KV heads do not divide {heads} query heads"),
+                &[&dims],
+            ));
         }
         if head_dim > MAX_HEAD_DIM {
-            return Err(Error::shape(op, format!("head_dim {head_dim} is over the largest this kernel takes, {MAX_HEAD_DIM}"), &[&dims]));
+            return Err(Error::shape(
+                op,
+                format!("head_dim {head_dim} is over the largest this kernel takes, {MAX_HEAD_DIM}"),
+                &[&dims],
+            ));
         }
         let overflow = || Error::shape(op, format!("{shape:?} overflows"), &[&dims]);
         let want = shape.lengths().ok_or_else(overflow)?;
@@ -216,10 +253,23 @@ impl Kernels {
             ("starts", starts.len, seqs),
         ];
         if let Some((name, len, want)) = operands.iter().find(|(_, len, want)| len != want) {
-            return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
+            return Err(Error::shape(
+                op,
+                format!("`{name}` has {len} elements, want {want} for {shape:?}"),
+                &[&dims, &[*len]],
+            ));
         }
-        let invocations = seqs.checked_mul(rows).and_then(|n| n.checked_mul(heads)).filter(|&n| n <= u32::MAX as usize);
-        let invocations = invocations.ok_or_else(|| Error::shape(op, format!("more than 2^32 (sequence, row, head) triples: {shape:?}"), &[&dims]))?;
+        let invocations = seqs
+            .checked_mul(rows)
+            .and_then(|n| n.checked_mul(heads))
+            .filter(|&n| n <= u32::MAX as usize);
+        let invocations = invocations.ok_or_else(|| {
+            Error::shape(
+                op,
+                format!("more than 2^32 (sequence, row, head) triples: {shape:?}"),
+                &[&dims],
+            )
+        })?;
         let [(q_width, q_first), (k_width, k_first), (v_width, v_first)] = columns;
         let params = AttentionParams {
             seqs: dim(op, seqs)?,
@@ -256,12 +306,31 @@ impl Kernels {
         // silently dropping the rest: cached_attention_kernel_for picks
         // within it.
         match kernel {
-            CachedAttentionKernel::Serial => self.prepare(CACHED_ATTENTION_FORWARD, &[], &bindings, 7, &params, flat_groups(invocations)),
+            CachedAttentionKernel::Serial => self.prepare(
+                CACHED_ATTENTION_FORWARD,
+                &[],
+                &bindings,
+                7,
+                &params,
+                flat_groups(invocations),
+            ),
             CachedAttentionKernel::Workgroup { lanes } => {
                 if lanes as usize != CPU_DECODE_LANES && lanes as usize != DECODE_LANES {
-                    return Err(Error::InvalidArgument { op, reason: format!("{lanes} lanes: the workgroup kernel takes {CPU_DECODE_LANES} or {DECODE_LANES}") });
+                    return Err(Error::InvalidArgument {
+                        op,
+                        reason: format!(
+                            "{lanes} lanes: the workgroup kernel takes {CPU_DECODE_LANES} or {DECODE_LANES}"
+                        ),
+                    });
                 }
-                self.prepare(CACHED_ATTENTION_FORWARD_WORKGROUP, &[("DECODE_WG", f64::from(lanes))], &bindings, 7, &params, invocations as u64)
+                self.prepare(
+                    CACHED_ATTENTION_FORWARD_WORKGROUP,
+                    &[("DECODE_WG", f64::from(lanes))],
+                    &bindings,
+                    7,
+                    &params,
+                    invocations as u64,
+                )
             }
             CachedAttentionKernel::Grouped => {
                 if !self.grouped_attention_runs(&shape, &[out, k_cache, v_cache, q, k, v]) {
@@ -271,8 +340,16 @@ impl Kernels {
                         &[&dims],
                     ));
                 }
-                let workgroups = (invocations / heads * kv_heads) as u64 * (heads / kv_heads).div_ceil(GROUP_HEADS) as u64;
-                self.prepare(CACHED_ATTENTION_FORWARD_GROUPED, &[("GROUPED_LANES", GROUPED_LANES as f64)], &bindings, 7, &params, workgroups)
+                let workgroups =
+                    (invocations / heads * kv_heads) as u64 * (heads / kv_heads).div_ceil(GROUP_HEADS) as u64;
+                self.prepare(
+                    CACHED_ATTENTION_FORWARD_GROUPED,
+                    &[("GROUPED_LANES", GROUPED_LANES as f64)],
+                    &bindings,
+                    7,
+                    &params,
+                    workgroups,
+                )
             }
         }
     }

@@ -101,11 +101,25 @@ impl MatmulTuning {
     /// ([`Kernels::supports_subgroup_matmul`]).
     pub fn fallback(device_type: wgpu::DeviceType, subgroup_matmul: bool) -> Self {
         let (ab, atb, abt) = match device_type {
-            wgpu::DeviceType::Cpu if subgroup_matmul => (MatmulVariant::Subgroup, MatmulVariant::Subgroup, MatmulVariant::Subgroup),
-            wgpu::DeviceType::Cpu => (MatmulVariant::RegisterVec4, MatmulVariant::Register, MatmulVariant::RegisterVec4),
+            wgpu::DeviceType::Cpu if subgroup_matmul => (
+                MatmulVariant::Subgroup,
+                MatmulVariant::Subgroup,
+                MatmulVariant::Subgroup,
+            ),
+            wgpu::DeviceType::Cpu => (
+                MatmulVariant::RegisterVec4,
+                MatmulVariant::Register,
+                MatmulVariant::RegisterVec4,
+            ),
             _ => (MatmulVariant::Shared, MatmulVariant::Shared, MatmulVariant::Shared),
         };
-        MatmulTuning { ab, atb, abt, source: "fallback".into(), measurements: Vec::new() }
+        MatmulTuning {
+            ab,
+            atb,
+            abt,
+            source: "fallback".into(),
+            measurements: Vec::new(),
+        }
     }
 
     /// One line per form, then the measurements.
@@ -132,7 +146,9 @@ fn exact_product(form: MatmulForm, a: &[f32], b: &[f32], m: usize, n: usize, k: 
     let mut c = vec![0.0f32; m * n];
     for (i, row) in c.chunks_mut(n).enumerate() {
         for (j, out) in row.iter_mut().enumerate() {
-            *out = (0..k).map(|p| a[form.a_index(m, k, i, p)] * b[form.b_index(n, k, p, j)]).sum();
+            *out = (0..k)
+                .map(|p| a[form.a_index(m, k, i, p)] * b[form.b_index(n, k, p, j)])
+                .sum();
         }
     }
     c
@@ -204,7 +220,9 @@ pub fn tuning_for(info: &wgpu::AdapterInfo, subgroup_matmul: bool) -> MatmulTuni
     if let Some(t) = lock_resolved().get(&resolved_key) {
         return t.clone();
     }
-    let table = cache_path().and_then(|path| read_cache(&path).remove(&key)).unwrap_or_else(fallback);
+    let table = cache_path()
+        .and_then(|path| read_cache(&path).remove(&key))
+        .unwrap_or_else(fallback);
     lock_resolved().insert(resolved_key, table.clone());
     table
 }
@@ -242,7 +260,10 @@ pub fn candidates_for(form: MatmulForm) -> Vec<MatmulVariant> {
 }
 
 fn budget() -> Duration {
-    let ms = std::env::var("WGRAD_TUNE_BUDGET_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(3000);
+    let ms = std::env::var("WGRAD_TUNE_BUDGET_MS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(3000);
     Duration::from_millis(ms.max(1))
 }
 
@@ -266,7 +287,11 @@ impl Kernels {
             // Kernels shaped for the other kind of adapter (a test forcing
             // GPU shapes on a software one): that kind's fallback table,
             // since a tuning of this adapter says nothing about it.
-            let kind = if self.gpu_shaped() { wgpu::DeviceType::DiscreteGpu } else { wgpu::DeviceType::Cpu };
+            let kind = if self.gpu_shaped() {
+                wgpu::DeviceType::DiscreteGpu
+            } else {
+                wgpu::DeviceType::Cpu
+            };
             return MatmulTuning::fallback(kind, self.supports_subgroup_matmul());
         }
         tuning_for(self.device().info(), self.supports_subgroup_matmul())
@@ -286,44 +311,74 @@ impl Kernels {
             let (sa, sb) = form.operand_shapes(m, n, k);
             // Small integers, so every product and sum is exact in f32 and
             // the check can demand equality with the reference.
-            let pattern = |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + seed) % 5) as f32 - 2.0).collect() };
+            let pattern =
+                |len: usize, seed: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7 + seed) % 5) as f32 - 2.0).collect() };
             let a_host = pattern(sa[0] * sa[1], 1);
             let b_host = pattern(sb[0] * sb[1], 3);
             let want = exact_product(form, &a_host, &b_host, m, n, k);
             let (a, b) = (self.upload(&a_host)?, self.upload(&b_host)?);
             let mut candidates = Vec::new();
-            for variant in candidates_for(form).into_iter().filter(|&v| self.supports_matmul_variant(v)) {
+            for variant in candidates_for(form)
+                .into_iter()
+                .filter(|&v| self.supports_matmul_variant(v))
+            {
                 let c = self.zeros(m * n)?;
                 let started = Instant::now();
                 // Weight gradients (AtB) accumulate into their buffer in a
                 // training step, so they are timed that way (C starts at
                 // zero, so the first result is still the plain product).
                 let accumulate = form == MatmulForm::AtB;
-                let dispatch = self.matmul_impl(variant, form, accumulate, None, c.view(), a.view(), b.view(), m, n, k)?;
+                let dispatch =
+                    self.matmul_impl(variant, form, accumulate, None, c.view(), a.view(), b.view(), m, n, k)?;
                 self.run(&[&dispatch])?;
                 let got: Vec<f32> = self.read(c.view())?;
                 let compile_ms = started.elapsed().as_secs_f64() * 1e3;
                 if got != want {
                     return Err(Error::InvalidArgument {
                         op: "autotune",
-                        reason: format!("{variant:?} {form:?} {m}x{n}x{k} disagrees with the exact product; not tuning with it"),
+                        reason: format!(
+                            "{variant:?} {form:?} {m}x{n}x{k} disagrees with the exact product; not tuning with it"
+                        ),
                     });
                 }
                 candidates.push((variant, dispatch, compile_ms, Vec::new()));
             }
             // GPUs are timed on a GPU-sized product (checked above on the
             // small one: the same pipeline, other shapes).
-            let (m, n, k) = if on_gpu { (GPU_TUNE_SHAPES[shape].1, GPU_TUNE_SHAPES[shape].2, GPU_TUNE_SHAPES[shape].3) } else { (m, n, k) };
+            let (m, n, k) = if on_gpu {
+                (
+                    GPU_TUNE_SHAPES[shape].1,
+                    GPU_TUNE_SHAPES[shape].2,
+                    GPU_TUNE_SHAPES[shape].3,
+                )
+            } else {
+                (m, n, k)
+            };
             let timed_operands = if on_gpu {
                 let (sa, sb) = form.operand_shapes(m, n, k);
                 let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| ((i * 7) % 11) as f32 * 0.1 - 0.5).collect() };
-                Some((self.upload(&fill(sa[0] * sa[1]))?, self.upload(&fill(sb[0] * sb[1]))?, self.zeros(m * n)?))
+                Some((
+                    self.upload(&fill(sa[0] * sa[1]))?,
+                    self.upload(&fill(sb[0] * sb[1]))?,
+                    self.zeros(m * n)?,
+                ))
             } else {
                 None
             };
             if let Some((a, b, c)) = &timed_operands {
                 for (variant, dispatch, _, _) in candidates.iter_mut() {
-                    *dispatch = self.matmul_impl(*variant, form, form == MatmulForm::AtB, None, c.view(), a.view(), b.view(), m, n, k)?;
+                    *dispatch = self.matmul_impl(
+                        *variant,
+                        form,
+                        form == MatmulForm::AtB,
+                        None,
+                        c.view(),
+                        a.view(),
+                        b.view(),
+                        m,
+                        n,
+                        k,
+                    )?;
                 }
             }
             let deadline = Instant::now() + per_form;
@@ -342,7 +397,15 @@ impl Kernels {
                 if best.is_none_or(|(g, _)| gflops > g) {
                     best = Some((gflops, variant));
                 }
-                table.measurements.push(TuneMeasurement { form, variant, m, n, k, gflops, compile_ms });
+                table.measurements.push(TuneMeasurement {
+                    form,
+                    variant,
+                    m,
+                    n,
+                    k,
+                    gflops,
+                    compile_ms,
+                });
             }
             if let Some((_, variant)) = best {
                 table.set(form, variant);
@@ -416,7 +479,14 @@ mod tests {
             assert_eq!(cpu_subgroup.variant(form), MatmulVariant::Subgroup);
         }
         // Without subgroups: vec4 loads except for AᵀB (module documentation).
-        assert_eq!([cpu.variant(MatmulForm::AB), cpu.variant(MatmulForm::AtB), cpu.variant(MatmulForm::ABt)], [RegisterVec4, Register, RegisterVec4]);
+        assert_eq!(
+            [
+                cpu.variant(MatmulForm::AB),
+                cpu.variant(MatmulForm::AtB),
+                cpu.variant(MatmulForm::ABt)
+            ],
+            [RegisterVec4, Register, RegisterVec4]
+        );
     }
 
     #[test]
@@ -449,10 +519,18 @@ mod tests {
             ..wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan)
         };
         let key = cache_key(&info);
-        for part in ["llvmpipe (LLVM 15.0.6, 256 bits)", "Vulkan", "Mesa 22.3.6", env!("CARGO_PKG_VERSION")] {
+        for part in [
+            "llvmpipe (LLVM 15.0.6, 256 bits)",
+            "Vulkan",
+            "Mesa 22.3.6",
+            env!("CARGO_PKG_VERSION"),
+        ] {
             assert!(key.contains(part), "{key} lacks {part}");
         }
-        let other_driver = wgpu::AdapterInfo { driver_info: "Mesa 24.0".into(), ..info };
+        let other_driver = wgpu::AdapterInfo {
+            driver_info: "Mesa 24.0".into(),
+            ..info
+        };
         assert_ne!(cache_key(&other_driver), key);
     }
 }

@@ -18,7 +18,11 @@ pub struct ModuleFile {
 }
 
 fn write(path: &Path, text: &str) -> Result<()> {
-    std::fs::write(path, text).map_err(|source| Error::DataIo { op: "shaders --dump", path: path.to_path_buf(), source })
+    std::fs::write(path, text).map_err(|source| Error::DataIo {
+        op: "shaders --dump",
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Writes each family's module into `dir/modules/NAME.wgsl` as WebGPU
@@ -29,7 +33,11 @@ fn write(path: &Path, text: &str) -> Result<()> {
 /// accepts. Returns what it wrote.
 pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
     let modules_dir = dir.join("modules");
-    std::fs::create_dir_all(&modules_dir).map_err(|source| Error::DataIo { op: "shaders --dump", path: modules_dir.clone(), source })?;
+    std::fs::create_dir_all(&modules_dir).map_err(|source| Error::DataIo {
+        op: "shaders --dump",
+        path: modules_dir.clone(),
+        source,
+    })?;
     let mut written = Vec::new();
     let mut manifest = Vec::new();
     for family in Family::ALL {
@@ -37,7 +45,11 @@ pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
         let web = family.source_for(Dialect::WebGpu);
         let path = modules_dir.join(format!("{}.wgsl", family.name()));
         write(&path, &web)?;
-        written.push(ModuleFile { family, path, entries: entries.clone() });
+        written.push(ModuleFile {
+            family,
+            path,
+            entries: entries.clone(),
+        });
         let features: Vec<&str> = crate::device::REPORTED_FEATURES
             .iter()
             .filter(|(f, _)| family.required_features().contains(*f))
@@ -50,8 +62,12 @@ pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
             "features": features,
         }));
     }
-    let text = serde_json::to_string_pretty(&serde_json::json!({ "modules": manifest }))
-        .map_err(|e| Error::InvalidArgument { op: "shaders --dump", reason: e.to_string() })?;
+    let text = serde_json::to_string_pretty(&serde_json::json!({ "modules": manifest })).map_err(|e| {
+        Error::InvalidArgument {
+            op: "shaders --dump",
+            reason: e.to_string(),
+        }
+    })?;
     write(&dir.join("modules.json"), &text)?;
     Ok(written)
 }

@@ -130,9 +130,21 @@ impl Kernels {
         if x.len % 4 != 0 || x.offset % 16 != 0 || out.offset % 16 != 0 {
             return Err(Error::shape(op, format!("copies whole vec4s: needs a length that is a multiple of 4 and 16-byte aligned offsets; got {} floats, x at byte {}, out at byte {}", x.len, x.offset, out.offset), &[&[x.len], &[out.len]]));
         }
-        let params = ElementwiseParams { n: dim(op, x.len / 4)?, cols: 1, alpha: 1.0, _pad: 0 };
+        let params = ElementwiseParams {
+            n: dim(op, x.len / 4)?,
+            cols: 1,
+            alpha: 1.0,
+            _pad: 0,
+        };
         let groups = (x.len / 4).div_ceil(PER_INVOCATION * WORKGROUP) as u64;
-        self.prepare(COPY_VEC4, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, groups)
+        self.prepare(
+            COPY_VEC4,
+            &[],
+            &[bind(0, "x", x), bind(2, "out", out)],
+            3,
+            &params,
+            groups,
+        )
     }
 
     /// out += x (gradient accumulation).
@@ -142,14 +154,7 @@ impl Kernels {
     }
 
     /// out[rows, cols] = x[rows, cols] + bias[cols].
-    pub fn bias_add(
-        &self,
-        out: View<'_>,
-        x: View<'_>,
-        bias: View<'_>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Dispatch> {
+    pub fn bias_add(&self, out: View<'_>, x: View<'_>, bias: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = BIAS_ADD_FORWARD.entry;
         if rows.checked_mul(cols) != Some(x.len) || out.len != x.len || bias.len != cols || cols == 0 {
             return Err(Error::shape(
@@ -172,13 +177,7 @@ impl Kernels {
     }
 
     /// dx = f'(x) · dy, where x is the forward input.
-    pub fn activation_backward(
-        &self,
-        act: Activation,
-        dx: View<'_>,
-        x: View<'_>,
-        dy: View<'_>,
-    ) -> Result<Dispatch> {
+    pub fn activation_backward(&self, act: Activation, dx: View<'_>, x: View<'_>, dy: View<'_>) -> Result<Dispatch> {
         let kernel = act.kernels().1;
         same_len(kernel.entry, &[("dx", &dx), ("x", &x), ("dy", &dy)])?;
         self.flat(kernel, dx, x, Some(dy), 1, 0.0)

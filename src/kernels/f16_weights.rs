@@ -12,12 +12,12 @@
 //! product by blocks of B's rows (C's columns), the lookup by ranges of
 //! table rows. A and C must each fit one binding.
 
+use super::matmul::matvec_rows_bucket;
+use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
 use super::matmul_ext::F16View;
 use super::registry::{entry_points, Kernel};
-use super::matmul::{ProductParams, MATVEC_COLUMNS, SMALL_MATMUL_WORK, TILE};
-use super::matmul::matvec_rows_bucket;
-use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use super::rowwise::RowPartLayout;
+use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
 use crate::error::{Error, Result};
 
 entry_points! {
@@ -111,8 +111,22 @@ impl Kernels {
     /// [`Kernels::matvec_lanes`]; else the small tiled kernel up to
     /// [`SMALL_MATMUL_WORK`] multiply-adds, and above it the register one on
     /// a CPU adapter and the workgroup-memory one on a GPU.
-    pub fn f16_weights_kernel_for(&self, m: usize, n: usize, k: usize, a: &View<'_>, b: &F16View<'_>) -> F16WeightsKernel {
-        F16WeightsKernel::for_shape(self.gpu_shaped(), self.matvec_lanes(), self.f16_matvec_runs(m, k, a, b), m, n, k)
+    pub fn f16_weights_kernel_for(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &View<'_>,
+        b: &F16View<'_>,
+    ) -> F16WeightsKernel {
+        F16WeightsKernel::for_shape(
+            self.gpu_shaped(),
+            self.matvec_lanes(),
+            self.f16_matvec_runs(m, k, a, b),
+            m,
+            n,
+            k,
+        )
     }
 
     /// Whether the f16 matrix-vector kernel can run an m-row product over
@@ -131,7 +145,16 @@ impl Kernels {
     /// and activation gradients are training's and are refused. Needs
     /// SHADER_F16; [`Error::Unsupported`] without it.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f16_weights(&self, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: F16View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_f16_weights(
+        &self,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: F16View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         let kernel = self.f16_weights_kernel_for(m, n, k, &a, &b);
         self.matmul_f16_weights_with(kernel, epilogue, c, a, b, m, n, k)
     }
@@ -165,10 +188,20 @@ impl Kernels {
         }
         let len = |x: usize, y: usize| x.checked_mul(y);
         if len(m, k) != Some(a.len) || len(n, k) != Some(b.len()) || len(m, n) != Some(c.len) {
-            let want = |x: usize, y: usize| len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string());
+            let want = |x: usize, y: usize| {
+                len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string())
+            };
             return Err(Error::shape(
                 op,
-                format!("A·Bᵀ with m={m} n={n} k={k} needs A, B, C of {}, {}, {} values; got {}, {}, {}", want(m, k), want(n, k), want(m, n), a.len, b.len(), c.len),
+                format!(
+                    "A·Bᵀ with m={m} n={n} k={k} needs A, B, C of {}, {}, {} values; got {}, {}, {}",
+                    want(m, k),
+                    want(n, k),
+                    want(m, n),
+                    a.len,
+                    b.len(),
+                    c.len
+                ),
                 &shapes,
             ));
         }
@@ -177,7 +210,10 @@ impl Kernels {
         if let F16WeightsKernel::Matvec { lanes } = kernel {
             // Lane c stores column c of the workgroup's 8.
             if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {
-                return Err(Error::InvalidArgument { op, reason: format!("{lanes} lanes: a power of two from 8 to 64") });
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!("{lanes} lanes: a power of two from 8 to 64"),
+                });
             }
             if !self.f16_matvec_runs(m, k, &a, &b) {
                 return Err(Error::shape(
@@ -202,12 +238,24 @@ impl Kernels {
             let by_c = cap.saturating_sub((m - 1) * n);
             let cols = by_b.min(by_c).min(n);
             if cols == 0 {
-                let (operand, bytes) = if by_b == 0 { ("b (one row of it)", k as u64 * 2) } else { ("c (its rows do not split)", c.bytes()) };
+                let (operand, bytes) = if by_b == 0 {
+                    ("b (one row of it)", k as u64 * 2)
+                } else {
+                    ("c (its rows do not split)", c.bytes())
+                };
                 return Err(self.binding_too_large(op, operand, bytes));
             }
             // Whole tiles (and matrix-vector workgroups) per launch.
-            let unit = if matches!(kernel, F16WeightsKernel::Matvec { .. }) { MATVEC_COLUMNS } else { TILE };
-            if cols > unit { cols / unit * unit } else { cols }
+            let unit = if matches!(kernel, F16WeightsKernel::Matvec { .. }) {
+                MATVEC_COLUMNS
+            } else {
+                TILE
+            };
+            if cols > unit {
+                cols / unit * unit
+            } else {
+                cols
+            }
         } else {
             n
         };
@@ -217,9 +265,17 @@ impl Kernels {
             .map(|n0| {
                 let cols = cols.min(n - n0);
                 let whole = cols == n;
-                let (b_bind, b_base) = if whole { (b.words(), 0) } else { f16_part(self, b.words(), n0 * k, cols * k) };
+                let (b_bind, b_base) = if whole {
+                    (b.words(), 0)
+                } else {
+                    f16_part(self, b.words(), n0 * k, cols * k)
+                };
                 let c_range = (n0, (m - 1) * n + cols);
-                let (c_bind, c_base) = if whole { (c, 0) } else { self.bind_part(c, c_range.0, c_range.1) };
+                let (c_bind, c_base) = if whole {
+                    (c, 0)
+                } else {
+                    self.bind_part(c, c_range.0, c_range.1)
+                };
                 let pre_bind = match pre {
                     Some(p) if !whole => Some(self.bind_like_c(op, p, c_range, c_base)?),
                     other => other,
@@ -233,8 +289,20 @@ impl Kernels {
                 // The workgroup-memory kernel's vector loads read A in
                 // vec4s and B 8 weights (16 bytes) at a time.
                 let vectors = k % 8 == 0 && a.offset % 16 == 0 && b_base % 8 == 0 && b_bind.offset % 16 == 0;
-                let entry = if kernel == F16WeightsKernel::Shared && vectors { MATMUL_F16W_FORWARD_SHARED_VEC } else { entry };
-                self.f16_weights_launch(entry, kernel, (bias, activation.is_some(), pre_bind), [c_bind, a, b_bind], &params, m, cols)
+                let entry = if kernel == F16WeightsKernel::Shared && vectors {
+                    MATMUL_F16W_FORWARD_SHARED_VEC
+                } else {
+                    entry
+                };
+                self.f16_weights_launch(
+                    entry,
+                    kernel,
+                    (bias, activation.is_some(), pre_bind),
+                    [c_bind, a, b_bind],
+                    &params,
+                    m,
+                    cols,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no columns", &shapes))
@@ -253,24 +321,43 @@ impl Kernels {
         cols: usize,
     ) -> Result<Dispatch> {
         let flag = |on: bool| f64::from(u8::from(on));
-        let mut constants = vec![("HAS_BIAS", flag(bias.is_some())), ("ACTIVATION_FORWARD", flag(activation)), ("STORE_PRE", flag(pre.is_some()))];
+        let mut constants = vec![
+            ("HAS_BIAS", flag(bias.is_some())),
+            ("ACTIVATION_FORWARD", flag(activation)),
+            ("STORE_PRE", flag(pre.is_some())),
+        ];
         let groups = match kernel {
             F16WeightsKernel::Matvec { lanes } => {
                 // A pipeline per bucket of row counts, as the f32
                 // matrix-vector kernel.
-                constants.extend([("MATVEC_ROWS", matvec_rows_bucket(m) as f64), ("MATVEC_WG", f64::from(lanes))]);
+                constants.extend([
+                    ("MATVEC_ROWS", matvec_rows_bucket(m) as f64),
+                    ("MATVEC_WG", f64::from(lanes)),
+                ]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
-            F16WeightsKernel::Small | F16WeightsKernel::Register | F16WeightsKernel::Shared => u64::from(params.product.tiles_total),
+            F16WeightsKernel::Small | F16WeightsKernel::Register | F16WeightsKernel::Shared => {
+                u64::from(params.product.tiles_total)
+            }
         };
         // Unused read-only slots hold a placeholder the kernel never reads;
         // an unused `pre` a writable one of its own (not C: a writable
         // binding may alias no other).
-        let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
+        let placeholder = View {
+            buffer: self.placeholder(),
+            offset: 0,
+            len: 1,
+        };
         self.prepare(
             entry,
             &constants,
-            &[bind(0, "a", a), bind(1, "b", b), bind(2, "c", c), bind(4, "bias", bias.unwrap_or(placeholder)), bind(5, "pre", pre.unwrap_or(self.unused_writable(0)))],
+            &[
+                bind(0, "a", a),
+                bind(1, "b", b),
+                bind(2, "c", c),
+                bind(4, "bias", bias.unwrap_or(placeholder)),
+                bind(5, "pre", pre.unwrap_or(self.unused_writable(0))),
+            ],
             3,
             params,
             groups,
@@ -283,15 +370,28 @@ impl Kernels {
     /// [`Kernels::embedding_forward`] (check ids with
     /// [`super::check_token_ids`] where the host has them). Needs
     /// SHADER_F16; [`Error::Unsupported`] without it.
-    pub fn embedding_f16_weights(&self, out: View<'_>, table: F16View<'_>, ids: View<'_>, n: usize, vocab: usize, channels: usize) -> Result<Dispatch> {
+    pub fn embedding_f16_weights(
+        &self,
+        out: View<'_>,
+        table: F16View<'_>,
+        ids: View<'_>,
+        n: usize,
+        vocab: usize,
+        channels: usize,
+    ) -> Result<Dispatch> {
         let kernel = EMBEDDING_F16W_FORWARD;
         let op = kernel.entry;
         self.require_family(kernel)?;
         let shapes: [&[usize]; 3] = [&[vocab, channels], &[n], &[n, channels]];
         if n == 0 || vocab == 0 || channels == 0 {
-            return Err(Error::shape(op, format!("n, vocab and channels must not be 0 (n = {n}, vocab = {vocab}, channels = {channels})"), &shapes));
+            return Err(Error::shape(
+                op,
+                format!("n, vocab and channels must not be 0 (n = {n}, vocab = {vocab}, channels = {channels})"),
+                &shapes,
+            ));
         }
-        if Some(out.len) != n.checked_mul(channels) || Some(table.len()) != vocab.checked_mul(channels) || ids.len != n {
+        if Some(out.len) != n.checked_mul(channels) || Some(table.len()) != vocab.checked_mul(channels) || ids.len != n
+        {
             return Err(Error::shape(
                 op,
                 format!("out, table and ids must hold n·channels, vocab·channels and n values; got {}, {}, {} (n = {n}, vocab = {vocab}, channels = {channels})", out.len, table.len(), ids.len),
@@ -299,8 +399,17 @@ impl Kernels {
             ));
         }
         // A part's values, in the words that hold them (two per word).
-        let layout = RowPartLayout { op, name: "table (one row of it)", vocab, channels, value_bytes: 2, values_per_part: (2 * self.part_capacity()).saturating_sub(2) };
-        let parts = self.row_parts(table.words(), layout, |start, len| f16_part(self, table.words(), start, len))?;
+        let layout = RowPartLayout {
+            op,
+            name: "table (one row of it)",
+            vocab,
+            channels,
+            value_bytes: 2,
+            values_per_part: (2 * self.part_capacity()).saturating_sub(2),
+        };
+        let parts = self.row_parts(table.words(), layout, |start, len| {
+            f16_part(self, table.words(), start, len)
+        })?;
         let launches = parts
             .into_iter()
             .map(|part| {
@@ -313,7 +422,14 @@ impl Kernels {
                     table_base: dim(op, part.base)?,
                     _pad: [0; 2],
                 };
-                self.prepare(kernel, &[], &[bind(6, "table", part.binding), bind(7, "ids", ids), bind(8, "out", out)], 9, &params, flat_groups(out.len))
+                self.prepare(
+                    kernel,
+                    &[],
+                    &[bind(6, "table", part.binding), bind(7, "ids", ids), bind(8, "out", out)],
+                    9,
+                    &params,
+                    flat_groups(out.len),
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &shapes))

@@ -84,11 +84,20 @@ fn tile_rows(d: usize) -> usize {
 
 impl Kernels {
     /// The shape's checks and the operands' lengths against it.
-    fn check_flash(&self, op: &'static str, shape: FlashAttentionShape, operands: &[(&'static str, usize, usize)]) -> Result<FlashParams> {
+    fn check_flash(
+        &self,
+        op: &'static str,
+        shape: FlashAttentionShape,
+        operands: &[(&'static str, usize, usize)],
+    ) -> Result<FlashParams> {
         shape.check(op, FLASH_MAX_HEAD_DIM)?;
         let dims = [shape.batch, shape.seq, shape.heads, shape.kv_heads, shape.head_dim];
         if let Some((name, len, want)) = operands.iter().find(|(_, len, want)| len != want) {
-            return Err(Error::shape(op, format!("`{name}` has {len} elements, want {want} for {shape:?}"), &[&dims, &[*len]]));
+            return Err(Error::shape(
+                op,
+                format!("`{name}` has {len} elements, want {want} for {shape:?}"),
+                &[&dims, &[*len]],
+            ));
         }
         let max = self.device().limits().max_compute_workgroups_per_dimension as usize;
         if shape.seq.div_ceil(self.flash_group_rows(shape)) > max || shape.heads > max || shape.batch > max {
@@ -115,13 +124,28 @@ impl Kernels {
     /// a GPU; on a CPU adapter as many as keep each invocation under
     /// llvmpipe's loop limit (or [`super::LimitOverrides::loop_iterations`]),
     /// each continuing the last (`first` = 0).
-    fn flash_launches(&self, kernel: Kernel, bindings: &[Binding<'_>], params: FlashParams, per_row: usize, grid: [u32; 3]) -> Result<Dispatch> {
+    fn flash_launches(
+        &self,
+        kernel: Kernel,
+        bindings: &[Binding<'_>],
+        params: FlashParams,
+        per_row: usize,
+        grid: [u32; 3],
+    ) -> Result<Dispatch> {
         let seq = params.seq as usize;
-        let budget = self.overrides.loop_iterations.or(self.device().is_cpu().then_some(CPU_LOOP_BUDGET));
+        let budget = self
+            .overrides
+            .loop_iterations
+            .or(self.device().is_cpu().then_some(CPU_LOOP_BUDGET));
         let chunk = budget.map_or(seq, |budget| (budget / per_row.max(1)).max(1));
         let mut parts = Vec::new();
         for start in (0..seq).step_by(chunk) {
-            let part = FlashParams { chunk_start: dim(kernel.entry, start)?, chunk_end: dim(kernel.entry, (start + chunk).min(seq))?, first: u32::from(start == 0), ..params };
+            let part = FlashParams {
+                chunk_start: dim(kernel.entry, start)?,
+                chunk_end: dim(kernel.entry, (start + chunk).min(seq))?,
+                first: u32::from(start == 0),
+                ..params
+            };
             parts.push(self.prepare_grid(kernel, &[], bindings, 7, &part, grid)?);
         }
         Dispatch::chain(parts).ok_or_else(|| Error::shape(kernel.entry, "no rows", &[&[seq]]))
@@ -181,38 +205,121 @@ impl Kernels {
     /// each row's log-sum-exp of its scaled scores, from q [B, T, H, d]
     /// and k, v [B, T, Hkv, d]: query head h reads KV head h / (H / Hkv).
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_attention_forward(&self, out: View<'_>, lse: View<'_>, q: View<'_>, k: View<'_>, v: View<'_>, shape: FlashAttentionShape) -> Result<Dispatch> {
+    pub fn flash_attention_forward(
+        &self,
+        out: View<'_>,
+        lse: View<'_>,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        shape: FlashAttentionShape,
+    ) -> Result<Dispatch> {
         let op = FLASH_ATTENTION_FORWARD.entry;
         let (q_len, kv_len, rows) = shape.lengths().unwrap_or_default();
-        let params = self.check_flash(op, shape, &[("out", out.len, q_len), ("lse", lse.len, rows), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len)])?;
-        let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(8, "out", out), bind(9, "lse", lse)];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.heads, params.batch];
+        let params = self.check_flash(
+            op,
+            shape,
+            &[
+                ("out", out.len, q_len),
+                ("lse", lse.len, rows),
+                ("q", q.len, q_len),
+                ("k", k.len, kv_len),
+                ("v", v.len, kv_len),
+            ],
+        )?;
+        let bindings = [
+            bind(0, "q", q),
+            bind(1, "k", k),
+            bind(2, "v", v),
+            bind(8, "out", out),
+            bind(9, "lse", lse),
+        ];
+        let grid = [
+            shape.seq.div_ceil(self.flash_group_rows(shape)) as u32,
+            params.heads,
+            params.batch,
+        ];
         let kernel = self.flash_entry(FLASH_ATTENTION_FORWARD, FLASH_ATTENTION_FORWARD_ROWS, shape);
         self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 2), grid)
     }
 
     /// delta [B, H, T] = rowsum(dout ∘ out) per query head, from dout and
     /// out [B, T, H, d]: the backward's preprocessing.
-    pub fn flash_attention_backward_prepare(&self, delta: View<'_>, dout: View<'_>, out: View<'_>, shape: FlashAttentionShape) -> Result<Dispatch> {
+    pub fn flash_attention_backward_prepare(
+        &self,
+        delta: View<'_>,
+        dout: View<'_>,
+        out: View<'_>,
+        shape: FlashAttentionShape,
+    ) -> Result<Dispatch> {
         let op = FLASH_ATTENTION_BACKWARD_PREPARE.entry;
         let (q_len, _, rows) = shape.lengths().unwrap_or_default();
-        let params = self.check_flash(op, shape, &[("delta", delta.len, rows), ("dout", dout.len, q_len), ("out", out.len, q_len)])?;
+        let params = self.check_flash(
+            op,
+            shape,
+            &[
+                ("delta", delta.len, rows),
+                ("dout", dout.len, q_len),
+                ("out", out.len, q_len),
+            ],
+        )?;
         let bindings = [bind(3, "dout", dout), bind(4, "out", out), bind(10, "delta", delta)];
-        self.prepare(FLASH_ATTENTION_BACKWARD_PREPARE, &[], &bindings, 7, &params, flat_groups(rows))
+        self.prepare(
+            FLASH_ATTENTION_BACKWARD_PREPARE,
+            &[],
+            &bindings,
+            7,
+            &params,
+            flat_groups(rows),
+        )
     }
 
     /// dq [B, T, H, d] from dout [B, T, H, d], the forward's q, k, v, its
     /// lse and [`Kernels::flash_attention_backward_prepare`]'s delta, the
     /// probabilities recomputed tile by tile.
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_attention_backward_query(&self, dq: View<'_>, dout: View<'_>, q: View<'_>, k: View<'_>, v: View<'_>, lse: View<'_>, delta: View<'_>, shape: FlashAttentionShape) -> Result<Dispatch> {
+    pub fn flash_attention_backward_query(
+        &self,
+        dq: View<'_>,
+        dout: View<'_>,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        lse: View<'_>,
+        delta: View<'_>,
+        shape: FlashAttentionShape,
+    ) -> Result<Dispatch> {
         let op = FLASH_ATTENTION_BACKWARD_QUERY.entry;
         let (q_len, kv_len, rows) = shape.lengths().unwrap_or_default();
-        let operands = [("dq", dq.len, q_len), ("dout", dout.len, q_len), ("q", q.len, q_len), ("k", k.len, kv_len), ("v", v.len, kv_len), ("lse", lse.len, rows), ("delta", delta.len, rows)];
+        let operands = [
+            ("dq", dq.len, q_len),
+            ("dout", dout.len, q_len),
+            ("q", q.len, q_len),
+            ("k", k.len, kv_len),
+            ("v", v.len, kv_len),
+            ("lse", lse.len, rows),
+            ("delta", delta.len, rows),
+        ];
         let params = self.check_flash(op, shape, &operands)?;
-        let bindings = [bind(0, "q", q), bind(1, "k", k), bind(2, "v", v), bind(3, "dout", dout), bind(5, "lse", lse), bind(6, "delta", delta), bind(11, "dq", dq)];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.heads, params.batch];
-        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_QUERY, FLASH_ATTENTION_BACKWARD_QUERY_ROWS, shape);
+        let bindings = [
+            bind(0, "q", q),
+            bind(1, "k", k),
+            bind(2, "v", v),
+            bind(3, "dout", dout),
+            bind(5, "lse", lse),
+            bind(6, "delta", delta),
+            bind(11, "dq", dq),
+        ];
+        let grid = [
+            shape.seq.div_ceil(self.flash_group_rows(shape)) as u32,
+            params.heads,
+            params.batch,
+        ];
+        let kernel = self.flash_entry(
+            FLASH_ATTENTION_BACKWARD_QUERY,
+            FLASH_ATTENTION_BACKWARD_QUERY_ROWS,
+            shape,
+        );
         self.flash_launches(kernel, &bindings, params, self.flash_per_row(shape, 3), grid)
     }
 
@@ -255,10 +362,18 @@ impl Kernels {
             bind(12, "dk", dk),
             bind(13, "dv", dv),
         ];
-        let grid = [shape.seq.div_ceil(self.flash_group_rows(shape)) as u32, params.kv_heads, params.batch];
+        let grid = [
+            shape.seq.div_ceil(self.flash_group_rows(shape)) as u32,
+            params.kv_heads,
+            params.batch,
+        ];
         // Each query is visited once per query head of the group.
         let per_row = self.flash_per_row(shape, 4) * shape.group();
-        let kernel = self.flash_entry(FLASH_ATTENTION_BACKWARD_KEY_VALUE, FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS, shape);
+        let kernel = self.flash_entry(
+            FLASH_ATTENTION_BACKWARD_KEY_VALUE,
+            FLASH_ATTENTION_BACKWARD_KEY_VALUE_ROWS,
+            shape,
+        );
         self.flash_launches(kernel, &bindings, params, per_row, grid)
     }
 }

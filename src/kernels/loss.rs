@@ -123,7 +123,11 @@ impl Kernels {
     /// A prediction over one storage binding is never fused: the
     /// unfused row kernels split it.
     pub fn fused_loss_max(&self) -> usize {
-        let max = if self.gpu_shaped() { FUSED_LOSS_MAX_GPU } else { FUSED_LOSS_MAX };
+        let max = if self.gpu_shaped() {
+            FUSED_LOSS_MAX_GPU
+        } else {
+            FUSED_LOSS_MAX
+        };
         max.min(self.part_capacity())
     }
 
@@ -148,15 +152,41 @@ impl Kernels {
     /// workgroups, then `loss_finish` sums them into `loss` and divides by
     /// `count`.
     #[allow(clippy::too_many_arguments)]
-    fn loss_two_stage(&self, first: super::Kernel, bindings: [super::Binding<'_>; 2], params: &LossParams, partials: usize, groups: u64, loss: View<'_>, count: usize) -> Result<Dispatch> {
+    fn loss_two_stage(
+        &self,
+        first: super::Kernel,
+        bindings: [super::Binding<'_>; 2],
+        params: &LossParams,
+        partials: usize,
+        groups: u64,
+        loss: View<'_>,
+        count: usize,
+    ) -> Result<Dispatch> {
         let op = first.entry;
         let _gl = self.device().lock_gl();
         let scratch = self.reduction_scratch(op, partials)?;
-        let partial = View { buffer: &scratch, offset: 0, len: partials };
+        let partial = View {
+            buffer: &scratch,
+            offset: 0,
+            len: partials,
+        };
         let [a, b] = bindings;
         let stage_one = self.prepare(first, &[], &[a, b, bind(2, "partials", partial)], 3, params, groups)?;
-        let finish = LossParams { rows: dim(op, count)?, cols: 1, n: dim(op, partials)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
-        let stage_two = self.prepare(LOSS_FINISH, &[], &[bind(0, "partials", partial), bind(2, "loss", loss)], 3, &finish, 1)?;
+        let finish = LossParams {
+            rows: dim(op, count)?,
+            cols: 1,
+            n: dim(op, partials)?,
+            inner: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
+        let stage_two = self.prepare(
+            LOSS_FINISH,
+            &[],
+            &[bind(0, "partials", partial), bind(2, "loss", loss)],
+            3,
+            &finish,
+            1,
+        )?;
         Ok(stage_one.then(stage_two))
     }
 
@@ -164,10 +194,24 @@ impl Kernels {
     pub fn mse_forward(&self, loss: View<'_>, pred: View<'_>, target: View<'_>) -> Result<Dispatch> {
         let op = MSE_FORWARD.entry;
         check_mse(op, loss.len, 1, &pred, &target)?;
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = LossParams {
+            rows: 1,
+            cols: dim(op, pred.len)?,
+            n: dim(op, pred.len)?,
+            inner: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         if self.gpu_shaped() && pred.len > MSE_ONE_WORKGROUP_MAX_GPU {
             let chunks = pred.len.div_ceil(LOSS_CHUNK);
-            return self.loss_two_stage(MSE_PARTIAL, [bind(0, "pred", pred), bind(1, "target", target)], &params, chunks, flat_groups(chunks), loss, pred.len);
+            return self.loss_two_stage(
+                MSE_PARTIAL,
+                [bind(0, "pred", pred), bind(1, "target", target)],
+                &params,
+                chunks,
+                flat_groups(chunks),
+                loss,
+                pred.len,
+            );
         }
         self.prepare(
             MSE_FORWARD,
@@ -180,19 +224,19 @@ impl Kernels {
     }
 
     /// dpred = 2 (pred - target) / n · dloss[0].
-    pub fn mse_backward(
-        &self,
-        dpred: View<'_>,
-        pred: View<'_>,
-        target: View<'_>,
-        dloss: View<'_>,
-    ) -> Result<Dispatch> {
+    pub fn mse_backward(&self, dpred: View<'_>, pred: View<'_>, target: View<'_>, dloss: View<'_>) -> Result<Dispatch> {
         let op = MSE_BACKWARD.entry;
         check_mse(op, dpred.len, pred.len, &pred, &target)?;
         if dloss.len != 1 {
             return Err(Error::shape(op, "dloss must hold one value", &[&[dloss.len]]));
         }
-        let params = LossParams { rows: 1, cols: dim(op, pred.len)?, n: dim(op, pred.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = LossParams {
+            rows: 1,
+            cols: dim(op, pred.len)?,
+            n: dim(op, pred.len)?,
+            inner: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         self.prepare(
             MSE_BACKWARD,
             &[],
@@ -223,32 +267,80 @@ impl Kernels {
         if loss.len != 1 {
             return Err(Error::shape(op, "loss must hold one value", &[&[loss.len]]));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = LossParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, logits.len)?,
+            inner: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         // One workgroup gives each lane a row; past one row per lane a GPU
         // does better with a row per invocation over many workgroups.
         if self.gpu_shaped() && rows > LOSS_LANES {
-            let params = LossParams { part_rows: dim(op, rows)?, ..params };
-            return self.loss_two_stage(CROSS_ENTROPY_PARTIAL, [bind(0, "logits", logits), bind(4, "labels", labels)], &params, rows, flat_groups(rows), loss, rows);
+            let params = LossParams {
+                part_rows: dim(op, rows)?,
+                ..params
+            };
+            return self.loss_two_stage(
+                CROSS_ENTROPY_PARTIAL,
+                [bind(0, "logits", logits), bind(4, "labels", labels)],
+                &params,
+                rows,
+                flat_groups(rows),
+                loss,
+                rows,
+            );
         }
         // Logits over one binding: each row's loss by parts of rows, then
         // their mean, in the single-workgroup kernel's order.
         if logits.bytes() > self.binding_limit() {
             let _gl = self.device().lock_gl();
             let scratch = self.reduction_scratch(op, rows)?;
-            let partials = View { buffer: &scratch, offset: 0, len: rows };
+            let partials = View {
+                buffer: &scratch,
+                offset: 0,
+                len: rows,
+            };
             let mut launches = Vec::new();
             for (params, part, _) in self.ce_launches(op, params, logits, None, rows, cols)? {
-                launches.push(self.prepare(CROSS_ENTROPY_PARTIAL, &[], &[bind(0, "logits", part), bind(4, "labels", labels), bind(2, "partials", partials)], 3, &params, flat_groups(params.part_rows as usize))?);
+                launches.push(self.prepare(
+                    CROSS_ENTROPY_PARTIAL,
+                    &[],
+                    &[
+                        bind(0, "logits", part),
+                        bind(4, "labels", labels),
+                        bind(2, "partials", partials),
+                    ],
+                    3,
+                    &params,
+                    flat_groups(params.part_rows as usize),
+                )?);
             }
-            let finish = LossParams { rows: dim(op, rows)?, cols: 1, n: dim(op, rows)?, ..bytemuck::Zeroable::zeroed() };
-            let finish = self.prepare(LOSS_FINISH, &[], &[bind(0, "partials", partials), bind(2, "loss", loss)], 3, &finish, 1)?;
+            let finish = LossParams {
+                rows: dim(op, rows)?,
+                cols: 1,
+                n: dim(op, rows)?,
+                ..bytemuck::Zeroable::zeroed()
+            };
+            let finish = self.prepare(
+                LOSS_FINISH,
+                &[],
+                &[bind(0, "partials", partials), bind(2, "loss", loss)],
+                3,
+                &finish,
+                1,
+            )?;
             let sums = Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))?;
             return Ok(sums.then(finish));
         }
         self.prepare(
             CROSS_ENTROPY_FORWARD,
             &[],
-            &[bind(0, "logits", logits), bind(4, "labels", labels), bind(2, "loss", loss)],
+            &[
+                bind(0, "logits", logits),
+                bind(4, "labels", labels),
+                bind(2, "loss", loss),
+            ],
             3,
             &params,
             1,
@@ -275,12 +367,30 @@ impl Kernels {
                 &[&[dlogits.len], &[logits.len], &[dloss.len]],
             ));
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, logits.len)?, inner: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = LossParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, logits.len)?,
+            inner: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         // Logits over one binding: a launch per part of rows.
         let mut launches = Vec::new();
         for (params, part, dpart) in self.ce_launches(op, params, logits, Some(dlogits), rows, cols)? {
-            let bindings = [bind(0, "logits", part), bind(4, "labels", labels), bind(5, "dloss", dloss), bind(2, "dlogits", dpart.unwrap_or(dlogits))];
-            launches.push(self.prepare(CROSS_ENTROPY_BACKWARD, &[], &bindings, 3, &params, flat_groups(params.part_rows as usize))?);
+            let bindings = [
+                bind(0, "logits", part),
+                bind(4, "labels", labels),
+                bind(5, "dloss", dloss),
+                bind(2, "dlogits", dpart.unwrap_or(dlogits)),
+            ];
+            launches.push(self.prepare(
+                CROSS_ENTROPY_BACKWARD,
+                &[],
+                &bindings,
+                3,
+                &params,
+                flat_groups(params.part_rows as usize),
+            )?);
         }
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))
     }
@@ -291,17 +401,42 @@ impl Kernels {
     /// each with its parameters and bindings. Both tensors start at
     /// aligned offsets, so their parts start at the same place in their
     /// bindings.
-    fn ce_launches<'v>(&self, op: &'static str, params: LossParams, logits: View<'v>, dlogits: Option<View<'v>>, rows: usize, cols: usize) -> Result<Vec<(LossParams, View<'v>, Option<View<'v>>)>> {
+    fn ce_launches<'v>(
+        &self,
+        op: &'static str,
+        params: LossParams,
+        logits: View<'v>,
+        dlogits: Option<View<'v>>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<(LossParams, View<'v>, Option<View<'v>>)>> {
         if logits.bytes() <= self.binding_limit() {
-            return Ok(vec![(LossParams { part_rows: dim(op, rows)?, ..params }, logits, dlogits)]);
+            return Ok(vec![(
+                LossParams {
+                    part_rows: dim(op, rows)?,
+                    ..params
+                },
+                logits,
+                dlogits,
+            )]);
         }
         let mut launches = Vec::new();
         for (first, count, part, base) in self.whole_row_parts(op, "logits (one row of them)", logits, rows, cols)? {
             let dpart = dlogits.map(|d| self.bind_part(d, first * cols, count * cols));
             if dpart.is_some_and(|(_, b)| b != base) {
-                return Err(Error::InvalidArgument { op, reason: "logits and dlogits sit at different storage alignments, so their parts cannot be indexed alike".into() });
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason:
+                        "logits and dlogits sit at different storage alignments, so their parts cannot be indexed alike"
+                            .into(),
+                });
             }
-            let params = LossParams { first_row: dim(op, first)?, part_rows: dim(op, count)?, part_base: dim(op, base)?, ..params };
+            let params = LossParams {
+                first_row: dim(op, first)?,
+                part_rows: dim(op, count)?,
+                part_base: dim(op, base)?,
+                ..params
+            };
             launches.push((params, part, dpart.map(|(d, _)| d)));
         }
         Ok(launches)
@@ -317,7 +452,17 @@ impl Kernels {
         target: View<'_>,
         dloss: View<'_>,
     ) -> Result<Dispatch> {
-        self.loss_forward_backward_fused(LossTargets::Values(target), loss, dpred, pred, dloss, 1, pred.len, None, None)
+        self.loss_forward_backward_fused(
+            LossTargets::Values(target),
+            loss,
+            dpred,
+            pred,
+            dloss,
+            1,
+            pred.len,
+            None,
+            None,
+        )
     }
 
     /// `cross_entropy_forward` and `cross_entropy_backward` in one dispatch
@@ -333,7 +478,17 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Result<Dispatch> {
-        self.loss_forward_backward_fused(LossTargets::Labels(labels), loss, dlogits, logits, dloss, rows, cols, None, None)
+        self.loss_forward_backward_fused(
+            LossTargets::Labels(labels),
+            loss,
+            dlogits,
+            logits,
+            dloss,
+            rows,
+            cols,
+            None,
+            None,
+        )
     }
 
     /// A loss and its gradient in one single-workgroup dispatch, with more
@@ -381,7 +536,11 @@ impl Kernels {
         }
         if let Some(b) = &bias_grad {
             if b.len != cols {
-                return Err(Error::shape(op, format!("bias_grad must hold cols = {cols} values"), &[&[b.len]]));
+                return Err(Error::shape(
+                    op,
+                    format!("bias_grad must hold cols = {cols} values"),
+                    &[&[b.len]],
+                ));
             }
         }
         let inner = linear.map_or(0, |l| l.inner);
@@ -396,14 +555,28 @@ impl Kernels {
                 return Err(Error::shape(
                     op,
                     format!("linear: x must be {rows}×{inner}, weight and weight_grad {cols}×{inner}, bias {cols}"),
-                    &[&[l.x.len], &[l.weight.len], &[l.weight_grad.len], &[l.bias.map_or(0, |b| b.len)]],
+                    &[
+                        &[l.x.len],
+                        &[l.weight.len],
+                        &[l.weight_grad.len],
+                        &[l.bias.map_or(0, |b| b.len)],
+                    ],
                 ));
             }
         }
-        let params = LossParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, pred.len)?, inner: dim(op, inner)?, ..bytemuck::Zeroable::zeroed() };
+        let params = LossParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, pred.len)?,
+            inner: dim(op, inner)?,
+            ..bytemuck::Zeroable::zeroed()
+        };
         let constants = [
             ("BIAS_GRAD", f64::from(u8::from(bias_grad.is_some()))),
-            ("HAS_BIAS", f64::from(u8::from(linear.is_some_and(|l| l.bias.is_some())))),
+            (
+                "HAS_BIAS",
+                f64::from(u8::from(linear.is_some_and(|l| l.bias.is_some()))),
+            ),
         ];
         let mut bindings = vec![bind(2, "loss", loss), bind(5, "dloss", dloss), bind(6, "dpred", dpred)];
         bindings.push(match targets {
@@ -433,6 +606,10 @@ impl Kernels {
     /// A one-element view of the placeholder buffer, for a slot the
     /// dispatch's constants tell the kernel not to touch.
     fn unused_slot(&self) -> View<'_> {
-        View { buffer: self.placeholder(), offset: 0, len: 1 }
+        View {
+            buffer: self.placeholder(),
+            offset: 0,
+            len: 1,
+        }
     }
 }

@@ -67,7 +67,15 @@ impl MatmulVariant {
     /// With `f16` (an operand stored in f16) only the kernels reading
     /// through `load_a` / `load_b` run: the scalar shared kernel, and the
     /// register kernel for the register-blocked variants.
-    fn kernel(self, form: MatmulForm, m: usize, n: usize, k: usize, operands: [(&View<'_>, usize); 3], f16: bool) -> super::Kernel {
+    fn kernel(
+        self,
+        form: MatmulForm,
+        m: usize,
+        n: usize,
+        k: usize,
+        operands: [(&View<'_>, usize); 3],
+        f16: bool,
+    ) -> super::Kernel {
         let aligned = |(v, base): &(&View<'_>, usize)| v.offset % 16 == 0 && base % 4 == 0 && !f16;
         match self {
             MatmulVariant::Subgroup if f16 => MATMUL_FORWARD_REGISTER,
@@ -169,19 +177,35 @@ impl<'a> MatmulEpilogue<'a> {
     /// activation, its pre-activation [m, n] like C; accumulation and
     /// activation gradients are training's and are refused. Returns the
     /// pre-activation's view.
-    pub(super) fn forward_only(&self, op: &'static str, weights: &str, (m, n, k): (usize, usize, usize)) -> Result<Option<View<'a>>> {
+    pub(super) fn forward_only(
+        &self,
+        op: &'static str,
+        weights: &str,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<Option<View<'a>>> {
         if self.accumulate || self.activation_grad.is_some() {
             return Err(Error::InvalidArgument { op, reason: format!("{weights} take the forward epilogue only (bias, activation); accumulation and activation gradients are training's") });
         }
         if let Some(bias) = &self.bias {
             if bias.len != n {
-                return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&[m, k], &[n, k], &[bias.len]]));
+                return Err(Error::shape(
+                    op,
+                    format!("bias must hold n = {n} values, got {}", bias.len),
+                    &[&[m, k], &[n, k], &[bias.len]],
+                ));
             }
         }
         let pre = self.activation.and_then(|(_, pre)| pre);
         if let Some(pre) = &pre {
             if Some(pre.len) != m.checked_mul(n) {
-                return Err(Error::shape(op, format!("the pre-activation output must be m×n = {m}×{n} like C, got {} values", pre.len), &[&[m, n], &[pre.len]]));
+                return Err(Error::shape(
+                    op,
+                    format!(
+                        "the pre-activation output must be m×n = {m}×{n} like C, got {} values",
+                        pre.len
+                    ),
+                    &[&[m, n], &[pre.len]],
+                ));
             }
         }
         Ok(pre)
@@ -214,7 +238,13 @@ impl ProductParams {
     /// A launch computing `rows`×`cols` of C over `k`, from column `n0`
     /// of a product `n` columns wide (C's row stride), with `activation`'s
     /// code for the epilogue.
-    pub(super) fn new(op: &'static str, (rows, cols, k): (usize, usize, usize), n: usize, n0: usize, activation: Option<Activation>) -> Result<Self> {
+    pub(super) fn new(
+        op: &'static str,
+        (rows, cols, k): (usize, usize, usize),
+        n: usize,
+        n0: usize,
+        activation: Option<Activation>,
+    ) -> Result<Self> {
         let tiles_n = cols.div_ceil(TILE);
         Ok(ProductParams {
             m: dim(op, rows)?,
@@ -268,7 +298,9 @@ pub(super) fn matvec_rows_bucket(m: usize) -> usize {
 enum Pick {
     Variant(MatmulVariant),
     /// `matmul_forward_matvec` with this many lanes per workgroup.
-    Matvec { lanes: u32 },
+    Matvec {
+        lanes: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,7 +321,9 @@ impl Kernels {
     pub fn supports_matmul_variant(&self, variant: MatmulVariant) -> bool {
         match variant {
             MatmulVariant::Subgroup => self.supports_subgroup_matmul(),
-            MatmulVariant::Register | MatmulVariant::Shared | MatmulVariant::RegisterVec4 | MatmulVariant::Small => true,
+            MatmulVariant::Register | MatmulVariant::Shared | MatmulVariant::RegisterVec4 | MatmulVariant::Small => {
+                true
+            }
         }
     }
 
@@ -338,7 +372,19 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_by_shape(form, MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() }, c, a, b, m, n, k)
+        self.matmul_by_shape(
+            form,
+            MatmulEpilogue {
+                accumulate: true,
+                ..MatmulEpilogue::default()
+            },
+            c,
+            a,
+            b,
+            m,
+            n,
+            k,
+        )
     }
 
     /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
@@ -370,7 +416,19 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_by_shape(form, MatmulEpilogue { bias: Some(bias), ..MatmulEpilogue::default() }, c, a, b, m, n, k)
+        self.matmul_by_shape(
+            form,
+            MatmulEpilogue {
+                bias: Some(bias),
+                ..MatmulEpilogue::default()
+            },
+            c,
+            a,
+            b,
+            m,
+            n,
+            k,
+        )
     }
 
     /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
@@ -406,7 +464,11 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let epilogue = MatmulEpilogue { accumulate, bias, ..MatmulEpilogue::default() };
+        let epilogue = MatmulEpilogue {
+            accumulate,
+            bias,
+            ..MatmulEpilogue::default()
+        };
         self.matmul_epilogue_with(variant, form, epilogue, c, a, b, m, n, k)
     }
 
@@ -432,17 +494,45 @@ impl Kernels {
         // The batch's total work picks the kernel: 64 heads of 128×128×32
         // are small one by one but too much for the small kernel together.
         let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
-        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a.into(), b.into(), batch, m, n, k)
+        let epilogue = MatmulEpilogue {
+            accumulate,
+            ..MatmulEpilogue::default()
+        };
+        self.matmul_dispatch(
+            Pick::Variant(variant),
+            form,
+            epilogue,
+            out,
+            a.into(),
+            b.into(),
+            batch,
+            m,
+            n,
+            k,
+        )
     }
 
     /// [`Kernels::matmul_batched`] where A, B or both may be stored in f16
     /// (as [`Kernels::matmul_operands`]): the unfused attention's
     /// products reading a training step's f16 activations.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_batched_operands(&self, form: MatmulForm, accumulate: bool, out: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, batch: usize, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_batched_operands(
+        &self,
+        form: MatmulForm,
+        accumulate: bool,
+        out: View<'_>,
+        a: MatmulOperand<'_>,
+        b: MatmulOperand<'_>,
+        batch: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
-        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
+        let epilogue = MatmulEpilogue {
+            accumulate,
+            ..MatmulEpilogue::default()
+        };
         self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
     }
 
@@ -462,8 +552,22 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a.into(), b.into(), batch, m, n, k)
+        let epilogue = MatmulEpilogue {
+            accumulate,
+            ..MatmulEpilogue::default()
+        };
+        self.matmul_dispatch(
+            Pick::Variant(variant),
+            form,
+            epilogue,
+            out,
+            a.into(),
+            b.into(),
+            batch,
+            m,
+            n,
+            k,
+        )
     }
 
     /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
@@ -480,7 +584,18 @@ impl Kernels {
         n: usize,
         k: usize,
     ) -> Result<Dispatch> {
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a.into(), b.into(), 1, m, n, k)
+        self.matmul_dispatch(
+            Pick::Variant(variant),
+            form,
+            epilogue,
+            c,
+            a.into(),
+            b.into(),
+            1,
+            m,
+            n,
+            k,
+        )
     }
 
     /// C[m,n] = epilogue(op(A)·op(B)) where A, B or both may be stored in
@@ -490,9 +605,21 @@ impl Kernels {
     /// needs no device feature; an f16 operand too large for one storage
     /// binding is refused ([`Error::TooLarge`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_operands(&self, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_operands(
+        &self,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: MatmulOperand<'_>,
+        b: MatmulOperand<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         let pick = match (a, b) {
-            (MatmulOperand::F32(a), MatmulOperand::F32(b)) if self.matvec_runs(form, m, k, &a, &b) => Pick::Matvec { lanes: self.matvec_lanes() },
+            (MatmulOperand::F32(a), MatmulOperand::F32(b)) if self.matvec_runs(form, m, k, &a, &b) => Pick::Matvec {
+                lanes: self.matvec_lanes(),
+            },
             _ => Pick::Variant(self.matmul_variant_for_shape(form, m, n, k)),
         };
         self.matmul_dispatch(pick, form, epilogue, c, a, b, 1, m, n, k)
@@ -503,7 +630,18 @@ impl Kernels {
     /// and [`MatmulVariant::Subgroup`], and the shared kernel's scalar
     /// loads for [`MatmulVariant::Shared`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_operands_with(&self, variant: MatmulVariant, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: MatmulOperand<'_>, b: MatmulOperand<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_operands_with(
+        &self,
+        variant: MatmulVariant,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: MatmulOperand<'_>,
+        b: MatmulOperand<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a, b, 1, m, n, k)
     }
 
@@ -511,7 +649,17 @@ impl Kernels {
     /// for an ABt product of at most [`MATVEC_MAX_ROWS`] rows where it
     /// runs ([`Kernels::matvec_runs`]), else [`Kernels::matmul_variant_for_shape`].
     #[allow(clippy::too_many_arguments)]
-    fn matmul_by_shape(&self, form: MatmulForm, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    fn matmul_by_shape(
+        &self,
+        form: MatmulForm,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         self.matmul_operands(form, epilogue, c, a.into(), b.into(), m, n, k)
     }
 
@@ -521,7 +669,12 @@ impl Kernels {
     /// too, so every part of a split product stays aligned.
     pub fn matvec_runs(&self, form: MatmulForm, m: usize, k: usize, a: &View<'_>, b: &View<'_>) -> bool {
         let offsets_aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0;
-        form == MatmulForm::ABt && (1..=MATVEC_MAX_ROWS).contains(&m) && k % 4 == 0 && a.offset % 16 == 0 && b.offset % 16 == 0 && offsets_aligned
+        form == MatmulForm::ABt
+            && (1..=MATVEC_MAX_ROWS).contains(&m)
+            && k % 4 == 0
+            && a.offset % 16 == 0
+            && b.offset % 16 == 0
+            && offsets_aligned
     }
 
     /// Lanes per workgroup the shape-selected entries give the
@@ -542,10 +695,23 @@ impl Kernels {
     /// [`Kernels::matvec_runs`] accepts (an error otherwise). The
     /// shape-selected entries pick it by themselves.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_matvec(&self, lanes: u32, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: View<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_matvec(
+        &self,
+        lanes: u32,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         // Lane c stores column c of the workgroup's 8.
         if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {
-            return Err(Error::InvalidArgument { op: MATMUL_FORWARD_MATVEC.entry, reason: format!("{lanes} lanes: a power of two from 8 to 64") });
+            return Err(Error::InvalidArgument {
+                op: MATMUL_FORWARD_MATVEC.entry,
+                reason: format!("{lanes} lanes: a power of two from 8 to 64"),
+            });
         }
         if !self.matvec_runs(MatmulForm::ABt, m, k, &a, &b) {
             return Err(Error::shape(
@@ -554,7 +720,18 @@ impl Kernels {
                 &[&[m, k], &[n, k]],
             ));
         }
-        self.matmul_dispatch(Pick::Matvec { lanes }, MatmulForm::ABt, epilogue, c, a.into(), b.into(), 1, m, n, k)
+        self.matmul_dispatch(
+            Pick::Matvec { lanes },
+            MatmulForm::ABt,
+            epilogue,
+            c,
+            a.into(),
+            b.into(),
+            1,
+            m,
+            n,
+            k,
+        )
     }
 
     /// The one place the matmul dispatch is built; `batch` products of
@@ -575,7 +752,9 @@ impl Kernels {
     ) -> Result<Dispatch> {
         let f16 = a.is_f16() || b.is_f16();
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(form, m, n, k, [(&a.binding(), 0), (&b.binding(), 0), (&c, 0)], f16),
+            Pick::Variant(variant) => {
+                variant.kernel(form, m, n, k, [(&a.binding(), 0), (&b.binding(), 0), (&c, 0)], f16)
+            }
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
@@ -583,30 +762,60 @@ impl Kernels {
         // Unsupported and never reaches wgpu as a validation error.
         self.require_family(kernel)?;
         let (a_shape, b_shape) = form.operand_shapes(m, n, k);
-        let batched = |s: &[usize]| -> Vec<usize> { if batch == 1 { s.to_vec() } else { [&[batch][..], s].concat() } };
+        let batched = |s: &[usize]| -> Vec<usize> {
+            if batch == 1 {
+                s.to_vec()
+            } else {
+                [&[batch][..], s].concat()
+            }
+        };
         let (a_full, b_full, c_full) = (batched(&a_shape), batched(&b_shape), batched(&[m, n]));
         let shapes: [&[usize]; 3] = [&a_full, &b_full, &c_full];
         if batch == 0 || m == 0 || n == 0 || k == 0 {
-            return Err(Error::shape(op, format!("{form:?}: every dimension must be at least 1 (batch {batch})"), &shapes));
+            return Err(Error::shape(
+                op,
+                format!("{form:?}: every dimension must be at least 1 (batch {batch})"),
+                &shapes,
+            ));
         }
         let len = |x: usize, y: usize| x.checked_mul(y).and_then(|v| v.checked_mul(batch));
         let sizes_ok = len(m, k) == Some(a.len()) && len(k, n) == Some(b.len()) && len(m, n) == Some(c.len);
         if !sizes_ok {
-            let want = |x: usize, y: usize| len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string());
-            let of = if batch == 1 { String::new() } else { format!(" batch={batch}") };
+            let want = |x: usize, y: usize| {
+                len(x, y).map_or_else(|| "an overflowing number of".to_string(), |v| v.to_string())
+            };
+            let of = if batch == 1 {
+                String::new()
+            } else {
+                format!(" batch={batch}")
+            };
             return Err(Error::shape(
                 op,
                 format!(
                     "{form:?} with{of} m={m} n={n} k={k} needs A, B, C of {}, {}, {} elements; got {}, {}, {}",
-                    want(m, k), want(k, n), want(m, n), a.len(), b.len(), c.len
+                    want(m, k),
+                    want(k, n),
+                    want(m, n),
+                    a.len(),
+                    b.len(),
+                    c.len
                 ),
                 &shapes,
             ));
         }
-        let MatmulEpilogue { bias, activation, activation_grad, .. } = epilogue;
+        let MatmulEpilogue {
+            bias,
+            activation,
+            activation_grad,
+            ..
+        } = epilogue;
         if let Some(bias) = &bias {
             if bias.len != n {
-                return Err(Error::shape(op, format!("bias must hold n = {n} values, got {}", bias.len), &[&a_shape, &b_shape, &[bias.len]]));
+                return Err(Error::shape(
+                    op,
+                    format!("bias must hold n = {n} values, got {}", bias.len),
+                    &[&a_shape, &b_shape, &[bias.len]],
+                ));
             }
         }
         if activation_grad.is_some() && (activation.is_some() || bias.is_some()) {
@@ -629,10 +838,18 @@ impl Kernels {
             }
         }
         let over = |v: &View<'_>| v.bytes() > self.binding_limit();
-        let oversize = [&a.binding(), &b.binding(), &c].into_iter().chain(pre.as_ref()).chain(act_input.as_ref()).any(over);
+        let oversize = [&a.binding(), &b.binding(), &c]
+            .into_iter()
+            .chain(pre.as_ref())
+            .chain(act_input.as_ref())
+            .any(over);
         // A split product binds parts of its operands by f32 element.
         if let (true, Some(h)) = (oversize, [a, b].into_iter().find(MatmulOperand::is_f16)) {
-            return Err(self.binding_too_large(op, "an f16 operand's product (f16 operands do not split)", h.binding().bytes().max(c.bytes())));
+            return Err(self.binding_too_large(
+                op,
+                "an f16 operand's product (f16 operands do not split)",
+                h.binding().bytes().max(c.bytes()),
+            ));
         }
         if batch == 1 && oversize {
             let plain = bias.is_none() && activation.is_none() && activation_grad.is_none();
@@ -646,15 +863,32 @@ impl Kernels {
                 for n0 in (0..n).step_by(cols) {
                     // Parts along k add into C in order after the first.
                     for k0 in (0..k).step_by(depth) {
-                        let block = Block { m0, rows: rows.min(m - m0), n0, cols: cols.min(n - n0), k0, depth: depth.min(k - k0) };
-                        let epilogue = MatmulEpilogue { accumulate: epilogue.accumulate || k0 > 0, ..epilogue };
+                        let block = Block {
+                            m0,
+                            rows: rows.min(m - m0),
+                            n0,
+                            cols: cols.min(n - n0),
+                            k0,
+                            depth: depth.min(k - k0),
+                        };
+                        let epilogue = MatmulEpilogue {
+                            accumulate: epilogue.accumulate || k0 > 0,
+                            ..epilogue
+                        };
                         launches.push(self.matmul_launch(pick, form, epilogue, c, a, b, 1, (m, n, k), block)?);
                     }
                 }
             }
             return Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no blocks", &shapes));
         }
-        let whole = Block { m0: 0, rows: m, n0: 0, cols: n, k0: 0, depth: k };
+        let whole = Block {
+            m0: 0,
+            rows: m,
+            n0: 0,
+            cols: n,
+            k0: 0,
+            depth: k,
+        };
         self.matmul_launch(pick, form, epilogue, c, a, b, batch, (m, n, k), whole)
     }
 
@@ -665,10 +899,18 @@ impl Kernels {
     /// op(B)'s are (B transposed, as the LM head's x·wteᵀ). What cannot fit
     /// that way is an [`Error::TooLarge`] naming the operand: splitting k
     /// would need the partial products summed, which no kernel does.
-    fn matmul_blocks(&self, op: &'static str, form: MatmulForm, m: usize, n: usize, k: usize) -> Result<(usize, usize)> {
+    fn matmul_blocks(
+        &self,
+        op: &'static str,
+        form: MatmulForm,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(usize, usize)> {
         let cap = self.part_capacity();
         let (trans_a, trans_b) = form.transposes();
-        let too_large = |operand: &'static str, elements: usize| Err(self.binding_too_large(op, operand, elements as u64 * 4));
+        let too_large =
+            |operand: &'static str, elements: usize| Err(self.binding_too_large(op, operand, elements as u64 * 4));
         let mut rows = m;
         if trans_a {
             if m * k > cap {
@@ -718,19 +960,46 @@ impl Kernels {
     /// its part of the sum into C, so the sum is rounded once per part
     /// (not bit for bit the unsplit sum). Depths are whole 64-wide tiles
     /// where there are several, keeping the operands' vector alignment.
-    fn matmul_blocks_along_k(&self, op: &'static str, form: MatmulForm, m: usize, n: usize, k: usize) -> Result<(usize, usize, usize)> {
+    fn matmul_blocks_along_k(
+        &self,
+        op: &'static str,
+        form: MatmulForm,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(usize, usize, usize)> {
         let cap = self.part_capacity();
         let (trans_a, trans_b) = form.transposes();
         // C in whole rows; only a transposed B splits C's columns.
         let (mut rows, mut cols) = match (n <= cap, trans_b) {
             (true, _) => (m.min(cap / n), n),
             (false, true) => (1, cap),
-            (false, false) => return Err(self.binding_too_large(op, "c (one row of it, and B does not split by columns)", n as u64 * 4)),
+            (false, false) => {
+                return Err(self.binding_too_large(
+                    op,
+                    "c (one row of it, and B does not split by columns)",
+                    n as u64 * 4,
+                ))
+            }
         };
         // The most of k each operand's part holds beside `rows` and `cols`.
         let depth_for = |rows: usize, cols: usize| -> usize {
-            let a = if trans_a { if rows > cap { 0 } else { (cap - rows) / m + 1 } } else { cap.saturating_sub((rows - 1) * k) };
-            let b = if trans_b { cap.saturating_sub((cols - 1) * k) } else if cols > cap { 0 } else { (cap - cols) / n + 1 };
+            let a = if trans_a {
+                if rows > cap {
+                    0
+                } else {
+                    (cap - rows) / m + 1
+                }
+            } else {
+                cap.saturating_sub((rows - 1) * k)
+            };
+            let b = if trans_b {
+                cap.saturating_sub((cols - 1) * k)
+            } else if cols > cap {
+                0
+            } else {
+                (cap - cols) / n + 1
+            };
             a.min(b).min(k)
         };
         // Fewer rows (and, where B is transposed, columns) until a part
@@ -749,14 +1018,24 @@ impl Kernels {
             return Err(self.binding_too_large(op, "a or b (one row of each)", k as u64 * 4));
         }
         let tiled = |d: usize| if d > TILE { d / TILE * TILE } else { d };
-        Ok((tiled(rows), if cols < n { tiled(cols) } else { n }, if depth < k { tiled(depth) } else { k }))
+        Ok((
+            tiled(rows),
+            if cols < n { tiled(cols) } else { n },
+            if depth < k { tiled(depth) } else { k },
+        ))
     }
 
     /// `v` (an epilogue tensor indexed like C: pre, act_input) bound over
     /// C's values `start..start + len` of a split product, where C's own
     /// part starts at `c_base` of its binding: refused unless `v`'s does
     /// too, since one index serves both in the kernel.
-    pub(super) fn bind_like_c<'v>(&self, op: &'static str, v: View<'v>, (start, len): (usize, usize), c_base: usize) -> Result<View<'v>> {
+    pub(super) fn bind_like_c<'v>(
+        &self,
+        op: &'static str,
+        v: View<'v>,
+        (start, len): (usize, usize),
+        c_base: usize,
+    ) -> Result<View<'v>> {
         let (part, base) = self.bind_part(v, start, len);
         if base != c_base {
             return Err(Error::InvalidArgument {
@@ -786,11 +1065,24 @@ impl Kernels {
         // whole words are bound and `a`, `b` stand for them below.
         let (a, b) = (a_operand.binding(), b_operand.binding());
         let f16 = [a_operand.is_f16(), b_operand.is_f16()];
-        let MatmulEpilogue { accumulate, bias, activation, activation_grad } = epilogue;
+        let MatmulEpilogue {
+            accumulate,
+            bias,
+            activation,
+            activation_grad,
+        } = epilogue;
         let (trans_a, trans_b) = form.transposes();
         let pre = activation.and_then(|(_, pre)| pre);
         let act_input = activation_grad.map(|(_, x)| x);
-        let whole = block == Block { m0: 0, rows: m, n0: 0, cols: n, k0: 0, depth: k };
+        let whole = block
+            == Block {
+                m0: 0,
+                rows: m,
+                n0: 0,
+                cols: n,
+                k0: 0,
+                depth: k,
+            };
         // Each operand's binding and where its block starts in it.
         let (a_bind, b_bind, c_bind, pre_bind, act_bind) = if whole {
             ((a, 0), (b, 0), (c, 0), pre.map(|v| (v, 0)), act_input.map(|v| (v, 0)))
@@ -809,15 +1101,31 @@ impl Kernels {
             };
             let c_range = (block.m0 * n + block.n0, (block.rows - 1) * n + block.cols);
             let c_part = self.bind_part(c, c_range.0, c_range.1);
-            let like_c = |v: View<'v>| self.bind_like_c("matmul", v, c_range, c_part.1).map(|part| (part, c_part.1));
-            (a_part, b_part, c_part, pre.map(like_c).transpose()?, act_input.map(like_c).transpose()?)
+            let like_c = |v: View<'v>| {
+                self.bind_like_c("matmul", v, c_range, c_part.1)
+                    .map(|part| (part, c_part.1))
+            };
+            (
+                a_part,
+                b_part,
+                c_part,
+                pre.map(like_c).transpose()?,
+                act_input.map(like_c).transpose()?,
+            )
         };
         let (rows, cols) = (block.rows, block.cols);
         // Vector loads need the stored rows' length (k's whole, not the
         // part's) to be a multiple of 4, as the part's is when k's is.
         let k_aligned = if k % 4 == 0 { block.depth } else { k };
         let kernel = match pick {
-            Pick::Variant(variant) => variant.kernel(form, rows, cols, k_aligned, [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)], f16.contains(&true)),
+            Pick::Variant(variant) => variant.kernel(
+                form,
+                rows,
+                cols,
+                k_aligned,
+                [(&a_bind.0, a_bind.1), (&b_bind.0, b_bind.1), (&c_bind.0, c_bind.1)],
+                f16.contains(&true),
+            ),
             Pick::Matvec { .. } => MATMUL_FORWARD_MATVEC,
         };
         let op = kernel.entry;
@@ -859,14 +1167,23 @@ impl Kernels {
         // register kernel a RegisterVec4 product falls back to (f16
         // operands, shapes off 4) shares Register's pipelines rather than
         // compiling the same code again for each form.
-        let specialised = [MATMUL_FORWARD_SHARED, MATMUL_FORWARD_SHARED_VEC4, MATMUL_FORWARD_REGISTER_VEC4].contains(&kernel);
+        let specialised = [
+            MATMUL_FORWARD_SHARED,
+            MATMUL_FORWARD_SHARED_VEC4,
+            MATMUL_FORWARD_REGISTER_VEC4,
+        ]
+        .contains(&kernel);
         // The matrix-vector kernel is compiled per bucket of row counts
         // instead.
         let lanes = match pick {
             Pick::Matvec { lanes } => f64::from(lanes),
             Pick::Variant(_) => 0.0,
         };
-        let with_rows = [&constants[..5], &[("MATVEC_ROWS", matvec_rows_bucket(rows) as f64), ("MATVEC_WG", lanes)]].concat();
+        let with_rows = [
+            &constants[..5],
+            &[("MATVEC_ROWS", matvec_rows_bucket(rows) as f64), ("MATVEC_WG", lanes)],
+        ]
+        .concat();
         let constants = match pick {
             Pick::Matvec { .. } => &with_rows[..],
             Pick::Variant(_) if specialised => &constants[..],
@@ -876,7 +1193,11 @@ impl Kernels {
         // read-only slots hold a placeholder the kernel never reads, and an
         // unused `pre` a writable one of its own (a writable binding may not
         // alias another, so not C).
-        let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
+        let placeholder = View {
+            buffer: self.placeholder(),
+            offset: 0,
+            len: 1,
+        };
         // Tiles of one product over x and y, the batch over z; the
         // matrix-vector kernel has a workgroup per 8 columns.
         let groups = match pick {
@@ -908,13 +1229,6 @@ impl Kernels {
         if reflect::entry_needs(kernel)?.slots.iter().any(|s| s.slot == 7) {
             bindings.extend([bind(7, "a_h", a16), bind(8, "b_h", b16)]);
         }
-        self.prepare_grid(
-            kernel,
-            constants,
-            &bindings,
-            3,
-            &params,
-            [x, y, z],
-        )
+        self.prepare_grid(kernel, constants, &bindings, 3, &params, [x, y, z])
     }
 }

@@ -14,8 +14,7 @@ use half::f16;
 
 use super::registry::{entry_points, Family};
 use super::{
-    bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulEpilogue, MatmulForm,
-    MatmulVariant, View,
+    bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulEpilogue, MatmulForm, MatmulVariant, View,
 };
 use crate::error::{Error, Result};
 
@@ -165,9 +164,8 @@ fn matmul_params(
             &shapes,
         ));
     }
-    let sizes_ok = m.checked_mul(k) == Some(a_len)
-        && k.checked_mul(n) == Some(b_len)
-        && m.checked_mul(n) == Some(c_len);
+    let sizes_ok =
+        m.checked_mul(k) == Some(a_len) && k.checked_mul(n) == Some(b_len) && m.checked_mul(n) == Some(c_len);
     if !sizes_ok {
         return Err(Error::shape(
             op,
@@ -196,9 +194,7 @@ impl Kernels {
     /// True when the f16 kernels ([`Kernels::matmul_f16`], [`Kernels::to_f16`],
     /// [`Kernels::from_f16`]) can run here (the adapter has SHADER_F16).
     pub fn supports_f16(&self) -> bool {
-        self.device()
-            .features()
-            .contains(Family::MatmulF16.required_features())
+        self.device().features().contains(Family::MatmulF16.required_features())
     }
 
     /// True when [`Kernels::matmul_subgroup`] can run here: SUBGROUP, and
@@ -331,11 +327,7 @@ impl Kernels {
             kernel,
             form,
             params,
-            [
-                bind(0, "a", a.words),
-                bind(1, "b", b.words),
-                bind(2, "c", c),
-            ],
+            [bind(0, "a", a.words), bind(1, "b", b.words), bind(2, "c", c)],
         )
     }
 
@@ -381,14 +373,7 @@ impl Kernels {
             ("TRANS_A", f64::from(u8::from(trans_a))),
             ("TRANS_B", f64::from(u8::from(trans_b))),
         ];
-        self.prepare(
-            kernel,
-            &constants,
-            &bindings,
-            3,
-            &params,
-            u64::from(params.tiles_total),
-        )
+        self.prepare(kernel, &constants, &bindings, 3, &params, u64::from(params.tiles_total))
     }
 }
 
@@ -398,10 +383,7 @@ mod tests {
 
     #[test]
     fn packing_round_trips_odd_lengths_and_zeroes_the_spare_half() {
-        let values: Vec<f16> = [1.0f32, -2.5, 65504.0]
-            .iter()
-            .map(|&v| f16::from_f32(v))
-            .collect();
+        let values: Vec<f16> = [1.0f32, -2.5, 65504.0].iter().map(|&v| f16::from_f32(v)).collect();
         let words = pack_f16(&values);
         assert_eq!(words.len(), 2);
         assert_eq!(words[1] >> 16, 0);

@@ -19,9 +19,9 @@ mod matmul_ext;
 mod optim;
 mod quant_weights;
 mod reduce;
-mod rope;
 pub mod reflect;
 pub mod registry;
+mod rope;
 mod rowwise;
 mod sampling;
 mod tensor;
@@ -30,18 +30,24 @@ mod timing;
 pub use attention::{CachedAttentionKernel, DECODE_LANES, GROUPED_MAX_HEAD_DIM, MAX_HEAD_DIM};
 pub use f16_weights::F16WeightsKernel;
 pub use flash_attention::FLASH_MAX_HEAD_DIM;
-pub use loss::{LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU};
+pub use loss::{
+    LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU,
+};
 pub use matmul::{MatmulEpilogue, MatmulOperand, MatmulVariant, MATVEC_MAX_ROWS};
-pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
-pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};
+pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
 pub use optim::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, LOSS_SCALE_WORDS};
+pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::{pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape, FlashAttentionShape, QkvLayout, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig, Unary};
+pub use crate::ops::NO_TOKEN;
+pub use crate::ops::{
+    pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape,
+    FlashAttentionShape, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QkvLayout, QuantFormat, RopeLayout,
+    RopeShape, SgdConfig, Unary,
+};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
-pub use crate::ops::NO_TOKEN;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,9 +88,17 @@ impl<'a> View<'a> {
     /// Elements `start..start + len` of this view.
     pub fn slice(&self, start: usize, len: usize) -> Result<View<'a>> {
         if start.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::shape("View::slice", format!("elements {start}..{} outside a view of {}", start + len, self.len), &[&[self.len]]));
+            return Err(Error::shape(
+                "View::slice",
+                format!("elements {start}..{} outside a view of {}", start + len, self.len),
+                &[&[self.len]],
+            ));
         }
-        Ok(View { buffer: self.buffer, offset: self.offset + start as u64 * ELEMENT_BYTES, len })
+        Ok(View {
+            buffer: self.buffer,
+            offset: self.offset + start as u64 * ELEMENT_BYTES,
+            len,
+        })
     }
 }
 
@@ -125,9 +139,17 @@ impl GpuTensor {
     /// executors that take turns on one pooled arena (ZeRO-3's stages).
     pub fn share_prefix(&self, len: usize) -> Result<GpuTensor> {
         if len > self.len {
-            return Err(Error::shape("GpuTensor::share_prefix", format!("{len} elements of a tensor of {}", self.len), &[&[self.len], &[len]]));
+            return Err(Error::shape(
+                "GpuTensor::share_prefix",
+                format!("{len} elements of a tensor of {}", self.len),
+                &[&[self.len], &[len]],
+            ));
         }
-        Ok(GpuTensor { buffer: std::mem::ManuallyDrop::new((*self.buffer).clone()), len, gl: self.gl })
+        Ok(GpuTensor {
+            buffer: std::mem::ManuallyDrop::new((*self.buffer).clone()),
+            len,
+            gl: self.gl,
+        })
     }
 
     /// The whole buffer.
@@ -358,13 +380,20 @@ impl Kernels {
     pub fn with_limits(device: Device, overrides: LimitOverrides) -> Result<Self> {
         let limits = device.limits();
         let checks = [
-            ("max_storage_buffer_binding_size", overrides.max_storage_buffer_binding_size, limits.max_storage_buffer_binding_size),
+            (
+                "max_storage_buffer_binding_size",
+                overrides.max_storage_buffer_binding_size,
+                limits.max_storage_buffer_binding_size,
+            ),
             ("max_buffer_size", overrides.max_buffer_size, limits.max_buffer_size),
         ];
         for (name, wanted, adapter) in checks {
             match wanted {
                 Some(w) if w > adapter || w < 16 => {
-                    return Err(Error::InvalidArgument { op: "Kernels::with_limits", reason: format!("{name} {w} is outside 16..={adapter} (the adapter's)") });
+                    return Err(Error::InvalidArgument {
+                        op: "Kernels::with_limits",
+                        reason: format!("{name} {w} is outside 16..={adapter} (the adapter's)"),
+                    });
                 }
                 _ => {}
             }
@@ -409,7 +438,9 @@ impl Kernels {
     /// `max_storage_buffer_binding_size`, or the lower override.
     pub fn binding_limit(&self) -> u64 {
         let adapter = self.device.limits().max_storage_buffer_binding_size;
-        self.overrides.max_storage_buffer_binding_size.map_or(adapter, |o| o.min(adapter))
+        self.overrides
+            .max_storage_buffer_binding_size
+            .map_or(adapter, |o| o.min(adapter))
     }
 
     /// The most bytes one buffer holds: the adapter's `max_buffer_size`,
@@ -429,7 +460,12 @@ impl Kernels {
             return Some((bytes, "the memory limit set for these kernels"));
         }
         if self.device.is_cpu() {
-            return host_available_memory().map(|bytes| (bytes, "the host's available memory, which this CPU adapter allocates from"));
+            return host_available_memory().map(|bytes| {
+                (
+                    bytes,
+                    "the host's available memory, which this CPU adapter allocates from",
+                )
+            });
         }
         None
     }
@@ -459,7 +495,11 @@ impl Kernels {
             return Ok(buffer.clone());
         }
         let grown = len.max(1).next_power_of_two();
-        let len = if grown as u64 * ELEMENT_BYTES <= self.binding_limit() { grown } else { len };
+        let len = if grown as u64 * ELEMENT_BYTES <= self.binding_limit() {
+            grown
+        } else {
+            len
+        };
         let buffer = self.create_buffer(op, len)?;
         *slot = Some(buffer.clone());
         Ok(buffer)
@@ -472,13 +512,29 @@ impl Kernels {
     pub fn check_allocation(&self, op: &'static str, parts: &[(&'static str, u64, u64)]) -> Result<()> {
         let buffer_limit = self.buffer_limit();
         if let Some(&(name, _, bytes)) = parts.iter().find(|(_, _, largest)| *largest > buffer_limit) {
-            return Err(Error::TooLarge { op, operand: name, bytes, limit: buffer_limit, limit_name: self.limit_name(LimitKind::Buffer) });
+            return Err(Error::TooLarge {
+                op,
+                operand: name,
+                bytes,
+                limit: buffer_limit,
+                limit_name: self.limit_name(LimitKind::Buffer),
+            });
         }
         let total: u64 = parts.iter().map(|(_, b, _)| b).sum();
         if let Some((available, source)) = self.memory_budget() {
             if total > available {
-                let parts: Vec<String> = parts.iter().filter(|(_, b, _)| *b > 0).map(|(name, b, _)| format!("{name} {b}")).collect();
-                return Err(Error::MemoryTooSmall { op, needed: total, available, memory: source.to_string(), parts: parts.join(", ") });
+                let parts: Vec<String> = parts
+                    .iter()
+                    .filter(|(_, b, _)| *b > 0)
+                    .map(|(name, b, _)| format!("{name} {b}"))
+                    .collect();
+                return Err(Error::MemoryTooSmall {
+                    op,
+                    needed: total,
+                    available,
+                    memory: source.to_string(),
+                    parts: parts.join(", "),
+                });
             }
         }
         Ok(())
@@ -486,16 +542,26 @@ impl Kernels {
 
     fn limit_name(&self, kind: LimitKind) -> &'static str {
         match kind {
-            LimitKind::Binding if self.overrides.max_storage_buffer_binding_size.is_some() => "max_storage_buffer_binding_size, lowered by Kernels::with_limits",
+            LimitKind::Binding if self.overrides.max_storage_buffer_binding_size.is_some() => {
+                "max_storage_buffer_binding_size, lowered by Kernels::with_limits"
+            }
             LimitKind::Binding => "max_storage_buffer_binding_size",
-            LimitKind::Buffer if self.overrides.max_buffer_size.is_some() => "max_buffer_size, lowered by Kernels::with_limits",
+            LimitKind::Buffer if self.overrides.max_buffer_size.is_some() => {
+                "max_buffer_size, lowered by Kernels::with_limits"
+            }
             LimitKind::Buffer => "max_buffer_size",
         }
     }
 
     /// [`Error::TooLarge`] for `operand` of `bytes` over the binding limit.
     pub(crate) fn binding_too_large(&self, op: &'static str, operand: &'static str, bytes: u64) -> Error {
-        Error::TooLarge { op, operand, bytes, limit: self.binding_limit(), limit_name: self.limit_name(LimitKind::Binding) }
+        Error::TooLarge {
+            op,
+            operand,
+            bytes,
+            limit: self.binding_limit(),
+            limit_name: self.limit_name(LimitKind::Binding),
+        }
     }
 
     /// Where a part `start..start + len` (elements) of `view` can be bound:
@@ -506,7 +572,14 @@ impl Kernels {
         let align = (u64::from(self.device.limits().min_storage_buffer_offset_alignment) / ELEMENT_BYTES).max(1);
         let absolute = view.offset / ELEMENT_BYTES + start as u64;
         let base = (absolute % align) as usize;
-        (View { buffer: view.buffer, offset: (absolute - base as u64) * ELEMENT_BYTES, len: base + len }, base)
+        (
+            View {
+                buffer: view.buffer,
+                offset: (absolute - base as u64) * ELEMENT_BYTES,
+                len: base + len,
+            },
+            base,
+        )
     }
 
     /// Elements a part may hold so that [`Kernels::bind_part`]'s binding
@@ -530,7 +603,10 @@ impl Kernels {
         if per_part == 0 {
             return Err(self.binding_too_large(op, "one aligned part of the arena", granule as u64 * ELEMENT_BYTES));
         }
-        Ok((0..n).step_by(per_part).map(|start| (start, per_part.min(n - start))).collect())
+        Ok((0..n)
+            .step_by(per_part)
+            .map(|start| (start, per_part.min(n - start)))
+            .collect())
     }
 
     /// `x` [rows, cols] (over one binding) in parts of whole rows that
@@ -538,7 +614,14 @@ impl Kernels {
     /// starts in it) of each; `operand` names x in the error when one row
     /// is over the limit. For the kernels with a row per invocation (a
     /// loss over an LM's logits, their argmax).
-    pub(crate) fn whole_row_parts<'v>(&self, op: &'static str, operand: &'static str, x: View<'v>, rows: usize, cols: usize) -> Result<Vec<(usize, usize, View<'v>, usize)>> {
+    pub(crate) fn whole_row_parts<'v>(
+        &self,
+        op: &'static str,
+        operand: &'static str,
+        x: View<'v>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<(usize, usize, View<'v>, usize)>> {
         let per_part = self.part_capacity() / cols.max(1);
         if per_part == 0 {
             return Err(self.binding_too_large(op, operand, cols as u64 * ELEMENT_BYTES));
@@ -562,7 +645,11 @@ impl Kernels {
     /// binding, as a second view of a written buffer would.
     pub(crate) fn unused_writable(&self, index: u64) -> View<'_> {
         let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment).max(ELEMENT_BYTES);
-        View { buffer: &self.unused_writable, offset: align * index.min(UNUSED_WRITABLE_SLOTS - 1), len: 1 }
+        View {
+            buffer: &self.unused_writable,
+            offset: align * index.min(UNUSED_WRITABLE_SLOTS - 1),
+            len: 1,
+        }
     }
 
     /// Queue submits made through this object so far.
@@ -579,7 +666,9 @@ impl Kernels {
                 .wgpu_device()
                 .create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(family.file_name()),
-                    source: wgpu::ShaderSource::Wgsl(family.source_for(Dialect::for_backend(self.device.info().backend))),
+                    source: wgpu::ShaderSource::Wgsl(
+                        family.source_for(Dialect::for_backend(self.device.info().backend)),
+                    ),
                 })
         })?;
         lock(&self.modules).insert(family, module.clone());
@@ -595,15 +684,8 @@ impl Kernels {
 
     /// The pipeline for `kernel` specialised with `constants` (WGSL
     /// `override`s), compiled once.
-    pub fn pipeline(
-        &self,
-        kernel: Kernel,
-        constants: &[(&'static str, f64)],
-    ) -> Result<wgpu::ComputePipeline> {
-        let key: PipelineKey = (
-            kernel,
-            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
-        );
+    pub fn pipeline(&self, kernel: Kernel, constants: &[(&'static str, f64)]) -> Result<wgpu::ComputePipeline> {
+        let key: PipelineKey = (kernel, constants.iter().map(|(k, v)| (*k, v.to_bits())).collect());
         let slot = lock(&self.pipelines).entry(key).or_default().clone();
         let mut compiled = match slot.try_lock() {
             Ok(compiled) => compiled,
@@ -613,7 +695,11 @@ impl Kernels {
                 // debug log, where a start-up's idle threads can be seen.
                 let started = std::time::Instant::now();
                 let compiled = lock(&slot);
-                log::debug!("pipeline {}: waited {:.1} ms for another thread compiling it", kernel.entry, started.elapsed().as_secs_f64() * 1e3);
+                log::debug!(
+                    "pipeline {}: waited {:.1} ms for another thread compiling it",
+                    kernel.entry,
+                    started.elapsed().as_secs_f64() * 1e3
+                );
                 compiled
             }
         };
@@ -639,7 +725,12 @@ impl Kernels {
                 })
         })?;
         self.device.pipeline_created();
-        log::debug!("pipeline {} {:?}: {:.1} ms", kernel.entry, constants, started.elapsed().as_secs_f64() * 1e3);
+        log::debug!(
+            "pipeline {} {:?}: {:.1} ms",
+            kernel.entry,
+            constants,
+            started.elapsed().as_secs_f64() * 1e3
+        );
         *compiled = Some(pipeline.clone());
         Ok(pipeline)
     }
@@ -783,7 +874,13 @@ impl Kernels {
                     constants: constants.to_vec(),
                     bindings: bindings
                         .iter()
-                        .map(|b| BoundRange { slot: b.slot, name: b.name, buffer: b.view.buffer.clone(), offset: b.view.offset, bytes: b.view.bytes() })
+                        .map(|b| BoundRange {
+                            slot: b.slot,
+                            name: b.name,
+                            buffer: b.view.buffer.clone(),
+                            offset: b.view.offset,
+                            bytes: b.view.bytes(),
+                        })
                         .collect(),
                     params_slot,
                     params: bytemuck::bytes_of(params).to_vec(),
@@ -830,7 +927,10 @@ impl Kernels {
     /// returns its value (waits for the GPU).
     pub fn map_read_scalar(&self, staging: &wgpu::Buffer) -> Result<f32> {
         let values: Vec<f32> = self.map_read(staging, 4)?;
-        values.first().copied().ok_or_else(|| Error::Readback { op: "read", message: "empty".into() })
+        values.first().copied().ok_or_else(|| Error::Readback {
+            op: "read",
+            message: "empty".into(),
+        })
     }
 
     pub(crate) fn map_read<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
@@ -841,7 +941,12 @@ impl Kernels {
         self.finish_map(staging, bytes, receiver)
     }
 
-    fn finish_map<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64, receiver: MapReceiver) -> Result<Vec<T>> {
+    fn finish_map<T: bytemuck::Pod>(
+        &self,
+        staging: &wgpu::Buffer,
+        bytes: u64,
+        receiver: MapReceiver,
+    ) -> Result<Vec<T>> {
         self.device.wait_idle("read")?;
         let _gl = self.device.lock_gl();
         let mapped: Result<()> = pollster::block_on(receiver)
@@ -892,7 +997,10 @@ impl Kernels {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
         before(&mut encoder);
         {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(op),
+                timestamp_writes: None,
+            });
             for d in dispatches {
                 d.record(&mut pass);
             }
@@ -918,9 +1026,7 @@ impl Kernels {
             self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
                 label: Some(op),
                 size: bytes,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_SRC
-                    | wgpu::BufferUsages::COPY_DST,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             })
         })
@@ -929,7 +1035,11 @@ impl Kernels {
     /// A zero-filled tensor of `len` elements.
     pub fn zeros(&self, len: usize) -> Result<GpuTensor> {
         let buffer = self.create_buffer("zeros", len)?;
-        Ok(GpuTensor { buffer: std::mem::ManuallyDrop::new(buffer), len, gl: self.device.is_gl() })
+        Ok(GpuTensor {
+            buffer: std::mem::ManuallyDrop::new(buffer),
+            len,
+            gl: self.device.is_gl(),
+        })
     }
 
     /// Uploads f32 or u32 data (any 4-byte `Pod`).
@@ -943,9 +1053,7 @@ impl Kernels {
         }
         let buffer = self.create_buffer("upload", data.len())?;
         self.device.scoped("upload", || {
-            self.device
-                .queue()
-                .write_buffer(&buffer, 0, bytemuck::cast_slice(data))
+            self.device.queue().write_buffer(&buffer, 0, bytemuck::cast_slice(data))
         })?;
         Ok(GpuTensor {
             buffer: std::mem::ManuallyDrop::new(buffer),
@@ -1003,7 +1111,12 @@ impl Kernels {
             self.submit("read", encoder)?;
             Some(request_map(staging, bytes))
         };
-        Ok(PendingRead { kernels: self, staging: staging_slot, bytes, receiver })
+        Ok(PendingRead {
+            kernels: self,
+            staging: staging_slot,
+            bytes,
+            receiver,
+        })
     }
 
     /// [`Kernels::submit_pass`] with a copy of `view` to the staging buffer
@@ -1029,7 +1142,13 @@ impl Kernels {
             }
         })?;
         let receiver = (bytes > 0).then(|| request_map(staging, bytes));
-        PendingRead { kernels: self, staging: staging_slot, bytes, receiver }.finish()
+        PendingRead {
+            kernels: self,
+            staging: staging_slot,
+            bytes,
+            receiver,
+        }
+        .finish()
     }
 
     /// The reused readback staging buffer, grown to hold `bytes`; held
@@ -1037,7 +1156,10 @@ impl Kernels {
     fn staging_for(&self, bytes: u64) -> Result<std::sync::MutexGuard<'_, Option<wgpu::Buffer>>> {
         let mut staging_slot = lock(&self.staging);
         if staging_slot.as_ref().is_none_or(|s| s.size() < bytes.max(4)) {
-            let size = bytes.max(4).next_power_of_two().min(self.device.limits().max_buffer_size.max(bytes));
+            let size = bytes
+                .max(4)
+                .next_power_of_two()
+                .min(self.device.limits().max_buffer_size.max(bytes));
             self.buffers.fetch_add(1, Ordering::Relaxed);
             *staging_slot = Some(self.device.scoped("read", || {
                 self.device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
@@ -1130,7 +1252,10 @@ impl PendingRead<'_> {
         device
             .wgpu_device()
             .poll(wgpu::PollType::Poll)
-            .map_err(|e| Error::Readback { op: "read", message: e.to_string() })?;
+            .map_err(|e| Error::Readback {
+                op: "read",
+                message: e.to_string(),
+            })?;
         device.check("read")?;
         match receiver.try_recv() {
             Ok(Some(result)) => {
@@ -1141,7 +1266,10 @@ impl PendingRead<'_> {
                 Ok(true)
             }
             Ok(None) => Ok(false),
-            Err(_) => Err(Error::Readback { op: "read", message: "the map callback was dropped".into() }),
+            Err(_) => Err(Error::Readback {
+                op: "read",
+                message: "the map callback was dropped".into(),
+            }),
         }
     }
 

@@ -170,7 +170,10 @@ fn grad_norm_chunk(n: usize) -> usize {
 
 fn check_step(op: &'static str, step: u64) -> Result<()> {
     if step == 0 {
-        return Err(Error::InvalidArgument { op, reason: "steps are counted from 1".into() });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "steps are counted from 1".into(),
+        });
     }
     Ok(())
 }
@@ -228,7 +231,11 @@ fn adam_step(op: &'static str, n: usize, cfg: &AdamConfig, step: u64) -> Result<
 /// boundary and that a clipping config has its norm.
 fn groups(op: &'static str, n: usize, clip: Option<f32>, scaled: bool, arena: &ArenaGroups<'_>) -> Result<Groups> {
     if arena.decay_len > n {
-        return Err(Error::shape(op, format!("decay_len {} exceeds the {n} parameters", arena.decay_len), &[&[arena.decay_len], &[n]]));
+        return Err(Error::shape(
+            op,
+            format!("decay_len {} exceeds the {n} parameters", arena.decay_len),
+            &[&[arena.decay_len], &[n]],
+        ));
     }
     if scaled && arena.grad_norm.is_none_or(|v| v.len < LOSS_SCALE_WORDS) {
         return Err(Error::InvalidArgument {
@@ -239,15 +246,25 @@ fn groups(op: &'static str, n: usize, clip: Option<f32>, scaled: bool, arena: &A
     if let (Some(_), None) = (clip, arena.grad_norm) {
         return Err(Error::InvalidArgument {
             op,
-            reason: "clip_grad_norm needs the norm of all gradients: build the update with Kernels::optimizer_update and \
+            reason:
+                "clip_grad_norm needs the norm of all gradients: build the update with Kernels::optimizer_update and \
                      a grad_norm buffer (as the executor does)"
-                .into(),
+                    .into(),
         });
     }
     if let Some(v) = arena.grad_norm.filter(|v| v.len < 2) {
-        return Err(Error::shape(op, "grad_norm holds [norm, scale]: 2 elements", &[&[v.len]]));
+        return Err(Error::shape(
+            op,
+            "grad_norm holds [norm, scale]: 2 elements",
+            &[&[v.len]],
+        ));
     }
-    Ok(Groups { decay_end: dim(op, arena.decay_len)?, clip: u32::from(clip.is_some()), scaled: u32::from(scaled), _pad: 0 })
+    Ok(Groups {
+        decay_end: dim(op, arena.decay_len)?,
+        clip: u32::from(clip.is_some()),
+        scaled: u32::from(scaled),
+        _pad: 0,
+    })
 }
 
 impl Kernels {
@@ -263,7 +280,10 @@ impl Kernels {
         cfg: &SgdConfig,
         step: u64,
     ) -> Result<Dispatch> {
-        let all = ArenaGroups { decay_len: param.len, grad_norm: None };
+        let all = ArenaGroups {
+            decay_len: param.len,
+            grad_norm: None,
+        };
         self.optimizer_update(&OptimizerConfig::Sgd(*cfg), param, grad, &[momentum_buf], all, step)
     }
 
@@ -279,8 +299,18 @@ impl Kernels {
         cfg: &AdamConfig,
         step: u64,
     ) -> Result<Dispatch> {
-        let all = ArenaGroups { decay_len: param.len, grad_norm: None };
-        self.optimizer_update(&OptimizerConfig::Adam(*cfg), param, grad, &[exp_avg, exp_avg_sq], all, step)
+        let all = ArenaGroups {
+            decay_len: param.len,
+            grad_norm: None,
+        };
+        self.optimizer_update(
+            &OptimizerConfig::Adam(*cfg),
+            param,
+            grad,
+            &[exp_avg, exp_avg_sq],
+            all,
+            step,
+        )
     }
 
     /// One step of `optimizer` over a parameter arena: `state` holds its
@@ -309,29 +339,58 @@ impl Kernels {
         let op = kernel.entry;
         let names = optimizer.state_names();
         if state.len() != names.len() {
-            return Err(Error::InvalidArgument { op, reason: format!("takes {} state arenas ({names:?}), got {}", names.len(), state.len()) });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("takes {} state arenas ({names:?}), got {}", names.len(), state.len()),
+            });
         }
         let mut others: Vec<(&str, &View<'_>)> = vec![("grad", &grad)];
         others.extend(names.iter().copied().zip(state));
         check_state(op, &param, &others)?;
-        let all = groups(op, param.len, optimizer.clip_grad_norm(), optimizer.loss_scaling().is_some(), &arena)?;
+        let all = groups(
+            op,
+            param.len,
+            optimizer.clip_grad_norm(),
+            optimizer.loss_scaling().is_some(),
+            &arena,
+        )?;
         // Bound even when not clipping: the shader's layout has the slot.
-        let norm = arena.grad_norm.unwrap_or(View { buffer: self.placeholder(), offset: 0, len: 2 });
+        let norm = arena.grad_norm.unwrap_or(View {
+            buffer: self.placeholder(),
+            offset: 0,
+            len: 2,
+        });
         // An arena over the binding limit: one launch per aligned part,
         // each with its part of every arena and of the decayed group.
         let mut launches = Vec::new();
         for (start, len) in self.arena_parts(op, param.len, ARENA_GRANULE)? {
-            let groups = Groups { decay_end: dim(op, arena.decay_len.clamp(start, start + len) - start)?, ..all };
-            let mut bindings = vec![bind(0, "param", param.slice(start, len)?), bind(1, "grad", grad.slice(start, len)?), bind(6, "grad_norm", norm)];
+            let groups = Groups {
+                decay_end: dim(op, arena.decay_len.clamp(start, start + len) - start)?,
+                ..all
+            };
+            let mut bindings = vec![
+                bind(0, "param", param.slice(start, len)?),
+                bind(1, "grad", grad.slice(start, len)?),
+                bind(6, "grad_norm", norm),
+            ];
             launches.push(match optimizer {
                 OptimizerConfig::Sgd(cfg) => {
                     bindings.push(bind(2, "momentum_buf", state[0].slice(start, len)?));
-                    let params = SgdParams { step: sgd_step(op, len, cfg, step)?, groups };
+                    let params = SgdParams {
+                        step: sgd_step(op, len, cfg, step)?,
+                        groups,
+                    };
                     self.prepare(kernel, &[], &bindings, 3, &params, flat_groups(len))?
                 }
                 OptimizerConfig::Adam(cfg) => {
-                    bindings.extend([bind(2, "exp_avg", state[0].slice(start, len)?), bind(4, "exp_avg_sq", state[1].slice(start, len)?)]);
-                    let params = AdamParams { step: adam_step(op, len, cfg, step)?, groups };
+                    bindings.extend([
+                        bind(2, "exp_avg", state[0].slice(start, len)?),
+                        bind(4, "exp_avg_sq", state[1].slice(start, len)?),
+                    ]);
+                    let params = AdamParams {
+                        step: adam_step(op, len, cfg, step)?,
+                        groups,
+                    };
                     self.prepare(kernel, &[], &bindings, 5, &params, flat_groups(len))?
                 }
             });
@@ -344,15 +403,28 @@ impl Kernels {
     /// factor] by two dispatches (per-chunk sums of squares into `partials`,
     /// [`grad_norm_groups`] long, then their sum) in a fixed order, so the
     /// result is deterministic. Run them before the update that reads it.
-    pub fn grad_norm(&self, norm_out: View<'_>, partials: View<'_>, grad: View<'_>, max_norm: f32) -> Result<[Dispatch; 2]> {
+    pub fn grad_norm(
+        &self,
+        norm_out: View<'_>,
+        partials: View<'_>,
+        grad: View<'_>,
+        max_norm: f32,
+    ) -> Result<[Dispatch; 2]> {
         let op = GRAD_NORM_PARTIALS.entry;
         if max_norm.is_nan() || max_norm < 0.0 {
-            return Err(Error::InvalidArgument { op, reason: format!("invalid max_norm {max_norm}") });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("invalid max_norm {max_norm}"),
+            });
         }
         if partials.len != grad_norm_groups(grad.len) || norm_out.len != 2 {
             return Err(Error::shape(
                 op,
-                format!("{} gradients need {} partials and a norm_out of 2", grad.len, grad_norm_groups(grad.len)),
+                format!(
+                    "{} gradients need {} partials and a norm_out of 2",
+                    grad.len,
+                    grad_norm_groups(grad.len)
+                ),
                 &[&[grad.len], &[partials.len], &[norm_out.len]],
             ));
         }
@@ -360,17 +432,38 @@ impl Kernels {
         let chunk = grad_norm_chunk(grad.len);
         let groups = grad.len.div_ceil(chunk);
         let params = |n: usize, first: usize| -> Result<NormParams> {
-            Ok(NormParams { n: dim(op, n)?, chunk: dim(op, chunk)?, groups: dim(op, groups)?, max_norm, first: dim(op, first)?, _pad: [0; 3] })
+            Ok(NormParams {
+                n: dim(op, n)?,
+                chunk: dim(op, chunk)?,
+                groups: dim(op, groups)?,
+                max_norm,
+                first: dim(op, first)?,
+                _pad: [0; 3],
+            })
         };
         // A gradient over the binding limit: one launch per part of whole
         // chunks, writing its own partials; the same sums in the same order.
         let mut launches = Vec::new();
         for (start, len) in self.arena_parts(op, grad.len, chunk)? {
             let part = [bind(1, "grad", grad.slice(start, len)?), bind(7, "partials", partials)];
-            launches.push(self.prepare(GRAD_NORM_PARTIALS, &[], &part, 8, &params(len, start / chunk)?, len.div_ceil(chunk) as u64)?);
+            launches.push(self.prepare(
+                GRAD_NORM_PARTIALS,
+                &[],
+                &part,
+                8,
+                &params(len, start / chunk)?,
+                len.div_ceil(chunk) as u64,
+            )?);
         }
         let sums = Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no gradients", &[&[grad.len]]))?;
-        let finish = self.prepare(GRAD_NORM_FINISH, &[], &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)], 8, &params(grad.len, 0)?, 1)?;
+        let finish = self.prepare(
+            GRAD_NORM_FINISH,
+            &[],
+            &[bind(7, "partials", partials), bind(9, "norm_out", norm_out)],
+            8,
+            &params(grad.len, 0)?,
+            1,
+        )?;
         Ok([sums, finish])
     }
 
@@ -381,17 +474,30 @@ impl Kernels {
     /// block then holds what the update of `optimizer` (which must have
     /// `loss_scaling`) reads, with clipping by the unscaled norm when it
     /// clips. Run them after the backward and before that update.
-    pub fn loss_scale(&self, block: View<'_>, partials: View<'_>, grad: View<'_>, optimizer: &OptimizerConfig) -> Result<[Dispatch; 2]> {
+    pub fn loss_scale(
+        &self,
+        block: View<'_>,
+        partials: View<'_>,
+        grad: View<'_>,
+        optimizer: &OptimizerConfig,
+    ) -> Result<[Dispatch; 2]> {
         let op = LOSS_SCALE_PARTIALS.entry;
         let Some(scaling) = optimizer.loss_scaling() else {
-            return Err(Error::InvalidArgument { op, reason: "the optimizer has no loss_scaling".into() });
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "the optimizer has no loss_scaling".into(),
+            });
         };
         scaling.validate()?;
         let groups = grad_norm_groups(grad.len);
         if partials.len != 2 * groups || block.len != LOSS_SCALE_WORDS {
             return Err(Error::shape(
                 op,
-                format!("{} gradients need {} partials and a block of {LOSS_SCALE_WORDS}", grad.len, 2 * groups),
+                format!(
+                    "{} gradients need {} partials and a block of {LOSS_SCALE_WORDS}",
+                    grad.len,
+                    2 * groups
+                ),
                 &[&[grad.len], &[partials.len], &[block.len]],
             ));
         }
@@ -409,8 +515,26 @@ impl Kernels {
             beta2,
             _pad: [0; 2],
         };
-        let sums = self.prepare(LOSS_SCALE_PARTIALS, &[], &[bind(1, "grad", grad), bind(6, "block", block), bind(7, "partials", partials)], 10, &params, groups as u64)?;
-        let finish = self.prepare(LOSS_SCALE_FINISH, &[], &[bind(7, "partials", partials), bind(9, "block", block)], 10, &params, 1)?;
+        let sums = self.prepare(
+            LOSS_SCALE_PARTIALS,
+            &[],
+            &[
+                bind(1, "grad", grad),
+                bind(6, "block", block),
+                bind(7, "partials", partials),
+            ],
+            10,
+            &params,
+            groups as u64,
+        )?;
+        let finish = self.prepare(
+            LOSS_SCALE_FINISH,
+            &[],
+            &[bind(7, "partials", partials), bind(9, "block", block)],
+            10,
+            &params,
+            1,
+        )?;
         Ok([sums, finish])
     }
 
@@ -418,15 +542,34 @@ impl Kernels {
     /// from the schedule, its bias corrections), so one dispatch serves
     /// every step of a training run. Only the step's scalars are rewritten:
     /// the decay group and clipping stay as built.
-    pub fn set_optimizer_step(&self, dispatch: &Dispatch, n: usize, optimizer: &OptimizerConfig, step: u64) -> Result<()> {
+    pub fn set_optimizer_step(
+        &self,
+        dispatch: &Dispatch,
+        n: usize,
+        optimizer: &OptimizerConfig,
+        step: u64,
+    ) -> Result<()> {
         let kernel = dispatch.kernel();
         for launch in dispatch.each_launch() {
             // A split update's launch covers its part: what it binds as `param`.
-            let n = if dispatch.launches() == 1 { n } else { launch.recipe().bindings.iter().find(|b| b.name == "param").map_or(n, |b| (b.bytes / 4) as usize) };
+            let n = if dispatch.launches() == 1 {
+                n
+            } else {
+                launch
+                    .recipe()
+                    .bindings
+                    .iter()
+                    .find(|b| b.name == "param")
+                    .map_or(n, |b| (b.bytes / 4) as usize)
+            };
             // The step scalars are the block's first bytes (`SgdParams`, `AdamParams`).
             match optimizer {
-                OptimizerConfig::Sgd(cfg) if kernel == SGD_UPDATE => self.rewrite_params(launch, &sgd_step(kernel.entry, n, cfg, step)?),
-                OptimizerConfig::Adam(cfg) if kernel == ADAM_UPDATE || kernel == ADAMW_UPDATE => self.rewrite_params(launch, &adam_step(kernel.entry, n, cfg, step)?),
+                OptimizerConfig::Sgd(cfg) if kernel == SGD_UPDATE => {
+                    self.rewrite_params(launch, &sgd_step(kernel.entry, n, cfg, step)?)
+                }
+                OptimizerConfig::Adam(cfg) if kernel == ADAM_UPDATE || kernel == ADAMW_UPDATE => {
+                    self.rewrite_params(launch, &adam_step(kernel.entry, n, cfg, step)?)
+                }
                 _ => {
                     return Err(Error::InvalidArgument {
                         op: "set_optimizer_step",

@@ -20,8 +20,8 @@
 use super::matmul::{matvec_rows_bucket, ProductParams, MATVEC_COLUMNS, TILE};
 use super::registry::{entry_points, Kernel};
 use super::{bind, dim, flat_groups, Dispatch, Kernels, MatmulEpilogue, View, MATVEC_MAX_ROWS};
-use crate::ops::Activation;
 use crate::error::{Error, Result};
+use crate::ops::Activation;
 use crate::ops::QuantFormat;
 
 entry_points! {
@@ -64,7 +64,12 @@ impl<'a> QuantView<'a> {
             );
             return Err(Error::shape(OP, reason, &[&[rows, cols], &[words.len]]));
         }
-        Ok(QuantView { words, format, rows, cols })
+        Ok(QuantView {
+            words,
+            format,
+            rows,
+            cols,
+        })
     }
 
     pub fn words(&self) -> View<'a> {
@@ -111,7 +116,12 @@ impl Kernels {
         let all_quants = b.rows * kb * qw;
         let (quants, q_base) = self.bind_part(b.words, r0 * kb * qw, (r1 - r0) * kb * qw);
         let (scales, s_base) = self.bind_part(b.words, all_quants + r0 * kb * sw, (r1 - r0) * kb * sw);
-        QuantRows { quants, q_base, scales, s_base }
+        QuantRows {
+            quants,
+            q_base,
+            scales,
+            s_base,
+        }
     }
 
     /// Rows of a quantized matrix one part may hold, so that its quantized
@@ -231,12 +241,18 @@ impl Kernels {
     pub fn quant_weights_kernel_for(&self, m: usize, a: &View<'_>, b: &QuantView<'_>) -> QuantWeightsKernel {
         // A CPU adapter's batched decode: the rows kernel.
         if !self.gpu_shaped() && m >= QUANT_ROWS_MIN_ROWS && self.quant_rows_runs(m, a, b) {
-            return if self.supports_quant_rows_subgroup() { QuantWeightsKernel::MatvecRowsSubgroup } else { QuantWeightsKernel::MatvecRows };
+            return if self.supports_quant_rows_subgroup() {
+                QuantWeightsKernel::MatvecRowsSubgroup
+            } else {
+                QuantWeightsKernel::MatvecRows
+            };
         }
         if !self.quant_matvec_runs(m, a, b) {
             QuantWeightsKernel::Tiled
         } else if self.gpu_shaped() {
-            QuantWeightsKernel::Matvec { lanes: self.matvec_lanes() }
+            QuantWeightsKernel::Matvec {
+                lanes: self.matvec_lanes(),
+            }
         } else {
             QuantWeightsKernel::MatvecColumns
         }
@@ -270,7 +286,16 @@ impl Kernels {
     /// in vec4s: it must start 16-byte aligned, on an adapter whose storage
     /// offsets are too.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_quant_weights(&self, epilogue: MatmulEpilogue<'_>, c: View<'_>, a: View<'_>, b: QuantView<'_>, m: usize, n: usize, k: usize) -> Result<Dispatch> {
+    pub fn matmul_quant_weights(
+        &self,
+        epilogue: MatmulEpilogue<'_>,
+        c: View<'_>,
+        a: View<'_>,
+        b: QuantView<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
         let kernel = self.quant_weights_kernel_for(m, &a, &b);
         self.matmul_quant_weights_with(kernel, epilogue, c, a, b, m, n, k)
     }
@@ -324,17 +349,42 @@ impl Kernels {
         if let QuantWeightsKernel::Matvec { lanes } = kernel {
             // Lane c stores column c of the workgroup's 8.
             if !(lanes.is_power_of_two() && (8..=64).contains(&lanes)) {
-                return Err(Error::InvalidArgument { op, reason: format!("{lanes} lanes: a power of two from 8 to 64") });
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!("{lanes} lanes: a power of two from 8 to 64"),
+                });
             }
         }
-        if matches!(kernel, QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns) && !self.quant_matvec_runs(m, &a, &b) {
-            return Err(Error::shape(op, format!("takes 1 to {MATVEC_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}", b.words.offset), &shapes));
+        if matches!(
+            kernel,
+            QuantWeightsKernel::Matvec { .. } | QuantWeightsKernel::MatvecColumns
+        ) && !self.quant_matvec_runs(m, &a, &b)
+        {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "takes 1 to {MATVEC_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}",
+                    b.words.offset
+                ),
+                &shapes,
+            ));
         }
         if kernel == QuantWeightsKernel::MatvecRowsSubgroup {
             self.require_family(MATVEC_QUANT_FORWARD_ROWS_SUBGROUP)?;
         }
-        if matches!(kernel, QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup) && !self.quant_rows_runs(m, &a, &b) {
-            return Err(Error::shape(op, format!("takes 1 to {QUANT_ROWS_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}", b.words.offset), &shapes));
+        if matches!(
+            kernel,
+            QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup
+        ) && !self.quant_rows_runs(m, &a, &b)
+        {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "takes 1 to {QUANT_ROWS_MAX_ROWS} rows and B's words 16-byte aligned; got m={m}, B at byte {}",
+                    b.words.offset
+                ),
+                &shapes,
+            ));
         }
         self.quant_launches(entry, kernel, epilogue, pre, c, (0, n), a, b, m, LaunchMode::default())
     }
@@ -347,25 +397,60 @@ impl Kernels {
     /// parts G and U of equal rows and gives C [m, n] = silu(A·Gᵀ) ⊙
     /// (A·Uᵀ) (SwiGLU's hidden units): one launch on a CPU adapter's
     /// columns kernel, else two (the second multiplying C).
-    pub fn matmul_quant_parts(&self, c: View<'_>, a: View<'_>, parts: &[QuantView<'_>], m: usize, k: usize, gated: bool) -> Result<Dispatch> {
+    pub fn matmul_quant_parts(
+        &self,
+        c: View<'_>,
+        a: View<'_>,
+        parts: &[QuantView<'_>],
+        m: usize,
+        k: usize,
+        gated: bool,
+    ) -> Result<Dispatch> {
         const OP: &str = "matmul_quant_parts";
         let Some(first) = parts.first() else {
-            return Err(Error::InvalidArgument { op: OP, reason: "no matrices".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "no matrices".into(),
+            });
         };
         let rows: Vec<usize> = parts.iter().map(|b| b.rows).collect();
         let n: usize = if gated { first.rows } else { rows.iter().sum() };
         let shapes: [&[usize]; 3] = [&[m, k], &rows, &[m, n]];
         if parts.len() > 4 || (gated && (parts.len() != 2 || rows[0] != rows[1])) {
-            return Err(Error::shape(OP, "takes 1 to 4 matrices, or two of equal rows gated", &shapes));
+            return Err(Error::shape(
+                OP,
+                "takes 1 to 4 matrices, or two of equal rows gated",
+                &shapes,
+            ));
         }
         if m == 0 || k == 0 || parts.iter().any(|b| b.cols != k || b.format != first.format) {
-            return Err(Error::shape(OP, format!("every matrix must be [rows, k = {k}] in {}, and m ≥ 1", first.format.name()), &shapes));
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "every matrix must be [rows, k = {k}] in {}, and m ≥ 1",
+                    first.format.name()
+                ),
+                &shapes,
+            ));
         }
         if m.checked_mul(k) != Some(a.len) || m.checked_mul(n) != Some(c.len) {
-            return Err(Error::shape(OP, format!("A must hold m·k = {m}·{k} values and C m·n = {m}·{n}; got {} and {}", a.len, c.len), &shapes));
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "A must hold m·k = {m}·{k} values and C m·n = {m}·{n}; got {} and {}",
+                    a.len, c.len
+                ),
+                &shapes,
+            ));
         }
         if !self.quant_vectors_aligned(&a) {
-            return Err(Error::InvalidArgument { op: OP, reason: format!("reads A in vec4s: A must start 16-byte aligned; it starts at byte {}", a.offset) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "reads A in vec4s: A must start 16-byte aligned; it starts at byte {}",
+                    a.offset
+                ),
+            });
         }
         if let Some(launch) = self.quant_parts_launch(c, a, parts, m, k, gated)? {
             return Ok(launch);
@@ -384,8 +469,22 @@ impl Kernels {
         };
         let plain = MatmulEpilogue::default();
         let launches = if gated {
-            let silu = MatmulEpilogue { activation: Some((Activation::Silu, None)), ..plain };
-            vec![part_launch(silu, 0, parts[0], LaunchMode::default())?, part_launch(plain, 0, parts[1], LaunchMode { multiply_c: true, gated: false })?]
+            let silu = MatmulEpilogue {
+                activation: Some((Activation::Silu, None)),
+                ..plain
+            };
+            vec![
+                part_launch(silu, 0, parts[0], LaunchMode::default())?,
+                part_launch(
+                    plain,
+                    0,
+                    parts[1],
+                    LaunchMode {
+                        multiply_c: true,
+                        gated: false,
+                    },
+                )?,
+            ]
         } else {
             let mut col0 = 0;
             parts
@@ -405,7 +504,15 @@ impl Kernels {
     /// vector operand unaligned, the parts in different buffers or beyond
     /// one binding's reach, a part starting between blocks of another's
     /// binding, or a gated product off the columns kernel.
-    fn quant_parts_launch(&self, c: View<'_>, a: View<'_>, parts: &[QuantView<'_>], m: usize, k: usize, gated: bool) -> Result<Option<Dispatch>> {
+    fn quant_parts_launch(
+        &self,
+        c: View<'_>,
+        a: View<'_>,
+        parts: &[QuantView<'_>],
+        m: usize,
+        k: usize,
+        gated: bool,
+    ) -> Result<Option<Dispatch>> {
         const WORD: u64 = 4;
         let first = parts[0];
         let format = first.format;
@@ -418,15 +525,24 @@ impl Kernels {
             _ => return Ok(None),
         };
         let op = entry.entry;
-        let same_buffer = parts.iter().all(|b| std::ptr::eq(b.words.buffer, first.words.buffer) && b.aligned());
+        let same_buffer = parts
+            .iter()
+            .all(|b| std::ptr::eq(b.words.buffer, first.words.buffer) && b.aligned());
         if !same_buffer || c.bytes() > self.binding_limit() {
             return Ok(None);
         }
         // Each part's quantized words and side words, in words from the
         // buffer's start.
         let (qw, sw) = (format.quant_words(), format.side_words());
-        let quants: Vec<(usize, usize)> = parts.iter().map(|b| ((b.words.offset / WORD) as usize, b.rows * b.blocks_per_row() * qw)).collect();
-        let scales: Vec<usize> = parts.iter().zip(&quants).map(|(_, &(start, len))| start + len).collect();
+        let quants: Vec<(usize, usize)> = parts
+            .iter()
+            .map(|b| ((b.words.offset / WORD) as usize, b.rows * b.blocks_per_row() * qw))
+            .collect();
+        let scales: Vec<usize> = parts
+            .iter()
+            .zip(&quants)
+            .map(|(_, &(start, len))| start + len)
+            .collect();
         let span = |ranges: &mut dyn Iterator<Item = (usize, usize)>| {
             let (mut lo, mut hi) = (usize::MAX, 0);
             for (start, len) in ranges {
@@ -437,7 +553,11 @@ impl Kernels {
         let (q_lo, q_hi) = span(&mut quants.iter().copied());
         let side_len = |b: &QuantView<'_>| b.rows * b.blocks_per_row() * sw;
         let (s_lo, s_hi) = span(&mut parts.iter().zip(&scales).map(|(b, &start)| (start, side_len(b))));
-        let whole = View { buffer: first.words.buffer, offset: 0, len: q_hi.max(s_hi) };
+        let whole = View {
+            buffer: first.words.buffer,
+            offset: 0,
+            len: q_hi.max(s_hi),
+        };
         let (quant_bind, q_base) = self.bind_part(whole, q_lo, q_hi - q_lo);
         let (scale_bind, s_base) = self.bind_part(whole, s_lo, s_hi - s_lo);
         let between_blocks = quants.iter().any(|&(start, _)| (start - q_lo) % qw != 0);
@@ -464,8 +584,22 @@ impl Kernels {
             part_q,
             part_s,
         };
-        let mode = LaunchMode { multiply_c: false, gated };
-        self.quant_weights_launch(entry, kernel, format, (None, false, None), [c, a, quant_bind, scale_bind], &params, m, n, mode).map(Some)
+        let mode = LaunchMode {
+            multiply_c: false,
+            gated,
+        };
+        self.quant_weights_launch(
+            entry,
+            kernel,
+            format,
+            (None, false, None),
+            [c, a, quant_bind, scale_bind],
+            &params,
+            m,
+            n,
+            mode,
+        )
+        .map(Some)
     }
 
     /// The launches of C[:, c_col0 .. c_col0 + n] (C's rows `ldc` wide;
@@ -500,7 +634,14 @@ impl Kernels {
             let by_c = self.part_capacity().saturating_sub((m - 1) * ldc);
             let cols = by_b.min(by_c).min(n);
             if cols == 0 {
-                let (operand, bytes) = if by_b == 0 { ("b (one row of it)", (k / QuantFormat::BLOCK * b.format.quant_words() * 4) as u64) } else { ("c (its rows do not split)", c.bytes()) };
+                let (operand, bytes) = if by_b == 0 {
+                    (
+                        "b (one row of it)",
+                        (k / QuantFormat::BLOCK * b.format.quant_words() * 4) as u64,
+                    )
+                } else {
+                    ("c (its rows do not split)", c.bytes())
+                };
                 return Err(self.binding_too_large(op, operand, bytes));
             }
             // Whole tiles (and matrix-vector workgroups) per launch.
@@ -510,7 +651,11 @@ impl Kernels {
                 QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup => QUANT_ROWS_COLUMNS_PER_GROUP,
                 QuantWeightsKernel::Tiled => TILE,
             };
-            if cols > unit { cols / unit * unit } else { cols }
+            if cols > unit {
+                cols / unit * unit
+            } else {
+                cols
+            }
         } else {
             n
         };
@@ -522,7 +667,11 @@ impl Kernels {
                 let whole = c_col0 == 0 && cols == ldc;
                 let rows = self.quant_rows(&b, (n0, n0 + cols));
                 let c_range = (c_col0 + n0, (m - 1) * ldc + cols);
-                let (c_bind, c_base) = if whole { (c, 0) } else { self.bind_part(c, c_range.0, c_range.1) };
+                let (c_bind, c_base) = if whole {
+                    (c, 0)
+                } else {
+                    self.bind_part(c, c_range.0, c_range.1)
+                };
                 let pre_bind = match pre {
                     Some(p) if !whole => Some(self.bind_like_c(op, p, c_range, c_base)?),
                     other => other,
@@ -537,7 +686,17 @@ impl Kernels {
                     part_q: [0; 4],
                     part_s: [0; 4],
                 };
-                self.quant_weights_launch(entry, kernel, b.format, (bias, activation.is_some(), pre_bind), [c_bind, a, rows.quants, rows.scales], &params, m, cols, mode)
+                self.quant_weights_launch(
+                    entry,
+                    kernel,
+                    b.format,
+                    (bias, activation.is_some(), pre_bind),
+                    [c_bind, a, rows.quants, rows.scales],
+                    &params,
+                    m,
+                    cols,
+                    mode,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no columns", &shapes))
@@ -575,23 +734,38 @@ impl Kernels {
             QuantWeightsKernel::Matvec { lanes } => {
                 // A pipeline per bucket of row counts, as the f32
                 // matrix-vector kernel.
-                constants.extend([("MATVEC_ROWS", matvec_rows_bucket(m) as f64), ("MATVEC_WG", f64::from(lanes))]);
+                constants.extend([
+                    ("MATVEC_ROWS", matvec_rows_bucket(m) as f64),
+                    ("MATVEC_WG", f64::from(lanes)),
+                ]);
                 cols.div_ceil(MATVEC_COLUMNS) as u64
             }
             QuantWeightsKernel::MatvecColumns => {
                 constants.push(("MATVEC_ROWS", matvec_rows_bucket(m) as f64));
-                cols.div_ceil(if mode.gated { QUANT_GATED_COLUMNS_PER_GROUP } else { QUANT_COLUMNS_PER_GROUP }) as u64
+                cols.div_ceil(if mode.gated {
+                    QUANT_GATED_COLUMNS_PER_GROUP
+                } else {
+                    QUANT_COLUMNS_PER_GROUP
+                }) as u64
             }
             QuantWeightsKernel::MatvecRows | QuantWeightsKernel::MatvecRowsSubgroup => {
                 constants.push(("MATVEC_ROWS", quant_rows_bucket(m) as f64));
-                cols.div_ceil(if mode.gated { QUANT_ROWS_GATED_COLUMNS_PER_GROUP } else { QUANT_ROWS_COLUMNS_PER_GROUP }) as u64
+                cols.div_ceil(if mode.gated {
+                    QUANT_ROWS_GATED_COLUMNS_PER_GROUP
+                } else {
+                    QUANT_ROWS_COLUMNS_PER_GROUP
+                }) as u64
             }
             QuantWeightsKernel::Tiled => u64::from(params.product.tiles_total),
         };
         // Unused read-only slots hold a placeholder the kernel never reads;
         // an unused `pre` a writable one of its own (not C: a writable
         // binding may alias no other).
-        let placeholder = View { buffer: self.placeholder(), offset: 0, len: 1 };
+        let placeholder = View {
+            buffer: self.placeholder(),
+            offset: 0,
+            len: 1,
+        };
         self.prepare(
             entry,
             &constants,
@@ -614,22 +788,42 @@ impl Kernels {
     /// model whose table stays quantized. An id ≥ vocab gives a row of
     /// NaN, as [`Kernels::embedding_forward`] (check ids with
     /// [`super::check_token_ids`] where the host has them).
-    pub fn embedding_quant_weights(&self, out: View<'_>, table: QuantView<'_>, ids: View<'_>, n: usize) -> Result<Dispatch> {
+    pub fn embedding_quant_weights(
+        &self,
+        out: View<'_>,
+        table: QuantView<'_>,
+        ids: View<'_>,
+        n: usize,
+    ) -> Result<Dispatch> {
         let kernel = EMBEDDING_QUANT_FORWARD;
         let op = kernel.entry;
         let (vocab, channels) = (table.rows, table.cols);
         let shapes: [&[usize]; 3] = [&[vocab, channels], &[n], &[n, channels]];
         if n == 0 || Some(out.len) != n.checked_mul(channels) || ids.len != n {
-            return Err(Error::shape(op, format!("out and ids must hold n·channels and n ≥ 1 values; got {} and {} (n = {n}, channels = {channels})", out.len, ids.len), &shapes));
+            return Err(Error::shape(
+                op,
+                format!(
+                    "out and ids must hold n·channels and n ≥ 1 values; got {} and {} (n = {n}, channels = {channels})",
+                    out.len, ids.len
+                ),
+                &shapes,
+            ));
         }
         let parts: Vec<(usize, usize)> = if table.words.bytes() <= self.binding_limit() {
             vec![(0, vocab)]
         } else {
             let per_part = self.quant_rows_per_part(&table);
             if per_part == 0 {
-                return Err(self.binding_too_large(op, "table (one row of it)", (table.blocks_per_row() * table.format.quant_words() * 4) as u64));
+                return Err(self.binding_too_large(
+                    op,
+                    "table (one row of it)",
+                    (table.blocks_per_row() * table.format.quant_words() * 4) as u64,
+                ));
             }
-            (0..vocab).step_by(per_part).map(|r0| (r0, (r0 + per_part).min(vocab))).collect()
+            (0..vocab)
+                .step_by(per_part)
+                .map(|r0| (r0, (r0 + per_part).min(vocab)))
+                .collect()
         };
         let launches = parts
             .into_iter()
@@ -648,7 +842,12 @@ impl Kernels {
                 self.prepare(
                     kernel,
                     &[("QUANT_FORMAT", f64::from(table.format.code()))],
-                    &[bind(7, "table (quantized words)", rows.quants), bind(8, "table (scales)", rows.scales), bind(9, "ids", ids), bind(10, "out", out)],
+                    &[
+                        bind(7, "table (quantized words)", rows.quants),
+                        bind(8, "table (scales)", rows.scales),
+                        bind(9, "ids", ids),
+                        bind(10, "out", out),
+                    ],
                     11,
                     &params,
                     flat_groups(out.len),

@@ -63,11 +63,21 @@ impl ColumnBlocks {
             block_rows += 1;
         }
         let block_rows = block_rows.max(1);
-        ColumnBlocks { block_rows, blocks: rows.div_ceil(block_rows) }
+        ColumnBlocks {
+            block_rows,
+            blocks: rows.div_ceil(block_rows),
+        }
     }
 }
 
-fn check_matrix(op: &'static str, x: &View<'_>, rows: usize, cols: usize, out_len: usize, want_out: usize) -> Result<()> {
+fn check_matrix(
+    op: &'static str,
+    x: &View<'_>,
+    rows: usize,
+    cols: usize,
+    out_len: usize,
+    want_out: usize,
+) -> Result<()> {
     if rows == 0 || cols == 0 || rows.checked_mul(cols) != Some(x.len) || out_len != want_out {
         return Err(Error::shape(
             op,
@@ -106,7 +116,14 @@ impl Kernels {
         self.sum_rows_impl(true, out, x, rows, cols)
     }
 
-    fn sum_rows_impl(&self, accumulate: bool, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+    fn sum_rows_impl(
+        &self,
+        accumulate: bool,
+        out: View<'_>,
+        x: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
         let op = SUM_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, out.len, cols)?;
         let Some(blocks) = self.column_blocks(rows, cols, 1) else {
@@ -115,9 +132,26 @@ impl Kernels {
         // Stage one into the device's scratch, stage two out of it.
         let _gl = self.device().lock_gl();
         let scratch = self.reduction_scratch(op, blocks.blocks * cols)?;
-        let partial = View { buffer: &scratch, offset: 0, len: blocks.blocks * cols };
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: dim(op, blocks.block_rows)?, ..bytemuck::Zeroable::zeroed() };
-        let first = self.prepare(SUM_ROWS_PARTIAL, &[], &[bind(0, "x", x), bind(2, "partial", partial)], 3, &params, flat_groups(partial.len))?;
+        let partial = View {
+            buffer: &scratch,
+            offset: 0,
+            len: blocks.blocks * cols,
+        };
+        let params = ReduceParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, x.len)?,
+            block_rows: dim(op, blocks.block_rows)?,
+            ..bytemuck::Zeroable::zeroed()
+        };
+        let first = self.prepare(
+            SUM_ROWS_PARTIAL,
+            &[],
+            &[bind(0, "x", x), bind(2, "partial", partial)],
+            3,
+            &params,
+            flat_groups(partial.len),
+        )?;
         let second = self.sum_rows_pass(accumulate, out, partial, blocks.blocks, cols)?;
         Ok(first.then(second))
     }
@@ -125,19 +159,49 @@ impl Kernels {
     /// out[cols] (+)= Σ_r x[rows, cols] by one invocation per column
     /// (`sum_rows_forward`); also stage two of the two-stage sums, over
     /// their partials.
-    pub(crate) fn sum_rows_pass(&self, accumulate: bool, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+    pub(crate) fn sum_rows_pass(
+        &self,
+        accumulate: bool,
+        out: View<'_>,
+        x: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
         let op = SUM_ROWS_FORWARD.entry;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = ReduceParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, x.len)?,
+            block_rows: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         let constants = [("ACCUMULATE", f64::from(u8::from(accumulate)))];
-        self.prepare(SUM_ROWS_FORWARD, &constants, &[bind(0, "x", x), bind(2, "out", out)], 3, &params, column_groups(cols))
+        self.prepare(
+            SUM_ROWS_FORWARD,
+            &constants,
+            &[bind(0, "x", x), bind(2, "out", out)],
+            3,
+            &params,
+            column_groups(cols),
+        )
     }
 
     fn whole(&self, kernel: Kernel, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
         let op = kernel.entry;
         if out.len != 1 || x.len == 0 {
-            return Err(Error::shape(op, "reduces a non-empty x into out of length 1", &[&[x.len], &[out.len]]));
+            return Err(Error::shape(
+                op,
+                "reduces a non-empty x into out of length 1",
+                &[&[x.len], &[out.len]],
+            ));
         }
-        let params = ReduceParams { rows: 1, cols: dim(op, x.len)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = ReduceParams {
+            rows: 1,
+            cols: dim(op, x.len)?,
+            n: dim(op, x.len)?,
+            block_rows: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         // One workgroup: a fixed summation order makes the result deterministic.
         self.prepare(kernel, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, 1)
     }
@@ -156,23 +220,61 @@ impl Kernels {
     pub fn max_rows(&self, out: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = MAX_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, out.len, rows)?;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
-        self.prepare(MAX_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(2, "out", out)], 3, &params, flat_groups(rows))
+        let params = ReduceParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, x.len)?,
+            block_rows: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
+        self.prepare(
+            MAX_ROWS_FORWARD,
+            &[],
+            &[bind(0, "x", x), bind(2, "out", out)],
+            3,
+            &params,
+            flat_groups(rows),
+        )
     }
 
     /// indices[rows] (u32) = first column holding each row's maximum.
     pub fn argmax_rows(&self, indices: View<'_>, x: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
         let op = ARGMAX_ROWS_FORWARD.entry;
         check_matrix(op, &x, rows, cols, indices.len, rows)?;
-        let params = ReduceParams { rows: dim(op, rows)?, cols: dim(op, cols)?, n: dim(op, x.len)?, block_rows: 0, ..bytemuck::Zeroable::zeroed() };
+        let params = ReduceParams {
+            rows: dim(op, rows)?,
+            cols: dim(op, cols)?,
+            n: dim(op, x.len)?,
+            block_rows: 0,
+            ..bytemuck::Zeroable::zeroed()
+        };
         if x.bytes() <= self.binding_limit() {
-            return self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", x), bind(4, "indices", indices)], 3, &params, flat_groups(rows));
+            return self.prepare(
+                ARGMAX_ROWS_FORWARD,
+                &[],
+                &[bind(0, "x", x), bind(4, "indices", indices)],
+                3,
+                &params,
+                flat_groups(rows),
+            );
         }
         // x over one binding (an LM's logits): a launch per part of whole rows.
         let mut launches = Vec::new();
         for (first, count, part, base) in self.whole_row_parts(op, "x (one row of it)", x, rows, cols)? {
-            let params = ReduceParams { rows: dim(op, count)?, first_row: dim(op, first)?, part_base: dim(op, base)?, ..params };
-            launches.push(self.prepare(ARGMAX_ROWS_FORWARD, &[], &[bind(0, "x", part), bind(4, "indices", indices)], 3, &params, flat_groups(count))?);
+            let params = ReduceParams {
+                rows: dim(op, count)?,
+                first_row: dim(op, first)?,
+                part_base: dim(op, base)?,
+                ..params
+            };
+            launches.push(self.prepare(
+                ARGMAX_ROWS_FORWARD,
+                &[],
+                &[bind(0, "x", part), bind(4, "indices", indices)],
+                3,
+                &params,
+                flat_groups(count),
+            )?);
         }
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows", &[&[rows]]))
     }

@@ -64,7 +64,10 @@ type FamilyNeeds = HashMap<String, EntryNeeds>;
 
 fn reflect_family(family: Family) -> Result<FamilyNeeds> {
     let source = family.source();
-    let invalid = |message: String| Error::Validation { op: family.file_name().to_string(), message };
+    let invalid = |message: String| Error::Validation {
+        op: family.file_name().to_string(),
+        message,
+    };
     let module = naga::front::wgsl::parse_str(source).map_err(|e| invalid(e.emit_to_string(source)))?;
     let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
         .validate(&module)
@@ -84,21 +87,30 @@ fn reflect_family(family: Family) -> Result<FamilyNeeds> {
                 naga::AddressSpace::WorkGroup => workgroup_bytes += layouter[global.ty].size,
                 naga::AddressSpace::Storage { access } => {
                     if let Some(binding) = &global.binding {
-                        slots.push(SlotUse { slot: binding.binding, writable: access.contains(naga::StorageAccess::STORE), storage: true });
+                        slots.push(SlotUse {
+                            slot: binding.binding,
+                            writable: access.contains(naga::StorageAccess::STORE),
+                            storage: true,
+                        });
                     }
                 }
                 naga::AddressSpace::Uniform => {
                     if let Some(binding) = &global.binding {
-                        slots.push(SlotUse { slot: binding.binding, writable: false, storage: false });
+                        slots.push(SlotUse {
+                            slot: binding.binding,
+                            writable: false,
+                            storage: false,
+                        });
                     }
                 }
                 _ => {}
             }
         }
-        let override_name = |expr: Option<naga::Handle<naga::Expression>>| match expr.map(|e| &module.global_expressions[e]) {
-            Some(naga::Expression::Override(o)) => module.overrides[*o].name.clone(),
-            _ => None,
-        };
+        let override_name =
+            |expr: Option<naga::Handle<naga::Expression>>| match expr.map(|e| &module.global_expressions[e]) {
+                Some(naga::Expression::Override(o)) => module.overrides[*o].name.clone(),
+                _ => None,
+            };
         let workgroup_size_overrides = match entry.workgroup_size_overrides {
             Some(dims) => dims.map(override_name),
             None => [None, None, None],
@@ -118,7 +130,15 @@ fn reflect_family(family: Family) -> Result<FamilyNeeds> {
             }
         }
         slots.sort_by_key(|s| s.slot);
-        needs.insert(entry.name.clone(), EntryNeeds { slots, workgroup_bytes, workgroup_size, workgroup_size_overrides });
+        needs.insert(
+            entry.name.clone(),
+            EntryNeeds {
+                slots,
+                workgroup_bytes,
+                workgroup_size,
+                workgroup_size_overrides,
+            },
+        );
     }
     Ok(needs)
 }
@@ -128,12 +148,19 @@ fn reflect_family(family: Family) -> Result<FamilyNeeds> {
 pub fn entry_needs(kernel: Kernel) -> Result<EntryNeeds> {
     static CACHE: OnceLock<Mutex<HashMap<Family, Arc<FamilyNeeds>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    let cached = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&kernel.family).cloned();
+    let cached = cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&kernel.family)
+        .cloned();
     let family = match cached {
         Some(f) => f,
         None => {
             let f = Arc::new(reflect_family(kernel.family)?);
-            cache.lock().unwrap_or_else(|p| p.into_inner()).insert(kernel.family, Arc::clone(&f));
+            cache
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(kernel.family, Arc::clone(&f));
             f
         }
     };
@@ -155,15 +182,30 @@ pub fn check_limits(kernel: Kernel, constants: &[(&'static str, f64)], limits: &
     };
     let storage = u64::from(needs.storage_buffers());
     if storage > u64::from(limits.max_storage_buffers_per_shader_stage) {
-        return Err(over("storage buffers", storage, limits.max_storage_buffers_per_shader_stage.into(), "max_storage_buffers_per_shader_stage"));
+        return Err(over(
+            "storage buffers",
+            storage,
+            limits.max_storage_buffers_per_shader_stage.into(),
+            "max_storage_buffers_per_shader_stage",
+        ));
     }
     let memory = u64::from(needs.workgroup_bytes);
     if memory > u64::from(limits.max_compute_workgroup_storage_size) {
-        return Err(over("bytes of workgroup memory", memory, limits.max_compute_workgroup_storage_size.into(), "max_compute_workgroup_storage_size"));
+        return Err(over(
+            "bytes of workgroup memory",
+            memory,
+            limits.max_compute_workgroup_storage_size.into(),
+            "max_compute_workgroup_storage_size",
+        ));
     }
     let invocations = needs.invocations(constants);
     if invocations > u64::from(limits.max_compute_invocations_per_workgroup) {
-        return Err(over("invocations per workgroup", invocations, limits.max_compute_invocations_per_workgroup.into(), "max_compute_invocations_per_workgroup"));
+        return Err(over(
+            "invocations per workgroup",
+            invocations,
+            limits.max_compute_invocations_per_workgroup.into(),
+            "max_compute_invocations_per_workgroup",
+        ));
     }
     Ok(())
 }

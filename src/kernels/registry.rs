@@ -41,7 +41,13 @@ pub enum Shared {
 }
 
 impl Shared {
-    pub const ALL: [Shared; 5] = [Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles];
+    pub const ALL: [Shared; 5] = [
+        Shared::Common,
+        Shared::Activations,
+        Shared::Matvec,
+        Shared::MatmulRows,
+        Shared::MatmulTiles,
+    ];
 
     pub fn file_name(self) -> &'static str {
         match self {
@@ -161,13 +167,26 @@ impl Family {
     /// through the base.
     pub fn shared(self) -> &'static [Shared] {
         match self {
-            Family::Matmul => &[Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
+            Family::Matmul => &[
+                Shared::Activations,
+                Shared::Matvec,
+                Shared::MatmulRows,
+                Shared::MatmulTiles,
+            ],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
-            Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => &[Shared::Common],
+            Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => {
+                &[Shared::Common]
+            }
             Family::Sampling | Family::Rope | Family::FlashAttention => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
             Family::MatmulSubgroup | Family::QuantWeightsSubgroup => &[],
-            Family::F16Weights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows, Shared::MatmulTiles],
+            Family::F16Weights => &[
+                Shared::Common,
+                Shared::Activations,
+                Shared::Matvec,
+                Shared::MatmulRows,
+                Shared::MatmulTiles,
+            ],
             Family::QuantWeights => &[Shared::Common, Shared::Activations, Shared::Matvec, Shared::MatmulRows],
         }
     }
@@ -221,22 +240,55 @@ impl Family {
     /// step with `base` and `shared`; tests/suite/shaders.rs checks it.
     pub fn source(self) -> &'static str {
         match self {
-            Family::Matmul => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
+            Family::Matmul => wgsl!(
+                "matmul.wgsl",
+                "activations.wgsl",
+                "matvec.wgsl",
+                "matmul_rows.wgsl",
+                "matmul_tiles.wgsl"
+            ),
             Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
             Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
             Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
             Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
             Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl", "matmul_rows.wgsl"),
-            Family::MatmulSubgroup => wgsl!("matmul.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl", "matmul_subgroup.wgsl"),
+            Family::MatmulSubgroup => wgsl!(
+                "matmul.wgsl",
+                "activations.wgsl",
+                "matvec.wgsl",
+                "matmul_rows.wgsl",
+                "matmul_tiles.wgsl",
+                "matmul_subgroup.wgsl"
+            ),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),
             Family::Tensor => wgsl!("tensor.wgsl", "common.wgsl"),
             Family::Attention => wgsl!("attention.wgsl", "common.wgsl"),
             Family::Sampling => wgsl!("sampling.wgsl", "common.wgsl"),
-            Family::F16Weights => wgsl!("f16_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "matmul_tiles.wgsl"),
+            Family::F16Weights => wgsl!(
+                "f16_weights.wgsl",
+                "common.wgsl",
+                "activations.wgsl",
+                "matvec.wgsl",
+                "matmul_rows.wgsl",
+                "matmul_tiles.wgsl"
+            ),
             Family::Rope => wgsl!("rope.wgsl", "common.wgsl"),
-            Family::QuantWeights => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl"),
+            Family::QuantWeights => wgsl!(
+                "quant_weights.wgsl",
+                "common.wgsl",
+                "activations.wgsl",
+                "matvec.wgsl",
+                "matmul_rows.wgsl"
+            ),
             Family::FlashAttention => wgsl!("flash_attention.wgsl", "common.wgsl"),
-            Family::QuantWeightsSubgroup => wgsl!("quant_weights.wgsl", "common.wgsl", "activations.wgsl", "matvec.wgsl", "matmul_rows.wgsl", "quant_weights_subgroup.wgsl"),
+            Family::QuantWeightsSubgroup => wgsl!(
+                "quant_weights.wgsl",
+                "common.wgsl",
+                "activations.wgsl",
+                "matvec.wgsl",
+                "matmul_rows.wgsl",
+                "quant_weights_subgroup.wgsl"
+            ),
         }
     }
 }
@@ -319,7 +371,22 @@ macro_rules! kernel_files {
     };
 }
 
-kernel_files!(matmul, elementwise, reduce, loss, optim, matmul_ext, rowwise, tensor, attention, sampling, f16_weights, rope, quant_weights, flash_attention);
+kernel_files!(
+    matmul,
+    elementwise,
+    reduce,
+    loss,
+    optim,
+    matmul_ext,
+    rowwise,
+    tensor,
+    attention,
+    sampling,
+    f16_weights,
+    rope,
+    quant_weights,
+    flash_attention
+);
 
 const fn total_len(lists: &[&[Kernel]]) -> usize {
     let (mut total, mut i) = (0, 0);
@@ -332,7 +399,10 @@ const fn total_len(lists: &[&[Kernel]]) -> usize {
 
 /// The lists one after another (const: `KERNELS` stays a `&'static` slice).
 const fn concat<const N: usize>(lists: &[&[Kernel]]) -> [Kernel; N] {
-    let mut all = [Kernel { family: Family::Matmul, entry: "" }; N];
+    let mut all = [Kernel {
+        family: Family::Matmul,
+        entry: "",
+    }; N];
     let (mut n, mut i) = (0, 0);
     while i < lists.len() {
         let mut j = 0;

@@ -38,23 +38,75 @@ impl Kernels {
     /// rotary_dim/2, 2] of [`crate::ops::rope_table`]; the other channels
     /// copied. `starts` is u32 [S]. A position ≥ `shape.positions` gives
     /// a row of NaN (the kernel reads nothing out of bounds).
-    pub fn rope_forward(&self, y: View<'_>, x: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout) -> Result<Dispatch> {
-        self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout, shape.heads)
+    pub fn rope_forward(
+        &self,
+        y: View<'_>,
+        x: View<'_>,
+        starts: View<'_>,
+        table: View<'_>,
+        shape: RopeShape,
+        layout: RopeLayout,
+    ) -> Result<Dispatch> {
+        self.rope(
+            ROPE_FORWARD,
+            ("y", y),
+            ("x", x),
+            starts,
+            table,
+            shape,
+            layout,
+            shape.heads,
+        )
     }
 
     /// [`Kernels::rope_forward`] rotating only heads 0..rotated_heads of
     /// each row and copying the rest: a fused q | k | v row seen as
     /// heads, its value heads passing through.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_forward_heads(&self, y: View<'_>, x: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout, rotated_heads: usize) -> Result<Dispatch> {
-        self.rope(ROPE_FORWARD, ("y", y), ("x", x), starts, table, shape, layout, rotated_heads)
+    pub fn rope_forward_heads(
+        &self,
+        y: View<'_>,
+        x: View<'_>,
+        starts: View<'_>,
+        table: View<'_>,
+        shape: RopeShape,
+        layout: RopeLayout,
+        rotated_heads: usize,
+    ) -> Result<Dispatch> {
+        self.rope(
+            ROPE_FORWARD,
+            ("y", y),
+            ("x", x),
+            starts,
+            table,
+            shape,
+            layout,
+            rotated_heads,
+        )
     }
 
     /// dx[S, T, H, D] from dy: the rotation by minus each angle (the
     /// forward's transpose); the same table, starts and shape as the
     /// forward.
-    pub fn rope_backward(&self, dx: View<'_>, dy: View<'_>, starts: View<'_>, table: View<'_>, shape: RopeShape, layout: RopeLayout) -> Result<Dispatch> {
-        self.rope(ROPE_BACKWARD, ("dx", dx), ("dy", dy), starts, table, shape, layout, shape.heads)
+    pub fn rope_backward(
+        &self,
+        dx: View<'_>,
+        dy: View<'_>,
+        starts: View<'_>,
+        table: View<'_>,
+        shape: RopeShape,
+        layout: RopeLayout,
+    ) -> Result<Dispatch> {
+        self.rope(
+            ROPE_BACKWARD,
+            ("dx", dx),
+            ("dy", dy),
+            starts,
+            table,
+            shape,
+            layout,
+            shape.heads,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -70,11 +122,25 @@ impl Kernels {
         rotated_heads: usize,
     ) -> Result<Dispatch> {
         let op = kernel.entry;
-        let RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions } = shape;
+        let RopeShape {
+            seqs,
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            positions,
+        } = shape;
         let lengths = shape.lengths();
         check_lengths(
             op,
-            &[("seqs", seqs), ("rows", rows), ("heads", heads), ("head_dim", head_dim), ("rotary_dim", rotary_dim), ("positions", positions)],
+            &[
+                ("seqs", seqs),
+                ("rows", rows),
+                ("heads", heads),
+                ("head_dim", head_dim),
+                ("rotary_dim", rotary_dim),
+                ("positions", positions),
+            ],
             &[
                 (out_name, out.len, lengths.map(|l| l.0)),
                 (in_name, input.len, lengths.map(|l| l.0)),
@@ -83,7 +149,11 @@ impl Kernels {
             ],
         )?;
         if rotary_dim % 2 != 0 || rotary_dim > head_dim {
-            return Err(Error::shape(op, format!("rotary_dim must be even and ≤ head_dim = {head_dim}, got {rotary_dim}"), &[&[seqs, rows, heads, head_dim], &[rotary_dim]]));
+            return Err(Error::shape(
+                op,
+                format!("rotary_dim must be even and ≤ head_dim = {head_dim}, got {rotary_dim}"),
+                &[&[seqs, rows, heads, head_dim], &[rotary_dim]],
+            ));
         }
         let params = RopeParams {
             seqs: dim(op, seqs)?,
@@ -101,7 +171,12 @@ impl Kernels {
         self.prepare(
             kernel,
             &[],
-            &[bind(0, in_name, input), bind(1, "starts", starts), bind(2, "table", table), bind(3, out_name, out)],
+            &[
+                bind(0, in_name, input),
+                bind(1, "starts", starts),
+                bind(2, "table", table),
+                bind(3, out_name, out),
+            ],
             4,
             &params,
             flat_groups(out.len),

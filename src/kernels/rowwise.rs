@@ -77,12 +77,21 @@ impl RowParams {
 /// dimensions ask for: `operands` are (name, length, wanted length; None
 /// when the product overflows). The error lists the dimensions first, then
 /// every operand's length in argument order.
-pub(super) fn check_lengths(op: &'static str, dims: &[(&str, usize)], operands: &[(&str, usize, Option<usize>)]) -> Result<()> {
+pub(super) fn check_lengths(
+    op: &'static str,
+    dims: &[(&str, usize)],
+    operands: &[(&str, usize, Option<usize>)],
+) -> Result<()> {
     let shape: Vec<usize> = dims.iter().map(|&(_, d)| d).collect();
     let mut shapes: Vec<&[usize]> = vec![shape.as_slice()];
     let lens: Vec<[usize; 1]> = operands.iter().map(|&(_, len, _)| [len]).collect();
     shapes.extend(lens.iter().map(|l| &l[..]));
-    let named = || dims.iter().map(|(name, d)| format!("{name} = {d}")).collect::<Vec<_>>().join(", ");
+    let named = || {
+        dims.iter()
+            .map(|(name, d)| format!("{name} = {d}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     if let Some((name, _)) = dims.iter().find(|&&(_, d)| d == 0) {
         return Err(Error::shape(op, format!("{name} must not be 0 ({})", named()), &shapes));
     }
@@ -102,7 +111,10 @@ pub(super) fn check_lengths(op: &'static str, dims: &[(&str, usize)], operands: 
 
 fn finite(op: &'static str, name: &str, value: f32) -> Result<()> {
     if !value.is_finite() {
-        return Err(Error::InvalidArgument { op, reason: format!("{name} must be finite, got {value}") });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("{name} must be finite, got {value}"),
+        });
     }
     Ok(())
 }
@@ -180,10 +192,21 @@ impl Kernels {
     /// y[rows, cols] = softmax(x[rows, cols]) over each row. With
     /// `causal = Some(t)` the rows are attention scores [batch·heads·t, t]:
     /// row r is query position r % t, columns after it get probability 0.
-    pub fn softmax_forward(&self, y: View<'_>, x: View<'_>, rows: usize, cols: usize, causal: Option<usize>) -> Result<Dispatch> {
+    pub fn softmax_forward(
+        &self,
+        y: View<'_>,
+        x: View<'_>,
+        rows: usize,
+        cols: usize,
+        causal: Option<usize>,
+    ) -> Result<Dispatch> {
         let op = SOFTMAX_FORWARD.entry;
         let n = rows.checked_mul(cols);
-        check_lengths(op, &[("rows", rows), ("cols", cols)], &[("y", y.len, n), ("x", x.len, n)])?;
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[("y", y.len, n), ("x", x.len, n)],
+        )?;
         let mut params = RowParams::new(op, rows, cols)?;
         if let Some(t) = causal {
             if t != cols || rows % t != 0 {
@@ -195,17 +218,40 @@ impl Kernels {
             }
             params.causal = dim(op, t)?;
         }
-        self.per_row((SOFTMAX_FORWARD, SOFTMAX_FORWARD_SHORT), &[bind(0, "x", x), bind(2, "y", y)], &params, rows, cols)
+        self.per_row(
+            (SOFTMAX_FORWARD, SOFTMAX_FORWARD_SHORT),
+            &[bind(0, "x", x), bind(2, "y", y)],
+            &params,
+            rows,
+            cols,
+        )
     }
 
     /// dx[rows, cols] = y · (dy − Σ_c dy·y) per row, from the forward's
     /// output y (a causal mask needs nothing more: masked y are 0).
-    pub fn softmax_backward(&self, dx: View<'_>, y: View<'_>, dy: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+    pub fn softmax_backward(
+        &self,
+        dx: View<'_>,
+        y: View<'_>,
+        dy: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
         let op = SOFTMAX_BACKWARD.entry;
         let n = rows.checked_mul(cols);
-        check_lengths(op, &[("rows", rows), ("cols", cols)], &[("dx", dx.len, n), ("y", y.len, n), ("dy", dy.len, n)])?;
+        check_lengths(
+            op,
+            &[("rows", rows), ("cols", cols)],
+            &[("dx", dx.len, n), ("y", y.len, n), ("dy", dy.len, n)],
+        )?;
         let params = RowParams::new(op, rows, cols)?;
-        self.per_row((SOFTMAX_BACKWARD, SOFTMAX_BACKWARD_SHORT), &[bind(1, "y", y), bind(4, "dy", dy), bind(2, "dx", dx)], &params, rows, cols)
+        self.per_row(
+            (SOFTMAX_BACKWARD, SOFTMAX_BACKWARD_SHORT),
+            &[bind(1, "y", y), bind(4, "dy", dy), bind(2, "dx", dx)],
+            &params,
+            rows,
+            cols,
+        )
     }
 
     /// y[rows, cols] = (x − mean) / sqrt(var + eps) · weight[cols] +
@@ -240,7 +286,10 @@ impl Kernels {
             ],
         )?;
         crate::ops::check_norm_eps(op, eps)?;
-        let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
+        let params = RowParams {
+            eps,
+            ..RowParams::new(op, rows, cols)?
+        };
         self.per_row(
             (LAYERNORM_FORWARD, LAYERNORM_FORWARD_SHORT),
             &[
@@ -335,27 +384,71 @@ impl Kernels {
                 ("rstd", rstd.len, Some(rows)),
             ],
         )?;
-        let params = RowParams { accumulate: u32::from(accumulate), centered: 1, ..RowParams::new(op, rows, cols)? };
-        self.norm_backward_params(op, &params, NormParamViews { dweight, dbias, dy, x, mean, rstd }, rows, cols)
+        let params = RowParams {
+            accumulate: u32::from(accumulate),
+            centered: 1,
+            ..RowParams::new(op, rows, cols)?
+        };
+        self.norm_backward_params(
+            op,
+            &params,
+            NormParamViews {
+                dweight,
+                dbias,
+                dy,
+                x,
+                mean,
+                rstd,
+            },
+            rows,
+            cols,
+        )
     }
 
     /// The column sums of [`Kernels::layernorm_backward_params`] and
     /// [`Kernels::rmsnorm_backward_params`] (`params.centered` picks), in
     /// one launch or two stages; the shapes are checked.
-    fn norm_backward_params(&self, op: &'static str, params: &RowParams, v: NormParamViews<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
-        let NormParamViews { dweight, dbias, dy, x, mean, rstd } = v;
+    fn norm_backward_params(
+        &self,
+        op: &'static str,
+        params: &RowParams,
+        v: NormParamViews<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
+        let NormParamViews {
+            dweight,
+            dbias,
+            dy,
+            x,
+            mean,
+            rstd,
+        } = v;
         if let Some(blocks) = self.column_blocks(rows, cols, 2) {
             // Partials [blocks, 2, cols] in the device's scratch, then
             // their sums in block order.
             let _gl = self.device().lock_gl();
             let len = blocks.blocks * 2 * cols;
             let scratch = self.reduction_scratch(op, len)?;
-            let partial = View { buffer: &scratch, offset: 0, len };
-            let params = RowParams { block_rows: dim(op, blocks.block_rows)?, ..*params };
+            let partial = View {
+                buffer: &scratch,
+                offset: 0,
+                len,
+            };
+            let params = RowParams {
+                block_rows: dim(op, blocks.block_rows)?,
+                ..*params
+            };
             let first = self.prepare(
                 LAYERNORM_BACKWARD_PARAMS_PARTIAL,
                 &[],
-                &[bind(4, "dy", dy), bind(0, "x", x), bind(9, "mean", mean), bind(10, "rstd", rstd), bind(2, "partial", partial)],
+                &[
+                    bind(4, "dy", dy),
+                    bind(0, "x", x),
+                    bind(9, "mean", mean),
+                    bind(10, "rstd", rstd),
+                    bind(2, "partial", partial),
+                ],
                 3,
                 &params,
                 flat_groups(blocks.blocks * cols),
@@ -363,7 +456,11 @@ impl Kernels {
             let second = self.prepare(
                 LAYERNORM_BACKWARD_PARAMS_FINISH,
                 &[],
-                &[bind(0, "partial", partial), bind(11, "dweight", dweight), bind(12, "dbias", dbias)],
+                &[
+                    bind(0, "partial", partial),
+                    bind(11, "dweight", dweight),
+                    bind(12, "dbias", dbias),
+                ],
                 3,
                 &params,
                 column_groups(cols),
@@ -394,19 +491,41 @@ impl Kernels {
     /// rule for RMSNorm): a row of zeros then gives y = 0, where eps = 0
     /// would give 0·∞ = NaN.
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_forward(&self, y: View<'_>, rstd: View<'_>, x: View<'_>, weight: View<'_>, rows: usize, cols: usize, eps: f32) -> Result<Dispatch> {
+    pub fn rmsnorm_forward(
+        &self,
+        y: View<'_>,
+        rstd: View<'_>,
+        x: View<'_>,
+        weight: View<'_>,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<Dispatch> {
         let op = RMSNORM_FORWARD.entry;
         let n = rows.checked_mul(cols);
         check_lengths(
             op,
             &[("rows", rows), ("cols", cols)],
-            &[("y", y.len, n), ("rstd", rstd.len, Some(rows)), ("x", x.len, n), ("weight", weight.len, Some(cols))],
+            &[
+                ("y", y.len, n),
+                ("rstd", rstd.len, Some(rows)),
+                ("x", x.len, n),
+                ("weight", weight.len, Some(cols)),
+            ],
         )?;
         crate::ops::check_norm_eps(op, eps)?;
-        let params = RowParams { eps, ..RowParams::new(op, rows, cols)? };
+        let params = RowParams {
+            eps,
+            ..RowParams::new(op, rows, cols)?
+        };
         self.per_row(
             (RMSNORM_FORWARD, RMSNORM_FORWARD_SHORT),
-            &[bind(0, "x", x), bind(5, "weight", weight), bind(2, "y", y), bind(8, "rstd", rstd)],
+            &[
+                bind(0, "x", x),
+                bind(5, "weight", weight),
+                bind(2, "y", y),
+                bind(8, "rstd", rstd),
+            ],
             &params,
             rows,
             cols,
@@ -417,18 +536,39 @@ impl Kernels {
     /// the forward's rstd. The weight's gradient comes from
     /// [`Kernels::rmsnorm_backward_params`].
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward(&self, dx: View<'_>, dy: View<'_>, x: View<'_>, weight: View<'_>, rstd: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+    pub fn rmsnorm_backward(
+        &self,
+        dx: View<'_>,
+        dy: View<'_>,
+        x: View<'_>,
+        weight: View<'_>,
+        rstd: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
         let op = RMSNORM_BACKWARD.entry;
         let n = rows.checked_mul(cols);
         check_lengths(
             op,
             &[("rows", rows), ("cols", cols)],
-            &[("dx", dx.len, n), ("dy", dy.len, n), ("x", x.len, n), ("weight", weight.len, Some(cols)), ("rstd", rstd.len, Some(rows))],
+            &[
+                ("dx", dx.len, n),
+                ("dy", dy.len, n),
+                ("x", x.len, n),
+                ("weight", weight.len, Some(cols)),
+                ("rstd", rstd.len, Some(rows)),
+            ],
         )?;
         let params = RowParams::new(op, rows, cols)?;
         self.per_row(
             (RMSNORM_BACKWARD, RMSNORM_BACKWARD_SHORT),
-            &[bind(4, "dy", dy), bind(0, "x", x), bind(5, "weight", weight), bind(10, "rstd", rstd), bind(2, "dx", dx)],
+            &[
+                bind(4, "dy", dy),
+                bind(0, "x", x),
+                bind(5, "weight", weight),
+                bind(10, "rstd", rstd),
+                bind(2, "dx", dx),
+            ],
             &params,
             rows,
             cols,
@@ -439,18 +579,43 @@ impl Kernels {
     /// `accumulate`: layernorm's column sums (the same one or two stages,
     /// deterministic) with x̂ = x·rstd and no bias.
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward_params(&self, accumulate: bool, dweight: View<'_>, dy: View<'_>, x: View<'_>, rstd: View<'_>, rows: usize, cols: usize) -> Result<Dispatch> {
+    pub fn rmsnorm_backward_params(
+        &self,
+        accumulate: bool,
+        dweight: View<'_>,
+        dy: View<'_>,
+        x: View<'_>,
+        rstd: View<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Dispatch> {
         let op = "rmsnorm_backward_params";
         let n = rows.checked_mul(cols);
         check_lengths(
             op,
             &[("rows", rows), ("cols", cols)],
-            &[("dweight", dweight.len, Some(cols)), ("dy", dy.len, n), ("x", x.len, n), ("rstd", rstd.len, Some(rows))],
+            &[
+                ("dweight", dweight.len, Some(cols)),
+                ("dy", dy.len, n),
+                ("x", x.len, n),
+                ("rstd", rstd.len, Some(rows)),
+            ],
         )?;
-        let params = RowParams { accumulate: u32::from(accumulate), centered: 0, ..RowParams::new(op, rows, cols)? };
+        let params = RowParams {
+            accumulate: u32::from(accumulate),
+            centered: 0,
+            ..RowParams::new(op, rows, cols)?
+        };
         // The kernels read `mean` (any [rows] view; not centered, it is
         // multiplied away) and write no `dbias`.
-        let views = NormParamViews { dweight, dbias: self.unused_writable(0), dy, x, mean: rstd, rstd };
+        let views = NormParamViews {
+            dweight,
+            dbias: self.unused_writable(0),
+            dy,
+            x,
+            mean: rstd,
+            rstd,
+        };
         self.norm_backward_params(op, &params, views, rows, cols)
     }
 
@@ -485,10 +650,21 @@ impl Kernels {
             ],
         )?;
         finite(op, "scale", scale)?;
-        let params = RowParams { scale, ..RowParams::new(op, rows, vocab)? };
+        let params = RowParams {
+            scale,
+            ..RowParams::new(op, rows, vocab)?
+        };
         self.per_row(
-            (CROSS_ENTROPY_ROWS_FORWARD_BACKWARD, CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT),
-            &[bind(0, "logits", logits), bind(13, "targets", targets), bind(14, "losses", losses), bind(2, "dlogits", dlogits)],
+            (
+                CROSS_ENTROPY_ROWS_FORWARD_BACKWARD,
+                CROSS_ENTROPY_ROWS_FORWARD_BACKWARD_SHORT,
+            ),
+            &[
+                bind(0, "logits", logits),
+                bind(13, "targets", targets),
+                bind(14, "losses", losses),
+                bind(2, "dlogits", dlogits),
+            ],
             &params,
             rows,
             vocab,
@@ -498,19 +674,45 @@ impl Kernels {
     /// out[n, channels] = table[ids[n], :] for table[vocab, channels] and
     /// u32 ids[n]. An id ≥ vocab gives a row of NaN; check ids on the host
     /// with [`check_token_ids`] where they are at hand.
-    pub fn embedding_forward(&self, out: View<'_>, table: View<'_>, ids: View<'_>, n: usize, vocab: usize, channels: usize) -> Result<Dispatch> {
+    pub fn embedding_forward(
+        &self,
+        out: View<'_>,
+        table: View<'_>,
+        ids: View<'_>,
+        n: usize,
+        vocab: usize,
+        channels: usize,
+    ) -> Result<Dispatch> {
         let op = EMBEDDING_FORWARD.entry;
         check_lengths(
             op,
             &[("n", n), ("vocab", vocab), ("channels", channels)],
-            &[("out", out.len, n.checked_mul(channels)), ("table", table.len, vocab.checked_mul(channels)), ("ids", ids.len, Some(n))],
+            &[
+                ("out", out.len, n.checked_mul(channels)),
+                ("table", table.len, vocab.checked_mul(channels)),
+                ("ids", ids.len, Some(n)),
+            ],
         )?;
         let launches = self
             .table_parts(op, "table", table, vocab, channels)?
             .into_iter()
             .map(|part| {
-                let params = RowParams { vocab: dim(op, vocab)?, ..part.params(op, n, channels)? };
-                self.prepare(EMBEDDING_FORWARD, &[], &[bind(16, "table", part.binding), bind(15, "ids", ids), bind(2, "out", out)], 3, &params, flat_groups(out.len))
+                let params = RowParams {
+                    vocab: dim(op, vocab)?,
+                    ..part.params(op, n, channels)?
+                };
+                self.prepare(
+                    EMBEDDING_FORWARD,
+                    &[],
+                    &[
+                        bind(16, "table", part.binding),
+                        bind(15, "ids", ids),
+                        bind(2, "out", out),
+                    ],
+                    3,
+                    &params,
+                    flat_groups(out.len),
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &[&[vocab, channels]]))
@@ -519,8 +721,22 @@ impl Kernels {
     /// The launches over a table [vocab, channels] that fits one storage
     /// binding (one, binding it whole) or does not (one per range of rows
     /// whose part fits, each bound from the nearest aligned element).
-    fn table_parts<'a>(&self, op: &'static str, name: &'static str, table: View<'a>, vocab: usize, channels: usize) -> Result<Vec<TablePart<'a>>> {
-        let parts = RowPartLayout { op, name, vocab, channels, value_bytes: 4, values_per_part: self.part_capacity() };
+    fn table_parts<'a>(
+        &self,
+        op: &'static str,
+        name: &'static str,
+        table: View<'a>,
+        vocab: usize,
+        channels: usize,
+    ) -> Result<Vec<TablePart<'a>>> {
+        let parts = RowPartLayout {
+            op,
+            name,
+            vocab,
+            channels,
+            value_bytes: 4,
+            values_per_part: self.part_capacity(),
+        };
         self.row_parts(table, parts, |start, len| self.bind_part(table, start, len))
     }
 
@@ -529,10 +745,26 @@ impl Kernels {
     /// of rows of at most `values_per_part` values, each bound by
     /// `bind_values(first value, values)` as (binding, first value's index
     /// in it). f32 tables bind elements, f16 ones the words holding them.
-    pub(crate) fn row_parts<'a>(&self, whole: View<'a>, layout: RowPartLayout, bind_values: impl Fn(usize, usize) -> (View<'a>, usize)) -> Result<Vec<TablePart<'a>>> {
-        let RowPartLayout { op, name, vocab, channels, value_bytes, values_per_part } = layout;
+    pub(crate) fn row_parts<'a>(
+        &self,
+        whole: View<'a>,
+        layout: RowPartLayout,
+        bind_values: impl Fn(usize, usize) -> (View<'a>, usize),
+    ) -> Result<Vec<TablePart<'a>>> {
+        let RowPartLayout {
+            op,
+            name,
+            vocab,
+            channels,
+            value_bytes,
+            values_per_part,
+        } = layout;
         if whole.bytes() <= self.binding_limit() {
-            return Ok(vec![TablePart { rows: (0, vocab), binding: whole, base: 0 }]);
+            return Ok(vec![TablePart {
+                rows: (0, vocab),
+                binding: whole,
+                base: 0,
+            }]);
         }
         let rows_per_part = values_per_part / channels;
         if rows_per_part == 0 {
@@ -543,7 +775,11 @@ impl Kernels {
             .map(|start| {
                 let end = (start + rows_per_part).min(vocab);
                 let (binding, base) = bind_values(start * channels, (end - start) * channels);
-                TablePart { rows: (start, end), binding, base }
+                TablePart {
+                    rows: (start, end),
+                    binding,
+                    base,
+                }
             })
             .collect())
     }
@@ -554,23 +790,42 @@ impl Kernels {
     /// else 256). Record [`Kernels::embedding_backward`]
     /// after it (the same pass is fine); both buffers are plain scratch a
     /// step may reuse afterwards.
-    pub fn embedding_backward_sort(&self, order: View<'_>, cursor: View<'_>, ids: View<'_>, n: usize, vocab: usize) -> Result<Dispatch> {
+    pub fn embedding_backward_sort(
+        &self,
+        order: View<'_>,
+        cursor: View<'_>,
+        ids: View<'_>,
+        n: usize,
+        vocab: usize,
+    ) -> Result<Dispatch> {
         let op = EMBEDDING_BACKWARD_SORT.entry;
         check_lengths(
             op,
             &[("n", n), ("vocab", vocab)],
-            &[("order", order.len, Some(n)), ("cursor", cursor.len, vocab.checked_add(1)), ("ids", ids.len, Some(n))],
+            &[
+                ("order", order.len, Some(n)),
+                ("cursor", cursor.len, vocab.checked_add(1)),
+                ("ids", ids.len, Some(n)),
+            ],
         )?;
         // vocab + 1 buckets must be countable in u32.
         dim(op, vocab + 1)?;
-        let params = RowParams { vocab: dim(op, vocab)?, ..RowParams::new(op, n, 1)? };
+        let params = RowParams {
+            vocab: dim(op, vocab)?,
+            ..RowParams::new(op, n, 1)?
+        };
         let limits = self.device().limits();
-        let fits = limits.max_compute_invocations_per_workgroup >= SORT_WG_GPU && limits.max_compute_workgroup_size_x >= SORT_WG_GPU;
+        let fits = limits.max_compute_invocations_per_workgroup >= SORT_WG_GPU
+            && limits.max_compute_workgroup_size_x >= SORT_WG_GPU;
         let lanes = if self.gpu_shaped() && fits { SORT_WG_GPU } else { 256 };
         self.prepare(
             EMBEDDING_BACKWARD_SORT,
             &[("SORT_WG", f64::from(lanes))],
-            &[bind(15, "ids", ids), bind(18, "cursor", cursor), bind(19, "order", order)],
+            &[
+                bind(15, "ids", ids),
+                bind(18, "cursor", cursor),
+                bind(19, "order", order),
+            ],
             3,
             &params,
             1,
@@ -609,8 +864,16 @@ impl Kernels {
             .table_parts(op, "dtable", dtable, vocab, channels)?
             .into_iter()
             .map(|part| {
-                let params = RowParams { vocab: dim(op, vocab)?, ..part.params(op, n, channels)? };
-                let bindings = [bind(4, "dout", dout), bind(15, "ids", ids), bind(19, "order", order), bind(17, "dtable", part.binding)];
+                let params = RowParams {
+                    vocab: dim(op, vocab)?,
+                    ..part.params(op, n, channels)?
+                };
+                let bindings = [
+                    bind(4, "dout", dout),
+                    bind(15, "ids", ids),
+                    bind(19, "order", order),
+                    bind(17, "dtable", part.binding),
+                ];
                 self.prepare(EMBEDDING_BACKWARD, &[], &bindings, 3, &params, flat_groups(dout.len))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -640,7 +903,12 @@ pub(crate) struct RowPartLayout {
 
 impl TablePart<'_> {
     fn params(&self, op: &'static str, n: usize, channels: usize) -> Result<RowParams> {
-        Ok(RowParams { row_start: dim(op, self.rows.0)?, row_end: dim(op, self.rows.1)?, table_base: dim(op, self.base)?, ..RowParams::new(op, n, channels)? })
+        Ok(RowParams {
+            row_start: dim(op, self.rows.0)?,
+            row_end: dim(op, self.rows.1)?,
+            table_base: dim(op, self.base)?,
+            ..RowParams::new(op, n, channels)?
+        })
     }
 }
 

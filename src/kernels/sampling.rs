@@ -38,7 +38,15 @@ impl Kernels {
     /// theirs (at least one; 1 or NaN keeps all); the token is the first
     /// candidate in id order whose running sum of w exceeds u·Σw (the last
     /// candidate if rounding leaves none). `cpu::sample_rows` is the twin.
-    pub fn sample_rows(&self, out: View<'_>, logits: View<'_>, draws: View<'_>, top_k: View<'_>, rows: usize, vocab: usize) -> Result<Dispatch> {
+    pub fn sample_rows(
+        &self,
+        out: View<'_>,
+        logits: View<'_>,
+        draws: View<'_>,
+        top_k: View<'_>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<Dispatch> {
         let op = SAMPLE_ROWS_FORWARD.entry;
         check_lengths(
             op,
@@ -50,8 +58,18 @@ impl Kernels {
                 ("top_k", top_k.len, Some(rows)),
             ],
         )?;
-        let params = SampleParams { rows: dim(op, rows)?, vocab: dim(op, vocab)?, _pad0: 0, _pad1: 0 };
-        let bindings = [bind(0, "logits", logits), bind(1, "draws", draws), bind(2, "top_k", top_k), bind(4, "out", out)];
+        let params = SampleParams {
+            rows: dim(op, rows)?,
+            vocab: dim(op, vocab)?,
+            _pad0: 0,
+            _pad1: 0,
+        };
+        let bindings = [
+            bind(0, "logits", logits),
+            bind(1, "draws", draws),
+            bind(2, "top_k", top_k),
+            bind(4, "out", out),
+        ];
         // One workgroup per row over a 2-D grid: rows up to the
         // per-dimension workgroup limit squared (else Error::TooLarge).
         self.prepare(SAMPLE_ROWS_FORWARD, &[], &bindings, 3, &params, rows as u64)

@@ -41,7 +41,16 @@ struct TensorParams {
 
 impl TensorParams {
     fn new(op: &'static str, n: usize) -> Result<Self> {
-        Ok(TensorParams { n: dim(op, n)?, op: 0, accumulate: 0, block: 0, dims: [1; 4], x_strides: [0; 4], y_strides: [0; 4], extra: [0; 4] })
+        Ok(TensorParams {
+            n: dim(op, n)?,
+            op: 0,
+            accumulate: 0,
+            block: 0,
+            dims: [1; 4],
+            x_strides: [0; 4],
+            y_strides: [0; 4],
+            extra: [0; 4],
+        })
     }
 }
 
@@ -74,7 +83,14 @@ fn to_u32x4(op: &'static str, v: [usize; 4]) -> Result<[u32; 4]> {
 fn check_shapes(op: &'static str, named: &[(&str, &[usize])], all: &[&[usize]]) -> Result<()> {
     for (name, shape) in named {
         if shape.is_empty() || shape.len() > MAX_RANK {
-            return Err(Error::shape(op, format!("{name} has rank {}; these kernels take rank 1..={MAX_RANK}", shape.len()), all));
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{name} has rank {}; these kernels take rank 1..={MAX_RANK}",
+                    shape.len()
+                ),
+                all,
+            ));
         }
         if shape.contains(&0) {
             return Err(Error::shape(op, format!("{name} {shape:?} has a zero dimension"), all));
@@ -89,7 +105,11 @@ fn check_views(op: &'static str, views: &[(&str, &View<'_>, &[usize])], all: &[&
         if numel(shape) != Some(view.len) {
             return Err(Error::shape(
                 op,
-                format!("`{name}` has {} elements, its shape {shape:?} needs {}", view.len, numel(shape).map_or("overflowing".into(), |n| n.to_string())),
+                format!(
+                    "`{name}` has {} elements, its shape {shape:?} needs {}",
+                    view.len,
+                    numel(shape).map_or("overflowing".into(), |n| n.to_string())
+                ),
                 all,
             ));
         }
@@ -101,10 +121,21 @@ fn check_views(op: &'static str, views: &[(&str, &View<'_>, &[usize])], all: &[&
 fn check_last_axis(op: &'static str, rows: usize, cols: usize, start: usize, width: usize) -> Result<()> {
     let all: [&[usize]; 2] = [&[rows, cols], &[rows, width]];
     if rows == 0 || cols == 0 || width == 0 {
-        return Err(Error::shape(op, format!("rows {rows}, cols {cols} and width {width} must be at least 1"), &all));
+        return Err(Error::shape(
+            op,
+            format!("rows {rows}, cols {cols} and width {width} must be at least 1"),
+            &all,
+        ));
     }
     if start.checked_add(width).is_none_or(|end| end > cols) {
-        return Err(Error::shape(op, format!("columns {start}..{} are outside the {cols} columns", start.saturating_add(width)), &all));
+        return Err(Error::shape(
+            op,
+            format!(
+                "columns {start}..{} are outside the {cols} columns",
+                start.saturating_add(width)
+            ),
+            &all,
+        ));
     }
     Ok(())
 }
@@ -117,15 +148,32 @@ impl Kernels {
     /// out = a ∘ b with NumPy broadcasting of rank ≤ 4 shapes aligned at
     /// the trailing dimension; out has the broadcast shape (e.g. [B,T,C] ∘
     /// [C], [B,H,T,T] ∘ [T,T], [B,T,1] ∘ [B,T,C]).
-    pub fn binary_broadcast(&self, op: Binary, out: View<'_>, a: View<'_>, b: View<'_>, a_shape: &[usize], b_shape: &[usize]) -> Result<Dispatch> {
+    pub fn binary_broadcast(
+        &self,
+        op: Binary,
+        out: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        a_shape: &[usize],
+        b_shape: &[usize],
+    ) -> Result<Dispatch> {
         let kernel = BINARY_BROADCAST_FORWARD;
         let name = kernel.entry;
         let all: [&[usize]; 2] = [a_shape, b_shape];
         check_shapes(name, &[("a", a_shape), ("b", b_shape)], &all)?;
-        let out_shape = broadcast_shape(a_shape, b_shape)
-            .ok_or_else(|| Error::shape(name, format!("{op:?}: shapes {a_shape:?} and {b_shape:?} do not broadcast"), &all))?;
+        let out_shape = broadcast_shape(a_shape, b_shape).ok_or_else(|| {
+            Error::shape(
+                name,
+                format!("{op:?}: shapes {a_shape:?} and {b_shape:?} do not broadcast"),
+                &all,
+            )
+        })?;
         let all: [&[usize]; 3] = [a_shape, b_shape, &out_shape];
-        check_views(name, &[("a", &a, a_shape), ("b", &b, b_shape), ("out", &out, &out_shape)], &all)?;
+        check_views(
+            name,
+            &[("a", &a, a_shape), ("b", &b, b_shape), ("out", &out, &out_shape)],
+            &all,
+        )?;
         let dims = pad4(&out_shape);
         // A size-1 axis of an operand is read at coordinate 0: stride 0.
         let strides = |shape: &[usize]| {
@@ -140,16 +188,27 @@ impl Kernels {
             y_strides: to_u32x4(name, strides(b_shape))?,
             ..TensorParams::new(name, out.len)?
         };
-        self.tensor_dispatch(kernel, &params, &[bind(0, "a", a), bind(1, "b", b), bind(2, "out", out)])
+        self.tensor_dispatch(
+            kernel,
+            &params,
+            &[bind(0, "a", a), bind(1, "b", b), bind(2, "out", out)],
+        )
     }
 
     /// out = f(x) elementwise; see [`Unary`] for x ≤ 0 under Rsqrt.
     pub fn unary(&self, op: Unary, out: View<'_>, x: View<'_>) -> Result<Dispatch> {
         let kernel = UNARY_FORWARD;
         if out.len != x.len {
-            return Err(Error::shape(kernel.entry, format!("{op:?}: out has {} elements, x {}", out.len, x.len), &[&[out.len], &[x.len]]));
+            return Err(Error::shape(
+                kernel.entry,
+                format!("{op:?}: out has {} elements, x {}", out.len, x.len),
+                &[&[out.len], &[x.len]],
+            ));
         }
-        let params = TensorParams { op: op.code(), ..TensorParams::new(kernel.entry, out.len)? };
+        let params = TensorParams {
+            op: op.code(),
+            ..TensorParams::new(kernel.entry, out.len)?
+        };
         self.tensor_dispatch(kernel, &params, &[bind(0, "x", x), bind(2, "out", out)])
     }
 
@@ -158,13 +217,24 @@ impl Kernels {
     /// expanded): the gradient of a broadcast. Each output element sums its
     /// inputs in one fixed order (deterministic, no atomics). `accumulate`
     /// adds into out.
-    pub fn reduce_to_shape(&self, accumulate: bool, out: View<'_>, x: View<'_>, x_shape: &[usize], out_shape: &[usize]) -> Result<Dispatch> {
+    pub fn reduce_to_shape(
+        &self,
+        accumulate: bool,
+        out: View<'_>,
+        x: View<'_>,
+        x_shape: &[usize],
+        out_shape: &[usize],
+    ) -> Result<Dispatch> {
         let kernel = REDUCE_TO_SHAPE_FORWARD;
         let name = kernel.entry;
         let all: [&[usize]; 2] = [x_shape, out_shape];
         check_shapes(name, &[("x", x_shape), ("out", out_shape)], &all)?;
         if broadcast_shape(x_shape, out_shape).as_deref() != Some(x_shape) {
-            return Err(Error::shape(name, format!("x {x_shape:?} is not a broadcast of out {out_shape:?}"), &all));
+            return Err(Error::shape(
+                name,
+                format!("x {x_shape:?} is not a broadcast of out {out_shape:?}"),
+                &all,
+            ));
         }
         check_views(name, &[("x", &x, x_shape), ("out", &out, out_shape)], &all)?;
         let (xp, op) = (pad4(x_shape), pad4(out_shape));
@@ -185,9 +255,23 @@ impl Kernels {
         // scratch, then reduce.wgsl's column sum over them in block order.
         let _gl = self.device().lock_gl();
         let scratch = self.reduction_scratch(name, blocks.blocks * out.len)?;
-        let partial = View { buffer: &scratch, offset: 0, len: blocks.blocks * out.len };
-        let params = TensorParams { block: dim(name, blocks.block_rows)?, ..params };
-        let first = self.prepare(REDUCE_TO_SHAPE_PARTIAL, &[], &[bind(0, "x", x), bind(2, "partial", partial)], 3, &params, flat_groups(partial.len))?;
+        let partial = View {
+            buffer: &scratch,
+            offset: 0,
+            len: blocks.blocks * out.len,
+        };
+        let params = TensorParams {
+            block: dim(name, blocks.block_rows)?,
+            ..params
+        };
+        let first = self.prepare(
+            REDUCE_TO_SHAPE_PARTIAL,
+            &[],
+            &[bind(0, "x", x), bind(2, "partial", partial)],
+            3,
+            &params,
+            flat_groups(partial.len),
+        )?;
         Ok(first.then(self.sum_rows_pass(accumulate, out, partial, blocks.blocks, out.len)?))
     }
 
@@ -198,9 +282,16 @@ impl Kernels {
         let all: [&[usize]; 2] = [shape, perm];
         check_shapes(name, &[("x", shape)], &all)?;
         let mut seen = [false; MAX_RANK];
-        let is_perm = perm.len() == shape.len() && perm.iter().all(|&axis| axis < shape.len() && !std::mem::replace(&mut seen[axis], true));
+        let is_perm = perm.len() == shape.len()
+            && perm
+                .iter()
+                .all(|&axis| axis < shape.len() && !std::mem::replace(&mut seen[axis], true));
         if !is_perm {
-            return Err(Error::shape(name, format!("{perm:?} is not a permutation of the {} axes of {shape:?}", shape.len()), &all));
+            return Err(Error::shape(
+                name,
+                format!("{perm:?} is not a permutation of the {} axes of {shape:?}", shape.len()),
+                &all,
+            ));
         }
         check_views(name, &[("x", &x, shape), ("out", &out, shape)], &all)?;
         let offset = MAX_RANK - shape.len();
@@ -220,13 +311,24 @@ impl Kernels {
     }
 
     /// x [rows, cols] -> out [rows, width] = x[:, start..start + width].
-    pub fn slice_last(&self, out: View<'_>, x: View<'_>, rows: usize, cols: usize, start: usize, width: usize) -> Result<Dispatch> {
+    pub fn slice_last(
+        &self,
+        out: View<'_>,
+        x: View<'_>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        width: usize,
+    ) -> Result<Dispatch> {
         let kernel = SLICE_LAST_FORWARD;
         let name = kernel.entry;
         check_last_axis(name, rows, cols, start, width)?;
         let all: [&[usize]; 2] = [&[rows, cols], &[rows, width]];
         check_views(name, &[("x", &x, &[rows, cols]), ("out", &out, &[rows, width])], &all)?;
-        let params = TensorParams { extra: to_u32x4(name, [cols, start, width, 0])?, ..TensorParams::new(name, out.len)? };
+        let params = TensorParams {
+            extra: to_u32x4(name, [cols, start, width, 0])?,
+            ..TensorParams::new(name, out.len)?
+        };
         self.tensor_dispatch(kernel, &params, &[bind(0, "x", x), bind(2, "out", out)])
     }
 
@@ -234,7 +336,16 @@ impl Kernels {
     /// width and zeros elsewhere (the gradient of [`Kernels::slice_last`]);
     /// `accumulate` adds x into those columns and leaves the rest.
     #[allow(clippy::too_many_arguments)]
-    pub fn pad_last(&self, accumulate: bool, out: View<'_>, x: View<'_>, rows: usize, cols: usize, start: usize, width: usize) -> Result<Dispatch> {
+    pub fn pad_last(
+        &self,
+        accumulate: bool,
+        out: View<'_>,
+        x: View<'_>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        width: usize,
+    ) -> Result<Dispatch> {
         let kernel = PAD_LAST_FORWARD;
         let name = kernel.entry;
         check_last_axis(name, rows, cols, start, width)?;
@@ -249,18 +360,45 @@ impl Kernels {
     }
 
     /// out [rows, a_cols + b_cols] = [a | b] row by row.
-    pub fn concat_last(&self, out: View<'_>, a: View<'_>, b: View<'_>, rows: usize, a_cols: usize, b_cols: usize) -> Result<Dispatch> {
+    pub fn concat_last(
+        &self,
+        out: View<'_>,
+        a: View<'_>,
+        b: View<'_>,
+        rows: usize,
+        a_cols: usize,
+        b_cols: usize,
+    ) -> Result<Dispatch> {
         let kernel = CONCAT_LAST_FORWARD;
         let name = kernel.entry;
         let cols = a_cols.checked_add(b_cols);
         let out_shape = [rows, cols.unwrap_or(usize::MAX)];
         let all: [&[usize]; 3] = [&[rows, a_cols], &[rows, b_cols], &out_shape];
         if rows == 0 || a_cols == 0 || b_cols == 0 || cols.is_none() {
-            return Err(Error::shape(name, format!("rows {rows}, a_cols {a_cols} and b_cols {b_cols} must be at least 1"), &all));
+            return Err(Error::shape(
+                name,
+                format!("rows {rows}, a_cols {a_cols} and b_cols {b_cols} must be at least 1"),
+                &all,
+            ));
         }
-        check_views(name, &[("a", &a, &[rows, a_cols]), ("b", &b, &[rows, b_cols]), ("out", &out, &out_shape)], &all)?;
-        let params = TensorParams { extra: to_u32x4(name, [a_cols, b_cols, 0, 0])?, ..TensorParams::new(name, out.len)? };
-        self.tensor_dispatch(kernel, &params, &[bind(0, "a", a), bind(1, "b", b), bind(2, "out", out)])
+        check_views(
+            name,
+            &[
+                ("a", &a, &[rows, a_cols]),
+                ("b", &b, &[rows, b_cols]),
+                ("out", &out, &out_shape),
+            ],
+            &all,
+        )?;
+        let params = TensorParams {
+            extra: to_u32x4(name, [a_cols, b_cols, 0, 0])?,
+            ..TensorParams::new(name, out.len)?
+        };
+        self.tensor_dispatch(
+            kernel,
+            &params,
+            &[bind(0, "a", a), bind(1, "b", b), bind(2, "out", out)],
+        )
     }
 }
 

@@ -21,14 +21,20 @@ impl Kernels {
         let reps = reps.max(1);
         let wgpu_device = device.wgpu_device();
         let (queries, resolved, encoder) = device.scoped("time_on_gpu", || {
-            let queries = wgpu_device.create_query_set(&wgpu::QuerySetDescriptor { label: Some("kernel timing"), ty: wgpu::QueryType::Timestamp, count: 2 });
+            let queries = wgpu_device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("kernel timing"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            });
             let resolved = wgpu_device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("kernel timing resolve"),
                 size: 16,
                 usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             });
-            let mut encoder = wgpu_device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kernel timing") });
+            let mut encoder = wgpu_device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("kernel timing"),
+            });
             {
                 let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("kernel timing"),
@@ -46,7 +52,11 @@ impl Kernels {
             (queries, resolved, encoder)
         })?;
         self.submit("time_on_gpu", encoder)?;
-        let ticks: Vec<u64> = self.read(View { buffer: &resolved, offset: 0, len: 4 })?;
+        let ticks: Vec<u64> = self.read(View {
+            buffer: &resolved,
+            offset: 0,
+            len: 4,
+        })?;
         drop(queries);
         let period_ns = f64::from(device.queue().get_timestamp_period());
         let elapsed_ns = match ticks.as_slice() {

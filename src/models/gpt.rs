@@ -3,12 +3,15 @@
 //! norm (`ln_f`), and a head tied to the token embedding (logits = x·wteᵀ,
 //! no bias), so `wte.weight` gets the gradients of both uses.
 
-use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::cache_pass;
-use crate::nn::{AttentionKernel, Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
+use crate::nn::cache_pass;
+use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
+use crate::nn::{
+    AttentionKernel, Block, CausalLm, CausalSelfAttention, Embedding, LayerNorm, Linear, LmConfig, LmSizes, Mlp,
+    Module, ParameterTree, StageCosts, Staged,
+};
 
 /// The sizes of a [`Gpt`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,22 +27,46 @@ pub struct GptConfig {
 impl GptConfig {
     /// GPT-2 (124M): the released `gpt2` checkpoint's sizes.
     pub const fn gpt2() -> Self {
-        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 12, n_head: 12, n_embd: 768 }
+        GptConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+        }
     }
 
     /// GPT-2 medium (350M).
     pub const fn gpt2_medium() -> Self {
-        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 24, n_head: 16, n_embd: 1024 }
+        GptConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 24,
+            n_head: 16,
+            n_embd: 1024,
+        }
     }
 
     /// GPT-2 large (774M).
     pub const fn gpt2_large() -> Self {
-        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 36, n_head: 20, n_embd: 1280 }
+        GptConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 36,
+            n_head: 20,
+            n_embd: 1280,
+        }
     }
 
     /// GPT-2 XL (1558M).
     pub const fn gpt2_xl() -> Self {
-        GptConfig { vocab_size: 50257, block_size: 1024, n_layer: 48, n_head: 25, n_embd: 1600 }
+        GptConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 48,
+            n_head: 25,
+            n_embd: 1600,
+        }
     }
 
     /// A preset by its Hugging Face name: `gpt2`, `gpt2-medium`,
@@ -72,7 +99,11 @@ impl GptConfig {
         // q, k, v and the output projection, the MLP's two matmuls, and the
         // attention scores and their weighted sum.
         let block = 12.0 * c * c + 2.0 * t * c;
-        StageCosts { prologue: 2.0 * c, blocks: vec![block; blocks], epilogue: v * c + 3.0 * v + 4.0 * c }
+        StageCosts {
+            prologue: 2.0 * c,
+            blocks: vec![block; blocks],
+            epilogue: v * c + 3.0 * v + 4.0 * c,
+        }
     }
 
     fn check(&self) -> Result<()> {
@@ -104,7 +135,9 @@ impl Gpt {
     /// N(0, (0.02/√(2·n_layer))²), norms one and zero.
     pub fn new(config: GptConfig) -> Result<Self> {
         config.check()?;
-        let h = (0..config.n_layer).map(|_| Block::gpt2(config.n_embd, config.n_head, config.n_layer)).collect::<Result<_>>()?;
+        let h = (0..config.n_layer)
+            .map(|_| Block::gpt2(config.n_embd, config.n_head, config.n_layer))
+            .collect::<Result<_>>()?;
         Ok(Self::assemble(config, h))
     }
 
@@ -112,7 +145,9 @@ impl Gpt {
     /// is transformed on its own, a baseline that cannot look at others.
     pub fn without_attention(config: GptConfig) -> Result<Self> {
         config.check()?;
-        let h = (0..config.n_layer).map(|_| Block::mlp_only_gpt2(config.n_embd, config.n_layer)).collect();
+        let h = (0..config.n_layer)
+            .map(|_| Block::mlp_only_gpt2(config.n_embd, config.n_layer))
+            .collect();
         Ok(Self::assemble(config, h))
     }
 
@@ -120,7 +155,10 @@ impl Gpt {
     /// called once per parameter in [`Module::named_parameters`] order; it
     /// returns exactly `shape`'s element count of values, or the error to
     /// report. Draws nothing from the init generator.
-    pub fn from_parameters(config: GptConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+    pub fn from_parameters(
+        config: GptConfig,
+        mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
         let mut model = Self::empty(config)?;
         model.fill("Gpt::from_parameters", &mut take)?;
         Ok(model)
@@ -143,12 +181,27 @@ impl Gpt {
         let h = (0..config.n_layer)
             .map(|_| Block {
                 ln_1: LayerNorm::new(c),
-                attn: Some(CausalSelfAttention { n_embd: c, n_head: config.n_head, c_attn: Linear::empty(c, 3 * c, true), c_proj: Linear::empty(c, c, true), attention: AttentionKernel::default() }),
+                attn: Some(CausalSelfAttention {
+                    n_embd: c,
+                    n_head: config.n_head,
+                    c_attn: Linear::empty(c, 3 * c, true),
+                    c_proj: Linear::empty(c, c, true),
+                    attention: AttentionKernel::default(),
+                }),
                 ln_2: LayerNorm::new(c),
-                mlp: Mlp { c_fc: Linear::empty(c, 4 * c, true), c_proj: Linear::empty(4 * c, c, true) },
+                mlp: Mlp {
+                    c_fc: Linear::empty(c, 4 * c, true),
+                    c_proj: Linear::empty(4 * c, c, true),
+                },
             })
             .collect();
-        Ok(Gpt { config, wte: Embedding::empty(config.vocab_size, c), wpe: Embedding::empty(config.block_size, c), h, ln_f: LayerNorm::new(c) })
+        Ok(Gpt {
+            config,
+            wte: Embedding::empty(config.vocab_size, c),
+            wpe: Embedding::empty(config.block_size, c),
+            h,
+            ln_f: LayerNorm::new(c),
+        })
     }
 
     /// The input of the first block, x [batch, T, C]: the token
@@ -160,7 +213,13 @@ impl Gpt {
         let (block, channels) = (self.config.block_size, self.config.n_embd);
         let t = match shape[..] {
             [_, t] if t <= block => t,
-            _ => return Err(Error::shape("Gpt", format!("expects ids [batch, T ≤ {block}]"), &[&shape])),
+            _ => {
+                return Err(Error::shape(
+                    "Gpt",
+                    format!("expects ids [batch, T ≤ {block}]"),
+                    &[&shape],
+                ))
+            }
         };
         let wte = self.wte.tied_table(g, &child_prefix!("", self.wte))?;
         let tokens = g.embedding(wte, idx)?;
@@ -188,7 +247,10 @@ impl Gpt {
     /// A whole model names its parameters from the root.
     fn check_root(prefix: &str) -> Result<()> {
         if !prefix.is_empty() {
-            return Err(Error::InvalidArgument { op: "Gpt", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
+            return Err(Error::InvalidArgument {
+                op: "Gpt",
+                reason: format!("a whole model names its parameters from the root, not under `{prefix}`"),
+            });
         }
         Ok(())
     }
@@ -214,7 +276,10 @@ impl Staged for Gpt {
     }
 
     fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
-        let block = self.h.get(index).ok_or_else(|| Error::InvalidArgument { op: "Gpt::block", reason: format!("block {index} of {}", self.h.len()) })?;
+        let block = self.h.get(index).ok_or_else(|| Error::InvalidArgument {
+            op: "Gpt::block",
+            reason: format!("block {index} of {}", self.h.len()),
+        })?;
         block.forward(g, x, &item_prefix(&child_prefix!("", self.h), index))
     }
 
@@ -244,8 +309,15 @@ impl Module for Gpt {
 
     fn describe(&self) -> String {
         let c = &self.config;
-        let attention = if self.h.iter().all(|b| b.attn.is_some()) { "" } else { ", no attention" };
-        format!("Gpt(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_embd={}{attention})", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd)
+        let attention = if self.h.iter().all(|b| b.attn.is_some()) {
+            ""
+        } else {
+            ", no attention"
+        };
+        format!(
+            "Gpt(vocab_size={}, block_size={}, n_layer={}, n_head={}, n_embd={}{attention})",
+            c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd
+        )
     }
 }
 

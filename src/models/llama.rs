@@ -12,7 +12,10 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 use crate::kernels::MatmulForm;
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
-use crate::nn::{shard, AttentionKernel, AttentionOptions, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes, Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp};
+use crate::nn::{
+    shard, AttentionKernel, AttentionOptions, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes,
+    Module, ParameterTree, RmsNorm, RopeLayout, Rotary, StageCosts, Staged, SwiGluMlp,
+};
 
 /// transformers' LlamaConfig `initializer_range`: every matrix starts N(0, 0.02²).
 pub const INITIALIZER_RANGE: f32 = 0.02;
@@ -125,9 +128,15 @@ impl LlamaConfig {
     /// `small` (whose vocabulary `vocab_size` gives: the data's).
     pub fn preset(name: &str, vocab_size: usize) -> Result<Self> {
         match name {
-            "smollm2-135m" => Ok(LlamaConfig { block_size: Self::SMOLLM2_TRAINING_CONTEXT, ..Self::smollm2_135m() }),
+            "smollm2-135m" => Ok(LlamaConfig {
+                block_size: Self::SMOLLM2_TRAINING_CONTEXT,
+                ..Self::smollm2_135m()
+            }),
             "small" => Ok(Self::small(vocab_size)),
-            other => Err(Error::InvalidArgument { op: "LlamaConfig::preset", reason: format!("unknown preset `{other}`; known: smollm2-135m, small") }),
+            other => Err(Error::InvalidArgument {
+                op: "LlamaConfig::preset",
+                reason: format!("unknown preset `{other}`; known: smollm2-135m, small"),
+            }),
         }
     }
 
@@ -147,7 +156,12 @@ impl LlamaConfig {
 
     /// The rotation every attention layer applies.
     pub fn rotary(&self) -> Rotary {
-        Rotary { base: self.rope_theta, rotary_dim: self.head_dim(), layout: self.rope_layout, positions: self.block_size }
+        Rotary {
+            base: self.rope_theta,
+            rotary_dim: self.head_dim(),
+            layout: self.rope_layout,
+            positions: self.block_size,
+        }
     }
 
     /// Parameters of a model of this size; `None` when the count overflows
@@ -156,51 +170,98 @@ impl LlamaConfig {
         let (c, f, options) = (self.n_embd, self.intermediate_size, self.attention_options());
         let kv = self.n_kv_head.checked_mul(options.head_dim)?;
         let q = self.n_head.checked_mul(options.head_dim)?;
-        let mut attention = c.checked_mul(q)?.checked_mul(2)?.checked_add(c.checked_mul(kv)?.checked_mul(2)?)?;
+        let mut attention = c
+            .checked_mul(q)?
+            .checked_mul(2)?
+            .checked_add(c.checked_mul(kv)?.checked_mul(2)?)?;
         if options.qkv_bias {
             attention = attention.checked_add(q)?.checked_add(kv.checked_mul(2)?)?;
         }
         if options.qk_norm_eps.is_some() {
             attention = attention.checked_add(options.head_dim.checked_mul(2)?)?;
         }
-        let layer = attention.checked_add(c.checked_mul(f)?.checked_mul(3)?)?.checked_add(2 * c)?;
+        let layer = attention
+            .checked_add(c.checked_mul(f)?.checked_mul(3)?)?
+            .checked_add(2 * c)?;
         let table = self.vocab_size.checked_mul(c)?;
         let head = if self.tie_word_embeddings { 0 } else { table };
-        layer.checked_mul(self.n_layer)?.checked_add(table)?.checked_add(head)?.checked_add(c)
+        layer
+            .checked_mul(self.n_layer)?
+            .checked_add(table)?
+            .checked_add(head)?
+            .checked_add(c)
     }
 
     /// Multiply-adds per position of the embedding lookup, each of `blocks`
     /// decoder layers, and the final norm with the head and its loss
     /// ([`Staged::stage_costs`]).
     pub fn stage_costs(&self, blocks: usize) -> StageCosts {
-        let (c, t, v, f) = (self.n_embd as f64, self.block_size as f64, self.vocab_size as f64, self.intermediate_size as f64);
-        let (q, kv) = ((self.n_head * self.head_dim()) as f64, (self.n_kv_head * self.head_dim()) as f64);
+        let (c, t, v, f) = (
+            self.n_embd as f64,
+            self.block_size as f64,
+            self.vocab_size as f64,
+            self.intermediate_size as f64,
+        );
+        let (q, kv) = (
+            (self.n_head * self.head_dim()) as f64,
+            (self.n_kv_head * self.head_dim()) as f64,
+        );
         // q and o, k and v, the MLP's three matmuls, and the attention
         // scores and their weighted sum.
         let block = 2.0 * c * q + 2.0 * c * kv + 3.0 * c * f + 2.0 * t * q;
-        StageCosts { prologue: c, blocks: vec![block; blocks], epilogue: v * c + 3.0 * v + 2.0 * c }
+        StageCosts {
+            prologue: c,
+            blocks: vec![block; blocks],
+            epilogue: v * c + 3.0 * v + 2.0 * c,
+        }
     }
 
     /// Every size positive, heads dividing channels (unless `head_dim`
     /// is given), KV heads dividing heads, an even head width (pairs
     /// rotate), a base above 1 and a positive eps.
     pub fn check(&self) -> Result<()> {
-        let sizes = [self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd, self.intermediate_size, self.head_dim()];
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "LlamaConfig", reason: format!("{reason}: {self:?}") });
+        let sizes = [
+            self.vocab_size,
+            self.block_size,
+            self.n_layer,
+            self.n_head,
+            self.n_kv_head,
+            self.n_embd,
+            self.intermediate_size,
+            self.head_dim(),
+        ];
+        let bad = |reason: String| {
+            Err(Error::InvalidArgument {
+                op: "LlamaConfig",
+                reason: format!("{reason}: {self:?}"),
+            })
+        };
         if sizes.contains(&0) {
             return bad("every size must be positive".into());
         }
         if (self.head_dim.is_none() && self.n_embd % self.n_head != 0) || self.n_head % self.n_kv_head != 0 {
-            return bad(format!("n_embd {} must be a multiple of n_head {}, and n_head of n_kv_head {}", self.n_embd, self.n_head, self.n_kv_head));
+            return bad(format!(
+                "n_embd {} must be a multiple of n_head {}, and n_head of n_kv_head {}",
+                self.n_embd, self.n_head, self.n_kv_head
+            ));
         }
         if self.head_dim() % 2 != 0 {
-            return bad(format!("the head width {} must be even (rotary positions turn channel pairs)", self.head_dim()));
+            return bad(format!(
+                "the head width {} must be even (rotary positions turn channel pairs)",
+                self.head_dim()
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return bad(format!("rope_theta {} must be a finite number above 1", self.rope_theta));
+            return bad(format!(
+                "rope_theta {} must be a finite number above 1",
+                self.rope_theta
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return bad(format!("rms_norm_eps {} must be positive and finite", self.rms_norm_eps));
+            return bad(format!(
+                "rms_norm_eps {} must be positive and finite",
+                self.rms_norm_eps
+            ));
         }
         Ok(())
     }
@@ -220,7 +281,14 @@ impl LlamaDecoderLayer {
         let c = config.n_embd;
         Ok(LlamaDecoderLayer {
             input_layernorm: RmsNorm::new(c, config.rms_norm_eps),
-            self_attn: GroupedQueryAttention::with_options(c, config.n_head, config.n_kv_head, config.attention_options(), config.rotary(), std)?,
+            self_attn: GroupedQueryAttention::with_options(
+                c,
+                config.n_head,
+                config.n_kv_head,
+                config.attention_options(),
+                config.rotary(),
+                std,
+            )?,
             post_attention_layernorm: RmsNorm::new(c, config.rms_norm_eps),
             mlp: SwiGluMlp::normal(c, config.intermediate_size, std),
         })
@@ -229,21 +297,36 @@ impl LlamaDecoderLayer {
 
 impl Module for LlamaDecoderLayer {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
-        let normed = self.input_layernorm.forward(g, x, &child_prefix!(prefix, self.input_layernorm))?;
-        let attended = self.self_attn.forward(g, normed, &child_prefix!(prefix, self.self_attn))?;
+        let normed = self
+            .input_layernorm
+            .forward(g, x, &child_prefix!(prefix, self.input_layernorm))?;
+        let attended = self
+            .self_attn
+            .forward(g, normed, &child_prefix!(prefix, self.self_attn))?;
         // Both branches end in a row-parallel Linear under tensor parallelism.
         let x = shard::reduce_residual(g, x, attended)?;
-        let normed = self.post_attention_layernorm.forward(g, x, &child_prefix!(prefix, self.post_attention_layernorm))?;
+        let normed =
+            self.post_attention_layernorm
+                .forward(g, x, &child_prefix!(prefix, self.post_attention_layernorm))?;
         let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
         shard::reduce_residual(g, x, transformed)
     }
 
     fn describe(&self) -> String {
-        format!("LlamaDecoderLayer({}, {})", self.self_attn.describe(), self.mlp.describe())
+        format!(
+            "LlamaDecoderLayer({}, {})",
+            self.self_attn.describe(),
+            self.mlp.describe()
+        )
     }
 }
 
-parameter_tree!(LlamaDecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp });
+parameter_tree!(LlamaDecoderLayer {
+    input_layernorm,
+    self_attn,
+    post_attention_layernorm,
+    mlp
+});
 
 /// A Llama over u32 token ids [batch, T ≤ block_size], returning logits
 /// [batch, T, vocab_size].
@@ -263,9 +346,18 @@ impl Llama {
     pub fn new(config: LlamaConfig) -> Result<Self> {
         config.check()?;
         let embed_tokens = Embedding::normal(config.vocab_size, config.n_embd, INITIALIZER_RANGE);
-        let layers = (0..config.n_layer).map(|_| LlamaDecoderLayer::new(&config, INITIALIZER_RANGE)).collect::<Result<_>>()?;
-        let lm_head = (!config.tie_word_embeddings).then(|| Linear::normal_no_bias(config.n_embd, config.vocab_size, INITIALIZER_RANGE));
-        Ok(Llama { config, embed_tokens, layers, norm: RmsNorm::new(config.n_embd, config.rms_norm_eps), lm_head })
+        let layers = (0..config.n_layer)
+            .map(|_| LlamaDecoderLayer::new(&config, INITIALIZER_RANGE))
+            .collect::<Result<_>>()?;
+        let lm_head = (!config.tie_word_embeddings)
+            .then(|| Linear::normal_no_bias(config.n_embd, config.vocab_size, INITIALIZER_RANGE));
+        Ok(Llama {
+            config,
+            embed_tokens,
+            layers,
+            norm: RmsNorm::new(config.n_embd, config.rms_norm_eps),
+            lm_head,
+        })
     }
 
     /// A model of `config` whose parameters come from `take(name, shape)`,
@@ -273,7 +365,10 @@ impl Llama {
     /// (Hugging Face's names); it returns exactly `shape`'s element count
     /// of values, or the error to report. Draws nothing from the init
     /// generator.
-    pub fn from_parameters(config: LlamaConfig, mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+    pub fn from_parameters(
+        config: LlamaConfig,
+        mut take: impl FnMut(&str, &[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Self> {
         let mut model = Self::empty(config)?;
         model.fill("Llama::from_parameters", &mut take)?;
         Ok(model)
@@ -298,9 +393,19 @@ impl Llama {
             .map(|_| {
                 Ok(LlamaDecoderLayer {
                     input_layernorm: norm(),
-                    self_attn: GroupedQueryAttention::empty(c, config.n_head, config.n_kv_head, config.attention_options(), config.rotary())?,
+                    self_attn: GroupedQueryAttention::empty(
+                        c,
+                        config.n_head,
+                        config.n_kv_head,
+                        config.attention_options(),
+                        config.rotary(),
+                    )?,
                     post_attention_layernorm: norm(),
-                    mlp: SwiGluMlp { gate_proj: Linear::empty(c, f, false), up_proj: Linear::empty(c, f, false), down_proj: Linear::empty(f, c, false) },
+                    mlp: SwiGluMlp {
+                        gate_proj: Linear::empty(c, f, false),
+                        up_proj: Linear::empty(c, f, false),
+                        down_proj: Linear::empty(f, c, false),
+                    },
                 })
             })
             .collect::<Result<_>>()?;
@@ -362,14 +467,21 @@ impl Staged for Llama {
     fn prologue(&self, g: &mut Graph, idx: Tensor) -> Result<Tensor> {
         let shape = g.shape_of(idx).map(<[usize]>::to_vec).unwrap_or_default();
         if !matches!(shape[..], [_, t] if t <= self.config.block_size) {
-            return Err(Error::shape("Llama", format!("expects ids [batch, T ≤ {}]", self.config.block_size), &[&shape]));
+            return Err(Error::shape(
+                "Llama",
+                format!("expects ids [batch, T ≤ {}]", self.config.block_size),
+                &[&shape],
+            ));
         }
         let table = self.token_table(g)?;
         g.embedding(table, idx)
     }
 
     fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
-        let layer = self.layers.get(index).ok_or_else(|| Error::InvalidArgument { op: "Llama::block", reason: format!("layer {index} of {}", self.layers.len()) })?;
+        let layer = self.layers.get(index).ok_or_else(|| Error::InvalidArgument {
+            op: "Llama::block",
+            reason: format!("layer {index} of {}", self.layers.len()),
+        })?;
         layer.forward(g, x, &item_prefix(&child_prefix!("", MODEL, self.layers), index))
     }
 
@@ -414,7 +526,10 @@ impl Llama {
     /// A whole model names its parameters from the root.
     fn check_root(prefix: &str) -> Result<()> {
         if !prefix.is_empty() {
-            return Err(Error::InvalidArgument { op: "Llama", reason: format!("a whole model names its parameters from the root, not under `{prefix}`") });
+            return Err(Error::InvalidArgument {
+                op: "Llama",
+                reason: format!("a whole model names its parameters from the root, not under `{prefix}`"),
+            });
         }
         Ok(())
     }
@@ -442,8 +557,15 @@ impl LmConfig for LlamaConfig {
     /// (lm_head, or the token table when tied). Saturates where the sizes
     /// (read from a file) overflow, which no adapter holds.
     fn lm_sizes(&self) -> LmSizes {
-        let (c, f, v) = (self.n_embd as u64, self.intermediate_size as u64, self.vocab_size as u64);
-        let (q, kv) = (self.n_head as u64 * self.head_dim() as u64, self.n_kv_head as u64 * self.head_dim() as u64);
+        let (c, f, v) = (
+            self.n_embd as u64,
+            self.intermediate_size as u64,
+            self.vocab_size as u64,
+        );
+        let (q, kv) = (
+            self.n_head as u64 * self.head_dim() as u64,
+            self.n_kv_head as u64 * self.head_dim() as u64,
+        );
         let layer = (2 * c * q + 2 * c * kv + 3 * c * f).saturating_mul(self.n_layer as u64);
         LmSizes {
             parameters: self.num_parameters().map_or(u64::MAX, |n| n as u64),

@@ -123,10 +123,7 @@ pub fn preset(variant: LlamaVariant, name: &str, vocab_size: usize) -> Result<Ll
             };
             Err(Error::InvalidArgument {
                 op: "qwen::preset",
-                reason: format!(
-                    "unknown {} preset `{other}`; known: {known}",
-                    variant.names().2
-                ),
+                reason: format!("unknown {} preset `{other}`; known: {known}", variant.names().2),
             })
         }
     }

@@ -179,7 +179,13 @@ impl ForwardContext {
     /// A context whose caches hold `context` positions and whose weights
     /// are stored as `weights`.
     pub fn new(weights: WeightDtype, context: usize) -> Self {
-        ForwardContext { weights, quantized: Arc::default(), context, cache_set: String::new(), declared: HashMap::new() }
+        ForwardContext {
+            weights,
+            quantized: Arc::default(),
+            context,
+            cache_set: String::new(),
+            declared: HashMap::new(),
+        }
     }
 
     /// Forwards run from now on read and write their own caches,
@@ -188,7 +194,11 @@ impl ForwardContext {
     /// sequences than another (a server's one-slot prefill beside its
     /// every-slot decode) needs caches of its own. Parameters stay shared.
     pub fn set_cache_set(&mut self, name: &str) {
-        self.cache_set = if name.is_empty() { String::new() } else { format!(".{name}") };
+        self.cache_set = if name.is_empty() {
+            String::new()
+        } else {
+            format!(".{name}")
+        };
     }
 
     /// This context with `quantized`'s matrices stored block-quantized
@@ -208,7 +218,10 @@ impl ForwardContext {
     pub fn run<R>(&mut self, pass: CachePass, forward: impl FnOnce() -> Result<R>) -> Result<R> {
         let busy = ACTIVE.with(|a| a.borrow().is_some());
         if busy {
-            return Err(Error::InvalidArgument { op: "ForwardContext::run", reason: "a forward context is already active on this thread".into() });
+            return Err(Error::InvalidArgument {
+                op: "ForwardContext::run",
+                reason: "a forward context is already active on this thread".into(),
+            });
         }
         let cx = std::mem::take(self);
         ACTIVE.with(|a| *a.borrow_mut() = Some(Active { cx, pass }));
@@ -227,7 +240,13 @@ pub(crate) fn cache_pass() -> Option<CachePass> {
 /// earlier forward under the same context declared. A parameter the
 /// context has quantized is stored so; else a `matrix` (a Linear's weight,
 /// a table the head reads) in f16 under an f16 context.
-pub(crate) fn declare_parameter(g: &mut Graph, name: String, shape: &[usize], values: &[f32], matrix: bool) -> Result<Tensor> {
+pub(crate) fn declare_parameter(
+    g: &mut Graph,
+    name: String,
+    shape: &[usize],
+    values: &[f32],
+    matrix: bool,
+) -> Result<Tensor> {
     ACTIVE.with(|a| {
         let mut active = a.borrow_mut();
         let Some(Active { cx, .. }) = active.as_mut() else {
@@ -267,14 +286,28 @@ pub(crate) fn unsharded_generation() -> bool {
 /// `prefix` (`{prefix}k_cache`, `{prefix}v_cache`, [S, kv_heads, context,
 /// head_dim], declared by the first forward): see [`Graph::cached_attention`].
 /// -> [S, T, heads·head_dim].
-pub(crate) fn cached_attention(g: &mut Graph, prefix: &str, qkv: [Tensor; 3], layout: QkvLayout, heads: usize, kv_heads: usize, head_dim: usize) -> Result<Tensor> {
+pub(crate) fn cached_attention(
+    g: &mut Graph,
+    prefix: &str,
+    qkv: [Tensor; 3],
+    layout: QkvLayout,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
     let sequences = g.shape_of(qkv[0]).and_then(|s| s.first().copied()).unwrap_or(0);
     let (pass, caches) = ACTIVE.with(|a| -> Result<_> {
         let mut active = a.borrow_mut();
         let Some(Active { cx, pass }) = active.as_mut() else {
-            return Err(Error::InvalidArgument { op: "cached_attention", reason: "no forward context is active".into() });
+            return Err(Error::InvalidArgument {
+                op: "cached_attention",
+                reason: "no forward context is active".into(),
+            });
         };
-        let (keys, values) = (format!("{prefix}k_cache{}", cx.cache_set), format!("{prefix}v_cache{}", cx.cache_set));
+        let (keys, values) = (
+            format!("{prefix}k_cache{}", cx.cache_set),
+            format!("{prefix}v_cache{}", cx.cache_set),
+        );
         let mut cache = |name: String| -> Result<Tensor> {
             if let Some(&t) = cx.declared.get(&name) {
                 return Ok(t);

@@ -30,7 +30,11 @@ pub struct AttentionOptions {
 impl AttentionOptions {
     /// Llama's: heads of n_embd / n_head channels, no biases, no q/k norm.
     pub fn llama(n_embd: usize, n_head: usize) -> Self {
-        AttentionOptions { head_dim: n_embd / n_head.max(1), qkv_bias: false, qk_norm_eps: None }
+        AttentionOptions {
+            head_dim: n_embd / n_head.max(1),
+            qkv_bias: false,
+            qk_norm_eps: None,
+        }
     }
 }
 
@@ -61,22 +65,50 @@ impl GroupedQueryAttention {
     /// Weights N(0, std²), no biases (Llama's init).
     pub fn normal(n_embd: usize, n_head: usize, n_kv_head: usize, rotary: Rotary, std: f32) -> Result<Self> {
         Self::check(n_embd, n_head, n_kv_head)?;
-        Self::with_options(n_embd, n_head, n_kv_head, AttentionOptions::llama(n_embd, n_head), rotary, std)
+        Self::with_options(
+            n_embd,
+            n_head,
+            n_kv_head,
+            AttentionOptions::llama(n_embd, n_head),
+            rotary,
+            std,
+        )
     }
 
     /// transformers' init of a family's attention: weights N(0, std²),
     /// biases zero, norms one.
-    pub fn with_options(n_embd: usize, n_head: usize, n_kv_head: usize, options: AttentionOptions, rotary: Rotary, std: f32) -> Result<Self> {
+    pub fn with_options(
+        n_embd: usize,
+        n_head: usize,
+        n_kv_head: usize,
+        options: AttentionOptions,
+        rotary: Rotary,
+        std: f32,
+    ) -> Result<Self> {
         let mut attention = Self::empty(n_embd, n_head, n_kv_head, options, rotary)?;
-        for linear in [&mut attention.q_proj, &mut attention.k_proj, &mut attention.v_proj, &mut attention.o_proj] {
-            *linear = Linear { bias: linear.bias.as_ref().map(|_| vec![0.0; linear.out_features]), ..Linear::normal_no_bias(linear.in_features, linear.out_features, std) };
+        for linear in [
+            &mut attention.q_proj,
+            &mut attention.k_proj,
+            &mut attention.v_proj,
+            &mut attention.o_proj,
+        ] {
+            *linear = Linear {
+                bias: linear.bias.as_ref().map(|_| vec![0.0; linear.out_features]),
+                ..Linear::normal_no_bias(linear.in_features, linear.out_features, std)
+            };
         }
         Ok(attention)
     }
 
     /// The structure with no values (empty matrices and biases, norms
     /// ones), for a model's `from_parameters` to fill.
-    pub fn empty(n_embd: usize, n_head: usize, n_kv_head: usize, options: AttentionOptions, rotary: Rotary) -> Result<Self> {
+    pub fn empty(
+        n_embd: usize,
+        n_head: usize,
+        n_kv_head: usize,
+        options: AttentionOptions,
+        rotary: Rotary,
+    ) -> Result<Self> {
         let d = options.head_dim;
         Self::check_heads(n_embd, n_head, n_kv_head, d)?;
         let (q, kv) = (n_head * d, n_kv_head * d);
@@ -131,10 +163,18 @@ impl Module for GroupedQueryAttention {
         Self::check_heads(self.n_embd, self.n_head, self.n_kv_head, self.head_dim)?;
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [b, t, c] = shape[..] else {
-            return Err(Error::shape("GroupedQueryAttention", "expects x [batch, time, channels]", &[&shape]));
+            return Err(Error::shape(
+                "GroupedQueryAttention",
+                "expects x [batch, time, channels]",
+                &[&shape],
+            ));
         };
         if c != self.n_embd {
-            return Err(Error::shape("GroupedQueryAttention", format!("expects {} channels", self.n_embd), &[&shape]));
+            return Err(Error::shape(
+                "GroupedQueryAttention",
+                format!("expects {} channels", self.n_embd),
+                &[&shape],
+            ));
         }
         // Under tensor parallelism a device takes whole KV heads and, in
         // step, the query heads sharing them; its head counts are the
@@ -146,9 +186,15 @@ impl Module for GroupedQueryAttention {
             return Ok(y);
         }
         let split = AttentionSplit::grouped_query(self.n_head, self.n_kv_head, d)?;
-        let q = self.q_proj.forward_split(g, x, &child_prefix!(prefix, self.q_proj), split.query)?;
-        let k = self.k_proj.forward_split(g, x, &child_prefix!(prefix, self.k_proj), split.key_value)?;
-        let v = self.v_proj.forward_split(g, x, &child_prefix!(prefix, self.v_proj), split.key_value)?;
+        let q = self
+            .q_proj
+            .forward_split(g, x, &child_prefix!(prefix, self.q_proj), split.query)?;
+        let k = self
+            .k_proj
+            .forward_split(g, x, &child_prefix!(prefix, self.k_proj), split.key_value)?;
+        let v = self
+            .v_proj
+            .forward_split(g, x, &child_prefix!(prefix, self.v_proj), split.key_value)?;
         let heads_of = |g: &Graph, y: Tensor| g.shape_of(y).and_then(|s| s.last().copied()).unwrap_or(0) / d;
         let (h, kv) = (heads_of(g, q), heads_of(g, k));
         // Rotary positions on [B, T, heads, d], the projections' own
@@ -165,11 +211,14 @@ impl Module for GroupedQueryAttention {
             // their positions; the kernel shares each among its group.
             let q = g.reshape(q, &[b, t, h * d])?;
             let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
-            return self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
+            return self
+                .o_proj
+                .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
         let q = g.reshape(q, &[b, t, h * d])?;
         let y = causal_attention(g, [q, k, v], h, kv, d, self.attention)?;
-        self.o_proj.forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
+        self.o_proj
+            .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
     }
 
     fn describe(&self) -> String {
@@ -183,7 +232,10 @@ impl Module for GroupedQueryAttention {
         if self.q_norm.is_some() {
             options += ", qk_norm";
         }
-        format!("GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={}{options})", self.n_embd, self.n_head, self.n_kv_head)
+        format!(
+            "GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={}{options})",
+            self.n_embd, self.n_head, self.n_kv_head
+        )
     }
 }
 
@@ -204,8 +256,18 @@ impl GroupedQueryAttention {
     /// v, one rotation of its q and k heads, and the cached attention
     /// reading that row as fused: two dispatches where separate
     /// projections take five. None where that does not apply.
-    fn quantized_qkv_attention(&self, g: &mut Graph, x: Tensor, prefix: &str, starts: Option<Tensor>) -> Result<Option<Tensor>> {
-        let projections = [(&self.q_proj, child_prefix!(prefix, self.q_proj)), (&self.k_proj, child_prefix!(prefix, self.k_proj)), (&self.v_proj, child_prefix!(prefix, self.v_proj))];
+    fn quantized_qkv_attention(
+        &self,
+        g: &mut Graph,
+        x: Tensor,
+        prefix: &str,
+        starts: Option<Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let projections = [
+            (&self.q_proj, child_prefix!(prefix, self.q_proj)),
+            (&self.k_proj, child_prefix!(prefix, self.k_proj)),
+            (&self.v_proj, child_prefix!(prefix, self.v_proj)),
+        ];
         let plain = projections.iter().all(|(l, _)| l.bias.is_none()) && self.q_norm.is_none() && self.k_norm.is_none();
         if !unsharded_generation() || !plain {
             return Ok(None);
@@ -219,7 +281,11 @@ impl GroupedQueryAttention {
         }
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [b, t, c] = shape[..] else {
-            return Err(Error::shape("GroupedQueryAttention", "expects x [batch, time, channels]", &[&shape]));
+            return Err(Error::shape(
+                "GroupedQueryAttention",
+                "expects x [batch, time, channels]",
+                &[&shape],
+            ));
         };
         let (d, h, kv) = (self.head_dim(), self.n_head, self.n_kv_head);
         let rows = g.reshape(x, &[b * t, c])?;
@@ -233,7 +299,14 @@ impl GroupedQueryAttention {
 }
 
 // In the order the forward declares them.
-parameter_tree!(GroupedQueryAttention { q_proj, k_proj, v_proj, q_norm, k_norm, o_proj });
+parameter_tree!(GroupedQueryAttention {
+    q_proj,
+    k_proj,
+    v_proj,
+    q_norm,
+    k_norm,
+    o_proj
+});
 
 /// Key or value heads x [.., n_kv·d] repeated to [.., n_kv·n_rep·d], each
 /// KV head n_rep times in a row (transformers' `repeat_kv`: query head i

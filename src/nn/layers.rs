@@ -22,12 +22,20 @@ impl Embedding {
 
     /// Weights N(0, std²) (GPT-2 uses 0.02).
     pub fn normal(num_embeddings: usize, embedding_dim: usize, std: f32) -> Self {
-        Embedding { num_embeddings, embedding_dim, weight: normal(num_embeddings * embedding_dim, std) }
+        Embedding {
+            num_embeddings,
+            embedding_dim,
+            weight: normal(num_embeddings * embedding_dim, std),
+        }
     }
 
     /// The structure with no values, for a model's `from_parameters` to fill.
     pub fn empty(num_embeddings: usize, embedding_dim: usize) -> Self {
-        Embedding { num_embeddings, embedding_dim, weight: Vec::new() }
+        Embedding {
+            num_embeddings,
+            embedding_dim,
+            weight: Vec::new(),
+        }
     }
 
     /// The table as a parameter `{prefix}weight`, for a module that also
@@ -35,7 +43,10 @@ impl Embedding {
     /// the no-decay group, as nanoGPT leaves embeddings undecayed.
     pub fn table(&self, g: &mut Graph, prefix: &str) -> Result<Tensor> {
         let [table] = self.declare(g, prefix)?[..] else {
-            return Err(Error::InvalidArgument { op: "Embedding", reason: "declares exactly one table".into() });
+            return Err(Error::InvalidArgument {
+                op: "Embedding",
+                reason: "declares exactly one table".into(),
+            });
         };
         g.mark_no_decay_group(table)?;
         Ok(table)
@@ -46,14 +57,19 @@ impl Embedding {
     /// f16.
     pub fn tied_table(&self, g: &mut Graph, prefix: &str) -> Result<Tensor> {
         let [table] = self.declare_weights(g, prefix)?[..] else {
-            return Err(Error::InvalidArgument { op: "Embedding", reason: "declares exactly one table".into() });
+            return Err(Error::InvalidArgument {
+                op: "Embedding",
+                reason: "declares exactly one table".into(),
+            });
         };
         g.mark_no_decay_group(table)?;
         Ok(table)
     }
 }
 
-parameter_tree!(Embedding, |m| parameters { weight: [m.num_embeddings, m.embedding_dim] });
+parameter_tree!(Embedding, |m| parameters {
+    weight: [m.num_embeddings, m.embedding_dim]
+});
 
 impl Module for Embedding {
     /// `ids` is a u32 tensor ([`Graph::ids`]).
@@ -79,7 +95,12 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// eps = 1e-5, PyTorch's default.
     pub fn new(normalized_shape: usize) -> Self {
-        LayerNorm { normalized_shape, eps: 1e-5, weight: vec![1.0; normalized_shape], bias: vec![0.0; normalized_shape] }
+        LayerNorm {
+            normalized_shape,
+            eps: 1e-5,
+            weight: vec![1.0; normalized_shape],
+            bias: vec![0.0; normalized_shape],
+        }
     }
 }
 
@@ -87,10 +108,17 @@ impl Module for LayerNorm {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let c = self.normalized_shape;
         if self.weight.len() != c || self.bias.len() != c {
-            return Err(Error::shape("LayerNorm", "weight and bias must have normalized_shape values", &[&[c], &[self.weight.len()], &[self.bias.len()]]));
+            return Err(Error::shape(
+                "LayerNorm",
+                "weight and bias must have normalized_shape values",
+                &[&[c], &[self.weight.len()], &[self.bias.len()]],
+            ));
         }
         let [w, b] = self.declare(g, prefix)?[..] else {
-            return Err(Error::InvalidArgument { op: "LayerNorm", reason: "declares exactly a weight and a bias".into() });
+            return Err(Error::InvalidArgument {
+                op: "LayerNorm",
+                reason: "declares exactly a weight and a bias".into(),
+            });
         };
         g.layer_norm(x, w, b, self.eps)
     }
@@ -100,4 +128,7 @@ impl Module for LayerNorm {
     }
 }
 
-parameter_tree!(LayerNorm, |m| parameters { weight: [m.normalized_shape], bias: [m.normalized_shape] });
+parameter_tree!(LayerNorm, |m| parameters {
+    weight: [m.normalized_shape],
+    bias: [m.normalized_shape]
+});

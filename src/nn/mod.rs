@@ -10,24 +10,28 @@ mod layers;
 pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
-mod swiglu;
 pub mod shard;
 mod staged;
+mod swiglu;
 mod training_graph;
 mod transformer;
 
-pub use causal_lm::{CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, QuantizedMatrix, QuantizedWeights, WeightDtype};
 pub(crate) use causal_lm::cache_pass;
-pub use layers::{Embedding, LayerNorm};
-pub use shard::TensorSplit;
-pub use staged::{StageCosts, Staged};
-pub use transformer::{causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp, CPU_FUSED_ATTENTION_MIN_SEQ};
+pub use causal_lm::{
+    CachePass, CausalLm, ForwardContext, LmConfig, LmSizes, QuantizedMatrix, QuantizedWeights, WeightDtype,
+};
 pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
+pub use layers::{Embedding, LayerNorm};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};
+pub use shard::TensorSplit;
+pub use staged::{StageCosts, Staged};
 pub use swiglu::SwiGluMlp;
 pub(crate) use training_graph::{build_model, training_graph_with_passes, Built, TrainingGraph};
+pub use transformer::{
+    causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp, CPU_FUSED_ATTENTION_MIN_SEQ,
+};
 
 use std::cell::RefCell;
 
@@ -107,12 +111,21 @@ pub trait Module: ParameterTree {
     /// model. Trainer and Predictor call it; parts of a model need not.
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
         let _ = (g, batch);
-        Err(Error::InvalidArgument { op: "Module::input", reason: format!("`{}` does not declare its input: it is not a whole model", self.describe()) })
+        Err(Error::InvalidArgument {
+            op: "Module::input",
+            reason: format!(
+                "`{}` does not declare its input: it is not a whole model",
+                self.describe()
+            ),
+        })
     }
 
     /// Parameter count.
     fn num_parameters(&self) -> usize {
-        self.named_parameters().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        self.named_parameters()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
     }
 }
 
@@ -133,24 +146,44 @@ impl Linear {
         let bound = 1.0 / (in_features.max(1) as f32).sqrt();
         let weight = uniform(in_features * out_features, bound);
         let bias = Some(uniform(out_features, bound));
-        Linear { in_features, out_features, weight, bias }
+        Linear {
+            in_features,
+            out_features,
+            weight,
+            bias,
+        }
     }
 
     /// The structure with no values (empty weight and bias), for a model's
     /// `from_parameters` to fill: the tree reports names and shapes without
     /// allocating.
     pub fn empty(in_features: usize, out_features: usize, bias: bool) -> Self {
-        Linear { in_features, out_features, weight: Vec::new(), bias: bias.then(Vec::new) }
+        Linear {
+            in_features,
+            out_features,
+            weight: Vec::new(),
+            bias: bias.then(Vec::new),
+        }
     }
 
     /// GPT-2's init: weight N(0, std²), bias zero.
     pub fn normal(in_features: usize, out_features: usize, std: f32) -> Self {
-        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: Some(vec![0.0; out_features]) }
+        Linear {
+            in_features,
+            out_features,
+            weight: normal(in_features * out_features, std),
+            bias: Some(vec![0.0; out_features]),
+        }
     }
 
     /// No bias, weight N(0, std²) (Llama's init, `initializer_range`).
     pub fn normal_no_bias(in_features: usize, out_features: usize, std: f32) -> Self {
-        Linear { in_features, out_features, weight: normal(in_features * out_features, std), bias: None }
+        Linear {
+            in_features,
+            out_features,
+            weight: normal(in_features * out_features, std),
+            bias: None,
+        }
     }
 }
 
@@ -161,11 +194,20 @@ impl Module for Linear {
         let (w, b) = match self.declare_weights(g, prefix)?[..] {
             [w] => (w, None),
             [w, b] => (w, Some(b)),
-            ref other => return Err(Error::InvalidArgument { op: "Linear", reason: format!("declared {} parameters, not a weight and an optional bias", other.len()) }),
+            ref other => {
+                return Err(Error::InvalidArgument {
+                    op: "Linear",
+                    reason: format!("declared {} parameters, not a weight and an optional bias", other.len()),
+                })
+            }
         };
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         if shape.last() != Some(&self.in_features) {
-            return Err(Error::shape("Linear", format!("`{prefix}weight` reads {} input features", self.in_features), &[&shape]));
+            return Err(Error::shape(
+                "Linear",
+                format!("`{prefix}weight` reads {} input features", self.in_features),
+                &[&shape],
+            ));
         }
         if shape.len() <= 2 {
             let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
@@ -199,7 +241,10 @@ impl Module for Linear {
     }
 }
 
-parameter_tree!(Linear, |m| parameters { weight: [m.out_features, m.in_features], bias: [m.out_features] });
+parameter_tree!(Linear, |m| parameters {
+    weight: [m.out_features, m.in_features],
+    bias: [m.out_features]
+});
 
 /// One element of a [`Sequential`].
 #[derive(Clone, Debug, PartialEq)]
@@ -243,7 +288,11 @@ impl ParameterTree for Layer {
         }
     }
 
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
         match self {
             Layer::Linear(l) => l.visit_mut(prefix, f),
             _ => Ok(()),
@@ -267,7 +316,10 @@ impl Sequential {
     /// (none after the last).
     pub fn mlp(widths: &[usize], activation: Layer) -> Result<Self> {
         if widths.len() < 2 || widths.contains(&0) {
-            return Err(Error::InvalidArgument { op: "Sequential::mlp", reason: format!("needs at least two non-zero widths, got {widths:?}") });
+            return Err(Error::InvalidArgument {
+                op: "Sequential::mlp",
+                reason: format!("needs at least two non-zero widths, got {widths:?}"),
+            });
         }
         let mut layers = Vec::new();
         for (i, pair) in widths.windows(2).enumerate() {
@@ -300,7 +352,6 @@ impl Sequential {
         })
     }
 
-
     /// Each layer's tensor-parallel split: the Linears of every
     /// Linear–activation–Linear pair (counted from the first layer)
     /// column- then row-parallel.
@@ -323,18 +374,26 @@ impl Sequential {
     /// Where pipeline blocks start: at each Linear (the activations after
     /// it go with it; any before the first Linear form the prologue).
     fn block_starts(&self) -> Vec<usize> {
-        (0..self.layers.len()).filter(|&i| matches!(self.layers[i], Layer::Linear(_))).collect()
+        (0..self.layers.len())
+            .filter(|&i| matches!(self.layers[i], Layer::Linear(_)))
+            .collect()
     }
 
     /// Layers `range` in order, each named by its position.
     fn run_layers(&self, g: &mut Graph, x: Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
-        self.layers[range.clone()].iter().zip(range).try_fold(x, |h, (layer, i)| layer.forward(g, h, &format!("{i}.")))
+        self.layers[range.clone()]
+            .iter()
+            .zip(range)
+            .try_fold(x, |h, (layer, i)| layer.forward(g, h, &format!("{i}.")))
     }
 
     /// Parses [`Sequential::describe`]'s output (weights are placeholders,
     /// to be loaded from a checkpoint).
     pub fn from_description(text: &str) -> Result<Self> {
-        let bad = |what: &str| Error::InvalidArgument { op: "Sequential::from_description", reason: format!("cannot parse `{what}` in `{text}`") };
+        let bad = |what: &str| Error::InvalidArgument {
+            op: "Sequential::from_description",
+            reason: format!("cannot parse `{what}` in `{text}`"),
+        };
         let mut layers = Vec::new();
         let mut rest = text.trim();
         while !rest.is_empty() {
@@ -344,12 +403,19 @@ impl Sequential {
                     .split(',')
                     .map(|d| d.trim().parse::<usize>().map_err(|_| bad(&after[..close])))
                     .collect::<Result<_>>()?;
-                let [i, o] = dims[..] else { return Err(bad(&after[..close])) };
+                let [i, o] = dims[..] else {
+                    return Err(bad(&after[..close]));
+                };
                 // Sizes come from a file: refuse absurd ones before allocating.
                 if i == 0 || o == 0 || i.checked_mul(o).is_none_or(|n| n > 1 << 31) {
                     return Err(bad(&after[..close]));
                 }
-                layers.push(Layer::Linear(Linear { in_features: i, out_features: o, weight: vec![0.0; i * o], bias: Some(vec![0.0; o]) }));
+                layers.push(Layer::Linear(Linear {
+                    in_features: i,
+                    out_features: o,
+                    weight: vec![0.0; i * o],
+                    bias: Some(vec![0.0; o]),
+                }));
                 rest = after[close + 1..].trim_start();
             } else {
                 let word_end = rest.find(' ').unwrap_or(rest.len());
@@ -373,7 +439,11 @@ impl ParameterTree for Sequential {
         self.layers.visit(prefix, f);
     }
 
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
         self.layers.visit_mut(prefix, f)
     }
 }
@@ -402,7 +472,10 @@ impl Module for Sequential {
 
     /// f32 features [batch, in_features of the first Linear].
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
-        let width = self.in_features().ok_or_else(|| Error::InvalidArgument { op: "Sequential", reason: "the model has no Linear layer".into() })?;
+        let width = self.in_features().ok_or_else(|| Error::InvalidArgument {
+            op: "Sequential",
+            reason: "the model has no Linear layer".into(),
+        })?;
         g.input("input", &[batch, width])
     }
 
@@ -423,7 +496,10 @@ impl Staged for Sequential {
 
     fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
         let starts = self.block_starts();
-        let start = *starts.get(index).ok_or_else(|| Error::InvalidArgument { op: "Sequential::block", reason: format!("block {index} of {}", starts.len()) })?;
+        let start = *starts.get(index).ok_or_else(|| Error::InvalidArgument {
+            op: "Sequential::block",
+            reason: format!("block {index} of {}", starts.len()),
+        })?;
         let end = starts.get(index + 1).copied().unwrap_or(self.layers.len());
         self.run_layers(g, x, start..end)
     }
@@ -442,7 +518,11 @@ impl Staged for Sequential {
                 _ => None,
             })
             .collect();
-        StageCosts { prologue: 0.0, blocks, epilogue: 0.0 }
+        StageCosts {
+            prologue: 0.0,
+            blocks,
+            epilogue: 0.0,
+        }
     }
 }
 

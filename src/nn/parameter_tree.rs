@@ -30,7 +30,11 @@ pub trait ParameterTree {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32]));
 
     /// The same walk with the values writable (loading weights).
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()>;
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()>;
 
     /// Declares this module's parameters in `g` as `visit` names them, in
     /// visiting order: how a leaf's forward gets its tensors. Under a
@@ -54,7 +58,11 @@ pub trait ParameterTree {
         self.visit_mut("", &mut |name, shape, values| {
             let taken = take(&name, &shape)?;
             if taken.len() != shape.iter().product::<usize>() {
-                return Err(Error::shape(op, format!("`{name}` needs {shape:?}, got {} values", taken.len()), &[&shape]));
+                return Err(Error::shape(
+                    op,
+                    format!("`{name}` needs {shape:?}, got {} values", taken.len()),
+                    &[&shape],
+                ));
             }
             *values = taken;
             Ok(())
@@ -67,12 +75,19 @@ pub trait ParameterTree {
 /// embedding reads the table the embedding declared; a pipeline stage
 /// holding both finds one tensor).
 pub(super) fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Result<Tensor> {
-    let declared = g.parameters().into_iter().find(|&p| g.get(p).is_some_and(|n| n.name == name));
+    let declared = g
+        .parameters()
+        .into_iter()
+        .find(|&p| g.get(p).is_some_and(|n| n.name == name));
     match declared {
         Some(t) => {
             let have = g.shape_of(t).map(<[usize]>::to_vec).unwrap_or_default();
             if have != shape {
-                return Err(Error::shape("parameter", format!("`{name}` is declared twice with different shapes"), &[&have, shape]));
+                return Err(Error::shape(
+                    "parameter",
+                    format!("`{name}` is declared twice with different shapes"),
+                    &[&have, shape],
+                ));
             }
             Ok(t)
         }
@@ -80,7 +95,12 @@ pub(super) fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[
     }
 }
 
-fn declare_tree<T: ParameterTree + ?Sized>(tree: &T, g: &mut Graph, prefix: &str, weights: bool) -> Result<Vec<Tensor>> {
+fn declare_tree<T: ParameterTree + ?Sized>(
+    tree: &T,
+    g: &mut Graph,
+    prefix: &str,
+    weights: bool,
+) -> Result<Vec<Tensor>> {
     let mut declared = Vec::new();
     let mut failed = None;
     tree.visit(prefix, &mut |name, shape, values| {
@@ -236,7 +256,11 @@ impl<T: ParameterTree> ParameterTree for Vec<T> {
         }
     }
 
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
         for (i, item) in self.iter_mut().enumerate() {
             item.visit_mut(&item_prefix(prefix, i), f)?;
         }
@@ -252,7 +276,11 @@ impl<T: ParameterTree> ParameterTree for Option<T> {
         }
     }
 
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>) -> Result<()> {
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
         match self {
             Some(inner) => inner.visit_mut(prefix, f),
             None => Ok(()),

@@ -17,7 +17,11 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// Weight ones, as LlamaRMSNorm initialises it.
     pub fn new(normalized_shape: usize, eps: f32) -> Self {
-        RmsNorm { normalized_shape, eps, weight: vec![1.0; normalized_shape] }
+        RmsNorm {
+            normalized_shape,
+            eps,
+            weight: vec![1.0; normalized_shape],
+        }
     }
 }
 
@@ -25,10 +29,17 @@ impl Module for RmsNorm {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let c = self.normalized_shape;
         if self.weight.len() != c {
-            return Err(Error::shape("RmsNorm", "weight must have normalized_shape values", &[&[c], &[self.weight.len()]]));
+            return Err(Error::shape(
+                "RmsNorm",
+                "weight must have normalized_shape values",
+                &[&[c], &[self.weight.len()]],
+            ));
         }
         let [w] = self.declare(g, prefix)?[..] else {
-            return Err(Error::InvalidArgument { op: "RmsNorm", reason: "declares exactly one weight".into() });
+            return Err(Error::InvalidArgument {
+                op: "RmsNorm",
+                reason: "declares exactly one weight".into(),
+            });
         };
         g.rms_norm(x, w, self.eps)
     }
@@ -38,4 +49,6 @@ impl Module for RmsNorm {
     }
 }
 
-parameter_tree!(RmsNorm, |m| parameters { weight: [m.normalized_shape] });
+parameter_tree!(RmsNorm, |m| parameters {
+    weight: [m.normalized_shape]
+});

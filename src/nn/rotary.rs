@@ -22,10 +22,17 @@ pub struct Rotary {
 
 impl Rotary {
     fn check(&self, head_dim: usize) -> Result<()> {
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > head_dim || !(self.base.is_finite() && self.base > 1.0) {
+        if self.rotary_dim == 0
+            || self.rotary_dim % 2 != 0
+            || self.rotary_dim > head_dim
+            || !(self.base.is_finite() && self.base > 1.0)
+        {
             return Err(Error::InvalidArgument {
                 op: "Rotary",
-                reason: format!("rotary_dim {} must be even, positive and at most the head width {head_dim}; base {} must exceed 1", self.rotary_dim, self.base),
+                reason: format!(
+                    "rotary_dim {} must be even, positive and at most the head width {head_dim}; base {} must exceed 1",
+                    self.rotary_dim, self.base
+                ),
             });
         }
         Ok(())
@@ -44,9 +51,21 @@ impl Rotary {
     pub fn forward_heads(&self, g: &mut Graph, x: Tensor, starts: Option<Tensor>, rotated: usize) -> Result<Tensor> {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [_, _, _, d] = shape[..] else {
-            return Err(Error::shape("Rotary", "expects x [batch, time, heads, head_dim]", &[&shape]));
+            return Err(Error::shape(
+                "Rotary",
+                "expects x [batch, time, heads, head_dim]",
+                &[&shape],
+            ));
         };
         self.check(d)?;
-        g.rope_heads(x, starts, self.layout, self.base, self.rotary_dim, self.positions, rotated)
+        g.rope_heads(
+            x,
+            starts,
+            self.layout,
+            self.base,
+            self.rotary_dim,
+            self.positions,
+            rotated,
+        )
     }
 }

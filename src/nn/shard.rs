@@ -50,8 +50,13 @@ impl Slice {
     pub fn take(&self, full: &[f32], shape: &[usize]) -> Vec<f32> {
         let (rows, cols) = matrix(shape);
         match self {
-            Slice::Rows(ranges) => ranges.iter().flat_map(|r| full[r.start * cols..r.end * cols].iter().copied()).collect(),
-            Slice::Columns(range) => (0..rows).flat_map(|r| full[r * cols + range.start..r * cols + range.end].iter().copied()).collect(),
+            Slice::Rows(ranges) => ranges
+                .iter()
+                .flat_map(|r| full[r.start * cols..r.end * cols].iter().copied())
+                .collect(),
+            Slice::Columns(range) => (0..rows)
+                .flat_map(|r| full[r * cols + range.start..r * cols + range.end].iter().copied())
+                .collect(),
         }
     }
 
@@ -106,7 +111,10 @@ impl AttentionSplit {
     /// per query head the heads split as evenly as they go.
     pub fn grouped_query(n_head: usize, n_kv_head: usize, head_dim: usize) -> Result<Self> {
         if n_head == 0 || n_kv_head == 0 || head_dim == 0 || n_head % n_kv_head != 0 {
-            return Err(Error::InvalidArgument { op: "AttentionSplit", reason: format!("{n_head} query heads cannot share {n_kv_head} KV heads in equal groups") });
+            return Err(Error::InvalidArgument {
+                op: "AttentionSplit",
+                reason: format!("{n_head} query heads cannot share {n_kv_head} KV heads in equal groups"),
+            });
         }
         let ranks = ranks();
         if ranks > n_kv_head || (n_kv_head < n_head && n_kv_head % ranks != 0) {
@@ -117,8 +125,14 @@ impl AttentionSplit {
         }
         let group = n_head / n_kv_head;
         Ok(AttentionSplit {
-            query: TensorSplit::Column { groups: 1, unit: group * head_dim },
-            key_value: TensorSplit::Column { groups: 1, unit: head_dim },
+            query: TensorSplit::Column {
+                groups: 1,
+                unit: group * head_dim,
+            },
+            key_value: TensorSplit::Column {
+                groups: 1,
+                unit: head_dim,
+            },
             output: TensorSplit::Row { unit: group * head_dim },
         })
     }
@@ -163,21 +177,53 @@ impl Drop for Reset {
 /// Rank `rank` of `ranks`: runs `forward` (a model's forward from `input`,
 /// declared in `g`) with the split declarations active and returns its
 /// segments, the last ending at `forward`'s output.
-pub fn build_rank(rank: usize, ranks: usize, mut g: Graph, input: Tensor, forward: impl FnOnce(&mut Graph, Tensor) -> Result<Tensor>) -> Result<RankBuild> {
+pub fn build_rank(
+    rank: usize,
+    ranks: usize,
+    mut g: Graph,
+    input: Tensor,
+    forward: impl FnOnce(&mut Graph, Tensor) -> Result<Tensor>,
+) -> Result<RankBuild> {
     if ranks == 0 || rank >= ranks {
-        return Err(Error::InvalidArgument { op: "tensor parallel", reason: format!("rank {rank} of {ranks}") });
+        return Err(Error::InvalidArgument {
+            op: "tensor parallel",
+            reason: format!("rank {rank} of {ranks}"),
+        });
     }
     let nested = SHARD.with(|s| s.borrow().is_some());
     if nested {
-        return Err(Error::InvalidArgument { op: "tensor parallel", reason: "a rank's build cannot nest another".into() });
+        return Err(Error::InvalidArgument {
+            op: "tensor parallel",
+            reason: "a rank's build cannot nest another".into(),
+        });
     }
-    SHARD.with(|s| *s.borrow_mut() = Some(ShardState { rank, ranks, input, done: Vec::new(), slices: Vec::new() }));
+    SHARD.with(|s| {
+        *s.borrow_mut() = Some(ShardState {
+            rank,
+            ranks,
+            input,
+            done: Vec::new(),
+            slices: Vec::new(),
+        })
+    });
     let _reset = Reset;
     let output = forward(&mut g, input)?;
-    let state = SHARD.with(|s| s.borrow_mut().take()).ok_or_else(|| Error::InvalidArgument { op: "tensor parallel", reason: "the build lost its rank".into() })?;
+    let state = SHARD
+        .with(|s| s.borrow_mut().take())
+        .ok_or_else(|| Error::InvalidArgument {
+            op: "tensor parallel",
+            reason: "the build lost its rank".into(),
+        })?;
     let mut segments = state.done;
-    segments.push(Segment { graph: g, input: state.input, output });
-    Ok(RankBuild { segments, slices: state.slices })
+    segments.push(Segment {
+        graph: g,
+        input: state.input,
+        output,
+    });
+    Ok(RankBuild {
+        segments,
+        slices: state.slices,
+    })
 }
 
 /// (rank, ranks) inside [`build_rank`].
@@ -209,7 +255,11 @@ pub fn all_reduce(g: &mut Graph, partial: Tensor) -> Result<Tensor> {
     SHARD.with(|s| {
         if let Some(state) = s.borrow_mut().as_mut() {
             let input = std::mem::replace(&mut state.input, next);
-            state.done.push(Segment { graph, input, output: partial });
+            state.done.push(Segment {
+                graph,
+                input,
+                output: partial,
+            });
         }
     });
     Ok(next)
@@ -241,9 +291,16 @@ impl Linear {
         let (out, input) = (self.out_features, self.in_features);
         let bias_len = self.bias.as_ref().map_or(out, Vec::len);
         if self.weight.len() != out * input || bias_len != out {
-            return Err(Error::shape("Linear", format!("`{prefix}weight` must hold [{out}, {input}] values and its bias {out}"), &[&[out, input], &[self.weight.len()], &[bias_len]]));
+            return Err(Error::shape(
+                "Linear",
+                format!("`{prefix}weight` must hold [{out}, {input}] values and its bias {out}"),
+                &[&[out, input], &[self.weight.len()], &[bias_len]],
+            ));
         }
-        let bad = |what: String| Error::InvalidArgument { op: "tensor parallel", reason: format!("`{prefix}weight` [{out}, {input}] does not split into {what}") };
+        let bad = |what: String| Error::InvalidArgument {
+            op: "tensor parallel",
+            reason: format!("`{prefix}weight` [{out}, {input}] does not split into {what}"),
+        };
         let weight_shape = vec![out, input];
         let (share, weight_slice, bias) = match split {
             TensorSplit::Column { groups, unit } => {
@@ -252,14 +309,21 @@ impl Linear {
                     return Err(bad(format!("{groups} blocks of {unit}-row units")));
                 }
                 let units = share_range(prefix, per_group / unit, ranks, rank)?;
-                let rows: Vec<Range<usize>> = (0..groups).map(|k| k * per_group + units.start * unit..k * per_group + units.end * unit).collect();
+                let rows: Vec<Range<usize>> = (0..groups)
+                    .map(|k| k * per_group + units.start * unit..k * per_group + units.end * unit)
+                    .collect();
                 let slice = Slice::Rows(rows);
                 let bias = self.bias.as_ref().map(|b| {
                     let part = slice.take(b, &[out]);
                     (part, Some(slice.clone()))
                 });
                 let local = groups * units.len() * unit;
-                let linear = Linear { in_features: input, out_features: local, weight: slice.take(&self.weight, &weight_shape), bias: None };
+                let linear = Linear {
+                    in_features: input,
+                    out_features: local,
+                    weight: slice.take(&self.weight, &weight_shape),
+                    bias: None,
+                };
                 (linear, slice, bias)
             }
             TensorSplit::Row { unit } => {
@@ -270,15 +334,25 @@ impl Linear {
                 let slice = Slice::Columns(units.start * unit..units.end * unit);
                 // The bias once, on rank 0: the ranks' outputs are summed.
                 let bias = self.bias.as_ref().filter(|_| rank == 0).map(|b| (b.clone(), None));
-                let linear = Linear { in_features: units.len() * unit, out_features: out, weight: slice.take(&self.weight, &weight_shape), bias: None };
+                let linear = Linear {
+                    in_features: units.len() * unit,
+                    out_features: out,
+                    weight: slice.take(&self.weight, &weight_shape),
+                    bias: None,
+                };
                 (linear, slice, bias)
             }
         };
         let bias_slice = bias.as_ref().and_then(|(_, s)| s.clone());
-        let share = Linear { bias: bias.map(|(b, _)| b), ..share };
+        let share = Linear {
+            bias: bias.map(|(b, _)| b),
+            ..share
+        };
         SHARD.with(|s| {
             if let Some(state) = s.borrow_mut().as_mut() {
-                state.slices.push((format!("{prefix}weight"), weight_shape, weight_slice));
+                state
+                    .slices
+                    .push((format!("{prefix}weight"), weight_shape, weight_slice));
                 if let Some(slice) = bias_slice {
                     state.slices.push((format!("{prefix}bias"), vec![out], slice));
                 }

@@ -47,19 +47,36 @@ pub trait Staged: Module {
 
     /// Blocks `blocks` of the model, with the prologue first when `first`
     /// and the epilogue last when `last`: one pipeline stage.
-    fn forward_units(&self, g: &mut Graph, x: Tensor, blocks: std::ops::Range<usize>, first: bool, last: bool) -> Result<Tensor> {
+    fn forward_units(
+        &self,
+        g: &mut Graph,
+        x: Tensor,
+        blocks: std::ops::Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<Tensor> {
         self.forward_blocks(g, x, blocks, first, last).map(|(output, _)| output)
     }
 
     /// [`Staged::forward_units`] with the nodes each block added to `g`
     /// and its output: what activation checkpointing recomputes.
-    fn forward_blocks(&self, g: &mut Graph, x: Tensor, blocks: std::ops::Range<usize>, first: bool, last: bool) -> Result<(Tensor, Vec<Block>)> {
+    fn forward_blocks(
+        &self,
+        g: &mut Graph,
+        x: Tensor,
+        blocks: std::ops::Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<(Tensor, Vec<Block>)> {
         let mut x = if first { self.prologue(g, x)? } else { x };
         let mut added = Vec::with_capacity(blocks.len());
         for i in blocks {
             let start = g.len();
             x = self.block(g, i, x)?;
-            added.push(Block { nodes: start..g.len(), output: x });
+            added.push(Block {
+                nodes: start..g.len(),
+                output: x,
+            });
         }
         let output = if last { self.epilogue(g, x)? } else { x };
         Ok((output, added))

@@ -32,18 +32,32 @@ impl Module for SwiGluMlp {
         // Megatron's MLP: gate and up column-parallel (a device's hidden
         // units), down row-parallel (their partial sum).
         if let Some(hidden) = self.quantized_gated(g, x, prefix)? {
-            return self.down_proj.forward(g, hidden, &child_prefix!(prefix, self.down_proj));
+            return self
+                .down_proj
+                .forward(g, hidden, &child_prefix!(prefix, self.down_proj));
         }
         let column = TensorSplit::Column { groups: 1, unit: 1 };
-        let gate = self.gate_proj.forward_split(g, x, &child_prefix!(prefix, self.gate_proj), column)?;
-        let up = self.up_proj.forward_split(g, x, &child_prefix!(prefix, self.up_proj), column)?;
+        let gate = self
+            .gate_proj
+            .forward_split(g, x, &child_prefix!(prefix, self.gate_proj), column)?;
+        let up = self
+            .up_proj
+            .forward_split(g, x, &child_prefix!(prefix, self.up_proj), column)?;
         let gate = g.activation(Activation::Silu, gate)?;
         let hidden = g.mul(gate, up)?;
-        self.down_proj.forward_split(g, hidden, &child_prefix!(prefix, self.down_proj), TensorSplit::Row { unit: 1 })
+        self.down_proj.forward_split(
+            g,
+            hidden,
+            &child_prefix!(prefix, self.down_proj),
+            TensorSplit::Row { unit: 1 },
+        )
     }
 
     fn describe(&self) -> String {
-        format!("SwiGluMlp({}, {})", self.gate_proj.in_features, self.gate_proj.out_features)
+        format!(
+            "SwiGluMlp({}, {})",
+            self.gate_proj.in_features, self.gate_proj.out_features
+        )
     }
 }
 
@@ -55,7 +69,9 @@ impl SwiGluMlp {
         if !unsharded_generation() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
             return Ok(None);
         }
-        let mut weights = self.gate_proj.declare_weights(g, &child_prefix!(prefix, self.gate_proj))?;
+        let mut weights = self
+            .gate_proj
+            .declare_weights(g, &child_prefix!(prefix, self.gate_proj))?;
         weights.extend(self.up_proj.declare_weights(g, &child_prefix!(prefix, self.up_proj))?);
         if weights.len() != 2 || !one_quantized_product(g, &weights) {
             return Ok(None);
@@ -72,4 +88,8 @@ impl SwiGluMlp {
     }
 }
 
-parameter_tree!(SwiGluMlp { gate_proj, up_proj, down_proj });
+parameter_tree!(SwiGluMlp {
+    gate_proj,
+    up_proj,
+    down_proj
+});

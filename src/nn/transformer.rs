@@ -41,7 +41,9 @@ impl AttentionKernel {
     /// kernels' per-row work (or, for wider heads, than the tiled kernels
     /// a CPU runs poorly).
     pub fn for_devices(devices: &[std::sync::Arc<crate::kernels::Kernels>], seq: usize, head_dim: usize) -> Self {
-        let fused_pays = |k: &crate::kernels::Kernels| k.gpu_shaped() || (seq >= CPU_FUSED_ATTENTION_MIN_SEQ && k.flash_rows_hold(head_dim));
+        let fused_pays = |k: &crate::kernels::Kernels| {
+            k.gpu_shaped() || (seq >= CPU_FUSED_ATTENTION_MIN_SEQ && k.flash_rows_hold(head_dim))
+        };
         if !devices.is_empty() && devices.iter().all(|k| fused_pays(k)) {
             AttentionKernel::Fused
         } else {
@@ -54,10 +56,21 @@ impl AttentionKernel {
 /// kv_heads·d] (query head h reads KV head h / (heads / kv_heads)) ->
 /// [B, T, heads·d], as `kernel` says. Heads wider than the fused kernel
 /// takes go unfused.
-pub fn causal_attention(g: &mut Graph, [q, k, v]: [Tensor; 3], heads: usize, kv_heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Tensor> {
+pub fn causal_attention(
+    g: &mut Graph,
+    [q, k, v]: [Tensor; 3],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kernel: AttentionKernel,
+) -> Result<Tensor> {
     let shape = g.shape_of(q).map(<[usize]>::to_vec).unwrap_or_default();
     let [b, t, _] = shape[..] else {
-        return Err(Error::shape("causal_attention", "expects q [batch, time, heads·head_dim]", &[&shape]));
+        return Err(Error::shape(
+            "causal_attention",
+            "expects q [batch, time, heads·head_dim]",
+            &[&shape],
+        ));
     };
     if kernel == AttentionKernel::Fused && head_dim <= FLASH_MAX_HEAD_DIM {
         return g.fused_causal_attention(q, k, v, heads);
@@ -94,7 +107,13 @@ impl CausalSelfAttention {
     /// PyTorch's default Linear init.
     pub fn new(n_embd: usize, n_head: usize) -> Result<Self> {
         Self::check(n_embd, n_head)?;
-        Ok(CausalSelfAttention { n_embd, n_head, c_attn: Linear::new(n_embd, 3 * n_embd), c_proj: Linear::new(n_embd, n_embd), attention: AttentionKernel::default() })
+        Ok(CausalSelfAttention {
+            n_embd,
+            n_head,
+            c_attn: Linear::new(n_embd, 3 * n_embd),
+            c_proj: Linear::new(n_embd, n_embd),
+            attention: AttentionKernel::default(),
+        })
     }
 
     /// GPT-2's init: N(0, 0.02²) weights, and `proj_std` for the output
@@ -125,10 +144,18 @@ impl Module for CausalSelfAttention {
     fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let [_, _, c] = shape[..] else {
-            return Err(Error::shape("CausalSelfAttention", "expects x [batch, time, channels]", &[&shape]));
+            return Err(Error::shape(
+                "CausalSelfAttention",
+                "expects x [batch, time, channels]",
+                &[&shape],
+            ));
         };
         if c != self.n_embd {
-            return Err(Error::shape("CausalSelfAttention", format!("expects {} channels", self.n_embd), &[&shape]));
+            return Err(Error::shape(
+                "CausalSelfAttention",
+                format!("expects {} channels", self.n_embd),
+                &[&shape],
+            ));
         }
         let d = c / self.n_head;
         let ranks = shard::ranks();
@@ -140,17 +167,25 @@ impl Module for CausalSelfAttention {
         }
         // Split over heads under tensor parallelism: q, k and v are three
         // blocks of c_attn's rows; this rank's heads are what it yields.
-        let qkv = self.c_attn.forward_split(g, x, &child_prefix!(prefix, self.c_attn), TensorSplit::Column { groups: 3, unit: d })?;
+        let qkv = self.c_attn.forward_split(
+            g,
+            x,
+            &child_prefix!(prefix, self.c_attn),
+            TensorSplit::Column { groups: 3, unit: d },
+        )?;
         let local = g.shape_of(qkv).and_then(|s| s.last().copied()).unwrap_or(0) / 3;
         let h = local / d;
         if cache_pass().is_some() {
             // Generation: the fused rows straight into the KV cache.
             let y = cached_attention(g, prefix, [qkv; 3], QkvLayout::Fused, h, h, d)?;
-            return self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d });
+            return self
+                .c_proj
+                .forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d });
         }
         let parts = g.split_last(qkv, &[local, local, local])?;
         let y = causal_attention(g, [parts[0], parts[1], parts[2]], h, h, d, self.attention)?;
-        self.c_proj.forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d })
+        self.c_proj
+            .forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d })
     }
 
     fn describe(&self) -> String {
@@ -169,12 +204,18 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(n_embd: usize) -> Self {
-        Mlp { c_fc: Linear::new(n_embd, 4 * n_embd), c_proj: Linear::new(4 * n_embd, n_embd) }
+        Mlp {
+            c_fc: Linear::new(n_embd, 4 * n_embd),
+            c_proj: Linear::new(4 * n_embd, n_embd),
+        }
     }
 
     /// GPT-2's init (see [`CausalSelfAttention::normal`]).
     pub fn normal(n_embd: usize, proj_std: f32) -> Self {
-        Mlp { c_fc: Linear::normal(n_embd, 4 * n_embd, 0.02), c_proj: Linear::normal(4 * n_embd, n_embd, proj_std) }
+        Mlp {
+            c_fc: Linear::normal(n_embd, 4 * n_embd, 0.02),
+            c_proj: Linear::normal(4 * n_embd, n_embd, proj_std),
+        }
     }
 }
 
@@ -184,12 +225,30 @@ impl Module for Mlp {
         // matmul and GELU's backward into the matmul feeding it.
         let shape = g.shape_of(x).map(<[usize]>::to_vec).unwrap_or_default();
         let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>();
-        let flat = if shape.len() > 2 { g.reshape(x, &[rows, self.c_fc.in_features])? } else { x };
+        let flat = if shape.len() > 2 {
+            g.reshape(x, &[rows, self.c_fc.in_features])?
+        } else {
+            x
+        };
         // Megatron's MLP: c_fc column-parallel, c_proj row-parallel.
-        let hidden = self.c_fc.forward_split(g, flat, &child_prefix!(prefix, self.c_fc), TensorSplit::Column { groups: 1, unit: 1 })?;
+        let hidden = self.c_fc.forward_split(
+            g,
+            flat,
+            &child_prefix!(prefix, self.c_fc),
+            TensorSplit::Column { groups: 1, unit: 1 },
+        )?;
         let hidden = Layer::GELU.forward(g, hidden, prefix)?;
-        let y = self.c_proj.forward_split(g, hidden, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: 1 })?;
-        if shape.len() > 2 { g.reshape(y, &shape) } else { Ok(y) }
+        let y = self.c_proj.forward_split(
+            g,
+            hidden,
+            &child_prefix!(prefix, self.c_proj),
+            TensorSplit::Row { unit: 1 },
+        )?;
+        if shape.len() > 2 {
+            g.reshape(y, &shape)
+        } else {
+            Ok(y)
+        }
     }
 
     fn describe(&self) -> String {
@@ -212,7 +271,12 @@ pub struct Block {
 
 impl Block {
     pub fn new(n_embd: usize, n_head: usize) -> Result<Self> {
-        Ok(Block { ln_1: LayerNorm::new(n_embd), attn: Some(CausalSelfAttention::new(n_embd, n_head)?), ln_2: LayerNorm::new(n_embd), mlp: Mlp::new(n_embd) })
+        Ok(Block {
+            ln_1: LayerNorm::new(n_embd),
+            attn: Some(CausalSelfAttention::new(n_embd, n_head)?),
+            ln_2: LayerNorm::new(n_embd),
+            mlp: Mlp::new(n_embd),
+        })
     }
 
     /// GPT-2's init for a model of `n_layer` blocks.
@@ -228,13 +292,23 @@ impl Block {
 
     /// A block with no attention: each position on its own.
     pub fn mlp_only(n_embd: usize) -> Self {
-        Block { ln_1: LayerNorm::new(n_embd), attn: None, ln_2: LayerNorm::new(n_embd), mlp: Mlp::new(n_embd) }
+        Block {
+            ln_1: LayerNorm::new(n_embd),
+            attn: None,
+            ln_2: LayerNorm::new(n_embd),
+            mlp: Mlp::new(n_embd),
+        }
     }
 
     /// [`Block::mlp_only`] with GPT-2's init for a model of `n_layer` blocks.
     pub fn mlp_only_gpt2(n_embd: usize, n_layer: usize) -> Self {
         let proj_std = 0.02 / (2.0 * n_layer.max(1) as f32).sqrt();
-        Block { ln_1: LayerNorm::new(n_embd), attn: None, ln_2: LayerNorm::new(n_embd), mlp: Mlp::normal(n_embd, proj_std) }
+        Block {
+            ln_1: LayerNorm::new(n_embd),
+            attn: None,
+            ln_2: LayerNorm::new(n_embd),
+            mlp: Mlp::normal(n_embd, proj_std),
+        }
     }
 }
 

@@ -139,12 +139,20 @@ fn k_ints_bytes(format: QuantFormat, q: &[u8; QK_K], block: &mut [u8]) {
 pub(crate) fn decode(format: QuantFormat, block: &[u8], out: &mut [f32]) {
     match format {
         QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
-            let (m, qh_at) = if format == QuantFormat::Q5_0 { (0.0, 2) } else { (f16_at(block, 2), 4) };
+            let (m, qh_at) = if format == QuantFormat::Q5_0 {
+                (0.0, 2)
+            } else {
+                (f16_at(block, 2), 4)
+            };
             let d = f16_at(block, 0);
             let (qh, q) = (u32_at(block, qh_at), nibbles(&block[qh_at + 4..]));
             for (i, o) in out.iter_mut().enumerate() {
                 let q = u32::from(q[i]) | (((qh >> i) & 1) << 4);
-                *o = if format == QuantFormat::Q5_0 { d * (q as f32 - 16.0) } else { d * q as f32 + m };
+                *o = if format == QuantFormat::Q5_0 {
+                    d * (q as f32 - 16.0)
+                } else {
+                    d * q as f32 + m
+                };
             }
         }
         QuantFormat::IQ4_NL => {
@@ -214,7 +222,11 @@ pub(crate) fn split(format: QuantFormat, block: &[u8], quants: &mut [u32], side:
                 _ => 2,
             };
             quants.copy_from_slice(&nibble_words(&nibbles(&block[at..])));
-            let m = if format == QuantFormat::Q5_1 { u16_at(block, 2) } else { 0 };
+            let m = if format == QuantFormat::Q5_1 {
+                u16_at(block, 2)
+            } else {
+                0
+            };
             side[0] = u16_at(block, 0) | m << 16;
             if format != QuantFormat::IQ4_NL {
                 side[1] = u32_at(block, at - 4);
@@ -287,14 +299,21 @@ fn join_k(format: QuantFormat, quants: &[u32], side: &[u32], out: &mut Vec<u8>) 
         let (side, sub) = (&side[s * j..s * j + s], &mut q[32 * j..32 * j + 32]);
         sub.copy_from_slice(&word_nibbles(&quants[4 * j..4 * j + 4]));
         match format {
-            QuantFormat::Q5_K => sub.iter_mut().enumerate().for_each(|(i, x)| *x |= (((side[2] >> i) & 1) as u8) << 4),
+            QuantFormat::Q5_K => sub
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x |= (((side[2] >> i) & 1) as u8) << 4),
             QuantFormat::Q6_K => {
                 let top = |i: usize| (((side[1 + i / 16] >> (2 * (i % 16))) & 3) as u8) << 4;
                 sub.iter_mut().enumerate().for_each(|(i, x)| *x |= top(i));
             }
             _ => {}
         }
-        let pair = if format == QuantFormat::Q6_K || format == QuantFormat::Q3_K { side[0] >> 16 } else { side[1] };
+        let pair = if format == QuantFormat::Q6_K || format == QuantFormat::Q3_K {
+            side[0] >> 16
+        } else {
+            side[1]
+        };
         (sc16[2 * j], sc16[2 * j + 1]) = ((pair & 0xff) as u8, ((pair >> 8) & 0xff) as u8);
     }
     let mut block = vec![0u8; format.block_bytes()];

@@ -19,10 +19,10 @@
 mod executor;
 mod optimizer;
 
+pub use crate::graph::ParamSpan;
 use crate::kernels::{AdamConfig, OptimizerConfig, SgdConfig};
 pub use crate::ops::{LossScaling, LrSchedule};
 pub(crate) use optimizer::{apply_parameter_groups, stage_state};
-pub use crate::graph::ParamSpan;
 pub use optimizer::{LossScaleState, Optimizer};
 
 /// The builder methods every optimizer shares (the last three fields of
@@ -58,7 +58,10 @@ pub struct SGD(pub SgdConfig);
 
 impl SGD {
     pub fn new(lr: f32) -> Self {
-        SGD(SgdConfig { lr, ..SgdConfig::default() })
+        SGD(SgdConfig {
+            lr,
+            ..SgdConfig::default()
+        })
     }
     pub fn momentum(mut self, momentum: f32) -> Self {
         self.0.momentum = momentum;
@@ -105,7 +108,10 @@ pub struct Adam(pub AdamConfig);
 
 impl Adam {
     pub fn new(lr: f32) -> Self {
-        Adam(AdamConfig { lr, ..AdamConfig::adam() })
+        Adam(AdamConfig {
+            lr,
+            ..AdamConfig::adam()
+        })
     }
     adam_settings!();
 }
@@ -122,7 +128,10 @@ pub struct AdamW(pub AdamConfig);
 
 impl AdamW {
     pub fn new(lr: f32) -> Self {
-        AdamW(AdamConfig { lr, ..AdamConfig::adamw() })
+        AdamW(AdamConfig {
+            lr,
+            ..AdamConfig::adamw()
+        })
     }
     adam_settings!();
 }
@@ -153,8 +162,15 @@ impl From<AdamW> for OptimizerConfig {
 /// followed by the schedule, clipping and groups when set.
 pub fn describe(cfg: &OptimizerConfig) -> String {
     let mut text = describe_update(cfg);
-    if let LrSchedule::WarmupCosine { warmup_steps, total_steps, min_lr } = cfg.schedule() {
-        text += &format!(" schedule=warmup_cosine(warmup_steps={warmup_steps}, total_steps={total_steps}, min_lr={min_lr})");
+    if let LrSchedule::WarmupCosine {
+        warmup_steps,
+        total_steps,
+        min_lr,
+    } = cfg.schedule()
+    {
+        text += &format!(
+            " schedule=warmup_cosine(warmup_steps={warmup_steps}, total_steps={total_steps}, min_lr={min_lr})"
+        );
     }
     if let Some(max_norm) = cfg.clip_grad_norm() {
         text += &format!(" clip_grad_norm={max_norm}");
@@ -163,7 +179,10 @@ pub fn describe(cfg: &OptimizerConfig) -> String {
         text += " decay_matrices_only";
     }
     if let Some(l) = cfg.loss_scaling() {
-        text += &format!(" loss_scaling(init={}, growth_interval={})", l.init_scale, l.growth_interval);
+        text += &format!(
+            " loss_scaling(init={}, growth_interval={})",
+            l.init_scale, l.growth_interval
+        );
     }
     text
 }
@@ -177,7 +196,11 @@ fn describe_update(cfg: &OptimizerConfig) -> String {
         OptimizerConfig::Adam(c) => format!(
             "{} lr={} betas=({}, {}) eps={} weight_decay={}",
             if c.decoupled_weight_decay { "adamw" } else { "adam" },
-            c.lr, c.betas.0, c.betas.1, c.eps, c.weight_decay
+            c.lr,
+            c.betas.0,
+            c.betas.1,
+            c.eps,
+            c.weight_decay
         ),
     }
 }

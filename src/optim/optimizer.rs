@@ -7,7 +7,10 @@
 
 use crate::error::{Error, Result};
 use crate::graph::{Graph, ParamSpan};
-use crate::kernels::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig, View, LOSS_SCALE_WORDS};
+use crate::kernels::{
+    grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, Dispatch, GpuTensor, Kernels, OptimizerConfig,
+    View, LOSS_SCALE_WORDS,
+};
 use crate::ops::LossScaling;
 
 /// nanoGPT's groups: with `decay_matrices_only`, parameters of fewer than
@@ -84,7 +87,9 @@ impl LossScaleState {
             steps_taken: at(w::STEP) as u64,
             steps_run: at(w::ITERATIONS) as u64,
             skipped,
-            skipped_steps: (0..(skipped as usize).min(w::HISTORY_LEN)).map(|k| at(w::HISTORY + k) as u64).collect(),
+            skipped_steps: (0..(skipped as usize).min(w::HISTORY_LEN))
+                .map(|k| at(w::HISTORY + k) as u64)
+                .collect(),
         }
     }
 
@@ -108,26 +113,56 @@ impl LossScaleState {
     /// counts that disagree are an error naming the key.
     pub fn from_metadata<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Result<Option<LossScaleState>> {
         let Some(scale) = get(meta::SCALE) else { return Ok(None) };
-        let bad = |key: &str, why: String| Error::InvalidArgument { op: "load loss scale", reason: format!("checkpoint metadata `{key}`: {why}") };
+        let bad = |key: &str, why: String| Error::InvalidArgument {
+            op: "load loss scale",
+            reason: format!("checkpoint metadata `{key}`: {why}"),
+        };
         let count = |key: &str| -> Result<u64> {
             let text = get(key).ok_or_else(|| bad(key, "missing beside `loss_scale`".into()))?;
-            text.parse::<u64>().map_err(|_| bad(key, format!("`{text}` is not a count")))
+            text.parse::<u64>()
+                .map_err(|_| bad(key, format!("`{text}` is not a count")))
         };
-        let scale = scale.parse::<f32>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| bad(meta::SCALE, format!("`{scale}` is not a positive finite scale")))?;
-        let (steps_taken, steps_run, skipped) = (count(meta::STEPS_TAKEN)?, count(meta::STEPS_RUN)?, count(meta::SKIPPED)?);
+        let scale = scale
+            .parse::<f32>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .ok_or_else(|| bad(meta::SCALE, format!("`{scale}` is not a positive finite scale")))?;
+        let (steps_taken, steps_run, skipped) = (
+            count(meta::STEPS_TAKEN)?,
+            count(meta::STEPS_RUN)?,
+            count(meta::SKIPPED)?,
+        );
         if steps_taken.checked_add(skipped) != Some(steps_run) {
-            return Err(bad(meta::STEPS_RUN, format!("{steps_run} steps run, but {steps_taken} taken and {skipped} skipped")));
+            return Err(bad(
+                meta::STEPS_RUN,
+                format!("{steps_run} steps run, but {steps_taken} taken and {skipped} skipped"),
+            ));
         }
         let list = get(meta::SKIPPED_STEPS).unwrap_or_default();
         let skipped_steps = list
             .split(',')
             .filter(|s| !s.is_empty())
-            .map(|s| s.parse::<u64>().map_err(|_| bad(meta::SKIPPED_STEPS, format!("`{s}` is not a step"))))
+            .map(|s| {
+                s.parse::<u64>()
+                    .map_err(|_| bad(meta::SKIPPED_STEPS, format!("`{s}` is not a step")))
+            })
             .collect::<Result<Vec<u64>>>()?;
-        if skipped_steps.len() > (skipped as usize).min(loss_scale_word::HISTORY_LEN) || skipped_steps.iter().any(|&s| s == 0 || s > steps_run) {
-            return Err(bad(meta::SKIPPED_STEPS, format!("`{list}` does not fit {skipped} skipped of {steps_run} steps")));
+        if skipped_steps.len() > (skipped as usize).min(loss_scale_word::HISTORY_LEN)
+            || skipped_steps.iter().any(|&s| s == 0 || s > steps_run)
+        {
+            return Err(bad(
+                meta::SKIPPED_STEPS,
+                format!("`{list}` does not fit {skipped} skipped of {steps_run} steps"),
+            ));
         }
-        Ok(Some(LossScaleState { scale, growth_tracker: count(meta::GROWTH_TRACKER)?, steps_taken, steps_run, skipped, skipped_steps }))
+        Ok(Some(LossScaleState {
+            scale,
+            growth_tracker: count(meta::GROWTH_TRACKER)?,
+            steps_taken,
+            steps_run,
+            skipped,
+            skipped_steps,
+        }))
     }
 
     /// The loss-scale block holding this state, for an optimizer scaling
@@ -154,11 +189,24 @@ impl LossScaleState {
 
     /// `loss scale: final 32768, 3 steps skipped (steps 1, 2, 5)`.
     pub fn summary(&self) -> String {
-        let mut text = format!("loss scale: final {}, {} step{} skipped", self.scale, self.skipped, if self.skipped == 1 { "" } else { "s" });
+        let mut text = format!(
+            "loss scale: final {}, {} step{} skipped",
+            self.scale,
+            self.skipped,
+            if self.skipped == 1 { "" } else { "s" }
+        );
         if !self.skipped_steps.is_empty() {
             let steps: Vec<String> = self.skipped_steps.iter().map(u64::to_string).collect();
-            let more = if (self.skipped as usize) > steps.len() { ", …" } else { "" };
-            text += &format!(" (step{} {}{more})", if steps.len() == 1 { "" } else { "s" }, steps.join(", "));
+            let more = if (self.skipped as usize) > steps.len() {
+                ", …"
+            } else {
+                ""
+            };
+            text += &format!(
+                " (step{} {}{more})",
+                if steps.len() == 1 { "" } else { "s" },
+                steps.join(", ")
+            );
         }
         text
     }
@@ -181,7 +229,10 @@ pub struct Optimizer {
 
 impl std::fmt::Debug for Optimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Optimizer").field("config", &self.config).field("step", &self.step).finish()
+        f.debug_struct("Optimizer")
+            .field("config", &self.config)
+            .field("step", &self.step)
+            .finish()
     }
 }
 
@@ -190,15 +241,31 @@ impl Optimizer {
     /// `grads` arenas of `arena_len` elements, whose first `decay_len`
     /// elements are the weight-decayed group. Alignment gaps hold zeros
     /// that every optimizer keeps at zero, so one update covers the arena.
-    pub(crate) fn new(kernels: &Kernels, config: OptimizerConfig, params: View<'_>, grads: View<'_>, arena_len: usize, decay_len: usize) -> Result<Self> {
+    pub(crate) fn new(
+        kernels: &Kernels,
+        config: OptimizerConfig,
+        params: View<'_>,
+        grads: View<'_>,
+        arena_len: usize,
+        decay_len: usize,
+    ) -> Result<Self> {
         config.validate()?;
-        let state = (0..config.state_names().len()).map(|_| kernels.zeros(arena_len)).collect::<Result<Vec<_>>>()?;
+        let state = (0..config.state_names().len())
+            .map(|_| kernels.zeros(arena_len))
+            .collect::<Result<Vec<_>>>()?;
         // Loss scaling clips too (by the unscaled norm), in its own kernels.
         let scaler = match config.loss_scaling() {
             Some(scaling) => {
-                let (partials, block) = (kernels.zeros(2 * grad_norm_groups(arena_len))?, kernels.upload(&loss_scale_block(&scaling))?);
+                let (partials, block) = (
+                    kernels.zeros(2 * grad_norm_groups(arena_len))?,
+                    kernels.upload(&loss_scale_block(&scaling))?,
+                );
                 let dispatches = kernels.loss_scale(block.view(), partials.view(), grads, &config)?;
-                Some(LossScaler { partials, block, dispatches })
+                Some(LossScaler {
+                    partials,
+                    block,
+                    dispatches,
+                })
             }
             None => None,
         };
@@ -206,15 +273,31 @@ impl Optimizer {
             Some(max_norm) => {
                 let (partials, norm) = (kernels.zeros(grad_norm_groups(arena_len))?, kernels.zeros(2)?);
                 let dispatches = kernels.grad_norm(norm.view(), partials.view(), grads, max_norm)?;
-                Some(ClipNorm { _partials: partials, norm, dispatches })
+                Some(ClipNorm {
+                    _partials: partials,
+                    norm,
+                    dispatches,
+                })
             }
             None => None,
         };
         let state_views: Vec<View<'_>> = state.iter().map(|s| s.view()).collect();
-        let grad_norm = scaler.as_ref().map(|s| s.block.view()).or(clip.as_ref().map(|c| c.norm.view()));
+        let grad_norm = scaler
+            .as_ref()
+            .map(|s| s.block.view())
+            .or(clip.as_ref().map(|c| c.norm.view()));
         let arena = ArenaGroups { decay_len, grad_norm };
         let update = kernels.optimizer_update(&config, params, grads, &state_views, arena, 1)?;
-        Ok(Optimizer { config, state, clip, scaler, update, arena_len, step: 0, last_loss_scale: None })
+        Ok(Optimizer {
+            config,
+            state,
+            clip,
+            scaler,
+            update,
+            arena_len,
+            step: 0,
+            last_loss_scale: None,
+        })
     }
 
     pub fn config(&self) -> &OptimizerConfig {
@@ -246,20 +329,28 @@ impl Optimizer {
     /// clipping), then the update.
     pub(crate) fn dispatches(&self) -> impl Iterator<Item = &Dispatch> {
         let scaling = self.scaler.iter().flat_map(|s| s.dispatches.iter());
-        self.clip.iter().flat_map(|c| c.dispatches.iter()).chain(scaling).chain(std::iter::once(&self.update))
+        self.clip
+            .iter()
+            .flat_map(|c| c.dispatches.iter())
+            .chain(scaling)
+            .chain(std::iter::once(&self.update))
     }
 
     /// Where the loss scale is (one f32) while scaling: what seeds the
     /// loss gradient of the next step, copied there inside the step.
     pub(crate) fn loss_scale_view(&self) -> Option<View<'_>> {
-        self.scaler.as_ref().and_then(|s| s.block.slice(loss_scale_word::SCALE, 1).ok())
+        self.scaler
+            .as_ref()
+            .and_then(|s| s.block.slice(loss_scale_word::SCALE, 1).ok())
     }
 
     /// The loss-scale block's words from the scale on (what a step copies
     /// out with its loss), while scaling.
     pub(crate) fn loss_scale_state_view(&self) -> Option<View<'_>> {
         let start = loss_scale_word::SCALE;
-        self.scaler.as_ref().and_then(|s| s.block.slice(start, LOSS_SCALE_WORDS - start).ok())
+        self.scaler
+            .as_ref()
+            .and_then(|s| s.block.slice(start, LOSS_SCALE_WORDS - start).ok())
     }
 
     /// Loss scaling's state as read back with the last loss a training
@@ -306,9 +397,15 @@ impl Optimizer {
     /// clipping: torch.nn.utils.clip_grad_norm_'s return value); waits for
     /// the GPU. `None` when not clipping or before the first step.
     pub fn read_grad_norm(&self, kernels: &Kernels) -> Result<Option<f32>> {
-        let norm = self.scaler.as_ref().map(|s| &s.block).or(self.clip.as_ref().map(|c| &c.norm));
+        let norm = self
+            .scaler
+            .as_ref()
+            .map(|s| &s.block)
+            .or(self.clip.as_ref().map(|c| &c.norm));
         match norm {
-            Some(n) if self.step > 0 && self.config.clip_grad_norm().is_some() => Ok(kernels.read::<f32>(n.slice(0, 1)?)?.first().copied()),
+            Some(n) if self.step > 0 && self.config.clip_grad_norm().is_some() => {
+                Ok(kernels.read::<f32>(n.slice(0, 1)?)?.first().copied())
+            }
             _ => Ok(None),
         }
     }
@@ -332,11 +429,17 @@ impl Optimizer {
     pub(crate) fn step_with_grad_norm(&mut self, kernels: &Kernels, total_norm: f32) -> Result<()> {
         self.not_loss_scaled("optimizer_step_with_grad_norm")?;
         let Some(c) = &self.clip else {
-            return Err(Error::InvalidArgument { op: "optimizer_step_with_grad_norm", reason: "needs an optimizer with clip_grad_norm".into() });
+            return Err(Error::InvalidArgument {
+                op: "optimizer_step_with_grad_norm",
+                reason: "needs an optimizer with clip_grad_norm".into(),
+            });
         };
         let max_norm = self.config.clip_grad_norm().unwrap_or(f32::INFINITY);
         if !total_norm.is_finite() || total_norm < 0.0 {
-            return Err(Error::NonFiniteLoss { value: total_norm, step: self.step + 1 });
+            return Err(Error::NonFiniteLoss {
+                value: total_norm,
+                step: self.step + 1,
+            });
         }
         // The same f32 arithmetic as grad_norm_finish in optim.wgsl.
         let factor = (max_norm / (total_norm + 1e-6)).min(1.0);
@@ -352,13 +455,19 @@ impl Optimizer {
     /// [`Optimizer::loss_scale_sums`] instead.
     fn not_loss_scaled(&self, op: &'static str) -> Result<()> {
         match self.scaler {
-            Some(_) => Err(Error::InvalidArgument { op, reason: "not with loss scaling, which trains on one executor".into() }),
+            Some(_) => Err(Error::InvalidArgument {
+                op,
+                reason: "not with loss scaling, which trains on one executor".into(),
+            }),
             None => Ok(()),
         }
     }
 
     fn scaler(&self, op: &'static str) -> Result<&LossScaler> {
-        self.scaler.as_ref().ok_or_else(|| Error::InvalidArgument { op, reason: "the optimizer has no loss_scaling".into() })
+        self.scaler.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op,
+            reason: "the optimizer has no loss_scaling".into(),
+        })
     }
 
     /// Loss scaling over a model spread across executors (pipeline
@@ -370,7 +479,9 @@ impl Optimizer {
         let s = self.scaler("loss_scale_sums")?;
         kernels.submit_pass("loss_scale_partials", std::iter::once(&s.dispatches[0]), |_| {}, |_| {})?;
         let partials: Vec<f32> = kernels.read(s.partials.view())?;
-        Ok(partials.chunks_exact(2).fold((0.0, 0.0), |(squares, bad), p| (squares + f64::from(p[0]), bad + f64::from(p[1]))))
+        Ok(partials.chunks_exact(2).fold((0.0, 0.0), |(squares, bad), p| {
+            (squares + f64::from(p[0]), bad + f64::from(p[1]))
+        }))
     }
 
     /// One loss-scaled step deciding by `squares` and `non_finite`, totals
@@ -388,14 +499,23 @@ impl Optimizer {
         }
         kernels.write(s.partials.view(), &partials)?;
         self.prepare_step(kernels)?;
-        kernels.submit_pass("optimizer_step", std::iter::once(&s.dispatches[1]).chain(std::iter::once(&self.update)), |_| {}, |_| {})?;
+        kernels.submit_pass(
+            "optimizer_step",
+            std::iter::once(&s.dispatches[1]).chain(std::iter::once(&self.update)),
+            |_| {},
+            |_| {},
+        )?;
         self.finish_step();
         Ok(())
     }
 
     /// The state as (parameter name, state name, values) for each of
     /// `params`, state by state.
-    pub(crate) fn export_state(&self, kernels: &Kernels, params: &[ParamSpan]) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
+    pub(crate) fn export_state(
+        &self,
+        kernels: &Kernels,
+        params: &[ParamSpan],
+    ) -> Result<Vec<(String, &'static str, Vec<f32>)>> {
         let mut out = Vec::new();
         for (arena, &state_name) in self.state.iter().zip(self.state_names()) {
             let all: Vec<f32> = kernels.read(arena.view())?;
@@ -410,7 +530,13 @@ impl Optimizer {
     /// against `params` before writing any, then replaces the state (when
     /// given) and the step count (when given). A parameter absent from
     /// `state` gets zeros.
-    pub(crate) fn import_state(&mut self, kernels: &Kernels, params: &[ParamSpan], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    pub(crate) fn import_state(
+        &mut self,
+        kernels: &Kernels,
+        params: &[ParamSpan],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         let staged = stage_state(self.state_names(), self.arena_len, params, state)?;
         if !state.is_empty() {
             for (arena, values) in self.state.iter().zip(&staged) {
@@ -423,7 +549,12 @@ impl Optimizer {
             // corrections) on the GPU: a checkpoint without scaling's state
             // (an f32 run's) took every step it ran, at the initial scale.
             if let Some(scaling) = self.config.loss_scaling() {
-                let fresh = LossScaleState { scale: scaling.init_scale, steps_taken: s, steps_run: s, ..LossScaleState::default() };
+                let fresh = LossScaleState {
+                    scale: scaling.init_scale,
+                    steps_taken: s,
+                    steps_run: s,
+                    ..LossScaleState::default()
+                };
                 self.import_loss_scale(kernels, &fresh)?;
             }
         }
@@ -434,27 +565,47 @@ impl Optimizer {
     /// [`Optimizer::import_state`]); `false`, and nothing changes, where
     /// this optimizer does not scale.
     pub(crate) fn import_loss_scale(&mut self, kernels: &Kernels, state: &LossScaleState) -> Result<bool> {
-        let (Some(scaler), Some(scaling)) = (&self.scaler, self.config.loss_scaling()) else { return Ok(false) };
-        kernels.write(scaler.block.view(), &state.block(&scaling, self.config.bias_correction_betas()))?;
+        let (Some(scaler), Some(scaling)) = (&self.scaler, self.config.loss_scaling()) else {
+            return Ok(false);
+        };
+        kernels.write(
+            scaler.block.view(),
+            &state.block(&scaling, self.config.bias_correction_betas()),
+        )?;
         Ok(true)
     }
 }
 
 /// Host copies of the state arenas `state` fills, each entry checked: a
 /// known state name, a known parameter, its length.
-pub(crate) fn stage_state(names: &[&str], arena_len: usize, params: &[ParamSpan], state: &[(String, String, Vec<f32>)]) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn stage_state(
+    names: &[&str],
+    arena_len: usize,
+    params: &[ParamSpan],
+    state: &[(String, String, Vec<f32>)],
+) -> Result<Vec<Vec<f32>>> {
     let mut host = vec![vec![0.0; arena_len]; names.len()];
     for (param_name, state_name, values) in state {
-        let k = names.iter().position(|n| n == state_name).ok_or_else(|| Error::InvalidArgument {
-            op: "load_state",
-            reason: format!("this optimizer has no state `{state_name}`"),
-        })?;
-        let p = params.iter().find(|p| &p.name == param_name).ok_or_else(|| Error::InvalidArgument {
-            op: "load_state",
-            reason: format!("optimizer state for unknown parameter `{param_name}`"),
-        })?;
+        let k = names
+            .iter()
+            .position(|n| n == state_name)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "load_state",
+                reason: format!("this optimizer has no state `{state_name}`"),
+            })?;
+        let p = params
+            .iter()
+            .find(|p| &p.name == param_name)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "load_state",
+                reason: format!("optimizer state for unknown parameter `{param_name}`"),
+            })?;
         if values.len() != p.len() {
-            return Err(Error::shape("load_state", format!("state `{param_name}.{state_name}` has {} values", values.len()), &[&p.shape]));
+            return Err(Error::shape(
+                "load_state",
+                format!("state `{param_name}.{state_name}` has {} values", values.len()),
+                &[&p.shape],
+            ));
         }
         host[k][p.offset..p.offset + values.len()].copy_from_slice(values);
     }

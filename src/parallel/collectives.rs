@@ -26,7 +26,11 @@ impl<'a> Part<'a> {
     /// Elements `start..start + len` of this part (unchecked: the caller
     /// keeps them inside it).
     pub fn sub(&self, start: usize, len: usize) -> View<'a> {
-        View { buffer: self.view.buffer, offset: self.view.offset + start as u64 * 4, len }
+        View {
+            buffer: self.view.buffer,
+            offset: self.view.offset + start as u64 * 4,
+            len,
+        }
     }
 }
 
@@ -34,7 +38,11 @@ fn same_lengths(op: &'static str, parts: &[Part<'_>]) -> Result<usize> {
     let n = parts.first().map(|p| p.view.len).unwrap_or(0);
     if parts.iter().any(|p| p.view.len != n) {
         let shapes: Vec<Vec<usize>> = parts.iter().map(|p| vec![p.view.len]).collect();
-        return Err(Error::Shape { op, reason: "every device's part must have the same length".into(), shapes });
+        return Err(Error::Shape {
+            op,
+            reason: "every device's part must have the same length".into(),
+            shapes,
+        });
     }
     Ok(n)
 }
@@ -47,7 +55,10 @@ pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Ve
     // device would wait on each other.
     for (i, (a, _)) in parts.iter().enumerate() {
         if parts[..i].iter().any(|(b, _)| std::ptr::eq(*a, *b)) {
-            return Err(Error::InvalidArgument { op: "collective", reason: format!("part {i} is on the same device as an earlier part") });
+            return Err(Error::InvalidArgument {
+                op: "collective",
+                reason: format!("part {i} is on the same device as an earlier part"),
+            });
         }
     }
     let mut pending = Vec::with_capacity(parts.len());
@@ -67,10 +78,14 @@ pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Ve
         if !progressed {
             if Instant::now() > deadline {
                 let i = arrived.iter().position(Option::is_none).unwrap_or(0);
-                return Err(on_device(i, parts[i].0, Error::Readback {
-                    op: "collective",
-                    message: format!("no data after {:?} (WGRAD_TIMEOUT_S)", wait_timeout()),
-                }));
+                return Err(on_device(
+                    i,
+                    parts[i].0,
+                    Error::Readback {
+                        op: "collective",
+                        message: format!("no data after {:?} (WGRAD_TIMEOUT_S)", wait_timeout()),
+                    },
+                ));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -112,7 +127,10 @@ pub fn all_reduce_then(
     let n = same_lengths("all_reduce", parts)?;
     if let Some(w) = weights {
         if w.len() != parts.len() {
-            return Err(Error::InvalidArgument { op: "all_reduce", reason: format!("{} weights for {} devices", w.len(), parts.len()) });
+            return Err(Error::InvalidArgument {
+                op: "all_reduce",
+                reason: format!("{} weights for {} devices", w.len(), parts.len()),
+            });
         }
     }
     let bucket = if bucket == 0 { n.max(1) } else { bucket };
@@ -137,7 +155,13 @@ pub fn all_reduce_then(
 
 /// `sum` = Σ_i weights[i]·views[i] (each on `parts[i]`'s device), in f64
 /// in device order; returns when each device's values arrived.
-fn weighted_sum(parts: &[Part<'_>], views: &[View<'_>], weights: Option<&[f64]>, since: Instant, sum: &mut [f64]) -> Result<Vec<Duration>> {
+fn weighted_sum(
+    parts: &[Part<'_>],
+    views: &[View<'_>],
+    weights: Option<&[f64]>,
+    since: Instant,
+    sum: &mut [f64],
+) -> Result<Vec<Duration>> {
     let pairs: Vec<(&Kernels, View<'_>)> = parts.iter().zip(views).map(|(p, v)| (p.kernels, *v)).collect();
     let (values, arrived) = to_host(&pairs, since)?;
     sum.fill(0.0);
@@ -175,7 +199,13 @@ fn narrow(sum: &[f64], out: &mut [f32]) {
 /// an all-reduce would have written there. Works `bucket` elements at a
 /// time (0: a segment at once). Returns when each source's first bucket
 /// arrived, measured from `since`.
-pub fn reduce_scatter(srcs: &[Part<'_>], weights: Option<&[f64]>, dsts: &[Part<'_>], bucket: usize, since: Instant) -> Result<Vec<Duration>> {
+pub fn reduce_scatter(
+    srcs: &[Part<'_>],
+    weights: Option<&[f64]>,
+    dsts: &[Part<'_>],
+    bucket: usize,
+    since: Instant,
+) -> Result<Vec<Duration>> {
     reduce_scatter_then(srcs, weights, dsts, bucket, since, &mut |_, _| Ok(()))
 }
 
@@ -196,11 +226,18 @@ pub fn reduce_scatter_then(
     if total != n || srcs.is_empty() {
         let mut shapes = vec![vec![n]];
         shapes.extend(dsts.iter().map(|d| vec![d.view.len]));
-        return Err(Error::Shape { op: "reduce_scatter", reason: "the destinations' lengths must add up to a source's".into(), shapes });
+        return Err(Error::Shape {
+            op: "reduce_scatter",
+            reason: "the destinations' lengths must add up to a source's".into(),
+            shapes,
+        });
     }
     if let Some(w) = weights {
         if w.len() != srcs.len() {
-            return Err(Error::InvalidArgument { op: "reduce_scatter", reason: format!("{} weights for {} devices", w.len(), srcs.len()) });
+            return Err(Error::InvalidArgument {
+                op: "reduce_scatter",
+                reason: format!("{} weights for {} devices", w.len(), srcs.len()),
+            });
         }
     }
     let largest = dsts.iter().map(|d| d.view.len).max().unwrap_or(0).max(1);
@@ -220,7 +257,9 @@ pub fn reduce_scatter_then(
             }
             across(segment, &mut sum[..len])?;
             narrow(&sum[..len], &mut out[..len]);
-            dst.kernels.write(dst.sub(start, len), &out[..len]).map_err(|e| on_device(segment, dst.kernels, e))?;
+            dst.kernels
+                .write(dst.sub(start, len), &out[..len])
+                .map_err(|e| on_device(segment, dst.kernels, e))?;
             start += len;
         }
         segment_start += dst.view.len;
@@ -232,7 +271,11 @@ pub fn reduce_scatter_then(
 pub fn broadcast(src: Part<'_>, dsts: &[Part<'_>]) -> Result<()> {
     let n = src.view.len;
     if let Some(bad) = dsts.iter().find(|d| d.view.len != n) {
-        return Err(Error::shape("broadcast", "destination and source lengths differ", &[&[n], &[bad.view.len]]));
+        return Err(Error::shape(
+            "broadcast",
+            "destination and source lengths differ",
+            &[&[n], &[bad.view.len]],
+        ));
     }
     let (values, _) = to_host(&[(src.kernels, src.view)], Instant::now())?;
     let views: Vec<View<'_>> = dsts.iter().map(|d| d.view).collect();
@@ -243,7 +286,11 @@ pub fn broadcast(src: Part<'_>, dsts: &[Part<'_>]) -> Result<()> {
 pub fn all_gather(srcs: &[Part<'_>], dsts: &[Part<'_>]) -> Result<()> {
     let total: usize = srcs.iter().map(|s| s.view.len).sum();
     if let Some(bad) = dsts.iter().find(|d| d.view.len != total) {
-        return Err(Error::shape("all_gather", "each destination must hold every source", &[&[total], &[bad.view.len]]));
+        return Err(Error::shape(
+            "all_gather",
+            "each destination must hold every source",
+            &[&[total], &[bad.view.len]],
+        ));
     }
     let pairs: Vec<(&Kernels, View<'_>)> = srcs.iter().map(|s| (s.kernels, s.view)).collect();
     let (values, _) = to_host(&pairs, Instant::now())?;

@@ -13,12 +13,12 @@ use super::distributed::SYNC_EVERY;
 use super::engine::{own_steps, Holding, TrainEngine};
 use super::stage::{check_batch, NamedParameters};
 use super::{on_device, DeviceGroup};
+use super::{Examples, ModelWidths, Targets, Trainer};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
 use crate::kernels::{Kernels, OptimizerConfig};
-use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
-use super::{Examples, ModelWidths, Targets, Trainer};
+use crate::optim::LossScaleState;
 
 /// How the global batch is divided among devices.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,7 +75,10 @@ pub const ARENA_ALIGNMENT: u32 = 256;
 /// The arena alignment for replicas on `devices`: [`ARENA_ALIGNMENT`], or a
 /// device's own where (against every API's rules) it is larger.
 pub fn group_arena_alignment(devices: &[Arc<Kernels>]) -> u32 {
-    devices.iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).fold(ARENA_ALIGNMENT, u32::max)
+    devices
+        .iter()
+        .map(|k| k.device().limits().min_storage_buffer_offset_alignment)
+        .fold(ARENA_ALIGNMENT, u32::max)
 }
 
 /// A device's measured step time: `fixed + per_row · rows` seconds.
@@ -97,9 +100,15 @@ impl Cost {
         let speed: f64 = costs.iter().map(|c| 1.0 / c.per_row.max(1e-12)).sum();
         let offset: f64 = costs.iter().map(|c| c.fixed / c.per_row.max(1e-12)).sum();
         if speed <= 0.0 {
-            return Cost { fixed: 0.0, per_row: 1.0 };
+            return Cost {
+                fixed: 0.0,
+                per_row: 1.0,
+            };
         }
-        Cost { fixed: offset / speed, per_row: 1.0 / speed }
+        Cost {
+            fixed: offset / speed,
+            per_row: 1.0 / speed,
+        }
     }
 }
 
@@ -113,7 +122,12 @@ pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
             reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
         });
     }
-    let rows_by = |t: f64| -> Vec<f64> { costs.iter().map(|c| ((t - c.fixed) / c.per_row.max(1e-12)).max(1.0)).collect() };
+    let rows_by = |t: f64| -> Vec<f64> {
+        costs
+            .iter()
+            .map(|c| ((t - c.fixed) / c.per_row.max(1e-12)).max(1.0))
+            .collect()
+    };
     let (mut lo, mut hi) = (0.0f64, costs.iter().map(|c| c.at(total as f64)).fold(0.0, f64::max));
     for _ in 0..100 {
         let mid = 0.5 * (lo + hi);
@@ -127,14 +141,23 @@ pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
     // Round to whole rows summing to `total`, at least one each.
     let mut rows: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
     while rows.iter().sum::<usize>() > total {
-        let (i, _) = rows.iter().enumerate().filter(|(_, &r)| r > 1).max_by_key(|(_, &r)| r).ok_or_else(|| Error::InvalidArgument {
-            op: "data parallel split",
-            reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
-        })?;
+        let (i, _) = rows
+            .iter()
+            .enumerate()
+            .filter(|(_, &r)| r > 1)
+            .max_by_key(|(_, &r)| r)
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "data parallel split",
+                reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
+            })?;
         rows[i] -= 1;
     }
     let mut order: Vec<usize> = (0..rows.len()).collect();
-    order.sort_by(|&a, &b| (exact[b] - rows[b] as f64).total_cmp(&(exact[a] - rows[a] as f64)).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        (exact[b] - rows[b] as f64)
+            .total_cmp(&(exact[a] - rows[a] as f64))
+            .then(a.cmp(&b))
+    });
     let mut k = 0;
     while rows.iter().sum::<usize>() < total {
         rows[order[k % order.len()]] += 1;
@@ -145,7 +168,11 @@ pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
 
 /// The predicted step time of a split: its slowest device.
 pub(super) fn makespan(costs: &[Cost], shares: &[usize]) -> f64 {
-    costs.iter().zip(shares).map(|(c, &n)| c.at(n as f64)).fold(0.0, f64::max)
+    costs
+        .iter()
+        .zip(shares)
+        .map(|(c, &n)| c.at(n as f64))
+        .fold(0.0, f64::max)
 }
 
 /// Divides `total` rows in proportion to `weights`, at least one row each
@@ -158,7 +185,10 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
             reason: format!("{total} rows cannot give each of {n} devices at least one"),
         });
     }
-    let clean: Vec<f64> = weights.iter().map(|w| if w.is_finite() && *w > 0.0 { *w } else { 0.0 }).collect();
+    let clean: Vec<f64> = weights
+        .iter()
+        .map(|w| if w.is_finite() && *w > 0.0 { *w } else { 0.0 })
+        .collect();
     let sum: f64 = clean.iter().sum();
     let clean = if sum > 0.0 { clean } else { vec![1.0; n] };
     let sum: f64 = clean.iter().sum();
@@ -167,7 +197,11 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
     let mut shares: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
     let mut left = total - shares.iter().sum::<usize>();
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        (exact[b] - exact[b].floor())
+            .total_cmp(&(exact[a] - exact[a].floor()))
+            .then(a.cmp(&b))
+    });
     for &i in order.iter().cycle() {
         if left == 0 {
             break;
@@ -180,9 +214,18 @@ pub fn proportional_split(total: usize, weights: &[f64]) -> Result<Vec<usize>> {
 
 /// `rows` as fixed rows per part (device or process) of a batch of
 /// `total`: one entry per part, each ≥ 1, summing to `total`.
-pub(super) fn fixed_rows(op: &'static str, rows: &[usize], parts: usize, what: &str, total: usize) -> Result<Vec<usize>> {
+pub(super) fn fixed_rows(
+    op: &'static str,
+    rows: &[usize],
+    parts: usize,
+    what: &str,
+    total: usize,
+) -> Result<Vec<usize>> {
     if rows.len() != parts || rows.iter().sum::<usize>() != total || rows.contains(&0) {
-        return Err(Error::InvalidArgument { op, reason: format!("rows {rows:?} must give each of {parts} {what} ≥ 1 row and sum to {total}") });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("rows {rows:?} must give each of {parts} {what} ≥ 1 row and sum to {total}"),
+        });
     }
     Ok(rows.to_vec())
 }
@@ -207,10 +250,19 @@ pub(super) fn shard<'t>(targets: Targets<'t>, row: usize, n: usize, width: usize
 /// Checks that `x` and `targets` hold `rows` rows of what a model of
 /// `widths` reads and compares against; returns the values per row of `x`
 /// and of the targets.
-pub(super) fn check_rows(widths: &ModelWidths, op: &'static str, rows: usize, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
+pub(super) fn check_rows(
+    widths: &ModelWidths,
+    op: &'static str,
+    rows: usize,
+    x: Examples<'_>,
+    targets: Targets<'_>,
+) -> Result<(usize, usize)> {
     let f = widths.inputs;
     if x.is_empty() || matches!(x, Examples::Ids(_)) != widths.reads_ids {
-        return Err(Error::InvalidArgument { op, reason: "the model reads the other kind of input (features or token ids)".into() });
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "the model reads the other kind of input (features or token ids)".into(),
+        });
     }
     let width = match targets {
         Targets::Values(_) => widths.outputs,
@@ -223,11 +275,18 @@ pub(super) fn check_rows(widths: &ModelWidths, op: &'static str, rows: usize, x:
 /// Forward and backward of each replica on its `shares` of the batch `x`
 /// (`f` values per row) against `targets` (`width` per row), gradients
 /// zeroed first: one submission each, all in flight together.
-pub(super) fn backward_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>], shares: &[usize], (x, f): (Examples<'_>, usize), (targets, width): (Targets<'_>, usize)) -> Result<()> {
+pub(super) fn backward_on_rows(
+    replicas: &mut [Trainer],
+    devices: &[Arc<Kernels>],
+    shares: &[usize],
+    (x, f): (Examples<'_>, usize),
+    (targets, width): (Targets<'_>, usize),
+) -> Result<()> {
     let mut row = 0;
     for (i, (t, &n)) in replicas.iter_mut().zip(shares).enumerate() {
         let k = &devices[i];
-        t.forward_examples(x.slice(row * f, (row + n) * f)).map_err(|e| on_device(i, k, e))?;
+        t.forward_examples(x.slice(row * f, (row + n) * f))
+            .map_err(|e| on_device(i, k, e))?;
         t.loss(shard(targets, row, n, width)).map_err(|e| on_device(i, k, e))?;
         t.forward_backward(false).map_err(|e| on_device(i, k, e))?;
         row += n;
@@ -237,12 +296,20 @@ pub(super) fn backward_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>
 
 /// The mean loss of a batch split as [`backward_on_rows`] splits it: each
 /// replica evaluates its rows and the shard means are weighted by rows.
-pub(super) fn evaluate_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>], shares: &[usize], (x, f): (Examples<'_>, usize), (targets, width): (Targets<'_>, usize)) -> Result<f32> {
+pub(super) fn evaluate_on_rows(
+    replicas: &mut [Trainer],
+    devices: &[Arc<Kernels>],
+    shares: &[usize],
+    (x, f): (Examples<'_>, usize),
+    (targets, width): (Targets<'_>, usize),
+) -> Result<f32> {
     let total_rows: usize = shares.iter().sum();
     let mut total = 0.0f64;
     let mut row = 0;
     for (i, (t, &n)) in replicas.iter_mut().zip(shares).enumerate() {
-        let loss = t.evaluate_loss(x.slice(row * f, (row + n) * f), shard(targets, row, n, width)).map_err(|e| on_device(i, &devices[i], e))?;
+        let loss = t
+            .evaluate_loss(x.slice(row * f, (row + n) * f), shard(targets, row, n, width))
+            .map_err(|e| on_device(i, &devices[i], e))?;
         total += n as f64 / total_rows as f64 * f64::from(loss);
         row += n;
     }
@@ -251,12 +318,21 @@ pub(super) fn evaluate_on_rows(replicas: &mut [Trainer], devices: &[Arc<Kernels>
 
 /// A replica's parameters, optimizer state, step and dynamic loss
 /// scaling's state (f16), on the host.
-type HostState = (NamedParameters, Vec<(String, String, Vec<f32>)>, u64, Option<LossScaleState>);
+type HostState = (
+    NamedParameters,
+    Vec<(String, String, Vec<f32>)>,
+    u64,
+    Option<LossScaleState>,
+);
 
 fn host_state(t: &Trainer) -> Result<HostState> {
     let exec = t.executor();
     let params = exec.parameters()?;
-    let state = exec.optimizer_state()?.into_iter().map(|(p, s, v)| (p, s.to_string(), v)).collect();
+    let state = exec
+        .optimizer_state()?
+        .into_iter()
+        .map(|(p, s, v)| (p, s.to_string(), v))
+        .collect();
     Ok((params, state, exec.step_count(), exec.read_loss_scale()?))
 }
 
@@ -270,7 +346,15 @@ impl DataParallel {
         global_batch: usize,
         split: Split,
     ) -> Result<Self> {
-        Self::with_options(group, model, criterion, optimizer, global_batch, split, PlanOptions::default())
+        Self::with_options(
+            group,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            split,
+            PlanOptions::default(),
+        )
     }
 
     /// [`DataParallel::new`] with every replica planned with `options`
@@ -295,7 +379,10 @@ impl DataParallel {
             Split::Measured { .. } => proportional_split(global_batch, &vec![1.0; devices.len()])?,
         };
         let widths = ModelWidths::of(model)?;
-        let options = PlanOptions { arena_alignment: group_arena_alignment(&devices), ..options };
+        let options = PlanOptions {
+            arena_alignment: group_arena_alignment(&devices),
+            ..options
+        };
         let mut dp = DataParallel {
             costs: vec![None; devices.len()],
             devices,
@@ -336,10 +423,19 @@ impl DataParallel {
         let ids = vec![0u32; large * w.inputs];
         let values: Vec<f32> = (0..large * w.outputs).map(|_| rng.random_range(-1.0..1.0)).collect();
         let classes_per_row = (w.outputs / w.output_rows.max(1)).max(1);
-        let classes: Vec<u32> = (0..large * w.output_rows).map(|i| (i % classes_per_row) as u32).collect();
+        let classes: Vec<u32> = (0..large * w.output_rows)
+            .map(|i| (i % classes_per_row) as u32)
+            .collect();
         for (i, k) in self.devices.iter().enumerate() {
             let time_at = |rows: usize| -> Result<f64> {
-                let mut t = Trainer::with_blocks(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options)?;
+                let mut t = Trainer::with_blocks(
+                    k.clone(),
+                    self.model.as_ref(),
+                    self.criterion,
+                    self.optimizer,
+                    rows,
+                    self.options,
+                )?;
                 let targets = match self.criterion {
                     Criterion::Mse => Targets::Values(&values[..rows * w.outputs]),
                     Criterion::CrossEntropy => Targets::Classes(&classes[..rows * w.output_rows]),
@@ -362,11 +458,16 @@ impl DataParallel {
                 }
                 Ok(start.elapsed().as_secs_f64() / reps as f64)
             };
-            let (t_small, t_large) = (time_at(small).map_err(|e| on_device(i, k, e))?, time_at(large).map_err(|e| on_device(i, k, e))?);
+            let (t_small, t_large) = (
+                time_at(small).map_err(|e| on_device(i, k, e))?,
+                time_at(large).map_err(|e| on_device(i, k, e))?,
+            );
             // Small models are latency-bound and the difference is noise;
             // attributing at least 5% of the step to its rows keeps the
             // split well-conditioned.
-            let per_row = ((t_large - t_small) / (large - small) as f64).max(0.05 * t_large / large as f64).max(1e-9);
+            let per_row = ((t_large - t_small) / (large - small) as f64)
+                .max(0.05 * t_large / large as f64)
+                .max(1e-9);
             let fixed = (t_small - per_row * small as f64).max(0.0);
             self.costs[i] = Some(Cost { fixed, per_row });
         }
@@ -394,10 +495,15 @@ impl DataParallel {
             (Split::Rows(_), _) => {
                 return Err(Error::InvalidArgument {
                     op: "data parallel split",
-                    reason: format!("the rows per device are fixed ({:?}); the batch cannot become {rows}", self.shares),
+                    reason: format!(
+                        "the rows per device are fixed ({:?}); the batch cannot become {rows}",
+                        self.shares
+                    ),
                 })
             }
-            (Split::Measured { .. }, true) => balanced_split(rows, &self.costs.iter().flatten().copied().collect::<Vec<_>>())?,
+            (Split::Measured { .. }, true) => {
+                balanced_split(rows, &self.costs.iter().flatten().copied().collect::<Vec<_>>())?
+            }
             (Split::Measured { .. }, false) => proportional_split(rows, &vec![1.0; self.devices.len()])?,
         };
         let state = host_state(&self.replicas[0])?;
@@ -410,11 +516,23 @@ impl DataParallel {
     fn build_replicas(&mut self, shares: Vec<usize>, state: Option<HostState>) -> Result<()> {
         let mut replicas = Vec::with_capacity(self.devices.len());
         for (i, (k, &rows)) in self.devices.iter().zip(&shares).enumerate() {
-            let mut t = Trainer::with_blocks(k.clone(), self.model.as_ref(), self.criterion, self.optimizer, rows, self.options).map_err(|e| on_device(i, k, e))?;
+            let mut t = Trainer::with_blocks(
+                k.clone(),
+                self.model.as_ref(),
+                self.criterion,
+                self.optimizer,
+                rows,
+                self.options,
+            )
+            .map_err(|e| on_device(i, k, e))?;
             if let Some((params, opt, step, scale)) = &state {
-                t.executor_mut().load_state(params, opt, Some(*step)).map_err(|e| on_device(i, k, e))?;
+                t.executor_mut()
+                    .load_state(params, opt, Some(*step))
+                    .map_err(|e| on_device(i, k, e))?;
                 if let Some(scale) = scale {
-                    t.executor_mut().load_loss_scale(scale).map_err(|e| on_device(i, k, e))?;
+                    t.executor_mut()
+                        .load_loss_scale(scale)
+                        .map_err(|e| on_device(i, k, e))?;
                 }
             }
             replicas.push(t);
@@ -454,7 +572,13 @@ impl DataParallel {
     /// Checks that `x` and `targets` hold `rows` rows of what the model
     /// reads and compares against; returns the values per row of `x` and
     /// of the targets.
-    pub(super) fn check_rows(&self, op: &'static str, rows: usize, x: Examples<'_>, targets: Targets<'_>) -> Result<(usize, usize)> {
+    pub(super) fn check_rows(
+        &self,
+        op: &'static str,
+        rows: usize,
+        x: Examples<'_>,
+        targets: Targets<'_>,
+    ) -> Result<(usize, usize)> {
         check_rows(&self.widths, op, rows, x, targets)
     }
 
@@ -464,7 +588,12 @@ impl DataParallel {
     /// takes the same optimizer step. Returns the global mean loss when
     /// `read_loss`.
     /// `x`: f32 features or u32 token ids ([`Examples`]), as the model reads.
-    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'x>(
+        &mut self,
+        x: impl Into<Examples<'x>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         self.step_across(x, targets, read_loss, 1.0, &mut |_| Ok(()))
     }
 
@@ -484,15 +613,35 @@ impl DataParallel {
         let x = x.into();
         let (f, width) = self.check_rows("DataParallel::step", self.global_batch, x, targets)?;
         let start = Instant::now();
-        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))?;
-        let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
+        backward_on_rows(
+            &mut self.replicas,
+            &self.devices,
+            &self.shares,
+            (x, f),
+            (targets, width),
+        )?;
+        let weights: Vec<f64> = self
+            .shares
+            .iter()
+            .map(|&n| n as f64 / self.global_batch as f64)
+            .collect();
         let scaled: Vec<f64> = weights.iter().map(|w| w * scale).collect();
         let parts = (self.replicas.iter().zip(&self.devices))
-            .map(|(t, k)| t.executor().gradient_arena().map(|view| Part::new(k, view)).ok_or_else(|| Error::InvalidArgument { op: "DataParallel::step", reason: "replica without gradients".into() }))
+            .map(|(t, k)| {
+                t.executor()
+                    .gradient_arena()
+                    .map(|view| Part::new(k, view))
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "DataParallel::step",
+                        reason: "replica without gradients".into(),
+                    })
+            })
             .collect::<Result<Vec<_>>>()?;
         let arrivals = all_reduce_then(&parts, Some(&scaled), self.bucket, start, across)?;
         for (i, t) in self.replicas.iter_mut().enumerate() {
-            t.executor_mut().optimizer_step().map_err(|e| on_device(i, &self.devices[i], e))?;
+            t.executor_mut()
+                .optimizer_step()
+                .map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         let slowest = arrivals.iter().copied().max().unwrap_or_default();
         self.stats.steps += 1;
@@ -548,7 +697,9 @@ impl DataParallel {
     /// more than 5% of the batch (rebuilding the replicas carries the
     /// parameters and optimizer state over through the host).
     fn maybe_resplit(&mut self) -> Result<()> {
-        let Split::Measured { every } = self.split else { return Ok(()) };
+        let Split::Measured { every } = self.split else {
+            return Ok(());
+        };
         if every == 0 || self.stats.steps % every != 0 || self.costs.iter().any(Option::is_none) {
             return Ok(());
         }
@@ -559,7 +710,12 @@ impl DataParallel {
             return Ok(());
         }
         let state = host_state(&self.replicas[0])?;
-        log::info!("data parallel: split {:?} -> {:?} (costs {:?})", self.shares, proposal, costs);
+        log::info!(
+            "data parallel: split {:?} -> {:?} (costs {:?})",
+            self.shares,
+            proposal,
+            costs
+        );
         self.build_replicas(proposal, Some(state))?;
         self.stats.resplits += 1;
         Ok(())
@@ -571,7 +727,13 @@ impl DataParallel {
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
         let x = x.into();
         let (f, width) = self.check_rows("DataParallel::evaluate_loss", self.global_batch, x, targets)?;
-        evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, (x, f), (targets, width))
+        evaluate_on_rows(
+            &mut self.replicas,
+            &self.devices,
+            &self.shares,
+            (x, f),
+            (targets, width),
+        )
     }
 
     /// Predictions from replica 0 (all replicas hold the same weights).
@@ -588,32 +750,61 @@ impl TrainEngine for DataParallel {
     /// Loads parameters (by name), optimizer state and the step count into
     /// every replica (resuming a run), each checked as
     /// [`Executor::load_state`](crate::graph::Executor::load_state) checks.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], optimizer_state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        optimizer_state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         for (i, t) in self.replicas.iter_mut().enumerate() {
-            t.executor_mut().load_state(params, optimizer_state, step).map_err(|e| on_device(i, &self.devices[i], e))?;
+            t.executor_mut()
+                .load_state(params, optimizer_state, step)
+                .map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         Ok(())
     }
     fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
         for (i, t) in self.replicas.iter_mut().enumerate() {
-            t.executor_mut().load_loss_scale(state).map_err(|e| on_device(i, &self.devices[i], e))?;
+            t.executor_mut()
+                .load_loss_scale(state)
+                .map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         Ok(())
     }
     /// One line: the rows each device takes and, once measured, each
     /// device's step cost.
     fn describe(&self) -> String {
-        let shares: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
-        let costs: Vec<String> = self.costs.iter().enumerate().filter_map(|(i, c)| c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))).collect();
-        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        let shares: Vec<String> = self
+            .devices
+            .iter()
+            .zip(&self.shares)
+            .enumerate()
+            .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label()))
+            .collect();
+        let costs: Vec<String> = self
+            .costs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.map(|c| format!("#{i} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)))
+            .collect();
+        let measured = if costs.is_empty() {
+            String::new()
+        } else {
+            format!(" (measured step cost {})", costs.join(", "))
+        };
         format!("data parallel, batch split {}{measured}", shares.join(", "))
     }
     /// [`DataParallel::describe`] with the share of step time spent on
     /// communication and the re-splits, for the end of a run.
     fn report(&self) -> String {
         let s = &self.stats;
-        let communication = 100.0 * s.communication.as_secs_f64() / (s.compute + s.communication).as_secs_f64().max(1e-9);
-        format!("{}; communication {communication:.0}% of step time; {} re-splits", self.describe(), s.resplits)
+        let communication =
+            100.0 * s.communication.as_secs_f64() / (s.compute + s.communication).as_secs_f64().max(1e-9);
+        format!(
+            "{}; communication {communication:.0}% of step time; {} re-splits",
+            self.describe(),
+            s.resplits
+        )
     }
     fn shares(&self) -> Vec<usize> {
         self.shares.clone()

@@ -21,12 +21,12 @@ use super::collectives::to_host;
 use super::data::{arenas, balanced_split, fixed_rows, makespan, proportional_split, shard, Cost, DataParallel, Split};
 use super::engine::{own_steps, Holding, TrainEngine};
 use super::DeviceGroup;
+use super::{Examples, Targets, Trainer};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
 use crate::kernels::OptimizerConfig;
 use crate::nn::{Criterion, Staged};
 use crate::optim::LossScaleState;
-use super::{Examples, Targets, Trainer};
 
 /// The processes of one job, and the few collectives data parallel
 /// training needs between them. Every call is collective: every rank must
@@ -72,7 +72,12 @@ impl ProcessGroup for SingleProcess {
     }
     fn broadcast_bytes(&self, root: usize, _bytes: &mut Vec<u8>) -> Result<()> {
         if root != 0 {
-            return Err(Error::Distributed { op: "broadcast", rank: 0, size: 1, message: format!("no rank {root} in a job of 1") });
+            return Err(Error::Distributed {
+                op: "broadcast",
+                rank: 0,
+                size: 1,
+                message: format!("no rank {root} in a job of 1"),
+            });
         }
         Ok(())
     }
@@ -96,37 +101,73 @@ impl ProcessGroup for SingleProcess {
 }
 
 /// Checks `counts` has one entry per rank of `group` adding up to `total`.
-pub(crate) fn check_counts(op: &'static str, group: &(impl ProcessGroup + ?Sized), total: usize, counts: &[usize]) -> Result<()> {
+pub(crate) fn check_counts(
+    op: &'static str,
+    group: &(impl ProcessGroup + ?Sized),
+    total: usize,
+    counts: &[usize],
+) -> Result<()> {
     if counts.len() != group.size() || counts.iter().sum::<usize>() != total {
-        return Err(Error::Distributed { op, rank: group.rank(), size: group.size(), message: format!("segments {counts:?} must name each rank and add up to {total}") });
+        return Err(Error::Distributed {
+            op,
+            rank: group.rank(),
+            size: group.size(),
+            message: format!("segments {counts:?} must name each rank and add up to {total}"),
+        });
     }
     Ok(())
 }
 
 /// `root`'s `values` on every rank (lengths may differ before the call).
 pub fn broadcast_f32(group: &dyn ProcessGroup, root: usize, values: &mut Vec<f32>) -> Result<()> {
-    let mut bytes = if group.rank() == root { bytemuck::cast_slice::<f32, u8>(values).to_vec() } else { Vec::new() };
+    let mut bytes = if group.rank() == root {
+        bytemuck::cast_slice::<f32, u8>(values).to_vec()
+    } else {
+        Vec::new()
+    };
     group.broadcast_bytes(root, &mut bytes)?;
-    *values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    *values = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     Ok(())
 }
 
 /// `root`'s `values` on every rank.
 pub fn broadcast_u64(group: &dyn ProcessGroup, root: usize, values: &mut Vec<u64>) -> Result<()> {
-    let mut bytes: Vec<u8> = if group.rank() == root { values.iter().flat_map(|v| v.to_le_bytes()).collect() } else { Vec::new() };
+    let mut bytes: Vec<u8> = if group.rank() == root {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    } else {
+        Vec::new()
+    };
     group.broadcast_bytes(root, &mut bytes)?;
-    *values = bytes.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+    *values = bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect();
     Ok(())
 }
 
 /// Rank `root`'s loss scaling `state` (`None` where it does not scale;
 /// other ranks pass anything) on every rank, sent as a checkpoint's
 /// metadata (`key=value` lines) and checked as a checkpoint's is.
-pub fn broadcast_loss_scale(group: &dyn ProcessGroup, root: usize, state: Option<LossScaleState>) -> Result<Option<LossScaleState>> {
+pub fn broadcast_loss_scale(
+    group: &dyn ProcessGroup,
+    root: usize,
+    state: Option<LossScaleState>,
+) -> Result<Option<LossScaleState>> {
     let state = if group.rank() == root { state } else { None };
-    let mut bytes = state.iter().flat_map(LossScaleState::metadata).map(|(key, value)| format!("{key}={value}\n")).collect::<String>().into_bytes();
+    let mut bytes = state
+        .iter()
+        .flat_map(LossScaleState::metadata)
+        .map(|(key, value)| format!("{key}={value}\n"))
+        .collect::<String>()
+        .into_bytes();
     group.broadcast_bytes(root, &mut bytes)?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| Error::InvalidArgument { op: "broadcast loss scale", reason: format!("not text: {e}") })?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| Error::InvalidArgument {
+        op: "broadcast loss scale",
+        reason: format!("not text: {e}"),
+    })?;
     let pairs: Vec<(&str, &str)> = text.lines().filter_map(|line| line.split_once('=')).collect();
     LossScaleState::from_metadata(|key| pairs.iter().find(|(k, _)| *k == key).map(|(_, v)| *v))
 }
@@ -201,7 +242,16 @@ impl DistributedDataParallel {
         global_batch: usize,
         process_rows: Option<Vec<usize>>,
     ) -> Result<Self> {
-        Self::with_options(group, local_devices, model, criterion, optimizer, global_batch, process_rows, PlanOptions::default())
+        Self::with_options(
+            group,
+            local_devices,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            process_rows,
+            PlanOptions::default(),
+        )
     }
 
     /// [`DistributedDataParallel::new`] with every local replica planned
@@ -232,10 +282,21 @@ impl DistributedDataParallel {
         if shares[rank] < devices {
             return Err(Error::InvalidArgument {
                 op: "distributed split",
-                reason: format!("rank {rank} gets {} rows for {devices} local devices; use a larger batch", shares[rank]),
+                reason: format!(
+                    "rank {rank} gets {} rows for {devices} local devices; use a larger batch",
+                    shares[rank]
+                ),
             });
         }
-        let local = DataParallel::with_options(local_devices, model, criterion, optimizer, shares[rank], Split::Measured { every: 20 }, options)?;
+        let local = DataParallel::with_options(
+            local_devices,
+            model,
+            criterion,
+            optimizer,
+            shares[rank],
+            Split::Measured { every: 20 },
+            options,
+        )?;
         log::info!("rank {rank}: replicas built");
         let mut ddp = DistributedDataParallel {
             group,
@@ -263,21 +324,32 @@ impl DistributedDataParallel {
         let rank = self.group.rank();
         f(self).map_err(|e| match e {
             e @ (Error::Distributed { .. } | Error::OnRank { .. }) => e,
-            e => Error::OnRank { rank, source: Box::new(e) },
+            e => Error::OnRank {
+                rank,
+                source: Box::new(e),
+            },
         })
     }
 
     /// Every process's cost, in rank order.
     fn gather_costs(&self, own: Cost) -> Result<Vec<Cost>> {
         let all = self.group.all_gather(&[own.fixed, own.per_row])?;
-        Ok(all.chunks_exact(2).map(|c| Cost { fixed: c[0], per_row: c[1] }).collect())
+        Ok(all
+            .chunks_exact(2)
+            .map(|c| Cost {
+                fixed: c[0],
+                per_row: c[1],
+            })
+            .collect())
     }
 
     /// Moves to `proposal` when rank 0 predicts a step at least 15% shorter
     /// (rank 0 decides, so every rank agrees even if their floating point
     /// would not).
     fn adopt_if_better(&mut self, proposal: Vec<usize>) -> Result<()> {
-        let mut chosen: Vec<u64> = if makespan(&self.process_costs, &proposal) < (1.0 - RESPLIT_GAIN) * makespan(&self.process_costs, &self.process_shares) {
+        let mut chosen: Vec<u64> = if makespan(&self.process_costs, &proposal)
+            < (1.0 - RESPLIT_GAIN) * makespan(&self.process_costs, &self.process_shares)
+        {
             proposal.iter().map(|&n| n as u64).collect()
         } else {
             self.process_shares.iter().map(|&n| n as u64).collect()
@@ -289,7 +361,11 @@ impl DistributedDataParallel {
         }
         if chosen != self.process_shares {
             let rank = self.group.rank();
-            log::info!("rank {rank}: process split {:?} -> {chosen:?} (costs {:?})", self.process_shares, self.process_costs);
+            log::info!(
+                "rank {rank}: process split {:?} -> {chosen:?} (costs {:?})",
+                self.process_shares,
+                self.process_costs
+            );
             let rows = chosen[rank];
             self.on_rank(|d| d.local.set_global_batch(rows))?;
             self.process_shares = chosen;
@@ -299,16 +375,33 @@ impl DistributedDataParallel {
     }
 
     fn error(&self, op: &'static str, message: String) -> Error {
-        Error::Distributed { op, rank: self.group.rank(), size: self.group.size(), message }
+        Error::Distributed {
+            op,
+            rank: self.group.rank(),
+            size: self.group.size(),
+            message,
+        }
     }
 
     /// This process's rows of a global batch (`x` and `targets` hold all of
     /// it, in the same order on every rank) and its share of the batch.
-    fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Examples<'x>, Targets<'t>, f64)> {
+    fn own_rows<'x, 't>(
+        &self,
+        op: &'static str,
+        x: Examples<'x>,
+        targets: Targets<'t>,
+    ) -> Result<(Examples<'x>, Targets<'t>, f64)> {
         let (f, w) = self.local.check_rows(op, self.global_batch, x, targets)?;
         let rank = self.group.rank();
-        let (start, rows) = (self.process_shares[..rank].iter().sum::<usize>(), self.process_shares[rank]);
-        Ok((x.slice(start * f, (start + rows) * f), shard(targets, start, rows, w), rows as f64 / self.global_batch as f64))
+        let (start, rows) = (
+            self.process_shares[..rank].iter().sum::<usize>(),
+            self.process_shares[rank],
+        );
+        Ok((
+            x.slice(start * f, (start + rows) * f),
+            shard(targets, start, rows, w),
+            rows as f64 / self.global_batch as f64,
+        ))
     }
 
     /// The job's mean of each process's `local` mean weighted by its
@@ -322,7 +415,12 @@ impl DistributedDataParallel {
     /// One optimizer step on the global batch (`x` and `targets` hold all
     /// of it, in the same order on every rank; each process takes its rows).
     /// Returns the global mean loss when `read_loss`.
-    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'x>(
+        &mut self,
+        x: impl Into<Examples<'x>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let x = x.into();
         let (rank, size) = (self.group.rank(), self.group.size());
         #[cfg(feature = "fault-injection")]
@@ -347,7 +445,10 @@ impl DistributedDataParallel {
         let local_loss = self
             .local
             .step_across(own_x, own_targets, read_loss, scale, &mut reduce)
-            .map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+            .map_err(|e| Error::OnRank {
+                rank,
+                source: Box::new(e),
+            })?;
         let t = Instant::now();
         let loss = local_loss.map(|l| self.global_mean(scale, l)).transpose()?;
         across += t.elapsed();
@@ -378,9 +479,15 @@ impl DistributedDataParallel {
             Some(c) => {
                 let predicted = c.fixed + c.per_row * self.process_shares[rank] as f64;
                 let s = 0.5 + 0.5 * mean / predicted.max(1e-9);
-                Cost { fixed: c.fixed * s, per_row: c.per_row * s }
+                Cost {
+                    fixed: c.fixed * s,
+                    per_row: c.per_row * s,
+                }
             }
-            None => Cost { fixed: 0.0, per_row: mean / self.process_shares[rank].max(1) as f64 },
+            None => Cost {
+                fixed: 0.0,
+                per_row: mean / self.process_shares[rank].max(1) as f64,
+            },
         };
         self.process_costs = self.gather_costs(own)?;
         let proposal = balanced_split(self.global_batch, &self.process_costs)?;
@@ -393,7 +500,13 @@ impl DistributedDataParallel {
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
         let rank = self.group.rank();
         let (own_x, own_targets, scale) = self.own_rows("DistributedDataParallel::evaluate_loss", x.into(), targets)?;
-        let local = self.local.evaluate_loss(own_x, own_targets).map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+        let local = self
+            .local
+            .evaluate_loss(own_x, own_targets)
+            .map_err(|e| Error::OnRank {
+                rank,
+                source: Box::new(e),
+            })?;
         self.global_mean(scale, local)
     }
 
@@ -431,7 +544,12 @@ impl TrainEngine for DistributedDataParallel {
     }
     /// This process's replicas only; [`TrainEngine::sync_from_root`] then
     /// hands rank 0's to every rank.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         self.local.load_state(params, state, step)
     }
     fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
@@ -444,22 +562,36 @@ impl TrainEngine for DistributedDataParallel {
         let root = self.group.rank() == 0;
         let replica0 = &self.local.replicas()[0];
         let mut step = vec![replica0.executor().step_count()];
-        let scale = if root { replica0.executor().read_loss_scale()? } else { None };
+        let scale = if root {
+            replica0.executor().read_loss_scale()?
+        } else {
+            None
+        };
         let device0 = &self.local.devices()[0];
         for view in &arenas(replica0) {
-            let mut values = if root { to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0) } else { Vec::new() };
+            let mut values = if root {
+                to_host(&[(device0.as_ref(), *view)], Instant::now())?.0.remove(0)
+            } else {
+                Vec::new()
+            };
             broadcast_f32(self.group.as_ref(), 0, &mut values)?;
             if values.len() != view.len {
                 let (sent, here, align) = (values.len(), view.len, self.local.arena_alignment());
                 return Err(self.error("broadcast state", format!("rank 0 sent {sent} values for an arena of {here} (aligned to {align} B here): are the models the same?")));
             }
             if !root {
-                device0.write(*view, &values).map_err(|e| super::on_device(0, device0, e))?;
+                device0
+                    .write(*view, &values)
+                    .map_err(|e| super::on_device(0, device0, e))?;
             }
         }
         broadcast_u64(self.group.as_ref(), 0, &mut step)?;
-        let step = step.first().copied().ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
-        let scale = broadcast_loss_scale(self.group.as_ref(), 0, scale).map_err(|e| self.error("broadcast state", format!("rank 0's loss scale: {e}")))?;
+        let step = step
+            .first()
+            .copied()
+            .ok_or_else(|| self.error("broadcast state", "no step count from rank 0".into()))?;
+        let scale = broadcast_loss_scale(self.group.as_ref(), 0, scale)
+            .map_err(|e| self.error("broadcast state", format!("rank 0's loss scale: {e}")))?;
         for t in self.local.replicas_mut() {
             // Setting the step starts loss scaling afresh at that step;
             // rank 0's state (its scale, skips and bias-correction count)
@@ -474,8 +606,17 @@ impl TrainEngine for DistributedDataParallel {
     /// One line: rows per process, each process's measured step cost, and
     /// this process's own devices.
     fn describe(&self) -> String {
-        let costs: Vec<String> = self.process_costs.iter().enumerate().map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row)).collect();
-        let measured = if costs.is_empty() { String::new() } else { format!(" (measured step cost {})", costs.join(", ")) };
+        let costs: Vec<String> = self
+            .process_costs
+            .iter()
+            .enumerate()
+            .map(|(r, c)| format!("rank {r} {:.2} ms + {:.3} ms/row", 1e3 * c.fixed, 1e3 * c.per_row))
+            .collect();
+        let measured = if costs.is_empty() {
+            String::new()
+        } else {
+            format!(" (measured step cost {})", costs.join(", "))
+        };
         format!(
             "distributed data parallel over {} processes, rows per process {:?}{measured}; this process ({}): {}",
             self.group.size(),
@@ -489,7 +630,11 @@ impl TrainEngine for DistributedDataParallel {
     fn report(&self) -> String {
         let s = &self.stats;
         let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
-        format!("{}; cross-process reductions {across:.0}% of step time; {} process re-splits", self.describe(), s.resplits)
+        format!(
+            "{}; cross-process reductions {across:.0}% of step time; {} process re-splits",
+            self.describe(),
+            s.resplits
+        )
     }
     fn shares(&self) -> Vec<usize> {
         self.process_shares.clone()

@@ -5,23 +5,23 @@
 use std::sync::Arc;
 
 use super::data::{DataParallel, Split};
-use super::memory::DeviceMemory;
-use super::distributed::{DistributedDataParallel, ProcessGroup};
 #[cfg(feature = "fault-injection")]
 use super::distributed::InjectedFailure;
+use super::distributed::{DistributedDataParallel, ProcessGroup};
+use super::memory::DeviceMemory;
 use super::pipeline::{partition, Pipeline, Schedule};
 use super::stage::{NamedParameters, NamedState, Spread, Stage};
 use super::tensor::TensorParallel;
 use super::zero::{Zero, ZeroStage};
 use super::zero_stages::ZeroStages;
 use super::DeviceGroup;
-use crate::io::checkpoint::Checkpoint;
+use super::{Examples, Targets, Trainer};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
+use crate::io::checkpoint::Checkpoint;
 use crate::kernels::OptimizerConfig;
-use crate::optim::LossScaleState;
 use crate::nn::{Criterion, Staged};
-use super::{Examples, Targets, Trainer};
+use crate::optim::LossScaleState;
 
 /// How the work is spread over devices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,9 +50,16 @@ impl Strategy {
             // Stage 1 unless named (`zero-2`, `zero3`); the CLI's
             // --zero-stage picks it too.
             "zero" => Ok(Strategy::Zero(ZeroStage::OptimizerState)),
-            other => match other.strip_prefix("zero").map(|n| n.trim_start_matches(['-', '_'])).and_then(|n| n.parse::<u32>().ok()) {
+            other => match other
+                .strip_prefix("zero")
+                .map(|n| n.trim_start_matches(['-', '_']))
+                .and_then(|n| n.parse::<u32>().ok())
+            {
                 Some(stage) => Ok(Strategy::Zero(ZeroStage::new(stage)?)),
-                None => Err(Error::InvalidArgument { op: "parallel", reason: format!("unknown strategy `{other}`: use data, zero, pipeline or tensor") }),
+                None => Err(Error::InvalidArgument {
+                    op: "parallel",
+                    reason: format!("unknown strategy `{other}`: use data, zero, pipeline or tensor"),
+                }),
             },
         }
     }
@@ -63,7 +70,14 @@ impl Strategy {
     /// per device in a fixed `split`), the pipeline a unit of work per
     /// stage and micro-batches that divide the batch, tensor parallel a
     /// share of every split layer per device.
-    pub fn check_devices<M: Parallelizable>(self, devices: usize, model: &M, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
+    pub fn check_devices<M: Parallelizable>(
+        self,
+        devices: usize,
+        model: &M,
+        batch: usize,
+        split: Option<&[usize]>,
+        micro_batches: usize,
+    ) -> Result<()> {
         self.check_counts(devices, batch, split, micro_batches)?;
         match self {
             Strategy::Single | Strategy::Data | Strategy::Zero(_) => Ok(()),
@@ -75,7 +89,13 @@ impl Strategy {
     /// The part of [`Strategy::check_devices`] no model is needed for (so
     /// a run refuses before it reads its data): the device limit, rows per
     /// device and a split's length, micro-batches dividing the batch.
-    pub fn check_counts(self, devices: usize, batch: usize, split: Option<&[usize]>, micro_batches: usize) -> Result<()> {
+    pub fn check_counts(
+        self,
+        devices: usize,
+        batch: usize,
+        split: Option<&[usize]>,
+        micro_batches: usize,
+    ) -> Result<()> {
         super::check_limit(devices)?;
         match self {
             Strategy::Data | Strategy::Zero(_) if devices > batch => Err(Error::InvalidArgument {
@@ -118,17 +138,55 @@ impl Strategy {
         options: PlanOptions,
     ) -> Result<Box<dyn TrainEngine>> {
         Ok(match (self, processes) {
-            (Strategy::Single, None) => Box::new(Trainer::with_blocks(group.members()[0].clone(), model, criterion, optimizer, batch, options)?),
-            (Strategy::Data, None) => Box::new(DataParallel::with_options(group, model, criterion, optimizer, batch, split.map_or(Split::Measured { every: 20 }, Split::Rows), options)?),
-            (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::with_options(g, group, model, criterion, optimizer, batch, split, options)?),
-            (Strategy::Tensor, None) => Box::new(TensorParallel::with_options(group, model, criterion, optimizer, batch, options)?),
-            (Strategy::Pipeline, None) => Box::new(Pipeline::with_options(group, model, criterion, optimizer, batch, micro_batches, schedule, None, options)?),
+            (Strategy::Single, None) => Box::new(Trainer::with_blocks(
+                group.members()[0].clone(),
+                model,
+                criterion,
+                optimizer,
+                batch,
+                options,
+            )?),
+            (Strategy::Data, None) => Box::new(DataParallel::with_options(
+                group,
+                model,
+                criterion,
+                optimizer,
+                batch,
+                split.map_or(Split::Measured { every: 20 }, Split::Rows),
+                options,
+            )?),
+            (Strategy::Data, Some(g)) => Box::new(DistributedDataParallel::with_options(
+                g, group, model, criterion, optimizer, batch, split, options,
+            )?),
+            (Strategy::Tensor, None) => Box::new(TensorParallel::with_options(
+                group, model, criterion, optimizer, batch, options,
+            )?),
+            (Strategy::Pipeline, None) => Box::new(Pipeline::with_options(
+                group,
+                model,
+                criterion,
+                optimizer,
+                batch,
+                micro_batches,
+                schedule,
+                None,
+                options,
+            )?),
             // In one process stages 2 and 3 run block by block, holding
             // one stage's gradients at a time; across processes they keep
             // whole arenas ([`super::zero`]).
-            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(ZeroStages::with_options(group, model, criterion, optimizer, batch, stage, split, options)?),
-            (Strategy::Zero(stage), processes) => Box::new(Zero::across(processes, group, model, criterion, optimizer, batch, stage, split, options)?),
-            (_, Some(_)) => return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() }),
+            (Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)), None) => Box::new(
+                ZeroStages::with_options(group, model, criterion, optimizer, batch, stage, split, options)?,
+            ),
+            (Strategy::Zero(stage), processes) => Box::new(Zero::across(
+                processes, group, model, criterion, optimizer, batch, stage, split, options,
+            )?),
+            (_, Some(_)) => {
+                return Err(Error::InvalidArgument {
+                    op: "train --distributed",
+                    reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into(),
+                })
+            }
         })
     }
 }
@@ -194,7 +252,12 @@ pub trait TrainEngine {
         }
     }
     /// Loads parameters (by name), optimizer state and step everywhere.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()>;
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()>;
     /// Dynamic loss scaling's state now, for a save; `None` where the
     /// engine does not scale.
     fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
@@ -231,7 +294,11 @@ pub trait TrainEngine {
         match self.holding() {
             Holding::Replica(t) => {
                 let exec = t.executor();
-                Footprint { dispatches_per_step: exec.dispatches_per_step(), peak_bytes: exec.peak_bytes(), intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
+                Footprint {
+                    dispatches_per_step: exec.dispatches_per_step(),
+                    peak_bytes: exec.peak_bytes(),
+                    intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)),
+                }
             }
             Holding::Stages(spread, stages) => {
                 let mut per_device = vec![0u64; spread.devices().iter().max().map_or(0, |d| d + 1)];
@@ -239,7 +306,11 @@ pub trait TrainEngine {
                     per_device[device] += stage.executor().peak_bytes();
                 }
                 let dispatches = stages.iter().map(|s| s.executor().dispatches_per_step()).sum();
-                Footprint { dispatches_per_step: dispatches, peak_bytes: per_device.into_iter().max().unwrap_or(0), intermediates: None }
+                Footprint {
+                    dispatches_per_step: dispatches,
+                    peak_bytes: per_device.into_iter().max().unwrap_or(0),
+                    intermediates: None,
+                }
             }
         }
     }
@@ -247,12 +318,18 @@ pub trait TrainEngine {
     /// replica's plan, or the stages on each device added up.
     fn memory(&self) -> DeviceMemory {
         match self.holding() {
-            Holding::Replica(t) => DeviceMemory::of_plan(t.executor().plan(), true, t.executor().optimizer_state_names().len()),
+            Holding::Replica(t) => {
+                DeviceMemory::of_plan(t.executor().plan(), true, t.executor().optimizer_state_names().len())
+            }
             Holding::Stages(spread, stages) => {
                 let mut per_device = vec![DeviceMemory::default(); spread.devices().iter().max().map_or(0, |d| d + 1)];
                 for (&device, stage) in spread.devices().iter().zip(stages) {
                     let exec = stage.executor();
-                    per_device[device] = per_device[device].plus(DeviceMemory::of_plan(exec.plan(), true, exec.optimizer_state_names().len()));
+                    per_device[device] = per_device[device].plus(DeviceMemory::of_plan(
+                        exec.plan(),
+                        true,
+                        exec.optimizer_state_names().len(),
+                    ));
                 }
                 DeviceMemory::fullest(per_device)
             }
@@ -288,7 +365,10 @@ pub(super) use own_steps;
 pub(super) fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32]> {
     match x {
         Examples::Features(f) => Ok(f),
-        Examples::Ids(_) => Err(Error::InvalidArgument { op, reason: "predicts classes of feature rows, not token ids".into() }),
+        Examples::Ids(_) => Err(Error::InvalidArgument {
+            op,
+            reason: "predicts classes of feature rows, not token ids".into(),
+        }),
     }
 }
 
@@ -313,13 +393,21 @@ impl TrainEngine for Trainer {
     fn holding(&self) -> Holding<'_> {
         Holding::Replica(self)
     }
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         self.executor_mut().load_state(params, state, step)
     }
     fn load_loss_scale(&mut self, state: &LossScaleState) -> Result<()> {
         self.executor_mut().load_loss_scale(state)
     }
     fn describe(&self) -> String {
-        format!("single device, {} dispatches per step in one submit", self.executor().dispatches_per_step())
+        format!(
+            "single device, {} dispatches per step in one submit",
+            self.executor().dispatches_per_step()
+        )
     }
 }

@@ -15,9 +15,9 @@ use super::zero::{shard_ranges, ZeroStage};
 use crate::error::Result;
 use crate::graph::{Block, Gradients, Graph, Plan, PlanOptions, Precision, Tensor};
 use crate::kernels::OptimizerConfig;
+use crate::nn::training_graph_with_passes;
 use crate::nn::Criterion;
 use crate::optim::apply_parameter_groups;
-use crate::nn::training_graph_with_passes;
 
 const BYTES: u64 = 4;
 
@@ -41,7 +41,12 @@ impl DeviceMemory {
     pub fn of_plan(plan: &Plan, training: bool, state_arenas: usize) -> Self {
         let arena = plan.param_arena_len as u64 * BYTES;
         let gradients = if training { arena } else { 0 };
-        DeviceMemory { parameters: arena, gradients, optimizer_state: arena * state_arenas as u64, activations: plan.input_bytes + plan.slot_bytes }
+        DeviceMemory {
+            parameters: arena,
+            gradients,
+            optimizer_state: arena * state_arenas as u64,
+            activations: plan.input_bytes + plan.slot_bytes,
+        }
     }
 
     pub fn plus(self, other: DeviceMemory) -> Self {
@@ -107,9 +112,21 @@ impl Planning {
 }
 
 /// `graph` planned as an executor with an optimizer would plan it.
-fn plan(mut graph: Graph, outputs: &[Tensor], grads: &Gradients, optimizer: &OptimizerConfig, alignment: u32) -> Result<Plan> {
+fn plan(
+    mut graph: Graph,
+    outputs: &[Tensor],
+    grads: &Gradients,
+    optimizer: &OptimizerConfig,
+    alignment: u32,
+) -> Result<Plan> {
     apply_parameter_groups(&mut graph, optimizer)?;
-    Ok(Plan::with_options(&graph, outputs, Some(grads), (alignment as usize / BYTES as usize).max(1), PlanOptions::default()))
+    Ok(Plan::with_options(
+        &graph,
+        outputs,
+        Some(grads),
+        (alignment as usize / BYTES as usize).max(1),
+        PlanOptions::default(),
+    ))
 }
 
 /// One replica's executor for `rows` rows (a single-device, data
@@ -119,15 +136,37 @@ fn replica<M: Parallelizable>(model: &M, p: &Planning, rows: usize, alignment: u
     let t = training_graph_with_passes(model, Some(model), p.criterion, rows, p.checkpoint_activations, p.f16())?;
     let outputs = t.outputs();
     let plan = plan(t.graph, &outputs, &t.grads, &p.optimizer, alignment)?;
-    Ok((DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()), plan.param_arena_len))
+    Ok((
+        DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()),
+        plan.param_arena_len,
+    ))
 }
 
 /// A stage's executor over `graph` (`input -> output`, made of
 /// `blocks`), with the passes [`super::stage::Stage::with_options`]
 /// applies.
-fn stage(graph: Graph, blocks: &[Block], input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, p: &Planning) -> Result<DeviceMemory> {
-    let s = StageGraph::complete(graph, input, output, input_grad, end)?.with_passes(blocks, p.checkpoint_activations, p.f16(), &mut [input, output])?;
-    let plan = plan(s.graph, &s.outputs, &s.grads, &p.optimizer, p.device_alignment.max(ARENA_ALIGNMENT))?;
+fn stage(
+    graph: Graph,
+    blocks: &[Block],
+    input: Tensor,
+    output: Tensor,
+    input_grad: bool,
+    end: StageEnd,
+    p: &Planning,
+) -> Result<DeviceMemory> {
+    let s = StageGraph::complete(graph, input, output, input_grad, end)?.with_passes(
+        blocks,
+        p.checkpoint_activations,
+        p.f16(),
+        &mut [input, output],
+    )?;
+    let plan = plan(
+        s.graph,
+        &s.outputs,
+        &s.grads,
+        &p.optimizer,
+        p.device_alignment.max(ARENA_ALIGNMENT),
+    )?;
     Ok(DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()))
 }
 
@@ -139,7 +178,12 @@ fn stage(graph: Graph, blocks: &[Block], input: Tensor, output: Tensor, input_gr
 /// and 3's are what the stage-by-stage engine allocates
 /// ([`super::zero_stages::planned_memory`]). Every graph takes the passes
 /// its engine applies under `p`'s precision and checkpointing.
-pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices: usize, p: &Planning) -> Result<DeviceMemory> {
+pub fn strategy_memory<M: Parallelizable>(
+    model: &M,
+    strategy: Strategy,
+    devices: usize,
+    p: &Planning,
+) -> Result<DeviceMemory> {
     strategy.check_devices(devices, model, p.batch, None, p.micro_batches)?;
     let group_alignment = p.device_alignment.max(ARENA_ALIGNMENT);
     // Data parallel's and ZeRO's even split: the first devices take a row more.
@@ -147,10 +191,16 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
     match strategy {
         Strategy::Single => Ok(replica(model, p, p.batch, p.device_alignment)?.0),
         Strategy::Data => Ok(replica(model, p, rows, group_alignment)?.0),
-        Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)) => super::zero_stages::planned_memory(model, stage, devices, p),
+        Strategy::Zero(stage @ (ZeroStage::Gradients | ZeroStage::Parameters)) => {
+            super::zero_stages::planned_memory(model, stage, devices, p)
+        }
         Strategy::Zero(stage) => {
             let (memory, arena_len) = replica(model, p, rows, group_alignment)?;
-            let largest = shard_ranges(arena_len, devices, group_alignment as usize / BYTES as usize)?.iter().map(|r| r.len()).max().unwrap_or(0);
+            let largest = shard_ranges(arena_len, devices, group_alignment as usize / BYTES as usize)?
+                .iter()
+                .map(|r| r.len())
+                .max()
+                .unwrap_or(0);
             Ok(DeviceMemory::zero_kept(memory, stage, largest))
         }
         Strategy::Tensor => {
@@ -164,7 +214,11 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
                     if i == last && r > 0 {
                         continue;
                     }
-                    let end = if i == last { StageEnd::Last(p.criterion) } else { StageEnd::Middle };
+                    let end = if i == last {
+                        StageEnd::Last(p.criterion)
+                    } else {
+                        StageEnd::Middle
+                    };
                     *held = held.plus(stage(seg.graph, &[], seg.input, seg.output, i > 0, end, p)?);
                 }
             }
@@ -176,8 +230,13 @@ pub fn strategy_memory<M: Parallelizable>(model: &M, strategy: Strategy, devices
             let (mut start, mut stream) = (0, Vec::new());
             let mut per_device = Vec::with_capacity(devices);
             for (i, &count) in blocks.iter().enumerate() {
-                let (g, input, output, units) = unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
-                let end = if i == last { StageEnd::Last(p.criterion) } else { StageEnd::Middle };
+                let (g, input, output, units) =
+                    unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
+                let end = if i == last {
+                    StageEnd::Last(p.criterion)
+                } else {
+                    StageEnd::Middle
+                };
                 per_device.push(stage(g, &units, input, output, i > 0, end, p)?);
                 start += count;
             }

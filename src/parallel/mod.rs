@@ -46,7 +46,9 @@ pub(crate) fn check_limit(n: usize) -> Result<()> {
     if n > MAX_DEVICES {
         return Err(Error::InvalidArgument {
             op: "devices",
-            reason: format!("{n} devices requested, over the limit of {MAX_DEVICES} per process (wgrad::parallel::MAX_DEVICES)"),
+            reason: format!(
+                "{n} devices requested, over the limit of {MAX_DEVICES} per process (wgrad::parallel::MAX_DEVICES)"
+            ),
         });
     }
     Ok(())
@@ -111,13 +113,23 @@ impl DeviceSelection {
         }
         if let Ok(n) = text.parse::<usize>() {
             if n == 0 {
-                return Err(Error::InvalidArgument { op: "devices", reason: "a group needs at least one device".into() });
+                return Err(Error::InvalidArgument {
+                    op: "devices",
+                    reason: "a group needs at least one device".into(),
+                });
             }
             return Ok(DeviceSelection::Count(n));
         }
-        let list: Vec<String> = text.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        let list: Vec<String> = text
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
         if list.is_empty() {
-            return Err(Error::InvalidArgument { op: "devices", reason: format!("cannot read `{text}`: use N, all, or a list like 0,1") });
+            return Err(Error::InvalidArgument {
+                op: "devices",
+                reason: format!("cannot read `{text}`: use N, all, or a list like 0,1"),
+            });
         }
         Ok(DeviceSelection::Adapters(list))
     }
@@ -143,7 +155,10 @@ impl DeviceSelection {
         if n == 0 {
             return match self {
                 DeviceSelection::All => Err(Error::NoAdapter { filter: String::new() }),
-                _ => Err(Error::InvalidArgument { op: "devices", reason: "a group needs at least one device".into() }),
+                _ => Err(Error::InvalidArgument {
+                    op: "devices",
+                    reason: "a group needs at least one device".into(),
+                }),
             };
         }
         check_limit(n)?;
@@ -158,12 +173,22 @@ impl DeviceSelection {
                 Ok(index) => index < reports.len(),
                 Err(_) => {
                     let needle = entry.to_ascii_lowercase();
-                    reports.iter().any(|r| r.info.name.to_ascii_lowercase().contains(&needle))
+                    reports
+                        .iter()
+                        .any(|r| r.info.name.to_ascii_lowercase().contains(&needle))
                 }
             };
             if let Some(missing) = list.iter().find(|e| !present(e.trim())) {
-                let available = reports.iter().enumerate().map(|(i, r)| format!("[{i}] {} ({:?})", r.info.name, r.info.backend)).collect::<Vec<_>>().join(", ");
-                return Err(Error::AdapterNotFound { selector: missing.clone(), available });
+                let available = reports
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| format!("[{i}] {} ({:?})", r.info.name, r.info.backend))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                return Err(Error::AdapterNotFound {
+                    selector: missing.clone(),
+                    available,
+                });
             }
         }
         Ok(n)
@@ -184,18 +209,27 @@ impl DeviceGroup {
             return Err(Error::NoAdapter { filter: String::new() });
         }
         let open = |selector: String| -> Result<Arc<Kernels>> {
-            let device = Device::open(&DeviceOptions { backends: None, adapter: Some(selector), ..Default::default() })?;
+            let device = Device::open(&DeviceOptions {
+                backends: None,
+                adapter: Some(selector),
+                ..Default::default()
+            })?;
             Ok(Arc::new(Kernels::new(device)))
         };
         let physical = physical_adapters(&reports);
         let selectors: Vec<String> = match selection {
             DeviceSelection::All => physical.iter().map(|i| i.to_string()).collect(),
             DeviceSelection::Adapters(list) => list.clone(),
-            DeviceSelection::Count(n) if !physical.is_empty() => (0..*n).map(|k| physical[k % physical.len()].to_string()).collect(),
+            DeviceSelection::Count(n) if !physical.is_empty() => {
+                (0..*n).map(|k| physical[k % physical.len()].to_string()).collect()
+            }
             DeviceSelection::Count(_) => Vec::new(),
         };
         if selectors.is_empty() {
-            return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });
+            return Err(Error::InvalidArgument {
+                op: "DeviceGroup",
+                reason: "a group needs at least one device".into(),
+            });
         }
         let members = selectors.into_iter().map(open).collect::<Result<Vec<_>>>()?;
         Ok(DeviceGroup { members })
@@ -209,13 +243,19 @@ impl DeviceGroup {
     /// A group of already opened devices.
     pub fn from_kernels(members: Vec<Arc<Kernels>>) -> Result<Self> {
         if members.is_empty() {
-            return Err(Error::InvalidArgument { op: "DeviceGroup", reason: "a group needs at least one device".into() });
+            return Err(Error::InvalidArgument {
+                op: "DeviceGroup",
+                reason: "a group needs at least one device".into(),
+            });
         }
         // Collectives hold each device's staging buffer while they wait: the
         // same device twice would wait on itself.
         for (i, a) in members.iter().enumerate() {
             if members[..i].iter().any(|b| Arc::ptr_eq(a, b)) {
-                return Err(Error::InvalidArgument { op: "DeviceGroup", reason: format!("device #{i} appears twice; open a second device instead") });
+                return Err(Error::InvalidArgument {
+                    op: "DeviceGroup",
+                    reason: format!("device #{i} appears twice; open a second device instead"),
+                });
             }
         }
         Ok(DeviceGroup { members })
@@ -235,7 +275,11 @@ impl DeviceGroup {
 
     /// `#i name (backend)` for each device.
     pub fn labels(&self) -> Vec<String> {
-        self.members.iter().enumerate().map(|(i, k)| format!("#{i} {}", k.device().label())).collect()
+        self.members
+            .iter()
+            .enumerate()
+            .map(|(i, k)| format!("#{i} {}", k.device().label()))
+            .collect()
     }
 }
 
@@ -243,7 +287,10 @@ impl DeviceGroup {
 pub(crate) fn on_device(index: usize, kernels: &Kernels, error: Error) -> Error {
     match error {
         Error::OnDevice { .. } => error,
-        other => Error::OnDevice { device: format!("#{index} {}", kernels.device().label()), source: Box::new(other) },
+        other => Error::OnDevice {
+            device: format!("#{index} {}", kernels.device().label()),
+            source: Box::new(other),
+        },
     }
 }
 
@@ -259,7 +306,11 @@ pub(crate) fn outputs_in_chunks<T: Copy>(
     mut forward: impl FnMut(&[f32]) -> Result<Vec<T>>,
 ) -> Result<Vec<T>> {
     if features.is_empty() || features.len() % in_features != 0 {
-        return Err(Error::shape(op, format!("features must be rows × {in_features}"), &[&[features.len()]]));
+        return Err(Error::shape(
+            op,
+            format!("features must be rows × {in_features}"),
+            &[&[features.len()]],
+        ));
     }
     let total = features.len() / in_features;
     let mut out = Vec::with_capacity(total * out_features);

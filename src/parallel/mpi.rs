@@ -48,7 +48,11 @@ struct Watch {
 
 impl Watch {
     fn start(rank: usize, size: usize, host: String) -> Arc<Watch> {
-        let watch = Arc::new(Watch { epoch: Instant::now(), since_ms: AtomicU64::new(0), op: Mutex::new("") });
+        let watch = Arc::new(Watch {
+            epoch: Instant::now(),
+            since_ms: AtomicU64::new(0),
+            op: Mutex::new(""),
+        });
         let seen = watch.clone();
         let limit = wait_timeout();
         std::thread::spawn(move || loop {
@@ -101,7 +105,13 @@ impl MpiGroup {
             }
         }));
         let host = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
-        Ok(MpiGroup { world, rank, size, universe: ManuallyDrop::new(universe), watch: Watch::start(rank, size, host) })
+        Ok(MpiGroup {
+            world,
+            rank,
+            size,
+            universe: ManuallyDrop::new(universe),
+            watch: Watch::start(rank, size, host),
+        })
     }
 
     /// Runs the collective `f` under the watchdog ([`Watch`]).
@@ -139,14 +149,21 @@ impl ProcessGroup for MpiGroup {
     fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
         for chunk in values.chunks_mut(MAX_COUNT) {
             let send = chunk.to_vec();
-            self.watched("all_reduce", || self.world.all_reduce_into(&send[..], chunk, SystemOperation::sum()));
+            self.watched("all_reduce", || {
+                self.world.all_reduce_into(&send[..], chunk, SystemOperation::sum())
+            });
         }
         Ok(())
     }
 
     fn broadcast_bytes(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()> {
         if root >= self.size {
-            return Err(Error::Distributed { op: "broadcast", rank: self.rank, size: self.size, message: format!("no rank {root}") });
+            return Err(Error::Distributed {
+                op: "broadcast",
+                rank: self.rank,
+                size: self.size,
+                message: format!("no rank {root}"),
+            });
         }
         let root_process = self.world.process_at_rank(root as i32);
         let mut len = bytes.len() as u64;
@@ -176,7 +193,12 @@ impl ProcessGroup for MpiGroup {
         // to the largest, so the sum of a segment is MPI's, untouched.
         let block = counts.iter().copied().max().unwrap_or(0).max(1);
         if block * self.size > MAX_COUNT {
-            return Err(Error::Distributed { op: "reduce_scatter", rank: self.rank, size: self.size, message: format!("{} padded values are over MPI's count limit", block * self.size) });
+            return Err(Error::Distributed {
+                op: "reduce_scatter",
+                rank: self.rank,
+                size: self.size,
+                message: format!("{} padded values are over MPI's count limit", block * self.size),
+            });
         }
         let mut send = vec![0.0f64; block * self.size];
         let mut start = 0;
@@ -185,7 +207,10 @@ impl ProcessGroup for MpiGroup {
             start += n;
         }
         let mut own = vec![0.0f64; block];
-        self.watched("reduce_scatter", || self.world.reduce_scatter_block_into(&send[..], &mut own[..], SystemOperation::sum()));
+        self.watched("reduce_scatter", || {
+            self.world
+                .reduce_scatter_block_into(&send[..], &mut own[..], SystemOperation::sum())
+        });
         own.truncate(counts[self.rank]);
         Ok(own)
     }
@@ -193,19 +218,29 @@ impl ProcessGroup for MpiGroup {
     fn all_gather_f32(&self, values: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
         let total: usize = counts.iter().sum();
         if counts.len() != self.size || counts.get(self.rank) != Some(&values.len()) || total > MAX_COUNT {
-            return Err(Error::Distributed { op: "all_gather", rank: self.rank, size: self.size, message: format!("segments {counts:?} must name each rank, {} values here", values.len()) });
+            return Err(Error::Distributed {
+                op: "all_gather",
+                rank: self.rank,
+                size: self.size,
+                message: format!("segments {counts:?} must name each rank, {} values here", values.len()),
+            });
         }
         let as_count = |n: usize| n as mpi::Count;
-        let displs: Vec<mpi::Count> = counts.iter().scan(0, |at, &n| {
-            let d = *at;
-            *at += n;
-            Some(as_count(d))
-        }).collect();
+        let displs: Vec<mpi::Count> = counts
+            .iter()
+            .scan(0, |at, &n| {
+                let d = *at;
+                *at += n;
+                Some(as_count(d))
+            })
+            .collect();
         let counts: Vec<mpi::Count> = counts.iter().map(|&n| as_count(n)).collect();
         let mut out = vec![0.0f32; total];
         {
             let mut partition = mpi::datatype::PartitionMut::new(&mut out[..], counts, displs);
-            self.watched("all_gather", || self.world.all_gather_varcount_into(values, &mut partition));
+            self.watched("all_gather", || {
+                self.world.all_gather_varcount_into(values, &mut partition)
+            });
         }
         Ok(out)
     }
@@ -216,6 +251,17 @@ impl ProcessGroup for MpiGroup {
 
     fn describe(&self) -> String {
         let (major, minor) = mpi::environment::version();
-        format!("MPI {major}.{minor} ({}), rank {} of {} on {}", mpi::environment::library_version().unwrap_or_default().lines().next().unwrap_or("").trim(), self.rank, self.size, self.host())
+        format!(
+            "MPI {major}.{minor} ({}), rank {} of {} on {}",
+            mpi::environment::library_version()
+                .unwrap_or_default()
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim(),
+            self.rank,
+            self.size,
+            self.host()
+        )
     }
 }

@@ -31,15 +31,15 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::data::{group_arena_alignment, shard};
-use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, Strategy, TrainEngine};
+use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::{on_device, DeviceGroup};
+use super::{Examples, ModelWidths, Targets};
 use crate::error::{Error, Result};
 use crate::graph::{Block, Graph, PlanOptions, Tensor};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, StageCosts, Staged};
 use crate::optim::LossScaleState;
-use super::{Examples, ModelWidths, Targets};
 
 /// The order micro-batches go through the stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,7 +56,10 @@ impl Schedule {
         match name.trim().to_ascii_lowercase().as_str() {
             "gpipe" => Ok(Schedule::GPipe),
             "1f1b" | "onefoneb" => Ok(Schedule::OneFOneB),
-            other => Err(Error::InvalidArgument { op: "pipeline schedule", reason: format!("unknown schedule `{other}`: use gpipe or 1f1b") }),
+            other => Err(Error::InvalidArgument {
+                op: "pipeline schedule",
+                reason: format!("unknown schedule `{other}`: use gpipe or 1f1b"),
+            }),
         }
     }
 }
@@ -97,7 +100,10 @@ fn training_work(schedule: Schedule, stages: usize, micro: usize) -> Vec<Vec<Wor
                 return (0..micro).map(Work::Backward).collect();
             }
             match schedule {
-                Schedule::GPipe => (0..micro).map(Work::Forward).chain((0..micro).map(Work::Backward)).collect(),
+                Schedule::GPipe => (0..micro)
+                    .map(Work::Forward)
+                    .chain((0..micro).map(Work::Backward))
+                    .collect(),
                 Schedule::OneFOneB => {
                     let warmup = (stages - 1 - s).min(micro);
                     let mut work: Vec<Work> = (0..warmup).map(Work::Forward).collect();
@@ -232,15 +238,33 @@ pub struct Pipeline {
 /// and before the epilogue when `last`, on `rows` rows: (graph, input,
 /// output). `stream` holds the shape the units before passed on, and
 /// takes these units'.
-pub(super) fn unit_graph<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor)> {
+pub(super) fn unit_graph<M: Staged + ?Sized>(
+    model: &M,
+    first: bool,
+    last: bool,
+    blocks: std::ops::Range<usize>,
+    rows: usize,
+    stream: &mut Vec<usize>,
+) -> Result<(Graph, Tensor, Tensor)> {
     unit_graph_blocks(model, first, last, blocks, rows, stream).map(|(g, input, output, _)| (g, input, output))
 }
 
 /// [`unit_graph`] with the nodes each block added, which activation
 /// checkpointing recomputes in the backward.
-pub(super) fn unit_graph_blocks<M: Staged + ?Sized>(model: &M, first: bool, last: bool, blocks: std::ops::Range<usize>, rows: usize, stream: &mut Vec<usize>) -> Result<(Graph, Tensor, Tensor, Vec<Block>)> {
+pub(super) fn unit_graph_blocks<M: Staged + ?Sized>(
+    model: &M,
+    first: bool,
+    last: bool,
+    blocks: std::ops::Range<usize>,
+    rows: usize,
+    stream: &mut Vec<usize>,
+) -> Result<(Graph, Tensor, Tensor, Vec<Block>)> {
     let mut g = Graph::new();
-    let input = if first { model.input(&mut g, rows)? } else { g.input("stage_input", stream)? };
+    let input = if first {
+        model.input(&mut g, rows)?
+    } else {
+        g.input("stage_input", stream)?
+    };
     let (output, units) = model.forward_blocks(&mut g, input, blocks, first, last)?;
     *stream = g.shape_of(output).map(<[usize]>::to_vec).unwrap_or_default();
     Ok((g, input, output, units))
@@ -259,7 +283,16 @@ impl Pipeline {
         micro_batches: usize,
         schedule: Schedule,
     ) -> Result<Self> {
-        Self::with_blocks(group, model, criterion, optimizer, global_batch, micro_batches, schedule, None)
+        Self::with_blocks(
+            group,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            micro_batches,
+            schedule,
+            None,
+        )
     }
 
     /// [`Pipeline::new`] with `blocks_per_stage` overriding the balanced
@@ -277,7 +310,17 @@ impl Pipeline {
         schedule: Schedule,
         blocks_per_stage: Option<Vec<usize>>,
     ) -> Result<Self> {
-        Self::with_options(group, model, criterion, optimizer, global_batch, micro_batches, schedule, blocks_per_stage, PlanOptions::default())
+        Self::with_options(
+            group,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            micro_batches,
+            schedule,
+            blocks_per_stage,
+            PlanOptions::default(),
+        )
     }
 
     /// [`Pipeline::with_blocks`] with every stage planned by `options`
@@ -304,7 +347,10 @@ impl Pipeline {
         // Every stage lays out its arenas at the group's alignment (as data
         // parallel does), so a plan made without the devices (`--dry-run`)
         // is exact on unlike adapters too.
-        let options = PlanOptions { arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())), ..options };
+        let options = PlanOptions {
+            arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())),
+            ..options
+        };
         let s_count = group.len();
         let costs = model.stage_costs();
         let layers = costs.blocks.len();
@@ -313,7 +359,9 @@ impl Pipeline {
             None => partition(&costs, s_count)?,
             Some(counts) => {
                 let last = counts.len().saturating_sub(1);
-                let empty = counts.iter().enumerate().any(|(i, &c)| c == 0 && !((i == 0 && costs.prologue > 0.0) || (i == last && costs.epilogue > 0.0)));
+                let empty = counts.iter().enumerate().any(|(i, &c)| {
+                    c == 0 && !((i == 0 && costs.prologue > 0.0) || (i == last && costs.epilogue > 0.0))
+                });
                 if counts.len() != s_count || counts.iter().sum::<usize>() != layers || empty {
                     return Err(Error::InvalidArgument {
                         op: "Pipeline",
@@ -330,14 +378,27 @@ impl Pipeline {
         let (mut start, mut stream) = (0, Vec::new());
         for (i, (&count, k)) in blocks.iter().zip(group.members()).enumerate() {
             let mut build = || -> Result<Stage> {
-                let (g, input, output, units) = unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
-                let end = if i == last { StageEnd::Last(criterion) } else { StageEnd::Middle };
+                let (g, input, output, units) =
+                    unit_graph_blocks(model, i == 0, i == last, start..start + count, micro_rows, &mut stream)?;
+                let end = if i == last {
+                    StageEnd::Last(criterion)
+                } else {
+                    StageEnd::Middle
+                };
                 Stage::with_options(k.clone(), g, &units, input, output, i > 0, end, optimizer, options)
             };
             stages.push(build().map_err(|e| on_device(i, k, e))?);
             start += count;
         }
-        let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages, (0..s_count).collect(), vec![HashMap::new(); s_count])?;
+        let spread = Spread::new(
+            model.named_parameters(),
+            model.describe(),
+            criterion,
+            optimizer,
+            &stages,
+            (0..s_count).collect(),
+            vec![HashMap::new(); s_count],
+        )?;
         let target_width = widths.target_width(criterion);
         let mut pipeline = Pipeline {
             stages,
@@ -388,7 +449,10 @@ impl Pipeline {
     /// backward ([`crate::graph::Plan::held_activation_bytes`]), which
     /// activation checkpointing and f16 storage lower.
     pub fn held_activation_bytes(&self) -> Vec<u64> {
-        self.stages.iter().map(|s| s.executor().plan().held_activation_bytes).collect()
+        self.stages
+            .iter()
+            .map(|s| s.executor().plan().held_activation_bytes)
+            .collect()
     }
 
     /// Device memory each stage's executor holds ([`crate::graph::Executor::peak_bytes`]).
@@ -425,7 +489,13 @@ impl Pipeline {
     /// One line of what the steps so far measured.
     pub fn report(&self) -> String {
         let steps = self.stats.steps.max(1) as f64;
-        let kib = |bytes: &[u64]| bytes.iter().map(|b| format!("{:.0}", *b as f64 / 1024.0)).collect::<Vec<_>>().join(", ");
+        let kib = |bytes: &[u64]| {
+            bytes
+                .iter()
+                .map(|b| format!("{:.0}", *b as f64 / 1024.0))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         format!(
             "{} steps, {:.1} ms/step, bubble {:.2} (ideal {:.2}), communication {:.0}% of step time, peak stash per stage {:?} micro-batches ([{}] KiB host), activations held per stage [{}] KiB",
             self.stats.steps,
@@ -448,9 +518,21 @@ impl Pipeline {
     /// One optimizer step on `input` and `targets` (`global_batch`
     /// examples each). Returns the mean loss over the whole batch when
     /// `read_loss`.
-    pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'a>(
+        &mut self,
+        input: impl Into<Examples<'a>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let input = input.into();
-        check_batch("Pipeline::step", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
+        check_batch(
+            "Pipeline::step",
+            self.global_batch,
+            self.widths.inputs,
+            self.target_width,
+            input,
+            targets,
+        )?;
         let wall = Instant::now();
         self.seed_scale = self.spread.seed_scale(&self.stages)?;
         let work = std::mem::take(&mut self.work);
@@ -467,7 +549,10 @@ impl Pipeline {
         self.stats.steps += 1;
         self.stats.wall += wall.elapsed();
         if read_loss && !loss.is_finite() {
-            return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value: loss as f32,
+                step: self.step_count(),
+            });
         }
         Ok(read_loss.then_some(loss as f32))
     }
@@ -477,21 +562,44 @@ impl Pipeline {
     /// gradient, no update.
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        check_batch("Pipeline::evaluate_loss", self.global_batch, self.widths.inputs, self.target_width, input, targets)?;
+        check_batch(
+            "Pipeline::evaluate_loss",
+            self.global_batch,
+            self.widths.inputs,
+            self.target_width,
+            input,
+            targets,
+        )?;
         let s_count = self.stages.len();
         let work: Vec<Vec<Work>> = (0..s_count)
-            .map(|s| if s + 1 == s_count { (0..self.micro_batches).map(Work::Loss).collect() } else { (0..self.micro_batches).map(Work::Forward).collect() })
+            .map(|s| {
+                if s + 1 == s_count {
+                    (0..self.micro_batches).map(Work::Loss).collect()
+                } else {
+                    (0..self.micro_batches).map(Work::Forward).collect()
+                }
+            })
             .collect();
         let loss = self.run(&work, input, targets, false, true)? as f32;
         if !loss.is_finite() {
-            return Err(Error::NonFiniteLoss { value: loss, step: self.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value: loss,
+                step: self.step_count(),
+            });
         }
         Ok(loss)
     }
 
     /// Runs `work` tick by tick; returns the weighted sum of the
     /// micro-batches' losses (the global mean) when read.
-    fn run(&mut self, work: &[Vec<Work>], input: Examples<'_>, targets: Targets<'_>, training: bool, read_loss: bool) -> Result<f64> {
+    fn run(
+        &mut self,
+        work: &[Vec<Work>],
+        input: Examples<'_>,
+        targets: Targets<'_>,
+        training: bool,
+        read_loss: bool,
+    ) -> Result<f64> {
         let (s_count, m_count) = (self.stages.len(), self.micro_batches);
         let mut next = vec![0usize; s_count];
         let mut forwarded = vec![vec![false; m_count]; s_count];
@@ -506,16 +614,23 @@ impl Pipeline {
                 Work::Forward(m) | Work::Loss(m) => s == 0 || forwarded[s - 1][m],
                 Work::Backward(m) if s + 1 == s_count => {
                     // GPipe flushes: backward starts once every forward ran.
-                    s == 0 || (forwarded[s - 1][m] && (self.schedule == Schedule::OneFOneB || forwarded[s - 1][m_count - 1]))
+                    s == 0
+                        || (forwarded[s - 1][m]
+                            && (self.schedule == Schedule::OneFOneB || forwarded[s - 1][m_count - 1]))
                 }
                 Work::Backward(m) => backwarded[s + 1][m],
             };
-            let active: Vec<(usize, Work)> = (0..s_count).filter_map(|s| work[s].get(next[s]).copied().filter(|&w| ready(s, w)).map(|w| (s, w))).collect();
+            let active: Vec<(usize, Work)> = (0..s_count)
+                .filter_map(|s| work[s].get(next[s]).copied().filter(|&w| ready(s, w)).map(|w| (s, w)))
+                .collect();
             if active.is_empty() {
                 if (0..s_count).all(|s| next[s] == work[s].len()) {
                     return Ok(loss);
                 }
-                return Err(Error::InvalidArgument { op: "Pipeline", reason: format!("the {} schedule stalled with work left at {next:?}", self.schedule) });
+                return Err(Error::InvalidArgument {
+                    op: "Pipeline",
+                    reason: format!("the {} schedule stalled with work left at {next:?}", self.schedule),
+                });
             }
             let results = self.tick(&active, input, targets, training)?;
             for (&(s, w), value) in active.iter().zip(results) {
@@ -546,7 +661,12 @@ impl Pipeline {
                         // what it holds is the inputs received.
                         self.activations[s].iter().flatten().count()
                     };
-                    let bytes: usize = self.activations[s].iter().chain(&self.gradients[s]).flatten().map(|v| 4 * v.len()).sum();
+                    let bytes: usize = self.activations[s]
+                        .iter()
+                        .chain(&self.gradients[s])
+                        .flatten()
+                        .map(|v| 4 * v.len())
+                        .sum();
                     self.stats.peak_in_flight[s] = self.stats.peak_in_flight[s].max(in_flight);
                     self.stats.peak_stash_bytes[s] = self.stats.peak_stash_bytes[s].max(bytes as u64);
                 }
@@ -557,7 +677,13 @@ impl Pipeline {
     /// Submits `active`'s work on every stage, then copies the stages'
     /// results (outputs, input gradients, evaluation losses) to the host
     /// together. One result per active stage, `None` where there is none.
-    fn tick(&mut self, active: &[(usize, Work)], input: Examples<'_>, targets: Targets<'_>, training: bool) -> Result<Vec<Option<Vec<f32>>>> {
+    fn tick(
+        &mut self,
+        active: &[(usize, Work)],
+        input: Examples<'_>,
+        targets: Targets<'_>,
+        training: bool,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let start = Instant::now();
         let last = self.stages.len() - 1;
         let scale = self.seed_scale * (self.micro_rows as f32 / self.global_batch as f32);
@@ -569,14 +695,27 @@ impl Pipeline {
         for (s, w) in order.into_iter().map(|k| active[k]) {
             let m = w.micro();
             let micro_input = self.micro_input(input, m);
-            let activations = if s == 0 { None } else { Some(stashed(&self.activations[s][m], "input", s, m)?) };
+            let activations = if s == 0 {
+                None
+            } else {
+                Some(stashed(&self.activations[s][m], "input", s, m)?)
+            };
             let gradient = match w {
                 Work::Backward(_) if s < last => Some(stashed(&self.gradients[s][m], "output gradient", s, m)?),
                 _ => None,
             };
             let stage = &mut self.stages[s];
             let wrote = Instant::now();
-            write_inputs(stage, w, micro_input, activations, gradient, shard(targets, m * self.micro_rows, self.micro_rows, self.target_width), scale).map_err(|e| on_device(s, &stage.kernels, e))?;
+            write_inputs(
+                stage,
+                w,
+                micro_input,
+                activations,
+                gradient,
+                shard(targets, m * self.micro_rows, self.micro_rows, self.target_width),
+                scale,
+            )
+            .map_err(|e| on_device(s, &stage.kernels, e))?;
             writing += wrote.elapsed();
             launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
@@ -616,7 +755,11 @@ impl Pipeline {
             for (k, &(s, _)) in active.iter().enumerate() {
                 self.stats.busy[s] += owners.iter().position(|&o| o == k).map_or(elapsed, |i| arrived[i]);
             }
-            self.stats.communication += writing + arrived.iter().max().map_or(Duration::ZERO, |slowest| elapsed.saturating_sub(*slowest));
+            self.stats.communication += writing
+                + arrived
+                    .iter()
+                    .max()
+                    .map_or(Duration::ZERO, |slowest| elapsed.saturating_sub(*slowest));
         }
         let mut results: Vec<Option<Vec<f32>>> = vec![None; active.len()];
         for (k, v) in owners.into_iter().zip(values) {
@@ -634,12 +777,23 @@ impl Pipeline {
     /// Argmax of [`Pipeline::outputs`], computed by the last stage's device,
     /// which reads back one index per row instead of the outputs.
     pub fn predict<'a>(&mut self, x: impl Into<Examples<'a>>) -> Result<Vec<u32>> {
-        self.in_chunks("Pipeline::predict", features(x.into(), "Pipeline::predict")?, 1, Stage::predictions)
+        self.in_chunks(
+            "Pipeline::predict",
+            features(x.into(), "Pipeline::predict")?,
+            1,
+            Stage::predictions,
+        )
     }
 
     /// `read` of the last stage for each micro-batch-sized chunk of
     /// `features` fed through the others.
-    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
+    fn in_chunks<T: Copy>(
+        &mut self,
+        op: &'static str,
+        features: &[f32],
+        width: usize,
+        read: impl Fn(&mut Stage) -> Result<Vec<T>>,
+    ) -> Result<Vec<T>> {
         let stages = &mut self.stages;
         super::outputs_in_chunks(op, features, self.widths.inputs, self.micro_rows, width, |chunk| {
             let last = feed_last_stage(stages, chunk)?;
@@ -647,34 +801,51 @@ impl Pipeline {
             read(&mut stages[last]).map_err(|e| on_device(last, &k, e))
         })
     }
-
 }
 
 /// Feeds one chunk of features forward through every stage but the last
 /// and sets the last one's input; returns the last stage's index.
 fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
     let Some(last) = stages.len().checked_sub(1) else {
-        return Err(Error::InvalidArgument { op: "Pipeline", reason: "no stages".into() });
+        return Err(Error::InvalidArgument {
+            op: "Pipeline",
+            reason: "no stages".into(),
+        });
     };
     let mut h: Option<Vec<f32>> = None;
     for (s, stage) in stages[..last].iter_mut().enumerate() {
         let k = stage.kernels.clone();
-        stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(s, &k, e))?;
+        stage
+            .feed(Examples::Features(chunk), h.as_deref())
+            .map_err(|e| on_device(s, &k, e))?;
         stage.forward().map_err(|e| on_device(s, &k, e))?;
         h = Some(k.read(stage.output_view()?).map_err(|e| on_device(s, &k, e))?);
     }
     let stage = &stages[last];
-    stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(last, &stage.kernels, e))?;
+    stage
+        .feed(Examples::Features(chunk), h.as_deref())
+        .map_err(|e| on_device(last, &stage.kernels, e))?;
     Ok(last)
 }
 
 fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Result<&'a [f32]> {
-    slot.as_deref().ok_or_else(|| Error::InvalidArgument { op: "Pipeline", reason: format!("stage {s} has no {what} for micro-batch {m}: the schedule ran out of order") })
+    slot.as_deref().ok_or_else(|| Error::InvalidArgument {
+        op: "Pipeline",
+        reason: format!("stage {s} has no {what} for micro-batch {m}: the schedule ran out of order"),
+    })
 }
 
 /// Writes what a stage reads for `work`: its input, and the gradient of
 /// its output or its targets.
-fn write_inputs(stage: &mut Stage, work: Work, input: Examples<'_>, activations: Option<&[f32]>, gradient: Option<&[f32]>, targets: Targets<'_>, scale: f32) -> Result<()> {
+fn write_inputs(
+    stage: &mut Stage,
+    work: Work,
+    input: Examples<'_>,
+    activations: Option<&[f32]>,
+    gradient: Option<&[f32]>,
+    targets: Targets<'_>,
+    scale: f32,
+) -> Result<()> {
     stage.feed(input, activations)?;
     match (work, gradient) {
         (Work::Forward(_), _) => Ok(()),
@@ -702,7 +873,10 @@ fn name_stage(error: Error, parts: &[(&Kernels, View<'_>)], stage_of: &[usize]) 
                 let label = k.device().label();
                 (device == format!("#{i} {label}")).then(|| format!("#{s} {label}"))
             });
-            Error::OnDevice { device: renamed.unwrap_or(device), source }
+            Error::OnDevice {
+                device: renamed.unwrap_or(device),
+                source,
+            }
         }
         other => other,
     }
@@ -714,7 +888,12 @@ impl TrainEngine for Pipeline {
         Holding::Stages(&self.spread, &self.stages)
     }
     /// A shared parameter on every stage holding it ([`Spread::load_state`]).
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         self.spread.load_state(&mut self.stages, params, state, step)
     }
     fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {
@@ -736,13 +915,25 @@ impl TrainEngine for Pipeline {
             }
             holds.extend(block_range(start, count));
             if i == last {
-                holds.push(if self.costs.epilogue > 0.0 { "epilogue, loss".into() } else { "loss".into() });
+                holds.push(if self.costs.epilogue > 0.0 {
+                    "epilogue, loss".into()
+                } else {
+                    "loss".into()
+                });
             }
-            parts.push(format!("stage {i} on #{i} {}: {}", stage.kernels.device().label(), holds.join(", ")));
+            parts.push(format!(
+                "stage {i} on #{i} {}: {}",
+                stage.kernels.device().label(),
+                holds.join(", ")
+            ));
             start += count;
         }
         let shared: Vec<&str> = self.spread.shared().iter().map(|s| s.name.as_str()).collect();
-        let shared = if shared.is_empty() { String::new() } else { format!("; shared between stages: {}", shared.join(", ")) };
+        let shared = if shared.is_empty() {
+            String::new()
+        } else {
+            format!("; shared between stages: {}", shared.join(", "))
+        };
         format!(
             "pipeline ({}) over {} stage(s), {} micro-batches of {} examples: {}{shared}",
             self.schedule,

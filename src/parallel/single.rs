@@ -80,7 +80,16 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, None, criterion.into(), optimizer.into(), batch_size, options, true)
+        Self::build(
+            kernels,
+            model,
+            None,
+            criterion.into(),
+            optimizer.into(),
+            batch_size,
+            options,
+            true,
+        )
     }
 
     /// [`Trainer::with_options`] for a model cut into blocks, which
@@ -94,7 +103,16 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, Some(model), criterion.into(), optimizer.into(), batch_size, options, true)
+        Self::build(
+            kernels,
+            model,
+            Some(model),
+            criterion.into(),
+            optimizer.into(),
+            batch_size,
+            options,
+            true,
+        )
     }
 
     /// [`Trainer::with_options`] without the optimizer's state and update:
@@ -112,7 +130,16 @@ impl Trainer {
         batch_size: usize,
         options: PlanOptions,
     ) -> Result<Self> {
-        Self::build(kernels, model, Some(model), criterion.into(), optimizer.into(), batch_size, options, false)
+        Self::build(
+            kernels,
+            model,
+            Some(model),
+            criterion.into(),
+            optimizer.into(),
+            batch_size,
+            options,
+            false,
+        )
     }
 
     /// The graph of `model` (by its blocks when checkpointing a `staged`
@@ -132,9 +159,29 @@ impl Trainer {
         // f16 storage needs the adapter's SHADER_F16; without it the step
         // stays f32 (`Trainer::precision` tells the caller).
         let f16 = options.precision == Precision::F16 && kernels.supports_f16();
-        let t = training_graph_with_passes(model, staged, criterion, batch_size, options.checkpoint_activations, f16)?;
+        let t = training_graph_with_passes(
+            model,
+            staged,
+            criterion,
+            batch_size,
+            options.checkpoint_activations,
+            f16,
+        )?;
         let outputs = t.outputs();
-        let TrainingGraph { graph: mut g, built: Built { input, output, in_per_example: in_features, out_per_example: out_features }, target, loss, prediction, grads } = t;
+        let TrainingGraph {
+            graph: mut g,
+            built:
+                Built {
+                    input,
+                    output,
+                    in_per_example: in_features,
+                    out_per_example: out_features,
+                },
+            target,
+            loss,
+            prediction,
+            grads,
+        } = t;
         let exec = if own_optimizer {
             Executor::with_options(kernels, g, &outputs, Some(grads), Some(optimizer), options)?
         } else {
@@ -167,7 +214,11 @@ impl Trainer {
     /// when asked for and the adapter has SHADER_F16.
     pub fn precision(&self) -> Precision {
         let f16 = self.exec.graph().nodes().iter().any(|n| n.dtype == DType::F16);
-        if f16 { Precision::F16 } else { Precision::F32 }
+        if f16 {
+            Precision::F16
+        } else {
+            Precision::F32
+        }
     }
 
     pub fn executor(&self) -> &Executor {
@@ -222,7 +273,10 @@ impl Trainer {
             (Criterion::Mse, Targets::Values(v)) => self.exec.set_input(self.target, v)?,
             (Criterion::CrossEntropy, Targets::Classes(c)) => self.exec.set_labels(self.target, c)?,
             (c, _) => {
-                return Err(Error::InvalidArgument { op: "Trainer::loss", reason: format!("{c:?} loss got the other kind of targets") });
+                return Err(Error::InvalidArgument {
+                    op: "Trainer::loss",
+                    reason: format!("{c:?} loss got the other kind of targets"),
+                });
             }
         }
         self.targets_done = true;
@@ -232,7 +286,10 @@ impl Trainer {
     /// Marks the backward pass for this step (`loss.backward()`).
     pub fn backward(&mut self) -> Result<()> {
         if !(self.forward_done && self.targets_done) {
-            return Err(Error::InvalidArgument { op: "backward", reason: "call forward() and loss() first".into() });
+            return Err(Error::InvalidArgument {
+                op: "backward",
+                reason: "call forward() and loss() first".into(),
+            });
         }
         self.backward_done = true;
         Ok(())
@@ -240,7 +297,10 @@ impl Trainer {
 
     fn submit(&mut self, read_loss: bool) -> Result<Option<f32>> {
         if !self.backward_done {
-            return Err(Error::InvalidArgument { op: "step", reason: "call backward() before step()".into() });
+            return Err(Error::InvalidArgument {
+                op: "step",
+                reason: "call backward() before step()".into(),
+            });
         }
         let loss = self.exec.train_step(self.zero_grad_pending, true, read_loss)?;
         self.zero_grad_pending = false;
@@ -255,7 +315,10 @@ impl Trainer {
     /// the loss when `read_loss`.
     pub fn forward_backward(&mut self, read_loss: bool) -> Result<Option<f32>> {
         if !(self.forward_done && self.targets_done) {
-            return Err(Error::InvalidArgument { op: "forward_backward", reason: "call forward() and loss() first".into() });
+            return Err(Error::InvalidArgument {
+                op: "forward_backward",
+                reason: "call forward() and loss() first".into(),
+            });
         }
         let loss = self.exec.train_step(true, false, read_loss)?;
         self.forward_done = false;
@@ -277,7 +340,10 @@ impl Trainer {
         self.exec.run(&[self.loss])?;
         let value = self.exec.read(self.loss)?.first().copied().unwrap_or(f32::NAN);
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value,
+                step: self.exec.step_count(),
+            });
         }
         Ok(value)
     }
@@ -295,7 +361,10 @@ impl Trainer {
     /// As [`Trainer::step`], also copying the loss back in the same
     /// submission; waits for it. A NaN or infinite loss is an error.
     pub fn step_reading_loss(&mut self) -> Result<f32> {
-        self.submit(true)?.ok_or_else(|| Error::Readback { op: "step", message: "no loss came back".into() })
+        self.submit(true)?.ok_or_else(|| Error::Readback {
+            op: "step",
+            message: "no loss came back".into(),
+        })
     }
 
     /// The loss of the last step (`loss.item()`); waits for the GPU.
@@ -303,7 +372,10 @@ impl Trainer {
         let v = self.exec.read(self.loss)?;
         let value = v.first().copied().unwrap_or(f32::NAN);
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value,
+                step: self.exec.step_count(),
+            });
         }
         Ok(value)
     }
@@ -311,12 +383,22 @@ impl Trainer {
     /// Model outputs for any number of rows of features (run in
     /// batch-sized chunks, the last one padded).
     pub fn outputs(&mut self, features: &[f32]) -> Result<Vec<f32>> {
-        chunked_outputs(&mut self.exec, (self.input, self.output), (self.batch_size, self.in_features, self.out_features), features)
+        chunked_outputs(
+            &mut self.exec,
+            (self.input, self.output),
+            (self.batch_size, self.in_features, self.out_features),
+            features,
+        )
     }
 
     /// The class with the largest output for each row (argmax).
     pub fn predict(&mut self, features: &[f32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), features)
+        chunked_predictions(
+            &mut self.exec,
+            (self.input, self.prediction),
+            (self.batch_size, self.in_features),
+            features,
+        )
     }
 
     /// [`Trainer::predict`] or [`Trainer::predict_ids`].
@@ -330,13 +412,24 @@ impl Trainer {
     /// The argmax over the last output dimension for every position of
     /// every sequence of token `ids` (run in batch-sized chunks).
     pub fn predict_ids(&mut self, ids: &[u32]) -> Result<Vec<u32>> {
-        chunked_predictions(&mut self.exec, (self.input, self.prediction), (self.batch_size, self.in_features), ids)
+        chunked_predictions(
+            &mut self.exec,
+            (self.input, self.prediction),
+            (self.batch_size, self.in_features),
+            ids,
+        )
     }
 
     /// Parameters (state_dict names), optimizer state (`optim.<param>.<state>`)
     /// and metadata (model, optimizer, criterion, step).
     pub fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: &self.model_description, criterion: self.criterion, optimizer: &self.optimizer, step: self.exec.step_count(), loss_scale: self.exec.read_loss_scale()? };
+        let about = CheckpointAbout {
+            model: &self.model_description,
+            criterion: self.criterion,
+            optimizer: &self.optimizer,
+            step: self.exec.step_count(),
+            loss_scale: self.exec.read_loss_scale()?,
+        };
         assemble_checkpoint(self.exec.parameters()?, self.exec.optimizer_state()?, &about)
     }
 
@@ -359,28 +452,39 @@ impl Trainer {
         if same_optimizer {
             for t in ckpt.tensors.iter().filter(|t| t.name.starts_with("optim.")) {
                 let rest = &t.name["optim.".len()..];
-                let Some((param, state_name)) = rest.rsplit_once('.') else { continue };
+                let Some((param, state_name)) = rest.rsplit_once('.') else {
+                    continue;
+                };
                 state.push((param.to_string(), state_name.to_string(), t.data.clone()));
             }
         } else {
-            log::warn!("checkpoint optimizer {:?} differs from {ours:?}: loading parameters only", ckpt.meta("optimizer"));
+            log::warn!(
+                "checkpoint optimizer {:?} differs from {ours:?}: loading parameters only",
+                ckpt.meta("optimizer")
+            );
         }
         // The step count only means something with the moments it belongs
         // to: without complete state, start the optimizer afresh.
         let names = self.exec.optimizer_state_names();
         let complete = same_optimizer
-            && params.iter().all(|(p, _, _)| names.iter().all(|n| state.iter().any(|(sp, sn, _)| sp == p && sn == n)));
+            && params
+                .iter()
+                .all(|(p, _, _)| names.iter().all(|n| state.iter().any(|(sp, sn, _)| sp == p && sn == n)));
         if !complete {
             state.clear();
         }
         let step = ckpt.meta("step").and_then(|s| s.parse::<u64>().ok());
         // Read before anything on the GPU changes: corrupt metadata loses nothing.
-        let scale = if complete { optim::LossScaleState::from_metadata(|key| ckpt.meta(key))? } else { None };
-        self.exec.load_state(&params, &state, if complete { step } else { None })?;
+        let scale = if complete {
+            optim::LossScaleState::from_metadata(|key| ckpt.meta(key))?
+        } else {
+            None
+        };
+        self.exec
+            .load_state(&params, &state, if complete { step } else { None })?;
         match scale {
             Some(scale) => self.exec.load_loss_scale(&scale),
             None => Ok(()),
         }
     }
 }
-

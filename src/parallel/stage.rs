@@ -7,15 +7,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::on_device;
+use super::{Examples, Targets};
 use crate::error::{Error, Result};
 use crate::graph::{ArenaPool, Block, Executor, Gradients, Graph, PlanOptions, Precision, Remap, Tensor};
-use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::io::checkpoint::Checkpoint;
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
+use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::shard::Slice;
 use crate::nn::Criterion;
 use crate::optim::{self, LossScaleState};
-use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
-use super::{Examples, Targets};
 
 /// What ends a stage.
 #[derive(Clone, Copy, Debug)]
@@ -85,7 +85,19 @@ impl StageGraph {
         let mut outputs = vec![output];
         outputs.extend(loss);
         outputs.extend(prediction);
-        Ok(StageGraph { graph: g, outputs, grads, ends: StageEnds { seed, input_grad, target, loss, prediction, criterion } })
+        Ok(StageGraph {
+            graph: g,
+            outputs,
+            grads,
+            ends: StageEnds {
+                seed,
+                input_grad,
+                target,
+                loss,
+                prediction,
+                criterion,
+            },
+        })
     }
 
     /// This stage with the passes a single-device trainer applies:
@@ -95,7 +107,13 @@ impl StageGraph {
     /// input and output), move to the new graph. What a stage passes on
     /// (its output, its input's gradient) stays f32: the f16 pass adds
     /// copies and changes no tensor's type.
-    pub fn with_passes(mut self, blocks: &[Block], checkpoint: bool, f16: bool, carried: &mut [Tensor]) -> Result<Self> {
+    pub fn with_passes(
+        mut self,
+        blocks: &[Block],
+        checkpoint: bool,
+        f16: bool,
+        carried: &mut [Tensor],
+    ) -> Result<Self> {
         if checkpoint && !blocks.is_empty() {
             self = self.remapped(|g, grads| g.with_recomputed_blocks(grads, blocks), carried)?;
         }
@@ -105,21 +123,55 @@ impl StageGraph {
         Ok(self)
     }
 
-    fn remapped(self, pass: impl FnOnce(&Graph, &Gradients) -> Result<(Graph, Gradients, Remap)>, carried: &mut [Tensor]) -> Result<Self> {
+    fn remapped(
+        self,
+        pass: impl FnOnce(&Graph, &Gradients) -> Result<(Graph, Gradients, Remap)>,
+        carried: &mut [Tensor],
+    ) -> Result<Self> {
         let (graph, grads, at) = pass(&self.graph, &self.grads)?;
         let moved = |t: Option<Tensor>| t.map(|t| at.tensor(t));
         carried.iter_mut().for_each(|t| *t = at.tensor(*t));
         let e = self.ends;
-        let ends = StageEnds { seed: at.tensor(e.seed), input_grad: moved(e.input_grad), target: moved(e.target), loss: moved(e.loss), prediction: moved(e.prediction), criterion: e.criterion };
-        Ok(StageGraph { graph, outputs: self.outputs.iter().map(|&t| at.tensor(t)).collect(), grads, ends })
+        let ends = StageEnds {
+            seed: at.tensor(e.seed),
+            input_grad: moved(e.input_grad),
+            target: moved(e.target),
+            loss: moved(e.loss),
+            prediction: moved(e.prediction),
+            criterion: e.criterion,
+        };
+        Ok(StageGraph {
+            graph,
+            outputs: self.outputs.iter().map(|&t| at.tensor(t)).collect(),
+            grads,
+            ends,
+        })
     }
 }
 
 impl Stage {
     /// A stage over a graph already holding `input -> output`; with
     /// `input_grad` its backward also yields d loss / d input.
-    pub fn from_graph(kernels: Arc<Kernels>, g: Graph, input: Tensor, output: Tensor, input_grad: bool, end: StageEnd, optimizer: OptimizerConfig) -> Result<Self> {
-        Self::with_options(kernels, g, &[], input, output, input_grad, end, optimizer, PlanOptions::default())
+    pub fn from_graph(
+        kernels: Arc<Kernels>,
+        g: Graph,
+        input: Tensor,
+        output: Tensor,
+        input_grad: bool,
+        end: StageEnd,
+        optimizer: OptimizerConfig,
+    ) -> Result<Self> {
+        Self::with_options(
+            kernels,
+            g,
+            &[],
+            input,
+            output,
+            input_grad,
+            end,
+            optimizer,
+            PlanOptions::default(),
+        )
     }
 
     /// [`Stage::from_graph`] planned with `options`: with
@@ -144,11 +196,27 @@ impl Stage {
     ) -> Result<Self> {
         let f16 = options.precision == Precision::F16 && kernels.supports_f16();
         let mut ends = [input, output];
-        let stage = StageGraph::complete(g, input, output, input_grad, end)?.with_passes(blocks, options.checkpoint_activations, f16, &mut ends)?;
-        let StageGraph { graph, outputs, grads, ends: stage_ends } = stage;
+        let stage = StageGraph::complete(g, input, output, input_grad, end)?.with_passes(
+            blocks,
+            options.checkpoint_activations,
+            f16,
+            &mut ends,
+        )?;
+        let StageGraph {
+            graph,
+            outputs,
+            grads,
+            ends: stage_ends,
+        } = stage;
         let exec = Executor::with_options(kernels.clone(), graph, &outputs, Some(grads), Some(optimizer), options)?;
         let [input, output] = ends;
-        Ok(Stage { kernels, exec, input, output, ends: stage_ends })
+        Ok(Stage {
+            kernels,
+            exec,
+            input,
+            output,
+            ends: stage_ends,
+        })
     }
 
     /// A stage over the completed `stage` (`input -> output`) whose
@@ -156,11 +224,32 @@ impl Stage {
     /// ([`Executor::with_arenas`]), its parameters at least
     /// `arena_alignment` bytes apart (0: the device's own). It has no
     /// optimizer: its owner keeps and updates the parameters elsewhere.
-    pub fn with_arenas(kernels: Arc<Kernels>, stage: StageGraph, input: Tensor, output: Tensor, pool: &ArenaPool, arena_alignment: u32) -> Result<Self> {
-        let StageGraph { graph, outputs, grads: gradients, ends } = stage;
-        let options = PlanOptions { arena_alignment, ..PlanOptions::default() };
+    pub fn with_arenas(
+        kernels: Arc<Kernels>,
+        stage: StageGraph,
+        input: Tensor,
+        output: Tensor,
+        pool: &ArenaPool,
+        arena_alignment: u32,
+    ) -> Result<Self> {
+        let StageGraph {
+            graph,
+            outputs,
+            grads: gradients,
+            ends,
+        } = stage;
+        let options = PlanOptions {
+            arena_alignment,
+            ..PlanOptions::default()
+        };
         let exec = Executor::with_arenas(kernels.clone(), graph, &outputs, gradients, options, pool)?;
-        Ok(Stage { kernels, exec, input, output, ends })
+        Ok(Stage {
+            kernels,
+            exec,
+            input,
+            output,
+            ends,
+        })
     }
 
     pub fn executor(&self) -> &Executor {
@@ -211,7 +300,10 @@ impl Stage {
     /// Last stage: runs the forward pass and the argmax of each output row
     /// on the device and reads back only the class indices (waits).
     pub fn predictions(&mut self) -> Result<Vec<u32>> {
-        let prediction = self.ends.prediction.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage predicts".into() })?;
+        let prediction = self.ends.prediction.ok_or_else(|| Error::InvalidArgument {
+            op: "Stage",
+            reason: "only the last stage predicts".into(),
+        })?;
         self.exec.run(&[prediction])?;
         self.exec.read_u32(prediction)
     }
@@ -219,7 +311,10 @@ impl Stage {
     /// Middle stages: the gradient of the output.
     pub fn set_output_gradient(&self, d_output: &[f32]) -> Result<()> {
         if self.ends.loss.is_some() {
-            return Err(Error::InvalidArgument { op: "Stage", reason: "the last stage starts backward from its loss".into() });
+            return Err(Error::InvalidArgument {
+                op: "Stage",
+                reason: "the last stage starts backward from its loss".into(),
+            });
         }
         self.exec.set_input(self.ends.seed, d_output)
     }
@@ -229,12 +324,20 @@ impl Stage {
     /// the backward).
     pub fn set_targets(&self, targets: Targets<'_>, loss_scale: f32) -> Result<()> {
         let (Some(t), Some(criterion)) = (self.ends.target, self.ends.criterion) else {
-            return Err(Error::InvalidArgument { op: "Stage", reason: "only the last stage has targets".into() });
+            return Err(Error::InvalidArgument {
+                op: "Stage",
+                reason: "only the last stage has targets".into(),
+            });
         };
         match (criterion, targets) {
             (Criterion::Mse, Targets::Values(v)) => self.exec.set_input(t, v)?,
             (Criterion::CrossEntropy, Targets::Classes(c)) => self.exec.set_labels(t, c)?,
-            _ => return Err(Error::InvalidArgument { op: "Stage", reason: "targets of the other kind for this loss".into() }),
+            _ => {
+                return Err(Error::InvalidArgument {
+                    op: "Stage",
+                    reason: "targets of the other kind for this loss".into(),
+                })
+            }
         }
         self.exec.set_input(self.ends.seed, &[loss_scale])
     }
@@ -251,7 +354,10 @@ impl Stage {
 
     /// The last stage's mean loss of its last backward run (waits).
     pub fn loss_value(&self) -> Result<f32> {
-        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "not the last stage".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument {
+            op: "Stage",
+            reason: "not the last stage".into(),
+        })?;
         let v = self.exec.read(loss)?;
         Ok(v.first().copied().unwrap_or(f32::NAN))
     }
@@ -259,7 +365,10 @@ impl Stage {
     /// Last stage: submits the forward pass up to the loss only, for the
     /// input and targets set (evaluation: no gradients; no wait).
     pub fn forward_loss(&mut self) -> Result<()> {
-        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument {
+            op: "Stage",
+            reason: "only the last stage has a loss".into(),
+        })?;
         self.exec.run(&[loss])
     }
 
@@ -276,11 +385,22 @@ impl Stage {
     /// Last stage: the mean loss of its current input against `targets`,
     /// forward only (evaluation: no backward, gradients untouched); waits.
     pub fn evaluate_loss(&mut self, targets: Targets<'_>) -> Result<f32> {
-        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument { op: "Stage", reason: "only the last stage has a loss".into() })?;
+        let loss = self.ends.loss.ok_or_else(|| Error::InvalidArgument {
+            op: "Stage",
+            reason: "only the last stage has a loss".into(),
+        })?;
         self.set_targets(targets, 1.0)?;
-        let value = self.exec.run_and_read(&[loss], loss)?.first().copied().unwrap_or(f32::NAN);
+        let value = self
+            .exec
+            .run_and_read(&[loss], loss)?
+            .first()
+            .copied()
+            .unwrap_or(f32::NAN);
         if !value.is_finite() {
-            return Err(Error::NonFiniteLoss { value, step: self.exec.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value,
+                step: self.exec.step_count(),
+            });
         }
         Ok(value)
     }
@@ -288,13 +408,24 @@ impl Stage {
 
 /// Checks that `input` and `targets` hold `rows` examples of `inputs`
 /// values and `target_width` targets each.
-pub fn check_batch(op: &'static str, rows: usize, inputs: usize, target_width: usize, input: Examples<'_>, targets: Targets<'_>) -> Result<()> {
+pub fn check_batch(
+    op: &'static str,
+    rows: usize,
+    inputs: usize,
+    target_width: usize,
+    input: Examples<'_>,
+    targets: Targets<'_>,
+) -> Result<()> {
     let got = match targets {
         Targets::Values(v) => v.len(),
         Targets::Classes(c) => c.len(),
     };
     if input.len() != rows * inputs || got != rows * target_width {
-        return Err(Error::shape(op, format!("the input must be {rows} × {inputs} values and the targets {rows} × {target_width}"), &[&[rows, inputs], &[input.len()], &[got]]));
+        return Err(Error::shape(
+            op,
+            format!("the input must be {rows} × {inputs} values and the targets {rows} × {target_width}"),
+            &[&[rows, inputs], &[input.len()], &[got]],
+        ));
     }
     Ok(())
 }
@@ -318,9 +449,16 @@ pub struct SharedParameter {
 /// whole model's gradient norm, each shared parameter counted once, as
 /// torch.nn.utils.clip_grad_norm_ over the single-device model would;
 /// that norm is returned.
-pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[SharedParameter]) -> Result<Option<f32>> {
+pub fn reduce_and_step(
+    stages: &mut [&mut Stage],
+    devices: &[usize],
+    shared: &[SharedParameter],
+) -> Result<Option<f32>> {
     if devices.len() != stages.len() {
-        return Err(Error::InvalidArgument { op: "reduce_and_step", reason: format!("{} stages but {} device indexes", stages.len(), devices.len()) });
+        return Err(Error::InvalidArgument {
+            op: "reduce_and_step",
+            reason: format!("{} stages but {} device indexes", stages.len(), devices.len()),
+        });
     }
     let fail = |i: usize, stage: &Stage, e: Error| on_device(devices[i], &stage.kernels, e);
     // Σ over shared parameters of (copies - 1)·‖sum‖²: what the per-stage
@@ -333,18 +471,28 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
                 op: "reduce_and_step",
                 reason: format!("`{}` names stage {h} of {}", parameter.name, devices.len()),
             })?;
-            let grad = stage.exec.read_grad_named(&parameter.name).map_err(|e| fail(h, stage, e))?;
+            let grad = stage
+                .exec
+                .read_grad_named(&parameter.name)
+                .map_err(|e| fail(h, stage, e))?;
             if sum.is_empty() {
                 sum = grad.iter().map(|&v| f64::from(v)).collect();
             } else if sum.len() == grad.len() {
                 sum.iter_mut().zip(&grad).for_each(|(s, &v)| *s += f64::from(v));
             } else {
-                return Err(Error::shape("reduce_and_step", format!("copies of `{}` differ in size", parameter.name), &[&[sum.len()], &[grad.len()]]));
+                return Err(Error::shape(
+                    "reduce_and_step",
+                    format!("copies of `{}` differ in size", parameter.name),
+                    &[&[sum.len()], &[grad.len()]],
+                ));
             }
         }
         let total: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
         for &h in &parameter.holders {
-            stages[h].exec.write_grad_named(&parameter.name, &total).map_err(|e| fail(h, stages[h], e))?;
+            stages[h]
+                .exec
+                .write_grad_named(&parameter.name, &total)
+                .map_err(|e| fail(h, stages[h], e))?;
         }
         let squared: f64 = total.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         counted_twice += parameter.holders.len().saturating_sub(1) as f64 * squared;
@@ -356,17 +504,26 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
     }
     if !clips {
         for (i, stage) in stages.iter_mut().enumerate() {
-            stage.exec.optimizer_step().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+            stage
+                .exec
+                .optimizer_step()
+                .map_err(|e| on_device(devices[i], &stage.kernels, e))?;
         }
         return Ok(None);
     }
     let mut squared = -counted_twice;
     for (i, stage) in stages.iter_mut().enumerate() {
-        squared += stage.exec.grad_norm_squared().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        squared += stage
+            .exec
+            .grad_norm_squared()
+            .map_err(|e| on_device(devices[i], &stage.kernels, e))?;
     }
     let norm = squared.max(0.0).sqrt() as f32;
     for (i, stage) in stages.iter_mut().enumerate() {
-        stage.exec.optimizer_step_with_grad_norm(norm).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        stage
+            .exec
+            .optimizer_step_with_grad_norm(norm)
+            .map_err(|e| on_device(devices[i], &stage.kernels, e))?;
     }
     Ok(Some(norm))
 }
@@ -376,21 +533,35 @@ pub fn reduce_and_step(stages: &mut [&mut Stage], devices: &[usize], shared: &[S
 /// parameters' extra copies taken off, unscaled), then every stage steps
 /// by those totals, so an overflow on any stage skips the step on all,
 /// all clip by the whole model's norm, and their scales stay one value.
-fn step_loss_scaled(stages: &mut [&mut Stage], devices: &[usize], counted_twice: f64, clips: bool) -> Result<Option<f32>> {
+fn step_loss_scaled(
+    stages: &mut [&mut Stage],
+    devices: &[usize],
+    counted_twice: f64,
+    clips: bool,
+) -> Result<Option<f32>> {
     let (mut squares, mut non_finite) = (0.0f64, 0.0f64);
     for (i, stage) in stages.iter().enumerate() {
-        let (s, n) = stage.exec.loss_scale_sums().map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        let (s, n) = stage
+            .exec
+            .loss_scale_sums()
+            .map_err(|e| on_device(devices[i], &stage.kernels, e))?;
         squares += s;
         non_finite += n;
     }
     // The shared gradients' copies were summed as scaled values.
-    if let Some(first) = stages.first().filter(|_| counted_twice > 0.0 && counted_twice.is_finite() && non_finite == 0.0) {
+    if let Some(first) = stages
+        .first()
+        .filter(|_| counted_twice > 0.0 && counted_twice.is_finite() && non_finite == 0.0)
+    {
         let scale = f64::from(loss_scale_of(first)?);
         squares -= counted_twice / (scale * scale);
     }
     let squares = squares.max(0.0);
     for (i, stage) in stages.iter_mut().enumerate() {
-        stage.exec.optimizer_step_with_loss_scale_sums(squares, non_finite).map_err(|e| on_device(devices[i], &stage.kernels, e))?;
+        stage
+            .exec
+            .optimizer_step_with_loss_scale_sums(squares, non_finite)
+            .map_err(|e| on_device(devices[i], &stage.kernels, e))?;
     }
     Ok(clips.then(|| squares.sqrt() as f32))
 }
@@ -398,7 +569,10 @@ fn step_loss_scaled(stages: &mut [&mut Stage], devices: &[usize], counted_twice:
 /// The loss scale `stage` seeds its next backward with (waits).
 fn loss_scale_of(stage: &Stage) -> Result<f32> {
     let state = stage.exec.read_loss_scale()?;
-    state.map(|s| s.scale).ok_or_else(|| Error::InvalidArgument { op: "loss scale", reason: "the stage's optimizer does not scale its loss".into() })
+    state.map(|s| s.scale).ok_or_else(|| Error::InvalidArgument {
+        op: "loss scale",
+        reason: "the stage's optimizer does not scale its loss".into(),
+    })
 }
 
 /// Parameters as (name, shape, values), as [`Executor::parameters`].
@@ -432,25 +606,62 @@ pub struct Spread {
 impl Spread {
     /// `stages` (on `devices[i]`) holding `names`, the single-device
     /// model's parameters; `slices[i]`: stage i's split parameters.
-    pub fn new(names: Vec<(String, Vec<usize>)>, description: String, criterion: Criterion, optimizer: OptimizerConfig, stages: &[Stage], devices: Vec<usize>, slices: Vec<HashMap<String, Slice>>) -> Result<Self> {
+    pub fn new(
+        names: Vec<(String, Vec<usize>)>,
+        description: String,
+        criterion: Criterion,
+        optimizer: OptimizerConfig,
+        stages: &[Stage],
+        devices: Vec<usize>,
+        slices: Vec<HashMap<String, Slice>>,
+    ) -> Result<Self> {
         if devices.len() != stages.len() || slices.len() != stages.len() {
-            return Err(Error::InvalidArgument { op: "Spread", reason: format!("{} stages, {} device indexes, {} slice maps", stages.len(), devices.len(), slices.len()) });
+            return Err(Error::InvalidArgument {
+                op: "Spread",
+                reason: format!(
+                    "{} stages, {} device indexes, {} slice maps",
+                    stages.len(),
+                    devices.len(),
+                    slices.len()
+                ),
+            });
         }
-        let held: Vec<Vec<String>> = stages.iter().map(|s| s.exec.parameters_shapes().into_iter().map(|(n, _)| n).collect()).collect();
+        let held: Vec<Vec<String>> = stages
+            .iter()
+            .map(|s| s.exec.parameters_shapes().into_iter().map(|(n, _)| n).collect())
+            .collect();
         let mut shared = Vec::new();
         for (name, _) in &names {
             let holders: Vec<usize> = (0..stages.len()).filter(|&i| held[i].contains(name)).collect();
             if holders.is_empty() {
-                return Err(Error::InvalidArgument { op: "Spread", reason: format!("no stage declares `{name}`") });
+                return Err(Error::InvalidArgument {
+                    op: "Spread",
+                    reason: format!("no stage declares `{name}`"),
+                });
             }
             if holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
-                shared.push(SharedParameter { name: name.clone(), holders });
+                shared.push(SharedParameter {
+                    name: name.clone(),
+                    holders,
+                });
             }
         }
         if let Some(stray) = held.iter().flatten().find(|h| !names.iter().any(|(n, _)| n == *h)) {
-            return Err(Error::InvalidArgument { op: "Spread", reason: format!("a stage declares `{stray}`, which the model does not name") });
+            return Err(Error::InvalidArgument {
+                op: "Spread",
+                reason: format!("a stage declares `{stray}`, which the model does not name"),
+            });
         }
-        Ok(Spread { names, slices, held, shared, devices, description, criterion, optimizer })
+        Ok(Spread {
+            names,
+            slices,
+            held,
+            shared,
+            devices,
+            description,
+            criterion,
+            optimizer,
+        })
     }
 
     pub fn shared(&self) -> &[SharedParameter] {
@@ -472,7 +683,9 @@ impl Spread {
     /// the optimizer does not scale.
     pub fn seed_scale(&self, stages: &[Stage]) -> Result<f32> {
         match stages.first() {
-            Some(first) if self.optimizer.loss_scaling().is_some() => loss_scale_of(first).map_err(|e| on_device(self.devices[0], &first.kernels, e)),
+            Some(first) if self.optimizer.loss_scaling().is_some() => {
+                loss_scale_of(first).map_err(|e| on_device(self.devices[0], &first.kernels, e))
+            }
             _ => Ok(1.0),
         }
     }
@@ -481,7 +694,10 @@ impl Spread {
     /// when the optimizer does not scale.
     pub fn read_loss_scale(&self, stages: &[Stage]) -> Result<Option<LossScaleState>> {
         match stages.first() {
-            Some(first) => first.exec.read_loss_scale().map_err(|e| on_device(self.devices[0], &first.kernels, e)),
+            Some(first) => first
+                .exec
+                .read_loss_scale()
+                .map_err(|e| on_device(self.devices[0], &first.kernels, e)),
             None => Ok(None),
         }
     }
@@ -490,7 +706,10 @@ impl Spread {
     pub fn load_loss_scale(&self, stages: &mut [Stage], state: &LossScaleState) -> Result<()> {
         for (i, stage) in stages.iter_mut().enumerate() {
             let kernels = stage.kernels.clone();
-            stage.exec.load_loss_scale(state).map_err(|e| on_device(self.devices[i], &kernels, e))?;
+            stage
+                .exec
+                .load_loss_scale(state)
+                .map_err(|e| on_device(self.devices[i], &kernels, e))?;
         }
         Ok(())
     }
@@ -502,7 +721,10 @@ impl Spread {
     /// Every parameter whole, in the model's order, from what `per_stage`
     /// read of each stage (name to values).
     fn gather(&self, per_stage: &[HashMap<String, Vec<f32>>]) -> Result<NamedParameters> {
-        let missing = |name: &str| Error::InvalidArgument { op: "Spread", reason: format!("the stages' shares of `{name}` are missing or of the wrong size") };
+        let missing = |name: &str| Error::InvalidArgument {
+            op: "Spread",
+            reason: format!("the stages' shares of `{name}` are missing or of the wrong size"),
+        };
         self.names
             .iter()
             .map(|(name, shape)| {
@@ -520,7 +742,9 @@ impl Spread {
                         }
                     }
                 }
-                let full = full.filter(|v| v.len() == shape.iter().product::<usize>()).ok_or_else(|| missing(name))?;
+                let full = full
+                    .filter(|v| v.len() == shape.iter().product::<usize>())
+                    .ok_or_else(|| missing(name))?;
                 Ok((name.clone(), shape.clone(), full))
             })
             .collect()
@@ -531,7 +755,12 @@ impl Spread {
         let per_stage = stages
             .iter()
             .enumerate()
-            .map(|(i, s)| s.exec.parameters().map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect()).map_err(|e| on_device(self.devices[i], &s.kernels, e)))
+            .map(|(i, s)| {
+                s.exec
+                    .parameters()
+                    .map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect())
+                    .map_err(|e| on_device(self.devices[i], &s.kernels, e))
+            })
             .collect::<Result<Vec<_>>>()?;
         self.gather(&per_stage)
     }
@@ -539,17 +768,34 @@ impl Spread {
     /// The optimizer state whole under the single-device names, each
     /// parameter once.
     pub fn optimizer_state(&self, stages: &[Stage]) -> Result<NamedState> {
-        let Some(first) = stages.first() else { return Ok(Vec::new()) };
+        let Some(first) = stages.first() else {
+            return Ok(Vec::new());
+        };
         let per_stage = stages
             .iter()
             .enumerate()
-            .map(|(i, s)| s.exec.optimizer_state().map_err(|e| on_device(self.devices[i], &s.kernels, e)))
+            .map(|(i, s)| {
+                s.exec
+                    .optimizer_state()
+                    .map_err(|e| on_device(self.devices[i], &s.kernels, e))
+            })
             .collect::<Result<Vec<_>>>()?;
         let mut all = Vec::new();
         for &state in first.exec.optimizer_state_names() {
-            let of_state: Vec<HashMap<String, Vec<f32>>> =
-                per_stage.iter().map(|list| list.iter().filter(|(_, s, _)| *s == state).map(|(p, _, v)| (p.clone(), v.clone())).collect()).collect();
-            all.extend(self.gather(&of_state)?.into_iter().map(|(name, _, values)| (name, state, values)));
+            let of_state: Vec<HashMap<String, Vec<f32>>> = per_stage
+                .iter()
+                .map(|list| {
+                    list.iter()
+                        .filter(|(_, s, _)| *s == state)
+                        .map(|(p, _, v)| (p.clone(), v.clone()))
+                        .collect()
+                })
+                .collect();
+            all.extend(
+                self.gather(&of_state)?
+                    .into_iter()
+                    .map(|(name, _, values)| (name, state, values)),
+            );
         }
         Ok(all)
     }
@@ -558,28 +804,60 @@ impl Spread {
     /// every state of every parameter) and step count, by single-device
     /// names: each stage takes its copy or slice. Every name and size is
     /// checked before any device changes.
-    pub fn load_state(&self, stages: &mut [Stage], params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    pub fn load_state(
+        &self,
+        stages: &mut [Stage],
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         let op = "load_state";
         for (name, shape, values) in params {
-            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("the model has no parameter `{name}`") })?;
+            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument {
+                op,
+                reason: format!("the model has no parameter `{name}`"),
+            })?;
             if shape != want || values.len() != want.iter().product::<usize>() {
-                return Err(Error::shape(op, format!("parameter `{name}` with {} values", values.len()), &[want, shape]));
+                return Err(Error::shape(
+                    op,
+                    format!("parameter `{name}` with {} values", values.len()),
+                    &[want, shape],
+                ));
             }
         }
         let state_names = stages.first().map_or(&[][..], |s| s.exec.optimizer_state_names());
         for (name, state_name, values) in state {
             if !state_names.contains(&state_name.as_str()) {
-                return Err(Error::InvalidArgument { op, reason: format!("this optimizer ({}) has no state `{state_name}`", optim::describe(&self.optimizer)) });
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "this optimizer ({}) has no state `{state_name}`",
+                        optim::describe(&self.optimizer)
+                    ),
+                });
             }
-            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("optimizer state `{state_name}` for unknown parameter `{name}`") })?;
+            let want = self.shape_of(name).ok_or_else(|| Error::InvalidArgument {
+                op,
+                reason: format!("optimizer state `{state_name}` for unknown parameter `{name}`"),
+            })?;
             if values.len() != want.iter().product::<usize>() {
-                return Err(Error::shape(op, format!("state `{name}.{state_name}` has {} values", values.len()), &[want]));
+                return Err(Error::shape(
+                    op,
+                    format!("state `{name}.{state_name}` has {} values", values.len()),
+                    &[want],
+                ));
             }
         }
         if !state.is_empty() {
             for (name, _) in &self.names {
-                if let Some(absent) = state_names.iter().find(|s| !state.iter().any(|(p, n, _)| p == name && n == *s)) {
-                    return Err(Error::InvalidArgument { op, reason: format!("the optimizer state has no `{absent}` for `{name}`") });
+                if let Some(absent) = state_names
+                    .iter()
+                    .find(|s| !state.iter().any(|(p, n, _)| p == name && n == *s))
+                {
+                    return Err(Error::InvalidArgument {
+                        op,
+                        reason: format!("the optimizer state has no `{absent}` for `{name}`"),
+                    });
                 }
             }
         }
@@ -589,18 +867,34 @@ impl Spread {
         };
         for (i, stage) in stages.iter_mut().enumerate() {
             let holds = |name: &str| self.held[i].iter().any(|h| h == name);
-            let own_params: Vec<_> = params.iter().filter(|p| holds(&p.0)).map(|(n, _, v)| {
-                let values = share(i, n, v);
-                let shape = match self.slices[i].get(n) {
-                    Some(_) => stage.exec.parameters_shapes().into_iter().find(|(m, _)| m == n).map_or_else(Vec::new, |(_, s)| s),
-                    None => self.shape_of(n).cloned().unwrap_or_default(),
-                };
-                (n.clone(), shape, values)
-            }).collect();
-            let own_state: Vec<_> = state.iter().filter(|p| holds(&p.0)).map(|(n, s, v)| (n.clone(), s.clone(), share(i, n, v))).collect();
+            let own_params: Vec<_> = params
+                .iter()
+                .filter(|p| holds(&p.0))
+                .map(|(n, _, v)| {
+                    let values = share(i, n, v);
+                    let shape = match self.slices[i].get(n) {
+                        Some(_) => stage
+                            .exec
+                            .parameters_shapes()
+                            .into_iter()
+                            .find(|(m, _)| m == n)
+                            .map_or_else(Vec::new, |(_, s)| s),
+                        None => self.shape_of(n).cloned().unwrap_or_default(),
+                    };
+                    (n.clone(), shape, values)
+                })
+                .collect();
+            let own_state: Vec<_> = state
+                .iter()
+                .filter(|p| holds(&p.0))
+                .map(|(n, s, v)| (n.clone(), s.clone(), share(i, n, v)))
+                .collect();
             let device = self.devices[i];
             let kernels = stage.kernels.clone();
-            stage.exec.load_state(&own_params, &own_state, step).map_err(|e| on_device(device, &kernels, e))?;
+            stage
+                .exec
+                .load_state(&own_params, &own_state, step)
+                .map_err(|e| on_device(device, &kernels, e))?;
         }
         Ok(())
     }
@@ -610,7 +904,13 @@ impl Spread {
     /// single-device model, so a checkpoint resumes on any strategy.
     pub fn checkpoint(&self, stages: &[Stage]) -> Result<Checkpoint> {
         let step = stages.first().map_or(0, |s| s.exec.step_count());
-        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step, loss_scale: self.read_loss_scale(stages)? };
+        let about = CheckpointAbout {
+            model: &self.description,
+            criterion: self.criterion,
+            optimizer: &self.optimizer,
+            step,
+            loss_scale: self.read_loss_scale(stages)?,
+        };
         assemble_checkpoint(self.parameters(stages)?, self.optimizer_state(stages)?, &about)
     }
 }

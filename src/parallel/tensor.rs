@@ -35,16 +35,16 @@ use std::time::{Duration, Instant};
 
 use super::collectives::to_host;
 use super::data::group_arena_alignment;
-use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::engine::{features, own_steps, Holding, TrainEngine};
+use super::stage::{check_batch, Spread, Stage, StageEnd};
 use super::{on_device, DeviceGroup};
+use super::{Examples, ModelWidths, Targets};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, PlanOptions};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::shard::{self, Slice};
 use crate::nn::{Criterion, Module};
 use crate::optim::LossScaleState;
-use super::{Examples, ModelWidths, Targets};
 
 /// Time accounting for the steps taken.
 #[derive(Clone, Debug, Default)]
@@ -63,7 +63,9 @@ fn sum_on_host(views: &[(&Kernels, View<'_>)]) -> Result<(Vec<f32>, Duration)> {
     let start = Instant::now();
     let (values, arrived) = to_host(views, start)?;
     let n = values.first().map_or(0, Vec::len);
-    let sum = (0..n).map(|j| values.iter().map(|v| f64::from(v[j])).sum::<f64>() as f32).collect();
+    let sum = (0..n)
+        .map(|j| values.iter().map(|v| f64::from(v[j])).sum::<f64>() as f32)
+        .collect();
     let slowest = arrived.into_iter().max().unwrap_or_default();
     Ok((sum, start.elapsed().saturating_sub(slowest)))
 }
@@ -91,7 +93,13 @@ pub struct TensorParallel {
 impl TensorParallel {
     /// Splits `model` over every device of `group` as it declares, each
     /// step taking `batch` examples.
-    pub fn new<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize) -> Result<Self> {
+    pub fn new<M: Module>(
+        group: &DeviceGroup,
+        model: &M,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch: usize,
+    ) -> Result<Self> {
         Self::with_options(group, model, criterion, optimizer, batch, PlanOptions::default())
     }
 
@@ -104,20 +112,41 @@ impl TensorParallel {
     /// each segment's backward already recomputes its forward from its
     /// input (the segments are cut at every all-reduce, so none holds a
     /// whole block to recompute on its own).
-    pub fn with_options<M: Module>(group: &DeviceGroup, model: &M, criterion: impl Into<Criterion>, optimizer: impl Into<OptimizerConfig>, batch: usize, options: PlanOptions) -> Result<Self> {
+    pub fn with_options<M: Module>(
+        group: &DeviceGroup,
+        model: &M,
+        criterion: impl Into<Criterion>,
+        optimizer: impl Into<OptimizerConfig>,
+        batch: usize,
+        options: PlanOptions,
+    ) -> Result<Self> {
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         // Every stage lays out its arenas at the group's alignment (as data
         // parallel does), so a plan made without the devices (`--dry-run`)
         // is exact on unlike adapters too.
-        let options = PlanOptions { arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())), ..options };
+        let options = PlanOptions {
+            arena_alignment: options.arena_alignment.max(group_arena_alignment(group.members())),
+            ..options
+        };
         if batch == 0 {
-            return Err(Error::InvalidArgument { op: "TensorParallel", reason: "the batch needs at least one example".into() });
+            return Err(Error::InvalidArgument {
+                op: "TensorParallel",
+                reason: "the batch needs at least one example".into(),
+            });
         }
         let ranks = group.len();
-        let builds = (0..ranks).map(|r| build_rank(model, r, ranks, batch)).collect::<Result<Vec<_>>>()?;
+        let builds = (0..ranks)
+            .map(|r| build_rank(model, r, ranks, batch))
+            .collect::<Result<Vec<_>>>()?;
         let segments = builds[0].segments.len() - 1;
         if let Some(r) = builds.iter().position(|b| b.segments.len() != segments + 1) {
-            return Err(Error::InvalidArgument { op: "TensorParallel", reason: format!("rank {r}'s forward has {} all-reduces, rank 0's {segments}", builds[r].segments.len() - 1) });
+            return Err(Error::InvalidArgument {
+                op: "TensorParallel",
+                reason: format!(
+                    "rank {r}'s forward has {} all-reduces, rank 0's {segments}",
+                    builds[r].segments.len() - 1
+                ),
+            });
         }
         let mut stages = Vec::with_capacity(ranks * segments + 1);
         let mut slices = Vec::with_capacity(ranks);
@@ -128,24 +157,65 @@ impl TensorParallel {
                 if i == segments && r > 0 {
                     continue;
                 }
-                let end = if i == segments { StageEnd::Last(criterion) } else { StageEnd::Middle };
-                let stage = Stage::with_options(k.clone(), seg.graph, &[], seg.input, seg.output, i > 0, end, optimizer, options).map_err(|e| on_device(r, k, e))?;
+                let end = if i == segments {
+                    StageEnd::Last(criterion)
+                } else {
+                    StageEnd::Middle
+                };
+                let stage = Stage::with_options(
+                    k.clone(),
+                    seg.graph,
+                    &[],
+                    seg.input,
+                    seg.output,
+                    i > 0,
+                    end,
+                    optimizer,
+                    options,
+                )
+                .map_err(|e| on_device(r, k, e))?;
                 if i == segments {
                     head = Some(stage);
                 } else {
                     stages.push(stage);
                 }
             }
-            slices.push(build.slices.into_iter().map(|(name, _, slice)| (name, slice)).collect::<HashMap<_, _>>());
+            slices.push(
+                build
+                    .slices
+                    .into_iter()
+                    .map(|(name, _, slice)| (name, slice))
+                    .collect::<HashMap<_, _>>(),
+            );
         }
         stages.extend(head);
         let mut devices: Vec<usize> = (0..ranks).flat_map(|r| std::iter::repeat_n(r, segments)).collect();
         devices.push(0);
         let stage_slices = devices.iter().map(|&r| slices[r].clone()).collect();
-        let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages, devices, stage_slices)?;
+        let spread = Spread::new(
+            model.named_parameters(),
+            model.describe(),
+            criterion,
+            optimizer,
+            &stages,
+            devices,
+            stage_slices,
+        )?;
         let widths = ModelWidths::of(model)?;
         let target_width = widths.target_width(criterion);
-        Ok(TensorParallel { stages, ranks, segments, slices, spread, batch, widths, target_width, labels: group.labels(), last_grad_norm: None, stats: TensorParallelStats::default() })
+        Ok(TensorParallel {
+            stages,
+            ranks,
+            segments,
+            slices,
+            spread,
+            batch,
+            widths,
+            target_width,
+            labels: group.labels(),
+            last_grad_norm: None,
+            stats: TensorParallelStats::default(),
+        })
     }
 
     /// Whether `model` splits over `ranks` devices, checked on the host
@@ -187,8 +257,15 @@ impl TensorParallel {
         let views: Vec<(&Kernels, View<'_>)> = (0..self.ranks)
             .map(|r| {
                 let stage = &self.stages[r * self.segments + k];
-                let view = if input_gradient { stage.input_gradient_view() } else { Some(stage.output_view()) };
-                let view = view.ok_or_else(|| Error::InvalidArgument { op: "TensorParallel", reason: format!("segment {k} yields no input gradient") })?;
+                let view = if input_gradient {
+                    stage.input_gradient_view()
+                } else {
+                    Some(stage.output_view())
+                };
+                let view = view.ok_or_else(|| Error::InvalidArgument {
+                    op: "TensorParallel",
+                    reason: format!("segment {k} yields no input gradient"),
+                })?;
                 Ok((&*stage.kernels, view.map_err(|e| on_device(r, &stage.kernels, e))?))
             })
             .collect::<Result<_>>()?;
@@ -216,24 +293,45 @@ impl TensorParallel {
         let head = self.stages.len() - 1;
         let stage = &self.stages[head];
         let writes = Instant::now();
-        stage.feed(input, x.as_deref()).map_err(|e| on_device(0, &stage.kernels, e))?;
+        stage
+            .feed(input, x.as_deref())
+            .map_err(|e| on_device(0, &stage.kernels, e))?;
         Ok(communication + writes.elapsed())
     }
 
     /// One optimizer step on `batch` examples; the mean loss when
     /// `read_loss`.
-    pub fn step<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'a>(
+        &mut self,
+        input: impl Into<Examples<'a>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let input = input.into();
-        check_batch("TensorParallel::step", self.batch, self.widths.inputs, self.target_width, input, targets)?;
+        check_batch(
+            "TensorParallel::step",
+            self.batch,
+            self.widths.inputs,
+            self.target_width,
+            input,
+            targets,
+        )?;
         let wall = Instant::now();
         let seed = self.spread.seed_scale(&self.stages)?;
         let mut communication = self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
-        self.stages[head].set_targets(targets, seed).map_err(|e| on_device(0, &k0, e))?;
+        self.stages[head]
+            .set_targets(targets, seed)
+            .map_err(|e| on_device(0, &k0, e))?;
         self.stages[head].backward(true).map_err(|e| on_device(0, &k0, e))?;
         if self.segments > 0 {
-            let view = self.stages[head].input_gradient_view().ok_or_else(|| Error::InvalidArgument { op: "TensorParallel", reason: "the last segment yields no input gradient".into() })?;
+            let view = self.stages[head]
+                .input_gradient_view()
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: "TensorParallel",
+                    reason: "the last segment yields no input gradient".into(),
+                })?;
             let (mut grad, transfer) = sum_on_host(&[(&*k0, view.map_err(|e| on_device(0, &k0, e))?)])?;
             communication += transfer;
             for k in (0..self.segments).rev() {
@@ -241,7 +339,9 @@ impl TensorParallel {
                     let stage = &mut self.stages[r * self.segments + k];
                     let kernels = stage.kernels.clone();
                     let writes = Instant::now();
-                    stage.set_output_gradient(&grad).map_err(|e| on_device(r, &kernels, e))?;
+                    stage
+                        .set_output_gradient(&grad)
+                        .map_err(|e| on_device(r, &kernels, e))?;
                     communication += writes.elapsed();
                     stage.backward(true).map_err(|e| on_device(r, &kernels, e))?;
                 }
@@ -256,7 +356,9 @@ impl TensorParallel {
         // Compute ends when every device is idle; what follows (the
         // replicated parameters' gradient sums, the norms) is communication.
         for (r, k) in (0..self.ranks).map(|r| (r, &self.stages[r * self.segments].kernels)) {
-            k.device().wait_idle("TensorParallel::step").map_err(|e| on_device(r, k, e))?;
+            k.device()
+                .wait_idle("TensorParallel::step")
+                .map_err(|e| on_device(r, k, e))?;
         }
         let reduce = Instant::now();
         self.last_grad_norm = self.spread.step(&mut self.stages)?;
@@ -264,7 +366,10 @@ impl TensorParallel {
         let loss = if read_loss {
             let l = self.head().loss_value().map_err(|e| on_device(0, &k0, e))?;
             if !l.is_finite() {
-                return Err(Error::NonFiniteLoss { value: l, step: self.stats.steps + 1 });
+                return Err(Error::NonFiniteLoss {
+                    value: l,
+                    step: self.stats.steps + 1,
+                });
             }
             Some(l)
         } else {
@@ -279,11 +384,20 @@ impl TensorParallel {
     /// The mean loss of one batch without training on it (forward only).
     pub fn evaluate_loss<'a>(&mut self, input: impl Into<Examples<'a>>, targets: Targets<'_>) -> Result<f32> {
         let input = input.into();
-        check_batch("TensorParallel::evaluate_loss", self.batch, self.widths.inputs, self.target_width, input, targets)?;
+        check_batch(
+            "TensorParallel::evaluate_loss",
+            self.batch,
+            self.widths.inputs,
+            self.target_width,
+            input,
+            targets,
+        )?;
         self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
-        self.stages[head].evaluate_loss(targets).map_err(|e| on_device(0, &k0, e))
+        self.stages[head]
+            .evaluate_loss(targets)
+            .map_err(|e| on_device(0, &k0, e))
     }
 
     /// Model outputs for any number of rows of features (batch-sized
@@ -295,12 +409,23 @@ impl TensorParallel {
     /// Argmax of [`TensorParallel::outputs`], computed on device 0, which
     /// reads back one index per row instead of the outputs.
     pub fn predict<'a>(&mut self, x: impl Into<Examples<'a>>) -> Result<Vec<u32>> {
-        self.in_chunks("TensorParallel::predict", features(x.into(), "TensorParallel::predict")?, 1, Stage::predictions)
+        self.in_chunks(
+            "TensorParallel::predict",
+            features(x.into(), "TensorParallel::predict")?,
+            1,
+            Stage::predictions,
+        )
     }
 
     /// `read` of the head for each batch-sized chunk of `features` fed
     /// through the segments.
-    fn in_chunks<T: Copy>(&mut self, op: &'static str, features: &[f32], width: usize, read: impl Fn(&mut Stage) -> Result<Vec<T>>) -> Result<Vec<T>> {
+    fn in_chunks<T: Copy>(
+        &mut self,
+        op: &'static str,
+        features: &[f32],
+        width: usize,
+        read: impl Fn(&mut Stage) -> Result<Vec<T>>,
+    ) -> Result<Vec<T>> {
         let (f, batch) = (self.widths.inputs, self.batch);
         super::outputs_in_chunks(op, features, f, batch, width, |chunk| {
             self.forward(Examples::Features(chunk))?;
@@ -318,14 +443,25 @@ impl TensorParallel {
     /// the replicated parameters' gradients read from and written back to
     /// every copy.
     pub fn floats_moved_per_step(&self) -> usize {
-        let outputs: Vec<usize> = (0..self.segments).map(|k| self.stages[k].output_view().map_or(0, |v| v.len)).collect();
+        let outputs: Vec<usize> = (0..self.segments)
+            .map(|k| self.stages[k].output_view().map_or(0, |v| v.len))
+            .collect();
         let (all, last) = (outputs.iter().sum::<usize>(), outputs.last().copied().unwrap_or(0));
         let activations = 4 * self.ranks * all + 2 * last - 2 * self.ranks * last;
-        let sizes: HashMap<String, usize> = self.stages.iter().flat_map(|s| s.executor().parameters_shapes()).map(|(n, s)| (n, s.iter().product())).collect();
-        let replicated: usize = self.spread.shared().iter().map(|s| 2 * s.holders.len() * sizes.get(&s.name).copied().unwrap_or(0)).sum();
+        let sizes: HashMap<String, usize> = self
+            .stages
+            .iter()
+            .flat_map(|s| s.executor().parameters_shapes())
+            .map(|(n, s)| (n, s.iter().product()))
+            .collect();
+        let replicated: usize = self
+            .spread
+            .shared()
+            .iter()
+            .map(|s| 2 * s.holders.len() * sizes.get(&s.name).copied().unwrap_or(0))
+            .sum();
         activations + replicated
     }
-
 }
 
 /// Rank `rank`'s graphs of `model` for `batch` examples.
@@ -341,7 +477,12 @@ impl TrainEngine for TensorParallel {
         Holding::Stages(&self.spread, &self.stages)
     }
     /// Each split parameter's state split as it is ([`Spread::load_state`]).
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         self.spread.load_state(&mut self.stages, params, state, step)
     }
     fn read_loss_scale(&self) -> Result<Option<LossScaleState>> {

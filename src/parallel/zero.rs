@@ -63,20 +63,22 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::collectives::{all_gather, all_reduce_then, reduce_scatter_then, sum_to_host, to_host, Part};
-use super::data::{backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split, shard};
+use super::data::{
+    backward_on_rows, check_rows, evaluate_on_rows, fixed_rows, group_arena_alignment, proportional_split, shard,
+};
 use super::distributed::{broadcast_f32, broadcast_loss_scale, broadcast_u64, ProcessGroup};
 use super::engine::{own_steps, Footprint, Holding, TrainEngine};
 use super::memory::DeviceMemory;
 use super::stage::{NamedParameters, NamedState};
 use super::{on_device, DeviceGroup};
+use super::{Examples, ModelWidths, Targets, Trainer};
 use crate::error::{Error, Result};
 use crate::graph::PlanOptions;
 use crate::io::checkpoint::Checkpoint;
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
 use crate::kernels::{Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
 use crate::optim::{stage_state, LossScaleState, Optimizer, ParamSpan};
-use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
-use super::{Examples, ModelWidths, Targets, Trainer};
 
 /// What each device keeps only a shard of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -96,7 +98,10 @@ impl ZeroStage {
             1 => Ok(ZeroStage::OptimizerState),
             2 => Ok(ZeroStage::Gradients),
             3 => Ok(ZeroStage::Parameters),
-            other => Err(Error::InvalidArgument { op: "zero stage", reason: format!("ZeRO has stages 1, 2 and 3, not {other}") }),
+            other => Err(Error::InvalidArgument {
+                op: "zero stage",
+                reason: format!("ZeRO has stages 1, 2 and 3, not {other}"),
+            }),
         }
     }
 
@@ -147,14 +152,25 @@ pub(super) struct GradSums {
 
 impl GradSums {
     pub(super) fn of(values: impl IntoIterator<Item = f32>) -> Self {
-        values.into_iter().fold(GradSums::default(), |sums, v| match v.is_finite() {
-            true => GradSums { squares: sums.squares + f64::from(v).powi(2), ..sums },
-            false => GradSums { non_finite: sums.non_finite + 1, ..sums },
-        })
+        values
+            .into_iter()
+            .fold(GradSums::default(), |sums, v| match v.is_finite() {
+                true => GradSums {
+                    squares: sums.squares + f64::from(v).powi(2),
+                    ..sums
+                },
+                false => GradSums {
+                    non_finite: sums.non_finite + 1,
+                    ..sums
+                },
+            })
     }
 
     pub(super) fn plus(self, other: GradSums) -> Self {
-        GradSums { squares: self.squares + other.squares, non_finite: self.non_finite + other.non_finite }
+        GradSums {
+            squares: self.squares + other.squares,
+            non_finite: self.non_finite + other.non_finite,
+        }
     }
 }
 
@@ -174,7 +190,12 @@ pub(super) fn next_loss_scale(optimizers: &[Optimizer], devices: &[Arc<Kernels>]
 /// step alike and keeps the same scale; otherwise each clips by the
 /// global norm (when clipping). Returns that norm (of the unscaled
 /// gradient, before clipping).
-pub(super) fn step_shards(optimizers: &mut [Optimizer], devices: &[Arc<Kernels>], sums: GradSums, scale: Option<f32>) -> Result<f32> {
+pub(super) fn step_shards(
+    optimizers: &mut [Optimizer],
+    devices: &[Arc<Kernels>],
+    sums: GradSums,
+    scale: Option<f32>,
+) -> Result<f32> {
     let norm = match (scale, sums.non_finite) {
         (Some(scale), _) => (sums.squares.sqrt() / f64::from(scale)) as f32,
         (None, 0) => sums.squares.sqrt() as f32,
@@ -183,7 +204,9 @@ pub(super) fn step_shards(optimizers: &mut [Optimizer], devices: &[Arc<Kernels>]
     for (i, (o, k)) in optimizers.iter_mut().zip(devices).enumerate() {
         let clips = o.config().clip_grad_norm().is_some();
         match scale {
-            Some(scale) => o.step_with_loss_scale_sums(k, sums.squares / f64::from(scale).powi(2), sums.non_finite as f64),
+            Some(scale) => {
+                o.step_with_loss_scale_sums(k, sums.squares / f64::from(scale).powi(2), sums.non_finite as f64)
+            }
             None if clips => o.step_with_grad_norm(k, norm),
             None => o.step(k),
         }
@@ -234,7 +257,17 @@ impl Zero {
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
-        Self::across(None, group, model, criterion, optimizer, global_batch, stage, rows, PlanOptions::default())
+        Self::across(
+            None,
+            group,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            stage,
+            rows,
+            PlanOptions::default(),
+        )
     }
 
     /// [`Zero::new`] over the local devices of every process of
@@ -262,39 +295,62 @@ impl Zero {
         let devices = group.members().to_vec();
         let (rank, size) = processes.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
         let (process_shares, shares) = match (&processes, &rows) {
-            (None, Some(rows)) => (vec![global_batch], fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?),
-            (None, None) => (vec![global_batch], proportional_split(global_batch, &vec![1.0; devices.len()])?),
+            (None, Some(rows)) => (
+                vec![global_batch],
+                fixed_rows("zero split", rows, devices.len(), "devices", global_batch)?,
+            ),
+            (None, None) => (
+                vec![global_batch],
+                proportional_split(global_batch, &vec![1.0; devices.len()])?,
+            ),
             (Some(_), rows) => {
                 let per_process = match rows {
                     Some(rows) => fixed_rows("zero split", rows, size, "processes", global_batch)?,
                     None => proportional_split(global_batch, &vec![1.0; size])?,
                 };
-                let local = proportional_split(per_process[rank], &vec![1.0; devices.len()]).map_err(|e| Error::OnRank { rank, source: Box::new(e) })?;
+                let local =
+                    proportional_split(per_process[rank], &vec![1.0; devices.len()]).map_err(|e| Error::OnRank {
+                        rank,
+                        source: Box::new(e),
+                    })?;
                 (per_process, local)
             }
         };
         let alignment = group_arena_alignment(&devices);
-        let options = PlanOptions { arena_alignment: alignment, ..options };
+        let options = PlanOptions {
+            arena_alignment: alignment,
+            ..options
+        };
         let replicas = devices
             .iter()
             .zip(&shares)
             .enumerate()
-            .map(|(i, (k, &n))| Trainer::without_optimizer(k.clone(), model, criterion, optimizer, n, options).map_err(|e| on_device(i, k, e)))
+            .map(|(i, (k, &n))| {
+                Trainer::without_optimizer(k.clone(), model, criterion, optimizer, n, options)
+                    .map_err(|e| on_device(i, k, e))
+            })
             .collect::<Result<Vec<_>>>()?;
         let plan = replicas[0].executor().plan();
         let (arena_len, decay_len) = (plan.param_arena_len, plan.decay_len);
         let block = alignment as usize / BYTES as usize;
         let process_shards = shard_ranges(arena_len, size, block)?;
         let mine = process_shards[rank].clone();
-        let shards: Vec<Range<usize>> = shard_ranges(mine.len(), devices.len(), block)?.into_iter().map(|r| r.start + mine.start..r.end + mine.start).collect();
+        let shards: Vec<Range<usize>> = shard_ranges(mine.len(), devices.len(), block)?
+            .into_iter()
+            .map(|r| r.start + mine.start..r.end + mine.start)
+            .collect();
         let mut optimizers = Vec::with_capacity(devices.len());
         for (i, (t, range)) in replicas.iter().zip(&shards).enumerate() {
             let k = &devices[i];
             let exec = t.executor();
-            let grads = exec.gradient_arena().ok_or_else(|| Error::InvalidArgument { op: "Zero::new", reason: "a replica without gradients".into() })?;
+            let grads = exec.gradient_arena().ok_or_else(|| Error::InvalidArgument {
+                op: "Zero::new",
+                reason: "a replica without gradients".into(),
+            })?;
             let (params, grads) = (shard_of(k, exec.parameter_arena(), range), shard_of(k, grads, range));
             let decay = decay_len.clamp(range.start, range.end) - range.start;
-            optimizers.push(Optimizer::new(k, optimizer, params, grads, range.len(), decay).map_err(|e| on_device(i, k, e))?);
+            optimizers
+                .push(Optimizer::new(k, optimizer, params, grads, range.len(), decay).map_err(|e| on_device(i, k, e))?);
         }
         let mut zero = Zero {
             stage,
@@ -322,11 +378,22 @@ impl Zero {
 
     /// Across processes, this rank's rows of a global batch (`x` and
     /// `targets` hold all of it, in the same order on every rank).
-    fn own_rows<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<((Examples<'x>, usize), (Targets<'t>, usize))> {
+    fn own_rows<'x, 't>(
+        &self,
+        op: &'static str,
+        x: Examples<'x>,
+        targets: Targets<'t>,
+    ) -> Result<((Examples<'x>, usize), (Targets<'t>, usize))> {
         let (f, width) = check_rows(&self.widths, op, self.global_batch, x, targets)?;
         let rank = self.processes.as_ref().map_or(0, |g| g.rank());
-        let (start, rows) = (self.process_shares[..rank].iter().sum::<usize>(), self.process_shares[rank]);
-        Ok(((x.slice(start * f, (start + rows) * f), f), (shard(targets, start, rows, width), width)))
+        let (start, rows) = (
+            self.process_shares[..rank].iter().sum::<usize>(),
+            self.process_shares[rank],
+        );
+        Ok((
+            (x.slice(start * f, (start + rows) * f), f),
+            (shard(targets, start, rows, width), width),
+        ))
     }
 
     /// The job's sum of every rank's `local` (this process's alone without processes).
@@ -380,7 +447,10 @@ impl Zero {
             .zip(&self.devices)
             .zip(&self.shards)
             .map(|((t, k), range)| {
-                let view = arena(t).ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "a replica without gradients".into() })?;
+                let view = arena(t).ok_or_else(|| Error::InvalidArgument {
+                    op: "Zero",
+                    reason: "a replica without gradients".into(),
+                })?;
                 Ok(Part::new(k, shard_of(k, view, range)))
             })
             .collect()
@@ -390,7 +460,12 @@ impl Zero {
         self.replicas
             .iter()
             .zip(&self.devices)
-            .map(|(t, k)| arena(t).map(|v| Part::new(k, v)).ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "a replica without gradients".into() }))
+            .map(|(t, k)| {
+                arena(t).map(|v| Part::new(k, v)).ok_or_else(|| Error::InvalidArgument {
+                    op: "Zero",
+                    reason: "a replica without gradients".into(),
+                })
+            })
             .collect()
     }
 
@@ -400,7 +475,13 @@ impl Zero {
             return Ok(());
         }
         if self.processes.is_some() {
-            let whole = self.whole_on_host(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
+            let whole = self.whole_on_host(|i| {
+                shard_of(
+                    &self.devices[i],
+                    self.replicas[i].executor().parameter_arena(),
+                    &self.shards[i],
+                )
+            })?;
             self.write_everywhere(&whole)?;
         } else {
             let srcs = self.shard_parts(|t| Some(t.executor().parameter_arena()))?;
@@ -414,7 +495,8 @@ impl Zero {
     /// Every local device's parameter arena becomes `whole`.
     fn write_everywhere(&self, whole: &[f32]) -> Result<()> {
         for (i, (t, k)) in self.replicas.iter().zip(&self.devices).enumerate() {
-            k.write(t.executor().parameter_arena(), whole).map_err(|e| on_device(i, k, e))?;
+            k.write(t.executor().parameter_arena(), whole)
+                .map_err(|e| on_device(i, k, e))?;
         }
         Ok(())
     }
@@ -430,7 +512,8 @@ impl Zero {
             let arena = Part::new(k, t.executor().parameter_arena());
             for (start, end) in [(0, range.start), (range.end, arena.view.len)] {
                 if end > start {
-                    k.write(arena.sub(start, end - start), &vec![0.0f32; end - start]).map_err(|e| on_device(i, k, e))?;
+                    k.write(arena.sub(start, end - start), &vec![0.0f32; end - start])
+                        .map_err(|e| on_device(i, k, e))?;
                 }
             }
         }
@@ -440,7 +523,12 @@ impl Zero {
 
     /// One step on `global_batch` rows (see the module comment); the mean
     /// loss when `read_loss`.
-    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'x>(
+        &mut self,
+        x: impl Into<Examples<'x>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let (x, targets) = self.own_rows("Zero::step", x.into(), targets)?;
         let since = Instant::now();
         self.settled = None;
@@ -451,7 +539,11 @@ impl Zero {
         }
         backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
         self.release_parameters()?;
-        let weights: Vec<f64> = self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect();
+        let weights: Vec<f64> = self
+            .shares
+            .iter()
+            .map(|&n| n as f64 / self.global_batch as f64)
+            .collect();
         let sums = self.reduce_gradients(&weights, since)?;
         self.last_grad_norm = Some(step_shards(&mut self.optimizers, &self.devices, sums, scale)?);
         if self.stage != ZeroStage::Parameters {
@@ -472,7 +564,10 @@ impl Zero {
     /// scale every shard's optimizer holds).
     fn seed_loss(&self, scale: f32) -> Result<()> {
         for (i, (t, k)) in self.replicas.iter().zip(&self.devices).enumerate() {
-            let seed = t.executor().loss_seed_view().ok_or_else(|| Error::InvalidArgument { op: "Zero", reason: "loss scaling needs a backward seeded from a loss".into() })?;
+            let seed = t.executor().loss_seed_view().ok_or_else(|| Error::InvalidArgument {
+                op: "Zero",
+                reason: "loss scaling needs a backward seeded from a loss".into(),
+            })?;
             k.write(seed, &[scale]).map_err(|e| on_device(i, k, e))?;
         }
         Ok(())
@@ -510,21 +605,31 @@ impl Zero {
             g.all_reduce_sum(&mut all)?;
             let whole: Vec<f32> = all.iter().map(|&v| v as f32).collect();
             for (i, part) in grads.iter().enumerate() {
-                part.kernels.write(part.view, &whole).map_err(|e| on_device(i, part.kernels, e))?;
+                part.kernels
+                    .write(part.view, &whole)
+                    .map_err(|e| on_device(i, part.kernels, e))?;
             }
             all[mine.clone()].to_vec()
         } else {
             let own = g.reduce_scatter_sum(&local, &self.process_shards.iter().map(|r| r.len()).collect::<Vec<_>>())?;
             for (i, (part, range)) in grads.iter().zip(&self.shards).enumerate() {
-                let values: Vec<f32> = own[range.start - mine.start..range.end - mine.start].iter().map(|&v| v as f32).collect();
-                part.kernels.write(part.sub(range.start, range.len()), &values).map_err(|e| on_device(i, part.kernels, e))?;
+                let values: Vec<f32> = own[range.start - mine.start..range.end - mine.start]
+                    .iter()
+                    .map(|&v| v as f32)
+                    .collect();
+                part.kernels
+                    .write(part.sub(range.start, range.len()), &values)
+                    .map_err(|e| on_device(i, part.kernels, e))?;
             }
             own
         };
         let own = square(&own);
         let mut both = [own.squares, own.non_finite as f64];
         g.all_reduce_sum(&mut both)?;
-        Ok(GradSums { squares: both[0], non_finite: both[1] as u64 })
+        Ok(GradSums {
+            squares: both[0],
+            non_finite: both[1] as u64,
+        })
     }
 
     /// The mean loss of one global batch without training, split as a step.
@@ -534,7 +639,8 @@ impl Zero {
         let own = evaluate_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
         self.release_parameters()?;
         let rank = self.processes.as_ref().map_or(0, |g| g.rank());
-        let loss = self.sum_over_processes(self.process_shares[rank] as f64 / self.global_batch as f64 * f64::from(own))?;
+        let loss =
+            self.sum_over_processes(self.process_shares[rank] as f64 / self.global_batch as f64 * f64::from(own))?;
         Ok(loss as f32)
     }
 
@@ -549,7 +655,12 @@ impl Zero {
     /// This process's range of the arena on the host: each device's shard
     /// of `arena`, in order (the whole arena within one process).
     fn gathered_arena<'a>(&'a self, arena: impl Fn(usize) -> View<'a>) -> Result<Vec<f32>> {
-        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(i, k)| (k.as_ref(), arena(i))).collect();
+        let pairs: Vec<(&Kernels, View<'_>)> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.as_ref(), arena(i)))
+            .collect();
         Ok(to_host(&pairs, Instant::now())?.0.concat())
     }
 
@@ -560,8 +671,24 @@ impl Zero {
     /// Every parameter under its name, from every shard (collective
     /// across processes).
     fn gather_named_parameters(&self) -> Result<NamedParameters> {
-        let arena = self.whole_on_host(|i| shard_of(&self.devices[i], self.replicas[i].executor().parameter_arena(), &self.shards[i]))?;
-        Ok(self.spans().into_iter().map(|p| (p.name.clone(), p.shape.clone(), arena[p.offset..p.offset + p.len()].to_vec())).collect())
+        let arena = self.whole_on_host(|i| {
+            shard_of(
+                &self.devices[i],
+                self.replicas[i].executor().parameter_arena(),
+                &self.shards[i],
+            )
+        })?;
+        Ok(self
+            .spans()
+            .into_iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    p.shape.clone(),
+                    arena[p.offset..p.offset + p.len()].to_vec(),
+                )
+            })
+            .collect())
     }
 
     /// The optimizer state by parameter and state name, state by state,
@@ -571,7 +698,11 @@ impl Zero {
         let mut out = Vec::new();
         for (s, &name) in self.optimizer.state_names().iter().enumerate() {
             let arena = self.whole_on_host(|i| self.optimizers[i].state_arenas()[s])?;
-            out.extend(spans.iter().map(|p| (p.name.clone(), name, arena[p.offset..p.offset + p.len()].to_vec())));
+            out.extend(
+                spans
+                    .iter()
+                    .map(|p| (p.name.clone(), name, arena[p.offset..p.offset + p.len()].to_vec())),
+            );
         }
         Ok(out)
     }
@@ -595,19 +726,39 @@ impl Zero {
     /// [`TrainEngine::memory`] (the executor's whole arenas: see the
     /// module comment).
     pub fn kept_memory(&self) -> DeviceMemory {
-        let allocated = DeviceMemory::fullest(self.replicas.iter().map(|t| DeviceMemory::of_plan(t.executor().plan(), true, self.optimizer.state_names().len())));
-        DeviceMemory::zero_kept(allocated, self.stage, self.shards.iter().map(|r| r.len()).max().unwrap_or(0))
+        let allocated = DeviceMemory::fullest(
+            self.replicas
+                .iter()
+                .map(|t| DeviceMemory::of_plan(t.executor().plan(), true, self.optimizer.state_names().len())),
+        );
+        DeviceMemory::zero_kept(
+            allocated,
+            self.stage,
+            self.shards.iter().map(|r| r.len()).max().unwrap_or(0),
+        )
     }
 }
 
 /// Every shard's optimizer's loss scaling state (waits for every device).
-pub(super) fn read_loss_scales(optimizers: &[Optimizer], devices: &[Arc<Kernels>]) -> Result<Vec<Option<LossScaleState>>> {
-    optimizers.iter().zip(devices).enumerate().map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e))).collect()
+pub(super) fn read_loss_scales(
+    optimizers: &[Optimizer],
+    devices: &[Arc<Kernels>],
+) -> Result<Vec<Option<LossScaleState>>> {
+    optimizers
+        .iter()
+        .zip(devices)
+        .enumerate()
+        .map(|(d, (o, k))| o.read_loss_scale(k).map_err(|e| on_device(d, k, e)))
+        .collect()
 }
 
 /// Loss scaling's `state` into every shard's optimizer (nothing where
 /// they do not scale).
-pub(super) fn load_loss_scale(optimizers: &mut [Optimizer], devices: &[Arc<Kernels>], state: &LossScaleState) -> Result<()> {
+pub(super) fn load_loss_scale(
+    optimizers: &mut [Optimizer],
+    devices: &[Arc<Kernels>],
+    state: &LossScaleState,
+) -> Result<()> {
     for (i, (o, k)) in optimizers.iter_mut().zip(devices).enumerate() {
         o.import_loss_scale(k, state).map_err(|e| on_device(i, k, e))?;
     }
@@ -615,7 +766,10 @@ pub(super) fn load_loss_scale(optimizers: &mut [Optimizer], devices: &[Arc<Kerne
 }
 
 fn unsettled() -> Error {
-    Error::InvalidArgument { op: "Zero across processes", reason: "each rank holds shards: call settle() on every rank before reading parameters or state".into() }
+    Error::InvalidArgument {
+        op: "Zero across processes",
+        reason: "each rank holds shards: call settle() on every rank before reading parameters or state".into(),
+    }
 }
 
 /// `range` of the arena `view` on device `k`.
@@ -658,7 +812,11 @@ impl TrainEngine for Zero {
         let root = g.rank() == 0;
         // Read before `write_state` below resets it to its step's fresh state.
         let scale = broadcast_loss_scale(g.as_ref(), 0, if root { self.read_loss_scale()? } else { None })?;
-        let mut whole = if root { self.devices[0].read(self.replicas[0].executor().parameter_arena())? } else { Vec::new() };
+        let mut whole = if root {
+            self.devices[0].read(self.replicas[0].executor().parameter_arena())?
+        } else {
+            Vec::new()
+        };
         broadcast_f32(g.as_ref(), 0, &mut whole)?;
         self.write_everywhere(&whole)?;
         self.gathered = true;
@@ -684,7 +842,13 @@ impl TrainEngine for Zero {
         self.optimizers[0].step_count()
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: self.replicas[0].model_description(), criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count(), loss_scale: self.read_loss_scale()? };
+        let about = CheckpointAbout {
+            model: self.replicas[0].model_description(),
+            criterion: self.criterion,
+            optimizer: &self.optimizer,
+            step: self.step_count(),
+            loss_scale: self.read_loss_scale()?,
+        };
         assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
     }
     /// Device 0's shard's: every shard's optimizer holds the same state.
@@ -698,11 +862,20 @@ impl TrainEngine for Zero {
     /// optimizer state (checked whole first), and the step.
     /// Across processes, rank 0 also keeps the whole state for
     /// [`TrainEngine::sync_from_root`], which the run calls next.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         // The parameters not in `params` keep their values: whole first.
         if !self.gathered {
             if self.processes.is_some() {
-                return Err(Error::InvalidArgument { op: "Zero::load_state", reason: "across processes ZeRO-3 loads on rank 0 before its first step only (then sync_from_root)".into() });
+                return Err(Error::InvalidArgument {
+                    op: "Zero::load_state",
+                    reason: "across processes ZeRO-3 loads on rank 0 before its first step only (then sync_from_root)"
+                        .into(),
+                });
             }
             self.gather_parameters()?;
         }
@@ -710,7 +883,9 @@ impl TrainEngine for Zero {
         let arena_len = self.replicas[0].executor().plan().param_arena_len;
         let host = stage_state(self.optimizer.state_names(), arena_len, &spans, state)?;
         for (i, t) in self.replicas.iter_mut().enumerate() {
-            t.executor_mut().load_state(params, &[], None).map_err(|e| on_device(i, &self.devices[i], e))?;
+            t.executor_mut()
+                .load_state(params, &[], None)
+                .map_err(|e| on_device(i, &self.devices[i], e))?;
         }
         self.gathered = true;
         self.settled = None;
@@ -724,14 +899,27 @@ impl TrainEngine for Zero {
         self.release_parameters()
     }
     fn describe(&self) -> String {
-        let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let rows: Vec<String> = self
+            .devices
+            .iter()
+            .zip(&self.shares)
+            .enumerate()
+            .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label()))
+            .collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
         let kept = {
             let m = self.kept_memory();
             let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0));
-            format!("parameters {}, gradients {}, optimizer state {}", mib(m.parameters), mib(m.gradients), mib(m.optimizer_state))
+            format!(
+                "parameters {}, gradients {}, optimizer state {}",
+                mib(m.parameters),
+                mib(m.gradients),
+                mib(m.optimizer_state)
+            )
         };
-        let across = self.processes.as_ref().map_or_else(String::new, |g| format!(" over {} processes (rank {}'s devices shown)", g.size(), g.rank()));
+        let across = self.processes.as_ref().map_or_else(String::new, |g| {
+            format!(" over {} processes (rank {}'s devices shown)", g.size(), g.rank())
+        });
         format!(
             "ZeRO stage {} (sharded data parallel){across}, batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",
             self.stage.number(),
@@ -745,8 +933,18 @@ impl TrainEngine for Zero {
         let exec = self.replicas[0].executor();
         let dispatches = exec.dispatches_per_step() + self.optimizers[0].dispatches().count();
         let states = self.optimizer.state_names().len() as u64;
-        let peak = self.replicas.iter().zip(&self.shards).map(|(t, r)| t.executor().peak_bytes() + states * r.len() as u64 * BYTES).max().unwrap_or(0);
-        Footprint { dispatches_per_step: dispatches, peak_bytes: peak, intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)) }
+        let peak = self
+            .replicas
+            .iter()
+            .zip(&self.shards)
+            .map(|(t, r)| t.executor().peak_bytes() + states * r.len() as u64 * BYTES)
+            .max()
+            .unwrap_or(0);
+        Footprint {
+            dispatches_per_step: dispatches,
+            peak_bytes: peak,
+            intermediates: Some((exec.plan().slot_bytes, exec.plan().naive_intermediate_bytes)),
+        }
     }
     fn shares(&self) -> Vec<usize> {
         self.shares.clone()
@@ -754,6 +952,9 @@ impl TrainEngine for Zero {
     /// The executor's whole arenas and each device's shard of the state.
     fn memory(&self) -> DeviceMemory {
         let states = self.optimizer.state_names().len() as u64;
-        DeviceMemory::fullest(self.replicas.iter().zip(&self.shards).map(|(t, r)| DeviceMemory { optimizer_state: states * r.len() as u64 * BYTES, ..DeviceMemory::of_plan(t.executor().plan(), true, 0) }))
+        DeviceMemory::fullest(self.replicas.iter().zip(&self.shards).map(|(t, r)| DeviceMemory {
+            optimizer_state: states * r.len() as u64 * BYTES,
+            ..DeviceMemory::of_plan(t.executor().plan(), true, 0)
+        }))
     }
 }

@@ -63,14 +63,14 @@ use super::pipeline::unit_graph;
 use super::stage::{NamedParameters, NamedState, Spread, Stage, StageEnd, StageGraph};
 use super::zero::{load_loss_scale, next_loss_scale, read_loss_scales, shard_ranges, step_shards, GradSums, ZeroStage};
 use super::{on_device, DeviceGroup};
+use super::{Examples, ModelWidths, Targets};
 use crate::error::{Error, Result};
 use crate::graph::{ArenaPool, Plan, PlanOptions, Precision, Tensor};
 use crate::io::checkpoint::Checkpoint;
+use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
 use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
 use crate::nn::{Criterion, Staged};
 use crate::optim::{apply_parameter_groups, stage_state, LossScaleState, Optimizer, ParamSpan};
-use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
-use super::{Examples, ModelWidths, Targets};
 
 const BYTES: u64 = 4;
 
@@ -98,17 +98,32 @@ fn stage_units<M: Staged + ?Sized>(model: &M) -> Vec<(Range<usize>, bool, bool)>
 /// Each stage's trainable graph on `rows` rows, its parameters grouped as
 /// `optimizer` groups them, the activations its backward reads stored in
 /// `precision`: (graph, input, output).
-fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion, optimizer: &OptimizerConfig, precision: Precision) -> Result<Vec<(StageGraph, Tensor, Tensor)>> {
+fn stage_graphs<M: Staged + ?Sized>(
+    model: &M,
+    rows: usize,
+    criterion: Criterion,
+    optimizer: &OptimizerConfig,
+    precision: Precision,
+) -> Result<Vec<(StageGraph, Tensor, Tensor)>> {
     let units = stage_units(model);
     let mut stream = Vec::new();
     units
         .into_iter()
         .map(|(blocks, first, last)| {
             let (g, input, output) = unit_graph(model, first, last, blocks, rows, &mut stream)?;
-            let end = if last { StageEnd::Last(criterion) } else { StageEnd::Middle };
+            let end = if last {
+                StageEnd::Last(criterion)
+            } else {
+                StageEnd::Middle
+            };
             // Its input, output and the gradients it takes and yields stay f32.
             let mut ends = [input, output];
-            let mut s = StageGraph::complete(g, input, output, !first, end)?.with_passes(&[], false, precision == Precision::F16, &mut ends)?;
+            let mut s = StageGraph::complete(g, input, output, !first, end)?.with_passes(
+                &[],
+                false,
+                precision == Precision::F16,
+                &mut ends,
+            )?;
             apply_parameter_groups(&mut s.graph, optimizer)?;
             let [input, output] = ends;
             Ok((s, input, output))
@@ -119,7 +134,13 @@ fn stage_graphs<M: Staged + ?Sized>(model: &M, rows: usize, criterion: Criterion
 /// A stage graph planned as its executor plans it on a device of
 /// `alignment` bytes.
 fn plan_stage(s: &StageGraph, alignment: u32) -> Plan {
-    Plan::with_options(&s.graph, &s.outputs, Some(&s.grads), (alignment as usize / BYTES as usize).max(1), PlanOptions::default())
+    Plan::with_options(
+        &s.graph,
+        &s.outputs,
+        Some(&s.grads),
+        (alignment as usize / BYTES as usize).max(1),
+        PlanOptions::default(),
+    )
 }
 
 /// Elements of the pooled buffers stages planned as `plans` share: the
@@ -130,7 +151,10 @@ fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<us
     for plan in plans {
         arena = arena.max(plan.param_arena_len);
         slots.resize(slots.len().max(plan.slot_len.len()), 0);
-        slots.iter_mut().zip(&plan.slot_len).for_each(|(s, &len)| *s = (*s).max(len));
+        slots
+            .iter_mut()
+            .zip(&plan.slot_len)
+            .for_each(|(s, &len)| *s = (*s).max(len));
     }
     (arena, slots)
 }
@@ -139,7 +163,14 @@ fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<us
 /// shard at stage 3, all of them at 2), its shard of `shard` elements of
 /// the gradients and moments, the pooled arenas of `arena` elements and
 /// slots of `slots`, and the stages' inputs (`inputs` bytes).
-fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], inputs: u64, state_arenas: usize) -> DeviceMemory {
+fn device_memory(
+    held: usize,
+    shard: usize,
+    arena: usize,
+    slots: &[usize],
+    inputs: u64,
+    state_arenas: usize,
+) -> DeviceMemory {
     let (held, shard, arena) = (held as u64 * BYTES, shard as u64 * BYTES, arena as u64 * BYTES);
     DeviceMemory {
         parameters: held + arena,
@@ -152,15 +183,38 @@ fn device_memory(held: usize, shard: usize, arena: usize, slots: &[usize], input
 /// [`ZeroStages::memory`] at `stage` planned without a device, for
 /// `devices` devices splitting the batch evenly (the first take a row
 /// more).
-pub fn planned_memory<M: Staged + ?Sized>(model: &M, stage: ZeroStage, devices: usize, p: &Planning) -> Result<DeviceMemory> {
+pub fn planned_memory<M: Staged + ?Sized>(
+    model: &M,
+    stage: ZeroStage,
+    devices: usize,
+    p: &Planning,
+) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
-    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?.iter().map(|(s, _, _)| plan_stage(s, p.device_alignment.max(ARENA_ALIGNMENT))).collect();
+    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?
+        .iter()
+        .map(|(s, _, _)| plan_stage(s, p.device_alignment.max(ARENA_ALIGNMENT)))
+        .collect();
     let (arena, slots) = pool_lengths(&plans);
-    let flat: usize = model.named_parameters().iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
+    let flat: usize = model
+        .named_parameters()
+        .iter()
+        .map(|(_, shape)| shape.iter().product::<usize>())
+        .sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
-    let largest = shard_ranges(flat, devices, block)?.iter().map(|r| r.len()).max().unwrap_or(0);
+    let largest = shard_ranges(flat, devices, block)?
+        .iter()
+        .map(|r| r.len())
+        .max()
+        .unwrap_or(0);
     let held = if stage == ZeroStage::Gradients { flat } else { largest };
-    Ok(device_memory(held, largest, arena, &slots, plans.iter().map(|p| p.input_bytes).sum(), p.optimizer.state_names().len()))
+    Ok(device_memory(
+        held,
+        largest,
+        arena,
+        &slots,
+        plans.iter().map(|p| p.input_bytes).sum(),
+        p.optimizer.state_names().len(),
+    ))
 }
 
 /// ZeRO-2 or ZeRO-3 over the devices of a group, stage by stage (module
@@ -215,7 +269,16 @@ impl ZeroStages {
         stage: ZeroStage,
         rows: Option<Vec<usize>>,
     ) -> Result<Self> {
-        Self::with_options(group, model, criterion, optimizer, global_batch, stage, rows, PlanOptions::default())
+        Self::with_options(
+            group,
+            model,
+            criterion,
+            optimizer,
+            global_batch,
+            stage,
+            rows,
+            PlanOptions::default(),
+        )
     }
 
     /// [`ZeroStages::new`] with `options`: f16 stores the activations each
@@ -237,7 +300,10 @@ impl ZeroStages {
         options: PlanOptions,
     ) -> Result<Self> {
         if stage == ZeroStage::OptimizerState {
-            return Err(Error::InvalidArgument { op: "ZeroStages", reason: "ZeRO-1 keeps whole gradients: run it with the whole-arena Zero engine".into() });
+            return Err(Error::InvalidArgument {
+                op: "ZeroStages",
+                reason: "ZeRO-1 keeps whole gradients: run it with the whole-arena Zero engine".into(),
+            });
         }
         let (criterion, optimizer) = (criterion.into(), optimizer.into());
         let devices = group.members().to_vec();
@@ -254,13 +320,21 @@ impl ZeroStages {
         let group_alignment = group_arena_alignment(&devices);
         for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
             let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
-                let precision = if k.supports_f16() { options.precision } else { Precision::F32 };
+                let precision = if k.supports_f16() {
+                    options.precision
+                } else {
+                    Precision::F32
+                };
                 let graphs = stage_graphs(model, n, criterion, &optimizer, precision)?;
                 // The group's alignment on every device, so the plan made
                 // without devices is exact on unlike adapters too.
                 let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, group_alignment)).collect();
                 let (arena, slots) = pool_lengths(&plans);
-                let pool = ArenaPool { params: k.zeros(arena)?, grads: k.zeros(arena)?, slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()? };
+                let pool = ArenaPool {
+                    params: k.zeros(arena)?,
+                    grads: k.zeros(arena)?,
+                    slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()?,
+                };
                 let mut own = Vec::with_capacity(graphs.len());
                 for (s, input, output) in graphs {
                     if d == 0 {
@@ -275,7 +349,9 @@ impl ZeroStages {
                     if d == 0 {
                         let arena = k.read::<f32>(pool.params.view())?;
                         for span in stage.executor().parameter_spans() {
-                            initial.entry(span.name.clone()).or_insert_with(|| arena[span.offset..span.offset + span.len()].to_vec());
+                            initial
+                                .entry(span.name.clone())
+                                .or_insert_with(|| arena[span.offset..span.offset + span.len()].to_vec());
                         }
                     }
                     own.push(stage);
@@ -292,25 +368,61 @@ impl ZeroStages {
         let mut offsets = vec![0; declared.len()];
         let mut offset = 0;
         for decayed in [true, false] {
-            for (i, (_, shape, _)) in declared.iter().enumerate().filter(|(_, (_, _, decays))| *decays == decayed) {
+            for (i, (_, shape, _)) in declared
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, _, decays))| *decays == decayed)
+            {
                 offsets[i] = offset;
                 offset += shape.iter().product::<usize>();
             }
         }
-        let spans: Vec<ParamSpan> = declared.iter().zip(offsets).map(|((name, shape, _), offset)| ParamSpan { name: name.clone(), shape: shape.clone(), offset }).collect();
-        let (flat_len, decay_len) = (offset, declared.iter().filter(|(_, _, decays)| *decays).map(|(_, shape, _)| shape.iter().product::<usize>()).sum::<usize>());
+        let spans: Vec<ParamSpan> = declared
+            .iter()
+            .zip(offsets)
+            .map(|((name, shape, _), offset)| ParamSpan {
+                name: name.clone(),
+                shape: shape.clone(),
+                offset,
+            })
+            .collect();
+        let (flat_len, decay_len) = (
+            offset,
+            declared
+                .iter()
+                .filter(|(_, _, decays)| *decays)
+                .map(|(_, shape, _)| shape.iter().product::<usize>())
+                .sum::<usize>(),
+        );
         let index: HashMap<&str, usize> = spans.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let placed = stages
             .iter()
             .map(|own| {
                 own.iter()
                     .map(|stage| {
-                        stage.executor().parameter_spans().into_iter().map(|p| index.get(p.name.as_str()).map(|&i| (i, p.offset)).ok_or_else(|| undeclared(&p.name))).collect::<Result<Vec<_>>>()
+                        stage
+                            .executor()
+                            .parameter_spans()
+                            .into_iter()
+                            .map(|p| {
+                                index
+                                    .get(p.name.as_str())
+                                    .map(|&i| (i, p.offset))
+                                    .ok_or_else(|| undeclared(&p.name))
+                            })
+                            .collect::<Result<Vec<_>>>()
                     })
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
-        let holders: Vec<usize> = (0..spans.len()).map(|i| placed[0].iter().filter(|stage| stage.iter().any(|&(j, _)| j == i)).count()).collect();
+        let holders: Vec<usize> = (0..spans.len())
+            .map(|i| {
+                placed[0]
+                    .iter()
+                    .filter(|stage| stage.iter().any(|&(j, _)| j == i))
+                    .count()
+            })
+            .collect();
         let mut flat = vec![0.0f32; flat_len];
         for span in &spans {
             let values = initial.get(&span.name).ok_or_else(|| undeclared(&span.name))?;
@@ -335,7 +447,15 @@ impl ZeroStages {
             build().map_err(|e| on_device(d, k, e))?;
         }
         let count = stages[0].len();
-        let spread = Spread::new(model.named_parameters(), model.describe(), criterion, optimizer, &stages[0], vec![0; count], vec![HashMap::new(); count])?;
+        let spread = Spread::new(
+            model.named_parameters(),
+            model.describe(),
+            criterion,
+            optimizer,
+            &stages[0],
+            vec![0; count],
+            vec![HashMap::new(); count],
+        )?;
         Ok(ZeroStages {
             stage,
             devices,
@@ -414,7 +534,10 @@ impl ZeroStages {
             return self.copy_into_pool(s);
         }
         // The flat runs the stage's parameters lie in, merged.
-        let mut runs: Vec<Range<usize>> = self.placed[0][s].iter().map(|&(i, _)| self.spans[i].offset..self.spans[i].offset + self.spans[i].len()).collect();
+        let mut runs: Vec<Range<usize>> = self.placed[0][s]
+            .iter()
+            .map(|&(i, _)| self.spans[i].offset..self.spans[i].offset + self.spans[i].len())
+            .collect();
         runs.sort_by_key(|r| r.start);
         let mut merged: Vec<Range<usize>> = Vec::with_capacity(runs.len());
         for r in runs {
@@ -434,14 +557,26 @@ impl ZeroStages {
         let mut values: Vec<Vec<f32>> = merged.iter().map(|r| vec![0.0; r.len()]).collect();
         let since = Instant::now();
         for round in 0..reads.iter().map(Vec::len).max().unwrap_or(0) {
-            let this: Vec<(usize, (View<'_>, usize, usize))> = reads.iter().enumerate().filter_map(|(d, list)| list.get(round).map(|&r| (d, r))).collect();
-            let pairs: Vec<(&Kernels, View<'_>)> = this.iter().map(|&(d, (view, _, _))| (self.devices[d].as_ref(), view)).collect();
+            let this: Vec<(usize, (View<'_>, usize, usize))> = reads
+                .iter()
+                .enumerate()
+                .filter_map(|(d, list)| list.get(round).map(|&r| (d, r)))
+                .collect();
+            let pairs: Vec<(&Kernels, View<'_>)> = this
+                .iter()
+                .map(|&(d, (view, _, _))| (self.devices[d].as_ref(), view))
+                .collect();
             let (got, _) = to_host(&pairs, since)?;
             for ((_, (_, run, within)), part) in this.iter().zip(got) {
                 values[*run][*within..*within + part.len()].copy_from_slice(&part);
             }
         }
-        let flat_at = |offset: usize| merged.iter().position(|r| r.contains(&offset)).map(|run| (run, offset - merged[run].start));
+        let flat_at = |offset: usize| {
+            merged
+                .iter()
+                .position(|r| r.contains(&offset))
+                .map(|run| (run, offset - merged[run].start))
+        };
         for (d, k) in self.devices.iter().enumerate() {
             let len = self.stages[d][s].executor().plan().param_arena_len;
             let mut arena = vec![0.0f32; len];
@@ -450,7 +585,8 @@ impl ZeroStages {
                 let (run, at) = flat_at(span.offset).ok_or_else(|| undeclared(&span.name))?;
                 arena[local..local + span.len()].copy_from_slice(&values[run][at..at + span.len()]);
             }
-            k.write(self.pools[d].params.slice(0, len)?, &arena).map_err(|e| on_device(d, k, e))?;
+            k.write(self.pools[d].params.slice(0, len)?, &arena)
+                .map_err(|e| on_device(d, k, e))?;
         }
         Ok(())
     }
@@ -465,7 +601,11 @@ impl ZeroStages {
                 .iter()
                 .map(|&(i, local)| {
                     let span = &self.spans[i];
-                    (from.offset + span.offset as u64 * BYTES, to.offset + local as u64 * BYTES, span.len() as u64 * BYTES)
+                    (
+                        from.offset + span.offset as u64 * BYTES,
+                        to.offset + local as u64 * BYTES,
+                        span.len() as u64 * BYTES,
+                    )
                 })
                 .collect();
             k.submit_pass(
@@ -486,8 +626,15 @@ impl ZeroStages {
     /// Every device's whole parameters become the concatenation of the
     /// shards AdamW just updated (stage 2; an all-gather through the host).
     fn gather_updated_shards(&self) -> Result<()> {
-        let srcs = (0..self.devices.len()).map(|d| Ok(Part::new(&self.devices[d], self.shard_params(d)?))).collect::<Result<Vec<_>>>()?;
-        let dsts: Vec<Part<'_>> = self.devices.iter().zip(&self.params).map(|(k, whole)| Part::new(k, whole.view())).collect();
+        let srcs = (0..self.devices.len())
+            .map(|d| Ok(Part::new(&self.devices[d], self.shard_params(d)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let dsts: Vec<Part<'_>> = self
+            .devices
+            .iter()
+            .zip(&self.params)
+            .map(|(k, whole)| Part::new(k, whole.view()))
+            .collect();
         all_gather(&srcs, &dsts)
     }
 
@@ -496,12 +643,25 @@ impl ZeroStages {
     /// written to its shard. A parameter other stages also declare waits
     /// in `pending` until every stage added its part. Returns the squares
     /// and overflows of the gradients completed (as the f32 values sent).
-    fn reduce_scatter_stage(&self, s: usize, weights: &[f64], pending: &mut HashMap<usize, (usize, Vec<f64>)>, since: Instant) -> Result<GradSums> {
+    fn reduce_scatter_stage(
+        &self,
+        s: usize,
+        weights: &[f64],
+        pending: &mut HashMap<usize, (usize, Vec<f64>)>,
+        since: Instant,
+    ) -> Result<GradSums> {
         let pairs: Vec<(&Kernels, View<'_>)> = self
             .devices
             .iter()
             .enumerate()
-            .map(|(d, k)| Ok((k.as_ref(), self.pools[d].grads.slice(0, self.stages[d][s].executor().plan().param_arena_len)?)))
+            .map(|(d, k)| {
+                Ok((
+                    k.as_ref(),
+                    self.pools[d]
+                        .grads
+                        .slice(0, self.stages[d][s].executor().plan().param_arena_len)?,
+                ))
+            })
             .collect::<Result<_>>()?;
         let (grads, _) = to_host(&pairs, since)?;
         let mut sums = GradSums::default();
@@ -510,7 +670,9 @@ impl ZeroStages {
             let (count, sum) = pending.entry(i).or_insert_with(|| (0, vec![0.0; len]));
             for (d, g) in grads.iter().enumerate() {
                 let local = self.placed[d][s][p].1;
-                sum.iter_mut().zip(&g[local..local + len]).for_each(|(t, &v)| *t += weights[d] * f64::from(v));
+                sum.iter_mut()
+                    .zip(&g[local..local + len])
+                    .for_each(|(t, &v)| *t += weights[d] * f64::from(v));
             }
             *count += 1;
             if *count < self.holders[i] {
@@ -522,14 +684,20 @@ impl ZeroStages {
             let offset = self.spans[i].offset;
             for (d, at, within, n) in self.pieces(offset..offset + len) {
                 let k = &self.devices[d];
-                k.write(self.shard_grads[d].slice(at, n)?, &values[within..within + n]).map_err(|e| on_device(d, k, e))?;
+                k.write(self.shard_grads[d].slice(at, n)?, &values[within..within + n])
+                    .map_err(|e| on_device(d, k, e))?;
             }
         }
         Ok(sums)
     }
 
     /// Each device's rows of `x` and `targets` (checked whole first).
-    fn split<'x, 't>(&self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<Vec<(Examples<'x>, Targets<'t>)>> {
+    fn split<'x, 't>(
+        &self,
+        op: &'static str,
+        x: Examples<'x>,
+        targets: Targets<'t>,
+    ) -> Result<Vec<(Examples<'x>, Targets<'t>)>> {
         let (f, width) = check_rows(&self.widths, op, self.global_batch, x, targets)?;
         let mut row = 0;
         Ok(self
@@ -544,7 +712,10 @@ impl ZeroStages {
     }
 
     fn weights(&self) -> Vec<f64> {
-        self.shares.iter().map(|&n| n as f64 / self.global_batch as f64).collect()
+        self.shares
+            .iter()
+            .map(|&n| n as f64 / self.global_batch as f64)
+            .collect()
     }
 
     /// Each device's rows of the global batch, run forward through every
@@ -552,7 +723,12 @@ impl ZeroStages {
     /// input per device (stage 0 reads the examples: none), and when the
     /// work started.
     #[allow(clippy::type_complexity)]
-    fn forward_to_last<'x, 't>(&mut self, op: &'static str, x: Examples<'x>, targets: Targets<'t>) -> Result<(Vec<(Examples<'x>, Targets<'t>)>, Vec<Vec<Option<Vec<f32>>>>, Instant)> {
+    fn forward_to_last<'x, 't>(
+        &mut self,
+        op: &'static str,
+        x: Examples<'x>,
+        targets: Targets<'t>,
+    ) -> Result<(Vec<(Examples<'x>, Targets<'t>)>, Vec<Vec<Option<Vec<f32>>>>, Instant)> {
         let rows = self.split(op, x, targets)?;
         let since = Instant::now();
         let count = self.stage_count();
@@ -561,9 +737,16 @@ impl ZeroStages {
             self.gather(s)?;
             for (d, stage) in self.stages.iter_mut().map(|own| &mut own[s]).enumerate() {
                 let k = stage.kernels.clone();
-                stage.feed(rows[d].0, inputs[s][d].as_deref()).and_then(|()| stage.forward()).map_err(|e| on_device(d, &k, e))?;
+                stage
+                    .feed(rows[d].0, inputs[s][d].as_deref())
+                    .and_then(|()| stage.forward())
+                    .map_err(|e| on_device(d, &k, e))?;
             }
-            let views = self.stages.iter().map(|own| Ok((own[s].kernels.as_ref(), own[s].output_view()?))).collect::<Result<Vec<_>>>()?;
+            let views = self
+                .stages
+                .iter()
+                .map(|own| Ok((own[s].kernels.as_ref(), own[s].output_view()?)))
+                .collect::<Result<Vec<_>>>()?;
             let (outputs, _) = to_host(&views, since)?;
             inputs[s + 1] = outputs.into_iter().map(Some).collect();
         }
@@ -572,7 +755,12 @@ impl ZeroStages {
 
     /// One step on `global_batch` rows (see the module comment); the mean
     /// loss when `read_loss`.
-    pub fn step<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
+    pub fn step<'x>(
+        &mut self,
+        x: impl Into<Examples<'x>>,
+        targets: Targets<'_>,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let (rows, mut inputs, since) = self.forward_to_last("ZeroStages::step", x.into(), targets)?;
         let (count, devices) = (self.stage_count(), self.devices.len());
         let last = count - 1;
@@ -605,7 +793,10 @@ impl ZeroStages {
                     .stages
                     .iter()
                     .map(|own| {
-                        let view = own[s].input_gradient_view().ok_or_else(|| Error::InvalidArgument { op: "ZeroStages", reason: format!("stage {s} yields no input gradient") })??;
+                        let view = own[s].input_gradient_view().ok_or_else(|| Error::InvalidArgument {
+                            op: "ZeroStages",
+                            reason: format!("stage {s} yields no input gradient"),
+                        })??;
                         Ok((own[s].kernels.as_ref(), view))
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -618,7 +809,10 @@ impl ZeroStages {
             self.gather_updated_shards()?;
         }
         if read_loss && !loss.is_finite() {
-            return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value: loss as f32,
+                step: self.step_count(),
+            });
         }
         Ok(read_loss.then_some(loss as f32))
     }
@@ -641,14 +835,24 @@ impl ZeroStages {
             .stages
             .iter()
             .map(|own| {
-                let view = own[last].loss_view().ok_or_else(|| Error::InvalidArgument { op: "ZeroStages", reason: "the last stage has no loss".into() })??;
+                let view = own[last].loss_view().ok_or_else(|| Error::InvalidArgument {
+                    op: "ZeroStages",
+                    reason: "the last stage has no loss".into(),
+                })??;
                 Ok((own[last].kernels.as_ref(), view))
             })
             .collect::<Result<Vec<_>>>()?;
         let (losses, _) = to_host(&views, since)?;
-        let loss: f64 = losses.iter().zip(self.weights()).map(|(l, w)| w * f64::from(l.first().copied().unwrap_or(f32::NAN))).sum();
+        let loss: f64 = losses
+            .iter()
+            .zip(self.weights())
+            .map(|(l, w)| w * f64::from(l.first().copied().unwrap_or(f32::NAN)))
+            .sum();
         if !loss.is_finite() {
-            return Err(Error::NonFiniteLoss { value: loss as f32, step: self.step_count() });
+            return Err(Error::NonFiniteLoss {
+                value: loss as f32,
+                step: self.step_count(),
+            });
         }
         Ok(loss as f32)
     }
@@ -657,7 +861,9 @@ impl ZeroStages {
     pub fn predict<'x>(&mut self, x: impl Into<Examples<'x>>) -> Result<Vec<u32>> {
         let features = features(x.into(), "ZeroStages::predict")?;
         let (inputs, rows) = (self.widths.inputs, self.shares[0]);
-        super::outputs_in_chunks("ZeroStages::predict", features, inputs, rows, 1, |chunk| self.predict_chunk(chunk))
+        super::outputs_in_chunks("ZeroStages::predict", features, inputs, rows, 1, |chunk| {
+            self.predict_chunk(chunk)
+        })
     }
 
     fn predict_chunk(&mut self, chunk: &[f32]) -> Result<Vec<u32>> {
@@ -667,19 +873,29 @@ impl ZeroStages {
             self.gather(s)?;
             let stage = &mut self.stages[0][s];
             let k = stage.kernels.clone();
-            stage.feed(Examples::Features(chunk), h.as_deref()).map_err(|e| on_device(0, &k, e))?;
+            stage
+                .feed(Examples::Features(chunk), h.as_deref())
+                .map_err(|e| on_device(0, &k, e))?;
             if s == last {
                 return stage.predictions().map_err(|e| on_device(0, &k, e));
             }
             stage.forward().map_err(|e| on_device(0, &k, e))?;
             h = Some(k.read(stage.output_view()?).map_err(|e| on_device(0, &k, e))?);
         }
-        Err(Error::InvalidArgument { op: "ZeroStages::predict", reason: "no stages".into() })
+        Err(Error::InvalidArgument {
+            op: "ZeroStages::predict",
+            reason: "no stages".into(),
+        })
     }
 
     /// The whole flat arena on the host from every device's `arena`.
     fn flat_on_host<'a>(&'a self, arena: impl Fn(usize) -> Result<View<'a>>) -> Result<Vec<f32>> {
-        let pairs: Vec<(&Kernels, View<'_>)> = self.devices.iter().enumerate().map(|(d, k)| Ok((k.as_ref(), arena(d)?))).collect::<Result<_>>()?;
+        let pairs: Vec<(&Kernels, View<'_>)> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, k)| Ok((k.as_ref(), arena(d)?)))
+            .collect::<Result<_>>()?;
         Ok(to_host(&pairs, Instant::now())?.0.concat())
     }
 
@@ -708,7 +924,10 @@ fn held_range(stage: ZeroStage, flat_len: usize, shard: &Range<usize>) -> Range<
 }
 
 fn undeclared(name: &str) -> Error {
-    Error::InvalidArgument { op: "ZeroStages", reason: format!("the stages disagree on parameter `{name}`") }
+    Error::InvalidArgument {
+        op: "ZeroStages",
+        reason: format!("the stages disagree on parameter `{name}`"),
+    }
 }
 
 impl TrainEngine for ZeroStages {
@@ -720,13 +939,27 @@ impl TrainEngine for ZeroStages {
     }
     fn parameters(&self) -> Result<NamedParameters> {
         let flat = self.flat_on_host(|d| self.shard_params(d))?;
-        Ok(self.spans.iter().map(|p| (p.name.clone(), p.shape.clone(), flat[p.offset..p.offset + p.len()].to_vec())).collect())
+        Ok(self
+            .spans
+            .iter()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    p.shape.clone(),
+                    flat[p.offset..p.offset + p.len()].to_vec(),
+                )
+            })
+            .collect())
     }
     fn optimizer_state(&self) -> Result<NamedState> {
         let mut out = Vec::new();
         for (s, &name) in self.optimizer.state_names().iter().enumerate() {
             let flat = self.flat_on_host(|d| Ok(self.optimizers[d].state_arenas()[s]))?;
-            out.extend(self.spans.iter().map(|p| (p.name.clone(), name, flat[p.offset..p.offset + p.len()].to_vec())));
+            out.extend(
+                self.spans
+                    .iter()
+                    .map(|p| (p.name.clone(), name, flat[p.offset..p.offset + p.len()].to_vec())),
+            );
         }
         Ok(out)
     }
@@ -734,7 +967,13 @@ impl TrainEngine for ZeroStages {
         self.optimizers[0].step_count()
     }
     fn checkpoint(&self) -> Result<Checkpoint> {
-        let about = CheckpointAbout { model: &self.description, criterion: self.criterion, optimizer: &self.optimizer, step: self.step_count(), loss_scale: self.read_loss_scale()? };
+        let about = CheckpointAbout {
+            model: &self.description,
+            criterion: self.criterion,
+            optimizer: &self.optimizer,
+            step: self.step_count(),
+            loss_scale: self.read_loss_scale()?,
+        };
         assemble_checkpoint(self.parameters()?, self.optimizer_state()?, &about)
     }
     /// Device 0's shard's: every shard's optimizer holds the same state.
@@ -747,25 +986,48 @@ impl TrainEngine for ZeroStages {
     /// Parameters by name (the others keep their values) and the whole
     /// optimizer state, each checked before any device changes, then
     /// each device's shard of them.
-    fn load_state(&mut self, params: &[(String, Vec<usize>, Vec<f32>)], state: &[(String, String, Vec<f32>)], step: Option<u64>) -> Result<()> {
+    fn load_state(
+        &mut self,
+        params: &[(String, Vec<usize>, Vec<f32>)],
+        state: &[(String, String, Vec<f32>)],
+        step: Option<u64>,
+    ) -> Result<()> {
         let op = "ZeroStages::load_state";
         let host = stage_state(self.optimizer.state_names(), self.flat_len, &self.spans, state)?;
         let mut flat = self.flat_on_host(|d| self.shard_params(d))?;
         for (name, shape, values) in params {
-            let span = self.spans.iter().find(|p| &p.name == name).ok_or_else(|| Error::InvalidArgument { op, reason: format!("the model has no parameter `{name}`") })?;
+            let span = self
+                .spans
+                .iter()
+                .find(|p| &p.name == name)
+                .ok_or_else(|| Error::InvalidArgument {
+                    op,
+                    reason: format!("the model has no parameter `{name}`"),
+                })?;
             if *shape != span.shape || values.len() != span.len() {
-                return Err(Error::shape(op, format!("parameter `{name}` with {} values", values.len()), &[&span.shape, shape]));
+                return Err(Error::shape(
+                    op,
+                    format!("parameter `{name}` with {} values", values.len()),
+                    &[&span.shape, shape],
+                ));
             }
             flat[span.offset..span.offset + span.len()].copy_from_slice(values);
         }
         for (d, k) in self.devices.iter().enumerate() {
-            k.write(self.params[d].view(), &flat[self.held(d)]).map_err(|e| on_device(d, k, e))?;
+            k.write(self.params[d].view(), &flat[self.held(d)])
+                .map_err(|e| on_device(d, k, e))?;
         }
         let host = if state.is_empty() { Vec::new() } else { host };
         self.write_state(&host, step)
     }
     fn describe(&self) -> String {
-        let rows: Vec<String> = self.devices.iter().zip(&self.shares).enumerate().map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label())).collect();
+        let rows: Vec<String> = self
+            .devices
+            .iter()
+            .zip(&self.shares)
+            .enumerate()
+            .map(|(i, (k, n))| format!("#{i} {} {n} rows", k.device().label()))
+            .collect();
         let shards: Vec<String> = self.shards.iter().map(|r| r.len().to_string()).collect();
         let pool = self.pools.iter().map(|p| p.params.len()).max().unwrap_or(0);
         let (parameters, gathered) = match self.stage {
@@ -788,8 +1050,16 @@ impl TrainEngine for ZeroStages {
     /// One device's dispatches (its stages' and its optimizer's) and the
     /// bytes of the device holding the most.
     fn footprint(&self) -> Footprint {
-        let dispatches = self.stages[0].iter().map(|s| s.executor().dispatches_per_step()).sum::<usize>() + self.optimizers[0].dispatches().count();
-        Footprint { dispatches_per_step: dispatches, peak_bytes: self.memory().total(), intermediates: None }
+        let dispatches = self.stages[0]
+            .iter()
+            .map(|s| s.executor().dispatches_per_step())
+            .sum::<usize>()
+            + self.optimizers[0].dispatches().count();
+        Footprint {
+            dispatches_per_step: dispatches,
+            peak_bytes: self.memory().total(),
+            intermediates: None,
+        }
     }
     fn shares(&self) -> Vec<usize> {
         self.shares.clone()
@@ -802,7 +1072,14 @@ impl TrainEngine for ZeroStages {
             let pool = &self.pools[d];
             let slots: Vec<usize> = pool.slots.iter().map(GpuTensor::len).collect();
             let inputs = self.stages[d].iter().map(|s| s.executor().plan().input_bytes).sum();
-            device_memory(self.params[d].len(), self.shards[d].len(), pool.params.len(), &slots, inputs, states)
+            device_memory(
+                self.params[d].len(),
+                self.shards[d].len(),
+                pool.params.len(),
+                &slots,
+                inputs,
+                states,
+            )
         }))
     }
 }

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::accuracy;
 use super::run::{Evaluation, Prepared, Resumed, Task, TrainConfig};
 use crate::error::{Error, Result};
 use crate::io::checkpoint;
@@ -14,8 +15,6 @@ use crate::optim::{self};
 use crate::parallel::distributed::{broadcast_f32, broadcast_u64, ProcessGroup};
 use crate::parallel::engine::TrainEngine;
 use crate::parallel::{Examples, Targets};
-use super::accuracy;
-
 
 /// A train/test split and the name it is reported and checkpointed under.
 #[derive(Clone, Debug)]
@@ -33,11 +32,19 @@ pub fn load_data(mnist: Option<&Path>, test_fraction: f64, seed: u64) -> Result<
     match mnist {
         Some(dir) => {
             let (train, test) = data::mnist(dir)?;
-            Ok(DataSplit { train, test, name: format!("mnist:{}", dir.display()) })
+            Ok(DataSplit {
+                train,
+                test,
+                name: format!("mnist:{}", dir.display()),
+            })
         }
         None => {
             let (train, test) = data::digits()?.split(test_fraction, seed)?;
-            Ok(DataSplit { train, test, name: "digits".to_string() })
+            Ok(DataSplit {
+                train,
+                test,
+                name: "digits".to_string(),
+            })
         }
     }
 }
@@ -67,7 +74,11 @@ pub fn share_data(group: &dyn ProcessGroup, loaded: Option<DataSplit>) -> Result
     };
     let train = share(train)?;
     let test = share(test)?;
-    Ok(DataSplit { train, test, name: String::from_utf8_lossy(&name_bytes).into_owned() })
+    Ok(DataSplit {
+        train,
+        test,
+        name: String::from_utf8_lossy(&name_bytes).into_owned(),
+    })
 }
 
 /// The ReLU MLP classifier on the digits (or MNIST): accuracy on both
@@ -101,7 +112,13 @@ pub struct ClassifierData {
 
 impl Default for Classifier {
     fn default() -> Self {
-        Classifier { hidden: vec![128], epochs: 40, test_fraction: 0.2, mnist: None, prepared: None }
+        Classifier {
+            hidden: vec![128],
+            epochs: 40,
+            test_fraction: 0.2,
+            mnist: None,
+            prepared: None,
+        }
     }
 }
 
@@ -112,7 +129,10 @@ impl Classifier {
     }
 
     fn data_ready(&self) -> Result<&ClassifierData> {
-        self.prepared.as_ref().ok_or_else(|| Error::InvalidArgument { op: "Classifier", reason: "the task is not prepared (TrainingRun::new prepares it)".into() })
+        self.prepared.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op: "Classifier",
+            reason: "the task is not prepared (TrainingRun::new prepares it)".into(),
+        })
     }
 }
 
@@ -136,13 +156,24 @@ impl Task for Classifier {
             _ => None,
         };
         let sampler = Sampler::new(split.train.len(), config.batch_size, config.seed, true)?;
-        let (x, y) = (vec![0.0; config.batch_size * split.train.features()], vec![0; config.batch_size]);
-        self.prepared = Some(ClassifierData { split, sampler, next: 0, x, y });
+        let (x, y) = (
+            vec![0.0; config.batch_size * split.train.features()],
+            vec![0; config.batch_size],
+        );
+        self.prepared = Some(ClassifierData {
+            split,
+            sampler,
+            next: 0,
+            x,
+            y,
+        });
         Ok(Prepared { model, resumed })
     }
 
     fn describe_data(&self) -> String {
-        self.data().map_or_else(String::new, |d| format!("{}, {} train / {} test rows", d.name, d.train.len(), d.test.len()))
+        self.data().map_or_else(String::new, |d| {
+            format!("{}, {} train / {} test rows", d.name, d.train.len(), d.test.len())
+        })
     }
 
     /// `max_steps` more steps, at most `epochs` passes.
@@ -156,12 +187,18 @@ impl Task for Classifier {
     }
 
     fn batch(&mut self, _config: &TrainConfig) -> Result<(Examples<'_>, Targets<'_>)> {
-        let d = self.prepared.as_mut().ok_or_else(|| Error::InvalidArgument { op: "Classifier", reason: "the task is not prepared".into() })?;
+        let d = self.prepared.as_mut().ok_or_else(|| Error::InvalidArgument {
+            op: "Classifier",
+            reason: "the task is not prepared".into(),
+        })?;
         if d.next == d.sampler.num_batches() {
             d.sampler.next_epoch();
             d.next = 0;
         }
-        let indices = d.sampler.batch(d.next).ok_or_else(|| Error::InvalidArgument { op: "Classifier", reason: "the sampler has no batch".into() })?;
+        let indices = d.sampler.batch(d.next).ok_or_else(|| Error::InvalidArgument {
+            op: "Classifier",
+            reason: "the sampler has no batch".into(),
+        })?;
         d.split.train.fill_batch(indices, &mut d.x, &mut d.y)?;
         d.next += 1;
         Ok((Examples::Features(&d.x), Targets::Classes(&d.y)))
@@ -169,12 +206,25 @@ impl Task for Classifier {
 
     fn evaluate(&mut self, engine: &mut dyn TrainEngine, _last_validation: Option<f32>) -> Result<Evaluation> {
         let split = &self.data_ready()?.split;
-        let test = accuracy(&engine.predict(Examples::Features(split.test.x()))?, split.test.labels());
-        let train = accuracy(&engine.predict(Examples::Features(split.train.x()))?, split.train.labels());
+        let test = accuracy(
+            &engine.predict(Examples::Features(split.test.x()))?,
+            split.test.labels(),
+        );
+        let train = accuracy(
+            &engine.predict(Examples::Features(split.train.x()))?,
+            split.train.labels(),
+        );
         Ok(Evaluation::Accuracy { train, test })
     }
 
-    fn save(&self, engine: &dyn TrainEngine, _model: &Sequential, config: &TrainConfig, evaluation: Option<&Evaluation>, path: &Path) -> Result<()> {
+    fn save(
+        &self,
+        engine: &dyn TrainEngine,
+        _model: &Sequential,
+        config: &TrainConfig,
+        evaluation: Option<&Evaluation>,
+        path: &Path,
+    ) -> Result<()> {
         let mut ckpt = engine.checkpoint()?;
         ckpt.set_meta("data", self.data_ready()?.split.name.clone());
         ckpt.set_meta("split_seed", config.seed.to_string());
@@ -183,7 +233,11 @@ impl Task for Classifier {
             ckpt.set_meta("test_accuracy", format!("{test:.6}"));
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| Error::CheckpointIo { path: dir.to_path_buf(), action: "create the directory", source })?;
+            std::fs::create_dir_all(dir).map_err(|source| Error::CheckpointIo {
+                path: dir.to_path_buf(),
+                action: "create the directory",
+                source,
+            })?;
         }
         checkpoint::save(path, &ckpt)
     }
@@ -195,16 +249,34 @@ impl Task for Classifier {
 fn read_checkpoint(path: &Path, model: &Sequential, optimizer: &OptimizerConfig) -> Result<Resumed> {
     let ckpt = checkpoint::load(path)?;
     if let Some(saved) = ckpt.meta("model").filter(|m| *m != model.describe()) {
-        return Err(Error::InvalidArgument { op: "train --resume", reason: format!("`{}` holds {saved}, not this run's {}", path.display(), model.describe()) });
+        return Err(Error::InvalidArgument {
+            op: "train --resume",
+            reason: format!(
+                "`{}` holds {saved}, not this run's {}",
+                path.display(),
+                model.describe()
+            ),
+        });
     }
-    let parameters = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
+    let parameters = ckpt
+        .tensors
+        .iter()
+        .filter(|t| !t.name.starts_with("optim."))
+        .map(|t| (t.name.clone(), t.shape.clone(), t.data.clone()))
+        .collect();
     let kind = |d: &str| d.split_whitespace().next().unwrap_or_default().to_string();
     let ours = optim::describe(optimizer);
     let state = match OptimizerState::from_checkpoint(&ckpt) {
         Ok(state) if kind(&state.optimizer) == kind(&ours) => state,
         _ => {
-            log::warn!("checkpoint optimizer {:?} differs from {ours:?}: loading parameters only", ckpt.meta("optimizer"));
-            OptimizerState { step: 0, ..Default::default() }
+            log::warn!(
+                "checkpoint optimizer {:?} differs from {ours:?}: loading parameters only",
+                ckpt.meta("optimizer")
+            );
+            OptimizerState {
+                step: 0,
+                ..Default::default()
+            }
         }
     };
     Ok(Resumed { parameters, state })

@@ -31,18 +31,20 @@ use crate::error::{Error, Result};
 use crate::io::bpe::BpeTokenizer;
 use crate::io::gguf::Gguf;
 use crate::io::gguf_model::GgufModel;
-use crate::io::gpt_folder::{load_gpt_folder, read_tokenizer, save_gpt_folder_with_files, OptimizerState, TokenizerSpec};
+use crate::io::gpt_folder::{
+    load_gpt_folder, read_tokenizer, save_gpt_folder_with_files, OptimizerState, TokenizerSpec,
+};
 use crate::io::hf_folder::{ExtraFile, TOKENIZER_FILES};
 use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_files};
 use crate::io::lm_folder::is_gguf_path;
+use crate::io::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
+use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
 use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{AttentionKernel, LmConfig};
-use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
 use crate::optim::{self, Adam, AdamW, SGD};
 use crate::parallel::distributed::ProcessGroup;
 use crate::parallel::engine::{Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
-use crate::io::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::parallel::{Examples, Targets};
 use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
 
@@ -71,7 +73,13 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     /// Writes a model folder (atomically) with the tokenizer, the
     /// optimizer state to resume from where given, and `files` (Hugging
     /// Face tokenizer files) beside the weights.
-    fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()>;
+    fn save_folder(
+        &self,
+        dir: &Path,
+        tokenizer: &TokenizerSpec,
+        state: Option<&OptimizerState>,
+        files: &[ExtraFile],
+    ) -> Result<()>;
     /// Reads a folder [`TrainableLm::save_folder`] wrote: the model, its
     /// tokenizer and optimizer state where the folder has them.
     fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)>;
@@ -112,7 +120,13 @@ macro_rules! trainable_lm {
             fn with_parameters(&self, params: &NamedParameters) -> Result<Self> {
                 $model::from_parameters(self.config, |name, shape| take_parameter(params, name, shape))
             }
-            fn save_folder(&self, dir: &Path, tokenizer: &TokenizerSpec, state: Option<&OptimizerState>, files: &[ExtraFile]) -> Result<()> {
+            fn save_folder(
+                &self,
+                dir: &Path,
+                tokenizer: &TokenizerSpec,
+                state: Option<&OptimizerState>,
+                files: &[ExtraFile],
+            ) -> Result<()> {
                 $save(dir, self, tokenizer, state, files)
             }
             fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
@@ -123,11 +137,23 @@ macro_rules! trainable_lm {
     };
 }
 
-trainable_lm!(Gpt, GptConfig, |dir: &Path, model, tokenizer, state, files| save_gpt_folder_with_files(dir, model, tokenizer, state, files), load_gpt_folder, GgufModel::to_gpt);
+trainable_lm!(
+    Gpt,
+    GptConfig,
+    |dir: &Path, model, tokenizer, state, files| save_gpt_folder_with_files(dir, model, tokenizer, state, files),
+    load_gpt_folder,
+    GgufModel::to_gpt
+);
 trainable_lm!(
     Llama,
     LlamaConfig,
-    |dir: &Path, model, tokenizer, state, files| save_llama_folder_with_files(dir, model, Some(tokenizer), state, files),
+    |dir: &Path, model, tokenizer, state, files| save_llama_folder_with_files(
+        dir,
+        model,
+        Some(tokenizer),
+        state,
+        files
+    ),
     load_llama_folder,
     GgufModel::to_llama
 );
@@ -147,7 +173,12 @@ pub struct Pretrained<M> {
 impl<M: TrainableLm> Debug for Pretrained<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let files: Vec<&str> = self.files.iter().map(|(name, _)| name.as_str()).collect();
-        f.debug_struct("Pretrained").field("source", &self.source).field("config", &self.model.config()).field("tokenizer", &self.tokenizer.kind()).field("files", &files).finish()
+        f.debug_struct("Pretrained")
+            .field("source", &self.source)
+            .field("config", &self.model.config())
+            .field("tokenizer", &self.tokenizer.kind())
+            .field("files", &files)
+            .finish()
     }
 }
 
@@ -158,9 +189,15 @@ impl<M: TrainableLm> Pretrained<M> {
     /// GPT-2's vocabulary). A model with no tokenizer, or one with more
     /// tokens than the model's vocabulary, is an error.
     pub fn load(path: &Path) -> Result<Self> {
-        let bad = |reason: String| Error::InvalidArgument { op: "train --init", reason };
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "train --init",
+            reason,
+        };
         if !path.exists() {
-            return Err(bad(format!("`{}` does not exist (give a GGUF file or a Hugging Face model folder)", path.display())));
+            return Err(bad(format!(
+                "`{}` does not exist (give a GGUF file or a Hugging Face model folder)",
+                path.display()
+            )));
         }
         let model = M::load_pretrained(path)?;
         let (tokenizer, files) = if is_gguf_path(path) {
@@ -171,19 +208,40 @@ impl<M: TrainableLm> Pretrained<M> {
             let mut files = Vec::new();
             for name in TOKENIZER_FILES.iter().filter(|name| path.join(name).is_file()) {
                 let file = path.join(name);
-                files.push((name.to_string(), std::fs::read(&file).map_err(|source| Error::DataIo { op: "train --init", path: file, source })?));
+                files.push((
+                    name.to_string(),
+                    std::fs::read(&file).map_err(|source| Error::DataIo {
+                        op: "train --init",
+                        path: file,
+                        source,
+                    })?,
+                ));
             }
             (Tokenizer::Bpe(Box::new(bpe)), files)
         } else {
             let spec = read_tokenizer(path, model.vocab_size())?.ok_or_else(|| {
-                bad(format!("`{}` has no tokenizer: no tokenizer.json, no {} and not GPT-2's vocabulary", path.display(), crate::io::gpt_folder::TOKENIZER_FILE))
+                bad(format!(
+                    "`{}` has no tokenizer: no tokenizer.json, no {} and not GPT-2's vocabulary",
+                    path.display(),
+                    crate::io::gpt_folder::TOKENIZER_FILE
+                ))
             })?;
             (spec.tokenizer()?, Vec::new())
         };
         if tokenizer.vocab_size() > model.vocab_size() {
-            return Err(bad(format!("`{}`: the tokenizer has {} tokens, more than the model's vocabulary of {}", path.display(), tokenizer.vocab_size(), model.vocab_size())));
+            return Err(bad(format!(
+                "`{}`: the tokenizer has {} tokens, more than the model's vocabulary of {}",
+                path.display(),
+                tokenizer.vocab_size(),
+                model.vocab_size()
+            )));
         }
-        Ok(Pretrained { model, tokenizer, files, source: path.to_path_buf() })
+        Ok(Pretrained {
+            model,
+            tokenizer,
+            files,
+            source: path.to_path_buf(),
+        })
     }
 
     /// The model on windows of `positions` tokens, at most its context: a
@@ -192,12 +250,22 @@ impl<M: TrainableLm> Pretrained<M> {
     pub fn cropped(&self, positions: usize) -> Result<M> {
         let context = self.model.context_len();
         if positions == 0 || positions > context {
-            return Err(Error::InvalidArgument { op: "train --init", reason: format!("windows of {positions} tokens: the model's context is {context}") });
+            return Err(Error::InvalidArgument {
+                op: "train --init",
+                reason: format!("windows of {positions} tokens: the model's context is {context}"),
+            });
         }
         let params = self.model.parameter_values();
         M::assemble(&M::with_context(self.model.config(), positions), &mut |name, shape| {
-            let values = params.iter().find(|p| p.0 == name).map(|p| p.2).ok_or_else(|| missing_parameter(name, shape))?;
-            values.get(..shape.iter().product()).map(<[f32]>::to_vec).ok_or_else(|| missing_parameter(name, shape))
+            let values = params
+                .iter()
+                .find(|p| p.0 == name)
+                .map(|p| p.2)
+                .ok_or_else(|| missing_parameter(name, shape))?;
+            values
+                .get(..shape.iter().product())
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| missing_parameter(name, shape))
         })
     }
 
@@ -207,16 +275,25 @@ impl<M: TrainableLm> Pretrained<M> {
     pub fn uncropped<'p>(&'p self, trained: &'p M) -> Result<M> {
         let (trained, pretrained) = (trained.parameter_values(), self.model.parameter_values());
         M::assemble(&self.model.config(), &mut |name, shape| {
-            let find = |params: &[(String, Vec<usize>, &'p [f32])]| -> Option<&'p [f32]> { params.iter().find(|p| p.0 == name).map(|p| p.2) };
-            let (Some(t), Some(p)) = (find(&trained), find(&pretrained)) else { return Err(missing_parameter(name, shape)) };
-            let rest = p.get(t.len()..shape.iter().product()).ok_or_else(|| missing_parameter(name, shape))?;
+            let find = |params: &[(String, Vec<usize>, &'p [f32])]| -> Option<&'p [f32]> {
+                params.iter().find(|p| p.0 == name).map(|p| p.2)
+            };
+            let (Some(t), Some(p)) = (find(&trained), find(&pretrained)) else {
+                return Err(missing_parameter(name, shape));
+            };
+            let rest = p
+                .get(t.len()..shape.iter().product())
+                .ok_or_else(|| missing_parameter(name, shape))?;
             Ok([t, rest].concat())
         })
     }
 }
 
 fn missing_parameter(name: &str, shape: &[usize]) -> Error {
-    Error::InvalidArgument { op: "Pretrained", reason: format!("the model has no parameter `{name}` with {shape:?} values") }
+    Error::InvalidArgument {
+        op: "Pretrained",
+        reason: format!("the model has no parameter `{name}` with {shape:?} values"),
+    }
 }
 
 /// The text to train on.
@@ -238,14 +315,17 @@ pub enum TokenizerKind {
     Gpt2,
 }
 
-
 /// The values of parameter `name` in `params`, for
 /// [`TrainableLm::with_parameters`].
 pub fn take_parameter(params: &NamedParameters, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-    params.iter().find(|p| p.0 == name).map(|p| p.2.clone()).ok_or_else(|| Error::InvalidArgument {
-        op: "TrainableLm::with_parameters",
-        reason: format!("the trainer has no parameter `{name}` {shape:?}"),
-    })
+    params
+        .iter()
+        .find(|p| p.0 == name)
+        .map(|p| p.2.clone())
+        .ok_or_else(|| Error::InvalidArgument {
+            op: "TrainableLm::with_parameters",
+            reason: format!("the trainer has no parameter `{name}` {shape:?}"),
+        })
 }
 
 /// AdamW as nanoGPT trains: decay on weight matrices only, linear warmup,
@@ -263,7 +343,14 @@ pub struct AdamWSchedule {
 
 impl Default for AdamWSchedule {
     fn default() -> Self {
-        AdamWSchedule { lr: 3e-3, min_lr: 3e-4, warmup_steps: 40, weight_decay: 0.1, betas: (0.9, 0.99), clip_grad_norm: Some(1.0) }
+        AdamWSchedule {
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 40,
+            weight_decay: 0.1,
+            betas: (0.9, 0.99),
+            clip_grad_norm: Some(1.0),
+        }
     }
 }
 
@@ -275,7 +362,9 @@ pub enum LmUpdate {
     AdamW,
     /// Weight decay as an L2 term of the gradient, as torch.optim.Adam.
     Adam,
-    Sgd { momentum: f32 },
+    Sgd {
+        momentum: f32,
+    },
 }
 
 impl AdamWSchedule {
@@ -288,11 +377,18 @@ impl AdamWSchedule {
     /// [`AdamWSchedule::optimizer`] with another update rule (`betas` are
     /// Adam's and AdamW's only).
     pub fn optimizer_for(&self, update: LmUpdate, max_steps: u64) -> OptimizerConfig {
-        let schedule = LrSchedule::WarmupCosine { warmup_steps: self.warmup_steps.min(max_steps), total_steps: max_steps, min_lr: self.min_lr };
+        let schedule = LrSchedule::WarmupCosine {
+            warmup_steps: self.warmup_steps.min(max_steps),
+            total_steps: max_steps,
+            min_lr: self.min_lr,
+        };
         // Each builder takes the settings every optimizer shares.
         macro_rules! shared {
             ($optimizer:expr) => {{
-                let o = $optimizer.weight_decay(self.weight_decay).schedule(schedule).decay_matrices_only();
+                let o = $optimizer
+                    .weight_decay(self.weight_decay)
+                    .schedule(schedule)
+                    .decay_matrices_only();
                 match self.clip_grad_norm {
                     Some(max_norm) => o.clip_grad_norm(max_norm).into(),
                     None => o.into(),
@@ -311,7 +407,13 @@ impl AdamWSchedule {
 /// `make train`'s GPT: 0.8M parameters, nanoGPT's shakespeare_char scaled
 /// down to train in under 10 minutes on two CPU cores' software adapter
 /// (the vocabulary is the data's).
-pub const MAKE_TRAIN_GPT: crate::models::GptConfig = crate::models::GptConfig { vocab_size: 0, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
+pub const MAKE_TRAIN_GPT: crate::models::GptConfig = crate::models::GptConfig {
+    vocab_size: 0,
+    block_size: 64,
+    n_layer: 4,
+    n_head: 4,
+    n_embd: 128,
+};
 
 /// `make train`'s run: 750 steps of 8 windows, nanoGPT's AdamW, the
 /// validation loss every 125 steps. Sizes and steps measured on the 2-core
@@ -321,7 +423,13 @@ pub const MAKE_TRAIN_GPT: crate::models::GptConfig = crate::models::GptConfig { 
 /// steps of 16 × 128 (scripts/train_reference.py).
 pub fn language_model_run() -> TrainConfig {
     const STEPS: u64 = 750;
-    TrainConfig { batch_size: 8, max_steps: Some(STEPS), optimizer: AdamWSchedule::default().optimizer(STEPS), eval_every: 125, ..TrainConfig::default() }
+    TrainConfig {
+        batch_size: 8,
+        max_steps: Some(STEPS),
+        optimizer: AdamWSchedule::default().optimizer(STEPS),
+        eval_every: 125,
+        ..TrainConfig::default()
+    }
 }
 
 /// A causal language model `M` on text: random windows to train on, the
@@ -362,11 +470,23 @@ pub struct LmData {
 impl<M: TrainableLm> LanguageModel<M> {
     /// `model`'s sizes on the shipped Shakespeare with the char tokenizer.
     pub fn new(model: M::Config) -> Self {
-        LanguageModel { text: TextSource::Shakespeare, tokenizer: TokenizerKind::Char, model, eval_batches: 16, validation_fraction: 0.1, init: None, attention: None, prepared: None }
+        LanguageModel {
+            text: TextSource::Shakespeare,
+            tokenizer: TokenizerKind::Char,
+            model,
+            eval_batches: 16,
+            validation_fraction: 0.1,
+            init: None,
+            attention: None,
+            prepared: None,
+        }
     }
 
     fn data_ready(&self) -> Result<&LmData> {
-        self.prepared.as_ref().ok_or_else(|| Error::InvalidArgument { op: "LanguageModel", reason: "the task is not prepared (TrainingRun::new prepares it)".into() })
+        self.prepared.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op: "LanguageModel",
+            reason: "the task is not prepared (TrainingRun::new prepares it)".into(),
+        })
     }
 
     /// The tokenizer, once the text is read.
@@ -390,7 +510,10 @@ impl<M: TrainableLm> LanguageModel<M> {
     pub fn sample_prompt(&self) -> Result<String> {
         let d = self.data_ready()?;
         if self.init.is_some() {
-            return d.text.tokenizer.decode(&d.text.validation[..d.text.validation.len().min(16)]);
+            return d
+                .text
+                .tokenizer
+                .decode(&d.text.validation[..d.text.validation.len().min(16)]);
         }
         if d.text.tokenizer.encode("\n").is_ok_and(|ids| ids.len() == 1) {
             return Ok("\n".into());
@@ -405,11 +528,19 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
 
     fn suit_devices(&self, model: &mut M, devices: &[Arc<Kernels>]) {
         let sizes = model.lm_sizes();
-        model.set_attention_kernel(self.attention.unwrap_or_else(|| AttentionKernel::for_devices(devices, sizes.context, sizes.head_dim)));
+        model.set_attention_kernel(
+            self.attention
+                .unwrap_or_else(|| AttentionKernel::for_devices(devices, sizes.context, sizes.head_dim)),
+        );
     }
 
     fn prepare(&mut self, config: &TrainConfig, processes: Option<&dyn ProcessGroup>) -> Result<Prepared<M>> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op: "train (language model)", reason });
+        let bad = |reason: String| {
+            Err(Error::InvalidArgument {
+                op: "train (language model)",
+                reason,
+            })
+        };
         if self.eval_batches == 0 || config.max_steps.is_none() {
             return bad("eval_batches and max_steps must be given and positive".into());
         }
@@ -419,7 +550,10 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
         }
         let text = shared_text(processes, &self.text)?;
         let (text, sizes) = match &self.init {
-            Some(pretrained) => (split_tokens(pretrained.tokenizer.clone(), &text, self.validation_fraction)?, self.model.clone()),
+            Some(pretrained) => (
+                split_tokens(pretrained.tokenizer.clone(), &text, self.validation_fraction)?,
+                self.model.clone(),
+            ),
             None => {
                 let text = tokenize_text(&text, self.tokenizer, self.validation_fraction)?;
                 let sizes = M::with_vocab(self.model.clone(), text.tokenizer.vocab_size());
@@ -428,7 +562,11 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
         };
         let block_size = sizes.lm_sizes().context;
         if text.train.len() <= block_size {
-            return bad(format!("{} training tokens cannot give windows of {}", text.train.len(), block_size + 1));
+            return bad(format!(
+                "{} training tokens cannot give windows of {}",
+                text.train.len(),
+                block_size + 1
+            ));
         }
         let validation = validation_windows(&text.validation, self.eval_batches * config.batch_size, block_size)?;
         // Across processes rank 0 reads the folder; the other ranks take
@@ -436,28 +574,49 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
         let (model, resumed) = match &config.resume {
             Some(dir) if root => {
                 let (model, tokenizer, state) = M::load_folder(dir)?;
-                let state = state.ok_or_else(|| Error::InvalidArgument { op: "train --resume", reason: format!("`{}` has no optimizer state to resume from", dir.display()) })?;
+                let state = state.ok_or_else(|| Error::InvalidArgument {
+                    op: "train --resume",
+                    reason: format!("`{}` has no optimizer state to resume from", dir.display()),
+                })?;
                 if model.config() != sizes || tokenizer.as_ref() != Some(&TokenizerSpec::from(&text.tokenizer)) {
                     return Err(Error::InvalidArgument {
                         op: "train --resume",
-                        reason: format!("`{}` holds {:?} with another tokenizer or size than this run's {sizes:?}", dir.display(), model.config()),
+                        reason: format!(
+                            "`{}` holds {:?} with another tokenizer or size than this run's {sizes:?}",
+                            dir.display(),
+                            model.config()
+                        ),
                     });
                 }
-                (model, Some(Resumed { parameters: Vec::new(), state }))
+                (
+                    model,
+                    Some(Resumed {
+                        parameters: Vec::new(),
+                        state,
+                    }),
+                )
             }
-            _ => match &self.init {
-                Some(pretrained) => {
-                    let model = pretrained.cropped(block_size)?;
-                    if model.config() != sizes {
-                        return bad(format!("the task's sizes {sizes:?} are not the pretrained model's {:?} on windows of {block_size}", model.config()));
+            _ => {
+                match &self.init {
+                    Some(pretrained) => {
+                        let model = pretrained.cropped(block_size)?;
+                        if model.config() != sizes {
+                            return bad(format!("the task's sizes {sizes:?} are not the pretrained model's {:?} on windows of {block_size}", model.config()));
+                        }
+                        (model, None)
                     }
-                    (model, None)
+                    None => (M::build(&sizes)?, None),
                 }
-                None => (M::build(&sizes)?, None),
-            },
+            }
         };
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        self.prepared = Some(LmData { text, validation, block_size, rng, batch: (Vec::new(), Vec::new()) });
+        self.prepared = Some(LmData {
+            text,
+            validation,
+            block_size,
+            rng,
+            batch: (Vec::new(), Vec::new()),
+        });
         Ok(Prepared { model, resumed })
     }
 
@@ -470,12 +629,21 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     fn describe_data(&self) -> String {
         self.prepared.as_ref().map_or_else(String::new, |d| {
             let t = &d.text;
-            format!("{} tokenizer, vocabulary {}, {} train / {} validation tokens", t.tokenizer.kind(), t.tokenizer.vocab_size(), t.train.len(), t.validation.len())
+            format!(
+                "{} tokenizer, vocabulary {}, {} train / {} validation tokens",
+                t.tokenizer.kind(),
+                t.tokenizer.vocab_size(),
+                t.train.len(),
+                t.validation.len()
+            )
         })
     }
 
     fn last_step(&self, config: &TrainConfig, _first_step: u64) -> Result<u64> {
-        config.max_steps.ok_or_else(|| Error::InvalidArgument { op: "train (language model)", reason: "max_steps must be given".into() })
+        config.max_steps.ok_or_else(|| Error::InvalidArgument {
+            op: "train (language model)",
+            reason: "max_steps must be given".into(),
+        })
     }
 
     fn per_step(&self, config: &TrainConfig) -> usize {
@@ -492,7 +660,10 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     }
 
     fn batch(&mut self, config: &TrainConfig) -> Result<(Examples<'_>, Targets<'_>)> {
-        let d = self.prepared.as_mut().ok_or_else(|| Error::InvalidArgument { op: "LanguageModel", reason: "the task is not prepared".into() })?;
+        let d = self.prepared.as_mut().ok_or_else(|| Error::InvalidArgument {
+            op: "LanguageModel",
+            reason: "the task is not prepared".into(),
+        })?;
         d.batch = text::random_windows(&d.text.train, config.batch_size, d.block_size, &mut d.rng)?;
         Ok((Examples::Ids(&d.batch.0), Targets::Classes(&d.batch.1)))
     }
@@ -517,15 +688,34 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     /// state to resume from; a fine-tuned model's with its source's
     /// tokenizer files and no optimizer state (its moments cover the
     /// cropped windows; `--init` again starts a fresh fine-tune).
-    fn save(&self, engine: &dyn TrainEngine, model: &M, config: &TrainConfig, _evaluation: Option<&Evaluation>, path: &Path) -> Result<()> {
+    fn save(
+        &self,
+        engine: &dyn TrainEngine,
+        model: &M,
+        config: &TrainConfig,
+        _evaluation: Option<&Evaluation>,
+        path: &Path,
+    ) -> Result<()> {
         let trained = self.trained_model(engine, model)?;
         let tokenizer = TokenizerSpec::from(&self.data_ready()?.text.tokenizer);
         if let Some(pretrained) = &self.init {
             return trained.save_folder(path, &tokenizer, None, &pretrained.files);
         }
-        let state = engine.optimizer_state()?.into_iter().map(|(param, name, values)| (param, name.to_string(), values)).collect();
-        let metadata = engine.read_loss_scale()?.map(|s| s.metadata().into_iter().map(|(k, v)| (k.to_string(), v)).collect()).unwrap_or_default();
-        let state = OptimizerState { optimizer: optim::describe(&config.optimizer), step: engine.step_count(), state, metadata };
+        let state = engine
+            .optimizer_state()?
+            .into_iter()
+            .map(|(param, name, values)| (param, name.to_string(), values))
+            .collect();
+        let metadata = engine
+            .read_loss_scale()?
+            .map(|s| s.metadata().into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+            .unwrap_or_default();
+        let state = OptimizerState {
+            optimizer: optim::describe(&config.optimizer),
+            step: engine.step_count(),
+            state,
+            metadata,
+        };
         trained.save_folder(path, &tokenizer, Some(&state), &[])
     }
 }
@@ -545,12 +735,26 @@ pub fn read_text(source: &TextSource) -> Result<String> {
         TextSource::Text(text) => Ok(text.clone()),
         // A gzip file (the shipped data/shakespeare.txt.gz) is read decompressed.
         TextSource::File(path) if path.extension().is_some_and(|e| e == "gz") => {
-            let file = std::fs::File::open(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source })?;
+            let file = std::fs::File::open(path).map_err(|source| Error::DataIo {
+                op: "train --text",
+                path: path.clone(),
+                source,
+            })?;
             let mut text = String::new();
-            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text).map_err(|source| Error::DataIo { op: "train --text (gzip)", path: path.clone(), source })?;
+            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text).map_err(|source| {
+                Error::DataIo {
+                    op: "train --text (gzip)",
+                    path: path.clone(),
+                    source,
+                }
+            })?;
             Ok(text)
         }
-        TextSource::File(path) => std::fs::read_to_string(path).map_err(|source| Error::DataIo { op: "train --text", path: path.clone(), source }),
+        TextSource::File(path) => std::fs::read_to_string(path).map_err(|source| Error::DataIo {
+            op: "train --text",
+            path: path.clone(),
+            source,
+        }),
     }
 }
 
@@ -570,19 +774,34 @@ pub fn tokenize_text(text: &str, kind: TokenizerKind, validation_fraction: f64) 
 pub fn split_tokens(tokenizer: Tokenizer, text: &str, validation_fraction: f64) -> Result<TokenizedText> {
     let tokens = tokenizer.encode(text)?;
     let (train, validation) = text::held_out_split(&tokens, validation_fraction)?;
-    Ok(TokenizedText { tokenizer, train: train.to_vec(), validation: validation.to_vec() })
+    Ok(TokenizedText {
+        tokenizer,
+        train: train.to_vec(),
+        validation: validation.to_vec(),
+    })
 }
 
 /// `count` windows of `block_size + 1` tokens spread evenly over `tokens`,
 /// window i starting at `i·stride` with `stride = (len − block_size − 1) /
 /// count`: inputs and targets, [count, block_size] each.
 pub fn validation_windows(tokens: &[u32], count: usize, block_size: usize) -> Result<(Vec<u32>, Vec<u32>)> {
-    let room = tokens.len().checked_sub(block_size + 1).filter(|&r| r >= count && count > 0).ok_or_else(|| Error::InvalidArgument {
-        op: "validation_windows",
-        reason: format!("{} held-out tokens cannot give {count} windows of {}", tokens.len(), block_size + 1),
-    })?;
+    let room = tokens
+        .len()
+        .checked_sub(block_size + 1)
+        .filter(|&r| r >= count && count > 0)
+        .ok_or_else(|| Error::InvalidArgument {
+            op: "validation_windows",
+            reason: format!(
+                "{} held-out tokens cannot give {count} windows of {}",
+                tokens.len(),
+                block_size + 1
+            ),
+        })?;
     let stride = room / count;
-    let (mut inputs, mut targets) = (Vec::with_capacity(count * block_size), Vec::with_capacity(count * block_size));
+    let (mut inputs, mut targets) = (
+        Vec::with_capacity(count * block_size),
+        Vec::with_capacity(count * block_size),
+    );
     for i in 0..count {
         let start = i * stride;
         inputs.extend_from_slice(&tokens[start..start + block_size]);
@@ -594,9 +813,17 @@ pub fn validation_windows(tokens: &[u32], count: usize, block_size: usize) -> Re
 /// The text `source` names; across processes rank 0's on every rank, so
 /// only rank 0 reads a file (another host may not have it), collectively.
 fn shared_text(processes: Option<&dyn ProcessGroup>, source: &TextSource) -> Result<String> {
-    let Some(group) = processes else { return read_text(source) };
-    let mut bytes = if group.rank() == 0 { read_text(source)?.into_bytes() } else { Vec::new() };
+    let Some(group) = processes else {
+        return read_text(source);
+    };
+    let mut bytes = if group.rank() == 0 {
+        read_text(source)?.into_bytes()
+    } else {
+        Vec::new()
+    };
     group.broadcast_bytes(0, &mut bytes)?;
-    String::from_utf8(bytes).map_err(|e| Error::InvalidArgument { op: "train --text", reason: format!("rank 0 sent a text that is not UTF-8: {e}") })
+    String::from_utf8(bytes).map_err(|e| Error::InvalidArgument {
+        op: "train --text",
+        reason: format!("rank 0 sent a text that is not UTF-8: {e}"),
+    })
 }
-

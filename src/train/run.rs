@@ -15,15 +15,15 @@ use std::time::Instant;
 
 use crate::device::{Device, DeviceOptions};
 use crate::error::{Error, Result};
+use crate::graph::{PlanOptions, Precision};
 use crate::io::gpt_folder::OptimizerState;
 use crate::kernels::{Kernels, OptimizerConfig};
 use crate::nn::{self, CrossEntropyLoss, Module};
 use crate::optim::{self, Adam};
+use crate::optim::{LossScaleState, LossScaling};
 #[cfg(feature = "fault-injection")]
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::ProcessGroup;
-use crate::graph::{PlanOptions, Precision};
-use crate::optim::{LossScaleState, LossScaling};
 use crate::parallel::engine::{Footprint, Holding, Parallelizable, Strategy, TrainEngine};
 use crate::parallel::memory::DeviceMemory;
 use crate::parallel::pipeline::Schedule;
@@ -171,7 +171,14 @@ pub trait Task {
     /// validation loss of the last step, where the task has one.
     fn evaluate(&mut self, engine: &mut dyn TrainEngine, last_validation: Option<f32>) -> Result<Evaluation>;
     /// Writes what the run trained to `path`, for inference and resuming.
-    fn save(&self, engine: &dyn TrainEngine, model: &Self::Model, config: &TrainConfig, evaluation: Option<&Evaluation>, path: &Path) -> Result<()>;
+    fn save(
+        &self,
+        engine: &dyn TrainEngine,
+        model: &Self::Model,
+        config: &TrainConfig,
+        evaluation: Option<&Evaluation>,
+        path: &Path,
+    ) -> Result<()>;
 }
 
 /// What a prepared run is about to do, for the caller to print.
@@ -279,7 +286,13 @@ impl<T: Task> TrainingRun<T> {
     /// opens the devices, builds the engine and resumes. Across the
     /// processes of `processes` the run is data parallel, and every rank
     /// calls this and [`fit`](Self::fit).
-    pub fn new(device: &DeviceOptions, config: TrainConfig, task: T, processes: Option<Arc<dyn ProcessGroup>>, progress: &mut dyn Progress) -> Result<Self> {
+    pub fn new(
+        device: &DeviceOptions,
+        config: TrainConfig,
+        task: T,
+        processes: Option<Arc<dyn ProcessGroup>>,
+        progress: &mut dyn Progress,
+    ) -> Result<Self> {
         let strategy = Self::strategy(&config, processes.is_some())?;
         let selection = match (&config.devices, strategy) {
             (Some(d), _) => Some(d.clone()),
@@ -297,25 +310,50 @@ impl<T: Task> TrainingRun<T> {
     }
 
     /// [`TrainingRun::new`] on devices already open.
-    pub fn with_devices(group: DeviceGroup, config: TrainConfig, task: T, processes: Option<Arc<dyn ProcessGroup>>, progress: &mut dyn Progress) -> Result<Self> {
-        let count = if Self::strategy(&config, processes.is_some())? == Strategy::Single { None } else { Some(group.len()) };
+    pub fn with_devices(
+        group: DeviceGroup,
+        config: TrainConfig,
+        task: T,
+        processes: Option<Arc<dyn ProcessGroup>>,
+        progress: &mut dyn Progress,
+    ) -> Result<Self> {
+        let count = if Self::strategy(&config, processes.is_some())? == Strategy::Single {
+            None
+        } else {
+            Some(group.len())
+        };
         Self::build(config, task, processes, progress, count, |_| Ok(group))
     }
 
     /// [`TrainingRun::new`] on one device already open.
-    pub fn with_kernels(kernels: Arc<Kernels>, config: TrainConfig, task: T, progress: &mut dyn Progress) -> Result<Self> {
+    pub fn with_kernels(
+        kernels: Arc<Kernels>,
+        config: TrainConfig,
+        task: T,
+        progress: &mut dyn Progress,
+    ) -> Result<Self> {
         Self::with_devices(DeviceGroup::from_kernels(vec![kernels])?, config, task, None, progress)
     }
 
     fn strategy(config: &TrainConfig, across_processes: bool) -> Result<Strategy> {
-        let strategy = config.strategy.unwrap_or(if across_processes { Strategy::Data } else { Strategy::Single });
+        let strategy = config.strategy.unwrap_or(if across_processes {
+            Strategy::Data
+        } else {
+            Strategy::Single
+        });
         if across_processes && !matches!(strategy, Strategy::Data | Strategy::Zero(_)) {
-            return Err(Error::InvalidArgument { op: "train --distributed", reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into() });
+            return Err(Error::InvalidArgument {
+                op: "train --distributed",
+                reason: "across processes wgrad trains data parallel or ZeRO: use --parallel data or zero".into(),
+            });
         }
         if config.batch_size == 0 || config.max_steps == Some(0) || config.loss_every == 0 || config.eval_every == 0 {
             return Err(Error::InvalidArgument {
                 op: "train",
-                reason: format!("batch size {}, steps {:?}, loss_every and eval_every must be positive", config.batch_size, config.max_steps),
+                reason: format!(
+                    "batch size {}, steps {:?}, loss_every and eval_every must be positive",
+                    config.batch_size, config.max_steps
+                ),
             });
         }
         Ok(strategy)
@@ -333,7 +371,11 @@ impl<T: Task> TrainingRun<T> {
         let root = processes.as_ref().is_none_or(|g| g.rank() == 0);
         // Across processes the split holds rows per process, which the
         // engine checks once the job's size is known.
-        let split = if processes.is_some() { None } else { config.split.as_deref() };
+        let split = if processes.is_some() {
+            None
+        } else {
+            config.split.as_deref()
+        };
         if let Some(count) = devices {
             strategy.check_counts(count, config.batch_size, split, config.micro_batches)?;
             // Only tensor and pipeline parallel ask the model whether it
@@ -364,12 +406,30 @@ impl<T: Task> TrainingRun<T> {
             g.all_reduce_sum(&mut ranks_with_f16)?;
             f16 = ranks_with_f16[0] as usize == g.size();
         }
-        let optimizer = if f16 { config.optimizer.with_loss_scaling(Some(config.loss_scaling)) } else { config.optimizer };
+        let optimizer = if f16 {
+            config.optimizer.with_loss_scaling(Some(config.loss_scaling))
+        } else {
+            config.optimizer
+        };
         let precision = if f16 { Precision::F16 } else { Precision::F32 };
-        let options = PlanOptions { precision, checkpoint_activations: config.checkpoint_activations, ..PlanOptions::default() };
+        let options = PlanOptions {
+            precision,
+            checkpoint_activations: config.checkpoint_activations,
+            ..PlanOptions::default()
+        };
         #[allow(unused_mut)]
-        let mut engine: Box<dyn TrainEngine> =
-            strategy.build(&group, processes, &model, CrossEntropyLoss.into(), optimizer, config.batch_size, config.micro_batches, config.schedule, config.split.clone(), options)?;
+        let mut engine: Box<dyn TrainEngine> = strategy.build(
+            &group,
+            processes,
+            &model,
+            CrossEntropyLoss.into(),
+            optimizer,
+            config.batch_size,
+            config.micro_batches,
+            config.schedule,
+            config.split.clone(),
+            options,
+        )?;
         #[cfg(feature = "fault-injection")]
         if let Some((rank, step, how)) = config.fail_at {
             engine.inject_failure(rank, step, how);
@@ -415,12 +475,30 @@ impl<T: Task> TrainingRun<T> {
                 }
             },
             precision_note: (config.precision == Precision::F16 && !f16).then(|| {
-                let without: Vec<String> = group.members().iter().zip(group.labels()).filter(|(k, _)| !k.supports_f16()).map(|(_, label)| label).collect();
-                let without = if without.is_empty() { "a device of another process".to_string() } else { without.join(", ") };
+                let without: Vec<String> = group
+                    .members()
+                    .iter()
+                    .zip(group.labels())
+                    .filter(|(k, _)| !k.supports_f16())
+                    .map(|(_, label)| label)
+                    .collect();
+                let without = if without.is_empty() {
+                    "a device of another process".to_string()
+                } else {
+                    without.join(", ")
+                };
                 format!("--precision f16: {without} has no SHADER_F16, so this run trains in f32")
             }),
         };
-        Ok(TrainingRun { config, task, model, group, engine, root, info })
+        Ok(TrainingRun {
+            config,
+            task,
+            model,
+            group,
+            engine,
+            root,
+            info,
+        })
     }
 
     pub fn info(&self) -> &RunInfo {
@@ -456,7 +534,8 @@ impl<T: Task> TrainingRun<T> {
 
     /// Writes what the run trained so far to `path` (the task's format).
     pub fn save(&self, path: &Path) -> Result<()> {
-        self.task.save(self.engine.as_ref(), &self.model, &self.config, None, path)
+        self.task
+            .save(self.engine.as_ref(), &self.model, &self.config, None, path)
     }
 
     /// Runs every step (the validation loss every `eval_every` and after
@@ -518,7 +597,8 @@ impl<T: Task> TrainingRun<T> {
         progress.trained();
         let evaluation = self.task.evaluate(self.engine.as_mut(), last_validation)?;
         if let Some(path) = &self.config.save {
-            self.task.save(self.engine.as_ref(), &self.model, &self.config, Some(&evaluation), path)?;
+            self.task
+                .save(self.engine.as_ref(), &self.model, &self.config, Some(&evaluation), path)?;
         }
         let loss_scale = self.engine.read_loss_scale()?;
         let steps = (last + 1).saturating_sub(first);
@@ -541,6 +621,12 @@ impl<T: Task> TrainingRun<T> {
 
 /// [`TrainingRun::new`] then [`TrainingRun::fit`]. `None` on ranks other
 /// than 0.
-pub fn train<T: Task>(device: &DeviceOptions, config: TrainConfig, task: T, processes: Option<Arc<dyn ProcessGroup>>, progress: &mut dyn Progress) -> Result<Option<Summary>> {
+pub fn train<T: Task>(
+    device: &DeviceOptions,
+    config: TrainConfig,
+    task: T,
+    processes: Option<Arc<dyn ProcessGroup>>,
+    progress: &mut dyn Progress,
+) -> Result<Option<Summary>> {
     TrainingRun::new(device, config, task, processes, progress)?.fit(progress)
 }

@@ -77,7 +77,14 @@ fn mlp_checkpoint(hidden: usize) -> Checkpoint {
         NamedTensor::new(
             "specials",
             vec![6],
-            vec![f32::INFINITY, f32::NEG_INFINITY, -0.0, f32::MIN_POSITIVE / 2.0, f32::MAX, f32::from_bits(0x7fc0_1234)],
+            vec![
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                -0.0,
+                f32::MIN_POSITIVE / 2.0,
+                f32::MAX,
+                f32::from_bits(0x7fc0_1234),
+            ],
         )
         .unwrap(),
     );
@@ -85,7 +92,10 @@ fn mlp_checkpoint(hidden: usize) -> Checkpoint {
     c.set_meta("optimizer", "adam");
     c.set_meta("step", "123");
     c.set_meta("model", format!("mlp 64-{hidden}-10 relu"));
-    c.set_meta("hparams", r#"{"lr": 0.001, "betas": [0.9, 0.999], "note": "quotes \" and\nnewline ünïcode"}"#);
+    c.set_meta(
+        "hparams",
+        r#"{"lr": 0.001, "betas": [0.9, 0.999], "note": "quotes \" and\nnewline ünïcode"}"#,
+    );
     c
 }
 
@@ -109,7 +119,9 @@ fn round_trip_is_bit_identical_with_metadata() {
     assert_eq!(back.meta("step"), Some("123"));
     assert_eq!(back.tensors.len(), ckpt.tensors.len());
     for t in &ckpt.tensors {
-        let b = back.get(&t.name).unwrap_or_else(|| panic!("`{}` missing after load", t.name));
+        let b = back
+            .get(&t.name)
+            .unwrap_or_else(|| panic!("`{}` missing after load", t.name));
         assert_bit_identical(t, b);
     }
     // Documented order: sorted by name.
@@ -168,7 +180,18 @@ fn truncated_files_are_errors_naming_the_file() {
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
 
     let cut = dir.path("cut.safetensors");
-    let cuts = [0, 1, 7, 8, 9, 8 + header_len / 2, 8 + header_len - 1, 8 + header_len, 8 + header_len + 5, bytes.len() - 1];
+    let cuts = [
+        0,
+        1,
+        7,
+        8,
+        9,
+        8 + header_len / 2,
+        8 + header_len - 1,
+        8 + header_len,
+        8 + header_len + 5,
+        bytes.len() - 1,
+    ];
     for &n in &cuts {
         fs::write(&cut, &bytes[..n]).unwrap();
         let err = load(&cut).expect_err(&format!("cut at {n} of {} bytes loaded", bytes.len()));
@@ -240,7 +263,10 @@ fn non_f32_dtype_is_an_error() {
     let err = load(&p).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::CheckpointFormat { .. }), "{err:?}");
-    assert!(msg.contains("F16") && msg.contains("`w`") && msg.contains("half.safetensors"), "{msg}");
+    assert!(
+        msg.contains("F16") && msg.contains("`w`") && msg.contains("half.safetensors"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -275,12 +301,19 @@ fn failed_save_leaves_existing_file_untouched() {
     let mut dup = mlp_checkpoint(16);
     dup.push(tensor("0.bias", &[16], 9));
     let err = save(&path, &dup).unwrap_err();
-    assert!(err.to_string().contains("duplicate") && err.to_string().contains("0.bias"), "{err}");
+    assert!(
+        err.to_string().contains("duplicate") && err.to_string().contains("0.bias"),
+        "{err}"
+    );
     assert_eq!(fs::read(&path).unwrap(), before);
 
     // The reserved header key cannot name a tensor.
     let mut reserved = Checkpoint::new();
-    reserved.push(NamedTensor { name: "__metadata__".into(), shape: vec![1], data: vec![0.0] });
+    reserved.push(NamedTensor {
+        name: "__metadata__".into(),
+        shape: vec![1],
+        data: vec![0.0],
+    });
     assert!(save(&path, &reserved).is_err());
     assert_eq!(fs::read(&path).unwrap(), before);
 
@@ -357,11 +390,21 @@ fn shape_mismatch_reports_expected_and_found() {
     save(&path, &mlp_checkpoint(32)).unwrap();
     let c = load(&path).unwrap();
 
-    let ok: [(&str, &[usize]); 4] = [("0.weight", &[32, 64]), ("0.bias", &[32]), ("2.weight", &[10, 32]), ("2.bias", &[10])];
+    let ok: [(&str, &[usize]); 4] = [
+        ("0.weight", &[32, 64]),
+        ("0.bias", &[32]),
+        ("2.weight", &[10, 32]),
+        ("2.bias", &[10]),
+    ];
     c.expect_shapes(&ok).unwrap();
 
     // A 64-32-10 checkpoint loaded into a 64-16-10 model.
-    let want: [(&str, &[usize]); 4] = [("0.weight", &[16, 64]), ("0.bias", &[16]), ("2.weight", &[10, 16]), ("2.bias", &[10])];
+    let want: [(&str, &[usize]); 4] = [
+        ("0.weight", &[16, 64]),
+        ("0.bias", &[16]),
+        ("2.weight", &[10, 16]),
+        ("2.bias", &[10]),
+    ];
     let err = c.expect_shapes(&want).unwrap_err();
     match &err {
         Error::CheckpointMismatch { name, expected, found } => {
@@ -372,12 +415,21 @@ fn shape_mismatch_reports_expected_and_found() {
         other => panic!("expected CheckpointMismatch, got {other:?}"),
     }
     let msg = err.to_string();
-    assert!(msg.contains("0.weight") && msg.contains("[16, 64]") && msg.contains("[32, 64]"), "{msg}");
+    assert!(
+        msg.contains("0.weight") && msg.contains("[16, 64]") && msg.contains("[32, 64]"),
+        "{msg}"
+    );
 
     // A tensor the model needs but the file lacks.
     let err = c.expect_shapes(&[("4.weight", &[10, 10])]).unwrap_err();
-    assert!(matches!(err, Error::CheckpointMissing { ref name, .. } if name == "4.weight"), "{err:?}");
-    assert!(err.to_string().contains("4.weight") && err.to_string().contains("[10, 10]"), "{err}");
+    assert!(
+        matches!(err, Error::CheckpointMissing { ref name, .. } if name == "4.weight"),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("4.weight") && err.to_string().contains("[10, 10]"),
+        "{err}"
+    );
 
     assert_eq!(c.get_checked("2.bias", &[10]).unwrap().data.len(), 10);
     assert!(c.get("nope").is_none());
@@ -387,7 +439,10 @@ fn shape_mismatch_reports_expected_and_found() {
 fn named_tensor_new_checks_element_count() {
     assert!(NamedTensor::new("a", vec![2, 3], vec![0.0; 6]).is_ok());
     let err = NamedTensor::new("a", vec![2, 3], vec![0.0; 5]).unwrap_err();
-    assert!(err.to_string().contains("[2, 3]") && err.to_string().contains('5'), "{err}");
+    assert!(
+        err.to_string().contains("[2, 3]") && err.to_string().contains('5'),
+        "{err}"
+    );
     assert!(NamedTensor::new("big", vec![usize::MAX, 2], vec![]).is_err());
     let _: BTreeMap<String, String> = Checkpoint::new().metadata;
 }

@@ -12,7 +12,10 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
         let dir = std::env::temp_dir().join(format!("wgrad-data-{name}-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
@@ -46,13 +49,19 @@ fn digits_shape_range_and_balance() {
     let d = data::digits().unwrap();
     assert_eq!((d.len(), d.features(), d.classes()), (1797, 64, 10));
     assert_eq!(d.x().len(), 1797 * 64);
-    assert!(d.x().iter().all(|&v| (0.0..=1.0).contains(&v)), "pixels must be scaled to [0, 1]");
+    assert!(
+        d.x().iter().all(|&v| (0.0..=1.0).contains(&v)),
+        "pixels must be scaled to [0, 1]"
+    );
     // Raw pixels reach 16, so the maximum after scaling is exactly 1.
     assert_eq!(d.x().iter().cloned().fold(0.0f32, f32::max), 1.0);
     // The UCI test set holds 174..=183 rows per class.
     let counts = d.class_counts();
     assert_eq!(counts.iter().sum::<usize>(), 1797);
-    assert!(counts.iter().all(|&c| (170..=190).contains(&c)), "class counts {counts:?}");
+    assert!(
+        counts.iter().all(|&c| (170..=190).contains(&c)),
+        "class counts {counts:?}"
+    );
     // First row of the file: 0,0,5,13,9,1,0,0,... label 0.
     let (row0, label0) = d.get(0).unwrap();
     assert_eq!(&row0[..4], &[0.0, 0.0, 5.0 / 16.0, 13.0 / 16.0]);
@@ -69,7 +78,11 @@ fn csv_from_path_plain_and_gz_match_embedded() {
 
     let plain = dir.path().join("tiny.csv");
     std::fs::write(&plain, "1,2,0\n3,4,1\n\n5,6.5,2.0\n").unwrap();
-    let spec = CsvSpec { features: 2, classes: 3, scale: 0.5 };
+    let spec = CsvSpec {
+        features: 2,
+        classes: 3,
+        scale: 0.5,
+    };
     let d = data::load_csv(&plain, spec).unwrap();
     assert_eq!(d.x(), &[0.5, 1.0, 1.5, 2.0, 2.5, 3.25]);
     assert_eq!(d.labels(), &[0, 1, 2]);
@@ -80,7 +93,11 @@ fn csv_from_path_plain_and_gz_match_embedded() {
 
 #[test]
 fn csv_errors_name_the_line() {
-    let spec = CsvSpec { features: 2, classes: 3, scale: 1.0 };
+    let spec = CsvSpec {
+        features: 2,
+        classes: 3,
+        scale: 1.0,
+    };
     let cases = [
         ("1,2,0\n1,2\n", 2, "columns"),
         ("1,2,0\n1,2,0\n1,x,1\n", 3, "not a number"),
@@ -165,7 +182,11 @@ fn check_epoch(n: usize, batch_size: usize, drop_last: bool) {
     let full = n / batch_size;
     let rest = n % batch_size;
     let expected_batches = if drop_last || rest == 0 { full } else { full + 1 };
-    assert_eq!(batches.len(), expected_batches, "n={n} bs={batch_size} drop_last={drop_last}");
+    assert_eq!(
+        batches.len(),
+        expected_batches,
+        "n={n} bs={batch_size} drop_last={drop_last}"
+    );
 
     let mut seen = vec![0usize; n];
     for (b, batch) in batches.iter().enumerate() {
@@ -174,7 +195,11 @@ fn check_epoch(n: usize, batch_size: usize, drop_last: bool) {
         assert_eq!((batch.x.len(), batch.labels.len()), (want * 2, want));
         for (slot, &i) in batch.indices.iter().enumerate() {
             seen[i] += 1;
-            assert_eq!(&batch.x[slot * 2..slot * 2 + 2], d.row(i).unwrap(), "features of row {i}");
+            assert_eq!(
+                &batch.x[slot * 2..slot * 2 + 2],
+                d.row(i).unwrap(),
+                "features of row {i}"
+            );
             assert_eq!(batch.labels[slot], d.label(i).unwrap(), "label of row {i}");
         }
     }
@@ -250,8 +275,14 @@ fn sampler_and_fill_batch() {
     assert!(keep.batch(5).is_none());
 
     // Wrong buffer sizes and out-of-range indices are errors, not panics.
-    assert!(matches!(d.fill_batch(&[0, 1], &mut x, &mut y), Err(Error::Shape { .. })));
-    assert!(matches!(d.fill_batch(&[0, 1, 2, 3, 23], &mut x, &mut y), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        d.fill_batch(&[0, 1], &mut x, &mut y),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        d.fill_batch(&[0, 1, 2, 3, 23], &mut x, &mut y),
+        Err(Error::InvalidArgument { .. })
+    ));
     assert!(Sampler::new(5, 0, 0, false).is_err());
 }
 
@@ -288,13 +319,23 @@ fn pixels(n: usize) -> Vec<u8> {
 
 fn write_mnist(dir: &Path, gz: bool, train_n: usize, test_n: usize) {
     let write = |name: &str, bytes: Vec<u8>| {
-        let (name, bytes) = if gz { (format!("{name}.gz"), gzip(&bytes)) } else { (name.to_string(), bytes) };
+        let (name, bytes) = if gz {
+            (format!("{name}.gz"), gzip(&bytes))
+        } else {
+            (name.to_string(), bytes)
+        };
         std::fs::write(dir.join(name), bytes).unwrap();
     };
     let labels = |n: usize| (0..n).map(|i| (i % 10) as u8).collect::<Vec<_>>();
-    write("train-images-idx3-ubyte", idx_images(train_n as u32, 2, 3, &pixels(train_n)));
+    write(
+        "train-images-idx3-ubyte",
+        idx_images(train_n as u32, 2, 3, &pixels(train_n)),
+    );
     write("train-labels-idx1-ubyte", idx_labels(&labels(train_n)));
-    write("t10k-images-idx3-ubyte", idx_images(test_n as u32, 2, 3, &pixels(test_n)));
+    write(
+        "t10k-images-idx3-ubyte",
+        idx_images(test_n as u32, 2, 3, &pixels(test_n)),
+    );
     write("t10k-labels-idx1-ubyte", idx_labels(&labels(test_n)));
 }
 
@@ -322,7 +363,10 @@ fn mnist_reads_the_standard_names() {
         assert_eq!((train.len(), train.features(), train.classes()), (12, 6, 10));
         assert_eq!(test.len(), 5);
         assert_eq!(train.label(11), Some(1));
-        assert_eq!(train.row(1).unwrap(), &[6.0f32, 7.0, 8.0, 9.0, 10.0, 11.0].map(|p| p / 255.0));
+        assert_eq!(
+            train.row(1).unwrap(),
+            &[6.0f32, 7.0, 8.0, 9.0, 10.0, 11.0].map(|p| p / 255.0)
+        );
         assert!(train.x().iter().all(|&v| (0.0..=1.0).contains(&v)));
     }
 }
@@ -332,7 +376,10 @@ fn assert_format_err(result: wgrad::Result<impl std::fmt::Debug>, file: &str, wh
     match result {
         Err(e @ Error::DataFormat { .. }) => {
             let msg = e.to_string();
-            assert!(msg.contains(file) && msg.contains(what), "message `{msg}` should name `{file}` and say `{what}`");
+            assert!(
+                msg.contains(file) && msg.contains(what),
+                "message `{msg}` should name `{file}` and say `{what}`"
+            );
         }
         other => panic!("expected DataFormat about {file} ({what}), got {other:?}"),
     }
@@ -383,7 +430,11 @@ fn mnist_mismatches_are_errors() {
     // A label that is not a digit.
     let dir = TempDir::new("mnist-label");
     write_mnist(dir.path(), true, 3, 2);
-    std::fs::write(dir.path().join("train-labels-idx1-ubyte.gz"), gzip(&idx_labels(&[1, 12, 3]))).unwrap();
+    std::fs::write(
+        dir.path().join("train-labels-idx1-ubyte.gz"),
+        gzip(&idx_labels(&[1, 12, 3])),
+    )
+    .unwrap();
     assert_format_err(data::mnist(dir.path()), "train-labels-idx1-ubyte.gz", "label 12");
 
     // A missing file names what was looked for.
@@ -436,7 +487,10 @@ fn least_squares(x: &[f32], y: &[f32], n: usize, fi: usize, fo: usize, out: usiz
 fn synthetic_regression_recovers_weights_without_noise() {
     let (n, fi, fo) = (200, 10, 3);
     let r = data::synthetic_regression(n, fi, fo, 0.0, 5).unwrap();
-    assert_eq!((r.x.len(), r.y.len(), r.weight.len(), r.bias.len()), (n * fi, n * fo, fo * fi, fo));
+    assert_eq!(
+        (r.x.len(), r.y.len(), r.weight.len(), r.bias.len()),
+        (n * fi, n * fo, fo * fi, fo)
+    );
     assert_eq!(r, data::synthetic_regression(n, fi, fo, 0.0, 5).unwrap(), "seeded");
     assert_ne!(r.weight, data::synthetic_regression(n, fi, fo, 0.0, 6).unwrap().weight);
     for o in 0..fo {
@@ -460,12 +514,18 @@ fn synthetic_regression_residual_is_the_noise() {
     let r = data::synthetic_regression(n, fi, fo, noise, 8).unwrap();
     let mut sq = 0.0f64;
     for i in 0..n {
-        let pred: f64 = (0..fi).map(|k| r.x[i * fi + k] as f64 * r.weight[k] as f64).sum::<f64>() + r.bias[0] as f64;
+        let pred: f64 = (0..fi)
+            .map(|k| r.x[i * fi + k] as f64 * r.weight[k] as f64)
+            .sum::<f64>()
+            + r.bias[0] as f64;
         sq += (r.y[i] as f64 - pred).powi(2);
     }
     let std = (sq / n as f64).sqrt();
     // The sample std of 4000 normals is within ±1.1% (1 sigma) of the true one; allow 5%.
-    assert!((std / noise as f64 - 1.0).abs() < 0.05, "residual std {std}, noise {noise}");
+    assert!(
+        (std / noise as f64 - 1.0).abs() < 0.05,
+        "residual std {std}, noise {noise}"
+    );
 
     let (mut xb, mut yb) = (vec![0.0; 2 * fi], vec![0.0; 2]);
     r.fill_batch(&[3, 0], &mut xb, &mut yb).unwrap();
@@ -473,6 +533,9 @@ fn synthetic_regression_residual_is_the_noise() {
     assert!(r.fill_batch(&[n], &mut xb[..fi], &mut yb[..1]).is_err());
 
     for (fi, fo, noise) in [(0, 1, 0.0), (1, 0, 0.0), (1, 1, -1.0), (1, 1, f32::NAN)] {
-        assert!(matches!(data::synthetic_regression(4, fi, fo, noise, 0), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            data::synthetic_regression(4, fi, fo, noise, 0),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
 }

@@ -33,13 +33,21 @@ fn listing_numbers_adapters_and_reports_limits() {
 
 #[test]
 fn a_name_that_matches_nothing_is_an_error_listing_what_exists() {
-    let opts = DeviceOptions { backends: None, adapter: Some("no-such-gpu-xyz".into()), ..Default::default() };
+    let opts = DeviceOptions {
+        backends: None,
+        adapter: Some("no-such-gpu-xyz".into()),
+        ..Default::default()
+    };
     match select_adapter(&opts) {
         Err(Error::AdapterNotFound { selector, .. }) => assert!(selector.contains("no-such-gpu-xyz")),
         Err(Error::NoAdapter { .. }) => common::no_adapter("selection_miss"),
         other => panic!("expected AdapterNotFound, got {:?}", other.map(|a| a.get_info().name)),
     }
-    let opts = DeviceOptions { backends: None, adapter: Some("999".into()), ..Default::default() };
+    let opts = DeviceOptions {
+        backends: None,
+        adapter: Some("999".into()),
+        ..Default::default()
+    };
     assert!(select_adapter(&opts).is_err());
 }
 
@@ -50,15 +58,30 @@ fn selection_by_index_name_and_backend() {
     }
     let list = list_adapters();
     let Some(first) = list.first() else { return };
-    let by_index = select_adapter(&DeviceOptions { backends: None, adapter: Some("0".into()), ..Default::default() }).unwrap();
+    let by_index = select_adapter(&DeviceOptions {
+        backends: None,
+        adapter: Some("0".into()),
+        ..Default::default()
+    })
+    .unwrap();
     assert_eq!(by_index.get_info().name, first.info.name);
     assert_eq!(by_index.get_info().backend, first.info.backend);
     let needle = first.info.name.to_uppercase();
-    let by_name = select_adapter(&DeviceOptions { backends: None, adapter: Some(needle), ..Default::default() }).unwrap();
+    let by_name = select_adapter(&DeviceOptions {
+        backends: None,
+        adapter: Some(needle),
+        ..Default::default()
+    })
+    .unwrap();
     assert_eq!(by_name.get_info().name, first.info.name);
     for r in &list {
         let backends = wgpu::Backends::from(r.info.backend);
-        let chosen = select_adapter(&DeviceOptions { backends: Some(backends), adapter: None, ..Default::default() }).unwrap();
+        let chosen = select_adapter(&DeviceOptions {
+            backends: Some(backends),
+            adapter: None,
+            ..Default::default()
+        })
+        .unwrap();
         assert_eq!(chosen.get_info().backend, r.info.backend);
     }
 }
@@ -79,7 +102,12 @@ fn the_policy_prefers_native_apis_over_gl_for_the_same_kind() {
         wgpu::DeviceType::Other => 4,
     };
     for r in &list {
-        assert!(rank(info.device_type) <= rank(r.info.device_type), "{} beat {}", r.info.name, info.name);
+        assert!(
+            rank(info.device_type) <= rank(r.info.device_type),
+            "{} beat {}",
+            r.info.name,
+            info.name
+        );
         if r.info.device_type == info.device_type && r.info.backend != wgpu::Backend::Gl {
             assert_ne!(info.backend, wgpu::Backend::Gl, "GL chosen over {}", r.info.name);
         }

@@ -25,8 +25,20 @@ fn text() -> String {
 }
 
 fn config(steps: u64, batch_size: usize) -> TrainConfig {
-    let schedule = AdamWSchedule { lr: 3e-3, min_lr: 3e-3, warmup_steps: 0, ..AdamWSchedule::default() };
-    TrainConfig { batch_size, max_steps: Some(steps), optimizer: schedule.optimizer(steps), eval_every: steps, loss_every: 1, ..TrainConfig::default() }
+    let schedule = AdamWSchedule {
+        lr: 3e-3,
+        min_lr: 3e-3,
+        warmup_steps: 0,
+        ..AdamWSchedule::default()
+    };
+    TrainConfig {
+        batch_size,
+        max_steps: Some(steps),
+        optimizer: schedule.optimizer(steps),
+        eval_every: steps,
+        loss_every: 1,
+        ..TrainConfig::default()
+    }
 }
 
 fn fine_tune(pretrained: &Pretrained<Llama>, window: usize) -> LanguageModel<Llama> {
@@ -56,9 +68,22 @@ fn a_fine_tuned_gguf_llama_learns_and_its_folder_loads_back_with_equal_logits() 
         let tmp = TempDir::new("finetune");
         let out = tmp.path("tuned");
         run.save(&out)?;
-        let mut files: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut files: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         files.sort();
-        assert_eq!(files, ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "wgrad_tokenizer.json"]);
+        assert_eq!(
+            files,
+            [
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "wgrad_tokenizer.json"
+            ]
+        );
 
         // The folder with its tokenizer.json: the same ids as the GGUF
         // file's tokenizer, the full context, and the trained logits.
@@ -70,7 +95,15 @@ fn a_fine_tuned_gguf_llama_learns_and_its_folder_loads_back_with_equal_logits() 
         let ids = pretrained.tokenizer.encode(sample)?;
         assert_eq!(loaded.tokenizer.encode(sample)?, ids);
         let window = &ids[..16];
-        let want = logits(k, &Pretrained { model: trained, ..pretrained.clone() }.cropped(16)?, window)?;
+        let want = logits(
+            k,
+            &Pretrained {
+                model: trained,
+                ..pretrained.clone()
+            }
+            .cropped(16)?,
+            window,
+        )?;
         let got = logits(k, &loaded.cropped(16)?, window)?;
         // The folder holds q and k in Hugging Face's half-split rows, so the
         // scores sum the same products in another order: f32 rounding only.
@@ -90,7 +123,13 @@ fn fine_tuning_with_the_token_table_over_a_binding_matches_fine_tuning_without()
         let pretrained = Pretrained::<Llama>::load(&fixture(TIED))?;
         let table_bytes = (pretrained.model.vocab_size() * 64 * 4) as u64;
         assert!(table_bytes > TABLE_OVER_BINDING);
-        let lim = limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(TABLE_OVER_BINDING), ..LimitOverrides::default() });
+        let lim = limited_kernels(
+            k,
+            LimitOverrides {
+                max_storage_buffer_binding_size: Some(TABLE_OVER_BINDING),
+                ..LimitOverrides::default()
+            },
+        );
         let train = |k: &Arc<Kernels>| -> wgrad::Result<(Vec<(u64, f32)>, Vec<(String, Vec<usize>, Vec<f32>)>)> {
             let mut run = TrainingRun::with_kernels(k.clone(), config(3, 4), fine_tune(&pretrained, 16), &mut ())?;
             let summary = run.fit(&mut ())?.expect("rank 0");
@@ -126,11 +165,21 @@ fn fine_tuning_refuses_what_it_cannot_train() {
     for_each_adapter("fine-tune refusals", |k| {
         let pretrained = Pretrained::<Llama>::load(&fixture(TIED))?;
         let context = pretrained.model.context_len();
-        let long = TrainingRun::with_kernels(k.clone(), config(2, 2), fine_tune(&pretrained, context + 1), &mut ()).err().expect("windows over the context");
+        let long = TrainingRun::with_kernels(k.clone(), config(2, 2), fine_tune(&pretrained, context + 1), &mut ())
+            .err()
+            .expect("windows over the context");
         assert!(long.to_string().contains("context"), "{long}");
-        let short = LanguageModel { text: TextSource::Text("Shall I compare thee".into()), ..fine_tune(&pretrained, 16) };
-        let err = TrainingRun::with_kernels(k.clone(), config(2, 2), short, &mut ()).err().expect("too little text");
-        assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("tokens"), "{err}");
+        let short = LanguageModel {
+            text: TextSource::Text("Shall I compare thee".into()),
+            ..fine_tune(&pretrained, 16)
+        };
+        let err = TrainingRun::with_kernels(k.clone(), config(2, 2), short, &mut ())
+            .err()
+            .expect("too little text");
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("tokens"),
+            "{err}"
+        );
         Ok(())
     });
 }

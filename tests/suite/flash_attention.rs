@@ -12,12 +12,15 @@ use crate::common;
 use common::{central_differences, gradcheck, mse_to_random, param, wide};
 use std::sync::Arc;
 
-use common::{assert_close, clipped_adamw, for_each_adapter, for_each_shaping, limited_kernels, random_vec, read, rng, train_on_one_device};
+use common::{
+    assert_close, clipped_adamw, for_each_adapter, for_each_shaping, limited_kernels, random_vec, read, rng,
+    train_on_one_device,
+};
 use rand::Rng;
 use wgrad::graph::{Executor, Graph};
+use wgrad::kernels::{FlashAttentionShape, LimitOverrides, FLASH_MAX_HEAD_DIM};
 use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use wgrad::nn::{self, AttentionKernel, Module, CPU_FUSED_ATTENTION_MIN_SEQ};
-use wgrad::kernels::{FlashAttentionShape, LimitOverrides, FLASH_MAX_HEAD_DIM};
 use wgrad::{cpu, Error, Kernels};
 
 /// (batch, T, heads, kv_heads, d): T = 1, primes, the block (64) and past
@@ -45,17 +48,50 @@ type Outputs = [Vec<f32>; 6];
 
 /// The forward, the preprocessing and both backward kernels on `shape`,
 /// the backward fed dout.
-fn run_kernels(k: &Kernels, shape: FlashAttentionShape, q: &[f32], kk: &[f32], v: &[f32], dout: &[f32]) -> wgrad::Result<Outputs> {
+fn run_kernels(
+    k: &Kernels,
+    shape: FlashAttentionShape,
+    q: &[f32],
+    kk: &[f32],
+    v: &[f32],
+    dout: &[f32],
+) -> wgrad::Result<Outputs> {
     let (q_len, kv_len, rows) = shape.lengths().expect("small shape");
     let (q_gpu, k_gpu, v_gpu, dout_gpu) = (k.upload(q)?, k.upload(kk)?, k.upload(v)?, k.upload(dout)?);
     let (out, lse, delta) = (k.zeros(q_len)?, k.zeros(rows)?, k.zeros(rows)?);
     let (dq, dk, dv) = (k.zeros(q_len)?, k.zeros(kv_len)?, k.zeros(kv_len)?);
     let forward = k.flash_attention_forward(out.view(), lse.view(), q_gpu.view(), k_gpu.view(), v_gpu.view(), shape)?;
     let prepare = k.flash_attention_backward_prepare(delta.view(), dout_gpu.view(), out.view(), shape)?;
-    let query = k.flash_attention_backward_query(dq.view(), dout_gpu.view(), q_gpu.view(), k_gpu.view(), v_gpu.view(), lse.view(), delta.view(), shape)?;
-    let key_value = k.flash_attention_backward_key_value(dk.view(), dv.view(), dout_gpu.view(), q_gpu.view(), k_gpu.view(), v_gpu.view(), lse.view(), delta.view(), shape)?;
+    let query = k.flash_attention_backward_query(
+        dq.view(),
+        dout_gpu.view(),
+        q_gpu.view(),
+        k_gpu.view(),
+        v_gpu.view(),
+        lse.view(),
+        delta.view(),
+        shape,
+    )?;
+    let key_value = k.flash_attention_backward_key_value(
+        dk.view(),
+        dv.view(),
+        dout_gpu.view(),
+        q_gpu.view(),
+        k_gpu.view(),
+        v_gpu.view(),
+        lse.view(),
+        delta.view(),
+        shape,
+    )?;
     k.run(&[&forward, &prepare, &query, &key_value])?;
-    Ok([read(k, &out)?, read(k, &lse)?, read(k, &delta)?, read(k, &dq)?, read(k, &dk)?, read(k, &dv)?])
+    Ok([
+        read(k, &out)?,
+        read(k, &lse)?,
+        read(k, &delta)?,
+        read(k, &dq)?,
+        read(k, &dk)?,
+        read(k, &dv)?,
+    ])
 }
 
 /// Both shapes of the kernels run on every adapter: the GPU-shaped
@@ -68,65 +104,110 @@ fn kernels_match_the_cpu_and_repeat_bit_for_bit() {
 #[test]
 fn kernels_split_over_launches_match_the_cpu() {
     for_each_shaping("flash_attention kernels over several launches", |k| {
-        let overrides = LimitOverrides { loop_iterations: Some(SMALL_LOOP_BUDGET), gpu_shaping: Some(k.gpu_shaped()), ..LimitOverrides::default() };
+        let overrides = LimitOverrides {
+            loop_iterations: Some(SMALL_LOOP_BUDGET),
+            gpu_shaping: Some(k.gpu_shaped()),
+            ..LimitOverrides::default()
+        };
         check_kernels(&limited_kernels(k, overrides))
     });
 }
 
 /// Every kernel against its twin on [`CASES`], and a second run's bits.
 fn check_kernels(k: &Arc<Kernels>) -> wgrad::Result<()> {
-        for (i, &(batch, seq, heads, kv_heads, head_dim)) in CASES.iter().enumerate() {
-            let shape = FlashAttentionShape { batch, seq, heads, kv_heads, head_dim };
-            let (q_len, kv_len, _) = shape.lengths().expect("small shape");
-            let mut r = rng(2700 + i as u64);
-            let q = random_vec(&mut r, q_len, -1.0, 1.0);
-            let kk = random_vec(&mut r, kv_len, -1.0, 1.0);
-            let v = random_vec(&mut r, kv_len, -1.0, 1.0);
-            let dout = random_vec(&mut r, q_len, -1.0, 1.0);
-            let got = run_kernels(k, shape, &q, &kk, &v, &dout)?;
-            let (out, lse) = cpu::flash_attention_forward(&q, &kk, &v, shape);
-            let delta = cpu::flash_attention_backward_prepare(&dout, &out, shape);
-            let grads = cpu::flash_attention_backward(&dout, &q, &kk, &v, &lse, &delta, shape);
-            let shaping = if k.gpu_shaped() { "GPU-shaped" } else { "CPU-shaped" };
-            let what = format!("{shape:?} on {} ({shaping})", k.device().label());
-            // f32 sums of ≤ 128 products per score and ≤ 150 weighted
-            // values per row against f64; outputs are means of values in
-            // [-1, 1], log-sum-exps at most log T + √d.
-            assert_close(&format!("out {what}"), &got[0], &out, 1e-5, 1e-4);
-            assert_close(&format!("lse {what}"), &got[1], &lse, 1e-5, 1e-5);
-            assert_close(&format!("delta {what}"), &got[2], &delta, 1e-5, 1e-4);
-            // Gradients sum up to 8 heads × 150 rows of terms of either
-            // sign: an absolute floor for the cancellations.
-            assert_close(&format!("dq {what}"), &got[3], &grads.dq, 1e-4, 1e-3);
-            assert_close(&format!("dk {what}"), &got[4], &grads.dk, 1e-4, 1e-3);
-            assert_close(&format!("dv {what}"), &got[5], &grads.dv, 1e-4, 1e-3);
-            // No atomics, fixed orders: a second run gives the same bits.
-            let again = run_kernels(k, shape, &q, &kk, &v, &dout)?;
-            for (name, (a, b)) in ["out", "lse", "delta", "dq", "dk", "dv"].iter().zip(got.iter().zip(&again)) {
-                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} {what}: a second run differs");
-            }
+    for (i, &(batch, seq, heads, kv_heads, head_dim)) in CASES.iter().enumerate() {
+        let shape = FlashAttentionShape {
+            batch,
+            seq,
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        let (q_len, kv_len, _) = shape.lengths().expect("small shape");
+        let mut r = rng(2700 + i as u64);
+        let q = random_vec(&mut r, q_len, -1.0, 1.0);
+        let kk = random_vec(&mut r, kv_len, -1.0, 1.0);
+        let v = random_vec(&mut r, kv_len, -1.0, 1.0);
+        let dout = random_vec(&mut r, q_len, -1.0, 1.0);
+        let got = run_kernels(k, shape, &q, &kk, &v, &dout)?;
+        let (out, lse) = cpu::flash_attention_forward(&q, &kk, &v, shape);
+        let delta = cpu::flash_attention_backward_prepare(&dout, &out, shape);
+        let grads = cpu::flash_attention_backward(&dout, &q, &kk, &v, &lse, &delta, shape);
+        let shaping = if k.gpu_shaped() { "GPU-shaped" } else { "CPU-shaped" };
+        let what = format!("{shape:?} on {} ({shaping})", k.device().label());
+        // f32 sums of ≤ 128 products per score and ≤ 150 weighted
+        // values per row against f64; outputs are means of values in
+        // [-1, 1], log-sum-exps at most log T + √d.
+        assert_close(&format!("out {what}"), &got[0], &out, 1e-5, 1e-4);
+        assert_close(&format!("lse {what}"), &got[1], &lse, 1e-5, 1e-5);
+        assert_close(&format!("delta {what}"), &got[2], &delta, 1e-5, 1e-4);
+        // Gradients sum up to 8 heads × 150 rows of terms of either
+        // sign: an absolute floor for the cancellations.
+        assert_close(&format!("dq {what}"), &got[3], &grads.dq, 1e-4, 1e-3);
+        assert_close(&format!("dk {what}"), &got[4], &grads.dk, 1e-4, 1e-3);
+        assert_close(&format!("dv {what}"), &got[5], &grads.dv, 1e-4, 1e-3);
+        // No atomics, fixed orders: a second run gives the same bits.
+        let again = run_kernels(k, shape, &q, &kk, &v, &dout)?;
+        for (name, (a, b)) in ["out", "lse", "delta", "dq", "dk", "dv"]
+            .iter()
+            .zip(got.iter().zip(&again))
+        {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name} {what}: a second run differs"
+            );
         }
-        Ok(())
+    }
+    Ok(())
 }
 
 #[test]
 fn kernels_check_their_operands() {
     for_each_adapter("flash_attention errors", |k| {
-        let shape = FlashAttentionShape { batch: 2, seq: 3, heads: 4, kv_heads: 2, head_dim: 8 };
+        let shape = FlashAttentionShape {
+            batch: 2,
+            seq: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
         let (q_len, kv_len, rows) = shape.lengths().expect("small shape");
         let (q, kv, stats, out) = (k.zeros(q_len)?, k.zeros(kv_len)?, k.zeros(rows)?, k.zeros(q_len)?);
         let kv2 = k.zeros(kv_len)?;
-        let err = k.flash_attention_forward(out.view(), stats.view(), q.view(), q.view(), kv2.view(), shape).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("`k` has {q_len} elements, want {kv_len}")), "{err}");
+        let err = k
+            .flash_attention_forward(out.view(), stats.view(), q.view(), q.view(), kv2.view(), shape)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. })
+                && err
+                    .to_string()
+                    .contains(&format!("`k` has {q_len} elements, want {kv_len}")),
+            "{err}"
+        );
         // 3 KV heads do not divide 4 query heads.
         let uneven = FlashAttentionShape { kv_heads: 3, ..shape };
-        let err = k.flash_attention_forward(out.view(), stats.view(), q.view(), kv.view(), kv2.view(), uneven).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("divide"), "{err}");
-        let wide_heads = FlashAttentionShape { head_dim: FLASH_MAX_HEAD_DIM + 1, ..shape };
-        let err = k.flash_attention_forward(out.view(), stats.view(), q.view(), kv.view(), kv2.view(), wide_heads).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("head_dim"), "{err}");
+        let err = k
+            .flash_attention_forward(out.view(), stats.view(), q.view(), kv.view(), kv2.view(), uneven)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("divide"),
+            "{err}"
+        );
+        let wide_heads = FlashAttentionShape {
+            head_dim: FLASH_MAX_HEAD_DIM + 1,
+            ..shape
+        };
+        let err = k
+            .flash_attention_forward(out.view(), stats.view(), q.view(), kv.view(), kv2.view(), wide_heads)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("head_dim"),
+            "{err}"
+        );
         let empty = FlashAttentionShape { seq: 0, ..shape };
-        let err = k.flash_attention_backward_prepare(stats.view(), q.view(), out.view(), empty).unwrap_err();
+        let err = k
+            .flash_attention_backward_prepare(stats.view(), q.view(), out.view(), empty)
+            .unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
         Ok(())
     });
@@ -136,7 +217,13 @@ fn kernels_check_their_operands() {
 /// loss Σ w·out for random weights w (= dout).
 #[test]
 fn twin_backward_matches_central_differences() {
-    let shape = FlashAttentionShape { batch: 2, seq: 5, heads: 4, kv_heads: 2, head_dim: 3 };
+    let shape = FlashAttentionShape {
+        batch: 2,
+        seq: 5,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 3,
+    };
     let (q_len, kv_len, _) = shape.lengths().expect("small shape");
     let mut r = rng(2750);
     let [q, kk, v] = [q_len, kv_len, kv_len].map(|n| wide(&random_vec(&mut r, n, -1.0, 1.0)));
@@ -168,7 +255,14 @@ fn op_gradients_match_central_differences() {
             let v = param(&mut g, "v", &[batch, seq, kv_heads * d], seed + 2);
             let y = g.fused_causal_attention(q, kk, v, heads)?;
             let (loss, feeds) = mse_to_random(&mut g, y, seed + 3)?;
-            gradcheck(k, &format!("fused_causal_attention {heads} heads over {kv_heads}"), g, loss, feeds, vec![])?;
+            gradcheck(
+                k,
+                &format!("fused_causal_attention {heads} heads over {kv_heads}"),
+                g,
+                loss,
+                feeds,
+                vec![],
+            )?;
         }
         Ok(())
     });
@@ -187,7 +281,11 @@ fn fused_op_matches_the_unfused_graph() {
                 let v = param(&mut g, "v", &[batch, seq, heads * d], 2792);
                 // The unfused reference: q·kᵀ, scale, causal softmax, ·v over
                 // [B, H, T, d] as separate graph ops.
-                let kernel = if fused { AttentionKernel::Fused } else { AttentionKernel::Unfused };
+                let kernel = if fused {
+                    AttentionKernel::Fused
+                } else {
+                    AttentionKernel::Unfused
+                };
                 let y = nn::causal_attention(&mut g, [q, kk, v], heads, heads, d, kernel)?;
                 if fused {
                     assert_eq!(g.get(y).map(|n| n.op.name()), Some("fused_causal_attention"));
@@ -199,7 +297,12 @@ fn fused_op_matches_the_unfused_graph() {
                     exec.set_input(*t, data)?;
                 }
                 exec.train_step(true, false, false)?;
-                results.push([exec.read(y)?, exec.read_grad(q)?, exec.read_grad(kk)?, exec.read_grad(v)?]);
+                results.push([
+                    exec.read(y)?,
+                    exec.read_grad(q)?,
+                    exec.read_grad(kk)?,
+                    exec.read_grad(v)?,
+                ]);
             }
             let what = format!("B {batch} T {seq} H {heads} d {d}");
             // Both are f32 on the GPU, summing in different orders.
@@ -236,22 +339,49 @@ fn models_train_fused_by_default_as_the_unfused_reference() {
         let (vocab, t, batch) = (23usize, 11usize, 3usize);
         let batches = token_batches(5, batch, t, vocab as u32);
         nn::manual_seed(27);
-        let gpt = Gpt::new(GptConfig { vocab_size: vocab, block_size: t, n_layer: 2, n_head: 2, n_embd: 16 })?;
+        let gpt = Gpt::new(GptConfig {
+            vocab_size: vocab,
+            block_size: t,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+        })?;
         nn::manual_seed(27);
-        let llama = Llama::new(LlamaConfig { vocab_size: vocab, block_size: t, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, intermediate_size: 24, ..LlamaConfig::small(vocab) })?;
+        let llama = Llama::new(LlamaConfig {
+            vocab_size: vocab,
+            block_size: t,
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: 2,
+            n_embd: 16,
+            intermediate_size: 24,
+            ..LlamaConfig::small(vocab)
+        })?;
         let (mut gpt_unfused, mut llama_unfused) = (gpt.clone(), llama.clone());
         gpt_unfused.set_attention_kernel(AttentionKernel::Unfused);
         llama_unfused.set_attention_kernel(AttentionKernel::Unfused);
-        let cases: [(&str, &dyn Module, &dyn Module); 2] = [("GPT", &gpt, &gpt_unfused), ("Llama", &llama, &llama_unfused)];
+        let cases: [(&str, &dyn Module, &dyn Module); 2] =
+            [("GPT", &gpt, &gpt_unfused), ("Llama", &llama, &llama_unfused)];
         for (name, fused, unfused) in cases {
-            let (trainer, fused_losses, fused_norms) = train_on_one_device(k, fused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
+            let (trainer, fused_losses, fused_norms) =
+                train_on_one_device(k, fused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
             let ops: Vec<&str> = trainer.executor().graph().nodes().iter().map(|n| n.op.name()).collect();
-            assert!(ops.contains(&"fused_causal_attention") && !ops.contains(&"softmax"), "{name} trains through the fused op by default: {ops:?}");
-            let (_, unfused_losses, unfused_norms) = train_on_one_device(k, unfused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
+            assert!(
+                ops.contains(&"fused_causal_attention") && !ops.contains(&"softmax"),
+                "{name} trains through the fused op by default: {ops:?}"
+            );
+            let (_, unfused_losses, unfused_norms) =
+                train_on_one_device(k, unfused, clipped_adamw(CLIP_ABOVE_EVERY_NORM, 5), batch, &batches);
             // f32 on both paths, summing in different orders, over five
             // steps of an optimizer that normalizes its updates.
             assert_close(&format!("{name} losses"), &fused_losses, &unfused_losses, 1e-5, 1e-4);
-            assert_close(&format!("{name} gradient norms"), &fused_norms, &unfused_norms, 1e-5, 1e-3);
+            assert_close(
+                &format!("{name} gradient norms"),
+                &fused_norms,
+                &unfused_norms,
+                1e-5,
+                1e-3,
+            );
         }
         Ok(())
     });
@@ -267,10 +397,27 @@ fn attention_kernel_follows_the_adapter_and_the_context() {
     for_each_shaping("AttentionKernel::for_devices", |k| {
         let devices = [k.clone()];
         let short = CPU_FUSED_ATTENTION_MIN_SEQ - 1;
-        assert_eq!(AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ, 64), AttentionKernel::Fused);
-        let want = if k.gpu_shaped() { AttentionKernel::Fused } else { AttentionKernel::Unfused };
-        assert_eq!(AttentionKernel::for_devices(&devices, short, 64), want, "T = {short}, GPU-shaped {}", k.gpu_shaped());
-        assert_eq!(AttentionKernel::for_devices(&devices, 1024, 128), want, "d = 128, GPU-shaped {}", k.gpu_shaped());
+        assert_eq!(
+            AttentionKernel::for_devices(&devices, CPU_FUSED_ATTENTION_MIN_SEQ, 64),
+            AttentionKernel::Fused
+        );
+        let want = if k.gpu_shaped() {
+            AttentionKernel::Fused
+        } else {
+            AttentionKernel::Unfused
+        };
+        assert_eq!(
+            AttentionKernel::for_devices(&devices, short, 64),
+            want,
+            "T = {short}, GPU-shaped {}",
+            k.gpu_shaped()
+        );
+        assert_eq!(
+            AttentionKernel::for_devices(&devices, 1024, 128),
+            want,
+            "d = 128, GPU-shaped {}",
+            k.gpu_shaped()
+        );
         assert!(k.flash_rows_hold(64) && !k.flash_rows_hold(65));
         Ok(())
     });

@@ -12,8 +12,8 @@ use wgrad::graph::{Executor, Graph, Plan, PlanOptions, Storage};
 use wgrad::kernels::{Activation, LossLinear, LossTargets, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Kernels};
+use wgrad::{Targets, Trainer};
 
 const UNFUSED: PlanOptions = PlanOptions::UNFUSED;
 
@@ -40,9 +40,7 @@ fn check_fused_loss(k: &Kernels, case: LossCase, seed: u64) -> wgrad::Result<()>
     let n = rows * cols;
     let pred_host = random_vec(&mut r, n, -2.0, 2.0);
     let values = random_vec(&mut r, n, -1.0, 1.0);
-    let labels: Vec<u32> = (0..rows)
-        .map(|i| ((i * 7 + seed as usize) % cols) as u32)
-        .collect();
+    let labels: Vec<u32> = (0..rows).map(|i| ((i * 7 + seed as usize) % cols) as u32).collect();
     let inner = linear.map_or(1, |(inner, _)| inner);
     let x_host = random_vec(&mut r, rows * inner, -1.0, 1.0);
     let w_host = random_vec(&mut r, cols * inner, -1.0, 1.0);
@@ -99,14 +97,7 @@ fn check_fused_loss(k: &Kernels, case: LossCase, seed: u64) -> wgrad::Result<()>
             inner,
         )
     });
-    let want = cpu::loss_forward_backward_fused(
-        cpu_targets,
-        &pred_host,
-        cpu_linear,
-        dloss_value,
-        rows,
-        cols,
-    );
+    let want = cpu::loss_forward_backward_fused(cpu_targets, &pred_host, cpu_linear, dloss_value, rows, cols);
     let what = format!("{case:?}");
     // f32 kernel sums vs the f64-accumulating twin: inner ≤ 64 and rows ≤ 97
     // terms of magnitude ≤ 2 keep the error near 1e-5 relative.
@@ -132,11 +123,7 @@ fn check_fused_loss(k: &Kernels, case: LossCase, seed: u64) -> wgrad::Result<()>
             1e-5,
             1e-4,
         );
-        let wg_want: Vec<f32> = wg_before
-            .iter()
-            .zip(&want.weight_grad)
-            .map(|(a, b)| a + b)
-            .collect();
+        let wg_want: Vec<f32> = wg_before.iter().zip(&want.weight_grad).map(|(a, b)| a + b).collect();
         assert_close(
             &format!("{what} weight_grad"),
             &k.read::<f32>(wg.view())?,
@@ -145,18 +132,10 @@ fn check_fused_loss(k: &Kernels, case: LossCase, seed: u64) -> wgrad::Result<()>
             1e-4,
         );
     } else {
-        assert_eq!(
-            k.read::<f32>(pred.view())?,
-            pred_host,
-            "{what}: pred is only read"
-        );
+        assert_eq!(k.read::<f32>(pred.view())?, pred_host, "{what}: pred is only read");
     }
     let bg_want: Vec<f32> = if bias_grad {
-        bg_before
-            .iter()
-            .zip(&want.bias_grad)
-            .map(|(a, b)| a + b)
-            .collect()
+        bg_before.iter().zip(&want.bias_grad).map(|(a, b)| a + b).collect()
     } else {
         bg_before.clone()
     };
@@ -180,13 +159,22 @@ fn fused_loss_kernels_match_their_cpu_twin() {
                 for linear in [None, Some((1, true)), Some((11, false)), Some((37, true))] {
                     for bias_grad in [false, true] {
                         seed += 1;
-                        let case = LossCase { rows, cols, linear, bias_grad, classes };
+                        let case = LossCase {
+                            rows,
+                            cols,
+                            linear,
+                            bias_grad,
+                            classes,
+                        };
                         // With 8 storage buffers per stage (WebGPU's
                         // default) the 10-buffer fused Linear losses are
                         // refused before their pipeline is made.
-                        let over_limits = linear.is_some() && !k.fits_limits(wgrad::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD);
+                        let over_limits =
+                            linear.is_some() && !k.fits_limits(wgrad::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD);
                         match (over_limits, check_fused_loss(k, case, seed)) {
-                            (true, Err(e)) => assert!(e.to_string().contains("max_storage_buffers_per_shader_stage"), "{e}"),
+                            (true, Err(e)) => {
+                                assert!(e.to_string().contains("max_storage_buffers_per_shader_stage"), "{e}")
+                            }
                             (true, Ok(())) => panic!("a fused Linear loss over the storage-buffer limit ran"),
                             (false, result) => result?,
                         }
@@ -265,10 +253,7 @@ fn fused_loss_shape_errors_name_the_kernel() {
             None,
             Some(one.view()),
         );
-        assert!(
-            matches!(bad_bias, Err(wgrad::Error::Shape { .. })),
-            "{bad_bias:?}"
-        );
+        assert!(matches!(bad_bias, Err(wgrad::Error::Shape { .. })), "{bad_bias:?}");
         Ok(())
     });
 }
@@ -358,14 +343,7 @@ fn cases() -> Vec<Case> {
 fn trainer(k: &Arc<Kernels>, case: &Case, options: PlanOptions) -> wgrad::Result<Trainer> {
     nn::manual_seed(21);
     let model = Sequential::mlp(&case.widths, case.activation.clone())?;
-    Trainer::with_options(
-        k.clone(),
-        &model,
-        case.criterion,
-        case.optimizer,
-        case.batch,
-        options,
-    )
+    Trainer::with_options(k.clone(), &model, case.criterion, case.optimizer, case.batch, options)
 }
 
 /// Losses of `steps` steps and the final parameters.
@@ -383,12 +361,7 @@ fn train(t: &mut Trainer, case: &Case, steps: u64) -> wgrad::Result<(Vec<f32>, V
         t.backward()?;
         losses.push(t.step_reading_loss()?);
     }
-    let params = t
-        .executor()
-        .parameters()?
-        .into_iter()
-        .map(|(_, _, v)| v)
-        .collect();
+    let params = t.executor().parameters()?.into_iter().map(|(_, _, v)| v).collect();
     Ok((losses, params))
 }
 
@@ -439,7 +412,15 @@ fn gpu_shaped_training_steps_match_the_adapters_own_shaping() {
         optimizer: Adam::new(1e-2).into(),
         batch,
     };
-    let cases = [big("relu 30-40-10 ce adam, batch 512", vec![30, 40, 10], Criterion::CrossEntropy, 512), big("relu 8-16-12 mse adam, batch 400", vec![8, 16, 12], Criterion::Mse, 400)];
+    let cases = [
+        big(
+            "relu 30-40-10 ce adam, batch 512",
+            vec![30, 40, 10],
+            Criterion::CrossEntropy,
+            512,
+        ),
+        big("relu 8-16-12 mse adam, batch 400", vec![8, 16, 12], Criterion::Mse, 400),
+    ];
     let all = common::adapters();
     if all.is_empty() {
         common::no_adapter("gpu_shaped_training");
@@ -453,7 +434,11 @@ fn gpu_shaped_training_steps_match_the_adapters_own_shaping() {
                 let mut on_gpu = trainer(gpu, case, PlanOptions::default())?;
                 let mut on_cpu = trainer(cpu, case, PlanOptions::default())?;
                 let fused = |t: &Trainer| t.executor().plan().loss_with_grad.iter().any(Option::is_some);
-                assert!(fused(&on_cpu) && !fused(&on_gpu), "{}: the loss is fused on the CPU shaping only", case.name);
+                assert!(
+                    fused(&on_cpu) && !fused(&on_gpu),
+                    "{}: the loss is fused on the CPU shaping only",
+                    case.name
+                );
                 let (gpu_losses, gpu_params) = train(&mut on_gpu, case, 4)?;
                 let (cpu_losses, cpu_params) = train(&mut on_cpu, case, 4)?;
                 // The same sums in other orders (blocks, trees): f32
@@ -483,14 +468,7 @@ fn fused_gradients_accumulate_without_zero_grad_like_unfused_ones() {
         for options in [PlanOptions::default(), UNFUSED] {
             nn::manual_seed(3);
             let model = Sequential::mlp(&case.widths, case.activation.clone())?;
-            let mut t = Trainer::with_options(
-                k.clone(),
-                &model,
-                case.criterion,
-                lr_zero,
-                case.batch,
-                options,
-            )?;
+            let mut t = Trainer::with_options(k.clone(), &model, case.criterion, lr_zero, case.batch, options)?;
             let (x, _, classes) = data(case.batch, 12, 4, case.criterion, 5);
             for zero in [true, false] {
                 if zero {
@@ -523,8 +501,7 @@ fn fusion_cuts_the_dispatches_of_a_step() {
         nn::manual_seed(0);
         let linear = Sequential::new(vec![Layer::Linear(Linear::new(10, 1))]);
         let fused = Trainer::new(k.clone(), &linear, MSELoss, SGD::new(0.01), 64)?;
-        let unfused =
-            Trainer::with_options(k.clone(), &linear, MSELoss, SGD::new(0.01), 64, UNFUSED)?;
+        let unfused = Trainer::with_options(k.clone(), &linear, MSELoss, SGD::new(0.01), 64, UNFUSED)?;
         // The whole Linear layer, loss and gradients in one dispatch, the
         // update in another; unfused: matmul, bias add, loss, loss backward,
         // weight-gradient matmul and its add, column sum and its add, update.
@@ -547,14 +524,7 @@ fn fusion_cuts_the_dispatches_of_a_step() {
         let out = fused.outputs(&[0.5; 3 * 10])?;
         let w = fused.executor().parameters()?;
         let want = cpu::bias_add(
-            &cpu::matmul(
-                wgrad::kernels::MatmulForm::ABt,
-                &[0.5; 3 * 10],
-                &w[0].2,
-                3,
-                1,
-                10,
-            ),
+            &cpu::matmul(wgrad::kernels::MatmulForm::ABt, &[0.5; 3 * 10], &w[0].2, 3, 1, 10),
             &w[1].2,
             1,
         );
@@ -562,14 +532,7 @@ fn fusion_cuts_the_dispatches_of_a_step() {
 
         let mlp = Sequential::mlp(&[784, 512, 512, 10], Layer::ReLU)?;
         let fused = Trainer::new(k.clone(), &mlp, CrossEntropyLoss, Adam::new(1e-3), 256)?;
-        let unfused = Trainer::with_options(
-            k.clone(),
-            &mlp,
-            CrossEntropyLoss,
-            Adam::new(1e-3),
-            256,
-            UNFUSED,
-        )?;
+        let unfused = Trainer::with_options(k.clone(), &mlp, CrossEntropyLoss, Adam::new(1e-3), 256, UNFUSED)?;
         let (f, u) = (
             fused.executor().dispatches_per_step(),
             unfused.executor().dispatches_per_step(),
@@ -623,11 +586,7 @@ fn the_mlp_step_peak_memory_is_parameters_state_and_the_live_activations() {
     let prediction = g.argmax(out).unwrap();
     let grads = g.backward(loss).unwrap();
     let plan = Plan::new(&g, &[out, prediction, loss], Some(&grads), 64);
-    let params: u64 = g
-        .parameters()
-        .iter()
-        .map(|&p| g.get(p).unwrap().len() as u64 * 4)
-        .sum();
+    let params: u64 = g.parameters().iter().map(|&p| g.get(p).unwrap().len() as u64 * 4).sum();
     let arena = plan.param_arena_len as u64 * 4;
     assert!(
         arena < params + 64 * 4 * g.parameters().len() as u64,
@@ -717,11 +676,7 @@ fn activation_fusion_keeps_what_each_backward_needs() {
                 let out = g.matmul_form(MatmulForm::ABt, y, w2)?;
                 let t = g.input("t", &[rows, 3])?;
                 let loss = g.mse_loss(out, t)?;
-                let outputs: Vec<_> = if pre_is_output {
-                    vec![z, loss]
-                } else {
-                    vec![loss]
-                };
+                let outputs: Vec<_> = if pre_is_output { vec![z, loss] } else { vec![loss] };
                 let what = format!("{act:?}, pre-activation output: {pre_is_output}");
                 let plan = fused_matches_unfused(
                     k,
@@ -731,11 +686,7 @@ fn activation_fusion_keeps_what_each_backward_needs() {
                     &outputs,
                     &[(x, x_data.clone()), (t, t_data.clone())],
                 )?;
-                assert_eq!(
-                    plan.activation_into[product.index()],
-                    Some(y.index()),
-                    "{what}"
-                );
+                assert_eq!(plan.activation_into[product.index()], Some(y.index()), "{what}");
                 // ReLU's backward reads the ReLU output: the pre-activation
                 // is kept only when something else reads it.
                 let kept = plan.storage[z.index()] != Storage::Unused;
@@ -764,14 +715,7 @@ fn activation_fusion_keeps_what_each_backward_needs() {
             let t = g.input("t", &[rows, 3])?;
             let loss = g.mse_loss(out, t)?;
             let what = format!("{act:?} without bias");
-            let plan = fused_matches_unfused(
-                k,
-                &what,
-                &g,
-                loss,
-                &[loss],
-                &[(x, x_data.clone()), (t, t_data.clone())],
-            )?;
+            let plan = fused_matches_unfused(k, &what, &g, loss, &[loss], &[(x, x_data.clone()), (t, t_data.clone())])?;
             let fused = plan.activation_into[product.index()] == Some(y.index());
             assert_eq!(fused, act == Activation::Relu, "{what}");
             assert!(

@@ -12,11 +12,11 @@ use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read,
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{Generator, Sampling};
-use wgrad::kernels::{CachedAttentionKernel, CachedAttentionShape, QkvLayout, GROUPED_MAX_HEAD_DIM, MAX_HEAD_DIM};
-use wgrad::models::{Llama, LlamaConfig};
-use wgrad::models::{Gpt, GptConfig};
-use wgrad::nn::{self, Module, RopeLayout};
 use wgrad::infer::Predictor;
+use wgrad::kernels::{CachedAttentionKernel, CachedAttentionShape, QkvLayout, GROUPED_MAX_HEAD_DIM, MAX_HEAD_DIM};
+use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Llama, LlamaConfig};
+use wgrad::nn::{self, Module, RopeLayout};
 use wgrad::{cpu, Error};
 
 /// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
@@ -79,42 +79,97 @@ const ATTENTION_CASES: [AttentionCase; 18] = [
 /// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv) and
 /// [`GROUPED_CASES`], with the seed each draws its values from.
 fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'static [u32])> {
-    let fused = ATTENTION_CASES.iter().map(|&(seqs, rows, heads, head_dim, context, starts)| (CachedAttentionShape::fused(seqs, rows, heads, head_dim, context), starts));
-    let grouped = GROUPED_CASES.iter().map(|&(seqs, rows, heads, kv_heads, head_dim, context, starts, layout)| {
-        (CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout }, starts)
-    });
-    fused.chain(grouped).enumerate().map(|(i, (shape, starts))| (900 + i as u64, shape, starts))
+    let fused = ATTENTION_CASES
+        .iter()
+        .map(|&(seqs, rows, heads, head_dim, context, starts)| {
+            (
+                CachedAttentionShape::fused(seqs, rows, heads, head_dim, context),
+                starts,
+            )
+        });
+    let grouped = GROUPED_CASES
+        .iter()
+        .map(|&(seqs, rows, heads, kv_heads, head_dim, context, starts, layout)| {
+            (
+                CachedAttentionShape {
+                    seqs,
+                    rows,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    context,
+                    layout,
+                },
+                starts,
+            )
+        });
+    fused
+        .chain(grouped)
+        .enumerate()
+        .map(|(i, (shape, starts))| (900 + i as u64, shape, starts))
 }
 
 /// One cached attention on `kernel` (None: the one the adapter picks)
 /// against its CPU twin: the output and both caches.
-fn check_cached_attention(k: &wgrad::kernels::Kernels, seed: u64, shape: CachedAttentionShape, starts: &[u32], kernel: Option<CachedAttentionKernel>) -> wgrad::Result<()> {
+fn check_cached_attention(
+    k: &wgrad::kernels::Kernels,
+    seed: u64,
+    shape: CachedAttentionShape,
+    starts: &[u32],
+    kernel: Option<CachedAttentionKernel>,
+) -> wgrad::Result<()> {
     let lengths = shape.lengths().expect("small shape");
     let mut r = rng(seed);
     let q_host = random_vec(&mut r, lengths.q, -2.0, 2.0);
     // A fused qkv is one operand given as q, k and v.
     let (k_host, v_host) = match shape.layout {
         QkvLayout::Fused => (q_host.clone(), q_host.clone()),
-        QkvLayout::Separate => (random_vec(&mut r, lengths.k, -2.0, 2.0), random_vec(&mut r, lengths.v, -2.0, 2.0)),
+        QkvLayout::Separate => (
+            random_vec(&mut r, lengths.k, -2.0, 2.0),
+            random_vec(&mut r, lengths.v, -2.0, 2.0),
+        ),
     };
     // Earlier positions' keys and values, as a previous step left them.
     let k_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
     let v_cache_host = random_vec(&mut r, lengths.cache, -2.0, 2.0);
-    let (q, k_rows, v_rows, starts_gpu) = (k.upload(&q_host)?, k.upload(&k_host)?, k.upload(&v_host)?, k.upload(starts)?);
+    let (q, k_rows, v_rows, starts_gpu) = (
+        k.upload(&q_host)?,
+        k.upload(&k_host)?,
+        k.upload(&v_host)?,
+        k.upload(starts)?,
+    );
     let (k_rows, v_rows) = match shape.layout {
         QkvLayout::Fused => (&q, &q),
         QkvLayout::Separate => (&k_rows, &v_rows),
     };
     // Zeros, not NaN: a row past the context must be written NaN.
-    let (k_cache, v_cache, out) = (k.upload(&k_cache_host)?, k.upload(&v_cache_host)?, k.zeros(lengths.out)?);
-    let views = (out.view(), k_cache.view(), v_cache.view(), q.view(), k_rows.view(), v_rows.view(), starts_gpu.view());
+    let (k_cache, v_cache, out) = (
+        k.upload(&k_cache_host)?,
+        k.upload(&v_cache_host)?,
+        k.zeros(lengths.out)?,
+    );
+    let views = (
+        out.view(),
+        k_cache.view(),
+        v_cache.view(),
+        q.view(),
+        k_rows.view(),
+        v_rows.view(),
+        starts_gpu.view(),
+    );
     let dispatch = match kernel {
-        Some(kernel) => k.cached_attention_forward_with(kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
+        Some(kernel) => k.cached_attention_forward_with(
+            kernel, views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape,
+        )?,
         None => k.cached_attention_forward(views.0, views.1, views.2, views.3, views.4, views.5, views.6, shape)?,
     };
     k.run(&[&dispatch])?;
-    let (want_out, want_k, want_v) = cpu::cached_attention(&q_host, &k_host, &v_host, starts, &k_cache_host, &v_cache_host, shape);
-    let what = format!("{shape:?} starts {starts:?}, kernel {kernel:?}, GPU shaping {}", k.gpu_shaped());
+    let (want_out, want_k, want_v) =
+        cpu::cached_attention(&q_host, &k_host, &v_host, starts, &k_cache_host, &v_cache_host, shape);
+    let what = format!(
+        "{shape:?} starts {starts:?}, kernel {kernel:?}, GPU shaping {}",
+        k.gpu_shaped()
+    );
     // f32 sums of ≤ 256 products over ≤ 1,024 positions against
     // f64; outputs are weighted means of values in [-2, 2].
     assert_close(&format!("out {what}"), &read(k, &out)?, &want_out, 1e-5, 1e-4);
@@ -149,8 +204,13 @@ fn every_cached_attention_kernel_matches_the_cpu() {
             if shape.head_dim % 4 == 0 && shape.head_dim <= GROUPED_MAX_HEAD_DIM {
                 check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Grouped))?;
             } else {
-                let err = check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Grouped)).unwrap_err();
-                assert!(err.to_string().contains(&format!("multiple of 4 up to {GROUPED_MAX_HEAD_DIM}")), "{err}");
+                let err =
+                    check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Grouped)).unwrap_err();
+                assert!(
+                    err.to_string()
+                        .contains(&format!("multiple of 4 up to {GROUPED_MAX_HEAD_DIM}")),
+                    "{err}"
+                );
             }
         }
         Ok(())
@@ -162,38 +222,138 @@ fn cached_attention_checks_its_operands() {
     for_each_adapter("cached_attention_forward errors", |k| {
         let shape = CachedAttentionShape::fused(2, 1, 3, 4, 5);
         let lengths = shape.lengths().expect("small shape");
-        let (qkv, starts, cache, out) = (k.zeros(lengths.q)?, k.zeros(2)?, k.zeros(lengths.cache)?, k.zeros(lengths.out)?);
+        let (qkv, starts, cache, out) = (
+            k.zeros(lengths.q)?,
+            k.zeros(2)?,
+            k.zeros(lengths.cache)?,
+            k.zeros(lengths.out)?,
+        );
         let cache2 = k.zeros(lengths.cache)?;
         let short = k.zeros(lengths.cache - 1)?;
-        let err = k.cached_attention_forward(out.view(), short.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), shape).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("want {}", lengths.cache)), "{err}");
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                short.view(),
+                cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                shape,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("want {}", lengths.cache)),
+            "{err}"
+        );
         let zero_heads = CachedAttentionShape { heads: 0, ..shape };
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), zero_heads).unwrap_err();
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                cache.view(),
+                cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                zero_heads,
+            )
+            .unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
         // 2 KV heads do not divide 3 query heads.
-        let uneven = CachedAttentionShape { kv_heads: 2, layout: QkvLayout::Separate, ..shape };
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), uneven).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("divide"), "{err}");
+        let uneven = CachedAttentionShape {
+            kv_heads: 2,
+            layout: QkvLayout::Separate,
+            ..shape
+        };
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                cache.view(),
+                cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                uneven,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("divide"),
+            "{err}"
+        );
         // One KV head: caches a third of the size, separate operands of
         // their own widths; the fused buffers fit neither.
-        let grouped = CachedAttentionShape { kv_heads: 1, layout: QkvLayout::Separate, ..shape };
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), grouped).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("`k_cache`"), "{err}");
+        let grouped = CachedAttentionShape {
+            kv_heads: 1,
+            layout: QkvLayout::Separate,
+            ..shape
+        };
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                cache.view(),
+                cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                grouped,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("`k_cache`"),
+            "{err}"
+        );
         let small = grouped.lengths().expect("small shape");
         let (small_cache, small_cache2) = (k.zeros(small.cache)?, k.zeros(small.cache)?);
-        let err = k.cached_attention_forward(out.view(), small_cache.view(), small_cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), grouped).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains(&format!("`q` has {} elements, want {}", lengths.q, small.q)), "{err}");
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                small_cache.view(),
+                small_cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                grouped,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. })
+                && err
+                    .to_string()
+                    .contains(&format!("`q` has {} elements, want {}", lengths.q, small.q)),
+            "{err}"
+        );
         let wide = CachedAttentionShape::fused(1, 1, 1, MAX_HEAD_DIM + 1, 1);
         let lengths = wide.lengths().expect("small shape");
         let (qkv, starts, out) = (k.zeros(lengths.q)?, k.zeros(1)?, k.zeros(lengths.out)?);
         let (cache, cache2) = (k.zeros(lengths.cache)?, k.zeros(lengths.cache)?);
-        let err = k.cached_attention_forward(out.view(), cache.view(), cache2.view(), qkv.view(), qkv.view(), qkv.view(), starts.view(), wide).unwrap_err();
+        let err = k
+            .cached_attention_forward(
+                out.view(),
+                cache.view(),
+                cache2.view(),
+                qkv.view(),
+                qkv.view(),
+                qkv.view(),
+                starts.view(),
+                wide,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains(&format!("{}", MAX_HEAD_DIM + 1)), "{err}");
         Ok(())
     });
 }
 
-const CONFIG: GptConfig = GptConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_embd: 24 };
+const CONFIG: GptConfig = GptConfig {
+    vocab_size: 37,
+    block_size: 13,
+    n_layer: 2,
+    n_head: 3,
+    n_embd: 24,
+};
 
 /// A random GPT whose attention is far from uniform and whose logits are
 /// of order 1: GPT-2's init (std 0.02) gives near-equal attention weights
@@ -225,7 +385,9 @@ fn full_logits(predictor: &mut Predictor, tokens: &[u32]) -> wgrad::Result<Vec<V
     let mut padded = tokens.to_vec();
     padded.resize(block, 0);
     let all = predictor.outputs_ids(&padded)?;
-    Ok((0..tokens.len()).map(|p| all[p * vocab..(p + 1) * vocab].to_vec()).collect())
+    Ok((0..tokens.len())
+        .map(|p| all[p * vocab..(p + 1) * vocab].to_vec())
+        .collect())
 }
 
 // The cached path (cached_attention, one row per step) and the full one
@@ -245,10 +407,22 @@ fn kv_cache_logits_equal_the_full_sequence_logits() {
         // A prompt of one token, of several, and of the whole context.
         for prompt_len in [1, 5, CONFIG.block_size] {
             let logits = generator.prefill(&[&sequence[..prompt_len]])?;
-            assert_close(&format!("prefill of {prompt_len}"), &logits, &full[prompt_len - 1], LOGITS_ATOL, LOGITS_RTOL);
+            assert_close(
+                &format!("prefill of {prompt_len}"),
+                &logits,
+                &full[prompt_len - 1],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
             for p in prompt_len..CONFIG.block_size {
                 let logits = generator.decode(&[sequence[p]])?;
-                assert_close(&format!("prompt {prompt_len}, decode at {p}"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+                assert_close(
+                    &format!("prompt {prompt_len}, decode at {p}"),
+                    &logits,
+                    &full[p],
+                    LOGITS_ATOL,
+                    LOGITS_RTOL,
+                );
             }
             assert_eq!(generator.cached_tokens(0), Some(&sequence[..]));
         }
@@ -256,7 +430,13 @@ fn kv_cache_logits_equal_the_full_sequence_logits() {
         generator.reset()?;
         for (p, &token) in sequence.iter().enumerate() {
             let logits = generator.decode(&[token])?;
-            assert_close(&format!("decode from empty at {p}"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+            assert_close(
+                &format!("decode from empty at {p}"),
+                &logits,
+                &full[p],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
         }
         Ok(())
     });
@@ -271,21 +451,36 @@ fn several_sequences_keep_their_own_caches() {
         let vocab = CONFIG.vocab_size;
         let mut r = rng(14);
         let sequences: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
-        let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+        let full: Vec<Vec<Vec<f32>>> = sequences
+            .iter()
+            .map(|s| full_logits(&mut predictor, s))
+            .collect::<wgrad::Result<_>>()?;
         // Prompts of different lengths, then steps in lockstep, each
         // sequence at its own position.
         let lens = [1, 6, 4];
         let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
         let logits = generator.prefill(&prompts)?;
         for s in 0..3 {
-            assert_close(&format!("prefill, sequence {s}"), &logits[s * vocab..(s + 1) * vocab], &full[s][lens[s] - 1], LOGITS_ATOL, LOGITS_RTOL);
+            assert_close(
+                &format!("prefill, sequence {s}"),
+                &logits[s * vocab..(s + 1) * vocab],
+                &full[s][lens[s] - 1],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
         }
         for step in 0..CONFIG.block_size - 6 {
             let tokens: Vec<u32> = (0..3).map(|s| sequences[s][lens[s] + step]).collect();
             let logits = generator.decode(&tokens)?;
             for s in 0..3 {
                 let p = lens[s] + step;
-                assert_close(&format!("step {step}, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p], LOGITS_ATOL, LOGITS_RTOL);
+                assert_close(
+                    &format!("step {step}, sequence {s} at {p}"),
+                    &logits[s * vocab..(s + 1) * vocab],
+                    &full[s][p],
+                    LOGITS_ATOL,
+                    LOGITS_RTOL,
+                );
             }
         }
         Ok(())
@@ -314,8 +509,17 @@ pub(crate) fn llama_configs() -> [LlamaConfig; 3] {
     };
     [
         base,
-        LlamaConfig { n_head: 3, n_kv_head: 1, tie_word_embeddings: true, ..base },
-        LlamaConfig { n_kv_head: 4, rope_layout: RopeLayout::Interleaved, ..base },
+        LlamaConfig {
+            n_head: 3,
+            n_kv_head: 1,
+            tie_word_embeddings: true,
+            ..base
+        },
+        LlamaConfig {
+            n_kv_head: 4,
+            rope_layout: RopeLayout::Interleaved,
+            ..base
+        },
     ]
 }
 
@@ -327,10 +531,20 @@ pub(crate) fn sharp_llama(config: LlamaConfig, seed: u64) -> Llama {
     model.embed_tokens.weight.iter_mut().for_each(|w| *w *= 50.0);
     for layer in &mut model.layers {
         let attn = &mut layer.self_attn;
-        for w in attn.q_proj.weight.iter_mut().chain(attn.k_proj.weight.iter_mut()).chain(attn.v_proj.weight.iter_mut()) {
+        for w in attn
+            .q_proj
+            .weight
+            .iter_mut()
+            .chain(attn.k_proj.weight.iter_mut())
+            .chain(attn.v_proj.weight.iter_mut())
+        {
             *w *= 15.0;
         }
-        attn.o_proj.weight.iter_mut().chain(layer.mlp.down_proj.weight.iter_mut()).for_each(|w| *w *= 10.0);
+        attn.o_proj
+            .weight
+            .iter_mut()
+            .chain(layer.mlp.down_proj.weight.iter_mut())
+            .for_each(|w| *w *= 10.0);
     }
     if let Some(head) = &mut model.lm_head {
         head.weight.iter_mut().for_each(|w| *w *= 50.0);
@@ -348,10 +562,16 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
             let mut generator = Generator::new(k.clone(), &model, 3)?;
             let mut r = rng(41 + c as u64);
             let sequences: Vec<Vec<u32>> = (0..3).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
-            let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+            let full: Vec<Vec<Vec<f32>>> = sequences
+                .iter()
+                .map(|s| full_logits(&mut predictor, s))
+                .collect::<wgrad::Result<_>>()?;
             let what = format!("{} on {}", model.describe(), k.device().label());
             let spread = full.iter().flatten().flatten().fold(0.0f32, |m, v| m.max(v.abs()));
-            assert!(spread > 1.0, "{what}: logits of order 1 and above, got at most {spread}");
+            assert!(
+                spread > 1.0,
+                "{what}: logits of order 1 and above, got at most {spread}"
+            );
             let mut worst = 0.0f32;
             let mut check = |label: String, got: &[f32], want: &[f32]| {
                 worst = worst.max(got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
@@ -364,16 +584,30 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
             let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
             let logits = generator.prefill(&prompts)?;
             for s in 0..3 {
-                check(format!("prefill, sequence {s}"), &logits[s * vocab..(s + 1) * vocab], &full[s][lens[s] - 1]);
+                check(
+                    format!("prefill, sequence {s}"),
+                    &logits[s * vocab..(s + 1) * vocab],
+                    &full[s][lens[s] - 1],
+                );
             }
-            generator.prefill(&prompts[..2].iter().copied().chain([&sequences[2][..4]]).collect::<Vec<_>>())?;
+            generator.prefill(
+                &prompts[..2]
+                    .iter()
+                    .copied()
+                    .chain([&sequences[2][..4]])
+                    .collect::<Vec<_>>(),
+            )?;
             let lens = [1, 6, 4];
             for step in 0..CONFIG.block_size - 6 {
                 let tokens: Vec<u32> = (0..3).map(|s| sequences[s][lens[s] + step]).collect();
                 let logits = generator.decode(&tokens)?;
                 for s in 0..3 {
                     let p = lens[s] + step;
-                    check(format!("step {step}, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p]);
+                    check(
+                        format!("step {step}, sequence {s} at {p}"),
+                        &logits[s * vocab..(s + 1) * vocab],
+                        &full[s][p],
+                    );
                 }
             }
             // From empty caches, decoding alone is the same forward at
@@ -383,7 +617,11 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
                 let tokens: Vec<u32> = (0..3).map(|s| sequences[s][p]).collect();
                 let logits = generator.decode(&tokens)?;
                 for s in 0..3 {
-                    check(format!("decode from empty, sequence {s} at {p}"), &logits[s * vocab..(s + 1) * vocab], &full[s][p]);
+                    check(
+                        format!("decode from empty, sequence {s} at {p}"),
+                        &logits[s * vocab..(s + 1) * vocab],
+                        &full[s][p],
+                    );
                 }
             }
             eprintln!("{what}: cached against full logits, max |diff| {worst:e} (logits up to {spread})");
@@ -401,36 +639,78 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
 fn a_continuation_prefill_equals_the_full_sequence_logits() {
     for_each_adapter("generate: extend", |k| {
         let vocab = CONFIG.vocab_size;
-        let models: [Box<dyn nn::CausalLm>; 2] = [Box::new(sharp_model(15)), Box::new(sharp_llama(llama_configs()[0], 16))];
+        let models: [Box<dyn nn::CausalLm>; 2] =
+            [Box::new(sharp_model(15)), Box::new(sharp_llama(llama_configs()[0], 16))];
         for model in &models {
             let what = model.describe();
             let mut predictor = Predictor::new(k.clone(), model.as_ref(), 1)?;
             let mut generator = Generator::new(k.clone(), model.as_ref(), 2)?;
             let mut r = rng(17);
             let sequences: Vec<Vec<u32>> = (0..2).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
-            let full: Vec<Vec<Vec<f32>>> = sequences.iter().map(|s| full_logits(&mut predictor, s)).collect::<wgrad::Result<_>>()?;
+            let full: Vec<Vec<Vec<f32>>> = sequences
+                .iter()
+                .map(|s| full_logits(&mut predictor, s))
+                .collect::<wgrad::Result<_>>()?;
             let check = |label: &str, logits: &[f32], ends: [usize; 2]| {
                 for s in 0..2 {
-                    assert_close(&format!("{what}: {label}, sequence {s} at {}", ends[s] - 1), &logits[s * vocab..(s + 1) * vocab], &full[s][ends[s] - 1], LOGITS_ATOL, LOGITS_RTOL);
+                    assert_close(
+                        &format!("{what}: {label}, sequence {s} at {}", ends[s] - 1),
+                        &logits[s * vocab..(s + 1) * vocab],
+                        &full[s][ends[s] - 1],
+                        LOGITS_ATOL,
+                        LOGITS_RTOL,
+                    );
                 }
             };
             generator.prefill(&[&sequences[0][..3], &sequences[1][..1]])?;
             // From positions 3 and 1, in the 8-row pass.
-            check("extend", &generator.extend(&[&sequences[0][3..7], &sequences[1][1..7]])?, [7, 7]);
+            check(
+                "extend",
+                &generator.extend(&[&sequences[0][3..7], &sequences[1][1..7]])?,
+                [7, 7],
+            );
             assert_eq!(generator.cached_tokens(1), Some(&sequences[1][..7]));
-            check("decode after extend", &generator.decode(&[sequences[0][7], sequences[1][7]])?, [8, 8]);
+            check(
+                "decode after extend",
+                &generator.decode(&[sequences[0][7], sequences[1][7]])?,
+                [8, 8],
+            );
             // 8 + 8 padded rows pass the context of 13: prefilled whole.
-            check("extend near the end", &generator.extend(&[&sequences[0][8..12], &sequences[1][8..10]])?, [12, 10]);
+            check(
+                "extend near the end",
+                &generator.extend(&[&sequences[0][8..12], &sequences[1][8..10]])?,
+                [12, 10],
+            );
             assert_eq!(generator.cached_tokens(0), Some(&sequences[0][..12]));
-            check("decode after the whole prefill", &generator.decode(&[sequences[0][12], sequences[1][10]])?, [13, 11]);
+            check(
+                "decode after the whole prefill",
+                &generator.decode(&[sequences[0][12], sequences[1][10]])?,
+                [13, 11],
+            );
             // Back to 2 and 5 tokens, then on from there.
             generator.truncate(0, 2)?;
             generator.truncate(1, 5)?;
-            check("extend after truncate", &generator.extend(&[&sequences[0][2..6], &sequences[1][5..6]])?, [6, 6]);
-            expect_error("extend past the context", generator.extend(&[&sequences[0][..8], &sequences[1][6..7]]), &["8 tokens after the 6", "context of 13"]);
-            expect_error("an empty continuation", generator.extend(&[&[], &sequences[1][6..7]]), &["empty"]);
+            check(
+                "extend after truncate",
+                &generator.extend(&[&sequences[0][2..6], &sequences[1][5..6]])?,
+                [6, 6],
+            );
+            expect_error(
+                "extend past the context",
+                generator.extend(&[&sequences[0][..8], &sequences[1][6..7]]),
+                &["8 tokens after the 6", "context of 13"],
+            );
+            expect_error(
+                "an empty continuation",
+                generator.extend(&[&[], &sequences[1][6..7]]),
+                &["empty"],
+            );
             expect_error("truncate a third sequence", generator.truncate(2, 0), &["sequence 2"]);
-            assert_eq!(generator.cached_tokens(0), Some(&sequences[0][..6]), "{what}: the errors kept the cache");
+            assert_eq!(
+                generator.cached_tokens(0),
+                Some(&sequences[0][..6]),
+                "{what}: the errors kept the cache"
+            );
         }
         Ok(())
     });
@@ -445,7 +725,9 @@ fn llama_greedy_generation_equals_a_full_recompute() {
         let prompt = [5, 9, 2];
         // Past the context: the window shifts twice.
         let greedy = generator.generate(&prompt, 2 * CONFIG.block_size, &Sampling::greedy(), |_| Ok(()))?;
-        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))
+        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| {
+            is_argmax(logits, t, 2.0 * LOGITS_ATOL)
+        })
     });
 }
 
@@ -467,7 +749,15 @@ fn a_decode_step_is_one_submit_and_allocates_nothing() {
         }
         // Picking the token on the GPU too: still one submit, whose only
         // readback is the [S, 2] u32 picks.
-        let (sampling, mut draws) = (Sampling { temperature: 0.8, top_k: Some(5), top_p: None, seed: 3 }, ChaCha8Rng::seed_from_u64(3));
+        let (sampling, mut draws) = (
+            Sampling {
+                temperature: 0.8,
+                top_k: Some(5),
+                top_p: None,
+                seed: 3,
+            },
+            ChaCha8Rng::seed_from_u64(3),
+        );
         for token in 12..14 {
             let submits = k.submit_count();
             generator.decode_and_sample(&[token], &sampling, &mut draws)?;
@@ -496,13 +786,22 @@ fn in_top_k(logits: &[f32], token: u32, k: usize, tolerance: f32) -> bool {
 /// Checks each generated token against a full recompute of the window the
 /// generator's cache holds, which follows the documented rule: grow to
 /// block_size tokens, then keep the last block_size / 2 and continue.
-fn check_against_recompute(predictor: &mut Predictor, prompt: &[u32], generated: &[u32], picked_right: impl Fn(&[f32], u32) -> bool) -> wgrad::Result<()> {
+fn check_against_recompute(
+    predictor: &mut Predictor,
+    prompt: &[u32],
+    generated: &[u32],
+    picked_right: impl Fn(&[f32], u32) -> bool,
+) -> wgrad::Result<()> {
     let (block, keep) = (CONFIG.block_size, CONFIG.block_size / 2);
     let mut window = prompt.to_vec();
     for (i, &token) in generated.iter().enumerate() {
         let full = full_logits(predictor, &window)?;
         let logits = full.last().expect("non-empty window");
-        assert!(picked_right(logits, token), "token {i} = {token} with a window of {} tokens; logits {logits:?}", window.len());
+        assert!(
+            picked_right(logits, token),
+            "token {i} = {token} with a window of {} tokens; logits {logits:?}",
+            window.len()
+        );
         window.push(token);
         if window.len() > block {
             window.drain(..window.len() - keep);
@@ -529,7 +828,9 @@ fn greedy_generation_is_deterministic_and_equals_a_full_recompute() {
         assert_eq!(streamed, first, "each token streams as it is produced");
         let second = generator.generate(&prompt, max_new, &Sampling::greedy(), |_| Ok(()))?;
         assert_eq!(first, second, "greedy generation twice");
-        check_against_recompute(&mut predictor, &prompt, &first, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))
+        check_against_recompute(&mut predictor, &prompt, &first, |logits, t| {
+            is_argmax(logits, t, 2.0 * LOGITS_ATOL)
+        })
     });
 }
 
@@ -549,12 +850,25 @@ fn generation_past_the_context_shifts_and_goes_on() {
         })?;
         assert_eq!((greedy.len(), count), (max_new, max_new));
         assert!(generator.cached_tokens(0).is_some_and(|c| c.len() <= CONFIG.block_size));
-        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+        check_against_recompute(&mut predictor, &prompt, &greedy, |logits, t| {
+            is_argmax(logits, t, 2.0 * LOGITS_ATOL)
+        })?;
 
-        let sampling = Sampling { temperature: 0.9, top_k: Some(4), top_p: None, seed: 99 };
+        let sampling = Sampling {
+            temperature: 0.9,
+            top_k: Some(4),
+            top_p: None,
+            seed: 99,
+        };
         let sampled = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
-        assert_eq!(sampled, generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
-        check_against_recompute(&mut predictor, &prompt, &sampled, |logits, t| in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL))
+        assert_eq!(
+            sampled,
+            generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?,
+            "the same seed twice"
+        );
+        check_against_recompute(&mut predictor, &prompt, &sampled, |logits, t| {
+            in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL)
+        })
     });
 }
 
@@ -577,38 +891,76 @@ fn a_batch_of_prompts_generates_what_each_prompt_generates_alone() {
         let mut alone = Generator::new(k.clone(), &model, 1)?;
         for (s, prompt) in prompts.iter().enumerate() {
             assert_eq!(greedy[s].len(), max_new);
-            assert!(steps.iter().zip(&greedy[s]).all(|(step, &t)| step[s] == t), "sequence {s} streams its tokens in step order");
+            assert!(
+                steps.iter().zip(&greedy[s]).all(|(step, &t)| step[s] == t),
+                "sequence {s} streams its tokens in step order"
+            );
             // Each row's sums run in the same order in a batch as alone.
-            assert_eq!(greedy[s], alone.generate(prompt, max_new, &Sampling::greedy(), |_| Ok(()))?, "sequence {s} against the prompt alone");
-            check_against_recompute(&mut predictor, prompt, &greedy[s], |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+            assert_eq!(
+                greedy[s],
+                alone.generate(prompt, max_new, &Sampling::greedy(), |_| Ok(()))?,
+                "sequence {s} against the prompt alone"
+            );
+            check_against_recompute(&mut predictor, prompt, &greedy[s], |logits, t| {
+                is_argmax(logits, t, 2.0 * LOGITS_ATOL)
+            })?;
         }
 
         // Past the context with prompts of one length: every sequence shifts
         // when the generator's one does, so each follows the documented rule.
         let same_length: [&[u32]; 3] = [&[5, 9, 2], &[7, 30, 1], &[0, 0, 36]];
-        let sampling = Sampling { temperature: 0.9, top_k: Some(4), top_p: None, seed: 7 };
+        let sampling = Sampling {
+            temperature: 0.9,
+            top_k: Some(4),
+            top_p: None,
+            seed: 7,
+        };
         let max_new = 2 * CONFIG.block_size;
         let sampled = batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?;
-        assert_eq!(sampled, batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?, "the same seed twice");
+        assert_eq!(
+            sampled,
+            batch.generate_batch(&same_length, max_new, &sampling, |_| Ok(()))?,
+            "the same seed twice"
+        );
         for (prompt, tokens) in same_length.iter().zip(&sampled) {
-            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL))?;
+            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| {
+                in_top_k(logits, t, 4, 2.0 * LOGITS_ATOL)
+            })?;
         }
         let greedy = batch.generate_batch(&same_length, max_new, &Sampling::greedy(), |_| Ok(()))?;
         for (prompt, tokens) in same_length.iter().zip(&greedy) {
-            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| is_argmax(logits, t, 2.0 * LOGITS_ATOL))?;
+            check_against_recompute(&mut predictor, prompt, tokens, |logits, t| {
+                is_argmax(logits, t, 2.0 * LOGITS_ATOL)
+            })?;
         }
 
         // A prompt past the context stops the batch before any step runs.
         let long = vec![1u32; CONFIG.block_size + 1];
         let mut called = false;
-        expect_error("a prompt past the context", batch.generate_batch(&[&[1], &long, &[2]], 3, &Sampling::greedy(), |_| {
-            called = true;
-            Ok(())
-        }), &["prompt 1", "context"]);
+        expect_error(
+            "a prompt past the context",
+            batch.generate_batch(&[&[1], &long, &[2]], 3, &Sampling::greedy(), |_| {
+                called = true;
+                Ok(())
+            }),
+            &["prompt 1", "context"],
+        );
         assert!(!called, "no tokens before the error");
-        expect_error("two prompts for three sequences", batch.generate_batch(&[&[1], &[2]], 3, &Sampling::greedy(), |_| Ok(())), &["2 prompts", "3 sequences"]);
-        expect_error("an empty prompt", batch.generate_batch(&[&[1], &[], &[2]], 3, &Sampling::greedy(), |_| Ok(())), &["prompt 1", "empty"]);
-        expect_error("no new tokens", batch.generate_batch(&prompts, 0, &Sampling::greedy(), |_| Ok(())), &["at least 1"]);
+        expect_error(
+            "two prompts for three sequences",
+            batch.generate_batch(&[&[1], &[2]], 3, &Sampling::greedy(), |_| Ok(())),
+            &["2 prompts", "3 sequences"],
+        );
+        expect_error(
+            "an empty prompt",
+            batch.generate_batch(&[&[1], &[], &[2]], 3, &Sampling::greedy(), |_| Ok(())),
+            &["prompt 1", "empty"],
+        );
+        expect_error(
+            "no new tokens",
+            batch.generate_batch(&prompts, 0, &Sampling::greedy(), |_| Ok(())),
+            &["at least 1"],
+        );
         Ok(())
     });
 }
@@ -622,7 +974,10 @@ fn a_callback_error_stops_generation() {
             .generate(&[1], 10, &Sampling::greedy(), |_| {
                 seen += 1;
                 if seen == 3 {
-                    return Err(Error::InvalidArgument { op: "caller", reason: "stop".into() });
+                    return Err(Error::InvalidArgument {
+                        op: "caller",
+                        reason: "stop".into(),
+                    });
                 }
                 Ok(())
             })
@@ -657,25 +1012,81 @@ fn bad_requests_are_errors_that_lose_nothing() {
         let greedy = Sampling::greedy();
         expect_error("empty prompt", generator.prefill(&[&[]]), &["empty"]);
         expect_error("long prompt", generator.prefill(&[&too_long]), &["14", "13"]);
-        expect_error("token past the vocabulary", generator.prefill(&[&[1, 37]]), &["37", "vocabulary"]);
-        expect_error("two prompts for one sequence", generator.prefill(&[&[1], &[2]]), &["2 prompts", "1 sequences"]);
+        expect_error(
+            "token past the vocabulary",
+            generator.prefill(&[&[1, 37]]),
+            &["37", "vocabulary"],
+        );
+        expect_error(
+            "two prompts for one sequence",
+            generator.prefill(&[&[1], &[2]]),
+            &["2 prompts", "1 sequences"],
+        );
         expect_error("no decode token", generator.decode(&[]), &["0 tokens", "1 sequences"]);
         expect_error("two decode tokens", generator.decode(&[1, 2]), &["2 tokens"]);
-        expect_error("decode token past the vocabulary", generator.decode(&[40]), &["40", "37"]);
-        expect_error("max_new_tokens 0", generator.generate(&[1], 0, &greedy, |_| Ok(())), &["max_new_tokens"]);
-        expect_error("generate, empty prompt", generator.generate(&[], 3, &greedy, |_| Ok(())), &["empty"]);
-        expect_error("generate, long prompt", generator.generate(&too_long, 3, &greedy, |_| Ok(())), &["14", "13"]);
-        expect_error("generate, bad id", generator.generate(&[99], 3, &greedy, |_| Ok(())), &["99"]);
-        let negative = Sampling { temperature: -1.0, ..greedy };
-        expect_error("negative temperature", generator.generate(&[1], 3, &negative, |_| Ok(())), &["-1"]);
-        let nan = Sampling { temperature: f32::NAN, ..greedy };
-        expect_error("NaN temperature", generator.generate(&[1], 3, &nan, |_| Ok(())), &["NaN"]);
-        let top_0 = Sampling { top_k: Some(0), ..greedy };
+        expect_error(
+            "decode token past the vocabulary",
+            generator.decode(&[40]),
+            &["40", "37"],
+        );
+        expect_error(
+            "max_new_tokens 0",
+            generator.generate(&[1], 0, &greedy, |_| Ok(())),
+            &["max_new_tokens"],
+        );
+        expect_error(
+            "generate, empty prompt",
+            generator.generate(&[], 3, &greedy, |_| Ok(())),
+            &["empty"],
+        );
+        expect_error(
+            "generate, long prompt",
+            generator.generate(&too_long, 3, &greedy, |_| Ok(())),
+            &["14", "13"],
+        );
+        expect_error(
+            "generate, bad id",
+            generator.generate(&[99], 3, &greedy, |_| Ok(())),
+            &["99"],
+        );
+        let negative = Sampling {
+            temperature: -1.0,
+            ..greedy
+        };
+        expect_error(
+            "negative temperature",
+            generator.generate(&[1], 3, &negative, |_| Ok(())),
+            &["-1"],
+        );
+        let nan = Sampling {
+            temperature: f32::NAN,
+            ..greedy
+        };
+        expect_error(
+            "NaN temperature",
+            generator.generate(&[1], 3, &nan, |_| Ok(())),
+            &["NaN"],
+        );
+        let top_0 = Sampling {
+            top_k: Some(0),
+            ..greedy
+        };
         expect_error("top_k 0", generator.generate(&[1], 3, &top_0, |_| Ok(())), &["top_k"]);
         for p in [0.0, -0.5, 1.5, f32::NAN] {
-            let bad_p = Sampling { temperature: 1.0, top_p: Some(p), ..greedy };
-            expect_error(&format!("top_p {p}"), generator.generate(&[1], 3, &bad_p, |_| Ok(())), &["top_p", &p.to_string()]);
-            let host = bad_p.sample(&[0.0, 1.0], &mut ChaCha8Rng::seed_from_u64(0)).unwrap_err().to_string();
+            let bad_p = Sampling {
+                temperature: 1.0,
+                top_p: Some(p),
+                ..greedy
+            };
+            expect_error(
+                &format!("top_p {p}"),
+                generator.generate(&[1], 3, &bad_p, |_| Ok(())),
+                &["top_p", &p.to_string()],
+            );
+            let host = bad_p
+                .sample(&[0.0, 1.0], &mut ChaCha8Rng::seed_from_u64(0))
+                .unwrap_err()
+                .to_string();
             assert!(host.contains("top_p must be in (0, 1]"), "{host}");
         }
 
@@ -683,12 +1094,22 @@ fn bad_requests_are_errors_that_lose_nothing() {
         assert_eq!(generator.cached_tokens(0), Some(&sequence[..4]));
         for p in 4..CONFIG.block_size {
             let logits = generator.decode(&[sequence[p]])?;
-            assert_close(&format!("decode at {p} after the errors"), &logits, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+            assert_close(
+                &format!("decode at {p} after the errors"),
+                &logits,
+                &full[p],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
         }
         expect_error("decode past the context", generator.decode(&[1]), &["13 positions"]);
 
         let mut two = Generator::new(k.clone(), &model, 2)?;
-        expect_error("generate with two sequences", two.generate(&[1], 3, &greedy, |_| Ok(())), &["one sequence", "2"]);
+        expect_error(
+            "generate with two sequences",
+            two.generate(&[1], 3, &greedy, |_| Ok(())),
+            &["one sequence", "2"],
+        );
         Ok(())
     });
 }
@@ -699,17 +1120,29 @@ fn sampling_picks_from_the_top_k_and_repeats_with_its_seed() {
     let greedy = Sampling::greedy();
     let mut r = ChaCha8Rng::seed_from_u64(0);
     assert_eq!(greedy.sample(&logits, &mut r).unwrap(), 1, "the first of two maxima");
-    let top_3 = Sampling { temperature: 2.0, top_k: Some(3), top_p: None, seed: 5 };
+    let top_3 = Sampling {
+        temperature: 2.0,
+        top_k: Some(3),
+        top_p: None,
+        seed: 5,
+    };
     let draw = |s: &Sampling| {
         let mut r = ChaCha8Rng::seed_from_u64(s.seed);
-        (0..400).map(|_| s.sample(&logits, &mut r).unwrap()).collect::<Vec<u32>>()
+        (0..400)
+            .map(|_| s.sample(&logits, &mut r).unwrap())
+            .collect::<Vec<u32>>()
     };
     let draws = draw(&top_3);
     assert!(draws.iter().all(|t| [1, 3, 4].contains(t)), "{draws:?}");
     // Each of the three has probability ≥ 0.25 at temperature 2: all appear.
     assert!([1, 3, 4].iter().all(|t| draws.contains(t)), "{draws:?}");
     assert_eq!(draws, draw(&top_3), "the same seed");
-    let top_1 = Sampling { temperature: 5.0, top_k: Some(1), top_p: None, seed: 1 };
+    let top_1 = Sampling {
+        temperature: 5.0,
+        top_k: Some(1),
+        top_p: None,
+        seed: 1,
+    };
     assert!(draw(&top_1).iter().all(|&t| t == 1));
     let mut bad = logits;
     bad[2] = f32::NAN;
@@ -729,7 +1162,13 @@ fn a_model_without_attention_generates_too() {
         let logits = generator.prefill(&[&sequence[..2]])?;
         assert_close("prefill", &logits, &full[1], LOGITS_ATOL, LOGITS_RTOL);
         for p in 2..6 {
-            assert_close(&format!("decode at {p}"), &generator.decode(&[sequence[p]])?, &full[p], LOGITS_ATOL, LOGITS_RTOL);
+            assert_close(
+                &format!("decode at {p}"),
+                &generator.decode(&[sequence[p]])?,
+                &full[p],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
         }
         Ok(())
     });
@@ -745,11 +1184,22 @@ fn a_model_without_attention_generates_too() {
 #[test]
 fn greedy_ids_equal_transformers_greedy_generate() {
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
-    let expected: serde_json::Value = serde_json::from_slice(&std::fs::read(fixtures.join("hf-greedy-gpt2-ids.json")).unwrap()).unwrap();
-    let ids = |key: &str| -> Vec<u32> { expected[key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("hf-greedy-gpt2-ids.json")).unwrap()).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        expected[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
     let (prompt, greedy) = (ids("prompt"), ids("greedy"));
     assert_eq!(greedy.len(), 20);
-    assert!(expected["min_gap"].as_f64().unwrap() > 1e-2, "the fixture's path has near-ties");
+    assert!(
+        expected["min_gap"].as_f64().unwrap() > 1e-2,
+        "the fixture's path has near-ties"
+    );
     let loaded = wgrad::io::gpt_folder::load_gpt_folder(fixtures.join("hf-greedy-gpt2")).unwrap();
     for_each_adapter("generate: greedy ids against transformers", |k| {
         let mut generator = Generator::new(k.clone(), &loaded.model, 1)?;
@@ -763,7 +1213,13 @@ fn greedy_ids_equal_transformers_greedy_generate() {
 fn the_generation_bench_times_a_prompt_and_its_decode_steps() {
     // A context of 7: the prompt takes 3 tokens and the decode is capped at
     // the 4 positions left, however many tokens are asked for.
-    let config = GptConfig { vocab_size: 13, block_size: 7, n_layer: 1, n_head: 1, n_embd: 8 };
+    let config = GptConfig {
+        vocab_size: 13,
+        block_size: 7,
+        n_layer: 1,
+        n_head: 1,
+        n_embd: 8,
+    };
     for_each_adapter("generation bench", |k| {
         let line = wgrad_benches::gpt_generate(k, config, 100)?;
         let value = |key: &str| -> f64 {
@@ -772,9 +1228,15 @@ fn the_generation_bench_times_a_prompt_and_its_decode_steps() {
         };
         assert_eq!(line.case, "gpt_generate");
         assert_eq!(value("prefill_tokens"), 3.0);
-        assert!(value("tokens_per_s") > 0.0 && value("prefill_tokens_per_s") > 0.0, "{line}");
+        assert!(
+            value("tokens_per_s") > 0.0 && value("prefill_tokens_per_s") > 0.0,
+            "{line}"
+        );
         let per_token_ms = value("ms_per_token");
-        assert!((per_token_ms - 1e3 / value("tokens_per_s")).abs() < 0.02 * per_token_ms.max(0.5), "{line}");
+        assert!(
+            (per_token_ms - 1e3 / value("tokens_per_s")).abs() < 0.02 * per_token_ms.max(0.5),
+            "{line}"
+        );
         Ok(())
     });
 }
@@ -794,8 +1256,14 @@ fn suppressed_tokens_are_never_sampled() {
         let prompt = random_tokens(&mut rng(24), 4);
         let mut plain = Generator::new(k.clone(), &model, 1)?;
         let free = plain.prefill(&[&prompt])?;
-        let best = free.iter().enumerate().fold(0, |b, (i, &v)| if v > free[b] { i } else { b }) as u32;
-        let with = |ids: Vec<u32>| GeneratorOptions { suppressed_tokens: ids, ..GeneratorOptions::default() };
+        let best = free
+            .iter()
+            .enumerate()
+            .fold(0, |b, (i, &v)| if v > free[b] { i } else { b }) as u32;
+        let with = |ids: Vec<u32>| GeneratorOptions {
+            suppressed_tokens: ids,
+            ..GeneratorOptions::default()
+        };
         let mut masked = Generator::with_options(k.clone(), &model, &with(vec![best]))?;
         let logits = masked.prefill(&[&prompt])?;
         let mut want = free.clone();
@@ -803,19 +1271,34 @@ fn suppressed_tokens_are_never_sampled() {
         // The same forward, one op more: only the added bias differs.
         assert_close("suppressed logits", &logits, &want, LOGITS_ATOL, LOGITS_RTOL);
         let greedy = masked.generate(&prompt, 6, &Sampling::greedy(), |_| Ok(()))?;
-        assert!(greedy.iter().all(|&t| t != best), "{best} suppressed, generated {greedy:?}");
+        assert!(
+            greedy.iter().all(|&t| t != best),
+            "{best} suppressed, generated {greedy:?}"
+        );
 
         let primes = [2u32, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31];
         let rest: Vec<u32> = (0..CONFIG.vocab_size as u32).filter(|t| !primes.contains(t)).collect();
         let mut few = Generator::with_options(k.clone(), &model, &with(rest))?;
-        let hot = Sampling { temperature: 2.0, top_k: None, top_p: None, seed: 3 };
+        let hot = Sampling {
+            temperature: 2.0,
+            top_k: None,
+            top_p: None,
+            seed: 3,
+        };
         let sampled = few.generate(&prompt, CONFIG.block_size - prompt.len(), &hot, |_| Ok(()))?;
-        assert!(sampled.iter().all(|t| primes.contains(t)), "only primes are left, sampled {sampled:?}");
+        assert!(
+            sampled.iter().all(|t| primes.contains(t)),
+            "only primes are left, sampled {sampled:?}"
+        );
 
         let past = Generator::with_options(k.clone(), &model, &with(vec![37]));
         expect_error("an id past the vocabulary", past, &["37", "vocabulary"]);
         let every = (0..CONFIG.vocab_size as u32).collect();
-        expect_error("every id", Generator::with_options(k.clone(), &model, &with(every)), &["all 37"]);
+        expect_error(
+            "every id",
+            Generator::with_options(k.clone(), &model, &with(every)),
+            &["all 37"],
+        );
         Ok(())
     });
 }

@@ -129,7 +129,11 @@ fn reference_tensors(stem: &str) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
     st.tensors()
         .into_iter()
         .map(|(name, view)| {
-            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
             (name, (view.shape().to_vec(), values))
         })
         .collect()
@@ -178,7 +182,12 @@ fn array_matches(json: &Json, a: &Array) -> bool {
     if items.len() != a.len() {
         return false;
     }
-    let ints = |xs: Vec<i128>| items.iter().zip(xs).all(|(j, x)| j.as_i64().map(i128::from).or(j.as_u64().map(i128::from)) == Some(x));
+    let ints = |xs: Vec<i128>| {
+        items
+            .iter()
+            .zip(xs)
+            .all(|(j, x)| j.as_i64().map(i128::from).or(j.as_u64().map(i128::from)) == Some(x))
+    };
     match a {
         Array::U8(v) => ints(v.iter().map(|&x| x.into()).collect()),
         Array::I8(v) => ints(v.iter().map(|&x| x.into()).collect()),
@@ -230,9 +239,17 @@ fn check_against_reference(g: &Gguf, stem: &str) {
         let v = g.get(key).unwrap();
         assert_eq!(py_type(v.value_type()), e["type"].as_str().unwrap(), "type of `{key}`");
         if let Value::Array(a) = v {
-            assert_eq!(py_type(a.element_type()), e["element"].as_str().unwrap(), "element type of `{key}`");
+            assert_eq!(
+                py_type(a.element_type()),
+                e["element"].as_str().unwrap(),
+                "element type of `{key}`"
+            );
         }
-        assert!(value_matches(&e["value"], v), "`{key}`: read {v:?}, gguf-py read {}", e["value"]);
+        assert!(
+            value_matches(&e["value"], v),
+            "`{key}`: read {v:?}, gguf-py read {}",
+            e["value"]
+        );
     }
 
     let tensors = reference["tensors"].as_array().unwrap();
@@ -240,7 +257,12 @@ fn check_against_reference(g: &Gguf, stem: &str) {
     for (t, r) in g.tensors().iter().zip(tensors) {
         assert_eq!(t.name, r["name"].as_str().unwrap());
         assert_eq!(t.ty.name(), r["type"].as_str().unwrap(), "{}", t.name);
-        let dims: Vec<u64> = r["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        let dims: Vec<u64> = r["dims"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(t.dims, dims, "{}", t.name);
         assert_eq!(t.offset, r["offset"].as_u64().unwrap(), "{}", t.name);
         assert_eq!(t.n_elements, r["n_elements"].as_u64().unwrap(), "{}", t.name);
@@ -264,7 +286,11 @@ fn check_against_reference(g: &Gguf, stem: &str) {
     }
     // gguf-tiny's Q5_K tensor predates wgrad's k-quants; gguf-kquants
     // holds their references.
-    let decodable = g.tensors().iter().filter(|t| t.ty.is_decoded() && t.name != "test.q5_k.unsupported").count();
+    let decodable = g
+        .tensors()
+        .iter()
+        .filter(|t| t.ty.is_decoded() && t.name != "test.q5_k.unsupported")
+        .count();
     assert_eq!(decoded, decodable, "every decodable tensor has a reference");
 }
 
@@ -294,7 +320,10 @@ fn tiny_fixture_reads_as_gguf_py_reads_it() {
 fn kquant_fixture_reads_as_gguf_py_reads_it() {
     let g = Gguf::open(fixture("gguf-kquants.gguf")).unwrap();
     let refs = reference_tensors("gguf-kquants");
-    for ty in gguf::DECODED_TYPES.iter().filter(|ty| !matches!(ty, GgmlType::F16 | GgmlType::BF16)) {
+    for ty in gguf::DECODED_TYPES
+        .iter()
+        .filter(|ty| !matches!(ty, GgmlType::F16 | GgmlType::BF16))
+    {
         let name = format!("test.{}", ty.name().to_lowercase());
         let info = g.tensor(&name).unwrap_or_else(|| panic!("no tensor `{name}`"));
         assert_eq!(info.ty, *ty);
@@ -304,7 +333,11 @@ fn kquant_fixture_reads_as_gguf_py_reads_it() {
         assert_eq!(bits(&g.read_f32(&name).unwrap()), bits(want), "{name}");
         if let Ok(format) = wgrad::ops::QuantFormat::try_from(*ty) {
             let raw = g.read_raw(&name).unwrap();
-            assert_eq!(bits(&format.dequantize(&raw).unwrap()), bits(want), "{name} through QuantFormat");
+            assert_eq!(
+                bits(&format.dequantize(&raw).unwrap()),
+                bits(want),
+                "{name} through QuantFormat"
+            );
             assert_eq!(format.block_bytes() as u64, ty.type_size(), "{name}");
             assert_eq!(format.super_block() as u64, ty.block_size(), "{name}");
         }
@@ -329,7 +362,10 @@ fn version_2_reads_like_version_3() {
     assert_eq!(v2.metadata(), v3.metadata());
     assert_eq!(v2.tensors(), v3.tensors());
     for t in v3.tensors().iter().filter(|t| t.ty.is_decoded()) {
-        assert_eq!(bits(&v2.read_f32(&t.name).unwrap()), bits(&v3.read_f32(&t.name).unwrap()));
+        assert_eq!(
+            bits(&v2.read_f32(&t.name).unwrap()),
+            bits(&v3.read_f32(&t.name).unwrap())
+        );
     }
 }
 
@@ -348,18 +384,37 @@ fn metadata_of_every_type_exactly() {
     assert_eq!(g.get_str("wgrad.test.string").unwrap(), "héllo, wörld ✓ \n\t\"quoted\"");
     assert_eq!(g.get("wgrad.test.u64"), Some(&Value::U64((1 << 63) + 12345)));
     assert_eq!(g.get("wgrad.test.i64"), Some(&Value::I64(-(1 << 62) - 7)));
-    assert_eq!(g.get("wgrad.test.f64").and_then(Value::as_f64).map(f64::to_bits), Some(std::f64::consts::E.to_bits()));
+    assert_eq!(
+        g.get("wgrad.test.f64").and_then(Value::as_f64).map(f64::to_bits),
+        Some(std::f64::consts::E.to_bits())
+    );
     let f64s = match g.get_array("wgrad.test.array.f64").unwrap() {
         Array::F64(v) => v.clone(),
         a => panic!("{a:?}"),
     };
-    assert_eq!(f64s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), [1.0f64 / 3.0, -0.0, 1e300].map(f64::to_bits));
-    assert_eq!(g.get_array("wgrad.test.array.u64").unwrap(), &Array::U64(vec![0, u64::MAX]));
-    assert_eq!(g.get_array("wgrad.test.array.i64").unwrap(), &Array::I64(vec![i64::MIN, i64::MAX]));
-    assert_eq!(g.get_array("wgrad.test.array.bool").unwrap(), &Array::Bool(vec![true, false, true]));
+    assert_eq!(
+        f64s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        [1.0f64 / 3.0, -0.0, 1e300].map(f64::to_bits)
+    );
+    assert_eq!(
+        g.get_array("wgrad.test.array.u64").unwrap(),
+        &Array::U64(vec![0, u64::MAX])
+    );
+    assert_eq!(
+        g.get_array("wgrad.test.array.i64").unwrap(),
+        &Array::I64(vec![i64::MIN, i64::MAX])
+    );
+    assert_eq!(
+        g.get_array("wgrad.test.array.bool").unwrap(),
+        &Array::Bool(vec![true, false, true])
+    );
     assert_eq!(
         g.get_array("wgrad.test.array.nested_i32").unwrap(),
-        &Array::Array(vec![Array::I32(vec![1, 2, 3]), Array::I32(vec![4]), Array::I32(vec![-5, 6])])
+        &Array::Array(vec![
+            Array::I32(vec![1, 2, 3]),
+            Array::I32(vec![4]),
+            Array::I32(vec![-5, 6])
+        ])
     );
     assert_eq!(
         g.get_array("wgrad.test.array.nested_deep").unwrap(),
@@ -372,7 +427,10 @@ fn metadata_of_every_type_exactly() {
     assert_eq!(g.get_u64("wgrad.test.u8").unwrap(), 200);
     assert_eq!(g.get_u64("llama.block_count").unwrap(), 1);
     match g.get_u64("wgrad.test.i8") {
-        Err(Error::Gguf { reason, .. }) => assert!(reason.contains("`wgrad.test.i8`") && reason.contains("an i8"), "{reason}"),
+        Err(Error::Gguf { reason, .. }) => assert!(
+            reason.contains("`wgrad.test.i8`") && reason.contains("an i8"),
+            "{reason}"
+        ),
         r => panic!("{r:?}"),
     }
     match g.get_str("wgrad.test.array.string") {
@@ -404,13 +462,36 @@ fn raw_blocks_decode_as_the_tensor() {
             continue;
         }
         let values = g.read_f32(&t.name).unwrap();
-        assert_eq!(bits(&gguf::dequantize(t.ty, &raw).unwrap()), bits(&values), "{}", t.name);
+        assert_eq!(
+            bits(&gguf::dequantize(t.ty, &raw).unwrap()),
+            bits(&values),
+            "{}",
+            t.name
+        );
         // The block functions, one block at a time.
         let mut out = [0f32; gguf::QK];
         let blocks: Vec<f32> = match t.ty {
-            GgmlType::Q8_0 => raw.chunks_exact(gguf::Q8_0_BYTES).flat_map(|b| { gguf::decode_q8_0(b.try_into().unwrap(), &mut out); out }).collect(),
-            GgmlType::Q4_0 => raw.chunks_exact(gguf::Q4_0_BYTES).flat_map(|b| { gguf::decode_q4_0(b.try_into().unwrap(), &mut out); out }).collect(),
-            GgmlType::Q4_1 => raw.chunks_exact(gguf::Q4_1_BYTES).flat_map(|b| { gguf::decode_q4_1(b.try_into().unwrap(), &mut out); out }).collect(),
+            GgmlType::Q8_0 => raw
+                .chunks_exact(gguf::Q8_0_BYTES)
+                .flat_map(|b| {
+                    gguf::decode_q8_0(b.try_into().unwrap(), &mut out);
+                    out
+                })
+                .collect(),
+            GgmlType::Q4_0 => raw
+                .chunks_exact(gguf::Q4_0_BYTES)
+                .flat_map(|b| {
+                    gguf::decode_q4_0(b.try_into().unwrap(), &mut out);
+                    out
+                })
+                .collect(),
+            GgmlType::Q4_1 => raw
+                .chunks_exact(gguf::Q4_1_BYTES)
+                .flat_map(|b| {
+                    gguf::decode_q4_1(b.try_into().unwrap(), &mut out);
+                    out
+                })
+                .collect(),
             _ => continue,
         };
         assert_eq!(bits(&blocks), bits(&values), "{}", t.name);
@@ -452,10 +533,16 @@ fn unsupported_type_reads_as_metadata_and_refuses_decoding() {
     // gguf-tiny's Q5_K tensor, once refused, now decodes.
     let g = Gguf::open(tiny_path()).unwrap();
     let t = g.tensor("test.q5_k.unsupported").unwrap();
-    assert_eq!((t.ty, t.dims.clone(), t.n_bytes), (GgmlType::Q5_K, vec![256, 2], 2 * 176));
+    assert_eq!(
+        (t.ty, t.dims.clone(), t.n_bytes),
+        (GgmlType::Q5_K, vec![256, 2], 2 * 176)
+    );
     let raw = g.read_raw(&t.name).unwrap();
     assert_eq!(raw.len(), 352);
-    assert_eq!(bits(&g.read_f32(&t.name).unwrap()), bits(&gguf::dequantize(GgmlType::Q5_K, &raw).unwrap()));
+    assert_eq!(
+        bits(&g.read_f32(&t.name).unwrap()),
+        bits(&gguf::dequantize(GgmlType::Q5_K, &raw).unwrap())
+    );
     let k = Gguf::open(fixture("gguf-kquants.gguf")).unwrap();
     let t = k.tensor("test.iq4_xs.unsupported").unwrap();
     assert_eq!((t.ty, t.dims.clone(), t.n_bytes), (GgmlType::IQ4_XS, vec![256, 1], 136));
@@ -469,7 +556,9 @@ fn unsupported_type_reads_as_metadata_and_refuses_decoding() {
         r => panic!("{r:?}"),
     }
     match g.read_f32("no.such.tensor") {
-        Err(Error::GgufTensor { tensor, reason, .. }) => assert!(tensor == "no.such.tensor" && reason.contains("no tensor"), "{reason}"),
+        Err(Error::GgufTensor { tensor, reason, .. }) => {
+            assert!(tensor == "no.such.tensor" && reason.contains("no tensor"), "{reason}")
+        }
         r => panic!("{r:?}"),
     }
 }
@@ -486,7 +575,10 @@ fn llama_permutation_by_hand() {
     assert_eq!(llama::unpermute_rows(&[0, 2, 1, 3], 4, 1).unwrap(), hf);
     // Two heads of 6 rows, rows 2 wide: head h's row i·3 + j goes to 2j + i.
     let hf: Vec<u32> = (0..24).collect();
-    let gguf_rows: Vec<u32> = [0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11].iter().flat_map(|&r| [2 * r, 2 * r + 1]).collect();
+    let gguf_rows: Vec<u32> = [0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]
+        .iter()
+        .flat_map(|&r| [2 * r, 2 * r + 1])
+        .collect();
     assert_eq!(llama::permute_rows(&hf, 12, 2).unwrap(), gguf_rows);
     assert_eq!(llama::unpermute_rows(&gguf_rows, 12, 2).unwrap(), hf);
     // Rows that do not split into heads of an even size are an error.
@@ -528,14 +620,24 @@ fn llama_fixture_maps_to_hugging_face() {
         // Undone on the quantized rows' bytes, then decoded: the same.
         let t = g.tensor(gguf_name).unwrap();
         let raw = llama::unpermute_rows(&g.read_raw(gguf_name).unwrap(), shape[0], heads).unwrap();
-        assert_eq!(bits(&gguf::dequantize(t.ty, &raw).unwrap()), bits(want), "{gguf_name} as blocks");
+        assert_eq!(
+            bits(&gguf::dequantize(t.ty, &raw).unwrap()),
+            bits(want),
+            "{gguf_name} as blocks"
+        );
         // And permuting again gives the file's rows.
-        assert_eq!(bits(&llama::permute_rows(&got, shape[0], heads).unwrap()), bits(&g.read_f32(gguf_name).unwrap()));
+        assert_eq!(
+            bits(&llama::permute_rows(&got, shape[0], heads).unwrap()),
+            bits(&g.read_f32(gguf_name).unwrap())
+        );
     }
     // Other tensors keep their order.
     assert_eq!(llama::permuted_heads("blk.0.attn_v.weight", &hp), None);
     let (name, shape, v) = llama::read_hf_f32(&g, "blk.0.attn_v.weight", &hp).unwrap();
-    assert_eq!((name.as_str(), shape), ("model.layers.0.self_attn.v_proj.weight", vec![16, 32]));
+    assert_eq!(
+        (name.as_str(), shape),
+        ("model.layers.0.self_attn.v_proj.weight", vec![16, 32])
+    );
     assert_eq!(bits(&v), bits(&refs["blk.0.attn_v.weight"].1));
 
     let names = [
@@ -545,7 +647,10 @@ fn llama_fixture_maps_to_hugging_face() {
         ("blk.12.attn_norm.weight", "model.layers.12.input_layernorm.weight"),
         ("blk.0.attn_q.bias", "model.layers.0.self_attn.q_proj.bias"),
         ("blk.3.attn_output.weight", "model.layers.3.self_attn.o_proj.weight"),
-        ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight"),
+        (
+            "blk.0.ffn_norm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+        ),
         ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight"),
         ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight"),
         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
@@ -553,10 +658,19 @@ fn llama_fixture_maps_to_hugging_face() {
     for (from, to) in names {
         assert_eq!(llama::hf_name(from).as_deref(), Some(to));
     }
-    for name in ["rope_freqs.weight", "blk.x.attn_q.weight", "blk..attn_q.weight", "blk.0.attn_q.scale", "test.f32.one"] {
+    for name in [
+        "rope_freqs.weight",
+        "blk.x.attn_q.weight",
+        "blk..attn_q.weight",
+        "blk.0.attn_q.scale",
+        "test.f32.one",
+    ] {
         assert_eq!(llama::hf_name(name), None, "{name}");
     }
-    assert!(matches!(llama::read_hf_f32(&g, "test.f32.one", &hp), Err(Error::GgufTensor { .. })));
+    assert!(matches!(
+        llama::read_hf_f32(&g, "test.f32.one", &hp),
+        Err(Error::GgufTensor { .. })
+    ));
 }
 
 /// A tensor with a zero dim holds no data whatever its other dim, so a
@@ -574,11 +688,18 @@ fn a_zero_size_q_or_k_tensor_unpermutes_at_once() {
     let hp = llama::Hparams::from_gguf(&g).unwrap();
     let start = std::time::Instant::now();
     let (name, shape, data) = llama::read_hf_f32(&g, "blk.0.attn_k.weight", &hp).unwrap();
-    assert_eq!((name.as_str(), shape, data.len()), ("model.layers.0.self_attn.k_proj.weight", vec![1 << 40, 0], 0));
+    assert_eq!(
+        (name.as_str(), shape, data.len()),
+        ("model.layers.0.self_attn.k_proj.weight", vec![1 << 40, 0], 0)
+    );
     assert!(llama::unpermute_rows::<f32>(&[], 1 << 62, 4).unwrap().is_empty());
     assert!(llama::permute_rows::<u8>(&[], 1 << 62, 1).unwrap().is_empty());
     // Walking the rows took hours; nothing to move takes microseconds.
-    assert!(start.elapsed() < std::time::Duration::from_secs(1), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -670,7 +791,12 @@ pub(crate) fn fields(b: &[u8]) -> Fields {
         let key = String::from_utf8(b[at + 8..at + 8 + len].to_vec()).unwrap();
         let ty_at = at + 8 + len;
         let end = skip_value(b, u32_at(b, ty_at), ty_at + 4);
-        kvs.push(KvAt { key, key_len: at, value_type: ty_at, value: ty_at + 4 });
+        kvs.push(KvAt {
+            key,
+            key_len: at,
+            value_type: ty_at,
+            value: ty_at + 4,
+        });
         at = end;
     }
     let mut tensors = Vec::new();
@@ -680,10 +806,21 @@ pub(crate) fn fields(b: &[u8]) -> Fields {
         let n_dims_at = at + 8 + len;
         let n_dims = u32_at(b, n_dims_at) as usize;
         let ty = n_dims_at + 4 + 8 * n_dims;
-        tensors.push(TensorAt { name, name_len: at, n_dims: n_dims_at, dims: n_dims_at + 4, ty, offset: ty + 4 });
+        tensors.push(TensorAt {
+            name,
+            name_len: at,
+            n_dims: n_dims_at,
+            dims: n_dims_at + 4,
+            ty,
+            offset: ty + 4,
+        });
         at = ty + 12;
     }
-    Fields { kvs, tensors, data_offset: at.div_ceil(32) * 32 }
+    Fields {
+        kvs,
+        tensors,
+        data_offset: at.div_ceil(32) * 32,
+    }
 }
 
 impl Fields {
@@ -713,7 +850,12 @@ fn file_error(bytes: &[u8], what: &str) -> String {
 #[track_caller]
 fn tensor_error(bytes: &[u8], what: &str) -> (String, String, String) {
     match parse_bounded(bytes, what) {
-        Err(Error::GgufTensor { path, tensor, dtype, reason }) => {
+        Err(Error::GgufTensor {
+            path,
+            tensor,
+            dtype,
+            reason,
+        }) => {
             assert_eq!(path, Path::new("broken.gguf"));
             (tensor, dtype, reason)
         }
@@ -728,8 +870,14 @@ fn the_walk_matches_the_reader() {
     let f = fields(&bytes);
     let g = Gguf::from_bytes("tiny", bytes.clone()).unwrap();
     assert_eq!(f.data_offset as u64, g.data_offset());
-    assert_eq!(f.kvs.iter().map(|k| k.key.as_str()).collect::<Vec<_>>(), g.metadata().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>());
-    assert_eq!(f.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), g.tensors().iter().map(|t| t.name.as_str()).collect::<Vec<_>>());
+    assert_eq!(
+        f.kvs.iter().map(|k| k.key.as_str()).collect::<Vec<_>>(),
+        g.metadata().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        f.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+        g.tensors().iter().map(|t| t.name.as_str()).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -742,7 +890,12 @@ fn header_errors() {
     let mut b = good.clone();
     b[..4].copy_from_slice(b"GGML");
     assert!(file_error(&b, "bad magic").contains("not a GGUF file"));
-    for (version, says) in [(1u32, "version 1"), (4, "unknown GGUF version 4"), (0x0300_0000, "big-endian"), (0, "unknown GGUF version 0")] {
+    for (version, says) in [
+        (1u32, "version 1"),
+        (4, "unknown GGUF version 4"),
+        (0x0300_0000, "big-endian"),
+        (0, "unknown GGUF version 0"),
+    ] {
         let mut b = good.clone();
         put_u32(&mut b, 4, version);
         let msg = file_error(&b, &format!("version {version:#x}"));
@@ -775,12 +928,19 @@ fn metadata_errors() {
     let mut b = good.clone();
     put_u64(&mut b, f.kvs[0].key_len, 1 << 60);
     let msg = file_error(&b, "2^60-byte key");
-    assert!(msg.contains("truncated") && msg.contains("1152921504606846976 bytes"), "{msg}");
+    assert!(
+        msg.contains("truncated") && msg.contains("1152921504606846976 bytes"),
+        "{msg}"
+    );
     let mut b = good.clone();
     put_u64(&mut b, f.kv("general.name").value, 1 << 60);
     assert!(file_error(&b, "2^60-byte string").contains("metadata `general.name`"));
     // An array claiming 2^40 strings, or u64s.
-    for key in ["tokenizer.ggml.tokens", "wgrad.test.array.u64", "wgrad.test.array.nested_i32"] {
+    for key in [
+        "tokenizer.ggml.tokens",
+        "wgrad.test.array.u64",
+        "wgrad.test.array.nested_i32",
+    ] {
         let mut b = good.clone();
         put_u64(&mut b, f.kv(key).value + 4, 1 << 40);
         let msg = file_error(&b, &format!("2^40 elements in {key}"));
@@ -837,11 +997,17 @@ fn duplicate_key_and_deep_nesting() {
         }
         b
     }
-    let ok = file(&[("a", 4, 7u32.to_le_bytes().to_vec()), ("b", 4, 8u32.to_le_bytes().to_vec())]);
+    let ok = file(&[
+        ("a", 4, 7u32.to_le_bytes().to_vec()),
+        ("b", 4, 8u32.to_le_bytes().to_vec()),
+    ]);
     let g = Gguf::from_bytes("ok", ok).unwrap();
     assert_eq!(g.get_u64("b").unwrap(), 8);
     assert!(g.tensors().is_empty());
-    let twice = file(&[("a", 4, 7u32.to_le_bytes().to_vec()), ("a", 4, 8u32.to_le_bytes().to_vec())]);
+    let twice = file(&[
+        ("a", 4, 7u32.to_le_bytes().to_vec()),
+        ("a", 4, 8u32.to_le_bytes().to_vec()),
+    ]);
     assert!(file_error(&twice, "key twice").contains("`a` appears twice"));
     // Arrays nested `depth` deep, one element each, an empty u8 array inside.
     let nested = |depth: usize| {
@@ -871,14 +1037,20 @@ fn tensor_info_errors() {
         let mut b = good.clone();
         put_u32(&mut b, q.ty, id);
         let (tensor, dtype, reason) = tensor_error(&b, &format!("type id {id}"));
-        assert_eq!((tensor.as_str(), dtype), ("blk.0.attn_k.weight", format!("type id {id}")));
+        assert_eq!(
+            (tensor.as_str(), dtype),
+            ("blk.0.attn_k.weight", format!("type id {id}"))
+        );
         assert!(reason.contains(&format!("unknown tensor type id {id}")), "{reason}");
     }
     // Data past the end of the file.
     let mut b = good.clone();
     put_u64(&mut b, q.offset, good.len() as u64);
     let (tensor, dtype, reason) = tensor_error(&b, "offset past the end");
-    assert_eq!((tensor.as_str(), dtype.as_str()), ("blk.0.attn_k.weight", "Q4_1 [32, 16]"));
+    assert_eq!(
+        (tensor.as_str(), dtype.as_str()),
+        ("blk.0.attn_k.weight", "Q4_1 [32, 16]")
+    );
     assert!(reason.contains("past the end of the file"), "{reason}");
     // An offset so large the end overflows.
     let mut b = good.clone();
@@ -888,7 +1060,9 @@ fn tensor_info_errors() {
     let mut b = good.clone();
     let off = u64_at(&good, q.offset);
     put_u64(&mut b, q.offset, off + 2);
-    assert!(tensor_error(&b, "misaligned").2.contains("not a multiple of the alignment 32"));
+    assert!(tensor_error(&b, "misaligned")
+        .2
+        .contains("not a multiple of the alignment 32"));
     // Overlapping another tensor's data.
     let mut b = good.clone();
     let other = f.tensor("blk.0.attn_v.weight");
@@ -897,7 +1071,13 @@ fn tensor_info_errors() {
     assert!(reason.contains("overlaps tensor"), "{reason}");
     assert!(tensor == "blk.0.attn_k.weight" || tensor == "blk.0.attn_v.weight");
     // Dims whose product overflows, or passes 2^63.
-    for (d0, d1) in [(1u64 << 32, 1u64 << 32), (32, 1 << 59), (u64::MAX - 31, 2), (32, 1 << 63), (0, u64::MAX)] {
+    for (d0, d1) in [
+        (1u64 << 32, 1u64 << 32),
+        (32, 1 << 59),
+        (u64::MAX - 31, 2),
+        (32, 1 << 63),
+        (0, u64::MAX),
+    ] {
         let mut b = good.clone();
         put_u64(&mut b, q.dims, d0);
         put_u64(&mut b, q.dims + 8, d1);
@@ -912,7 +1092,9 @@ fn tensor_info_errors() {
     let mut b = good.clone();
     put_u64(&mut b, q.dims, 48);
     put_u64(&mut b, q.dims + 8, 8);
-    assert!(tensor_error(&b, "row of 48").2.contains("48 values is not a whole number of Q4_1's 32-value blocks"));
+    assert!(tensor_error(&b, "row of 48")
+        .2
+        .contains("48 values is not a whole number of Q4_1's 32-value blocks"));
     // Too many dimensions.
     let mut b = good.clone();
     put_u32(&mut b, q.n_dims, 5);
@@ -923,7 +1105,10 @@ fn tensor_info_errors() {
     assert_eq!(u64_at(&b, v.name_len), u64_at(&b, q.name_len));
     b.copy_within(q.name_len + 8..q.n_dims, v.name_len + 8);
     let (tensor, _, reason) = tensor_error(&b, "name twice");
-    assert_eq!((tensor.as_str(), reason.as_str()), ("blk.0.attn_k.weight", "appears twice in the file"));
+    assert_eq!(
+        (tensor.as_str(), reason.as_str()),
+        ("blk.0.attn_k.weight", "appears twice in the file")
+    );
     // A 2^60-byte tensor name.
     let mut b = good.clone();
     put_u64(&mut b, q.name_len, 1 << 60);
@@ -945,7 +1130,10 @@ fn broken_kquant_tensors_are_clear_errors() {
     put_u64(&mut b, q4k.dims + 8, 8);
     let (tensor, dtype, reason) = tensor_error(&b, "row of 128");
     assert_eq!((tensor.as_str(), dtype.as_str()), ("test.q4_k", "Q4_K [128, 8]"));
-    assert!(reason.contains("128 values is not a whole number of Q4_K's 256-value blocks"), "{reason}");
+    assert!(
+        reason.contains("128 values is not a whole number of Q4_K's 256-value blocks"),
+        "{reason}"
+    );
     // The file ends 100 bytes into Q6_K's last super-block.
     let q6k = f.tensor("test.q6_k");
     let end = f.data_offset + u64_at(&good, q6k.offset) as usize + 840 - 100;
@@ -960,17 +1148,32 @@ fn broken_kquant_tensors_are_clear_errors() {
         ("test.q6_k", 0, 208, 0xfc00, "-inf"),
     ] {
         let t = f.tensor(name);
-        let ty = if name == "test.q4_k" { GgmlType::Q4_K } else { GgmlType::Q6_K };
+        let ty = if name == "test.q4_k" {
+            GgmlType::Q4_K
+        } else {
+            GgmlType::Q6_K
+        };
         let start = f.data_offset + u64_at(&good, t.offset) as usize + block * ty.type_size() as usize + at;
         let mut b = good.clone();
         b[start..start + 2].copy_from_slice(&bits.to_le_bytes());
         let g = Gguf::from_bytes("broken.gguf", b).unwrap();
         let errors = [g.read_f32(name).unwrap_err(), g.read_quantized(name).unwrap_err()];
         for err in errors {
-            let Error::GgufTensor { tensor, dtype, reason, .. } = &err else { panic!("{err:?}") };
-            assert_eq!((tensor.as_str(), dtype.as_str()), (name, format!("{ty} [512, 2]").as_str()));
+            let Error::GgufTensor {
+                tensor, dtype, reason, ..
+            } = &err
+            else {
+                panic!("{err:?}")
+            };
+            assert_eq!(
+                (tensor.as_str(), dtype.as_str()),
+                (name, format!("{ty} [512, 2]").as_str())
+            );
             let what = format!("block {block} (values {}..{})", 256 * block, 256 * (block + 1));
-            assert!(reason.contains(&what) && reason.contains(&format!("non-finite f16 scale ({shown})")), "{reason}");
+            assert!(
+                reason.contains(&what) && reason.contains(&format!("non-finite f16 scale ({shown})")),
+                "{reason}"
+            );
         }
         // The other tensors still load.
         assert!(g.read_quantized("test.q5_k").is_ok());
@@ -996,7 +1199,10 @@ fn every_truncation_of_the_header_is_an_error() {
     let end = (g.data_offset() + last.offset + last.n_bytes) as usize;
     for len in [f.data_offset, f.data_offset + 1, (f.data_offset + end) / 2, end - 1] {
         let (tensor, dtype, reason) = tensor_error(&good[..len], &format!("data truncated to {len}"));
-        assert!(g.tensor(&tensor).is_some() && !dtype.is_empty() && reason.contains("past the end of the file"), "{reason}");
+        assert!(
+            g.tensor(&tensor).is_some() && !dtype.is_empty() && reason.contains("past the end of the file"),
+            "{reason}"
+        );
     }
     // The file cut after its last tensor's data (before the padding) reads.
     assert!(Gguf::from_bytes("tiny", good[..end].to_vec()).is_ok());
@@ -1015,7 +1221,9 @@ fn a_file_that_shrinks_after_opening_is_an_error() {
     let r = g.read_raw(&last);
     std::fs::remove_dir_all(&dir).unwrap();
     match r {
-        Err(Error::GgufTensor { tensor, reason, .. }) => assert!(tensor == last && reason.contains("past the end"), "{reason}"),
+        Err(Error::GgufTensor { tensor, reason, .. }) => {
+            assert!(tensor == last && reason.contains("past the end"), "{reason}")
+        }
         r => panic!("{r:?}"),
     }
     match Gguf::open(dir.join("missing.gguf")) {

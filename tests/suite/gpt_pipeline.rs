@@ -10,18 +10,18 @@ use std::time::{Duration, Instant};
 
 use common::{assert_close, rng};
 use rand::Rng;
-use wgrad::io::gpt_folder::OptimizerState;
 use wgrad::graph::{Executor, Graph, Tensor};
+use wgrad::io::gpt_folder::OptimizerState;
 use wgrad::kernels::{Activation, LrSchedule, MatmulForm, OptimizerConfig};
 use wgrad::models::{Gpt, GptConfig};
-use wgrad::nn::{self, CrossEntropyLoss, Criterion};
+use wgrad::nn::{self, Criterion, CrossEntropyLoss};
 use wgrad::optim::AdamW;
+use wgrad::parallel::engine::TrainEngine;
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::stage::{reduce_and_step, SharedParameter, Stage, StageEnd};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::parallel::engine::TrainEngine;
-use wgrad::{Targets, Trainer};
 use wgrad::Error;
+use wgrad::{Targets, Trainer};
 
 /// Device groups holding wgrad's GL lock until dropped (see
 /// tests/suite/parallel.rs: what the test drops outside wgrad's locked
@@ -35,10 +35,16 @@ struct Groups {
 /// One group per selection; none (failing in CI) without an adapter.
 fn groups(test: &str, selections: &[DeviceSelection]) -> Groups {
     if !common::any_adapter(test) {
-        return Groups { list: Vec::new(), _gl: None };
+        return Groups {
+            list: Vec::new(),
+            _gl: None,
+        };
     }
     let gl = common::lock_gl_if_any();
-    Groups { list: selections.iter().map(|s| DeviceGroup::open(s).unwrap()).collect(), _gl: gl }
+    Groups {
+        list: selections.iter().map(|s| DeviceGroup::open(s).unwrap()).collect(),
+        _gl: gl,
+    }
 }
 
 const VOCAB: usize = 29;
@@ -49,7 +55,13 @@ const STEPS: u64 = 10;
 const MAX_NORM: f32 = 0.25;
 
 fn config() -> GptConfig {
-    GptConfig { vocab_size: VOCAB, block_size: T, n_layer: 3, n_head: 2, n_embd: 16 }
+    GptConfig {
+        vocab_size: VOCAB,
+        block_size: T,
+        n_layer: 3,
+        n_head: 2,
+        n_embd: 16,
+    }
 }
 
 fn model() -> Gpt {
@@ -63,7 +75,11 @@ fn optimizer() -> OptimizerConfig {
         .betas(0.9, 0.99)
         .weight_decay(0.1)
         .decay_matrices_only()
-        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: STEPS, min_lr: 3e-4 })
+        .schedule(LrSchedule::WarmupCosine {
+            warmup_steps: 3,
+            total_steps: STEPS,
+            min_lr: 3e-4,
+        })
         .clip_grad_norm(MAX_NORM)
         .into()
 }
@@ -117,7 +133,10 @@ fn assert_same_parameters(what: &str, got: &Parameters, want: &Parameters) -> f3
     assert_eq!(got.len(), want.len(), "{what}: parameter count");
     let mut worst = 0.0f32;
     for (name, shape, w) in want {
-        let (_, gshape, g) = got.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what}: no {name}"));
+        let (_, gshape, g) = got
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("{what}: no {name}"));
         assert_eq!(gshape, shape, "{what}: {name} shape");
         let (g, w) = (without_key_bias(name, g), without_key_bias(name, w));
         worst = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
@@ -130,22 +149,41 @@ fn assert_same_parameters(what: &str, got: &Parameters, want: &Parameters) -> f3
 }
 
 fn bits(params: &Parameters) -> Vec<Vec<u32>> {
-    params.iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect()
+    params
+        .iter()
+        .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
+        .collect()
 }
 
 /// The tied embedding's copies on the first and last stage.
 fn wte_copies(p: &Pipeline) -> (Vec<f32>, Vec<f32>) {
-    let copy = |stage: &Stage| stage.executor().parameters().unwrap().into_iter().find(|(n, _, _)| n == "wte.weight").unwrap().2;
+    let copy = |stage: &Stage| {
+        stage
+            .executor()
+            .parameters()
+            .unwrap()
+            .into_iter()
+            .find(|(n, _, _)| n == "wte.weight")
+            .unwrap()
+            .2
+    };
     (copy(&p.stages()[0]), copy(p.stages().last().unwrap()))
 }
 
 #[test]
 fn gpt_pipeline_matches_single_device_training() {
-    let selections = [DeviceSelection::Count(1), DeviceSelection::Count(2), DeviceSelection::Count(3)];
+    let selections = [
+        DeviceSelection::Count(1),
+        DeviceSelection::Count(2),
+        DeviceSelection::Count(3),
+    ];
     let groups = groups("gpt_pipeline_matches_single_device_training", &selections);
     let Some(first) = groups.list.first() else { return };
     let (want_losses, want_norms, want, _) = single_device(&first.members()[0], STEPS);
-    assert!(want_norms.iter().all(|&n| n > MAX_NORM), "every step clips: norms {want_norms:?}");
+    assert!(
+        want_norms.iter().all(|&n| n > MAX_NORM),
+        "every step clips: norms {want_norms:?}"
+    );
     let (mut loss_err, mut norm_err, mut param_err) = (0.0f32, 0.0f32, 0.0f32);
     for group in &groups.list {
         let labels = group.labels().join(", ");
@@ -157,7 +195,8 @@ fn gpt_pipeline_matches_single_device_training() {
         for &micro in micro_counts {
             let mut by_schedule = Vec::new();
             for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-                let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, micro, schedule).unwrap();
+                let mut p =
+                    Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, micro, schedule).unwrap();
                 let what = format!("{} on [{labels}]", p.describe());
                 assert_eq!(p.blocks_per_stage().iter().sum::<usize>(), 3, "{what}");
                 for s in 0..STEPS {
@@ -170,11 +209,23 @@ fn gpt_pipeline_matches_single_device_training() {
                     // The loss (about 3.3): per-micro-batch means weighted
                     // and summed instead of one mean, plus the weights'
                     // drift over the steps; measured up to 2.4e-7.
-                    assert_close(&format!("loss of step {} with {what}", s + 1), &[loss], &[want_losses[su]], 2e-6, 0.0);
+                    assert_close(
+                        &format!("loss of step {} with {what}", s + 1),
+                        &[loss],
+                        &[want_losses[su]],
+                        2e-6,
+                        0.0,
+                    );
                     // The norm (1.1–1.7): per-stage sums of squares added
                     // up, the tied gradient's counted once (counted twice,
                     // this check fails); measured up to 1.8e-7 relative.
-                    assert_close(&format!("gradient norm of step {} with {what}", s + 1), &[norm], &[want_norms[su]], 0.0, 1e-5);
+                    assert_close(
+                        &format!("gradient norm of step {} with {what}", s + 1),
+                        &[norm],
+                        &[want_norms[su]],
+                        0.0,
+                        1e-5,
+                    );
                 }
                 assert_eq!(p.step_count(), STEPS);
                 let got = p.parameters().unwrap();
@@ -182,17 +233,31 @@ fn gpt_pipeline_matches_single_device_training() {
                 // The tied copies get the same summed gradient and take the
                 // same step: bit-identical.
                 let (wte_first, wte_last) = wte_copies(&p);
-                assert_eq!(wte_first.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), wte_last.iter().map(|f| f.to_bits()).collect::<Vec<_>>(), "wte copies of {what}");
+                assert_eq!(
+                    wte_first.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+                    wte_last.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+                    "wte copies of {what}"
+                );
                 let ideal = p.ideal_bubble_fraction();
-                assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12, "{what}");
+                assert!(
+                    (ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12,
+                    "{what}"
+                );
                 assert!((0.0..=1.0).contains(&p.measured_bubble_fraction()), "{what}");
                 let report = p.report();
-                assert!(report.starts_with("10 steps") && report.contains(&format!("{:?} micro-batches", p.stats().peak_in_flight)), "{report}");
+                assert!(
+                    report.starts_with("10 steps")
+                        && report.contains(&format!("{:?} micro-batches", p.stats().peak_in_flight)),
+                    "{report}"
+                );
                 by_schedule.push((bits(&got), p));
             }
             // Both schedules run the same backward passes in the same
             // micro-batch order on every stage: bit-identical weights.
-            assert_eq!(by_schedule[0].0, by_schedule[1].0, "GPipe and 1F1B with {micro} micro-batches on [{labels}]");
+            assert_eq!(
+                by_schedule[0].0, by_schedule[1].0,
+                "GPipe and 1F1B with {micro} micro-batches on [{labels}]"
+            );
             // What 1F1B changes: the host stash. GPipe holds every
             // micro-batch on each stage; 1F1B at most S − s on stage s.
             let stages = group.len();
@@ -200,8 +265,16 @@ fn gpt_pipeline_matches_single_device_training() {
             for s in 0..stages {
                 let in_flight = |p: &Pipeline| p.stats().peak_in_flight[s];
                 if stages > 1 {
-                    assert_eq!(in_flight(gpipe), micro, "GPipe stage {s} of {stages}, {micro} micro-batches");
-                    assert!(in_flight(one_f_one_b) <= (stages - s).min(micro), "1F1B stage {s}: {:?}", one_f_one_b.stats().peak_in_flight);
+                    assert_eq!(
+                        in_flight(gpipe),
+                        micro,
+                        "GPipe stage {s} of {stages}, {micro} micro-batches"
+                    );
+                    assert!(
+                        in_flight(one_f_one_b) <= (stages - s).min(micro),
+                        "1F1B stage {s}: {:?}",
+                        one_f_one_b.stats().peak_in_flight
+                    );
                 }
             }
         }
@@ -215,12 +288,24 @@ fn gpt_pipeline_matches_single_device_training() {
 /// continues that pipeline bit for bit.
 #[test]
 fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
-    let groups = groups("gpt_pipeline_evaluates_and_resumes_in_single_device_names", &[DeviceSelection::Count(2)]);
+    let groups = groups(
+        "gpt_pipeline_evaluates_and_resumes_in_single_device_names",
+        &[DeviceSelection::Count(2)],
+    );
     let Some(group) = groups.list.first() else { return };
     let labels = group.labels().join(", ");
     const HALF: u64 = STEPS / 2;
     let (_, _, want, mut reference) = single_device(&group.members()[0], STEPS);
-    let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
+    let mut p = Pipeline::new(
+        group,
+        &model(),
+        CrossEntropyLoss,
+        optimizer(),
+        GLOBAL,
+        4,
+        Schedule::OneFOneB,
+    )
+    .unwrap();
     for s in 0..HALF {
         let (ids, targets) = batch(s);
         p.step(&ids, Targets::Classes(&targets), false).unwrap();
@@ -228,7 +313,11 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
     let (ids, targets) = batch(99);
     let before = bits(&p.parameters().unwrap());
     let evaluated = p.evaluate_loss(&ids, Targets::Classes(&targets)).unwrap();
-    assert_eq!(bits(&p.parameters().unwrap()), before, "evaluation leaves the weights alone");
+    assert_eq!(
+        bits(&p.parameters().unwrap()),
+        before,
+        "evaluation leaves the weights alone"
+    );
     assert_eq!(p.step_count(), HALF);
 
     let ckpt = p.checkpoint().unwrap();
@@ -236,20 +325,39 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
     assert_eq!(state.step, HALF);
     assert_eq!(state.state_names(), ["exp_avg", "exp_avg_sq"]);
     // The single-device model's names, each once.
-    let names = p.parameters().unwrap().into_iter().map(|(n, _, _)| n).collect::<Vec<_>>();
+    let names = p
+        .parameters()
+        .unwrap()
+        .into_iter()
+        .map(|(n, _, _)| n)
+        .collect::<Vec<_>>();
     assert_eq!(names.iter().filter(|n| *n == "wte.weight").count(), 1);
     assert_eq!(state.state.len(), 2 * names.len());
 
     // On one device: the pipeline's model, its optimizer state and step.
     let k = &group.members()[0];
     let mut values = p.parameters().unwrap();
-    let halfway = Gpt::from_parameters(config(), |name, _| Ok(values.remove(values.iter().position(|(n, _, _)| n == name).unwrap()).2)).unwrap();
+    let halfway = Gpt::from_parameters(config(), |name, _| {
+        Ok(values.remove(values.iter().position(|(n, _, _)| n == name).unwrap()).2)
+    })
+    .unwrap();
     let mut single = Trainer::new(k.clone(), &halfway, CrossEntropyLoss, optimizer(), GLOBAL).unwrap();
-    single.executor_mut().load_state(&[], &state.state, Some(state.step)).unwrap();
+    single
+        .executor_mut()
+        .load_state(&[], &state.state, Some(state.step))
+        .unwrap();
     // The same batch's loss as the pipeline evaluated it (same weights;
     // summation order only).
-    let on_one = single.evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
-    assert_close(&format!("evaluated loss on [{labels}]"), &[evaluated], &[on_one], 2e-6, 0.0);
+    let on_one = single
+        .evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets))
+        .unwrap();
+    assert_close(
+        &format!("evaluated loss on [{labels}]"),
+        &[evaluated],
+        &[on_one],
+        2e-6,
+        0.0,
+    );
     for s in HALF..STEPS {
         let (ids, targets) = batch(s);
         single.zero_grad();
@@ -258,28 +366,62 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
         single.backward().unwrap();
         single.step().unwrap();
     }
-    assert_same_parameters(&format!("half on [{labels}], half resumed on one device"), &single.executor().parameters().unwrap(), &want);
-    let reference_eval = reference.evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets)).unwrap();
+    assert_same_parameters(
+        &format!("half on [{labels}], half resumed on one device"),
+        &single.executor().parameters().unwrap(),
+        &want,
+    );
+    let reference_eval = reference
+        .evaluate_loss(wgrad::Examples::Ids(&ids), Targets::Classes(&targets))
+        .unwrap();
     assert!(reference_eval.is_finite());
 
     // Back into a fresh pipeline (the initial model, then the checkpoint's
     // weights and state): it continues as the first one does.
-    let params: Parameters = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
-    let mut resumed = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, 4, Schedule::OneFOneB).unwrap();
+    let params: Parameters = ckpt
+        .tensors
+        .iter()
+        .filter(|t| !t.name.starts_with("optim."))
+        .map(|t| (t.name.clone(), t.shape.clone(), t.data.clone()))
+        .collect();
+    let mut resumed = Pipeline::new(
+        group,
+        &model(),
+        CrossEntropyLoss,
+        optimizer(),
+        GLOBAL,
+        4,
+        Schedule::OneFOneB,
+    )
+    .unwrap();
     resumed.load_state(&params, &state.state, Some(state.step)).unwrap();
     for s in HALF..STEPS {
         let (ids, targets) = batch(s);
         p.step(&ids, Targets::Classes(&targets), false).unwrap();
         resumed.step(&ids, Targets::Classes(&targets), false).unwrap();
     }
-    assert_eq!(bits(&resumed.parameters().unwrap()), bits(&p.parameters().unwrap()), "resumed pipeline on [{labels}]");
+    assert_eq!(
+        bits(&resumed.parameters().unwrap()),
+        bits(&p.parameters().unwrap()),
+        "resumed pipeline on [{labels}]"
+    );
     let (a, b) = wte_copies(&resumed);
     assert_eq!(a, b, "the loaded wte went to both stages");
 
     // Unknown names and wrong sizes are refused before anything changes.
-    let err = resumed.load_state(&[("lm_head.weight".into(), vec![VOCAB, 16], vec![0.0; VOCAB * 16])], &[], None).unwrap_err().to_string();
+    let err = resumed
+        .load_state(
+            &[("lm_head.weight".into(), vec![VOCAB, 16], vec![0.0; VOCAB * 16])],
+            &[],
+            None,
+        )
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("lm_head.weight"), "{err}");
-    let err = resumed.load_state(&[], &[("ln_f.bias".into(), "exp_avg".into(), vec![0.0; 3])], None).unwrap_err().to_string();
+    let err = resumed
+        .load_state(&[], &[("ln_f.bias".into(), "exp_avg".into(), vec![0.0; 3])], None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("ln_f.bias") && err.contains('3'), "{err}");
 }
 
@@ -294,7 +436,13 @@ fn blocks_are_balanced_by_work_and_impossible_splits_are_refused() {
     assert_eq!(three.iter().sum::<usize>(), 12);
     assert!(three[2] < three[0], "{three:?}");
     // The default GPT (L4 C128 T64, 65 characters): a small head.
-    let small = GptConfig { vocab_size: 65, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
+    let small = GptConfig {
+        vocab_size: 65,
+        block_size: 64,
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 128,
+    };
     assert_eq!(balance_blocks(&small, 2).unwrap(), [2, 2]);
     assert_eq!(balance_blocks(&config(), 2).unwrap(), [2, 1]);
     // Every stage needs a block, the embedding or the head.
@@ -302,7 +450,10 @@ fn blocks_are_balanced_by_work_and_impossible_splits_are_refused() {
     let err = balance_blocks(&config(), 6).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("6 stages") && text.contains("3 blocks") && text.contains("at most 5"), "{text}");
+    assert!(
+        text.contains("6 stages") && text.contains("3 blocks") && text.contains("at most 5"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -310,13 +461,26 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
     let selections = [DeviceSelection::Count(2), DeviceSelection::Count(3)];
     let groups = groups("gpt_pipeline_refuses_bad_batches_and_splits", &selections);
     let [two, three] = &groups.list[..] else { return };
-    let reason = |group: &DeviceGroup, global: usize, micro: usize, blocks: Option<Vec<usize>>| match Pipeline::with_blocks(group, &model(), CrossEntropyLoss, optimizer(), global, micro, Schedule::GPipe, blocks) {
-        Err(e @ Error::InvalidArgument { .. }) => e.to_string(),
-        Err(other) => panic!("expected InvalidArgument, got {other}"),
-        Ok(_) => panic!("global {global}, micro {micro} was accepted"),
-    };
+    let reason =
+        |group: &DeviceGroup, global: usize, micro: usize, blocks: Option<Vec<usize>>| match Pipeline::with_blocks(
+            group,
+            &model(),
+            CrossEntropyLoss,
+            optimizer(),
+            global,
+            micro,
+            Schedule::GPipe,
+            blocks,
+        ) {
+            Err(e @ Error::InvalidArgument { .. }) => e.to_string(),
+            Err(other) => panic!("expected InvalidArgument, got {other}"),
+            Ok(_) => panic!("global {global}, micro {micro} was accepted"),
+        };
     let text = reason(two, 6, 4, None);
-    assert!(text.contains("global batch of 6") && text.contains("4 equal micro-batches"), "{text}");
+    assert!(
+        text.contains("global batch of 6") && text.contains("4 equal micro-batches"),
+        "{text}"
+    );
     let text = reason(two, 6, 0, None);
     assert!(text.contains("0 equal micro-batches"), "{text}");
     let text = reason(two, 8, 2, Some(vec![3, 1]));
@@ -324,15 +488,35 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
     let text = reason(three, 8, 2, Some(vec![2, 0, 1]));
     assert!(text.contains("[2, 0, 1]") && text.contains("middle"), "{text}");
     // An explicit split is taken as given.
-    let p = Pipeline::with_blocks(three, &model(), CrossEntropyLoss, optimizer(), 8, 2, Schedule::OneFOneB, Some(vec![0, 2, 1])).unwrap();
+    let p = Pipeline::with_blocks(
+        three,
+        &model(),
+        CrossEntropyLoss,
+        optimizer(),
+        8,
+        2,
+        Schedule::OneFOneB,
+        Some(vec![0, 2, 1]),
+    )
+    .unwrap();
     assert_eq!(p.blocks_per_stage(), [0, 2, 1]);
-    assert!(p.describe().contains("stage 0 on #0") && p.describe().contains("1F1B"), "{}", p.describe());
+    assert!(
+        p.describe().contains("stage 0 on #0") && p.describe().contains("1F1B"),
+        "{}",
+        p.describe()
+    );
     // Batches of the wrong size name the call.
     let mut p = Pipeline::new(two, &model(), CrossEntropyLoss, optimizer(), 8, 2, Schedule::GPipe).unwrap();
     let (ids, targets) = batch(0);
-    let err = p.step(&ids[T..], Targets::Classes(&targets[T..]), false).unwrap_err().to_string();
+    let err = p
+        .step(&ids[T..], Targets::Classes(&targets[T..]), false)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("Pipeline::step") && err.contains("8 × 8"), "{err}");
-    let err = p.evaluate_loss(&ids, Targets::Classes(&targets[1..])).unwrap_err().to_string();
+    let err = p
+        .evaluate_loss(&ids, Targets::Classes(&targets[1..]))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("Pipeline::evaluate_loss"), "{err}");
     // A token id past the vocabulary is refused on the stage reading it.
     let mut bad = ids.clone();
@@ -343,7 +527,10 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
 
 #[test]
 fn a_device_failing_mid_training_is_an_error_naming_it() {
-    let groups = groups("gpt_pipeline: a_device_failing_mid_training_is_an_error_naming_it", &[DeviceSelection::Count(2)]);
+    let groups = groups(
+        "gpt_pipeline: a_device_failing_mid_training_is_an_error_naming_it",
+        &[DeviceSelection::Count(2)],
+    );
     let Some(group) = groups.list.first() else { return };
     let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), 4, 2, Schedule::OneFOneB).unwrap();
     let (ids, targets) = batch(0);
@@ -371,8 +558,14 @@ fn reduce_and_step_sums_shared_gradients_and_clips_by_the_whole_models_norm() {
     let mut r = rng(5);
     let init = |r: &mut rand_chacha::ChaCha8Rng, n| common::random_vec(r, n, -0.5, 0.5);
     let (w, b0, b1) = (init(&mut r, F * F), init(&mut r, F), init(&mut r, F));
-    let batches: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|_| (init(&mut r, ROWS * F), init(&mut r, ROWS * F))).collect();
-    let opt: OptimizerConfig = AdamW::new(0.05).weight_decay(0.1).decay_matrices_only().clip_grad_norm(MAX).into();
+    let batches: Vec<(Vec<f32>, Vec<f32>)> = (0..3)
+        .map(|_| (init(&mut r, ROWS * F), init(&mut r, ROWS * F)))
+        .collect();
+    let opt: OptimizerConfig = AdamW::new(0.05)
+        .weight_decay(0.1)
+        .decay_matrices_only()
+        .clip_grad_norm(MAX)
+        .into();
     let first_half = |g: &mut Graph, x: Tensor| -> Tensor {
         let wt = g.parameter("shared.weight", &[F, F], w.clone()).unwrap();
         let bias = g.parameter("0.bias", &[F], b0.clone()).unwrap();
@@ -391,7 +584,10 @@ fn reduce_and_step_sums_shared_gradients_and_clips_by_the_whole_models_norm() {
         let mut g = Graph::new();
         let x = g.input("x", &[ROWS, F])?;
         let h = first_half(&mut g, x);
-        let wt = g.parameters().into_iter().find(|&p| g.get(p).is_some_and(|n| n.name == "shared.weight"));
+        let wt = g
+            .parameters()
+            .into_iter()
+            .find(|&p| g.get(p).is_some_and(|n| n.name == "shared.weight"));
         let y = second_half(&mut g, h, wt);
         let target = Criterion::Mse.targets(&mut g, y)?;
         let loss = Criterion::Mse.loss(&mut g, y, target)?;
@@ -406,7 +602,10 @@ fn reduce_and_step_sums_shared_gradients_and_clips_by_the_whole_models_norm() {
         let h1 = g1.input("h", &[ROWS, F])?;
         let y1 = second_half(&mut g1, h1, None);
         let mut last = Stage::from_graph(k.clone(), g1, h1, y1, true, StageEnd::Last(Criterion::Mse), opt)?;
-        let shared = [SharedParameter { name: "shared.weight".into(), holders: vec![0, 1] }];
+        let shared = [SharedParameter {
+            name: "shared.weight".into(),
+            holders: vec![0, 1],
+        }];
         for (step, (xv, yv)) in batches.iter().enumerate() {
             whole.set_input(x, xv)?;
             whole.set_input(target, yv)?;
@@ -428,15 +627,34 @@ fn reduce_and_step_sums_shared_gradients_and_clips_by_the_whole_models_norm() {
             // Counting the shared gradient twice gives 0.318 instead of
             // 0.295 at the first step; the host's f64 sums against the
             // GPU's f32 reduction differ in the last bits.
-            assert_close(&format!("gradient norm of step {step}"), &[norm], &[want_norm], 0.0, 1e-5);
+            assert_close(
+                &format!("gradient norm of step {step}"),
+                &[norm],
+                &[want_norm],
+                0.0,
+                1e-5,
+            );
         }
         let whole_params = whole.parameters()?;
-        let stage_params: Vec<_> = first.executor().parameters()?.into_iter().chain(last.executor().parameters()?).collect();
-        let copies: Vec<&Vec<f32>> = stage_params.iter().filter(|(n, _, _)| n == "shared.weight").map(|(_, _, v)| v).collect();
+        let stage_params: Vec<_> = first
+            .executor()
+            .parameters()?
+            .into_iter()
+            .chain(last.executor().parameters()?)
+            .collect();
+        let copies: Vec<&Vec<f32>> = stage_params
+            .iter()
+            .filter(|(n, _, _)| n == "shared.weight")
+            .map(|(_, _, v)| v)
+            .collect();
         assert_eq!(copies.len(), 2);
         assert_eq!(copies[0], copies[1], "both copies took the same step");
         for (name, _, want) in &whole_params {
-            let got = &stage_params.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("no {name}")).2;
+            let got = &stage_params
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .unwrap_or_else(|| panic!("no {name}"))
+                .2;
             // The shared gradient is a sum of two halves in another order,
             // then three Adam steps (each about lr = 0.05).
             assert_close(&format!("{name} after three steps"), got, want, 1e-6, 1e-5);

@@ -18,10 +18,10 @@ use crate::common;
 use common::{assert_close, for_each_adapter, for_each_shaping};
 use safetensors::{Dtype, SafeTensors};
 use wgrad::graph::{Executor, Graph};
+use wgrad::infer::Predictor;
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, LrSchedule};
-use wgrad::infer::Predictor;
 use wgrad::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/gpt_reference.safetensors");
@@ -49,7 +49,12 @@ impl Fixture {
                     values.insert(name, (view.shape().to_vec(), words.map(f32::from_le_bytes).collect()));
                 }
                 Dtype::I32 => {
-                    ids.insert(name, words.map(|w| u32::try_from(i32::from_le_bytes(w)).expect("ids are non-negative")).collect());
+                    ids.insert(
+                        name,
+                        words
+                            .map(|w| u32::try_from(i32::from_le_bytes(w)).expect("ids are non-negative"))
+                            .collect(),
+                    );
                 }
                 other => panic!("{name}: unexpected dtype {other:?}"),
             }
@@ -60,20 +65,34 @@ impl Fixture {
     }
 
     pub(crate) fn get(&self, name: &str) -> &[f32] {
-        &self.values.get(name).unwrap_or_else(|| panic!("the fixture has no `{name}`")).1
+        &self
+            .values
+            .get(name)
+            .unwrap_or_else(|| panic!("the fixture has no `{name}`"))
+            .1
     }
 
     pub(crate) fn shape(&self, name: &str) -> &[usize] {
-        &self.values.get(name).unwrap_or_else(|| panic!("the fixture has no `{name}`")).0
+        &self
+            .values
+            .get(name)
+            .unwrap_or_else(|| panic!("the fixture has no `{name}`"))
+            .0
     }
 
     pub(crate) fn ids(&self, name: &str) -> &[u32] {
-        self.ids.get(name).unwrap_or_else(|| panic!("the fixture has no ids `{name}`"))
+        self.ids
+            .get(name)
+            .unwrap_or_else(|| panic!("the fixture has no ids `{name}`"))
     }
 
     pub(crate) fn setting<T: std::str::FromStr>(&self, key: &str) -> T {
-        let text = self.meta.get(key).unwrap_or_else(|| panic!("the fixture has no setting `{key}`"));
-        text.parse().unwrap_or_else(|_| panic!("setting `{key}` = {text:?} does not parse"))
+        let text = self
+            .meta
+            .get(key)
+            .unwrap_or_else(|| panic!("the fixture has no setting `{key}`"));
+        text.parse()
+            .unwrap_or_else(|_| panic!("setting `{key}` = {text:?} does not parse"))
     }
 
     fn config(&self) -> GptConfig {
@@ -131,8 +150,11 @@ impl Fixture {
 
     /// Parameter names and shapes as PyTorch's state_dict has them.
     pub(crate) fn parameters(&self) -> Vec<(String, Vec<usize>)> {
-        let mut names: Vec<(String, Vec<usize>)> =
-            self.values.iter().filter_map(|(n, (s, _))| n.strip_prefix("init.").map(|p| (p.to_string(), s.clone()))).collect();
+        let mut names: Vec<(String, Vec<usize>)> = self
+            .values
+            .iter()
+            .filter_map(|(n, (s, _))| n.strip_prefix("init.").map(|p| (p.to_string(), s.clone())))
+            .collect();
         names.sort();
         names
     }
@@ -156,10 +178,19 @@ fn key_bias(name: &str, n_embd: usize) -> Option<std::ops::Range<usize>> {
 
 /// Every gradient `trainer` holds for `names` against the fixture's
 /// `{key_prefix}grad.{name}`, within `atol`; returns the worst difference.
-pub(crate) fn check_gradients<'n>(trainer: &Trainer, fx: &Fixture, names: impl IntoIterator<Item = &'n str>, key_prefix: &str, atol: f32) -> wgrad::Result<f32> {
+pub(crate) fn check_gradients<'n>(
+    trainer: &Trainer,
+    fx: &Fixture,
+    names: impl IntoIterator<Item = &'n str>,
+    key_prefix: &str,
+    atol: f32,
+) -> wgrad::Result<f32> {
     let graph = trainer.executor().graph();
-    let params: HashMap<String, wgrad::graph::Tensor> =
-        graph.parameters().into_iter().map(|p| (graph.get(p).map(|n| n.name.clone()).unwrap_or_default(), p)).collect();
+    let params: HashMap<String, wgrad::graph::Tensor> = graph
+        .parameters()
+        .into_iter()
+        .map(|p| (graph.get(p).map(|n| n.name.clone()).unwrap_or_default(), p))
+        .collect();
     let mut grad_err = 0.0f32;
     for name in names {
         let grad = trainer.executor().read_grad(params[name])?;
@@ -175,7 +206,15 @@ pub(crate) fn check_gradients<'n>(trainer: &Trainer, fx: &Fixture, names: impl I
 /// `norm_atol` of `step_losses` and `step_grad_norms`, and its learning
 /// rate of `step_lrs` (the same f64 schedule rounded once to f32: relative
 /// 1e-6). Prints the worst differences under `who`.
-pub(crate) fn check_steps(trainer: &mut Trainer, fx: &Fixture, idx: &[u32], targets: &[u32], who: &str, loss_atol: f32, norm_atol: f32) -> wgrad::Result<()> {
+pub(crate) fn check_steps(
+    trainer: &mut Trainer,
+    fx: &Fixture,
+    idx: &[u32],
+    targets: &[u32],
+    who: &str,
+    loss_atol: f32,
+    norm_atol: f32,
+) -> wgrad::Result<()> {
     let (losses, norms, lrs) = (fx.get("step_losses"), fx.get("step_grad_norms"), fx.get("step_lrs"));
     let (mut loss_err, mut norm_err) = (0.0f32, 0.0f32);
     for step in 0..losses.len() {
@@ -184,13 +223,34 @@ pub(crate) fn check_steps(trainer: &mut Trainer, fx: &Fixture, idx: &[u32], targ
         trainer.loss(Targets::Classes(targets))?;
         trainer.backward()?;
         let loss = trainer.step_reading_loss()?;
-        let norm = trainer.executor().read_grad_norm()?.expect("a clipping optimizer reports the norm");
+        let norm = trainer
+            .executor()
+            .read_grad_norm()?
+            .expect("a clipping optimizer reports the norm");
         let lr = trainer.executor().learning_rate().expect("an optimizer");
         loss_err = loss_err.max((loss - losses[step]).abs());
         norm_err = norm_err.max((norm - norms[step]).abs());
-        assert_close(&format!("learning rate of step {}", step + 1), &[lr], &[lrs[step]], 0.0, 1e-6);
-        assert_close(&format!("loss of step {}", step + 1), &[loss], &[losses[step]], loss_atol, 0.0);
-        assert_close(&format!("gradient norm of step {}", step + 1), &[norm], &[norms[step]], norm_atol, 0.0);
+        assert_close(
+            &format!("learning rate of step {}", step + 1),
+            &[lr],
+            &[lrs[step]],
+            0.0,
+            1e-6,
+        );
+        assert_close(
+            &format!("loss of step {}", step + 1),
+            &[loss],
+            &[losses[step]],
+            loss_atol,
+            0.0,
+        );
+        assert_close(
+            &format!("gradient norm of step {}", step + 1),
+            &[norm],
+            &[norms[step]],
+            norm_atol,
+            0.0,
+        );
     }
     println!("{who}: step losses |err| {loss_err:.1e}, gradient norms |err| {norm_err:.1e}");
     Ok(())
@@ -215,10 +275,18 @@ fn the_model_has_pytorchs_parameter_names_and_shapes() {
     let gpt = fx.model();
     let mut ours = gpt.named_parameters();
     ours.sort();
-    assert_eq!(ours, fx.parameters(), "wgrad's names and shapes against the PyTorch state_dict's");
+    assert_eq!(
+        ours,
+        fx.parameters(),
+        "wgrad's names and shapes against the PyTorch state_dict's"
+    );
     // Every field was set: the graph declares exactly the fixture's weights.
     for (name, values) in initial_values(&gpt) {
-        assert_eq!(values, fx.get(&format!("init.{name}")), "{name} as the graph declares it");
+        assert_eq!(
+            values,
+            fx.get(&format!("init.{name}")),
+            "{name} as the graph declares it"
+        );
     }
 }
 
@@ -236,14 +304,23 @@ fn gpt2_init_has_pytorchs_scale_per_parameter() {
         let (mine, theirs) = (&ours[&name], fx.get(&format!("init.{name}")));
         let constant = |v: &[f32]| v.iter().all(|&x| x == v[0]).then_some(v[0]);
         match constant(theirs) {
-            Some(c) => assert_eq!(constant(mine), Some(c), "{name}: PyTorch initialises it to {c} everywhere"),
+            Some(c) => assert_eq!(
+                constant(mine),
+                Some(c),
+                "{name}: PyTorch initialises it to {c} everywhere"
+            ),
             None => {
                 let std = |v: &[f32]| {
                     let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
                     (v.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
                 };
                 let ratio = std(mine) / std(theirs);
-                assert!((0.75..1.25).contains(&ratio), "{name}: std {} against PyTorch's {} (ratio {ratio:.3})", std(mine), std(theirs));
+                assert!(
+                    (0.75..1.25).contains(&ratio),
+                    "{name}: std {} against PyTorch's {} (ratio {ratio:.3})",
+                    std(mine),
+                    std(theirs)
+                );
             }
         }
     }
@@ -258,7 +335,11 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_pytorch() {
     let names = fx.parameters();
     for_each_shaping("gpt reference", |k| {
         let model = fx.model();
-        let who = format!("{}, {} shaping", k.device().label(), if k.gpu_shaped() { "GPU" } else { "CPU" });
+        let who = format!(
+            "{}, {} shaping",
+            k.device().label(),
+            if k.gpu_shaped() { "GPU" } else { "CPU" }
+        );
 
         // Logits (within ±1): PyTorch's float32 and float64 differ by
         // 1.0e-7, lavapipe and llvmpipe from PyTorch by 1.2e-7.
@@ -320,7 +401,12 @@ fn a_sequence_shorter_than_the_block_reads_the_first_positions() {
         let labels = g.ids("target", &[b, t])?;
         let loss = g.cross_entropy_loss(logits, labels)?;
         let grads = g.backward(loss)?;
-        let table = |g: &Graph, name: &str| g.parameters().into_iter().find(|&p| g.get(p).is_some_and(|n| n.name == name)).expect("a parameter");
+        let table = |g: &Graph, name: &str| {
+            g.parameters()
+                .into_iter()
+                .find(|&p| g.get(p).is_some_and(|n| n.name == name))
+                .expect("a parameter")
+        };
         let (wte, wpe) = (table(&g, "wte.weight"), table(&g, "wpe.weight"));
         let mut exec = Executor::new(k.clone(), g, &[logits, loss], Some(grads), None)?;
         exec.set_labels(ids, &idx)?;
@@ -329,10 +415,19 @@ fn a_sequence_shorter_than_the_block_reads_the_first_positions() {
         // The same tolerances as the full-length checks above.
         assert_close("short logits", &exec.read(logits)?, fx.get("short.logits"), 2e-6, 0.0);
         assert_close("short loss", &[value], fx.get("short.loss"), 2e-6, 0.0);
-        assert_close("short grad wte.weight", &exec.read_grad(wte)?, fx.get("short.grad.wte.weight"), 1e-6, 0.0);
+        assert_close(
+            "short grad wte.weight",
+            &exec.read_grad(wte)?,
+            fx.get("short.grad.wte.weight"),
+            1e-6,
+            0.0,
+        );
         let grad = exec.read_grad(wpe)?;
         let want = fx.get("short.grad.wpe.weight");
-        assert!(want[t * fx.config().n_embd..].iter().all(|&v| v == 0.0), "PyTorch leaves the unused positions at zero");
+        assert!(
+            want[t * fx.config().n_embd..].iter().all(|&v| v == 0.0),
+            "PyTorch leaves the unused positions at zero"
+        );
         assert_close("short grad wpe.weight", &grad, want, 1e-6, 0.0);
         Ok(())
     });

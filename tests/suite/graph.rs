@@ -12,8 +12,8 @@ use wgrad::graph::{Executor, Graph, LossOp};
 use wgrad::kernels::{Activation, Binary, MatmulForm, OptimizerConfig, SgdConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Error, Kernels};
+use wgrad::{Targets, Trainer};
 
 #[test]
 fn every_op_backward_matches_central_differences() {
@@ -28,7 +28,14 @@ fn every_op_backward_matches_central_differences() {
             let c = g.matmul_form(form, a, b)?;
             let t = g.input("t", &[m, n])?;
             let loss = g.mse_loss(c, t)?;
-            gradcheck(k, &format!("matmul {form:?}"), g, loss, vec![(t, random_vec(&mut rng(3), m * n, -1.0, 1.0))], vec![])?;
+            gradcheck(
+                k,
+                &format!("matmul {form:?}"),
+                g,
+                loss,
+                vec![(t, random_vec(&mut rng(3), m * n, -1.0, 1.0))],
+                vec![],
+            )?;
         }
         // Binary ops, scale and bias add, each with both operands trainable.
         for op in Binary::ALL {
@@ -39,13 +46,25 @@ fn every_op_backward_matches_central_differences() {
             let mut g = Graph::new();
             let a = param(&mut g, "a", &[4, 3], 4);
             let b = param(&mut g, "b", &[4, 3], 5);
-            let c = match op { Binary::Add => g.add(a, b)?, Binary::Sub => g.sub(a, b)?, Binary::Mul => g.mul(a, b)?, Binary::Div => g.div(a, b)? };
+            let c = match op {
+                Binary::Add => g.add(a, b)?,
+                Binary::Sub => g.sub(a, b)?,
+                Binary::Mul => g.mul(a, b)?,
+                Binary::Div => g.div(a, b)?,
+            };
             let s = g.scale(c, 0.7)?;
             let bias = param(&mut g, "bias", &[3], 6);
             let y = g.bias_add(s, bias)?;
             let t = g.input("t", &[4, 3])?;
             let loss = g.mse_loss(y, t)?;
-            gradcheck(k, &format!("{op:?}/scale/bias_add"), g, loss, vec![(t, random_vec(&mut rng(7), 12, -1.0, 1.0))], vec![])?;
+            gradcheck(
+                k,
+                &format!("{op:?}/scale/bias_add"),
+                g,
+                loss,
+                vec![(t, random_vec(&mut rng(7), 12, -1.0, 1.0))],
+                vec![],
+            )?;
         }
         // Activations, and a parameter used twice (gradients accumulate).
         for act in Activation::ALL {
@@ -55,7 +74,14 @@ fn every_op_backward_matches_central_differences() {
             let y = g.mul(h, a)?;
             let t = g.input("t", &[5, 2])?;
             let loss = g.mse_loss(y, t)?;
-            gradcheck(k, &format!("{act:?}"), g, loss, vec![(t, random_vec(&mut rng(9), 10, -1.0, 1.0))], vec![])?;
+            gradcheck(
+                k,
+                &format!("{act:?}"),
+                g,
+                loss,
+                vec![(t, random_vec(&mut rng(9), 10, -1.0, 1.0))],
+                vec![],
+            )?;
         }
         // Cross-entropy over a linear layer.
         let mut g = Graph::new();
@@ -64,7 +90,14 @@ fn every_op_backward_matches_central_differences() {
         let logits = g.matmul_form(MatmulForm::ABt, x, w)?;
         let labels = g.labels("y", 6)?;
         let loss = g.cross_entropy_loss(logits, labels)?;
-        gradcheck(k, "cross_entropy", g, loss, vec![(x, random_vec(&mut rng(11), 24, -2.0, 2.0))], vec![(labels, vec![0, 2, 1, 1, 0, 2])])?;
+        gradcheck(
+            k,
+            "cross_entropy",
+            g,
+            loss,
+            vec![(x, random_vec(&mut rng(11), 24, -2.0, 2.0))],
+            vec![(labels, vec![0, 2, 1, 1, 0, 2])],
+        )?;
         Ok(())
     });
 }
@@ -107,7 +140,11 @@ fn tensor_ops_backward_match_central_differences() {
         gradcheck(k, "reshape/permute/split/concat", g, loss, feeds, vec![])?;
 
         // Batched matmul, ranks 3 and 4, every form.
-        for (lead, form) in [(vec![3], MatmulForm::AB), (vec![2, 2], MatmulForm::ABt), (vec![1, 3], MatmulForm::AtB)] {
+        for (lead, form) in [
+            (vec![3], MatmulForm::AB),
+            (vec![2, 2], MatmulForm::ABt),
+            (vec![1, 3], MatmulForm::AtB),
+        ] {
             let (m, n, kk) = (3, 5, 4);
             let (sa, sb) = form.operand_shapes(m, n, kk);
             let mut g = Graph::new();
@@ -115,7 +152,14 @@ fn tensor_ops_backward_match_central_differences() {
             let b = param(&mut g, "b", &[lead.clone(), sb.to_vec()].concat(), 31);
             let c = g.matmul_form(form, a, b)?;
             let (loss, feeds) = mse_to_random(&mut g, c, 32)?;
-            gradcheck(k, &format!("batched matmul {form:?} over {lead:?}"), g, loss, feeds, vec![])?;
+            gradcheck(
+                k,
+                &format!("batched matmul {form:?} over {lead:?}"),
+                g,
+                loss,
+                feeds,
+                vec![],
+            )?;
         }
 
         // Softmax, causal over [.., T, T] and plain over odd rows.
@@ -136,7 +180,10 @@ fn tensor_ops_backward_match_central_differences() {
         let logits = g.matmul(h, w)?;
         let targets = g.ids("targets", &[2, 5])?;
         let loss = g.cross_entropy_loss(logits, targets)?;
-        let feeds_ids = vec![(ids, vec![3, 3, 0, 10, 3, 7, 7, 1, 3, 0]), (targets, vec![0, 5, 2, 2, 1, 3, 4, 0, 5, 1])];
+        let feeds_ids = vec![
+            (ids, vec![3, 3, 0, 10, 3, 7, 7, 1, 3, 0]),
+            (targets, vec![0, 5, 2, 2, 1, 3, 4, 0, 5, 1]),
+        ];
         gradcheck(k, "embedding + rank-3 cross-entropy", g, loss, vec![], feeds_ids)?;
 
         // Cross-entropy over logits too large for one workgroup: one
@@ -148,20 +195,43 @@ fn tensor_ops_backward_match_central_differences() {
         let logits = g.matmul(x, w)?;
         let targets = g.labels("targets", rows)?;
         let loss = g.cross_entropy_loss(logits, targets)?;
-        assert!(g.nodes().iter().any(|n| n.op == LossOp::CrossEntropyRows), "the row-wise loss serves large logits");
+        assert!(
+            g.nodes().iter().any(|n| n.op == LossOp::CrossEntropyRows),
+            "the row-wise loss serves large logits"
+        );
         let labels: Vec<u32> = (0..rows as u32).map(|r| (r * 37) % vocab as u32).collect();
-        gradcheck(k, "row-wise cross-entropy", g, loss, vec![(x, random_vec(&mut rng(45), rows * 3, -1.0, 1.0))], vec![(targets, labels)])?;
+        gradcheck(
+            k,
+            "row-wise cross-entropy",
+            g,
+            loss,
+            vec![(x, random_vec(&mut rng(45), rows * 3, -1.0, 1.0))],
+            vec![(targets, labels)],
+        )?;
 
         // A whole one-block GPT on sequences shorter than its block (the
         // position table is sliced), into a rank-3 cross-entropy.
         nn::manual_seed(46);
-        let gpt = wgrad::models::Gpt::new(wgrad::models::GptConfig { vocab_size: 5, block_size: 4, n_layer: 1, n_head: 2, n_embd: 4 })?;
+        let gpt = wgrad::models::Gpt::new(wgrad::models::GptConfig {
+            vocab_size: 5,
+            block_size: 4,
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 4,
+        })?;
         let mut g = Graph::new();
         let idx = g.ids("idx", &[2, 3])?;
         let logits = nn::Module::forward(&gpt, &mut g, idx, "")?;
         let targets = g.ids("targets", &[2, 3])?;
         let loss = g.cross_entropy_loss(logits, targets)?;
-        gradcheck(k, "Gpt", g, loss, vec![], vec![(idx, vec![1, 4, 1, 0, 2, 2]), (targets, vec![4, 1, 0, 2, 2, 3])])?;
+        gradcheck(
+            k,
+            "Gpt",
+            g,
+            loss,
+            vec![],
+            vec![(idx, vec![1, 4, 1, 0, 2, 2]), (targets, vec![4, 1, 0, 2, 2, 3])],
+        )?;
 
         // The attention module end to end: two heads over [2, 5, 8].
         nn::manual_seed(41);
@@ -191,7 +261,13 @@ fn bad_shapes_are_errors_at_build_time_naming_the_op_and_shapes() {
     assert!(matches!(g.bias_add(x, b), Err(Error::Shape { op: "bias_add", .. })));
     assert!(matches!(g.add(x, w), Err(Error::Shape { op: "add", .. })));
     let labels = g.labels("y", 3).unwrap();
-    assert!(matches!(g.cross_entropy_loss(x, labels), Err(Error::Shape { op: "cross_entropy_loss", .. })));
+    assert!(matches!(
+        g.cross_entropy_loss(x, labels),
+        Err(Error::Shape {
+            op: "cross_entropy_loss",
+            ..
+        })
+    ));
     assert!(g.input("empty", &[0, 3]).is_err());
 }
 
@@ -207,7 +283,10 @@ fn a_gradient_without_a_rule_is_an_error() {
         other => panic!("expected NoGradient, got {other:?}"),
     }
     let x = g.input("x", &[2, 2]).unwrap();
-    assert!(matches!(g.backward(x), Err(Error::Shape { .. })), "a non-scalar loss is refused");
+    assert!(
+        matches!(g.backward(x), Err(Error::Shape { .. })),
+        "a non-scalar loss is refused"
+    );
 }
 
 fn digits_like(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
@@ -216,7 +295,9 @@ fn digits_like(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
     // A learnable rule: the class is the argmax of four feature sums.
     let y = (0..rows)
         .map(|i| {
-            let s: Vec<f32> = (0..4).map(|c| x[i * 16 + c * 4..i * 16 + c * 4 + 4].iter().sum()).collect();
+            let s: Vec<f32> = (0..4)
+                .map(|c| x[i * 16 + c * 4..i * 16 + c * 4 + 4].iter().sum())
+                .collect();
             cpu::argmax_rows(&s, 1, 4)[0]
         })
         .collect();
@@ -252,7 +333,11 @@ fn a_training_step_is_one_submit_and_allocates_nothing() {
         t.loss(Targets::Classes(&y))?;
         t.backward()?;
         let loss = t.step_reading_loss()?;
-        assert_eq!(k.submit_count() - submits, 1, "a step that reads its loss is still one submit");
+        assert_eq!(
+            k.submit_count() - submits,
+            1,
+            "a step that reads its loss is still one submit"
+        );
         assert!(loss < 1.0, "the rule is learnable: loss {loss}");
         Ok(())
     });
@@ -264,7 +349,13 @@ fn a_gpu_shaped_training_step_is_one_submit_and_allocates_nothing() {
     // from 256 rows), whose partials live in the device's reduction
     // scratch, sized when the dispatches are built.
     for_each_adapter("one_submit_gpu_shaped", |shared| {
-        let k = &common::limited_kernels(shared, wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() });
+        let k = &common::limited_kernels(
+            shared,
+            wgrad::kernels::LimitOverrides {
+                gpu_shaping: Some(true),
+                ..Default::default()
+            },
+        );
         let (x, y) = digits_like(512, 2);
         let mut t = mlp_trainer(k, 1, 512)?;
         let buffers_before = k.buffers_created();
@@ -295,9 +386,22 @@ fn the_memory_plan_reuses_intermediate_slots() {
     let loss = g.cross_entropy_loss(out, y).unwrap();
     let grads = g.backward(loss).unwrap();
     let plan = wgrad::graph::Plan::new(&g, &[loss], Some(&grads), 64);
-    assert!(plan.slot_bytes * 4 < plan.naive_intermediate_bytes * 3, "slots {} vs naive {}", plan.slot_bytes, plan.naive_intermediate_bytes);
-    let in_slots = plan.storage.iter().filter(|s| matches!(s, wgrad::graph::Storage::Slot { .. })).count();
-    assert!(plan.slot_len.len() * 2 <= in_slots, "{} slots hold {in_slots} tensors", plan.slot_len.len());
+    assert!(
+        plan.slot_bytes * 4 < plan.naive_intermediate_bytes * 3,
+        "slots {} vs naive {}",
+        plan.slot_bytes,
+        plan.naive_intermediate_bytes
+    );
+    let in_slots = plan
+        .storage
+        .iter()
+        .filter(|s| matches!(s, wgrad::graph::Storage::Slot { .. }))
+        .count();
+    assert!(
+        plan.slot_len.len() * 2 <= in_slots,
+        "{} slots hold {in_slots} tensors",
+        plan.slot_len.len()
+    );
     // Every parameter offset is aligned and they do not overlap (the arena
     // holds the decayed group first, so sort by offset).
     let mut end = 0;
@@ -308,7 +412,12 @@ fn the_memory_plan_reuses_intermediate_slots() {
         assert!(offset >= end);
         end = offset + g.get(p).expect("parameter").len();
     }
-    eprintln!("plan: {} slots, {} B vs naive {} B", plan.slot_len.len(), plan.slot_bytes, plan.naive_intermediate_bytes);
+    eprintln!(
+        "plan: {} slots, {} B vs naive {} B",
+        plan.slot_len.len(),
+        plan.slot_bytes,
+        plan.naive_intermediate_bytes
+    );
 }
 
 #[test]
@@ -325,7 +434,12 @@ fn same_seed_same_adapter_gives_bit_identical_weights() {
                 t.backward()?;
                 t.step()?;
             }
-            let params: Vec<Vec<u32>> = t.executor().parameters()?.into_iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect();
+            let params: Vec<Vec<u32>> = t
+                .executor()
+                .parameters()?
+                .into_iter()
+                .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
+                .collect();
             runs.push(params);
         }
         assert_eq!(runs[0], runs[1]);
@@ -371,9 +485,17 @@ struct CpuMlp {
 impl CpuMlp {
     fn step(&mut self, x: &[f32], y: &[u32], dims: (usize, usize, usize, usize), lr: f32) -> f32 {
         let (batch, input, hidden, classes) = dims;
-        let h_pre = cpu::bias_add(&cpu::matmul(MatmulForm::ABt, x, &self.w1, batch, hidden, input), &self.b1, hidden);
+        let h_pre = cpu::bias_add(
+            &cpu::matmul(MatmulForm::ABt, x, &self.w1, batch, hidden, input),
+            &self.b1,
+            hidden,
+        );
         let h = cpu::activation_forward(Activation::Relu, &h_pre);
-        let logits = cpu::bias_add(&cpu::matmul(MatmulForm::ABt, &h, &self.w2, batch, classes, hidden), &self.b2, classes);
+        let logits = cpu::bias_add(
+            &cpu::matmul(MatmulForm::ABt, &h, &self.w2, batch, classes, hidden),
+            &self.b2,
+            classes,
+        );
         let loss = cpu::cross_entropy_forward(&logits, y, batch, classes);
         let dlogits = cpu::cross_entropy_backward(&logits, y, 1.0, batch, classes);
         let dw2 = cpu::matmul(MatmulForm::AtB, &dlogits, &h, classes, hidden, batch);
@@ -382,8 +504,16 @@ impl CpuMlp {
         let dh_pre = cpu::activation_backward(Activation::Relu, &h_pre, &dh);
         let dw1 = cpu::matmul(MatmulForm::AtB, &dh_pre, x, hidden, input, batch);
         let db1 = cpu::sum_rows(&dh_pre, batch, hidden);
-        let cfg = SgdConfig { lr, ..SgdConfig::default() };
-        for (p, g) in [(&mut self.w1, &dw1), (&mut self.b1, &db1), (&mut self.w2, &dw2), (&mut self.b2, &db2)] {
+        let cfg = SgdConfig {
+            lr,
+            ..SgdConfig::default()
+        };
+        for (p, g) in [
+            (&mut self.w1, &dw1),
+            (&mut self.b1, &db1),
+            (&mut self.w2, &dw2),
+            (&mut self.b2, &db2),
+        ] {
             let mut unused = vec![0.0; p.len()];
             cpu::sgd_update(p, g, &mut unused, &cfg, 1);
         }
@@ -398,11 +528,28 @@ fn golden_mlp_losses_match_a_hand_written_cpu_mlp_for_20_steps() {
         let (x, y) = digits_like(dims.0, 4);
         nn::manual_seed(11);
         let model = Sequential::mlp(&[16, 20, 4], Layer::ReLU)?;
-        let weights = |i: usize| match &model.layers[i] { Layer::Linear(l) => l.clone(), _ => unreachable!() };
+        let weights = |i: usize| match &model.layers[i] {
+            Layer::Linear(l) => l.clone(),
+            _ => unreachable!(),
+        };
         let (l0, l2) = (weights(0), weights(2));
-        let mut reference = CpuMlp { w1: l0.weight, b1: l0.bias.unwrap_or_default(), w2: l2.weight, b2: l2.bias.unwrap_or_default() };
+        let mut reference = CpuMlp {
+            w1: l0.weight,
+            b1: l0.bias.unwrap_or_default(),
+            w2: l2.weight,
+            b2: l2.bias.unwrap_or_default(),
+        };
         let lr = 0.5;
-        let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, OptimizerConfig::Sgd(SgdConfig { lr, ..SgdConfig::default() }), dims.0)?;
+        let mut t = Trainer::new(
+            k.clone(),
+            &model,
+            CrossEntropyLoss,
+            OptimizerConfig::Sgd(SgdConfig {
+                lr,
+                ..SgdConfig::default()
+            }),
+            dims.0,
+        )?;
         for step in 0..20 {
             t.zero_grad();
             t.forward(&x)?;
@@ -412,7 +559,10 @@ fn golden_mlp_losses_match_a_hand_written_cpu_mlp_for_20_steps() {
             let want = reference.step(&x, &y, dims, lr);
             // f32 GPU vs f64-accumulating CPU twins; differences compound over
             // steps but stay far below 1e-3 for this small, well-scaled net.
-            assert!((gpu - want).abs() <= 1e-4 + 1e-3 * want.abs(), "step {step}: gpu {gpu} cpu {want}");
+            assert!(
+                (gpu - want).abs() <= 1e-4 + 1e-3 * want.abs(),
+                "step {step}: gpu {gpu} cpu {want}"
+            );
         }
         let params = t.executor().parameters()?;
         assert_close("final 0.weight", &params[0].2, &reference.w1, 1e-3, 1e-2);
@@ -431,7 +581,17 @@ fn a_parameter_feeding_two_matmuls_gets_both_gradients() {
         let y = g.matmul(h, w)?;
         let t = g.input("t", &[3, 4])?;
         let loss = g.mse_loss(y, t)?;
-        gradcheck(k, "shared weight", g, loss, vec![(x, random_vec(&mut rng(13), 12, -1.0, 1.0)), (t, random_vec(&mut rng(14), 12, -1.0, 1.0))], vec![])
+        gradcheck(
+            k,
+            "shared weight",
+            g,
+            loss,
+            vec![
+                (x, random_vec(&mut rng(13), 12, -1.0, 1.0)),
+                (t, random_vec(&mut rng(14), 12, -1.0, 1.0)),
+            ],
+            vec![],
+        )
     });
 }
 

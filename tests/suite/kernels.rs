@@ -31,7 +31,15 @@ pub(crate) const MATMUL_SHAPES: [(usize, usize, usize); 15] = [
     (132, 64, 12),
 ];
 
-fn check_matmul(k: &Kernels, variant: MatmulVariant, form: MatmulForm, m: usize, n: usize, kk: usize, seed: u64) -> wgrad::Result<()> {
+fn check_matmul(
+    k: &Kernels,
+    variant: MatmulVariant,
+    form: MatmulForm,
+    m: usize,
+    n: usize,
+    kk: usize,
+    seed: u64,
+) -> wgrad::Result<()> {
     let mut r = rng(seed);
     let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
     let b_host = random_vec(&mut r, kk * n, -1.0, 1.0);
@@ -44,7 +52,13 @@ fn check_matmul(k: &Kernels, variant: MatmulVariant, form: MatmulForm, m: usize,
     // f32 accumulation over k terms of magnitude ≤ 1 vs an f64 reference:
     // the error grows at most linearly in k; 1e-6·k leaves a wide margin.
     let atol = 1e-6 * kk as f32 + 1e-6;
-    assert_close(&format!("{variant:?} {form:?} m={m} n={n} k={kk}"), &got, &want, atol, 1e-5);
+    assert_close(
+        &format!("{variant:?} {form:?} m={m} n={n} k={kk}"),
+        &got,
+        &want,
+        atol,
+        1e-5,
+    );
     Ok(())
 }
 
@@ -76,10 +90,26 @@ fn a_vec4_product_falling_back_to_the_register_kernel_shares_its_pipelines() {
             let fallback = k.matmul_with(MatmulVariant::RegisterVec4, form, c.view(), a_off4, b_off4, 5, 7, 3)?;
             assert_eq!(fallback.kernel().entry, "matmul_forward_register", "{form:?}");
             assert_eq!(fallback.recipe().constants, register.recipe().constants, "{form:?}");
-            let vec4 = k.matmul_with(MatmulVariant::RegisterVec4, form, c.slice(0, 32)?, a.view(), b.view(), 4, 8, 4)?;
+            let vec4 = k.matmul_with(
+                MatmulVariant::RegisterVec4,
+                form,
+                c.slice(0, 32)?,
+                a.view(),
+                b.view(),
+                4,
+                8,
+                4,
+            )?;
             assert_eq!(vec4.kernel().entry, "matmul_forward_register_vec4", "{form:?}");
-            let trans = [("TRANS_A", f64::from(u8::from(form == MatmulForm::AtB))), ("TRANS_B", f64::from(u8::from(form == MatmulForm::ABt)))];
-            assert!(trans.iter().all(|t| vec4.recipe().constants.contains(t)), "{form:?}: {:?}", vec4.recipe().constants);
+            let trans = [
+                ("TRANS_A", f64::from(u8::from(form == MatmulForm::AtB))),
+                ("TRANS_B", f64::from(u8::from(form == MatmulForm::ABt))),
+            ];
+            assert!(
+                trans.iter().all(|t| vec4.recipe().constants.contains(t)),
+                "{form:?}: {:?}",
+                vec4.recipe().constants
+            );
         }
         Ok(())
     });
@@ -108,7 +138,15 @@ fn shared_loads_vec4(form: MatmulForm, m: usize, n: usize, kk: usize) -> bool {
 /// from random values when `accumulate`; checked against the twin. Returns
 /// each launch's entry point.
 #[allow(clippy::too_many_arguments)]
-fn check_shared(k: &Kernels, form: MatmulForm, batch: usize, (m, n, kk): (usize, usize, usize), pad: usize, accumulate: bool, seed: u64) -> wgrad::Result<Vec<&'static str>> {
+fn check_shared(
+    k: &Kernels,
+    form: MatmulForm,
+    batch: usize,
+    (m, n, kk): (usize, usize, usize),
+    pad: usize,
+    accumulate: bool,
+    seed: u64,
+) -> wgrad::Result<Vec<&'static str>> {
     let mut r = rng(seed);
     let (a_len, b_len) = (batch * m * kk, batch * kk * n);
     let a_host = random_vec(&mut r, a_len, -1.0, 1.0);
@@ -119,10 +157,34 @@ fn check_shared(k: &Kernels, form: MatmulForm, batch: usize, (m, n, kk): (usize,
     let (a, b, c) = (k.upload(&padded(&a_host))?, k.upload(&padded(&b_host))?, k.upload(&c0)?);
     let (a_view, b_view) = (a.slice(pad, a_len)?, b.slice(pad, b_len)?);
     let d = if batch == 1 {
-        let epilogue = MatmulEpilogue { accumulate, ..MatmulEpilogue::default() };
-        k.matmul_epilogue_with(MatmulVariant::Shared, form, epilogue, c.view(), a_view, b_view, m, n, kk)?
+        let epilogue = MatmulEpilogue {
+            accumulate,
+            ..MatmulEpilogue::default()
+        };
+        k.matmul_epilogue_with(
+            MatmulVariant::Shared,
+            form,
+            epilogue,
+            c.view(),
+            a_view,
+            b_view,
+            m,
+            n,
+            kk,
+        )?
     } else {
-        k.matmul_batched_with(MatmulVariant::Shared, form, accumulate, c.view(), a_view, b_view, batch, m, n, kk)?
+        k.matmul_batched_with(
+            MatmulVariant::Shared,
+            form,
+            accumulate,
+            c.view(),
+            a_view,
+            b_view,
+            batch,
+            m,
+            n,
+            kk,
+        )?
     };
     k.run(&[&d])?;
     let mut want = cpu::matmul_batched(form, &a_host, &b_host, batch, m, n, kk);
@@ -131,7 +193,13 @@ fn check_shared(k: &Kernels, form: MatmulForm, batch: usize, (m, n, kk): (usize,
     }
     // As check_matmul: f32 sums of k products of values in [-1, 1].
     let atol = 1e-6 * kk as f32 + 1e-6;
-    assert_close(&format!("Shared {form:?} batch {batch} {m}×{n}×{kk} pad {pad} acc={accumulate}"), &k.read::<f32>(c.view())?, &want, atol, 1e-5);
+    assert_close(
+        &format!("Shared {form:?} batch {batch} {m}×{n}×{kk} pad {pad} acc={accumulate}"),
+        &k.read::<f32>(c.view())?,
+        &want,
+        atol,
+        1e-5,
+    );
     Ok(d.each_launch().map(|l| l.kernel().entry).collect())
 }
 
@@ -142,7 +210,15 @@ fn the_shared_kernel_takes_each_load_path_in_every_form() {
         // row; stored rows a multiple of 4 in one operand only (scalar
         // loads); several slices with a partial last one; and every
         // dimension a multiple of 4 (vec4 loads), edge tiles included.
-        let shapes = [(5, 3, 1), (7, 9, 15), (64, 1, 33), (1, 64, 64), (67, 68, 40), (8, 12, 4), (68, 132, 36)];
+        let shapes = [
+            (5, 3, 1),
+            (7, 9, 15),
+            (64, 1, 33),
+            (1, 64, 64),
+            (67, 68, 40),
+            (8, 12, 4),
+            (68, 132, 36),
+        ];
         // A storage-offset alignment into the buffers: still 16-byte
         // aligned, so the vec4 entry runs where the shape allows.
         let align = k.device().limits().min_storage_buffer_offset_alignment as usize / 4;
@@ -153,8 +229,20 @@ fn the_shared_kernel_takes_each_load_path_in_every_form() {
             // the other forms (AtB, ABᵀ).
             let accumulate = |s: usize| form == MatmulForm::AB && s.is_multiple_of(3);
             for (s, &(m, n, kk)) in shapes.iter().enumerate() {
-                let entries = check_shared(k, form, 1, (m, n, kk), if s % 2 == 0 { 0 } else { align }, accumulate(s), (f * 10 + s) as u64)?;
-                let want = if shared_loads_vec4(form, m, n, kk) { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
+                let entries = check_shared(
+                    k,
+                    form,
+                    1,
+                    (m, n, kk),
+                    if s % 2 == 0 { 0 } else { align },
+                    accumulate(s),
+                    (f * 10 + s) as u64,
+                )?;
+                let want = if shared_loads_vec4(form, m, n, kk) {
+                    "matmul_forward_shared_vec4"
+                } else {
+                    "matmul_forward_shared"
+                };
                 assert_eq!(entries, [want], "{form:?} {m}×{n}×{kk}");
             }
             // A batch of 3 (each matrix offset by the one before), on both
@@ -175,12 +263,22 @@ fn the_shared_kernel_splits_over_small_bindings_with_either_load() {
         // element before it (a block's matrix starts `base` elements in).
         // With k = 12 every launch loads vec4s, with k = 10 scalars.
         let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
-        let lim = common::limited_kernels(k, wgrad::kernels::LimitOverrides { max_storage_buffer_binding_size: Some(1024 + align.saturating_sub(4)), ..Default::default() });
+        let lim = common::limited_kernels(
+            k,
+            wgrad::kernels::LimitOverrides {
+                max_storage_buffer_binding_size: Some(1024 + align.saturating_sub(4)),
+                ..Default::default()
+            },
+        );
         for (i, kk) in [12usize, 10].into_iter().enumerate() {
             let (m, n) = (6, 150);
             let entries = check_shared(&lim, MatmulForm::ABt, 1, (m, n, kk), 0, i == 0, 70 + i as u64)?;
             assert!(entries.len() > 1, "k={kk}: {entries:?}");
-            let want = if kk == 12 { "matmul_forward_shared_vec4" } else { "matmul_forward_shared" };
+            let want = if kk == 12 {
+                "matmul_forward_shared_vec4"
+            } else {
+                "matmul_forward_shared"
+            };
             assert!(entries.iter().all(|e| *e == want), "k={kk}: {entries:?}");
         }
         Ok(())
@@ -194,17 +292,25 @@ fn matmul_rejects_wrong_shapes_naming_the_kernel() {
         let b = k.zeros(12)?;
         let c = k.zeros(8)?;
         // A is 2×3 and B 3×4, so C must be 2×4 = 8; claim k=4 instead.
-        let err = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4).unwrap_err();
+        let err = k
+            .matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4)
+            .unwrap_err();
         match &err {
             Error::Shape { op, shapes, .. } => {
                 // The entry of whichever variant this adapter's table runs.
-                assert!(op.starts_with("matmul_forward") || *op == "matmul_subgroup_forward", "{err}");
+                assert!(
+                    op.starts_with("matmul_forward") || *op == "matmul_subgroup_forward",
+                    "{err}"
+                );
                 assert_eq!(shapes, &vec![vec![2, 4], vec![4, 4], vec![2, 4]]);
             }
             other => panic!("expected a shape error, got {other}"),
         }
         assert!(k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 3).is_ok());
-        assert!(matches!(k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 0, 4, 3), Err(Error::Shape { .. })));
+        assert!(matches!(
+            k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 0, 4, 3),
+            Err(Error::Shape { .. })
+        ));
         Ok(())
     });
 }
@@ -249,15 +355,33 @@ fn binary_scale_and_accumulate_match_the_cpu() {
             for op in Binary::ALL {
                 k.run(&[&k.binary(op, out.view(), x.view(), y.view())?])?;
                 // One f32 rounding on each side: exact up to 1 ulp.
-                assert_close(&format!("{op:?} n={n}"), &k.read::<f32>(out.view())?, &cpu::binary(op, &x_host, &y_host), 1e-6, 1e-6);
+                assert_close(
+                    &format!("{op:?} n={n}"),
+                    &k.read::<f32>(out.view())?,
+                    &cpu::binary(op, &x_host, &y_host),
+                    1e-6,
+                    1e-6,
+                );
             }
             k.run(&[&k.scale(out.view(), x.view(), -0.37)?])?;
-            assert_close(&format!("scale n={n}"), &k.read::<f32>(out.view())?, &cpu::scale(&x_host, -0.37), 1e-6, 1e-6);
+            assert_close(
+                &format!("scale n={n}"),
+                &k.read::<f32>(out.view())?,
+                &cpu::scale(&x_host, -0.37),
+                1e-6,
+                1e-6,
+            );
             // out already holds -0.37·x; adding x twice gives 1.63·x.
             let acc = k.add_assign(out.view(), x.view())?;
             k.run(&[&acc, &acc])?;
             let want: Vec<f32> = x_host.iter().map(|v| -0.37 * v + v + v).collect();
-            assert_close(&format!("add_assign n={n}"), &k.read::<f32>(out.view())?, &want, 1e-5, 1e-5);
+            assert_close(
+                &format!("add_assign n={n}"),
+                &k.read::<f32>(out.view())?,
+                &want,
+                1e-5,
+                1e-5,
+            );
         }
         Ok(())
     });
@@ -273,10 +397,22 @@ fn bias_add_broadcasts_over_rows() {
             let (x, b, out) = (k.upload(&x_host)?, k.upload(&b_host)?, k.zeros(rows * cols)?);
             k.run(&[&k.bias_add(out.view(), x.view(), b.view(), rows, cols)?])?;
             // Exact up to one rounding.
-            assert_close(&format!("bias_add {rows}×{cols}"), &k.read::<f32>(out.view())?, &cpu::bias_add(&x_host, &b_host, cols), 1e-6, 1e-6);
+            assert_close(
+                &format!("bias_add {rows}×{cols}"),
+                &k.read::<f32>(out.view())?,
+                &cpu::bias_add(&x_host, &b_host, cols),
+                1e-6,
+                1e-6,
+            );
         }
         let (x, b, out) = (k.zeros(12)?, k.zeros(5)?, k.zeros(12)?);
-        assert!(matches!(k.bias_add(out.view(), x.view(), b.view(), 3, 4), Err(Error::Shape { op: "bias_add_forward", .. })));
+        assert!(matches!(
+            k.bias_add(out.view(), x.view(), b.view(), 3, 4),
+            Err(Error::Shape {
+                op: "bias_add_forward",
+                ..
+            })
+        ));
         Ok(())
     });
 }
@@ -303,9 +439,21 @@ fn activations_and_their_backward_forms_match_the_cpu() {
             for act in Activation::ALL {
                 k.run(&[&k.activation_forward(act, out.view(), x.view())?])?;
                 // Transcendentals (exp, tanh) on GPUs are accurate to a few ulp.
-                assert_close(&format!("{act:?} forward n={n}"), &k.read::<f32>(out.view())?, &cpu::activation_forward(act, &x_host), 1e-5, 1e-4);
+                assert_close(
+                    &format!("{act:?} forward n={n}"),
+                    &k.read::<f32>(out.view())?,
+                    &cpu::activation_forward(act, &x_host),
+                    1e-5,
+                    1e-4,
+                );
                 k.run(&[&k.activation_backward(act, out.view(), x.view(), dy.view())?])?;
-                assert_close(&format!("{act:?} backward n={n}"), &k.read::<f32>(out.view())?, &cpu::activation_backward(act, &x_host, &dy_host), 1e-5, 1e-4);
+                assert_close(
+                    &format!("{act:?} backward n={n}"),
+                    &k.read::<f32>(out.view())?,
+                    &cpu::activation_backward(act, &x_host, &dy_host),
+                    1e-5,
+                    1e-4,
+                );
             }
         }
         Ok(())
@@ -317,7 +465,19 @@ fn reductions_match_the_cpu() {
     // Under GPU shaping the column sums of 256 rows and more run in two
     // stages (blocks of ⌈√rows⌉ rows): 255 / 256 rows, primes, one column.
     for_each_shaping("reductions", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 7), (7, 1), (13, 17), (300, 3), (2, 1000), (257, 255), (255, 2), (256, 1), (1031, 129), (4099, 3)] {
+        for &(rows, cols) in &[
+            (1, 1),
+            (1, 7),
+            (7, 1),
+            (13, 17),
+            (300, 3),
+            (2, 1000),
+            (257, 255),
+            (255, 2),
+            (256, 1),
+            (1031, 129),
+            (4099, 3),
+        ] {
             let mut r = rng((rows * 7 + cols) as u64);
             let x_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
             let x = k.upload(&x_host)?;
@@ -326,19 +486,45 @@ fn reductions_match_the_cpu() {
             k.run(&[&k.sum_rows(col_out.view(), x.view(), rows, cols)?])?;
             // Sums of `rows` terms of magnitude ≤ 1 in f32.
             let atol = 1e-6 * rows as f32 + 1e-6;
-            assert_close(&format!("sum_rows {what}"), &k.read::<f32>(col_out.view())?, &cpu::sum_rows(&x_host, rows, cols), atol, 1e-5);
+            assert_close(
+                &format!("sum_rows {what}"),
+                &k.read::<f32>(col_out.view())?,
+                &cpu::sum_rows(&x_host, rows, cols),
+                atol,
+                1e-5,
+            );
             let scalar = k.zeros(1)?;
             let n = rows * cols;
             k.run(&[&k.sum(scalar.view(), x.view())?])?;
-            assert_close(&format!("sum {what}"), &k.read::<f32>(scalar.view())?, &[cpu::sum(&x_host)], 1e-6 * n as f32 + 1e-6, 1e-5);
+            assert_close(
+                &format!("sum {what}"),
+                &k.read::<f32>(scalar.view())?,
+                &[cpu::sum(&x_host)],
+                1e-6 * n as f32 + 1e-6,
+                1e-5,
+            );
             k.run(&[&k.mean(scalar.view(), x.view())?])?;
-            assert_close(&format!("mean {what}"), &k.read::<f32>(scalar.view())?, &[cpu::mean(&x_host)], 1e-6, 1e-5);
+            assert_close(
+                &format!("mean {what}"),
+                &k.read::<f32>(scalar.view())?,
+                &[cpu::mean(&x_host)],
+                1e-6,
+                1e-5,
+            );
             let row_out = k.zeros(rows)?;
             k.run(&[&k.max_rows(row_out.view(), x.view(), rows, cols)?])?;
             // max is exact.
-            assert_eq!(k.read::<f32>(row_out.view())?, cpu::max_rows(&x_host, rows, cols), "max_rows {what}");
+            assert_eq!(
+                k.read::<f32>(row_out.view())?,
+                cpu::max_rows(&x_host, rows, cols),
+                "max_rows {what}"
+            );
             k.run(&[&k.argmax_rows(row_out.view(), x.view(), rows, cols)?])?;
-            assert_eq!(k.read::<u32>(row_out.view())?, cpu::argmax_rows(&x_host, rows, cols), "argmax_rows {what}");
+            assert_eq!(
+                k.read::<u32>(row_out.view())?,
+                cpu::argmax_rows(&x_host, rows, cols),
+                "argmax_rows {what}"
+            );
         }
         // Ties resolve to the first index, as torch.argmax.
         let x = k.upload(&[1.0f32, 3.0, 3.0, 2.0, 5.0, 5.0])?;
@@ -362,11 +548,23 @@ fn mse_forward_and_backward_match_the_cpu() {
             let loss = k.zeros(1)?;
             k.run(&[&k.mse_forward(loss.view(), p.view(), t.view())?])?;
             // A mean of n squares, each ≤ 16: f32 summation error relative 1e-5.
-            assert_close(&format!("mse n={n}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&p_host, &t_host)], 1e-6, 1e-5);
+            assert_close(
+                &format!("mse n={n}, GPU shaping {}", k.gpu_shaped()),
+                &k.read::<f32>(loss.view())?,
+                &[cpu::mse_forward(&p_host, &t_host)],
+                1e-6,
+                1e-5,
+            );
             let dloss = k.upload(&[0.5f32])?;
             let dp = k.zeros(n)?;
             k.run(&[&k.mse_backward(dp.view(), p.view(), t.view(), dloss.view())?])?;
-            assert_close(&format!("mse backward n={n}"), &k.read::<f32>(dp.view())?, &cpu::mse_backward(&p_host, &t_host, 0.5), 1e-7, 1e-5);
+            assert_close(
+                &format!("mse backward n={n}"),
+                &k.read::<f32>(dp.view())?,
+                &cpu::mse_backward(&p_host, &t_host, 0.5),
+                1e-7,
+                1e-5,
+            );
         }
         Ok(())
     });
@@ -376,7 +574,17 @@ fn mse_forward_and_backward_match_the_cpu() {
 fn cross_entropy_forward_and_backward_match_the_cpu() {
     // Under GPU shaping the loss of more than 256 rows runs in two stages.
     for_each_shaping("cross_entropy", |k| {
-        for &(rows, cols) in &[(1, 1), (1, 10), (7, 3), (64, 10), (300, 17), (3, 1000), (256, 5), (257, 5), (1031, 3)] {
+        for &(rows, cols) in &[
+            (1, 1),
+            (1, 10),
+            (7, 3),
+            (64, 10),
+            (300, 17),
+            (3, 1000),
+            (256, 5),
+            (257, 5),
+            (1031, 3),
+        ] {
             let mut r = rng((rows * 31 + cols) as u64);
             // Large logits check the log-sum-exp is stable.
             let mut logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
@@ -388,12 +596,31 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
             k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), rows, cols)?])?;
             let want = cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols);
             // exp/log accurate to a few ulp; the mean of rows terms in f32.
-            assert_close(&format!("ce {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(loss.view())?, &[want], 1e-5, 1e-5);
+            assert_close(
+                &format!("ce {rows}×{cols}, GPU shaping {}", k.gpu_shaped()),
+                &k.read::<f32>(loss.view())?,
+                &[want],
+                1e-5,
+                1e-5,
+            );
             let dloss = k.upload(&[2.0f32])?;
             let dlogits = k.zeros(rows * cols)?;
-            k.run(&[&k.cross_entropy_backward(dlogits.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
+            k.run(&[&k.cross_entropy_backward(
+                dlogits.view(),
+                logits.view(),
+                labels.view(),
+                dloss.view(),
+                rows,
+                cols,
+            )?])?;
             let want = cpu::cross_entropy_backward(&logits_host, &labels_host, 2.0, rows, cols);
-            assert_close(&format!("ce backward {rows}×{cols}"), &k.read::<f32>(dlogits.view())?, &want, 1e-6, 1e-4);
+            assert_close(
+                &format!("ce backward {rows}×{cols}"),
+                &k.read::<f32>(dlogits.view())?,
+                &want,
+                1e-6,
+                1e-4,
+            );
         }
         // A label out of range makes the loss NaN rather than reading out of bounds.
         let logits = k.upload(&[0.0f32, 1.0, 2.0, 3.0])?;
@@ -406,7 +633,11 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
         labels_host[150] = 2;
         let (logits, labels) = (k.upload(&vec![0.5f32; 600])?, k.upload(&labels_host)?);
         k.run(&[&k.cross_entropy_forward(loss.view(), logits.view(), labels.view(), 300, 2)?])?;
-        assert!(k.read::<f32>(loss.view())?[0].is_nan(), "GPU shaping {}", k.gpu_shaped());
+        assert!(
+            k.read::<f32>(loss.view())?[0].is_nan(),
+            "GPU shaping {}",
+            k.gpu_shaped()
+        );
         Ok(())
     });
 }
@@ -414,10 +645,31 @@ fn cross_entropy_forward_and_backward_match_the_cpu() {
 #[test]
 fn sgd_matches_pytorch_formulas_over_several_steps() {
     let configs = [
-        SgdConfig { lr: 0.1, ..SgdConfig::default() },
-        SgdConfig { lr: 0.05, momentum: 0.9, ..SgdConfig::default() },
-        SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false, ..SgdConfig::default() },
-        SgdConfig { lr: 0.05, momentum: 0.8, dampening: 0.0, weight_decay: 0.001, nesterov: true, ..SgdConfig::default() },
+        SgdConfig {
+            lr: 0.1,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            nesterov: false,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.8,
+            dampening: 0.0,
+            weight_decay: 0.001,
+            nesterov: true,
+            ..SgdConfig::default()
+        },
     ];
     for_each_adapter("sgd", |k| {
         for (ci, cfg) in configs.iter().enumerate() {
@@ -435,8 +687,20 @@ fn sgd_matches_pytorch_formulas_over_several_steps() {
                     cpu::sgd_update(&mut p_host, &g_host, &mut buf_host, cfg, step);
                 }
                 // Same f32 operations in the same order; FMA contraction may differ by an ulp per step.
-                assert_close(&format!("sgd {cfg:?} n={n}"), &k.read::<f32>(p.view())?, &p_host, 1e-6, 1e-5);
-                assert_close(&format!("sgd buffer {cfg:?} n={n}"), &k.read::<f32>(buf.view())?, &buf_host, 1e-6, 1e-5);
+                assert_close(
+                    &format!("sgd {cfg:?} n={n}"),
+                    &k.read::<f32>(p.view())?,
+                    &p_host,
+                    1e-6,
+                    1e-5,
+                );
+                assert_close(
+                    &format!("sgd buffer {cfg:?} n={n}"),
+                    &k.read::<f32>(buf.view())?,
+                    &buf_host,
+                    1e-6,
+                    1e-5,
+                );
             }
         }
         Ok(())
@@ -446,8 +710,15 @@ fn sgd_matches_pytorch_formulas_over_several_steps() {
 #[test]
 fn plain_sgd_is_the_textbook_update() {
     for_each_adapter("sgd_textbook", |k| {
-        let (p, g, buf) = (k.upload(&[1.0f32, -2.0, 0.5])?, k.upload(&[0.5f32, 0.25, -1.0])?, k.zeros(3)?);
-        let cfg = SgdConfig { lr: 0.5, ..SgdConfig::default() };
+        let (p, g, buf) = (
+            k.upload(&[1.0f32, -2.0, 0.5])?,
+            k.upload(&[0.5f32, 0.25, -1.0])?,
+            k.zeros(3)?,
+        );
+        let cfg = SgdConfig {
+            lr: 0.5,
+            ..SgdConfig::default()
+        };
         k.run(&[&k.sgd_update(p.view(), g.view(), buf.view(), &cfg, 1)?])?;
         // p - lr·g, exactly representable.
         assert_eq!(k.read::<f32>(p.view())?, vec![0.75, -2.125, 1.0]);
@@ -459,9 +730,20 @@ fn plain_sgd_is_the_textbook_update() {
 fn adam_and_adamw_match_pytorch_formulas_over_several_steps() {
     let configs = [
         AdamConfig::adam(),
-        AdamConfig { lr: 0.01, weight_decay: 0.1, ..AdamConfig::adam() },
+        AdamConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..AdamConfig::adam()
+        },
         AdamConfig::adamw(),
-        AdamConfig { lr: 0.02, betas: (0.8, 0.99), eps: 1e-6, weight_decay: 0.05, decoupled_weight_decay: true, ..AdamConfig::adam() },
+        AdamConfig {
+            lr: 0.02,
+            betas: (0.8, 0.99),
+            eps: 1e-6,
+            weight_decay: 0.05,
+            decoupled_weight_decay: true,
+            ..AdamConfig::adam()
+        },
     ];
     for_each_adapter("adam", |k| {
         for (ci, cfg) in configs.iter().enumerate() {
@@ -480,9 +762,27 @@ fn adam_and_adamw_match_pytorch_formulas_over_several_steps() {
                 }
                 // Same formula in f32; sqrt and division are correctly rounded,
                 // FMA contraction may differ by an ulp per operation.
-                assert_close(&format!("adam {cfg:?} n={n}"), &k.read::<f32>(p.view())?, &p_host, 1e-6, 1e-5);
-                assert_close(&format!("adam m {cfg:?} n={n}"), &k.read::<f32>(m.view())?, &m_host, 1e-6, 1e-5);
-                assert_close(&format!("adam v {cfg:?} n={n}"), &k.read::<f32>(v.view())?, &v_host, 1e-7, 1e-5);
+                assert_close(
+                    &format!("adam {cfg:?} n={n}"),
+                    &k.read::<f32>(p.view())?,
+                    &p_host,
+                    1e-6,
+                    1e-5,
+                );
+                assert_close(
+                    &format!("adam m {cfg:?} n={n}"),
+                    &k.read::<f32>(m.view())?,
+                    &m_host,
+                    1e-6,
+                    1e-5,
+                );
+                assert_close(
+                    &format!("adam v {cfg:?} n={n}"),
+                    &k.read::<f32>(v.view())?,
+                    &v_host,
+                    1e-7,
+                    1e-5,
+                );
             }
         }
         Ok(())
@@ -493,15 +793,39 @@ fn adam_and_adamw_match_pytorch_formulas_over_several_steps() {
 fn optimizer_arguments_are_checked_like_pytorch() {
     for_each_adapter("optim_args", |k| {
         let (p, g, s) = (k.zeros(4)?, k.zeros(4)?, k.zeros(4)?);
-        let bad_lr = SgdConfig { lr: -1.0, ..SgdConfig::default() };
-        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &bad_lr, 1), Err(Error::InvalidArgument { .. })));
-        let bad_nesterov = SgdConfig { nesterov: true, ..SgdConfig::default() };
-        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &bad_nesterov, 1), Err(Error::InvalidArgument { .. })));
-        let bad_beta = AdamConfig { betas: (1.0, 0.999), ..AdamConfig::adam() };
-        assert!(matches!(k.adam_update(p.view(), g.view(), s.view(), s.view(), &bad_beta, 1), Err(Error::InvalidArgument { .. })));
-        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &SgdConfig::default(), 0), Err(Error::InvalidArgument { .. })));
+        let bad_lr = SgdConfig {
+            lr: -1.0,
+            ..SgdConfig::default()
+        };
+        assert!(matches!(
+            k.sgd_update(p.view(), g.view(), s.view(), &bad_lr, 1),
+            Err(Error::InvalidArgument { .. })
+        ));
+        let bad_nesterov = SgdConfig {
+            nesterov: true,
+            ..SgdConfig::default()
+        };
+        assert!(matches!(
+            k.sgd_update(p.view(), g.view(), s.view(), &bad_nesterov, 1),
+            Err(Error::InvalidArgument { .. })
+        ));
+        let bad_beta = AdamConfig {
+            betas: (1.0, 0.999),
+            ..AdamConfig::adam()
+        };
+        assert!(matches!(
+            k.adam_update(p.view(), g.view(), s.view(), s.view(), &bad_beta, 1),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            k.sgd_update(p.view(), g.view(), s.view(), &SgdConfig::default(), 0),
+            Err(Error::InvalidArgument { .. })
+        ));
         let short = k.zeros(3)?;
-        assert!(matches!(k.sgd_update(p.view(), short.view(), s.view(), &SgdConfig::default(), 1), Err(Error::Shape { op: "sgd_update", .. })));
+        assert!(matches!(
+            k.sgd_update(p.view(), short.view(), s.view(), &SgdConfig::default(), 1),
+            Err(Error::Shape { op: "sgd_update", .. })
+        ));
         Ok(())
     });
 }
@@ -512,9 +836,16 @@ fn tensors_over_the_binding_limit_are_errors_and_the_largest_allowed_works() {
         let limit = k.device().limits().max_storage_buffer_binding_size;
         // A view claiming one element past the limit is refused before wgpu sees it.
         let small = k.zeros(4)?;
-        let over = wgrad::View { buffer: small.buffer(), offset: 0, len: (limit / 4 + 1) as usize };
+        let over = wgrad::View {
+            buffer: small.buffer(),
+            offset: 0,
+            len: (limit / 4 + 1) as usize,
+        };
         let err = k.scale(over, over, 1.0).unwrap_err();
-        assert!(matches!(err, Error::TooLarge { op: "scale_forward", limit: l, .. } if l == limit), "{err}");
+        assert!(
+            matches!(err, Error::TooLarge { op: "scale_forward", limit: l, .. } if l == limit),
+            "{err}"
+        );
         // The largest binding (capped at 128 MiB to stay quick) runs, and needs
         // more than 65,535 workgroups in x: the 2-D grid.
         let n = (limit.min(128 << 20) / 4) as usize;
@@ -525,7 +856,10 @@ fn tensors_over_the_binding_limit_are_errors_and_the_largest_allowed_works() {
         k.run(&[&d])?;
         let back = k.read::<f32>(out.view())?;
         assert_eq!(back.len(), n);
-        assert!(back.iter().all(|&v| v == 3.0), "every element, including the last workgroups, is written");
+        assert!(
+            back.iter().all(|&v| v == 3.0),
+            "every element, including the last workgroups, is written"
+        );
         Ok(())
     });
 }
@@ -537,8 +871,15 @@ fn views_into_one_buffer_respect_offsets() {
         let data: Vec<f32> = (0..align * 3).map(|i| i as f32).collect();
         let arena = k.upload(&data)?;
         let out = k.zeros(align)?;
-        k.run(&[&k.binary(Binary::Add, out.view(), arena.slice(align, align)?, arena.slice(2 * align, align)?)?])?;
-        let want: Vec<f32> = (0..align).map(|i| (align + i) as f32 + (2 * align + i) as f32).collect();
+        k.run(&[&k.binary(
+            Binary::Add,
+            out.view(),
+            arena.slice(align, align)?,
+            arena.slice(2 * align, align)?,
+        )?])?;
+        let want: Vec<f32> = (0..align)
+            .map(|i| (align + i) as f32 + (2 * align + i) as f32)
+            .collect();
         assert_eq!(k.read::<f32>(out.view())?, want);
         if align > 1 {
             let err = k.scale(out.view(), arena.slice(1, align)?, 1.0).unwrap_err();
@@ -565,7 +906,13 @@ fn accumulating_matmul_and_column_sums_add_into_their_output() {
                 let product = cpu::matmul(form, &a_host, &b_host, m, n, kk);
                 let want: Vec<f32> = c_host.iter().zip(&product).map(|(c, p)| c + 2.0 * p).collect();
                 // Two accumulations of k-term f32 sums onto a value of magnitude ≤ 1.
-                assert_close(&format!("accumulate {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-5);
+                assert_close(
+                    &format!("accumulate {form:?} {m}×{n}×{kk}"),
+                    &k.read::<f32>(c.view())?,
+                    &want,
+                    2e-6 * kk as f32 + 1e-5,
+                    1e-5,
+                );
             }
         }
         Ok(())
@@ -582,9 +929,19 @@ fn accumulating_column_sums_add_into_their_output() {
             let out_host = random_vec(&mut r, cols, -1.0, 1.0);
             let (x, out) = (k.upload(&x_host)?, k.upload(&out_host)?);
             k.run(&[&k.sum_rows_accumulate(out.view(), x.view(), rows, cols)?])?;
-            let want: Vec<f32> = out_host.iter().zip(cpu::sum_rows(&x_host, rows, cols)).map(|(o, s)| o + s).collect();
+            let want: Vec<f32> = out_host
+                .iter()
+                .zip(cpu::sum_rows(&x_host, rows, cols))
+                .map(|(o, s)| o + s)
+                .collect();
             // rows terms of magnitude ≤ 1 onto a value ≤ 1, in f32.
-            assert_close(&format!("sum_rows accumulate {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &k.read::<f32>(out.view())?, &want, 1e-6 * rows as f32 + 1e-5, 1e-5);
+            assert_close(
+                &format!("sum_rows accumulate {rows}×{cols}, GPU shaping {}", k.gpu_shaped()),
+                &k.read::<f32>(out.view())?,
+                &want,
+                1e-6 * rows as f32 + 1e-5,
+                1e-5,
+            );
         }
         Ok(())
     });
@@ -622,15 +979,29 @@ fn matmul_with_bias_matches_matmul_then_bias_add() {
                 let a_host = random_vec(&mut r, sa[0] * sa[1], -1.0, 1.0);
                 let b_host = random_vec(&mut r, sb[0] * sb[1], -1.0, 1.0);
                 let bias_host = random_vec(&mut r, n, -1.0, 1.0);
-                let (a, b, bias, c) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&bias_host)?, k.zeros(m * n)?);
+                let (a, b, bias, c) = (
+                    k.upload(&a_host)?,
+                    k.upload(&b_host)?,
+                    k.upload(&bias_host)?,
+                    k.zeros(m * n)?,
+                );
                 k.run(&[&k.matmul_bias(form, c.view(), a.view(), b.view(), bias.view(), m, n, kk)?])?;
                 let want = cpu::bias_add(&cpu::matmul(form, &a_host, &b_host, m, n, kk), &bias_host, n);
                 // k-term f32 sums plus one rounding for the bias.
-                assert_close(&format!("matmul+bias {form:?} {m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, 1e-6 * kk as f32 + 2e-6, 1e-5);
+                assert_close(
+                    &format!("matmul+bias {form:?} {m}×{n}×{kk}"),
+                    &k.read::<f32>(c.view())?,
+                    &want,
+                    1e-6 * kk as f32 + 2e-6,
+                    1e-5,
+                );
             }
         }
         let (a, b, c, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(3)?);
-        assert!(matches!(k.matmul_bias(MatmulForm::AB, c.view(), a.view(), b.view(), short.view(), 2, 4, 3), Err(Error::Shape { .. })));
+        assert!(matches!(
+            k.matmul_bias(MatmulForm::AB, c.view(), a.view(), b.view(), short.view(), 2, 4, 3),
+            Err(Error::Shape { .. })
+        ));
         Ok(())
     });
 }
@@ -659,8 +1030,20 @@ fn epilogue_cases(form_index: usize) -> Vec<EpilogueCase> {
         .into_iter()
         .flat_map(|act| {
             [
-                EpilogueCase { act, backward: false, bias, store_pre, accumulate: forward_accumulate },
-                EpilogueCase { act, backward: true, bias: false, store_pre: false, accumulate: backward_accumulate },
+                EpilogueCase {
+                    act,
+                    backward: false,
+                    bias,
+                    store_pre,
+                    accumulate: forward_accumulate,
+                },
+                EpilogueCase {
+                    act,
+                    backward: true,
+                    bias: false,
+                    store_pre: false,
+                    accumulate: backward_accumulate,
+                },
             ]
         })
         .collect()
@@ -676,14 +1059,33 @@ fn epilogue_cases_all_parts() -> Vec<EpilogueCase> {
         .into_iter()
         .flat_map(|act| {
             [
-                EpilogueCase { act, backward: false, bias: true, store_pre: true, accumulate: true },
-                EpilogueCase { act, backward: true, bias: false, store_pre: false, accumulate: true },
+                EpilogueCase {
+                    act,
+                    backward: false,
+                    bias: true,
+                    store_pre: true,
+                    accumulate: true,
+                },
+                EpilogueCase {
+                    act,
+                    backward: true,
+                    bias: false,
+                    store_pre: false,
+                    accumulate: true,
+                },
             ]
         })
         .collect()
 }
 
-fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, case: EpilogueCase, (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<()> {
+fn check_matmul_epilogue(
+    k: &Kernels,
+    variant: MatmulVariant,
+    form: MatmulForm,
+    case: EpilogueCase,
+    (m, n, kk): (usize, usize, usize),
+    seed: u64,
+) -> wgrad::Result<()> {
     let mut r = rng(seed);
     let (sa, sb) = form.operand_shapes(m, n, kk);
     let a_host = random_vec(&mut r, sa[0] * sa[1], -1.0, 1.0);
@@ -698,7 +1100,14 @@ fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, 
         x_host[1] = 40.0;
         x_host[2] = -40.0;
     }
-    let (a, b, bias, c, x, pre) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&bias_host)?, k.upload(&c_host)?, k.upload(&x_host)?, k.zeros(m * n)?);
+    let (a, b, bias, c, x, pre) = (
+        k.upload(&a_host)?,
+        k.upload(&b_host)?,
+        k.upload(&bias_host)?,
+        k.upload(&c_host)?,
+        k.upload(&x_host)?,
+        k.zeros(m * n)?,
+    );
     let epilogue = MatmulEpilogue {
         accumulate: case.accumulate,
         bias: case.bias.then(|| bias.view()),
@@ -720,7 +1129,13 @@ fn check_matmul_epilogue(k: &Kernels, variant: MatmulVariant, form: MatmulForm, 
     // bias or the accumulation.
     assert_close(&what, &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-4);
     if case.store_pre && !case.backward {
-        assert_close(&format!("{what} pre-activation"), &k.read::<f32>(pre.view())?, &want_pre, 1e-6 * kk as f32 + 2e-6, 1e-5);
+        assert_close(
+            &format!("{what} pre-activation"),
+            &k.read::<f32>(pre.view())?,
+            &want_pre,
+            1e-6 * kk as f32 + 2e-6,
+            1e-5,
+        );
     }
     Ok(())
 }
@@ -742,7 +1157,11 @@ fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_varia
             // with every activation on Vulkan.
             let gl_vec4 = variant == MatmulVariant::RegisterVec4 && k.device().is_gl();
             let f = MatmulForm::ALL.iter().position(|&x| x == form).unwrap_or(0);
-            let cases = if slow_to_compile { epilogue_cases_all_parts() } else { epilogue_cases(f) };
+            let cases = if slow_to_compile {
+                epilogue_cases_all_parts()
+            } else {
+                epilogue_cases(f)
+            };
             // (20, 68, 36) has every stored row a multiple of 4, so the
             // workgroup-memory kernel takes its vec4 entry there, in AB only:
             // the vec4 and scalar entries differ in their loads alone (each
@@ -751,7 +1170,11 @@ fn matmul_epilogue_matches_the_cpu_for_every_activation_direction_form_and_varia
             // epilogues in every form. So the vec4 entry's epilogues are one
             // pipeline per direction, not one per direction and form; in the
             // other forms a shape of the same size off 4 takes its place.
-            let last = if variant == MatmulVariant::Shared && form != MatmulForm::AB { (21, 68, 37) } else { (20, 68, 36) };
+            let last = if variant == MatmulVariant::Shared && form != MatmulForm::AB {
+                (21, 68, 37)
+            } else {
+                (20, 68, 36)
+            };
             for case in cases.into_iter().filter(|c| !gl_vec4 || c.act == Activation::Gelu) {
                 for (s, &shape) in [(1, 7, 1), (13, 17, 19), (65, 130, 67), last].iter().enumerate() {
                     check_matmul_epilogue(k, variant, form, case, shape, (f * 100 + s) as u64)?;
@@ -770,23 +1193,52 @@ fn matmul_variants_an_adapter_cannot_run_are_refused_and_never_chosen() {
             info.subgroup_min_size == 8 && info.subgroup_max_size == 8
         };
         let has_subgroup = k.device().features().contains(wgpu::Features::SUBGROUP);
-        assert_eq!(k.supports_matmul_variant(MatmulVariant::Subgroup), has_subgroup && sized_8);
+        assert_eq!(
+            k.supports_matmul_variant(MatmulVariant::Subgroup),
+            has_subgroup && sized_8
+        );
         for form in MatmulForm::ALL {
             let chosen = k.matmul_variant_for(form);
-            assert!(k.supports_matmul_variant(chosen), "{form:?} runs {chosen:?}, which this adapter cannot run");
+            assert!(
+                k.supports_matmul_variant(chosen),
+                "{form:?} runs {chosen:?}, which this adapter cannot run"
+            );
         }
         if k.supports_matmul_variant(MatmulVariant::Subgroup) {
             return Ok(());
         }
         let (a, b, c, x) = (k.zeros(6)?, k.zeros(6)?, k.zeros(4)?, k.zeros(4)?);
         for form in MatmulForm::ALL {
-            let epilogue = MatmulEpilogue { activation_grad: Some((Activation::Relu, x.view())), ..MatmulEpilogue::default() };
-            match k.matmul_epilogue_with(MatmulVariant::Subgroup, form, epilogue, c.view(), a.view(), b.view(), 2, 2, 3) {
+            let epilogue = MatmulEpilogue {
+                activation_grad: Some((Activation::Relu, x.view())),
+                ..MatmulEpilogue::default()
+            };
+            match k.matmul_epilogue_with(
+                MatmulVariant::Subgroup,
+                form,
+                epilogue,
+                c.view(),
+                a.view(),
+                b.view(),
+                2,
+                2,
+                3,
+            ) {
                 Err(Error::Unsupported { op, feature, .. }) => {
                     assert_eq!(op, "matmul_subgroup_forward");
-                    assert!(feature.contains(if has_subgroup { "subgroups of exactly 8" } else { "SUBGROUP" }), "{feature}");
+                    assert!(
+                        feature.contains(if has_subgroup {
+                            "subgroups of exactly 8"
+                        } else {
+                            "SUBGROUP"
+                        }),
+                        "{feature}"
+                    );
                 }
-                other => panic!("Subgroup {form:?} on {}: want Error::Unsupported, got {other:?}", k.device().label()),
+                other => panic!(
+                    "Subgroup {form:?} on {}: want Error::Unsupported, got {other:?}",
+                    k.device().label()
+                ),
             }
         }
         // Refusing compiled nothing, so nothing reached wgpu's validation.
@@ -806,20 +1258,38 @@ fn fused_epilogue_agrees_with_the_unfused_kernels() {
         let (fused, product, unfused) = (k.zeros(m * n)?, k.zeros(m * n)?, k.zeros(m * n)?);
         k.run(&[&k.matmul(MatmulForm::AB, product.view(), a.view(), b.view(), m, n, kk)?])?;
         for act in Activation::ALL {
-            let forward = MatmulEpilogue { activation: Some((act, None)), ..MatmulEpilogue::default() };
+            let forward = MatmulEpilogue {
+                activation: Some((act, None)),
+                ..MatmulEpilogue::default()
+            };
             k.run(&[
                 &k.matmul_epilogue(MatmulForm::AB, forward, fused.view(), a.view(), b.view(), m, n, kk)?,
                 &k.activation_forward(act, unfused.view(), product.view())?,
             ])?;
             // Same f32 formulas on the same product: equal up to the
             // compiler's freedom to contract a multiply-add (an ulp or two).
-            assert_close(&format!("{act:?} forward"), &k.read::<f32>(fused.view())?, &k.read::<f32>(unfused.view())?, 1e-7, 1e-6);
-            let backward = MatmulEpilogue { activation_grad: Some((act, x.view())), ..MatmulEpilogue::default() };
+            assert_close(
+                &format!("{act:?} forward"),
+                &k.read::<f32>(fused.view())?,
+                &k.read::<f32>(unfused.view())?,
+                1e-7,
+                1e-6,
+            );
+            let backward = MatmulEpilogue {
+                activation_grad: Some((act, x.view())),
+                ..MatmulEpilogue::default()
+            };
             k.run(&[
                 &k.matmul_epilogue(MatmulForm::AB, backward, fused.view(), a.view(), b.view(), m, n, kk)?,
                 &k.activation_backward(act, unfused.view(), x.view(), product.view())?,
             ])?;
-            assert_close(&format!("{act:?} backward"), &k.read::<f32>(fused.view())?, &k.read::<f32>(unfused.view())?, 1e-7, 1e-6);
+            assert_close(
+                &format!("{act:?} backward"),
+                &k.read::<f32>(fused.view())?,
+                &k.read::<f32>(unfused.view())?,
+                1e-7,
+                1e-6,
+            );
         }
         Ok(())
     });
@@ -828,18 +1298,44 @@ fn fused_epilogue_agrees_with_the_unfused_kernels() {
 #[test]
 fn matmul_epilogue_rejects_bad_combinations_and_shapes() {
     for_each_adapter("matmul_epilogue_errors", |k| {
-        let (a, b, c, bias, x, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(4)?, k.zeros(8)?, k.zeros(7)?);
+        let (a, b, c, bias, x, short) = (
+            k.zeros(6)?,
+            k.zeros(12)?,
+            k.zeros(8)?,
+            k.zeros(4)?,
+            k.zeros(8)?,
+            k.zeros(7)?,
+        );
         let run = |e: MatmulEpilogue<'_>| k.matmul_epilogue(MatmulForm::AB, e, c.view(), a.view(), b.view(), 2, 4, 3);
         let grad = Some((Activation::Relu, x.view()));
-        let with_bias = MatmulEpilogue { bias: Some(bias.view()), activation_grad: grad, ..MatmulEpilogue::default() };
+        let with_bias = MatmulEpilogue {
+            bias: Some(bias.view()),
+            activation_grad: grad,
+            ..MatmulEpilogue::default()
+        };
         assert!(matches!(run(with_bias), Err(Error::InvalidArgument { .. })));
-        let with_act = MatmulEpilogue { activation: Some((Activation::Tanh, None)), activation_grad: grad, ..MatmulEpilogue::default() };
+        let with_act = MatmulEpilogue {
+            activation: Some((Activation::Tanh, None)),
+            activation_grad: grad,
+            ..MatmulEpilogue::default()
+        };
         assert!(matches!(run(with_act), Err(Error::InvalidArgument { .. })));
-        let short_x = MatmulEpilogue { activation_grad: Some((Activation::Relu, short.view())), ..MatmulEpilogue::default() };
+        let short_x = MatmulEpilogue {
+            activation_grad: Some((Activation::Relu, short.view())),
+            ..MatmulEpilogue::default()
+        };
         assert!(matches!(run(short_x), Err(Error::Shape { .. })));
-        let short_pre = MatmulEpilogue { activation: Some((Activation::Gelu, Some(short.view()))), ..MatmulEpilogue::default() };
+        let short_pre = MatmulEpilogue {
+            activation: Some((Activation::Gelu, Some(short.view()))),
+            ..MatmulEpilogue::default()
+        };
         assert!(matches!(run(short_pre), Err(Error::Shape { .. })));
-        assert!(run(MatmulEpilogue { activation_grad: grad, accumulate: true, ..MatmulEpilogue::default() }).is_ok());
+        assert!(run(MatmulEpilogue {
+            activation_grad: grad,
+            accumulate: true,
+            ..MatmulEpilogue::default()
+        })
+        .is_ok());
         Ok(())
     });
 }
@@ -852,15 +1348,51 @@ fn fused_loss_forward_backward_matches_the_separate_kernels_twins() {
             let logits_host = random_vec(&mut r, rows * cols, -5.0, 5.0);
             let labels_host: Vec<u32> = (0..rows).map(|i| ((i * 5 + 1) % cols) as u32).collect();
             let target_host = random_vec(&mut r, rows * cols, -2.0, 2.0);
-            let (logits, labels, target) = (k.upload(&logits_host)?, k.upload(&labels_host)?, k.upload(&target_host)?);
+            let (logits, labels, target) = (
+                k.upload(&logits_host)?,
+                k.upload(&labels_host)?,
+                k.upload(&target_host)?,
+            );
             let (loss, grad, dloss) = (k.zeros(1)?, k.zeros(rows * cols)?, k.upload(&[0.5f32])?);
-            k.run(&[&k.cross_entropy_forward_backward(loss.view(), grad.view(), logits.view(), labels.view(), dloss.view(), rows, cols)?])?;
+            k.run(&[&k.cross_entropy_forward_backward(
+                loss.view(),
+                grad.view(),
+                logits.view(),
+                labels.view(),
+                dloss.view(),
+                rows,
+                cols,
+            )?])?;
             // Same tolerances as the separate kernels' tests.
-            assert_close("fused ce loss", &k.read::<f32>(loss.view())?, &[cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols)], 1e-5, 1e-5);
-            assert_close("fused ce grad", &k.read::<f32>(grad.view())?, &cpu::cross_entropy_backward(&logits_host, &labels_host, 0.5, rows, cols), 1e-6, 1e-4);
+            assert_close(
+                "fused ce loss",
+                &k.read::<f32>(loss.view())?,
+                &[cpu::cross_entropy_forward(&logits_host, &labels_host, rows, cols)],
+                1e-5,
+                1e-5,
+            );
+            assert_close(
+                "fused ce grad",
+                &k.read::<f32>(grad.view())?,
+                &cpu::cross_entropy_backward(&logits_host, &labels_host, 0.5, rows, cols),
+                1e-6,
+                1e-4,
+            );
             k.run(&[&k.mse_forward_backward(loss.view(), grad.view(), logits.view(), target.view(), dloss.view())?])?;
-            assert_close("fused mse loss", &k.read::<f32>(loss.view())?, &[cpu::mse_forward(&logits_host, &target_host)], 1e-6, 1e-5);
-            assert_close("fused mse grad", &k.read::<f32>(grad.view())?, &cpu::mse_backward(&logits_host, &target_host, 0.5), 1e-7, 1e-5);
+            assert_close(
+                "fused mse loss",
+                &k.read::<f32>(loss.view())?,
+                &[cpu::mse_forward(&logits_host, &target_host)],
+                1e-6,
+                1e-5,
+            );
+            assert_close(
+                "fused mse grad",
+                &k.read::<f32>(grad.view())?,
+                &cpu::mse_backward(&logits_host, &target_host, 0.5),
+                1e-7,
+                1e-5,
+            );
         }
         Ok(())
     });

@@ -23,14 +23,7 @@ fn f32_atol(k: usize) -> f32 {
     1e-6 * k as f32 + 1e-6
 }
 
-fn check_f16_matmul(
-    k: &Kernels,
-    form: MatmulForm,
-    m: usize,
-    n: usize,
-    kk: usize,
-    seed: u64,
-) -> wgrad::Result<()> {
+fn check_f16_matmul(k: &Kernels, form: MatmulForm, m: usize, n: usize, kk: usize, seed: u64) -> wgrad::Result<()> {
     let mut r = rng(seed);
     let a_host = cpu::to_f16(&random_vec(&mut r, m * kk, -1.0, 1.0));
     let b_host = cpu::to_f16(&random_vec(&mut r, kk * n, -1.0, 1.0));
@@ -95,7 +88,15 @@ fn twin_operand<'a>(half: bool, f16: &'a [f16], f32: &'a [f32]) -> cpu::Operand<
 /// names stored in f16 (the others f32), with `epilogue`'s parts, against
 /// the twin on the same (f16-rounded) values.
 #[allow(clippy::too_many_arguments)]
-fn check_f16_operands(k: &Kernels, variant: MatmulVariant, form: MatmulForm, halves: Halves, epilogue: (bool, Option<Activation>, bool), (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<()> {
+fn check_f16_operands(
+    k: &Kernels,
+    variant: MatmulVariant,
+    form: MatmulForm,
+    halves: Halves,
+    epilogue: (bool, Option<Activation>, bool),
+    (m, n, kk): (usize, usize, usize),
+    seed: u64,
+) -> wgrad::Result<()> {
     let (accumulate, act, backward) = epilogue;
     let mut r = rng(seed);
     let mut a32 = random_vec(&mut r, m * kk, -1.0, 1.0);
@@ -111,9 +112,22 @@ fn check_f16_operands(k: &Kernels, variant: MatmulVariant, form: MatmulForm, hal
     let bias_host = random_vec(&mut r, n, -1.0, 1.0);
     let x_host = random_vec(&mut r, m * n, -4.0, 4.0);
     let (a16, b16) = (cpu::to_f16(&a32), cpu::to_f16(&b32));
-    let (a_half, b_half) = (matches!(halves, Halves::A | Halves::Both), matches!(halves, Halves::B | Halves::Both));
-    let (a_f32, b_f32, a_f16, b_f16) = (k.upload(&a32)?, k.upload(&b32)?, k.upload_f16(&a16)?, k.upload_f16(&b16)?);
-    let (c, bias, x, pre) = (k.upload(&c_host)?, k.upload(&bias_host)?, k.upload(&x_host)?, k.zeros(m * n)?);
+    let (a_half, b_half) = (
+        matches!(halves, Halves::A | Halves::Both),
+        matches!(halves, Halves::B | Halves::Both),
+    );
+    let (a_f32, b_f32, a_f16, b_f16) = (
+        k.upload(&a32)?,
+        k.upload(&b32)?,
+        k.upload_f16(&a16)?,
+        k.upload_f16(&b16)?,
+    );
+    let (c, bias, x, pre) = (
+        k.upload(&c_host)?,
+        k.upload(&bias_host)?,
+        k.upload(&x_host)?,
+        k.zeros(m * n)?,
+    );
     let forward = act.filter(|_| !backward);
     let e = MatmulEpilogue {
         accumulate,
@@ -121,22 +135,47 @@ fn check_f16_operands(k: &Kernels, variant: MatmulVariant, form: MatmulForm, hal
         activation: forward.map(|a| (a, Some(pre.view()))),
         activation_grad: act.filter(|_| backward).map(|a| (a, x.view())),
     };
-    k.run(&[&k.matmul_operands_with(variant, form, e, c.view(), operand(a_half, &a_f16, &a_f32), operand(b_half, &b_f16, &b_f32), m, n, kk)?])?;
+    k.run(&[&k.matmul_operands_with(
+        variant,
+        form,
+        e,
+        c.view(),
+        operand(a_half, &a_f16, &a_f32),
+        operand(b_half, &b_f16, &b_f32),
+        m,
+        n,
+        kk,
+    )?])?;
     let twin = cpu::Epilogue {
         accumulate_onto: accumulate.then_some(&c_host[..]),
         bias: forward.map(|_| &bias_host[..]),
         activation: forward,
         activation_grad: act.filter(|_| backward).map(|a| (a, &x_host[..])),
     };
-    let (want, want_pre) = cpu::matmul_operands(form, twin, twin_operand(a_half, &a16, &a32), twin_operand(b_half, &b16, &b32), m, n, kk);
-    let what = format!("{variant:?} {form:?} f16 {halves:?} accumulate={accumulate} {act:?} backward={backward} {m}×{n}×{kk}");
+    let (want, want_pre) = cpu::matmul_operands(
+        form,
+        twin,
+        twin_operand(a_half, &a16, &a32),
+        twin_operand(b_half, &b16, &b32),
+        m,
+        n,
+        kk,
+    );
+    let what =
+        format!("{variant:?} {form:?} f16 {halves:?} accumulate={accumulate} {act:?} backward={backward} {m}×{n}×{kk}");
     // The twin widens the same f16 values exactly (the products are exact
     // in f32), so what is left is f32 accumulation (f32_atol) and, with an
     // epilogue, tests/suite/kernels.rs's allowance for it: a slope ≤ 1.2,
     // a few ulp of the transcendentals, one rounding for bias or sum.
     assert_close(&what, &k.read::<f32>(c.view())?, &want, 2e-6 * kk as f32 + 1e-5, 1e-4);
     if forward.is_some() {
-        assert_close(&format!("{what} pre-activation"), &k.read::<f32>(pre.view())?, &want_pre, f32_atol(kk) + 1e-6, 1e-5);
+        assert_close(
+            &format!("{what} pre-activation"),
+            &k.read::<f32>(pre.view())?,
+            &want_pre,
+            f32_atol(kk) + 1e-6,
+            1e-5,
+        );
     }
     Ok(())
 }
@@ -166,12 +205,25 @@ fn f16_operands_match_the_twin_on_every_kernel_form_and_epilogue() {
         // where each operand alone meets an f32 one (B alone accumulating,
         // A alone with bias + GELU forward, both with GELU backward; the
         // epilogues with f32 operands are tests/suite/kernels.rs's).
-        let epilogues = [((true, None, false), Halves::B), ((false, Some(Activation::Gelu), false), Halves::A), ((true, Some(Activation::Gelu), true), Halves::Both)];
+        let epilogues = [
+            ((true, None, false), Halves::B),
+            ((false, Some(Activation::Gelu), false), Halves::A),
+            ((true, Some(Activation::Gelu), true), Halves::Both),
+        ];
         let mut seed = 300;
         // RegisterVec4 runs the register kernel's pipelines (f16 has no
         // vec4 loads), so it is checked on one shape.
-        for variant in [MatmulVariant::Small, MatmulVariant::Register, MatmulVariant::Shared, MatmulVariant::RegisterVec4] {
-            let shapes = if variant == MatmulVariant::RegisterVec4 { &shapes[2..] } else { shapes };
+        for variant in [
+            MatmulVariant::Small,
+            MatmulVariant::Register,
+            MatmulVariant::Shared,
+            MatmulVariant::RegisterVec4,
+        ] {
+            let shapes = if variant == MatmulVariant::RegisterVec4 {
+                &shapes[2..]
+            } else {
+                shapes
+            };
             for form in MatmulForm::ALL {
                 for &shape in shapes {
                     seed += 1;
@@ -210,14 +262,35 @@ fn f16_operands_in_a_batch_match_the_twin() {
                 let a16 = cpu::to_f16(&random_vec(&mut r, batch * m * kk, -1.0, 1.0));
                 let b32 = random_vec(&mut r, batch * kk * n, -1.0, 1.0);
                 let b16 = cpu::to_f16(&b32);
-                let (a_f16, b_f16, b_f32, c) = (k.upload_f16(&a16)?, k.upload_f16(&b16)?, k.upload(&b32)?, k.zeros(batch * m * n)?);
+                let (a_f16, b_f16, b_f32, c) = (
+                    k.upload_f16(&a16)?,
+                    k.upload_f16(&b16)?,
+                    k.upload(&b32)?,
+                    k.zeros(batch * m * n)?,
+                );
                 for b_half in [false, true] {
                     let b = operand(b_half, &b_f16, &b_f32);
-                    k.run(&[&k.matmul_batched_operands(form, false, c.view(), a_f16.view().into(), b, batch, m, n, kk)?])?;
+                    k.run(&[&k.matmul_batched_operands(
+                        form,
+                        false,
+                        c.view(),
+                        a_f16.view().into(),
+                        b,
+                        batch,
+                        m,
+                        n,
+                        kk,
+                    )?])?;
                     let b_values = if b_half { cpu::from_f16(&b16) } else { b32.clone() };
                     let want = cpu::matmul_batched(form, &cpu::from_f16(&a16), &b_values, batch, m, n, kk);
                     // Exact products of the same values; f32 accumulation.
-                    assert_close(&format!("batched {form:?} f16 A, f16 B {b_half}, {batch}×{m}×{n}×{kk}"), &k.read::<f32>(c.view())?, &want, f32_atol(kk), 1e-5);
+                    assert_close(
+                        &format!("batched {form:?} f16 A, f16 B {b_half}, {batch}×{m}×{n}×{kk}"),
+                        &k.read::<f32>(c.view())?,
+                        &want,
+                        f32_atol(kk),
+                        1e-5,
+                    );
                 }
             }
         }
@@ -233,7 +306,18 @@ fn f16_operands_of_the_wrong_length_are_refused() {
         let a = k.upload_f16(&cpu::to_f16(&[1.0; 6]))?;
         let b = k.upload(&[1.0f32; 6])?;
         let c = k.zeros(4)?;
-        let err = k.matmul_operands(MatmulForm::AB, MatmulEpilogue::default(), c.view(), a.view().into(), b.view().into(), 2, 2, 4).unwrap_err();
+        let err = k
+            .matmul_operands(
+                MatmulForm::AB,
+                MatmulEpilogue::default(),
+                c.view(),
+                a.view().into(),
+                b.view().into(),
+                2,
+                2,
+                4,
+            )
+            .unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
         Ok(())
     });
@@ -335,12 +419,8 @@ fn f16_matmul_error_is_input_rounding_and_does_not_grow_like_f16_accumulation() 
                 // cancellation and K is large.
                 if lo == 0.0 && kk == 4096 {
                     let f16_acc = f16_accumulated(&a16, &b16, m, n, kk);
-                    let breaks = (0..m * n)
-                        .any(|e| (f16_acc[e] - exact[e]).abs() > f16_matmul_bound(kk, scale[e]));
-                    assert!(
-                        breaks,
-                        "the bound does not tell f16 accumulation apart at k={kk}"
-                    );
+                    let breaks = (0..m * n).any(|e| (f16_acc[e] - exact[e]).abs() > f16_matmul_bound(kk, scale[e]));
+                    assert!(breaks, "the bound does not tell f16 accumulation apart at k={kk}");
                 }
             }
         }
@@ -506,12 +586,7 @@ fn subgroup_matmul_matches_the_cpu_in_every_form_and_shape() {
     });
 }
 
-fn assert_unsupported(
-    result: wgrad::Result<wgrad::kernels::Dispatch>,
-    k: &Kernels,
-    op: &str,
-    feature: &str,
-) {
+fn assert_unsupported(result: wgrad::Result<wgrad::kernels::Dispatch>, k: &Kernels, op: &str, feature: &str) {
     match result {
         Err(Error::Unsupported {
             op: got_op,
@@ -525,10 +600,7 @@ fn assert_unsupported(
             );
             assert_eq!(adapter, k.device().label());
         }
-        other => panic!(
-            "{op} on {}: want Error::Unsupported, got {other:?}",
-            k.device().label()
-        ),
+        other => panic!("{op} on {}: want Error::Unsupported, got {other:?}", k.device().label()),
     }
 }
 
@@ -539,18 +611,8 @@ fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
         let half = k.zeros_f16(6)?;
         if !k.supports_f16() {
             assert!(!k.device().features().contains(wgpu::Features::SHADER_F16));
-            assert_unsupported(
-                k.to_f16(half.view(), f.view()),
-                k,
-                "f32_to_f16",
-                "SHADER_F16",
-            );
-            assert_unsupported(
-                k.from_f16(f.view(), half.view()),
-                k,
-                "f16_to_f32",
-                "SHADER_F16",
-            );
+            assert_unsupported(k.to_f16(half.view(), f.view()), k, "f32_to_f16", "SHADER_F16");
+            assert_unsupported(k.from_f16(f.view(), half.view()), k, "f16_to_f32", "SHADER_F16");
             let c = k.zeros(4)?;
             let err = k.matmul_f16(MatmulForm::AB, c.view(), half.view(), half.view(), 2, 2, 3);
             assert_unsupported(err, k, "matmul_f16_forward", "SHADER_F16");
@@ -581,7 +643,11 @@ fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
 fn timestamp_queries_time_a_kernel_per_launch() {
     common::for_each_adapter("timestamp_queries_time_a_kernel_per_launch", |k| {
         let (m, n, kk) = (96, 80, 64);
-        let (a, b, c) = (k.upload(&vec![0.5f32; m * kk])?, k.upload(&vec![0.25f32; kk * n])?, k.zeros(m * n)?);
+        let (a, b, c) = (
+            k.upload(&vec![0.5f32; m * kk])?,
+            k.upload(&vec![0.25f32; kk * n])?,
+            k.zeros(m * n)?,
+        );
         let d = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk)?;
         // Software drivers compile a pipeline at its first launch: warm up.
         k.run(&[&d])?;
@@ -594,15 +660,25 @@ fn timestamp_queries_time_a_kernel_per_launch() {
                 assert!(has);
                 // Timed spans, not speeds (a loaded machine makes any ratio
                 // flaky; benches compare times): both came back non-zero.
-                assert!(t1 > std::time::Duration::ZERO && t8 > std::time::Duration::ZERO, "{t1:?} once, {t8:?} per launch of 8");
+                assert!(
+                    t1 > std::time::Duration::ZERO && t8 > std::time::Duration::ZERO,
+                    "{t1:?} once, {t8:?} per launch of 8"
+                );
                 eprintln!("{}: {t1:?} once, {t8:?} per launch of 8", k.device().label());
             }
-            (None, None) => eprintln!("{}: no timestamps (TIMESTAMP_QUERY {has}); callers use wall time", k.device().label()),
+            (None, None) => eprintln!(
+                "{}: no timestamps (TIMESTAMP_QUERY {has}); callers use wall time",
+                k.device().label()
+            ),
             other => panic!("timestamps came and went: {other:?}"),
         }
         // The timed pass ran the kernel: C holds the product.
         let got: Vec<f32> = k.read(c.view())?;
-        assert!(got.iter().all(|&v| (v - 0.125 * kk as f32).abs() < 1e-4), "{:?}", &got[..4]);
+        assert!(
+            got.iter().all(|&v| (v - 0.125 * kk as f32).abs() < 1e-4),
+            "{:?}",
+            &got[..4]
+        );
         Ok(())
     });
 }

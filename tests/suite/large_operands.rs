@@ -12,12 +12,12 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, rng};
 use rand::Rng;
+use wgrad::graph::{Executor, Graph};
 use wgrad::infer::generate::{check_fits, Generator, Sampling};
 use wgrad::kernels::{Activation, LimitOverrides, MatmulEpilogue, MatmulForm};
 use wgrad::models::{Gpt, GptConfig};
-use wgrad::nn::{self};
-use wgrad::graph::{Executor, Graph};
 use wgrad::nn::Module;
+use wgrad::nn::{self};
 use wgrad::{cpu, Error, Kernels};
 
 /// Bytes per storage binding in the split tests: 256 floats, so a handful
@@ -25,7 +25,13 @@ use wgrad::{cpu, Error, Kernels};
 const SMALL_BINDING: u64 = 1024;
 
 fn binding_limited(k: &Kernels, bytes: u64) -> Arc<Kernels> {
-    limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(bytes), ..LimitOverrides::default() })
+    limited_kernels(
+        k,
+        LimitOverrides {
+            max_storage_buffer_binding_size: Some(bytes),
+            ..LimitOverrides::default()
+        },
+    )
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -58,16 +64,35 @@ const MATMUL_CASES: [(MatmulForm, usize, usize, usize, Store); 7] = [
 
 /// The case's outputs (C, and pre when kept) on `k`, and its launches.
 #[allow(clippy::too_many_arguments)]
-fn run_matmul(k: &Kernels, form: MatmulForm, store: Store, (m, n, kk): (usize, usize, usize), a: &[f32], b: &[f32], c0: &[f32], extra: &[f32]) -> wgrad::Result<(Vec<f32>, Vec<f32>, usize)> {
+fn run_matmul(
+    k: &Kernels,
+    form: MatmulForm,
+    store: Store,
+    (m, n, kk): (usize, usize, usize),
+    a: &[f32],
+    b: &[f32],
+    c0: &[f32],
+    extra: &[f32],
+) -> wgrad::Result<(Vec<f32>, Vec<f32>, usize)> {
     let (a, b, c) = (k.upload(a)?, k.upload(b)?, k.upload(c0)?);
     let bias = k.upload(&extra[..n])?;
     let x = k.upload(extra)?;
     let pre = k.zeros(m * n)?;
     let epilogue = match store {
         Store::Plain => MatmulEpilogue::default(),
-        Store::Accumulate => MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() },
-        Store::BiasGeluPre => MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() },
-        Store::GeluGrad => MatmulEpilogue { activation_grad: Some((Activation::Gelu, x.view())), ..MatmulEpilogue::default() },
+        Store::Accumulate => MatmulEpilogue {
+            accumulate: true,
+            ..MatmulEpilogue::default()
+        },
+        Store::BiasGeluPre => MatmulEpilogue {
+            bias: Some(bias.view()),
+            activation: Some((Activation::Gelu, Some(pre.view()))),
+            ..MatmulEpilogue::default()
+        },
+        Store::GeluGrad => MatmulEpilogue {
+            activation_grad: Some((Activation::Gelu, x.view())),
+            ..MatmulEpilogue::default()
+        },
     };
     let d = k.matmul_epilogue(form, epilogue, c.view(), a.view(), b.view(), m, n, kk)?;
     k.run(&[&d])?;
@@ -80,14 +105,20 @@ fn matmuls_over_small_bindings_equal_the_unsplit_ones() {
         let lim = binding_limited(k, SMALL_BINDING);
         for (i, &(form, m, n, kk, store)) in MATMUL_CASES.iter().enumerate() {
             let mut r = rng(300 + i as u64);
-            let (a, b) = (random_vec(&mut r, m * kk, -1.0, 1.0), random_vec(&mut r, kk * n, -1.0, 1.0));
+            let (a, b) = (
+                random_vec(&mut r, m * kk, -1.0, 1.0),
+                random_vec(&mut r, kk * n, -1.0, 1.0),
+            );
             let c0 = random_vec(&mut r, m * n, -1.0, 1.0);
             // The bias (first n values) or the activation's input x [m, n].
             let extra = random_vec(&mut r, m * n, -2.0, 2.0);
             let what = format!("{form:?} m={m} n={n} k={kk} {store:?}");
             let (split, split_pre, launches) = run_matmul(&lim, form, store, (m, n, kk), &a, &b, &c0, &extra)?;
             let (whole, whole_pre, one) = run_matmul(k, form, store, (m, n, kk), &a, &b, &c0, &extra)?;
-            assert!(launches > 1 && one == 1, "{what}: {launches} launches split, {one} whole");
+            assert!(
+                launches > 1 && one == 1,
+                "{what}: {launches} launches split, {one} whole"
+            );
             // Each element is computed by the same kernel over the same k
             // order whichever launch holds it: equal bit for bit.
             assert_eq!(bits(&split), bits(&whole), "{what}: C");
@@ -130,7 +161,19 @@ fn matmuls_split_along_k_equal_the_unsplit_ones() {
             let c0 = random_vec(&mut r, m * n, -1.0, 1.0);
             let run = |k: &Kernels| -> wgrad::Result<(Vec<f32>, usize)> {
                 let (av, bv, cv) = (k.upload(&a)?, k.upload(&b)?, k.upload(&c0)?);
-                let d = k.matmul_epilogue(form, MatmulEpilogue { accumulate, ..MatmulEpilogue::default() }, cv.view(), av.view(), bv.view(), m, n, kk)?;
+                let d = k.matmul_epilogue(
+                    form,
+                    MatmulEpilogue {
+                        accumulate,
+                        ..MatmulEpilogue::default()
+                    },
+                    cv.view(),
+                    av.view(),
+                    bv.view(),
+                    m,
+                    n,
+                    kk,
+                )?;
                 k.run(&[&d])?;
                 Ok((read(k, &cv)?, d.launches()))
             };
@@ -141,7 +184,20 @@ fn matmuls_split_along_k_equal_the_unsplit_ones() {
             // f32 sums of ≤ 517 products of values in [-1, 1], each part's
             // rounded once more in C.
             assert_close(&what, &split, &whole, 1e-4, 1e-5);
-            let (want, _) = cpu::matmul_epilogue(form, cpu::Epilogue { accumulate_onto: accumulate.then_some(&c0[..]), bias: None, activation: None, activation_grad: None }, &a, &b, m, n, kk);
+            let (want, _) = cpu::matmul_epilogue(
+                form,
+                cpu::Epilogue {
+                    accumulate_onto: accumulate.then_some(&c0[..]),
+                    bias: None,
+                    activation: None,
+                    activation_grad: None,
+                },
+                &a,
+                &b,
+                m,
+                n,
+                kk,
+            );
             assert_close(&format!("{what} against the CPU"), &split, &want, 1e-4, 1e-5);
         }
         Ok(())
@@ -156,22 +212,49 @@ fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
             let err = result.expect_err(what);
             let message = err.to_string();
             assert!(matches!(err, Error::TooLarge { .. }), "{what}: {message}");
-            assert!(message.contains(operand) && message.contains("lowered by Kernels::with_limits") && message.contains("1024"), "{what}: {message}");
+            assert!(
+                message.contains(operand)
+                    && message.contains("lowered by Kernels::with_limits")
+                    && message.contains("1024"),
+                "{what}: {message}"
+            );
         };
         // AB: B [k, n] splits only along k, which a bias cannot follow.
         let (m, n, kk) = (2, 30, 20);
         let (a, b, c, bias) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?, lim.zeros(n)?);
-        let epilogue = MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() };
-        expect_too_large("AB with a bias, B over the limit", lim.matmul_epilogue(MatmulForm::AB, epilogue, c.view(), a.view(), b.view(), m, n, kk), "`b (stored [k, n]");
+        let epilogue = MatmulEpilogue {
+            bias: Some(bias.view()),
+            ..MatmulEpilogue::default()
+        };
+        expect_too_large(
+            "AB with a bias, B over the limit",
+            lim.matmul_epilogue(MatmulForm::AB, epilogue, c.view(), a.view(), b.view(), m, n, kk),
+            "`b (stored [k, n]",
+        );
         // A batch of products is not split.
         let (batch, m, n, kk) = (4, 10, 10, 10);
-        let (a, b, c) = (lim.zeros(batch * m * kk)?, lim.zeros(batch * kk * n)?, lim.zeros(batch * m * n)?);
-        expect_too_large("batched", lim.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), batch, m, n, kk), "`a`");
+        let (a, b, c) = (
+            lim.zeros(batch * m * kk)?,
+            lim.zeros(batch * kk * n)?,
+            lim.zeros(batch * m * n)?,
+        );
+        expect_too_large(
+            "batched",
+            lim.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), batch, m, n, kk),
+            "`a`",
+        );
         // One row of A over the limit, with a bias (no split along k).
         let (m, n, kk) = (2, 2, 300);
         let (a, b, c, bias) = (lim.zeros(m * kk)?, lim.zeros(kk * n)?, lim.zeros(m * n)?, lim.zeros(n)?);
-        let epilogue = MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() };
-        expect_too_large("a row over the limit", lim.matmul_epilogue(MatmulForm::ABt, epilogue, c.view(), a.view(), b.view(), m, n, kk), "one row");
+        let epilogue = MatmulEpilogue {
+            bias: Some(bias.view()),
+            ..MatmulEpilogue::default()
+        };
+        expect_too_large(
+            "a row over the limit",
+            lim.matmul_epilogue(MatmulForm::ABt, epilogue, c.view(), a.view(), b.view(), m, n, kk),
+            "one row",
+        );
         Ok(())
     });
 }
@@ -206,7 +289,13 @@ fn embedding_lookups_over_small_bindings_equal_the_unsplit_ones() {
         assert!(launches > 1, "{launches} launches");
         // Copies: exact, NaN for the id past the vocabulary.
         assert_close("split lookup", &split, &whole, 0.0, 0.0);
-        assert_close("split lookup against the CPU", &split, &cpu::embedding_forward(&table_host, &ids_host, VOCAB, CHANNELS), 0.0, 0.0);
+        assert_close(
+            "split lookup against the CPU",
+            &split,
+            &cpu::embedding_forward(&table_host, &ids_host, VOCAB, CHANNELS),
+            0.0,
+            0.0,
+        );
 
         // The backward adds into dtable, row range by row range.
         let dout_host = random_vec(&mut rng(311), n * CHANNELS, -1.0, 1.0);
@@ -215,7 +304,8 @@ fn embedding_lookups_over_small_bindings_equal_the_unsplit_ones() {
             let (dtable, dout, ids) = (k.upload(&dtable0)?, k.upload(&dout_host)?, k.upload(&ids_host)?);
             let (order, cursor) = (k.zeros(n)?, k.zeros(VOCAB + 1)?);
             let sort = k.embedding_backward_sort(order.view(), cursor.view(), ids.view(), n, VOCAB)?;
-            let gather = k.embedding_backward(dtable.view(), dout.view(), ids.view(), order.view(), n, VOCAB, CHANNELS)?;
+            let gather =
+                k.embedding_backward(dtable.view(), dout.view(), ids.view(), order.view(), n, VOCAB, CHANNELS)?;
             k.run(&[&sort, &gather])?;
             Ok((read(k, &dtable)?, gather.launches()))
         };
@@ -224,7 +314,11 @@ fn embedding_lookups_over_small_bindings_equal_the_unsplit_ones() {
         assert!(launches > 1, "{launches} backward launches");
         // The same sums in the same position order: equal bit for bit.
         assert_eq!(bits(&split), bits(&whole), "split backward");
-        let want: Vec<f32> = cpu::embedding_backward(&dout_host, &ids_host, VOCAB, CHANNELS).iter().zip(&dtable0).map(|(g, d)| g + d).collect();
+        let want: Vec<f32> = cpu::embedding_backward(&dout_host, &ids_host, VOCAB, CHANNELS)
+            .iter()
+            .zip(&dtable0)
+            .map(|(g, d)| g + d)
+            .collect();
         // Sums of ≤ 3 values in [-1, 1] plus the start, f32 against f64.
         assert_close("split backward against the CPU", &split, &want, 1e-6, 1e-6);
         Ok(())
@@ -234,13 +328,24 @@ fn embedding_lookups_over_small_bindings_equal_the_unsplit_ones() {
 /// A GPT whose token table (300 × 16 floats, 19.2 KB) and full-sequence
 /// logits (16 × 300) are over [`GPT_BINDING`] while every other tensor
 /// fits it, with logits of order 1 so greedy picks are clear.
-const GPT: GptConfig = GptConfig { vocab_size: 300, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16 };
+const GPT: GptConfig = GptConfig {
+    vocab_size: 300,
+    block_size: 16,
+    n_layer: 2,
+    n_head: 2,
+    n_embd: 16,
+};
 const GPT_BINDING: u64 = 8192;
 
 fn gpt_model() -> Gpt {
     nn::manual_seed(320);
     let mut model = Gpt::new(GPT).expect("valid config");
-    model.wte.weight.iter_mut().chain(model.wpe.weight.iter_mut()).for_each(|w| *w *= 25.0);
+    model
+        .wte
+        .weight
+        .iter_mut()
+        .chain(model.wpe.weight.iter_mut())
+        .for_each(|w| *w *= 25.0);
     model
 }
 
@@ -253,17 +358,31 @@ fn generation_with_the_token_table_over_a_binding_equals_generation_without() {
         let mut split = Generator::new(lim.clone(), &model, 1)?;
         let mut whole = Generator::new(k.clone(), &model, 1)?;
         let mut r = rng(321);
-        let sequence: Vec<u32> = (0..GPT.block_size).map(|_| r.random_range(0..GPT.vocab_size as u32)).collect();
+        let sequence: Vec<u32> = (0..GPT.block_size)
+            .map(|_| r.random_range(0..GPT.vocab_size as u32))
+            .collect();
         // Prefill then decode to the end of the context: every launch of
         // the split lookup and head against the one dispatch each.
         let prompt = &sequence[..5];
-        assert_eq!(bits(&split.prefill(&[prompt])?), bits(&whole.prefill(&[prompt])?), "prefill logits");
+        assert_eq!(
+            bits(&split.prefill(&[prompt])?),
+            bits(&whole.prefill(&[prompt])?),
+            "prefill logits"
+        );
         for (p, &token) in sequence.iter().enumerate().skip(5) {
-            assert_eq!(bits(&split.decode(&[token])?), bits(&whole.decode(&[token])?), "decode logits at {p}");
+            assert_eq!(
+                bits(&split.decode(&[token])?),
+                bits(&whole.decode(&[token])?),
+                "decode logits at {p}"
+            );
         }
         let greedy = Sampling::greedy();
         let ids = split.generate(&[7, 3, 250], 30, &greedy, |_| Ok(()))?;
-        assert_eq!(ids, whole.generate(&[7, 3, 250], 30, &greedy, |_| Ok(()))?, "greedy ids");
+        assert_eq!(
+            ids,
+            whole.generate(&[7, 3, 250], 30, &greedy, |_| Ok(()))?,
+            "greedy ids"
+        );
 
         // The full-sequence forward (Gpt::forward): logits [16, 300] in
         // blocks of rows.
@@ -286,34 +405,86 @@ fn a_model_over_the_memory_or_the_buffer_limit_is_refused_before_allocating() {
         let model = gpt_model();
         let parameters = GPT.num_parameters() as u64 * 4;
 
-        let small_memory = limited_kernels(k, LimitOverrides { memory_bytes: Some(parameters), ..LimitOverrides::default() });
+        let small_memory = limited_kernels(
+            k,
+            LimitOverrides {
+                memory_bytes: Some(parameters),
+                ..LimitOverrides::default()
+            },
+        );
         let buffers = small_memory.buffers_created();
         let err = Generator::new(small_memory.clone(), &model, 1).expect_err("over the memory");
         let message = err.to_string();
-        let Error::MemoryTooSmall { needed, available, .. } = err else { panic!("{message}") };
+        let Error::MemoryTooSmall { needed, available, .. } = err else {
+            panic!("{message}")
+        };
         assert!(needed > available && available == parameters, "{message}");
-        assert!(message.contains(&needed.to_string()) && message.contains(&parameters.to_string()) && message.contains("parameters"), "{message}");
-        assert_eq!(small_memory.buffers_created(), buffers, "buffers allocated before the refusal");
+        assert!(
+            message.contains(&needed.to_string())
+                && message.contains(&parameters.to_string())
+                && message.contains("parameters"),
+            "{message}"
+        );
+        assert_eq!(
+            small_memory.buffers_created(),
+            buffers,
+            "buffers allocated before the refusal"
+        );
         // From the sizes alone: parameters plus caches over the memory.
         let err = check_fits(&small_memory, &GPT, 1).expect_err("over the memory, from the config");
-        assert!(matches!(err, Error::MemoryTooSmall { .. }) && err.to_string().contains("KV caches"), "{err}");
+        assert!(
+            matches!(err, Error::MemoryTooSmall { .. }) && err.to_string().contains("KV caches"),
+            "{err}"
+        );
         // Room for both: the check passes.
-        let roomy = limited_kernels(k, LimitOverrides { memory_bytes: Some(2 * parameters), ..LimitOverrides::default() });
+        let roomy = limited_kernels(
+            k,
+            LimitOverrides {
+                memory_bytes: Some(2 * parameters),
+                ..LimitOverrides::default()
+            },
+        );
         check_fits(&roomy, &GPT, 1)?;
 
         // One buffer over the buffer limit: the parameter arena.
-        let small_buffers = limited_kernels(k, LimitOverrides { max_buffer_size: Some(parameters / 2), ..LimitOverrides::default() });
+        let small_buffers = limited_kernels(
+            k,
+            LimitOverrides {
+                max_buffer_size: Some(parameters / 2),
+                ..LimitOverrides::default()
+            },
+        );
         let buffers = small_buffers.buffers_created();
         let err = Generator::new(small_buffers.clone(), &model, 1).expect_err("over the buffer limit");
         let message = err.to_string();
-        assert!(matches!(err, Error::TooLarge { .. }) && message.contains("`parameters`") && message.contains("max_buffer_size"), "{message}");
-        assert_eq!(small_buffers.buffers_created(), buffers, "buffers allocated before the refusal");
+        assert!(
+            matches!(err, Error::TooLarge { .. })
+                && message.contains("`parameters`")
+                && message.contains("max_buffer_size"),
+            "{message}"
+        );
+        assert_eq!(
+            small_buffers.buffers_created(),
+            buffers,
+            "buffers allocated before the refusal"
+        );
 
         // A limit above the adapter's is refused.
         let adapter = k.device().limits().max_storage_buffer_binding_size;
         let backend = wgpu::Backends::from(k.device().info().backend);
-        let device = wgrad::Device::open(&wgrad::DeviceOptions { backends: Some(backend), adapter: None, ..Default::default() })?;
-        let err = Kernels::with_limits(device, LimitOverrides { max_storage_buffer_binding_size: Some(adapter + 4), ..LimitOverrides::default() }).expect_err("above the adapter");
+        let device = wgrad::Device::open(&wgrad::DeviceOptions {
+            backends: Some(backend),
+            adapter: None,
+            ..Default::default()
+        })?;
+        let err = Kernels::with_limits(
+            device,
+            LimitOverrides {
+                max_storage_buffer_binding_size: Some(adapter + 4),
+                ..LimitOverrides::default()
+            },
+        )
+        .expect_err("above the adapter");
         assert!(err.to_string().contains(&adapter.to_string()), "{err}");
         Ok(())
     });

@@ -91,9 +91,7 @@ fn code_only(text: &str) -> String {
                 i += 1;
                 continue;
             }
-            let end: String = std::iter::once('"')
-                .chain(std::iter::repeat_n('#', hashes))
-                .collect();
+            let end: String = std::iter::once('"').chain(std::iter::repeat_n('#', hashes)).collect();
             let body_start = i + 2 + hashes;
             let rest: String = chars[body_start..].iter().collect();
             let body_len = rest

@@ -9,25 +9,40 @@ use std::fs;
 use std::path::Path;
 
 use crate::common;
-use crate::gpt_folder::{assert_same_parameters, copy_fixture, edit_config, edit_weights, ends_with, fixture, read_raw, TempDir};
+use crate::gpt_folder::{
+    assert_same_parameters, copy_fixture, edit_config, edit_weights, ends_with, fixture, read_raw, TempDir,
+};
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use safetensors::Dtype;
+use wgrad::infer::Predictor;
 use wgrad::io::checkpoint;
 use wgrad::io::gpt_folder::TokenizerSpec;
 use wgrad::io::llama_folder::{load_llama_folder, read_llama_config, save_llama_folder};
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{Module, RopeLayout};
-use wgrad::infer::Predictor;
 use wgrad::Error;
 
 fn tiny(tied: bool) -> LlamaConfig {
-    LlamaConfig { vocab_size: 37, block_size: 16, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, intermediate_size: 56, tie_word_embeddings: tied, ..LlamaConfig::small(37) }
+    LlamaConfig {
+        vocab_size: 37,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: 2,
+        n_embd: 32,
+        intermediate_size: 56,
+        tie_word_embeddings: tied,
+        ..LlamaConfig::small(37)
+    }
 }
 
 fn random_llama(config: LlamaConfig, seed: u64) -> Llama {
     let mut r = rng(seed);
-    Llama::from_parameters(config, |_, shape| Ok(random_vec(&mut r, shape.iter().product(), -0.5, 0.5))).unwrap()
+    Llama::from_parameters(config, |_, shape| {
+        Ok(random_vec(&mut r, shape.iter().product(), -0.5, 0.5))
+    })
+    .unwrap()
 }
 
 fn fixture_logits(which: &str) -> (Vec<u32>, Vec<f32>) {
@@ -41,8 +56,14 @@ fn the_presets_have_their_published_sizes() {
     // SmolLM2-135M's model card: 134,515,008 parameters (tied head).
     assert_eq!(LlamaConfig::smollm2_135m().num_parameters(), Some(134_515_008));
     assert!(LlamaConfig::preset("small", 65).unwrap().check().is_ok());
-    assert!(matches!(LlamaConfig::preset("llama-9000", 65), Err(Error::InvalidArgument { .. })));
-    let gqa = LlamaConfig { n_kv_head: 3, ..LlamaConfig::small(65) };
+    assert!(matches!(
+        LlamaConfig::preset("llama-9000", 65),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let gqa = LlamaConfig {
+        n_kv_head: 3,
+        ..LlamaConfig::small(65)
+    };
     assert!(matches!(Llama::new(gqa), Err(Error::InvalidArgument { reason, .. }) if reason.contains("n_kv_head")));
 }
 
@@ -54,7 +75,15 @@ fn folders_written_by_transformers_give_transformers_logits() {
         .into_iter()
         .map(|name| {
             let loaded = load_llama_folder(fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(loaded.model.config, LlamaConfig { rope_theta: 10000.0, rms_norm_eps: 1e-5, ..tiny(false) }, "{name}");
+            assert_eq!(
+                loaded.model.config,
+                LlamaConfig {
+                    rope_theta: 10000.0,
+                    rms_norm_eps: 1e-5,
+                    ..tiny(false)
+                },
+                "{name}"
+            );
             let want: &[f32] = if name.ends_with("bf16") { &want_bf16 } else { &want };
             (name, loaded.model, want)
         })
@@ -131,29 +160,79 @@ fn load_broken(fixture_name: &str, edit: impl FnOnce(&Path)) -> Error {
 
 #[test]
 fn each_broken_folder_is_a_clear_error() {
-    let err = load_broken("hf-tiny-llama", |d| edit_weights(d, |t| t.retain(|t| t.0 != "model.layers.1.mlp.up_proj.weight")));
-    assert!(matches!(&err, Error::FolderTensorMissing { name, expected, .. } if name == "model.layers.1.mlp.up_proj.weight" && expected == &[56, 32]), "{err}");
-    let err = load_broken("hf-tiny-llama", |d| edit_weights(d, |t| t.retain(|t| t.0 != "lm_head.weight")));
-    assert!(matches!(&err, Error::FolderTensorMissing { name, .. } if name == "lm_head.weight"), "{err}");
-    let err = load_broken("hf-tiny-llama", |d| edit_config(d, |c| { c.insert("num_key_value_heads".into(), 4.into()); }));
-    assert!(matches!(&err, Error::FolderTensorShape { name, expected, found, .. } if (name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight")) && expected == &[32, 32] && found == &[16, 32]), "{err}");
-    let err = load_broken("hf-tiny-llama", |d| edit_weights(d, |t| t.push(("model.layers.0.self_attn.q_proj.bias".into(), Dtype::F32, vec![32], vec![0; 128]))));
-    assert!(matches!(&err, Error::FolderTensorUnexpected { name, .. } if name == "model.layers.0.self_attn.q_proj.bias"), "{err}");
+    let err = load_broken("hf-tiny-llama", |d| {
+        edit_weights(d, |t| t.retain(|t| t.0 != "model.layers.1.mlp.up_proj.weight"))
+    });
+    assert!(
+        matches!(&err, Error::FolderTensorMissing { name, expected, .. } if name == "model.layers.1.mlp.up_proj.weight" && expected == &[56, 32]),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama", |d| {
+        edit_weights(d, |t| t.retain(|t| t.0 != "lm_head.weight"))
+    });
+    assert!(
+        matches!(&err, Error::FolderTensorMissing { name, .. } if name == "lm_head.weight"),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama", |d| {
+        edit_config(d, |c| {
+            c.insert("num_key_value_heads".into(), 4.into());
+        })
+    });
+    assert!(
+        matches!(&err, Error::FolderTensorShape { name, expected, found, .. } if (name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight")) && expected == &[32, 32] && found == &[16, 32]),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama", |d| {
+        edit_weights(d, |t| {
+            t.push((
+                "model.layers.0.self_attn.q_proj.bias".into(),
+                Dtype::F32,
+                vec![32],
+                vec![0; 128],
+            ))
+        })
+    });
+    assert!(
+        matches!(&err, Error::FolderTensorUnexpected { name, .. } if name == "model.layers.0.self_attn.q_proj.bias"),
+        "{err}"
+    );
     let err = load_broken("hf-tiny-llama", |d| {
         edit_weights(d, |t| {
             let norm = t.iter_mut().find(|t| t.0 == "model.norm.weight").unwrap();
             (norm.1, norm.3) = (Dtype::I32, vec![0; 128]);
         })
     });
-    assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "model.safetensors") && reason.contains("model.norm.weight") && reason.contains("I32")), "{err}");
-    let err = load_broken("hf-tiny-llama", |d| fs::write(d.join("model.safetensors"), b"\x10\0\0\0\0\0\0\0{\"a\":").unwrap());
-    assert!(matches!(&err, Error::CheckpointFormat { path, .. } if ends_with(path, "model.safetensors")), "{err}");
-    let err = load_broken("hf-tiny-llama-sharded", |d| fs::remove_file(d.join("model-00002-of-00006.safetensors")).unwrap());
-    assert!(matches!(&err, Error::CheckpointIo { path, .. } if ends_with(path, "model-00002-of-00006.safetensors")), "{err}");
-    let err = load_broken("hf-tiny-llama", |d| fs::remove_file(d.join("model.safetensors")).unwrap());
-    assert!(matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("model.safetensors")), "{err}");
+    assert!(
+        matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "model.safetensors") && reason.contains("model.norm.weight") && reason.contains("I32")),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama", |d| {
+        fs::write(d.join("model.safetensors"), b"\x10\0\0\0\0\0\0\0{\"a\":").unwrap()
+    });
+    assert!(
+        matches!(&err, Error::CheckpointFormat { path, .. } if ends_with(path, "model.safetensors")),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama-sharded", |d| {
+        fs::remove_file(d.join("model-00002-of-00006.safetensors")).unwrap()
+    });
+    assert!(
+        matches!(&err, Error::CheckpointIo { path, .. } if ends_with(path, "model-00002-of-00006.safetensors")),
+        "{err}"
+    );
+    let err = load_broken("hf-tiny-llama", |d| {
+        fs::remove_file(d.join("model.safetensors")).unwrap()
+    });
+    assert!(
+        matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("model.safetensors")),
+        "{err}"
+    );
     let err = load_broken("hf-tiny-llama", |d| fs::remove_file(d.join("config.json")).unwrap());
-    assert!(matches!(&err, Error::CheckpointIo { path, .. } if ends_with(path, "config.json")), "{err}");
+    assert!(
+        matches!(&err, Error::CheckpointIo { path, .. } if ends_with(path, "config.json")),
+        "{err}"
+    );
     for (key, value, words) in [
         ("model_type", serde_json::json!("gpt2"), "model_type"),
         ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
@@ -162,15 +241,33 @@ fn each_broken_folder_is_a_clear_error() {
         ("num_key_value_heads", serde_json::json!(3), "n_kv_head"),
         ("hidden_size", serde_json::json!(-1), "hidden_size"),
         ("head_dim", serde_json::json!(16), "head_dim"),
-        ("rope_parameters", serde_json::json!({"rope_type": "llama3", "rope_theta": 5e5}), "llama3"),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "llama3", "rope_theta": 5e5}),
+            "llama3",
+        ),
         ("rms_norm_eps", serde_json::json!(0), "rms_norm_eps"),
     ] {
-        let err = load_broken("hf-tiny-llama", |d| edit_config(d, |c| { c.insert(key.into(), value.clone()); }));
-        assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains(words)), "{key}: {err}");
+        let err = load_broken("hf-tiny-llama", |d| {
+            edit_config(d, |c| {
+                c.insert(key.into(), value.clone());
+            })
+        });
+        assert!(
+            matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains(words)),
+            "{key}: {err}"
+        );
     }
     // A tied config whose stored head is not the token table.
-    let err = load_broken("hf-tiny-llama", |d| edit_config(d, |c| { c.insert("tie_word_embeddings".into(), true.into()); }));
-    assert!(matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("lm_head.weight")), "{err}");
+    let err = load_broken("hf-tiny-llama", |d| {
+        edit_config(d, |c| {
+            c.insert("tie_word_embeddings".into(), true.into());
+        })
+    });
+    assert!(
+        matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("lm_head.weight")),
+        "{err}"
+    );
     assert!(read_llama_config(fixture("hf-tiny-llama")).is_ok());
 }
 
@@ -191,7 +288,10 @@ fn sizes_the_weights_cannot_hold_are_refused_before_allocating() {
             })
         })
     });
-    assert!(matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("bytes at 2 a value") && reason.contains("79792 bytes")), "{err}");
+    assert!(
+        matches!(&err, Error::CheckpointFormat { path, reason } if ends_with(path, "config.json") && reason.contains("bytes at 2 a value") && reason.contains("79792 bytes")),
+        "{err}"
+    );
     assert!(total < 16 << 20, "{total} bytes allocated");
 }
 
@@ -203,7 +303,14 @@ fn saving_refuses_to_replace_a_folder_with_other_files() {
     save_llama_folder(&dir, &model, None).unwrap();
     fs::write(dir.join("notes.txt"), "mine").unwrap();
     let err = save_llama_folder(&dir, &random_llama(tiny(true), 4), None).expect_err("notes.txt is not a model file");
-    assert!(matches!(&err, Error::InvalidArgument { reason, .. } if reason.contains("notes.txt")), "{err}");
+    assert!(
+        matches!(&err, Error::InvalidArgument { reason, .. } if reason.contains("notes.txt")),
+        "{err}"
+    );
     assert_same_parameters(&load_llama_folder(&dir).unwrap().model, &model);
-    assert_eq!(tmp.entries(), vec!["model".to_string()], "no temporary folder is left behind");
+    assert_eq!(
+        tmp.entries(),
+        vec!["model".to_string()],
+        "no temporary folder is left behind"
+    );
 }

@@ -9,7 +9,10 @@
 
 use crate::common;
 
-use common::{assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, random_vec, read, rng, wide};
+use common::{
+    assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, random_vec,
+    read, rng, wide,
+};
 use safetensors::SafeTensors;
 use wgrad::graph::Graph;
 use wgrad::kernels::{RopeLayout, RopeShape};
@@ -25,9 +28,31 @@ struct RopeCase {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rope_case(seqs: usize, rows: usize, heads: usize, head_dim: usize, rotary_dim: usize, positions: usize, layout: RopeLayout, base: f32, starts: &[u32]) -> RopeCase {
+fn rope_case(
+    seqs: usize,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    positions: usize,
+    layout: RopeLayout,
+    base: f32,
+    starts: &[u32],
+) -> RopeCase {
     assert_eq!(starts.len(), seqs);
-    RopeCase { shape: RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions }, layout, base, starts: starts.to_vec() }
+    RopeCase {
+        shape: RopeShape {
+            seqs,
+            rows,
+            heads,
+            head_dim,
+            rotary_dim,
+            positions,
+        },
+        layout,
+        base,
+        starts: starts.to_vec(),
+    }
 }
 
 /// Shapes of 1, primes, more elements than a workgroup; the whole and a
@@ -57,7 +82,12 @@ fn rope_cases() -> Vec<RopeCase> {
 fn run_rope(k: &Kernels, case: &RopeCase, x_host: &[f32], backward: bool) -> wgrad::Result<Vec<f32>> {
     let s = case.shape;
     let table_host = rope_table(case.base, s.rotary_dim, s.positions)?;
-    let (x, starts, table, y) = (k.upload(x_host)?, k.upload(&case.starts)?, k.upload(&table_host)?, k.zeros(x_host.len())?);
+    let (x, starts, table, y) = (
+        k.upload(x_host)?,
+        k.upload(&case.starts)?,
+        k.upload(&table_host)?,
+        k.zeros(x_host.len())?,
+    );
     let d = if backward {
         k.rope_backward(y.view(), x.view(), starts.view(), table.view(), s, case.layout)?
     } else {
@@ -79,9 +109,21 @@ fn rope_forward_and_backward_match_the_cpu() {
             // are rounded once (≤ 6e-8), then two products and a sum of
             // |x| ≤ 1 in f32: a few 1e-8.
             let want = cpu::rope_forward(&x_host, &case.starts, s, case.layout, case.base);
-            assert_close(&format!("rope_forward {what}"), &run_rope(k, case, &x_host, false)?, &want, 3e-7, 1e-6);
+            assert_close(
+                &format!("rope_forward {what}"),
+                &run_rope(k, case, &x_host, false)?,
+                &want,
+                3e-7,
+                1e-6,
+            );
             let want = cpu::rope_backward(&x_host, &case.starts, s, case.layout, case.base);
-            assert_close(&format!("rope_backward {what}"), &run_rope(k, case, &x_host, true)?, &want, 3e-7, 1e-6);
+            assert_close(
+                &format!("rope_backward {what}"),
+                &run_rope(k, case, &x_host, true)?,
+                &want,
+                3e-7,
+                1e-6,
+            );
         }
         Ok(())
     });
@@ -101,15 +143,39 @@ fn rope_of_one_pair_is_the_rotation_by_the_position() {
             [(a * cos - b * sin) as f32, (b * cos + a * sin) as f32, c]
         })
         .collect();
-    let shape = RopeShape { seqs: 1, rows: positions, heads: 1, head_dim: 3, rotary_dim: 2, positions };
+    let shape = RopeShape {
+        seqs: 1,
+        rows: positions,
+        heads: 1,
+        head_dim: 3,
+        rotary_dim: 2,
+        positions,
+    };
     for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
         // f64 but for the f32 angles, here exact integers.
-        assert_close(&format!("twin {layout:?}"), &cpu::rope_forward(&x, &[0], shape, layout, 10_000.0), &want, 1e-7, 1e-7);
+        assert_close(
+            &format!("twin {layout:?}"),
+            &cpu::rope_forward(&x, &[0], shape, layout, 10_000.0),
+            &want,
+            1e-7,
+            1e-7,
+        );
         // Undone by the backward.
-        assert_close(&format!("twin round trip {layout:?}"), &cpu::rope_backward(&want, &[0], shape, layout, 10_000.0), &x, 1e-6, 1e-6);
+        assert_close(
+            &format!("twin round trip {layout:?}"),
+            &cpu::rope_backward(&want, &[0], shape, layout, 10_000.0),
+            &x,
+            1e-6,
+            1e-6,
+        );
     }
     for_each_adapter("rope_one_pair", |k| {
-        let case = RopeCase { shape, layout: RopeLayout::HalfSplit, base: 10_000.0, starts: vec![0] };
+        let case = RopeCase {
+            shape,
+            layout: RopeLayout::HalfSplit,
+            base: 10_000.0,
+            starts: vec![0],
+        };
         // As rope_forward_and_backward_match_the_cpu.
         assert_close("kernel", &run_rope(k, &case, &x, false)?, &want, 3e-7, 1e-6);
         Ok(())
@@ -129,7 +195,15 @@ fn rope_layouts_agree_under_the_channel_permutation() {
         let n = half_split.shape.lengths().expect("small").0;
         let x = random_vec(&mut rng(1100), n, -1.0, 1.0);
         // Channel c of the half-split head is channel interleaved(c).
-        let interleaved = |c: usize| if c >= rotary_dim { c } else if c < rotary_dim / 2 { 2 * c } else { 2 * (c - rotary_dim / 2) + 1 };
+        let interleaved = |c: usize| {
+            if c >= rotary_dim {
+                c
+            } else if c < rotary_dim / 2 {
+                2 * c
+            } else {
+                2 * (c - rotary_dim / 2) + 1
+            }
+        };
         let to_interleaved = |v: &[f32]| {
             let mut out = vec![0.0; v.len()];
             for (i, &e) in v.iter().enumerate() {
@@ -141,7 +215,13 @@ fn rope_layouts_agree_under_the_channel_permutation() {
         let got_inter = run_rope(k, &case(RopeLayout::Interleaved), &to_interleaved(&x), false)?;
         // The same two products and sum per element: equal up to the
         // compiler's contraction into fma (1 ulp of |x| ≤ 1).
-        assert_close("half-split vs interleaved", &to_interleaved(&got_half), &got_inter, 2e-7, 0.0);
+        assert_close(
+            "half-split vs interleaved",
+            &to_interleaved(&got_half),
+            &got_inter,
+            2e-7,
+            0.0,
+        );
         Ok(())
     });
 }
@@ -151,40 +231,108 @@ fn rope_twin_backward_matches_central_differences() {
     // The small cases with every row inside the table (past it the
     // forward is NaN, and so is every difference).
     let inside = |c: &RopeCase| c.starts.iter().all(|&s| s as usize + c.shape.rows <= c.shape.positions);
-    for (i, case) in rope_cases().iter().enumerate().filter(|(_, c)| inside(c) && c.shape.lengths().is_some_and(|l| l.0 <= 1200)) {
+    for (i, case) in rope_cases()
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| inside(c) && c.shape.lengths().is_some_and(|l| l.0 <= 1200))
+    {
         let s = case.shape;
         let n = s.lengths().expect("small").0;
         let mut r = rng(1200 + i as u64);
         let x = random_vec(&mut r, n, -1.0, 1.0);
         let dy = random_vec(&mut r, n, -1.0, 1.0);
-        let numeric = central_differences(&wide(&x), &wide(&dy), 1e-3, |v| cpu::rope_f64(v, &case.starts, s, case.layout, case.base, 1.0));
+        let numeric = central_differences(&wide(&x), &wide(&dy), 1e-3, |v| {
+            cpu::rope_f64(v, &case.starts, s, case.layout, case.base, 1.0)
+        });
         let got = cpu::rope_backward(&dy, &case.starts, s, case.layout, case.base);
         // A rotation is linear: central differences are exact up to
         // rounding (~1e-13 here); both sides are then rounded to f32.
-        assert_close(&format!("rope dx {:?} {:?}", case.layout, s), &got, &numeric, 1e-9, 2e-7);
+        assert_close(
+            &format!("rope dx {:?} {:?}", case.layout, s),
+            &got,
+            &numeric,
+            1e-9,
+            2e-7,
+        );
     }
 }
 
 #[test]
 fn rope_refuses_bad_arguments() {
     for_each_adapter("rope_errors", |k| {
-        let shape = RopeShape { seqs: 2, rows: 3, heads: 1, head_dim: 4, rotary_dim: 4, positions: 5 };
+        let shape = RopeShape {
+            seqs: 2,
+            rows: 3,
+            heads: 1,
+            head_dim: 4,
+            rotary_dim: 4,
+            positions: 5,
+        };
         let (x, y, starts, table) = (k.zeros(24)?, k.zeros(24)?, k.upload(&[0u32, 1])?, k.zeros(20)?);
-        let rope = |shape: RopeShape, table: &wgrad::GpuTensor| k.rope_forward(y.view(), x.view(), starts.view(), table.view(), shape, RopeLayout::Interleaved);
+        let rope = |shape: RopeShape, table: &wgrad::GpuTensor| {
+            k.rope_forward(
+                y.view(),
+                x.view(),
+                starts.view(),
+                table.view(),
+                shape,
+                RopeLayout::Interleaved,
+            )
+        };
         assert!(rope(shape, &table).is_ok());
-        let shape_error = |r: wgrad::Result<_>, what: &str| assert!(matches!(r, Err(Error::Shape { op: "rope_forward", .. })), "{what}");
-        shape_error(rope(RopeShape { rotary_dim: 3, ..shape }, &k.zeros(15)?), "odd rotary_dim");
-        shape_error(rope(RopeShape { rotary_dim: 6, head_dim: 4, ..shape }, &k.zeros(30)?), "rotary_dim > head_dim");
+        let shape_error = |r: wgrad::Result<_>, what: &str| {
+            assert!(matches!(r, Err(Error::Shape { op: "rope_forward", .. })), "{what}")
+        };
+        shape_error(
+            rope(RopeShape { rotary_dim: 3, ..shape }, &k.zeros(15)?),
+            "odd rotary_dim",
+        );
+        shape_error(
+            rope(
+                RopeShape {
+                    rotary_dim: 6,
+                    head_dim: 4,
+                    ..shape
+                },
+                &k.zeros(30)?,
+            ),
+            "rotary_dim > head_dim",
+        );
         shape_error(rope(RopeShape { rotary_dim: 0, ..shape }, &k.zeros(1)?), "rotary_dim 0");
-        shape_error(rope(RopeShape { positions: 4, ..shape }, &table), "table of the wrong length");
+        shape_error(
+            rope(RopeShape { positions: 4, ..shape }, &table),
+            "table of the wrong length",
+        );
         shape_error(rope(RopeShape { heads: 2, ..shape }, &table), "x of the wrong length");
         let one_start = k.upload(&[0u32])?;
         assert!(matches!(
-            k.rope_backward(y.view(), x.view(), one_start.view(), table.view(), shape, RopeLayout::HalfSplit),
-            Err(Error::Shape { op: "rope_backward", .. })
+            k.rope_backward(
+                y.view(),
+                x.view(),
+                one_start.view(),
+                table.view(),
+                shape,
+                RopeLayout::HalfSplit
+            ),
+            Err(Error::Shape {
+                op: "rope_backward",
+                ..
+            })
         ));
-        for (base, rotary_dim, positions) in [(0.0, 4, 5), (f32::NAN, 4, 5), (10_000.0, 3, 5), (10_000.0, 4, 0), (10_000.0, 4, (1 << 24) + 1)] {
-            assert!(matches!(rope_table(base, rotary_dim, positions), Err(Error::InvalidArgument { op: "rope_table", .. })), "{base} {rotary_dim} {positions}");
+        for (base, rotary_dim, positions) in [
+            (0.0, 4, 5),
+            (f32::NAN, 4, 5),
+            (10_000.0, 3, 5),
+            (10_000.0, 4, 0),
+            (10_000.0, 4, (1 << 24) + 1),
+        ] {
+            assert!(
+                matches!(
+                    rope_table(base, rotary_dim, positions),
+                    Err(Error::InvalidArgument { op: "rope_table", .. })
+                ),
+                "{base} {rotary_dim} {positions}"
+            );
         }
         Ok(())
     });
@@ -195,8 +343,13 @@ const FIXTURE: &[u8] = include_bytes!("../fixtures/llama-kernels.safetensors");
 /// The fixture's tensor `name` (all f32).
 fn fixture(name: &str) -> Vec<f32> {
     let file = SafeTensors::deserialize(FIXTURE).expect("the fixture is safetensors");
-    let view = file.tensor(name).unwrap_or_else(|e| panic!("the fixture has no `{name}`: {e}"));
-    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    let view = file
+        .tensor(name)
+        .unwrap_or_else(|e| panic!("the fixture has no `{name}`: {e}"));
+    view.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 #[test]
@@ -231,12 +384,30 @@ fn rope_kernel_matches_transformers_apply_rotary_pos_emb() {
     let starts: Vec<u32> = fixture("apply/starts").iter().map(|&s| s as u32).collect();
     for_each_adapter("rope_transformers", |k| {
         for (name, heads) in [("q", 4), ("k", 2)] {
-            let shape = RopeShape { seqs: 2, rows: 7, heads, head_dim: 16, rotary_dim: 16, positions: 12 };
-            let case = RopeCase { shape, layout: RopeLayout::HalfSplit, base: 10_000.0, starts: starts.clone() };
+            let shape = RopeShape {
+                seqs: 2,
+                rows: 7,
+                heads,
+                head_dim: 16,
+                rotary_dim: 16,
+                positions: 12,
+            };
+            let case = RopeCase {
+                shape,
+                layout: RopeLayout::HalfSplit,
+                base: 10_000.0,
+                starts: starts.clone(),
+            };
             let got = run_rope(k, &case, &fixture(&format!("apply/{name}")), false)?;
             // x·cos + rotate_half(x)·sin in f32 on both sides, from the
             // same f32 angles: an ulp or two of |x| ≲ 4.
-            assert_close(&format!("{name} rotated"), &got, &fixture(&format!("apply/{name}_out")), 1e-6, 1e-6);
+            assert_close(
+                &format!("{name} rotated"),
+                &got,
+                &fixture(&format!("apply/{name}_out")),
+                1e-6,
+                1e-6,
+            );
         }
         Ok(())
     });
@@ -268,7 +439,14 @@ fn rope_backward_matches_central_differences() {
             let y = g.rope(x, starts, layout, 10000.0, rotary_dim, 16)?;
             let (loss, feeds) = mse_to_random(&mut g, y, 140)?;
             let labels = starts.map(|s| vec![(s, vec![5, 11])]).unwrap_or_default();
-            gradcheck(k, &format!("rope {layout:?} rotary_dim {rotary_dim}"), g, loss, feeds, labels)?;
+            gradcheck(
+                k,
+                &format!("rope {layout:?} rotary_dim {rotary_dim}"),
+                g,
+                loss,
+                feeds,
+                labels,
+            )?;
         }
         Ok(())
     });

@@ -8,14 +8,13 @@
 //! scripts/llama_reference.py (PyTorch float32), committed as
 //! tests/fixtures/llama_reference.safetensors.
 
-
 use crate::common;
 use crate::gpt_reference::{check_gradients, check_steps, initial_values, worst, Fixture};
 
 use common::{assert_close, for_each_adapter, for_each_shaping};
+use wgrad::infer::Predictor;
 use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module, RopeLayout};
-use wgrad::infer::Predictor;
 use wgrad::{Targets, Trainer};
 
 const FIXTURE: &[u8] = include_bytes!("../fixtures/llama_reference.safetensors");
@@ -41,7 +40,10 @@ fn config(fx: &Fixture, tied: bool) -> LlamaConfig {
 /// The fixture's initial weights (`{prefix}init.<name>`) in a Llama.
 fn model(fx: &Fixture, tied: bool) -> Llama {
     let prefix = if tied { "tied.init." } else { "init." };
-    Llama::from_parameters(config(fx, tied), |name, _| Ok(fx.get(&format!("{prefix}{name}")).to_vec())).expect("the fixture's weights fit its config")
+    Llama::from_parameters(config(fx, tied), |name, _| {
+        Ok(fx.get(&format!("{prefix}{name}")).to_vec())
+    })
+    .expect("the fixture's weights fit its config")
 }
 
 /// Names and shapes of the fixture's `{prefix}…` tensors, sorted.
@@ -53,10 +55,15 @@ fn fixture_parameters(fx: &Fixture, prefix: &str) -> Vec<(String, Vec<usize>)> {
     let mut tied: Vec<(String, Vec<usize>)> = ["model.embed_tokens.weight", "model.norm.weight"]
         .iter()
         .map(|n| (n.to_string(), fx.shape(&format!("{prefix}{n}")).to_vec()))
-        .chain(names.into_iter().filter(|(n, _)| n.starts_with("model.layers.")).map(|(n, _)| {
-            let shape = fx.shape(&format!("{prefix}{n}")).to_vec();
-            (n, shape)
-        }))
+        .chain(
+            names
+                .into_iter()
+                .filter(|(n, _)| n.starts_with("model.layers."))
+                .map(|(n, _)| {
+                    let shape = fx.shape(&format!("{prefix}{n}")).to_vec();
+                    (n, shape)
+                }),
+        )
         .collect();
     tied.sort();
     tied
@@ -69,12 +76,24 @@ fn the_model_has_hugging_faces_parameter_names_and_shapes() {
         let llama = model(&fx, tied);
         let mut ours = llama.named_parameters();
         ours.sort();
-        assert_eq!(ours, fixture_parameters(&fx, prefix), "tied {tied}: wgrad's names and shapes against LlamaForCausalLM's state_dict");
+        assert_eq!(
+            ours,
+            fixture_parameters(&fx, prefix),
+            "tied {tied}: wgrad's names and shapes against LlamaForCausalLM's state_dict"
+        );
         // The graph declares exactly the fixture's weights under those names.
         let declared = initial_values(&llama);
-        assert_eq!(declared.len(), ours.len(), "tied {tied}: one graph parameter per named parameter");
+        assert_eq!(
+            declared.len(),
+            ours.len(),
+            "tied {tied}: one graph parameter per named parameter"
+        );
         for (name, values) in declared {
-            assert_eq!(values, fx.get(&format!("{prefix}{name}")), "{name} as the graph declares it");
+            assert_eq!(
+                values,
+                fx.get(&format!("{prefix}{name}")),
+                "{name} as the graph declares it"
+            );
         }
     }
 }
@@ -91,12 +110,20 @@ fn llama_init_has_transformers_scale_per_parameter() {
     for (name, _) in fx.parameters() {
         let (mine, theirs) = (&ours[&name], fx.get(&format!("init.{name}")));
         if theirs.iter().all(|&x| x == 1.0) {
-            assert!(mine.iter().all(|&x| x == 1.0), "{name}: transformers initialises it to ones");
+            assert!(
+                mine.iter().all(|&x| x == 1.0),
+                "{name}: transformers initialises it to ones"
+            );
             continue;
         }
         let std = |v: &[f32]| (v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
         let ratio = std(mine) / std(theirs);
-        assert!((0.9..1.1).contains(&ratio), "{name}: std {} against transformers' {} (ratio {ratio:.3})", std(mine), std(theirs));
+        assert!(
+            (0.9..1.1).contains(&ratio),
+            "{name}: std {} against transformers' {} (ratio {ratio:.3})",
+            std(mine),
+            std(theirs)
+        );
     }
 }
 
@@ -108,7 +135,11 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
     let names = fx.parameters();
     for_each_shaping("llama reference", |k| {
         let llama = model(&fx, false);
-        let who = format!("{}, {} shaping", k.device().label(), if k.gpu_shaped() { "GPU" } else { "CPU" });
+        let who = format!(
+            "{}, {} shaping",
+            k.device().label(),
+            if k.gpu_shaped() { "GPU" } else { "CPU" }
+        );
 
         // Logits (within ±1): PyTorch's float32 and float64 differ by 2.0e-7,
         // wgrad and PyTorch by 2.2e-7.
@@ -166,7 +197,10 @@ fn a_tied_head_matches_transformers() {
         let names = llama.named_parameters();
         let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "tied.", 1e-6)?;
         let logits = Predictor::new(k.clone(), &llama, batch)?.outputs_ids(idx)?;
-        println!("tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}", worst(&logits, fx.get("tied.logits")));
+        println!(
+            "tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}",
+            worst(&logits, fx.get("tied.logits"))
+        );
         assert_close("tied logits", &logits, fx.get("tied.logits"), 2e-6, 0.0);
         Ok(())
     });
@@ -187,8 +221,12 @@ fn interleaved_rotary_with_permuted_rows_gives_the_same_logits() {
     for layer in &mut llama.layers {
         let attn = &mut layer.self_attn;
         attn.rotary.layout = RopeLayout::Interleaved;
-        attn.q_proj.weight = wgrad::io::gguf::llama::permute_rows(&attn.q_proj.weight, attn.q_proj.out_features, n_head).expect("whole heads");
-        attn.k_proj.weight = wgrad::io::gguf::llama::permute_rows(&attn.k_proj.weight, attn.k_proj.out_features, n_kv_head).expect("whole heads");
+        attn.q_proj.weight =
+            wgrad::io::gguf::llama::permute_rows(&attn.q_proj.weight, attn.q_proj.out_features, n_head)
+                .expect("whole heads");
+        attn.k_proj.weight =
+            wgrad::io::gguf::llama::permute_rows(&attn.k_proj.weight, attn.k_proj.out_features, n_kv_head)
+                .expect("whole heads");
     }
     for_each_adapter("llama reference, interleaved rotary", |k| {
         let logits = Predictor::new(k.clone(), &llama, batch)?.outputs_ids(idx)?;

@@ -28,17 +28,39 @@ fn matvec_matches_the_cpu_for_every_lane_count_row_count_and_epilogue() {
     for_each_adapter("matmul_forward_matvec", |k| {
         for (case, &(n, kk)) in SHAPES.iter().enumerate() {
             for m in 1..=MATVEC_MAX_ROWS {
-                for (lanes, store) in [(8, Store::Plain), (64, Store::Accumulate), (16, Store::BiasGeluPre), (8, Store::GeluGrad), (32, Store::Plain)] {
+                for (lanes, store) in [
+                    (8, Store::Plain),
+                    (64, Store::Accumulate),
+                    (16, Store::BiasGeluPre),
+                    (8, Store::GeluGrad),
+                    (32, Store::Plain),
+                ] {
                     let mut r = rng(700 + case as u64 * 10 + m as u64);
-                    let (a_host, b_host) = (random_vec(&mut r, m * kk, -1.0, 1.0), random_vec(&mut r, n * kk, -1.0, 1.0));
-                    let (c0, extra) = (random_vec(&mut r, m * n, -1.0, 1.0), random_vec(&mut r, m * n, -2.0, 2.0));
+                    let (a_host, b_host) = (
+                        random_vec(&mut r, m * kk, -1.0, 1.0),
+                        random_vec(&mut r, n * kk, -1.0, 1.0),
+                    );
+                    let (c0, extra) = (
+                        random_vec(&mut r, m * n, -1.0, 1.0),
+                        random_vec(&mut r, m * n, -2.0, 2.0),
+                    );
                     let (a, b, c, pre) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&c0)?, k.zeros(m * n)?);
                     let (bias, x) = (k.upload(&extra[..n])?, k.upload(&extra)?);
                     let epilogue = match store {
                         Store::Plain => MatmulEpilogue::default(),
-                        Store::Accumulate => MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() },
-                        Store::BiasGeluPre => MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() },
-                        Store::GeluGrad => MatmulEpilogue { activation_grad: Some((Activation::Gelu, x.view())), ..MatmulEpilogue::default() },
+                        Store::Accumulate => MatmulEpilogue {
+                            accumulate: true,
+                            ..MatmulEpilogue::default()
+                        },
+                        Store::BiasGeluPre => MatmulEpilogue {
+                            bias: Some(bias.view()),
+                            activation: Some((Activation::Gelu, Some(pre.view()))),
+                            ..MatmulEpilogue::default()
+                        },
+                        Store::GeluGrad => MatmulEpilogue {
+                            activation_grad: Some((Activation::Gelu, x.view())),
+                            ..MatmulEpilogue::default()
+                        },
                     };
                     let d = k.matmul_matvec(lanes, epilogue, c.view(), a.view(), b.view(), m, n, kk)?;
                     assert_eq!(d.kernel().entry, "matmul_forward_matvec");
@@ -69,20 +91,39 @@ fn the_shape_selected_entries_run_matvec_for_few_rows_of_abt() {
     for_each_adapter("matvec selection", |k| {
         let entry = |form: MatmulForm, m: usize, n: usize, kk: usize| -> wgrad::Result<&'static str> {
             let (a, b, c) = (k.zeros(m * kk)?, k.zeros(kk * n)?, k.zeros(m * n)?);
-            Ok(k.matmul_epilogue(form, MatmulEpilogue::default(), c.view(), a.view(), b.view(), m, n, kk)?.kernel().entry)
+            Ok(
+                k.matmul_epilogue(form, MatmulEpilogue::default(), c.view(), a.view(), b.view(), m, n, kk)?
+                    .kernel()
+                    .entry,
+            )
         };
         assert_eq!(entry(MatmulForm::ABt, 1, 50, 16)?, "matmul_forward_matvec");
-        assert_eq!(entry(MatmulForm::ABt, MATVEC_MAX_ROWS, 50, 16)?, "matmul_forward_matvec");
-        assert_ne!(entry(MatmulForm::ABt, MATVEC_MAX_ROWS + 1, 50, 16)?, "matmul_forward_matvec", "too many rows");
-        assert_ne!(entry(MatmulForm::ABt, 1, 50, 18)?, "matmul_forward_matvec", "k not a multiple of 4");
+        assert_eq!(
+            entry(MatmulForm::ABt, MATVEC_MAX_ROWS, 50, 16)?,
+            "matmul_forward_matvec"
+        );
+        assert_ne!(
+            entry(MatmulForm::ABt, MATVEC_MAX_ROWS + 1, 50, 16)?,
+            "matmul_forward_matvec",
+            "too many rows"
+        );
+        assert_ne!(
+            entry(MatmulForm::ABt, 1, 50, 18)?,
+            "matmul_forward_matvec",
+            "k not a multiple of 4"
+        );
         assert_ne!(entry(MatmulForm::AB, 1, 50, 16)?, "matmul_forward_matvec", "AB");
         assert_ne!(entry(MatmulForm::AtB, 1, 50, 16)?, "matmul_forward_matvec", "AtB");
         // The explicit entry refuses what it cannot run.
         let (a, b, c) = (k.zeros(6)?, k.zeros(6 * 3)?, k.zeros(3)?);
-        let err = k.matmul_matvec(8, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 6).unwrap_err();
+        let err = k
+            .matmul_matvec(8, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 6)
+            .unwrap_err();
         assert!(err.to_string().contains("k=6"), "{err}");
         let (a, b, c) = (k.zeros(4)?, k.zeros(4)?, k.zeros(1)?);
-        let err = k.matmul_matvec(3, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 1, 4).unwrap_err();
+        let err = k
+            .matmul_matvec(3, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 1, 4)
+            .unwrap_err();
         assert!(err.to_string().contains("3 lanes"), "{err}");
         Ok(())
     });

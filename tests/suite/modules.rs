@@ -6,15 +6,15 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::graph::{Executor, Graph};
-use wgrad::models::{Llama, LlamaConfig};
+use wgrad::infer::Predictor;
 use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, SGD};
-use wgrad::infer::Predictor;
-use wgrad::{Targets, Trainer};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::Error;
+use wgrad::{Targets, Trainer};
 
 const VOCAB: usize = 13;
 const SEQ: usize = 7;
@@ -22,13 +22,28 @@ const SEQ: usize = 7;
 /// A one-block GPT (token and position embeddings, attention, MLP, head).
 fn tiny(seed: u64) -> Gpt {
     nn::manual_seed(seed);
-    Gpt::new(GptConfig { vocab_size: VOCAB, block_size: SEQ, n_layer: 1, n_head: 2, n_embd: 16 }).expect("a valid config")
+    Gpt::new(GptConfig {
+        vocab_size: VOCAB,
+        block_size: SEQ,
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+    })
+    .expect("a valid config")
 }
 
 /// Batches where most positions hold the same few tokens, so the
 /// embedding gradient adds many rows into the same table row.
 fn repetitive_batch(batch: usize, step: u64) -> (Vec<u32>, Vec<u32>) {
-    let ids: Vec<u32> = (0..batch * SEQ).map(|i| if (i as u64 + step).is_multiple_of(5) { (i % VOCAB) as u32 } else { (step % 3) as u32 }).collect();
+    let ids: Vec<u32> = (0..batch * SEQ)
+        .map(|i| {
+            if (i as u64 + step).is_multiple_of(5) {
+                (i % VOCAB) as u32
+            } else {
+                (step % 3) as u32
+            }
+        })
+        .collect();
     let targets = ids.iter().map(|&t| (t + 1) % VOCAB as u32).collect();
     (ids, targets)
 }
@@ -51,7 +66,11 @@ fn the_same_seed_gives_bit_identical_weights_with_repeated_tokens() {
         };
         let (first, second) = (run()?, run()?);
         let start = tiny(7);
-        assert_ne!(first.iter().find(|(n, _, _)| n == "wte.weight").map(|p| &p.2), Some(&start.wte.weight), "the embedding trained");
+        assert_ne!(
+            first.iter().find(|(n, _, _)| n == "wte.weight").map(|p| &p.2),
+            Some(&start.wte.weight),
+            "the embedding trained"
+        );
         for ((name, _, a), (_, _, b)) in first.iter().zip(&second) {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same, "{name} differs between two runs with the same seed");
@@ -67,11 +86,18 @@ fn an_output_depends_on_no_later_token_and_a_ragged_last_batch_needs_no_rebuild(
         // A graph built for batch 4 serves 5 sequences: the last chunk is
         // padded, nothing is rebuilt.
         let mut p = Predictor::new(k.clone(), &model, 4)?;
-        let ids: Vec<u32> = random_vec(&mut rng(5), 5 * SEQ, 0.0, VOCAB as f32).iter().map(|&v| (v as u32).min(VOCAB as u32 - 1)).collect();
+        let ids: Vec<u32> = random_vec(&mut rng(5), 5 * SEQ, 0.0, VOCAB as f32)
+            .iter()
+            .map(|&v| (v as u32).min(VOCAB as u32 - 1))
+            .collect();
         let all = p.predict_ids(&ids)?;
         assert_eq!(all.len(), 5 * SEQ);
         let alone = p.predict_ids(&ids[4 * SEQ..])?;
-        assert_eq!(&all[4 * SEQ..], &alone[..], "a sequence's predictions do not depend on its batch");
+        assert_eq!(
+            &all[4 * SEQ..],
+            &alone[..],
+            "a sequence's predictions do not depend on its batch"
+        );
         // Changing the tokens after position t changes nothing up to t:
         // a generator can run a full-length graph on a prefix.
         let outputs = p.outputs_ids(&ids[..SEQ])?;
@@ -82,7 +108,11 @@ fn an_output_depends_on_no_later_token_and_a_ragged_last_batch_needs_no_rebuild(
             }
             let other = p.outputs_ids(&changed)?;
             let upto = (t + 1) * VOCAB;
-            assert_eq!(&outputs[..upto], &other[..upto], "logits up to position {t} saw a later token");
+            assert_eq!(
+                &outputs[..upto],
+                &other[..upto],
+                "logits up to position {t} saw a later token"
+            );
         }
         Ok(())
     });
@@ -138,8 +168,23 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
     // SGD, whose step is linear in the gradient: Adam would turn the
     // rounding noise of gradients that are zero in exact arithmetic (the
     // key bias: softmax ignores a shift of every score) into full steps.
-    let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, SGD::new(0.1), global).expect("trainer");
-    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, SGD::new(0.1), global, Split::Rows(vec![2, 4])).expect("data parallel");
+    let mut single = Trainer::new(
+        group.members()[0].clone(),
+        &model,
+        CrossEntropyLoss,
+        SGD::new(0.1),
+        global,
+    )
+    .expect("trainer");
+    let mut dp = DataParallel::new(
+        &group,
+        &model,
+        CrossEntropyLoss,
+        SGD::new(0.1),
+        global,
+        Split::Rows(vec![2, 4]),
+    )
+    .expect("data parallel");
     for step in 0..4 {
         let (x, y) = repetitive_batch(global, step);
         single.zero_grad();
@@ -165,9 +210,18 @@ fn gpt_presets_have_gpt2s_sizes_and_the_count_matches_the_module() {
     assert_eq!(GptConfig::gpt2().num_parameters(), 124_439_808);
     assert_eq!(GptConfig::preset("gpt2-xl").expect("known preset").n_embd, 1600);
     assert!(GptConfig::preset("gpt5").is_err());
-    let small = GptConfig { vocab_size: 11, block_size: 5, n_layer: 2, n_head: 3, n_embd: 6 };
+    let small = GptConfig {
+        vocab_size: 11,
+        block_size: 5,
+        n_layer: 2,
+        n_head: 3,
+        n_embd: 6,
+    };
     assert_eq!(Gpt::new(small).expect("valid").num_parameters(), small.num_parameters());
-    assert!(Gpt::new(GptConfig { n_head: 4, ..small }).is_err(), "n_embd must be a multiple of n_head");
+    assert!(
+        Gpt::new(GptConfig { n_head: 4, ..small }).is_err(),
+        "n_embd must be a multiple of n_head"
+    );
 }
 
 /// (name, shape) of every parameter `model`'s forward declares, in order.
@@ -175,14 +229,35 @@ fn declared_by_forward(model: &dyn Module, batch: usize) -> Vec<(String, Vec<usi
     let mut g = Graph::new();
     let x = model.input(&mut g, batch).expect("a whole model declares its input");
     model.forward(&mut g, x, "").expect("forward");
-    g.parameters().into_iter().map(|t| g.get(t).map(|n| (n.name.clone(), n.shape.clone())).expect("a parameter node")).collect()
+    g.parameters()
+        .into_iter()
+        .map(|t| {
+            g.get(t)
+                .map(|n| (n.name.clone(), n.shape.clone()))
+                .expect("a parameter node")
+        })
+        .collect()
 }
 
 #[test]
 fn forward_declares_exactly_the_parameters_the_module_tree_names() {
     // Sizes 1 and primes; no adapter needed: this compares names only.
-    let gpt = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 1, n_embd: 3 };
-    let mut llama = LlamaConfig { n_layer: 2, n_head: 3, n_kv_head: 1, n_embd: 6, intermediate_size: 5, block_size: 5, ..LlamaConfig::small(11) };
+    let gpt = GptConfig {
+        vocab_size: 7,
+        block_size: 5,
+        n_layer: 2,
+        n_head: 1,
+        n_embd: 3,
+    };
+    let mut llama = LlamaConfig {
+        n_layer: 2,
+        n_head: 3,
+        n_kv_head: 1,
+        n_embd: 6,
+        intermediate_size: 5,
+        block_size: 5,
+        ..LlamaConfig::small(11)
+    };
     let mut models: Vec<Box<dyn Module>> = vec![
         Box::new(Gpt::new(gpt).expect("valid")),
         Box::new(Gpt::without_attention(gpt).expect("valid")),
@@ -199,12 +274,21 @@ fn forward_declares_exactly_the_parameters_the_module_tree_names() {
         assert_eq!(values, sizes, "{}", model.describe());
     }
     let without = Gpt::without_attention(gpt).expect("valid").named_parameters();
-    assert!(without.iter().all(|(n, _)| !n.contains("ln_1") && !n.contains("attn")), "a block without attention has no ln_1: {without:?}");
+    assert!(
+        without.iter().all(|(n, _)| !n.contains("ln_1") && !n.contains("attn")),
+        "a block without attention has no ln_1: {without:?}"
+    );
 }
 
 #[test]
 fn from_parameters_fills_the_tree_in_its_order_and_refuses_a_wrong_count() {
-    let gpt = GptConfig { vocab_size: 7, block_size: 5, n_layer: 2, n_head: 1, n_embd: 3 };
+    let gpt = GptConfig {
+        vocab_size: 7,
+        block_size: 5,
+        n_layer: 2,
+        n_head: 1,
+        n_embd: 3,
+    };
     let model = Gpt::new(gpt).expect("valid");
     let values = model.parameter_values();
     let mut next = values.iter();
@@ -218,9 +302,27 @@ fn from_parameters_fills_the_tree_in_its_order_and_refuses_a_wrong_count() {
     assert_eq!(rebuilt, model);
     let short = Gpt::from_parameters(gpt, |_, shape| Ok(vec![0.0; shape.iter().product::<usize>() - 1]));
     assert!(matches!(short, Err(Error::Shape { .. })), "{short:?}");
-    let llama = LlamaConfig { n_layer: 1, n_head: 2, n_kv_head: 1, n_embd: 4, intermediate_size: 3, block_size: 5, ..LlamaConfig::small(7) };
+    let llama = LlamaConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_kv_head: 1,
+        n_embd: 4,
+        intermediate_size: 3,
+        block_size: 5,
+        ..LlamaConfig::small(7)
+    };
     let empty = Llama::empty(llama).expect("valid");
-    assert_eq!(empty.named_parameters(), Llama::new(llama).expect("valid").named_parameters());
+    assert_eq!(
+        empty.named_parameters(),
+        Llama::new(llama).expect("valid").named_parameters()
+    );
     // Norms start at one; every matrix is left unallocated.
-    assert!(empty.parameter_values().iter().filter(|(_, s, _)| s.len() == 2).all(|(_, _, v)| v.is_empty()), "empty allocates no matrices");
+    assert!(
+        empty
+            .parameter_values()
+            .iter()
+            .filter(|(_, s, _)| s.len() == 2)
+            .all(|(_, _, v)| v.is_empty()),
+        "empty allocates no matrices"
+    );
 }

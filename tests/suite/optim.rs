@@ -13,8 +13,8 @@ use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
 use wgrad::parallel::{DeviceGroup, DeviceSelection};
-use wgrad::{Targets, Trainer};
 use wgrad::{cpu, Error};
+use wgrad::{Targets, Trainer};
 
 // Primes, none a multiple of a workgroup.
 const ROWS: usize = 7;
@@ -33,7 +33,10 @@ struct Net {
 
 fn initial() -> (Vec<f32>, Vec<f32>) {
     let mut r = rng(7);
-    (random_vec(&mut r, IN * OUT, -0.5, 0.5), random_vec(&mut r, OUT, -0.5, 0.5))
+    (
+        random_vec(&mut r, IN * OUT, -0.5, 0.5),
+        random_vec(&mut r, OUT, -0.5, 0.5),
+    )
 }
 
 fn net(k: &std::sync::Arc<wgrad::Kernels>, cfg: OptimizerConfig) -> wgrad::Result<Net> {
@@ -55,14 +58,20 @@ fn net(k: &std::sync::Arc<wgrad::Kernels>, cfg: OptimizerConfig) -> wgrad::Resul
 /// One step's batch: targets scaled by `scale` to move the gradient norm.
 fn batch(step: u64, scale: f32) -> (Vec<f32>, Vec<f32>) {
     let mut r = rng(100 + step);
-    (random_vec(&mut r, ROWS * IN, -1.0, 1.0), random_vec(&mut r, ROWS * OUT, -scale, scale))
+    (
+        random_vec(&mut r, ROWS * IN, -1.0, 1.0),
+        random_vec(&mut r, ROWS * OUT, -scale, scale),
+    )
 }
 
 /// The CPU forward and backward of [`net`]: (dW, db).
 fn cpu_grads(w: &[f32], b: &[f32], x: &[f32], t: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let pred = cpu::bias_add(&cpu::matmul(MatmulForm::AB, x, w, ROWS, OUT, IN), b, OUT);
     let dpred = cpu::mse_backward(&pred, t, 1.0);
-    (cpu::matmul(MatmulForm::AtB, x, &dpred, IN, OUT, ROWS), cpu::sum_rows(&dpred, ROWS, OUT))
+    (
+        cpu::matmul(MatmulForm::AtB, x, &dpred, IN, OUT, ROWS),
+        cpu::sum_rows(&dpred, ROWS, OUT),
+    )
 }
 
 fn param(exec: &Executor, name: &str) -> Vec<f32> {
@@ -70,15 +79,41 @@ fn param(exec: &Executor, name: &str) -> Vec<f32> {
     all.into_iter().find(|(n, _, _)| n == name).map(|(_, _, v)| v).unwrap()
 }
 
-const SCHEDULE: LrSchedule = LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: 8, min_lr: 0.004 };
+const SCHEDULE: LrSchedule = LrSchedule::WarmupCosine {
+    warmup_steps: 3,
+    total_steps: 8,
+    min_lr: 0.004,
+};
 const MAX_NORM: f32 = 1.0;
 
 fn configs() -> Vec<(&'static str, OptimizerConfig)> {
     let shared = |c: OptimizerConfig| c.with_schedule(SCHEDULE).with_clip_grad_norm(Some(MAX_NORM));
     vec![
-        ("adamw", shared(OptimizerConfig::Adam(AdamConfig { lr: 0.05, weight_decay: 0.1, ..AdamConfig::adamw() }))),
-        ("adam l2", shared(OptimizerConfig::Adam(AdamConfig { lr: 0.05, weight_decay: 0.1, ..AdamConfig::adam() }))),
-        ("sgd", shared(OptimizerConfig::Sgd(SgdConfig { lr: 0.2, momentum: 0.9, weight_decay: 0.1, ..SgdConfig::default() }))),
+        (
+            "adamw",
+            shared(OptimizerConfig::Adam(AdamConfig {
+                lr: 0.05,
+                weight_decay: 0.1,
+                ..AdamConfig::adamw()
+            })),
+        ),
+        (
+            "adam l2",
+            shared(OptimizerConfig::Adam(AdamConfig {
+                lr: 0.05,
+                weight_decay: 0.1,
+                ..AdamConfig::adam()
+            })),
+        ),
+        (
+            "sgd",
+            shared(OptimizerConfig::Sgd(SgdConfig {
+                lr: 0.2,
+                momentum: 0.9,
+                weight_decay: 0.1,
+                ..SgdConfig::default()
+            })),
+        ),
     ]
 }
 
@@ -103,15 +138,30 @@ fn grouped_clipped_scheduled_steps_match_the_reference() {
                 clipped += usize::from(norm > MAX_NORM);
                 let what = format!("{name} step {step}");
                 // The norm of f32 gradients summed in another order: a few ulps.
-                assert_close(&format!("{what} norm"), &[n.exec.read_grad_norm()?.unwrap()], &[norm], 1e-6, 1e-5);
+                assert_close(
+                    &format!("{what} norm"),
+                    &[n.exec.read_grad_norm()?.unwrap()],
+                    &[norm],
+                    1e-6,
+                    1e-5,
+                );
                 assert_eq!(n.exec.learning_rate(), Some(cfg.lr_at(step)), "{what} lr");
                 // Gradients differ from the f64-accumulated reference's in the
                 // last bits; each step moves a parameter by about lr, so those
                 // differences carry into it scaled by lr, over 10 steps.
-                assert_close(&format!("{what} weight"), &param(&n.exec, "weight"), &params[0], 2e-5, 1e-4);
+                assert_close(
+                    &format!("{what} weight"),
+                    &param(&n.exec, "weight"),
+                    &params[0],
+                    2e-5,
+                    1e-4,
+                );
                 assert_close(&format!("{what} bias"), &param(&n.exec, "bias"), &params[1], 2e-5, 1e-4);
             }
-            assert!((1..10).contains(&clipped), "{name}: {clipped} of 10 steps clipped; the data should clip some, not all");
+            assert!(
+                (1..10).contains(&clipped),
+                "{name}: {clipped} of 10 steps clipped; the data should clip some, not all"
+            );
         }
         Ok(())
     });
@@ -135,8 +185,20 @@ fn one_clipped_step(k: &std::sync::Arc<wgrad::Kernels>, max_norm: f32) -> wgrad:
     assert_close("grad norm", &[gpu_norm], &[norm], 1e-6, 1e-5);
     let step = |p0: &[f32], g: &[f32]| -> Vec<f32> { p0.iter().zip(g).map(|(p, g)| p - factor * g).collect() };
     // One multiply-add per element (FMA or not): an ulp of |p| ≤ 2.
-    assert_close(&format!("weight, max_norm {max_norm}"), &param(&n.exec, "weight"), &step(&w0, &dw), 1e-6, 1e-5);
-    assert_close(&format!("bias, max_norm {max_norm}"), &param(&n.exec, "bias"), &step(&b0, &db), 1e-6, 1e-5);
+    assert_close(
+        &format!("weight, max_norm {max_norm}"),
+        &param(&n.exec, "weight"),
+        &step(&w0, &dw),
+        1e-6,
+        1e-5,
+    );
+    assert_close(
+        &format!("bias, max_norm {max_norm}"),
+        &param(&n.exec, "bias"),
+        &step(&b0, &db),
+        1e-6,
+        1e-5,
+    );
     Ok((gpu_norm, factor))
 }
 
@@ -144,53 +206,108 @@ fn one_clipped_step(k: &std::sync::Arc<wgrad::Kernels>, max_norm: f32) -> wgrad:
 fn clipping_scales_gradients_only_above_max_norm() {
     for_each_adapter("optim_clip", |k| {
         let (norm, factor) = one_clipped_step(k, 0.05)?;
-        assert!(norm > 0.05 && factor < 0.5, "norm {norm} should be clipped to 0.05 (factor {factor})");
+        assert!(
+            norm > 0.05 && factor < 0.5,
+            "norm {norm} should be clipped to 0.05 (factor {factor})"
+        );
         let (norm, factor) = one_clipped_step(k, 1e4)?;
-        assert!(norm < 1e4 && factor == 1.0, "norm {norm} is below max_norm; factor {factor}");
+        assert!(
+            norm < 1e4 && factor == 1.0,
+            "norm {norm} is below max_norm; factor {factor}"
+        );
         Ok(())
     });
 }
 
 #[test]
 fn warmup_cosine_is_nanogpts_get_lr() {
-    let s = LrSchedule::WarmupCosine { warmup_steps: 10, total_steps: 100, min_lr: 0.1 };
+    let s = LrSchedule::WarmupCosine {
+        warmup_steps: 10,
+        total_steps: 100,
+        min_lr: 0.1,
+    };
     // step counts from 1; nanoGPT's it = step - 1.
-    let cases = [(1, 0.1), (5, 0.5), (10, 1.0), (11, 1.0), (56, 0.55), (100, 0.1 + 0.45 * (1.0 + (std::f64::consts::PI * 89.0 / 90.0).cos())), (101, 0.1), (5000, 0.1)];
+    let cases = [
+        (1, 0.1),
+        (5, 0.5),
+        (10, 1.0),
+        (11, 1.0),
+        (56, 0.55),
+        (100, 0.1 + 0.45 * (1.0 + (std::f64::consts::PI * 89.0 / 90.0).cos())),
+        (101, 0.1),
+        (5000, 0.1),
+    ];
     for (step, want) in cases {
         // lr_at rounds an f64 to f32 once.
-        assert!((f64::from(s.lr_at(1.0, step)) - want).abs() < 1e-6, "step {step}: {} want {want}", s.lr_at(1.0, step));
+        assert!(
+            (f64::from(s.lr_at(1.0, step)) - want).abs() < 1e-6,
+            "step {step}: {} want {want}",
+            s.lr_at(1.0, step)
+        );
     }
     assert_eq!(LrSchedule::Constant.lr_at(0.3, 7), 0.3);
     // No warmup: the first step runs at the full rate.
-    assert_eq!(LrSchedule::WarmupCosine { warmup_steps: 0, total_steps: 4, min_lr: 0.0 }.lr_at(2.0, 1), 2.0);
+    assert_eq!(
+        LrSchedule::WarmupCosine {
+            warmup_steps: 0,
+            total_steps: 4,
+            min_lr: 0.0
+        }
+        .lr_at(2.0, 1),
+        2.0
+    );
 }
 
 #[test]
 fn bad_schedules_and_clips_are_errors() {
     let bad_schedules = [
-        LrSchedule::WarmupCosine { warmup_steps: 11, total_steps: 10, min_lr: 0.0 },
-        LrSchedule::WarmupCosine { warmup_steps: 1, total_steps: 10, min_lr: f32::NAN },
-        LrSchedule::WarmupCosine { warmup_steps: 1, total_steps: 10, min_lr: -1e-3 },
+        LrSchedule::WarmupCosine {
+            warmup_steps: 11,
+            total_steps: 10,
+            min_lr: 0.0,
+        },
+        LrSchedule::WarmupCosine {
+            warmup_steps: 1,
+            total_steps: 10,
+            min_lr: f32::NAN,
+        },
+        LrSchedule::WarmupCosine {
+            warmup_steps: 1,
+            total_steps: 10,
+            min_lr: -1e-3,
+        },
     ];
     for s in bad_schedules {
         let cfg = OptimizerConfig::from(AdamW::new(1e-3).schedule(s));
         assert!(matches!(cfg.validate(), Err(Error::InvalidArgument { .. })), "{s:?}");
     }
     for max_norm in [f32::NAN, -1.0] {
-        assert!(matches!(OptimizerConfig::from(SGD::new(0.1).clip_grad_norm(max_norm)).validate(), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            OptimizerConfig::from(SGD::new(0.1).clip_grad_norm(max_norm)).validate(),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
     for_each_adapter("optim_bad_args", |k| {
         let bad = OptimizerConfig::from(AdamW::new(1e-3).schedule(bad_schedules[0]));
         assert!(matches!(net(k, bad), Err(Error::InvalidArgument { .. })));
         // A per-tensor update cannot clip: it has no global norm.
         let (p, g, s) = (k.zeros(4)?, k.zeros(4)?, k.zeros(4)?);
-        let clip = SgdConfig { clip_grad_norm: Some(1.0), ..SgdConfig::default() };
-        assert!(matches!(k.sgd_update(p.view(), g.view(), s.view(), &clip, 1), Err(Error::InvalidArgument { .. })));
+        let clip = SgdConfig {
+            clip_grad_norm: Some(1.0),
+            ..SgdConfig::default()
+        };
+        assert!(matches!(
+            k.sgd_update(p.view(), g.view(), s.view(), &clip, 1),
+            Err(Error::InvalidArgument { .. })
+        ));
         Ok(())
     });
     let mut g = Graph::new();
     let x = g.input("x", &[2, 2]).unwrap();
-    assert!(matches!(g.exclude_from_weight_decay(x), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        g.exclude_from_weight_decay(x),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 #[test]
@@ -211,7 +328,11 @@ fn decay_matrices_only_excludes_biases_through_the_trainer() {
         for groups in [false, true] {
             let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, opt(groups), ROWS)?;
             let graph = t.executor().graph();
-            let biases = graph.parameters().into_iter().filter(|&p| !graph.weight_decay_applies(p)).count();
+            let biases = graph
+                .parameters()
+                .into_iter()
+                .filter(|&p| !graph.weight_decay_applies(p))
+                .count();
             assert_eq!(biases, if groups { 2 } else { 0 });
             let (x, _) = batch(1, 1.0);
             let y: Vec<u32> = (0..ROWS as u32).map(|i| i % OUT as u32).collect();
@@ -246,7 +367,11 @@ fn data_parallel_clips_the_all_reduced_gradients() {
     let group = DeviceGroup::open(&DeviceSelection::Count(2)).unwrap();
     nn::manual_seed(9);
     let model = Sequential::mlp(&[IN, 8, OUT], Layer::ReLU).unwrap();
-    let opt = AdamW::new(0.02).weight_decay(0.1).decay_matrices_only().clip_grad_norm(0.5).schedule(SCHEDULE);
+    let opt = AdamW::new(0.02)
+        .weight_decay(0.1)
+        .decay_matrices_only()
+        .clip_grad_norm(0.5)
+        .schedule(SCHEDULE);
     let data = |s: u64| {
         let (x, _) = batch(s, 1.0);
         let x: Vec<f32> = x.iter().cycle().take(GLOBAL * IN).copied().collect();
@@ -254,7 +379,15 @@ fn data_parallel_clips_the_all_reduced_gradients() {
         (x, y)
     };
     let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, opt, GLOBAL).unwrap();
-    let mut dp = DataParallel::new(&group, &model, CrossEntropyLoss, opt, GLOBAL, Split::Rows(vec![5, GLOBAL - 5])).unwrap();
+    let mut dp = DataParallel::new(
+        &group,
+        &model,
+        CrossEntropyLoss,
+        opt,
+        GLOBAL,
+        Split::Rows(vec![5, GLOBAL - 5]),
+    )
+    .unwrap();
     for s in 0..6 {
         let (x, y) = data(s);
         single.zero_grad();

@@ -14,8 +14,8 @@ use wgrad::parallel::collectives::{all_gather, all_reduce, broadcast, send, Part
 use wgrad::parallel::data::{proportional_split, DataParallel, Split};
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
-use wgrad::{Targets, Trainer};
 use wgrad::Error;
+use wgrad::{Targets, Trainer};
 
 /// The device groups the tests run on, holding wgrad's GL lock (when a GL
 /// adapter is among them) until the last group is dropped: the tests drop
@@ -52,21 +52,34 @@ impl IntoIterator for Groups {
     type Item = DeviceGroup;
     type IntoIter = GroupsIter;
     fn into_iter(self) -> GroupsIter {
-        GroupsIter { list: self.list.into_iter(), _gl: self._gl }
+        GroupsIter {
+            list: self.list.into_iter(),
+            _gl: self._gl,
+        }
     }
 }
 
 /// Two devices on two adapters, one adapter twice, and three devices; none
 /// (failing in CI, see `common::no_adapter`) without an adapter.
 pub(crate) fn groups(test: &str) -> Groups {
-    open_groups(test, &[DeviceSelection::Count(2), DeviceSelection::Adapters(vec!["0".into(), "0".into()]), DeviceSelection::Count(3)])
+    open_groups(
+        test,
+        &[
+            DeviceSelection::Count(2),
+            DeviceSelection::Adapters(vec!["0".into(), "0".into()]),
+            DeviceSelection::Count(3),
+        ],
+    )
 }
 
 /// A group for each selection, holding the GL lock as [`Groups`] says;
 /// none without an adapter.
 pub(crate) fn open_groups(test: &str, selections: &[DeviceSelection]) -> Groups {
     if !common::any_adapter(test) {
-        return Groups { list: Vec::new(), _gl: None };
+        return Groups {
+            list: Vec::new(),
+            _gl: None,
+        };
     }
     let gl = common::lock_gl_if_any();
     let list = selections.iter().map(|s| DeviceGroup::open(s).unwrap()).collect();
@@ -77,7 +90,10 @@ pub(crate) fn open_groups(test: &str, selections: &[DeviceSelection]) -> Groups 
 fn device_selections_parse() {
     assert_eq!(DeviceSelection::parse("3").unwrap(), DeviceSelection::Count(3));
     assert_eq!(DeviceSelection::parse("all").unwrap(), DeviceSelection::All);
-    assert_eq!(DeviceSelection::parse("0, 1,1").unwrap(), DeviceSelection::Adapters(vec!["0".into(), "1".into(), "1".into()]));
+    assert_eq!(
+        DeviceSelection::parse("0, 1,1").unwrap(),
+        DeviceSelection::Adapters(vec!["0".into(), "1".into(), "1".into()])
+    );
     assert!(DeviceSelection::parse("0").is_err());
     assert!(DeviceSelection::parse(" ").is_err());
 }
@@ -90,13 +106,18 @@ fn impossible_device_counts_are_errors_before_opening() {
     let count = |n| DeviceSelection::Count(n).check();
     assert_eq!(count(MAX_DEVICES).unwrap(), MAX_DEVICES);
     let err = count(100_000).unwrap_err().to_string();
-    assert!(err.contains("100000") && err.contains(&MAX_DEVICES.to_string()), "{err}");
+    assert!(
+        err.contains("100000") && err.contains(&MAX_DEVICES.to_string()),
+        "{err}"
+    );
     let list = DeviceSelection::Adapters(vec!["0".into(), "0".into(), "999".into()]);
     assert!(list.check().is_err());
 
     nn::manual_seed(0);
     let model = Sequential::mlp(&[64, 16, 10], Layer::ReLU).unwrap();
-    let reason = |s: Strategy, devices, split: Option<&[usize]>| s.check_devices(devices, &model, 32, split, 4).unwrap_err().to_string();
+    let reason = |s: Strategy, devices, split: Option<&[usize]>| {
+        s.check_devices(devices, &model, 32, split, 4).unwrap_err().to_string()
+    };
     let err = reason(Strategy::Data, 40, None);
     assert!(err.contains("40 devices") && err.contains("32 rows"), "{err}");
     let err = reason(Strategy::Data, 2, Some(&[10, 10, 12]));
@@ -118,7 +139,10 @@ fn proportional_split_gives_everyone_a_row_and_sums_to_the_batch() {
     assert_eq!(proportional_split(10, &[3.0, 1.0]).unwrap().iter().sum::<usize>(), 10);
     assert_eq!(proportional_split(3, &[1000.0, 1.0, 1.0]).unwrap(), vec![1, 1, 1]);
     assert_eq!(proportional_split(100, &[3.0, 1.0]).unwrap(), vec![75, 25]);
-    assert_eq!(proportional_split(7, &[f64::NAN, 0.0]).unwrap().iter().sum::<usize>(), 7);
+    assert_eq!(
+        proportional_split(7, &[f64::NAN, 0.0]).unwrap().iter().sum::<usize>(),
+        7
+    );
     assert!(proportional_split(1, &[1.0, 1.0]).is_err());
 }
 
@@ -127,13 +151,27 @@ fn collectives_match_host_computations() {
     for group in groups("collectives_match_host_computations") {
         let labels = group.labels().join(", ");
         let n = 1000;
-        let data: Vec<Vec<f32>> = (0..group.len()).map(|i| random_vec(&mut rng(i as u64), n, -1.0, 1.0)).collect();
-        let tensors: Vec<_> = group.members().iter().zip(&data).map(|(k, d)| k.upload(d).unwrap()).collect();
-        let parts: Vec<Part<'_>> = group.members().iter().zip(&tensors).map(|(k, t)| Part::new(k, t.view())).collect();
+        let data: Vec<Vec<f32>> = (0..group.len())
+            .map(|i| random_vec(&mut rng(i as u64), n, -1.0, 1.0))
+            .collect();
+        let tensors: Vec<_> = group
+            .members()
+            .iter()
+            .zip(&data)
+            .map(|(k, d)| k.upload(d).unwrap())
+            .collect();
+        let parts: Vec<Part<'_>> = group
+            .members()
+            .iter()
+            .zip(&tensors)
+            .map(|(k, t)| Part::new(k, t.view()))
+            .collect();
         // Weighted all-reduce in small buckets (exercises the bucket edges).
         let weights: Vec<f64> = (0..group.len()).map(|i| (i + 1) as f64 / 10.0).collect();
         all_reduce(&parts, Some(&weights), 333, Instant::now()).unwrap();
-        let want: Vec<f32> = (0..n).map(|j| data.iter().zip(&weights).map(|(d, w)| w * f64::from(d[j])).sum::<f64>() as f32).collect();
+        let want: Vec<f32> = (0..n)
+            .map(|j| data.iter().zip(&weights).map(|(d, w)| w * f64::from(d[j])).sum::<f64>() as f32)
+            .collect();
         for (k, t) in group.members().iter().zip(&tensors) {
             let got: Vec<f32> = k.read(t.view()).unwrap();
             // Accumulated in f64 then rounded once: exact to the rounding.
@@ -141,7 +179,10 @@ fn collectives_match_host_computations() {
         }
         // Plain sum.
         all_reduce(&parts, None, 0, Instant::now()).unwrap();
-        let sum: Vec<f32> = want.iter().map(|v| (f64::from(*v) * group.len() as f64) as f32).collect();
+        let sum: Vec<f32> = want
+            .iter()
+            .map(|v| (f64::from(*v) * group.len() as f64) as f32)
+            .collect();
         let got: Vec<f32> = group.members()[0].read(tensors[0].view()).unwrap();
         assert_close(&format!("sum all_reduce on [{labels}]"), &got, &sum, 1e-6, 1e-6);
         // Broadcast from the last device.
@@ -153,10 +194,29 @@ fn collectives_match_host_computations() {
             assert_eq!(k.read::<f32>(t.view()).unwrap(), src, "broadcast on [{labels}]");
         }
         // All-gather: every device gets all parts, in order.
-        let small: Vec<_> = group.members().iter().enumerate().map(|(i, k)| k.upload(&[i as f32; 3]).unwrap()).collect();
-        let big: Vec<_> = group.members().iter().map(|k| k.zeros(3 * group.len()).unwrap()).collect();
-        let srcs: Vec<Part<'_>> = group.members().iter().zip(&small).map(|(k, t)| Part::new(k, t.view())).collect();
-        let dsts: Vec<Part<'_>> = group.members().iter().zip(&big).map(|(k, t)| Part::new(k, t.view())).collect();
+        let small: Vec<_> = group
+            .members()
+            .iter()
+            .enumerate()
+            .map(|(i, k)| k.upload(&[i as f32; 3]).unwrap())
+            .collect();
+        let big: Vec<_> = group
+            .members()
+            .iter()
+            .map(|k| k.zeros(3 * group.len()).unwrap())
+            .collect();
+        let srcs: Vec<Part<'_>> = group
+            .members()
+            .iter()
+            .zip(&small)
+            .map(|(k, t)| Part::new(k, t.view()))
+            .collect();
+        let dsts: Vec<Part<'_>> = group
+            .members()
+            .iter()
+            .zip(&big)
+            .map(|(k, t)| Part::new(k, t.view()))
+            .collect();
         all_gather(&srcs, &dsts).unwrap();
         let joined: Vec<f32> = (0..group.len()).flat_map(|i| [i as f32; 3]).collect();
         for (k, t) in group.members().iter().zip(&big) {
@@ -166,7 +226,10 @@ fn collectives_match_host_computations() {
         send(srcs[0], srcs[1]).unwrap();
         assert_eq!(group.members()[1].read::<f32>(small[1].view()).unwrap(), vec![0.0; 3]);
         // Mismatched lengths are refused.
-        assert!(matches!(all_reduce(&[parts[0], srcs[1]], None, 0, Instant::now()), Err(Error::Shape { .. })));
+        assert!(matches!(
+            all_reduce(&[parts[0], srcs[1]], None, 0, Instant::now()),
+            Err(Error::Shape { .. })
+        ));
     }
 }
 
@@ -176,7 +239,9 @@ const CLASSES: usize = 4;
 fn batch(rows: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
     let mut r = rng(seed);
     let x = random_vec(&mut r, rows * IN, -1.0, 1.0);
-    let y = (0..rows).map(|i| (x[i * IN] > 0.0) as u32 + 2 * (x[i * IN + 1] > 0.0) as u32).collect();
+    let y = (0..rows)
+        .map(|i| (x[i * IN] > 0.0) as u32 + 2 * (x[i * IN + 1] > 0.0) as u32)
+        .collect();
     (x, y)
 }
 
@@ -196,7 +261,14 @@ fn data_parallel_matches_single_device_training() {
     for group in groups("data_parallel_matches_single_device_training") {
         let labels = group.labels().join(", ");
         // Single-device reference on the same global batches.
-        let mut single = Trainer::new(group.members()[0].clone(), &model(), CrossEntropyLoss, optimizer(), GLOBAL).unwrap();
+        let mut single = Trainer::new(
+            group.members()[0].clone(),
+            &model(),
+            CrossEntropyLoss,
+            optimizer(),
+            GLOBAL,
+        )
+        .unwrap();
         for s in 0..STEPS {
             let (x, y) = batch(GLOBAL, s);
             single.zero_grad();
@@ -218,7 +290,8 @@ fn data_parallel_matches_single_device_training() {
             }
         };
         for split in [Split::Rows(uneven.clone()), Split::Measured { every: 3 }] {
-            let mut dp = DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, split.clone()).unwrap();
+            let mut dp =
+                DataParallel::new(&group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, split.clone()).unwrap();
             for s in 0..STEPS {
                 let (x, y) = batch(GLOBAL, s);
                 let loss = dp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
@@ -232,7 +305,13 @@ fn data_parallel_matches_single_device_training() {
                     // Same math; only the summation order of the batch differs
                     // (shards summed separately, then weighted): f32 rounding
                     // compounded over 8 momentum steps.
-                    assert_close(&format!("{name} on replica {r} of [{labels}] with {split:?}"), g, w, 1e-5, 1e-4);
+                    assert_close(
+                        &format!("{name} on replica {r} of [{labels}] with {split:?}"),
+                        g,
+                        w,
+                        1e-5,
+                        1e-4,
+                    );
                 }
             }
         }
@@ -253,7 +332,14 @@ fn replicas_stay_bit_identical() {
         let bits: Vec<Vec<Vec<u32>>> = dp
             .replicas()
             .iter()
-            .map(|r| r.executor().parameters().unwrap().into_iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect())
+            .map(|r| {
+                r.executor()
+                    .parameters()
+                    .unwrap()
+                    .into_iter()
+                    .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
+                    .collect()
+            })
             .collect();
         for (i, b) in bits.iter().enumerate().skip(1) {
             assert_eq!(b, &bits[0], "replica {i} of [{}]", group.labels().join(", "));
@@ -266,7 +352,15 @@ fn replicas_stay_bit_identical() {
 fn a_device_failing_mid_training_is_an_error_naming_it() {
     let groups = groups("a_device_failing_mid_training_is_an_error_naming_it");
     let Some(group) = groups.first() else { return };
-    let mut dp = DataParallel::new(group, &model(), CrossEntropyLoss, optimizer(), 8, Split::Measured { every: 0 }).unwrap();
+    let mut dp = DataParallel::new(
+        group,
+        &model(),
+        CrossEntropyLoss,
+        optimizer(),
+        8,
+        Split::Measured { every: 0 },
+    )
+    .unwrap();
     let (x, y) = batch(8, 1);
     dp.step(&x, Targets::Classes(&y), false).unwrap();
     group.members()[1].device().wgpu_device().destroy();
@@ -283,7 +377,12 @@ use wgrad::nn::Staged;
 use wgrad::parallel::pipeline::{partition, Pipeline, Schedule};
 use wgrad::parallel::tensor::TensorParallel;
 
-fn single_device_reference(k: &std::sync::Arc<wgrad::Kernels>, model: &Sequential, global: usize, steps: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+fn single_device_reference(
+    k: &std::sync::Arc<wgrad::Kernels>,
+    model: &Sequential,
+    global: usize,
+    steps: u64,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut single = Trainer::new(k.clone(), model, CrossEntropyLoss, optimizer(), global).unwrap();
     for s in 0..steps {
         let (x, y) = batch(global, s);
@@ -299,7 +398,10 @@ fn single_device_reference(k: &std::sync::Arc<wgrad::Kernels>, model: &Sequentia
 fn assert_same_parameters(what: &str, got: &[(String, Vec<usize>, Vec<f32>)], want: &[(String, Vec<usize>, Vec<f32>)]) {
     assert_eq!(got.len(), want.len(), "{what}: parameter count");
     for (name, shape, w) in want {
-        let (_, gshape, g) = got.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what}: no {name}"));
+        let (_, gshape, g) = got
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("{what}: no {name}"));
         assert_eq!(gshape, shape, "{what}: {name} shape");
         // Same math, different f32 summation order (micro-batches / shards),
         // compounded over the momentum steps.
@@ -331,14 +433,27 @@ fn pipeline_parallel_matches_single_device_training() {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &m, GLOBAL, STEPS);
         for micro in [1, 4] {
-            let mut p = Pipeline::new(&group, &m, CrossEntropyLoss, optimizer(), GLOBAL, micro, Schedule::GPipe).unwrap();
+            let mut p = Pipeline::new(
+                &group,
+                &m,
+                CrossEntropyLoss,
+                optimizer(),
+                GLOBAL,
+                micro,
+                Schedule::GPipe,
+            )
+            .unwrap();
             let mut last = None;
             for s in 0..STEPS {
                 let (x, y) = batch(GLOBAL, s);
                 last = p.step(&x, Targets::Classes(&y), true).unwrap();
             }
             assert!(last.is_some_and(|l| l.is_finite()));
-            assert_same_parameters(&format!("pipeline M={micro} on [{labels}] {:?}", p.blocks_per_stage()), &p.parameters().unwrap(), &want);
+            assert_same_parameters(
+                &format!("pipeline M={micro} on [{labels}] {:?}", p.blocks_per_stage()),
+                &p.parameters().unwrap(),
+                &want,
+            );
             let ideal = p.ideal_bubble_fraction();
             assert!((ideal - (group.len() - 1) as f64 / (micro + group.len() - 1) as f64).abs() < 1e-12);
             let measured = p.measured_bubble_fraction();
@@ -348,7 +463,10 @@ fn pipeline_parallel_matches_single_device_training() {
             // to the first index on both sides).
             let (x, _) = batch(7, 99);
             let predictions = p.predict(&x).unwrap();
-            assert_eq!(predictions, wgrad::cpu::argmax_rows(&p.outputs(&x).unwrap(), 7, CLASSES));
+            assert_eq!(
+                predictions,
+                wgrad::cpu::argmax_rows(&p.outputs(&x).unwrap(), 7, CLASSES)
+            );
         }
     }
 }
@@ -373,19 +491,33 @@ fn tensor_parallel_matches_single_device_training() {
         // first layer: with_pre's first two Linears (its last is whole, on
         // device 0 after the all-reduce), block_only's both, with_post's
         // first two.
-        for (what, m, split) in [("pair+post", &with_pre, "0.weight"), ("pair", &block_only, "0.weight"), ("pair+post", &with_post, "2.weight")] {
+        for (what, m, split) in [
+            ("pair+post", &with_pre, "0.weight"),
+            ("pair", &block_only, "0.weight"),
+            ("pair+post", &with_post, "2.weight"),
+        ] {
             let want = single_device_reference(&group.members()[0], m, BATCH, STEPS);
             let mut tp = TensorParallel::new(&group, m, CrossEntropyLoss, optimizer(), BATCH).unwrap();
-            assert!(tp.slices(split).iter().all(Option::is_some), "{what}: `{split}` split over every device");
+            assert!(
+                tp.slices(split).iter().all(Option::is_some),
+                "{what}: `{split}` split over every device"
+            );
             for s in 0..STEPS {
                 let (x, y) = batch(BATCH, s);
                 tp.step(&x, Targets::Classes(&y), s == STEPS - 1).unwrap();
             }
-            assert_same_parameters(&format!("tensor {what} on [{labels}]"), &tp.parameters().unwrap(), &want);
+            assert_same_parameters(
+                &format!("tensor {what} on [{labels}]"),
+                &tp.parameters().unwrap(),
+                &want,
+            );
             // More rows than a batch, so the last chunk is padded; the GPU
             // argmax must agree exactly with the outputs it reads.
             let (x, _) = batch(BATCH + 5, 98);
-            assert_eq!(tp.predict(&x).unwrap(), wgrad::cpu::argmax_rows(&tp.outputs(&x).unwrap(), BATCH + 5, CLASSES));
+            assert_eq!(
+                tp.predict(&x).unwrap(),
+                wgrad::cpu::argmax_rows(&tp.outputs(&x).unwrap(), BATCH + 5, CLASSES)
+            );
         }
     }
 }
@@ -393,15 +525,24 @@ fn tensor_parallel_matches_single_device_training() {
 #[test]
 fn the_balanced_split_evens_out_finishing_times() {
     use wgrad::parallel::data::{balanced_split, Cost};
-    let same = Cost { fixed: 0.001, per_row: 0.0001 };
+    let same = Cost {
+        fixed: 0.001,
+        per_row: 0.0001,
+    };
     assert_eq!(balanced_split(32, &[same, same]).unwrap(), vec![16, 16]);
     // A device twice as slow per row gets about a third of the rows.
-    let slow = Cost { fixed: 0.001, per_row: 0.0002 };
+    let slow = Cost {
+        fixed: 0.001,
+        per_row: 0.0002,
+    };
     let split = balanced_split(30, &[same, slow]).unwrap();
     assert_eq!(split.iter().sum::<usize>(), 30);
     assert!((19..=21).contains(&split[0]), "{split:?}");
     // A large fixed cost shifts rows to the other device, never below one.
-    let laggy = Cost { fixed: 1.0, per_row: 0.0001 };
+    let laggy = Cost {
+        fixed: 1.0,
+        per_row: 0.0001,
+    };
     assert_eq!(balanced_split(10, &[same, laggy]).unwrap(), vec![9, 1]);
 }
 
@@ -415,16 +556,30 @@ fn one_device_twice_in_a_group_or_a_collective_is_an_error() {
     let t = k.zeros(4).unwrap();
     let u = k.zeros(4).unwrap();
     let parts = [Part::new(&k, t.view()), Part::new(&k, u.view())];
-    assert!(matches!(all_reduce(&parts, None, 0, Instant::now()), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        all_reduce(&parts, None, 0, Instant::now()),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 use wgrad::parallel::data::Cost;
-use wgrad::parallel::distributed::{broadcast_f32, broadcast_u64, DistributedDataParallel, ProcessGroup, SingleProcess};
+use wgrad::parallel::distributed::{
+    broadcast_f32, broadcast_u64, DistributedDataParallel, ProcessGroup, SingleProcess,
+};
 use wgrad::parallel::engine::TrainEngine;
 
 #[test]
 fn combined_cost_finishes_every_device_together() {
-    let costs = [Cost { fixed: 1e-3, per_row: 1e-4 }, Cost { fixed: 3e-3, per_row: 3e-4 }];
+    let costs = [
+        Cost {
+            fixed: 1e-3,
+            per_row: 1e-4,
+        },
+        Cost {
+            fixed: 3e-3,
+            per_row: 3e-4,
+        },
+    ];
     let c = Cost::combined(&costs);
     // At the combined time T for R rows, the devices' rows (T − fixed)/per_row sum to R.
     let rows = 400.0;
@@ -432,7 +587,10 @@ fn combined_cost_finishes_every_device_together() {
     let sum: f64 = costs.iter().map(|d| (t - d.fixed) / d.per_row).sum();
     assert!((sum - rows).abs() < 1e-9, "{sum} rows at T={t}");
     let one = Cost::combined(&costs[..1]);
-    assert!((one.fixed - costs[0].fixed).abs() < 1e-15 && (one.per_row - costs[0].per_row).abs() < 1e-15, "{one:?}");
+    assert!(
+        (one.fixed - costs[0].fixed).abs() < 1e-15 && (one.per_row - costs[0].per_row).abs() < 1e-15,
+        "{one:?}"
+    );
 }
 
 #[test]
@@ -458,10 +616,22 @@ fn the_single_process_group_is_the_identity() {
 fn distributed_data_parallel_in_one_process_matches_single_device_training() {
     const GLOBAL: usize = 16;
     const STEPS: u64 = 8;
-    for group in groups("distributed_data_parallel_in_one_process_matches_single_device_training").into_iter().take(2) {
+    for group in groups("distributed_data_parallel_in_one_process_matches_single_device_training")
+        .into_iter()
+        .take(2)
+    {
         let labels = group.labels().join(", ");
         let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
-        let mut ddp = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+        let mut ddp = DistributedDataParallel::new(
+            std::sync::Arc::new(SingleProcess),
+            &group,
+            &model(),
+            CrossEntropyLoss,
+            optimizer(),
+            GLOBAL,
+            None,
+        )
+        .unwrap();
         assert_eq!(ddp.process_shares(), [GLOBAL]);
         for s in 0..STEPS {
             let (x, y) = batch(GLOBAL, s);
@@ -475,7 +645,11 @@ fn distributed_data_parallel_in_one_process_matches_single_device_training() {
             assert!(loss.is_some_and(|l| l.is_finite() && l > 0.0));
         }
         for (r, replica) in ddp.local().replicas().iter().enumerate() {
-            assert_same_parameters(&format!("replica {r} of [{labels}]"), &replica.executor().parameters().unwrap(), &want);
+            assert_same_parameters(
+                &format!("replica {r} of [{labels}]"),
+                &replica.executor().parameters().unwrap(),
+                &want,
+            );
         }
         // Wrong batch shapes are errors that name the op.
         let (x, y) = batch(GLOBAL - 1, 0);
@@ -489,7 +663,15 @@ fn a_bad_process_split_is_refused() {
     let groups = groups("a_bad_process_split_is_refused");
     let Some(group) = groups.first() else { return };
     for rows in [vec![10, 6], vec![15], vec![0]] {
-        let err = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), group, &model(), CrossEntropyLoss, optimizer(), 16, Some(rows.clone()));
+        let err = DistributedDataParallel::new(
+            std::sync::Arc::new(SingleProcess),
+            group,
+            &model(),
+            CrossEntropyLoss,
+            optimizer(),
+            16,
+            Some(rows.clone()),
+        );
         assert!(matches!(err, Err(Error::InvalidArgument { .. })), "{rows:?}");
     }
 }
@@ -498,12 +680,18 @@ fn a_bad_process_split_is_refused() {
 fn all_and_counts_open_one_device_per_physical_gpu_and_no_software_adapter_beside_one() {
     use wgrad::device::AdapterReport;
     use wgrad::parallel::physical_adapters;
-    let report = |index: usize, name: &str, backend: wgpu::Backend, device_type: wgpu::DeviceType, device: u32| AdapterReport {
-        index,
-        info: wgpu::AdapterInfo { name: name.into(), vendor: if device == 0 { 0 } else { 0x10de }, device, ..wgpu::AdapterInfo::new(device_type, backend) },
-        limits: wgpu::Limits::default(),
-        features: wgpu::Features::empty(),
-    };
+    let report =
+        |index: usize, name: &str, backend: wgpu::Backend, device_type: wgpu::DeviceType, device: u32| AdapterReport {
+            index,
+            info: wgpu::AdapterInfo {
+                name: name.into(),
+                vendor: if device == 0 { 0 } else { 0x10de },
+                device,
+                ..wgpu::AdapterInfo::new(device_type, backend)
+            },
+            limits: wgpu::Limits::default(),
+            features: wgpu::Features::empty(),
+        };
     use wgpu::{Backend::*, DeviceType::*};
     // One NVIDIA GPU listed by GL and Vulkan, a second one by Vulkan, and
     // lavapipe: the two GPUs through Vulkan, in policy order.
@@ -515,7 +703,11 @@ fn all_and_counts_open_one_device_per_physical_gpu_and_no_software_adapter_besid
     ];
     assert_eq!(physical_adapters(&machine), [2, 3]);
     // Without a GPU every software adapter is a device of its own.
-    let cpu_only = [report(0, "llvmpipe", Vulkan, Cpu, 0), report(1, "llvmpipe", Gl, Cpu, 0), report(2, "SwiftShader", Vulkan, Cpu, 0)];
+    let cpu_only = [
+        report(0, "llvmpipe", Vulkan, Cpu, 0),
+        report(1, "llvmpipe", Gl, Cpu, 0),
+        report(2, "SwiftShader", Vulkan, Cpu, 0),
+    ];
     assert_eq!(physical_adapters(&cpu_only), [0, 2, 1]);
 }
 
@@ -532,12 +724,25 @@ pub(crate) fn mixed_limits_group(test: &str) -> Option<(DeviceGroup, Option<wgra
     let gl = common::lock_gl_if_any();
     let index = common::reports()[0].index;
     let open = |mode: wgrad::LimitsMode| {
-        let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), limits: Some(mode), ..Default::default() };
+        let opts = wgrad::DeviceOptions {
+            backends: None,
+            adapter: Some(index.to_string()),
+            limits: Some(mode),
+            ..Default::default()
+        };
         std::sync::Arc::new(wgrad::Kernels::new(wgrad::Device::open(&opts).unwrap()))
     };
-    let group = DeviceGroup::from_kernels(vec![open(wgrad::LimitsMode::Adapter), open(wgrad::LimitsMode::WebGpu)]).unwrap();
-    let aligns: Vec<u32> = group.members().iter().map(|k| k.device().limits().min_storage_buffer_offset_alignment).collect();
-    eprintln!("{test}: {} with storage offset alignments {aligns:?} B", group.members()[0].device().label());
+    let group =
+        DeviceGroup::from_kernels(vec![open(wgrad::LimitsMode::Adapter), open(wgrad::LimitsMode::WebGpu)]).unwrap();
+    let aligns: Vec<u32> = group
+        .members()
+        .iter()
+        .map(|k| k.device().limits().min_storage_buffer_offset_alignment)
+        .collect();
+    eprintln!(
+        "{test}: {} with storage offset alignments {aligns:?} B",
+        group.members()[0].device().label()
+    );
     Some((group, gl))
 }
 
@@ -550,13 +755,21 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
     const GLOBAL: usize = 16;
     const STEPS: u64 = 8;
     let test = "data_parallel_across_different_limits_matches_single_device_training";
-    let Some((group, _gl)) = mixed_limits_group(test) else { return };
+    let Some((group, _gl)) = mixed_limits_group(test) else {
+        return;
+    };
     let want = single_device_reference(&group.members()[0], &model(), GLOBAL, STEPS);
     // The devices' own layouts differ where their alignments do.
     let own: Vec<usize> = group
         .members()
         .iter()
-        .map(|k| Trainer::new(k.clone(), &model(), CrossEntropyLoss, optimizer(), 4).unwrap().executor().plan().param_arena_len)
+        .map(|k| {
+            Trainer::new(k.clone(), &model(), CrossEntropyLoss, optimizer(), 4)
+                .unwrap()
+                .executor()
+                .plan()
+                .param_arena_len
+        })
         .collect();
     eprintln!("{test}: parameter arenas at each device's own alignment: {own:?} elements");
     for split in [Split::Rows(vec![5, GLOBAL - 5]), Split::Measured { every: 3 }] {
@@ -567,20 +780,45 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
             assert!(loss.is_none_or(|l| l.is_finite() && l > 0.0));
         }
         assert_eq!(dp.arena_alignment(), 256);
-        let lens: Vec<usize> = dp.replicas().iter().map(|t| t.executor().plan().param_arena_len).collect();
+        let lens: Vec<usize> = dp
+            .replicas()
+            .iter()
+            .map(|t| t.executor().plan().param_arena_len)
+            .collect();
         assert!(lens.iter().all(|&l| l == lens[0]), "one layout for the group: {lens:?}");
-        let replicas: Vec<_> = dp.replicas().iter().map(|t| t.executor().parameters().unwrap()).collect();
+        let replicas: Vec<_> = dp
+            .replicas()
+            .iter()
+            .map(|t| t.executor().parameters().unwrap())
+            .collect();
         for (r, got) in replicas.iter().enumerate() {
             assert_same_parameters(&format!("replica {r} with {split:?}"), got, &want);
         }
         // One adapter, the same gradients and the same update: bit for bit.
-        let bits = |p: &[(String, Vec<usize>, Vec<f32>)]| -> Vec<Vec<u32>> { p.iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect() };
+        let bits = |p: &[(String, Vec<usize>, Vec<f32>)]| -> Vec<Vec<u32>> {
+            p.iter()
+                .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
+                .collect()
+        };
         assert_eq!(bits(&replicas[1]), bits(&replicas[0]), "replicas with {split:?}");
         dp.synchronise().unwrap();
-        assert_eq!(bits(&dp.replicas()[1].executor().parameters().unwrap()), bits(&replicas[0]), "after synchronise");
+        assert_eq!(
+            bits(&dp.replicas()[1].executor().parameters().unwrap()),
+            bits(&replicas[0]),
+            "after synchronise"
+        );
     }
     // The distributed engine's path: a re-split rebuilds every replica.
-    let mut ddp = DistributedDataParallel::new(std::sync::Arc::new(SingleProcess), &group, &model(), CrossEntropyLoss, optimizer(), GLOBAL, None).unwrap();
+    let mut ddp = DistributedDataParallel::new(
+        std::sync::Arc::new(SingleProcess),
+        &group,
+        &model(),
+        CrossEntropyLoss,
+        optimizer(),
+        GLOBAL,
+        None,
+    )
+    .unwrap();
     for s in 0..STEPS {
         if s == 4 {
             ddp.local_mut().set_global_batch(GLOBAL - 3).unwrap();
@@ -590,7 +828,11 @@ fn data_parallel_across_different_limits_matches_single_device_training() {
         ddp.step(&x, Targets::Classes(&y), false).unwrap();
     }
     for (r, replica) in ddp.local().replicas().iter().enumerate() {
-        assert_same_parameters(&format!("distributed replica {r}"), &replica.executor().parameters().unwrap(), &want);
+        assert_same_parameters(
+            &format!("distributed replica {r}"),
+            &replica.executor().parameters().unwrap(),
+            &want,
+        );
     }
 }
 
@@ -608,14 +850,25 @@ fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
     const HALF: u64 = STEPS / 2;
     /// Below every step's gradient norm here (asserted).
     const CLIP: f32 = 0.1;
-    let adamw = || -> OptimizerConfig { wgrad::optim::AdamW::new(1e-2).weight_decay(0.1).decay_matrices_only().clip_grad_norm(CLIP).into() };
+    let adamw = || -> OptimizerConfig {
+        wgrad::optim::AdamW::new(1e-2)
+            .weight_decay(0.1)
+            .decay_matrices_only()
+            .clip_grad_norm(CLIP)
+            .into()
+    };
     nn::manual_seed(43);
     // Two Linear pairs for tensor parallel (two all-reduces), four blocks
     // for the pipeline.
     let m = Sequential::mlp(&[IN, 14, 9, 11, CLASSES], Layer::Tanh).unwrap();
     let resume_state = |ckpt: &wgrad::io::checkpoint::Checkpoint| {
         let state = OptimizerState::from_checkpoint(ckpt).unwrap();
-        let params: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt.tensors.iter().filter(|t| !t.name.starts_with("optim.")).map(|t| (t.name.clone(), t.shape.clone(), t.data.clone())).collect();
+        let params: Vec<(String, Vec<usize>, Vec<f32>)> = ckpt
+            .tensors
+            .iter()
+            .filter(|t| !t.name.starts_with("optim."))
+            .map(|t| (t.name.clone(), t.shape.clone(), t.data.clone()))
+            .collect();
         (params, state)
     };
     for group in groups("mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device") {
@@ -644,17 +897,49 @@ fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
             let tp_loss = tp.step(&x, Targets::Classes(&y), true).unwrap().unwrap();
             // The loss (about 1.4) and the norm summed per micro-batch or
             // per device, in another order: relative 1e-5.
-            assert_close(&format!("pipeline loss of step {s} on [{labels}]"), &[p_loss], &[losses[i]], 0.0, 1e-5);
-            assert_close(&format!("tensor loss of step {s} on [{labels}]"), &[tp_loss], &[losses[i]], 0.0, 1e-5);
-            assert_close(&format!("pipeline norm of step {s} on [{labels}]"), &[p.stats().last_grad_norm.unwrap()], &[norms[i]], 0.0, 1e-5);
-            assert_close(&format!("tensor norm of step {s} on [{labels}]"), &[tp.last_grad_norm().unwrap()], &[norms[i]], 0.0, 1e-5);
+            assert_close(
+                &format!("pipeline loss of step {s} on [{labels}]"),
+                &[p_loss],
+                &[losses[i]],
+                0.0,
+                1e-5,
+            );
+            assert_close(
+                &format!("tensor loss of step {s} on [{labels}]"),
+                &[tp_loss],
+                &[losses[i]],
+                0.0,
+                1e-5,
+            );
+            assert_close(
+                &format!("pipeline norm of step {s} on [{labels}]"),
+                &[p.stats().last_grad_norm.unwrap()],
+                &[norms[i]],
+                0.0,
+                1e-5,
+            );
+            assert_close(
+                &format!("tensor norm of step {s} on [{labels}]"),
+                &[tp.last_grad_norm().unwrap()],
+                &[norms[i]],
+                0.0,
+                1e-5,
+            );
             if s + 1 == HALF {
                 p_half = Some(p.checkpoint().unwrap());
                 tp_half = Some(tp.checkpoint().unwrap());
             }
         }
-        assert_same_parameters(&format!("clipped AdamW pipeline on [{labels}]"), &p.parameters().unwrap(), &want);
-        assert_same_parameters(&format!("clipped AdamW tensor on [{labels}]"), &tp.parameters().unwrap(), &want);
+        assert_same_parameters(
+            &format!("clipped AdamW pipeline on [{labels}]"),
+            &p.parameters().unwrap(),
+            &want,
+        );
+        assert_same_parameters(
+            &format!("clipped AdamW tensor on [{labels}]"),
+            &tp.parameters().unwrap(),
+            &want,
+        );
 
         // The pipeline's halfway checkpoint on tensor parallel, and the
         // other way round.
@@ -671,7 +956,15 @@ fn mlp_pipeline_and_tensor_parallel_clip_and_resume_as_one_device() {
             p2.step(&x, Targets::Classes(&y), false).unwrap();
         }
         assert_eq!((tp2.step_count(), p2.step_count()), (STEPS, STEPS));
-        assert_same_parameters(&format!("pipeline resumed on tensor parallel [{labels}]"), &tp2.parameters().unwrap(), &want);
-        assert_same_parameters(&format!("tensor parallel resumed on a pipeline [{labels}]"), &p2.parameters().unwrap(), &want);
+        assert_same_parameters(
+            &format!("pipeline resumed on tensor parallel [{labels}]"),
+            &tp2.parameters().unwrap(),
+            &want,
+        );
+        assert_same_parameters(
+            &format!("tensor parallel resumed on a pipeline [{labels}]"),
+            &p2.parameters().unwrap(),
+            &want,
+        );
     }
 }

@@ -15,7 +15,10 @@ use common::{assert_close, for_each_adapter, for_each_shaping, limited_kernels, 
 use half::f16;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::kernels::{pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView, QuantWeightsKernel, MATVEC_MAX_ROWS, QUANT_ROWS_MAX_ROWS};
+use wgrad::kernels::{
+    pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView,
+    QuantWeightsKernel, MATVEC_MAX_ROWS, QUANT_ROWS_MAX_ROWS,
+};
 use wgrad::{cpu, Error, Kernels};
 
 /// The formats the long-standing cases run at every shape (rows of 32
@@ -93,15 +96,30 @@ fn the_packed_layout_round_trips_and_keeps_ggml_order() {
         let (bytes, header) = (format.block_bytes(), format.block_bytes() - 4 * format.quant_words());
         let block = &raw[bytes..2 * bytes];
         let q = &words[format.quant_words()..2 * format.quant_words()];
-        assert_eq!(q[0].to_le_bytes(), block[header..header + 4], "{format:?}: first word of block 1");
+        assert_eq!(
+            q[0].to_le_bytes(),
+            block[header..header + 4],
+            "{format:?}: first word of block 1"
+        );
         let scale = words[rows * cols / 32 * format.quant_words() + 1];
-        assert_eq!(scale & 0xffff, u32::from(u16::from_le_bytes([block[0], block[1]])), "{format:?}: d");
-        let m = if format == QuantFormat::Q4_1 { u32::from(u16::from_le_bytes([block[2], block[3]])) } else { 0 };
+        assert_eq!(
+            scale & 0xffff,
+            u32::from(u16::from_le_bytes([block[0], block[1]])),
+            "{format:?}: d"
+        );
+        let m = if format == QuantFormat::Q4_1 {
+            u32::from(u16::from_le_bytes([block[2], block[3]]))
+        } else {
+            0
+        };
         assert_eq!(scale >> 16, m, "{format:?}: m");
     }
     // Rows must hold whole blocks, and the bytes whole rows.
     let err = pack_quantized(QuantFormat::Q8_0, &[0; 34], 1, 33).unwrap_err();
-    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"),
+        "{err}"
+    );
     let err = pack_quantized(QuantFormat::Q4_0, &[0; 18], 2, 32).unwrap_err();
     assert!(err.to_string().contains("18 bytes"), "{err}");
     let err = unpack_quantized(QuantFormat::Q4_1, &[0; 4], 1, 32).unwrap_err();
@@ -139,18 +157,37 @@ fn store_for(format: QuantFormat, m: usize) -> Store {
 /// Runs one product on `k` with `kernel` (the shape-selected one when
 /// None) and checks C (and pre) against the twin; returns the dispatch's
 /// entry and launches.
-fn check_product(k: &Kernels, kernel: Option<QuantWeightsKernel>, format: QuantFormat, store: Store, (m, n, kk): (usize, usize, usize), seed: u64) -> wgrad::Result<(&'static str, usize)> {
+fn check_product(
+    k: &Kernels,
+    kernel: Option<QuantWeightsKernel>,
+    format: QuantFormat,
+    store: Store,
+    (m, n, kk): (usize, usize, usize),
+    seed: u64,
+) -> wgrad::Result<(&'static str, usize)> {
     let mut r = rng(seed);
     let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
     let raw = random_blocks(&mut r, format, n, kk);
     let bias_host = random_vec(&mut r, n, -1.0, 1.0);
     let words = k.upload(&pack_quantized(format, &raw, n, kk)?)?;
-    let (a, c, pre, bias) = (k.upload(&a_host)?, k.upload(&vec![f32::NAN; m * n])?, k.zeros(m * n)?, k.upload(&bias_host)?);
+    let (a, c, pre, bias) = (
+        k.upload(&a_host)?,
+        k.upload(&vec![f32::NAN; m * n])?,
+        k.zeros(m * n)?,
+        k.upload(&bias_host)?,
+    );
     let b = QuantView::new(words.view(), format, n, kk)?;
     let epilogue = match store {
         Store::Plain => MatmulEpilogue::default(),
-        Store::Bias => MatmulEpilogue { bias: Some(bias.view()), ..MatmulEpilogue::default() },
-        Store::BiasGeluPre => MatmulEpilogue { bias: Some(bias.view()), activation: Some((Activation::Gelu, Some(pre.view()))), ..MatmulEpilogue::default() },
+        Store::Bias => MatmulEpilogue {
+            bias: Some(bias.view()),
+            ..MatmulEpilogue::default()
+        },
+        Store::BiasGeluPre => MatmulEpilogue {
+            bias: Some(bias.view()),
+            activation: Some((Activation::Gelu, Some(pre.view()))),
+            ..MatmulEpilogue::default()
+        },
     };
     let d = match kernel {
         Some(kernel) => k.matmul_quant_weights_with(kernel, epilogue, c.view(), a.view(), b, m, n, kk)?,
@@ -191,7 +228,9 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                         let want = match (k.gpu_shaped(), m) {
                             (true, ..=MATVEC_MAX_ROWS) => "matvec_quant_forward",
                             (false, 1) => "matvec_quant_forward_columns",
-                            (false, ..=QUANT_ROWS_MAX_ROWS) if k.supports_quant_rows_subgroup() => "matvec_quant_forward_rows_subgroup",
+                            (false, ..=QUANT_ROWS_MAX_ROWS) if k.supports_quant_rows_subgroup() => {
+                                "matvec_quant_forward_rows_subgroup"
+                            }
                             (false, ..=QUANT_ROWS_MAX_ROWS) => "matvec_quant_forward_rows",
                             _ => "matmul_quant_forward",
                         };
@@ -200,9 +239,20 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                         // kernel, and on the tiled one (the choice where the
                         // vector loads cannot run).
                         if m <= MATVEC_MAX_ROWS {
-                            let other = if k.gpu_shaped() { QuantWeightsKernel::MatvecColumns } else { QuantWeightsKernel::Matvec { lanes: 8 } };
+                            let other = if k.gpu_shaped() {
+                                QuantWeightsKernel::MatvecColumns
+                            } else {
+                                QuantWeightsKernel::Matvec { lanes: 8 }
+                            };
                             check_product(k, Some(other), format, store, (m, n, kk), 2600 + case)?;
-                            check_product(k, Some(QuantWeightsKernel::Tiled), format, store, (m, n, kk), 2600 + case)?;
+                            check_product(
+                                k,
+                                Some(QuantWeightsKernel::Tiled),
+                                format,
+                                store,
+                                (m, n, kk),
+                                2600 + case,
+                            )?;
                         }
                     }
                 }
@@ -214,10 +264,24 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
             // one's workgroup of 128.
             let lanes = if format == QuantFormat::Q4_0 { 8 } else { 64 };
             for rows in [3, MATVEC_MAX_ROWS] {
-                check_product(k, Some(QuantWeightsKernel::Matvec { lanes }), format, store_for(format, rows), (rows, 37, 96), 2590 + rows as u64)?;
+                check_product(
+                    k,
+                    Some(QuantWeightsKernel::Matvec { lanes }),
+                    format,
+                    store_for(format, rows),
+                    (rows, 37, 96),
+                    2590 + rows as u64,
+                )?;
             }
             for (rows, n) in [(1, 128), (2, 131), (3, 129), (MATVEC_MAX_ROWS, 263)] {
-                check_product(k, Some(QuantWeightsKernel::MatvecColumns), format, store_for(format, rows), (rows, n, 96), 2595 + rows as u64)?;
+                check_product(
+                    k,
+                    Some(QuantWeightsKernel::MatvecColumns),
+                    format,
+                    store_for(format, rows),
+                    (rows, n, 96),
+                    2595 + rows as u64,
+                )?;
             }
             // The rows kernel on every adapter: every row count of a bucket
             // (partial and whole groups of 4), columns 1, primes and past
@@ -247,7 +311,14 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
                 for m in first..=bucket {
                     for (j, (n, kk)) in [(1, 96), (37, 32), (131, 576), (67, 96)].into_iter().enumerate() {
                         for &kernel in &rows_kernels {
-                            check_product(k, Some(kernel), format, store, (m, n, kk), 2900 + 4 * m as u64 + j as u64)?;
+                            check_product(
+                                k,
+                                Some(kernel),
+                                format,
+                                store,
+                                (m, n, kk),
+                                2900 + 4 * m as u64 + j as u64,
+                            )?;
                         }
                     }
                 }
@@ -261,11 +332,23 @@ fn quantized_products_match_the_cpu_on_each_kernel() {
 /// [rows_i, kk] packed one after another into one buffer (each at a
 /// 256-byte offset, as the parameter arena aligns them), or each in a
 /// buffer of its own (`together` false: one launch per part).
-fn check_parts(k: &Kernels, format: QuantFormat, rows: &[usize], (m, kk): (usize, usize), gated: bool, together: bool, seed: u64) -> wgrad::Result<usize> {
+fn check_parts(
+    k: &Kernels,
+    format: QuantFormat,
+    rows: &[usize],
+    (m, kk): (usize, usize),
+    gated: bool,
+    together: bool,
+    seed: u64,
+) -> wgrad::Result<usize> {
     let mut r = rng(seed);
     let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
     let raws: Vec<Vec<u8>> = rows.iter().map(|&n| random_blocks(&mut r, format, n, kk)).collect();
-    let packed = raws.iter().zip(rows).map(|(raw, &n)| pack_quantized(format, raw, n, kk)).collect::<wgrad::Result<Vec<_>>>()?;
+    let packed = raws
+        .iter()
+        .zip(rows)
+        .map(|(raw, &n)| pack_quantized(format, raw, n, kk))
+        .collect::<wgrad::Result<Vec<_>>>()?;
     let n: usize = if gated { rows[0] } else { rows.iter().sum() };
     let (a, c) = (k.upload(&a_host)?, k.upload(&vec![f32::NAN; m * n])?);
     let mut arena = Vec::new();
@@ -275,18 +358,33 @@ fn check_parts(k: &Kernels, format: QuantFormat, rows: &[usize], (m, kk): (usize
         arena.extend_from_slice(words);
         arena.resize(arena.len().next_multiple_of(64), 0);
     }
-    let (joint, apart) = (k.upload(&arena)?, packed.iter().map(|w| k.upload(w)).collect::<wgrad::Result<Vec<_>>>()?);
+    let (joint, apart) = (
+        k.upload(&arena)?,
+        packed.iter().map(|w| k.upload(w)).collect::<wgrad::Result<Vec<_>>>()?,
+    );
     let views = if together {
-        offsets.iter().zip(&packed).map(|(&at, words)| joint.slice(at, words.len())).collect::<wgrad::Result<Vec<_>>>()?
+        offsets
+            .iter()
+            .zip(&packed)
+            .map(|(&at, words)| joint.slice(at, words.len()))
+            .collect::<wgrad::Result<Vec<_>>>()?
     } else {
         apart.iter().map(|t| t.view()).collect()
     };
-    let parts = views.into_iter().zip(rows).map(|(v, &n)| QuantView::new(v, format, n, kk)).collect::<wgrad::Result<Vec<_>>>()?;
+    let parts = views
+        .into_iter()
+        .zip(rows)
+        .map(|(v, &n)| QuantView::new(v, format, n, kk))
+        .collect::<wgrad::Result<Vec<_>>>()?;
     let d = k.matmul_quant_parts(c.view(), a.view(), &parts, m, kk, gated)?;
     k.run(&[&d])?;
     let twin_parts: Vec<(&[u8], usize)> = raws.iter().map(Vec::as_slice).zip(rows.iter().copied()).collect();
     let want = cpu::matmul_quant_parts(&a_host, format, &twin_parts, m, kk, gated)?;
-    let what = format!("{} {format:?} m={m} rows={rows:?} k={kk} gated={gated} together={together}, GPU shaping {}", d.kernel().entry, k.gpu_shaped());
+    let what = format!(
+        "{} {format:?} m={m} rows={rows:?} k={kk} gated={gated} together={together}, GPU shaping {}",
+        d.kernel().entry,
+        k.gpu_shaped()
+    );
     assert_close(&what, &read(k, &c)?, &want, ATOL, RTOL);
     Ok(d.launches())
 }
@@ -310,17 +408,34 @@ fn quantized_parts_match_the_cpu() {
         // gating and launching, and every shape runs on each pipeline it
         // compiles, without the product of formats and pipelines.
         for kk in [32, 576] {
-            for (rows, gated) in [(&[1][..], false), (&[5, 1, 37, 2], false), (&[144, 48, 48], false), (&[1, 1], true), (&[67, 67], true)] {
-                for (m_index, m) in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1].into_iter().enumerate() {
+            for (rows, gated) in [
+                (&[1][..], false),
+                (&[5, 1, 37, 2], false),
+                (&[144, 48, 48], false),
+                (&[1, 1], true),
+                (&[67, 67], true),
+            ] {
+                for (m_index, m) in [1, MATVEC_MAX_ROWS, MATVEC_MAX_ROWS + 1, QUANT_ROWS_MAX_ROWS + 1]
+                    .into_iter()
+                    .enumerate()
+                {
                     for together in [true, false] {
                         let format = LEGACY[(m_index + usize::from(gated) + usize::from(together)) % 3];
                         seed += 1;
                         let launches = check_parts(k, format, rows, (m, kk), gated, together, seed)?;
                         // A CPU adapter's rows kernel takes up to 16 rows.
-                        let matvec_rows = if k.gpu_shaped() { MATVEC_MAX_ROWS } else { QUANT_ROWS_MAX_ROWS };
+                        let matvec_rows = if k.gpu_shaped() {
+                            MATVEC_MAX_ROWS
+                        } else {
+                            QUANT_ROWS_MAX_ROWS
+                        };
                         let one = together && m <= matvec_rows && !(gated && k.gpu_shaped());
                         let per_part = if gated { 2 } else { rows.len() };
-                        assert_eq!(launches, if one { 1 } else { per_part }, "{format:?} rows {rows:?} m={m} k={kk} together={together}");
+                        assert_eq!(
+                            launches,
+                            if one { 1 } else { per_part },
+                            "{format:?} rows {rows:?} m={m} k={kk} together={together}"
+                        );
                     }
                 }
             }
@@ -328,11 +443,30 @@ fn quantized_parts_match_the_cpu() {
         // Matrices of different formats or widths, a gated pair of unequal
         // rows, five matrices: refused.
         let words = k.upload(&vec![0u32; 4096])?;
-        let q = |format: QuantFormat, rows: usize, cols: usize| QuantView::new(words.slice(0, format.stored_words(rows * cols)).unwrap(), format, rows, cols).unwrap();
+        let q = |format: QuantFormat, rows: usize, cols: usize| {
+            QuantView::new(
+                words.slice(0, format.stored_words(rows * cols)).unwrap(),
+                format,
+                rows,
+                cols,
+            )
+            .unwrap()
+        };
         let (a, c) = (k.zeros(64)?, k.zeros(4096)?);
-        for (parts, gated) in [(vec![q(QuantFormat::Q4_0, 2, 32), q(QuantFormat::Q4_1, 2, 32)], false), (vec![q(QuantFormat::Q8_0, 2, 32), q(QuantFormat::Q8_0, 2, 64)], false), (vec![q(QuantFormat::Q4_1, 2, 32), q(QuantFormat::Q4_1, 3, 32)], true), (vec![q(QuantFormat::Q4_1, 1, 32); 5], false)] {
-            let n = if gated { 2 } else { parts.iter().map(QuantView::rows).sum() };
-            let err = k.matmul_quant_parts(c.slice(0, 2 * n)?, a.slice(0, 64)?, &parts, 2, 32, gated).unwrap_err();
+        for (parts, gated) in [
+            (vec![q(QuantFormat::Q4_0, 2, 32), q(QuantFormat::Q4_1, 2, 32)], false),
+            (vec![q(QuantFormat::Q8_0, 2, 32), q(QuantFormat::Q8_0, 2, 64)], false),
+            (vec![q(QuantFormat::Q4_1, 2, 32), q(QuantFormat::Q4_1, 3, 32)], true),
+            (vec![q(QuantFormat::Q4_1, 1, 32); 5], false),
+        ] {
+            let n = if gated {
+                2
+            } else {
+                parts.iter().map(QuantView::rows).sum()
+            };
+            let err = k
+                .matmul_quant_parts(c.slice(0, 2 * n)?, a.slice(0, 64)?, &parts, 2, 32, gated)
+                .unwrap_err();
             assert!(matches!(err, Error::Shape { .. }), "{err}");
         }
         Ok(())
@@ -345,37 +479,116 @@ fn quantized_products_refuse_what_they_cannot_run() {
         // Rows of B must hold whole blocks (k = 33).
         let words = k.zeros(QuantFormat::Q8_0.stored_words(64))?;
         let err = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 33).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"), "{err}");
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 32"),
+            "{err}"
+        );
         let err = QuantView::new(words.view(), QuantFormat::Q4_0, 2, 32).unwrap_err();
         assert!(err.to_string().contains("words"), "{err}");
         let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 32)?;
         let (a, c) = (k.zeros(5 * 32)?, k.zeros(5 * 2)?);
         // Five rows are past the matrix-vector kernel; shapes must agree;
         // training's epilogues are refused.
-        let err = k.matmul_quant_weights_with(QuantWeightsKernel::Matvec { lanes: 8 }, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        let err = k
+            .matmul_quant_weights_with(
+                QuantWeightsKernel::Matvec { lanes: 8 },
+                MatmulEpilogue::default(),
+                c.view(),
+                a.view(),
+                b,
+                5,
+                2,
+                32,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
-        let rows = if k.supports_quant_rows_subgroup() { QuantWeightsKernel::MatvecRowsSubgroup } else { QuantWeightsKernel::MatvecRows };
-        let (five, decode) = if k.gpu_shaped() { (QuantWeightsKernel::Tiled, QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() }) } else { (rows, rows) };
+        let rows = if k.supports_quant_rows_subgroup() {
+            QuantWeightsKernel::MatvecRowsSubgroup
+        } else {
+            QuantWeightsKernel::MatvecRows
+        };
+        let (five, decode) = if k.gpu_shaped() {
+            (
+                QuantWeightsKernel::Tiled,
+                QuantWeightsKernel::Matvec {
+                    lanes: k.matvec_lanes(),
+                },
+            )
+        } else {
+            (rows, rows)
+        };
         assert_eq!(k.quant_weights_kernel_for(5, &a.view(), &b), five);
         assert_eq!(k.quant_weights_kernel_for(MATVEC_MAX_ROWS, &a.view(), &b), decode);
-        let one = if k.gpu_shaped() { QuantWeightsKernel::Matvec { lanes: k.matvec_lanes() } } else { QuantWeightsKernel::MatvecColumns };
+        let one = if k.gpu_shaped() {
+            QuantWeightsKernel::Matvec {
+                lanes: k.matvec_lanes(),
+            }
+        } else {
+            QuantWeightsKernel::MatvecColumns
+        };
         assert_eq!(k.quant_weights_kernel_for(1, &a.view(), &b), one);
         // Past the rows kernel's 16 rows: the tiled one, and refused by it.
         let (a17, c17) = (k.zeros(17 * 32)?, k.zeros(17 * 2)?);
-        assert_eq!(k.quant_weights_kernel_for(17, &a17.view(), &b), QuantWeightsKernel::Tiled);
-        let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecRows, MatmulEpilogue::default(), c17.view(), a17.view(), b, 17, 2, 32).unwrap_err();
+        assert_eq!(
+            k.quant_weights_kernel_for(17, &a17.view(), &b),
+            QuantWeightsKernel::Tiled
+        );
+        let err = k
+            .matmul_quant_weights_with(
+                QuantWeightsKernel::MatvecRows,
+                MatmulEpilogue::default(),
+                c17.view(),
+                a17.view(),
+                b,
+                17,
+                2,
+                32,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains("m=17"), "{err}");
         // The subgroup kernel without 8-lane subgroups: refused by name.
         if !k.supports_quant_rows_subgroup() {
-            let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecRowsSubgroup, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+            let err = k
+                .matmul_quant_weights_with(
+                    QuantWeightsKernel::MatvecRowsSubgroup,
+                    MatmulEpilogue::default(),
+                    c.view(),
+                    a.view(),
+                    b,
+                    5,
+                    2,
+                    32,
+                )
+                .unwrap_err();
             assert!(matches!(err, Error::Unsupported { .. }), "{err}");
         }
-        let err = k.matmul_quant_weights_with(QuantWeightsKernel::MatvecColumns, MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        let err = k
+            .matmul_quant_weights_with(
+                QuantWeightsKernel::MatvecColumns,
+                MatmulEpilogue::default(),
+                c.view(),
+                a.view(),
+                b,
+                5,
+                2,
+                32,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
-        let err = k.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64).unwrap_err();
-        assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("k=64"), "{err}");
-        let accumulate = MatmulEpilogue { accumulate: true, ..MatmulEpilogue::default() };
-        let err = k.matmul_quant_weights(accumulate, c.view(), a.view(), b, 5, 2, 32).unwrap_err();
+        let err = k
+            .matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("k=64"),
+            "{err}"
+        );
+        let accumulate = MatmulEpilogue {
+            accumulate: true,
+            ..MatmulEpilogue::default()
+        };
+        let err = k
+            .matmul_quant_weights(accumulate, c.view(), a.view(), b, 5, 2, 32)
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
         Ok(())
     });
@@ -387,7 +600,8 @@ fn quantized_embedding_matches_the_cpu() {
         for format in LEGACY {
             // (n, vocab, channels): one of each, a prime vocabulary, more
             // outputs than a workgroup, SmolLM2's 576 channels.
-            for (case, &(n, vocab, channels)) in [(1, 1, 32), (5, 7, 96), (40, 11, 64), (3, 50, 576)].iter().enumerate() {
+            for (case, &(n, vocab, channels)) in [(1, 1, 32), (5, 7, 96), (40, 11, 64), (3, 50, 576)].iter().enumerate()
+            {
                 let mut r = rng(2700 + case as u64);
                 let raw = random_blocks(&mut r, format, vocab, channels);
                 let mut ids: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
@@ -400,12 +614,23 @@ fn quantized_embedding_matches_the_cpu() {
                 // Exact: each value is q·d (+ m) rounded once, on both sides
                 // (q·d is exact in f32: ≤ 8 bits times an f16).
                 let want = cpu::embedding_quant_weights(format, &raw, &ids, vocab, channels)?;
-                assert_close(&format!("embedding {format:?} n={n} vocab={vocab} channels={channels}"), &read(k, &out)?, &want, 0.0, 0.0);
+                assert_close(
+                    &format!("embedding {format:?} n={n} vocab={vocab} channels={channels}"),
+                    &read(k, &out)?,
+                    &want,
+                    0.0,
+                    0.0,
+                );
             }
         }
         // Scales and minimums at f16's edges, which the kernels widen by
         // bit operations: subnormal, zero, negative, the largest finite.
-        let halves = [(f16::from_bits(0x0001), f16::from_bits(0x8201)), (f16::ZERO, f16::NEG_ZERO), (f16::from_f32(-0.75), f16::from_f32(3.0)), (f16::MAX, f16::MIN)];
+        let halves = [
+            (f16::from_bits(0x0001), f16::from_bits(0x8201)),
+            (f16::ZERO, f16::NEG_ZERO),
+            (f16::from_f32(-0.75), f16::from_f32(3.0)),
+            (f16::MAX, f16::MIN),
+        ];
         let mut raw = Vec::new();
         for (i, (d, m)) in halves.iter().enumerate() {
             raw.extend(d.to_le_bytes().into_iter().chain(m.to_le_bytes()));
@@ -414,9 +639,20 @@ fn quantized_embedding_matches_the_cpu() {
         let ids = [0, 1, 2, 3];
         let words = k.upload(&pack_quantized(QuantFormat::Q4_1, &raw, 4, 32)?)?;
         let (i, out) = (k.upload(&ids)?, k.zeros(4 * 32)?);
-        k.run(&[&k.embedding_quant_weights(out.view(), QuantView::new(words.view(), QuantFormat::Q4_1, 4, 32)?, i.view(), 4)?])?;
+        k.run(&[&k.embedding_quant_weights(
+            out.view(),
+            QuantView::new(words.view(), QuantFormat::Q4_1, 4, 32)?,
+            i.view(),
+            4,
+        )?])?;
         // Exact, as above (f16::MAX · 15 + f16::MIN is finite in f32).
-        assert_close("embedding at f16's edges", &read(k, &out)?, &cpu::embedding_quant_weights(QuantFormat::Q4_1, &raw, &ids, 4, 32)?, 0.0, 0.0);
+        assert_close(
+            "embedding at f16's edges",
+            &read(k, &out)?,
+            &cpu::embedding_quant_weights(QuantFormat::Q4_1, &raw, &ids, 4, 32)?,
+            0.0,
+            0.0,
+        );
         Ok(())
     });
 }
@@ -431,13 +667,44 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         // part (WebGPU's 256-byte alignment included).
         let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
         let limit = 1024 + align.saturating_sub(4);
-        let lim = limited_kernels(k, LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() });
+        let lim = limited_kernels(
+            k,
+            LimitOverrides {
+                max_storage_buffer_binding_size: Some(limit),
+                ..LimitOverrides::default()
+            },
+        );
         for (i, &(kernel, format, store, shape)) in [
-            (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q8_0, Store::Plain, (1, 300, 32)),
-            (QuantWeightsKernel::Matvec { lanes: 8 }, QuantFormat::Q4_1, Store::Bias, (2, 150, 64)),
-            (QuantWeightsKernel::MatvecColumns, QuantFormat::Q4_0, Store::BiasGeluPre, (1, 200, 32)),
-            (QuantWeightsKernel::MatvecRows, QuantFormat::Q8_0, Store::BiasGeluPre, (6, 40, 32)),
-            (QuantWeightsKernel::Tiled, QuantFormat::Q4_0, Store::BiasGeluPre, (3, 100, 64)),
+            (
+                QuantWeightsKernel::Matvec { lanes: 8 },
+                QuantFormat::Q8_0,
+                Store::Plain,
+                (1, 300, 32),
+            ),
+            (
+                QuantWeightsKernel::Matvec { lanes: 8 },
+                QuantFormat::Q4_1,
+                Store::Bias,
+                (2, 150, 64),
+            ),
+            (
+                QuantWeightsKernel::MatvecColumns,
+                QuantFormat::Q4_0,
+                Store::BiasGeluPre,
+                (1, 200, 32),
+            ),
+            (
+                QuantWeightsKernel::MatvecRows,
+                QuantFormat::Q8_0,
+                Store::BiasGeluPre,
+                (6, 40, 32),
+            ),
+            (
+                QuantWeightsKernel::Tiled,
+                QuantFormat::Q4_0,
+                Store::BiasGeluPre,
+                (3, 100, 64),
+            ),
             (QuantWeightsKernel::Tiled, QuantFormat::Q8_0, Store::Bias, (2, 200, 32)),
         ]
         .iter()
@@ -447,7 +714,14 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
             assert!(launches > 1, "{kernel:?} {format:?} {shape:?} ran in one launch");
         }
         if lim.supports_quant_rows_subgroup() {
-            let (_, launches) = check_product(&lim, Some(QuantWeightsKernel::MatvecRowsSubgroup), QuantFormat::Q8_0, Store::Bias, (7, 36, 32), 2809)?;
+            let (_, launches) = check_product(
+                &lim,
+                Some(QuantWeightsKernel::MatvecRowsSubgroup),
+                QuantFormat::Q8_0,
+                Store::Bias,
+                (7, 36, 32),
+                2809,
+            )?;
             assert!(launches > 1, "the subgroup rows kernel ran in one launch");
         }
         // 7 ids of 32 channels: the output fits one binding.
@@ -455,26 +729,50 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         for format in LEGACY {
             let mut r = rng(2810);
             let raw = random_blocks(&mut r, format, vocab, channels);
-            let ids: Vec<u32> = (0..5).map(|_| r.random_range(0..vocab as u32)).chain([0, vocab as u32 - 1]).collect();
+            let ids: Vec<u32> = (0..5)
+                .map(|_| r.random_range(0..vocab as u32))
+                .chain([0, vocab as u32 - 1])
+                .collect();
             let words = lim.upload(&pack_quantized(format, &raw, vocab, channels)?)?;
             let (i, out) = (lim.upload(&ids)?, lim.zeros(ids.len() * channels)?);
-            let d = lim.embedding_quant_weights(out.view(), QuantView::new(words.view(), format, vocab, channels)?, i.view(), ids.len())?;
+            let d = lim.embedding_quant_weights(
+                out.view(),
+                QuantView::new(words.view(), format, vocab, channels)?,
+                i.view(),
+                ids.len(),
+            )?;
             assert!(d.launches() > 1, "the table in one launch");
             lim.run(&[&d])?;
             // A copy: exact (see quantized_embedding_matches_the_cpu).
-            assert_close(&format!("split embedding {format:?}"), &read(&lim, &out)?, &cpu::embedding_quant_weights(format, &raw, &ids, vocab, channels)?, 0.0, 0.0);
+            assert_close(
+                &format!("split embedding {format:?}"),
+                &read(&lim, &out)?,
+                &cpu::embedding_quant_weights(format, &raw, &ids, vocab, channels)?,
+                0.0,
+                0.0,
+            );
         }
         // What cannot split is a clear error: the activations, a row of B.
         let words = lim.zeros(QuantFormat::Q8_0.stored_words(2 * 1024))?;
         let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 1024)?;
         let (a, c) = (lim.zeros(1024)?, lim.zeros(2)?);
-        let err = lim.matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 1, 2, 1024).unwrap_err();
-        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"), "{err}");
+        let err = lim
+            .matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 1, 2, 1024)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"),
+            "{err}"
+        );
         let words = lim.zeros(QuantFormat::Q8_0.stored_words(2048))?;
         let table = QuantView::new(words.view(), QuantFormat::Q8_0, 1, 2048)?;
         let (ids, out) = (lim.zeros(1)?, lim.zeros(2048)?);
-        let err = lim.embedding_quant_weights(out.view(), table, ids.view(), 1).unwrap_err();
-        assert!(matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"), "{err}");
+        let err = lim
+            .embedding_quant_weights(out.view(), table, ids.view(), 1)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::TooLarge { .. }) && err.to_string().contains("one row"),
+            "{err}"
+        );
         Ok(())
     });
 }
@@ -500,18 +798,46 @@ fn fused_generation_ops_match_the_graph_reference() {
         let starts = g.ids("starts", &[1]).unwrap();
         let mut weight = |g: &mut Graph, name: &str, n: usize| {
             let raw = random_blocks(&mut r, QuantFormat::Q4_1, n, channels);
-            g.parameter_quantized(name, &[n, channels], QuantFormat::Q4_1, &raw).unwrap()
+            g.parameter_quantized(name, &[n, channels], QuantFormat::Q4_1, &raw)
+                .unwrap()
         };
-        let qkv_weights = [weight(&mut g, "q", heads * head_dim), weight(&mut g, "k", kv_heads * head_dim), weight(&mut g, "v", kv_heads * head_dim)];
+        let qkv_weights = [
+            weight(&mut g, "q", heads * head_dim),
+            weight(&mut g, "k", kv_heads * head_dim),
+            weight(&mut g, "v", kv_heads * head_dim),
+        ];
         let gate_up = [weight(&mut g, "gate", hidden), weight(&mut g, "up", hidden)];
         let qkv = g.matmul_quant_parts(x, &qkv_weights, false).unwrap();
         let as_heads = g.reshape(qkv, &[1, rows, heads + 2 * kv_heads, head_dim]).unwrap();
-        let rotated = g.rope_heads(as_heads, Some(starts), RopeLayout::HalfSplit, 10000.0, head_dim, 16, heads + kv_heads).unwrap();
+        let rotated = g
+            .rope_heads(
+                as_heads,
+                Some(starts),
+                RopeLayout::HalfSplit,
+                10000.0,
+                head_dim,
+                16,
+                heads + kv_heads,
+            )
+            .unwrap();
         let gated = g.matmul_quant_parts(x, &gate_up, true).unwrap();
-        let err = g.rope_heads(as_heads, Some(starts), RopeLayout::HalfSplit, 10000.0, head_dim, 16, heads + 2 * kv_heads + 1).unwrap_err();
+        let err = g
+            .rope_heads(
+                as_heads,
+                Some(starts),
+                RopeLayout::HalfSplit,
+                10000.0,
+                head_dim,
+                16,
+                heads + 2 * kv_heads + 1,
+            )
+            .unwrap_err();
         assert!(err.to_string().contains("rotated heads"), "{err}");
         let x_h = random_vec(&mut r, rows * channels, -1.0, 1.0);
-        let feeds = [(x, x_h.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>()), (starts, vec![3.0])];
+        let feeds = [
+            (x, x_h.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>()),
+            (starts, vec![3.0]),
+        ];
         let want = g.evaluate_f64(&[qkv, rotated, gated], &feeds).unwrap();
         for_each_adapter("quantized weights: fused generation ops", |k| {
             let mut exec = Executor::new(k.clone(), g.clone(), &[qkv, rotated, gated], None, None)?;
@@ -521,9 +847,27 @@ fn fused_generation_ops_match_the_graph_reference() {
             let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
             // Products as quantized_products_match_the_cpu_on_each_kernel;
             // the rotation's f32 cos/sin against f64.
-            assert_close(&format!("qkv, {rows} rows"), &exec.read(qkv)?, &f32s(&want[0]), ATOL, RTOL);
-            assert_close(&format!("rotated q and k heads, {rows} rows"), &exec.read(rotated)?, &f32s(&want[1]), ATOL, RTOL);
-            assert_close(&format!("gated, {rows} rows"), &exec.read(gated)?, &f32s(&want[2]), ATOL, RTOL);
+            assert_close(
+                &format!("qkv, {rows} rows"),
+                &exec.read(qkv)?,
+                &f32s(&want[0]),
+                ATOL,
+                RTOL,
+            );
+            assert_close(
+                &format!("rotated q and k heads, {rows} rows"),
+                &exec.read(rotated)?,
+                &f32s(&want[1]),
+                ATOL,
+                RTOL,
+            );
+            assert_close(
+                &format!("gated, {rows} rows"),
+                &exec.read(gated)?,
+                &f32s(&want[2]),
+                ATOL,
+                RTOL,
+            );
             Ok(())
         });
     }
@@ -539,8 +883,12 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
     let ids_h: Vec<u32> = (0..tokens).map(|_| r.random_range(0..vocab as u32)).collect();
     let mut g = Graph::new();
     let ids = g.ids("ids", &[1, tokens]).unwrap();
-    let table = g.parameter_quantized("wte", &[vocab, channels], QuantFormat::Q8_0, &table_raw).unwrap();
-    let w = g.parameter_quantized("proj.weight", &[out, channels], QuantFormat::Q4_1, &weight_raw).unwrap();
+    let table = g
+        .parameter_quantized("wte", &[vocab, channels], QuantFormat::Q8_0, &table_raw)
+        .unwrap();
+    let w = g
+        .parameter_quantized("proj.weight", &[out, channels], QuantFormat::Q4_1, &weight_raw)
+        .unwrap();
     let x = g.embedding(table, ids).unwrap();
     let y = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, w).unwrap();
     // The tied head: the same table as an ABt's B.
@@ -550,7 +898,9 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
     assert!(err.to_string().contains("Q4_1"), "{err}");
     let err = g.matmul_form(wgrad::kernels::MatmulForm::AB, x, w).unwrap_err();
     assert!(err.to_string().contains("quantized"), "{err}");
-    let err = g.parameter_quantized("odd", &[2, 33], QuantFormat::Q8_0, &[0; 68]).unwrap_err();
+    let err = g
+        .parameter_quantized("odd", &[2, 33], QuantFormat::Q8_0, &[0; 68])
+        .unwrap_err();
     assert!(err.to_string().contains("multiple of 32"), "{err}");
     let feeds = [(ids, ids_h.iter().map(|&i| f64::from(i)).collect::<Vec<f64>>())];
     let want = g.evaluate_f64(&[x, y, logits], &feeds).unwrap();
@@ -565,8 +915,15 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
         assert_close("graph Linear", &exec.read(y)?, &f32s(&want[1]), ATOL, RTOL);
         assert_close("graph tied head", &exec.read(logits)?, &f32s(&want[2]), ATOL, RTOL);
         // The weights take their packed words, not f32 values.
-        let words = (QuantFormat::Q8_0.stored_words(vocab * channels), QuantFormat::Q4_1.stored_words(out * channels));
-        assert!(exec.plan().param_arena_len < words.0 + words.1 + 2 * 64, "arena of {} words", exec.plan().param_arena_len);
+        let words = (
+            QuantFormat::Q8_0.stored_words(vocab * channels),
+            QuantFormat::Q4_1.stored_words(out * channels),
+        );
+        assert!(
+            exec.plan().param_arena_len < words.0 + words.1 + 2 * 64,
+            "arena of {} words",
+            exec.plan().param_arena_len
+        );
         let err = exec.read(w).unwrap_err();
         assert!(err.to_string().contains("Q4_1"), "{err}");
         let err = exec.parameters().unwrap_err();
@@ -604,7 +961,12 @@ fn a_quantized_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
 /// super-blocks).
 #[test]
 fn a_k_quant_llama_generator_equals_an_f32_one_on_the_decoded_weights() {
-    let formats = [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0, QuantFormat::Q8_0];
+    let formats = [
+        QuantFormat::Q4_K,
+        QuantFormat::Q6_K,
+        QuantFormat::Q5_0,
+        QuantFormat::Q8_0,
+    ];
     for_each_adapter("quantized weights: k-quant Llama generator", |k| {
         check_quantized_llama(k, &formats, (256, 512, 1), true)
     });
@@ -627,27 +989,66 @@ fn check_quantized_llama(
     // (the product tolerance above, grown through the layers).
     const LLAMA_ATOL: f32 = 1e-3;
     const LLAMA_RTOL: f32 = 1e-3;
-    let config = LlamaConfig { vocab_size: 37, block_size: 13, n_layer, n_head: 2, n_kv_head: 1, n_embd, intermediate_size, tie_word_embeddings: tied, ..LlamaConfig::small(37) };
+    let config = LlamaConfig {
+        vocab_size: 37,
+        block_size: 13,
+        n_layer,
+        n_head: 2,
+        n_kv_head: 1,
+        n_embd,
+        intermediate_size,
+        tie_word_embeddings: tied,
+        ..LlamaConfig::small(37)
+    };
     let mut r = rng(2950);
     let mut quantized = HashMap::new();
     let mut formats = formats.iter().cycle();
     let model = Llama::from_parameters(config, |name, shape| {
-        let &[rows, cols] = shape else { return Ok(vec![1.0; shape.iter().product()]) };
+        let &[rows, cols] = shape else {
+            return Ok(vec![1.0; shape.iter().product()]);
+        };
         let format = *formats.next().expect("cycles");
         let raw = random_blocks(&mut r, format, rows, cols);
         let values = cpu::dequantize(format, &raw)?;
-        quantized.insert(name.to_string(), QuantizedMatrix { format, raw: raw.into() });
+        quantized.insert(
+            name.to_string(),
+            QuantizedMatrix {
+                format,
+                raw: raw.into(),
+            },
+        );
         Ok(values)
     })?;
-    assert_eq!(quantized.len(), model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count());
+    assert_eq!(
+        quantized.len(),
+        model.named_parameters().iter().filter(|(_, s)| s.len() == 2).count()
+    );
     let mut quant = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?;
     let mut reference = Generator::new(k.clone(), &model, 1)?;
-    let (small, full) = (quant.executor().plan().param_arena_len, reference.executor().plan().param_arena_len);
-    assert!(small * 3 < full, "tied {tied}: quantized arena {small} words against f32 {full}");
+    let (small, full) = (
+        quant.executor().plan().param_arena_len,
+        reference.executor().plan().param_arena_len,
+    );
+    assert!(
+        small * 3 < full,
+        "tied {tied}: quantized arena {small} words against f32 {full}"
+    );
     let sequence: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 37).collect();
-    assert_close(&format!("tied {tied}: prefill"), &quant.prefill(&[&sequence[..4]])?, &reference.prefill(&[&sequence[..4]])?, LLAMA_ATOL, LLAMA_RTOL);
+    assert_close(
+        &format!("tied {tied}: prefill"),
+        &quant.prefill(&[&sequence[..4]])?,
+        &reference.prefill(&[&sequence[..4]])?,
+        LLAMA_ATOL,
+        LLAMA_RTOL,
+    );
     for &token in &sequence[4..] {
-        assert_close(&format!("tied {tied}: decode {token}"), &quant.decode(&[token])?, &reference.decode(&[token])?, LLAMA_ATOL, LLAMA_RTOL);
+        assert_close(
+            &format!("tied {tied}: decode {token}"),
+            &quant.decode(&[token])?,
+            &reference.decode(&[token])?,
+            LLAMA_ATOL,
+            LLAMA_RTOL,
+        );
     }
     Ok(())
 }
@@ -669,7 +1070,10 @@ fn new_formats_pack_round_trip() {
         }
     }
     let err = pack_quantized(QuantFormat::Q4_K, &[0; 144], 1, 128).unwrap_err();
-    assert!(matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 256"), "{err}");
+    assert!(
+        matches!(err, Error::Shape { .. }) && err.to_string().contains("multiple of 256"),
+        "{err}"
+    );
     let err = pack_quantized(QuantFormat::Q6_K, &[0; 209], 1, 256).unwrap_err();
     assert!(err.to_string().contains("209 bytes"), "{err}");
 }
@@ -717,10 +1121,17 @@ fn new_format_products_match_the_cpu_on_each_kernel() {
 #[test]
 fn new_format_parts_match_the_cpu() {
     for_each_shaping("quantized weights: new format parts", |k| {
-        for (i, format) in [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0].into_iter().enumerate() {
+        for (i, format) in [QuantFormat::Q4_K, QuantFormat::Q6_K, QuantFormat::Q5_0]
+            .into_iter()
+            .enumerate()
+        {
             let kk = 2 * format.super_block();
             let seed = 4200 + 4 * i as u64;
-            assert_eq!(check_parts(k, format, &[5, 1, 37], (1, kk), false, true, seed)?, 1, "{format:?}");
+            assert_eq!(
+                check_parts(k, format, &[5, 1, 37], (1, kk), false, true, seed)?,
+                1,
+                "{format:?}"
+            );
             let gated = check_parts(k, format, &[67, 67], (1, kk), true, true, seed + 1)?;
             assert_eq!(gated, if k.gpu_shaped() { 2 } else { 1 }, "{format:?} gated");
             check_parts(k, format, &[3, 7], (MATVEC_MAX_ROWS + 1, kk), false, true, seed + 2)?;
@@ -739,7 +1150,10 @@ fn new_format_embedding_matches_the_cpu() {
     for_each_adapter("quantized weights: new format embedding", |k| {
         let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
         let limit = 4096 + align.saturating_sub(4);
-        let limits = LimitOverrides { max_storage_buffer_binding_size: Some(limit), ..LimitOverrides::default() };
+        let limits = LimitOverrides {
+            max_storage_buffer_binding_size: Some(limit),
+            ..LimitOverrides::default()
+        };
         let lim = limited_kernels(k, limits);
         for (i, format) in NEW.into_iter().enumerate() {
             let (vocab, channels) = (61, 256);
@@ -757,7 +1171,13 @@ fn new_format_embedding_matches_the_cpu() {
                 let d = kernels.embedding_quant_weights(out.view(), table, i.view(), n)?;
                 assert_eq!(d.launches() > 1, split, "{format:?}");
                 kernels.run(&[&d])?;
-                assert_close(&format!("embedding {format:?} split {split}"), &read(kernels, &out)?, &want, 0.0, 0.0);
+                assert_close(
+                    &format!("embedding {format:?} split {split}"),
+                    &read(kernels, &out)?,
+                    &want,
+                    0.0,
+                    0.0,
+                );
             }
         }
         Ok(())

@@ -10,9 +10,7 @@
 use std::fs;
 
 use crate::common;
-use crate::gpt_folder::{
-    assert_same_parameters, copy_fixture, edit_config, fixture, read_raw, TempDir,
-};
+use crate::gpt_folder::{assert_same_parameters, copy_fixture, edit_config, fixture, read_raw, TempDir};
 
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use wgrad::infer::Predictor;
@@ -65,9 +63,7 @@ fn the_presets_have_their_published_sizes() {
         ));
     }
     assert_eq!(
-        qwen::preset(LlamaVariant::Qwen3, "qwen3-0.6b", 0)
-            .unwrap()
-            .head_dim(),
+        qwen::preset(LlamaVariant::Qwen3, "qwen3-0.6b", 0).unwrap().head_dim(),
         128
     );
 }
@@ -75,22 +71,11 @@ fn the_presets_have_their_published_sizes() {
 #[test]
 fn folders_written_by_transformers_give_transformers_logits() {
     let logits = checkpoint::load(fixture("hf-tiny-qwen-logits.safetensors")).unwrap();
-    let ids: Vec<u32> = logits
-        .get("ids")
-        .unwrap()
-        .data
-        .iter()
-        .map(|&v| v as u32)
-        .collect();
-    for (variant, name) in [
-        (LlamaVariant::Qwen2, "qwen2"),
-        (LlamaVariant::Qwen3, "qwen3"),
-    ] {
+    let ids: Vec<u32> = logits.get("ids").unwrap().data.iter().map(|&v| v as u32).collect();
+    for (variant, name) in [(LlamaVariant::Qwen2, "qwen2"), (LlamaVariant::Qwen3, "qwen3")] {
         let dir = fixture(&format!("hf-tiny-{name}"));
         assert_eq!(lm_family(&dir).unwrap(), LmFamily::Llama, "{name}");
-        let model = load_llama_folder(&dir)
-            .unwrap_or_else(|e| panic!("{name}: {e}"))
-            .model;
+        let model = load_llama_folder(&dir).unwrap_or_else(|e| panic!("{name}: {e}")).model;
         assert_eq!(model.config, tiny(variant), "{name}");
         let want = logits.get(name).unwrap().data.clone();
         for_each_adapter("qwen folders from transformers", |k| {
@@ -118,18 +103,10 @@ fn a_saved_folder_loads_back_bit_identically_with_the_variants_config() {
         assert_same_parameters(&model, &loaded.model);
         assert_eq!(loaded.model.config, model.config);
         let (tensors, _) = read_raw(&dir.join("model.safetensors"));
-        let mut names: Vec<String> = model
-            .named_parameters()
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
+        let mut names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
         names.sort();
-        assert_eq!(
-            tensors.iter().map(|t| t.0.clone()).collect::<Vec<_>>(),
-            names
-        );
-        let config: serde_json::Value =
-            serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(tensors.iter().map(|t| t.0.clone()).collect::<Vec<_>>(), names);
+        let config: serde_json::Value = serde_json::from_slice(&fs::read(dir.join("config.json")).unwrap()).unwrap();
         assert_eq!(config["model_type"], variant.names().1);
         assert_eq!(config["architectures"][0], variant.names().0);
         assert_eq!(config["head_dim"], model.config.head_dim());
@@ -137,10 +114,7 @@ fn a_saved_folder_loads_back_bit_identically_with_the_variants_config() {
         let has = |suffix: &str| names.iter().any(|n| n.ends_with(suffix));
         assert_eq!(
             (has("q_proj.bias"), has("q_norm.weight")),
-            (
-                variant == LlamaVariant::Qwen2,
-                variant == LlamaVariant::Qwen3
-            )
+            (variant == LlamaVariant::Qwen2, variant == LlamaVariant::Qwen3)
         );
     }
 }
@@ -183,12 +157,7 @@ fn an_interleaved_qwen_is_saved_in_hugging_faces_layout_with_the_same_logits() {
 #[test]
 fn what_wgrads_qwen_does_not_compute_is_refused() {
     let cases = [
-        (
-            "hf-tiny-qwen3",
-            "attention_bias",
-            serde_json::json!(true),
-            "bias",
-        ),
+        ("hf-tiny-qwen3", "attention_bias", serde_json::json!(true), "bias"),
         (
             "hf-tiny-qwen2",
             "use_sliding_window",
@@ -201,18 +170,8 @@ fn what_wgrads_qwen_does_not_compute_is_refused() {
             serde_json::json!(["sliding_attention", "full_attention"]),
             "sliding",
         ),
-        (
-            "hf-tiny-qwen3",
-            "head_dim",
-            serde_json::json!(0),
-            "head_dim",
-        ),
-        (
-            "hf-tiny-qwen2",
-            "model_type",
-            serde_json::json!("qwen9"),
-            "qwen9",
-        ),
+        ("hf-tiny-qwen3", "head_dim", serde_json::json!(0), "head_dim"),
+        ("hf-tiny-qwen2", "model_type", serde_json::json!("qwen9"), "qwen9"),
     ];
     for (name, key, value, words) in cases {
         let tmp = TempDir::new("qwen-broken");
@@ -244,36 +203,19 @@ fn gguf_files_give_transformers_logits() {
     // order, `qwen3.attention.key_length` for the head width).
     use wgrad::io::gguf_model::{GgufArchitecture, GgufModel};
     let logits = checkpoint::load(fixture("hf-tiny-qwen-logits.safetensors")).unwrap();
-    let ids: Vec<u32> = logits
-        .get("ids")
-        .unwrap()
-        .data
-        .iter()
-        .map(|&v| v as u32)
-        .collect();
+    let ids: Vec<u32> = logits.get("ids").unwrap().data.iter().map(|&v| v as u32).collect();
     for (variant, name, extra) in [
         (LlamaVariant::Qwen2, "qwen2", ("q_proj.bias", "attn_q.bias")),
-        (
-            LlamaVariant::Qwen3,
-            "qwen3",
-            ("q_norm.weight", "attn_q_norm.weight"),
-        ),
+        (LlamaVariant::Qwen3, "qwen3", ("q_norm.weight", "attn_q_norm.weight")),
     ] {
-        let file = GgufModel::open(fixture(&format!("gguf-{name}.gguf")))
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(
-            *file.architecture(),
-            GgufArchitecture::Llama(tiny(variant)),
-            "{name}"
-        );
+        let file = GgufModel::open(fixture(&format!("gguf-{name}.gguf"))).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(*file.architecture(), GgufArchitecture::Llama(tiny(variant)), "{name}");
         let (ours, theirs) = (
             format!("model.layers.1.self_attn.{}", extra.0),
             format!("blk.1.{}", extra.1),
         );
         assert!(
-            file.parameters()
-                .iter()
-                .any(|(n, t)| *n == ours && *t == theirs),
+            file.parameters().iter().any(|(n, t)| *n == ours && *t == theirs),
             "{name}: {ours} is {theirs}"
         );
         let model = file.to_llama().unwrap();

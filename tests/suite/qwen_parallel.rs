@@ -48,21 +48,14 @@ fn matches_one_device(what: &str, engine: &mut dyn TrainEngine, losses: &[f32], 
             .unwrap()
             .unwrap();
         loss_err = loss_err.max((loss - losses[s]).abs() / losses[s]);
-        assert_close(
-            &format!("{what} step {s} loss"),
-            &[loss],
-            &[losses[s]],
-            0.0,
-            1e-5,
-        );
+        assert_close(&format!("{what} step {s} loss"), &[loss], &[losses[s]], 0.0, 1e-5);
     }
     let param_err = assert_same_parameters(what, &engine.parameters().unwrap(), want, 1e-5, 1e-4);
     eprintln!("{what}: loss rel err {loss_err:.1e}, max |Δparam| {param_err:.1e}");
 }
 
 fn reference(group: &DeviceGroup, model: &Llama) -> (Vec<f32>, Parameters) {
-    let (trainer, losses, norms) =
-        train_on_one_device(&group.members()[0], model, optimizer(), BATCH, &batches());
+    let (trainer, losses, norms) = train_on_one_device(&group.members()[0], model, optimizer(), BATCH, &batches());
     assert!(
         norms.iter().all(|&n| n > CLIP),
         "every step clips: norms {norms:?} against {CLIP}"
@@ -98,13 +91,10 @@ fn qwen_data_tensor_and_pipeline_parallel_match_single_device_training() {
             &want,
         );
 
-        let mut tp =
-            TensorParallel::new(group, &model, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+        let mut tp = TensorParallel::new(group, &model, CrossEntropyLoss, optimizer(), BATCH).unwrap();
         let d = model.config.head_dim();
         for layer in 0..2 {
-            let name = |module: &str, suffix: &str| {
-                format!("model.layers.{layer}.self_attn.{module}.{suffix}")
-            };
+            let name = |module: &str, suffix: &str| format!("model.layers.{layer}.self_attn.{module}.{suffix}");
             // A KV head each and its 2 query heads: the weights' rows and,
             // in Qwen2, the biases' with them.
             assert_eq!(
@@ -146,12 +136,7 @@ fn qwen_data_tensor_and_pipeline_parallel_match_single_device_training() {
         )
         .unwrap();
         assert_eq!(p.blocks_per_stage(), [1, 1]);
-        matches_one_device(
-            &format!("{variant:?} pipeline on [{labels}]"),
-            &mut p,
-            &losses,
-            &want,
-        );
+        matches_one_device(&format!("{variant:?} pipeline on [{labels}]"), &mut p, &losses, &want);
     }
 }
 

@@ -108,11 +108,7 @@ fn the_models_have_hugging_faces_parameter_names_and_shapes() {
             case.variant
         );
         let declared = initial_values(&qwen);
-        assert_eq!(
-            declared.len(),
-            ours.len(),
-            "one graph parameter per named parameter"
-        );
+        assert_eq!(declared.len(), ours.len(), "one graph parameter per named parameter");
         for (name, values) in declared {
             assert_eq!(
                 values,
@@ -146,9 +142,7 @@ fn qwen_init_is_transformers() {
         nn::manual_seed(0);
         let qwen = Llama::new(config(&fx, case.variant, false)).expect("valid config");
         for (name, shape, values) in qwen.parameter_values() {
-            let std = (values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>()
-                / values.len() as f64)
-                .sqrt();
+            let std = (values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / values.len() as f64).sqrt();
             match shape.len() {
                 2 => assert!((0.018..0.022).contains(&std), "{name}: std {std}"),
                 _ if name.ends_with("bias") => {
@@ -180,19 +174,13 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
             // 2.3e-7 (Qwen2) and 2.1e-7 (Qwen3), wgrad and PyTorch by 3.0e-7
             // at most; 2e-6 as for the Llama.
             let logits = Predictor::new(k.clone(), &qwen, batch)?.outputs_ids(idx)?;
-            println!(
-                "{who}: logits |err| {:.1e}",
-                worst(&logits, fx.get("logits"))
-            );
+            println!("{who}: logits |err| {:.1e}", worst(&logits, fx.get("logits")));
             assert_close("logits", &logits, fx.get("logits"), 2e-6, 0.0);
 
-            let mut trainer =
-                Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
+            let mut trainer = Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
             trainer.forward_ids(idx)?;
             trainer.loss(Targets::Classes(targets))?;
-            let loss = trainer
-                .forward_backward(true)?
-                .expect("the loss was asked for");
+            let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
             println!("{who}: loss |err| {:.1e}", (loss - fx.get("loss")[0]).abs());
             // The loss (4.2–4.3): float32 against float64 3.9e-7 at most,
             // wgrad against PyTorch 4.8e-7.
@@ -200,24 +188,10 @@ fn logits_loss_gradients_and_ten_adamw_steps_match_transformers() {
 
             // Every gradient by name: float32 against float64 3.3e-8 and
             // 8.6e-8, wgrad against PyTorch 4.1e-8 and 1.0e-7.
-            let grad_err = check_gradients(
-                &trainer,
-                &fx,
-                names.iter().map(|(n, _)| n.as_str()),
-                "",
-                1e-6,
-            )?;
+            let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "", 1e-6)?;
             println!("{who}: gradients |err| {grad_err:.1e}");
 
-            check_steps(
-                &mut trainer,
-                &fx,
-                idx,
-                targets,
-                &who,
-                case.step_loss,
-                case.step_norm,
-            )?;
+            check_steps(&mut trainer, &fx, idx, targets, &who, case.step_loss, case.step_norm)?;
             let mut param_err = 0.0f32;
             for (name, _, got) in trainer.executor().parameters()? {
                 let want = fx.get(&format!("final.{name}"));
@@ -238,23 +212,14 @@ fn a_tied_head_matches_transformers() {
         let batch = fx.shape("tied.logits")[0];
         for_each_adapter("qwen reference, tied head", |k| {
             let qwen = model(&fx, case.variant, true);
-            let mut trainer =
-                Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
+            let mut trainer = Trainer::new(k.clone(), &qwen, CrossEntropyLoss, fx.optimizer(), batch)?;
             trainer.forward_ids(idx)?;
             trainer.loss(Targets::Classes(targets))?;
-            let loss = trainer
-                .forward_backward(true)?
-                .expect("the loss was asked for");
+            let loss = trainer.forward_backward(true)?.expect("the loss was asked for");
             // The same tolerances as the untied checks.
             assert_close("tied loss", &[loss], fx.get("tied.loss"), 2e-6, 0.0);
             let names = qwen.named_parameters();
-            let grad_err = check_gradients(
-                &trainer,
-                &fx,
-                names.iter().map(|(n, _)| n.as_str()),
-                "tied.",
-                1e-6,
-            )?;
+            let grad_err = check_gradients(&trainer, &fx, names.iter().map(|(n, _)| n.as_str()), "tied.", 1e-6)?;
             let logits = Predictor::new(k.clone(), &qwen, batch)?.outputs_ids(idx)?;
             println!(
                 "{:?} tied: logits |err| {:.1e}, gradients |err| {grad_err:.1e}",

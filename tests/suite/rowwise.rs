@@ -8,7 +8,10 @@
 
 use crate::common;
 
-use common::{assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, param_in, random_vec, read, rng, wide};
+use common::{
+    assert_close, central_differences, for_each_adapter, for_each_shaping, gradcheck, mse_to_random, param, param_in,
+    random_vec, read, rng, wide,
+};
 use rand::Rng;
 use wgrad::graph::Graph;
 use wgrad::kernels::{SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
@@ -39,10 +42,21 @@ const ROW_SHAPES: [(usize, usize); 15] = [
 
 #[test]
 fn the_shapes_exercise_both_row_paths() {
-    assert_eq!(SHORT_ROW_MAX, 128, "update the shapes at the SHORT_ROW_MAX boundary (128 and the prime 131)");
-    assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX + 3));
-    assert_eq!(SHORT_ROW_MAX_GPU, 32, "update the shapes at the SHORT_ROW_MAX_GPU boundary (32 and 33)");
-    assert!(ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU + 1));
+    assert_eq!(
+        SHORT_ROW_MAX, 128,
+        "update the shapes at the SHORT_ROW_MAX boundary (128 and the prime 131)"
+    );
+    assert!(
+        ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX) && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX + 3)
+    );
+    assert_eq!(
+        SHORT_ROW_MAX_GPU, 32,
+        "update the shapes at the SHORT_ROW_MAX_GPU boundary (32 and 33)"
+    );
+    assert!(
+        ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU)
+            && ROW_SHAPES.iter().any(|&(_, c)| c == SHORT_ROW_MAX_GPU + 1)
+    );
 }
 
 #[test]
@@ -56,7 +70,13 @@ fn softmax_forward_matches_the_cpu() {
             // exp to a few ulp over |x - max| ≤ 10 (Vulkan allows 3 + 2|x|
             // ulp) and a sum of ≤ 197 terms per invocation in f32: ≲ 1e-5
             // relative; atol for probabilities that are nearly 0.
-            assert_close(&format!("softmax {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, None), 1e-8, 2e-5);
+            assert_close(
+                &format!("softmax {rows}×{cols}, GPU shaping {}", k.gpu_shaped()),
+                &read(k, &y)?,
+                &cpu::softmax_forward(&x_host, rows, cols, None),
+                1e-8,
+                2e-5,
+            );
         }
         Ok(())
     });
@@ -77,13 +97,25 @@ fn causal_softmax_masks_the_future_of_each_query() {
             let got = read(k, &y)?;
             let want = cpu::softmax_forward(&x_host, rows, t, Some(t));
             // As softmax_forward_matches_the_cpu.
-            assert_close(&format!("causal softmax T={t}, GPU shaping {}", k.gpu_shaped()), &got, &want, 1e-8, 2e-5);
+            assert_close(
+                &format!("causal softmax T={t}, GPU shaping {}", k.gpu_shaped()),
+                &got,
+                &want,
+                1e-8,
+                2e-5,
+            );
             for r in 0..rows {
                 let query = r % t;
-                assert!(got[r * t + query + 1..(r + 1) * t].iter().all(|&p| p == 0.0), "T={t} row {r}: a masked column is not 0");
+                assert!(
+                    got[r * t + query + 1..(r + 1) * t].iter().all(|&p| p == 0.0),
+                    "T={t} row {r}: a masked column is not 0"
+                );
                 let total: f32 = got[r * t..(r + 1) * t].iter().sum();
                 // ≤ 257 probabilities summed in f32.
-                assert!((total - 1.0).abs() < 1e-5, "T={t} row {r}: probabilities sum to {total}");
+                assert!(
+                    (total - 1.0).abs() < 1e-5,
+                    "T={t} row {r}: probabilities sum to {total}"
+                );
             }
         }
         Ok(())
@@ -105,7 +137,13 @@ fn softmax_over_more_rows_than_one_grid_dimension_holds() {
         assert!(d.workgroups()[1] > 1, "expected a 2-D grid, got {:?}", d.workgroups());
         k.run(&[&d])?;
         // As softmax_forward_matches_the_cpu.
-        assert_close(&format!("causal softmax {rows}×{t}"), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, t, Some(t)), 1e-8, 2e-5);
+        assert_close(
+            &format!("causal softmax {rows}×{t}"),
+            &read(k, &y)?,
+            &cpu::softmax_forward(&x_host, rows, t, Some(t)),
+            1e-8,
+            2e-5,
+        );
 
         // Short rows, one invocation each: more than 65,535 rows, causal
         // (T = 12, as in the attention example) and plain.
@@ -115,7 +153,13 @@ fn softmax_over_more_rows_than_one_grid_dimension_holds() {
             let y = k.zeros(rows * cols)?;
             k.run(&[&k.softmax_forward(y.view(), x.view(), rows, cols, causal)?])?;
             // As softmax_forward_matches_the_cpu.
-            assert_close(&format!("softmax {rows}×{cols}"), &read(k, &y)?, &cpu::softmax_forward(&x_host, rows, cols, causal), 1e-8, 2e-5);
+            assert_close(
+                &format!("softmax {rows}×{cols}"),
+                &read(k, &y)?,
+                &cpu::softmax_forward(&x_host, rows, cols, causal),
+                1e-8,
+                2e-5,
+            );
         }
         Ok(())
     });
@@ -152,7 +196,13 @@ fn softmax_backward_matches_the_cpu() {
             k.run(&[&k.softmax_backward(dx.view(), y.view(), dy.view(), rows, cols)?])?;
             // dx = y·(dy − dot) with y ≤ 1, |dy| ≤ 1 and dot a ≤ 1 sum in
             // f32: |err| ≲ y·1e-6, so 1e-7 absolute plus 1e-5 relative.
-            assert_close(&format!("softmax_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped()), &read(k, &dx)?, &cpu::softmax_backward(&y_host, &dy_host, rows, cols), 1e-7, 1e-5);
+            assert_close(
+                &format!("softmax_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped()),
+                &read(k, &dx)?,
+                &cpu::softmax_backward(&y_host, &dy_host, rows, cols),
+                1e-7,
+                1e-5,
+            );
         }
         Ok(())
     });
@@ -190,12 +240,25 @@ fn layernorm_forward_matches_the_cpu() {
         for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
             let mut r = rng(200 + i as u64);
             // Offset by 3 so the mean is far from 0 (the variance must not cancel).
-            let x_host: Vec<f32> = random_vec(&mut r, rows * cols, -2.0, 2.0).iter().map(|v| v + 3.0).collect();
+            let x_host: Vec<f32> = random_vec(&mut r, rows * cols, -2.0, 2.0)
+                .iter()
+                .map(|v| v + 3.0)
+                .collect();
             let w_host = random_vec(&mut r, cols, 0.5, 1.5);
             let b_host = random_vec(&mut r, cols, -1.0, 1.0);
             let (x, w, b) = (k.upload(&x_host)?, k.upload(&w_host)?, k.upload(&b_host)?);
             let (y, mean, rstd) = (k.zeros(rows * cols)?, k.zeros(rows)?, k.zeros(rows)?);
-            k.run(&[&k.layernorm_forward(y.view(), mean.view(), rstd.view(), x.view(), w.view(), b.view(), rows, cols, 1e-5)?])?;
+            k.run(&[&k.layernorm_forward(
+                y.view(),
+                mean.view(),
+                rstd.view(),
+                x.view(),
+                w.view(),
+                b.view(),
+                rows,
+                cols,
+                1e-5,
+            )?])?;
             let want = cpu::layernorm_forward(&x_host, &w_host, &b_host, rows, cols, 1e-5);
             let what = format!("layernorm {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             // Sums of ≤ 197 terms per invocation of |x| ≤ 5 in f32:
@@ -213,7 +276,10 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
     for_each_shaping("layernorm_backward", |k| {
         for (i, &(rows, cols)) in LAYERNORM_SHAPES.iter().enumerate() {
             let mut r = rng(300 + i as u64);
-            let x_host: Vec<f32> = random_vec(&mut r, rows * cols, -2.0, 2.0).iter().map(|v| v + 3.0).collect();
+            let x_host: Vec<f32> = random_vec(&mut r, rows * cols, -2.0, 2.0)
+                .iter()
+                .map(|v| v + 3.0)
+                .collect();
             let w_host = random_vec(&mut r, cols, 0.5, 1.5);
             let dy_host = random_vec(&mut r, rows * cols, -1.0, 1.0);
             // The kernels take the forward's statistics; the twin's are used
@@ -225,8 +291,27 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
             let (mean, rstd) = (k.upload(&fwd.mean)?, k.upload(&fwd.rstd)?);
             let (dx, dw, db) = (k.zeros(rows * cols)?, k.upload(&dw0)?, k.upload(&db0)?);
             k.run(&[
-                &k.layernorm_backward(dx.view(), dy.view(), x.view(), w.view(), mean.view(), rstd.view(), rows, cols)?,
-                &k.layernorm_backward_params(true, dw.view(), db.view(), dy.view(), x.view(), mean.view(), rstd.view(), rows, cols)?,
+                &k.layernorm_backward(
+                    dx.view(),
+                    dy.view(),
+                    x.view(),
+                    w.view(),
+                    mean.view(),
+                    rstd.view(),
+                    rows,
+                    cols,
+                )?,
+                &k.layernorm_backward_params(
+                    true,
+                    dw.view(),
+                    db.view(),
+                    dy.view(),
+                    x.view(),
+                    mean.view(),
+                    rstd.view(),
+                    rows,
+                    cols,
+                )?,
             ])?;
             let want = cpu::layernorm_backward(&dy_host, &x_host, &w_host, &fwd.mean, &fwd.rstd, rows, cols);
             let what = format!("layernorm_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
@@ -238,8 +323,20 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
             // or in blocks of ⌈√rows⌉ then the blocks (atol grows with the rows).
             let add = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<f32>>();
             let atol = 1e-6 * rows as f32 + 1e-6;
-            assert_close(&format!("{what} dweight"), &read(k, &dw)?, &add(&dw0, &want.dweight), atol, 1e-5);
-            assert_close(&format!("{what} dbias"), &read(k, &db)?, &add(&db0, &want.dbias), atol, 1e-5);
+            assert_close(
+                &format!("{what} dweight"),
+                &read(k, &dw)?,
+                &add(&dw0, &want.dweight),
+                atol,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what} dbias"),
+                &read(k, &db)?,
+                &add(&db0, &want.dbias),
+                atol,
+                1e-5,
+            );
         }
         Ok(())
     });
@@ -249,7 +346,20 @@ fn layernorm_backward_and_parameter_gradients_match_the_cpu() {
 /// GPT-2-sized vocabulary.
 /// Also the attention example's 384×16 and both sides of SHORT_ROW_MAX and
 /// of SHORT_ROW_MAX_GPU.
-const CE_SHAPES: [(usize, usize); 12] = [(1, 1), (1, 2), (3, 7), (384, 16), (5, 32), (7, 33), (3, 128), (3, 131), (5, 257), (64, 65), (2, 1031), (4, 50_257)];
+const CE_SHAPES: [(usize, usize); 12] = [
+    (1, 1),
+    (1, 2),
+    (3, 7),
+    (384, 16),
+    (5, 32),
+    (7, 33),
+    (3, 128),
+    (3, 131),
+    (5, 257),
+    (64, 65),
+    (2, 1031),
+    (4, 50_257),
+];
 
 #[test]
 fn cross_entropy_rows_matches_the_cpu() {
@@ -262,18 +372,39 @@ fn cross_entropy_rows_matches_the_cpu() {
             let (logits, targets) = (k.upload(&logits_host)?, k.upload(&targets_host)?);
             let (losses, dlogits, mean) = (k.zeros(rows)?, k.zeros(rows * vocab)?, k.zeros(1)?);
             k.run(&[
-                &k.cross_entropy_rows_forward_backward(losses.view(), dlogits.view(), logits.view(), targets.view(), rows, vocab, scale)?,
+                &k.cross_entropy_rows_forward_backward(
+                    losses.view(),
+                    dlogits.view(),
+                    logits.view(),
+                    targets.view(),
+                    rows,
+                    vocab,
+                    scale,
+                )?,
                 &k.mean(mean.view(), losses.view())?,
             ])?;
-            let (want_losses, want_dlogits) = cpu::cross_entropy_rows_forward_backward(&logits_host, &targets_host, rows, vocab, scale);
+            let (want_losses, want_dlogits) =
+                cpu::cross_entropy_rows_forward_backward(&logits_host, &targets_host, rows, vocab, scale);
             let what = format!("cross_entropy_rows {rows}×{vocab}, GPU shaping {}", k.gpu_shaped());
             // max + log Σ exp: the f32 sum of ≤ 50,257 terms (≤ 197 per
             // invocation) is good to ~1e-5 relative, so the log to ~1e-5
             // absolute; losses are ≲ 19.
             assert_close(&format!("{what} losses"), &read(k, &losses)?, &want_losses, 3e-5, 1e-5);
-            assert_close(&format!("{what} mean"), &read(k, &mean)?, &[cpu::mean(&want_losses)], 3e-5, 1e-5);
+            assert_close(
+                &format!("{what} mean"),
+                &read(k, &mean)?,
+                &[cpu::mean(&want_losses)],
+                3e-5,
+                1e-5,
+            );
             // (p − onehot)·scale: p to ~2e-5 relative (the sum, exp's ulp).
-            assert_close(&format!("{what} dlogits"), &read(k, &dlogits)?, &want_dlogits, 1e-9, 3e-5);
+            assert_close(
+                &format!("{what} dlogits"),
+                &read(k, &dlogits)?,
+                &want_dlogits,
+                1e-9,
+                3e-5,
+            );
         }
         Ok(())
     });
@@ -289,9 +420,22 @@ fn cross_entropy_rows_gradient_matches_central_differences() {
         let scale = 1.0 / rows as f32;
         let (logits, targets) = (k.upload(&logits_host)?, k.upload(&targets_host)?);
         let (losses, dlogits) = (k.zeros(rows)?, k.zeros(rows * vocab)?);
-        k.run(&[&k.cross_entropy_rows_forward_backward(losses.view(), dlogits.view(), logits.view(), targets.view(), rows, vocab, scale)?])?;
+        k.run(&[&k.cross_entropy_rows_forward_backward(
+            losses.view(),
+            dlogits.view(),
+            logits.view(),
+            targets.view(),
+            rows,
+            vocab,
+            scale,
+        )?])?;
         // The mean loss in f64, differentiated with step h.
-        let mean_loss = |l: &[f64]| cpu::cross_entropy_rows_loss(l, &targets_host, rows, vocab).iter().sum::<f64>() / rows as f64;
+        let mean_loss = |l: &[f64]| {
+            cpu::cross_entropy_rows_loss(l, &targets_host, rows, vocab)
+                .iter()
+                .sum::<f64>()
+                / rows as f64
+        };
         let wide: Vec<f64> = logits_host.iter().map(|&v| f64::from(v)).collect();
         let h = 1e-4;
         let numeric: Vec<f32> = (0..rows * vocab)
@@ -304,7 +448,13 @@ fn cross_entropy_rows_gradient_matches_central_differences() {
             .collect();
         // Truncation error ~h²/6·|f'''| ≈ 2e-9, plus f32 rounding of
         // gradients ≤ 1/3 (ulp 3e-8) and of the logits the GPU read.
-        assert_close("dlogits vs central differences", &read(k, &dlogits)?, &numeric, 1e-7, 1e-5);
+        assert_close(
+            "dlogits vs central differences",
+            &read(k, &dlogits)?,
+            &numeric,
+            1e-7,
+            1e-5,
+        );
         Ok(())
     });
 }
@@ -317,8 +467,17 @@ fn a_target_outside_the_vocabulary_gives_a_nan_row_and_no_out_of_bounds_read() {
         let targets_host = vec![1u32, 5, u32::MAX];
         let (logits, targets) = (k.upload(&logits_host)?, k.upload(&targets_host)?);
         let (losses, dlogits) = (k.zeros(rows)?, k.zeros(rows * vocab)?);
-        k.run(&[&k.cross_entropy_rows_forward_backward(losses.view(), dlogits.view(), logits.view(), targets.view(), rows, vocab, 1.0)?])?;
-        let (want_losses, want_dlogits) = cpu::cross_entropy_rows_forward_backward(&logits_host, &targets_host, rows, vocab, 1.0);
+        k.run(&[&k.cross_entropy_rows_forward_backward(
+            losses.view(),
+            dlogits.view(),
+            logits.view(),
+            targets.view(),
+            rows,
+            vocab,
+            1.0,
+        )?])?;
+        let (want_losses, want_dlogits) =
+            cpu::cross_entropy_rows_forward_backward(&logits_host, &targets_host, rows, vocab, 1.0);
         assert!(want_losses[1].is_nan() && want_losses[2].is_nan() && want_dlogits[5..].iter().all(|v| v.is_nan()));
         // NaN exactly where the twin has NaN; row 0 as in cross_entropy_rows_matches_the_cpu.
         assert_close("losses", &read(k, &losses)?, &want_losses, 3e-5, 1e-5);
@@ -331,14 +490,30 @@ fn a_target_outside_the_vocabulary_gives_a_nan_row_and_no_out_of_bounds_read() {
 /// workgroup, more channels than a workgroup, a GPT-2-sized vocabulary.
 /// Under GPU shaping the sort's workgroup has 1024 lanes: 2053 positions
 /// fill two tiles and part of a third.
-const EMBEDDING_SHAPES: [(usize, usize, usize); 8] =
-    [(1, 1, 1), (13, 7, 5), (257, 3, 300), (300, 50, 257), (1000, 11, 37), (64, 50_257, 3), (2, 2, 1), (2053, 13, 2)];
+const EMBEDDING_SHAPES: [(usize, usize, usize); 8] = [
+    (1, 1, 1),
+    (13, 7, 5),
+    (257, 3, 300),
+    (300, 50, 257),
+    (1000, 11, 37),
+    (64, 50_257, 3),
+    (2, 2, 1),
+    (2053, 13, 2),
+];
 
 /// Ids for the embedding tests: the first half from a handful of tokens (so
 /// tokens repeat many times), the rest from the whole vocabulary.
 fn embedding_ids(r: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     let few = vocab.min(5) as u32;
-    (0..n).map(|i| if i < n / 2 { r.random_range(0..few) } else { r.random_range(0..vocab as u32) }).collect()
+    (0..n)
+        .map(|i| {
+            if i < n / 2 {
+                r.random_range(0..few)
+            } else {
+                r.random_range(0..vocab as u32)
+            }
+        })
+        .collect()
 }
 
 #[test]
@@ -351,7 +526,13 @@ fn embedding_forward_matches_the_cpu() {
             let (table, ids, out) = (k.upload(&table_host)?, k.upload(&ids_host)?, k.zeros(n * channels)?);
             k.run(&[&k.embedding_forward(out.view(), table.view(), ids.view(), n, vocab, channels)?])?;
             // A copy: exact.
-            assert_close(&format!("embedding {n}×{vocab}×{channels}"), &read(k, &out)?, &cpu::embedding_forward(&table_host, &ids_host, vocab, channels), 0.0, 0.0);
+            assert_close(
+                &format!("embedding {n}×{vocab}×{channels}"),
+                &read(k, &out)?,
+                &cpu::embedding_forward(&table_host, &ids_host, vocab, channels),
+                0.0,
+                0.0,
+            );
         }
         Ok(())
     });
@@ -359,7 +540,14 @@ fn embedding_forward_matches_the_cpu() {
 
 /// Runs the two backward kernels (sort, gather) in one pass onto a dtable
 /// that starts at `dtable0`; returns dtable and the sorted positions.
-fn embedding_backward_gpu(k: &Kernels, dtable0: &[f32], dout: &[f32], ids_host: &[u32], vocab: usize, channels: usize) -> wgrad::Result<(Vec<f32>, Vec<u32>)> {
+fn embedding_backward_gpu(
+    k: &Kernels,
+    dtable0: &[f32],
+    dout: &[f32],
+    ids_host: &[u32],
+    vocab: usize,
+    channels: usize,
+) -> wgrad::Result<(Vec<f32>, Vec<u32>)> {
     let n = ids_host.len();
     let (dtable, dout, ids) = (k.upload(dtable0)?, k.upload(dout)?, k.upload(ids_host)?);
     // Scratch that starts dirty: the sort must not depend on its contents.
@@ -387,7 +575,10 @@ fn embedding_backward_is_deterministic_and_matches_the_cpu() {
             let ids_host = embedding_ids(&mut r, n, vocab);
             let dout = random_vec(&mut r, n * channels, -1.0, 1.0);
             let dtable0 = random_vec(&mut r, vocab * channels, -1.0, 1.0);
-            let what = format!("embedding_backward {n}×{vocab}×{channels}, GPU shaping {}", k.gpu_shaped());
+            let what = format!(
+                "embedding_backward {n}×{vocab}×{channels}, GPU shaping {}",
+                k.gpu_shaped()
+            );
             let (first, order) = embedding_backward_gpu(k, &dtable0, &dout, &ids_host, vocab, channels)?;
             assert_eq!(order, stable_order(&ids_host, vocab), "{what}: sorted positions");
             let (second, _) = embedding_backward_gpu(k, &dtable0, &dout, &ids_host, vocab, channels)?;
@@ -415,17 +606,32 @@ fn ids_outside_the_vocabulary_are_nan_forward_dropped_backward_and_an_error_on_t
         let got = read(k, &out)?;
         assert!(got[3..6].iter().chain(&got[9..12]).all(|v| v.is_nan()), "{got:?}");
         // Exact copies elsewhere, NaN where the twin has NaN.
-        assert_close("forward", &got, &cpu::embedding_forward(&table_host, &ids_host, vocab, channels), 0.0, 0.0);
+        assert_close(
+            "forward",
+            &got,
+            &cpu::embedding_forward(&table_host, &ids_host, vocab, channels),
+            0.0,
+            0.0,
+        );
 
         let dout = random_vec(&mut r, n * channels, -1.0, 1.0);
         let dtable0 = vec![0.0; vocab * channels];
         let (dtable, order) = embedding_backward_gpu(k, &dtable0, &dout, &ids_host, vocab, channels)?;
         assert_eq!(order, stable_order(&ids_host, vocab));
         // Two terms at most: exact up to one rounding.
-        assert_close("backward", &dtable, &cpu::embedding_backward(&dout, &ids_host, vocab, channels), 1e-7, 1e-6);
+        assert_close(
+            "backward",
+            &dtable,
+            &cpu::embedding_backward(&dout, &ids_host, vocab, channels),
+            1e-7,
+            1e-6,
+        );
 
         let err = wgrad::kernels::check_token_ids("embedding", &ids_host, vocab).unwrap_err();
-        assert!(matches!(&err, Error::InvalidArgument { op: "embedding", reason } if reason.contains("position 1")), "{err}");
+        assert!(
+            matches!(&err, Error::InvalidArgument { op: "embedding", reason } if reason.contains("position 1")),
+            "{err}"
+        );
         assert!(wgrad::kernels::check_token_ids("embedding", &[0, 3, 1], vocab).is_ok());
         Ok(())
     });
@@ -459,21 +665,42 @@ fn wrong_shapes_are_errors_naming_the_kernel() {
         assert_eq!(shape_op(k.softmax_forward(a, a, 3, 2, Some(2))), "softmax_forward");
         assert!(k.softmax_forward(a2, a, 2, 3, None).is_ok() && k.softmax_forward(a2, a, 6, 1, Some(1)).is_ok());
         assert_eq!(shape_op(k.softmax_backward(a, a, b, 2, 3)), "softmax_backward");
-        assert_eq!(shape_op(k.layernorm_forward(a, s, s, a, p, s, 2, 3, 1e-5)), "layernorm_forward");
+        assert_eq!(
+            shape_op(k.layernorm_forward(a, s, s, a, p, s, 2, 3, 1e-5)),
+            "layernorm_forward"
+        );
         assert!(k.layernorm_forward(a2, s, s2, a, p, p, 2, 3, 1e-5).is_ok());
-        assert!(matches!(k.layernorm_forward(a2, s, s2, a, p, p, 2, 3, f32::NAN), Err(Error::InvalidArgument { .. })));
-        assert_eq!(shape_op(k.layernorm_backward(a, a, a, p, p, s, 2, 3)), "layernorm_backward");
-        assert_eq!(shape_op(k.layernorm_backward_params(false, s, p, a, a, s, s, 2, 3)), "layernorm_backward_params");
-        assert_eq!(shape_op(k.cross_entropy_rows_forward_backward(s, a, a, p, 2, 3, 0.5)), "cross_entropy_rows_forward_backward");
+        assert!(matches!(
+            k.layernorm_forward(a2, s, s2, a, p, p, 2, 3, f32::NAN),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert_eq!(
+            shape_op(k.layernorm_backward(a, a, a, p, p, s, 2, 3)),
+            "layernorm_backward"
+        );
+        assert_eq!(
+            shape_op(k.layernorm_backward_params(false, s, p, a, a, s, s, 2, 3)),
+            "layernorm_backward_params"
+        );
+        assert_eq!(
+            shape_op(k.cross_entropy_rows_forward_backward(s, a, a, p, 2, 3, 0.5)),
+            "cross_entropy_rows_forward_backward"
+        );
         assert!(matches!(
             k.cross_entropy_rows_forward_backward(s, a, a, s, 2, 3, f32::INFINITY),
             Err(Error::InvalidArgument { .. })
         ));
         assert_eq!(shape_op(k.embedding_forward(a, a, s, 2, 3, 3)), "embedding_forward");
         assert!(k.embedding_forward(a2, a, s, 2, 2, 3).is_ok());
-        assert_eq!(shape_op(k.embedding_backward_sort(s, s, s, 2, 2)), "embedding_backward_sort");
+        assert_eq!(
+            shape_op(k.embedding_backward_sort(s, s, s, 2, 2)),
+            "embedding_backward_sort"
+        );
         assert!(k.embedding_backward_sort(s, p, s2, 2, 2).is_ok());
-        assert_eq!(shape_op(k.embedding_backward(a, a, s, p, 2, 2, 3)), "embedding_backward");
+        assert_eq!(
+            shape_op(k.embedding_backward(a, a, s, p, 2, 2, 3)),
+            "embedding_backward"
+        );
         Ok(())
     });
 }
@@ -518,7 +745,12 @@ fn rmsnorm_backward_and_weight_gradient_match_the_cpu() {
             // Both sides take the twin's rstd: only the backward is compared.
             let fwd = cpu::rmsnorm_forward(&x_host, &w_host, rows, cols, RMS_EPS);
             let dw0 = random_vec(&mut r, cols, -1.0, 1.0);
-            let (x, w, dy, rstd) = (k.upload(&x_host)?, k.upload(&w_host)?, k.upload(&dy_host)?, k.upload(&fwd.rstd)?);
+            let (x, w, dy, rstd) = (
+                k.upload(&x_host)?,
+                k.upload(&w_host)?,
+                k.upload(&dy_host)?,
+                k.upload(&fwd.rstd)?,
+            );
             let want = cpu::rmsnorm_backward(&dy_host, &x_host, &w_host, &fwd.rstd, rows, cols);
             let what = format!("rmsnorm_backward {rows}×{cols}, GPU shaping {}", k.gpu_shaped());
             // Sums over ≤ 70,001 rows in order, or in blocks then the
@@ -526,7 +758,10 @@ fn rmsnorm_backward_and_weight_gradient_match_the_cpu() {
             let atol = 1e-6 * rows as f32 + 1e-6;
             // Accumulating onto dw0, then overwriting stale values (NaN).
             for accumulate in [true, false] {
-                let (dx, dw) = (k.zeros(rows * cols)?, k.upload(&if accumulate { dw0.clone() } else { vec![f32::NAN; cols] })?);
+                let (dx, dw) = (
+                    k.zeros(rows * cols)?,
+                    k.upload(&if accumulate { dw0.clone() } else { vec![f32::NAN; cols] })?,
+                );
                 k.run(&[
                     &k.rmsnorm_backward(dx.view(), dy.view(), x.view(), w.view(), rstd.view(), rows, cols)?,
                     &k.rmsnorm_backward_params(accumulate, dw.view(), dy.view(), x.view(), rstd.view(), rows, cols)?,
@@ -537,7 +772,13 @@ fn rmsnorm_backward_and_weight_gradient_match_the_cpu() {
                 assert_close(&format!("{what} dx"), &read(k, &dx)?, &want.dx, 2e-6, 2e-5);
                 let base = if accumulate { dw0.clone() } else { vec![0.0; cols] };
                 let dweight: Vec<f32> = base.iter().zip(&want.dweight).map(|(a, b)| a + b).collect();
-                assert_close(&format!("{what} dweight, accumulate {accumulate}"), &read(k, &dw)?, &dweight, atol, 1e-5);
+                assert_close(
+                    &format!("{what} dweight, accumulate {accumulate}"),
+                    &read(k, &dw)?,
+                    &dweight,
+                    atol,
+                    1e-5,
+                );
             }
         }
         Ok(())
@@ -553,8 +794,12 @@ fn rmsnorm_twin_gradients_match_central_differences() {
         let dy = random_vec(&mut r, rows * cols, -1.0, 1.0);
         let fwd = cpu::rmsnorm_forward(&x, &w, rows, cols, RMS_EPS);
         let got = cpu::rmsnorm_backward(&dy, &x, &w, &fwd.rstd, rows, cols);
-        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(v, &wide(&w), rows, cols, RMS_EPS).y);
-        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| cpu::rmsnorm_forward(&wide(&x), v, rows, cols, RMS_EPS).y);
+        let dx = central_differences(&wide(&x), &wide(&dy), 1e-5, |v| {
+            cpu::rmsnorm_forward(v, &wide(&w), rows, cols, RMS_EPS).y
+        });
+        let dw = central_differences(&wide(&w), &wide(&dy), 1e-5, |v| {
+            cpu::rmsnorm_forward(&wide(&x), v, rows, cols, RMS_EPS).y
+        });
         // Truncation ~h²·|f'''| ≲ 1e-9; the twin's rstd is rounded to f32
         // (6e-8 relative), which bounds the gradients' error.
         assert_close(&format!("rmsnorm dx {rows}×{cols}"), &got.dx, &dx, 1e-6, 1e-6);
@@ -566,13 +811,42 @@ fn rmsnorm_twin_gradients_match_central_differences() {
 fn rmsnorm_refuses_bad_arguments() {
     for_each_adapter("rmsnorm_errors", |k| {
         let (x, w, rstd, y2) = (k.zeros(6)?, k.zeros(3)?, k.zeros(2)?, k.zeros(6)?);
-        assert!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, RMS_EPS).is_ok());
+        assert!(k
+            .rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, RMS_EPS)
+            .is_ok());
         for eps in [0.0, -1e-6, f32::NAN, f32::INFINITY] {
-            assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, eps), Err(Error::InvalidArgument { op: "rmsnorm_forward", .. })), "eps {eps}");
+            assert!(
+                matches!(
+                    k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 2, 3, eps),
+                    Err(Error::InvalidArgument {
+                        op: "rmsnorm_forward",
+                        ..
+                    })
+                ),
+                "eps {eps}"
+            );
         }
-        assert!(matches!(k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 3, 2, RMS_EPS), Err(Error::Shape { op: "rmsnorm_forward", .. })));
-        assert!(matches!(k.rmsnorm_backward(y2.view(), x.view(), x.view(), rstd.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward", .. })));
-        assert!(matches!(k.rmsnorm_backward_params(false, rstd.view(), x.view(), x.view(), rstd.view(), 2, 3), Err(Error::Shape { op: "rmsnorm_backward_params", .. })));
+        assert!(matches!(
+            k.rmsnorm_forward(y2.view(), rstd.view(), x.view(), w.view(), 3, 2, RMS_EPS),
+            Err(Error::Shape {
+                op: "rmsnorm_forward",
+                ..
+            })
+        ));
+        assert!(matches!(
+            k.rmsnorm_backward(y2.view(), x.view(), x.view(), rstd.view(), rstd.view(), 2, 3),
+            Err(Error::Shape {
+                op: "rmsnorm_backward",
+                ..
+            })
+        ));
+        assert!(matches!(
+            k.rmsnorm_backward_params(false, rstd.view(), x.view(), x.view(), rstd.view(), 2, 3),
+            Err(Error::Shape {
+                op: "rmsnorm_backward_params",
+                ..
+            })
+        ));
         Ok(())
     });
 }

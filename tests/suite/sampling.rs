@@ -12,8 +12,8 @@ use crate::common;
 use common::{for_each_adapter, rng};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::infer::generate::{Generator, Sampling};
 use wgrad::graph::{Executor, Graph};
+use wgrad::infer::generate::{Generator, Sampling};
 use wgrad::kernels::NO_TOKEN;
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self};
@@ -50,7 +50,10 @@ fn near_the_nucleus_edge(logits: &[f32], temperature: f32, top_k: u32, top_p: f3
     if !(top_p < 1.0 && temperature > 0.0) {
         return false;
     }
-    let mut weights: Vec<f64> = cpu::sampling_candidates(logits, temperature, top_k, 1.0).into_iter().map(|(_, w)| w).collect();
+    let mut weights: Vec<f64> = cpu::sampling_candidates(logits, temperature, top_k, 1.0)
+        .into_iter()
+        .map(|(_, w)| w)
+        .collect();
     weights.sort_by(|a, b| b.total_cmp(a));
     let total: f64 = weights.iter().sum();
     let mut running = 0.0;
@@ -62,10 +65,24 @@ fn near_the_nucleus_edge(logits: &[f32], temperature: f32, top_k: u32, top_p: f3
 
 /// The kernel on `logits` [rows, vocab] with (u, temperature, top_p) per row and
 /// top_k per row: out [rows, 2].
-fn sample_on_gpu(k: &Kernels, logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vocab: usize) -> wgrad::Result<Vec<u32>> {
+fn sample_on_gpu(
+    k: &Kernels,
+    logits: &[f32],
+    draws: &[f32],
+    top_k: &[u32],
+    rows: usize,
+    vocab: usize,
+) -> wgrad::Result<Vec<u32>> {
     let (logits_gpu, draws_gpu, top_k_gpu) = (k.upload(logits)?, k.upload(draws)?, k.upload(top_k)?);
     let out = k.upload(&vec![7u32; 2 * rows])?;
-    k.run(&[&k.sample_rows(out.view(), logits_gpu.view(), draws_gpu.view(), top_k_gpu.view(), rows, vocab)?])?;
+    k.run(&[&k.sample_rows(
+        out.view(),
+        logits_gpu.view(),
+        draws_gpu.view(),
+        top_k_gpu.view(),
+        rows,
+        vocab,
+    )?])?;
     k.read::<u32>(out.view())
 }
 
@@ -90,11 +107,24 @@ fn greedy_picks_equal_the_twin_exactly_ties_included() {
                 if rows == 3 && vocab > 1 {
                     // A row of zeros of both signs: −0 and +0 are equal, so
                     // its first id is the first maximum.
-                    logits[vocab..2 * vocab].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 0.0 });
+                    logits[vocab..2 * vocab]
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 0.0 });
                 }
                 // Temperature 0, or any temperature with k = 1 (greedy too).
-                let draws: Vec<f32> = (0..rows).flat_map(|row| [r.random::<f32>(), if row == 1 { 1.5 } else { 0.0 }, 1.0]).collect();
-                let top_k: Vec<u32> = (0..rows).map(|row| if row == 1 { 1 } else { r.random_range(0..vocab as u32 + 2) }).collect();
+                let draws: Vec<f32> = (0..rows)
+                    .flat_map(|row| [r.random::<f32>(), if row == 1 { 1.5 } else { 0.0 }, 1.0])
+                    .collect();
+                let top_k: Vec<u32> = (0..rows)
+                    .map(|row| {
+                        if row == 1 {
+                            1
+                        } else {
+                            r.random_range(0..vocab as u32 + 2)
+                        }
+                    })
+                    .collect();
                 let got = sample_on_gpu(k, &logits, &draws, &top_k, rows, vocab)?;
                 let want = cpu::sample_rows(&logits, &draws, &top_k, rows, vocab);
                 // Exact: the first maximum is an integer.
@@ -126,12 +156,17 @@ fn sampled_picks_equal_the_twin_away_from_boundaries() {
             for &top_k in ks {
                 let mut r = rng(200 + case as u64 * 10 + u64::from(top_k));
                 let logits = random_logits(&mut r, rows * vocab, levels);
-                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(0.3..3.0), 1.0]).collect();
+                let draws: Vec<f32> = (0..rows)
+                    .flat_map(|_| [r.random::<f32>(), r.random_range(0.3..3.0), 1.0])
+                    .collect();
                 let ks = vec![top_k; rows];
                 let got = sample_on_gpu(k, &logits, &draws, &ks, rows, vocab)?;
                 let want = cpu::sample_rows(&logits, &draws, &ks, rows, vocab);
                 for row in 0..rows {
-                    let what = format!("vocab {vocab}, k {top_k}, row {row}, draw {:?}", &draws[3 * row..3 * row + 3]);
+                    let what = format!(
+                        "vocab {vocab}, k {top_k}, row {row}, draw {:?}",
+                        &draws[3 * row..3 * row + 3]
+                    );
                     assert_eq!(got[2 * row + 1], NO_TOKEN, "{what}: no logit is bad");
                     let logits_row = &logits[row * vocab..(row + 1) * vocab];
                     // u·Σw is uniform over [0, Σw): each interior boundary
@@ -182,23 +217,42 @@ fn nucleus_picks_equal_the_twin_away_from_boundaries() {
             for (i, &top_p) in ps.iter().enumerate() {
                 let mut r = rng(700 + case as u64 * 10 + i as u64);
                 let logits = random_logits(&mut r, rows * vocab, levels);
-                let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), r.random_range(cold..hot), top_p]).collect();
+                let draws: Vec<f32> = (0..rows)
+                    .flat_map(|_| [r.random::<f32>(), r.random_range(cold..hot), top_p])
+                    .collect();
                 let ks = vec![top_k; rows];
                 let got = sample_on_gpu(k, &logits, &draws, &ks, rows, vocab)?;
                 let want = cpu::sample_rows(&logits, &draws, &ks, rows, vocab);
                 for row in 0..rows {
                     let setting = &draws[3 * row..3 * row + 3];
-                    if near_a_boundary(&logits[row * vocab..(row + 1) * vocab], setting[0], setting[1], top_k, top_p) {
-                        skipped.push((vocab, setting.to_vec(), near_the_nucleus_edge(&logits[row * vocab..(row + 1) * vocab], setting[1], top_k, top_p)));
+                    if near_a_boundary(
+                        &logits[row * vocab..(row + 1) * vocab],
+                        setting[0],
+                        setting[1],
+                        top_k,
+                        top_p,
+                    ) {
+                        skipped.push((
+                            vocab,
+                            setting.to_vec(),
+                            near_the_nucleus_edge(&logits[row * vocab..(row + 1) * vocab], setting[1], top_k, top_p),
+                        ));
                         continue;
                     }
                     checked += 1;
                     // Exact away from a boundary and the nucleus's edge.
-                    assert_eq!(got[2 * row..2 * row + 2], want[2 * row..2 * row + 2], "vocab {vocab}, k {top_k}, row {row}, settings {setting:?}");
+                    assert_eq!(
+                        got[2 * row..2 * row + 2],
+                        want[2 * row..2 * row + 2],
+                        "vocab {vocab}, k {top_k}, row {row}, settings {setting:?}"
+                    );
                 }
             }
         }
-        assert!(skipped.len() <= 3 && checked > 300, "{skipped:?} draws near a boundary skipped, {checked} checked");
+        assert!(
+            skipped.len() <= 3 && checked > 300,
+            "{skipped:?} draws near a boundary skipped, {checked} checked"
+        );
         Ok(())
     });
 }
@@ -209,17 +263,43 @@ fn a_top_p_of_one_is_no_top_p_and_a_tiny_one_is_greedy() {
         let mut generator = Generator::new(Arc::clone(k), &model(37), 1)?;
         let prompt = [2, 7, 1, 8];
         let max_new = 2 * CONFIG.block_size;
-        let all = Sampling { temperature: 1.0, top_k: Some(9), top_p: None, seed: 38 };
+        let all = Sampling {
+            temperature: 1.0,
+            top_k: Some(9),
+            top_p: None,
+            seed: 38,
+        };
         let unsampled = generator.generate(&prompt, max_new, &all, |_| Ok(()))?;
-        assert_eq!(generator.generate(&prompt, max_new, &Sampling { top_p: Some(1.0), ..all }, |_| Ok(()))?, unsampled, "top_p 1");
+        assert_eq!(
+            generator.generate(
+                &prompt,
+                max_new,
+                &Sampling {
+                    top_p: Some(1.0),
+                    ..all
+                },
+                |_| Ok(())
+            )?,
+            unsampled,
+            "top_p 1"
+        );
         let distinct: std::collections::BTreeSet<u32> = unsampled.iter().copied().collect();
         assert!(distinct.len() > 2, "{all:?} sampled only {distinct:?}");
         // Below the most likely token's probability, the nucleus is that
         // token: greedy, whatever the temperature and the draws.
         let greedy = generator.generate(&prompt, max_new, &Sampling::greedy(), |_| Ok(()))?;
         for (temperature, seed) in [(1.0, 39), (3.0, 40)] {
-            let tiny = Sampling { temperature, top_k: None, top_p: Some(1e-6), seed };
-            assert_eq!(generator.generate(&prompt, max_new, &tiny, |_| Ok(()))?, greedy, "{tiny:?}");
+            let tiny = Sampling {
+                temperature,
+                top_k: None,
+                top_p: Some(1e-6),
+                seed,
+            };
+            assert_eq!(
+                generator.generate(&prompt, max_new, &tiny, |_| Ok(()))?,
+                greedy,
+                "{tiny:?}"
+            );
         }
         Ok(())
     });
@@ -237,22 +317,44 @@ fn draws_hit_every_top_k_candidate_and_nothing_else() {
     // are the same every run.
     let (vocab, rows) = (logits.len(), 800);
     for_each_adapter("sample_rows distribution", |k| {
-        let cases = [(3u32, 2.0f32, 1.0f32, vec![1u32, 3, 4]), (5, 0.7, 1.0, vec![0, 1, 3, 4, 6]), (7, 4.0, 1.0, (0..7).collect()), (7, 1.0, 0.5, vec![1, 3]), (7, 1.0, 0.7, vec![1, 3, 4])];
+        let cases = [
+            (3u32, 2.0f32, 1.0f32, vec![1u32, 3, 4]),
+            (5, 0.7, 1.0, vec![0, 1, 3, 4, 6]),
+            (7, 4.0, 1.0, (0..7).collect()),
+            (7, 1.0, 0.5, vec![1, 3]),
+            (7, 1.0, 0.7, vec![1, 3, 4]),
+        ];
         for (top_k, temperature, top_p, candidates) in cases {
             let mut r = rng(300 + u64::from(top_k));
             let all: Vec<f32> = logits.iter().copied().cycle().take(rows * vocab).collect();
-            let draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature, top_p]).collect();
+            let draws: Vec<f32> = (0..rows)
+                .flat_map(|_| [r.random::<f32>(), temperature, top_p])
+                .collect();
             let got = sample_on_gpu(k, &all, &draws, &vec![top_k; rows], rows, vocab)?;
-            let weights: Vec<f64> = candidates.iter().map(|&i| ((f64::from(logits[i as usize]) - 3.0) / f64::from(temperature)).exp()).collect();
+            let weights: Vec<f64> = candidates
+                .iter()
+                .map(|&i| ((f64::from(logits[i as usize]) - 3.0) / f64::from(temperature)).exp())
+                .collect();
             let total: f64 = weights.iter().sum();
             for (&id, &w) in candidates.iter().zip(&weights) {
                 let share = got.chunks(2).filter(|pick| pick[0] == id).count() as f64 / rows as f64;
                 // 800 draws: the share's standard deviation is ≤ 0.018,
                 // so 0.05 is 2.8 of them.
-                assert!((share - w / total).abs() < 0.05, "k {top_k}, p {top_p}: id {id} drawn {share}, probability {}", w / total);
+                assert!(
+                    (share - w / total).abs() < 0.05,
+                    "k {top_k}, p {top_p}: id {id} drawn {share}, probability {}",
+                    w / total
+                );
             }
-            let strays: Vec<u32> = got.chunks(2).map(|pick| pick[0]).filter(|id| !candidates.contains(id)).collect();
-            assert!(strays.is_empty(), "k {top_k}, p {top_p}: non-candidates drawn: {strays:?}");
+            let strays: Vec<u32> = got
+                .chunks(2)
+                .map(|pick| pick[0])
+                .filter(|id| !candidates.contains(id))
+                .collect();
+            assert!(
+                strays.is_empty(),
+                "k {top_k}, p {top_p}: non-candidates drawn: {strays:?}"
+            );
         }
         Ok(())
     });
@@ -263,7 +365,13 @@ fn a_logit_that_is_not_finite_is_reported_by_its_first_column() {
     for_each_adapter("sample_rows non-finite", |k| {
         let vocab = 1000;
         // (columns made bad, in that order; the first by id is reported).
-        let rows_bad: [&[(usize, f32)]; 5] = [&[(2, f32::NAN)], &[(700, f32::INFINITY), (300, f32::NEG_INFINITY)], &[(999, f32::NAN)], &[], &[(0, f32::INFINITY)]];
+        let rows_bad: [&[(usize, f32)]; 5] = [
+            &[(2, f32::NAN)],
+            &[(700, f32::INFINITY), (300, f32::NEG_INFINITY)],
+            &[(999, f32::NAN)],
+            &[],
+            &[(0, f32::INFINITY)],
+        ];
         let rows = rows_bad.len();
         let mut logits = random_logits(&mut rng(400), rows * vocab, None);
         for (row, bad) in rows_bad.iter().enumerate() {
@@ -271,11 +379,25 @@ fn a_logit_that_is_not_finite_is_reported_by_its_first_column() {
                 logits[row * vocab + column] = value;
             }
         }
-        let draws: Vec<f32> = (0..rows).flat_map(|row| [0.5, if row % 2 == 0 { 1.0 } else { 0.0 }, 0.9]).collect();
+        let draws: Vec<f32> = (0..rows)
+            .flat_map(|row| [0.5, if row % 2 == 0 { 1.0 } else { 0.0 }, 0.9])
+            .collect();
         let got = sample_on_gpu(k, &logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab)?;
-        let want: Vec<[u32; 2]> = vec![[NO_TOKEN, 2], [NO_TOKEN, 300], [NO_TOKEN, 999], [cpu::sample_row(&logits[3 * vocab..4 * vocab], 0.5, 0.0, 10, 0.9).0, NO_TOKEN], [NO_TOKEN, 0]];
+        let want: Vec<[u32; 2]> = vec![
+            [NO_TOKEN, 2],
+            [NO_TOKEN, 300],
+            [NO_TOKEN, 999],
+            [
+                cpu::sample_row(&logits[3 * vocab..4 * vocab], 0.5, 0.0, 10, 0.9).0,
+                NO_TOKEN,
+            ],
+            [NO_TOKEN, 0],
+        ];
         assert_eq!(got, want.concat());
-        assert_eq!(got, cpu::sample_rows(&logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab));
+        assert_eq!(
+            got,
+            cpu::sample_rows(&logits, &draws, &[10, 1000, 1, 10, 3], rows, vocab)
+        );
         Ok(())
     });
 }
@@ -285,11 +407,26 @@ fn the_kernel_checks_its_operands() {
     for_each_adapter("sample_rows errors", |k| {
         let (logits, draws, top_k, out) = (k.zeros(3 * 5)?, k.zeros(9)?, k.zeros(3)?, k.zeros(6)?);
         let short = k.zeros(6)?;
-        let err = k.sample_rows(out.view(), logits.view(), short.view(), top_k.view(), 3, 5).unwrap_err();
-        assert!(matches!(err, Error::Shape { op: "sample_rows_forward", .. }) && err.to_string().contains("`draws` has 6 elements, want 9"), "{err}");
-        let err = k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 3, 4).unwrap_err();
+        let err = k
+            .sample_rows(out.view(), logits.view(), short.view(), top_k.view(), 3, 5)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Shape {
+                    op: "sample_rows_forward",
+                    ..
+                }
+            ) && err.to_string().contains("`draws` has 6 elements, want 9"),
+            "{err}"
+        );
+        let err = k
+            .sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 3, 4)
+            .unwrap_err();
         assert!(err.to_string().contains("`logits` has 15 elements, want 12"), "{err}");
-        assert!(k.sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5).is_err());
+        assert!(k
+            .sample_rows(out.view(), logits.view(), draws.view(), top_k.view(), 0, 5)
+            .is_err());
         Ok(())
     });
 }
@@ -303,14 +440,31 @@ fn the_host_sampler_is_the_twin() {
         let vocab = r.random_range(1..60);
         let logits = random_logits(&mut r, vocab, (case % 2 == 0).then_some(4));
         let temperature = if case % 5 == 0 { 0.0 } else { r.random_range(0.2..3.0) };
-        let top_k = if case % 3 == 0 { None } else { Some(r.random_range(1..vocab + 3)) };
-        let top_p = if case % 4 == 0 { None } else { Some(r.random_range(0.01f32..=1.0)) };
-        let sampling = Sampling { temperature, top_k, top_p, seed: case };
+        let top_k = if case % 3 == 0 {
+            None
+        } else {
+            Some(r.random_range(1..vocab + 3))
+        };
+        let top_p = if case % 4 == 0 {
+            None
+        } else {
+            Some(r.random_range(0.01f32..=1.0))
+        };
+        let sampling = Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed: case,
+        };
         let mut draws = rng(case);
         let u: f32 = draws.clone().random();
         let picked = sampling.sample(&logits, &mut draws).expect("finite logits");
         let k = top_k.unwrap_or(vocab).min(vocab) as u32;
-        assert_eq!(picked, cpu::sample_row(&logits, u, temperature, k, top_p.unwrap_or(1.0)).0, "case {case}: {sampling:?} on {logits:?}");
+        assert_eq!(
+            picked,
+            cpu::sample_row(&logits, u, temperature, k, top_p.unwrap_or(1.0)).0,
+            "case {case}: {sampling:?} on {logits:?}"
+        );
     }
 }
 
@@ -329,7 +483,10 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
         let values = random_logits(&mut r, rows * vocab, Some(8));
         exec.set_input(logits, &values)?;
         // Different settings each run, from inputs: the graph is built once.
-        for (run, (temperature, ks)) in [(0.0, [37, 37, 37]), (1.0, [1, 5, 37]), (0.5, [3, 2, 36])].into_iter().enumerate() {
+        for (run, (temperature, ks)) in [(0.0, [37, 37, 37]), (1.0, [1, 5, 37]), (0.5, [3, 2, 36])]
+            .into_iter()
+            .enumerate()
+        {
             let host_draws: Vec<f32> = (0..rows).flat_map(|_| [r.random::<f32>(), temperature, 1.0]).collect();
             exec.set_input(draws, &host_draws)?;
             exec.set_labels(top_k, &ks)?;
@@ -339,7 +496,11 @@ fn the_graph_op_samples_through_an_executor_without_rebuilding() {
             for row in 0..rows {
                 let row_logits = &values[row * vocab..(row + 1) * vocab];
                 if !near_a_boundary(row_logits, host_draws[3 * row], temperature, ks[row], 1.0) {
-                    assert_eq!(got[2 * row..2 * row + 2], want[2 * row..2 * row + 2], "run {run}, row {row}");
+                    assert_eq!(
+                        got[2 * row..2 * row + 2],
+                        want[2 * row..2 * row + 2],
+                        "run {run}, row {row}"
+                    );
                 }
             }
         }
@@ -379,7 +540,13 @@ fn the_graph_op_checks_shapes_and_has_no_gradient() {
     }
 }
 
-const CONFIG: GptConfig = GptConfig { vocab_size: 37, block_size: 13, n_layer: 2, n_head: 3, n_embd: 24 };
+const CONFIG: GptConfig = GptConfig {
+    vocab_size: 37,
+    block_size: 13,
+    n_layer: 2,
+    n_head: 3,
+    n_embd: 24,
+};
 
 /// A GPT whose logits are spread over several units, so that a top-k
 /// draw at temperature 1 has more than one likely candidate.
@@ -395,7 +562,12 @@ fn model(seed: u64) -> Gpt {
 /// Where the pick differs from `generated` (whose tokens it feeds on, so
 /// both see the same logits), the draw must have been within rounding of
 /// a boundary; returns how many were.
-fn replay_on_the_host(generator: &mut Generator, prompt: &[u32], generated: &[u32], sampling: &Sampling) -> wgrad::Result<usize> {
+fn replay_on_the_host(
+    generator: &mut Generator,
+    prompt: &[u32],
+    generated: &[u32],
+    sampling: &Sampling,
+) -> wgrad::Result<usize> {
     let (context, keep) = (CONFIG.block_size, CONFIG.block_size / 2);
     let mut draws = rng(sampling.seed);
     let mut logits = generator.prefill(&[prompt])?;
@@ -405,7 +577,10 @@ fn replay_on_the_host(generator: &mut Generator, prompt: &[u32], generated: &[u3
         let picked = sampling.sample(&logits, &mut draws)?;
         if picked != token {
             let k = sampling.top_k.unwrap_or(CONFIG.vocab_size) as u32;
-            assert!(near_a_boundary(&logits, u, sampling.temperature, k, sampling.top_p.unwrap_or(1.0)), "token {i}: the GPU picked {token}, the host {picked}; logits {logits:?}");
+            assert!(
+                near_a_boundary(&logits, u, sampling.temperature, k, sampling.top_p.unwrap_or(1.0)),
+                "token {i}: the GPU picked {token}, the host {picked}; logits {logits:?}"
+            );
             near_boundaries += 1;
         }
         let cached = generator.cached_tokens(0).map_or(0, <[u32]>::len);
@@ -430,10 +605,30 @@ fn generate_picks_on_the_gpu_what_the_host_sampler_picks() {
         let max_new = 2 * CONFIG.block_size;
         let samplings = [
             Sampling::greedy(),
-            Sampling { temperature: 1.0, top_k: Some(5), top_p: None, seed: 31 },
-            Sampling { temperature: 0.7, top_k: None, top_p: None, seed: 32 },
-            Sampling { temperature: 1.0, top_k: None, top_p: Some(0.8), seed: 35 },
-            Sampling { temperature: 1.3, top_k: Some(9), top_p: Some(0.6), seed: 36 },
+            Sampling {
+                temperature: 1.0,
+                top_k: Some(5),
+                top_p: None,
+                seed: 31,
+            },
+            Sampling {
+                temperature: 0.7,
+                top_k: None,
+                top_p: None,
+                seed: 32,
+            },
+            Sampling {
+                temperature: 1.0,
+                top_k: None,
+                top_p: Some(0.8),
+                seed: 35,
+            },
+            Sampling {
+                temperature: 1.3,
+                top_k: Some(9),
+                top_p: Some(0.6),
+                seed: 36,
+            },
         ];
         for sampling in samplings {
             let generated = generator.generate(&prompt, max_new, &sampling, |_| Ok(()))?;
@@ -458,7 +653,12 @@ fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
         // logits back, one picks on the GPU (the logits are the same bits).
         let mut reads_logits = Generator::new(Arc::clone(k), &model(33), 3)?;
         let mut picks = Generator::new(Arc::clone(k), &model(33), 3)?;
-        let sampling = Sampling { temperature: 1.2, top_k: Some(6), top_p: Some(0.9), seed: 34 };
+        let sampling = Sampling {
+            temperature: 1.2,
+            top_k: Some(6),
+            top_p: Some(0.9),
+            seed: 34,
+        };
         let prompts: [&[u32]; 3] = [&[1, 2], &[7], &[9, 9, 9, 9]];
         let (mut gpu_draws, mut host_draws) = (rng(34), rng(34));
         let mut logits = reads_logits.prefill(&prompts)?;
@@ -469,7 +669,10 @@ fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
                 let row = &logits[s * vocab..(s + 1) * vocab];
                 let u: f32 = host_draws.clone().random();
                 let picked = sampling.sample(row, &mut host_draws)?;
-                assert!(picked == token || near_a_boundary(row, u, 1.2, 6, 0.9), "step {step}, sequence {s}: GPU {token}, host {picked}");
+                assert!(
+                    picked == token || near_a_boundary(row, u, 1.2, 6, 0.9),
+                    "step {step}, sequence {s}: GPU {token}, host {picked}"
+                );
             }
             logits = reads_logits.decode(&tokens)?;
             tokens = picks.decode_and_sample(&tokens, &sampling, &mut gpu_draws)?;
@@ -478,13 +681,30 @@ fn several_sequences_draw_in_sequence_order_and_bad_logits_are_errors() {
         let mut broken = model(33);
         // Token 5's logit is NaN (5 is never an input here).
         let channels = CONFIG.n_embd;
-        broken.wte.weight[5 * channels..6 * channels].iter_mut().for_each(|w| *w = f32::NAN);
+        broken.wte.weight[5 * channels..6 * channels]
+            .iter_mut()
+            .for_each(|w| *w = f32::NAN);
         let mut bad = Generator::new(Arc::clone(k), &broken, 3)?;
-        let host_error = Sampling::greedy().sample(&bad.prefill(&prompts)?[..vocab], &mut rng(0)).unwrap_err().to_string();
-        assert!(host_error.contains("logit NaN of token 5 is not finite"), "{host_error}");
-        let err = bad.prefill_and_sample(&prompts, &Sampling::greedy(), &mut rng(0)).unwrap_err().to_string();
-        assert!(err.contains("logit NaN of token 5 in sequence 0 is not finite"), "{err}");
-        let err = bad.decode_and_sample(&[1, 2, 3], &sampling, &mut rng(0)).unwrap_err().to_string();
+        let host_error = Sampling::greedy()
+            .sample(&bad.prefill(&prompts)?[..vocab], &mut rng(0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            host_error.contains("logit NaN of token 5 is not finite"),
+            "{host_error}"
+        );
+        let err = bad
+            .prefill_and_sample(&prompts, &Sampling::greedy(), &mut rng(0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("logit NaN of token 5 in sequence 0 is not finite"),
+            "{err}"
+        );
+        let err = bad
+            .decode_and_sample(&[1, 2, 3], &sampling, &mut rng(0))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token 5 in sequence 0"), "{err}");
         let mut one = Generator::new(Arc::clone(k), &broken, 1)?;
         let err = one.generate(&[1, 2], 3, &sampling, |_| Ok(())).unwrap_err().to_string();

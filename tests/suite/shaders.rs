@@ -42,8 +42,21 @@ fn parse(family: Family) -> (naga::Module, ModuleInfo) {
 /// numeric ones (the matrix-vector kernel's rows and lanes) keep their
 /// defaults.
 fn override_combinations(module: &naga::Module) -> Vec<PipelineConstants> {
-    let is_bool = |ty: naga::Handle<naga::Type>| matches!(module.types[ty].inner, naga::TypeInner::Scalar(naga::Scalar { kind: naga::ScalarKind::Bool, .. }));
-    let names: Vec<String> = module.overrides.iter().filter(|(_, o)| is_bool(o.ty)).filter_map(|(_, o)| o.name.clone()).collect();
+    let is_bool = |ty: naga::Handle<naga::Type>| {
+        matches!(
+            module.types[ty].inner,
+            naga::TypeInner::Scalar(naga::Scalar {
+                kind: naga::ScalarKind::Bool,
+                ..
+            })
+        )
+    };
+    let names: Vec<String> = module
+        .overrides
+        .iter()
+        .filter(|(_, o)| is_bool(o.ty))
+        .filter_map(|(_, o)| o.name.clone())
+        .collect();
     (0..1u32 << names.len())
         .map(|bits| {
             let mut constants = PipelineConstants::default();
@@ -55,22 +68,29 @@ fn override_combinations(module: &naga::Module) -> Vec<PipelineConstants> {
         .collect()
 }
 
-fn translate_everywhere(family: Family, module: &naga::Module, info: &ModuleInfo, entry: &str, constants: &PipelineConstants) {
+fn translate_everywhere(
+    family: Family,
+    module: &naga::Module,
+    info: &ModuleInfo,
+    entry: &str,
+    constants: &PipelineConstants,
+) {
     let what = format!("{}::{entry} with {constants:?}", family.file_name());
-    let (module, info) = naga::back::pipeline_constants::process_overrides(
-        module,
-        info,
-        Some((ShaderStage::Compute, entry)),
-        constants,
-    )
-    .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
+    let (module, info) =
+        naga::back::pipeline_constants::process_overrides(module, info, Some((ShaderStage::Compute, entry)), constants)
+            .unwrap_or_else(|e| panic!("{what}: overrides: {e}"));
 
     let spv_pipeline = naga::back::spv::PipelineOptions {
         shader_stage: ShaderStage::Compute,
         entry_point: entry.to_string(),
     };
-    let words = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), Some(&spv_pipeline))
-        .unwrap_or_else(|e| panic!("{what}: SPIR-V: {e}"));
+    let words = naga::back::spv::write_vec(
+        &module,
+        &info,
+        &naga::back::spv::Options::default(),
+        Some(&spv_pipeline),
+    )
+    .unwrap_or_else(|e| panic!("{what}: SPIR-V: {e}"));
     assert!(words.len() > 5, "{what}: empty SPIR-V");
 
     let msl_pipeline = naga::back::msl::PipelineOptions {
@@ -121,24 +141,35 @@ fn translate_everywhere(family: Family, module: &naga::Module, info: &ModuleInfo
 /// base family's file (see `Family::base`); they are registered, and
 /// translated, under the base family.
 fn inherited_entries(family: Family) -> Vec<String> {
-    family.base().map_or_else(Vec::new, |base| parse(base).0.entry_points.iter().map(|e| e.name.clone()).collect())
+    family.base().map_or_else(Vec::new, |base| {
+        parse(base).0.entry_points.iter().map(|e| e.name.clone()).collect()
+    })
 }
 
 #[test]
 fn a_composed_family_starts_with_its_base_file_and_only_it_uses_subgroups() {
     for family in Family::ALL {
         if let Some(base) = family.base() {
-            assert!(family.source().starts_with(base.source()), "{} does not start with {}", family.file_name(), base.file_name());
+            assert!(
+                family.source().starts_with(base.source()),
+                "{} does not start with {}",
+                family.file_name(),
+                base.file_name()
+            );
         }
     }
     // matmul.wgsl must validate without SUBGROUP (GL runs it); the subgroup
     // family's extra part is what needs the capability.
     let base_src = Family::Matmul.source();
     let module = naga::front::wgsl::parse_str(base_src).expect("matmul.wgsl parses");
-    Validator::new(ValidationFlags::all(), Capabilities::default()).validate(&module).expect("matmul.wgsl validates without SUBGROUP");
+    Validator::new(ValidationFlags::all(), Capabilities::default())
+        .validate(&module)
+        .expect("matmul.wgsl validates without SUBGROUP");
     let composed = naga::front::wgsl::parse_str(Family::MatmulSubgroup.source()).expect("the subgroup family parses");
     assert!(
-        Validator::new(ValidationFlags::all(), Capabilities::default()).validate(&composed).is_err(),
+        Validator::new(ValidationFlags::all(), Capabilities::default())
+            .validate(&composed)
+            .is_err(),
         "the subgroup family should need the SUBGROUP capability"
     );
 }
@@ -147,7 +178,11 @@ fn a_composed_family_starts_with_its_base_file_and_only_it_uses_subgroups() {
 fn every_shader_validates_and_translates_to_spirv_msl_hlsl_and_glsl() {
     for family in Family::ALL {
         let (module, info) = parse(family);
-        assert!(!module.entry_points.is_empty(), "{}: no entry points", family.file_name());
+        assert!(
+            !module.entry_points.is_empty(),
+            "{}: no entry points",
+            family.file_name()
+        );
         let inherited = inherited_entries(family);
         for ep in module.entry_points.iter().filter(|ep| !inherited.contains(&ep.name)) {
             assert_eq!(ep.stage, ShaderStage::Compute, "{}::{}", family.file_name(), ep.name);
@@ -163,14 +198,26 @@ fn the_registry_and_the_wgsl_files_list_the_same_entry_points() {
     for family in Family::ALL {
         let (module, _) = parse(family);
         let inherited = inherited_entries(family);
-        let in_wgsl: Vec<&str> =
-            module.entry_points.iter().map(|e| e.name.as_str()).filter(|name| !inherited.iter().any(|i| i == name)).collect();
+        let in_wgsl: Vec<&str> = module
+            .entry_points
+            .iter()
+            .map(|e| e.name.as_str())
+            .filter(|name| !inherited.iter().any(|i| i == name))
+            .collect();
         let registered: Vec<&str> = KERNELS.iter().filter(|k| k.family == family).map(|k| k.entry).collect();
         for name in &in_wgsl {
-            assert!(registered.contains(name), "{}::{name} is not in registry::KERNELS", family.file_name());
+            assert!(
+                registered.contains(name),
+                "{}::{name} is not in registry::KERNELS",
+                family.file_name()
+            );
         }
         for name in &registered {
-            assert!(in_wgsl.contains(name), "registry lists {name}, missing from {}", family.file_name());
+            assert!(
+                in_wgsl.contains(name),
+                "registry lists {name}, missing from {}",
+                family.file_name()
+            );
         }
     }
 }
@@ -195,7 +242,11 @@ fn identifiers(src: &str) -> BTreeSet<String> {
 
 /// The families that compose a shared file (directly or through their base).
 fn composers(shared: Shared) -> Vec<Family> {
-    Family::ALL.iter().copied().filter(|f| f.shared().contains(&shared) || f.base().is_some_and(|b| b.shared().contains(&shared))).collect()
+    Family::ALL
+        .iter()
+        .copied()
+        .filter(|f| f.shared().contains(&shared) || f.base().is_some_and(|b| b.shared().contains(&shared)))
+        .collect()
 }
 
 /// A family's composed module, and the byte range of `shared`'s text in
@@ -204,8 +255,11 @@ fn composers(shared: Shared) -> Vec<Family> {
 /// it is parsed where it is composed, not alone.
 fn composed_with(family: Family, shared: Shared) -> (naga::Module, std::ops::Range<usize>) {
     let src = family.source();
-    let module = naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{}: {}", family.file_name(), e.emit_to_string(src)));
-    let start = src.find(shared.source()).unwrap_or_else(|| panic!("{} does not contain {}", family.file_name(), shared.file_name()));
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{}: {}", family.file_name(), e.emit_to_string(src)));
+    let start = src
+        .find(shared.source())
+        .unwrap_or_else(|| panic!("{} does not contain {}", family.file_name(), shared.file_name()));
     (module, start..start + shared.source().len())
 }
 
@@ -213,12 +267,26 @@ fn composed_with(family: Family, shared: Shared) -> (naga::Module, std::ops::Ran
 /// overrides): the declarations whose text lies in its part of a composing
 /// family's module.
 fn declared_names(shared: Shared) -> BTreeSet<String> {
-    let family = *composers(shared).first().unwrap_or_else(|| panic!("no family composes {}", shared.file_name()));
+    let family = *composers(shared)
+        .first()
+        .unwrap_or_else(|| panic!("no family composes {}", shared.file_name()));
     let (module, range) = composed_with(family, shared);
     let inside = |span: naga::Span| span.to_range().is_some_and(|r| range.contains(&r.start));
-    let functions = module.functions.iter().filter(|(h, _)| inside(module.functions.get_span(*h))).filter_map(|(_, f)| f.name.clone());
-    let constants = module.constants.iter().filter(|(h, _)| inside(module.constants.get_span(*h))).filter_map(|(_, c)| c.name.clone());
-    let overrides = module.overrides.iter().filter(|(h, _)| inside(module.overrides.get_span(*h))).filter_map(|(_, o)| o.name.clone());
+    let functions = module
+        .functions
+        .iter()
+        .filter(|(h, _)| inside(module.functions.get_span(*h)))
+        .filter_map(|(_, f)| f.name.clone());
+    let constants = module
+        .constants
+        .iter()
+        .filter(|(h, _)| inside(module.constants.get_span(*h)))
+        .filter_map(|(_, c)| c.name.clone());
+    let overrides = module
+        .overrides
+        .iter()
+        .filter(|(h, _)| inside(module.overrides.get_span(*h)))
+        .filter_map(|(_, o)| o.name.clone());
     functions.chain(constants).chain(overrides).collect()
 }
 
@@ -234,16 +302,32 @@ fn each_family_source_is_its_base_its_own_file_and_its_shared_files() {
         for shared in family.shared() {
             expected.push_str(shared.source());
         }
-        assert!(family.source() == expected, "{}: Family::source is out of step with Family::base / Family::shared", family.file_name());
+        assert!(
+            family.source() == expected,
+            "{}: Family::source is out of step with Family::base / Family::shared",
+            family.file_name()
+        );
         let on_disk = std::fs::read_to_string(shaders_dir().join(family.file_name())).expect("family file");
-        assert_eq!(family.own_source(), format!("{on_disk}\n"), "{}: own_source embeds another file", family.file_name());
+        assert_eq!(
+            family.own_source(),
+            format!("{on_disk}\n"),
+            "{}: own_source embeds another file",
+            family.file_name()
+        );
     }
     // Every .wgsl file is a family or a shared file, so none is forgotten.
-    let known: BTreeSet<&str> = Family::ALL.iter().map(|f| f.file_name()).chain(Shared::ALL.iter().map(|s| s.file_name())).collect();
+    let known: BTreeSet<&str> = Family::ALL
+        .iter()
+        .map(|f| f.file_name())
+        .chain(Shared::ALL.iter().map(|s| s.file_name()))
+        .collect();
     for entry in std::fs::read_dir(shaders_dir()).expect("shaders/") {
         let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
         if name.ends_with(".wgsl") {
-            assert!(known.contains(name.as_str()), "shaders/{name} is neither a Family nor a Shared file");
+            assert!(
+                known.contains(name.as_str()),
+                "shaders/{name} is neither a Family nor a Shared file"
+            );
         }
     }
 }
@@ -255,13 +339,26 @@ fn shared_wgsl_has_one_source_composed_where_it_is_used() {
     // not alone: it may use names its composing families declare. It has
     // no entry points of its own.
     for shared in Shared::ALL {
-        assert!(!composers(shared).is_empty(), "no family composes {}", shared.file_name());
+        assert!(
+            !composers(shared).is_empty(),
+            "no family composes {}",
+            shared.file_name()
+        );
         let words = identifiers(shared.source());
-        assert!(!["compute", "vertex", "fragment"].iter().any(|s| words.contains(*s)), "{} is shared and must have no entry points", shared.file_name());
+        assert!(
+            !["compute", "vertex", "fragment"].iter().any(|s| words.contains(*s)),
+            "{} is shared and must have no entry points",
+            shared.file_name()
+        );
     }
     for family in Family::ALL {
         let used = identifiers(family.own_source());
-        let composed: Vec<Shared> = family.shared().iter().chain(family.base().map_or(&[][..], |b| b.shared())).copied().collect();
+        let composed: Vec<Shared> = family
+            .shared()
+            .iter()
+            .chain(family.base().map_or(&[][..], |b| b.shared()))
+            .copied()
+            .collect();
         for shared in Shared::ALL {
             let names = declared_names(shared);
             let mentioned: Vec<&String> = names.iter().filter(|n| used.contains(*n)).collect();
@@ -277,9 +374,15 @@ fn shared_wgsl_has_one_source_composed_where_it_is_used() {
         // And nothing is composed that the family (or one built on it) never uses.
         for shared in family.shared() {
             let names = declared_names(*shared);
-            let users: Vec<Family> = Family::ALL.iter().copied().filter(|f| *f == family || f.base() == Some(family)).collect();
+            let users: Vec<Family> = Family::ALL
+                .iter()
+                .copied()
+                .filter(|f| *f == family || f.base() == Some(family))
+                .collect();
             assert!(
-                users.iter().any(|f| identifiers(f.own_source()).iter().any(|id| names.contains(id))),
+                users
+                    .iter()
+                    .any(|f| identifiers(f.own_source()).iter().any(|id| names.contains(id))),
                 "{} composes {} but uses none of it",
                 family.file_name(),
                 shared.file_name()
@@ -304,11 +407,22 @@ fn activation_codes_agree_between_rust_and_activations_wgsl() {
             name.starts_with("ACT_").then_some((name, value))
         })
         .collect();
-    assert_eq!(codes.len(), Activation::ALL.len(), "one ACT_* constant per Activation: {codes:?}");
+    assert_eq!(
+        codes.len(),
+        Activation::ALL.len(),
+        "one ACT_* constant per Activation: {codes:?}"
+    );
     for act in Activation::ALL {
         let name = format!("ACT_{act:?}").to_uppercase();
-        let wgsl = codes.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("activations.wgsl has no {name}"));
-        assert_eq!(wgsl.1, act.code(), "{name}: activations.wgsl and Activation::code disagree");
+        let wgsl = codes
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("activations.wgsl has no {name}"));
+        assert_eq!(
+            wgsl.1,
+            act.code(),
+            "{name}: activations.wgsl and Activation::code disagree"
+        );
         assert_ne!(act.code(), 0, "code 0 is the identity");
     }
 }

@@ -18,7 +18,17 @@ fn is_shape_error<T>(r: wgrad::Result<T>) -> bool {
 /// Runs one batched product with `accumulate` onto a random C and checks
 /// it against the twin (plus the starting C).
 #[allow(clippy::too_many_arguments)]
-fn check_batched(k: &Kernels, variant: Option<MatmulVariant>, form: MatmulForm, accumulate: bool, batch: usize, m: usize, n: usize, k_: usize, seed: u64) -> wgrad::Result<()> {
+fn check_batched(
+    k: &Kernels,
+    variant: Option<MatmulVariant>,
+    form: MatmulForm,
+    accumulate: bool,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k_: usize,
+    seed: u64,
+) -> wgrad::Result<()> {
     let mut r = rng(seed);
     let a_host = random_vec(&mut r, batch * m * k_, -1.0, 1.0);
     let b_host = random_vec(&mut r, batch * k_ * n, -1.0, 1.0);
@@ -38,7 +48,13 @@ fn check_batched(k: &Kernels, variant: Option<MatmulVariant>, form: MatmulForm, 
     // in the worst case, far less for random signs; 1e-6·k absolute
     // covers k ≤ 129 with margin, 1e-5 relative for the rest.
     let atol = 1e-6 * k_ as f32 + 1e-6;
-    assert_close(&format!("{variant:?} {form:?} acc={accumulate} batch {batch} {m}×{n}×{k_}"), &read(k, &c)?, &want, atol, 1e-5);
+    assert_close(
+        &format!("{variant:?} {form:?} acc={accumulate} batch {batch} {m}×{n}×{k_}"),
+        &read(k, &c)?,
+        &want,
+        atol,
+        1e-5,
+    );
     Ok(())
 }
 
@@ -67,7 +83,10 @@ fn matmul_batched_picks_the_tuned_kernel_for_a_large_product() {
         // leaves Small; batch 3 and edges off the 64-wide tile. One shape,
         // one form: a register pipeline costs seconds to compile.
         let (m, n, k_) = (65, 129, 129);
-        assert_ne!(k.matmul_variant_for_shape(MatmulForm::AB, m, n, k_), MatmulVariant::Small);
+        assert_ne!(
+            k.matmul_variant_for_shape(MatmulForm::AB, m, n, k_),
+            MatmulVariant::Small
+        );
         check_batched(k, None, MatmulForm::AB, false, 3, m, n, k_, 100)
     });
 }
@@ -93,13 +112,48 @@ fn matmul_batched_refuses_wrong_lengths_and_a_batch_over_the_grid_limit() {
     for_each_adapter("matmul_batched_errors", |k| {
         // Fits batch 2 of m=2 n=4 k=3: A 2·6, B 2·12, C 2·8 elements.
         let (a, b, c) = (k.zeros(2 * 6)?, k.zeros(2 * 12)?, k.zeros(2 * 8)?);
-        assert!(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 2, 4, 3).is_ok());
-        assert!(is_shape_error(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 4, 2, 3)), "C fits, A and B do not");
-        assert!(is_shape_error(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 3, 2, 4, 3)));
-        assert!(is_shape_error(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 0, 2, 4, 3)));
+        assert!(k
+            .matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 2, 4, 3)
+            .is_ok());
+        assert!(
+            is_shape_error(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 4, 2, 3)),
+            "C fits, A and B do not"
+        );
+        assert!(is_shape_error(k.matmul_batched(
+            MatmulForm::AB,
+            false,
+            c.view(),
+            a.view(),
+            b.view(),
+            3,
+            2,
+            4,
+            3
+        )));
+        assert!(is_shape_error(k.matmul_batched(
+            MatmulForm::AB,
+            false,
+            c.view(),
+            a.view(),
+            b.view(),
+            0,
+            2,
+            4,
+            3
+        )));
         let max = k.device().limits().max_compute_workgroups_per_dimension as usize;
         let big = k.zeros(max + 1)?;
-        let r = k.matmul_batched(MatmulForm::AB, false, big.view(), big.view(), big.view(), max + 1, 1, 1, 1);
+        let r = k.matmul_batched(
+            MatmulForm::AB,
+            false,
+            big.view(),
+            big.view(),
+            big.view(),
+            max + 1,
+            1,
+            1,
+            1,
+        );
         assert!(is_shape_error(r), "a batch over the z limit must be an Error");
         Ok(())
     });
@@ -126,11 +180,21 @@ fn binary_broadcast_matches_the_cpu() {
             // Divisors away from 0.
             let b_host = random_vec(&mut r, sb.iter().product(), 0.5, 3.0);
             let out_shape = wgrad::ops::broadcast_shape(sa, sb).expect("the table broadcasts");
-            let (a, b, out) = (k.upload(&a_host)?, k.upload(&b_host)?, k.zeros(out_shape.iter().product())?);
+            let (a, b, out) = (
+                k.upload(&a_host)?,
+                k.upload(&b_host)?,
+                k.zeros(out_shape.iter().product())?,
+            );
             for op in Binary::ALL {
                 k.run(&[&k.binary_broadcast(op, out.view(), a.view(), b.view(), sa, sb)?])?;
                 // One f32 operation each side (division ≤ 2.5 ulp on the GPU).
-                assert_close(&format!("{op:?} {sa:?}∘{sb:?}"), &read(k, &out)?, &cpu::binary_broadcast(op, &a_host, &b_host, sa, sb)?, 1e-6, 1e-6);
+                assert_close(
+                    &format!("{op:?} {sa:?}∘{sb:?}"),
+                    &read(k, &out)?,
+                    &cpu::binary_broadcast(op, &a_host, &b_host, sa, sb)?,
+                    1e-6,
+                    1e-6,
+                );
             }
         }
         Ok(())
@@ -142,11 +206,19 @@ fn binary_broadcast_refuses_shapes_that_do_not_broadcast() {
     for_each_adapter("binary_broadcast_errors", |k| {
         let (a, b, out) = (k.zeros(6)?, k.zeros(4)?, k.zeros(24)?);
         // b [4, 1] against a [6] broadcasts to [4, 6].
-        let add = |sa: &[usize], sb: &[usize], o: &wgrad::GpuTensor| k.binary_broadcast(Binary::Add, o.view(), a.view(), b.view(), sa, sb);
+        let add = |sa: &[usize], sb: &[usize], o: &wgrad::GpuTensor| {
+            k.binary_broadcast(Binary::Add, o.view(), a.view(), b.view(), sa, sb)
+        };
         assert!(is_shape_error(add(&[2, 3], &[4], &out)), "3 against 4");
         assert!(is_shape_error(add(&[1, 1, 1, 2, 3], &[4], &out)), "rank 5");
-        assert!(is_shape_error(add(&[2, 2], &[4, 1], &out)), "a holds 6 elements, not [2, 2]");
-        assert!(is_shape_error(add(&[6], &[2, 1], &out)), "the broadcast [2, 6] is 12 elements, out 24");
+        assert!(
+            is_shape_error(add(&[2, 2], &[4, 1], &out)),
+            "a holds 6 elements, not [2, 2]"
+        );
+        assert!(
+            is_shape_error(add(&[6], &[2, 1], &out)),
+            "the broadcast [2, 6] is 12 elements, out 24"
+        );
         // The same views with shapes that fit: accepted.
         assert!(add(&[6], &[4, 1], &out).is_ok());
         Ok(())
@@ -163,10 +235,22 @@ fn unary_matches_the_cpu() {
             let (x, pos, out) = (k.upload(&x_host)?, k.upload(&pos_host)?, k.zeros(n)?);
             k.run(&[&k.unary(Unary::Exp, out.view(), x.view())?])?;
             // Vulkan's exp is within 3 + 2|x| ulp: ≤ 23 ulp ≈ 1.4e-6 at |x| ≤ 10.
-            assert_close(&format!("exp n={n}"), &read(k, &out)?, &cpu::unary(Unary::Exp, &x_host), 0.0, 4e-6);
+            assert_close(
+                &format!("exp n={n}"),
+                &read(k, &out)?,
+                &cpu::unary(Unary::Exp, &x_host),
+                0.0,
+                4e-6,
+            );
             // Rsqrt is specified for x > 0 only (see Unary::Rsqrt): 2 ulp.
             k.run(&[&k.unary(Unary::Rsqrt, out.view(), pos.view())?])?;
-            assert_close(&format!("rsqrt n={n}"), &read(k, &out)?, &cpu::unary(Unary::Rsqrt, &pos_host), 0.0, 1e-6);
+            assert_close(
+                &format!("rsqrt n={n}"),
+                &read(k, &out)?,
+                &cpu::unary(Unary::Rsqrt, &pos_host),
+                0.0,
+                1e-6,
+            );
         }
         let (x, out) = (k.zeros(3)?, k.zeros(4)?);
         assert!(is_shape_error(k.unary(Unary::Exp, out.view(), x.view())));
@@ -207,16 +291,31 @@ fn reduce_to_shape_matches_the_cpu() {
             // (or in blocks, then the blocks: less error): ~3e-5 for random
             // signs, 1e-4 leaves room; the twin sums in f64.
             k.run(&[&k.reduce_to_shape(false, out.view(), x.view(), sx, so)?])?;
-            assert_close(&format!("reduce {sx:?}->{so:?}, GPU shaping {}", k.gpu_shaped()), &read(k, &out)?, &want, 1e-4, 1e-5);
+            assert_close(
+                &format!("reduce {sx:?}->{so:?}, GPU shaping {}", k.gpu_shaped()),
+                &read(k, &out)?,
+                &want,
+                1e-4,
+                1e-5,
+            );
             // Accumulating adds the same sums once more.
             k.run(&[&k.reduce_to_shape(true, out.view(), x.view(), sx, so)?])?;
             let twice: Vec<f32> = want.iter().map(|w| 2.0 * w).collect();
             assert_close(&format!("reduce+= {sx:?}->{so:?}"), &read(k, &out)?, &twice, 2e-4, 1e-5);
         }
         let (x, out) = (k.zeros(6)?, k.zeros(3)?);
-        assert!(is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[3, 2], &[3])), "[3, 2] is not a broadcast of [3]");
-        assert!(is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[3], &[2, 3])), "out of higher rank than x");
-        assert!(is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[2, 3], &[3, 1])), "[2, 3] against [3, 1]");
+        assert!(
+            is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[3, 2], &[3])),
+            "[3, 2] is not a broadcast of [3]"
+        );
+        assert!(
+            is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[3], &[2, 3])),
+            "out of higher rank than x"
+        );
+        assert!(
+            is_shape_error(k.reduce_to_shape(false, out.view(), x.view(), &[2, 3], &[3, 1])),
+            "[2, 3] against [3, 1]"
+        );
         Ok(())
     });
 }
@@ -238,19 +337,44 @@ fn permute_matches_the_cpu() {
             let (x, out) = (k.upload(&x_host)?, k.zeros(x_host.len())?);
             k.run(&[&k.permute(out.view(), x.view(), shape, perm)?])?;
             // A copy: bit-exact.
-            assert_close(&format!("permute {shape:?} by {perm:?}"), &read(k, &out)?, &cpu::permute(&x_host, shape, perm)?, 0.0, 0.0);
+            assert_close(
+                &format!("permute {shape:?} by {perm:?}"),
+                &read(k, &out)?,
+                &cpu::permute(&x_host, shape, perm)?,
+                0.0,
+                0.0,
+            );
         }
         let (x, out) = (k.zeros(6)?, k.zeros(6)?);
-        assert!(is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[0, 0])), "a repeated axis");
-        assert!(is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[1, 0, 2])), "too many axes");
-        assert!(is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[2, 0])), "an axis out of range");
-        assert!(is_shape_error(k.permute(out.view(), x.view(), &[1, 1, 1, 2, 3], &[0, 1, 2, 3, 4])), "rank 5");
+        assert!(
+            is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[0, 0])),
+            "a repeated axis"
+        );
+        assert!(
+            is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[1, 0, 2])),
+            "too many axes"
+        );
+        assert!(
+            is_shape_error(k.permute(out.view(), x.view(), &[2, 3], &[2, 0])),
+            "an axis out of range"
+        );
+        assert!(
+            is_shape_error(k.permute(out.view(), x.view(), &[1, 1, 1, 2, 3], &[0, 1, 2, 3, 4])),
+            "rank 5"
+        );
         Ok(())
     });
 }
 
 /// (rows, cols, start, width).
-const SLICES: [(usize, usize, usize, usize); 6] = [(1, 1, 0, 1), (7, 13, 0, 13), (7, 13, 5, 7), (13, 37, 36, 1), (3, 129, 64, 65), (257, 3, 1, 2)];
+const SLICES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 0, 1),
+    (7, 13, 0, 13),
+    (7, 13, 5, 7),
+    (13, 37, 36, 1),
+    (3, 129, 64, 65),
+    (257, 3, 1, 2),
+];
 
 #[test]
 fn slice_and_pad_of_the_last_axis_match_the_cpu() {
@@ -262,7 +386,13 @@ fn slice_and_pad_of_the_last_axis_match_the_cpu() {
             k.run(&[&k.slice_last(sliced.view(), x.view(), rows, cols, start, width)?])?;
             let want_slice = cpu::slice_last(&x_host, rows, cols, start, width);
             // Copies: bit-exact.
-            assert_close(&format!("slice {rows}×{cols}[{start}..+{width}]"), &read(k, &sliced)?, &want_slice, 0.0, 0.0);
+            assert_close(
+                &format!("slice {rows}×{cols}[{start}..+{width}]"),
+                &read(k, &sliced)?,
+                &want_slice,
+                0.0,
+                0.0,
+            );
 
             // pad overwrites every column (out starts random); accumulating
             // adds into the window and leaves the rest.
@@ -278,9 +408,18 @@ fn slice_and_pad_of_the_last_axis_match_the_cpu() {
             assert_close(&format!("pad+= {rows}×{cols}"), &read(k, &acc)?, &want_acc, 0.0, 0.0);
         }
         let (x, out) = (k.zeros(13)?, k.zeros(13)?);
-        assert!(is_shape_error(k.slice_last(out.view(), x.view(), 1, 13, 1, 13)), "start + width past cols");
-        assert!(is_shape_error(k.pad_last(false, out.view(), x.view(), 1, 13, 13, 1)), "start at cols");
-        assert!(is_shape_error(k.slice_last(out.view(), x.view(), 1, 13, 0, 12)), "out of the wrong length");
+        assert!(
+            is_shape_error(k.slice_last(out.view(), x.view(), 1, 13, 1, 13)),
+            "start + width past cols"
+        );
+        assert!(
+            is_shape_error(k.pad_last(false, out.view(), x.view(), 1, 13, 13, 1)),
+            "start at cols"
+        );
+        assert!(
+            is_shape_error(k.slice_last(out.view(), x.view(), 1, 13, 0, 12)),
+            "out of the wrong length"
+        );
         Ok(())
     });
 }
@@ -288,18 +427,37 @@ fn slice_and_pad_of_the_last_axis_match_the_cpu() {
 #[test]
 fn concat_of_the_last_axis_matches_the_cpu() {
     for_each_adapter("concat_last", |k| {
-        for (i, &(rows, a_cols, b_cols)) in [(1usize, 1usize, 1usize), (7, 13, 37), (3, 65, 64), (257, 1, 2)].iter().enumerate() {
+        for (i, &(rows, a_cols, b_cols)) in [(1usize, 1usize, 1usize), (7, 13, 37), (3, 65, 64), (257, 1, 2)]
+            .iter()
+            .enumerate()
+        {
             let mut r = rng(800 + i as u64);
             let a_host = random_vec(&mut r, rows * a_cols, -1.0, 1.0);
             let b_host = random_vec(&mut r, rows * b_cols, -1.0, 1.0);
-            let (a, b, out) = (k.upload(&a_host)?, k.upload(&b_host)?, k.zeros(rows * (a_cols + b_cols))?);
+            let (a, b, out) = (
+                k.upload(&a_host)?,
+                k.upload(&b_host)?,
+                k.zeros(rows * (a_cols + b_cols))?,
+            );
             k.run(&[&k.concat_last(out.view(), a.view(), b.view(), rows, a_cols, b_cols)?])?;
             // A copy: bit-exact.
-            assert_close(&format!("concat {rows}×({a_cols}+{b_cols})"), &read(k, &out)?, &cpu::concat_last(&a_host, &b_host, rows, a_cols, b_cols), 0.0, 0.0);
+            assert_close(
+                &format!("concat {rows}×({a_cols}+{b_cols})"),
+                &read(k, &out)?,
+                &cpu::concat_last(&a_host, &b_host, rows, a_cols, b_cols),
+                0.0,
+                0.0,
+            );
         }
         let (a, b, out) = (k.zeros(2)?, k.zeros(3)?, k.zeros(6)?);
-        assert!(is_shape_error(k.concat_last(out.view(), a.view(), b.view(), 1, 2, 3)), "out of 6 for 5 columns");
-        assert!(is_shape_error(k.concat_last(out.view(), a.view(), b.view(), 1, 0, 6)), "an empty side");
+        assert!(
+            is_shape_error(k.concat_last(out.view(), a.view(), b.view(), 1, 2, 3)),
+            "out of 6 for 5 columns"
+        );
+        assert!(
+            is_shape_error(k.concat_last(out.view(), a.view(), b.view(), 1, 0, 6)),
+            "an empty side"
+        );
         Ok(())
     });
 }
@@ -309,7 +467,12 @@ fn op_codes_agree_between_rust_and_tensor_wgsl() {
     let src = Family::Tensor.source();
     let module = naga::front::wgsl::parse_str(src).expect("tensor.wgsl parses");
     let constant = |name: &str| -> u32 {
-        let c = module.constants.iter().find(|(_, c)| c.name.as_deref() == Some(name)).unwrap_or_else(|| panic!("tensor.wgsl has no {name}")).1;
+        let c = module
+            .constants
+            .iter()
+            .find(|(_, c)| c.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("tensor.wgsl has no {name}"))
+            .1;
         match module.global_expressions[c.init] {
             naga::Expression::Literal(naga::Literal::U32(v)) => v,
             ref e => panic!("{name} is {e:?}"),

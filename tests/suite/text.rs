@@ -26,7 +26,9 @@ fn characters_round_trip_and_unknown_ones_are_errors_naming_them() {
     let again = CharTokenizer::from_vocabulary(&tokenizer.vocabulary()).expect("stored vocabulary");
     assert_eq!(again, tokenizer);
     match tokenizer.encode("hi!") {
-        Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("'i'") && reason.contains("position 1"), "{reason}"),
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("'i'") && reason.contains("position 1"), "{reason}")
+        }
         other => panic!("expected an error, got {other:?}"),
     }
     assert!(tokenizer.decode(&[99]).is_err());

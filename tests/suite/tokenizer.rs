@@ -48,13 +48,19 @@ fn smollm2() -> &'static BpeTokenizer {
 fn reference() -> &'static Json {
     static REFERENCE: OnceLock<Json> = OnceLock::new();
     REFERENCE.get_or_init(|| {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("smollm2-tokenizer.json");
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join("smollm2-tokenizer.json");
         serde_json::from_slice(&std::fs::read(path).expect("the fixture is committed")).expect("the fixture is JSON")
     })
 }
 
 fn ids_of(json: &Json) -> Vec<u32> {
-    json.as_array().expect("ids").iter().map(|v| v.as_u64().expect("an id") as u32).collect()
+    json.as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.as_u64().expect("an id") as u32)
+        .collect()
 }
 
 #[test]
@@ -79,7 +85,13 @@ fn smollm2_ids_equal_the_reference_tokenizers() {
         assert_eq!(tokenizer.encode(text, true).unwrap(), ids);
         assert_eq!(tokenizer.decode(&expected, false).unwrap(), text);
     }
-    assert!(wrong.is_empty(), "{} of {} lines differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "{} of {} lines differ:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
 }
 
 #[test]
@@ -92,7 +104,10 @@ fn smollm2_streams_every_reference_line_whole() {
         for id in ids_of(&case["ids"]) {
             let piece = stream.push(id).unwrap();
             // A split character would show as U+FFFD; no line holds one.
-            assert!(!piece.contains('\u{FFFD}'), "{text:?}: a piece {piece:?} splits a character");
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "{text:?}: a piece {piece:?} splits a character"
+            );
             streamed.push_str(&piece);
         }
         streamed.push_str(&stream.finish());
@@ -243,7 +258,11 @@ fn tiny_metadata(pre: &str) -> Vec<(&'static str, Meta)> {
     let mut tokens: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
     tokens.extend(alphabet.iter().map(|c| c.to_string()));
     let merges = tiny_merges();
-    tokens.extend(merges.iter().map(|(a, b)| spell(&[a.as_slice(), b.as_slice()].concat())));
+    tokens.extend(
+        merges
+            .iter()
+            .map(|(a, b)| spell(&[a.as_slice(), b.as_slice()].concat())),
+    );
     let mut types = vec![3, 3, 3, 4];
     types.resize(tokens.len(), 1);
     vec![
@@ -252,11 +271,24 @@ fn tiny_metadata(pre: &str) -> Vec<(&'static str, Meta)> {
         ("tokenizer.ggml.pre", Meta::Str(pre.into())),
         ("tokenizer.ggml.tokens", Meta::Strs(tokens)),
         ("tokenizer.ggml.token_type", Meta::I32s(types)),
-        ("tokenizer.ggml.merges", Meta::Strs(merges.iter().map(|(a, b)| format!("{} {}", spell(a), spell(b))).collect())),
+        (
+            "tokenizer.ggml.merges",
+            Meta::Strs(
+                merges
+                    .iter()
+                    .map(|(a, b)| format!("{} {}", spell(a), spell(b)))
+                    .collect(),
+            ),
+        ),
         ("tokenizer.ggml.bos_token_id", Meta::U32(IM_START)),
         ("tokenizer.ggml.eos_token_id", Meta::U32(IM_END)),
         ("tokenizer.ggml.add_bos_token", Meta::Bool(false)),
-        ("tokenizer.chat_template", Meta::Str("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}".into())),
+        (
+            "tokenizer.chat_template",
+            Meta::Str(
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}".into(),
+            ),
+        ),
     ]
 }
 
@@ -293,19 +325,35 @@ fn each_pre_tokenizer_splits_digits_its_own_way() {
     let two = byte_id(b'2');
     // GPT-2: a run of digits (with the space before it) is one piece.
     assert_eq!(tiny("gpt2").encode("1212", false).unwrap(), vec![twelve, twelve]);
-    assert_eq!(tiny("gpt2").encode("x 12", false).unwrap(), vec![byte_id(b'x'), byte_id(b' '), twelve]);
+    assert_eq!(
+        tiny("gpt2").encode("x 12", false).unwrap(),
+        vec![byte_id(b'x'), byte_id(b' '), twelve]
+    );
     // SmolLM2 (`smollm`) and Qwen 2: every digit alone, so "1 2" never merges.
     for pre in ["smollm", "starcoder", "qwen2"] {
-        assert_eq!(tiny(pre).encode("1212", false).unwrap(), vec![one, two, one, two], "{pre}");
+        assert_eq!(
+            tiny(pre).encode("1212", false).unwrap(),
+            vec![one, two, one, two],
+            "{pre}"
+        );
     }
-    assert_eq!(tiny("smollm").encode("x 12", false).unwrap(), vec![byte_id(b'x'), byte_id(b' '), one, two]);
+    assert_eq!(
+        tiny("smollm").encode("x 12", false).unwrap(),
+        vec![byte_id(b'x'), byte_id(b' '), one, two]
+    );
     // Llama 3 and GPT-4o: digits in threes; Tekken: each alone.
     assert_eq!(tiny("llama-bpe").encode("1212", false).unwrap(), vec![twelve, one, two]);
     assert_eq!(tiny("gpt-4o").encode("1212", false).unwrap(), vec![twelve, one, two]);
     assert_eq!(tiny("tekken").encode("1212", false).unwrap(), vec![one, two, one, two]);
     // Tekken and GPT-4o split a word where lower case turns upper.
-    assert_eq!(tiny("tekken").encode("heHe", false).unwrap(), vec![merged_id(0), byte_id(b'H'), byte_id(b'e')]);
-    assert_eq!(tiny("gpt2").encode("hehe", false).unwrap(), vec![merged_id(0), merged_id(0)]);
+    assert_eq!(
+        tiny("tekken").encode("heHe", false).unwrap(),
+        vec![merged_id(0), byte_id(b'H'), byte_id(b'e')]
+    );
+    assert_eq!(
+        tiny("gpt2").encode("hehe", false).unwrap(),
+        vec![merged_id(0), merged_id(0)]
+    );
 }
 
 #[test]
@@ -337,7 +385,10 @@ fn add_bos_token_puts_bos_first() {
         }
     }
     let t = build(&kvs).unwrap();
-    assert_eq!(t.encode("hi", true).unwrap(), [vec![IM_START], bytes_ids("hi")].concat());
+    assert_eq!(
+        t.encode("hi", true).unwrap(),
+        [vec![IM_START], bytes_ids("hi")].concat()
+    );
     assert_eq!(t.encode("hi", false).unwrap(), bytes_ids("hi"));
 }
 
@@ -345,9 +396,20 @@ fn add_bos_token_puts_bos_first() {
 fn streaming_never_splits_a_character() {
     let t = tiny("gpt2");
     let glue = merged_id(6); // the last byte of 🙂 and the first of the next
-    // 🙂🙂 is F0 9F 99 82 F0 9F 99 82: one piece, so the glue token applies.
+                             // 🙂🙂 is F0 9F 99 82 F0 9F 99 82: one piece, so the glue token applies.
     let ids = t.encode("🙂🙂", false).unwrap();
-    assert_eq!(ids, vec![byte_id(0xF0), byte_id(0x9F), byte_id(0x99), glue, byte_id(0x9F), byte_id(0x99), byte_id(0x82)]);
+    assert_eq!(
+        ids,
+        vec![
+            byte_id(0xF0),
+            byte_id(0x9F),
+            byte_id(0x99),
+            glue,
+            byte_id(0x9F),
+            byte_id(0x99),
+            byte_id(0x82)
+        ]
+    );
     let mut stream = t.stream(false);
     let pieces: Vec<String> = ids.iter().map(|&id| stream.push(id).unwrap()).collect();
     assert_eq!(pieces, ["", "", "", "🙂", "", "", "🙂"]);
@@ -391,7 +453,10 @@ fn build_error(kvs: &[(&str, Meta)]) -> String {
 
 fn replaced(key: &str, value: Meta) -> Vec<(&'static str, Meta)> {
     let mut kvs = tiny_metadata("gpt2");
-    let slot = kvs.iter_mut().find(|(k, _)| *k == key).expect("the key is in the tiny metadata");
+    let slot = kvs
+        .iter_mut()
+        .find(|(k, _)| *k == key)
+        .expect("the key is in the tiny metadata");
     slot.1 = value;
     kvs
 }
@@ -409,21 +474,57 @@ fn broken_tokenizer_metadata_is_a_clear_error() {
         assert!(message.contains("tiny.gguf"), "`{message}` does not name the file");
     };
     contains(build_error(&without("tokenizer.ggml.model")), &["tokenizer.ggml.model"]);
-    contains(build_error(&without("tokenizer.ggml.merges")), &["tokenizer.ggml.merges"]);
-    contains(build_error(&without("tokenizer.ggml.tokens")), &["tokenizer.ggml.tokens"]);
+    contains(
+        build_error(&without("tokenizer.ggml.merges")),
+        &["tokenizer.ggml.merges"],
+    );
+    contains(
+        build_error(&without("tokenizer.ggml.tokens")),
+        &["tokenizer.ggml.tokens"],
+    );
     contains(build_error(&without("tokenizer.ggml.pre")), &["tokenizer.ggml.pre"]);
     contains(build_error(&tiny_metadata("nonesuch")), &["`nonesuch`", "smollm"]);
-    contains(build_error(&replaced("tokenizer.ggml.model", Meta::Str("t5".into()))), &["`t5`", "gpt2", "llama"]);
-    contains(build_error(&replaced("tokenizer.ggml.model", Meta::U32(2))), &["tokenizer.ggml.model", "string"]);
+    contains(
+        build_error(&replaced("tokenizer.ggml.model", Meta::Str("t5".into()))),
+        &["`t5`", "gpt2", "llama"],
+    );
+    contains(
+        build_error(&replaced("tokenizer.ggml.model", Meta::U32(2))),
+        &["tokenizer.ggml.model", "string"],
+    );
     let size = 4 + 256 + tiny_merges().len();
-    contains(build_error(&replaced("tokenizer.ggml.bos_token_id", Meta::U32(size as u32))), &["bos_token_id", &size.to_string(), "outside"]);
-    contains(build_error(&replaced("tokenizer.ggml.eos_token_id", Meta::U32(u32::MAX))), &["eos_token_id", "outside"]);
-    contains(build_error(&replaced("tokenizer.ggml.token_type", Meta::I32s(vec![1; 5]))), &["token_type", "5 entries", &format!("{size} tokens")]);
-    contains(build_error(&replaced("tokenizer.ggml.tokens", Meta::Strs(vec![]))), &["tokenizer.ggml.tokens", "empty"]);
-    contains(build_error(&replaced("tokenizer.ggml.merges", Meta::Strs(vec!["h".into()]))), &["merge 0", "`h`"]);
-    contains(build_error(&replaced("tokenizer.ggml.merges", Meta::Strs(vec!["h e".into(), "q@ x".into()]))), &["merge 1", "`q@`", "not in the vocabulary"]);
+    contains(
+        build_error(&replaced("tokenizer.ggml.bos_token_id", Meta::U32(size as u32))),
+        &["bos_token_id", &size.to_string(), "outside"],
+    );
+    contains(
+        build_error(&replaced("tokenizer.ggml.eos_token_id", Meta::U32(u32::MAX))),
+        &["eos_token_id", "outside"],
+    );
+    contains(
+        build_error(&replaced("tokenizer.ggml.token_type", Meta::I32s(vec![1; 5]))),
+        &["token_type", "5 entries", &format!("{size} tokens")],
+    );
+    contains(
+        build_error(&replaced("tokenizer.ggml.tokens", Meta::Strs(vec![]))),
+        &["tokenizer.ggml.tokens", "empty"],
+    );
+    contains(
+        build_error(&replaced("tokenizer.ggml.merges", Meta::Strs(vec!["h".into()]))),
+        &["merge 0", "`h`"],
+    );
+    contains(
+        build_error(&replaced(
+            "tokenizer.ggml.merges",
+            Meta::Strs(vec!["h e".into(), "q@ x".into()]),
+        )),
+        &["merge 1", "`q@`", "not in the vocabulary"],
+    );
     // "e h" joins two known tokens into one the vocabulary lacks.
-    contains(build_error(&replaced("tokenizer.ggml.merges", Meta::Strs(vec!["e h".into()]))), &["merge 0", "`eh`", "not in the vocabulary"]);
+    contains(
+        build_error(&replaced("tokenizer.ggml.merges", Meta::Strs(vec!["e h".into()]))),
+        &["merge 0", "`eh`", "not in the vocabulary"],
+    );
     let mut kvs = without("tokenizer.ggml.bos_token_id");
     kvs.retain(|(k, _)| *k != "tokenizer.ggml.add_bos_token");
     kvs.push(("tokenizer.ggml.add_bos_token", Meta::Bool(true)));
@@ -463,7 +564,9 @@ fn a_tokenizer_json_loads_and_a_folder_without_one_is_none() {
         serde_json::to_vec(&serde_json::json!({"eos_token": {"content": "<|endoftext|>"}, "bos_token": null, "chat_template": "{{ messages[0].content }}"})).unwrap(),
     )
     .unwrap();
-    let t = BpeTokenizer::from_folder(&dir).unwrap().expect("the folder has a tokenizer.json");
+    let t = BpeTokenizer::from_folder(&dir)
+        .unwrap()
+        .expect("the folder has a tokenizer.json");
     assert_eq!(t.vocab_size(), 258);
     assert_eq!((t.bos_id(), t.eos_id()), (None, Some(257)));
     assert_eq!(t.chat_template(), Some("{{ messages[0].content }}"));
@@ -477,12 +580,18 @@ fn a_tokenizer_json_loads_and_a_folder_without_one_is_none() {
 
     // A tokenizer.json that is not byte-level is refused, naming its decoder.
     let mut metaspace = json.clone();
-    metaspace["decoder"] = serde_json::json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
+    metaspace["decoder"] =
+        serde_json::json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
     std::fs::write(dir.join("tokenizer.json"), serde_json::to_vec(&metaspace).unwrap()).unwrap();
     let message = BpeTokenizer::from_folder(&dir).unwrap_err().to_string();
-    assert!(message.contains("Metaspace") && message.contains("tokenizer.json"), "{message}");
+    assert!(
+        message.contains("Metaspace") && message.contains("tokenizer.json"),
+        "{message}"
+    );
     std::fs::write(dir.join("tokenizer.json"), b"{ not json").unwrap();
-    let message = BpeTokenizer::from_file(dir.join("tokenizer.json")).unwrap_err().to_string();
+    let message = BpeTokenizer::from_file(dir.join("tokenizer.json"))
+        .unwrap_err()
+        .to_string();
     assert!(message.contains("tokenizer.json"), "{message}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -495,7 +604,9 @@ fn a_tokenizer_json_loads_and_a_folder_without_one_is_none() {
 // tokenizer and no tensors).
 
 fn tokenizer_fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("tokenizers")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join("tokenizers")
 }
 
 fn fixture_tokenizer(name: &str) -> BpeTokenizer {
@@ -538,16 +649,23 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
         if with_special != ids_of(&case["ids_with_special"]) {
             let expected = &case["ids_with_special"];
             let got = format!("{with_special:?}");
-            wrong.push(format!("{text:?} with special tokens\n  wgrad        {got}\n  transformers {expected}"));
+            wrong.push(format!(
+                "{text:?} with special tokens\n  wgrad        {got}\n  transformers {expected}"
+            ));
         }
         let decoded = t.decode(&expected, false).unwrap();
         if decoded != case["decoded"].as_str().unwrap() {
-            wrong.push(format!("{text:?} decodes to {decoded:?}, transformers' to {}", case["decoded"]));
+            wrong.push(format!(
+                "{text:?} decodes to {decoded:?}, transformers' to {}",
+                case["decoded"]
+            ));
         }
         let skipped = t.decode(&expected, true).unwrap();
         if skipped != case["decoded_skip_special"].as_str().unwrap() {
             let expected = &case["decoded_skip_special"];
-            wrong.push(format!("{text:?} decodes without specials to {skipped:?}, transformers' to {expected}"));
+            wrong.push(format!(
+                "{text:?} decodes without specials to {skipped:?}, transformers' to {expected}"
+            ));
         }
         // Wherever transformers gives the text back, so does wgrad (it does
         // not where a SentencePiece prefix space is stripped from a line
@@ -562,10 +680,19 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
             streamed.push_str(&stream.push(id).unwrap());
         }
         streamed.push_str(&stream.finish());
-        assert_eq!(streamed, String::from_utf8_lossy(&t.decode_bytes(&expected, false).unwrap()), "{text:?}");
+        assert_eq!(
+            streamed,
+            String::from_utf8_lossy(&t.decode_bytes(&expected, false).unwrap()),
+            "{text:?}"
+        );
     }
     let file = path.display();
-    assert!(wrong.is_empty(), "{file}: {} differences from transformers:\n{}", wrong.len(), wrong.join("\n"));
+    assert!(
+        wrong.is_empty(),
+        "{file}: {} differences from transformers:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
     let Some(template) = reference["chat_template"].as_str() else {
         assert!(reference["chats"].as_array().unwrap().is_empty());
         return round_trips;
@@ -587,7 +714,11 @@ fn check_against_transformers(path: &std::path::Path, reference: &Json) -> usize
         let add_generation_prompt = chat["add_generation_prompt"].as_bool().unwrap();
         let rendered = template.render(&messages, add_generation_prompt, &bos, &eos).unwrap();
         assert_eq!(rendered, chat["rendered"].as_str().unwrap());
-        assert_eq!(t.encode(&rendered, false).unwrap(), ids_of(&chat["ids"]), "{rendered:?}");
+        assert_eq!(
+            t.encode(&rendered, false).unwrap(),
+            ids_of(&chat["ids"]),
+            "{rendered:?}"
+        );
     }
     round_trips
 }
@@ -616,11 +747,18 @@ fn llama_style_sentencepiece_ids_equal_transformers() {
     let t = fixture_tokenizer("spm-llama");
     let ids = t.encode("Hello world", true).unwrap();
     assert_eq!(ids[0], 1, "BOS first");
-    assert_eq!(t.token(ids[1]).unwrap().chars().next(), Some('▁'), "a space put before the text");
+    assert_eq!(
+        t.token(ids[1]).unwrap().chars().next(),
+        Some('▁'),
+        "a space put before the text"
+    );
     // Characters the vocabulary lacks fall back to their UTF-8 bytes.
     let crab = t.encode("🦀", false).unwrap();
     let bytes: Vec<String> = "🦀".bytes().map(|b| format!("<0x{b:02X}>")).collect();
-    assert_eq!(crab[1..].iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), bytes);
+    assert_eq!(
+        crab[1..].iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(),
+        bytes
+    );
     assert_eq!(t.decode(&crab, false).unwrap(), "🦀");
 }
 
@@ -633,7 +771,10 @@ fn gemma3_style_sentencepiece_ids_equal_transformers() {
     // No space put first; a run of spaces, stored with real spaces, is one
     // piece; `<start_of_turn>` is matched whole and special.
     let ids = t.encode("a   b", false).unwrap();
-    assert_eq!(ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), ["a", "▁▁▁", "b"]);
+    assert_eq!(
+        ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(),
+        ["a", "▁▁▁", "b"]
+    );
     let turn = t.token_id("<start_of_turn>").unwrap();
     assert!(t.is_special(turn));
     assert_eq!(t.encode("<start_of_turn>", false).unwrap(), [turn]);
@@ -646,8 +787,14 @@ fn qwen2_byte_level_bpe_ids_equal_transformers() {
     // Qwen 2's split puts every digit alone.
     let t = fixture_tokenizer("qwen2-bpe");
     let ids = t.encode("12345", false).unwrap();
-    assert_eq!(ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(), ["1", "2", "3", "4", "5"]);
-    assert_eq!(t.encode("<|im_start|>", false).unwrap(), [t.token_id("<|im_start|>").unwrap()]);
+    assert_eq!(
+        ids.iter().map(|&id| t.token(id).unwrap()).collect::<Vec<_>>(),
+        ["1", "2", "3", "4", "5"]
+    );
+    assert_eq!(
+        t.encode("<|im_start|>", false).unwrap(),
+        [t.token_id("<|im_start|>").unwrap()]
+    );
 }
 
 /// A SentencePiece-style tokenizer written as Hugging Face files (what a
@@ -662,15 +809,28 @@ fn sentencepiece_tokenizers_round_trip_through_tokenizer_json() {
         for (file, bytes) in t.hugging_face_files().unwrap() {
             std::fs::write(dir.join(file), bytes).unwrap();
         }
-        let back = BpeTokenizer::from_folder(&dir).unwrap().expect("the folder has a tokenizer.json");
-        assert_eq!((back.bos_id(), back.eos_id(), back.chat_template()), (t.bos_id(), t.eos_id(), t.chat_template()));
+        let back = BpeTokenizer::from_folder(&dir)
+            .unwrap()
+            .expect("the folder has a tokenizer.json");
+        assert_eq!(
+            (back.bos_id(), back.eos_id(), back.chat_template()),
+            (t.bos_id(), t.eos_id(), t.chat_template())
+        );
         let reference = read_json(&tokenizer_fixtures().join(format!("{name}.json")));
         for case in reference["cases"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
             let ids = ids_of(&case["ids"]);
             assert_eq!(back.encode(text, false).unwrap(), ids, "{name}: {text:?}");
-            assert_eq!(back.encode(text, true).unwrap(), ids_of(&case["ids_with_special"]), "{name}: {text:?}");
-            assert_eq!(back.decode(&ids, false).unwrap(), case["decoded"].as_str().unwrap(), "{name}: {text:?}");
+            assert_eq!(
+                back.encode(text, true).unwrap(),
+                ids_of(&case["ids_with_special"]),
+                "{name}: {text:?}"
+            );
+            assert_eq!(
+                back.decode(&ids, false).unwrap(),
+                case["decoded"].as_str().unwrap(),
+                "{name}: {text:?}"
+            );
             let skipped = case["decoded_skip_special"].as_str().unwrap();
             assert_eq!(back.decode(&ids, true).unwrap(), skipped, "{name}: {text:?}");
         }
@@ -692,7 +852,8 @@ fn gemma3_gguf() -> PathBuf {
         p => panic!(
             "Gemma 3's GGUF file is missing (looked for {}): run scripts/fetch-gemma3.sh (`make test` does), \
              or set WGRAD_GEMMA3 to the file",
-            p.map(|p| p.display().to_string()).unwrap_or_else(|| "no cache directory: HOME is unset".into())
+            p.map(|p| p.display().to_string())
+                .unwrap_or_else(|| "no cache directory: HOME is unset".into())
         ),
     }
 }
@@ -727,12 +888,18 @@ fn broken_sentencepiece_metadata_is_a_clear_error() {
     assert_eq!(good.decode(&[1, 6, 5], true).unwrap(), "ab");
     let message = |kvs: Vec<(&str, Meta)>| build(&kvs).unwrap_err().to_string();
     let short = message(kvs(Meta::F32s(vec![0.0; 3])));
-    assert!(short.contains("tokenizer.ggml.scores") && short.contains("3 entries"), "{short}");
+    assert!(
+        short.contains("tokenizer.ggml.scores") && short.contains("3 entries"),
+        "{short}"
+    );
     assert!(short.contains("tiny.gguf"), "{short}");
     let nan = message(kvs(Meta::F32s(vec![0.0, 0.0, 0.0, f32::NAN, 0.0, 0.0, 0.0, 0.0])));
     assert!(nan.contains("NaN") && nan.contains("token 3"), "{nan}");
     let not_floats = message(kvs(Meta::I32s(vec![0; 8])));
-    assert!(not_floats.contains("tokenizer.ggml.scores") && not_floats.contains("f32"), "{not_floats}");
+    assert!(
+        not_floats.contains("tokenizer.ggml.scores") && not_floats.contains("f32"),
+        "{not_floats}"
+    );
     let mut long = kvs(Meta::F32s(vec![0.0; 8]));
     let mut tokens = strings(&["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a"]);
     tokens.push("x".repeat(5000));
@@ -742,7 +909,10 @@ fn broken_sentencepiece_metadata_is_a_clear_error() {
     let mut none = kvs(Meta::F32s(vec![]));
     none.retain(|(k, _)| *k != "tokenizer.ggml.scores");
     let none = message(none);
-    assert!(none.contains("tokenizer.ggml.scores") && none.contains("merge order"), "{none}");
+    assert!(
+        none.contains("tokenizer.ggml.scores") && none.contains("merge order"),
+        "{none}"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -754,12 +924,17 @@ const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first an
 #[test]
 fn chatml_template_adds_the_default_system_prompt() {
     let user = [ChatMessage::user("Hi")];
-    let default_system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";
+    let default_system =
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n";
     assert_eq!(
         render_chat(SMOLLM2_TEMPLATE, &user, true, "<|im_start|>", "<|im_end|>").unwrap(),
         format!("{default_system}<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     );
-    let with_system = [ChatMessage::system("Be brief."), ChatMessage::user("Hi"), ChatMessage::assistant("Hello.")];
+    let with_system = [
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Hi"),
+        ChatMessage::assistant("Hello."),
+    ];
     assert_eq!(
         render_chat(SMOLLM2_TEMPLATE, &with_system, false, "", "").unwrap(),
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
@@ -772,15 +947,30 @@ fn templates_render_as_transformers_renders_them() {
     let render = |template: &str| render_chat(template, &messages, false, "<s>", "</s>");
     // trim_blocks: a block tag's newline goes; lstrip_blocks: so do the
     // spaces before it.
-    assert_eq!(render("{% for m in messages %}\n{{ m.role }}\n  {% endfor %}").unwrap(), "user\nassistant\n");
+    assert_eq!(
+        render("{% for m in messages %}\n{{ m.role }}\n  {% endfor %}").unwrap(),
+        "user\nassistant\n"
+    );
     // Python's string methods (minijinja-contrib's pycompat).
-    assert_eq!(render("{{ messages[0].content.strip() }}|{{ messages[1].content.upper() }}").unwrap(), "hi|THERE");
-    assert_eq!(render("{% if messages[1].content.startswith('th') %}yes{% endif %}").unwrap(), "yes");
+    assert_eq!(
+        render("{{ messages[0].content.strip() }}|{{ messages[1].content.upper() }}").unwrap(),
+        "hi|THERE"
+    );
+    assert_eq!(
+        render("{% if messages[1].content.startswith('th') %}yes{% endif %}").unwrap(),
+        "yes"
+    );
     // Loop controls.
-    assert_eq!(render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}").unwrap(), "user");
+    assert_eq!(
+        render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}").unwrap(),
+        "user"
+    );
     assert_eq!(render("{{ bos_token }}x{{ eos_token }}").unwrap(), "<s>x</s>");
     // tojson as Python's json.dumps writes it, keys in the message's order.
-    assert_eq!(render("{{ messages[1] | tojson }}").unwrap(), r#"{"role": "assistant", "content": "there"}"#);
+    assert_eq!(
+        render("{{ messages[1] | tojson }}").unwrap(),
+        r#"{"role": "assistant", "content": "there"}"#
+    );
 }
 
 #[test]
@@ -791,7 +981,10 @@ fn template_errors_are_errors() {
     match render_chat(refuse, &messages, true, "", "") {
         Err(Error::InvalidArgument { op, reason }) => {
             assert_eq!(op, "ChatTemplate::render");
-            assert!(reason.contains("Conversations must start with a system message"), "{reason}");
+            assert!(
+                reason.contains("Conversations must start with a system message"),
+                "{reason}"
+            );
         }
         other => panic!("expected an error, got {other:?}"),
     }
@@ -820,9 +1013,16 @@ fn a_runaway_template_is_an_error() {
         "{% for a in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
     ] {
         match render_chat(template, &messages, true, "", "") {
-            Err(Error::InvalidArgument { op: "ChatTemplate::render", reason }) => assert!(reason.contains("fuel") || reason.contains("grows past"), "{reason}"),
+            Err(Error::InvalidArgument {
+                op: "ChatTemplate::render",
+                reason,
+            }) => assert!(reason.contains("fuel") || reason.contains("grows past"), "{reason}"),
             other => panic!("expected an error, got {other:?}"),
         }
     }
-    assert!(start.elapsed() < std::time::Duration::from_secs(20), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
 }

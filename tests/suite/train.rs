@@ -8,11 +8,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{for_each_adapter, random_vec, rng};
+use wgrad::infer::Predictor;
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
-use wgrad::infer::Predictor;
-use wgrad::{Targets, Trainer};
 use wgrad::{Error, Kernels};
+use wgrad::{Targets, Trainer};
 
 fn temp_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("wgrad-train-test-{}", std::process::id()));
@@ -23,7 +23,9 @@ fn temp_path(name: &str) -> PathBuf {
 fn batch(seed: u64) -> (Vec<f32>, Vec<u32>) {
     let mut r = rng(seed);
     let x = random_vec(&mut r, 16 * 12, -1.0, 1.0);
-    let y = (0..16).map(|i| (x[i * 12] > 0.0) as u32 + 2 * (x[i * 12 + 1] > 0.0) as u32).collect();
+    let y = (0..16)
+        .map(|i| (x[i * 12] > 0.0) as u32 + 2 * (x[i * 12 + 1] > 0.0) as u32)
+        .collect();
     (x, y)
 }
 
@@ -46,7 +48,11 @@ fn train(t: &mut Trainer, steps: u64, seed: u64) -> wgrad::Result<()> {
 }
 
 fn bits(t: &Trainer) -> wgrad::Result<Vec<Vec<u32>>> {
-    Ok(t.executor().parameters()?.into_iter().map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect()).collect())
+    Ok(t.executor()
+        .parameters()?
+        .into_iter()
+        .map(|(_, _, v)| v.iter().map(|f| f.to_bits()).collect())
+        .collect())
 }
 
 #[test]
@@ -108,7 +114,10 @@ fn a_mismatched_or_corrupt_checkpoint_is_an_error_and_changes_nothing() {
         let mut narrow = trainer(k, 16)?;
         let before = bits(&narrow)?;
         let err = narrow.load(&wide).unwrap_err();
-        assert!(err.to_string().contains("Linear(12, 32)") || matches!(err, Error::CheckpointMismatch { .. }), "{err}");
+        assert!(
+            err.to_string().contains("Linear(12, 32)") || matches!(err, Error::CheckpointMismatch { .. }),
+            "{err}"
+        );
         assert_eq!(bits(&narrow)?, before);
 
         let bytes = std::fs::read(&wide).unwrap();
@@ -139,7 +148,10 @@ fn a_nan_loss_is_an_error() {
         nn::manual_seed(1);
         let mut c = trainer(k, 4)?;
         c.forward(&batch(0).0)?;
-        assert!(matches!(c.loss(Targets::Classes(&[9; 16])), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            c.loss(Targets::Classes(&[9; 16])),
+            Err(Error::InvalidArgument { .. })
+        ));
         Ok(())
     });
 }

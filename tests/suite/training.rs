@@ -52,11 +52,21 @@ fn out_dir(name: &str) -> PathBuf {
 
 /// A small digits MLP: SGD, batch 32, the loss read every 5 steps.
 fn config(steps: u64, checkpoint: PathBuf) -> TrainConfig {
-    TrainConfig { optimizer: SGD::new(0.05).into(), seed: 3, loss_every: 5, max_steps: Some(steps), save: Some(checkpoint), ..TrainConfig::default() }
+    TrainConfig {
+        optimizer: SGD::new(0.05).into(),
+        seed: 3,
+        loss_every: 5,
+        max_steps: Some(steps),
+        save: Some(checkpoint),
+        ..TrainConfig::default()
+    }
 }
 
 fn task() -> Classifier {
-    Classifier { hidden: vec![16], ..Classifier::default() }
+    Classifier {
+        hidden: vec![16],
+        ..Classifier::default()
+    }
 }
 
 /// 12 steps reporting in order (loss at 5, 10 and the last step), a
@@ -70,11 +80,17 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         return;
     }
     for report in reports {
-        let opts = DeviceOptions { backends: None, adapter: Some(report.index.to_string()), ..Default::default() };
+        let opts = DeviceOptions {
+            backends: None,
+            adapter: Some(report.index.to_string()),
+            ..Default::default()
+        };
         let dir = out_dir(&format!("adapter{}", report.index));
         let first = dir.join("first.safetensors");
         let mut rec = Recorder::default();
-        let summary = train::train(&opts, config(12, first.clone()), task(), None, &mut rec).unwrap().expect("rank 0 has a summary");
+        let summary = train::train(&opts, config(12, first.clone()), task(), None, &mut rec)
+            .unwrap()
+            .expect("rank 0 has a summary");
 
         let mut want = vec!["preparing".to_string(), "started".to_string()];
         for s in 1..=12u64 {
@@ -87,11 +103,20 @@ fn a_run_reports_progress_writes_its_checkpoint_and_resumes() {
         assert_eq!(rec.events, want, "{}", report.info.name);
         let info = rec.info.take().unwrap();
         assert_eq!((info.steps, info.batch_size), (12, 32));
-        assert!(info.data.starts_with("digits, ") && info.data.contains("train /"), "{}", info.data);
+        assert!(
+            info.data.starts_with("digits, ") && info.data.contains("train /"),
+            "{}",
+            info.data
+        );
         assert!(info.resumed_from.is_none() && info.footprint.intermediates.is_some());
         assert_eq!(summary.steps, 12);
-        assert_eq!(summary.train_curve.iter().map(|p| p.0).collect::<Vec<_>>(), vec![5, 10, 12]);
-        let Evaluation::Accuracy { train, test } = summary.evaluation else { panic!("a classifier's run ended with {:?}", summary.evaluation) };
+        assert_eq!(
+            summary.train_curve.iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![5, 10, 12]
+        );
+        let Evaluation::Accuracy { train, test } = summary.evaluation else {
+            panic!("a classifier's run ended with {:?}", summary.evaluation)
+        };
         assert!((0.0..=1.0).contains(&test) && (0.0..=1.0).contains(&train));
         assert_eq!(summary.saved.as_deref(), Some(first.as_path()));
 
@@ -119,8 +144,18 @@ fn across_processes_only_data_parallel_is_accepted() {
     let group: Arc<dyn ProcessGroup> = Arc::new(SingleProcess);
     let mut cfg = config(1, out_dir("refused").join("never.safetensors"));
     cfg.strategy = Some(Strategy::Tensor);
-    let err = train::train(&DeviceOptions::default(), cfg.clone(), task(), Some(group), &mut ()).expect_err("tensor parallel across processes");
-    assert!(matches!(&err, Error::InvalidArgument { op: "train --distributed", .. }), "{err}");
+    let err = train::train(&DeviceOptions::default(), cfg.clone(), task(), Some(group), &mut ())
+        .expect_err("tensor parallel across processes");
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidArgument {
+                op: "train --distributed",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(!cfg.save.unwrap().exists());
 }
 

@@ -25,7 +25,11 @@ fn scratch_dir(name: &str) -> PathBuf {
 /// skipped loudly elsewhere.
 fn tint(test: &str) -> Option<PathBuf> {
     let found = std::env::var_os("PATH")
-        .map(|paths| std::env::split_paths(&paths).map(|p| p.join("tint")).find(|p| p.is_file()))
+        .map(|paths| {
+            std::env::split_paths(&paths)
+                .map(|p| p.join("tint"))
+                .find(|p| p.is_file())
+        })
         .unwrap_or(None);
     if found.is_none() {
         let hint = "tint (Dawn's WGSL compiler) is not on the PATH; build it from Dawn's sources or install a package that ships it";
@@ -38,7 +42,13 @@ fn tint(test: &str) -> Option<PathBuf> {
 /// Runs Tint on `module` (WGSL to WGSL, through its IR and validator),
 /// for one entry point and override values when given; the error text on
 /// failure.
-fn tint_compile(tint: &Path, module: &Path, entry: Option<&str>, overrides: &[(String, String)], out: &Path) -> Result<(), String> {
+fn tint_compile(
+    tint: &Path,
+    module: &Path,
+    entry: Option<&str>,
+    overrides: &[(String, String)],
+    out: &Path,
+) -> Result<(), String> {
     let mut cmd = Command::new(tint);
     cmd.arg("--format").arg("wgsl").arg("-o").arg(out);
     if let Some(entry) = entry {
@@ -53,7 +63,11 @@ fn tint_compile(tint: &Path, module: &Path, entry: Option<&str>, overrides: &[(S
     if output.status.success() {
         Ok(())
     } else {
-        Err(format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)))
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
     }
 }
 
@@ -67,7 +81,10 @@ fn override_variants(naga_src: &str) -> Vec<Vec<(String, String)>> {
     for (_, o) in module.overrides.iter() {
         let Some(name) = o.name.clone() else { continue };
         match module.types[o.ty].inner {
-            naga::TypeInner::Scalar(naga::Scalar { kind: naga::ScalarKind::Bool, .. }) => all_on.push((name, "1".to_string())),
+            naga::TypeInner::Scalar(naga::Scalar {
+                kind: naga::ScalarKind::Bool,
+                ..
+            }) => all_on.push((name, "1".to_string())),
             _ => numeric.push(name),
         }
     }
@@ -77,7 +94,10 @@ fn override_variants(naga_src: &str) -> Vec<Vec<(String, String)>> {
     }
     if numeric.iter().any(|n| n == "MATVEC_ROWS") {
         for (rows, lanes) in [(1, 8), (4, 8), (2, 64), (3, 256)] {
-            variants.push(vec![("MATVEC_ROWS".into(), format!("{rows}")), ("MATVEC_WG".into(), format!("{lanes}"))]);
+            variants.push(vec![
+                ("MATVEC_ROWS".into(), format!("{rows}")),
+                ("MATVEC_WG".into(), format!("{lanes}")),
+            ]);
         }
     }
     // The embedding sort's lanes on a GPU that allows 1024 (rowwise.rs).
@@ -100,7 +120,12 @@ fn tint_accepts_every_module_as_dumped_for_every_entry_and_override_variant() {
     let mut compiles = 0;
     for m in &webgpu {
         let src = std::fs::read_to_string(&m.path).expect("read the dumped module");
-        assert_eq!(src, m.family.source_for(Dialect::WebGpu), "{}: the dump is the registry's module", m.path.display());
+        assert_eq!(
+            src,
+            m.family.source_for(Dialect::WebGpu),
+            "{}: the dump is the registry's module",
+            m.path.display()
+        );
         if let Err(e) = tint_compile(&tint, &m.path, None, &[], &out) {
             failures.push(format!("{}: {e}", m.path.display()));
             continue;
@@ -116,7 +141,12 @@ fn tint_accepts_every_module_as_dumped_for_every_entry_and_override_variant() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(failures.is_empty(), "Tint rejected {} of {compiles} compiles:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "Tint rejected {} of {compiles} compiles:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     eprintln!("{test}: {compiles} Tint compiles of {} modules", webgpu.len());
 }
 
@@ -125,7 +155,12 @@ fn the_naga_dialect_differs_only_by_the_subgroups_directive() {
     for family in Family::ALL {
         let naga = family.source_for(Dialect::Naga);
         let web = family.source_for(Dialect::WebGpu);
-        assert_eq!(naga, family.source(), "{}: wgpu's native backends compile the registry's source", family.name());
+        assert_eq!(
+            naga,
+            family.source(),
+            "{}: wgpu's native backends compile the registry's source",
+            family.name()
+        );
         if family.required_features().contains(wgpu::Features::SUBGROUP) {
             assert_eq!(web, format!("enable subgroups;\n{naga}"), "{}", family.name());
         } else {
@@ -147,7 +182,11 @@ fn every_entry_point_fits_webgpus_default_limits_except_the_fused_linear_losses(
     let mut over = Vec::new();
     for kernel in KERNELS {
         let needs = reflect::entry_needs(*kernel).unwrap_or_else(|e| panic!("{}: {e}", kernel.entry));
-        assert!(needs.slots.iter().any(|s| s.storage), "{}: binds no storage buffer", kernel.entry);
+        assert!(
+            needs.slots.iter().any(|s| s.storage),
+            "{}: binds no storage buffer",
+            kernel.entry
+        );
         // The Rust side compiles the matrix-vector kernels with up to 256
         // lanes; the rest have fixed sizes.
         let constants: &[(&'static str, f64)] = &[("MATVEC_WG", 256.0)];
@@ -156,7 +195,10 @@ fn every_entry_point_fits_webgpus_default_limits_except_the_fused_linear_losses(
         }
     }
     let names: Vec<&str> = over.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, OVER_WEBGPU_DEFAULTS, "entry points over WebGPU's default limits: {over:#?}");
+    assert_eq!(
+        names, OVER_WEBGPU_DEFAULTS,
+        "entry points over WebGPU's default limits: {over:#?}"
+    );
     for (_, message) in &over {
         assert!(message.contains("max_storage_buffers_per_shader_stage"), "{message}");
     }
@@ -170,10 +212,21 @@ fn the_reflected_slots_agree_with_the_wgsl_declarations() {
     let writable: Vec<u32> = needs.slots.iter().filter(|s| s.writable).map(|s| s.slot).collect();
     assert_eq!(writable, [2, 5]);
     assert_eq!(needs.storage_buffers(), 8);
-    assert_eq!(needs.slots.iter().filter(|s| !s.storage).map(|s| s.slot).collect::<Vec<_>>(), [3]);
+    assert_eq!(
+        needs
+            .slots
+            .iter()
+            .filter(|s| !s.storage)
+            .map(|s| s.slot)
+            .collect::<Vec<_>>(),
+        [3]
+    );
     // The tiled kernels' staged A (4 KiB) and B (5 KiB, padded), 128
     // invocations; the matrix-vector kernel's override-sized workgroup.
-    for entry in [wgrad::kernels::registry::MATMUL_FORWARD_SHARED, wgrad::kernels::registry::MATMUL_FORWARD_SHARED_VEC4] {
+    for entry in [
+        wgrad::kernels::registry::MATMUL_FORWARD_SHARED,
+        wgrad::kernels::registry::MATMUL_FORWARD_SHARED_VEC4,
+    ] {
         let shared = reflect::entry_needs(entry).unwrap();
         assert_eq!(shared.workgroup_bytes, (256 + 320) * 16, "{}", entry.entry);
         assert_eq!(shared.invocations(&[]), 128, "{}", entry.entry);
@@ -185,23 +238,38 @@ fn the_reflected_slots_agree_with_the_wgsl_declarations() {
 
 #[test]
 fn a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_built() {
-    for_each_adapter("a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_built", |k| {
-        let align = (k.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
-        let x = k.upload(&vec![1.0f32; 4 * align])?;
-        let y = k.upload(&vec![2.0f32; 4 * align])?;
-        // In place: the output is the first operand.
-        let err = k.binary(wgrad::kernels::Binary::Add, x.view(), x.view(), y.view()).expect_err("out aliasing x");
-        assert!(err.to_string().contains("overlaps") && err.to_string().contains("WebGPU"), "{err}");
-        // A written part overlapping a read part of the same buffer.
-        let err = k.binary(wgrad::kernels::Binary::Add, x.slice(0, 2 * align)?, x.slice(align, 2 * align)?, y.slice(0, 2 * align)?).expect_err("overlapping parts");
-        assert!(err.to_string().contains("overlaps"), "{err}");
-        // Separate buffers run as before.
-        let out = k.zeros(4 * align)?;
-        let d = k.binary(wgrad::kernels::Binary::Add, out.view(), x.view(), y.view())?;
-        k.run(&[&d])?;
-        assert_eq!(k.read::<f32>(out.view())?, vec![3.0f32; 4 * align]);
-        Ok(())
-    });
+    for_each_adapter(
+        "a_writable_binding_that_aliases_another_is_refused_where_the_dispatch_is_built",
+        |k| {
+            let align = (k.device().limits().min_storage_buffer_offset_alignment as usize / 4).max(1);
+            let x = k.upload(&vec![1.0f32; 4 * align])?;
+            let y = k.upload(&vec![2.0f32; 4 * align])?;
+            // In place: the output is the first operand.
+            let err = k
+                .binary(wgrad::kernels::Binary::Add, x.view(), x.view(), y.view())
+                .expect_err("out aliasing x");
+            assert!(
+                err.to_string().contains("overlaps") && err.to_string().contains("WebGPU"),
+                "{err}"
+            );
+            // A written part overlapping a read part of the same buffer.
+            let err = k
+                .binary(
+                    wgrad::kernels::Binary::Add,
+                    x.slice(0, 2 * align)?,
+                    x.slice(align, 2 * align)?,
+                    y.slice(0, 2 * align)?,
+                )
+                .expect_err("overlapping parts");
+            assert!(err.to_string().contains("overlaps"), "{err}");
+            // Separate buffers run as before.
+            let out = k.zeros(4 * align)?;
+            let d = k.binary(wgrad::kernels::Binary::Add, out.view(), x.view(), y.view())?;
+            k.run(&[&d])?;
+            assert_eq!(k.read::<f32>(out.view())?, vec![3.0f32; 4 * align]);
+            Ok(())
+        },
+    );
 }
 
 /// Invocations a GPU launch should have: about 8K (a few waves on every
@@ -236,18 +304,32 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
     // vocabulary of 32,768 (the input gradient's dlogits·wte reads wte,
     // 154 MB at 50,257 tokens, along k, which a matmul does not split over
     // bindings).
-    let gpu = crate::common::limited_kernels(&k, wgrad::kernels::LimitOverrides { gpu_shaping: Some(true), ..Default::default() });
-    let config = wgrad::models::GptConfig { n_layer: 1, block_size: 512, vocab_size: 32768, ..wgrad::models::GptConfig::gpt2() };
+    let gpu = crate::common::limited_kernels(
+        &k,
+        wgrad::kernels::LimitOverrides {
+            gpu_shaping: Some(true),
+            ..Default::default()
+        },
+    );
+    let config = wgrad::models::GptConfig {
+        n_layer: 1,
+        block_size: 512,
+        vocab_size: 32768,
+        ..wgrad::models::GptConfig::gpt2()
+    };
     let gpt = wgrad::models::Gpt::new(config).expect("GPT-2's config");
     let optimizer = wgrad::optim::AdamW::new(6e-4).decay_matrices_only().clip_grad_norm(1.0);
-    let trainer = wgrad::Trainer::new(gpu.clone(), &gpt, wgrad::nn::CrossEntropyLoss, optimizer, 1).expect("a GPT-2-shaped trainer");
+    let trainer = wgrad::Trainer::new(gpu.clone(), &gpt, wgrad::nn::CrossEntropyLoss, optimizer, 1)
+        .expect("a GPT-2-shaped trainer");
     let mut small = Vec::new();
     let mut launches = 0;
     for dispatch in trainer.executor().step_dispatches() {
         for launch in dispatch.each_launch() {
             launches += 1;
             let entry = launch.kernel().entry;
-            let per_workgroup = reflect::entry_needs(launch.kernel()).expect("a registered entry").invocations(&launch.recipe().constants);
+            let per_workgroup = reflect::entry_needs(launch.kernel())
+                .expect("a registered entry")
+                .invocations(&launch.recipe().constants);
             let [x, y, z] = launch.workgroups();
             let invocations = u64::from(x) * u64::from(y) * u64::from(z) * per_workgroup;
             let largest = launch.recipe().bindings.iter().map(|b| b.bytes / 4).max().unwrap_or(0);
@@ -258,7 +340,11 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
         }
     }
     eprintln!("{test}: {launches} launches per step");
-    assert!(small.is_empty(), "launches too small for a GPU at GPT-2 124M's shapes:\n{}", small.join("\n"));
+    assert!(
+        small.is_empty(),
+        "launches too small for a GPU at GPT-2 124M's shapes:\n{}",
+        small.join("\n")
+    );
 }
 
 /// Entry points that may have no browser case in `cli/src/webgpu_cases.rs`,
@@ -276,7 +362,9 @@ fn browser_case_entries() -> Vec<String> {
     let mut entries = Vec::new();
     for line in source.lines().map(str::trim_start) {
         let Some(rest) = line.strip_prefix("(&[") else { continue };
-        let Some((list, _)) = rest.split_once(']') else { continue };
+        let Some((list, _)) = rest.split_once(']') else {
+            continue;
+        };
         // The list is `"a", "b"`: every other piece of a split on quotes.
         entries.extend(list.split('"').skip(1).step_by(2).map(str::to_string));
     }
@@ -303,8 +391,21 @@ fn every_entry_point_has_a_browser_case() {
         missing.is_empty(),
         "entry points with no case in cli/src/webgpu_cases.rs's builder table (add one; CONTRIBUTING.md): {missing:?}"
     );
-    let unknown: Vec<&String> = claimed.iter().filter(|c| !KERNELS.iter().any(|k| k.entry == c.as_str())).collect();
-    assert!(unknown.is_empty(), "cli/src/webgpu_cases.rs claims entry points the registry lacks: {unknown:?}");
-    let stale: Vec<&str> = allowed.iter().copied().filter(|a| claimed.iter().any(|c| c == a)).collect();
-    assert!(stale.is_empty(), "NO_BROWSER_CASE lists entries that have a case now: {stale:?}");
+    let unknown: Vec<&String> = claimed
+        .iter()
+        .filter(|c| !KERNELS.iter().any(|k| k.entry == c.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "cli/src/webgpu_cases.rs claims entry points the registry lacks: {unknown:?}"
+    );
+    let stale: Vec<&str> = allowed
+        .iter()
+        .copied()
+        .filter(|a| claimed.iter().any(|c| c == a))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "NO_BROWSER_CASE lists entries that have a case now: {stale:?}"
+    );
 }

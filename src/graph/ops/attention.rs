@@ -40,10 +40,20 @@ pub enum AttentionOp {
 /// The kernels' shape from q [B, T, heads·d] and k [B, T, kv_heads·d].
 fn flash_shape(op: &'static str, heads: usize, q: &[usize], k: &[usize]) -> Result<FlashAttentionShape> {
     let (&[batch, seq, width], &[_, _, kv_width]) = (q, k) else {
-        return Err(Error::shape(op, "q and k must be [batch, time, heads·head_dim]", &[q, k]));
+        return Err(Error::shape(
+            op,
+            "q and k must be [batch, time, heads·head_dim]",
+            &[q, k],
+        ));
     };
     let head_dim = width / heads.max(1);
-    Ok(FlashAttentionShape { batch, seq, heads, kv_heads: kv_width / head_dim.max(1), head_dim })
+    Ok(FlashAttentionShape {
+        batch,
+        seq,
+        heads,
+        kv_heads: kv_width / head_dim.max(1),
+        head_dim,
+    })
 }
 
 impl OpFamily for AttentionOp {
@@ -59,7 +69,10 @@ impl OpFamily for AttentionOp {
     }
 
     fn is_companion(&self) -> bool {
-        matches!(self, AttentionOp::FusedCausalStats | AttentionOp::FusedCausalValueBackward)
+        matches!(
+            self,
+            AttentionOp::FusedCausalStats | AttentionOp::FusedCausalValueBackward
+        )
     }
 
     fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
@@ -68,46 +81,102 @@ impl OpFamily for AttentionOp {
         match self {
             AttentionOp::FusedCausal { heads } => {
                 let shape = flash_shape(OP, *heads, cx.input_shape(0), cx.input_shape(1))?;
-                k.flash_attention_forward(cx.out()?, cx.view(cx.companion()?)?, cx.input(0)?, cx.input(1)?, cx.input(2)?, shape)
+                k.flash_attention_forward(
+                    cx.out()?,
+                    cx.view(cx.companion()?)?,
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    cx.input(2)?,
+                    shape,
+                )
             }
             AttentionOp::FusedCausalPrepare { heads } => {
                 // Only q's sizes matter here: k is q's shape for this purpose.
                 let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(1))?;
-                k.flash_attention_backward_prepare(cx.out()?, cx.input(0)?, cx.input(1)?, FlashAttentionShape { kv_heads: *heads, ..shape })
+                k.flash_attention_backward_prepare(
+                    cx.out()?,
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    FlashAttentionShape {
+                        kv_heads: *heads,
+                        ..shape
+                    },
+                )
             }
             AttentionOp::FusedCausalQueryBackward { heads } => {
                 let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
-                k.flash_attention_backward_query(cx.out()?, cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, cx.input(4)?, cx.input(5)?, shape)
+                k.flash_attention_backward_query(
+                    cx.out()?,
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    cx.input(2)?,
+                    cx.input(3)?,
+                    cx.input(4)?,
+                    cx.input(5)?,
+                    shape,
+                )
             }
             AttentionOp::FusedCausalKeyValueBackward { heads } => {
                 let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
                 let dv = cx.view(cx.companion()?)?;
-                k.flash_attention_backward_key_value(cx.out()?, dv, cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, cx.input(4)?, cx.input(5)?, shape)
+                k.flash_attention_backward_key_value(
+                    cx.out()?,
+                    dv,
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    cx.input(2)?,
+                    cx.input(3)?,
+                    cx.input(4)?,
+                    cx.input(5)?,
+                    shape,
+                )
             }
             AttentionOp::FusedCausalStats | AttentionOp::FusedCausalValueBackward => Err(cx.no_kernel()),
         }
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (AttentionOp::FusedCausal { heads }, 0..=2) = (self, slot) else { return Err(no_gradient(g, node, slot)) };
+        let (AttentionOp::FusedCausal { heads }, 0..=2) = (self, slot) else {
+            return Err(no_gradient(g, node, slot));
+        };
         let heads = *heads;
         let n = g.node(node).clone();
-        let lse = g.companion(node).ok_or_else(|| Error::NoGradient { op: "fused_causal_attention", input: n.name.clone() })?;
+        let lse = g.companion(node).ok_or_else(|| Error::NoGradient {
+            op: "fused_causal_attention",
+            input: n.name.clone(),
+        })?;
         let (q, k, v) = (n.inputs[0], n.inputs[1], n.inputs[2]);
         // One D and one dk/dv dispatch serve all three inputs' gradients.
-        let find = |g: &Graph, op: AttentionOp, inputs: &[Tensor]| g.nodes().iter().position(|m| m.op == op && m.inputs == inputs).map(Tensor);
+        let find = |g: &Graph, op: AttentionOp, inputs: &[Tensor]| {
+            g.nodes()
+                .iter()
+                .position(|m| m.op == op && m.inputs == inputs)
+                .map(Tensor)
+        };
         let prepare = AttentionOp::FusedCausalPrepare { heads };
         let delta = match find(g, prepare.clone(), &[dy, node]) {
             Some(t) => t,
             None => {
                 let stats_shape = g.shape(lse).to_vec();
-                g.push(prepare, vec![dy, node], stats_shape, DType::F32, format!("{}.delta", n.name))
+                g.push(
+                    prepare,
+                    vec![dy, node],
+                    stats_shape,
+                    DType::F32,
+                    format!("{}.delta", n.name),
+                )
             }
         };
         let inputs = vec![dy, q, k, v, lse, delta];
         if slot == 0 {
             let name = format!("d{}", g.node(q).name);
-            return Ok(g.push(AttentionOp::FusedCausalQueryBackward { heads }, inputs, g.shape(q).to_vec(), DType::F32, name));
+            return Ok(g.push(
+                AttentionOp::FusedCausalQueryBackward { heads },
+                inputs,
+                g.shape(q).to_vec(),
+                DType::F32,
+                name,
+            ));
         }
         let key_value = AttentionOp::FusedCausalKeyValueBackward { heads };
         let dk = match find(g, key_value.clone(), &inputs) {
@@ -115,14 +184,23 @@ impl OpFamily for AttentionOp {
             None => {
                 let (dk_name, dv_name) = (format!("d{}", g.node(k).name), format!("d{}", g.node(v).name));
                 let dk = g.push(key_value, inputs, g.shape(k).to_vec(), DType::F32, dk_name);
-                g.push(AttentionOp::FusedCausalValueBackward, vec![dk], g.shape(v).to_vec(), DType::F32, dv_name);
+                g.push(
+                    AttentionOp::FusedCausalValueBackward,
+                    vec![dk],
+                    g.shape(v).to_vec(),
+                    DType::F32,
+                    dv_name,
+                );
                 dk
             }
         };
         if slot == 1 {
             return Ok(dk);
         }
-        g.companion(dk).ok_or_else(|| Error::NoGradient { op: "fused_causal_attention", input: g.node(v).name.clone() })
+        g.companion(dk).ok_or_else(|| Error::NoGradient {
+            op: "fused_causal_attention",
+            input: g.node(v).name.clone(),
+        })
     }
 
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
@@ -135,7 +213,9 @@ impl OpFamily for AttentionOp {
             // What its writer's dispatch leaves beside its output.
             AttentionOp::FusedCausalStats => {
                 let writer = cx.graph().node(cx.node().inputs[0]);
-                let Op::Attention(AttentionOp::FusedCausal { heads }) = writer.op else { return Err(unexpected_writer("fused_causal_attention_stats", &writer.op)) };
+                let Op::Attention(AttentionOp::FusedCausal { heads }) = writer.op else {
+                    return Err(unexpected_writer("fused_causal_attention_stats", &writer.op));
+                };
                 let [q, k, v] = [0, 1, 2].map(|j| writer.inputs[j]);
                 let shape = flash_shape(OP, heads, cx.graph().shape(q), cx.graph().shape(k))?;
                 Ok(cpu::flash_attention_forward(cx.value(q)?, cx.value(k)?, cx.value(v)?, shape).1)
@@ -148,14 +228,23 @@ impl OpFamily for AttentionOp {
                 let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
                 let [dy, q, k, v, lse, delta] = [0, 1, 2, 3, 4, 5].map(|j| cx.input(j));
                 let grads = cpu::flash_attention_backward(dy?, q?, k?, v?, lse?, delta?, shape);
-                Ok(if matches!(self, AttentionOp::FusedCausalQueryBackward { .. }) { grads.dq } else { grads.dk })
+                Ok(if matches!(self, AttentionOp::FusedCausalQueryBackward { .. }) {
+                    grads.dq
+                } else {
+                    grads.dk
+                })
             }
             AttentionOp::FusedCausalValueBackward => {
                 let writer = cx.graph().node(cx.node().inputs[0]);
                 let Op::Attention(AttentionOp::FusedCausalKeyValueBackward { heads }) = writer.op else {
                     return Err(unexpected_writer("fused_causal_attention_value_backward", &writer.op));
                 };
-                let shape = flash_shape(OP, heads, cx.graph().shape(writer.inputs[1]), cx.graph().shape(writer.inputs[2]))?;
+                let shape = flash_shape(
+                    OP,
+                    heads,
+                    cx.graph().shape(writer.inputs[1]),
+                    cx.graph().shape(writer.inputs[2]),
+                )?;
                 let [dy, q, k, v, lse, delta] = [0, 1, 2, 3, 4, 5].map(|j| cx.value(writer.inputs[j]));
                 Ok(cpu::flash_attention_backward(dy?, q?, k?, v?, lse?, delta?, shape).dv)
             }
@@ -181,17 +270,43 @@ impl Graph {
             return Err(Error::shape(OP, "q must be [batch, time, heads·head_dim]", &all));
         };
         if heads == 0 || width % heads != 0 {
-            return Err(Error::shape(OP, format!("{heads} heads must divide q's {width} columns"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("{heads} heads must divide q's {width} columns"),
+                &all,
+            ));
         }
         let head_dim = width / heads;
         let kv_width = sk.last().copied().unwrap_or(0);
         if sk.len() != 3 || sk[..2] != [batch, seq] || kv_width % head_dim != 0 || sv != sk {
-            return Err(Error::shape(OP, format!("k and v must both be [{batch}, {seq}, kv_heads·{head_dim}]"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("k and v must both be [{batch}, {seq}, kv_heads·{head_dim}]"),
+                &all,
+            ));
         }
-        let shape = FlashAttentionShape { batch, seq, heads, kv_heads: kv_width / head_dim, head_dim };
+        let shape = FlashAttentionShape {
+            batch,
+            seq,
+            heads,
+            kv_heads: kv_width / head_dim,
+            head_dim,
+        };
         shape.check(OP, FLASH_MAX_HEAD_DIM)?;
-        let y = self.push(AttentionOp::FusedCausal { heads }, vec![q, k, v], sq, DType::F32, format!("{OP}{}", self.nodes.len()));
-        self.push(AttentionOp::FusedCausalStats, vec![y], vec![batch, heads, seq], DType::F32, format!("{OP}{}.lse", y.0));
+        let y = self.push(
+            AttentionOp::FusedCausal { heads },
+            vec![q, k, v],
+            sq,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        );
+        self.push(
+            AttentionOp::FusedCausalStats,
+            vec![y],
+            vec![batch, heads, seq],
+            DType::F32,
+            format!("{OP}{}.lse", y.0),
+        );
         Ok(y)
     }
 }

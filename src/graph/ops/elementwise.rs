@@ -24,7 +24,9 @@ pub enum ElementwiseOp {
     Unary(Unary),
     /// inputs (x): adds x into the gradient of a parameter; the result is
     /// that gradient. Emitted by autodiff only.
-    AccumulateGrad { param: Tensor },
+    AccumulateGrad {
+        param: Tensor,
+    },
     /// f32 -> [`DType::F16`] storage (rounded to nearest, two values per
     /// word): an activation the backward pass keeps, at half the bytes.
     StoreF16,
@@ -56,7 +58,9 @@ impl OpFamily for ElementwiseOp {
         let (out, x) = (cx.out()?, cx.input(0)?);
         match self {
             ElementwiseOp::Binary(op) if cx.input_shape(0) == cx.input_shape(1) => k.binary(*op, out, x, cx.input(1)?),
-            ElementwiseOp::Binary(op) => k.binary_broadcast(*op, out, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
+            ElementwiseOp::Binary(op) => {
+                k.binary_broadcast(*op, out, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1))
+            }
             ElementwiseOp::Scale(alpha) => k.scale(out, x, *alpha),
             ElementwiseOp::BiasAdd => {
                 let (rows, cols) = flat_rows_cols(cx.shape());
@@ -110,7 +114,13 @@ impl OpFamily for ElementwiseOp {
             (ElementwiseOp::Scale(alpha), 0) => g.scale(dy, *alpha),
             (ElementwiseOp::BiasAdd, 0) => Ok(dy),
             (ElementwiseOp::BiasAdd, 1) => g.sum_rows(dy),
-            (ElementwiseOp::Activation(act), 0) => Ok(g.push(ElementwiseOp::ActivationBackward(*act), vec![input(0), dy], n.shape.clone(), DType::F32, format!("d{}", n.name))),
+            (ElementwiseOp::Activation(act), 0) => Ok(g.push(
+                ElementwiseOp::ActivationBackward(*act),
+                vec![input(0), dy],
+                n.shape.clone(),
+                DType::F32,
+                format!("d{}", n.name),
+            )),
             _ => Err(super::no_gradient(g, node, slot)),
         }
     }
@@ -118,7 +128,9 @@ impl OpFamily for ElementwiseOp {
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let x = cx.input(0)?;
         match self {
-            ElementwiseOp::Binary(op) => cpu::binary_broadcast(*op, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1)),
+            ElementwiseOp::Binary(op) => {
+                cpu::binary_broadcast(*op, x, cx.input(1)?, cx.input_shape(0), cx.input_shape(1))
+            }
             ElementwiseOp::Scale(alpha) => Ok(cpu::scale(x, *alpha)),
             ElementwiseOp::BiasAdd => Ok(cpu::bias_add(x, cx.input(1)?, flat_rows_cols(cx.shape()).1)),
             ElementwiseOp::Activation(act) => Ok(cpu::activation_forward(*act, x)),
@@ -127,14 +139,19 @@ impl OpFamily for ElementwiseOp {
             // The f16 values the words hold, as f64.
             ElementwiseOp::StoreF16 => {
                 let narrowed: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-                Ok(cpu::from_f16(&cpu::to_f16(&narrowed)).into_iter().map(f64::from).collect())
+                Ok(cpu::from_f16(&cpu::to_f16(&narrowed))
+                    .into_iter()
+                    .map(f64::from)
+                    .collect())
             }
             ElementwiseOp::LoadF16 => Ok(x.to_vec()),
             // The parameter's gradient so far (zeroed before the step): the
             // previous accumulation into it, plus this contribution.
             ElementwiseOp::AccumulateGrad { param } => {
                 let nodes = cx.graph().nodes();
-                let earlier = (0..cx.node.0).rev().find(|&j| nodes[j].op == ElementwiseOp::AccumulateGrad { param: *param });
+                let earlier = (0..cx.node.0)
+                    .rev()
+                    .find(|&j| nodes[j].op == ElementwiseOp::AccumulateGrad { param: *param });
                 match earlier {
                     Some(j) => Ok(cx.value(Tensor(j))?.iter().zip(x).map(|(a, b)| a + b).collect()),
                     None => Ok(x.to_vec()),
@@ -150,12 +167,27 @@ impl Graph {
     fn broadcast_binary(&mut self, op: Binary, a: Tensor, b: Tensor) -> Result<Tensor> {
         let name = ElementwiseOp::Binary(op).name();
         self.f32_inputs(name, &[a, b])?;
-        let shape = broadcast_shape(self.shape(a), self.shape(b))
-            .ok_or_else(|| Error::shape(name, "shapes do not broadcast (trailing dimensions must be equal or 1)", &[self.shape(a), self.shape(b)]))?;
+        let shape = broadcast_shape(self.shape(a), self.shape(b)).ok_or_else(|| {
+            Error::shape(
+                name,
+                "shapes do not broadcast (trailing dimensions must be equal or 1)",
+                &[self.shape(a), self.shape(b)],
+            )
+        })?;
         if shape.len() > MAX_RANK {
-            return Err(Error::shape(name, format!("tensors have at most {MAX_RANK} dimensions"), &[self.shape(a), self.shape(b)]));
+            return Err(Error::shape(
+                name,
+                format!("tensors have at most {MAX_RANK} dimensions"),
+                &[self.shape(a), self.shape(b)],
+            ));
         }
-        Ok(self.push(ElementwiseOp::Binary(op), vec![a, b], shape, DType::F32, format!("{name}{}", self.nodes.len())))
+        Ok(self.push(
+            ElementwiseOp::Binary(op),
+            vec![a, b],
+            shape,
+            DType::F32,
+            format!("{name}{}", self.nodes.len()),
+        ))
     }
 
     pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
@@ -178,7 +210,13 @@ impl Graph {
     pub fn scale(&mut self, x: Tensor, alpha: f32) -> Result<Tensor> {
         self.f32_inputs("scale", &[x])?;
         let shape = self.shape(x).to_vec();
-        Ok(self.push(ElementwiseOp::Scale(alpha), vec![x], shape, DType::F32, format!("scale{}", self.nodes.len())))
+        Ok(self.push(
+            ElementwiseOp::Scale(alpha),
+            vec![x],
+            shape,
+            DType::F32,
+            format!("scale{}", self.nodes.len()),
+        ))
     }
 
     /// x[.., cols] + bias[cols], broadcast over every row.
@@ -190,7 +228,13 @@ impl Graph {
         if sb != [cols] {
             return Err(Error::shape(OP, format!("bias must be [{cols}]"), &[&sx, &sb]));
         }
-        Ok(self.push(ElementwiseOp::BiasAdd, vec![x, bias], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            ElementwiseOp::BiasAdd,
+            vec![x, bias],
+            sx,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     pub fn activation(&mut self, act: Activation, x: Tensor) -> Result<Tensor> {
@@ -220,7 +264,13 @@ impl Graph {
         let name = ElementwiseOp::Unary(op).name();
         self.f32_inputs(name, &[x])?;
         let shape = self.shape(x).to_vec();
-        Ok(self.push(ElementwiseOp::Unary(op), vec![x], shape, DType::F32, format!("{name}{}", self.nodes.len())))
+        Ok(self.push(
+            ElementwiseOp::Unary(op),
+            vec![x],
+            shape,
+            DType::F32,
+            format!("{name}{}", self.nodes.len()),
+        ))
     }
 
     pub fn exp(&mut self, x: Tensor) -> Result<Tensor> {
@@ -242,7 +292,10 @@ impl Graph {
     pub fn load_f16(&mut self, h: Tensor) -> Result<Tensor> {
         self.check_handle("load_f16", h)?;
         if self.node(h).op != ElementwiseOp::StoreF16 {
-            return Err(Error::InvalidArgument { op: "load_f16", reason: format!("`{}` is not an f16 copy made by store_f16", self.node(h).name) });
+            return Err(Error::InvalidArgument {
+                op: "load_f16",
+                reason: format!("`{}` is not an f16 copy made by store_f16", self.node(h).name),
+            });
         }
         let shape = self.shape(h).to_vec();
         let name = format!("{}.f32", self.node(h).name);

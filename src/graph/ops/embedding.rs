@@ -37,8 +37,24 @@ impl OpFamily for EmbeddingOp {
                 let (vocab, channels) = (cx.input_shape(0)[0], cx.input_shape(0)[1]);
                 let n = cx.input_node(1).len();
                 match cx.input_node(0).dtype {
-                    DType::F16 => return k.embedding_f16_weights(cx.out()?, F16View::new(cx.input(0)?, vocab * channels)?, cx.input(1)?, n, vocab, channels),
-                    DType::Quant(format) => return k.embedding_quant_weights(cx.out()?, QuantView::new(cx.input(0)?, format, vocab, channels)?, cx.input(1)?, n),
+                    DType::F16 => {
+                        return k.embedding_f16_weights(
+                            cx.out()?,
+                            F16View::new(cx.input(0)?, vocab * channels)?,
+                            cx.input(1)?,
+                            n,
+                            vocab,
+                            channels,
+                        )
+                    }
+                    DType::Quant(format) => {
+                        return k.embedding_quant_weights(
+                            cx.out()?,
+                            QuantView::new(cx.input(0)?, format, vocab, channels)?,
+                            cx.input(1)?,
+                            n,
+                        )
+                    }
                     DType::F32 | DType::U32 => {}
                 }
                 k.embedding_forward(cx.out()?, cx.input(0)?, cx.input(1)?, n, vocab, channels)
@@ -54,16 +70,24 @@ impl OpFamily for EmbeddingOp {
                 let (order, _) = cx.halves(cx.read(2), n)?;
                 k.embedding_backward(cx.out()?, cx.input(0)?, cx.input(1)?, order, n, vocab, channels)
             }
-            EmbeddingOp::EmbeddingBackward => Err(Error::NoGradient { op: "embedding", input: "a table that is not a parameter".into() }),
+            EmbeddingOp::EmbeddingBackward => Err(Error::NoGradient {
+                op: "embedding",
+                input: "a table that is not a parameter".into(),
+            }),
         }
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (EmbeddingOp::Embedding, 0) = (self, slot) else { return Err(super::no_gradient(g, node, slot)) };
+        let (EmbeddingOp::Embedding, 0) = (self, slot) else {
+            return Err(super::no_gradient(g, node, slot));
+        };
         let (table, ids) = (g.node(node).inputs[0], g.node(node).inputs[1]);
         let table_shape = g.shape(table).to_vec();
         let (vocab, n_ids) = (table_shape[0], g.node(ids).len());
-        let existing = g.nodes().iter().position(|m| m.op == EmbeddingOp::EmbeddingSort { vocab } && m.inputs == [ids]);
+        let existing = g
+            .nodes()
+            .iter()
+            .position(|m| m.op == EmbeddingOp::EmbeddingSort { vocab } && m.inputs == [ids]);
         let sort = match existing {
             Some(i) => Tensor(i),
             None => {
@@ -73,7 +97,13 @@ impl OpFamily for EmbeddingOp {
             }
         };
         let name = format!("d{}", g.node(table).name);
-        Ok(g.push(EmbeddingOp::EmbeddingBackward, vec![dy, ids, sort], table_shape, DType::F32, name))
+        Ok(g.push(
+            EmbeddingOp::EmbeddingBackward,
+            vec![dy, ids, sort],
+            table_shape,
+            DType::F32,
+            name,
+        ))
     }
 
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
@@ -89,12 +119,23 @@ impl OpFamily for EmbeddingOp {
                 let ids = cx.input_u32(0)?;
                 let mut order: Vec<usize> = (0..ids.len()).collect();
                 order.sort_by_key(|&n| ids[n]);
-                let starts = (0..=*vocab).map(|v| ids.iter().filter(|&&id| (id as usize) < v).count() as f64).collect();
-                Ok(two_parts(order.into_iter().map(|n| n as f64).collect(), starts, ids.len()))
+                let starts = (0..=*vocab)
+                    .map(|v| ids.iter().filter(|&&id| (id as usize) < v).count() as f64)
+                    .collect();
+                Ok(two_parts(
+                    order.into_iter().map(|n| n as f64).collect(),
+                    starts,
+                    ids.len(),
+                ))
             }
             EmbeddingOp::EmbeddingBackward => {
                 let (vocab, channels) = (cx.shape()[0], cx.shape()[1]);
-                Ok(cpu::embedding_backward(cx.input(0)?, &cx.input_u32(1)?, vocab, channels))
+                Ok(cpu::embedding_backward(
+                    cx.input(0)?,
+                    &cx.input_u32(1)?,
+                    vocab,
+                    channels,
+                ))
             }
         }
     }
@@ -102,7 +143,9 @@ impl OpFamily for EmbeddingOp {
     /// A token id outside the table.
     fn check_u32_input(&self, g: &Graph, node: Tensor, slot: usize, ids: &[u32]) -> Result<()> {
         match (self, slot) {
-            (EmbeddingOp::Embedding, 1) => crate::kernels::check_token_ids("Embedding", ids, g.shape(g.node(node).inputs[0])[0]),
+            (EmbeddingOp::Embedding, 1) => {
+                crate::kernels::check_token_ids("Embedding", ids, g.shape(g.node(node).inputs[0])[0])
+            }
             _ => Ok(()),
         }
     }
@@ -129,6 +172,12 @@ impl Graph {
         let mut shape = si.clone();
         shape.push(channels);
         Self::non_empty(OP, &shape)?;
-        Ok(self.push(EmbeddingOp::Embedding, vec![table, ids], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            EmbeddingOp::Embedding,
+            vec![table, ids],
+            shape,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

@@ -27,14 +27,29 @@ pub enum GenerationOp {
 /// [S, kv_heads, P, d] shapes.
 fn attention_shape(heads: usize, layout: QkvLayout, q: &[usize], cache: &[usize]) -> Result<CachedAttentionShape> {
     let (&[seqs, rows, _], &[_, kv_heads, context, head_dim]) = (q, cache) else {
-        return Err(Error::shape("Executor", "cached_attention's operands lost their ranks", &[q, cache]));
+        return Err(Error::shape(
+            "Executor",
+            "cached_attention's operands lost their ranks",
+            &[q, cache],
+        ));
     };
-    Ok(CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout })
+    Ok(CachedAttentionShape {
+        seqs,
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        context,
+        layout,
+    })
 }
 
 /// The first `len` elements of `v` (all of it when shorter).
 fn first_elements(v: View<'_>, len: usize) -> View<'_> {
-    View { len: len.min(v.len), ..v }
+    View {
+        len: len.min(v.len),
+        ..v
+    }
 }
 
 impl OpFamily for GenerationOp {
@@ -52,7 +67,16 @@ impl OpFamily for GenerationOp {
                 let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
                 // The first `seqs` sequences of caches that may hold more.
                 let len = sizes.lengths().map_or(0, |l| l.cache);
-                k.cached_attention_forward(cx.out()?, first_elements(cx.input(4)?, len), first_elements(cx.input(5)?, len), cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.input(3)?, sizes)
+                k.cached_attention_forward(
+                    cx.out()?,
+                    first_elements(cx.input(4)?, len),
+                    first_elements(cx.input(5)?, len),
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    cx.input(2)?,
+                    cx.input(3)?,
+                    sizes,
+                )
             }
             GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
@@ -69,13 +93,28 @@ impl OpFamily for GenerationOp {
                 let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
                 let len = sizes.lengths().map_or(0, |l| l.cache);
                 let (k_cache, v_cache) = (cx.input(4)?, cx.input(5)?);
-                Ok(cpu::cached_attention(cx.input(0)?, cx.input(1)?, cx.input(2)?, &cx.input_u32(3)?, &k_cache[..len.min(k_cache.len())], &v_cache[..len.min(v_cache.len())], sizes).0)
+                Ok(cpu::cached_attention(
+                    cx.input(0)?,
+                    cx.input(1)?,
+                    cx.input(2)?,
+                    &cx.input_u32(3)?,
+                    &k_cache[..len.min(k_cache.len())],
+                    &v_cache[..len.min(v_cache.len())],
+                    sizes,
+                )
+                .0)
             }
             // Sampling reads f32 logits and draws, as the kernel does.
             GenerationOp::SampleTokens => {
                 let (rows, vocab) = flat_rows_cols(cx.input_shape(0));
                 let narrow = |v: &[f64]| -> Vec<f32> { v.iter().map(|&x| x as f32).collect() };
-                let tokens = cpu::sample_rows(&narrow(cx.input(0)?), &narrow(cx.input(1)?), &cx.input_u32(2)?, rows, vocab);
+                let tokens = cpu::sample_rows(
+                    &narrow(cx.input(0)?),
+                    &narrow(cx.input(1)?),
+                    &cx.input_u32(2)?,
+                    rows,
+                    vocab,
+                );
                 Ok(tokens.into_iter().map(f64::from).collect())
             }
         }
@@ -98,26 +137,59 @@ impl Graph {
     /// stay below P (the caller checks the starts it writes). The caches
     /// may hold more sequences than q: its S rows use the first S (a
     /// server's decode over its lowest slots). No gradient.
-    pub fn cached_attention(&mut self, qkv: [Tensor; 3], layout: QkvLayout, starts: Tensor, k_cache: Tensor, v_cache: Tensor, heads: usize) -> Result<Tensor> {
+    pub fn cached_attention(
+        &mut self,
+        qkv: [Tensor; 3],
+        layout: QkvLayout,
+        starts: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        heads: usize,
+    ) -> Result<Tensor> {
         const OP: &str = "cached_attention";
         self.f32_inputs(OP, &[qkv[0], qkv[1], qkv[2], k_cache, v_cache])?;
         self.check_handle(OP, starts)?;
         let [sq, sk, sv] = qkv.map(|t| self.shape(t).to_vec());
-        let (ss, skc, svc) = (self.shape(starts).to_vec(), self.shape(k_cache).to_vec(), self.shape(v_cache).to_vec());
+        let (ss, skc, svc) = (
+            self.shape(starts).to_vec(),
+            self.shape(k_cache).to_vec(),
+            self.shape(v_cache).to_vec(),
+        );
         let all: [&[usize]; 6] = [&sq, &sk, &sv, &ss, &skc, &svc];
         let [_, kv_heads, context, head_dim] = skc[..] else {
-            return Err(Error::shape(OP, "the caches must be [sequences, kv_heads, context, head_dim]", &all));
+            return Err(Error::shape(
+                OP,
+                "the caches must be [sequences, kv_heads, context, head_dim]",
+                &all,
+            ));
         };
         let [seqs, rows, _] = sq[..] else {
             return Err(Error::shape(OP, "q must be [sequences, rows, columns]", &all));
         };
         if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(Error::shape(OP, format!("the caches' {kv_heads} KV heads must divide {heads} query heads"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("the caches' {kv_heads} KV heads must divide {heads} query heads"),
+                &all,
+            ));
         }
-        let shape = CachedAttentionShape { seqs, rows, heads, kv_heads, head_dim, context, layout };
-        let columns = shape.columns().ok_or_else(|| Error::shape(OP, "the sizes overflow", &all))?;
+        let shape = CachedAttentionShape {
+            seqs,
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            context,
+            layout,
+        };
+        let columns = shape
+            .columns()
+            .ok_or_else(|| Error::shape(OP, "the sizes overflow", &all))?;
         if layout == QkvLayout::Fused && (qkv[1] != qkv[0] || qkv[2] != qkv[0]) {
-            return Err(Error::InvalidArgument { op: OP, reason: "a fused qkv is one tensor given as q, k and v".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "a fused qkv is one tensor given as q, k and v".into(),
+            });
         }
         for ((name, shape), (width, _)) in [("q", &sq), ("k", &sk), ("v", &sv)].into_iter().zip(columns) {
             if shape[..] != [seqs, rows, width] {
@@ -128,19 +200,35 @@ impl Graph {
             return Err(Error::shape(OP, format!("starts must be u32 [{seqs}]"), &all));
         }
         if skc[0] < seqs || skc != svc {
-            return Err(Error::shape(OP, format!("the caches must both be [at least {seqs}, {kv_heads}, context, {head_dim}]"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("the caches must both be [at least {seqs}, {kv_heads}, context, {head_dim}]"),
+                &all,
+            ));
         }
         for cache in [k_cache, v_cache] {
             if self.node(cache).op != SourceOp::Cache {
-                return Err(Error::InvalidArgument { op: OP, reason: format!("`{}` is not a cache tensor (Graph::cache)", self.node(cache).name) });
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("`{}` is not a cache tensor (Graph::cache)", self.node(cache).name),
+                });
             }
         }
         if k_cache == v_cache {
-            return Err(Error::InvalidArgument { op: OP, reason: "keys and values need two different caches".into() });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "keys and values need two different caches".into(),
+            });
         }
         let out = vec![seqs, rows, heads * head_dim];
         let [q, k, v] = qkv;
-        Ok(self.push(GenerationOp::CachedAttention { heads, layout }, vec![q, k, v, starts, k_cache, v_cache], out, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            GenerationOp::CachedAttention { heads, layout },
+            vec![q, k, v, starts, k_cache, v_cache],
+            out,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// The next token of each row of `logits` [.., vocab] (rows: the
@@ -157,15 +245,33 @@ impl Graph {
         const OP: &str = "sample_tokens";
         self.f32_inputs(OP, &[logits, draws])?;
         self.check_handle(OP, top_k)?;
-        let (sl, sd, sk) = (self.shape(logits).to_vec(), self.shape(draws).to_vec(), self.shape(top_k).to_vec());
+        let (sl, sd, sk) = (
+            self.shape(logits).to_vec(),
+            self.shape(draws).to_vec(),
+            self.shape(top_k).to_vec(),
+        );
         let all: [&[usize]; 3] = [&sl, &sd, &sk];
         let (rows, _) = rows_cols(OP, &sl, &all)?;
         if sd != [rows, 3] {
-            return Err(Error::shape(OP, format!("draws must be [{rows}, 3]: (u, temperature, top_p) for each of the logits' {rows} rows"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("draws must be [{rows}, 3]: (u, temperature, top_p) for each of the logits' {rows} rows"),
+                &all,
+            ));
         }
         if self.node(top_k).dtype != DType::U32 || sk != [rows] {
-            return Err(Error::shape(OP, format!("top_k must be u32 [{rows}], one k for each of the logits' {rows} rows"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("top_k must be u32 [{rows}], one k for each of the logits' {rows} rows"),
+                &all,
+            ));
         }
-        Ok(self.push(GenerationOp::SampleTokens, vec![logits, draws, top_k], vec![rows, 2], DType::U32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            GenerationOp::SampleTokens,
+            vec![logits, draws, top_k],
+            vec![rows, 2],
+            DType::U32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

@@ -104,7 +104,13 @@ impl Graph {
             return Err(Error::shape(OP, "the element count must not change", &[&sx, shape]));
         }
         let dtype = self.node(x).dtype;
-        Ok(self.push(LayoutOp::Reshape, vec![x], shape.to_vec(), dtype, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LayoutOp::Reshape,
+            vec![x],
+            shape.to_vec(),
+            dtype,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// Axes reordered (a copy): output dimension i is input dimension perm[i].
@@ -115,14 +121,28 @@ impl Graph {
         let mut seen = vec![false; sx.len()];
         for &p in perm {
             if p >= sx.len() || std::mem::replace(&mut seen[p], true) {
-                return Err(Error::shape(OP, format!("{perm:?} is not a permutation of the input's axes"), &[&sx, perm]));
+                return Err(Error::shape(
+                    OP,
+                    format!("{perm:?} is not a permutation of the input's axes"),
+                    &[&sx, perm],
+                ));
             }
         }
         if perm.len() != sx.len() {
-            return Err(Error::shape(OP, format!("{perm:?} is not a permutation of the input's axes"), &[&sx, perm]));
+            return Err(Error::shape(
+                OP,
+                format!("{perm:?} is not a permutation of the input's axes"),
+                &[&sx, perm],
+            ));
         }
         let shape: Vec<usize> = perm.iter().map(|&p| sx[p]).collect();
-        Ok(self.push(LayoutOp::Permute(perm.to_vec()), vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LayoutOp::Permute(perm.to_vec()),
+            vec![x],
+            shape,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// Swaps two axes (a copy).
@@ -130,7 +150,11 @@ impl Graph {
         self.check_handle("transpose", x)?;
         let rank = self.shape(x).len();
         if dim0 >= rank || dim1 >= rank {
-            return Err(Error::shape("transpose", format!("axes {dim0} and {dim1} of a rank-{rank} tensor"), &[self.shape(x)]));
+            return Err(Error::shape(
+                "transpose",
+                format!("axes {dim0} and {dim1} of a rank-{rank} tensor"),
+                &[self.shape(x)],
+            ));
         }
         let mut perm: Vec<usize> = (0..rank).collect();
         perm.swap(dim0, dim1);
@@ -144,13 +168,23 @@ impl Graph {
         let sx = self.shape(x).to_vec();
         let (_, cols) = rows_cols(OP, &sx, &[&sx])?;
         if width == 0 || start.checked_add(width).is_none_or(|end| end > cols) {
-            return Err(Error::shape(OP, format!("columns {start}..{} of {cols}", start.saturating_add(width)), &[&sx]));
+            return Err(Error::shape(
+                OP,
+                format!("columns {start}..{} of {cols}", start.saturating_add(width)),
+                &[&sx],
+            ));
         }
         let mut shape = sx.clone();
         if let Some(last) = shape.last_mut() {
             *last = width;
         }
-        Ok(self.push(LayoutOp::SliceLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LayoutOp::SliceLast { start },
+            vec![x],
+            shape,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// Splits the last dimension into pieces of the given widths (q, k and
@@ -159,7 +193,11 @@ impl Graph {
         self.check_handle("split", x)?;
         let sx = self.shape(x).to_vec();
         if widths.iter().sum::<usize>() != sx.last().copied().unwrap_or(0) {
-            return Err(Error::shape("split", format!("widths {widths:?} do not add up to the last dimension"), &[&sx, widths]));
+            return Err(Error::shape(
+                "split",
+                format!("widths {widths:?} do not add up to the last dimension"),
+                &[&sx, widths],
+            ));
         }
         let mut start = 0;
         widths
@@ -179,20 +217,33 @@ impl Graph {
         let sx = self.shape(x).to_vec();
         let (_, width) = rows_cols(OP, &sx, &[&sx])?;
         if start.checked_add(width).is_none_or(|end| end > cols) {
-            return Err(Error::shape(OP, format!("columns {start}..{} of {cols}", start + width), &[&sx]));
+            return Err(Error::shape(
+                OP,
+                format!("columns {start}..{} of {cols}", start + width),
+                &[&sx],
+            ));
         }
         let mut shape = sx.clone();
         if let Some(last) = shape.last_mut() {
             *last = cols;
         }
-        Ok(self.push(LayoutOp::PadLast { start }, vec![x], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LayoutOp::PadLast { start },
+            vec![x],
+            shape,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// Tensors side by side along the last dimension (equal leading shapes),
     /// like torch.cat(.., dim=-1).
     pub fn concat_last(&mut self, parts: &[Tensor]) -> Result<Tensor> {
         const OP: &str = "concat";
-        let (&first, rest) = parts.split_first().ok_or_else(|| Error::InvalidArgument { op: OP, reason: "nothing to concatenate".into() })?;
+        let (&first, rest) = parts.split_first().ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            reason: "nothing to concatenate".into(),
+        })?;
         self.f32_inputs(OP, parts)?;
         rest.iter().try_fold(first, |acc, &b| {
             let (sa, sb) = (self.shape(acc).to_vec(), self.shape(b).to_vec());
@@ -205,7 +256,13 @@ impl Graph {
             if let Some(last) = shape.last_mut() {
                 *last += sb[sb.len() - 1];
             }
-            Ok(self.push(LayoutOp::ConcatLast, vec![acc, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
+            Ok(self.push(
+                LayoutOp::ConcatLast,
+                vec![acc, b],
+                shape,
+                DType::F32,
+                format!("{OP}{}", self.nodes.len()),
+            ))
         })
     }
 }

@@ -64,14 +64,20 @@ impl OpFamily for LossOp {
                 let (grad, dloss) = (cx.view(b)?, cx.view(cx.graph().node(b).inputs[2])?);
                 match kind {
                     LossKind::Mse => k.mse_forward_backward(out, grad, pred, target, dloss),
-                    LossKind::CrossEntropy => k.cross_entropy_forward_backward(out, grad, pred, target, dloss, s[0], s[1]),
+                    LossKind::CrossEntropy => {
+                        k.cross_entropy_forward_backward(out, grad, pred, target, dloss, s[0], s[1])
+                    }
                 }
             }
             LossOp::Loss(LossKind::Mse) => k.mse_forward(out, pred, target),
             LossOp::Loss(LossKind::CrossEntropy) => k.cross_entropy_forward(out, pred, target, s[0], s[1]),
             LossOp::LossBackward(LossKind::Mse) => k.mse_backward(out, pred, target, cx.input(2)?),
-            LossOp::LossBackward(LossKind::CrossEntropy) => k.cross_entropy_backward(out, pred, target, cx.input(2)?, s[0], s[1]),
-            LossOp::CrossEntropyRows => k.cross_entropy_rows_forward_backward(out, cx.view(cx.companion()?)?, pred, target, s[0], s[1], 1.0),
+            LossOp::LossBackward(LossKind::CrossEntropy) => {
+                k.cross_entropy_backward(out, pred, target, cx.input(2)?, s[0], s[1])
+            }
+            LossOp::CrossEntropyRows => {
+                k.cross_entropy_rows_forward_backward(out, cx.view(cx.companion()?)?, pred, target, s[0], s[1], 1.0)
+            }
             LossOp::CrossEntropyRowsGrad => Err(cx.no_kernel()),
         }
     }
@@ -82,10 +88,19 @@ impl OpFamily for LossOp {
             (LossOp::Loss(kind), 0) => {
                 let pred = n.inputs[0];
                 let (shape, name) = (g.shape(pred).to_vec(), format!("d{}", g.node(pred).name));
-                Ok(g.push(LossOp::LossBackward(*kind), vec![pred, n.inputs[1], dy], shape, DType::F32, name))
+                Ok(g.push(
+                    LossOp::LossBackward(*kind),
+                    vec![pred, n.inputs[1], dy],
+                    shape,
+                    DType::F32,
+                    name,
+                ))
             }
             (LossOp::CrossEntropyRows, 0) => {
-                let grad = g.companion(node).ok_or_else(|| Error::NoGradient { op: "cross_entropy_rows", input: n.name.clone() })?;
+                let grad = g.companion(node).ok_or_else(|| Error::NoGradient {
+                    op: "cross_entropy_rows",
+                    input: n.name.clone(),
+                })?;
                 let per_row = g.reshape(dy, &[n.shape[0], 1])?;
                 g.mul(grad, per_row)
             }
@@ -98,16 +113,32 @@ impl OpFamily for LossOp {
             LossOp::Loss(LossKind::Mse) => Ok(vec![cpu::mse_forward(cx.input(0)?, cx.input(1)?)]),
             LossOp::Loss(LossKind::CrossEntropy) => {
                 let s = cx.input_shape(0);
-                Ok(vec![cpu::cross_entropy_forward(cx.input(0)?, &cx.input_u32(1)?, s[0], s[1])])
+                Ok(vec![cpu::cross_entropy_forward(
+                    cx.input(0)?,
+                    &cx.input_u32(1)?,
+                    s[0],
+                    s[1],
+                )])
             }
             LossOp::LossBackward(LossKind::Mse) => Ok(cpu::mse_backward(cx.input(0)?, cx.input(1)?, cx.input(2)?[0])),
             LossOp::LossBackward(LossKind::CrossEntropy) => {
                 let s = cx.input_shape(0);
-                Ok(cpu::cross_entropy_backward(cx.input(0)?, &cx.input_u32(1)?, cx.input(2)?[0], s[0], s[1]))
+                Ok(cpu::cross_entropy_backward(
+                    cx.input(0)?,
+                    &cx.input_u32(1)?,
+                    cx.input(2)?[0],
+                    s[0],
+                    s[1],
+                ))
             }
             LossOp::CrossEntropyRows => {
                 let s = cx.input_shape(0);
-                Ok(cpu::cross_entropy_rows_loss(cx.input(0)?, &cx.input_u32(1)?, s[0], s[1]))
+                Ok(cpu::cross_entropy_rows_loss(
+                    cx.input(0)?,
+                    &cx.input_u32(1)?,
+                    s[0],
+                    s[1],
+                ))
             }
             // The gradient its writer's dispatch leaves beside the losses.
             LossOp::CrossEntropyRowsGrad => {
@@ -122,11 +153,19 @@ impl OpFamily for LossOp {
 
     /// A class label outside the logits' columns.
     fn check_u32_input(&self, g: &Graph, node: Tensor, slot: usize, labels: &[u32]) -> Result<()> {
-        let classifies = matches!(self, LossOp::Loss(LossKind::CrossEntropy) | LossOp::LossBackward(LossKind::CrossEntropy) | LossOp::CrossEntropyRows);
+        let classifies = matches!(
+            self,
+            LossOp::Loss(LossKind::CrossEntropy)
+                | LossOp::LossBackward(LossKind::CrossEntropy)
+                | LossOp::CrossEntropyRows
+        );
         if classifies && slot == 1 {
             let classes = g.shape(g.node(node).inputs[0]).last().copied().unwrap_or(0);
             if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
-                return Err(Error::InvalidArgument { op: "CrossEntropyLoss", reason: format!("class {bad} is out of range for {classes} outputs") });
+                return Err(Error::InvalidArgument {
+                    op: "CrossEntropyLoss",
+                    reason: format!("class {bad} is out of range for {classes} outputs"),
+                });
             }
         }
         Ok(())
@@ -139,9 +178,19 @@ impl Graph {
         const OP: &str = "mse_loss";
         self.f32_inputs(OP, &[pred, target])?;
         if self.shape(pred) != self.shape(target) {
-            return Err(Error::shape(OP, "prediction and target must have the same shape", &[self.shape(pred), self.shape(target)]));
+            return Err(Error::shape(
+                OP,
+                "prediction and target must have the same shape",
+                &[self.shape(pred), self.shape(target)],
+            ));
         }
-        Ok(self.push(LossOp::Loss(LossKind::Mse), vec![pred, target], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LossOp::Loss(LossKind::Mse),
+            vec![pred, target],
+            vec![1],
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// Softmax cross-entropy of logits [.., classes] against u32 labels
@@ -153,7 +202,11 @@ impl Graph {
         let (sl, st) = (self.shape(logits).to_vec(), self.shape(labels).to_vec());
         let (rows, classes) = rows_cols(OP, &sl, &[&sl, &st])?;
         if self.node(labels).dtype != DType::U32 || st.iter().product::<usize>() != rows {
-            return Err(Error::shape(OP, format!("labels must be u32 class indices of shape {:?}", &sl[..sl.len() - 1]), &[&sl, &st]));
+            return Err(Error::shape(
+                OP,
+                format!("labels must be u32 class indices of shape {:?}", &sl[..sl.len() - 1]),
+                &[&sl, &st],
+            ));
         }
         if sl.len() > 2 || st.len() > 1 {
             // Rows are rows whatever the leading shape: the 2-D loss serves.
@@ -163,10 +216,28 @@ impl Graph {
         }
         if rows * classes > SINGLE_WORKGROUP_LOSS_MAX {
             // Too large for one workgroup: a workgroup per row, then the mean.
-            let losses = self.push(LossOp::CrossEntropyRows, vec![logits, labels], vec![rows], DType::F32, format!("{OP}{}.rows", self.nodes.len()));
-            self.push(LossOp::CrossEntropyRowsGrad, vec![losses], sl.clone(), DType::F32, format!("{OP}{}.grad", losses.0));
+            let losses = self.push(
+                LossOp::CrossEntropyRows,
+                vec![logits, labels],
+                vec![rows],
+                DType::F32,
+                format!("{OP}{}.rows", self.nodes.len()),
+            );
+            self.push(
+                LossOp::CrossEntropyRowsGrad,
+                vec![losses],
+                sl.clone(),
+                DType::F32,
+                format!("{OP}{}.grad", losses.0),
+            );
             return self.mean(losses);
         }
-        Ok(self.push(LossOp::Loss(LossKind::CrossEntropy), vec![logits, labels], vec![1], DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            LossOp::Loss(LossKind::CrossEntropy),
+            vec![logits, labels],
+            vec![1],
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

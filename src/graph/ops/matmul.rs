@@ -21,7 +21,9 @@ pub enum MatmulOp {
     /// of equal rows) silu(x·W₀ᵀ) ⊙ (x·W₁ᵀ) [m, n₀]: generation's q, k and
     /// v projections, and SwiGLU's gate and up, in one launch (see
     /// `Kernels::matmul_quant_parts`). No gradient.
-    QuantParts { gated: bool },
+    QuantParts {
+        gated: bool,
+    },
 }
 
 /// The stored inner dimension of `form`'s A operand of shape `a` (rank ≥ 2).
@@ -38,7 +40,10 @@ fn inner(form: MatmulForm, a: &[usize]) -> usize {
 fn activation_of(cx: &DispatchContext<'_>, i: usize) -> Result<Activation> {
     match cx.graph().node(Tensor(i)).op {
         Op::Elementwise(ElementwiseOp::Activation(act) | ElementwiseOp::ActivationBackward(act)) => Ok(act),
-        _ => Err(Error::InvalidArgument { op: "Executor", reason: format!("`{}` is not an activation", cx.graph().node(Tensor(i)).name) }),
+        _ => Err(Error::InvalidArgument {
+            op: "Executor",
+            reason: format!("`{}` is not an activation", cx.graph().node(Tensor(i)).name),
+        }),
     }
 }
 
@@ -79,13 +84,38 @@ impl OpFamily for MatmulOp {
                     Some(dx) => Some((activation_of(cx, dx)?, cx.view(plan.reads[dx][0])?)),
                     None => None,
                 };
-                let epilogue = MatmulEpilogue { accumulate: plan.accumulate[i], bias, activation, activation_grad };
+                let epilogue = MatmulEpilogue {
+                    accumulate: plan.accumulate[i],
+                    bias,
+                    activation,
+                    activation_grad,
+                };
                 // Weights stored in f16 or quantized (the builder allows them
                 // as an ABt's B).
                 let weight = matches!(cx.input_node(1).op, Op::Source(_));
                 match cx.input_node(1).dtype {
-                    DType::F16 if weight => return k.matmul_f16_weights(epilogue, cx.out()?, cx.input(0)?, F16View::new(cx.input(1)?, n * kk)?, m, n, kk),
-                    DType::Quant(format) => return k.matmul_quant_weights(epilogue, cx.out()?, cx.input(0)?, QuantView::new(cx.input(1)?, format, n, kk)?, m, n, kk),
+                    DType::F16 if weight => {
+                        return k.matmul_f16_weights(
+                            epilogue,
+                            cx.out()?,
+                            cx.input(0)?,
+                            F16View::new(cx.input(1)?, n * kk)?,
+                            m,
+                            n,
+                            kk,
+                        )
+                    }
+                    DType::Quant(format) => {
+                        return k.matmul_quant_weights(
+                            epilogue,
+                            cx.out()?,
+                            cx.input(0)?,
+                            QuantView::new(cx.input(1)?, format, n, kk)?,
+                            m,
+                            n,
+                            kk,
+                        )
+                    }
                     DType::F16 | DType::F32 | DType::U32 => {}
                 }
                 k.matmul_operands(*form, epilogue, cx.out()?, operand(cx, 0)?, operand(cx, 1)?, m, n, kk)
@@ -94,17 +124,34 @@ impl OpFamily for MatmulOp {
                 let rank = shape.len();
                 let batch = shape[..rank - 2].iter().product();
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
-                k.matmul_batched_operands(*form, cx.accumulate(), cx.out()?, operand(cx, 0)?, operand(cx, 1)?, batch, m, n, kk)
+                k.matmul_batched_operands(
+                    *form,
+                    cx.accumulate(),
+                    cx.out()?,
+                    operand(cx, 0)?,
+                    operand(cx, 1)?,
+                    batch,
+                    m,
+                    n,
+                    kk,
+                )
             }
             MatmulOp::QuantParts { gated } => {
                 let [m, kk] = cx.input_shape(0)[..] else {
-                    return Err(Error::shape("matmul_quant_parts", "x lost its rank", &[cx.input_shape(0)]));
+                    return Err(Error::shape(
+                        "matmul_quant_parts",
+                        "x lost its rank",
+                        &[cx.input_shape(0)],
+                    ));
                 };
                 let count = cx.graph().node(Tensor(i)).inputs.len();
                 let parts = (1..count)
                     .map(|j| match (cx.input_node(j).dtype, cx.input_shape(j)) {
                         (DType::Quant(format), &[rows, _]) => QuantView::new(cx.input(j)?, format, rows, kk),
-                        _ => Err(Error::InvalidArgument { op: "matmul_quant_parts", reason: format!("`{}` is not a quantized matrix", cx.input_node(j).name) }),
+                        _ => Err(Error::InvalidArgument {
+                            op: "matmul_quant_parts",
+                            reason: format!("`{}` is not a quantized matrix", cx.input_node(j).name),
+                        }),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 k.matmul_quant_parts(cx.out()?, cx.input(0)?, &parts, m, kk, *gated)
@@ -113,7 +160,9 @@ impl OpFamily for MatmulOp {
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self else { return Err(no_gradient(g, node, slot)) };
+        let (MatmulOp::MatMul(form) | MatmulOp::BatchMatMul(form)) = self else {
+            return Err(no_gradient(g, node, slot));
+        };
         let (a, b) = (g.node(node).inputs[0], g.node(node).inputs[1]);
         match (form, slot) {
             (MatmulForm::AB, 0) => g.matmul_form(MatmulForm::ABt, dy, b),
@@ -143,12 +192,19 @@ impl OpFamily for MatmulOp {
 /// de-quantized values) side by side, or gated.
 fn parts_reference(gated: bool, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
     let [m, kk] = cx.input_shape(0)[..] else {
-        return Err(Error::shape("matmul_quant_parts", "x lost its rank", &[cx.input_shape(0)]));
+        return Err(Error::shape(
+            "matmul_quant_parts",
+            "x lost its rank",
+            &[cx.input_shape(0)],
+        ));
     };
     let products = (1..cx.node().inputs.len())
         .map(|j| {
             let n = cx.input_shape(j)[0];
-            Ok((n, cpu::matmul_batched(MatmulForm::ABt, cx.input(0)?, cx.input(j)?, 1, m, n, kk)))
+            Ok((
+                n,
+                cpu::matmul_batched(MatmulForm::ABt, cx.input(0)?, cx.input(j)?, 1, m, n, kk),
+            ))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(cpu::join_products(&products, m, gated))
@@ -176,11 +232,19 @@ impl Graph {
             return Err(Error::shape(OP, "operands must both be 2-D, or both rank 3 or 4", &all));
         }
         if stored_weight && sa.len() != 2 {
-            return Err(Error::shape(OP, "f16 and quantized weights take 2-D products only", &all));
+            return Err(Error::shape(
+                OP,
+                "f16 and quantized weights take 2-D products only",
+                &all,
+            ));
         }
         let lead = sa.len() - 2;
         if sa[..lead] != sb[..lead] {
-            return Err(Error::shape(OP, "batched operands must have equal leading dimensions", &all));
+            return Err(Error::shape(
+                OP,
+                "batched operands must have equal leading dimensions",
+                &all,
+            ));
         }
         let (ar, ac, br, bc) = (sa[lead], sa[lead + 1], sb[lead], sb[lead + 1]);
         let (m, ka, kb, n) = match form {
@@ -189,11 +253,19 @@ impl Graph {
             MatmulForm::ABt => (ar, ac, bc, br),
         };
         if ka != kb {
-            return Err(Error::shape(OP, format!("{form:?}: inner dimensions differ ({ka} vs {kb})"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("{form:?}: inner dimensions differ ({ka} vs {kb})"),
+                &all,
+            ));
         }
         let mut shape = sa[..lead].to_vec();
         shape.extend([m, n]);
-        let op = if lead == 0 { MatmulOp::MatMul(form) } else { MatmulOp::BatchMatMul(form) };
+        let op = if lead == 0 {
+            MatmulOp::MatMul(form)
+        } else {
+            MatmulOp::BatchMatMul(form)
+        };
         Ok(self.push(op, vec![a, b], shape, DType::F32, format!("{OP}{}", self.nodes.len())))
     }
 
@@ -207,7 +279,10 @@ impl Graph {
         const OP: &str = "matmul_quant_parts";
         self.f32_inputs(OP, &[x])?;
         let sx = self.shape(x).to_vec();
-        let shapes: Vec<Vec<usize>> = weights.iter().map(|&w| self.shape_of(w).map(<[usize]>::to_vec).unwrap_or_default()).collect();
+        let shapes: Vec<Vec<usize>> = weights
+            .iter()
+            .map(|&w| self.shape_of(w).map(<[usize]>::to_vec).unwrap_or_default())
+            .collect();
         let mut all: Vec<&[usize]> = vec![&sx];
         all.extend(shapes.iter().map(Vec::as_slice));
         let [m, k] = sx[..] else {
@@ -217,15 +292,33 @@ impl Graph {
         let first = formats.first().copied().flatten();
         let one_format = matches!(first, Some(DType::Quant(_))) && formats.iter().all(|&f| f == first);
         if weights.is_empty() || weights.len() > 4 || !one_format || shapes.iter().any(|s| s.len() != 2 || s[1] != k) {
-            return Err(Error::shape(OP, format!("takes 1 to 4 block-quantized matrices of one format, each [rows, {k}]"), &all));
+            return Err(Error::shape(
+                OP,
+                format!("takes 1 to 4 block-quantized matrices of one format, each [rows, {k}]"),
+                &all,
+            ));
         }
         if gated && (weights.len() != 2 || shapes[0] != shapes[1]) {
-            return Err(Error::shape(OP, "a gated product takes two matrices of equal shape", &all));
+            return Err(Error::shape(
+                OP,
+                "a gated product takes two matrices of equal shape",
+                &all,
+            ));
         }
-        let n = if gated { shapes[0][0] } else { shapes.iter().map(|s| s[0]).sum() };
+        let n = if gated {
+            shapes[0][0]
+        } else {
+            shapes.iter().map(|s| s[0]).sum()
+        };
         let mut inputs = vec![x];
         inputs.extend_from_slice(weights);
-        Ok(self.push(MatmulOp::QuantParts { gated }, inputs, vec![m, n], DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            MatmulOp::QuantParts { gated },
+            inputs,
+            vec![m, n],
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 
     /// a·b, as torch.matmul for the cases a transformer uses: 2-D by 2-D,

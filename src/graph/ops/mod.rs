@@ -174,13 +174,19 @@ pub(crate) trait OpFamily {
 /// The error of node `node`'s op asked for a gradient rule it does not
 /// have.
 fn no_gradient(g: &Graph, node: Tensor, slot: usize) -> Error {
-    Error::NoGradient { op: g.node(node).op.name(), input: g.node(g.node(node).inputs[slot]).name.clone() }
+    Error::NoGradient {
+        op: g.node(node).op.name(),
+        input: g.node(g.node(node).inputs[slot]).name.clone(),
+    }
 }
 
 /// A companion whose writer is not the op it belongs to: a graph built
 /// around the builder, reported rather than panicked.
 fn unexpected_writer(companion: &'static str, writer: &Op) -> Error {
-    Error::InvalidArgument { op: "graph", reason: format!("a {companion} node follows {writer:?}") }
+    Error::InvalidArgument {
+        op: "graph",
+        reason: format!("a {companion} node follows {writer:?}"),
+    }
 }
 
 /// Where the second part of a node holding two vectors starts (elements):
@@ -262,24 +268,46 @@ impl<'a> DispatchContext<'a> {
         let whole = self.view(t)?;
         let second = stats_offset(len);
         if whole.len <= second {
-            return Err(Error::shape("Executor", format!("`{}` is too short to hold two parts of {len}", self.graph().node(t).name), &[&[whole.len]]));
+            return Err(Error::shape(
+                "Executor",
+                format!(
+                    "`{}` is too short to hold two parts of {len}",
+                    self.graph().node(t).name
+                ),
+                &[&[whole.len]],
+            ));
         }
-        Ok((View { len, ..whole }, View { offset: whole.offset + second as u64 * 4, len: whole.len - second, ..whole }))
+        Ok((
+            View { len, ..whole },
+            View {
+                offset: whole.offset + second as u64 * 4,
+                len: whole.len - second,
+                ..whole
+            },
+        ))
     }
 
     /// The error of a dispatch asked of a node without a kernel of its own
     /// ([`Op::has_kernel`]): a bug in the executor, reported.
     pub fn no_kernel(&self) -> Error {
         let node = self.graph().node(Tensor(self.node));
-        Error::InvalidArgument { op: "Executor", reason: format!("`{}` ({}) has no kernel", node.name, node.op.name()) }
+        Error::InvalidArgument {
+            op: "Executor",
+            reason: format!("`{}` ({}) has no kernel", node.name, node.op.name()),
+        }
     }
 
     /// The node this node's dispatch also writes ([`Op::is_companion`]).
     pub fn companion(&self) -> Result<Tensor> {
-        self.graph().companion(Tensor(self.node)).ok_or_else(|| Error::InvalidArgument {
-            op: "Executor",
-            reason: format!("`{}` lost the node its dispatch also writes", self.graph().node(Tensor(self.node)).name),
-        })
+        self.graph()
+            .companion(Tensor(self.node))
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "Executor",
+                reason: format!(
+                    "`{}` lost the node its dispatch also writes",
+                    self.graph().node(Tensor(self.node)).name
+                ),
+            })
     }
 }
 
@@ -312,10 +340,17 @@ impl<'a> ReferenceContext<'a> {
 
     /// The value of any node evaluated before this one.
     pub fn value(&self, t: Tensor) -> Result<&'a [f64]> {
-        self.values.get(t.0).and_then(|v| v.as_deref()).ok_or_else(|| Error::InvalidArgument {
-            op: "evaluate_f64",
-            reason: format!("`{}` was not evaluated before `{}`", self.graph.node(t).name, self.node().name),
-        })
+        self.values
+            .get(t.0)
+            .and_then(|v| v.as_deref())
+            .ok_or_else(|| Error::InvalidArgument {
+                op: "evaluate_f64",
+                reason: format!(
+                    "`{}` was not evaluated before `{}`",
+                    self.graph.node(t).name,
+                    self.node().name
+                ),
+            })
     }
 
     pub fn input(&self, j: usize) -> Result<&'a [f64]> {
@@ -333,10 +368,17 @@ impl<'a> ReferenceContext<'a> {
         let node = self.node();
         match fed {
             Some(v) if v.len() == node.len() => Ok(v),
-            Some(v) => Err(Error::shape("evaluate_f64", format!("`{}` was fed {} values", node.name, v.len()), &[&node.shape])),
+            Some(v) => Err(Error::shape(
+                "evaluate_f64",
+                format!("`{}` was fed {} values", node.name, v.len()),
+                &[&node.shape],
+            )),
             // A cache starts at zero, as the executor makes it.
             None if node.op == SourceOp::Cache => Ok(vec![0.0; node.len()]),
-            None => Err(Error::InvalidArgument { op: "evaluate_f64", reason: format!("no values fed to `{}`", node.name) }),
+            None => Err(Error::InvalidArgument {
+                op: "evaluate_f64",
+                reason: format!("no values fed to `{}`", node.name),
+            }),
         }
     }
 }

@@ -80,19 +80,37 @@ impl Graph {
         self.f32_inputs("sum_rows", &[x])?;
         let sx = self.shape(x).to_vec();
         let (_, cols) = rows_cols("sum_rows", &sx, &[&sx])?;
-        Ok(self.push(ReduceOp::SumRows, vec![x], vec![cols], DType::F32, format!("sum_rows{}", self.nodes.len())))
+        Ok(self.push(
+            ReduceOp::SumRows,
+            vec![x],
+            vec![cols],
+            DType::F32,
+            format!("sum_rows{}", self.nodes.len()),
+        ))
     }
 
     /// Sum of every element -> [1].
     pub fn sum(&mut self, x: Tensor) -> Result<Tensor> {
         self.f32_inputs("sum", &[x])?;
-        Ok(self.push(ReduceOp::Sum, vec![x], vec![1], DType::F32, format!("sum{}", self.nodes.len())))
+        Ok(self.push(
+            ReduceOp::Sum,
+            vec![x],
+            vec![1],
+            DType::F32,
+            format!("sum{}", self.nodes.len()),
+        ))
     }
 
     /// Mean of every element -> [1].
     pub fn mean(&mut self, x: Tensor) -> Result<Tensor> {
         self.f32_inputs("mean", &[x])?;
-        Ok(self.push(ReduceOp::Mean, vec![x], vec![1], DType::F32, format!("mean{}", self.nodes.len())))
+        Ok(self.push(
+            ReduceOp::Mean,
+            vec![x],
+            vec![1],
+            DType::F32,
+            format!("mean{}", self.nodes.len()),
+        ))
     }
 
     /// Index of each row's maximum: [.., cols] -> u32 [..].
@@ -100,7 +118,13 @@ impl Graph {
         self.f32_inputs("argmax", &[x])?;
         let sx = self.shape(x).to_vec();
         rows_cols("argmax", &sx, &[&sx])?;
-        Ok(self.push(ReduceOp::Argmax, vec![x], sx[..sx.len() - 1].to_vec(), DType::U32, format!("argmax{}", self.nodes.len())))
+        Ok(self.push(
+            ReduceOp::Argmax,
+            vec![x],
+            sx[..sx.len() - 1].to_vec(),
+            DType::U32,
+            format!("argmax{}", self.nodes.len()),
+        ))
     }
 
     /// Sums `x` down to `shape`, a shape `x`'s broadcasts from.
@@ -112,8 +136,18 @@ impl Graph {
             return Ok(x);
         }
         if broadcast_shape(&sx, shape).as_deref() != Some(sx.as_slice()) {
-            return Err(Error::shape(OP, "the target does not broadcast to the input", &[&sx, shape]));
+            return Err(Error::shape(
+                OP,
+                "the target does not broadcast to the input",
+                &[&sx, shape],
+            ));
         }
-        Ok(self.push(ReduceOp::SumTo, vec![x], shape.to_vec(), DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            ReduceOp::SumTo,
+            vec![x],
+            shape.to_vec(),
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

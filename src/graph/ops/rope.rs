@@ -18,26 +18,70 @@ pub enum RopeOp {
     /// [positions, rotary_dim/2, 2]) -> x with the first `rotary_dim`
     /// channels of each head rotated by the angles of positions
     /// starts[s] + t (see `Kernels::rope_forward`).
-    Rope { layout: RopeLayout, base: f32, rotary_dim: usize },
+    Rope {
+        layout: RopeLayout,
+        base: f32,
+        rotary_dim: usize,
+    },
     /// inputs (dy, starts, table) -> dx: the rotation by minus each angle.
-    RopeBackward { layout: RopeLayout, base: f32, rotary_dim: usize },
+    RopeBackward {
+        layout: RopeLayout,
+        base: f32,
+        rotary_dim: usize,
+    },
     /// `Rope` over heads 0..rotated of each row only, the others copied (a
     /// fused q | k | v row whose q and k heads rotate). No gradient.
-    RopeHeads { layout: RopeLayout, base: f32, rotary_dim: usize, rotated: usize },
+    RopeHeads {
+        layout: RopeLayout,
+        base: f32,
+        rotary_dim: usize,
+        rotated: usize,
+    },
 }
 
 impl RopeOp {
     /// The op's settings, forward or backward.
     fn settings(&self) -> (RopeLayout, f32, usize) {
-        let (RopeOp::Rope { layout, base, rotary_dim } | RopeOp::RopeBackward { layout, base, rotary_dim } | RopeOp::RopeHeads { layout, base, rotary_dim, .. }) = *self;
+        let (RopeOp::Rope {
+            layout,
+            base,
+            rotary_dim,
+        }
+        | RopeOp::RopeBackward {
+            layout,
+            base,
+            rotary_dim,
+        }
+        | RopeOp::RopeHeads {
+            layout,
+            base,
+            rotary_dim,
+            ..
+        }) = *self;
         (layout, base, rotary_dim)
     }
 }
 
 /// The kernels' shape of x [S, T, H, D] with a table of `table_len` values.
 fn rope_shape(x: &[usize], rotary_dim: usize, table_len: usize) -> RopeShape {
-    let [seqs, rows, heads, head_dim] = x[..] else { return RopeShape { seqs: 0, rows: 0, heads: 0, head_dim: 0, rotary_dim, positions: 0 } };
-    RopeShape { seqs, rows, heads, head_dim, rotary_dim, positions: table_len / rotary_dim.max(1) }
+    let [seqs, rows, heads, head_dim] = x[..] else {
+        return RopeShape {
+            seqs: 0,
+            rows: 0,
+            heads: 0,
+            head_dim: 0,
+            rotary_dim,
+            positions: 0,
+        };
+    };
+    RopeShape {
+        seqs,
+        rows,
+        heads,
+        head_dim,
+        rotary_dim,
+        positions: table_len / rotary_dim.max(1),
+    }
 }
 
 impl OpFamily for RopeOp {
@@ -55,23 +99,43 @@ impl OpFamily for RopeOp {
         let (out, x, starts, table) = (cx.out()?, cx.input(0)?, cx.input(1)?, cx.input(2)?);
         match self {
             RopeOp::Rope { .. } => cx.kernels().rope_forward(out, x, starts, table, shape, layout),
-            RopeOp::RopeHeads { rotated, .. } => cx.kernels().rope_forward_heads(out, x, starts, table, shape, layout, *rotated),
+            RopeOp::RopeHeads { rotated, .. } => cx
+                .kernels()
+                .rope_forward_heads(out, x, starts, table, shape, layout, *rotated),
             RopeOp::RopeBackward { .. } => cx.kernels().rope_backward(out, x, starts, table, shape, layout),
         }
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (RopeOp::Rope { layout, base, rotary_dim }, 0) = (self, slot) else { return Err(no_gradient(g, node, slot)) };
+        let (
+            RopeOp::Rope {
+                layout,
+                base,
+                rotary_dim,
+            },
+            0,
+        ) = (self, slot)
+        else {
+            return Err(no_gradient(g, node, slot));
+        };
         let n = g.node(node).clone();
         let name = format!("d{}", g.node(n.inputs[0]).name);
-        let backward = RopeOp::RopeBackward { layout: *layout, base: *base, rotary_dim: *rotary_dim };
+        let backward = RopeOp::RopeBackward {
+            layout: *layout,
+            base: *base,
+            rotary_dim: *rotary_dim,
+        };
         Ok(g.push(backward, vec![dy, n.inputs[1], n.inputs[2]], n.shape, DType::F32, name))
     }
 
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         let (layout, base, rotary_dim) = self.settings();
         let shape = rope_shape(cx.shape(), rotary_dim, cx.graph().node(cx.node().inputs[2]).len());
-        let sign = if matches!(self, RopeOp::RopeBackward { .. }) { -1.0 } else { 1.0 };
+        let sign = if matches!(self, RopeOp::RopeBackward { .. }) {
+            -1.0
+        } else {
+            1.0
+        };
         let mut y = cpu::rope_f64(cx.input(0)?, &cx.input_u32(1)?, shape, layout, base, sign);
         if let RopeOp::RopeHeads { rotated, .. } = *self {
             // Heads past `rotated` keep x's values.
@@ -96,7 +160,15 @@ impl Graph {
     /// `None` starts every sequence at 0, as training does. The table
     /// holds `positions` positions (the model's context); a position past
     /// it gives NaN. Layers with the same settings share one table.
-    pub fn rope(&mut self, x: Tensor, starts: Option<Tensor>, layout: RopeLayout, base: f32, rotary_dim: usize, positions: usize) -> Result<Tensor> {
+    pub fn rope(
+        &mut self,
+        x: Tensor,
+        starts: Option<Tensor>,
+        layout: RopeLayout,
+        base: f32,
+        rotary_dim: usize,
+        positions: usize,
+    ) -> Result<Tensor> {
         let heads = self.shape_of(x).and_then(|s| s.get(2).copied()).unwrap_or(0);
         self.rope_heads(x, starts, layout, base, rotary_dim, positions, heads)
     }
@@ -105,44 +177,100 @@ impl Graph {
     /// the others passing through: a fused q | k | v projection reshaped to
     /// its heads, whose q and k heads rotate. No gradient when some pass.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope_heads(&mut self, x: Tensor, starts: Option<Tensor>, layout: RopeLayout, base: f32, rotary_dim: usize, positions: usize, rotated: usize) -> Result<Tensor> {
+    pub fn rope_heads(
+        &mut self,
+        x: Tensor,
+        starts: Option<Tensor>,
+        layout: RopeLayout,
+        base: f32,
+        rotary_dim: usize,
+        positions: usize,
+        rotated: usize,
+    ) -> Result<Tensor> {
         const OP: &str = "rope";
         self.f32_inputs(OP, &[x])?;
         let shape = self.shape(x).to_vec();
         let [seqs, rows, heads, head_dim] = shape[..] else {
-            return Err(Error::shape(OP, "expects x [sequences, positions, heads, head_dim]", &[&shape]));
+            return Err(Error::shape(
+                OP,
+                "expects x [sequences, positions, heads, head_dim]",
+                &[&shape],
+            ));
         };
         if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
-            return Err(Error::shape(OP, format!("rotary_dim {rotary_dim} must be even, positive and at most the head dim"), &[&shape]));
+            return Err(Error::shape(
+                OP,
+                format!("rotary_dim {rotary_dim} must be even, positive and at most the head dim"),
+                &[&shape],
+            ));
         }
         if rotated > heads {
-            return Err(Error::shape(OP, format!("{rotated} rotated heads of {heads}"), &[&shape]));
+            return Err(Error::shape(
+                OP,
+                format!("{rotated} rotated heads of {heads}"),
+                &[&shape],
+            ));
         }
         if rows > positions {
-            return Err(Error::shape(OP, format!("{rows} positions do not fit a table of {positions}"), &[&shape]));
+            return Err(Error::shape(
+                OP,
+                format!("{rows} positions do not fit a table of {positions}"),
+                &[&shape],
+            ));
         }
         let starts = match starts {
             Some(starts) => {
                 self.check_handle(OP, starts)?;
                 if self.node(starts).dtype != DType::U32 || self.shape(starts) != [seqs] {
-                    return Err(Error::shape(OP, format!("starts must be u32 [{seqs}]"), &[&shape, self.shape(starts)]));
+                    return Err(Error::shape(
+                        OP,
+                        format!("starts must be u32 [{seqs}]"),
+                        &[&shape, self.shape(starts)],
+                    ));
                 }
                 starts
             }
             // Zero bits are zero in f32 and u32 alike: a constant of 0.0
             // read as u32.
-            None => self.shared_constant(&format!("rope.starts[{seqs}]"), &[seqs], DType::U32, || Ok(vec![0.0; seqs]))?,
+            None => self.shared_constant(&format!("rope.starts[{seqs}]"), &[seqs], DType::U32, || {
+                Ok(vec![0.0; seqs])
+            })?,
         };
         let table_name = format!("rope.table(base={base}, rotary_dim={rotary_dim}, positions={positions})");
-        let table = self.shared_constant(&table_name, &[positions, rotary_dim / 2, 2], DType::F32, || rope_table(base, rotary_dim, positions))?;
+        let table = self.shared_constant(&table_name, &[positions, rotary_dim / 2, 2], DType::F32, || {
+            rope_table(base, rotary_dim, positions)
+        })?;
         let name = format!("{OP}{}", self.nodes.len());
-        let op = if rotated == heads { RopeOp::Rope { layout, base, rotary_dim } } else { RopeOp::RopeHeads { layout, base, rotary_dim, rotated } };
+        let op = if rotated == heads {
+            RopeOp::Rope {
+                layout,
+                base,
+                rotary_dim,
+            }
+        } else {
+            RopeOp::RopeHeads {
+                layout,
+                base,
+                rotary_dim,
+                rotated,
+            }
+        };
         Ok(self.push(op, vec![x, starts, table], shape, DType::F32, name))
     }
 
     /// The constant named `name`, made by `values` the first time.
-    fn shared_constant(&mut self, name: &str, shape: &[usize], dtype: DType, values: impl FnOnce() -> Result<Vec<f32>>) -> Result<Tensor> {
-        if let Some(i) = self.nodes.iter().position(|n| matches!(n.op, Op::Source(SourceOp::Constant { .. })) && n.name == name) {
+    fn shared_constant(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        values: impl FnOnce() -> Result<Vec<f32>>,
+    ) -> Result<Tensor> {
+        if let Some(i) = self
+            .nodes
+            .iter()
+            .position(|n| matches!(n.op, Op::Source(SourceOp::Constant { .. })) && n.name == name)
+        {
             return Ok(Tensor(i));
         }
         let t = self.constant(name, shape, values()?)?;

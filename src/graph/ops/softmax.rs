@@ -27,8 +27,14 @@ impl OpFamily for SoftmaxOp {
     fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let (rows, cols) = flat_rows_cols(cx.shape());
         match self {
-            SoftmaxOp::Softmax { causal } => cx.kernels().softmax_forward(cx.out()?, cx.input(0)?, rows, cols, causal.then_some(cols)),
-            SoftmaxOp::SoftmaxBackward => cx.kernels().softmax_backward(cx.out()?, cx.input(0)?, cx.input(1)?, rows, cols),
+            SoftmaxOp::Softmax { causal } => {
+                cx.kernels()
+                    .softmax_forward(cx.out()?, cx.input(0)?, rows, cols, causal.then_some(cols))
+            }
+            SoftmaxOp::SoftmaxBackward => {
+                cx.kernels()
+                    .softmax_backward(cx.out()?, cx.input(0)?, cx.input(1)?, rows, cols)
+            }
         }
     }
 
@@ -62,6 +68,12 @@ impl Graph {
         if causal && sx[sx.len() - 2] != sx[sx.len() - 1] {
             return Err(Error::shape(OP, "a causal mask needs square [.., T, T] scores", &[&sx]));
         }
-        Ok(self.push(SoftmaxOp::Softmax { causal }, vec![x], sx, DType::F32, format!("{OP}{}", self.nodes.len())))
+        Ok(self.push(
+            SoftmaxOp::Softmax { causal },
+            vec![x],
+            sx,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

@@ -57,15 +57,30 @@ impl OpFamily for SourceOp {
         match self {
             SourceOp::Input | SourceOp::Cache => cx.fed(),
             // An f16 parameter is read as the f16 nearest its initial value.
-            SourceOp::Parameter { init: ParameterInit::Values(init) } if cx.node().dtype == DType::F16 => Ok(init.iter().map(|&v| f64::from(half::f16::from_f32(v).to_f32())).collect()),
-            SourceOp::Parameter { init: ParameterInit::Values(init) } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
+            SourceOp::Parameter {
+                init: ParameterInit::Values(init),
+            } if cx.node().dtype == DType::F16 => Ok(init
+                .iter()
+                .map(|&v| f64::from(half::f16::from_f32(v).to_f32()))
+                .collect()),
+            SourceOp::Parameter {
+                init: ParameterInit::Values(init),
+            } => Ok(init.iter().map(|&v| f64::from(v)).collect()),
             // A quantized one as its blocks decode (the kernels' twin).
-            SourceOp::Parameter { init: ParameterInit::Packed(words) } => {
+            SourceOp::Parameter {
+                init: ParameterInit::Packed(words),
+            } => {
                 let (DType::Quant(format), &[rows, cols]) = (cx.node().dtype, cx.shape()) else {
-                    return Err(Error::InvalidArgument { op: "parameter", reason: format!("`{}` holds packed words but is not a quantized matrix", cx.node().name) });
+                    return Err(Error::InvalidArgument {
+                        op: "parameter",
+                        reason: format!("`{}` holds packed words but is not a quantized matrix", cx.node().name),
+                    });
                 };
                 let raw = unpack_quantized(format, words, rows, cols)?;
-                Ok(crate::cpu::dequantize(format, &raw)?.into_iter().map(f64::from).collect())
+                Ok(crate::cpu::dequantize(format, &raw)?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect())
             }
             SourceOp::Constant { values } => Ok(values.iter().map(|&v| f64::from(v)).collect()),
         }
@@ -95,16 +110,33 @@ impl Graph {
     pub fn parameter(&mut self, name: &str, shape: &[usize], init: Vec<f32>) -> Result<Tensor> {
         Self::non_empty("parameter", shape)?;
         if init.len() != shape.iter().product::<usize>() {
-            return Err(Error::shape("parameter", format!("`{name}` got {} initial values", init.len()), &[shape]));
+            return Err(Error::shape(
+                "parameter",
+                format!("`{name}` got {} initial values", init.len()),
+                &[shape],
+            ));
         }
         self.push_parameter(name, shape, ParameterInit::Values(init), DType::F32)
     }
 
     fn push_parameter(&mut self, name: &str, shape: &[usize], init: ParameterInit, dtype: DType) -> Result<Tensor> {
-        if self.nodes.iter().any(|n| matches!(n.op, Op::Source(SourceOp::Parameter { .. })) && n.name == name) {
-            return Err(Error::InvalidArgument { op: "parameter", reason: format!("a parameter named `{name}` already exists") });
+        if self
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, Op::Source(SourceOp::Parameter { .. })) && n.name == name)
+        {
+            return Err(Error::InvalidArgument {
+                op: "parameter",
+                reason: format!("a parameter named `{name}` already exists"),
+            });
         }
-        Ok(self.push(SourceOp::Parameter { init }, vec![], shape.to_vec(), dtype, name.to_string()))
+        Ok(self.push(
+            SourceOp::Parameter { init },
+            vec![],
+            shape.to_vec(),
+            dtype,
+            name.to_string(),
+        ))
     }
 
     /// A [rows, cols] matrix stored block-quantized ([`DType::Quant`]):
@@ -114,10 +146,20 @@ impl Graph {
     /// arena holds about 1.06 (Q8_0) or 0.56-0.63 (Q4) bytes per value.
     /// For inference only: it may be the B of an ABt matmul (a Linear
     /// weight [out, in], a tied head) or an embedding's table.
-    pub fn parameter_quantized(&mut self, name: &str, shape: &[usize], format: QuantFormat, raw: &[u8]) -> Result<Tensor> {
+    pub fn parameter_quantized(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        format: QuantFormat,
+        raw: &[u8],
+    ) -> Result<Tensor> {
         Self::non_empty("parameter_quantized", shape)?;
         let &[rows, cols] = shape else {
-            return Err(Error::shape("parameter_quantized", format!("`{name}`: a quantized parameter is a matrix [rows, cols]"), &[shape]));
+            return Err(Error::shape(
+                "parameter_quantized",
+                format!("`{name}`: a quantized parameter is a matrix [rows, cols]"),
+                &[shape],
+            ));
         };
         let words = pack_quantized(format, raw, rows, cols)?;
         self.push_parameter(name, shape, ParameterInit::Packed(words), DType::Quant(format))
@@ -144,8 +186,18 @@ impl Graph {
     pub fn constant(&mut self, name: &str, shape: &[usize], values: Vec<f32>) -> Result<Tensor> {
         Self::non_empty("constant", shape)?;
         if values.len() != shape.iter().product::<usize>() {
-            return Err(Error::shape("constant", format!("`{name}` got {} values", values.len()), &[shape]));
+            return Err(Error::shape(
+                "constant",
+                format!("`{name}` got {} values", values.len()),
+                &[shape],
+            ));
         }
-        Ok(self.push(SourceOp::Constant { values }, vec![], shape.to_vec(), DType::F32, name.to_string()))
+        Ok(self.push(
+            SourceOp::Constant { values },
+            vec![],
+            shape.to_vec(),
+            DType::F32,
+            name.to_string(),
+        ))
     }
 }

@@ -12,7 +12,14 @@ use wgrad::graph::{Executor, Graph, Tensor};
 use wgrad::Kernels;
 
 /// Checks d loss / d param from the GPU against f64 central differences.
-pub fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds: Vec<(Tensor, Vec<f32>)>, labels: Vec<(Tensor, Vec<u32>)>) -> wgrad::Result<()> {
+pub fn gradcheck(
+    k: &Arc<Kernels>,
+    what: &str,
+    mut g: Graph,
+    loss: Tensor,
+    feeds: Vec<(Tensor, Vec<f32>)>,
+    labels: Vec<(Tensor, Vec<u32>)>,
+) -> wgrad::Result<()> {
     let grads = g.backward(loss)?;
     let params = g.parameters();
     let reference = g.clone();
@@ -28,7 +35,11 @@ pub fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds
     let feeds64: Vec<(Tensor, Vec<f64>)> = feeds
         .iter()
         .map(|(t, d)| (*t, d.iter().map(|&v| f64::from(v)).collect()))
-        .chain(labels.iter().map(|(t, l)| (*t, l.iter().map(|&v| f64::from(v)).collect())))
+        .chain(
+            labels
+                .iter()
+                .map(|(t, l)| (*t, l.iter().map(|&v| f64::from(v)).collect())),
+        )
         .collect();
     for p in params {
         let got = exec.read_grad(p)?;
@@ -36,8 +47,17 @@ pub fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds
         // The backward nodes' own CPU references, evaluated in f64: the
         // f32 kernels' rounding is all that differs.
         let grad_node = grads.get(p).expect("the loss depends on every parameter");
-        let backward: Vec<f32> = reference.evaluate_f64(&[grad_node], &feeds64)?[0].iter().map(|&v| v as f32).collect();
-        assert_close(&format!("{what}: d/d {name}, the backward graph's references"), &got, &backward, 1e-4, 1e-3);
+        let backward: Vec<f32> = reference.evaluate_f64(&[grad_node], &feeds64)?[0]
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        assert_close(
+            &format!("{what}: d/d {name}, the backward graph's references"),
+            &got,
+            &backward,
+            1e-4,
+            1e-3,
+        );
         let mut want = Vec::with_capacity(got.len());
         let eps = 1e-4;
         for i in 0..got.len() {
@@ -64,13 +84,15 @@ pub fn gradcheck(k: &Arc<Kernels>, what: &str, mut g: Graph, loss: Tensor, feeds
 /// A trainable tensor of `shape` with values uniform in [-1, 1).
 pub fn param(g: &mut Graph, name: &str, shape: &[usize], seed: u64) -> Tensor {
     let n = shape.iter().product();
-    g.parameter(name, shape, random_vec(&mut rng(seed), n, -1.0, 1.0)).unwrap()
+    g.parameter(name, shape, random_vec(&mut rng(seed), n, -1.0, 1.0))
+        .unwrap()
 }
 
 /// A trainable tensor of `shape` with values uniform in [low, high).
 pub fn param_in(g: &mut Graph, name: &str, shape: &[usize], seed: u64, low: f32, high: f32) -> Tensor {
     let n = shape.iter().product();
-    g.parameter(name, shape, random_vec(&mut rng(seed), n, low, high)).unwrap()
+    g.parameter(name, shape, random_vec(&mut rng(seed), n, low, high))
+        .unwrap()
 }
 
 /// An MSE loss of `y` against random targets, and its feed.

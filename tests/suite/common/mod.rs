@@ -13,7 +13,9 @@ use wgrad::device::{AdapterReport, GlGuard};
 use wgrad::{Device, Kernels};
 
 pub use gradcheck::{central_differences, gradcheck, mse_to_random, param, param_in, wide};
-pub use training::{assert_same_parameters, clipped_adamw, columns_held, copies_held, rows_held, train_on_one_device, Parameters};
+pub use training::{
+    assert_same_parameters, clipped_adamw, columns_held, copies_held, rows_held, train_on_one_device, Parameters,
+};
 
 /// What to install when there is no adapter (as scripts/ensure-vulkan.sh).
 pub const INSTALL_HINT: &str = "on Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers libvulkan1 \
@@ -33,7 +35,9 @@ fn truthy(name: &str) -> Option<bool> {
 /// `WGRAD_REQUIRE_ADAPTER=0` says otherwise. A CI runner that lost its
 /// drivers would otherwise pass every GPU test without running one.
 pub fn adapter_required() -> bool {
-    truthy("WGRAD_REQUIRE_ADAPTER").or_else(|| truthy("CI")).unwrap_or(false)
+    truthy("WGRAD_REQUIRE_ADAPTER")
+        .or_else(|| truthy("CI"))
+        .unwrap_or(false)
 }
 
 /// Reports that `test` has no adapter to run on: panics with what to install
@@ -62,7 +66,9 @@ pub fn reports() -> Vec<AdapterReport> {
         .ok()
         .filter(|s| !s.is_empty())
         .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
-    let chosen = std::env::var("WGRAD_TEST_ADAPTER").ok().filter(|s| !s.trim().is_empty());
+    let chosen = std::env::var("WGRAD_TEST_ADAPTER")
+        .ok()
+        .filter(|s| !s.trim().is_empty());
     let picked = |r: &AdapterReport| match &chosen {
         None => true,
         Some(sel) => sel.split(',').map(str::trim).any(|s| match s.parse::<usize>() {
@@ -107,13 +113,24 @@ fn init_log() {
     INIT.call_once(|| {
         use std::io::Write;
         let _ = env_logger::Builder::from_default_env()
-            .format(|out, record| writeln!(out, "[{}] {}", std::thread::current().name().unwrap_or("main"), record.args()))
+            .format(|out, record| {
+                writeln!(
+                    out,
+                    "[{}] {}",
+                    std::thread::current().name().unwrap_or("main"),
+                    record.args()
+                )
+            })
             .try_init();
     });
 }
 
 fn open_kernels(index: usize) -> Arc<Kernels> {
-    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), ..Default::default() };
+    let opts = wgrad::DeviceOptions {
+        backends: None,
+        adapter: Some(index.to_string()),
+        ..Default::default()
+    };
     let device = Device::open(&opts).expect("open adapter");
     // Kernels::new creates a buffer directly on the device.
     let _gl = device.lock_gl();
@@ -148,7 +165,11 @@ pub fn limited_kernels(k: &Kernels, overrides: wgrad::kernels::LimitOverrides) -
         .iter()
         .position(|r| r.info == *k.device().info())
         .expect("adapter still listed");
-    let opts = wgrad::DeviceOptions { backends: None, adapter: Some(index.to_string()), ..Default::default() };
+    let opts = wgrad::DeviceOptions {
+        backends: None,
+        adapter: Some(index.to_string()),
+        ..Default::default()
+    };
     let device = Device::open(&opts).expect("open adapter");
     let _gl = device.lock_gl();
     Arc::new(Kernels::with_limits(device, overrides).expect("limits below the adapter's"))
@@ -183,11 +204,18 @@ pub fn other_shaping_adapters() -> &'static [Arc<Kernels>] {
         reports()
             .iter()
             .map(|r| {
-                let opts = wgrad::DeviceOptions { backends: None, adapter: Some(r.index.to_string()), ..Default::default() };
+                let opts = wgrad::DeviceOptions {
+                    backends: None,
+                    adapter: Some(r.index.to_string()),
+                    ..Default::default()
+                };
                 let device = Device::open(&opts).expect("open adapter");
                 let _gl = device.lock_gl();
                 let gpu_shaping = Some(device.is_cpu());
-                let overrides = wgrad::kernels::LimitOverrides { gpu_shaping, ..Default::default() };
+                let overrides = wgrad::kernels::LimitOverrides {
+                    gpu_shaping,
+                    ..Default::default()
+                };
                 Arc::new(Kernels::with_limits(device, overrides).expect("no limit lowered"))
             })
             .collect()
@@ -253,7 +281,9 @@ pub fn variant_forms_to_test(k: &Kernels) -> Vec<(wgrad::kernels::MatmulVariant,
         .into_iter()
         .filter(|&v| k.supports_matmul_variant(v))
         .flat_map(|v| MatmulForm::ALL.into_iter().map(move |f| (v, f)))
-        .filter(|&(v, f)| !gl || matches!(v, MatmulVariant::Small | MatmulVariant::Shared) || k.matmul_variant_for(f) == v)
+        .filter(|&(v, f)| {
+            !gl || matches!(v, MatmulVariant::Small | MatmulVariant::Shared) || k.matmul_variant_for(f) == v
+        })
         .collect()
 }
 

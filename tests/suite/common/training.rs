@@ -10,8 +10,8 @@ use wgrad::nn::{CrossEntropyLoss, Module};
 use wgrad::optim::AdamW;
 use wgrad::parallel::stage::Stage;
 use wgrad::parallel::tensor::TensorParallel;
-use wgrad::{Targets, Trainer};
 use wgrad::Kernels;
+use wgrad::{Targets, Trainer};
 
 use super::assert_close;
 
@@ -27,13 +27,23 @@ pub fn clipped_adamw(clip: f32, steps: u64) -> AdamW {
         .weight_decay(0.1)
         .decay_matrices_only()
         .clip_grad_norm(clip)
-        .schedule(LrSchedule::WarmupCosine { warmup_steps: 3, total_steps: steps, min_lr: 1e-3 })
+        .schedule(LrSchedule::WarmupCosine {
+            warmup_steps: 3,
+            total_steps: steps,
+            min_lr: 1e-3,
+        })
 }
 
 /// `model` trained on one device, a step per batch of (token ids, next
 /// tokens) of `batch` sequences: the trainer, and each step's loss and
 /// gradient norm before clipping (NaN when the optimizer does not clip).
-pub fn train_on_one_device(k: &Arc<Kernels>, model: &dyn Module, optimizer: impl Into<OptimizerConfig>, batch: usize, batches: &[(Vec<u32>, Vec<u32>)]) -> (Trainer, Vec<f32>, Vec<f32>) {
+pub fn train_on_one_device(
+    k: &Arc<Kernels>,
+    model: &dyn Module,
+    optimizer: impl Into<OptimizerConfig>,
+    batch: usize,
+    batches: &[(Vec<u32>, Vec<u32>)],
+) -> (Trainer, Vec<f32>, Vec<f32>) {
     let mut t = Trainer::new(k.clone(), model, CrossEntropyLoss, optimizer, batch).unwrap();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for (ids, targets) in batches {
@@ -54,7 +64,10 @@ pub fn assert_same_parameters(what: &str, got: &Parameters, want: &Parameters, a
     assert_eq!(got.len(), want.len(), "{what}: parameter count");
     let mut worst = 0.0f32;
     for (name, shape, w) in want {
-        let (_, got_shape, g) = got.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("{what}: no {name}"));
+        let (_, got_shape, g) = got
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("{what}: no {name}"));
         assert_eq!(got_shape, shape, "{what}: {name} shape");
         assert_close(&format!("{what}: {name}"), g, w, atol, rtol);
         worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
