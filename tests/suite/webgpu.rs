@@ -353,19 +353,25 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
 const NO_BROWSER_CASE: [(&str, &str); 0] = [];
 
 /// The entry points `cli/src/webgpu_cases.rs`'s builder table claims, read
-/// from its source: each builder line starts with `(&["entry", ...]`.
-/// `wgrad shaders --dump` checks at run time that each case runs what it
-/// claims; that needs an adapter, and only CI's Chromium run dumps.
+/// from its source: the `let builders = vec![..];` table, whitespace
+/// removed (rustfmt may break an entry over lines), where each builder
+/// starts with `(&["entry", ...]`. `wgrad shaders --dump` checks at run
+/// time that each case runs what it claims; that needs an adapter, and only
+/// CI's Chromium run dumps.
 fn browser_case_entries() -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/src/webgpu_cases.rs");
     let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let Some(start) = source.find("let builders") else {
+        return Vec::new();
+    };
+    let table: String = source[start..].chars().filter(|c| !c.is_whitespace()).collect();
+    let table = table.split_once("];").map_or(table.as_str(), |(t, _)| t);
     let mut entries = Vec::new();
-    for line in source.lines().map(str::trim_start) {
-        let Some(rest) = line.strip_prefix("(&[") else { continue };
-        let Some((list, _)) = rest.split_once(']') else {
+    for builder in table.split("(&[").skip(1) {
+        let Some((list, _)) = builder.split_once(']') else {
             continue;
         };
-        // The list is `"a", "b"`: every other piece of a split on quotes.
+        // The list is `"a","b"`: every other piece of a split on quotes.
         entries.extend(list.split('"').skip(1).step_by(2).map(str::to_string));
     }
     entries
