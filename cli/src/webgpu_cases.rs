@@ -214,11 +214,13 @@ fn f16s(v: &[f32]) -> Vec<f16> {
 /// 8-lane subgroups), the entries it covers and why.
 type Planned = std::result::Result<Case, (Vec<&'static str>, String)>;
 
-fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
-    type Builder = fn(&mut Ctx<'_>) -> Result<Case>;
+type Builder = fn(&mut Ctx<'_>) -> Result<Case>;
+
+/// Every case: (entries covered, the kernels to build with, builder).
+/// `tests/suite/webgpu.rs` reads this table's entries from the source.
+const BUILDERS: &[(&[&str], On, Builder)] = {
     use On::{Full, Gpu, Split, Web};
-    // (entries covered, the kernels to build with, builder)
-    let builders: Vec<(&[&'static str], On, Builder)> = vec![
+    &[
         (&["matmul_forward_register"], Web, matmul_register),
         (&["matmul_forward_shared"], Web, matmul_shared),
         (&["matmul_forward_shared_vec4"], Web, matmul_shared_vec4),
@@ -426,9 +428,12 @@ fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
             Gpu,
             flash_attention,
         ),
-    ];
+    ]
+};
+
+fn plan(kernels: &CaseKernels<'_>) -> Result<Vec<Planned>> {
     let mut planned = Vec::new();
-    for (i, (entries, on, build)) in builders.into_iter().enumerate() {
+    for (i, &(entries, on, build)) in BUILDERS.iter().enumerate() {
         let mut ctx = Ctx {
             k: kernels.get(on),
             rng: ChaCha8Rng::seed_from_u64(1000 + i as u64),

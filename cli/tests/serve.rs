@@ -271,7 +271,60 @@ fn serves_openai_requests_and_errors() {
         "model"
     );
 
-    // Whole and streamed, greedy: the same answer, with usage.
+    let content = check_chat_completions(port);
+    // A seed reproduces a sampled answer.
+    let sampled = |seed: u64| {
+        post(
+            port,
+            "/v1/chat/completions",
+            &chat(json!({ "temperature": 1.0, "seed": seed, "max_tokens": 8, "ignore_eos": true })),
+        )
+        .json()["choices"][0]["message"]["content"]
+            .clone()
+    };
+    assert_eq!(sampled(7), sampled(7));
+
+    check_text_completions(port);
+    check_errors(port, &content);
+    // Concurrent streams, more than the slots, and a bad request among
+    // them: every good stream completes.
+    let threads: Vec<_> = (0..7)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = if i == 3 { json!({ "prompt": vec![5; 400] }) } else { json!({ "prompt": format!("request {i}"), "max_tokens": 20 + i, "ignore_eos": true, "stream": true }) };
+                post(port, "/v1/completions", &body)
+            })
+        })
+        .collect();
+    for (i, t) in threads.into_iter().enumerate() {
+        let answer = t.join().unwrap();
+        if i == 3 {
+            assert_eq!(answer.status, 400);
+            continue;
+        }
+        let events = answer.events();
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "stream {i}: {}",
+            answer.body
+        );
+        let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        assert_eq!(last["usage"]["completion_tokens"], 20 + i, "stream {i}");
+    }
+
+    // A client that goes away mid-stream frees its slot.
+    let reader = start_stream(port, 250);
+    wait_for_health(port, "a running stream", |h| h["slots_free"] == 2);
+    drop(reader);
+    wait_for_health(port, "the slot after the client left", |h| {
+        h["slots_free"] == 3 && h["in_flight"] == 0
+    });
+}
+
+/// Whole and streamed chat completions, greedy: the same answer, with
+/// usage. Returns the greedy answer.
+fn check_chat_completions(port: u16) -> String {
     let whole = post(
         port,
         "/v1/chat/completions",
@@ -318,19 +371,11 @@ fn serves_openai_requests_and_errors() {
     assert_eq!(usage_only["choices"], json!([]));
     assert_eq!(usage_only["usage"]["completion_tokens"], 2);
 
-    // A seed reproduces a sampled answer.
-    let sampled = |seed: u64| {
-        post(
-            port,
-            "/v1/chat/completions",
-            &chat(json!({ "temperature": 1.0, "seed": seed, "max_tokens": 8, "ignore_eos": true })),
-        )
-        .json()["choices"][0]["message"]["content"]
-            .clone()
-    };
-    assert_eq!(sampled(7), sampled(7));
+    content
+}
 
-    // Text completions, whole and streamed.
+/// Text completions, whole and streamed, and a stop string.
+fn check_text_completions(port: u16) {
     let completion = post(
         port,
         "/v1/completions",
@@ -375,8 +420,11 @@ fn serves_openai_requests_and_errors() {
         cut["choices"][0]["text"].as_str().unwrap(),
         &text[..text.find(&stop).unwrap()]
     );
+}
 
-    // Errors: OpenAI's body and status, and the next request is served.
+/// Errors: OpenAI's body and status, and the next request is served
+/// (`content`: the greedy chat answer before the errors).
+fn check_errors(port: u16, content: &str) {
     let malformed = request(port, "POST", "/v1/chat/completions", Some("{\"messages\": [}"), None);
     assert_eq!(malformed.status, 400);
     assert_eq!(malformed.error()["type"], "invalid_request_error");
@@ -414,44 +462,9 @@ fn serves_openai_requests_and_errors() {
     );
     assert_eq!(
         again.json()["choices"][0]["message"]["content"].as_str(),
-        Some(content.as_str()),
+        Some(content),
         "served after the errors, the same answer"
     );
-
-    // Concurrent streams, more than the slots, and a bad request among
-    // them: every good stream completes.
-    let threads: Vec<_> = (0..7)
-        .map(|i| {
-            std::thread::spawn(move || {
-                let body = if i == 3 { json!({ "prompt": vec![5; 400] }) } else { json!({ "prompt": format!("request {i}"), "max_tokens": 20 + i, "ignore_eos": true, "stream": true }) };
-                post(port, "/v1/completions", &body)
-            })
-        })
-        .collect();
-    for (i, t) in threads.into_iter().enumerate() {
-        let answer = t.join().unwrap();
-        if i == 3 {
-            assert_eq!(answer.status, 400);
-            continue;
-        }
-        let events = answer.events();
-        assert_eq!(
-            events.last().map(String::as_str),
-            Some("[DONE]"),
-            "stream {i}: {}",
-            answer.body
-        );
-        let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
-        assert_eq!(last["usage"]["completion_tokens"], 20 + i, "stream {i}");
-    }
-
-    // A client that goes away mid-stream frees its slot.
-    let reader = start_stream(port, 250);
-    wait_for_health(port, "a running stream", |h| h["slots_free"] == 2);
-    drop(reader);
-    wait_for_health(port, "the slot after the client left", |h| {
-        h["slots_free"] == 3 && h["in_flight"] == 0
-    });
 }
 
 #[test]

@@ -149,83 +149,14 @@ impl Executor {
         options: PlanOptions,
         pooled: Option<&ArenaPool>,
     ) -> Result<Self> {
-        if update.is_some() && gradients.is_none() {
-            return Err(Error::InvalidArgument {
-                op: "Executor::new",
-                reason: "an optimizer needs the gradients from backward()".into(),
-            });
-        }
+        check_build(&graph, outputs, gradients.as_ref(), update.as_ref(), &options)?;
         let state_arenas = update.as_ref().map_or(0, |u| u.state_arenas);
-        let foreign = |t: &Tensor| t.0 >= graph.len();
-        let grads_foreign = gradients.as_ref().is_some_and(|g| {
-            foreign(&g.loss) || g.accumulations().iter().any(foreign) || g.input_gradients().iter().any(foreign)
-        });
-        if outputs.iter().any(foreign) || grads_foreign {
-            return Err(Error::InvalidArgument {
-                op: "Executor::new",
-                reason: "an output or gradient is not in this graph".into(),
-            });
-        }
-        // The gradient and state arenas share the parameters' layout, and
-        // nothing computes a gradient or an update in f16 or quantized.
-        if gradients.is_some() {
-            if let Some(p) = graph
-                .parameters()
-                .into_iter()
-                .find(|&p| graph.node(p).dtype.is_stored_weight())
-            {
-                return Err(Error::InvalidArgument {
-                    op: "Executor::new",
-                    reason: format!("parameter `{}` holds {}, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name, graph.node(p).dtype.describe()),
-                });
-            }
-        }
-        if options.arena_alignment != 0 && (!options.arena_alignment.is_power_of_two() || options.arena_alignment < 4) {
-            return Err(Error::InvalidArgument {
-                op: "Executor::new",
-                reason: format!(
-                    "arena alignment {} B must be 0 or a power of two of at least 4 B",
-                    options.arena_alignment
-                ),
-            });
-        }
-        // Both are powers of two, so the larger is a multiple of the device's.
-        let align_bytes = kernels
-            .device()
-            .limits()
-            .min_storage_buffer_offset_alignment
-            .max(options.arena_alignment);
-        let align = (align_bytes as usize / 4).max(1);
-        // A fused kernel the device's limits cannot take is planned unfused.
-        let mut options = options;
-        options.linear_in_loss &= kernels.fits_limits(crate::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD)
-            && kernels.fits_limits(crate::kernels::registry::CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD);
-        // The single-workgroup loss fusions only as large as this adapter
-        // runs them well (a GPU's limits are lower).
-        options.fused_loss_max = options.fused_loss_max.min(kernels.fused_loss_max());
-        options.linear_in_loss_max_macs = options.linear_in_loss_max_macs.min(kernels.linear_in_loss_max_macs());
+        let (options, align) = device_plan_options(&kernels, options);
         let plan = Plan::with_options(&graph, outputs, gradients.as_ref(), align, options);
         check_memory(&kernels, &graph, &plan, gradients.is_some(), state_arenas)?;
 
         let arena_len = plan.param_arena_len.max(1);
-        let mut initial = vec![0.0f32; arena_len];
-        for &(p, offset) in &plan.param_offsets {
-            match &graph.node(p).op {
-                Op::Source(SourceOp::Parameter {
-                    init: ParameterInit::Values(init),
-                }) => put_parameter(&mut initial[offset..], graph.node(p).dtype, init)?,
-                // Already in the kernels' layout: the words' bits as they are.
-                Op::Source(SourceOp::Parameter {
-                    init: ParameterInit::Packed(words),
-                }) => {
-                    initial[offset..offset + words.len()]
-                        .iter_mut()
-                        .zip(words)
-                        .for_each(|(slot, &w)| *slot = f32::from_bits(w));
-                }
-                _ => {}
-            }
-        }
+        let initial = initial_arena(&graph, &plan, arena_len)?;
         let training = gradients.is_some();
         let (params, grads) = match pooled {
             Some(pool) => {
@@ -245,41 +176,8 @@ impl Executor {
                 },
             ),
         };
-        let mut inputs = Vec::with_capacity(plan.input_count);
-        let mut constants = Vec::with_capacity(plan.constant_count);
-        let mut caches = Vec::with_capacity(plan.cache_count);
-        for &i in &plan.order {
-            let node = graph.node(Tensor(i));
-            match (&node.op, plan.storage[i]) {
-                (Op::Source(SourceOp::Input), Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
-                (Op::Source(SourceOp::Constant { values }), Storage::Constant { .. }) => {
-                    constants.push(kernels.upload(values)?)
-                }
-                (Op::Source(SourceOp::Cache), Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
-                _ => {}
-            }
-        }
-        let slots = match pooled {
-            Some(pool) => plan
-                .slot_len
-                .iter()
-                .enumerate()
-                .map(|(i, &len)| {
-                    pool.slots
-                        .get(i)
-                        .ok_or_else(|| Error::InvalidArgument {
-                            op: "Executor::with_arenas",
-                            reason: format!("{} pooled slots for {} planned", pool.slots.len(), plan.slot_len.len()),
-                        })?
-                        .share_prefix(len)
-                })
-                .collect::<Result<Vec<_>>>()?,
-            None => plan
-                .slot_len
-                .iter()
-                .map(|&len| kernels.zeros(len))
-                .collect::<Result<Vec<_>>>()?,
-        };
+        let (inputs, constants, caches) = source_buffers(&kernels, &graph, &plan)?;
+        let slots = slot_buffers(&kernels, &plan, pooled)?;
         // The loss seeds the backward with the loss scale, so it must be
         // the plan's own constant, which the step overwrites, or an input
         // its caller fills (a stage of a model spread over devices, whose
@@ -297,19 +195,7 @@ impl Executor {
         }
         let staging = scalar_staging(&kernels, 0);
 
-        // A training step runs what the loss and the gradients need, not
-        // other outputs (predictions) the caller runs separately.
-        let train_order = match &gradients {
-            Some(g) => {
-                let mut targets = vec![g.loss];
-                targets.extend(g.accumulations());
-                targets.extend(g.input_gradients());
-                let mut order = order_for(&graph, &plan, &targets)?;
-                order.retain(|&i| !plan.in_loss_dispatch[i]);
-                order
-            }
-            None => Vec::new(),
-        };
+        let train_order = train_order(&graph, &plan, gradients.as_ref())?;
         let mut exec = Executor {
             kernels,
             graph,
@@ -1172,4 +1058,164 @@ fn order_for(graph: &Graph, plan: &Plan, outputs: &[Tensor]) -> Result<Vec<usize
         }
     }
     Ok(plan.order.iter().copied().filter(|&i| needed[i]).collect())
+}
+
+/// The arguments [`Executor`]'s constructors refuse before planning.
+fn check_build(
+    graph: &Graph,
+    outputs: &[Tensor],
+    gradients: Option<&Gradients>,
+    update: Option<&UpdateSpec<'_>>,
+    options: &PlanOptions,
+) -> Result<()> {
+    if update.is_some() && gradients.is_none() {
+        return Err(Error::InvalidArgument {
+            op: "Executor::new",
+            reason: "an optimizer needs the gradients from backward()".into(),
+        });
+    }
+    let foreign = |t: &Tensor| t.0 >= graph.len();
+    let grads_foreign = gradients.is_some_and(|g| {
+        foreign(&g.loss) || g.accumulations().iter().any(foreign) || g.input_gradients().iter().any(foreign)
+    });
+    if outputs.iter().any(foreign) || grads_foreign {
+        return Err(Error::InvalidArgument {
+            op: "Executor::new",
+            reason: "an output or gradient is not in this graph".into(),
+        });
+    }
+    // The gradient and state arenas share the parameters' layout, and
+    // nothing computes a gradient or an update in f16 or quantized.
+    if gradients.is_some() {
+        if let Some(p) = graph
+            .parameters()
+            .into_iter()
+            .find(|&p| graph.node(p).dtype.is_stored_weight())
+        {
+            return Err(Error::InvalidArgument {
+                    op: "Executor::new",
+                    reason: format!("parameter `{}` holds {}, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name, graph.node(p).dtype.describe()),
+                });
+        }
+    }
+    if options.arena_alignment != 0 && (!options.arena_alignment.is_power_of_two() || options.arena_alignment < 4) {
+        return Err(Error::InvalidArgument {
+            op: "Executor::new",
+            reason: format!(
+                "arena alignment {} B must be 0 or a power of two of at least 4 B",
+                options.arena_alignment
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `options` as this device plans them, and the arenas' alignment in
+/// elements.
+fn device_plan_options(kernels: &Kernels, options: PlanOptions) -> (PlanOptions, usize) {
+    // Both are powers of two, so the larger is a multiple of the device's.
+    let align_bytes = kernels
+        .device()
+        .limits()
+        .min_storage_buffer_offset_alignment
+        .max(options.arena_alignment);
+    let align = (align_bytes as usize / 4).max(1);
+    // A fused kernel the device's limits cannot take is planned unfused.
+    let mut options = options;
+    options.linear_in_loss &= kernels.fits_limits(crate::kernels::registry::MSE_LINEAR_FORWARD_BACKWARD)
+        && kernels.fits_limits(crate::kernels::registry::CROSS_ENTROPY_LINEAR_FORWARD_BACKWARD);
+    // The single-workgroup loss fusions only as large as this adapter
+    // runs them well (a GPU's limits are lower).
+    options.fused_loss_max = options.fused_loss_max.min(kernels.fused_loss_max());
+    options.linear_in_loss_max_macs = options.linear_in_loss_max_macs.min(kernels.linear_in_loss_max_macs());
+    (options, align)
+}
+
+/// The parameter arena's initial contents: each parameter's values (or
+/// packed words) at its planned offset.
+fn initial_arena(graph: &Graph, plan: &Plan, arena_len: usize) -> Result<Vec<f32>> {
+    let mut initial = vec![0.0f32; arena_len];
+    for &(p, offset) in &plan.param_offsets {
+        match &graph.node(p).op {
+            Op::Source(SourceOp::Parameter {
+                init: ParameterInit::Values(init),
+            }) => put_parameter(&mut initial[offset..], graph.node(p).dtype, init)?,
+            // Already in the kernels' layout: the words' bits as they are.
+            Op::Source(SourceOp::Parameter {
+                init: ParameterInit::Packed(words),
+            }) => {
+                initial[offset..offset + words.len()]
+                    .iter_mut()
+                    .zip(words)
+                    .for_each(|(slot, &w)| *slot = f32::from_bits(w));
+            }
+            _ => {}
+        }
+    }
+    Ok(initial)
+}
+
+/// Buffers of the plan's inputs, constants (uploaded) and caches.
+fn source_buffers(
+    kernels: &Kernels,
+    graph: &Graph,
+    plan: &Plan,
+) -> Result<(Vec<GpuTensor>, Vec<GpuTensor>, Vec<GpuTensor>)> {
+    let mut inputs = Vec::with_capacity(plan.input_count);
+    let mut constants = Vec::with_capacity(plan.constant_count);
+    let mut caches = Vec::with_capacity(plan.cache_count);
+    for &i in &plan.order {
+        let node = graph.node(Tensor(i));
+        match (&node.op, plan.storage[i]) {
+            (Op::Source(SourceOp::Input), Storage::Input { .. }) => inputs.push(kernels.zeros(node.len())?),
+            (Op::Source(SourceOp::Constant { values }), Storage::Constant { .. }) => {
+                constants.push(kernels.upload(values)?)
+            }
+            (Op::Source(SourceOp::Cache), Storage::Cache { .. }) => caches.push(kernels.zeros(node.len())?),
+            _ => {}
+        }
+    }
+    Ok((inputs, constants, caches))
+}
+
+/// The plan's slots: new buffers, or prefixes of a pool's.
+fn slot_buffers(kernels: &Kernels, plan: &Plan, pooled: Option<&ArenaPool>) -> Result<Vec<GpuTensor>> {
+    let slots = match pooled {
+        Some(pool) => plan
+            .slot_len
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                pool.slots
+                    .get(i)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "Executor::with_arenas",
+                        reason: format!("{} pooled slots for {} planned", pool.slots.len(), plan.slot_len.len()),
+                    })?
+                    .share_prefix(len)
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => plan
+            .slot_len
+            .iter()
+            .map(|&len| kernels.zeros(len))
+            .collect::<Result<Vec<_>>>()?,
+    };
+    Ok(slots)
+}
+
+/// A training step runs what the loss and the gradients need, not other
+/// outputs (predictions) the caller runs separately.
+fn train_order(graph: &Graph, plan: &Plan, gradients: Option<&Gradients>) -> Result<Vec<usize>> {
+    Ok(match gradients {
+        Some(g) => {
+            let mut targets = vec![g.loss];
+            targets.extend(g.accumulations());
+            targets.extend(g.input_gradients());
+            let mut order = order_for(graph, plan, &targets)?;
+            order.retain(|&i| !plan.in_loss_dispatch[i]);
+            order
+        }
+        None => Vec::new(),
+    })
 }

@@ -362,59 +362,8 @@ impl ZeroStages {
             stages.push(own);
             pools.push(pool);
         }
-        // The flat arena: weight-decayed parameters first (AdamW's one
-        // boundary), each group in declaration order; the spans listed in
-        // declaration order (as an executor's).
-        let mut offsets = vec![0; declared.len()];
-        let mut offset = 0;
-        for decayed in [true, false] {
-            for (i, (_, shape, _)) in declared
-                .iter()
-                .enumerate()
-                .filter(|(_, (_, _, decays))| *decays == decayed)
-            {
-                offsets[i] = offset;
-                offset += shape.iter().product::<usize>();
-            }
-        }
-        let spans: Vec<ParamSpan> = declared
-            .iter()
-            .zip(offsets)
-            .map(|((name, shape, _), offset)| ParamSpan {
-                name: name.clone(),
-                shape: shape.clone(),
-                offset,
-            })
-            .collect();
-        let (flat_len, decay_len) = (
-            offset,
-            declared
-                .iter()
-                .filter(|(_, _, decays)| *decays)
-                .map(|(_, shape, _)| shape.iter().product::<usize>())
-                .sum::<usize>(),
-        );
-        let index: HashMap<&str, usize> = spans.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-        let placed = stages
-            .iter()
-            .map(|own| {
-                own.iter()
-                    .map(|stage| {
-                        stage
-                            .executor()
-                            .parameter_spans()
-                            .into_iter()
-                            .map(|p| {
-                                index
-                                    .get(p.name.as_str())
-                                    .map(|&i| (i, p.offset))
-                                    .ok_or_else(|| undeclared(&p.name))
-                            })
-                            .collect::<Result<Vec<_>>>()
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (spans, flat_len, decay_len) = flat_layout(&declared);
+        let placed = placements(&stages, &spans)?;
         let holders: Vec<usize> = (0..spans.len())
             .map(|i| {
                 placed[0]
@@ -1082,4 +1031,67 @@ impl TrainEngine for ZeroStages {
             )
         }))
     }
+}
+
+/// The flat arena of `declared` (name, shape, weight decay applies):
+/// weight-decayed parameters first (AdamW's one boundary), each group in
+/// declaration order; the spans listed in declaration order (as an
+/// executor's), the arena's length and the decayed prefix's.
+fn flat_layout(declared: &[(String, Vec<usize>, bool)]) -> (Vec<ParamSpan>, usize, usize) {
+    let mut offsets = vec![0; declared.len()];
+    let mut offset = 0;
+    for decayed in [true, false] {
+        for (i, (_, shape, _)) in declared
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, _, decays))| *decays == decayed)
+        {
+            offsets[i] = offset;
+            offset += shape.iter().product::<usize>();
+        }
+    }
+    let spans: Vec<ParamSpan> = declared
+        .iter()
+        .zip(offsets)
+        .map(|((name, shape, _), offset)| ParamSpan {
+            name: name.clone(),
+            shape: shape.clone(),
+            offset,
+        })
+        .collect();
+    let (flat_len, decay_len) = (
+        offset,
+        declared
+            .iter()
+            .filter(|(_, _, decays)| *decays)
+            .map(|(_, shape, _)| shape.iter().product::<usize>())
+            .sum::<usize>(),
+    );
+    (spans, flat_len, decay_len)
+}
+
+/// Where each device's stages hold each span: (span index, offset in the
+/// stage's arena), stage by stage.
+fn placements(stages: &[Vec<Stage>], spans: &[ParamSpan]) -> Result<Vec<Vec<Vec<(usize, usize)>>>> {
+    let index: HashMap<&str, usize> = spans.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+    stages
+        .iter()
+        .map(|own| {
+            own.iter()
+                .map(|stage| {
+                    stage
+                        .executor()
+                        .parameter_spans()
+                        .into_iter()
+                        .map(|p| {
+                            index
+                                .get(p.name.as_str())
+                                .map(|&i| (i, p.offset))
+                                .ok_or_else(|| undeclared(&p.name))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()
 }

@@ -353,7 +353,7 @@ fn no_training_dispatch_at_gpt2_124m_shapes_launches_fewer_than_8k_invocations_o
 const NO_BROWSER_CASE: [(&str, &str); 0] = [];
 
 /// The entry points `cli/src/webgpu_cases.rs`'s builder table claims, read
-/// from its source: the `let builders = vec![..];` table, whitespace
+/// from its source: the `const BUILDERS` table, whitespace
 /// removed (rustfmt may break an entry over lines), where each builder
 /// starts with `(&["entry", ...]`. `wgrad shaders --dump` checks at run
 /// time that each case runs what it claims; that needs an adapter, and only
@@ -361,11 +361,12 @@ const NO_BROWSER_CASE: [(&str, &str); 0] = [];
 fn browser_case_entries() -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/src/webgpu_cases.rs");
     let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    let Some(start) = source.find("let builders") else {
+    let Some(start) = source.find("const BUILDERS") else {
         return Vec::new();
     };
     let table: String = source[start..].chars().filter(|c| !c.is_whitespace()).collect();
-    let table = table.split_once("];").map_or(table.as_str(), |(t, _)| t);
+    // The table ends the const's block: `..]};`.
+    let table = table.split_once("]};").map_or(table.as_str(), |(t, _)| t);
     let mut entries = Vec::new();
     for builder in table.split("(&[").skip(1) {
         let Some((list, _)) = builder.split_once(']') else {
