@@ -35,8 +35,9 @@ pub struct GptArgs {
     /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
     /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd, for a
     /// real GPU; Llama: small (default) or smollm2-135m (SmolLM2-135M's
-    /// architecture on 2048-token windows). --block-size may shorten or
-    /// lengthen the context up to the preset's largest.
+    /// architecture on 2048-token windows); Qwen2: small (default) or
+    /// qwen2.5-0.5b; Qwen3: small (default) or qwen3-0.6b. --block-size may
+    /// shorten or lengthen the context up to the preset's largest.
     #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd"])]
     preset: Option<String>,
     /// GPT: transformer blocks.
