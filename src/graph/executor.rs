@@ -3,7 +3,7 @@
 //! compute pass and submits once. Values come back only when asked for.
 //!
 //! A training executor runs an update after the backward (an optimizer,
-//! which `crate::optim` attaches through [`StepUpdate`] and whose state and
+//! which the optimizer layer attaches through [`StepUpdate`] and whose state and
 //! methods on `Executor` it defines): the executor knows nothing of it.
 
 use std::collections::HashMap;
@@ -109,7 +109,7 @@ impl std::fmt::Debug for Executor {
 impl Executor {
     /// Plans `graph` for `outputs` (and, when training, the gradients and
     /// the `update` a step runs after them), then allocates every buffer and
-    /// builds every dispatch. `crate::optim` builds its optimizers'
+    /// builds every dispatch. The optimizer layer builds its
     /// executors through this (`Executor::new`, `Executor::with_options`).
     pub fn with_update(
         kernels: Arc<Kernels>,

@@ -152,12 +152,12 @@ pub struct PlanOptions {
     pub linear_in_loss_max_macs: usize,
     /// Where a training step keeps the activations its backward reads
     /// ([`crate::graph::precision`]). The graph's builder applies it
-    /// before planning ([`crate::parallel::Trainer::with_options`] with
-    /// [`Graph::with_f16_activations`]), since it adds nodes.
+    /// before planning (the engines call [`Graph::with_f16_activations`]),
+    /// since it adds nodes.
     pub precision: Precision,
     /// Recompute each block's forward in its backward (graph/checkpoint.rs),
     /// applied, like `precision`, by the graph's builder: a model cut into
-    /// blocks ([`crate::parallel::Trainer::with_blocks`]).
+    /// blocks (the engines' `with_blocks` constructors).
     pub checkpoint_activations: bool,
 }
 

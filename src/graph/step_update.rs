@@ -1,6 +1,6 @@
 //! The narrow interface through which a training step runs work its
-//! executor does not know: an optimizer's update (`crate::optim` attaches
-//! one). The executor offers its parameter and gradient arenas, records the
+//! executor does not know: an optimizer's update (the optimizer layer
+//! attaches one). The executor offers its parameter and gradient arenas, records the
 //! update's dispatches after the backward in the step's one submission,
 //! copies one value into the loss gradient's seed and reads a few words
 //! back beside the loss. Which buffers the update holds (an optimizer's
