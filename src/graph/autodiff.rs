@@ -141,7 +141,7 @@ impl Graph {
         let mut requires_grad = vec![false; count];
         for i in 0..count {
             requires_grad[i] = match self.nodes[i].op {
-                Op::Source(SourceOp::Parameter { .. }) => true,
+                Op::Source(SourceOp::Parameter { .. }) => !self.is_frozen(Tensor(i)),
                 Op::Source(SourceOp::Input) => inputs.contains(&Tensor(i)),
                 Op::Source(SourceOp::Constant { .. }) => false,
                 _ => self.nodes[i].inputs.iter().any(|t| requires_grad[t.0]),

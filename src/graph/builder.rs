@@ -89,6 +89,9 @@ pub struct Graph {
     /// Parameters their module says belong in the no-decay group
     /// (embedding tables), honoured when the optimizer uses groups.
     no_decay_group: Vec<Tensor>,
+    /// Parameters kept fixed ([`Graph::freeze`]): no gradient, no
+    /// optimizer state (sorted).
+    frozen: Vec<Tensor>,
 }
 
 /// The largest rank a tensor may have.
@@ -236,6 +239,7 @@ impl Graph {
             nodes,
             no_weight_decay: at(&self.no_weight_decay),
             no_decay_group: at(&self.no_decay_group),
+            frozen: at(&self.frozen),
         }
     }
 
@@ -299,6 +303,36 @@ impl Graph {
     /// Whether `param`'s module put it in the no-decay group.
     pub fn in_no_decay_group(&self, param: Tensor) -> bool {
         self.no_decay_group.binary_search(&param).is_ok()
+    }
+
+    /// Keeps `param` fixed: a backward pass computes no gradient for it, so
+    /// the plan gives it no place in the gradient and optimizer-state
+    /// arenas (a LoRA adapter's frozen base).
+    pub fn freeze(&mut self, param: Tensor) -> Result<()> {
+        if !matches!(
+            self.get(param).map(|n| &n.op),
+            Some(Op::Source(SourceOp::Parameter { .. }))
+        ) {
+            return Err(Error::InvalidArgument {
+                op: "freeze",
+                reason: format!("tensor #{} is not a parameter of this graph", param.0),
+            });
+        }
+        if let Err(at) = self.frozen.binary_search(&param) {
+            self.frozen.insert(at, param);
+        }
+        Ok(())
+    }
+
+    /// Whether `param` is kept fixed ([`Graph::freeze`]).
+    pub fn is_frozen(&self, param: Tensor) -> bool {
+        self.frozen.binary_search(&param).is_ok()
+    }
+
+    /// Every parameter a backward pass differentiates (not frozen), in the
+    /// order added.
+    pub fn trainable_parameters(&self) -> Vec<Tensor> {
+        self.parameters().into_iter().filter(|&p| !self.is_frozen(p)).collect()
     }
 
     /// Whether the optimizer's weight decay applies to `param` (true unless

@@ -156,13 +156,16 @@ impl Executor {
         check_memory(&kernels, &graph, &plan, gradients.is_some(), state_arenas)?;
 
         let arena_len = plan.param_arena_len.max(1);
+        // Gradients and optimizer state cover the trainable parameters
+        // only, which the plan lays out first.
+        let trainable_len = plan.trainable_len.max(1);
         let initial = initial_arena(&graph, &plan, arena_len)?;
         let training = gradients.is_some();
         let (params, grads) = match pooled {
             Some(pool) => {
                 let (params, grads) = (
                     pool.params.share_prefix(arena_len)?,
-                    pool.grads.share_prefix(arena_len)?,
+                    pool.grads.share_prefix(trainable_len)?,
                 );
                 kernels.write(params.view(), &initial)?;
                 (params, Some(grads))
@@ -170,7 +173,7 @@ impl Executor {
             None => (
                 kernels.upload(&initial)?,
                 if training {
-                    Some(kernels.zeros(arena_len)?)
+                    Some(kernels.zeros(trainable_len)?)
                 } else {
                     None
                 },
@@ -235,11 +238,11 @@ impl Executor {
         }
         exec.train_loss_dispatches = train_loss_dispatches;
         if let (Some(spec), Some(grads)) = (update, &exec.grads) {
-            let (params, decay_len) = (exec.params.view(), exec.plan.decay_len);
+            let (params, decay_len) = (exec.params.slice(0, trainable_len)?, exec.plan.decay_len);
             let arenas = UpdateArenas {
                 params,
                 grads: grads.view(),
-                len: arena_len,
+                len: trainable_len,
                 decay_len,
             };
             let update = (spec.build)(&exec.kernels, arenas)?;
@@ -329,6 +332,12 @@ impl Executor {
                 op,
                 reason: format!("no parameter named `{name}`"),
             })?;
+        if self.graph.is_frozen(p) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("parameter `{name}` is frozen: it has no gradient"),
+            });
+        }
         grads.slice(offset, self.graph.node(p).len())
     }
 
@@ -891,11 +900,13 @@ impl Executor {
             .collect()
     }
 
-    /// Every parameter's place in the arenas, in graph order.
+    /// Every trainable parameter's place in the arenas (the gradient and
+    /// state arenas hold no frozen one), in graph order.
     pub fn parameter_spans(&self) -> Vec<ParamSpan> {
         self.plan
             .param_offsets
             .iter()
+            .filter(|&&(p, _)| !self.graph.is_frozen(p))
             .map(|&(p, offset)| ParamSpan {
                 name: self.graph.node(p).name.clone(),
                 shape: self.graph.node(p).shape.clone(),
@@ -1000,6 +1011,7 @@ fn scalar_staging(kernels: &Kernels, words: usize) -> wgpu::Buffer {
 fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, state_arenas: usize) -> Result<()> {
     const BYTES: u64 = 4;
     let arena = plan.param_arena_len.max(1) as u64 * BYTES;
+    let trainable = plan.trainable_len.max(1) as u64 * BYTES;
     let own_buffers = |i: &usize| {
         matches!(
             plan.storage[*i],
@@ -1020,13 +1032,13 @@ fn check_memory(kernels: &Kernels, graph: &Graph, plan: &Plan, training: bool, s
             ("parameters", arena, arena),
             (
                 "gradients",
-                if training { arena } else { 0 },
-                if training { arena } else { 0 },
+                if training { trainable } else { 0 },
+                if training { trainable } else { 0 },
             ),
             (
                 "optimizer state",
-                arena * state_arenas as u64,
-                if state_arenas > 0 { arena } else { 0 },
+                trainable * state_arenas as u64,
+                if state_arenas > 0 { trainable } else { 0 },
             ),
             ("inputs, constants and caches", plan.input_bytes, largest_input),
             ("intermediates", plan.slot_bytes, largest_slot),

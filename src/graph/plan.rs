@@ -45,8 +45,14 @@ pub struct Plan {
     /// (parameter, element offset) in parameter order; offsets and lengths
     /// count 4-byte words, two values of an f16 parameter to a word.
     pub param_offsets: Vec<(Tensor, usize)>,
-    /// Length of the parameter (and gradient, and each state) arena in elements.
+    /// Length of the parameter arena in elements.
     pub param_arena_len: usize,
+    /// Elements `0..trainable_len` of the parameter arena hold the
+    /// parameters that are not frozen (`Graph::freeze`); the gradient arena
+    /// and each optimizer-state arena are this long, at the same offsets.
+    /// Frozen parameters lie after it. Equal to `param_arena_len` when
+    /// nothing is frozen.
+    pub trainable_len: usize,
     /// Elements `0..decay_len` of the arena hold the parameters weight decay
     /// applies to; the rest hold those excluded from it
     /// (`Graph::exclude_from_weight_decay`).
@@ -243,6 +249,7 @@ impl Plan {
             slot_len: slots.slot_len,
             param_offsets: p.param_offsets,
             param_arena_len: p.arena,
+            trainable_len: p.trainable_len,
             decay_len: p.decay_len,
             is_output: p.is_output,
             accumulate: p.accumulate,
@@ -265,13 +272,14 @@ impl Plan {
     }
 
     /// Bytes of GPU memory the plan uses for parameters, `state_arenas`
-    /// optimizer-state copies, gradients (when training), inputs, constants
-    /// and intermediates. Every buffer is allocated once, so this is also
-    /// the peak (readback staging aside).
+    /// optimizer-state copies and gradients (when training) of the
+    /// trainable ones, inputs, constants and intermediates. Every buffer is
+    /// allocated once, so this is also the peak (readback staging aside).
     pub fn peak_bytes(&self, training: bool, state_arenas: usize) -> u64 {
         let arena = self.param_arena_len as u64 * BYTES;
-        let copies = 1 + u64::from(training) + state_arenas as u64;
-        arena * copies + self.input_bytes + self.slot_bytes
+        let trainable = self.trainable_len as u64 * BYTES;
+        let copies = u64::from(training) + state_arenas as u64;
+        arena + trainable * copies + self.input_bytes + self.slot_bytes
     }
 }
 
@@ -293,6 +301,7 @@ struct Planning<'g> {
     storage: Vec<Storage>,
     param_offsets: Vec<(Tensor, usize)>,
     arena: usize,
+    trainable_len: usize,
     decay_len: usize,
     order: Vec<usize>,
     reads: Vec<Vec<Tensor>>,
@@ -418,6 +427,7 @@ impl<'g> Planning<'g> {
             storage: vec![Storage::Unused; count],
             param_offsets: Vec::new(),
             arena: 0,
+            trainable_len: 0,
             decay_len: 0,
             order: Vec::new(),
             reads: nodes.iter().map(|n| n.inputs.clone()).collect(),
@@ -436,21 +446,26 @@ impl<'g> Planning<'g> {
     }
 
     /// Parameters and their gradients: one layout, offsets aligned to
-    /// `align` elements. Weight-decayed parameters come first, so an
-    /// optimizer update tells the two groups apart by one boundary
-    /// (`decay_len`); `param_offsets` stays in graph order.
+    /// `align` elements. Weight-decayed trainable parameters come first,
+    /// then the other trainable ones, so an optimizer update tells the two
+    /// groups apart by one boundary (`decay_len`); frozen parameters last,
+    /// past `trainable_len`, where the gradient and state arenas end.
+    /// `param_offsets` stays in graph order.
     fn lay_out_parameters(&mut self, align: usize) {
-        for decayed in [true, false] {
+        for (trainable, decayed) in [(true, true), (true, false), (false, true), (false, false)] {
             for (i, node) in self.nodes.iter().enumerate() {
+                let t = Tensor(i);
                 let is_param = matches!(node.op, Op::Source(SourceOp::Parameter { .. }));
-                if is_param && self.graph.weight_decay_applies(Tensor(i)) == decayed {
-                    self.param_offsets.push((Tensor(i), self.arena));
+                if is_param && self.graph.is_frozen(t) != trainable && self.graph.weight_decay_applies(t) == decayed {
+                    self.param_offsets.push((t, self.arena));
                     self.storage[i] = Storage::Param { offset: self.arena };
                     self.arena += stored_words(node.dtype, node.len()).div_ceil(align) * align;
                 }
             }
-            if decayed {
-                self.decay_len = self.arena;
+            match (trainable, decayed) {
+                (true, true) => self.decay_len = self.arena,
+                (true, false) => self.trainable_len = self.arena,
+                _ => {}
             }
         }
         self.param_offsets.sort_by_key(|&(t, _)| t);

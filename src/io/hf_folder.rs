@@ -535,7 +535,7 @@ fn read_weights_file(
 
 /// A tensor's values as f32: F32 as is, F16 and BF16 exactly, F64 rounded
 /// to nearest (as `tensor.float()` does).
-fn decode(name: &str, view: &safetensors::tensor::TensorView<'_>, path: &Path) -> Result<Vec<f32>> {
+pub(crate) fn decode(name: &str, view: &safetensors::tensor::TensorView<'_>, path: &Path) -> Result<Vec<f32>> {
     let raw = view.data();
     let width = match view.dtype() {
         Dtype::F32 => 4,

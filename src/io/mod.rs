@@ -14,6 +14,7 @@ pub mod gpt_folder;
 pub mod hf_folder;
 pub mod llama_folder;
 pub mod lm_folder;
+pub mod peft;
 pub mod spm;
 pub(crate) mod state_dict;
 pub mod text;

@@ -247,6 +247,16 @@ pub(crate) fn declare_parameter(
     values: &[f32],
     matrix: bool,
 ) -> Result<Tensor> {
+    // Under a LoRA scope every parameter but an adapter's is frozen.
+    let frozen = super::lora::trainable(&name) == Some(false);
+    let t = declare_in_context(g, name, shape, values, matrix)?;
+    if frozen {
+        g.freeze(t)?;
+    }
+    Ok(t)
+}
+
+fn declare_in_context(g: &mut Graph, name: String, shape: &[usize], values: &[f32], matrix: bool) -> Result<Tensor> {
     ACTIVE.with(|a| {
         let mut active = a.borrow_mut();
         let Some(Active { cx, .. }) = active.as_mut() else {
@@ -279,7 +289,8 @@ pub(crate) fn one_quantized_product(g: &Graph, weights: &[Tensor]) -> bool {
 /// a whole (not tensor-parallel) model. Asked before declaring the weights
 /// whole, since a shard declares them at its own shapes.
 pub(crate) fn unsharded_generation() -> bool {
-    cache_pass().is_some() && !super::shard::sharded()
+    // A joined product would skip the adapters a LoRA scope adds per Linear.
+    cache_pass().is_some() && !super::shard::sharded() && !super::lora::active()
 }
 
 /// Attention of the active pass's rows over the KV caches of the layer at

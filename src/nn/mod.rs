@@ -7,6 +7,7 @@
 mod causal_lm;
 mod grouped_attention;
 mod layers;
+mod lora;
 pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
@@ -22,6 +23,7 @@ pub use causal_lm::{
 };
 pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
 pub use layers::{Embedding, LayerNorm};
+pub use lora::{linear_sites, LinearSite, Lora, LoraAdapter, LoraConfig, ALL_LINEAR};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};
@@ -211,10 +213,11 @@ impl Module for Linear {
         }
         if shape.len() <= 2 {
             let xw = g.rows_matmul(MatmulForm::ABt, x, w)?;
-            return match b {
-                Some(b) => g.bias_add(xw, b),
-                None => Ok(xw),
+            let y = match b {
+                Some(b) => g.bias_add(xw, b)?,
+                None => xw,
             };
+            return lora::adapt(g, x, y, prefix, self.in_features, self.out_features);
         }
         // Rows of a [.., in] tensor as a matrix, so the bias add follows
         // the matmul directly and the plan fuses it into the matmul's
@@ -230,7 +233,8 @@ impl Module for Linear {
         if let Some(last) = out_shape.last_mut() {
             *last = self.out_features;
         }
-        g.reshape(y, &out_shape)
+        let y = g.reshape(y, &out_shape)?;
+        lora::adapt(g, x, y, prefix, self.in_features, self.out_features)
     }
 
     fn describe(&self) -> String {

@@ -37,14 +37,16 @@ impl DeviceMemory {
     }
 
     /// An executor's: its plan's parameter arena, the gradient arena and
-    /// one arena per optimizer state when training, inputs and slots.
+    /// one arena per optimizer state when training (both the trainable
+    /// parameters' length: a frozen base has neither), inputs and slots.
     pub fn of_plan(plan: &Plan, training: bool, state_arenas: usize) -> Self {
         let arena = plan.param_arena_len as u64 * BYTES;
-        let gradients = if training { arena } else { 0 };
+        let trainable = plan.trainable_len as u64 * BYTES;
+        let gradients = if training { trainable } else { 0 };
         DeviceMemory {
             parameters: arena,
             gradients,
-            optimizer_state: arena * state_arenas as u64,
+            optimizer_state: trainable * state_arenas as u64,
             activations: plan.input_bytes + plan.slot_bytes,
         }
     }

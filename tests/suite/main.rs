@@ -34,6 +34,7 @@ mod llama_kernels;
 mod llama_parallel;
 mod llama_reference;
 mod lm_training;
+mod lora;
 mod matvec;
 mod mixed_precision;
 mod modules;

@@ -1,0 +1,594 @@
+//! Low-rank adapters (LoRA, Hu et al. 2021) that any [`Linear`] of any
+//! model carries by declaration: `y = x·Wᵀ + b + (α/r)·(x·Aᵀ)·Bᵀ`, with A
+//! [r, in] and B [out, r] trained and the base frozen.
+//!
+//! # Why a wrapper and a scope, not a field of `Linear`
+//!
+//! Models build their Linears in their own files and stay unaware of
+//! adapters. [`Lora`] wraps a whole model: it finds the model's Linears by
+//! building its forward once and noting every [`Linear::forward`] (its
+//! module name, as PEFT names it, and its sizes), picks those the
+//! [`LoraConfig`]'s targets name, and gives each an adapter. Its forward
+//! runs the model's own forward inside a scope (as
+//! [`ForwardContext`](super::ForwardContext) carries a KV cache) in which
+//! each targeted Linear adds its low-rank path, and every other parameter
+//! declared is frozen ([`Graph::freeze`]): the plan then gives the base no
+//! gradient and no optimizer state. Adapter parameters are named
+//! `{module}.lora_A.weight` and `{module}.lora_B.weight` (PEFT's names
+//! without its `base_model.model.` prefix).
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::causal_lm::{declare_parameter, CausalLm, LmSizes};
+use super::{uniform, Module, ParameterTree, StageCosts, Staged};
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Tensor};
+use crate::kernels::MatmulForm;
+
+/// Which Linears carry an adapter and how: rank `r`, scale `alpha / r`,
+/// dropout on the adapter's input, and PEFT's `target_modules`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f32,
+    /// PEFT's `lora_dropout`. Recorded and written to adapter folders; wgrad
+    /// has no dropout op yet, so [`Lora::new`] refuses a training
+    /// declaration with dropout above 0, and a loaded adapter runs without
+    /// it (as PEFT does in evaluation).
+    pub dropout: f32,
+    /// Module names or suffixes (`q_proj`, `c_attn`, `mlp.down_proj`), or
+    /// the one entry `all-linear`: every Linear but the output head.
+    pub targets: Vec<String>,
+}
+
+/// PEFT's target that means every Linear but the output layer.
+pub const ALL_LINEAR: &str = "all-linear";
+
+impl LoraConfig {
+    /// Rank `r`, `alpha`, no dropout, over `targets`.
+    pub fn new(r: usize, alpha: f32, targets: &[&str]) -> Self {
+        LoraConfig {
+            r,
+            alpha,
+            dropout: 0.0,
+            targets: targets.iter().map(|t| (*t).to_string()).collect(),
+        }
+    }
+
+    /// `α / r`, the factor on the adapter's output.
+    pub fn scale(&self) -> f32 {
+        self.alpha / self.r.max(1) as f32
+    }
+
+    /// Parses `r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj` (the CLI's
+    /// `--lora`): keys in any order; the words after `targets=` up to the
+    /// next `key=` are target names (`all-linear`, or names separated by
+    /// commas). `alpha` defaults to `2·r` (PEFT's examples), `targets` to
+    /// `all-linear`, `dropout` to 0.
+    pub fn parse(spec: &str) -> Result<Self> {
+        let bad = |reason: String| Error::InvalidArgument { op: "--lora", reason };
+        let (mut r, mut alpha, mut dropout, mut targets) = (None, None, 0.0f32, Vec::new());
+        let mut in_targets = false;
+        for word in spec.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            let Some((key, value)) = word.split_once('=') else {
+                if in_targets {
+                    targets.push(word.to_string());
+                    continue;
+                }
+                return Err(bad(format!("`{word}` is not key=value (r, alpha, dropout, targets)")));
+            };
+            in_targets = false;
+            let number = |v: &str| {
+                v.trim()
+                    .parse::<f32>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| bad(format!("`{key}={v}` is not a number")))
+            };
+            match key.trim() {
+                "r" | "rank" => {
+                    r = Some(
+                        value
+                            .trim()
+                            .parse::<usize>()
+                            .map_err(|_| bad(format!("`r={value}` is not a whole number")))?,
+                    )
+                }
+                "alpha" | "lora_alpha" => alpha = Some(number(value)?),
+                "dropout" | "lora_dropout" => dropout = number(value)?,
+                "targets" | "target_modules" => {
+                    in_targets = true;
+                    targets.push(value.trim().to_string());
+                }
+                other => return Err(bad(format!("unknown key `{other}`: use r, alpha, dropout, targets"))),
+            }
+        }
+        let r = r.ok_or_else(|| bad("no rank: give r=N".into()))?;
+        let config = LoraConfig {
+            r,
+            alpha: alpha.unwrap_or(2.0 * r as f32),
+            dropout,
+            targets: if targets.is_empty() {
+                vec![ALL_LINEAR.into()]
+            } else {
+                targets
+            },
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    /// The sizes and options every adapter needs, before any layer is seen.
+    pub fn check(&self) -> Result<()> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "LoraConfig",
+            reason,
+        };
+        if self.r == 0 {
+            return Err(bad("the rank r must be at least 1".into()));
+        }
+        if !self.alpha.is_finite() {
+            return Err(bad(format!("alpha {} is not finite", self.alpha)));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(bad(format!("dropout {} is not in [0, 1)", self.dropout)));
+        }
+        if self.targets.is_empty() || self.targets.iter().any(|t| t.trim().is_empty()) {
+            return Err(bad("no target modules: name some (q_proj,v_proj) or all-linear".into()));
+        }
+        Ok(())
+    }
+
+    fn all_linear(&self) -> bool {
+        self.targets.iter().any(|t| t == ALL_LINEAR)
+    }
+
+    /// Whether the Linear named `module` is a target: PEFT's rule for a
+    /// list, the name itself or its last components (`q_proj` matches
+    /// `model.layers.0.self_attn.q_proj`).
+    fn targets_module(&self, module: &str) -> bool {
+        self.targets
+            .iter()
+            .any(|t| module == t || module.strip_suffix(t.as_str()).is_some_and(|head| head.ends_with('.')))
+    }
+}
+
+/// One Linear's adapter: A [r, in] and B [out, r], row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraAdapter {
+    /// The Linear's module name (`model.layers.0.self_attn.q_proj`).
+    pub module: String,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+}
+
+/// A Linear a model's forward runs: its module name and sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearSite {
+    pub module: String,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+/// A model whose targeted Linears carry low-rank adapters over its frozen
+/// parameters (see the module documentation).
+#[derive(Clone, Debug)]
+pub struct Lora<M> {
+    pub base: M,
+    pub config: LoraConfig,
+    adapters: Arc<Vec<LoraAdapter>>,
+}
+
+enum Scope {
+    /// Building the model once to list its Linears.
+    Record(Vec<(LinearSite, Tensor)>),
+    Apply {
+        root: String,
+        scale: f32,
+        adapters: Arc<Vec<LoraAdapter>>,
+    },
+}
+
+thread_local! {
+    static SCOPE: RefCell<Option<Scope>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with `scope` active on this thread, restoring what was active
+/// before however it ends; returns the scope as `f` left it.
+fn with_scope<R>(scope: Scope, f: impl FnOnce() -> Result<R>) -> (Result<R>, Option<Scope>) {
+    /// Puts the previous scope back if `f` panics.
+    struct Restore(Option<Option<Scope>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(previous) = self.0.take() {
+                SCOPE.with(|s| *s.borrow_mut() = previous);
+            }
+        }
+    }
+    let mut restore = Restore(Some(SCOPE.with(|s| s.borrow_mut().replace(scope))));
+    let result = f();
+    let previous = restore.0.take().flatten();
+    let left = SCOPE.with(|s| std::mem::replace(&mut *s.borrow_mut(), previous));
+    (result, left)
+}
+
+/// Whether a forward runs under a LoRA scope (generation's joined
+/// quantized products then stay apart, so each Linear adds its adapter).
+pub(crate) fn active() -> bool {
+    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Apply { .. })))
+}
+
+/// Under an applying scope: whether the parameter `name` (a full name)
+/// stays trainable, that is, is an adapter's. Outside one, every parameter
+/// is (None: no scope).
+pub(crate) fn trainable(name: &str) -> Option<bool> {
+    SCOPE.with(|s| match &*s.borrow() {
+        Some(Scope::Apply { root, adapters, .. }) => {
+            let local = name.strip_prefix(root.as_str()).unwrap_or(name);
+            Some(adapters.iter().any(|a| {
+                local
+                    .strip_prefix(a.module.as_str())
+                    .is_some_and(|rest| rest == ".lora_A.weight" || rest == ".lora_B.weight")
+            }))
+        }
+        _ => None,
+    })
+}
+
+/// `y` (the Linear at `prefix`'s output, of x [.., in]) with the active
+/// adapter's path added, when that Linear carries one; noted when the
+/// scope is listing Linears.
+pub(crate) fn adapt(
+    g: &mut Graph,
+    x: Tensor,
+    y: Tensor,
+    prefix: &str,
+    in_features: usize,
+    out_features: usize,
+) -> Result<Tensor> {
+    let found = SCOPE.with(|s| -> Result<Option<(String, f32, LoraAdapter)>> {
+        match &mut *s.borrow_mut() {
+            None => Ok(None),
+            Some(Scope::Record(sites)) => {
+                let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
+                sites.push((
+                    LinearSite {
+                        module,
+                        in_features,
+                        out_features,
+                    },
+                    y,
+                ));
+                Ok(None)
+            }
+            Some(Scope::Apply { root, scale, adapters }) => {
+                let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
+                let module = local.strip_suffix('.').unwrap_or(local);
+                let Some(a) = adapters.iter().find(|a| a.module == module) else {
+                    return Ok(None);
+                };
+                if (a.in_features, a.out_features) != (in_features, out_features) {
+                    return Err(Error::shape(
+                        "LoRA",
+                        format!(
+                            "the adapter of `{module}` is [{}, {}] but the Linear runs [{out_features}, {in_features}] \
+                             (a tensor-parallel share: adapters do not split yet)",
+                            a.out_features, a.in_features
+                        ),
+                        &[&[a.out_features, a.in_features], &[out_features, in_features]],
+                    ));
+                }
+                Ok(Some((prefix.to_string(), *scale, a.clone())))
+            }
+        }
+    })?;
+    let Some((prefix, scale, adapter)) = found else {
+        return Ok(y);
+    };
+    let r = adapter.a.len() / in_features.max(1);
+    let a = declare_parameter(
+        g,
+        format!("{prefix}lora_A.weight"),
+        &[r, in_features],
+        &adapter.a,
+        false,
+    )?;
+    let b = declare_parameter(
+        g,
+        format!("{prefix}lora_B.weight"),
+        &[out_features, r],
+        &adapter.b,
+        false,
+    )?;
+    let shape = g.shape_of(y).map(<[usize]>::to_vec).unwrap_or_default();
+    let rows = shape.iter().product::<usize>() / out_features.max(1);
+    let flat = g.reshape(x, &[rows, in_features])?;
+    let down = g.matmul_form(MatmulForm::ABt, flat, a)?;
+    let up = g.matmul_form(MatmulForm::ABt, down, b)?;
+    let scaled = g.scale(up, scale)?;
+    let delta = g.reshape(scaled, &shape)?;
+    g.add(y, delta)
+}
+
+/// Every Linear `model`'s forward runs, in order, and the output head (the
+/// Linear whose output is the model's; none when the head is a tied table).
+pub fn linear_sites(model: &dyn Module) -> Result<(Vec<LinearSite>, Option<String>)> {
+    let mut g = Graph::new();
+    let (result, left) = with_scope(Scope::Record(Vec::new()), || {
+        let input = model.input(&mut g, 1)?;
+        model.forward(&mut g, input, "")
+    });
+    let output = result?;
+    let Some(Scope::Record(sites)) = left else {
+        return Err(Error::InvalidArgument {
+            op: "LoRA",
+            reason: "listing the model's Linear layers lost its scope".into(),
+        });
+    };
+    let head = sites
+        .iter()
+        .find(|(s, y)| *y == output || s.module.rsplit('.').next() == Some("lm_head"))
+        .map(|(s, _)| s.module.clone());
+    Ok((sites.into_iter().map(|(s, _)| s).collect(), head))
+}
+
+impl<M: Module> Lora<M> {
+    /// `base` with adapters on the Linears `config` targets, initialised as
+    /// PEFT does: A kaiming-uniform (a = √5, that is U(-1/√in, 1/√in)) from
+    /// the seeded generator ([`super::manual_seed`]), B zero, so the model
+    /// starts as the base. An error when a target matches no Linear, the
+    /// rank exceeds a targeted layer's smaller side, or dropout is asked
+    /// for (not implemented yet).
+    pub fn new(base: M, config: LoraConfig) -> Result<Self> {
+        if config.dropout > 0.0 {
+            return Err(Error::InvalidArgument {
+                op: "LoRA",
+                reason: format!(
+                    "lora dropout {} is not implemented yet (wgrad has no dropout op): use dropout=0",
+                    config.dropout
+                ),
+            });
+        }
+        let sites = Self::targeted(&base, &config)?;
+        let r = config.r;
+        let adapters = sites
+            .into_iter()
+            .map(|s| LoraAdapter {
+                a: uniform(r * s.in_features, 1.0 / (s.in_features.max(1) as f32).sqrt()),
+                b: vec![0.0; s.out_features * r],
+                module: s.module,
+                in_features: s.in_features,
+                out_features: s.out_features,
+            })
+            .collect();
+        Ok(Lora {
+            base,
+            config,
+            adapters: Arc::new(adapters),
+        })
+    }
+
+    /// `base` with the given adapters (read from a file): each must be a
+    /// Linear of `base` that `config` targets, at its sizes and rank, and
+    /// every targeted Linear must have one.
+    pub fn with_adapters(base: M, config: LoraConfig, adapters: Vec<LoraAdapter>) -> Result<Self> {
+        let sites = Self::targeted(&base, &config)?;
+        for a in &adapters {
+            let site = sites
+                .iter()
+                .find(|s| s.module == a.module)
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: "LoRA",
+                    reason: format!(
+                        "the adapter names `{}`, which is not a targeted Linear of this model",
+                        a.module
+                    ),
+                })?;
+            let (i, o, r) = (site.in_features, site.out_features, config.r);
+            if (a.in_features, a.out_features, a.a.len(), a.b.len()) != (i, o, r * i, o * r) {
+                return Err(Error::shape(
+                    "LoRA",
+                    format!(
+                        "`{}`: the base Linear is [{o}, {i}], so rank {r} needs A [{r}, {i}] and B [{o}, {r}]",
+                        a.module
+                    ),
+                    &[&[a.out_features, a.in_features], &[a.a.len()], &[a.b.len()]],
+                ));
+            }
+        }
+        if let Some(missing) = sites.iter().find(|s| !adapters.iter().any(|a| a.module == s.module)) {
+            return Err(Error::InvalidArgument {
+                op: "LoRA",
+                reason: format!("no adapter for `{}`, which the targets name", missing.module),
+            });
+        }
+        let mut ordered = adapters;
+        ordered.sort_by_key(|a| sites.iter().position(|s| s.module == a.module));
+        Ok(Lora {
+            base,
+            config,
+            adapters: Arc::new(ordered),
+        })
+    }
+
+    /// The Linears of `base` that `config` targets, each checked against the
+    /// rank.
+    fn targeted(base: &M, config: &LoraConfig) -> Result<Vec<LinearSite>> {
+        config.check()?;
+        let (sites, head) = linear_sites(base)?;
+        let mut chosen: Vec<LinearSite> = Vec::new();
+        for site in sites {
+            let wanted = if config.all_linear() {
+                head.as_deref() != Some(site.module.as_str())
+            } else {
+                config.targets_module(&site.module)
+            };
+            if wanted && !chosen.iter().any(|c| c.module == site.module) {
+                chosen.push(site);
+            }
+        }
+        if !config.all_linear() {
+            let named = |t: &String| chosen.iter().any(|s| config_targets_one(t, &s.module));
+            if let Some(t) = config.targets.iter().find(|t| !named(t)) {
+                return Err(Error::InvalidArgument {
+                    op: "LoRA",
+                    reason: format!("target `{t}` matches no Linear of `{}`", base.describe()),
+                });
+            }
+        }
+        if chosen.is_empty() {
+            return Err(Error::InvalidArgument {
+                op: "LoRA",
+                reason: format!("`{}` has no Linear layer to adapt", base.describe()),
+            });
+        }
+        if let Some(s) = chosen.iter().find(|s| config.r > s.in_features.min(s.out_features)) {
+            return Err(Error::InvalidArgument {
+                op: "LoRA",
+                reason: format!(
+                    "rank {} exceeds `{}` [{}, {}]: at most {}",
+                    config.r,
+                    s.module,
+                    s.out_features,
+                    s.in_features,
+                    s.in_features.min(s.out_features)
+                ),
+            });
+        }
+        Ok(chosen)
+    }
+}
+
+fn config_targets_one(target: &str, module: &str) -> bool {
+    module == target || module.strip_suffix(target).is_some_and(|head| head.ends_with('.'))
+}
+
+impl<M> Lora<M> {
+    /// The adapters, in the order the model runs their Linears.
+    pub fn adapters(&self) -> &[LoraAdapter] {
+        &self.adapters
+    }
+
+    /// Values the adapters train (PEFT's "trainable params").
+    pub fn trainable_parameters(&self) -> usize {
+        self.adapters.iter().map(|a| a.a.len() + a.b.len()).sum()
+    }
+
+    fn scope(&self, root: &str) -> Scope {
+        Scope::Apply {
+            root: root.to_string(),
+            scale: self.config.scale(),
+            adapters: Arc::clone(&self.adapters),
+        }
+    }
+
+    /// `f` under this model's scope.
+    fn run<R>(&self, root: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        with_scope(self.scope(root), f).0
+    }
+}
+
+impl<M: ParameterTree> ParameterTree for Lora<M> {
+    /// The base's parameters, then each adapter's A and B.
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.base.visit(prefix, f);
+        let r = self.config.r;
+        for a in self.adapters.iter() {
+            f(
+                format!("{prefix}{}.lora_A.weight", a.module),
+                vec![r, a.in_features],
+                &a.a,
+            );
+            f(
+                format!("{prefix}{}.lora_B.weight", a.module),
+                vec![a.out_features, r],
+                &a.b,
+            );
+        }
+    }
+
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
+        self.base.visit_mut(prefix, f)?;
+        let r = self.config.r;
+        for a in Arc::make_mut(&mut self.adapters).iter_mut() {
+            f(
+                format!("{prefix}{}.lora_A.weight", a.module),
+                vec![r, a.in_features],
+                &mut a.a,
+            )?;
+            f(
+                format!("{prefix}{}.lora_B.weight", a.module),
+                vec![a.out_features, r],
+                &mut a.b,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> Module for Lora<M> {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Tensor> {
+        self.run(prefix, || self.base.forward(g, x, prefix))
+    }
+
+    /// The base's line, then the adapters': `LoRA(r=8, alpha=16,
+    /// targets=q_proj,v_proj)`.
+    fn describe(&self) -> String {
+        format!(
+            "{} LoRA(r={}, alpha={}, targets={})",
+            self.base.describe(),
+            self.config.r,
+            self.config.alpha,
+            self.config.targets.join(",")
+        )
+    }
+
+    fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
+        self.base.input(g, batch)
+    }
+}
+
+impl<M: Staged> Staged for Lora<M> {
+    fn prologue(&self, g: &mut Graph, input: Tensor) -> Result<Tensor> {
+        self.run("", || self.base.prologue(g, input))
+    }
+
+    fn block(&self, g: &mut Graph, index: usize, x: Tensor) -> Result<Tensor> {
+        self.run("", || self.base.block(g, index, x))
+    }
+
+    fn epilogue(&self, g: &mut Graph, x: Tensor) -> Result<Tensor> {
+        self.run("", || self.base.epilogue(g, x))
+    }
+
+    /// The base's costs: an adapter's work (2·r·(in + out) per row) is small
+    /// beside its layer's.
+    fn stage_costs(&self) -> StageCosts {
+        self.base.stage_costs()
+    }
+}
+
+impl<M: CausalLm> CausalLm for Lora<M> {
+    fn lm_sizes(&self) -> LmSizes {
+        let sizes = self.base.lm_sizes();
+        LmSizes {
+            parameters: sizes.parameters + self.trainable_parameters() as u64,
+            ..sizes
+        }
+    }
+
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> Result<(Tensor, Tensor)> {
+        self.run(prefix, || self.base.body(g, idx, prefix))
+    }
+
+    fn logits(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> Result<Tensor> {
+        self.run(prefix, || self.base.logits(g, table, x, prefix))
+    }
+}
