@@ -738,6 +738,17 @@ impl Executor {
         self.params.view()
     }
 
+    /// The parameter arena's trainable part, which the gradient and
+    /// optimizer-state arenas mirror: all of it unless some parameter is
+    /// frozen (those lie after it).
+    pub fn trainable_arena(&self) -> View<'_> {
+        let all = self.params.view();
+        View {
+            len: self.plan.trainable_len.max(1).min(all.len),
+            ..all
+        }
+    }
+
     /// Runs only what `outputs` need (no backward, no optimizer) in one
     /// submission. Read the results with [`Executor::read`].
     pub fn run(&mut self, outputs: &[Tensor]) -> Result<()> {

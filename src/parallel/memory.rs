@@ -69,14 +69,17 @@ impl DeviceMemory {
     /// `shard_len` elements, the replica holding `replica`: the optimizer
     /// state, and from stage 2 the gradients, at 3 the parameters, of its
     /// shard only.
+    /// The shards cover the trainable parameters (the gradient arena's
+    /// length); a frozen base stays whole on every device.
     pub fn zero_kept(replica: DeviceMemory, stage: ZeroStage, shard_len: usize) -> Self {
         let shard = shard_len as u64 * BYTES;
-        let arena = replica.parameters.max(1);
+        let trainable = replica.gradients.max(1);
+        let frozen = replica.parameters.saturating_sub(replica.gradients);
         let sharded = |bytes: u64, from: ZeroStage| if stage >= from { shard } else { bytes };
         DeviceMemory {
-            parameters: sharded(replica.parameters, ZeroStage::Parameters),
+            parameters: frozen + sharded(replica.gradients, ZeroStage::Parameters),
             gradients: sharded(replica.gradients, ZeroStage::Gradients),
-            optimizer_state: replica.optimizer_state / arena * shard,
+            optimizer_state: replica.optimizer_state / trainable * shard,
             activations: replica.activations,
         }
     }
@@ -140,7 +143,7 @@ fn replica<M: Parallelizable>(model: &M, p: &Planning, rows: usize, alignment: u
     let plan = plan(t.graph, &outputs, &t.grads, &p.optimizer, alignment)?;
     Ok((
         DeviceMemory::of_plan(&plan, true, p.optimizer.state_names().len()),
-        plan.param_arena_len,
+        plan.trainable_len,
     ))
 }
 

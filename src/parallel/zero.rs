@@ -331,7 +331,7 @@ impl Zero {
             })
             .collect::<Result<Vec<_>>>()?;
         let plan = replicas[0].executor().plan();
-        let (arena_len, decay_len) = (plan.param_arena_len, plan.decay_len);
+        let (arena_len, decay_len) = (plan.trainable_len, plan.decay_len);
         let block = alignment as usize / BYTES as usize;
         let process_shards = shard_ranges(arena_len, size, block)?;
         let mine = process_shards[rank].clone();
@@ -347,7 +347,7 @@ impl Zero {
                 op: "Zero::new",
                 reason: "a replica without gradients".into(),
             })?;
-            let (params, grads) = (shard_of(k, exec.parameter_arena(), range), shard_of(k, grads, range));
+            let (params, grads) = (shard_of(k, exec.trainable_arena(), range), shard_of(k, grads, range));
             let decay = decay_len.clamp(range.start, range.end) - range.start;
             optimizers
                 .push(Optimizer::new(k, optimizer, params, grads, range.len(), decay).map_err(|e| on_device(i, k, e))?);
@@ -478,14 +478,14 @@ impl Zero {
             let whole = self.whole_on_host(|i| {
                 shard_of(
                     &self.devices[i],
-                    self.replicas[i].executor().parameter_arena(),
+                    self.replicas[i].executor().trainable_arena(),
                     &self.shards[i],
                 )
             })?;
             self.write_everywhere(&whole)?;
         } else {
-            let srcs = self.shard_parts(|t| Some(t.executor().parameter_arena()))?;
-            let dsts = self.whole_parts(|t| Some(t.executor().parameter_arena()))?;
+            let srcs = self.shard_parts(|t| Some(t.executor().trainable_arena()))?;
+            let dsts = self.whole_parts(|t| Some(t.executor().trainable_arena()))?;
             all_gather(&srcs, &dsts)?;
         }
         self.gathered = true;
@@ -495,7 +495,7 @@ impl Zero {
     /// Every local device's parameter arena becomes `whole`.
     fn write_everywhere(&self, whole: &[f32]) -> Result<()> {
         for (i, (t, k)) in self.replicas.iter().zip(&self.devices).enumerate() {
-            k.write(t.executor().parameter_arena(), whole)
+            k.write(t.executor().trainable_arena(), whole)
                 .map_err(|e| on_device(i, k, e))?;
         }
         Ok(())
@@ -509,7 +509,7 @@ impl Zero {
         }
         for (i, (t, range)) in self.replicas.iter().zip(&self.shards).enumerate() {
             let k = &self.devices[i];
-            let arena = Part::new(k, t.executor().parameter_arena());
+            let arena = Part::new(k, t.executor().trainable_arena());
             for (start, end) in [(0, range.start), (range.end, arena.view.len)] {
                 if end > start {
                     k.write(arena.sub(start, end - start), &vec![0.0f32; end - start])
@@ -674,7 +674,7 @@ impl Zero {
         let arena = self.whole_on_host(|i| {
             shard_of(
                 &self.devices[i],
-                self.replicas[i].executor().parameter_arena(),
+                self.replicas[i].executor().trainable_arena(),
                 &self.shards[i],
             )
         })?;
@@ -813,7 +813,7 @@ impl TrainEngine for Zero {
         // Read before `write_state` below resets it to its step's fresh state.
         let scale = broadcast_loss_scale(g.as_ref(), 0, if root { self.read_loss_scale()? } else { None })?;
         let mut whole = if root {
-            self.devices[0].read(self.replicas[0].executor().parameter_arena())?
+            self.devices[0].read(self.replicas[0].executor().trainable_arena())?
         } else {
             Vec::new()
         };
@@ -880,7 +880,7 @@ impl TrainEngine for Zero {
             self.gather_parameters()?;
         }
         let spans = self.spans();
-        let arena_len = self.replicas[0].executor().plan().param_arena_len;
+        let arena_len = self.replicas[0].executor().plan().trainable_len;
         let host = stage_state(self.optimizer.state_names(), arena_len, &spans, state)?;
         for (i, t) in self.replicas.iter_mut().enumerate() {
             t.executor_mut()
