@@ -555,3 +555,41 @@ mod engines {
         assert!(e.contains("adapters do not split yet"), "{e}");
     }
 }
+
+/// What `wgrad train --dry-run` prints, planned without a device, equals
+/// what a LoRA trainer allocates, and holds gradients and AdamW's two
+/// moments for the adapters only: the frozen base counts once.
+#[test]
+fn the_memory_plan_counts_the_frozen_base_once() {
+    use wgrad::graph::Precision;
+    use wgrad::parallel::engine::{Strategy, TrainEngine};
+    use wgrad::parallel::memory::{strategy_memory, Planning};
+    for_each_adapter("the_memory_plan_counts_the_frozen_base_once", |k| {
+        let base = tiny_llama();
+        let lora = Lora::new(base.clone(), LoraConfig::new(2, 4.0, &["all-linear"]))?;
+        let optimizer: OptimizerConfig = AdamW::new(1e-3).into();
+        let planning = Planning {
+            criterion: CrossEntropyLoss.into(),
+            optimizer: optimizer.clone(),
+            batch: BATCH,
+            micro_batches: 1,
+            device_alignment: k.device().limits().min_storage_buffer_offset_alignment,
+            precision: Precision::F32,
+            checkpoint_activations: false,
+        };
+        let planned = strategy_memory(&lora, Strategy::Single, 1, &planning)?;
+        let trainer = Trainer::new(k.clone(), &lora, CrossEntropyLoss, optimizer, BATCH)?;
+        assert_eq!(planned, TrainEngine::memory(&trainer), "planned against allocated");
+        let full = strategy_memory(&base, Strategy::Single, 1, &planning)?;
+        let plan = trainer.executor().plan();
+        assert_eq!(planned.gradients, 4 * plan.trainable_len as u64);
+        assert_eq!(planned.optimizer_state, 2 * planned.gradients);
+        assert_eq!(planned.parameters, 4 * plan.param_arena_len as u64);
+        assert!(planned.gradients < full.gradients && planned.parameters >= full.parameters);
+        assert!(
+            planned.total() < full.total(),
+            "{planned:?} against full fine-tuning's {full:?}"
+        );
+        Ok(())
+    });
+}
