@@ -241,7 +241,7 @@ fn the_frozen_base_has_no_gradient_or_state_and_does_not_change() {
         let base = tiny_llama();
         let model = Lora::new(base.clone(), LoraConfig::new(2, 4.0, &["all-linear"]))?;
         let optimizer: OptimizerConfig = AdamW::new(1e-2).weight_decay(0.1).into();
-        let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, optimizer.clone(), BATCH)?;
+        let mut t = Trainer::new(k.clone(), &model, CrossEntropyLoss, optimizer, BATCH)?;
         let full = Trainer::new(k.clone(), &base, CrossEntropyLoss, optimizer, BATCH)?;
         let before = t.executor().parameters()?;
         for s in 0..5 {
@@ -570,7 +570,7 @@ fn the_memory_plan_counts_the_frozen_base_once() {
         let optimizer: OptimizerConfig = AdamW::new(1e-3).into();
         let planning = Planning {
             criterion: CrossEntropyLoss.into(),
-            optimizer: optimizer.clone(),
+            optimizer,
             batch: BATCH,
             micro_batches: 1,
             device_alignment: k.device().limits().min_storage_buffer_offset_alignment,
