@@ -22,6 +22,7 @@ Any family transformers reads from GGUF works: a case is one more entry in
 CASES (the model's file name in wgrad's cache, or its variable). The model
 files are never committed:
     python3 scripts/perplexity_reference.py            # every case whose file is present
+    python3 scripts/perplexity_reference.py smollm2    # only the cases named
     python3 scripts/perplexity_reference.py --print    # compute, print, write nothing
 """
 
@@ -79,9 +80,12 @@ def score(model, tokens, context, bos):
 
 def main():
     write = "--print" not in sys.argv
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
     results = json.loads(OUT.read_text()) if OUT.exists() else {"cases": []}
     by_name = {c["name"]: c for c in results["cases"]}
     for name, variable, file, text_path, context, max_tokens in CASES:
+        if names and name not in names:
+            continue
         path = pathlib.Path(os.environ.get(variable, CACHE / file))
         if not path.is_file():
             print(f"{name}: {path} is missing, skipped (kept as it was)")
