@@ -62,7 +62,8 @@ fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| r.random_range(0..vocab as u32)).collect()
 }
 
-/// Scores `model` over three windows of `context` and 5 tokens more, and
+/// Scores `model` over three windows of `context` and `context - 1`
+/// tokens more (too few for a fourth), and
 /// checks each window's loss, the mean, the counts and BOS's placement.
 fn check_model(k: &Arc<Kernels>, model: &dyn CausalLm, context: usize, seed: u64) -> wgrad::Result<()> {
     let options = ScorerOptions {
@@ -71,7 +72,7 @@ fn check_model(k: &Arc<Kernels>, model: &dyn CausalLm, context: usize, seed: u64
     };
     let mut scorer = Scorer::new(k.clone(), model, &options)?;
     let mut generator = Generator::new(k.clone(), model, 1)?;
-    let text = tokens(seed, 3 * context + 5, model.vocab_size());
+    let text = tokens(seed, 4 * context - 1, model.vocab_size());
     let bos = 1;
     let mut expected = 0.0;
     for chunk in text.chunks_exact(context) {
@@ -85,7 +86,10 @@ fn check_model(k: &Arc<Kernels>, model: &dyn CausalLm, context: usize, seed: u64
     let mut heard = Vec::new();
     let result = scorer.score(&text, Some(bos), |done, of| heard.push((done, of)))?;
     assert_eq!(heard, vec![(1, 3), (2, 3), (3, 3)]);
-    assert_eq!((result.windows, result.context, result.left_out), (3, context, 5));
+    assert_eq!(
+        (result.windows, result.context, result.left_out),
+        (3, context, context - 1)
+    );
     assert_eq!(result.scored, 3 * scored_per_window(context));
     assert!(
         (result.mean_loss - expected).abs() <= ATOL,
