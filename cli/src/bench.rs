@@ -14,8 +14,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{GeneratorOptions, Sampling};
 use wgrad::kernels::MatmulForm;
-use wgrad::Kernels;
+use wgrad::{DeviceOptions, Kernels};
 use wgrad_benches::{median_time, BenchLine};
+
+use crate::common::open_kernels;
 
 fn random(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -206,8 +208,8 @@ pub fn serve(
             context: Some(context),
             ..GeneratorOptions::default()
         };
-        let lm = crate::chat::load_bpe_lm(kernels, model, None, &options)?;
-        let mut generator = crate::chat::bpe_generator(kernels.clone(), &lm, None, &options)?;
+        let lm = crate::generate::load_bpe_lm(kernels, model, None, &options)?;
+        let mut generator = crate::generate::bpe_generator(kernels.clone(), &lm, None, &options)?;
         let prompt = lm.tokenizer.encode(SERVE_PROMPTS[0], true)?;
         // Once to compile, once timed.
         generator.generate(&prompt, 2, &Sampling::greedy(), |_| Ok(()))?;
@@ -318,4 +320,221 @@ pub fn serve(
     }
     drop(child);
     Ok(lines)
+}
+
+pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
+    const CASES: [&str; 12] = [
+        "matmul",
+        "mlp_step",
+        "gpt_train_step",
+        "gpt_generate",
+        "linear_step",
+        "gpt2_124m_prefill",
+        "gpt2_124m_decode",
+        "smollm2_prefill",
+        "smollm2_decode",
+        "smollm2_decode_rows",
+        "serve",
+        "attention",
+    ];
+    if let Some(unknown) = only
+        .iter()
+        .find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str())))
+    {
+        return Err(wgrad::Error::InvalidArgument {
+            op: "bench --only",
+            reason: format!("no case is named like `{unknown}`; the cases are {}", CASES.join(", ")),
+        });
+    }
+    let runs = |case: &str| only.is_empty() || only.iter().any(|w| case.contains(w.as_str()));
+    let kernels = open_kernels(opts)?;
+    let threads = std::env::var("LP_NUM_THREADS").unwrap_or_else(|_| "unset".into());
+    println!("adapter: {} (LP_NUM_THREADS={threads})", kernels.device().label());
+    if compile {
+        for l in wgrad_benches::compile_times(&kernels)? {
+            println!("{l}");
+        }
+        return Ok(());
+    }
+    let sizes: &[usize] = if quick { &[256, 512] } else { &[256, 512, 1024, 2048] };
+    let reps = if quick { 3 } else { 5 };
+    let mut lines = Vec::new();
+    if runs("matmul") {
+        for &n in sizes {
+            lines.push(matmul(&kernels, n, reps)?);
+        }
+    }
+    if runs("mlp_step") {
+        lines.push(wgrad_benches::mlp_step(&kernels, if quick { 5 } else { 20 })?);
+    }
+    if runs("gpt_train_step") {
+        // The GPT step's mfu is against the best matmul measured in this run.
+        let gflops = |ls: &[wgrad_benches::BenchLine]| {
+            ls.iter()
+                .filter_map(|l| l.values.iter().find(|v| v.0 == "gflops"))
+                .filter_map(|v| v.1.parse::<f64>().ok())
+                .fold(0.0, f64::max)
+        };
+        let mut best_gflops = gflops(&lines);
+        if best_gflops == 0.0 {
+            best_gflops = gflops(&[matmul(&kernels, 512, reps)?]);
+        }
+        lines.push(wgrad_benches::gpt_train_step(
+            &kernels,
+            wgrad_benches::gpt_bench_config(),
+            16,
+            if quick { 2 } else { 5 },
+            best_gflops,
+        )?);
+        if kernels.supports_f16() {
+            let f16 = wgrad::graph::PlanOptions {
+                precision: wgrad::graph::Precision::F16,
+                ..Default::default()
+            };
+            lines.push(wgrad_benches::gpt_train_step_with(
+                &kernels,
+                wgrad_benches::gpt_bench_config(),
+                16,
+                if quick { 2 } else { 5 },
+                best_gflops,
+                f16,
+            )?);
+        }
+    }
+    if runs("gpt_generate") {
+        lines.push(wgrad_benches::gpt_generate(
+            &kernels,
+            wgrad_benches::gpt_bench_config(),
+            if quick { 16 } else { 48 },
+        )?);
+    }
+    if runs("linear_step") {
+        lines.push(wgrad_benches::linear_step(&kernels, if quick { 100 } else { 1000 })?);
+    }
+    if runs("attention") {
+        // Fused against unfused attention training at a fixed B·T = 1024
+        // tokens, 4 heads of 64 channels (SmolLM2's and GPT-2's width).
+        for t in [64, 256, 1024] {
+            lines.push(wgrad_benches::attention_train(
+                &kernels,
+                t,
+                1024,
+                4,
+                64,
+                if quick { 2 } else { 5 },
+            )?);
+        }
+    }
+    if runs("gpt2_124m_prefill") || runs("gpt2_124m_decode") {
+        // GPT-2 124M's shape: a 16-token prompt and 8 decoded tokens when quick.
+        let (prompt, decoded) = if quick { (16, 8) } else { (64, 32) };
+        lines.extend(wgrad_benches::gpt2_124m_generate(&kernels, prompt, decoded, profile)?);
+    }
+    if runs("smollm2_prefill") || runs("smollm2_decode") {
+        // The 128-token prompt; fewer decoded tokens when quick.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench smollm2",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
+        })?;
+        lines.extend(wgrad_benches::smollm2_generate(
+            &kernels,
+            &path,
+            128,
+            if quick { 8 } else { 32 },
+            profile,
+        )?);
+    }
+    if only.iter().any(|w| w == "smollm2_decode_rows") {
+        // Only by its name: it builds a SmolLM2 generator per row count.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench smollm2_decode_rows",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
+        })?;
+        lines.extend(wgrad_benches::smollm2_decode_rows(
+            &kernels,
+            &path,
+            &[1, 2, 4, 8, 16],
+            if quick { 4 } else { 8 },
+            profile,
+        )?);
+    }
+    if only.iter().any(|w| w == "serve") {
+        // Only when asked for by name: it needs SmolLM2 and runs minutes.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench serve",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
+        })?;
+        let (requests, max_tokens) = if quick { (1, 16) } else { (2, 32) };
+        lines.extend(serve(&kernels, &path, &[1, 4, 16], requests, max_tokens)?);
+    }
+    println!("{:<32} measurements", "case");
+    for l in &lines {
+        let values: Vec<String> = l.values.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        println!("{:<32} {}", l.case, values.join(", "));
+    }
+    println!();
+    for l in &lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+pub fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
+    let group = wgrad::parallel::mpi::MpiGroup::init()?;
+    // Training reduces the gradient bucket by bucket: 2^18 f64 sums each.
+    const BUCKET: usize = 1 << 18;
+    let mut rows = Vec::new();
+    for &n in sizes {
+        let mut values = vec![1.0f64; n];
+        let mut times = Vec::with_capacity(reps.max(1));
+        for rep in 0..=reps.max(1) {
+            let start = Instant::now();
+            for chunk in values.chunks_mut(BUCKET) {
+                if let Err(e) = group.all_reduce_sum(chunk) {
+                    eprintln!("error: rank {}: {e}", group.rank());
+                    group.abort(1);
+                }
+            }
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        rows.push((n, times[times.len() / 2], times[0]));
+    }
+    if group.rank() == 0 {
+        println!("{}", group.describe());
+        println!(
+            "{:>12} {:>12} {:>12} {:>12} {:>10}",
+            "parameters", "f32 MiB", "median ms", "min ms", "GB/s f64"
+        );
+        for (n, median, min) in &rows {
+            let bytes = 8.0 * *n as f64;
+            println!(
+                "{n:>12} {:>12.2} {:>12.3} {:>12.3} {:>10.2}",
+                4.0 * *n as f64 / (1 << 20) as f64,
+                1e3 * median,
+                1e3 * min,
+                bytes / median / 1e9
+            );
+        }
+        for (n, median, _) in &rows {
+            println!(
+                "bench allreduce processes={} parameters={n} ms={:.3}",
+                group.size(),
+                1e3 * median
+            );
+        }
+    }
+    group.finalize();
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
+    crate::train::train_mpi_missing("allreduce")
 }

@@ -41,13 +41,13 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use wgrad::infer::batch::{BatchRequest, Event, FinishReason, Scheduler};
 use wgrad::infer::generate::{GeneratorOptions, PrefillMode, Sampling};
+use wgrad::infer::pretrained::load_pretrained_with_config;
 use wgrad::io::bpe::BpeTokenizer;
 use wgrad::io::chat::{ChatMessage, ChatTemplate};
 use wgrad::io::text::Utf8Stream;
 use wgrad::{DeviceOptions, Kernels};
 
-use crate::chat::{bpe_generator, load_bpe_lm};
-use crate::gpt::DtypeName;
+use crate::generate::{bpe_generator, DtypeName};
 
 /// `wgrad serve`'s flags.
 #[derive(clap::Args)]
@@ -201,7 +201,9 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         .or_else(|| std::env::var("WGRAD_API_KEY").ok())
         .filter(|k| !k.is_empty());
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
-    let model_context = wgrad::io::lm_folder::read_model_config(&args.model)?.lm_sizes().context;
+    // Read once: it sizes the context here and the memory check in loading.
+    let config = wgrad::io::lm_folder::read_model_config(&args.model)?;
+    let model_context = config.lm_sizes().context;
     let context = args.max_context.unwrap_or(model_context.min(DEFAULT_MAX_CONTEXT));
     let options = GeneratorOptions {
         sequences: args.max_batch,
@@ -209,7 +211,8 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         prefill: PrefillMode::OneSlot,
         ..GeneratorOptions::default()
     };
-    let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
+    let dtype = args.dtype.map(DtypeName::weights);
+    let lm = load_pretrained_with_config(&kernels, &args.model, config.as_ref(), dtype, &options)?;
     let template = lm.tokenizer.chat_template().map(ChatTemplate::new).transpose()?;
     let generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
     let (caches, staging) = generator.cache_bytes();
@@ -276,7 +279,7 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
 /// Runs a request of one token through a prefill and a decode step, so
 /// the kernels compile before the first client waits on them.
 fn warm_up(scheduler: &mut Scheduler) -> wgrad::Result<()> {
-    let bar = crate::spinner("compiling the decode kernels");
+    let bar = crate::common::spinner("compiling the decode kernels");
     let done = Arc::new(AtomicBool::new(false));
     let seen = done.clone();
     let sink = Box::new(move |event| {

@@ -4,7 +4,7 @@
 
 use wgrad::parallel::engine::Strategy;
 
-use crate::{ModelKind, OptimizerName, TrainArgs};
+use crate::train::{ModelKind, OptimizerName, TrainArgs};
 
 /// Why a flag does not apply to a run, or None where it does.
 type Rule = fn(&Run) -> Option<String>;

@@ -497,6 +497,16 @@ impl BpeTokenizer {
         Ok(ids)
     }
 
+    /// The BOS id [`BpeTokenizer::encode`] puts first with `add_special`
+    /// (a GGUF file's `add_bos_token`, a folder's post-processor), or None
+    /// when it puts none: what a scorer puts at the start of each window,
+    /// as llama.cpp's perplexity does.
+    pub fn leading_bos(&self) -> Option<u32> {
+        let bos = self.bos?;
+        let ids = self.encode("", true).ok()?;
+        (ids.first() == Some(&bos)).then_some(bos)
+    }
+
     /// The bytes of token `id`; an id outside the vocabulary is an error.
     pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
         match self.token_bytes.get(id as usize) {

@@ -169,3 +169,21 @@ pub fn render_chat(
 ) -> Result<String> {
     ChatTemplate::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
 }
+
+/// Tokens that end an assistant's turn besides the tokenizer's EOS, where
+/// a vocabulary has them: ChatML's (SmolLM2, Qwen), Llama 3's, Phi's and
+/// Gemma's. Templates end a turn with one of these rather than with EOS,
+/// so generation that stops only at EOS would run on into a next turn.
+pub const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"];
+
+/// The ids that end a turn for `tokenizer`: its EOS, then each of
+/// [`END_OF_TURN`] its vocabulary has, each once.
+pub fn stop_ids(tokenizer: &crate::io::bpe::BpeTokenizer) -> Vec<u32> {
+    let mut stops: Vec<u32> = tokenizer
+        .eos_id()
+        .into_iter()
+        .chain(END_OF_TURN.iter().filter_map(|t| tokenizer.token_id(t)))
+        .collect();
+    stops.dedup();
+    stops
+}

@@ -41,6 +41,7 @@ mod modules;
 mod optim;
 mod parallel;
 mod parallel_f16_checkpointing;
+mod perplexity;
 mod pipeline_cache;
 mod quant_weights;
 mod qwen_folder;

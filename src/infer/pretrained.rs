@@ -1,0 +1,115 @@
+//! A pretrained model with its own tokenizer, ready for a generator or a
+//! scorer: a llama.cpp GGUF file (its matrices kept block-quantized as the
+//! file stores them) or a Hugging Face folder with a `tokenizer.json`.
+//! What `wgrad generate`, `chat`, `serve`, `perplexity` and the bench all
+//! load, so each reads a model the same way.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::infer::generate::{check_fits_with_options, GeneratorOptions, WeightDtype};
+use crate::io::bpe::BpeTokenizer;
+use crate::io::gguf_model::{GgufArchitecture, GgufModel};
+use crate::io::lm_folder::{is_gguf_path, load_lm_folder, read_model_config};
+use crate::kernels::Kernels;
+use crate::nn::{CausalLm, LmConfig, LmSizes, QuantizedWeights};
+
+/// A model with its own tokenizer, as [`load_pretrained`] reads it.
+pub struct PretrainedLm {
+    pub model: Box<dyn CausalLm>,
+    /// Matrices stored as the GGUF file stores them (empty for a folder or
+    /// when a dtype was asked for).
+    pub quantized: QuantizedWeights,
+    pub tokenizer: BpeTokenizer,
+    /// The ids that end a turn ([`crate::io::chat::stop_ids`]).
+    pub stops: Vec<u32>,
+    /// The model's ids the tokenizer has no text for (rows past its
+    /// vocabulary, holes in it): a generator never samples them.
+    pub suppressed: Vec<u32>,
+    /// The model's sizes as its config gives them, read once.
+    pub sizes: LmSizes,
+    pub load_seconds: f64,
+}
+
+fn invalid(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "load_pretrained",
+        reason,
+    }
+}
+
+/// Whether `path` is a model [`load_pretrained`] reads: a GGUF file, or a
+/// folder with a `tokenizer.json`.
+pub fn has_own_tokenizer(path: &Path) -> bool {
+    is_gguf_path(path) || path.join("tokenizer.json").is_file()
+}
+
+/// The model at `path` (see [`has_own_tokenizer`]), checked against the
+/// adapter's memory from its sizes before any weight is read (`fits`: the
+/// sequences, context and prefill it will run). A GGUF Llama-family file
+/// keeps its block-quantized matrices as stored unless `dtype` is given,
+/// which de-quantizes every matrix (stored then as `dtype` says).
+pub fn load_pretrained(
+    kernels: &Kernels,
+    path: &Path,
+    dtype: Option<WeightDtype>,
+    fits: &GeneratorOptions,
+) -> Result<PretrainedLm> {
+    let config = read_model_config(path)?;
+    load_pretrained_with_config(kernels, path, config.as_ref(), dtype, fits)
+}
+
+/// [`load_pretrained`] for a caller that has read the model's config
+/// already ([`read_model_config`], to size `fits` by it): the file's header
+/// or config.json is read once.
+pub fn load_pretrained_with_config(
+    kernels: &Kernels,
+    path: &Path,
+    config: &dyn LmConfig,
+    dtype: Option<WeightDtype>,
+    fits: &GeneratorOptions,
+) -> Result<PretrainedLm> {
+    let start = Instant::now();
+    let options = GeneratorOptions {
+        dtype: dtype.unwrap_or_default(),
+        ..fits.clone()
+    };
+    check_fits_with_options(kernels, config, &options)?;
+    let sizes = config.lm_sizes();
+    let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
+        let gguf = GgufModel::open(path)?;
+        let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
+        match (gguf.architecture(), dtype) {
+            (GgufArchitecture::Llama(_), None) => {
+                let (model, quantized) = gguf.to_quantized_llama()?;
+                (Box::new(model), quantized, tokenizer)
+            }
+            _ => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
+        }
+    } else {
+        let tokenizer = BpeTokenizer::from_folder(path)?
+            .ok_or_else(|| invalid(format!("`{}` has no tokenizer.json", path.display())))?;
+        (load_lm_folder(path)?.model, QuantizedWeights::new(), tokenizer)
+    };
+    if tokenizer.vocab_size() > model.vocab_size() {
+        return Err(invalid(format!(
+            "the tokenizer has {} tokens, the model a vocabulary of {}",
+            tokenizer.vocab_size(),
+            model.vocab_size()
+        )));
+    }
+    let stops = crate::io::chat::stop_ids(&tokenizer);
+    let size = model.vocab_size();
+    let vocab = u32::try_from(size).map_err(|_| invalid(format!("a vocabulary of {size} tokens")))?;
+    let suppressed = (0..vocab).filter(|&id| tokenizer.token_bytes(id).is_err()).collect();
+    Ok(PretrainedLm {
+        model,
+        quantized,
+        tokenizer,
+        stops,
+        suppressed,
+        sizes,
+        load_seconds: start.elapsed().as_secs_f64(),
+    })
+}
