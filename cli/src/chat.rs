@@ -16,7 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{check_fits_with_options, Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::io::bpe::BpeTokenizer;
 use wgrad::io::chat::{ChatMessage, ChatTemplate};
-use wgrad::io::gguf_model::{GgufArchitecture, GgufModel};
+use wgrad::io::gguf_model::GgufModel;
 use wgrad::io::lm_folder::{is_gguf_path, load_lm_folder, read_model_config};
 use wgrad::nn::{CausalLm, QuantizedWeights};
 use wgrad::{DeviceOptions, Kernels};
@@ -78,12 +78,12 @@ pub fn load_bpe_lm(
     let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
         let gguf = GgufModel::open(path)?;
         let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
-        match (gguf.architecture(), dtype) {
-            (GgufArchitecture::Llama(_), None) => {
-                let (model, quantized) = gguf.to_quantized_llama()?;
-                (Box::new(model), quantized, tokenizer)
+        match dtype {
+            None => {
+                let (model, quantized) = gguf.to_quantized_causal_lm()?;
+                (model, quantized, tokenizer)
             }
-            _ => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
+            Some(_) => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
         }
     } else {
         let tokenizer = BpeTokenizer::from_folder(path)?

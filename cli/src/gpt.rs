@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::io::text::{Tokenizer, Utf8Stream};
 use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
-use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, CausalLm};
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::pipeline::Schedule;
@@ -187,6 +187,29 @@ impl CliModel for Gpt {
     }
     fn title(c: &GptConfig) -> String {
         format!("GPT L{} H{} C{} T{}", c.n_layer, c.n_head, c.n_embd, c.block_size)
+    }
+}
+
+impl CliModel for Gemma {
+    /// `--preset` names a Gemma 3 preset (default `small`, whose sliding
+    /// window is its whole context).
+    fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GemmaConfig> {
+        let name = g.preset.as_deref().unwrap_or("small");
+        let preset = GemmaConfig::preset(name, 0)?;
+        let block_size = preset_context(g, name, preset.block_size, Some(GemmaConfig::gemma3_270m().block_size))?;
+        let sliding_window = if name == "small" {
+            block_size
+        } else {
+            preset.sliding_window
+        };
+        Ok(GemmaConfig {
+            block_size,
+            sliding_window,
+            ..preset
+        })
+    }
+    fn title(c: &GemmaConfig) -> String {
+        format!("Gemma3 L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
     }
 }
 

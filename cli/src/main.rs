@@ -177,6 +177,9 @@ enum ModelKind {
     /// A small Qwen3 (the Llama with q/k norms and heads of their own
     /// width) on text.
     Qwen3,
+    /// A small Gemma 3 (norms before and after attention and MLP, GELU
+    /// gate, q/k norms, local and global layers) on text.
+    Gemma3,
 }
 
 #[derive(clap::Args)]
@@ -383,6 +386,7 @@ fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         ModelKind::Llama => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Llama),
         ModelKind::Qwen2 => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen2),
         ModelKind::Qwen3 => gpt::train::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3),
+        ModelKind::Gemma3 => gpt::train::<wgrad::models::Gemma>(opts, args, process_group, LlamaVariant::Llama),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
     match args.distributed.as_deref() {
@@ -403,7 +407,7 @@ fn llama_variant(path: &std::path::Path) -> wgrad::Result<LlamaVariant> {
     }
     Ok(match GgufModel::open(path)?.architecture() {
         GgufArchitecture::Llama(config) => config.variant,
-        GgufArchitecture::Gpt2 { .. } => LlamaVariant::Llama,
+        GgufArchitecture::Gpt2 { .. } | GgufArchitecture::Gemma3(_) => LlamaVariant::Llama,
     })
 }
 
@@ -429,6 +433,7 @@ fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
             LlamaVariant::Qwen2 => (ModelKind::Qwen2, "qwen2"),
             LlamaVariant::Qwen3 => (ModelKind::Qwen3, "qwen3"),
         },
+        wgrad::io::lm_folder::LmFamily::Gemma3 => (ModelKind::Gemma3, "gemma3"),
     };
     match args.model {
         Some(given) if given != family => Err(wgrad::Error::InvalidArgument {
