@@ -209,7 +209,10 @@ impl CliModel for Gemma {
         })
     }
     fn title(c: &GemmaConfig) -> String {
-        format!("Gemma3 L{} H{}/{} C{} T{}", c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size)
+        format!(
+            "Gemma3 L{} H{}/{} C{} T{}",
+            c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size
+        )
     }
 }
 
@@ -579,8 +582,10 @@ pub struct GenerateArgs {
     /// (any --dtype de-quantizes them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
-    /// Positions the KV cache holds (default: the model's context): fewer
-    /// for less memory (SmolLM2's 8192 are 180 MiB of keys and values).
+    /// Positions the KV cache holds (default: the model's context; for a
+    /// GGUF file's or tokenizer.json folder's one prompt, its tokens and
+    /// --max-new-tokens rounded up to a power of two from 64): fewer for
+    /// less memory (SmolLM2's 8192 are 180 MiB of keys and values).
     #[arg(long)]
     context: Option<usize>,
 }

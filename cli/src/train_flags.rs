@@ -34,7 +34,9 @@ fn gpt_sizes(run: &Run) -> Option<String> {
         ModelKind::Qwen2 | ModelKind::Qwen3 => {
             Some("it sets a GPT's sizes; a Qwen's come from --preset (small, qwen2.5-0.5b or qwen3-0.6b)".into())
         }
-        ModelKind::Gemma3 => Some("it sets a GPT's sizes; a Gemma 3's come from --preset (small or gemma3-270m)".into()),
+        ModelKind::Gemma3 => {
+            Some("it sets a GPT's sizes; a Gemma 3's come from --preset (small or gemma3-270m)".into())
+        }
         ModelKind::Gpt => None,
     }
 }

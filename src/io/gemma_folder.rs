@@ -94,7 +94,9 @@ pub fn save_gemma_folder_with_files(
         weights.push(NamedTensor::new(name, shape, values.to_vec())?);
     }
     if expected.next().is_some() {
-        return Err(bad(format!("the model has fewer parameters than its config {config:?} implies")));
+        return Err(bad(format!(
+            "the model has fewer parameters than its config {config:?} implies"
+        )));
     }
     let config_bytes = pretty_json(&config_json(&config, tokenizer), OP)?;
     let tokenizer_bytes = tokenizer.map(|t| pretty_json(t, OP)).transpose()?;
@@ -190,7 +192,12 @@ pub fn load_gemma_folder(dir: impl AsRef<Path>) -> Result<LoadedGemma> {
         weights.tensors.get(HEAD),
         weights.tensors.get("model.embed_tokens.weight"),
     ) {
-        if head.data.iter().zip(&table.data).any(|(a, b)| a.to_bits() != b.to_bits()) {
+        if head
+            .data
+            .iter()
+            .zip(&table.data)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
             return Err(Error::CheckpointFormat {
                 path: head.path.clone(),
                 reason: format!("`{HEAD}` differs from `model.embed_tokens.weight`: wgrad's Gemma 3 ties its head"),
@@ -244,7 +251,9 @@ pub fn read_gemma_config(dir: impl AsRef<Path>) -> Result<GemmaConfig> {
         .or(fields.text("hidden_act")?)
         .unwrap_or("gelu_pytorch_tanh");
     if act != "gelu_pytorch_tanh" {
-        return Err(bad(format!("hidden_activation `{act}`: wgrad's Gemma 3 MLP gates with gelu_pytorch_tanh")));
+        return Err(bad(format!(
+            "hidden_activation `{act}`: wgrad's Gemma 3 MLP gates with gelu_pytorch_tanh"
+        )));
     }
     let n_head = fields.required("num_attention_heads")?;
     let n_embd = fields.required("hidden_size")?;
@@ -287,7 +296,9 @@ fn rope_bases(fields: &ConfigFields) -> Result<(f32, f32)> {
         ));
     };
     let base = |layer: &str, default: f32| -> Result<f32> {
-        let Some(params) = rope.get(layer) else { return Ok(default) };
+        let Some(params) = rope.get(layer) else {
+            return Ok(default);
+        };
         let kind = params.get("rope_type").and_then(Value::as_str).unwrap_or("default");
         if kind != "default" {
             return Err(fields.bad(format!(
@@ -300,10 +311,17 @@ fn rope_bases(fields: &ConfigFields) -> Result<(f32, f32)> {
                 .as_f64()
                 .filter(|t| *t > 1.0 && t.is_finite())
                 .map(|t| t as f32)
-                .ok_or_else(|| fields.bad(format!("`rope_parameters.{layer}.rope_theta` is {theta}, not a number above 1"))),
+                .ok_or_else(|| {
+                    fields.bad(format!(
+                        "`rope_parameters.{layer}.rope_theta` is {theta}, not a number above 1"
+                    ))
+                }),
         }
     };
-    Ok((base("full_attention", 1_000_000.0)?, base("sliding_attention", 10_000.0)?))
+    Ok((
+        base("full_attention", 1_000_000.0)?,
+        base("sliding_attention", 10_000.0)?,
+    ))
 }
 
 /// The period of global layers `layer_types` follows (`sliding_window_pattern`,

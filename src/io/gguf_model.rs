@@ -131,7 +131,10 @@ impl GgufModel {
             "gemma3" => {
                 let config = gemma_config(&gguf)?;
                 check_data_holds(&gguf, config.num_parameters())?;
-                (GgufArchitecture::Gemma3(config), Gemma::empty(config)?.named_parameters())
+                (
+                    GgufArchitecture::Gemma3(config),
+                    Gemma::empty(config)?.named_parameters(),
+                )
             }
             "gpt2" => {
                 let (config, layer_norm_eps) = gpt2_config(&gguf)?;

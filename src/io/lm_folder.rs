@@ -13,8 +13,8 @@
 use std::path::Path;
 
 use crate::error::Result;
-use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gemma_folder::{self, load_gemma_folder, read_gemma_config};
+use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
 use crate::io::hf_folder::ConfigFields;
 use crate::io::llama_folder::{load_llama_folder, read_llama_config, variant_of_model_type};
@@ -56,13 +56,15 @@ pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
         .get("architectures")
         .and_then(|a| a.as_array())
         .is_some_and(|a| a.iter().any(|v| v.as_str() == Some(gemma_folder::CLASS)));
-    Ok(if names_gemma || fields.text("model_type")? == Some(gemma_folder::MODEL_TYPE) {
-        LmFamily::Gemma3
-    } else if llama_type || names_llama {
-        LmFamily::Llama
-    } else {
-        LmFamily::Gpt2
-    })
+    Ok(
+        if names_gemma || fields.text("model_type")? == Some(gemma_folder::MODEL_TYPE) {
+            LmFamily::Gemma3
+        } else if llama_type || names_llama {
+            LmFamily::Llama
+        } else {
+            LmFamily::Gpt2
+        },
+    )
 }
 
 /// The folder's sizes, checked, without reading its weights: enough for

@@ -295,11 +295,9 @@ impl Module for GemmaDecoderLayer {
             &child_prefix!(prefix, self.post_attention_layernorm),
         )?;
         let x = g.add(x, attended)?;
-        let normed = self.pre_feedforward_layernorm.forward(
-            g,
-            x,
-            &child_prefix!(prefix, self.pre_feedforward_layernorm),
-        )?;
+        let normed =
+            self.pre_feedforward_layernorm
+                .forward(g, x, &child_prefix!(prefix, self.pre_feedforward_layernorm))?;
         let transformed = self.mlp.forward(g, normed, &child_prefix!(prefix, self.mlp))?;
         let (x, transformed) = shard::reduce_beside(g, x, transformed)?;
         let transformed = self.post_feedforward_layernorm.forward(

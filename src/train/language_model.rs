@@ -29,8 +29,8 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::io::bpe::BpeTokenizer;
-use crate::io::gguf::Gguf;
 use crate::io::gemma_folder::{load_gemma_folder, save_gemma_folder_with_files};
+use crate::io::gguf::Gguf;
 use crate::io::gguf_model::GgufModel;
 use crate::io::gpt_folder::{
     load_gpt_folder, read_tokenizer, save_gpt_folder_with_files, OptimizerState, TokenizerSpec,

@@ -49,7 +49,10 @@ fn the_gemma_presets_have_their_published_sizes() {
     assert_eq!(GemmaConfig::gemma3_270m().num_parameters(), Some(268_098_176));
     let small = GemmaConfig::preset("small", 65).unwrap();
     assert!(small.check().is_ok() && small.vocab_size == 65);
-    assert!(matches!(GemmaConfig::preset("gemma-9000", 65), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        GemmaConfig::preset("gemma-9000", 65),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 #[test]
@@ -102,18 +105,37 @@ fn a_saved_gemma_folder_loads_back_bit_identically() {
 fn what_wgrads_gemma_does_not_compute_is_refused() {
     let tmp = TempDir::new("gemma-refused");
     let cases: [(&str, fn(&mut serde_json::Map<String, serde_json::Value>), &str); 4] = [
-        ("softcap", |c| {
-            c.insert("final_logit_softcapping".into(), 30.0.into());
-        }, "final_logit_softcapping"),
-        ("act", |c| {
-            c.insert("hidden_activation".into(), "silu".into());
-        }, "hidden_activation"),
-        ("types", |c| {
-            c.insert("layer_types".into(), serde_json::json!(["full_attention", "sliding_attention", "sliding_attention"]));
-        }, "layer_types"),
-        ("untied", |c| {
-            c.insert("tie_word_embeddings".into(), false.into());
-        }, "tie_word_embeddings"),
+        (
+            "softcap",
+            |c| {
+                c.insert("final_logit_softcapping".into(), 30.0.into());
+            },
+            "final_logit_softcapping",
+        ),
+        (
+            "act",
+            |c| {
+                c.insert("hidden_activation".into(), "silu".into());
+            },
+            "hidden_activation",
+        ),
+        (
+            "types",
+            |c| {
+                c.insert(
+                    "layer_types".into(),
+                    serde_json::json!(["full_attention", "sliding_attention", "sliding_attention"]),
+                );
+            },
+            "layer_types",
+        ),
+        (
+            "untied",
+            |c| {
+                c.insert("tie_word_embeddings".into(), false.into());
+            },
+            "tie_word_embeddings",
+        ),
     ];
     for (name, edit, field) in cases {
         let dir = copy_fixture("hf-tiny-gemma3", &tmp);

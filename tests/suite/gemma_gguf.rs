@@ -24,7 +24,9 @@ use wgrad::models::{Gemma, GemmaConfig};
 fn gemma3_path() -> Option<PathBuf> {
     let path = match std::env::var_os("WGRAD_GEMMA3") {
         Some(path) => PathBuf::from(path),
-        None => std::env::var_os("HOME").map(PathBuf::from)?.join(".cache/wgrad/models/gemma-3-270m-q4_k_m.gguf"),
+        None => std::env::var_os("HOME")
+            .map(PathBuf::from)?
+            .join(".cache/wgrad/models/gemma-3-270m-q4_k_m.gguf"),
     };
     if path.is_file() {
         Some(path)
@@ -49,7 +51,10 @@ fn as_u32(v: &Json) -> Vec<u32> {
 fn gemma3_file_reads_as_the_published_config_and_tokenizes_as_transformers() {
     let Some(path) = gemma3_path() else { return };
     let file = GgufModel::open(&path).unwrap();
-    assert_eq!(*file.architecture(), GgufArchitecture::Gemma3(GemmaConfig::gemma3_270m()));
+    assert_eq!(
+        *file.architecture(),
+        GgufArchitecture::Gemma3(GemmaConfig::gemma3_270m())
+    );
     let reference: Json = serde_json::from_slice(&std::fs::read(fixture("gemma3-reference.json")).unwrap()).unwrap();
     let tokenizer = BpeTokenizer::from_gguf(file.gguf()).unwrap();
     for case in reference["prompts"].as_array().unwrap() {
@@ -88,6 +93,11 @@ fn gemma3_gives_transformers_greedy_tokens() {
     };
     let run = || -> wgrad::Result<()> {
         let mut generator = Generator::new_with_weights(k.clone(), &model, 1, WeightDtype::F32, quantized.clone())?;
+        println!(
+            "Gemma 3 270M Q4_K_M on {}: {:.1} MiB on the GPU (64-position cache)",
+            k.device().label(),
+            generator.executor().peak_bytes() as f64 / f64::from(1 << 20)
+        );
         // The code prompt: 24 tokens (its smallest top-2 margin is in the
         // fixture); the prose one: its first 8 (its margins are smaller).
         for (case, tokens) in reference["prompts"].as_array().unwrap().iter().zip([24, 8]) {

@@ -81,26 +81,58 @@ fn gemma_data_tensor_and_pipeline_parallel_match_single_device_training() {
     let labels = group.labels().join(", ");
     let model = gemma();
     let (trainer, losses, norms) = train_on_one_device(&group.members()[0], &model, optimizer(), BATCH, &batches());
-    assert!(norms.iter().all(|&n| n > CLIP), "every step clips: norms {norms:?} against {CLIP}");
+    assert!(
+        norms.iter().all(|&n| n > CLIP),
+        "every step clips: norms {norms:?} against {CLIP}"
+    );
     let want = trainer.executor().parameters().unwrap();
 
-    let mut dp = DataParallel::new(group, &model, CrossEntropyLoss, optimizer(), BATCH, Split::Rows(vec![1, 3])).unwrap();
+    let mut dp = DataParallel::new(
+        group,
+        &model,
+        CrossEntropyLoss,
+        optimizer(),
+        BATCH,
+        Split::Rows(vec![1, 3]),
+    )
+    .unwrap();
     matches_one_device(&format!("Gemma 3 data parallel on [{labels}]"), &mut dp, &losses, &want);
 
     let mut tp = TensorParallel::new(group, &model, CrossEntropyLoss, optimizer(), BATCH).unwrap();
     for layer in 0..2 {
         let name = |module: &str| format!("model.layers.{layer}.{module}.weight");
         assert_eq!(
-            (rows_held(&tp, &name("self_attn.q_proj")), rows_held(&tp, &name("self_attn.k_proj"))),
+            (
+                rows_held(&tp, &name("self_attn.q_proj")),
+                rows_held(&tp, &name("self_attn.k_proj"))
+            ),
             (vec![2 * HEAD_DIM, 2 * HEAD_DIM], vec![HEAD_DIM, HEAD_DIM])
         );
-        for norm in ["self_attn.q_norm", "post_attention_layernorm", "post_feedforward_layernorm"] {
+        for norm in [
+            "self_attn.q_norm",
+            "post_attention_layernorm",
+            "post_feedforward_layernorm",
+        ] {
             assert_eq!(tp.slices(&name(norm)), [None, None], "{norm} replicated");
         }
     }
-    matches_one_device(&format!("Gemma 3 tensor parallel on [{labels}]"), &mut tp, &losses, &want);
+    matches_one_device(
+        &format!("Gemma 3 tensor parallel on [{labels}]"),
+        &mut tp,
+        &losses,
+        &want,
+    );
 
-    let mut p = Pipeline::new(group, &model, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::OneFOneB).unwrap();
+    let mut p = Pipeline::new(
+        group,
+        &model,
+        CrossEntropyLoss,
+        optimizer(),
+        BATCH,
+        2,
+        Schedule::OneFOneB,
+    )
+    .unwrap();
     assert_eq!(p.blocks_per_stage(), [1, 1]);
     matches_one_device(&format!("Gemma 3 pipeline on [{labels}]"), &mut p, &losses, &want);
 }

@@ -51,7 +51,11 @@ fn the_model_has_hugging_faces_parameter_names_and_shapes() {
     let gemma = model(&fx);
     let mut ours = gemma.named_parameters();
     ours.sort();
-    assert_eq!(ours, fx.parameters(), "wgrad's names and shapes against transformers' state_dict");
+    assert_eq!(
+        ours,
+        fx.parameters(),
+        "wgrad's names and shapes against transformers' state_dict"
+    );
     let declared = initial_values(&gemma);
     assert_eq!(declared.len(), ours.len(), "one graph parameter per named parameter");
     // Six norms a layer (four around the branches, q and k) and the final one.
@@ -144,10 +148,22 @@ fn gemma_cached_generation_equals_transformers_logits() {
         let logits = generator.prefill(&[&idx[..prompt]])?;
         // The KV cache and the decode kernel sum in another order than the
         // training forward: 1e-5 over logits within ±3.
-        assert_close("prefill", &logits, &want[(prompt - 1) * vocab..prompt * vocab], 1e-5, 1e-5);
+        assert_close(
+            "prefill",
+            &logits,
+            &want[(prompt - 1) * vocab..prompt * vocab],
+            1e-5,
+            1e-5,
+        );
         for p in prompt..t {
             let logits = generator.decode(&[idx[p]])?;
-            assert_close(&format!("decode at {p}"), &logits, &want[p * vocab..(p + 1) * vocab], 1e-5, 1e-5);
+            assert_close(
+                &format!("decode at {p}"),
+                &logits,
+                &want[p * vocab..(p + 1) * vocab],
+                1e-5,
+                1e-5,
+            );
         }
         Ok(())
     });
