@@ -13,7 +13,7 @@ use std::sync::Arc;
 use wgrad::infer::Predictor;
 use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
 use wgrad::io::lm_folder::{lm_family, LmFamily};
-use wgrad::models::{Gpt, Llama};
+use wgrad::models::{Gemma, Gpt, Llama};
 use wgrad::train::{Pretrained, TrainableLm};
 
 const TEXT: &str =
@@ -26,6 +26,7 @@ fn main() -> wgrad::Result<()> {
     match lm_family(&dir)? {
         LmFamily::Llama => write::<Llama>(&dir, &text),
         LmFamily::Gpt2 => write::<Gpt>(&dir, &text),
+        LmFamily::Gemma3 => write::<Gemma>(&dir, &text),
     }
 }
 

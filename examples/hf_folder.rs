@@ -9,7 +9,8 @@
 //! Run: `cargo run --release --example hf_folder -- gpt out/gpt-folder`
 //! (or `-- llama out/llama-folder`, `-- qwen2 …`, `-- qwen3 …`: the Qwen2
 //! with q/k/v biases, the Qwen3 with q/k norms and heads of 12 channels
-//! over 32 / 4), then
+//! over 32 / 4; `-- gemma3 …`: a Gemma 3 with a local and a global
+//! layer), then
 //! `python3 scripts/check_hf_folder.py out/gpt-folder` (the logits go to
 //! `out/gpt-folder.logits.safetensors`).
 
@@ -20,9 +21,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::Predictor;
 use wgrad::io::checkpoint::{self, Checkpoint, NamedTensor};
+use wgrad::io::gemma_folder::save_gemma_folder;
 use wgrad::io::gpt_folder::{save_gpt_folder, TokenizerSpec};
 use wgrad::io::llama_folder::save_llama_folder;
-use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
 use wgrad::models::{Llama, LlamaConfig, LlamaVariant};
 use wgrad::nn::Module;
 
@@ -90,9 +92,36 @@ fn main() -> wgrad::Result<()> {
                 |dir, tokenizer| save_llama_folder(dir, &model, Some(tokenizer)),
             )
         }
+        "gemma3" => {
+            // A local and a global layer, heads of 12 over 32 / 4, a score
+            // scale of its own (query_pre_attn_scalar 10).
+            let config = GemmaConfig {
+                vocab_size: LLAMA.vocab_size,
+                block_size: LLAMA.block_size,
+                n_layer: 2,
+                n_head: 4,
+                n_kv_head: 2,
+                n_embd: 32,
+                head_dim: 12,
+                intermediate_size: 56,
+                query_pre_attn_scalar: 10.0,
+                sliding_window: LLAMA.block_size,
+                sliding_window_pattern: 2,
+                ..GemmaConfig::small(LLAMA.vocab_size)
+            };
+            let model = Gemma::from_parameters(config, &mut random)?;
+            write(
+                &model,
+                LLAMA.block_size,
+                LLAMA.vocab_size,
+                &dir,
+                &mut rng,
+                |dir, tokenizer| save_gemma_folder(dir, &model, Some(tokenizer)),
+            )
+        }
         other => Err(wgrad::Error::InvalidArgument {
             op: "hf_folder example",
-            reason: format!("unknown model `{other}`: gpt, llama, qwen2 or qwen3"),
+            reason: format!("unknown model `{other}`: gpt, llama, qwen2, qwen3 or gemma3"),
         }),
     }
 }

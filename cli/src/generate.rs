@@ -94,8 +94,10 @@ pub struct GenerateArgs {
     /// (any --dtype de-quantizes them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
-    /// Positions the KV cache holds (default: the model's context): fewer
-    /// for less memory (SmolLM2's 8192 are 180 MiB of keys and values).
+    /// Positions the KV cache holds (default: the model's context; for a
+    /// GGUF file's or tokenizer.json folder's one prompt, its tokens and
+    /// --max-new-tokens rounded up to a power of two from 64): fewer for
+    /// less memory (SmolLM2's 8192 are 180 MiB of keys and values).
     #[arg(long)]
     context: Option<usize>,
 }
@@ -602,6 +604,15 @@ pub fn generate_pretrained(
         return Err(invalid("generate", "the prompt is empty: give some text".into()));
     }
     wgrad::kernels::check_token_ids("generate", &ids, lm.model.vocab_size())?;
+    // One generation's cache needs only its prompt and new tokens: the
+    // model's whole context (Gemma 3's 32,768 positions) would cost a
+    // gigabyte of keys and values, and a prefill pass that long activations
+    // over a storage binding.
+    let fitted = ids.len().saturating_add(max_new).max(64).next_power_of_two();
+    let options = GeneratorOptions {
+        context: context.or(Some(fitted.min(lm.model.context_len()))),
+        ..options
+    };
     let context = options.context_for(lm.model.context_len())?;
     if ids.len() > context {
         return Err(invalid(

@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::Sampling;
 use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
-use wgrad::models::{Gpt, GptConfig};
+use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
 use wgrad::nn::AttentionKernel;
 use wgrad::optim::{Adam, AdamW, SGD};
 #[cfg(feature = "fault-injection")]
@@ -51,6 +51,9 @@ pub(crate) enum ModelKind {
     /// A small Qwen3 (the Llama with q/k norms and heads of their own
     /// width) on text.
     Qwen3,
+    /// A small Gemma 3 (norms before and after attention and MLP, GELU
+    /// gate, q/k norms, local and global layers) on text.
+    Gemma3,
 }
 
 #[derive(clap::Args)]
@@ -309,6 +312,32 @@ impl CliModel for Gpt {
     }
     fn title(c: &GptConfig) -> String {
         format!("GPT L{} H{} C{} T{}", c.n_layer, c.n_head, c.n_embd, c.block_size)
+    }
+}
+
+impl CliModel for Gemma {
+    /// `--preset` names a Gemma 3 preset (default `small`, whose sliding
+    /// window is its whole context).
+    fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GemmaConfig> {
+        let name = g.preset.as_deref().unwrap_or("small");
+        let preset = GemmaConfig::preset(name, 0)?;
+        let block_size = preset_context(g, name, preset.block_size, Some(GemmaConfig::gemma3_270m().block_size))?;
+        let sliding_window = if name == "small" {
+            block_size
+        } else {
+            preset.sliding_window
+        };
+        Ok(GemmaConfig {
+            block_size,
+            sliding_window,
+            ..preset
+        })
+    }
+    fn title(c: &GemmaConfig) -> String {
+        format!(
+            "Gemma3 L{} H{}/{} C{} T{}",
+            c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.block_size
+        )
     }
 }
 
@@ -622,6 +651,9 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         ModelKind::Qwen3 => {
             train_language_model::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3)
         }
+        ModelKind::Gemma3 => {
+            train_language_model::<wgrad::models::Gemma>(opts, args, process_group, LlamaVariant::Llama)
+        }
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
     match args.distributed.as_deref() {
@@ -642,7 +674,7 @@ fn llama_variant(path: &std::path::Path) -> wgrad::Result<LlamaVariant> {
     }
     Ok(match GgufModel::open(path)?.architecture() {
         GgufArchitecture::Llama(config) => config.variant,
-        GgufArchitecture::Gpt2 { .. } => LlamaVariant::Llama,
+        GgufArchitecture::Gpt2 { .. } | GgufArchitecture::Gemma3(_) => LlamaVariant::Llama,
     })
 }
 
@@ -668,6 +700,7 @@ fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
             LlamaVariant::Qwen2 => (ModelKind::Qwen2, "qwen2"),
             LlamaVariant::Qwen3 => (ModelKind::Qwen3, "qwen3"),
         },
+        wgrad::io::lm_folder::LmFamily::Gemma3 => (ModelKind::Gemma3, "gemma3"),
     };
     match args.model {
         Some(given) if given != family => Err(wgrad::Error::InvalidArgument {

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::infer::generate::{check_fits_with_options, GeneratorOptions, WeightDtype};
 use crate::io::bpe::BpeTokenizer;
-use crate::io::gguf_model::{GgufArchitecture, GgufModel};
+use crate::io::gguf_model::GgufModel;
 use crate::io::lm_folder::{is_gguf_path, load_lm_folder, read_model_config};
 use crate::kernels::Kernels;
 use crate::nn::{CausalLm, LmConfig, LmSizes, QuantizedWeights};
@@ -80,12 +80,12 @@ pub fn load_pretrained_with_config(
     let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
         let gguf = GgufModel::open(path)?;
         let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
-        match (gguf.architecture(), dtype) {
-            (GgufArchitecture::Llama(_), None) => {
-                let (model, quantized) = gguf.to_quantized_llama()?;
-                (Box::new(model), quantized, tokenizer)
+        match dtype {
+            None => {
+                let (model, quantized) = gguf.to_quantized_causal_lm()?;
+                (model, quantized, tokenizer)
             }
-            _ => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
+            Some(_) => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
         }
     } else {
         let tokenizer = BpeTokenizer::from_folder(path)?

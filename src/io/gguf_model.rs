@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
 use crate::io::gpt_folder::parameter_count;
 use crate::io::hf_folder::SIZE_CHECKED_ABOVE;
-use crate::models::{Gpt, GptConfig, Llama, LlamaConfig, LlamaVariant};
+use crate::models::{Gemma, GemmaConfig, Gpt, GptConfig, Llama, LlamaConfig, LlamaVariant};
 use crate::nn::{CausalLm, LmConfig, Module, ParameterTree, QuantizedMatrix, QuantizedWeights, RopeLayout};
 use crate::ops::QuantFormat;
 
@@ -70,6 +70,9 @@ pub enum GgufArchitecture {
     Llama(LlamaConfig),
     /// `gpt2`, with its LayerNorm epsilon.
     Gpt2 { config: GptConfig, layer_norm_eps: f32 },
+    /// `gemma3`: q and k in Hugging Face's order (half-split pairs), every
+    /// norm weight stored as 1 + Hugging Face's.
+    Gemma3(GemmaConfig),
 }
 
 impl GgufArchitecture {
@@ -78,6 +81,7 @@ impl GgufArchitecture {
         match *self {
             GgufArchitecture::Llama(config) => Box::new(config),
             GgufArchitecture::Gpt2 { config, .. } => Box::new(config),
+            GgufArchitecture::Gemma3(config) => Box::new(config),
         }
     }
 }
@@ -124,6 +128,14 @@ impl GgufModel {
                     Llama::empty(config)?.named_parameters(),
                 )
             }
+            "gemma3" => {
+                let config = gemma_config(&gguf)?;
+                check_data_holds(&gguf, config.num_parameters())?;
+                (
+                    GgufArchitecture::Gemma3(config),
+                    Gemma::empty(config)?.named_parameters(),
+                )
+            }
             "gpt2" => {
                 let (config, layer_norm_eps) = gpt2_config(&gguf)?;
                 check_data_holds(&gguf, parameter_count(&config))?;
@@ -134,7 +146,7 @@ impl GgufModel {
             }
             other => {
                 return Err(bad(format!(
-                    "architecture `{other}`: wgrad runs `llama`, `qwen2`, `qwen3` and `gpt2` GGUF files"
+                    "architecture `{other}`: wgrad runs `llama`, `qwen2`, `qwen3`, `gemma3` and `gpt2` GGUF files"
                 )))
             }
         };
@@ -142,9 +154,10 @@ impl GgufModel {
             GgufArchitecture::Llama(config) if config.variant != LlamaVariant::Llama => qwen_gguf_name,
             GgufArchitecture::Llama(_) => llama::gguf_name,
             GgufArchitecture::Gpt2 { .. } => gpt2_gguf_name,
+            GgufArchitecture::Gemma3(_) => gemma_gguf_name,
         };
         let optional = match architecture {
-            GgufArchitecture::Llama(_) => vec![],
+            GgufArchitecture::Llama(_) | GgufArchitecture::Gemma3(_) => vec![],
             GgufArchitecture::Gpt2 { config, .. } => {
                 vec![(GPT2_HEAD.to_string(), vec![config.vocab_size, config.n_embd])]
             }
@@ -195,10 +208,16 @@ impl GgufModel {
         Ok((info, self.gguf.read_raw(&info.name)?))
     }
 
-    /// The parameter `name` de-quantized to f32, row-major, in the same layout.
+    /// The parameter `name` de-quantized to f32, row-major, in the same
+    /// layout; a Gemma 3 norm weight as Hugging Face stores it (the file's
+    /// less 1).
     pub fn parameter_f32(&self, name: &str) -> Result<Vec<f32>> {
         let info = self.parameter_info(name)?;
-        self.gguf.read_f32(&info.name)
+        let mut values = self.gguf.read_f32(&info.name)?;
+        if matches!(self.architecture, GgufArchitecture::Gemma3(_)) && name.ends_with("norm.weight") {
+            values.iter_mut().for_each(|v| *v -= 1.0);
+        }
+        Ok(values)
     }
 
     /// Every matrix the file stores block-quantized in a format the kernels
@@ -235,6 +254,42 @@ impl GgufModel {
         match self.architecture {
             GgufArchitecture::Llama(config) => Llama::from_parameters(config, |name, _| self.parameter_f32(name)),
             GgufArchitecture::Gpt2 { .. } => Err(self.not_a("Llama", "gpt2")),
+            GgufArchitecture::Gemma3(_) => Err(self.not_a("Llama", "gemma3")),
+        }
+    }
+
+    /// The Gemma 3, every weight de-quantized to f32; an error for another
+    /// architecture.
+    pub fn to_gemma(&self) -> Result<Gemma> {
+        match self.architecture {
+            GgufArchitecture::Gemma3(config) => Gemma::from_parameters(config, |name, _| self.parameter_f32(name)),
+            _ => Err(self.not_a("Gemma 3", self.gguf.get_str(ARCHITECTURE_KEY).unwrap_or("other"))),
+        }
+    }
+
+    /// The model with its matrices as the file stores them (see
+    /// [`GgufModel::to_quantized_llama`]): a Llama (or Qwen) or a Gemma 3
+    /// with values only for the parameters not in the map; a GPT-2 (whose
+    /// fused matrices the generator de-quantizes) de-quantized to f32
+    /// with an empty map.
+    pub fn to_quantized_causal_lm(&self) -> Result<(Box<dyn CausalLm>, QuantizedWeights)> {
+        match self.architecture {
+            GgufArchitecture::Llama(_) => {
+                let (model, quantized) = self.to_quantized_llama()?;
+                Ok((Box::new(model), quantized))
+            }
+            GgufArchitecture::Gemma3(config) => {
+                let quantized = self.quantized_weights()?;
+                let mut model = Gemma::empty(config)?;
+                model.visit_mut("", &mut |name, _, values| {
+                    if !quantized.contains_key(&name) {
+                        *values = self.parameter_f32(&name)?;
+                    }
+                    Ok(())
+                })?;
+                Ok((Box::new(model), quantized))
+            }
+            GgufArchitecture::Gpt2 { .. } => Ok((Box::new(self.to_gpt()?), QuantizedWeights::new())),
         }
     }
 
@@ -293,6 +348,7 @@ impl GgufModel {
         Ok(match self.architecture {
             GgufArchitecture::Llama(_) => Box::new(self.to_llama()?),
             GgufArchitecture::Gpt2 { .. } => Box::new(self.to_gpt()?),
+            GgufArchitecture::Gemma3(_) => Box::new(self.to_gemma()?),
         })
     }
 
@@ -443,6 +499,102 @@ pub fn qwen_gguf_name(name: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{norm}.weight"))
+}
+
+/// A `gemma3` file's config, from its `gemma3.*` metadata (llama.cpp's
+/// names). What the metadata does not carry is what llama.cpp assumes for
+/// this architecture: local layers' rotary base 10,000, a global layer
+/// every sixth, scores scaled by key_length^-½ (`query_pre_attn_scalar`
+/// = head width, as in every Gemma 3 but the 27B).
+fn gemma_config(gguf: &Gguf) -> Result<GemmaConfig> {
+    let bad = |reason: String| Error::Gguf {
+        path: gguf.path().to_path_buf(),
+        reason,
+    };
+    let size = |name: &str| -> Result<usize> {
+        let key = format!("gemma3.{name}");
+        let v = gguf.get_u64(&key)?;
+        if v == 0 || v > MAX_SIZE {
+            return Err(bad(format!("metadata `{key}` = {v} is outside 1..={MAX_SIZE}")));
+        }
+        Ok(v as usize)
+    };
+    let n_head = size("attention.head_count")?;
+    let n_embd = size("embedding_length")?;
+    let head_dim = match gguf.get("gemma3.attention.key_length") {
+        Some(_) => size("attention.key_length")?,
+        None => n_embd / n_head,
+    };
+    if gguf.get("gemma3.attention.value_length").is_some() && size("attention.value_length")? != head_dim {
+        return Err(bad(
+            "`gemma3.attention.value_length` differs from `gemma3.attention.key_length`: wgrad's heads have one width"
+                .into(),
+        ));
+    }
+    if gguf.tensor("output.weight").is_some() {
+        return Err(bad(
+            "has an `output.weight`: wgrad's Gemma 3 ties its head to the token table".into(),
+        ));
+    }
+    let config = GemmaConfig {
+        vocab_size: tokenizer_vocabulary(gguf)?,
+        block_size: size("context_length")?,
+        n_layer: size("block_count")?,
+        n_head,
+        n_kv_head: match gguf.get("gemma3.attention.head_count_kv") {
+            Some(_) => size("attention.head_count_kv")?,
+            None => n_head,
+        },
+        n_embd,
+        head_dim,
+        intermediate_size: size("feed_forward_length")?,
+        rope_theta: match gguf.get("gemma3.rope.freq_base") {
+            Some(_) => gguf.get_f32("gemma3.rope.freq_base")?,
+            None => 1_000_000.0,
+        },
+        rope_local_theta: 10_000.0,
+        rms_norm_eps: gguf.get_f32("gemma3.attention.layer_norm_rms_epsilon")?,
+        query_pre_attn_scalar: head_dim as f32,
+        sliding_window: size("attention.sliding_window")?,
+        sliding_window_pattern: 6,
+    };
+    // Thirteen tensors a block: the four projections, q/k norms, four
+    // norms around the branches, the three MLP matrices.
+    check_blocks(gguf, "gemma3", config.n_layer, 13)?;
+    config
+        .check()
+        .map_err(|e| bad(format!("the metadata's sizes make no Gemma 3: {e}")))?;
+    Ok(config)
+}
+
+/// The GGUF name of a [`Gemma`] parameter (gguf-py's `GEMMA3` tensors).
+pub fn gemma_gguf_name(name: &str) -> Option<String> {
+    const MODEL: [(&str, &str); 2] = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+    ];
+    const BLOCK: [(&str, &str); 13] = [
+        ("input_layernorm", "attn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.q_norm", "attn_q_norm"),
+        ("self_attn.k_norm", "attn_k_norm"),
+        ("self_attn.o_proj", "attn_output"),
+        ("post_attention_layernorm", "post_attention_norm"),
+        ("pre_feedforward_layernorm", "ffn_norm"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+        ("post_feedforward_layernorm", "post_ffw_norm"),
+    ];
+    if let Some((_, gguf)) = MODEL.iter().find(|(n, _)| *n == name) {
+        return Some(gguf.to_string());
+    }
+    let (layer, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    let (_, gguf) = BLOCK.iter().find(|(n, _)| *n == module)?;
+    Some(format!("blk.{layer}.{gguf}.{suffix}"))
 }
 
 /// A `gpt2` file's config and LayerNorm epsilon (`gpt2.*` keys; the

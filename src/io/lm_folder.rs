@@ -1,7 +1,9 @@
 //! A causal language model folder of either family wgrad reads, told
 //! apart by its config.json as transformers' `AutoModelForCausalLM` does:
 //! `model_type: llama`, `qwen2` or `qwen3` (or `architectures:
-//! [LlamaForCausalLM]`, …) is a [`crate::models::Llama`] folder ([`crate::io::llama_folder`]), anything
+//! [LlamaForCausalLM]`, …) is a [`crate::models::Llama`] folder ([`crate::io::llama_folder`]),
+//! `gemma3_text` (`Gemma3ForCausalLM`) a [`crate::models::Gemma`] folder
+//! ([`crate::io::gemma_folder`]), anything
 //! else a GPT-2 folder ([`crate::io::gpt_folder`], which refuses another
 //! `model_type` with its own error). What comes back is a [`CausalLm`],
 //! which [`crate::infer::generate::Generator`] runs whatever the family.
@@ -11,6 +13,7 @@
 use std::path::Path;
 
 use crate::error::Result;
+use crate::io::gemma_folder::{self, load_gemma_folder, read_gemma_config};
 use crate::io::gguf_model::{GgufArchitecture, GgufModel};
 use crate::io::gpt_folder::{load_gpt_folder, read_gpt_config, TokenizerSpec};
 use crate::io::hf_folder::ConfigFields;
@@ -23,6 +26,7 @@ use crate::nn::{CausalLm, LmConfig};
 pub enum LmFamily {
     Gpt2,
     Llama,
+    Gemma3,
 }
 
 /// What [`load_lm_folder`] returns.
@@ -48,11 +52,19 @@ pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
     let llama_type = fields
         .text("model_type")?
         .is_some_and(|t| variant_of_model_type(t).is_some());
-    Ok(if llama_type || names_llama {
-        LmFamily::Llama
-    } else {
-        LmFamily::Gpt2
-    })
+    let names_gemma = fields
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .is_some_and(|a| a.iter().any(|v| v.as_str() == Some(gemma_folder::CLASS)));
+    Ok(
+        if names_gemma || fields.text("model_type")? == Some(gemma_folder::MODEL_TYPE) {
+            LmFamily::Gemma3
+        } else if llama_type || names_llama {
+            LmFamily::Llama
+        } else {
+            LmFamily::Gpt2
+        },
+    )
 }
 
 /// The folder's sizes, checked, without reading its weights: enough for
@@ -62,6 +74,7 @@ pub fn read_lm_config(dir: impl AsRef<Path>) -> Result<Box<dyn LmConfig>> {
     Ok(match lm_family(dir)? {
         LmFamily::Gpt2 => Box::new(read_gpt_config(dir)?),
         LmFamily::Llama => Box::new(read_llama_config(dir)?),
+        LmFamily::Gemma3 => Box::new(read_gemma_config(dir)?),
     })
 }
 
@@ -76,6 +89,10 @@ pub fn load_lm_folder(dir: impl AsRef<Path>) -> Result<LoadedLm> {
         }
         LmFamily::Llama => {
             let loaded = load_llama_folder(dir)?;
+            (Box::new(loaded.model), loaded.tokenizer)
+        }
+        LmFamily::Gemma3 => {
+            let loaded = load_gemma_folder(dir)?;
             (Box::new(loaded.model), loaded.tokenizer)
         }
     };
@@ -105,6 +122,7 @@ pub fn model_family(path: impl AsRef<Path>) -> Result<LmFamily> {
     Ok(match GgufModel::open(path)?.architecture() {
         GgufArchitecture::Llama(_) => LmFamily::Llama,
         GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
+        GgufArchitecture::Gemma3(_) => LmFamily::Gemma3,
     })
 }
 
@@ -133,6 +151,7 @@ pub fn load_model(path: impl AsRef<Path>) -> Result<LoadedLm> {
     let family = match gguf.architecture() {
         GgufArchitecture::Llama(_) => LmFamily::Llama,
         GgufArchitecture::Gpt2 { .. } => LmFamily::Gpt2,
+        GgufArchitecture::Gemma3(_) => LmFamily::Gemma3,
     };
     Ok(LoadedLm {
         family,

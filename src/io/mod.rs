@@ -8,6 +8,7 @@ pub mod bpe;
 pub mod chat;
 pub mod checkpoint;
 pub mod data;
+pub mod gemma_folder;
 pub mod gguf;
 pub mod gguf_model;
 pub mod gpt_folder;

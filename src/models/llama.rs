@@ -10,7 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{Activation, MatmulForm};
 use crate::nn::parameter_tree::{child_prefix, item_prefix, parameter_tree};
 use crate::nn::{
     shard, AttentionKernel, AttentionOptions, CausalLm, Embedding, GroupedQueryAttention, Linear, LmConfig, LmSizes,
@@ -151,6 +151,8 @@ impl LlamaConfig {
             head_dim: self.head_dim(),
             qkv_bias: self.variant == LlamaVariant::Qwen2,
             qk_norm_eps: (self.variant == LlamaVariant::Qwen3).then_some(self.rms_norm_eps),
+            sliding_window: None,
+            scale: None,
         }
     }
 
@@ -401,11 +403,7 @@ impl Llama {
                         config.rotary(),
                     )?,
                     post_attention_layernorm: norm(),
-                    mlp: SwiGluMlp {
-                        gate_proj: Linear::empty(c, f, false),
-                        up_proj: Linear::empty(c, f, false),
-                        down_proj: Linear::empty(f, c, false),
-                    },
+                    mlp: SwiGluMlp::empty(c, f, Activation::Silu),
                 })
             })
             .collect::<Result<_>>()?;

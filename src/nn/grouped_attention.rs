@@ -25,6 +25,11 @@ pub struct AttentionOptions {
     /// Qwen3's `q_norm` and `k_norm`: an RMSNorm of this epsilon over each
     /// head's channels of q and of k, before the rotation.
     pub qk_norm_eps: Option<f32>,
+    /// Attend only to the last this-many positions (key j of query i when i - j < window); None: all of them.
+    pub sliding_window: Option<usize>,
+    /// The scores' scale when not 1/√head_dim (Gemma's
+    /// `query_pre_attn_scalar`^-½).
+    pub scale: Option<f32>,
 }
 
 impl AttentionOptions {
@@ -34,6 +39,8 @@ impl AttentionOptions {
             head_dim: n_embd / n_head.max(1),
             qkv_bias: false,
             qk_norm_eps: None,
+            sliding_window: None,
+            scale: None,
         }
     }
 }
@@ -59,6 +66,10 @@ pub struct GroupedQueryAttention {
     pub k_norm: Option<RmsNorm>,
     pub o_proj: Linear,
     pub attention: AttentionKernel,
+    /// See [`AttentionOptions::sliding_window`].
+    pub sliding_window: Option<usize>,
+    /// See [`AttentionOptions::scale`].
+    pub scale: Option<f32>,
 }
 
 impl GroupedQueryAttention {
@@ -126,6 +137,8 @@ impl GroupedQueryAttention {
             k_norm: norm(),
             o_proj: Linear::empty(q, n_embd, false),
             attention: AttentionKernel::default(),
+            sliding_window: options.sliding_window,
+            scale: options.scale,
         })
     }
 
@@ -202,6 +215,7 @@ impl Module for GroupedQueryAttention {
         let q = g.reshape(q, &[b, t, h, d])?;
         let q = head_norm(g, &self.q_norm, q, &child_prefix!(prefix, self.q_norm))?;
         let q = self.rotary.forward(g, q, starts)?;
+        let q = self.scale_queries(g, q)?;
         let k = g.reshape(k, &[b, t, kv, d])?;
         let k = head_norm(g, &self.k_norm, k, &child_prefix!(prefix, self.k_norm))?;
         let k = self.rotary.forward(g, k, starts)?;
@@ -216,6 +230,12 @@ impl Module for GroupedQueryAttention {
                 .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
         let q = g.reshape(q, &[b, t, h * d])?;
+        if let Some(window) = self.sliding_window.filter(|&w| t > w) {
+            return Err(Error::InvalidArgument {
+                op: "GroupedQueryAttention",
+                reason: format!("a sliding window of {window} positions over {t}: sliding-window attention is computed only over sequences within the window"),
+            });
+        }
         let y = causal_attention(g, [q, k, v], h, kv, d, self.attention)?;
         self.o_proj
             .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
@@ -232,10 +252,30 @@ impl Module for GroupedQueryAttention {
         if self.q_norm.is_some() {
             options += ", qk_norm";
         }
+        if let Some(scale) = self.scale {
+            options += &format!(", scale={scale}");
+        }
+        if let Some(window) = self.sliding_window {
+            options += &format!(", sliding_window={window}");
+        }
         format!(
             "GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={}{options})",
             self.n_embd, self.n_head, self.n_kv_head
         )
+    }
+}
+
+impl GroupedQueryAttention {
+    /// The queries times scale·√d, so that the attention's 1/√d makes
+    /// the scores' scale `scale` (q·k is linear in q: before or after the
+    /// rotation alike); as they are without one.
+    fn scale_queries(&self, g: &mut Graph, q: Tensor) -> Result<Tensor> {
+        match self.scale {
+            Some(scale) if (scale * (self.head_dim as f32).sqrt() - 1.0).abs() > f32::EPSILON => {
+                g.scale(q, scale * (self.head_dim as f32).sqrt())
+            }
+            _ => Ok(q),
+        }
     }
 }
 
@@ -268,7 +308,10 @@ impl GroupedQueryAttention {
             (&self.k_proj, child_prefix!(prefix, self.k_proj)),
             (&self.v_proj, child_prefix!(prefix, self.v_proj)),
         ];
-        let plain = projections.iter().all(|(l, _)| l.bias.is_none()) && self.q_norm.is_none() && self.k_norm.is_none();
+        let plain = projections.iter().all(|(l, _)| l.bias.is_none())
+            && self.q_norm.is_none()
+            && self.k_norm.is_none()
+            && self.scale.is_none();
         if !unsharded_generation() || !plain {
             return Ok(None);
         }

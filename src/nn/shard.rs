@@ -279,6 +279,24 @@ pub fn reduce_residual(g: &mut Graph, x: Tensor, branch: Tensor) -> Result<Tenso
     }
 }
 
+/// A residual branch that is normed before it joins the stream (Gemma's
+/// post-attention and post-MLP norms), whose last Linear is row-parallel:
+/// the whole branch and the stream x, in the segment after the all-reduce
+/// (outside tensor parallelism, both as given). Under tensor parallelism
+/// the ranks all-reduce x | branch side by side, rank 0 contributing x and
+/// the others zeros, so that the next segment holds both.
+pub fn reduce_beside(g: &mut Graph, x: Tensor, branch: Tensor) -> Result<(Tensor, Tensor)> {
+    let Some((rank, _)) = current() else {
+        return Ok((x, branch));
+    };
+    let stream = if rank == 0 { x } else { g.scale(x, 0.0)? };
+    let width = g.shape_of(x).and_then(|s| s.last().copied()).unwrap_or(0);
+    let joined = g.concat_last(&[stream, branch])?;
+    let summed = all_reduce(g, joined)?;
+    let parts = g.split_last(summed, &[width, width])?;
+    Ok((parts[0], parts[1]))
+}
+
 impl Linear {
     /// [`Module::forward`] with the split this Linear takes under tensor
     /// parallelism: inside [`build_rank`] it declares only the rank's share

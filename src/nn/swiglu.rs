@@ -1,4 +1,5 @@
-//! The SwiGLU MLP (Llama's): down(silu(gate(x)) · up(x)), no biases.
+//! The gated MLP: down(act(gate(x)) · up(x)), no biases; SwiGLU (SiLU,
+//! Llama's) or GeGLU (GELU-tanh, Gemma's).
 
 use super::causal_lm::{one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
@@ -14,6 +15,10 @@ pub struct SwiGluMlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    /// The gate's activation: [`Activation::Silu`] (SwiGLU) or
+    /// [`Activation::Gelu`], the tanh approximation (Gemma's
+    /// `gelu_pytorch_tanh`).
+    pub activation: Activation,
 }
 
 impl SwiGluMlp {
@@ -23,6 +28,18 @@ impl SwiGluMlp {
             gate_proj: Linear::normal_no_bias(hidden, intermediate, std),
             up_proj: Linear::normal_no_bias(hidden, intermediate, std),
             down_proj: Linear::normal_no_bias(intermediate, hidden, std),
+            activation: Activation::Silu,
+        }
+    }
+
+    /// The structure with no values, gated by `activation`, for a model's
+    /// `from_parameters` to fill.
+    pub fn empty(hidden: usize, intermediate: usize, activation: Activation) -> Self {
+        SwiGluMlp {
+            gate_proj: Linear::empty(hidden, intermediate, false),
+            up_proj: Linear::empty(hidden, intermediate, false),
+            down_proj: Linear::empty(intermediate, hidden, false),
+            activation,
         }
     }
 }
@@ -43,7 +60,7 @@ impl Module for SwiGluMlp {
         let up = self
             .up_proj
             .forward_split(g, x, &child_prefix!(prefix, self.up_proj), column)?;
-        let gate = g.activation(Activation::Silu, gate)?;
+        let gate = g.activation(self.activation, gate)?;
         let hidden = g.mul(gate, up)?;
         self.down_proj.forward_split(
             g,
@@ -54,8 +71,12 @@ impl Module for SwiGluMlp {
     }
 
     fn describe(&self) -> String {
+        let gate = match self.activation {
+            Activation::Silu => String::new(),
+            other => format!(", {other:?}"),
+        };
         format!(
-            "SwiGluMlp({}, {})",
+            "SwiGluMlp({}, {}{gate})",
             self.gate_proj.in_features, self.gate_proj.out_features
         )
     }
@@ -64,9 +85,11 @@ impl Module for SwiGluMlp {
 impl SwiGluMlp {
     /// Generation with block-quantized gate and up projections without
     /// biases: silu(gate(x)) · up(x) as one gated product (one dispatch
-    /// for three). None where that does not apply.
+    /// for three; its kernel gates with SiLU only). None where that does
+    /// not apply.
     fn quantized_gated(&self, g: &mut Graph, x: Tensor, prefix: &str) -> Result<Option<Tensor>> {
-        if !unsharded_generation() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
+        let plain = self.gate_proj.bias.is_none() && self.up_proj.bias.is_none() && self.activation == Activation::Silu;
+        if !unsharded_generation() || !plain {
             return Ok(None);
         }
         let mut weights = self

@@ -29,6 +29,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::io::bpe::BpeTokenizer;
+use crate::io::gemma_folder::{load_gemma_folder, save_gemma_folder_with_files};
 use crate::io::gguf::Gguf;
 use crate::io::gguf_model::GgufModel;
 use crate::io::gpt_folder::{
@@ -39,7 +40,7 @@ use crate::io::llama_folder::{load_llama_folder, save_llama_folder_with_files};
 use crate::io::lm_folder::is_gguf_path;
 use crate::io::text::{self, CharTokenizer, Gpt2Bpe, Tokenizer};
 use crate::kernels::{Kernels, LrSchedule, OptimizerConfig};
-use crate::models::{Gpt, GptConfig, Llama, LlamaConfig};
+use crate::models::{Gemma, GemmaConfig, Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{AttentionKernel, LmConfig};
 use crate::optim::{self, Adam, AdamW, SGD};
 use crate::parallel::distributed::ProcessGroup;
@@ -156,6 +157,19 @@ trainable_lm!(
     ),
     load_llama_folder,
     GgufModel::to_llama
+);
+trainable_lm!(
+    Gemma,
+    GemmaConfig,
+    |dir: &Path, model, tokenizer, state, files| save_gemma_folder_with_files(
+        dir,
+        model,
+        Some(tokenizer),
+        state,
+        files
+    ),
+    load_gemma_folder,
+    GgufModel::to_gemma
 );
 
 /// A pretrained model to fine-tune: its weights, its own tokenizer, and
