@@ -89,6 +89,23 @@ fn smollm2_perplexity_is_transformers_within_one_percent() {
     check_case("smollm2", &smollm2());
 }
 
+/// Gemma 3 270M's Q4_K_M file: `$WGRAD_GEMMA3`, else where
+/// scripts/fetch-gemma3.sh caches it (`make test` runs it).
+fn gemma3() -> PathBuf {
+    let path = std::env::var_os("WGRAD_GEMMA3")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join("gemma-3-270m-q4_k_m.gguf")))
+        .expect("no WGRAD_GEMMA3 and no cache directory (HOME unset)");
+    assert!(path.is_file(), "Gemma 3's GGUF file is missing at {}: fetch it with scripts/fetch-gemma3.sh, or point WGRAD_GEMMA3 at a copy", path.display());
+    path
+}
+
+#[test]
+fn gemma3_perplexity_is_transformers_within_one_percent() {
+    check_case("gemma3", &gemma3());
+}
+
 #[test]
 fn perplexity_refuses_what_cannot_be_scored() {
     let model = smollm2();
