@@ -17,6 +17,7 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::Predictor;
+use wgrad::kernels::MatmulRequest;
 use wgrad::kernels::{MatmulForm, OptimizerConfig};
 use wgrad::models::LlamaVariant;
 use wgrad::optim::{Adam, AdamW, SGD};
@@ -1080,7 +1081,12 @@ fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> {
     let a = kernels.upload(&a_host)?;
     let b = kernels.upload(&b_host)?;
     let c = kernels.zeros(n * n)?;
-    let dispatch = kernels.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), n, n, n)?;
+    let dispatch = kernels.matmul(
+        &MatmulRequest::new(MatmulForm::AB, n, n, n),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?;
     kernels.run(&[&dispatch])?;
     let gpu = kernels.read::<f32>(c.view())?;
     let start = Instant::now();
