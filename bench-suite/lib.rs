@@ -16,6 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use wgrad::error::Result;
 use wgrad::graph::{Executor, Graph, PlanOptions};
 use wgrad::kernels::{Dispatch, GpuTensor, Kernels, MatmulForm, OptimizerConfig};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 use wgrad::nn::{self, Criterion, CrossEntropyLoss, Layer, Linear, MSELoss, Sequential};
 use wgrad::optim::{Adam, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
@@ -302,7 +303,14 @@ pub fn compile_times(kernels: &Arc<Kernels>) -> Result<Vec<BenchLine>> {
         for form in MatmulForm::ALL {
             let epilogue = MatmulEpilogue::default();
             time_first_runs(format!("matmul_{variant:?}_{form:?}").to_lowercase(), &|| {
-                kernels.matmul_epilogue_with(variant, form, epilogue, c.view(), a.view(), b.view(), n, n, n)
+                kernels.matmul(
+                    &MatmulRequest::new(form, n, n, n)
+                        .with_kernel(MatmulKernel::Tiled(variant))
+                        .with_epilogue(epilogue),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )
             })?;
         }
     }

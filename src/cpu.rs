@@ -447,7 +447,7 @@ pub enum Operand<'a> {
 }
 
 /// Twin of `matmul.wgsl`'s products reading f16 operands (A_F16 / B_F16,
-/// `Kernels::matmul_operands`): each f16 value widened (exactly), then
+/// `Kernels::matmul` with `MatmulOperand::F16`): each f16 value widened (exactly), then
 /// [`matmul_epilogue`].
 pub fn matmul_operands(
     form: MatmulForm,

@@ -37,8 +37,17 @@ pub enum Error {
         shapes: Vec<Vec<usize>>,
     },
 
+    /// An argument (or a combination of them, or a call out of order) that
+    /// the operation refuses: something the caller can change.
     #[error("{op}: {reason}")]
     InvalidArgument { op: &'static str, reason: String },
+
+    /// One of wgrad's own invariants failed (a plan inconsistent with its
+    /// graph, a slot the planner made gone missing): a bug in wgrad, not in
+    /// the caller's input. Kept apart from `InvalidArgument` so a caller
+    /// never searches its own code for the fault.
+    #[error("{op}: internal error, a bug in wgrad (please report it): {reason}")]
+    Internal { op: &'static str, reason: String },
 
     /// An error on one device of a group, naming it.
     #[error("device {device}: {source}")]
@@ -228,6 +237,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// A broken invariant of wgrad's own in `op` ([`Error::Internal`]).
+    pub fn internal(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::Internal {
+            op,
+            reason: reason.into(),
+        }
+    }
+
     /// A shape error in `op` with the operands' shapes.
     pub fn shape(op: &'static str, reason: impl Into<String>, shapes: &[&[usize]]) -> Self {
         Error::Shape {
@@ -235,5 +252,25 @@ impl Error {
             reason: reason.into(),
             shapes: shapes.iter().map(|s| s.to_vec()).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn internal_errors_say_they_are_wgrad_bugs_and_name_the_op() {
+        let e = Error::internal("Executor", "`h` (matmul) has no kernel");
+        let text = e.to_string();
+        assert!(text.starts_with("Executor: "), "{text}");
+        assert!(text.contains("a bug in wgrad"), "{text}");
+        assert!(text.ends_with("`h` (matmul) has no kernel"), "{text}");
+        // A user's bad argument reads as theirs to fix, not as a bug.
+        let user = Error::InvalidArgument {
+            op: "Sampling",
+            reason: "top_k must be at least 1".into(),
+        };
+        assert!(!user.to_string().contains("bug"), "{user}");
     }
 }

@@ -885,7 +885,7 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 /// stores the k-quants in super-blocks of 256 values
 /// ([`QuantFormat::super_block`]) whose 32-value blocks share f16 scales
 /// and carry small integer sub-scales. The kernels read these weights
-/// without widening them in memory (`Kernels::matmul_quant_weights`); the
+/// without widening them in memory (`MatmulOperand::Quant`); the
 /// graph stores them as `DType::Quant`.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -44,9 +44,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
 
+use wgrad::kernels::MatmulRequest;
 use wgrad::kernels::{
-    pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulEpilogue, MatmulForm, QuantFormat, QuantView,
-    SgdConfig,
+    pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulForm, QuantFormat, QuantView, SgdConfig,
 };
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CrossEntropyLoss;
@@ -463,16 +463,11 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     let batch = T_BATCH * h;
     let k = &b.kernels;
     let d = k
-        .matmul_batched(
-            MatmulForm::ABt,
-            false,
+        .matmul(
+            &MatmulRequest::new(MatmulForm::ABt, t, t, d_head).with_batch(batch),
             scores.view(),
             x.view(),
             dy.view(),
-            batch,
-            t,
-            t,
-            d_head,
         )
         .expect("qk");
     time_kernel(
@@ -483,16 +478,11 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
         &d,
     );
     let d = k
-        .matmul_batched(
-            MatmulForm::AB,
-            false,
+        .matmul(
+            &MatmulRequest::new(MatmulForm::AB, t, d_head, t).with_batch(batch),
             qkv.view(),
             probs.view(),
             x.view(),
-            batch,
-            t,
-            d_head,
-            t,
         )
         .expect("av");
     time_kernel(
@@ -510,11 +500,21 @@ fn transformer(c: &mut Criterion, b: &mut Bench) {
     let k = &b.kernels;
     let out3 = k.zeros(bt * 3 * ch).expect("zeros");
     let d = k
-        .matmul(MatmulForm::AB, out3.view(), x.view(), w_attn.view(), bt, 3 * ch, ch)
+        .matmul(
+            &MatmulRequest::new(MatmulForm::AB, bt, 3 * ch, ch),
+            out3.view(),
+            x.view(),
+            w_attn.view(),
+        )
         .expect("c_attn");
     time_kernel(&mut group, b, "matmul_c_attn", &format!("{bt}x{}x{ch}", 3 * ch), &d);
     let d = k
-        .matmul(MatmulForm::AB, wide.view(), x.view(), w_fc.view(), bt, 4 * ch, ch)
+        .matmul(
+            &MatmulRequest::new(MatmulForm::AB, bt, 4 * ch, ch),
+            wide.view(),
+            x.view(),
+            w_fc.view(),
+        )
         .expect("fc");
     time_kernel(&mut group, b, "matmul_fc", &format!("{bt}x{}x{ch}", 4 * ch), &d);
     let d = k.slice_last(y.view(), out3.view(), bt, 3 * ch, ch, ch).expect("slice");
@@ -638,7 +638,12 @@ fn quant_matvec(c: &mut Criterion, b: &mut Bench) {
             let view = QuantView::new(words.view(), format, n, k).expect("view");
             let d = b
                 .kernels
-                .matmul_quant_weights(MatmulEpilogue::default(), out.view(), a.view(), view, 1, n, k)
+                .matmul(
+                    &MatmulRequest::new(MatmulForm::ABt, 1, n, k),
+                    out.view(),
+                    a.view(),
+                    view,
+                )
                 .expect("quant matvec");
             let bytes = format.stored_words(n * k) as u64 * 4;
             b.time(

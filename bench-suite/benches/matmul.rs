@@ -30,6 +30,7 @@ use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::kernels::MatmulForm;
+use wgrad::kernels::MatmulRequest;
 use wgrad::{Device, Kernels};
 
 const SIZES: [usize; 4] = [256, 512, 1024, 2048];
@@ -197,7 +198,7 @@ fn main() {
             let b = kernels.upload(&b_host).expect("upload B");
             let c = kernels.zeros(n * n).expect("allocate C");
             let dispatch = kernels
-                .matmul(form, c.view(), a.view(), b.view(), n, n, n)
+                .matmul(&MatmulRequest::new(form, n, n, n), c.view(), a.view(), b.view())
                 .expect("build matmul dispatch");
 
             // Warm-up (GL compiles shaders lazily at the first dispatch) and a

@@ -1,6 +1,6 @@
 //! The opt-in matmuls against the f32 register kernel, in the same run:
-//! `Kernels::matmul_f16` (f16 storage, f32 accumulation) and
-//! `Kernels::matmul_subgroup`, every `MatmulForm`, square n×n×n.
+//! `MatmulKernel::NativeF16` (f16 storage, f32 accumulation) and
+//! `MatmulKernel::Tiled(MatmulVariant::Subgroup)`, every `MatmulForm`, square n×n×n.
 //!
 //! Kernels are timed in turns inside each trial (f32, f16, subgroup, then
 //! again), so load from other work on the machine hits all of them alike;
@@ -25,6 +25,7 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::kernels::{Dispatch, MatmulForm, MatmulVariant};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 use wgrad::{Device, Kernels};
 
 fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
@@ -106,12 +107,27 @@ fn main() {
         let c = k.zeros(n * n).expect("zeros");
         for form in MatmulForm::ALL {
             let f32_kernel = k
-                .matmul_with(MatmulVariant::Register, form, c_ref.view(), a.view(), b.view(), n, n, n)
+                .matmul(
+                    &MatmulRequest::new(form, n, n, n).with_kernel(MatmulKernel::Tiled(MatmulVariant::Register)),
+                    c_ref.view(),
+                    a.view(),
+                    b.view(),
+                )
                 .expect("f32 matmul");
             k.run(&[&f32_kernel]).expect("run");
             let want: Vec<f32> = k.read(c_ref.view()).expect("read");
-            let f16_kernel = k.matmul_f16(form, c.view(), a16.view(), b16.view(), n, n, n);
-            let subgroup_kernel = k.matmul_subgroup(form, c.view(), a.view(), b.view(), n, n, n);
+            let f16_kernel = k.matmul(
+                &MatmulRequest::new(form, n, n, n).with_kernel(MatmulKernel::NativeF16),
+                c.view(),
+                a16.view(),
+                b16.view(),
+            );
+            let subgroup_kernel = k.matmul(
+                &MatmulRequest::new(form, n, n, n).with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup)),
+                c.view(),
+                a.view(),
+                b.view(),
+            );
             // Correctness first; the f16 bound is loose (inputs rounded to
             // f16, |values| < 1): a wrong kernel is off by O(1).
             let check = |name: &str, d: &Dispatch, tol: f32| {

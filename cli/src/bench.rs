@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{GeneratorOptions, Sampling};
-use wgrad::kernels::MatmulForm;
+use wgrad::kernels::{MatmulForm, MatmulRequest};
 use wgrad::{DeviceOptions, Kernels};
 use wgrad_benches::{median_time, BenchLine};
 
@@ -55,7 +55,12 @@ pub fn matmul(kernels: &Kernels, n: usize, reps: usize) -> wgrad::Result<BenchLi
         kernels.upload(&b_host)?,
         kernels.zeros(n * n)?,
     );
-    let dispatch = kernels.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), n, n, n)?;
+    let dispatch = kernels.matmul(
+        &MatmulRequest::new(MatmulForm::AB, n, n, n),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?;
     // Several launches per timing so the submit-and-wait cost is amortised.
     let per = if n <= 256 { 8 } else { 2 };
     let gpu = median_time(reps, || {

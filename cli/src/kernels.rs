@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use wgrad::kernels::MatmulForm;
+use wgrad::kernels::{MatmulForm, MatmulRequest};
 use wgrad::{Device, DeviceOptions, Kernels};
 
 use crate::common::open_kernels;
@@ -123,7 +123,12 @@ pub fn matmul(opts: &DeviceOptions, n: usize, reps: usize) -> wgrad::Result<()> 
     let a = kernels.upload(&a_host)?;
     let b = kernels.upload(&b_host)?;
     let c = kernels.zeros(n * n)?;
-    let dispatch = kernels.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), n, n, n)?;
+    let dispatch = kernels.matmul(
+        &MatmulRequest::new(MatmulForm::AB, n, n, n),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?;
     kernels.run(&[&dispatch])?;
     let gpu = kernels.read::<f32>(c.view())?;
     let start = Instant::now();

@@ -24,6 +24,7 @@ use wgrad::kernels::{
     QkvLayout, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS,
     SUBGROUP_MATMUL_LANES,
 };
+use wgrad::kernels::{MatmulKernel, MatmulOperand, MatmulRequest};
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
 /// Expected values of one output as the browser compares them.
@@ -493,8 +494,12 @@ fn matmul_variant(
 ) -> Result<Case> {
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(m * n)?);
-    let d =
-        c.k.matmul_with(variant, form, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(form, m, n, kk).with_kernel(MatmulKernel::Tiled(variant)),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let want = cpu::matmul(form, &a_h, &b_h, m, n, kk);
     Ok(Case::new(
         &[entry],
@@ -550,8 +555,12 @@ fn matmul_subgroup(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (37, 29, 19);
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(m * n)?);
-    let d =
-        c.k.matmul_subgroup(MatmulForm::AB, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup)),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let want = cpu::matmul(MatmulForm::AB, &a_h, &b_h, m, n, kk);
     Ok(Case::new(
         &["matmul_subgroup_forward"],
@@ -586,12 +595,20 @@ fn matmul_matvec(c: &mut Ctx<'_>, lanes: Option<u32>) -> Result<Case> {
         ..MatmulEpilogue::default()
     };
     let d = match lanes {
-        None => {
-            c.k.matmul_epilogue(MatmulForm::ABt, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
-        }
-        Some(lanes) => {
-            c.k.matmul_matvec(lanes, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
-        }
+        None => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            b.view(),
+        )?,
+        Some(lanes) => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                .with_kernel(MatmulKernel::Matvec { lanes })
+                .with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            b.view(),
+        )?,
     };
     let lanes = d
         .recipe()
@@ -632,8 +649,12 @@ fn matmul_small_epilogue(c: &mut Ctx<'_>) -> Result<Case> {
         activation_grad: Some((Activation::Tanh, x.view())),
         ..MatmulEpilogue::default()
     };
-    let d =
-        c.k.matmul_epilogue(MatmulForm::AB, epilogue, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_epilogue(epilogue),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let e = cpu::Epilogue {
         accumulate_onto: Some(&c0),
         activation_grad: Some((Activation::Tanh, &x_h)),
@@ -653,8 +674,12 @@ fn matmul_small_batched(c: &mut Ctx<'_>) -> Result<Case> {
     let (batch, m, n, kk) = (3, 7, 5, 9);
     let (a_h, b_h) = (c.vals(batch * m * kk, -1.0, 1.0), c.vals(batch * kk * n, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(batch * m * n)?);
-    let d =
-        c.k.matmul_batched(MatmulForm::AtB, false, out.view(), a.view(), b.view(), batch, m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::AtB, m, n, kk).with_batch(batch),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let want = cpu::matmul_batched(MatmulForm::AtB, &a_h, &b_h, batch, m, n, kk);
     Ok(Case::new(
         &["matmul_forward_small"],
@@ -671,7 +696,12 @@ fn matmul_split(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (5, 300, 16);
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), c.vals(n * kk, -1.0, 1.0));
     let (a, b, out) = (c.up(&a_h)?, c.up(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul(MatmulForm::ABt, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::ABt, m, n, kk),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let launches = d.launches();
     let want = cpu::matmul(MatmulForm::ABt, &a_h, &b_h, m, n, kk);
     let name =
@@ -1301,8 +1331,12 @@ fn matmul_f16(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (21, 19, 17);
     let (a_h, b_h) = (f16s(&c.vals(m * kk, -1.0, 1.0)), f16s(&c.vals(n * kk, -1.0, 1.0)));
     let (a, b, out) = (c.k.upload_f16(&a_h)?, c.k.upload_f16(&b_h)?, c.k.zeros(m * n)?);
-    let d =
-        c.k.matmul_f16(MatmulForm::ABt, out.view(), a.view(), b.view(), m, n, kk)?;
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_kernel(MatmulKernel::NativeF16),
+        out.view(),
+        a.view(),
+        b.view(),
+    )?;
     let want = cpu::matmul_f16(MatmulForm::ABt, &a_h, &b_h, m, n, kk);
     Ok(Case::new(
         &["matmul_f16_forward"],
@@ -2051,12 +2085,20 @@ fn f16_weights(c: &mut Ctx<'_>, kernel: Option<F16WeightsKernel>) -> Result<Case
         ..MatmulEpilogue::default()
     };
     let d = match kernel {
-        None => {
-            c.k.matmul_f16_weights(epilogue, out.view(), a.view(), b.view(), m, n, kk)?
-        }
-        Some(kernel) => {
-            c.k.matmul_f16_weights_with(kernel, epilogue, out.view(), a.view(), b.view(), m, n, kk)?
-        }
+        None => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            MatmulOperand::F16Weight(b.view()),
+        )?,
+        Some(kernel) => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                .with_kernel(MatmulKernel::F16Weights(kernel))
+                .with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            MatmulOperand::F16Weight(b.view()),
+        )?,
     };
     let entry = d.kernel().entry;
     let lanes = match d.recipe().constants.iter().find(|(name, _)| *name == "MATVEC_WG") {
@@ -2085,15 +2127,11 @@ fn f16_weights_shared_vec(c: &mut Ctx<'_>) -> Result<Case> {
     let (m, n, kk) = (37, 29, 24);
     let (a_h, b_h) = (c.vals(m * kk, -1.0, 1.0), f16s(&c.vals(n * kk, -1.0, 1.0)));
     let (a, b, out) = (c.up(&a_h)?, c.k.upload_f16(&b_h)?, c.k.zeros(m * n)?);
-    let d = c.k.matmul_f16_weights_with(
-        F16WeightsKernel::Shared,
-        MatmulEpilogue::default(),
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_kernel(MatmulKernel::F16Weights(F16WeightsKernel::Shared)),
         out.view(),
         a.view(),
-        b.view(),
-        m,
-        n,
-        kk,
+        MatmulOperand::F16Weight(b.view()),
     )?;
     let entry = d.kernel().entry;
     let (want, _) = cpu::matmul_f16_weights(cpu::Epilogue::default(), &a_h, &b_h, m, n, kk);
@@ -2194,10 +2232,20 @@ fn quant_weights(c: &mut Ctx<'_>, format: QuantFormat, kernel: Option<QuantWeigh
         ..MatmulEpilogue::default()
     };
     let d = match kernel {
-        None => c.k.matmul_quant_weights(epilogue, out.view(), a.view(), b, m, n, kk)?,
-        Some(kernel) => {
-            c.k.matmul_quant_weights_with(kernel, epilogue, out.view(), a.view(), b, m, n, kk)?
-        }
+        None => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            b,
+        )?,
+        Some(kernel) => c.k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                .with_kernel(MatmulKernel::Quant(kernel))
+                .with_epilogue(epilogue),
+            out.view(),
+            a.view(),
+            b,
+        )?,
     };
     let entry = d.kernel().entry;
     let e = cpu::Epilogue {

@@ -97,7 +97,11 @@ fn gemma3() -> PathBuf {
         .map(PathBuf::from)
         .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join("gemma-3-270m-q4_k_m.gguf")))
         .expect("no WGRAD_GEMMA3 and no cache directory (HOME unset)");
-    assert!(path.is_file(), "Gemma 3's GGUF file is missing at {}: fetch it with scripts/fetch-gemma3.sh, or point WGRAD_GEMMA3 at a copy", path.display());
+    assert!(
+        path.is_file(),
+        "Gemma 3's GGUF file is missing at {}: fetch it with scripts/fetch-gemma3.sh, or point WGRAD_GEMMA3 at a copy",
+        path.display()
+    );
     path
 }
 

@@ -444,12 +444,10 @@ impl Executor {
     /// the last layer's work `fusion` names.
     fn build_loss_fusion(&self, i: usize, fusion: &LossFusion) -> Result<Dispatch> {
         let node = self.graph.node(Tensor(i));
-        let backward = self.plan.loss_with_grad[i]
-            .map(Tensor)
-            .ok_or_else(|| Error::InvalidArgument {
-                op: "Executor",
-                reason: format!("`{}` is not computed with its gradient", node.name),
-            })?;
+        let backward = self.plan.loss_with_grad[i].map(Tensor).ok_or_else(|| Error::Internal {
+            op: "Executor",
+            reason: format!("`{}` is not computed with its gradient", node.name),
+        })?;
         let (pred, target) = (node.inputs[0], node.inputs[1]);
         let targets = match node.op {
             Op::Loss(LossOp::Loss(LossKind::Mse)) => LossTargets::Values(self.view(target)?),

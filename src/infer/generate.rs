@@ -838,7 +838,7 @@ impl Generator {
     fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
         let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
         self.set_rows(op, prompts, &vec![0; prompts.len()])?
-            .ok_or_else(|| Error::InvalidArgument {
+            .ok_or_else(|| Error::Internal {
                 op,
                 reason: format!("no prefill pass holds {longest} positions"),
             })
@@ -962,7 +962,7 @@ impl Generator {
             });
         }
         if token as usize >= vocab {
-            return Err(Error::InvalidArgument {
+            return Err(Error::Internal {
                 op,
                 reason: format!("the GPU sampler picked token {token}, outside the vocabulary of {vocab}"),
             });
@@ -1092,11 +1092,10 @@ impl Generator {
             None => {
                 let whole = [self.cached[slot].as_slice(), tokens].concat();
                 (
-                    self.set_rows(OP, &[&whole], &[0])?
-                        .ok_or_else(|| Error::InvalidArgument {
-                            op: OP,
-                            reason: format!("no prefill pass holds {} positions", whole.len()),
-                        })?,
+                    self.set_rows(OP, &[&whole], &[0])?.ok_or_else(|| Error::Internal {
+                        op: OP,
+                        reason: format!("no prefill pass holds {} positions", whole.len()),
+                    })?,
                     0,
                 )
             }
@@ -1150,7 +1149,7 @@ impl Generator {
         let mut copies = Vec::new();
         for &(main, staging) in &self.staging {
             let &[_, kv_heads, context, head_dim] = graph.shape_of(main).unwrap_or_default() else {
-                return Err(Error::InvalidArgument {
+                return Err(Error::Internal {
                     op: "Generator::copy_slot",
                     reason: "a cache lost its shape [sequences, kv_heads, context, head_dim]".into(),
                 });

@@ -17,7 +17,7 @@ pub fn shakespeare() -> Result<String> {
     let mut text = String::with_capacity(5_100_000);
     flate2::read::GzDecoder::new(SHAKESPEARE_GZ)
         .read_to_string(&mut text)
-        .map_err(|e| Error::InvalidArgument {
+        .map_err(|e| Error::Internal {
             op: "shakespeare",
             reason: format!("the embedded text does not decompress: {e}"),
         })?;
@@ -182,7 +182,7 @@ impl Gpt2Bpe {
     pub const END_OF_TEXT: u32 = 50256;
 
     pub fn new() -> Result<Self> {
-        let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::InvalidArgument {
+        let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Internal {
             op: "Gpt2Bpe",
             reason: format!("the r50k_base ranks do not load: {e}"),
         })?;

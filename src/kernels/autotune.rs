@@ -49,6 +49,7 @@ use std::time::{Duration, Instant};
 use super::matmul::MatmulVariant;
 use super::registry::Family;
 use super::Kernels;
+use super::{MatmulKernel, MatmulRequest};
 use crate::error::{Error, Result};
 use crate::ops::MatmulForm;
 
@@ -328,8 +329,14 @@ impl Kernels {
                 // training step, so they are timed that way (C starts at
                 // zero, so the first result is still the plain product).
                 let accumulate = form == MatmulForm::AtB;
-                let dispatch =
-                    self.matmul_impl(variant, form, accumulate, None, c.view(), a.view(), b.view(), m, n, k)?;
+                let dispatch = self.matmul(
+                    &MatmulRequest::new(form, m, n, k)
+                        .with_kernel(MatmulKernel::Tiled(variant))
+                        .accumulating(accumulate),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )?;
                 self.run(&[&dispatch])?;
                 let got: Vec<f32> = self.read(c.view())?;
                 let compile_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -367,17 +374,13 @@ impl Kernels {
             };
             if let Some((a, b, c)) = &timed_operands {
                 for (variant, dispatch, _, _) in candidates.iter_mut() {
-                    *dispatch = self.matmul_impl(
-                        *variant,
-                        form,
-                        form == MatmulForm::AtB,
-                        None,
+                    *dispatch = self.matmul(
+                        &MatmulRequest::new(form, m, n, k)
+                            .with_kernel(MatmulKernel::Tiled(*variant))
+                            .accumulating(form == MatmulForm::AtB),
                         c.view(),
                         a.view(),
                         b.view(),
-                        m,
-                        n,
-                        k,
                     )?;
                 }
             }
@@ -450,7 +453,7 @@ impl Kernels {
 }
 
 fn write_cache(path: &Path, cache: &CacheFile) -> Result<()> {
-    let text = serde_json::to_string_pretty(cache).map_err(|e| Error::InvalidArgument {
+    let text = serde_json::to_string_pretty(cache).map_err(|e| Error::Internal {
         op: "autotune",
         reason: format!("cannot encode the tuning cache: {e}"),
     })?;

@@ -62,12 +62,11 @@ pub fn write_modules(dir: &Path) -> Result<Vec<ModuleFile>> {
             "features": features,
         }));
     }
-    let text = serde_json::to_string_pretty(&serde_json::json!({ "modules": manifest })).map_err(|e| {
-        Error::InvalidArgument {
+    let text =
+        serde_json::to_string_pretty(&serde_json::json!({ "modules": manifest })).map_err(|e| Error::Internal {
             op: "shaders --dump",
             reason: e.to_string(),
-        }
-    })?;
+        })?;
     write(&dir.join("modules.json"), &text)?;
     Ok(written)
 }

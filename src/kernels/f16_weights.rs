@@ -102,7 +102,7 @@ fn f16_part<'a>(k: &Kernels, words: View<'a>, start: usize, len: usize) -> (View
 }
 
 impl Kernels {
-    /// The kernel [`Kernels::matmul_f16_weights`] runs for an m×n×k
+    /// The kernel an f16 weight's product ([`super::MatmulOperand::F16Weight`]) runs for an m×n×k
     /// product ([`F16WeightsKernel::for_shape`] for this adapter): the
     /// matrix-vector one for 1 to [`MATVEC_MAX_ROWS`] rows when k is a
     /// multiple of 8 and A and B start 16-byte aligned (it reads 16 bytes
@@ -138,31 +138,15 @@ impl Kernels {
     }
 
     /// C[m,n] (f32) = epilogue(A·Bᵀ) with A [m, k] f32 and B [n, k] stored
-    /// as f16: a Linear layer (or the tied head) whose weight is f16,
-    /// multiplied and summed in f32. The kernel is picked by shape
-    /// ([`Kernels::f16_weights_kernel_for`]). The epilogue may add a bias
-    /// and apply an activation (keeping the pre-activation); accumulation
-    /// and activation gradients are training's and are refused. Needs
-    /// SHADER_F16; [`Error::Unsupported`] without it.
+    /// as f16 ([`super::MatmulOperand::F16Weight`]): a Linear layer (or the
+    /// tied head) whose weight is f16, multiplied and summed in f32, on
+    /// `kernel` (the matrix-vector one refuses what it cannot run). The
+    /// epilogue may add a bias and apply an activation (keeping the
+    /// pre-activation); accumulation and activation gradients are
+    /// training's and are refused. Needs SHADER_F16; [`Error::Unsupported`]
+    /// without it.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f16_weights(
-        &self,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: View<'_>,
-        b: F16View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let kernel = self.f16_weights_kernel_for(m, n, k, &a, &b);
-        self.matmul_f16_weights_with(kernel, epilogue, c, a, b, m, n, k)
-    }
-
-    /// [`Kernels::matmul_f16_weights`] on an explicit kernel (tests); the
-    /// matrix-vector one refuses what it cannot run.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f16_weights_with(
+    pub(super) fn matmul_f16_weights(
         &self,
         kernel: F16WeightsKernel,
         epilogue: MatmulEpilogue<'_>,

@@ -105,50 +105,48 @@ impl MatmulVariant {
     }
 }
 
-/// An operand of a product: f32 values, or f16 values packed two a word
-/// (the activations a training step saves in f16, `graph::precision`),
-/// which the small, register and shared kernels widen to f32 as they load
-/// them, so no widened copy is stored; products and sums stay f32.
+/// An operand of the f32 family's kernels: f32 values, or f16 values packed
+/// two a word (the activations a training step saves in f16,
+/// `graph::precision`), which the small, register and shared kernels widen
+/// to f32 as they load them, so no widened copy is stored; products and
+/// sums stay f32: [`super::MatmulOperand`]'s `F32` and `F16` as this
+/// file binds them.
 #[derive(Clone, Copy, Debug)]
-pub enum MatmulOperand<'a> {
+pub(super) enum Stored<'a> {
     F32(View<'a>),
     F16(F16View<'a>),
 }
 
-impl<'a> From<View<'a>> for MatmulOperand<'a> {
+impl<'a> From<View<'a>> for Stored<'a> {
     fn from(view: View<'a>) -> Self {
-        MatmulOperand::F32(view)
+        Stored::F32(view)
     }
 }
 
-impl<'a> From<F16View<'a>> for MatmulOperand<'a> {
+impl<'a> From<F16View<'a>> for Stored<'a> {
     fn from(view: F16View<'a>) -> Self {
-        MatmulOperand::F16(view)
+        Stored::F16(view)
     }
 }
 
-impl<'a> MatmulOperand<'a> {
+impl<'a> Stored<'a> {
     /// Number of values.
     pub fn len(&self) -> usize {
         match self {
-            MatmulOperand::F32(v) => v.len,
-            MatmulOperand::F16(v) => v.len(),
+            Stored::F32(v) => v.len,
+            Stored::F16(v) => v.len(),
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     pub fn is_f16(&self) -> bool {
-        matches!(self, MatmulOperand::F16(_))
+        matches!(self, Stored::F16(_))
     }
 
     /// The storage it is bound as (the packed words of f16 values).
     pub fn binding(&self) -> View<'a> {
         match self {
-            MatmulOperand::F32(v) => *v,
-            MatmulOperand::F16(v) => v.words(),
+            Stored::F32(v) => *v,
+            Stored::F16(v) => v.words(),
         }
     }
 }
@@ -295,7 +293,7 @@ pub(super) fn matvec_rows_bucket(m: usize) -> usize {
 
 /// Which kernel a matmul dispatch runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Pick {
+pub(super) enum Pick {
     Variant(MatmulVariant),
     /// `matmul_forward_matvec` with this many lanes per workgroup.
     Matvec {
@@ -327,8 +325,8 @@ impl Kernels {
         }
     }
 
-    /// The variant the shape-agnostic entries ([`Kernels::matmul`], ...)
-    /// run for an m×n×k product: [`MatmulVariant::Small`] for small ones,
+    /// The variant [`Kernels::matmul`]'s `MatmulKernel::Auto` runs for
+    /// the tiled kernels for an m×n×k product: [`MatmulVariant::Small`] for small ones,
     /// else the tuned variant for the form.
     pub fn matmul_variant_for_shape(&self, form: MatmulForm, m: usize, n: usize, k: usize) -> MatmulVariant {
         let work = m.saturating_mul(n).saturating_mul(k);
@@ -339,328 +337,10 @@ impl Kernels {
         }
     }
 
-    /// The variant [`Kernels::matmul`] uses for the forward form on this
-    /// adapter; see [`Kernels::matmul_variant_for`] for the others.
+    /// The tuned variant for the forward form (AB) on this adapter, which
+    /// [`Kernels::matmul`] runs above the small kernel's size; see [`Kernels::matmul_variant_for`] for the others.
     pub fn matmul_variant(&self) -> MatmulVariant {
         self.matmul_variant_for(MatmulForm::AB)
-    }
-
-    /// C[m,n] = op(A)·op(B) with the variant best for this adapter.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &self,
-        form: MatmulForm,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_by_shape(form, MatmulEpilogue::default(), c, a, b, m, n, k)
-    }
-
-    /// C[m,n] += op(A)·op(B): accumulates into C (gradients).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_accumulate(
-        &self,
-        form: MatmulForm,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_by_shape(
-            form,
-            MatmulEpilogue {
-                accumulate: true,
-                ..MatmulEpilogue::default()
-            },
-            c,
-            a,
-            b,
-            m,
-            n,
-            k,
-        )
-    }
-
-    /// C[m,n] = op(A)·op(B) with an explicit kernel variant.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_with(
-        &self,
-        variant: MatmulVariant,
-        form: MatmulForm,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_impl(variant, form, false, None, c, a, b, m, n, k)
-    }
-
-    /// C[m,n] = op(A)·op(B) + bias[n] (a Linear layer's forward).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_bias(
-        &self,
-        form: MatmulForm,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        bias: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_by_shape(
-            form,
-            MatmulEpilogue {
-                bias: Some(bias),
-                ..MatmulEpilogue::default()
-            },
-            c,
-            a,
-            b,
-            m,
-            n,
-            k,
-        )
-    }
-
-    /// C[m,n] = epilogue(op(A)·op(B)) with the variant best for this
-    /// adapter: bias, activation (forward or backward) and accumulation fused
-    /// into the matmul's store.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_epilogue(
-        &self,
-        form: MatmulForm,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_by_shape(form, epilogue, c, a, b, m, n, k)
-    }
-
-    /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_impl(
-        &self,
-        variant: MatmulVariant,
-        form: MatmulForm,
-        accumulate: bool,
-        bias: Option<View<'_>>,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let epilogue = MatmulEpilogue {
-            accumulate,
-            bias,
-            ..MatmulEpilogue::default()
-        };
-        self.matmul_epilogue_with(variant, form, epilogue, c, a, b, m, n, k)
-    }
-
-    /// out[b] = op(a[b])·op(b[b]) for b in 0..batch: each operand is
-    /// `batch` contiguous matrices stored as `form` says (batch strides m·k
-    /// for A, k·n for B, m·n for C). `accumulate` adds into out instead of
-    /// overwriting. The variant is the one [`Kernels::matmul`] picks for one
-    /// m×n×k product; the batch is the grid's z, at most the adapter's
-    /// `max_compute_workgroups_per_dimension`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_batched(
-        &self,
-        form: MatmulForm,
-        accumulate: bool,
-        out: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        // The batch's total work picks the kernel: 64 heads of 128×128×32
-        // are small one by one but too much for the small kernel together.
-        let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
-        let epilogue = MatmulEpilogue {
-            accumulate,
-            ..MatmulEpilogue::default()
-        };
-        self.matmul_dispatch(
-            Pick::Variant(variant),
-            form,
-            epilogue,
-            out,
-            a.into(),
-            b.into(),
-            batch,
-            m,
-            n,
-            k,
-        )
-    }
-
-    /// [`Kernels::matmul_batched`] where A, B or both may be stored in f16
-    /// (as [`Kernels::matmul_operands`]): the unfused attention's
-    /// products reading a training step's f16 activations.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_batched_operands(
-        &self,
-        form: MatmulForm,
-        accumulate: bool,
-        out: View<'_>,
-        a: MatmulOperand<'_>,
-        b: MatmulOperand<'_>,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let variant = self.matmul_variant_for_shape(form, batch.saturating_mul(m), n, k);
-        let epilogue = MatmulEpilogue {
-            accumulate,
-            ..MatmulEpilogue::default()
-        };
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, out, a, b, batch, m, n, k)
-    }
-
-    /// [`Kernels::matmul_batched`] with an explicit kernel variant (tests,
-    /// autotuning).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_batched_with(
-        &self,
-        variant: MatmulVariant,
-        form: MatmulForm,
-        accumulate: bool,
-        out: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        batch: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let epilogue = MatmulEpilogue {
-            accumulate,
-            ..MatmulEpilogue::default()
-        };
-        self.matmul_dispatch(
-            Pick::Variant(variant),
-            form,
-            epilogue,
-            out,
-            a.into(),
-            b.into(),
-            batch,
-            m,
-            n,
-            k,
-        )
-    }
-
-    /// [`Kernels::matmul_epilogue`] with an explicit kernel variant.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_epilogue_with(
-        &self,
-        variant: MatmulVariant,
-        form: MatmulForm,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_dispatch(
-            Pick::Variant(variant),
-            form,
-            epilogue,
-            c,
-            a.into(),
-            b.into(),
-            1,
-            m,
-            n,
-            k,
-        )
-    }
-
-    /// C[m,n] = epilogue(op(A)·op(B)) where A, B or both may be stored in
-    /// f16 (read and widened in registers, multiplied and summed in f32;
-    /// a training step's matmuls reading its f16 activations), the kernel
-    /// picked by shape as [`Kernels::matmul_epilogue`] does. Reading f16
-    /// needs no device feature; an f16 operand too large for one storage
-    /// binding is refused ([`Error::TooLarge`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_operands(
-        &self,
-        form: MatmulForm,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: MatmulOperand<'_>,
-        b: MatmulOperand<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let pick = match (a, b) {
-            (MatmulOperand::F32(a), MatmulOperand::F32(b)) if self.matvec_runs(form, m, k, &a, &b) => Pick::Matvec {
-                lanes: self.matvec_lanes(),
-            },
-            _ => Pick::Variant(self.matmul_variant_for_shape(form, m, n, k)),
-        };
-        self.matmul_dispatch(pick, form, epilogue, c, a, b, 1, m, n, k)
-    }
-
-    /// [`Kernels::matmul_operands`] with an explicit kernel variant (f16
-    /// operands run the register kernel for [`MatmulVariant::RegisterVec4`]
-    /// and [`MatmulVariant::Subgroup`], and the shared kernel's scalar
-    /// loads for [`MatmulVariant::Shared`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_operands_with(
-        &self,
-        variant: MatmulVariant,
-        form: MatmulForm,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: MatmulOperand<'_>,
-        b: MatmulOperand<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_dispatch(Pick::Variant(variant), form, epilogue, c, a, b, 1, m, n, k)
-    }
-
-    /// The entries that pick the kernel by shape: the matrix-vector kernel
-    /// for an ABt product of at most [`MATVEC_MAX_ROWS`] rows where it
-    /// runs ([`Kernels::matvec_runs`]), else [`Kernels::matmul_variant_for_shape`].
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_by_shape(
-        &self,
-        form: MatmulForm,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_operands(form, epilogue, c, a.into(), b.into(), m, n, k)
     }
 
     /// Whether the matrix-vector kernel takes this product: ABt, 1 to
@@ -692,10 +372,10 @@ impl Kernels {
 
     /// C[m,n] = epilogue(A·Bᵀ) on the matrix-vector kernel with `lanes`
     /// (a power of two from 8 to 64) per workgroup, for products
-    /// [`Kernels::matvec_runs`] accepts (an error otherwise). The
-    /// shape-selected entries pick it by themselves.
+    /// [`Kernels::matvec_runs`] accepts (an error otherwise):
+    /// [`super::MatmulKernel::Matvec`]. `Auto` picks it by itself.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_matvec(
+    pub(super) fn matmul_matvec(
         &self,
         lanes: u32,
         epilogue: MatmulEpilogue<'_>,
@@ -737,14 +417,14 @@ impl Kernels {
     /// The one place the matmul dispatch is built; `batch` products of
     /// m×n×k, contiguous in each operand.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_dispatch(
+    pub(super) fn matmul_dispatch(
         &self,
         pick: Pick,
         form: MatmulForm,
         epilogue: MatmulEpilogue<'_>,
         c: View<'_>,
-        a: MatmulOperand<'_>,
-        b: MatmulOperand<'_>,
+        a: Stored<'_>,
+        b: Stored<'_>,
         batch: usize,
         m: usize,
         n: usize,
@@ -844,7 +524,7 @@ impl Kernels {
             .chain(act_input.as_ref())
             .any(over);
         // A split product binds parts of its operands by f32 element.
-        if let (true, Some(h)) = (oversize, [a, b].into_iter().find(MatmulOperand::is_f16)) {
+        if let (true, Some(h)) = (oversize, [a, b].into_iter().find(Stored::is_f16)) {
             return Err(self.binding_too_large(
                 op,
                 "an f16 operand's product (f16 operands do not split)",
@@ -1055,8 +735,8 @@ impl Kernels {
         form: MatmulForm,
         epilogue: MatmulEpilogue<'v>,
         c: View<'v>,
-        a_operand: MatmulOperand<'v>,
-        b_operand: MatmulOperand<'v>,
+        a_operand: Stored<'v>,
+        b_operand: Stored<'v>,
         batch: usize,
         (m, n, k): (usize, usize, usize),
         block: Block,

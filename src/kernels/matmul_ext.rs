@@ -13,9 +13,7 @@
 use half::f16;
 
 use super::registry::{entry_points, Family};
-use super::{
-    bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulEpilogue, MatmulForm, MatmulVariant, View,
-};
+use super::{bind, dim, flat_groups, Dispatch, GpuTensor, Kernel, Kernels, MatmulForm, View};
 use crate::error::{Error, Result};
 
 entry_points! {
@@ -191,13 +189,13 @@ fn matmul_params(
 }
 
 impl Kernels {
-    /// True when the f16 kernels ([`Kernels::matmul_f16`], [`Kernels::to_f16`],
+    /// True when the f16 kernels ([`super::MatmulKernel::NativeF16`], [`Kernels::to_f16`],
     /// [`Kernels::from_f16`]) can run here (the adapter has SHADER_F16).
     pub fn supports_f16(&self) -> bool {
         self.device().features().contains(Family::MatmulF16.required_features())
     }
 
-    /// True when [`Kernels::matmul_subgroup`] can run here: SUBGROUP, and
+    /// True when [`super::MatmulVariant::Subgroup`] can run here: SUBGROUP, and
     /// every subgroup the adapter may use has exactly
     /// [`SUBGROUP_MATMUL_LANES`] lanes.
     pub fn supports_subgroup_matmul(&self) -> bool {
@@ -310,7 +308,7 @@ impl Kernels {
     /// (≤ 2⁻¹¹ relative each) plus f32 accumulation, not f16 accumulation.
     /// Needs SHADER_F16; [`Error::Unsupported`] without it.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f16(
+    pub(super) fn matmul_f16(
         &self,
         form: MatmulForm,
         c: View<'_>,
@@ -328,36 +326,6 @@ impl Kernels {
             form,
             params,
             [bind(0, "a", a.words), bind(1, "b", b.words), bind(2, "c", c)],
-        )
-    }
-
-    /// C[m,n] = op(A)·op(B) in f32, sharing loaded A values between the
-    /// lanes of a subgroup (`subgroupBroadcast`) so each lane issues a third
-    /// of the register kernel's storage loads: `matmul_epilogue_with`
-    /// with [`MatmulVariant::Subgroup`] and no epilogue. Needs SUBGROUP with
-    /// [`SUBGROUP_MATMUL_LANES`]-lane subgroups; [`Error::Unsupported`]
-    /// elsewhere.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_subgroup(
-        &self,
-        form: MatmulForm,
-        c: View<'_>,
-        a: View<'_>,
-        b: View<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        self.matmul_epilogue_with(
-            MatmulVariant::Subgroup,
-            form,
-            MatmulEpilogue::default(),
-            c,
-            a,
-            b,
-            m,
-            n,
-            k,
         )
     }
 

@@ -16,6 +16,7 @@ mod flash_attention;
 mod loss;
 mod matmul;
 mod matmul_ext;
+mod matmul_request;
 mod optim;
 mod quant_weights;
 mod reduce;
@@ -33,9 +34,11 @@ pub use flash_attention::FLASH_MAX_HEAD_DIM;
 pub use loss::{
     LossLinear, LossTargets, FUSED_LOSS_MAX, FUSED_LOSS_MAX_GPU, LINEAR_IN_LOSS_MAX_MACS, LINEAR_IN_LOSS_MAX_MACS_GPU,
 };
-pub use matmul::{MatmulEpilogue, MatmulOperand, MatmulVariant, MATVEC_MAX_ROWS};
+pub use matmul::{MatmulEpilogue, MatmulVariant, MATVEC_MAX_ROWS};
+use matmul::{Pick, Stored};
 pub(crate) use matmul_ext::{pack_f16, unpack_f16};
 pub use matmul_ext::{F16Tensor, F16View, SUBGROUP_MATMUL_LANES};
+pub use matmul_request::{MatmulKernel, MatmulOperand, MatmulRequest};
 pub use optim::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups, LOSS_SCALE_WORDS};
 pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 // The op vocabulary, defined below the kernels and the CPU twins; kept

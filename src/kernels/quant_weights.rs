@@ -229,7 +229,7 @@ struct QuantEmbeddingParams {
 }
 
 impl Kernels {
-    /// The kernel [`Kernels::matmul_quant_weights`] runs for an m-row
+    /// The kernel a quantized weight's product ([`super::MatmulOperand::Quant`]) runs for an m-row
     /// product: for 1 to [`MATVEC_MAX_ROWS`] rows when A and B's words
     /// start 16-byte aligned on an adapter whose storage offsets are too
     /// (they are read 16 bytes at a time), a matrix-vector one — on a GPU
@@ -277,33 +277,16 @@ impl Kernels {
     }
 
     /// C[m,n] (f32) = epilogue(A·Bᵀ) with A [m, k] f32 and B [n, k]
-    /// block-quantized: a Linear layer (or the tied head) whose weight
-    /// stays as a GGUF file stores it, decoded in the kernel and summed in
-    /// f32. The kernel is picked by shape
-    /// ([`Kernels::quant_weights_kernel_for`]). The epilogue may add a bias
-    /// and apply an activation (keeping the pre-activation); accumulation
-    /// and activation gradients are training's and are refused. A is read
-    /// in vec4s: it must start 16-byte aligned, on an adapter whose storage
+    /// block-quantized ([`super::MatmulOperand::Quant`]): a Linear layer (or
+    /// the tied head) whose weight stays as a GGUF file stores it, decoded
+    /// in the kernel and summed in f32, on `kernel` (the matrix-vector one
+    /// refuses what it cannot run). The epilogue may add a bias and apply
+    /// an activation (keeping the pre-activation); accumulation and
+    /// activation gradients are training's and are refused. A is read in
+    /// vec4s: it must start 16-byte aligned, on an adapter whose storage
     /// offsets are too.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_quant_weights(
-        &self,
-        epilogue: MatmulEpilogue<'_>,
-        c: View<'_>,
-        a: View<'_>,
-        b: QuantView<'_>,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<Dispatch> {
-        let kernel = self.quant_weights_kernel_for(m, &a, &b);
-        self.matmul_quant_weights_with(kernel, epilogue, c, a, b, m, n, k)
-    }
-
-    /// [`Kernels::matmul_quant_weights`] on an explicit kernel (tests); the
-    /// matrix-vector one refuses what it cannot run.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_quant_weights_with(
+    pub(super) fn matmul_quant_weights(
         &self,
         kernel: QuantWeightsKernel,
         epilogue: MatmulEpilogue<'_>,
@@ -397,7 +380,7 @@ impl Kernels {
     /// parts G and U of equal rows and gives C [m, n] = silu(A·Gᵀ) ⊙
     /// (A·Uᵀ) (SwiGLU's hidden units): one launch on a CPU adapter's
     /// columns kernel, else two (the second multiplying C).
-    pub fn matmul_quant_parts(
+    pub(super) fn matmul_quant_parts(
         &self,
         c: View<'_>,
         a: View<'_>,
@@ -499,7 +482,7 @@ impl Kernels {
         Dispatch::chain(launches).ok_or_else(|| Error::shape(OP, "no matrices", &shapes))
     }
 
-    /// [`Kernels::matmul_quant_parts`] as one launch of a matrix-vector
+    /// `matmul_quant_parts` as one launch of a matrix-vector
     /// kernel, or None where it cannot be: more than decode's rows, a
     /// vector operand unaligned, the parts in different buffers or beyond
     /// one binding's reach, a part starting between blocks of another's

@@ -38,15 +38,20 @@ pub enum Shared {
     /// The workgroup-memory tiled kernels' staging, multiply-adds and
     /// stores (the GPU layout), for matmul.wgsl and f16_weights.wgsl.
     MatmulTiles,
+    /// The register-blocked kernel's 32×16 block (through each family's
+    /// `load_a`, `load_b` and matmul_rows.wgsl's stores), for matmul.wgsl
+    /// and matmul_f16.wgsl.
+    MatmulRegister,
 }
 
 impl Shared {
-    pub const ALL: [Shared; 5] = [
+    pub const ALL: [Shared; 6] = [
         Shared::Common,
         Shared::Activations,
         Shared::Matvec,
         Shared::MatmulRows,
         Shared::MatmulTiles,
+        Shared::MatmulRegister,
     ];
 
     pub fn file_name(self) -> &'static str {
@@ -56,6 +61,7 @@ impl Shared {
             Shared::Matvec => "matvec.wgsl",
             Shared::MatmulRows => "matmul_rows.wgsl",
             Shared::MatmulTiles => "matmul_tiles.wgsl",
+            Shared::MatmulRegister => "matmul_register.wgsl",
         }
     }
 
@@ -66,6 +72,7 @@ impl Shared {
             Shared::Matvec => wgsl!("matvec.wgsl"),
             Shared::MatmulRows => wgsl!("matmul_rows.wgsl"),
             Shared::MatmulTiles => wgsl!("matmul_tiles.wgsl"),
+            Shared::MatmulRegister => wgsl!("matmul_register.wgsl"),
         }
     }
 }
@@ -172,13 +179,14 @@ impl Family {
                 Shared::Matvec,
                 Shared::MatmulRows,
                 Shared::MatmulTiles,
+                Shared::MatmulRegister,
             ],
             Family::Elementwise => &[Shared::Common, Shared::Activations],
             Family::Reduce | Family::Loss | Family::Optim | Family::Rowwise | Family::Tensor | Family::Attention => {
                 &[Shared::Common]
             }
             Family::Sampling | Family::Rope | Family::FlashAttention => &[Shared::Common],
-            Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows],
+            Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows, Shared::MatmulRegister],
             Family::MatmulSubgroup | Family::QuantWeightsSubgroup => &[],
             Family::F16Weights => &[
                 Shared::Common,
@@ -245,19 +253,26 @@ impl Family {
                 "activations.wgsl",
                 "matvec.wgsl",
                 "matmul_rows.wgsl",
-                "matmul_tiles.wgsl"
+                "matmul_tiles.wgsl",
+                "matmul_register.wgsl"
             ),
             Family::Elementwise => wgsl!("elementwise.wgsl", "common.wgsl", "activations.wgsl"),
             Family::Reduce => wgsl!("reduce.wgsl", "common.wgsl"),
             Family::Loss => wgsl!("loss.wgsl", "common.wgsl"),
             Family::Optim => wgsl!("optim.wgsl", "common.wgsl"),
-            Family::MatmulF16 => wgsl!("matmul_f16.wgsl", "common.wgsl", "matmul_rows.wgsl"),
+            Family::MatmulF16 => wgsl!(
+                "matmul_f16.wgsl",
+                "common.wgsl",
+                "matmul_rows.wgsl",
+                "matmul_register.wgsl"
+            ),
             Family::MatmulSubgroup => wgsl!(
                 "matmul.wgsl",
                 "activations.wgsl",
                 "matvec.wgsl",
                 "matmul_rows.wgsl",
                 "matmul_tiles.wgsl",
+                "matmul_register.wgsl",
                 "matmul_subgroup.wgsl"
             ),
             Family::Rowwise => wgsl!("rowwise.wgsl", "common.wgsl"),

@@ -208,12 +208,10 @@ pub fn build_rank(
     });
     let _reset = Reset;
     let output = forward(&mut g, input)?;
-    let state = SHARD
-        .with(|s| s.borrow_mut().take())
-        .ok_or_else(|| Error::InvalidArgument {
-            op: "tensor parallel",
-            reason: "the build lost its rank".into(),
-        })?;
+    let state = SHARD.with(|s| s.borrow_mut().take()).ok_or_else(|| Error::Internal {
+        op: "tensor parallel",
+        reason: "the build lost its rank".into(),
+    })?;
     let mut segments = state.done;
     segments.push(Segment {
         graph: g,

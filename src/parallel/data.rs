@@ -146,7 +146,7 @@ pub fn balanced_split(total: usize, costs: &[Cost]) -> Result<Vec<usize>> {
             .enumerate()
             .filter(|(_, &r)| r > 1)
             .max_by_key(|(_, &r)| r)
-            .ok_or_else(|| Error::InvalidArgument {
+            .ok_or_else(|| Error::Internal {
                 op: "data parallel split",
                 reason: format!("{total} rows cannot give each of {} devices at least one", costs.len()),
             })?;
@@ -631,7 +631,7 @@ impl DataParallel {
                 t.executor()
                     .gradient_arena()
                     .map(|view| Part::new(k, view))
-                    .ok_or_else(|| Error::InvalidArgument {
+                    .ok_or_else(|| Error::Internal {
                         op: "DataParallel::step",
                         reason: "replica without gradients".into(),
                     })

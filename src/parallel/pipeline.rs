@@ -627,7 +627,7 @@ impl Pipeline {
                 if (0..s_count).all(|s| next[s] == work[s].len()) {
                     return Ok(loss);
                 }
-                return Err(Error::InvalidArgument {
+                return Err(Error::Internal {
                     op: "Pipeline",
                     reason: format!("the {} schedule stalled with work left at {next:?}", self.schedule),
                 });
@@ -829,7 +829,7 @@ fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
 }
 
 fn stashed<'a>(slot: &'a Option<Vec<f32>>, what: &str, s: usize, m: usize) -> Result<&'a [f32]> {
-    slot.as_deref().ok_or_else(|| Error::InvalidArgument {
+    slot.as_deref().ok_or_else(|| Error::Internal {
         op: "Pipeline",
         reason: format!("stage {s} has no {what} for micro-batch {m}: the schedule ran out of order"),
     })

@@ -262,7 +262,7 @@ impl TensorParallel {
                 } else {
                     Some(stage.output_view())
                 };
-                let view = view.ok_or_else(|| Error::InvalidArgument {
+                let view = view.ok_or_else(|| Error::Internal {
                     op: "TensorParallel",
                     reason: format!("segment {k} yields no input gradient"),
                 })?;
@@ -326,12 +326,10 @@ impl TensorParallel {
             .map_err(|e| on_device(0, &k0, e))?;
         self.stages[head].backward(true).map_err(|e| on_device(0, &k0, e))?;
         if self.segments > 0 {
-            let view = self.stages[head]
-                .input_gradient_view()
-                .ok_or_else(|| Error::InvalidArgument {
-                    op: "TensorParallel",
-                    reason: "the last segment yields no input gradient".into(),
-                })?;
+            let view = self.stages[head].input_gradient_view().ok_or_else(|| Error::Internal {
+                op: "TensorParallel",
+                reason: "the last segment yields no input gradient".into(),
+            })?;
             let (mut grad, transfer) = sum_on_host(&[(&*k0, view.map_err(|e| on_device(0, &k0, e))?)])?;
             communication += transfer;
             for k in (0..self.segments).rev() {

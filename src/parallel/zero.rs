@@ -343,7 +343,7 @@ impl Zero {
         for (i, (t, range)) in replicas.iter().zip(&shards).enumerate() {
             let k = &devices[i];
             let exec = t.executor();
-            let grads = exec.gradient_arena().ok_or_else(|| Error::InvalidArgument {
+            let grads = exec.gradient_arena().ok_or_else(|| Error::Internal {
                 op: "Zero::new",
                 reason: "a replica without gradients".into(),
             })?;
@@ -447,7 +447,7 @@ impl Zero {
             .zip(&self.devices)
             .zip(&self.shards)
             .map(|((t, k), range)| {
-                let view = arena(t).ok_or_else(|| Error::InvalidArgument {
+                let view = arena(t).ok_or_else(|| Error::Internal {
                     op: "Zero",
                     reason: "a replica without gradients".into(),
                 })?;
@@ -461,7 +461,7 @@ impl Zero {
             .iter()
             .zip(&self.devices)
             .map(|(t, k)| {
-                arena(t).map(|v| Part::new(k, v)).ok_or_else(|| Error::InvalidArgument {
+                arena(t).map(|v| Part::new(k, v)).ok_or_else(|| Error::Internal {
                     op: "Zero",
                     reason: "a replica without gradients".into(),
                 })

@@ -742,7 +742,7 @@ impl ZeroStages {
                     .stages
                     .iter()
                     .map(|own| {
-                        let view = own[s].input_gradient_view().ok_or_else(|| Error::InvalidArgument {
+                        let view = own[s].input_gradient_view().ok_or_else(|| Error::Internal {
                             op: "ZeroStages",
                             reason: format!("stage {s} yields no input gradient"),
                         })??;
@@ -784,7 +784,7 @@ impl ZeroStages {
             .stages
             .iter()
             .map(|own| {
-                let view = own[last].loss_view().ok_or_else(|| Error::InvalidArgument {
+                let view = own[last].loss_view().ok_or_else(|| Error::Internal {
                     op: "ZeroStages",
                     reason: "the last stage has no loss".into(),
                 })??;

@@ -195,7 +195,7 @@ impl Task for Classifier {
             d.sampler.next_epoch();
             d.next = 0;
         }
-        let indices = d.sampler.batch(d.next).ok_or_else(|| Error::InvalidArgument {
+        let indices = d.sampler.batch(d.next).ok_or_else(|| Error::Internal {
             op: "Classifier",
             reason: "the sampler has no batch".into(),
         })?;

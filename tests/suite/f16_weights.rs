@@ -19,6 +19,7 @@ use rand::Rng;
 use wgrad::graph::{Executor, Graph};
 use wgrad::infer::generate::{Generator, WeightDtype};
 use wgrad::kernels::{Activation, F16WeightsKernel, LimitOverrides, MatmulEpilogue, MatmulForm, MATVEC_MAX_ROWS};
+use wgrad::kernels::{MatmulKernel, MatmulOperand, MatmulRequest};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::{self};
 use wgrad::{cpu, Error, Kernels};
@@ -80,8 +81,20 @@ fn check_product(
         },
     };
     let d = match kernel {
-        Some(kernel) => k.matmul_f16_weights_with(kernel, epilogue, c.view(), a.view(), b.view(), m, n, kk)?,
-        None => k.matmul_f16_weights(epilogue, c.view(), a.view(), b.view(), m, n, kk)?,
+        Some(kernel) => k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                .with_kernel(MatmulKernel::F16Weights(kernel))
+                .with_epilogue(epilogue),
+            c.view(),
+            a.view(),
+            MatmulOperand::F16Weight(b.view()),
+        )?,
+        None => k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+            c.view(),
+            a.view(),
+            MatmulOperand::F16Weight(b.view()),
+        )?,
     };
     k.run(&[&d])?;
     let e = cpu::Epilogue {
@@ -178,15 +191,11 @@ fn f16_weight_products_pick_their_kernel_by_shape() {
         let entry = |m: usize, n: usize, kk: usize| -> wgrad::Result<&'static str> {
             let (a, b, c) = (k.zeros(m * kk)?, k.zeros_f16(n * kk)?, k.zeros(m * n)?);
             let kernel = k.f16_weights_kernel_for(m, n, kk, &a.view(), &b.view());
-            Ok(k.matmul_f16_weights_with(
-                kernel,
-                MatmulEpilogue::default(),
+            Ok(k.matmul(
+                &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_kernel(MatmulKernel::F16Weights(kernel)),
                 c.view(),
                 a.view(),
-                b.view(),
-                m,
-                n,
-                kk,
+                MatmulOperand::F16Weight(b.view()),
             )?
             .kernel()
             .entry)
@@ -234,15 +243,12 @@ fn f16_weight_products_pick_their_kernel_by_shape() {
         // training's epilogues are refused.
         let (a, b, c) = (k.zeros(6)?, k.zeros_f16(18)?, k.zeros(3)?);
         let err = k
-            .matmul_f16_weights_with(
-                F16WeightsKernel::Matvec { lanes: 8 },
-                MatmulEpilogue::default(),
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 3, 6)
+                    .with_kernel(MatmulKernel::F16Weights(F16WeightsKernel::Matvec { lanes: 8 })),
                 c.view(),
                 a.view(),
-                b.view(),
-                1,
-                3,
-                6,
+                MatmulOperand::F16Weight(b.view()),
             )
             .unwrap_err();
         assert!(err.to_string().contains("k=6"), "{err}");
@@ -251,11 +257,21 @@ fn f16_weight_products_pick_their_kernel_by_shape() {
             ..MatmulEpilogue::default()
         };
         let err = k
-            .matmul_f16_weights(accumulate, c.view(), a.view(), b.view(), 1, 3, 6)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 3, 6).with_epilogue(accumulate),
+                c.view(),
+                a.view(),
+                MatmulOperand::F16Weight(b.view()),
+            )
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
         let err = k
-            .matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 5)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 3, 5),
+                c.view(),
+                a.view(),
+                MatmulOperand::F16Weight(b.view()),
+            )
             .unwrap_err();
         assert!(
             matches!(err, Error::Shape { .. }) && err.to_string().contains("m=1 n=3 k=5"),
@@ -354,7 +370,12 @@ fn f16_weights_over_small_bindings_equal_the_twins() {
         // What cannot split is a clear error: the activations, a table row.
         let (a, b, c) = (lim.zeros(600)?, lim.zeros_f16(1200)?, lim.zeros(2)?);
         let err = lim
-            .matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 2, 600)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 2, 600),
+                c.view(),
+                a.view(),
+                MatmulOperand::F16Weight(b.view()),
+            )
             .unwrap_err();
         assert!(
             matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"),
@@ -380,7 +401,12 @@ fn f16_weights_are_unsupported_without_shader_f16() {
         }
         let (a, b, c, ids) = (k.zeros(4)?, k.upload_f16(&[f16::ONE; 8])?, k.zeros(2)?, k.zeros(1)?);
         let err = k
-            .matmul_f16_weights(MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 2, 4)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 2, 4),
+                c.view(),
+                a.view(),
+                MatmulOperand::F16Weight(b.view()),
+            )
             .unwrap_err();
         assert!(
             matches!(err, Error::Unsupported { .. }) && err.to_string().contains("SHADER_F16"),

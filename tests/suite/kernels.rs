@@ -8,6 +8,7 @@ use crate::common;
 use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, rng};
 use proptest::prelude::*;
 use wgrad::kernels::{Activation, AdamConfig, Binary, MatmulEpilogue, MatmulForm, MatmulVariant, SgdConfig};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 use wgrad::{cpu, Error, Kernels};
 
 // The last three are multiples of 4 in every dimension, so
@@ -46,7 +47,12 @@ fn check_matmul(
     let a = k.upload(&a_host)?;
     let b = k.upload(&b_host)?;
     let c = k.zeros(m * n)?;
-    k.run(&[&k.matmul_with(variant, form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    k.run(&[&k.matmul(
+        &MatmulRequest::new(form, m, n, kk).with_kernel(MatmulKernel::Tiled(variant)),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?])?;
     let got = k.read::<f32>(c.view())?;
     let want = cpu::matmul(form, &a_host, &b_host, m, n, kk);
     // f32 accumulation over k terms of magnitude ≤ 1 vs an f64 reference:
@@ -86,19 +92,25 @@ fn a_vec4_product_falling_back_to_the_register_kernel_shares_its_pipelines() {
         let (a, b, c) = (k.zeros(16)?, k.zeros(32)?, k.zeros(35)?);
         for form in MatmulForm::ALL {
             let (a_off4, b_off4) = (a.slice(0, 15)?, b.slice(0, 21)?);
-            let register = k.matmul_with(MatmulVariant::Register, form, c.view(), a_off4, b_off4, 5, 7, 3)?;
-            let fallback = k.matmul_with(MatmulVariant::RegisterVec4, form, c.view(), a_off4, b_off4, 5, 7, 3)?;
+            let register = k.matmul(
+                &MatmulRequest::new(form, 5, 7, 3).with_kernel(MatmulKernel::Tiled(MatmulVariant::Register)),
+                c.view(),
+                a_off4,
+                b_off4,
+            )?;
+            let fallback = k.matmul(
+                &MatmulRequest::new(form, 5, 7, 3).with_kernel(MatmulKernel::Tiled(MatmulVariant::RegisterVec4)),
+                c.view(),
+                a_off4,
+                b_off4,
+            )?;
             assert_eq!(fallback.kernel().entry, "matmul_forward_register", "{form:?}");
             assert_eq!(fallback.recipe().constants, register.recipe().constants, "{form:?}");
-            let vec4 = k.matmul_with(
-                MatmulVariant::RegisterVec4,
-                form,
+            let vec4 = k.matmul(
+                &MatmulRequest::new(form, 4, 8, 4).with_kernel(MatmulKernel::Tiled(MatmulVariant::RegisterVec4)),
                 c.slice(0, 32)?,
                 a.view(),
                 b.view(),
-                4,
-                8,
-                4,
             )?;
             assert_eq!(vec4.kernel().entry, "matmul_forward_register_vec4", "{form:?}");
             let trans = [
@@ -161,29 +173,23 @@ fn check_shared(
             accumulate,
             ..MatmulEpilogue::default()
         };
-        k.matmul_epilogue_with(
-            MatmulVariant::Shared,
-            form,
-            epilogue,
+        k.matmul(
+            &MatmulRequest::new(form, m, n, kk)
+                .with_kernel(MatmulKernel::Tiled(MatmulVariant::Shared))
+                .with_epilogue(epilogue),
             c.view(),
             a_view,
             b_view,
-            m,
-            n,
-            kk,
         )?
     } else {
-        k.matmul_batched_with(
-            MatmulVariant::Shared,
-            form,
-            accumulate,
+        k.matmul(
+            &MatmulRequest::new(form, m, n, kk)
+                .with_kernel(MatmulKernel::Tiled(MatmulVariant::Shared))
+                .with_batch(batch)
+                .accumulating(accumulate),
             c.view(),
             a_view,
             b_view,
-            batch,
-            m,
-            n,
-            kk,
         )?
     };
     k.run(&[&d])?;
@@ -293,7 +299,12 @@ fn matmul_rejects_wrong_shapes_naming_the_kernel() {
         let c = k.zeros(8)?;
         // A is 2×3 and B 3×4, so C must be 2×4 = 8; claim k=4 instead.
         let err = k
-            .matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 4),
+                c.view(),
+                a.view(),
+                b.view(),
+            )
             .unwrap_err();
         match &err {
             Error::Shape { op, shapes, .. } => {
@@ -306,9 +317,21 @@ fn matmul_rejects_wrong_shapes_naming_the_kernel() {
             }
             other => panic!("expected a shape error, got {other}"),
         }
-        assert!(k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 3).is_ok());
+        assert!(k
+            .matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 3),
+                c.view(),
+                a.view(),
+                b.view()
+            )
+            .is_ok());
         assert!(matches!(
-            k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), 0, 4, 3),
+            k.matmul(
+                &MatmulRequest::new(MatmulForm::AB, 0, 4, 3),
+                c.view(),
+                a.view(),
+                b.view()
+            ),
             Err(Error::Shape { .. })
         ));
         Ok(())
@@ -901,7 +924,12 @@ fn accumulating_matmul_and_column_sums_add_into_their_output() {
                 let b_host = random_vec(&mut r, sb[0] * sb[1], -1.0, 1.0);
                 let c_host = random_vec(&mut r, m * n, -1.0, 1.0);
                 let (a, b, c) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&c_host)?);
-                let d = k.matmul_accumulate(form, c.view(), a.view(), b.view(), m, n, kk)?;
+                let d = k.matmul(
+                    &MatmulRequest::new(form, m, n, kk).accumulating(true),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )?;
                 k.run(&[&d, &d])?;
                 let product = cpu::matmul(form, &a_host, &b_host, m, n, kk);
                 let want: Vec<f32> = c_host.iter().zip(&product).map(|(c, p)| c + 2.0 * p).collect();
@@ -985,7 +1013,12 @@ fn matmul_with_bias_matches_matmul_then_bias_add() {
                     k.upload(&bias_host)?,
                     k.zeros(m * n)?,
                 );
-                k.run(&[&k.matmul_bias(form, c.view(), a.view(), b.view(), bias.view(), m, n, kk)?])?;
+                k.run(&[&k.matmul(
+                    &MatmulRequest::new(form, m, n, kk).with_bias(bias.view()),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )?])?;
                 let want = cpu::bias_add(&cpu::matmul(form, &a_host, &b_host, m, n, kk), &bias_host, n);
                 // k-term f32 sums plus one rounding for the bias.
                 assert_close(
@@ -999,7 +1032,12 @@ fn matmul_with_bias_matches_matmul_then_bias_add() {
         }
         let (a, b, c, short) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?, k.zeros(3)?);
         assert!(matches!(
-            k.matmul_bias(MatmulForm::AB, c.view(), a.view(), b.view(), short.view(), 2, 4, 3),
+            k.matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_bias(short.view()),
+                c.view(),
+                a.view(),
+                b.view()
+            ),
             Err(Error::Shape { .. })
         ));
         Ok(())
@@ -1114,7 +1152,14 @@ fn check_matmul_epilogue(
         activation: (!case.backward).then(|| (case.act, case.store_pre.then(|| pre.view()))),
         activation_grad: case.backward.then(|| (case.act, x.view())),
     };
-    k.run(&[&k.matmul_epilogue_with(variant, form, epilogue, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    k.run(&[&k.matmul(
+        &MatmulRequest::new(form, m, n, kk)
+            .with_kernel(MatmulKernel::Tiled(variant))
+            .with_epilogue(epilogue),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?])?;
     let twin = cpu::Epilogue {
         accumulate_onto: case.accumulate.then_some(&c_host[..]),
         bias: case.bias.then_some(&bias_host[..]),
@@ -1213,16 +1258,13 @@ fn matmul_variants_an_adapter_cannot_run_are_refused_and_never_chosen() {
                 activation_grad: Some((Activation::Relu, x.view())),
                 ..MatmulEpilogue::default()
             };
-            match k.matmul_epilogue_with(
-                MatmulVariant::Subgroup,
-                form,
-                epilogue,
+            match k.matmul(
+                &MatmulRequest::new(form, 2, 2, 3)
+                    .with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup))
+                    .with_epilogue(epilogue),
                 c.view(),
                 a.view(),
                 b.view(),
-                2,
-                2,
-                3,
             ) {
                 Err(Error::Unsupported { op, feature, .. }) => {
                     assert_eq!(op, "matmul_subgroup_forward");
@@ -1256,14 +1298,24 @@ fn fused_epilogue_agrees_with_the_unfused_kernels() {
         let x_host = random_vec(&mut r, m * n, -4.0, 4.0);
         let (a, b, x) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&x_host)?);
         let (fused, product, unfused) = (k.zeros(m * n)?, k.zeros(m * n)?, k.zeros(m * n)?);
-        k.run(&[&k.matmul(MatmulForm::AB, product.view(), a.view(), b.view(), m, n, kk)?])?;
+        k.run(&[&k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, m, n, kk),
+            product.view(),
+            a.view(),
+            b.view(),
+        )?])?;
         for act in Activation::ALL {
             let forward = MatmulEpilogue {
                 activation: Some((act, None)),
                 ..MatmulEpilogue::default()
             };
             k.run(&[
-                &k.matmul_epilogue(MatmulForm::AB, forward, fused.view(), a.view(), b.view(), m, n, kk)?,
+                &k.matmul(
+                    &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_epilogue(forward),
+                    fused.view(),
+                    a.view(),
+                    b.view(),
+                )?,
                 &k.activation_forward(act, unfused.view(), product.view())?,
             ])?;
             // Same f32 formulas on the same product: equal up to the
@@ -1280,7 +1332,12 @@ fn fused_epilogue_agrees_with_the_unfused_kernels() {
                 ..MatmulEpilogue::default()
             };
             k.run(&[
-                &k.matmul_epilogue(MatmulForm::AB, backward, fused.view(), a.view(), b.view(), m, n, kk)?,
+                &k.matmul(
+                    &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_epilogue(backward),
+                    fused.view(),
+                    a.view(),
+                    b.view(),
+                )?,
                 &k.activation_backward(act, unfused.view(), x.view(), product.view())?,
             ])?;
             assert_close(
@@ -1306,7 +1363,14 @@ fn matmul_epilogue_rejects_bad_combinations_and_shapes() {
             k.zeros(8)?,
             k.zeros(7)?,
         );
-        let run = |e: MatmulEpilogue<'_>| k.matmul_epilogue(MatmulForm::AB, e, c.view(), a.view(), b.view(), 2, 4, 3);
+        let run = |e: MatmulEpilogue<'_>| {
+            k.matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_epilogue(e),
+                c.view(),
+                a.view(),
+                b.view(),
+            )
+        };
         let grad = Some((Activation::Relu, x.view()));
         let with_bias = MatmulEpilogue {
             bias: Some(bias.view()),

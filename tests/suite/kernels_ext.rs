@@ -10,6 +10,7 @@ use crate::common;
 use common::{assert_close, for_each_adapter, random_vec, rng};
 use half::f16;
 use wgrad::kernels::{Activation, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, MatmulVariant};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 use wgrad::{cpu, Error, Kernels};
 
 /// 1, primes, and non-multiples of the 64×64 tile: the f32 matmul test's
@@ -30,7 +31,12 @@ fn check_f16_matmul(k: &Kernels, form: MatmulForm, m: usize, n: usize, kk: usize
     let a = k.upload_f16(&a_host)?;
     let b = k.upload_f16(&b_host)?;
     let c = k.zeros(m * n)?;
-    k.run(&[&k.matmul_f16(form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+    k.run(&[&k.matmul(
+        &MatmulRequest::new(form, m, n, kk).with_kernel(MatmulKernel::NativeF16),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?])?;
     let got = k.read::<f32>(c.view())?;
     // Same f16 inputs on both sides, products exact in f32: what is left is
     // f32 accumulation, so the f32 matmul's tolerance applies.
@@ -135,16 +141,13 @@ fn check_f16_operands(
         activation: forward.map(|a| (a, Some(pre.view()))),
         activation_grad: act.filter(|_| backward).map(|a| (a, x.view())),
     };
-    k.run(&[&k.matmul_operands_with(
-        variant,
-        form,
-        e,
+    k.run(&[&k.matmul(
+        &MatmulRequest::new(form, m, n, kk)
+            .with_kernel(MatmulKernel::Tiled(variant))
+            .with_epilogue(e),
         c.view(),
         operand(a_half, &a_f16, &a_f32),
         operand(b_half, &b_f16, &b_f32),
-        m,
-        n,
-        kk,
     )?])?;
     let twin = cpu::Epilogue {
         accumulate_onto: accumulate.then_some(&c_host[..]),
@@ -270,16 +273,11 @@ fn f16_operands_in_a_batch_match_the_twin() {
                 );
                 for b_half in [false, true] {
                     let b = operand(b_half, &b_f16, &b_f32);
-                    k.run(&[&k.matmul_batched_operands(
-                        form,
-                        false,
+                    k.run(&[&k.matmul(
+                        &MatmulRequest::new(form, m, n, kk).with_batch(batch),
                         c.view(),
-                        a_f16.view().into(),
+                        a_f16.view(),
                         b,
-                        batch,
-                        m,
-                        n,
-                        kk,
                     )?])?;
                     let b_values = if b_half { cpu::from_f16(&b16) } else { b32.clone() };
                     let want = cpu::matmul_batched(form, &cpu::from_f16(&a16), &b_values, batch, m, n, kk);
@@ -307,15 +305,11 @@ fn f16_operands_of_the_wrong_length_are_refused() {
         let b = k.upload(&[1.0f32; 6])?;
         let c = k.zeros(4)?;
         let err = k
-            .matmul_operands(
-                MatmulForm::AB,
-                MatmulEpilogue::default(),
+            .matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 2, 4),
                 c.view(),
-                a.view().into(),
-                b.view().into(),
-                2,
-                2,
-                4,
+                a.view(),
+                b.view(),
             )
             .unwrap_err();
         assert!(matches!(err, Error::Shape { .. }), "{err}");
@@ -394,7 +388,12 @@ fn f16_matmul_error_is_input_rounding_and_does_not_grow_like_f16_accumulation() 
                 let a = k.upload_f16(&a16)?;
                 let b = k.upload_f16(&b16)?;
                 let c = k.zeros(m * n)?;
-                k.run(&[&k.matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk)?])?;
+                k.run(&[&k.matmul(
+                    &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_kernel(MatmulKernel::NativeF16),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )?])?;
                 let got = k.read::<f32>(c.view())?;
                 let (exact, scale) = reference_and_scale(&a_host, &b_host, m, n, kk);
                 let mut worst_relative = 0.0f64;
@@ -537,7 +536,12 @@ fn f16_views_and_conversions_check_lengths() {
         }
         // A is 2×3 and B 3×4 (12 values), C 2×4; claim k = 4.
         let (a, b, c) = (k.zeros_f16(6)?, k.zeros_f16(12)?, k.zeros(8)?);
-        match k.matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4) {
+        match k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, 2, 4, 4).with_kernel(MatmulKernel::NativeF16),
+            c.view(),
+            a.view(),
+            b.view(),
+        ) {
             Err(Error::Shape { op, shapes, .. }) => {
                 assert_eq!(op, "matmul_f16_forward");
                 assert_eq!(shapes, vec![vec![2, 4], vec![4, 4], vec![2, 4]]);
@@ -545,7 +549,12 @@ fn f16_views_and_conversions_check_lengths() {
             other => panic!("matmul_f16 with k=4: {other:?}"),
         }
         assert!(k
-            .matmul_f16(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 3)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_kernel(MatmulKernel::NativeF16),
+                c.view(),
+                a.view(),
+                b.view()
+            )
             .is_ok());
         Ok(())
     });
@@ -565,7 +574,12 @@ fn subgroup_matmul_matches_the_cpu_in_every_form_and_shape() {
                 let a = k.upload(&a_host)?;
                 let b = k.upload(&b_host)?;
                 let c = k.zeros(m * n)?;
-                k.run(&[&k.matmul_subgroup(form, c.view(), a.view(), b.view(), m, n, kk)?])?;
+                k.run(&[&k.matmul(
+                    &MatmulRequest::new(form, m, n, kk).with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup)),
+                    c.view(),
+                    a.view(),
+                    b.view(),
+                )?])?;
                 let got = k.read::<f32>(c.view())?;
                 let want = cpu::matmul(form, &a_host, &b_host, m, n, kk);
                 assert_close(
@@ -578,7 +592,12 @@ fn subgroup_matmul_matches_the_cpu_in_every_form_and_shape() {
             }
         }
         let (a, b, c) = (k.zeros(6)?, k.zeros(12)?, k.zeros(8)?);
-        match k.matmul_subgroup(MatmulForm::AB, c.view(), a.view(), b.view(), 2, 4, 4) {
+        match k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, 2, 4, 4).with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup)),
+            c.view(),
+            a.view(),
+            b.view(),
+        ) {
             Err(Error::Shape { op, .. }) => assert_eq!(op, "matmul_subgroup_forward"),
             other => panic!("matmul_subgroup with k=4: {other:?}"),
         }
@@ -614,7 +633,12 @@ fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
             assert_unsupported(k.to_f16(half.view(), f.view()), k, "f32_to_f16", "SHADER_F16");
             assert_unsupported(k.from_f16(f.view(), half.view()), k, "f16_to_f32", "SHADER_F16");
             let c = k.zeros(4)?;
-            let err = k.matmul_f16(MatmulForm::AB, c.view(), half.view(), half.view(), 2, 2, 3);
+            let err = k.matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 2, 3).with_kernel(MatmulKernel::NativeF16),
+                c.view(),
+                half.view(),
+                half.view(),
+            );
             assert_unsupported(err, k, "matmul_f16_forward", "SHADER_F16");
             // Packing and readback need no feature.
             let values = cpu::to_f16(&[1.5, -2.0, 0.25]);
@@ -628,7 +652,13 @@ fn opt_in_kernels_refuse_an_adapter_without_the_feature_with_a_clear_error() {
             };
             let c = k.zeros(4)?;
             assert_unsupported(
-                k.matmul_subgroup(MatmulForm::AB, c.view(), f.view(), f.view(), 2, 2, 3),
+                k.matmul(
+                    &MatmulRequest::new(MatmulForm::AB, 2, 2, 3)
+                        .with_kernel(MatmulKernel::Tiled(MatmulVariant::Subgroup)),
+                    c.view(),
+                    f.view(),
+                    f.view(),
+                ),
                 k,
                 "matmul_subgroup_forward",
                 feature,
@@ -648,7 +678,12 @@ fn timestamp_queries_time_a_kernel_per_launch() {
             k.upload(&vec![0.25f32; kk * n])?,
             k.zeros(m * n)?,
         );
-        let d = k.matmul(MatmulForm::AB, c.view(), a.view(), b.view(), m, n, kk)?;
+        let d = k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, m, n, kk),
+            c.view(),
+            a.view(),
+            b.view(),
+        )?;
         // Software drivers compile a pipeline at its first launch: warm up.
         k.run(&[&d])?;
         k.device().wait_idle("warm-up")?;

@@ -14,6 +14,7 @@ use common::{assert_close, for_each_adapter, limited_kernels, random_vec, read, 
 use rand::Rng;
 use wgrad::graph::{Executor, Graph};
 use wgrad::infer::generate::{check_fits, Generator, Sampling};
+use wgrad::kernels::MatmulRequest;
 use wgrad::kernels::{Activation, LimitOverrides, MatmulEpilogue, MatmulForm};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::Module;
@@ -94,7 +95,12 @@ fn run_matmul(
             ..MatmulEpilogue::default()
         },
     };
-    let d = k.matmul_epilogue(form, epilogue, c.view(), a.view(), b.view(), m, n, kk)?;
+    let d = k.matmul(
+        &MatmulRequest::new(form, m, n, kk).with_epilogue(epilogue),
+        c.view(),
+        a.view(),
+        b.view(),
+    )?;
     k.run(&[&d])?;
     Ok((read(k, &c)?, read(k, &pre)?, d.launches()))
 }
@@ -161,18 +167,14 @@ fn matmuls_split_along_k_equal_the_unsplit_ones() {
             let c0 = random_vec(&mut r, m * n, -1.0, 1.0);
             let run = |k: &Kernels| -> wgrad::Result<(Vec<f32>, usize)> {
                 let (av, bv, cv) = (k.upload(&a)?, k.upload(&b)?, k.upload(&c0)?);
-                let d = k.matmul_epilogue(
-                    form,
-                    MatmulEpilogue {
+                let d = k.matmul(
+                    &MatmulRequest::new(form, m, n, kk).with_epilogue(MatmulEpilogue {
                         accumulate,
                         ..MatmulEpilogue::default()
-                    },
+                    }),
                     cv.view(),
                     av.view(),
                     bv.view(),
-                    m,
-                    n,
-                    kk,
                 )?;
                 k.run(&[&d])?;
                 Ok((read(k, &cv)?, d.launches()))
@@ -228,7 +230,12 @@ fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
         };
         expect_too_large(
             "AB with a bias, B over the limit",
-            lim.matmul_epilogue(MatmulForm::AB, epilogue, c.view(), a.view(), b.view(), m, n, kk),
+            lim.matmul(
+                &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_epilogue(epilogue),
+                c.view(),
+                a.view(),
+                b.view(),
+            ),
             "`b (stored [k, n]",
         );
         // A batch of products is not split.
@@ -240,7 +247,12 @@ fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
         );
         expect_too_large(
             "batched",
-            lim.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), batch, m, n, kk),
+            lim.matmul(
+                &MatmulRequest::new(MatmulForm::AB, m, n, kk).with_batch(batch),
+                c.view(),
+                a.view(),
+                b.view(),
+            ),
             "`a`",
         );
         // One row of A over the limit, with a bias (no split along k).
@@ -252,7 +264,12 @@ fn a_matmul_that_cannot_split_names_the_operand_and_the_limit() {
         };
         expect_too_large(
             "a row over the limit",
-            lim.matmul_epilogue(MatmulForm::ABt, epilogue, c.view(), a.view(), b.view(), m, n, kk),
+            lim.matmul(
+                &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+                c.view(),
+                a.view(),
+                b.view(),
+            ),
             "one row",
         );
         Ok(())

@@ -9,6 +9,7 @@ use crate::common;
 use common::{assert_close, for_each_adapter, random_vec, read, rng};
 use wgrad::cpu;
 use wgrad::kernels::{Activation, MatmulEpilogue, MatmulForm, MATVEC_MAX_ROWS};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 
 /// (n, k): one column, fewer columns than a workgroup's 8, a prime n over
 /// several workgroups, k of one vec4, k not a multiple of the lanes'
@@ -62,7 +63,14 @@ fn matvec_matches_the_cpu_for_every_lane_count_row_count_and_epilogue() {
                             ..MatmulEpilogue::default()
                         },
                     };
-                    let d = k.matmul_matvec(lanes, epilogue, c.view(), a.view(), b.view(), m, n, kk)?;
+                    let d = k.matmul(
+                        &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                            .with_kernel(MatmulKernel::Matvec { lanes })
+                            .with_epilogue(epilogue),
+                        c.view(),
+                        a.view(),
+                        b.view(),
+                    )?;
                     assert_eq!(d.kernel().entry, "matmul_forward_matvec");
                     k.run(&[&d])?;
                     let e = cpu::Epilogue {
@@ -92,7 +100,7 @@ fn the_shape_selected_entries_run_matvec_for_few_rows_of_abt() {
         let entry = |form: MatmulForm, m: usize, n: usize, kk: usize| -> wgrad::Result<&'static str> {
             let (a, b, c) = (k.zeros(m * kk)?, k.zeros(kk * n)?, k.zeros(m * n)?);
             Ok(
-                k.matmul_epilogue(form, MatmulEpilogue::default(), c.view(), a.view(), b.view(), m, n, kk)?
+                k.matmul(&MatmulRequest::new(form, m, n, kk), c.view(), a.view(), b.view())?
                     .kernel()
                     .entry,
             )
@@ -117,12 +125,22 @@ fn the_shape_selected_entries_run_matvec_for_few_rows_of_abt() {
         // The explicit entry refuses what it cannot run.
         let (a, b, c) = (k.zeros(6)?, k.zeros(6 * 3)?, k.zeros(3)?);
         let err = k
-            .matmul_matvec(8, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 3, 6)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 3, 6).with_kernel(MatmulKernel::Matvec { lanes: 8 }),
+                c.view(),
+                a.view(),
+                b.view(),
+            )
             .unwrap_err();
         assert!(err.to_string().contains("k=6"), "{err}");
         let (a, b, c) = (k.zeros(4)?, k.zeros(4)?, k.zeros(1)?);
         let err = k
-            .matmul_matvec(3, MatmulEpilogue::default(), c.view(), a.view(), b.view(), 1, 1, 4)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 1, 1, 4).with_kernel(MatmulKernel::Matvec { lanes: 3 }),
+                c.view(),
+                a.view(),
+                b.view(),
+            )
             .unwrap_err();
         assert!(err.to_string().contains("3 lanes"), "{err}");
         Ok(())

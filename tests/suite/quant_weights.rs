@@ -19,6 +19,7 @@ use wgrad::kernels::{
     pack_quantized, unpack_quantized, Activation, LimitOverrides, MatmulEpilogue, QuantFormat, QuantView,
     QuantWeightsKernel, MATVEC_MAX_ROWS, QUANT_ROWS_MAX_ROWS,
 };
+use wgrad::kernels::{MatmulForm, MatmulKernel, MatmulOperand, MatmulRequest};
 use wgrad::{cpu, Error, Kernels};
 
 /// The formats the long-standing cases run at every shape (rows of 32
@@ -190,8 +191,20 @@ fn check_product(
         },
     };
     let d = match kernel {
-        Some(kernel) => k.matmul_quant_weights_with(kernel, epilogue, c.view(), a.view(), b, m, n, kk)?,
-        None => k.matmul_quant_weights(epilogue, c.view(), a.view(), b, m, n, kk)?,
+        Some(kernel) => k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk)
+                .with_kernel(MatmulKernel::Quant(kernel))
+                .with_epilogue(epilogue),
+            c.view(),
+            a.view(),
+            b,
+        )?,
+        None => k.matmul(
+            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+            c.view(),
+            a.view(),
+            b,
+        )?,
     };
     k.run(&[&d])?;
     let e = cpu::Epilogue {
@@ -376,7 +389,14 @@ fn check_parts(
         .zip(rows)
         .map(|(v, &n)| QuantView::new(v, format, n, kk))
         .collect::<wgrad::Result<Vec<_>>>()?;
-    let d = k.matmul_quant_parts(c.view(), a.view(), &parts, m, kk, gated)?;
+    let n = if gated { rows[0] } else { rows.iter().sum() };
+    let request = MatmulRequest::new(MatmulForm::ABt, m, n, kk);
+    let d = k.matmul(
+        &request,
+        c.view(),
+        a.view(),
+        MatmulOperand::QuantParts { parts: &parts, gated },
+    )?;
     k.run(&[&d])?;
     let twin_parts: Vec<(&[u8], usize)> = raws.iter().map(Vec::as_slice).zip(rows.iter().copied()).collect();
     let want = cpu::matmul_quant_parts(&a_host, format, &twin_parts, m, kk, gated)?;
@@ -465,7 +485,12 @@ fn quantized_parts_match_the_cpu() {
                 parts.iter().map(QuantView::rows).sum()
             };
             let err = k
-                .matmul_quant_parts(c.slice(0, 2 * n)?, a.slice(0, 64)?, &parts, 2, 32, gated)
+                .matmul(
+                    &MatmulRequest::new(MatmulForm::ABt, 2, n, 32),
+                    c.slice(0, 2 * n)?,
+                    a.slice(0, 64)?,
+                    MatmulOperand::QuantParts { parts: &parts, gated },
+                )
                 .unwrap_err();
             assert!(matches!(err, Error::Shape { .. }), "{err}");
         }
@@ -490,15 +515,12 @@ fn quantized_products_refuse_what_they_cannot_run() {
         // Five rows are past the matrix-vector kernel; shapes must agree;
         // training's epilogues are refused.
         let err = k
-            .matmul_quant_weights_with(
-                QuantWeightsKernel::Matvec { lanes: 8 },
-                MatmulEpilogue::default(),
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 5, 2, 32)
+                    .with_kernel(MatmulKernel::Quant(QuantWeightsKernel::Matvec { lanes: 8 })),
                 c.view(),
                 a.view(),
                 b,
-                5,
-                2,
-                32,
             )
             .unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
@@ -534,49 +556,40 @@ fn quantized_products_refuse_what_they_cannot_run() {
             QuantWeightsKernel::Tiled
         );
         let err = k
-            .matmul_quant_weights_with(
-                QuantWeightsKernel::MatvecRows,
-                MatmulEpilogue::default(),
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 17, 2, 32)
+                    .with_kernel(MatmulKernel::Quant(QuantWeightsKernel::MatvecRows)),
                 c17.view(),
                 a17.view(),
                 b,
-                17,
-                2,
-                32,
             )
             .unwrap_err();
         assert!(err.to_string().contains("m=17"), "{err}");
         // The subgroup kernel without 8-lane subgroups: refused by name.
         if !k.supports_quant_rows_subgroup() {
             let err = k
-                .matmul_quant_weights_with(
-                    QuantWeightsKernel::MatvecRowsSubgroup,
-                    MatmulEpilogue::default(),
+                .matmul(
+                    &MatmulRequest::new(MatmulForm::ABt, 5, 2, 32)
+                        .with_kernel(MatmulKernel::Quant(QuantWeightsKernel::MatvecRowsSubgroup)),
                     c.view(),
                     a.view(),
                     b,
-                    5,
-                    2,
-                    32,
                 )
                 .unwrap_err();
             assert!(matches!(err, Error::Unsupported { .. }), "{err}");
         }
         let err = k
-            .matmul_quant_weights_with(
-                QuantWeightsKernel::MatvecColumns,
-                MatmulEpilogue::default(),
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 5, 2, 32)
+                    .with_kernel(MatmulKernel::Quant(QuantWeightsKernel::MatvecColumns)),
                 c.view(),
                 a.view(),
                 b,
-                5,
-                2,
-                32,
             )
             .unwrap_err();
         assert!(err.to_string().contains("m=5"), "{err}");
         let err = k
-            .matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 5, 2, 64)
+            .matmul(&MatmulRequest::new(MatmulForm::ABt, 5, 2, 64), c.view(), a.view(), b)
             .unwrap_err();
         assert!(
             matches!(err, Error::Shape { .. }) && err.to_string().contains("k=64"),
@@ -587,7 +600,12 @@ fn quantized_products_refuse_what_they_cannot_run() {
             ..MatmulEpilogue::default()
         };
         let err = k
-            .matmul_quant_weights(accumulate, c.view(), a.view(), b, 5, 2, 32)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::ABt, 5, 2, 32).with_epilogue(accumulate),
+                c.view(),
+                a.view(),
+                b,
+            )
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
         Ok(())
@@ -757,7 +775,7 @@ fn quantized_weights_over_small_bindings_equal_the_twins() {
         let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 1024)?;
         let (a, c) = (lim.zeros(1024)?, lim.zeros(2)?);
         let err = lim
-            .matmul_quant_weights(MatmulEpilogue::default(), c.view(), a.view(), b, 1, 2, 1024)
+            .matmul(&MatmulRequest::new(MatmulForm::ABt, 1, 2, 1024), c.view(), a.view(), b)
             .unwrap_err();
         assert!(
             matches!(err, Error::TooLarge { .. }) && err.to_string().contains("activations"),

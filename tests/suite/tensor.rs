@@ -9,6 +9,7 @@ use crate::common;
 
 use common::{assert_close, for_each_adapter, for_each_shaping, random_vec, read, rng};
 use wgrad::kernels::{Binary, Family, MatmulForm, MatmulVariant, Unary};
+use wgrad::kernels::{MatmulKernel, MatmulRequest};
 use wgrad::{cpu, Error, Kernels};
 
 fn is_shape_error<T>(r: wgrad::Result<T>) -> bool {
@@ -35,8 +36,23 @@ fn check_batched(
     let c0 = random_vec(&mut r, batch * m * n, -1.0, 1.0);
     let (a, b, c) = (k.upload(&a_host)?, k.upload(&b_host)?, k.upload(&c0)?);
     let d = match variant {
-        None => k.matmul_batched(form, accumulate, c.view(), a.view(), b.view(), batch, m, n, k_)?,
-        Some(v) => k.matmul_batched_with(v, form, accumulate, c.view(), a.view(), b.view(), batch, m, n, k_)?,
+        None => k.matmul(
+            &MatmulRequest::new(form, m, n, k_)
+                .with_batch(batch)
+                .accumulating(accumulate),
+            c.view(),
+            a.view(),
+            b.view(),
+        )?,
+        Some(v) => k.matmul(
+            &MatmulRequest::new(form, m, n, k_)
+                .with_kernel(MatmulKernel::Tiled(v))
+                .with_batch(batch)
+                .accumulating(accumulate),
+            c.view(),
+            a.view(),
+            b.view(),
+        )?,
     };
     assert_eq!(d.workgroups()[2] as usize, batch, "the batch is the grid's z");
     k.run(&[&d])?;
@@ -113,46 +129,41 @@ fn matmul_batched_refuses_wrong_lengths_and_a_batch_over_the_grid_limit() {
         // Fits batch 2 of m=2 n=4 k=3: A 2·6, B 2·12, C 2·8 elements.
         let (a, b, c) = (k.zeros(2 * 6)?, k.zeros(2 * 12)?, k.zeros(2 * 8)?);
         assert!(k
-            .matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 2, 4, 3)
+            .matmul(
+                &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_batch(2),
+                c.view(),
+                a.view(),
+                b.view()
+            )
             .is_ok());
         assert!(
-            is_shape_error(k.matmul_batched(MatmulForm::AB, false, c.view(), a.view(), b.view(), 2, 4, 2, 3)),
+            is_shape_error(k.matmul(
+                &MatmulRequest::new(MatmulForm::AB, 4, 2, 3).with_batch(2),
+                c.view(),
+                a.view(),
+                b.view()
+            )),
             "C fits, A and B do not"
         );
-        assert!(is_shape_error(k.matmul_batched(
-            MatmulForm::AB,
-            false,
+        assert!(is_shape_error(k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_batch(3),
             c.view(),
             a.view(),
-            b.view(),
-            3,
-            2,
-            4,
-            3
+            b.view()
         )));
-        assert!(is_shape_error(k.matmul_batched(
-            MatmulForm::AB,
-            false,
+        assert!(is_shape_error(k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, 2, 4, 3).with_batch(0),
             c.view(),
             a.view(),
-            b.view(),
-            0,
-            2,
-            4,
-            3
+            b.view()
         )));
         let max = k.device().limits().max_compute_workgroups_per_dimension as usize;
         let big = k.zeros(max + 1)?;
-        let r = k.matmul_batched(
-            MatmulForm::AB,
-            false,
+        let r = k.matmul(
+            &MatmulRequest::new(MatmulForm::AB, 1, 1, 1).with_batch(max + 1),
             big.view(),
             big.view(),
             big.view(),
-            max + 1,
-            1,
-            1,
-            1,
         );
         assert!(is_shape_error(r), "a batch over the z limit must be an Error");
         Ok(())

@@ -7,7 +7,9 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
 use crate::graph::plan::Storage;
-use crate::kernels::{Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, QuantView};
+use crate::kernels::{
+    Activation, Dispatch, F16View, MatmulEpilogue, MatmulForm, MatmulOperand, MatmulRequest, QuantView,
+};
 
 /// Matrix products.
 #[derive(Clone, Debug, PartialEq)]
@@ -20,7 +22,7 @@ pub enum MatmulOp {
     /// format) -> x·[W₀; W₁; …]ᵀ [m, Σ n_i], or with `gated` (two weights
     /// of equal rows) silu(x·W₀ᵀ) ⊙ (x·W₁ᵀ) [m, n₀]: generation's q, k and
     /// v projections, and SwiGLU's gate and up, in one launch (see
-    /// `Kernels::matmul_quant_parts`). No gradient.
+    /// `MatmulOperand::QuantParts`). No gradient.
     QuantParts {
         gated: bool,
     },
@@ -40,7 +42,7 @@ fn inner(form: MatmulForm, a: &[usize]) -> usize {
 fn activation_of(cx: &DispatchContext<'_>, i: usize) -> Result<Activation> {
     match cx.graph().node(Tensor(i)).op {
         Op::Elementwise(ElementwiseOp::Activation(act) | ElementwiseOp::ActivationBackward(act)) => Ok(act),
-        _ => Err(Error::InvalidArgument {
+        _ => Err(Error::Internal {
             op: "Executor",
             reason: format!("`{}` is not an activation", cx.graph().node(Tensor(i)).name),
         }),
@@ -95,66 +97,67 @@ impl OpFamily for MatmulOp {
                 let weight = matches!(cx.input_node(1).op, Op::Source(_));
                 match cx.input_node(1).dtype {
                     DType::F16 if weight => {
-                        return k.matmul_f16_weights(
-                            epilogue,
+                        return k.matmul(
+                            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
                             cx.out()?,
                             cx.input(0)?,
-                            F16View::new(cx.input(1)?, n * kk)?,
-                            m,
-                            n,
-                            kk,
+                            MatmulOperand::F16Weight(F16View::new(cx.input(1)?, n * kk)?),
                         )
                     }
                     DType::Quant(format) => {
-                        return k.matmul_quant_weights(
-                            epilogue,
+                        return k.matmul(
+                            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
                             cx.out()?,
                             cx.input(0)?,
                             QuantView::new(cx.input(1)?, format, n, kk)?,
-                            m,
-                            n,
-                            kk,
                         )
                     }
                     DType::F16 | DType::F32 | DType::U32 => {}
                 }
-                k.matmul_operands(*form, epilogue, cx.out()?, operand(cx, 0)?, operand(cx, 1)?, m, n, kk)
+                k.matmul(
+                    &MatmulRequest::new(*form, m, n, kk).with_epilogue(epilogue),
+                    cx.out()?,
+                    operand(cx, 0)?,
+                    operand(cx, 1)?,
+                )
             }
             MatmulOp::BatchMatMul(form) => {
                 let rank = shape.len();
                 let batch = shape[..rank - 2].iter().product();
                 let (m, n, kk) = (shape[rank - 2], shape[rank - 1], inner(*form, cx.input_shape(0)));
-                k.matmul_batched_operands(
-                    *form,
-                    cx.accumulate(),
+                k.matmul(
+                    &MatmulRequest::new(*form, m, n, kk)
+                        .with_batch(batch)
+                        .accumulating(cx.accumulate()),
                     cx.out()?,
                     operand(cx, 0)?,
                     operand(cx, 1)?,
-                    batch,
-                    m,
-                    n,
-                    kk,
                 )
             }
             MatmulOp::QuantParts { gated } => {
                 let [m, kk] = cx.input_shape(0)[..] else {
-                    return Err(Error::shape(
+                    return Err(Error::internal(
                         "matmul_quant_parts",
-                        "x lost its rank",
-                        &[cx.input_shape(0)],
+                        format!("x lost its rank: {:?}", cx.input_shape(0)),
                     ));
                 };
                 let count = cx.graph().node(Tensor(i)).inputs.len();
                 let parts = (1..count)
                     .map(|j| match (cx.input_node(j).dtype, cx.input_shape(j)) {
                         (DType::Quant(format), &[rows, _]) => QuantView::new(cx.input(j)?, format, rows, kk),
-                        _ => Err(Error::InvalidArgument {
+                        _ => Err(Error::Internal {
                             op: "matmul_quant_parts",
                             reason: format!("`{}` is not a quantized matrix", cx.input_node(j).name),
                         }),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                k.matmul_quant_parts(cx.out()?, cx.input(0)?, &parts, m, kk, *gated)
+                let (request, gated) = (MatmulRequest::new(MatmulForm::ABt, m, shape[1], kk), *gated);
+                k.matmul(
+                    &request,
+                    cx.out()?,
+                    cx.input(0)?,
+                    MatmulOperand::QuantParts { parts: &parts, gated },
+                )
             }
         }
     }
@@ -192,10 +195,9 @@ impl OpFamily for MatmulOp {
 /// de-quantized values) side by side, or gated.
 fn parts_reference(gated: bool, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
     let [m, kk] = cx.input_shape(0)[..] else {
-        return Err(Error::shape(
+        return Err(Error::internal(
             "matmul_quant_parts",
-            "x lost its rank",
-            &[cx.input_shape(0)],
+            format!("x lost its rank: {:?}", cx.input_shape(0)),
         ));
     };
     let products = (1..cx.node().inputs.len())
@@ -272,7 +274,7 @@ impl Graph {
     /// x [m, k] · [W₀; W₁; …]ᵀ -> [m, Σ n_i] for block-quantized weights
     /// W_i [n_i, k] of one format (at most 4): the products a layer takes
     /// of one input side by side (q, k and v) in one launch where the
-    /// kernels can (see `Kernels::matmul_quant_parts`); with `gated`, two
+    /// kernels can (see `MatmulOperand::QuantParts`); with `gated`, two
     /// weights of equal rows, silu(x·W₀ᵀ) ⊙ (x·W₁ᵀ) [m, n₀] (SwiGLU's
     /// hidden units). Generation only: no gradient.
     pub fn matmul_quant_parts(&mut self, x: Tensor, weights: &[Tensor], gated: bool) -> Result<Tensor> {

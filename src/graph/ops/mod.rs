@@ -183,7 +183,7 @@ fn no_gradient(g: &Graph, node: Tensor, slot: usize) -> Error {
 /// A companion whose writer is not the op it belongs to: a graph built
 /// around the builder, reported rather than panicked.
 fn unexpected_writer(companion: &'static str, writer: &Op) -> Error {
-    Error::InvalidArgument {
+    Error::Internal {
         op: "graph",
         reason: format!("a {companion} node follows {writer:?}"),
     }
@@ -288,10 +288,11 @@ impl<'a> DispatchContext<'a> {
     }
 
     /// The error of a dispatch asked of a node without a kernel of its own
-    /// ([`Op::has_kernel`]): a bug in the executor, reported.
+    /// ([`Op::has_kernel`]): a bug in the executor, reported as
+    /// [`Error::Internal`].
     pub fn no_kernel(&self) -> Error {
         let node = self.graph().node(Tensor(self.node));
-        Error::InvalidArgument {
+        Error::Internal {
             op: "Executor",
             reason: format!("`{}` ({}) has no kernel", node.name, node.op.name()),
         }
@@ -301,7 +302,7 @@ impl<'a> DispatchContext<'a> {
     pub fn companion(&self) -> Result<Tensor> {
         self.graph()
             .companion(Tensor(self.node))
-            .ok_or_else(|| Error::InvalidArgument {
+            .ok_or_else(|| Error::Internal {
                 op: "Executor",
                 reason: format!(
                     "`{}` lost the node its dispatch also writes",
@@ -343,7 +344,7 @@ impl<'a> ReferenceContext<'a> {
         self.values
             .get(t.0)
             .and_then(|v| v.as_deref())
-            .ok_or_else(|| Error::InvalidArgument {
+            .ok_or_else(|| Error::Internal {
                 op: "evaluate_f64",
                 reason: format!(
                     "`{}` was not evaluated before `{}`",

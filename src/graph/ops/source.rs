@@ -71,7 +71,7 @@ impl OpFamily for SourceOp {
                 init: ParameterInit::Packed(words),
             } => {
                 let (DType::Quant(format), &[rows, cols]) = (cx.node().dtype, cx.shape()) else {
-                    return Err(Error::InvalidArgument {
+                    return Err(Error::Internal {
                         op: "parameter",
                         reason: format!("`{}` holds packed words but is not a quantized matrix", cx.node().name),
                     });
