@@ -151,6 +151,7 @@ impl LlamaConfig {
             head_dim: self.head_dim(),
             qkv_bias: self.variant == LlamaVariant::Qwen2,
             qk_norm_eps: (self.variant == LlamaVariant::Qwen3).then_some(self.rms_norm_eps),
+            sliding_window: None,
         }
     }
 

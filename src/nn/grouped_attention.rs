@@ -9,7 +9,7 @@
 use super::causal_lm::{cache_pass, cached_attention, one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
-use super::transformer::{causal_attention, AttentionKernel};
+use super::transformer::{causal_attention_window, AttentionKernel};
 use super::{Linear, Module, ParameterTree, RmsNorm, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -25,6 +25,8 @@ pub struct AttentionOptions {
     /// Qwen3's `q_norm` and `k_norm`: an RMSNorm of this epsilon over each
     /// head's channels of q and of k, before the rotation.
     pub qk_norm_eps: Option<f32>,
+    /// Attend only to the last this-many positions (key j of query i when i - j < window); None: all of them.
+    pub sliding_window: Option<usize>,
 }
 
 impl AttentionOptions {
@@ -34,6 +36,7 @@ impl AttentionOptions {
             head_dim: n_embd / n_head.max(1),
             qkv_bias: false,
             qk_norm_eps: None,
+            sliding_window: None,
         }
     }
 }
@@ -59,6 +62,9 @@ pub struct GroupedQueryAttention {
     pub k_norm: Option<RmsNorm>,
     pub o_proj: Linear,
     pub attention: AttentionKernel,
+    /// Sliding-window attention ([`AttentionOptions::sliding_window`]),
+    /// in training, prefill and the cached decode alike.
+    pub sliding_window: Option<usize>,
 }
 
 impl GroupedQueryAttention {
@@ -126,6 +132,7 @@ impl GroupedQueryAttention {
             k_norm: norm(),
             o_proj: Linear::empty(q, n_embd, false),
             attention: AttentionKernel::default(),
+            sliding_window: options.sliding_window,
         })
     }
 
@@ -210,13 +217,20 @@ impl Module for GroupedQueryAttention {
             // Generation: the cache holds the kv heads, rotated once at
             // their positions; the kernel shares each among its group.
             let q = g.reshape(q, &[b, t, h * d])?;
-            let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
+            let y = cached_attention(
+                g,
+                prefix,
+                [q, k, v],
+                QkvLayout::Separate,
+                (h, kv, d),
+                self.sliding_window,
+            )?;
             return self
                 .o_proj
                 .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
         let q = g.reshape(q, &[b, t, h * d])?;
-        let y = causal_attention(g, [q, k, v], h, kv, d, self.attention)?;
+        let y = causal_attention_window(g, [q, k, v], (h, kv, d), self.attention, self.sliding_window)?;
         self.o_proj
             .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
     }
@@ -231,6 +245,9 @@ impl Module for GroupedQueryAttention {
         }
         if self.q_norm.is_some() {
             options += ", qk_norm";
+        }
+        if let Some(window) = self.sliding_window {
+            options += &format!(", sliding_window={window}");
         }
         format!(
             "GroupedQueryAttention(n_embd={}, n_head={}, n_kv_head={}{options})",
@@ -293,7 +310,14 @@ impl GroupedQueryAttention {
         let heads = g.reshape(qkv, &[b, t, h + 2 * kv, d])?;
         let rotated = self.rotary.forward_heads(g, heads, starts, h + kv)?;
         let qkv = g.reshape(rotated, &[b, t, (h + 2 * kv) * d])?;
-        let y = cached_attention(g, prefix, [qkv, qkv, qkv], QkvLayout::Fused, h, kv, d)?;
+        let y = cached_attention(
+            g,
+            prefix,
+            [qkv, qkv, qkv],
+            QkvLayout::Fused,
+            (h, kv, d),
+            self.sliding_window,
+        )?;
         self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj)).map(Some)
     }
 }

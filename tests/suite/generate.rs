@@ -76,8 +76,27 @@ const ATTENTION_CASES: [AttentionCase; 18] = [
     (1, 4, 2, 3, 9, &[7]),
 ];
 
-/// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv) and
-/// [`GROUPED_CASES`], with the seed each draws its values from.
+/// Sliding windows over grouped cases: a window of 1, windows shorter
+/// than the cached positions (a decode step and a prompt after cached
+/// rows, whose window reaches back into the cache or not), on the grouped
+/// kernel's 64 channels, past them, at Gemma 3's 256, a 70-row prompt, a
+/// window as long as the context (no window), and a position past it.
+const WINDOW_CASES: [(GroupedCase, usize); 10] = [
+    ((1, 1, 2, 1, 1, 1, &[0], QkvLayout::Separate), 1),
+    ((2, 3, 6, 2, 5, 11, &[0, 4], QkvLayout::Separate), 3),
+    ((3, 1, 9, 3, 8, 17, &[16, 0, 7], QkvLayout::Separate), 5),
+    ((1, 2, 14, 2, 64, 97, &[60], QkvLayout::Fused), 7),
+    ((1, 1, 4, 1, 64, 1024, &[1000], QkvLayout::Separate), 13),
+    ((1, 3, 6, 2, 68, 23, &[20], QkvLayout::Separate), 2),
+    ((1, 70, 4, 2, 16, 97, &[5], QkvLayout::Fused), 11),
+    ((1, 2, 2, 1, 256, 40, &[30], QkvLayout::Separate), 17),
+    ((2, 4, 7, 1, 13, 13, &[2, 9], QkvLayout::Separate), 13),
+    ((2, 1, 3, 3, 5, 7, &[7, 2], QkvLayout::Fused), 3),
+];
+
+/// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv),
+/// [`GROUPED_CASES`] and [`WINDOW_CASES`], with the seed each draws its
+/// values from.
 fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'static [u32])> {
     let fused = ATTENTION_CASES
         .iter()
@@ -99,12 +118,31 @@ fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'stati
                     head_dim,
                     context,
                     layout,
+                    window: None,
                 },
                 starts,
             )
         });
+    let windowed = WINDOW_CASES.iter().map(
+        |&((seqs, rows, heads, kv_heads, head_dim, context, starts, layout), window)| {
+            (
+                CachedAttentionShape {
+                    seqs,
+                    rows,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    context,
+                    layout,
+                    window: Some(window),
+                },
+                starts,
+            )
+        },
+    );
     fused
         .chain(grouped)
+        .chain(windowed)
         .enumerate()
         .map(|(i, (shape, starts))| (900 + i as u64, shape, starts))
 }
