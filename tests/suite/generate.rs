@@ -692,7 +692,8 @@ fn sliding_window_cached_logits_equal_the_full_sequence_logits() {
         };
         let (full, reference, windowless) = (full_of(&model)?, full_of(&unfused)?, full_of(&plain)?);
         let what = model.describe();
-        assert!(what.contains("sliding_window=3"), "{what}");
+        let layer = model.layers[0].self_attn.describe();
+        assert!(layer.contains("sliding_window=3"), "{layer}");
         for s in 0..2 {
             for p in 0..CONFIG.block_size {
                 let label = format!("{what}: fused vs unfused, sequence {s} at {p}");
