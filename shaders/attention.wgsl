@@ -16,8 +16,9 @@
 // head h reads KV head h / (H / Hkv) (grouped-query attention; H = Hkv is
 // multi-head). Row t of sequence s is position p = starts[s] + t. The
 // invocation of its KV group's first query head writes k and v of p into
-// the caches; every query head then attends over positions 0 ..= p:
-// softmax(q·kᵀ · scale) · v. Keys before starts[s] come from the cache;
+// the caches; every query head then attends over positions 0 ..= p
+// (p - W + 1 ..= p under a sliding window of W positions; the host passes
+// W = P for none): softmax(q·kᵀ · scale) · v. Keys before starts[s] come from the cache;
 // keys starts[s] .. p come from the row operands themselves, because
 // another invocation of this dispatch writes them and WGSL cannot order
 // that write before this read. So every invocation reads cache rows <
@@ -73,9 +74,15 @@ struct AttentionParams {
     q_first: u32,
     k_first: u32,
     v_first: u32,
-    _pad0: u32,
+    // W: position p attends to positions p - W + 1 ..= p; 1 ≤ W ≤ P.
+    window: u32,
     _pad1: u32,
     _pad2: u32,
+}
+
+// The first position position `pos` attends to.
+fn first_position(q: AttentionParams, pos: u32) -> u32 {
+    return pos + 1u - min(pos + 1u, q.window);
 }
 
 // Where one (sequence, row, query head) reads and writes.
@@ -300,12 +307,13 @@ fn cached_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_
     // Keys and values before `start` from the caches, then this
     // dispatch's rows from the row operands: two loops, so neither tests
     // per element.
-    for (var j = 0u; j < start; j++) {
+    let lo = first_position(q, pos);
+    for (var j = lo; j < start; j++) {
         let cached = at.cache_base + j * d;
         let weight = push_score(&state, cache_dot(cached, d) * q.scale, d);
         cache_axpy(cached, weight, d);
     }
-    for (var j = start; j <= pos; j++) {
+    for (var j = max(start, lo); j <= pos; j++) {
         let r = j - start;
         let weight = push_score(&state, rows_dot(at.k_at + r * q.k_width, d) * q.scale, d);
         rows_axpy(at.v_at + r * q.v_width, weight, d);
@@ -396,7 +404,7 @@ fn cached_attention_forward_workgroup(@builtin(workgroup_id) wid: vec3<u32>, @bu
     // on from the row operands (this dispatch writes those cache rows; see
     // the top).
     var state = vec2<f32>(LOWEST, 0.0);
-    for (var j = lane; j <= pos; j += DECODE_WG) {
+    for (var j = first_position(q, pos) + lane; j <= pos; j += DECODE_WG) {
         var score = 0.0;
         if j < start {
             let cached = at.cache_base + j * d;
@@ -596,7 +604,7 @@ fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @buil
     let v_rows_at = at.v_at / 4u;
     var maximum = vec4<f32>(LOWEST);
     var total = vec4<f32>(0.0);
-    for (var j = lane; j <= pos; j += GROUPED_LANES) {
+    for (var j = first_position(q, pos) + lane; j <= pos; j += GROUPED_LANES) {
         // Before `start` from the caches, from `start` on from the row
         // operands (this dispatch writes those cache rows; see the top).
         let cached = j < start;

@@ -9,7 +9,10 @@
 //   q, out, dout, dq   [B, T, H, d]
 //   k, v, dk, dv       [B, T, Hkv, d]      query head h reads KV head h / (H / Hkv)
 //   lse, delta         [B, H, T]           row statistics
-// Scores s = q·kᵀ · scale (scale = 1/√d), causal: query i sees keys 0 ..= i.
+// Scores s = q·kᵀ · scale (scale = 1/√d), causal: query i sees keys 0 ..= i,
+// or under a sliding window of W positions keys i - W + 1 ..= i (the host
+// passes W = T for no window). Each kernel starts its key (query) loop at
+// the first row its workgroup's rows see, so a window skips whole tiles.
 //
 // flash_attention_forward:            out = softmax(s)·v, lse = log Σ exp(s)
 // flash_attention_backward_prepare:   delta = rowsum(dout ∘ out)
@@ -50,7 +53,8 @@ struct FlashParams {
     // Rows per workgroup-memory tile (TILE_VEC4 / padded_vec4s(d), at most
     // MAX_TILE).
     tile: u32,
-    _pad0: u32,
+    // W: query i sees key j when j ≤ i < j + W; 1 ≤ W ≤ T.
+    window: u32,
     _pad1: u32,
 }
 
@@ -72,8 +76,9 @@ struct FlashParams {
 // Invocations per workgroup of the tiled kernels, one row each
 // (kernels::flash_attention::BLOCK_ROWS).
 const BLOCK_ROWS: u32 = 64u;
-// The widest head, in vec4s: d ≤ 128 (kernels::flash_attention::MAX_HEAD_DIM).
-const MAX_HEAD_VEC4: u32 = 32u;
+// The widest head, in vec4s: d ≤ 256 (kernels::flash_attention::MAX_HEAD_DIM;
+// Gemma 3's heads are 256 wide).
+const MAX_HEAD_VEC4: u32 = 64u;
 // vec4s of one workgroup-memory tile: two tiles and the statistics stay
 // under WebGPU's 16 KiB of workgroup memory.
 const TILE_VEC4: u32 = 384u;
@@ -101,6 +106,20 @@ var<private> acc_a: array<vec4<f32>, MAX_HEAD_VEC4>;
 var<private> acc_b: array<vec4<f32>, MAX_HEAD_VEC4>;
 // One tile's scores, then their weights.
 var<private> scores: array<f32, MAX_TILE>;
+
+// The first key query i sees (sliding window).
+fn first_key(p: FlashParams, i: u32) -> u32 {
+    return i + 1u - min(i + 1u, p.window);
+}
+
+// The keys query i sees in a tile of n keys from j0: (first, end) offsets
+// into the tile, first ≥ end when it sees none.
+fn visible_range(p: FlashParams, i: u32, j0: u32, n: u32) -> vec2<u32> {
+    let lo = first_key(p, i);
+    let first = select(0u, lo - j0, lo > j0);
+    let end = select(0u, min(n, i - j0 + 1u), j0 <= i);
+    return vec2<u32>(first, end);
+}
 
 // Where row t's head `head` of a [B, T, heads, d] tensor starts.
 fn head_at(p: FlashParams, heads: u32, b: u32, t: u32, head: u32) -> u32 {
@@ -237,20 +256,23 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
         acc_a[e / 4u][e % 4u] = o;
     }
     if r.valid && p.first == 0u {
-        // The keys so far, in the frame of maximum lse: Σ exp = 1.
+        // The keys so far, in the frame of maximum lse: Σ exp = 1 (0 for
+        // a row that saw none, its lse LOWEST: a window past them).
         m = lse[r.stat];
-        l = 1.0;
+        l = select(1.0, 0.0, m == LOWEST);
     }
     let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * BLOCK_ROWS));
-    for (var j0 = p.chunk_start; j0 < key_end; j0 += p.tile) {
+    let key_start = max(p.chunk_start, first_key(p, wid.x * BLOCK_ROWS));
+    for (var j0 = key_start; j0 < key_end; j0 += p.tile) {
         let n = min(p.tile, key_end - j0);
         workgroupBarrier();
         load_key_tiles(p, r.b, r.kvh, j0, n, r.d4, lid.x);
         workgroupBarrier();
-        if r.valid && j0 <= r.i {
-            let visible = min(n, r.i - j0 + 1u);
+        let range = visible_range(p, r.i, j0, n);
+        if r.valid && range.x < range.y {
+            let visible = range.y;
             var tile_max = LOWEST;
-            for (var c = 0u; c < visible; c++) {
+            for (var c = range.x; c < visible; c++) {
                 let s = dot_a(c, r.d4);
                 scores[c] = s;
                 tile_max = max(tile_max, s);
@@ -258,7 +280,7 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
             let m_new = max(m, tile_max);
             let shrink = exp(m - m_new);
             l *= shrink;
-            for (var c = 0u; c < visible; c++) {
+            for (var c = range.x; c < visible; c++) {
                 let w = exp(scores[c] - m_new);
                 scores[c] = w;
                 l += w;
@@ -269,7 +291,7 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
                 acc_a[e + 2u] *= shrink;
                 acc_a[e + 3u] *= shrink;
             }
-            for (var c = 0u; c < visible; c++) {
+            for (var c = range.x; c < visible; c++) {
                 let w = scores[c];
                 let row_at = c * r.d4;
                 for (var e = 0u; e < r.d4; e += 4u) {
@@ -283,11 +305,13 @@ fn flash_attention_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local
         }
     }
     if r.valid {
-        let inv = 1.0 / l;
+        // A row that saw no key yet (a window past this launch's keys)
+        // keeps zeros and lse LOWEST for the next launch.
+        let inv = select(0.0, 1.0 / l, l > 0.0);
         for (var e = 0u; e < d; e++) {
             out[r.at + e] = acc_a[e / 4u][e % 4u] * inv;
         }
-        lse[r.stat] = m + log(l);
+        lse[r.stat] = select(LOWEST, m + log(l), l > 0.0);
     }
 }
 
@@ -329,14 +353,15 @@ fn flash_attention_backward_query(@builtin(workgroup_id) wid: vec3<u32>, @builti
     let row_lse = lse_in[r.stat];
     let row_delta = delta_in[r.stat];
     let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * BLOCK_ROWS));
-    for (var j0 = p.chunk_start; j0 < key_end; j0 += p.tile) {
+    let key_start = max(p.chunk_start, first_key(p, wid.x * BLOCK_ROWS));
+    for (var j0 = key_start; j0 < key_end; j0 += p.tile) {
         let n = min(p.tile, key_end - j0);
         workgroupBarrier();
         load_key_tiles(p, r.b, r.kvh, j0, n, r.d4, lid.x);
         workgroupBarrier();
-        if r.valid && j0 <= r.i {
-            let visible = min(n, r.i - j0 + 1u);
-            for (var c = 0u; c < visible; c++) {
+        let range = visible_range(p, r.i, j0, n);
+        if r.valid {
+            for (var c = range.x; c < range.y; c++) {
                 let prob = exp(dot_a(c, r.d4) - row_lse);
                 let ds = prob * (dot_b(c, r.d4) - row_delta);
                 add_tile_a_row(ds, c * r.d4, r.d4);
@@ -378,9 +403,10 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
         acc_a[e / 4u][e % 4u] = 0.0;
         acc_b[e / 4u][e % 4u] = 0.0;
     }
-    // Queries before the tile's first key see none of its keys.
+    // Queries before the tile's first key see none of its keys, nor
+    // those a window past its last key.
     let query_start = max(p.chunk_start, first_key);
-    let query_end = min(p.chunk_end, p.seq);
+    let query_end = min(min(p.chunk_end, p.seq), first_key + BLOCK_ROWS - 1u + p.window);
     // The group's query heads in order, then its queries in order.
     for (var r = 0u; r < group; r++) {
         let h = kvh * group + r;
@@ -393,9 +419,9 @@ fn flash_attention_backward_key_value(@builtin(workgroup_id) wid: vec3<u32>, @bu
                 tile_stats[lid.x] = vec2<f32>(lse_in[stat], delta_in[stat]);
             }
             workgroupBarrier();
-            if valid && i0 + n > j {
-                // Rows before key j do not see it.
-                for (var c = select(0u, j - i0, j > i0); c < n; c++) {
+            if valid && i0 + n > j && i0 < j + p.window {
+                // Rows before key j do not see it, nor rows W or more after it.
+                for (var c = select(0u, j - i0, j > i0); c < min(n, j + p.window - i0); c++) {
                     let stats = tile_stats[c];
                     // tile_a holds q unscaled; row_a is k · scale.
                     let prob = exp(dot_a(c, d4) - stats.x);
@@ -526,6 +552,11 @@ fn row_at(p: FlashParams, heads: u32, b: u32, t: u32, last: u32, head: u32) -> u
     return head_at(p, heads, b, min(t, last), head);
 }
 
+// Keys `keys` that query `i` sees: causal and within the window.
+fn keys_visible(p: FlashParams, keys: vec4<u32>, i: u32) -> vec4<bool> {
+    return (keys <= vec4<u32>(i)) & (keys + vec4<u32>(p.window) > vec4<u32>(i));
+}
+
 // The invocation's first row.
 fn block_first_row(wid: vec3<u32>, lane: u32) -> u32 {
     return (wid.x * ROW_LANES + lane) * ROW_BLOCK;
@@ -552,15 +583,18 @@ struct QueryBlock {
     i0: u32,
     last: u32,
     stat0: u32,
-    // The keys the workgroup's rows see in this launch end here.
+    // The keys the workgroup's rows see in this launch end here, and
+    // start here (a sliding window skips the earlier ones).
     key_end: u32,
+    key_start: u32,
 }
 
 fn query_block(p: FlashParams, wid: vec3<u32>, lane: u32) -> QueryBlock {
     let h = wid.y;
     let b = wid.z;
     let key_end = min(p.chunk_end, min(p.seq, (wid.x + 1u) * ROW_LANES * ROW_BLOCK));
-    return QueryBlock(h, b, h / (p.heads / p.kv_heads), p.head_dim, (p.head_dim + 3u) / 4u, block_first_row(wid, lane), p.seq - 1u, (b * p.heads + h) * p.seq, key_end);
+    let key_start = max(p.chunk_start, first_key(p, wid.x * ROW_LANES * ROW_BLOCK));
+    return QueryBlock(h, b, h / (p.heads / p.kv_heads), p.head_dim, (p.head_dim + 3u) / 4u, block_first_row(wid, lane), p.seq - 1u, (b * p.heads + h) * p.seq, key_end, key_start);
 }
 
 // Zeroes sums declared inside a loop before each pass adds to them. WGSL
@@ -609,9 +643,10 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
         m[r] = LOWEST;
         l[r] = 0.0;
         if p.first == 0u {
-            // The keys so far, in the frame of maximum lse: Σ exp = 1.
+            // The keys so far, in the frame of maximum lse: Σ exp = 1 (0
+            // for a row that saw none: see the tiled forward).
             m[r] = lse[qb.stat0 + min(i0 + r, qb.last)];
-            l[r] = 1.0;
+            l[r] = select(1.0, 0.0, m[r] == LOWEST);
         }
     }
     for (var e = 0u; e < d4; e++) {
@@ -626,7 +661,7 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
             block_acc_a[r][e] = o;
         }
     }
-    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
+    for (var j0 = qb.key_start; j0 < qb.key_end; j0 += STEP) {
         let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
         let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
         let s = key_step_scores(key_at, d4, d);
@@ -636,7 +671,7 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
         var shrink: array<f32, ROW_BLOCK>;
         let in_chunk = keys < vec4<u32>(qb.key_end);
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            let visible = in_chunk & keys_visible(p, keys, i0 + r);
             let masked = select(vec4<f32>(LOWEST), s[r], visible);
             let m_new = max(m[r], max(max(masked.x, masked.y), max(masked.z, masked.w)));
             w[r] = select(vec4<f32>(0.0), exp(masked - m_new), visible);
@@ -654,11 +689,11 @@ fn flash_attention_forward_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(
     for (var r = 0u; r < ROW_BLOCK; r++) {
         if i0 + r < p.seq {
             let at = head_at(p, p.heads, qb.b, i0 + r, qb.h);
-            let inv = 1.0 / l[r];
+            let inv = select(0.0, 1.0 / l[r], l[r] > 0.0);
             for (var e = 0u; e < d4; e++) {
                 store_out4(at, e, d, block_acc_a[r][e] * inv);
             }
-            lse[qb.stat0 + i0 + r] = m[r] + log(l[r]);
+            lse[qb.stat0 + i0 + r] = select(LOWEST, m[r] + log(l[r]), l[r] > 0.0);
         }
     }
 }
@@ -684,7 +719,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
         }
         clear_block_acc(e);
     }
-    for (var j0 = p.chunk_start; j0 < qb.key_end; j0 += STEP) {
+    for (var j0 = qb.key_start; j0 < qb.key_end; j0 += STEP) {
         let keys = vec4<u32>(j0) + vec4<u32>(0u, 1u, 2u, 3u);
         let key_at = step_at(p, p.kv_heads, qb.b, j0, qb.key_end - 1u, qb.kvh);
         let s = key_step_scores(key_at, d4, d);
@@ -701,7 +736,7 @@ fn flash_attention_backward_query_rows(@builtin(workgroup_id) wid: vec3<u32>, @b
         var ds: array<vec4<f32>, ROW_BLOCK>;
         let in_chunk = keys < vec4<u32>(qb.key_end);
         for (var r = 0u; r < ROW_BLOCK; r++) {
-            let visible = in_chunk & (keys <= vec4<u32>(i0 + r));
+            let visible = in_chunk & keys_visible(p, keys, i0 + r);
             ds[r] = select(vec4<f32>(0.0), exp(s[r] - row_lse[r]), visible) * (dp[r] - row_delta[r]);
         }
         for (var e = 0u; e < d4; e++) {
@@ -743,9 +778,11 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
         }
         clear_block_acc(e);
     }
-    // Queries before the workgroup's first key see none of its keys.
-    let query_start = max(p.chunk_start, wid.x * ROW_LANES * ROW_BLOCK);
-    let query_end = min(p.chunk_end, p.seq);
+    // Queries before the workgroup's first key see none of its keys, nor
+    // those a window past its last.
+    let first_key = wid.x * ROW_LANES * ROW_BLOCK;
+    let query_start = max(p.chunk_start, first_key);
+    let query_end = min(min(p.chunk_end, p.seq), first_key + ROW_LANES * ROW_BLOCK - 1u + p.window);
     // The group's query heads in order, then its queries in order.
     for (var g = 0u; g < group; g++) {
         let h = kvh * group + g;
@@ -769,12 +806,13 @@ fn flash_attention_backward_key_value_rows(@builtin(workgroup_id) wid: vec3<u32>
                     dp[r] += block_b[r][e] * ob;
                 }
             }
-            // Query i sees key j when i ≥ j.
+            // Query i sees key j when j ≤ i < j + W.
             var w: array<vec4<f32>, ROW_BLOCK>;
             var ds: array<vec4<f32>, ROW_BLOCK>;
             let in_chunk = queries < vec4<u32>(query_end);
             for (var r = 0u; r < ROW_BLOCK; r++) {
-                w[r] = select(vec4<f32>(0.0), exp(s[r] - step_lse), in_chunk & (queries >= vec4<u32>(j0 + r)));
+                let seen = (queries >= vec4<u32>(j0 + r)) & (queries < vec4<u32>(j0 + r + p.window));
+                w[r] = select(vec4<f32>(0.0), exp(s[r] - step_lse), in_chunk & seen);
                 ds[r] = w[r] * (dp[r] - step_delta);
             }
             for (var e = 0u; e < d4; e++) {

@@ -904,7 +904,8 @@ pub fn embedding_backward<T: Real>(dout: &[T], ids: &[u32], vocab: usize, channe
 
 /// Twin of `cached_attention_forward`: writes each new row's k and v into
 /// copies of the caches at position starts[s] + t, then attends over
-/// positions 0..=p with the caches' keys and values (the rows just written
+/// positions 0..=p (the last `shape.window` of them under a sliding
+/// window) with the caches' keys and values (the rows just written
 /// included) — the plain definition, without the kernel's split between
 /// cached rows and this step's rows. Query head h reads KV head
 /// h / (heads / kv_heads). `q`, `k`, `v` are the operands as
@@ -965,7 +966,8 @@ pub fn cached_attention<T: Real>(
             for h in 0..heads {
                 let kvh = h / group;
                 let query = &q[row(s, t) * q_width + q_first + h * d..][..d];
-                let scores: Vec<f64> = (0..=p)
+                let first = shape.first_visible(p);
+                let scores: Vec<f64> = (first..=p)
                     .map(|j| {
                         let key = &keys[cache_row(s, kvh, j)..][..d];
                         query.iter().zip(key).map(|(&a, &b)| a.into() * b.into()).sum::<f64>() * scale
@@ -978,7 +980,7 @@ pub fn cached_attention<T: Real>(
                     let y: f64 = weights
                         .iter()
                         .enumerate()
-                        .map(|(j, &w)| w * values[cache_row(s, kvh, j) + e].into())
+                        .map(|(j, &w)| w * values[cache_row(s, kvh, first + j) + e].into())
                         .sum();
                     out[row(s, t) * c + h * d + e] = T::from_f64(y / total);
                 }
@@ -1002,7 +1004,8 @@ fn dot<T: Real>(x: &[T], y: &[T]) -> f64 {
 /// `flash_attention_forward`, computed directly (all of a row's scores,
 /// then its softmax): o [B, T, H, d] = softmax(q·kᵀ/√d, causal)·v per
 /// query head, head h reading KV head h / (H / Hkv), and each row's
-/// log-sum-exp of its scaled scores [B, H, T].
+/// log-sum-exp of its scaled scores [B, H, T]. Under a sliding window query
+/// i sees keys i - window + 1 ..= i.
 pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashAttentionShape) -> (Vec<T>, Vec<T>) {
     let FlashAttentionShape {
         batch,
@@ -1010,6 +1013,7 @@ pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashA
         heads,
         kv_heads,
         head_dim: d,
+        ..
     } = shape;
     let (scale, group) = (shape.scale(), shape.group());
     let mut out = vec![T::default(); batch * seq * heads * d];
@@ -1019,7 +1023,8 @@ pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashA
             let kvh = h / group;
             for i in 0..seq {
                 let query = &q[head_row(shape, heads, b, i, h)..][..d];
-                let scores: Vec<f64> = (0..=i)
+                let first = shape.first_visible(i);
+                let scores: Vec<f64> = (first..=i)
                     .map(|j| dot(query, &k[head_row(shape, kv_heads, b, j, kvh)..][..d]) * scale)
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -1029,7 +1034,7 @@ pub fn flash_attention_forward<T: Real>(q: &[T], k: &[T], v: &[T], shape: FlashA
                     let y: f64 = scores
                         .iter()
                         .enumerate()
-                        .map(|(j, &s)| (s - row_lse).exp() * v[head_row(shape, kv_heads, b, j, kvh) + e].into())
+                        .map(|(j, &s)| (s - row_lse).exp() * v[head_row(shape, kv_heads, b, first + j, kvh) + e].into())
                         .sum();
                     out[head_row(shape, heads, b, i, h) + e] = T::from_f64(y);
                 }
@@ -1091,6 +1096,7 @@ pub fn flash_attention_backward<T: Real>(
         heads,
         kv_heads,
         head_dim: d,
+        ..
     } = shape;
     let (scale, group) = (shape.scale(), shape.group());
     let mut dq = vec![0.0f64; batch * seq * heads * d];
@@ -1104,7 +1110,7 @@ pub fn flash_attention_backward<T: Real>(
             for i in 0..seq {
                 let (qi, stat) = (head_row(shape, heads, b, i, h), (b * heads + h) * seq + i);
                 let (row_lse, row_delta) = (lse[stat].into(), delta[stat].into());
-                for j in 0..=i {
+                for j in shape.first_visible(i)..=i {
                     let kj = head_row(shape, kv_heads, b, j, kvh);
                     let p = (dot(&q[qi..qi + d], &k[kj..kj + d]) * scale - row_lse).exp();
                     let ds = p * (dot(&dout[qi..qi + d], &v[kj..kj + d]) - row_delta);

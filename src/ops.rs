@@ -572,6 +572,9 @@ pub struct CachedAttentionShape {
     pub head_dim: usize,
     pub context: usize,
     pub layout: QkvLayout,
+    /// Sliding-window attention: position p attends only to positions
+    /// p - window + 1 ..= p; None: to all of 0 ..= p.
+    pub window: Option<usize>,
 }
 
 impl CachedAttentionShape {
@@ -585,7 +588,13 @@ impl CachedAttentionShape {
             head_dim,
             context,
             layout: QkvLayout::Fused,
+            window: None,
         }
+    }
+
+    /// The first position that position `p` attends to.
+    pub fn first_visible(&self, p: usize) -> usize {
+        first_visible(p, self.window)
     }
 
     /// The (row width, first column) of the q, k and v operands: where
@@ -638,9 +647,30 @@ pub struct FlashAttentionShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: query i attends only to keys j with
+    /// i - window < j ≤ i; None: to all of 0 ..= i.
+    pub window: Option<usize>,
+}
+
+/// The first key a query at position `p` sees under a sliding window of
+/// `window` positions (None: 0).
+pub fn first_visible(p: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (p + 1).saturating_sub(w))
+}
+
+/// A sliding window as the kernels take it: its positions, capped at
+/// `positions` (where a wider window sees everything), and `positions`
+/// for no window.
+pub fn window_positions(window: Option<usize>, positions: usize) -> usize {
+    window.map_or(positions, |w| w.min(positions))
 }
 
 impl FlashAttentionShape {
+    /// The first key query `i` sees.
+    pub fn first_visible(&self, i: usize) -> usize {
+        first_visible(i, self.window)
+    }
+
     /// The softmax's scale, 1/√d.
     pub fn scale(&self) -> f64 {
         1.0 / (self.head_dim as f64).sqrt()
@@ -676,6 +706,13 @@ impl FlashAttentionShape {
             return Err(Error::shape(
                 op,
                 format!("{} KV heads do not divide {} query heads", self.kv_heads, self.heads),
+                &[&dims],
+            ));
+        }
+        if self.window == Some(0) {
+            return Err(Error::shape(
+                op,
+                format!("a sliding window must hold at least 1 position: {self:?}"),
                 &[&dims],
             ));
         }

@@ -21,6 +21,11 @@
 //!   down projections of SmolLM2 (576 × 1536) and Gemma 3 270M (640 ×
 //!   2048), whose rows are whole k-quant super-blocks; throughput is the
 //!   packed weights' bytes.
+//! - `flash_attention`: the fused attention's forward, and its forward
+//!   with the three backward kernels, on the kernels the adapter's shaping
+//!   picks: 4 heads of 64 channels (GPT-2's, SmolLM2's) and Gemma 3's 4
+//!   query heads of 256 over 1 KV head, each causal and with a sliding
+//!   window a quarter of the sequence (the tiles it skips are the gain).
 //!
 //! Each family runs at a tiny size (the time is the dispatch + submit + wait
 //! overhead) and at large sizes (the time is the kernel's own work;
@@ -46,7 +51,8 @@ use std::sync::Arc;
 
 use wgrad::kernels::MatmulRequest;
 use wgrad::kernels::{
-    pack_quantized, Activation, AdamConfig, Binary, Dispatch, MatmulForm, QuantFormat, QuantView, SgdConfig,
+    pack_quantized, Activation, AdamConfig, Binary, Dispatch, FlashAttentionShape, MatmulForm, QuantFormat, QuantView,
+    SgdConfig,
 };
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::nn::CrossEntropyLoss;
@@ -658,6 +664,55 @@ fn quant_matvec(c: &mut Criterion, b: &mut Bench) {
     group.finish();
 }
 
+/// (T, heads, KV heads, head_dim) of the fused-attention cases, each run
+/// causal and with a window of T / 4.
+const FLASH_CASES: [(usize, usize, usize, usize); 2] = [(512, 4, 4, 64), (256, 4, 1, 256)];
+
+fn flash_attention(c: &mut Criterion, b: &mut Bench) {
+    let mut group = family(c, "flash_attention");
+    for (seq, heads, kv_heads, head_dim) in FLASH_CASES {
+        for window in [None, Some(seq / 4)] {
+            let shape = FlashAttentionShape {
+                batch: 1,
+                seq,
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+            };
+            let (q_len, kv_len, rows) = shape.lengths().expect("small shape");
+            let (q, k, v, dout) = (b.tensor(q_len), b.tensor(kv_len), b.tensor(kv_len), b.tensor(q_len));
+            let kn = &b.kernels;
+            let zeros = |n: usize| kn.zeros(n).expect("zeros");
+            let (out, lse, delta) = (zeros(q_len), zeros(rows), zeros(rows));
+            let (dq, dk, dv) = (zeros(q_len), zeros(kv_len), zeros(kv_len));
+            let forward = kn
+                .flash_attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), shape)
+                .expect("forward");
+            let prepare = kn
+                .flash_attention_backward_prepare(delta.view(), dout.view(), out.view(), shape)
+                .expect("prepare");
+            let (qv, kv, vv, lv, dlv, dov) = (q.view(), k.view(), v.view(), lse.view(), delta.view(), dout.view());
+            let query = kn
+                .flash_attention_backward_query(dq.view(), dov, qv, kv, vv, lv, dlv, shape)
+                .expect("dq");
+            let key_value = kn
+                .flash_attention_backward_key_value(dk.view(), dv.view(), dov, qv, kv, vv, lv, dlv, shape)
+                .expect("dk/dv");
+            let size = format!("T{seq}_H{heads}over{kv_heads}_d{head_dim}_w{}", window.unwrap_or(seq));
+            b.time(&mut group, "forward", &size, None, &[&forward]);
+            b.time(
+                &mut group,
+                "forward_backward",
+                &size,
+                None,
+                &[&forward, &prepare, &query, &key_value],
+            );
+        }
+    }
+    group.finish();
+}
+
 fn main() {
     let device = match Device::open_default() {
         Ok(d) => d,
@@ -689,6 +744,7 @@ fn main() {
     optim(&mut criterion, &mut bench);
     transformer(&mut criterion, &mut bench);
     quant_matvec(&mut criterion, &mut bench);
+    flash_attention(&mut criterion, &mut bench);
     criterion.final_summary();
     println!("kernels bench done, load average now {}", load_average());
 }

@@ -1882,6 +1882,9 @@ fn attention_case(
         head_dim,
         context: 11,
         layout: QkvLayout::Separate,
+        // Shorter than the later rows' positions: the sliding window's
+        // first position moves past 0.
+        window: Some(3),
     };
     let lengths = shape.lengths().ok_or_else(|| Error::InvalidArgument {
         op: "shaders --dump",
@@ -1925,7 +1928,7 @@ fn attention_case(
     let entry = d.kernel().entry;
     Ok(Case::new(
         &[entry],
-        format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of {head_dim}, context 11"),
+        format!("{entry} 2 seqs x 3 rows, 4 heads over 2 KV heads of {head_dim}, context 11, window 3"),
         vec![d],
         expected,
     ))
@@ -1933,7 +1936,8 @@ fn attention_case(
 
 /// Fused causal attention forward and backward, chained as a training step
 /// runs them: 4 query heads over 2 KV heads of 5 channels, 67 rows (past
-/// one 64-row block), with the entries the kernels' shaping picks (the
+/// one 64-row block), a sliding window of 29 (the second block's keys
+/// start past 0), with the entries the kernels' shaping picks (the
 /// register-blocked ones on a CPU adapter, the tiled ones on a GPU).
 fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
     let shape = FlashAttentionShape {
@@ -1942,6 +1946,7 @@ fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
         heads: 4,
         kv_heads: 2,
         head_dim: 5,
+        window: Some(29),
     };
     let (q_len, kv_len, rows) = shape.lengths().ok_or_else(|| Error::InvalidArgument {
         op: "shaders --dump",
@@ -1995,7 +2000,7 @@ fn flash_attention(c: &mut Ctx<'_>) -> Result<Case> {
     ];
     let entries: Vec<&'static str> = dispatches.iter().map(|d| d.kernel().entry).collect();
     let name = format!(
-        "{} and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5",
+        "{} and backward, 2 seqs x 67 rows, 4 heads over 2 KV heads of 5, window 29",
         entries[0]
     );
     Ok(Case::new(&entries, name, dispatches, expected))

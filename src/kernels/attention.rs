@@ -4,7 +4,7 @@
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernels, View};
 use crate::error::{Error, Result};
-use crate::ops::CachedAttentionShape;
+use crate::ops::{window_positions, CachedAttentionShape};
 
 entry_points! {
     Attention {
@@ -82,7 +82,7 @@ struct AttentionParams {
     q_first: u32,
     k_first: u32,
     v_first: u32,
-    _pad0: u32,
+    window: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -97,7 +97,8 @@ impl Kernels {
     /// already rotated at their positions). Positions before starts[s] are
     /// read from the caches, so a decode step (rows = 1) costs one
     /// position's attention. The caller keeps every p < context (a larger
-    /// one writes NaN to its output).
+    /// one writes NaN to its output). Under `shape.window` position p
+    /// attends to positions p - window + 1 ..= p only.
     ///
     /// The kernel is picked by [`Kernels::cached_attention_kernel_for`]:
     /// on a GPU ([`Kernels::gpu_shaped`]) one workgroup of
@@ -240,6 +241,13 @@ impl Kernels {
                 &[&dims],
             ));
         }
+        if shape.window == Some(0) {
+            return Err(Error::shape(
+                op,
+                format!("a sliding window must hold at least 1 position: {shape:?}"),
+                &[&dims],
+            ));
+        }
         let overflow = || Error::shape(op, format!("{shape:?} overflows"), &[&dims]);
         let want = shape.lengths().ok_or_else(overflow)?;
         let columns = shape.columns().ok_or_else(overflow)?;
@@ -285,7 +293,7 @@ impl Kernels {
             q_first: dim(op, q_first)?,
             k_first: dim(op, k_first)?,
             v_first: dim(op, v_first)?,
-            _pad0: 0,
+            window: dim(op, window_positions(shape.window, context))?,
             _pad1: 0,
             _pad2: 0,
         };

@@ -9,7 +9,7 @@
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Binding, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
-use crate::ops::FlashAttentionShape;
+use crate::ops::{window_positions, FlashAttentionShape};
 
 entry_points! {
     FlashAttention {
@@ -25,8 +25,9 @@ entry_points! {
 
 /// The widest head the fused attention takes (flash_attention.wgsl's
 /// `MAX_HEAD_VEC4` vec4s): each invocation keeps its rows in private
-/// arrays of this size. SmolLM2's and GPT-2's heads have 64 channels.
-pub const FLASH_MAX_HEAD_DIM: usize = 128;
+/// arrays of this size. SmolLM2's and GPT-2's heads have 64 channels,
+/// Gemma 3's 256.
+pub const FLASH_MAX_HEAD_DIM: usize = 256;
 
 /// Rows (queries or keys) per workgroup, one per invocation
 /// (flash_attention.wgsl's `BLOCK_ROWS`).
@@ -67,7 +68,7 @@ struct FlashParams {
     chunk_end: u32,
     first: u32,
     tile: u32,
-    _pad0: u32,
+    window: u32,
     _pad1: u32,
 }
 
@@ -114,7 +115,7 @@ impl Kernels {
             chunk_end: dim(op, shape.seq)?,
             first: 1,
             tile: dim(op, tile_rows(shape.head_dim))?,
-            _pad0: 0,
+            window: dim(op, window_positions(shape.window, shape.seq))?,
             _pad1: 0,
         })
     }
@@ -204,6 +205,8 @@ impl Kernels {
     /// out [B, T, H, d] = softmax(q·kᵀ/√d, causal)·v and lse [B, H, T],
     /// each row's log-sum-exp of its scaled scores, from q [B, T, H, d]
     /// and k, v [B, T, Hkv, d]: query head h reads KV head h / (H / Hkv).
+    /// Under `shape.window` query i sees keys i - window + 1 ..= i, and
+    /// each workgroup's loop starts at the first key its rows see.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_attention_forward(
         &self,

@@ -302,9 +302,8 @@ pub(crate) fn cached_attention(
     prefix: &str,
     qkv: [Tensor; 3],
     layout: QkvLayout,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    window: Option<usize>,
 ) -> Result<Tensor> {
     let sequences = g.shape_of(qkv[0]).and_then(|s| s.first().copied()).unwrap_or(0);
     let (pass, caches) = ACTIVE.with(|a| -> Result<_> {
@@ -330,5 +329,5 @@ pub(crate) fn cached_attention(
         let caches = (cache(keys)?, cache(values)?);
         Ok((*pass, caches))
     })?;
-    g.cached_attention(qkv, layout, pass.starts, caches.0, caches.1, heads)
+    g.cached_attention_window(qkv, layout, pass.starts, [caches.0, caches.1], heads, window)
 }

@@ -9,7 +9,7 @@
 use super::causal_lm::{cache_pass, cached_attention, one_quantized_product, unsharded_generation};
 use super::parameter_tree::{child_prefix, parameter_tree};
 use super::shard::AttentionSplit;
-use super::transformer::{causal_attention, AttentionKernel};
+use super::transformer::{causal_attention_window, AttentionKernel};
 use super::{Linear, Module, ParameterTree, RmsNorm, Rotary};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -66,7 +66,8 @@ pub struct GroupedQueryAttention {
     pub k_norm: Option<RmsNorm>,
     pub o_proj: Linear,
     pub attention: AttentionKernel,
-    /// See [`AttentionOptions::sliding_window`].
+    /// Sliding-window attention ([`AttentionOptions::sliding_window`]),
+    /// in training, prefill and the cached decode alike.
     pub sliding_window: Option<usize>,
     /// See [`AttentionOptions::scale`].
     pub scale: Option<f32>,
@@ -224,19 +225,20 @@ impl Module for GroupedQueryAttention {
             // Generation: the cache holds the kv heads, rotated once at
             // their positions; the kernel shares each among its group.
             let q = g.reshape(q, &[b, t, h * d])?;
-            let y = cached_attention(g, prefix, [q, k, v], QkvLayout::Separate, h, kv, d)?;
+            let y = cached_attention(
+                g,
+                prefix,
+                [q, k, v],
+                QkvLayout::Separate,
+                (h, kv, d),
+                self.sliding_window,
+            )?;
             return self
                 .o_proj
                 .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output);
         }
         let q = g.reshape(q, &[b, t, h * d])?;
-        if let Some(window) = self.sliding_window.filter(|&w| t > w) {
-            return Err(Error::InvalidArgument {
-                op: "GroupedQueryAttention",
-                reason: format!("a sliding window of {window} positions over {t}: sliding-window attention is computed only over sequences within the window"),
-            });
-        }
-        let y = causal_attention(g, [q, k, v], h, kv, d, self.attention)?;
+        let y = causal_attention_window(g, [q, k, v], (h, kv, d), self.attention, self.sliding_window)?;
         self.o_proj
             .forward_split(g, y, &child_prefix!(prefix, self.o_proj), split.output)
     }
@@ -336,7 +338,14 @@ impl GroupedQueryAttention {
         let heads = g.reshape(qkv, &[b, t, h + 2 * kv, d])?;
         let rotated = self.rotary.forward_heads(g, heads, starts, h + kv)?;
         let qkv = g.reshape(rotated, &[b, t, (h + 2 * kv) * d])?;
-        let y = cached_attention(g, prefix, [qkv, qkv, qkv], QkvLayout::Fused, h, kv, d)?;
+        let y = cached_attention(
+            g,
+            prefix,
+            [qkv, qkv, qkv],
+            QkvLayout::Fused,
+            (h, kv, d),
+            self.sliding_window,
+        )?;
         self.o_proj.forward(g, y, &child_prefix!(prefix, self.o_proj)).map(Some)
     }
 }

@@ -32,7 +32,8 @@ pub use staged::{StageCosts, Staged};
 pub use swiglu::SwiGluMlp;
 pub(crate) use training_graph::{build_model, training_graph_with_passes, Built, TrainingGraph};
 pub use transformer::{
-    causal_attention, AttentionKernel, Block, CausalSelfAttention, Mlp, CPU_FUSED_ATTENTION_MIN_SEQ,
+    causal_attention, causal_attention_window, AttentionKernel, Block, CausalSelfAttention, Mlp,
+    CPU_FUSED_ATTENTION_MIN_SEQ,
 };
 
 use std::cell::RefCell;

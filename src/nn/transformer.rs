@@ -58,11 +58,25 @@ impl AttentionKernel {
 /// takes go unfused.
 pub fn causal_attention(
     g: &mut Graph,
-    [q, k, v]: [Tensor; 3],
+    qkv: [Tensor; 3],
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     kernel: AttentionKernel,
+) -> Result<Tensor> {
+    causal_attention_window(g, qkv, (heads, kv_heads, head_dim), kernel, None)
+}
+
+/// [`causal_attention`] of (heads, kv_heads, head_dim) with a sliding
+/// window: query i sees keys i - window + 1 ..= i (None: 0 ..= i). The
+/// unfused path adds a constant mask of -1e30 outside the window to the
+/// scores before the causal softmax.
+pub fn causal_attention_window(
+    g: &mut Graph,
+    [q, k, v]: [Tensor; 3],
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    kernel: AttentionKernel,
+    window: Option<usize>,
 ) -> Result<Tensor> {
     let shape = g.shape_of(q).map(<[usize]>::to_vec).unwrap_or_default();
     let [b, t, _] = shape[..] else {
@@ -73,7 +87,7 @@ pub fn causal_attention(
         ));
     };
     if kernel == AttentionKernel::Fused && head_dim <= FLASH_MAX_HEAD_DIM {
-        return g.fused_causal_attention(q, k, v, heads);
+        return g.fused_causal_attention_window(q, k, v, heads, window);
     }
     let k = repeat_kv(g, k, kv_heads, heads / kv_heads.max(1), head_dim)?;
     let v = repeat_kv(g, v, kv_heads, heads / kv_heads.max(1), head_dim)?;
@@ -84,11 +98,32 @@ pub fn causal_attention(
         split.push(g.permute(part, &[0, 2, 1, 3])?);
     }
     let scores = g.matmul_form(MatmulForm::ABt, split[0], split[1])?;
-    let scores = g.scale(scores, 1.0 / (head_dim as f32).sqrt())?;
+    let mut scores = g.scale(scores, 1.0 / (head_dim as f32).sqrt())?;
+    if let Some(window) = window.filter(|&w| w < t) {
+        let mask = window_mask(g, t, window)?;
+        scores = g.add(scores, mask)?;
+    }
     let att = g.softmax(scores, true)?;
     let y = g.matmul_form(MatmulForm::AB, att, split[2])?;
     let y = g.permute(y, &[0, 2, 1, 3])?;
     g.reshape(y, &[b, t, heads * head_dim])
+}
+
+/// The additive mask of a sliding window over [T, T] scores: 0 where query
+/// i sees key j (i - window < j), -1e30 before (the causal softmax masks
+/// after): exp of a masked score is 0, and every row keeps its diagonal.
+fn window_mask(g: &mut Graph, t: usize, window: usize) -> Result<Tensor> {
+    if window == 0 {
+        return Err(Error::shape(
+            "causal_attention",
+            "a sliding window must hold at least 1 position",
+            &[&[t, window]],
+        ));
+    }
+    let mask = (0..t * t)
+        .map(|at| if at / t >= at % t + window { -1e30 } else { 0.0 })
+        .collect();
+    g.constant(&format!("window_mask{window}"), &[t, t], mask)
 }
 
 /// Causal multi-head self-attention over x [B, T, C]: one projection to q,
@@ -177,7 +212,7 @@ impl Module for CausalSelfAttention {
         let h = local / d;
         if cache_pass().is_some() {
             // Generation: the fused rows straight into the KV cache.
-            let y = cached_attention(g, prefix, [qkv; 3], QkvLayout::Fused, h, h, d)?;
+            let y = cached_attention(g, prefix, [qkv; 3], QkvLayout::Fused, (h, h, d), None)?;
             return self
                 .c_proj
                 .forward_split(g, y, &child_prefix!(prefix, self.c_proj), TensorSplit::Row { unit: d });

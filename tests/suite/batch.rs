@@ -17,12 +17,17 @@ use wgrad::models::{Llama, LlamaConfig};
 /// 40, so the context override is in every test.
 const CONTEXT: usize = 29;
 
+/// Its first layer attends through a sliding window of 6 (the second to
+/// everything, as Gemma 3 mixes them), so every slot operation runs the
+/// window's cached attention at positions past it.
 fn model() -> (Llama, LlamaConfig) {
     let config = LlamaConfig {
         block_size: 40,
         ..llama_configs()[0]
     };
-    (sharp_llama(config, 31), config)
+    let mut model = sharp_llama(config, 31);
+    model.layers[0].self_attn.sliding_window = Some(6);
+    (model, config)
 }
 
 fn serving(k: &Arc<wgrad::Kernels>, model: &Llama, slots: usize) -> wgrad::Result<Generator> {

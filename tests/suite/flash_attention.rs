@@ -23,19 +23,29 @@ use wgrad::models::{Gpt, GptConfig, Llama, LlamaConfig};
 use wgrad::nn::{self, AttentionKernel, Module, CPU_FUSED_ATTENTION_MIN_SEQ};
 use wgrad::{cpu, Error, Kernels};
 
-/// (batch, T, heads, kv_heads, d): T = 1, primes, the block (64) and past
-/// it; H = KV, H = 2·KV, H = 3·KV = 3, 8·KV; d = 1, not a multiple of 4,
-/// of 16, and up to the largest. The CPU-shaped kernels hold heads up to
-/// d = 64; with CPU shaping, d = 72 and 128 take the tiled ones.
-const CASES: &[(usize, usize, usize, usize, usize)] = &[
-    (2, 1, 4, 2, 8),
-    (1, 2, 3, 1, 1),
-    (2, 7, 4, 2, 16),
-    (1, 37, 3, 1, 64),
-    (1, 64, 2, 2, 5),
-    (1, 129, 4, 2, 16),
-    (2, 67, 1, 1, 128),
-    (1, 150, 8, 1, 72),
+/// (batch, T, heads, kv_heads, d, sliding window): T = 1, primes, the
+/// block (64) and past it; H = KV, H = 2·KV, H = 3·KV = 3, 8·KV; d = 1,
+/// not a multiple of 4, of 16, Gemma 3's 256 and widths between; windows
+/// of 1, primes shorter than a block and than T (whole key tiles outside
+/// them), and one as long as T. The CPU-shaped kernels hold heads up to
+/// d = 64; with CPU shaping, wider heads take the tiled ones.
+const CASES: &[(usize, usize, usize, usize, usize, Option<usize>)] = &[
+    (2, 1, 4, 2, 8, None),
+    (1, 2, 3, 1, 1, None),
+    (2, 7, 4, 2, 16, None),
+    (1, 37, 3, 1, 64, None),
+    (1, 64, 2, 2, 5, None),
+    (1, 129, 4, 2, 16, None),
+    (2, 67, 1, 1, 128, None),
+    (1, 150, 8, 1, 72, None),
+    (1, 37, 3, 1, 64, Some(1)),
+    (1, 150, 2, 1, 16, Some(13)),
+    (2, 67, 2, 2, 8, Some(67)),
+    (1, 131, 2, 1, 72, Some(37)),
+    (1, 70, 2, 1, 256, None),
+    (1, 41, 1, 1, 256, Some(17)),
+    (1, 33, 2, 1, 80, None),
+    (1, 45, 2, 2, 96, Some(20)),
 ];
 
 /// Loop iterations per launch low enough that every kernel of the
@@ -115,13 +125,14 @@ fn kernels_split_over_launches_match_the_cpu() {
 
 /// Every kernel against its twin on [`CASES`], and a second run's bits.
 fn check_kernels(k: &Arc<Kernels>) -> wgrad::Result<()> {
-    for (i, &(batch, seq, heads, kv_heads, head_dim)) in CASES.iter().enumerate() {
+    for (i, &(batch, seq, heads, kv_heads, head_dim, window)) in CASES.iter().enumerate() {
         let shape = FlashAttentionShape {
             batch,
             seq,
             heads,
             kv_heads,
             head_dim,
+            window,
         };
         let (q_len, kv_len, _) = shape.lengths().expect("small shape");
         let mut r = rng(2700 + i as u64);
@@ -135,7 +146,7 @@ fn check_kernels(k: &Arc<Kernels>) -> wgrad::Result<()> {
         let grads = cpu::flash_attention_backward(&dout, &q, &kk, &v, &lse, &delta, shape);
         let shaping = if k.gpu_shaped() { "GPU-shaped" } else { "CPU-shaped" };
         let what = format!("{shape:?} on {} ({shaping})", k.device().label());
-        // f32 sums of ≤ 128 products per score and ≤ 150 weighted
+        // f32 sums of ≤ 256 products per score and ≤ 150 weighted
         // values per row against f64; outputs are means of values in
         // [-1, 1], log-sum-exps at most log T + √d.
         assert_close(&format!("out {what}"), &got[0], &out, 1e-5, 1e-4);
@@ -146,8 +157,13 @@ fn check_kernels(k: &Arc<Kernels>) -> wgrad::Result<()> {
         assert_close(&format!("dq {what}"), &got[3], &grads.dq, 1e-4, 1e-3);
         assert_close(&format!("dk {what}"), &got[4], &grads.dk, 1e-4, 1e-3);
         assert_close(&format!("dv {what}"), &got[5], &grads.dv, 1e-4, 1e-3);
-        // No atomics, fixed orders: a second run gives the same bits.
-        let again = run_kernels(k, shape, &q, &kk, &v, &dout)?;
+        // No atomics, fixed orders: a second run gives the same bits, and
+        // a window as long as T is none.
+        let again = if window.is_some_and(|w| w >= seq) {
+            run_kernels(k, FlashAttentionShape { window: None, ..shape }, &q, &kk, &v, &dout)?
+        } else {
+            run_kernels(k, shape, &q, &kk, &v, &dout)?
+        };
         for (name, (a, b)) in ["out", "lse", "delta", "dq", "dk", "dv"]
             .iter()
             .zip(got.iter().zip(&again))
@@ -170,6 +186,7 @@ fn kernels_check_their_operands() {
             heads: 4,
             kv_heads: 2,
             head_dim: 8,
+            window: None,
         };
         let (q_len, kv_len, rows) = shape.lengths().expect("small shape");
         let (q, kv, stats, out) = (k.zeros(q_len)?, k.zeros(kv_len)?, k.zeros(rows)?, k.zeros(q_len)?);
@@ -204,6 +221,17 @@ fn kernels_check_their_operands() {
             matches!(err, Error::Shape { .. }) && err.to_string().contains("head_dim"),
             "{err}"
         );
+        let no_window = FlashAttentionShape {
+            window: Some(0),
+            ..shape
+        };
+        let err = k
+            .flash_attention_forward(out.view(), stats.view(), q.view(), kv.view(), kv2.view(), no_window)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("window"),
+            "{err}"
+        );
         let empty = FlashAttentionShape { seq: 0, ..shape };
         let err = k
             .flash_attention_backward_prepare(stats.view(), q.view(), out.view(), empty)
@@ -214,16 +242,22 @@ fn kernels_check_their_operands() {
 }
 
 /// The twin's backward against central differences of its forward: the
-/// loss Σ w·out for random weights w (= dout).
+/// loss Σ w·out for random weights w (= dout), causal and with a window.
 #[test]
 fn twin_backward_matches_central_differences() {
-    let shape = FlashAttentionShape {
-        batch: 2,
-        seq: 5,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 3,
-    };
+    for window in [None, Some(2)] {
+        check_twin_backward(FlashAttentionShape {
+            batch: 2,
+            seq: 5,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 3,
+            window,
+        });
+    }
+}
+
+fn check_twin_backward(shape: FlashAttentionShape) {
     let (q_len, kv_len, _) = shape.lengths().expect("small shape");
     let mut r = rng(2750);
     let [q, kk, v] = [q_len, kv_len, kv_len].map(|n| wide(&random_vec(&mut r, n, -1.0, 1.0)));
@@ -247,17 +281,20 @@ fn twin_backward_matches_central_differences() {
 fn op_gradients_match_central_differences() {
     for_each_shaping("fused_causal_attention gradcheck", |k| {
         // (batch, T, heads, kv_heads, d): grouped and multi-head.
-        for (i, &(batch, seq, heads, kv_heads, d)) in [(1, 5, 2, 1, 3), (2, 3, 2, 2, 4)].iter().enumerate() {
+        // (batch, T, heads, kv_heads, d, window): grouped and multi-head,
+        // causal and windowed.
+        let cases = [(1, 5, 2, 1, 3, None), (2, 3, 2, 2, 4, None), (1, 7, 2, 1, 3, Some(3))];
+        for (i, &(batch, seq, heads, kv_heads, d, window)) in cases.iter().enumerate() {
             let mut g = Graph::new();
             let seed = 2760 + 10 * i as u64;
             let q = param(&mut g, "q", &[batch, seq, heads * d], seed);
             let kk = param(&mut g, "k", &[batch, seq, kv_heads * d], seed + 1);
             let v = param(&mut g, "v", &[batch, seq, kv_heads * d], seed + 2);
-            let y = g.fused_causal_attention(q, kk, v, heads)?;
+            let y = g.fused_causal_attention_window(q, kk, v, heads, window)?;
             let (loss, feeds) = mse_to_random(&mut g, y, seed + 3)?;
             gradcheck(
                 k,
-                &format!("fused_causal_attention {heads} heads over {kv_heads}"),
+                &format!("fused_causal_attention {heads} heads over {kv_heads}, window {window:?}"),
                 g,
                 loss,
                 feeds,
@@ -271,8 +308,17 @@ fn op_gradients_match_central_differences() {
 #[test]
 fn fused_op_matches_the_unfused_graph() {
     for_each_shaping("fused_causal_attention vs unfused", |k| {
-        // T = 1, a prime, and past one block of 64 rows.
-        for &(batch, seq, heads, d) in &[(2, 1, 2, 4), (2, 13, 3, 8), (1, 70, 2, 16)] {
+        // T = 1, a prime, and past one block of 64 rows; sliding windows
+        // of 1, a prime, and one past T (no window).
+        let cases = [
+            (2, 1, 2, 4, None),
+            (2, 13, 3, 8, None),
+            (1, 70, 2, 16, None),
+            (2, 13, 3, 8, Some(1)),
+            (1, 70, 2, 16, Some(23)),
+            (1, 9, 2, 4, Some(40)),
+        ];
+        for &(batch, seq, heads, d, window) in &cases {
             let mut results = Vec::new();
             for fused in [true, false] {
                 let mut g = Graph::new();
@@ -286,7 +332,7 @@ fn fused_op_matches_the_unfused_graph() {
                 } else {
                     AttentionKernel::Unfused
                 };
-                let y = nn::causal_attention(&mut g, [q, kk, v], heads, heads, d, kernel)?;
+                let y = nn::causal_attention_window(&mut g, [q, kk, v], (heads, heads, d), kernel, window)?;
                 if fused {
                     assert_eq!(g.get(y).map(|n| n.op.name()), Some("fused_causal_attention"));
                 }
@@ -304,7 +350,7 @@ fn fused_op_matches_the_unfused_graph() {
                     exec.read_grad(v)?,
                 ]);
             }
-            let what = format!("B {batch} T {seq} H {heads} d {d}");
+            let what = format!("B {batch} T {seq} H {heads} d {d} window {window:?}");
             // Both are f32 on the GPU, summing in different orders.
             for (name, (fused, unfused)) in ["y", "dq", "dk", "dv"].iter().zip(results[0].iter().zip(&results[1])) {
                 assert_close(&format!("{name} {what}"), fused, unfused, 1e-5, 1e-4);

@@ -16,7 +16,7 @@ use wgrad::infer::Predictor;
 use wgrad::kernels::{CachedAttentionKernel, CachedAttentionShape, QkvLayout, GROUPED_MAX_HEAD_DIM, MAX_HEAD_DIM};
 use wgrad::models::{Gpt, GptConfig};
 use wgrad::models::{Llama, LlamaConfig};
-use wgrad::nn::{self, Module, RopeLayout};
+use wgrad::nn::{self, AttentionKernel, Module, RopeLayout};
 use wgrad::{cpu, Error};
 
 /// (sequences, rows, heads, head_dim, context, starts): head dim 1, prime
@@ -76,8 +76,27 @@ const ATTENTION_CASES: [AttentionCase; 18] = [
     (1, 4, 2, 3, 9, &[7]),
 ];
 
-/// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv) and
-/// [`GROUPED_CASES`], with the seed each draws its values from.
+/// Sliding windows over grouped cases: a window of 1, windows shorter
+/// than the cached positions (a decode step and a prompt after cached
+/// rows, whose window reaches back into the cache or not), on the grouped
+/// kernel's 64 channels, past them, at Gemma 3's 256, a 70-row prompt, a
+/// window as long as the context (no window), and a position past it.
+const WINDOW_CASES: [(GroupedCase, usize); 10] = [
+    ((1, 1, 2, 1, 1, 1, &[0], QkvLayout::Separate), 1),
+    ((2, 3, 6, 2, 5, 11, &[0, 4], QkvLayout::Separate), 3),
+    ((3, 1, 9, 3, 8, 17, &[16, 0, 7], QkvLayout::Separate), 5),
+    ((1, 2, 14, 2, 64, 97, &[60], QkvLayout::Fused), 7),
+    ((1, 1, 4, 1, 64, 1024, &[1000], QkvLayout::Separate), 13),
+    ((1, 3, 6, 2, 68, 23, &[20], QkvLayout::Separate), 2),
+    ((1, 70, 4, 2, 16, 97, &[5], QkvLayout::Fused), 11),
+    ((1, 2, 2, 1, 256, 40, &[30], QkvLayout::Separate), 17),
+    ((2, 4, 7, 1, 13, 13, &[2, 9], QkvLayout::Separate), 13),
+    ((2, 1, 3, 3, 5, 7, &[7, 2], QkvLayout::Fused), 3),
+];
+
+/// Every case of [`ATTENTION_CASES`] (multi-head over one fused qkv),
+/// [`GROUPED_CASES`] and [`WINDOW_CASES`], with the seed each draws its
+/// values from.
 fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'static [u32])> {
     let fused = ATTENTION_CASES
         .iter()
@@ -99,12 +118,31 @@ fn attention_cases() -> impl Iterator<Item = (u64, CachedAttentionShape, &'stati
                     head_dim,
                     context,
                     layout,
+                    window: None,
                 },
                 starts,
             )
         });
+    let windowed = WINDOW_CASES.iter().map(
+        |&((seqs, rows, heads, kv_heads, head_dim, context, starts, layout), window)| {
+            (
+                CachedAttentionShape {
+                    seqs,
+                    rows,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    context,
+                    layout,
+                    window: Some(window),
+                },
+                starts,
+            )
+        },
+    );
     fused
         .chain(grouped)
+        .chain(windowed)
         .enumerate()
         .map(|(i, (shape, starts))| (900 + i as u64, shape, starts))
 }
@@ -625,6 +663,99 @@ fn llama_kv_cache_logits_equal_the_full_sequence_logits() {
                 }
             }
             eprintln!("{what}: cached against full logits, max |diff| {worst:e} (logits up to {spread})");
+        }
+        Ok(())
+    });
+}
+
+/// A Llama whose first layer attends through a sliding window of 3 (the
+/// second to everything, as Gemma 3 mixes local and global layers): its
+/// fused and unfused full-sequence logits agree and differ from the
+/// windowless model's, and the KV-cache path (prompts of different
+/// lengths, then decode steps with each sequence at its own position, and
+/// decoding alone from empty caches) gives them at every position.
+#[test]
+fn sliding_window_cached_logits_equal_the_full_sequence_logits() {
+    for_each_shaping("generate: sliding-window cached logits", |k| {
+        let vocab = CONFIG.vocab_size;
+        let plain = sharp_llama(llama_configs()[0], 48);
+        let mut model = plain.clone();
+        model.layers[0].self_attn.sliding_window = Some(3);
+        let mut unfused = model.clone();
+        unfused.set_attention_kernel(AttentionKernel::Unfused);
+        let sequences: Vec<Vec<u32>> = (0..2)
+            .map(|s| random_tokens(&mut rng(49 + s), CONFIG.block_size))
+            .collect();
+        let full_of = |m: &Llama| -> wgrad::Result<Vec<Vec<Vec<f32>>>> {
+            let mut predictor = Predictor::new(k.clone(), m, 1)?;
+            sequences.iter().map(|s| full_logits(&mut predictor, s)).collect()
+        };
+        let (full, reference, windowless) = (full_of(&model)?, full_of(&unfused)?, full_of(&plain)?);
+        let what = model.describe();
+        let layer = model.layers[0].self_attn.describe();
+        assert!(layer.contains("sliding_window=3"), "{layer}");
+        for s in 0..2 {
+            for p in 0..CONFIG.block_size {
+                let label = format!("{what}: fused vs unfused, sequence {s} at {p}");
+                assert_close(&label, &full[s][p], &reference[s][p], LOGITS_ATOL, LOGITS_RTOL);
+            }
+        }
+        // Positions 0 ..= 2 see the same keys with or without the window;
+        // later ones must not.
+        let moved = |p: usize| {
+            full[0][p]
+                .iter()
+                .zip(&windowless[0][p])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max)
+        };
+        assert!(
+            moved(2) < 1e-3 && moved(CONFIG.block_size - 1) > 1e-2,
+            "{what}: the window changes late logits only"
+        );
+        let mut generator = Generator::new(k.clone(), &model, 2)?;
+        let lens = [2, 7];
+        let prompts: Vec<&[u32]> = sequences.iter().zip(lens).map(|(s, n)| &s[..n]).collect();
+        let logits = generator.prefill(&prompts)?;
+        for s in 0..2 {
+            let label = format!("{what}: prefill of {}, sequence {s}", lens[s]);
+            assert_close(
+                &label,
+                &logits[s * vocab..(s + 1) * vocab],
+                &full[s][lens[s] - 1],
+                LOGITS_ATOL,
+                LOGITS_RTOL,
+            );
+        }
+        for step in 0..CONFIG.block_size - 7 {
+            let tokens: Vec<u32> = (0..2).map(|s| sequences[s][lens[s] + step]).collect();
+            let logits = generator.decode(&tokens)?;
+            for s in 0..2 {
+                let p = lens[s] + step;
+                let label = format!("{what}: step {step}, sequence {s} at {p}");
+                assert_close(
+                    &label,
+                    &logits[s * vocab..(s + 1) * vocab],
+                    &full[s][p],
+                    LOGITS_ATOL,
+                    LOGITS_RTOL,
+                );
+            }
+        }
+        generator.reset()?;
+        for p in 0..CONFIG.block_size {
+            let tokens: Vec<u32> = (0..2).map(|s| sequences[s][p]).collect();
+            let logits = generator.decode(&tokens)?;
+            for s in 0..2 {
+                let label = format!("{what}: decode from empty, sequence {s} at {p}");
+                assert_close(
+                    &label,
+                    &logits[s * vocab..(s + 1) * vocab],
+                    &full[s][p],
+                    LOGITS_ATOL,
+                    LOGITS_RTOL,
+                );
+            }
         }
         Ok(())
     });

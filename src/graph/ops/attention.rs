@@ -21,24 +21,30 @@ pub enum AttentionOp {
     /// inputs (q [B, T, heads·d], k, v [B, T, kv_heads·d]) -> [B, T,
     /// heads·d]: softmax(q·kᵀ/√d, causal)·v per query head, head h reading
     /// KV head h / (heads / kv_heads). Its dispatch also fills the
-    /// [`AttentionOp::FusedCausalStats`] node added right after it.
-    FusedCausal { heads: usize },
+    /// [`AttentionOp::FusedCausalStats`] node added right after it. With
+    /// a `window`, query i sees keys i - window + 1 ..= i only.
+    FusedCausal { heads: usize, window: Option<usize> },
     /// inputs (the attention's output): each row's log-sum-exp [B, heads,
     /// T], written by the attention's dispatch.
     FusedCausalStats,
     /// inputs (dy, the attention's output) -> D [B, heads, T] = rowsum(dy ∘ y).
     FusedCausalPrepare { heads: usize },
     /// inputs (dy, q, k, v, lse, D) -> dq.
-    FusedCausalQueryBackward { heads: usize },
+    FusedCausalQueryBackward { heads: usize, window: Option<usize> },
     /// inputs (dy, q, k, v, lse, D) -> dk; its dispatch also fills the
     /// [`AttentionOp::FusedCausalValueBackward`] node added right after it.
-    FusedCausalKeyValueBackward { heads: usize },
+    FusedCausalKeyValueBackward { heads: usize, window: Option<usize> },
     /// inputs (the dk node): dv, written by dk's dispatch.
     FusedCausalValueBackward,
 }
 
 /// The kernels' shape from q [B, T, heads·d] and k [B, T, kv_heads·d].
-fn flash_shape(op: &'static str, heads: usize, q: &[usize], k: &[usize]) -> Result<FlashAttentionShape> {
+fn flash_shape(
+    op: &'static str,
+    (heads, window): (usize, Option<usize>),
+    q: &[usize],
+    k: &[usize],
+) -> Result<FlashAttentionShape> {
     let (&[batch, seq, width], &[_, _, kv_width]) = (q, k) else {
         return Err(Error::shape(
             op,
@@ -53,6 +59,7 @@ fn flash_shape(op: &'static str, heads: usize, q: &[usize], k: &[usize]) -> Resu
         heads,
         kv_heads: kv_width / head_dim.max(1),
         head_dim,
+        window,
     })
 }
 
@@ -79,8 +86,8 @@ impl OpFamily for AttentionOp {
         let k = cx.kernels();
         const OP: &str = "Executor";
         match self {
-            AttentionOp::FusedCausal { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(0), cx.input_shape(1))?;
+            AttentionOp::FusedCausal { heads, window } => {
+                let shape = flash_shape(OP, (*heads, *window), cx.input_shape(0), cx.input_shape(1))?;
                 k.flash_attention_forward(
                     cx.out()?,
                     cx.view(cx.companion()?)?,
@@ -92,7 +99,7 @@ impl OpFamily for AttentionOp {
             }
             AttentionOp::FusedCausalPrepare { heads } => {
                 // Only q's sizes matter here: k is q's shape for this purpose.
-                let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(1))?;
+                let shape = flash_shape(OP, (*heads, None), cx.input_shape(1), cx.input_shape(1))?;
                 k.flash_attention_backward_prepare(
                     cx.out()?,
                     cx.input(0)?,
@@ -103,8 +110,8 @@ impl OpFamily for AttentionOp {
                     },
                 )
             }
-            AttentionOp::FusedCausalQueryBackward { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
+            AttentionOp::FusedCausalQueryBackward { heads, window } => {
+                let shape = flash_shape(OP, (*heads, *window), cx.input_shape(1), cx.input_shape(2))?;
                 k.flash_attention_backward_query(
                     cx.out()?,
                     cx.input(0)?,
@@ -116,8 +123,8 @@ impl OpFamily for AttentionOp {
                     shape,
                 )
             }
-            AttentionOp::FusedCausalKeyValueBackward { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
+            AttentionOp::FusedCausalKeyValueBackward { heads, window } => {
+                let shape = flash_shape(OP, (*heads, *window), cx.input_shape(1), cx.input_shape(2))?;
                 let dv = cx.view(cx.companion()?)?;
                 k.flash_attention_backward_key_value(
                     cx.out()?,
@@ -136,10 +143,10 @@ impl OpFamily for AttentionOp {
     }
 
     fn gradient(&self, g: &mut Graph, node: Tensor, slot: usize, dy: Tensor) -> Result<Tensor> {
-        let (AttentionOp::FusedCausal { heads }, 0..=2) = (self, slot) else {
+        let (AttentionOp::FusedCausal { heads, window }, 0..=2) = (self, slot) else {
             return Err(no_gradient(g, node, slot));
         };
-        let heads = *heads;
+        let (heads, window) = (*heads, *window);
         let n = g.node(node).clone();
         let lse = g.companion(node).ok_or_else(|| Error::NoGradient {
             op: "fused_causal_attention",
@@ -171,14 +178,14 @@ impl OpFamily for AttentionOp {
         if slot == 0 {
             let name = format!("d{}", g.node(q).name);
             return Ok(g.push(
-                AttentionOp::FusedCausalQueryBackward { heads },
+                AttentionOp::FusedCausalQueryBackward { heads, window },
                 inputs,
                 g.shape(q).to_vec(),
                 DType::F32,
                 name,
             ));
         }
-        let key_value = AttentionOp::FusedCausalKeyValueBackward { heads };
+        let key_value = AttentionOp::FusedCausalKeyValueBackward { heads, window };
         let dk = match find(g, key_value.clone(), &inputs) {
             Some(t) => t,
             None => {
@@ -206,26 +213,27 @@ impl OpFamily for AttentionOp {
     fn reference(&self, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
         const OP: &str = "evaluate_f64";
         match self {
-            AttentionOp::FusedCausal { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(0), cx.input_shape(1))?;
+            AttentionOp::FusedCausal { heads, window } => {
+                let shape = flash_shape(OP, (*heads, *window), cx.input_shape(0), cx.input_shape(1))?;
                 Ok(cpu::flash_attention_forward(cx.input(0)?, cx.input(1)?, cx.input(2)?, shape).0)
             }
             // What its writer's dispatch leaves beside its output.
             AttentionOp::FusedCausalStats => {
                 let writer = cx.graph().node(cx.node().inputs[0]);
-                let Op::Attention(AttentionOp::FusedCausal { heads }) = writer.op else {
+                let Op::Attention(AttentionOp::FusedCausal { heads, window }) = writer.op else {
                     return Err(unexpected_writer("fused_causal_attention_stats", &writer.op));
                 };
                 let [q, k, v] = [0, 1, 2].map(|j| writer.inputs[j]);
-                let shape = flash_shape(OP, heads, cx.graph().shape(q), cx.graph().shape(k))?;
+                let shape = flash_shape(OP, (heads, window), cx.graph().shape(q), cx.graph().shape(k))?;
                 Ok(cpu::flash_attention_forward(cx.value(q)?, cx.value(k)?, cx.value(v)?, shape).1)
             }
             AttentionOp::FusedCausalPrepare { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(1))?;
+                let shape = flash_shape(OP, (*heads, None), cx.input_shape(1), cx.input_shape(1))?;
                 Ok(cpu::flash_attention_backward_prepare(cx.input(0)?, cx.input(1)?, shape))
             }
-            AttentionOp::FusedCausalQueryBackward { heads } | AttentionOp::FusedCausalKeyValueBackward { heads } => {
-                let shape = flash_shape(OP, *heads, cx.input_shape(1), cx.input_shape(2))?;
+            AttentionOp::FusedCausalQueryBackward { heads, window }
+            | AttentionOp::FusedCausalKeyValueBackward { heads, window } => {
+                let shape = flash_shape(OP, (*heads, *window), cx.input_shape(1), cx.input_shape(2))?;
                 let [dy, q, k, v, lse, delta] = [0, 1, 2, 3, 4, 5].map(|j| cx.input(j));
                 let grads = cpu::flash_attention_backward(dy?, q?, k?, v?, lse?, delta?, shape);
                 Ok(if matches!(self, AttentionOp::FusedCausalQueryBackward { .. }) {
@@ -236,12 +244,12 @@ impl OpFamily for AttentionOp {
             }
             AttentionOp::FusedCausalValueBackward => {
                 let writer = cx.graph().node(cx.node().inputs[0]);
-                let Op::Attention(AttentionOp::FusedCausalKeyValueBackward { heads }) = writer.op else {
+                let Op::Attention(AttentionOp::FusedCausalKeyValueBackward { heads, window }) = writer.op else {
                     return Err(unexpected_writer("fused_causal_attention_value_backward", &writer.op));
                 };
                 let shape = flash_shape(
                     OP,
-                    heads,
+                    (heads, window),
                     cx.graph().shape(writer.inputs[1]),
                     cx.graph().shape(writer.inputs[2]),
                 )?;
@@ -262,6 +270,20 @@ impl Graph {
     /// [`FLASH_MAX_HEAD_DIM`]. The unfused reference is q·kᵀ, scale,
     /// `softmax(.., true)`, ·v over [B, H, T, d].
     pub fn fused_causal_attention(&mut self, q: Tensor, k: Tensor, v: Tensor, heads: usize) -> Result<Tensor> {
+        self.fused_causal_attention_window(q, k, v, heads, None)
+    }
+
+    /// [`Graph::fused_causal_attention`] with a sliding window: query i
+    /// sees keys i - window + 1 ..= i (None: all of 0 ..= i; a window of at
+    /// least T is no window). The kernels skip the key tiles outside it.
+    pub fn fused_causal_attention_window(
+        &mut self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        heads: usize,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
         const OP: &str = "fused_causal_attention";
         self.f32_inputs(OP, &[q, k, v])?;
         let (sq, sk, sv) = (self.shape(q).to_vec(), self.shape(k).to_vec(), self.shape(v).to_vec());
@@ -291,10 +313,11 @@ impl Graph {
             heads,
             kv_heads: kv_width / head_dim,
             head_dim,
+            window,
         };
         shape.check(OP, FLASH_MAX_HEAD_DIM)?;
         let y = self.push(
-            AttentionOp::FusedCausal { heads },
+            AttentionOp::FusedCausal { heads, window },
             vec![q, k, v],
             sq,
             DType::F32,

@@ -14,9 +14,14 @@ pub enum GenerationOp {
     /// three times, or three operands), u32 starts [S], k cache, v cache,
     /// each [S, kv_heads, P, d]) -> [S, T, heads·d]: writes the rows' keys
     /// and values into the caches at positions starts[s] + t, then attends
-    /// over positions 0..=starts[s] + t (see
-    /// `Kernels::cached_attention_forward`). No gradient.
-    CachedAttention { heads: usize, layout: QkvLayout },
+    /// over positions 0..=starts[s] + t, the last `window` of them under a
+    /// sliding window (see `Kernels::cached_attention_forward`). No
+    /// gradient.
+    CachedAttention {
+        heads: usize,
+        layout: QkvLayout,
+        window: Option<usize>,
+    },
     /// inputs (logits [.., vocab], draws [rows, 3] f32 of (u, temperature,
     /// top_p), top_k [rows] u32) -> [rows, 2] u32: each row's token and its first
     /// non-finite logit (see `Kernels::sample_rows`). No gradient.
@@ -25,7 +30,11 @@ pub enum GenerationOp {
 
 /// A cached attention's sizes from its q [S, T, *] and cache
 /// [S, kv_heads, P, d] shapes.
-fn attention_shape(heads: usize, layout: QkvLayout, q: &[usize], cache: &[usize]) -> Result<CachedAttentionShape> {
+fn attention_shape(
+    (heads, layout, window): (usize, QkvLayout, Option<usize>),
+    q: &[usize],
+    cache: &[usize],
+) -> Result<CachedAttentionShape> {
     let (&[seqs, rows, _], &[_, kv_heads, context, head_dim]) = (q, cache) else {
         return Err(Error::shape(
             "Executor",
@@ -41,6 +50,7 @@ fn attention_shape(heads: usize, layout: QkvLayout, q: &[usize], cache: &[usize]
         head_dim,
         context,
         layout,
+        window,
     })
 }
 
@@ -63,8 +73,8 @@ impl OpFamily for GenerationOp {
     fn dispatch(&self, cx: &DispatchContext<'_>) -> Result<Dispatch> {
         let k = cx.kernels();
         match self {
-            GenerationOp::CachedAttention { heads, layout } => {
-                let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
+            GenerationOp::CachedAttention { heads, layout, window } => {
+                let sizes = attention_shape((*heads, *layout, *window), cx.input_shape(0), cx.input_shape(4))?;
                 // The first `seqs` sequences of caches that may hold more.
                 let len = sizes.lengths().map_or(0, |l| l.cache);
                 k.cached_attention_forward(
@@ -89,8 +99,8 @@ impl OpFamily for GenerationOp {
         match self {
             // The output only: the reference leaves the caches' values as
             // they were fed.
-            GenerationOp::CachedAttention { heads, layout } => {
-                let sizes = attention_shape(*heads, *layout, cx.input_shape(0), cx.input_shape(4))?;
+            GenerationOp::CachedAttention { heads, layout, window } => {
+                let sizes = attention_shape((*heads, *layout, *window), cx.input_shape(0), cx.input_shape(4))?;
                 let len = sizes.lengths().map_or(0, |l| l.cache);
                 let (k_cache, v_cache) = (cx.input(4)?, cx.input(5)?);
                 Ok(cpu::cached_attention(
@@ -146,6 +156,20 @@ impl Graph {
         v_cache: Tensor,
         heads: usize,
     ) -> Result<Tensor> {
+        self.cached_attention_window(qkv, layout, starts, [k_cache, v_cache], heads, None)
+    }
+
+    /// [`Graph::cached_attention`] with a sliding window: position p
+    /// attends to positions p - window + 1 ..= p only (None: 0 ..= p).
+    pub fn cached_attention_window(
+        &mut self,
+        qkv: [Tensor; 3],
+        layout: QkvLayout,
+        starts: Tensor,
+        [k_cache, v_cache]: [Tensor; 2],
+        heads: usize,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
         const OP: &str = "cached_attention";
         self.f32_inputs(OP, &[qkv[0], qkv[1], qkv[2], k_cache, v_cache])?;
         self.check_handle(OP, starts)?;
@@ -181,7 +205,11 @@ impl Graph {
             head_dim,
             context,
             layout,
+            window,
         };
+        if window == Some(0) {
+            return Err(Error::shape(OP, "a sliding window must hold at least 1 position", &all));
+        }
         let columns = shape
             .columns()
             .ok_or_else(|| Error::shape(OP, "the sizes overflow", &all))?;
@@ -223,7 +251,7 @@ impl Graph {
         let out = vec![seqs, rows, heads * head_dim];
         let [q, k, v] = qkv;
         Ok(self.push(
-            GenerationOp::CachedAttention { heads, layout },
+            GenerationOp::CachedAttention { heads, layout, window },
             vec![q, k, v, starts, k_cache, v_cache],
             out,
             DType::F32,
