@@ -1148,6 +1148,11 @@ impl Kernels {
 
     /// [`Kernels::submit_pass_and_read`], awaited (the submit happens when
     /// the future is first polled).
+    // The staging buffer's guard is held until the read finishes, as in
+    // `PendingRead`: the buffer is mapped until then, and a second read on
+    // this device must wait for it (natively that wait is another thread's;
+    // a page awaits its reads one after another).
+    #[allow(clippy::await_holding_lock)]
     pub async fn submit_pass_and_read_async<'d, T: bytemuck::Pod>(
         &self,
         op: &str,
