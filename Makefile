@@ -6,7 +6,7 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test test-swiftshader lint bench driver adapters smollm2 gemma3
+.PHONY: train test test-swiftshader lint wasm-check bench driver adapters smollm2 gemma3
 
 driver:
 	@bash scripts/ensure-vulkan.sh
@@ -70,6 +70,24 @@ test-swiftshader: driver smollm2 gemma3
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+# The library for the browser: wasm32 with wgpu's WebGPU backend (the same
+# graph, kernels, optimizer, models and generator), and the rule that lets
+# it run there: nothing it compiles blocks on the GPU. Every wait is async;
+# the one blocking wrapper is `device::block_on` (native only: pollster is
+# no wasm32 dependency), so `block_on`, `PollType::Wait` and sleeps appear
+# nowhere else in src/, except the native-only poll of several devices in
+# parallel/collectives.rs and MPI's watchdog (the `mpi` feature). Built with
+# `-p wgrad`: the workspace's other members are native programs.
+WASM_TARGET := wasm32-unknown-unknown
+wasm-check:
+	@rustup target list --installed 2>/dev/null | grep -qx $(WASM_TARGET) || \
+		{ echo "the $(WASM_TARGET) target is missing: rustup target add $(WASM_TARGET)"; exit 1; }
+	$(CARGO) build --release -p wgrad --lib --target $(WASM_TARGET)
+	@found=$$(grep -rn 'block_on\|PollType::Wait\|thread::sleep\|futures::executor' src --include=*.rs | \
+		grep -v '^src/device.rs:\|^src/parallel/mpi.rs:\|^src/parallel/collectives.rs:[0-9]*: *std::thread::sleep'); \
+		if [ -n "$$found" ]; then echo "blocking waits in code the web build compiles:"; echo "$$found"; exit 1; fi
+	@echo "wasm-check: the library builds for $(WASM_TARGET) and nothing it compiles blocks"
 
 bench: driver
 	$(CARGO) bench -p wgrad-benches --bench matmul

@@ -3,6 +3,7 @@
 //! (error scopes, uncaptured errors, device loss) into `wgrad::Error` values.
 
 use std::fmt;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
@@ -25,6 +26,48 @@ pub const REPORTED_FEATURES: [(wgpu::Features, &str); 5] = [
     // Pipelines kept across processes (crate::pipeline_cache).
     (wgpu::Features::PIPELINE_CACHE, "PIPELINE_CACHE"),
 ];
+
+/// A clock that also runs in a browser, where `std::time::Instant::now`
+/// panics (wasm32 has no clock of its own; `web-time` reads
+/// `performance.now()`).
+#[cfg(not(target_arch = "wasm32"))]
+pub use std::time::Instant;
+#[cfg(target_arch = "wasm32")]
+pub use web_time::Instant;
+
+/// wgrad's one blocking wait on the GPU: every host-side wait (device
+/// creation, read-back, a queue drained) is an async function, and the
+/// blocking API calls it through here, so native and browser builds run the
+/// same code. Native only: the web build cannot name it, so nothing it
+/// compiles blocks.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    pollster::block_on(future)
+}
+
+/// The blocking form of an async wgrad call (`op` names it in errors).
+/// Natively it waits ([`block_on`]). A browser cannot block: there the
+/// future is polled once, and one that has not finished (it waits for the
+/// GPU) is an error saying to call the `_async` form instead.
+pub fn wait<T>(op: &'static str, future: impl Future<Output = Result<T>>) -> Result<T> {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let _ = op;
+        block_on(future)
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        let mut future = std::pin::pin!(future);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match future.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(value) => value,
+            std::task::Poll::Pending => Err(Error::InvalidArgument {
+                op,
+                reason: "a browser cannot block waiting for the GPU: call the `_async` form and await it".into(),
+            }),
+        }
+    }
+}
 
 /// One process-wide instance: creating a GL instance initialises EGL, which is
 /// slow and gains nothing when repeated.
@@ -270,9 +313,15 @@ impl fmt::Display for AdapterReport {
 /// Every adapter, enumerated once per process. Enumerating again while
 /// another thread drives a GL device makes EGL's make-current fail inside
 /// wgpu (a panic), so the list is taken once and reused.
+///
+/// A browser lists none: it hands a page one adapter, through
+/// [`Device::open_async`].
 fn all_adapters() -> &'static [wgpu::Adapter] {
     static ADAPTERS: OnceLock<Vec<wgpu::Adapter>> = OnceLock::new();
-    ADAPTERS.get_or_init(|| pollster::block_on(instance().enumerate_adapters(wgpu::Backends::all())))
+    #[cfg(not(target_arch = "wasm32"))]
+    return ADAPTERS.get_or_init(|| block_on(instance().enumerate_adapters(wgpu::Backends::all())));
+    #[cfg(target_arch = "wasm32")]
+    return ADAPTERS.get_or_init(Vec::new);
 }
 
 fn report(index: usize, adapter: &wgpu::Adapter) -> AdapterReport {
@@ -406,12 +455,30 @@ impl fmt::Debug for Device {
 impl Device {
     /// Opens the adapter chosen by `options`.
     pub fn open(options: &DeviceOptions) -> Result<Self> {
-        let adapter = select_adapter(options)?;
+        wait("Device::open", Self::open_async(options))
+    }
+
+    /// [`Device::open`], awaited. In a browser the adapter is the one the
+    /// page's WebGPU hands out (high-performance preferred); `options`'
+    /// backend and adapter selection do not apply there.
+    pub async fn open_async(options: &DeviceOptions) -> Result<Self> {
         let mode = match options.limits {
             Some(mode) => mode,
             None => LimitsMode::from_env()?,
         };
-        Self::from_adapter_with_cache(&adapter, mode, &options.pipeline_cache)
+        #[cfg(not(target_arch = "wasm32"))]
+        let adapter = select_adapter(options)?;
+        #[cfg(target_arch = "wasm32")]
+        let adapter = instance()
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                ..Default::default()
+            })
+            .await
+            .map_err(|_| Error::NoAdapter {
+                filter: " (the browser offers no WebGPU adapter: WebGPU is off or unsupported here)".into(),
+            })?;
+        Self::from_adapter_with_cache_async(&adapter, mode, &options.pipeline_cache).await
     }
 
     /// Opens the adapter chosen by `WGRAD_BACKEND` / `WGRAD_ADAPTER`, or the
@@ -450,6 +517,18 @@ impl Device {
         mode: LimitsMode,
         cache: &PipelineCacheSetting,
     ) -> Result<Self> {
+        wait(
+            "request_device",
+            Self::from_adapter_with_cache_async(adapter, mode, cache),
+        )
+    }
+
+    /// [`Device::from_adapter_with_cache`], awaited.
+    pub async fn from_adapter_with_cache_async(
+        adapter: &wgpu::Adapter,
+        mode: LimitsMode,
+        cache: &PipelineCacheSetting,
+    ) -> Result<Self> {
         let info = adapter.get_info();
         let offered = adapter.features();
         let wanted = REPORTED_FEATURES
@@ -471,8 +550,10 @@ impl Device {
             trace: wgpu::Trace::Off,
         };
         let gl = lock_gl_for(info.backend);
-        let (device, queue) =
-            pollster::block_on(adapter.request_device(&desc)).map_err(|source| Error::RequestDevice {
+        let (device, queue) = adapter
+            .request_device(&desc)
+            .await
+            .map_err(|source| Error::RequestDevice {
                 adapter: info.name.clone(),
                 source,
             })?;
@@ -494,7 +575,7 @@ impl Device {
                 errors.push(error.to_string());
             }
         }));
-        let pipeline_cache = PipelineCacheStore::open(&device, &info, cache);
+        let pipeline_cache = PipelineCacheStore::open(&device, &info, cache).await;
         Ok(Device {
             device,
             queue,
@@ -629,8 +710,38 @@ impl Device {
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let value = work();
-        let validation_error = pollster::block_on(validation.pop());
-        let oom_error = pollster::block_on(oom.pop());
+        #[cfg(target_arch = "wasm32")]
+        {
+            // A browser resolves error scopes later, on its event loop: a
+            // task there keeps what they caught for the next check (every
+            // read-back checks), as for errors outside a scope.
+            let sink = Arc::clone(&self.uncaptured);
+            let (validation, oom) = (validation.pop(), oom.pop());
+            wasm_bindgen_futures::spawn_local(async move {
+                let caught: Vec<String> = [oom.await, validation.await]
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e.to_string())
+                    .collect();
+                if let (false, Ok(mut errors)) = (caught.is_empty(), sink.lock()) {
+                    errors.extend(caught);
+                }
+            });
+            Ok(value)
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        self.settle_scopes(op, value, block_on(validation.pop()), block_on(oom.pop()))
+    }
+
+    /// What a native [`Device::scoped`] returns once its scopes are popped.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn settle_scopes<T>(
+        &self,
+        op: &str,
+        value: T,
+        validation_error: Option<wgpu::Error>,
+        oom_error: Option<wgpu::Error>,
+    ) -> Result<T> {
         if let Some(e) = oom_error {
             return Err(Error::OutOfMemory {
                 op: op.to_string(),
@@ -647,13 +758,35 @@ impl Device {
     /// Blocks until the queue is idle, at most [`wait_timeout`] (so a hung
     /// device becomes an error, not a hang).
     pub fn wait_idle(&self, op: &str) -> Result<()> {
-        let _gl = self.lock_gl();
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: None,
-                timeout: Some(wait_timeout()),
-            })
-            .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;
+        wait("wait_idle", self.idle(op))
+    }
+
+    /// [`Device::wait_idle`], awaited: done once the work submitted so far
+    /// has finished. Natively wgpu runs completions (map callbacks) inside a
+    /// poll, so this polls until idle; a browser resolves them on its event
+    /// loop, which the await yields to.
+    pub async fn idle(&self, op: &str) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let _gl = self.lock_gl();
+            self.device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: None,
+                    timeout: Some(wait_timeout()),
+                })
+                .map_err(|e| self.validation_or_lost(op, format!("waiting for the GPU: {e}")))?;
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            let (sender, receiver) = futures::channel::oneshot::channel();
+            self.queue.on_submitted_work_done(move || {
+                let _ = sender.send(());
+            });
+            receiver.await.map_err(|_| Error::Readback {
+                op: "idle",
+                message: "the queue's completion callback never ran".into(),
+            })?;
+        }
         self.check(op)
     }
 }

@@ -194,8 +194,9 @@ pub(crate) struct PipelineCacheStore {
 impl PipelineCacheStore {
     /// Loads the cache for `device` as `setting` says; `None` when the
     /// device has no PIPELINE_CACHE feature, wgpu none for the backend,
-    /// the setting is off, or the cache cannot be created (logged).
-    pub(crate) fn open(
+    /// the setting is off, or the cache cannot be created (logged). Async
+    /// because it pops error scopes; the device's opening awaits it.
+    pub(crate) async fn open(
         device: &wgpu::Device,
         info: &wgpu::AdapterInfo,
         setting: &PipelineCacheSetting,
@@ -224,7 +225,7 @@ impl PipelineCacheStore {
                 path.display()
             );
         }
-        let cache = match create(device, data.as_deref()) {
+        let cache = match create(device, data.as_deref()).await {
             Ok(cache) => cache,
             Err(message) if data.is_some() => {
                 log::warn!(
@@ -232,6 +233,7 @@ impl PipelineCacheStore {
                     path.display()
                 );
                 create(device, None)
+                    .await
                     .map_err(|message| log::warn!("no pipeline cache: {message}"))
                     .ok()?
             }
@@ -306,7 +308,7 @@ impl PipelineCacheStore {
 
 /// A pipeline cache on `device` from `data` (`None`: empty), or wgpu's
 /// error message.
-fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgpu::PipelineCache, String> {
+async fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgpu::PipelineCache, String> {
     // Every kind of error is caught here, so none reaches the device's
     // uncaptured errors and fails the run's next checked operation.
     let internal = device.push_error_scope(wgpu::ErrorFilter::Internal);
@@ -323,11 +325,7 @@ fn create(device: &wgpu::Device, data: Option<&[u8]>) -> std::result::Result<wgp
             fallback: true,
         })
     };
-    let errors = [
-        pollster::block_on(scope.pop()),
-        pollster::block_on(oom.pop()),
-        pollster::block_on(internal.pop()),
-    ];
+    let errors = [scope.pop().await, oom.pop().await, internal.pop().await];
     match errors.into_iter().flatten().next() {
         Some(error) => Err(error.to_string()),
         None => Ok(cache),

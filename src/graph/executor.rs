@@ -546,6 +546,18 @@ impl Executor {
     /// `apply_update`), and copy the loss for reading when `read_loss`.
     /// Returns the loss when read.
     pub fn train_step(&mut self, zero_grad: bool, apply_update: bool, read_loss: bool) -> Result<Option<f32>> {
+        crate::device::wait("train_step", self.train_step_async(zero_grad, apply_update, read_loss))
+    }
+
+    /// [`Executor::train_step`], awaited. The step is recorded and
+    /// submitted when the future is first polled; only the loss's read-back
+    /// waits (so with `read_loss` false it is ready at once).
+    pub async fn train_step_async(
+        &mut self,
+        zero_grad: bool,
+        apply_update: bool,
+        read_loss: bool,
+    ) -> Result<Option<f32>> {
         let Some(grads) = &self.grads else {
             return Err(Error::InvalidArgument {
                 op: "train_step",
@@ -612,11 +624,14 @@ impl Executor {
         }
         let value = match (scale_words, &mut self.update) {
             (Some(words), Some(u)) => {
-                let read: Vec<f32> = self.kernels.map_read(&self.scalar_staging, 4 * (1 + words) as u64)?;
+                let read: Vec<f32> = self
+                    .kernels
+                    .map_read_async(&self.scalar_staging, 4 * (1 + words) as u64)
+                    .await?;
                 u.read_back(read.get(1..).unwrap_or(&[]));
                 read.first().copied().unwrap_or(f32::NAN)
             }
-            _ => self.kernels.map_read_scalar(&self.scalar_staging)?,
+            _ => self.kernels.map_read_scalar_async(&self.scalar_staging).await?,
         };
         if !value.is_finite() {
             return Err(Error::NonFiniteLoss {
@@ -770,8 +785,27 @@ impl Executor {
         self.run_and_read_as(outputs, read, DType::U32)
     }
 
-    /// `T` is the Rust type of `dtype`, which `read` must have.
+    /// [`Executor::run_and_read`], awaited.
+    pub async fn run_and_read_async(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<f32>> {
+        self.run_and_read_as_async(outputs, read, DType::F32).await
+    }
+
+    /// [`Executor::run_and_read_u32`], awaited.
+    pub async fn run_and_read_u32_async(&mut self, outputs: &[Tensor], read: Tensor) -> Result<Vec<u32>> {
+        self.run_and_read_as_async(outputs, read, DType::U32).await
+    }
+
     fn run_and_read_as<T: bytemuck::Pod>(&mut self, outputs: &[Tensor], read: Tensor, dtype: DType) -> Result<Vec<T>> {
+        crate::device::wait("run_and_read", self.run_and_read_as_async(outputs, read, dtype))
+    }
+
+    /// `T` is the Rust type of `dtype`, which `read` must have.
+    async fn run_and_read_as_async<T: bytemuck::Pod>(
+        &mut self,
+        outputs: &[Tensor],
+        read: Tensor,
+        dtype: DType,
+    ) -> Result<Vec<T>> {
         if !outputs.contains(&read) {
             return Err(Error::InvalidArgument {
                 op: "run_and_read",
@@ -798,7 +832,9 @@ impl Executor {
         let view = self.tensor_view(read)?;
         let order = &self.run_orders[outputs];
         let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
-        self.kernels.submit_pass_and_read("run", dispatches, |_| {}, view)
+        self.kernels
+            .submit_pass_and_read_async("run", dispatches, |_| {}, view)
+            .await
     }
 
     /// Clears every cache tensor ([`Graph::cache`]) to zero, in one
@@ -819,8 +855,13 @@ impl Executor {
 
     /// Reads an output (waits for the GPU).
     pub fn read(&self, t: Tensor) -> Result<Vec<f32>> {
+        crate::device::wait("read", self.read_async(t))
+    }
+
+    /// [`Executor::read`], awaited.
+    pub async fn read_async(&self, t: Tensor) -> Result<Vec<f32>> {
         self.not_stored_weight("read", t)?;
-        self.kernels.read(self.tensor_view(t)?)
+        self.kernels.read_async(self.tensor_view(t)?).await
     }
 
     /// An f16 or quantized parameter's words are not f32 values: read an
@@ -841,8 +882,13 @@ impl Executor {
 
     /// Reads a u32 output (argmax).
     pub fn read_u32(&self, t: Tensor) -> Result<Vec<u32>> {
+        crate::device::wait("read_u32", self.read_u32_async(t))
+    }
+
+    /// [`Executor::read_u32`], awaited.
+    pub async fn read_u32_async(&self, t: Tensor) -> Result<Vec<u32>> {
         self.not_stored_weight("read_u32", t)?;
-        self.kernels.read(self.tensor_view(t)?)
+        self.kernels.read_async(self.tensor_view(t)?).await
     }
 
     /// The gradient of `param` accumulated so far.

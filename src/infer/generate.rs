@@ -988,10 +988,15 @@ impl Generator {
     /// pick the next token, [`Generator::prefill_and_sample`] reads back
     /// only the token).
     pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
+        crate::device::wait("Generator::prefill", self.prefill_async(prompts))
+    }
+
+    /// [`Generator::prefill`], awaited.
+    pub async fn prefill_async(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::prefill")?;
         let pass = self.set_prompts("Generator::prefill", prompts)?;
         let logits = self.prefill[pass].logits;
-        let values = self.exec.run_and_read(&[logits], logits)?;
+        let values = self.exec.run_and_read_async(&[logits], logits).await?;
         self.prompts_cached(prompts);
         Ok(values)
     }
@@ -1008,13 +1013,26 @@ impl Generator {
         sampling: &Sampling,
         rng: &mut ChaCha8Rng,
     ) -> Result<Vec<u32>> {
+        crate::device::wait(
+            "Generator::prefill_and_sample",
+            self.prefill_and_sample_async(prompts, sampling, rng),
+        )
+    }
+
+    /// [`Generator::prefill_and_sample`], awaited.
+    pub async fn prefill_and_sample_async(
+        &mut self,
+        prompts: &[&[u32]],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::prefill_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
         let pass = self.set_prompts(OP, prompts)?;
         self.set_sampling(sampling, rng)?;
         let PrefillPass { logits, tokens, .. } = self.prefill[pass];
-        let picks = self.exec.run_and_read_u32(&[tokens], tokens)?;
+        let picks = self.exec.run_and_read_u32_async(&[tokens], tokens).await?;
         self.prompts_cached(prompts);
         self.sampled_tokens(OP, &picks, logits)
     }
@@ -1314,8 +1332,16 @@ impl Generator {
     /// an error: prefill it again with its last tokens
     /// ([`Generator::generate`] does).
     pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        crate::device::wait("Generator::decode", self.decode_async(tokens))
+    }
+
+    /// [`Generator::decode`], awaited.
+    pub async fn decode_async(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.set_decode("Generator::decode", tokens)?;
-        let logits = self.exec.run_and_read(&[self.decode.logits], self.decode.logits)?;
+        let logits = self
+            .exec
+            .run_and_read_async(&[self.decode.logits], self.decode.logits)
+            .await?;
         for (cached, &token) in self.cached.iter_mut().zip(tokens) {
             cached.push(token);
         }
@@ -1325,11 +1351,27 @@ impl Generator {
     /// [`Generator::decode`] picking each sequence's next token on the GPU,
     /// as [`Generator::prefill_and_sample`] does.
     pub fn decode_and_sample(&mut self, tokens: &[u32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> Result<Vec<u32>> {
+        crate::device::wait(
+            "Generator::decode_and_sample",
+            self.decode_and_sample_async(tokens, sampling, rng),
+        )
+    }
+
+    /// [`Generator::decode_and_sample`], awaited.
+    pub async fn decode_and_sample_async(
+        &mut self,
+        tokens: &[u32],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::decode_and_sample";
         sampling.check()?;
         self.set_decode(OP, tokens)?;
         self.set_sampling(sampling, rng)?;
-        let picks = self.exec.run_and_read_u32(&[self.decode.tokens], self.decode.tokens)?;
+        let picks = self
+            .exec
+            .run_and_read_u32_async(&[self.decode.tokens], self.decode.tokens)
+            .await?;
         for (cached, &token) in self.cached.iter_mut().zip(tokens) {
             cached.push(token);
         }
@@ -1348,6 +1390,21 @@ impl Generator {
         prompt: &[u32],
         max_new_tokens: usize,
         sampling: &Sampling,
+        on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<Vec<u32>> {
+        crate::device::wait(
+            "Generator::generate",
+            self.generate_async(prompt, max_new_tokens, sampling, on_token),
+        )
+    }
+
+    /// [`Generator::generate`], awaited: the page yields to the browser
+    /// between tokens, so `on_token` can show each as it comes.
+    pub async fn generate_async(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampling: &Sampling,
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::generate";
@@ -1360,7 +1417,9 @@ impl Generator {
                 ),
             });
         }
-        let mut new_tokens = self.generate_batch(&[prompt], max_new_tokens, sampling, |tokens| on_token(tokens[0]))?;
+        let mut new_tokens = self
+            .generate_batch_async(&[prompt], max_new_tokens, sampling, |tokens| on_token(tokens[0]))
+            .await?;
         Ok(new_tokens.pop().unwrap_or_default())
     }
 
@@ -1380,6 +1439,20 @@ impl Generator {
     /// [`Generator::generate`] does for one: a sequence shorter than the
     /// longest may then lose context it would have kept alone.
     pub fn generate_batch(
+        &mut self,
+        prompts: &[&[u32]],
+        max_new_tokens: usize,
+        sampling: &Sampling,
+        on_tokens: impl FnMut(&[u32]) -> Result<()>,
+    ) -> Result<Vec<Vec<u32>>> {
+        crate::device::wait(
+            "Generator::generate_batch",
+            self.generate_batch_async(prompts, max_new_tokens, sampling, on_tokens),
+        )
+    }
+
+    /// [`Generator::generate_batch`], awaited.
+    pub async fn generate_batch_async(
         &mut self,
         prompts: &[&[u32]],
         max_new_tokens: usize,
@@ -1408,7 +1481,7 @@ impl Generator {
         let keep = (context / 2).max(1);
         let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
         // Each step picks its tokens on the GPU: the logits never come back.
-        let mut tokens = self.prefill_and_sample(prompts, sampling, &mut rng)?;
+        let mut tokens = self.prefill_and_sample_async(prompts, sampling, &mut rng).await?;
         let mut new_tokens = vec![Vec::with_capacity(max_new_tokens); self.sequences];
         loop {
             on_tokens(&tokens)?;
@@ -1419,7 +1492,7 @@ impl Generator {
                 return Ok(new_tokens);
             }
             tokens = if self.cached.iter().all(|c| c.len() < context) {
-                self.decode_and_sample(&tokens, sampling, &mut rng)?
+                self.decode_and_sample_async(&tokens, sampling, &mut rng).await?
             } else {
                 let windows: Vec<Vec<u32>> = self
                     .cached
@@ -1432,7 +1505,7 @@ impl Generator {
                     })
                     .collect();
                 let windows: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
-                self.prefill_and_sample(&windows, sampling, &mut rng)?
+                self.prefill_and_sample_async(&windows, sampling, &mut rng).await?
             };
         }
     }

@@ -79,7 +79,8 @@ const GPT2_BPE_TOKENS: usize = 50257;
 /// Sizes config.json may give, far above any GPT-2, so a corrupt file
 /// cannot make the loader allocate for an absurd model.
 const MAX_LAYERS: usize = 1 << 16;
-const MAX_PARAMETERS: usize = 1 << 40;
+// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
+const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
 /// Metadata keys of `optimizer.safetensors` that [`OptimizerState`] owns.
 const OPTIMIZER_KEYS: [&str; 5] = ["format", "optimizer", "step", "state_names", "layout"];
 

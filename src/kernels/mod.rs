@@ -696,7 +696,7 @@ impl Kernels {
             Err(std::sync::TryLockError::WouldBlock) => {
                 // Another thread is compiling it; the wait shows in the
                 // debug log, where a start-up's idle threads can be seen.
-                let started = std::time::Instant::now();
+                let started = crate::device::Instant::now();
                 let compiled = lock(&slot);
                 log::debug!(
                     "pipeline {}: waited {:.1} ms for another thread compiling it",
@@ -711,7 +711,7 @@ impl Kernels {
         }
         reflect::check_limits(kernel, constants, self.device.limits())?;
         let module = self.module(kernel.family)?;
-        let started = std::time::Instant::now();
+        let started = crate::device::Instant::now();
         let pipeline = self.device.scoped(kernel.entry, || {
             self.device
                 .wgpu_device()
@@ -905,7 +905,7 @@ impl Kernels {
     /// Runs one dispatch alone and waits for it: its wall time, for
     /// profiling (a step's timing would otherwise hide each kernel's share).
     pub fn time_dispatch(&self, dispatch: &Dispatch) -> Result<std::time::Duration> {
-        let start = std::time::Instant::now();
+        let start = crate::device::Instant::now();
         self.run(&[dispatch])?;
         self.device.wait_idle(dispatch.kernel.entry)?;
         Ok(start.elapsed())
@@ -929,30 +929,35 @@ impl Kernels {
     /// Maps a 4-byte MAP_READ buffer that a submitted copy has written and
     /// returns its value (waits for the GPU).
     pub fn map_read_scalar(&self, staging: &wgpu::Buffer) -> Result<f32> {
-        let values: Vec<f32> = self.map_read(staging, 4)?;
+        crate::device::wait("map_read_scalar", self.map_read_scalar_async(staging))
+    }
+
+    /// [`Kernels::map_read_scalar`], awaited.
+    pub async fn map_read_scalar_async(&self, staging: &wgpu::Buffer) -> Result<f32> {
+        let values: Vec<f32> = self.map_read_async(staging, 4).await?;
         values.first().copied().ok_or_else(|| Error::Readback {
             op: "read",
             message: "empty".into(),
         })
     }
 
-    pub(crate) fn map_read<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
-        let (sender, receiver) = futures::channel::oneshot::channel();
-        staging.slice(0..bytes).map_async(wgpu::MapMode::Read, move |result| {
-            let _ = sender.send(result);
-        });
-        self.finish_map(staging, bytes, receiver)
+    pub(crate) async fn map_read_async<T: bytemuck::Pod>(&self, staging: &wgpu::Buffer, bytes: u64) -> Result<Vec<T>> {
+        let receiver = request_map(staging, bytes);
+        self.finish_map(staging, bytes, receiver).await
     }
 
-    fn finish_map<T: bytemuck::Pod>(
+    /// Waits for a requested mapping and copies it out: the one read-back
+    /// path every blocking and async read goes through.
+    async fn finish_map<T: bytemuck::Pod>(
         &self,
         staging: &wgpu::Buffer,
         bytes: u64,
         receiver: MapReceiver,
     ) -> Result<Vec<T>> {
-        self.device.wait_idle("read")?;
+        self.device.idle("read").await?;
         let _gl = self.device.lock_gl();
-        let mapped: Result<()> = pollster::block_on(receiver)
+        let mapped: Result<()> = receiver
+            .await
             .map_err(|_| Error::Readback {
                 op: "read",
                 message: "the map callback never ran".into(),
@@ -1087,7 +1092,12 @@ impl Kernels {
 
     /// Copies `view` back to the host, waiting for all submitted work.
     pub fn read<T: bytemuck::Pod>(&self, view: View<'_>) -> Result<Vec<T>> {
-        self.begin_read(view)?.finish()
+        crate::device::wait("read", self.read_async(view))
+    }
+
+    /// [`Kernels::read`], awaited.
+    pub async fn read_async<T: bytemuck::Pod>(&self, view: View<'_>) -> Result<Vec<T>> {
+        self.begin_read(view)?.finish_async().await
     }
 
     /// Starts copying `view` to the reused staging buffer and requests the
@@ -1133,6 +1143,26 @@ impl Kernels {
         before: impl FnOnce(&mut wgpu::CommandEncoder),
         view: View<'_>,
     ) -> Result<Vec<T>> {
+        crate::device::wait(
+            "submit_pass_and_read",
+            self.submit_pass_and_read_async(op, dispatches, before, view),
+        )
+    }
+
+    /// [`Kernels::submit_pass_and_read`], awaited (the submit happens when
+    /// the future is first polled).
+    // The staging buffer's guard is held until the read finishes, as in
+    // `PendingRead`: the buffer is mapped until then, and a second read on
+    // this device must wait for it (natively that wait is another thread's;
+    // a page awaits its reads one after another).
+    #[allow(clippy::await_holding_lock)]
+    pub async fn submit_pass_and_read_async<'d, T: bytemuck::Pod>(
+        &self,
+        op: &str,
+        dispatches: impl IntoIterator<Item = &'d Dispatch>,
+        before: impl FnOnce(&mut wgpu::CommandEncoder),
+        view: View<'_>,
+    ) -> Result<Vec<T>> {
         let bytes = view.bytes();
         let staging_slot = self.staging_for(bytes)?;
         let staging = staging_slot.as_ref().ok_or_else(|| Error::Readback {
@@ -1151,7 +1181,8 @@ impl Kernels {
             bytes,
             receiver,
         }
-        .finish()
+        .finish_async()
+        .await
     }
 
     /// The reused readback staging buffer, grown to hold `bytes`; held
@@ -1278,10 +1309,15 @@ impl PendingRead<'_> {
 
     /// Waits for the copy and returns the values.
     pub fn finish<T: bytemuck::Pod>(self) -> Result<Vec<T>> {
+        crate::device::wait("read", self.finish_async())
+    }
+
+    /// [`PendingRead::finish`], awaited.
+    pub async fn finish_async<T: bytemuck::Pod>(self) -> Result<Vec<T>> {
         let (Some(receiver), Some(staging)) = (self.receiver, self.staging.as_ref()) else {
             return Ok(Vec::new());
         };
-        self.kernels.finish_map(staging, self.bytes, receiver)
+        self.kernels.finish_map(staging, self.bytes, receiver).await
     }
 }
 

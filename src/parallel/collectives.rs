@@ -7,9 +7,8 @@
 use std::time::{Duration, Instant};
 
 use super::on_device;
-use crate::device::wait_timeout;
 use crate::error::{Error, Result};
-use crate::kernels::{Kernels, View};
+use crate::kernels::{Kernels, PendingRead, View};
 
 /// A range on one device.
 #[derive(Clone, Copy)]
@@ -65,8 +64,22 @@ pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Ve
     for (i, (k, view)) in parts.iter().enumerate() {
         pending.push(k.begin_read(*view).map_err(|e| on_device(i, k, e))?);
     }
+    let arrived = arrivals(parts, &mut pending, since)?;
+    let mut values = Vec::with_capacity(parts.len());
+    for (i, p) in pending.into_iter().enumerate() {
+        values.push(p.finish::<f32>().map_err(|e| on_device(i, parts[i].0, e))?);
+    }
+    Ok((values, arrived))
+}
+
+/// When each pending read arrived, after `since`. Several devices are
+/// polled in turn so none idles while another is waited on; native only (it
+/// sleeps between polls). A browser gives a page one adapter, so the
+/// multi-device collectives do not run there.
+#[cfg(not(target_arch = "wasm32"))]
+fn arrivals(parts: &[(&Kernels, View<'_>)], pending: &mut [PendingRead<'_>], since: Instant) -> Result<Vec<Duration>> {
     let mut arrived: Vec<Option<Duration>> = vec![None; parts.len()];
-    let deadline = Instant::now() + wait_timeout();
+    let deadline = Instant::now() + crate::device::wait_timeout();
     while arrived.iter().any(Option::is_none) {
         let mut progressed = false;
         for (i, p) in pending.iter_mut().enumerate() {
@@ -83,18 +96,22 @@ pub fn to_host(parts: &[(&Kernels, View<'_>)], since: Instant) -> Result<(Vec<Ve
                     parts[i].0,
                     Error::Readback {
                         op: "collective",
-                        message: format!("no data after {:?} (WGRAD_TIMEOUT_S)", wait_timeout()),
+                        message: format!("no data after {:?} (WGRAD_TIMEOUT_S)", crate::device::wait_timeout()),
                     },
                 ));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
     }
-    let mut values = Vec::with_capacity(parts.len());
-    for (i, p) in pending.into_iter().enumerate() {
-        values.push(p.finish::<f32>().map_err(|e| on_device(i, parts[i].0, e))?);
-    }
-    Ok((values, arrived.into_iter().map(|d| d.unwrap_or_default()).collect()))
+    Ok(arrived.into_iter().map(|d| d.unwrap_or_default()).collect())
+}
+
+#[cfg(target_arch = "wasm32")]
+fn arrivals(_: &[(&Kernels, View<'_>)], _: &mut [PendingRead<'_>], _: Instant) -> Result<Vec<Duration>> {
+    Err(Error::InvalidArgument {
+        op: "collective",
+        reason: "collectives across devices need a native build: a browser gives a page one adapter".into(),
+    })
 }
 
 fn write_all(parts: &[Part<'_>], views: &[View<'_>], values: &[f32]) -> Result<()> {

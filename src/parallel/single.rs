@@ -296,13 +296,20 @@ impl Trainer {
     }
 
     fn submit(&mut self, read_loss: bool) -> Result<Option<f32>> {
+        crate::device::wait("step", self.submit_async(read_loss))
+    }
+
+    async fn submit_async(&mut self, read_loss: bool) -> Result<Option<f32>> {
         if !self.backward_done {
             return Err(Error::InvalidArgument {
                 op: "step",
                 reason: "call backward() before step()".into(),
             });
         }
-        let loss = self.exec.train_step(self.zero_grad_pending, true, read_loss)?;
+        let loss = self
+            .exec
+            .train_step_async(self.zero_grad_pending, true, read_loss)
+            .await?;
         self.zero_grad_pending = false;
         self.forward_done = false;
         self.targets_done = false;
@@ -333,12 +340,23 @@ impl Trainer {
     /// read back. Between steps only: it replaces a batch set with
     /// [`Trainer::forward`] and [`Trainer::loss`] and not yet stepped.
     pub fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
+        crate::device::wait("evaluate_loss", self.evaluate_loss_async(x, targets))
+    }
+
+    /// [`Trainer::evaluate_loss`], awaited.
+    pub async fn evaluate_loss_async(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
         self.forward_examples(x)?;
         self.loss(targets)?;
         self.forward_done = false;
         self.targets_done = false;
         self.exec.run(&[self.loss])?;
-        let value = self.exec.read(self.loss)?.first().copied().unwrap_or(f32::NAN);
+        let value = self
+            .exec
+            .read_async(self.loss)
+            .await?
+            .first()
+            .copied()
+            .unwrap_or(f32::NAN);
         if !value.is_finite() {
             return Err(Error::NonFiniteLoss {
                 value,
@@ -361,7 +379,13 @@ impl Trainer {
     /// As [`Trainer::step`], also copying the loss back in the same
     /// submission; waits for it. A NaN or infinite loss is an error.
     pub fn step_reading_loss(&mut self) -> Result<f32> {
-        self.submit(true)?.ok_or_else(|| Error::Readback {
+        crate::device::wait("step", self.step_reading_loss_async())
+    }
+
+    /// [`Trainer::step_reading_loss`], awaited: the step is submitted when
+    /// the future is first polled, and only the loss's read-back waits.
+    pub async fn step_reading_loss_async(&mut self) -> Result<f32> {
+        self.submit_async(true).await?.ok_or_else(|| Error::Readback {
             op: "step",
             message: "no loss came back".into(),
         })
@@ -369,7 +393,12 @@ impl Trainer {
 
     /// The loss of the last step (`loss.item()`); waits for the GPU.
     pub fn loss_item(&self) -> Result<f32> {
-        let v = self.exec.read(self.loss)?;
+        crate::device::wait("loss_item", self.loss_item_async())
+    }
+
+    /// [`Trainer::loss_item`], awaited.
+    pub async fn loss_item_async(&self) -> Result<f32> {
+        let v = self.exec.read_async(self.loss).await?;
         let value = v.first().copied().unwrap_or(f32::NAN);
         if !value.is_finite() {
             return Err(Error::NonFiniteLoss {
