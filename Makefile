@@ -59,6 +59,8 @@ test: driver smollm2 gemma3
 	$(CARGO) test --release $(TEST_FEATURES)
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
+	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad" --completions-only \
+		--model "$$(bash scripts/fetch-gemma3.sh)"
 
 test-swiftshader: driver smollm2 gemma3
 	$(if $(HAS_SWIFTSHADER),VK_ICD_FILENAMES=$(SWIFTSHADER_ICD) WGRAD_LIMITS=webgpu \

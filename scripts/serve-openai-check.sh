@@ -6,6 +6,11 @@
 #   scripts/serve-openai-check.sh                      # the tiny GGUF fixture
 #   scripts/serve-openai-check.sh --model ~/.cache/wgrad/models/SmolLM2-135M-Instruct.Q4_1.gguf --expect Paris
 #   scripts/serve-openai-check.sh --wgrad target/release/wgrad   # that binary, no cargo build
+#   scripts/serve-openai-check.sh --completions-only --model ~/.cache/wgrad/models/gemma-3-270m-q4_k_m.gguf --expect Paris
+#
+# --completions-only is for a base model without a chat template (Gemma 3
+# 270M): /v1/completions through the client, streamed and not, and the chat
+# endpoint's refusal as an OpenAI-format 400.
 #
 # The fixture (random weights, a 32-position context) is served from a copy
 # whose header says 4096 positions, as cli/tests/serve.rs does, so the
@@ -19,13 +24,15 @@ model=""
 expect=""
 max_context=256
 wgrad=""
+completions_only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --model) model=$2; shift 2 ;;
         --expect) expect=$2; shift 2 ;;
         --max-context) max_context=$2; shift 2 ;;
         --wgrad) wgrad=$2; shift 2 ;;
-        *) echo "usage: $0 [--model FILE.gguf|FOLDER] [--expect WORD] [--max-context T] [--wgrad BINARY]" >&2; exit 2 ;;
+        --completions-only) completions_only=1; shift ;;
+        *) echo "usage: $0 [--model FILE.gguf|FOLDER] [--expect WORD] [--max-context T] [--wgrad BINARY] [--completions-only]" >&2; exit 2 ;;
     esac
 done
 
@@ -76,6 +83,39 @@ model_id=$(sed -n 's/.*as model `\([^`]*\)`.*/\1/p' "$work/stdout")
 echo "server: $address, model $model_id"
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
+
+if [ -n "$completions_only" ]; then
+    curl -sf "$address/health" | grep '"status":"ok"' >/dev/null || fail "/health"
+    "$py" - "$address" "$model_id" "$expect" <<'EOF'
+import sys
+import openai
+
+address, model, expect = sys.argv[1:4]
+client = openai.OpenAI(base_url=f"{address}/v1", api_key="x")
+assert model in [m.id for m in client.models.list().data], "the model is listed"
+prompt = "The capital of France is"
+whole = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+answer = whole.choices[0].text
+assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length"), whole
+assert 0 < whole.usage.completion_tokens <= 8 and whole.usage.prompt_tokens > 0, whole.usage
+stream = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+streamed = "".join(c.choices[0].text for c in stream if c.choices)
+assert streamed == answer, f"streamed {streamed!r} != whole {answer!r}"
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}])
+    raise AssertionError("a chat was answered by a model without a chat template")
+except openai.BadRequestError as e:
+    assert "template" in str(e), e
+if expect:
+    assert expect in answer, f"{expect!r} is not in {answer!r}"
+print(f"openai {openai.__version__}: completions ok; {prompt!r} -> {answer!r}")
+EOF
+    kill -TERM "$server_pid"
+    wait "$server_pid" || fail "the server exited with $? after SIGTERM"
+    server_pid=""
+    echo "PASS"
+    exit 0
+fi
 
 # curl: health, a streamed chat ending in [DONE], a malformed body's 400.
 curl -sf "$address/health" | grep '"status":"ok"' >/dev/null || fail "/health"
