@@ -894,17 +894,32 @@ pub fn smollm2_path() -> Option<std::path::PathBuf> {
         .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join("SmolLM2-135M-Instruct.Q4_1.gguf")))
 }
 
+/// Where Gemma 3 270M's Q4_K_M GGUF file is: `$WGRAD_GEMMA3`, else where
+/// `scripts/fetch-gemma3.sh` caches it.
+pub fn gemma3_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("WGRAD_GEMMA3")
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| wgrad::user_cache::models_dir().map(|d| d.join("gemma-3-270m-q4_k_m.gguf")))
+}
+
+/// A GGUF model file's generation bench: which cases it names, where the
+/// file is fetched from, the cache it runs with and whether the f32
+/// de-quantized model runs beside the file's own weights.
+pub struct GgufBench<'a> {
+    /// Case names are `{family}_prefill`, `{family}_decode`.
+    pub family: &'a str,
+    /// How to fetch the file, for the error a missing one gives.
+    pub fetch: &'a str,
+    /// Positions the cache holds (None: the file's whole context).
+    pub context: Option<usize>,
+    pub with_f32: bool,
+}
+
 /// SmolLM2-135M-Instruct from its GGUF file at `path`, as `wgrad generate`
 /// runs it: once with the weights as the file stores them (Q4_1
 /// projections, the Q8_0 token table that is also the head, decoded in the
-/// kernels; `dtype=q4_1`) and once de-quantized to f32. For each, a
-/// `prompt_tokens`-token prompt (seeded random ids) prefilled (tokens/s),
-/// then `new_tokens` greedy decode steps with the bytes each reads (the
-/// parameter arena, every weight once, plus the KV cache's positions so
-/// far) and the share of the copy bandwidth sampled after every step, as
-/// [`gpt2_124m_generate`] does. A missing file is an error naming where it
-/// was looked for and how to fetch it. With `profile`, each generator's
-/// decode step dispatch by dispatch ([`profile_lines`]).
+/// kernels; `dtype=q4_1`) and once de-quantized to f32. See [`gguf_generate`].
 pub fn smollm2_generate(
     kernels: &Arc<Kernels>,
     path: &std::path::Path,
@@ -912,25 +927,55 @@ pub fn smollm2_generate(
     new_tokens: usize,
     profile: bool,
 ) -> Result<Vec<BenchLine>> {
-    use wgrad::infer::generate::{Generator, WeightDtype};
-    use wgrad::nn::CausalLm;
+    // The file's whole context (8192 positions), as `wgrad generate` ran
+    // it: the attention kernel on a CPU adapter is picked by the context.
+    let bench = GgufBench {
+        family: "smollm2",
+        fetch: "fetch it with scripts/fetch-smollm2.sh, or set WGRAD_SMOLLM2 to a copy",
+        context: None,
+        with_f32: true,
+    };
+    gguf_generate(kernels, path, &bench, prompt_tokens, new_tokens, profile)
+}
+
+/// Any family's GGUF file at `path` as `wgrad generate` runs it: with the
+/// weights as the file stores them (named by the format most of the
+/// quantized bytes are in) and, with `with_f32`, de-quantized to f32. For
+/// each, a `prompt_tokens`-token prompt (seeded random ids) prefilled
+/// (tokens/s), then `new_tokens` greedy decode steps with the bytes each
+/// reads (the parameter arena, every weight once, plus the KV cache's
+/// positions so far) and the share of the copy bandwidth sampled after
+/// every step, as [`gpt2_124m_generate`] does. A missing file is an error
+/// naming where it was looked for and how to fetch it. With `profile`,
+/// each generator's decode step dispatch by dispatch ([`profile_lines`]).
+pub fn gguf_generate(
+    kernels: &Arc<Kernels>,
+    path: &std::path::Path,
+    bench: &GgufBench<'_>,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    profile: bool,
+) -> Result<Vec<BenchLine>> {
+    use wgrad::infer::generate::{Generator, GeneratorOptions, WeightDtype};
     if !path.is_file() {
         return Err(wgrad::Error::InvalidArgument {
-            op: "bench smollm2",
-            reason: format!("SmolLM2-135M-Instruct's GGUF file is missing at {}: fetch it with scripts/fetch-smollm2.sh, or set WGRAD_SMOLLM2 to a copy", path.display()),
+            op: "bench",
+            reason: format!(
+                "{}: the GGUF file is missing at {}: {}",
+                bench.family,
+                path.display(),
+                bench.fetch
+            ),
         });
     }
     let file = wgrad::io::gguf_model::GgufModel::open(path)?;
-    // The file's whole context (8192 positions), as `wgrad generate` runs
-    // it: the attention kernel on a CPU adapter is picked by the context.
-    let model = file.to_llama()?;
-    let context = model.context_len();
+    let (model, quantized) = file.to_quantized_causal_lm()?;
+    let full = model.context_len();
+    let context = bench.context.unwrap_or(full).min(full);
     let prompt_tokens = prompt_tokens.clamp(1, context / 2);
     let new_tokens = new_tokens.clamp(1, context - prompt_tokens - 4);
-    let quantized = file.quantized_weights()?;
-    drop(file);
     // Named by the format most of the quantized bytes are in (SmolLM2's
-    // file: Q4_1, its token table Q8_0).
+    // file: Q4_1, its token table Q8_0; Gemma 3's Q4_K_M: Q8_0's table).
     let mut formats: Vec<(wgrad::ops::QuantFormat, usize)> = Vec::new();
     for m in quantized.values() {
         match formats.iter_mut().find(|f| f.0 == m.format) {
@@ -942,18 +987,25 @@ pub fn smollm2_generate(
         .iter()
         .max_by_key(|f| f.1)
         .map_or("f32".to_string(), |f| f.0.name().to_lowercase());
-    let generators = [
-        (
-            quantized_name,
-            Generator::new_with_weights(kernels.clone(), &model, 1, WeightDtype::F32, Arc::new(quantized))?,
-        ),
-        (
+    let options = |quantized: Arc<wgrad::nn::QuantizedWeights>| GeneratorOptions {
+        context: Some(context),
+        quantized,
+        ..GeneratorOptions::default()
+    };
+    let mut generators = vec![(
+        quantized_name,
+        Generator::with_options(kernels.clone(), model.as_ref(), &options(Arc::new(quantized)))?,
+    )];
+    if bench.with_f32 {
+        let dense = file.to_causal_lm()?;
+        generators.push((
             WeightDtype::F32.name().to_string(),
-            Generator::new(kernels.clone(), &model, 1)?,
-        ),
-    ];
+            Generator::with_options(kernels.clone(), dense.as_ref(), &options(Arc::default()))?,
+        ));
+    }
+    drop(file);
     let sizes = model.lm_sizes();
-    // The host copy of the f32 weights (540 MB) goes before anything is timed.
+    // The host copy of the weights goes before anything is timed.
     drop(model);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let prompt: Vec<u32> = (0..prompt_tokens)
@@ -978,7 +1030,7 @@ pub fn smollm2_generate(
     let mut lines = Vec::new();
     for (dtype, prefill, per_token, parameter_bytes) in timings {
         lines.push(BenchLine {
-            case: "smollm2_prefill".into(),
+            case: format!("{}_prefill", bench.family),
             values: vec![
                 ("dtype", dtype.clone()),
                 ("tokens_per_s", format!("{:.1}", prompt_tokens as f64 / prefill)),
@@ -991,7 +1043,7 @@ pub fn smollm2_generate(
                 .sum::<u64>()
                 / new_tokens as u64;
         lines.push(decode_line(
-            "smollm2_decode",
+            &format!("{}_decode", bench.family),
             &dtype,
             per_token,
             bytes,
@@ -1000,7 +1052,12 @@ pub fn smollm2_generate(
         ));
     }
     for (dtype, times) in profiles {
-        lines.extend(profile_lines("smollm2_decode_profile", &dtype, &times, copy));
+        lines.extend(profile_lines(
+            &format!("{}_decode_profile", bench.family),
+            &dtype,
+            &times,
+            copy,
+        ));
     }
     Ok(lines)
 }

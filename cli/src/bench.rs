@@ -328,7 +328,7 @@ pub fn serve(
 }
 
 pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 12] = [
+    const CASES: [&str; 14] = [
         "matmul",
         "mlp_step",
         "gpt_train_step",
@@ -339,6 +339,8 @@ pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, on
         "smollm2_prefill",
         "smollm2_decode",
         "smollm2_decode_rows",
+        "gemma3_prefill",
+        "gemma3_decode",
         "serve",
         "attention",
     ];
@@ -448,6 +450,26 @@ pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, on
             128,
             if quick { 8 } else { 32 },
             profile,
+        )?);
+    }
+    if runs("gemma3_prefill") || runs("gemma3_decode") {
+        // Gemma 3 270M's Q4_K_M file with the cache `wgrad generate` gives
+        // one prompt (its tokens and the new ones, rounded up to a power of
+        // two): the whole 32,768 positions would be a gigabyte of cache.
+        let path = wgrad_benches::gemma3_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench gemma3",
+            reason: "no cache directory to find Gemma 3's GGUF file in (HOME unset): set WGRAD_GEMMA3 to the file"
+                .into(),
+        })?;
+        let (prompt, decoded): (usize, usize) = (128, if quick { 8 } else { 32 });
+        let bench = wgrad_benches::GgufBench {
+            family: "gemma3",
+            fetch: "fetch it with scripts/fetch-gemma3.sh, or set WGRAD_GEMMA3 to a copy",
+            context: Some((prompt + decoded).next_power_of_two()),
+            with_f32: false,
+        };
+        lines.extend(wgrad_benches::gguf_generate(
+            &kernels, &path, &bench, prompt, decoded, profile,
         )?);
     }
     if only.iter().any(|w| w == "smollm2_decode_rows") {
