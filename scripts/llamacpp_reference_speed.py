@@ -8,6 +8,9 @@ format:
     bench llamacpp_smollm2_prefill tokens_per_s=… prompt_tokens=…
     bench llamacpp_smollm2_decode tokens_per_s=… new_tokens=…
 
+(`--family gemma3` names the lines `llamacpp_gemma3_…`, beside
+`wgrad bench --only gemma3`: 128 prompt tokens and 32 new, as there.)
+
 Prefill is one `eval` of the whole prompt after a warm-up run of the same;
 decode is `--new-tokens` one-token `eval`s after it, each picking the
 argmax of the last logits, timed one by one (the median, as wgrad's).
@@ -44,6 +47,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the GGUF file")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--family", default="smollm2", help="the name in the printed bench lines")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-extra-buffer-types", action="store_true", help="llama.cpp without its weight repacking (see without_extra_buffer_types)")
@@ -85,8 +89,8 @@ def main():
         llm.eval(words[-1:])
         words.append(greedy())
     print("check: The capital of France is" + llm.detokenize(words).decode("utf-8", "replace"))
-    print(f"bench llamacpp_smollm2_prefill tokens_per_s={args.prompt_tokens / seconds:.1f} prompt_tokens={args.prompt_tokens} threads={args.threads}")
-    print(f"bench llamacpp_smollm2_decode tokens_per_s={1 / statistics.median(steps):.2f} new_tokens={args.new_tokens} threads={args.threads}")
+    print(f"bench llamacpp_{args.family}_prefill tokens_per_s={args.prompt_tokens / seconds:.1f} prompt_tokens={args.prompt_tokens} threads={args.threads}")
+    print(f"bench llamacpp_{args.family}_decode tokens_per_s={1 / statistics.median(steps):.2f} new_tokens={args.new_tokens} threads={args.threads}")
 
 
 if __name__ == "__main__":
