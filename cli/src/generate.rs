@@ -16,6 +16,7 @@ use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use wgrad::graph::{Graph, Tensor};
 use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling, WeightDtype};
 use wgrad::infer::pretrained::{has_own_tokenizer, load_pretrained, PretrainedLm};
 use wgrad::io::text::{Tokenizer, Utf8Stream};
@@ -100,6 +101,84 @@ pub struct GenerateArgs {
     /// less memory (SmolLM2's 8192 are 180 MiB of keys and values).
     #[arg(long)]
     context: Option<usize>,
+    /// A PEFT LoRA adapter folder (adapter_config.json and
+    /// adapter_model.safetensors, as `wgrad train --lora` or PEFT writes
+    /// it) applied over --model.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// Multiplies the adapter's output (its alpha / r) by this: 0 is the
+    /// base alone, 1 the adapter as trained.
+    #[arg(long, requires = "lora")]
+    lora_scale: Option<f32>,
+}
+
+/// A model behind `Box<dyn CausalLm>` as a model type of its own, so that
+/// adapters can wrap whichever family a file held.
+struct BoxedLm(Box<dyn CausalLm>);
+
+impl wgrad::nn::ParameterTree for BoxedLm {
+    fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
+        self.0.visit(prefix, f)
+    }
+    fn visit_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> wgrad::Result<()>,
+    ) -> wgrad::Result<()> {
+        self.0.visit_mut(prefix, f)
+    }
+}
+
+impl wgrad::nn::Module for BoxedLm {
+    fn forward(&self, g: &mut Graph, x: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
+        self.0.forward(g, x, prefix)
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
+        self.0.input(g, batch)
+    }
+}
+
+impl CausalLm for BoxedLm {
+    fn lm_sizes(&self) -> wgrad::nn::LmSizes {
+        self.0.lm_sizes()
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn context_len(&self) -> usize {
+        self.0.context_len()
+    }
+    fn body(&self, g: &mut Graph, idx: Tensor, prefix: &str) -> wgrad::Result<(Tensor, Tensor)> {
+        self.0.body(g, idx, prefix)
+    }
+    fn logits(&self, g: &mut Graph, table: Tensor, x: Tensor, prefix: &str) -> wgrad::Result<Tensor> {
+        self.0.logits(g, table, x, prefix)
+    }
+}
+
+/// `model` with the PEFT adapter folder `dir` over it, its output scaled
+/// by `scale` (B scaled: the same product as scaling alpha / r).
+pub(crate) fn with_adapter(
+    model: Box<dyn CausalLm>,
+    adapter: Option<(&Path, f32)>,
+) -> wgrad::Result<Box<dyn CausalLm>> {
+    let Some((dir, scale)) = adapter else {
+        return Ok(model);
+    };
+    if !scale.is_finite() {
+        return Err(invalid(
+            "generate --lora-scale",
+            format!("{scale} is not a finite number"),
+        ));
+    }
+    let mut peft = wgrad::io::peft::read(dir)?;
+    for a in &mut peft.adapters {
+        a.b.iter_mut().for_each(|v| *v *= scale);
+    }
+    Ok(Box::new(peft.apply(BoxedLm(model))?))
 }
 
 /// `--dtype`.
@@ -256,6 +335,7 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
             &args.sampling,
             args.dtype,
             args.context,
+            adapter(args),
         );
     }
     // The prompts as given: (text, whether it is token ids), each once.
@@ -284,7 +364,8 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
     wgrad::infer::generate::check_fits_with_options(&kernels, config.as_ref(), &options)?;
     let sizes = config.lm_sizes();
     let context = options.context_for(sizes.context)?;
-    let loaded = wgrad::io::lm_folder::load_lm_folder(&args.model)?;
+    let mut loaded = wgrad::io::lm_folder::load_lm_folder(&args.model)?;
+    loaded.model = with_adapter(loaded.model, adapter(args))?;
     // Every prompt's ids, checked before any device work: ids in the
     // vocabulary, text in the tokenizer's alphabet, lengths in the context.
     let needs_tokenizer = given.iter().any(|(_, ids_source)| ids_source.is_empty());
@@ -352,6 +433,11 @@ pub fn generate(opts: &DeviceOptions, args: &GenerateArgs) -> wgrad::Result<()> 
         kernels.device().label()
     );
     Ok(())
+}
+
+/// `--lora` with its `--lora-scale` (default 1).
+fn adapter(args: &GenerateArgs) -> Option<(&Path, f32)> {
+    args.lora.as_deref().map(|dir| (dir, args.lora_scale.unwrap_or(1.0)))
 }
 
 /// `--prompts-file`: its non-blank lines, at least one.
@@ -587,6 +673,7 @@ pub fn generate_pretrained(
     sampling_args: &SamplingArgs,
     dtype: Option<DtypeName>,
     context: Option<usize>,
+    adapter: Option<(&Path, f32)>,
 ) -> wgrad::Result<()> {
     let sampling = sampling_args.sampling();
     sampling.check()?;
@@ -595,7 +682,8 @@ pub fn generate_pretrained(
         context,
         ..GeneratorOptions::default()
     };
-    let lm = load_bpe_lm(&kernels, model, dtype, &options)?;
+    let mut lm = load_bpe_lm(&kernels, model, dtype, &options)?;
+    lm.model = with_adapter(lm.model, adapter)?;
     let ids = match prompt_ids {
         Some(ids) => ids,
         None => lm.tokenizer.encode(prompt, true)?,

@@ -13,7 +13,7 @@ use wgrad::infer::generate::Sampling;
 use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
-use wgrad::nn::AttentionKernel;
+use wgrad::nn::{AttentionKernel, Lora, LoraConfig, Module};
 use wgrad::optim::{Adam, AdamW, SGD};
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
@@ -23,7 +23,7 @@ use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::DeviceSelection;
 use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
 use wgrad::train::{language_model_run, AdamWSchedule, LanguageModel, LmUpdate, Pretrained, TextSource};
-use wgrad::train::{TokenizerKind, TrainableLm, TrainingRun, MAKE_TRAIN_GPT};
+use wgrad::train::{LoraLmConfig, TokenizerKind, TrainableLm, TrainingRun, MAKE_TRAIN_GPT};
 use wgrad::DeviceOptions;
 
 use crate::common::spinner;
@@ -246,6 +246,39 @@ pub struct GptArgs {
     /// context where it is faster there.
     #[arg(long, value_enum, default_value_t = AttentionChoice::Auto)]
     attention: AttentionChoice,
+    /// Train low-rank adapters over the frozen --init model instead of
+    /// every weight: `r=16,alpha=32,dropout=0,targets=all-linear` (PEFT's
+    /// names; targets may list modules, e.g. q_proj,v_proj). --out is then
+    /// the PEFT adapter folder [default: out/lora]. With --dry-run, plans
+    /// the adapters over the sized model.
+    #[arg(long)]
+    pub(crate) lora: Option<String>,
+}
+
+/// `--lora`'s declaration.
+pub(crate) fn lora_config(g: &GptArgs) -> wgrad::Result<LoraConfig> {
+    LoraConfig::parse(g.lora.as_deref().unwrap_or_default())
+}
+
+/// PEFT's `print_trainable_parameters` line.
+pub(crate) fn trainable_line(trainable: usize, all: usize) -> String {
+    let grouped = |n: usize| {
+        let digits = n.to_string();
+        let mut out = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i) % 3 == 0 {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        out
+    };
+    format!(
+        "trainable params: {} || all params: {} || trainable%: {:.4}",
+        grouped(trainable),
+        grouped(all),
+        100.0 * trainable as f64 / all.max(1) as f64
+    )
 }
 
 /// `--attention`.
@@ -272,6 +305,49 @@ pub trait CliModel: TrainableLm {
     /// `variant`: which of the Llama family `--model` named (a GPT has one).
     fn sizes(args: &GptArgs, variant: LlamaVariant) -> wgrad::Result<Self::Config>;
     fn title(config: &Self::Config) -> String;
+    /// The pretrained model `--init` names, as this run trains it.
+    fn pretrained(path: &std::path::Path, _args: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
+        Pretrained::load(path)
+    }
+    /// PEFT's trainable-parameters line, for a run that trains part of the model.
+    fn trainable(&self) -> Option<String> {
+        None
+    }
+    /// After the run wrote `dir`: what a folder of this model records of
+    /// the `source` it was trained from.
+    fn saved(&self, _dir: &std::path::Path, _source: Option<&std::path::Path>) -> wgrad::Result<()> {
+        Ok(())
+    }
+}
+
+impl<M: CliModel> CliModel for Lora<M> {
+    fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LoraLmConfig<M::Config>> {
+        Ok(LoraLmConfig {
+            base: M::sizes(g, variant)?,
+            lora: lora_config(g)?,
+        })
+    }
+    fn title(c: &LoraLmConfig<M::Config>) -> String {
+        format!("{} + LoRA r={} alpha={}", M::title(&c.base), c.lora.r, c.lora.alpha)
+    }
+    fn pretrained(path: &std::path::Path, g: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
+        M::pretrained(path, g)?.with_lora(lora_config(g)?)
+    }
+    fn trainable(&self) -> Option<String> {
+        Some(trainable_line(self.trainable_parameters(), self.num_parameters()))
+    }
+    /// The adapter folder's config names the base it was trained over.
+    fn saved(&self, dir: &std::path::Path, source: Option<&std::path::Path>) -> wgrad::Result<()> {
+        let base = source.map(|p| p.display().to_string()).unwrap_or_default();
+        let path = dir.join("adapter_config.json");
+        std::fs::write(&path, wgrad::io::peft::config_json(&self.config, &base)).map_err(|source| {
+            wgrad::Error::CheckpointIo {
+                path,
+                action: "write",
+                source,
+            }
+        })
+    }
 }
 
 /// A preset's context, or --block-size's where given: at least 1, and at
@@ -380,9 +456,13 @@ fn train_language_model<M: CliModel>(
     let pretrained = match &g.init {
         Some(path) => {
             let bar = spinner("loading the pretrained model");
-            let loaded = Pretrained::<M>::load(path);
+            let loaded = M::pretrained(path, g);
             bar.finish_and_clear();
-            Some(loaded?)
+            let loaded = loaded?;
+            if let Some(line) = loaded.model.trainable() {
+                println!("{line}");
+            }
+            Some(loaded)
         }
         None => None,
     };
@@ -419,7 +499,7 @@ fn train_language_model<M: CliModel>(
         optimizer: schedule.optimizer_for(update, max_steps),
         eval_every: g.eval_every,
         schedule: Schedule::parse(&g.schedule)?,
-        save: Some(g.out.clone()),
+        save: Some(out_folder(args)),
         ..run_config(args, defaults)?
     };
     if args.dry_run {
@@ -456,7 +536,13 @@ fn train_language_model<M: CliModel>(
         });
     };
     println!("final validation loss {validation:.4}");
-    println!("model folder: {}", g.out.display());
+    let out = out_folder(args);
+    if args.gpt.lora.is_some() {
+        run.model().saved(&out, g.init.as_deref())?;
+        println!("adapter folder: {}", out.display());
+    } else {
+        println!("model folder: {}", out.display());
+    }
     if let Some((start, (step, end))) = start_loss.zip(summary.validation_curve.last().copied()) {
         println!(
             "held-out loss: step 0 {start:.4}, step {step} {end:.4} ({:+.4} nats)",
@@ -475,6 +561,30 @@ fn train_language_model<M: CliModel>(
     )?;
     println!("loss curves: {}", args.plot.display());
     Ok(())
+}
+
+/// Where the run writes: --out, whose default for an adapter run is
+/// `out/lora` (the PEFT folder) rather than a model's `out/gpt`.
+fn out_folder(args: &TrainArgs) -> PathBuf {
+    if args.gpt.lora.is_some() && !args.given.iter().any(|g| g == "out") {
+        PathBuf::from("out/lora")
+    } else {
+        args.gpt.out.clone()
+    }
+}
+
+/// A language model's run of family `M`, or of adapters over it with --lora.
+fn train_family<M: CliModel>(
+    opts: &DeviceOptions,
+    args: &TrainArgs,
+    process_group: Option<Arc<dyn ProcessGroup>>,
+    variant: LlamaVariant,
+) -> wgrad::Result<()> {
+    if args.gpt.lora.is_some() {
+        train_language_model::<Lora<M>>(opts, args, process_group, variant)
+    } else {
+        train_language_model::<M>(opts, args, process_group, variant)
+    }
 }
 
 fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
@@ -504,6 +614,9 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
         M::with_vocab(sizes, vocab)
     };
     let model = M::build(&sizes)?;
+    if let Some(line) = model.trainable() {
+        println!("{line}");
+    }
     let most = match &config.devices {
         Some(selection) => selection.check()?,
         None => 2,
@@ -641,19 +754,11 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
     let kind = model_kind(args)?;
     train_flags::check(args, kind)?;
     let run = |process_group: Option<Arc<dyn ProcessGroup>>| match kind {
-        ModelKind::Gpt => train_language_model::<wgrad::models::Gpt>(opts, args, process_group, LlamaVariant::Llama),
-        ModelKind::Llama => {
-            train_language_model::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Llama)
-        }
-        ModelKind::Qwen2 => {
-            train_language_model::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen2)
-        }
-        ModelKind::Qwen3 => {
-            train_language_model::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3)
-        }
-        ModelKind::Gemma3 => {
-            train_language_model::<wgrad::models::Gemma>(opts, args, process_group, LlamaVariant::Llama)
-        }
+        ModelKind::Gpt => train_family::<wgrad::models::Gpt>(opts, args, process_group, LlamaVariant::Llama),
+        ModelKind::Llama => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Llama),
+        ModelKind::Qwen2 => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen2),
+        ModelKind::Qwen3 => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3),
+        ModelKind::Gemma3 => train_family::<wgrad::models::Gemma>(opts, args, process_group, LlamaVariant::Llama),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
     match args.distributed.as_deref() {

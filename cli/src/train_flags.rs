@@ -90,6 +90,32 @@ fn not_pretrained(run: &Run) -> Option<String> {
     }
 }
 
+/// `--lora`: adapters over a pretrained language model (or planned over
+/// sized one by --dry-run), on the engines that take them, as the library
+/// builds them (no dropout yet).
+fn lora(run: &Run) -> Option<String> {
+    if let Some(why) = language_models_only(run) {
+        return Some(why);
+    }
+    if run.args.gpt.init.is_none() && !run.args.dry_run {
+        return Some("it trains adapters over a pretrained model: give --init FILE|DIR (or --dry-run to plan)".into());
+    }
+    if run.strategy == Some(Strategy::Tensor) {
+        return Some(
+            "tensor parallel does not split adapters with their layers yet: use --parallel data, zero or pipeline"
+                .into(),
+        );
+    }
+    match crate::train::lora_config(&run.args.gpt) {
+        Err(e) => Some(e.to_string()),
+        Ok(c) if c.dropout > 0.0 => Some(format!(
+            "dropout={} is not implemented yet (wgrad has no dropout op): give dropout=0",
+            c.dropout
+        )),
+        Ok(_) => None,
+    }
+}
+
 /// Every flag that applies to some runs only, by clap's id, with its rule.
 fn rules() -> Vec<(&'static str, Check)> {
     let rule = |r: Rule| -> Check { Box::new(r) };
@@ -130,6 +156,7 @@ fn rules() -> Vec<(&'static str, Check)> {
         ("attention", rule(language_models_only)),
         ("checkpoint_activations", rule(language_models_only)),
         ("dry_run", rule(not_pretrained)),
+        ("lora", rule(lora)),
         ("momentum", rule(sgd_only)),
         ("micro_batches", rule(micro_batches)),
         ("schedule", rule(pipeline_only)),

@@ -3,10 +3,12 @@
 
 pub mod classifier;
 pub mod language_model;
+pub mod lora;
 pub mod run;
 
 pub use classifier::{load_data, share_data, Classifier, ClassifierData, DataSplit};
 pub use language_model::*;
+pub use lora::LoraLmConfig;
 pub use run::{train, Evaluation, Prepared, Progress, Resumed, RunInfo, Summary, Task, TrainConfig, TrainingRun};
 
 /// Fraction of `predictions` equal to `labels`.

@@ -1,0 +1,130 @@
+//! Fine-tuning low-rank adapters in the one training run: a [`Lora`] over
+//! any [`TrainableLm`] is itself one, so [`LanguageModel`](super::LanguageModel)
+//! trains it as it trains the base, and the plan trains the adapters only
+//! (the forward freezes the base). `wgrad train --init … --lora …` runs it.
+//!
+//! The adapters' sizes follow the base's: a pretrained model cropped to
+//! shorter windows keeps every adapter whole ([`Pretrained::cropped`]
+//! crops position tables only). A folder is a PEFT adapter folder
+//! (`adapter_config.json`, `adapter_model.safetensors`), which holds no
+//! base and no optimizer state: it cannot be resumed or loaded alone.
+
+use std::path::Path;
+
+use super::language_model::{take_parameter, Pretrained, TrainableLm};
+use crate::error::{Error, Result};
+use crate::io::gpt_folder::{OptimizerState, TokenizerSpec};
+use crate::io::hf_folder::{write_extra_files, ExtraFile};
+use crate::nn::{AttentionKernel, LmConfig, LmSizes, Lora, LoraConfig, ParameterTree};
+use crate::parallel::stage::NamedParameters;
+
+/// A base model's sizes with the adapters declared over it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraLmConfig<C> {
+    pub base: C,
+    pub lora: LoraConfig,
+}
+
+impl<C: LmConfig> LmConfig for LoraLmConfig<C> {
+    fn lm_sizes(&self) -> LmSizes {
+        self.base.lm_sizes()
+    }
+}
+
+fn no_folder(op: &'static str, path: &Path) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: format!(
+            "`{}`: a LoRA adapter folder holds no base model and no optimizer state; \
+             load the base, then the adapter over it (wgrad::io::peft::load)",
+            path.display()
+        ),
+    }
+}
+
+impl<M: TrainableLm> TrainableLm for Lora<M> {
+    type Config = LoraLmConfig<M::Config>;
+
+    fn with_vocab(config: Self::Config, vocab_size: usize) -> Self::Config {
+        LoraLmConfig {
+            base: M::with_vocab(config.base, vocab_size),
+            ..config
+        }
+    }
+
+    fn with_context(config: Self::Config, positions: usize) -> Self::Config {
+        LoraLmConfig {
+            base: M::with_context(config.base, positions),
+            ..config
+        }
+    }
+
+    /// The base built from the seeded generator, then adapters as PEFT
+    /// initialises them (A random, B zero).
+    fn build(config: &Self::Config) -> Result<Self> {
+        Lora::new(M::build(&config.base)?, config.lora.clone())
+    }
+
+    /// The base and every adapter's A and B from `take`.
+    fn assemble(config: &Self::Config, take: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
+        let base = M::assemble(&config.base, take)?;
+        let mut model = Lora::new(base, config.lora.clone())?;
+        let adapter = |name: &str| name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
+        model.visit_mut("", &mut |name, shape, values| {
+            if adapter(&name) {
+                *values = take(&name, &shape)?;
+            }
+            Ok(())
+        })?;
+        Ok(model)
+    }
+
+    fn load_pretrained(path: &Path) -> Result<Self> {
+        Err(no_folder("Lora::load_pretrained", path))
+    }
+
+    fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        self.base.set_attention_kernel(kernel);
+    }
+
+    fn config(&self) -> Self::Config {
+        LoraLmConfig {
+            base: self.base.config(),
+            lora: self.config.clone(),
+        }
+    }
+
+    fn with_parameters(&self, params: &NamedParameters) -> Result<Self> {
+        Self::assemble(&self.config(), &mut |name, shape| take_parameter(params, name, shape))
+    }
+
+    /// The PEFT adapter folder (no base model named; `files`, the base's
+    /// tokenizer files, beside it). Optimizer state is not kept.
+    fn save_folder(
+        &self,
+        dir: &Path,
+        _tokenizer: &TokenizerSpec,
+        _state: Option<&OptimizerState>,
+        files: &[ExtraFile],
+    ) -> Result<()> {
+        crate::io::peft::save_lora(dir, self, "")?;
+        write_extra_files(dir, files)
+    }
+
+    fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
+        Err(no_folder("train --resume", dir))
+    }
+}
+
+impl<M: TrainableLm> Pretrained<M> {
+    /// The pretrained model with adapters declared by `config` over it
+    /// ([`Lora::new`]): the same tokenizer, files and source.
+    pub fn with_lora(self, config: LoraConfig) -> Result<Pretrained<Lora<M>>> {
+        Ok(Pretrained {
+            model: Lora::new(self.model, config)?,
+            tokenizer: self.tokenizer,
+            files: self.files,
+            source: self.source,
+        })
+    }
+}
