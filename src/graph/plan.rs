@@ -543,7 +543,17 @@ impl<'g> Planning<'g> {
     /// attention and MLP outputs, x + o_proj(..)) adds it as its bias
     /// (bias[col] is the residual's col-th value when there is one row):
     /// the add's reads are put (product, residual), as a bias add's are.
+    ///
+    /// The residual must be computed before the product runs: a LoRA
+    /// adapter's delta (x·Aᵀ·Bᵀ, built after the base product) added to
+    /// its base product cannot be the base product's bias.
     fn fuse_residual_adds(&mut self) {
+        // 1 + each node's place in the order; 0 for what is not run
+        // (parameters, inputs), which is there before anything runs.
+        let mut position = vec![0usize; self.count];
+        for (k, &n) in self.order.iter().enumerate() {
+            position[n] = k + 1;
+        }
         for k in 0..self.order.len() {
             let i = self.order[k];
             if self.nodes[i].op != ElementwiseOp::Binary(Binary::Add) {
@@ -558,7 +568,12 @@ impl<'g> Planning<'g> {
                     && nodes[j].len() == nodes[i].len()
                     && nodes[residual.0].dtype == DType::F32;
                 let free = self.private(j) && !self.accumulate[j] && self.bias_into[j].is_none();
-                if self.is_matmul(j) && one_row && same_size && free && self.through(residual) != j {
+                let mut computed = residual.0;
+                while nodes[computed].op == LayoutOp::Reshape {
+                    computed = nodes[computed].inputs[0].0;
+                }
+                let ready = position[computed] < position[j];
+                if self.is_matmul(j) && one_row && same_size && free && ready && self.through(residual) != j {
                     self.bias_into[j] = Some(i);
                     self.fused_away[i] = true;
                     self.reads[i] = vec![product, residual];
