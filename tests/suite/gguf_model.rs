@@ -43,6 +43,7 @@ fn fixture_config(tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::Interleaved,
         head_dim: None,
+        sliding_window: None,
         variant: wgrad::models::LlamaVariant::Llama,
     }
 }

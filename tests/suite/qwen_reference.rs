@@ -73,6 +73,7 @@ fn config(fx: &Fixture, variant: LlamaVariant, tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: (head_dim * n_head != n_embd).then_some(head_dim),
+        sliding_window: None,
         variant,
     }
 }
