@@ -197,7 +197,10 @@ fn what_wgrads_qwen_does_not_compute_is_refused() {
         c.insert("max_window_layers".into(), 1.into());
     };
     let all = |c: &mut serde_json::Map<String, serde_json::Value>| {
-        c.insert("layer_types".into(), serde_json::json!(["sliding_attention"; 2]));
+        c.insert(
+            "layer_types".into(),
+            serde_json::json!(["sliding_attention", "sliding_attention"]),
+        );
     };
     for (name, edit) in [
         ("hf-tiny-qwen2", &some as &dyn Fn(&mut _)),
