@@ -18,7 +18,7 @@ use wgrad::io::checkpoint;
 use wgrad::io::llama_folder::{load_llama_folder, read_llama_config, save_llama_folder};
 use wgrad::io::lm_folder::{lm_family, LmFamily};
 use wgrad::models::{mistral, Llama, LlamaConfig, LlamaVariant};
-use wgrad::nn::RopeLayout;
+use wgrad::nn::{Module, RopeLayout};
 use wgrad::Error;
 
 fn tiny() -> LlamaConfig {
@@ -135,4 +135,50 @@ fn the_window_is_read_as_transformers_reads_it() {
             "{name}: {err}"
         );
     }
+}
+
+/// llama.cpp stores Mistral as a `llama` file; scripts/make_mistral_gguf_fixture.py
+/// adds `llama.attention.sliding_window` = 3 to the Llama GGUF fixture. The
+/// file loads as a Mistral over that window: the logits are the Llama
+/// file's model's with the window set (the same weights and kernels:
+/// equal), and differ from the unwindowed ones.
+#[test]
+fn a_gguf_llama_with_a_window_is_a_mistral() {
+    use wgrad::io::gguf_model::{GgufArchitecture, GgufModel};
+    let mistral = GgufModel::open(fixture("gguf-mistral.gguf")).unwrap();
+    let llama = GgufModel::open(fixture("gguf-llama.gguf")).unwrap();
+    let (GgufArchitecture::Llama(windowed), GgufArchitecture::Llama(full)) =
+        (*mistral.architecture(), *llama.architecture())
+    else {
+        panic!("both files are llama")
+    };
+    assert_eq!(
+        windowed,
+        LlamaConfig {
+            sliding_window: Some(3),
+            variant: LlamaVariant::Mistral,
+            ..full
+        }
+    );
+    let ids: Vec<u32> = (0..full.block_size as u32)
+        .map(|i| (i * 7 + 3) % full.vocab_size as u32)
+        .collect();
+    let (mistral, llama) = (mistral.to_llama().unwrap(), llama.to_llama().unwrap());
+    let values: std::collections::HashMap<String, Vec<f32>> = llama
+        .parameter_values()
+        .into_iter()
+        .map(|(n, _, v)| (n, v.to_vec()))
+        .collect();
+    let windowed_llama = Llama::from_parameters(windowed, |name, _| Ok(values[name].clone())).unwrap();
+    for_each_adapter("a GGUF Mistral", |k| {
+        let got = Predictor::new(k.clone(), &mistral, 1)?.outputs_ids(&ids)?;
+        let want = Predictor::new(k.clone(), &windowed_llama, 1)?.outputs_ids(&ids)?;
+        let full = Predictor::new(k.clone(), &llama, 1)?.outputs_ids(&ids)?;
+        assert_close("windowed", &got, &want, 0.0, 0.0);
+        assert!(
+            got.iter().zip(&full).any(|(a, b)| (a - b).abs() > 1e-3),
+            "the window matters"
+        );
+        Ok(())
+    });
 }
