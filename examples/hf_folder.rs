@@ -7,9 +7,9 @@
 //! grouped-query attention and an untied head.
 //!
 //! Run: `cargo run --release --example hf_folder -- gpt out/gpt-folder`
-//! (or `-- llama out/llama-folder`, `-- qwen2 …`, `-- qwen3 …`: the Qwen2
+//! (or `-- llama out/llama-folder`, `-- qwen2 …`, `-- qwen3 …`, `-- mistral …`: the Qwen2
 //! with q/k/v biases, the Qwen3 with q/k norms and heads of 12 channels
-//! over 32 / 4; `-- gemma3 …`: a Gemma 3 with a local and a global
+//! over 32 / 4, the Mistral with heads of 12 and a window of 5; `-- gemma3 …`: a Gemma 3 with a local and a global
 //! layer), then
 //! `python3 scripts/check_hf_folder.py out/gpt-folder` (the logits go to
 //! `out/gpt-folder.logits.safetensors`).
@@ -69,7 +69,7 @@ fn main() -> wgrad::Result<()> {
                 |dir, tokenizer| save_gpt_folder(dir, &model, tokenizer, None),
             )
         }
-        "llama" | "qwen2" | "qwen3" => {
+        "llama" | "qwen2" | "qwen3" | "mistral" => {
             let config = match family.as_str() {
                 "qwen2" => LlamaConfig {
                     variant: LlamaVariant::Qwen2,
@@ -78,6 +78,13 @@ fn main() -> wgrad::Result<()> {
                 "qwen3" => LlamaConfig {
                     variant: LlamaVariant::Qwen3,
                     head_dim: Some(12),
+                    ..LLAMA
+                },
+                // Heads of their own width, a window of 5 of the 16 positions.
+                "mistral" => LlamaConfig {
+                    variant: LlamaVariant::Mistral,
+                    head_dim: Some(12),
+                    sliding_window: Some(5),
                     ..LLAMA
                 },
                 _ => LLAMA,
@@ -121,7 +128,7 @@ fn main() -> wgrad::Result<()> {
         }
         other => Err(wgrad::Error::InvalidArgument {
             op: "hf_folder example",
-            reason: format!("unknown model `{other}`: gpt, llama, qwen2, qwen3 or gemma3"),
+            reason: format!("unknown model `{other}`: gpt, llama, qwen2, qwen3, mistral or gemma3"),
         }),
     }
 }

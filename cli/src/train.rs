@@ -1,5 +1,5 @@
 //! `wgrad train`: every model it trains — the MLP on the digits, and the
-//! language models (GPT, Llama, Qwen2, Qwen3) on text, from scratch or
+//! language models (GPT, Llama, Qwen2, Qwen3, Mistral) on text, from scratch or
 //! fine-tuning a pretrained file — with a progress bar, the validation
 //! loss, the loss curves in a PNG, the model written at the end and a
 //! sample; across the processes of an MPI job too.
@@ -11,7 +11,7 @@ use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgrad::infer::generate::Sampling;
 use wgrad::kernels::OptimizerConfig;
-use wgrad::models::{qwen, Llama, LlamaConfig, LlamaVariant};
+use wgrad::models::{mistral, qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
 use wgrad::nn::{AttentionKernel, Lora, LoraConfig, Module};
 use wgrad::optim::{Adam, AdamW, SGD};
@@ -51,6 +51,9 @@ pub(crate) enum ModelKind {
     /// A small Qwen3 (the Llama with q/k norms and heads of their own
     /// width) on text.
     Qwen3,
+    /// A small Mistral (the Llama attending over a sliding window of 16
+    /// positions) on text.
+    Mistral,
     /// A small Gemma 3 (norms before and after attention and MLP, GELU
     /// gate, q/k norms, local and global layers) on text.
     Gemma3,
@@ -176,7 +179,8 @@ pub struct GptArgs {
     /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd, for a
     /// real GPU; Llama: small (default) or smollm2-135m (SmolLM2-135M's
     /// architecture on 2048-token windows); Qwen2: small (default) or
-    /// qwen2.5-0.5b; Qwen3: small (default) or qwen3-0.6b. --block-size may
+    /// qwen2.5-0.5b; Qwen3: small (default) or qwen3-0.6b; Mistral: small
+    /// (default) or mistral-7b-v0.1. --block-size may
     /// shorten or lengthen the context up to the preset's largest.
     #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd"])]
     preset: Option<String>,
@@ -421,7 +425,10 @@ impl CliModel for Llama {
     /// `--preset` names a preset of the variant (default `small`).
     fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LlamaConfig> {
         let name = g.preset.as_deref().unwrap_or("small");
-        let preset = qwen::preset(variant, name, 0)?;
+        let preset = match variant {
+            LlamaVariant::Mistral => mistral::preset(name, 0)?,
+            _ => qwen::preset(variant, name, 0)?,
+        };
         // SmolLM2 trains on 2048 positions of the 8192 it serves; the other
         // presets' rotary positions take any context.
         let most = (name == "smollm2-135m").then_some(LlamaConfig::smollm2_135m().block_size);
@@ -441,7 +448,7 @@ impl CliModel for Llama {
     }
 }
 
-/// A language model's run (`--model gpt|llama|qwen2|qwen3`, the Llama
+/// A language model's run (`--model gpt|llama|qwen2|qwen3|mistral`, the Llama
 /// family's `variant`); across the processes of `process_group` when
 /// given, where only rank 0 prints, saves and samples.
 fn train_language_model<M: CliModel>(
@@ -758,6 +765,7 @@ pub fn train(opts: &DeviceOptions, args: &TrainArgs) -> wgrad::Result<()> {
         ModelKind::Llama => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Llama),
         ModelKind::Qwen2 => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen2),
         ModelKind::Qwen3 => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Qwen3),
+        ModelKind::Mistral => train_family::<wgrad::models::Llama>(opts, args, process_group, LlamaVariant::Mistral),
         ModelKind::Gemma3 => train_family::<wgrad::models::Gemma>(opts, args, process_group, LlamaVariant::Llama),
         ModelKind::Mlp => run_training(opts, args, process_group),
     };
@@ -804,6 +812,7 @@ fn model_kind(args: &TrainArgs) -> wgrad::Result<ModelKind> {
             LlamaVariant::Llama => (ModelKind::Llama, "llama"),
             LlamaVariant::Qwen2 => (ModelKind::Qwen2, "qwen2"),
             LlamaVariant::Qwen3 => (ModelKind::Qwen3, "qwen3"),
+            LlamaVariant::Mistral => (ModelKind::Mistral, "mistral"),
         },
         wgrad::io::lm_folder::LmFamily::Gemma3 => (ModelKind::Gemma3, "gemma3"),
     };

@@ -23,8 +23,9 @@ fn mlp_only(why: &'static str) -> impl Fn(&Run) -> Option<String> {
 }
 
 fn language_models_only(run: &Run) -> Option<String> {
-    (run.kind == ModelKind::Mlp)
-        .then(|| "it steers the language models (--model gpt, llama, qwen2, qwen3 or gemma3), not the MLP".into())
+    (run.kind == ModelKind::Mlp).then(|| {
+        "it steers the language models (--model gpt, llama, qwen2, qwen3, mistral or gemma3), not the MLP".into()
+    })
 }
 
 fn gpt_sizes(run: &Run) -> Option<String> {
@@ -33,6 +34,9 @@ fn gpt_sizes(run: &Run) -> Option<String> {
         ModelKind::Llama => Some("it sets a GPT's sizes; a Llama's come from --preset (small or smollm2-135m)".into()),
         ModelKind::Qwen2 | ModelKind::Qwen3 => {
             Some("it sets a GPT's sizes; a Qwen's come from --preset (small, qwen2.5-0.5b or qwen3-0.6b)".into())
+        }
+        ModelKind::Mistral => {
+            Some("it sets a GPT's sizes; a Mistral's come from --preset (small or mistral-7b-v0.1)".into())
         }
         ModelKind::Gemma3 => {
             Some("it sets a GPT's sizes; a Gemma 3's come from --preset (small or gemma3-270m)".into())

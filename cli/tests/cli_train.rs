@@ -684,9 +684,9 @@ fn wgrad_train_refuses_flags_that_do_not_apply() {
     }
 }
 
-/// `wgrad train --model qwen2|qwen3` on the shipped text (the small
-/// presets: Qwen2's q/k/v biases, Qwen3's q/k norms and heads of 48 over
-/// 128 / 4) trains, and tensor parallel over 2 devices (a KV head each,
+/// `wgrad train --model qwen2|qwen3|mistral` on the shipped text (the
+/// small presets: Qwen2's q/k/v biases, Qwen3's q/k norms and heads of 48
+/// over 128 / 4, Mistral's window of 16) trains, and tensor parallel over 2 devices (a KV head each,
 /// biases split with their rows, the q/k norms replicated) ends where one
 /// device ends: the library's equality (tests/suite/qwen_parallel.rs) through
 /// the command line. Four steps at batch 4 keep it quick.
@@ -694,7 +694,7 @@ fn wgrad_train_refuses_flags_that_do_not_apply() {
 fn wgrad_train_qwen_tensor_parallel_ends_where_one_device_ends() {
     let dir = std::env::temp_dir().join(format!("wgrad-qwen-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for model in ["qwen2", "qwen3"] {
+    for model in ["qwen2", "qwen3", "mistral"] {
         let run = |name: &str, extra: &[&str]| {
             let output = std::process::Command::new(env!("CARGO_BIN_EXE_wgrad"))
                 .args([
@@ -730,7 +730,11 @@ fn wgrad_train_qwen_tensor_parallel_ends_where_one_device_ends() {
             stdout
         };
         let single = run("single", &[]);
-        let title = if model == "qwen2" { "Qwen2 L4" } else { "Qwen3 L4" };
+        let title = match model {
+            "qwen2" => "Qwen2 L4",
+            "qwen3" => "Qwen3 L4",
+            _ => "Mistral L4",
+        };
         assert!(
             single.contains(title) || dir.join(format!("{model}-single.png")).exists(),
             "{single}"
@@ -745,6 +749,9 @@ fn wgrad_train_qwen_tensor_parallel_ends_where_one_device_ends() {
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join(format!("{model}-single/config.json"))).unwrap()).unwrap();
         assert_eq!(config["model_type"], model);
+        // The small Mistral attends over 16 of its 64 positions.
+        let window = (model == "mistral").then_some(16);
+        assert_eq!(config["sliding_window"], serde_json::json!(window), "{model}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,6 +24,10 @@
 //! `blk.N.attn_{q,k}_norm.weight` and its head width
 //! `qwen3.attention.key_length`.
 //!
+//! llama.cpp writes Mistral as a `llama` file; one with
+//! `llama.attention.sliding_window` loads as a [`Llama`] of the Mistral
+//! variant attending over that window ([`crate::models::mistral`]).
+//!
 //! GPT-2 files (llama.cpp's converter stores the Conv1D weights transposed,
 //! [out, in] as wgrad's Linear holds them) load as a [`Gpt`], whose head is
 //! the token table: a file with an `output.weight` that does not decode to
@@ -53,6 +57,9 @@ use crate::ops::QuantFormat;
 pub const TOKENS_KEY: &str = "tokenizer.ggml.tokens";
 /// The metadata key of the tokenizer's kind (`gpt2` for byte-level BPE).
 pub const TOKENIZER_MODEL_KEY: &str = "tokenizer.ggml.model";
+/// A `llama` file's attention window (gguf-py's `Keys.Attention.SLIDING_WINDOW`).
+pub const SLIDING_WINDOW_KEY: &str = "llama.attention.sliding_window";
+
 /// The metadata key naming the architecture.
 pub const ARCHITECTURE_KEY: &str = "general.architecture";
 /// Sizes read from the metadata above this are refused (the GGUF reader's
@@ -151,7 +158,9 @@ impl GgufModel {
             }
         };
         let gguf_name: fn(&str) -> Option<String> = match architecture {
-            GgufArchitecture::Llama(config) if config.variant != LlamaVariant::Llama => qwen_gguf_name,
+            GgufArchitecture::Llama(config) if matches!(config.variant, LlamaVariant::Qwen2 | LlamaVariant::Qwen3) => {
+                qwen_gguf_name
+            }
             GgufArchitecture::Llama(_) => llama::gguf_name,
             GgufArchitecture::Gpt2 { .. } => gpt2_gguf_name,
             GgufArchitecture::Gemma3(_) => gemma_gguf_name,
@@ -394,6 +403,18 @@ fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
         )));
     }
     check_blocks(gguf, "llama", hp.n_layer, 9)?;
+    // llama.cpp converts Mistral to `llama`; a window marks it one.
+    let sliding_window = match gguf.get(SLIDING_WINDOW_KEY) {
+        None => None,
+        Some(_) => match gguf.get_u64(SLIDING_WINDOW_KEY)? {
+            w @ 1..=MAX_SIZE => Some(w as usize),
+            w => {
+                return Err(bad(format!(
+                    "metadata `{SLIDING_WINDOW_KEY}` = {w} is outside 1..={MAX_SIZE}"
+                )))
+            }
+        },
+    };
     let config = LlamaConfig {
         vocab_size: hp.vocab_size,
         block_size: hp.n_ctx,
@@ -407,7 +428,12 @@ fn llama_config(gguf: &Gguf) -> Result<LlamaConfig> {
         tie_word_embeddings: hp.tied_embeddings,
         rope_layout: RopeLayout::Interleaved,
         head_dim: None,
-        variant: LlamaVariant::Llama,
+        sliding_window,
+        variant: if sliding_window.is_some() {
+            LlamaVariant::Mistral
+        } else {
+            LlamaVariant::Llama
+        },
     };
     config
         .check()
@@ -465,6 +491,7 @@ fn qwen_config(gguf: &Gguf, arch: &str) -> Result<LlamaConfig> {
         tie_word_embeddings: gguf.tensor("output.weight").is_none(),
         rope_layout: RopeLayout::HalfSplit,
         head_dim: head_dim.filter(|&d| n_head.checked_mul(d) != Some(n_embd)),
+        sliding_window: None,
         variant,
     };
     if rope_dims.is_some_and(|d| d != config.head_dim()) {

@@ -329,6 +329,11 @@ impl ConfigFields {
         }
     }
 
+    /// Whether config.json names `key` at all (null included).
+    pub fn has(&self, key: &str) -> bool {
+        self.map.contains_key(key)
+    }
+
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.map.get(key).filter(|v| !v.is_null())
     }

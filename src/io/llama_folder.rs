@@ -27,7 +27,10 @@
 //! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`) are the same folders with the
 //! variant's parameters (q/k/v biases; `q_norm`, `k_norm`) under the same
 //! names, and a `head_dim` of Qwen3's own; a sliding window
-//! (`use_sliding_window`) is refused.
+//! (`use_sliding_window`) over every layer is read, one over some layers
+//! refused. Mistral folders (`model_type: mistral`, `MistralForCausalLM`)
+//! are Llama folders with `sliding_window` (null: none) and a `head_dim`
+//! that may be its own.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -54,6 +57,10 @@ const HEAD: &str = "lm_head.weight";
 const MAX_LAYERS: usize = 1 << 16;
 // On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
 const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
+/// transformers' MistralConfig `sliding_window` when config.json has none.
+const MISTRAL_DEFAULT_WINDOW: usize = 4096;
+/// transformers' Qwen2Config `max_window_layers`: layers before it attend fully.
+const QWEN_MAX_WINDOW_LAYERS: usize = 28;
 
 /// What [`load_llama_folder`] returns.
 #[derive(Clone, Debug, PartialEq)]
@@ -164,8 +171,18 @@ pub fn save_llama_folder_with_files(
         "torch_dtype": "float32",
     });
     let mut config_json = config_json;
-    if config.variant != LlamaVariant::Llama {
-        config_json["use_sliding_window"] = false.into();
+    match config.variant {
+        LlamaVariant::Llama => {}
+        // transformers' MistralConfig reads the window alone (null: none).
+        LlamaVariant::Mistral => config_json["sliding_window"] = config.sliding_window.into(),
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen3 => {
+            config_json["use_sliding_window"] = config.sliding_window.is_some().into();
+            if let Some(window) = config.sliding_window {
+                // Every layer slides (max_window_layers counts the full ones first).
+                config_json["sliding_window"] = window.into();
+                config_json["max_window_layers"] = 0.into();
+            }
+        }
     }
     // A pretrained tokenizer's special ids, which transformers' generate reads here.
     if let Some(TokenizerSpec::TokenizerJson { bos, eos }) = tokenizer {
@@ -274,12 +291,17 @@ fn rotated_heads(config: &LlamaConfig, name: &str) -> Option<usize> {
 
 /// The variant a config.json's `model_type` names.
 pub fn variant_of_model_type(model_type: &str) -> Option<LlamaVariant> {
-    [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3]
-        .into_iter()
-        .find(|v| v.names().1 == model_type)
+    [
+        LlamaVariant::Llama,
+        LlamaVariant::Qwen2,
+        LlamaVariant::Qwen3,
+        LlamaVariant::Mistral,
+    ]
+    .into_iter()
+    .find(|v| v.names().1 == model_type)
 }
 
-/// The config.json of a Llama (or Qwen2, Qwen3) folder, checked, without
+/// The config.json of a Llama (or Qwen2, Qwen3, Mistral) folder, checked, without
 /// reading the weights.
 pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     let fields = ConfigFields::read(dir.as_ref(), "LlamaConfig")?;
@@ -287,7 +309,7 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     let variant = match fields.text("model_type")? {
         Some(name) => variant_of_model_type(name).ok_or_else(|| {
             bad(format!(
-                "model_type `{name}`: wgrad reads Llama, Qwen2 and Qwen3 (`llama`, `qwen2`, `qwen3`) folders here"
+                "model_type `{name}`: wgrad reads Llama, Qwen2, Qwen3 and Mistral (`llama`, `qwen2`, `qwen3`, `mistral`) folders here"
             ))
         })?,
         None => return Err(bad("no `model_type` field (a Llama folder says `llama`)".into())),
@@ -306,6 +328,7 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
         tie_word_embeddings: fields.flag("tie_word_embeddings", false)?,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: sliding_window(&fields, variant, fields.required("num_hidden_layers")?)?,
         variant,
     };
     // transformers 5 keeps the base in `rope_parameters`, with its type.
@@ -340,18 +363,12 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
             variant.names().2
         )));
     }
-    let layer_types = fields.get("layer_types").and_then(|v| v.as_array());
-    let windowed = layer_types.is_some_and(|types| types.iter().any(|t| t.as_str() != Some("full_attention")));
-    if fields.flag("use_sliding_window", false)? || windowed {
-        return Err(bad(
-            "use_sliding_window is true or layer_types has a sliding layer: wgrad's Qwen attends to the whole context"
-                .into(),
-        ));
-    }
     let head_dim = fields.size("head_dim")?;
-    // Qwen3's heads have a width of their own; Llama's and Qwen2's are
-    // hidden / heads.
-    if variant == LlamaVariant::Qwen3 && head_dim.is_some_and(|d| d.checked_mul(n_head) != Some(config.n_embd)) {
+    // Qwen3's and Mistral's heads may have a width of their own; Llama's
+    // and Qwen2's are hidden / heads.
+    if matches!(variant, LlamaVariant::Qwen3 | LlamaVariant::Mistral)
+        && head_dim.is_some_and(|d| d.checked_mul(n_head) != Some(config.n_embd))
+    {
         config.head_dim = head_dim;
     }
     let sizes_ok = ![
@@ -382,6 +399,37 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
     }
     config.check().map_err(|e| bad(e.to_string()))?;
     Ok(config)
+}
+
+/// The window every layer attends over, as transformers reads it:
+/// Mistral's `sliding_window` (null: none; absent: MistralConfig's default
+/// 4096); a Qwen's when `use_sliding_window` is true, over the layers
+/// `layer_types` names `sliding_attention` (or those from
+/// `max_window_layers`, default 28, on). A Qwen that windows some layers
+/// but not all is refused: wgrad's Qwen attends alike in every layer.
+fn sliding_window(fields: &ConfigFields, variant: LlamaVariant, n_layer: usize) -> Result<Option<usize>> {
+    match variant {
+        LlamaVariant::Llama => Ok(None),
+        LlamaVariant::Mistral if !fields.has("sliding_window") => Ok(Some(MISTRAL_DEFAULT_WINDOW)),
+        LlamaVariant::Mistral => fields.size("sliding_window"),
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen3 => {
+            let used = fields.flag("use_sliding_window", false)?;
+            let Some(window) = fields.size("sliding_window")?.filter(|_| used) else {
+                return Ok(None);
+            };
+            let sliding = match fields.get("layer_types").and_then(|v| v.as_array()) {
+                Some(types) => types.iter().filter(|t| t.as_str() == Some("sliding_attention")).count(),
+                None => n_layer.saturating_sub(fields.size("max_window_layers")?.unwrap_or(QWEN_MAX_WINDOW_LAYERS)),
+            };
+            match sliding {
+                0 => Ok(None),
+                n if n == n_layer => Ok(Some(window)),
+                n => Err(fields.bad(format!(
+                    "{n} of {n_layer} layers slide over a window (use_sliding_window, layer_types or max_window_layers): wgrad's Qwen attends alike in every layer"
+                ))),
+            }
+        }
+    }
 }
 
 /// The optimizer state under wgrad's names and layouts (the module tree's

@@ -43,8 +43,13 @@ pub struct LoadedLm {
 /// The family of the folder at `dir`, from its config.json alone.
 pub fn lm_family(dir: impl AsRef<Path>) -> Result<LmFamily> {
     let fields = ConfigFields::read(dir.as_ref(), "PretrainedConfig")?;
-    // Qwen2 and Qwen3 are Llama variants, read by the Llama's folder code.
-    let variants = [LlamaVariant::Llama, LlamaVariant::Qwen2, LlamaVariant::Qwen3];
+    // Qwen2, Qwen3 and Mistral are Llama variants, read by the Llama's folder code.
+    let variants = [
+        LlamaVariant::Llama,
+        LlamaVariant::Qwen2,
+        LlamaVariant::Qwen3,
+        LlamaVariant::Mistral,
+    ];
     let names_llama = fields.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| {
         a.iter()
             .any(|v| variants.iter().any(|variant| v.as_str() == Some(variant.names().0)))

@@ -4,9 +4,10 @@
 //! RMSNorm, grouped-query attention with rotary positions, RMSNorm, SwiGLU
 //! MLP), a final RMSNorm (`model.norm`), and a head that is either the
 //! token embedding (tied) or its own `lm_head`. SmolLM2, TinyLlama, Llama
-//! 2/3 and Mistral are sizes of it; Qwen2/Qwen2.5 and Qwen3 are variants
+//! 2/3 are sizes of it; Qwen2/Qwen2.5 and Qwen3 are variants
 //! ([`LlamaVariant`], [`crate::models::qwen`]) whose attention adds
-//! biases or q/k norms, with the same parameter names.
+//! biases or q/k norms, and Mistral ([`crate::models::mistral`]) one whose
+//! attention may slide over a window, with the same parameter names.
 
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
@@ -37,6 +38,9 @@ pub enum LlamaVariant {
     /// Qwen3ForCausalLM: an RMSNorm over each q and k head before the
     /// rotation, no biases.
     Qwen3,
+    /// MistralForCausalLM: Llama's layers, attending over
+    /// [`LlamaConfig::sliding_window`] positions when it is set.
+    Mistral,
 }
 
 impl LlamaVariant {
@@ -47,6 +51,7 @@ impl LlamaVariant {
             LlamaVariant::Llama => ("LlamaForCausalLM", "llama", "Llama"),
             LlamaVariant::Qwen2 => ("Qwen2ForCausalLM", "qwen2", "Qwen2"),
             LlamaVariant::Qwen3 => ("Qwen3ForCausalLM", "qwen3", "Qwen3"),
+            LlamaVariant::Mistral => ("MistralForCausalLM", "mistral", "Mistral"),
         }
     }
 }
@@ -72,6 +77,9 @@ pub struct LlamaConfig {
     /// Channels per head when not n_embd / n_head (transformers'
     /// `head_dim`, Qwen3's 128 over 1024 channels of 16 heads).
     pub head_dim: Option<usize>,
+    /// Every layer attends to the last this-many positions only (key j of
+    /// query i when i - j < window; Mistral 7B v0.1's 4096); None: all.
+    pub sliding_window: Option<usize>,
     pub variant: LlamaVariant,
 }
 
@@ -92,6 +100,7 @@ impl LlamaConfig {
             tie_word_embeddings: true,
             rope_layout: RopeLayout::HalfSplit,
             head_dim: None,
+            sliding_window: None,
             variant: LlamaVariant::Llama,
         }
     }
@@ -114,6 +123,7 @@ impl LlamaConfig {
             tie_word_embeddings: false,
             rope_layout: RopeLayout::HalfSplit,
             head_dim: None,
+            sliding_window: None,
             variant: LlamaVariant::Llama,
         }
     }
@@ -151,7 +161,7 @@ impl LlamaConfig {
             head_dim: self.head_dim(),
             qkv_bias: self.variant == LlamaVariant::Qwen2,
             qk_norm_eps: (self.variant == LlamaVariant::Qwen3).then_some(self.rms_norm_eps),
-            sliding_window: None,
+            sliding_window: self.sliding_window,
             scale: None,
         }
     }
@@ -231,6 +241,7 @@ impl LlamaConfig {
             self.n_embd,
             self.intermediate_size,
             self.head_dim(),
+            self.sliding_window.unwrap_or(1),
         ];
         let bad = |reason: String| {
             Err(Error::InvalidArgument {
@@ -239,7 +250,7 @@ impl LlamaConfig {
             })
         };
         if sizes.contains(&0) {
-            return bad("every size must be positive".into());
+            return bad("every size (and a sliding window) must be positive".into());
         }
         if (self.head_dim.is_none() && self.n_embd % self.n_head != 0) || self.n_head % self.n_kv_head != 0 {
             return bad(format!(

@@ -3,6 +3,7 @@
 pub mod gemma;
 pub mod gpt;
 pub mod llama;
+pub mod mistral;
 pub mod qwen;
 
 pub use gemma::{Gemma, GemmaConfig, GemmaDecoderLayer};

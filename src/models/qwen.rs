@@ -53,6 +53,7 @@ pub const fn qwen2_5_0_5b() -> LlamaConfig {
         tie_word_embeddings: true,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: None,
         variant: LlamaVariant::Qwen2,
     }
 }
@@ -74,6 +75,7 @@ pub const fn qwen3_0_6b() -> LlamaConfig {
         tie_word_embeddings: true,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: Some(128),
+        sliding_window: None,
         variant: LlamaVariant::Qwen3,
     }
 }

@@ -543,6 +543,7 @@ pub(crate) fn llama_configs() -> [LlamaConfig; 3] {
         tie_word_embeddings: false,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: None,
         variant: wgrad::models::LlamaVariant::Llama,
     };
     [

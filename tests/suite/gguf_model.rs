@@ -43,6 +43,7 @@ fn fixture_config(tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::Interleaved,
         head_dim: None,
+        sliding_window: None,
         variant: wgrad::models::LlamaVariant::Llama,
     }
 }
@@ -433,7 +434,7 @@ fn other_architectures_are_refused() {
     replace(&mut bytes, "llama", "gemma");
     let reason = file_reason(&bytes, "gemma");
     assert!(
-        reason.contains("architecture `gemma`") && reason.contains("`llama`, `qwen2`, `qwen3` and `gpt2`"),
+        reason.contains("architecture `gemma`") && reason.contains("`llama`, `qwen2`, `qwen3`, `gemma3` and `gpt2`"),
         "{reason}"
     );
     let mut bytes = fixture_bytes(GPT2);

@@ -47,6 +47,7 @@ pub(crate) fn config(tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: None,
         variant: wgrad::models::LlamaVariant::Llama,
     }
 }

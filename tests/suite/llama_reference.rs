@@ -33,6 +33,7 @@ fn config(fx: &Fixture, tied: bool) -> LlamaConfig {
         tie_word_embeddings: tied,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: None,
         variant: wgrad::models::LlamaVariant::Llama,
     }
 }

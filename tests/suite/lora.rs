@@ -34,6 +34,7 @@ fn tiny_config() -> LlamaConfig {
         tie_word_embeddings: false,
         rope_layout: RopeLayout::HalfSplit,
         head_dim: None,
+        sliding_window: None,
         variant: LlamaVariant::Llama,
     }
 }

@@ -40,6 +40,7 @@ mod llama_reference;
 mod lm_training;
 mod lora;
 mod matvec;
+mod mistral_folder;
 mod mixed_precision;
 mod modules;
 mod optim;

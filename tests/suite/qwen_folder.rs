@@ -158,18 +158,6 @@ fn an_interleaved_qwen_is_saved_in_hugging_faces_layout_with_the_same_logits() {
 fn what_wgrads_qwen_does_not_compute_is_refused() {
     let cases = [
         ("hf-tiny-qwen3", "attention_bias", serde_json::json!(true), "bias"),
-        (
-            "hf-tiny-qwen2",
-            "use_sliding_window",
-            serde_json::json!(true),
-            "sliding",
-        ),
-        (
-            "hf-tiny-qwen3",
-            "layer_types",
-            serde_json::json!(["sliding_attention", "full_attention"]),
-            "sliding",
-        ),
         ("hf-tiny-qwen3", "head_dim", serde_json::json!(0), "head_dim"),
         ("hf-tiny-qwen2", "model_type", serde_json::json!("qwen9"), "qwen9"),
     ];
@@ -185,6 +173,47 @@ fn what_wgrads_qwen_does_not_compute_is_refused() {
             "{name} {key}: {err}"
         );
     }
+    // A window over some layers but not all is refused (wgrad's Qwen
+    // attends alike in every layer); one over all of them is read, and a
+    // window transformers ignores (use_sliding_window false) is too.
+    let window = |name: &str, used: bool, edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let tmp = TempDir::new("qwen-window");
+        let dir = copy_fixture(name, &tmp);
+        edit_config(&dir, |c| {
+            c.insert("use_sliding_window".into(), used.into());
+            c.insert("sliding_window".into(), 4.into());
+            edit(c);
+        });
+        load_llama_folder(&dir).map(|l| l.model.config.sliding_window)
+    };
+    let some = |c: &mut serde_json::Map<String, serde_json::Value>| {
+        c.insert(
+            "layer_types".into(),
+            serde_json::json!(["sliding_attention", "full_attention"]),
+        );
+    };
+    let by_count = |c: &mut serde_json::Map<String, serde_json::Value>| {
+        c.remove("layer_types");
+        c.insert("max_window_layers".into(), 1.into());
+    };
+    let all = |c: &mut serde_json::Map<String, serde_json::Value>| {
+        c.insert(
+            "layer_types".into(),
+            serde_json::json!(["sliding_attention", "sliding_attention"]),
+        );
+    };
+    for (name, edit) in [
+        ("hf-tiny-qwen2", &some as &dyn Fn(&mut _)),
+        ("hf-tiny-qwen3", &by_count),
+    ] {
+        let err = window(name, true, edit).expect_err("a window over one of two layers");
+        assert!(
+            matches!(&err, Error::CheckpointFormat { reason, .. } if reason.contains("1 of 2 layers slide")),
+            "{name}: {err}"
+        );
+    }
+    assert_eq!(window("hf-tiny-qwen3", true, &all).unwrap(), Some(4));
+    assert_eq!(window("hf-tiny-qwen2", false, &some).unwrap(), None);
     // Qwen2's biases are part of the model: a folder without them is missing a tensor.
     let tmp = TempDir::new("qwen-no-bias");
     let dir = copy_fixture("hf-tiny-qwen2", &tmp);

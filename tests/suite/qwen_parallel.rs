@@ -1,5 +1,6 @@
-//! Qwen2 (q/k/v biases) and Qwen3 (q/k norms, heads of 6 channels over
-//! 16 / 4) trained under each parallel strategy by what their modules
+//! Qwen2 (q/k/v biases), Qwen3 (q/k norms, heads of 6 channels over
+//! 16 / 4) and Mistral (attention over a sliding window of 3 positions)
+//! trained under each parallel strategy by what their modules
 //! declare, against single-device training on the same batches, as
 //! llama_parallel.rs checks the Llama (its sizes, batches and clipped
 //! AdamW): data parallel (rows 1 + 3), tensor parallel (a KV head each
@@ -26,16 +27,19 @@ const BATCH: usize = 4;
 
 fn qwen(variant: LlamaVariant) -> Llama {
     let head_dim = (variant == LlamaVariant::Qwen3).then_some(6);
+    // Mistral attends over 3 positions of the batches' 8.
+    let sliding_window = (variant == LlamaVariant::Mistral).then_some(3);
     nn::manual_seed(17);
     Llama::new(LlamaConfig {
         variant,
         head_dim,
+        sliding_window,
         ..config(false)
     })
     .unwrap()
 }
 
-const VARIANTS: [LlamaVariant; 2] = [LlamaVariant::Qwen2, LlamaVariant::Qwen3];
+const VARIANTS: [LlamaVariant; 3] = [LlamaVariant::Qwen2, LlamaVariant::Qwen3, LlamaVariant::Mistral];
 
 /// Ten steps of `engine` against one device's losses (relative 1e-5: the
 /// batch's or a layer's sums split over devices, as for the Llama) and
@@ -112,7 +116,7 @@ fn qwen_data_tensor_and_pipeline_parallel_match_single_device_training() {
                     ),
                     (vec![2 * d, 2 * d], vec![d, d])
                 );
-            } else {
+            } else if variant == LlamaVariant::Qwen3 {
                 // One norm weight serves every head: replicated.
                 assert_eq!(tp.slices(&name("q_norm", "weight")), [None, None]);
                 assert_eq!(tp.slices(&name("k_norm", "weight")), [None, None]);
