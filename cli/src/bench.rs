@@ -327,23 +327,25 @@ pub fn serve(
     Ok(lines)
 }
 
+/// What `wgrad bench --only` may name (any substring of one).
+const CASES: [&str; 14] = [
+    "matmul",
+    "mlp_step",
+    "gpt_train_step",
+    "gpt_generate",
+    "linear_step",
+    "gpt2_124m_prefill",
+    "gpt2_124m_decode",
+    "smollm2_prefill",
+    "smollm2_decode",
+    "smollm2_decode_rows",
+    "gemma3_prefill",
+    "gemma3_decode",
+    "serve",
+    "attention",
+];
+
 pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, only: &[String]) -> wgrad::Result<()> {
-    const CASES: [&str; 14] = [
-        "matmul",
-        "mlp_step",
-        "gpt_train_step",
-        "gpt_generate",
-        "linear_step",
-        "gpt2_124m_prefill",
-        "gpt2_124m_decode",
-        "smollm2_prefill",
-        "smollm2_decode",
-        "smollm2_decode_rows",
-        "gemma3_prefill",
-        "gemma3_decode",
-        "serve",
-        "attention",
-    ];
     if let Some(unknown) = only
         .iter()
         .find(|w| w.is_empty() || !CASES.iter().any(|c| c.contains(w.as_str())))
@@ -453,24 +455,7 @@ pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, on
         )?);
     }
     if runs("gemma3_prefill") || runs("gemma3_decode") {
-        // Gemma 3 270M's Q4_K_M file with the cache `wgrad generate` gives
-        // one prompt (its tokens and the new ones, rounded up to a power of
-        // two): the whole 32,768 positions would be a gigabyte of cache.
-        let path = wgrad_benches::gemma3_path().ok_or_else(|| wgrad::Error::InvalidArgument {
-            op: "bench gemma3",
-            reason: "no cache directory to find Gemma 3's GGUF file in (HOME unset): set WGRAD_GEMMA3 to the file"
-                .into(),
-        })?;
-        let (prompt, decoded): (usize, usize) = (128, if quick { 8 } else { 32 });
-        let bench = wgrad_benches::GgufBench {
-            family: "gemma3",
-            fetch: "fetch it with scripts/fetch-gemma3.sh, or set WGRAD_GEMMA3 to a copy",
-            context: Some((prompt + decoded).next_power_of_two()),
-            with_f32: false,
-        };
-        lines.extend(wgrad_benches::gguf_generate(
-            &kernels, &path, &bench, prompt, decoded, profile,
-        )?);
+        lines.extend(gemma3(&kernels, quick, profile)?);
     }
     if only.iter().any(|w| w == "smollm2_decode_rows") {
         // Only by its name: it builds a SmolLM2 generator per row count.
@@ -564,4 +549,22 @@ pub fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
 #[cfg(not(feature = "mpi"))]
 pub fn allreduce_bench(_sizes: &[usize], _reps: usize) -> wgrad::Result<()> {
     crate::train::train_mpi_missing("allreduce")
+}
+
+/// Gemma 3 270M's Q4_K_M file with the cache `wgrad generate` gives one
+/// prompt (its tokens and the new ones, rounded up to a power of two): the
+/// whole 32,768 positions would be a gigabyte of cache.
+fn gemma3(kernels: &Arc<Kernels>, quick: bool, profile: bool) -> wgrad::Result<Vec<BenchLine>> {
+    let path = wgrad_benches::gemma3_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+        op: "bench gemma3",
+        reason: "no cache directory to find Gemma 3's GGUF file in (HOME unset): set WGRAD_GEMMA3 to the file".into(),
+    })?;
+    let (prompt, decoded): (usize, usize) = (128, if quick { 8 } else { 32 });
+    let bench = wgrad_benches::GgufBench {
+        family: "gemma3",
+        fetch: "fetch it with scripts/fetch-gemma3.sh, or set WGRAD_GEMMA3 to a copy",
+        context: Some((prompt + decoded).next_power_of_two()),
+        with_f32: false,
+    };
+    wgrad_benches::gguf_generate(kernels, &path, &bench, prompt, decoded, profile)
 }
