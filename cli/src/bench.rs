@@ -496,6 +496,7 @@ pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, on
 
 #[cfg(feature = "mpi")]
 pub fn allreduce_bench(sizes: &[usize], reps: usize) -> wgrad::Result<()> {
+    use wgrad::parallel::distributed::ProcessGroup;
     let group = wgrad::parallel::mpi::MpiGroup::init()?;
     // Training reduces the gradient bucket by bucket: 2^18 f64 sums each.
     const BUCKET: usize = 1 << 18;
