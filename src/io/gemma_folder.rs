@@ -39,7 +39,8 @@ pub const MODEL_TYPE: &str = "gemma3_text";
 pub const CLASS: &str = "Gemma3ForCausalLM";
 /// Sizes read from a file are refused above these before anything is allocated.
 const MAX_LAYERS: usize = 1 << 16;
-const MAX_PARAMETERS: usize = 1 << 40;
+// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
+const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
 
 /// What [`load_gemma_folder`] returns.
 #[derive(Clone, Debug, PartialEq)]
