@@ -50,13 +50,18 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # stays beside it, so the multi-device engines (data, tensor, pipeline,
 # ZeRO) pair two unlike adapters there. A pass of its own, outside the
 # 10 minutes of `make test`.
+# The unit and integration tests and the library's doc tests, not the examples:
+# each example is a binary of its own to link, `make lint` (clippy
+# --all-targets) compiles them all, and the one run here is built once.
+TEST_TARGETS := --tests
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
 test: driver smollm2 gemma3
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
-	$(CARGO) test --release $(TEST_FEATURES) --no-run
+	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
-	$(CARGO) test --release $(TEST_FEATURES)
+	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS)
+	$(CARGO) test --release $(TEST_FEATURES) -p wgrad --doc
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad" --completions-only \
