@@ -120,6 +120,16 @@ fn lora(run: &Run) -> Option<String> {
     }
 }
 
+/// `--resume` over `--init`: only an adapter run keeps what it needs to
+/// continue (a whole-model fine-tune saves no optimizer state).
+fn resume(run: &Run) -> Option<String> {
+    (run.args.gpt.init.is_some() && run.args.gpt.lora.is_none()).then(|| {
+        "with --init it continues an adapter run (give the run's --lora); a whole-model fine-tune keeps no \
+         optimizer state, so --init alone starts afresh"
+            .into()
+    })
+}
+
 /// Every flag that applies to some runs only, by clap's id, with its rule.
 fn rules() -> Vec<(&'static str, Check)> {
     let rule = |r: Rule| -> Check { Box::new(r) };
@@ -161,6 +171,7 @@ fn rules() -> Vec<(&'static str, Check)> {
         ("checkpoint_activations", rule(language_models_only)),
         ("dry_run", rule(not_pretrained)),
         ("lora", rule(lora)),
+        ("resume", rule(resume)),
         ("momentum", rule(sgd_only)),
         ("micro_batches", rule(micro_batches)),
         ("schedule", rule(pipeline_only)),

@@ -221,6 +221,13 @@ pub(crate) fn active() -> bool {
     SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Apply { .. })))
 }
 
+/// Whether a forward runs only to list a model's Linears ([`linear_sites`]):
+/// its values are never read, so a weight held elsewhere (quantized, with
+/// no f32 values) may stand as zeros.
+pub(crate) fn recording() -> bool {
+    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Record(_))))
+}
+
 /// Under an applying scope: whether the parameter `name` (a full name)
 /// stays trainable, that is, is an adapter's. Outside one, every parameter
 /// is (None: no scope).
@@ -491,6 +498,60 @@ impl<M> Lora<M> {
     }
 }
 
+impl<M: Module> Lora<M> {
+    /// Each adapted Linear's weight with its adapter folded in, W + (α/r)·B·A
+    /// (summed in f64, rounded once), by parameter name (`{module}.weight`),
+    /// in the adapters' order: what a merged model stores.
+    pub fn merged_weights(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let base = self.base.parameter_values();
+        let (r, scale) = (self.config.r, f64::from(self.config.scale()));
+        self.adapters
+            .iter()
+            .map(|a| {
+                let name = format!("{}.weight", a.module);
+                let (i, o) = (a.in_features, a.out_features);
+                let w = base
+                    .iter()
+                    .find(|(n, _, _)| *n == name)
+                    .map(|(_, _, v)| *v)
+                    .filter(|v| v.len() == o * i && a.a.len() == r * i && a.b.len() == o * r)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "Lora::merged_weights",
+                        reason: format!(
+                            "the base has no values for `{name}` [{o}, {i}] (a quantized weight is merged from its \
+                             de-quantized values)"
+                        ),
+                    })?;
+                let mut merged = Vec::with_capacity(o * i);
+                for row in 0..o {
+                    let b = &a.b[row * r..(row + 1) * r];
+                    for col in 0..i {
+                        let delta: f64 = (0..r).map(|k| f64::from(b[k]) * f64::from(a.a[k * i + col])).sum();
+                        merged.push((f64::from(w[row * i + col]) + scale * delta) as f32);
+                    }
+                }
+                Ok((name, merged))
+            })
+            .collect()
+    }
+}
+
+impl<M: Module + Clone> Lora<M> {
+    /// The base with every adapter folded into its Linear
+    /// ([`Lora::merged_weights`]): the same function, with no adapter.
+    pub fn merged(&self) -> Result<M> {
+        let mut weights = self.merged_weights()?;
+        let mut base = self.base.clone();
+        base.visit_mut("", &mut |name, _, values| {
+            if let Some(i) = weights.iter().position(|(n, _)| *n == name) {
+                *values = weights.swap_remove(i).1;
+            }
+            Ok(())
+        })?;
+        Ok(base)
+    }
+}
+
 impl<M: ParameterTree> ParameterTree for Lora<M> {
     /// The base's parameters, then each adapter's A and B.
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
@@ -552,6 +613,14 @@ impl<M: Module> Module for Lora<M> {
 
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
         self.base.input(g, batch)
+    }
+
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        self.base.permuted_rows()
+    }
+
+    fn hf_module_prefix(&self) -> &'static str {
+        self.base.hf_module_prefix()
     }
 }
 

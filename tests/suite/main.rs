@@ -39,6 +39,7 @@ mod llama_parallel;
 mod llama_reference;
 mod lm_training;
 mod lora;
+mod lora_export;
 mod matvec;
 mod mistral_folder;
 mod mixed_precision;
