@@ -44,7 +44,7 @@ use crate::models::{Gemma, GemmaConfig, Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{AttentionKernel, LmConfig};
 use crate::optim::{self, Adam, AdamW, SGD};
 use crate::parallel::distributed::ProcessGroup;
-use crate::parallel::engine::{Parallelizable, TrainEngine};
+use crate::parallel::engine::{EngineFuture, Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{Examples, Targets};
 use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
@@ -749,14 +749,28 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
 
     /// The mean loss over the fixed validation windows.
     fn validation_loss(&mut self, engine: &mut dyn TrainEngine, config: &TrainConfig) -> Result<Option<f32>> {
-        let d = self.data_ready()?;
-        let per_batch = config.batch_size * d.block_size;
-        let (inputs, targets) = &d.validation;
-        let mut total = 0.0f64;
-        for (x, y) in inputs.chunks(per_batch).zip(targets.chunks(per_batch)) {
-            total += f64::from(engine.evaluate_loss(Examples::Ids(x), Targets::Classes(y))?);
-        }
-        Ok(Some((total / self.eval_batches as f64) as f32))
+        crate::device::wait("validation_loss", self.validation_loss_async(engine, config))
+    }
+
+    fn validation_loss_async<'a>(
+        &'a mut self,
+        engine: &'a mut dyn TrainEngine,
+        config: &'a TrainConfig,
+    ) -> EngineFuture<'a, Option<f32>> {
+        Box::pin(async move {
+            let d = self.data_ready()?;
+            let per_batch = config.batch_size * d.block_size;
+            let (inputs, targets) = &d.validation;
+            let mut total = 0.0f64;
+            for (x, y) in inputs.chunks(per_batch).zip(targets.chunks(per_batch)) {
+                total += f64::from(
+                    engine
+                        .evaluate_loss_async(Examples::Ids(x), Targets::Classes(y))
+                        .await?,
+                );
+            }
+            Ok(Some((total / self.eval_batches as f64) as f32))
+        })
     }
 
     fn evaluate(&mut self, _engine: &mut dyn TrainEngine, last_validation: Option<f32>) -> Result<Evaluation> {
