@@ -95,10 +95,10 @@ pub struct GenerateArgs {
     /// (any --dtype de-quantizes them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
-    /// Positions the KV cache holds (default: the model's context; for a
-    /// GGUF file's or tokenizer.json folder's one prompt, its tokens and
-    /// --max-new-tokens rounded up to a power of two from 64): fewer for
-    /// less memory (SmolLM2's 8192 are 180 MiB of keys and values).
+    /// Positions the KV cache holds (default: the model's context, or as
+    /// many as fit the adapter's memory beside the model): fewer for less
+    /// memory (SmolLM2's 8192 are 180 MiB of keys and values, Gemma 3's
+    /// 32,768 1.2 GiB). A long prompt is prefilled in chunks.
     #[arg(long)]
     context: Option<usize>,
     /// A PEFT LoRA adapter folder (adapter_config.json and
@@ -687,11 +687,31 @@ pub fn generate_pretrained(
     let sampling = sampling_args.sampling();
     sampling.check()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
+    // The cache holds --context positions, or the model's whole context
+    // (a long prompt is prefilled in chunks), or as many as fit the
+    // adapter's memory beside the model, said so.
+    let config = wgrad::io::lm_folder::read_model_config(model)?;
     let options = GeneratorOptions {
         context,
+        dtype: dtype.map_or(WeightDtype::F32, DtypeName::weights),
         ..GeneratorOptions::default()
     };
-    let mut lm = load_bpe_lm(&kernels, model, dtype, &options)?;
+    let fitted = wgrad::infer::generate::context_that_fits(&kernels, config.as_ref(), &options, 1)?;
+    let wanted = options.context_for(config.lm_sizes().context)?;
+    if fitted < wanted {
+        eprintln!("note: the KV cache holds {fitted} positions, what fits this adapter's memory beside the model (not {wanted}); give --context to choose fewer");
+    }
+    let options = GeneratorOptions {
+        context: Some(fitted),
+        ..options
+    };
+    let mut lm = wgrad::infer::pretrained::load_pretrained_with_config(
+        &kernels,
+        model,
+        config.as_ref(),
+        dtype.map(DtypeName::weights),
+        &options,
+    )?;
     lm.model = with_adapter(lm.model, adapter)?;
     let ids = match prompt_ids {
         Some(ids) => ids,
@@ -701,16 +721,7 @@ pub fn generate_pretrained(
         return Err(invalid("generate", "the prompt is empty: give some text".into()));
     }
     wgrad::kernels::check_token_ids("generate", &ids, lm.model.vocab_size())?;
-    // One generation's cache needs only its prompt and new tokens: the
-    // model's whole context (Gemma 3's 32,768 positions) would cost a
-    // gigabyte of keys and values, and a prefill pass that long activations
-    // over a storage binding.
-    let fitted = ids.len().saturating_add(max_new).max(64).next_power_of_two();
-    let options = GeneratorOptions {
-        context: context.or(Some(fitted.min(lm.model.context_len()))),
-        ..options
-    };
-    let context = options.context_for(lm.model.context_len())?;
+    let context = fitted;
     if ids.len() > context {
         return Err(invalid(
             "generate",

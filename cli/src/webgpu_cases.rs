@@ -338,6 +338,7 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         (&["cached_attention_forward"], Web, attention),
         (&["cached_attention_forward_workgroup"], Gpu, attention),
         (&["cached_attention_forward_grouped"], Web, grouped_attention),
+        (&["cached_attention_forward_channels"], Web, channel_attention),
         (&["sample_rows_forward"], Web, sample_rows),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, None)),
         (&["matvec_f16w_forward"], Web, |c| {
@@ -1865,6 +1866,12 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
 /// head_dim of 8), whichever the adapter would pick.
 fn grouped_attention(c: &mut Ctx<'_>) -> Result<Case> {
     attention_case(c, Some(wgrad::kernels::CachedAttentionKernel::Grouped), 8)
+}
+
+/// The CPU adapters' kernel for wide heads: a head_dim of 40 (10 vec4s
+/// over 8 lanes, so the second vec4 of most lanes is past the head).
+fn channel_attention(c: &mut Ctx<'_>) -> Result<Case> {
+    attention_case(c, Some(wgrad::kernels::CachedAttentionKernel::Channels), 40)
 }
 
 /// Grouped-query attention over separate q, k, v (Llama's): 4 query heads

@@ -228,10 +228,12 @@ fn cached_attention_matches_the_cpu() {
 }
 
 /// Each kernel on every case it takes, whichever the adapter would pick:
-/// the workgroup kernel with 32 and 64 lanes, and the grouped one (vec4
+/// the workgroup kernel with 32 and 64 lanes, the grouped one (vec4
 /// reads: head dims that are multiples of 4 up to GROUPED_MAX_HEAD_DIM;
 /// groups of 1, 2, 3, 4 and 7 query heads per KV head, 7 past its 4 heads
-/// per workgroup), which refuses a head dim it cannot take.
+/// per workgroup) and the channel one (any multiple of 4 up to
+/// MAX_HEAD_DIM: lanes owning 1 to 8 vec4s of a head, some none), each
+/// refusing a head dim it cannot take.
 #[test]
 fn every_cached_attention_kernel_matches_the_cpu() {
     for_each_adapter("cached_attention_forward_with", |k| {
@@ -247,6 +249,16 @@ fn every_cached_attention_kernel_matches_the_cpu() {
                 assert!(
                     err.to_string()
                         .contains(&format!("multiple of 4 up to {GROUPED_MAX_HEAD_DIM}")),
+                    "{err}"
+                );
+            }
+            if shape.head_dim % 4 == 0 {
+                check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Channels))?;
+            } else {
+                let err =
+                    check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Channels)).unwrap_err();
+                assert!(
+                    err.to_string().contains(&format!("multiple of 4 up to {MAX_HEAD_DIM}")),
                     "{err}"
                 );
             }
@@ -807,7 +819,8 @@ fn a_continuation_prefill_equals_the_full_sequence_logits() {
                 &generator.decode(&[sequences[0][7], sequences[1][7]])?,
                 [8, 8],
             );
-            // 8 + 8 padded rows pass the context of 13: prefilled whole.
+            // 8 + 8 padded rows pass the context of 13: the pass starts at
+            // position 5, running the cached tokens 5..8 again.
             check(
                 "extend near the end",
                 &generator.extend(&[&sequences[0][8..12], &sequences[1][8..10]])?,
@@ -842,6 +855,113 @@ fn a_continuation_prefill_equals_the_full_sequence_logits() {
                 generator.cached_tokens(0),
                 Some(&sequences[0][..6]),
                 "{what}: the errors kept the cache"
+            );
+        }
+        Ok(())
+    });
+}
+
+/// Chunked prefill (`GeneratorOptions::prefill_chunk`): prompts longer
+/// than the chunk run in passes of at most its rows over the same caches,
+/// and the logits after them, after a continuation that is itself longer
+/// than the chunk and after a decode step equal those of one pass (and so
+/// the full-sequence forward's), for chunks of 1, a prime (5) and one as
+/// long as the context, on a GPT and a Llama: two prompts of 11 and 3
+/// tokens in one batch (the short one done chunks before the long one), a
+/// continuation that ends at the context's last position (its last chunk
+/// starts earlier, re-running cached tokens) and one-slot prefills
+/// (continuous batching's) of a prompt over several chunks.
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    use wgrad::infer::generate::{GeneratorOptions, PrefillMode};
+    for_each_adapter("generate: chunked prefill", |k| {
+        let vocab = CONFIG.vocab_size;
+        let models: [Box<dyn nn::CausalLm>; 2] =
+            [Box::new(sharp_model(61)), Box::new(sharp_llama(llama_configs()[0], 62))];
+        for model in &models {
+            let what = model.describe();
+            let mut predictor = Predictor::new(k.clone(), model.as_ref(), 1)?;
+            let mut r = rng(63);
+            let sequences: Vec<Vec<u32>> = (0..2).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
+            let full: Vec<Vec<Vec<f32>>> = sequences
+                .iter()
+                .map(|s| full_logits(&mut predictor, s))
+                .collect::<wgrad::Result<_>>()?;
+            let options = |chunk: Option<usize>, prefill: PrefillMode| GeneratorOptions {
+                sequences: 2,
+                prefill_chunk: chunk,
+                prefill,
+                ..GeneratorOptions::default()
+            };
+            let mut one_pass =
+                Generator::with_options(k.clone(), model.as_ref(), &options(None, PrefillMode::AllSequences))?;
+            let steps = |generator: &mut Generator| -> wgrad::Result<[Vec<f32>; 3]> {
+                Ok([
+                    generator.prefill(&[&sequences[0][..11], &sequences[1][..3]])?,
+                    generator.extend(&[&sequences[0][11..12], &sequences[1][3..12]])?,
+                    generator.decode(&[sequences[0][12], sequences[1][12]])?,
+                ])
+            };
+            let want = steps(&mut one_pass)?;
+            let ends = [[11, 3], [12, 12], [13, 13]];
+            for (step, ends) in ends.iter().enumerate() {
+                for s in 0..2 {
+                    // The one pass against the full forward: as the other
+                    // cached-logits tests.
+                    assert_close(
+                        &format!("{what}: one pass, step {step}, sequence {s}"),
+                        &want[step][s * vocab..(s + 1) * vocab],
+                        &full[s][ends[s] - 1],
+                        LOGITS_ATOL,
+                        LOGITS_RTOL,
+                    );
+                }
+            }
+            for chunk in [1, 5, CONFIG.block_size] {
+                let mut chunked = Generator::with_options(
+                    k.clone(),
+                    model.as_ref(),
+                    &options(Some(chunk), PrefillMode::AllSequences),
+                )?;
+                let got = steps(&mut chunked)?;
+                for (step, (got, want)) in got.iter().zip(&want).enumerate() {
+                    // Other passes (1 to 16 rows) over the same positions:
+                    // f32 sums in other orders.
+                    assert_close(
+                        &format!("{what}: chunk {chunk}, step {step}"),
+                        got,
+                        want,
+                        LOGITS_ATOL,
+                        LOGITS_RTOL,
+                    );
+                }
+                for (s, sequence) in sequences.iter().enumerate() {
+                    assert_eq!(chunked.cached_tokens(s), Some(&sequence[..13]), "{what}: chunk {chunk}");
+                }
+                // One slot at a time: the slot's greedy token after a
+                // prompt of 12 tokens in chunks of `chunk` (over a history
+                // of 2 in slot 1) is the one pass's argmax.
+                let mut slots =
+                    Generator::with_options(k.clone(), model.as_ref(), &options(Some(chunk), PrefillMode::OneSlot))?;
+                let mut draws = ChaCha8Rng::seed_from_u64(1);
+                let first = slots.prefill_slot(1, &sequences[1][..2], &Sampling::greedy(), &mut draws)?;
+                assert!(
+                    is_argmax(&full[1][1], first, 1e-4),
+                    "{what}: chunk {chunk}, slot prefill"
+                );
+                let token = slots.extend_slot(1, &sequences[1][2..12], &Sampling::greedy(), &mut draws)?;
+                assert!(
+                    is_argmax(&full[1][11], token, 1e-4),
+                    "{what}: chunk {chunk}, slot extend"
+                );
+                assert_eq!(slots.cached_tokens(1), Some(&sequences[1][..12]));
+                let token = slots.prefill_slot(0, &sequences[0][..9], &Sampling::greedy(), &mut draws)?;
+                assert!(is_argmax(&full[0][8], token, 1e-4), "{what}: chunk {chunk}, slot 0");
+            }
+            expect_error(
+                "a chunk of no rows",
+                Generator::with_options(k.clone(), model.as_ref(), &options(Some(0), PrefillMode::AllSequences)),
+                &["at least 1 row"],
             );
         }
         Ok(())
