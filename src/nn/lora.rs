@@ -21,10 +21,11 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::causal_lm::{declare_parameter, CausalLm, LmSizes};
+use super::shard::{self, Slice};
 use super::{uniform, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{DropoutMask, MatmulForm};
 
 /// Which Linears carry an adapter and how: rank `r`, scale `alpha / r`,
 /// dropout on the adapter's input, and PEFT's `target_modules`.
@@ -32,10 +33,9 @@ use crate::kernels::MatmulForm;
 pub struct LoraConfig {
     pub r: usize,
     pub alpha: f32,
-    /// PEFT's `lora_dropout`. Recorded and written to adapter folders; wgrad
-    /// has no dropout op yet, so [`Lora::new`] refuses a training
-    /// declaration with dropout above 0, and a loaded adapter runs without
-    /// it (as PEFT does in evaluation).
+    /// PEFT's `lora_dropout`, on each adapter's input ([`Graph::dropout`],
+    /// a mask of its own per adapter): in training steps only, so
+    /// evaluation and generation see the whole input, as PEFT in `eval()`.
     pub dropout: f32,
     /// Module names or suffixes (`q_proj`, `c_attn`, `mlp.down_proj`), or
     /// the one entry `all-linear`: every Linear but the output head.
@@ -188,6 +188,8 @@ enum Scope {
     Apply {
         root: String,
         scale: f32,
+        /// On each adapter's input, in training graphs.
+        dropout: f32,
         adapters: Arc<Vec<LoraAdapter>>,
     },
 }
@@ -245,9 +247,76 @@ pub(crate) fn trainable(name: &str) -> Option<bool> {
     })
 }
 
+/// The active scope's adapter for the Linear at `prefix` (whole [out,
+/// in]), its scale and dropout, when that Linear carries one; the Linear
+/// noted when the scope is listing them (`y`, its output).
+fn adapter_for(
+    prefix: &str,
+    y: Tensor,
+    in_features: usize,
+    out_features: usize,
+) -> Result<Option<(f32, f32, LoraAdapter)>> {
+    SCOPE.with(|s| match &mut *s.borrow_mut() {
+        None => Ok(None),
+        Some(Scope::Record(sites)) => {
+            let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
+            sites.push((
+                LinearSite {
+                    module,
+                    in_features,
+                    out_features,
+                },
+                y,
+            ));
+            Ok(None)
+        }
+        Some(Scope::Apply {
+            root,
+            scale,
+            dropout,
+            adapters,
+        }) => {
+            let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
+            let module = local.strip_suffix('.').unwrap_or(local);
+            let Some(a) = adapters.iter().find(|a| a.module == module) else {
+                return Ok(None);
+            };
+            if (a.in_features, a.out_features) != (in_features, out_features) {
+                return Err(Error::shape(
+                    "LoRA",
+                    format!(
+                        "the adapter of `{module}` is [{}, {}] but the Linear is [{out_features}, {in_features}]",
+                        a.out_features, a.in_features
+                    ),
+                    &[&[a.out_features, a.in_features], &[out_features, in_features]],
+                ));
+            }
+            Ok(Some((*scale, *dropout, a.clone())))
+        }
+    })
+}
+
+/// A number telling one adapter's dropout masks from another's (FNV-1a of
+/// its module name): q, k and v read the same input with masks of their
+/// own, as PEFT's separate `lora_dropout` modules draw.
+fn dropout_salt(module: &str) -> u32 {
+    module
+        .bytes()
+        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
 /// `y` (the Linear at `prefix`'s output, of x [.., in]) with the active
 /// adapter's path added, when that Linear carries one; noted when the
 /// scope is listing Linears.
+///
+/// Under tensor parallelism (`y` a rank's share of the Linear,
+/// [`shard::linear_share`]) the adapter splits with its layer: beside a
+/// column-parallel share (some output rows) B keeps the same rows and A
+/// stays whole; beside a row-parallel one (some input columns) A keeps the
+/// same columns and B stays whole, so each rank's path yields a partial
+/// sum that the base's all-reduce adds up with the base's. The whole
+/// matrix on every rank is a replicated parameter, whose gradient the
+/// engine sums over the ranks.
 pub(crate) fn adapt(
     g: &mut Graph,
     x: Tensor,
@@ -256,60 +325,53 @@ pub(crate) fn adapt(
     in_features: usize,
     out_features: usize,
 ) -> Result<Tensor> {
-    let found = SCOPE.with(|s| -> Result<Option<(String, f32, LoraAdapter)>> {
-        match &mut *s.borrow_mut() {
-            None => Ok(None),
-            Some(Scope::Record(sites)) => {
-                let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
-                sites.push((
-                    LinearSite {
-                        module,
-                        in_features,
-                        out_features,
-                    },
-                    y,
-                ));
-                Ok(None)
-            }
-            Some(Scope::Apply { root, scale, adapters }) => {
-                let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
-                let module = local.strip_suffix('.').unwrap_or(local);
-                let Some(a) = adapters.iter().find(|a| a.module == module) else {
-                    return Ok(None);
-                };
-                if (a.in_features, a.out_features) != (in_features, out_features) {
-                    return Err(Error::shape(
-                        "LoRA",
-                        format!(
-                            "the adapter of `{module}` is [{}, {}] but the Linear runs [{out_features}, {in_features}] \
-                             (a tensor-parallel share: adapters do not split yet)",
-                            a.out_features, a.in_features
-                        ),
-                        &[&[a.out_features, a.in_features], &[out_features, in_features]],
-                    ));
-                }
-                Ok(Some((prefix.to_string(), *scale, a.clone())))
-            }
-        }
-    })?;
-    let Some((prefix, scale, adapter)) = found else {
+    let share = shard::linear_share(prefix);
+    let [whole_out, whole_in] = share.as_ref().map_or([out_features, in_features], |(whole, _)| *whole);
+    let Some((scale, dropout, adapter)) = adapter_for(prefix, y, whole_in, whole_out)? else {
         return Ok(y);
     };
-    let r = adapter.a.len() / in_features.max(1);
-    let a = declare_parameter(
-        g,
-        format!("{prefix}lora_A.weight"),
-        &[r, in_features],
-        &adapter.a,
-        false,
-    )?;
-    let b = declare_parameter(
-        g,
-        format!("{prefix}lora_B.weight"),
-        &[out_features, r],
-        &adapter.b,
-        false,
-    )?;
+    let mut col_offset = 0;
+    let r = adapter.a.len() / whole_in.max(1);
+    let (a_name, b_name) = (format!("{prefix}lora_A.weight"), format!("{prefix}lora_B.weight"));
+    let (a_shape, b_shape) = (vec![r, whole_in], vec![whole_out, r]);
+    let (a_values, b_values) = match share.map(|(_, slice)| slice) {
+        None => (adapter.a, adapter.b),
+        Some(rows @ Slice::Rows(_)) => {
+            let b = rows.take(&adapter.b, &b_shape);
+            shard::record_slice(b_name.clone(), b_shape, rows);
+            (adapter.a, b)
+        }
+        Some(columns @ Slice::Columns(_)) => {
+            if let Slice::Columns(range) = &columns {
+                col_offset = range.start;
+            }
+            let a = columns.take(&adapter.a, &a_shape);
+            shard::record_slice(a_name.clone(), a_shape, columns);
+            (a, adapter.b)
+        }
+    };
+    if a_values.len() != r * in_features || b_values.len() != out_features * r {
+        return Err(Error::Internal {
+            op: "LoRA",
+            reason: format!("`{prefix}`'s adapter share does not fit its Linear's [{out_features}, {in_features}]"),
+        });
+    }
+    let a = declare_parameter(g, a_name, &[r, in_features], &a_values, false)?;
+    let b = declare_parameter(g, b_name, &[out_features, r], &b_values, false)?;
+    // PEFT's lora_dropout on the adapter's input, where a graph trains
+    // (generation's cached forward never does); a row-parallel share's
+    // columns draw the whole input's mask where they lie in it.
+    let x = if dropout > 0.0 && super::causal_lm::cache_pass().is_none() {
+        let mask = DropoutMask {
+            p: dropout,
+            salt: dropout_salt(&adapter.module),
+            row_width: whole_in,
+            col_offset,
+        };
+        g.dropout(x, mask)?
+    } else {
+        x
+    };
     let shape = g.shape_of(y).map(<[usize]>::to_vec).unwrap_or_default();
     let rows = shape.iter().product::<usize>() / out_features.max(1);
     let flat = g.reshape(x, &[rows, in_features])?;
@@ -346,19 +408,9 @@ impl<M: Module> Lora<M> {
     /// `base` with adapters on the Linears `config` targets, initialised as
     /// PEFT does: A kaiming-uniform (a = √5, that is U(-1/√in, 1/√in)) from
     /// the seeded generator ([`super::manual_seed`]), B zero, so the model
-    /// starts as the base. An error when a target matches no Linear, the
-    /// rank exceeds a targeted layer's smaller side, or dropout is asked
-    /// for (not implemented yet).
+    /// starts as the base. An error when a target matches no Linear or the
+    /// rank exceeds a targeted layer's smaller side.
     pub fn new(base: M, config: LoraConfig) -> Result<Self> {
-        if config.dropout > 0.0 {
-            return Err(Error::InvalidArgument {
-                op: "LoRA",
-                reason: format!(
-                    "lora dropout {} is not implemented yet (wgrad has no dropout op): use dropout=0",
-                    config.dropout
-                ),
-            });
-        }
         let sites = Self::targeted(&base, &config)?;
         let r = config.r;
         let adapters = sites
@@ -488,6 +540,7 @@ impl<M> Lora<M> {
         Scope::Apply {
             root: root.to_string(),
             scale: self.config.scale(),
+            dropout: self.config.dropout,
             adapters: Arc::clone(&self.adapters),
         }
     }

@@ -396,6 +396,12 @@ impl Zero {
         ))
     }
 
+    /// Where this process's rows start in the job's batch (0 alone).
+    fn process_first_example(&self) -> usize {
+        let rank = self.processes.as_ref().map_or(0, |g| g.rank());
+        self.process_shares[..rank].iter().sum()
+    }
+
     /// The job's sum of every rank's `local` (this process's alone without processes).
     fn sum_over_processes(&self, local: f64) -> Result<f64> {
         let mut value = [local];
@@ -537,7 +543,8 @@ impl Zero {
         if let Some(scale) = scale {
             self.seed_loss(scale)?;
         }
-        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
+        let first = self.process_first_example();
+        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets, first)?;
         self.release_parameters()?;
         let weights: Vec<f64> = self
             .shares
@@ -917,8 +924,15 @@ impl TrainEngine for Zero {
                 mib(m.optimizer_state)
             )
         };
+        // Across processes the gradient arena (the trainable parameters'
+        // only) is what each step sums, rank by rank.
         let across = self.processes.as_ref().map_or_else(String::new, |g| {
-            format!(" over {} processes (rank {}'s devices shown)", g.size(), g.rank())
+            let values: usize = self.process_shards.iter().map(|r| r.len()).sum();
+            format!(
+                " over {} processes (rank {}'s devices shown; {values} gradient values reduced across processes per step)",
+                g.size(),
+                g.rank()
+            )
         });
         format!(
             "ZeRO stage {} (sharded data parallel){across}, batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",

@@ -12,6 +12,7 @@ mod checkpoint;
 mod data;
 mod data_parallel_precision;
 mod device;
+mod dropout;
 mod f16_weights;
 mod finetune;
 mod flash_attention;
