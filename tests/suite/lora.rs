@@ -566,10 +566,7 @@ mod engines {
     /// equal one device's, the adapters gathered whole at the end.
     #[test]
     fn lora_trains_alike_under_tensor_parallel() {
-        let groups = open_groups(
-            "lora_trains_alike_under_tensor_parallel",
-            &[DeviceSelection::Count(2)],
-        );
+        let groups = open_groups("lora_trains_alike_under_tensor_parallel", &[DeviceSelection::Count(2)]);
         let Some(group) = groups.first() else { return };
         let m = lora_model();
         let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
@@ -585,8 +582,14 @@ mod engines {
             common::columns_held(&tp, &format!("{layer}.self_attn.o_proj.lora_A.weight")),
             [8, 8]
         );
-        assert_eq!(common::rows_held(&tp, &format!("{layer}.mlp.up_proj.lora_B.weight")), [11, 11]);
-        assert_eq!(common::columns_held(&tp, &format!("{layer}.mlp.down_proj.lora_A.weight")), [11, 11]);
+        assert_eq!(
+            common::rows_held(&tp, &format!("{layer}.mlp.up_proj.lora_B.weight")),
+            [11, 11]
+        );
+        assert_eq!(
+            common::columns_held(&tp, &format!("{layer}.mlp.down_proj.lora_A.weight")),
+            [11, 11]
+        );
         let Holding::Stages(spread, _) = tp.holding() else {
             panic!("tensor parallel holds the model across stages")
         };
@@ -595,7 +598,11 @@ mod engines {
             replicated.iter().all(|n| n.contains(".lora_")),
             "only adapter gradients are summed over the devices: {replicated:?}"
         );
-        assert_eq!(replicated.len(), 14, "the unsplit A or B of every adapter: {replicated:?}");
+        assert_eq!(
+            replicated.len(),
+            14,
+            "the unsplit A or B of every adapter: {replicated:?}"
+        );
         let got: Vec<f32> = batches()
             .iter()
             .map(|(ids, t)| tp.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
@@ -663,7 +670,10 @@ mod sharded_and_dropout {
     /// plans equals what the engine allocates.
     #[test]
     fn lora_trains_alike_under_zero_stage_by_stage() {
-        let groups = open_groups("lora_trains_alike_under_zero_stage_by_stage", &[DeviceSelection::Count(2)]);
+        let groups = open_groups(
+            "lora_trains_alike_under_zero_stage_by_stage",
+            &[DeviceSelection::Count(2)],
+        );
         let Some(group) = groups.first() else { return };
         let m = lora_model(0.0);
         let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
@@ -689,7 +699,10 @@ mod sharded_and_dropout {
                 .map(|(ids, t)| z.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
                 .collect();
             assert_losses(&what, &got, &want);
-            let (got, want) = (TrainEngine::parameters(&z).unwrap(), single.executor().parameters().unwrap());
+            let (got, want) = (
+                TrainEngine::parameters(&z).unwrap(),
+                single.executor().parameters().unwrap(),
+            );
             // The base: what it was, bit for bit.
             for (name, _, values) in m.parameter_values() {
                 if !name.contains(".lora_") {
