@@ -102,10 +102,11 @@ fn checked_format(args: &ExportArgs) -> wgrad::Result<ExportFormat> {
     let out = args.out.display();
     match format {
         ExportFormat::Hf if args.tensor_type.is_some() => {
-            return Err(refuse(format!(
+            return Err(refuse(
                 "--type does not apply: it sets a GGUF file's tensor type, and --format hf writes a Hugging Face \
                  folder (f32); give --format gguf --out FILE.gguf"
-            )))
+                    .into(),
+            ))
         }
         ExportFormat::Hf if ends_in_gguf(&args.out) => {
             return Err(refuse(format!(
