@@ -1238,7 +1238,13 @@ pub fn hash_u32(v: u32) -> u32 {
 /// Which of `len` elements (viewed as [len / cols, cols], `rows_per_example`
 /// rows to an example) `dropout_forward` keeps under `mask` with the
 /// control words `control` (key, on, first example): all when off.
-pub fn dropout_keeps(mask: &DropoutMask, control: &[u32], len: usize, cols: usize, rows_per_example: usize) -> Vec<bool> {
+pub fn dropout_keeps(
+    mask: &DropoutMask,
+    control: &[u32],
+    len: usize,
+    cols: usize,
+    rows_per_example: usize,
+) -> Vec<bool> {
     let word = |i: usize| control.get(i).copied().unwrap_or(0);
     if word(1) == 0 {
         return vec![true; len];
@@ -1270,7 +1276,13 @@ pub fn dropout<T: Real>(mask: &DropoutMask, x: &[T], control: &[u32], cols: usiz
     dropout_keeps(mask, control, x.len(), cols.max(1), rows_per_example)
         .into_iter()
         .zip(x)
-        .map(|(keep, &v)| if keep { T::from_f64(scale * v.into()) } else { T::default() })
+        .map(|(keep, &v)| {
+            if keep {
+                T::from_f64(scale * v.into())
+            } else {
+                T::default()
+            }
+        })
         .collect()
 }
 

@@ -44,12 +44,12 @@ pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
 pub use crate::ops::NO_TOKEN;
-pub use crate::ops::{DropoutMask, DROPOUT_CONTROL_WORDS};
 pub use crate::ops::{
     pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape,
     FlashAttentionShape, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QkvLayout, QuantFormat, RopeLayout,
     RopeShape, SgdConfig, Unary,
 };
+pub use crate::ops::{DropoutMask, DROPOUT_CONTROL_WORDS};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 

@@ -45,10 +45,13 @@
 //! stores what each stage's backward reads in f16 (boundaries stay f32),
 //! and one loss scale serves every device as in [`super::zero`].
 //!
-//! The flat arena packs every parameter once, weight-decayed first, in
-//! the order the stages declare them (the single-device executor's
-//! order), so parameters and moments read, save and load under
-//! single-device names.
+//! The flat arena packs every trainable parameter once, weight-decayed
+//! first, in the order the stages declare them (the single-device
+//! executor's order), so parameters and moments read, save and load under
+//! single-device names. Frozen parameters (a LoRA adapter's base) have no
+//! gradient and no state: each device keeps them whole in a buffer of
+//! their own and copies a stage's into its pool on the device, so only
+//! the trainable ones are sharded, reduce-scattered and gathered.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -187,8 +190,8 @@ fn declared_parameters<'g>(
     for g in graphs {
         for p in g.parameters() {
             let node = g.node(p);
-            let known = trainable.iter().any(|(name, _, _)| *name == node.name)
-                || frozen.iter().any(|f| f.name == node.name);
+            let known =
+                trainable.iter().any(|(name, _, _)| *name == node.name) || frozen.iter().any(|f| f.name == node.name);
             if known {
                 continue;
             }
@@ -480,9 +483,9 @@ impl ZeroStages {
         &self.shards
     }
 
-    /// The frozen parameters among `params` with the words their buffers
-    /// take, each checked (an f32 one of its shape: the others are read
-    /// from their files, not loaded).
+    /// The frozen parameters among `params`, each with its new values,
+    /// checked: only an f32 one loads (an f16 or block-quantized base
+    /// comes from its file).
     fn frozen_words_of<'p>(
         &self,
         params: &'p [(String, Vec<usize>, Vec<f32>)],
@@ -490,12 +493,18 @@ impl ZeroStages {
         let op = "ZeroStages::load_state";
         params
             .iter()
-            .filter_map(|(name, shape, values)| self.frozen.iter().find(|f| &f.name == name).map(|f| (f, shape, values)))
+            .filter_map(|(name, shape, values)| {
+                self.frozen.iter().find(|f| &f.name == name).map(|f| (f, shape, values))
+            })
             .map(|(f, shape, values)| {
                 if f.dtype != DType::F32 {
                     return Err(Error::InvalidArgument {
                         op,
-                        reason: format!("frozen parameter `{}` holds {}: it loads from its file", f.name, f.dtype.describe()),
+                        reason: format!(
+                            "frozen parameter `{}` holds {}: it loads from its file",
+                            f.name,
+                            f.dtype.describe()
+                        ),
                     });
                 }
                 if *shape != f.shape || values.len() != f.words {
@@ -998,7 +1007,10 @@ fn frozen_values(f: &FrozenSpan, words: &[f32]) -> Result<Vec<f32>> {
         DType::F32 | DType::U32 => Ok(stored.to_vec()),
         DType::F16 => {
             let bits: Vec<u32> = stored.iter().map(|v| v.to_bits()).collect();
-            Ok(crate::kernels::unpack_f16(&bits, len).iter().map(|h| h.to_f32()).collect())
+            Ok(crate::kernels::unpack_f16(&bits, len)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect())
         }
         DType::Quant(_) => Err(Error::InvalidArgument {
             op: "ZeroStages::parameters",
@@ -1095,7 +1107,10 @@ impl TrainEngine for ZeroStages {
         let host = stage_state(self.optimizer.state_names(), self.flat_len, &self.spans, state)?;
         let mut flat = self.flat_on_host(|d| self.shard_params(d))?;
         let frozen = self.frozen_words_of(params)?;
-        for (name, shape, values) in params.iter().filter(|(n, _, _)| !self.frozen.iter().any(|f| &f.name == n)) {
+        for (name, shape, values) in params
+            .iter()
+            .filter(|(n, _, _)| !self.frozen.iter().any(|f| &f.name == n))
+        {
             let span = self
                 .spans
                 .iter()

@@ -105,7 +105,9 @@ fn split_batches_and_rows_draw_the_whole_mask() {
         let second = run(k, mask, &x[half..], [11, 1, 3, 0], cols, rows_per_example)?;
         assert_eq!([first, second].concat(), whole, "a batch split by examples");
         let columns = |start: usize, width: usize| -> Vec<f32> {
-            x.chunks(cols).flat_map(|row| row[start..start + width].to_vec()).collect()
+            x.chunks(cols)
+                .flat_map(|row| row[start..start + width].to_vec())
+                .collect()
         };
         let share = |col_offset| DropoutMask { col_offset, ..mask };
         let left = run(k, share(0), &columns(0, 6), control, 6, rows_per_example)?;
@@ -128,7 +130,12 @@ fn dropout_refuses_what_it_cannot_draw() {
         let cases = [
             (DropoutMask::whole(1.0, 0, 4), 4, 1, "must be in [0, 1)"),
             (DropoutMask::whole(f32::NAN, 0, 4), 4, 1, "must be in [0, 1)"),
-            (DropoutMask { col_offset: 2, ..half }, 4, 1, "do not lie within rows of 4"),
+            (
+                DropoutMask { col_offset: 2, ..half },
+                4,
+                1,
+                "do not lie within rows of 4",
+            ),
             (DropoutMask::whole(0.5, 0, 5), 5, 1, "x must be rows × 5"),
             (half, 4, 0, "0 rows per example"),
         ];

@@ -551,6 +551,13 @@ mod engines {
             .map(|(ids, t)| zero.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
             .collect();
         assert_losses("ZeRO-2", &got, &want);
+        // What a run saves: the adapters from the shards and the frozen base.
+        let names: Vec<String> = TrainEngine::parameters(&zero)
+            .unwrap()
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        assert!(m.named_parameters().iter().all(|(n, _)| names.contains(n)), "{names:?}");
         let mut p = Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::OneFOneB).unwrap();
         let got: Vec<f32> = batches()
             .iter()
@@ -566,10 +573,7 @@ mod engines {
     /// equal one device's, the adapters gathered whole at the end.
     #[test]
     fn lora_trains_alike_under_tensor_parallel() {
-        let groups = open_groups(
-            "lora_trains_alike_under_tensor_parallel",
-            &[DeviceSelection::Count(2)],
-        );
+        let groups = open_groups("lora_trains_alike_under_tensor_parallel", &[DeviceSelection::Count(2)]);
         let Some(group) = groups.first() else { return };
         let m = lora_model();
         let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
@@ -585,8 +589,14 @@ mod engines {
             common::columns_held(&tp, &format!("{layer}.self_attn.o_proj.lora_A.weight")),
             [8, 8]
         );
-        assert_eq!(common::rows_held(&tp, &format!("{layer}.mlp.up_proj.lora_B.weight")), [11, 11]);
-        assert_eq!(common::columns_held(&tp, &format!("{layer}.mlp.down_proj.lora_A.weight")), [11, 11]);
+        assert_eq!(
+            common::rows_held(&tp, &format!("{layer}.mlp.up_proj.lora_B.weight")),
+            [11, 11]
+        );
+        assert_eq!(
+            common::columns_held(&tp, &format!("{layer}.mlp.down_proj.lora_A.weight")),
+            [11, 11]
+        );
         let Holding::Stages(spread, _) = tp.holding() else {
             panic!("tensor parallel holds the model across stages")
         };
@@ -595,7 +605,11 @@ mod engines {
             replicated.iter().all(|n| n.contains(".lora_")),
             "only adapter gradients are summed over the devices: {replicated:?}"
         );
-        assert_eq!(replicated.len(), 14, "the unsplit A or B of every adapter: {replicated:?}");
+        assert_eq!(
+            replicated.len(),
+            14,
+            "the unsplit A or B of every adapter: {replicated:?}"
+        );
         let got: Vec<f32> = batches()
             .iter()
             .map(|(ids, t)| tp.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
@@ -626,7 +640,7 @@ mod sharded_and_dropout {
     use wgrad::parallel::memory::{strategy_memory, Planning};
     use wgrad::parallel::pipeline::{Pipeline, Schedule};
     use wgrad::parallel::tensor::TensorParallel;
-    use wgrad::parallel::zero::ZeroStage;
+    use wgrad::parallel::zero::{Zero, ZeroStage};
     use wgrad::parallel::zero_stages::ZeroStages;
     use wgrad::parallel::DeviceSelection;
     use wgrad::Examples;
@@ -663,7 +677,10 @@ mod sharded_and_dropout {
     /// plans equals what the engine allocates.
     #[test]
     fn lora_trains_alike_under_zero_stage_by_stage() {
-        let groups = open_groups("lora_trains_alike_under_zero_stage_by_stage", &[DeviceSelection::Count(2)]);
+        let groups = open_groups(
+            "lora_trains_alike_under_zero_stage_by_stage",
+            &[DeviceSelection::Count(2)],
+        );
         let Some(group) = groups.first() else { return };
         let m = lora_model(0.0);
         let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
@@ -689,7 +706,10 @@ mod sharded_and_dropout {
                 .map(|(ids, t)| z.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
                 .collect();
             assert_losses(&what, &got, &want);
-            let (got, want) = (TrainEngine::parameters(&z).unwrap(), single.executor().parameters().unwrap());
+            let (got, want) = (
+                TrainEngine::parameters(&z).unwrap(),
+                single.executor().parameters().unwrap(),
+            );
             // The base: what it was, bit for bit.
             for (name, _, values) in m.parameter_values() {
                 if !name.contains(".lora_") {
@@ -703,7 +723,8 @@ mod sharded_and_dropout {
     }
 
     /// Dropout 0.1 on every adapter's input: each engine draws one
-    /// device's masks (its rows' under data parallel and ZeRO, its
+    /// device's masks (its rows' under data parallel and ZeRO (whole-arena
+    /// and stage by stage), its
     /// micro-batches' in the pipeline, its columns' beside a row-parallel
     /// Linear), so ten steps give one device's losses; evaluation draws
     /// none, as the dropout-free model's loss shows.
@@ -761,6 +782,21 @@ mod sharded_and_dropout {
             (
                 "pipeline",
                 Box::new(Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::GPipe).unwrap()),
+            ),
+            (
+                "ZeRO-1",
+                Box::new(
+                    Zero::new(
+                        group,
+                        &m,
+                        CrossEntropyLoss,
+                        optimizer(),
+                        BATCH,
+                        ZeroStage::OptimizerState,
+                        Some(vec![1, 3]),
+                    )
+                    .unwrap(),
+                ),
             ),
         ];
         let after = single

@@ -4,11 +4,11 @@
 //! and the f32 <-> f16 storage casts of mixed precision
 //! (`graph/precision.rs` decides where they go).
 
+use super::SourceOp;
 use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
-use super::SourceOp;
 use crate::kernels::{Activation, Binary, Dispatch, DropoutMask, F16View, Unary, DROPOUT_CONTROL_WORDS};
 use crate::ops::broadcast_shape;
 
@@ -92,7 +92,14 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::LoadF16 => k.from_f16(out, F16View::new(x, out.len)?),
             ElementwiseOp::Dropout(mask) => {
                 let shape = cx.shape();
-                k.dropout(*mask, out, x, cx.input(1)?, flat_rows_cols(shape).1, rows_per_example(shape))
+                k.dropout(
+                    *mask,
+                    out,
+                    x,
+                    cx.input(1)?,
+                    flat_rows_cols(shape).1,
+                    rows_per_example(shape),
+                )
             }
         }
     }
@@ -178,7 +185,13 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::Dropout(mask) => {
                 let control: Vec<u32> = cx.input(1)?.iter().map(|&w| w as u32).collect();
                 let shape = cx.shape();
-                Ok(cpu::dropout(mask, x, &control, flat_rows_cols(shape).1, rows_per_example(shape)))
+                Ok(cpu::dropout(
+                    mask,
+                    x,
+                    &control,
+                    flat_rows_cols(shape).1,
+                    rows_per_example(shape),
+                ))
             }
             // The parameter's gradient so far (zeroed before the step): the
             // previous accumulation into it, plus this contribution.
