@@ -247,76 +247,10 @@ pub(crate) fn trainable(name: &str) -> Option<bool> {
     })
 }
 
-/// The active scope's adapter for the Linear at `prefix` (whole [out,
-/// in]), its scale and dropout, when that Linear carries one; the Linear
-/// noted when the scope is listing them (`y`, its output).
-fn adapter_for(
-    prefix: &str,
-    y: Tensor,
-    in_features: usize,
-    out_features: usize,
-) -> Result<Option<(f32, f32, LoraAdapter)>> {
-    SCOPE.with(|s| match &mut *s.borrow_mut() {
-        None => Ok(None),
-        Some(Scope::Record(sites)) => {
-            let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
-            sites.push((
-                LinearSite {
-                    module,
-                    in_features,
-                    out_features,
-                },
-                y,
-            ));
-            Ok(None)
-        }
-        Some(Scope::Apply {
-            root,
-            scale,
-            dropout,
-            adapters,
-        }) => {
-            let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
-            let module = local.strip_suffix('.').unwrap_or(local);
-            let Some(a) = adapters.iter().find(|a| a.module == module) else {
-                return Ok(None);
-            };
-            if (a.in_features, a.out_features) != (in_features, out_features) {
-                return Err(Error::shape(
-                    "LoRA",
-                    format!(
-                        "the adapter of `{module}` is [{}, {}] but the Linear is [{out_features}, {in_features}]",
-                        a.out_features, a.in_features
-                    ),
-                    &[&[a.out_features, a.in_features], &[out_features, in_features]],
-                ));
-            }
-            Ok(Some((*scale, *dropout, a.clone())))
-        }
-    })
-}
-
-/// A number telling one adapter's dropout masks from another's (FNV-1a of
-/// its module name): q, k and v read the same input with masks of their
-/// own, as PEFT's separate `lora_dropout` modules draw.
-fn dropout_salt(module: &str) -> u32 {
-    module
-        .bytes()
-        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
-}
-
 /// `y` (the Linear at `prefix`'s output, of x [.., in]) with the active
 /// adapter's path added, when that Linear carries one; noted when the
-/// scope is listing Linears.
-///
-/// Under tensor parallelism (`y` a rank's share of the Linear,
-/// [`shard::linear_share`]) the adapter splits with its layer: beside a
-/// column-parallel share (some output rows) B keeps the same rows and A
-/// stays whole; beside a row-parallel one (some input columns) A keeps the
-/// same columns and B stays whole, so each rank's path yields a partial
-/// sum that the base's all-reduce adds up with the base's. The whole
-/// matrix on every rank is a replicated parameter, whose gradient the
-/// engine sums over the ranks.
+/// scope is listing Linears. Under tensor parallelism `y` is a rank's
+/// share of the Linear, and the adapter splits with it ([`share_of`]).
 pub(crate) fn adapt(
     g: &mut Graph,
     x: Tensor,
@@ -327,44 +261,73 @@ pub(crate) fn adapt(
 ) -> Result<Tensor> {
     let share = shard::linear_share(prefix);
     let [whole_out, whole_in] = share.as_ref().map_or([out_features, in_features], |(whole, _)| *whole);
-    let Some((scale, dropout, adapter)) = adapter_for(prefix, y, whole_in, whole_out)? else {
+    let found = SCOPE.with(|s| -> Result<Option<(String, f32, f32, LoraAdapter)>> {
+        match &mut *s.borrow_mut() {
+            None => Ok(None),
+            Some(Scope::Record(sites)) => {
+                let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
+                sites.push((
+                    LinearSite {
+                        module,
+                        in_features,
+                        out_features,
+                    },
+                    y,
+                ));
+                Ok(None)
+            }
+            Some(Scope::Apply {
+                root,
+                scale,
+                dropout,
+                adapters,
+            }) => {
+                let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
+                let module = local.strip_suffix('.').unwrap_or(local);
+                let Some(a) = adapters.iter().find(|a| a.module == module) else {
+                    return Ok(None);
+                };
+                if (a.in_features, a.out_features) != (whole_in, whole_out) {
+                    return Err(Error::shape(
+                        "LoRA",
+                        format!(
+                            "the adapter of `{module}` is [{}, {}] but the Linear is [{whole_out}, {whole_in}]",
+                            a.out_features, a.in_features
+                        ),
+                        &[&[a.out_features, a.in_features], &[whole_out, whole_in]],
+                    ));
+                }
+                Ok(Some((prefix.to_string(), *scale, *dropout, a.clone())))
+            }
+        }
+    })?;
+    let Some((prefix, scale, dropout, adapter)) = found else {
         return Ok(y);
     };
-    let mut col_offset = 0;
-    let r = adapter.a.len() / whole_in.max(1);
-    let (a_name, b_name) = (format!("{prefix}lora_A.weight"), format!("{prefix}lora_B.weight"));
-    let (a_shape, b_shape) = (vec![r, whole_in], vec![whole_out, r]);
-    let (a_values, b_values) = match share.map(|(_, slice)| slice) {
-        None => (adapter.a, adapter.b),
-        Some(rows @ Slice::Rows(_)) => {
-            let b = rows.take(&adapter.b, &b_shape);
-            shard::record_slice(b_name.clone(), b_shape, rows);
-            (adapter.a, b)
-        }
-        Some(columns @ Slice::Columns(_)) => {
-            if let Slice::Columns(range) = &columns {
-                col_offset = range.start;
-            }
-            let a = columns.take(&adapter.a, &a_shape);
-            shard::record_slice(a_name.clone(), a_shape, columns);
-            (a, adapter.b)
-        }
-    };
-    if a_values.len() != r * in_features || b_values.len() != out_features * r {
-        return Err(Error::Internal {
-            op: "LoRA",
-            reason: format!("`{prefix}`'s adapter share does not fit its Linear's [{out_features}, {in_features}]"),
-        });
-    }
-    let a = declare_parameter(g, a_name, &[r, in_features], &a_values, false)?;
-    let b = declare_parameter(g, b_name, &[out_features, r], &b_values, false)?;
+    let module = adapter.module.clone();
+    let (adapter, col_offset) = share_of(adapter, share, &prefix, [out_features, in_features])?;
+    let r = adapter.a.len() / in_features.max(1);
+    let a = declare_parameter(
+        g,
+        format!("{prefix}lora_A.weight"),
+        &[r, in_features],
+        &adapter.a,
+        false,
+    )?;
+    let b = declare_parameter(
+        g,
+        format!("{prefix}lora_B.weight"),
+        &[out_features, r],
+        &adapter.b,
+        false,
+    )?;
     // PEFT's lora_dropout on the adapter's input, where a graph trains
     // (generation's cached forward never does); a row-parallel share's
     // columns draw the whole input's mask where they lie in it.
     let x = if dropout > 0.0 && super::causal_lm::cache_pass().is_none() {
         let mask = DropoutMask {
             p: dropout,
-            salt: dropout_salt(&adapter.module),
+            salt: dropout_salt(&module),
             row_width: whole_in,
             col_offset,
         };
@@ -380,6 +343,66 @@ pub(crate) fn adapt(
     let scaled = g.scale(up, scale)?;
     let delta = g.reshape(scaled, &shape)?;
     g.add(y, delta)
+}
+
+/// A number telling one adapter's dropout masks from another's (FNV-1a of
+/// its module name): q, k and v read the same input with masks of their
+/// own, as PEFT's separate `lora_dropout` modules draw.
+fn dropout_salt(module: &str) -> u32 {
+    module
+        .bytes()
+        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+/// The adapter's share beside a tensor-parallel share of its Linear
+/// (`share`: the whole Linear's [out, in] and where the rank's weight lies,
+/// [`shard::linear_share`]; none: the whole adapter), which runs `local`
+/// [out, in]; and where the share's input columns start. Beside a
+/// column-parallel share (some output rows) B keeps the same rows and A
+/// stays whole; beside a row-parallel one (some input columns) A keeps the
+/// same columns and B stays whole, so each rank's path is a partial sum
+/// that the base's all-reduce adds up with the base's. The split matrix is
+/// noted for the engine; the whole one, on every rank, is a replicated
+/// parameter whose gradient the engine sums over the ranks.
+fn share_of(
+    adapter: LoraAdapter,
+    share: Option<([usize; 2], Slice)>,
+    prefix: &str,
+    local: [usize; 2],
+) -> Result<(LoraAdapter, usize)> {
+    let Some(([out, input], slice)) = share else {
+        return Ok((adapter, 0));
+    };
+    let r = adapter.a.len() / input.max(1);
+    let (mut a, mut b, mut col_offset) = (adapter.a, adapter.b, 0);
+    match &slice {
+        Slice::Rows(_) => {
+            b = slice.take(&b, &[out, r]);
+            shard::record_slice(format!("{prefix}lora_B.weight"), vec![out, r], slice);
+        }
+        Slice::Columns(columns) => {
+            col_offset = columns.start;
+            a = slice.take(&a, &[r, input]);
+            shard::record_slice(format!("{prefix}lora_A.weight"), vec![r, input], slice);
+        }
+    }
+    let [local_out, local_in] = local;
+    if a.len() != r * local_in || b.len() != local_out * r {
+        return Err(Error::Internal {
+            op: "LoRA",
+            reason: format!("`{prefix}`'s adapter share does not fit its Linear's [{local_out}, {local_in}]"),
+        });
+    }
+    Ok((
+        LoraAdapter {
+            a,
+            b,
+            in_features: local_in,
+            out_features: local_out,
+            ..adapter
+        },
+        col_offset,
+    ))
 }
 
 /// Every Linear `model`'s forward runs, in order, and the output head (the

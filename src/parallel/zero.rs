@@ -543,7 +543,12 @@ impl Zero {
         if let Some(scale) = scale {
             self.seed_loss(scale)?;
         }
-        let first = self.process_first_example();
+        // The replicas step no optimizer of their own: their dropout masks
+        // follow the shards' step count.
+        let (first, step) = (self.process_first_example(), self.optimizers[0].step_count());
+        for t in &mut self.replicas {
+            t.executor_mut().set_dropout_step(Some(step));
+        }
         backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets, first)?;
         self.release_parameters()?;
         let weights: Vec<f64> = self
@@ -675,8 +680,9 @@ impl Zero {
         self.replicas[0].executor().parameter_spans()
     }
 
-    /// Every parameter under its name, from every shard (collective
-    /// across processes).
+    /// Every parameter under its name: the trainable ones from every
+    /// shard (collective across processes), then the frozen ones (a LoRA
+    /// adapter's base), whole on every device, from device 0's.
     fn gather_named_parameters(&self) -> Result<NamedParameters> {
         let arena = self.whole_on_host(|i| {
             shard_of(
@@ -685,9 +691,9 @@ impl Zero {
                 &self.shards[i],
             )
         })?;
-        Ok(self
-            .spans()
-            .into_iter()
+        let spans = self.spans();
+        let mut all: NamedParameters = spans
+            .iter()
             .map(|p| {
                 (
                     p.name.clone(),
@@ -695,7 +701,17 @@ impl Zero {
                     arena[p.offset..p.offset + p.len()].to_vec(),
                 )
             })
-            .collect())
+            .collect();
+        let exec = self.replicas[0].executor();
+        if exec.plan().trainable_len < exec.plan().param_arena_len {
+            let frozen = exec.parameters().map_err(|e| on_device(0, &self.devices[0], e))?;
+            all.extend(
+                frozen
+                    .into_iter()
+                    .filter(|(n, _, _)| !spans.iter().any(|p| &p.name == n)),
+            );
+        }
+        Ok(all)
     }
 
     /// The optimizer state by parameter and state name, state by state,

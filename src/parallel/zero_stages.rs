@@ -45,10 +45,13 @@
 //! stores what each stage's backward reads in f16 (boundaries stay f32),
 //! and one loss scale serves every device as in [`super::zero`].
 //!
-//! The flat arena packs every parameter once, weight-decayed first, in
-//! the order the stages declare them (the single-device executor's
-//! order), so parameters and moments read, save and load under
-//! single-device names.
+//! The flat arena packs every trainable parameter once, weight-decayed
+//! first, in the order the stages declare them (the single-device
+//! executor's order), so parameters and moments read, save and load under
+//! single-device names. Frozen parameters (a LoRA adapter's base) have no
+//! gradient and no state: each device keeps them whole in a buffer of
+//! their own and copies a stage's into its pool on the device, so only
+//! the trainable ones are sharded, reduce-scattered and gathered.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -480,9 +483,9 @@ impl ZeroStages {
         &self.shards
     }
 
-    /// The frozen parameters among `params` with the words their buffers
-    /// take, each checked (an f32 one of its shape: the others are read
-    /// from their files, not loaded).
+    /// The frozen parameters among `params`, each with its new values,
+    /// checked: only an f32 one loads (an f16 or block-quantized base
+    /// comes from its file).
     fn frozen_words_of<'p>(
         &self,
         params: &'p [(String, Vec<usize>, Vec<f32>)],

@@ -551,6 +551,13 @@ mod engines {
             .map(|(ids, t)| zero.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
             .collect();
         assert_losses("ZeRO-2", &got, &want);
+        // What a run saves: the adapters from the shards and the frozen base.
+        let names: Vec<String> = TrainEngine::parameters(&zero)
+            .unwrap()
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        assert!(m.named_parameters().iter().all(|(n, _)| names.contains(n)), "{names:?}");
         let mut p = Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::OneFOneB).unwrap();
         let got: Vec<f32> = batches()
             .iter()
@@ -633,7 +640,7 @@ mod sharded_and_dropout {
     use wgrad::parallel::memory::{strategy_memory, Planning};
     use wgrad::parallel::pipeline::{Pipeline, Schedule};
     use wgrad::parallel::tensor::TensorParallel;
-    use wgrad::parallel::zero::ZeroStage;
+    use wgrad::parallel::zero::{Zero, ZeroStage};
     use wgrad::parallel::zero_stages::ZeroStages;
     use wgrad::parallel::DeviceSelection;
     use wgrad::Examples;
@@ -716,7 +723,8 @@ mod sharded_and_dropout {
     }
 
     /// Dropout 0.1 on every adapter's input: each engine draws one
-    /// device's masks (its rows' under data parallel and ZeRO, its
+    /// device's masks (its rows' under data parallel and ZeRO (whole-arena
+    /// and stage by stage), its
     /// micro-batches' in the pipeline, its columns' beside a row-parallel
     /// Linear), so ten steps give one device's losses; evaluation draws
     /// none, as the dropout-free model's loss shows.
@@ -774,6 +782,21 @@ mod sharded_and_dropout {
             (
                 "pipeline",
                 Box::new(Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::GPipe).unwrap()),
+            ),
+            (
+                "ZeRO-1",
+                Box::new(
+                    Zero::new(
+                        group,
+                        &m,
+                        CrossEntropyLoss,
+                        optimizer(),
+                        BATCH,
+                        ZeroStage::OptimizerState,
+                        Some(vec![1, 3]),
+                    )
+                    .unwrap(),
+                ),
             ),
         ];
         let after = single
