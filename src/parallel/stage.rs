@@ -736,12 +736,23 @@ impl Spread {
     /// Every parameter whole, in the model's order, from what `per_stage`
     /// read of each stage (name to values).
     fn gather(&self, per_stage: &[HashMap<String, Vec<f32>>]) -> Result<NamedParameters> {
+        self.gather_named(per_stage, |_| true)
+    }
+
+    /// [`Spread::gather`] over the names `wanted` keeps (the optimizer
+    /// state has none for a frozen parameter).
+    fn gather_named(
+        &self,
+        per_stage: &[HashMap<String, Vec<f32>>],
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<NamedParameters> {
         let missing = |name: &str| Error::InvalidArgument {
             op: "Spread",
             reason: format!("the stages' shares of `{name}` are missing or of the wrong size"),
         };
         self.names
             .iter()
+            .filter(|(name, _)| wanted(name))
             .map(|(name, shape)| {
                 let holders = (0..per_stage.len()).filter(|&i| self.held[i].contains(name));
                 let mut full: Option<Vec<f32>> = None;
@@ -795,6 +806,12 @@ impl Spread {
                     .map_err(|e| on_device(self.devices[i], &s.kernels, e))
             })
             .collect::<Result<Vec<_>>>()?;
+        // Frozen parameters (a LoRA base) are frozen on every stage alike.
+        let trainable: Vec<String> = stages
+            .iter()
+            .flat_map(|s| s.exec.parameter_spans())
+            .map(|span| span.name)
+            .collect();
         let mut all = Vec::new();
         for &state in first.exec.optimizer_state_names() {
             let of_state: Vec<HashMap<String, Vec<f32>>> = per_stage
@@ -807,7 +824,7 @@ impl Spread {
                 })
                 .collect();
             all.extend(
-                self.gather(&of_state)?
+                self.gather_named(&of_state, |name| trainable.iter().any(|t| t == name))?
                     .into_iter()
                     .map(|(name, _, values)| (name, state, values)),
             );
