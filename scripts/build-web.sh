@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the browser page (`make web-build`, and the headless-Chromium test
-# cli/tests/web_chromium.rs): wgrad-web for wasm32 in release, its
+# cli/tests/web_chromium.rs): wgrad-web for wasm32 (the `web` profile), its
 # JavaScript bindings by wasm-bindgen, and the static files beside them:
 #
 #   OUT/index.html, app.js, selftest.js     web/www
@@ -33,10 +33,13 @@ if [ "$have" != "$want" ]; then
     exit 3
 fi
 
-"$cargo" build --release -p wgrad-web --target wasm32-unknown-unknown --manifest-path "$root/Cargo.toml" >&2
+# The `web` profile: release, optimised as one unit and for size (Cargo.toml).
+"$cargo" build --profile web -p wgrad-web --target wasm32-unknown-unknown --manifest-path "$root/Cargo.toml" >&2
 mkdir -p "$out/pkg" "$out/data" "$out/models"
-wasm-bindgen --target web --no-typescript --out-dir "$out/pkg" \
-    "$target_dir/wasm32-unknown-unknown/release/wgrad_web.wasm"
+# The name section (0.8 MB of function names) only labels stack traces;
+# wgrad's errors and panics reach the console with their messages.
+wasm-bindgen --target web --no-typescript --remove-name-section --out-dir "$out/pkg" \
+    "$target_dir/wasm32-unknown-unknown/web/wgrad_web.wasm"
 cp "$root"/web/www/*.html "$root"/web/www/*.js "$out/"
 cp "$root/data/shakespeare.txt.gz" "$out/data/"
 

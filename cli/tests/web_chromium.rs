@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use wgrad::infer::generate::{Generator, GeneratorOptions, Sampling};
 use wgrad::models::Gpt;
 use wgrad::train::{language_model_run, LanguageModel, TrainConfig, TrainingRun, MAKE_TRAIN_GPT};
 use wgrad::{Device, DeviceOptions, Kernels, LimitsMode};
@@ -38,6 +39,8 @@ const TOKENS: usize = 16;
 /// The KV cache's positions on both sides (the chat turn fits).
 const CONTEXT: usize = 128;
 const PROMPT: &str = "The capital of France is";
+/// Characters of the trained GPT's sample compared.
+const SAMPLE: usize = 32;
 /// How long the page may take, from Chromium's start to the report.
 const PAGE_TIMEOUT: Duration = Duration::from_secs(420);
 /// Each step's loss, and the validation loss after the last, may differ
@@ -209,26 +212,44 @@ fn kill_chromium(child: &mut std::process::Child) {
     let _ = child.wait();
 }
 
-/// `wgrad train`'s default run on the native adapter for `STEPS` steps:
-/// each step's loss, then the validation loss.
-fn native_training(kernels: Arc<Kernels>) -> (Vec<f32>, f32) {
+/// What the native run gives after `STEPS` steps.
+struct NativeRun {
+    losses: Vec<f32>,
+    validation: f32,
+    /// `SAMPLE` characters after the prompt, as `wgrad train` samples.
+    sample: String,
+}
+
+/// `wgrad train`'s default run on the native adapter for `STEPS` steps.
+fn native_training(kernels: Arc<Kernels>) -> wgrad::Result<NativeRun> {
     let config = TrainConfig {
         seed: 0,
         ..language_model_run()
     };
     let task = LanguageModel::<Gpt>::new(MAKE_TRAIN_GPT);
-    let mut run = TrainingRun::with_kernels(kernels, config, task, &mut ()).unwrap();
-    let losses = (0..STEPS)
-        .map(|_| {
-            wgrad::device::wait("native step", run.step_async(true))
-                .unwrap()
-                .unwrap()
-        })
-        .collect();
-    let validation = wgrad::device::wait("native validation", run.validation_loss_async())
-        .unwrap()
-        .unwrap();
-    (losses, validation)
+    let mut run = TrainingRun::with_kernels(kernels.clone(), config, task, &mut ())?;
+    let mut losses = Vec::new();
+    for _ in 0..STEPS {
+        losses.push(run.step(true)?.expect("the loss was asked for"));
+    }
+    let validation = run.validation_loss()?.expect("a language model's validation loss");
+    let task = run.task();
+    let model = task.trained_model(run.engine(), run.model())?;
+    let tokenizer = task.text_tokenizer().expect("a prepared run's tokenizer");
+    let prompt = task.sample_prompt()?;
+    let mut generator = Generator::with_options(kernels, &model, &GeneratorOptions::default())?;
+    let sampling = Sampling {
+        temperature: 0.8,
+        top_k: Some(40),
+        top_p: None,
+        seed: 0,
+    };
+    let new = generator.generate(&tokenizer.encode(&prompt)?, SAMPLE, &sampling, |_| Ok(()))?;
+    Ok(NativeRun {
+        losses,
+        validation,
+        sample: prompt + &tokenizer.decode(&new)?,
+    })
 }
 
 /// `wgrad generate`'s greedy ids after the prompt, under WebGPU's limits.
@@ -261,8 +282,33 @@ fn native_greedy(model: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// Runs the page's self-test in headless Chromium; its report.
-fn page_report(chromium: &Path, site: &Path, query: &str) -> Value {
+/// CPU seconds the processes of group `group` have used so far (Linux's
+/// /proc; 0 elsewhere).
+fn group_cpu_seconds(group: u32) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    let ticks: u64 = entries
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter_map(|stat| {
+            // After the command's closing parenthesis: state, ppid, pgrp,
+            // ..., then utime, stime, and the reaped children's cutime and
+            // cstime (fields 14 to 17 of the whole line).
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+            (fields.get(2)?.parse::<u32>().ok()? == group)
+                .then(|| Some(ticks(11)? + ticks(12)? + ticks(13)? + ticks(14)?))
+                .flatten()
+        })
+        .sum();
+    // The kernel's USER_HZ, 100 on every Linux this runs on.
+    ticks as f64 / 100.0
+}
+
+/// Runs the page's self-test in headless Chromium; its report, and the CPU
+/// seconds Chromium's processes used.
+fn page_report(chromium: &Path, site: &Path, query: &str) -> (Value, f64) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let received = Arc::new(Mutex::new(Received::default()));
@@ -302,13 +348,14 @@ fn page_report(chromium: &Path, site: &Path, query: &str) -> Value {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
+    let cpu = group_cpu_seconds(child.id());
     kill_chromium(&mut child);
     let _ = std::fs::remove_dir_all(&profile);
     let Some(report) = report else {
         let browser_log = std::fs::read_to_string(&log_path).unwrap_or_default();
         panic!("no report from Chromium within {PAGE_TIMEOUT:?}; its log:\n{browser_log}");
     };
-    serde_json::from_str(&report).unwrap()
+    (serde_json::from_str(&report).unwrap(), cpu)
 }
 
 fn numbers(value: &Value) -> Vec<f64> {
@@ -356,9 +403,16 @@ fn the_page_trains_and_generates_in_chromium_as_the_native_engine_does() {
         Err(e) => panic!("{e}"),
     };
     let adapter = device.label();
-    let (losses, validation) = native_training(Arc::new(Kernels::new(device)));
-    let greedy = native_greedy(&model);
-    let native_seconds = started.elapsed().as_secs_f64();
+    // Native runs beside the build and the browser: each compiles its
+    // pipelines mostly on one thread.
+    let native = {
+        let model = model.clone();
+        std::thread::spawn(move || {
+            let run = native_training(Arc::new(Kernels::new(device)));
+            let greedy = native_greedy(&model);
+            (run, greedy, started.elapsed().as_secs_f64())
+        })
+    };
 
     let started = Instant::now();
     let site = scratch_dir("web-site");
@@ -375,10 +429,16 @@ fn the_page_trains_and_generates_in_chromium_as_the_native_engine_does() {
     );
     let build_seconds = started.elapsed().as_secs_f64();
     let file = model.file_name().unwrap().to_string_lossy();
-    let query = format!("selftest&steps={STEPS}&tokens={TOKENS}&context={CONTEXT}&model=models/{file}");
+    let query = format!("selftest&steps={STEPS}&sample={SAMPLE}&tokens={TOKENS}&context={CONTEXT}&model=models/{file}");
     let started = Instant::now();
-    let report = page_report(&chromium, &site, &query);
+    let (report, page_cpu) = page_report(&chromium, &site, &query);
     let page_seconds = started.elapsed().as_secs_f64();
+    let (run, greedy, native_seconds) = native.join().expect("the native run panicked");
+    let NativeRun {
+        losses,
+        validation,
+        sample,
+    } = run.unwrap();
     let printed = serde_json::to_string_pretty(&report).unwrap();
     assert!(
         report["error"].is_null(),
@@ -403,6 +463,17 @@ fn the_page_trains_and_generates_in_chromium_as_the_native_engine_does() {
         "the page's losses differ from native's by up to {worst:.2e} (validation {validation} vs {page_validation}), more than {LOSS_TOLERANCE}"
     );
 
+    // The same parameters and draws give the same characters.
+    eprintln!(
+        "  sample: native {sample:?}\n          page   {}",
+        report["train"]["sample"]
+    );
+    assert_eq!(
+        report["train"]["sample"],
+        sample.as_str(),
+        "the page's sample is not native's"
+    );
+
     let page_greedy: Vec<u32> = numbers(&report["generate"]["ids"])
         .iter()
         .map(|&id| id as u32)
@@ -424,7 +495,7 @@ fn the_page_trains_and_generates_in_chromium_as_the_native_engine_does() {
         "the streamed pieces are not the answer"
     );
     eprintln!(
-        "{test}: native {native_seconds:.1} s, build {build_seconds:.1} s, Chromium {page_seconds:.1} s (first step {:.1} s, {:.2} steps/s, decode {:.1} tokens/s)",
+        "{test}: native {native_seconds:.1} s, build {build_seconds:.1} s, Chromium {page_seconds:.1} s ({page_cpu:.0} s of CPU; first step {:.1} s, {:.2} steps/s, decode {:.1} tokens/s)",
         report["train"]["first_step_ms"].as_f64().unwrap_or(0.0) / 1e3,
         report["train"]["steps_per_s"].as_f64().unwrap_or(0.0),
         report["chat"]["decode_tokens_per_s"].as_f64().unwrap_or(0.0),

@@ -991,8 +991,13 @@ impl Executor {
     /// with a quantized parameter, whose values are its file's blocks (a
     /// GGUF reader decodes those).
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+        crate::device::wait("Executor::parameters", self.parameters_async())
+    }
+
+    /// [`Executor::parameters`], awaited.
+    pub async fn parameters_async(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
         self.no_quantized_parameter("Executor::parameters")?;
-        let all: Vec<f32> = self.kernels.read(self.params.view())?;
+        let all: Vec<f32> = self.kernels.read_async(self.params.view()).await?;
         Ok(self
             .plan
             .param_offsets

@@ -528,7 +528,14 @@ impl<M: TrainableLm> LanguageModel<M> {
     /// The model with the parameters `engine` trained so far (a
     /// fine-tuned one with its full context).
     pub fn trained_model(&self, engine: &dyn TrainEngine, model: &M) -> Result<M> {
-        let trained = model.with_parameters(&engine.parameters()?)?;
+        self.model_with(model, &engine.parameters()?)
+    }
+
+    /// The model with `params` (the engine's, as
+    /// `TrainingRun::parameters_async` reads them), a fine-tuned one with
+    /// its full context.
+    pub fn model_with(&self, model: &M, params: &NamedParameters) -> Result<M> {
+        let trained = model.with_parameters(params)?;
         match &self.init {
             Some(pretrained) => pretrained.uncropped(&trained),
             None => Ok(trained),

@@ -270,6 +270,10 @@ fn stepping_a_run_through_its_async_forms_equals_fit() {
             trained(&fitted)? == trained(&stepped)?,
             "the stepped run's parameters differ from fit's"
         );
+        // The page samples from the parameters read back without blocking.
+        let params = wgrad::device::wait("parameters_async", stepped.parameters_async())?;
+        assert!(params == stepped.engine().parameters()?);
+        assert!(stepped.task().model_with(stepped.model(), &params)? == trained(&stepped)?);
         Ok(())
     });
 }

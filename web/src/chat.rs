@@ -7,6 +7,12 @@
 //! turn renders the whole conversation through the template and feeds
 //! only what follows the part the cache holds.
 
+// A call's `RefCell` borrow, held across its awaits, is the object's
+// one-call-at-a-time lock: a second call takes it with `try_borrow_mut`
+// ([`crate::busy`]) and gets an error saying the object is busy, never a
+// panic.
+#![allow(clippy::await_holding_refcell_ref)]
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;

@@ -3,6 +3,12 @@
 //! by the library's one training run and stepped one awaited step at a
 //! time, so the page draws between steps.
 
+// A call's `RefCell` borrow, held across its awaits, is the object's
+// one-call-at-a-time lock: a second call takes it with `try_borrow_mut`
+// ([`crate::busy`]) and gets an error saying the object is busy, never a
+// panic.
+#![allow(clippy::await_holding_refcell_ref)]
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -162,7 +168,8 @@ async fn sample(
         return Err(invalid("GptTrainer::sample", "ask for at least 1 token".into()));
     }
     let task = run.task();
-    let model = task.trained_model(run.engine(), run.model()).map_err(js_error)?;
+    let params = run.parameters_async().await.map_err(js_error)?;
+    let model = task.model_with(run.model(), &params).map_err(js_error)?;
     let tokenizer = task
         .text_tokenizer()
         .ok_or_else(|| invalid("GptTrainer::sample", "the run has no tokenizer".into()))?;

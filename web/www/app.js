@@ -105,7 +105,11 @@ function drawChart() {
     g.beginPath(); g.moveTo(pad.l, y(v)); g.lineTo(w - pad.r, y(v)); g.stroke();
     g.fillText(v.toFixed(1), 8, y(v) + 4);
   }
-  for (let s = 0; s <= last; s += 125) g.fillText(String(s), x(s) - 8, h - 8);
+  for (let s = 0; s <= last; s += 125) {
+    g.textAlign = s === 0 ? 'left' : s + 125 > last ? 'right' : 'center';
+    g.fillText(String(s), x(s), h - 8);
+  }
+  g.textAlign = 'left';
   const line = (points, color, dots) => {
     g.strokeStyle = color; g.fillStyle = color; g.lineWidth = 1.5;
     g.beginPath();

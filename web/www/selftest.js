@@ -2,7 +2,7 @@
 // test (cli/tests/web_chromium.rs) drives, and what a person can open to see
 // that a browser runs wgrad. Under WebGPU's default limits it trains the
 // GPT for `steps` steps (default 20) reading every loss, takes the
-// validation loss, then with the GGUF file at `model` (when given) generates
+// validation loss and a `sample`-character sample (default 32), then with the GGUF file at `model` (when given) generates
 // `tokens` greedy tokens (default 16) after "The capital of France is" and
 // answers one chat turn. The report is shown on the page and POSTed to
 // /report (the test's server; elsewhere the POST fails quietly).
@@ -33,6 +33,9 @@ async function training(gpu, params, report) {
   const t = performance.now();
   report.train.validation = await trainer.evaluate();
   report.train.validation_ms = performance.now() - t;
+  const s = performance.now();
+  report.train.sample = await trainer.sample(Number(params.get('sample') || 32), null);
+  report.train.sample_ms = performance.now() - s;
   trainer.free();
 }
 
