@@ -889,6 +889,12 @@ impl Generator {
         self.context
     }
 
+    /// The most rows one prefill pass runs: a longer prompt is prefilled
+    /// in chunks of this many ([`GeneratorOptions::prefill_chunk`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill.last().map_or(1, |p| p.rows)
+    }
+
     /// Sequences (slots) the caches hold.
     pub fn sequences(&self) -> usize {
         self.sequences
@@ -978,7 +984,7 @@ impl Generator {
     /// writes. `held` ends as the caches will hold after the last pass.
     fn feed_rows(&mut self, op: &'static str, held: &mut [Vec<u32>], tokens: &[&[u32]]) -> Result<(usize, usize)> {
         self.check_rows(op, held, tokens)?;
-        let chunk = self.prefill.last().map_or(1, |p| p.rows);
+        let chunk = self.prefill_chunk();
         let mut fed = vec![0; tokens.len()];
         let mut first_written = usize::MAX;
         loop {
