@@ -1200,6 +1200,10 @@ impl Generator {
     /// what each cache held; `cached` says what the caches will hold.
     fn feed_prompts(&mut self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
         let mut held = vec![Vec::new(); prompts.len()];
+        self.check_rows(op, &held, prompts)?;
+        // The caches are being replaced: a failure between chunks leaves
+        // them holding nothing that counts.
+        self.cached.iter_mut().for_each(Vec::clear);
         let (pass, _) = self.feed_rows(op, &mut held, prompts)?;
         self.cached = held;
         Ok(pass)
