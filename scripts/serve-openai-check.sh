@@ -7,6 +7,7 @@
 #   scripts/serve-openai-check.sh --model ~/.cache/wgrad/models/SmolLM2-135M-Instruct.Q4_1.gguf --expect Paris
 #   scripts/serve-openai-check.sh --wgrad target/release/wgrad   # that binary, no cargo build
 #   scripts/serve-openai-check.sh --completions-only --model ~/.cache/wgrad/models/gemma-3-270m-q4_k_m.gguf --expect Paris
+#   scripts/serve-openai-check.sh --install-only       # make the client's venv and stop (CI's install step)
 #
 # --completions-only is for a base model without a chat template (Gemma 3
 # 270M): /v1/completions through the client, streamed and not, and the chat
@@ -25,6 +26,7 @@ expect=""
 max_context=256
 wgrad=""
 completions_only=""
+install_only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --model) model=$2; shift 2 ;;
@@ -32,7 +34,8 @@ while [ $# -gt 0 ]; do
         --max-context) max_context=$2; shift 2 ;;
         --wgrad) wgrad=$2; shift 2 ;;
         --completions-only) completions_only=1; shift ;;
-        *) echo "usage: $0 [--model FILE.gguf|FOLDER] [--expect WORD] [--max-context T] [--wgrad BINARY] [--completions-only]" >&2; exit 2 ;;
+        --install-only) install_only=1; shift ;;
+        *) echo "usage: $0 [--model FILE.gguf|FOLDER] [--expect WORD] [--max-context T] [--wgrad BINARY] [--completions-only] [--install-only]" >&2; exit 2 ;;
     esac
 done
 
@@ -52,6 +55,10 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai" 2>/dev
     "$venv/bin/pip" install --quiet --disable-pip-version-check openai
 fi
 py=$venv/bin/python
+if [ -n "$install_only" ]; then
+    echo "serve-openai-check: the openai client is in $venv"
+    exit 0
+fi
 
 if [ -z "$model" ]; then
     model=$work/tiny-llama.gguf

@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::ops::{
-    broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape,
+    broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, DropoutMask,
     FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig,
     Unary,
 };
@@ -1219,6 +1219,69 @@ pub fn unary<T: Real>(op: Unary, x: &[T]) -> Vec<T> {
                 Unary::Exp => v.exp(),
                 Unary::Rsqrt => 1.0 / v.sqrt(),
             })
+        })
+        .collect()
+}
+
+/// Twin of elementwise.wgsl's `hash_u32` (lowbias32), in wrapping u32
+/// arithmetic.
+pub fn hash_u32(v: u32) -> u32 {
+    let mut h = v;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x7feb_352d);
+    h ^= h >> 15;
+    h = h.wrapping_mul(0x846c_a68b);
+    h ^= h >> 16;
+    h
+}
+
+/// Which of `len` elements (viewed as [len / cols, cols], `rows_per_example`
+/// rows to an example) `dropout_forward` keeps under `mask` with the
+/// control words `control` (key, on, first example): all when off.
+pub fn dropout_keeps(
+    mask: &DropoutMask,
+    control: &[u32],
+    len: usize,
+    cols: usize,
+    rows_per_example: usize,
+) -> Vec<bool> {
+    let word = |i: usize| control.get(i).copied().unwrap_or(0);
+    if word(1) == 0 {
+        return vec![true; len];
+    }
+    let cols = cols.max(1);
+    let stream = hash_u32(hash_u32(word(0)) ^ mask.salt);
+    let threshold = mask.threshold();
+    (0..len)
+        .map(|i| {
+            let row = word(2)
+                .wrapping_mul(rows_per_example as u32)
+                .wrapping_add((i / cols) as u32);
+            let element = row
+                .wrapping_mul(mask.row_width as u32)
+                .wrapping_add(mask.col_offset as u32)
+                .wrapping_add((i % cols) as u32);
+            hash_u32(hash_u32(element ^ stream).wrapping_add(stream)) >= threshold
+        })
+        .collect()
+}
+
+/// Twin of `dropout_forward` (and of its backward, over dy): kept elements
+/// times 1/(1 − p), the others 0; x itself when the control's `on` word is 0.
+pub fn dropout<T: Real>(mask: &DropoutMask, x: &[T], control: &[u32], cols: usize, rows_per_example: usize) -> Vec<T> {
+    if control.get(1).copied().unwrap_or(0) == 0 {
+        return x.to_vec();
+    }
+    let scale = f64::from(mask.scale());
+    dropout_keeps(mask, control, x.len(), cols.max(1), rows_per_example)
+        .into_iter()
+        .zip(x)
+        .map(|(keep, &v)| {
+            if keep {
+                T::from_f64(scale * v.into())
+            } else {
+                T::default()
+            }
         })
         .collect()
 }

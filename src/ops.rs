@@ -899,6 +899,81 @@ pub fn check_norm_eps(op: &'static str, eps: f32) -> Result<()> {
     Ok(())
 }
 
+/// Dropout's mask (inverted dropout, as `torch.nn.Dropout` in training):
+/// each element of x is zeroed with probability `p` and the others are
+/// multiplied by 1/(1 − p). The mask is a counter-based hash, not a stored
+/// tensor (the backward draws it again): of the run's key, the op's `salt`
+/// and the element's number in the whole tensor. x is viewed as [rows,
+/// cols] (cols its last dimension, its first dimension counting examples);
+/// element (r, c) is number `(first_example · rows_per_example + r) ·
+/// row_width + col_offset + c`, where `first_example` (a control word) says
+/// where a device's rows of a split batch start and `row_width`,
+/// `col_offset` where a tensor-parallel share's columns lie in the whole
+/// rows: a split run draws the single device's mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutMask {
+    /// The probability of zeroing an element, in [0, 1).
+    pub p: f32,
+    /// Tells apart the masks of different sites drawn with one key (each
+    /// LoRA adapter's input).
+    pub salt: u32,
+    /// The whole rows' width: cols for a whole tensor.
+    pub row_width: usize,
+    /// Where this tensor's columns start in the whole rows: 0 for a whole
+    /// tensor.
+    pub col_offset: usize,
+}
+
+/// Words of a dropout control input, which the executor writes before
+/// each run (`Graph::dropout_control`): the run's key (the training step),
+/// whether dropout applies (0: the identity, as in evaluation), the number
+/// of the first example, and one unused.
+pub const DROPOUT_CONTROL_WORDS: usize = 4;
+
+impl DropoutMask {
+    /// A whole tensor's mask: rows `cols` wide.
+    pub fn whole(p: f32, salt: u32, cols: usize) -> Self {
+        DropoutMask {
+            p,
+            salt,
+            row_width: cols,
+            col_offset: 0,
+        }
+    }
+
+    /// `p` in [0, 1), and `cols` columns from `col_offset` within the rows.
+    pub fn check(&self, op: &'static str, cols: usize) -> Result<()> {
+        if !(self.p.is_finite() && (0.0..1.0).contains(&self.p)) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("the dropout probability must be in [0, 1), got {}", self.p),
+            });
+        }
+        let end = self.col_offset.checked_add(cols);
+        if cols == 0 || end.is_none_or(|e| e > self.row_width) || u32::try_from(self.row_width).is_err() {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{cols} columns from column {} do not lie within rows of {}",
+                    self.col_offset, self.row_width
+                ),
+                &[&[cols], &[self.row_width]],
+            ));
+        }
+        Ok(())
+    }
+
+    /// Elements whose hash is below this are zeroed: p · 2³².
+    pub fn threshold(&self) -> u32 {
+        (f64::from(self.p) * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
+    }
+
+    /// What a kept element is multiplied by: 1 / (1 − p), in f32.
+    pub fn scale(&self) -> f32 {
+        1.0 / (1.0 - self.p)
+    }
+}
+
 /// The NumPy broadcast of two shapes aligned at their trailing dimension:
 /// each pair of dimensions must be equal or one of them 1. None when they
 /// are incompatible. Shared by the broadcasting kernels, their CPU twins

@@ -114,7 +114,7 @@ pub struct GenerateArgs {
 
 /// A model behind `Box<dyn CausalLm>` as a model type of its own, so that
 /// adapters can wrap whichever family a file held.
-struct BoxedLm(Box<dyn CausalLm>);
+pub(crate) struct BoxedLm(pub(crate) Box<dyn CausalLm>);
 
 impl wgrad::nn::ParameterTree for BoxedLm {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
@@ -138,6 +138,12 @@ impl wgrad::nn::Module for BoxedLm {
     }
     fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
         self.0.input(g, batch)
+    }
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        self.0.permuted_rows()
+    }
+    fn hf_module_prefix(&self) -> &'static str {
+        self.0.hf_module_prefix()
     }
 }
 
@@ -168,17 +174,20 @@ pub(crate) fn with_adapter(
     let Some((dir, scale)) = adapter else {
         return Ok(model);
     };
+    Ok(Box::new(read_adapter(dir, scale)?.apply(BoxedLm(model))?))
+}
+
+/// The PEFT adapter folder `dir` with its output scaled by `scale` (B
+/// scaled: the same product as scaling alpha / r).
+pub(crate) fn read_adapter(dir: &Path, scale: f32) -> wgrad::Result<wgrad::io::peft::PeftAdapter> {
     if !scale.is_finite() {
-        return Err(invalid(
-            "generate --lora-scale",
-            format!("{scale} is not a finite number"),
-        ));
+        return Err(invalid("--lora-scale", format!("{scale} is not a finite number")));
     }
     let mut peft = wgrad::io::peft::read(dir)?;
     for a in &mut peft.adapters {
         a.b.iter_mut().for_each(|v| *v *= scale);
     }
-    Ok(Box::new(peft.apply(BoxedLm(model))?))
+    Ok(peft)
 }
 
 /// `--dtype`.

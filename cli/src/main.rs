@@ -4,6 +4,7 @@
 mod bench;
 mod chat;
 mod common;
+mod export;
 mod generate;
 mod infer;
 mod kernels;
@@ -62,6 +63,10 @@ enum Command {
     /// /v1/models, /health), streaming, with continuous batching of
     /// --max-batch requests on the GPU.
     Serve(Box<serve::ServeArgs>),
+    /// Merge a LoRA adapter into its base model and write the result: a
+    /// Hugging Face folder (transformers loads it) or a GGUF file (F16,
+    /// Q8_0, Q4_0, Q4_1 or F32 matrices; llama.cpp runs it).
+    Export(Box<export::ExportArgs>),
     /// A model's mean next-token loss and perplexity over a text, as
     /// llama.cpp's llama-perplexity reports it: non-overlapping windows
     /// of --context tokens, each scoring the predictions of its second
@@ -203,6 +208,7 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::chat(&opts, args),
         Command::Serve(args) => serve::serve(&opts, args),
         Command::Perplexity(args) => perplexity::perplexity(&opts, args),
+        Command::Export(args) => export::export(args),
         Command::Bench {
             quick,
             compile,

@@ -24,7 +24,7 @@ use wgrad::kernels::{
     QkvLayout, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS,
     SUBGROUP_MATMUL_LANES,
 };
-use wgrad::kernels::{MatmulKernel, MatmulOperand, MatmulRequest};
+use wgrad::kernels::{DropoutMask, MatmulKernel, MatmulOperand, MatmulRequest};
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
 /// Expected values of one output as the browser compares them.
@@ -238,6 +238,7 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         (&["div_forward"], Web, |c| binary(c, Binary::Div)),
         (&["scale_forward"], Web, scale),
         (&["add_assign"], Web, add_assign),
+        (&["dropout_forward"], Web, dropout),
         (&["copy_vec4"], Web, copy_vec4),
         (&["bias_add_forward"], Web, bias_add),
         (&["relu_forward"], Web, |c| activation(c, Activation::Relu, false)),
@@ -773,6 +774,34 @@ fn scale(c: &mut Ctx<'_>) -> Result<Case> {
         format!("scale_forward {FLAT_N} by -1.75"),
         vec![d],
         vec![expect("out", &out, cpu::scale(&x_h, -1.75), ROUNDING.0, ROUNDING.1)],
+    ))
+}
+
+/// Dropout of FLAT_N values (a prime count: one row), as a share of a
+/// 2000-wide row from column 300 in the second example, at p = 0.3: the
+/// mask's integer hash is exact, each kept value one rounding.
+fn dropout(c: &mut Ctx<'_>) -> Result<Case> {
+    let x_h = c.vals(FLAT_N, -2.0, 2.0);
+    let mask = DropoutMask {
+        p: 0.3,
+        salt: 77,
+        row_width: 2000,
+        col_offset: 300,
+    };
+    let control = [5u32, 1, 1, 0];
+    let (x, ctl, out) = (c.up(&x_h)?, c.up_u32(&control)?, c.k.zeros(FLAT_N)?);
+    let d = c.k.dropout(mask, out.view(), x.view(), ctl.view(), FLAT_N, 1)?;
+    Ok(Case::new(
+        &["dropout_forward"],
+        format!("dropout_forward {FLAT_N} at p 0.3"),
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::dropout(&mask, &x_h, &control, FLAT_N, 1),
+            ROUNDING.0,
+            ROUNDING.1,
+        )],
     ))
 }
 

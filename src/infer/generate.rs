@@ -522,15 +522,33 @@ pub fn check_fits_with_dtype(
 /// matrices aside: they are read from the file later), its caches sized by
 /// their context and, with [`PrefillMode::OneSlot`], one sequence's more.
 pub fn check_fits_with_options(kernels: &Kernels, config: &dyn LmConfig, options: &GeneratorOptions) -> Result<()> {
+    check_fits_stored(kernels, config, options, (0, 0))
+}
+
+/// [`check_fits_with_options`] for a model whose matrices of `quantized.0`
+/// values stay block-quantized in `quantized.1` bytes (a GGUF file's, as
+/// [`crate::io::gguf_model::GgufModel::quantized_storage`] counts them):
+/// SmolLM2's parameters take 98 MB so, not the 538 MB of f32.
+pub fn check_fits_stored(
+    kernels: &Kernels,
+    config: &dyn LmConfig,
+    options: &GeneratorOptions,
+    quantized: (u64, u64),
+) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();
     let context = options.context_for(sizes.context)?;
     let sequences = options.sequences + usize::from(options.prefill == PrefillMode::OneSlot);
     let halved = match options.dtype.on(kernels) {
         WeightDtype::F32 => 0,
-        WeightDtype::F16 => sizes.f16_weight_values,
+        WeightDtype::F16 => sizes.f16_weight_values.saturating_sub(quantized.0),
     };
-    let parameters = sizes.parameters.saturating_mul(BYTES).saturating_sub(halved * 2);
+    let parameters = sizes
+        .parameters
+        .saturating_sub(quantized.0)
+        .saturating_mul(BYTES)
+        .saturating_sub(halved * 2)
+        .saturating_add(quantized.1);
     // Keys and values per layer, [sequences, kv_heads, context, head_dim] each.
     let one_cache = (sequences as u64)
         .saturating_mul(context as u64)
@@ -1262,10 +1280,15 @@ impl Generator {
     /// tokens and the chunk from 0, up to rounding). The cache and the
     /// chunk together must fit the context.
     pub fn extend(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
+        crate::device::wait("Generator::extend", self.extend_async(tokens))
+    }
+
+    /// [`Generator::extend`], awaited.
+    pub async fn extend_async(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::extend")?;
         let (pass, held) = self.feed_continuation("Generator::extend", tokens)?;
         let logits = self.prefill[pass].logits;
-        let values = self.exec.run_and_read(&[logits], logits)?;
+        let values = self.exec.run_and_read_async(&[logits], logits).await?;
         self.cached = held;
         Ok(values)
     }
@@ -1273,6 +1296,19 @@ impl Generator {
     /// [`Generator::extend`] picking each sequence's next token on the GPU,
     /// as [`Generator::prefill_and_sample`] does.
     pub fn extend_and_sample(
+        &mut self,
+        tokens: &[&[u32]],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
+        crate::device::wait(
+            "Generator::extend_and_sample",
+            self.extend_and_sample_async(tokens, sampling, rng),
+        )
+    }
+
+    /// [`Generator::extend_and_sample`], awaited.
+    pub async fn extend_and_sample_async(
         &mut self,
         tokens: &[&[u32]],
         sampling: &Sampling,
@@ -1286,7 +1322,7 @@ impl Generator {
         let PrefillPass {
             logits, tokens: picks, ..
         } = self.prefill[pass];
-        let picks = self.exec.run_and_read_u32(&[picks], picks)?;
+        let picks = self.exec.run_and_read_u32_async(&[picks], picks).await?;
         self.cached = held;
         self.sampled_tokens(OP, &picks, logits)
     }

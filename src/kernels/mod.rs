@@ -49,6 +49,7 @@ pub use crate::ops::{
     FlashAttentionShape, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QkvLayout, QuantFormat, RopeLayout,
     RopeShape, SgdConfig, Unary,
 };
+pub use crate::ops::{DropoutMask, DROPOUT_CONTROL_WORDS};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 

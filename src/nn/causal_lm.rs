@@ -249,6 +249,14 @@ pub(crate) fn declare_parameter(
 ) -> Result<Tensor> {
     // Under a LoRA scope every parameter but an adapter's is frozen.
     let frozen = super::lora::trainable(&name) == Some(false);
+    let zeros;
+    let values = if values.is_empty() && super::lora::recording() {
+        // A weight kept quantized has no f32 values; listing the Linears reads none.
+        zeros = vec![0.0; shape.iter().product()];
+        &zeros[..]
+    } else {
+        values
+    };
     let t = declare_in_context(g, name, shape, values, matrix)?;
     if frozen {
         g.freeze(t)?;

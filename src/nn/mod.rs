@@ -109,6 +109,22 @@ pub trait Module: ParameterTree {
     /// loading compares it.
     fn describe(&self) -> String;
 
+    /// Linears whose output rows this model holds in another order than
+    /// Hugging Face's, by module name, with the heads the rows permute over
+    /// (a GGUF Llama's q and k, whose rows llama.cpp's converter interleaves
+    /// for its rotary pairs). A PEFT adapter's B rows for them move alike
+    /// when it is loaded or saved (`io::peft`); none by default.
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        Vec::new()
+    }
+
+    /// What Hugging Face's model class puts before this model's module
+    /// names (`transformer.` before a GPT-2's blocks), which the names in a
+    /// PEFT adapter carry (`io::peft` adds and strips it); none by default.
+    fn hf_module_prefix(&self) -> &'static str {
+        ""
+    }
+
     /// Declares the input a whole model reads for `batch` examples: f32
     /// features for an MLP, u32 token ids ([`Graph::ids`]) for a language
     /// model. Trainer and Predictor call it; parts of a model need not.

@@ -281,6 +281,15 @@ impl Stage {
         }
     }
 
+    /// Dropout in this stage's forward runs (`training`: a step's forward,
+    /// which its backward recomputes with the same masks; otherwise only
+    /// its backward draws them) and where its rows start in the whole
+    /// batch, in examples ([`crate::graph::DropoutRun`]).
+    pub fn set_dropout(&mut self, training: bool, first_example: usize) {
+        self.exec.set_training(training);
+        self.exec.set_dropout_first_example(first_example);
+    }
+
     /// Submits the forward pass (no wait).
     pub fn forward(&mut self) -> Result<()> {
         let output = self.output;
@@ -630,6 +639,11 @@ impl Spread {
             .iter()
             .map(|s| s.exec.parameters_shapes().into_iter().map(|(n, _)| n).collect())
             .collect();
+        // A frozen parameter (a LoRA adapter's base) has no gradient to sum.
+        let trainable: Vec<Vec<String>> = stages
+            .iter()
+            .map(|s| s.exec.parameter_spans().into_iter().map(|p| p.name).collect())
+            .collect();
         let mut shared = Vec::new();
         for (name, _) in &names {
             let holders: Vec<usize> = (0..stages.len()).filter(|&i| held[i].contains(name)).collect();
@@ -639,7 +653,8 @@ impl Spread {
                     reason: format!("no stage declares `{name}`"),
                 });
             }
-            if holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
+            let trains = holders.iter().any(|&i| trainable[i].contains(name));
+            if trains && holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
                 shared.push(SharedParameter {
                     name: name.clone(),
                     holders,

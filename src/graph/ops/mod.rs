@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, Kernels, View};
 
 pub use attention::AttentionOp;
-pub use elementwise::ElementwiseOp;
+pub use elementwise::{ElementwiseOp, DROPOUT_CONTROL};
 pub use embedding::EmbeddingOp;
 pub use generation::GenerationOp;
 pub use layout::LayoutOp;
