@@ -98,7 +98,7 @@ pub struct GenerateArgs {
     /// Positions the KV cache holds (default: the model's context, or as
     /// many as fit the adapter's memory beside the model): fewer for less
     /// memory (SmolLM2's 8192 are 180 MiB of keys and values, Gemma 3's
-    /// 32,768 1.2 GiB). A long prompt is prefilled in chunks.
+    /// 32,768 1.2 GB). A long prompt is prefilled in chunks.
     #[arg(long)]
     context: Option<usize>,
     /// A PEFT LoRA adapter folder (adapter_config.json and

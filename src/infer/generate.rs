@@ -732,7 +732,7 @@ impl GraphParts {
 /// memory and buffer size beside the model, as [`check_fits_with_options`]
 /// counts them, else the most that do — for a caller that would rather
 /// hold a shorter context than fail (Gemma 3's 32,768 positions are 1.2
-/// GiB of keys and values). An error, the check's own, when not even
+/// GB of keys and values). An error, the check's own, when not even
 /// `at_least` positions fit.
 pub fn context_that_fits(
     kernels: &Kernels,
@@ -907,6 +907,12 @@ impl Generator {
         self.context
     }
 
+    /// The most rows one prefill pass runs: a longer prompt is prefilled
+    /// in chunks of this many ([`GeneratorOptions::prefill_chunk`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill.last().map_or(1, |p| p.rows)
+    }
+
     /// Sequences (slots) the caches hold.
     pub fn sequences(&self) -> usize {
         self.sequences
@@ -996,7 +1002,7 @@ impl Generator {
     /// writes. `held` ends as the caches will hold after the last pass.
     fn feed_rows(&mut self, op: &'static str, held: &mut [Vec<u32>], tokens: &[&[u32]]) -> Result<(usize, usize)> {
         self.check_rows(op, held, tokens)?;
-        let chunk = self.prefill.last().map_or(1, |p| p.rows);
+        let chunk = self.prefill_chunk();
         let mut fed = vec![0; tokens.len()];
         let mut first_written = usize::MAX;
         loop {
@@ -1202,27 +1208,32 @@ impl Generator {
     /// [`Generator::prefill`], awaited.
     pub async fn prefill_async(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::prefill")?;
-        let pass = self.feed_prompts("Generator::prefill", prompts)?;
+        let (pass, held) = self.feed_prompts("Generator::prefill", prompts)?;
         let logits = self.prefill[pass].logits;
         let values = self.exec.run_and_read_async(&[logits], logits).await?;
+        self.cached = held;
         Ok(values)
     }
 
     /// [`Generator::feed_rows`] of `prompts` from position 0, replacing
-    /// what each cache held; `cached` says what the caches will hold.
-    fn feed_prompts(&mut self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
+    /// what each cache held: the last pass to run, and what the caches
+    /// will hold after it.
+    fn feed_prompts(&mut self, op: &'static str, prompts: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
         let mut held = vec![Vec::new(); prompts.len()];
+        self.check_rows(op, &held, prompts)?;
+        // The caches are being replaced: a failure between chunks leaves
+        // them holding nothing that counts.
+        self.cached.iter_mut().for_each(Vec::clear);
         let (pass, _) = self.feed_rows(op, &mut held, prompts)?;
-        self.cached = held;
-        Ok(pass)
+        Ok((pass, held))
     }
 
-    /// [`Generator::feed_rows`] of `tokens` after what each cache holds.
-    fn feed_continuation(&mut self, op: &'static str, tokens: &[&[u32]]) -> Result<usize> {
+    /// [`Generator::feed_rows`] of `tokens` after what each cache holds:
+    /// the last pass to run, and what the caches will hold after it.
+    fn feed_continuation(&mut self, op: &'static str, tokens: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
         let mut held = self.cached.clone();
         let (pass, _) = self.feed_rows(op, &mut held, tokens)?;
-        self.cached = held;
-        Ok(pass)
+        Ok((pass, held))
     }
 
     /// [`Generator::prefill`] that also picks each sequence's next token
@@ -1253,10 +1264,11 @@ impl Generator {
         const OP: &str = "Generator::prefill_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
-        let pass = self.feed_prompts(OP, prompts)?;
+        let (pass, held) = self.feed_prompts(OP, prompts)?;
         self.set_sampling(sampling, rng)?;
         let PrefillPass { logits, tokens, .. } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32_async(&[tokens], tokens).await?;
+        self.cached = held;
         self.sampled_tokens(OP, &picks, logits)
     }
 
@@ -1274,9 +1286,11 @@ impl Generator {
     /// [`Generator::extend`], awaited.
     pub async fn extend_async(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::extend")?;
-        let pass = self.feed_continuation("Generator::extend", tokens)?;
+        let (pass, held) = self.feed_continuation("Generator::extend", tokens)?;
         let logits = self.prefill[pass].logits;
-        self.exec.run_and_read_async(&[logits], logits).await
+        let values = self.exec.run_and_read_async(&[logits], logits).await?;
+        self.cached = held;
+        Ok(values)
     }
 
     /// [`Generator::extend`] picking each sequence's next token on the GPU,
@@ -1303,12 +1317,13 @@ impl Generator {
         const OP: &str = "Generator::extend_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
-        let pass = self.feed_continuation(OP, tokens)?;
+        let (pass, held) = self.feed_continuation(OP, tokens)?;
         self.set_sampling(sampling, rng)?;
         let PrefillPass {
             logits, tokens: picks, ..
         } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32_async(&[picks], picks).await?;
+        self.cached = held;
         self.sampled_tokens(OP, &picks, logits)
     }
 

@@ -72,7 +72,7 @@ fn gemma3_gives_transformers_greedy_tokens() {
         panic!("not a Gemma 3 file")
     };
     // The model's whole context of 32,768 positions, as `wgrad generate`
-    // sizes its cache by default: 1.2 GiB of keys and values, and prefill
+    // sizes its cache by default: 1.2 GB of keys and values, and prefill
     // passes of at most 512 rows (chunked prefill).
     let quantized = Arc::new(file.quantized_weights().unwrap());
     let mut model = Gemma::empty(config).unwrap();

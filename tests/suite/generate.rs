@@ -968,6 +968,89 @@ fn chunked_prefill_equals_one_pass() {
     });
 }
 
+/// Without a chunk given, a prefill pass whose activations would not fit
+/// one storage binding is shortened: a Llama of 8 channels and an MLP of
+/// 96, on kernels whose bindings hold only its largest parameter, prefills
+/// the whole context in passes shorter than it (the MLP's activations of
+/// 13 rows would pass the binding), with the logits of a generator
+/// without that limit.
+#[test]
+fn a_prefill_too_wide_for_a_binding_runs_in_shorter_passes() {
+    for_each_adapter("generate: prefill within a binding", |k| {
+        let config = LlamaConfig {
+            n_embd: 8,
+            n_head: 2,
+            n_kv_head: 1,
+            intermediate_size: 96,
+            ..llama_configs()[0]
+        };
+        let model = sharp_llama(config, 64);
+        let largest = model
+            .named_parameters()
+            .iter()
+            .map(|(_, shape)| 4 * shape.iter().product::<usize>() as u64)
+            .max()
+            .unwrap_or(16);
+        let limited = common::limited_kernels(
+            k,
+            wgrad::kernels::LimitOverrides {
+                max_storage_buffer_binding_size: Some(largest.next_multiple_of(256)),
+                ..Default::default()
+            },
+        );
+        let prompt = random_tokens(&mut rng(65), CONFIG.block_size);
+        let mut wide = Generator::new(k.clone(), &model, 1)?;
+        let mut narrow = Generator::new(limited, &model, 1)?;
+        assert_eq!(wide.prefill_chunk(), CONFIG.block_size);
+        assert!(
+            narrow.prefill_chunk() < CONFIG.block_size,
+            "a binding of {largest} bytes: passes of {} rows",
+            narrow.prefill_chunk()
+        );
+        let want = wide.prefill(&[&prompt])?;
+        let got = narrow.prefill(&[&prompt])?;
+        // Other passes over the same positions: f32 sums in other orders.
+        assert_close("logits", &got, &want, LOGITS_ATOL, LOGITS_RTOL);
+        Ok(())
+    });
+}
+
+/// `context_that_fits`: the model's context where its caches fit the
+/// adapter's memory beside its parameters; on kernels given less memory
+/// the most positions that fit (one more would not), and an error naming
+/// the memory where not even one position fits.
+#[test]
+fn the_context_shrinks_to_what_fits_the_memory() {
+    use wgrad::infer::generate::{check_fits_with_options, context_that_fits, GeneratorOptions};
+    use wgrad::nn::LmConfig;
+    for_each_adapter("generate: the context that fits", |k| {
+        let options = GeneratorOptions::default();
+        let with = |context: usize| GeneratorOptions {
+            context: Some(context),
+            ..GeneratorOptions::default()
+        };
+        assert_eq!(context_that_fits(k, &CONFIG, &options, 1)?, CONFIG.block_size);
+        let sizes = CONFIG.lm_sizes();
+        // The parameters and the keys and values of 6 positions in all layers.
+        let per_position = 4 * 2 * sizes.cached_layers * sizes.cache_width;
+        let memory = 4 * sizes.parameters + 6 * per_position + per_position / 2;
+        let small = common::limited_kernels(
+            k,
+            wgrad::kernels::LimitOverrides {
+                memory_bytes: Some(memory),
+                ..Default::default()
+            },
+        );
+        let fitted = context_that_fits(&small, &CONFIG, &options, 1)?;
+        assert_eq!(fitted, 6, "{memory} bytes of memory");
+        check_fits_with_options(&small, &CONFIG, &with(fitted))?;
+        assert!(check_fits_with_options(&small, &CONFIG, &with(fitted + 1)).is_err());
+        let err = context_that_fits(&small, &CONFIG, &options, 7).unwrap_err();
+        assert!(matches!(err, Error::MemoryTooSmall { .. }), "{err}");
+        Ok(())
+    });
+}
+
 #[test]
 fn llama_greedy_generation_equals_a_full_recompute() {
     for_each_adapter("generate: Llama greedy", |k| {
