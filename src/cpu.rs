@@ -6,8 +6,8 @@
 use crate::error::{Error, Result};
 use crate::ops::{
     broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, DropoutMask,
-    FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig,
-    Unary,
+    FlashAttentionShape, LoraShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape,
+    SgdConfig, Unary, LORA_META,
 };
 
 /// The element types a twin computes in: f32, as the kernels store values,
@@ -1501,4 +1501,58 @@ pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vo
             [token, bad]
         })
         .collect()
+}
+
+/// Row `row`'s adapter in a gathered low-rank product: (first stacked
+/// row, rank, scale), None for a row whose sequence names no adapter.
+fn lora_row(meta: &[f32], index: &[u32], shape: LoraShape, row: usize) -> Option<(usize, usize, f64)> {
+    let adapter = index[row / (shape.rows / shape.seqs)] as usize;
+    if adapter >= shape.adapters {
+        return None;
+    }
+    let entry = meta.get(adapter * LORA_META..(adapter + 1) * LORA_META)?;
+    let (first, rank) = shape.segment(entry[0], entry[1]);
+    Some((first, rank, f64::from(entry[2])))
+}
+
+/// Twin of `lora_shrink`: h[rows, width], h[row, j] = Σ_i x[row,
+/// i]·a[first+j, i] for j below the row's adapter's rank, else 0 (see
+/// [`LoraShape`]).
+pub fn lora_shrink<T: Real>(x: &[T], a: &[T], meta: &[f32], index: &[u32], shape: LoraShape) -> Vec<T> {
+    let (cols, width) = (shape.cols, shape.width);
+    let mut h = vec![T::default(); shape.rows * width];
+    for row in 0..shape.rows {
+        let Some((first, rank, _)) = lora_row(meta, index, shape, row) else {
+            continue;
+        };
+        let x_row = &x[row * cols..(row + 1) * cols];
+        for j in 0..rank {
+            let a_row = &a[(first + j) * cols..(first + j + 1) * cols];
+            h[row * width + j] = T::from_f64(dot(x_row, a_row));
+        }
+    }
+    h
+}
+
+/// Twin of `lora_expand`: out[rows, cols] = y + scale·Σ_j h[row,
+/// j]·bt[first+j] over the row's adapter's rank; y's row where it names
+/// none.
+pub fn lora_expand<T: Real>(y: &[T], h: &[T], bt: &[T], meta: &[f32], index: &[u32], shape: LoraShape) -> Vec<T> {
+    let (cols, width) = (shape.cols, shape.width);
+    let mut out = y.to_vec();
+    for row in 0..shape.rows {
+        let Some((first, rank, scale)) = lora_row(meta, index, shape, row) else {
+            continue;
+        };
+        if rank == 0 {
+            continue;
+        }
+        for c in 0..cols {
+            let sum: f64 = (0..rank)
+                .map(|j| h[row * width + j].into() * bt[(first + j) * cols + c].into())
+                .sum();
+            out[row * cols + c] = T::from_f64(y[row * cols + c].into() + scale * sum);
+        }
+    }
+    out
 }

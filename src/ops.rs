@@ -886,6 +886,69 @@ pub fn rope_table(base: f32, rotary_dim: usize, positions: usize) -> Result<Vec<
 /// (`Kernels::sample_rows`, `cpu::sample_rows`).
 pub const NO_TOKEN: u32 = u32::MAX;
 
+/// The adapter index of a sequence that applies none in the gathered
+/// low-rank products ([`LoraShape`]): its rows add nothing.
+pub const NO_ADAPTER: u32 = u32::MAX;
+
+/// Values per adapter in a gathered low-rank product's `meta` [N, 3]:
+/// the first of its stacked rows, its rank at this layer (0: it has no
+/// adapter here) and its scale (α / r).
+pub const LORA_META: usize = 3;
+
+/// The sizes of the gathered low-rank products over a batch whose
+/// sequences each apply their own adapter to one Linear (S-LoRA and
+/// Punica's "BGMV"), as `Kernels::lora_shrink` / `lora_expand` and
+/// their twins take them: the shrink h[row, j] = A_a[j]·x[row] (j below
+/// adapter a's rank, 0 past it), the expand out[row] = y[row] + scale_a ·
+/// Σ_j h[row, j]·B_a[:, j], where a = index[s] is the adapter of the
+/// sequence owning the row (rows s·T .. s·T + T for T = rows / seqs); a
+/// sequence whose index is not below the adapters (
+/// [`NO_ADAPTER`]) adds nothing. Every adapter's A [r_a, in] is stacked
+/// row-wise into a [ranks, in] and its Bᵀ [r_a, out] into bt [ranks,
+/// out]; `meta` [adapters, 3] holds each one's (first row, rank, scale)
+/// ([`LORA_META`]), the first two whole numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LoraShape {
+    /// S: sequences, one adapter index each.
+    pub seqs: usize,
+    /// Rows of x, y and h: S·T.
+    pub rows: usize,
+    /// The Linear's input features (the shrink's x) or output features
+    /// (the expand's y).
+    pub cols: usize,
+    /// Columns of h: the largest rank at this layer.
+    pub width: usize,
+    /// N: the adapters `meta` describes.
+    pub adapters: usize,
+    /// Rows of the stacked a and bt: every adapter's rank at this layer.
+    pub ranks: usize,
+}
+
+impl LoraShape {
+    /// Elements of (x or y [rows, cols], the stacked a or bt [ranks, cols],
+    /// h [rows, width], meta [adapters, 3]); None when a product
+    /// overflows.
+    pub fn lengths(&self) -> Option<[usize; 4]> {
+        Some([
+            self.rows.checked_mul(self.cols)?,
+            self.ranks.checked_mul(self.cols)?,
+            self.rows.checked_mul(self.width)?,
+            self.adapters.checked_mul(LORA_META)?,
+        ])
+    }
+
+    /// The stacked rows (first, count) of an adapter whose meta holds
+    /// (`first`, `rank`): whole numbers as the kernels read them (u32 of
+    /// the f32, rounded toward zero), the count cut to `width` and to the
+    /// rows past `first`, so nothing is read out of bounds whatever meta
+    /// holds.
+    pub fn segment(&self, first: f32, rank: f32) -> (usize, usize) {
+        let whole = |v: f32| if v.is_finite() && v > 0.0 { v as usize } else { 0 };
+        let first = whole(first);
+        (first, whole(rank).min(self.width).min(self.ranks.saturating_sub(first)))
+    }
+}
+
 /// The eps of a normalization (LayerNorm, RMSNorm): positive and finite,
 /// since a zero eps divides by zero on a constant row. The graph's builder
 /// and the kernels' entries both check it here, so they agree.

@@ -105,6 +105,9 @@ enum Command {
         /// scripts/fetch-smollm2.sh caches it; an error when missing).
         /// `--only serve` (only by that name): `wgrad serve` on SmolLM2
         /// under 1, 4 and 16 concurrent streaming clients.
+        /// `--only serve_lora` (only by that name): 16 streams over
+        /// SmolLM2 alone, then over 4 LoRA adapters (r = 16, every
+        /// Linear) served at once, and over the base beside them.
         /// `--only smollm2_decode_rows` (only by that name): SmolLM2's
         /// batched decode step at 1 to 16 rows, without the server.
         #[arg(long, value_delimiter = ',', conflicts_with = "compile")]

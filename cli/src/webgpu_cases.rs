@@ -411,6 +411,8 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         }),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
+        (&["lora_shrink", "lora_expand"], Web, lora),
+        (&["lora_shrink", "lora_expand"], Gpu, lora),
         (
             &[
                 "flash_attention_forward_rows",
@@ -1889,6 +1891,60 @@ fn rope(c: &mut Ctx<'_>, layout: RopeLayout, backward: bool) -> Result<Case> {
 
 fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     attention_case(c, None, 5)
+}
+
+// ---- lora.wgsl ---------------------------------------------------------
+
+/// Three sequences of 2 rows over adapters of ranks 1, 9 and 0 (absent
+/// from this Linear), one sequence with none: the shrink into h, then the
+/// expand from it.
+fn lora(c: &mut Ctx<'_>) -> Result<Case> {
+    let (seqs, per, cols_in, cols_out) = (3, 2, 67, 13);
+    let ranks = [1usize, 9, 0];
+    let shape = wgrad::kernels::LoraShape {
+        seqs,
+        rows: seqs * per,
+        cols: cols_in,
+        width: 9,
+        adapters: ranks.len(),
+        ranks: 10,
+    };
+    let out_shape = wgrad::kernels::LoraShape {
+        cols: cols_out,
+        ..shape
+    };
+    let meta_h = vec![0.0, 1.0, 2.0, 1.0, 9.0, -0.5, 0.0, 0.0, 0.0];
+    let index_h = [1u32, wgrad::kernels::NO_ADAPTER, 0];
+    let (x_h, a_h) = (c.vals(shape.rows * cols_in, -1.0, 1.0), c.vals(10 * cols_in, -1.0, 1.0));
+    let (y_h, bt_h) = (
+        c.vals(shape.rows * cols_out, -1.0, 1.0),
+        c.vals(10 * cols_out, -1.0, 1.0),
+    );
+    let (x, a, y, bt) = (c.up(&x_h)?, c.up(&a_h)?, c.up(&y_h)?, c.up(&bt_h)?);
+    let (meta, index) = (c.up(&meta_h)?, c.up_u32(&index_h)?);
+    let (h, out) = (c.k.zeros(shape.rows * shape.width)?, c.k.zeros(shape.rows * cols_out)?);
+    let shrink =
+        c.k.lora_shrink(h.view(), x.view(), a.view(), meta.view(), index.view(), shape)?;
+    let expand = c.k.lora_expand(
+        out.view(),
+        y.view(),
+        h.view(),
+        bt.view(),
+        meta.view(),
+        index.view(),
+        out_shape,
+    )?;
+    let want_h = cpu::lora_shrink(&x_h, &a_h, &meta_h, &index_h, shape);
+    let want = cpu::lora_expand(&y_h, &want_h, &bt_h, &meta_h, &index_h, out_shape);
+    Ok(Case::new(
+        &["lora_shrink", "lora_expand"],
+        "lora_shrink + lora_expand: 3 seqs x 2 rows, 67 -> 13, ranks 1, 9 and 0",
+        vec![shrink, expand],
+        vec![
+            expect("h", &h, want_h, SUMS.0, SUMS.1),
+            expect("out", &out, want, SUMS.0, SUMS.1),
+        ],
+    ))
 }
 
 /// The CPU adapters' kernel for grouped-query attention (vec4 reads: a

@@ -20,7 +20,7 @@ pub use checkpoint::Block;
 pub(crate) use chunks::{chunked_outputs, chunked_predictions};
 pub use executor::{ArenaPool, DispatchTime, DispatchTimes, DropoutRun, Executor, ParamSpan};
 pub use ops::{
-    AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op,
+    AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LoraOp, LossKind, LossOp, MatmulOp, NormOp, Op,
     ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp, DROPOUT_CONTROL,
 };
 pub use plan::{stored_words, LinearInLoss, LossFusion, Plan, PlanOptions, Storage};

@@ -71,6 +71,7 @@ use crate::graph::{Executor, Graph, SourceOp, Tensor};
 use crate::kernels::{check_token_ids, Kernels, View};
 pub use crate::nn::WeightDtype;
 use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig, QuantizedWeights};
+use crate::ops::NO_ADAPTER;
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -353,6 +354,12 @@ pub struct Generator {
     /// The tokens whose keys and values each sequence's cache holds, in
     /// position order.
     cached: Vec<Vec<u32>>,
+    /// With a model carrying many adapters ([`crate::nn::MultiLora`]): the
+    /// u32 [S] inputs naming each sequence's adapter, by S, the adapters,
+    /// and each slot's ([`NO_ADAPTER`]: the base).
+    adapter_rows: Vec<(usize, Tensor)>,
+    adapters: usize,
+    slot_adapters: Vec<u32>,
 }
 
 impl std::fmt::Debug for Generator {
@@ -576,6 +583,10 @@ struct GraphParts {
     /// The nodes each prefill pass added, by index (the first pass's
     /// include the parameters and caches it declared).
     prefill_nodes: Vec<std::ops::Range<usize>>,
+    /// The adapter inputs a model carrying many adapters declared, by
+    /// their sequences, and its adapters ([`ForwardContext::adapter_rows`]).
+    adapter_rows: Vec<(usize, Tensor)>,
+    adapters: usize,
 }
 
 impl GraphParts {
@@ -691,6 +702,8 @@ impl GraphParts {
             sampler,
             smaller_decodes,
             prefill_nodes,
+            adapter_rows: cx.adapter_rows().to_vec(),
+            adapters: cx.adapters(),
         })
     }
 
@@ -851,6 +864,8 @@ impl Generator {
             decode,
             sampler,
             smaller_decodes,
+            adapter_rows,
+            adapters,
             ..
         } = built;
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
@@ -883,7 +898,65 @@ impl Generator {
             sampler,
             smaller_decodes,
             cached: vec![Vec::new(); options.sequences],
+            adapter_rows,
+            adapters,
+            slot_adapters: vec![NO_ADAPTER; options.sequences],
         })
+    }
+
+    /// The adapters the model carries ([`crate::nn::MultiLora`]; 0 for
+    /// any other model).
+    pub fn adapters(&self) -> usize {
+        self.adapters
+    }
+
+    /// Which adapter slot `slot` applies from its next run on: `Some(i)`,
+    /// adapter i of the model's [`crate::nn::MultiLora`], or None, the
+    /// base. Every slot starts with the base; a slot keeps its adapter
+    /// until this changes it ([`Generator::move_slot`] moves it too). The
+    /// rows of one step may each apply a different adapter.
+    pub fn set_slot_adapter(&mut self, slot: usize, adapter: Option<usize>) -> Result<()> {
+        const OP: &str = "Generator::set_slot_adapter";
+        self.slot_tokens(OP, slot)?;
+        self.slot_adapters[slot] = match adapter {
+            None => NO_ADAPTER,
+            Some(a) if a < self.adapters => a as u32,
+            Some(a) => {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!(
+                        "adapter {a} of a model carrying {} (a model with many adapters is a MultiLora)",
+                        self.adapters
+                    ),
+                })
+            }
+        };
+        Ok(())
+    }
+
+    /// The adapter slot `slot` applies (None: the base, or no such slot).
+    pub fn slot_adapter(&self, slot: usize) -> Option<usize> {
+        self.slot_adapters
+            .get(slot)
+            .filter(|&&a| a != NO_ADAPTER)
+            .map(|&a| a as usize)
+    }
+
+    /// Writes the adapters of `slots`, in order, into the adapter input of
+    /// a pass over that many sequences (none for a model without many
+    /// adapters).
+    fn set_adapter_rows(&self, slots: impl Iterator<Item = usize>) -> Result<()> {
+        if self.adapter_rows.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<u32> = slots.map(|s| self.slot_adapters[s]).collect();
+        match self.adapter_rows.iter().find(|(n, _)| *n == rows.len()) {
+            Some(&(_, t)) => self.exec.set_labels(t, &rows),
+            None => Err(Error::Internal {
+                op: "Generator",
+                reason: format!("no adapter input for a pass over {} sequences", rows.len()),
+            }),
+        }
     }
 
     /// How the weights are stored: what was asked for, except f32 where
@@ -1112,6 +1185,7 @@ impl Generator {
             });
         }
         let positions: Vec<u32> = self.cached.iter().map(|c| c.len() as u32).collect();
+        self.set_adapter_rows(0..self.sequences)?;
         self.exec.set_labels(self.decode.ids, tokens)?;
         self.exec.set_labels(self.decode.positions, &positions)
     }
@@ -1219,6 +1293,7 @@ impl Generator {
     /// what each cache held: the last pass to run, and what the caches
     /// will hold after it.
     fn feed_prompts(&mut self, op: &'static str, prompts: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
+        self.set_adapter_rows(0..prompts.len())?;
         let mut held = vec![Vec::new(); prompts.len()];
         self.check_rows(op, &held, prompts)?;
         // The caches are being replaced: a failure between chunks leaves
@@ -1231,6 +1306,7 @@ impl Generator {
     /// [`Generator::feed_rows`] of `tokens` after what each cache holds:
     /// the last pass to run, and what the caches will hold after it.
     fn feed_continuation(&mut self, op: &'static str, tokens: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
+        self.set_adapter_rows(0..tokens.len())?;
         let mut held = self.cached.clone();
         let (pass, _) = self.feed_rows(op, &mut held, tokens)?;
         Ok((pass, held))
@@ -1355,6 +1431,7 @@ impl Generator {
         // The slot's history into the staging caches, then the chunks
         // after it there.
         self.copy_slot(slot, 0, held[0].len(), true)?;
+        self.set_adapter_rows(std::iter::once(slot))?;
         let (pass, from) = self.feed_rows(OP, &mut held, &[tokens])?;
         self.set_sampler_rows(self.prefill_sampler, &[sampling.row_settings(rng, self.vocab_size)])?;
         let PrefillPass {
@@ -1495,6 +1572,7 @@ impl Generator {
             }
         }
         self.check_ids(OP, &ids)?;
+        self.set_adapter_rows(0..rows)?;
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.positions, &positions)?;
         self.set_sampler_rows(sampler, &draws)?;
@@ -1529,6 +1607,7 @@ impl Generator {
         self.copy_slot(from, 0, held, true)?;
         self.copy_slot(to, 0, held, false)?;
         self.cached[to] = std::mem::take(&mut self.cached[from]);
+        self.slot_adapters[to] = std::mem::replace(&mut self.slot_adapters[from], NO_ADAPTER);
         Ok(())
     }
 

@@ -220,7 +220,7 @@ fn with_scope<R>(scope: Scope, f: impl FnOnce() -> Result<R>) -> (Result<R>, Opt
 /// Whether a forward runs under a LoRA scope (generation's joined
 /// quantized products then stay apart, so each Linear adds its adapter).
 pub(crate) fn active() -> bool {
-    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Apply { .. })))
+    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Apply { .. }))) || super::multi_lora::active()
 }
 
 /// Whether a forward runs only to list a model's Linears ([`linear_sites`]):
@@ -259,6 +259,10 @@ pub(crate) fn adapt(
     in_features: usize,
     out_features: usize,
 ) -> Result<Tensor> {
+    // Many adapters at once (a server's), gathered per row.
+    if let Some(y) = super::multi_lora::adapt(g, x, y, prefix, in_features, out_features)? {
+        return Ok(y);
+    }
     let share = shard::linear_share(prefix);
     let [whole_out, whole_in] = share.as_ref().map_or([out_features, in_features], |(whole, _)| *whole);
     let found = SCOPE.with(|s| -> Result<Option<(String, f32, f32, LoraAdapter)>> {

@@ -8,6 +8,7 @@ mod causal_lm;
 mod grouped_attention;
 mod layers;
 mod lora;
+mod multi_lora;
 pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
@@ -24,6 +25,7 @@ pub use causal_lm::{
 pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
 pub use layers::{Embedding, LayerNorm};
 pub use lora::{linear_sites, LinearSite, Lora, LoraAdapter, LoraConfig, ALL_LINEAR};
+pub use multi_lora::{MultiLora, NamedAdapter};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};

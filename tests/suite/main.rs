@@ -45,6 +45,7 @@ mod matvec;
 mod mistral_folder;
 mod mixed_precision;
 mod modules;
+mod multi_lora;
 mod optim;
 mod parallel;
 mod parallel_f16_checkpointing;
