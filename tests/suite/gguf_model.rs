@@ -638,7 +638,9 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
 /// and both loads generate the same tokens.
 #[test]
 fn a_quantized_gguf_is_checked_at_its_stored_size_from_a_path_or_its_bytes() {
-    use wgrad::infer::generate::{check_fits_stored, check_fits_with_options, GeneratorOptions};
+    use wgrad::infer::generate::{
+        check_fits_stored, check_fits_with_options, context_that_fits_stored, GeneratorOptions,
+    };
     use wgrad::infer::pretrained::{load_pretrained, load_pretrained_gguf_bytes, PretrainedLm};
     use wgrad::kernels::LimitOverrides;
     use wgrad::nn::LmConfig;
@@ -675,6 +677,12 @@ fn a_quantized_gguf_is_checked_at_its_stored_size_from_a_path_or_its_bytes() {
             (stored + as_f32) / 2
         );
         check_fits_stored(&limited, &config, &options, (values, bytes))?;
+        // `wgrad generate` sizes its cache the same way (it failed under
+        // WebGPU's limits on SmolLM2 when it counted every value as f32).
+        let stored = wgrad::infer::pretrained::quantized_storage(&path, None)?;
+        assert_eq!(stored, (values, bytes));
+        assert_eq!(context_that_fits_stored(&limited, &config, &options, 1, stored)?, 16);
+        assert!(context_that_fits_stored(&limited, &config, &options, 1, (0, 0)).is_err());
         let greedy = |lm: PretrainedLm| -> wgrad::Result<Vec<u32>> {
             let options = GeneratorOptions {
                 quantized: Arc::new(lm.quantized.clone()),
