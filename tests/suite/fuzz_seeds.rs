@@ -45,7 +45,10 @@ fn every_gguf_seed_ends_in_a_value_or_an_error() {
     assert!(names.len() >= 18, "{names:?}");
     for name in names {
         // A panic fails the test, naming nothing: say which seed ran.
-        println!("{name}: {:?}", gguf_input::run(&seed(&name)).err().map(|e| e.to_string()));
+        println!(
+            "{name}: {:?}",
+            gguf_input::run(&seed(&name)).err().map(|e| e.to_string())
+        );
     }
 }
 
@@ -80,11 +83,20 @@ fn the_gemma3_seed_holds_every_format() {
 #[test]
 fn the_broken_family_seeds_are_clear_errors() {
     for (name, wanted) in [
-        ("gemma3-q2k-cut-short.gguf", &["blk.1.ffn_up.weight", "past the end of the file"][..]),
-        ("gemma3-q4k-row-half-a-super-block.gguf", &["blk.0.attn_q.weight", "not a whole number", "Q4_K"]),
+        (
+            "gemma3-q2k-cut-short.gguf",
+            &["blk.1.ffn_up.weight", "past the end of the file"][..],
+        ),
+        (
+            "gemma3-q4k-row-half-a-super-block.gguf",
+            &["blk.0.attn_q.weight", "not a whole number", "Q4_K"],
+        ),
         ("gemma3-q4k-nan-d.gguf", &["blk.0.attn_q.weight", "non-finite", "NaN"]),
         ("gemma3-q6k-inf-d.gguf", &["blk.0.attn_v.weight", "non-finite", "inf"]),
-        ("gemma3-q2k-inf-dmin.gguf", &["blk.0.ffn_gate.weight", "non-finite", "inf"]),
+        (
+            "gemma3-q2k-inf-dmin.gguf",
+            &["blk.0.ffn_gate.weight", "non-finite", "inf"],
+        ),
         ("gemma3-missing-ffn-up.gguf", &["blk.1.ffn_up.weight"]),
         ("gemma3-misshapen-attn-k.gguf", &["blk.0.attn_k.weight"]),
         ("qwen2-no-q-bias.gguf", &["blk.0.attn_q.bias"]),

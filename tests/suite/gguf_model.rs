@@ -450,7 +450,9 @@ fn a_model_stored_in_q2_k_is_not_refused_as_too_small() {
         ("output.weight", vocab, c),
     ];
     for (name, rows, cols) in matrices {
-        writer.add_tensor(name, &[rows, cols], GgmlType::Q2_K, q2k(rows, cols)).unwrap();
+        writer
+            .add_tensor(name, &[rows, cols], GgmlType::Q2_K, q2k(rows, cols))
+            .unwrap();
     }
     for name in ["blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"] {
         writer.add_values(name, &[c], GgmlType::F32, &vec![1.0; c]).unwrap();
@@ -462,7 +464,10 @@ fn a_model_stored_in_q2_k_is_not_refused_as_too_small() {
     };
     let parameters = config.num_parameters().unwrap();
     // Above where the check starts, and more than Q4_0's bytes could fit.
-    assert!(parameters > 1 << 20 && parameters * 18 / 32 > bytes.len(), "{parameters}");
+    assert!(
+        parameters > 1 << 20 && parameters * 18 / 32 > bytes.len(),
+        "{parameters}"
+    );
     // Q2_K stays the densest type decoded, as the check assumes.
     for ty in wgrad::io::gguf::DECODED_TYPES {
         assert!(ty.type_size() * 256 >= 84 * ty.block_size(), "{ty} is denser than Q2_K");
