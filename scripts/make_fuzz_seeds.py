@@ -12,7 +12,9 @@ files as they are):
       are far too small, which must be refused before allocating.
   fuzz/seeds/tokenizer/tiny-bpe.gguf
       a GGUF holding only tests/fixtures/gguf-tiny.gguf's tokenizer
-      metadata (scripts/make_gguf_fixture.py's tokenizer and template).
+      metadata (scripts/make_gguf_fixture.py's tokenizer and template);
+      beside it tests/fixtures/tokenizers' spm-llama, spm-gemma3 and
+      qwen2-bpe files as they are.
 
   fuzz/seeds/gguf/gemma3-every-format.gguf
       a tiny Gemma 3 (2 blocks, 256 channels, 2 heads over 1 KV head of
@@ -157,6 +159,10 @@ def tokenizer_gguf():
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    # The families' vocabularies (scripts/tokenizer_fixtures.py): SentencePiece
+    # as Llama 2 and as Gemma 3 lay it out, byte-level BPE under Qwen2's pre.
+    for name in ["spm-llama.gguf", "spm-gemma3.gguf", "qwen2-bpe.gguf"]:
+        shutil.copy(ROOT / "tests" / "fixtures" / "tokenizers" / name, SEEDS / "tokenizer" / name)
 
 
 # The Gemma 3 seed's matrices: (name, rows, columns, type), the types
