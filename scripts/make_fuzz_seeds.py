@@ -9,7 +9,8 @@ files as they are):
       then its bytes): F32 in one file, F16 in two shards with an index,
       BF16, F64, a char tokenizer, and AdamW state in optimizer.safetensors,
       each of which loads; and two configs of 65,536 layers whose weights
-      are far too small, which must be refused before allocating.
+      are far too small, which must be refused before allocating; and
+      tests/fixtures' tiny Gemma 3, Qwen2, Qwen3 and Mistral folders.
   fuzz/seeds/tokenizer/tiny-bpe.gguf
       a GGUF holding only tests/fixtures/gguf-tiny.gguf's tokenizer
       metadata (scripts/make_gguf_fixture.py's tokenizer and template);
@@ -138,6 +139,11 @@ def hf_folder():
     config, p = gpt2()
     absurd = {**json.loads(config), "n_layer": 65536, "n_embd": 1180, "n_head": 1}
     bundle("gpt2-65536-layers", {"config.json": json.dumps(absurd).encode(), "model.safetensors": safetensors(p)})
+    # The families' tiny folders of tests/fixtures (what transformers'
+    # save_pretrained wrote), as they are.
+    for family in ["gemma3", "qwen2", "qwen3", "mistral"]:
+        folder = ROOT / "tests" / "fixtures" / f"hf-tiny-{family}"
+        bundle(f"{family}-f32", {n: (folder / n).read_bytes() for n in ["config.json", "model.safetensors"]})
 
 
 def tokenizer_gguf():
