@@ -76,7 +76,8 @@ fn the_gemma3_seed_holds_every_format() {
     for ty in [GgmlType::BF16, GgmlType::F16] {
         assert!(types.contains(&ty), "{ty}");
     }
-    // 15 matrices: 14 kept quantized, the BF16 and F16 ones not (13 + the token table).
+    // 15 matrices (7 a block, and the token table), all but the BF16 and
+    // the F16 one kept quantized.
     assert_eq!(quantized.len(), 13, "{:?}", quantized.keys().collect::<Vec<_>>());
 }
 
