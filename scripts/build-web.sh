@@ -34,12 +34,16 @@ if [ "$have" != "$want" ]; then
 fi
 
 # The `web` profile: release, optimised as one unit and for size (Cargo.toml).
-"$cargo" build --profile web -p wgrad-web --target wasm32-unknown-unknown --manifest-path "$root/Cargo.toml" >&2
+# WGRAD_WEB_PROFILE=release builds it in minutes less (no whole-program
+# optimisation; a larger .wasm, the same numbers): the Chromium test's
+# choice, which shares its build with `make wasm-check`.
+profile=${WGRAD_WEB_PROFILE:-web}
+"$cargo" build --profile "$profile" -p wgrad-web --target wasm32-unknown-unknown --manifest-path "$root/Cargo.toml" >&2
 mkdir -p "$out/pkg" "$out/data" "$out/models"
 # The name section (0.8 MB of function names) only labels stack traces;
 # wgrad's errors and panics reach the console with their messages.
 wasm-bindgen --target web --no-typescript --remove-name-section --out-dir "$out/pkg" \
-    "$target_dir/wasm32-unknown-unknown/web/wgrad_web.wasm"
+    "$target_dir/wasm32-unknown-unknown/$profile/wgrad_web.wasm"
 cp "$root"/web/www/*.html "$root"/web/www/*.js "$out/"
 cp "$root/data/shakespeare.txt.gz" "$out/data/"
 
@@ -55,5 +59,5 @@ else
     echo '[]' >"$out/models/index.json"
 fi
 wasm="$out/pkg/wgrad_web_bg.wasm"
-echo "build-web: $(du -k "$wasm" | cut -f1) KiB of wasm ($(gzip -9 -c "$wasm" | wc -c | awk '{printf "%d", $1 / 1024}') KiB gzipped) in $out" >&2
+echo "build-web: $(du -k "$wasm" | cut -f1) KiB of wasm (profile $profile) ($(gzip -9 -c "$wasm" | wc -c | awk '{printf "%d", $1 / 1024}') KiB gzipped) in $out" >&2
 echo "$out"
