@@ -19,6 +19,7 @@ use wgrad::optim::{Adam, AdamW, SGD};
 use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::memory::{strategy_memory, DeviceMemory, Planning};
 use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::DeviceSelection;
 use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
@@ -177,9 +178,10 @@ pub enum TokenizerName {
 pub struct GptArgs {
     /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
     /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd, for a
-    /// real GPU; Llama: small (default) or smollm2-135m (SmolLM2-135M's
-    /// architecture on 2048-token windows); Qwen2: small (default) or
-    /// qwen2.5-0.5b; Qwen3: small (default) or qwen3-0.6b; Mistral: small
+    /// real GPU; Llama: small (default), smollm2-135m (SmolLM2-135M's
+    /// architecture on 2048-token windows) or llama3.2-1b (Llama 3.2 1B's
+    /// shapes); Qwen2: small (default), qwen2.5-0.5b or qwen2.5-1.5b;
+    /// Qwen3: small (default) or qwen3-0.6b; Mistral: small
     /// (default) or mistral-7b-v0.1. --block-size may
     /// shorten or lengthen the context up to the preset's largest.
     #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd"])]
@@ -213,7 +215,8 @@ pub struct GptArgs {
     #[arg(long)]
     min_lr: Option<f32>,
     /// Fine-tune a pretrained model: a GGUF file (weights de-quantized to
-    /// f32) or a Hugging Face GPT-2/Llama folder. Its config, weights and
+    /// f32; with --lora kept quantized, see --base-dtype) or a Hugging Face
+    /// GPT-2/Llama folder. Its config, weights and
     /// own tokenizer replace --preset, --n-* and --tokenizer; --block-size
     /// is the training windows' length (at most its context); AdamW starts
     /// fresh. --out gets a Hugging Face folder with its tokenizer files;
@@ -253,10 +256,22 @@ pub struct GptArgs {
     /// Train low-rank adapters over the frozen --init model instead of
     /// every weight: `r=16,alpha=32,dropout=0,targets=all-linear` (PEFT's
     /// names; targets may list modules, e.g. q_proj,v_proj). --out is then
-    /// the PEFT adapter folder [default: out/lora]. With --dry-run, plans
-    /// the adapters over the sized model.
+    /// the PEFT adapter folder [default: out/lora]. Over a GGUF file the
+    /// base stays quantized on the device (QLoRA; --base-dtype). With
+    /// --dry-run, plans the adapters over the sized model (or --init's)
+    /// beside full fine-tuning.
     #[arg(long)]
     pub(crate) lora: Option<String>,
+    /// With --lora: how the frozen base is stored on the device. auto: a
+    /// GGUF file's matrices as the file stores them (QLoRA: Q4_0, Q4_1,
+    /// Q8_0, the k-quants; only the adapters train, the backward runs
+    /// through the quantized weights), a folder's in f32; f32: every weight
+    /// de-quantized to f32 (LoRA over the full-precision base); f16: the
+    /// matrices in f16 (the token lookup needs SHADER_F16). With --dry-run
+    /// and no --init, a format (q4_0, q4_1, q8_0, q4_k, q6_k, ...) plans a
+    /// preset's matrices as that format.
+    #[arg(long, default_value = "auto")]
+    pub(crate) base_dtype: String,
 }
 
 /// `--lora`'s declaration.
@@ -322,23 +337,46 @@ pub trait CliModel: TrainableLm {
     fn saved(&self, _dir: &std::path::Path, _source: Option<&std::path::Path>) -> wgrad::Result<()> {
         Ok(())
     }
+    /// A model of `config` to plan memory with (`--dry-run`): built
+    /// without values where the family can (its graph is planned, never
+    /// run, and a 1B preset holds no 5 GB of random weights).
+    fn planned(config: &Self::Config) -> wgrad::Result<Self> {
+        Self::build(config)
+    }
+    /// For a run that trains part of the model (adapters): what full
+    /// fine-tuning of the same model plans under `strategy` on `devices`.
+    fn full_memory(&self, _strategy: Strategy, _devices: usize, _p: &Planning) -> Option<wgrad::Result<DeviceMemory>> {
+        None
+    }
 }
 
 impl<M: CliModel> CliModel for Lora<M> {
+    /// The preset's sizes, the base stored as --base-dtype plans it.
     fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LoraLmConfig<M::Config>> {
         Ok(LoraLmConfig {
-            base: M::sizes(g, variant)?,
-            lora: lora_config(g)?,
+            storage: crate::train_memory::base_storage(&g.base_dtype, None)?,
+            ..LoraLmConfig::new(M::sizes(g, variant)?, lora_config(g)?)
         })
     }
     fn title(c: &LoraLmConfig<M::Config>) -> String {
         format!("{} + LoRA r={} alpha={}", M::title(&c.base), c.lora.r, c.lora.alpha)
     }
     fn pretrained(path: &std::path::Path, g: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
-        M::pretrained(path, g)?.with_lora(lora_config(g)?)
+        let storage = crate::train_memory::base_storage(&g.base_dtype, Some(path))?;
+        M::pretrained(path, g)?.with_lora_storage(lora_config(g)?, storage)
     }
     fn trainable(&self) -> Option<String> {
-        Some(trainable_line(self.trainable_parameters(), self.num_parameters()))
+        Some(format!(
+            "{}\n{}",
+            trainable_line(self.trainable_parameters(), self.num_parameters()),
+            crate::train_memory::base_line(self.base_storage())
+        ))
+    }
+    fn planned(c: &LoraLmConfig<M::Config>) -> wgrad::Result<Self> {
+        Ok(Lora::new(M::planned(&c.base)?, c.lora.clone())?.with_base_storage(c.storage.clone()))
+    }
+    fn full_memory(&self, strategy: Strategy, devices: usize, p: &Planning) -> Option<wgrad::Result<DeviceMemory>> {
+        Some(M::planned(&self.base.config()).and_then(|base| strategy_memory(&base, strategy, devices, p)))
     }
     /// The adapter folder's config names the base it was trained over.
     fn saved(&self, dir: &std::path::Path, source: Option<&std::path::Path>) -> wgrad::Result<()> {
@@ -374,6 +412,9 @@ fn preset_context(g: &GptArgs, name: &str, context: usize, most: Option<usize>) 
 }
 
 impl CliModel for Gpt {
+    fn planned(config: &GptConfig) -> wgrad::Result<Self> {
+        Gpt::empty(*config)
+    }
     fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GptConfig> {
         let Some(name) = g.preset.as_deref() else {
             let block_size = g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size);
@@ -396,6 +437,9 @@ impl CliModel for Gpt {
 }
 
 impl CliModel for Gemma {
+    fn planned(config: &GemmaConfig) -> wgrad::Result<Self> {
+        Gemma::empty(*config)
+    }
     /// `--preset` names a Gemma 3 preset (default `small`, whose sliding
     /// window is its whole context).
     fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GemmaConfig> {
@@ -422,6 +466,9 @@ impl CliModel for Gemma {
 }
 
 impl CliModel for Llama {
+    fn planned(config: &LlamaConfig) -> wgrad::Result<Self> {
+        Llama::empty(*config)
+    }
     /// `--preset` names a preset of the variant (default `small`).
     fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LlamaConfig> {
         let name = g.preset.as_deref().unwrap_or("small");
@@ -510,7 +557,7 @@ fn train_language_model<M: CliModel>(
         ..run_config(args, defaults)?
     };
     if args.dry_run {
-        return dry_run::<M>(args, &config, variant);
+        return dry_run::<M>(args, &config, variant, pretrained.as_ref());
     }
     let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
@@ -605,23 +652,34 @@ fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
 /// and at each power of two up to --devices (and --devices itself),
 /// planned without a device. The model takes its preset's vocabulary, or
 /// the text's under the chosen tokenizer when the sizes leave it open.
-fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVariant) -> wgrad::Result<()> {
-    use wgrad::parallel::engine::Strategy;
-    use wgrad::parallel::memory::{every_strategy, strategy_memory, Planning};
+fn dry_run<M: CliModel>(
+    args: &TrainArgs,
+    config: &TrainConfig,
+    variant: LlamaVariant,
+    pretrained: Option<&Pretrained<M>>,
+) -> wgrad::Result<()> {
+    use wgrad::parallel::memory::every_strategy;
     let g = &args.gpt;
-    let sizes = M::sizes(g, variant)?;
     wgrad::nn::manual_seed(args.seed);
-    let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
-        sizes
-    } else {
-        let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
-        let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?
-            .tokenizer
-            .vocab_size();
-        M::with_vocab(sizes, vocab)
+    let model = match pretrained {
+        // --init with --lora: the adapters over the file on the run's windows.
+        Some(p) => p.cropped(g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size))?,
+        None => {
+            let sizes = M::sizes(g, variant)?;
+            let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
+                sizes
+            } else {
+                let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
+                let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?
+                    .tokenizer
+                    .vocab_size();
+                M::with_vocab(sizes, vocab)
+            };
+            M::planned(&sizes)?
+        }
     };
-    let model = M::build(&sizes)?;
-    if let Some(line) = model.trainable() {
+    // A pretrained model's line is printed as it loads.
+    if let (None, Some(line)) = (pretrained, model.trainable()) {
         println!("{line}");
     }
     let most = match &config.devices {
@@ -661,13 +719,13 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
             every_strategy()
         };
         for (name, strategy) in strategies {
-            rows.push((n, name, strategy_memory(&model, strategy, n, &planning)));
+            rows.push((n, name, strategy, strategy_memory(&model, strategy, n, &planning)));
         }
     }
     // MiB, or KiB for a small model (whose MiB would all read 0.0).
     let largest = rows
         .iter()
-        .filter_map(|(_, _, m)| m.as_ref().ok())
+        .filter_map(|(_, _, _, m)| m.as_ref().ok())
         .map(|m| m.total())
         .max()
         .unwrap_or(0);
@@ -692,7 +750,7 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
         "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total"
     );
     let v = |b: u64| format!("{:.1}", b as f64 / scale);
-    for (n, name, memory) in rows {
+    for (n, name, _, memory) in &rows {
         match memory {
             Ok(m) => println!(
                 "{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}",
@@ -705,7 +763,7 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
             Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
-    Ok(())
+    crate::train_memory::beside_full_fine_tuning(&model, &rows, &planning, (unit, scale))
 }
 
 /// A fine-tune's start, printed before its first step: the source, the
