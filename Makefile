@@ -6,7 +6,7 @@ CARGO ?= cargo
 # Silences a harmless "XDG_RUNTIME_DIR is invalid" line from Mesa.
 export XDG_RUNTIME_DIR ?= /tmp
 
-.PHONY: train test test-swiftshader lint wasm-check bench driver adapters smollm2 gemma3
+.PHONY: train test test-swiftshader lint wasm-check web web-build bench driver adapters smollm2 gemma3
 
 driver:
 	@bash scripts/ensure-vulkan.sh
@@ -50,13 +50,18 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # stays beside it, so the multi-device engines (data, tensor, pipeline,
 # ZeRO) pair two unlike adapters there. A pass of its own, outside the
 # 10 minutes of `make test`.
+# The unit and integration tests and the library's doc tests, not the examples:
+# each example is a binary of its own to link, `make lint` (clippy
+# --all-targets) compiles them all, and the one run here is built once.
+TEST_TARGETS := --tests
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
 test: driver smollm2 gemma3
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
-	$(CARGO) test --release $(TEST_FEATURES) --no-run
+	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
-	$(CARGO) test --release $(TEST_FEATURES)
+	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS)
+	$(CARGO) test --release $(TEST_FEATURES) -p wgrad --doc
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad" --completions-only \
@@ -78,18 +83,39 @@ lint:
 # it run there: nothing it compiles blocks on the GPU. Every wait is async;
 # the one blocking wrapper is `device::block_on` (native only: pollster is
 # no wasm32 dependency), so `block_on`, `PollType::Wait` and sleeps appear
-# nowhere else in src/, except the native-only poll of several devices in
-# parallel/collectives.rs and MPI's watchdog (the `mpi` feature). Built with
+# nowhere else in src/ (nor in web/src, the page's bindings), except the
+# native-only poll of several devices in parallel/collectives.rs and MPI's
+# watchdog (the `mpi` feature). Built with
 # `-p wgrad`: the workspace's other members are native programs.
 WASM_TARGET := wasm32-unknown-unknown
 wasm-check:
 	@rustup target list --installed 2>/dev/null | grep -qx $(WASM_TARGET) || \
 		{ echo "the $(WASM_TARGET) target is missing: rustup target add $(WASM_TARGET)"; exit 1; }
 	$(CARGO) build --release -p wgrad --lib --target $(WASM_TARGET)
-	@found=$$(grep -rn 'block_on\|PollType::Wait\|thread::sleep\|futures::executor' src --include=*.rs | \
+	@found=$$(grep -rn 'block_on\|PollType::Wait\|thread::sleep\|futures::executor' src web/src --include=*.rs | \
 		grep -v '^src/device.rs:\|^src/parallel/mpi.rs:\|^src/parallel/collectives.rs:[0-9]*: *std::thread::sleep'); \
 		if [ -n "$$found" ]; then echo "blocking waits in code the web build compiles:"; echo "$$found"; exit 1; fi
 	@echo "wasm-check: the library builds for $(WASM_TARGET) and nothing it compiles blocks"
+
+# The page (web/, docs/browser.md): wgrad-web built for wasm32 with
+# wasm-bindgen's bindings, the static files of web/www, the text it trains
+# on and (when in wgrad's cache) SmolLM2's GGUF file, all in
+# $(TARGET_DIR)/web (scripts/build-web.sh, which says what to install when
+# the wasm32 target or wasm-bindgen is missing). `make web` fetches SmolLM2
+# (the chat tab's model; a GGUF file from disk works too), builds, and
+# serves the page on http://127.0.0.1:8080 (WEB_HOST, WEB_PORT): loopback
+# unless asked, and WebGPU needs localhost or https anyway.
+WEB_HOST ?= 127.0.0.1
+WEB_PORT ?= 8080
+web-build:
+	@bash scripts/build-web.sh >/dev/null
+
+web:
+	@bash scripts/fetch-smollm2.sh >/dev/null || \
+		echo "SmolLM2 could not be fetched: the chat tab still loads a GGUF file from disk"
+	@bash scripts/build-web.sh >/dev/null
+	@echo "serving the page on http://$(WEB_HOST):$(WEB_PORT)/ (Ctrl-C stops)"
+	cd "$(TARGET_DIR)/web" && python3 -m http.server --bind $(WEB_HOST) $(WEB_PORT)
 
 bench: driver
 	$(CARGO) bench -p wgrad-benches --bench matmul

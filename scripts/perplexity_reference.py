@@ -42,8 +42,8 @@ CACHE = pathlib.Path.home() / ".cache" / "wgrad" / "models"
 # (case name, the variable naming the file, the file in wgrad's cache,
 # the text under the repository root, context, max tokens).
 CASES = [
-    ("smollm2", "WGRAD_SMOLLM2", "SmolLM2-135M-Instruct.Q4_1.gguf", "data/shakespeare.txt.gz", 128, 1024),
-    ("gemma3", "WGRAD_GEMMA3", "gemma-3-270m-q4_k_m.gguf", "data/shakespeare.txt.gz", 128, 1024),
+    ("smollm2", "WGRAD_SMOLLM2", "SmolLM2-135M-Instruct.Q4_1.gguf", "data/shakespeare.txt.gz", 128, 512),
+    ("gemma3", "WGRAD_GEMMA3", "gemma-3-270m-q4_k_m.gguf", "data/shakespeare.txt.gz", 128, 512),
 ]
 
 

@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
-"""PyTorch reference for wgrad's Qwen2 and Qwen3, as scripts/llama_reference.py
+"""PyTorch reference for wgrad's Qwen2, Qwen3 and Mistral, as scripts/llama_reference.py
 is for the Llama: one fixed batch, the logits, the loss, every gradient,
 then 10 clipped AdamW steps and the parameters they end at; and a
 tied-head variant's logits, loss and gradients.
 
-The models are transformers' own Qwen2ForCausalLM and Qwen3ForCausalLM
-(random init, eager attention), so the names are Hugging Face's. Qwen2 has
-biases on q, k and v; Qwen3 has an RMSNorm over each q and k head and a
-head width (24) that is not hidden / heads (64 / 4). transformers
+The models are transformers' own Qwen2ForCausalLM, Qwen3ForCausalLM and
+MistralForCausalLM (random init, eager attention), so the names are Hugging
+Face's. Qwen2 has biases on q, k and v; Qwen3 has an RMSNorm over each q
+and k head and a head width (24) that is not hidden / heads (64 / 4).
+Mistral's attention slides over a window of 5 positions, shorter than the
+16 of the batch, so every query from the sixth on sees a part of its causal
+context only: a model that ignored the window would miss these logits by
+far more than the tolerance (checked below). transformers
 initialises biases to zero and norms to one, which would hide a bias or a
 norm weight read in the wrong place, so every one-dimensional parameter
 (biases, norm weights) gets noise on top of the init.
 
-Writes tests/fixtures/qwen2_reference.safetensors and
-qwen3_reference.safetensors, which tests/suite/qwen_reference.rs compares
+Writes tests/fixtures/qwen2_reference.safetensors,
+qwen3_reference.safetensors and mistral_reference.safetensors, which
+tests/suite/qwen_reference.rs compares
 wgrad with. CI has no torch and never runs this; rerun it by hand after
 changing anything it mirrors:
 
@@ -28,7 +33,14 @@ import math
 import os
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from reference_training import loss_of, max_diff, optimizer_meta, print_steps, step_tensors, train, write_fixture
 
@@ -42,19 +54,24 @@ CLIP = 1.5
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
 
-# variant: (config class, model class, vocabulary, head width)
+# variant: (config class, model class, vocabulary, head width, sliding window)
 VARIANTS = {
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 71, N_EMBD // N_HEAD),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, 67, 24),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 71, N_EMBD // N_HEAD, None),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, 67, 24, None),
+    # Attends to the last 5 positions only (key j of query i when i - j < 5).
+    "mistral": (MistralConfig, MistralForCausalLM, 73, N_EMBD // N_HEAD, 5),
 }
 
 
-def config(variant, tied):
-    config_class, _, vocab, head_dim = VARIANTS[variant]
+def config(variant, tied, windowed=True):
+    config_class, _, vocab, head_dim, window = VARIANTS[variant]
+    # Qwen's configs slide only with use_sliding_window; Mistral's always
+    # does where sliding_window is set.
+    sliding = {"sliding_window": window if windowed else None} if window else {"use_sliding_window": False}
     return config_class(
         vocab_size=vocab, hidden_size=N_EMBD, intermediate_size=INTERMEDIATE, num_hidden_layers=N_LAYER,
         num_attention_heads=N_HEAD, num_key_value_heads=N_KV_HEAD, head_dim=head_dim, max_position_embeddings=BLOCK,
-        rope_theta=THETA, rms_norm_eps=EPS_NORM, tie_word_embeddings=tied, use_sliding_window=False,
+        rope_theta=THETA, rms_norm_eps=EPS_NORM, tie_word_embeddings=tied, **sliding,
         hidden_act="silu", initializer_range=0.02, pad_token_id=None, bos_token_id=None, eos_token_id=None,
     )
 
@@ -88,7 +105,7 @@ def fresh(variant, tied, init, dtype):
 
 
 def reference(variant):
-    vocab, head_dim = VARIANTS[variant][2], VARIANTS[variant][3]
+    vocab, head_dim, window = VARIANTS[variant][2:]
     gen = torch.Generator().manual_seed(SEED + 1)
     idx = torch.randint(0, vocab, (BATCH, BLOCK), generator=gen)
     # Each target is the token before it: something only attention learns.
@@ -123,7 +140,15 @@ def reference(variant):
     losses64, norms64 = train(m64, forward, idx, targets, groups=decayed, clip=CLIP)
     final64 = dict(m64.named_parameters())
 
-    print(f"{variant}: vocab {vocab}, positions {BLOCK}, layers {N_LAYER}, heads {N_HEAD} of {head_dim} over "
+    if window:
+        unwindowed = VARIANTS[variant][1]._from_config(config(variant, False, windowed=False), attn_implementation="eager")
+        unwindowed = unwindowed.float().eval()
+        unwindowed.load_state_dict(init)
+        with torch.no_grad():
+            window_effect = max_diff(logits, forward(unwindowed, idx))
+        print(f"the window moves the logits by {window_effect:.2e}")
+        assert window_effect > 1e-3, "the window must matter in this fixture"
+    print(f"{variant}: vocab {vocab}, positions {BLOCK}, window {window}, layers {N_LAYER}, heads {N_HEAD} of {head_dim} over "
           f"{N_KV_HEAD} KV heads, embd {N_EMBD}, intermediate {INTERMEDIATE}; batch {BATCH}")
     print(f"parameters: {sum(p.numel() for p in init.values())} untied, {sum(p.numel() for p in tied_init.values())} tied")
     print(f"initial loss {loss.item():.7f} (ln V = {math.log(vocab):.7f}), tied {tied_loss.item():.7f}")
@@ -146,7 +171,8 @@ def reference(variant):
     meta = {
         "variant": variant, "vocab_size": vocab, "block_size": BLOCK, "n_layer": N_LAYER, "n_head": N_HEAD,
         "n_kv_head": N_KV_HEAD, "head_dim": head_dim, "n_embd": N_EMBD, "intermediate_size": INTERMEDIATE,
-        "rope_theta": THETA, "rms_norm_eps": EPS_NORM, **optimizer_meta(CLIP),
+        "rope_theta": THETA, "rms_norm_eps": EPS_NORM, **({"sliding_window": window} if window else {}),
+        **optimizer_meta(CLIP),
     }
     named = {"init": init, "grad": grads, "final": final, "tied.init": tied_init, "tied.grad": tied_grads}
     write_fixture(os.path.join(FIXTURES, f"{variant}_reference.safetensors"), tensors, named, meta, clipped)

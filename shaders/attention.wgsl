@@ -654,3 +654,292 @@ fn cached_attention_forward_grouped(@builtin(workgroup_id) wid: vec3<u32>, @buil
         }
     }
 }
+
+// cached_attention_forward_channels: ONE WORKGROUP PER (sequence, row, KV
+// head, chunk of up to GROUP_HEADS of its query heads), as the grouped
+// kernel, for CPU adapters and heads too wide for that kernel's per-lane
+// rows (Gemma 3's 256 channels). Its CHANNEL_LANES lanes (one SIMD row of
+// llvmpipe: no fiber switch at its barriers) split the CHANNELS, not the
+// positions: lane l owns vec4s l, l + 8, l + 16, … of every head (up to
+// CHANNEL_VEC4 of them, an override: ⌈head_dim / 32⌉), and all lanes walk
+// the positions together. At each position a lane sums its channels'
+// products with the key for each head of the chunk (component g: head g),
+// the lanes' partial scores are added in workgroup memory in lane order
+// (so every lane holds the same scores, bit for bit, and runs the same
+// online softmax), and each lane updates its own channels of the output
+// rows. What a lane keeps is CHANNEL_VEC4 4×4 matrices of query and of
+// output (column g: head g), indexed by constants only: the grouped
+// kernel's per-lane rows indexed in a loop live in memory on llvmpipe and
+// compile slowly past 64 channels; here no merge follows either (a lane
+// stores its own channels). A key and a value are read once for the
+// chunk's heads, as vec4s: head_dim a multiple of 4, the operands 16-byte
+// aligned (the Rust side checks). Loop iterations per lane: about one per
+// position (the channel loops are unrolled by hand).
+const CHANNEL_LANES: u32 = 8u;
+override CHANNEL_VEC4: u32 = 8u;
+var<workgroup> channel_partials: array<vec4<f32>, CHANNEL_LANES>;
+
+// A lane's channels of the chunk's heads: rows[i] column g is head g's vec4
+// lane + 8·i (zero past head_dim or past the chunk's heads).
+struct ChannelRows {
+    r0: mat4x4<f32>,
+    r1: mat4x4<f32>,
+    r2: mat4x4<f32>,
+    r3: mat4x4<f32>,
+    r4: mat4x4<f32>,
+    r5: mat4x4<f32>,
+    r6: mat4x4<f32>,
+    r7: mat4x4<f32>,
+}
+
+// The lane's vec4 i of a head (clamped into it: a lane past head_dim reads
+// the last vec4 again, against a zero query, and stores nothing).
+fn channel_index(lane: u32, i: u32, d4: u32) -> u32 {
+    return min(lane + CHANNEL_LANES * i, d4 - 1u);
+}
+
+fn channel_owns(lane: u32, i: u32, d4: u32) -> bool {
+    return lane + CHANNEL_LANES * i < d4;
+}
+
+// Vec4 i of the lane's channels of the key (`cached`: of k_cache4 from
+// `at`, else of k_rows4) or of the value (v_cache4, v_rows4).
+fn channel_key(at: u32, cached: bool, lane: u32, i: u32, d4: u32) -> vec4<f32> {
+    let e = at + channel_index(lane, i, d4);
+    if cached {
+        return k_cache4[e];
+    }
+    return k_rows4[e];
+}
+
+fn channel_value(at: u32, cached: bool, lane: u32, i: u32, d4: u32) -> vec4<f32> {
+    let e = at + channel_index(lane, i, d4);
+    if cached {
+        return v_cache4[e];
+    }
+    return v_rows4[e];
+}
+
+// The lane's part of each head's score against the key at `at`.
+fn channel_scores(q: ChannelRows, at: u32, cached: bool, lane: u32, d4: u32) -> vec4<f32> {
+    var s = channel_key(at, cached, lane, 0u, d4) * q.r0;
+    if CHANNEL_VEC4 > 1u {
+        s += channel_key(at, cached, lane, 1u, d4) * q.r1;
+    }
+    if CHANNEL_VEC4 > 2u {
+        s += channel_key(at, cached, lane, 2u, d4) * q.r2;
+    }
+    if CHANNEL_VEC4 > 3u {
+        s += channel_key(at, cached, lane, 3u, d4) * q.r3;
+    }
+    if CHANNEL_VEC4 > 4u {
+        s += channel_key(at, cached, lane, 4u, d4) * q.r4;
+    }
+    if CHANNEL_VEC4 > 5u {
+        s += channel_key(at, cached, lane, 5u, d4) * q.r5;
+    }
+    if CHANNEL_VEC4 > 6u {
+        s += channel_key(at, cached, lane, 6u, d4) * q.r6;
+    }
+    if CHANNEL_VEC4 > 7u {
+        s += channel_key(at, cached, lane, 7u, d4) * q.r7;
+    }
+    return s;
+}
+
+// Head g's column of `rows` times shrink[g], plus weight[g] times value.
+fn channel_update(rows: mat4x4<f32>, value: vec4<f32>, shrink: vec4<f32>, weight: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        fma(vec4<f32>(weight.x), value, rows[0] * shrink.x),
+        fma(vec4<f32>(weight.y), value, rows[1] * shrink.y),
+        fma(vec4<f32>(weight.z), value, rows[2] * shrink.z),
+        fma(vec4<f32>(weight.w), value, rows[3] * shrink.w),
+    );
+}
+
+// The lane's output rows rescaled and given the value at `at`.
+fn channel_values(acc: ChannelRows, at: u32, cached: bool, lane: u32, d4: u32, shrink: vec4<f32>, weight: vec4<f32>) -> ChannelRows {
+    var r = acc;
+    r.r0 = channel_update(acc.r0, channel_value(at, cached, lane, 0u, d4), shrink, weight);
+    if CHANNEL_VEC4 > 1u {
+        r.r1 = channel_update(acc.r1, channel_value(at, cached, lane, 1u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 2u {
+        r.r2 = channel_update(acc.r2, channel_value(at, cached, lane, 2u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 3u {
+        r.r3 = channel_update(acc.r3, channel_value(at, cached, lane, 3u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 4u {
+        r.r4 = channel_update(acc.r4, channel_value(at, cached, lane, 4u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 5u {
+        r.r5 = channel_update(acc.r5, channel_value(at, cached, lane, 5u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 6u {
+        r.r6 = channel_update(acc.r6, channel_value(at, cached, lane, 6u, d4), shrink, weight);
+    }
+    if CHANNEL_VEC4 > 7u {
+        r.r7 = channel_update(acc.r7, channel_value(at, cached, lane, 7u, d4), shrink, weight);
+    }
+    return r;
+}
+
+// Vec4 i of the lane's channels of each head of the chunk's queries (from
+// `q_at`, heads d4 apart), zero past the chunk's `heads` or head_dim.
+fn channel_query(q_at: u32, lane: u32, i: u32, d4: u32, heads: u32) -> mat4x4<f32> {
+    let e = q_at + channel_index(lane, i, d4);
+    var m = mat4x4<f32>();
+    if channel_owns(lane, i, d4) {
+        for (var g = 0u; g < GROUP_HEADS; g++) {
+            if g < heads {
+                m[g] = q_rows4[e + g * d4];
+            }
+        }
+    }
+    return m;
+}
+
+fn channel_queries(q_at: u32, lane: u32, d4: u32, heads: u32) -> ChannelRows {
+    var r = ChannelRows();
+    r.r0 = channel_query(q_at, lane, 0u, d4, heads);
+    if CHANNEL_VEC4 > 1u {
+        r.r1 = channel_query(q_at, lane, 1u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 2u {
+        r.r2 = channel_query(q_at, lane, 2u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 3u {
+        r.r3 = channel_query(q_at, lane, 3u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 4u {
+        r.r4 = channel_query(q_at, lane, 4u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 5u {
+        r.r5 = channel_query(q_at, lane, 5u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 6u {
+        r.r6 = channel_query(q_at, lane, 6u, d4, heads);
+    }
+    if CHANNEL_VEC4 > 7u {
+        r.r7 = channel_query(q_at, lane, 7u, d4, heads);
+    }
+    return r;
+}
+
+// Stores vec4 i of the lane's channels of each head of the chunk (from
+// `out_at`, heads d4 apart), divided by its Σ exp.
+fn channel_store(rows: mat4x4<f32>, out_at: u32, lane: u32, i: u32, d4: u32, heads: u32, inverse: vec4<f32>) {
+    if channel_owns(lane, i, d4) {
+        let e = out_at + lane + CHANNEL_LANES * i;
+        for (var g = 0u; g < GROUP_HEADS; g++) {
+            if g < heads {
+                out4[e + g * d4] = rows[g] * inverse[g];
+            }
+        }
+    }
+}
+
+fn channel_store_all(acc: ChannelRows, out_at: u32, lane: u32, d4: u32, heads: u32, inverse: vec4<f32>) {
+    channel_store(acc.r0, out_at, lane, 0u, d4, heads, inverse);
+    if CHANNEL_VEC4 > 1u {
+        channel_store(acc.r1, out_at, lane, 1u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 2u {
+        channel_store(acc.r2, out_at, lane, 2u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 3u {
+        channel_store(acc.r3, out_at, lane, 3u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 4u {
+        channel_store(acc.r4, out_at, lane, 4u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 5u {
+        channel_store(acc.r5, out_at, lane, 5u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 6u {
+        channel_store(acc.r6, out_at, lane, 6u, d4, heads, inverse);
+    }
+    if CHANNEL_VEC4 > 7u {
+        channel_store(acc.r7, out_at, lane, 7u, d4, heads, inverse);
+    }
+}
+
+// The lanes' partial scores summed in lane order: the same in every lane.
+// Called from uniform control flow.
+fn channel_sum(partial: vec4<f32>, lane: u32) -> vec4<f32> {
+    channel_partials[lane] = partial;
+    workgroupBarrier();
+    let p = channel_partials;
+    // Every lane has read the partials before the next position's writes.
+    workgroupBarrier();
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+// Shapes as cached_attention_forward; workgroups as the grouped kernel's.
+@compute @workgroup_size(CHANNEL_LANES)
+fn cached_attention_forward_channels(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+    if lane == 0u {
+        shared_params = params;
+    }
+    let q = workgroupUniformLoad(&shared_params);
+    let group = q.heads / q.kv_heads;
+    let chunks = (group + GROUP_HEADS - 1u) / GROUP_HEADS;
+    let i = wid.y * nwg.x + wid.x;
+    if i >= q.seqs * q.rows * q.kv_heads * chunks {
+        return;
+    }
+    let d4 = q.head_dim / 4u;
+    let chunk = i % chunks;
+    let kv = (i / chunks) % q.kv_heads;
+    let t = (i / (chunks * q.kv_heads)) % q.rows;
+    let s = i / (chunks * q.kv_heads * q.rows);
+    let head0 = kv * group + chunk * GROUP_HEADS;
+    let heads = min(GROUP_HEADS, group - chunk * GROUP_HEADS);
+    let start = workgroup_start(lane, s);
+    let pos = start + t;
+    let at = places(q, s, t, head0);
+    if pos >= q.context {
+        for (var e = lane; e < heads * d4; e += CHANNEL_LANES) {
+            out4[at.out_at / 4u + e] = vec4<f32>(quiet_nan());
+        }
+        return;
+    }
+    let cache_base = at.cache_base / 4u;
+    let own = cache_base + pos * d4;
+    let new_k = (at.k_at + t * q.k_width) / 4u;
+    let new_v = (at.v_at + t * q.v_width) / 4u;
+    if at.writes {
+        for (var e = lane; e < d4; e += CHANNEL_LANES) {
+            k_cache4[own + e] = k_rows4[new_k + e];
+            v_cache4[own + e] = v_rows4[new_v + e];
+        }
+    }
+    let query = channel_queries(at.q_at / 4u, lane, d4, heads);
+    var acc = ChannelRows();
+    let k_step = q.k_width / 4u;
+    let v_step = q.v_width / 4u;
+    let k_rows_at = at.k_at / 4u;
+    let v_rows_at = at.v_at / 4u;
+    var maximum = vec4<f32>(LOWEST);
+    var total = vec4<f32>(0.0);
+    for (var j = first_position(q, pos); j <= pos; j++) {
+        // Before `start` from the caches, from `start` on from the row
+        // operands (this dispatch writes those cache rows; see the top).
+        let cached = j < start;
+        var key_at = cache_base + j * d4;
+        var value_at = key_at;
+        if !cached {
+            key_at = k_rows_at + (j - start) * k_step;
+            value_at = v_rows_at + (j - start) * v_step;
+        }
+        let score = channel_sum(channel_scores(query, key_at, cached, lane, d4), lane) * q.scale;
+        let grown = max(maximum, score);
+        let shrink = exp(maximum - grown);
+        let weight = exp(score - grown);
+        total = fma(total, shrink, weight);
+        maximum = grown;
+        acc = channel_values(acc, value_at, cached, lane, d4, shrink, weight);
+    }
+    channel_store_all(acc, at.out_at / 4u, lane, d4, heads, vec4<f32>(1.0) / total);
+}

@@ -5,6 +5,7 @@
 //   backward: dx[n] = f'(x[n]) · dy[n]   (x is the forward *input*)
 //   bias add: out[rows, cols] = x[rows, cols] + bias[cols]   (bias in `y`)
 //   add_assign: out[n] += x[n]   (gradient accumulation)
+//   dropout:  out[n] = x[n]·mask[n]/(1-p)   (the mask a hash: see below)
 // Composed with common.wgsl (WG, flat_index) and activations.wgsl (the
 // formulas, shared with the matmul epilogue); see Family::source.
 
@@ -148,4 +149,54 @@ fn copy_vec4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
         let i = first + j;
         if i < n { out4[i] = x4[i]; }
     }
+}
+
+// Dropout (inverted, as torch.nn.Dropout in training; ops::DropoutMask):
+// out[n] = x[n]·scale where the element's hash is at least `threshold`
+// (p·2³²), else 0, x viewed as [n / cols, cols]. `control` holds the run's
+// words, which the executor writes: [key, on, first_example, _]; with `on`
+// 0 the kernel copies x (evaluation). The backward is this kernel over dy:
+// the same mask, drawn again rather than stored.
+struct DropoutParams {
+    n: u32,
+    cols: u32,
+    // The whole rows' width and where these columns start in them (a
+    // tensor-parallel share), and rows per example (where first_example
+    // puts a device's rows of a split batch).
+    row_width: u32,
+    col_offset: u32,
+    rows_per_example: u32,
+    threshold: u32,
+    salt: u32,
+    scale: f32,
+}
+@group(0) @binding(4) var<storage, read> control: array<u32>;
+@group(0) @binding(5) var<uniform> drop: DropoutParams;
+
+// lowbias32 (C. Wellons' hash prospector): a bijection of u32 whose output
+// bits each flip with about half the input bits (cpu::hash_u32 is its twin).
+fn hash_u32(v: u32) -> u32 {
+    var h = v;
+    h ^= h >> 16u;
+    h *= 0x7feb352du;
+    h ^= h >> 15u;
+    h *= 0x846ca68bu;
+    h ^= h >> 16u;
+    return h;
+}
+
+@compute @workgroup_size(256)
+fn dropout_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = flat_index(wid, nwg, lid);
+    if i >= drop.n { return; }
+    if control[1] == 0u {
+        out[i] = x[i];
+        return;
+    }
+    // Integer arithmetic wraps: a number past 2³² still hashes, as its twin's.
+    let row = control[2] * drop.rows_per_example + i / drop.cols;
+    let element = row * drop.row_width + drop.col_offset + i % drop.cols;
+    let stream = hash_u32(hash_u32(control[0]) ^ drop.salt);
+    let h = hash_u32(hash_u32(element ^ stream) + stream);
+    out[i] = select(0.0, x[i] * drop.scale, h >= drop.threshold);
 }

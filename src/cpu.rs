@@ -5,9 +5,9 @@
 
 use crate::error::{Error, Result};
 use crate::ops::{
-    broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape,
-    FlashAttentionShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape, SgdConfig,
-    Unary,
+    broadcast_shape, rope_angle, rope_inv_freq, Activation, AdamConfig, Binary, CachedAttentionShape, DropoutMask,
+    FlashAttentionShape, LoraShape, LossScaling, MatmulForm, OptimizerConfig, QuantFormat, RopeLayout, RopeShape,
+    SgdConfig, Unary, LORA_META,
 };
 
 /// The element types a twin computes in: f32, as the kernels store values,
@@ -1247,6 +1247,69 @@ pub fn unary<T: Real>(op: Unary, x: &[T]) -> Vec<T> {
         .collect()
 }
 
+/// Twin of elementwise.wgsl's `hash_u32` (lowbias32), in wrapping u32
+/// arithmetic.
+pub fn hash_u32(v: u32) -> u32 {
+    let mut h = v;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x7feb_352d);
+    h ^= h >> 15;
+    h = h.wrapping_mul(0x846c_a68b);
+    h ^= h >> 16;
+    h
+}
+
+/// Which of `len` elements (viewed as [len / cols, cols], `rows_per_example`
+/// rows to an example) `dropout_forward` keeps under `mask` with the
+/// control words `control` (key, on, first example): all when off.
+pub fn dropout_keeps(
+    mask: &DropoutMask,
+    control: &[u32],
+    len: usize,
+    cols: usize,
+    rows_per_example: usize,
+) -> Vec<bool> {
+    let word = |i: usize| control.get(i).copied().unwrap_or(0);
+    if word(1) == 0 {
+        return vec![true; len];
+    }
+    let cols = cols.max(1);
+    let stream = hash_u32(hash_u32(word(0)) ^ mask.salt);
+    let threshold = mask.threshold();
+    (0..len)
+        .map(|i| {
+            let row = word(2)
+                .wrapping_mul(rows_per_example as u32)
+                .wrapping_add((i / cols) as u32);
+            let element = row
+                .wrapping_mul(mask.row_width as u32)
+                .wrapping_add(mask.col_offset as u32)
+                .wrapping_add((i % cols) as u32);
+            hash_u32(hash_u32(element ^ stream).wrapping_add(stream)) >= threshold
+        })
+        .collect()
+}
+
+/// Twin of `dropout_forward` (and of its backward, over dy): kept elements
+/// times 1/(1 − p), the others 0; x itself when the control's `on` word is 0.
+pub fn dropout<T: Real>(mask: &DropoutMask, x: &[T], control: &[u32], cols: usize, rows_per_example: usize) -> Vec<T> {
+    if control.get(1).copied().unwrap_or(0) == 0 {
+        return x.to_vec();
+    }
+    let scale = f64::from(mask.scale());
+    dropout_keeps(mask, control, x.len(), cols.max(1), rows_per_example)
+        .into_iter()
+        .zip(x)
+        .map(|(keep, &v)| {
+            if keep {
+                T::from_f64(scale * v.into())
+            } else {
+                T::default()
+            }
+        })
+        .collect()
+}
+
 /// Twin of `reduce_to_shape`: x summed (in f64) down to `out_shape`, of
 /// which `x_shape` is a broadcast.
 pub fn reduce_to_shape<T: Real>(x: &[T], x_shape: &[usize], out_shape: &[usize]) -> Result<Vec<T>> {
@@ -1462,4 +1525,58 @@ pub fn sample_rows(logits: &[f32], draws: &[f32], top_k: &[u32], rows: usize, vo
             [token, bad]
         })
         .collect()
+}
+
+/// Row `row`'s adapter in a gathered low-rank product: (first stacked
+/// row, rank, scale), None for a row whose sequence names no adapter.
+fn lora_row(meta: &[f32], index: &[u32], shape: LoraShape, row: usize) -> Option<(usize, usize, f64)> {
+    let adapter = index[row / (shape.rows / shape.seqs)] as usize;
+    if adapter >= shape.adapters {
+        return None;
+    }
+    let entry = meta.get(adapter * LORA_META..(adapter + 1) * LORA_META)?;
+    let (first, rank) = shape.segment(entry[0], entry[1]);
+    Some((first, rank, f64::from(entry[2])))
+}
+
+/// Twin of `lora_shrink`: h[rows, width], h[row, j] = Σ_i x[row,
+/// i]·a[first+j, i] for j below the row's adapter's rank, else 0 (see
+/// [`LoraShape`]).
+pub fn lora_shrink<T: Real>(x: &[T], a: &[T], meta: &[f32], index: &[u32], shape: LoraShape) -> Vec<T> {
+    let (cols, width) = (shape.cols, shape.width);
+    let mut h = vec![T::default(); shape.rows * width];
+    for row in 0..shape.rows {
+        let Some((first, rank, _)) = lora_row(meta, index, shape, row) else {
+            continue;
+        };
+        let x_row = &x[row * cols..(row + 1) * cols];
+        for j in 0..rank {
+            let a_row = &a[(first + j) * cols..(first + j + 1) * cols];
+            h[row * width + j] = T::from_f64(dot(x_row, a_row));
+        }
+    }
+    h
+}
+
+/// Twin of `lora_expand`: out[rows, cols] = y + scale·Σ_j h[row,
+/// j]·bt[first+j] over the row's adapter's rank; y's row where it names
+/// none.
+pub fn lora_expand<T: Real>(y: &[T], h: &[T], bt: &[T], meta: &[f32], index: &[u32], shape: LoraShape) -> Vec<T> {
+    let (cols, width) = (shape.cols, shape.width);
+    let mut out = y.to_vec();
+    for row in 0..shape.rows {
+        let Some((first, rank, scale)) = lora_row(meta, index, shape, row) else {
+            continue;
+        };
+        if rank == 0 {
+            continue;
+        }
+        for c in 0..cols {
+            let sum: f64 = (0..rank)
+                .map(|j| h[row * width + j].into() * bt[(first + j) * cols + c].into())
+                .sum();
+            out[row * cols + c] = T::from_f64(y[row * cols + c].into() + scale * sum);
+        }
+    }
+    out
 }

@@ -886,6 +886,69 @@ pub fn rope_table(base: f32, rotary_dim: usize, positions: usize) -> Result<Vec<
 /// (`Kernels::sample_rows`, `cpu::sample_rows`).
 pub const NO_TOKEN: u32 = u32::MAX;
 
+/// The adapter index of a sequence that applies none in the gathered
+/// low-rank products ([`LoraShape`]): its rows add nothing.
+pub const NO_ADAPTER: u32 = u32::MAX;
+
+/// Values per adapter in a gathered low-rank product's `meta` [N, 3]:
+/// the first of its stacked rows, its rank at this layer (0: it has no
+/// adapter here) and its scale (α / r).
+pub const LORA_META: usize = 3;
+
+/// The sizes of the gathered low-rank products over a batch whose
+/// sequences each apply their own adapter to one Linear (S-LoRA and
+/// Punica's "BGMV"), as `Kernels::lora_shrink` / `lora_expand` and
+/// their twins take them: the shrink h[row, j] = A_a[j]·x[row] (j below
+/// adapter a's rank, 0 past it), the expand out[row] = y[row] + scale_a ·
+/// Σ_j h[row, j]·B_a[:, j], where a = index[s] is the adapter of the
+/// sequence owning the row (rows s·T .. s·T + T for T = rows / seqs); a
+/// sequence whose index is not below the adapters (
+/// [`NO_ADAPTER`]) adds nothing. Every adapter's A [r_a, in] is stacked
+/// row-wise into a [ranks, in] and its Bᵀ [r_a, out] into bt [ranks,
+/// out]; `meta` [adapters, 3] holds each one's (first row, rank, scale)
+/// ([`LORA_META`]), the first two whole numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LoraShape {
+    /// S: sequences, one adapter index each.
+    pub seqs: usize,
+    /// Rows of x, y and h: S·T.
+    pub rows: usize,
+    /// The Linear's input features (the shrink's x) or output features
+    /// (the expand's y).
+    pub cols: usize,
+    /// Columns of h: the largest rank at this layer.
+    pub width: usize,
+    /// N: the adapters `meta` describes.
+    pub adapters: usize,
+    /// Rows of the stacked a and bt: every adapter's rank at this layer.
+    pub ranks: usize,
+}
+
+impl LoraShape {
+    /// Elements of (x or y [rows, cols], the stacked a or bt [ranks, cols],
+    /// h [rows, width], meta [adapters, 3]); None when a product
+    /// overflows.
+    pub fn lengths(&self) -> Option<[usize; 4]> {
+        Some([
+            self.rows.checked_mul(self.cols)?,
+            self.ranks.checked_mul(self.cols)?,
+            self.rows.checked_mul(self.width)?,
+            self.adapters.checked_mul(LORA_META)?,
+        ])
+    }
+
+    /// The stacked rows (first, count) of an adapter whose meta holds
+    /// (`first`, `rank`): whole numbers as the kernels read them (u32 of
+    /// the f32, rounded toward zero), the count cut to `width` and to the
+    /// rows past `first`, so nothing is read out of bounds whatever meta
+    /// holds.
+    pub fn segment(&self, first: f32, rank: f32) -> (usize, usize) {
+        let whole = |v: f32| if v.is_finite() && v > 0.0 { v as usize } else { 0 };
+        let first = whole(first);
+        (first, whole(rank).min(self.width).min(self.ranks.saturating_sub(first)))
+    }
+}
+
 /// The eps of a normalization (LayerNorm, RMSNorm): positive and finite,
 /// since a zero eps divides by zero on a constant row. The graph's builder
 /// and the kernels' entries both check it here, so they agree.
@@ -897,6 +960,81 @@ pub fn check_norm_eps(op: &'static str, eps: f32) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Dropout's mask (inverted dropout, as `torch.nn.Dropout` in training):
+/// each element of x is zeroed with probability `p` and the others are
+/// multiplied by 1/(1 − p). The mask is a counter-based hash, not a stored
+/// tensor (the backward draws it again): of the run's key, the op's `salt`
+/// and the element's number in the whole tensor. x is viewed as [rows,
+/// cols] (cols its last dimension, its first dimension counting examples);
+/// element (r, c) is number `(first_example · rows_per_example + r) ·
+/// row_width + col_offset + c`, where `first_example` (a control word) says
+/// where a device's rows of a split batch start and `row_width`,
+/// `col_offset` where a tensor-parallel share's columns lie in the whole
+/// rows: a split run draws the single device's mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutMask {
+    /// The probability of zeroing an element, in [0, 1).
+    pub p: f32,
+    /// Tells apart the masks of different sites drawn with one key (each
+    /// LoRA adapter's input).
+    pub salt: u32,
+    /// The whole rows' width: cols for a whole tensor.
+    pub row_width: usize,
+    /// Where this tensor's columns start in the whole rows: 0 for a whole
+    /// tensor.
+    pub col_offset: usize,
+}
+
+/// Words of a dropout control input, which the executor writes before
+/// each run (`Graph::dropout_control`): the run's key (the training step),
+/// whether dropout applies (0: the identity, as in evaluation), the number
+/// of the first example, and one unused.
+pub const DROPOUT_CONTROL_WORDS: usize = 4;
+
+impl DropoutMask {
+    /// A whole tensor's mask: rows `cols` wide.
+    pub fn whole(p: f32, salt: u32, cols: usize) -> Self {
+        DropoutMask {
+            p,
+            salt,
+            row_width: cols,
+            col_offset: 0,
+        }
+    }
+
+    /// `p` in [0, 1), and `cols` columns from `col_offset` within the rows.
+    pub fn check(&self, op: &'static str, cols: usize) -> Result<()> {
+        if !(self.p.is_finite() && (0.0..1.0).contains(&self.p)) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("the dropout probability must be in [0, 1), got {}", self.p),
+            });
+        }
+        let end = self.col_offset.checked_add(cols);
+        if cols == 0 || end.is_none_or(|e| e > self.row_width) || u32::try_from(self.row_width).is_err() {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "{cols} columns from column {} do not lie within rows of {}",
+                    self.col_offset, self.row_width
+                ),
+                &[&[cols], &[self.row_width]],
+            ));
+        }
+        Ok(())
+    }
+
+    /// Elements whose hash is below this are zeroed: p · 2³².
+    pub fn threshold(&self) -> u32 {
+        (f64::from(self.p) * 4_294_967_296.0).min(f64::from(u32::MAX)) as u32
+    }
+
+    /// What a kept element is multiplied by: 1 / (1 − p), in f32.
+    pub fn scale(&self) -> f32 {
+        1.0 / (1.0 - self.p)
+    }
 }
 
 /// The NumPy broadcast of two shapes aligned at their trailing dimension:

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,10 +14,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgrad::infer::generate::{GeneratorOptions, Sampling};
 use wgrad::kernels::{MatmulForm, MatmulRequest};
+use wgrad::nn::{Lora, LoraConfig, ParameterTree};
 use wgrad::{DeviceOptions, Kernels};
 use wgrad_benches::{median_time, BenchLine};
 
 use crate::common::open_kernels;
+use crate::generate::BoxedLm;
 
 fn random(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -201,10 +203,6 @@ pub fn serve(
     requests: usize,
     max_tokens: usize,
 ) -> wgrad::Result<Vec<BenchLine>> {
-    let fail = |e: String| wgrad::Error::InvalidArgument {
-        op: "bench serve",
-        reason: e,
-    };
     let max_batch = clients.iter().copied().max().unwrap_or(1);
     let context = 512;
     let mut lines = Vec::new();
@@ -240,21 +238,44 @@ pub fn serve(
             ],
         });
     }
+    let args: Vec<String> = [
+        "--max-batch",
+        &max_batch.to_string(),
+        "--max-context",
+        &context.to_string(),
+        "--max-queue",
+        "0",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let (child, port) = start_serve(model, &args)?;
+    for &n in clients {
+        let mut values = vec![("clients", n.to_string())];
+        values.extend(client_phase(port, n, requests, max_tokens, &|_| None)?);
+        lines.push(BenchLine {
+            case: "serve".into(),
+            values,
+        });
+    }
+    drop(child);
+    Ok(lines)
+}
+
+/// `wgrad serve` on `model` with `args` after it, a child of this binary
+/// on a loopback port: the child (killed when dropped) and its port.
+fn start_serve(model: &Path, args: &[String]) -> wgrad::Result<(ServeChild, u16)> {
+    let fail = |e: String| wgrad::Error::InvalidArgument {
+        op: "bench serve",
+        reason: e,
+    };
     let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
     let mut child = Command::new(exe)
         .arg("serve")
         .arg("--model")
         .arg(model)
-        .args([
-            "--port",
-            "0",
-            "--max-batch",
-            &max_batch.to_string(),
-            "--max-context",
-            &context.to_string(),
-            "--max-queue",
-            "0",
-        ])
+        .args(["--port", "0"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -273,62 +294,168 @@ pub fn serve(
         .and_then(|r| r.split_whitespace().next())
         .and_then(|p| p.parse().ok())
         .ok_or_else(|| fail(format!("the server printed {line:?}, not its address")))?;
-    for &n in clients {
-        let before = health(port)?;
-        let start = Instant::now();
-        let threads: Vec<_> = (0..n)
-            .map(|c| {
-                std::thread::spawn(move || -> wgrad::Result<Vec<(Duration, usize)>> {
-                    (0..requests)
-                        .map(|r| {
-                            let prompt = SERVE_PROMPTS[(c * requests + r) % SERVE_PROMPTS.len()];
-                            let body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true });
-                            stream_completion(port, &body.to_string())
-                        })
-                        .collect()
-                })
+    Ok((child, port))
+}
+
+/// `n` concurrent clients on the server at `port`, each sending `requests`
+/// streamed completions one after the other (fixed prompts, `max_tokens`
+/// greedy tokens, EOS ignored), client c naming the model `model(c)` (None:
+/// the server's base): aggregate completion tokens/s over the phase's wall
+/// time, the median and p95 time to first token, and the decode steps'
+/// mean batch (from /health).
+fn client_phase(
+    port: u16,
+    n: usize,
+    requests: usize,
+    max_tokens: usize,
+    model: &dyn Fn(usize) -> Option<String>,
+) -> wgrad::Result<Vec<(&'static str, String)>> {
+    let fail = |e: String| wgrad::Error::InvalidArgument {
+        op: "bench serve",
+        reason: e,
+    };
+    let before = health(port)?;
+    let start = Instant::now();
+    let threads: Vec<_> = (0..n)
+        .map(|c| {
+            let model = model(c);
+            std::thread::spawn(move || -> wgrad::Result<Vec<(Duration, usize)>> {
+                (0..requests)
+                    .map(|r| {
+                        let prompt = SERVE_PROMPTS[(c * requests + r) % SERVE_PROMPTS.len()];
+                        let mut body = serde_json::json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true });
+                        if let Some(model) = &model {
+                            body["model"] = serde_json::json!(model);
+                        }
+                        stream_completion(port, &body.to_string())
+                    })
+                    .collect()
             })
-            .collect();
-        let mut results = Vec::new();
-        for t in threads {
-            results.extend(t.join().map_err(|_| fail("a client thread panicked".into()))??);
-        }
-        let seconds = start.elapsed().as_secs_f64();
-        let after = health(port)?;
-        let delta = |key: &str| {
-            after[key]
-                .as_u64()
-                .unwrap_or(0)
-                .saturating_sub(before[key].as_u64().unwrap_or(0))
-        };
-        let mut ttfts: Vec<Duration> = results.iter().map(|r| r.0).collect();
-        ttfts.sort();
-        let tokens: usize = results.iter().map(|r| r.1).sum();
-        let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1e3);
+        })
+        .collect();
+    let mut results = Vec::new();
+    for t in threads {
+        results.extend(t.join().map_err(|_| fail("a client thread panicked".into()))??);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let after = health(port)?;
+    let delta = |key: &str| {
+        after[key]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(before[key].as_u64().unwrap_or(0))
+    };
+    let mut ttfts: Vec<Duration> = results.iter().map(|r| r.0).collect();
+    ttfts.sort();
+    let tokens: usize = results.iter().map(|r| r.1).sum();
+    let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1e3);
+    Ok(vec![
+        ("requests", results.len().to_string()),
+        ("tokens_per_s", format!("{:.2}", tokens as f64 / seconds)),
+        ("ttft_p50_ms", ms(quantile(&ttfts, 0.5))),
+        ("ttft_p95_ms", ms(quantile(&ttfts, 0.95))),
+        (
+            "mean_batch",
+            format!(
+                "{:.2}",
+                delta("decoded_rows") as f64 / delta("decode_steps").max(1) as f64
+            ),
+        ),
+    ])
+}
+
+/// Adapters of rank 16 on every Linear but the head, alpha 32, over
+/// `model` (PEFT's init for A, B random in ±0.02 so the path is not zero),
+/// written as PEFT folders `lora0`, `lora1`, .. under `dir`.
+fn write_bench_adapters(kernels: &Kernels, model: &Path, dir: &Path, count: usize) -> wgrad::Result<Vec<PathBuf>> {
+    let options = GeneratorOptions {
+        context: Some(64),
+        ..GeneratorOptions::default()
+    };
+    let mut lm = crate::generate::load_bpe_lm(kernels, model, None, &options)?;
+    let config = LoraConfig::parse("r=16,alpha=32,targets=all-linear")?;
+    let mut dirs = Vec::new();
+    for i in 0..count {
+        wgrad::nn::manual_seed(300 + i as u64);
+        let mut lora = Lora::new(BoxedLm(lm.model), config.clone())?;
+        let mut rng = ChaCha8Rng::seed_from_u64(400 + i as u64);
+        lora.visit_mut("", &mut |name, _, values| {
+            if name.ends_with("lora_B.weight") {
+                values.iter_mut().for_each(|v| *v = rng.random_range(-0.02f32..0.02));
+            }
+            Ok(())
+        })?;
+        let folder = dir.join(format!("lora{i}"));
+        wgrad::io::peft::save_lora(&folder, &lora, &model.display().to_string())?;
+        dirs.push(folder);
+        lm.model = lora.base.0;
+    }
+    Ok(dirs)
+}
+
+/// `wgrad bench --only serve_lora`: `clients` concurrent streams over the
+/// base alone (a server without adapters), then the same streams over 4
+/// adapters of rank 16 on every Linear (client c asks for adapter c mod 4,
+/// so every decode step mixes them), and over the base on that server
+/// (what carrying adapters costs requests that use none): tokens/s each.
+pub fn serve_lora(
+    kernels: &Arc<Kernels>,
+    model: &Path,
+    clients: usize,
+    requests: usize,
+    max_tokens: usize,
+) -> wgrad::Result<Vec<BenchLine>> {
+    const ADAPTERS: usize = 4;
+    let dir = std::env::temp_dir().join(format!("wgrad-bench-serve-lora-{}", std::process::id()));
+    let adapters = write_bench_adapters(kernels, model, &dir, ADAPTERS)?;
+    let base_args: Vec<String> = [
+        "--max-batch",
+        &clients.to_string(),
+        "--max-context",
+        "512",
+        "--max-queue",
+        "0",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let mut lines = Vec::new();
+    let (child, port) = start_serve(model, &base_args)?;
+    let mut values = vec![("adapters", "0".to_string()), ("clients", clients.to_string())];
+    values.extend(client_phase(port, clients, requests, max_tokens, &|_| None)?);
+    lines.push(BenchLine {
+        case: "serve_lora".into(),
+        values,
+    });
+    drop(child);
+    let mut args = base_args;
+    for (i, folder) in adapters.iter().enumerate() {
+        args.extend(["--lora".to_string(), format!("lora{i}={}", folder.display())]);
+    }
+    let (child, port) = start_serve(model, &args)?;
+    let phases: [(&str, &dyn Fn(usize) -> Option<String>); 2] = [
+        ("mixed", &|c| Some(format!("lora{}", c % ADAPTERS))),
+        ("base", &|_| None),
+    ];
+    for (asked, model) in phases {
+        let mut values = vec![
+            ("adapters", ADAPTERS.to_string()),
+            ("requests_ask", asked.to_string()),
+            ("clients", clients.to_string()),
+        ];
+        values.extend(client_phase(port, clients, requests, max_tokens, model)?);
         lines.push(BenchLine {
-            case: "serve".into(),
-            values: vec![
-                ("clients", n.to_string()),
-                ("requests", results.len().to_string()),
-                ("tokens_per_s", format!("{:.2}", tokens as f64 / seconds)),
-                ("ttft_p50_ms", ms(quantile(&ttfts, 0.5))),
-                ("ttft_p95_ms", ms(quantile(&ttfts, 0.95))),
-                (
-                    "mean_batch",
-                    format!(
-                        "{:.2}",
-                        delta("decoded_rows") as f64 / delta("decode_steps").max(1) as f64
-                    ),
-                ),
-            ],
+            case: "serve_lora".into(),
+            values,
         });
     }
     drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(lines)
 }
 
 /// What `wgrad bench --only` may name (any substring of one).
-const CASES: [&str; 14] = [
+const CASES: [&str; 15] = [
     "matmul",
     "mlp_step",
     "gpt_train_step",
@@ -342,6 +469,7 @@ const CASES: [&str; 14] = [
     "gemma3_prefill",
     "gemma3_decode",
     "serve",
+    "serve_lora",
     "attention",
 ];
 
@@ -481,6 +609,16 @@ pub fn bench(opts: &DeviceOptions, quick: bool, compile: bool, profile: bool, on
         })?;
         let (requests, max_tokens) = if quick { (1, 16) } else { (2, 32) };
         lines.extend(serve(&kernels, &path, &[1, 4, 16], requests, max_tokens)?);
+    }
+    if only.iter().any(|w| w == "serve_lora") {
+        // Only by its name, as serve: SmolLM2 and minutes.
+        let path = wgrad_benches::smollm2_path().ok_or_else(|| wgrad::Error::InvalidArgument {
+            op: "bench serve_lora",
+            reason: "no cache directory to find SmolLM2's GGUF file in (HOME unset): set WGRAD_SMOLLM2 to the file"
+                .into(),
+        })?;
+        let (requests, max_tokens) = if quick { (1, 16) } else { (2, 32) };
+        lines.extend(serve_lora(&kernels, &path, 16, requests, max_tokens)?);
     }
     println!("{:<32} measurements", "case");
     for l in &lines {

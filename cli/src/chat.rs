@@ -17,7 +17,9 @@ use wgrad::io::chat::{ChatMessage, ChatTemplate};
 use wgrad::io::lm_folder::is_gguf_path;
 use wgrad::{DeviceOptions, Kernels};
 
-use crate::generate::{answer, bpe_generator, invalid, load_bpe_lm, write_out, DtypeName, SamplingArgs, Timing};
+use crate::generate::{
+    answer, bpe_generator, invalid, load_bpe_lm, read_adapter, write_out, BoxedLm, DtypeName, SamplingArgs, Timing,
+};
 
 /// `wgrad chat`'s flags.
 #[derive(clap::Args)]
@@ -42,6 +44,15 @@ pub struct ChatArgs {
     /// 8192 are 180 MiB of keys and values).
     #[arg(long)]
     context: Option<usize>,
+    /// A PEFT LoRA adapter folder (adapter_config.json and
+    /// adapter_model.safetensors, as `wgrad train --lora` or PEFT writes
+    /// it) applied over --model.
+    #[arg(long)]
+    lora: Option<std::path::PathBuf>,
+    /// Multiplies the adapter's output (its alpha / r) by this: 0 is the
+    /// base alone, 1 the adapter as trained.
+    #[arg(long, requires = "lora")]
+    lora_scale: Option<f32>,
 }
 
 /// The prompt of `messages` ready for the assistant's answer, as ids; the
@@ -106,12 +117,21 @@ pub fn chat(opts: &DeviceOptions, args: &ChatArgs) -> wgrad::Result<()> {
     {
         return Err(no_chat_template(&args.model));
     }
+    // The adapter folder is read and checked before a device opens.
+    let adapter = args
+        .lora
+        .as_deref()
+        .map(|dir| read_adapter(dir, args.lora_scale.unwrap_or(1.0)))
+        .transpose()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
     let options = GeneratorOptions {
         context: args.context,
         ..GeneratorOptions::default()
     };
-    let lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
+    let mut lm = load_bpe_lm(&kernels, &args.model, args.dtype, &options)?;
+    if let Some(adapter) = adapter {
+        lm.model = Box::new(adapter.apply(BoxedLm(lm.model))?);
+    }
     let source = lm
         .tokenizer
         .chat_template()

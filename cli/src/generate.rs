@@ -95,10 +95,10 @@ pub struct GenerateArgs {
     /// (any --dtype de-quantizes them).
     #[arg(long, value_enum)]
     dtype: Option<DtypeName>,
-    /// Positions the KV cache holds (default: the model's context; for a
-    /// GGUF file's or tokenizer.json folder's one prompt, its tokens and
-    /// --max-new-tokens rounded up to a power of two from 64): fewer for
-    /// less memory (SmolLM2's 8192 are 180 MiB of keys and values).
+    /// Positions the KV cache holds (default: the model's context, or as
+    /// many as fit the adapter's memory beside the model): fewer for less
+    /// memory (SmolLM2's 8192 are 180 MiB of keys and values, Gemma 3's
+    /// 32,768 1.2 GB). A long prompt is prefilled in chunks.
     #[arg(long)]
     context: Option<usize>,
     /// A PEFT LoRA adapter folder (adapter_config.json and
@@ -114,7 +114,7 @@ pub struct GenerateArgs {
 
 /// A model behind `Box<dyn CausalLm>` as a model type of its own, so that
 /// adapters can wrap whichever family a file held.
-struct BoxedLm(Box<dyn CausalLm>);
+pub(crate) struct BoxedLm(pub(crate) Box<dyn CausalLm>);
 
 impl wgrad::nn::ParameterTree for BoxedLm {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
@@ -141,6 +141,12 @@ impl wgrad::nn::Module for BoxedLm {
     }
     fn input(&self, g: &mut Graph, batch: usize) -> wgrad::Result<Tensor> {
         self.0.input(g, batch)
+    }
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        self.0.permuted_rows()
+    }
+    fn hf_module_prefix(&self) -> &'static str {
+        self.0.hf_module_prefix()
     }
 }
 
@@ -171,17 +177,20 @@ pub(crate) fn with_adapter(
     let Some((dir, scale)) = adapter else {
         return Ok(model);
     };
+    Ok(Box::new(read_adapter(dir, scale)?.apply(BoxedLm(model))?))
+}
+
+/// The PEFT adapter folder `dir` with its output scaled by `scale` (B
+/// scaled: the same product as scaling alpha / r).
+pub(crate) fn read_adapter(dir: &Path, scale: f32) -> wgrad::Result<wgrad::io::peft::PeftAdapter> {
     if !scale.is_finite() {
-        return Err(invalid(
-            "generate --lora-scale",
-            format!("{scale} is not a finite number"),
-        ));
+        return Err(invalid("--lora-scale", format!("{scale} is not a finite number")));
     }
     let mut peft = wgrad::io::peft::read(dir)?;
     for a in &mut peft.adapters {
         a.b.iter_mut().for_each(|v| *v *= scale);
     }
-    Ok(Box::new(peft.apply(BoxedLm(model))?))
+    Ok(peft)
 }
 
 /// `--dtype`.
@@ -681,11 +690,31 @@ pub fn generate_pretrained(
     let sampling = sampling_args.sampling();
     sampling.check()?;
     let kernels = Arc::new(Kernels::new(wgrad::Device::open(opts)?));
+    // The cache holds --context positions, or the model's whole context
+    // (a long prompt is prefilled in chunks), or as many as fit the
+    // adapter's memory beside the model, said so.
+    let config = wgrad::io::lm_folder::read_model_config(model)?;
     let options = GeneratorOptions {
         context,
+        dtype: dtype.map_or(WeightDtype::F32, DtypeName::weights),
         ..GeneratorOptions::default()
     };
-    let mut lm = load_bpe_lm(&kernels, model, dtype, &options)?;
+    let fitted = wgrad::infer::generate::context_that_fits(&kernels, config.as_ref(), &options, 1)?;
+    let wanted = options.context_for(config.lm_sizes().context)?;
+    if fitted < wanted {
+        eprintln!("note: the KV cache holds {fitted} positions, what fits this adapter's memory beside the model (not {wanted}); give --context to choose fewer");
+    }
+    let options = GeneratorOptions {
+        context: Some(fitted),
+        ..options
+    };
+    let mut lm = wgrad::infer::pretrained::load_pretrained_with_config(
+        &kernels,
+        model,
+        config.as_ref(),
+        dtype.map(DtypeName::weights),
+        &options,
+    )?;
     lm.model = with_adapter(lm.model, adapter)?;
     let ids = match prompt_ids {
         Some(ids) => ids,
@@ -695,16 +724,7 @@ pub fn generate_pretrained(
         return Err(invalid("generate", "the prompt is empty: give some text".into()));
     }
     wgrad::kernels::check_token_ids("generate", &ids, lm.model.vocab_size())?;
-    // One generation's cache needs only its prompt and new tokens: the
-    // model's whole context (Gemma 3's 32,768 positions) would cost a
-    // gigabyte of keys and values, and a prefill pass that long activations
-    // over a storage binding.
-    let fitted = ids.len().saturating_add(max_new).max(64).next_power_of_two();
-    let options = GeneratorOptions {
-        context: context.or(Some(fitted.min(lm.model.context_len()))),
-        ..options
-    };
-    let context = options.context_for(lm.model.context_len())?;
+    let context = fitted;
     if ids.len() > context {
         return Err(invalid(
             "generate",

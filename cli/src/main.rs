@@ -4,6 +4,7 @@
 mod bench;
 mod chat;
 mod common;
+mod export;
 mod generate;
 mod infer;
 mod kernels;
@@ -63,6 +64,10 @@ enum Command {
     /// /v1/models, /health), streaming, with continuous batching of
     /// --max-batch requests on the GPU.
     Serve(Box<serve::ServeArgs>),
+    /// Merge a LoRA adapter into its base model and write the result: a
+    /// Hugging Face folder (transformers loads it) or a GGUF file (F16,
+    /// Q8_0, Q4_0, Q4_1 or F32 matrices; llama.cpp runs it).
+    Export(Box<export::ExportArgs>),
     /// A model's mean next-token loss and perplexity over a text, as
     /// llama.cpp's llama-perplexity reports it: non-overlapping windows
     /// of --context tokens, each scoring the predictions of its second
@@ -101,6 +106,9 @@ enum Command {
         /// scripts/fetch-smollm2.sh caches it; an error when missing).
         /// `--only serve` (only by that name): `wgrad serve` on SmolLM2
         /// under 1, 4 and 16 concurrent streaming clients.
+        /// `--only serve_lora` (only by that name): 16 streams over
+        /// SmolLM2 alone, then over 4 LoRA adapters (r = 16, every
+        /// Linear) served at once, and over the base beside them.
         /// `--only smollm2_decode_rows` (only by that name): SmolLM2's
         /// batched decode step at 1 to 16 rows, without the server.
         #[arg(long, value_delimiter = ',', conflicts_with = "compile")]
@@ -204,6 +212,7 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::chat(&opts, args),
         Command::Serve(args) => serve::serve(&opts, args),
         Command::Perplexity(args) => perplexity::perplexity(&opts, args),
+        Command::Export(args) => export::export(args),
         Command::Bench {
             quick,
             compile,

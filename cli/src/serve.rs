@@ -47,7 +47,9 @@ use wgrad::io::chat::{ChatMessage, ChatTemplate};
 use wgrad::io::text::Utf8Stream;
 use wgrad::{DeviceOptions, Kernels};
 
-use crate::generate::{bpe_generator, DtypeName};
+use wgrad::nn::{Lora, MultiLora, NamedAdapter};
+
+use crate::generate::{bpe_generator, BoxedLm, DtypeName};
 
 /// `wgrad serve`'s flags.
 #[derive(clap::Args)]
@@ -86,6 +88,12 @@ pub struct ServeArgs {
     /// The largest request body, in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
+    /// A PEFT LoRA adapter folder served as the model NAME over --model
+    /// (repeatable: every adapter over one copy of the base). A request's
+    /// `model` picks an adapter or the base; requests with different
+    /// adapters decode in the same batch.
+    #[arg(long = "lora", value_name = "NAME=DIR")]
+    pub lora: Vec<String>,
 }
 
 /// The default context's ceiling: a model's full context can be large
@@ -123,6 +131,8 @@ struct Shared {
     model_id: String,
     /// The file name, also accepted as the model's name.
     model_file: String,
+    /// The `--lora` adapters' names, in the generator's adapter order.
+    adapters: Vec<String>,
     created: u64,
     api_key: Option<String>,
     tokenizer: BpeTokenizer,
@@ -212,7 +222,19 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         ..GeneratorOptions::default()
     };
     let dtype = args.dtype.map(DtypeName::weights);
-    let lm = load_pretrained_with_config(&kernels, &args.model, config.as_ref(), dtype, &options)?;
+    let name = args
+        .model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let model_id = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| name.strip_suffix(".gguf").unwrap_or(&name).to_string());
+    let adapters = read_adapters(&args.lora, &[&model_id, &name])?;
+    let mut lm = load_pretrained_with_config(&kernels, &args.model, config.as_ref(), dtype, &options)?;
+    let adapter_names: Vec<String> = adapters.iter().map(|(a, _)| a.name.clone()).collect();
+    lm.model = with_adapters(lm.model, adapters)?;
     let template = lm.tokenizer.chat_template().map(ChatTemplate::new).transpose()?;
     let generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
     let (caches, staging) = generator.cache_bytes();
@@ -229,19 +251,11 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
     );
     let mut scheduler = Scheduler::new(generator)?;
     warm_up(&mut scheduler)?;
-    let name = args
-        .model
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let model_id = args
-        .model_name
-        .clone()
-        .unwrap_or_else(|| name.strip_suffix(".gguf").unwrap_or(&name).to_string());
     let (jobs, receiver) = mpsc::channel();
     let shared = Arc::new(Shared {
         model_id,
         model_file: name,
+        adapters: adapter_names,
         created: unix_now(),
         api_key,
         tokenizer: lm.tokenizer,
@@ -274,6 +288,62 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
     send_job(&shared, Job::Shutdown);
     let _ = worker.join();
     served
+}
+
+/// `--lora NAME=DIR`s, each folder read and checked as PEFT's (a bad one is
+/// an error naming it), the names unique and none of the base's `taken`.
+fn read_adapters(specs: &[String], taken: &[&str]) -> wgrad::Result<Vec<(NamedAdapter, PathBuf)>> {
+    let invalid = |reason: String| wgrad::Error::InvalidArgument {
+        op: "serve --lora",
+        reason,
+    };
+    let mut adapters: Vec<(NamedAdapter, PathBuf)> = Vec::new();
+    for spec in specs {
+        let Some((name, dir)) = spec
+            .split_once('=')
+            .filter(|(n, d)| !n.trim().is_empty() && !d.is_empty())
+        else {
+            return Err(invalid(format!(
+                "`{spec}` is not NAME=DIR (a model name and an adapter folder)"
+            )));
+        };
+        let name = name.trim();
+        if taken.contains(&name) {
+            return Err(invalid(format!(
+                "`{name}` is the base model's name: give the adapter another"
+            )));
+        }
+        if adapters.iter().any(|(a, _)| a.name == name) {
+            return Err(invalid(format!("two adapters are named `{name}`")));
+        }
+        let dir = PathBuf::from(dir);
+        let peft = wgrad::io::peft::read(&dir).map_err(|e| invalid(format!("{name}={}: {e}", dir.display())))?;
+        adapters.push((NamedAdapter::new(name, peft.config, peft.adapters), dir));
+    }
+    Ok(adapters)
+}
+
+/// `model` carrying `adapters` ([`MultiLora`]; `model` itself when there
+/// are none), each checked against it first so an error names its folder.
+fn with_adapters(
+    model: Box<dyn wgrad::nn::CausalLm>,
+    adapters: Vec<(NamedAdapter, PathBuf)>,
+) -> wgrad::Result<Box<dyn wgrad::nn::CausalLm>> {
+    if adapters.is_empty() {
+        return Ok(model);
+    }
+    let mut base = BoxedLm(model);
+    for (adapter, dir) in &adapters {
+        let checked = Lora::with_adapters(base, adapter.config.clone(), adapter.adapters.clone()).map_err(|e| {
+            wgrad::Error::InvalidArgument {
+                op: "serve --lora",
+                reason: format!("{}={} does not fit --model: {e}", adapter.name, dir.display()),
+            }
+        })?;
+        base = checked.base;
+    }
+    let named = adapters.into_iter().map(|(a, _)| a).collect();
+    Ok(Box::new(MultiLora::new(base, named)?))
 }
 
 /// Runs a request of one token through a prefill and a decode step, so
@@ -317,7 +387,15 @@ async fn listen(shared: Arc<Shared>, args: &ServeArgs) -> wgrad::Result<()> {
         ""
     };
     // Tests and scripts read this line for the port.
-    println!("listening on http://{address} as model `{}`{key}", shared.model_id);
+    let adapters = if shared.adapters.is_empty() {
+        String::new()
+    } else {
+        format!(" with adapters {}", shared.adapters.join(", "))
+    };
+    println!(
+        "listening on http://{address} as model `{}`{adapters}{key}",
+        shared.model_id
+    );
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let app = router(shared.clone(), args.max_body_bytes);
@@ -501,6 +579,7 @@ async fn health(State(shared): State<Arc<Shared>>) -> Response {
     let body = json!({
         "status": status,
         "model": shared.model_id,
+        "adapters": shared.adapters,
         "slots_total": shared.slots,
         "slots_free": shared.free_slots.load(Ordering::Relaxed),
         "queued": shared.queued.load(Ordering::Relaxed),
@@ -512,35 +591,57 @@ async fn health(State(shared): State<Arc<Shared>>) -> Response {
     (code, axum::Json(body)).into_response()
 }
 
-fn model_object(shared: &Shared) -> Value {
-    json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "wgrad" })
+/// The model (None) or adapter's object, as OpenAI lists it; an adapter
+/// names its base as `parent` (as vLLM's LoRA models do).
+fn model_object(shared: &Shared, adapter: Option<usize>) -> Value {
+    match adapter.and_then(|a| shared.adapters.get(a)) {
+        None => json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "wgrad" }),
+        Some(name) => {
+            json!({ "id": name, "object": "model", "created": shared.created, "owned_by": "wgrad", "parent": shared.model_id })
+        }
+    }
 }
 
 async fn models(State(shared): State<Arc<Shared>>) -> Response {
-    axum::Json(json!({ "object": "list", "data": [model_object(&shared)] })).into_response()
+    let data: Vec<Value> = std::iter::once(None)
+        .chain((0..shared.adapters.len()).map(Some))
+        .map(|a| model_object(&shared, a))
+        .collect();
+    axum::Json(json!({ "object": "list", "data": data })).into_response()
 }
 
 async fn model(State(shared): State<Arc<Shared>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
     match check_model(&shared, Some(&id)) {
-        Ok(()) => axum::Json(model_object(&shared)).into_response(),
+        Ok(adapter) => axum::Json(model_object(&shared, adapter)).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
+/// The adapter a request's `model` names (None: the base, by its name,
+/// its file's, or no name at all), or OpenAI's 404 for any other.
+fn check_model(shared: &Shared, model: Option<&str>) -> Result<Option<usize>, ApiError> {
     match model {
-        None => Ok(()),
-        Some(m) if m == shared.model_id || m == shared.model_file => Ok(()),
-        Some(m) => Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!(
-                "The model `{m}` does not exist; this server serves `{}`.",
-                shared.model_id
-            ),
-            kind: "invalid_request_error",
-            param: Some("model"),
-            code: Some("model_not_found"),
-        }),
+        None => Ok(None),
+        Some(m) if m == shared.model_id || m == shared.model_file => Ok(None),
+        Some(m) => match shared.adapters.iter().position(|a| a == m) {
+            Some(a) => Ok(Some(a)),
+            None => {
+                let served: Vec<String> = std::iter::once(&shared.model_id)
+                    .chain(&shared.adapters)
+                    .map(|n| format!("`{n}`"))
+                    .collect();
+                Err(ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    message: format!(
+                        "The model `{m}` does not exist; this server serves {}.",
+                        served.join(", ")
+                    ),
+                    kind: "invalid_request_error",
+                    param: Some("model"),
+                    code: Some("model_not_found"),
+                })
+            }
+        },
     }
 }
 
@@ -675,6 +776,10 @@ fn parse_body<T: serde::de::DeserializeOwned>(
 /// What the HTTP side knows of a request it hands to the worker.
 struct Prepared {
     id: String,
+    /// The model the request names (the base's id, or an adapter's name)
+    /// and the adapter it picks.
+    model: String,
+    adapter: Option<usize>,
     prompt: Vec<u32>,
     max_tokens: usize,
     sampling: Sampling,
@@ -693,7 +798,7 @@ impl Shared {
         prompt_param: &'static str,
         id_prefix: &str,
     ) -> Result<Prepared, ApiError> {
-        check_model(self, settings.model.as_deref())?;
+        let adapter = check_model(self, settings.model.as_deref())?;
         if settings.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid(
                 "this server answers with one choice: n must be 1",
@@ -780,6 +885,8 @@ impl Shared {
         };
         Ok(Prepared {
             id: format!("{id_prefix}-{serial}"),
+            model: adapter.map_or(&self.model_id, |a| &self.adapters[a]).clone(),
+            adapter,
             prompt,
             max_tokens,
             sampling,
@@ -837,6 +944,7 @@ impl Shared {
             sampling: prepared.sampling,
             stop_tokens,
             cancel: guard.cancel.clone(),
+            adapter: prepared.adapter,
         };
         let (replies, mut receiver) = unbounded_channel();
         let server_error = |status, message: &str| ApiError {
@@ -870,7 +978,7 @@ impl Shared {
             stops: prepared.stops.clone(),
             completion_tokens: 0,
             stopped: false,
-            unlogged: Some((prepared.id.clone(), prepared.prompt.len())),
+            unlogged: Some((format!("{} ({})", prepared.id, prepared.model), prepared.prompt.len())),
             started: Instant::now(),
             first_token: None,
         })
@@ -1068,7 +1176,7 @@ async fn answer(shared: Arc<Shared>, prepared: Prepared, kind: Kind) -> Response
         Err(e) => return e.into_response(),
     };
     let prompt_tokens = prepared.prompt.len();
-    let head = |stream: bool| json!({ "id": prepared.id, "object": kind.object(stream), "created": unix_now(), "model": shared.model_id });
+    let head = |stream: bool| json!({ "id": prepared.id, "object": kind.object(stream), "created": unix_now(), "model": prepared.model });
     if !prepared.stream {
         let mut text = String::new();
         let finish = loop {

@@ -105,7 +105,10 @@ pub struct TrainArgs {
     pub(crate) checkpoint: PathBuf,
     #[arg(long, default_value = "out/loss.png")]
     pub(crate) plot: PathBuf,
-    /// Continue from this checkpoint (MLP) or model folder (GPT): parameters, optimizer state, step.
+    /// Continue from this checkpoint (MLP), model folder (GPT, Llama, …) or,
+    /// with --init and --lora, adapter folder: parameters (the adapters'),
+    /// optimizer state, step; the same --seed and --batch-size draw the
+    /// windows the first run would have drawn next.
     #[arg(long)]
     pub(crate) resume: Option<PathBuf>,
     /// MLP: train on MNIST IDX files in this folder instead of the digits set.
@@ -220,8 +223,9 @@ pub struct GptArgs {
     /// own tokenizer replace --preset, --n-* and --tokenizer; --block-size
     /// is the training windows' length (at most its context); AdamW starts
     /// fresh. --out gets a Hugging Face folder with its tokenizer files;
-    /// --model is the file's unless given (a mismatch is an error).
-    #[arg(long, conflicts_with_all = ["preset", "n_layer", "n_head", "n_embd", "tokenizer", "resume"])]
+    /// --model is the file's unless given (a mismatch is an error). With
+    /// --lora, --resume continues an adapter run over this model.
+    #[arg(long, conflicts_with_all = ["preset", "n_layer", "n_head", "n_embd", "tokenizer"])]
     pub init: Option<PathBuf>,
     /// GPT and Llama: weight decay, on matrices only [default: 0.1 with AdamW
     /// (decoupled), 0 with Adam and SGD (an L2 term of the gradient, as in
@@ -509,6 +513,8 @@ fn train_language_model<M: CliModel>(
     let max_steps = args.max_steps.or(defaults.max_steps).unwrap_or(1);
     let pretrained = match &g.init {
         Some(path) => {
+            // Adapters declared over the model draw their A from --seed.
+            wgrad::nn::manual_seed(args.seed);
             let bar = spinner("loading the pretrained model");
             let loaded = M::pretrained(path, g);
             bar.finish_and_clear();
@@ -575,9 +581,10 @@ fn train_language_model<M: CliModel>(
     };
     let mut bars = Bars::default();
     let mut run = TrainingRun::new(opts, config, task, process_group, &mut bars)?;
+    // A resumed adapter run continues: no step-0 loss or sample again.
     let start_loss = match run.task().init.as_ref().map(|p| p.source.clone()) {
-        Some(source) => fine_tune_start(&mut run, &source, args)?,
-        None => None,
+        Some(source) if args.resume.is_none() => fine_tune_start(&mut run, &source, args)?,
+        _ => None,
     };
     let Some(summary) = run.fit(&mut bars)? else {
         return Ok(());

@@ -114,8 +114,7 @@ fn lora_base(run: &Run) -> Option<String> {
 }
 
 /// `--lora`: adapters over a pretrained language model (or planned over
-/// sized one by --dry-run), on the engines that take them, as the library
-/// builds them (no dropout yet).
+/// sized one by --dry-run), on every engine, as the library builds them.
 fn lora(run: &Run) -> Option<String> {
     if let Some(why) = language_models_only(run) {
         return Some(why);
@@ -123,20 +122,17 @@ fn lora(run: &Run) -> Option<String> {
     if run.args.gpt.init.is_none() && !run.args.dry_run {
         return Some("it trains adapters over a pretrained model: give --init FILE|DIR (or --dry-run to plan)".into());
     }
-    if run.strategy == Some(Strategy::Tensor) {
-        return Some(
-            "tensor parallel does not split adapters with their layers yet: use --parallel data, zero or pipeline"
-                .into(),
-        );
-    }
-    match crate::train::lora_config(&run.args.gpt) {
-        Err(e) => Some(e.to_string()),
-        Ok(c) if c.dropout > 0.0 => Some(format!(
-            "dropout={} is not implemented yet (wgrad has no dropout op): give dropout=0",
-            c.dropout
-        )),
-        Ok(_) => None,
-    }
+    crate::train::lora_config(&run.args.gpt).err().map(|e| e.to_string())
+}
+
+/// `--resume` over `--init`: only an adapter run keeps what it needs to
+/// continue (a whole-model fine-tune saves no optimizer state).
+fn resume(run: &Run) -> Option<String> {
+    (run.args.gpt.init.is_some() && run.args.gpt.lora.is_none()).then(|| {
+        "with --init it continues an adapter run (give the run's --lora); a whole-model fine-tune keeps no \
+         optimizer state, so --init alone starts afresh"
+            .into()
+    })
 }
 
 /// Every flag that applies to some runs only, by clap's id, with its rule.
@@ -181,6 +177,7 @@ fn rules() -> Vec<(&'static str, Check)> {
         ("dry_run", rule(not_pretrained)),
         ("lora", rule(lora)),
         ("base_dtype", rule(lora_base)),
+        ("resume", rule(resume)),
         ("momentum", rule(sgd_only)),
         ("micro_batches", rule(micro_batches)),
         ("schedule", rule(pipeline_only)),

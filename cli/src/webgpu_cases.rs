@@ -24,7 +24,7 @@ use wgrad::kernels::{
     QkvLayout, QuantFormat, QuantView, QuantWeightsKernel, RopeLayout, RopeShape, SgdConfig, Unary, KERNELS,
     SUBGROUP_MATMUL_LANES,
 };
-use wgrad::kernels::{MatmulKernel, MatmulOperand, MatmulRequest};
+use wgrad::kernels::{DropoutMask, MatmulKernel, MatmulOperand, MatmulRequest};
 use wgrad::{cpu, Error, GpuTensor, Kernels, Result};
 
 /// Expected values of one output as the browser compares them.
@@ -238,6 +238,7 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         (&["div_forward"], Web, |c| binary(c, Binary::Div)),
         (&["scale_forward"], Web, scale),
         (&["add_assign"], Web, add_assign),
+        (&["dropout_forward"], Web, dropout),
         (&["copy_vec4"], Web, copy_vec4),
         (&["bias_add_forward"], Web, bias_add),
         (&["relu_forward"], Web, |c| activation(c, Activation::Relu, false)),
@@ -338,6 +339,7 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         (&["cached_attention_forward"], Web, attention),
         (&["cached_attention_forward_workgroup"], Gpu, attention),
         (&["cached_attention_forward_grouped"], Web, grouped_attention),
+        (&["cached_attention_forward_channels"], Web, channel_attention),
         (&["sample_rows_forward"], Web, sample_rows),
         (&["matvec_f16w_forward"], Web, |c| f16_weights(c, None)),
         (&["matvec_f16w_forward"], Web, |c| {
@@ -415,6 +417,8 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         }),
         (&["rope_forward"], Web, |c| rope(c, RopeLayout::Interleaved, false)),
         (&["rope_backward"], Web, |c| rope(c, RopeLayout::HalfSplit, true)),
+        (&["lora_shrink", "lora_expand"], Web, lora),
+        (&["lora_shrink", "lora_expand"], Gpu, lora),
         (
             &[
                 "flash_attention_forward_rows",
@@ -778,6 +782,34 @@ fn scale(c: &mut Ctx<'_>) -> Result<Case> {
         format!("scale_forward {FLAT_N} by -1.75"),
         vec![d],
         vec![expect("out", &out, cpu::scale(&x_h, -1.75), ROUNDING.0, ROUNDING.1)],
+    ))
+}
+
+/// Dropout of FLAT_N values (a prime count: one row), as a share of a
+/// 2000-wide row from column 300 in the second example, at p = 0.3: the
+/// mask's integer hash is exact, each kept value one rounding.
+fn dropout(c: &mut Ctx<'_>) -> Result<Case> {
+    let x_h = c.vals(FLAT_N, -2.0, 2.0);
+    let mask = DropoutMask {
+        p: 0.3,
+        salt: 77,
+        row_width: 2000,
+        col_offset: 300,
+    };
+    let control = [5u32, 1, 1, 0];
+    let (x, ctl, out) = (c.up(&x_h)?, c.up_u32(&control)?, c.k.zeros(FLAT_N)?);
+    let d = c.k.dropout(mask, out.view(), x.view(), ctl.view(), FLAT_N, 1)?;
+    Ok(Case::new(
+        &["dropout_forward"],
+        format!("dropout_forward {FLAT_N} at p 0.3"),
+        vec![d],
+        vec![expect(
+            "out",
+            &out,
+            cpu::dropout(&mask, &x_h, &control, FLAT_N, 1),
+            ROUNDING.0,
+            ROUNDING.1,
+        )],
     ))
 }
 
@@ -1867,10 +1899,70 @@ fn attention(c: &mut Ctx<'_>) -> Result<Case> {
     attention_case(c, None, 5)
 }
 
+// ---- lora.wgsl ---------------------------------------------------------
+
+/// Three sequences of 2 rows over adapters of ranks 1, 9 and 0 (absent
+/// from this Linear), one sequence with none: the shrink into h, then the
+/// expand from it.
+fn lora(c: &mut Ctx<'_>) -> Result<Case> {
+    let (seqs, per, cols_in, cols_out) = (3, 2, 67, 13);
+    let ranks = [1usize, 9, 0];
+    let shape = wgrad::kernels::LoraShape {
+        seqs,
+        rows: seqs * per,
+        cols: cols_in,
+        width: 9,
+        adapters: ranks.len(),
+        ranks: 10,
+    };
+    let out_shape = wgrad::kernels::LoraShape {
+        cols: cols_out,
+        ..shape
+    };
+    let meta_h = vec![0.0, 1.0, 2.0, 1.0, 9.0, -0.5, 0.0, 0.0, 0.0];
+    let index_h = [1u32, wgrad::kernels::NO_ADAPTER, 0];
+    let (x_h, a_h) = (c.vals(shape.rows * cols_in, -1.0, 1.0), c.vals(10 * cols_in, -1.0, 1.0));
+    let (y_h, bt_h) = (
+        c.vals(shape.rows * cols_out, -1.0, 1.0),
+        c.vals(10 * cols_out, -1.0, 1.0),
+    );
+    let (x, a, y, bt) = (c.up(&x_h)?, c.up(&a_h)?, c.up(&y_h)?, c.up(&bt_h)?);
+    let (meta, index) = (c.up(&meta_h)?, c.up_u32(&index_h)?);
+    let (h, out) = (c.k.zeros(shape.rows * shape.width)?, c.k.zeros(shape.rows * cols_out)?);
+    let shrink =
+        c.k.lora_shrink(h.view(), x.view(), a.view(), meta.view(), index.view(), shape)?;
+    let expand = c.k.lora_expand(
+        out.view(),
+        y.view(),
+        h.view(),
+        bt.view(),
+        meta.view(),
+        index.view(),
+        out_shape,
+    )?;
+    let want_h = cpu::lora_shrink(&x_h, &a_h, &meta_h, &index_h, shape);
+    let want = cpu::lora_expand(&y_h, &want_h, &bt_h, &meta_h, &index_h, out_shape);
+    Ok(Case::new(
+        &["lora_shrink", "lora_expand"],
+        "lora_shrink + lora_expand: 3 seqs x 2 rows, 67 -> 13, ranks 1, 9 and 0",
+        vec![shrink, expand],
+        vec![
+            expect("h", &h, want_h, SUMS.0, SUMS.1),
+            expect("out", &out, want, SUMS.0, SUMS.1),
+        ],
+    ))
+}
+
 /// The CPU adapters' kernel for grouped-query attention (vec4 reads: a
 /// head_dim of 8), whichever the adapter would pick.
 fn grouped_attention(c: &mut Ctx<'_>) -> Result<Case> {
     attention_case(c, Some(wgrad::kernels::CachedAttentionKernel::Grouped), 8)
+}
+
+/// The CPU adapters' kernel for wide heads: a head_dim of 40 (10 vec4s
+/// over 8 lanes, so the second vec4 of most lanes is past the head).
+fn channel_attention(c: &mut Ctx<'_>) -> Result<Case> {
+    attention_case(c, Some(wgrad::kernels::CachedAttentionKernel::Channels), 40)
 }
 
 /// Grouped-query attention over separate q, k, v (Llama's): 4 query heads

@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use super::autodiff::Gradients;
 use super::builder::{DType, Graph, Tensor};
-use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, ParameterInit, SourceOp};
+use super::ops::{DispatchContext, LayoutOp, LossKind, LossOp, Op, ParameterInit, SourceOp, DROPOUT_CONTROL};
 use super::plan::{stored_words, LossFusion, Plan, PlanOptions, Storage};
 use super::step_update::{StepUpdate, UpdateArenas, UpdateSpec};
 use crate::error::{Error, Result};
-use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, View};
+use crate::kernels::{Dispatch, GpuTensor, Kernels, LossLinear, LossTargets, View, DROPOUT_CONTROL_WORDS};
 
 /// One dispatch of a profiling run, run alone.
 #[derive(Clone, Debug)]
@@ -95,6 +95,26 @@ pub struct Executor {
     /// Where a scalar read back at the end of a training run lands (and
     /// the update's readback words after it).
     scalar_staging: wgpu::Buffer,
+    /// The graph's dropout control inputs ([`Graph::dropout_control`]) and
+    /// what the executor writes into them before each run.
+    dropout_controls: Vec<Tensor>,
+    dropout: DropoutRun,
+}
+
+/// How an executor fills its graph's dropout control
+/// ([`Graph::dropout_control`]) before each run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropoutRun {
+    /// The masks' key: `None` follows the optimizer's step count, so every
+    /// step draws new masks, a run and the step that recomputes it draw
+    /// the same ones, and a resumed run draws what it would have.
+    pub step: Option<u64>,
+    /// The number of the first example this executor's batch holds in the
+    /// whole batch (a device's rows of a split batch, a micro-batch).
+    pub first_example: usize,
+    /// Dropout in runs too, not only in training steps: an engine whose
+    /// training forward is a run that the step then recomputes.
+    pub training: bool,
 }
 
 impl std::fmt::Debug for Executor {
@@ -217,7 +237,17 @@ impl Executor {
             train_order,
             gradients,
             scalar_staging: staging,
+            dropout_controls: Vec::new(),
+            dropout: DropoutRun::default(),
         };
+        exec.dropout_controls = (0..exec.graph.len())
+            .filter(|&i| {
+                let node = exec.graph.node(Tensor(i));
+                node.op == SourceOp::Input && node.name == DROPOUT_CONTROL
+            })
+            .filter(|&i| matches!(exec.plan.storage[i], Storage::Input { .. }))
+            .map(Tensor)
+            .collect();
         let needs_kernel = |i: usize| {
             !matches!(exec.plan.storage[i], Storage::Unused)
                 && !exec.plan.fused_away[i]
@@ -581,6 +611,7 @@ impl Executor {
             };
             u.prepare(&self.kernels)?;
         }
+        self.feed_dropout(true)?;
         let loss_view = self.view(loss)?;
         // The update may seed this step's loss gradient (loss scaling: the
         // scale) and read words back with the loss (its state).
@@ -651,6 +682,7 @@ impl Executor {
         if let Some(u) = &self.update {
             u.prepare(&self.kernels)?;
         }
+        self.feed_dropout(true)?;
         for &i in &self.train_order {
             if let Some(d) = self.train_loss_dispatches[i].as_ref().or(self.dispatches[i].as_ref()) {
                 times.push(self.time_dispatch(&self.graph.node(Tensor(i)).name, d)?);
@@ -666,6 +698,7 @@ impl Executor {
     /// and waited for, in order ([`DispatchTime`]).
     pub fn profile_run(&mut self, outputs: &[Tensor]) -> Result<DispatchTimes> {
         let order = order_for(&self.graph, &self.plan, outputs)?;
+        self.feed_dropout(self.dropout.training)?;
         let mut times = Vec::new();
         for i in order {
             if let Some(d) = &self.dispatches[i] {
@@ -769,9 +802,57 @@ impl Executor {
             let order = order_for(&self.graph, &self.plan, outputs)?;
             self.run_orders.insert(outputs.to_vec(), order);
         }
+        self.feed_dropout(self.dropout.training)?;
         let order = &self.run_orders[outputs];
         let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
         self.kernels.submit_pass("run", dispatches, |_| {}, |_| {})
+    }
+
+    /// What the executor writes into the graph's dropout control before
+    /// each run ([`DropoutRun`]).
+    pub fn dropout_run(&self) -> DropoutRun {
+        self.dropout
+    }
+
+    /// Dropout in runs as in training steps (`true`, as PyTorch's
+    /// `model.train()`), or in training steps only (`false`, the default:
+    /// a run is an evaluation).
+    pub fn set_training(&mut self, training: bool) {
+        self.dropout.training = training;
+    }
+
+    /// Fixes the key of the dropout masks (`None`: the optimizer's step
+    /// count), for an engine that steps the optimizer outside this
+    /// executor or runs several micro-batches a step.
+    pub fn set_dropout_step(&mut self, step: Option<u64>) {
+        self.dropout.step = step;
+    }
+
+    /// Where this executor's batch starts in the whole batch, in examples,
+    /// so a device's rows draw the masks one device would.
+    pub fn set_dropout_first_example(&mut self, first_example: usize) {
+        self.dropout.first_example = first_example;
+    }
+
+    /// Writes the dropout control words for the next run: the key, whether
+    /// dropout applies (`on`), the first example.
+    fn feed_dropout(&self, on: bool) -> Result<()> {
+        if self.dropout_controls.is_empty() {
+            return Ok(());
+        }
+        let step = self.dropout.step.unwrap_or_else(|| self.steps_taken());
+        // The key folds the step's high bits in (a wrapped count still differs).
+        let key = (step ^ (step >> 32)) as u32;
+        let first = u32::try_from(self.dropout.first_example).map_err(|_| Error::InvalidArgument {
+            op: "dropout",
+            reason: format!("example {} is past 2^32", self.dropout.first_example),
+        })?;
+        let words = [key, u32::from(on), first, 0];
+        for &t in &self.dropout_controls {
+            let buf = self.input_storage(t, DType::U32, DROPOUT_CONTROL_WORDS)?;
+            self.kernels.write(buf.view(), &words)?;
+        }
+        Ok(())
     }
 
     /// [`Executor::run`] that also reads `read` (one of `outputs`) back, in
@@ -829,6 +910,7 @@ impl Executor {
             let order = order_for(&self.graph, &self.plan, outputs)?;
             self.run_orders.insert(outputs.to_vec(), order);
         }
+        self.feed_dropout(self.dropout.training)?;
         let view = self.tensor_view(read)?;
         let order = &self.run_orders[outputs];
         let dispatches = order.iter().filter_map(|&i| self.dispatches[i].as_ref());
@@ -909,7 +991,12 @@ impl Executor {
     /// quantized parameter (a frozen base's, whose values are its file's
     /// blocks, which a GGUF reader decodes) is left out.
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-        let all: Vec<f32> = self.kernels.read(self.params.view())?;
+        crate::device::wait("Executor::parameters", self.parameters_async())
+    }
+
+    /// [`Executor::parameters`], awaited.
+    pub async fn parameters_async(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+        let all: Vec<f32> = self.kernels.read_async(self.params.view()).await?;
         Ok(self
             .plan
             .param_offsets

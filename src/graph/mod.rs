@@ -18,11 +18,11 @@ pub use autodiff::Gradients;
 pub use builder::{DType, Graph, Node, Tensor};
 pub use checkpoint::Block;
 pub(crate) use chunks::{chunked_outputs, chunked_predictions};
-pub use executor::{ArenaPool, DispatchTime, DispatchTimes, Executor, ParamSpan};
+pub use executor::{ArenaPool, DispatchTime, DispatchTimes, DropoutRun, Executor, ParamSpan};
 pub use ops::{
-    AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LossKind, LossOp, MatmulOp, NormOp, Op,
-    ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp,
+    AttentionOp, ElementwiseOp, EmbeddingOp, GenerationOp, LayoutOp, LoraOp, LossKind, LossOp, MatmulOp, NormOp, Op,
+    ParameterInit, ReduceOp, RopeOp, SoftmaxOp, SourceOp, DROPOUT_CONTROL,
 };
-pub use plan::{LinearInLoss, LossFusion, Plan, PlanOptions, Storage};
+pub use plan::{stored_words, LinearInLoss, LossFusion, Plan, PlanOptions, Storage};
 pub use precision::{Precision, Remap};
 pub use step_update::{BuildUpdate, StepUpdate, UpdateArenas, UpdateSpec};

@@ -49,6 +49,9 @@ pub struct BatchRequest {
     /// Set from anywhere (a client gone, a stop string seen) to end the
     /// request at the scheduler's next step.
     pub cancel: Arc<AtomicBool>,
+    /// The adapter of the generator's model ([`crate::nn::MultiLora`])
+    /// its rows apply, prefill and decode alike; None: the base.
+    pub adapter: Option<usize>,
 }
 
 impl BatchRequest {
@@ -59,6 +62,7 @@ impl BatchRequest {
             sampling,
             stop_tokens: Vec::new(),
             cancel: Arc::default(),
+            adapter: None,
         }
     }
 }
@@ -168,7 +172,8 @@ impl Scheduler {
 
     /// Refuses a request no slot can run: an empty prompt, one that leaves
     /// no position to generate in the context, ids outside the
-    /// vocabulary, max_new_tokens 0, sampling settings no sampler takes.
+    /// vocabulary, max_new_tokens 0, sampling settings no sampler takes,
+    /// an adapter the model does not carry.
     pub fn check(&self, request: &BatchRequest) -> Result<()> {
         const OP: &str = "Scheduler::submit";
         let context = self.generator.context_len();
@@ -194,6 +199,12 @@ impl Scheduler {
             });
         }
         request.sampling.check()?;
+        if let Some(a) = request.adapter.filter(|&a| a >= self.generator.adapters()) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!("adapter {a} of a model carrying {}", self.generator.adapters()),
+            });
+        }
         check_token_ids(OP, &request.prompt, self.generator.vocab_size())
     }
 
@@ -286,10 +297,12 @@ impl Scheduler {
         let limit = request
             .max_new_tokens
             .min(self.generator.context_len() - request.prompt.len());
-        match self
-            .generator
-            .prefill_slot(slot, &request.prompt, &request.sampling, &mut rng)
-        {
+        // The slot's rows apply the request's adapter from its prefill on.
+        let prefilled = self.generator.set_slot_adapter(slot, request.adapter).and_then(|()| {
+            self.generator
+                .prefill_slot(slot, &request.prompt, &request.sampling, &mut rng)
+        });
+        match prefilled {
             Ok(token) => {
                 self.stats.prefills += 1;
                 self.stats.prefill_tokens += request.prompt.len() as u64;

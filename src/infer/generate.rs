@@ -36,9 +36,12 @@
 //! through [`CausalLm`]. One graph holds, over the same parameters:
 //!
 //! - **prefill** passes, a whole prompt in one submission, for a few
-//!   lengths (powers of two from 8, then block_size; a prompt runs padded
-//!   in the shortest that holds it, so at most twice its work). Only each
-//!   sequence's last prompt row goes through the final norm and the head.
+//!   lengths (powers of two from 8, then the chunk: [`PREFILL_CHUNK`]
+//!   rows or the context if shorter; a prompt runs padded in the shortest
+//!   that holds it, so at most twice its work). A longer prompt runs in
+//!   chunks, one pass after another writing the same caches, so no
+//!   activation grows with the context. Only each sequence's last prompt
+//!   row goes through the final norm and the head.
 //! - **decode**, one token per sequence at a position written as a u32
 //!   input, so the graph is never rebuilt: work per token is linear in the
 //!   position instead of quadratic.
@@ -68,6 +71,7 @@ use crate::graph::{Executor, Graph, SourceOp, Tensor};
 use crate::kernels::{check_token_ids, Kernels, View};
 pub use crate::nn::WeightDtype;
 use crate::nn::{CachePass, CausalLm, ForwardContext, LmConfig, QuantizedWeights};
+use crate::ops::NO_ADAPTER;
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -231,6 +235,12 @@ pub struct GeneratorOptions {
     /// Matrices stored block-quantized (see [`Generator::new_with_weights`]).
     pub quantized: Arc<QuantizedWeights>,
     pub prefill: PrefillMode,
+    /// Rows one prefill pass holds at most: a longer prompt is prefilled
+    /// in chunks of it, one pass after another over the same caches (None:
+    /// [`PREFILL_CHUNK`], or fewer where a pass that long would hold an
+    /// activation past one storage binding). The caches still hold the
+    /// whole context; the chunk bounds the activations.
+    pub prefill_chunk: Option<usize>,
     /// Token ids never sampled (transformers' `suppress_tokens`): ids the
     /// tokenizer has no text for, such as the padding rows of a model's
     /// embedding past its tokenizer's vocabulary. Their logits get
@@ -247,10 +257,16 @@ impl Default for GeneratorOptions {
             dtype: WeightDtype::F32,
             quantized: Arc::default(),
             prefill: PrefillMode::AllSequences,
+            prefill_chunk: None,
             suppressed_tokens: Vec::new(),
         }
     }
 }
+
+/// The most rows a prefill pass holds unless
+/// [`GeneratorOptions::prefill_chunk`] says otherwise (llama.cpp's default
+/// batch): a prompt past it is prefilled in chunks.
+pub const PREFILL_CHUNK: usize = 512;
 
 /// What a suppressed token's logit gets added: finite (the samplers refuse
 /// logits that are not, and WGSL may assume no infinities), yet far enough
@@ -338,6 +354,12 @@ pub struct Generator {
     /// The tokens whose keys and values each sequence's cache holds, in
     /// position order.
     cached: Vec<Vec<u32>>,
+    /// With a model carrying many adapters ([`crate::nn::MultiLora`]): the
+    /// u32 [S] inputs naming each sequence's adapter, by S, the adapters,
+    /// and each slot's ([`NO_ADAPTER`]: the base).
+    adapter_rows: Vec<(usize, Tensor)>,
+    adapters: usize,
+    slot_adapters: Vec<u32>,
 }
 
 impl std::fmt::Debug for Generator {
@@ -462,14 +484,14 @@ fn is_read(g: &Graph, t: Tensor) -> bool {
 }
 
 /// The prompt lengths a prefill pass is built for: powers of two from 8
-/// below the context, then the context. A prompt runs in the shortest
-/// that holds it, so it costs at most twice its length (at least 8
-/// positions), and a handful of passes cover any context.
-fn prefill_lengths(context: usize) -> Vec<usize> {
+/// below the chunk (at most the context), then the chunk. A prompt runs in
+/// the shortest that holds it, so it costs at most twice its length (at
+/// least 8 positions), and a longer one in chunks of the longest.
+fn prefill_lengths(chunk: usize) -> Vec<usize> {
     let mut lengths: Vec<usize> = std::iter::successors(Some(8usize), |&n| n.checked_mul(2))
-        .take_while(|&n| n < context)
+        .take_while(|&n| n < chunk)
         .collect();
-    lengths.push(context);
+    lengths.push(chunk);
     lengths
 }
 
@@ -507,15 +529,33 @@ pub fn check_fits_with_dtype(
 /// matrices aside: they are read from the file later), its caches sized by
 /// their context and, with [`PrefillMode::OneSlot`], one sequence's more.
 pub fn check_fits_with_options(kernels: &Kernels, config: &dyn LmConfig, options: &GeneratorOptions) -> Result<()> {
+    check_fits_stored(kernels, config, options, (0, 0))
+}
+
+/// [`check_fits_with_options`] for a model whose matrices of `quantized.0`
+/// values stay block-quantized in `quantized.1` bytes (a GGUF file's, as
+/// [`crate::io::gguf_model::GgufModel::quantized_storage`] counts them):
+/// SmolLM2's parameters take 98 MB so, not the 538 MB of f32.
+pub fn check_fits_stored(
+    kernels: &Kernels,
+    config: &dyn LmConfig,
+    options: &GeneratorOptions,
+    quantized: (u64, u64),
+) -> Result<()> {
     const BYTES: u64 = 4;
     let sizes = config.lm_sizes();
     let context = options.context_for(sizes.context)?;
     let sequences = options.sequences + usize::from(options.prefill == PrefillMode::OneSlot);
     let halved = match options.dtype.on(kernels) {
         WeightDtype::F32 => 0,
-        WeightDtype::F16 => sizes.f16_weight_values,
+        WeightDtype::F16 => sizes.f16_weight_values.saturating_sub(quantized.0),
     };
-    let parameters = sizes.parameters.saturating_mul(BYTES).saturating_sub(halved * 2);
+    let parameters = sizes
+        .parameters
+        .saturating_sub(quantized.0)
+        .saturating_mul(BYTES)
+        .saturating_sub(halved * 2)
+        .saturating_add(quantized.1);
     // Keys and values per layer, [sequences, kv_heads, context, head_dim] each.
     let one_cache = (sequences as u64)
         .saturating_mul(context as u64)
@@ -526,6 +566,221 @@ pub fn check_fits_with_options(kernels: &Kernels, config: &dyn LmConfig, options
         "Generator",
         &[("parameters", parameters, parameters), ("KV caches", caches, one_cache)],
     )
+}
+
+/// A generator's graph before its executor: every pass's inputs and
+/// outputs.
+struct GraphParts {
+    g: Graph,
+    prefill: Vec<PrefillPass>,
+    prefill_batch: usize,
+    prefill_starts: Option<Tensor>,
+    prefill_sampler: SamplerInputs,
+    staging: Vec<(Tensor, Tensor)>,
+    decode: DecodePass,
+    sampler: SamplerInputs,
+    smaller_decodes: Vec<(DecodePass, SamplerInputs)>,
+    /// The nodes each prefill pass added, by index (the first pass's
+    /// include the parameters and caches it declared).
+    prefill_nodes: Vec<std::ops::Range<usize>>,
+    /// The adapter inputs a model carrying many adapters declared, by
+    /// their sequences, and its adapters ([`ForwardContext::adapter_rows`]).
+    adapter_rows: Vec<(usize, Tensor)>,
+    adapters: usize,
+}
+
+impl GraphParts {
+    /// The graph of a generator of `model` with caches of `context`
+    /// positions and prefill passes of up to `chunk` rows.
+    fn build(
+        model: &dyn CausalLm,
+        options: &GeneratorOptions,
+        dtype: WeightDtype,
+        context: usize,
+        chunk: usize,
+    ) -> Result<Self> {
+        let sequences = options.sequences;
+        let mut g = Graph::new();
+        let suppress = suppression(&mut g, &options.suppressed_tokens, model.vocab_size())?;
+        let mut cx = ForwardContext::new(dtype, context).with_quantized(options.quantized.clone());
+        let sampler = SamplerInputs {
+            draws: g.input("sample.draws", &[sequences, 3])?,
+            top_k: g.ids("sample.top_k", &[sequences])?,
+        };
+        let one_slot = options.prefill == PrefillMode::OneSlot;
+        let prefill_batch = if one_slot { 1 } else { sequences };
+        let prefill_sampler = if one_slot {
+            // The one-slot passes write caches of their own, copied into
+            // the slot's afterwards (`Generator::copy_slot`).
+            cx.set_cache_set(STAGING);
+            SamplerInputs {
+                draws: g.input("slot.sample.draws", &[1, 3])?,
+                top_k: g.ids("slot.sample.top_k", &[1])?,
+            }
+        } else {
+            sampler
+        };
+        // Row t of sequence s is position starts[s] + t: a prompt starts at
+        // 0, a continuation where the cache ends (written before each run).
+        let prefill_starts = g.ids("prefill.starts", &[prefill_batch])?;
+        let mut prefill = Vec::new();
+        let mut prefill_nodes = Vec::new();
+        for rows in prefill_lengths(chunk) {
+            let first = g.nodes().len();
+            let ids = g.ids(&format!("prefill{rows}.idx"), &[prefill_batch, rows])?;
+            let positions = g.ids(&format!("prefill{rows}.positions"), &[prefill_batch, rows])?;
+            let last = g.ids(&format!("prefill{rows}.last"), &[prefill_batch])?;
+            let pass = CachePass {
+                starts: prefill_starts,
+                positions,
+            };
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler, suppress)?;
+            prefill.push(PrefillPass {
+                rows,
+                ids,
+                last,
+                positions: Some(positions),
+                logits,
+                tokens,
+            });
+            prefill_nodes.push(first..g.nodes().len());
+        }
+        cx.set_cache_set("");
+        let ids = g.ids("decode.idx", &[sequences, 1])?;
+        let positions = g.ids("decode.positions", &[sequences])?;
+        let pass = CachePass {
+            starts: positions,
+            positions: g.reshape(positions, &[sequences, 1])?,
+        };
+        let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler, suppress)?;
+        let decode = DecodePass {
+            ids,
+            positions,
+            logits,
+            tokens,
+        };
+        // After the S-slot pass declared the caches: these read their
+        // first slots.
+        let mut smaller_decodes = Vec::new();
+        for rows in
+            std::iter::successors(Some(1usize), |&n| n.checked_mul(2)).take_while(|&n| one_slot && n < sequences)
+        {
+            let sampler = SamplerInputs {
+                draws: g.input(&format!("decode{rows}.sample.draws"), &[rows, 3])?,
+                top_k: g.ids(&format!("decode{rows}.sample.top_k"), &[rows])?,
+            };
+            let ids = g.ids(&format!("decode{rows}.idx"), &[rows, 1])?;
+            let positions = g.ids(&format!("decode{rows}.positions"), &[rows])?;
+            let pass = CachePass {
+                starts: positions,
+                positions: g.reshape(positions, &[rows, 1])?,
+            };
+            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler, suppress)?;
+            smaller_decodes.push((
+                DecodePass {
+                    ids,
+                    positions,
+                    logits,
+                    tokens,
+                },
+                sampler,
+            ));
+        }
+        for pass in &mut prefill {
+            pass.positions = pass.positions.filter(|&t| is_read(&g, t));
+        }
+        let prefill_starts = Some(prefill_starts).filter(|&t| is_read(&g, t));
+        let staging = if one_slot { staging_pairs(&g)? } else { Vec::new() };
+        Ok(GraphParts {
+            g,
+            prefill,
+            prefill_batch,
+            prefill_starts,
+            prefill_sampler,
+            staging,
+            decode,
+            sampler,
+            smaller_decodes,
+            prefill_nodes,
+            adapter_rows: cx.adapter_rows().to_vec(),
+            adapters: cx.adapters(),
+        })
+    }
+
+    /// The most rows a prefill pass may have with each of its activations
+    /// within `limit` bytes, from how each grows between the first two
+    /// passes (the same ops at two lengths): None where there are not two
+    /// passes to compare, or their ops differ, or nothing grows.
+    fn rows_within(&self, limit: u64) -> Option<usize> {
+        let [first, second, ..] = self.prefill.as_slice() else {
+            return None;
+        };
+        let bytes = |range: &std::ops::Range<usize>| -> Vec<u64> {
+            self.g.nodes()[range.clone()]
+                .iter()
+                .filter(|n| !matches!(n.op, crate::graph::Op::Source(_)))
+                .map(|n| 4 * n.shape.iter().product::<usize>() as u64)
+                .collect()
+        };
+        let (short, long) = (bytes(&self.prefill_nodes[0]), bytes(&self.prefill_nodes[1]));
+        if short.len() != long.len() {
+            return None;
+        }
+        let added_rows = (second.rows - first.rows) as u64;
+        short
+            .iter()
+            .zip(&long)
+            .filter(|(a, b)| b > a)
+            .map(|(&a, &b)| {
+                let per_row = (b - a).div_ceil(added_rows);
+                let fixed = a.saturating_sub(per_row * first.rows as u64);
+                (limit.saturating_sub(fixed) / per_row) as usize
+            })
+            .min()
+    }
+}
+
+/// The positions a generator built with `options` keeps in its caches:
+/// its context (the model's when None) where the caches fit the adapter's
+/// memory and buffer size beside the model, as [`check_fits_with_options`]
+/// counts them, else the most that do — for a caller that would rather
+/// hold a shorter context than fail (Gemma 3's 32,768 positions are 1.2
+/// GB of keys and values). An error, the check's own, when not even
+/// `at_least` positions fit.
+pub fn context_that_fits(
+    kernels: &Kernels,
+    config: &dyn LmConfig,
+    options: &GeneratorOptions,
+    at_least: usize,
+) -> Result<usize> {
+    let wanted = options.context_for(config.lm_sizes().context)?;
+    let fits = |context: usize| {
+        check_fits_with_options(
+            kernels,
+            config,
+            &GeneratorOptions {
+                context: Some(context),
+                ..options.clone()
+            },
+        )
+    };
+    if fits(wanted).is_ok() {
+        return Ok(wanted);
+    }
+    let mut low = at_least.clamp(1, wanted);
+    fits(low)?;
+    // The largest that fits, by halving the range between one that does
+    // (low) and one that does not (high).
+    let mut high = wanted;
+    while high - low > 1 {
+        let middle = low + (high - low) / 2;
+        if fits(middle).is_ok() {
+            low = middle;
+        } else {
+            high = middle;
+        }
+    }
+    Ok(low)
 }
 
 impl Generator {
@@ -576,100 +831,45 @@ impl Generator {
     pub fn with_options(kernels: Arc<Kernels>, model: &dyn CausalLm, options: &GeneratorOptions) -> Result<Self> {
         const OP: &str = "Generator::new";
         let dtype = options.dtype.on(&kernels);
-        let sequences = options.sequences;
-        if sequences == 0 {
+        if options.sequences == 0 {
             return Err(Error::InvalidArgument {
                 op: OP,
                 reason: "sequences must be at least 1".into(),
             });
         }
-        let context = options.context_for(model.context_len())?;
-        let mut g = Graph::new();
-        let suppress = suppression(&mut g, &options.suppressed_tokens, model.vocab_size())?;
-        let mut cx = ForwardContext::new(dtype, context).with_quantized(options.quantized.clone());
-        let sampler = SamplerInputs {
-            draws: g.input("sample.draws", &[sequences, 3])?,
-            top_k: g.ids("sample.top_k", &[sequences])?,
-        };
-        let one_slot = options.prefill == PrefillMode::OneSlot;
-        let prefill_batch = if one_slot { 1 } else { sequences };
-        let prefill_sampler = if one_slot {
-            // The one-slot passes write caches of their own, copied into
-            // the slot's afterwards (`Generator::copy_slot`).
-            cx.set_cache_set(STAGING);
-            SamplerInputs {
-                draws: g.input("slot.sample.draws", &[1, 3])?,
-                top_k: g.ids("slot.sample.top_k", &[1])?,
-            }
-        } else {
-            sampler
-        };
-        // Row t of sequence s is position starts[s] + t: a prompt starts at
-        // 0, a continuation where the cache ends (written before each run).
-        let prefill_starts = g.ids("prefill.starts", &[prefill_batch])?;
-        let mut prefill = Vec::new();
-        for rows in prefill_lengths(context) {
-            let ids = g.ids(&format!("prefill{rows}.idx"), &[prefill_batch, rows])?;
-            let positions = g.ids(&format!("prefill{rows}.positions"), &[prefill_batch, rows])?;
-            let last = g.ids(&format!("prefill{rows}.last"), &[prefill_batch])?;
-            let pass = CachePass {
-                starts: prefill_starts,
-                positions,
-            };
-            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, Some(last), prefill_sampler, suppress)?;
-            prefill.push(PrefillPass {
-                rows,
-                ids,
-                last,
-                positions: Some(positions),
-                logits,
-                tokens,
+        if options.prefill_chunk == Some(0) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "a prefill chunk must hold at least 1 row".into(),
             });
         }
-        cx.set_cache_set("");
-        let decode_ids = g.ids("decode.idx", &[sequences, 1])?;
-        let positions = g.ids("decode.positions", &[sequences])?;
-        let pass = CachePass {
-            starts: positions,
-            positions: g.reshape(positions, &[sequences, 1])?,
-        };
-        let (decode_logits, decode_tokens) =
-            lm_pass(&mut g, &mut cx, model, decode_ids, pass, None, sampler, suppress)?;
-        // After the S-slot pass declared the caches: these read their
-        // first slots.
-        let mut smaller_decodes = Vec::new();
-        for rows in
-            std::iter::successors(Some(1usize), |&n| n.checked_mul(2)).take_while(|&n| one_slot && n < sequences)
-        {
-            let sampler = SamplerInputs {
-                draws: g.input(&format!("decode{rows}.sample.draws"), &[rows, 3])?,
-                top_k: g.ids(&format!("decode{rows}.sample.top_k"), &[rows])?,
-            };
-            let ids = g.ids(&format!("decode{rows}.idx"), &[rows, 1])?;
-            let positions = g.ids(&format!("decode{rows}.positions"), &[rows])?;
-            let pass = CachePass {
-                starts: positions,
-                positions: g.reshape(positions, &[rows, 1])?,
-            };
-            let (logits, tokens) = lm_pass(&mut g, &mut cx, model, ids, pass, None, sampler, suppress)?;
-            smaller_decodes.push((
-                DecodePass {
-                    ids,
-                    positions,
-                    logits,
-                    tokens,
-                },
-                sampler,
-            ));
+        let context = options.context_for(model.context_len())?;
+        let chunk = options.prefill_chunk.unwrap_or(PREFILL_CHUNK).min(context);
+        let mut built = GraphParts::build(model, options, dtype, context, chunk)?;
+        // A model whose widest activation of `chunk` rows would not fit one
+        // storage binding: shorter passes (read from how the first two
+        // passes' activations grow with their rows).
+        if options.prefill_chunk.is_none() {
+            if let Some(fit) = built.rows_within(kernels.binding_limit()).filter(|&fit| fit < chunk) {
+                built = GraphParts::build(model, options, dtype, context, fit.max(1))?;
+            }
         }
-
-        for pass in &mut prefill {
-            pass.positions = pass.positions.filter(|&t| is_read(&g, t));
-        }
-        let prefill_starts = Some(prefill_starts).filter(|&t| is_read(&g, t));
-        let staging = if one_slot { staging_pairs(&g)? } else { Vec::new() };
+        let GraphParts {
+            g,
+            prefill,
+            prefill_batch,
+            prefill_starts,
+            prefill_sampler,
+            staging,
+            decode,
+            sampler,
+            smaller_decodes,
+            adapter_rows,
+            adapters,
+            ..
+        } = built;
         let mut outputs: Vec<Tensor> = prefill.iter().flat_map(|p| [p.logits, p.tokens]).collect();
-        outputs.extend([decode_logits, decode_tokens]);
+        outputs.extend([decode.logits, decode.tokens]);
         outputs.extend(smaller_decodes.iter().flat_map(|(p, _)| [p.logits, p.tokens]));
         let exec = Executor::new(kernels, g, &outputs, None, None)?;
         let mut declared = exec.parameters_shapes();
@@ -687,23 +887,76 @@ impl Generator {
             model: model.describe(),
             vocab_size: model.vocab_size(),
             context,
-            sequences,
+            sequences: options.sequences,
             dtype,
             prefill,
             prefill_batch,
             prefill_starts,
             prefill_sampler,
             staging,
-            decode: DecodePass {
-                ids: decode_ids,
-                positions,
-                logits: decode_logits,
-                tokens: decode_tokens,
-            },
+            decode,
             sampler,
             smaller_decodes,
-            cached: vec![Vec::new(); sequences],
+            cached: vec![Vec::new(); options.sequences],
+            adapter_rows,
+            adapters,
+            slot_adapters: vec![NO_ADAPTER; options.sequences],
         })
+    }
+
+    /// The adapters the model carries ([`crate::nn::MultiLora`]; 0 for
+    /// any other model).
+    pub fn adapters(&self) -> usize {
+        self.adapters
+    }
+
+    /// Which adapter slot `slot` applies from its next run on: `Some(i)`,
+    /// adapter i of the model's [`crate::nn::MultiLora`], or None, the
+    /// base. Every slot starts with the base; a slot keeps its adapter
+    /// until this changes it ([`Generator::move_slot`] moves it too). The
+    /// rows of one step may each apply a different adapter.
+    pub fn set_slot_adapter(&mut self, slot: usize, adapter: Option<usize>) -> Result<()> {
+        const OP: &str = "Generator::set_slot_adapter";
+        self.slot_tokens(OP, slot)?;
+        self.slot_adapters[slot] = match adapter {
+            None => NO_ADAPTER,
+            Some(a) if a < self.adapters => a as u32,
+            Some(a) => {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!(
+                        "adapter {a} of a model carrying {} (a model with many adapters is a MultiLora)",
+                        self.adapters
+                    ),
+                })
+            }
+        };
+        Ok(())
+    }
+
+    /// The adapter slot `slot` applies (None: the base, or no such slot).
+    pub fn slot_adapter(&self, slot: usize) -> Option<usize> {
+        self.slot_adapters
+            .get(slot)
+            .filter(|&&a| a != NO_ADAPTER)
+            .map(|&a| a as usize)
+    }
+
+    /// Writes the adapters of `slots`, in order, into the adapter input of
+    /// a pass over that many sequences (none for a model without many
+    /// adapters).
+    fn set_adapter_rows(&self, slots: impl Iterator<Item = usize>) -> Result<()> {
+        if self.adapter_rows.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<u32> = slots.map(|s| self.slot_adapters[s]).collect();
+        match self.adapter_rows.iter().find(|(n, _)| *n == rows.len()) {
+            Some(&(_, t)) => self.exec.set_labels(t, &rows),
+            None => Err(Error::Internal {
+                op: "Generator",
+                reason: format!("no adapter input for a pass over {} sequences", rows.len()),
+            }),
+        }
     }
 
     /// How the weights are stored: what was asked for, except f32 where
@@ -725,6 +978,12 @@ impl Generator {
     /// [`GeneratorOptions::context`] says fewer).
     pub fn context_len(&self) -> usize {
         self.context
+    }
+
+    /// The most rows one prefill pass runs: a longer prompt is prefilled
+    /// in chunks of this many ([`GeneratorOptions::prefill_chunk`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill.last().map_or(1, |p| p.rows)
     }
 
     /// Sequences (slots) the caches hold.
@@ -768,26 +1027,25 @@ impl Generator {
         check_token_ids(op, ids, self.vocab_size)
     }
 
-    /// Checks `chunks` (one per sequence, each to start at `starts[s]`, 0
-    /// for a prompt) and writes them, their positions and starts into the
-    /// shortest prefill pass that holds them and whose padded rows stay in
-    /// the context; returns that pass's index, or None when no pass does
-    /// (a continuation near the context's end).
-    fn set_rows(&self, op: &'static str, chunks: &[&[u32]], starts: &[usize]) -> Result<Option<usize>> {
+    /// Checks `tokens`, one non-empty chunk per row of the prefill passes,
+    /// each to follow `held[s]` (the tokens its cache holds): their ids,
+    /// and that each fits the context after what its cache holds.
+    fn check_rows(&self, op: &'static str, held: &[Vec<u32>], tokens: &[&[u32]]) -> Result<()> {
         let context = self.context;
-        if chunks.len() != self.prefill_batch {
+        if tokens.len() != self.prefill_batch || held.len() != tokens.len() {
             return Err(Error::InvalidArgument {
                 op,
-                reason: format!("got {} prompts for {} sequences", chunks.len(), self.prefill_batch),
+                reason: format!("got {} prompts for {} sequences", tokens.len(), self.prefill_batch),
             });
         }
-        for (s, (chunk, &start)) in chunks.iter().zip(starts).enumerate() {
+        for (s, (chunk, history)) in tokens.iter().zip(held).enumerate() {
             if chunk.is_empty() {
                 return Err(Error::InvalidArgument {
                     op,
                     reason: format!("prompt {s} is empty; give at least one token"),
                 });
             }
+            let start = history.len();
             if start + chunk.len() > context {
                 let held = if start > 0 {
                     format!(" after the {start} its cache holds")
@@ -804,74 +1062,103 @@ impl Generator {
             }
             self.check_ids(op, chunk)?;
         }
-        let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
-        let latest = starts.iter().copied().max().unwrap_or(0);
-        let Some(index) = self
+        Ok(())
+    }
+
+    /// Feeds `tokens`, one non-empty chunk per row of the prefill passes,
+    /// after `held` (the tokens each row's cache holds, in position
+    /// order) through the prefill passes, at most the longest pass's rows
+    /// of each at a time (chunked prefill: a long prompt's activations are
+    /// those of one chunk, its keys and values all in the caches). Every
+    /// pass but the last is run (submitted, not waited for); the last is
+    /// written and its index returned, with the first position any pass
+    /// writes. `held` ends as the caches will hold after the last pass.
+    fn feed_rows(&mut self, op: &'static str, held: &mut [Vec<u32>], tokens: &[&[u32]]) -> Result<(usize, usize)> {
+        self.check_rows(op, held, tokens)?;
+        let chunk = self.prefill_chunk();
+        let mut fed = vec![0; tokens.len()];
+        let mut first_written = usize::MAX;
+        loop {
+            let mut pieces = Vec::with_capacity(tokens.len());
+            let mut starts = Vec::with_capacity(tokens.len());
+            for ((chunk_tokens, history), fed) in tokens.iter().zip(held.iter_mut()).zip(&mut fed) {
+                let rest = &chunk_tokens[*fed..];
+                if rest.is_empty() {
+                    // Done before the others: its last token again at its
+                    // position (the same key and value), so that its row
+                    // of the last pass's logits follows it.
+                    let at = history.len() - 1;
+                    pieces.push(history[at..].to_vec());
+                    starts.push(at);
+                } else {
+                    let n = rest.len().min(chunk);
+                    pieces.push(rest[..n].to_vec());
+                    starts.push(history.len());
+                    history.extend_from_slice(&rest[..n]);
+                    *fed += n;
+                }
+            }
+            let (pass, from) = self.write_rows(op, &pieces, &starts, held)?;
+            first_written = first_written.min(from);
+            if fed.iter().zip(tokens).all(|(&n, t)| n == t.len()) {
+                return Ok((pass, first_written));
+            }
+            let logits = self.prefill[pass].logits;
+            self.exec.run(&[logits])?;
+        }
+    }
+
+    /// Writes `pieces` (one per row, each at most the longest pass's rows,
+    /// to start at `starts[s]` after `held[s][..starts[s]]`) into the
+    /// shortest prefill pass that holds them: its ids, last rows, starts
+    /// and positions. Returns the pass's index and its first position. A
+    /// pass runs all its rows, so a row whose padding would pass the
+    /// context's end starts earlier, running the cached tokens before it
+    /// again (their keys and values are written again, the same).
+    fn write_rows(
+        &self,
+        op: &'static str,
+        pieces: &[Vec<u32>],
+        starts: &[usize],
+        held: &[Vec<u32>],
+    ) -> Result<(usize, usize)> {
+        let longest = pieces.iter().map(Vec::len).max().unwrap_or(1);
+        let index = self
             .prefill
             .iter()
-            .position(|p| p.rows >= longest && latest + p.rows <= context)
-        else {
-            return Ok(None);
-        };
+            .position(|p| p.rows >= longest)
+            .ok_or_else(|| Error::Internal {
+                op,
+                reason: format!("no prefill pass holds {longest} positions"),
+            })?;
         let pass = &self.prefill[index];
         let rows = pass.rows;
         let mut ids = vec![0u32; self.prefill_batch * rows];
         let mut last = Vec::with_capacity(self.prefill_batch);
-        for (s, chunk) in chunks.iter().enumerate() {
-            ids[s * rows..s * rows + chunk.len()].copy_from_slice(chunk);
-            last.push((s * rows + chunk.len() - 1) as u32);
+        let mut firsts = Vec::with_capacity(self.prefill_batch);
+        for (s, (piece, &start)) in pieces.iter().zip(starts).enumerate() {
+            let first = start.min(self.context.saturating_sub(rows));
+            let again = held[s].get(first..start).ok_or_else(|| Error::Internal {
+                op,
+                reason: format!("row {s} starts at {start} after {} cached tokens", held[s].len()),
+            })?;
+            let row = &mut ids[s * rows..(s + 1) * rows];
+            row[..again.len()].copy_from_slice(again);
+            row[again.len()..again.len() + piece.len()].copy_from_slice(piece);
+            last.push((s * rows + again.len() + piece.len() - 1) as u32);
+            firsts.push(first);
         }
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.last, &last)?;
         if let Some(t) = self.prefill_starts {
             self.exec
-                .set_labels(t, &starts.iter().map(|&p| p as u32).collect::<Vec<_>>())?;
+                .set_labels(t, &firsts.iter().map(|&p| p as u32).collect::<Vec<_>>())?;
         }
         if let Some(t) = pass.positions {
-            let positions: Vec<u32> = starts.iter().flat_map(|&p| (p..p + rows).map(|q| q as u32)).collect();
+            let positions: Vec<u32> = firsts.iter().flat_map(|&p| (p..p + rows).map(|q| q as u32)).collect();
             self.exec.set_labels(t, &positions)?;
         }
-        Ok(Some(index))
-    }
-
-    /// [`Generator::set_rows`] of `prompts` from position 0.
-    fn set_prompts(&self, op: &'static str, prompts: &[&[u32]]) -> Result<usize> {
-        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(1);
-        self.set_rows(op, prompts, &vec![0; prompts.len()])?
-            .ok_or_else(|| Error::Internal {
-                op,
-                reason: format!("no prefill pass holds {longest} positions"),
-            })
-    }
-
-    /// What each sequence's cache holds after a prefill of `prompts`.
-    fn prompts_cached(&mut self, prompts: &[&[u32]]) {
-        for (cached, prompt) in self.cached.iter_mut().zip(prompts) {
-            cached.clear();
-            cached.extend_from_slice(prompt);
-        }
-    }
-
-    /// Writes `tokens`, one chunk per sequence, after what each cache
-    /// holds: returns the pass to run, with `after` set to the tokens each
-    /// cache will hold. A continuation whose padded rows would pass the
-    /// context's end is prefilled whole from 0 instead (it fits: `set_rows`
-    /// checked the lengths).
-    fn set_continuation(&self, op: &'static str, tokens: &[&[u32]], after: &mut Vec<Vec<u32>>) -> Result<usize> {
-        let starts: Vec<usize> = self.cached.iter().map(Vec::len).collect();
-        *after = self
-            .cached
-            .iter()
-            .zip(tokens)
-            .map(|(cached, new)| [cached.as_slice(), new].concat())
-            .collect();
-        match self.set_rows(op, tokens, &starts)? {
-            Some(pass) => Ok(pass),
-            None => {
-                let whole: Vec<&[u32]> = after.iter().map(Vec::as_slice).collect();
-                self.set_prompts(op, &whole)
-            }
-        }
+        Ok((index, firsts.iter().copied().min().unwrap_or(0)))
     }
 
     /// Checks `tokens` (one per sequence, each with room in its cache) and
@@ -898,6 +1185,7 @@ impl Generator {
             });
         }
         let positions: Vec<u32> = self.cached.iter().map(|c| c.len() as u32).collect();
+        self.set_adapter_rows(0..self.sequences)?;
         self.exec.set_labels(self.decode.ids, tokens)?;
         self.exec.set_labels(self.decode.positions, &positions)
     }
@@ -994,11 +1282,34 @@ impl Generator {
     /// [`Generator::prefill`], awaited.
     pub async fn prefill_async(&mut self, prompts: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::prefill")?;
-        let pass = self.set_prompts("Generator::prefill", prompts)?;
+        let (pass, held) = self.feed_prompts("Generator::prefill", prompts)?;
         let logits = self.prefill[pass].logits;
         let values = self.exec.run_and_read_async(&[logits], logits).await?;
-        self.prompts_cached(prompts);
+        self.cached = held;
         Ok(values)
+    }
+
+    /// [`Generator::feed_rows`] of `prompts` from position 0, replacing
+    /// what each cache held: the last pass to run, and what the caches
+    /// will hold after it.
+    fn feed_prompts(&mut self, op: &'static str, prompts: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
+        self.set_adapter_rows(0..prompts.len())?;
+        let mut held = vec![Vec::new(); prompts.len()];
+        self.check_rows(op, &held, prompts)?;
+        // The caches are being replaced: a failure between chunks leaves
+        // them holding nothing that counts.
+        self.cached.iter_mut().for_each(Vec::clear);
+        let (pass, _) = self.feed_rows(op, &mut held, prompts)?;
+        Ok((pass, held))
+    }
+
+    /// [`Generator::feed_rows`] of `tokens` after what each cache holds:
+    /// the last pass to run, and what the caches will hold after it.
+    fn feed_continuation(&mut self, op: &'static str, tokens: &[&[u32]]) -> Result<(usize, Vec<Vec<u32>>)> {
+        self.set_adapter_rows(0..tokens.len())?;
+        let mut held = self.cached.clone();
+        let (pass, _) = self.feed_rows(op, &mut held, tokens)?;
+        Ok((pass, held))
     }
 
     /// [`Generator::prefill`] that also picks each sequence's next token
@@ -1029,11 +1340,11 @@ impl Generator {
         const OP: &str = "Generator::prefill_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
-        let pass = self.set_prompts(OP, prompts)?;
+        let (pass, held) = self.feed_prompts(OP, prompts)?;
         self.set_sampling(sampling, rng)?;
         let PrefillPass { logits, tokens, .. } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32_async(&[tokens], tokens).await?;
-        self.prompts_cached(prompts);
+        self.cached = held;
         self.sampled_tokens(OP, &picks, logits)
     }
 
@@ -1045,12 +1356,16 @@ impl Generator {
     /// tokens and the chunk from 0, up to rounding). The cache and the
     /// chunk together must fit the context.
     pub fn extend(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
+        crate::device::wait("Generator::extend", self.extend_async(tokens))
+    }
+
+    /// [`Generator::extend`], awaited.
+    pub async fn extend_async(&mut self, tokens: &[&[u32]]) -> Result<Vec<f32>> {
         self.all_sequences("Generator::extend")?;
-        let mut after = Vec::new();
-        let pass = self.set_continuation("Generator::extend", tokens, &mut after)?;
+        let (pass, held) = self.feed_continuation("Generator::extend", tokens)?;
         let logits = self.prefill[pass].logits;
-        let values = self.exec.run_and_read(&[logits], logits)?;
-        self.cached = after;
+        let values = self.exec.run_and_read_async(&[logits], logits).await?;
+        self.cached = held;
         Ok(values)
     }
 
@@ -1062,17 +1377,29 @@ impl Generator {
         sampling: &Sampling,
         rng: &mut ChaCha8Rng,
     ) -> Result<Vec<u32>> {
+        crate::device::wait(
+            "Generator::extend_and_sample",
+            self.extend_and_sample_async(tokens, sampling, rng),
+        )
+    }
+
+    /// [`Generator::extend_and_sample`], awaited.
+    pub async fn extend_and_sample_async(
+        &mut self,
+        tokens: &[&[u32]],
+        sampling: &Sampling,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Generator::extend_and_sample";
         self.all_sequences(OP)?;
         sampling.check()?;
-        let mut after = Vec::new();
-        let pass = self.set_continuation(OP, tokens, &mut after)?;
+        let (pass, held) = self.feed_continuation(OP, tokens)?;
         self.set_sampling(sampling, rng)?;
         let PrefillPass {
             logits, tokens: picks, ..
         } = self.prefill[pass];
-        let picks = self.exec.run_and_read_u32(&[picks], picks)?;
-        self.cached = after;
+        let picks = self.exec.run_and_read_u32_async(&[picks], picks).await?;
+        self.cached = held;
         self.sampled_tokens(OP, &picks, logits)
     }
 
@@ -1099,34 +1426,21 @@ impl Generator {
                 reason: "this generator prefills all sequences together: build it with PrefillMode::OneSlot".into(),
             });
         }
-        let held = self.slot_tokens(OP, slot)?.len();
-        let start = match self.set_rows(OP, &[tokens], &[held])? {
-            Some(pass) => {
-                self.copy_slot(slot, 0, held, true)?;
-                (pass, held)
-            }
-            // Near the context's end the chunk runs from 0 with the history
-            // (which fits: set_rows checked it).
-            None => {
-                let whole = [self.cached[slot].as_slice(), tokens].concat();
-                (
-                    self.set_rows(OP, &[&whole], &[0])?.ok_or_else(|| Error::Internal {
-                        op: OP,
-                        reason: format!("no prefill pass holds {} positions", whole.len()),
-                    })?,
-                    0,
-                )
-            }
-        };
-        let (pass, from) = start;
+        let mut held = vec![self.slot_tokens(OP, slot)?.to_vec()];
+        self.check_rows(OP, &held, &[tokens])?;
+        // The slot's history into the staging caches, then the chunks
+        // after it there.
+        self.copy_slot(slot, 0, held[0].len(), true)?;
+        self.set_adapter_rows(std::iter::once(slot))?;
+        let (pass, from) = self.feed_rows(OP, &mut held, &[tokens])?;
         self.set_sampler_rows(self.prefill_sampler, &[sampling.row_settings(rng, self.vocab_size)])?;
         let PrefillPass {
             logits, tokens: picks, ..
         } = self.prefill[pass];
         let picks = self.exec.run_and_read_u32(&[picks], picks)?;
-        let end = held + tokens.len();
-        self.copy_slot(slot, from, end, false)?;
-        self.cached[slot].extend_from_slice(tokens);
+        let after = held.pop().unwrap_or_default();
+        self.copy_slot(slot, from, after.len(), false)?;
+        self.cached[slot] = after;
         self.sampled_token(OP, 0, false, &picks, logits)
     }
 
@@ -1258,6 +1572,7 @@ impl Generator {
             }
         }
         self.check_ids(OP, &ids)?;
+        self.set_adapter_rows(0..rows)?;
         self.exec.set_labels(pass.ids, &ids)?;
         self.exec.set_labels(pass.positions, &positions)?;
         self.set_sampler_rows(sampler, &draws)?;
@@ -1292,6 +1607,7 @@ impl Generator {
         self.copy_slot(from, 0, held, true)?;
         self.copy_slot(to, 0, held, false)?;
         self.cached[to] = std::mem::take(&mut self.cached[from]);
+        self.slot_adapters[to] = std::mem::replace(&mut self.slot_adapters[from], NO_ADAPTER);
         Ok(())
     }
 

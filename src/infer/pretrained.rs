@@ -5,10 +5,10 @@
 //! load, so each reads a model the same way.
 
 use std::path::Path;
-use std::time::Instant;
 
+use crate::device::Instant;
 use crate::error::{Error, Result};
-use crate::infer::generate::{check_fits_with_options, GeneratorOptions, WeightDtype};
+use crate::infer::generate::{check_fits_stored, check_fits_with_options, GeneratorOptions, WeightDtype};
 use crate::io::bpe::BpeTokenizer;
 use crate::io::gguf_model::GgufModel;
 use crate::io::lm_folder::{is_gguf_path, load_lm_folder, read_model_config};
@@ -75,23 +75,87 @@ pub fn load_pretrained_with_config(
         dtype: dtype.unwrap_or_default(),
         ..fits.clone()
     };
-    check_fits_with_options(kernels, config, &options)?;
     let sizes = config.lm_sizes();
-    let (model, quantized, tokenizer): (Box<dyn CausalLm>, _, _) = if is_gguf_path(path) {
+    if is_gguf_path(path) {
+        // The header only, so the check comes before any weight is read.
         let gguf = GgufModel::open(path)?;
-        let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
-        match dtype {
-            None => {
-                let (model, quantized) = gguf.to_quantized_causal_lm()?;
-                (model, quantized, tokenizer)
-            }
-            Some(_) => (gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer),
-        }
-    } else {
-        let tokenizer = BpeTokenizer::from_folder(path)?
-            .ok_or_else(|| invalid(format!("`{}` has no tokenizer.json", path.display())))?;
-        (load_lm_folder(path)?.model, QuantizedWeights::new(), tokenizer)
+        check_gguf_fits(kernels, &gguf, config, dtype, &options)?;
+        return pretrained_gguf(gguf, dtype, sizes, start);
+    }
+    check_fits_with_options(kernels, config, &options)?;
+    let tokenizer = BpeTokenizer::from_folder(path)?
+        .ok_or_else(|| invalid(format!("`{}` has no tokenizer.json", path.display())))?;
+    finish(
+        load_lm_folder(path)?.model,
+        QuantizedWeights::new(),
+        tokenizer,
+        sizes,
+        start,
+    )
+}
+
+/// [`load_pretrained`] on a GGUF file's bytes (what a page read from a
+/// file picker or fetched); `label` names it in messages.
+pub fn load_pretrained_gguf_bytes(
+    kernels: &Kernels,
+    label: &str,
+    bytes: impl Into<std::sync::Arc<[u8]>>,
+    dtype: Option<WeightDtype>,
+    fits: &GeneratorOptions,
+) -> Result<PretrainedLm> {
+    let start = Instant::now();
+    let gguf = GgufModel::from_gguf(crate::io::gguf::Gguf::from_bytes(label, bytes)?)?;
+    let config = gguf.architecture().lm_config();
+    let options = GeneratorOptions {
+        dtype: dtype.unwrap_or_default(),
+        ..fits.clone()
     };
+    check_gguf_fits(kernels, &gguf, config.as_ref(), dtype, &options)?;
+    pretrained_gguf(gguf, dtype, config.lm_sizes(), start)
+}
+
+/// The generator's memory check for a GGUF model: its matrices at their
+/// stored size where they stay quantized (no `dtype`).
+fn check_gguf_fits(
+    kernels: &Kernels,
+    gguf: &GgufModel,
+    config: &dyn LmConfig,
+    dtype: Option<WeightDtype>,
+    options: &GeneratorOptions,
+) -> Result<()> {
+    let quantized = match dtype {
+        None => gguf.quantized_storage()?,
+        Some(_) => (0, 0),
+    };
+    check_fits_stored(kernels, config, options, quantized)
+}
+
+/// A GGUF model with its metadata's tokenizer, its matrices kept as stored
+/// unless `dtype` is given.
+fn pretrained_gguf(
+    gguf: GgufModel,
+    dtype: Option<WeightDtype>,
+    sizes: LmSizes,
+    start: Instant,
+) -> Result<PretrainedLm> {
+    let tokenizer = BpeTokenizer::from_gguf(gguf.gguf())?;
+    match dtype {
+        None => {
+            let (model, quantized) = gguf.to_quantized_causal_lm()?;
+            finish(model, quantized, tokenizer, sizes, start)
+        }
+        Some(_) => finish(gguf.to_causal_lm()?, QuantizedWeights::new(), tokenizer, sizes, start),
+    }
+}
+
+/// The model with its tokenizer, checked against each other.
+fn finish(
+    model: Box<dyn CausalLm>,
+    quantized: QuantizedWeights,
+    tokenizer: BpeTokenizer,
+    sizes: LmSizes,
+    start: Instant,
+) -> Result<PretrainedLm> {
     if tokenizer.vocab_size() > model.vocab_size() {
         return Err(invalid(format!(
             "the tokenizer has {} tokens, the model a vocabulary of {}",

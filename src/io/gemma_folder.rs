@@ -26,8 +26,8 @@ use crate::io::gpt_folder::{
     TOKENIZER_FILE,
 };
 use crate::io::hf_folder::{
-    check_extra_files, check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, write_extra_files,
-    write_synced, ConfigFields, ExtraFile, CONFIG_FILE, WEIGHTS_FILE,
+    check_extra_files, check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, within_size_limits,
+    write_extra_files, write_synced, ConfigFields, ExtraFile, CONFIG_FILE, MAX_LAYERS, MAX_PARAMETERS, WEIGHTS_FILE,
 };
 use crate::models::{Gemma, GemmaConfig};
 use crate::nn::Module;
@@ -37,10 +37,6 @@ const HEAD: &str = "lm_head.weight";
 /// transformers' `model_type` and class.
 pub const MODEL_TYPE: &str = "gemma3_text";
 pub const CLASS: &str = "Gemma3ForCausalLM";
-/// Sizes read from a file are refused above these before anything is allocated.
-const MAX_LAYERS: usize = 1 << 16;
-// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
-const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
 
 /// What [`load_gemma_folder`] returns.
 #[derive(Clone, Debug, PartialEq)]
@@ -277,7 +273,7 @@ pub fn read_gemma_config(dir: impl AsRef<Path>) -> Result<GemmaConfig> {
         sliding_window: fields.size("sliding_window")?.unwrap_or(4096),
         sliding_window_pattern: window_pattern(&fields, n_layer)?,
     };
-    if n_layer > MAX_LAYERS || config.num_parameters().is_none_or(|n| n > MAX_PARAMETERS) {
+    if !within_size_limits(n_layer, config.num_parameters()) {
         return Err(bad(format!(
             "sizes {config:?}: at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
         )));

@@ -287,6 +287,26 @@ impl ValueType {
         })
     }
 
+    /// The id GGUF stores (the inverse of [`ValueType::from_id`]).
+    pub fn id(self) -> u32 {
+        use ValueType::*;
+        match self {
+            U8 => 0,
+            I8 => 1,
+            U16 => 2,
+            I16 => 3,
+            U32 => 4,
+            I32 => 5,
+            F32 => 6,
+            Bool => 7,
+            String => 8,
+            Array => 9,
+            U64 => 10,
+            I64 => 11,
+            F64 => 12,
+        }
+    }
+
     /// The spec's name (`u32`, `string`, `array`).
     pub fn name(self) -> &'static str {
         use ValueType::*;

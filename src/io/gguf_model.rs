@@ -239,10 +239,7 @@ impl GgufModel {
         let mut quantized = QuantizedWeights::new();
         for (name, _) in &self.parameters {
             let info = self.parameter_info(name)?;
-            let Ok(format) = QuantFormat::try_from(info.ty) else {
-                continue;
-            };
-            if info.dims.len() == 2 {
+            if let Some(format) = kept_quantized(info) {
                 // Checked (finite scales) before any kernel reads it.
                 let (_, raw) = self.gguf.read_quantized(&info.name)?;
                 quantized.insert(
@@ -267,6 +264,24 @@ impl GgufModel {
             GgufArchitecture::Llama(_) | GgufArchitecture::Gemma3(_) => self.quantized_weights(),
             GgufArchitecture::Gpt2 { .. } => Ok(QuantizedWeights::new()),
         }
+    }
+
+    /// What [`GgufModel::to_quantized_causal_lm`] keeps block-quantized,
+    /// from the header alone: (values, stored bytes) of those matrices, so
+    /// a generator's memory is checked before any weight is read. A GPT-2
+    /// keeps none (its fused matrices are de-quantized).
+    pub fn quantized_storage(&self) -> Result<(u64, u64)> {
+        if matches!(self.architecture, GgufArchitecture::Gpt2 { .. }) {
+            return Ok((0, 0));
+        }
+        let mut stored = (0u64, 0u64);
+        for (name, _) in &self.parameters {
+            let info = self.parameter_info(name)?;
+            if kept_quantized(info).is_some() {
+                stored = (stored.0 + info.n_elements, stored.1 + info.n_bytes);
+            }
+        }
+        Ok(stored)
     }
 
     /// The Llama, every weight de-quantized to f32; an error for another
@@ -379,6 +394,12 @@ impl GgufModel {
             reason: format!("is a `{is}` file, not a {wanted}"),
         }
     }
+}
+
+/// The format a matrix stays in on the GPU: a 2-D tensor in a block format
+/// the kernels read; `None` for what is de-quantized to f32.
+fn kept_quantized(info: &TensorInfo) -> Option<QuantFormat> {
+    QuantFormat::try_from(info.ty).ok().filter(|_| info.dims.len() == 2)
 }
 
 /// The Llama of the GGUF file at `path`, de-quantized to f32.

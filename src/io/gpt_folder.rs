@@ -57,7 +57,7 @@ use crate::error::{Error, Result};
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::io::hf_folder::{
     check_extra_files, check_weights_hold, io_err, json_f32, pretty_json, read_weights, save_atomically,
-    write_extra_files, write_synced, ConfigFields, ExtraFile, Weights,
+    within_size_limits, write_extra_files, write_synced, ConfigFields, ExtraFile, Weights, MAX_LAYERS, MAX_PARAMETERS,
 };
 pub use crate::io::hf_folder::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 use crate::io::text::{CharTokenizer, Gpt2Bpe, Tokenizer};
@@ -76,11 +76,6 @@ const HEAD: &str = "lm_head.weight";
 /// GPT-2's BPE (tiktoken's `r50k_base`, the same as its `gpt2`) has this
 /// many tokens, the last being `<|endoftext|>`.
 const GPT2_BPE_TOKENS: usize = 50257;
-/// Sizes config.json may give, far above any GPT-2, so a corrupt file
-/// cannot make the loader allocate for an absurd model.
-const MAX_LAYERS: usize = 1 << 16;
-// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
-const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
 /// Metadata keys of `optimizer.safetensors` that [`OptimizerState`] owns.
 const OPTIMIZER_KEYS: [&str; 5] = ["format", "optimizer", "step", "state_names", "layout"];
 
@@ -730,10 +725,7 @@ fn read_config(dir: &Path) -> Result<ConfigSpec> {
         config.n_embd,
     ]
     .contains(&0);
-    if !positive
-        || config.n_embd % config.n_head != 0
-        || config.n_layer > MAX_LAYERS
-        || parameter_count(&config).is_none_or(|n| n > MAX_PARAMETERS)
+    if !positive || config.n_embd % config.n_head != 0 || !within_size_limits(config.n_layer, parameter_count(&config))
     {
         return Err(bad(format!(
             "sizes {config:?}: every size must be positive, n_embd a multiple of n_head, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"

@@ -22,6 +22,18 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 use crate::io::checkpoint;
+/// Sizes a config.json may give, refused above these before anything is
+/// allocated, so a corrupt file cannot make a loader allocate for an absurd
+/// model. Every family's folder reader checks them.
+pub(crate) const MAX_LAYERS: usize = 1 << 16;
+// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
+pub(crate) const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
+
+/// Whether a model of `n_layer` layers and `parameters` parameters (None:
+/// the count overflowed) is within [`MAX_LAYERS`] and [`MAX_PARAMETERS`].
+pub(crate) fn within_size_limits(n_layer: usize, parameters: Option<usize>) -> bool {
+    n_layer <= MAX_LAYERS && parameters.is_some_and(|n| n <= MAX_PARAMETERS)
+}
 
 /// The model's configuration, as transformers writes it.
 pub const CONFIG_FILE: &str = "config.json";

@@ -45,18 +45,14 @@ use crate::io::gpt_folder::{
     TOKENIZER_FILE,
 };
 use crate::io::hf_folder::{
-    check_extra_files, check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, write_extra_files,
-    write_synced, ConfigFields, ExtraFile, CONFIG_FILE, WEIGHTS_FILE,
+    check_extra_files, check_weights_hold, json_f32, pretty_json, read_weights, save_atomically, within_size_limits,
+    write_extra_files, write_synced, ConfigFields, ExtraFile, CONFIG_FILE, MAX_LAYERS, MAX_PARAMETERS, WEIGHTS_FILE,
 };
 use crate::models::{Llama, LlamaConfig, LlamaVariant};
 use crate::nn::{Module, RopeLayout};
 
 /// The untied head's name; a tied model stores none.
 const HEAD: &str = "lm_head.weight";
-/// Sizes read from a file are refused above these before anything is allocated.
-const MAX_LAYERS: usize = 1 << 16;
-// On 32-bit targets (wasm32), 2^30 f32 values already fill the 4 GiB address space.
-const MAX_PARAMETERS: usize = if usize::BITS > 40 { 1 << 40 } else { 1 << 30 };
 /// transformers' MistralConfig `sliding_window` when config.json has none.
 const MISTRAL_DEFAULT_WINDOW: usize = 4096;
 /// transformers' Qwen2Config `max_window_layers`: layers before it attend fully.
@@ -392,7 +388,7 @@ pub fn read_llama_config(dir: impl AsRef<Path>) -> Result<LlamaConfig> {
             )));
         }
     }
-    if !sizes_ok || config.n_layer > MAX_LAYERS || config.num_parameters().is_none_or(|n| n > MAX_PARAMETERS) {
+    if !sizes_ok || !within_size_limits(config.n_layer, config.num_parameters()) {
         return Err(bad(format!(
             "sizes {config:?}: every size must be positive, hidden_size a multiple of num_attention_heads, at most {MAX_LAYERS} layers and {MAX_PARAMETERS} parameters"
         )));

@@ -11,6 +11,7 @@ pub mod data;
 pub mod gemma_folder;
 pub mod gguf;
 pub mod gguf_model;
+pub mod gguf_write;
 pub mod gpt_folder;
 pub mod hf_folder;
 pub mod llama_folder;

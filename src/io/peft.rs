@@ -4,7 +4,10 @@
 //! names `base_model.model.{module}.lora_A.weight` ([r, in]) and
 //! `….lora_B.weight` ([out, r]), `{module}` being the Linear's name in the
 //! base model (`model.layers.0.self_attn.q_proj` in a Llama; wgrad's names
-//! for Llama-family models are Hugging Face's). An adapter wgrad cannot
+//! for Llama-family models are Hugging Face's; a GPT-2's are wgrad's after
+//! `transformer.`, [`Module::hf_module_prefix`]). B rows follow Hugging
+//! Face's order whatever order the base holds them in
+//! ([`Module::permuted_rows`]: a GGUF Llama's q and k). An adapter wgrad cannot
 //! run as PEFT would (DoRA, rsLoRA, trained biases, per-layer ranks, …) is
 //! refused by name, and so is one that does not fit its base; nothing is
 //! built until the whole folder has been read and checked.
@@ -16,6 +19,8 @@ use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::io::gguf::llama::{permute_rows, unpermute_rows};
+use crate::io::gpt_folder::OptimizerState;
 use crate::nn::{Lora, LoraAdapter, LoraConfig, Module, ALL_LINEAR};
 
 /// The adapter's settings file in a PEFT folder.
@@ -38,8 +43,27 @@ impl PeftAdapter {
     /// `base` carrying this adapter: every adapter must be a Linear of
     /// `base` that the targets name, at its sizes, and every Linear they
     /// name must have one. PEFT's `lora_dropout` is kept in the config;
-    /// wgrad runs the adapter without it (as PEFT in evaluation).
-    pub fn apply<M: Module>(self, base: M) -> Result<Lora<M>> {
+    /// wgrad runs the adapter without it (as PEFT in evaluation). Over a
+    /// model that holds some Linears' rows in another order than Hugging
+    /// Face's ([`Module::permuted_rows`]: a GGUF Llama's q and k), their B
+    /// rows are moved to the model's order.
+    pub fn apply<M: Module>(mut self, base: M) -> Result<Lora<M>> {
+        let r = self.config.r;
+        // Hugging Face's names of the model's modules, wgrad's without the prefix.
+        let hf = base.hf_module_prefix();
+        for a in self.adapters.iter_mut().filter(|_| !hf.is_empty()) {
+            if let Some(local) = a.module.strip_prefix(hf) {
+                a.module = local.to_string();
+            }
+        }
+        for (module, heads) in base.permuted_rows() {
+            if let Some(a) = self.adapters.iter_mut().find(|a| a.module == module) {
+                // A B of the wrong size is left for with_adapters to refuse by name.
+                if a.b.len() == a.out_features * r && a.out_features % (2 * heads) == 0 {
+                    a.b = permute_rows(&a.b, a.out_features, heads)?;
+                }
+            }
+        }
         Lora::with_adapters(base, self.config, self.adapters)
     }
 }
@@ -300,26 +324,193 @@ pub fn save(
         .map_err(|(action, source)| Error::CheckpointIo { path, action, source })
 }
 
-/// [`save`] of a [`Lora`] model's own adapters.
-pub fn save_lora<M>(dir: impl AsRef<Path>, model: &Lora<M>, base_model: &str) -> Result<()> {
+/// [`save`] of a [`Lora`] model's own adapters, B rows in Hugging Face's
+/// order whatever order the base holds them in.
+pub fn save_lora<M: Module>(dir: impl AsRef<Path>, model: &Lora<M>, base_model: &str) -> Result<()> {
     let r = model.config.r;
-    let parameters: Vec<(String, Vec<usize>, Vec<f32>)> = model
+    let (permuted, hf) = (model.permuted_rows(), model.hf_module_prefix());
+    let mut parameters = Vec::with_capacity(2 * model.adapters().len());
+    for a in model.adapters() {
+        let b_name = format!("{}.lora_B.weight", a.module);
+        parameters.push((
+            format!("{hf}{}.lora_A.weight", a.module),
+            vec![r, a.in_features],
+            a.a.clone(),
+        ));
+        let b = move_rows(&permuted, &b_name, &a.b, r, true)?;
+        parameters.push((format!("{hf}{b_name}"), vec![a.out_features, r], b));
+    }
+    save(dir, &model.config, base_model, &parameters)
+}
+
+/// `values` of the adapter matrix `name` [rows, r] (or of its optimizer
+/// state) with its rows moved: a B of a Linear in `permuted` (the model's
+/// [`Module::permuted_rows`]) to Hugging Face's order when `to_hf`, else
+/// from it; anything else is unchanged.
+fn move_rows(permuted: &[(String, usize)], name: &str, values: &[f32], r: usize, to_hf: bool) -> Result<Vec<f32>> {
+    let Some(module) = name.strip_suffix(".lora_B.weight") else {
+        return Ok(values.to_vec());
+    };
+    match permuted.iter().find(|(m, _)| m == module) {
+        Some(&(_, heads)) if to_hf => unpermute_rows(values, values.len() / r.max(1), heads),
+        Some(&(_, heads)) => permute_rows(values, values.len() / r.max(1), heads),
+        None => Ok(values.to_vec()),
+    }
+}
+
+/// The optimizer state of an adapter run, beside its adapter in the PEFT
+/// folder (PEFT reads only its own two files), so the run can be resumed.
+pub const STATE_FILE: &str = "optimizer.safetensors";
+/// `STATE_FILE`'s format tag.
+const STATE_FORMAT: &str = "wgrad-lora-optimizer";
+/// Metadata keys the state file owns; the run's own keys must differ.
+const STATE_KEYS: [&str; 4] = ["format", "optimizer", "step", "state_names"];
+
+/// Writes `state` (every adapter matrix's optimizer state of `model`, the
+/// step count and the run's metadata) to `dir/optimizer.safetensors`,
+/// atomically: tensors named `{PEFT name}.{state}`
+/// (`base_model.model.model.layers.0.mlp.up_proj.lora_A.weight.exp_avg`),
+/// names and rows as [`save_lora`] writes the adapters.
+pub fn save_state<M: Module>(dir: impl AsRef<Path>, model: &Lora<M>, state: &OptimizerState) -> Result<()> {
+    let bad = |reason: String| Error::InvalidArgument {
+        op: "peft::save_state",
+        reason,
+    };
+    let (r, permuted, hf) = (model.config.r, model.permuted_rows(), model.hf_module_prefix());
+    let shapes = adapter_shapes(model);
+    let names = state.state_names();
+    let mut ckpt = Checkpoint::new();
+    for (param, name, values) in &state.state {
+        let shape = shapes
+            .iter()
+            .find(|(p, _)| p == param)
+            .map(|(_, s)| s)
+            .ok_or_else(|| bad(format!("`{param}` is not an adapter matrix of the model")))?;
+        if values.len() != shape.iter().product::<usize>() || name.is_empty() || name.contains(['.', ',']) {
+            return Err(bad(format!(
+                "state `{param}.{name}`: {} values for {shape:?} (names without `.` or `,`)",
+                values.len()
+            )));
+        }
+        let stored = move_rows(&permuted, param, values, r, true)?;
+        ckpt.push(NamedTensor::new(
+            format!("{PREFIX}{hf}{param}.{name}"),
+            shape.clone(),
+            stored,
+        )?);
+    }
+    if ckpt.tensors.len() != shapes.len() * names.len() {
+        return Err(bad(format!(
+            "{} state tensors for {} adapter matrices and {} state names: a partial state would not resume exactly",
+            ckpt.tensors.len(),
+            shapes.len(),
+            names.len()
+        )));
+    }
+    for (key, value) in &state.metadata {
+        if STATE_KEYS.contains(&key.as_str()) {
+            return Err(bad(format!("metadata key `{key}` is the state file's own")));
+        }
+        ckpt.set_meta(key.clone(), value.clone());
+    }
+    ckpt.set_meta("format", STATE_FORMAT);
+    ckpt.set_meta("optimizer", state.optimizer.clone());
+    ckpt.set_meta("step", state.step.to_string());
+    ckpt.set_meta("state_names", names.join(","));
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(|source| Error::CheckpointIo {
+        path: dir.to_path_buf(),
+        action: "create",
+        source,
+    })?;
+    checkpoint::save(dir.join(STATE_FILE), &ckpt)
+}
+
+/// What [`save_state`] wrote in `dir`, for `model` (whose adapters it
+/// continues, rows in the model's order); `None` where the folder has no
+/// state file (an adapter saved by PEFT, or for use only). Every adapter
+/// matrix must have every state, at its shape, and nothing else.
+pub fn read_state<M: Module>(dir: impl AsRef<Path>, model: &Lora<M>) -> Result<Option<OptimizerState>> {
+    let path = dir.as_ref().join(STATE_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let ckpt = checkpoint::load(&path)?;
+    let bad = |reason: String| Error::CheckpointFormat {
+        path: path.clone(),
+        reason,
+    };
+    let meta = |key: &str| ckpt.meta(key).ok_or_else(|| bad(format!("no `{key}` in the metadata")));
+    if meta("format")? != STATE_FORMAT {
+        return Err(bad(format!("format `{}` is not {STATE_FORMAT}", meta("format")?)));
+    }
+    let step_text = meta("step")?;
+    let step = step_text
+        .parse()
+        .map_err(|_| bad(format!("step `{step_text}` is not a count")))?;
+    let names: Vec<&str> = meta("state_names")?.split(',').filter(|n| !n.is_empty()).collect();
+    let (r, permuted, hf) = (model.config.r, model.permuted_rows(), model.hf_module_prefix());
+    let shapes = adapter_shapes(model);
+    let mut state = Vec::with_capacity(shapes.len() * names.len());
+    for name in &names {
+        for (param, shape) in &shapes {
+            let stored = format!("{PREFIX}{hf}{param}.{name}");
+            let t = ckpt.get(&stored).ok_or_else(|| Error::FolderTensorMissing {
+                path: path.clone(),
+                name: stored.clone(),
+                expected: shape.clone(),
+            })?;
+            if t.shape != *shape {
+                return Err(Error::FolderTensorShape {
+                    path: path.clone(),
+                    name: stored,
+                    expected: shape.clone(),
+                    found: t.shape.clone(),
+                });
+            }
+            state.push((
+                param.clone(),
+                name.to_string(),
+                move_rows(&permuted, param, &t.data, r, false)?,
+            ));
+        }
+    }
+    let known: std::collections::HashSet<String> = shapes
+        .iter()
+        .flat_map(|(p, _)| names.iter().map(move |n| format!("{PREFIX}{hf}{p}.{n}")))
+        .collect();
+    if let Some(t) = ckpt.tensors.iter().find(|t| !known.contains(&t.name)) {
+        return Err(Error::FolderTensorUnexpected {
+            path: path.clone(),
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+        });
+    }
+    let metadata = ckpt
+        .metadata
+        .iter()
+        .filter(|(k, _)| !STATE_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(Some(OptimizerState {
+        optimizer: meta("optimizer")?.to_string(),
+        step,
+        state,
+        metadata,
+    }))
+}
+
+/// (name, shape) of every adapter matrix of `model`, A then B per adapter.
+fn adapter_shapes<M>(model: &Lora<M>) -> Vec<(String, Vec<usize>)> {
+    let r = model.config.r;
+    model
         .adapters()
         .iter()
         .flat_map(|a| {
             [
-                (
-                    format!("{}.lora_A.weight", a.module),
-                    vec![r, a.in_features],
-                    a.a.clone(),
-                ),
-                (
-                    format!("{}.lora_B.weight", a.module),
-                    vec![a.out_features, r],
-                    a.b.clone(),
-                ),
+                (format!("{}.lora_A.weight", a.module), vec![r, a.in_features]),
+                (format!("{}.lora_B.weight", a.module), vec![a.out_features, r]),
             ]
         })
-        .collect();
-    save(dir, &model.config, base_model, &parameters)
+        .collect()
 }

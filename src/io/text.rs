@@ -9,17 +9,36 @@ use rand::Rng;
 use crate::error::{Error, Result};
 use crate::io::bpe::BpeTokenizer;
 
+// Natively the text is part of the library; the browser build leaves its
+// 2 MB out of the .wasm, and the page fetches data/shakespeare.txt.gz.
+#[cfg(not(target_arch = "wasm32"))]
 const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 
 /// Shakespeare's 42 plays and poems as one text (5,057,323 bytes of ASCII;
-/// data/README.md gives its source and licence).
+/// data/README.md gives its source and licence). In a browser the text is
+/// not embedded: decompress the served `data/shakespeare.txt.gz` with
+/// [`gunzip_text`] and train on it as `TextSource::Text`.
 pub fn shakespeare() -> Result<String> {
-    let mut text = String::with_capacity(5_100_000);
-    flate2::read::GzDecoder::new(SHAKESPEARE_GZ)
+    #[cfg(not(target_arch = "wasm32"))]
+    return gunzip_text("shakespeare", SHAKESPEARE_GZ);
+    #[cfg(target_arch = "wasm32")]
+    Err(Error::InvalidArgument {
+        op: "shakespeare",
+        reason: "the browser build does not embed the text: fetch data/shakespeare.txt.gz, decompress it with \
+                 gunzip_text and pass it as TextSource::Text"
+            .into(),
+    })
+}
+
+/// The UTF-8 text a gzip stream holds (the shipped Shakespeare, or the
+/// bytes a page fetched); `op` names the caller in errors.
+pub fn gunzip_text(op: &'static str, gz: &[u8]) -> Result<String> {
+    let mut text = String::with_capacity(gz.len().saturating_mul(3));
+    flate2::read::GzDecoder::new(gz)
         .read_to_string(&mut text)
-        .map_err(|e| Error::Internal {
-            op: "shakespeare",
-            reason: format!("the embedded text does not decompress: {e}"),
+        .map_err(|e| Error::InvalidArgument {
+            op,
+            reason: format!("the {} bytes are not gzip-compressed UTF-8 text: {e}", gz.len()),
         })?;
     Ok(text)
 }

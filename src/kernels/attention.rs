@@ -11,6 +11,7 @@ entry_points! {
         CACHED_ATTENTION_FORWARD = "cached_attention_forward",
         CACHED_ATTENTION_FORWARD_WORKGROUP = "cached_attention_forward_workgroup",
         CACHED_ATTENTION_FORWARD_GROUPED = "cached_attention_forward_grouped",
+        CACHED_ATTENTION_FORWARD_CHANNELS = "cached_attention_forward_channels",
     }
 }
 
@@ -46,9 +47,14 @@ const GROUPED_LANES: usize = 8;
 /// price of the 64-channel kernel's compile, for SmolLM2's 64.
 pub const GROUPED_MAX_HEAD_DIM: usize = 64;
 
-/// Query heads one workgroup of `cached_attention_forward_grouped` serves
-/// (attention.wgsl's `GROUP_HEADS`); a larger group takes several.
+/// Query heads one workgroup of `cached_attention_forward_grouped` (and of
+/// `cached_attention_forward_channels`) serves (attention.wgsl's
+/// `GROUP_HEADS`); a larger group takes several.
 const GROUP_HEADS: usize = 4;
+
+/// Lanes of `cached_attention_forward_channels` (attention.wgsl's
+/// `CHANNEL_LANES`), each owning every 8th vec4 of a head's channels.
+const CHANNEL_LANES: usize = 8;
 
 /// Which kernel of `attention.wgsl` a cached attention runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +70,11 @@ pub enum CachedAttentionKernel {
     /// vec4s, for up to 4 of the query heads sharing it: a CPU adapter's,
     /// for heads of at most [`GROUPED_MAX_HEAD_DIM`] channels.
     Grouped,
+    /// `cached_attention_forward_channels`: 8 lanes splitting the channels
+    /// of up to 4 query heads sharing a KV head, all walking the positions
+    /// together: a CPU adapter's for heads wider than
+    /// [`GROUPED_MAX_HEAD_DIM`] (Gemma 3's 256 channels), vec4 reads.
+    Channels,
 }
 
 #[repr(C)]
@@ -107,9 +118,10 @@ impl Kernels {
     /// fixed tree (deterministic); on a CPU adapter one workgroup of 8
     /// lanes per (sequence, row, KV head) serving up to 4 of its query
     /// heads (SmolLM2's attention 25 → 11–12 ms of a decode step on
-    /// lavapipe, loaded), or where that cannot run, one invocation per
-    /// (sequence, row, head), or the workgroup kernel past llvmpipe's loop
-    /// limit.
+    /// lavapipe, loaded) — its 8 lanes splitting the positions for heads
+    /// of up to [`GROUPED_MAX_HEAD_DIM`] channels, the channels for wider
+    /// ones — or where neither can run, one invocation per (sequence, row,
+    /// head), or the workgroup kernel past llvmpipe's loop limit.
     #[allow(clippy::too_many_arguments)]
     pub fn cached_attention_forward(
         &self,
@@ -133,7 +145,8 @@ impl Kernels {
     /// a multiple of 4 up to [`GROUPED_MAX_HEAD_DIM`], every view 16-byte
     /// aligned, each lane's share of
     /// the context under llvmpipe's loop limit: SmolLM2's 8,192 positions
-    /// of 64 channels), else the serial
+    /// of 64 channels), for wider heads the channel kernel where it can
+    /// run (head_dim a multiple of 4, views aligned), else the serial
     /// one where the context fits that limit, else the workgroup kernel
     /// with the fewest lanes that fit it.
     pub fn cached_attention_kernel_for(
@@ -152,6 +165,14 @@ impl Kernels {
         // spend nothing on the grouped kernel's 4 heads per workgroup.
         if shape.heads / shape.kv_heads >= 2 && self.grouped_attention_runs(shape, views) {
             return CachedAttentionKernel::Grouped;
+        }
+        // Heads too wide for the grouped kernel's per-lane rows (Gemma 3's
+        // 256 channels): the lanes split the channels, and each key and
+        // value is read once for up to 4 query heads (Gemma 3 270M's decode
+        // attention on lavapipe: 1.3 ms a layer on the one-invocation
+        // kernel at 64 positions).
+        if head_dim > GROUPED_MAX_HEAD_DIM && self.channel_attention_runs(shape, views) {
+            return CachedAttentionKernel::Channels;
         }
         // The one-invocation kernel's three channel loops per position
         // step 8 channels at a time, then the rest one by one; past the
@@ -181,8 +202,7 @@ impl Kernels {
     fn grouped_attention_runs(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> bool {
         let CachedAttentionShape { head_dim, context, .. } = *shape;
         let d4 = head_dim / 4;
-        let aligned = self.device().limits().min_storage_buffer_offset_alignment % 16 == 0
-            && views.iter().all(|v| v.offset % 16 == 0);
+        let aligned = self.vec4_views(views);
         let iterations = context
             .div_ceil(GROUPED_LANES)
             .saturating_mul(2 * d4 + 1)
@@ -191,6 +211,61 @@ impl Kernels {
             && head_dim <= GROUPED_MAX_HEAD_DIM
             && aligned
             && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
+    }
+
+    /// Whether `views` may be read as vec4s: each starts 16-byte aligned on
+    /// an adapter whose storage offsets are too.
+    fn vec4_views(&self, views: &[View<'_>]) -> bool {
+        self.device().limits().min_storage_buffer_offset_alignment % 16 == 0 && views.iter().all(|v| v.offset % 16 == 0)
+    }
+
+    /// Whether `cached_attention_forward_channels` takes `shape` with these
+    /// operands: vec4 reads (head_dim a multiple of 4, views 16-byte
+    /// aligned), and on a CPU adapter a lane's loop iterations (about one
+    /// per position, and the queries' and outputs' loops over the heads)
+    /// under llvmpipe's limit.
+    fn channel_attention_runs(&self, shape: &CachedAttentionShape, views: &[View<'_>]) -> bool {
+        let CachedAttentionShape { head_dim, context, .. } = *shape;
+        let vec4s = (head_dim / 4).div_ceil(CHANNEL_LANES);
+        let iterations = context.saturating_add(2 * GROUP_HEADS * vec4s + head_dim / 4 + 16);
+        head_dim % 4 == 0
+            && head_dim <= MAX_HEAD_DIM
+            && self.vec4_views(views)
+            && (self.gpu_shaped() || iterations <= LOOP_ITERATIONS_MAX)
+    }
+
+    /// Refuses what `kernel` cannot run: a workgroup kernel of other than
+    /// 32 or 64 lanes, or `shape` on the vec4 kernels where they cannot
+    /// (see [`Kernels::cached_attention_kernel_for`]).
+    fn check_attention_kernel(
+        &self,
+        kernel: CachedAttentionKernel,
+        shape: &CachedAttentionShape,
+        views: &[View<'_>],
+    ) -> Result<()> {
+        let CachedAttentionShape { head_dim, context, .. } = *shape;
+        let dims = [shape.seqs, shape.rows, shape.heads, shape.kv_heads, head_dim, context];
+        match kernel {
+            CachedAttentionKernel::Workgroup { lanes }
+                if lanes as usize != CPU_DECODE_LANES && lanes as usize != DECODE_LANES =>
+            {
+                Err(Error::InvalidArgument {
+                    op: CACHED_ATTENTION_FORWARD.entry,
+                    reason: format!("{lanes} lanes: the workgroup kernel takes {CPU_DECODE_LANES} or {DECODE_LANES}"),
+                })
+            }
+            CachedAttentionKernel::Grouped if !self.grouped_attention_runs(shape, views) => Err(Error::shape(
+                CACHED_ATTENTION_FORWARD_GROUPED.entry,
+                format!("reads vec4s: head_dim a multiple of 4 up to {GROUPED_MAX_HEAD_DIM} (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions over {GROUPED_LANES} lanes within llvmpipe's loop limit"),
+                &[&dims],
+            )),
+            CachedAttentionKernel::Channels if !self.channel_attention_runs(shape, views) => Err(Error::shape(
+                CACHED_ATTENTION_FORWARD_CHANNELS.entry,
+                format!("reads vec4s: head_dim a multiple of 4 up to {MAX_HEAD_DIM} (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions within llvmpipe's loop limit"),
+                &[&dims],
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// [`Kernels::cached_attention_forward`] on an explicit kernel
@@ -308,11 +383,15 @@ impl Kernels {
             bind(5, "v_cache", v_cache),
             bind(6, "out", out),
         ];
+        self.check_attention_kernel(kernel, &shape, &[out, k_cache, v_cache, q, k, v])?;
         // llvmpipe (lavapipe's and GL's shader compiler) ends an
         // invocation's loops after 65,535 iterations in all (one counter
         // shared by every loop; see rowwise.wgsl's layernorm_backward_params),
         // silently dropping the rest: cached_attention_kernel_for picks
         // within it.
+        // The grouped and channel kernels: a workgroup per (sequence, row,
+        // KV head, chunk of up to 4 of its query heads).
+        let workgroups = (invocations / heads * kv_heads) as u64 * (heads / kv_heads).div_ceil(GROUP_HEADS) as u64;
         match kernel {
             CachedAttentionKernel::Serial => self.prepare(
                 CACHED_ATTENTION_FORWARD,
@@ -322,37 +401,28 @@ impl Kernels {
                 &params,
                 flat_groups(invocations),
             ),
-            CachedAttentionKernel::Workgroup { lanes } => {
-                if lanes as usize != CPU_DECODE_LANES && lanes as usize != DECODE_LANES {
-                    return Err(Error::InvalidArgument {
-                        op,
-                        reason: format!(
-                            "{lanes} lanes: the workgroup kernel takes {CPU_DECODE_LANES} or {DECODE_LANES}"
-                        ),
-                    });
-                }
+            CachedAttentionKernel::Workgroup { lanes } => self.prepare(
+                CACHED_ATTENTION_FORWARD_WORKGROUP,
+                &[("DECODE_WG", f64::from(lanes))],
+                &bindings,
+                7,
+                &params,
+                invocations as u64,
+            ),
+            CachedAttentionKernel::Grouped => self.prepare(
+                CACHED_ATTENTION_FORWARD_GROUPED,
+                &[("GROUPED_LANES", GROUPED_LANES as f64)],
+                &bindings,
+                7,
+                &params,
+                workgroups,
+            ),
+            CachedAttentionKernel::Channels => {
+                // A pipeline per ⌈head_dim / 32⌉: each lane's vec4s of a head.
+                let vec4s = (head_dim / 4).div_ceil(CHANNEL_LANES);
                 self.prepare(
-                    CACHED_ATTENTION_FORWARD_WORKGROUP,
-                    &[("DECODE_WG", f64::from(lanes))],
-                    &bindings,
-                    7,
-                    &params,
-                    invocations as u64,
-                )
-            }
-            CachedAttentionKernel::Grouped => {
-                if !self.grouped_attention_runs(&shape, &[out, k_cache, v_cache, q, k, v]) {
-                    return Err(Error::shape(
-                        CACHED_ATTENTION_FORWARD_GROUPED.entry,
-                        format!("reads vec4s: head_dim a multiple of 4 up to {GROUPED_MAX_HEAD_DIM} (got {head_dim}), every operand 16-byte aligned, and (on a CPU adapter) {context} positions over {GROUPED_LANES} lanes within llvmpipe's loop limit"),
-                        &[&dims],
-                    ));
-                }
-                let workgroups =
-                    (invocations / heads * kv_heads) as u64 * (heads / kv_heads).div_ceil(GROUP_HEADS) as u64;
-                self.prepare(
-                    CACHED_ATTENTION_FORWARD_GROUPED,
-                    &[("GROUPED_LANES", GROUPED_LANES as f64)],
+                    CACHED_ATTENTION_FORWARD_CHANNELS,
+                    &[("CHANNEL_VEC4", vec4s as f64)],
                     &bindings,
                     7,
                     &params,

@@ -5,12 +5,13 @@
 //! `out = x + y`, dx = dy and dy_y = dy; for `x - y`, dy_y = scale(dy, -1);
 //! for `x * y`, dx = mul(dy, y); for `x / y`, dx = div(dy, y)
 //! and dy_y = -dx·x/y; for `alpha * x`, dx = scale(dy, alpha); for
-//! bias add, dx = dy and dbias = sum_rows(dy).
+//! bias add, dx = dy and dbias = sum_rows(dy); for dropout, dx =
+//! dropout(dy) with the same mask.
 
 use super::registry::entry_points;
 use super::{bind, dim, flat_groups, Dispatch, Kernel, Kernels, View};
 use crate::error::{Error, Result};
-use crate::ops::{Activation, Binary};
+use crate::ops::{Activation, Binary, DropoutMask, DROPOUT_CONTROL_WORDS};
 
 entry_points! {
     Elementwise {
@@ -32,6 +33,7 @@ entry_points! {
         TANH_BACKWARD = "tanh_backward",
         SILU_FORWARD = "silu_forward",
         SILU_BACKWARD = "silu_backward",
+        DROPOUT_FORWARD = "dropout_forward",
     }
 }
 
@@ -66,6 +68,19 @@ struct ElementwiseParams {
     cols: u32,
     alpha: f32,
     _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct DropoutParams {
+    n: u32,
+    cols: u32,
+    row_width: u32,
+    col_offset: u32,
+    rows_per_example: u32,
+    threshold: u32,
+    salt: u32,
+    scale: f32,
 }
 
 fn same_len(op: &'static str, names: &[(&str, &View<'_>)]) -> Result<()> {
@@ -174,6 +189,46 @@ impl Kernels {
         let kernel = act.kernels().0;
         same_len(kernel.entry, &[("out", &out), ("x", &x)])?;
         self.flat(kernel, out, x, None, 1, 0.0)
+    }
+
+    /// out = dropout(x) under `mask` ([`DropoutMask`]), x viewed as
+    /// [rows, cols] with `rows_per_example` rows to an example; `control`
+    /// holds the run's [`DROPOUT_CONTROL_WORDS`] u32 words (key, on, first
+    /// example). Also the backward, over dy: the same mask.
+    pub fn dropout(
+        &self,
+        mask: DropoutMask,
+        out: View<'_>,
+        x: View<'_>,
+        control: View<'_>,
+        cols: usize,
+        rows_per_example: usize,
+    ) -> Result<Dispatch> {
+        let op = DROPOUT_FORWARD.entry;
+        same_len(op, &[("out", &out), ("x", &x)])?;
+        mask.check(op, cols)?;
+        if x.len % cols != 0 || rows_per_example == 0 || control.len < DROPOUT_CONTROL_WORDS {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "x must be rows × {cols} with at least one row per example, and control {DROPOUT_CONTROL_WORDS} words; got x {}, {rows_per_example} rows per example, control {}",
+                    x.len, control.len
+                ),
+                &[&[x.len], &[cols], &[control.len]],
+            ));
+        }
+        let params = DropoutParams {
+            n: dim(op, out.len)?,
+            cols: dim(op, cols)?,
+            row_width: dim(op, mask.row_width)?,
+            col_offset: dim(op, mask.col_offset)?,
+            rows_per_example: dim(op, rows_per_example)?,
+            threshold: mask.threshold(),
+            salt: mask.salt,
+            scale: mask.scale(),
+        };
+        let bindings = [bind(0, "x", x), bind(2, "out", out), bind(4, "control", control)];
+        self.prepare(DROPOUT_FORWARD, &[], &bindings, 5, &params, flat_groups(out.len))
     }
 
     /// dx = f'(x) · dy, where x is the forward input.

@@ -13,6 +13,7 @@ pub mod dump;
 mod elementwise;
 mod f16_weights;
 mod flash_attention;
+mod lora;
 mod loss;
 mod matmul;
 mod matmul_ext;
@@ -43,12 +44,13 @@ pub use optim::{grad_norm_groups, loss_scale_block, loss_scale_word, ArenaGroups
 pub use quant_weights::{QuantView, QuantWeightsKernel, QUANT_ROWS_MAX_ROWS};
 // The op vocabulary, defined below the kernels and the CPU twins; kept
 // here too so `wgrad::kernels::{Activation, MatmulForm, ..}` still works.
-pub use crate::ops::NO_TOKEN;
 pub use crate::ops::{
     pack_quantized, unpack_quantized, Activation, AdamConfig, Binary, CachedAttentionLengths, CachedAttentionShape,
     FlashAttentionShape, LossScaling, LrSchedule, MatmulForm, OptimizerConfig, QkvLayout, QuantFormat, RopeLayout,
     RopeShape, SgdConfig, Unary,
 };
+pub use crate::ops::{DropoutMask, DROPOUT_CONTROL_WORDS};
+pub use crate::ops::{LoraShape, LORA_META, NO_ADAPTER, NO_TOKEN};
 pub use registry::{Dialect, Family, Kernel, Shared, KERNELS};
 pub use rowwise::{check_token_ids, SHORT_ROW_MAX, SHORT_ROW_MAX_GPU};
 

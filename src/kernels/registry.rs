@@ -121,10 +121,13 @@ pub enum Family {
     /// sharing A by broadcasts. Its source is the quant_weights family's
     /// followed by quant_weights_subgroup.wgsl (see [`Family::base`]).
     QuantWeightsSubgroup,
+    /// Many LoRA adapters over one base, each row of a batch applying its
+    /// sequence's (generation): the gathered shrink and expand.
+    Lora,
 }
 
 impl Family {
-    pub const ALL: [Family; 16] = [
+    pub const ALL: [Family; 17] = [
         Family::Matmul,
         Family::Elementwise,
         Family::Reduce,
@@ -141,6 +144,7 @@ impl Family {
         Family::QuantWeights,
         Family::FlashAttention,
         Family::QuantWeightsSubgroup,
+        Family::Lora,
     ];
 
     /// Device features the file needs to compile at all; its typed entries
@@ -187,7 +191,7 @@ impl Family {
             }
             Family::Sampling | Family::Rope | Family::FlashAttention => &[Shared::Common],
             Family::MatmulF16 => &[Shared::Common, Shared::MatmulRows, Shared::MatmulRegister],
-            Family::MatmulSubgroup | Family::QuantWeightsSubgroup => &[],
+            Family::MatmulSubgroup | Family::QuantWeightsSubgroup | Family::Lora => &[],
             Family::F16Weights => &[
                 Shared::Common,
                 Shared::Activations,
@@ -217,6 +221,7 @@ impl Family {
             Family::QuantWeights => "quant_weights.wgsl",
             Family::FlashAttention => "flash_attention.wgsl",
             Family::QuantWeightsSubgroup => "quant_weights_subgroup.wgsl",
+            Family::Lora => "lora.wgsl",
         }
     }
 
@@ -240,6 +245,7 @@ impl Family {
             Family::QuantWeights => wgsl!("quant_weights.wgsl"),
             Family::FlashAttention => wgsl!("flash_attention.wgsl"),
             Family::QuantWeightsSubgroup => wgsl!("quant_weights_subgroup.wgsl"),
+            Family::Lora => wgsl!("lora.wgsl"),
         }
     }
 
@@ -304,6 +310,7 @@ impl Family {
                 "matmul_rows.wgsl",
                 "quant_weights_subgroup.wgsl"
             ),
+            Family::Lora => wgsl!("lora.wgsl"),
         }
     }
 }
@@ -400,7 +407,8 @@ kernel_files!(
     f16_weights,
     rope,
     quant_weights,
-    flash_attention
+    flash_attention,
+    lora
 );
 
 const fn total_len(lists: &[&[Kernel]]) -> usize {

@@ -319,6 +319,11 @@ impl Module for Gpt {
             c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd
         )
     }
+
+    /// GPT2LMHeadModel's body is `transformer.` (`transformer.h.0.attn.c_attn`).
+    fn hf_module_prefix(&self) -> &'static str {
+        "transformer."
+    }
 }
 
 impl CausalLm for Gpt {

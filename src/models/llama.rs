@@ -501,6 +501,23 @@ impl Module for Llama {
             c.rope_layout
         )
     }
+
+    /// q_proj and k_proj of every layer when q and k rotate interleaved
+    /// pairs (a GGUF file's row order; Hugging Face's is half-split).
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        if self.config.rope_layout != RopeLayout::Interleaved {
+            return Vec::new();
+        }
+        let c = &self.config;
+        (0..self.layers.len())
+            .flat_map(|i| {
+                [
+                    (format!("model.layers.{i}.self_attn.q_proj"), c.n_head),
+                    (format!("model.layers.{i}.self_attn.k_proj"), c.n_kv_head),
+                ]
+            })
+            .collect()
+    }
 }
 
 parameter_tree!(Llama { [MODEL] embed_tokens, [MODEL] layers, [MODEL] norm, lm_head });

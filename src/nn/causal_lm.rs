@@ -143,6 +143,10 @@ pub struct ForwardContext {
     /// [`ForwardContext::set_cache_set`]).
     cache_set: String,
     declared: HashMap<String, Tensor>,
+    /// The u32 [S] inputs naming each sequence's adapter, one per S, and
+    /// the adapters they index (see [`row_adapters`]).
+    adapter_rows: Vec<(usize, Tensor)>,
+    adapters: usize,
 }
 
 /// One forward's view of the cache: row t of sequence s is position
@@ -185,7 +189,22 @@ impl ForwardContext {
             context,
             cache_set: String::new(),
             declared: HashMap::new(),
+            adapter_rows: Vec::new(),
+            adapters: 0,
         }
+    }
+
+    /// The u32 [S] inputs a model carrying many adapters
+    /// ([`super::MultiLora`]) declared for its forwards, with S, each to
+    /// hold every sequence's adapter (or [`crate::ops::NO_ADAPTER`])
+    /// before a run over S sequences; empty for any other model.
+    pub fn adapter_rows(&self) -> &[(usize, Tensor)] {
+        &self.adapter_rows
+    }
+
+    /// The adapters those inputs index (0: none).
+    pub fn adapters(&self) -> usize {
+        self.adapters
     }
 
     /// Forwards run from now on read and write their own caches,
@@ -228,6 +247,38 @@ impl ForwardContext {
         let _restore = Restore(self);
         forward()
     }
+}
+
+/// The u32 [S] input naming the adapter of each of the active pass's S
+/// sequences, for a model carrying `adapters` adapters: declared by the
+/// first forward over S sequences and shared by every later one (the
+/// generator writes it before each run). An error outside a forward
+/// context, which alone knows the sequences.
+pub(crate) fn row_adapters(g: &mut Graph, adapters: usize) -> Result<Tensor> {
+    ACTIVE.with(|a| {
+        let mut active = a.borrow_mut();
+        let Some(Active { cx, pass }) = active.as_mut() else {
+            return Err(Error::InvalidArgument {
+                op: "MultiLora",
+                reason: "many adapters run under a generator, whose forward context names each sequence's adapter"
+                    .into(),
+            });
+        };
+        if cx.adapters != 0 && cx.adapters != adapters {
+            return Err(Error::InvalidArgument {
+                op: "MultiLora",
+                reason: format!("one forward context serves {} adapters, not {adapters}", cx.adapters),
+            });
+        }
+        cx.adapters = adapters;
+        let seqs = g.shape_of(pass.starts).and_then(|s| s.first().copied()).unwrap_or(0);
+        if let Some(&(_, t)) = cx.adapter_rows.iter().find(|(s, _)| *s == seqs) {
+            return Ok(t);
+        }
+        let t = g.ids(&format!("lora.adapters{seqs}"), &[seqs])?;
+        cx.adapter_rows.push((seqs, t));
+        Ok(t)
+    })
 }
 
 /// The active forward's cache pass, when a forward runs under a

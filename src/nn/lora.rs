@@ -28,10 +28,11 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::causal_lm::{declare_parameter, CausalLm, LmSizes, QuantizedMatrix, QuantizedWeights};
+use super::shard::{self, Slice};
 use super::{uniform, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Tensor};
-use crate::kernels::MatmulForm;
+use crate::kernels::{DropoutMask, MatmulForm};
 use crate::ops::QuantFormat;
 
 /// Which Linears carry an adapter and how: rank `r`, scale `alpha / r`,
@@ -40,10 +41,9 @@ use crate::ops::QuantFormat;
 pub struct LoraConfig {
     pub r: usize,
     pub alpha: f32,
-    /// PEFT's `lora_dropout`. Recorded and written to adapter folders; wgrad
-    /// has no dropout op yet, so [`Lora::new`] refuses a training
-    /// declaration with dropout above 0, and a loaded adapter runs without
-    /// it (as PEFT does in evaluation).
+    /// PEFT's `lora_dropout`, on each adapter's input ([`Graph::dropout`],
+    /// a mask of its own per adapter): in training steps only, so
+    /// evaluation and generation see the whole input, as PEFT in `eval()`.
     pub dropout: f32,
     /// Module names or suffixes (`q_proj`, `c_attn`, `mlp.down_proj`), or
     /// the one entry `all-linear`: every Linear but the output head.
@@ -293,6 +293,8 @@ pub struct Lora<M> {
 struct Scope {
     root: String,
     scale: f32,
+    /// On each adapter's input, in training graphs.
+    dropout: f32,
     adapters: Arc<Vec<LoraAdapter>>,
     storage: BaseStorage,
 }
@@ -323,7 +325,7 @@ fn with_scope<R>(scope: Scope, f: impl FnOnce() -> Result<R>) -> (Result<R>, Opt
 /// Whether a forward runs under a LoRA scope (generation's joined
 /// quantized products then stay apart, so each Linear adds its adapter).
 pub(crate) fn active() -> bool {
-    SCOPE.with(|s| s.borrow().is_some())
+    SCOPE.with(|s| s.borrow().is_some()) || super::multi_lora::active()
 }
 
 /// Under an applying scope: whether the parameter `name` (a full name)
@@ -374,7 +376,9 @@ pub(crate) fn declare_stored(g: &mut Graph, name: &str, shape: &[usize], values:
 }
 
 /// `y` (the Linear at `prefix`'s output, of x [.., in]) with the active
-/// adapter's path added, when that Linear carries one.
+/// adapter's path added, when that Linear carries one. Under tensor
+/// parallelism `y` is a rank's share of the Linear, and the adapter splits
+/// with it ([`share_of`]).
 pub(crate) fn adapt(
     g: &mut Graph,
     x: Tensor,
@@ -383,35 +387,46 @@ pub(crate) fn adapt(
     in_features: usize,
     out_features: usize,
 ) -> Result<Tensor> {
-    let found = SCOPE.with(|s| -> Result<Option<(String, f32, LoraAdapter)>> {
+    // Many adapters at once (a server's), gathered per row.
+    if let Some(y) = super::multi_lora::adapt(g, x, y, prefix, in_features, out_features)? {
+        return Ok(y);
+    }
+    let share = shard::linear_share(prefix);
+    let [whole_out, whole_in] = share.as_ref().map_or([out_features, in_features], |(whole, _)| *whole);
+    let found = SCOPE.with(|s| -> Result<Option<(String, f32, f32, LoraAdapter)>> {
         match &*s.borrow() {
             None => Ok(None),
             Some(Scope {
-                root, scale, adapters, ..
+                root,
+                scale,
+                dropout,
+                adapters,
+                ..
             }) => {
                 let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
                 let module = local.strip_suffix('.').unwrap_or(local);
                 let Some(a) = adapters.iter().find(|a| a.module == module) else {
                     return Ok(None);
                 };
-                if (a.in_features, a.out_features) != (in_features, out_features) {
+                if (a.in_features, a.out_features) != (whole_in, whole_out) {
                     return Err(Error::shape(
                         "LoRA",
                         format!(
-                            "the adapter of `{module}` is [{}, {}] but the Linear runs [{out_features}, {in_features}] \
-                             (a tensor-parallel share: adapters do not split yet)",
+                            "the adapter of `{module}` is [{}, {}] but the Linear is [{whole_out}, {whole_in}]",
                             a.out_features, a.in_features
                         ),
-                        &[&[a.out_features, a.in_features], &[out_features, in_features]],
+                        &[&[a.out_features, a.in_features], &[whole_out, whole_in]],
                     ));
                 }
-                Ok(Some((prefix.to_string(), *scale, a.clone())))
+                Ok(Some((prefix.to_string(), *scale, *dropout, a.clone())))
             }
         }
     })?;
-    let Some((prefix, scale, adapter)) = found else {
+    let Some((prefix, scale, dropout, adapter)) = found else {
         return Ok(y);
     };
+    let module = adapter.module.clone();
+    let (adapter, col_offset) = share_of(adapter, share, &prefix, [out_features, in_features])?;
     let r = adapter.a.len() / in_features.max(1);
     let a = declare_parameter(
         g,
@@ -427,6 +442,20 @@ pub(crate) fn adapt(
         &adapter.b,
         false,
     )?;
+    // PEFT's lora_dropout on the adapter's input, where a graph trains
+    // (generation's cached forward never does); a row-parallel share's
+    // columns draw the whole input's mask where they lie in it.
+    let x = if dropout > 0.0 && super::causal_lm::cache_pass().is_none() {
+        let mask = DropoutMask {
+            p: dropout,
+            salt: dropout_salt(&module),
+            row_width: whole_in,
+            col_offset,
+        };
+        g.dropout(x, mask)?
+    } else {
+        x
+    };
     let shape = g.shape_of(y).map(<[usize]>::to_vec).unwrap_or_default();
     let rows = shape.iter().product::<usize>() / out_features.max(1);
     let flat = g.reshape(x, &[rows, in_features])?;
@@ -435,6 +464,66 @@ pub(crate) fn adapt(
     let scaled = g.scale(up, scale)?;
     let delta = g.reshape(scaled, &shape)?;
     g.add(y, delta)
+}
+
+/// A number telling one adapter's dropout masks from another's (FNV-1a of
+/// its module name): q, k and v read the same input with masks of their
+/// own, as PEFT's separate `lora_dropout` modules draw.
+fn dropout_salt(module: &str) -> u32 {
+    module
+        .bytes()
+        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+/// The adapter's share beside a tensor-parallel share of its Linear
+/// (`share`: the whole Linear's [out, in] and where the rank's weight lies,
+/// [`shard::linear_share`]; none: the whole adapter), which runs `local`
+/// [out, in]; and where the share's input columns start. Beside a
+/// column-parallel share (some output rows) B keeps the same rows and A
+/// stays whole; beside a row-parallel one (some input columns) A keeps the
+/// same columns and B stays whole, so each rank's path is a partial sum
+/// that the base's all-reduce adds up with the base's. The split matrix is
+/// noted for the engine; the whole one, on every rank, is a replicated
+/// parameter whose gradient the engine sums over the ranks.
+fn share_of(
+    adapter: LoraAdapter,
+    share: Option<([usize; 2], Slice)>,
+    prefix: &str,
+    local: [usize; 2],
+) -> Result<(LoraAdapter, usize)> {
+    let Some(([out, input], slice)) = share else {
+        return Ok((adapter, 0));
+    };
+    let r = adapter.a.len() / input.max(1);
+    let (mut a, mut b, mut col_offset) = (adapter.a, adapter.b, 0);
+    match &slice {
+        Slice::Rows(_) => {
+            b = slice.take(&b, &[out, r]);
+            shard::record_slice(format!("{prefix}lora_B.weight"), vec![out, r], slice);
+        }
+        Slice::Columns(columns) => {
+            col_offset = columns.start;
+            a = slice.take(&a, &[r, input]);
+            shard::record_slice(format!("{prefix}lora_A.weight"), vec![r, input], slice);
+        }
+    }
+    let [local_out, local_in] = local;
+    if a.len() != r * local_in || b.len() != local_out * r {
+        return Err(Error::Internal {
+            op: "LoRA",
+            reason: format!("`{prefix}`'s adapter share does not fit its Linear's [{local_out}, {local_in}]"),
+        });
+    }
+    Ok((
+        LoraAdapter {
+            a,
+            b,
+            in_features: local_in,
+            out_features: local_out,
+            ..adapter
+        },
+        col_offset,
+    ))
 }
 
 /// Every Linear `model`'s forward runs, in order, and the output head (an
@@ -456,19 +545,9 @@ impl<M: Module> Lora<M> {
     /// `base` with adapters on the Linears `config` targets, initialised as
     /// PEFT does: A kaiming-uniform (a = √5, that is U(-1/√in, 1/√in)) from
     /// the seeded generator ([`super::manual_seed`]), B zero, so the model
-    /// starts as the base. An error when a target matches no Linear, the
-    /// rank exceeds a targeted layer's smaller side, or dropout is asked
-    /// for (not implemented yet).
+    /// starts as the base. An error when a target matches no Linear or the
+    /// rank exceeds a targeted layer's smaller side.
     pub fn new(base: M, config: LoraConfig) -> Result<Self> {
-        if config.dropout > 0.0 {
-            return Err(Error::InvalidArgument {
-                op: "LoRA",
-                reason: format!(
-                    "lora dropout {} is not implemented yet (wgrad has no dropout op): use dropout=0",
-                    config.dropout
-                ),
-            });
-        }
         let sites = Self::targeted(&base, &config)?;
         let r = config.r;
         let adapters = sites
@@ -600,6 +679,7 @@ impl<M> Lora<M> {
         Scope {
             root: root.to_string(),
             scale: self.config.scale(),
+            dropout: self.config.dropout,
             adapters: Arc::clone(&self.adapters),
             storage: self.storage.clone(),
         }
@@ -623,6 +703,60 @@ impl<M> Lora<M> {
     /// `f` under this model's scope.
     fn run<R>(&self, root: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         with_scope(self.scope(root), f).0
+    }
+}
+
+impl<M: Module> Lora<M> {
+    /// Each adapted Linear's weight with its adapter folded in, W + (α/r)·B·A
+    /// (summed in f64, rounded once), by parameter name (`{module}.weight`),
+    /// in the adapters' order: what a merged model stores.
+    pub fn merged_weights(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let base = self.base.parameter_values();
+        let (r, scale) = (self.config.r, f64::from(self.config.scale()));
+        self.adapters
+            .iter()
+            .map(|a| {
+                let name = format!("{}.weight", a.module);
+                let (i, o) = (a.in_features, a.out_features);
+                let w = base
+                    .iter()
+                    .find(|(n, _, _)| *n == name)
+                    .map(|(_, _, v)| *v)
+                    .filter(|v| v.len() == o * i && a.a.len() == r * i && a.b.len() == o * r)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "Lora::merged_weights",
+                        reason: format!(
+                            "the base has no values for `{name}` [{o}, {i}] (a quantized weight is merged from its \
+                             de-quantized values)"
+                        ),
+                    })?;
+                let mut merged = Vec::with_capacity(o * i);
+                for row in 0..o {
+                    let b = &a.b[row * r..(row + 1) * r];
+                    for col in 0..i {
+                        let delta: f64 = (0..r).map(|k| f64::from(b[k]) * f64::from(a.a[k * i + col])).sum();
+                        merged.push((f64::from(w[row * i + col]) + scale * delta) as f32);
+                    }
+                }
+                Ok((name, merged))
+            })
+            .collect()
+    }
+}
+
+impl<M: Module + Clone> Lora<M> {
+    /// The base with every adapter folded into its Linear
+    /// ([`Lora::merged_weights`]): the same function, with no adapter.
+    pub fn merged(&self) -> Result<M> {
+        let mut weights = self.merged_weights()?;
+        let mut base = self.base.clone();
+        base.visit_mut("", &mut |name, _, values| {
+            if let Some(i) = weights.iter().position(|(n, _)| *n == name) {
+                *values = weights.swap_remove(i).1;
+            }
+            Ok(())
+        })?;
+        Ok(base)
     }
 }
 
@@ -692,6 +826,14 @@ impl<M: Module> Module for Lora<M> {
 
     fn input(&self, g: &mut Graph, batch: usize) -> Result<Tensor> {
         self.base.input(g, batch)
+    }
+
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        self.base.permuted_rows()
+    }
+
+    fn hf_module_prefix(&self) -> &'static str {
+        self.base.hf_module_prefix()
     }
 }
 

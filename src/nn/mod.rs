@@ -8,6 +8,7 @@ mod causal_lm;
 mod grouped_attention;
 mod layers;
 mod lora;
+mod multi_lora;
 pub(crate) mod parameter_tree;
 mod rms_norm;
 mod rotary;
@@ -24,6 +25,7 @@ pub use causal_lm::{
 pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
 pub use layers::{Embedding, LayerNorm};
 pub use lora::{linear_sites, BaseStorage, LinearSite, Lora, LoraAdapter, LoraConfig, ALL_LINEAR};
+pub use multi_lora::{MultiLora, NamedAdapter};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
 pub use rotary::{RopeLayout, Rotary};
@@ -108,6 +110,22 @@ pub trait Module: ParameterTree {
     /// One line naming the module and its sizes; checkpoints store it and
     /// loading compares it.
     fn describe(&self) -> String;
+
+    /// Linears whose output rows this model holds in another order than
+    /// Hugging Face's, by module name, with the heads the rows permute over
+    /// (a GGUF Llama's q and k, whose rows llama.cpp's converter interleaves
+    /// for its rotary pairs). A PEFT adapter's B rows for them move alike
+    /// when it is loaded or saved (`io::peft`); none by default.
+    fn permuted_rows(&self) -> Vec<(String, usize)> {
+        Vec::new()
+    }
+
+    /// What Hugging Face's model class puts before this model's module
+    /// names (`transformer.` before a GPT-2's blocks), which the names in a
+    /// PEFT adapter carry (`io::peft` adds and strips it); none by default.
+    fn hf_module_prefix(&self) -> &'static str {
+        ""
+    }
 
     /// Declares the input a whole model reads for `batch` examples: f32
     /// features for an MLP, u32 token ids ([`Graph::ids`]) for a language

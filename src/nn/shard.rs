@@ -163,6 +163,9 @@ struct ShardState {
     input: Tensor,
     done: Vec<Segment>,
     slices: Vec<(String, Vec<usize>, Slice)>,
+    /// The split Linear whose share is being built (an adapter on it
+    /// splits with it): its prefix, whole [out, in] and weight slice.
+    linear: Option<(String, [usize; 2], Slice)>,
 }
 
 thread_local! {
@@ -208,6 +211,7 @@ pub fn build_rank(
             input,
             done: Vec::new(),
             slices: Vec::new(),
+            linear: None,
         })
     });
     let _reset = Reset;
@@ -375,14 +379,42 @@ impl Linear {
             if let Some(state) = s.borrow_mut().as_mut() {
                 state
                     .slices
-                    .push((format!("{prefix}weight"), weight_shape, weight_slice));
+                    .push((format!("{prefix}weight"), weight_shape, weight_slice.clone()));
                 if let Some(slice) = bias_slice {
                     state.slices.push((format!("{prefix}bias"), vec![out], slice));
                 }
+                state.linear = Some((prefix.to_string(), [out, input], weight_slice));
             }
         });
-        share.forward(g, x, prefix)
+        let y = share.forward(g, x, prefix);
+        SHARD.with(|s| s.borrow_mut().as_mut().map(|state| state.linear.take()));
+        y
     }
+}
+
+/// Inside [`Linear::forward_split`] of the Linear at `prefix`: its whole
+/// [out, in] and where this rank's share of its weight lies (rows:
+/// column-parallel, columns: row-parallel), for an adapter on it to split
+/// alike.
+pub(crate) fn linear_share(prefix: &str) -> Option<([usize; 2], Slice)> {
+    SHARD.with(|s| {
+        s.borrow()
+            .as_ref()
+            .and_then(|state| state.linear.as_ref())
+            .filter(|(p, _, _)| p == prefix)
+            .map(|(_, whole, slice)| (*whole, slice.clone()))
+    })
+}
+
+/// Notes where this rank's share of the parameter `name` (whole `shape`)
+/// lies, as [`Linear::forward_split`] notes its weight's (an adapter's
+/// split matrix).
+pub(crate) fn record_slice(name: String, shape: Vec<usize>, slice: Slice) {
+    SHARD.with(|s| {
+        if let Some(state) = s.borrow_mut().as_mut() {
+            state.slices.push((name, shape, slice));
+        }
+    });
 }
 
 /// This rank's range of `units`, or an error when some rank would get none.

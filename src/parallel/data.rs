@@ -59,6 +59,8 @@ pub struct DataParallel {
     /// Every replica's plan options: one arena alignment for the group.
     options: PlanOptions,
     stats: DataParallelStats,
+    /// Where this engine's batch starts in a job's (a process's rows).
+    first_example: usize,
 }
 
 /// Least byte alignment of every data-parallel replica's parameter,
@@ -274,17 +276,21 @@ pub(super) fn check_rows(
 
 /// Forward and backward of each replica on its `shares` of the batch `x`
 /// (`f` values per row) against `targets` (`width` per row), gradients
-/// zeroed first: one submission each, all in flight together.
+/// zeroed first: one submission each, all in flight together. `x` starts
+/// at example `first` of the whole batch (a process's rows of a job's):
+/// each replica's dropout masks are those of its rows in the whole batch.
 pub(super) fn backward_on_rows(
     replicas: &mut [Trainer],
     devices: &[Arc<Kernels>],
     shares: &[usize],
     (x, f): (Examples<'_>, usize),
     (targets, width): (Targets<'_>, usize),
+    first: usize,
 ) -> Result<()> {
     let mut row = 0;
     for (i, (t, &n)) in replicas.iter_mut().zip(shares).enumerate() {
         let k = &devices[i];
+        t.executor_mut().set_dropout_first_example(first + row);
         t.forward_examples(x.slice(row * f, (row + n) * f))
             .map_err(|e| on_device(i, k, e))?;
         t.loss(shard(targets, row, n, width)).map_err(|e| on_device(i, k, e))?;
@@ -397,6 +403,7 @@ impl DataParallel {
             optimizer: optimizer.into(),
             options,
             stats: DataParallelStats::default(),
+            first_example: 0,
         };
         if matches!(dp.split, Split::Measured { .. }) && dp.devices.len() > 1 {
             dp.calibrate()?;
@@ -542,6 +549,12 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Where this engine's batch starts in the whole batch of a job (this
+    /// process's rows), in examples: its dropout masks are those rows'.
+    pub(super) fn set_first_example(&mut self, first: usize) {
+        self.first_example = first;
+    }
+
     /// Rows of the global batch each device takes now.
     pub fn shares(&self) -> &[usize] {
         &self.shares
@@ -619,6 +632,7 @@ impl DataParallel {
             &self.shares,
             (x, f),
             (targets, width),
+            self.first_example,
         )?;
         let weights: Vec<f64> = self
             .shares

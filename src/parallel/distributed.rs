@@ -207,6 +207,10 @@ pub struct DistributedStats {
     pub across: Duration,
     /// How many times the split between processes changed.
     pub resplits: u64,
+    /// Gradient values the last step summed across processes (as f64):
+    /// the trainable parameters' gradient arena, so a LoRA run sends its
+    /// adapters' gradients only.
+    pub gradient_values: u64,
 }
 
 /// One model trained by every process of a [`ProcessGroup`], each over its
@@ -433,13 +437,17 @@ impl DistributedDataParallel {
             }
         }
         let (own_x, own_targets, scale) = self.own_rows("DistributedDataParallel::step", x, targets)?;
+        self.local
+            .set_first_example(self.process_shares[..rank].iter().sum::<usize>());
         let began = Instant::now();
         let mut across = Duration::ZERO;
         let group = &self.group;
+        let mut sent = 0u64;
         let mut reduce = |values: &mut [f64]| -> Result<()> {
             let t = Instant::now();
             let result = group.all_reduce_sum(values);
             across += t.elapsed();
+            sent += values.len() as u64;
             result
         };
         let local_loss = self
@@ -449,6 +457,7 @@ impl DistributedDataParallel {
                 rank,
                 source: Box::new(e),
             })?;
+        self.stats.gradient_values = sent;
         let t = Instant::now();
         let loss = local_loss.map(|l| self.global_mean(scale, l)).transpose()?;
         across += t.elapsed();
@@ -631,8 +640,10 @@ impl TrainEngine for DistributedDataParallel {
         let s = &self.stats;
         let across = 100.0 * s.across.as_secs_f64() / (s.local + s.across).as_secs_f64().max(1e-9);
         format!(
-            "{}; cross-process reductions {across:.0}% of step time; {} process re-splits",
+            "{}; cross-process reductions {across:.0}% of step time, {} gradient values ({:.3} MB as f64) per step; {} process re-splits",
             self.describe(),
+            s.gradient_values,
+            s.gradient_values as f64 * 8.0 / 1e6,
             s.resplits
         )
     }

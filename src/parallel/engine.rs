@@ -211,13 +211,32 @@ pub enum Holding<'a> {
     Stages(&'a Spread, &'a [Stage]),
 }
 
+/// What [`TrainEngine`]'s async forms return: boxed, so the trait stays
+/// usable as `dyn`, and not `Send`, as a browser's WebGPU futures are not.
+pub type EngineFuture<'a, T> = futures::future::LocalBoxFuture<'a, Result<T>>;
+
 /// What a training run asks of an engine, whatever spreads the work.
 pub trait TrainEngine {
     /// One optimizer step on a global batch; the mean loss when `read_loss`.
     fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>>;
+    /// [`TrainEngine::step`], awaited (what a browser calls). One device's
+    /// engine awaits its read-back; the engines over several devices wait
+    /// across them natively and run their blocking form here.
+    fn step_async<'a>(
+        &'a mut self,
+        x: Examples<'a>,
+        targets: Targets<'a>,
+        read_loss: bool,
+    ) -> EngineFuture<'a, Option<f32>> {
+        Box::pin(async move { self.step(x, targets, read_loss) })
+    }
     /// The mean loss of a global batch, without training (collective
     /// across processes).
     fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32>;
+    /// [`TrainEngine::evaluate_loss`], awaited (as [`TrainEngine::step_async`]).
+    fn evaluate_loss_async<'a>(&'a mut self, x: Examples<'a>, targets: Targets<'a>) -> EngineFuture<'a, f32> {
+        Box::pin(async move { self.evaluate_loss(x, targets) })
+    }
     /// A classifier's predicted classes.
     fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>>;
     fn holding(&self) -> Holding<'_>;
@@ -374,18 +393,31 @@ pub(super) fn features<'a>(x: Examples<'a>, op: &'static str) -> Result<&'a [f32
 
 impl TrainEngine for Trainer {
     fn step(&mut self, x: Examples<'_>, targets: Targets<'_>, read_loss: bool) -> Result<Option<f32>> {
-        self.zero_grad();
-        self.forward_examples(x)?;
-        self.loss(targets)?;
-        self.backward()?;
-        if read_loss {
-            self.step_reading_loss().map(Some)
-        } else {
-            Trainer::step(self).map(|()| None)
-        }
+        crate::device::wait("step", TrainEngine::step_async(self, x, targets, read_loss))
+    }
+    fn step_async<'a>(
+        &'a mut self,
+        x: Examples<'a>,
+        targets: Targets<'a>,
+        read_loss: bool,
+    ) -> EngineFuture<'a, Option<f32>> {
+        Box::pin(async move {
+            self.zero_grad();
+            self.forward_examples(x)?;
+            self.loss(targets)?;
+            self.backward()?;
+            if read_loss {
+                self.step_reading_loss_async().await.map(Some)
+            } else {
+                Trainer::step(self).map(|()| None)
+            }
+        })
     }
     fn evaluate_loss(&mut self, x: Examples<'_>, targets: Targets<'_>) -> Result<f32> {
         Trainer::evaluate_loss(self, x, targets)
+    }
+    fn evaluate_loss_async<'a>(&'a mut self, x: Examples<'a>, targets: Targets<'a>) -> EngineFuture<'a, f32> {
+        Box::pin(Trainer::evaluate_loss_async(self, x, targets))
     }
     fn predict(&mut self, x: Examples<'_>) -> Result<Vec<u32>> {
         self.predict_examples(x)

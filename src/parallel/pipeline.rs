@@ -717,6 +717,9 @@ impl Pipeline {
             )
             .map_err(|e| on_device(s, &stage.kernels, e))?;
             writing += wrote.elapsed();
+            // Evaluation's forwards draw no dropout; a step's draw their
+            // micro-batch's masks.
+            stage.set_dropout(training, m * self.micro_rows);
             launch(stage, w).map_err(|e| on_device(s, &stage.kernels, e))?;
             if matches!(w, Work::Backward(_) | Work::Loss(_)) {
                 // Written to the device: the stash is free.
@@ -813,6 +816,9 @@ fn feed_last_stage(stages: &mut [Stage], chunk: &[f32]) -> Result<usize> {
         });
     };
     let mut h: Option<Vec<f32>> = None;
+    for stage in stages.iter_mut() {
+        stage.set_dropout(false, 0);
+    }
     for (s, stage) in stages[..last].iter_mut().enumerate() {
         let k = stage.kernels.clone();
         stage

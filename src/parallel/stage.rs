@@ -281,6 +281,15 @@ impl Stage {
         }
     }
 
+    /// Dropout in this stage's forward runs (`training`: a step's forward,
+    /// which its backward recomputes with the same masks; otherwise only
+    /// its backward draws them) and where its rows start in the whole
+    /// batch, in examples ([`crate::graph::DropoutRun`]).
+    pub fn set_dropout(&mut self, training: bool, first_example: usize) {
+        self.exec.set_training(training);
+        self.exec.set_dropout_first_example(first_example);
+    }
+
     /// Submits the forward pass (no wait).
     pub fn forward(&mut self) -> Result<()> {
         let output = self.output;
@@ -630,6 +639,11 @@ impl Spread {
             .iter()
             .map(|s| s.exec.parameters_shapes().into_iter().map(|(n, _)| n).collect())
             .collect();
+        // A frozen parameter (a LoRA adapter's base) has no gradient to sum.
+        let trainable: Vec<Vec<String>> = stages
+            .iter()
+            .map(|s| s.exec.parameter_spans().into_iter().map(|p| p.name).collect())
+            .collect();
         let mut shared = Vec::new();
         for (name, _) in &names {
             let holders: Vec<usize> = (0..stages.len()).filter(|&i| held[i].contains(name)).collect();
@@ -639,7 +653,8 @@ impl Spread {
                     reason: format!("no stage declares `{name}`"),
                 });
             }
-            if holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
+            let trains = holders.iter().any(|&i| trainable[i].contains(name));
+            if trains && holders.len() > 1 && holders.iter().all(|&i| !slices[i].contains_key(name)) {
                 shared.push(SharedParameter {
                     name: name.clone(),
                     holders,
@@ -721,12 +736,23 @@ impl Spread {
     /// Every parameter whole, in the model's order, from what `per_stage`
     /// read of each stage (name to values).
     fn gather(&self, per_stage: &[HashMap<String, Vec<f32>>]) -> Result<NamedParameters> {
+        self.gather_named(per_stage, |_| true)
+    }
+
+    /// [`Spread::gather`] over the names `wanted` keeps (the optimizer
+    /// state has none for a frozen parameter).
+    fn gather_named(
+        &self,
+        per_stage: &[HashMap<String, Vec<f32>>],
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<NamedParameters> {
         let missing = |name: &str| Error::InvalidArgument {
             op: "Spread",
             reason: format!("the stages' shares of `{name}` are missing or of the wrong size"),
         };
         self.names
             .iter()
+            .filter(|(name, _)| wanted(name))
             .map(|(name, shape)| {
                 let holders = (0..per_stage.len()).filter(|&i| self.held[i].contains(name));
                 let mut full: Option<Vec<f32>> = None;
@@ -780,6 +806,12 @@ impl Spread {
                     .map_err(|e| on_device(self.devices[i], &s.kernels, e))
             })
             .collect::<Result<Vec<_>>>()?;
+        // Frozen parameters (a LoRA base) are frozen on every stage alike.
+        let trainable: Vec<String> = stages
+            .iter()
+            .flat_map(|s| s.exec.parameter_spans())
+            .map(|span| span.name)
+            .collect();
         let mut all = Vec::new();
         for &state in first.exec.optimizer_state_names() {
             let of_state: Vec<HashMap<String, Vec<f32>>> = per_stage
@@ -792,7 +824,7 @@ impl Spread {
                 })
                 .collect();
             all.extend(
-                self.gather(&of_state)?
+                self.gather_named(&of_state, |name| trainable.iter().any(|t| t == name))?
                     .into_iter()
                     .map(|(name, _, values)| (name, state, values)),
             );

@@ -272,6 +272,16 @@ impl TensorParallel {
         sum_on_host(&views)
     }
 
+    /// Dropout in every segment's forward (a step's, which each backward
+    /// recomputes) or in none (evaluation). Every device holds the whole
+    /// batch's rows, and a row-parallel share's adapter input draws its
+    /// columns' part of the whole mask, so the ranks draw one device's.
+    fn set_training(&mut self, training: bool) {
+        for stage in &mut self.stages {
+            stage.set_dropout(training, 0);
+        }
+    }
+
     /// Runs every segment's forward and sets the head's input; returns the
     /// time spent moving activations.
     fn forward(&mut self, input: Examples<'_>) -> Result<Duration> {
@@ -318,6 +328,7 @@ impl TensorParallel {
         )?;
         let wall = Instant::now();
         let seed = self.spread.seed_scale(&self.stages)?;
+        self.set_training(true);
         let mut communication = self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
@@ -390,6 +401,7 @@ impl TensorParallel {
             input,
             targets,
         )?;
+        self.set_training(false);
         self.forward(input)?;
         let head = self.stages.len() - 1;
         let k0 = self.stages[head].kernels.clone();
@@ -425,6 +437,7 @@ impl TensorParallel {
         read: impl Fn(&mut Stage) -> Result<Vec<T>>,
     ) -> Result<Vec<T>> {
         let (f, batch) = (self.widths.inputs, self.batch);
+        self.set_training(false);
         super::outputs_in_chunks(op, features, f, batch, width, |chunk| {
             self.forward(Examples::Features(chunk))?;
             let head = self.stages.len() - 1;

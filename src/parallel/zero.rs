@@ -396,6 +396,12 @@ impl Zero {
         ))
     }
 
+    /// Where this process's rows start in the job's batch (0 alone).
+    fn process_first_example(&self) -> usize {
+        let rank = self.processes.as_ref().map_or(0, |g| g.rank());
+        self.process_shares[..rank].iter().sum()
+    }
+
     /// The job's sum of every rank's `local` (this process's alone without processes).
     fn sum_over_processes(&self, local: f64) -> Result<f64> {
         let mut value = [local];
@@ -537,7 +543,13 @@ impl Zero {
         if let Some(scale) = scale {
             self.seed_loss(scale)?;
         }
-        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets)?;
+        // The replicas step no optimizer of their own: their dropout masks
+        // follow the shards' step count.
+        let (first, step) = (self.process_first_example(), self.optimizers[0].step_count());
+        for t in &mut self.replicas {
+            t.executor_mut().set_dropout_step(Some(step));
+        }
+        backward_on_rows(&mut self.replicas, &self.devices, &self.shares, x, targets, first)?;
         self.release_parameters()?;
         let weights: Vec<f64> = self
             .shares
@@ -668,8 +680,9 @@ impl Zero {
         self.replicas[0].executor().parameter_spans()
     }
 
-    /// Every parameter under its name, from every shard (collective
-    /// across processes).
+    /// Every parameter under its name: the trainable ones from every
+    /// shard (collective across processes), then the frozen ones (a LoRA
+    /// adapter's base), whole on every device, from device 0's.
     fn gather_named_parameters(&self) -> Result<NamedParameters> {
         let arena = self.whole_on_host(|i| {
             shard_of(
@@ -678,9 +691,9 @@ impl Zero {
                 &self.shards[i],
             )
         })?;
-        Ok(self
-            .spans()
-            .into_iter()
+        let spans = self.spans();
+        let mut all: NamedParameters = spans
+            .iter()
             .map(|p| {
                 (
                     p.name.clone(),
@@ -688,7 +701,17 @@ impl Zero {
                     arena[p.offset..p.offset + p.len()].to_vec(),
                 )
             })
-            .collect())
+            .collect();
+        let exec = self.replicas[0].executor();
+        if exec.plan().trainable_len < exec.plan().param_arena_len {
+            let frozen = exec.parameters().map_err(|e| on_device(0, &self.devices[0], e))?;
+            all.extend(
+                frozen
+                    .into_iter()
+                    .filter(|(n, _, _)| !spans.iter().any(|p| &p.name == n)),
+            );
+        }
+        Ok(all)
     }
 
     /// The optimizer state by parameter and state name, state by state,
@@ -917,8 +940,15 @@ impl TrainEngine for Zero {
                 mib(m.optimizer_state)
             )
         };
+        // Across processes the gradient arena (the trainable parameters'
+        // only) is what each step sums, rank by rank.
         let across = self.processes.as_ref().map_or_else(String::new, |g| {
-            format!(" over {} processes (rank {}'s devices shown)", g.size(), g.rank())
+            let values: usize = self.process_shards.iter().map(|r| r.len()).sum();
+            format!(
+                " over {} processes (rank {}'s devices shown; {values} gradient values reduced across processes per step)",
+                g.size(),
+                g.rank()
+            )
         });
         format!(
             "ZeRO stage {} (sharded data parallel){across}, batch split {}, arena shards of [{}] elements; kept per device between steps: {kept}",

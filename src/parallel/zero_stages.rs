@@ -45,10 +45,13 @@
 //! stores what each stage's backward reads in f16 (boundaries stay f32),
 //! and one loss scale serves every device as in [`super::zero`].
 //!
-//! The flat arena packs every parameter once, weight-decayed first, in
-//! the order the stages declare them (the single-device executor's
-//! order), so parameters and moments read, save and load under
-//! single-device names.
+//! The flat arena packs every trainable parameter once, weight-decayed
+//! first, in the order the stages declare them (the single-device
+//! executor's order), so parameters and moments read, save and load under
+//! single-device names. Frozen parameters (a LoRA adapter's base) have no
+//! gradient and no state: each device keeps them whole in a buffer of
+//! their own and copies a stage's into its pool on the device, so only
+//! the trainable ones are sharded, reduce-scattered and gathered.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -65,7 +68,7 @@ use super::zero::{load_loss_scale, next_loss_scale, read_loss_scales, shard_rang
 use super::{on_device, DeviceGroup};
 use super::{Examples, ModelWidths, Targets};
 use crate::error::{Error, Result};
-use crate::graph::{ArenaPool, Plan, PlanOptions, Precision, Tensor};
+use crate::graph::{stored_words, ArenaPool, DType, Graph, Plan, PlanOptions, Precision, Tensor};
 use crate::io::checkpoint::Checkpoint;
 use crate::io::state_dict::{assemble_checkpoint, CheckpointAbout};
 use crate::kernels::{GpuTensor, Kernels, OptimizerConfig, View};
@@ -144,37 +147,90 @@ fn plan_stage(s: &StageGraph, alignment: u32) -> Plan {
 }
 
 /// Elements of the pooled buffers stages planned as `plans` share: the
-/// longest parameter arena (also the gradient arena's), and slot by slot
-/// the longest intermediate.
-fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, Vec<usize>) {
-    let (mut arena, mut slots) = (1, Vec::new());
+/// longest parameter arena, the longest gradient arena (its trainable
+/// part: frozen parameters have none), and slot by slot the longest
+/// intermediate.
+fn pool_lengths<'p>(plans: impl IntoIterator<Item = &'p Plan>) -> (usize, usize, Vec<usize>) {
+    let (mut arena, mut grads, mut slots) = (1, 1, Vec::new());
     for plan in plans {
         arena = arena.max(plan.param_arena_len);
+        grads = grads.max(plan.trainable_len);
         slots.resize(slots.len().max(plan.slot_len.len()), 0);
         slots
             .iter_mut()
             .zip(&plan.slot_len)
             .for_each(|(s, &len)| *s = (*s).max(len));
     }
-    (arena, slots)
+    (arena, grads, slots)
+}
+
+/// A frozen parameter (a LoRA adapter's base) in a device's frozen buffer:
+/// whole on every device, copied into the pool on the device before each
+/// stage that reads it, never sharded, gathered or reduced.
+#[derive(Clone, Debug)]
+struct FrozenSpan {
+    name: String,
+    shape: Vec<usize>,
+    dtype: DType,
+    /// Where its words start in the buffer, and how many it stores.
+    offset: usize,
+    words: usize,
+}
+
+/// Every parameter the stage graphs declare, once, in declaration order:
+/// the trainable ones (name, shape, whether weight decay applies) and the
+/// frozen ones, laid out one after another in a frozen buffer of the
+/// returned length.
+#[allow(clippy::type_complexity)]
+fn declared_parameters<'g>(
+    graphs: impl IntoIterator<Item = &'g Graph>,
+) -> (Vec<(String, Vec<usize>, bool)>, Vec<FrozenSpan>, usize) {
+    let (mut trainable, mut frozen, mut words): (Vec<(String, Vec<usize>, bool)>, Vec<FrozenSpan>, usize) =
+        (Vec::new(), Vec::new(), 0);
+    for g in graphs {
+        for p in g.parameters() {
+            let node = g.node(p);
+            let known =
+                trainable.iter().any(|(name, _, _)| *name == node.name) || frozen.iter().any(|f| f.name == node.name);
+            if known {
+                continue;
+            }
+            if g.is_frozen(p) {
+                let stored = stored_words(node.dtype, node.len());
+                frozen.push(FrozenSpan {
+                    name: node.name.clone(),
+                    shape: node.shape.clone(),
+                    dtype: node.dtype,
+                    offset: words,
+                    words: stored,
+                });
+                words += stored;
+            } else {
+                trainable.push((node.name.clone(), node.shape.clone(), g.weight_decay_applies(p)));
+            }
+        }
+    }
+    (trainable, frozen, words)
 }
 
 /// What one device holds: `held` elements of the flat parameters (its
-/// shard at stage 3, all of them at 2), its shard of `shard` elements of
-/// the gradients and moments, the pooled arenas of `arena` elements and
-/// slots of `slots`, and the stages' inputs (`inputs` bytes).
+/// shard at stage 3, all of them at 2), `frozen` words of frozen ones, its
+/// shard of `shard` elements of the gradients and moments, the pooled
+/// parameter and gradient arenas of `pool` elements and slots of `slots`,
+/// and the stages' inputs (`inputs` bytes).
 fn device_memory(
-    held: usize,
+    (held, frozen): (usize, usize),
     shard: usize,
-    arena: usize,
+    pool: (usize, usize),
     slots: &[usize],
     inputs: u64,
     state_arenas: usize,
 ) -> DeviceMemory {
-    let (held, shard, arena) = (held as u64 * BYTES, shard as u64 * BYTES, arena as u64 * BYTES);
+    let (held, shard) = ((held + frozen) as u64 * BYTES, shard as u64 * BYTES);
+    let (arena, grad_arena) = (pool.0 as u64 * BYTES, pool.1 as u64 * BYTES);
     DeviceMemory {
         parameters: held + arena,
-        gradients: shard + arena,
+        gradients: shard + grad_arena,
         optimizer_state: state_arenas as u64 * shard,
         activations: inputs + slots.iter().map(|&len| len as u64 * BYTES).sum::<u64>(),
     }
@@ -190,15 +246,17 @@ pub fn planned_memory<M: Staged + ?Sized>(
     p: &Planning,
 ) -> Result<DeviceMemory> {
     let rows = p.batch.div_ceil(devices.max(1));
-    let plans: Vec<Plan> = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?
+    let graphs = stage_graphs(model, rows, p.criterion, &p.optimizer, p.precision)?;
+    let plans: Vec<Plan> = graphs
         .iter()
         .map(|(s, _, _)| plan_stage(s, p.device_alignment.max(ARENA_ALIGNMENT)))
         .collect();
-    let (arena, slots) = pool_lengths(&plans);
-    let flat: usize = model
-        .named_parameters()
+    let (arena, grad_arena, slots) = pool_lengths(&plans);
+    // Only the trainable parameters are sharded; the frozen stay whole.
+    let (trainable, _, frozen) = declared_parameters(graphs.iter().map(|(s, _, _)| &s.graph));
+    let flat: usize = trainable
         .iter()
-        .map(|(_, shape)| shape.iter().product::<usize>())
+        .map(|(_, shape, _)| shape.iter().product::<usize>())
         .sum();
     let block = p.device_alignment.max(ARENA_ALIGNMENT) as usize / BYTES as usize;
     let largest = shard_ranges(flat, devices, block)?
@@ -208,9 +266,9 @@ pub fn planned_memory<M: Staged + ?Sized>(
         .unwrap_or(0);
     let held = if stage == ZeroStage::Gradients { flat } else { largest };
     Ok(device_memory(
-        held,
+        (held, frozen),
         largest,
-        arena,
+        (arena, grad_arena),
         &slots,
         plans.iter().map(|p| p.input_bytes).sum(),
         p.optimizer.state_names().len(),
@@ -242,6 +300,13 @@ pub struct ZeroStages {
     placed: Vec<Vec<Vec<(usize, usize)>>>,
     /// Per span: how many stages declare it.
     holders: Vec<usize>,
+    /// The frozen parameters, and per device its buffer of them (whole)
+    /// and per stage where each lies in the stage's arena: (frozen index,
+    /// word offset).
+    frozen: Vec<FrozenSpan>,
+    frozen_words: usize,
+    frozen_buffers: Vec<GpuTensor>,
+    frozen_placed: Vec<Vec<Vec<(usize, usize)>>>,
     /// Device 0's stages as a [`Spread`], for what reads an engine's layout.
     spread: Spread,
     shares: Vec<usize>,
@@ -313,55 +378,35 @@ impl ZeroStages {
         };
         let mut stages = Vec::with_capacity(devices.len());
         let mut pools = Vec::with_capacity(devices.len());
-        // Names in declaration order, whether weight decay applies, and
-        // each one's initial values (device 0's, read from its pool).
-        let mut declared: Vec<(String, Vec<usize>, bool)> = Vec::new();
+        // Each parameter's initial words (device 0's, read from its pool).
         let mut initial: HashMap<String, Vec<f32>> = HashMap::new();
         let group_alignment = group_arena_alignment(&devices);
         for (d, (k, &n)) in devices.iter().zip(&shares).enumerate() {
-            let mut build = || -> Result<(Vec<Stage>, ArenaPool)> {
-                let precision = if k.supports_f16() {
-                    options.precision
-                } else {
-                    Precision::F32
-                };
-                let graphs = stage_graphs(model, n, criterion, &optimizer, precision)?;
-                // The group's alignment on every device, so the plan made
-                // without devices is exact on unlike adapters too.
-                let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, group_alignment)).collect();
-                let (arena, slots) = pool_lengths(&plans);
-                let pool = ArenaPool {
-                    params: k.zeros(arena)?,
-                    grads: k.zeros(arena)?,
-                    slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()?,
-                };
-                let mut own = Vec::with_capacity(graphs.len());
-                for (s, input, output) in graphs {
-                    if d == 0 {
-                        for p in s.graph.parameters() {
-                            let node = s.graph.node(p);
-                            if !declared.iter().any(|(name, _, _)| *name == node.name) {
-                                declared.push((node.name.clone(), node.shape.clone(), s.graph.weight_decay_applies(p)));
-                            }
-                        }
-                    }
-                    let stage = Stage::with_arenas(k.clone(), s, input, output, &pool, group_alignment)?;
-                    if d == 0 {
-                        let arena = k.read::<f32>(pool.params.view())?;
-                        for span in stage.executor().parameter_spans() {
-                            initial
-                                .entry(span.name.clone())
-                                .or_insert_with(|| arena[span.offset..span.offset + span.len()].to_vec());
-                        }
-                    }
-                    own.push(stage);
-                }
-                Ok((own, pool))
+            let precision = if k.supports_f16() {
+                options.precision
+            } else {
+                Precision::F32
             };
-            let (own, pool) = build().map_err(|e| on_device(d, k, e))?;
+            let read = (d == 0).then_some(&mut initial);
+            let (own, pool) = device_stages(k, model, n, (criterion, &optimizer), precision, group_alignment, read)
+                .map_err(|e| on_device(d, k, e))?;
             stages.push(own);
             pools.push(pool);
         }
+        // Only the trainable parameters are sharded; the frozen stay whole.
+        let (declared, frozen, frozen_words) = declared_parameters(stages[0].iter().map(|s| s.executor().graph()));
+        let mut frozen_flat = vec![0.0f32; frozen_words.max(1)];
+        for f in &frozen {
+            let words = initial.get(&f.name).ok_or_else(|| undeclared(&f.name))?;
+            frozen_flat[f.offset..f.offset + f.words].copy_from_slice(words);
+        }
+        let frozen_buffers = devices
+            .iter()
+            .enumerate()
+            .map(|(d, k)| k.upload(&frozen_flat).map_err(|e| on_device(d, k, e)))
+            .collect::<Result<Vec<_>>>()?;
+        drop(frozen_flat);
+        let frozen_placed = frozen_placements(&stages, &frozen)?;
         let (spans, flat_len, decay_len) = flat_layout(&declared);
         let placed = placements(&stages, &spans)?;
         let holders: Vec<usize> = (0..spans.len())
@@ -418,6 +463,10 @@ impl ZeroStages {
             flat_len,
             placed,
             holders,
+            frozen,
+            frozen_words,
+            frozen_buffers,
+            frozen_placed,
             spread,
             shares,
             global_batch,
@@ -432,6 +481,58 @@ impl ZeroStages {
     /// Each device's element range of the flat arena.
     pub fn shards(&self) -> &[Range<usize>] {
         &self.shards
+    }
+
+    /// The frozen parameters among `params`, each with its new values,
+    /// checked: only an f32 one loads (an f16 or block-quantized base
+    /// comes from its file).
+    fn frozen_words_of<'p>(
+        &self,
+        params: &'p [(String, Vec<usize>, Vec<f32>)],
+    ) -> Result<Vec<(&FrozenSpan, &'p [f32])>> {
+        let op = "ZeroStages::load_state";
+        params
+            .iter()
+            .filter_map(|(name, shape, values)| {
+                self.frozen.iter().find(|f| &f.name == name).map(|f| (f, shape, values))
+            })
+            .map(|(f, shape, values)| {
+                if f.dtype != DType::F32 {
+                    return Err(Error::InvalidArgument {
+                        op,
+                        reason: format!(
+                            "frozen parameter `{}` holds {}: it loads from its file",
+                            f.name,
+                            f.dtype.describe()
+                        ),
+                    });
+                }
+                if *shape != f.shape || values.len() != f.words {
+                    return Err(Error::shape(
+                        op,
+                        format!("parameter `{}` with {} values", f.name, values.len()),
+                        &[&f.shape, shape],
+                    ));
+                }
+                Ok((f, values.as_slice()))
+            })
+            .collect()
+    }
+
+    /// Every stage's dropout: in its forward runs when `training` (a
+    /// step's, which its backward recomputes), with the masks of the step
+    /// (this engine steps the optimizer outside the stages' executors) and
+    /// of each device's rows of the batch, as one device would draw them.
+    fn set_dropout(&mut self, training: bool) {
+        let step = self.step_count();
+        let mut first = 0;
+        for (own, &rows) in self.stages.iter_mut().zip(&self.shares) {
+            for stage in own.iter_mut() {
+                stage.set_dropout(training, first);
+                stage.executor_mut().set_dropout_step(Some(step));
+            }
+            first += rows;
+        }
     }
 
     /// The element range of the flat arena device `d`'s parameters hold.
@@ -480,7 +581,7 @@ impl ZeroStages {
     /// the shards through the host.
     fn gather(&self, s: usize) -> Result<()> {
         if self.stage == ZeroStage::Gradients {
-            return self.copy_into_pool(s);
+            return self.copy_into_pool(s, true);
         }
         // The flat runs the stage's parameters lie in, merged.
         let mut runs: Vec<Range<usize>> = self.placed[0][s]
@@ -527,42 +628,54 @@ impl ZeroStages {
                 .map(|run| (run, offset - merged[run].start))
         };
         for (d, k) in self.devices.iter().enumerate() {
-            let len = self.stages[d][s].executor().plan().param_arena_len;
+            // The trainable parameters lie first in a stage's arena; the
+            // frozen ones after them come from the device's own copy.
+            let len = self.stages[d][s].executor().plan().trainable_len;
             let mut arena = vec![0.0f32; len];
             for &(i, local) in &self.placed[d][s] {
                 let span = &self.spans[i];
                 let (run, at) = flat_at(span.offset).ok_or_else(|| undeclared(&span.name))?;
                 arena[local..local + span.len()].copy_from_slice(&values[run][at..at + span.len()]);
             }
-            k.write(self.pools[d].params.slice(0, len)?, &arena)
-                .map_err(|e| on_device(d, k, e))?;
+            if len > 0 {
+                k.write(self.pools[d].params.slice(0, len)?, &arena)
+                    .map_err(|e| on_device(d, k, e))?;
+            }
         }
-        Ok(())
+        self.copy_into_pool(s, false)
     }
 
-    /// Stage `s`'s parameters from each device's whole parameters into its
-    /// pool, one submission per device (queued after the stage that used
-    /// the pool before).
-    fn copy_into_pool(&self, s: usize) -> Result<()> {
+    /// Stage `s`'s frozen parameters and, when `trainable`, its trainable
+    /// ones from each device's whole copies into its pool, one submission
+    /// per device (queued after the stage that used the pool before).
+    fn copy_into_pool(&self, s: usize, trainable: bool) -> Result<()> {
         for (d, k) in self.devices.iter().enumerate() {
-            let (from, to) = (self.params[d].view(), self.pools[d].params.view());
-            let copies: Vec<(u64, u64, u64)> = self.placed[d][s]
-                .iter()
-                .map(|&(i, local)| {
-                    let span = &self.spans[i];
-                    (
-                        from.offset + span.offset as u64 * BYTES,
-                        to.offset + local as u64 * BYTES,
-                        span.len() as u64 * BYTES,
-                    )
-                })
-                .collect();
+            let to = self.pools[d].params.view();
+            let (from, frozen) = (self.params[d].view(), self.frozen_buffers[d].view());
+            let spans = self.placed[d][s].iter().filter(|_| trainable).map(|&(i, local)| {
+                let span = &self.spans[i];
+                (from, span.offset, local, span.len())
+            });
+            let frozen_spans = self.frozen_placed[d][s].iter().map(|&(i, local)| {
+                let f = &self.frozen[i];
+                (frozen, f.offset, local, f.words)
+            });
+            let copies: Vec<(View<'_>, usize, usize, usize)> = spans.chain(frozen_spans).collect();
+            if copies.is_empty() {
+                continue;
+            }
             k.submit_pass(
                 "ZeroStages::copy_into_pool",
                 std::iter::empty(),
                 |encoder| {
-                    for (source, destination, bytes) in copies {
-                        encoder.copy_buffer_to_buffer(from.buffer, source, to.buffer, destination, bytes);
+                    for (source, at, local, words) in copies {
+                        encoder.copy_buffer_to_buffer(
+                            source.buffer,
+                            source.offset + at as u64 * BYTES,
+                            to.buffer,
+                            to.offset + local as u64 * BYTES,
+                            words as u64 * BYTES,
+                        );
                     }
                 },
                 |_| {},
@@ -599,6 +712,11 @@ impl ZeroStages {
         pending: &mut HashMap<usize, (usize, Vec<f64>)>,
         since: Instant,
     ) -> Result<GradSums> {
+        // A stage of frozen parameters only (a LoRA model's embedding) has
+        // no gradient to send.
+        if self.placed[0][s].is_empty() {
+            return Ok(GradSums::default());
+        }
         let pairs: Vec<(&Kernels, View<'_>)> = self
             .devices
             .iter()
@@ -608,7 +726,7 @@ impl ZeroStages {
                     k.as_ref(),
                     self.pools[d]
                         .grads
-                        .slice(0, self.stages[d][s].executor().plan().param_arena_len)?,
+                        .slice(0, self.stages[d][s].executor().plan().trainable_len)?,
                 ))
             })
             .collect::<Result<_>>()?;
@@ -710,6 +828,7 @@ impl ZeroStages {
         targets: Targets<'_>,
         read_loss: bool,
     ) -> Result<Option<f32>> {
+        self.set_dropout(true);
         let (rows, mut inputs, since) = self.forward_to_last("ZeroStages::step", x.into(), targets)?;
         let (count, devices) = (self.stage_count(), self.devices.len());
         let last = count - 1;
@@ -718,6 +837,11 @@ impl ZeroStages {
         let (mut pending, mut sums, mut loss) = (HashMap::new(), GradSums::default(), 0.0f64);
         let mut output_grads: Vec<Option<Vec<f32>>> = vec![None; devices];
         for s in (0..count).rev() {
+            // A first stage with nothing to train (a LoRA model's frozen
+            // embedding) has no gradient to compute: no backward.
+            if s == 0 && s < last && self.placed[0][s].is_empty() {
+                continue;
+            }
             self.gather(s)?;
             for (d, stage) in self.stages.iter_mut().map(|own| &mut own[s]).enumerate() {
                 let k = stage.kernels.clone();
@@ -768,6 +892,7 @@ impl ZeroStages {
 
     /// The mean loss of one global batch without training, split as a step.
     pub fn evaluate_loss<'x>(&mut self, x: impl Into<Examples<'x>>, targets: Targets<'_>) -> Result<f32> {
+        self.set_dropout(false);
         let (rows, inputs, since) = self.forward_to_last("ZeroStages::evaluate_loss", x.into(), targets)?;
         let last = self.stage_count() - 1;
         self.gather(last)?;
@@ -816,6 +941,7 @@ impl ZeroStages {
     }
 
     fn predict_chunk(&mut self, chunk: &[f32]) -> Result<Vec<u32>> {
+        self.set_dropout(false);
         let last = self.stage_count() - 1;
         let mut h: Option<Vec<f32>> = None;
         for s in 0..=last {
@@ -872,6 +998,31 @@ fn held_range(stage: ZeroStage, flat_len: usize, shard: &Range<usize>) -> Range<
     }
 }
 
+/// A frozen parameter's values from its device buffer's `words` (f32 as
+/// they are, f16 decoded); a block-quantized one has no f32 copy.
+fn frozen_values(f: &FrozenSpan, words: &[f32]) -> Result<Vec<f32>> {
+    let stored = &words[f.offset..f.offset + f.words];
+    let len = f.shape.iter().product();
+    match f.dtype {
+        DType::F32 | DType::U32 => Ok(stored.to_vec()),
+        DType::F16 => {
+            let bits: Vec<u32> = stored.iter().map(|v| v.to_bits()).collect();
+            Ok(crate::kernels::unpack_f16(&bits, len)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect())
+        }
+        DType::Quant(_) => Err(Error::InvalidArgument {
+            op: "ZeroStages::parameters",
+            reason: format!(
+                "frozen parameter `{}` holds {}, which have no f32 copy to read",
+                f.name,
+                f.dtype.describe()
+            ),
+        }),
+    }
+}
+
 fn undeclared(name: &str) -> Error {
     Error::InvalidArgument {
         op: "ZeroStages",
@@ -886,9 +1037,11 @@ impl TrainEngine for ZeroStages {
     fn holding(&self) -> Holding<'_> {
         Holding::Stages(&self.spread, &self.stages[0])
     }
+    /// The trainable parameters from the shards, then the frozen ones
+    /// from device 0's copy.
     fn parameters(&self) -> Result<NamedParameters> {
         let flat = self.flat_on_host(|d| self.shard_params(d))?;
-        Ok(self
+        let mut all: NamedParameters = self
             .spans
             .iter()
             .map(|p| {
@@ -898,7 +1051,16 @@ impl TrainEngine for ZeroStages {
                     flat[p.offset..p.offset + p.len()].to_vec(),
                 )
             })
-            .collect())
+            .collect();
+        if !self.frozen.is_empty() {
+            let words: Vec<f32> = self.devices[0]
+                .read(self.frozen_buffers[0].view())
+                .map_err(|e| on_device(0, &self.devices[0], e))?;
+            for f in &self.frozen {
+                all.push((f.name.clone(), f.shape.clone(), frozen_values(f, &words)?));
+            }
+        }
+        Ok(all)
     }
     fn optimizer_state(&self) -> Result<NamedState> {
         let mut out = Vec::new();
@@ -944,7 +1106,11 @@ impl TrainEngine for ZeroStages {
         let op = "ZeroStages::load_state";
         let host = stage_state(self.optimizer.state_names(), self.flat_len, &self.spans, state)?;
         let mut flat = self.flat_on_host(|d| self.shard_params(d))?;
-        for (name, shape, values) in params {
+        let frozen = self.frozen_words_of(params)?;
+        for (name, shape, values) in params
+            .iter()
+            .filter(|(n, _, _)| !self.frozen.iter().any(|f| &f.name == n))
+        {
             let span = self
                 .spans
                 .iter()
@@ -965,6 +1131,10 @@ impl TrainEngine for ZeroStages {
         for (d, k) in self.devices.iter().enumerate() {
             k.write(self.params[d].view(), &flat[self.held(d)])
                 .map_err(|e| on_device(d, k, e))?;
+            for (f, words) in &frozen {
+                k.write(self.frozen_buffers[d].slice(f.offset, f.words)?, words)
+                    .map_err(|e| on_device(d, k, e))?;
+            }
         }
         let host = if state.is_empty() { Vec::new() } else { host };
         self.write_state(&host, step)
@@ -985,6 +1155,11 @@ impl TrainEngine for ZeroStages {
         };
         let m = self.memory();
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0));
+        let parameters = if self.frozen.is_empty() {
+            parameters.to_string()
+        } else {
+            format!("{parameters} (trainable; {} frozen ones whole)", self.frozen.len())
+        };
         format!(
             "ZeRO stage {} (sharded data parallel) stage by stage, {parameters} on each device: {} stages {gathered} into a pooled arena of {pool} elements before their forward and backward, gradients reduce-scattered after each stage's backward; batch split {}, flat arena shards of [{}] elements; kept per device between steps: parameters {}, gradients {} (the shard and one stage's arena), optimizer state {}",
             self.stage.number(),
@@ -1022,15 +1197,85 @@ impl TrainEngine for ZeroStages {
             let slots: Vec<usize> = pool.slots.iter().map(GpuTensor::len).collect();
             let inputs = self.stages[d].iter().map(|s| s.executor().plan().input_bytes).sum();
             device_memory(
-                self.params[d].len(),
+                (self.params[d].len(), self.frozen_words),
                 self.shards[d].len(),
-                pool.params.len(),
+                (pool.params.len(), pool.grads.len()),
                 &slots,
                 inputs,
                 states,
             )
         }))
     }
+}
+
+/// Device `k`'s stages of `model` on `rows` rows over one pool of arenas
+/// and slots, planned at `alignment` bytes; with `initial`, each
+/// parameter's first words (as its stage's arena stores them) read back
+/// from the pool as each stage is made.
+fn device_stages(
+    k: &Arc<Kernels>,
+    model: &dyn Staged,
+    rows: usize,
+    (criterion, optimizer): (Criterion, &OptimizerConfig),
+    precision: Precision,
+    alignment: u32,
+    mut initial: Option<&mut HashMap<String, Vec<f32>>>,
+) -> Result<(Vec<Stage>, ArenaPool)> {
+    let graphs = stage_graphs(model, rows, criterion, optimizer, precision)?;
+    // The group's alignment on every device, so the plan made without
+    // devices is exact on unlike adapters too.
+    let plans: Vec<Plan> = graphs.iter().map(|(s, _, _)| plan_stage(s, alignment)).collect();
+    let (arena, grad_arena, slots) = pool_lengths(&plans);
+    let pool = ArenaPool {
+        params: k.zeros(arena)?,
+        grads: k.zeros(grad_arena)?,
+        slots: slots.into_iter().map(|len| k.zeros(len)).collect::<Result<_>>()?,
+    };
+    let mut own = Vec::with_capacity(graphs.len());
+    for (s, input, output) in graphs {
+        let stage = Stage::with_arenas(k.clone(), s, input, output, &pool, alignment)?;
+        if let Some(initial) = initial.as_deref_mut() {
+            let arena = k.read::<f32>(pool.params.view())?;
+            let (exec, g) = (stage.executor(), stage.executor().graph());
+            for &(p, offset) in &exec.plan().param_offsets {
+                let node = g.node(p);
+                let words = stored_words(node.dtype, node.len());
+                initial
+                    .entry(node.name.clone())
+                    .or_insert_with(|| arena[offset..offset + words].to_vec());
+            }
+        }
+        own.push(stage);
+    }
+    Ok((own, pool))
+}
+
+/// Where each device's stages hold each frozen parameter: (index in
+/// `frozen`, word offset in the stage's arena), stage by stage.
+fn frozen_placements(stages: &[Vec<Stage>], frozen: &[FrozenSpan]) -> Result<Vec<Vec<Vec<(usize, usize)>>>> {
+    stages
+        .iter()
+        .map(|own| {
+            own.iter()
+                .map(|stage| {
+                    let (exec, g) = (stage.executor(), stage.executor().graph());
+                    exec.plan()
+                        .param_offsets
+                        .iter()
+                        .filter(|&&(p, _)| g.is_frozen(p))
+                        .map(|&(p, offset)| {
+                            let name = &g.node(p).name;
+                            frozen
+                                .iter()
+                                .position(|f| &f.name == name)
+                                .map(|i| (i, offset))
+                                .ok_or_else(|| undeclared(name))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect()
 }
 
 /// The flat arena of `declared` (name, shape, weight decay applies):

@@ -44,7 +44,7 @@ use crate::models::{Gemma, GemmaConfig, Gpt, GptConfig, Llama, LlamaConfig};
 use crate::nn::{AttentionKernel, LmConfig};
 use crate::optim::{self, Adam, AdamW, SGD};
 use crate::parallel::distributed::ProcessGroup;
-use crate::parallel::engine::{Parallelizable, TrainEngine};
+use crate::parallel::engine::{EngineFuture, Parallelizable, TrainEngine};
 use crate::parallel::stage::NamedParameters;
 use crate::parallel::{Examples, Targets};
 use crate::train::{Evaluation, Prepared, Resumed, Task, TrainConfig};
@@ -84,6 +84,23 @@ pub trait TrainableLm: Parallelizable + crate::nn::CausalLm {
     /// Reads a folder [`TrainableLm::save_folder`] wrote: the model, its
     /// tokenizer and optimizer state where the folder has them.
     fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)>;
+    /// Whether a fine-tune of this model (`--init`) saves its optimizer
+    /// state and can be resumed over the same pretrained model
+    /// ([`TrainableLm::resume_fine_tune`]): an adapter run's can; a whole
+    /// model's moments cover its cropped windows, so it starts afresh.
+    const RESUMES_FINE_TUNES: bool = false;
+    /// `self` (the `--init` model on the run's windows, as a fresh
+    /// fine-tune starts) with what an earlier fine-tune of it saved in
+    /// `dir`, and that run's optimizer state.
+    fn resume_fine_tune(self, dir: &Path) -> Result<(Self, OptimizerState)> {
+        Err(Error::InvalidArgument {
+            op: "train --resume",
+            reason: format!(
+                "`{}`: a fine-tuned model keeps no optimizer state; --init starts a fresh fine-tune",
+                dir.display()
+            ),
+        })
+    }
 }
 
 /// The families `wgrad train --model` knows: what each [`TrainableLm`]
@@ -511,11 +528,61 @@ impl<M: TrainableLm> LanguageModel<M> {
     /// The model with the parameters `engine` trained so far (a
     /// fine-tuned one with its full context).
     pub fn trained_model(&self, engine: &dyn TrainEngine, model: &M) -> Result<M> {
-        let trained = model.with_parameters(&engine.parameters()?)?;
+        self.model_with(model, &engine.parameters()?)
+    }
+
+    /// The model with `params` (the engine's, as
+    /// `TrainingRun::parameters_async` reads them), a fine-tuned one with
+    /// its full context.
+    pub fn model_with(&self, model: &M, params: &NamedParameters) -> Result<M> {
+        let trained = model.with_parameters(params)?;
         match &self.init {
             Some(pretrained) => pretrained.uncropped(&trained),
             None => Ok(trained),
         }
+    }
+
+    /// The pretrained model on windows of `block_size`, which must have
+    /// the task's `sizes`.
+    fn fine_tune_start(&self, block_size: usize, sizes: &M::Config) -> Result<M> {
+        let pretrained = self.init.as_ref().ok_or_else(|| Error::InvalidArgument {
+            op: "train (language model)",
+            reason: "the run fine-tunes no pretrained model".into(),
+        })?;
+        let model = pretrained.cropped(block_size)?;
+        if model.config() != *sizes {
+            return Err(Error::InvalidArgument {
+                op: "train (language model)",
+                reason: format!(
+                    "the task's sizes {sizes:?} are not the pretrained model's {:?} on windows of {block_size}",
+                    model.config()
+                ),
+            });
+        }
+        Ok(model)
+    }
+
+    /// The optimizer state `engine` holds after its steps, with what a
+    /// resumed run needs to draw the same windows next (the seed and the
+    /// batch size; the step is the state's).
+    fn resumable_state(&self, engine: &dyn TrainEngine, config: &TrainConfig) -> Result<OptimizerState> {
+        let state = engine
+            .optimizer_state()?
+            .into_iter()
+            .map(|(param, name, values)| (param, name.to_string(), values))
+            .collect();
+        let mut metadata: std::collections::BTreeMap<String, String> = engine
+            .read_loss_scale()?
+            .map(|s| s.metadata().into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+            .unwrap_or_default();
+        metadata.insert(DATA_SEED_KEY.into(), config.seed.to_string());
+        metadata.insert(DATA_BATCH_KEY.into(), config.batch_size.to_string());
+        Ok(OptimizerState {
+            optimizer: optim::describe(&config.optimizer),
+            step: engine.step_count(),
+            state,
+            metadata,
+        })
     }
 
     /// Where a sample starts: a newline (nanoGPT's default), or the text's
@@ -559,8 +626,8 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
             return bad("eval_batches and max_steps must be given and positive".into());
         }
         let root = processes.is_none_or(|g| g.rank() == 0);
-        if self.init.is_some() && config.resume.is_some() {
-            return bad("--init starts from pretrained weights with fresh optimizer state, --resume continues a wgrad run: give one".into());
+        if self.init.is_some() && config.resume.is_some() && !M::RESUMES_FINE_TUNES {
+            return bad("--init starts from pretrained weights with fresh optimizer state, --resume continues a wgrad run: give one (an adapter run, --lora, resumes over its --init)".into());
         }
         let text = shared_text(processes, &self.text)?;
         let (text, sizes) = match &self.init {
@@ -586,12 +653,25 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
         // Across processes rank 0 reads the folder; the other ranks take
         // its parameters and state when the engine starts.
         let (model, resumed) = match &config.resume {
+            Some(dir) if root && self.init.is_some() => {
+                let base = self.fine_tune_start(block_size, &sizes)?;
+                let (model, state) = base.resume_fine_tune(dir)?;
+                check_data_position(&state, config, dir)?;
+                (
+                    model,
+                    Some(Resumed {
+                        parameters: Vec::new(),
+                        state,
+                    }),
+                )
+            }
             Some(dir) if root => {
                 let (model, tokenizer, state) = M::load_folder(dir)?;
                 let state = state.ok_or_else(|| Error::InvalidArgument {
                     op: "train --resume",
                     reason: format!("`{}` has no optimizer state to resume from", dir.display()),
                 })?;
+                check_data_position(&state, config, dir)?;
                 if model.config() != sizes || tokenizer.as_ref() != Some(&TokenizerSpec::from(&text.tokenizer)) {
                     return Err(Error::InvalidArgument {
                         op: "train --resume",
@@ -610,18 +690,10 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
                     }),
                 )
             }
-            _ => {
-                match &self.init {
-                    Some(pretrained) => {
-                        let model = pretrained.cropped(block_size)?;
-                        if model.config() != sizes {
-                            return bad(format!("the task's sizes {sizes:?} are not the pretrained model's {:?} on windows of {block_size}", model.config()));
-                        }
-                        (model, None)
-                    }
-                    None => (M::build(&sizes)?, None),
-                }
-            }
+            _ => match &self.init {
+                Some(_) => (self.fine_tune_start(block_size, &sizes)?, None),
+                None => (M::build(&sizes)?, None),
+            },
         };
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         self.prepared = Some(LmData {
@@ -684,14 +756,28 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
 
     /// The mean loss over the fixed validation windows.
     fn validation_loss(&mut self, engine: &mut dyn TrainEngine, config: &TrainConfig) -> Result<Option<f32>> {
-        let d = self.data_ready()?;
-        let per_batch = config.batch_size * d.block_size;
-        let (inputs, targets) = &d.validation;
-        let mut total = 0.0f64;
-        for (x, y) in inputs.chunks(per_batch).zip(targets.chunks(per_batch)) {
-            total += f64::from(engine.evaluate_loss(Examples::Ids(x), Targets::Classes(y))?);
-        }
-        Ok(Some((total / self.eval_batches as f64) as f32))
+        crate::device::wait("validation_loss", self.validation_loss_async(engine, config))
+    }
+
+    fn validation_loss_async<'a>(
+        &'a mut self,
+        engine: &'a mut dyn TrainEngine,
+        config: &'a TrainConfig,
+    ) -> EngineFuture<'a, Option<f32>> {
+        Box::pin(async move {
+            let d = self.data_ready()?;
+            let per_batch = config.batch_size * d.block_size;
+            let (inputs, targets) = &d.validation;
+            let mut total = 0.0f64;
+            for (x, y) in inputs.chunks(per_batch).zip(targets.chunks(per_batch)) {
+                total += f64::from(
+                    engine
+                        .evaluate_loss_async(Examples::Ids(x), Targets::Classes(y))
+                        .await?,
+                );
+            }
+            Ok(Some((total / self.eval_batches as f64) as f32))
+        })
     }
 
     fn evaluate(&mut self, _engine: &mut dyn TrainEngine, last_validation: Option<f32>) -> Result<Evaluation> {
@@ -712,26 +798,41 @@ impl<M: TrainableLm> Task for LanguageModel<M> {
     ) -> Result<()> {
         let trained = self.trained_model(engine, model)?;
         let tokenizer = TokenizerSpec::from(&self.data_ready()?.text.tokenizer);
-        if let Some(pretrained) = &self.init {
-            return trained.save_folder(path, &tokenizer, None, &pretrained.files);
-        }
-        let state = engine
-            .optimizer_state()?
-            .into_iter()
-            .map(|(param, name, values)| (param, name.to_string(), values))
-            .collect();
-        let metadata = engine
-            .read_loss_scale()?
-            .map(|s| s.metadata().into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-            .unwrap_or_default();
-        let state = OptimizerState {
-            optimizer: optim::describe(&config.optimizer),
-            step: engine.step_count(),
-            state,
-            metadata,
+        let state = if self.init.is_none() || M::RESUMES_FINE_TUNES {
+            Some(self.resumable_state(engine, config)?)
+        } else {
+            None
         };
-        trained.save_folder(path, &tokenizer, Some(&state), &[])
+        let files = self.init.as_ref().map_or(&[][..], |p| &p.files[..]);
+        trained.save_folder(path, &tokenizer, state.as_ref(), files)
     }
+}
+
+/// The seed of a saved run's windows, in its optimizer state's metadata.
+const DATA_SEED_KEY: &str = "data.seed";
+/// The batch size (windows per step) of a saved run, beside the seed.
+const DATA_BATCH_KEY: &str = "data.batch_size";
+
+/// A resumed run draws the windows the saved run would have drawn next
+/// only with its seed and batch size: another is refused (a folder saved
+/// before these were recorded is taken as it is).
+fn check_data_position(state: &OptimizerState, config: &TrainConfig, dir: &Path) -> Result<()> {
+    for (key, flag, now) in [
+        (DATA_SEED_KEY, "--seed", config.seed.to_string()),
+        (DATA_BATCH_KEY, "--batch-size", config.batch_size.to_string()),
+    ] {
+        if let Some(saved) = state.metadata.get(key).filter(|saved| **saved != now) {
+            return Err(Error::InvalidArgument {
+                op: "train --resume",
+                reason: format!(
+                    "`{}` was trained with {flag} {saved}, this run gives {now}: the resumed run would draw other \
+                     windows than the saved one (give {flag} {saved})",
+                    dir.display()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Tokens of a text, split into training and held-out validation.

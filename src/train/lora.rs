@@ -6,8 +6,11 @@
 //! The adapters' sizes follow the base's: a pretrained model cropped to
 //! shorter windows keeps every adapter whole ([`Pretrained::cropped`]
 //! crops position tables only). A folder is a PEFT adapter folder
-//! (`adapter_config.json`, `adapter_model.safetensors`), which holds no
-//! base and no optimizer state: it cannot be resumed or loaded alone.
+//! (`adapter_config.json`, `adapter_model.safetensors`) with the run's
+//! optimizer state beside it (`optimizer.safetensors`: the adapters'
+//! moments, the step, the data's seed and batch size). It holds no base,
+//! so it is not loaded alone: `--resume` continues it over the same
+//! `--init` ([`TrainableLm::resume_fine_tune`]).
 
 use std::path::Path;
 
@@ -124,20 +127,64 @@ impl<M: TrainableLm> TrainableLm for Lora<M> {
     }
 
     /// The PEFT adapter folder (no base model named; `files`, the base's
-    /// tokenizer files, beside it). Optimizer state is not kept.
+    /// tokenizer files, beside it) with the optimizer state to resume from
+    /// where given ([`crate::io::peft::save_state`]).
     fn save_folder(
         &self,
         dir: &Path,
         _tokenizer: &TokenizerSpec,
-        _state: Option<&OptimizerState>,
+        state: Option<&OptimizerState>,
         files: &[ExtraFile],
     ) -> Result<()> {
         crate::io::peft::save_lora(dir, self, "")?;
+        if let Some(state) = state {
+            crate::io::peft::save_state(dir, self, state)?;
+        }
         write_extra_files(dir, files)
     }
 
     fn load_folder(dir: &Path) -> Result<(Self, Option<TokenizerSpec>, Option<OptimizerState>)> {
         Err(no_folder("train --resume", dir))
+    }
+
+    const RESUMES_FINE_TUNES: bool = true;
+
+    /// The folder's adapters over this run's base, which must be declared
+    /// as this run declares them (rank, alpha, dropout, targets), and the
+    /// optimizer state the run saved beside them.
+    fn resume_fine_tune(self, dir: &Path) -> Result<(Self, OptimizerState)> {
+        let peft = crate::io::peft::read(dir)?;
+        if peft.config != self.config {
+            let show = |c: &LoraConfig| {
+                format!(
+                    "r={},alpha={},dropout={},targets={}",
+                    c.r,
+                    c.alpha,
+                    c.dropout,
+                    c.targets.join(",")
+                )
+            };
+            return Err(Error::InvalidArgument {
+                op: "train --resume",
+                reason: format!(
+                    "`{}` holds adapters {}, but --lora declares {}: give the saved run's --lora",
+                    dir.display(),
+                    show(&peft.config),
+                    show(&self.config)
+                ),
+            });
+        }
+        let model = peft.apply(self.base)?;
+        let state = crate::io::peft::read_state(dir, &model)?.ok_or_else(|| Error::InvalidArgument {
+            op: "train --resume",
+            reason: format!(
+                "`{}` has no {}: only a folder `wgrad train --lora` saved can be resumed (an adapter PEFT wrote \
+                 starts a new run: it holds no optimizer state)",
+                dir.display(),
+                crate::io::peft::STATE_FILE
+            ),
+        })?;
+        Ok((model, state))
     }
 }
 

@@ -24,7 +24,7 @@ use crate::optim::{LossScaleState, LossScaling};
 #[cfg(feature = "fault-injection")]
 use crate::parallel::distributed::InjectedFailure;
 use crate::parallel::distributed::ProcessGroup;
-use crate::parallel::engine::{Footprint, Holding, Parallelizable, Strategy, TrainEngine};
+use crate::parallel::engine::{EngineFuture, Footprint, Holding, Parallelizable, Strategy, TrainEngine};
 use crate::parallel::memory::DeviceMemory;
 use crate::parallel::pipeline::Schedule;
 use crate::parallel::stage::NamedParameters;
@@ -166,6 +166,15 @@ pub trait Task {
     /// (collective across processes).
     fn validation_loss(&mut self, _engine: &mut dyn TrainEngine, _config: &TrainConfig) -> Result<Option<f32>> {
         Ok(None)
+    }
+    /// [`Task::validation_loss`], awaited (what a browser calls); a task
+    /// without an async form runs its blocking one.
+    fn validation_loss_async<'a>(
+        &'a mut self,
+        engine: &'a mut dyn TrainEngine,
+        config: &'a TrainConfig,
+    ) -> EngineFuture<'a, Option<f32>> {
+        Box::pin(async move { self.validation_loss(engine, config) })
     }
     /// The verdict at the end, on rank 0; `last_validation` is the
     /// validation loss of the last step, where the task has one.
@@ -532,6 +541,39 @@ impl<T: Task> TrainingRun<T> {
         self.task.validation_loss(self.engine.as_mut(), &self.config)
     }
 
+    /// The next step: the task's next batch and the engine's step, with
+    /// its loss when `read_loss` (waiting for it); [`TrainingRun::fit`]
+    /// takes its steps so.
+    pub fn step(&mut self, read_loss: bool) -> Result<Option<f32>> {
+        crate::device::wait("TrainingRun::step", self.step_async(read_loss))
+    }
+
+    /// [`TrainingRun::step`], awaited: the task's next batch and the engine's
+    /// step, with its loss when `read_loss`. What a page drives one step
+    /// at a time ([`TrainingRun::fit`] runs the same steps, blocking);
+    /// validation is the caller's ([`TrainingRun::validation_loss_async`]).
+    pub async fn step_async(&mut self, read_loss: bool) -> Result<Option<f32>> {
+        let (x, y) = self.task.batch(&self.config)?;
+        self.engine.step_async(x, y, read_loss).await
+    }
+
+    /// Every parameter as trained so far ([`TrainEngine::parameters`]),
+    /// awaited: one device's are read back without blocking; an engine
+    /// over several devices gathers them with its blocking form.
+    pub async fn parameters_async(&self) -> Result<NamedParameters> {
+        match self.engine.holding() {
+            Holding::Replica(trainer) => trainer.executor().parameters_async().await,
+            Holding::Stages(..) => self.engine.parameters(),
+        }
+    }
+
+    /// [`TrainingRun::validation_loss`], awaited.
+    pub async fn validation_loss_async(&mut self) -> Result<Option<f32>> {
+        self.task
+            .validation_loss_async(self.engine.as_mut(), &self.config)
+            .await
+    }
+
     /// Writes what the run trained so far to `path` (the task's format).
     pub fn save(&self, path: &Path) -> Result<()> {
         self.task
@@ -556,8 +598,7 @@ impl<T: Task> TrainingRun<T> {
         for step in first..=last {
             let started = Instant::now();
             let read = step % self.config.loss_every == 0 || step == last;
-            let (x, y) = self.task.batch(&self.config)?;
-            let loss = self.engine.step(x, y, read)?;
+            let loss = self.step(read)?;
             if step == first {
                 // Timed to its end on the devices, apart from the rest.
                 for k in self.group.members() {

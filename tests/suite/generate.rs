@@ -228,10 +228,12 @@ fn cached_attention_matches_the_cpu() {
 }
 
 /// Each kernel on every case it takes, whichever the adapter would pick:
-/// the workgroup kernel with 32 and 64 lanes, and the grouped one (vec4
+/// the workgroup kernel with 32 and 64 lanes, the grouped one (vec4
 /// reads: head dims that are multiples of 4 up to GROUPED_MAX_HEAD_DIM;
 /// groups of 1, 2, 3, 4 and 7 query heads per KV head, 7 past its 4 heads
-/// per workgroup), which refuses a head dim it cannot take.
+/// per workgroup) and the channel one (any multiple of 4 up to
+/// MAX_HEAD_DIM: lanes owning 1 to 8 vec4s of a head, some none), each
+/// refusing a head dim it cannot take.
 #[test]
 fn every_cached_attention_kernel_matches_the_cpu() {
     for_each_adapter("cached_attention_forward_with", |k| {
@@ -247,6 +249,16 @@ fn every_cached_attention_kernel_matches_the_cpu() {
                 assert!(
                     err.to_string()
                         .contains(&format!("multiple of 4 up to {GROUPED_MAX_HEAD_DIM}")),
+                    "{err}"
+                );
+            }
+            if shape.head_dim % 4 == 0 {
+                check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Channels))?;
+            } else {
+                let err =
+                    check_cached_attention(k, seed, shape, starts, Some(CachedAttentionKernel::Channels)).unwrap_err();
+                assert!(
+                    err.to_string().contains(&format!("multiple of 4 up to {MAX_HEAD_DIM}")),
                     "{err}"
                 );
             }
@@ -807,7 +819,8 @@ fn a_continuation_prefill_equals_the_full_sequence_logits() {
                 &generator.decode(&[sequences[0][7], sequences[1][7]])?,
                 [8, 8],
             );
-            // 8 + 8 padded rows pass the context of 13: prefilled whole.
+            // 8 + 8 padded rows pass the context of 13: the pass starts at
+            // position 5, running the cached tokens 5..8 again.
             check(
                 "extend near the end",
                 &generator.extend(&[&sequences[0][8..12], &sequences[1][8..10]])?,
@@ -844,6 +857,196 @@ fn a_continuation_prefill_equals_the_full_sequence_logits() {
                 "{what}: the errors kept the cache"
             );
         }
+        Ok(())
+    });
+}
+
+/// Chunked prefill (`GeneratorOptions::prefill_chunk`): prompts longer
+/// than the chunk run in passes of at most its rows over the same caches,
+/// and the logits after them, after a continuation that is itself longer
+/// than the chunk and after a decode step equal those of one pass (and so
+/// the full-sequence forward's), for chunks of 1, a prime (5) and one as
+/// long as the context, on a GPT and a Llama: two prompts of 11 and 3
+/// tokens in one batch (the short one done chunks before the long one), a
+/// continuation that ends at the context's last position (its last chunk
+/// starts earlier, re-running cached tokens) and one-slot prefills
+/// (continuous batching's) of a prompt over several chunks.
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    use wgrad::infer::generate::{GeneratorOptions, PrefillMode};
+    for_each_adapter("generate: chunked prefill", |k| {
+        let vocab = CONFIG.vocab_size;
+        let models: [Box<dyn nn::CausalLm>; 2] =
+            [Box::new(sharp_model(61)), Box::new(sharp_llama(llama_configs()[0], 62))];
+        for model in &models {
+            let what = model.describe();
+            let mut predictor = Predictor::new(k.clone(), model.as_ref(), 1)?;
+            let mut r = rng(63);
+            let sequences: Vec<Vec<u32>> = (0..2).map(|_| random_tokens(&mut r, CONFIG.block_size)).collect();
+            let full: Vec<Vec<Vec<f32>>> = sequences
+                .iter()
+                .map(|s| full_logits(&mut predictor, s))
+                .collect::<wgrad::Result<_>>()?;
+            let options = |chunk: Option<usize>, prefill: PrefillMode| GeneratorOptions {
+                sequences: 2,
+                prefill_chunk: chunk,
+                prefill,
+                ..GeneratorOptions::default()
+            };
+            let mut one_pass =
+                Generator::with_options(k.clone(), model.as_ref(), &options(None, PrefillMode::AllSequences))?;
+            let steps = |generator: &mut Generator| -> wgrad::Result<[Vec<f32>; 3]> {
+                Ok([
+                    generator.prefill(&[&sequences[0][..11], &sequences[1][..3]])?,
+                    generator.extend(&[&sequences[0][11..12], &sequences[1][3..12]])?,
+                    generator.decode(&[sequences[0][12], sequences[1][12]])?,
+                ])
+            };
+            let want = steps(&mut one_pass)?;
+            let ends = [[11, 3], [12, 12], [13, 13]];
+            for (step, ends) in ends.iter().enumerate() {
+                for s in 0..2 {
+                    // The one pass against the full forward: as the other
+                    // cached-logits tests.
+                    assert_close(
+                        &format!("{what}: one pass, step {step}, sequence {s}"),
+                        &want[step][s * vocab..(s + 1) * vocab],
+                        &full[s][ends[s] - 1],
+                        LOGITS_ATOL,
+                        LOGITS_RTOL,
+                    );
+                }
+            }
+            for chunk in [1, 5, CONFIG.block_size] {
+                let mut chunked = Generator::with_options(
+                    k.clone(),
+                    model.as_ref(),
+                    &options(Some(chunk), PrefillMode::AllSequences),
+                )?;
+                let got = steps(&mut chunked)?;
+                for (step, (got, want)) in got.iter().zip(&want).enumerate() {
+                    // Other passes (1 to 16 rows) over the same positions:
+                    // f32 sums in other orders.
+                    assert_close(
+                        &format!("{what}: chunk {chunk}, step {step}"),
+                        got,
+                        want,
+                        LOGITS_ATOL,
+                        LOGITS_RTOL,
+                    );
+                }
+                for (s, sequence) in sequences.iter().enumerate() {
+                    assert_eq!(chunked.cached_tokens(s), Some(&sequence[..13]), "{what}: chunk {chunk}");
+                }
+                // One slot at a time: the slot's greedy token after a
+                // prompt of 12 tokens in chunks of `chunk` (over a history
+                // of 2 in slot 1) is the one pass's argmax.
+                let mut slots =
+                    Generator::with_options(k.clone(), model.as_ref(), &options(Some(chunk), PrefillMode::OneSlot))?;
+                let mut draws = ChaCha8Rng::seed_from_u64(1);
+                let first = slots.prefill_slot(1, &sequences[1][..2], &Sampling::greedy(), &mut draws)?;
+                assert!(
+                    is_argmax(&full[1][1], first, 1e-4),
+                    "{what}: chunk {chunk}, slot prefill"
+                );
+                let token = slots.extend_slot(1, &sequences[1][2..12], &Sampling::greedy(), &mut draws)?;
+                assert!(
+                    is_argmax(&full[1][11], token, 1e-4),
+                    "{what}: chunk {chunk}, slot extend"
+                );
+                assert_eq!(slots.cached_tokens(1), Some(&sequences[1][..12]));
+                let token = slots.prefill_slot(0, &sequences[0][..9], &Sampling::greedy(), &mut draws)?;
+                assert!(is_argmax(&full[0][8], token, 1e-4), "{what}: chunk {chunk}, slot 0");
+            }
+            expect_error(
+                "a chunk of no rows",
+                Generator::with_options(k.clone(), model.as_ref(), &options(Some(0), PrefillMode::AllSequences)),
+                &["at least 1 row"],
+            );
+        }
+        Ok(())
+    });
+}
+
+/// Without a chunk given, a prefill pass whose activations would not fit
+/// one storage binding is shortened: a Llama of 8 channels and an MLP of
+/// 96, on kernels whose bindings hold only its largest parameter, prefills
+/// the whole context in passes shorter than it (the MLP's activations of
+/// 13 rows would pass the binding), with the logits of a generator
+/// without that limit.
+#[test]
+fn a_prefill_too_wide_for_a_binding_runs_in_shorter_passes() {
+    for_each_adapter("generate: prefill within a binding", |k| {
+        let config = LlamaConfig {
+            n_embd: 8,
+            n_head: 2,
+            n_kv_head: 1,
+            intermediate_size: 96,
+            ..llama_configs()[0]
+        };
+        let model = sharp_llama(config, 64);
+        let largest = model
+            .named_parameters()
+            .iter()
+            .map(|(_, shape)| 4 * shape.iter().product::<usize>() as u64)
+            .max()
+            .unwrap_or(16);
+        let limited = common::limited_kernels(
+            k,
+            wgrad::kernels::LimitOverrides {
+                max_storage_buffer_binding_size: Some(largest.next_multiple_of(256)),
+                ..Default::default()
+            },
+        );
+        let prompt = random_tokens(&mut rng(65), CONFIG.block_size);
+        let mut wide = Generator::new(k.clone(), &model, 1)?;
+        let mut narrow = Generator::new(limited, &model, 1)?;
+        assert_eq!(wide.prefill_chunk(), CONFIG.block_size);
+        assert!(
+            narrow.prefill_chunk() < CONFIG.block_size,
+            "a binding of {largest} bytes: passes of {} rows",
+            narrow.prefill_chunk()
+        );
+        let want = wide.prefill(&[&prompt])?;
+        let got = narrow.prefill(&[&prompt])?;
+        // Other passes over the same positions: f32 sums in other orders.
+        assert_close("logits", &got, &want, LOGITS_ATOL, LOGITS_RTOL);
+        Ok(())
+    });
+}
+
+/// `context_that_fits`: the model's context where its caches fit the
+/// adapter's memory beside its parameters; on kernels given less memory
+/// the most positions that fit (one more would not), and an error naming
+/// the memory where not even one position fits.
+#[test]
+fn the_context_shrinks_to_what_fits_the_memory() {
+    use wgrad::infer::generate::{check_fits_with_options, context_that_fits, GeneratorOptions};
+    use wgrad::nn::LmConfig;
+    for_each_adapter("generate: the context that fits", |k| {
+        let options = GeneratorOptions::default();
+        let with = |context: usize| GeneratorOptions {
+            context: Some(context),
+            ..GeneratorOptions::default()
+        };
+        assert_eq!(context_that_fits(k, &CONFIG, &options, 1)?, CONFIG.block_size);
+        let sizes = CONFIG.lm_sizes();
+        // The parameters and the keys and values of 6 positions in all layers.
+        let per_position = 4 * 2 * sizes.cached_layers * sizes.cache_width;
+        let memory = 4 * sizes.parameters + 6 * per_position + per_position / 2;
+        let small = common::limited_kernels(
+            k,
+            wgrad::kernels::LimitOverrides {
+                memory_bytes: Some(memory),
+                ..Default::default()
+            },
+        );
+        let fitted = context_that_fits(&small, &CONFIG, &options, 1)?;
+        assert_eq!(fitted, 6, "{memory} bytes of memory");
+        check_fits_with_options(&small, &CONFIG, &with(fitted))?;
+        assert!(check_fits_with_options(&small, &CONFIG, &with(fitted + 1)).is_err());
+        let err = context_that_fits(&small, &CONFIG, &options, 7).unwrap_err();
+        assert!(matches!(err, Error::MemoryTooSmall { .. }), "{err}");
         Ok(())
     });
 }

@@ -630,3 +630,67 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
         panic!("SmolLM2 against transformers on {}: {e}", k.device().label());
     }
 }
+
+/// A GGUF model's memory is checked with the matrices it keeps quantized at
+/// their stored size (what the generator's arena holds), whether loaded
+/// from its path or from its bytes (the browser page's load): under a
+/// buffer limit between that size and every value as f32 the file loads,
+/// and both loads generate the same tokens.
+#[test]
+fn a_quantized_gguf_is_checked_at_its_stored_size_from_a_path_or_its_bytes() {
+    use wgrad::infer::generate::{check_fits_stored, check_fits_with_options, GeneratorOptions};
+    use wgrad::infer::pretrained::{load_pretrained, load_pretrained_gguf_bytes, PretrainedLm};
+    use wgrad::kernels::LimitOverrides;
+    use wgrad::nn::LmConfig;
+    let path = fixture(UNTIED);
+    let (values, bytes) = GgufModel::open(&path).unwrap().quantized_storage().unwrap();
+    let config = fixture_config(false);
+    let parameters = config.lm_sizes().parameters;
+    assert!(
+        values > 0 && bytes < values * 4,
+        "{values} quantized values in {bytes} bytes"
+    );
+    // A GPT-2 keeps nothing quantized (its generator de-quantizes).
+    assert_eq!(
+        GgufModel::open(fixture(GPT2)).unwrap().quantized_storage().unwrap(),
+        (0, 0)
+    );
+    let (as_f32, stored) = (parameters * 4, (parameters - values) * 4 + bytes);
+    for_each_adapter("gguf_model::quantized_gguf_is_checked_at_its_stored_size", |k| {
+        let overrides = LimitOverrides {
+            max_buffer_size: Some((stored + as_f32) / 2),
+            ..LimitOverrides::default()
+        };
+        let limited = crate::common::limited_kernels(k, overrides);
+        let options = GeneratorOptions {
+            context: Some(16),
+            ..GeneratorOptions::default()
+        };
+        assert!(
+            matches!(
+                check_fits_with_options(&limited, &config, &options),
+                Err(Error::TooLarge { .. })
+            ),
+            "{as_f32} bytes of f32 parameters fit a buffer limit of {}",
+            (stored + as_f32) / 2
+        );
+        check_fits_stored(&limited, &config, &options, (values, bytes))?;
+        let greedy = |lm: PretrainedLm| -> wgrad::Result<Vec<u32>> {
+            let options = GeneratorOptions {
+                quantized: Arc::new(lm.quantized.clone()),
+                suppressed_tokens: lm.suppressed.clone(),
+                ..options.clone()
+            };
+            let mut generator = Generator::with_options(limited.clone(), lm.model.as_ref(), &options)?;
+            generator.generate(&[1, 5, 9], 6, &Sampling::greedy(), |_| Ok(()))
+        };
+        let from_path = greedy(load_pretrained(&limited, &path, None, &options)?)?;
+        let bytes = fixture_bytes(UNTIED);
+        let from_bytes = greedy(load_pretrained_gguf_bytes(&limited, UNTIED, bytes, None, &options)?)?;
+        assert_eq!(
+            from_path, from_bytes,
+            "the file's path and its bytes generate differently"
+        );
+        Ok(())
+    });
+}

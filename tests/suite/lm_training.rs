@@ -241,3 +241,39 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         Ok(())
     });
 }
+
+/// A run stepped one awaited step at a time (as the browser page steps
+/// it) gives what `fit` gives: every loss, the validation loss and the
+/// trained parameters.
+#[test]
+fn stepping_a_run_through_its_async_forms_equals_fit() {
+    common::for_each_adapter("lm_training::stepping_a_run_through_its_async_forms", |k| {
+        let config = TrainConfig {
+            max_steps: Some(6),
+            eval_every: 6,
+            loss_every: 1,
+            ..tiny_config()
+        };
+        let mut fitted = TrainingRun::with_kernels(k.clone(), config.clone(), tiny_task(TINY), &mut ())?;
+        let summary = fitted.fit(&mut ())?.expect("one process is rank 0");
+        let mut stepped = TrainingRun::with_kernels(k.clone(), config, tiny_task(TINY), &mut ())?;
+        let mut curve = Vec::new();
+        for step in 1..=6 {
+            let loss = wgrad::device::wait("step_async", stepped.step_async(true))?;
+            curve.push((step, loss.expect("the loss was asked for")));
+        }
+        assert_eq!(curve, summary.train_curve);
+        let validation = wgrad::device::wait("validation_loss_async", stepped.validation_loss_async())?;
+        assert_eq!(validation, summary.validation_curve.last().map(|v| v.1));
+        let trained = |run: &TrainingRun<LanguageModel<Gpt>>| run.task().trained_model(run.engine(), run.model());
+        assert!(
+            trained(&fitted)? == trained(&stepped)?,
+            "the stepped run's parameters differ from fit's"
+        );
+        // The page samples from the parameters read back without blocking.
+        let params = wgrad::device::wait("parameters_async", stepped.parameters_async())?;
+        assert!(params == stepped.engine().parameters()?);
+        assert!(stepped.task().model_with(stepped.model(), &params)? == trained(&stepped)?);
+        Ok(())
+    });
+}

@@ -151,10 +151,10 @@ fn bad_declarations_are_clear_errors() {
         "{e}"
     );
     let e = err(LoraConfig {
-        dropout: 0.05,
+        dropout: 1.0,
         ..LoraConfig::new(2, 4.0, &["all-linear"])
     });
-    assert!(e.contains("dropout 0.05 is not implemented"), "{e}");
+    assert!(e.contains("dropout 1 is not in [0, 1)"), "{e}");
     for (spec, says) in [
         ("alpha=4", "no rank"),
         ("r=2,beta=3", "unknown key `beta`"),
@@ -326,7 +326,9 @@ mod peft_folders {
         assert_eq!(adapter.config.alpha, 8.0);
         assert_eq!(adapter.config.dropout, 0.05);
         assert_eq!(adapter.base_model.as_deref(), Some("tests/fixtures/hf-tiny-llama"));
-        let model = adapter.apply(base()).unwrap();
+        let mut model = adapter.apply(base()).unwrap();
+        // PEFT took its gradients in eval(), without its lora_dropout 0.05.
+        model.config.dropout = 0.0;
         // 2 layers × q, v, o, up, down; k and gate carry none.
         assert_eq!(model.adapters().len(), 10);
         assert!(model
@@ -482,14 +484,14 @@ mod peft_folders {
 /// Ten clipped AdamW steps of a LoRA Llama (llama_parallel.rs's model and
 /// batches, adapters on every Linear) under data parallel, ZeRO-2 and the
 /// pipeline equal one device's: only adapter gradients are all-reduced
-/// (the gradient arena holds nothing else), relative 1e-5 on the losses.
-/// Tensor parallel refuses an adapted model with a clear error (an
-/// adapter does not split with its layer yet).
+/// (the gradient arena holds nothing else), relative 1e-5 on the losses;
+/// tensor parallel likewise, each adapter split with its Linear.
 mod engines {
     use super::*;
     use crate::llama_parallel::{batches, model, optimizer};
     use crate::parallel::open_groups;
     use wgrad::parallel::data::{DataParallel, Split};
+    use wgrad::parallel::engine::{Holding, TrainEngine};
     use wgrad::parallel::pipeline::{Pipeline, Schedule};
     use wgrad::parallel::tensor::TensorParallel;
     use wgrad::parallel::zero::{Zero, ZeroStage};
@@ -549,17 +551,273 @@ mod engines {
             .map(|(ids, t)| zero.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
             .collect();
         assert_losses("ZeRO-2", &got, &want);
+        // What a run saves: the adapters from the shards and the frozen base.
+        let names: Vec<String> = TrainEngine::parameters(&zero)
+            .unwrap()
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        assert!(m.named_parameters().iter().all(|(n, _)| names.contains(n)), "{names:?}");
         let mut p = Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::OneFOneB).unwrap();
         let got: Vec<f32> = batches()
             .iter()
             .map(|(ids, t)| p.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
             .collect();
         assert_losses("pipeline", &got, &want);
-        let e = TensorParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH)
-            .err()
-            .expect("tensor parallel with adapters")
-            .to_string();
-        assert!(e.contains("adapters do not split yet"), "{e}");
+    }
+
+    /// Tensor parallel over 2 devices: each adapter splits with its base
+    /// Linear (B by rows beside a column-parallel q, k, v, gate and up; A
+    /// by columns beside a row-parallel o and down; the other matrix
+    /// replicated, its gradient summed over the devices), and ten steps
+    /// equal one device's, the adapters gathered whole at the end.
+    #[test]
+    fn lora_trains_alike_under_tensor_parallel() {
+        let groups = open_groups("lora_trains_alike_under_tensor_parallel", &[DeviceSelection::Count(2)]);
+        let Some(group) = groups.first() else { return };
+        let m = lora_model();
+        let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
+        let mut tp = TensorParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+        // 4 query heads of 4 channels over 2 devices: 8 rows of q_proj's B
+        // each; o_proj's A by its 8 input columns each.
+        let layer = "model.layers.0";
+        assert_eq!(
+            common::rows_held(&tp, &format!("{layer}.self_attn.q_proj.lora_B.weight")),
+            [8, 8]
+        );
+        assert_eq!(
+            common::columns_held(&tp, &format!("{layer}.self_attn.o_proj.lora_A.weight")),
+            [8, 8]
+        );
+        assert_eq!(
+            common::rows_held(&tp, &format!("{layer}.mlp.up_proj.lora_B.weight")),
+            [11, 11]
+        );
+        assert_eq!(
+            common::columns_held(&tp, &format!("{layer}.mlp.down_proj.lora_A.weight")),
+            [11, 11]
+        );
+        let Holding::Stages(spread, _) = tp.holding() else {
+            panic!("tensor parallel holds the model across stages")
+        };
+        let replicated: Vec<&str> = spread.shared().iter().map(|s| s.name.as_str()).collect();
+        assert!(
+            replicated.iter().all(|n| n.contains(".lora_")),
+            "only adapter gradients are summed over the devices: {replicated:?}"
+        );
+        assert_eq!(
+            replicated.len(),
+            14,
+            "the unsplit A or B of every adapter: {replicated:?}"
+        );
+        let got: Vec<f32> = batches()
+            .iter()
+            .map(|(ids, t)| tp.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
+            .collect();
+        assert_losses("tensor parallel", &got, &want);
+        let adapters = |p: Vec<(String, Vec<usize>, Vec<f32>)>| -> Vec<_> {
+            p.into_iter().filter(|(n, _, _)| n.contains(".lora_")).collect()
+        };
+        let (got, want) = (
+            adapters(TrainEngine::parameters(&tp).unwrap()),
+            adapters(single.executor().parameters().unwrap()),
+        );
+        // Ten AdamW steps of lr 1e-2-scale updates, sums split over two
+        // devices: 1e-5 absolute on adapters of |p| < 1.
+        common::assert_same_parameters("tensor parallel adapters", &got, &want, 1e-5, 1e-4);
+    }
+}
+
+/// Adapters under ZeRO-2 and ZeRO-3 stage by stage, and with dropout
+/// under every engine.
+mod sharded_and_dropout {
+    use super::*;
+    use crate::llama_parallel::{batches, model, optimizer};
+    use crate::parallel::open_groups;
+    use wgrad::graph::Precision;
+    use wgrad::parallel::data::{DataParallel, Split};
+    use wgrad::parallel::engine::{Strategy, TrainEngine};
+    use wgrad::parallel::memory::{strategy_memory, Planning};
+    use wgrad::parallel::pipeline::{Pipeline, Schedule};
+    use wgrad::parallel::tensor::TensorParallel;
+    use wgrad::parallel::zero::{Zero, ZeroStage};
+    use wgrad::parallel::zero_stages::ZeroStages;
+    use wgrad::parallel::DeviceSelection;
+    use wgrad::Examples;
+
+    const BATCH: usize = 4;
+
+    fn lora_model(dropout: f32) -> Lora<Llama> {
+        nn::manual_seed(21);
+        let mut m = with_random_b(
+            Lora::new(model(false), LoraConfig::new(2, 4.0, &["all-linear"])).unwrap(),
+            77,
+        );
+        m.config.dropout = dropout;
+        m
+    }
+
+    /// Relative 1e-5 on losses of about 3.4: sums split over devices and
+    /// added in another order, through ten steps.
+    fn assert_losses(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: steps");
+        for (s, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_close(&format!("{what} step {s}"), &[*g], &[*w], 0.0, 1e-5);
+        }
+    }
+
+    fn adapters(params: Vec<(String, Vec<usize>, Vec<f32>)>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        params.into_iter().filter(|(n, _, _)| n.contains(".lora_")).collect()
+    }
+
+    /// Ten clipped AdamW steps under ZeRO-2 and ZeRO-3 stage by stage equal
+    /// one device's: the shards (the gradients reduce-scattered, the state
+    /// and at stage 3 the parameters) cover the adapters only, the frozen
+    /// base stays whole on each device and unchanged, and what `--dry-run`
+    /// plans equals what the engine allocates.
+    #[test]
+    fn lora_trains_alike_under_zero_stage_by_stage() {
+        let groups = open_groups(
+            "lora_trains_alike_under_zero_stage_by_stage",
+            &[DeviceSelection::Count(2)],
+        );
+        let Some(group) = groups.first() else { return };
+        let m = lora_model(0.0);
+        let (single, want, _) = common::train_on_one_device(&group.members()[0], &m, optimizer(), BATCH, &batches());
+        let adapter_values: usize = m.adapters().iter().map(|a| a.a.len() + a.b.len()).sum();
+        let planning = Planning {
+            criterion: CrossEntropyLoss.into(),
+            optimizer: optimizer(),
+            batch: BATCH,
+            micro_batches: 1,
+            device_alignment: 256,
+            precision: Precision::F32,
+            checkpoint_activations: false,
+        };
+        for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
+            let what = format!("ZeRO-{} stage by stage", stage.number());
+            let mut z = ZeroStages::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, stage, None).unwrap();
+            let sharded: usize = z.shards().iter().map(|r| r.len()).sum();
+            assert_eq!(sharded, adapter_values, "{what}: only the adapters are sharded");
+            let planned = strategy_memory(&m, Strategy::Zero(stage), 2, &planning).unwrap();
+            assert_eq!(planned, TrainEngine::memory(&z), "{what}: planned against allocated");
+            let got: Vec<f32> = batches()
+                .iter()
+                .map(|(ids, t)| z.step(ids.as_slice(), Targets::Classes(t), true).unwrap().unwrap())
+                .collect();
+            assert_losses(&what, &got, &want);
+            let (got, want) = (
+                TrainEngine::parameters(&z).unwrap(),
+                single.executor().parameters().unwrap(),
+            );
+            // The base: what it was, bit for bit.
+            for (name, _, values) in m.parameter_values() {
+                if !name.contains(".lora_") {
+                    let (_, _, now) = got.iter().find(|(n, _, _)| *n == name).unwrap();
+                    assert_eq!(now.as_slice(), values, "{what}: frozen `{name}` changed");
+                }
+            }
+            // Adapters of |p| < 1 after ten steps: 1e-5 absolute.
+            common::assert_same_parameters(&what, &adapters(got), &adapters(want), 1e-5, 1e-4);
+        }
+    }
+
+    /// Dropout 0.1 on every adapter's input: each engine draws one
+    /// device's masks (its rows' under data parallel and ZeRO (whole-arena
+    /// and stage by stage), its
+    /// micro-batches' in the pipeline, its columns' beside a row-parallel
+    /// Linear), so ten steps give one device's losses; evaluation draws
+    /// none, as the dropout-free model's loss shows.
+    #[test]
+    fn lora_dropout_draws_one_devices_masks_under_every_engine() {
+        let groups = open_groups(
+            "lora_dropout_draws_one_devices_masks_under_every_engine",
+            &[DeviceSelection::Count(2)],
+        );
+        let Some(group) = groups.first() else { return };
+        let (plain, m) = (lora_model(0.0), lora_model(0.1));
+        let k = &group.members()[0];
+        let (ids, targets) = &batches()[0];
+        let evaluate = |model: &Lora<Llama>| {
+            let mut t = Trainer::new(k.clone(), model, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+            t.evaluate_loss(Examples::Ids(ids), Targets::Classes(targets)).unwrap()
+        };
+        // One graph copies x where the other has no node: one rounding apart at most.
+        assert_close("evaluation", &[evaluate(&m)], &[evaluate(&plain)], 0.0, 1e-6);
+        let (_, without, _) = common::train_on_one_device(k, &plain, optimizer(), BATCH, &batches());
+        let (mut single, want, _) = common::train_on_one_device(k, &m, optimizer(), BATCH, &batches());
+        assert!(
+            (want[0] - without[0]).abs() > 1e-5,
+            "dropout changes the training loss: {} and {}",
+            want[0],
+            without[0]
+        );
+        let mut engines: Vec<(&str, Box<dyn TrainEngine>)> = vec![
+            (
+                "tensor parallel",
+                Box::new(TensorParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH).unwrap()),
+            ),
+            (
+                "data parallel",
+                Box::new(
+                    DataParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, Split::Rows(vec![1, 3]))
+                        .unwrap(),
+                ),
+            ),
+            (
+                "ZeRO-2 stage by stage",
+                Box::new(
+                    ZeroStages::new(
+                        group,
+                        &m,
+                        CrossEntropyLoss,
+                        optimizer(),
+                        BATCH,
+                        ZeroStage::Gradients,
+                        Some(vec![3, 1]),
+                    )
+                    .unwrap(),
+                ),
+            ),
+            (
+                "pipeline",
+                Box::new(Pipeline::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, 2, Schedule::GPipe).unwrap()),
+            ),
+            (
+                "ZeRO-1",
+                Box::new(
+                    Zero::new(
+                        group,
+                        &m,
+                        CrossEntropyLoss,
+                        optimizer(),
+                        BATCH,
+                        ZeroStage::OptimizerState,
+                        Some(vec![1, 3]),
+                    )
+                    .unwrap(),
+                ),
+            ),
+        ];
+        let after = single
+            .evaluate_loss(Examples::Ids(ids), Targets::Classes(targets))
+            .unwrap();
+        for (what, engine) in &mut engines {
+            let got: Vec<f32> = batches()
+                .iter()
+                .map(|(ids, t)| {
+                    engine
+                        .step(Examples::Ids(ids), Targets::Classes(t), true)
+                        .unwrap()
+                        .unwrap()
+                })
+                .collect();
+            assert_losses(what, &got, &want);
+            let evaluated = engine
+                .evaluate_loss(Examples::Ids(ids), Targets::Classes(targets))
+                .unwrap();
+            assert_close(&format!("{what}: evaluation"), &[evaluated], &[after], 0.0, 1e-5);
+        }
     }
 }
 

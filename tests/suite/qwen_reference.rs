@@ -6,7 +6,7 @@
 //! and a tied head's logits and gradients. Qwen2's fixture has q/k/v
 //! biases, Qwen3's q/k norms and heads of 24 channels over 64 / 4; every
 //! bias and norm weight carries noise, so none sits at its init. The
-//! numbers come from scripts/qwen_reference.py and mistral_reference.py
+//! numbers come from scripts/qwen_reference.py
 //! (PyTorch float32), committed as
 //! tests/fixtures/{qwen2,qwen3,mistral}_reference.safetensors.
 
@@ -58,7 +58,7 @@ const CASES: [Case; 3] = [
         step_norm: 1.5e-4,
         final_param: 4e-4,
     },
-    // Mistral (scripts/mistral_reference.py: attention over a window of 5
+    // Mistral (scripts/qwen_reference.py: attention over a window of 5
     // of the 16 positions, which moves its logits by 0.37): PyTorch's
     // float32 and float64 differ by 1.0e-4 in the step losses, 7.3e-4 in
     // the gradient norms and 2.5e-4 in the final parameters (the window's

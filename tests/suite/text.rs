@@ -3,7 +3,8 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgrad::io::text::{held_out_split, random_windows, shakespeare, CharTokenizer, Gpt2Bpe, Tokenizer, Utf8Stream};
+use wgrad::io::text::Utf8Stream;
+use wgrad::io::text::{gunzip_text, held_out_split, random_windows, shakespeare, CharTokenizer, Gpt2Bpe, Tokenizer};
 use wgrad::Error;
 
 #[test]
@@ -14,6 +15,22 @@ fn the_shipped_shakespeare_is_the_documented_text() {
     assert!(text.is_ascii());
     let tokenizer = CharTokenizer::from_text(&text).expect("tokenizer");
     assert_eq!(tokenizer.vocab_size(), 84);
+    // The served data/shakespeare.txt.gz (what the browser page fetches,
+    // its build embedding none) decompresses to the same text.
+    let served = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../data/shakespeare.txt.gz")).expect("the file");
+    assert!(gunzip_text("test", &served).expect("gzip") == text);
+}
+
+#[test]
+fn bytes_that_are_not_gzip_text_are_an_error_saying_so() {
+    for (bytes, what) in [(&b"plain text"[..], "not gzip"), (&[0x1f, 0x8b, 8, 0][..], "truncated")] {
+        match gunzip_text("test", bytes) {
+            Err(Error::InvalidArgument { op: "test", reason }) => {
+                assert!(reason.contains("not gzip-compressed UTF-8 text"), "{what}: {reason}")
+            }
+            other => panic!("{what}: expected an error, got {other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -4,12 +4,25 @@
 //! and the f32 <-> f16 storage casts of mixed precision
 //! (`graph/precision.rs` decides where they go).
 
+use super::SourceOp;
 use super::{rows_cols as flat_rows_cols, DispatchContext, OpFamily, ReferenceContext};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::graph::builder::{rows_cols, DType, Graph, Tensor, MAX_RANK};
-use crate::kernels::{Activation, Binary, Dispatch, F16View, Unary};
+use crate::kernels::{Activation, Binary, Dispatch, DropoutMask, F16View, Unary, DROPOUT_CONTROL_WORDS};
 use crate::ops::broadcast_shape;
+
+/// The name of a graph's dropout control input ([`Graph::dropout_control`]).
+pub const DROPOUT_CONTROL: &str = "dropout.control";
+
+/// Rows of a tensor of `shape` (viewed as [rows, last dimension]) to each
+/// of its first dimension's entries, its examples: 1 for a vector.
+fn rows_per_example(shape: &[usize]) -> usize {
+    match shape {
+        [examples, _, ..] => (flat_rows_cols(shape).0 / (*examples).max(1)).max(1),
+        _ => 1,
+    }
+}
 
 /// One output element per input element (broadcasting where said).
 #[derive(Clone, Debug, PartialEq)]
@@ -32,6 +45,10 @@ pub enum ElementwiseOp {
     StoreF16,
     /// [`DType::F16`] storage -> f32 (exact), where the backward reads it.
     LoadF16,
+    /// inputs (x, control): inverted dropout of x, its mask drawn from the
+    /// control's words ([`Graph::dropout`]); its gradient is the same op
+    /// over dy.
+    Dropout(DropoutMask),
 }
 
 impl OpFamily for ElementwiseOp {
@@ -50,6 +67,7 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::AccumulateGrad { .. } => "accumulate_grad",
             ElementwiseOp::StoreF16 => "store_f16",
             ElementwiseOp::LoadF16 => "load_f16",
+            ElementwiseOp::Dropout(_) => "dropout",
         }
     }
 
@@ -72,6 +90,17 @@ impl OpFamily for ElementwiseOp {
             ElementwiseOp::AccumulateGrad { .. } => k.add_assign(out, x),
             ElementwiseOp::StoreF16 => k.to_f16(F16View::new(out, cx.input_node(0).len())?, x),
             ElementwiseOp::LoadF16 => k.from_f16(out, F16View::new(x, out.len)?),
+            ElementwiseOp::Dropout(mask) => {
+                let shape = cx.shape();
+                k.dropout(
+                    *mask,
+                    out,
+                    x,
+                    cx.input(1)?,
+                    flat_rows_cols(shape).1,
+                    rows_per_example(shape),
+                )
+            }
         }
     }
 
@@ -114,6 +143,14 @@ impl OpFamily for ElementwiseOp {
             (ElementwiseOp::Scale(alpha), 0) => g.scale(dy, *alpha),
             (ElementwiseOp::BiasAdd, 0) => Ok(dy),
             (ElementwiseOp::BiasAdd, 1) => g.sum_rows(dy),
+            // The same mask (the same control words) over dy.
+            (ElementwiseOp::Dropout(mask), 0) => Ok(g.push(
+                ElementwiseOp::Dropout(*mask),
+                vec![dy, input(1)],
+                n.shape.clone(),
+                DType::F32,
+                format!("d{}", n.name),
+            )),
             (ElementwiseOp::Activation(act), 0) => Ok(g.push(
                 ElementwiseOp::ActivationBackward(*act),
                 vec![input(0), dy],
@@ -145,6 +182,17 @@ impl OpFamily for ElementwiseOp {
                     .collect())
             }
             ElementwiseOp::LoadF16 => Ok(x.to_vec()),
+            ElementwiseOp::Dropout(mask) => {
+                let control: Vec<u32> = cx.input(1)?.iter().map(|&w| w as u32).collect();
+                let shape = cx.shape();
+                Ok(cpu::dropout(
+                    mask,
+                    x,
+                    &control,
+                    flat_rows_cols(shape).1,
+                    rows_per_example(shape),
+                ))
+            }
             // The parameter's gradient so far (zeroed before the step): the
             // previous accumulation into it, plus this contribution.
             ElementwiseOp::AccumulateGrad { param } => {
@@ -305,5 +353,46 @@ impl Graph {
     /// 1 / sqrt(x) (inf at 0, NaN below, as IEEE).
     pub fn rsqrt(&mut self, x: Tensor) -> Result<Tensor> {
         self.unary(Unary::Rsqrt, x)
+    }
+
+    /// The graph's one dropout control (made at the first call): an input
+    /// of [`DROPOUT_CONTROL_WORDS`] u32 words the executor writes before
+    /// every run — the key of the step's masks (its optimizer's step
+    /// count, or what `Executor::set_dropout_step` fixes), whether dropout
+    /// applies (in training steps; in other runs only in training mode,
+    /// `Executor::set_training`), and the number of the batch's first
+    /// example (`Executor::set_dropout_first_example`).
+    pub fn dropout_control(&mut self) -> Result<Tensor> {
+        let found = self
+            .nodes
+            .iter()
+            .position(|n| n.op == SourceOp::Input && n.name == DROPOUT_CONTROL && n.dtype == DType::U32);
+        match found {
+            Some(i) => Ok(Tensor(i)),
+            None => self.ids(DROPOUT_CONTROL, &[DROPOUT_CONTROL_WORDS]),
+        }
+    }
+
+    /// x with inverted dropout (torch.nn.Dropout): each element zeroed
+    /// with probability `mask.p`, the others scaled by 1/(1 − p), the mask
+    /// drawn from the graph's control words ([`Graph::dropout_control`],
+    /// [`DropoutMask`]); x itself where dropout is off and when p is 0.
+    /// Its first dimension counts examples.
+    pub fn dropout(&mut self, x: Tensor, mask: DropoutMask) -> Result<Tensor> {
+        const OP: &str = "dropout";
+        self.f32_inputs(OP, &[x])?;
+        let shape = self.shape(x).to_vec();
+        mask.check(OP, flat_rows_cols(&shape).1)?;
+        if mask.p == 0.0 {
+            return Ok(x);
+        }
+        let control = self.dropout_control()?;
+        Ok(self.push(
+            ElementwiseOp::Dropout(mask),
+            vec![x, control],
+            shape,
+            DType::F32,
+            format!("{OP}{}", self.nodes.len()),
+        ))
     }
 }

@@ -30,6 +30,7 @@ mod elementwise;
 mod embedding;
 mod generation;
 mod layout;
+mod lora;
 mod loss;
 mod matmul;
 mod norms;
@@ -45,10 +46,11 @@ use crate::error::{Error, Result};
 use crate::kernels::{Dispatch, Kernels, View};
 
 pub use attention::AttentionOp;
-pub use elementwise::ElementwiseOp;
+pub use elementwise::{ElementwiseOp, DROPOUT_CONTROL};
 pub use embedding::EmbeddingOp;
 pub use generation::GenerationOp;
 pub use layout::LayoutOp;
+pub use lora::LoraOp;
 pub use loss::{LossKind, LossOp};
 pub use matmul::MatmulOp;
 pub use norms::NormOp;
@@ -114,6 +116,8 @@ op_families! {
     Generation(GenerationOp),
     /// Fused causal self-attention and its backward nodes.
     Attention(AttentionOp),
+    /// Many LoRA adapters' gathered products (generation): no gradients.
+    Lora(LoraOp),
 }
 
 impl Op {
