@@ -13,7 +13,7 @@ use wgrad::infer::generate::Sampling;
 use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{mistral, qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
-use wgrad::nn::{AttentionKernel, Lora, LoraConfig, Module};
+use wgrad::nn::{AttentionKernel, BaseStorage, Lora, LoraConfig, Module};
 use wgrad::optim::{Adam, AdamW, SGD};
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
@@ -146,9 +146,11 @@ pub struct TrainArgs {
     pub(crate) precision: String,
     /// GPT and Llama: recompute each transformer block's forward in its
     /// backward: less activation memory for more compute (one device or
-    /// any --parallel engine).
-    #[arg(long)]
-    pub(crate) checkpoint_activations: bool,
+    /// any --parallel engine). On by default for adapters over a quantized
+    /// base (QLoRA's recipe, as PEFT's prepare_model_for_kbit_training
+    /// does); --checkpoint-activations=false turns it off.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub(crate) checkpoint_activations: Option<bool>,
     /// --precision f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
     #[arg(long, default_value_t = 2000)]
     pub(crate) loss_scale_interval: u32,
@@ -332,6 +334,12 @@ pub trait CliModel: TrainableLm {
     fn pretrained(path: &std::path::Path, _args: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
         Pretrained::load(path)
     }
+    /// Whether a run checkpoints activations unless told otherwise: an
+    /// adapter run over a quantized base, whose activations would
+    /// otherwise outweigh what the quantized base saves.
+    fn checkpoints_by_default(&self) -> bool {
+        false
+    }
     /// PEFT's trainable-parameters line, for a run that trains part of the model.
     fn trainable(&self) -> Option<String> {
         None
@@ -368,6 +376,13 @@ impl<M: CliModel> CliModel for Lora<M> {
     fn pretrained(path: &std::path::Path, g: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
         let storage = crate::train_memory::base_storage(&g.base_dtype, Some(path))?;
         M::pretrained(path, g)?.with_lora_storage(lora_config(g)?, storage)
+    }
+    fn checkpoints_by_default(&self) -> bool {
+        match self.base_storage() {
+            BaseStorage::Quantized(matrices) => !matrices.is_empty(),
+            BaseStorage::QuantizedAs(_) => true,
+            BaseStorage::F32 | BaseStorage::F16 => false,
+        }
     }
     fn trainable(&self) -> Option<String> {
         Some(format!(
@@ -555,13 +570,17 @@ fn train_language_model<M: CliModel>(
         clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
         ..AdamWSchedule::default()
     };
-    let config = TrainConfig {
+    let mut config = TrainConfig {
         optimizer: schedule.optimizer_for(update, max_steps),
         eval_every: g.eval_every,
         schedule: Schedule::parse(&g.schedule)?,
         save: Some(out_folder(args)),
         ..run_config(args, defaults)?
     };
+    if args.checkpoint_activations.is_none() && pretrained.as_ref().is_some_and(|p| p.model.checkpoints_by_default()) {
+        config.checkpoint_activations = true;
+        println!("{CHECKPOINTING_QLORA}");
+    }
     if args.dry_run {
         return dry_run::<M>(args, &config, variant, pretrained.as_ref());
     }
@@ -655,6 +674,10 @@ fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
     }
 }
 
+/// Said where QLoRA turns activation checkpointing on by itself.
+const CHECKPOINTING_QLORA: &str = "activation checkpointing: on, as QLoRA trains (the base is quantized; \
+                                   --checkpoint-activations=false turns it off)";
+
 /// `--dry-run`: each strategy's bytes on the fullest device, at 1 device
 /// and at each power of two up to --devices (and --devices itself),
 /// planned without a device. The model takes its preset's vocabulary, or
@@ -689,6 +712,13 @@ fn dry_run<M: CliModel>(
     if let (None, Some(line)) = (pretrained, model.trainable()) {
         println!("{line}");
     }
+    // A preset planned under QLoRA checkpoints as a run over a file would.
+    let mut config = config.clone();
+    if pretrained.is_none() && args.checkpoint_activations.is_none() && model.checkpoints_by_default() {
+        config.checkpoint_activations = true;
+        println!("{CHECKPOINTING_QLORA}");
+    }
+    let config = &config;
     let most = match &config.devices {
         Some(selection) => selection.check()?,
         None => 2,
@@ -984,7 +1014,7 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
             growth_interval: args.loss_scale_interval,
             ..Default::default()
         },
-        checkpoint_activations: args.checkpoint_activations,
+        checkpoint_activations: args.checkpoint_activations.unwrap_or(false),
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
         ..defaults

@@ -71,11 +71,15 @@ fn train_lora_over_a_gguf_file_keeps_the_base_quantized() {
         "{quantized}"
     );
     assert!(quantized.contains("memory per device (the fullest)"), "{quantized}");
+    // QLoRA checkpoints activations unless told not to; LoRA over f32 does not.
+    let checkpointing = "activation checkpointing: on, as QLoRA trains";
+    assert!(quantized.contains(checkpointing), "{quantized}");
     let f32_base = run("f32", &["--base-dtype", "f32"]);
     assert!(
         f32_base.contains("frozen base on the device: f32; adapters f32"),
         "{f32_base}"
     );
+    assert!(!f32_base.contains(checkpointing), "{f32_base}");
     let start = |s: &str| number_after(s, "held-out loss at step 0:");
     let end = |s: &str| number_after(s, "final validation loss");
     assert!(
@@ -93,21 +97,21 @@ fn train_lora_over_a_gguf_file_keeps_the_base_quantized() {
 /// `--dry-run --init FILE --lora`: the adapters over the file's quantized
 /// base per strategy, then the same strategies under full fine-tuning,
 /// each adapter run a fraction of its full run, and the GPU one device
-/// needs.
+/// needs; planned with activation checkpointing (QLoRA's default), and
+/// without it where --checkpoint-activations=false says so.
 #[test]
 fn dry_run_plans_adapters_over_a_file_beside_full_fine_tuning() {
-    let stdout = ok(&wgrad(&[
-        "train",
-        "--init",
-        GGUF,
-        "--lora",
-        "r=2",
-        "--dry-run",
-        "--block-size",
-        "16",
-        "--batch-size",
-        "2",
-    ]));
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["train", "--init", GGUF, "--lora", "r=2", "--dry-run"];
+        args.extend(["--block-size", "16", "--batch-size", "2"]);
+        args.extend(extra);
+        ok(&wgrad(&args))
+    };
+    let planned_with = "planned with checkpointed activations";
+    let plain = plan(&["--checkpoint-activations=false"]);
+    assert!(!plain.contains(planned_with), "{plain}");
+    let stdout = plan(&[]);
+    assert!(stdout.contains(planned_with), "{stdout}");
     assert!(stdout.contains("frozen base on the device: quantized"), "{stdout}");
     let table = stdout
         .split("beside full fine-tuning")

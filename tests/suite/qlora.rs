@@ -467,8 +467,9 @@ fn quantized_weights_train_only_frozen() {
 /// SmolLM2-135M-Instruct's Q4_1 file (the real one) under QLoRA, r = 16 on
 /// every Linear, batches of 4 × 128 tokens, against full fine-tuning of
 /// the same model planned alike: one device's bytes, planned without a
-/// device. With activation checkpointing (as QLoRA's recipe trains:
-/// peft's prepare_model_for_kbit_training turns it on) QLoRA takes at
+/// device. With activation checkpointing (`wgrad train`'s default over a
+/// quantized base, as QLoRA's recipe trains: peft's
+/// prepare_model_for_kbit_training turns it on) QLoRA takes at
 /// most 0.35 of full fine-tuning's bytes (measured 0.234), and what
 /// a trainer allocates is what was planned. Without it both runs hold the
 /// same 0.95 GB of activations for the backward, which then dominate
