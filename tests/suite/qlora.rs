@@ -673,7 +673,9 @@ fn qlora_trains_alike_under_data_zero_and_pipeline_parallel() {
     let batches: Vec<(Vec<u32>, Vec<u32>)> = (0..10)
         .map(|s| {
             let mut r = rng(500 + s);
-            let ids: Vec<u32> = (0..BATCH * T).map(|_| r.random_range(0..m.vocab_size() as u32)).collect();
+            let ids: Vec<u32> = (0..BATCH * T)
+                .map(|_| r.random_range(0..m.vocab_size() as u32))
+                .collect();
             let targets = ids.iter().map(|&i| (i * 7 + 3) % m.vocab_size() as u32).collect();
             (ids, targets)
         })
@@ -683,8 +685,7 @@ fn qlora_trains_alike_under_data_zero_and_pipeline_parallel() {
         assert_eq!(got.len(), want.len(), "{what}: steps");
         assert_close(what, &got, &want, 0.0, 1e-5);
     };
-    let mut dp =
-        DataParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, Split::Rows(vec![1, 3])).unwrap();
+    let mut dp = DataParallel::new(group, &m, CrossEntropyLoss, optimizer(), BATCH, Split::Rows(vec![1, 3])).unwrap();
     check(
         "data parallel",
         batches
