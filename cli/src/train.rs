@@ -357,7 +357,13 @@ pub trait CliModel: TrainableLm {
     }
     /// For a run that trains part of the model (adapters): what full
     /// fine-tuning of the same model plans under `strategy` on `devices`.
-    fn full_memory(&self, _strategy: Strategy, _devices: usize, _p: &Planning) -> Option<wgrad::Result<DeviceMemory>> {
+    fn full_memory(
+        &self,
+        _strategy: Strategy,
+        _devices: usize,
+        _p: &Planning,
+        _attention: AttentionKernel,
+    ) -> Option<wgrad::Result<DeviceMemory>> {
         None
     }
 }
@@ -394,8 +400,17 @@ impl<M: CliModel> CliModel for Lora<M> {
     fn planned(c: &LoraLmConfig<M::Config>) -> wgrad::Result<Self> {
         Ok(Lora::new(M::planned(&c.base)?, c.lora.clone())?.with_base_storage(c.storage.clone()))
     }
-    fn full_memory(&self, strategy: Strategy, devices: usize, p: &Planning) -> Option<wgrad::Result<DeviceMemory>> {
-        Some(M::planned(&self.base.config()).and_then(|base| strategy_memory(&base, strategy, devices, p)))
+    fn full_memory(
+        &self,
+        strategy: Strategy,
+        devices: usize,
+        p: &Planning,
+        attention: AttentionKernel,
+    ) -> Option<wgrad::Result<DeviceMemory>> {
+        Some(M::planned(&self.base.config()).and_then(|mut base| {
+            base.set_attention_kernel(attention);
+            strategy_memory(&base, strategy, devices, p)
+        }))
     }
     /// The adapter folder's config names the base it was trained over.
     fn saved(&self, dir: &std::path::Path, source: Option<&std::path::Path>) -> wgrad::Result<()> {
@@ -691,7 +706,7 @@ fn dry_run<M: CliModel>(
     use wgrad::parallel::memory::every_strategy;
     let g = &args.gpt;
     wgrad::nn::manual_seed(args.seed);
-    let model = match pretrained {
+    let mut model = match pretrained {
         // --init with --lora: the adapters over the file on the run's windows.
         Some(p) => p.cropped(g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size))?,
         None => {
@@ -711,6 +726,14 @@ fn dry_run<M: CliModel>(
     // A pretrained model's line is printed as it loads.
     if let (None, Some(line)) = (pretrained, model.trainable()) {
         println!("{line}");
+    }
+    // Attention as --attention names it; auto plans fused, what a GPU
+    // trains (a CPU adapter trains short windows unfused, which holds the
+    // scores: more activations than planned here).
+    let attention = g.attention.kernel().unwrap_or_default();
+    model.set_attention_kernel(attention);
+    if g.attention == AttentionChoice::Auto {
+        println!("attention planned fused, as a GPU trains (--attention unfused plans what a CPU adapter runs below {} positions)", wgrad::nn::CPU_FUSED_ATTENTION_MIN_SEQ);
     }
     // A preset planned under QLoRA checkpoints as a run over a file would.
     let mut config = config.clone();
@@ -800,7 +823,7 @@ fn dry_run<M: CliModel>(
             Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
-    crate::train_memory::beside_full_fine_tuning(&model, &rows, &planning, (unit, scale))
+    crate::train_memory::beside_full_fine_tuning(&model, &rows, &planning, attention, (unit, scale))
 }
 
 /// A fine-tune's start, printed before its first step: the source, the
@@ -970,15 +993,17 @@ pub(crate) fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-/// Bytes by what they hold, in MiB.
+/// Bytes by what they hold, in MiB; the total in bytes too (what a dry
+/// run planned, to the byte).
 pub(crate) fn memory_line(m: &wgrad::parallel::memory::DeviceMemory) -> String {
     format!(
-        "parameters {}, gradients {}, optimizer state {}, activations {}; total {}",
+        "parameters {}, gradients {}, optimizer state {}, activations {}; total {} ({} bytes)",
         mib(m.parameters),
         mib(m.gradients),
         mib(m.optimizer_state),
         mib(m.activations),
-        mib(m.total())
+        mib(m.total()),
+        m.total()
     )
 }
 

@@ -88,11 +88,12 @@ pub(crate) fn beside_full_fine_tuning<M: CliModel>(
     model: &M,
     rows: &[(usize, String, Strategy, wgrad::Result<DeviceMemory>)],
     planning: &Planning,
+    attention: wgrad::nn::AttentionKernel,
     (unit, scale): (&str, f64),
 ) -> wgrad::Result<()> {
     let mut full_rows = Vec::new();
     for (n, name, strategy, memory) in rows {
-        let Some(full) = model.full_memory(*strategy, *n, planning) else {
+        let Some(full) = model.full_memory(*strategy, *n, planning, attention) else {
             return Ok(());
         };
         full_rows.push((*n, name, memory, full));

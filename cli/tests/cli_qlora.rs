@@ -201,3 +201,73 @@ fn base_dtype_is_refused_where_it_does_not_apply() {
     }
     assert!(Path::new(GGUF).is_file());
 }
+
+/// What `--dry-run` plans for one device is what the run then allocates:
+/// the single-device total of the plan (KiB, this model being small)
+/// against the run's own bytes, with the base quantized and checkpointed
+/// (QLoRA's default) and without checkpointing, and with each attention
+/// kernel named (auto picks by device, which a dry run has none of). The
+/// plan aligns its slots to 256 bytes, WebGPU's default, where the device
+/// aligns to its own (lavapipe's is smaller): the plan is the larger, by
+/// under 1 KiB here (tests/suite/qlora.rs checks equality to the byte at
+/// the device's alignment).
+#[test]
+fn the_dry_run_plans_the_bytes_the_run_allocates() {
+    let dir = std::env::temp_dir().join(format!("wgrad-qlora-plan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "to be or not to be, that is the question.\n".repeat(60)).unwrap();
+    let (out, plot) = (dir.join("out"), dir.join("loss.png"));
+    for attention in ["fused", "unfused"] {
+        for extra in [&[][..], &["--checkpoint-activations=false"][..]] {
+            let mut args = vec![
+                "train",
+                "--init",
+                GGUF,
+                "--lora",
+                "r=2,alpha=4",
+                "--attention",
+                attention,
+            ];
+            args.extend(["--block-size", "16", "--batch-size", "2"]);
+            args.extend(extra);
+            let mut dry = args.clone();
+            dry.extend(["--dry-run", "--devices", "1"]);
+            let planned = ok(&wgrad(&dry));
+            let single = planned
+                .lines()
+                .find(|l| l.trim_start().starts_with("1  single"))
+                .unwrap_or_else(|| panic!("{planned}"));
+            assert!(planned.contains("bytes on the fullest device (KiB)"), "{planned}");
+            let planned_kib = single.split_whitespace().last().unwrap_or_default().to_string();
+            args.extend([
+                "--text",
+                text.to_str().unwrap(),
+                "--max-steps",
+                "1",
+                "--eval-batches",
+                "1",
+            ]);
+            args.extend(["--sample-tokens", "0", "--out", out.to_str().unwrap()]);
+            args.extend(["--plot", plot.to_str().unwrap()]);
+            let run = ok(&wgrad(&args));
+            let line = run
+                .lines()
+                .find(|l| l.starts_with("memory per device (the fullest)"))
+                .unwrap_or_else(|| panic!("{run}"));
+            let bytes: f64 = line
+                .rsplit('(')
+                .next()
+                .and_then(|b| b.trim_end_matches(" bytes)").parse().ok())
+                .unwrap_or_else(|| panic!("{line}"));
+            let planned_kib: f64 = planned_kib.parse().unwrap_or_else(|_| panic!("{single}"));
+            let slack = planned_kib - bytes / 1024.0;
+            assert!(
+                (-0.05..1.0).contains(&slack),
+                "{attention} {extra:?}: planned {single}, ran {line}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
