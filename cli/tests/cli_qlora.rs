@@ -176,10 +176,11 @@ fn dry_run_plans_the_1b_presets_under_qlora() {
 }
 
 /// `--base-dtype` where it cannot apply: without --lora, a format over a
-/// file (which is stored as it holds it), an unknown name.
+/// file (which is stored as it holds it), an unknown name; and tensor
+/// parallel over a quantized base, which wgrad does not cut into shares.
 #[test]
 fn base_dtype_is_refused_where_it_does_not_apply() {
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 4] = [
         (&["--init", GGUF, "--base-dtype", "f16"], "give --lora"),
         (
             &["--model", "llama", "--dry-run", "--lora", "r=2", "--base-dtype", "q3"],
@@ -188,6 +189,19 @@ fn base_dtype_is_refused_where_it_does_not_apply() {
         (
             &["--init", GGUF, "--lora", "r=2", "--base-dtype", "q4_0"],
             "as the file holds it",
+        ),
+        (
+            &[
+                "--init",
+                GGUF,
+                "--lora",
+                "r=2",
+                "--parallel",
+                "tensor",
+                "--devices",
+                "2",
+            ],
+            "tensor parallel over a quantized base is not supported",
         ),
     ];
     for (args, says) in cases {

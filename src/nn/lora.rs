@@ -361,6 +361,18 @@ pub(crate) fn declare_stored(g: &mut Graph, name: &str, shape: &[usize], values:
     let Some(stored) = stored else {
         return Ok(None);
     };
+    // A tensor-parallel rank holds a share of each split matrix; cutting a
+    // file's blocks into shares is not done here.
+    if super::shard::sharded() && matches!(stored, Stored::Blocks(_) | Stored::Planned(DType::Quant(_))) {
+        return Err(Error::InvalidArgument {
+            op: "LoRA",
+            reason: format!(
+                "`{name}`: tensor parallel over a quantized base is not supported (each rank would need a share \
+                 of the file's blocks); train it on one device or under data, ZeRO or pipeline parallel, or \
+                 store the base in f32 or f16 (--base-dtype)"
+            ),
+        });
+    }
     if let Some(t) = g
         .parameters()
         .into_iter()
