@@ -6,7 +6,7 @@
 set -euo pipefail
 WGRAD=${1:-target/release/wgrad}
 OUT=docs/cli.md
-COMMANDS=(adapters train generate chat serve perplexity infer tune bench allreduce shaders matmul)
+COMMANDS=(adapters train generate chat serve export perplexity infer tune bench allreduce shaders matmul)
 {
     echo "# CLI reference"
     echo

@@ -699,7 +699,8 @@ pub fn generate_pretrained(
         dtype: dtype.map_or(WeightDtype::F32, DtypeName::weights),
         ..GeneratorOptions::default()
     };
-    let fitted = wgrad::infer::generate::context_that_fits(&kernels, config.as_ref(), &options, 1)?;
+    let stored = wgrad::infer::pretrained::quantized_storage(model, dtype.map(DtypeName::weights))?;
+    let fitted = wgrad::infer::generate::context_that_fits_stored(&kernels, config.as_ref(), &options, 1, stored)?;
     let wanted = options.context_for(config.lm_sizes().context)?;
     if fitted < wanted {
         eprintln!("note: the KV cache holds {fitted} positions, what fits this adapter's memory beside the model (not {wanted}); give --context to choose fewer");

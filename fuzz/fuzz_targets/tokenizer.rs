@@ -9,11 +9,15 @@ use wgrad::io::bpe::BpeTokenizer;
 use wgrad::io::chat::{render_chat, ChatMessage};
 use wgrad::io::gguf::Gguf;
 
-/// Specials, multi-byte characters, digits and whitespace runs.
-const TEXT: &str = "<|im_start|>user\nHello, wörld! 12345 日本語 🙂\t\t  x<|im_end|>\n<|endoftext|>";
+/// Specials (ChatML's, Gemma's), multi-byte characters, digits, whitespace
+/// and newline runs, a SentencePiece space.
+const TEXT: &str =
+    "<|im_start|>user\nHello, wörld! 12345 日本語 🙂\t\t  x<|im_end|>\n<|endoftext|><start_of_turn>model\n\n\n▁a<end_of_turn>";
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(g) = Gguf::from_bytes("fuzz.gguf", data.to_vec()) else { return };
+    let Ok(g) = Gguf::from_bytes("fuzz.gguf", data.to_vec()) else {
+        return;
+    };
     let Ok(tok) = BpeTokenizer::from_gguf(&g) else { return };
     if let Ok(ids) = tok.encode(TEXT, true) {
         let _ = tok.decode(&ids, false);
@@ -30,6 +34,12 @@ fuzz_target!(|data: &[u8]| {
     let _ = tok.decode(&[u32::MAX], false);
     if let Some(template) = tok.chat_template() {
         let (bos, eos) = (tok.bos_token().unwrap_or_default(), tok.eos_token().unwrap_or_default());
-        let _ = render_chat(template, &[ChatMessage::system("s"), ChatMessage::user("hi")], true, &bos, &eos);
+        let _ = render_chat(
+            template,
+            &[ChatMessage::system("s"), ChatMessage::user("hi")],
+            true,
+            &bos,
+            &eos,
+        );
     }
 });

@@ -753,15 +753,29 @@ pub fn context_that_fits(
     options: &GeneratorOptions,
     at_least: usize,
 ) -> Result<usize> {
+    context_that_fits_stored(kernels, config, options, at_least, (0, 0))
+}
+
+/// [`context_that_fits`] for a model whose matrices of `quantized.0` values
+/// stay block-quantized in `quantized.1` bytes, as [`check_fits_stored`]
+/// counts them.
+pub fn context_that_fits_stored(
+    kernels: &Kernels,
+    config: &dyn LmConfig,
+    options: &GeneratorOptions,
+    at_least: usize,
+    quantized: (u64, u64),
+) -> Result<usize> {
     let wanted = options.context_for(config.lm_sizes().context)?;
     let fits = |context: usize| {
-        check_fits_with_options(
+        check_fits_stored(
             kernels,
             config,
             &GeneratorOptions {
                 context: Some(context),
                 ..options.clone()
             },
+            quantized,
         )
     };
     if fits(wanted).is_ok() {

@@ -60,6 +60,17 @@ pub fn load_pretrained(
     load_pretrained_with_config(kernels, path, config.as_ref(), dtype, fits)
 }
 
+/// (values, stored bytes) of the matrices [`load_pretrained`] keeps
+/// block-quantized for the model at `path` (a GGUF file's, unless `dtype`
+/// de-quantizes them; none for a folder), from the file's header alone:
+/// what [`crate::infer::generate::context_that_fits_stored`] counts.
+pub fn quantized_storage(path: &Path, dtype: Option<WeightDtype>) -> Result<(u64, u64)> {
+    match dtype {
+        None if is_gguf_path(path) => GgufModel::open(path)?.quantized_storage(),
+        _ => Ok((0, 0)),
+    }
+}
+
 /// [`load_pretrained`] for a caller that has read the model's config
 /// already ([`read_model_config`], to size `fits` by it): the file's header
 /// or config.json is read once.

@@ -46,7 +46,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::io::gguf::{llama, unsupported, Gguf, TensorInfo};
+use crate::io::gguf::{llama, unsupported, GgmlType, Gguf, TensorInfo};
 use crate::io::gpt_folder::parameter_count;
 use crate::io::hf_folder::SIZE_CHECKED_ABOVE;
 use crate::models::{Gemma, GemmaConfig, Gpt, GptConfig, Llama, LlamaConfig, LlamaVariant};
@@ -698,23 +698,29 @@ fn gpt2_config(gguf: &Gguf) -> Result<(GptConfig, f32)> {
 }
 
 /// Refuses sizes whose model has more parameters than the file's tensor
-/// data could hold at Q4_0's 18 bytes a 32 values (the densest type wgrad
-/// decodes), before the model's structure is built: a 3 KB file of 8
-/// blocks of 2^24 channels made the empty Llama allocate 1 GB of norms.
+/// data could hold at Q2_K's 84 bytes a 256 values (the densest type wgrad
+/// decodes: Q4_0's 18 a 32 refused real Q2_K files), before the model's
+/// structure is built: a 3 KB file of 8 blocks of 2^24 channels made the
+/// empty Llama allocate 1 GB of norms.
 fn check_data_holds(gguf: &Gguf, parameters: Option<usize>) -> Result<()> {
+    const DENSEST: GgmlType = GgmlType::Q2_K;
     if parameters.is_some_and(|n| n <= SIZE_CHECKED_ABOVE) {
         return Ok(());
     }
     let held = gguf.file_size().saturating_sub(gguf.data_offset());
     let needed = parameters
         .and_then(|n| u64::try_from(n).ok())
-        .and_then(|n| n.checked_mul(18))
-        .map(|b| b / 32);
+        .and_then(|n| n.checked_mul(DENSEST.type_size()))
+        .map(|b| b / DENSEST.block_size());
     if needed.is_none_or(|needed| needed > held) {
         let count = parameters.map_or("more than 2^64".to_string(), |n| n.to_string());
         return Err(Error::Gguf {
             path: gguf.path().to_path_buf(),
-            reason: format!("the metadata's sizes make a model of {count} parameters, more than {held} bytes of tensor data hold (18 bytes a 32 values at the least)"),
+            reason: format!(
+                "the metadata's sizes make a model of {count} parameters, more than {held} bytes of tensor data hold ({} bytes a {} values at the least, {DENSEST}'s)",
+                DENSEST.type_size(),
+                DENSEST.block_size()
+            ),
         });
     }
     Ok(())

@@ -34,6 +34,11 @@ pub enum TensorSplit {
     /// sum; rank 0 alone adds the bias, so the ranks' outputs sum to the
     /// whole Linear's. An all-reduce must follow.
     Row { unit: usize },
+    /// Not split: every rank holds the whole Linear and yields all its
+    /// outputs (multi-query attention's one KV head). As a norm's, its
+    /// gradient is summed over the ranks, each rank's holding what its
+    /// own share of the consumers (its query heads) asked of it.
+    Replicated,
 }
 
 /// Where a rank's share of a split parameter lies in the whole one.
@@ -112,7 +117,10 @@ impl AttentionSplit {
     /// `n_head` query heads sharing `n_kv_head` KV heads in groups. With
     /// fewer KV heads than query heads (grouped-query), the ranks must
     /// divide the KV heads, so each takes the same share; with one KV head
-    /// per query head the heads split as evenly as they go.
+    /// per query head the heads split as evenly as they go. With one KV
+    /// head for all (multi-query: Gemma 3 270M) over several ranks, every
+    /// rank holds k and v whole (replicated: a KV head is 1/n_head of the
+    /// attention's weights) and the query heads split as evenly as they go.
     pub fn grouped_query(n_head: usize, n_kv_head: usize, head_dim: usize) -> Result<Self> {
         if n_head == 0 || n_kv_head == 0 || head_dim == 0 || n_head % n_kv_head != 0 {
             return Err(Error::InvalidArgument {
@@ -121,6 +129,16 @@ impl AttentionSplit {
             });
         }
         let ranks = ranks();
+        if n_kv_head == 1 && n_head > 1 && ranks > 1 {
+            return Ok(AttentionSplit {
+                query: TensorSplit::Column {
+                    groups: 1,
+                    unit: head_dim,
+                },
+                key_value: TensorSplit::Replicated,
+                output: TensorSplit::Row { unit: head_dim },
+            });
+        }
         if ranks > n_kv_head || (n_kv_head < n_head && n_kv_head % ranks != 0) {
             return Err(Error::InvalidArgument {
                 op: "tensor parallel",
@@ -330,6 +348,8 @@ impl Linear {
         };
         let weight_shape = vec![out, input];
         let (share, weight_slice, bias) = match split {
+            // The whole Linear, declared as any replicated parameter.
+            TensorSplit::Replicated => return self.forward(g, x, prefix),
             TensorSplit::Column { groups, unit } => {
                 let per_group = out / groups.max(1);
                 if groups == 0 || unit == 0 || out % groups != 0 || per_group % unit != 0 {

@@ -27,6 +27,12 @@ const BATCH: usize = 4;
 const HEAD_DIM: usize = 6;
 
 fn gemma() -> Gemma {
+    gemma_with(config(true).n_kv_head, config(true).block_size)
+}
+
+/// The test's Gemma 3 with `n_kv_head` KV heads and local layers attending
+/// over `window` positions.
+fn gemma_with(n_kv_head: usize, window: usize) -> Gemma {
     let llama = config(true);
     nn::manual_seed(19);
     let mut model = Gemma::new(GemmaConfig {
@@ -34,7 +40,7 @@ fn gemma() -> Gemma {
         block_size: llama.block_size,
         n_layer: 2,
         n_head: llama.n_head,
-        n_kv_head: llama.n_kv_head,
+        n_kv_head,
         n_embd: llama.n_embd,
         head_dim: HEAD_DIM,
         intermediate_size: llama.intermediate_size,
@@ -42,7 +48,7 @@ fn gemma() -> Gemma {
         rope_local_theta: 10_000.0,
         rms_norm_eps: 1e-6,
         query_pre_attn_scalar: 5.0,
-        sliding_window: llama.block_size,
+        sliding_window: window,
         sliding_window_pattern: 2,
     })
     .unwrap();
@@ -149,4 +155,39 @@ fn zero_stages_train_gemma_as_one_device() {
         batches: batches(),
     };
     stages_match_one_device(&groups, &case);
+}
+
+/// Gemma 3 270M's attention: one KV head for all four query heads
+/// (multi-query), the local layer attending over 3 of the 8 positions.
+/// Tensor parallel holds k and v whole on each device (their gradients
+/// summed over the devices, as a norm's) and splits the query heads; it
+/// refused 2 devices before ("must divide the 1 KV heads").
+#[test]
+fn gemma_with_one_kv_head_and_a_window_trains_as_one_device_under_tensor_parallel() {
+    let groups = open_groups(
+        "gemma_with_one_kv_head_and_a_window_trains_as_one_device_under_tensor_parallel",
+        &[DeviceSelection::Count(2)],
+    );
+    let Some(group) = groups.first() else { return };
+    let labels = group.labels().join(", ");
+    let model = gemma_with(1, 3);
+    let (trainer, losses, _) = train_on_one_device(&group.members()[0], &model, optimizer(), BATCH, &batches());
+    let want = trainer.executor().parameters().unwrap();
+    let mut tp = TensorParallel::new(group, &model, CrossEntropyLoss, optimizer(), BATCH).unwrap();
+    for layer in 0..2 {
+        let name = |module: &str| format!("model.layers.{layer}.{module}.weight");
+        assert_eq!(
+            rows_held(&tp, &name("self_attn.q_proj")),
+            vec![2 * HEAD_DIM, 2 * HEAD_DIM]
+        );
+        for replicated in ["self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm"] {
+            assert_eq!(tp.slices(&name(replicated)), [None, None], "{replicated} replicated");
+        }
+    }
+    matches_one_device(
+        &format!("Gemma 3, one KV head, window 3: tensor parallel on [{labels}]"),
+        &mut tp,
+        &losses,
+        &want,
+    );
 }

@@ -413,6 +413,67 @@ fn sizes_the_data_cannot_hold_are_refused_before_allocating() {
     );
 }
 
+/// The check above counts bytes at the densest type wgrad decodes: Q2_K's
+/// 84 bytes a 256 values (2.625 bits), not Q4_0's 4.5. At Q4_0's a real
+/// Q2_K or Q3_K_S file (a 7B Q2_K is about 3.4 bits a weight) was refused
+/// as too small for its sizes. This Llama of 2.1M parameters (above the
+/// 2^20 where the check starts), every matrix Q2_K, must open.
+#[test]
+fn a_model_stored_in_q2_k_is_not_refused_as_too_small() {
+    use wgrad::io::gguf::Value;
+    use wgrad::io::gguf_write::GgufWriter;
+    let base = Gguf::open(fixture(UNTIED)).unwrap();
+    let mut writer = GgufWriter::new();
+    for (key, value) in base.metadata() {
+        writer.set(key, value.clone()).unwrap();
+    }
+    let (c, ff, vocab) = (512usize, 512usize, 271usize);
+    for (key, value) in [
+        ("llama.embedding_length", c),
+        ("llama.feed_forward_length", ff),
+        ("llama.block_count", 1),
+        ("llama.rope.dimension_count", c / 4),
+    ] {
+        writer.set(key, Value::U32(value as u32)).unwrap();
+    }
+    // All-zero Q2_K blocks decode to zeros (finite scales).
+    let q2k = |rows: usize, cols: usize| vec![0u8; rows * cols / 256 * 84];
+    let matrices = [
+        ("token_embd.weight", vocab, c),
+        ("blk.0.attn_q.weight", c, c),
+        ("blk.0.attn_k.weight", c / 2, c),
+        ("blk.0.attn_v.weight", c / 2, c),
+        ("blk.0.attn_output.weight", c, c),
+        ("blk.0.ffn_gate.weight", ff, c),
+        ("blk.0.ffn_up.weight", ff, c),
+        ("blk.0.ffn_down.weight", c, ff),
+        ("output.weight", vocab, c),
+    ];
+    for (name, rows, cols) in matrices {
+        writer
+            .add_tensor(name, &[rows, cols], GgmlType::Q2_K, q2k(rows, cols))
+            .unwrap();
+    }
+    for name in ["blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"] {
+        writer.add_values(name, &[c], GgmlType::F32, &vec![1.0; c]).unwrap();
+    }
+    let bytes = writer.to_bytes().unwrap();
+    let model = open_bounded(&bytes, "a Q2_K Llama").unwrap();
+    let GgufArchitecture::Llama(config) = *model.architecture() else {
+        panic!("not a Llama")
+    };
+    let parameters = config.num_parameters().unwrap();
+    // Above where the check starts, and more than Q4_0's bytes could fit.
+    assert!(
+        parameters > 1 << 20 && parameters * 18 / 32 > bytes.len(),
+        "{parameters}"
+    );
+    // Q2_K stays the densest type decoded, as the check assumes.
+    for ty in wgrad::io::gguf::DECODED_TYPES {
+        assert!(ty.type_size() * 256 >= 84 * ty.block_size(), "{ty} is denser than Q2_K");
+    }
+}
+
 #[test]
 fn an_unsupported_tensor_type_is_named() {
     let mut bytes = fixture_bytes(UNTIED);
@@ -638,7 +699,9 @@ fn smollm2_gives_transformers_greedy_tokens_and_logits() {
 /// and both loads generate the same tokens.
 #[test]
 fn a_quantized_gguf_is_checked_at_its_stored_size_from_a_path_or_its_bytes() {
-    use wgrad::infer::generate::{check_fits_stored, check_fits_with_options, GeneratorOptions};
+    use wgrad::infer::generate::{
+        check_fits_stored, check_fits_with_options, context_that_fits_stored, GeneratorOptions,
+    };
     use wgrad::infer::pretrained::{load_pretrained, load_pretrained_gguf_bytes, PretrainedLm};
     use wgrad::kernels::LimitOverrides;
     use wgrad::nn::LmConfig;
@@ -675,6 +738,12 @@ fn a_quantized_gguf_is_checked_at_its_stored_size_from_a_path_or_its_bytes() {
             (stored + as_f32) / 2
         );
         check_fits_stored(&limited, &config, &options, (values, bytes))?;
+        // `wgrad generate` sizes its cache the same way (it failed under
+        // WebGPU's limits on SmolLM2 when it counted every value as f32).
+        let stored = wgrad::infer::pretrained::quantized_storage(&path, None)?;
+        assert_eq!(stored, (values, bytes));
+        assert_eq!(context_that_fits_stored(&limited, &config, &options, 1, stored)?, 16);
+        assert!(context_that_fits_stored(&limited, &config, &options, 1, (0, 0)).is_err());
         let greedy = |lm: PretrainedLm| -> wgrad::Result<Vec<u32>> {
             let options = GeneratorOptions {
                 quantized: Arc::new(lm.quantized.clone()),

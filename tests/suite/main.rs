@@ -17,6 +17,7 @@ mod f16_weights;
 mod finetune;
 mod flash_attention;
 mod fusion;
+mod fuzz_seeds;
 mod gemma_folder;
 mod gemma_gguf;
 mod gemma_parallel;
