@@ -4,6 +4,8 @@
 //   matvec_quant_forward:     C[M,N] = A[M,K] · B[N,K]ᵀ, M ≤ 4 (decode)
 //   matmul_quant_forward:     the same for any M (a prompt's prefill)
 //   embedding_quant_forward:  out[n,C] = table[ids[n], :]
+//   matmul_quant_transposed:  C[M,N] = A[M,K] · B[K,N] (a frozen weight's
+//                             backward, dX = dY·W)
 // A, C, bias and pre are f32; B and the table are [rows, K] with K a
 // multiple of 32, in blocks of 32 consecutive values of a row (block j of
 // row r is block r·K/32 + j), laid out as ops::pack_quantized writes them:
@@ -22,8 +24,8 @@
 //   Q5_0 .. Q6_K: nibbles as Q4_0's (the low 4 bits of each integer; the
 //         fifth bits, or Q6_K's top two, are side words).
 // The format is an override (a pipeline per format), so its branches fold
-// away. Only ABt: a Linear layer's weight and the tied head are stored
-// [out, in]. The epilogue is f16_weights.wgsl's (bias, activation, the
+// away. ABt, and AB on matmul_quant_transposed only: a Linear layer's
+// weight and the tied head are stored [out, in]. The epilogue is f16_weights.wgsl's (bias, activation, the
 // pre-activation kept), on activations.wgsl.
 
 override QUANT_FORMAT: u32 = 0u;
@@ -1221,4 +1223,97 @@ fn matvec_quant_forward_rows(
         }
     }
     quant_rows_store_all(acc0, acc1, acc2, acc3, lane.col0, n, rows);
+}
+
+// ---------------------------------------------------------------------
+// matmul_quant_transposed: C[M, N] = A[M, K] · B[K, N] for a quantized B
+// stored as its K rows of N values: a frozen Linear weight W [out, in]
+// read by its backward, dX = dY·W (K = out, N = in), each block decoded in
+// registers and never expanded into a dense copy of W. The forward kernels
+// sum along a row of B; here a row of B is one step of the sum, and the
+// columns of C are the values along it. The launch's uniform: p.m rows and
+// p.n columns of C (a multiple of 32: B's row length), p.k rows of B this
+// launch sums over, the first of them row p.bias_base of B and so column
+// p.bias_base of A, whose rows are p.ldc long; C's rows are p.n long. A
+// 64×64 tile of C per workgroup of 8×8 invocations, invocation (x, y) its
+// rows 8·y + 0..7 and its 8 consecutive columns 8·x + 0..7, which one
+// block of each row of B holds: per row of B, one side decode and two
+// words (quant_group) for 64 multiply-adds, in 8 mat2x4 accumulators (A
+// read per value: K need not be a multiple of 4). Edges: rows clamped on
+// load and masked on store; a column block lies wholly inside or outside
+// C. ACCUMULATE adds into C (a B split over bindings by rows: the
+// launches after the first).
+override ACCUMULATE: bool = false;
+
+// The transposed kernel's view of A: one value at a time.
+@group(0) @binding(0) var<storage, read> a1: array<f32>;
+
+// Row `row` of an invocation's 8 consecutive columns col0 .. col0 + 7.
+fn quant_store_cols8(row: u32, col0: u32, acc: mat2x4<f32>) {
+    if row >= p.m {
+        return;
+    }
+    let i = p.c_base + row * p.n + col0;
+    for (var j = 0u; j < 8u; j++) {
+        var v = select(acc[0][j & 3u], acc[1][j & 3u], j >= 4u);
+        if ACCUMULATE {
+            v += c[i + j];
+        }
+        c[i + j] = v;
+    }
+}
+
+@compute @workgroup_size(8, 8, 1)
+fn matmul_quant_transposed(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+) {
+    let tile = wid.y * nwg.x + wid.x;
+    if tile >= p.tiles_total {
+        return;
+    }
+    let row0 = (tile / p.tiles_n) * QUANT_TILE + lid.y * 8u;
+    let col0 = (tile % p.tiles_n) * QUANT_TILE + lid.x * 8u;
+    if row0 >= p.m || col0 >= p.n {
+        return;
+    }
+    // Row r of B's block holding the columns, and their groups of 4 in it.
+    let kb = p.n / 32u;
+    let jb = col0 / 32u;
+    let g = (col0 % 32u) / 4u;
+    // Each row's first value of A this launch reads.
+    let last_row = vec4<u32>(p.m - 1u);
+    let ra_lo = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), last_row) * p.ldc + vec4<u32>(p.bias_base);
+    let ra_hi = min(vec4<u32>(row0) + vec4<u32>(4u, 5u, 6u, 7u), last_row) * p.ldc + vec4<u32>(p.bias_base);
+    var acc0 = mat2x4<f32>();
+    var acc1 = mat2x4<f32>();
+    var acc2 = mat2x4<f32>();
+    var acc3 = mat2x4<f32>();
+    var acc4 = mat2x4<f32>();
+    var acc5 = mat2x4<f32>();
+    var acc6 = mat2x4<f32>();
+    var acc7 = mat2x4<f32>();
+    for (var r = 0u; r < p.k; r++) {
+        let block = r * kb + jb;
+        let side = quant_side(block);
+        let lo = quant_group(block, g, side);
+        let hi = quant_group(block, g + 1u, side);
+        acc0 = fma_row8(acc0, a1[ra_lo.x + r], lo, hi);
+        acc1 = fma_row8(acc1, a1[ra_lo.y + r], lo, hi);
+        acc2 = fma_row8(acc2, a1[ra_lo.z + r], lo, hi);
+        acc3 = fma_row8(acc3, a1[ra_lo.w + r], lo, hi);
+        acc4 = fma_row8(acc4, a1[ra_hi.x + r], lo, hi);
+        acc5 = fma_row8(acc5, a1[ra_hi.y + r], lo, hi);
+        acc6 = fma_row8(acc6, a1[ra_hi.z + r], lo, hi);
+        acc7 = fma_row8(acc7, a1[ra_hi.w + r], lo, hi);
+    }
+    quant_store_cols8(row0 + 0u, col0, acc0);
+    quant_store_cols8(row0 + 1u, col0, acc1);
+    quant_store_cols8(row0 + 2u, col0, acc2);
+    quant_store_cols8(row0 + 3u, col0, acc3);
+    quant_store_cols8(row0 + 4u, col0, acc4);
+    quant_store_cols8(row0 + 5u, col0, acc5);
+    quant_store_cols8(row0 + 6u, col0, acc6);
+    quant_store_cols8(row0 + 7u, col0, acc7);
 }

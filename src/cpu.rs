@@ -522,6 +522,30 @@ pub fn matmul_quant_weights(
     ))
 }
 
+/// Twin of `matmul_quant_transposed`: C[m, n] = A[m, k]·B[k, n] with B
+/// in `format` as a GGUF file stores it (`raw`: k rows of n values, a
+/// Linear weight [out, in] in its backward dX = dY·W), decoded exactly
+/// ([`dequantize`]); f64 accumulation.
+pub fn matmul_quant_transposed(
+    a: &[f32],
+    format: QuantFormat,
+    raw: &[u8],
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<Vec<f32>> {
+    Ok(matmul_epilogue(
+        MatmulForm::AB,
+        Epilogue::default(),
+        a,
+        &dequantize(format, raw)?,
+        m,
+        n,
+        k,
+    )
+    .0)
+}
+
 /// Products x·W_iᵀ [m, n_i] (each row-major) joined as
 /// `matmul_quant_parts` writes them: side by side [m, Σ n_i], or `gated`
 /// (two of equal width) silu(first) ⊙ second [m, n₀].

@@ -120,6 +120,9 @@ impl wgrad::nn::ParameterTree for BoxedLm {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
         self.0.visit(prefix, f)
     }
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(wgrad::nn::LinearSite, bool)) {
+        self.0.visit_linears(prefix, f)
+    }
     fn visit_mut(
         &mut self,
         prefix: &str,

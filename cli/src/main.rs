@@ -13,6 +13,7 @@ mod plot;
 mod serve;
 mod train;
 mod train_flags;
+mod train_memory;
 mod webgpu_cases;
 
 use std::path::PathBuf;

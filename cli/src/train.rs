@@ -13,12 +13,13 @@ use wgrad::infer::generate::Sampling;
 use wgrad::kernels::OptimizerConfig;
 use wgrad::models::{mistral, qwen, Llama, LlamaConfig, LlamaVariant};
 use wgrad::models::{Gemma, GemmaConfig, Gpt, GptConfig};
-use wgrad::nn::{AttentionKernel, Lora, LoraConfig, Module};
+use wgrad::nn::{AttentionKernel, BaseStorage, Lora, LoraConfig, Module};
 use wgrad::optim::{Adam, AdamW, SGD};
 #[cfg(feature = "fault-injection")]
 use wgrad::parallel::distributed::InjectedFailure;
 use wgrad::parallel::distributed::ProcessGroup;
 use wgrad::parallel::engine::Strategy;
+use wgrad::parallel::memory::{strategy_memory, DeviceMemory, Planning};
 use wgrad::parallel::pipeline::Schedule;
 use wgrad::parallel::DeviceSelection;
 use wgrad::train::{self, Classifier, Evaluation, Progress, RunInfo, Summary, TrainConfig};
@@ -145,9 +146,11 @@ pub struct TrainArgs {
     pub(crate) precision: String,
     /// GPT and Llama: recompute each transformer block's forward in its
     /// backward: less activation memory for more compute (one device or
-    /// any --parallel engine).
-    #[arg(long)]
-    pub(crate) checkpoint_activations: bool,
+    /// any --parallel engine). On by default for adapters over a quantized
+    /// base (QLoRA's recipe, as PEFT's prepare_model_for_kbit_training
+    /// does); --checkpoint-activations=false turns it off.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub(crate) checkpoint_activations: Option<bool>,
     /// --precision f16: clean steps before the loss scale doubles (GradScaler's growth_interval).
     #[arg(long, default_value_t = 2000)]
     pub(crate) loss_scale_interval: u32,
@@ -180,9 +183,10 @@ pub enum TokenizerName {
 pub struct GptArgs {
     /// GPT: GPT-2's sizes by Hugging Face name (gpt2, gpt2-medium,
     /// gpt2-large, gpt2-xl) instead of --n-layer/--n-head/--n-embd, for a
-    /// real GPU; Llama: small (default) or smollm2-135m (SmolLM2-135M's
-    /// architecture on 2048-token windows); Qwen2: small (default) or
-    /// qwen2.5-0.5b; Qwen3: small (default) or qwen3-0.6b; Mistral: small
+    /// real GPU; Llama: small (default), smollm2-135m (SmolLM2-135M's
+    /// architecture on 2048-token windows) or llama3.2-1b (Llama 3.2 1B's
+    /// shapes); Qwen2: small (default), qwen2.5-0.5b or qwen2.5-1.5b;
+    /// Qwen3: small (default) or qwen3-0.6b; Mistral: small
     /// (default) or mistral-7b-v0.1. --block-size may
     /// shorten or lengthen the context up to the preset's largest.
     #[arg(long, conflicts_with_all = ["n_layer", "n_head", "n_embd"])]
@@ -216,7 +220,8 @@ pub struct GptArgs {
     #[arg(long)]
     min_lr: Option<f32>,
     /// Fine-tune a pretrained model: a GGUF file (weights de-quantized to
-    /// f32) or a Hugging Face GPT-2/Llama folder. Its config, weights and
+    /// f32; with --lora kept quantized, see --base-dtype) or a Hugging Face
+    /// GPT-2/Llama folder. Its config, weights and
     /// own tokenizer replace --preset, --n-* and --tokenizer; --block-size
     /// is the training windows' length (at most its context); AdamW starts
     /// fresh. --out gets a Hugging Face folder with its tokenizer files;
@@ -257,10 +262,22 @@ pub struct GptArgs {
     /// Train low-rank adapters over the frozen --init model instead of
     /// every weight: `r=16,alpha=32,dropout=0,targets=all-linear` (PEFT's
     /// names; targets may list modules, e.g. q_proj,v_proj). --out is then
-    /// the PEFT adapter folder [default: out/lora]. With --dry-run, plans
-    /// the adapters over the sized model.
+    /// the PEFT adapter folder [default: out/lora]. Over a GGUF file the
+    /// base stays quantized on the device (QLoRA; --base-dtype). With
+    /// --dry-run, plans the adapters over the sized model (or --init's)
+    /// beside full fine-tuning.
     #[arg(long)]
     pub(crate) lora: Option<String>,
+    /// With --lora: how the frozen base is stored on the device. auto: a
+    /// GGUF file's matrices as the file stores them (QLoRA: Q4_0, Q4_1,
+    /// Q8_0, the k-quants; only the adapters train, the backward runs
+    /// through the quantized weights), a folder's in f32; f32: every weight
+    /// de-quantized to f32 (LoRA over the full-precision base); f16: the
+    /// matrices in f16 (the token lookup needs SHADER_F16). With --dry-run
+    /// and no --init, a format (q4_0, q4_1, q8_0, q4_k, q6_k, ...) plans a
+    /// preset's matrices as that format.
+    #[arg(long, default_value = "auto")]
+    pub(crate) base_dtype: String,
 }
 
 /// `--lora`'s declaration.
@@ -317,6 +334,12 @@ pub trait CliModel: TrainableLm {
     fn pretrained(path: &std::path::Path, _args: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
         Pretrained::load(path)
     }
+    /// Whether a run checkpoints activations unless told otherwise: an
+    /// adapter run over a quantized base, whose activations would
+    /// otherwise outweigh what the quantized base saves.
+    fn checkpoints_by_default(&self) -> bool {
+        false
+    }
     /// PEFT's trainable-parameters line, for a run that trains part of the model.
     fn trainable(&self) -> Option<String> {
         None
@@ -326,23 +349,68 @@ pub trait CliModel: TrainableLm {
     fn saved(&self, _dir: &std::path::Path, _source: Option<&std::path::Path>) -> wgrad::Result<()> {
         Ok(())
     }
+    /// A model of `config` to plan memory with (`--dry-run`): built
+    /// without values where the family can (its graph is planned, never
+    /// run, and a 1B preset holds no 5 GB of random weights).
+    fn planned(config: &Self::Config) -> wgrad::Result<Self> {
+        Self::build(config)
+    }
+    /// For a run that trains part of the model (adapters): what full
+    /// fine-tuning of the same model plans under `strategy` on `devices`.
+    fn full_memory(
+        &self,
+        _strategy: Strategy,
+        _devices: usize,
+        _p: &Planning,
+        _attention: AttentionKernel,
+    ) -> Option<wgrad::Result<DeviceMemory>> {
+        None
+    }
 }
 
 impl<M: CliModel> CliModel for Lora<M> {
+    /// The preset's sizes, the base stored as --base-dtype plans it.
     fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LoraLmConfig<M::Config>> {
         Ok(LoraLmConfig {
-            base: M::sizes(g, variant)?,
-            lora: lora_config(g)?,
+            storage: crate::train_memory::base_storage(&g.base_dtype, None)?,
+            ..LoraLmConfig::new(M::sizes(g, variant)?, lora_config(g)?)
         })
     }
     fn title(c: &LoraLmConfig<M::Config>) -> String {
         format!("{} + LoRA r={} alpha={}", M::title(&c.base), c.lora.r, c.lora.alpha)
     }
     fn pretrained(path: &std::path::Path, g: &GptArgs) -> wgrad::Result<Pretrained<Self>> {
-        M::pretrained(path, g)?.with_lora(lora_config(g)?)
+        let storage = crate::train_memory::base_storage(&g.base_dtype, Some(path))?;
+        M::pretrained(path, g)?.with_lora_storage(lora_config(g)?, storage)
+    }
+    fn checkpoints_by_default(&self) -> bool {
+        match self.base_storage() {
+            BaseStorage::Quantized(matrices) => !matrices.is_empty(),
+            BaseStorage::QuantizedAs(_) => true,
+            BaseStorage::F32 | BaseStorage::F16 => false,
+        }
     }
     fn trainable(&self) -> Option<String> {
-        Some(trainable_line(self.trainable_parameters(), self.num_parameters()))
+        Some(format!(
+            "{}\n{}",
+            trainable_line(self.trainable_parameters(), self.num_parameters()),
+            crate::train_memory::base_line(self.base_storage())
+        ))
+    }
+    fn planned(c: &LoraLmConfig<M::Config>) -> wgrad::Result<Self> {
+        Ok(Lora::new(M::planned(&c.base)?, c.lora.clone())?.with_base_storage(c.storage.clone()))
+    }
+    fn full_memory(
+        &self,
+        strategy: Strategy,
+        devices: usize,
+        p: &Planning,
+        attention: AttentionKernel,
+    ) -> Option<wgrad::Result<DeviceMemory>> {
+        Some(M::planned(&self.base.config()).and_then(|mut base| {
+            base.set_attention_kernel(attention);
+            strategy_memory(&base, strategy, devices, p)
+        }))
     }
     /// The adapter folder's config names the base it was trained over.
     fn saved(&self, dir: &std::path::Path, source: Option<&std::path::Path>) -> wgrad::Result<()> {
@@ -378,6 +446,9 @@ fn preset_context(g: &GptArgs, name: &str, context: usize, most: Option<usize>) 
 }
 
 impl CliModel for Gpt {
+    fn planned(config: &GptConfig) -> wgrad::Result<Self> {
+        Gpt::empty(*config)
+    }
     fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GptConfig> {
         let Some(name) = g.preset.as_deref() else {
             let block_size = g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size);
@@ -400,6 +471,9 @@ impl CliModel for Gpt {
 }
 
 impl CliModel for Gemma {
+    fn planned(config: &GemmaConfig) -> wgrad::Result<Self> {
+        Gemma::empty(*config)
+    }
     /// `--preset` names a Gemma 3 preset (default `small`, whose sliding
     /// window is its whole context).
     fn sizes(g: &GptArgs, _: LlamaVariant) -> wgrad::Result<GemmaConfig> {
@@ -426,6 +500,9 @@ impl CliModel for Gemma {
 }
 
 impl CliModel for Llama {
+    fn planned(config: &LlamaConfig) -> wgrad::Result<Self> {
+        Llama::empty(*config)
+    }
     /// `--preset` names a preset of the variant (default `small`).
     fn sizes(g: &GptArgs, variant: LlamaVariant) -> wgrad::Result<LlamaConfig> {
         let name = g.preset.as_deref().unwrap_or("small");
@@ -508,15 +585,19 @@ fn train_language_model<M: CliModel>(
         clip_grad_norm: (g.clip > 0.0).then_some(g.clip),
         ..AdamWSchedule::default()
     };
-    let config = TrainConfig {
+    let mut config = TrainConfig {
         optimizer: schedule.optimizer_for(update, max_steps),
         eval_every: g.eval_every,
         schedule: Schedule::parse(&g.schedule)?,
         save: Some(out_folder(args)),
         ..run_config(args, defaults)?
     };
+    if args.checkpoint_activations.is_none() && pretrained.as_ref().is_some_and(|p| p.model.checkpoints_by_default()) {
+        config.checkpoint_activations = true;
+        println!("{CHECKPOINTING_QLORA}");
+    }
     if args.dry_run {
-        return dry_run::<M>(args, &config, variant);
+        return dry_run::<M>(args, &config, variant, pretrained.as_ref());
     }
     let task = LanguageModel::<M> {
         text: g.text.clone().map_or(TextSource::Shakespeare, TextSource::File),
@@ -608,29 +689,59 @@ fn tokenizer_kind(name: TokenizerName) -> TokenizerKind {
     }
 }
 
+/// Said where QLoRA turns activation checkpointing on by itself.
+const CHECKPOINTING_QLORA: &str = "activation checkpointing: on, as QLoRA trains (the base is quantized; \
+                                   --checkpoint-activations=false turns it off)";
+
 /// `--dry-run`: each strategy's bytes on the fullest device, at 1 device
 /// and at each power of two up to --devices (and --devices itself),
 /// planned without a device. The model takes its preset's vocabulary, or
 /// the text's under the chosen tokenizer when the sizes leave it open.
-fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVariant) -> wgrad::Result<()> {
-    use wgrad::parallel::engine::Strategy;
-    use wgrad::parallel::memory::{every_strategy, strategy_memory, Planning};
+fn dry_run<M: CliModel>(
+    args: &TrainArgs,
+    config: &TrainConfig,
+    variant: LlamaVariant,
+    pretrained: Option<&Pretrained<M>>,
+) -> wgrad::Result<()> {
+    use wgrad::parallel::memory::every_strategy;
     let g = &args.gpt;
-    let sizes = M::sizes(g, variant)?;
     wgrad::nn::manual_seed(args.seed);
-    let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
-        sizes
-    } else {
-        let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
-        let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?
-            .tokenizer
-            .vocab_size();
-        M::with_vocab(sizes, vocab)
+    let mut model = match pretrained {
+        // --init with --lora: the adapters over the file on the run's windows.
+        Some(p) => p.cropped(g.block_size.unwrap_or(MAKE_TRAIN_GPT.block_size))?,
+        None => {
+            let sizes = M::sizes(g, variant)?;
+            let sizes = if wgrad::nn::LmConfig::lm_sizes(&sizes).vocab_size > 0 {
+                sizes
+            } else {
+                let text = wgrad::train::read_text(&g.text.clone().map_or(TextSource::Shakespeare, TextSource::File))?;
+                let vocab = wgrad::train::tokenize_text(&text, tokenizer_kind(g.tokenizer), 0.1)?
+                    .tokenizer
+                    .vocab_size();
+                M::with_vocab(sizes, vocab)
+            };
+            M::planned(&sizes)?
+        }
     };
-    let model = M::build(&sizes)?;
-    if let Some(line) = model.trainable() {
+    // A pretrained model's line is printed as it loads.
+    if let (None, Some(line)) = (pretrained, model.trainable()) {
         println!("{line}");
     }
+    // Attention as --attention names it; auto plans fused, what a GPU
+    // trains (a CPU adapter trains short windows unfused, which holds the
+    // scores: more activations than planned here).
+    let attention = g.attention.kernel().unwrap_or_default();
+    model.set_attention_kernel(attention);
+    if g.attention == AttentionChoice::Auto {
+        println!("attention planned fused, as a GPU trains (--attention unfused plans what a CPU adapter runs below {} positions)", wgrad::nn::CPU_FUSED_ATTENTION_MIN_SEQ);
+    }
+    // A preset planned under QLoRA checkpoints as a run over a file would.
+    let mut config = config.clone();
+    if pretrained.is_none() && args.checkpoint_activations.is_none() && model.checkpoints_by_default() {
+        config.checkpoint_activations = true;
+        println!("{CHECKPOINTING_QLORA}");
+    }
+    let config = &config;
     let most = match &config.devices {
         Some(selection) => selection.check()?,
         None => 2,
@@ -668,13 +779,13 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
             every_strategy()
         };
         for (name, strategy) in strategies {
-            rows.push((n, name, strategy_memory(&model, strategy, n, &planning)));
+            rows.push((n, name, strategy, strategy_memory(&model, strategy, n, &planning)));
         }
     }
     // MiB, or KiB for a small model (whose MiB would all read 0.0).
     let largest = rows
         .iter()
-        .filter_map(|(_, _, m)| m.as_ref().ok())
+        .filter_map(|(_, _, _, m)| m.as_ref().ok())
         .map(|m| m.total())
         .max()
         .unwrap_or(0);
@@ -699,7 +810,7 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
         "devices", "strategy", "parameters", "gradients", "optimizer", "activations", "total"
     );
     let v = |b: u64| format!("{:.1}", b as f64 / scale);
-    for (n, name, memory) in rows {
+    for (n, name, _, memory) in &rows {
         match memory {
             Ok(m) => println!(
                 "{n:>7}  {name:<9} {:>11} {:>11} {:>11} {:>12} {:>11}",
@@ -712,7 +823,7 @@ fn dry_run<M: CliModel>(args: &TrainArgs, config: &TrainConfig, variant: LlamaVa
             Err(e) => println!("{n:>7}  {name:<9} cannot: {e}"),
         }
     }
-    Ok(())
+    crate::train_memory::beside_full_fine_tuning(&model, &rows, &planning, attention, (unit, scale))
 }
 
 /// A fine-tune's start, printed before its first step: the source, the
@@ -882,15 +993,17 @@ pub(crate) fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-/// Bytes by what they hold, in MiB.
+/// Bytes by what they hold, in MiB; the total in bytes too (what a dry
+/// run planned, to the byte).
 pub(crate) fn memory_line(m: &wgrad::parallel::memory::DeviceMemory) -> String {
     format!(
-        "parameters {}, gradients {}, optimizer state {}, activations {}; total {}",
+        "parameters {}, gradients {}, optimizer state {}, activations {}; total {} ({} bytes)",
         mib(m.parameters),
         mib(m.gradients),
         mib(m.optimizer_state),
         mib(m.activations),
-        mib(m.total())
+        mib(m.total()),
+        m.total()
     )
 }
 
@@ -926,7 +1039,7 @@ fn run_config(args: &TrainArgs, defaults: TrainConfig) -> wgrad::Result<TrainCon
             growth_interval: args.loss_scale_interval,
             ..Default::default()
         },
-        checkpoint_activations: args.checkpoint_activations,
+        checkpoint_activations: args.checkpoint_activations.unwrap_or(false),
         #[cfg(feature = "fault-injection")]
         fail_at: args.fail_at.as_deref().map(parse_fail_at).transpose()?,
         ..defaults

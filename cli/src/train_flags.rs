@@ -31,10 +31,13 @@ fn language_models_only(run: &Run) -> Option<String> {
 fn gpt_sizes(run: &Run) -> Option<String> {
     match run.kind {
         ModelKind::Mlp => language_models_only(run),
-        ModelKind::Llama => Some("it sets a GPT's sizes; a Llama's come from --preset (small or smollm2-135m)".into()),
-        ModelKind::Qwen2 | ModelKind::Qwen3 => {
-            Some("it sets a GPT's sizes; a Qwen's come from --preset (small, qwen2.5-0.5b or qwen3-0.6b)".into())
+        ModelKind::Llama => {
+            Some("it sets a GPT's sizes; a Llama's come from --preset (small, smollm2-135m or llama3.2-1b)".into())
         }
+        ModelKind::Qwen2 | ModelKind::Qwen3 => Some(
+            "it sets a GPT's sizes; a Qwen's come from --preset (small, qwen2.5-0.5b, qwen2.5-1.5b or qwen3-0.6b)"
+                .into(),
+        ),
         ModelKind::Mistral => {
             Some("it sets a GPT's sizes; a Mistral's come from --preset (small or mistral-7b-v0.1)".into())
         }
@@ -87,11 +90,27 @@ fn f16_only(run: &Run) -> Option<String> {
 }
 
 fn not_pretrained(run: &Run) -> Option<String> {
-    match (language_models_only(run), &run.args.gpt.init) {
-        (Some(why), _) => Some(why),
-        (None, Some(_)) => Some("it plans a model from its sizes, not a pretrained one from --init".into()),
-        (None, None) => None,
+    match (language_models_only(run), &run.args.gpt.init, &run.args.gpt.lora) {
+        (Some(why), ..) => Some(why),
+        (None, Some(_), None) => Some(
+            "it plans a model from its sizes, or adapters (--lora) over --init's model, not a full fine-tune of --init"
+                .into(),
+        ),
+        (None, ..) => None,
     }
+}
+
+/// `--base-dtype`: the frozen base of an adapter run.
+fn lora_base(run: &Run) -> Option<String> {
+    if let Some(why) = language_models_only(run) {
+        return Some(why);
+    }
+    if run.args.gpt.lora.is_none() {
+        return Some("it stores the frozen base of an adapter run: give --lora".into());
+    }
+    crate::train_memory::base_storage(&run.args.gpt.base_dtype, None)
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// `--lora`: adapters over a pretrained language model (or planned over
@@ -157,6 +176,7 @@ fn rules() -> Vec<(&'static str, Check)> {
         ("checkpoint_activations", rule(language_models_only)),
         ("dry_run", rule(not_pretrained)),
         ("lora", rule(lora)),
+        ("base_dtype", rule(lora_base)),
         ("resume", rule(resume)),
         ("momentum", rule(sgd_only)),
         ("micro_batches", rule(micro_batches)),

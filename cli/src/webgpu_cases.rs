@@ -406,6 +406,12 @@ const BUILDERS: &[(&[&str], On, Builder)] = {
         (&["embedding_quant_forward"], Web, |c| {
             embedding_quant(c, QuantFormat::Q4_K)
         }),
+        (&["matmul_quant_transposed"], Web, |c| {
+            quant_transposed(c, QuantFormat::Q4_1)
+        }),
+        (&["matmul_quant_transposed"], Web, |c| {
+            quant_transposed(c, QuantFormat::Q6_K)
+        }),
         (&["embedding_quant_forward"], Web, |c| {
             embedding_quant(c, QuantFormat::Q6_K)
         }),
@@ -2385,6 +2391,31 @@ fn embedding_quant(c: &mut Ctx<'_>, format: QuantFormat) -> Result<Case> {
         format!("embedding_quant_forward {format:?} {n} ids, {vocab}x{channels}"),
         vec![d],
         vec![expect("out", &out, want, EXACT.0, EXACT.1)],
+    ))
+}
+
+/// A frozen weight's backward dX = dY·W through its quantized rows
+/// (`matmul_quant_transposed`): W [37, n] as a GGUF file stores it, 29
+/// rows of dY (a partial 8-row group), C accumulated into.
+fn quant_transposed(c: &mut Ctx<'_>, format: QuantFormat) -> Result<Case> {
+    let (m, n, kk) = (29, 96usize.next_multiple_of(format.super_block()), 37);
+    let (a_h, start) = (c.vals(m * kk, -1.0, 1.0), c.vals(m * n, -1.0, 1.0));
+    let raw = quant_blocks(c, format, kk, n);
+    let words = c.up_u32(&wgrad::kernels::pack_quantized(format, &raw, kk, n)?)?;
+    let (a, out) = (c.up(&a_h)?, c.up(&start)?);
+    let d = c.k.matmul(
+        &MatmulRequest::new(MatmulForm::AB, m, n, kk).accumulating(true),
+        out.view(),
+        a.view(),
+        QuantView::new(words.view(), format, kk, n)?,
+    )?;
+    let mut want = cpu::matmul_quant_transposed(&a_h, format, &raw, m, n, kk)?;
+    want.iter_mut().zip(&start).for_each(|(w, s)| *w += s);
+    Ok(Case::new(
+        &["matmul_quant_transposed"],
+        format!("matmul_quant_transposed {format:?} {m}x{n}x{kk} +=C"),
+        vec![d],
+        vec![expect("c", &out, want, QUANT_SUMS.0, QUANT_SUMS.1)],
     ))
 }
 

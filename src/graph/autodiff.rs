@@ -169,6 +169,10 @@ impl Graph {
                 if !requires_grad[input.0] {
                     continue;
                 }
+                let stored = self.nodes[input.0].dtype.is_stored_weight();
+                if stored && matches!(self.nodes[input.0].op, Op::Source(SourceOp::Parameter { .. })) {
+                    return Err(self.frozen_only(input));
+                }
                 let contribution = self.input_gradient(Tensor(i), slot, dy)?;
                 if matches!(self.nodes[input.0].op, Op::Source(SourceOp::Parameter { .. })) {
                     let shape = self.shape(input).to_vec();
@@ -200,6 +204,21 @@ impl Graph {
             start,
             seed,
         })
+    }
+
+    /// The error of a gradient asked for an f16 or quantized parameter:
+    /// such a weight is a frozen base's (adapters train beside it).
+    fn frozen_only(&self, param: Tensor) -> Error {
+        let node = self.node(param);
+        Error::InvalidArgument {
+            op: "backward",
+            reason: format!(
+                "`{}` holds {}, which cannot be trained (no gradient, no update): freeze it (Graph::freeze) \
+                 and train adapters over it (nn::Lora), or store it in f32",
+                node.name,
+                node.dtype.describe()
+            ),
+        }
     }
 
     /// d loss / d (input `slot` of `node`), given dy = d loss / d node:

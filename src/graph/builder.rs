@@ -51,9 +51,9 @@ impl DType {
         match self {
             DType::F32 => "f32 values".into(),
             DType::U32 => "u32 values".into(),
-            DType::F16 => "f16 weights (only an ABt matmul's B or an embedding table)".into(),
+            DType::F16 => "f16 weights (only a matmul's B, ABt or AB, or an embedding table)".into(),
             DType::Quant(format) => format!(
-                "{} block-quantized weights (only an ABt matmul's B or an embedding table)",
+                "{} block-quantized weights (only a matmul's B, ABt or AB, or an embedding table)",
                 format.name()
             ),
         }

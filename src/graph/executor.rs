@@ -986,22 +986,22 @@ impl Executor {
         self.read(g)
     }
 
-    /// Host copies of every parameter: (name, shape, values); an f16
-    /// parameter's values widened to f32 (exact). An error for a graph
-    /// with a quantized parameter, whose values are its file's blocks (a
-    /// GGUF reader decodes those).
+    /// Host copies of every parameter with f32 values: (name, shape,
+    /// values); an f16 parameter's values widened to f32 (exact). A
+    /// quantized parameter (a frozen base's, whose values are its file's
+    /// blocks, which a GGUF reader decodes) is left out.
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
         crate::device::wait("Executor::parameters", self.parameters_async())
     }
 
     /// [`Executor::parameters`], awaited.
     pub async fn parameters_async(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-        self.no_quantized_parameter("Executor::parameters")?;
         let all: Vec<f32> = self.kernels.read_async(self.params.view()).await?;
         Ok(self
             .plan
             .param_offsets
             .iter()
+            .filter(|&&(p, _)| !matches!(self.graph.node(p).dtype, DType::Quant(_)))
             .map(|&(p, offset)| {
                 let node = self.graph.node(p);
                 (
@@ -1011,26 +1011,6 @@ impl Executor {
                 )
             })
             .collect())
-    }
-
-    fn no_quantized_parameter(&self, op: &'static str) -> Result<()> {
-        match self
-            .plan
-            .param_offsets
-            .iter()
-            .map(|&(p, _)| self.graph.node(p))
-            .find(|n| matches!(n.dtype, DType::Quant(_)))
-        {
-            Some(node) => Err(Error::InvalidArgument {
-                op,
-                reason: format!(
-                    "parameter `{}` holds {}, which have no f32 copy to read or write",
-                    node.name,
-                    node.dtype.describe()
-                ),
-            }),
-            None => Ok(()),
-        }
     }
 
     /// (name, shape) of every parameter, in arena order.
@@ -1061,7 +1041,8 @@ impl Executor {
     /// written in, every name and shape checked; nothing on the GPU changes
     /// (write it with [`Executor::write_parameter_arena`]).
     pub fn arena_with_parameters(&self, params: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<f32>> {
-        self.no_quantized_parameter("load_state")?;
+        // A quantized parameter's words come back as they are (bits in the
+        // f32 host copy); values for one are refused (put_parameter).
         let mut host: Vec<f32> = self.kernels.read(self.params.view())?;
         let find = |name: &str| {
             self.plan
@@ -1132,7 +1113,7 @@ fn take_parameter(arena: &[f32], dtype: DType, len: usize) -> Vec<f32> {
                 .collect()
         }
         DType::F32 | DType::U32 => arena[..len].to_vec(),
-        // Refused before reading (Executor::no_quantized_parameter).
+        // Left out before reading (Executor::parameters).
         DType::Quant(_) => Vec::new(),
     }
 }
@@ -1239,17 +1220,22 @@ fn check_build(
         });
     }
     // The gradient and state arenas share the parameters' layout, and
-    // nothing computes a gradient or an update in f16 or quantized.
+    // nothing computes a gradient or an update in f16 or quantized: such a
+    // parameter is frozen (a LoRA adapter's base) or inference's.
     if gradients.is_some() {
         if let Some(p) = graph
             .parameters()
             .into_iter()
-            .find(|&p| graph.node(p).dtype.is_stored_weight())
+            .find(|&p| graph.node(p).dtype.is_stored_weight() && !graph.is_frozen(p))
         {
             return Err(Error::InvalidArgument {
-                    op: "Executor::new",
-                    reason: format!("parameter `{}` holds {}, which only an executor without gradients or an optimizer takes (inference)", graph.node(p).name, graph.node(p).dtype.describe()),
-                });
+                op: "Executor::new",
+                reason: format!(
+                    "parameter `{}` holds {}, which a training executor takes only frozen (Graph::freeze)",
+                    graph.node(p).name,
+                    graph.node(p).dtype.describe()
+                ),
+            });
         }
     }
     if options.arena_alignment != 0 && (!options.arena_alignment.is_power_of_two() || options.arena_alignment < 4) {
@@ -1302,6 +1288,18 @@ fn initial_arena(graph: &Graph, plan: &Plan, arena_len: usize) -> Result<Vec<f32
                     .iter_mut()
                     .zip(words)
                     .for_each(|(slot, &w)| *slot = f32::from_bits(w));
+            }
+            Op::Source(SourceOp::Parameter {
+                init: ParameterInit::Planned,
+            }) => {
+                return Err(Error::InvalidArgument {
+                    op: "Executor::new",
+                    reason: format!(
+                        "parameter `{}` has no contents: its graph was built from a model sized for planning only \
+                         (a dry run), which no executor runs",
+                        graph.node(p).name
+                    ),
+                })
             }
             _ => {}
         }

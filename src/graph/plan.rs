@@ -333,9 +333,18 @@ struct Slots {
     input_bytes: u64,
 }
 
+/// The most times its length a free slot may be for a tensor to take it
+/// ([`Slots::take`]).
+const SLOT_FIT: usize = 4;
+
 impl Slots {
-    /// A slot for `len` words: the smallest free one that fits, else the
-    /// largest free one (grown), else a new one. Outputs get slots of their
+    /// A slot for `len` words: the smallest free one that fits and is at
+    /// most [`SLOT_FIT`] times `len`, else the largest free one shorter
+    /// than `len` (grown), else a new one. A small tensor never takes a
+    /// free slot many times its size: held from forward to backward (a
+    /// LoRA adapter's [rows, r] product, read by its weight gradient) it
+    /// would pin all of that slot, where a slot of its own costs its size.
+    /// Outputs get slots of their
     /// own: they are read after a run, possibly after a different run (a
     /// prediction) has executed other nodes that share freed slots. f16
     /// copies (held from forward to backward) and f32 tensors never share a
@@ -347,12 +356,12 @@ impl Slots {
             .iter()
             .filter(|_| !is_root)
             .enumerate()
-            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len)
+            .filter(|(_, &s)| slot_f16[s] == f16 && slot_len[s] >= len && slot_len[s] <= len.saturating_mul(SLOT_FIT))
             .min_by_key(|(_, &s)| slot_len[s])
             .map(|(k, _)| k)
             .or_else(|| {
                 (0..free.len())
-                    .filter(|&k| !is_root && slot_f16[free[k]] == f16)
+                    .filter(|&k| !is_root && slot_f16[free[k]] == f16 && slot_len[free[k]] < len)
                     .max_by_key(|&k| slot_len[free[k]])
             });
         let slot = match best {
@@ -495,8 +504,14 @@ impl<'g> Planning<'g> {
         j
     }
 
+    /// A 2-D matmul whose kernel takes the epilogues (a bias, an
+    /// activation or its gradient): every one but a quantized weight's
+    /// transposed product (a frozen weight's backward), which only adds.
     fn is_matmul(&self, j: usize) -> bool {
-        matches!(self.nodes[j].op, Op::Matmul(MatmulOp::MatMul(_)))
+        let transposed_quant = |form: MatmulForm| {
+            form == MatmulForm::AB && matches!(self.nodes[self.nodes[j].inputs[1].0].dtype, DType::Quant(_))
+        };
+        matches!(self.nodes[j].op, Op::Matmul(MatmulOp::MatMul(form)) if !transposed_quant(form))
     }
 
     /// A gradient contribution made by a matmul or column sum that nothing
@@ -600,7 +615,11 @@ impl<'g> Planning<'g> {
                 {
                     self.through(self.nodes[z].inputs[0])
                 }
-                Op::Matmul(MatmulOp::MatMul(_)) if !self.accumulate[z] && self.bias_into[z].is_none() => z,
+                Op::Matmul(MatmulOp::MatMul(_))
+                    if self.is_matmul(z) && !self.accumulate[z] && self.bias_into[z].is_none() =>
+                {
+                    z
+                }
                 _ => continue,
             };
             if self.activation_into[matmul].is_some() {

@@ -83,10 +83,13 @@ impl Remap {
     }
 }
 
-/// Whether a node of `op` reads f16 copies itself rather than a widened
-/// load: the matmuls, 2-D and batched (the kernels read f16 operands).
-fn reads_f16(op: &Op) -> bool {
-    matches!(op, Op::Matmul(MatmulOp::MatMul(_) | MatmulOp::BatchMatMul(_)))
+/// Whether `node` reads f16 copies itself rather than a widened load: the
+/// matmuls, 2-D and batched (the kernels read f16 operands), but for a
+/// product with an f16 or quantized weight (a frozen base's), whose
+/// kernels read f32 activations.
+fn reads_f16(nodes: &[Node], node: &Node) -> bool {
+    let stored_weight = |n: &Node| n.inputs.get(1).is_some_and(|b| nodes[b.0].dtype.is_stored_weight());
+    matches!(node.op, Op::Matmul(MatmulOp::MatMul(_) | MatmulOp::BatchMatMul(_))) && !stored_weight(node)
 }
 
 impl Graph {
@@ -173,7 +176,7 @@ impl Graph {
         // dispatch reading it would be read before it is written).
         let mut loads_at: Vec<Vec<usize>> = vec![Vec::new(); count];
         for (b, node) in nodes.iter().enumerate().skip(start) {
-            if reads_f16(&node.op) || !node.inputs.iter().any(|t| f16[t.0]) {
+            if reads_f16(nodes, node) || !node.inputs.iter().any(|t| f16[t.0]) {
                 continue;
             }
             loads_at[self.backward_anchor(b, start)].push(b);
@@ -208,7 +211,7 @@ impl Graph {
                     inputs[slot] = Tensor(*l);
                 }
             }
-            if reads_f16(&node.op) {
+            if reads_f16(nodes, node) {
                 for (input, t) in inputs.iter_mut().zip(&node.inputs) {
                     if let Some(h) = copy[t.0] {
                         *input = Tensor(h);

@@ -254,6 +254,18 @@ impl GgufModel {
         Ok(quantized)
     }
 
+    /// The matrices a LoRA base over this file keeps block-quantized on
+    /// the device (QLoRA, `nn::BaseStorage::Quantized`): what a generator
+    /// keeps quantized ([`GgufModel::to_quantized_causal_lm`]'s map), by
+    /// the module tree's names; none for GPT-2, whose fused matrices are
+    /// de-quantized.
+    pub fn lora_base_weights(&self) -> Result<QuantizedWeights> {
+        match self.architecture {
+            GgufArchitecture::Llama(_) | GgufArchitecture::Gemma3(_) => self.quantized_weights(),
+            GgufArchitecture::Gpt2 { .. } => Ok(QuantizedWeights::new()),
+        }
+    }
+
     /// What [`GgufModel::to_quantized_causal_lm`] keeps block-quantized,
     /// from the header alone: (values, stored bytes) of those matrices, so
     /// a generator's memory is checked before any weight is read. A GPT-2

@@ -26,7 +26,10 @@ pub enum MatmulOperand<'a> {
     /// which need SHADER_F16 and take the forward epilogue only.
     F16Weight(F16View<'a>),
     /// A block-quantized weight B [n, k] of an inference product A·Bᵀ
-    /// (quant_weights.wgsl; the forward epilogue only).
+    /// (quant_weights.wgsl; the forward epilogue only), or, with
+    /// [`MatmulForm::AB`], the B [k, n] of a frozen weight's backward
+    /// dX = dY·B (`matmul_quant_transposed`; accumulation the only
+    /// epilogue).
     Quant(QuantView<'a>),
     /// Block-quantized weights B_i [n_i, k] of one format read by one A:
     /// C [m, Σ n_i] = A·[B₀; B₁; …]ᵀ (q, k and v side by side), or with
@@ -212,6 +215,23 @@ impl Kernels {
                     other => return Err(mismatch(op, other, "an f16 weight")),
                 };
                 self.matmul_f16_weights(kernel, epilogue, c, a, b, m, n, k)
+            }
+            (MatmulOperand::F32(a), MatmulOperand::Quant(b)) if form == MatmulForm::AB => {
+                // A frozen weight's backward: dX = dY·W, W [k, n] stored as its rows.
+                let op = "matmul (quantized weights, transposed)";
+                unbatched(op, batch)?;
+                let MatmulEpilogue { accumulate, .. } = epilogue;
+                no_epilogue(
+                    op,
+                    &MatmulEpilogue {
+                        accumulate: false,
+                        ..epilogue
+                    },
+                )?;
+                if kernel != MatmulKernel::Auto {
+                    return Err(mismatch(op, kernel, "a quantized weight's transposed product"));
+                }
+                self.matmul_quant_transposed(accumulate, c, a, b, m, n, k)
             }
             (MatmulOperand::F32(a), MatmulOperand::Quant(b)) => {
                 let op = "matmul (quantized weights)";

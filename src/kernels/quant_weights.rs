@@ -31,6 +31,7 @@ entry_points! {
         MATVEC_QUANT_FORWARD_ROWS = "matvec_quant_forward_rows",
         MATMUL_QUANT_FORWARD = "matmul_quant_forward",
         EMBEDDING_QUANT_FORWARD = "embedding_quant_forward",
+        MATMUL_QUANT_TRANSPOSED = "matmul_quant_transposed",
     }
     QuantWeightsSubgroup {
         MATVEC_QUANT_FORWARD_ROWS_SUBGROUP = "matvec_quant_forward_rows_subgroup",
@@ -838,5 +839,101 @@ impl Kernels {
             })
             .collect::<Result<Vec<_>>>()?;
         Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no table rows", &shapes))
+    }
+}
+
+impl Kernels {
+    /// C[m, n] = A[m, k]·B[k, n] (C += it with `accumulate`) for a
+    /// block-quantized B stored as its k rows of n values: a frozen Linear
+    /// weight W [out, in] in its backward, dX = dY·W, each block decoded in
+    /// registers (`matmul_quant_transposed`; no dense copy of W is made).
+    /// A is read a value at a time (any k, any offset); n is B's row
+    /// length, a multiple of the format's block. A B larger than one
+    /// storage binding is summed by blocks of its rows, each launch after
+    /// the first adding into C; A and C must each fit one binding.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_quant_transposed(
+        &self,
+        accumulate: bool,
+        c: View<'_>,
+        a: View<'_>,
+        b: QuantView<'_>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Dispatch> {
+        let entry = MATMUL_QUANT_TRANSPOSED;
+        let op = entry.entry;
+        let shapes: [&[usize]; 3] = [&[m, k], &[k, n], &[m, n]];
+        if m == 0 || n == 0 || k == 0 {
+            return Err(Error::shape(op, "every dimension must be at least 1", &shapes));
+        }
+        b.format.check_shape(op, k, n)?;
+        let len = |x: usize, y: usize| x.checked_mul(y);
+        if len(m, k) != Some(a.len) || (b.rows, b.cols) != (k, n) || len(m, n) != Some(c.len) {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "A·B with m={m} n={n} k={k} needs A [m, k], B [k, n] (stored as its k rows), C [m, n]; \
+                     got A of {} values, B [{}, {}], C of {} values",
+                    a.len, b.rows, b.cols, c.len
+                ),
+                &shapes,
+            ));
+        }
+        let limit = self.binding_limit();
+        if a.bytes() > limit {
+            return Err(self.binding_too_large(op, "a (the gradients, which do not split)", a.bytes()));
+        }
+        if c.bytes() > limit {
+            return Err(self.binding_too_large(op, "c (which does not split)", c.bytes()));
+        }
+        // Rows of B per launch: all of them, or as many as one binding holds.
+        let per_launch = if b.words.bytes() <= limit {
+            k
+        } else {
+            self.quant_rows_per_part(&b)
+        };
+        if per_launch == 0 {
+            let row = (n / QuantFormat::BLOCK * b.format.quant_words() * 4) as u64;
+            return Err(self.binding_too_large(op, "b (one row of it)", row));
+        }
+        let launches = (0..k)
+            .step_by(per_launch)
+            .map(|r0| {
+                let r1 = (r0 + per_launch).min(k);
+                let rows = self.quant_rows(&b, (r0, r1));
+                let params = QuantParams {
+                    // The product's k is this launch's rows of B; A's rows
+                    // are k long (ldc) and its columns start at r0.
+                    product: ProductParams::new(op, (m, n, r1 - r0), k, r0, None)?,
+                    q_base: dim(op, rows.q_base)?,
+                    s_base: dim(op, rows.s_base)?,
+                    c_base: 0,
+                    _pad: 0,
+                    part_end: [0; 4],
+                    part_q: [0; 4],
+                    part_s: [0; 4],
+                };
+                let mut constants = vec![("QUANT_FORMAT", f64::from(b.format.code()))];
+                if accumulate || r0 > 0 {
+                    constants.push(("ACCUMULATE", 1.0));
+                }
+                self.prepare(
+                    entry,
+                    &constants,
+                    &[
+                        bind(0, "a", a),
+                        bind(1, "b (quantized words)", rows.quants),
+                        bind(2, "b (scales)", rows.scales),
+                        bind(3, "c", c),
+                    ],
+                    4,
+                    &params,
+                    u64::from(params.product.tiles_total),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Dispatch::chain(launches).ok_or_else(|| Error::shape(op, "no rows of B", &shapes))
     }
 }

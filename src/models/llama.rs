@@ -133,19 +133,56 @@ impl LlamaConfig {
     /// long-context stage), and a step's activations grow with it.
     pub const SMOLLM2_TRAINING_CONTEXT: usize = 2048;
 
+    /// meta-llama/Llama-3.2-1B's shapes: 16 layers of 2048 channels, 32
+    /// heads of 64 over 8 KV heads, MLP 8192, vocabulary 128,256, tied
+    /// head, RoPE base 500,000, context 131,072 — 1,235,814,400
+    /// parameters, as transformers counts them. Its `rope_scaling` (llama3's
+    /// rule stretching the low frequencies past 8,192 positions) is not
+    /// modelled: at the 2,048 positions of the preset it changes the
+    /// frequencies a pretrained file would rotate with, so this sizes and
+    /// plans runs (and trains from scratch); it does not load the file.
+    pub const fn llama3_2_1b() -> Self {
+        LlamaConfig {
+            vocab_size: 128256,
+            block_size: 131072,
+            n_layer: 16,
+            n_head: 32,
+            n_kv_head: 8,
+            n_embd: 2048,
+            intermediate_size: 8192,
+            rope_theta: 500000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            rope_layout: RopeLayout::HalfSplit,
+            head_dim: None,
+            sliding_window: None,
+            variant: LlamaVariant::Llama,
+        }
+    }
+
+    /// Context of the 1B and larger training presets: a step's activations
+    /// grow with it, and 2048 positions is where pretraining starts.
+    pub const LARGE_TRAINING_CONTEXT: usize = 2048;
+
     /// A preset by name: `smollm2-135m` (SmolLM2-135M's architecture,
-    /// trained on [`LlamaConfig::SMOLLM2_TRAINING_CONTEXT`] tokens), or
-    /// `small` (whose vocabulary `vocab_size` gives: the data's).
+    /// trained on [`LlamaConfig::SMOLLM2_TRAINING_CONTEXT`] tokens),
+    /// `llama3.2-1b` ([`LlamaConfig::llama3_2_1b`]'s shapes on
+    /// [`LlamaConfig::LARGE_TRAINING_CONTEXT`] tokens), or `small` (whose
+    /// vocabulary `vocab_size` gives: the data's).
     pub fn preset(name: &str, vocab_size: usize) -> Result<Self> {
         match name {
             "smollm2-135m" => Ok(LlamaConfig {
                 block_size: Self::SMOLLM2_TRAINING_CONTEXT,
                 ..Self::smollm2_135m()
             }),
+            "llama3.2-1b" => Ok(LlamaConfig {
+                block_size: Self::LARGE_TRAINING_CONTEXT,
+                ..Self::llama3_2_1b()
+            }),
             "small" => Ok(Self::small(vocab_size)),
             other => Err(Error::InvalidArgument {
                 op: "LlamaConfig::preset",
-                reason: format!("unknown preset `{other}`; known: smollm2-135m, small"),
+                reason: format!("unknown preset `{other}`; known: smollm2-135m, llama3.2-1b, small"),
             }),
         }
     }

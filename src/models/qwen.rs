@@ -58,6 +58,29 @@ pub const fn qwen2_5_0_5b() -> LlamaConfig {
     }
 }
 
+/// Qwen/Qwen2.5-1.5B: 28 layers of 1536 channels, 12 heads of 128 over 2
+/// KV heads, MLP 8960, vocabulary 151,936, tied head, RoPE base
+/// 1,000,000, context 131,072 — 1,543,714,304 parameters, as transformers
+/// counts them.
+pub const fn qwen2_5_1_5b() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 151936,
+        block_size: 131072,
+        n_layer: 28,
+        n_head: 12,
+        n_kv_head: 2,
+        n_embd: 1536,
+        intermediate_size: 8960,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: true,
+        rope_layout: RopeLayout::HalfSplit,
+        head_dim: None,
+        sliding_window: None,
+        variant: LlamaVariant::Qwen2,
+    }
+}
+
 /// Qwen/Qwen3-0.6B: 28 layers of 1024 channels, 16 heads of 128 over 8 KV
 /// heads, MLP 3072, vocabulary 151,936, tied head, RoPE base 1,000,000,
 /// context 40,960.
@@ -103,14 +126,19 @@ pub const fn small(variant: LlamaVariant, vocab_size: usize) -> LlamaConfig {
 pub const TRAINING_CONTEXT: usize = 2048;
 
 /// A preset of `variant` by name: `small` (whose vocabulary `vocab_size`
-/// gives: the data's), `qwen2.5-0.5b` (Qwen2) or `qwen3-0.6b` (Qwen3), the
-/// real ones trained on [`TRAINING_CONTEXT`] tokens.
+/// gives: the data's), `qwen2.5-0.5b` or `qwen2.5-1.5b` (Qwen2) or
+/// `qwen3-0.6b` (Qwen3), the real ones trained on [`TRAINING_CONTEXT`]
+/// tokens.
 pub fn preset(variant: LlamaVariant, name: &str, vocab_size: usize) -> Result<LlamaConfig> {
     match (variant, name) {
         (_, "small") if variant != LlamaVariant::Llama => Ok(small(variant, vocab_size)),
         (LlamaVariant::Qwen2, "qwen2.5-0.5b") => Ok(LlamaConfig {
             block_size: TRAINING_CONTEXT,
             ..qwen2_5_0_5b()
+        }),
+        (LlamaVariant::Qwen2, "qwen2.5-1.5b") => Ok(LlamaConfig {
+            block_size: TRAINING_CONTEXT,
+            ..qwen2_5_1_5b()
         }),
         (LlamaVariant::Qwen3, "qwen3-0.6b") => Ok(LlamaConfig {
             block_size: TRAINING_CONTEXT,
@@ -119,7 +147,7 @@ pub fn preset(variant: LlamaVariant, name: &str, vocab_size: usize) -> Result<Ll
         (LlamaVariant::Llama, _) => LlamaConfig::preset(name, vocab_size),
         (_, other) => {
             let known = if variant == LlamaVariant::Qwen2 {
-                "small, qwen2.5-0.5b"
+                "small, qwen2.5-0.5b, qwen2.5-1.5b"
             } else {
                 "small, qwen3-0.6b"
             };

@@ -298,17 +298,18 @@ pub(crate) fn declare_parameter(
     values: &[f32],
     matrix: bool,
 ) -> Result<Tensor> {
-    // Under a LoRA scope every parameter but an adapter's is frozen.
+    // Under a LoRA scope every parameter but an adapter's is frozen, and a
+    // training forward (no forward context) stores the base as the
+    // adapters' model says (QLoRA: quantized).
     let frozen = super::lora::trainable(&name) == Some(false);
-    let zeros;
-    let values = if values.is_empty() && super::lora::recording() {
-        // A weight kept quantized has no f32 values; listing the Linears reads none.
-        zeros = vec![0.0; shape.iter().product()];
-        &zeros[..]
-    } else {
-        values
+    let stored = match frozen && cache_pass().is_none() {
+        true => super::lora::declare_stored(g, &name, shape, values)?,
+        false => None,
     };
-    let t = declare_in_context(g, name, shape, values, matrix)?;
+    let t = match stored {
+        Some(t) => t,
+        None => declare_in_context(g, name, shape, values, matrix)?,
+    };
     if frozen {
         g.freeze(t)?;
     }

@@ -6,8 +6,9 @@
 //!
 //! Models build their Linears in their own files and stay unaware of
 //! adapters. [`Lora`] wraps a whole model: it finds the model's Linears by
-//! building its forward once and noting every [`Linear::forward`] (its
-//! module name, as PEFT names it, and its sizes), picks those the
+//! walking its module tree ([`ParameterTree::visit_linears`]: each
+//! Linear's module name, as PEFT names it, and its sizes, with no graph
+//! built), picks those the
 //! [`LoraConfig`]'s targets name, and gives each an adapter. Its forward
 //! runs the model's own forward inside a scope (as
 //! [`ForwardContext`](super::ForwardContext) carries a KV cache) in which
@@ -16,16 +17,23 @@
 //! gradient and no optimizer state. Adapter parameters are named
 //! `{module}.lora_A.weight` and `{module}.lora_B.weight` (PEFT's names
 //! without its `base_model.model.` prefix).
+//!
+//! The frozen base may be stored in f16 or block-quantized as a GGUF file
+//! holds it ([`BaseStorage`], QLoRA): the scope declares those matrices
+//! so stored, the forward runs the quantized (or f16) products, and the
+//! backward takes only the input gradient through them (dX = dY·W, the
+//! weight decoded in registers), which is all the adapters need.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use super::causal_lm::{declare_parameter, CausalLm, LmSizes};
+use super::causal_lm::{declare_parameter, CausalLm, LmSizes, QuantizedMatrix, QuantizedWeights};
 use super::shard::{self, Slice};
 use super::{uniform, Module, ParameterTree, StageCosts, Staged};
 use crate::error::{Error, Result};
-use crate::graph::{Graph, Tensor};
+use crate::graph::{DType, Graph, Tensor};
 use crate::kernels::{DropoutMask, MatmulForm};
+use crate::ops::QuantFormat;
 
 /// Which Linears carry an adapter and how: rank `r`, scale `alpha / r`,
 /// dropout on the adapter's input, and PEFT's `target_modules`.
@@ -173,6 +181,104 @@ pub struct LinearSite {
     pub out_features: usize,
 }
 
+/// How a [`Lora`]'s frozen base is stored on the device. The adapters
+/// are f32 whatever the base; the base gets no gradient and no optimizer
+/// state, and its products' backward computes only the input gradient,
+/// through the stored weights (a quantized one decoded in registers:
+/// `matmul_quant_transposed`).
+#[derive(Clone, Default)]
+pub enum BaseStorage {
+    /// As the base model holds its values: f32.
+    #[default]
+    F32,
+    /// Every matrix (a Linear's weight, an embedding table) in f16, half
+    /// the bytes; vectors (norms, biases) f32.
+    F16,
+    /// QLoRA: the named matrices block-quantized, as a GGUF file stores
+    /// them (`GgufModel::quantized_weights`, by the module tree's names);
+    /// every other parameter f32 from the base's values.
+    Quantized(Arc<QuantizedWeights>),
+    /// Every matrix whose rows hold whole blocks of the format stored in
+    /// it, for a base built without values to plan memory (`wgrad train
+    /// --dry-run` over a preset): no executor runs such a graph (wgrad
+    /// reads quantized weights from files; it does not quantize).
+    QuantizedAs(QuantFormat),
+}
+
+/// How [`BaseStorage`] declares one parameter.
+enum Stored {
+    Blocks(QuantizedMatrix),
+    F16,
+    /// No contents (a base sized without values), of this dtype.
+    Planned(DType),
+}
+
+impl BaseStorage {
+    /// Quantized, f16 or f32, as `wgrad train --base-dtype` names it.
+    pub fn describe(&self) -> String {
+        match self {
+            BaseStorage::F32 => "f32".into(),
+            BaseStorage::F16 => "f16".into(),
+            BaseStorage::Quantized(q) => {
+                let mut formats: Vec<&str> = q.values().map(|m| m.format.name()).collect();
+                formats.sort_unstable();
+                formats.dedup();
+                format!("quantized ({})", formats.join(", "))
+            }
+            BaseStorage::QuantizedAs(format) => format!("quantized ({})", format.name()),
+        }
+    }
+
+    /// How the base parameter `name` (the base's own name) of `shape` is
+    /// declared; None: f32 from its values (or planned, if it has none).
+    fn stored_as(&self, name: &str, shape: &[usize], values: &[f32]) -> Result<Option<Stored>> {
+        let matrix = shape.len() == 2;
+        Ok(match self {
+            BaseStorage::F32 => None,
+            BaseStorage::F16 if matrix && values.is_empty() => Some(Stored::Planned(DType::F16)),
+            BaseStorage::F16 if matrix => Some(Stored::F16),
+            BaseStorage::F16 => None,
+            BaseStorage::Quantized(q) => q.get(name).cloned().map(Stored::Blocks),
+            BaseStorage::QuantizedAs(format) => {
+                let whole_blocks = matrix && shape[1] % format.super_block() == 0;
+                if whole_blocks && !values.is_empty() {
+                    return Err(Error::InvalidArgument {
+                        op: "LoRA",
+                        reason: format!(
+                            "`{name}` has values: a base stored as {} comes from a file's blocks \
+                             (BaseStorage::Quantized); wgrad does not quantize",
+                            format.name()
+                        ),
+                    });
+                }
+                whole_blocks.then_some(Stored::Planned(DType::Quant(*format)))
+            }
+        })
+    }
+}
+
+impl std::fmt::Debug for BaseStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BaseStorage::Quantized(q) => write!(f, "Quantized({} matrices)", q.len()),
+            other => f.write_str(&other.describe()),
+        }
+    }
+}
+
+/// Storages compare by what they hold: the same map (one file's) or the
+/// same rule.
+impl PartialEq for BaseStorage {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (BaseStorage::F32, BaseStorage::F32) | (BaseStorage::F16, BaseStorage::F16) => true,
+            (BaseStorage::Quantized(a), BaseStorage::Quantized(b)) => Arc::ptr_eq(a, b) || a == b,
+            (BaseStorage::QuantizedAs(a), BaseStorage::QuantizedAs(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
 /// A model whose targeted Linears carry low-rank adapters over its frozen
 /// parameters (see the module documentation).
 #[derive(Clone, Debug)]
@@ -180,18 +286,17 @@ pub struct Lora<M> {
     pub base: M,
     pub config: LoraConfig,
     adapters: Arc<Vec<LoraAdapter>>,
+    /// How the frozen base is stored on the device (f32 unless set).
+    storage: BaseStorage,
 }
 
-enum Scope {
-    /// Building the model once to list its Linears.
-    Record(Vec<(LinearSite, Tensor)>),
-    Apply {
-        root: String,
-        scale: f32,
-        /// On each adapter's input, in training graphs.
-        dropout: f32,
-        adapters: Arc<Vec<LoraAdapter>>,
-    },
+struct Scope {
+    root: String,
+    scale: f32,
+    /// On each adapter's input, in training graphs.
+    dropout: f32,
+    adapters: Arc<Vec<LoraAdapter>>,
+    storage: BaseStorage,
 }
 
 thread_local! {
@@ -220,14 +325,7 @@ fn with_scope<R>(scope: Scope, f: impl FnOnce() -> Result<R>) -> (Result<R>, Opt
 /// Whether a forward runs under a LoRA scope (generation's joined
 /// quantized products then stay apart, so each Linear adds its adapter).
 pub(crate) fn active() -> bool {
-    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Apply { .. }))) || super::multi_lora::active()
-}
-
-/// Whether a forward runs only to list a model's Linears ([`linear_sites`]):
-/// its values are never read, so a weight held elsewhere (quantized, with
-/// no f32 values) may stand as zeros.
-pub(crate) fn recording() -> bool {
-    SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Record(_))))
+    SCOPE.with(|s| s.borrow().is_some()) || super::multi_lora::active()
 }
 
 /// Under an applying scope: whether the parameter `name` (a full name)
@@ -235,7 +333,7 @@ pub(crate) fn recording() -> bool {
 /// is (None: no scope).
 pub(crate) fn trainable(name: &str) -> Option<bool> {
     SCOPE.with(|s| match &*s.borrow() {
-        Some(Scope::Apply { root, adapters, .. }) => {
+        Some(Scope { root, adapters, .. }) => {
             let local = name.strip_prefix(root.as_str()).unwrap_or(name);
             Some(adapters.iter().any(|a| {
                 local
@@ -243,14 +341,56 @@ pub(crate) fn trainable(name: &str) -> Option<bool> {
                     .is_some_and(|rest| rest == ".lora_A.weight" || rest == ".lora_B.weight")
             }))
         }
-        _ => None,
+        None => None,
     })
 }
 
+/// Under an applying scope whose base is stored other than in f32: the
+/// frozen parameter `name` (a full name) declared as the base's
+/// [`BaseStorage`] keeps it, or handed back where `g` has it already (a
+/// table a tied head reads again). None where the scope keeps it f32 (the
+/// caller declares it as usual).
+pub(crate) fn declare_stored(g: &mut Graph, name: &str, shape: &[usize], values: &[f32]) -> Result<Option<Tensor>> {
+    let stored = SCOPE.with(|s| match &*s.borrow() {
+        Some(Scope { root, storage, .. }) => {
+            let local = name.strip_prefix(root.as_str()).unwrap_or(name);
+            storage.stored_as(local, shape, values)
+        }
+        None => Ok(None),
+    })?;
+    let Some(stored) = stored else {
+        return Ok(None);
+    };
+    // A tensor-parallel rank holds a share of each split matrix; cutting a
+    // file's blocks into shares is not done here.
+    if super::shard::sharded() && matches!(stored, Stored::Blocks(_) | Stored::Planned(DType::Quant(_))) {
+        return Err(Error::InvalidArgument {
+            op: "LoRA",
+            reason: format!(
+                "`{name}`: tensor parallel over a quantized base is not supported (each rank would need a share \
+                 of the file's blocks); train it on one device or under data, ZeRO or pipeline parallel, or \
+                 store the base in f32 or f16 (--base-dtype)"
+            ),
+        });
+    }
+    if let Some(t) = g
+        .parameters()
+        .into_iter()
+        .find(|&p| g.get(p).is_some_and(|n| n.name == name))
+    {
+        return Ok(Some(t));
+    }
+    Ok(Some(match stored {
+        Stored::Blocks(matrix) => g.parameter_quantized(name, shape, matrix.format, &matrix.raw)?,
+        Stored::Planned(dtype) => g.parameter_planned(name, shape, dtype)?,
+        Stored::F16 => g.parameter_f16(name, shape, values.to_vec())?,
+    }))
+}
+
 /// `y` (the Linear at `prefix`'s output, of x [.., in]) with the active
-/// adapter's path added, when that Linear carries one; noted when the
-/// scope is listing Linears. Under tensor parallelism `y` is a rank's
-/// share of the Linear, and the adapter splits with it ([`share_of`]).
+/// adapter's path added, when that Linear carries one. Under tensor
+/// parallelism `y` is a rank's share of the Linear, and the adapter splits
+/// with it ([`share_of`]).
 pub(crate) fn adapt(
     g: &mut Graph,
     x: Tensor,
@@ -266,25 +406,14 @@ pub(crate) fn adapt(
     let share = shard::linear_share(prefix);
     let [whole_out, whole_in] = share.as_ref().map_or([out_features, in_features], |(whole, _)| *whole);
     let found = SCOPE.with(|s| -> Result<Option<(String, f32, f32, LoraAdapter)>> {
-        match &mut *s.borrow_mut() {
+        match &*s.borrow() {
             None => Ok(None),
-            Some(Scope::Record(sites)) => {
-                let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
-                sites.push((
-                    LinearSite {
-                        module,
-                        in_features,
-                        out_features,
-                    },
-                    y,
-                ));
-                Ok(None)
-            }
-            Some(Scope::Apply {
+            Some(Scope {
                 root,
                 scale,
                 dropout,
                 adapters,
+                ..
             }) => {
                 let local = prefix.strip_prefix(root.as_str()).unwrap_or(prefix);
                 let module = local.strip_suffix('.').unwrap_or(local);
@@ -409,26 +538,19 @@ fn share_of(
     ))
 }
 
-/// Every Linear `model`'s forward runs, in order, and the output head (the
-/// Linear whose output is the model's; none when the head is a tied table).
+/// Every Linear `model`'s forward runs, in order, and the output head (an
+/// `lm_head`, a Sequential's last Linear; none when the head is a tied
+/// table), from its module tree ([`ParameterTree::visit_linears`]): no
+/// graph is built and no value copied.
 pub fn linear_sites(model: &dyn Module) -> Result<(Vec<LinearSite>, Option<String>)> {
-    let mut g = Graph::new();
-    let (result, left) = with_scope(Scope::Record(Vec::new()), || {
-        let input = model.input(&mut g, 1)?;
-        model.forward(&mut g, input, "")
+    let (mut sites, mut head) = (Vec::new(), None);
+    model.visit_linears("", &mut |site, is_head| {
+        if is_head && head.is_none() {
+            head = Some(site.module.clone());
+        }
+        sites.push(site);
     });
-    let output = result?;
-    let Some(Scope::Record(sites)) = left else {
-        return Err(Error::InvalidArgument {
-            op: "LoRA",
-            reason: "listing the model's Linear layers lost its scope".into(),
-        });
-    };
-    let head = sites
-        .iter()
-        .find(|(s, y)| *y == output || s.module.rsplit('.').next() == Some("lm_head"))
-        .map(|(s, _)| s.module.clone());
-    Ok((sites.into_iter().map(|(s, _)| s).collect(), head))
+    Ok((sites, head))
 }
 
 impl<M: Module> Lora<M> {
@@ -454,6 +576,7 @@ impl<M: Module> Lora<M> {
             base,
             config,
             adapters: Arc::new(adapters),
+            storage: BaseStorage::F32,
         })
     }
 
@@ -497,6 +620,7 @@ impl<M: Module> Lora<M> {
             base,
             config,
             adapters: Arc::new(ordered),
+            storage: BaseStorage::F32,
         })
     }
 
@@ -564,12 +688,28 @@ impl<M> Lora<M> {
     }
 
     fn scope(&self, root: &str) -> Scope {
-        Scope::Apply {
+        Scope {
             root: root.to_string(),
             scale: self.config.scale(),
             dropout: self.config.dropout,
             adapters: Arc::clone(&self.adapters),
+            storage: self.storage.clone(),
         }
+    }
+
+    /// How the frozen base is stored on the device.
+    pub fn base_storage(&self) -> &BaseStorage {
+        &self.storage
+    }
+
+    /// This model with its frozen base stored as `storage` on the device
+    /// (QLoRA with [`BaseStorage::Quantized`]): the forward reads the
+    /// base's matrices so stored and the backward computes the input
+    /// gradient through them; only the adapters train. The base's own
+    /// values serve the parameters `storage` leaves in f32.
+    pub fn with_base_storage(mut self, storage: BaseStorage) -> Self {
+        self.storage = storage;
+        self
     }
 
     /// `f` under this model's scope.
@@ -633,6 +773,11 @@ impl<M: Module + Clone> Lora<M> {
 }
 
 impl<M: ParameterTree> ParameterTree for Lora<M> {
+    /// The base's Linears (an adapter is not one).
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool)) {
+        self.base.visit_linears(prefix, f);
+    }
+
     /// The base's parameters, then each adapter's A and B.
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
         self.base.visit(prefix, f);

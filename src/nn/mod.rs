@@ -24,7 +24,7 @@ pub use causal_lm::{
 };
 pub use grouped_attention::{AttentionOptions, GroupedQueryAttention};
 pub use layers::{Embedding, LayerNorm};
-pub use lora::{linear_sites, LinearSite, Lora, LoraAdapter, LoraConfig, ALL_LINEAR};
+pub use lora::{linear_sites, BaseStorage, LinearSite, Lora, LoraAdapter, LoraConfig, ALL_LINEAR};
 pub use multi_lora::{MultiLora, NamedAdapter};
 pub use parameter_tree::ParameterTree;
 pub use rms_norm::RmsNorm;
@@ -264,7 +264,7 @@ impl Module for Linear {
     }
 }
 
-parameter_tree!(Linear, |m| parameters {
+parameter_tree!(Linear, |m| linear(m.in_features, m.out_features) parameters {
     weight: [m.out_features, m.in_features],
     bias: [m.out_features]
 });
@@ -308,6 +308,12 @@ impl ParameterTree for Layer {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
         if let Layer::Linear(l) = self {
             l.visit(prefix, f);
+        }
+    }
+
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool)) {
+        if let Layer::Linear(l) = self {
+            l.visit_linears(prefix, f);
         }
     }
 
@@ -460,6 +466,16 @@ impl Sequential {
 impl ParameterTree for Sequential {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
         self.layers.visit(prefix, f);
+    }
+
+    /// The last layer, when a Linear, is the output layer (the head).
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool)) {
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.visit_linears(&parameter_tree::item_prefix(prefix, i), &mut |site, head| {
+                f(site, head || i == last)
+            });
+        }
     }
 
     fn visit_mut(

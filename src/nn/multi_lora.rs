@@ -305,6 +305,11 @@ impl<M> MultiLora<M> {
 }
 
 impl<M: ParameterTree> ParameterTree for MultiLora<M> {
+    /// The base's Linears (an adapter set is not one).
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(super::LinearSite, bool)) {
+        self.base.visit_linears(prefix, f);
+    }
+
     /// The base's parameters, then each adapted Linear's stacked A, Bᵀ and
     /// meta.
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {

@@ -2,6 +2,7 @@
 //! `VarBuilder::pp`, PyTorch's `state_dict` keys): a parameter's name is
 //! the path of struct fields that reaches it, `h.0.attn.c_attn.weight`.
 
+use super::lora::LinearSite;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Tensor};
 
@@ -35,6 +36,15 @@ pub trait ParameterTree {
         prefix: &str,
         f: &mut dyn FnMut(String, Vec<usize>, &mut Vec<f32>) -> Result<()>,
     ) -> Result<()>;
+
+    /// Calls `f(site, head)` for every [`Linear`](super::Linear) in the
+    /// tree, in `visit`'s order (the order `forward` runs them), its
+    /// module name without the trailing `.` (`model.layers.0.mlp.up_proj`);
+    /// `head` marks a model's output layer (an `lm_head`, a Sequential's
+    /// last layer). What [`Lora`](super::Lora) adapts, found without
+    /// building a graph. No default: a wrapper that forwards `visit` must
+    /// forward this too, or adapters would find none of its Linears.
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool));
 
     /// Declares this module's parameters in `g` as `visit` names them, in
     /// visiting order: how a leaf's forward gets its tensors. Under a
@@ -91,6 +101,9 @@ pub(super) fn declare_one(g: &mut Graph, name: &str, shape: &[usize], values: &[
             }
             Ok(t)
         }
+        // A model sized without values (to plan its memory): a parameter
+        // with no contents, which no executor runs.
+        None if values.is_empty() => g.parameter_planned(name, shape, crate::graph::DType::F32),
         None => g.parameter(name, shape, values.to_vec()),
     }
 }
@@ -160,8 +173,25 @@ pub(crate) use child_prefix;
 /// child only while the `Option` field `other` is `Some`; `[GROUP] field`
 /// nests it under the format's level `GROUP` (a `&str` const).
 macro_rules! parameter_tree {
-    ($ty:ty, |$m:ident| parameters { $($name:ident: [$($dim:expr),* $(,)?]),* $(,)? }) => {
+    ($ty:ty, |$m:ident| $(linear($in:expr, $out:expr))? parameters { $($name:ident: [$($dim:expr),* $(,)?]),* $(,)? }) => {
         impl $crate::nn::ParameterTree for $ty {
+            /// A Linear's site (a leaf declared `linear(in, out)`); other
+            /// leaves have none.
+            fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut($crate::nn::LinearSite, bool)) {
+                let _ = (prefix, &f);
+                $(
+                    let $m = self;
+                    let module = prefix.strip_suffix('.').unwrap_or(prefix).to_string();
+                    let head = module.rsplit('.').next() == Some("lm_head");
+                    let site = $crate::nn::LinearSite {
+                        module,
+                        in_features: $in,
+                        out_features: $out,
+                    };
+                    f(site, head);
+                )?
+            }
+
             fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
                 let $m = self;
                 $(
@@ -191,6 +221,16 @@ macro_rules! parameter_tree {
     };
     ($ty:ty { $($([$group:expr])? $child:ident $(if $guard:ident)?),* $(,)? }) => {
         impl $crate::nn::ParameterTree for $ty {
+            fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut($crate::nn::LinearSite, bool)) {
+                $(
+                    if true $(&& self.$guard.is_some())? {
+                        let group = $crate::nn::parameter_tree::group(&[$($group)?]);
+                        let path = $crate::nn::parameter_tree::child_path(prefix, group, stringify!($child));
+                        $crate::nn::ParameterTree::visit_linears(&self.$child, &path, f);
+                    }
+                )*
+            }
+
             fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
                 $(
                     if true $(&& self.$guard.is_some())? {
@@ -256,6 +296,12 @@ impl<T: ParameterTree> ParameterTree for Vec<T> {
         }
     }
 
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool)) {
+        for (i, item) in self.iter().enumerate() {
+            item.visit_linears(&item_prefix(prefix, i), f);
+        }
+    }
+
     fn visit_mut(
         &mut self,
         prefix: &str,
@@ -273,6 +319,12 @@ impl<T: ParameterTree> ParameterTree for Option<T> {
     fn visit<'a>(&'a self, prefix: &str, f: &mut dyn FnMut(String, Vec<usize>, &'a [f32])) {
         if let Some(inner) = self {
             inner.visit(prefix, f);
+        }
+    }
+
+    fn visit_linears(&self, prefix: &str, f: &mut dyn FnMut(LinearSite, bool)) {
+        if let Some(inner) = self {
+            inner.visit_linears(prefix, f);
         }
     }
 

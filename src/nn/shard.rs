@@ -53,6 +53,10 @@ pub enum Slice {
 impl Slice {
     /// The share of `full` (of `shape`).
     pub fn take(&self, full: &[f32], shape: &[usize]) -> Vec<f32> {
+        // No values (a model sized to plan its memory): no share of them.
+        if full.is_empty() {
+            return Vec::new();
+        }
         let (rows, cols) = matrix(shape);
         match self {
             Slice::Rows(ranges) => ranges
@@ -328,7 +332,10 @@ impl Linear {
         };
         let (out, input) = (self.out_features, self.in_features);
         let bias_len = self.bias.as_ref().map_or(out, Vec::len);
-        if self.weight.len() != out * input || bias_len != out {
+        // Built without values (a model sized to plan its memory): shares
+        // without values too.
+        let planned = self.weight.is_empty() && self.bias.as_ref().is_none_or(Vec::is_empty);
+        if !planned && (self.weight.len() != out * input || bias_len != out) {
             return Err(Error::shape(
                 "Linear",
                 format!("`{prefix}weight` must hold [{out}, {input}] values and its bias {out}"),

@@ -733,13 +733,8 @@ impl Spread {
         self.names.iter().find(|(n, _)| n == name).map(|(_, s)| s)
     }
 
-    /// Every parameter whole, in the model's order, from what `per_stage`
-    /// read of each stage (name to values).
-    fn gather(&self, per_stage: &[HashMap<String, Vec<f32>>]) -> Result<NamedParameters> {
-        self.gather_named(per_stage, |_| true)
-    }
-
-    /// [`Spread::gather`] over the names `wanted` keeps (the optimizer
+    /// Every parameter whole that `wanted` keeps, in the model's order,
+    /// from what `per_stage` read of each stage (name to values; the
     /// state has none for a frozen parameter).
     fn gather_named(
         &self,
@@ -784,11 +779,25 @@ impl Spread {
             .map(|(i, s)| {
                 s.exec
                     .parameters()
-                    .map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect())
+                    .map(|all| all.into_iter().map(|(n, _, v)| (n, v)).collect::<HashMap<_, _>>())
                     .map_err(|e| on_device(self.devices[i], &s.kernels, e))
             })
             .collect::<Result<Vec<_>>>()?;
-        self.gather(&per_stage)
+        // A stage's block-quantized frozen weights have no f32 values
+        // (Executor::parameters leaves them out): the gathered set does too.
+        let quantized: std::collections::HashSet<String> = stages
+            .iter()
+            .zip(&per_stage)
+            .flat_map(|(s, got)| {
+                s.exec
+                    .parameters_shapes()
+                    .into_iter()
+                    .map(|(n, _)| n)
+                    .filter(|n| !got.contains_key(n))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.gather_named(&per_stage, |name| !quantized.contains(name))
     }
 
     /// The optimizer state whole under the single-device names, each

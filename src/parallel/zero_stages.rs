@@ -1056,7 +1056,9 @@ impl TrainEngine for ZeroStages {
             let words: Vec<f32> = self.devices[0]
                 .read(self.frozen_buffers[0].view())
                 .map_err(|e| on_device(0, &self.devices[0], e))?;
-            for f in &self.frozen {
+            // A block-quantized base has no f32 values: it stays in its
+            // file, as Executor::parameters leaves it out.
+            for f in self.frozen.iter().filter(|f| !matches!(f.dtype, DType::Quant(_))) {
                 all.push((f.name.clone(), f.shape.clone(), frozen_values(f, &words)?));
             }
         }

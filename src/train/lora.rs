@@ -18,14 +18,28 @@ use super::language_model::{take_parameter, Pretrained, TrainableLm};
 use crate::error::{Error, Result};
 use crate::io::gpt_folder::{OptimizerState, TokenizerSpec};
 use crate::io::hf_folder::{write_extra_files, ExtraFile};
-use crate::nn::{AttentionKernel, LmConfig, LmSizes, Lora, LoraConfig, ParameterTree};
+use crate::nn::{AttentionKernel, BaseStorage, LmConfig, LmSizes, Lora, LoraConfig, ParameterTree};
 use crate::parallel::stage::NamedParameters;
 
-/// A base model's sizes with the adapters declared over it.
+/// A base model's sizes with the adapters declared over it, and how the
+/// frozen base is stored on the device (f32 by default; QLoRA keeps a
+/// GGUF file's blocks).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraLmConfig<C> {
     pub base: C,
     pub lora: LoraConfig,
+    pub storage: BaseStorage,
+}
+
+impl<C> LoraLmConfig<C> {
+    /// Adapters `lora` over a base of sizes `base`, stored in f32.
+    pub fn new(base: C, lora: LoraConfig) -> Self {
+        LoraLmConfig {
+            base,
+            lora,
+            storage: BaseStorage::F32,
+        }
+    }
 }
 
 impl<C: LmConfig> LmConfig for LoraLmConfig<C> {
@@ -65,13 +79,13 @@ impl<M: TrainableLm> TrainableLm for Lora<M> {
     /// The base built from the seeded generator, then adapters as PEFT
     /// initialises them (A random, B zero).
     fn build(config: &Self::Config) -> Result<Self> {
-        Lora::new(M::build(&config.base)?, config.lora.clone())
+        Ok(Lora::new(M::build(&config.base)?, config.lora.clone())?.with_base_storage(config.storage.clone()))
     }
 
     /// The base and every adapter's A and B from `take`.
     fn assemble(config: &Self::Config, take: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>>) -> Result<Self> {
         let base = M::assemble(&config.base, take)?;
-        let mut model = Lora::new(base, config.lora.clone())?;
+        let mut model = Lora::new(base, config.lora.clone())?.with_base_storage(config.storage.clone());
         let adapter = |name: &str| name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
         model.visit_mut("", &mut |name, shape, values| {
             if adapter(&name) {
@@ -94,11 +108,22 @@ impl<M: TrainableLm> TrainableLm for Lora<M> {
         LoraLmConfig {
             base: self.base.config(),
             lora: self.config.clone(),
+            storage: self.base_storage().clone(),
         }
     }
 
+    /// This model with the adapters of `params`; the base is this one's
+    /// (frozen: training never changes it, and a quantized base has no
+    /// f32 values to read back).
     fn with_parameters(&self, params: &NamedParameters) -> Result<Self> {
-        Self::assemble(&self.config(), &mut |name, shape| take_parameter(params, name, shape))
+        let mut model = self.clone();
+        model.visit_mut("", &mut |name, shape, values| {
+            if name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight") {
+                *values = take_parameter(params, &name, &shape)?;
+            }
+            Ok(())
+        })?;
+        Ok(model)
     }
 
     /// The PEFT adapter folder (no base model named; `files`, the base's
@@ -167,8 +192,14 @@ impl<M: TrainableLm> Pretrained<M> {
     /// The pretrained model with adapters declared by `config` over it
     /// ([`Lora::new`]): the same tokenizer, files and source.
     pub fn with_lora(self, config: LoraConfig) -> Result<Pretrained<Lora<M>>> {
+        self.with_lora_storage(config, BaseStorage::F32)
+    }
+
+    /// [`Pretrained::with_lora`] with the frozen base stored as `storage`
+    /// on the device (QLoRA: a GGUF file's quantized blocks).
+    pub fn with_lora_storage(self, config: LoraConfig, storage: BaseStorage) -> Result<Pretrained<Lora<M>>> {
         Ok(Pretrained {
-            model: Lora::new(self.model, config)?,
+            model: Lora::new(self.model, config)?.with_base_storage(storage),
             tokenizer: self.tokenizer,
             files: self.files,
             source: self.source,

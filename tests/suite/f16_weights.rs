@@ -582,8 +582,9 @@ fn f16_parameters_are_for_inference_only() {
     let mut g = Graph::new();
     let x = g.input("x", &[2, 4]).unwrap();
     let w = g.parameter_f16("w", &[3, 4], vec![0.5; 12]).unwrap();
-    // Only an ABt product's B and an embedding's table take f16.
-    let err = g.matmul_form(MatmulForm::AB, x, w).unwrap_err();
+    // Only a product's B (ABt, or AB: a frozen weight's backward) and an
+    // embedding's table take f16.
+    let err = g.matmul_form(MatmulForm::AtB, x, w).unwrap_err();
     assert!(err.to_string().contains("f16"), "{err}");
     let err = g.add(w, w).unwrap_err();
     assert!(err.to_string().contains("f16"), "{err}");

@@ -52,6 +52,7 @@ mod parallel;
 mod parallel_f16_checkpointing;
 mod perplexity;
 mod pipeline_cache;
+mod qlora;
 mod quant_weights;
 mod qwen_folder;
 mod qwen_parallel;

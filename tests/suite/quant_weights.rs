@@ -911,10 +911,11 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
     let y = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, w).unwrap();
     // The tied head: the same table as an ABt's B.
     let logits = g.rows_matmul(wgrad::kernels::MatmulForm::ABt, x, table).unwrap();
-    // Only the ABt's B and the table read them; k = 33 is refused.
+    // Only a product's B (ABt, or AB: a frozen weight's backward) and the
+    // table read them; k = 33 is refused.
     let err = g.add(w, w).unwrap_err();
     assert!(err.to_string().contains("Q4_1"), "{err}");
-    let err = g.matmul_form(wgrad::kernels::MatmulForm::AB, x, w).unwrap_err();
+    let err = g.matmul_form(wgrad::kernels::MatmulForm::AtB, x, w).unwrap_err();
     assert!(err.to_string().contains("quantized"), "{err}");
     let err = g
         .parameter_quantized("odd", &[2, 33], QuantFormat::Q8_0, &[0; 68])
@@ -944,9 +945,9 @@ fn a_graph_with_quantized_parameters_matches_its_reference() {
         );
         let err = exec.read(w).unwrap_err();
         assert!(err.to_string().contains("Q4_1"), "{err}");
-        let err = exec.parameters().unwrap_err();
-        assert!(err.to_string().contains("no f32 copy"), "{err}");
-        // Training refuses them (in backward, or in the executor).
+        // Their words are not f32 values: the host copies leave them out.
+        assert!(exec.parameters()?.is_empty(), "quantized parameters read as f32");
+        // Training refuses them unless frozen (in backward, or in the executor).
         let mut train = g.clone();
         let loss = train.mean(y)?;
         let err = match train.backward(loss) {
@@ -1197,6 +1198,161 @@ fn new_format_embedding_matches_the_cpu() {
                     0.0,
                 );
             }
+        }
+        Ok(())
+    });
+}
+
+/// One transposed product C[m, n] = A[m, k]·B[k, n] (`matmul_quant_transposed`,
+/// a frozen weight's backward dX = dY·W with B stored [k, n] as its rows)
+/// against the twin, C holding `start` before (added to with `accumulate`,
+/// overwritten without); returns the launches.
+fn check_transposed(
+    k: &Kernels,
+    format: QuantFormat,
+    (m, n, kk): (usize, usize, usize),
+    accumulate: bool,
+    seed: u64,
+) -> wgrad::Result<usize> {
+    let mut r = rng(seed);
+    let a_host = random_vec(&mut r, m * kk, -1.0, 1.0);
+    let raw = random_blocks(&mut r, format, kk, n);
+    let start = random_vec(&mut r, m * n, -1.0, 1.0);
+    let words = k.upload(&pack_quantized(format, &raw, kk, n)?)?;
+    let (a, c) = (k.upload(&a_host)?, k.upload(&start)?);
+    let request = MatmulRequest::new(MatmulForm::AB, m, n, kk).accumulating(accumulate);
+    let d = k.matmul(
+        &request,
+        c.view(),
+        a.view(),
+        QuantView::new(words.view(), format, kk, n)?,
+    )?;
+    assert_eq!(d.kernel().entry, "matmul_quant_transposed");
+    k.run(&[&d])?;
+    let mut want = cpu::matmul_quant_transposed(&a_host, format, &raw, m, n, kk)?;
+    if accumulate {
+        want.iter_mut().zip(&start).for_each(|(w, s)| *w += s);
+    }
+    let what = format!("matmul_quant_transposed {format:?} m={m} n={n} k={kk} accumulate={accumulate}");
+    // Sums of ≤ 131 products of values in [-1, 1] with weights within
+    // about ±1, each weight decoded alone (q·d + m, one rounding) before
+    // its multiply-add: f32 against the twin's f64, as the forward's.
+    assert_close(&what, &read(k, &c)?, &want, ATOL, RTOL);
+    Ok(d.launches())
+}
+
+/// The transposed product on every format, at 1, prime and
+/// non-multiple-of-64 rows (C's and A's, past a 64-row tile and its
+/// 8-row invocations), 1 and prime rows of B (the sum: one step, 37 steps,
+/// 131 over more than two tiles' worth), and C's columns one block, three
+/// (not a whole 64-column tile) and a k-quant's super-block and more;
+/// accumulating and not.
+#[test]
+fn transposed_quantized_products_match_the_cpu() {
+    for_each_adapter("quantized weights: transposed products", |k| {
+        let mut case = 0u64;
+        for format in QuantFormat::ALL {
+            let block = format.super_block();
+            let widths = if block == QuantFormat::BLOCK {
+                vec![32, 96, 320]
+            } else {
+                vec![block, 2 * block]
+            };
+            for (i, &n) in widths.iter().enumerate() {
+                for (j, &(m, kk)) in [(1, 1), (7, 37), (67, 131)].iter().enumerate() {
+                    case += 1;
+                    // Accumulation on some (format, shape) pairs: the
+                    // override is one line of the store, whatever the shape.
+                    let accumulate = (i + j) % 2 == 1;
+                    check_transposed(k, format, (m, n, kk), accumulate, 3100 + case)?;
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// A B larger than one binding sums its rows over several launches, each
+/// after the first adding into C: equal to the twin; A or C over one
+/// binding, a row of B over one, an epilogue, a batch or another kernel
+/// are refused.
+#[test]
+fn transposed_quantized_products_split_and_refuse() {
+    for_each_adapter("quantized weights: transposed split and refusals", |k| {
+        // 1 KiB bindings (grown by the offset alignment, as in
+        // quantized_weights_over_small_bindings_equal_the_twins): B of
+        // Q8_0 [100, 32] is 900 words, 28 rows a launch; Q4_K [9, 256]
+        // 432 words, 5 rows a launch. A and C fit (C of Q4_K: one row).
+        let align = u64::from(k.device().limits().min_storage_buffer_offset_alignment);
+        let lim = limited_kernels(
+            k,
+            LimitOverrides {
+                max_storage_buffer_binding_size: Some(1024 + align.saturating_sub(4)),
+                ..LimitOverrides::default()
+            },
+        );
+        assert!(check_transposed(&lim, QuantFormat::Q8_0, (2, 32, 100), false, 3300)? > 1);
+        assert!(check_transposed(&lim, QuantFormat::Q4_K, (1, 256, 9), true, 3301)? > 1);
+        let words = k.zeros(QuantFormat::Q8_0.stored_words(1024))?;
+        let b = QuantView::new(words.view(), QuantFormat::Q8_0, 2, 512)?;
+        // C [1, 512] (2 KiB) over the 1 KiB binding.
+        let (a, c) = (k.zeros(2)?, k.zeros(512)?);
+        let err = lim
+            .matmul(&MatmulRequest::new(MatmulForm::AB, 1, 512, 2), c.view(), a.view(), b)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::TooLarge { .. }) && err.to_string().contains("does not split"),
+            "{err}"
+        );
+        let (a, c) = (k.zeros(3 * 2)?, k.zeros(3 * 512)?);
+        // B must be [k, n] = [2, 512]: k = 3 is refused.
+        let err = k
+            .matmul(&MatmulRequest::new(MatmulForm::AB, 2, 512, 3), c.view(), a.view(), b)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Shape { .. }) && err.to_string().contains("k=3"),
+            "{err}"
+        );
+        let (a, c) = (k.zeros(3 * 2)?, k.zeros(3 * 512)?);
+        let bias = k.zeros(512)?;
+        let refused = [
+            MatmulRequest::new(MatmulForm::AB, 3, 512, 2).with_bias(bias.view()),
+            MatmulRequest::new(MatmulForm::AB, 3, 512, 2).with_batch(1),
+            MatmulRequest::new(MatmulForm::AB, 3, 512, 2).with_kernel(MatmulKernel::Quant(QuantWeightsKernel::Tiled)),
+            MatmulRequest::new(MatmulForm::AtB, 3, 512, 2),
+        ];
+        for request in refused {
+            let err = k.matmul(&request, c.view(), a.view(), b).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument { .. }), "{request:?}: {err}");
+        }
+        Ok(())
+    });
+}
+
+/// The gradient through a frozen quantized weight, d loss / d x of
+/// y = x·Wᵀ: the backward's transposed product against f64 central
+/// differences (`common::gradcheck`: x is the only trainable parameter),
+/// on a legacy format, a 5-bit one and a k-quant, 1 and prime rows and
+/// columns (x [m, in], W [out, in]).
+#[test]
+fn gradients_through_frozen_quantized_weights_match_central_differences() {
+    use common::{gradcheck, mse_to_random, param};
+    use wgrad::graph::Graph;
+    for_each_adapter("quantized weights: gradcheck", |k| {
+        let cases = [
+            (QuantFormat::Q4_1, 1, 37, 64),
+            (QuantFormat::Q5_0, 7, 1, 32),
+            (QuantFormat::Q4_K, 5, 3, 256),
+        ];
+        for (i, &(format, m, out, inn)) in cases.iter().enumerate() {
+            let raw = random_blocks(&mut rng(3400 + i as u64), format, out, inn);
+            let mut g = Graph::new();
+            let x = param(&mut g, "x", &[m, inn], 3410 + i as u64);
+            let w = g.parameter_quantized("w", &[out, inn], format, &raw)?;
+            g.freeze(w)?;
+            let y = g.matmul_form(MatmulForm::ABt, x, w)?;
+            let (loss, feeds) = mse_to_random(&mut g, y, 3420 + i as u64)?;
+            gradcheck(k, &format!("x·Wᵀ, W {format:?} [{out}, {inn}]"), g, loss, feeds, vec![])?;
         }
         Ok(())
     });

@@ -93,10 +93,12 @@ impl OpFamily for MatmulOp {
                     activation_grad,
                 };
                 // Weights stored in f16 or quantized (the builder allows them
-                // as an ABt's B).
+                // as an ABt's B, or an AB's in a frozen weight's backward).
                 let weight = matches!(cx.input_node(1).op, Op::Source(_));
                 match cx.input_node(1).dtype {
-                    DType::F16 if weight => {
+                    // SHADER_F16's kernels where the adapter has it; else
+                    // (and for AB) the f32 kernels widening f16 B on load.
+                    DType::F16 if weight && *form == MatmulForm::ABt && k.supports_f16() => {
                         return k.matmul(
                             &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
                             cx.out()?,
@@ -105,12 +107,14 @@ impl OpFamily for MatmulOp {
                         )
                     }
                     DType::Quant(format) => {
+                        // ABt: B [n, k]; AB (the transposed product): B [k, n].
+                        let (rows, cols) = if *form == MatmulForm::AB { (kk, n) } else { (n, kk) };
                         return k.matmul(
-                            &MatmulRequest::new(MatmulForm::ABt, m, n, kk).with_epilogue(epilogue),
+                            &MatmulRequest::new(*form, m, n, kk).with_epilogue(epilogue),
                             cx.out()?,
                             cx.input(0)?,
-                            QuantView::new(cx.input(1)?, format, n, kk)?,
-                        )
+                            QuantView::new(cx.input(1)?, format, rows, cols)?,
+                        );
                     }
                     DType::F16 | DType::F32 | DType::U32 => {}
                 }
@@ -214,10 +218,11 @@ fn parts_reference(gated: bool, cx: &ReferenceContext<'_>) -> Result<Vec<f64>> {
 
 impl Graph {
     /// Whether `b` is an f16 or quantized parameter read as the weight of
-    /// an ABt product, the one matmul such weights take (generation's
-    /// Linear layers and tied head, stored [out, in]).
+    /// an ABt product (generation's Linear layers and tied head, stored
+    /// [out, in]) or of an AB one (a frozen weight's backward, dX = dY·W):
+    /// the matmuls such weights take.
     fn stored_weight(&self, form: MatmulForm, b: Tensor) -> bool {
-        form == MatmulForm::ABt && self.get(b).is_some_and(|n| n.dtype.is_stored_weight())
+        matches!(form, MatmulForm::ABt | MatmulForm::AB) && self.get(b).is_some_and(|n| n.dtype.is_stored_weight())
     }
 
     /// op(a)·op(b) for a `MatmulForm` (stored shapes as the form says):

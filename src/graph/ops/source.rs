@@ -33,6 +33,10 @@ pub enum ParameterInit {
     /// A block-quantized matrix's words in the kernels' layout
     /// ([`DType::Quant`], [`pack_quantized`]).
     Packed(Vec<u32>),
+    /// No contents: a parameter of a graph built to plan its memory (a
+    /// model sized without values, `wgrad train --dry-run`); the plan lays
+    /// it out by its dtype and shape, and no executor or reference runs it.
+    Planned,
 }
 
 impl OpFamily for SourceOp {
@@ -82,6 +86,12 @@ impl OpFamily for SourceOp {
                     .map(f64::from)
                     .collect())
             }
+            SourceOp::Parameter {
+                init: ParameterInit::Planned,
+            } => Err(Error::InvalidArgument {
+                op: "evaluate_f64",
+                reason: format!("`{}` has no contents (a graph for planning only)", cx.node().name),
+            }),
             SourceOp::Constant { values } => Ok(values.iter().map(|&v| f64::from(v)).collect()),
         }
     }
@@ -163,6 +173,24 @@ impl Graph {
         };
         let words = pack_quantized(format, raw, rows, cols)?;
         self.push_parameter(name, shape, ParameterInit::Packed(words), DType::Quant(format))
+    }
+
+    /// A parameter of `dtype` with no contents ([`ParameterInit::Planned`]):
+    /// a graph built only to plan its memory, from a model sized without
+    /// values. An executor refuses it.
+    pub fn parameter_planned(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::non_empty("parameter_planned", shape)?;
+        if let DType::Quant(format) = dtype {
+            let &[rows, cols] = shape else {
+                return Err(Error::shape(
+                    "parameter_planned",
+                    format!("`{name}`: a quantized parameter is a matrix [rows, cols]"),
+                    &[shape],
+                ));
+            };
+            format.check_shape("parameter_planned", rows, cols)?;
+        }
+        self.push_parameter(name, shape, ParameterInit::Planned, dtype)
     }
 
     /// A parameter stored in f16 ([`DType::F16`]): `init` is rounded to
