@@ -47,6 +47,7 @@ use wgrad::io::chat::{ChatMessage, ChatTemplate};
 use wgrad::io::text::Utf8Stream;
 use wgrad::{DeviceOptions, Kernels};
 
+use wgrad::io::peft::PeftAdapter;
 use wgrad::nn::{Lora, MultiLora, NamedAdapter};
 
 use crate::generate::{bpe_generator, BoxedLm, DtypeName};
@@ -233,7 +234,7 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
         .unwrap_or_else(|| name.strip_suffix(".gguf").unwrap_or(&name).to_string());
     let adapters = read_adapters(&args.lora, &[&model_id, &name])?;
     let mut lm = load_pretrained_with_config(&kernels, &args.model, config.as_ref(), dtype, &options)?;
-    let adapter_names: Vec<String> = adapters.iter().map(|(a, _)| a.name.clone()).collect();
+    let adapter_names: Vec<String> = adapters.iter().map(|(name, _, _)| name.clone()).collect();
     lm.model = with_adapters(lm.model, adapters)?;
     let template = lm.tokenizer.chat_template().map(ChatTemplate::new).transpose()?;
     let generator = bpe_generator(kernels.clone(), &lm, args.dtype, &options)?;
@@ -292,12 +293,12 @@ pub fn serve(opts: &DeviceOptions, args: &ServeArgs) -> wgrad::Result<()> {
 
 /// `--lora NAME=DIR`s, each folder read and checked as PEFT's (a bad one is
 /// an error naming it), the names unique and none of the base's `taken`.
-fn read_adapters(specs: &[String], taken: &[&str]) -> wgrad::Result<Vec<(NamedAdapter, PathBuf)>> {
+fn read_adapters(specs: &[String], taken: &[&str]) -> wgrad::Result<Vec<(String, PeftAdapter, PathBuf)>> {
     let invalid = |reason: String| wgrad::Error::InvalidArgument {
         op: "serve --lora",
         reason,
     };
-    let mut adapters: Vec<(NamedAdapter, PathBuf)> = Vec::new();
+    let mut adapters: Vec<(String, PeftAdapter, PathBuf)> = Vec::new();
     for spec in specs {
         let Some((name, dir)) = spec
             .split_once('=')
@@ -313,36 +314,40 @@ fn read_adapters(specs: &[String], taken: &[&str]) -> wgrad::Result<Vec<(NamedAd
                 "`{name}` is the base model's name: give the adapter another"
             )));
         }
-        if adapters.iter().any(|(a, _)| a.name == name) {
+        if adapters.iter().any(|(a, _, _)| a == name) {
             return Err(invalid(format!("two adapters are named `{name}`")));
         }
         let dir = PathBuf::from(dir);
         let peft = wgrad::io::peft::read(&dir).map_err(|e| invalid(format!("{name}={}: {e}", dir.display())))?;
-        adapters.push((NamedAdapter::new(name, peft.config, peft.adapters), dir));
+        adapters.push((name.to_string(), peft, dir));
     }
     Ok(adapters)
 }
 
 /// `model` carrying `adapters` ([`MultiLora`]; `model` itself when there
-/// are none), each checked against it first so an error names its folder.
+/// are none), each fitted to its names and row order (a GGUF Llama's q and
+/// k rows are permuted) and checked against it first, so an error names
+/// its folder.
 fn with_adapters(
     model: Box<dyn wgrad::nn::CausalLm>,
-    adapters: Vec<(NamedAdapter, PathBuf)>,
+    adapters: Vec<(String, PeftAdapter, PathBuf)>,
 ) -> wgrad::Result<Box<dyn wgrad::nn::CausalLm>> {
     if adapters.is_empty() {
         return Ok(model);
     }
     let mut base = BoxedLm(model);
-    for (adapter, dir) in &adapters {
-        let checked = Lora::with_adapters(base, adapter.config.clone(), adapter.adapters.clone()).map_err(|e| {
-            wgrad::Error::InvalidArgument {
-                op: "serve --lora",
-                reason: format!("{}={} does not fit --model: {e}", adapter.name, dir.display()),
-            }
-        })?;
+    let mut named = Vec::with_capacity(adapters.len());
+    for (name, peft, dir) in adapters {
+        let does_not_fit = |e: wgrad::Error| wgrad::Error::InvalidArgument {
+            op: "serve --lora",
+            reason: format!("{name}={} does not fit --model: {e}", dir.display()),
+        };
+        let fitted = peft.fitted_to(&base).map_err(does_not_fit)?;
+        let checked =
+            Lora::with_adapters(base, fitted.config.clone(), fitted.adapters.clone()).map_err(does_not_fit)?;
         base = checked.base;
+        named.push(NamedAdapter::new(name, fitted.config, fitted.adapters));
     }
-    let named = adapters.into_iter().map(|(a, _)| a).collect();
     Ok(Box::new(MultiLora::new(base, named)?))
 }
 

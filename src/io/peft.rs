@@ -47,7 +47,16 @@ impl PeftAdapter {
     /// model that holds some Linears' rows in another order than Hugging
     /// Face's ([`Module::permuted_rows`]: a GGUF Llama's q and k), their B
     /// rows are moved to the model's order.
-    pub fn apply<M: Module>(mut self, base: M) -> Result<Lora<M>> {
+    pub fn apply<M: Module>(self, base: M) -> Result<Lora<M>> {
+        let fitted = self.fitted_to(&base)?;
+        Lora::with_adapters(base, fitted.config, fitted.adapters)
+    }
+
+    /// This adapter under `base`'s own names and row order (what
+    /// [`PeftAdapter::apply`] carries; what a server holding several
+    /// adapters over one base stacks): Hugging Face's module prefix
+    /// dropped, and B's rows moved where `base` permutes its Linears' rows.
+    pub fn fitted_to<M: Module>(mut self, base: &M) -> Result<Self> {
         let r = self.config.r;
         // Hugging Face's names of the model's modules, wgrad's without the prefix.
         let hf = base.hf_module_prefix();
@@ -64,7 +73,7 @@ impl PeftAdapter {
                 }
             }
         }
-        Lora::with_adapters(base, self.config, self.adapters)
+        Ok(self)
     }
 }
 
