@@ -56,13 +56,19 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # The doc tests run over the same packages as the tests (no `-p wgrad`:
 # that resolves features apart and rebuilt 40 crates, 96 s of a clean run).
 TEST_TARGETS := --tests
+# The suite's adapters in make test: the primary backends' (Vulkan, Metal,
+# DX12; GL only on a machine with nothing else). GL's pass is
+# test-swiftshader's, where llvmpipe-GL runs every test beside SwiftShader:
+# CI runs both, so every adapter runs the whole suite once. Run both
+# backends in one pass with WGRAD_TEST_BACKEND=vulkan,gl (or empty: all).
+WGRAD_TEST_BACKEND ?= primary
 SWIFTSHADER_ICD := /usr/lib/chromium/vk_swiftshader_icd.json
 HAS_SWIFTSHADER := $(wildcard $(SWIFTSHADER_ICD))
 test: driver smollm2 gemma3
 	@$(if $(MPI_READY),,echo "MPI (mpirun, mpicc, libclang) not installed: skipping the multi-process tests (see scripts/ensure-mpi.sh)")
 	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS) --no-run
 	"$(TARGET_DIR)/release/wgrad" adapters
-	$(CARGO) test --release $(TEST_FEATURES) $(TEST_TARGETS)
+	WGRAD_TEST_BACKEND=$(WGRAD_TEST_BACKEND) CARGO="$(CARGO)" scripts/test-lanes.sh --release $(TEST_FEATURES)
 	$(CARGO) test --release $(TEST_FEATURES) --doc
 	$(CARGO) run --release $(TEST_FEATURES) --example linear_regression
 	scripts/serve-openai-check.sh --wgrad "$(TARGET_DIR)/release/wgrad"

@@ -56,16 +56,39 @@ pub fn no_adapter(test: &str) {
     eprintln!("SKIP {test}: no GPU adapter{filter} on this machine; install {INSTALL_HINT}");
 }
 
+/// The backends `WGRAD_TEST_BACKEND` names: a comma-separated list
+/// (`vulkan`, `metal`, `dx12`, `gl`), or `primary`: Vulkan, Metal and DX12,
+/// or every backend where none of those has an adapter (a machine with GL
+/// alone). `make test` runs the suite on the primary adapters; GL's pass is
+/// `make test-swiftshader`'s, beside SwiftShader (see the Makefile).
+fn backends_chosen(listed: &[AdapterReport]) -> Option<wgpu::Backends> {
+    let value = std::env::var("WGRAD_TEST_BACKEND").ok()?;
+    let value = value.trim().to_ascii_lowercase();
+    if value.is_empty() {
+        return None;
+    }
+    if value == "primary" {
+        let primary = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
+        let any = listed
+            .iter()
+            .any(|r| primary.contains(wgpu::Backends::from(r.info.backend)));
+        return any.then_some(primary);
+    }
+    let mut chosen = wgpu::Backends::empty();
+    for name in value.split(',') {
+        chosen |= wgrad::device::parse_backend(name).expect("WGRAD_TEST_BACKEND: vulkan, metal, dx12, gl or primary");
+    }
+    Some(chosen)
+}
+
 /// The adapters the tests use: every one listed, or those of
-/// `WGRAD_TEST_BACKEND=vulkan|gl|...`, or those whose index or name
-/// `WGRAD_TEST_ADAPTER` gives (comma-separated indexes, or a name
+/// `WGRAD_TEST_BACKEND` (see [`backends_chosen`]), or those whose index or
+/// name `WGRAD_TEST_ADAPTER` gives (comma-separated indexes, or a name
 /// substring: scripts/gpu-check.sh runs the suite on one GPU this way).
 pub fn reports() -> Vec<AdapterReport> {
     init_log();
-    let only = std::env::var("WGRAD_TEST_BACKEND")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .map(|s| wgrad::device::parse_backend(&s).expect("WGRAD_TEST_BACKEND"));
+    let listed = wgrad::device::list_adapters();
+    let only = backends_chosen(&listed);
     let chosen = std::env::var("WGRAD_TEST_ADAPTER")
         .ok()
         .filter(|s| !s.trim().is_empty());
@@ -76,7 +99,7 @@ pub fn reports() -> Vec<AdapterReport> {
             Err(_) => r.info.name.to_ascii_lowercase().contains(&s.to_ascii_lowercase()),
         }),
     };
-    wgrad::device::list_adapters()
+    listed
         .into_iter()
         .filter(|r| only.is_none_or(|b| b.contains(wgpu::Backends::from(r.info.backend))))
         .filter(picked)
@@ -138,8 +161,8 @@ fn open_kernels(index: usize) -> Arc<Kernels> {
 }
 
 /// Every adapter on the machine (on a CPU-only machine: lavapipe through
-/// Vulkan and llvmpipe through GL). `WGRAD_TEST_BACKEND=vulkan|gl|...`
-/// restricts the set.
+/// Vulkan and llvmpipe through GL). `WGRAD_TEST_BACKEND` restricts the
+/// set (see [`backends_chosen`]).
 pub fn adapters() -> &'static [Arc<Kernels>] {
     static ALL: OnceLock<Vec<Arc<Kernels>>> = OnceLock::new();
     ALL.get_or_init(|| reports().iter().map(|r| open_kernels(r.index)).collect())
