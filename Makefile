@@ -44,12 +44,17 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 #
 # `make test-swiftshader` (CI runs it after `make test`; it needs
 # Chromium, which scripts/ensure-chromium.sh installs) runs the whole suite
-# a second time with SwiftShader, Google's Vulkan implementation, in place
-# of lavapipe and opened with WebGPU's default limits (WGRAD_LIMITS=webgpu):
-# what passes there runs within what every browser guarantees. llvmpipe-GL
-# stays beside it, so the multi-device engines (data, tensor, pipeline,
-# ZeRO) pair two unlike adapters there. A pass of its own, outside the
-# 10 minutes of `make test`.
+# with SwiftShader, Google's Vulkan implementation, in place of lavapipe
+# and opened with WebGPU's default limits (WGRAD_LIMITS=webgpu): what
+# passes there runs within what every browser guarantees. llvmpipe-GL
+# stays beside it (the suite's GL pass: make test runs the primary
+# adapters), so the multi-device engines (data, tensor, pipeline, ZeRO)
+# pair two unlike adapters there. A pass of its own, outside the 10
+# minutes of `make test`.
+#
+# make test runs the test binaries in two lanes (scripts/test-lanes.sh):
+# the suite beside the unit and CLI tests, which leave a core idle while
+# their `wgrad` processes, MPI ranks and Chromium start.
 # The unit and integration tests and the library's doc tests, not the examples:
 # each example is a binary of its own to link, `make lint` (clippy
 # --all-targets) compiles them all, and the one run here is built once.

@@ -29,7 +29,7 @@ if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknow
 fi
 have=$(wasm-bindgen --version 2>/dev/null | awk '{print $2}' || true)
 if [ "$have" != "$want" ]; then
-    echo "build-web: wasm-bindgen $want is needed (found: ${have:-none}): cargo install wasm-bindgen-cli --version $want --locked" >&2
+    echo "build-web: wasm-bindgen $want is needed (found: ${have:-none}): cargo install wasm-bindgen-cli --version $want (--locked fails while a crate its lock file pins is yanked)" >&2
     exit 3
 fi
 

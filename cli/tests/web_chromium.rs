@@ -119,7 +119,7 @@ fn missing_tools() -> Option<String> {
     match have {
         Some(line) if line.ends_with(&format!(" {want}")) => None,
         other => Some(format!(
-            "wasm-bindgen {want} is not installed (found {other:?}; cargo install wasm-bindgen-cli --version {want} --locked)"
+            "wasm-bindgen {want} is not installed (found {other:?}; cargo install wasm-bindgen-cli --version {want})"
         )),
     }
 }
