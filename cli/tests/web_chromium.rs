@@ -437,10 +437,10 @@ fn the_page_trains_and_generates_in_chromium_as_the_native_engine_does() {
         .arg(repo().join("scripts/build-web.sh"))
         .arg(&site)
         .env("WGRAD_SMOLLM2", &model)
-        // The release profile, not the shipped `web` one (LTO over one
+        // The `web-test` profile, not the shipped `web` one (LTO over one
         // codegen unit): minutes less of make test on two cores, the
         // same kernels and numbers; `.ci/run` builds the shipped page too.
-        .env("WGRAD_WEB_PROFILE", "release")
+        .env("WGRAD_WEB_PROFILE", "web-test")
         .output()
         .unwrap();
     assert!(

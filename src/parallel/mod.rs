@@ -134,6 +134,35 @@ impl DeviceSelection {
         Ok(DeviceSelection::Adapters(list))
     }
 
+    /// The adapter each device of the selection opens on, in group order
+    /// (an index into [`list_adapters`] or a name substring, as
+    /// `DeviceOptions::adapter` takes it), after [`DeviceSelection::check`]:
+    /// what [`DeviceGroup::open`] opens, for a caller that keeps devices
+    /// open across groups ([`DeviceGroup::from_kernels`]).
+    pub fn selectors(&self) -> Result<Vec<String>> {
+        self.check()?;
+        let reports = list_adapters();
+        if reports.is_empty() {
+            return Err(Error::NoAdapter { filter: String::new() });
+        }
+        let physical = physical_adapters(&reports);
+        let selectors: Vec<String> = match self {
+            DeviceSelection::All => physical.iter().map(|i| i.to_string()).collect(),
+            DeviceSelection::Adapters(list) => list.clone(),
+            DeviceSelection::Count(n) if !physical.is_empty() => {
+                (0..*n).map(|k| physical[k % physical.len()].to_string()).collect()
+            }
+            DeviceSelection::Count(_) => Vec::new(),
+        };
+        if selectors.is_empty() {
+            return Err(Error::InvalidArgument {
+                op: "DeviceGroup",
+                reason: "a group needs at least one device".into(),
+            });
+        }
+        Ok(selectors)
+    }
+
     /// `WGRAD_DEVICES`, or `default` when unset.
     pub fn from_env(default: DeviceSelection) -> Result<Self> {
         match std::env::var(ENV_DEVICES) {
@@ -203,11 +232,6 @@ pub struct DeviceGroup {
 impl DeviceGroup {
     /// Opens the devices of `selection` after [`DeviceSelection::check`].
     pub fn open(selection: &DeviceSelection) -> Result<Self> {
-        selection.check()?;
-        let reports = list_adapters();
-        if reports.is_empty() {
-            return Err(Error::NoAdapter { filter: String::new() });
-        }
         let open = |selector: String| -> Result<Arc<Kernels>> {
             let device = Device::open(&DeviceOptions {
                 backends: None,
@@ -216,22 +240,11 @@ impl DeviceGroup {
             })?;
             Ok(Arc::new(Kernels::new(device)))
         };
-        let physical = physical_adapters(&reports);
-        let selectors: Vec<String> = match selection {
-            DeviceSelection::All => physical.iter().map(|i| i.to_string()).collect(),
-            DeviceSelection::Adapters(list) => list.clone(),
-            DeviceSelection::Count(n) if !physical.is_empty() => {
-                (0..*n).map(|k| physical[k % physical.len()].to_string()).collect()
-            }
-            DeviceSelection::Count(_) => Vec::new(),
-        };
-        if selectors.is_empty() {
-            return Err(Error::InvalidArgument {
-                op: "DeviceGroup",
-                reason: "a group needs at least one device".into(),
-            });
-        }
-        let members = selectors.into_iter().map(open).collect::<Result<Vec<_>>>()?;
+        let members = selection
+            .selectors()?
+            .into_iter()
+            .map(open)
+            .collect::<Result<Vec<_>>>()?;
         Ok(DeviceGroup { members })
     }
 

@@ -23,28 +23,10 @@ use wgrad::parallel::{DeviceGroup, DeviceSelection};
 use wgrad::Error;
 use wgrad::{Targets, Trainer};
 
-/// Device groups holding wgrad's GL lock until dropped (see
-/// tests/suite/parallel.rs: what the test drops outside wgrad's locked
-/// calls must not wait on the GL context another thread's submit holds).
-struct Groups {
-    list: Vec<DeviceGroup>,
-    // Declared last: dropped after the groups.
-    _gl: Option<wgrad::device::GlGuard>,
-}
-
-/// One group per selection; none (failing in CI) without an adapter.
-fn groups(test: &str, selections: &[DeviceSelection]) -> Groups {
-    if !common::any_adapter(test) {
-        return Groups {
-            list: Vec::new(),
-            _gl: None,
-        };
-    }
-    let gl = common::lock_gl_if_any();
-    Groups {
-        list: selections.iter().map(|s| DeviceGroup::open(s).unwrap()).collect(),
-        _gl: gl,
-    }
+/// One group per selection of the suite's shared devices; none (failing
+/// in CI) without an adapter.
+fn groups(test: &str, selections: &[DeviceSelection]) -> crate::parallel::Groups {
+    crate::parallel::open_groups(test, selections)
 }
 
 const VOCAB: usize = 29;
@@ -178,14 +160,14 @@ fn gpt_pipeline_matches_single_device_training() {
         DeviceSelection::Count(3),
     ];
     let groups = groups("gpt_pipeline_matches_single_device_training", &selections);
-    let Some(first) = groups.list.first() else { return };
+    let Some(first) = groups.first() else { return };
     let (want_losses, want_norms, want, _) = single_device(&first.members()[0], STEPS);
     assert!(
         want_norms.iter().all(|&n| n > MAX_NORM),
         "every step clips: norms {want_norms:?}"
     );
     let (mut loss_err, mut norm_err, mut param_err) = (0.0f32, 0.0f32, 0.0f32);
-    for group in &groups.list {
+    for group in groups.iter() {
         let labels = group.labels().join(", ");
         let micro_counts: &[usize] = match group.len() {
             1 => &[2],
@@ -292,7 +274,7 @@ fn gpt_pipeline_evaluates_and_resumes_in_single_device_names() {
         "gpt_pipeline_evaluates_and_resumes_in_single_device_names",
         &[DeviceSelection::Count(2)],
     );
-    let Some(group) = groups.list.first() else { return };
+    let Some(group) = groups.first() else { return };
     let labels = group.labels().join(", ");
     const HALF: u64 = STEPS / 2;
     let (_, _, want, mut reference) = single_device(&group.members()[0], STEPS);
@@ -460,7 +442,7 @@ fn blocks_are_balanced_by_work_and_impossible_splits_are_refused() {
 fn gpt_pipeline_refuses_bad_batches_and_splits() {
     let selections = [DeviceSelection::Count(2), DeviceSelection::Count(3)];
     let groups = groups("gpt_pipeline_refuses_bad_batches_and_splits", &selections);
-    let [two, three] = &groups.list[..] else { return };
+    let [two, three] = &groups[..] else { return };
     let reason =
         |group: &DeviceGroup, global: usize, micro: usize, blocks: Option<Vec<usize>>| match Pipeline::with_blocks(
             group,
@@ -527,11 +509,12 @@ fn gpt_pipeline_refuses_bad_batches_and_splits() {
 
 #[test]
 fn a_device_failing_mid_training_is_an_error_naming_it() {
-    let groups = groups(
+    // Devices of its own: it destroys one.
+    let groups = crate::parallel::open_fresh_groups(
         "gpt_pipeline: a_device_failing_mid_training_is_an_error_naming_it",
         &[DeviceSelection::Count(2)],
     );
-    let Some(group) = groups.list.first() else { return };
+    let Some(group) = groups.first() else { return };
     let mut p = Pipeline::new(group, &model(), CrossEntropyLoss, optimizer(), 4, 2, Schedule::OneFOneB).unwrap();
     let (ids, targets) = batch(0);
     let (ids, targets) = (&ids[..4 * T], &targets[..4 * T]);

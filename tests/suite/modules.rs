@@ -12,7 +12,7 @@ use wgrad::models::{Llama, LlamaConfig};
 use wgrad::nn::{self, CrossEntropyLoss, Module};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
-use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::DeviceSelection;
 use wgrad::Error;
 use wgrad::{Targets, Trainer};
 
@@ -158,11 +158,8 @@ fn a_tensor_over_the_adapters_binding_limit_is_an_error() {
 
 #[test]
 fn data_parallel_trains_an_attention_model_as_one_device_does() {
-    if !common::any_adapter("data parallel attention") {
-        return;
-    }
-    let _gl = common::lock_gl_if_any();
-    let group = DeviceGroup::open(&DeviceSelection::Count(2)).expect("two devices");
+    let groups = crate::parallel::open_groups("data parallel attention", &[DeviceSelection::Count(2)]);
+    let Some(group) = groups.first() else { return };
     let model = tiny(11);
     let global = 6;
     // SGD, whose step is linear in the gradient: Adam would turn the

@@ -12,7 +12,7 @@ use wgrad::kernels::{AdamConfig, LrSchedule, MatmulForm, OptimizerConfig, SgdCon
 use wgrad::nn::{self, CrossEntropyLoss, Layer, Sequential};
 use wgrad::optim::{AdamW, SGD};
 use wgrad::parallel::data::{DataParallel, Split};
-use wgrad::parallel::{DeviceGroup, DeviceSelection};
+use wgrad::parallel::DeviceSelection;
 use wgrad::{cpu, Error};
 use wgrad::{Targets, Trainer};
 
@@ -360,11 +360,8 @@ fn decay_matrices_only_excludes_biases_through_the_trainer() {
 #[test]
 fn data_parallel_clips_the_all_reduced_gradients() {
     const GLOBAL: usize = 12;
-    if !common::any_adapter("optim_data_parallel") {
-        return;
-    }
-    let _gl = common::lock_gl_if_any();
-    let group = DeviceGroup::open(&DeviceSelection::Count(2)).unwrap();
+    let groups = crate::parallel::open_groups("optim_data_parallel", &[DeviceSelection::Count(2)]);
+    let Some(group) = groups.first() else { return };
     nn::manual_seed(9);
     let model = Sequential::mlp(&[IN, 8, OUT], Layer::ReLU).unwrap();
     let opt = AdamW::new(0.02)

@@ -5,6 +5,7 @@
 
 use crate::common;
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{assert_close, random_vec, rng};
@@ -15,7 +16,7 @@ use wgrad::parallel::data::{proportional_split, DataParallel, Split};
 use wgrad::parallel::engine::Strategy;
 use wgrad::parallel::{DeviceGroup, DeviceSelection, MAX_DEVICES};
 use wgrad::Error;
-use wgrad::{Targets, Trainer};
+use wgrad::{Kernels, Targets, Trainer};
 
 /// The device groups the tests run on, holding wgrad's GL lock (when a GL
 /// adapter is among them) until the last group is dropped: the tests drop
@@ -72,9 +73,71 @@ pub(crate) fn groups(test: &str) -> Groups {
     )
 }
 
-/// A group for each selection, holding the GL lock as [`Groups`] says;
-/// none without an adapter.
+/// A group for each selection, of the suite's shared devices
+/// ([`shared_device`]), holding wgrad's GL lock until dropped: the lock
+/// the groups' GL devices need (see [`Groups`]), and here what keeps two
+/// tests from driving the shared devices at once (it is reentrant, so a
+/// test inside `common::for_each_adapter` may open groups too). None
+/// without an adapter.
 pub(crate) fn open_groups(test: &str, selections: &[DeviceSelection]) -> Groups {
+    if !common::any_adapter(test) {
+        return Groups {
+            list: Vec::new(),
+            _gl: None,
+        };
+    }
+    let gl = wgrad::device::lock_gl();
+    let list = selections
+        .iter()
+        .map(|s| {
+            let selectors = s.selectors().unwrap();
+            let members = (0..selectors.len())
+                .map(|i| {
+                    let nth = selectors[..i]
+                        .iter()
+                        .filter(|&earlier| *earlier == selectors[i])
+                        .count();
+                    shared_device(&selectors[i], nth)
+                })
+                .collect();
+            DeviceGroup::from_kernels(members).unwrap()
+        })
+        .collect();
+    Groups { list, _gl: Some(gl) }
+}
+
+/// The `nth` device the suite opened on the adapter `selector` names,
+/// opened at first use and kept for the whole run: every multi-device test
+/// runs on these, so each compiles a kernel once rather than once per
+/// test (a new device compiles every pipeline again: LLVM's work on
+/// lavapipe, about 10× the suite's distinct pipelines before). The
+/// caller holds wgrad's GL lock ([`open_groups`]).
+fn shared_device(selector: &str, nth: usize) -> Arc<Kernels> {
+    static SHARED: Mutex<Vec<(String, Vec<Arc<Kernels>>)>> = Mutex::new(Vec::new());
+    let mut shared = SHARED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let index = match shared.iter().position(|(s, _)| s == selector) {
+        Some(index) => index,
+        None => {
+            shared.push((selector.to_string(), Vec::new()));
+            shared.len() - 1
+        }
+    };
+    let devices = &mut shared[index].1;
+    while devices.len() <= nth {
+        let device = wgrad::Device::open(&wgrad::DeviceOptions {
+            backends: None,
+            adapter: Some(selector.to_string()),
+            ..Default::default()
+        })
+        .unwrap();
+        devices.push(Arc::new(Kernels::new(device)));
+    }
+    devices[nth].clone()
+}
+
+/// [`open_groups`] on devices opened for the test alone, for a test that
+/// destroys one.
+pub(crate) fn open_fresh_groups(test: &str, selections: &[DeviceSelection]) -> Groups {
     if !common::any_adapter(test) {
         return Groups {
             list: Vec::new(),
@@ -350,7 +413,10 @@ fn replicas_stay_bit_identical() {
 
 #[test]
 fn a_device_failing_mid_training_is_an_error_naming_it() {
-    let groups = groups("a_device_failing_mid_training_is_an_error_naming_it");
+    let groups = open_fresh_groups(
+        "a_device_failing_mid_training_is_an_error_naming_it",
+        &[DeviceSelection::Count(2)],
+    );
     let Some(group) = groups.first() else { return };
     let mut dp = DataParallel::new(
         group,
