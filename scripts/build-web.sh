@@ -34,9 +34,9 @@ if [ "$have" != "$want" ]; then
 fi
 
 # The `web` profile: release, optimised as one unit and for size (Cargo.toml).
-# WGRAD_WEB_PROFILE=release builds it in minutes less (no whole-program
-# optimisation; a larger .wasm, the same numbers): the Chromium test's
-# choice, which shares its build with `make wasm-check`.
+# WGRAD_WEB_PROFILE=release or web-test builds it in minutes less (no
+# whole-program optimisation; a larger .wasm, the same numbers): web-test,
+# release with start-up-only crates optimised less, is the Chromium test's.
 profile=${WGRAD_WEB_PROFILE:-web}
 "$cargo" build --profile "$profile" -p wgrad-web --target wasm32-unknown-unknown --manifest-path "$root/Cargo.toml" >&2
 mkdir -p "$out/pkg" "$out/data" "$out/models"
