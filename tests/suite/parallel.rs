@@ -110,9 +110,21 @@ pub(crate) fn open_groups(test: &str, selections: &[DeviceSelection]) -> Groups 
 /// opened at first use and kept for the whole run: every multi-device test
 /// runs on these, so each compiles a kernel once rather than once per
 /// test (a new device compiles every pipeline again: LLVM's work on
-/// lavapipe, about 10× the suite's distinct pipelines before). The
+/// lavapipe, about 10× the suite's distinct pipelines before). The first
+/// on an adapter the single-device tests use is theirs
+/// (`common::adapters`), which already runs many tests at once. The
 /// caller holds wgrad's GL lock ([`open_groups`]).
 fn shared_device(selector: &str, nth: usize) -> Arc<Kernels> {
+    if nth == 0 {
+        let reports = common::reports();
+        if let Some(k) = reports
+            .iter()
+            .zip(common::adapters())
+            .find_map(|(r, k)| (r.index.to_string() == selector).then(|| k.clone()))
+        {
+            return k;
+        }
+    }
     static SHARED: Mutex<Vec<(String, Vec<Arc<Kernels>>)>> = Mutex::new(Vec::new());
     let mut shared = SHARED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let index = match shared.iter().position(|(s, _)| s == selector) {
