@@ -52,9 +52,10 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # pair two unlike adapters there. A pass of its own, outside the 10
 # minutes of `make test`.
 #
-# make test runs the test binaries in two lanes (scripts/test-lanes.sh):
-# the suite beside the unit and CLI tests, which leave a core idle while
-# their `wgrad` processes, MPI ranks and Chromium start.
+# make test runs the test binaries two at a time from one queue, longest
+# first (scripts/test-lanes.sh): the suite beside the unit and CLI tests,
+# which leave a core idle while their `wgrad` processes, MPI ranks and
+# Chromium start.
 # The unit and integration tests and the library's doc tests, not the examples:
 # each example is a binary of its own to link, `make lint` (clippy
 # --all-targets) compiles them all, and the one run here is built once.

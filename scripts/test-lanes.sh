@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# make test's run of the test binaries, in two lanes at once: the library's
-# suite (tests/suite, one binary) in the background, and the library's unit
-# tests with the CLI's tests (cli/tests/*.rs: each runs the `wgrad` binary,
-# the browser and MPI) in the foreground. On two cores neither lane keeps
-# both busy: the suite's threads wait on the driver's queue and on GL's one
-# context, the CLI's on the processes they start. The suite's output is
-# printed after the CLI's, as one block; the run fails if either lane
-# failed.
+# make test's run of the test binaries, two at a time: the library's suite
+# (tests/suite, one binary), the library's unit tests and the CLI's tests
+# (cli/tests/*.rs: each runs the `wgrad` binary, the browser and MPI) are
+# jobs in one queue, longest first, that two workers take from as they
+# finish. On two cores neither kind keeps both busy alone: the suite's
+# threads wait on the driver's queue and on GL's one context, the CLI's
+# on the processes they start. Longest first, so that with cold driver
+# caches the suite (the longest) runs beside all the rest, and with warm
+# ones the worker that finishes first takes what is left. Each job's
+# output is printed whole when it ends; the run fails if any job failed.
 #
 # Usage: scripts/test-lanes.sh [cargo test options...], e.g. `--release
 # --features mpi,fault-injection` (the build `make test` made just before;
@@ -17,25 +19,65 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cargo=${CARGO:-cargo}
 cd "$root"
 
-cli_tests=()
-for file in cli/tests/*.rs; do
-    cli_tests+=(--test "$(basename "$file" .rs)")
+# The order jobs start in: the longest first (cold caches, 2 cores,
+# 2026-12-07: the suite ~520 s, web_chromium ~270, cli_train ~50,
+# webgpu_chromium ~50, cli_export ~37, serve ~26, cli_qlora ~24, ...);
+# CLI tests not named here run after them, then the unit tests.
+longest=(suite web_chromium cli_train webgpu_chromium cli_export serve cli_qlora cli_perplexity mpi
+    cli_mistral cli_smollm2 cli_generate)
+queue=()
+for name in "${longest[@]}"; do
+    if [ "$name" = suite ] || [ -f "cli/tests/$name.rs" ]; then
+        queue+=("$name")
+    fi
 done
+for file in cli/tests/*.rs; do
+    name=$(basename "$file" .rs)
+    [[ " ${longest[*]} " == *" $name "* ]] || queue+=("$name")
+done
+queue+=(lib)
 
-log=$(mktemp "${TMPDIR:-/tmp}/wgrad-suite.XXXXXX")
-"$cargo" test "$@" --test suite >"$log" 2>&1 &
-suite=$!
-trap 'kill "$suite" 2>/dev/null; rm -f "$log"' EXIT
-echo "test-lanes: the suite runs beside these tests; its output follows theirs"
+work=$(mktemp -d "${TMPDIR:-/tmp}/wgrad-lanes.XXXXXX")
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
+printf '%s\n' "${queue[@]}" >"$work/queue"
+: >"$work/failed"
 
-cli_status=0
-"$cargo" test "$@" --lib "${cli_tests[@]}" || cli_status=$?
+# Takes the queue's first job (empty when none is left).
+take() {
+    (
+        flock 9
+        head -n 1 "$work/queue"
+        sed -i '1d' "$work/queue"
+    ) 9>"$work/lock"
+}
 
-suite_status=0
-wait "$suite" || suite_status=$?
-echo "---- the suite (tests/suite), run beside the tests above ----"
-cat "$log"
-if [ "$cli_status" != 0 ] || [ "$suite_status" != 0 ]; then
-    echo "test-lanes: failed (unit and CLI tests: exit $cli_status; suite: exit $suite_status)" >&2
+worker() {
+    local name log status
+    while name=$(take) && [ -n "$name" ]; do
+        log="$work/$name.log"
+        if [ "$name" = lib ]; then
+            "$cargo" test "$@" --lib >"$log" 2>&1
+        else
+            "$cargo" test "$@" --test "$name" >"$log" 2>&1
+        fi
+        status=$?
+        (
+            flock 9
+            echo "---- $name (exit $status) ----"
+            cat "$log"
+            [ "$status" = 0 ] || echo "$name" >>"$work/failed"
+        ) 9>"$work/lock"
+    done
+}
+
+echo "test-lanes: ${#queue[@]} jobs, two at a time: ${queue[*]}"
+worker "$@" &
+first=$!
+worker "$@" &
+second=$!
+wait "$first"
+wait "$second"
+if [ -s "$work/failed" ]; then
+    echo "test-lanes: failed: $(tr '\n' ' ' <"$work/failed")" >&2
     exit 1
 fi
