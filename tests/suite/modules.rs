@@ -174,7 +174,7 @@ fn data_parallel_trains_an_attention_model_as_one_device_does() {
     )
     .expect("trainer");
     let mut dp = DataParallel::new(
-        &group,
+        group,
         &model,
         CrossEntropyLoss,
         SGD::new(0.1),

@@ -377,7 +377,7 @@ fn data_parallel_clips_the_all_reduced_gradients() {
     };
     let mut single = Trainer::new(group.members()[0].clone(), &model, CrossEntropyLoss, opt, GLOBAL).unwrap();
     let mut dp = DataParallel::new(
-        &group,
+        group,
         &model,
         CrossEntropyLoss,
         opt,
