@@ -5,6 +5,7 @@
 
 use crate::common;
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -125,26 +126,20 @@ fn shared_device(selector: &str, nth: usize) -> Arc<Kernels> {
             return k;
         }
     }
-    static SHARED: Mutex<Vec<(String, Vec<Arc<Kernels>>)>> = Mutex::new(Vec::new());
+    static SHARED: Mutex<BTreeMap<(String, usize), Arc<Kernels>>> = Mutex::new(BTreeMap::new());
     let mut shared = SHARED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let index = match shared.iter().position(|(s, _)| s == selector) {
-        Some(index) => index,
-        None => {
-            shared.push((selector.to_string(), Vec::new()));
-            shared.len() - 1
-        }
-    };
-    let devices = &mut shared[index].1;
-    while devices.len() <= nth {
-        let device = wgrad::Device::open(&wgrad::DeviceOptions {
-            backends: None,
-            adapter: Some(selector.to_string()),
-            ..Default::default()
+    shared
+        .entry((selector.to_string(), nth))
+        .or_insert_with(|| {
+            let device = wgrad::Device::open(&wgrad::DeviceOptions {
+                backends: None,
+                adapter: Some(selector.to_string()),
+                ..Default::default()
+            })
+            .unwrap();
+            Arc::new(Kernels::new(device))
         })
-        .unwrap();
-        devices.push(Arc::new(Kernels::new(device)));
-    }
-    devices[nth].clone()
+        .clone()
 }
 
 /// [`open_groups`] on devices opened for the test alone, for a test that
