@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make test's run of the test binaries, two at a time: the library's suite
 # (tests/suite, one binary), the library's unit tests and the CLI's tests
-# (cli/tests/*.rs: each runs the `wgrad` binary, the browser and MPI) are
-# jobs in one queue, longest first, that two workers take from as they
+# (cli/tests/*.rs: each runs the `wgrad` binary, the browser and MPI), the
+# doc tests, the example and the `openai` client's checks
+# (scripts/serve-openai-check.sh) are jobs in one queue, longest first, that two workers take from as they
 # finish. On two cores neither kind keeps both busy alone: the suite's
 # threads wait on the driver's queue and on GL's one context, the CLI's
 # on the processes they start. Longest first, so that with cold driver
@@ -35,7 +36,13 @@ for file in cli/tests/*.rs; do
     name=$(basename "$file" .rs)
     [[ " ${longest[*]} " == *" $name "* ]] || queue+=("$name")
 done
-queue+=(lib)
+# The short jobs that are not test binaries last: the library's unit and
+# doc tests, the example, and the real clients against `wgrad serve`.
+queue+=(lib doc example openai openai-gemma)
+
+# The binary the build made, for the jobs that run it outside cargo.
+target_dir=$("$cargo" metadata --no-deps --format-version 1 | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+wgrad="$target_dir/release/wgrad"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/wgrad-lanes.XXXXXX")
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
@@ -51,15 +58,28 @@ take() {
     ) 9>"$work/lock"
 }
 
+# Runs job `name` with cargo's options after it.
+run() {
+    local name=$1
+    shift
+    case "$name" in
+    lib) "$cargo" test "$@" --lib ;;
+    doc) "$cargo" test "$@" --doc ;;
+    example) "$cargo" run "$@" --example linear_regression ;;
+    openai) scripts/serve-openai-check.sh --wgrad "$wgrad" ;;
+    openai-gemma)
+        scripts/serve-openai-check.sh --wgrad "$wgrad" --completions-only \
+            --model "$(bash scripts/fetch-gemma3.sh)"
+        ;;
+    *) "$cargo" test "$@" --test "$name" ;;
+    esac
+}
+
 worker() {
     local name log status
     while name=$(take) && [ -n "$name" ]; do
         log="$work/$name.log"
-        if [ "$name" = lib ]; then
-            "$cargo" test "$@" --lib >"$log" 2>&1
-        else
-            "$cargo" test "$@" --test "$name" >"$log" 2>&1
-        fi
+        run "$name" "$@" >"$log" 2>&1
         status=$?
         (
             flock 9
