@@ -56,9 +56,9 @@ TARGET_DIR = $(shell $(CARGO) metadata --no-deps --format-version 1 | sed -n 's/
 # example and the `openai` client's checks two at a time from one queue,
 # longest first (scripts/test-lanes.sh): the suite beside the rest, which
 # leave a core idle while their `wgrad` processes, MPI ranks and Chromium
-# start. (Building the page's wasm beside the native build instead, in
-# the browser test, gained nothing: the native build keeps both cores
-# busy, 765 s against 745 s cold on 2026-12-07.)
+# start. (Building the page's wasm beside the native build, instead of
+# inside the browser test, gained nothing: the native build keeps both
+# cores busy; 765 s against 746 s cold, 2026-12-07.)
 # The unit and integration tests and the library's doc tests, not the examples:
 # each example is a binary of its own to link, `make lint` (clippy
 # --all-targets) compiles them all, and the one run here is built once.

@@ -3,8 +3,8 @@
 # (tests/suite, one binary), the library's unit tests and the CLI's tests
 # (cli/tests/*.rs: each runs the `wgrad` binary, the browser and MPI), the
 # doc tests, the example and the `openai` client's checks
-# (scripts/serve-openai-check.sh) are jobs in one queue, longest first, that two workers take from as they
-# finish. On two cores neither kind keeps both busy alone: the suite's
+# (scripts/serve-openai-check.sh) are jobs in one queue, longest first,
+# that two workers take from as they finish. On two cores neither kind keeps both busy alone: the suite's
 # threads wait on the driver's queue and on GL's one context, the CLI's
 # on the processes they start. Longest first, so that with cold driver
 # caches the suite (the longest) runs beside all the rest, and with warm
