@@ -6,10 +6,11 @@
 # (scripts/serve-openai-check.sh) are jobs in one queue, longest first,
 # that two workers take from as they finish. On two cores neither kind
 # keeps both busy alone: the suite's threads wait on the driver's queue and
-# on GL's one context, the CLI's on the processes they start. Longest first, so that with cold driver
-# caches the suite (the longest) runs beside all the rest, and with warm
-# ones the worker that finishes first takes what is left. Each job's
-# output is printed whole when it ends; the run fails if any job failed.
+# on GL's one context, the CLI's on the processes they start. Longest
+# first, so that with cold driver caches the suite (the longest) runs
+# beside all the rest, and with warm ones the worker that finishes first
+# takes what is left. Each job's output is printed whole when it ends;
+# the run fails if any job failed.
 #
 # Usage: scripts/test-lanes.sh [cargo test options...], e.g. `--release
 # --features mpi,fault-injection` (the build `make test` made just before;
